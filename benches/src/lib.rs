@@ -1,0 +1,1 @@
+//! Criterion benchmarks across the edl crates live in `benches/`.

@@ -1,0 +1,334 @@
+//! Write edl plugins as plain Rust.
+//!
+//! A plugin is a struct that implements one of three traits and one export
+//! macro call; the same crate builds to a sandboxed WebAssembly component
+//! (`--target wasm32-wasip2`) or to a trusted native `cdylib` (`.so`), and its
+//! logic is unit-tested on the host with [`testing`].
+//!
+//! ```
+//! use edl_plugin_sdk::{Action, ClusterView, Config, PluginError, ScalingPolicy};
+//!
+//! /// Grows the job by one worker every `every` steps.
+//! #[derive(Default)]
+//! pub struct Grow { every: u64 }
+//!
+//! impl ScalingPolicy for Grow {
+//!     fn init(&mut self, config: &Config) -> Result<(), PluginError> {
+//!         config.expect_only(&["every"])?;
+//!         self.every = config.get_or("every", 100)?;
+//!         Ok(())
+//!     }
+//!     fn decide(&mut self, view: &ClusterView) -> Vec<Action> {
+//!         if view.step > 0 && view.step % self.every == 0 && view.world_size < view.max_workers {
+//!             vec![Action::ScaleOut(1)]
+//!         } else {
+//!             vec![Action::Hold]
+//!         }
+//!     }
+//! }
+//!
+//! edl_plugin_sdk::export_scaling_policy!(Grow);
+//! # fn main() {}
+//! ```
+//!
+//! The plugin's name, version and description are its crate's (`Cargo.toml`).
+
+mod config;
+pub mod native;
+pub mod testing;
+pub mod types;
+
+pub use config::Config;
+pub use types::{
+    Action, Batch, ClusterView, Dtype, Hyperparams, PluginError, PluginInfo, ResizeEvent,
+    WorkerStats,
+};
+
+include!(concat!(env!("OUT_DIR"), "/wit.rs"));
+
+/// Decides how many workers the job should have (WIT world `scaling-policy`).
+pub trait ScalingPolicy: Default + 'static {
+    /// Reads the configuration; the default accepts none.
+    fn init(&mut self, config: &Config) -> Result<(), PluginError> {
+        config.expect_only(&[])
+    }
+
+    /// Called on a fixed cadence with the job's current state.
+    fn decide(&mut self, view: &ClusterView) -> Vec<Action>;
+}
+
+/// Adapts batch size, learning rate and momentum (WIT world `batch-adapter`).
+pub trait BatchAdapter: Default + 'static {
+    /// Reads the configuration; the default accepts none.
+    fn init(&mut self, config: &Config) -> Result<(), PluginError> {
+        config.expect_only(&[])
+    }
+
+    /// Called once when the world size changes, before the first step of the new size.
+    fn on_resize(&mut self, event: &ResizeEvent, current: &Hyperparams) -> Hyperparams;
+
+    /// Called before every step; the default keeps the settings.
+    fn on_step(&mut self, step: u64, current: &Hyperparams) -> Hyperparams {
+        let _ = step;
+        *current
+    }
+}
+
+/// Transforms a columnar batch before teachers and student see it (WIT world `reader-transform`).
+pub trait ReaderTransform: Default + 'static {
+    /// Reads the configuration; the default accepts none.
+    fn init(&mut self, config: &Config) -> Result<(), PluginError> {
+        config.expect_only(&[])
+    }
+
+    /// Returns the transformed batch (same samples, same order).
+    fn apply(&mut self, batch: Batch) -> Result<Batch, PluginError>;
+}
+
+/// The calling crate's name, version and description, as a [`PluginInfo`].
+#[macro_export]
+macro_rules! plugin_info {
+    () => {
+        $crate::PluginInfo {
+            name: ::std::string::String::from(env!("CARGO_PKG_NAME")),
+            version: ::std::string::String::from(env!("CARGO_PKG_VERSION")),
+            description: ::std::string::String::from(env!("CARGO_PKG_DESCRIPTION")),
+        }
+    };
+}
+
+/// Exports a [`ScalingPolicy`] implementation as this crate's plugin.
+///
+/// Built for `wasm32-wasip2` it becomes a component of world `scaling-policy`;
+/// built as a native `cdylib` it exports the C ABI of [`native`].
+#[macro_export]
+macro_rules! export_scaling_policy {
+    ($ty:ty) => {
+        #[cfg(target_arch = "wasm32")]
+        #[doc(hidden)]
+        mod __edl_wasm_export {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::__edl_generate_world!("scaling-policy");
+            static SLOT: $crate::__private::Slot<$ty> = $crate::__private::Slot::new();
+            struct Export;
+            impl exports::edl::plugins::policy::Guest for Export {
+                fn info() -> $crate::PluginInfo {
+                    $crate::plugin_info!()
+                }
+                fn init(
+                    config: ::std::vec::Vec<(::std::string::String, ::std::string::String)>,
+                ) -> ::std::result::Result<(), $crate::PluginError> {
+                    let mut plugin = <$ty as ::std::default::Default>::default();
+                    $crate::ScalingPolicy::init(&mut plugin, &$crate::Config::new(config))?;
+                    SLOT.set(plugin);
+                    Ok(())
+                }
+                fn decide(view: $crate::ClusterView) -> ::std::vec::Vec<$crate::Action> {
+                    SLOT.with(|p| $crate::ScalingPolicy::decide(p, &view))
+                }
+            }
+            export!(Export);
+        }
+        $crate::__native_exports!("scaling-policy", $ty, $crate::ScalingPolicy, {
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn edl_policy_decide(
+                handle: *mut ::std::ffi::c_void,
+                view: *const $crate::native::RawClusterView,
+                out: *mut $crate::native::RawSlice<$crate::native::RawAction>,
+            ) -> i32 {
+                unsafe { $crate::native::policy_decide::<$ty>(handle, view, out) }
+            }
+        });
+    };
+}
+
+/// Exports a [`BatchAdapter`] implementation as this crate's plugin.
+#[macro_export]
+macro_rules! export_batch_adapter {
+    ($ty:ty) => {
+        #[cfg(target_arch = "wasm32")]
+        #[doc(hidden)]
+        mod __edl_wasm_export {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::__edl_generate_world!("batch-adapter");
+            static SLOT: $crate::__private::Slot<$ty> = $crate::__private::Slot::new();
+            struct Export;
+            impl exports::edl::plugins::adapter::Guest for Export {
+                fn info() -> $crate::PluginInfo {
+                    $crate::plugin_info!()
+                }
+                fn init(
+                    config: ::std::vec::Vec<(::std::string::String, ::std::string::String)>,
+                ) -> ::std::result::Result<(), $crate::PluginError> {
+                    let mut plugin = <$ty as ::std::default::Default>::default();
+                    $crate::BatchAdapter::init(&mut plugin, &$crate::Config::new(config))?;
+                    SLOT.set(plugin);
+                    Ok(())
+                }
+                fn on_resize(
+                    event: $crate::ResizeEvent,
+                    current: $crate::Hyperparams,
+                ) -> $crate::Hyperparams {
+                    SLOT.with(|p| $crate::BatchAdapter::on_resize(p, &event, &current))
+                }
+                fn on_step(step: u64, current: $crate::Hyperparams) -> $crate::Hyperparams {
+                    SLOT.with(|p| $crate::BatchAdapter::on_step(p, step, &current))
+                }
+            }
+            export!(Export);
+        }
+        $crate::__native_exports!("batch-adapter", $ty, $crate::BatchAdapter, {
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn edl_adapter_on_resize(
+                handle: *mut ::std::ffi::c_void,
+                event: *const $crate::ResizeEvent,
+                current: *const $crate::Hyperparams,
+                out: *mut $crate::Hyperparams,
+            ) -> i32 {
+                unsafe { $crate::native::adapter_on_resize::<$ty>(handle, event, current, out) }
+            }
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn edl_adapter_on_step(
+                handle: *mut ::std::ffi::c_void,
+                step: u64,
+                current: *const $crate::Hyperparams,
+                out: *mut $crate::Hyperparams,
+            ) -> i32 {
+                unsafe { $crate::native::adapter_on_step::<$ty>(handle, step, current, out) }
+            }
+        });
+    };
+}
+
+/// Exports a [`ReaderTransform`] implementation as this crate's plugin.
+#[macro_export]
+macro_rules! export_reader_transform {
+    ($ty:ty) => {
+        #[cfg(target_arch = "wasm32")]
+        #[doc(hidden)]
+        mod __edl_wasm_export {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::__edl_generate_world!("reader-transform");
+            static SLOT: $crate::__private::Slot<$ty> = $crate::__private::Slot::new();
+            struct Export;
+            impl exports::edl::plugins::transform::Guest for Export {
+                fn info() -> $crate::PluginInfo {
+                    $crate::plugin_info!()
+                }
+                fn init(
+                    config: ::std::vec::Vec<(::std::string::String, ::std::string::String)>,
+                ) -> ::std::result::Result<(), $crate::PluginError> {
+                    let mut plugin = <$ty as ::std::default::Default>::default();
+                    $crate::ReaderTransform::init(&mut plugin, &$crate::Config::new(config))?;
+                    SLOT.set(plugin);
+                    Ok(())
+                }
+                fn apply(
+                    batch: $crate::Batch,
+                ) -> ::std::result::Result<$crate::Batch, $crate::PluginError> {
+                    SLOT.with(|p| $crate::ReaderTransform::apply(p, batch))
+                }
+            }
+            export!(Export);
+        }
+        $crate::__native_exports!("reader-transform", $ty, $crate::ReaderTransform, {
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn edl_transform_apply(
+                handle: *mut ::std::ffi::c_void,
+                input: *const $crate::native::RawBatch,
+                out: *mut $crate::native::RawBatch,
+            ) -> i32 {
+                unsafe { $crate::native::transform_apply::<$ty>(handle, input, out) }
+            }
+        });
+    };
+}
+
+/// The C ABI symbols every native plugin exports, plus the world's own (`$world_fns`).
+/// Left out of the crate's own unit tests so test binaries never carry them.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __native_exports {
+    ($world:literal, $ty:ty, $trait:path, { $($world_fns:item)* }) => {
+        #[cfg(all(not(target_arch = "wasm32"), not(test)))]
+        #[doc(hidden)]
+        mod __edl_native_export {
+            #[allow(unused_imports)]
+            use super::*;
+            #[unsafe(no_mangle)]
+            pub extern "C" fn edl_plugin_abi_version() -> u32 {
+                $crate::native::ABI_VERSION
+            }
+            #[unsafe(no_mangle)]
+            pub extern "C" fn edl_plugin_world() -> $crate::native::RawStr {
+                $crate::native::RawStr::from_static($world)
+            }
+            #[unsafe(no_mangle)]
+            pub extern "C" fn edl_plugin_info() -> $crate::native::RawInfo {
+                $crate::native::RawInfo {
+                    name: $crate::native::RawStr::from_static(env!("CARGO_PKG_NAME")),
+                    version: $crate::native::RawStr::from_static(env!("CARGO_PKG_VERSION")),
+                    description: $crate::native::RawStr::from_static(env!("CARGO_PKG_DESCRIPTION")),
+                }
+            }
+            #[unsafe(no_mangle)]
+            pub extern "C" fn edl_plugin_new() -> *mut ::std::ffi::c_void {
+                $crate::native::plugin_new::<$ty>()
+            }
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn edl_plugin_free(handle: *mut ::std::ffi::c_void) {
+                unsafe { $crate::native::plugin_free::<$ty>(handle) }
+            }
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn edl_plugin_init(
+                handle: *mut ::std::ffi::c_void,
+                pairs: *const $crate::native::RawPair,
+                len: usize,
+            ) -> i32 {
+                unsafe {
+                    $crate::native::plugin_init::<$ty>(handle, pairs, len, <$ty as $trait>::init)
+                }
+            }
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn edl_plugin_last_error(
+                handle: *mut ::std::ffi::c_void,
+            ) -> $crate::native::RawStr {
+                unsafe { $crate::native::plugin_last_error::<$ty>(handle) }
+            }
+            $($world_fns)*
+        }
+    };
+}
+
+#[doc(hidden)]
+pub mod __private {
+    #[cfg(target_arch = "wasm32")]
+    pub use wit_bindgen;
+
+    /// The one plugin instance of a component (created on first use or by `init`).
+    #[cfg(target_arch = "wasm32")]
+    pub struct Slot<T>(core::cell::RefCell<Option<T>>);
+
+    // SAFETY: a wasm32-wasip2 component instance runs on one thread; the
+    // RefCell is never reached from another.
+    #[cfg(target_arch = "wasm32")]
+    unsafe impl<T> Sync for Slot<T> {}
+
+    #[cfg(target_arch = "wasm32")]
+    impl<T: Default> Slot<T> {
+        #[allow(clippy::new_without_default)]
+        pub const fn new() -> Self {
+            Slot(core::cell::RefCell::new(None))
+        }
+        pub fn set(&self, value: T) {
+            *self.0.borrow_mut() = Some(value);
+        }
+        pub fn with<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
+            let mut guard = self.0.borrow_mut();
+            f(guard.get_or_insert_with(T::default))
+        }
+    }
+}

@@ -1,0 +1,420 @@
+//! The C ABI of native (`.so`) plugins.
+//!
+//! The export macros generate these symbols from a plugin's trait impl; the
+//! runtime loads them with `libloading`. Native plugins are trusted and run
+//! unsandboxed in the runtime's process: they are the fast path and the
+//! baseline the WebAssembly host is measured against.
+//!
+//! Every plugin exports `edl_plugin_abi_version`, `edl_plugin_world`,
+//! `edl_plugin_info`, `edl_plugin_new`, `edl_plugin_free`, `edl_plugin_init`
+//! and `edl_plugin_last_error`, plus its world's calls (`edl_policy_decide`,
+//! `edl_adapter_on_resize` / `edl_adapter_on_step`, `edl_transform_apply`).
+//! Calls return a [`status`] code; panics are caught and reported as
+//! [`status::PANIC`] with the message in `edl_plugin_last_error`. Output
+//! buffers belong to the plugin instance and stay valid until its next call.
+
+use crate::{
+    Action, Batch, BatchAdapter, ClusterView, Config, Dtype, Hyperparams, PluginError,
+    ReaderTransform, ResizeEvent, ScalingPolicy, WorkerStats,
+};
+use std::{ffi::c_void, panic::AssertUnwindSafe};
+
+/// Version of this C ABI; the runtime refuses a plugin with another.
+pub const ABI_VERSION: u32 = 1;
+
+/// Status codes returned by every call.
+pub mod status {
+    pub const OK: i32 = 0;
+    pub const INVALID_CONFIG: i32 = 1;
+    pub const INVALID_INPUT: i32 = 2;
+    pub const FAILED: i32 = 3;
+    pub const PANIC: i32 = 4;
+    pub const NULL_HANDLE: i32 = 5;
+}
+
+/// A borrowed UTF-8 string.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RawStr {
+    pub ptr: *const u8,
+    pub len: usize,
+}
+
+impl RawStr {
+    /// Borrows a string with static lifetime.
+    pub const fn from_static(s: &'static str) -> Self {
+        RawStr { ptr: s.as_ptr(), len: s.len() }
+    }
+
+    /// Borrows any string; the caller keeps it alive while the RawStr is used.
+    pub fn borrow(s: &str) -> Self {
+        RawStr { ptr: s.as_ptr(), len: s.len() }
+    }
+
+    /// Copies the string out (invalid UTF-8 is replaced).
+    ///
+    /// # Safety
+    /// `ptr` must point at `len` readable bytes (or `len` must be 0).
+    pub unsafe fn to_string_lossy(&self) -> String {
+        if self.len == 0 || self.ptr.is_null() {
+            return String::new();
+        }
+        let bytes = unsafe { std::slice::from_raw_parts(self.ptr, self.len) };
+        String::from_utf8_lossy(bytes).into_owned()
+    }
+}
+
+/// A borrowed slice.
+#[repr(C)]
+#[derive(Debug)]
+pub struct RawSlice<T> {
+    pub ptr: *const T,
+    pub len: usize,
+}
+
+impl<T> Clone for RawSlice<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for RawSlice<T> {}
+
+impl<T> RawSlice<T> {
+    /// Borrows a slice; the caller keeps it alive while the RawSlice is used.
+    pub fn borrow(s: &[T]) -> Self {
+        RawSlice { ptr: s.as_ptr(), len: s.len() }
+    }
+
+    /// An empty slice.
+    pub const fn empty() -> Self {
+        RawSlice { ptr: std::ptr::null(), len: 0 }
+    }
+
+    /// Views the slice.
+    ///
+    /// # Safety
+    /// `ptr` must point at `len` valid elements (or `len` must be 0).
+    pub unsafe fn as_slice<'a>(&self) -> &'a [T] {
+        if self.len == 0 || self.ptr.is_null() {
+            &[]
+        } else {
+            unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+        }
+    }
+}
+
+/// One configuration pair.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RawPair {
+    pub key: RawStr,
+    pub value: RawStr,
+}
+
+/// `edl_plugin_info`'s answer (static strings).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RawInfo {
+    pub name: RawStr,
+    pub version: RawStr,
+    pub description: RawStr,
+}
+
+/// [`ClusterView`] with its workers borrowed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RawClusterView {
+    pub step: u64,
+    pub epoch: u32,
+    pub world_size: u32,
+    pub min_workers: u32,
+    pub max_workers: u32,
+    pub free_slots: u32,
+    pub global_batch: u32,
+    pub throughput: f64,
+    pub workers: RawSlice<WorkerStats>,
+    pub secs_since_change: f64,
+    pub price_per_worker_hour: f64,
+    pub samples_remaining: u64,
+}
+
+impl RawClusterView {
+    /// Borrows a view; `view` must outlive the result.
+    pub fn borrow(view: &ClusterView) -> Self {
+        RawClusterView {
+            step: view.step,
+            epoch: view.epoch,
+            world_size: view.world_size,
+            min_workers: view.min_workers,
+            max_workers: view.max_workers,
+            free_slots: view.free_slots,
+            global_batch: view.global_batch,
+            throughput: view.throughput,
+            workers: RawSlice::borrow(&view.workers),
+            secs_since_change: view.secs_since_change,
+            price_per_worker_hour: view.price_per_worker_hour,
+            samples_remaining: view.samples_remaining,
+        }
+    }
+}
+
+/// An [`Action`] as a tagged struct: tag 0 hold, 1 scale-out(count),
+/// 2 scale-in(count), 3 replace(worker).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawAction {
+    pub tag: u32,
+    pub count: u32,
+    pub worker: u64,
+}
+
+impl From<Action> for RawAction {
+    fn from(a: Action) -> Self {
+        match a {
+            Action::Hold => RawAction { tag: 0, count: 0, worker: 0 },
+            Action::ScaleOut(n) => RawAction { tag: 1, count: n, worker: 0 },
+            Action::ScaleIn(n) => RawAction { tag: 2, count: n, worker: 0 },
+            Action::Replace(id) => RawAction { tag: 3, count: 0, worker: id },
+        }
+    }
+}
+
+impl TryFrom<RawAction> for Action {
+    type Error = u32;
+    fn try_from(a: RawAction) -> Result<Self, u32> {
+        Ok(match a.tag {
+            0 => Action::Hold,
+            1 => Action::ScaleOut(a.count),
+            2 => Action::ScaleIn(a.count),
+            3 => Action::Replace(a.worker),
+            t => return Err(t),
+        })
+    }
+}
+
+/// [`Batch`] with its buffers borrowed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RawBatch {
+    pub data: RawSlice<u8>,
+    pub shape: RawSlice<u32>,
+    pub dtype: u8,
+    pub labels: RawSlice<u32>,
+    pub ids: RawSlice<u64>,
+    pub seed: u64,
+}
+
+impl RawBatch {
+    /// Borrows a batch; `batch` must outlive the result.
+    pub fn borrow(batch: &Batch) -> Self {
+        RawBatch {
+            data: RawSlice::borrow(&batch.data),
+            shape: RawSlice::borrow(&batch.shape),
+            dtype: batch.dtype as u8,
+            labels: RawSlice::borrow(&batch.labels),
+            ids: RawSlice::borrow(&batch.ids),
+            seed: batch.seed,
+        }
+    }
+
+    /// Copies the batch out.
+    ///
+    /// # Safety
+    /// Every slice must be valid for its length.
+    pub unsafe fn to_batch(&self) -> Result<Batch, PluginError> {
+        let dtype = Dtype::from_u8(self.dtype)
+            .ok_or_else(|| PluginError::InvalidInput(format!("unknown dtype {}", self.dtype)))?;
+        unsafe {
+            Ok(Batch {
+                data: self.data.as_slice().to_vec(),
+                shape: self.shape.as_slice().to_vec(),
+                dtype,
+                labels: self.labels.as_slice().to_vec(),
+                ids: self.ids.as_slice().to_vec(),
+                seed: self.seed,
+            })
+        }
+    }
+}
+
+/// The state behind a native plugin handle.
+pub struct Instance<T> {
+    plugin: T,
+    last_error: String,
+    view: ClusterView,
+    actions: Vec<RawAction>,
+    batch_out: Batch,
+}
+
+fn status_of(e: &PluginError) -> i32 {
+    match e {
+        PluginError::InvalidConfig(_) => status::INVALID_CONFIG,
+        PluginError::InvalidInput(_) => status::INVALID_INPUT,
+        PluginError::Failed(_) => status::FAILED,
+    }
+}
+
+fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        format!("plugin panicked: {s}")
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        format!("plugin panicked: {s}")
+    } else {
+        "plugin panicked".to_string()
+    }
+}
+
+/// Runs `f` on the instance behind `handle`, turning errors and panics into a status.
+unsafe fn with_instance<T>(
+    handle: *mut c_void,
+    f: impl FnOnce(&mut Instance<T>) -> Result<(), PluginError>,
+) -> i32 {
+    let Some(inst) = (unsafe { (handle as *mut Instance<T>).as_mut() }) else {
+        return status::NULL_HANDLE;
+    };
+    match std::panic::catch_unwind(AssertUnwindSafe(|| f(&mut *inst))) {
+        Ok(Ok(())) => status::OK,
+        Ok(Err(e)) => {
+            let code = status_of(&e);
+            inst.last_error = e.to_string();
+            code
+        }
+        Err(payload) => {
+            inst.last_error = panic_message(payload);
+            status::PANIC
+        }
+    }
+}
+
+#[doc(hidden)]
+pub fn plugin_new<T: Default>() -> *mut c_void {
+    match std::panic::catch_unwind(T::default) {
+        Ok(plugin) => Box::into_raw(Box::new(Instance {
+            plugin,
+            last_error: String::new(),
+            view: ClusterView::default(),
+            actions: Vec::new(),
+            batch_out: Batch::default(),
+        })) as *mut c_void,
+        Err(_) => std::ptr::null_mut(),
+    }
+}
+
+#[doc(hidden)]
+pub unsafe fn plugin_free<T>(handle: *mut c_void) {
+    if !handle.is_null() {
+        drop(unsafe { Box::from_raw(handle as *mut Instance<T>) });
+    }
+}
+
+#[doc(hidden)]
+pub unsafe fn plugin_init<T: Default>(
+    handle: *mut c_void,
+    pairs: *const RawPair,
+    len: usize,
+    init: fn(&mut T, &Config) -> Result<(), PluginError>,
+) -> i32 {
+    let pairs = unsafe { RawSlice { ptr: pairs, len }.as_slice() };
+    let config = Config::new(
+        pairs
+            .iter()
+            .map(|p| unsafe { (p.key.to_string_lossy(), p.value.to_string_lossy()) })
+            .collect(),
+    );
+    unsafe {
+        with_instance::<T>(handle, |inst| {
+            let mut fresh = T::default();
+            init(&mut fresh, &config)?;
+            inst.plugin = fresh;
+            Ok(())
+        })
+    }
+}
+
+#[doc(hidden)]
+pub unsafe fn plugin_last_error<T>(handle: *mut c_void) -> RawStr {
+    match unsafe { (handle as *const Instance<T>).as_ref() } {
+        Some(inst) => RawStr::borrow(&inst.last_error),
+        None => RawStr::from_static("null plugin handle"),
+    }
+}
+
+#[doc(hidden)]
+pub unsafe fn policy_decide<T: ScalingPolicy>(
+    handle: *mut c_void,
+    view: *const RawClusterView,
+    out: *mut RawSlice<RawAction>,
+) -> i32 {
+    unsafe {
+        with_instance::<T>(handle, |inst| {
+            let raw = view.as_ref().ok_or_else(|| PluginError::InvalidInput("null view".into()))?;
+            // The view is rebuilt in place so that a decision allocates nothing in steady state.
+            let v = &mut inst.view;
+            v.step = raw.step;
+            v.epoch = raw.epoch;
+            v.world_size = raw.world_size;
+            v.min_workers = raw.min_workers;
+            v.max_workers = raw.max_workers;
+            v.free_slots = raw.free_slots;
+            v.global_batch = raw.global_batch;
+            v.throughput = raw.throughput;
+            v.workers.clear();
+            v.workers.extend_from_slice(raw.workers.as_slice());
+            v.secs_since_change = raw.secs_since_change;
+            v.price_per_worker_hour = raw.price_per_worker_hour;
+            v.samples_remaining = raw.samples_remaining;
+            let actions = inst.plugin.decide(&inst.view);
+            inst.actions.clear();
+            inst.actions.extend(actions.into_iter().map(RawAction::from));
+            *out = RawSlice::borrow(&inst.actions);
+            Ok(())
+        })
+    }
+}
+
+#[doc(hidden)]
+pub unsafe fn adapter_on_resize<T: BatchAdapter>(
+    handle: *mut c_void,
+    event: *const ResizeEvent,
+    current: *const Hyperparams,
+    out: *mut Hyperparams,
+) -> i32 {
+    unsafe {
+        with_instance::<T>(handle, |inst| {
+            *out = inst.plugin.on_resize(&*event, &*current);
+            Ok(())
+        })
+    }
+}
+
+#[doc(hidden)]
+pub unsafe fn adapter_on_step<T: BatchAdapter>(
+    handle: *mut c_void,
+    step: u64,
+    current: *const Hyperparams,
+    out: *mut Hyperparams,
+) -> i32 {
+    unsafe {
+        with_instance::<T>(handle, |inst| {
+            *out = inst.plugin.on_step(step, &*current);
+            Ok(())
+        })
+    }
+}
+
+#[doc(hidden)]
+pub unsafe fn transform_apply<T: ReaderTransform>(
+    handle: *mut c_void,
+    input: *const RawBatch,
+    out: *mut RawBatch,
+) -> i32 {
+    unsafe {
+        with_instance::<T>(handle, |inst| {
+            let raw = input.as_ref().ok_or_else(|| PluginError::InvalidInput("null batch".into()))?;
+            let batch = raw.to_batch()?;
+            inst.batch_out = inst.plugin.apply(batch)?;
+            *out = RawBatch::borrow(&inst.batch_out);
+            Ok(())
+        })
+    }
+}

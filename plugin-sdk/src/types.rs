@@ -1,0 +1,216 @@
+//! The Rust form of the `edl:plugins/types` WIT interface.
+//!
+//! The guest bindings are generated against these very types (wit-bindgen's
+//! `with` remapping), so a plugin works with plain Rust values and nothing is
+//! converted at the boundary. Field names and order follow the WIT file; the
+//! `#[repr(C)]` types are also the native (`.so`) ABI's.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// What a plugin says about itself.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PluginInfo {
+    pub name: String,
+    pub version: String,
+    pub description: String,
+}
+
+/// An error a plugin expects and reports itself (a WIT `result` error, not a trap).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PluginError {
+    /// `init` rejected a configuration key or value.
+    InvalidConfig(String),
+    /// The input is not something the plugin can handle.
+    InvalidInput(String),
+    /// Anything else.
+    Failed(String),
+}
+
+impl fmt::Display for PluginError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PluginError::InvalidConfig(m) => write!(f, "invalid config: {m}"),
+            PluginError::InvalidInput(m) => write!(f, "invalid input: {m}"),
+            PluginError::Failed(m) => write!(f, "{m}"),
+        }
+    }
+}
+
+impl std::error::Error for PluginError {}
+
+/// Measured throughput of one worker over the last window.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkerStats {
+    pub id: u64,
+    /// Samples per second.
+    pub throughput: f64,
+}
+
+/// What a scaling policy sees at each decision.
+#[derive(Clone, Debug, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ClusterView {
+    pub step: u64,
+    pub epoch: u32,
+    pub world_size: u32,
+    pub min_workers: u32,
+    pub max_workers: u32,
+    /// Devices the cluster could give the job right now.
+    pub free_slots: u32,
+    pub global_batch: u32,
+    /// Whole-job samples per second over the last window.
+    pub throughput: f64,
+    pub workers: Vec<WorkerStats>,
+    /// Seconds since the last change of world size.
+    pub secs_since_change: f64,
+    pub price_per_worker_hour: f64,
+    /// Samples left to train on in the whole job.
+    pub samples_remaining: u64,
+}
+
+/// What a scaling policy asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Action {
+    Hold,
+    ScaleOut(u32),
+    ScaleIn(u32),
+    /// Start a replacement worker first, then remove this one.
+    Replace(u64),
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Action::Hold => write!(f, "hold"),
+            Action::ScaleOut(n) => write!(f, "scale-out({n})"),
+            Action::ScaleIn(n) => write!(f, "scale-in({n})"),
+            Action::Replace(id) => write!(f, "replace({id})"),
+        }
+    }
+}
+
+/// Optimiser and batch settings that a batch adapter controls.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Default, Serialize, Deserialize)]
+pub struct Hyperparams {
+    pub global_batch: u32,
+    pub local_batch: u32,
+    pub lr: f32,
+    pub momentum: f32,
+}
+
+/// A change of world size, applied at `step`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ResizeEvent {
+    pub step: u64,
+    pub old_world_size: u32,
+    pub new_world_size: u32,
+}
+
+/// Element type of a batch's data buffer.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    #[default]
+    Uint8 = 0,
+    Float32 = 1,
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::Uint8 => 1,
+            Dtype::Float32 => 4,
+        }
+    }
+
+    /// Decodes the WIT discriminant (used by the generated guest bindings).
+    ///
+    /// # Safety
+    /// Never unsafe in practice: an unknown value panics. The signature is the
+    /// one wit-bindgen expects of a remapped enum.
+    #[doc(hidden)]
+    pub unsafe fn _lift(val: u8) -> Dtype {
+        Dtype::from_u8(val).expect("invalid dtype discriminant")
+    }
+
+    /// The dtype with this discriminant, if any.
+    pub fn from_u8(val: u8) -> Option<Dtype> {
+        match val {
+            0 => Some(Dtype::Uint8),
+            1 => Some(Dtype::Float32),
+            _ => None,
+        }
+    }
+}
+
+/// A columnar batch: one flat row-major buffer holds every sample.
+#[derive(Clone, Debug, PartialEq, Default, Serialize, Deserialize)]
+pub struct Batch {
+    /// Little-endian elements of `dtype`; `shape` row-major, `shape[0]` samples.
+    pub data: Vec<u8>,
+    pub shape: Vec<u32>,
+    pub dtype: Dtype,
+    pub labels: Vec<u32>,
+    pub ids: Vec<u64>,
+    /// Seed for any randomness, so a transform is reproducible.
+    pub seed: u64,
+}
+
+impl Batch {
+    /// Number of samples (`shape[0]`, or 0 for an empty shape).
+    pub fn len(&self) -> usize {
+        self.shape.first().copied().unwrap_or(0) as usize
+    }
+
+    /// True when the batch holds no sample.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Elements per sample (product of `shape[1..]`).
+    pub fn sample_elems(&self) -> usize {
+        self.shape.iter().skip(1).map(|&d| d as usize).product()
+    }
+
+    /// Checks that the buffer, labels and ids agree with the shape and dtype.
+    pub fn validate(&self) -> Result<(), PluginError> {
+        let n = self.len();
+        let want = n * self.sample_elems() * self.dtype.size();
+        if self.shape.is_empty() {
+            return Err(PluginError::InvalidInput("batch has an empty shape".into()));
+        }
+        if self.data.len() != want {
+            return Err(PluginError::InvalidInput(format!(
+                "batch data has {} bytes, shape {:?} of {:?} needs {want}",
+                self.data.len(),
+                self.shape,
+                self.dtype
+            )));
+        }
+        if self.labels.len() != n || self.ids.len() != n {
+            return Err(PluginError::InvalidInput(format!(
+                "batch of {n} samples has {} labels and {} ids",
+                self.labels.len(),
+                self.ids.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The data as f32 values (copies; `None` unless dtype is float32).
+    pub fn to_f32(&self) -> Option<Vec<f32>> {
+        (self.dtype == Dtype::Float32).then(|| {
+            self.data
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        })
+    }
+}

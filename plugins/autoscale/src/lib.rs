@@ -1,0 +1,257 @@
+//! Autoscaling by throughput scaling efficiency (Or, Zhang, Freedman,
+//! "Resource Elasticity in Distributed Deep Learning", MLSys 2020).
+//!
+//! Each world size k is measured for a window before it is judged: R_k is the
+//! job's mean throughput there. The scaling efficiency of the last worker is
+//! s_k = (R_k - R_{k-1}) / r_k with r_k = R_k / k. The policy scales out while
+//! s stays above `threshold` and the value of the time saved beats the added
+//! cost (price x workers x remaining time); it scales back in when the last
+//! step out was not worth it and settles there. A measurement that drifts by
+//! more than `drift` from the last one at the same size means the cluster
+//! changed, and the search starts again.
+//!
+//! Stragglers: an EWMA (`ewma-alpha`) of each worker's throughput; a worker
+//! below `straggler-ratio` x the median is replaced (the runtime starts the
+//! replacement before removing it).
+
+use edl_plugin_sdk::{Action, ClusterView, Config, PluginError, ScalingPolicy};
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+#[derive(Debug)]
+pub struct Autoscale {
+    threshold: f64,
+    warmup: u32,
+    window: usize,
+    drift: f64,
+    value_per_hour: f64,
+    straggler_ratio: f64,
+    alpha: f64,
+    straggler_min_obs: u32,
+    /// Settled throughput per world size.
+    measured: BTreeMap<u32, f64>,
+    /// Smallest size found not worth it.
+    ceiling: Option<u32>,
+    size: u32,
+    skip: u32,
+    samples: Vec<f64>,
+    ewma: HashMap<u64, (f64, u32)>,
+    replaced: HashSet<u64>,
+}
+
+impl Default for Autoscale {
+    fn default() -> Self {
+        Autoscale {
+            threshold: 0.1,
+            warmup: 1,
+            window: 3,
+            drift: 0.3,
+            value_per_hour: 1.0e6,
+            straggler_ratio: 0.8,
+            alpha: 0.1,
+            straggler_min_obs: 3,
+            measured: BTreeMap::new(),
+            ceiling: None,
+            size: 0,
+            skip: 0,
+            samples: Vec::new(),
+            ewma: HashMap::new(),
+            replaced: HashSet::new(),
+        }
+    }
+}
+
+const KEYS: &[&str] = &[
+    "threshold",
+    "warmup",
+    "window",
+    "drift",
+    "value-per-hour",
+    "straggler-ratio",
+    "ewma-alpha",
+    "straggler-min-obs",
+];
+
+impl Autoscale {
+    /// Updates the per-worker EWMAs; returns the workers to replace.
+    fn stragglers(&mut self, view: &ClusterView) -> Vec<u64> {
+        let present: HashSet<u64> = view.workers.iter().map(|w| w.id).collect();
+        self.ewma.retain(|id, _| present.contains(id));
+        for w in &view.workers {
+            let e = self.ewma.entry(w.id).or_insert((w.throughput, 0));
+            if e.1 > 0 {
+                e.0 = self.alpha * w.throughput + (1.0 - self.alpha) * e.0;
+            }
+            e.1 += 1;
+        }
+        if self.ewma.len() < 2 {
+            return Vec::new();
+        }
+        let mut values: Vec<f64> = self.ewma.values().map(|e| e.0).collect();
+        values.sort_by(f64::total_cmp);
+        let mid = values.len() / 2;
+        let median =
+            if values.len() % 2 == 1 { values[mid] } else { (values[mid - 1] + values[mid]) / 2.0 };
+        if median <= 0.0 {
+            return Vec::new();
+        }
+        let mut slow: Vec<u64> = self
+            .ewma
+            .iter()
+            .filter(|(id, (v, n))| {
+                *n >= self.straggler_min_obs
+                    && v / median < self.straggler_ratio
+                    && !self.replaced.contains(id)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        slow.sort_unstable();
+        self.replaced.extend(&slow);
+        slow
+    }
+
+    /// Hours to finish `remaining` samples at `rate` samples/s.
+    fn hours(remaining: u64, rate: f64) -> f64 {
+        remaining as f64 / rate.max(1e-9) / 3600.0
+    }
+
+    /// True when going from size `k` at `r_k` to `k2` at `r_k2` is worth it.
+    fn worth(&self, view: &ClusterView, k: u32, r_k: f64, k2: u32, r_k2: f64) -> bool {
+        let (t, t2) = (Self::hours(view.samples_remaining, r_k), Self::hours(view.samples_remaining, r_k2));
+        let value = self.value_per_hour * (t - t2);
+        let cost = view.price_per_worker_hour * (k2 as f64 * t2 - k as f64 * t);
+        value > cost
+    }
+}
+
+impl ScalingPolicy for Autoscale {
+    fn init(&mut self, config: &Config) -> Result<(), PluginError> {
+        config.expect_only(KEYS)?;
+        let d = Autoscale::default();
+        self.threshold = config.get_or("threshold", d.threshold)?;
+        self.warmup = config.get_or("warmup", d.warmup)?;
+        self.window = config.get_or("window", d.window)?;
+        self.drift = config.get_or("drift", d.drift)?;
+        self.value_per_hour = config.get_or("value-per-hour", d.value_per_hour)?;
+        self.straggler_ratio = config.get_or("straggler-ratio", d.straggler_ratio)?;
+        self.alpha = config.get_or("ewma-alpha", d.alpha)?;
+        self.straggler_min_obs = config.get_or("straggler-min-obs", d.straggler_min_obs)?;
+        if self.window == 0 {
+            return Err(PluginError::InvalidConfig("`window` must be at least 1".into()));
+        }
+        if !(0.0..=1.0).contains(&self.alpha) || self.alpha == 0.0 {
+            return Err(PluginError::InvalidConfig("`ewma-alpha` must be in (0, 1]".into()));
+        }
+        Ok(())
+    }
+
+    fn decide(&mut self, view: &ClusterView) -> Vec<Action> {
+        let slow = self.stragglers(view);
+        if !slow.is_empty() {
+            // A replaced worker changes the throughput: measure this size again.
+            self.samples.clear();
+            self.skip = self.warmup;
+            return slow.into_iter().map(Action::Replace).collect();
+        }
+
+        let k = view.world_size;
+        if k != self.size {
+            self.size = k;
+            self.samples.clear();
+            self.skip = self.warmup;
+        }
+        if self.skip > 0 {
+            self.skip -= 1;
+            return vec![Action::Hold];
+        }
+        self.samples.push(view.throughput);
+        if self.samples.len() < self.window {
+            return vec![Action::Hold];
+        }
+        let r_k = self.samples.iter().sum::<f64>() / self.samples.len() as f64;
+        self.samples.clear();
+        if let Some(&old) = self.measured.get(&k)
+            && (r_k - old).abs() > self.drift * old
+        {
+            // The cluster changed under us (other jobs, slower links): search again.
+            self.measured.clear();
+            self.ceiling = None;
+        }
+        self.measured.insert(k, r_k);
+
+        if k > view.min_workers.max(1)
+            && let Some(&r_prev) = self.measured.get(&(k - 1))
+        {
+            let efficiency = (r_k - r_prev) / (r_k / k as f64);
+            if efficiency <= self.threshold || !self.worth(view, k - 1, r_prev, k, r_k) {
+                self.ceiling = Some(k);
+                return vec![Action::ScaleIn(1)];
+            }
+        }
+
+        let below_ceiling = self.ceiling.is_none_or(|c| k + 1 < c);
+        if below_ceiling && k < view.max_workers && view.free_slots > 0 {
+            // Predict the next size from the last step (linear at first).
+            let gain = match self.measured.get(&(k.saturating_sub(1))) {
+                Some(&r_prev) if k > 1 => r_k - r_prev,
+                _ => r_k / k.max(1) as f64,
+            };
+            if gain / (r_k / k.max(1) as f64) > self.threshold
+                && self.worth(view, k, r_k, k + 1, r_k + gain)
+            {
+                return vec![Action::ScaleOut(1)];
+            }
+        }
+        vec![Action::Hold]
+    }
+}
+
+edl_plugin_sdk::export_scaling_policy!(Autoscale);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use edl_plugin_sdk::testing::{self, SimCluster};
+
+    #[test]
+    fn settles_at_the_knee_of_a_saturating_curve() {
+        let mut p = testing::policy::<Autoscale>(&[]).unwrap();
+        let mut sim = SimCluster::saturating(4, 1, 8);
+        let history = sim.run(80, |v| p.decide(v));
+        assert_eq!(sim.world_size(), 4, "{history:#?}");
+        // It tried 5 once and came back.
+        assert_eq!(history.iter().map(|r| r.world_size).max(), Some(5));
+        assert!(history[60..].iter().all(|r| r.world_size == 4));
+    }
+
+    #[test]
+    fn replaces_a_half_speed_worker() {
+        let mut p = testing::policy::<Autoscale>(&[]).unwrap();
+        let mut sim = SimCluster::saturating(8, 4, 4);
+        sim.set_speed(2, 0.5);
+        let slow = sim.worker_ids()[2];
+        let history = sim.run(10, |v| p.decide(v));
+        let replaced: Vec<_> =
+            history.iter().flat_map(|r| &r.actions).filter(|a| matches!(a, Action::Replace(_))).collect();
+        assert_eq!(replaced, vec![&Action::Replace(slow)]);
+        assert!(!sim.worker_ids().contains(&slow));
+    }
+
+    #[test]
+    fn a_high_price_keeps_the_job_small() {
+        let mut p = testing::policy::<Autoscale>(&[("value-per-hour", "1")]).unwrap();
+        let mut sim = SimCluster::saturating(4, 1, 8);
+        sim.price_per_worker_hour = 100.0;
+        sim.run(40, |v| p.decide(v));
+        assert_eq!(sim.world_size(), 1);
+    }
+
+    #[test]
+    fn rejects_unknown_and_bad_config() {
+        assert!(matches!(
+            testing::policy::<Autoscale>(&[("treshold", "0.2")]),
+            Err(PluginError::InvalidConfig(m)) if m.contains("treshold")
+        ));
+        assert!(testing::policy::<Autoscale>(&[("window", "0")]).is_err());
+        assert!(testing::policy::<Autoscale>(&[("threshold", "x")]).is_err());
+    }
+}
