@@ -29,7 +29,7 @@ macro_rules! __edl_generate_world {{
         $crate::__private::wit_bindgen::generate!({{
             inline: r###"{wit}"###,
             world: $world,
-            runtime_path: "::edl_plugin_sdk::__private::wit_bindgen",
+            runtime_path: "::edl_plugin_sdk::__private::wit_bindgen::rt",
             with: {{ "edl:plugins/types@{version}": ::edl_plugin_sdk::types }},
         }});
     }};

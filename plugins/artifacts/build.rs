@@ -1,1 +1,122 @@
-fn main() {}
+//! Builds every plugin crate of the workspace to a WebAssembly component
+//! (`wasm32-wasip2`, release) and the shipped ones also to native `cdylib`s,
+//! with a nested cargo in its own target directory (no lock shared with the
+//! outer build). The shipped components are copied to `plugins/<name>.wasm`;
+//! `gen.rs` records every path for the runtime's tests and benchmarks.
+//! Inputs are tracked through cargo's dep-info files, so an unchanged plugin
+//! costs one no-op cargo call.
+
+use std::{
+    env, fs,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+/// (package, library name, shipped?)
+const PLUGINS: &[(&str, &str, bool)] = &[
+    ("edl-plugin-autoscale", "autoscale", true),
+    ("edl-plugin-schedule", "schedule", true),
+    ("edl-plugin-dynamic-batch", "dynamic_batch", true),
+    ("edl-plugin-augment", "augment", true),
+    ("edl-test-plugin-spin", "spin", false),
+    ("edl-test-plugin-membomb", "membomb", false),
+    ("edl-test-plugin-panicky", "panicky", false),
+];
+
+fn cargo(workspace: &Path, target_dir: &Path, target: Option<&str>, packages: &[&str]) {
+    let mut cmd = Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.current_dir(workspace)
+        .arg("build")
+        .arg("--release")
+        .arg("--target-dir")
+        .arg(target_dir);
+    if let Some(t) = target {
+        cmd.arg("--target").arg(t);
+    }
+    for p in packages {
+        cmd.arg("-p").arg(p);
+    }
+    // The outer build's flags and jobserver are not the nested build's.
+    for var in [
+        "CARGO_ENCODED_RUSTFLAGS",
+        "RUSTFLAGS",
+        "CARGO_BUILD_RUSTFLAGS",
+        "CARGO_TARGET_DIR",
+        "CARGO_BUILD_TARGET",
+        "CARGO_MAKEFLAGS",
+        "MAKEFLAGS",
+        "MFLAGS",
+        "CARGO_PRIMARY_PACKAGE",
+        "RUSTC_WORKSPACE_WRAPPER",
+    ] {
+        cmd.env_remove(var);
+    }
+    let status = cmd.status().expect("run cargo for the plugins");
+    if !status.success() {
+        panic!(
+            "building the plugins for {} failed (is the target installed? `rustup target add wasm32-wasip2`)",
+            target.unwrap_or("the host")
+        );
+    }
+}
+
+/// Emits rerun-if-changed for every input listed in a dep-info file.
+fn track(dep_file: &Path) {
+    let Ok(text) = fs::read_to_string(dep_file) else { return };
+    let Some((_, deps)) = text.lines().next().and_then(|l| l.split_once(": ")) else { return };
+    let mut path = String::new();
+    for token in deps.split(' ') {
+        // Paths with spaces are escaped as "\ ".
+        if let Some(prefix) = token.strip_suffix('\\') {
+            path.push_str(prefix);
+            path.push(' ');
+            continue;
+        }
+        path.push_str(token);
+        if !path.is_empty() {
+            println!("cargo:rerun-if-changed={path}");
+        }
+        path.clear();
+    }
+}
+
+fn main() {
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
+    let workspace = manifest.parent().unwrap().parent().unwrap().to_path_buf();
+    let target_dir = workspace.join("target").join("plugin-build");
+    let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
+    println!("cargo:rerun-if-changed={}", workspace.join("Cargo.lock").display());
+    println!("cargo:rerun-if-changed={}", workspace.join("plugin-sdk/wit").display());
+
+    let all: Vec<&str> = PLUGINS.iter().map(|p| p.0).collect();
+    let shipped: Vec<&str> = PLUGINS.iter().filter(|p| p.2).map(|p| p.0).collect();
+    cargo(&workspace, &target_dir, Some("wasm32-wasip2"), &all);
+    cargo(&workspace, &target_dir, None, &shipped);
+
+    let wasm_dir = target_dir.join("wasm32-wasip2/release");
+    let native_dir = target_dir.join("release");
+    let mut code = String::new();
+    let mut each = String::new();
+    for &(_, lib, shipped) in PLUGINS {
+        let wasm = wasm_dir.join(format!("{lib}.wasm"));
+        track(&wasm_dir.join(format!("{lib}.d")));
+        let konst = lib.to_uppercase();
+        let name = lib.replace('_', "-");
+        code += &format!("/// The `{name}` component.\npub const {konst}_WASM: &str = {:?};\n", wasm.display().to_string());
+        if shipped {
+            let dest = workspace.join("plugins").join(format!("{name}.wasm"));
+            let fresh = fs::read(&wasm).ok() != fs::read(&dest).ok();
+            if fresh {
+                fs::copy(&wasm, &dest).unwrap_or_else(|e| panic!("copy to {}: {e}", dest.display()));
+            }
+            let so = native_dir.join(format!("lib{lib}.so"));
+            track(&native_dir.join(format!("lib{lib}.d")));
+            code += &format!("/// The native build of `{name}`.\npub const {konst}_SO: &str = {:?};\n", so.display().to_string());
+            each += &format!("    ({name:?}, {konst}_WASM, {konst}_SO),\n");
+        }
+    }
+    code += &format!(
+        "/// Every shipped plugin: (name, component, native library).\npub const SHIPPED: &[(&str, &str, &str)] = &[\n{each}];\n"
+    );
+    fs::write(out_dir.join("gen.rs"), code).unwrap();
+}
