@@ -1,1 +1,8 @@
+//! edl-runtime: an elastic deep-learning runtime whose algorithms (scaling
+//! policies, batch adapters, reader transforms) are WebAssembly plugins.
+//!
+//! - [`plugin`]: the plugin host (wasmtime components and native libraries).
+//! - [`replay`]: drives a scaling policy over a recorded trace or a simulated cluster.
 
+pub mod plugin;
+pub mod replay;

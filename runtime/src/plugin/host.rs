@@ -1,0 +1,285 @@
+//! [`PluginHost`]: the engine, the sandbox limits and the artifact cache, and
+//! the one place that decides how a plugin file is loaded.
+
+use super::{
+    AdapterPlugin, ArtifactCache, CacheStatus, Error, PolicyPlugin, TransformPlugin, World, native, wasm,
+};
+use edl_plugin_sdk::{PluginInfo, WIT_VERSION};
+use std::{path::Path, sync::Arc, time::Duration};
+use wasmtime::{Engine, component::Component, component::Linker};
+
+/// Per-instance sandbox limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// CPU time a single call may take before it is stopped (epoch interruption).
+    pub deadline: Duration,
+    /// Linear memory a plugin instance may grow to.
+    pub memory_bytes: usize,
+    /// Bytes of guest stderr kept for logs and trap reports.
+    pub stderr_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { deadline: Duration::from_millis(100), memory_bytes: 64 << 20, stderr_bytes: 16 << 10 }
+    }
+}
+
+/// How to build a [`PluginHost`].
+#[derive(Clone, Debug)]
+pub struct HostOptions {
+    pub limits: Limits,
+    pub cache: ArtifactCache,
+}
+
+impl Default for HostOptions {
+    fn default() -> Self {
+        HostOptions { limits: Limits::default(), cache: ArtifactCache::default_location() }
+    }
+}
+
+/// What `edl-runtime plugin inspect` reports.
+#[derive(Clone, Debug)]
+pub struct Inspection {
+    pub world: World,
+    /// `wasm` or `native`.
+    pub kind: &'static str,
+    /// WIT package version (wasm) or C ABI version (native).
+    pub interface_version: String,
+    pub info: PluginInfo,
+    pub exports: Vec<String>,
+    pub size: u64,
+    /// Whether a compiled artifact was in the cache before this inspection.
+    pub cached: Option<bool>,
+    pub cache_entry: Option<std::path::PathBuf>,
+}
+
+/// A loaded plugin of any world.
+pub enum Loaded {
+    Policy(Box<dyn PolicyPlugin>),
+    Adapter(Box<dyn AdapterPlugin>),
+    Transform(Box<dyn TransformPlugin>),
+}
+
+impl Loaded {
+    pub fn world(&self) -> World {
+        match self {
+            Loaded::Policy(_) => World::ScalingPolicy,
+            Loaded::Adapter(_) => World::BatchAdapter,
+            Loaded::Transform(_) => World::ReaderTransform,
+        }
+    }
+
+    pub fn info(&self) -> &PluginInfo {
+        match self {
+            Loaded::Policy(p) => p.info(),
+            Loaded::Adapter(p) => p.info(),
+            Loaded::Transform(p) => p.info(),
+        }
+    }
+}
+
+/// Loads plugins. Cheap to share (`Arc`); one engine, one linker, one cache.
+pub struct PluginHost {
+    engine: Engine,
+    linker: Linker<wasm::HostState>,
+    cache: ArtifactCache,
+    limits: Limits,
+}
+
+/// How often the engine's epoch advances; deadlines are counted in these ticks.
+pub(crate) const EPOCH_TICK: Duration = Duration::from_millis(2);
+
+enum FileKind {
+    Component,
+    Native,
+}
+
+impl PluginHost {
+    /// A host with these options; starts the thread that drives deadlines.
+    pub fn new(options: HostOptions) -> Result<Arc<Self>, Error> {
+        let engine_err = |e: wasmtime::Error| Error::Engine { path: "<engine>".into(), detail: format!("{e:#}") };
+        let mut config = wasmtime::Config::new();
+        config.wasm_component_model(true);
+        // No async component-model features: a plain call is ~4x cheaper.
+        config.concurrency_support(false);
+        config.epoch_interruption(true);
+        let engine = Engine::new(&config).map_err(engine_err)?;
+        let mut linker = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(engine_err)?;
+
+        let weak = engine.weak();
+        std::thread::Builder::new()
+            .name("edl-plugin-epoch".into())
+            .spawn(move || {
+                while let Some(engine) = weak.upgrade() {
+                    engine.increment_epoch();
+                    drop(engine);
+                    std::thread::sleep(EPOCH_TICK);
+                }
+            })
+            .map_err(|e| Error::Engine { path: "<engine>".into(), detail: e.to_string() })?;
+
+        Ok(Arc::new(PluginHost { engine, linker, cache: options.cache, limits: options.limits }))
+    }
+
+    /// The sandbox limits every instance gets.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// The artifact cache.
+    pub fn cache(&self) -> &ArtifactCache {
+        &self.cache
+    }
+
+    /// Loads a scaling policy (`.wasm` component or native `.so`).
+    pub fn load_policy(&self, path: &Path, config: &[(String, String)]) -> Result<Box<dyn PolicyPlugin>, Error> {
+        match self.load(path, config, Some(World::ScalingPolicy))? {
+            Loaded::Policy(p) => Ok(p),
+            _ => unreachable!("load checks the world"),
+        }
+    }
+
+    /// Loads a batch adapter.
+    pub fn load_adapter(&self, path: &Path, config: &[(String, String)]) -> Result<Box<dyn AdapterPlugin>, Error> {
+        match self.load(path, config, Some(World::BatchAdapter))? {
+            Loaded::Adapter(p) => Ok(p),
+            _ => unreachable!("load checks the world"),
+        }
+    }
+
+    /// Loads a reader transform.
+    pub fn load_transform(
+        &self,
+        path: &Path,
+        config: &[(String, String)],
+    ) -> Result<Box<dyn TransformPlugin>, Error> {
+        match self.load(path, config, Some(World::ReaderTransform))? {
+            Loaded::Transform(p) => Ok(p),
+            _ => unreachable!("load checks the world"),
+        }
+    }
+
+    /// Loads a plugin of any world, or of `expected` only.
+    pub fn load(&self, path: &Path, config: &[(String, String)], expected: Option<World>) -> Result<Loaded, Error> {
+        let shown = path.display().to_string();
+        let bytes = std::fs::read(path).map_err(|source| Error::Read { path: shown.clone(), source })?;
+        match classify(&shown, &bytes)? {
+            FileKind::Native => native::load(path, config, expected),
+            FileKind::Component => {
+                let (component, cache) = self.compile(&shown, &bytes)?;
+                let (world, _) = self.world_of(&shown, &component, expected)?;
+                wasm::load(wasm::Ctx { path: shown, engine: &self.engine, linker: &self.linker, limits: self.limits }, &component, world, config, cache)
+            }
+        }
+    }
+
+    /// Describes a plugin file without keeping it loaded.
+    pub fn inspect(&self, path: &Path) -> Result<Inspection, Error> {
+        let shown = path.display().to_string();
+        let bytes = std::fs::read(path).map_err(|source| Error::Read { path: shown.clone(), source })?;
+        let size = bytes.len() as u64;
+        match classify(&shown, &bytes)? {
+            FileKind::Native => {
+                let loaded = native::load(path, &[], None)?;
+                Ok(Inspection {
+                    world: loaded.world(),
+                    kind: "native",
+                    interface_version: format!("C ABI {}", edl_plugin_sdk::native::ABI_VERSION),
+                    info: loaded.info().clone(),
+                    exports: native::exported_symbols(loaded.world()),
+                    size,
+                    cached: None,
+                    cache_entry: None,
+                })
+            }
+            FileKind::Component => {
+                let entry = self.cache.entry(&self.engine, &bytes);
+                let was_cached = entry.as_ref().map(|e| e.exists());
+                let (component, cache) = self.compile(&shown, &bytes)?;
+                let (world, exports) = self.world_of(&shown, &component, None)?;
+                let ctx = wasm::Ctx { path: shown, engine: &self.engine, linker: &self.linker, limits: self.limits };
+                let loaded = wasm::load(ctx, &component, world, &[], cache)?;
+                Ok(Inspection {
+                    world,
+                    kind: "wasm",
+                    interface_version: format!("edl:plugins@{WIT_VERSION}"),
+                    info: loaded.info().clone(),
+                    exports,
+                    size,
+                    cached: was_cached,
+                    cache_entry: entry,
+                })
+            }
+        }
+    }
+
+    fn compile(&self, path: &str, bytes: &[u8]) -> Result<(Component, CacheStatus), Error> {
+        self.cache
+            .load(&self.engine, bytes)
+            .map_err(|e| Error::InvalidComponent { path: path.into(), detail: format!("{e:#}") })
+    }
+
+    /// The world a component implements, from its export names
+    /// (`edl:plugins/<interface>@<version>`), and every export name.
+    fn world_of(&self, path: &str, component: &Component, expected: Option<World>) -> Result<(World, Vec<String>), Error> {
+        let ty = component.component_type();
+        let exports: Vec<String> = ty.exports(&self.engine).map(|(name, _)| name.to_string()).collect();
+        let ours = exports.iter().find_map(|name| {
+            let rest = name.strip_prefix("edl:plugins/")?;
+            let (iface, version) = rest.split_once('@').unwrap_or((rest, ""));
+            Some((iface.to_string(), version.to_string()))
+        });
+        let Some((iface, version)) = ours else {
+            return Err(Error::InvalidComponent {
+                path: path.into(),
+                detail: format!(
+                    "exports no edl:plugins interface, so it is not an edl plugin (exports: {})",
+                    if exports.is_empty() { "nothing".to_string() } else { exports.join(", ") }
+                ),
+            });
+        };
+        if version != WIT_VERSION {
+            return Err(Error::IncompatibleVersion { path: path.into(), found: version, expected: WIT_VERSION.into() });
+        }
+        let world = World::from_interface(&iface).ok_or_else(|| Error::InvalidComponent {
+            path: path.into(),
+            detail: format!("exports unknown interface edl:plugins/{iface}"),
+        })?;
+        if let Some(expected) = expected
+            && expected != world
+        {
+            return Err(Error::WrongWorld { path: path.into(), found: world, expected });
+        }
+        Ok((world, exports))
+    }
+}
+
+fn classify(path: &str, bytes: &[u8]) -> Result<FileKind, Error> {
+    const WASM: &[u8] = b"\0asm";
+    const ELF: &[u8] = b"\x7fELF";
+    const MACHO: [&[u8]; 2] = [b"\xcf\xfa\xed\xfe", b"\xca\xfe\xba\xbe"];
+    if bytes.starts_with(WASM) {
+        return match bytes.get(4..8) {
+            Some([1, 0, 0, 0]) => Err(Error::CoreModule { path: path.into() }),
+            Some([_, _, 1, 0]) => Ok(FileKind::Component),
+            _ => Err(Error::InvalidComponent {
+                path: path.into(),
+                detail: "unknown WebAssembly binary version (truncated header?)".into(),
+            }),
+        };
+    }
+    if bytes.starts_with(ELF) || MACHO.iter().any(|m| bytes.starts_with(m)) || bytes.starts_with(b"MZ") {
+        return Ok(FileKind::Native);
+    }
+    let head: Vec<String> = bytes.iter().take(4).map(|b| format!("{b:02x}")).collect();
+    Err(Error::NotAPlugin {
+        path: path.into(),
+        detail: if bytes.is_empty() {
+            "the file is empty".into()
+        } else {
+            format!("neither a WebAssembly component nor a native library (starts with {})", head.join(" "))
+        },
+    })
+}

@@ -1,0 +1,106 @@
+//! The plugin host: loads scaling policies, batch adapters and reader
+//! transforms as sandboxed WebAssembly components (wasmtime) or as trusted
+//! native libraries (`.so`), behind one trait per world.
+//!
+//! - [`PluginHost`] owns the engine, the precompiled-artifact cache and the
+//!   sandbox limits, and loads plugins.
+//! - [`PolicyPlugin`], [`AdapterPlugin`], [`TransformPlugin`]: what the rest of
+//!   the runtime calls, whichever way the plugin was built.
+//! - [`Reloading`]: a plugin that follows its file on disk (hot reload).
+
+mod bindings;
+mod cache;
+mod error;
+mod host;
+mod native;
+mod reload;
+mod stderr;
+mod wasm;
+
+pub use cache::{ArtifactCache, CacheStatus};
+pub use error::Error;
+pub use host::{HostOptions, Inspection, Limits, PluginHost};
+pub use reload::Reloading;
+
+use edl_plugin_sdk::{Action, Batch, ClusterView, Hyperparams, PluginInfo, ResizeEvent};
+use std::fmt;
+
+/// The three kinds of plugin (the WIT worlds).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum World {
+    ScalingPolicy,
+    BatchAdapter,
+    ReaderTransform,
+}
+
+impl World {
+    /// The WIT world name.
+    pub fn name(self) -> &'static str {
+        match self {
+            World::ScalingPolicy => "scaling-policy",
+            World::BatchAdapter => "batch-adapter",
+            World::ReaderTransform => "reader-transform",
+        }
+    }
+
+    /// The interface the world exports (`edl:plugins/<interface>@version`).
+    pub fn interface(self) -> &'static str {
+        match self {
+            World::ScalingPolicy => "policy",
+            World::BatchAdapter => "adapter",
+            World::ReaderTransform => "transform",
+        }
+    }
+
+    /// The world with this name.
+    pub fn from_name(name: &str) -> Option<World> {
+        [World::ScalingPolicy, World::BatchAdapter, World::ReaderTransform]
+            .into_iter()
+            .find(|w| w.name() == name)
+    }
+
+    fn from_interface(interface: &str) -> Option<World> {
+        [World::ScalingPolicy, World::BatchAdapter, World::ReaderTransform]
+            .into_iter()
+            .find(|w| w.interface() == interface)
+    }
+}
+
+impl fmt::Display for World {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How a plugin was loaded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// A sandboxed component, and whether its compiled form came from the cache.
+    Wasm { cache: CacheStatus },
+    /// A trusted native library.
+    Native,
+}
+
+/// What every loaded plugin can tell about itself.
+pub trait Plugin: Send {
+    /// The plugin's `info()`, read once at load.
+    fn info(&self) -> &PluginInfo;
+    /// How it was loaded.
+    fn backend(&self) -> Backend;
+}
+
+/// A loaded scaling policy.
+pub trait PolicyPlugin: Plugin {
+    fn decide(&mut self, view: &ClusterView) -> Result<Vec<Action>, Error>;
+}
+
+/// A loaded batch adapter.
+pub trait AdapterPlugin: Plugin {
+    fn on_resize(&mut self, event: &ResizeEvent, current: &Hyperparams) -> Result<Hyperparams, Error>;
+    fn on_step(&mut self, step: u64, current: &Hyperparams) -> Result<Hyperparams, Error>;
+}
+
+/// A loaded reader transform.
+pub trait TransformPlugin: Plugin {
+    fn apply(&mut self, batch: &Batch) -> Result<Batch, Error>;
+}

@@ -1,0 +1,267 @@
+//! Native plugins: a `cdylib` built from the same SDK crate, loaded with
+//! `libloading` and called through the C ABI of `edl_plugin_sdk::native`.
+//! Trusted and unsandboxed (no deadline, no memory cap): the fast path, and
+//! the baseline the sandbox is measured against. A caught panic recreates
+//! the plugin instance, as a trap does for a component.
+
+use super::{AdapterPlugin, Backend, Error, Plugin, PolicyPlugin, TransformPlugin, World, host::Loaded};
+use edl_plugin_sdk::native::{
+    ABI_VERSION, RawAction, RawBatch, RawClusterView, RawInfo, RawPair, RawSlice, RawStr, status,
+};
+use edl_plugin_sdk::{Action, Batch, ClusterView, Hyperparams, PluginError, PluginInfo, ResizeEvent};
+use libloading::Library;
+use std::{ffi::c_void, path::Path, sync::Arc};
+
+type Handle = *mut c_void;
+
+/// The symbols every native plugin exports.
+struct Common {
+    path: String,
+    // Keeps the library mapped while any function pointer below is alive.
+    _lib: Arc<Library>,
+    new: unsafe extern "C" fn() -> Handle,
+    free: unsafe extern "C" fn(Handle),
+    init: unsafe extern "C" fn(Handle, *const RawPair, usize) -> i32,
+    last_error: unsafe extern "C" fn(Handle) -> RawStr,
+    handle: Handle,
+    config: Vec<(String, String)>,
+    info: PluginInfo,
+}
+
+// SAFETY: a handle is used by one thread at a time (`&mut self` calls); the
+// SDK's instances are plain Rust values owned by the handle.
+unsafe impl Send for Common {}
+
+impl Drop for Common {
+    fn drop(&mut self) {
+        if !self.handle.is_null() {
+            unsafe { (self.free)(self.handle) };
+        }
+    }
+}
+
+fn native_err(path: &str, detail: impl Into<String>) -> Error {
+    Error::Native { path: path.into(), detail: detail.into() }
+}
+
+unsafe fn symbol<T: Copy>(lib: &Library, path: &str, name: &str) -> Result<T, Error> {
+    unsafe { lib.get::<T>(name.as_bytes()) }
+        .map(|s| *s)
+        .map_err(|_| native_err(path, format!("missing symbol `{name}`; was it built with an edl-plugin-sdk export macro?")))
+}
+
+impl Common {
+    fn error_text(&self) -> String {
+        unsafe { (self.last_error)(self.handle).to_string_lossy() }
+    }
+
+    /// A fresh instance, initialised with the configuration.
+    fn create(&mut self) -> Result<(), Error> {
+        if !self.handle.is_null() {
+            unsafe { (self.free)(self.handle) };
+        }
+        self.handle = unsafe { (self.new)() };
+        if self.handle.is_null() {
+            return Err(native_err(&self.path, "creating the plugin instance panicked"));
+        }
+        let pairs: Vec<RawPair> =
+            self.config.iter().map(|(k, v)| RawPair { key: RawStr::borrow(k), value: RawStr::borrow(v) }).collect();
+        let code = unsafe { (self.init)(self.handle, pairs.as_ptr(), pairs.len()) };
+        match self.check("init", code) {
+            Err(Error::Guest { error, .. }) => Err(Error::Init { path: self.path.clone(), error }),
+            other => other,
+        }
+    }
+
+    /// Turns a status code into a result; a panic recreates the instance.
+    fn check(&mut self, call: &'static str, code: i32) -> Result<(), Error> {
+        let guest = |e: fn(String) -> PluginError, me: &Self| Error::Guest {
+            path: me.path.clone(),
+            call,
+            error: e(me.error_text()),
+        };
+        match code {
+            status::OK => Ok(()),
+            status::INVALID_CONFIG => Err(guest(PluginError::InvalidConfig, self)),
+            status::INVALID_INPUT => Err(guest(PluginError::InvalidInput, self)),
+            status::FAILED => Err(guest(PluginError::Failed, self)),
+            status::PANIC => {
+                let err = Error::NativePanic { path: self.path.clone(), call, message: self.error_text() };
+                if call != "init"
+                    && let Err(e) = self.create()
+                {
+                    tracing::warn!("{e}");
+                }
+                Err(err)
+            }
+            other => Err(native_err(&self.path, format!("{call} returned unknown status {other}"))),
+        }
+    }
+}
+
+fn world_symbols(world: World) -> &'static [&'static str] {
+    match world {
+        World::ScalingPolicy => &["edl_policy_decide"],
+        World::BatchAdapter => &["edl_adapter_on_resize", "edl_adapter_on_step"],
+        World::ReaderTransform => &["edl_transform_apply"],
+    }
+}
+
+/// Every symbol a native plugin of `world` exports.
+pub fn exported_symbols(world: World) -> Vec<String> {
+    [
+        "edl_plugin_abi_version",
+        "edl_plugin_world",
+        "edl_plugin_info",
+        "edl_plugin_new",
+        "edl_plugin_free",
+        "edl_plugin_init",
+        "edl_plugin_last_error",
+    ]
+    .iter()
+    .chain(world_symbols(world))
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// Loads a native plugin library.
+pub fn load(path: &Path, config: &[(String, String)], expected: Option<World>) -> Result<Loaded, Error> {
+    let shown = path.display().to_string();
+    // SAFETY: loading a native plugin runs its initialisers; native plugins
+    // are trusted by definition (the sandboxed form is the `.wasm`).
+    let lib = unsafe { Library::new(path) }
+        .map_err(|e| Error::NotAPlugin { path: shown.clone(), detail: format!("cannot load native library: {e}") })?;
+    let lib = Arc::new(lib);
+    unsafe {
+        let abi: unsafe extern "C" fn() -> u32 = lib
+            .get::<unsafe extern "C" fn() -> u32>(b"edl_plugin_abi_version")
+            .map(|s| *s)
+            .map_err(|_| Error::NotAPlugin {
+                path: shown.clone(),
+                detail: "a native library without `edl_plugin_abi_version`, so not an edl plugin".into(),
+            })?;
+        let version = abi();
+        if version != ABI_VERSION {
+            return Err(Error::IncompatibleVersion {
+                path: shown,
+                found: format!("C ABI {version}"),
+                expected: format!("C ABI {ABI_VERSION}"),
+            });
+        }
+        let world_fn: unsafe extern "C" fn() -> RawStr = symbol(&lib, &shown, "edl_plugin_world")?;
+        let world_name = world_fn().to_string_lossy();
+        let world = World::from_name(&world_name)
+            .ok_or_else(|| native_err(&shown, format!("unknown world {world_name:?}")))?;
+        if let Some(expected) = expected
+            && expected != world
+        {
+            return Err(Error::WrongWorld { path: shown, found: world, expected });
+        }
+        let info_fn: unsafe extern "C" fn() -> RawInfo = symbol(&lib, &shown, "edl_plugin_info")?;
+        let raw = info_fn();
+        let info = PluginInfo {
+            name: raw.name.to_string_lossy(),
+            version: raw.version.to_string_lossy(),
+            description: raw.description.to_string_lossy(),
+        };
+        let mut common = Common {
+            new: symbol(&lib, &shown, "edl_plugin_new")?,
+            free: symbol(&lib, &shown, "edl_plugin_free")?,
+            init: symbol(&lib, &shown, "edl_plugin_init")?,
+            last_error: symbol(&lib, &shown, "edl_plugin_last_error")?,
+            _lib: lib.clone(),
+            path: shown.clone(),
+            handle: std::ptr::null_mut(),
+            config: config.to_vec(),
+            info,
+        };
+        common.create()?;
+        Ok(match world {
+            World::ScalingPolicy => Loaded::Policy(Box::new(NativePolicy {
+                decide: symbol(&lib, &shown, "edl_policy_decide")?,
+                common,
+            })),
+            World::BatchAdapter => Loaded::Adapter(Box::new(NativeAdapter {
+                on_resize: symbol(&lib, &shown, "edl_adapter_on_resize")?,
+                on_step: symbol(&lib, &shown, "edl_adapter_on_step")?,
+                common,
+            })),
+            World::ReaderTransform => Loaded::Transform(Box::new(NativeTransform {
+                apply: symbol(&lib, &shown, "edl_transform_apply")?,
+                common,
+            })),
+        })
+    }
+}
+
+macro_rules! native_plugin {
+    ($ty:ident) => {
+        impl Plugin for $ty {
+            fn info(&self) -> &PluginInfo {
+                &self.common.info
+            }
+            fn backend(&self) -> Backend {
+                Backend::Native
+            }
+        }
+    };
+}
+
+struct NativePolicy {
+    common: Common,
+    decide: unsafe extern "C" fn(Handle, *const RawClusterView, *mut RawSlice<RawAction>) -> i32,
+}
+native_plugin!(NativePolicy);
+
+impl PolicyPlugin for NativePolicy {
+    fn decide(&mut self, view: &ClusterView) -> Result<Vec<Action>, Error> {
+        let raw = RawClusterView::borrow(view);
+        let mut out = RawSlice::empty();
+        let code = unsafe { (self.decide)(self.common.handle, &raw, &mut out) };
+        self.common.check("decide", code)?;
+        unsafe { out.as_slice() }
+            .iter()
+            .map(|a| {
+                Action::try_from(*a)
+                    .map_err(|tag| native_err(&self.common.path, format!("decide returned unknown action tag {tag}")))
+            })
+            .collect()
+    }
+}
+
+struct NativeAdapter {
+    common: Common,
+    on_resize: unsafe extern "C" fn(Handle, *const ResizeEvent, *const Hyperparams, *mut Hyperparams) -> i32,
+    on_step: unsafe extern "C" fn(Handle, u64, *const Hyperparams, *mut Hyperparams) -> i32,
+}
+native_plugin!(NativeAdapter);
+
+impl AdapterPlugin for NativeAdapter {
+    fn on_resize(&mut self, event: &ResizeEvent, current: &Hyperparams) -> Result<Hyperparams, Error> {
+        let mut out = *current;
+        let code = unsafe { (self.on_resize)(self.common.handle, event, current, &mut out) };
+        self.common.check("on-resize", code).map(|()| out)
+    }
+
+    fn on_step(&mut self, step: u64, current: &Hyperparams) -> Result<Hyperparams, Error> {
+        let mut out = *current;
+        let code = unsafe { (self.on_step)(self.common.handle, step, current, &mut out) };
+        self.common.check("on-step", code).map(|()| out)
+    }
+}
+
+struct NativeTransform {
+    common: Common,
+    apply: unsafe extern "C" fn(Handle, *const RawBatch, *mut RawBatch) -> i32,
+}
+native_plugin!(NativeTransform);
+
+impl TransformPlugin for NativeTransform {
+    fn apply(&mut self, batch: &Batch) -> Result<Batch, Error> {
+        let raw = RawBatch::borrow(batch);
+        let mut out = raw;
+        let code = unsafe { (self.apply)(self.common.handle, &raw, &mut out) };
+        self.common.check("apply", code)?;
+        unsafe { out.to_batch() }.map_err(|e| native_err(&self.common.path, format!("apply returned a bad batch: {e}")))
+    }
+}

@@ -1,0 +1,280 @@
+//! Sandboxed components: one `InstancePre` per plugin, one store per live
+//! instance with a memory cap, a per-call epoch deadline and captured stderr.
+//! A call that traps drops the instance; the next call rebuilds it from the
+//! `InstancePre` and runs `init` again with the same configuration.
+
+use super::{
+    AdapterPlugin, Backend, CacheStatus, Error, Plugin, PolicyPlugin, TransformPlugin, World,
+    bindings::{self, adapter, policy, policy::edl::plugins::types as wit, transform},
+    host::{EPOCH_TICK, Limits, Loaded},
+    stderr::CapturedStderr,
+};
+use edl_plugin_sdk::{Action, Batch, ClusterView, Hyperparams, PluginInfo, ResizeEvent};
+use wasmtime::{
+    Engine, ResourceLimiter, Store, Trap,
+    component::{Component, InstancePre, Linker, ResourceTable},
+};
+use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
+
+/// Per-store state: WASI with nothing granted, and the memory cap.
+pub struct HostState {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    limiter: MemoryCap,
+}
+
+impl WasiView for HostState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+/// Refuses memory growth past the limit and remembers that it did, so the
+/// trap that follows (a guest's allocation failure) is reported as such.
+struct MemoryCap {
+    limit: usize,
+    hit: bool,
+}
+
+impl ResourceLimiter for MemoryCap {
+    fn memory_growing(&mut self, _current: usize, desired: usize, _max: Option<usize>) -> wasmtime::Result<bool> {
+        if desired > self.limit {
+            self.hit = true;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    fn table_growing(&mut self, _current: usize, desired: usize, _max: Option<usize>) -> wasmtime::Result<bool> {
+        Ok(desired <= 1 << 20)
+    }
+}
+
+/// What loading needs from the host.
+pub struct Ctx<'a> {
+    pub path: String,
+    pub engine: &'a Engine,
+    pub linker: &'a Linker<HostState>,
+    pub limits: Limits,
+}
+
+/// The generated bindings of one world.
+pub trait WorldBindings: Sized + Send + 'static {
+    type Pre: Send + Sync + 'static;
+    fn pre(pre: InstancePre<HostState>) -> wasmtime::Result<Self::Pre>;
+    fn instantiate(pre: &Self::Pre, store: &mut Store<HostState>) -> wasmtime::Result<Self>;
+    fn info(&self, store: &mut Store<HostState>) -> wasmtime::Result<wit::PluginInfo>;
+    fn init(
+        &self,
+        store: &mut Store<HostState>,
+        config: &[(String, String)],
+    ) -> wasmtime::Result<Result<(), wit::PluginError>>;
+}
+
+macro_rules! world_bindings {
+    ($ty:ty, $pre:ty, $iface:ident) => {
+        impl WorldBindings for $ty {
+            type Pre = $pre;
+            fn pre(pre: InstancePre<HostState>) -> wasmtime::Result<Self::Pre> {
+                <$pre>::new(pre)
+            }
+            fn instantiate(pre: &Self::Pre, store: &mut Store<HostState>) -> wasmtime::Result<Self> {
+                pre.instantiate(store)
+            }
+            fn info(&self, store: &mut Store<HostState>) -> wasmtime::Result<wit::PluginInfo> {
+                self.$iface().call_info(store)
+            }
+            fn init(
+                &self,
+                store: &mut Store<HostState>,
+                config: &[(String, String)],
+            ) -> wasmtime::Result<Result<(), wit::PluginError>> {
+                self.$iface().call_init(store, config)
+            }
+        }
+    };
+}
+
+world_bindings!(policy::ScalingPolicy, policy::ScalingPolicyPre<HostState>, edl_plugins_policy);
+world_bindings!(adapter::BatchAdapter, adapter::BatchAdapterPre<HostState>, edl_plugins_adapter);
+world_bindings!(transform::ReaderTransform, transform::ReaderTransformPre<HostState>, edl_plugins_transform);
+
+struct Live<B> {
+    store: Store<HostState>,
+    bindings: B,
+    stderr: CapturedStderr,
+}
+
+/// A component instance behind a sandbox, rebuilt after a trap.
+pub struct Sandboxed<B: WorldBindings> {
+    path: String,
+    engine: Engine,
+    pre: B::Pre,
+    limits: Limits,
+    deadline_ticks: u64,
+    config: Vec<(String, String)>,
+    info: PluginInfo,
+    cache: CacheStatus,
+    live: Option<Live<B>>,
+}
+
+impl<B: WorldBindings> Sandboxed<B> {
+    fn new(ctx: Ctx<'_>, component: &Component, config: &[(String, String)], cache: CacheStatus) -> Result<Self, Error> {
+        let instance_pre = ctx
+            .linker
+            .instantiate_pre(component)
+            .map_err(|e| Error::Instantiate { path: ctx.path.clone(), detail: format!("{e:#}") })?;
+        let pre = B::pre(instance_pre)
+            .map_err(|e| Error::Instantiate { path: ctx.path.clone(), detail: format!("{e:#}") })?;
+        let tick = EPOCH_TICK.as_nanos().max(1);
+        let deadline_ticks = (ctx.limits.deadline.as_nanos().div_ceil(tick) as u64).max(1) + 1;
+        let mut me = Sandboxed {
+            path: ctx.path,
+            engine: ctx.engine.clone(),
+            pre,
+            limits: ctx.limits,
+            deadline_ticks,
+            config: config.to_vec(),
+            info: PluginInfo { name: String::new(), version: String::new(), description: String::new() },
+            cache,
+            live: None,
+        };
+        me.info = me.call("info", |b: &B, s| b.info(s))?.into();
+        Ok(me)
+    }
+
+    fn instantiate(&self) -> Result<Live<B>, Error> {
+        let stderr = CapturedStderr::new(self.limits.stderr_bytes);
+        // Nothing is granted: no preopened directories, no environment, no
+        // arguments, no sockets. Clocks and randomness stay (std needs them).
+        let wasi = WasiCtxBuilder::new()
+            .stderr(stderr.clone())
+            .allow_tcp(false)
+            .allow_udp(false)
+            .allow_ip_name_lookup(false)
+            .build();
+        let state = HostState {
+            wasi,
+            table: ResourceTable::new(),
+            limiter: MemoryCap { limit: self.limits.memory_bytes, hit: false },
+        };
+        let mut store = Store::new(&self.engine, state);
+        store.limiter(|s| &mut s.limiter);
+        store.set_epoch_deadline(self.deadline_ticks);
+        let bindings = match B::instantiate(&self.pre, &mut store) {
+            Ok(b) => b,
+            Err(e) => return Err(self.classify("instantiate", e, &store, &stderr)),
+        };
+        store.set_epoch_deadline(self.deadline_ticks);
+        match bindings.init(&mut store, &self.config) {
+            Ok(Ok(())) => Ok(Live { store, bindings, stderr }),
+            Ok(Err(e)) => Err(Error::Init { path: self.path.clone(), error: e.into() }),
+            Err(e) => Err(self.classify("init", e, &store, &stderr)),
+        }
+    }
+
+    fn classify(&self, call: &'static str, e: wasmtime::Error, store: &Store<HostState>, stderr: &CapturedStderr) -> Error {
+        let path = self.path.clone();
+        if e.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
+            return Error::Deadline { path, call, deadline_ms: self.limits.deadline.as_millis() as u64 };
+        }
+        if store.data().limiter.hit {
+            return Error::MemoryLimit { path, call, limit_mib: (self.limits.memory_bytes >> 20) as u64 };
+        }
+        let message = match e.downcast_ref::<Trap>() {
+            Some(trap) => trap.to_string(),
+            None => format!("{e:#}"),
+        };
+        Error::Trap { path, call, message, stderr: stderr.take().unwrap_or_default() }
+    }
+
+    /// Runs one call under the deadline; a trap drops the instance.
+    fn call<R>(
+        &mut self,
+        call: &'static str,
+        f: impl FnOnce(&B, &mut Store<HostState>) -> wasmtime::Result<R>,
+    ) -> Result<R, Error> {
+        if self.live.is_none() {
+            self.live = Some(self.instantiate()?);
+        }
+        let live = self.live.as_mut().expect("instantiated above");
+        live.store.set_epoch_deadline(self.deadline_ticks);
+        match f(&live.bindings, &mut live.store) {
+            Ok(r) => {
+                if let Some(text) = live.stderr.take() {
+                    for line in text.lines() {
+                        tracing::info!(target: "edl::plugin", plugin = %self.info.name, "{line}");
+                    }
+                }
+                Ok(r)
+            }
+            Err(e) => {
+                let live = self.live.take().expect("instantiated above");
+                let err = self.classify(call, e, &live.store, &live.stderr);
+                tracing::warn!("{err}; the instance will be rebuilt");
+                Err(err)
+            }
+        }
+    }
+}
+
+impl<B: WorldBindings> Plugin for Sandboxed<B> {
+    fn info(&self) -> &PluginInfo {
+        &self.info
+    }
+
+    fn backend(&self) -> Backend {
+        Backend::Wasm { cache: self.cache }
+    }
+}
+
+impl PolicyPlugin for Sandboxed<policy::ScalingPolicy> {
+    fn decide(&mut self, view: &ClusterView) -> Result<Vec<Action>, Error> {
+        let view = bindings::cluster_view(view);
+        let actions = self.call("decide", |b, s| b.edl_plugins_policy().call_decide(s, &view))?;
+        Ok(actions.into_iter().map(Action::from).collect())
+    }
+}
+
+impl AdapterPlugin for Sandboxed<adapter::BatchAdapter> {
+    fn on_resize(&mut self, event: &ResizeEvent, current: &Hyperparams) -> Result<Hyperparams, Error> {
+        let (e, h) = (bindings::resize_event(event), bindings::hyperparams(current));
+        Ok(self.call("on-resize", |b, s| b.edl_plugins_adapter().call_on_resize(s, e, h))?.into())
+    }
+
+    fn on_step(&mut self, step: u64, current: &Hyperparams) -> Result<Hyperparams, Error> {
+        let h = bindings::hyperparams(current);
+        Ok(self.call("on-step", |b, s| b.edl_plugins_adapter().call_on_step(s, step, h))?.into())
+    }
+}
+
+impl TransformPlugin for Sandboxed<transform::ReaderTransform> {
+    fn apply(&mut self, batch: &Batch) -> Result<Batch, Error> {
+        let input = bindings::batch(batch);
+        match self.call("apply", |b, s| b.edl_plugins_transform().call_apply(s, &input))? {
+            Ok(out) => Ok(out.into()),
+            Err(e) => Err(Error::Guest { path: self.path.clone(), call: "apply", error: e.into() }),
+        }
+    }
+}
+
+/// Instantiates `component` as a plugin of `world`.
+pub fn load(
+    ctx: Ctx<'_>,
+    component: &Component,
+    world: World,
+    config: &[(String, String)],
+    cache: CacheStatus,
+) -> Result<Loaded, Error> {
+    Ok(match world {
+        World::ScalingPolicy => {
+            Loaded::Policy(Box::new(Sandboxed::<policy::ScalingPolicy>::new(ctx, component, config, cache)?))
+        }
+        World::BatchAdapter => {
+            Loaded::Adapter(Box::new(Sandboxed::<adapter::BatchAdapter>::new(ctx, component, config, cache)?))
+        }
+        World::ReaderTransform => {
+            Loaded::Transform(Box::new(Sandboxed::<transform::ReaderTransform>::new(ctx, component, config, cache)?))
+        }
+    })
+}
