@@ -12,15 +12,15 @@ use std::{
     process::Command,
 };
 
-/// (package, library name, shipped?)
-const PLUGINS: &[(&str, &str, bool)] = &[
-    ("edl-plugin-autoscale", "autoscale", true),
-    ("edl-plugin-schedule", "schedule", true),
-    ("edl-plugin-dynamic-batch", "dynamic_batch", true),
-    ("edl-plugin-augment", "augment", true),
-    ("edl-test-plugin-spin", "spin", false),
-    ("edl-test-plugin-membomb", "membomb", false),
-    ("edl-test-plugin-panicky", "panicky", false),
+/// (package, library name, shipped?, also built native?)
+const PLUGINS: &[(&str, &str, bool, bool)] = &[
+    ("edl-plugin-autoscale", "autoscale", true, true),
+    ("edl-plugin-schedule", "schedule", true, true),
+    ("edl-plugin-dynamic-batch", "dynamic_batch", true, true),
+    ("edl-plugin-augment", "augment", true, true),
+    ("edl-test-plugin-spin", "spin", false, false),
+    ("edl-test-plugin-membomb", "membomb", false, false),
+    ("edl-test-plugin-panicky", "panicky", false, true),
 ];
 
 fn cargo(workspace: &Path, target_dir: &Path, target: Option<&str>, packages: &[&str]) {
@@ -89,15 +89,15 @@ fn main() {
     println!("cargo:rerun-if-changed={}", workspace.join("plugin-sdk/wit").display());
 
     let all: Vec<&str> = PLUGINS.iter().map(|p| p.0).collect();
-    let shipped: Vec<&str> = PLUGINS.iter().filter(|p| p.2).map(|p| p.0).collect();
+    let native: Vec<&str> = PLUGINS.iter().filter(|p| p.3).map(|p| p.0).collect();
     cargo(&workspace, &target_dir, Some("wasm32-wasip2"), &all);
-    cargo(&workspace, &target_dir, None, &shipped);
+    cargo(&workspace, &target_dir, None, &native);
 
     let wasm_dir = target_dir.join("wasm32-wasip2/release");
     let native_dir = target_dir.join("release");
     let mut code = String::new();
     let mut each = String::new();
-    for &(_, lib, shipped) in PLUGINS {
+    for &(_, lib, shipped, native) in PLUGINS {
         let wasm = wasm_dir.join(format!("{lib}.wasm"));
         track(&wasm_dir.join(format!("{lib}.d")));
         let konst = lib.to_uppercase();
@@ -109,10 +109,12 @@ fn main() {
             if fresh {
                 fs::copy(&wasm, &dest).unwrap_or_else(|e| panic!("copy to {}: {e}", dest.display()));
             }
+            each += &format!("    ({name:?}, {konst}_WASM, {konst}_SO),\n");
+        }
+        if native {
             let so = native_dir.join(format!("lib{lib}.so"));
             track(&native_dir.join(format!("lib{lib}.d")));
             code += &format!("/// The native build of `{name}`.\npub const {konst}_SO: &str = {:?};\n", so.display().to_string());
-            each += &format!("    ({name:?}, {konst}_WASM, {konst}_SO),\n");
         }
     }
     code += &format!(

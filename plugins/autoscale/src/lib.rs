@@ -72,6 +72,18 @@ const KEYS: &[&str] = &[
 ];
 
 impl Autoscale {
+    /// True when some worker is below the straggler ratio right now: the
+    /// job's throughput is then no measure of its size.
+    fn suspect(&self, view: &ClusterView) -> bool {
+        let mut now: Vec<f64> = view.workers.iter().map(|w| w.throughput).collect();
+        if now.len() < 2 {
+            return false;
+        }
+        now.sort_by(f64::total_cmp);
+        let median = now[now.len() / 2];
+        median > 0.0 && now[0] / median < self.straggler_ratio
+    }
+
     /// Updates the per-worker EWMAs; returns the workers to replace.
     fn stragglers(&mut self, view: &ClusterView) -> Vec<u64> {
         let present: HashSet<u64> = view.workers.iter().map(|w| w.id).collect();
@@ -151,6 +163,11 @@ impl ScalingPolicy for Autoscale {
             self.samples.clear();
             self.skip = self.warmup;
             return slow.into_iter().map(Action::Replace).collect();
+        }
+        if self.suspect(view) {
+            // Wait for the EWMA to confirm (or clear) a straggler before measuring.
+            self.samples.clear();
+            return vec![Action::Hold];
         }
 
         let k = view.world_size;
@@ -234,6 +251,18 @@ mod tests {
             history.iter().flat_map(|r| &r.actions).filter(|a| matches!(a, Action::Replace(_))).collect();
         assert_eq!(replaced, vec![&Action::Replace(slow)]);
         assert!(!sim.worker_ids().contains(&slow));
+    }
+
+    #[test]
+    fn a_straggler_does_not_move_a_settled_job() {
+        let mut p = testing::policy::<Autoscale>(&[]).unwrap();
+        let mut sim = SimCluster::saturating(4, 1, 8);
+        sim.run(60, |v| p.decide(v));
+        assert_eq!(sim.world_size(), 4);
+        sim.set_speed(1, 0.5);
+        let history = sim.run(30, |v| p.decide(v));
+        assert!(history.iter().all(|r| r.world_size == 4), "{history:#?}");
+        assert_eq!(history.iter().flat_map(|r| &r.actions).filter(|a| matches!(a, Action::Replace(_))).count(), 1);
     }
 
     #[test]

@@ -133,6 +133,11 @@ impl PluginHost {
         &self.cache
     }
 
+    /// The cache file a component with these bytes is (or would be) kept in.
+    pub fn cache_entry(&self, wasm: &[u8]) -> Option<std::path::PathBuf> {
+        self.cache.entry(&self.engine, wasm)
+    }
+
     /// Loads a scaling policy (`.wasm` component or native `.so`).
     pub fn load_policy(&self, path: &Path, config: &[(String, String)]) -> Result<Box<dyn PolicyPlugin>, Error> {
         match self.load(path, config, Some(World::ScalingPolicy))? {
