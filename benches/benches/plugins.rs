@@ -1,1 +1,97 @@
-fn main(){}
+//! Plugin host benchmarks: what a call costs through the sandbox, against a
+//! native library and a plain Rust call; what loading costs with and without
+//! the artifact cache.
+//!
+//!     cargo bench -p edl-benches --bench plugins
+
+use autoscale::Autoscale;
+use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use edl_plugin_artifacts as art;
+use edl_plugin_sdk::{Batch, ClusterView, Dtype, ScalingPolicy, WorkerStats, testing};
+use edl_runtime::plugin::{ArtifactCache, HostOptions, PluginHost};
+use std::{hint::black_box, path::Path};
+
+fn steady_view() -> ClusterView {
+    ClusterView {
+        step: 1000,
+        world_size: 4,
+        min_workers: 1,
+        max_workers: 8,
+        free_slots: 4,
+        global_batch: 256,
+        throughput: 3760.0,
+        workers: (0..4).map(|id| WorkerStats { id, throughput: 940.0 }).collect(),
+        secs_since_change: 30.0,
+        samples_remaining: 1_000_000,
+        ..Default::default()
+    }
+}
+
+fn policy_decision(c: &mut Criterion) {
+    let cache = tempfile::tempdir().unwrap();
+    let host = PluginHost::new(HostOptions { cache: ArtifactCache::at(cache.path()), ..Default::default() })
+        .unwrap();
+    let view = steady_view();
+    let mut wasm = host.load_policy(Path::new(art::AUTOSCALE_WASM), &[]).unwrap();
+    let mut native = host.load_policy(Path::new(art::AUTOSCALE_SO), &[]).unwrap();
+    let mut rust = testing::policy::<Autoscale>(&[]).unwrap();
+
+    let mut g = c.benchmark_group("policy-decision");
+    g.bench_function("wasm", |b| b.iter(|| wasm.decide(black_box(&view)).unwrap()));
+    g.bench_function("native-so", |b| b.iter(|| native.decide(black_box(&view)).unwrap()));
+    g.bench_function("rust-call", |b| b.iter(|| rust.decide(black_box(&view))));
+    g.finish();
+}
+
+fn mnist_batch(n: usize) -> Batch {
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    Batch {
+        data: (0..n * 784)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (x >> 56) as u8
+            })
+            .collect(),
+        shape: vec![n as u32, 28, 28],
+        dtype: Dtype::Uint8,
+        labels: (0..n as u32).map(|i| i % 10).collect(),
+        ids: (0..n as u64).collect(),
+        seed: 42,
+    }
+}
+
+fn augment_transform(c: &mut Criterion) {
+    let cache = tempfile::tempdir().unwrap();
+    let host = PluginHost::new(HostOptions { cache: ArtifactCache::at(cache.path()), ..Default::default() })
+        .unwrap();
+    let batch = mnist_batch(256);
+    let mut wasm = host.load_transform(Path::new(art::AUGMENT_WASM), &[]).unwrap();
+    let mut native = host.load_transform(Path::new(art::AUGMENT_SO), &[]).unwrap();
+
+    let mut g = c.benchmark_group("augment-256x784");
+    g.throughput(Throughput::Elements(256));
+    g.bench_function("wasm", |b| b.iter(|| wasm.apply(black_box(&batch)).unwrap()));
+    g.bench_function("native-so", |b| b.iter(|| native.apply(black_box(&batch)).unwrap()));
+    g.finish();
+}
+
+fn plugin_load(c: &mut Criterion) {
+    let cold =
+        PluginHost::new(HostOptions { cache: ArtifactCache::disabled(), ..Default::default() }).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let warm =
+        PluginHost::new(HostOptions { cache: ArtifactCache::at(dir.path()), ..Default::default() }).unwrap();
+    let file = Path::new(art::AUTOSCALE_WASM);
+    warm.load_policy(file, &[]).unwrap();
+
+    let mut g = c.benchmark_group("plugin-load");
+    g.sample_size(10);
+    g.bench_function("compile", |b| {
+        b.iter_batched(|| (), |()| cold.load_policy(file, &[]).unwrap(), BatchSize::PerIteration)
+    });
+    g.bench_function("cached", |b| b.iter(|| warm.load_policy(file, &[]).unwrap()));
+    g.finish();
+}
+
+criterion_group!(benches, policy_decision, augment_transform, plugin_load);
+criterion_main!(benches);

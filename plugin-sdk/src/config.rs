@@ -55,10 +55,9 @@ impl Config {
     pub fn expect_only(&self, known: &[&str]) -> Result<(), PluginError> {
         match self.entries.iter().find(|(k, _)| !known.contains(&k.as_str())) {
             None => Ok(()),
-            Some((k, _)) => Err(PluginError::InvalidConfig(format!(
-                "unknown key `{k}` (accepted: {})",
-                known.join(", ")
-            ))),
+            Some((k, _)) => {
+                Err(PluginError::InvalidConfig(format!("unknown key `{k}` (accepted: {})", known.join(", "))))
+            }
         }
     }
 }

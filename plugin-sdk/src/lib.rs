@@ -40,8 +40,7 @@ pub mod types;
 
 pub use config::Config;
 pub use types::{
-    Action, Batch, ClusterView, Dtype, Hyperparams, PluginError, PluginInfo, ResizeEvent,
-    WorkerStats,
+    Action, Batch, ClusterView, Dtype, Hyperparams, PluginError, PluginInfo, ResizeEvent, WorkerStats,
 };
 
 include!(concat!(env!("OUT_DIR"), "/wit.rs"));
@@ -226,9 +225,7 @@ macro_rules! export_reader_transform {
                     SLOT.set(plugin);
                     Ok(())
                 }
-                fn apply(
-                    batch: $crate::Batch,
-                ) -> ::std::result::Result<$crate::Batch, $crate::PluginError> {
+                fn apply(batch: $crate::Batch) -> ::std::result::Result<$crate::Batch, $crate::PluginError> {
                     SLOT.with(|p| $crate::ReaderTransform::apply(p, batch))
                 }
             }

@@ -14,8 +14,8 @@
 //! buffers belong to the plugin instance and stay valid until its next call.
 
 use crate::{
-    Action, Batch, BatchAdapter, ClusterView, Config, Dtype, Hyperparams, PluginError,
-    ReaderTransform, ResizeEvent, ScalingPolicy, WorkerStats,
+    Action, Batch, BatchAdapter, ClusterView, Config, Dtype, Hyperparams, PluginError, ReaderTransform,
+    ResizeEvent, ScalingPolicy, WorkerStats,
 };
 use std::{ffi::c_void, panic::AssertUnwindSafe};
 
@@ -316,10 +316,7 @@ pub unsafe fn plugin_init<T: Default>(
 ) -> i32 {
     let pairs = unsafe { RawSlice { ptr: pairs, len }.as_slice() };
     let config = Config::new(
-        pairs
-            .iter()
-            .map(|p| unsafe { (p.key.to_string_lossy(), p.value.to_string_lossy()) })
-            .collect(),
+        pairs.iter().map(|p| unsafe { (p.key.to_string_lossy(), p.value.to_string_lossy()) }).collect(),
     );
     unsafe {
         with_instance::<T>(handle, |inst| {

@@ -18,8 +18,7 @@
 //! ```
 
 use crate::{
-    Action, BatchAdapter, ClusterView, Config, PluginError, ReaderTransform, ScalingPolicy,
-    WorkerStats,
+    Action, BatchAdapter, ClusterView, Config, PluginError, ReaderTransform, ScalingPolicy, WorkerStats,
 };
 use serde::{Deserialize, Serialize};
 

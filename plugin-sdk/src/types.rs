@@ -207,10 +207,7 @@ impl Batch {
     /// The data as f32 values (copies; `None` unless dtype is float32).
     pub fn to_f32(&self) -> Option<Vec<f32>> {
         (self.dtype == Dtype::Float32).then(|| {
-            self.data
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect()
+            self.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
         })
     }
 }

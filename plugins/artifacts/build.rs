@@ -25,11 +25,7 @@ const PLUGINS: &[(&str, &str, bool, bool)] = &[
 
 fn cargo(workspace: &Path, target_dir: &Path, target: Option<&str>, packages: &[&str]) {
     let mut cmd = Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    cmd.current_dir(workspace)
-        .arg("build")
-        .arg("--release")
-        .arg("--target-dir")
-        .arg(target_dir);
+    cmd.current_dir(workspace).arg("build").arg("--release").arg("--target-dir").arg(target_dir);
     if let Some(t) = target {
         cmd.arg("--target").arg(t);
     }
@@ -80,7 +76,23 @@ fn track(dep_file: &Path) {
     }
 }
 
+/// Adds the wasm32-wasip2 target when rustup manages the toolchain and it is
+/// missing (rustup installs a toolchain file's targets only with the toolchain).
+fn ensure_wasm_target() {
+    let installed = Command::new("rustup").args(["target", "list", "--installed"]).output();
+    let Ok(out) = installed else { return };
+    if String::from_utf8_lossy(&out.stdout).lines().any(|l| l.trim() == "wasm32-wasip2") {
+        return;
+    }
+    println!("cargo:warning=installing the wasm32-wasip2 target (rustup target add wasm32-wasip2)");
+    let ok = Command::new("rustup").args(["target", "add", "wasm32-wasip2"]).status().map(|s| s.success());
+    if ok != Ok(true) {
+        println!("cargo:warning=`rustup target add wasm32-wasip2` failed; the plugin build will say why");
+    }
+}
+
 fn main() {
+    ensure_wasm_target();
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
     let workspace = manifest.parent().unwrap().parent().unwrap().to_path_buf();
     let target_dir = workspace.join("target").join("plugin-build");
@@ -102,7 +114,10 @@ fn main() {
         track(&wasm_dir.join(format!("{lib}.d")));
         let konst = lib.to_uppercase();
         let name = lib.replace('_', "-");
-        code += &format!("/// The `{name}` component.\npub const {konst}_WASM: &str = {:?};\n", wasm.display().to_string());
+        code += &format!(
+            "/// The `{name}` component.\npub const {konst}_WASM: &str = {:?};\n",
+            wasm.display().to_string()
+        );
         if shipped {
             let dest = workspace.join("plugins").join(format!("{name}.wasm"));
             let fresh = fs::read(&wasm).ok() != fs::read(&dest).ok();
@@ -114,7 +129,10 @@ fn main() {
         if native {
             let so = native_dir.join(format!("lib{lib}.so"));
             track(&native_dir.join(format!("lib{lib}.d")));
-            code += &format!("/// The native build of `{name}`.\npub const {konst}_SO: &str = {:?};\n", so.display().to_string());
+            code += &format!(
+                "/// The native build of `{name}`.\npub const {konst}_SO: &str = {:?};\n",
+                so.display().to_string()
+            );
         }
     }
     code += &format!(

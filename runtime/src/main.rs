@@ -140,7 +140,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     println!("{}", serde_json::to_string(&d)?);
                 } else {
                     let actions: Vec<String> = d.actions.iter().map(|a| a.to_string()).collect();
-                    println!("step {:>7}  world {:>3}  {:>10.1} samples/s  {}", d.step, d.world_size, d.throughput, actions.join(", "));
+                    println!(
+                        "step {:>7}  world {:>3}  {:>10.1} samples/s  {}",
+                        d.step,
+                        d.world_size,
+                        d.throughput,
+                        actions.join(", ")
+                    );
                 }
             }
             Ok(ExitCode::SUCCESS)
@@ -152,14 +158,19 @@ fn run(cli: Cli) -> Result<ExitCode> {
 fn inspect(host: &PluginHost, file: &std::path::Path) -> Result<ExitCode> {
     let i = host.inspect(file)?;
     println!("file:        {} ({} bytes)", file.display(), i.size);
-    println!("kind:        {}", if i.kind == "wasm" { "WebAssembly component (sandboxed)" } else { "native library (trusted)" });
+    println!(
+        "kind:        {}",
+        if i.kind == "wasm" { "WebAssembly component (sandboxed)" } else { "native library (trusted)" }
+    );
     println!("world:       {}", i.world);
     println!("interface:   {}", i.interface_version);
     println!("plugin:      {} {}", i.info.name, i.info.version);
     println!("description: {}", i.info.description);
     println!("exports:     {}", i.exports.join(", "));
     match (i.cached, &i.cache_entry) {
-        (Some(c), Some(entry)) => println!("cached:      {} ({})", if c { "yes" } else { "no, compiled now" }, entry.display()),
+        (Some(c), Some(entry)) => {
+            println!("cached:      {} ({})", if c { "yes" } else { "no, compiled now" }, entry.display())
+        }
         (_, _) if i.kind == "wasm" => println!("cached:      cache disabled"),
         _ => println!("cached:      not applicable"),
     }
@@ -196,24 +207,45 @@ fn simulate(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         "simulated cluster: {}..{} workers, throughput saturates at 4 workers, worker 1 slows to 0.5x half way",
         args.min_workers, args.max_workers
     );
-    let mut hyper = Hyperparams { global_batch: 64 * sim.world_size(), local_batch: 64, lr: 0.1, momentum: 0.9 };
+    let mut hyper =
+        Hyperparams { global_batch: 64 * sim.world_size(), local_batch: 64, lr: 0.1, momentum: 0.9 };
     let print = |d: &replay::Decision, e: Option<&replay::ScaleEvent>| {
         if let Some(e) = e {
-            let hp = e.hyperparams.map(|h| format!("  global batch {} lr {:.4}", h.global_batch, h.lr)).unwrap_or_default();
-            println!("step {:>5}  {} -> {} workers  [{}]  {:.0} samples/s before{hp}", e.step, e.from, e.to, e.reason, d.throughput);
+            let hp = e
+                .hyperparams
+                .map(|h| format!("  global batch {} lr {:.4}", h.global_batch, h.lr))
+                .unwrap_or_default();
+            println!(
+                "step {:>5}  {} -> {} workers  [{}]  {:.0} samples/s before{hp}",
+                e.step, e.from, e.to, e.reason, d.throughput
+            );
         }
     };
     let half = args.decisions / 2;
-    let first = replay::simulate(policy.as_mut(), adapter.as_mut().map(|a| a.as_mut() as &mut dyn AdapterPlugin), &mut sim, half, hyper, print)
-        .context("simulation")?;
+    let first = replay::simulate(
+        policy.as_mut(),
+        adapter.as_mut().map(|a| a.as_mut() as &mut dyn AdapterPlugin),
+        &mut sim,
+        half,
+        hyper,
+        print,
+    )
+    .context("simulation")?;
     if let Some(h) = first.events.iter().rev().find_map(|e| e.hyperparams) {
         hyper = h;
     }
     if sim.world_size() > 1 {
         sim.set_speed(1, 0.5);
     }
-    let second = replay::simulate(policy.as_mut(), adapter.as_mut().map(|a| a.as_mut() as &mut dyn AdapterPlugin), &mut sim, args.decisions - half, hyper, print)
-        .context("simulation")?;
+    let second = replay::simulate(
+        policy.as_mut(),
+        adapter.as_mut().map(|a| a.as_mut() as &mut dyn AdapterPlugin),
+        &mut sim,
+        args.decisions - half,
+        hyper,
+        print,
+    )
+    .context("simulation")?;
     let events = first.events.len() + second.events.len();
     println!(
         "done: {} decisions, {} scale events, final world size {}, throughput {:.0} samples/s",

@@ -22,15 +22,19 @@ pub enum TraceError {
 /// starting with `#` are skipped. Missing fields default to zero.
 pub fn read_trace(path: &Path) -> Result<Vec<ClusterView>, TraceError> {
     let shown = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| TraceError::Read { path: shown.clone(), source })?;
+    let text =
+        std::fs::read_to_string(path).map_err(|source| TraceError::Read { path: shown.clone(), source })?;
     let mut views = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        let view = serde_json::from_str(line)
-            .map_err(|source| TraceError::Parse { path: shown.clone(), line: i + 1, source })?;
+        let view = serde_json::from_str(line).map_err(|source| TraceError::Parse {
+            path: shown.clone(),
+            line: i + 1,
+            source,
+        })?;
         views.push(view);
     }
     if views.is_empty() {
@@ -54,7 +58,12 @@ pub fn replay(policy: &mut dyn PolicyPlugin, views: &[ClusterView]) -> Result<Ve
     views
         .iter()
         .map(|v| {
-            Ok(Decision { step: v.step, world_size: v.world_size, throughput: v.throughput, actions: policy.decide(v)? })
+            Ok(Decision {
+                step: v.step,
+                world_size: v.world_size,
+                throughput: v.throughput,
+                actions: policy.decide(v)?,
+            })
         })
         .collect()
 }
@@ -106,14 +115,16 @@ pub fn simulate(
                 hyper = a.on_resize(&ev, &hyper)?;
                 chosen = Some(hyper);
             }
-            event = Some(ScaleEvent { step: view.step, from: before, to: after, reason, hyperparams: chosen });
+            event =
+                Some(ScaleEvent { step: view.step, from: before, to: after, reason, hyperparams: chosen });
         }
         if let Some(a) = adapter.as_deref_mut() {
             for s in view.step..view.step + sim.steps_per_decision {
                 hyper = a.on_step(s, &hyper)?;
             }
         }
-        let decision = Decision { step: view.step, world_size: view.world_size, throughput: view.throughput, actions };
+        let decision =
+            Decision { step: view.step, world_size: view.world_size, throughput: view.throughput, actions };
         on_round(&decision, event.as_ref());
         out.decisions.push(decision);
         out.events.extend(event);

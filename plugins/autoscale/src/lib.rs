@@ -101,8 +101,7 @@ impl Autoscale {
         let mut values: Vec<f64> = self.ewma.values().map(|e| e.0).collect();
         values.sort_by(f64::total_cmp);
         let mid = values.len() / 2;
-        let median =
-            if values.len() % 2 == 1 { values[mid] } else { (values[mid - 1] + values[mid]) / 2.0 };
+        let median = if values.len() % 2 == 1 { values[mid] } else { (values[mid - 1] + values[mid]) / 2.0 };
         if median <= 0.0 {
             return Vec::new();
         }
@@ -212,8 +211,7 @@ impl ScalingPolicy for Autoscale {
                 Some(&r_prev) if k > 1 => r_k - r_prev,
                 _ => r_k / k.max(1) as f64,
             };
-            if gain / (r_k / k.max(1) as f64) > self.threshold
-                && self.worth(view, k, r_k, k + 1, r_k + gain)
+            if gain / (r_k / k.max(1) as f64) > self.threshold && self.worth(view, k, r_k, k + 1, r_k + gain)
             {
                 return vec![Action::ScaleOut(1)];
             }
@@ -262,7 +260,10 @@ mod tests {
         sim.set_speed(1, 0.5);
         let history = sim.run(30, |v| p.decide(v));
         assert!(history.iter().all(|r| r.world_size == 4), "{history:#?}");
-        assert_eq!(history.iter().flat_map(|r| &r.actions).filter(|a| matches!(a, Action::Replace(_))).count(), 1);
+        assert_eq!(
+            history.iter().flat_map(|r| &r.actions).filter(|a| matches!(a, Action::Replace(_))).count(),
+            1
+        );
     }
 
     #[test]

@@ -86,10 +86,7 @@ impl BatchAdapter for DynamicBatch {
     fn on_resize(&mut self, event: &ResizeEvent, current: &Hyperparams) -> Hyperparams {
         let (old, new) = (event.old_world_size.max(1), event.new_world_size.max(1));
         match self.mode {
-            Mode::FixedGlobal => Hyperparams {
-                local_batch: (current.global_batch / new).max(1),
-                ..*current
-            },
+            Mode::FixedGlobal => Hyperparams { local_batch: (current.global_batch / new).max(1), ..*current },
             Mode::Ramp => {
                 let k = new as f32 / old as f32;
                 let factor = match self.scaling {
@@ -103,11 +100,7 @@ impl BatchAdapter for DynamicBatch {
                     None => current.lr,
                 };
                 self.ramp = Some(Ramp { start: event.step, base_lr, factor });
-                Hyperparams {
-                    global_batch: current.local_batch * new,
-                    lr: base_lr,
-                    ..*current
-                }
+                Hyperparams { global_batch: current.local_batch * new, lr: base_lr, ..*current }
             }
         }
     }

@@ -72,12 +72,22 @@ impl From<wit::Action> for sdk::Action {
 }
 
 pub fn hyperparams(h: &sdk::Hyperparams) -> wit::Hyperparams {
-    wit::Hyperparams { global_batch: h.global_batch, local_batch: h.local_batch, lr: h.lr, momentum: h.momentum }
+    wit::Hyperparams {
+        global_batch: h.global_batch,
+        local_batch: h.local_batch,
+        lr: h.lr,
+        momentum: h.momentum,
+    }
 }
 
 impl From<wit::Hyperparams> for sdk::Hyperparams {
     fn from(h: wit::Hyperparams) -> Self {
-        sdk::Hyperparams { global_batch: h.global_batch, local_batch: h.local_batch, lr: h.lr, momentum: h.momentum }
+        sdk::Hyperparams {
+            global_batch: h.global_batch,
+            local_batch: h.local_batch,
+            lr: h.lr,
+            momentum: h.momentum,
+        }
     }
 }
 

@@ -67,7 +67,10 @@ impl Error {
     pub fn is_trap(&self) -> bool {
         matches!(
             self,
-            Error::Trap { .. } | Error::Deadline { .. } | Error::MemoryLimit { .. } | Error::NativePanic { .. }
+            Error::Trap { .. }
+                | Error::Deadline { .. }
+                | Error::MemoryLimit { .. }
+                | Error::NativePanic { .. }
         )
     }
 }

@@ -98,7 +98,8 @@ enum FileKind {
 impl PluginHost {
     /// A host with these options; starts the thread that drives deadlines.
     pub fn new(options: HostOptions) -> Result<Arc<Self>, Error> {
-        let engine_err = |e: wasmtime::Error| Error::Engine { path: "<engine>".into(), detail: format!("{e:#}") };
+        let engine_err =
+            |e: wasmtime::Error| Error::Engine { path: "<engine>".into(), detail: format!("{e:#}") };
         let mut config = wasmtime::Config::new();
         config.wasm_component_model(true);
         // No async component-model features: a plain call is ~4x cheaper.
@@ -139,7 +140,11 @@ impl PluginHost {
     }
 
     /// Loads a scaling policy (`.wasm` component or native `.so`).
-    pub fn load_policy(&self, path: &Path, config: &[(String, String)]) -> Result<Box<dyn PolicyPlugin>, Error> {
+    pub fn load_policy(
+        &self,
+        path: &Path,
+        config: &[(String, String)],
+    ) -> Result<Box<dyn PolicyPlugin>, Error> {
         match self.load(path, config, Some(World::ScalingPolicy))? {
             Loaded::Policy(p) => Ok(p),
             _ => unreachable!("load checks the world"),
@@ -147,7 +152,11 @@ impl PluginHost {
     }
 
     /// Loads a batch adapter.
-    pub fn load_adapter(&self, path: &Path, config: &[(String, String)]) -> Result<Box<dyn AdapterPlugin>, Error> {
+    pub fn load_adapter(
+        &self,
+        path: &Path,
+        config: &[(String, String)],
+    ) -> Result<Box<dyn AdapterPlugin>, Error> {
         match self.load(path, config, Some(World::BatchAdapter))? {
             Loaded::Adapter(p) => Ok(p),
             _ => unreachable!("load checks the world"),
@@ -167,7 +176,12 @@ impl PluginHost {
     }
 
     /// Loads a plugin of any world, or of `expected` only.
-    pub fn load(&self, path: &Path, config: &[(String, String)], expected: Option<World>) -> Result<Loaded, Error> {
+    pub fn load(
+        &self,
+        path: &Path,
+        config: &[(String, String)],
+        expected: Option<World>,
+    ) -> Result<Loaded, Error> {
         let shown = path.display().to_string();
         let bytes = std::fs::read(path).map_err(|source| Error::Read { path: shown.clone(), source })?;
         match classify(&shown, &bytes)? {
@@ -175,7 +189,18 @@ impl PluginHost {
             FileKind::Component => {
                 let (component, cache) = self.compile(&shown, &bytes)?;
                 let (world, _) = self.world_of(&shown, &component, expected)?;
-                wasm::load(wasm::Ctx { path: shown, engine: &self.engine, linker: &self.linker, limits: self.limits }, &component, world, config, cache)
+                wasm::load(
+                    wasm::Ctx {
+                        path: shown,
+                        engine: &self.engine,
+                        linker: &self.linker,
+                        limits: self.limits,
+                    },
+                    &component,
+                    world,
+                    config,
+                    cache,
+                )
             }
         }
     }
@@ -204,7 +229,12 @@ impl PluginHost {
                 let was_cached = entry.as_ref().map(|e| e.exists());
                 let (component, cache) = self.compile(&shown, &bytes)?;
                 let (world, exports) = self.world_of(&shown, &component, None)?;
-                let ctx = wasm::Ctx { path: shown, engine: &self.engine, linker: &self.linker, limits: self.limits };
+                let ctx = wasm::Ctx {
+                    path: shown,
+                    engine: &self.engine,
+                    linker: &self.linker,
+                    limits: self.limits,
+                };
                 let loaded = wasm::load(ctx, &component, world, &[], cache)?;
                 Ok(Inspection {
                     world,
@@ -228,7 +258,12 @@ impl PluginHost {
 
     /// The world a component implements, from its export names
     /// (`edl:plugins/<interface>@<version>`), and every export name.
-    fn world_of(&self, path: &str, component: &Component, expected: Option<World>) -> Result<(World, Vec<String>), Error> {
+    fn world_of(
+        &self,
+        path: &str,
+        component: &Component,
+        expected: Option<World>,
+    ) -> Result<(World, Vec<String>), Error> {
         let ty = component.component_type();
         let exports: Vec<String> = ty.exports(&self.engine).map(|(name, _)| name.to_string()).collect();
         let ours = exports.iter().find_map(|name| {
@@ -246,7 +281,11 @@ impl PluginHost {
             });
         };
         if version != WIT_VERSION {
-            return Err(Error::IncompatibleVersion { path: path.into(), found: version, expected: WIT_VERSION.into() });
+            return Err(Error::IncompatibleVersion {
+                path: path.into(),
+                found: version,
+                expected: WIT_VERSION.into(),
+            });
         }
         let world = World::from_interface(&iface).ok_or_else(|| Error::InvalidComponent {
             path: path.into(),

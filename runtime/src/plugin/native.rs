@@ -45,9 +45,12 @@ fn native_err(path: &str, detail: impl Into<String>) -> Error {
 }
 
 unsafe fn symbol<T: Copy>(lib: &Library, path: &str, name: &str) -> Result<T, Error> {
-    unsafe { lib.get::<T>(name.as_bytes()) }
-        .map(|s| *s)
-        .map_err(|_| native_err(path, format!("missing symbol `{name}`; was it built with an edl-plugin-sdk export macro?")))
+    unsafe { lib.get::<T>(name.as_bytes()) }.map(|s| *s).map_err(|_| {
+        native_err(
+            path,
+            format!("missing symbol `{name}`; was it built with an edl-plugin-sdk export macro?"),
+        )
+    })
 }
 
 impl Common {
@@ -64,8 +67,11 @@ impl Common {
         if self.handle.is_null() {
             return Err(native_err(&self.path, "creating the plugin instance panicked"));
         }
-        let pairs: Vec<RawPair> =
-            self.config.iter().map(|(k, v)| RawPair { key: RawStr::borrow(k), value: RawStr::borrow(v) }).collect();
+        let pairs: Vec<RawPair> = self
+            .config
+            .iter()
+            .map(|(k, v)| RawPair { key: RawStr::borrow(k), value: RawStr::borrow(v) })
+            .collect();
         let code = unsafe { (self.init)(self.handle, pairs.as_ptr(), pairs.len()) };
         match self.check("init", code) {
             Err(Error::Guest { error, .. }) => Err(Error::Init { path: self.path.clone(), error }),
@@ -129,8 +135,10 @@ pub fn load(path: &Path, config: &[(String, String)], expected: Option<World>) -
     let shown = path.display().to_string();
     // SAFETY: loading a native plugin runs its initialisers; native plugins
     // are trusted by definition (the sandboxed form is the `.wasm`).
-    let lib = unsafe { Library::new(path) }
-        .map_err(|e| Error::NotAPlugin { path: shown.clone(), detail: format!("cannot load native library: {e}") })?;
+    let lib = unsafe { Library::new(path) }.map_err(|e| Error::NotAPlugin {
+        path: shown.clone(),
+        detail: format!("cannot load native library: {e}"),
+    })?;
     let lib = Arc::new(lib);
     unsafe {
         let abi: unsafe extern "C" fn() -> u32 = lib
@@ -222,8 +230,9 @@ impl PolicyPlugin for NativePolicy {
         unsafe { out.as_slice() }
             .iter()
             .map(|a| {
-                Action::try_from(*a)
-                    .map_err(|tag| native_err(&self.common.path, format!("decide returned unknown action tag {tag}")))
+                Action::try_from(*a).map_err(|tag| {
+                    native_err(&self.common.path, format!("decide returned unknown action tag {tag}"))
+                })
             })
             .collect()
     }
@@ -262,6 +271,7 @@ impl TransformPlugin for NativeTransform {
         let mut out = raw;
         let code = unsafe { (self.apply)(self.common.handle, &raw, &mut out) };
         self.common.check("apply", code)?;
-        unsafe { out.to_batch() }.map_err(|e| native_err(&self.common.path, format!("apply returned a bad batch: {e}")))
+        unsafe { out.to_batch() }
+            .map_err(|e| native_err(&self.common.path, format!("apply returned a bad batch: {e}")))
     }
 }

@@ -44,7 +44,12 @@ pub struct Reloading<T: ?Sized> {
 }
 
 impl<T: ?Sized + Plugin> Reloading<T> {
-    fn new(host: Arc<PluginHost>, path: &Path, config: &[(String, String)], loader: Loader<T>) -> Result<Self, Error> {
+    fn new(
+        host: Arc<PluginHost>,
+        path: &Path,
+        config: &[(String, String)],
+        loader: Loader<T>,
+    ) -> Result<Self, Error> {
         let stamp = stamp(path);
         let current = loader(&host, path, config)?;
         Ok(Reloading {

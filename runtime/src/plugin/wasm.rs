@@ -37,7 +37,12 @@ struct MemoryCap {
 }
 
 impl ResourceLimiter for MemoryCap {
-    fn memory_growing(&mut self, _current: usize, desired: usize, _max: Option<usize>) -> wasmtime::Result<bool> {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _max: Option<usize>,
+    ) -> wasmtime::Result<bool> {
         if desired > self.limit {
             self.hit = true;
             return Ok(false);
@@ -45,7 +50,12 @@ impl ResourceLimiter for MemoryCap {
         Ok(true)
     }
 
-    fn table_growing(&mut self, _current: usize, desired: usize, _max: Option<usize>) -> wasmtime::Result<bool> {
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _max: Option<usize>,
+    ) -> wasmtime::Result<bool> {
         Ok(desired <= 1 << 20)
     }
 }
@@ -119,7 +129,12 @@ pub struct Sandboxed<B: WorldBindings> {
 }
 
 impl<B: WorldBindings> Sandboxed<B> {
-    fn new(ctx: Ctx<'_>, component: &Component, config: &[(String, String)], cache: CacheStatus) -> Result<Self, Error> {
+    fn new(
+        ctx: Ctx<'_>,
+        component: &Component,
+        config: &[(String, String)],
+        cache: CacheStatus,
+    ) -> Result<Self, Error> {
         let instance_pre = ctx
             .linker
             .instantiate_pre(component)
@@ -173,7 +188,13 @@ impl<B: WorldBindings> Sandboxed<B> {
         }
     }
 
-    fn classify(&self, call: &'static str, e: wasmtime::Error, store: &Store<HostState>, stderr: &CapturedStderr) -> Error {
+    fn classify(
+        &self,
+        call: &'static str,
+        e: wasmtime::Error,
+        store: &Store<HostState>,
+        stderr: &CapturedStderr,
+    ) -> Error {
         let path = self.path.clone();
         if e.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
             return Error::Deadline { path, call, deadline_ms: self.limits.deadline.as_millis() as u64 };
@@ -273,8 +294,8 @@ pub fn load(
         World::BatchAdapter => {
             Loaded::Adapter(Box::new(Sandboxed::<adapter::BatchAdapter>::new(ctx, component, config, cache)?))
         }
-        World::ReaderTransform => {
-            Loaded::Transform(Box::new(Sandboxed::<transform::ReaderTransform>::new(ctx, component, config, cache)?))
-        }
+        World::ReaderTransform => Loaded::Transform(Box::new(Sandboxed::<transform::ReaderTransform>::new(
+            ctx, component, config, cache,
+        )?)),
     })
 }

@@ -12,7 +12,8 @@ fn the_second_load_does_not_compile() {
     let second = host.load_policy(path(art::AUTOSCALE_WASM), &[]).unwrap();
     assert_eq!(second.backend(), Backend::Wasm { cache: CacheStatus::Hit });
     // A second host (another process, in effect) finds it too.
-    let other = PluginHost::new(HostOptions { cache: ArtifactCache::at(dir.path()), ..Default::default() }).unwrap();
+    let other =
+        PluginHost::new(HostOptions { cache: ArtifactCache::at(dir.path()), ..Default::default() }).unwrap();
     let third = other.load_policy(path(art::AUTOSCALE_WASM), &[]).unwrap();
     assert_eq!(third.backend(), Backend::Wasm { cache: CacheStatus::Hit });
 }
@@ -32,7 +33,8 @@ fn a_corrupt_cache_entry_is_recompiled() {
 
 #[test]
 fn a_disabled_cache_always_compiles() {
-    let host = PluginHost::new(HostOptions { cache: ArtifactCache::disabled(), ..Default::default() }).unwrap();
+    let host =
+        PluginHost::new(HostOptions { cache: ArtifactCache::disabled(), ..Default::default() }).unwrap();
     let p = host.load_policy(path(art::SCHEDULE_WASM), &[]).unwrap();
     assert_eq!(p.backend(), Backend::Wasm { cache: CacheStatus::Disabled });
 }

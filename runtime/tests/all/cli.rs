@@ -10,7 +10,11 @@ fn edl(args: &[&str], cache: &std::path::Path) -> (bool, String, String) {
         .arg(cache)
         .output()
         .unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
 }
 
 #[test]
@@ -18,7 +22,13 @@ fn inspect_describes_a_plugin_and_its_cache_state() {
     let cache = tempfile::tempdir().unwrap();
     let (ok, out, err) = edl(&["plugin", "inspect", art::AUTOSCALE_WASM], cache.path());
     assert!(ok, "{err}");
-    for want in ["world:       scaling-policy", "interface:   edl:plugins@0.1.0", "edl-plugin-autoscale 0.1.0", "edl:plugins/policy@0.1.0", "cached:      no"] {
+    for want in [
+        "world:       scaling-policy",
+        "interface:   edl:plugins@0.1.0",
+        "edl-plugin-autoscale 0.1.0",
+        "edl:plugins/policy@0.1.0",
+        "cached:      no",
+    ] {
         assert!(out.contains(want), "missing {want:?} in\n{out}");
     }
     let (_, again, _) = edl(&["plugin", "inspect", art::AUTOSCALE_WASM], cache.path());
@@ -60,7 +70,17 @@ fn replay_prints_a_policys_decisions_over_a_trace() {
     }
     std::fs::write(&trace, lines).unwrap();
     let (ok, out, err) = edl(
-        &["plugin", "replay", "--policy", art::SCHEDULE_WASM, "--trace", trace.to_str().unwrap(), "--config", "every=100", "--json"],
+        &[
+            "plugin",
+            "replay",
+            "--policy",
+            art::SCHEDULE_WASM,
+            "--trace",
+            trace.to_str().unwrap(),
+            "--config",
+            "every=100",
+            "--json",
+        ],
         cache.path(),
     );
     assert!(ok, "{err}");
@@ -70,7 +90,10 @@ fn replay_prints_a_policys_decisions_over_a_trace() {
     assert_eq!(actions[1]["actions"], serde_json::json!(["hold"]), "{out}");
 
     std::fs::write(&trace, "{\"step\": 1}\nnot json\n").unwrap();
-    let (ok, _, err) = edl(&["plugin", "replay", "--policy", art::SCHEDULE_WASM, "--trace", trace.to_str().unwrap()], cache.path());
+    let (ok, _, err) = edl(
+        &["plugin", "replay", "--policy", art::SCHEDULE_WASM, "--trace", trace.to_str().unwrap()],
+        cache.path(),
+    );
     assert!(!ok);
     assert!(err.contains("trace.jsonl:2"), "{err}");
 }

@@ -19,10 +19,15 @@ fn a_new_version_is_used_at_the_next_call_and_a_broken_one_is_not() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("policy.wasm");
     std::fs::copy(art::SCHEDULE_WASM, &file).unwrap();
-    let mut p = Reloading::policy(host, &file, &pairs(&[]))
-        .unwrap()
-        .with_poll_interval(Duration::ZERO);
-    let view = ClusterView { step: 0, world_size: 1, min_workers: 1, max_workers: 4, free_slots: 3, ..Default::default() };
+    let mut p = Reloading::policy(host, &file, &pairs(&[])).unwrap().with_poll_interval(Duration::ZERO);
+    let view = ClusterView {
+        step: 0,
+        world_size: 1,
+        min_workers: 1,
+        max_workers: 4,
+        free_slots: 3,
+        ..Default::default()
+    };
     assert_eq!(p.info().name, "edl-plugin-schedule");
     assert_eq!(p.decide(&view).unwrap(), vec![Action::Hold]);
 

@@ -58,7 +58,10 @@ fn a_native_panic_is_caught_and_the_instance_recreated() {
     let mut p = host.load_policy(path(art::PANICKY_SO), &[]).unwrap();
     assert_eq!(p.decide(&view(1)).unwrap(), vec![Action::ScaleOut(1)]);
     let err = p.decide(&view(13)).unwrap_err();
-    assert!(matches!(&err, Error::NativePanic { message, .. } if message.contains("unlucky step 13")), "{err}");
+    assert!(
+        matches!(&err, Error::NativePanic { message, .. } if message.contains("unlucky step 13")),
+        "{err}"
+    );
     assert_eq!(p.decide(&view(2)).unwrap(), vec![Action::ScaleOut(1)]);
 }
 
@@ -67,7 +70,10 @@ fn a_component_of_another_world_is_named() {
     let (host, _d) = host();
     let err = host.load_policy(path(art::AUGMENT_WASM), &[]).err().unwrap();
     assert!(
-        matches!(err, Error::WrongWorld { found: World::ReaderTransform, expected: World::ScalingPolicy, .. }),
+        matches!(
+            err,
+            Error::WrongWorld { found: World::ReaderTransform, expected: World::ScalingPolicy, .. }
+        ),
         "{err}"
     );
     let text = err.to_string();
