@@ -86,7 +86,7 @@ fn ensure_wasm_target() {
     }
     println!("cargo:warning=installing the wasm32-wasip2 target (rustup target add wasm32-wasip2)");
     let ok = Command::new("rustup").args(["target", "add", "wasm32-wasip2"]).status().map(|s| s.success());
-    if ok != Ok(true) {
+    if !matches!(ok, Ok(true)) {
         println!("cargo:warning=`rustup target add wasm32-wasip2` failed; the plugin build will say why");
     }
 }
