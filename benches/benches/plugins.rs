@@ -41,6 +41,16 @@ fn policy_decision(c: &mut Criterion) {
     g.bench_function("native-so", |b| b.iter(|| native.decide(black_box(&view)).unwrap()));
     g.bench_function("rust-call", |b| b.iter(|| rust.decide(black_box(&view))));
     g.finish();
+
+    // The cost of crossing into the sandbox itself: `schedule` does almost nothing.
+    let mut wasm = host.load_policy(Path::new(art::SCHEDULE_WASM), &[]).unwrap();
+    let mut native = host.load_policy(Path::new(art::SCHEDULE_SO), &[]).unwrap();
+    let mut g = c.benchmark_group("policy-call-overhead");
+    g.bench_function("wasm", |b| b.iter(|| wasm.decide(black_box(&view)).unwrap()));
+    g.bench_function("native-so", |b| b.iter(|| native.decide(black_box(&view)).unwrap()));
+    let no_workers = ClusterView { workers: Vec::new(), ..view.clone() };
+    g.bench_function("wasm-no-worker-list", |b| b.iter(|| wasm.decide(black_box(&no_workers)).unwrap()));
+    g.finish();
 }
 
 fn mnist_batch(n: usize) -> Batch {

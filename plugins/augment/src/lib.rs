@@ -8,6 +8,7 @@
 //! output: float32 `(x - mean) / std` (or x in [0, 1] with `normalize=false`).
 
 use edl_plugin_sdk::{Batch, Config, Dtype, PluginError, ReaderTransform};
+use std::mem::MaybeUninit;
 
 #[derive(Debug)]
 pub struct Augment {
@@ -81,51 +82,56 @@ impl ReaderTransform for Augment {
         batch.validate()?;
         let (h, w) = Self::image_dims(&batch.shape)?;
         let (mean, inv_std) = if self.normalize { (self.mean, 1.0 / self.std) } else { (0.0, 1.0) };
-        let pixel = |x: f32| (x - mean) * inv_std;
-        // uint8 input goes through a 256-entry table: one load per pixel.
-        let lut: Vec<f32> = (0..256).map(|v| pixel(v as f32 / 255.0)).collect();
+        let value_bytes = |x: f32| ((x - mean) * inv_std).to_le_bytes();
+        // uint8 input goes through a 256-entry table of output bytes, indexed
+        // by the byte itself (no bounds check), and every output pixel is
+        // written exactly once.
+        let pixel = |x: f32| value_bytes(x).map(MaybeUninit::new);
+        let mut lut = [[MaybeUninit::new(0u8); 4]; 256];
+        for (v, entry) in lut.iter_mut().enumerate() {
+            *entry = pixel(v as f32 / 255.0);
+        }
         let background = pixel(0.0);
         let n = batch.len();
         let plane = h * w;
-        let mut out = vec![0f32; n * plane];
+        let total = n * plane * 4;
+        // The output is written into uninitialised capacity: zeroing 4 bytes
+        // per pixel first would cost as much as the transform itself.
+        let mut data: Vec<u8> = Vec::with_capacity(total);
         let floats = batch.to_f32();
-        for (i, dst) in out.chunks_exact_mut(plane).enumerate() {
+        let (pixels, _) = data.spare_capacity_mut()[..total].as_chunks_mut::<4>();
+        for (i, dst) in pixels.chunks_exact_mut(plane).enumerate() {
             let (dx, dy) = shift_of(batch.seed, batch.ids[i], self.max_shift);
-            dst.fill(background);
             // Destination columns [x0, x1) read source columns [x0 - dx, x1 - dx).
-            let x0 = dx.max(0) as usize;
-            let x1 = (w as i32 + dx.min(0)).max(0) as usize;
-            if x0 >= x1 {
-                continue;
-            }
-            for y in 0..h {
+            let x0 = (dx.max(0) as usize).min(w);
+            let x1 = ((w as i32 + dx.min(0)).max(0) as usize).max(x0);
+            for (y, row) in dst.chunks_exact_mut(w).enumerate() {
                 let sy = y as i32 - dy;
-                if sy < 0 || sy >= h as i32 {
+                if sy < 0 || sy >= h as i32 || x0 == x1 {
+                    row.fill(background);
                     continue;
                 }
-                let src_row = i * plane + sy as usize * w;
-                let sx0 = (x0 as i32 - dx) as usize;
-                let row = &mut dst[y * w + x0..y * w + x1];
+                row[..x0].fill(background);
+                row[x1..].fill(background);
+                let start = i * plane + sy as usize * w + (x0 as i32 - dx) as usize;
+                let inner = &mut row[x0..x1];
+                let len = inner.len();
                 match &floats {
                     None => {
-                        let src = &batch.data[src_row + sx0..src_row + sx0 + row.len()];
-                        for (d, &s) in row.iter_mut().zip(src) {
+                        for (d, &s) in inner.iter_mut().zip(&batch.data[start..start + len]) {
                             *d = lut[s as usize];
                         }
                     }
                     Some(f) => {
-                        let src = &f[src_row + sx0..src_row + sx0 + row.len()];
-                        for (d, &s) in row.iter_mut().zip(src) {
+                        for (d, &s) in inner.iter_mut().zip(&f[start..start + len]) {
                             *d = pixel(s);
                         }
                     }
                 }
             }
         }
-        let mut data = Vec::with_capacity(out.len() * 4);
-        for v in &out {
-            data.extend_from_slice(&v.to_le_bytes());
-        }
+        // SAFETY: the loop above wrote every pixel of every row of every sample.
+        unsafe { data.set_len(total) };
         Ok(Batch { data, dtype: Dtype::Float32, ..batch })
     }
 }

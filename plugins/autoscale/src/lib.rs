@@ -15,7 +15,6 @@
 //! replacement before removing it).
 
 use edl_plugin_sdk::{Action, ClusterView, Config, PluginError, ScalingPolicy};
-use std::collections::{BTreeMap, HashMap, HashSet};
 
 #[derive(Debug)]
 pub struct Autoscale {
@@ -27,15 +26,35 @@ pub struct Autoscale {
     straggler_ratio: f64,
     alpha: f64,
     straggler_min_obs: u32,
-    /// Settled throughput per world size.
-    measured: BTreeMap<u32, f64>,
+    /// Settled throughput per world size (index = size).
+    measured: Vec<Option<f64>>,
     /// Smallest size found not worth it.
     ceiling: Option<u32>,
     size: u32,
     skip: u32,
     samples: Vec<f64>,
-    ewma: HashMap<u64, (f64, u32)>,
-    replaced: HashSet<u64>,
+    /// Per-worker throughput EWMA. Small vectors rather than maps: a job has
+    /// tens of workers, and a decision then allocates nothing.
+    ewma: Vec<Tracked>,
+    replaced: Vec<u64>,
+    scratch: Vec<f64>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Tracked {
+    id: u64,
+    value: f64,
+    observations: u32,
+}
+
+/// The median of `values` (reordered in place); None when empty.
+fn median(values: &mut [f64]) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_unstable_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    Some(if values.len() % 2 == 1 { values[mid] } else { (values[mid - 1] + values[mid]) / 2.0 })
 }
 
 impl Default for Autoscale {
@@ -49,13 +68,14 @@ impl Default for Autoscale {
             straggler_ratio: 0.8,
             alpha: 0.1,
             straggler_min_obs: 3,
-            measured: BTreeMap::new(),
+            measured: Vec::new(),
             ceiling: None,
             size: 0,
             skip: 0,
             samples: Vec::new(),
-            ewma: HashMap::new(),
-            replaced: HashSet::new(),
+            ewma: Vec::new(),
+            replaced: Vec::new(),
+            scratch: Vec::new(),
         }
     }
 }
@@ -74,50 +94,55 @@ const KEYS: &[&str] = &[
 impl Autoscale {
     /// True when some worker is below the straggler ratio right now: the
     /// job's throughput is then no measure of its size.
-    fn suspect(&self, view: &ClusterView) -> bool {
-        let mut now: Vec<f64> = view.workers.iter().map(|w| w.throughput).collect();
-        if now.len() < 2 {
-            return false;
+    fn suspect(&mut self, view: &ClusterView) -> bool {
+        self.scratch.clear();
+        self.scratch.extend(view.workers.iter().map(|w| w.throughput));
+        let slowest = self.scratch.iter().copied().fold(f64::INFINITY, f64::min);
+        match median(&mut self.scratch) {
+            Some(m) if self.scratch.len() >= 2 && m > 0.0 => slowest / m < self.straggler_ratio,
+            _ => false,
         }
-        now.sort_by(f64::total_cmp);
-        let median = now[now.len() / 2];
-        median > 0.0 && now[0] / median < self.straggler_ratio
     }
 
     /// Updates the per-worker EWMAs; returns the workers to replace.
     fn stragglers(&mut self, view: &ClusterView) -> Vec<u64> {
-        let present: HashSet<u64> = view.workers.iter().map(|w| w.id).collect();
-        self.ewma.retain(|id, _| present.contains(id));
+        let present = |id: u64| view.workers.iter().any(|w| w.id == id);
+        self.ewma.retain(|t| present(t.id));
+        self.replaced.retain(|&id| present(id));
         for w in &view.workers {
-            let e = self.ewma.entry(w.id).or_insert((w.throughput, 0));
-            if e.1 > 0 {
-                e.0 = self.alpha * w.throughput + (1.0 - self.alpha) * e.0;
+            match self.ewma.iter_mut().find(|t| t.id == w.id) {
+                Some(t) => {
+                    t.value = self.alpha * w.throughput + (1.0 - self.alpha) * t.value;
+                    t.observations += 1;
+                }
+                None => self.ewma.push(Tracked { id: w.id, value: w.throughput, observations: 1 }),
             }
-            e.1 += 1;
         }
         if self.ewma.len() < 2 {
             return Vec::new();
         }
-        let mut values: Vec<f64> = self.ewma.values().map(|e| e.0).collect();
-        values.sort_by(f64::total_cmp);
-        let mid = values.len() / 2;
-        let median = if values.len() % 2 == 1 { values[mid] } else { (values[mid - 1] + values[mid]) / 2.0 };
+        self.scratch.clear();
+        self.scratch.extend(self.ewma.iter().map(|t| t.value));
+        let median = median(&mut self.scratch).unwrap_or(0.0);
         if median <= 0.0 {
             return Vec::new();
         }
-        let mut slow: Vec<u64> = self
-            .ewma
-            .iter()
-            .filter(|(id, (v, n))| {
-                *n >= self.straggler_min_obs
-                    && v / median < self.straggler_ratio
-                    && !self.replaced.contains(id)
-            })
-            .map(|(id, _)| *id)
-            .collect();
+        let mut slow = Vec::new();
+        for t in &self.ewma {
+            if t.observations >= self.straggler_min_obs
+                && t.value / median < self.straggler_ratio
+                && !self.replaced.contains(&t.id)
+            {
+                slow.push(t.id);
+            }
+        }
         slow.sort_unstable();
-        self.replaced.extend(&slow);
+        self.replaced.extend_from_slice(&slow);
         slow
+    }
+
+    fn measured_at(&self, size: u32) -> Option<f64> {
+        self.measured.get(size as usize).copied().flatten()
     }
 
     /// Hours to finish `remaining` samples at `rate` samples/s.
@@ -185,17 +210,20 @@ impl ScalingPolicy for Autoscale {
         }
         let r_k = self.samples.iter().sum::<f64>() / self.samples.len() as f64;
         self.samples.clear();
-        if let Some(&old) = self.measured.get(&k)
+        if let Some(old) = self.measured_at(k)
             && (r_k - old).abs() > self.drift * old
         {
             // The cluster changed under us (other jobs, slower links): search again.
             self.measured.clear();
             self.ceiling = None;
         }
-        self.measured.insert(k, r_k);
+        if self.measured.len() <= k as usize {
+            self.measured.resize(k as usize + 1, None);
+        }
+        self.measured[k as usize] = Some(r_k);
 
         if k > view.min_workers.max(1)
-            && let Some(&r_prev) = self.measured.get(&(k - 1))
+            && let Some(r_prev) = self.measured_at(k - 1)
         {
             let efficiency = (r_k - r_prev) / (r_k / k as f64);
             if efficiency <= self.threshold || !self.worth(view, k - 1, r_prev, k, r_k) {
@@ -207,8 +235,8 @@ impl ScalingPolicy for Autoscale {
         let below_ceiling = self.ceiling.is_none_or(|c| k + 1 < c);
         if below_ceiling && k < view.max_workers && view.free_slots > 0 {
             // Predict the next size from the last step (linear at first).
-            let gain = match self.measured.get(&(k.saturating_sub(1))) {
-                Some(&r_prev) if k > 1 => r_k - r_prev,
+            let gain = match self.measured_at(k.saturating_sub(1)) {
+                Some(r_prev) if k > 1 => r_k - r_prev,
                 _ => r_k / k.max(1) as f64,
             };
             if gain / (r_k / k.max(1) as f64) > self.threshold && self.worth(view, k, r_k, k + 1, r_k + gain)

@@ -43,21 +43,40 @@ impl From<wit::PluginError> for sdk::PluginError {
     }
 }
 
-pub fn cluster_view(v: &sdk::ClusterView) -> wit::ClusterView {
-    wit::ClusterView {
-        step: v.step,
-        epoch: v.epoch,
-        world_size: v.world_size,
-        min_workers: v.min_workers,
-        max_workers: v.max_workers,
-        free_slots: v.free_slots,
-        global_batch: v.global_batch,
-        throughput: v.throughput,
-        workers: v.workers.iter().map(|w| wit::WorkerStats { id: w.id, throughput: w.throughput }).collect(),
-        secs_since_change: v.secs_since_change,
-        price_per_worker_hour: v.price_per_worker_hour,
-        samples_remaining: v.samples_remaining,
+impl Default for wit::ClusterView {
+    fn default() -> Self {
+        wit::ClusterView {
+            step: 0,
+            epoch: 0,
+            world_size: 0,
+            min_workers: 0,
+            max_workers: 0,
+            free_slots: 0,
+            global_batch: 0,
+            throughput: 0.0,
+            workers: Vec::new(),
+            secs_since_change: 0.0,
+            price_per_worker_hour: 0.0,
+            samples_remaining: 0,
+        }
     }
+}
+
+/// Overwrites `out` with `v`, reusing `out`'s worker list.
+pub fn fill_cluster_view(out: &mut wit::ClusterView, v: &sdk::ClusterView) {
+    out.step = v.step;
+    out.epoch = v.epoch;
+    out.world_size = v.world_size;
+    out.min_workers = v.min_workers;
+    out.max_workers = v.max_workers;
+    out.free_slots = v.free_slots;
+    out.global_batch = v.global_batch;
+    out.throughput = v.throughput;
+    out.workers.clear();
+    out.workers.extend(v.workers.iter().map(|w| wit::WorkerStats { id: w.id, throughput: w.throughput }));
+    out.secs_since_change = v.secs_since_change;
+    out.price_per_worker_hour = v.price_per_worker_hour;
+    out.samples_remaining = v.samples_remaining;
 }
 
 impl From<wit::Action> for sdk::Action {
@@ -95,18 +114,34 @@ pub fn resize_event(e: &sdk::ResizeEvent) -> wit::ResizeEvent {
     wit::ResizeEvent { step: e.step, old_world_size: e.old_world_size, new_world_size: e.new_world_size }
 }
 
-pub fn batch(b: &sdk::Batch) -> wit::Batch {
-    wit::Batch {
-        data: b.data.clone(),
-        shape: b.shape.clone(),
-        dtype: match b.dtype {
-            sdk::Dtype::Uint8 => wit::Dtype::Uint8,
-            sdk::Dtype::Float32 => wit::Dtype::Float32,
-        },
-        labels: b.labels.clone(),
-        ids: b.ids.clone(),
-        seed: b.seed,
+impl Default for wit::Batch {
+    fn default() -> Self {
+        wit::Batch {
+            data: Vec::new(),
+            shape: Vec::new(),
+            dtype: wit::Dtype::Uint8,
+            labels: Vec::new(),
+            ids: Vec::new(),
+            seed: 0,
+        }
     }
+}
+
+/// Overwrites `out` with `b`, reusing `out`'s buffers.
+pub fn fill_batch(out: &mut wit::Batch, b: &sdk::Batch) {
+    fn refill<T: Copy>(dst: &mut Vec<T>, src: &[T]) {
+        dst.clear();
+        dst.extend_from_slice(src);
+    }
+    refill(&mut out.data, &b.data);
+    refill(&mut out.shape, &b.shape);
+    refill(&mut out.labels, &b.labels);
+    refill(&mut out.ids, &b.ids);
+    out.dtype = match b.dtype {
+        sdk::Dtype::Uint8 => wit::Dtype::Uint8,
+        sdk::Dtype::Float32 => wit::Dtype::Float32,
+    };
+    out.seed = b.seed;
 }
 
 impl From<wit::Batch> for sdk::Batch {

@@ -5,7 +5,10 @@
 use bytes::Bytes;
 use std::{
     pin::Pin,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
     task::{Context, Poll},
 };
 use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
@@ -16,12 +19,18 @@ use wasmtime_wasi::p2::{OutputStream, Pollable, StreamResult};
 #[derive(Clone)]
 pub struct CapturedStderr {
     buf: Arc<Mutex<Vec<u8>>>,
+    /// Set by writes, so that checking after every call costs one load.
+    written: Arc<AtomicBool>,
     capacity: usize,
 }
 
 impl CapturedStderr {
     pub fn new(capacity: usize) -> Self {
-        CapturedStderr { buf: Arc::new(Mutex::new(Vec::new())), capacity: capacity.max(1) }
+        CapturedStderr {
+            buf: Arc::new(Mutex::new(Vec::new())),
+            written: Arc::new(AtomicBool::new(false)),
+            capacity: capacity.max(1),
+        }
     }
 
     fn push(&self, bytes: &[u8]) {
@@ -31,10 +40,14 @@ impl CapturedStderr {
             let excess = buf.len() - self.capacity;
             buf.drain(..excess);
         }
+        self.written.store(true, Ordering::Release);
     }
 
     /// Takes what was written so far (lossy UTF-8), leaving the buffer empty.
     pub fn take(&self) -> Option<String> {
+        if !self.written.swap(false, Ordering::Acquire) {
+            return None;
+        }
         let mut buf = self.buf.lock().unwrap_or_else(|e| e.into_inner());
         if buf.is_empty() {
             return None;

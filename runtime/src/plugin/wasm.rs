@@ -126,6 +126,8 @@ pub struct Sandboxed<B: WorldBindings> {
     info: PluginInfo,
     cache: CacheStatus,
     live: Option<Live<B>>,
+    scratch_view: Option<wit::ClusterView>,
+    scratch_batch: Option<wit::Batch>,
 }
 
 impl<B: WorldBindings> Sandboxed<B> {
@@ -153,6 +155,8 @@ impl<B: WorldBindings> Sandboxed<B> {
             info: PluginInfo { name: String::new(), version: String::new(), description: String::new() },
             cache,
             live: None,
+            scratch_view: None,
+            scratch_batch: None,
         };
         me.info = me.call("info", |b: &B, s| b.info(s))?.into();
         Ok(me)
@@ -251,9 +255,13 @@ impl<B: WorldBindings> Plugin for Sandboxed<B> {
 
 impl PolicyPlugin for Sandboxed<policy::ScalingPolicy> {
     fn decide(&mut self, view: &ClusterView) -> Result<Vec<Action>, Error> {
-        let view = bindings::cluster_view(view);
-        let actions = self.call("decide", |b, s| b.edl_plugins_policy().call_decide(s, &view))?;
-        Ok(actions.into_iter().map(Action::from).collect())
+        // The converted view is kept between calls so its worker list's
+        // allocation is reused.
+        let mut wit_view = std::mem::take(&mut self.scratch_view).unwrap_or_default();
+        bindings::fill_cluster_view(&mut wit_view, view);
+        let result = self.call("decide", |b, s| b.edl_plugins_policy().call_decide(s, &wit_view));
+        self.scratch_view = Some(wit_view);
+        Ok(result?.into_iter().map(Action::from).collect())
     }
 }
 
@@ -271,8 +279,12 @@ impl AdapterPlugin for Sandboxed<adapter::BatchAdapter> {
 
 impl TransformPlugin for Sandboxed<transform::ReaderTransform> {
     fn apply(&mut self, batch: &Batch) -> Result<Batch, Error> {
-        let input = bindings::batch(batch);
-        match self.call("apply", |b, s| b.edl_plugins_transform().call_apply(s, &input))? {
+        // As for policies, the converted input keeps its buffers between calls.
+        let mut input = std::mem::take(&mut self.scratch_batch).unwrap_or_default();
+        bindings::fill_batch(&mut input, batch);
+        let result = self.call("apply", |b, s| b.edl_plugins_transform().call_apply(s, &input));
+        self.scratch_batch = Some(input);
+        match result? {
             Ok(out) => Ok(out.into()),
             Err(e) => Err(Error::Guest { path: self.path.clone(), call: "apply", error: e.into() }),
         }
