@@ -1,5 +1,18 @@
-//! edl-host-gpu: the two hot operations of distributed distillation, the
-//! fused soft-label loss and the gradient all-reduce, with CPU and CUDA
-//! implementations side by side.
+//! edl-host-gpu: the two hot operations of distributed distillation, with
+//! CPU and CUDA implementations side by side.
 //!
-//! This crate is empty so far: the workspace reserves its place in the layout.
+//! - [`loss`]: the fused soft-label (knowledge-distillation) loss and its
+//!   gradient, in one call: [`loss::SoftLabelLoss`].
+//! - [`comm`]: collectives for data-parallel training: a [`comm::Communicator`]
+//!   per generation of an elastic job, over a TCP ring or NCCL.
+//! - [`device`]: which devices and CUDA libraries this machine has.
+//!
+//! Everything CUDA is loaded at run time: the crate builds and its CPU paths
+//! run on machines with no GPU, and a missing driver, NVRTC or NCCL is an
+//! error value ([`device::CudaUnavailable`]), never a panic.
+
+pub mod comm;
+pub mod device;
+pub mod loss;
+
+pub use device::{Device, DeviceReport};

@@ -1,0 +1,172 @@
+//! How the ranks of a generation find each other: each publishes a few bytes
+//! (its listening address, an NCCL unique id) and receives everyone's.
+
+use super::CommError;
+use std::{
+    collections::HashMap,
+    io::{Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
+    sync::{Arc, Condvar, Mutex},
+    time::{Duration, Instant},
+};
+
+/// An exchange of one value per rank.
+pub trait Rendezvous: Send + Sync {
+    /// Publishes `mine` as `rank`'s value and returns all `world` values in
+    /// rank order once every rank has published, or fails after `timeout`.
+    fn exchange(&self, rank: usize, world: usize, mine: Vec<u8>, timeout: Duration)
+    -> Result<Vec<Vec<u8>>, CommError>;
+}
+
+/// In-process rendezvous (ranks as threads); one per generation.
+#[derive(Clone, Default)]
+pub struct LocalRendezvous {
+    inner: Arc<(Mutex<Vec<Option<Vec<u8>>>>, Condvar)>,
+}
+
+impl LocalRendezvous {
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl Rendezvous for LocalRendezvous {
+    fn exchange(&self, rank: usize, world: usize, mine: Vec<u8>, timeout: Duration) -> Result<Vec<Vec<u8>>, CommError> {
+        let (lock, cv) = &*self.inner;
+        let mut slots = lock.lock().unwrap_or_else(|e| e.into_inner());
+        if slots.len() < world {
+            slots.resize(world, None);
+        }
+        if rank >= world {
+            return Err(CommError::InvalidArgument(format!("rank {rank} of a world of {world}")));
+        }
+        slots[rank] = Some(mine);
+        cv.notify_all();
+        let deadline = Instant::now() + timeout;
+        loop {
+            if slots.iter().take(world).all(Option::is_some) {
+                return Ok(slots.iter().take(world).map(|s| s.clone().unwrap_or_default()).collect());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let missing: Vec<usize> = (0..world).filter(|&r| slots[r].is_none()).collect();
+                return Err(CommError::Rendezvous(format!("ranks {missing:?} did not arrive within {timeout:?}")));
+            }
+            slots = cv.wait_timeout(slots, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+}
+
+/// A rendezvous server for ranks in separate processes: collects the values
+/// published under a key (one key per generation) and answers every rank of
+/// that key once all have arrived.
+pub struct RendezvousServer {
+    addr: SocketAddr,
+}
+
+type Waiting = HashMap<String, (usize, Vec<Option<(Vec<u8>, TcpStream)>>)>;
+
+fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > 1 << 20 {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "rendezvous frame over 1 MiB"));
+    }
+    let mut buf = vec![0u8; len];
+    s.read_exact(&mut buf)?;
+    Ok(buf)
+}
+
+fn write_frame(s: &mut TcpStream, bytes: &[u8]) -> std::io::Result<()> {
+    s.write_all(&(bytes.len() as u32).to_le_bytes())?;
+    s.write_all(bytes)
+}
+
+impl RendezvousServer {
+    /// Serves on `addr` (port 0 picks one) from a background thread.
+    pub fn start(addr: &str) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(addr)?;
+        let addr = listener.local_addr()?;
+        let waiting: Arc<Mutex<Waiting>> = Arc::default();
+        std::thread::Builder::new().name("edl-rendezvous".into()).spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let waiting = waiting.clone();
+                std::thread::spawn(move || {
+                    if let Err(e) = Self::serve(conn, &waiting) {
+                        eprintln!("rendezvous: dropped a client: {e}");
+                    }
+                });
+            }
+        })?;
+        Ok(RendezvousServer { addr })
+    }
+
+    fn serve(mut conn: TcpStream, waiting: &Mutex<Waiting>) -> std::io::Result<()> {
+        conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let key = String::from_utf8_lossy(&read_frame(&mut conn)?).into_owned();
+        let header = read_frame(&mut conn)?;
+        let value = read_frame(&mut conn)?;
+        let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "bad rendezvous header");
+        let rank = u32::from_le_bytes(header.get(0..4).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
+        let world = u32::from_le_bytes(header.get(4..8).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
+        if world == 0 || rank >= world {
+            return Err(bad());
+        }
+        let mut all = waiting.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = all.entry(key.clone()).or_insert_with(|| (world, (0..world).map(|_| None).collect()));
+        if entry.0 != world {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "world size differs from other ranks"));
+        }
+        entry.1[rank] = Some((value, conn));
+        if entry.1.iter().all(Option::is_some) {
+            let (_, ranks) = all.remove(&key).expect("entry exists");
+            drop(all);
+            let (values, conns): (Vec<Vec<u8>>, Vec<TcpStream>) = ranks.into_iter().map(|r| r.expect("all present")).unzip();
+            for mut c in conns {
+                let _ = c.write_all(&(values.len() as u32).to_le_bytes());
+                for v in &values {
+                    let _ = write_frame(&mut c, v);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The address clients connect to.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+/// A client of a [`RendezvousServer`], for one generation (`key`).
+#[derive(Clone, Debug)]
+pub struct TcpRendezvous {
+    server: SocketAddr,
+    key: String,
+}
+
+impl TcpRendezvous {
+    pub fn new(server: SocketAddr, key: impl Into<String>) -> Self {
+        TcpRendezvous { server, key: key.into() }
+    }
+}
+
+impl Rendezvous for TcpRendezvous {
+    fn exchange(&self, rank: usize, world: usize, mine: Vec<u8>, timeout: Duration) -> Result<Vec<Vec<u8>>, CommError> {
+        let io = |e: std::io::Error| CommError::Rendezvous(format!("{}: {e}", self.server));
+        let mut s = TcpStream::connect_timeout(&self.server, timeout).map_err(io)?;
+        s.set_read_timeout(Some(timeout)).map_err(io)?;
+        s.set_write_timeout(Some(timeout)).map_err(io)?;
+        let mut header = (rank as u32).to_le_bytes().to_vec();
+        header.extend_from_slice(&(world as u32).to_le_bytes());
+        write_frame(&mut s, self.key.as_bytes()).map_err(io)?;
+        write_frame(&mut s, &header).map_err(io)?;
+        write_frame(&mut s, &mine).map_err(io)?;
+        let mut n = [0u8; 4];
+        s.read_exact(&mut n).map_err(|e| {
+            CommError::Rendezvous(format!("not every rank of {:?} arrived within {timeout:?} ({e})", self.key))
+        })?;
+        (0..u32::from_le_bytes(n)).map(|_| read_frame(&mut s).map_err(io)).collect()
+    }
+}

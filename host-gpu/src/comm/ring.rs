@@ -1,0 +1,318 @@
+//! All-reduce over a ring of TCP connections: reduce-scatter then all-gather
+//! (Patarasuk & Yuan), so each rank sends 2(n-1)/n of the buffer whatever n
+//! is. Each chunk is cut into segments; a sender thread ships segment j of
+//! step i as soon as the receiving side has reduced segment j of step i-1,
+//! so sending, receiving and adding overlap.
+
+use super::{CommError, Communicator, ReduceOp, Rendezvous};
+use std::{
+    io::{ErrorKind, Read, Write},
+    net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream},
+    ops::Range,
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+/// How a ring is built and run.
+#[derive(Clone, Debug)]
+pub struct RingOptions {
+    /// Bound on every operation (and on building the ring).
+    pub timeout: Duration,
+    /// Address to listen on; loopback by default.
+    pub bind: IpAddr,
+    /// Bytes per pipelined segment.
+    pub segment_bytes: usize,
+}
+
+impl Default for RingOptions {
+    fn default() -> Self {
+        RingOptions { timeout: Duration::from_secs(30), bind: IpAddr::V4(Ipv4Addr::LOCALHOST), segment_bytes: 256 << 10 }
+    }
+}
+
+/// A ring communicator over TCP.
+pub struct TcpRing {
+    rank: usize,
+    world: usize,
+    /// Connection to rank + 1 (we send on it) and from rank - 1 (we receive).
+    links: Option<(TcpStream, TcpStream)>,
+    opts: RingOptions,
+    scratch: Vec<f32>,
+    broken: Option<String>,
+}
+
+const MAGIC: u32 = 0xED1_0001;
+
+impl TcpRing {
+    /// Builds the ring for `rank` of `world`, finding the peers through `rendezvous`.
+    pub fn connect(rank: usize, world: usize, rendezvous: &dyn Rendezvous, opts: RingOptions) -> Result<Self, CommError> {
+        if world == 0 || rank >= world {
+            return Err(CommError::InvalidArgument(format!("rank {rank} of a world of {world}")));
+        }
+        let mut ring = TcpRing { rank, world, links: None, scratch: Vec::new(), broken: None, opts };
+        if world == 1 {
+            return Ok(ring);
+        }
+        let io = |peer: usize, op: &'static str| move |source: std::io::Error| CommError::Io { rank, op, peer, source };
+        let listener = TcpListener::bind(SocketAddr::new(ring.opts.bind, 0)).map_err(io(rank, "listen"))?;
+        let me = listener.local_addr().map_err(io(rank, "listen"))?;
+        let all = rendezvous.exchange(rank, world, me.to_string().into_bytes(), ring.opts.timeout)?;
+        let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+        let next_addr: SocketAddr = String::from_utf8_lossy(&all[next])
+            .parse()
+            .map_err(|_| CommError::Rendezvous(format!("rank {next} published no address")))?;
+        let deadline = Instant::now() + ring.opts.timeout;
+
+        let mut to_next = loop {
+            match TcpStream::connect_timeout(&next_addr, ring.opts.timeout) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => return Err(io(next, "connect")(e)),
+            }
+        };
+        let mut hello = MAGIC.to_le_bytes().to_vec();
+        hello.extend_from_slice(&(rank as u32).to_le_bytes());
+        hello.extend_from_slice(&(world as u32).to_le_bytes());
+        to_next.write_all(&hello).map_err(io(next, "connect"))?;
+
+        listener.set_nonblocking(true).map_err(io(prev, "accept"))?;
+        let from_prev = loop {
+            match listener.accept() {
+                Ok((mut s, _)) => {
+                    s.set_nonblocking(false).map_err(io(prev, "accept"))?;
+                    s.set_read_timeout(Some(ring.opts.timeout)).map_err(io(prev, "accept"))?;
+                    let mut got = [0u8; 12];
+                    s.read_exact(&mut got).map_err(io(prev, "accept"))?;
+                    let word = |i: usize| u32::from_le_bytes(got[i * 4..i * 4 + 4].try_into().expect("4 bytes"));
+                    if word(0) == MAGIC && word(1) as usize == prev && word(2) as usize == world {
+                        break s;
+                    }
+                    // Not our predecessor (a stale generation, a stray client): keep waiting.
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    return Err(CommError::Timeout { rank, op: "accept", peer: prev, after: ring.opts.timeout });
+                }
+                Err(e) => return Err(io(prev, "accept")(e)),
+            }
+        };
+        for s in [&to_next, &from_prev] {
+            s.set_nodelay(true).map_err(io(rank, "configure"))?;
+            s.set_read_timeout(Some(ring.opts.timeout)).map_err(io(rank, "configure"))?;
+            s.set_write_timeout(Some(ring.opts.timeout)).map_err(io(rank, "configure"))?;
+        }
+        ring.links = Some((to_next, from_prev));
+        Ok(ring)
+    }
+
+    fn check(&self) -> Result<(), CommError> {
+        match &self.broken {
+            Some(why) => Err(CommError::Broken { rank: self.rank, why: why.clone() }),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks the ring unusable and closes it, so that the neighbours' pending
+    /// operations fail at once instead of waiting for their timeout.
+    fn fail(&mut self, err: CommError) -> CommError {
+        self.broken = Some(err.to_string());
+        if let Some((a, b)) = self.links.take() {
+            let _ = a.shutdown(Shutdown::Both);
+            let _ = b.shutdown(Shutdown::Both);
+        }
+        err
+    }
+
+    fn io_error(&self, op: &'static str, peer: usize, e: std::io::Error) -> CommError {
+        match e.kind() {
+            ErrorKind::WouldBlock | ErrorKind::TimedOut => {
+                CommError::Timeout { rank: self.rank, op, peer, after: self.opts.timeout }
+            }
+            ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset | ErrorKind::BrokenPipe | ErrorKind::ConnectionAborted => {
+                CommError::PeerClosed { rank: self.rank, op, peer }
+            }
+            _ => CommError::Io { rank: self.rank, op, peer, source: e },
+        }
+    }
+}
+
+/// A buffer shared by the sender and receiver threads of one all-reduce.
+#[derive(Clone, Copy)]
+struct Shared {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: the two threads touch the same segment only in the order the
+// algorithm imposes: the sender reads a segment after the receiver has
+// finished writing it (a channel message), and the receiver overwrites a
+// segment only with data that causally follows the sender's write of it.
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// # Safety
+    /// `range` is in bounds and no other thread writes it meanwhile.
+    unsafe fn slice(&self, range: Range<usize>) -> &[f32] {
+        unsafe { std::slice::from_raw_parts(self.ptr.add(range.start), range.len()) }
+    }
+    /// # Safety
+    /// `range` is in bounds and no other thread touches it meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice_mut(&self, range: Range<usize>) -> &mut [f32] {
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len()) }
+    }
+}
+
+fn chunk(len: usize, n: usize, c: usize) -> Range<usize> {
+    (c * len / n)..((c + 1) * len / n)
+}
+
+fn segments(r: Range<usize>, seg: usize) -> impl Iterator<Item = Range<usize>> {
+    let seg = seg.max(1);
+    (r.start..r.end).step_by(seg).map(move |s| s..(s + seg).min(r.end))
+}
+
+impl Communicator for TcpRing {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        self.check()?;
+        let (n, r) = (self.world, self.rank);
+        if n > 1 && !buf.is_empty() {
+            let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+            let len = buf.len();
+            let seg = (self.opts.segment_bytes / 4).max(1);
+            if self.scratch.len() < seg {
+                self.scratch.resize(seg, 0.0);
+            }
+            let steps = 2 * (n - 1);
+            // Step i sends chunk send_of(i) and receives chunk recv_of(i); for
+            // i >= 1, send_of(i) == recv_of(i - 1).
+            let send_of = |i: usize| if i < n - 1 { (r + n - i) % n } else { (r + 1 + n - (i - (n - 1))) % n };
+            let recv_of = |i: usize| if i < n - 1 { (r + 2 * n - i - 1) % n } else { (r + n - (i - (n - 1))) % n };
+            let shared = Shared { ptr: buf.as_mut_ptr(), len };
+            let deadline = Instant::now() + self.opts.timeout;
+            let timeout = self.opts.timeout;
+            let (to_next, from_prev) = self.links.as_ref().expect("a ring of two or more has links");
+            let scratch = &mut self.scratch;
+            let (tx, rx) = mpsc::channel::<()>();
+
+            let (sent, received) = std::thread::scope(|scope| {
+                let sender = scope.spawn(move || -> Result<(), (usize, std::io::Error)> {
+                    let mut out = to_next;
+                    for i in 0..steps {
+                        for s in segments(chunk(len, n, send_of(i)), seg) {
+                            if i > 0 && rx.recv_timeout(timeout).is_err() {
+                                // The receiving side failed or stalled; it reports why.
+                                return Ok(());
+                            }
+                            debug_assert!(s.end <= shared.len);
+                            // SAFETY: segment s of this chunk was finished by the receiver
+                            // (the message above), and it does not write it again until
+                            // data that follows this write comes back around the ring.
+                            let data = unsafe { shared.slice(s) };
+                            if let Err(e) = out.write_all(bytemuck::cast_slice(data)) {
+                                let _ = from_prev.shutdown(Shutdown::Both);
+                                return Err((next, e));
+                            }
+                        }
+                    }
+                    Ok(())
+                });
+                let received = (|| -> Result<(), (usize, std::io::Error)> {
+                    let mut input = from_prev;
+                    for i in 0..steps {
+                        for s in segments(chunk(len, n, recv_of(i)), seg) {
+                            // Every read is bounded by what is left of the operation's time.
+                            let left = deadline.saturating_duration_since(Instant::now());
+                            if left.is_zero() {
+                                return Err((prev, std::io::Error::from(ErrorKind::TimedOut)));
+                            }
+                            input.set_read_timeout(Some(left)).map_err(|e| (prev, e))?;
+                            let tmp = &mut scratch[..s.len()];
+                            input.read_exact(bytemuck::cast_slice_mut(tmp)).map_err(|e| (prev, e))?;
+                            // SAFETY: the sender is not reading this segment now (see above).
+                            let dst = unsafe { shared.slice_mut(s) };
+                            if i < n - 1 {
+                                for (d, v) in dst.iter_mut().zip(tmp.iter()) {
+                                    *d += *v;
+                                }
+                            } else {
+                                dst.copy_from_slice(tmp);
+                            }
+                            let _ = tx.send(());
+                        }
+                    }
+                    Ok(())
+                })();
+                drop(tx);
+                if received.is_err() {
+                    let _ = to_next.shutdown(Shutdown::Both);
+                }
+                let sent = sender.join().unwrap_or_else(|_| Err((next, std::io::Error::other("sender panicked"))));
+                (sent, received)
+            });
+            if let Err((peer, e)) = received.and(sent) {
+                let err = self.io_error("all-reduce", peer, e);
+                return Err(self.fail(err));
+            }
+        }
+        if op == ReduceOp::Average && n > 1 {
+            let inv = 1.0 / n as f32;
+            buf.iter_mut().for_each(|v| *v *= inv);
+        }
+        Ok(())
+    }
+
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
+        self.check()?;
+        let (n, r) = (self.world, self.rank);
+        if root >= n {
+            return Err(CommError::InvalidArgument(format!("broadcast root {root} of a world of {n}")));
+        }
+        if n == 1 || buf.is_empty() {
+            return Ok(());
+        }
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let seg = (self.opts.segment_bytes / 4).max(1);
+        let deadline = Instant::now() + self.opts.timeout;
+        let (mut to_next, mut from_prev) = {
+            let (a, b) = self.links.as_ref().expect("links");
+            (a, b)
+        };
+        let forward = next != root;
+        let result = (|| -> Result<(), (usize, std::io::Error)> {
+            for s in segments(0..buf.len(), seg) {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err((prev, std::io::Error::from(ErrorKind::TimedOut)));
+                }
+                if r != root {
+                    from_prev.set_read_timeout(Some(left)).map_err(|e| (prev, e))?;
+                    from_prev.read_exact(bytemuck::cast_slice_mut(&mut buf[s.clone()])).map_err(|e| (prev, e))?;
+                }
+                if forward {
+                    to_next.write_all(bytemuck::cast_slice(&buf[s])).map_err(|e| (next, e))?;
+                }
+            }
+            Ok(())
+        })();
+        if let Err((peer, e)) = result {
+            let err = self.io_error("broadcast", peer, e);
+            return Err(self.fail(err));
+        }
+        Ok(())
+    }
+}
