@@ -31,14 +31,14 @@ __device__ __forceinline__ Stats merge(Stats a, Stats b, float inv_t) {
     else if (b.m_z == NEG_INF) { r.m_z = a.m_z; r.s_zt = a.s_zt; r.s_z1 = a.s_z1; }
     else {
         r.m_z = fmaxf(a.m_z, b.m_z);
-        r.s_zt = a.s_zt * __expf((a.m_z - r.m_z) * inv_t) + b.s_zt * __expf((b.m_z - r.m_z) * inv_t);
-        r.s_z1 = a.s_z1 * __expf(a.m_z - r.m_z) + b.s_z1 * __expf(b.m_z - r.m_z);
+        r.s_zt = a.s_zt * expf((a.m_z - r.m_z) * inv_t) + b.s_zt * expf((b.m_z - r.m_z) * inv_t);
+        r.s_z1 = a.s_z1 * expf(a.m_z - r.m_z) + b.s_z1 * expf(b.m_z - r.m_z);
     }
     if (a.m_t == NEG_INF) { r.m_t = b.m_t; r.s_t = b.s_t; r.acc = b.acc; }
     else if (b.m_t == NEG_INF) { r.m_t = a.m_t; r.s_t = a.s_t; r.acc = a.acc; }
     else {
         r.m_t = fmaxf(a.m_t, b.m_t);
-        float fa = __expf((a.m_t - r.m_t) * inv_t), fb = __expf((b.m_t - r.m_t) * inv_t);
+        float fa = expf((a.m_t - r.m_t) * inv_t), fb = expf((b.m_t - r.m_t) * inv_t);
         r.s_t = a.s_t * fa + b.s_t * fb;
         r.acc = a.acc * fa + b.acc * fb;
     }
@@ -62,7 +62,7 @@ __device__ __forceinline__ Stats warp_reduce(Stats s, float inv_t) {
 }
 
 __device__ __forceinline__ float teacher_logit(float v, int probs) {
-    return probs ? (v > 0.f ? __logf(v) : NEG_INF) : v;
+    return probs ? (v > 0.f ? logf(v) : NEG_INF) : v;
 }
 
 __device__ __forceinline__ bool bad_value(float z, float t, int probs) {
@@ -78,19 +78,19 @@ __device__ __forceinline__ Stats accumulate(const float* z, const float* t, int 
         float zi = z[i], raw = t[i];
         if (bad_value(zi, raw, probs)) { atomicMin(bad, base + (unsigned long long)i); continue; }
         if (zi > s.m_z) {
-            if (s.m_z != NEG_INF) { s.s_zt *= __expf((s.m_z - zi) * inv_t); s.s_z1 *= __expf(s.m_z - zi); }
+            if (s.m_z != NEG_INF) { s.s_zt *= expf((s.m_z - zi) * inv_t); s.s_z1 *= expf(s.m_z - zi); }
             s.m_z = zi; s.s_zt += 1.f; s.s_z1 += 1.f;
         } else {
-            s.s_zt += __expf((zi - s.m_z) * inv_t); s.s_z1 += __expf(zi - s.m_z);
+            s.s_zt += expf((zi - s.m_z) * inv_t); s.s_z1 += expf(zi - s.m_z);
         }
         float ti = teacher_logit(raw, probs);
         if (ti == NEG_INF) continue;
         float diff = (ti - zi) * inv_t;
         if (ti > s.m_t) {
-            if (s.m_t != NEG_INF) { float f = __expf((s.m_t - ti) * inv_t); s.s_t *= f; s.acc *= f; }
+            if (s.m_t != NEG_INF) { float f = expf((s.m_t - ti) * inv_t); s.s_t *= f; s.acc *= f; }
             s.m_t = ti; s.s_t += 1.f; s.acc += diff;
         } else {
-            float w = __expf((ti - s.m_t) * inv_t);
+            float w = expf((ti - s.m_t) * inv_t);
             s.s_t += w; s.acc += w * diff;
         }
     }
@@ -99,9 +99,9 @@ __device__ __forceinline__ Stats accumulate(const float* z, const float* t, int 
 
 __device__ __forceinline__ float row_loss_of(Stats s, const float* z, int label, float temp, float inv_t,
                                              float alpha, float hard) {
-    float kl = s.acc / s.s_t - (s.m_t * inv_t + __logf(s.s_t)) + (s.m_z * inv_t + __logf(s.s_zt));
+    float kl = s.acc / s.s_t - (s.m_t * inv_t + logf(s.s_t)) + (s.m_z * inv_t + logf(s.s_zt));
     float loss = alpha * temp * temp * fmaxf(kl, 0.f);
-    if (label >= 0) loss -= hard * ((z[label] - s.m_z) - __logf(s.s_z1));
+    if (label >= 0) loss -= hard * ((z[label] - s.m_z) - logf(s.s_z1));
     return loss;
 }
 
@@ -112,12 +112,12 @@ __device__ __forceinline__ void write_grad(Stats s, const float* z, const float*
     float soft = alpha * temp * scale, h = hard * scale;
     for (int i = lane; i < C; i += stride) {
         float zi = z[i];
-        float q_t = __expf((zi - s.m_z) * inv_t) * inv_zt;
+        float q_t = expf((zi - s.m_z) * inv_t) * inv_zt;
         float ti = teacher_logit(t[i], probs);
-        float p_t = ti == NEG_INF ? 0.f : __expf((ti - s.m_t) * inv_t) * inv_st;
+        float p_t = ti == NEG_INF ? 0.f : expf((ti - s.m_t) * inv_t) * inv_st;
         float grad = soft * (q_t - p_t);
         if (h != 0.f) {
-            float q_1 = __expf(zi - s.m_z) * inv_z1;
+            float q_1 = expf(zi - s.m_z) * inv_z1;
             grad += h * (q_1 - (i == label ? 1.f : 0.f));
         }
         g[i] = grad;

@@ -160,7 +160,11 @@ impl NcclCommunicator {
         self.watch("broadcast")
     }
 
-    fn staged(&mut self, buf: &mut [f32], f: impl FnOnce(&mut Self, &mut CudaSlice<f32>) -> Result<(), CommError>) -> Result<(), CommError> {
+    fn staged(
+        &mut self,
+        buf: &mut [f32],
+        f: impl FnOnce(&mut Self, &mut CudaSlice<f32>) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
         if buf.is_empty() {
             return Ok(());
         }

@@ -14,8 +14,13 @@ use std::{
 pub trait Rendezvous: Send + Sync {
     /// Publishes `mine` as `rank`'s value and returns all `world` values in
     /// rank order once every rank has published, or fails after `timeout`.
-    fn exchange(&self, rank: usize, world: usize, mine: Vec<u8>, timeout: Duration)
-    -> Result<Vec<Vec<u8>>, CommError>;
+    fn exchange(
+        &self,
+        rank: usize,
+        world: usize,
+        mine: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>, CommError>;
 }
 
 /// In-process rendezvous (ranks as threads); one per generation.
@@ -31,7 +36,13 @@ impl LocalRendezvous {
 }
 
 impl Rendezvous for LocalRendezvous {
-    fn exchange(&self, rank: usize, world: usize, mine: Vec<u8>, timeout: Duration) -> Result<Vec<Vec<u8>>, CommError> {
+    fn exchange(
+        &self,
+        rank: usize,
+        world: usize,
+        mine: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>, CommError> {
         let (lock, cv) = &*self.inner;
         let mut slots = lock.lock().unwrap_or_else(|e| e.into_inner());
         if slots.len() < world {
@@ -50,7 +61,9 @@ impl Rendezvous for LocalRendezvous {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 let missing: Vec<usize> = (0..world).filter(|&r| slots[r].is_none()).collect();
-                return Err(CommError::Rendezvous(format!("ranks {missing:?} did not arrive within {timeout:?}")));
+                return Err(CommError::Rendezvous(format!(
+                    "ranks {missing:?} did not arrive within {timeout:?}"
+                )));
             }
             slots = cv.wait_timeout(slots, left).unwrap_or_else(|e| e.into_inner()).0;
         }
@@ -108,21 +121,27 @@ impl RendezvousServer {
         let header = read_frame(&mut conn)?;
         let value = read_frame(&mut conn)?;
         let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "bad rendezvous header");
-        let rank = u32::from_le_bytes(header.get(0..4).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
-        let world = u32::from_le_bytes(header.get(4..8).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
+        let rank =
+            u32::from_le_bytes(header.get(0..4).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
+        let world =
+            u32::from_le_bytes(header.get(4..8).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
         if world == 0 || rank >= world {
             return Err(bad());
         }
         let mut all = waiting.lock().unwrap_or_else(|e| e.into_inner());
         let entry = all.entry(key.clone()).or_insert_with(|| (world, (0..world).map(|_| None).collect()));
         if entry.0 != world {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "world size differs from other ranks"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "world size differs from other ranks",
+            ));
         }
         entry.1[rank] = Some((value, conn));
         if entry.1.iter().all(Option::is_some) {
             let (_, ranks) = all.remove(&key).expect("entry exists");
             drop(all);
-            let (values, conns): (Vec<Vec<u8>>, Vec<TcpStream>) = ranks.into_iter().map(|r| r.expect("all present")).unzip();
+            let (values, conns): (Vec<Vec<u8>>, Vec<TcpStream>) =
+                ranks.into_iter().map(|r| r.expect("all present")).unzip();
             for mut c in conns {
                 let _ = c.write_all(&(values.len() as u32).to_le_bytes());
                 for v in &values {
@@ -153,7 +172,13 @@ impl TcpRendezvous {
 }
 
 impl Rendezvous for TcpRendezvous {
-    fn exchange(&self, rank: usize, world: usize, mine: Vec<u8>, timeout: Duration) -> Result<Vec<Vec<u8>>, CommError> {
+    fn exchange(
+        &self,
+        rank: usize,
+        world: usize,
+        mine: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>, CommError> {
         let io = |e: std::io::Error| CommError::Rendezvous(format!("{}: {e}", self.server));
         let mut s = TcpStream::connect_timeout(&self.server, timeout).map_err(io)?;
         s.set_read_timeout(Some(timeout)).map_err(io)?;
@@ -165,7 +190,10 @@ impl Rendezvous for TcpRendezvous {
         write_frame(&mut s, &mine).map_err(io)?;
         let mut n = [0u8; 4];
         s.read_exact(&mut n).map_err(|e| {
-            CommError::Rendezvous(format!("not every rank of {:?} arrived within {timeout:?} ({e})", self.key))
+            CommError::Rendezvous(format!(
+                "not every rank of {:?} arrived within {timeout:?} ({e})",
+                self.key
+            ))
         })?;
         (0..u32::from_le_bytes(n)).map(|_| read_frame(&mut s).map_err(io)).collect()
     }

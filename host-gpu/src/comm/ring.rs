@@ -26,7 +26,11 @@ pub struct RingOptions {
 
 impl Default for RingOptions {
     fn default() -> Self {
-        RingOptions { timeout: Duration::from_secs(30), bind: IpAddr::V4(Ipv4Addr::LOCALHOST), segment_bytes: 256 << 10 }
+        RingOptions {
+            timeout: Duration::from_secs(30),
+            bind: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            segment_bytes: 256 << 10,
+        }
     }
 }
 
@@ -45,7 +49,12 @@ const MAGIC: u32 = 0xED1_0001;
 
 impl TcpRing {
     /// Builds the ring for `rank` of `world`, finding the peers through `rendezvous`.
-    pub fn connect(rank: usize, world: usize, rendezvous: &dyn Rendezvous, opts: RingOptions) -> Result<Self, CommError> {
+    pub fn connect(
+        rank: usize,
+        world: usize,
+        rendezvous: &dyn Rendezvous,
+        opts: RingOptions,
+    ) -> Result<Self, CommError> {
         if world == 0 || rank >= world {
             return Err(CommError::InvalidArgument(format!("rank {rank} of a world of {world}")));
         }
@@ -53,7 +62,9 @@ impl TcpRing {
         if world == 1 {
             return Ok(ring);
         }
-        let io = |peer: usize, op: &'static str| move |source: std::io::Error| CommError::Io { rank, op, peer, source };
+        let io = |peer: usize, op: &'static str| {
+            move |source: std::io::Error| CommError::Io { rank, op, peer, source }
+        };
         let listener = TcpListener::bind(SocketAddr::new(ring.opts.bind, 0)).map_err(io(rank, "listen"))?;
         let me = listener.local_addr().map_err(io(rank, "listen"))?;
         let all = rendezvous.exchange(rank, world, me.to_string().into_bytes(), ring.opts.timeout)?;
@@ -86,7 +97,8 @@ impl TcpRing {
                     s.set_read_timeout(Some(ring.opts.timeout)).map_err(io(prev, "accept"))?;
                     let mut got = [0u8; 12];
                     s.read_exact(&mut got).map_err(io(prev, "accept"))?;
-                    let word = |i: usize| u32::from_le_bytes(got[i * 4..i * 4 + 4].try_into().expect("4 bytes"));
+                    let word =
+                        |i: usize| u32::from_le_bytes(got[i * 4..i * 4 + 4].try_into().expect("4 bytes"));
                     if word(0) == MAGIC && word(1) as usize == prev && word(2) as usize == world {
                         break s;
                     }
@@ -96,7 +108,12 @@ impl TcpRing {
                     std::thread::sleep(Duration::from_millis(1));
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    return Err(CommError::Timeout { rank, op: "accept", peer: prev, after: ring.opts.timeout });
+                    return Err(CommError::Timeout {
+                        rank,
+                        op: "accept",
+                        peer: prev,
+                        after: ring.opts.timeout,
+                    });
                 }
                 Err(e) => return Err(io(prev, "accept")(e)),
             }
@@ -133,9 +150,10 @@ impl TcpRing {
             ErrorKind::WouldBlock | ErrorKind::TimedOut => {
                 CommError::Timeout { rank: self.rank, op, peer, after: self.opts.timeout }
             }
-            ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset | ErrorKind::BrokenPipe | ErrorKind::ConnectionAborted => {
-                CommError::PeerClosed { rank: self.rank, op, peer }
-            }
+            ErrorKind::UnexpectedEof
+            | ErrorKind::ConnectionReset
+            | ErrorKind::BrokenPipe
+            | ErrorKind::ConnectionAborted => CommError::PeerClosed { rank: self.rank, op, peer },
             _ => CommError::Io { rank: self.rank, op, peer, source: e },
         }
     }
@@ -200,8 +218,10 @@ impl Communicator for TcpRing {
             let steps = 2 * (n - 1);
             // Step i sends chunk send_of(i) and receives chunk recv_of(i); for
             // i >= 1, send_of(i) == recv_of(i - 1).
-            let send_of = |i: usize| if i < n - 1 { (r + n - i) % n } else { (r + 1 + n - (i - (n - 1))) % n };
-            let recv_of = |i: usize| if i < n - 1 { (r + 2 * n - i - 1) % n } else { (r + n - (i - (n - 1))) % n };
+            let send_of =
+                |i: usize| if i < n - 1 { (r + n - i) % n } else { (r + 1 + n - (i - (n - 1))) % n };
+            let recv_of =
+                |i: usize| if i < n - 1 { (r + 2 * n - i - 1) % n } else { (r + n - (i - (n - 1))) % n };
             let shared = Shared { ptr: buf.as_mut_ptr(), len };
             let deadline = Instant::now() + self.opts.timeout;
             let timeout = self.opts.timeout;
@@ -261,7 +281,8 @@ impl Communicator for TcpRing {
                 if received.is_err() {
                     let _ = to_next.shutdown(Shutdown::Both);
                 }
-                let sent = sender.join().unwrap_or_else(|_| Err((next, std::io::Error::other("sender panicked"))));
+                let sent =
+                    sender.join().unwrap_or_else(|_| Err((next, std::io::Error::other("sender panicked"))));
                 (sent, received)
             });
             if let Err((peer, e)) = received.and(sent) {
@@ -301,7 +322,9 @@ impl Communicator for TcpRing {
                 }
                 if r != root {
                     from_prev.set_read_timeout(Some(left)).map_err(|e| (prev, e))?;
-                    from_prev.read_exact(bytemuck::cast_slice_mut(&mut buf[s.clone()])).map_err(|e| (prev, e))?;
+                    from_prev
+                        .read_exact(bytemuck::cast_slice_mut(&mut buf[s.clone()]))
+                        .map_err(|e| (prev, e))?;
                 }
                 if forward {
                     to_next.write_all(bytemuck::cast_slice(&buf[s])).map_err(|e| (next, e))?;

@@ -60,7 +60,8 @@ fn check_row(
 }
 
 fn row_stats(z: &[f32], t_row: &[f32], teacher: &Teacher<'_>, inv_t: f32) -> RowStats {
-    let mut s = RowStats { m_z: f32::NEG_INFINITY, s_zt: 0.0, s_z1: 0.0, m_t: f32::NEG_INFINITY, s_t: 0.0, acc: 0.0 };
+    let mut s =
+        RowStats { m_z: f32::NEG_INFINITY, s_zt: 0.0, s_z1: 0.0, m_t: f32::NEG_INFINITY, s_t: 0.0, acc: 0.0 };
     for i in 0..z.len() {
         let zi = z[i];
         if zi > s.m_z {
@@ -80,7 +81,7 @@ fn row_stats(z: &[f32], t_row: &[f32], teacher: &Teacher<'_>, inv_t: f32) -> Row
         if ti == f32::NEG_INFINITY {
             continue;
         }
-        let diff = ((ti - zi) * inv_t) as f64;
+        let diff = (ti as f64 - zi as f64) * inv_t as f64;
         if ti > s.m_t {
             if s.m_t > f32::NEG_INFINITY {
                 let scale = (((s.m_t - ti) * inv_t).exp()) as f64;
@@ -117,8 +118,8 @@ fn row(
     let s = row_stats(z, t_row, teacher, inv_t);
 
     // KL(p_T || q_T) = sum p (t - z) / T - (m_t / T + ln s_t) + (m_z / T + ln s_zt)
-    let log_zt = (s.m_z * inv_t) as f64 + s.s_zt.ln();
-    let log_t = (s.m_t * inv_t) as f64 + s.s_t.ln();
+    let log_zt = s.m_z as f64 / temp as f64 + s.s_zt.ln();
+    let log_t = s.m_t as f64 / temp as f64 + s.s_t.ln();
     let kl = (s.acc / s.s_t - log_t + log_zt).max(0.0);
     let mut loss = (alpha * temp * temp) as f64 * kl;
     let hard_weight = if label.is_some() { 1.0 - alpha } else { 0.0 };

@@ -3,7 +3,9 @@
 
 use super::{Batch, LossError, SoftLabelLoss, Teacher};
 use crate::device::check_cuda;
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex, OnceLock},
@@ -82,7 +84,10 @@ impl CudaSoftLabel {
     ) -> Result<f32, LossError> {
         let n = b.rows * b.classes;
         if b.student.len() != n || b.teacher.len() != n || grad.len() != n || row_loss.len() < b.rows {
-            return Err(LossError::Shape(format!("device buffers do not match [{} x {}]", b.rows, b.classes)));
+            return Err(LossError::Shape(format!(
+                "device buffers do not match [{} x {}]",
+                b.rows, b.classes
+            )));
         }
         if b.rows == 0 {
             return Ok(0.0);
@@ -104,10 +109,24 @@ impl CudaSoftLabel {
         let (func, cfg) = if warp_mode {
             let rows_per_block = BLOCK_THREADS / 32;
             let blocks = (b.rows as u32).div_ceil(rows_per_block);
-            (&self.warp, LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK_THREADS, 1, 1), shared_mem_bytes: 0 })
+            (
+                &self.warp,
+                LaunchConfig {
+                    grid_dim: (blocks, 1, 1),
+                    block_dim: (BLOCK_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+            )
         } else {
             let threads = if b.classes >= 16 * 1024 { 1024 } else { BLOCK_THREADS };
-            (&self.block, LaunchConfig { grid_dim: (b.rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 })
+            (
+                &self.block,
+                LaunchConfig {
+                    grid_dim: (b.rows as u32, 1, 1),
+                    block_dim: (threads, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+            )
         };
         let mut launch = s.launch_builder(func);
         launch
@@ -143,7 +162,12 @@ impl CudaSoftLabel {
 
     /// Host-memory convenience: copies the batch to the device, runs the
     /// kernel and copies the gradient back.
-    pub fn forward_backward(&self, p: &SoftLabelLoss, b: &Batch<'_>, grad: &mut [f32]) -> Result<f32, LossError> {
+    pub fn forward_backward(
+        &self,
+        p: &SoftLabelLoss,
+        b: &Batch<'_>,
+        grad: &mut [f32],
+    ) -> Result<f32, LossError> {
         p.validate(b, grad.len())?;
         if b.rows == 0 {
             return Ok(0.0);
@@ -167,7 +191,8 @@ impl CudaSoftLabel {
         };
         let loss = match self.forward_backward_device(p, &db, &mut dgrad, &mut row_loss) {
             // Name the exact value from the host copy.
-            Err(LossError::NonFinite { row, class, .. }) | Err(LossError::BadProbability { row, class, .. }) => {
+            Err(LossError::NonFinite { row, class, .. })
+            | Err(LossError::BadProbability { row, class, .. }) => {
                 let k = row * b.classes + class;
                 let (zs, ts) = (b.student[k], b.teacher.values()[k]);
                 return Err(if !zs.is_finite() {

@@ -90,7 +90,10 @@ impl SoftLabelLoss {
         if !(0.0..=1.0).contains(&self.alpha) {
             return Err(LossError::Parameter(format!("alpha must be in [0, 1], got {}", self.alpha)));
         }
-        let n = batch.rows.checked_mul(batch.classes).ok_or_else(|| LossError::Shape("rows x classes overflows".into()))?;
+        let n = batch
+            .rows
+            .checked_mul(batch.classes)
+            .ok_or_else(|| LossError::Shape("rows x classes overflows".into()))?;
         if batch.classes == 0 && batch.rows > 0 {
             return Err(LossError::Shape("zero classes".into()));
         }
@@ -111,7 +114,9 @@ impl SoftLabelLoss {
             if labels.len() != batch.rows {
                 return Err(LossError::Shape(format!("{} labels for {} rows", labels.len(), batch.rows)));
             }
-            if let Some((row, &label)) = labels.iter().enumerate().find(|(_, l)| **l as usize >= batch.classes) {
+            if let Some((row, &label)) =
+                labels.iter().enumerate().find(|(_, l)| **l as usize >= batch.classes)
+            {
                 return Err(LossError::BadLabel { row, label, classes: batch.classes });
             }
         }

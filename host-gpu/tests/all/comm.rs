@@ -1,0 +1,245 @@
+//! The TCP ring: results equal a sequential sum for 1..8 ranks and awkward
+//! sizes, as threads and as processes; a dead or stalled rank makes the
+//! others fail within the timeout.
+
+use edl_host_gpu::comm::{
+    CommError, Communicator, LocalRendezvous, ReduceOp, RendezvousServer, RingOptions, TcpRendezvous, TcpRing,
+};
+use std::{
+    io::{BufRead, BufReader},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+fn opts(timeout_ms: u64) -> RingOptions {
+    RingOptions {
+        timeout: Duration::from_millis(timeout_ms),
+        segment_bytes: 64 << 10,
+        ..RingOptions::default()
+    }
+}
+
+/// Runs `f` on each rank of a world of `n` threads sharing one rendezvous.
+fn with_ring<T: Send>(n: usize, o: RingOptions, f: impl Fn(&mut TcpRing) -> T + Sync) -> Vec<T> {
+    let rdv = LocalRendezvous::new();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let (rdv, o, f) = (rdv.clone(), o.clone(), &f);
+                s.spawn(move || {
+                    let mut ring = TcpRing::connect(rank, n, &rdv, o).unwrap();
+                    f(&mut ring)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn input(rank: usize, len: usize) -> Vec<f32> {
+    // Small integers: sums are exact in f32, so results compare bit for bit.
+    (0..len).map(|i| ((i * 7 + rank * 13) % 17) as f32).collect()
+}
+
+fn sequential_sum(n: usize, len: usize) -> Vec<f32> {
+    let mut sum = vec![0f32; len];
+    for r in 0..n {
+        for (s, v) in sum.iter_mut().zip(input(r, len)) {
+            *s += v;
+        }
+    }
+    sum
+}
+
+#[test]
+fn all_reduce_equals_a_sequential_sum() {
+    for n in 1..=8usize {
+        let mut sizes = vec![0, 1, n.saturating_sub(1), 1_000_003];
+        if n == 2 || n == 4 || n == 8 {
+            sizes.push(4 << 20); // 16 MiB of f32
+        }
+        for &len in &sizes {
+            let want = sequential_sum(n, len);
+            let results = with_ring(n, opts(20_000), |ring| {
+                let mut buf = input(ring.rank(), len);
+                ring.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+                buf
+            });
+            for (rank, got) in results.iter().enumerate() {
+                assert!(got == &want, "n={n} len={len} rank={rank}: differs from the sequential sum");
+            }
+        }
+    }
+}
+
+#[test]
+fn average_broadcast_and_barrier() {
+    let n = 5;
+    let out = with_ring(n, opts(10_000), |ring| {
+        let r = ring.rank() as f32;
+        let mut avg = vec![r; 1001];
+        ring.all_reduce(&mut avg, ReduceOp::Average).unwrap();
+        let mut b =
+            if ring.rank() == 3 { (0..70_001).map(|i| i as f32).collect() } else { vec![0f32; 70_001] };
+        ring.broadcast(&mut b, 3).unwrap();
+        ring.barrier().unwrap();
+        (avg, b)
+    });
+    for (avg, b) in out {
+        assert!(avg.iter().all(|&v| v == 2.0));
+        assert!(b.iter().enumerate().all(|(i, &v)| v == i as f32));
+    }
+}
+
+#[test]
+fn a_stalled_rank_makes_the_others_time_out() {
+    let n = 4;
+    let start = Instant::now();
+    let results = with_ring(n, opts(1_000), |ring| {
+        if ring.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(2_500));
+            return None;
+        }
+        let mut buf = vec![1f32; 100_000];
+        let t = Instant::now();
+        let r = ring.all_reduce(&mut buf, ReduceOp::Sum);
+        let again = ring.all_reduce(&mut buf, ReduceOp::Sum);
+        Some((r, t.elapsed(), again))
+    });
+    for (rank, res) in results.into_iter().enumerate() {
+        let Some((first, took, again)) = res else { continue };
+        let err = first.expect_err("an all-reduce with a stalled rank must fail");
+        assert!(
+            matches!(err, CommError::Timeout { .. } | CommError::PeerClosed { .. }),
+            "rank {rank}: {err}"
+        );
+        assert!(took < Duration::from_millis(2_400), "rank {rank} took {took:?}");
+        assert!(
+            matches!(again, Err(CommError::Broken { .. })),
+            "rank {rank}: a failed ring must refuse further use"
+        );
+    }
+    assert!(start.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn rendezvous_server_serves_several_generations() {
+    let server = RendezvousServer::start("127.0.0.1:0").unwrap();
+    for generation in 0..2 {
+        let n = 3;
+        let rdv = TcpRendezvous::new(server.addr(), format!("job/{generation}"));
+        let out: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..n)
+                .map(|rank| {
+                    let rdv = rdv.clone();
+                    s.spawn(move || {
+                        let mut ring = TcpRing::connect(rank, n, &rdv, opts(10_000)).unwrap();
+                        let mut buf = vec![rank as f32 + 1.0; 10];
+                        ring.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+                        buf
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(out.iter().all(|b| b.iter().all(|&v| v == 6.0)));
+    }
+}
+
+// ---- ranks as processes: this test binary re-runs itself as each rank ----
+
+const CHILD: &str = "EDL_RING_CHILD";
+
+/// The body of a child rank (`EDL_RING_CHILD=addr,key,rank,world,mode`).
+#[test]
+#[ignore = "run by the process tests as a child rank"]
+fn ring_child_rank() {
+    let Ok(spec) = std::env::var(CHILD) else { return };
+    let parts: Vec<&str> = spec.split(',').collect();
+    let (addr, key, rank, world, mode) =
+        (parts[0].parse().unwrap(), parts[1], parts[2].parse().unwrap(), parts[3].parse().unwrap(), parts[4]);
+    let rdv = TcpRendezvous::new(addr, key);
+    let mut ring = TcpRing::connect(rank, world, &rdv, opts(3_000)).unwrap();
+    let len = 1_000_003;
+    match mode {
+        "once" => {
+            let mut buf = input(rank, len);
+            ring.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+            let want = sequential_sum(world, len);
+            assert!(buf == want);
+            println!("ok");
+        }
+        _ => loop {
+            let mut buf = vec![1f32; 4 << 20];
+            match ring.all_reduce(&mut buf, ReduceOp::Sum) {
+                Ok(()) => println!("round"),
+                Err(e) => {
+                    println!("error: {e}");
+                    std::process::exit(3);
+                }
+            }
+        },
+    }
+}
+
+fn spawn_ranks(world: usize, mode: &str) -> Vec<std::process::Child> {
+    let server = RendezvousServer::start("127.0.0.1:0").unwrap();
+    let addr = server.addr();
+    std::mem::forget(server); // its thread lives as long as this test process
+    (0..world)
+        .map(|rank| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "comm::ring_child_rank", "--ignored", "--nocapture", "--test-threads=1"])
+                .env(CHILD, format!("{addr},{mode}-{world},{rank},{world},{mode}"))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn ranks_in_separate_processes_agree() {
+    for world in [2, 3] {
+        for mut child in spawn_ranks(world, "once") {
+            let out = BufReader::new(child.stdout.take().unwrap())
+                .lines()
+                .map_while(Result::ok)
+                .collect::<Vec<_>>();
+            assert!(child.wait().unwrap().success() && out.iter().any(|l| l == "ok"), "{out:?}");
+        }
+    }
+}
+
+#[test]
+fn killing_a_rank_mid_operation_fails_the_others_within_the_timeout() {
+    let world = 4;
+    let mut children = spawn_ranks(world, "loop");
+    // Wait until rank 0 has completed a round: everyone is mid-way through the next.
+    let mut first = BufReader::new(children[0].stdout.take().unwrap());
+    let mut line = String::new();
+    while line.trim() != "round" {
+        line.clear();
+        assert!(first.read_line(&mut line).unwrap() > 0, "rank 0 ended before completing a round");
+    }
+    children[2].kill().unwrap(); // SIGKILL
+    let killed_at = Instant::now();
+    let _ = children[2].wait();
+    let mut readers: Vec<Option<Box<dyn BufRead>>> = children
+        .iter_mut()
+        .map(|c| c.stdout.take().map(|s| Box::new(BufReader::new(s)) as Box<dyn BufRead>))
+        .collect();
+    readers[0] = Some(Box::new(first));
+    for (rank, child) in children.iter_mut().enumerate() {
+        if rank == 2 {
+            continue;
+        }
+        let status = child.wait().unwrap();
+        let took = killed_at.elapsed();
+        let out: Vec<String> = readers[rank].take().unwrap().lines().map_while(Result::ok).collect();
+        assert_eq!(status.code(), Some(3), "rank {rank} must fail, not succeed: {out:?}");
+        assert!(out.last().is_some_and(|l| l.starts_with("error:")), "rank {rank}: {out:?}");
+        assert!(took < Duration::from_secs(8), "rank {rank} failed only after {took:?}");
+    }
+}
