@@ -29,7 +29,7 @@ impl Default for RingOptions {
         RingOptions {
             timeout: Duration::from_secs(30),
             bind: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            segment_bytes: 256 << 10,
+            segment_bytes: 1 << 20,
         }
     }
 }
