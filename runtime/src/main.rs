@@ -22,6 +22,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Print the devices and CUDA libraries this machine offers.
+    Devices,
     /// Work with plugin files.
     Plugin {
         #[command(subcommand)]
@@ -129,8 +131,13 @@ fn host(args: &SandboxArgs) -> Result<Arc<PluginHost>> {
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
+    if let Some(Command::Devices) = cli.command {
+        println!("{}", edl_host_gpu::DeviceReport::probe());
+        return Ok(ExitCode::SUCCESS);
+    }
     let host = host(&cli.sandbox)?;
     match cli.command {
+        Some(Command::Devices) => unreachable!("handled above"),
         Some(Command::Plugin { command: PluginCommand::Inspect { file } }) => inspect(&host, &file),
         Some(Command::Plugin { command: PluginCommand::Replay { policy, trace, config, json } }) => {
             let mut policy = host.load_policy(&policy, &config)?;

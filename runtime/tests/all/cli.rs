@@ -110,3 +110,12 @@ fn the_main_command_runs_a_policy_against_the_simulated_cluster() {
     assert!(out.contains("replace(1)"), "{out}");
     assert!(out.contains("final world size 4"), "{out}");
 }
+
+#[test]
+fn devices_reports_what_the_machine_has() {
+    let cache = tempfile::tempdir().unwrap();
+    let (ok, out, err) = edl(&["devices"], cache.path());
+    assert!(ok, "{err}");
+    assert!(out.starts_with("cpu "), "{out}");
+    assert!(out.contains("\ncuda") && out.contains("\nnvrtc") && out.contains("\nnccl"), "{out}");
+}
