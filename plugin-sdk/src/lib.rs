@@ -33,6 +33,8 @@
 //!
 //! The plugin's name, version and description are its crate's (`Cargo.toml`).
 
+#[cfg(feature = "bench")]
+pub mod bench;
 mod config;
 pub mod native;
 pub mod testing;

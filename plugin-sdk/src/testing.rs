@@ -135,9 +135,22 @@ impl SimCluster {
         self.workers.iter().map(|w| w.id).collect()
     }
 
+    /// Changes the devices the cluster gives this job; workers past the new
+    /// capacity are taken away (newest first), as a preemption would.
+    pub fn set_capacity(&mut self, capacity: u32) {
+        self.capacity = capacity;
+        let keep = capacity.max(self.min_workers).max(1) as usize;
+        if self.workers.len() > keep {
+            self.workers.truncate(keep);
+            self.secs_since_change = 0.0;
+        }
+    }
+
     /// Makes the worker at `index` run at `speed` times the healthy rate.
     pub fn set_speed(&mut self, index: usize, speed: f64) {
-        self.workers[index].speed = speed;
+        if let Some(w) = self.workers.get_mut(index) {
+            w.speed = speed;
+        }
     }
 
     fn healthy_throughput(&self) -> f64 {
@@ -234,6 +247,52 @@ impl SimCluster {
             self.advance();
         }
         history
+    }
+}
+
+/// The standard policy input of benchmarks: the views a job sees on a cluster
+/// whose throughput saturates at 4 workers, grown one worker at a time up to
+/// 6 and back, with one worker at half speed in the second half (120 views).
+pub fn standard_trace() -> Vec<ClusterView> {
+    let mut sim = SimCluster::saturating(4, 1, 6);
+    let mut views = Vec::with_capacity(120);
+    for i in 0..120 {
+        if i == 60 {
+            sim.set_speed(0, 0.5);
+        }
+        let view = sim.view();
+        let k = view.world_size;
+        let action = match (i / 10) % 12 {
+            0..=5 if k < 6 => Action::ScaleOut(1),
+            6..=11 if k > 1 => Action::ScaleIn(1),
+            _ => Action::Hold,
+        };
+        views.push(view);
+        if i % 10 == 9 {
+            sim.apply(&[action]);
+        }
+        sim.advance();
+    }
+    views
+}
+
+/// The standard transform input of benchmarks: 256 MNIST-shaped samples
+/// (28 x 28 uint8) of seeded noise.
+pub fn standard_batch() -> crate::Batch {
+    let n = 256;
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    crate::Batch {
+        data: (0..n * 784)
+            .map(|_| {
+                x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                (x >> 56) as u8
+            })
+            .collect(),
+        shape: vec![n as u32, 28, 28],
+        dtype: crate::Dtype::Uint8,
+        labels: (0..n as u32).map(|i| i % 10).collect(),
+        ids: (0..n as u64).collect(),
+        seed: 42,
     }
 }
 

@@ -4,5 +4,7 @@
 //! - [`plugin`]: the plugin host (wasmtime components and native libraries).
 //! - [`replay`]: drives a scaling policy over a recorded trace or a simulated cluster.
 
+pub mod plot;
 pub mod plugin;
 pub mod replay;
+pub mod scaffold;

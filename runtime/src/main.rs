@@ -1,11 +1,13 @@
 //! The `edl-runtime` command line.
 
 use anyhow::{Context, Result, bail};
-use clap::{Args, Parser, Subcommand};
-use edl_plugin_sdk::{Hyperparams, testing::SimCluster};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use edl_plugin_sdk::{Hyperparams, testing::standard_batch};
 use edl_runtime::{
-    plugin::{AdapterPlugin, ArtifactCache, HostOptions, Limits, PluginHost, PolicyPlugin, Reloading},
-    replay,
+    plot,
+    plugin::{AdapterPlugin, ArtifactCache, HostOptions, Limits, PluginHost, PolicyPlugin, Reloading, World},
+    replay::{self, Scenario, ScenarioEvent, SlowWorker, Trace},
+    scaffold,
 };
 use std::{path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
 
@@ -31,16 +33,46 @@ enum Command {
     },
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum WorldArg {
+    ScalingPolicy,
+    BatchAdapter,
+    ReaderTransform,
+}
+
+impl From<WorldArg> for World {
+    fn from(w: WorldArg) -> World {
+        match w {
+            WorldArg::ScalingPolicy => World::ScalingPolicy,
+            WorldArg::BatchAdapter => World::BatchAdapter,
+            WorldArg::ReaderTransform => World::ReaderTransform,
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum PluginCommand {
+    /// Create a plugin crate: a working example, a unit test, a bench and a README.
+    New {
+        world: WorldArg,
+        /// Crate name (lowercase letters, digits, '-', '_').
+        name: String,
+        /// Directory to create the crate in (default: the current one).
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+    },
     /// Print a plugin's world, interface version, info, exports, size and cache state.
     Inspect { file: PathBuf },
-    /// Feed a trace of cluster views (JSON lines) through a policy and print its decisions.
+    /// Run a policy over a trace (JSON lines of cluster views) or a scenario
+    /// (a simulated cluster, see examples/traces/) and print its decisions.
     Replay {
         #[arg(long)]
         policy: PathBuf,
         #[arg(long)]
         trace: PathBuf,
+        /// Draw world size and throughput over the steps to this SVG file.
+        #[arg(long)]
+        plot: Option<PathBuf>,
         /// Policy configuration, `key=value` (repeatable).
         #[arg(long = "config", value_parser = parse_pair)]
         config: Vec<(String, String)>,
@@ -58,6 +90,12 @@ struct RunArgs {
     /// Batch-adapter plugin.
     #[arg(long)]
     adapter: Option<PathBuf>,
+    /// Reader-transform plugin (run on a standard MNIST-shaped batch).
+    #[arg(long)]
+    transform: Option<PathBuf>,
+    /// Draw world size and throughput over the steps to this SVG file.
+    #[arg(long)]
+    plot: Option<PathBuf>,
     /// Policy configuration, `key=value` (repeatable).
     #[arg(long = "policy-config", value_parser = parse_pair)]
     policy_config: Vec<(String, String)>,
@@ -139,22 +177,52 @@ fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Some(Command::Devices) => unreachable!("handled above"),
         Some(Command::Plugin { command: PluginCommand::Inspect { file } }) => inspect(&host, &file),
-        Some(Command::Plugin { command: PluginCommand::Replay { policy, trace, config, json } }) => {
-            let mut policy = host.load_policy(&policy, &config)?;
-            let views = replay::read_trace(&trace)?;
-            for d in replay::replay(policy.as_mut(), &views)? {
+        Some(Command::Plugin { command: PluginCommand::New { world, name, dir } }) => {
+            let created = scaffold::new_plugin(world.into(), &name, &dir, None)?;
+            println!("created {} ({} plugin); next:", created.display(), World::from(world));
+            println!("  cd {}", created.display());
+            println!("  cargo test");
+            println!("  cargo build --release --target wasm32-wasip2");
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Command::Plugin { command: PluginCommand::Replay { policy, trace, plot, config, json } }) => {
+            let mut p = host.load_policy(&policy, &config)?;
+            let (decisions, recorded) = match replay::read_trace(&trace)? {
+                Trace::Recorded(views) => (replay::replay(p.as_mut(), &views)?, true),
+                Trace::Scenario(sc) => {
+                    let mut sim = sc.cluster();
+                    let hyper = Hyperparams::default();
+                    let run = replay::simulate(
+                        p.as_mut(),
+                        None,
+                        &mut sim,
+                        sc.decisions,
+                        hyper,
+                        |r, s| sc.before(r, s),
+                        |_, _| {},
+                    )?;
+                    (run.decisions, false)
+                }
+            };
+            for d in &decisions {
                 if json {
-                    println!("{}", serde_json::to_string(&d)?);
+                    println!("{}", serde_json::to_string(d)?);
                 } else {
                     let actions: Vec<String> = d.actions.iter().map(|a| a.to_string()).collect();
                     println!(
-                        "step {:>7}  world {:>3}  {:>10.1} samples/s  {}",
+                        "step {:>7}  world {:>3} -> {:>3}  {:>10.1} samples/s  {}",
                         d.step,
                         d.world_size,
+                        d.chosen,
                         d.throughput,
                         actions.join(", ")
                     );
                 }
+            }
+            if let Some(out) = plot {
+                let title = format!("{} on {}", p.info().name, trace.display());
+                plot::policy_run(&out, &title, &decisions, recorded)?;
+                eprintln!("plot written to {}", out.display());
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -184,9 +252,30 @@ fn inspect(host: &PluginHost, file: &std::path::Path) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The cluster the main command simulates: throughput saturates at 4
+/// workers, one worker turns slow half way, and the cluster takes capacity
+/// back for a while near the end.
+fn demo_scenario(args: &RunArgs) -> Scenario {
+    let n = args.decisions;
+    Scenario {
+        curve: None,
+        knee: Some(4),
+        start: args.min_workers,
+        min_workers: args.min_workers,
+        max_workers: args.max_workers,
+        capacity: None,
+        decisions: n,
+        price_per_worker_hour: 0.0,
+        events: vec![
+            ScenarioEvent { at: n / 2, slow: Some(SlowWorker { worker: 1, speed: 0.5 }), capacity: None },
+            ScenarioEvent { at: n * 3 / 4, slow: None, capacity: Some(2.max(args.min_workers)) },
+            ScenarioEvent { at: n * 7 / 8, slow: None, capacity: Some(args.max_workers) },
+        ],
+    }
+}
+
 /// The main job until training lands in this command: the policy (and the
-/// adapter) drive a simulated cluster whose throughput saturates at 4 workers
-/// and where one worker turns slow half way.
+/// adapter) drive a simulated cluster.
 fn simulate(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
     if !args.policy.exists() {
         bail!(
@@ -205,17 +294,40 @@ fn simulate(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         Some(p) => Some(host.load_adapter(p, &args.adapter_config)?),
     };
     let info = policy.info().clone();
-    println!("policy  {} {} ({}, {:?})", info.name, info.version, args.policy.display(), policy.backend());
+    println!("policy    {} {} ({}, {:?})", info.name, info.version, args.policy.display(), policy.backend());
     if let Some(a) = &adapter {
-        println!("adapter {} {}", a.info().name, a.info().version);
+        println!("adapter   {} {}", a.info().name, a.info().version);
     }
-    let mut sim = SimCluster::saturating(4, args.min_workers, args.max_workers);
+    if let Some(path) = &args.transform {
+        let mut t = host.load_transform(path, &[])?;
+        let batch = standard_batch();
+        let start = std::time::Instant::now();
+        let out = t.apply(&batch)?;
+        println!(
+            "transform {} {}: {} samples {:?} {:?} -> {:?} {:?} in {:.0} us",
+            t.info().name,
+            t.info().version,
+            batch.len(),
+            batch.shape,
+            batch.dtype,
+            out.shape,
+            out.dtype,
+            start.elapsed().as_secs_f64() * 1e6
+        );
+    }
+    let scenario = demo_scenario(&args);
+    let mut sim = scenario.cluster();
     println!(
-        "simulated cluster: {}..{} workers, throughput saturates at 4 workers, worker 1 slows to 0.5x half way",
-        args.min_workers, args.max_workers
+        "simulated cluster: {}..{} workers, throughput saturates at 4, worker 1 slows to 0.5x at step {}, \
+         capacity drops to {} at step {} and comes back at step {}",
+        args.min_workers,
+        args.max_workers,
+        scenario.events[0].at as u64 * sim.steps_per_decision,
+        scenario.events[1].capacity.unwrap_or(0),
+        scenario.events[1].at as u64 * sim.steps_per_decision,
+        scenario.events[2].at as u64 * sim.steps_per_decision,
     );
-    let mut hyper =
-        Hyperparams { global_batch: 64 * sim.world_size(), local_batch: 64, lr: 0.1, momentum: 0.9 };
+    let hyper = Hyperparams { global_batch: 64 * sim.world_size(), local_batch: 64, lr: 0.1, momentum: 0.9 };
     let print = |d: &replay::Decision, e: Option<&replay::ScaleEvent>| {
         if let Some(e) = e {
             let hp = e
@@ -228,38 +340,36 @@ fn simulate(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
             );
         }
     };
-    let half = args.decisions / 2;
-    let first = replay::simulate(
+    let run = replay::simulate(
         policy.as_mut(),
         adapter.as_mut().map(|a| a.as_mut() as &mut dyn AdapterPlugin),
         &mut sim,
-        half,
+        scenario.decisions,
         hyper,
+        |r, s| {
+            for e in scenario.events.iter().filter(|e| e.at == r) {
+                if let Some(c) = e.capacity {
+                    println!(
+                        "step {:>5}  the cluster now offers {c} devices",
+                        r as u64 * s.steps_per_decision
+                    );
+                }
+            }
+            scenario.before(r, s)
+        },
         print,
     )
     .context("simulation")?;
-    if let Some(h) = first.events.iter().rev().find_map(|e| e.hyperparams) {
-        hyper = h;
-    }
-    if sim.world_size() > 1 {
-        sim.set_speed(1, 0.5);
-    }
-    let second = replay::simulate(
-        policy.as_mut(),
-        adapter.as_mut().map(|a| a.as_mut() as &mut dyn AdapterPlugin),
-        &mut sim,
-        args.decisions - half,
-        hyper,
-        print,
-    )
-    .context("simulation")?;
-    let events = first.events.len() + second.events.len();
     println!(
         "done: {} decisions, {} scale events, final world size {}, throughput {:.0} samples/s",
         args.decisions,
-        events,
+        run.events.len(),
         sim.world_size(),
         sim.throughput()
     );
+    if let Some(out) = &args.plot {
+        plot::policy_run(out, &format!("{} on the simulated cluster", info.name), &run.decisions, false)?;
+        println!("plot written to {}", out.display());
+    }
     Ok(ExitCode::SUCCESS)
 }

@@ -1,10 +1,12 @@
 //! Drives a scaling policy without a training job: over a recorded trace of
-//! cluster views (no feedback), or against a simulated cluster that reacts to
-//! the policy's actions (with an optional batch adapter following the resizes).
+//! cluster views (open loop: the trace does not react), or through a
+//! scenario, a simulated cluster that reacts to the policy's actions and to
+//! scripted events (a straggler, capacity taken away), with an optional batch
+//! adapter following the resizes.
 
 use crate::plugin::{AdapterPlugin, Error, PolicyPlugin};
 use edl_plugin_sdk::{Action, ClusterView, Hyperparams, ResizeEvent, testing::SimCluster};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 /// Why a trace could not be read.
@@ -14,16 +16,120 @@ pub enum TraceError {
     Read { path: String, source: std::io::Error },
     #[error("{path}:{line}: not a cluster view: {source}")]
     Parse { path: String, line: usize, source: serde_json::Error },
+    #[error("{path}: not a scenario: {source}")]
+    Scenario { path: String, source: serde_json::Error },
     #[error("{path}: the trace holds no cluster view")]
     Empty { path: String },
 }
 
-/// Reads a trace: one JSON cluster view per line; blank lines and lines
-/// starting with `#` are skipped. Missing fields default to zero.
-pub fn read_trace(path: &Path) -> Result<Vec<ClusterView>, TraceError> {
+/// A trace: recorded views, or a scenario to simulate.
+#[derive(Clone, Debug)]
+pub enum Trace {
+    Recorded(Vec<ClusterView>),
+    Scenario(Scenario),
+}
+
+/// A simulated cluster and what happens to it, as a JSON document:
+/// `{"scenario": {"knee": 4, "start": 1, "min_workers": 1, "max_workers": 8,
+/// "decisions": 80, "events": [{"at": 40, "slow": {"worker": 1, "speed": 0.5}}]}}`
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Job throughput with k workers at `curve[k - 1]`; or give `knee` for a
+    /// curve that grows almost linearly up to `knee` workers and stays flat.
+    #[serde(default)]
+    pub curve: Option<Vec<f64>>,
+    #[serde(default)]
+    pub knee: Option<u32>,
+    #[serde(default = "one")]
+    pub start: u32,
+    #[serde(default = "one")]
+    pub min_workers: u32,
+    pub max_workers: u32,
+    /// Devices the cluster gives the job at first (default: max_workers).
+    #[serde(default)]
+    pub capacity: Option<u32>,
+    pub decisions: usize,
+    #[serde(default)]
+    pub price_per_worker_hour: f64,
+    #[serde(default)]
+    pub events: Vec<ScenarioEvent>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// Something that happens before decision `at`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScenarioEvent {
+    pub at: usize,
+    /// A worker (by position, oldest first) starts running at `speed` x.
+    #[serde(default)]
+    pub slow: Option<SlowWorker>,
+    /// The cluster now gives the job this many devices.
+    #[serde(default)]
+    pub capacity: Option<u32>,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlowWorker {
+    pub worker: usize,
+    pub speed: f64,
+}
+
+#[derive(Deserialize)]
+struct ScenarioFile {
+    scenario: Scenario,
+}
+
+impl Scenario {
+    /// The simulated cluster this scenario starts from.
+    pub fn cluster(&self) -> SimCluster {
+        let mut sim = match (&self.curve, self.knee) {
+            (Some(curve), _) => {
+                SimCluster::new(curve.clone(), self.start, self.min_workers, self.max_workers)
+            }
+            (None, knee) => {
+                let mut s = SimCluster::saturating(knee.unwrap_or(4), self.min_workers, self.max_workers);
+                s.apply(&[Action::ScaleOut(self.start.saturating_sub(s.world_size()))]);
+                s
+            }
+        };
+        sim.price_per_worker_hour = self.price_per_worker_hour;
+        sim.set_capacity(self.capacity.unwrap_or(self.max_workers));
+        sim
+    }
+
+    /// Applies the events scheduled before decision `round`.
+    pub fn before(&self, round: usize, sim: &mut SimCluster) {
+        for e in self.events.iter().filter(|e| e.at == round) {
+            if let Some(s) = &e.slow {
+                sim.set_speed(s.worker, s.speed);
+            }
+            if let Some(c) = e.capacity {
+                sim.set_capacity(c);
+            }
+        }
+    }
+}
+
+/// Reads a trace: a scenario (one JSON document with a `scenario` key), or
+/// one JSON cluster view per line (blank lines and `#` lines skipped; missing
+/// fields default to zero).
+pub fn read_trace(path: &Path) -> Result<Trace, TraceError> {
     let shown = path.display().to_string();
     let text =
         std::fs::read_to_string(path).map_err(|source| TraceError::Read { path: shown.clone(), source })?;
+    let body: String =
+        text.lines().filter(|l| !l.trim_start().starts_with('#')).collect::<Vec<_>>().join("\n");
+    if serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|v| v.get("scenario").is_some()) {
+        let file: ScenarioFile =
+            serde_json::from_str(&body).map_err(|source| TraceError::Scenario { path: shown, source })?;
+        return Ok(Trace::Scenario(file.scenario));
+    }
     let mut views = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let line = line.trim();
@@ -40,7 +146,7 @@ pub fn read_trace(path: &Path) -> Result<Vec<ClusterView>, TraceError> {
     if views.is_empty() {
         return Err(TraceError::Empty { path: shown });
     }
-    Ok(views)
+    Ok(Trace::Recorded(views))
 }
 
 /// One decision of a replay or a simulation.
@@ -49,20 +155,42 @@ pub struct Decision {
     pub step: u64,
     /// World size the policy saw.
     pub world_size: u32,
+    /// World size after the policy's actions (for a recorded trace: what the
+    /// policy asked for, since the trace does not react).
+    pub chosen: u32,
     pub throughput: f64,
+    /// Devices the cluster offered (world size + free slots).
+    pub capacity: u32,
     pub actions: Vec<Action>,
 }
 
-/// Feeds every view of a trace to the policy.
+/// The world size a view's owner would have after `actions`, within its limits.
+fn asked(view: &ClusterView, actions: &[Action]) -> u32 {
+    let mut k = view.world_size as i64;
+    for a in actions {
+        match *a {
+            Action::ScaleOut(n) => k += n as i64,
+            Action::ScaleIn(n) => k -= n as i64,
+            Action::Hold | Action::Replace(_) => {}
+        }
+    }
+    let hi = view.max_workers.min(view.world_size + view.free_slots).max(view.world_size) as i64;
+    k.clamp(view.min_workers.max(1) as i64, hi.max(1)) as u32
+}
+
+/// Feeds every view of a recorded trace to the policy.
 pub fn replay(policy: &mut dyn PolicyPlugin, views: &[ClusterView]) -> Result<Vec<Decision>, Error> {
     views
         .iter()
         .map(|v| {
+            let actions = policy.decide(v)?;
             Ok(Decision {
                 step: v.step,
                 world_size: v.world_size,
+                chosen: asked(v, &actions),
                 throughput: v.throughput,
-                actions: policy.decide(v)?,
+                capacity: v.world_size + v.free_slots,
+                actions,
             })
         })
         .collect()
@@ -87,44 +215,76 @@ pub struct Simulation {
     pub final_world_size: u32,
 }
 
-/// Runs `decisions` rounds of the policy against `sim`; `on_round` sees each
-/// decision as it is made (progress), and `adapter` follows every resize.
+/// Runs `rounds` decisions of the policy against `sim`. `before` may change
+/// the cluster before each round (scenario events); `on_round` sees each
+/// decision as it is made (progress); `adapter` follows every resize.
 pub fn simulate(
     policy: &mut dyn PolicyPlugin,
     mut adapter: Option<&mut dyn AdapterPlugin>,
     sim: &mut SimCluster,
-    decisions: usize,
+    rounds: usize,
     mut hyper: Hyperparams,
+    mut before: impl FnMut(usize, &mut SimCluster),
     mut on_round: impl FnMut(&Decision, Option<&ScaleEvent>),
 ) -> Result<Simulation, Error> {
     let mut out = Simulation { decisions: Vec::new(), events: Vec::new(), final_world_size: 0 };
-    for _ in 0..decisions {
+    for round in 0..rounds {
+        let seen = sim.world_size();
+        before(round, sim);
         let view = sim.view();
-        let actions = policy.decide(&view)?;
-        let before = sim.world_size();
-        sim.apply(&actions);
-        let after = sim.world_size();
-        let mut event = None;
-        if after != before || actions.iter().any(|a| matches!(a, Action::Replace(_))) {
-            let reason = actions.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", ");
+        if view.world_size != seen {
+            // The cluster resized the job itself (preemption): the adapter follows that too.
             let mut chosen = None;
-            if let Some(a) = adapter.as_deref_mut()
-                && after != before
-            {
-                let ev = ResizeEvent { step: view.step, old_world_size: before, new_world_size: after };
+            if let Some(a) = adapter.as_deref_mut() {
+                let ev =
+                    ResizeEvent { step: view.step, old_world_size: seen, new_world_size: view.world_size };
                 hyper = a.on_resize(&ev, &hyper)?;
                 chosen = Some(hyper);
             }
-            event =
-                Some(ScaleEvent { step: view.step, from: before, to: after, reason, hyperparams: chosen });
+            out.events.push(ScaleEvent {
+                step: view.step,
+                from: seen,
+                to: view.world_size,
+                reason: "the cluster took workers away".into(),
+                hyperparams: chosen,
+            });
+        }
+        let actions = policy.decide(&view)?;
+        let before_size = sim.world_size();
+        sim.apply(&actions);
+        let after = sim.world_size();
+        let mut event = None;
+        if after != before_size || actions.iter().any(|a| matches!(a, Action::Replace(_))) {
+            let reason = actions.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", ");
+            let mut chosen = None;
+            if let Some(a) = adapter.as_deref_mut()
+                && after != before_size
+            {
+                let ev = ResizeEvent { step: view.step, old_world_size: before_size, new_world_size: after };
+                hyper = a.on_resize(&ev, &hyper)?;
+                chosen = Some(hyper);
+            }
+            event = Some(ScaleEvent {
+                step: view.step,
+                from: before_size,
+                to: after,
+                reason,
+                hyperparams: chosen,
+            });
         }
         if let Some(a) = adapter.as_deref_mut() {
             for s in view.step..view.step + sim.steps_per_decision {
                 hyper = a.on_step(s, &hyper)?;
             }
         }
-        let decision =
-            Decision { step: view.step, world_size: view.world_size, throughput: view.throughput, actions };
+        let decision = Decision {
+            step: view.step,
+            world_size: view.world_size,
+            chosen: after,
+            throughput: view.throughput,
+            capacity: view.world_size + view.free_slots,
+            actions,
+        };
         on_round(&decision, event.as_ref());
         out.decisions.push(decision);
         out.events.extend(event);

@@ -119,3 +119,57 @@ fn devices_reports_what_the_machine_has() {
     assert!(out.starts_with("cpu "), "{out}");
     assert!(out.contains("\ncuda") && out.contains("\nnvrtc") && out.contains("\nnccl"), "{out}");
 }
+
+#[test]
+fn replay_runs_a_scenario_and_draws_it() {
+    let cache = tempfile::tempdir().unwrap();
+    let out_dir = tempfile::tempdir().unwrap();
+    let traces = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/traces");
+
+    let svg = out_dir.path().join("straggler.svg");
+    let trace = traces.join("straggler.json");
+    let (ok, out, err) = edl(
+        &[
+            "plugin",
+            "replay",
+            "--policy",
+            art::AUTOSCALE_WASM,
+            "--trace",
+            trace.to_str().unwrap(),
+            "--json",
+            "--plot",
+            svg.to_str().unwrap(),
+        ],
+        cache.path(),
+    );
+    assert!(ok, "{err}");
+    let decisions: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(decisions.len(), 60);
+    let replaced: Vec<&serde_json::Value> =
+        decisions.iter().filter(|d| d["actions"].to_string().contains("replace")).collect();
+    assert_eq!(replaced.len(), 1, "one replacement of the slow worker: {out}");
+    assert!(replaced[0]["step"].as_u64().unwrap() >= 600, "only after it turned slow");
+    let picture = std::fs::read_to_string(&svg).unwrap();
+    assert!(picture.starts_with("<svg") && picture.contains("world size chosen by the policy"));
+    assert!(picture.matches("<polyline").count() >= 3, "three curves drawn");
+
+    // Capacity taken away: the job never holds more workers than offered.
+    let trace = traces.join("capacity-drop.json");
+    let (ok, out, err) = edl(
+        &["plugin", "replay", "--policy", art::AUTOSCALE_WASM, "--trace", trace.to_str().unwrap(), "--json"],
+        cache.path(),
+    );
+    assert!(ok, "{err}");
+    let decisions: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let mut saw_drop = false;
+    for d in &decisions {
+        let (chosen, capacity) = (d["chosen"].as_u64().unwrap(), d["capacity"].as_u64().unwrap());
+        assert!(chosen <= capacity, "{d}");
+        saw_drop |= capacity == 3;
+    }
+    assert!(saw_drop);
+    assert!(
+        decisions.last().unwrap()["chosen"].as_u64().unwrap() > 3,
+        "it grows again when capacity returns"
+    );
+}

@@ -5,6 +5,7 @@ mod cache;
 mod cli;
 mod reload;
 mod sandbox;
+mod scaffold;
 mod shipped;
 
 use edl_runtime::plugin::{ArtifactCache, HostOptions, Limits, PluginHost};
