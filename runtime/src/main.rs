@@ -294,7 +294,7 @@ fn simulate(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         Some(p) => Some(host.load_adapter(p, &args.adapter_config)?),
     };
     let info = policy.info().clone();
-    println!("policy    {} {} ({}, {:?})", info.name, info.version, args.policy.display(), policy.backend());
+    println!("policy    {} {} ({}, {})", info.name, info.version, args.policy.display(), policy.backend());
     if let Some(a) = &adapter {
         println!("adapter   {} {}", a.info().name, a.info().version);
     }

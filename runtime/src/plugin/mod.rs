@@ -81,6 +81,17 @@ pub enum Backend {
     Native,
 }
 
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Backend::Wasm { cache: CacheStatus::Hit } => f.write_str("sandboxed component, from the cache"),
+            Backend::Wasm { cache: CacheStatus::Miss } => f.write_str("sandboxed component, compiled and cached"),
+            Backend::Wasm { cache: CacheStatus::Disabled } => f.write_str("sandboxed component, compiled"),
+            Backend::Native => f.write_str("native library, trusted"),
+        }
+    }
+}
+
 /// What every loaded plugin can tell about itself.
 pub trait Plugin: Send {
     /// The plugin's `info()`, read once at load.
