@@ -36,8 +36,10 @@ fn resolve(p: &str) -> PathBuf {
 
 fn any_plugin(c: &mut Criterion) {
     let cache = tempfile::tempdir().unwrap();
-    let host = PluginHost::new(HostOptions { cache: ArtifactCache::at(cache.path()), ..Default::default() }).unwrap();
-    let cold = PluginHost::new(HostOptions { cache: ArtifactCache::disabled(), ..Default::default() }).unwrap();
+    let host = PluginHost::new(HostOptions { cache: ArtifactCache::at(cache.path()), ..Default::default() })
+        .unwrap();
+    let cold =
+        PluginHost::new(HostOptions { cache: ArtifactCache::disabled(), ..Default::default() }).unwrap();
 
     let given: Vec<PathBuf> = std::env::var("EDL_BENCH_PLUGINS")
         .map(|v| v.split(',').filter(|s| !s.trim().is_empty()).map(|s| resolve(s.trim())).collect())
@@ -48,14 +50,17 @@ fn any_plugin(c: &mut Criterion) {
             Ok(i) => i.world,
             Err(e) => panic!("EDL_BENCH_PLUGINS: {e}"),
         };
-        let label = path.file_name().map_or_else(|| path.display().to_string(), |f| f.to_string_lossy().into_owned());
+        let label =
+            path.file_name().map_or_else(|| path.display().to_string(), |f| f.to_string_lossy().into_owned());
         match worlds.iter_mut().find(|(w, _)| *w == world) {
             Some((_, list)) => list.push((label, path.clone())),
             None => worlds.push((world, vec![(label, path.clone())])),
         }
     }
     if worlds.is_empty() {
-        worlds = [World::ScalingPolicy, World::BatchAdapter, World::ReaderTransform].map(|w| (w, Vec::new())).to_vec();
+        worlds = [World::ScalingPolicy, World::BatchAdapter, World::ReaderTransform]
+            .map(|w| (w, Vec::new()))
+            .to_vec();
     }
 
     for (world, mut plugins) in worlds {
@@ -67,10 +72,16 @@ fn any_plugin(c: &mut Criterion) {
             g.throughput(Throughput::Elements(1));
             g.sample_size(10);
             g.bench_function(BenchmarkId::new("load-compile", label), |b| {
-                b.iter_batched(|| (), |()| cold.load(path, &[], Some(world)).unwrap(), BatchSize::PerIteration)
+                b.iter_batched(
+                    || (),
+                    |()| cold.load(path, &[], Some(world)).unwrap(),
+                    BatchSize::PerIteration,
+                )
             });
             host.load(path, &[], Some(world)).unwrap();
-            g.bench_function(BenchmarkId::new("load-cached", label), |b| b.iter(|| host.load(path, &[], Some(world)).unwrap()));
+            g.bench_function(BenchmarkId::new("load-cached", label), |b| {
+                b.iter(|| host.load(path, &[], Some(world)).unwrap())
+            });
             g.sample_size(50);
             match world {
                 World::ScalingPolicy => {

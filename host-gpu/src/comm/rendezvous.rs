@@ -23,10 +23,13 @@ pub trait Rendezvous: Send + Sync {
     ) -> Result<Vec<Vec<u8>>, CommError>;
 }
 
+/// Each rank's published value, once it has published.
+type Slots = Vec<Option<Vec<u8>>>;
+
 /// In-process rendezvous (ranks as threads); one per generation.
 #[derive(Clone, Default)]
 pub struct LocalRendezvous {
-    inner: Arc<(Mutex<Vec<Option<Vec<u8>>>>, Condvar)>,
+    inner: Arc<(Mutex<Slots>, Condvar)>,
 }
 
 impl LocalRendezvous {

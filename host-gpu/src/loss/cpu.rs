@@ -17,7 +17,7 @@ fn fexp(x: f32) -> f32 {
     let f = t - n;
     // 2^f on [-0.5, 0.5]: Taylor series of exp(f ln 2) to degree 6.
     let p = 1.0
-        + f * (0.693_147_2
+        + f * (std::f32::consts::LN_2
             + f * (0.240_226_5
                 + f * (0.055_504_11 + f * (0.009_618_129 + f * (0.001_333_356 + f * 0.000_154_035_3)))));
     p * f32::from_bits(((n as i32 + 127) << 23) as u32)
@@ -302,10 +302,10 @@ pub fn naive_three_pass(p: &SoftLabelLoss, b: &Batch<'_>, grad: &mut [f32]) -> R
         .sum();
     let scale = 1.0 / b.rows as f32;
     grad.par_chunks_mut(c).enumerate().for_each(|(r, g)| {
-        for i in 0..c {
+        for (i, gi) in g.iter_mut().enumerate() {
             let k = r * c + i;
             let y = b.labels.map_or(0.0, |l| if l[r] as usize == i { 1.0 } else { 0.0 });
-            g[i] = (p.alpha * p.temperature * (q_t[k] - p_t[k]) + hard_weight * (q_1[k] - y)) * scale;
+            *gi = (p.alpha * p.temperature * (q_t[k] - p_t[k]) + hard_weight * (q_1[k] - y)) * scale;
         }
     });
     Ok((total / b.rows as f64) as f32)

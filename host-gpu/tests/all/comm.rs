@@ -184,8 +184,8 @@ fn ring_child_rank() {
 
 fn spawn_ranks(world: usize, mode: &str) -> Vec<std::process::Child> {
     let server = RendezvousServer::start("127.0.0.1:0").unwrap();
+    // The server's thread serves for as long as this test process lives.
     let addr = server.addr();
-    std::mem::forget(server); // its thread lives as long as this test process
     (0..world)
         .map(|rank| {
             Command::new(std::env::current_exe().unwrap())

@@ -85,7 +85,9 @@ impl fmt::Display for Backend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Backend::Wasm { cache: CacheStatus::Hit } => f.write_str("sandboxed component, from the cache"),
-            Backend::Wasm { cache: CacheStatus::Miss } => f.write_str("sandboxed component, compiled and cached"),
+            Backend::Wasm { cache: CacheStatus::Miss } => {
+                f.write_str("sandboxed component, compiled and cached")
+            }
             Backend::Wasm { cache: CacheStatus::Disabled } => f.write_str("sandboxed component, compiled"),
             Backend::Native => f.write_str("native library, trusted"),
         }

@@ -9,8 +9,10 @@ pub struct MemBomb {
 }
 
 impl ScalingPolicy for MemBomb {
+    // Allocating until stopped is the point of this plugin.
+    #[allow(clippy::while_immutable_condition)]
     fn decide(&mut self, view: &ClusterView) -> Vec<Action> {
-        while view.step % 2 == 1 {
+        while !view.step.is_multiple_of(2) {
             let mut chunk = vec![0u8; 1 << 20];
             chunk[0] = 1;
             self.hoard.push(std::hint::black_box(chunk));
