@@ -8,3 +8,4 @@ pub mod plot;
 pub mod plugin;
 pub mod replay;
 pub mod scaffold;
+pub mod store;

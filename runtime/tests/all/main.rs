@@ -7,6 +7,7 @@ mod reload;
 mod sandbox;
 mod scaffold;
 mod shipped;
+mod store;
 
 use edl_runtime::plugin::{ArtifactCache, HostOptions, Limits, PluginHost};
 use std::{path::Path, sync::Arc};

@@ -1,0 +1,57 @@
+//! A lease held by refreshing it in the background.
+
+use super::{Store, StoreError};
+use std::{sync::Arc, time::Duration};
+use tokio::task::JoinHandle;
+
+/// Keeps `key` alive by refreshing it every third of its TTL; if the key is
+/// found gone (expired during a Redis outage, say) it is written again.
+/// [`Lease::release`] (or dropping the lease) stops refreshing; release also
+/// deletes the key so watchers see it go at once.
+pub struct Lease<S: Store> {
+    store: Arc<S>,
+    key: String,
+    task: JoinHandle<()>,
+}
+
+impl<S: Store> Lease<S> {
+    /// Writes the key and starts refreshing it. Must run inside a Tokio runtime.
+    pub async fn hold(store: Arc<S>, key: String, value: Vec<u8>, ttl: Duration) -> Result<Self, StoreError> {
+        store.put(&key, &value, Some(ttl)).await?;
+        let (s, k) = (store.clone(), key.clone());
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(ttl / 3);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                match s.refresh(&k, ttl).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        if let Err(e) = s.put(&k, &value, Some(ttl)).await {
+                            tracing::warn!("lease {k}: cannot write it again: {e}");
+                        }
+                    }
+                    Err(e) => tracing::warn!("lease {k}: refresh failed, retrying: {e}"),
+                }
+            }
+        });
+        Ok(Lease { store, key, task })
+    }
+
+    /// The key held.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Stops refreshing and deletes the key.
+    pub async fn release(self) -> Result<(), StoreError> {
+        self.task.abort();
+        self.store.delete(&self.key).await.map(|_| ())
+    }
+}
+
+impl<S: Store> Drop for Lease<S> {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

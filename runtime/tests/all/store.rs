@@ -1,0 +1,200 @@
+//! The store, in memory and in a real Redis started by the test itself: the
+//! same behaviour from both, leases, fencing tokens, watchers, and a Redis
+//! restart in the middle.
+
+use edl_runtime::store::{AnyStore, Cas, Change, Lease, MemoryStore, RedisStore, Store, keys, watch};
+use std::{
+    net::TcpListener,
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+/// A redis-server of this test's own on a free loopback port.
+pub struct RedisServer {
+    port: u16,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl RedisServer {
+    pub fn start() -> Self {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut s = RedisServer { port, dir: tempfile::tempdir().unwrap(), child: None };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let bin =
+            std::env::var_os("EDL_REDIS_SERVER").map(PathBuf::from).unwrap_or_else(|| "redis-server".into());
+        let child = Command::new(&bin)
+            .args(["--bind", "127.0.0.1", "--port", &self.port.to_string(), "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("cannot start {}: {e}. The store tests need redis-server (.ci/run installs it: apt-get install redis-server)", bin.display())
+            });
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(Instant::now() < deadline, "redis-server did not listen on port {}", self.port);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn restart(&mut self) {
+        self.stop();
+        self.spawn();
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// The behaviour every store must have.
+async fn contract<S: Store>(store: Arc<S>) {
+    let ms = Duration::from_millis;
+    // put, get, tokens, list by prefix, delete
+    assert_eq!(store.put("a/1", b"one", None).await.unwrap(), 1);
+    assert_eq!(store.put("a/1", b"uno", None).await.unwrap(), 2);
+    store.put("a/2", b"two", None).await.unwrap();
+    store.put("b/1", b"other", None).await.unwrap();
+    let e = store.get("a/1").await.unwrap().unwrap();
+    assert_eq!((e.value.as_slice(), e.token), (&b"uno"[..], 2));
+    let listed: Vec<String> = store.list("a/").await.unwrap().into_iter().map(|e| e.key).collect();
+    assert_eq!(listed, vec!["a/1", "a/2"]);
+    assert!(store.delete("a/2").await.unwrap());
+    assert!(!store.delete("a/2").await.unwrap());
+    assert!(store.get("a/2").await.unwrap().is_none());
+
+    // compare-and-set with a fencing token
+    assert_eq!(store.compare_and_set("s", None, b"v1", None).await.unwrap(), Cas::Written(1));
+    assert_eq!(
+        store.compare_and_set("s", None, b"v1'", None).await.unwrap(),
+        Cas::Conflict { current: Some(1) }
+    );
+    assert_eq!(store.compare_and_set("s", Some(1), b"v2", None).await.unwrap(), Cas::Written(2));
+    assert_eq!(
+        store.compare_and_set("s", Some(1), b"stale", None).await.unwrap(),
+        Cas::Conflict { current: Some(2) }
+    );
+    assert_eq!(
+        store.compare_and_set("gone", Some(3), b"x", None).await.unwrap(),
+        Cas::Conflict { current: None }
+    );
+    assert_eq!(store.get("s").await.unwrap().unwrap().value, b"v2");
+
+    // a lease lives while refreshed and vanishes after its TTL
+    store.put("l/x", b"lease", Some(ms(300))).await.unwrap();
+    tokio::time::sleep(ms(200)).await;
+    assert!(store.refresh("l/x", ms(300)).await.unwrap());
+    tokio::time::sleep(ms(200)).await;
+    assert!(store.get("l/x").await.unwrap().is_some(), "refreshed lease expired early");
+    tokio::time::sleep(ms(250)).await;
+    assert!(store.get("l/x").await.unwrap().is_none(), "lease outlived its TTL");
+    assert!(!store.refresh("l/x", ms(300)).await.unwrap());
+
+    // a held lease stays; a released one goes
+    let lease = Lease::hold(store.clone(), "l/held".into(), b"me".to_vec(), ms(300)).await.unwrap();
+    tokio::time::sleep(ms(700)).await;
+    assert!(store.get("l/held").await.unwrap().is_some());
+    lease.release().await.unwrap();
+    assert!(store.get("l/held").await.unwrap().is_none());
+
+    // a watcher sees an addition and a removal within one second
+    let mut rx = watch(store.clone(), keys::teachers("svc"), ms(100));
+    let start = Instant::now();
+    store.put(&keys::teacher("svc", "t1"), b"127.0.0.1:9000", Some(ms(400))).await.unwrap();
+    match tokio::time::timeout(Duration::from_secs(1), rx.recv()).await {
+        Ok(Some(Change::Added(e))) => assert_eq!(e.value, b"127.0.0.1:9000"),
+        other => panic!("no addition seen within 1 s: {other:?}"),
+    }
+    // Not refreshed: the lease expires and the watcher reports it.
+    match tokio::time::timeout(Duration::from_secs(2), rx.recv()).await {
+        Ok(Some(Change::Removed(k))) => assert_eq!(k, keys::teacher("svc", "t1")),
+        other => panic!("no removal seen: {other:?}"),
+    }
+    assert!(start.elapsed() < Duration::from_secs(2));
+}
+
+#[test]
+fn the_memory_store_keeps_the_contract() {
+    runtime().block_on(contract(Arc::new(MemoryStore::new())));
+}
+
+#[test]
+fn the_redis_store_keeps_the_contract() {
+    let server = RedisServer::start();
+    runtime().block_on(async {
+        let store = match AnyStore::open(&server.url()).unwrap() {
+            AnyStore::Redis(r) => r,
+            AnyStore::Memory(_) => unreachable!(),
+        };
+        contract(Arc::new(store)).await
+    });
+}
+
+#[test]
+fn the_redis_store_reconnects_after_a_restart() {
+    let mut server = RedisServer::start();
+    let rt = runtime();
+    let store = rt.block_on(async { Arc::new(RedisStore::open(&server.url()).unwrap()) });
+    rt.block_on(async {
+        store.put("k", b"before", None).await.unwrap();
+    });
+    server.stop();
+    let err = rt.block_on(async {
+        let start = Instant::now();
+        let r = store.put("k", b"during", None).await;
+        (r, start.elapsed())
+    });
+    let (result, took) = err;
+    let e = result.expect_err("Redis is down");
+    assert!(e.to_string().contains(&server.url()), "the error names the server: {e}");
+    assert!(took < Duration::from_secs(5), "a failing call must not hang ({took:?})");
+    server.restart();
+    rt.block_on(async {
+        // The data did not survive (no persistence); the connection does.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match store.put("k", b"after", None).await {
+                Ok(_) => break,
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("no reconnect within 10 s: {e}"),
+            }
+        }
+        assert_eq!(store.get("k").await.unwrap().unwrap().value, b"after");
+    });
+}
+
+#[test]
+fn store_urls_are_checked() {
+    assert!(AnyStore::open("memory").is_ok());
+    assert!(AnyStore::open("etcd://x").is_err());
+}
