@@ -4,6 +4,8 @@
 //! - [`plugin`]: the plugin host (wasmtime components and native libraries).
 //! - [`replay`]: drives a scaling policy over a recorded trace or a simulated cluster.
 
+pub mod model;
+pub mod oip;
 pub mod plot;
 pub mod plugin;
 pub mod replay;
