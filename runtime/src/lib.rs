@@ -4,6 +4,7 @@
 //! - [`plugin`]: the plugin host (wasmtime components and native libraries).
 //! - [`replay`]: drives a scaling policy over a recorded trace or a simulated cluster.
 
+pub mod distill;
 pub mod model;
 pub mod oip;
 pub mod plot;
@@ -11,3 +12,4 @@ pub mod plugin;
 pub mod replay;
 pub mod scaffold;
 pub mod store;
+pub mod teacher;

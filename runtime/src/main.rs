@@ -26,6 +26,8 @@ struct Cli {
 enum Command {
     /// Print the devices and CUDA libraries this machine offers.
     Devices,
+    /// Serve a model as a teacher over the Open Inference Protocol (KServe v2 gRPC).
+    Teacher(TeacherArgs),
     /// Work with plugin files.
     Plugin {
         #[command(subcommand)]
@@ -80,6 +82,29 @@ enum PluginCommand {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(Args)]
+struct TeacherArgs {
+    /// Address to serve on (port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:8001")]
+    listen: std::net::SocketAddr,
+    /// The model, a safetensors file of the runtime's MLP.
+    #[arg(long)]
+    model: PathBuf,
+    /// Where to register: `memory` (this process only) or `redis://host:port`.
+    #[arg(long, default_value = "memory")]
+    store: String,
+    /// Service name the teacher registers under.
+    #[arg(long, default_value = "teachers")]
+    service: String,
+    /// Model name clients ask for.
+    #[arg(long, default_value = "teacher")]
+    model_name: String,
+    #[arg(long, default_value_t = 512)]
+    max_batch: usize,
+    #[arg(long, default_value_t = 2)]
+    max_delay_ms: u64,
 }
 
 #[derive(Args)]
@@ -173,9 +198,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
         println!("{}", edl_host_gpu::DeviceReport::probe());
         return Ok(ExitCode::SUCCESS);
     }
+    if let Some(Command::Teacher(args)) = cli.command {
+        return teacher(args);
+    }
     let host = host(&cli.sandbox)?;
     match cli.command {
-        Some(Command::Devices) => unreachable!("handled above"),
+        Some(Command::Devices) | Some(Command::Teacher(_)) => unreachable!("handled above"),
         Some(Command::Plugin { command: PluginCommand::Inspect { file } }) => inspect(&host, &file),
         Some(Command::Plugin { command: PluginCommand::New { world, name, dir } }) => {
             let created = scaffold::new_plugin(world.into(), &name, &dir, None)?;
@@ -372,4 +400,36 @@ fn simulate(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         println!("plot written to {}", out.display());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `edl-runtime teacher`: serves until Ctrl-C or SIGTERM, then deregisters.
+fn teacher(args: TeacherArgs) -> Result<ExitCode> {
+    use edl_runtime::{model::Mlp, store::AnyStore, teacher};
+    let model = Mlp::load(&args.model)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async {
+        let store = Arc::new(AnyStore::open(&args.store)?);
+        let config = teacher::TeacherConfig {
+            model_name: args.model_name.clone(),
+            max_batch: args.max_batch,
+            max_delay: Duration::from_millis(args.max_delay_ms),
+            ..Default::default()
+        };
+        let (inputs, outputs) = (model.input_dim(), model.output_dim());
+        let service = teacher::TeacherService::new(model, config);
+        let registration = Some((store, args.service.clone(), Duration::from_secs(3)));
+        let t = teacher::Teacher::start(args.listen, service, registration).await?;
+        println!(
+            "teacher {:?} ({inputs} -> {outputs}) serving on {} as service {:?} (store {})",
+            args.model_name, t.addr, args.service, args.store
+        );
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        println!("teacher on {}: stopping, deregistering", t.addr);
+        t.shutdown().await;
+        Ok(ExitCode::SUCCESS)
+    })
 }

@@ -109,7 +109,11 @@ impl Mlp {
             .enumerate()
             .flat_map(|(i, l)| {
                 [
-                    (format!("layers.{i}.weight"), crate::oip::f32_bytes(&l.weight), vec![l.inputs, l.outputs]),
+                    (
+                        format!("layers.{i}.weight"),
+                        crate::oip::f32_bytes(&l.weight),
+                        vec![l.inputs, l.outputs],
+                    ),
                     (format!("layers.{i}.bias"), crate::oip::f32_bytes(&l.bias), vec![l.outputs]),
                 ]
             })
@@ -133,7 +137,9 @@ impl Mlp {
         let st = SafeTensors::deserialize(&bytes).map_err(|e| corrupt(e.to_string()))?;
         let mut layers = Vec::new();
         for i in 0.. {
-            let (Ok(w), Ok(b)) = (st.tensor(&format!("layers.{i}.weight")), st.tensor(&format!("layers.{i}.bias"))) else {
+            let (Ok(w), Ok(b)) =
+                (st.tensor(&format!("layers.{i}.weight")), st.tensor(&format!("layers.{i}.bias")))
+            else {
                 break;
             };
             let (inputs, outputs) = match w.shape() {
@@ -143,11 +149,16 @@ impl Mlp {
             if w.dtype() != Dtype::F32 || b.dtype() != Dtype::F32 || b.shape() != [outputs] {
                 return Err(corrupt(format!("layer {i}: weight/bias dtypes or shapes do not match")));
             }
-            let floats = |d: &[u8]| d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<f32>>();
+            let floats = |d: &[u8]| {
+                d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<f32>>()
+            };
             if let Some(prev) = layers.last().map(|l: &Layer| l.outputs)
                 && prev != inputs
             {
-                return Err(corrupt(format!("layer {i} takes {inputs} inputs but layer {} gives {prev}", i - 1)));
+                return Err(corrupt(format!(
+                    "layer {i} takes {inputs} inputs but layer {} gives {prev}",
+                    i - 1
+                )));
             }
             layers.push(Layer { inputs, outputs, weight: floats(w.data()), bias: floats(b.data()) });
         }

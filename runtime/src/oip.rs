@@ -11,10 +11,7 @@ pub use pb::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceS
 
 /// An FP32 tensor `[rows, cols]` from an infer input: raw bytes (the
 /// request's `raw_input_contents[index]`) or the typed `fp32_contents`.
-pub fn input_f32(
-    req: &pb::ModelInferRequest,
-    index: usize,
-) -> Result<(Vec<f32>, usize, usize), String> {
+pub fn input_f32(req: &pb::ModelInferRequest, index: usize) -> Result<(Vec<f32>, usize, usize), String> {
     let t = req.inputs.get(index).ok_or_else(|| format!("request has no input {index}"))?;
     if t.datatype != "FP32" {
         return Err(format!("input {:?} has datatype {:?}; FP32 is needed", t.name, t.datatype));
@@ -26,7 +23,12 @@ pub fn input_f32(
     let want = rows.checked_mul(cols).ok_or("shape overflows")?;
     let data: Vec<f32> = if let Some(raw) = req.raw_input_contents.get(index) {
         if raw.len() != want * 4 {
-            return Err(format!("input {:?}: {} raw bytes for shape [{rows}, {cols}] (needs {})", t.name, raw.len(), want * 4));
+            return Err(format!(
+                "input {:?}: {} raw bytes for shape [{rows}, {cols}] (needs {})",
+                t.name,
+                raw.len(),
+                want * 4
+            ));
         }
         raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
     } else {

@@ -3,6 +3,7 @@
 
 mod cache;
 mod cli;
+mod distill;
 mod reload;
 mod sandbox;
 mod scaffold;

@@ -1,0 +1,421 @@
+//! The DistillReader: batches in, the same batches out in the same order with
+//! the teachers' soft labels attached. Teacher inference overlaps with the
+//! student's training: batches are read ahead, cut into teacher requests,
+//! and sent to whichever teachers are alive, least loaded first, a bounded
+//! number in flight per teacher. A request that fails (error, timeout, wrong
+//! shape) is sent again to another teacher at once and its teacher cools
+//! down; no sample is lost, duplicated or reordered. Teachers come from a
+//! fixed list or from the store, followed live.
+
+use crate::oip::{self, GrpcInferenceServiceClient, pb};
+use crate::plugin::TransformPlugin;
+use crate::store::{AnyStore, Change, keys, watch};
+use edl_plugin_sdk::{Batch, Dtype};
+use std::{
+    collections::{BTreeMap, VecDeque},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+use tokio::{sync::mpsc, task::JoinSet};
+use tonic::transport::{Channel, Endpoint};
+
+/// Where the teachers are.
+#[derive(Clone)]
+pub enum Teachers {
+    /// Fixed endpoints (`host:port`), e.g. any OIP server.
+    Fixed(Vec<String>),
+    /// Teachers registered in the store under a service name.
+    Discovered { store: Arc<AnyStore>, service: String },
+}
+
+/// How the reader works.
+#[derive(Clone, Debug)]
+pub struct DistillConfig {
+    pub model_name: String,
+    /// Rows per teacher request.
+    pub teacher_batch: usize,
+    /// Requests in flight per teacher.
+    pub in_flight_per_teacher: usize,
+    /// Batches read ahead of the consumer.
+    pub read_ahead: usize,
+    pub request_timeout: Duration,
+    /// How long a failed teacher gets no requests.
+    pub cooldown: Duration,
+    /// How long to wait with no teacher at all before failing.
+    pub wait_for_teachers: Duration,
+    /// Classes the teachers must answer (the student's); when None, the
+    /// first answer decides and later ones must agree.
+    pub classes: Option<usize>,
+}
+
+impl Default for DistillConfig {
+    fn default() -> Self {
+        DistillConfig {
+            model_name: "teacher".into(),
+            teacher_batch: 64,
+            in_flight_per_teacher: 4,
+            read_ahead: 8,
+            request_timeout: Duration::from_secs(5),
+            cooldown: Duration::from_secs(2),
+            wait_for_teachers: Duration::from_secs(30),
+            classes: None,
+        }
+    }
+}
+
+/// A batch with its teachers' outputs.
+#[derive(Clone, Debug)]
+pub struct Distilled {
+    /// The (transformed) batch the student trains on.
+    pub batch: Batch,
+    /// The teachers' logits, `[rows, classes]`.
+    pub soft: Vec<f32>,
+    pub classes: usize,
+}
+
+/// Why the reader stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum DistillError {
+    #[error("no teacher available for {0:?} (waited that long)")]
+    NoTeachers(Duration),
+    #[error("batch {seq}: {detail}")]
+    BadBatch { seq: u64, detail: String },
+    #[error(transparent)]
+    Transform(#[from] crate::plugin::Error),
+}
+
+/// The reader's handle: call [`DistillReader::next`] for each batch.
+pub struct DistillReader {
+    rx: mpsc::Receiver<Result<Distilled, DistillError>>,
+}
+
+impl DistillReader {
+    /// Starts reading `source` (on a thread of its own) through `transform`
+    /// (if any) and the teachers; runs on the current Tokio runtime.
+    pub fn start(
+        source: impl Iterator<Item = Batch> + Send + 'static,
+        transform: Option<Box<dyn TransformPlugin>>,
+        teachers: Teachers,
+        config: DistillConfig,
+    ) -> Self {
+        let (batches_tx, batches_rx) = mpsc::channel::<Result<Batch, DistillError>>(config.read_ahead.max(1));
+        std::thread::Builder::new()
+            .name("edl-distill-source".into())
+            .spawn(move || {
+                let mut transform = transform;
+                for b in source {
+                    let b = match transform.as_mut() {
+                        Some(t) => t.apply(&b).map_err(DistillError::from),
+                        None => Ok(b),
+                    };
+                    let stop = b.is_err();
+                    if batches_tx.blocking_send(b).is_err() || stop {
+                        return;
+                    }
+                }
+            })
+            .expect("spawn the source thread");
+        let (tx, rx) = mpsc::channel(config.read_ahead.max(1));
+        tokio::spawn(Pipeline::new(config, teachers).run(batches_rx, tx));
+        DistillReader { rx }
+    }
+
+    /// The next batch with soft labels, in source order; None at the end.
+    pub async fn next(&mut self) -> Option<Result<Distilled, DistillError>> {
+        self.rx.recv().await
+    }
+}
+
+struct Teacher {
+    addr: String,
+    client: GrpcInferenceServiceClient<Channel>,
+    outstanding: usize,
+    cool_until: Option<Instant>,
+    draining: bool,
+}
+
+/// A slice of one batch sent as one request.
+#[derive(Clone)]
+struct Piece {
+    seq: u64,
+    start: usize,
+    rows: usize,
+}
+
+struct Pending {
+    batch: Batch,
+    features: Vec<f32>,
+    dim: usize,
+    soft: Vec<f32>,
+    missing: usize,
+}
+
+struct Pipeline {
+    cfg: DistillConfig,
+    teachers: Teachers,
+    pool: BTreeMap<String, Teacher>,
+    queue: VecDeque<Piece>,
+    pending: BTreeMap<u64, Pending>,
+    classes: Option<usize>,
+    next_in: u64,
+    next_out: u64,
+    source_done: bool,
+    idle_since: Option<Instant>,
+}
+
+type Outcome = (String, Piece, Result<Vec<f32>, String>);
+
+fn features_of(b: &Batch) -> Result<(Vec<f32>, usize), String> {
+    b.validate().map_err(|e| e.to_string())?;
+    let dim = b.sample_elems();
+    Ok(match b.dtype {
+        Dtype::Float32 => (b.to_f32().expect("float32"), dim),
+        Dtype::Uint8 => (b.data.iter().map(|&v| v as f32 / 255.0).collect(), dim),
+    })
+}
+
+impl Pipeline {
+    fn new(cfg: DistillConfig, teachers: Teachers) -> Self {
+        Pipeline {
+            classes: cfg.classes,
+            cfg,
+            teachers,
+            pool: BTreeMap::new(),
+            queue: VecDeque::new(),
+            pending: BTreeMap::new(),
+            next_in: 0,
+            next_out: 0,
+            source_done: false,
+            idle_since: None,
+        }
+    }
+
+    fn add_teacher(&mut self, addr: &str) {
+        if let Some(t) = self.pool.get_mut(addr) {
+            t.draining = false;
+            return;
+        }
+        let uri = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
+        match Endpoint::from_shared(uri) {
+            Ok(ep) => {
+                let ch = ep.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true).connect_lazy();
+                let client = GrpcInferenceServiceClient::new(ch).max_decoding_message_size(256 << 20);
+                tracing::info!("teacher {addr} joined");
+                self.pool.insert(
+                    addr.to_string(),
+                    Teacher {
+                        addr: addr.to_string(),
+                        client,
+                        outstanding: 0,
+                        cool_until: None,
+                        draining: false,
+                    },
+                );
+            }
+            Err(e) => tracing::warn!("teacher endpoint {addr:?} is not usable: {e}"),
+        }
+    }
+
+    fn remove_teacher(&mut self, addr: &str) {
+        if let Some(t) = self.pool.get_mut(addr) {
+            tracing::info!("teacher {addr} left; draining its {} requests", t.outstanding);
+            t.draining = true;
+        }
+    }
+
+    /// The least-loaded teacher that may take a request now.
+    fn pick(&mut self) -> Option<String> {
+        let now = Instant::now();
+        let limit = self.cfg.in_flight_per_teacher;
+        self.pool
+            .values()
+            .filter(|t| !t.draining && t.outstanding < limit && t.cool_until.is_none_or(|c| c <= now))
+            .min_by_key(|t| t.outstanding)
+            .map(|t| t.addr.clone())
+    }
+
+    fn admit(&mut self, batch: Batch) -> Result<(), DistillError> {
+        let seq = self.next_in;
+        self.next_in += 1;
+        let (features, dim) = features_of(&batch).map_err(|detail| DistillError::BadBatch { seq, detail })?;
+        let rows = batch.len();
+        let step = self.cfg.teacher_batch.max(1);
+        let pieces: Vec<Piece> =
+            (0..rows).step_by(step).map(|s| Piece { seq, start: s, rows: step.min(rows - s) }).collect();
+        self.pending.insert(seq, Pending { batch, features, dim, soft: Vec::new(), missing: pieces.len() });
+        self.queue.extend(pieces);
+        Ok(())
+    }
+
+    fn dispatch(&mut self, running: &mut JoinSet<Outcome>) {
+        while let Some(piece) = self.queue.front().cloned() {
+            let Some(addr) = self.pick() else { break };
+            self.queue.pop_front();
+            let p = &self.pending[&piece.seq];
+            let data = oip::f32_bytes(&p.features[piece.start * p.dim..(piece.start + piece.rows) * p.dim]);
+            let req = pb::ModelInferRequest {
+                model_name: self.cfg.model_name.clone(),
+                id: format!("{}:{}", piece.seq, piece.start),
+                inputs: vec![pb::model_infer_request::InferInputTensor {
+                    name: "input".into(),
+                    datatype: "FP32".into(),
+                    shape: vec![piece.rows as i64, p.dim as i64],
+                    ..Default::default()
+                }],
+                raw_input_contents: vec![data],
+                ..Default::default()
+            };
+            let t = self.pool.get_mut(&addr).expect("picked from the pool");
+            t.outstanding += 1;
+            let mut client = t.client.clone();
+            let timeout = self.cfg.request_timeout;
+            running.spawn(async move {
+                let result = match tokio::time::timeout(timeout, client.model_infer(req)).await {
+                    Err(_) => Err(format!("no answer within {timeout:?}")),
+                    Ok(Err(status)) => Err(format!("{}: {}", status.code(), status.message())),
+                    Ok(Ok(resp)) => match oip::output_f32(resp.get_ref()) {
+                        Ok((v, rows, _)) if rows == piece.rows => Ok(v),
+                        Ok((_, rows, cols)) => {
+                            Err(format!("answered [{rows}, {cols}] for {} rows", piece.rows))
+                        }
+                        Err(e) => Err(e),
+                    },
+                };
+                (addr, piece, result)
+            });
+        }
+    }
+
+    fn complete(&mut self, (addr, piece, result): Outcome) {
+        let cooldown = self.cfg.cooldown;
+        if let Some(t) = self.pool.get_mut(&addr) {
+            t.outstanding -= 1;
+        }
+        let accepted = result.and_then(|v| {
+            let cols = v.len() / piece.rows.max(1);
+            match self.classes {
+                Some(c) if c != cols => Err(format!("answered {cols} classes; other teachers answer {c}")),
+                _ => Ok((v, cols)),
+            }
+        });
+        match accepted {
+            Ok((v, cols)) => {
+                self.classes = Some(cols);
+                let p = self.pending.get_mut(&piece.seq).expect("pending batch");
+                if p.soft.is_empty() {
+                    p.soft = vec![0.0; p.batch.len() * cols];
+                }
+                p.soft[piece.start * cols..(piece.start + piece.rows) * cols].copy_from_slice(&v);
+                p.missing -= 1;
+            }
+            Err(why) => {
+                tracing::warn!(
+                    "teacher {addr} failed on batch {} rows {}..{}: {why}; resending elsewhere, cooling it down for {cooldown:?}",
+                    piece.seq,
+                    piece.start,
+                    piece.start + piece.rows
+                );
+                if let Some(t) = self.pool.get_mut(&addr) {
+                    t.cool_until = Some(Instant::now() + cooldown);
+                }
+                self.queue.push_front(piece);
+            }
+        }
+    }
+
+    async fn run(
+        mut self,
+        mut batches: mpsc::Receiver<Result<Batch, DistillError>>,
+        out: mpsc::Sender<Result<Distilled, DistillError>>,
+    ) {
+        let mut changes = match &self.teachers {
+            Teachers::Fixed(list) => {
+                for a in list.clone() {
+                    self.add_teacher(&a);
+                }
+                None
+            }
+            Teachers::Discovered { store, service } => {
+                Some(watch(store.clone(), keys::teachers(service), Duration::from_millis(200)))
+            }
+        };
+        let mut running: JoinSet<Outcome> = JoinSet::new();
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        loop {
+            // Emit finished batches in order.
+            while self.pending.get(&self.next_out).is_some_and(|p| p.missing == 0) {
+                let p = self.pending.remove(&self.next_out).expect("checked above");
+                self.next_out += 1;
+                let classes = self.classes.unwrap_or(0);
+                if out.send(Ok(Distilled { batch: p.batch, soft: p.soft, classes })).await.is_err() {
+                    return;
+                }
+            }
+            if self.source_done && self.pending.is_empty() {
+                return;
+            }
+            self.dispatch(&mut running);
+
+            // Waiting with nothing able to run: say so, and give up after the timeout.
+            let usable = self.pool.values().any(|t| !t.draining);
+            if !self.queue.is_empty() && running.is_empty() && !usable {
+                let since = *self.idle_since.get_or_insert_with(|| {
+                    tracing::warn!("no teacher available; waiting up to {:?}", self.cfg.wait_for_teachers);
+                    Instant::now()
+                });
+                if since.elapsed() >= self.cfg.wait_for_teachers {
+                    let _ = out.send(Err(DistillError::NoTeachers(self.cfg.wait_for_teachers))).await;
+                    return;
+                }
+            } else {
+                self.idle_since = None;
+            }
+
+            let room = self.pending.len() < self.cfg.read_ahead.max(1) && !self.source_done;
+            tokio::select! {
+                Some(done) = running.join_next(), if !running.is_empty() => {
+                    match done {
+                        Ok(outcome) => self.complete(outcome),
+                        Err(e) => tracing::warn!("a teacher request task failed: {e}"),
+                    }
+                }
+                next = batches.recv(), if room => match next {
+                    Some(Ok(b)) => {
+                        if let Err(e) = self.admit(b) {
+                            let _ = out.send(Err(e)).await;
+                            return;
+                        }
+                    }
+                    Some(Err(e)) => {
+                        let _ = out.send(Err(e)).await;
+                        return;
+                    }
+                    None => self.source_done = true,
+                },
+                Some(change) = async { match changes.as_mut() { Some(rx) => rx.recv().await, None => None } }, if changes.is_some() => {
+                    match change {
+                        Change::Added(e) | Change::Updated(e) => self.add_teacher(&String::from_utf8_lossy(&e.value)),
+                        Change::Removed(key) => {
+                            let addr = key.rsplit('/').next().unwrap_or_default().to_string();
+                            self.remove_teacher(&addr);
+                        }
+                    }
+                }
+                _ = tick.tick() => {}
+            }
+            // Forget drained teachers.
+            self.pool.retain(|_, t| !(t.draining && t.outstanding == 0));
+        }
+    }
+}
+
+/// Parses `host:port,host:port` (duplicates dropped, order kept).
+pub fn endpoints(list: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for s in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        if !out.iter().any(|o| o == s) {
+            out.push(s.to_string());
+        }
+    }
+    out
+}

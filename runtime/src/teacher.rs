@@ -1,0 +1,312 @@
+//! The teacher service: a model served over the Open Inference Protocol
+//! (KServe v2 gRPC), with concurrent requests batched together up to a
+//! maximum batch or a maximum delay, registered in the store under a lease
+//! while it serves.
+
+use crate::model::Mlp;
+use crate::oip::{self, GrpcInferenceService, GrpcInferenceServiceServer, pb};
+use crate::store::{AnyStore, Lease, StoreError, keys};
+use std::{net::SocketAddr, sync::Arc, time::Duration};
+use tokio::sync::{mpsc, oneshot};
+use tonic::{Request, Response, Status};
+
+/// How a teacher serves.
+#[derive(Clone, Debug)]
+pub struct TeacherConfig {
+    /// The model name clients ask for.
+    pub model_name: String,
+    /// Rows run together at most.
+    pub max_batch: usize,
+    /// How long the first request of a batch waits for others.
+    pub max_delay: Duration,
+    /// Largest request accepted, in rows.
+    pub max_request_rows: usize,
+}
+
+impl Default for TeacherConfig {
+    fn default() -> Self {
+        TeacherConfig {
+            model_name: "teacher".into(),
+            max_batch: 512,
+            max_delay: Duration::from_millis(2),
+            max_request_rows: 4096,
+        }
+    }
+}
+
+struct Job {
+    rows: usize,
+    input: Vec<f32>,
+    reply: oneshot::Sender<Vec<f32>>,
+}
+
+/// The OIP service of one model.
+#[derive(Clone)]
+pub struct TeacherService {
+    model: Arc<Mlp>,
+    config: Arc<TeacherConfig>,
+    jobs: mpsc::Sender<Job>,
+}
+
+impl TeacherService {
+    /// Starts the batching task (inside a Tokio runtime).
+    pub fn new(model: Mlp, config: TeacherConfig) -> Self {
+        let model = Arc::new(model);
+        let (tx, rx) = mpsc::channel(1024);
+        tokio::spawn(batcher(model.clone(), config.clone(), rx));
+        TeacherService { model, config: Arc::new(config), jobs: tx }
+    }
+
+    /// The model's logits for `rows` inputs, through the batcher.
+    pub async fn infer(&self, input: Vec<f32>, rows: usize) -> Result<Vec<f32>, Status> {
+        let (reply, rx) = oneshot::channel();
+        self.jobs
+            .send(Job { rows, input, reply })
+            .await
+            .map_err(|_| Status::unavailable("teacher is shutting down"))?;
+        rx.await.map_err(|_| Status::internal("the batch failed"))
+    }
+
+    fn check_model(&self, name: &str) -> Result<(), Status> {
+        if name == self.config.model_name {
+            Ok(())
+        } else {
+            Err(Status::not_found(format!(
+                "unknown model {name:?}; this server serves {:?}",
+                self.config.model_name
+            )))
+        }
+    }
+}
+
+/// Collects jobs into batches and runs them off the async threads.
+async fn batcher(model: Arc<Mlp>, config: TeacherConfig, mut rx: mpsc::Receiver<Job>) {
+    while let Some(first) = rx.recv().await {
+        let mut jobs = vec![first];
+        let mut rows = jobs[0].rows;
+        let deadline = tokio::time::Instant::now() + config.max_delay;
+        while rows < config.max_batch {
+            match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Ok(Some(j)) => {
+                    rows += j.rows;
+                    jobs.push(j);
+                }
+                _ => break,
+            }
+        }
+        let m = model.clone();
+        let inputs: Vec<f32> = jobs.iter().flat_map(|j| j.input.iter().copied()).collect();
+        let out = match tokio::task::spawn_blocking(move || m.forward(&inputs, rows)).await {
+            Ok(out) => out,
+            Err(_) => continue, // the forward pass panicked: the callers see their channel closed
+        };
+        let c = model.output_dim();
+        let mut at = 0;
+        for j in jobs {
+            let _ = j.reply.send(out[at * c..(at + j.rows) * c].to_vec());
+            at += j.rows;
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl GrpcInferenceService for TeacherService {
+    async fn server_live(
+        &self,
+        _: Request<pb::ServerLiveRequest>,
+    ) -> Result<Response<pb::ServerLiveResponse>, Status> {
+        Ok(Response::new(pb::ServerLiveResponse { live: true }))
+    }
+
+    async fn server_ready(
+        &self,
+        _: Request<pb::ServerReadyRequest>,
+    ) -> Result<Response<pb::ServerReadyResponse>, Status> {
+        Ok(Response::new(pb::ServerReadyResponse { ready: true }))
+    }
+
+    async fn model_ready(
+        &self,
+        r: Request<pb::ModelReadyRequest>,
+    ) -> Result<Response<pb::ModelReadyResponse>, Status> {
+        Ok(Response::new(pb::ModelReadyResponse { ready: r.get_ref().name == self.config.model_name }))
+    }
+
+    async fn server_metadata(
+        &self,
+        _: Request<pb::ServerMetadataRequest>,
+    ) -> Result<Response<pb::ServerMetadataResponse>, Status> {
+        Ok(Response::new(pb::ServerMetadataResponse {
+            name: "edl-runtime".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            extensions: Vec::new(),
+        }))
+    }
+
+    async fn model_metadata(
+        &self,
+        r: Request<pb::ModelMetadataRequest>,
+    ) -> Result<Response<pb::ModelMetadataResponse>, Status> {
+        self.check_model(&r.get_ref().name)?;
+        let tensor = |name: &str, dim: usize| pb::model_metadata_response::TensorMetadata {
+            name: name.into(),
+            datatype: "FP32".into(),
+            shape: vec![-1, dim as i64],
+        };
+        Ok(Response::new(pb::ModelMetadataResponse {
+            name: self.config.model_name.clone(),
+            versions: vec!["1".into()],
+            platform: "edl-mlp".into(),
+            inputs: vec![tensor("input", self.model.input_dim())],
+            outputs: vec![tensor("logits", self.model.output_dim())],
+        }))
+    }
+
+    async fn model_infer(
+        &self,
+        r: Request<pb::ModelInferRequest>,
+    ) -> Result<Response<pb::ModelInferResponse>, Status> {
+        let req = r.into_inner();
+        self.check_model(&req.model_name)?;
+        if req.inputs.len() != 1 {
+            return Err(Status::invalid_argument(format!(
+                "expected 1 input tensor, got {}",
+                req.inputs.len()
+            )));
+        }
+        let (input, rows, cols) = oip::input_f32(&req, 0).map_err(Status::invalid_argument)?;
+        if cols != self.model.input_dim() {
+            return Err(Status::invalid_argument(format!(
+                "input has {cols} features per row; the model takes {}",
+                self.model.input_dim()
+            )));
+        }
+        if rows > self.config.max_request_rows {
+            return Err(Status::resource_exhausted(format!(
+                "{rows} rows in one request; at most {} accepted",
+                self.config.max_request_rows
+            )));
+        }
+        let logits = if rows == 0 { Vec::new() } else { self.infer(input, rows).await? };
+        Ok(Response::new(pb::ModelInferResponse {
+            model_name: self.config.model_name.clone(),
+            model_version: "1".into(),
+            id: req.id,
+            parameters: Default::default(),
+            outputs: vec![pb::model_infer_response::InferOutputTensor {
+                name: "logits".into(),
+                datatype: "FP32".into(),
+                shape: vec![rows as i64, self.model.output_dim() as i64],
+                parameters: Default::default(),
+                contents: None,
+            }],
+            raw_output_contents: vec![oip::f32_bytes(&logits)],
+        }))
+    }
+}
+
+/// A serving teacher; stops (and deregisters) when dropped or on [`Teacher::shutdown`].
+pub struct Teacher {
+    pub addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+    lease: Option<Lease<AnyStore>>,
+}
+
+impl Teacher {
+    /// Serves `service` on `listen` (port 0 picks one). With a store, the
+    /// endpoint is registered under `edl/services/<service_name>/teachers/<addr>`
+    /// as a lease of `ttl`.
+    pub async fn start(
+        listen: SocketAddr,
+        service: TeacherService,
+        registration: Option<(Arc<AnyStore>, String, Duration)>,
+    ) -> Result<Self, TeacherError> {
+        let listener =
+            tokio::net::TcpListener::bind(listen).await.map_err(|e| TeacherError::Bind(listen, e))?;
+        let addr = listener.local_addr().map_err(|e| TeacherError::Bind(listen, e))?;
+        Self::serve(listener, addr, GrpcInferenceServiceServer::new(service), registration).await
+    }
+
+    /// Serves any OIP service implementation (tests wrap [`TeacherService`] to inject faults).
+    pub async fn start_with<S: GrpcInferenceService>(
+        listen: SocketAddr,
+        service: S,
+        registration: Option<(Arc<AnyStore>, String, Duration)>,
+    ) -> Result<Self, TeacherError> {
+        let listener =
+            tokio::net::TcpListener::bind(listen).await.map_err(|e| TeacherError::Bind(listen, e))?;
+        let addr = listener.local_addr().map_err(|e| TeacherError::Bind(listen, e))?;
+        Self::serve(listener, addr, GrpcInferenceServiceServer::new(service), registration).await
+    }
+
+    async fn serve<S: GrpcInferenceService>(
+        listener: tokio::net::TcpListener,
+        addr: SocketAddr,
+        server: GrpcInferenceServiceServer<S>,
+        registration: Option<(Arc<AnyStore>, String, Duration)>,
+    ) -> Result<Self, TeacherError> {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let task = tokio::spawn(async move {
+            let result = tonic::transport::Server::builder()
+                .add_service(server.max_decoding_message_size(256 << 20))
+                .serve_with_incoming_shutdown(incoming, async {
+                    let _ = stopped.await;
+                })
+                .await;
+            if let Err(e) = result {
+                tracing::warn!("teacher on {addr}: {e}");
+            }
+        });
+        let lease = match registration {
+            Some((store, service, ttl)) => {
+                let key = keys::teacher(&service, &addr.to_string());
+                Some(
+                    Lease::hold(store, key, addr.to_string().into_bytes(), ttl)
+                        .await
+                        .map_err(TeacherError::Store)?,
+                )
+            }
+            None => None,
+        };
+        Ok(Teacher { addr, stop: Some(stop), task, lease })
+    }
+
+    /// Deregisters, then stops serving (in-flight requests are finished).
+    pub async fn shutdown(mut self) {
+        if let Some(lease) = self.lease.take()
+            && let Err(e) = lease.release().await
+        {
+            tracing::warn!("teacher {}: could not deregister: {e}", self.addr);
+        }
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = (&mut self.task).await;
+    }
+
+    /// Stops at once, as a crash would: connections drop, the lease is left to expire.
+    pub fn kill(mut self) {
+        self.task.abort();
+        if let Some(lease) = self.lease.take() {
+            drop(lease);
+        }
+        self.stop.take();
+    }
+}
+
+impl Drop for Teacher {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Why a teacher could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum TeacherError {
+    #[error("cannot listen on {0}: {1}")]
+    Bind(SocketAddr, std::io::Error),
+    #[error("cannot register in the store: {0}")]
+    Store(StoreError),
+}

@@ -1,0 +1,334 @@
+//! Teachers and the DistillReader: the OIP service answers a standard client
+//! and rejects bad requests clearly; the reader delivers every sample exactly
+//! once, in order, with the soft labels a healthy teacher gives, while
+//! teachers die, join, stall or answer nonsense, and while Redis restarts.
+
+use crate::store::RedisServer;
+use edl_plugin_sdk::{Batch, Dtype};
+use edl_runtime::{
+    distill::{DistillConfig, DistillError, DistillReader, Teachers},
+    model::Mlp,
+    oip::{self, GrpcInferenceService, GrpcInferenceServiceClient, pb},
+    store::AnyStore,
+    teacher::{Teacher, TeacherConfig, TeacherService},
+};
+use std::{
+    io::{BufRead, BufReader},
+    process::{Child, Command, Stdio},
+    sync::Arc,
+    time::Duration,
+};
+use tonic::{Code, Request, Response, Status};
+
+const DIM: usize = 16;
+const CLASSES: usize = 10;
+
+fn model() -> Mlp {
+    Mlp::random(&[DIM, 32, CLASSES], 7)
+}
+
+/// `n` batches of `rows` samples; sample ids count up from 0.
+fn batches(n: usize, rows: usize) -> Vec<Batch> {
+    (0..n)
+        .map(|b| {
+            let ids: Vec<u64> = (0..rows as u64).map(|i| (b * rows) as u64 + i).collect();
+            let feats: Vec<f32> = ids
+                .iter()
+                .flat_map(|&id| (0..DIM).map(move |k| ((id * 31 + k as u64) % 97) as f32 / 97.0))
+                .collect();
+            Batch {
+                data: oip::f32_bytes(&feats),
+                shape: vec![rows as u32, DIM as u32],
+                dtype: Dtype::Float32,
+                labels: ids.iter().map(|&i| (i % 10) as u32).collect(),
+                ids,
+                seed: 0,
+            }
+        })
+        .collect()
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// Reads everything, checking order, completeness and soft labels; `between`
+/// runs after each batch with its index.
+async fn drain_and_check(mut reader: DistillReader, expected: &[Batch], mut between: impl FnMut(usize)) {
+    let m = model();
+    let mut next_id = 0u64;
+    for (i, want) in expected.iter().enumerate() {
+        let got = reader.next().await.expect("a batch").expect("no error");
+        assert_eq!(got.batch.ids, want.ids, "batch {i} out of order or changed");
+        for id in &got.batch.ids {
+            assert_eq!(*id, next_id, "sample lost or repeated");
+            next_id += 1;
+        }
+        assert_eq!(got.classes, CLASSES);
+        let feats = want.to_f32().unwrap();
+        let healthy = m.forward(&feats, want.len());
+        assert_eq!(got.soft.len(), healthy.len());
+        for (a, b) in got.soft.iter().zip(&healthy) {
+            assert!((a - b).abs() < 1e-5, "batch {i}: soft labels differ from a healthy teacher's");
+        }
+        between(i);
+    }
+    assert!(reader.next().await.is_none(), "nothing after the last batch");
+}
+
+#[test]
+fn the_teacher_speaks_oip_and_rejects_bad_requests() {
+    runtime().block_on(async {
+        let t = Teacher::start(
+            "127.0.0.1:0".parse().unwrap(),
+            TeacherService::new(model(), TeacherConfig { max_request_rows: 100, ..Default::default() }),
+            None,
+        )
+        .await
+        .unwrap();
+        let mut c = GrpcInferenceServiceClient::connect(format!("http://{}", t.addr)).await.unwrap();
+        assert!(c.server_live(pb::ServerLiveRequest {}).await.unwrap().get_ref().live);
+        assert!(c.server_ready(pb::ServerReadyRequest {}).await.unwrap().get_ref().ready);
+        let ready = |name: &str| pb::ModelReadyRequest { name: name.into(), version: String::new() };
+        assert!(c.model_ready(ready("teacher")).await.unwrap().get_ref().ready);
+        assert!(!c.model_ready(ready("other")).await.unwrap().get_ref().ready);
+        let meta = c
+            .model_metadata(pb::ModelMetadataRequest { name: "teacher".into(), version: String::new() })
+            .await
+            .unwrap();
+        assert_eq!(meta.get_ref().inputs[0].shape, vec![-1, DIM as i64]);
+        assert_eq!(meta.get_ref().outputs[0].shape, vec![-1, CLASSES as i64]);
+
+        let x: Vec<f32> = (0..2 * DIM).map(|i| i as f32 / 10.0).collect();
+        let input = |shape: Vec<i64>, datatype: &str, typed: Option<Vec<f32>>| {
+            pb::model_infer_request::InferInputTensor {
+                name: "input".into(),
+                datatype: datatype.into(),
+                shape,
+                contents: typed.map(|v| pb::InferTensorContents { fp32_contents: v, ..Default::default() }),
+                ..Default::default()
+            }
+        };
+        let want = model().forward(&x, 2);
+        // raw bytes, as tritonclient sends them
+        let raw = pb::ModelInferRequest {
+            model_name: "teacher".into(),
+            inputs: vec![input(vec![2, DIM as i64], "FP32", None)],
+            raw_input_contents: vec![oip::f32_bytes(&x)],
+            ..Default::default()
+        };
+        let (got, rows, cols) = oip::output_f32(c.model_infer(raw.clone()).await.unwrap().get_ref()).unwrap();
+        assert_eq!((rows, cols), (2, CLASSES));
+        assert_eq!(got, want);
+        // typed contents
+        let typed = pb::ModelInferRequest {
+            model_name: "teacher".into(),
+            inputs: vec![input(vec![2, DIM as i64], "FP32", Some(x.clone()))],
+            ..Default::default()
+        };
+        assert_eq!(oip::output_f32(c.model_infer(typed).await.unwrap().get_ref()).unwrap().0, want);
+
+        let code = |r: Result<Response<pb::ModelInferResponse>, Status>| r.unwrap_err();
+        let e = code(c.model_infer(pb::ModelInferRequest { model_name: "nope".into(), ..raw.clone() }).await);
+        assert_eq!(e.code(), Code::NotFound, "{e}");
+        let e = code(
+            c.model_infer(pb::ModelInferRequest {
+                inputs: vec![input(vec![2, 7], "FP32", None)],
+                ..raw.clone()
+            })
+            .await,
+        );
+        assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+        let e = code(
+            c.model_infer(pb::ModelInferRequest {
+                inputs: vec![input(vec![2, DIM as i64], "INT8", None)],
+                ..raw.clone()
+            })
+            .await,
+        );
+        assert!(e.code() == Code::InvalidArgument && e.message().contains("FP32"), "{e}");
+        let e = code(
+            c.model_infer(pb::ModelInferRequest { raw_input_contents: vec![vec![0u8; 5]], ..raw.clone() })
+                .await,
+        );
+        assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+        let big = vec![0f32; 101 * DIM];
+        let e = code(
+            c.model_infer(pb::ModelInferRequest {
+                inputs: vec![input(vec![101, DIM as i64], "FP32", None)],
+                raw_input_contents: vec![oip::f32_bytes(&big)],
+                ..raw.clone()
+            })
+            .await,
+        );
+        assert_eq!(e.code(), Code::ResourceExhausted, "{e}");
+        // The server is still fine.
+        assert!(c.model_infer(raw).await.is_ok());
+        t.shutdown().await;
+    });
+}
+
+/// A teacher that misbehaves on purpose.
+#[derive(Clone)]
+struct Faulty {
+    inner: TeacherService,
+    stall: bool,
+}
+
+#[tonic::async_trait]
+impl GrpcInferenceService for Faulty {
+    async fn server_live(
+        &self,
+        r: Request<pb::ServerLiveRequest>,
+    ) -> Result<Response<pb::ServerLiveResponse>, Status> {
+        self.inner.server_live(r).await
+    }
+    async fn server_ready(
+        &self,
+        r: Request<pb::ServerReadyRequest>,
+    ) -> Result<Response<pb::ServerReadyResponse>, Status> {
+        self.inner.server_ready(r).await
+    }
+    async fn model_ready(
+        &self,
+        r: Request<pb::ModelReadyRequest>,
+    ) -> Result<Response<pb::ModelReadyResponse>, Status> {
+        self.inner.model_ready(r).await
+    }
+    async fn server_metadata(
+        &self,
+        r: Request<pb::ServerMetadataRequest>,
+    ) -> Result<Response<pb::ServerMetadataResponse>, Status> {
+        self.inner.server_metadata(r).await
+    }
+    async fn model_metadata(
+        &self,
+        r: Request<pb::ModelMetadataRequest>,
+    ) -> Result<Response<pb::ModelMetadataResponse>, Status> {
+        self.inner.model_metadata(r).await
+    }
+    async fn model_infer(
+        &self,
+        r: Request<pb::ModelInferRequest>,
+    ) -> Result<Response<pb::ModelInferResponse>, Status> {
+        if self.stall {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
+        // One class too many.
+        let mut resp = self.inner.model_infer(r).await?;
+        let out = &mut resp.get_mut().outputs[0];
+        out.shape[1] += 1;
+        let rows = out.shape[0] as usize;
+        resp.get_mut().raw_output_contents = vec![oip::f32_bytes(&vec![0.5; rows * (CLASSES + 1)])];
+        Ok(resp)
+    }
+}
+
+#[test]
+fn stalled_and_wrong_shape_teachers_are_worked_around() {
+    runtime().block_on(async {
+        let any = "127.0.0.1:0".parse().unwrap();
+        let good =
+            Teacher::start(any, TeacherService::new(model(), TeacherConfig::default()), None).await.unwrap();
+        let stall = Faulty { inner: TeacherService::new(model(), TeacherConfig::default()), stall: true };
+        let stalled = Teacher::start_with(any, stall, None).await.unwrap();
+        let wrong = Faulty { inner: TeacherService::new(model(), TeacherConfig::default()), stall: false };
+        let wrong = Teacher::start_with(any, wrong, None).await.unwrap();
+        let data = batches(20, 48);
+        let cfg = DistillConfig {
+            teacher_batch: 16,
+            request_timeout: Duration::from_millis(300),
+            cooldown: Duration::from_millis(200),
+            classes: Some(CLASSES),
+            ..Default::default()
+        };
+        // The good teacher is listed last: the bad ones get the first requests.
+        let teachers =
+            Teachers::Fixed(vec![stalled.addr.to_string(), wrong.addr.to_string(), good.addr.to_string()]);
+        let reader = DistillReader::start(data.clone().into_iter(), None, teachers, cfg);
+        drain_and_check(reader, &data, |_| {}).await;
+    });
+}
+
+#[test]
+fn with_no_teacher_the_reader_waits_then_fails_clearly() {
+    runtime().block_on(async {
+        let cfg = DistillConfig { wait_for_teachers: Duration::from_millis(500), ..Default::default() };
+        let store = Arc::new(AnyStore::open("memory").unwrap());
+        let teachers = Teachers::Discovered { store, service: "empty".into() };
+        let mut reader = DistillReader::start(batches(2, 8).into_iter(), None, teachers, cfg);
+        let start = std::time::Instant::now();
+        let err = reader.next().await.unwrap().unwrap_err();
+        assert!(matches!(err, DistillError::NoTeachers(_)), "{err}");
+        assert!(err.to_string().contains("no teacher"));
+        assert!(start.elapsed() < Duration::from_secs(5));
+    });
+}
+
+/// A teacher process (`edl-runtime teacher`) registered in Redis.
+fn teacher_process(model: &std::path::Path, redis: &str) -> (Child, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+        .args(["teacher", "--listen", "127.0.0.1:0", "--store", redis, "--service", "mnist"])
+        .arg("--model")
+        .arg(model)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let addr = line
+        .split("serving on ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .unwrap_or_else(|| panic!("{line}"))
+        .to_string();
+    (child, addr)
+}
+
+#[test]
+fn teachers_killed_added_and_a_redis_restart_lose_nothing() {
+    let mut redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let model_file = dir.path().join("teacher.safetensors");
+    model().save(&model_file).unwrap();
+    let (mut a, _) = teacher_process(&model_file, &redis.url());
+    let (mut b, _) = teacher_process(&model_file, &redis.url());
+    let mut c: Option<Child> = None;
+    runtime().block_on(async {
+        let store = Arc::new(AnyStore::open(&redis.url()).unwrap());
+        let data = batches(40, 64);
+        let cfg = DistillConfig {
+            teacher_batch: 16,
+            read_ahead: 4,
+            request_timeout: Duration::from_secs(2),
+            cooldown: Duration::from_millis(300),
+            ..Default::default()
+        };
+        let teachers = Teachers::Discovered { store, service: "mnist".into() };
+        // A slow source keeps the epoch going while teachers come and go.
+        let slow = data.clone().into_iter().map(|b| {
+            std::thread::sleep(Duration::from_millis(40));
+            b
+        });
+        let reader = DistillReader::start(slow, None, teachers, cfg);
+        drain_and_check(reader, &data, |i| match i {
+            8 => {
+                a.kill().unwrap(); // SIGKILL mid-epoch
+                let _ = a.wait();
+            }
+            14 => c = Some(teacher_process(&model_file, &redis.url()).0),
+            22 => redis.restart(),
+            30 => {
+                b.kill().unwrap();
+                let _ = b.wait();
+            }
+            _ => {}
+        })
+        .await;
+    });
+    if let Some(mut c) = c {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
