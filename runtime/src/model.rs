@@ -180,16 +180,16 @@ mod tests {
         let y = m.forward(&x, 2);
         for r in 0..2 {
             let mut h = m.layers[0].bias.clone();
-            for j in 0..7 {
+            for (j, hj) in h.iter_mut().enumerate() {
                 for k in 0..5 {
-                    h[j] += x[r * 5 + k] * m.layers[0].weight[k * 7 + j];
+                    *hj += x[r * 5 + k] * m.layers[0].weight[k * 7 + j];
                 }
-                h[j] = h[j].max(0.0);
+                *hj = hj.max(0.0);
             }
             for j in 0..3 {
                 let mut o = m.layers[1].bias[j];
-                for k in 0..7 {
-                    o += h[k] * m.layers[1].weight[k * 3 + j];
+                for (k, hk) in h.iter().enumerate() {
+                    o += hk * m.layers[1].weight[k * 3 + j];
                 }
                 assert!((o - y[r * 3 + j]).abs() < 1e-5);
             }

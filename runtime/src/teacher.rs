@@ -21,6 +21,9 @@ pub struct TeacherConfig {
     pub max_delay: Duration,
     /// Largest request accepted, in rows.
     pub max_request_rows: usize,
+    /// Added to every request's service time, to stand in for a heavier
+    /// model in benchmarks and tests.
+    pub extra_latency: Duration,
 }
 
 impl Default for TeacherConfig {
@@ -30,6 +33,7 @@ impl Default for TeacherConfig {
             max_batch: 512,
             max_delay: Duration::from_millis(2),
             max_request_rows: 4096,
+            extra_latency: Duration::ZERO,
         }
     }
 }
@@ -188,6 +192,9 @@ impl GrpcInferenceService for TeacherService {
             )));
         }
         let logits = if rows == 0 { Vec::new() } else { self.infer(input, rows).await? };
+        if !self.config.extra_latency.is_zero() {
+            tokio::time::sleep(self.config.extra_latency).await;
+        }
         Ok(Response::new(pb::ModelInferResponse {
             model_name: self.config.model_name.clone(),
             model_version: "1".into(),
@@ -247,7 +254,10 @@ impl Teacher {
         registration: Option<(Arc<AnyStore>, String, Duration)>,
     ) -> Result<Self, TeacherError> {
         let (stop, stopped) = oneshot::channel::<()>();
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        // Small responses must not wait for delayed ACKs (Nagle): no delay on every connection.
+        let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(listener), |s| {
+            s.and_then(|s| s.set_nodelay(true).map(|()| s))
+        });
         let task = tokio::spawn(async move {
             let result = tonic::transport::Server::builder()
                 .add_service(server.max_decoding_message_size(256 << 20))

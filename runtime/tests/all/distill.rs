@@ -307,10 +307,7 @@ fn teachers_killed_added_and_a_redis_restart_lose_nothing() {
         };
         let teachers = Teachers::Discovered { store, service: "mnist".into() };
         // A slow source keeps the epoch going while teachers come and go.
-        let slow = data.clone().into_iter().map(|b| {
-            std::thread::sleep(Duration::from_millis(40));
-            b
-        });
+        let slow = data.clone().into_iter().inspect(|_| std::thread::sleep(Duration::from_millis(40)));
         let reader = DistillReader::start(slow, None, teachers, cfg);
         drain_and_check(reader, &data, |i| match i {
             8 => {
@@ -331,4 +328,38 @@ fn teachers_killed_added_and_a_redis_restart_lose_nothing() {
         let _ = c.kill();
         let _ = c.wait();
     }
+}
+
+#[test]
+fn teachers_see_the_transformed_samples() {
+    use edl_runtime::plugin::{ArtifactCache, HostOptions, PluginHost};
+    let cache = tempfile::tempdir().unwrap();
+    let host = PluginHost::new(HostOptions { cache: ArtifactCache::at(cache.path()), ..Default::default() }).unwrap();
+    let augment = || host.load_transform(std::path::Path::new(edl_plugin_artifacts::AUGMENT_WASM), &[]).unwrap();
+    runtime().block_on(async {
+        let mnist = Mlp::random(&[784, 32, CLASSES], 3);
+        let t = Teacher::start("127.0.0.1:0".parse().unwrap(), TeacherService::new(mnist.clone(), TeacherConfig::default()), None)
+            .await
+            .unwrap();
+        let raw: Vec<Batch> = (0..4)
+            .map(|b| {
+                let mut x = edl_plugin_sdk::testing::standard_batch();
+                x.ids.iter_mut().for_each(|id| *id += b * 256);
+                x
+            })
+            .collect();
+        let cfg = DistillConfig { teacher_batch: 100, ..Default::default() };
+        let mut reader = DistillReader::start(raw.clone().into_iter(), Some(augment()), Teachers::Fixed(vec![t.addr.to_string()]), cfg);
+        let mut direct = augment();
+        for want in &raw {
+            let got = reader.next().await.unwrap().unwrap();
+            // What the student gets is the augmented batch, and the teacher saw the same.
+            let augmented = direct.apply(want).unwrap();
+            assert_eq!(got.batch, augmented);
+            let feats = augmented.to_f32().unwrap();
+            let soft = mnist.forward(&feats, augmented.len());
+            assert!(got.soft.iter().zip(&soft).all(|(a, b)| (a - b).abs() < 1e-4));
+        }
+        assert!(reader.next().await.is_none());
+    });
 }
