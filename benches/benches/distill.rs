@@ -67,13 +67,20 @@ async fn pipeline() {
     }
     let data = data();
     let base = student(None, &data).await;
-    println!("## Pipeline efficiency (student step {STUDENT_STEP:?} per 256 samples, teachers +5 ms per request)\n");
+    println!(
+        "## Pipeline efficiency (student step {STUDENT_STEP:?} per 256 samples, teachers +5 ms per request)\n"
+    );
     println!("| teachers | in flight per teacher | teacher batch | samples/s | ratio to no teachers |");
     println!("| --- | --- | --- | --- | --- |");
     println!("| 0 (plain read) | - | - | {base:.0} | 1.00 |");
     for n in [1usize, 2, 4] {
         for in_flight in [1usize, 4] {
-            let cfg = DistillConfig { teacher_batch: 64, in_flight_per_teacher: in_flight, read_ahead: 8, ..Default::default() };
+            let cfg = DistillConfig {
+                teacher_batch: 64,
+                in_flight_per_teacher: in_flight,
+                read_ahead: 8,
+                ..Default::default()
+            };
             let list = Teachers::Fixed(teachers[..n].iter().map(|t| t.addr.to_string()).collect());
             let reader = DistillReader::start(data.clone().into_iter(), None, list, cfg);
             let rate = student(Some(reader), &data).await;
@@ -86,9 +93,13 @@ async fn pipeline() {
 }
 
 async fn service() {
-    let t = Teacher::start("127.0.0.1:0".parse().unwrap(), TeacherService::new(model(), TeacherConfig::default()), None)
-        .await
-        .unwrap();
+    let t = Teacher::start(
+        "127.0.0.1:0".parse().unwrap(),
+        TeacherService::new(model(), TeacherConfig::default()),
+        None,
+    )
+    .await
+    .unwrap();
     let x: Vec<f32> = (0..32 * 784).map(|i| (i % 255) as f32 / 255.0).collect();
     let req = pb::ModelInferRequest {
         model_name: "teacher".into(),

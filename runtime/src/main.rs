@@ -428,7 +428,7 @@ fn teacher(args: TeacherArgs) -> Result<ExitCode> {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
         }
-        println!("teacher on {}: stopping, deregistering", t.addr);
+        tracing::info!("teacher on {}: stopping, deregistering", t.addr);
         t.shutdown().await;
         Ok(ExitCode::SUCCESS)
     })

@@ -255,9 +255,10 @@ impl Teacher {
     ) -> Result<Self, TeacherError> {
         let (stop, stopped) = oneshot::channel::<()>();
         // Small responses must not wait for delayed ACKs (Nagle): no delay on every connection.
-        let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(listener), |s| {
-            s.and_then(|s| s.set_nodelay(true).map(|()| s))
-        });
+        let incoming =
+            tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(listener), |s| {
+                s.and_then(|s| s.set_nodelay(true).map(|()| s))
+            });
         let task = tokio::spawn(async move {
             let result = tonic::transport::Server::builder()
                 .add_service(server.max_decoding_message_size(256 << 20))

@@ -334,13 +334,19 @@ fn teachers_killed_added_and_a_redis_restart_lose_nothing() {
 fn teachers_see_the_transformed_samples() {
     use edl_runtime::plugin::{ArtifactCache, HostOptions, PluginHost};
     let cache = tempfile::tempdir().unwrap();
-    let host = PluginHost::new(HostOptions { cache: ArtifactCache::at(cache.path()), ..Default::default() }).unwrap();
-    let augment = || host.load_transform(std::path::Path::new(edl_plugin_artifacts::AUGMENT_WASM), &[]).unwrap();
+    let host = PluginHost::new(HostOptions { cache: ArtifactCache::at(cache.path()), ..Default::default() })
+        .unwrap();
+    let augment =
+        || host.load_transform(std::path::Path::new(edl_plugin_artifacts::AUGMENT_WASM), &[]).unwrap();
     runtime().block_on(async {
         let mnist = Mlp::random(&[784, 32, CLASSES], 3);
-        let t = Teacher::start("127.0.0.1:0".parse().unwrap(), TeacherService::new(mnist.clone(), TeacherConfig::default()), None)
-            .await
-            .unwrap();
+        let t = Teacher::start(
+            "127.0.0.1:0".parse().unwrap(),
+            TeacherService::new(mnist.clone(), TeacherConfig::default()),
+            None,
+        )
+        .await
+        .unwrap();
         let raw: Vec<Batch> = (0..4)
             .map(|b| {
                 let mut x = edl_plugin_sdk::testing::standard_batch();
@@ -349,7 +355,12 @@ fn teachers_see_the_transformed_samples() {
             })
             .collect();
         let cfg = DistillConfig { teacher_batch: 100, ..Default::default() };
-        let mut reader = DistillReader::start(raw.clone().into_iter(), Some(augment()), Teachers::Fixed(vec![t.addr.to_string()]), cfg);
+        let mut reader = DistillReader::start(
+            raw.clone().into_iter(),
+            Some(augment()),
+            Teachers::Fixed(vec![t.addr.to_string()]),
+            cfg,
+        );
         let mut direct = augment();
         for want in &raw {
             let got = reader.next().await.unwrap().unwrap();
@@ -361,5 +372,26 @@ fn teachers_see_the_transformed_samples() {
             assert!(got.soft.iter().zip(&soft).all(|(a, b)| (a - b).abs() < 1e-4));
         }
         assert!(reader.next().await.is_none());
+    });
+}
+
+#[test]
+fn a_teacher_deregisters_on_sigterm() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let model_file = dir.path().join("teacher.safetensors");
+    model().save(&model_file).unwrap();
+    let (mut child, addr) = teacher_process(&model_file, &redis.url());
+    runtime().block_on(async {
+        let store = AnyStore::open(&redis.url()).unwrap();
+        let key = edl_runtime::store::keys::teacher("mnist", &addr);
+        use edl_runtime::store::Store;
+        assert_eq!(store.get(&key).await.unwrap().unwrap().value, addr.as_bytes());
+        let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+        assert!(status.success());
+        let exit = child.wait().unwrap();
+        assert!(exit.success(), "a teacher stops cleanly on SIGTERM: {exit}");
+        // Deregistered at once, not left to expire (the lease is 3 s).
+        assert!(store.get(&key).await.unwrap().is_none());
     });
 }
