@@ -1,0 +1,69 @@
+"""Talks to an `edl-runtime teacher` with NVIDIA's standard OIP client
+(tritonclient), unchanged, and checks its logits against NumPy.
+
+    pip install "tritonclient[grpc]" numpy
+    python3 examples/oip-client/check_teacher.py write /tmp/m.safetensors
+    cargo run --release -p edl-runtime -- teacher --model /tmp/m.safetensors --listen 127.0.0.1:18001 &
+    python3 examples/oip-client/check_teacher.py check 127.0.0.1:18001 /tmp/m.safetensors
+"""
+
+import json
+import struct
+import sys
+
+import numpy as np
+
+DIMS = [16, 32, 10]
+
+
+def weights():
+    rng = np.random.default_rng(0)
+    layers = []
+    for i, (a, b) in enumerate(zip(DIMS, DIMS[1:])):
+        layers.append((f"layers.{i}.weight", (rng.standard_normal((a, b)) * 0.3).astype("<f4")))
+        layers.append((f"layers.{i}.bias", (rng.standard_normal(b) * 0.1).astype("<f4")))
+    return layers
+
+
+def write(path):
+    """A safetensors MLP in the runtime's layout: layers.<i>.weight [in, out], layers.<i>.bias."""
+    header, blobs, offset = {}, [], 0
+    for name, t in weights():
+        data = t.tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+        blobs.append(data)
+    text = json.dumps(header).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def check(url):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url=url)
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("teacher")
+    meta = client.get_model_metadata("teacher")
+    print("inputs", [(t.name, t.datatype, list(t.shape)) for t in meta.inputs])
+    print("outputs", [(t.name, t.datatype, list(t.shape)) for t in meta.outputs])
+    x = ((np.arange(4 * DIMS[0]) % 7) / 7.0).astype(np.float32).reshape(4, DIMS[0])
+    tensor = grpcclient.InferInput("input", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    got = client.infer("teacher", [tensor]).as_numpy("logits")
+    h = x
+    layers = weights()
+    for i in range(0, len(layers), 2):
+        h = h @ layers[i][1] + layers[i + 1][1]
+        if i + 2 < len(layers):
+            h = np.maximum(h, 0)
+    diff = float(np.abs(got - h).max())
+    print("logits", got.shape, "max difference from NumPy", diff)
+    assert diff < 1e-4
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "write":
+        write(sys.argv[2])
+    else:
+        check(sys.argv[2])
