@@ -28,6 +28,9 @@ enum Command {
     Devices,
     /// Serve a model as a teacher over the Open Inference Protocol (KServe v2 gRPC).
     Teacher(TeacherArgs),
+    /// Pull soft labels for synthetic batches through the DistillReader from
+    /// fixed teachers (any OIP server) or discovered ones; reports throughput.
+    Distill(DistillArgs),
     /// Work with plugin files.
     Plugin {
         #[command(subcommand)]
@@ -105,6 +108,30 @@ struct TeacherArgs {
     max_batch: usize,
     #[arg(long, default_value_t = 2)]
     max_delay_ms: u64,
+}
+
+#[derive(Args)]
+struct DistillArgs {
+    /// Fixed teacher endpoints, `host:port,host:port`.
+    #[arg(long)]
+    teachers: Option<String>,
+    /// Store to discover teachers in (with --service), e.g. redis://127.0.0.1:6379.
+    #[arg(long)]
+    store: Option<String>,
+    #[arg(long, default_value = "teachers")]
+    service: String,
+    #[arg(long, default_value = "teacher")]
+    model_name: String,
+    /// Features per sample the teachers take.
+    #[arg(long, default_value_t = 784)]
+    features: usize,
+    #[arg(long, default_value_t = 20)]
+    batches: usize,
+    #[arg(long, default_value_t = 256)]
+    batch_size: usize,
+    /// Seconds to wait for a teacher before failing.
+    #[arg(long, default_value_t = 30)]
+    wait_secs: u64,
 }
 
 #[derive(Args)]
@@ -201,9 +228,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
     if let Some(Command::Teacher(args)) = cli.command {
         return teacher(args);
     }
+    if let Some(Command::Distill(args)) = cli.command {
+        return distill(args);
+    }
     let host = host(&cli.sandbox)?;
     match cli.command {
-        Some(Command::Devices) | Some(Command::Teacher(_)) => unreachable!("handled above"),
+        Some(Command::Devices) | Some(Command::Teacher(_)) | Some(Command::Distill(_)) => {
+            unreachable!("handled above")
+        }
         Some(Command::Plugin { command: PluginCommand::Inspect { file } }) => inspect(&host, &file),
         Some(Command::Plugin { command: PluginCommand::New { world, name, dir } }) => {
             let created = scaffold::new_plugin(world.into(), &name, &dir, None)?;
@@ -430,6 +462,68 @@ fn teacher(args: TeacherArgs) -> Result<ExitCode> {
         }
         tracing::info!("teacher on {}: stopping, deregistering", t.addr);
         t.shutdown().await;
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// `edl-runtime distill`: synthetic batches through the DistillReader.
+fn distill(args: DistillArgs) -> Result<ExitCode> {
+    use edl_runtime::distill::{self, DistillConfig, DistillReader, Teachers};
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async {
+        let teachers = match (&args.teachers, &args.store) {
+            (Some(list), None) => Teachers::Fixed(distill::endpoints(list)),
+            (None, Some(url)) => Teachers::Discovered {
+                store: Arc::new(edl_runtime::store::AnyStore::open(url)?),
+                service: args.service.clone(),
+            },
+            _ => bail!("give either --teachers host:port,... or --store URL (with --service)"),
+        };
+        let (n, rows, dim) = (args.batches, args.batch_size, args.features);
+        let source = (0..n).map(move |b| {
+            let ids: Vec<u64> = (0..rows as u64).map(|i| (b * rows) as u64 + i).collect();
+            let feats: Vec<f32> = ids
+                .iter()
+                .flat_map(|&id| (0..dim).map(move |k| ((id as usize * 31 + k) % 255) as f32 / 255.0))
+                .collect();
+            edl_plugin_sdk::Batch {
+                data: edl_runtime::oip::f32_bytes(&feats),
+                shape: vec![rows as u32, dim as u32],
+                dtype: edl_plugin_sdk::Dtype::Float32,
+                labels: vec![0; rows],
+                ids,
+                seed: 0,
+            }
+        });
+        let cfg = DistillConfig {
+            model_name: args.model_name.clone(),
+            wait_for_teachers: Duration::from_secs(args.wait_secs),
+            ..Default::default()
+        };
+        let mut reader = DistillReader::start(source, None, teachers, cfg);
+        let start = std::time::Instant::now();
+        let (mut samples, mut next_id, mut classes) = (0usize, 0u64, 0usize);
+        while let Some(b) = reader.next().await {
+            let b = b?;
+            for &id in &b.batch.ids {
+                if id != next_id {
+                    bail!("sample {next_id} expected, {id} received");
+                }
+                next_id += 1;
+            }
+            samples += b.batch.len();
+            classes = b.classes;
+            println!(
+                "batch {:>4}: {} samples, {} soft labels each",
+                b.batch.ids[0] / rows as u64,
+                b.batch.len(),
+                b.classes
+            );
+        }
+        println!(
+            "done: {samples} samples in order with {classes}-class soft labels, {:.0} samples/s",
+            samples as f64 / start.elapsed().as_secs_f64()
+        );
         Ok(ExitCode::SUCCESS)
     })
 }

@@ -57,6 +57,12 @@ impl RedisStore {
     /// A store at `url` (`redis://host:port[/db]`); connects on first use.
     /// Must be called inside a Tokio runtime.
     pub fn open(url: &str) -> Result<Self, StoreError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(StoreError::Unavailable {
+                url: url.to_string(),
+                detail: "opened outside a Tokio runtime (the connection lives on one)".into(),
+            });
+        }
         let client = Client::open(url).map_err(|_| StoreError::BadUrl(url.to_string()))?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(1)))

@@ -395,3 +395,28 @@ fn a_teacher_deregisters_on_sigterm() {
         assert!(store.get(&key).await.unwrap().is_none());
     });
 }
+
+#[test]
+fn the_distill_command_reads_from_fixed_teachers_and_from_discovery() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let model_file = dir.path().join("teacher.safetensors");
+    model().save(&model_file).unwrap();
+    let (mut child, addr) = teacher_process(&model_file, &redis.url());
+    let dim = DIM.to_string();
+    for how in
+        [vec!["--teachers", addr.as_str()], vec!["--store", redis.url().as_str(), "--service", "mnist"]]
+    {
+        let out = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+            .arg("distill")
+            .args(&how)
+            .args(["--features", &dim, "--batches", "5", "--batch-size", "32", "--wait-secs", "5"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(text.contains("done: 160 samples in order with 10-class soft labels"), "{text}");
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
