@@ -7,7 +7,7 @@
 use autoscale::Autoscale;
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use edl_plugin_artifacts as art;
-use edl_plugin_sdk::{Batch, ClusterView, Dtype, ScalingPolicy, WorkerStats, testing};
+use edl_plugin_sdk::{ClusterView, ScalingPolicy, WorkerStats, testing};
 use edl_runtime::plugin::{ArtifactCache, HostOptions, PluginHost};
 use std::{hint::black_box, path::Path};
 
@@ -53,28 +53,11 @@ fn policy_decision(c: &mut Criterion) {
     g.finish();
 }
 
-fn mnist_batch(n: usize) -> Batch {
-    let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    Batch {
-        data: (0..n * 784)
-            .map(|_| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                (x >> 56) as u8
-            })
-            .collect(),
-        shape: vec![n as u32, 28, 28],
-        dtype: Dtype::Uint8,
-        labels: (0..n as u32).map(|i| i % 10).collect(),
-        ids: (0..n as u64).collect(),
-        seed: 42,
-    }
-}
-
 fn augment_transform(c: &mut Criterion) {
     let cache = tempfile::tempdir().unwrap();
     let host = PluginHost::new(HostOptions { cache: ArtifactCache::at(cache.path()), ..Default::default() })
         .unwrap();
-    let batch = mnist_batch(256);
+    let batch = testing::standard_batch();
     let mut wasm = host.load_transform(Path::new(art::AUGMENT_WASM), &[]).unwrap();
     let mut native = host.load_transform(Path::new(art::AUGMENT_SO), &[]).unwrap();
 

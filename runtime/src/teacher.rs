@@ -229,10 +229,7 @@ impl Teacher {
         service: TeacherService,
         registration: Option<(Arc<AnyStore>, String, Duration)>,
     ) -> Result<Self, TeacherError> {
-        let listener =
-            tokio::net::TcpListener::bind(listen).await.map_err(|e| TeacherError::Bind(listen, e))?;
-        let addr = listener.local_addr().map_err(|e| TeacherError::Bind(listen, e))?;
-        Self::serve(listener, addr, GrpcInferenceServiceServer::new(service), registration).await
+        Self::start_with(listen, service, registration).await
     }
 
     /// Serves any OIP service implementation (tests wrap [`TeacherService`] to inject faults).
