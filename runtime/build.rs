@@ -16,7 +16,9 @@ fn ensure_redis_server() {
     let root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0"));
     let sudo = !root && Command::new("sudo").args(["-n", "true"]).status().is_ok_and(|s| s.success());
     if !root && !sudo {
-        println!("cargo:warning=redis-server is missing and cannot be installed here; the store tests will say so");
+        println!(
+            "cargo:warning=redis-server is missing and cannot be installed here; the store tests will say so"
+        );
         return;
     }
     println!("cargo:warning=installing redis-server for the store tests (apt-get install redis-server)");
@@ -27,7 +29,9 @@ fn ensure_redis_server() {
         }
         c.args(args).env("DEBIAN_FRONTEND", "noninteractive").status().is_ok_and(|s| s.success())
     };
-    if !apt(&["install", "-y", "-q", "redis-server"]) && !(apt(&["update", "-q"]) && apt(&["install", "-y", "-q", "redis-server"])) {
+    if !apt(&["install", "-y", "-q", "redis-server"])
+        && !(apt(&["update", "-q"]) && apt(&["install", "-y", "-q", "redis-server"]))
+    {
         println!("cargo:warning=apt-get could not install redis-server; the store tests will say so");
     }
     // The package starts a system-wide server; the tests start their own.

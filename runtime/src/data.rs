@@ -23,12 +23,18 @@ pub enum Source {
 impl Source {
     fn file(self) -> (&'static str, &'static str, usize, f32) {
         match self {
-            Source::Mnist5k => {
-                ("mnist_5k.csv.gz", "846f6cad587fea3877f6e0fe0a1968dfc68867ce170d3bc9fc2dccdbed17961d", 784, 255.0)
-            }
-            Source::Digits => {
-                ("digits.csv.gz", "09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e9ebb51e23aa22", 64, 16.0)
-            }
+            Source::Mnist5k => (
+                "mnist_5k.csv.gz",
+                "846f6cad587fea3877f6e0fe0a1968dfc68867ce170d3bc9fc2dccdbed17961d",
+                784,
+                255.0,
+            ),
+            Source::Digits => (
+                "digits.csv.gz",
+                "09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e9ebb51e23aa22",
+                64,
+                16.0,
+            ),
         }
     }
 }
@@ -90,7 +96,8 @@ impl Dataset {
                 let x: f32 = v.trim().parse().map_err(|_| bad(format!("{v:?} is not a number")))?;
                 ds.features.push(x / max);
             }
-            let label: u32 = values[dim].trim().parse().map_err(|_| bad(format!("label {:?}", values[dim])))?;
+            let label: u32 =
+                values[dim].trim().parse().map_err(|_| bad(format!("label {:?}", values[dim])))?;
             if label >= 10 {
                 return Err(bad(format!("label {label} out of range")));
             }
@@ -145,7 +152,13 @@ pub fn permutation(n: usize, seed: u64, epoch: u64) -> Vec<u32> {
 /// Positions of the epoch's permutation that `rank` of `world` reads in the
 /// step starting at `cursor` with `global_batch` samples (the last step of an
 /// epoch may be shorter). Ranks get contiguous, balanced shares.
-pub fn shard(cursor: usize, global_batch: usize, rank: usize, world: usize, epoch_len: usize) -> Range<usize> {
+pub fn shard(
+    cursor: usize,
+    global_batch: usize,
+    rank: usize,
+    world: usize,
+    epoch_len: usize,
+) -> Range<usize> {
     let end = (cursor + global_batch).min(epoch_len);
     let b = end.saturating_sub(cursor);
     let world = world.max(1);
@@ -165,7 +178,11 @@ mod tests {
         assert!(ds.features.iter().all(|v| (0.0..=1.0).contains(v)));
         let (train, test) = ds.split(400, 1);
         assert_eq!((train.len(), test.len()), (1397, 400));
-        assert_ne!(test.labels.iter().collect::<std::collections::HashSet<_>>().len(), 1, "shuffled, not sorted");
+        assert_ne!(
+            test.labels.iter().collect::<std::collections::HashSet<_>>().len(),
+            1,
+            "shuffled, not sorted"
+        );
     }
 
     #[test]

@@ -14,3 +14,4 @@ pub mod replay;
 pub mod scaffold;
 pub mod store;
 pub mod teacher;
+pub mod train;

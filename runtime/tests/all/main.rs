@@ -9,6 +9,7 @@ mod sandbox;
 mod scaffold;
 mod shipped;
 mod store;
+mod train;
 
 use edl_runtime::plugin::{ArtifactCache, HostOptions, Limits, PluginHost};
 use std::{path::Path, sync::Arc};
