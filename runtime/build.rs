@@ -29,9 +29,9 @@ fn ensure_redis_server() {
         }
         c.args(args).env("DEBIAN_FRONTEND", "noninteractive").status().is_ok_and(|s| s.success())
     };
-    if !apt(&["install", "-y", "-q", "redis-server"])
-        && !(apt(&["update", "-q"]) && apt(&["install", "-y", "-q", "redis-server"]))
-    {
+    let installed = apt(&["install", "-y", "-q", "redis-server"])
+        || (apt(&["update", "-q"]) && apt(&["install", "-y", "-q", "redis-server"]));
+    if !installed {
         println!("cargo:warning=apt-get could not install redis-server; the store tests will say so");
     }
     // The package starts a system-wide server; the tests start their own.
