@@ -4,6 +4,7 @@
 //! - [`plugin`]: the plugin host (wasmtime components and native libraries).
 //! - [`replay`]: drives a scaling policy over a recorded trace or a simulated cluster.
 
+pub mod checkpoint;
 pub mod data;
 pub mod distill;
 pub mod model;
