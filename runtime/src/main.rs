@@ -11,6 +11,8 @@ use edl_runtime::{
 };
 use std::{path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
 
+mod training;
+
 #[derive(Parser)]
 #[command(name = "edl-runtime", version, about = "Elastic deep-learning runtime with WebAssembly plugins")]
 struct Cli {
@@ -31,6 +33,17 @@ enum Command {
     /// Pull soft labels for synthetic batches through the DistillReader from
     /// fixed teachers (any OIP server) or discovered ones; reports throughput.
     Distill(DistillArgs),
+    /// Drive a scaling policy (and a batch adapter) against a simulated
+    /// cluster: a quick look at a policy's behaviour without training.
+    Simulate(SimArgs),
+    /// One worker of a job (started by the coordinator).
+    #[command(hide = true)]
+    Worker {
+        #[arg(long)]
+        coordinator: std::net::SocketAddr,
+        #[arg(long)]
+        id: u64,
+    },
     /// Work with plugin files.
     Plugin {
         #[command(subcommand)]
@@ -139,6 +152,113 @@ struct RunArgs {
     /// Scaling-policy plugin (`.wasm` component or native `.so`).
     #[arg(long, default_value = "plugins/autoscale.wasm")]
     policy: PathBuf,
+    /// Batch-adapter plugin (called at each step and each resize).
+    #[arg(long)]
+    adapter: Option<PathBuf>,
+    /// Reader-transform plugin (applied to every batch before teachers and student).
+    #[arg(long)]
+    transform: Option<PathBuf>,
+    /// Policy configuration, `key=value` (repeatable).
+    #[arg(long = "policy-config", value_parser = parse_pair)]
+    policy_config: Vec<(String, String)>,
+    /// Adapter configuration, `key=value` (repeatable).
+    #[arg(long = "adapter-config", value_parser = parse_pair)]
+    adapter_config: Vec<(String, String)>,
+    /// Transform configuration, `key=value` (repeatable).
+    #[arg(long = "transform-config", value_parser = parse_pair)]
+    transform_config: Vec<(String, String)>,
+    /// Epochs to train.
+    #[arg(long, default_value_t = 3)]
+    epochs: u64,
+    #[arg(long, default_value_t = 1)]
+    min_workers: u32,
+    #[arg(long, default_value_t = 4)]
+    max_workers: u32,
+    /// Workers at the start (default: --min-workers).
+    #[arg(long)]
+    workers: Option<u32>,
+    /// Teacher processes to start (0: use teachers already registered in --store).
+    #[arg(long, default_value_t = 2)]
+    teachers: u32,
+    /// Discovery and job state: `memory` (embedded) or `redis://host:port`.
+    #[arg(long, default_value = "memory")]
+    store: String,
+    /// Where checkpoints go (default: .edl/<job>/checkpoints).
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Checkpoints kept.
+    #[arg(long, default_value_t = 3)]
+    keep_checkpoints: usize,
+    /// Steps between checkpoints (one is also written at each epoch's end).
+    #[arg(long, default_value_t = 25)]
+    checkpoint_every: u64,
+    /// Seed of the student's weights and of the data order.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Train on hard labels only: no teachers.
+    #[arg(long)]
+    no_distill: bool,
+    /// Write the run's report (JSON) here.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Draw world size, throughput and loss over time to this SVG file.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Job name (keys in the store, default directories).
+    #[arg(long, default_value = "mnist")]
+    job: String,
+    /// `mnist5k` (4000 train / 1000 test) or `digits` (1397 / 400).
+    #[arg(long, default_value = "mnist5k")]
+    dataset: String,
+    /// Train the student on the first N training samples only (a small transfer set).
+    #[arg(long)]
+    train_samples: Option<usize>,
+    /// Student hidden layer sizes, comma separated.
+    #[arg(long, default_value = "128")]
+    hidden: String,
+    /// Teacher hidden layer sizes, comma separated.
+    #[arg(long, default_value = "512")]
+    teacher_hidden: String,
+    #[arg(long, default_value_t = 10)]
+    teacher_epochs: u64,
+    /// Global batch at the start.
+    #[arg(long, default_value_t = 64)]
+    batch: u32,
+    #[arg(long, default_value_t = 0.05)]
+    lr: f32,
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f32,
+    /// Distillation temperature.
+    #[arg(long, default_value_t = 4.0)]
+    temperature: f32,
+    /// Weight of the soft-label term (1 - alpha goes to the hard labels).
+    #[arg(long, default_value_t = 0.7)]
+    alpha: f32,
+    /// Steps between two scaling-policy decisions.
+    #[arg(long, default_value_t = 8)]
+    decide_every: u64,
+    /// Seconds a rank may take to answer a step before it is declared dead.
+    #[arg(long, default_value_t = 60)]
+    step_timeout: u64,
+    /// Bound on every collective, milliseconds.
+    #[arg(long, default_value_t = 5000)]
+    collective_timeout_ms: u64,
+    /// Extra milliseconds each step takes on each worker (emulates slower devices).
+    #[arg(long, default_value_t = 0)]
+    step_delay_ms: u64,
+    /// Price of a worker-hour, shown to the policy.
+    #[arg(long, default_value_t = 0.0)]
+    price: f64,
+    /// Service name teachers register under (default: <job>-teachers).
+    #[arg(long)]
+    service: Option<String>,
+}
+
+#[derive(Args)]
+struct SimArgs {
+    /// Scaling-policy plugin (`.wasm` component or native `.so`).
+    #[arg(long, default_value = "plugins/autoscale.wasm")]
+    policy: PathBuf,
     /// Batch-adapter plugin.
     #[arg(long)]
     adapter: Option<PathBuf>,
@@ -231,11 +351,17 @@ fn run(cli: Cli) -> Result<ExitCode> {
     if let Some(Command::Distill(args)) = cli.command {
         return distill(args);
     }
+    if let Some(Command::Worker { coordinator, id }) = cli.command {
+        edl_runtime::job::worker::run(coordinator, id)?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let host = host(&cli.sandbox)?;
     match cli.command {
         Some(Command::Devices) | Some(Command::Teacher(_)) | Some(Command::Distill(_)) => {
             unreachable!("handled above")
         }
+        Some(Command::Worker { .. }) => unreachable!("handled above"),
+        Some(Command::Simulate(args)) => simulate(&host, args),
         Some(Command::Plugin { command: PluginCommand::Inspect { file } }) => inspect(&host, &file),
         Some(Command::Plugin { command: PluginCommand::New { world, name, dir } }) => {
             let created = scaffold::new_plugin(world.into(), &name, &dir, None)?;
@@ -286,7 +412,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        None => simulate(&host, cli.run),
+        None => training::run(&host, cli.run),
     }
 }
 
@@ -315,7 +441,7 @@ fn inspect(host: &PluginHost, file: &std::path::Path) -> Result<ExitCode> {
 /// The cluster the main command simulates: throughput saturates at 4
 /// workers, one worker turns slow half way, and the cluster takes capacity
 /// back for a while near the end.
-fn demo_scenario(args: &RunArgs) -> Scenario {
+fn demo_scenario(args: &SimArgs) -> Scenario {
     let n = args.decisions;
     Scenario {
         curve: None,
@@ -334,9 +460,8 @@ fn demo_scenario(args: &RunArgs) -> Scenario {
     }
 }
 
-/// The main job until training lands in this command: the policy (and the
-/// adapter) drive a simulated cluster.
-fn simulate(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
+/// `edl-runtime simulate`: the policy (and the adapter) drive a simulated cluster.
+fn simulate(host: &Arc<PluginHost>, args: SimArgs) -> Result<ExitCode> {
     if !args.policy.exists() {
         bail!(
             "{}: no such plugin; `cargo build --release` builds the shipped plugins into plugins/",

@@ -115,3 +115,70 @@ pub fn policy_run(path: &Path, title: &str, decisions: &[Decision], recorded: bo
     root.present().map_err(|e| err(&e))?;
     Ok(())
 }
+
+/// Draws a training run to `path` (SVG): world size, throughput and loss over
+/// wall-clock time, one panel each, with a dashed line at each scale event.
+pub fn training_run(
+    path: &Path,
+    title: &str,
+    steps: &[crate::job::StepRecord],
+    events: &[crate::job::ScaleEvent],
+) -> Result<(), PlotError> {
+    let err =
+        |e: &dyn std::fmt::Display| PlotError { path: path.display().to_string(), detail: e.to_string() };
+    let root = SVGBackend::new(path, (960, 820)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let root = root.titled(title, ("sans-serif", 20)).map_err(|e| err(&e))?;
+    let panels = root.split_evenly((3, 1));
+    let t_end = steps.last().map_or(1.0, |s| s.secs).max(1e-3);
+    let t0 = steps.first().map_or(0.0, |s| s.secs).min(t_end - 1e-3);
+    type Pick = fn(&crate::job::StepRecord) -> f64;
+    let series: [(&str, Pick, RGBColor, bool); 3] = [
+        ("workers", |s| s.world as f64, BLUE, true),
+        ("samples/s", |s| s.samples_per_sec, RED, false),
+        ("loss", |s| s.loss, RGBColor(0, 130, 0), false),
+    ];
+    for (area, (name, pick, color, integer)) in panels.iter().zip(series) {
+        let ymax = steps.iter().map(pick).filter(|v| v.is_finite()).fold(0.0, f64::max).max(1e-6)
+            * if integer { 1.0 } else { 1.1 }
+            + if integer { 1.0 } else { 0.0 };
+        let mut chart = ChartBuilder::on(area)
+            .margin(10)
+            .x_label_area_size(28)
+            .y_label_area_size(56)
+            .build_cartesian_2d(t0..t_end, 0f64..ymax)
+            .map_err(|e| err(&e))?;
+        chart
+            .configure_mesh()
+            .y_desc(name)
+            .x_desc("seconds")
+            .draw()
+            .map_err(|e| err(&e))?;
+        for e in events {
+            chart
+                .draw_series(DashedLineSeries::new(
+                    [(e.at_secs, 0.0), (e.at_secs, ymax)],
+                    4,
+                    4,
+                    ShapeStyle::from(&RGBColor(150, 150, 150)).stroke_width(1),
+                ))
+                .map_err(|e| err(&e))?;
+        }
+        let pts: Vec<(f64, f64)> = if integer {
+            let mut v = Vec::new();
+            for (i, s) in steps.iter().enumerate() {
+                v.push((s.secs, pick(s)));
+                let next = steps.get(i + 1).map_or(t_end, |n| n.secs);
+                v.push((next, pick(s)));
+            }
+            v
+        } else {
+            steps.iter().map(|s| (s.secs, pick(s))).filter(|p| p.1.is_finite()).collect()
+        };
+        chart
+            .draw_series(LineSeries::new(pts, ShapeStyle::from(&color).stroke_width(2)))
+            .map_err(|e| err(&e))?;
+    }
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}

@@ -1,0 +1,1051 @@
+//! The coordinator (job server): membership, generations, ranks and the
+//! global data cursor; the scaling policy on a fixed cadence and the batch
+//! adapter at each step and resize; workers started and stopped through a
+//! [`Scaler`].
+//!
+//! The coordinator is the step barrier. It sends every rank the plan of a
+//! step, and commits the step when every rank of the generation reports it
+//! done; only then does the cursor move and the sample ids the ranks trained
+//! on enter the ledger. When a rank dies (its control connection closes),
+//! fails (its ring broke) or hangs (no answer within the step timeout), the
+//! step is not committed; the survivors form the next generation from the
+//! committed state and redo it. Joiners wait until a step boundary and get
+//! the state by broadcast. The job's progress (generation, cursor, members)
+//! is kept in the store and every `checkpoint_every` steps rank 0 writes a
+//! checkpoint; a restarted job resumes from the newest one that verifies.
+
+use super::ledger::{EpochRecord, Ledger};
+use super::proto::{FromWorker, JobSpec, Plan, Receiver, ToWorker, send};
+use super::scaler::Scaler;
+use crate::checkpoint::{Checkpoints, Manifest};
+use crate::plugin::{AdapterPlugin, PolicyPlugin};
+use crate::store::{AnyStore, Store, keys};
+use anyhow::{Context, Result, anyhow, bail};
+use edl_host_gpu::comm::RendezvousServer;
+use edl_plugin_sdk::{Action, ClusterView, Hyperparams, ResizeEvent, WorkerStats};
+use serde::{Deserialize, Serialize};
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    net::{SocketAddr, TcpListener, TcpStream},
+    path::PathBuf,
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+/// How the job runs.
+pub struct JobConfig {
+    pub spec: JobSpec,
+    pub min_workers: u32,
+    pub max_workers: u32,
+    /// Workers at the start.
+    pub initial_workers: u32,
+    /// Steps between two policy decisions.
+    pub decide_every: u64,
+    /// Steps between two checkpoints (and one at each epoch's end).
+    pub checkpoint_every: u64,
+    /// Hyperparameters at the start (the adapter changes them).
+    pub hyper: Hyperparams,
+    /// `memory` or `redis://...`.
+    pub store: String,
+    /// A rank that answers no step within this is declared dead.
+    pub step_timeout: Duration,
+    /// A started worker that does not join within this is given up.
+    pub join_timeout: Duration,
+    pub price_per_worker_hour: f64,
+}
+
+/// A change of world size, as the report shows it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScaleEvent {
+    /// Committed steps when the new generation started.
+    pub step: u64,
+    pub from: u32,
+    pub to: u32,
+    /// From the resize at the step boundary to the first committed step of
+    /// the new generation (ring, broadcast and one step included).
+    pub pause_ms: f64,
+    pub reason: String,
+    pub generation: u64,
+    /// The slowest rank's ring set-up and parameter broadcast, within the pause.
+    pub setup_ms: f64,
+    /// For scale-outs: from the policy's decision to the new worker being
+    /// ready (process start and data load), while the others kept training.
+    pub join_ms: Option<f64>,
+    /// Seconds since the job (this run) started.
+    pub at_secs: f64,
+}
+
+/// One committed step, for the progress display and the plot.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StepRecord {
+    pub step: u64,
+    pub epoch: u64,
+    pub world: u32,
+    pub secs: f64,
+    pub loss: f64,
+    /// Committed samples per second over the last few steps.
+    pub samples_per_sec: f64,
+    /// Samples of the epoch consumed after this step.
+    pub cursor: usize,
+}
+
+/// What the coordinator reports while it runs.
+pub enum Progress<'a> {
+    Step(&'a StepRecord),
+    Scale(&'a ScaleEvent),
+    Epoch(&'a EpochRecord),
+    Checkpoint { step: u64, path: &'a std::path::Path },
+    Note(String),
+}
+
+/// The end of a job.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct JobOutcome {
+    pub final_checkpoint: PathBuf,
+    pub steps: u64,
+    pub epochs: Vec<EpochRecord>,
+    pub scale_events: Vec<ScaleEvent>,
+    pub timeline: Vec<StepRecord>,
+    pub resumed_from_step: Option<u64>,
+    /// Samples committed by this run, and the seconds it trained.
+    pub samples: u64,
+    pub train_secs: f64,
+    pub generations: (u64, u64),
+    pub checkpoints: Vec<PathBuf>,
+    pub final_world: u32,
+    pub hyper: Hyperparams,
+}
+
+/// What the store keeps about a job (survives a coordinator restart).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct JobState {
+    pub generation: u64,
+    pub committed_steps: u64,
+    pub epoch: u64,
+    pub cursor: usize,
+    pub next_worker_id: u64,
+    pub members: Vec<u64>,
+    pub checkpoint_step: Option<u64>,
+    pub finished: bool,
+}
+
+/// What a checkpoint keeps for the coordinator besides the tensors.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+struct Bookkeeping {
+    ledger: Ledger,
+    events: Vec<ScaleEvent>,
+    generation: u64,
+}
+
+struct Member {
+    id: u64,
+    conn: u64,
+    stream: TcpStream,
+    pid: u32,
+}
+
+enum Inbound {
+    Conn(u64, TcpStream),
+    Msg(u64, FromWorker),
+    Closed(u64, String),
+}
+
+/// A resize waiting for the first committed step of its generation.
+struct Pending {
+    from: u32,
+    reason: String,
+    boundary: Instant,
+    join_ms: Option<f64>,
+    /// The generation it made, once formed.
+    generation: Option<u64>,
+}
+
+struct Coordinator<'a> {
+    cfg: JobConfig,
+    policy: Box<dyn PolicyPlugin>,
+    adapter: Option<Box<dyn AdapterPlugin>>,
+    scaler: Box<dyn Scaler>,
+    progress: &'a mut dyn FnMut(Progress),
+    rt: tokio::runtime::Runtime,
+    store: AnyStore,
+    addr: SocketAddr,
+    rendezvous: RendezvousServer,
+    rx: mpsc::Receiver<Inbound>,
+    conns: HashMap<u64, TcpStream>,
+    /// Connections that closed.
+    closed: BTreeSet<u64>,
+    members: Vec<Member>,
+    /// Welcomed, still loading.
+    welcomed: Vec<Member>,
+    /// Ready for a rank at the next step boundary.
+    joiners: Vec<Member>,
+    /// Started, not joined yet: id -> (started, decided at).
+    spawning: BTreeMap<u64, Instant>,
+    /// Replacement id -> the worker it replaces.
+    replacing: BTreeMap<u64, u64>,
+    generation: u64,
+    first_generation: u64,
+    committed: u64,
+    epoch: u64,
+    cursor: usize,
+    hyper: Hyperparams,
+    ledger: Ledger,
+    events: Vec<ScaleEvent>,
+    pending: Option<Pending>,
+    init: Option<PathBuf>,
+    next_id: u64,
+    new_generation: bool,
+    last_change: Instant,
+    started: Instant,
+    window: (Instant, u64),
+    /// Per worker: samples and seconds of compute since the last decision.
+    worker_rate: HashMap<u64, (f64, f64)>,
+    recent: std::collections::VecDeque<(Instant, u64)>,
+    timeline: Vec<StepRecord>,
+    checkpoints: Vec<PathBuf>,
+    samples: u64,
+    last_lease: Instant,
+    train_len: usize,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Runs a job to its end.
+pub fn run(
+    cfg: JobConfig,
+    policy: Box<dyn PolicyPlugin>,
+    adapter: Option<Box<dyn AdapterPlugin>>,
+    scaler: Box<dyn Scaler>,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<JobOutcome> {
+    let (train, _) = super::worker::load_data(&cfg.spec)?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let store = {
+        let _g = rt.enter();
+        AnyStore::open(&cfg.store)?
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").context("control listener")?;
+    let addr = listener.local_addr()?;
+    let rendezvous = RendezvousServer::start("127.0.0.1:0").context("rendezvous server")?;
+    let (tx, rx) = mpsc::channel();
+    std::thread::Builder::new().name("edl-accept".into()).spawn(move || accept(listener, tx))?;
+    let now = Instant::now();
+    let mut c = Coordinator {
+        policy,
+        adapter,
+        scaler,
+        progress,
+        rt,
+        store,
+        addr,
+        rendezvous,
+        rx,
+        conns: HashMap::new(),
+        closed: BTreeSet::new(),
+        members: Vec::new(),
+        welcomed: Vec::new(),
+        joiners: Vec::new(),
+        spawning: BTreeMap::new(),
+        replacing: BTreeMap::new(),
+        generation: 0,
+        first_generation: 0,
+        committed: 0,
+        epoch: 0,
+        cursor: 0,
+        hyper: cfg.hyper,
+        ledger: Ledger::new(train.len()),
+        events: Vec::new(),
+        pending: None,
+        init: None,
+        next_id: 1,
+        new_generation: true,
+        last_change: now,
+        started: now,
+        window: (now, 0),
+        worker_rate: HashMap::new(),
+        recent: Default::default(),
+        timeline: Vec::new(),
+        checkpoints: Vec::new(),
+        samples: 0,
+        last_lease: now,
+        train_len: train.len(),
+        cfg,
+    };
+    let result = c.job();
+    for m in c.members.drain(..).chain(c.joiners.drain(..)).chain(c.welcomed.drain(..)) {
+        c.scaler.stop(m.id, Duration::from_secs(3));
+    }
+    for id in std::mem::take(&mut c.spawning).into_keys() {
+        c.scaler.stop(id, Duration::from_secs(1));
+    }
+    result
+}
+
+/// Accepts worker connections; one reader thread per connection.
+fn accept(listener: TcpListener, tx: mpsc::Sender<Inbound>) {
+    for (n, conn) in listener.incoming().enumerate() {
+        let Ok(conn) = conn else { continue };
+        let n = n as u64;
+        let _ = conn.set_nodelay(true);
+        let Ok(reader) = conn.try_clone() else { continue };
+        if tx.send(Inbound::Conn(n, conn)).is_err() {
+            return;
+        }
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let mut rx = Receiver::new(reader);
+            loop {
+                match rx.recv::<FromWorker>() {
+                    Ok(m) => {
+                        if tx.send(Inbound::Msg(n, m)).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Inbound::Closed(n, e.to_string()));
+                        return;
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// Outcome of one step across the generation.
+struct StepResult {
+    done: Vec<(usize, FromWorker)>,
+    dead: BTreeSet<u64>,
+    errors: Vec<String>,
+}
+
+impl Coordinator<'_> {
+    fn note(&mut self, s: String) {
+        (self.progress)(Progress::Note(s));
+    }
+
+    fn checkpoints(&self) -> Checkpoints {
+        Checkpoints::new(&self.cfg.spec.checkpoint_dir, self.cfg.spec.keep_checkpoints)
+    }
+
+    fn complete_marker(&self) -> PathBuf {
+        self.cfg.spec.checkpoint_dir.join("complete.json")
+    }
+
+    /// Picks up where an earlier run of this job stopped: the store's job
+    /// state (generations, worker ids) and the newest checkpoint that verifies.
+    fn resume(&mut self) -> Result<Option<u64>> {
+        let key = keys::job_state(&self.cfg.spec.job);
+        let stored: Option<JobState> = match self.rt.block_on(self.store.get(&key)) {
+            Ok(Some(e)) => serde_json::from_slice(&e.value).ok(),
+            Ok(None) => None,
+            Err(e) => bail!("reading the job state: {e}"),
+        };
+        if let Some(s) = &stored {
+            self.generation = s.generation;
+            self.next_id = s.next_worker_id.max(1);
+        }
+        if self.complete_marker().exists() || stored.as_ref().is_some_and(|s| s.finished) {
+            self.note(format!(
+                "job {:?} finished before; starting it again from step 0",
+                self.cfg.spec.job
+            ));
+            for (_, p) in self.checkpoints().list() {
+                let _ = std::fs::remove_dir_all(p);
+            }
+            let _ = std::fs::remove_file(self.complete_marker());
+            return Ok(None);
+        }
+        let (restored, skipped) = self.checkpoints().latest();
+        for e in skipped {
+            self.note(format!("skipping an unusable checkpoint: {e}"));
+        }
+        let Some(r) = restored else { return Ok(None) };
+        let m = &r.manifest;
+        if r.model.layers.iter().map(|l| l.inputs).chain(r.model.layers.last().map(|l| l.outputs)).ne(
+            self.cfg.spec.layers.iter().copied(),
+        ) {
+            bail!(
+                "checkpoint {} holds another model than --hidden asks for; use another --checkpoint-dir",
+                r.path.display()
+            );
+        }
+        let book: Bookkeeping = serde_json::from_value(m.plugin_state.clone())
+            .with_context(|| format!("{}: manifest has no coordinator state", r.path.display()))?;
+        if book.ledger.samples() != self.train_len {
+            bail!(
+                "checkpoint {} was written for {} training samples, this job has {}",
+                r.path.display(),
+                book.ledger.samples(),
+                self.train_len
+            );
+        }
+        self.committed = m.step;
+        self.epoch = m.epoch;
+        self.cursor = m.cursor;
+        self.hyper = m.hyperparams;
+        self.ledger = book.ledger;
+        self.events = book.events;
+        self.generation = self.generation.max(book.generation);
+        self.init = Some(r.path.clone());
+        let lost = stored.map(|s| s.committed_steps.saturating_sub(m.step)).unwrap_or(0);
+        self.note(format!(
+            "resuming job {:?} from {} (step {}, epoch {}, cursor {}){}",
+            self.cfg.spec.job,
+            r.path.display(),
+            m.step,
+            m.epoch,
+            m.cursor,
+            if lost > 0 { format!("; redoing the {lost} steps committed after it") } else { String::new() }
+        ));
+        Ok(Some(m.step))
+    }
+
+    fn spawn(&mut self, n: u32) {
+        for _ in 0..n {
+            let id = self.next_id;
+            self.next_id += 1;
+            match self.scaler.spawn(id, self.addr) {
+                Ok(()) => {
+                    self.spawning.insert(id, Instant::now());
+                }
+                Err(e) => self.note(format!("could not start worker {id}: {e:#}")),
+            }
+        }
+    }
+
+    /// Handles one inbound event outside of step collection.
+    fn handle(&mut self, ev: Inbound, results: Option<&mut StepResult>) {
+        match ev {
+            Inbound::Conn(n, s) => {
+                self.conns.insert(n, s);
+            }
+            Inbound::Msg(n, FromWorker::Hello { worker, pid }) => {
+                let Some(mut stream) = self.conns.remove(&n) else { return };
+                if self.spawning.remove(&worker).is_none() {
+                    let _ = send(&mut stream, &ToWorker::Stop { reason: format!("unknown worker id {worker}") });
+                    return;
+                }
+                let welcome = ToWorker::Welcome(Box::new(self.cfg.spec.clone()));
+                if send(&mut stream, &welcome).is_ok() {
+                    self.welcomed.push(Member { id: worker, conn: n, stream, pid });
+                }
+            }
+            Inbound::Msg(n, FromWorker::Ready) => {
+                if let Some(i) = self.welcomed.iter().position(|m| m.conn == n) {
+                    let m = self.welcomed.remove(i);
+                    self.joiners.push(m);
+                }
+            }
+            Inbound::Msg(n, msg) => {
+                let Some(results) = results else {
+                    tracing::debug!("message outside a step from connection {n}: {msg:?}");
+                    return;
+                };
+                if let Some(rank) = self.members.iter().position(|m| m.conn == n) {
+                    if let FromWorker::Failed { error, .. } = &msg {
+                        results.errors.push(format!("worker {}: {error}", self.members[rank].id));
+                    }
+                    results.done.push((rank, msg));
+                }
+            }
+            Inbound::Closed(n, why) => {
+                self.conns.remove(&n);
+                self.closed.insert(n);
+                if let Some(i) = self.joiners.iter().position(|m| m.conn == n) {
+                    let m = self.joiners.remove(i);
+                    self.note(format!("worker {} left before it was given a rank ({why})", m.id));
+                } else if let Some(i) = self.welcomed.iter().position(|m| m.conn == n) {
+                    let m = self.welcomed.remove(i);
+                    let log = self.scaler.log_of(m.id).map(|p| format!("; log: {}", p.display())).unwrap_or_default();
+                    self.note(format!("worker {} failed while starting ({why}{log})", m.id));
+                } else if let Some(m) = self.members.iter().find(|m| m.conn == n) {
+                    let id = m.id;
+                    if let Some(r) = results {
+                        r.dead.insert(id);
+                        r.errors.push(format!("worker {id} (pid {}) lost: {why}", m.pid));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Notices started workers that died before joining, or never joined.
+    fn check_spawning(&mut self) {
+        let exited = self.scaler.exited();
+        for (id, status) in exited {
+            if self.spawning.remove(&id).is_some() {
+                let log = self.scaler.log_of(id).map(|p| format!(" (log: {})", p.display())).unwrap_or_default();
+                self.note(format!("worker {id} exited before joining: {status}{log}"));
+            }
+        }
+        let late: Vec<u64> = self
+            .spawning
+            .iter()
+            .filter(|(_, t)| t.elapsed() > self.cfg.join_timeout)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            self.spawning.remove(&id);
+            self.scaler.stop(id, Duration::from_secs(1));
+            self.note(format!("worker {id} did not join within {:?}; gave it up", self.cfg.join_timeout));
+        }
+    }
+
+    /// Waits for joiners until at least `want` are there (or nothing is starting).
+    fn wait_for_joiners(&mut self, want: usize) -> Result<()> {
+        while self.joiners.len() < want && !(self.spawning.is_empty() && self.welcomed.is_empty()) {
+            match self.rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(ev) => self.handle(ev, None),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
+            }
+            self.check_spawning();
+        }
+        if self.joiners.is_empty() {
+            bail!("no worker joined the job (worker logs: {})", self.log_hint());
+        }
+        Ok(())
+    }
+
+    fn log_hint(&self) -> String {
+        self.scaler
+            .log_of(0)
+            .and_then(|p| p.parent().map(|d| d.display().to_string()))
+            .unwrap_or_else(|| "the scaler's".into())
+    }
+
+    fn job(&mut self) -> Result<JobOutcome> {
+        let resumed = self.resume()?;
+        self.first_generation = self.generation + 1;
+        let total = self.cfg.spec.epochs;
+        let first = self.cfg.initial_workers.clamp(self.cfg.min_workers.max(1), self.cfg.max_workers.max(1));
+        self.spawn(first);
+        self.wait_for_joiners(first as usize)?;
+        self.boundary(true);
+        while self.epoch < total {
+            if self.members.is_empty() {
+                self.recover_from_nothing()?;
+            }
+            self.boundary(true);
+            self.lease_members();
+            let plan_checkpoint = self.checkpoint_due();
+            let res = self.run_step(true, plan_checkpoint)?;
+            if res.dead.is_empty() && res.errors.is_empty() && res.done.len() == self.members.len() {
+                self.commit(res)?;
+            } else {
+                self.fail(res);
+            }
+            self.check_spawning();
+        }
+        // The final state: no new workers any more.
+        for mut j in std::mem::take(&mut self.joiners).into_iter().chain(std::mem::take(&mut self.welcomed)) {
+            let _ = send(&mut j.stream, &ToWorker::Stop { reason: "the job is done".into() });
+            self.scaler.stop(j.id, Duration::from_secs(3));
+        }
+        if self.members.is_empty() {
+            self.recover_from_nothing()?;
+        }
+        self.boundary(true);
+        let mut final_checkpoint = None;
+        for _ in 0..3 {
+            let res = self.run_step(false, Some(self.manifest()))?;
+            if let Some(p) = res.done.iter().find_map(|(_, m)| match m {
+                FromWorker::Done { checkpoint: Some(p), .. } => Some(p.clone()),
+                _ => None,
+            }) {
+                final_checkpoint = Some(p);
+                break;
+            }
+            for (_, m) in &res.done {
+                if let FromWorker::Done { checkpoint_error: Some(e), .. } = m {
+                    self.note(format!("final checkpoint: {e}"));
+                }
+            }
+            self.fail(res);
+            if self.members.is_empty() {
+                self.recover_from_nothing()?;
+            }
+            self.boundary(true);
+        }
+        let final_checkpoint = final_checkpoint.ok_or_else(|| anyhow!("the final checkpoint could not be written"))?;
+        (self.progress)(Progress::Checkpoint { step: self.committed, path: &final_checkpoint });
+        self.checkpoints.push(final_checkpoint.clone());
+        let final_world = self.members.len() as u32;
+        for mut m in std::mem::take(&mut self.members) {
+            let _ = send(&mut m.stream, &ToWorker::Stop { reason: "the job is done".into() });
+            self.scaler.stop(m.id, Duration::from_secs(5));
+        }
+        self.save_state(true);
+        let outcome = JobOutcome {
+            final_checkpoint,
+            steps: self.committed,
+            epochs: self.ledger.epochs.clone(),
+            scale_events: self.events.clone(),
+            timeline: std::mem::take(&mut self.timeline),
+            resumed_from_step: resumed,
+            samples: self.samples,
+            train_secs: self.started.elapsed().as_secs_f64(),
+            generations: (self.first_generation, self.generation),
+            checkpoints: self.checkpoints.clone(),
+            final_world,
+            hyper: self.hyper,
+        };
+        let marker = self.complete_marker();
+        std::fs::write(&marker, serde_json::to_vec_pretty(&outcome.epochs)?)
+            .with_context(|| format!("{}", marker.display()))?;
+        Ok(outcome)
+    }
+
+    /// Every worker is gone: start over from the newest checkpoint with new ones.
+    fn recover_from_nothing(&mut self) -> Result<()> {
+        self.note("no worker left; restarting from the newest checkpoint".into());
+        match self.checkpoints().latest().0 {
+            Some(r) => {
+                let book: Bookkeeping = serde_json::from_value(r.manifest.plugin_state.clone())?;
+                self.committed = r.manifest.step;
+                self.epoch = r.manifest.epoch;
+                self.cursor = r.manifest.cursor;
+                self.hyper = r.manifest.hyperparams;
+                self.ledger = book.ledger;
+                self.init = Some(r.path);
+            }
+            None => {
+                self.committed = 0;
+                self.epoch = 0;
+                self.cursor = 0;
+                self.hyper = self.cfg.hyper;
+                self.ledger = Ledger::new(self.train_len);
+                self.init = None;
+            }
+        }
+        let want = self.cfg.min_workers.max(1);
+        let missing = want.saturating_sub((self.joiners.len() + self.welcomed.len() + self.spawning.len()) as u32);
+        self.spawn(missing);
+        self.wait_for_joiners(1)?;
+        Ok(())
+    }
+
+    /// At a step boundary: admits joiners, applies replacements, forms a new
+    /// generation when membership changed.
+    fn boundary(&mut self, admit: bool) {
+        let from = self.members.len() as u32;
+        let mut reasons = Vec::new();
+        let max = self.cfg.max_workers.max(1) as usize;
+        let mut admitted = 0;
+        while admit && !self.joiners.is_empty() {
+            let j = self.joiners.remove(0);
+            if let Some(old) = self.replacing.remove(&j.id) {
+                if let Some(i) = self.members.iter().position(|m| m.id == old) {
+                    let mut m = self.members.remove(i);
+                    let _ = send(&mut m.stream, &ToWorker::Stop { reason: format!("replaced by worker {}", j.id) });
+                    self.scaler.stop(m.id, Duration::from_secs(3));
+                    reasons.push(format!("worker {old} replaced by {}", j.id));
+                }
+            } else if self.members.len() >= max {
+                let mut j = j;
+                let _ = send(&mut j.stream, &ToWorker::Stop { reason: "the job is at its maximum size".into() });
+                self.scaler.stop(j.id, Duration::from_secs(3));
+                continue;
+            }
+            self.members.push(j);
+            admitted += 1;
+            self.new_generation = true;
+        }
+        if !self.new_generation {
+            return;
+        }
+        self.generation += 1;
+        self.new_generation = false;
+        let to = self.members.len() as u32;
+        let mut pending = self.pending.take().unwrap_or(Pending {
+            from,
+            reason: String::new(),
+            boundary: Instant::now(),
+            join_ms: None,
+            generation: None,
+        });
+        if pending.reason.is_empty() {
+            pending.reason = match (from, self.init.is_some()) {
+                (0, true) => "job resumed".into(),
+                (0, false) => "job started".into(),
+                _ if to > from => "workers joined".into(),
+                _ => "workers left".into(),
+            };
+        }
+        if admitted > 0 && pending.join_ms.is_none() && from > 0 {
+            // The policy decided earlier; the others trained while the new worker started.
+            pending.join_ms = Some(ms(pending.boundary.elapsed()));
+            pending.boundary = Instant::now();
+        }
+        if !reasons.is_empty() {
+            pending.reason = format!("{}; {}", pending.reason, reasons.join(", "));
+        }
+        pending.generation = Some(self.generation);
+        self.pending = Some(pending);
+        let local = (self.hyper.global_batch / to.max(1)).max(1);
+        self.hyper.local_batch = local;
+        if let Some(a) = self.adapter.as_mut() {
+            let ev = ResizeEvent { step: self.committed, old_world_size: from, new_world_size: to };
+            match a.on_resize(&ev, &self.hyper) {
+                Ok(h) if h.global_batch > 0 => self.hyper = h,
+                Ok(h) => tracing::warn!("batch adapter asked for a global batch of {}; ignored", h.global_batch),
+                Err(e) => tracing::warn!("batch adapter on_resize failed, hyperparameters kept: {e}"),
+            }
+        }
+        self.last_change = Instant::now();
+        self.save_state(false);
+    }
+
+    fn checkpoint_due(&self) -> Option<Manifest> {
+        let every = self.cfg.checkpoint_every.max(1);
+        let at_epoch_start = self.cursor == 0 && self.committed > 0;
+        (self.committed > 0 && (self.committed % every == 0 || at_epoch_start)).then(|| self.manifest())
+    }
+
+    fn manifest(&self) -> Manifest {
+        let book = Bookkeeping { ledger: self.ledger.clone(), events: self.events.clone(), generation: self.generation };
+        Manifest {
+            step: self.committed,
+            epoch: self.epoch,
+            cursor: self.cursor,
+            seed: self.cfg.spec.seed,
+            hyperparams: self.hyper,
+            plugin_state: serde_json::to_value(book).unwrap_or_default(),
+            files: Default::default(),
+        }
+    }
+
+    /// Sends every rank its plan and collects the answers.
+    fn run_step(&mut self, work: bool, checkpoint: Option<Manifest>) -> Result<StepResult> {
+        let world = self.members.len();
+        let key = format!("{}/generation-{}", self.cfg.spec.job, self.generation);
+        let mut res = StepResult { done: Vec::new(), dead: BTreeSet::new(), errors: Vec::new() };
+        let init = self.init.clone();
+        for m in &self.members {
+            if self.closed.contains(&m.conn) {
+                res.dead.insert(m.id);
+                res.errors.push(format!("worker {} (pid {}) lost: connection closed", m.id, m.pid));
+            }
+        }
+        for (rank, m) in self.members.iter_mut().enumerate() {
+            let plan = Plan {
+                generation: self.generation,
+                rank,
+                world,
+                rendezvous: self.rendezvous.addr(),
+                rendezvous_key: key.clone(),
+                committed_steps: self.committed,
+                init: init.clone(),
+                checkpoint: if rank == 0 { checkpoint.clone() } else { None },
+                work,
+                epoch: self.epoch,
+                cursor: self.cursor,
+                hyper: self.hyper,
+            };
+            if let Err(e) = send(&mut m.stream, &ToWorker::Plan(plan)) {
+                res.dead.insert(m.id);
+                res.errors.push(format!("worker {}: {e}", m.id));
+            }
+        }
+        let deadline = Instant::now() + self.cfg.step_timeout;
+        loop {
+            let answered: BTreeSet<usize> = res.done.iter().map(|(r, _)| *r).collect();
+            let waiting: Vec<usize> = (0..world)
+                .filter(|r| !answered.contains(r) && !res.dead.contains(&self.members[*r].id))
+                .collect();
+            if waiting.is_empty() {
+                break;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                for r in waiting {
+                    let m = &self.members[r];
+                    res.errors.push(format!(
+                        "worker {} (pid {}) answered nothing within {:?}; stopping it",
+                        m.id, m.pid, self.cfg.step_timeout
+                    ));
+                    res.dead.insert(m.id);
+                    self.scaler.stop(m.id, Duration::from_secs(1));
+                }
+                break;
+            }
+            match self.rx.recv_timeout(left.min(Duration::from_millis(500))) {
+                Ok(ev) => self.handle(ev, Some(&mut res)),
+                Err(mpsc::RecvTimeoutError::Timeout) => self.check_spawning(),
+                Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
+            }
+        }
+        // Answers of an older generation or step do not count.
+        let (generation, step) = (self.generation, self.committed);
+        res.done.retain(|(_, m)| match m {
+            FromWorker::Done { generation: g, step: s, .. } => *g == generation && *s == step,
+            _ => true,
+        });
+        if res.done.iter().any(|(_, m)| matches!(m, FromWorker::Failed { .. })) && res.errors.is_empty() {
+            res.errors.push("a rank failed".into());
+        }
+        if res.dead.is_empty() && res.errors.is_empty() {
+            self.init = None;
+        }
+        Ok(res)
+    }
+
+    /// Every rank finished the step: move the cursor and record it.
+    fn commit(&mut self, res: StepResult) -> Result<()> {
+        let gb = self.hyper.global_batch.max(1) as usize;
+        let expected = (self.cursor + gb).min(self.train_len) - self.cursor;
+        let mut rows = 0usize;
+        let mut loss = 0.0;
+        let formed = self.pending.as_ref().is_some_and(|p| p.generation == Some(self.generation));
+        for (rank, m) in &res.done {
+            if let FromWorker::Done { ids, loss: l, compute_ms, checkpoint, checkpoint_error, .. } = m {
+                self.ledger.commit(ids).map_err(|e| anyhow!("worker {}: {e}", self.members[*rank].id))?;
+                rows += ids.len();
+                loss += l;
+                // The first step of a generation also starts the read-ahead; it does not count.
+                if *compute_ms > 0.0 && !ids.is_empty() && !formed {
+                    let e = self.worker_rate.entry(self.members[*rank].id).or_insert((0.0, 0.0));
+                    e.0 += ids.len() as f64;
+                    e.1 += compute_ms / 1e3;
+                }
+                if let Some(p) = checkpoint {
+                    (self.progress)(Progress::Checkpoint { step: self.committed, path: p });
+                    self.checkpoints.push(p.clone());
+                    self.checkpoints.retain(|c| c.exists());
+                }
+                if let Some(e) = checkpoint_error {
+                    self.note(format!("checkpoint at step {} failed: {e}", self.committed));
+                }
+            }
+        }
+        if rows != expected {
+            bail!("step {}: the ranks trained on {rows} samples, the step has {expected}", self.committed);
+        }
+        self.committed += 1;
+        self.samples += rows as u64;
+        self.cursor += gb;
+        let now = Instant::now();
+        self.recent.push_back((now, rows as u64));
+        while self.recent.len() > 20 {
+            self.recent.pop_front();
+        }
+        let sps = match (self.recent.front(), self.recent.len()) {
+            (Some((t0, _)), n) if n > 1 => {
+                let s: u64 = self.recent.iter().skip(1).map(|r| r.1).sum();
+                s as f64 / now.duration_since(*t0).as_secs_f64().max(1e-9)
+            }
+            _ => 0.0,
+        };
+        let rec = StepRecord {
+            step: self.committed,
+            epoch: self.epoch,
+            world: self.members.len() as u32,
+            secs: self.started.elapsed().as_secs_f64(),
+            loss,
+            samples_per_sec: sps,
+            cursor: self.cursor.min(self.train_len),
+        };
+        (self.progress)(Progress::Step(&rec));
+        self.timeline.push(rec);
+        if let Some(p) = self.pending.take_if(|_| formed) {
+            let setup_ms = res
+                .done
+                .iter()
+                .filter_map(|(_, m)| match m {
+                    FromWorker::Done { setup_ms, .. } => Some(*setup_ms),
+                    _ => None,
+                })
+                .fold(0.0, f64::max);
+            let ev = ScaleEvent {
+                setup_ms,
+                step: self.committed - 1,
+                from: p.from,
+                to: self.members.len() as u32,
+                pause_ms: ms(p.boundary.elapsed()),
+                reason: p.reason,
+                generation: self.generation,
+                join_ms: p.join_ms,
+                at_secs: self.started.elapsed().as_secs_f64(),
+            };
+            (self.progress)(Progress::Scale(&ev));
+            self.events.push(ev);
+        }
+        if self.cursor >= self.train_len {
+            let rec = self.ledger.finish_epoch(self.epoch);
+            (self.progress)(Progress::Epoch(&rec));
+            self.epoch += 1;
+            self.cursor = 0;
+        }
+        if let Some(a) = self.adapter.as_mut() {
+            match a.on_step(self.committed, &self.hyper) {
+                Ok(h) if h.global_batch > 0 => self.hyper = h,
+                Ok(_) => tracing::warn!("batch adapter asked for an empty batch; ignored"),
+                Err(e) => tracing::warn!("batch adapter on_step failed, hyperparameters kept: {e}"),
+            }
+        }
+        self.save_state(false);
+        if self.committed % self.cfg.decide_every.max(1) == 0 && self.epoch < self.cfg.spec.epochs {
+            self.decide();
+        }
+        Ok(())
+    }
+
+    /// The step failed somewhere: drop the dead, keep the survivors for the next generation.
+    fn fail(&mut self, res: StepResult) {
+        let from = self.members.len() as u32;
+        let dead = res.dead.clone();
+        for id in &dead {
+            self.scaler.stop(*id, Duration::from_millis(500));
+            let _ = self.rt.block_on(self.store.delete(&format!("{}{id}", keys::workers(&self.cfg.spec.job))));
+        }
+        self.members.retain(|m| !dead.contains(&m.id));
+        let why = if res.errors.is_empty() { "a rank failed".to_string() } else { res.errors.join("; ") };
+        self.note(format!(
+            "step {} not committed (generation {}): {why}; redoing it with {} worker(s)",
+            self.committed,
+            self.generation,
+            self.members.len()
+        ));
+        let lost: Vec<String> = dead.iter().map(|d| format!("worker {d} lost")).collect();
+        let reason = if lost.is_empty() { "collective failed".to_string() } else { lost.join(", ") };
+        self.pending = Some(Pending { from, reason, boundary: Instant::now(), join_ms: None, generation: None });
+        self.new_generation = true;
+        let min = self.cfg.min_workers.max(1) as usize;
+        let coming = self.joiners.len() + self.welcomed.len() + self.spawning.len();
+        if self.members.len() + coming < min {
+            self.spawn((min - self.members.len() - coming) as u32);
+        }
+    }
+
+    /// Asks the policy what to do.
+    fn decide(&mut self) {
+        let now = Instant::now();
+        let (t0, s0) = self.window;
+        let throughput = (self.samples - s0) as f64 / now.duration_since(t0).as_secs_f64().max(1e-9);
+        self.window = (now, self.samples);
+        let world = self.members.len() as u32;
+        let coming = (self.joiners.len() + self.welcomed.len() + self.spawning.len()) as u32;
+        let remaining = (self.cfg.spec.epochs.saturating_sub(self.epoch) as usize * self.train_len)
+            .saturating_sub(self.cursor) as u64;
+        let view = ClusterView {
+            step: self.committed,
+            epoch: self.epoch as u32,
+            world_size: world,
+            min_workers: self.cfg.min_workers,
+            max_workers: self.cfg.max_workers,
+            free_slots: self.cfg.max_workers.saturating_sub(world + coming),
+            global_batch: self.hyper.global_batch,
+            throughput,
+            workers: self
+                .members
+                .iter()
+                .filter_map(|m| {
+                    let (rows, secs) = self.worker_rate.get(&m.id).copied()?;
+                    (secs > 0.0).then(|| WorkerStats { id: m.id, throughput: rows / secs })
+                })
+                .collect(),
+            secs_since_change: self.last_change.elapsed().as_secs_f64(),
+            price_per_worker_hour: self.cfg.price_per_worker_hour,
+            samples_remaining: remaining,
+        };
+        self.worker_rate.clear();
+        let actions = match self.policy.decide(&view) {
+            Ok(a) => a,
+            Err(e) => {
+                self.note(format!("scaling policy failed, holding: {e}"));
+                return;
+            }
+        };
+        for a in actions {
+            match a {
+                Action::Hold => {}
+                Action::ScaleOut(n) => {
+                    let n = n.min(view.free_slots);
+                    if n > 0 && coming == 0 {
+                        self.pending = Some(Pending {
+                            from: world,
+                            reason: format!("policy: {a}"),
+                            boundary: Instant::now(),
+                            join_ms: None,
+                            generation: None,
+                        });
+                        self.spawn(n);
+                    }
+                }
+                Action::ScaleIn(n) => {
+                    let keep = world.saturating_sub(n).max(self.cfg.min_workers.max(1)) as usize;
+                    if keep < self.members.len() {
+                        let removed: Vec<Member> = self.members.drain(keep..).collect();
+                        for mut m in removed {
+                            let _ = send(&mut m.stream, &ToWorker::Stop { reason: format!("policy: {a}") });
+                            self.scaler.stop(m.id, Duration::from_secs(3));
+                            let _ = self
+                                .rt
+                                .block_on(self.store.delete(&format!("{}{}", keys::workers(&self.cfg.spec.job), m.id)));
+                        }
+                        self.pending = Some(Pending {
+                            from: world,
+                            reason: format!("policy: {a}"),
+                            boundary: Instant::now(),
+                            join_ms: None,
+                            generation: None,
+                        });
+                        self.new_generation = true;
+                    }
+                }
+                Action::Replace(id) => {
+                    if self.members.iter().any(|m| m.id == id) && !self.replacing.values().any(|&o| o == id) {
+                        let new = self.next_id;
+                        self.spawn(1);
+                        if self.spawning.contains_key(&new) {
+                            self.replacing.insert(new, id);
+                            self.pending = Some(Pending {
+                                from: world,
+                                reason: format!("policy: {a}"),
+                                boundary: Instant::now(),
+                                join_ms: None,
+                                generation: None,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Keeps the members' leases in the store fresh (once a second).
+    fn lease_members(&mut self) {
+        if self.last_lease.elapsed() < Duration::from_secs(1) && !self.new_generation {
+            return;
+        }
+        self.last_lease = Instant::now();
+        let prefix = keys::workers(&self.cfg.spec.job);
+        for m in &self.members {
+            let v = serde_json::json!({"pid": m.pid, "generation": self.generation}).to_string();
+            if let Err(e) =
+                self.rt.block_on(self.store.put(&format!("{prefix}{}", m.id), v.as_bytes(), Some(Duration::from_secs(5))))
+            {
+                tracing::warn!("store: worker lease: {e}");
+            }
+        }
+    }
+
+    fn save_state(&mut self, finished: bool) {
+        let s = JobState {
+            generation: self.generation,
+            committed_steps: self.committed,
+            epoch: self.epoch,
+            cursor: self.cursor,
+            next_worker_id: self.next_id,
+            members: self.members.iter().map(|m| m.id).collect(),
+            checkpoint_step: self.checkpoints.last().map(|_| self.committed),
+            finished,
+        };
+        let key = keys::job_state(&self.cfg.spec.job);
+        if let Err(e) = self.rt.block_on(self.store.put(&key, &serde_json::to_vec(&s).unwrap_or_default(), None)) {
+            tracing::warn!("store: job state: {e}");
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! The control protocol between the coordinator and its workers: one JSON
+//! object per line over a TCP connection that the worker opens. The
+//! connection is also the worker's liveness: when it closes (the process
+//! died), the coordinator knows at once.
+
+use crate::checkpoint::Manifest;
+use edl_plugin_sdk::Hyperparams;
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+use std::{
+    io::{BufRead, BufReader, Write},
+    net::{SocketAddr, TcpStream},
+    path::PathBuf,
+};
+
+/// Where students get soft labels.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TeacherSource {
+    /// Fixed OIP endpoints (`host:port`).
+    Fixed(Vec<String>),
+    /// Teachers registered in a store under a service name.
+    Discovered { store: String, service: String },
+}
+
+/// Everything a worker needs to know about the job, sent when it joins.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobSpec {
+    pub job: String,
+    /// `mnist5k` or `digits`.
+    pub dataset: String,
+    /// Rows held out for testing, and the seed of the split.
+    pub test_rows: usize,
+    pub split_seed: u64,
+    /// Train on the first N training samples only (a small transfer set).
+    pub train_samples: Option<usize>,
+    /// Seed of the student's initial weights and of each epoch's order.
+    pub seed: u64,
+    /// Epochs the job trains for (read-ahead stops there).
+    pub epochs: u64,
+    /// Student layer sizes, input first.
+    pub layers: Vec<usize>,
+    pub temperature: f32,
+    pub alpha: f32,
+    /// None: plain training on hard labels.
+    pub teachers: Option<TeacherSource>,
+    pub teacher_model_name: String,
+    /// Reader-transform plugin and its configuration.
+    pub transform: Option<PathBuf>,
+    pub transform_config: Vec<(String, String)>,
+    /// Bound on every collective (and on building the ring), milliseconds.
+    pub collective_timeout_ms: u64,
+    pub checkpoint_dir: PathBuf,
+    pub keep_checkpoints: usize,
+    /// Extra time each step takes on each worker (to emulate slower devices), ms.
+    pub step_delay_ms: u64,
+}
+
+/// What the coordinator tells a worker.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ToWorker {
+    Welcome(Box<JobSpec>),
+    Plan(Plan),
+    Stop { reason: String },
+}
+
+/// The next step for one rank.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Plan {
+    pub generation: u64,
+    pub rank: usize,
+    pub world: usize,
+    /// The rendezvous server of the generation's ring; the key is per generation.
+    pub rendezvous: SocketAddr,
+    pub rendezvous_key: String,
+    /// Steps committed so far: the state every rank must start this step from.
+    pub committed_steps: u64,
+    /// Start from this checkpoint (first generation of a resumed job).
+    pub init: Option<PathBuf>,
+    /// Rank 0 writes this checkpoint of the committed state before the step.
+    pub checkpoint: Option<Manifest>,
+    /// False: no step to run (the job is finishing; only the checkpoint).
+    pub work: bool,
+    pub epoch: u64,
+    /// Position in the epoch's permutation where this step starts.
+    pub cursor: usize,
+    pub hyper: Hyperparams,
+}
+
+/// What a worker tells the coordinator.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FromWorker {
+    Hello {
+        worker: u64,
+        pid: u32,
+    },
+    /// Data loaded, model built: the worker can be given a rank.
+    Ready,
+    Done {
+        generation: u64,
+        /// The step number that completed (`committed_steps` of the plan).
+        step: u64,
+        /// The training-set indices this rank trained on.
+        ids: Vec<u32>,
+        /// This rank's summed loss divided by the global batch.
+        loss: f64,
+        /// Forward, backward and teacher wait on this rank, ms.
+        compute_ms: f64,
+        /// Ring set-up and parameter broadcast of a new generation, ms.
+        setup_ms: f64,
+        checkpoint: Option<PathBuf>,
+        checkpoint_error: Option<String>,
+    },
+    Failed {
+        generation: u64,
+        step: u64,
+        error: String,
+    },
+}
+
+/// Why a message could not be sent or read.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtoError {
+    #[error("{peer}: connection closed")]
+    Closed { peer: String },
+    #[error("{peer}: {detail}")]
+    Io { peer: String, detail: String },
+    #[error("{peer}: malformed message: {detail}")]
+    Malformed { peer: String, detail: String },
+}
+
+fn peer(s: &TcpStream) -> String {
+    s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "peer".into())
+}
+
+/// Writes one message as a JSON line.
+pub fn send<T: Serialize>(stream: &mut TcpStream, msg: &T) -> Result<(), ProtoError> {
+    let mut line = serde_json::to_vec(msg)
+        .map_err(|e| ProtoError::Malformed { peer: peer(stream), detail: e.to_string() })?;
+    line.push(b'\n');
+    stream.write_all(&line).map_err(|e| ProtoError::Io { peer: peer(stream), detail: e.to_string() })
+}
+
+/// A reader of JSON-line messages.
+pub struct Receiver {
+    inner: BufReader<TcpStream>,
+    peer: String,
+    line: String,
+}
+
+impl Receiver {
+    pub fn new(stream: TcpStream) -> Self {
+        let peer = peer(&stream);
+        Receiver { inner: BufReader::new(stream), peer, line: String::new() }
+    }
+
+    /// The next message; blocks until one arrives or the connection ends.
+    pub fn recv<T: DeserializeOwned>(&mut self) -> Result<T, ProtoError> {
+        self.line.clear();
+        match self.inner.read_line(&mut self.line) {
+            Ok(0) => Err(ProtoError::Closed { peer: self.peer.clone() }),
+            Ok(_) => serde_json::from_str(&self.line)
+                .map_err(|e| ProtoError::Malformed { peer: self.peer.clone(), detail: e.to_string() }),
+            Err(e) => Err(ProtoError::Io { peer: self.peer.clone(), detail: e.to_string() }),
+        }
+    }
+}

@@ -1,0 +1,141 @@
+//! Starting and stopping workers. The coordinator asks a [`Scaler`] for
+//! workers and learns they exist when they connect; the default one runs
+//! them as child processes of this machine (`edl-runtime worker ...`), each
+//! logging to its own file and killed by the kernel if the coordinator dies.
+
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+/// Starts and stops workers.
+pub trait Scaler: Send {
+    /// Starts worker `id`, which will connect to `coordinator`.
+    fn spawn(&mut self, id: u64, coordinator: SocketAddr) -> anyhow::Result<()>;
+    /// Asks worker `id` to stop and makes sure it is gone within `grace`.
+    fn stop(&mut self, id: u64, grace: Duration);
+    /// Workers that exited since the last call, with how.
+    fn exited(&mut self) -> Vec<(u64, String)>;
+    /// Process id of a running worker, when it has one.
+    fn pid(&self, id: u64) -> Option<u32>;
+    /// Where worker `id` logs.
+    fn log_of(&self, id: u64) -> Option<PathBuf>;
+}
+
+/// Workers as local child processes.
+pub struct LocalProcesses {
+    exe: PathBuf,
+    log_dir: PathBuf,
+    children: BTreeMap<u64, Child>,
+}
+
+impl LocalProcesses {
+    /// Workers run `exe worker --coordinator ADDR --id N`, logging to `log_dir/worker-N.log`.
+    pub fn new(exe: impl Into<PathBuf>, log_dir: impl Into<PathBuf>) -> Self {
+        LocalProcesses { exe: exe.into(), log_dir: log_dir.into(), children: BTreeMap::new() }
+    }
+
+    fn log_path(&self, id: u64) -> PathBuf {
+        self.log_dir.join(format!("worker-{id}.log"))
+    }
+}
+
+/// Makes a child die with its parent (Linux); elsewhere a child notices the
+/// closed control connection and exits.
+pub fn die_with_parent(cmd: &mut Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: prctl is async-signal-safe and touches only this process.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
+}
+
+/// Sends SIGTERM, waits up to `grace`, then SIGKILL.
+pub fn terminate(child: &mut Child, grace: Duration) {
+    if let Ok(Some(_)) = child.try_wait() {
+        return;
+    }
+    // SAFETY: signalling our own child by pid.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+    }
+    let until = Instant::now() + grace;
+    while Instant::now() < until {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+fn ensure_dir(p: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(p).map_err(|e| anyhow::anyhow!("{}: cannot create log directory: {e}", p.display()))
+}
+
+impl Scaler for LocalProcesses {
+    fn spawn(&mut self, id: u64, coordinator: SocketAddr) -> anyhow::Result<()> {
+        ensure_dir(&self.log_dir)?;
+        let log = std::fs::File::create(self.log_path(id))
+            .map_err(|e| anyhow::anyhow!("{}: {e}", self.log_path(id).display()))?;
+        let mut cmd = Command::new(&self.exe);
+        cmd.args(["worker", "--coordinator", &coordinator.to_string(), "--id", &id.to_string()])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        die_with_parent(&mut cmd);
+        let child =
+            cmd.spawn().map_err(|e| anyhow::anyhow!("cannot start worker {id} ({}): {e}", self.exe.display()))?;
+        self.children.insert(id, child);
+        Ok(())
+    }
+
+    fn stop(&mut self, id: u64, grace: Duration) {
+        if let Some(mut c) = self.children.remove(&id) {
+            terminate(&mut c, grace);
+        }
+    }
+
+    fn exited(&mut self) -> Vec<(u64, String)> {
+        let mut gone = Vec::new();
+        for (id, c) in &mut self.children {
+            if let Ok(Some(status)) = c.try_wait() {
+                gone.push((*id, status.to_string()));
+            }
+        }
+        for (id, _) in &gone {
+            self.children.remove(id);
+        }
+        gone
+    }
+
+    fn pid(&self, id: u64) -> Option<u32> {
+        self.children.get(&id).map(Child::id)
+    }
+
+    fn log_of(&self, id: u64) -> Option<PathBuf> {
+        Some(self.log_path(id))
+    }
+}
+
+impl Drop for LocalProcesses {
+    fn drop(&mut self) {
+        for c in self.children.values_mut() {
+            terminate(c, Duration::from_secs(2));
+        }
+    }
+}

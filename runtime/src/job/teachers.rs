@@ -1,0 +1,144 @@
+//! Teachers for the main job: a wider MLP trained by the runtime itself
+//! (plain training on hard labels), cached as safetensors so later runs
+//! skip the training, and served by `edl-runtime teacher` processes.
+
+use super::scaler::{die_with_parent, terminate};
+use crate::data::{self, Dataset};
+use crate::model::Mlp;
+use crate::train::Trainer;
+use anyhow::{Context, Result, anyhow, bail};
+use edl_host_gpu::loss::SoftLabelLoss;
+use std::{
+    io::{BufRead, BufReader},
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    time::Duration,
+};
+
+/// How the teacher model is trained.
+#[derive(Clone, Debug)]
+pub struct TeacherTraining {
+    pub layers: Vec<usize>,
+    pub epochs: u64,
+    pub batch: usize,
+    pub lr: f32,
+    pub momentum: f32,
+    pub seed: u64,
+}
+
+impl TeacherTraining {
+    /// The cache file name: everything that decides the weights is in it.
+    pub fn file_name(&self, dataset: &str, train_rows: usize) -> String {
+        let layers: Vec<String> = self.layers.iter().map(|l| l.to_string()).collect();
+        format!(
+            "teacher-{dataset}-{train_rows}-{}-e{}-b{}-lr{}-m{}-s{}.safetensors",
+            layers.join("x"),
+            self.epochs,
+            self.batch,
+            self.lr,
+            self.momentum,
+            self.seed
+        )
+    }
+}
+
+/// The cached teacher model in `dir`, trained on `train` first when there is
+/// none (or the cached one does not load). Returns the file and whether it
+/// was trained now.
+pub fn teacher_model(
+    dir: &Path,
+    dataset: &str,
+    train: &Dataset,
+    t: &TeacherTraining,
+    mut progress: impl FnMut(u64, f32),
+) -> Result<(PathBuf, Mlp, bool)> {
+    let path = dir.join(t.file_name(dataset, train.len()));
+    if path.exists() {
+        match Mlp::load(&path) {
+            Ok(m) => return Ok((path, m, false)),
+            Err(e) => tracing::warn!("cached teacher unusable, training it again: {e}"),
+        }
+    }
+    let mut trainer = Trainer::new(Mlp::random(&t.layers, t.seed));
+    let loss = SoftLabelLoss { temperature: 1.0, alpha: 0.0 };
+    let mut last = 0.0;
+    for epoch in 0..t.epochs {
+        let order = data::permutation(train.len(), t.seed ^ 0x7EAC, epoch);
+        let (mut sum, mut rows) = (0.0, 0usize);
+        for chunk in order.chunks(t.batch.max(1)) {
+            let (x, y) = train.gather(chunk);
+            sum += trainer.compute_gradient(&x, &y, None, &loss, y.len())?;
+            rows += y.len();
+            trainer.apply(t.lr, t.momentum);
+        }
+        last = (sum / rows.max(1) as f64) as f32;
+        progress(epoch, last);
+    }
+    if !last.is_finite() {
+        bail!("teacher training diverged (loss {last}); lower its learning rate");
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
+    let tmp = dir.join(format!(".tmp-{}", std::process::id()));
+    trainer.model.save(&tmp)?;
+    std::fs::rename(&tmp, &path).with_context(|| format!("{}", path.display()))?;
+    Ok((path, trainer.model, true))
+}
+
+/// A teacher process serving a model.
+pub struct TeacherProcess {
+    pub addr: SocketAddr,
+    child: Child,
+}
+
+impl TeacherProcess {
+    /// Starts `exe teacher --model M --listen 127.0.0.1:0 --store S --service V`
+    /// and waits (up to 30 s) for the address it serves on.
+    pub fn start(exe: &Path, model: &Path, store: &str, service: &str, log: &Path) -> Result<Self> {
+        let log_file = std::fs::File::create(log).with_context(|| format!("{}", log.display()))?;
+        let mut cmd = Command::new(exe);
+        cmd.args(["teacher", "--listen", "127.0.0.1:0", "--store", store, "--service", service, "--model"])
+            .arg(model)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log_file);
+        die_with_parent(&mut cmd);
+        let mut child = cmd.spawn().with_context(|| format!("starting a teacher ({})", exe.display()))?;
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            if let Some(Ok(first)) = lines.next() {
+                let _ = tx.send(first);
+            }
+            for _ in lines {} // keep the pipe drained
+        });
+        let line = match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(l) => l,
+            Err(_) => {
+                terminate(&mut child, Duration::from_secs(1));
+                bail!("the teacher did not start within 30 s (log: {})", log.display());
+            }
+        };
+        let addr = line
+            .split("serving on ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|a| a.parse().ok())
+            .ok_or_else(|| anyhow!("unexpected teacher output {line:?} (log: {})", log.display()))?;
+        Ok(TeacherProcess { addr, child })
+    }
+
+    /// Kills the process at once (as a crash would).
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for TeacherProcess {
+    fn drop(&mut self) {
+        terminate(&mut self.child, Duration::from_secs(3));
+    }
+}

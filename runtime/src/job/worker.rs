@@ -1,0 +1,424 @@
+//! A worker: one process per device. It joins the coordinator, then runs the
+//! steps it is given. Each step reads this rank's share of the global batch
+//! (soft labels from the teachers through the DistillReader, read ahead on
+//! the assumption that the plan stays the same), computes the gradient,
+//! sums it over the generation's ring and applies it.
+//!
+//! A worker keeps the state of the last *committed* step beside its current
+//! one: when a generation fails part way through a step, every survivor goes
+//! back to the committed state and the step is redone, whoever had applied
+//! it. A new generation builds a new ring and broadcasts parameters and
+//! optimiser state from rank 0 (a survivor), so joiners start from exactly
+//! the state the others have.
+
+use super::proto::{FromWorker, JobSpec, Plan, Receiver, TeacherSource, ToWorker, send};
+use crate::checkpoint::{Checkpoints, Manifest};
+use crate::data::{self, Dataset, Source};
+use crate::distill::{DistillConfig, DistillReader, Teachers};
+use crate::model::Mlp;
+use crate::plugin::{HostOptions, PluginHost, TransformPlugin};
+use crate::train::Trainer;
+use anyhow::{Context, Result, anyhow, bail};
+use edl_host_gpu::comm::{Communicator, ReduceOp, RingOptions, TcpRendezvous, TcpRing};
+use edl_host_gpu::loss::SoftLabelLoss;
+use edl_plugin_sdk::{Batch, Dtype};
+use std::{
+    net::{SocketAddr, TcpStream},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+/// The training set and test set a job's spec names.
+pub fn load_data(spec: &JobSpec) -> Result<(Dataset, Dataset)> {
+    let source = match spec.dataset.as_str() {
+        "mnist5k" => Source::Mnist5k,
+        "digits" => Source::Digits,
+        other => bail!("unknown data set {other:?} (expected mnist5k or digits)"),
+    };
+    let (mut train, test) = Dataset::load(source)?.split(spec.test_rows, spec.split_seed);
+    if let Some(n) = spec.train_samples {
+        let n = n.min(train.len());
+        train.features.truncate(n * train.dim);
+        train.labels.truncate(n);
+    }
+    Ok((train, test))
+}
+
+/// The samples (training-set indices) of `rank`'s share of the step at
+/// (`epoch`, `cursor`) with `global_batch` samples over `world` ranks.
+pub fn shard_ids(
+    seed: u64,
+    epoch: u64,
+    cursor: usize,
+    global_batch: usize,
+    rank: usize,
+    world: usize,
+    len: usize,
+    perm: &mut Option<(u64, Vec<u32>)>,
+) -> Vec<u32> {
+    if perm.as_ref().map(|p| p.0) != Some(epoch) {
+        *perm = Some((epoch, data::permutation(len, seed, epoch)));
+    }
+    let p = &perm.as_ref().expect("set above").1;
+    p[data::shard(cursor, global_batch, rank, world, len)].to_vec()
+}
+
+fn batch_of(train: &Dataset, ids: &[u32], seed: u64, epoch: u64) -> Batch {
+    let (x, y) = train.gather(ids);
+    Batch {
+        data: crate::oip::f32_bytes(&x),
+        shape: vec![ids.len() as u32, train.dim as u32],
+        dtype: Dtype::Float32,
+        labels: y,
+        ids: ids.iter().map(|&i| i as u64).collect(),
+        seed: seed ^ epoch.wrapping_mul(0x9E37_79B9),
+    }
+}
+
+fn features_of(b: &Batch) -> Result<Vec<f32>> {
+    if b.dtype != Dtype::Float32 {
+        bail!("the reader transform returned {:?} data; the trainer takes float32", b.dtype);
+    }
+    Ok(b.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+}
+
+/// The plan a running read-ahead was started for.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct Stream {
+    rank: usize,
+    world: usize,
+    global_batch: usize,
+    /// Where the next batch it yields starts.
+    epoch: u64,
+    cursor: usize,
+}
+
+struct Reader {
+    stream: Stream,
+    reader: DistillReader,
+}
+
+/// The state of one worker process.
+struct Worker {
+    id: u64,
+    spec: JobSpec,
+    train: Arc<Dataset>,
+    trainer: Trainer,
+    loss: SoftLabelLoss,
+    /// Steps applied to the current parameters (None: nothing yet, a joiner).
+    applied: Option<u64>,
+    /// Parameters and velocity after `committed.2` steps.
+    committed: Option<(Vec<f32>, Vec<f32>, u64)>,
+    ring: Option<(u64, TcpRing)>,
+    perm: Option<(u64, Vec<u32>)>,
+    reader: Option<Reader>,
+    transform: Option<Box<dyn TransformPlugin>>,
+    host: Option<Arc<PluginHost>>,
+    rt: tokio::runtime::Runtime,
+}
+
+/// Runs worker `id` of the coordinator at `coordinator` until it is told to stop.
+pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
+    let stream = TcpStream::connect_timeout(&coordinator, Duration::from_secs(10))
+        .with_context(|| format!("worker {id}: cannot reach the coordinator at {coordinator}"))?;
+    stream.set_nodelay(true)?;
+    let mut out = stream.try_clone()?;
+    let mut rx = Receiver::new(stream);
+    send(&mut out, &FromWorker::Hello { worker: id, pid: std::process::id() })?;
+    let spec = match rx.recv::<ToWorker>()? {
+        ToWorker::Welcome(spec) => *spec,
+        ToWorker::Stop { reason } => {
+            tracing::info!("worker {id}: not needed: {reason}");
+            return Ok(());
+        }
+        ToWorker::Plan(_) => bail!("worker {id}: the coordinator sent a plan before the job"),
+    };
+    let (train, _) = load_data(&spec)?;
+    let host = match &spec.transform {
+        Some(_) => Some(PluginHost::new(HostOptions::default())?),
+        None => None,
+    };
+    let transform = match (&spec.transform, &host, &spec.teachers) {
+        // Without teachers the worker applies the transform itself.
+        (Some(path), Some(h), None) => Some(h.load_transform(path, &spec.transform_config)?),
+        _ => None,
+    };
+    let mut w = Worker {
+        id,
+        trainer: Trainer::new(Mlp::random(&spec.layers, spec.seed)),
+        loss: SoftLabelLoss { temperature: spec.temperature, alpha: spec.alpha },
+        train: Arc::new(train),
+        spec,
+        applied: None,
+        committed: None,
+        ring: None,
+        perm: None,
+        reader: None,
+        transform,
+        host,
+        rt: tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?,
+    };
+    send(&mut out, &FromWorker::Ready)?;
+    tracing::info!("worker {id}: ready, {} training samples", w.train.len());
+    loop {
+        let plan = match rx.recv::<ToWorker>() {
+            Ok(ToWorker::Plan(p)) => p,
+            Ok(ToWorker::Stop { reason }) => {
+                tracing::info!("worker {id}: stopping: {reason}");
+                return Ok(());
+            }
+            Ok(ToWorker::Welcome(_)) => bail!("worker {id}: a second welcome"),
+            Err(e) => bail!("worker {id}: lost the coordinator: {e}"),
+        };
+        let (generation, step) = (plan.generation, plan.committed_steps);
+        let reply = match w.step(&plan) {
+            Ok(done) => done,
+            Err(e) => {
+                tracing::warn!("worker {id}: generation {generation} step {step}: {e:#}");
+                // The ring is unusable after a failure; the next generation builds a new one.
+                w.ring = None;
+                FromWorker::Failed { generation, step, error: format!("{e:#}") }
+            }
+        };
+        send(&mut out, &reply)?;
+    }
+}
+
+impl Worker {
+    /// Brings the current state to `committed` steps.
+    fn align(&mut self, plan: &Plan) -> Result<()> {
+        if let Some(path) = &plan.init {
+            let (restored, skipped) = Checkpoints::new(&self.spec.checkpoint_dir, self.spec.keep_checkpoints)
+                .latest();
+            for e in skipped {
+                tracing::warn!("worker {}: skipped checkpoint: {e}", self.id);
+            }
+            let r = restored.ok_or_else(|| anyhow!("no usable checkpoint in {}", path.display()))?;
+            if r.manifest.step != plan.committed_steps {
+                bail!("checkpoint {} is at step {}, the plan says {}", r.path.display(), r.manifest.step, plan.committed_steps);
+            }
+            self.trainer.model = r.model;
+            self.trainer.load_velocity(&r.velocity);
+            self.applied = Some(plan.committed_steps);
+        }
+        let n = plan.committed_steps;
+        if self.applied.is_none() && n == 0 && plan.init.is_none() {
+            // Every worker starts from the same seeded initial weights.
+            self.applied = Some(0);
+        }
+        match (self.applied, &self.committed) {
+            (Some(a), _) if a == n => {
+                self.committed = Some((self.trainer.params_flat(), self.trainer.velocity().to_vec(), n));
+            }
+            (Some(_), Some((p, v, c))) if *c == n => {
+                let (p, v) = (p.clone(), v.clone());
+                self.trainer.load_params_flat(&p);
+                self.trainer.load_velocity(&v);
+                self.applied = Some(n);
+            }
+            (None, _) => {} // a joiner: gets the state by broadcast
+            (Some(a), c) => bail!(
+                "state at step {a} (committed copy at {:?}) cannot serve committed step {n}",
+                c.as_ref().map(|c| c.2)
+            ),
+        }
+        Ok(())
+    }
+
+    /// Builds the generation's ring and shares rank 0's state, when the generation is new.
+    fn join_generation(&mut self, plan: &Plan) -> Result<f64> {
+        if matches!(&self.ring, Some((g, _)) if *g == plan.generation) {
+            return Ok(0.0);
+        }
+        let start = Instant::now();
+        self.ring = None;
+        let opts = RingOptions {
+            timeout: Duration::from_millis(self.spec.collective_timeout_ms),
+            ..RingOptions::default()
+        };
+        let rdv = TcpRendezvous::new(plan.rendezvous, plan.rendezvous_key.clone());
+        let mut ring = TcpRing::connect(plan.rank, plan.world, &rdv, opts)
+            .with_context(|| format!("building the ring of generation {}", plan.generation))?;
+        if plan.world > 1 {
+            let n = self.trainer.param_count();
+            let mut state = if self.applied.is_some() {
+                let mut s = self.trainer.params_flat();
+                s.extend_from_slice(self.trainer.velocity());
+                s
+            } else {
+                vec![0.0; 2 * n]
+            };
+            ring.broadcast(&mut state, 0).context("broadcasting parameters from rank 0")?;
+            self.trainer.load_params_flat(&state[..n]);
+            self.trainer.load_velocity(&state[n..]);
+            self.applied = Some(plan.committed_steps);
+            self.committed = Some((state[..n].to_vec(), state[n..].to_vec(), plan.committed_steps));
+        } else if self.applied.is_none() {
+            bail!("a world of one with a worker that has no state");
+        }
+        self.ring = Some((plan.generation, ring));
+        Ok(start.elapsed().as_secs_f64() * 1e3)
+    }
+
+    /// This rank's batch: soft labels from the teachers when distilling.
+    fn read(&mut self, plan: &Plan, ids: &[u32]) -> Result<(Vec<f32>, Vec<u32>, Option<Vec<f32>>)> {
+        let Some(source) = self.spec.teachers.clone() else {
+            let b = batch_of(&self.train, ids, self.spec.seed, plan.epoch);
+            let b = match self.transform.as_mut() {
+                Some(t) => t.apply(&b).context("reader transform")?,
+                None => b,
+            };
+            return Ok((features_of(&b)?, b.labels, None));
+        };
+        let want = Stream {
+            rank: plan.rank,
+            world: plan.world,
+            global_batch: plan.hyper.global_batch as usize,
+            epoch: plan.epoch,
+            cursor: plan.cursor,
+        };
+        if self.reader.as_ref().map(|r| r.stream) != Some(want) {
+            self.reader = Some(self.start_reader(want, &source)?);
+        }
+        let r = self.reader.as_mut().expect("started above");
+        let got = self
+            .rt
+            .block_on(async { tokio::time::timeout(Duration::from_secs(120), r.reader.next()).await })
+            .map_err(|_| anyhow!("no soft labels within 120 s"))?
+            .ok_or_else(|| anyhow!("the distill reader ended early"))?
+            .context("distill reader")?;
+        if got.batch.ids.iter().map(|&i| i as u32).ne(ids.iter().copied()) {
+            self.reader = None;
+            bail!("the distill reader returned other samples than the step's");
+        }
+        // Where the read-ahead goes next under an unchanged plan.
+        let len = self.train.len();
+        let mut next = want;
+        next.cursor += want.global_batch;
+        if next.cursor >= len {
+            next.cursor = 0;
+            next.epoch += 1;
+        }
+        while data::shard(next.cursor, next.global_batch, next.rank, next.world, len).is_empty() {
+            next.cursor += next.global_batch;
+            if next.cursor >= len {
+                next.cursor = 0;
+                next.epoch += 1;
+            }
+        }
+        r.stream = next;
+        let x = features_of(&got.batch)?;
+        Ok((x, got.batch.labels, Some(got.soft)))
+    }
+
+    fn start_reader(&mut self, from: Stream, source: &TeacherSource) -> Result<Reader> {
+        let teachers = match source {
+            TeacherSource::Fixed(list) => Teachers::Fixed(list.clone()),
+            TeacherSource::Discovered { store, service } => {
+                let _guard = self.rt.enter();
+                Teachers::Discovered {
+                    store: Arc::new(crate::store::AnyStore::open(store)?),
+                    service: service.clone(),
+                }
+            }
+        };
+        let transform = match (&self.spec.transform, &self.host) {
+            (Some(path), Some(h)) => Some(h.load_transform(path, &self.spec.transform_config)?),
+            _ => None,
+        };
+        let (train, seed, epochs) = (self.train.clone(), self.spec.seed, self.spec.epochs);
+        let len = train.len();
+        let mut at = from;
+        let mut perm: Option<(u64, Vec<u32>)> = None;
+        let batches = std::iter::from_fn(move || {
+            loop {
+                if at.epoch >= epochs || len == 0 {
+                    return None;
+                }
+                let ids =
+                    shard_ids(seed, at.epoch, at.cursor, at.global_batch, at.rank, at.world, len, &mut perm);
+                let b = batch_of(&train, &ids, seed, at.epoch);
+                at.cursor += at.global_batch;
+                if at.cursor >= len {
+                    at.cursor = 0;
+                    at.epoch += 1;
+                }
+                if !ids.is_empty() {
+                    return Some(b);
+                }
+            }
+        });
+        let config = DistillConfig {
+            model_name: self.spec.teacher_model_name.clone(),
+            classes: Some(*self.spec.layers.last().unwrap_or(&10)),
+            teacher_batch: 64,
+            read_ahead: 4,
+            wait_for_teachers: Duration::from_secs(60),
+            ..DistillConfig::default()
+        };
+        let _guard = self.rt.enter();
+        let reader = DistillReader::start(batches, transform, teachers, config);
+        Ok(Reader { stream: from, reader })
+    }
+
+    fn step(&mut self, plan: &Plan) -> Result<FromWorker> {
+        self.align(plan)?;
+        let setup_ms = self.join_generation(plan)?;
+        let (mut checkpoint, mut checkpoint_error) = (None, None);
+        if let (Some(manifest), 0) = (&plan.checkpoint, plan.rank) {
+            match self.save(manifest.clone()) {
+                Ok(p) => checkpoint = Some(p),
+                Err(e) => checkpoint_error = Some(format!("{e:#}")),
+            }
+        }
+        let done = |ids, loss, compute_ms| FromWorker::Done {
+            generation: plan.generation,
+            step: plan.committed_steps,
+            ids,
+            loss,
+            compute_ms,
+            setup_ms,
+            checkpoint: checkpoint.clone(),
+            checkpoint_error: checkpoint_error.clone(),
+        };
+        if !plan.work {
+            return Ok(done(Vec::new(), 0.0, 0.0));
+        }
+        let start = Instant::now();
+        let gb = plan.hyper.global_batch.max(1) as usize;
+        let len = self.train.len();
+        let ids =
+            shard_ids(self.spec.seed, plan.epoch, plan.cursor, gb, plan.rank, plan.world, len, &mut self.perm);
+        let global_rows = (plan.cursor + gb).min(len) - plan.cursor;
+        let mut loss = 0.0;
+        if !ids.is_empty() {
+            let (x, y, soft) = self.read(plan, &ids)?;
+            loss = self.trainer.compute_gradient(&x, &y, soft.as_deref(), &self.loss, global_rows)?
+                / global_rows as f64;
+        } else {
+            self.trainer.grad_mut().iter_mut().for_each(|g| *g = 0.0);
+        }
+        if self.spec.step_delay_ms > 0 {
+            std::thread::sleep(Duration::from_millis(self.spec.step_delay_ms));
+        }
+        let compute_ms = start.elapsed().as_secs_f64() * 1e3;
+        let (_, ring) = self.ring.as_mut().expect("joined above");
+        ring.all_reduce(self.trainer.grad_mut(), ReduceOp::Sum)
+            .with_context(|| format!("all-reduce of step {}", plan.committed_steps))?;
+        self.trainer.apply(plan.hyper.lr, plan.hyper.momentum);
+        self.applied = Some(plan.committed_steps + 1);
+        Ok(done(ids, loss, compute_ms))
+    }
+
+    /// Writes the committed state (rank 0).
+    fn save(&mut self, manifest: Manifest) -> Result<std::path::PathBuf> {
+        let (p, v, n) = self.committed.as_ref().ok_or_else(|| anyhow!("no committed state to save"))?;
+        if *n != manifest.step {
+            bail!("committed state is at step {n}, the checkpoint asked for {}", manifest.step);
+        }
+        let mut t = Trainer::new(self.trainer.model.clone());
+        t.load_params_flat(p);
+        t.load_velocity(v);
+        Ok(Checkpoints::new(&self.spec.checkpoint_dir, self.spec.keep_checkpoints).save(&t, manifest)?)
+    }
+}

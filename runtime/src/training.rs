@@ -1,0 +1,278 @@
+//! The main command: an elastic training job with teachers on this machine.
+
+use crate::RunArgs;
+use anyhow::{Context, Result, bail};
+use edl_plugin_sdk::Hyperparams;
+use edl_runtime::{
+    job::{
+        self, JobConfig, JobSpec, LocalProcesses, Progress, TeacherSource,
+        report::Report,
+        teachers::{TeacherProcess, TeacherTraining, teacher_model},
+        worker::load_data,
+    },
+    model::Mlp,
+    plot,
+    plugin::{AdapterPlugin, PluginHost, PolicyPlugin},
+    train::Trainer,
+};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::{path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
+
+fn sizes(list: &str, what: &str) -> Result<Vec<usize>> {
+    list.split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| s.trim().parse::<usize>().ok().filter(|&n| n > 0))
+        .collect::<Option<Vec<_>>>()
+        .with_context(|| format!("--{what} {list:?}: expected positive sizes separated by commas"))
+}
+
+/// Prints above the progress bar, or plainly when there is no terminal.
+fn say(bar: &ProgressBar, line: String) {
+    if bar.is_hidden() {
+        println!("{line}");
+    } else {
+        bar.println(line);
+    }
+}
+
+pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
+    if !args.policy.exists() {
+        bail!(
+            "{}: no such plugin; `cargo build --release` builds the shipped plugins into plugins/",
+            args.policy.display()
+        );
+    }
+    if args.min_workers == 0 || args.min_workers > args.max_workers {
+        bail!("--min-workers {} and --max-workers {}: need 1 <= min <= max", args.min_workers, args.max_workers);
+    }
+    let policy: Box<dyn PolicyPlugin> = host.load_policy(&args.policy, &args.policy_config)?;
+    let adapter: Option<Box<dyn AdapterPlugin>> = match &args.adapter {
+        Some(p) => Some(host.load_adapter(p, &args.adapter_config)?),
+        None => None,
+    };
+    if let Some(t) = &args.transform {
+        // Loaded here once so a broken plugin fails the job before it starts.
+        host.load_transform(t, &args.transform_config)?;
+    }
+    let policy_name = format!("{} {}", policy.info().name, policy.info().version);
+    let adapter_name = adapter.as_ref().map(|a| format!("{} {}", a.info().name, a.info().version));
+    let root = PathBuf::from(".edl");
+    let checkpoint_dir = args.checkpoint_dir.clone().unwrap_or_else(|| root.join(&args.job).join("checkpoints"));
+    let log_dir = checkpoint_dir.parent().unwrap_or(&checkpoint_dir).join("logs");
+    std::fs::create_dir_all(&log_dir).with_context(|| format!("{}", log_dir.display()))?;
+    let exe = std::env::current_exe().context("locating edl-runtime")?;
+
+    let mut spec = JobSpec {
+        job: args.job.clone(),
+        dataset: args.dataset.clone(),
+        test_rows: if args.dataset == "digits" { 400 } else { 1000 },
+        split_seed: 1,
+        train_samples: args.train_samples,
+        seed: args.seed,
+        epochs: args.epochs,
+        layers: Vec::new(),
+        temperature: args.temperature,
+        alpha: args.alpha,
+        teachers: None,
+        teacher_model_name: "teacher".into(),
+        transform: args.transform.clone().map(|p| p.canonicalize().unwrap_or(p)),
+        transform_config: args.transform_config.clone(),
+        collective_timeout_ms: args.collective_timeout_ms,
+        checkpoint_dir: std::path::absolute(&checkpoint_dir)?,
+        keep_checkpoints: args.keep_checkpoints,
+        step_delay_ms: args.step_delay_ms,
+    };
+    let (train, test) = load_data(&JobSpec { train_samples: None, ..spec.clone() })?;
+    let hidden = sizes(&args.hidden, "hidden")?;
+    spec.layers = std::iter::once(train.dim).chain(hidden).chain([train.classes]).collect();
+    let student_rows = args.train_samples.map_or(train.len(), |n| n.min(train.len()));
+    println!(
+        "job {:?}: {} ({} training samples, {} test), student {:?}, {} epochs, {}..{} workers, store {}",
+        args.job,
+        args.dataset,
+        student_rows,
+        test.len(),
+        spec.layers,
+        args.epochs,
+        args.min_workers,
+        args.max_workers,
+        args.store
+    );
+    println!("policy    {policy_name} ({}, {})", args.policy.display(), policy.backend());
+    if let Some(a) = &adapter_name {
+        println!("adapter   {a}");
+    }
+
+    // Teachers: a wider model trained here (cached), served by teacher processes.
+    let mut teacher_accuracy = None;
+    let mut teacher_procs: Vec<TeacherProcess> = Vec::new();
+    if !args.no_distill {
+        let service = args.service.clone().unwrap_or_else(|| format!("{}-teachers", args.job));
+        if args.teachers > 0 {
+            let t = TeacherTraining {
+                layers: std::iter::once(train.dim)
+                    .chain(sizes(&args.teacher_hidden, "teacher-hidden")?)
+                    .chain([train.classes])
+                    .collect(),
+                epochs: args.teacher_epochs,
+                batch: 64,
+                lr: 0.05,
+                momentum: 0.9,
+                seed: 7,
+            };
+            let bar = ProgressBar::new(t.epochs);
+            bar.set_style(ProgressStyle::with_template("teacher   [{bar:30}] epoch {pos}/{len} {msg}")?);
+            let (path, model, trained) = teacher_model(&root.join("teachers"), &args.dataset, &train, &t, |e, l| {
+                bar.set_position(e + 1);
+                bar.set_message(format!("loss {l:.4}"));
+            })?;
+            bar.finish_and_clear();
+            let mut tt = Trainer::new(model);
+            tt.model = Mlp::load(&path)?;
+            let acc = tt.accuracy(&test) as f64;
+            teacher_accuracy = Some(acc);
+            println!(
+                "teacher   {:?} {} ({}), test accuracy {:.2}%",
+                t.layers,
+                if trained { "trained now" } else { "from the cache" },
+                path.display(),
+                acc * 100.0
+            );
+            let store_for_teachers = if args.store == "memory" { "memory".to_string() } else { args.store.clone() };
+            for i in 0..args.teachers {
+                let log = log_dir.join(format!("teacher-{i}.log"));
+                let p = TeacherProcess::start(&exe, &path, &store_for_teachers, &service, &log)?;
+                println!("teacher   {i} serving on {}", p.addr);
+                teacher_procs.push(p);
+            }
+        }
+        spec.teachers = Some(if args.store == "memory" {
+            if teacher_procs.is_empty() {
+                bail!("no teachers: give --teachers N, or --store redis://... where teachers are registered, or --no-distill");
+            }
+            TeacherSource::Fixed(teacher_procs.iter().map(|p| p.addr.to_string()).collect())
+        } else {
+            TeacherSource::Discovered { store: args.store.clone(), service }
+        });
+    }
+
+    let cfg = JobConfig {
+        spec: spec.clone(),
+        min_workers: args.min_workers,
+        max_workers: args.max_workers,
+        initial_workers: args.workers.unwrap_or(args.min_workers),
+        decide_every: args.decide_every,
+        checkpoint_every: args.checkpoint_every,
+        hyper: Hyperparams {
+            global_batch: args.batch,
+            local_batch: args.batch,
+            lr: args.lr,
+            momentum: args.momentum,
+        },
+        store: args.store.clone(),
+        step_timeout: Duration::from_secs(args.step_timeout),
+        join_timeout: Duration::from_secs(60),
+        price_per_worker_hour: args.price,
+    };
+    let total = args.epochs * student_rows as u64;
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("[{elapsed_precise}] [{bar:30}] {percent:>3}% {msg}")?.progress_chars("=> "),
+    );
+    let scaler = Box::new(LocalProcesses::new(&exe, &log_dir));
+    let epochs = args.epochs;
+    let mut progress = |p: Progress| match p {
+        Progress::Step(s) => {
+            bar.set_position((s.epoch * student_rows as u64 + s.cursor as u64).min(total));
+            bar.set_message(format!(
+                "epoch {}/{} step {} | {} workers | {:.0} samples/s | loss {:.4}",
+                (s.epoch + 1).min(epochs),
+                epochs,
+                s.step,
+                s.world,
+                s.samples_per_sec,
+                s.loss
+            ));
+        }
+        Progress::Scale(e) => say(
+            &bar,
+            format!(
+                "scale     step {:>5}: {} -> {} workers (generation {}), paused {:.0} ms{}: {}",
+                e.step,
+                e.from,
+                e.to,
+                e.generation,
+                e.pause_ms,
+                e.join_ms.map(|j| format!(", new worker ready {j:.0} ms after the decision")).unwrap_or_default(),
+                e.reason
+            ),
+        ),
+        Progress::Epoch(r) => say(
+            &bar,
+            format!(
+                "epoch     {} done: {} samples committed, {} duplicates, {} missing",
+                r.epoch, r.samples_committed, r.duplicates, r.missing
+            ),
+        ),
+        Progress::Checkpoint { step, path } => {
+            tracing::debug!("checkpoint at step {step}: {}", path.display())
+        }
+        Progress::Note(n) => say(&bar, format!("note      {n}")),
+    };
+    let outcome = job::coordinator::run(cfg, policy, adapter, scaler, &mut progress)?;
+    bar.finish_and_clear();
+    drop(teacher_procs);
+
+    let restored = Mlp::load(&outcome.final_checkpoint.join("model.safetensors"))?;
+    let student_accuracy = Trainer::new(restored).accuracy(&test) as f64;
+    let report = Report::new(
+        &args.job,
+        outcome,
+        student_accuracy,
+        teacher_accuracy,
+        !args.no_distill,
+        policy_name,
+        adapter_name,
+        &args.store,
+        args.seed,
+    );
+    println!(
+        "done      {} steps in {:.1} s, {:.0} samples/s, final world size {}",
+        report.steps, report.train_secs, report.samples_per_sec, report.final_world_size
+    );
+    if let Some(step) = report.resumed_from_step {
+        println!("          resumed from the checkpoint at step {step}");
+    }
+    println!(
+        "          student test accuracy {:.2}%{}",
+        report.student_test_accuracy * 100.0,
+        report
+            .teacher_test_accuracy
+            .map(|t| format!(" (teacher {:.2}%)", t * 100.0))
+            .unwrap_or_else(|| if report.distill { String::new() } else { " (no distillation)".into() })
+    );
+    let resizes = report.scale_events.iter().filter(|e| e.from > 0).count();
+    println!(
+        "          {resizes} resizes, median pause {}; generations {}..{}",
+        report.rescale_pause_ms_median.map(|p| format!("{p:.0} ms")).unwrap_or_else(|| "-".into()),
+        report.generations.0,
+        report.generations.1
+    );
+    let bad: u64 = report.epochs.iter().map(|e| e.duplicates + e.missing).sum();
+    println!(
+        "          {} epochs, every sample exactly once: {}",
+        report.epochs.len(),
+        if bad == 0 { "yes".to_string() } else { format!("NO ({bad} samples off)") }
+    );
+    println!("          checkpoints in {} (final: {})", checkpoint_dir.display(), report.final_checkpoint);
+    if let Some(out) = &args.report {
+        std::fs::write(out, serde_json::to_vec_pretty(&report)?).with_context(|| format!("{}", out.display()))?;
+        println!("          report written to {}", out.display());
+    }
+    if let Some(out) = &args.plot {
+        let title = format!("{} with {}", args.job, report.policy);
+        plot::training_run(out, &title, &report.timeline, &report.scale_events)?;
+        println!("          plot written to {}", out.display());
+    }
+    Ok(if bad == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
