@@ -114,6 +114,8 @@ pub struct JobOutcome {
     pub checkpoints: Vec<PathBuf>,
     pub final_world: u32,
     pub hyper: Hyperparams,
+    /// Ids of the workers this run started.
+    pub workers_started: Vec<u64>,
 }
 
 /// What the store keeps about a job (survives a coordinator restart).
@@ -204,6 +206,7 @@ struct Coordinator<'a> {
     timeline: Vec<StepRecord>,
     checkpoints: Vec<PathBuf>,
     samples: u64,
+    workers_started: Vec<u64>,
     last_lease: Instant,
     train_len: usize,
 }
@@ -269,6 +272,7 @@ pub fn run(
         timeline: Vec::new(),
         checkpoints: Vec::new(),
         samples: 0,
+        workers_started: Vec::new(),
         last_lease: now,
         train_len: train.len(),
         cfg,
@@ -408,6 +412,7 @@ impl Coordinator<'_> {
             self.next_id += 1;
             match self.scaler.spawn(id, self.addr) {
                 Ok(()) => {
+                    self.workers_started.push(id);
                     self.spawning.insert(id, Instant::now());
                 }
                 Err(e) => self.note(format!("could not start worker {id}: {e:#}")),
@@ -591,6 +596,7 @@ impl Coordinator<'_> {
             checkpoints: self.checkpoints.clone(),
             final_world,
             hyper: self.hyper,
+            workers_started: self.workers_started.clone(),
         };
         let marker = self.complete_marker();
         std::fs::write(&marker, serde_json::to_vec_pretty(&outcome.epochs)?)

@@ -29,6 +29,7 @@ pub struct Report {
     pub adapter: Option<String>,
     pub store: String,
     pub seed: u64,
+    pub workers_started: Vec<u64>,
     pub timeline: Vec<StepRecord>,
 }
 
@@ -76,6 +77,7 @@ impl Report {
             adapter,
             store: store.to_string(),
             seed,
+            workers_started: outcome.workers_started,
             timeline: outcome.timeline,
         }
     }

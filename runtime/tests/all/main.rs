@@ -4,6 +4,7 @@
 mod cache;
 mod cli;
 mod distill;
+mod elastic;
 mod reload;
 mod sandbox;
 mod scaffold;

@@ -1,0 +1,249 @@
+//! The main job end to end, as real processes: the coordinator
+//! (`edl-runtime --policy ...`), its worker processes and teacher processes.
+//! Workers are killed with SIGKILL, the whole job too.
+
+use crate::store::RedisServer;
+use edl_plugin_artifacts as art;
+use serde_json::Value;
+use std::{
+    io::{BufRead, BufReader},
+    path::Path,
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+/// The job's command in `dir` (its own .edl/, teacher cache and checkpoints).
+fn job(dir: &Path, extra: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    c.current_dir(dir)
+        .args([
+            "--train-samples",
+            "1200",
+            "--batch",
+            "40",
+            "--teacher-hidden",
+            "64",
+            "--teacher-epochs",
+            "2",
+            "--teachers",
+            "1",
+            "--report",
+            "report.json",
+            "--plugin-cache",
+        ])
+        .arg(dir.join("plugin-cache"))
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+/// Stdout lines of a running job, as they come.
+fn lines(child: &mut Child) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// Waits for a line with `needle` (every line seen goes to `seen`).
+fn wait_for(rx: &mpsc::Receiver<String>, needle: &str, seen: &mut Vec<String>, within: Duration) {
+    let until = Instant::now() + within;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) => {
+                let hit = l.contains(needle);
+                seen.push(l);
+                if hit {
+                    return;
+                }
+            }
+            Err(_) => panic!("no line with {needle:?} within {within:?}; output so far:\n{}", seen.join("\n")),
+        }
+    }
+}
+
+/// Waits for the job to end (bounded); returns its status and the rest of its output.
+fn finish(mut child: Child, rx: mpsc::Receiver<String>, seen: &mut Vec<String>) -> std::process::ExitStatus {
+    let until = Instant::now() + Duration::from_secs(240);
+    loop {
+        while let Ok(l) = rx.try_recv() {
+            seen.push(l);
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            while let Ok(l) = rx.recv_timeout(Duration::from_millis(200)) {
+                seen.push(l);
+            }
+            if !status.success() {
+                let mut err = String::new();
+                use std::io::Read;
+                let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+                seen.push(format!("stderr: {err}"));
+            }
+            return status;
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            panic!("the job did not end within 240 s:\n{}", seen.join("\n"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Processes whose parent is `pid`, with their command lines.
+fn children(pid: u32) -> Vec<(u32, String)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else { continue };
+        // Fields after the command name (which is in parentheses): state, ppid, ...
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r.to_string()) else { continue };
+        let ppid: u32 = rest.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
+        if ppid == pid {
+            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            out.push((p, String::from_utf8_lossy(&cmd).replace('\0', " ")));
+        }
+    }
+    out
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')))
+        .unwrap_or(false)
+}
+
+fn report(dir: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(dir.join("report.json")).expect("the job wrote its report")).unwrap()
+}
+
+/// Every epoch: every training sample consumed by exactly one committed step.
+fn assert_exactly_once(r: &Value, epochs: u64, samples: u64) {
+    let list = r["epochs"].as_array().unwrap();
+    assert_eq!(list.len() as u64, epochs, "{list:?}");
+    for (i, e) in list.iter().enumerate() {
+        assert_eq!(e["epoch"], i as u64);
+        assert_eq!(e["samples_committed"], samples, "epoch {i}: {e}");
+        assert_eq!(e["duplicates"], 0, "epoch {i}: {e}");
+        assert_eq!(e["missing"], 0, "epoch {i}: {e}");
+    }
+}
+
+#[test]
+fn exactly_once_across_policy_resizes_and_a_killed_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = job(
+        dir.path(),
+        &[
+            "--policy",
+            art::SCHEDULE_WASM,
+            "--policy-config",
+            "every=8",
+            "--decide-every",
+            "4",
+            "--max-workers",
+            "3",
+            "--epochs",
+            "3",
+            "--step-delay-ms",
+            "25",
+        ],
+    )
+    .spawn()
+    .unwrap();
+    let coordinator = child.id();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    // The schedule grows the job 1 -> 2 -> 3; kill a worker of the three.
+    wait_for(&rx, "2 -> 3 workers", &mut seen, Duration::from_secs(120));
+    let workers: Vec<(u32, String)> =
+        children(coordinator).into_iter().filter(|(_, c)| c.contains(" worker ")).collect();
+    assert!(workers.len() >= 3, "{workers:?}");
+    let (victim, _) = workers[1].clone();
+    // SAFETY: signalling a child of the job under test.
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    let r = report(dir.path());
+    assert_exactly_once(&r, 3, 1200);
+    let events = r["scale_events"].as_array().unwrap();
+    let policy = events.iter().filter(|e| e["reason"].as_str().unwrap().starts_with("policy")).count();
+    assert!(policy >= 2, "at least two policy-driven resizes: {events:?}");
+    let lost = events
+        .iter()
+        .find(|e| e["reason"].as_str().unwrap().contains("lost"))
+        .unwrap_or_else(|| panic!("no event for the killed worker: {events:?}\n{text}"));
+    assert_eq!(lost["from"], 3, "{lost}");
+    assert!(lost["pause_ms"].as_f64().unwrap() < 5000.0, "survivors went on within seconds: {lost}");
+    assert!(text.contains("not committed"), "the interrupted step is redone: {text}");
+    assert!(!alive(victim));
+    assert_eq!(r["distill"], true);
+    assert!(r["student_test_accuracy"].as_f64().unwrap() > 0.8, "{}", r["student_test_accuracy"]);
+    assert!(r["teacher_test_accuracy"].as_f64().unwrap() > 0.8);
+    assert!(r["samples_per_sec"].as_f64().unwrap() > 0.0);
+    assert!(r["resumed_from_step"].is_null());
+}
+
+#[test]
+fn a_killed_job_resumes_from_its_checkpoint_with_redis_state() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "--policy",
+        art::AUTOSCALE_WASM,
+        "--store",
+        &redis.url(),
+        "--epochs",
+        "2",
+        "--checkpoint-every",
+        "5",
+        "--step-delay-ms",
+        "30",
+        "--job",
+        "resume-test",
+    ];
+    let mut child = job(dir.path(), &args).spawn().unwrap();
+    let coordinator = child.id();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    let before: Vec<u32> = children(coordinator).into_iter().map(|(p, _)| p).collect();
+    assert!(!before.is_empty());
+    // The whole job dies at once.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    while before.iter().any(|&p| alive(p)) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(before.iter().all(|&p| !alive(p)), "workers and teachers die with the coordinator");
+    let mut child = job(dir.path(), &args).spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    assert!(text.contains("resuming job \"resume-test\""), "{text}");
+    let r = report(dir.path());
+    let from = r["resumed_from_step"].as_u64().unwrap_or_else(|| panic!("not resumed: {r}"));
+    assert!((25..60).contains(&from), "resumed from step {from}: the epoch's end (30) or the checkpoint before it");
+    assert!(r["steps"].as_u64().unwrap() == 60, "2 epochs of 30 steps: {}", r["steps"]);
+    assert_exactly_once(&r, 2, 1200);
+    // The job state in Redis outlived the coordinator: generations and
+    // worker ids go on from where the killed run left them.
+    let first_gen = r["generations"][0].as_u64().unwrap();
+    assert!(first_gen > 1, "generation numbering restarted: {}", r["generations"]);
+    let first_worker = r["workers_started"][0].as_u64().unwrap();
+    assert!(first_worker > 1, "worker ids restarted: {}", r["workers_started"]);
+    assert!(r["student_test_accuracy"].as_f64().unwrap() > 0.8);
+}
