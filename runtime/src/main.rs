@@ -14,7 +14,12 @@ use std::{path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
 mod training;
 
 #[derive(Parser)]
-#[command(name = "edl-runtime", version, about = "Elastic deep-learning runtime with WebAssembly plugins")]
+#[command(
+    name = "edl-runtime",
+    version,
+    about = "Elastic deep-learning runtime with WebAssembly plugins",
+    args_override_self = true
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -168,7 +173,7 @@ struct RunArgs {
     #[arg(long = "transform-config", value_parser = parse_pair)]
     transform_config: Vec<(String, String)>,
     /// Epochs to train.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 5)]
     epochs: u64,
     #[arg(long, default_value_t = 1)]
     min_workers: u32,

@@ -247,3 +247,45 @@ fn a_killed_job_resumes_from_its_checkpoint_with_redis_state() {
     assert!(first_worker > 1, "worker ids restarted: {}", r["workers_started"]);
     assert!(r["student_test_accuracy"].as_f64().unwrap() > 0.8);
 }
+
+#[test]
+fn distillation_beats_plain_training_on_a_small_transfer_set() {
+    // One worker and a policy that never resizes: both runs are deterministic.
+    let dir = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str], job_name: &str| -> Value {
+        let mut args = vec![
+            "--policy",
+            art::SCHEDULE_WASM,
+            "--policy-config",
+            "every=100000",
+            "--max-workers",
+            "1",
+            "--train-samples",
+            "1000",
+            "--epochs",
+            "8",
+            "--teacher-hidden",
+            "256",
+            "--teacher-epochs",
+            "5",
+            "--job",
+            job_name,
+        ];
+        args.extend_from_slice(extra);
+        let mut child = job(dir.path(), &args).spawn().unwrap();
+        let rx = lines(&mut child);
+        let mut seen = Vec::new();
+        let status = finish(child, rx, &mut seen);
+        assert!(status.success(), "{}", seen.join("\n"));
+        report(dir.path())
+    };
+    let distilled = run(&[], "distilled");
+    let plain = run(&["--no-distill"], "plain");
+    let (d, p) = (
+        distilled["student_test_accuracy"].as_f64().unwrap(),
+        plain["student_test_accuracy"].as_f64().unwrap(),
+    );
+    assert_eq!((distilled["distill"].as_bool(), plain["distill"].as_bool()), (Some(true), Some(false)));
+    assert!(plain["teacher_test_accuracy"].is_null());
+    assert!(d >= p + 0.005, "distilled {d} vs plain {p}: distillation should help by half a point or more");
+}
