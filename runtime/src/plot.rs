@@ -148,12 +148,7 @@ pub fn training_run(
             .y_label_area_size(56)
             .build_cartesian_2d(t0..t_end, 0f64..ymax)
             .map_err(|e| err(&e))?;
-        chart
-            .configure_mesh()
-            .y_desc(name)
-            .x_desc("seconds")
-            .draw()
-            .map_err(|e| err(&e))?;
+        chart.configure_mesh().y_desc(name).x_desc("seconds").draw().map_err(|e| err(&e))?;
         for e in events {
             chart
                 .draw_series(DashedLineSeries::new(

@@ -43,7 +43,11 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         );
     }
     if args.min_workers == 0 || args.min_workers > args.max_workers {
-        bail!("--min-workers {} and --max-workers {}: need 1 <= min <= max", args.min_workers, args.max_workers);
+        bail!(
+            "--min-workers {} and --max-workers {}: need 1 <= min <= max",
+            args.min_workers,
+            args.max_workers
+        );
     }
     let policy: Box<dyn PolicyPlugin> = host.load_policy(&args.policy, &args.policy_config)?;
     let adapter: Option<Box<dyn AdapterPlugin>> = match &args.adapter {
@@ -57,7 +61,8 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
     let policy_name = format!("{} {}", policy.info().name, policy.info().version);
     let adapter_name = adapter.as_ref().map(|a| format!("{} {}", a.info().name, a.info().version));
     let root = PathBuf::from(".edl");
-    let checkpoint_dir = args.checkpoint_dir.clone().unwrap_or_else(|| root.join(&args.job).join("checkpoints"));
+    let checkpoint_dir =
+        args.checkpoint_dir.clone().unwrap_or_else(|| root.join(&args.job).join("checkpoints"));
     let log_dir = checkpoint_dir.parent().unwrap_or(&checkpoint_dir).join("logs");
     std::fs::create_dir_all(&log_dir).with_context(|| format!("{}", log_dir.display()))?;
     let exe = std::env::current_exe().context("locating edl-runtime")?;
@@ -122,10 +127,11 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
             };
             let bar = ProgressBar::new(t.epochs);
             bar.set_style(ProgressStyle::with_template("teacher   [{bar:30}] epoch {pos}/{len} {msg}")?);
-            let (path, model, trained) = teacher_model(&root.join("teachers"), &args.dataset, &train, &t, |e, l| {
-                bar.set_position(e + 1);
-                bar.set_message(format!("loss {l:.4}"));
-            })?;
+            let (path, model, trained) =
+                teacher_model(&root.join("teachers"), &args.dataset, &train, &t, |e, l| {
+                    bar.set_position(e + 1);
+                    bar.set_message(format!("loss {l:.4}"));
+                })?;
             bar.finish_and_clear();
             let mut tt = Trainer::new(model);
             tt.model = Mlp::load(&path)?;
@@ -138,7 +144,8 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
                 path.display(),
                 acc * 100.0
             );
-            let store_for_teachers = if args.store == "memory" { "memory".to_string() } else { args.store.clone() };
+            let store_for_teachers =
+                if args.store == "memory" { "memory".to_string() } else { args.store.clone() };
             for i in 0..args.teachers {
                 let log = log_dir.join(format!("teacher-{i}.log"));
                 let p = TeacherProcess::start(&exe, &path, &store_for_teachers, &service, &log)?;
@@ -148,7 +155,9 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         }
         spec.teachers = Some(if args.store == "memory" {
             if teacher_procs.is_empty() {
-                bail!("no teachers: give --teachers N, or --store redis://... where teachers are registered, or --no-distill");
+                bail!(
+                    "no teachers: give --teachers N, or --store redis://... where teachers are registered, or --no-distill"
+                );
             }
             TeacherSource::Fixed(teacher_procs.iter().map(|p| p.addr.to_string()).collect())
         } else {
@@ -177,7 +186,8 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
     let total = args.epochs * student_rows as u64;
     let bar = ProgressBar::new(total);
     bar.set_style(
-        ProgressStyle::with_template("[{elapsed_precise}] [{bar:30}] {percent:>3}% {msg}")?.progress_chars("=> "),
+        ProgressStyle::with_template("[{elapsed_precise}] [{bar:30}] {percent:>3}% {msg}")?
+            .progress_chars("=> "),
     );
     let scaler = Box::new(LocalProcesses::new(&exe, &log_dir));
     let epochs = args.epochs;
@@ -203,7 +213,9 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
                 e.to,
                 e.generation,
                 e.pause_ms,
-                e.join_ms.map(|j| format!(", new worker ready {j:.0} ms after the decision")).unwrap_or_default(),
+                e.join_ms
+                    .map(|j| format!(", new worker ready {j:.0} ms after the decision"))
+                    .unwrap_or_default(),
                 e.reason
             ),
         ),
@@ -266,7 +278,8 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
     );
     println!("          checkpoints in {} (final: {})", checkpoint_dir.display(), report.final_checkpoint);
     if let Some(out) = &args.report {
-        std::fs::write(out, serde_json::to_vec_pretty(&report)?).with_context(|| format!("{}", out.display()))?;
+        std::fs::write(out, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("{}", out.display()))?;
         println!("          report written to {}", out.display());
     }
     if let Some(out) = &args.plot {

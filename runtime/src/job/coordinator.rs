@@ -351,10 +351,7 @@ impl Coordinator<'_> {
             self.next_id = s.next_worker_id.max(1);
         }
         if self.complete_marker().exists() || stored.as_ref().is_some_and(|s| s.finished) {
-            self.note(format!(
-                "job {:?} finished before; starting it again from step 0",
-                self.cfg.spec.job
-            ));
+            self.note(format!("job {:?} finished before; starting it again from step 0", self.cfg.spec.job));
             for (_, p) in self.checkpoints().list() {
                 let _ = std::fs::remove_dir_all(p);
             }
@@ -367,9 +364,13 @@ impl Coordinator<'_> {
         }
         let Some(r) = restored else { return Ok(None) };
         let m = &r.manifest;
-        if r.model.layers.iter().map(|l| l.inputs).chain(r.model.layers.last().map(|l| l.outputs)).ne(
-            self.cfg.spec.layers.iter().copied(),
-        ) {
+        if r.model.layers.iter().map(|l| l.inputs).chain(r.model.layers.last().map(|l| l.outputs)).ne(self
+            .cfg
+            .spec
+            .layers
+            .iter()
+            .copied())
+        {
             bail!(
                 "checkpoint {} holds another model than --hidden asks for; use another --checkpoint-dir",
                 r.path.display()
@@ -429,7 +430,8 @@ impl Coordinator<'_> {
             Inbound::Msg(n, FromWorker::Hello { worker, pid }) => {
                 let Some(mut stream) = self.conns.remove(&n) else { return };
                 if self.spawning.remove(&worker).is_none() {
-                    let _ = send(&mut stream, &ToWorker::Stop { reason: format!("unknown worker id {worker}") });
+                    let _ =
+                        send(&mut stream, &ToWorker::Stop { reason: format!("unknown worker id {worker}") });
                     return;
                 }
                 let welcome = ToWorker::Welcome(Box::new(self.cfg.spec.clone()));
@@ -463,7 +465,11 @@ impl Coordinator<'_> {
                     self.note(format!("worker {} left before it was given a rank ({why})", m.id));
                 } else if let Some(i) = self.welcomed.iter().position(|m| m.conn == n) {
                     let m = self.welcomed.remove(i);
-                    let log = self.scaler.log_of(m.id).map(|p| format!("; log: {}", p.display())).unwrap_or_default();
+                    let log = self
+                        .scaler
+                        .log_of(m.id)
+                        .map(|p| format!("; log: {}", p.display()))
+                        .unwrap_or_default();
                     self.note(format!("worker {} failed while starting ({why}{log})", m.id));
                 } else if let Some(m) = self.members.iter().find(|m| m.conn == n) {
                     let id = m.id;
@@ -481,7 +487,8 @@ impl Coordinator<'_> {
         let exited = self.scaler.exited();
         for (id, status) in exited {
             if self.spawning.remove(&id).is_some() {
-                let log = self.scaler.log_of(id).map(|p| format!(" (log: {})", p.display())).unwrap_or_default();
+                let log =
+                    self.scaler.log_of(id).map(|p| format!(" (log: {})", p.display())).unwrap_or_default();
                 self.note(format!("worker {id} exited before joining: {status}{log}"));
             }
         }
@@ -574,7 +581,8 @@ impl Coordinator<'_> {
             }
             self.boundary(true);
         }
-        let final_checkpoint = final_checkpoint.ok_or_else(|| anyhow!("the final checkpoint could not be written"))?;
+        let final_checkpoint =
+            final_checkpoint.ok_or_else(|| anyhow!("the final checkpoint could not be written"))?;
         (self.progress)(Progress::Checkpoint { step: self.committed, path: &final_checkpoint });
         self.checkpoints.push(final_checkpoint.clone());
         let final_world = self.members.len() as u32;
@@ -627,7 +635,8 @@ impl Coordinator<'_> {
             }
         }
         let want = self.cfg.min_workers.max(1);
-        let missing = want.saturating_sub((self.joiners.len() + self.welcomed.len() + self.spawning.len()) as u32);
+        let missing =
+            want.saturating_sub((self.joiners.len() + self.welcomed.len() + self.spawning.len()) as u32);
         self.spawn(missing);
         self.wait_for_joiners(1)?;
         Ok(())
@@ -645,13 +654,17 @@ impl Coordinator<'_> {
             if let Some(old) = self.replacing.remove(&j.id) {
                 if let Some(i) = self.members.iter().position(|m| m.id == old) {
                     let mut m = self.members.remove(i);
-                    let _ = send(&mut m.stream, &ToWorker::Stop { reason: format!("replaced by worker {}", j.id) });
+                    let _ = send(
+                        &mut m.stream,
+                        &ToWorker::Stop { reason: format!("replaced by worker {}", j.id) },
+                    );
                     self.scaler.stop(m.id, Duration::from_secs(3));
                     reasons.push(format!("worker {old} replaced by {}", j.id));
                 }
             } else if self.members.len() >= max {
                 let mut j = j;
-                let _ = send(&mut j.stream, &ToWorker::Stop { reason: "the job is at its maximum size".into() });
+                let _ =
+                    send(&mut j.stream, &ToWorker::Stop { reason: "the job is at its maximum size".into() });
                 self.scaler.stop(j.id, Duration::from_secs(3));
                 continue;
             }
@@ -696,7 +709,9 @@ impl Coordinator<'_> {
             let ev = ResizeEvent { step: self.committed, old_world_size: from, new_world_size: to };
             match a.on_resize(&ev, &self.hyper) {
                 Ok(h) if h.global_batch > 0 => self.hyper = h,
-                Ok(h) => tracing::warn!("batch adapter asked for a global batch of {}; ignored", h.global_batch),
+                Ok(h) => {
+                    tracing::warn!("batch adapter asked for a global batch of {}; ignored", h.global_batch)
+                }
                 Err(e) => tracing::warn!("batch adapter on_resize failed, hyperparameters kept: {e}"),
             }
         }
@@ -707,11 +722,16 @@ impl Coordinator<'_> {
     fn checkpoint_due(&self) -> Option<Manifest> {
         let every = self.cfg.checkpoint_every.max(1);
         let at_epoch_start = self.cursor == 0 && self.committed > 0;
-        (self.committed > 0 && (self.committed % every == 0 || at_epoch_start)).then(|| self.manifest())
+        (self.committed > 0 && (self.committed.is_multiple_of(every) || at_epoch_start))
+            .then(|| self.manifest())
     }
 
     fn manifest(&self) -> Manifest {
-        let book = Bookkeeping { ledger: self.ledger.clone(), events: self.events.clone(), generation: self.generation };
+        let book = Bookkeeping {
+            ledger: self.ledger.clone(),
+            events: self.events.clone(),
+            generation: self.generation,
+        };
         Manifest {
             step: self.committed,
             epoch: self.epoch,
@@ -750,7 +770,7 @@ impl Coordinator<'_> {
                 cursor: self.cursor,
                 hyper: self.hyper,
             };
-            if let Err(e) = send(&mut m.stream, &ToWorker::Plan(plan)) {
+            if let Err(e) = send(&mut m.stream, &ToWorker::Plan(Box::new(plan))) {
                 res.dead.insert(m.id);
                 res.errors.push(format!("worker {}: {e}", m.id));
             }
@@ -892,7 +912,7 @@ impl Coordinator<'_> {
             }
         }
         self.save_state(false);
-        if self.committed % self.cfg.decide_every.max(1) == 0 && self.epoch < self.cfg.spec.epochs {
+        if self.committed.is_multiple_of(self.cfg.decide_every.max(1)) && self.epoch < self.cfg.spec.epochs {
             self.decide();
         }
         Ok(())
@@ -904,7 +924,8 @@ impl Coordinator<'_> {
         let dead = res.dead.clone();
         for id in &dead {
             self.scaler.stop(*id, Duration::from_millis(500));
-            let _ = self.rt.block_on(self.store.delete(&format!("{}{id}", keys::workers(&self.cfg.spec.job))));
+            let _ =
+                self.rt.block_on(self.store.delete(&format!("{}{id}", keys::workers(&self.cfg.spec.job))));
         }
         self.members.retain(|m| !dead.contains(&m.id));
         let why = if res.errors.is_empty() { "a rank failed".to_string() } else { res.errors.join("; ") };
@@ -916,7 +937,8 @@ impl Coordinator<'_> {
         ));
         let lost: Vec<String> = dead.iter().map(|d| format!("worker {d} lost")).collect();
         let reason = if lost.is_empty() { "collective failed".to_string() } else { lost.join(", ") };
-        self.pending = Some(Pending { from, reason, boundary: Instant::now(), join_ms: None, generation: None });
+        self.pending =
+            Some(Pending { from, reason, boundary: Instant::now(), join_ms: None, generation: None });
         self.new_generation = true;
         let min = self.cfg.min_workers.max(1) as usize;
         let coming = self.joiners.len() + self.welcomed.len() + self.spawning.len();
@@ -987,9 +1009,11 @@ impl Coordinator<'_> {
                         for mut m in removed {
                             let _ = send(&mut m.stream, &ToWorker::Stop { reason: format!("policy: {a}") });
                             self.scaler.stop(m.id, Duration::from_secs(3));
-                            let _ = self
-                                .rt
-                                .block_on(self.store.delete(&format!("{}{}", keys::workers(&self.cfg.spec.job), m.id)));
+                            let _ = self.rt.block_on(self.store.delete(&format!(
+                                "{}{}",
+                                keys::workers(&self.cfg.spec.job),
+                                m.id
+                            )));
                         }
                         self.pending = Some(Pending {
                             from: world,
@@ -1030,9 +1054,11 @@ impl Coordinator<'_> {
         let prefix = keys::workers(&self.cfg.spec.job);
         for m in &self.members {
             let v = serde_json::json!({"pid": m.pid, "generation": self.generation}).to_string();
-            if let Err(e) =
-                self.rt.block_on(self.store.put(&format!("{prefix}{}", m.id), v.as_bytes(), Some(Duration::from_secs(5))))
-            {
+            if let Err(e) = self.rt.block_on(self.store.put(
+                &format!("{prefix}{}", m.id),
+                v.as_bytes(),
+                Some(Duration::from_secs(5)),
+            )) {
                 tracing::warn!("store: worker lease: {e}");
             }
         }
@@ -1050,7 +1076,9 @@ impl Coordinator<'_> {
             finished,
         };
         let key = keys::job_state(&self.cfg.spec.job);
-        if let Err(e) = self.rt.block_on(self.store.put(&key, &serde_json::to_vec(&s).unwrap_or_default(), None)) {
+        if let Err(e) =
+            self.rt.block_on(self.store.put(&key, &serde_json::to_vec(&s).unwrap_or_default(), None))
+        {
             tracing::warn!("store: job state: {e}");
         }
     }

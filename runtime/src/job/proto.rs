@@ -60,7 +60,7 @@ pub struct JobSpec {
 #[serde(rename_all = "kebab-case")]
 pub enum ToWorker {
     Welcome(Box<JobSpec>),
-    Plan(Plan),
+    Plan(Box<Plan>),
     Stop { reason: String },
 }
 

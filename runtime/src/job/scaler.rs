@@ -84,7 +84,8 @@ pub fn terminate(child: &mut Child, grace: Duration) {
 }
 
 fn ensure_dir(p: &Path) -> anyhow::Result<()> {
-    std::fs::create_dir_all(p).map_err(|e| anyhow::anyhow!("{}: cannot create log directory: {e}", p.display()))
+    std::fs::create_dir_all(p)
+        .map_err(|e| anyhow::anyhow!("{}: cannot create log directory: {e}", p.display()))
 }
 
 impl Scaler for LocalProcesses {
@@ -98,8 +99,9 @@ impl Scaler for LocalProcesses {
             .stdout(log.try_clone()?)
             .stderr(log);
         die_with_parent(&mut cmd);
-        let child =
-            cmd.spawn().map_err(|e| anyhow::anyhow!("cannot start worker {id} ({}): {e}", self.exe.display()))?;
+        let child = cmd
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("cannot start worker {id} ({}): {e}", self.exe.display()))?;
         self.children.insert(id, child);
         Ok(())
     }

@@ -44,24 +44,18 @@ pub fn load_data(spec: &JobSpec) -> Result<(Dataset, Dataset)> {
     Ok((train, test))
 }
 
-/// The samples (training-set indices) of `rank`'s share of the step at
-/// (`epoch`, `cursor`) with `global_batch` samples over `world` ranks.
-pub fn shard_ids(
-    seed: u64,
-    epoch: u64,
-    cursor: usize,
-    global_batch: usize,
-    rank: usize,
-    world: usize,
-    len: usize,
-    perm: &mut Option<(u64, Vec<u32>)>,
-) -> Vec<u32> {
-    if perm.as_ref().map(|p| p.0) != Some(epoch) {
-        *perm = Some((epoch, data::permutation(len, seed, epoch)));
+/// The samples (training-set indices) of a rank's share of a step, with the
+/// epoch's permutation (of `len` samples under `seed`) kept in `perm`.
+fn shard_ids(seed: u64, at: &Stream, len: usize, perm: &mut Option<(u64, Vec<u32>)>) -> Vec<u32> {
+    if perm.as_ref().map(|p| p.0) != Some(at.epoch) {
+        *perm = Some((at.epoch, data::permutation(len, seed, at.epoch)));
     }
     let p = &perm.as_ref().expect("set above").1;
-    p[data::shard(cursor, global_batch, rank, world, len)].to_vec()
+    p[data::shard(at.cursor, at.global_batch, at.rank, at.world, len)].to_vec()
 }
+
+/// A rank's features, labels and (when distilling) teacher logits.
+type Rows = (Vec<f32>, Vec<u32>, Option<Vec<f32>>);
 
 fn batch_of(train: &Dataset, ids: &[u32], seed: u64, epoch: u64) -> Batch {
     let (x, y) = train.gather(ids);
@@ -82,7 +76,7 @@ fn features_of(b: &Batch) -> Result<Vec<f32>> {
     Ok(b.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
 
-/// The plan a running read-ahead was started for.
+/// A rank's place in the data: its share of the step at (`epoch`, `cursor`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 struct Stream {
     rank: usize,
@@ -162,7 +156,7 @@ pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
     tracing::info!("worker {id}: ready, {} training samples", w.train.len());
     loop {
         let plan = match rx.recv::<ToWorker>() {
-            Ok(ToWorker::Plan(p)) => p,
+            Ok(ToWorker::Plan(p)) => *p,
             Ok(ToWorker::Stop { reason }) => {
                 tracing::info!("worker {id}: stopping: {reason}");
                 return Ok(());
@@ -188,14 +182,19 @@ impl Worker {
     /// Brings the current state to `committed` steps.
     fn align(&mut self, plan: &Plan) -> Result<()> {
         if let Some(path) = &plan.init {
-            let (restored, skipped) = Checkpoints::new(&self.spec.checkpoint_dir, self.spec.keep_checkpoints)
-                .latest();
+            let (restored, skipped) =
+                Checkpoints::new(&self.spec.checkpoint_dir, self.spec.keep_checkpoints).latest();
             for e in skipped {
                 tracing::warn!("worker {}: skipped checkpoint: {e}", self.id);
             }
             let r = restored.ok_or_else(|| anyhow!("no usable checkpoint in {}", path.display()))?;
             if r.manifest.step != plan.committed_steps {
-                bail!("checkpoint {} is at step {}, the plan says {}", r.path.display(), r.manifest.step, plan.committed_steps);
+                bail!(
+                    "checkpoint {} is at step {}, the plan says {}",
+                    r.path.display(),
+                    r.manifest.step,
+                    plan.committed_steps
+                );
             }
             self.trainer.model = r.model;
             self.trainer.load_velocity(&r.velocity);
@@ -261,7 +260,7 @@ impl Worker {
     }
 
     /// This rank's batch: soft labels from the teachers when distilling.
-    fn read(&mut self, plan: &Plan, ids: &[u32]) -> Result<(Vec<f32>, Vec<u32>, Option<Vec<f32>>)> {
+    fn read(&mut self, plan: &Plan, ids: &[u32]) -> Result<Rows> {
         let Some(source) = self.spec.teachers.clone() else {
             let b = batch_of(&self.train, ids, self.spec.seed, plan.epoch);
             let b = match self.transform.as_mut() {
@@ -335,8 +334,7 @@ impl Worker {
                 if at.epoch >= epochs || len == 0 {
                     return None;
                 }
-                let ids =
-                    shard_ids(seed, at.epoch, at.cursor, at.global_batch, at.rank, at.world, len, &mut perm);
+                let ids = shard_ids(seed, &at, len, &mut perm);
                 let b = batch_of(&train, &ids, seed, at.epoch);
                 at.cursor += at.global_batch;
                 if at.cursor >= len {
@@ -387,8 +385,14 @@ impl Worker {
         let start = Instant::now();
         let gb = plan.hyper.global_batch.max(1) as usize;
         let len = self.train.len();
-        let ids =
-            shard_ids(self.spec.seed, plan.epoch, plan.cursor, gb, plan.rank, plan.world, len, &mut self.perm);
+        let at = Stream {
+            rank: plan.rank,
+            world: plan.world,
+            global_batch: gb,
+            epoch: plan.epoch,
+            cursor: plan.cursor,
+        };
+        let ids = shard_ids(self.spec.seed, &at, len, &mut self.perm);
         let global_rows = (plan.cursor + gb).min(len) - plan.cursor;
         let mut loss = 0.0;
         if !ids.is_empty() {

@@ -102,7 +102,15 @@ fn replay_prints_a_policys_decisions_over_a_trace() {
 fn the_main_command_runs_a_policy_against_the_simulated_cluster() {
     let cache = tempfile::tempdir().unwrap();
     let (ok, out, err) = edl(
-        &["simulate", "--policy", art::AUTOSCALE_WASM, "--adapter", art::DYNAMIC_BATCH_WASM, "--decisions", "60"],
+        &[
+            "simulate",
+            "--policy",
+            art::AUTOSCALE_WASM,
+            "--adapter",
+            art::DYNAMIC_BATCH_WASM,
+            "--decisions",
+            "60",
+        ],
         cache.path(),
     );
     assert!(ok, "{err}");

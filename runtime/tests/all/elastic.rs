@@ -67,7 +67,9 @@ fn wait_for(rx: &mpsc::Receiver<String>, needle: &str, seen: &mut Vec<String>, w
                     return;
                 }
             }
-            Err(_) => panic!("no line with {needle:?} within {within:?}; output so far:\n{}", seen.join("\n")),
+            Err(_) => {
+                panic!("no line with {needle:?} within {within:?}; output so far:\n{}", seen.join("\n"))
+            }
         }
     }
 }
@@ -123,7 +125,8 @@ fn alive(pid: u32) -> bool {
 }
 
 fn report(dir: &Path) -> Value {
-    serde_json::from_slice(&std::fs::read(dir.join("report.json")).expect("the job wrote its report")).unwrap()
+    serde_json::from_slice(&std::fs::read(dir.join("report.json")).expect("the job wrote its report"))
+        .unwrap()
 }
 
 /// Every epoch: every training sample consumed by exactly one committed step.
@@ -236,7 +239,10 @@ fn a_killed_job_resumes_from_its_checkpoint_with_redis_state() {
     assert!(text.contains("resuming job \"resume-test\""), "{text}");
     let r = report(dir.path());
     let from = r["resumed_from_step"].as_u64().unwrap_or_else(|| panic!("not resumed: {r}"));
-    assert!((25..60).contains(&from), "resumed from step {from}: the epoch's end (30) or the checkpoint before it");
+    assert!(
+        (25..60).contains(&from),
+        "resumed from step {from}: the epoch's end (30) or the checkpoint before it"
+    );
     assert!(r["steps"].as_u64().unwrap() == 60, "2 epochs of 30 steps: {}", r["steps"]);
     assert_exactly_once(&r, 2, 1200);
     // The job state in Redis outlived the coordinator: generations and
