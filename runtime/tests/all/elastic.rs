@@ -166,12 +166,17 @@ fn exactly_once_across_policy_resizes_and_a_killed_worker() {
     let coordinator = child.id();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
-    // The schedule grows the job 1 -> 2 -> 3; kill a worker of the three.
+    // The schedule grows the job 1 -> 2 -> 3; then kill worker 1, rank 0 (a
+    // scale-in removes the highest ranks, so it is still in the job).
     wait_for(&rx, "2 -> 3 workers", &mut seen, Duration::from_secs(120));
     let workers: Vec<(u32, String)> =
         children(coordinator).into_iter().filter(|(_, c)| c.contains(" worker ")).collect();
-    assert!(workers.len() >= 3, "{workers:?}");
-    let (victim, _) = workers[1].clone();
+    assert!(workers.len() >= 2, "{workers:?}");
+    let (victim, _) = workers
+        .iter()
+        .find(|(_, c)| c.trim_end().ends_with("--id 1"))
+        .unwrap_or_else(|| panic!("worker 1 among {workers:?}"))
+        .clone();
     // SAFETY: signalling a child of the job under test.
     unsafe { libc::kill(victim as i32, libc::SIGKILL) };
     let status = finish(child, rx, &mut seen);
@@ -186,7 +191,8 @@ fn exactly_once_across_policy_resizes_and_a_killed_worker() {
         .iter()
         .find(|e| e["reason"].as_str().unwrap().contains("lost"))
         .unwrap_or_else(|| panic!("no event for the killed worker: {events:?}\n{text}"));
-    assert_eq!(lost["from"], 3, "{lost}");
+    assert!(lost["from"].as_u64().unwrap() >= 2, "{lost}");
+    assert!(lost["reason"].as_str().unwrap().contains("worker 1 lost"), "{lost}");
     assert!(lost["pause_ms"].as_f64().unwrap() < 5000.0, "survivors went on within seconds: {lost}");
     assert!(text.contains("not committed"), "the interrupted step is redone: {text}");
     assert!(!alive(victim));
