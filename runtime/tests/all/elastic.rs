@@ -236,6 +236,21 @@ fn a_killed_job_resumes_from_its_checkpoint_with_redis_state() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(before.iter().all(|&p| !alive(p)), "workers and teachers die with the coordinator");
+    // Damage the newest checkpoint: it is reported by name and the one before it used.
+    let cps = dir.path().join(".edl/resume-test/checkpoints");
+    let mut steps: Vec<_> = std::fs::read_dir(&cps)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("step-"))
+        .collect();
+    steps.sort();
+    assert!(steps.len() >= 2, "{steps:?}");
+    let newest = steps.last().unwrap().join("model.safetensors");
+    let bytes = std::fs::read(&newest).unwrap();
+    std::fs::write(&newest, &bytes[..bytes.len() / 3]).unwrap();
+    let previous: u64 = steps[steps.len() - 2].file_name().unwrap().to_string_lossy()[5..].parse().unwrap();
+
     let mut child = job(dir.path(), &args).spawn().unwrap();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
@@ -243,12 +258,14 @@ fn a_killed_job_resumes_from_its_checkpoint_with_redis_state() {
     let text = seen.join("\n");
     assert!(status.success(), "{text}");
     assert!(text.contains("resuming job \"resume-test\""), "{text}");
+    assert!(
+        text.contains("skipping an unusable checkpoint") && text.contains(&newest.display().to_string()),
+        "{text}"
+    );
     let r = report(dir.path());
     let from = r["resumed_from_step"].as_u64().unwrap_or_else(|| panic!("not resumed: {r}"));
-    assert!(
-        (25..60).contains(&from),
-        "resumed from step {from}: the epoch's end (30) or the checkpoint before it"
-    );
+    assert_eq!(from, previous, "resumed from the checkpoint before the damaged one");
+    assert!(from >= 20, "resumed from step {from}: near the first epoch's end (30)");
     assert!(r["steps"].as_u64().unwrap() == 60, "2 epochs of 30 steps: {}", r["steps"]);
     assert_exactly_once(&r, 2, 1200);
     // The job state in Redis outlived the coordinator: generations and
