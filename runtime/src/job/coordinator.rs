@@ -211,6 +211,9 @@ struct Coordinator<'a> {
     train_len: usize,
 }
 
+/// A step that fails this many times in a row (every generation tried) ends the job.
+const MAX_FAILED_ATTEMPTS: u32 = 5;
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -536,6 +539,7 @@ impl Coordinator<'_> {
         self.spawn(first);
         self.wait_for_joiners(first as usize)?;
         self.boundary(true);
+        let mut failures = 0;
         while self.epoch < total {
             if self.members.is_empty() {
                 self.recover_from_nothing()?;
@@ -546,7 +550,16 @@ impl Coordinator<'_> {
             let res = self.run_step(true, plan_checkpoint)?;
             if res.dead.is_empty() && res.errors.is_empty() && res.done.len() == self.members.len() {
                 self.commit(res)?;
+                failures = 0;
             } else {
+                failures += 1;
+                if failures >= MAX_FAILED_ATTEMPTS {
+                    bail!(
+                        "step {} failed {failures} times in a row; last: {}",
+                        self.committed,
+                        res.errors.join("; ")
+                    );
+                }
                 self.fail(res);
             }
             self.check_spawning();

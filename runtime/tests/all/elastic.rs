@@ -318,3 +318,25 @@ fn distillation_beats_plain_training_on_a_small_transfer_set() {
     assert!(plain["teacher_test_accuracy"].is_null());
     assert!(d >= p + 0.005, "distilled {d} vs plain {p}: distillation should help by half a point or more");
 }
+
+#[test]
+fn a_step_that_keeps_failing_ends_the_job_with_the_reason() {
+    // Every worker takes longer than the step timeout: each is declared hung,
+    // stopped and replaced, and after five attempts the job gives up.
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = job(
+        dir.path(),
+        &["--policy", art::SCHEDULE_WASM, "--no-distill", "--step-timeout", "1", "--step-delay-ms", "1500"],
+    )
+    .spawn()
+    .unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let started = Instant::now();
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(!status.success(), "{text}");
+    assert!(text.contains("step 0 failed 5 times in a row"), "{text}");
+    assert!(text.contains("answered nothing within 1s"), "{text}");
+    assert!(started.elapsed() < Duration::from_secs(60), "bounded: {:?}", started.elapsed());
+}
