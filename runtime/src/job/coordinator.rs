@@ -162,6 +162,13 @@ struct Pending {
     generation: Option<u64>,
 }
 
+impl Pending {
+    /// A resize decided now, from a world of `from`.
+    fn new(from: u32, reason: String) -> Self {
+        Pending { from, reason, boundary: Instant::now(), join_ms: None, generation: None }
+    }
+}
+
 struct Coordinator<'a> {
     cfg: JobConfig,
     policy: Box<dyn PolicyPlugin>,
@@ -691,13 +698,7 @@ impl Coordinator<'_> {
         self.generation += 1;
         self.new_generation = false;
         let to = self.members.len() as u32;
-        let mut pending = self.pending.take().unwrap_or(Pending {
-            from,
-            reason: String::new(),
-            boundary: Instant::now(),
-            join_ms: None,
-            generation: None,
-        });
+        let mut pending = self.pending.take().unwrap_or(Pending::new(from, String::new()));
         if pending.reason.is_empty() {
             pending.reason = match (from, self.init.is_some()) {
                 (0, true) => "job resumed".into(),
@@ -937,8 +938,7 @@ impl Coordinator<'_> {
         let dead = res.dead.clone();
         for id in &dead {
             self.scaler.stop(*id, Duration::from_millis(500));
-            let _ =
-                self.rt.block_on(self.store.delete(&format!("{}{id}", keys::workers(&self.cfg.spec.job))));
+            self.forget(*id);
         }
         self.members.retain(|m| !dead.contains(&m.id));
         let why = if res.errors.is_empty() { "a rank failed".to_string() } else { res.errors.join("; ") };
@@ -950,8 +950,7 @@ impl Coordinator<'_> {
         ));
         let lost: Vec<String> = dead.iter().map(|d| format!("worker {d} lost")).collect();
         let reason = if lost.is_empty() { "collective failed".to_string() } else { lost.join(", ") };
-        self.pending =
-            Some(Pending { from, reason, boundary: Instant::now(), join_ms: None, generation: None });
+        self.pending = Some(Pending::new(from, reason));
         self.new_generation = true;
         let min = self.cfg.min_workers.max(1) as usize;
         let coming = self.joiners.len() + self.welcomed.len() + self.spawning.len();
@@ -1005,13 +1004,7 @@ impl Coordinator<'_> {
                 Action::ScaleOut(n) => {
                     let n = n.min(view.free_slots);
                     if n > 0 && coming == 0 {
-                        self.pending = Some(Pending {
-                            from: world,
-                            reason: format!("policy: {a}"),
-                            boundary: Instant::now(),
-                            join_ms: None,
-                            generation: None,
-                        });
+                        self.pending = Some(Pending::new(world, format!("policy: {a}")));
                         self.spawn(n);
                     }
                 }
@@ -1022,19 +1015,9 @@ impl Coordinator<'_> {
                         for mut m in removed {
                             let _ = send(&mut m.stream, &ToWorker::Stop { reason: format!("policy: {a}") });
                             self.scaler.stop(m.id, Duration::from_secs(3));
-                            let _ = self.rt.block_on(self.store.delete(&format!(
-                                "{}{}",
-                                keys::workers(&self.cfg.spec.job),
-                                m.id
-                            )));
+                            self.forget(m.id);
                         }
-                        self.pending = Some(Pending {
-                            from: world,
-                            reason: format!("policy: {a}"),
-                            boundary: Instant::now(),
-                            join_ms: None,
-                            generation: None,
-                        });
+                        self.pending = Some(Pending::new(world, format!("policy: {a}")));
                         self.new_generation = true;
                     }
                 }
@@ -1044,17 +1027,19 @@ impl Coordinator<'_> {
                         self.spawn(1);
                         if self.spawning.contains_key(&new) {
                             self.replacing.insert(new, id);
-                            self.pending = Some(Pending {
-                                from: world,
-                                reason: format!("policy: {a}"),
-                                boundary: Instant::now(),
-                                join_ms: None,
-                                generation: None,
-                            });
+                            self.pending = Some(Pending::new(world, format!("policy: {a}")));
                         }
                     }
                 }
             }
+        }
+    }
+
+    /// Removes a worker's lease from the store.
+    fn forget(&mut self, id: u64) {
+        let key = format!("{}{id}", keys::workers(&self.cfg.spec.job));
+        if let Err(e) = self.rt.block_on(self.store.delete(&key)) {
+            tracing::warn!("store: removing worker {id}: {e}");
         }
     }
 
