@@ -17,7 +17,7 @@
 use super::ledger::{EpochRecord, Ledger};
 use super::proto::{FromWorker, JobSpec, Plan, Receiver, ToWorker, send};
 use super::scaler::Scaler;
-use crate::checkpoint::{Checkpoints, Manifest};
+use crate::checkpoint::{Checkpoints, Manifest, Restored};
 use crate::plugin::{AdapterPlugin, PolicyPlugin};
 use crate::store::{AnyStore, Store, keys};
 use anyhow::{Context, Result, anyhow, bail};
@@ -396,14 +396,9 @@ impl Coordinator<'_> {
                 self.train_len
             );
         }
-        self.committed = m.step;
-        self.epoch = m.epoch;
-        self.cursor = m.cursor;
-        self.hyper = m.hyperparams;
-        self.ledger = book.ledger;
+        self.restore(&r, book.ledger);
         self.events = book.events;
         self.generation = self.generation.max(book.generation);
-        self.init = Some(r.path.clone());
         let lost = stored.map(|s| s.committed_steps.saturating_sub(m.step)).unwrap_or(0);
         self.note(format!(
             "resuming job {:?} from {} (step {}, epoch {}, cursor {}){}",
@@ -415,6 +410,18 @@ impl Coordinator<'_> {
             if lost > 0 { format!("; redoing the {lost} steps committed after it") } else { String::new() }
         ));
         Ok(Some(m.step))
+    }
+
+    /// Takes the cursor, hyperparameters and ledger of a checkpoint, whose
+    /// parameters the first generation then loads.
+    fn restore(&mut self, r: &Restored, ledger: Ledger) {
+        let m = &r.manifest;
+        self.committed = m.step;
+        self.epoch = m.epoch;
+        self.cursor = m.cursor;
+        self.hyper = m.hyperparams;
+        self.ledger = ledger;
+        self.init = Some(r.path.clone());
     }
 
     fn spawn(&mut self, n: u32) {
@@ -637,13 +644,9 @@ impl Coordinator<'_> {
         self.note("no worker left; restarting from the newest checkpoint".into());
         match self.checkpoints().latest().0 {
             Some(r) => {
-                let book: Bookkeeping = serde_json::from_value(r.manifest.plugin_state.clone())?;
-                self.committed = r.manifest.step;
-                self.epoch = r.manifest.epoch;
-                self.cursor = r.manifest.cursor;
-                self.hyper = r.manifest.hyperparams;
-                self.ledger = book.ledger;
-                self.init = Some(r.path);
+                let book: Bookkeeping = serde_json::from_value(r.manifest.plugin_state.clone())
+                    .with_context(|| format!("{}: manifest has no coordinator state", r.path.display()))?;
+                self.restore(&r, book.ledger);
             }
             None => {
                 self.committed = 0;
