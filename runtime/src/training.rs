@@ -133,9 +133,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
                     bar.set_message(format!("loss {l:.4}"));
                 })?;
             bar.finish_and_clear();
-            let mut tt = Trainer::new(model);
-            tt.model = Mlp::load(&path)?;
-            let acc = tt.accuracy(&test) as f64;
+            let acc = Trainer::new(model).accuracy(&test) as f64;
             teacher_accuracy = Some(acc);
             println!(
                 "teacher   {:?} {} ({}), test accuracy {:.2}%",

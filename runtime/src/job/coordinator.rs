@@ -127,7 +127,6 @@ pub struct JobState {
     pub cursor: usize,
     pub next_worker_id: u64,
     pub members: Vec<u64>,
-    pub checkpoint_step: Option<u64>,
     pub finished: bool,
 }
 
@@ -1073,7 +1072,6 @@ impl Coordinator<'_> {
             cursor: self.cursor,
             next_worker_id: self.next_id,
             members: self.members.iter().map(|m| m.id).collect(),
-            checkpoint_step: self.checkpoints.last().map(|_| self.committed),
             finished,
         };
         let key = keys::job_state(&self.cfg.spec.job);
