@@ -152,15 +152,16 @@ struct DistillArgs {
     wait_secs: u64,
 }
 
+/// The plugins a job (or a simulation) runs with.
 #[derive(Args)]
-struct RunArgs {
+struct PluginArgs {
     /// Scaling-policy plugin (`.wasm` component or native `.so`).
     #[arg(long, default_value = "plugins/autoscale.wasm")]
     policy: PathBuf,
     /// Batch-adapter plugin (called at each step and each resize).
     #[arg(long)]
     adapter: Option<PathBuf>,
-    /// Reader-transform plugin (applied to every batch before teachers and student).
+    /// Reader-transform plugin (applied to every batch; `simulate` runs it on a standard batch).
     #[arg(long)]
     transform: Option<PathBuf>,
     /// Policy configuration, `key=value` (repeatable).
@@ -169,6 +170,12 @@ struct RunArgs {
     /// Adapter configuration, `key=value` (repeatable).
     #[arg(long = "adapter-config", value_parser = parse_pair)]
     adapter_config: Vec<(String, String)>,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    plugins: PluginArgs,
     /// Transform configuration, `key=value` (repeatable).
     #[arg(long = "transform-config", value_parser = parse_pair)]
     transform_config: Vec<(String, String)>,
@@ -261,24 +268,11 @@ struct RunArgs {
 
 #[derive(Args)]
 struct SimArgs {
-    /// Scaling-policy plugin (`.wasm` component or native `.so`).
-    #[arg(long, default_value = "plugins/autoscale.wasm")]
-    policy: PathBuf,
-    /// Batch-adapter plugin.
-    #[arg(long)]
-    adapter: Option<PathBuf>,
-    /// Reader-transform plugin (run on a standard MNIST-shaped batch).
-    #[arg(long)]
-    transform: Option<PathBuf>,
+    #[command(flatten)]
+    plugins: PluginArgs,
     /// Draw world size and throughput over the steps to this SVG file.
     #[arg(long)]
     plot: Option<PathBuf>,
-    /// Policy configuration, `key=value` (repeatable).
-    #[arg(long = "policy-config", value_parser = parse_pair)]
-    policy_config: Vec<(String, String)>,
-    /// Adapter configuration, `key=value` (repeatable).
-    #[arg(long = "adapter-config", value_parser = parse_pair)]
-    adapter_config: Vec<(String, String)>,
     #[arg(long, default_value_t = 1)]
     min_workers: u32,
     #[arg(long, default_value_t = 8)]
@@ -467,28 +461,36 @@ fn demo_scenario(args: &SimArgs) -> Scenario {
 
 /// `edl-runtime simulate`: the policy (and the adapter) drive a simulated cluster.
 fn simulate(host: &Arc<PluginHost>, args: SimArgs) -> Result<ExitCode> {
-    if !args.policy.exists() {
+    if !args.plugins.policy.exists() {
         bail!(
             "{}: no such plugin; `cargo build --release` builds the shipped plugins into plugins/",
-            args.policy.display()
+            args.plugins.policy.display()
         );
     }
     let mut policy: Box<dyn PolicyPlugin> = if args.watch {
-        Box::new(Reloading::policy(host.clone(), &args.policy, &args.policy_config)?)
+        Box::new(Reloading::policy(host.clone(), &args.plugins.policy, &args.plugins.policy_config)?)
     } else {
-        host.load_policy(&args.policy, &args.policy_config)?
+        host.load_policy(&args.plugins.policy, &args.plugins.policy_config)?
     };
-    let mut adapter: Option<Box<dyn AdapterPlugin>> = match &args.adapter {
+    let mut adapter: Option<Box<dyn AdapterPlugin>> = match &args.plugins.adapter {
         None => None,
-        Some(p) if args.watch => Some(Box::new(Reloading::adapter(host.clone(), p, &args.adapter_config)?)),
-        Some(p) => Some(host.load_adapter(p, &args.adapter_config)?),
+        Some(p) if args.watch => {
+            Some(Box::new(Reloading::adapter(host.clone(), p, &args.plugins.adapter_config)?))
+        }
+        Some(p) => Some(host.load_adapter(p, &args.plugins.adapter_config)?),
     };
     let info = policy.info().clone();
-    println!("policy    {} {} ({}, {})", info.name, info.version, args.policy.display(), policy.backend());
+    println!(
+        "policy    {} {} ({}, {})",
+        info.name,
+        info.version,
+        args.plugins.policy.display(),
+        policy.backend()
+    );
     if let Some(a) = &adapter {
         println!("adapter   {} {}", a.info().name, a.info().version);
     }
-    if let Some(path) = &args.transform {
+    if let Some(path) = &args.plugins.transform {
         let mut t = host.load_transform(path, &[])?;
         let batch = standard_batch();
         let start = std::time::Instant::now();

@@ -36,10 +36,10 @@ fn say(bar: &ProgressBar, line: String) {
 }
 
 pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
-    if !args.policy.exists() {
+    if !args.plugins.policy.exists() {
         bail!(
             "{}: no such plugin; `cargo build --release` builds the shipped plugins into plugins/",
-            args.policy.display()
+            args.plugins.policy.display()
         );
     }
     if args.min_workers == 0 || args.min_workers > args.max_workers {
@@ -49,12 +49,13 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
             args.max_workers
         );
     }
-    let policy: Box<dyn PolicyPlugin> = host.load_policy(&args.policy, &args.policy_config)?;
-    let adapter: Option<Box<dyn AdapterPlugin>> = match &args.adapter {
-        Some(p) => Some(host.load_adapter(p, &args.adapter_config)?),
+    let policy: Box<dyn PolicyPlugin> =
+        host.load_policy(&args.plugins.policy, &args.plugins.policy_config)?;
+    let adapter: Option<Box<dyn AdapterPlugin>> = match &args.plugins.adapter {
+        Some(p) => Some(host.load_adapter(p, &args.plugins.adapter_config)?),
         None => None,
     };
-    if let Some(t) = &args.transform {
+    if let Some(t) = &args.plugins.transform {
         // Loaded here once so a broken plugin fails the job before it starts.
         host.load_transform(t, &args.transform_config)?;
     }
@@ -80,7 +81,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         alpha: args.alpha,
         teachers: None,
         teacher_model_name: "teacher".into(),
-        transform: args.transform.clone().map(|p| p.canonicalize().unwrap_or(p)),
+        transform: args.plugins.transform.clone().map(|p| p.canonicalize().unwrap_or(p)),
         transform_config: args.transform_config.clone(),
         collective_timeout_ms: args.collective_timeout_ms,
         checkpoint_dir: std::path::absolute(&checkpoint_dir)?,
@@ -103,7 +104,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         args.max_workers,
         args.store
     );
-    println!("policy    {policy_name} ({}, {})", args.policy.display(), policy.backend());
+    println!("policy    {policy_name} ({}, {})", args.plugins.policy.display(), policy.backend());
     if let Some(a) = &adapter_name {
         println!("adapter   {a}");
     }
