@@ -1,6 +1,14 @@
 //! Devices and what the machine offers.
 
-use std::fmt;
+use cudarc::{
+    driver::{CudaContext, CudaModule},
+    nvrtc::Ptx,
+};
+use std::{
+    collections::HashMap,
+    fmt,
+    sync::{Arc, Mutex, OnceLock},
+};
 
 /// Where a computation runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -41,6 +49,8 @@ pub enum CudaUnavailable {
     NoDriver,
     #[error("no NVRTC library (libnvrtc) found; it compiles the CUDA kernels at run time")]
     NoNvrtc,
+    #[error("no cuBLAS library (libcublas) found; it runs the trainer's matrix products")]
+    NoCublas,
     #[error("no NCCL library (libnccl) found")]
     NoNccl,
     #[error("the CUDA driver reports no device")]
@@ -62,6 +72,12 @@ pub fn driver_present() -> bool {
 pub fn nvrtc_present() -> bool {
     // SAFETY: as above.
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// cuBLAS is loadable.
+pub fn cublas_present() -> bool {
+    // SAFETY: as above.
+    unsafe { cudarc::cublas::sys::is_culib_present() }
 }
 
 /// NCCL is loadable.
@@ -94,6 +110,55 @@ pub fn check_cuda(ordinal: usize) -> Result<(), CudaUnavailable> {
     Ok(())
 }
 
+/// The CUDA C sources this crate compiles at run time, by file name.
+pub const KERNEL_SOURCES: [(&str, &str); 2] =
+    [("soft_label.cu", crate::loss::CUDA_SOURCE), ("mlp.cu", crate::mlp::CUDA_SOURCE)];
+
+/// Compiles every kernel source with NVRTC, which needs no GPU: the PTX by
+/// file name, or the first source's compile log. An error without NVRTC.
+pub fn compile_kernels() -> Result<Vec<(&'static str, String)>, String> {
+    if !nvrtc_present() {
+        return Err(CudaUnavailable::NoNvrtc.to_string());
+    }
+    KERNEL_SOURCES
+        .iter()
+        .map(|&(name, source)| {
+            let ptx = cudarc::nvrtc::compile_ptx(source).map_err(|e| format!("compiling {name}: {e:?}"))?;
+            let text = ptx.as_bytes().map(String::from_utf8_lossy).unwrap_or_default();
+            Ok((name, text.trim_end_matches('\0').to_string()))
+        })
+        .collect()
+}
+
+/// The module of CUDA C source `source` (named `name` in messages) on
+/// device `ordinal`: compiled by NVRTC once per process, loaded once per device.
+pub(crate) fn kernel_module(
+    ctx: &Arc<CudaContext>,
+    ordinal: usize,
+    name: &'static str,
+    source: &'static str,
+) -> Result<Arc<CudaModule>, String> {
+    type Compiled = HashMap<&'static str, Result<Ptx, String>>;
+    type Loaded = HashMap<(&'static str, usize), Arc<CudaModule>>;
+    static PTX: OnceLock<Mutex<Compiled>> = OnceLock::new();
+    static MODULES: OnceLock<Mutex<Loaded>> = OnceLock::new();
+    let mut modules = MODULES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(m) = modules.get(&(name, ordinal)) {
+        return Ok(m.clone());
+    }
+    let ptx = PTX
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(name)
+        .or_insert_with(|| cudarc::nvrtc::compile_ptx(source).map_err(|e| format!("{e:?}")))
+        .clone()
+        .map_err(|e| format!("compiling {name}: {e}"))?;
+    let m = ctx.load_module(ptx).map_err(|e| format!("loading {name}: {e:?}"))?;
+    modules.insert((name, ordinal), m.clone());
+    Ok(m)
+}
+
 /// What this machine offers, for `edl-runtime devices`.
 #[derive(Clone, Debug)]
 pub struct DeviceReport {
@@ -101,6 +166,9 @@ pub struct DeviceReport {
     /// (ordinal, name) of each CUDA device, or why there is none.
     pub cuda: Result<Vec<(usize, String)>, CudaUnavailable>,
     pub nvrtc: bool,
+    pub cublas: bool,
+    /// Whether the kernels compile (with NVRTC), or why not.
+    pub kernels: Result<(), String>,
     pub nccl: Option<String>,
 }
 
@@ -125,6 +193,8 @@ impl DeviceReport {
             cpu_threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             cuda,
             nvrtc: nvrtc_present(),
+            cublas: cublas_present(),
+            kernels: compile_kernels().map(|_| ()),
             nccl,
         }
     }
@@ -141,7 +211,13 @@ impl fmt::Display for DeviceReport {
             }
             Err(why) => writeln!(f, "cuda     unavailable: {why}")?,
         }
-        writeln!(f, "nvrtc    {}", if self.nvrtc { "present" } else { "not found" })?;
+        let found = |present: bool| if present { "present" } else { "not found" };
+        writeln!(f, "nvrtc    {}", found(self.nvrtc))?;
+        writeln!(f, "cublas   {}", found(self.cublas))?;
+        match &self.kernels {
+            Ok(()) => writeln!(f, "kernels  {} compile", KERNEL_SOURCES.map(|(name, _)| name).join(", "))?,
+            Err(why) => writeln!(f, "kernels  not compiled: {why}")?,
+        }
         write!(f, "nccl     {}", self.nccl.as_deref().unwrap_or("not found"))
     }
 }

@@ -5,6 +5,8 @@
 //!   gradient, in one call: [`loss::SoftLabelLoss`].
 //! - [`comm`]: collectives for data-parallel training: a [`comm::Communicator`]
 //!   per generation of an elastic job, over a TCP ring or NCCL.
+//! - [`mlp`]: an MLP trainer on one CUDA device (cuBLAS products, the loss
+//!   kernel, SGD with momentum), the CUDA side of edl-runtime's trainer.
 //! - [`device`]: which devices and CUDA libraries this machine has.
 //!
 //! Everything CUDA is loaded at run time: the crate builds and its CPU paths
@@ -14,5 +16,6 @@
 pub mod comm;
 pub mod device;
 pub mod loss;
+pub mod mlp;
 
 pub use device::{Device, DeviceReport};

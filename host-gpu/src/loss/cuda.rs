@@ -2,39 +2,18 @@
 //! once per process by NVRTC and loaded once per device.
 
 use super::{Batch, LossError, SoftLabelLoss, Teacher};
-use crate::device::check_cuda;
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
-};
-use std::{
-    collections::HashMap,
-    sync::{Arc, Mutex, OnceLock},
-};
+use crate::device::{check_cuda, kernel_module};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
 
-const SOURCE: &str = include_str!("../../kernels/soft_label.cu");
+/// The kernels' CUDA C source.
+pub const CUDA_SOURCE: &str = include_str!("../../kernels/soft_label.cu");
 /// Rows with at most this many classes get a warp each instead of a block.
 const WARP_MAX_CLASSES: usize = 1024;
 const BLOCK_THREADS: u32 = 256;
 
 fn cuda_err(e: impl std::fmt::Debug) -> LossError {
     LossError::Cuda(format!("{e:?}"))
-}
-
-/// The compiled kernels, per process; the loaded module, per device.
-fn module(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<Arc<CudaModule>, LossError> {
-    static PTX: OnceLock<Result<cudarc::nvrtc::Ptx, String>> = OnceLock::new();
-    static MODULES: OnceLock<Mutex<HashMap<usize, Arc<CudaModule>>>> = OnceLock::new();
-    let mut modules = MODULES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(m) = modules.get(&ordinal) {
-        return Ok(m.clone());
-    }
-    let ptx = PTX
-        .get_or_init(|| cudarc::nvrtc::compile_ptx(SOURCE).map_err(|e| format!("{e:?}")))
-        .clone()
-        .map_err(|e| LossError::Cuda(format!("compiling soft_label.cu: {e}")))?;
-    let m = ctx.load_module(ptx).map_err(cuda_err)?;
-    modules.insert(ordinal, m.clone());
-    Ok(m)
 }
 
 /// The soft-label loss on one CUDA device.
@@ -60,7 +39,7 @@ impl CudaSoftLabel {
     pub fn new(ordinal: usize) -> Result<Self, LossError> {
         check_cuda(ordinal)?;
         let ctx = CudaContext::new(ordinal).map_err(cuda_err)?;
-        let m = module(&ctx, ordinal)?;
+        let m = kernel_module(&ctx, ordinal, "soft_label.cu", CUDA_SOURCE).map_err(LossError::Cuda)?;
         Ok(CudaSoftLabel {
             stream: ctx.default_stream(),
             block: m.load_function("soft_label_block").map_err(cuda_err)?,
@@ -73,12 +52,29 @@ impl CudaSoftLabel {
         &self.stream
     }
 
-    /// Runs the kernel on device buffers: writes the gradient and each row's
-    /// loss, and returns the mean loss (this synchronises the stream).
+    /// Runs the kernel on device buffers: writes the gradient of the mean
+    /// loss and each row's loss, and returns the mean loss (this synchronises
+    /// the stream).
     pub fn forward_backward_device(
         &self,
         p: &SoftLabelLoss,
         b: &DeviceBatch<'_>,
+        grad: &mut CudaSlice<f32>,
+        row_loss: &mut CudaSlice<f32>,
+    ) -> Result<f32, LossError> {
+        let grad_scale = 1.0 / b.rows.max(1) as f32;
+        self.forward_backward_device_scaled(p, b, grad_scale, grad, row_loss)
+    }
+
+    /// As [`Self::forward_backward_device`], with the gradient of the summed
+    /// loss multiplied by `grad_scale` (a data-parallel shard of a global
+    /// batch of G rows passes 1/G, so the ranks' gradients sum to the
+    /// gradient of the global mean).
+    pub fn forward_backward_device_scaled(
+        &self,
+        p: &SoftLabelLoss,
+        b: &DeviceBatch<'_>,
+        grad_scale: f32,
         grad: &mut CudaSlice<f32>,
         row_loss: &mut CudaSlice<f32>,
     ) -> Result<f32, LossError> {
@@ -104,7 +100,6 @@ impl CudaSoftLabel {
         };
         let (rows, classes) = (b.rows as i32, b.classes as i32);
         let (has_labels, probs) = (b.labels.is_some() as i32, b.teacher_is_probs as i32);
-        let scale = 1.0f32 / b.rows as f32;
         let warp_mode = b.classes <= WARP_MAX_CLASSES;
         let (func, cfg) = if warp_mode {
             let rows_per_block = BLOCK_THREADS / 32;
@@ -139,7 +134,7 @@ impl CudaSoftLabel {
             .arg(&probs)
             .arg(&p.temperature)
             .arg(&p.alpha)
-            .arg(&scale)
+            .arg(&grad_scale)
             .arg(grad)
             .arg(&mut *row_loss)
             .arg(&mut bad);

@@ -15,7 +15,7 @@ mod cpu;
 mod cuda;
 
 pub use cpu::naive_three_pass;
-pub use cuda::{CudaSoftLabel, DeviceBatch};
+pub use cuda::{CUDA_SOURCE, CudaSoftLabel, DeviceBatch};
 
 /// What the teacher sent for each sample.
 #[derive(Clone, Copy, Debug)]
@@ -65,6 +65,14 @@ pub enum LossError {
     Cuda(String),
 }
 
+/// Checks that every label is below `classes`.
+pub fn check_labels(labels: &[u32], classes: usize) -> Result<(), LossError> {
+    match labels.iter().enumerate().find(|(_, l)| **l as usize >= classes) {
+        Some((row, &label)) => Err(LossError::BadLabel { row, label, classes }),
+        None => Ok(()),
+    }
+}
+
 /// The loss's parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SoftLabelLoss {
@@ -81,8 +89,8 @@ impl Default for SoftLabelLoss {
 }
 
 impl SoftLabelLoss {
-    /// Checks the parameters and the shapes of a batch and of the gradient buffer.
-    pub fn validate(&self, batch: &Batch<'_>, grad_len: usize) -> Result<(), LossError> {
+    /// Checks the temperature and alpha.
+    pub fn check_params(&self) -> Result<(), LossError> {
         let t = self.temperature;
         if !(t.is_finite() && t > 0.0) {
             return Err(LossError::Parameter(format!("temperature must be positive and finite, got {t}")));
@@ -90,6 +98,12 @@ impl SoftLabelLoss {
         if !(0.0..=1.0).contains(&self.alpha) {
             return Err(LossError::Parameter(format!("alpha must be in [0, 1], got {}", self.alpha)));
         }
+        Ok(())
+    }
+
+    /// Checks the parameters and the shapes of a batch and of the gradient buffer.
+    pub fn validate(&self, batch: &Batch<'_>, grad_len: usize) -> Result<(), LossError> {
+        self.check_params()?;
         let n = batch
             .rows
             .checked_mul(batch.classes)
@@ -114,11 +128,7 @@ impl SoftLabelLoss {
             if labels.len() != batch.rows {
                 return Err(LossError::Shape(format!("{} labels for {} rows", labels.len(), batch.rows)));
             }
-            if let Some((row, &label)) =
-                labels.iter().enumerate().find(|(_, l)| **l as usize >= batch.classes)
-            {
-                return Err(LossError::BadLabel { row, label, classes: batch.classes });
-            }
+            check_labels(labels, batch.classes)?;
         }
         Ok(())
     }

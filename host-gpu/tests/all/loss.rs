@@ -2,7 +2,6 @@
 //! limiting cases, stability and bad input; CUDA against CPU where a GPU is.
 
 use crate::Rng;
-use edl_host_gpu::device::check_cuda;
 use edl_host_gpu::loss::{Batch, CudaSoftLabel, LossError, SoftLabelLoss, Teacher, naive_three_pass};
 
 /// The loss and gradient straight from the formulas, in f64.
@@ -222,8 +221,7 @@ fn bad_input_is_an_error_not_a_nan() {
 
 #[test]
 fn cuda_kernel_matches_the_cpu() {
-    if let Err(why) = check_cuda(0) {
-        eprintln!("SKIPPED cuda_kernel_matches_the_cpu: {why}");
+    if !crate::cuda_or_skip("cuda_kernel_matches_the_cpu") {
         return;
     }
     let cuda = CudaSoftLabel::new(0).expect("a usable GPU was detected");
