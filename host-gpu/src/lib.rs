@@ -17,5 +17,6 @@ pub mod comm;
 pub mod device;
 pub mod loss;
 pub mod mlp;
+pub mod testing;
 
 pub use device::{Device, DeviceReport};

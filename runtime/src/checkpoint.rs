@@ -91,7 +91,7 @@ impl Checkpoints {
         let tmp = self.dir.join(format!(".tmp-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-        trainer.model.save(&tmp.join("model.safetensors"))?;
+        trainer.model().save(&tmp.join("model.safetensors"))?;
         let v = crate::oip::f32_bytes(trainer.velocity());
         let view =
             TensorView::new(Dtype::F32, vec![trainer.velocity().len()], &v).map_err(|e| io(&tmp, e))?;
@@ -172,10 +172,12 @@ mod tests {
     fn keeps_the_last_k_and_falls_back_past_a_corrupt_one() {
         let dir = tempfile::tempdir().unwrap();
         let cps = Checkpoints::new(dir.path(), 2);
-        let mut t = Trainer::new(Mlp::random(&[4, 3, 2], 1));
-        t.load_velocity(&vec![0.5; t.param_count()]);
+        let mut model = Mlp::random(&[4, 3, 2], 1);
+        let mut t = Trainer::new(model.clone());
         for step in [10, 20, 30] {
-            t.model.layers[0].bias[0] = step as f32;
+            model.layers[0].bias[0] = step as f32;
+            t = Trainer::new(model.clone());
+            t.load_velocity(&vec![0.5; t.param_count()]).unwrap();
             cps.save(&t, manifest(step)).unwrap();
         }
         let steps: Vec<u64> = cps.list().into_iter().map(|(s, _)| s).collect();

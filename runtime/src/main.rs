@@ -2,6 +2,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use edl_host_gpu::Device;
 use edl_plugin_sdk::{Hyperparams, testing::standard_batch};
 use edl_runtime::{
     plot,
@@ -258,6 +259,10 @@ struct RunArgs {
     /// Extra milliseconds each step takes on each worker (emulates slower devices).
     #[arg(long, default_value_t = 0)]
     step_delay_ms: u64,
+    /// Where workers compute: `cpu`, `cuda` or `cuda:N` (cuBLAS and the CUDA
+    /// loss kernel; checked before the job starts).
+    #[arg(long, default_value = "cpu")]
+    device: Device,
     /// Price of a worker-hour, shown to the policy.
     #[arg(long, default_value_t = 0.0)]
     price: f64,

@@ -64,6 +64,54 @@ impl Mlp {
         self.layers.last().map_or(0, |l| l.outputs)
     }
 
+    /// Layer sizes, input first.
+    pub fn sizes(&self) -> Vec<usize> {
+        self.layers.iter().map(|l| l.inputs).chain(self.layers.last().map(|l| l.outputs)).collect()
+    }
+
+    /// Number of parameters.
+    pub fn param_count(&self) -> usize {
+        self.layers.iter().map(|l| l.weight.len() + l.bias.len()).sum()
+    }
+
+    /// All parameters, layer by layer (weight then bias): the layout of
+    /// gradients, broadcasts and edl-host-gpu's CUDA trainer.
+    pub fn params_flat(&self) -> Vec<f32> {
+        self.layers.iter().flat_map(|l| l.weight.iter().chain(&l.bias).copied()).collect()
+    }
+
+    /// Replaces all parameters from the layout of [`Mlp::params_flat`].
+    ///
+    /// # Panics
+    /// When `flat` does not hold [`Mlp::param_count`] values.
+    pub fn load_params_flat(&mut self, flat: &[f32]) {
+        assert_eq!(flat.len(), self.param_count(), "flat parameter count");
+        let mut at = 0;
+        for l in &mut self.layers {
+            let (w, b) = (l.weight.len(), l.bias.len());
+            l.weight.copy_from_slice(&flat[at..at + w]);
+            l.bias.copy_from_slice(&flat[at + w..at + w + b]);
+            at += w + b;
+        }
+    }
+
+    /// Share of `data` classified correctly.
+    pub fn accuracy(&self, data: &crate::data::Dataset) -> f32 {
+        let chunk = 512;
+        let mut correct = 0usize;
+        for start in (0..data.len()).step_by(chunk) {
+            let rows = chunk.min(data.len() - start);
+            let logits = self.forward(&data.features[start * data.dim..(start + rows) * data.dim], rows);
+            for r in 0..rows {
+                let row = &logits[r * data.classes..(r + 1) * data.classes];
+                let best =
+                    row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i).unwrap_or(0);
+                correct += (best as u32 == data.labels[start + r]) as usize;
+            }
+        }
+        correct as f32 / data.len().max(1) as f32
+    }
+
     /// Logits `[rows, output_dim]` of inputs `[rows, input_dim]`.
     pub fn forward(&self, x: &[f32], rows: usize) -> Vec<f32> {
         assert_eq!(x.len(), rows * self.input_dim(), "input shape");

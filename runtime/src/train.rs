@@ -1,6 +1,13 @@
-//! The native trainer: forward and backward of the MLP on the CPU (GEMMs by
-//! matrixmultiply), the loss and its gradient from edl-host-gpu's fused
-//! soft-label loss, SGD with momentum.
+//! The native trainer: forward and backward of the MLP, the loss and its
+//! gradient from edl-host-gpu's fused soft-label loss, SGD with momentum; on
+//! the CPU (GEMMs by matrixmultiply) or on a CUDA device (edl-host-gpu's
+//! [`CudaMlp`]: cuBLAS, the CUDA loss kernel).
+//!
+//! On CUDA the device holds the parameters and momentum; the trainer keeps a
+//! host mirror of both, refreshed after every update, because an elastic
+//! worker snapshots the committed state on the host every step anyway (for
+//! rollback, broadcast to joiners and checkpoints). The gradient comes to the
+//! host for the all-reduce and goes back for the update.
 //!
 //! For data parallelism the gradient of a rank's shard is scaled by the
 //! global batch, so summing the ranks' gradients (an all-reduce) gives the
@@ -9,13 +16,28 @@
 
 use crate::data::Dataset;
 use crate::model::Mlp;
+use edl_host_gpu::Device;
 use edl_host_gpu::loss::{Batch as LossBatch, LossError, SoftLabelLoss, Teacher};
+use edl_host_gpu::mlp::{CudaMlp, MlpError};
+
+/// Why a training operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Loss(#[from] LossError),
+    #[error("{device}: {source}")]
+    Device { device: Device, source: MlpError },
+    #[error("{what} has {got} values, the model has {want} parameters")]
+    Shape { what: &'static str, got: usize, want: usize },
+}
 
 /// A model with its optimiser state and gradient buffer.
 pub struct Trainer {
-    pub model: Mlp,
+    /// The parameters (on CUDA, the host mirror of the device's).
+    model: Mlp,
     velocity: Vec<f32>,
     grad: Vec<f32>,
+    cuda: Option<(usize, CudaMlp)>,
 }
 
 /// Multiplies row-major matrices with explicit strides: C = A B (+ C when `accumulate`).
@@ -54,9 +76,42 @@ fn gemm(
 }
 
 impl Trainer {
+    /// A trainer on the CPU.
     pub fn new(model: Mlp) -> Self {
-        let n = model.layers.iter().map(|l| l.weight.len() + l.bias.len()).sum();
-        Trainer { model, velocity: vec![0.0; n], grad: vec![0.0; n] }
+        let n = model.param_count();
+        Trainer { model, velocity: vec![0.0; n], grad: vec![0.0; n], cuda: None }
+    }
+
+    /// A trainer on `device`: an error value when that device cannot be used
+    /// (no driver, no such GPU, no cuBLAS or NVRTC).
+    pub fn on(device: Device, model: Mlp) -> Result<Self, TrainError> {
+        let mut t = Trainer::new(model);
+        if let Device::Cuda(ordinal) = device {
+            let sizes = t.model.sizes();
+            let mlp = CudaMlp::new(ordinal, &sizes, &t.model.params_flat())
+                .map_err(|source| TrainError::Device { device, source })?;
+            t.cuda = Some((ordinal, mlp));
+        }
+        Ok(t)
+    }
+
+    /// Where the trainer computes.
+    pub fn device(&self) -> Device {
+        self.cuda.as_ref().map_or(Device::Cpu, |(i, _)| Device::Cuda(*i))
+    }
+
+    fn device_err(&self) -> impl Fn(MlpError) -> TrainError + use<> {
+        let device = self.device();
+        move |source| TrainError::Device { device, source }
+    }
+
+    /// The model (on CUDA, as of the last update).
+    pub fn model(&self) -> &Mlp {
+        &self.model
+    }
+
+    pub fn into_model(self) -> Mlp {
+        self.model
     }
 
     /// Number of parameters (the length of gradients and flat parameters).
@@ -64,21 +119,27 @@ impl Trainer {
         self.grad.len()
     }
 
+    fn check_len(&self, what: &'static str, got: usize) -> Result<(), TrainError> {
+        match self.param_count() {
+            want if want == got => Ok(()),
+            want => Err(TrainError::Shape { what, got, want }),
+        }
+    }
+
     /// All parameters, layer by layer (weight then bias).
     pub fn params_flat(&self) -> Vec<f32> {
-        self.model.layers.iter().flat_map(|l| l.weight.iter().chain(&l.bias).copied()).collect()
+        self.model.params_flat()
     }
 
     /// Replaces all parameters (a joiner receives them by broadcast).
-    pub fn load_params_flat(&mut self, flat: &[f32]) {
-        assert_eq!(flat.len(), self.param_count());
-        let mut at = 0;
-        for l in &mut self.model.layers {
-            let (w, b) = (l.weight.len(), l.bias.len());
-            l.weight.copy_from_slice(&flat[at..at + w]);
-            l.bias.copy_from_slice(&flat[at + w..at + w + b]);
-            at += w + b;
+    pub fn load_params_flat(&mut self, flat: &[f32]) -> Result<(), TrainError> {
+        self.check_len("parameter vector", flat.len())?;
+        let err = self.device_err();
+        if let Some((_, mlp)) = &mut self.cuda {
+            mlp.load_params(flat).map_err(err)?;
         }
+        self.model.load_params_flat(flat);
+        Ok(())
     }
 
     /// The optimiser's momentum buffer (checkpointed with the parameters).
@@ -86,9 +147,14 @@ impl Trainer {
         &self.velocity
     }
 
-    pub fn load_velocity(&mut self, v: &[f32]) {
-        assert_eq!(v.len(), self.velocity.len());
+    pub fn load_velocity(&mut self, v: &[f32]) -> Result<(), TrainError> {
+        self.check_len("momentum vector", v.len())?;
+        let err = self.device_err();
+        if let Some((_, mlp)) = &mut self.cuda {
+            mlp.load_velocity(v).map_err(err)?;
+        }
         self.velocity.copy_from_slice(v);
+        Ok(())
     }
 
     /// The gradient buffer, to all-reduce between compute and apply.
@@ -106,7 +172,11 @@ impl Trainer {
         teacher: Option<&[f32]>,
         loss: &SoftLabelLoss,
         global_rows: usize,
-    ) -> Result<f64, LossError> {
+    ) -> Result<f64, TrainError> {
+        let err = self.device_err();
+        if let Some((_, mlp)) = &mut self.cuda {
+            return mlp.compute_gradient(x, labels, teacher, loss, global_rows, &mut self.grad).map_err(err);
+        }
         let rows = labels.len();
         self.grad.iter_mut().for_each(|g| *g = 0.0);
         if rows == 0 {
@@ -205,7 +275,17 @@ impl Trainer {
     }
 
     /// SGD with momentum (v = momentum v + g; w -= lr v) with the gradient buffer.
-    pub fn apply(&mut self, lr: f32, momentum: f32) {
+    pub fn apply(&mut self, lr: f32, momentum: f32) -> Result<(), TrainError> {
+        let err = self.device_err();
+        if let Some((_, mlp)) = &mut self.cuda {
+            let (params, velocity) = mlp
+                .apply(Some(&self.grad), lr, momentum)
+                .and_then(|()| Ok((mlp.params()?, mlp.velocity()?)))
+                .map_err(err)?;
+            self.model.load_params_flat(&params);
+            self.velocity = velocity;
+            return Ok(());
+        }
         let mut at = 0;
         for l in &mut self.model.layers {
             for p in l.weight.iter_mut().chain(l.bias.iter_mut()) {
@@ -215,24 +295,12 @@ impl Trainer {
                 at += 1;
             }
         }
+        Ok(())
     }
 
     /// Share of `data` classified correctly.
     pub fn accuracy(&self, data: &Dataset) -> f32 {
-        let chunk = 512;
-        let mut correct = 0usize;
-        for start in (0..data.len()).step_by(chunk) {
-            let rows = chunk.min(data.len() - start);
-            let logits =
-                self.model.forward(&data.features[start * data.dim..(start + rows) * data.dim], rows);
-            for r in 0..rows {
-                let row = &logits[r * data.classes..(r + 1) * data.classes];
-                let best =
-                    row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i).unwrap_or(0);
-                correct += (best as u32 == data.labels[start + r]) as usize;
-            }
-        }
-        correct as f32 / data.len().max(1) as f32
+        self.model.accuracy(data)
     }
 }
 
@@ -265,10 +333,10 @@ mod tests {
             for i in 0..base.len() {
                 let mut up = base.clone();
                 up[i] += h;
-                t.load_params_flat(&up);
+                t.load_params_flat(&up).unwrap();
                 let lu = loss_of(&mut t, &x, &y, teacher, &p);
                 up[i] -= 2.0 * h;
-                t.load_params_flat(&up);
+                t.load_params_flat(&up).unwrap();
                 let ld = loss_of(&mut t, &x, &y, teacher, &p);
                 let fd = (lu - ld) / (2.0 * h as f64);
                 assert!(
@@ -290,7 +358,7 @@ mod tests {
             for chunk in order.chunks(32) {
                 let (x, y) = train.gather(chunk);
                 t.compute_gradient(&x, &y, None, &p, y.len()).unwrap();
-                t.apply(0.05, 0.9);
+                t.apply(0.05, 0.9).unwrap();
             }
         }
         let acc = t.accuracy(&test);

@@ -2,6 +2,7 @@
 
 use crate::RunArgs;
 use anyhow::{Context, Result, bail};
+use edl_host_gpu::Device;
 use edl_plugin_sdk::Hyperparams;
 use edl_runtime::{
     job::{
@@ -87,13 +88,20 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         checkpoint_dir: std::path::absolute(&checkpoint_dir)?,
         keep_checkpoints: args.keep_checkpoints,
         step_delay_ms: args.step_delay_ms,
+        device: args.device.to_string(),
     };
     let (train, test) = load_data(&JobSpec { train_samples: None, ..spec.clone() })?;
     let hidden = sizes(&args.hidden, "hidden")?;
     spec.layers = std::iter::once(train.dim).chain(hidden).chain([train.classes]).collect();
+    if args.device != Device::Cpu {
+        // A missing driver, GPU, cuBLAS or NVRTC stops the job here, before
+        // any process starts.
+        Trainer::on(args.device, Mlp::random(&spec.layers, args.seed))
+            .context("checking --device before the job starts")?;
+    }
     let student_rows = args.train_samples.map_or(train.len(), |n| n.min(train.len()));
     println!(
-        "job {:?}: {} ({} training samples, {} test), student {:?}, {} epochs, {}..{} workers, store {}",
+        "job {:?}: {} ({} training samples, {} test), student {:?}, {} epochs, {}..{} workers on {}, store {}",
         args.job,
         args.dataset,
         student_rows,
@@ -102,6 +110,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         args.epochs,
         args.min_workers,
         args.max_workers,
+        args.device,
         args.store
     );
     println!("policy    {policy_name} ({}, {})", args.plugins.policy.display(), policy.backend());
@@ -125,6 +134,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
                 lr: 0.05,
                 momentum: 0.9,
                 seed: 7,
+                device: args.device,
             };
             let bar = ProgressBar::new(t.epochs);
             bar.set_style(ProgressStyle::with_template("teacher   [{bar:30}] epoch {pos}/{len} {msg}")?);
@@ -134,7 +144,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
                     bar.set_message(format!("loss {l:.4}"));
                 })?;
             bar.finish_and_clear();
-            let acc = Trainer::new(model).accuracy(&test) as f64;
+            let acc = model.accuracy(&test) as f64;
             teacher_accuracy = Some(acc);
             println!(
                 "teacher   {:?} {} ({}), test accuracy {:.2}%",
@@ -235,7 +245,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
     drop(teacher_procs);
 
     let restored = Mlp::load(&outcome.final_checkpoint.join("model.safetensors"))?;
-    let student_accuracy = Trainer::new(restored).accuracy(&test) as f64;
+    let student_accuracy = restored.accuracy(&test) as f64;
     let report = Report::new(
         &args.job,
         outcome,
@@ -245,6 +255,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         policy_name,
         adapter_name,
         &args.store,
+        args.device.to_string(),
         args.seed,
     );
     println!(

@@ -4,21 +4,7 @@ mod comm;
 mod loss;
 mod mlp;
 
-/// Whether a CUDA test can run: false, with a SKIPPED line naming `test` and
-/// the reason, on a machine without a usable GPU. With EDL_REQUIRE_CUDA=1 set
-/// (runs on GPU machines) a missing GPU fails the test instead.
-pub fn cuda_or_skip(test: &str) -> bool {
-    match edl_host_gpu::device::check_cuda(0) {
-        Ok(()) => true,
-        Err(why) if std::env::var_os("EDL_REQUIRE_CUDA").is_some_and(|v| v == "1") => {
-            panic!("{test}: EDL_REQUIRE_CUDA=1 but CUDA is unusable: {why}")
-        }
-        Err(why) => {
-            eprintln!("SKIPPED {test}: {why}");
-            false
-        }
-    }
-}
+pub use edl_host_gpu::testing::cuda_or_skip;
 
 /// A deterministic generator for test data.
 pub struct Rng(u64);

@@ -373,13 +373,7 @@ impl Coordinator<'_> {
         }
         let Some(r) = restored else { return Ok(None) };
         let m = &r.manifest;
-        if r.model.layers.iter().map(|l| l.inputs).chain(r.model.layers.last().map(|l| l.outputs)).ne(self
-            .cfg
-            .spec
-            .layers
-            .iter()
-            .copied())
-        {
+        if r.model.sizes() != self.cfg.spec.layers {
             bail!(
                 "checkpoint {} holds another model than --hidden asks for; use another --checkpoint-dir",
                 r.path.display()

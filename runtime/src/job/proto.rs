@@ -53,6 +53,8 @@ pub struct JobSpec {
     pub keep_checkpoints: usize,
     /// Extra time each step takes on each worker (to emulate slower devices), ms.
     pub step_delay_ms: u64,
+    /// Where workers compute: `cpu` or `cuda:N`.
+    pub device: String,
 }
 
 /// What the coordinator tells a worker.

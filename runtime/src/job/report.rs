@@ -28,6 +28,8 @@ pub struct Report {
     pub policy: String,
     pub adapter: Option<String>,
     pub store: String,
+    /// Where the workers computed: `cpu` or `cuda:N`.
+    pub device: String,
     pub seed: u64,
     pub workers_started: Vec<u64>,
     pub timeline: Vec<StepRecord>,
@@ -55,6 +57,7 @@ impl Report {
         policy: String,
         adapter: Option<String>,
         store: &str,
+        device: String,
         seed: u64,
     ) -> Self {
         Report {
@@ -76,6 +79,7 @@ impl Report {
             policy,
             adapter,
             store: store.to_string(),
+            device,
             seed,
             workers_started: outcome.workers_started,
             timeline: outcome.timeline,

@@ -7,7 +7,7 @@ use crate::data::{self, Dataset};
 use crate::model::Mlp;
 use crate::train::Trainer;
 use anyhow::{Context, Result, anyhow, bail};
-use edl_host_gpu::loss::SoftLabelLoss;
+use edl_host_gpu::{Device, loss::SoftLabelLoss};
 use std::{
     io::{BufRead, BufReader},
     net::SocketAddr,
@@ -26,6 +26,8 @@ pub struct TeacherTraining {
     pub lr: f32,
     pub momentum: f32,
     pub seed: u64,
+    /// Where it trains (the weights do not depend on it beyond rounding).
+    pub device: Device,
 }
 
 impl TeacherTraining {
@@ -61,7 +63,7 @@ pub fn teacher_model(
             Err(e) => tracing::warn!("cached teacher unusable, training it again: {e}"),
         }
     }
-    let mut trainer = Trainer::new(Mlp::random(&t.layers, t.seed));
+    let mut trainer = Trainer::on(t.device, Mlp::random(&t.layers, t.seed))?;
     let loss = SoftLabelLoss { temperature: 1.0, alpha: 0.0 };
     let mut last = 0.0;
     for epoch in 0..t.epochs {
@@ -71,7 +73,7 @@ pub fn teacher_model(
             let (x, y) = train.gather(chunk);
             sum += trainer.compute_gradient(&x, &y, None, &loss, y.len())?;
             rows += y.len();
-            trainer.apply(t.lr, t.momentum);
+            trainer.apply(t.lr, t.momentum)?;
         }
         last = (sum / rows.max(1) as f64) as f32;
         progress(epoch, last);
@@ -81,9 +83,9 @@ pub fn teacher_model(
     }
     std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
     let tmp = dir.join(format!(".tmp-{}", std::process::id()));
-    trainer.model.save(&tmp)?;
+    trainer.model().save(&tmp)?;
     std::fs::rename(&tmp, &path).with_context(|| format!("{}", path.display()))?;
-    Ok((path, trainer.model, true))
+    Ok((path, trainer.into_model(), true))
 }
 
 /// A teacher process serving a model.

@@ -20,7 +20,7 @@ use crate::plugin::{HostOptions, PluginHost, TransformPlugin};
 use crate::train::Trainer;
 use anyhow::{Context, Result, anyhow, bail};
 use edl_host_gpu::comm::{Communicator, ReduceOp, RingOptions, TcpRendezvous, TcpRing};
-use edl_host_gpu::loss::SoftLabelLoss;
+use edl_host_gpu::{Device, loss::SoftLabelLoss};
 use edl_plugin_sdk::{Batch, Dtype};
 use std::{
     net::{SocketAddr, TcpStream},
@@ -128,6 +128,7 @@ pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
         ToWorker::Plan(_) => bail!("worker {id}: the coordinator sent a plan before the job"),
     };
     let (train, _) = load_data(&spec)?;
+    let device: Device = spec.device.parse().map_err(|e: String| anyhow!("worker {id}: {e}"))?;
     let host = match &spec.transform {
         Some(_) => Some(PluginHost::new(HostOptions::default())?),
         None => None,
@@ -139,7 +140,8 @@ pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
     };
     let mut w = Worker {
         id,
-        trainer: Trainer::new(Mlp::random(&spec.layers, spec.seed)),
+        trainer: Trainer::on(device, Mlp::random(&spec.layers, spec.seed))
+            .with_context(|| format!("worker {id}"))?,
         loss: SoftLabelLoss { temperature: spec.temperature, alpha: spec.alpha },
         train: Arc::new(train),
         spec,
@@ -196,8 +198,8 @@ impl Worker {
                     plan.committed_steps
                 );
             }
-            self.trainer.model = r.model;
-            self.trainer.load_velocity(&r.velocity);
+            self.trainer.load_params_flat(&r.model.params_flat())?;
+            self.trainer.load_velocity(&r.velocity)?;
             self.applied = Some(plan.committed_steps);
         }
         let n = plan.committed_steps;
@@ -211,8 +213,8 @@ impl Worker {
             }
             (Some(_), Some((p, v, c))) if *c == n => {
                 let (p, v) = (p.clone(), v.clone());
-                self.trainer.load_params_flat(&p);
-                self.trainer.load_velocity(&v);
+                self.trainer.load_params_flat(&p)?;
+                self.trainer.load_velocity(&v)?;
                 self.applied = Some(n);
             }
             (None, _) => {} // a joiner: gets the state by broadcast
@@ -248,8 +250,8 @@ impl Worker {
                 vec![0.0; 2 * n]
             };
             ring.broadcast(&mut state, 0).context("broadcasting parameters from rank 0")?;
-            self.trainer.load_params_flat(&state[..n]);
-            self.trainer.load_velocity(&state[n..]);
+            self.trainer.load_params_flat(&state[..n])?;
+            self.trainer.load_velocity(&state[n..])?;
             self.applied = Some(plan.committed_steps);
             self.committed = Some((state[..n].to_vec(), state[n..].to_vec(), plan.committed_steps));
         } else if self.applied.is_none() {
@@ -409,7 +411,7 @@ impl Worker {
         let (_, ring) = self.ring.as_mut().expect("joined above");
         ring.all_reduce(self.trainer.grad_mut(), ReduceOp::Sum)
             .with_context(|| format!("all-reduce of step {}", plan.committed_steps))?;
-        self.trainer.apply(plan.hyper.lr, plan.hyper.momentum);
+        self.trainer.apply(plan.hyper.lr, plan.hyper.momentum)?;
         self.applied = Some(plan.committed_steps + 1);
         Ok(done(ids, loss, compute_ms))
     }
@@ -420,9 +422,9 @@ impl Worker {
         if *n != manifest.step {
             bail!("committed state is at step {n}, the checkpoint asked for {}", manifest.step);
         }
-        let mut t = Trainer::new(self.trainer.model.clone());
-        t.load_params_flat(p);
-        t.load_velocity(v);
+        let mut t = Trainer::new(self.trainer.model().clone());
+        t.load_params_flat(p)?;
+        t.load_velocity(v)?;
         Ok(Checkpoints::new(&self.spec.checkpoint_dir, self.spec.keep_checkpoints).save(&t, manifest)?)
     }
 }

@@ -340,3 +340,59 @@ fn a_step_that_keeps_failing_ends_the_job_with_the_reason() {
     assert!(text.contains("answered nothing within 1s"), "{text}");
     assert!(started.elapsed() < Duration::from_secs(60), "bounded: {:?}", started.elapsed());
 }
+
+#[test]
+fn a_job_on_cuda_without_a_gpu_stops_before_starting_anything() {
+    if edl_host_gpu::device::driver_present() {
+        eprintln!(
+            "SKIPPED a_job_on_cuda_without_a_gpu_stops_before_starting_anything: a CUDA driver is present"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = job(dir.path(), &["--policy", art::SCHEDULE_WASM, "--device", "cuda"]).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains(
+            "checking --device before the job starts: cuda:0: no CUDA driver library (libcuda) found"
+        ),
+        "{text}"
+    );
+    assert!(!text.contains("teacher "), "no teacher was trained or started: {text}");
+    assert!(!dir.path().join("report.json").exists());
+}
+
+#[test]
+fn a_job_on_cuda_resizes_and_trains_every_sample_once() {
+    if !edl_host_gpu::testing::cuda_or_skip("a_job_on_cuda_resizes_and_trains_every_sample_once") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "--policy",
+        art::SCHEDULE_WASM,
+        "--policy-config",
+        "every=8",
+        "--decide-every",
+        "4",
+        "--max-workers",
+        "3",
+        "--epochs",
+        "3",
+        "--device",
+        "cuda:0",
+    ];
+    let mut child = job(dir.path(), &args).spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    assert!(status.success(), "{}", seen.join("\n"));
+    let r = report(dir.path());
+    assert_eq!(r["device"], "cuda:0");
+    assert_exactly_once(&r, 3, 1200);
+    let resizes =
+        r["scale_events"].as_array().unwrap().iter().filter(|e| e["from"].as_u64() > Some(0)).count();
+    assert!(resizes >= 2, "{}", r["scale_events"]);
+    assert!(r["student_test_accuracy"].as_f64().unwrap() > 0.8, "{}", r["student_test_accuracy"]);
+}
