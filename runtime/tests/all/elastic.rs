@@ -129,6 +129,21 @@ fn report(dir: &Path) -> Value {
         .unwrap()
 }
 
+/// Three epochs under the schedule policy, which grows the job 1 -> 2 -> 3
+/// workers and shrinks it again, a decision every 4 steps.
+const GROWING: [&str; 10] = [
+    "--policy",
+    art::SCHEDULE_WASM,
+    "--policy-config",
+    "every=8",
+    "--decide-every",
+    "4",
+    "--max-workers",
+    "3",
+    "--epochs",
+    "3",
+];
+
 /// Every epoch: every training sample consumed by exactly one committed step.
 fn assert_exactly_once(r: &Value, epochs: u64, samples: u64) {
     let list = r["epochs"].as_array().unwrap();
@@ -144,25 +159,7 @@ fn assert_exactly_once(r: &Value, epochs: u64, samples: u64) {
 #[test]
 fn exactly_once_across_policy_resizes_and_a_killed_worker() {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = job(
-        dir.path(),
-        &[
-            "--policy",
-            art::SCHEDULE_WASM,
-            "--policy-config",
-            "every=8",
-            "--decide-every",
-            "4",
-            "--max-workers",
-            "3",
-            "--epochs",
-            "3",
-            "--step-delay-ms",
-            "25",
-        ],
-    )
-    .spawn()
-    .unwrap();
+    let mut child = job(dir.path(), &[&GROWING[..], &["--step-delay-ms", "25"]].concat()).spawn().unwrap();
     let coordinator = child.id();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
@@ -369,21 +366,7 @@ fn a_job_on_cuda_resizes_and_trains_every_sample_once() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let args = [
-        "--policy",
-        art::SCHEDULE_WASM,
-        "--policy-config",
-        "every=8",
-        "--decide-every",
-        "4",
-        "--max-workers",
-        "3",
-        "--epochs",
-        "3",
-        "--device",
-        "cuda:0",
-    ];
-    let mut child = job(dir.path(), &args).spawn().unwrap();
+    let mut child = job(dir.path(), &[&GROWING[..], &["--device", "cuda:0"]].concat()).spawn().unwrap();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
     let status = finish(child, rx, &mut seen);
