@@ -36,8 +36,12 @@ fn resolve(p: &str) -> PathBuf {
 
 fn any_plugin(c: &mut Criterion) {
     let cache = tempfile::tempdir().unwrap();
-    let host = PluginHost::new(HostOptions { cache: ArtifactCache::at(cache.path()), ..Default::default() })
-        .unwrap();
+    let host = PluginHost::new(HostOptions {
+        cache: ArtifactCache::at(cache.path()),
+        allow_native: true,
+        ..Default::default()
+    })
+    .unwrap();
     let cold =
         PluginHost::new(HostOptions { cache: ArtifactCache::disabled(), ..Default::default() }).unwrap();
 

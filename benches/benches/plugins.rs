@@ -29,8 +29,12 @@ fn steady_view() -> ClusterView {
 
 fn policy_decision(c: &mut Criterion) {
     let cache = tempfile::tempdir().unwrap();
-    let host = PluginHost::new(HostOptions { cache: ArtifactCache::at(cache.path()), ..Default::default() })
-        .unwrap();
+    let host = PluginHost::new(HostOptions {
+        cache: ArtifactCache::at(cache.path()),
+        allow_native: true,
+        ..Default::default()
+    })
+    .unwrap();
     let view = steady_view();
     let mut wasm = host.load_policy(Path::new(art::AUTOSCALE_WASM), &[]).unwrap();
     let mut native = host.load_policy(Path::new(art::AUTOSCALE_SO), &[]).unwrap();
@@ -55,8 +59,12 @@ fn policy_decision(c: &mut Criterion) {
 
 fn augment_transform(c: &mut Criterion) {
     let cache = tempfile::tempdir().unwrap();
-    let host = PluginHost::new(HostOptions { cache: ArtifactCache::at(cache.path()), ..Default::default() })
-        .unwrap();
+    let host = PluginHost::new(HostOptions {
+        cache: ArtifactCache::at(cache.path()),
+        allow_native: true,
+        ..Default::default()
+    })
+    .unwrap();
     let batch = testing::standard_batch();
     let mut wasm = host.load_transform(Path::new(art::AUGMENT_WASM), &[]).unwrap();
     let mut native = host.load_transform(Path::new(art::AUGMENT_SO), &[]).unwrap();

@@ -21,6 +21,9 @@ const PLUGINS: &[(&str, &str, bool, bool)] = &[
     ("edl-test-plugin-spin", "spin", false, false),
     ("edl-test-plugin-membomb", "membomb", false, false),
     ("edl-test-plugin-panicky", "panicky", false, true),
+    ("edl-test-plugin-hostile-policy", "hostile_policy", false, false),
+    ("edl-test-plugin-hostile-adapter", "hostile_adapter", false, false),
+    ("edl-test-plugin-hostile-transform", "hostile_transform", false, false),
 ];
 
 fn cargo(workspace: &Path, target_dir: &Path, target: Option<&str>, packages: &[&str]) {

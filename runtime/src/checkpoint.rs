@@ -4,6 +4,13 @@
 //! and renamed into place, so a crash never leaves a half-written one under
 //! a valid name; the last `keep` are kept. Loading takes the newest that
 //! verifies; a corrupt or truncated one is reported by name and skipped.
+//!
+//! Durability: every file is fsynced before the rename and the directory
+//! after it; a checkpoint of the same step that already exists is moved
+//! aside and removed only once the new one is in place (a crash between the
+//! two renames is repaired by [`Checkpoints::list`]). The manifest carries
+//! its own sha256 in `manifest.sha256`, so a bit flip that leaves valid JSON
+//! (a step, a cursor) is caught like a damaged tensor file.
 
 use crate::model::{Mlp, ModelError};
 use crate::train::Trainer;
@@ -64,13 +71,40 @@ fn sha256_of(path: &Path) -> Result<String, CheckpointError> {
     Ok(hex::encode(Sha256::digest(std::fs::read(path).map_err(|e| io(path, e))?)))
 }
 
+/// Writes a file and forces it to disk.
+fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let mut f = std::fs::File::create(path).map_err(|e| io(path, e))?;
+    std::io::Write::write_all(&mut f, bytes).map_err(|e| io(path, e))?;
+    f.sync_all().map_err(|e| io(path, e))
+}
+
+/// Forces a file written by another writer (safetensors) to disk.
+fn sync_file(path: &Path) -> Result<(), CheckpointError> {
+    std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(|e| io(path, e))
+}
+
+/// Makes renames and removals inside `dir` durable.
+fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
+    std::fs::File::open(dir).and_then(|f| f.sync_all()).map_err(|e| io(dir, e))
+}
+
 impl Checkpoints {
     pub fn new(dir: impl Into<PathBuf>, keep: usize) -> Self {
         Checkpoints { dir: dir.into(), keep: keep.max(1) }
     }
 
-    /// The checkpoint directories, oldest first.
+    /// The checkpoint directories, oldest first. A checkpoint moved aside by
+    /// a writer that crashed before the new copy took its place is put back.
     pub fn list(&self) -> Vec<(u64, PathBuf)> {
+        for e in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix(".old-") else { continue };
+            let Some((step, _pid)) = rest.rsplit_once('-') else { continue };
+            let dest = self.dir.join(step);
+            if step.starts_with("step-") && !dest.exists() {
+                let _ = std::fs::rename(e.path(), &dest);
+            }
+        }
         let mut out: Vec<(u64, PathBuf)> = std::fs::read_dir(&self.dir)
             .into_iter()
             .flatten()
@@ -99,13 +133,26 @@ impl Checkpoints {
             .map_err(|e| io(&tmp, e))?;
         manifest.files.clear();
         for f in ["model.safetensors", "optimizer.safetensors"] {
+            sync_file(&tmp.join(f))?;
             manifest.files.insert(f.into(), sha256_of(&tmp.join(f))?);
         }
         let json = serde_json::to_vec_pretty(&manifest).map_err(|e| io(&tmp, e))?;
-        std::fs::write(tmp.join("manifest.json"), json).map_err(|e| io(&tmp, e))?;
+        write_durably(&tmp.join("manifest.json"), &json)?;
+        write_durably(&tmp.join("manifest.sha256"), hex::encode(Sha256::digest(&json)).as_bytes())?;
+        sync_dir(&tmp)?;
         let dest = self.dir.join(&name);
-        let _ = std::fs::remove_dir_all(&dest);
+        // Never remove the old copy before the new one is durable.
+        let aside = self.dir.join(format!(".old-{name}-{}", std::process::id()));
+        let replacing = dest.exists();
+        if replacing {
+            let _ = std::fs::remove_dir_all(&aside);
+            std::fs::rename(&dest, &aside).map_err(|e| io(&dest, e))?;
+        }
         std::fs::rename(&tmp, &dest).map_err(|e| io(&dest, e))?;
+        sync_dir(&self.dir)?;
+        if replacing {
+            let _ = std::fs::remove_dir_all(&aside);
+        }
         let all = self.list();
         for (_, old) in all.iter().take(all.len().saturating_sub(self.keep)) {
             let _ = std::fs::remove_dir_all(old);
@@ -113,9 +160,35 @@ impl Checkpoints {
         Ok(dest)
     }
 
+    /// Removes what an interrupted writer left: temporary directories (call
+    /// only while nothing writes checkpoints, as at a job's start).
+    pub fn clean_leftovers(&self) -> Vec<PathBuf> {
+        let _ = self.list(); // puts back a checkpoint moved aside by a crash
+        let mut removed = Vec::new();
+        for e in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if (name.starts_with(".tmp-step-") || name.starts_with(".old-step-")) && e.path().is_dir() {
+                if std::fs::remove_dir_all(e.path()).is_ok() {
+                    removed.push(e.path());
+                }
+            }
+        }
+        removed
+    }
+
     fn read(path: &Path) -> Result<Restored, CheckpointError> {
         let text =
             std::fs::read(path.join("manifest.json")).map_err(|e| io(&path.join("manifest.json"), e))?;
+        let sum_path = path.join("manifest.sha256");
+        let recorded = std::fs::read_to_string(&sum_path)
+            .map_err(|e| io(&sum_path, format!("no manifest checksum ({e}); not a complete checkpoint")))?;
+        let actual = hex::encode(Sha256::digest(&text));
+        if recorded.trim() != actual {
+            return Err(io(
+                &path.join("manifest.json"),
+                format!("sha256 {actual} does not match manifest.sha256 ({})", recorded.trim()),
+            ));
+        }
         let manifest: Manifest = serde_json::from_slice(&text)
             .map_err(|e| io(&path.join("manifest.json"), format!("not a manifest: {e}")))?;
         for f in ["model.safetensors", "optimizer.safetensors"] {
@@ -203,7 +276,42 @@ mod tests {
         let (r, skipped) = cps.latest();
         assert!(r.is_none());
         assert_eq!(skipped.len(), 2);
-        assert!(skipped[1].to_string().contains("not a manifest"), "{}", skipped[1]);
+        assert!(skipped[1].to_string().contains("does not match manifest.sha256"), "{}", skipped[1]);
+    }
+
+    #[test]
+    fn a_manifest_altered_into_other_valid_json_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let cps = Checkpoints::new(dir.path(), 3);
+        let t = Trainer::new(Mlp::random(&[4, 3, 2], 1));
+        cps.save(&t, manifest(10)).unwrap();
+        cps.save(&t, manifest(20)).unwrap();
+        let newest = cps.list().last().unwrap().1.join("manifest.json");
+        let text = std::fs::read_to_string(&newest).unwrap();
+        std::fs::write(&newest, text.replace("\"cursor\": 0", "\"cursor\": 64")).unwrap();
+        let (r, skipped) = cps.latest();
+        assert_eq!(r.unwrap().manifest.step, 10);
+        assert!(skipped[0].to_string().contains("does not match manifest.sha256"), "{}", skipped[0]);
+    }
+
+    #[test]
+    fn rewriting_a_step_never_leaves_it_missing_and_leftovers_are_cleaned() {
+        let dir = tempfile::tempdir().unwrap();
+        let cps = Checkpoints::new(dir.path(), 3);
+        let mut model = Mlp::random(&[4, 3, 2], 1);
+        cps.save(&Trainer::new(model.clone()), manifest(10)).unwrap();
+        model.layers[0].bias[0] = 42.0;
+        cps.save(&Trainer::new(model.clone()), manifest(10)).unwrap();
+        assert_eq!(cps.latest().0.unwrap().model.layers[0].bias[0], 42.0);
+        // A crash after the old copy was moved aside and before the new one
+        // took its place: the old one comes back.
+        let step = cps.list()[0].1.clone();
+        std::fs::rename(&step, dir.path().join(".old-step-0000000010-999")).unwrap();
+        std::fs::create_dir(dir.path().join(".tmp-step-0000000020-999")).unwrap();
+        assert_eq!(cps.latest().0.unwrap().manifest.step, 10);
+        let removed = cps.clean_leftovers();
+        assert_eq!(removed.len(), 1, "{removed:?}");
+        assert!(!dir.path().join(".tmp-step-0000000020-999").exists());
     }
 
     #[test]

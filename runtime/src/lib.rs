@@ -7,6 +7,7 @@
 pub mod checkpoint;
 pub mod data;
 pub mod distill;
+pub mod gemm;
 pub mod job;
 pub mod model;
 pub mod oip;

@@ -97,8 +97,8 @@ enum PluginCommand {
         /// Draw world size and throughput over the steps to this SVG file.
         #[arg(long)]
         plot: Option<PathBuf>,
-        /// Policy configuration, `key=value` (repeatable).
-        #[arg(long = "config", value_parser = parse_pair)]
+        /// Policy configuration, `key=value` (repeatable), as for the main command.
+        #[arg(long = "policy-config", alias = "config", value_parser = parse_pair)]
         config: Vec<(String, String)>,
         /// Print JSON lines instead of a table.
         #[arg(long)]
@@ -304,6 +304,10 @@ struct SandboxArgs {
     /// Compile plugins at every load.
     #[arg(long, global = true)]
     no_plugin_cache: bool,
+    /// Allow native plugin libraries (.so/.dylib/.dll): they run unsandboxed,
+    /// with this process's rights, and are refused without this flag.
+    #[arg(long, global = true)]
+    allow_native: bool,
 }
 
 fn parse_pair(s: &str) -> Result<(String, String), String> {
@@ -341,7 +345,7 @@ fn host(args: &SandboxArgs) -> Result<Arc<PluginHost>> {
         memory_bytes: args.plugin_memory_mib << 20,
         ..Limits::default()
     };
-    Ok(PluginHost::new(HostOptions { limits, cache })?)
+    Ok(PluginHost::new(HostOptions { limits, cache, allow_native: args.allow_native })?)
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
@@ -376,6 +380,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Some(Command::Plugin { command: PluginCommand::Replay { policy, trace, plot, config, json } }) => {
+            // Printing a table to a closed pipe (`| head`) ends the command
+            // quietly, as it does for other Unix tools, instead of panicking.
+            // SAFETY: restoring a signal's default disposition has no preconditions.
+            unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
             let mut p = host.load_policy(&policy, &config)?;
             let (decisions, recorded) = match replay::read_trace(&trace)? {
                 Trace::Recorded(views) => (replay::replay(p.as_mut(), &views)?, true),

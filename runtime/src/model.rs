@@ -121,25 +121,16 @@ impl Mlp {
             for r in 0..rows {
                 out[r * l.outputs..(r + 1) * l.outputs].copy_from_slice(&l.bias);
             }
-            // SAFETY: the slices hold rows x inputs, inputs x outputs and rows x outputs values.
-            unsafe {
-                matrixmultiply::sgemm(
-                    rows,
-                    l.inputs,
-                    l.outputs,
-                    1.0,
-                    cur.as_ptr(),
-                    l.inputs as isize,
-                    1,
-                    l.weight.as_ptr(),
-                    l.outputs as isize,
-                    1,
-                    1.0,
-                    out.as_mut_ptr(),
-                    l.outputs as isize,
-                    1,
-                );
-            }
+            crate::gemm::gemm(
+                rows,
+                l.inputs,
+                l.outputs,
+                crate::gemm::View::row_major(&cur, l.inputs),
+                crate::gemm::View::row_major(&l.weight, l.outputs),
+                &mut out,
+                true,
+            )
+            .expect("a layer's operands have the layer's sizes");
             if i + 1 < self.layers.len() {
                 out.iter_mut().for_each(|v| *v = v.max(0.0));
             }

@@ -254,7 +254,10 @@ pub fn simulate(
         sim.apply(&actions);
         let after = sim.world_size();
         let mut event = None;
-        if after != before_size || actions.iter().any(|a| matches!(a, Action::Replace(_))) {
+        let replaced = actions
+            .iter()
+            .any(|a| matches!(a, Action::Replace(id) if view.workers.iter().any(|w| w.id == *id)));
+        if after != before_size || replaced {
             let reason = actions.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", ");
             let mut chosen = None;
             if let Some(a) = adapter.as_deref_mut()

@@ -15,6 +15,7 @@
 //! same step as one worker on B.
 
 use crate::data::Dataset;
+use crate::gemm::{ShapeError, View, gemm};
 use crate::model::Mlp;
 use edl_host_gpu::Device;
 use edl_host_gpu::loss::{Batch as LossBatch, LossError, SoftLabelLoss, Teacher};
@@ -29,6 +30,10 @@ pub enum TrainError {
     Device { device: Device, source: MlpError },
     #[error("{what} has {got} values, the model has {want} parameters")]
     Shape { what: &'static str, got: usize, want: usize },
+    #[error("batch of {rows} rows: {detail}")]
+    Batch { rows: usize, detail: String },
+    #[error(transparent)]
+    Product(#[from] ShapeError),
 }
 
 /// A model with its optimiser state and gradient buffer.
@@ -38,41 +43,6 @@ pub struct Trainer {
     velocity: Vec<f32>,
     grad: Vec<f32>,
     cuda: Option<(usize, CudaMlp)>,
-}
-
-/// Multiplies row-major matrices with explicit strides: C = A B (+ C when `accumulate`).
-#[allow(clippy::too_many_arguments)]
-fn gemm(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    (rsa, csa): (isize, isize),
-    b: &[f32],
-    (rsb, csb): (isize, isize),
-    c: &mut [f32],
-    accumulate: bool,
-) {
-    assert!(c.len() >= m * n);
-    // SAFETY: the callers pass slices of at least the extents the strides reach.
-    unsafe {
-        matrixmultiply::sgemm(
-            m,
-            k,
-            n,
-            1.0,
-            a.as_ptr(),
-            rsa,
-            csa,
-            b.as_ptr(),
-            rsb,
-            csb,
-            if accumulate { 1.0 } else { 0.0 },
-            c.as_mut_ptr(),
-            n as isize,
-            1,
-        );
-    }
 }
 
 impl Trainer {
@@ -162,6 +132,32 @@ impl Trainer {
         &mut self.grad
     }
 
+    /// Checks a batch against the model: `rows x input` finite features,
+    /// labels below the class count, `rows x classes` finite teacher logits.
+    fn check_batch(&self, x: &[f32], labels: &[u32], teacher: Option<&[f32]>) -> Result<(), TrainError> {
+        let rows = labels.len();
+        let (input, classes) = (self.model.input_dim(), self.model.output_dim());
+        let bad = |detail: String| Err(TrainError::Batch { rows, detail });
+        if Some(x.len()) != rows.checked_mul(input) {
+            return bad(format!("{} feature values, the model takes {input} per row", x.len()));
+        }
+        if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+            return bad(format!("feature {} of row {} is {}", i % input.max(1), i / input.max(1), x[i]));
+        }
+        if let Some((r, y)) = labels.iter().enumerate().find(|(_, y)| **y as usize >= classes) {
+            return bad(format!("label {y} of row {r} is not below the {classes} classes"));
+        }
+        if let Some(t) = teacher {
+            if Some(t.len()) != rows.checked_mul(classes) {
+                return bad(format!("{} teacher logits, {classes} per row expected", t.len()));
+            }
+            if let Some(i) = t.iter().position(|v| !v.is_finite()) {
+                return bad(format!("teacher logit {} of row {} is {}", i % classes, i / classes, t[i]));
+            }
+        }
+        Ok(())
+    }
+
     /// Computes the gradient of this shard's summed loss divided by
     /// `global_rows` into the gradient buffer; returns the shard's summed loss.
     /// Without `teacher` logits the loss is plain cross-entropy.
@@ -173,6 +169,7 @@ impl Trainer {
         loss: &SoftLabelLoss,
         global_rows: usize,
     ) -> Result<f64, TrainError> {
+        self.check_batch(x, labels, teacher)?;
         let err = self.device_err();
         if let Some((_, mlp)) = &mut self.cuda {
             return mlp.compute_gradient(x, labels, teacher, loss, global_rows, &mut self.grad).map_err(err);
@@ -193,13 +190,11 @@ impl Trainer {
                 rows,
                 l.inputs,
                 l.outputs,
-                &acts[i],
-                (l.inputs as isize, 1),
-                &l.weight,
-                (l.outputs as isize, 1),
+                View::row_major(&acts[i], l.inputs),
+                View::row_major(&l.weight, l.outputs),
                 &mut z,
                 true,
-            );
+            )?;
             if i + 1 < self.model.layers.len() {
                 z.iter_mut().for_each(|v| *v = v.max(0.0));
             }
@@ -237,13 +232,11 @@ impl Trainer {
                 l.inputs,
                 rows,
                 l.outputs,
-                a,
-                (1, l.inputs as isize),
-                &g,
-                (l.outputs as isize, 1),
+                View::transposed(a, l.inputs),
+                View::row_major(&g, l.outputs),
                 dw,
                 false,
-            );
+            )?;
             for r in 0..rows {
                 for (db, gv) in rest[..l.outputs].iter_mut().zip(&g[r * l.outputs..(r + 1) * l.outputs]) {
                     *db += gv;
@@ -256,13 +249,11 @@ impl Trainer {
                     rows,
                     l.outputs,
                     l.inputs,
-                    &g,
-                    (l.outputs as isize, 1),
-                    &l.weight,
-                    (1, l.outputs as isize),
+                    View::row_major(&g, l.outputs),
+                    View::transposed(&l.weight, l.outputs),
                     &mut prev,
                     false,
-                );
+                )?;
                 for (p, act) in prev.iter_mut().zip(a) {
                     if *act <= 0.0 {
                         *p = 0.0;
@@ -346,6 +337,28 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_batch_that_does_not_fit_the_model_is_an_error_not_a_read_past_it() {
+        let mut t = Trainer::new(Mlp::random(&[4, 3, 2], 1));
+        let p = SoftLabelLoss { temperature: 2.0, alpha: 0.5 };
+        let x = vec![0.5f32; 3 * 4];
+        let soft = vec![0.1f32; 3 * 2];
+        let cases: Vec<(Vec<f32>, Vec<u32>, Option<Vec<f32>>, &str)> = vec![
+            (x.clone(), vec![0, 1], None, "12 feature values, the model takes 4 per row"),
+            (x[..8].to_vec(), vec![0, 1, 0], None, "8 feature values"),
+            (vec![0.5; 3 * 5], vec![0, 1, 0], None, "15 feature values"),
+            (x.clone(), vec![0, 1, 2], None, "label 2 of row 2 is not below the 2 classes"),
+            (x.clone(), vec![0, 1, 0], Some(soft[..4].to_vec()), "4 teacher logits"),
+            (x.clone(), vec![0, 1, 0], Some(vec![f32::NAN; 6]), "teacher logit 0 of row 0 is NaN"),
+            ([&x[..5], &[f32::INFINITY], &x[6..]].concat(), vec![0, 1, 0], None, "feature 1 of row 1 is inf"),
+        ];
+        for (x, y, teacher, want) in cases {
+            let e = t.compute_gradient(&x, &y, teacher.as_deref(), &p, 3).unwrap_err().to_string();
+            assert!(e.contains(want), "{e:?} should say {want:?}");
+        }
+        t.compute_gradient(&x, &[0, 1, 0], Some(&soft), &p, 3).unwrap();
     }
 
     #[test]

@@ -43,13 +43,6 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
             args.plugins.policy.display()
         );
     }
-    if args.min_workers == 0 || args.min_workers > args.max_workers {
-        bail!(
-            "--min-workers {} and --max-workers {}: need 1 <= min <= max",
-            args.min_workers,
-            args.max_workers
-        );
-    }
     let policy: Box<dyn PolicyPlugin> =
         host.load_policy(&args.plugins.policy, &args.plugins.policy_config)?;
     let adapter: Option<Box<dyn AdapterPlugin>> = match &args.plugins.adapter {
@@ -66,7 +59,6 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
     let checkpoint_dir =
         args.checkpoint_dir.clone().unwrap_or_else(|| root.join(&args.job).join("checkpoints"));
     let log_dir = checkpoint_dir.parent().unwrap_or(&checkpoint_dir).join("logs");
-    std::fs::create_dir_all(&log_dir).with_context(|| format!("{}", log_dir.display()))?;
     let exe = std::env::current_exe().context("locating edl-runtime")?;
 
     let mut spec = JobSpec {
@@ -89,6 +81,9 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         keep_checkpoints: args.keep_checkpoints,
         step_delay_ms: args.step_delay_ms,
         device: args.device.to_string(),
+        plugin_deadline_ms: host.limits().deadline.as_millis() as u64,
+        plugin_memory_mib: host.limits().memory_bytes >> 20,
+        allow_native: host.allows_native(),
     };
     let (train, test) = load_data(&JobSpec { train_samples: None, ..spec.clone() })?;
     let hidden = sizes(&args.hidden, "hidden")?;
@@ -100,6 +95,30 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
             .context("checking --device before the job starts")?;
     }
     let student_rows = args.train_samples.map_or(train.len(), |n| n.min(train.len()));
+    let mut cfg = JobConfig {
+        spec: spec.clone(),
+        min_workers: args.min_workers,
+        max_workers: args.max_workers,
+        initial_workers: args.workers.unwrap_or(args.min_workers),
+        decide_every: args.decide_every,
+        checkpoint_every: args.checkpoint_every,
+        hyper: Hyperparams {
+            global_batch: args.batch,
+            local_batch: args.batch,
+            lr: args.lr,
+            momentum: args.momentum,
+        },
+        store: args.store.clone(),
+        step_timeout: Duration::from_secs(args.step_timeout),
+        join_timeout: Duration::from_secs(60),
+        price_per_worker_hour: args.price,
+    };
+    // Everything a flag can get wrong is refused here, before a teacher or
+    // worker starts.
+    cfg.validate(student_rows)?;
+    job::preflight(&cfg)?;
+    let lock = job::JobLock::acquire(&spec.checkpoint_dir, &args.job)?;
+    std::fs::create_dir_all(&log_dir).with_context(|| format!("{}", log_dir.display()))?;
     println!(
         "job {:?}: {} ({} training samples, {} test), student {:?}, {} epochs, {}..{} workers on {}, store {}",
         args.job,
@@ -111,7 +130,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         args.min_workers,
         args.max_workers,
         args.device,
-        args.store
+        edl_runtime::store::redact(&args.store)
     );
     println!("policy    {policy_name} ({}, {})", args.plugins.policy.display(), policy.backend());
     if let Some(a) = &adapter_name {
@@ -174,24 +193,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         });
     }
 
-    let cfg = JobConfig {
-        spec: spec.clone(),
-        min_workers: args.min_workers,
-        max_workers: args.max_workers,
-        initial_workers: args.workers.unwrap_or(args.min_workers),
-        decide_every: args.decide_every,
-        checkpoint_every: args.checkpoint_every,
-        hyper: Hyperparams {
-            global_batch: args.batch,
-            local_batch: args.batch,
-            lr: args.lr,
-            momentum: args.momentum,
-        },
-        store: args.store.clone(),
-        step_timeout: Duration::from_secs(args.step_timeout),
-        join_timeout: Duration::from_secs(60),
-        price_per_worker_hour: args.price,
-    };
+    cfg.spec = spec.clone();
     let total = args.epochs * student_rows as u64;
     let bar = ProgressBar::new(total);
     bar.set_style(
@@ -240,7 +242,25 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         }
         Progress::Note(n) => say(&bar, format!("note      {n}")),
     };
-    let outcome = job::coordinator::run(cfg, policy, adapter, scaler, &mut progress)?;
+    let outcome = match job::coordinator::run(cfg, lock, policy, adapter, scaler, &mut progress) {
+        Ok(o) => o,
+        Err(e) => {
+            bar.finish_and_clear();
+            if let Some(out) = &args.report {
+                // A failed job still says what happened, for whoever reads the reports.
+                let failed = serde_json::json!({
+                    "job": args.job,
+                    "status": "failed",
+                    "error": format!("{e:#}"),
+                    "checkpoint_dir": checkpoint_dir,
+                });
+                if let Err(w) = std::fs::write(out, serde_json::to_vec_pretty(&failed)?) {
+                    eprintln!("could not write the report {}: {w}", out.display());
+                }
+            }
+            return Err(e);
+        }
+    };
     bar.finish_and_clear();
     drop(teacher_procs);
 
@@ -254,7 +274,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         !args.no_distill,
         policy_name,
         adapter_name,
-        &args.store,
+        &edl_runtime::store::redact(&args.store),
         args.device.to_string(),
         args.seed,
     );
@@ -297,5 +317,6 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         plot::training_run(out, &title, &report.timeline, &report.scale_events)?;
         println!("          plot written to {}", out.display());
     }
+    job::coordinator::mark_complete(&spec.checkpoint_dir, &report.epochs)?;
     Ok(if bad == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

@@ -54,6 +54,58 @@ pub struct JobConfig {
     pub price_per_worker_hour: f64,
 }
 
+impl JobConfig {
+    /// Refuses settings a job cannot run with, naming the flag, before
+    /// anything starts. `train_len` is the size of the training set.
+    pub fn validate(&self, train_len: usize) -> Result<()> {
+        let h = &self.hyper;
+        if train_len == 0 {
+            bail!("the training set is empty (--train-samples 0?)");
+        }
+        if self.spec.epochs == 0 {
+            bail!("--epochs 0: a job trains at least one epoch");
+        }
+        if self.min_workers == 0 || self.min_workers > self.max_workers {
+            bail!(
+                "--min-workers {} and --max-workers {}: need 1 <= min <= max",
+                self.min_workers,
+                self.max_workers
+            );
+        }
+        if self.initial_workers > self.max_workers {
+            bail!("--workers {} is above --max-workers {}", self.initial_workers, self.max_workers);
+        }
+        if h.global_batch == 0 || h.global_batch as usize > train_len {
+            bail!("--batch {}: need 1 <= batch <= {train_len} (the training samples)", h.global_batch);
+        }
+        if !(h.lr.is_finite() && h.lr > 0.0) {
+            bail!("--lr {}: need a finite learning rate above 0", h.lr);
+        }
+        if !(h.momentum.is_finite() && (0.0..1.0).contains(&h.momentum)) {
+            bail!("--momentum {}: need 0 <= momentum < 1", h.momentum);
+        }
+        let spec = &self.spec;
+        if !(spec.temperature.is_finite() && spec.temperature > 0.0) {
+            bail!("--temperature {}: need a finite temperature above 0", spec.temperature);
+        }
+        if !(spec.alpha.is_finite() && (0.0..=1.0).contains(&spec.alpha)) {
+            bail!("--alpha {}: need 0 <= alpha <= 1", spec.alpha);
+        }
+        for (flag, v) in [
+            ("--decide-every", self.decide_every),
+            ("--checkpoint-every", self.checkpoint_every),
+            ("--keep-checkpoints", spec.keep_checkpoints as u64),
+            ("--collective-timeout-ms", spec.collective_timeout_ms),
+            ("--step-timeout", self.step_timeout.as_secs()),
+        ] {
+            if v == 0 {
+                bail!("{flag} 0: need at least 1");
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A change of world size, as the report shows it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ScaleEvent {
@@ -136,6 +188,51 @@ struct Bookkeeping {
     ledger: Ledger,
     events: Vec<ScaleEvent>,
     generation: u64,
+    /// What the data order depends on: a resume with other values would
+    /// walk another permutation and train samples twice or never.
+    #[serde(default)]
+    data: Option<DataIdentity>,
+}
+
+/// The flags that decide which samples a (step, cursor) names.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+struct DataIdentity {
+    dataset: String,
+    test_rows: usize,
+    split_seed: u64,
+    train_samples: usize,
+    seed: u64,
+    layers: Vec<usize>,
+}
+
+impl DataIdentity {
+    fn of(spec: &JobSpec, train_len: usize) -> Self {
+        DataIdentity {
+            dataset: spec.dataset.clone(),
+            test_rows: spec.test_rows,
+            split_seed: spec.split_seed,
+            train_samples: train_len,
+            seed: spec.seed,
+            layers: spec.layers.clone(),
+        }
+    }
+
+    /// The differences from `now`, as flags.
+    fn differences(&self, now: &DataIdentity) -> Vec<String> {
+        let mut d = Vec::new();
+        let mut cmp = |flag: &str, was: String, is: String| {
+            if was != is {
+                d.push(format!("{flag} {was} (this run: {is})"));
+            }
+        };
+        cmp("--dataset", self.dataset.clone(), now.dataset.clone());
+        cmp("test rows", self.test_rows.to_string(), now.test_rows.to_string());
+        cmp("split seed", self.split_seed.to_string(), now.split_seed.to_string());
+        cmp("--train-samples", self.train_samples.to_string(), now.train_samples.to_string());
+        cmp("--seed", self.seed.to_string(), now.seed.to_string());
+        cmp("layers (--hidden)", format!("{:?}", self.layers), format!("{:?}", now.layers));
+        d
+    }
 }
 
 struct Member {
@@ -143,6 +240,8 @@ struct Member {
     conn: u64,
     stream: TcpStream,
     pid: u32,
+    /// When it said hello (a welcomed worker must be ready within the join timeout).
+    since: Instant,
 }
 
 enum Inbound {
@@ -191,6 +290,9 @@ struct Coordinator<'a> {
     spawning: BTreeMap<u64, Instant>,
     /// Replacement id -> the worker it replaces.
     replacing: BTreeMap<u64, u64>,
+    /// Replaced workers kept for one more step because they held the only
+    /// state (a one-worker job): they leave at the next boundary.
+    retiring: Vec<u64>,
     generation: u64,
     first_generation: u64,
     committed: u64,
@@ -215,24 +317,34 @@ struct Coordinator<'a> {
     workers_started: Vec<u64>,
     last_lease: Instant,
     train_len: usize,
+    /// Writes job state and leases off the step's path (from the job's start).
+    keeper: Option<super::keeper::StoreKeeper>,
+    /// The stored job state's token when this run read it.
+    state_token: Option<u64>,
 }
 
 /// A step that fails this many times in a row (every generation tried) ends the job.
 const MAX_FAILED_ATTEMPTS: u32 = 5;
+
+/// Bound on writing one control message to a worker.
+const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
 /// Runs a job to its end.
+/// `lock` is the job's [`JobLock`](super::JobLock), held until the job ends.
 pub fn run(
     cfg: JobConfig,
+    lock: super::JobLock,
     policy: Box<dyn PolicyPlugin>,
     adapter: Option<Box<dyn AdapterPlugin>>,
     scaler: Box<dyn Scaler>,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<JobOutcome> {
     let (train, _) = super::worker::load_data(&cfg.spec)?;
+    cfg.validate(train.len())?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let store = {
         let _g = rt.enter();
@@ -261,6 +373,7 @@ pub fn run(
         joiners: Vec::new(),
         spawning: BTreeMap::new(),
         replacing: BTreeMap::new(),
+        retiring: Vec::new(),
         generation: 0,
         first_generation: 0,
         committed: 0,
@@ -284,6 +397,8 @@ pub fn run(
         workers_started: Vec::new(),
         last_lease: now,
         train_len: train.len(),
+        keeper: None,
+        state_token: None,
         cfg,
     };
     let result = c.job();
@@ -293,7 +408,17 @@ pub fn run(
     for id in std::mem::take(&mut c.spawning).into_keys() {
         c.scaler.stop(id, Duration::from_secs(1));
     }
+    drop(lock);
     result
+}
+
+/// Marks a job finished (after its report is written): a rerun starts
+/// it again from step 0. Until then a rerun resumes from the final
+/// checkpoint and only writes the report.
+pub fn mark_complete(checkpoint_dir: &std::path::Path, epochs: &[EpochRecord]) -> Result<()> {
+    let marker = checkpoint_dir.join("complete.json");
+    std::fs::write(&marker, serde_json::to_vec_pretty(epochs)?)
+        .with_context(|| format!("{}", marker.display()))
 }
 
 /// Accepts worker connections; one reader thread per connection.
@@ -302,6 +427,10 @@ fn accept(listener: TcpListener, tx: mpsc::Sender<Inbound>) {
         let Ok(conn) = conn else { continue };
         let n = n as u64;
         let _ = conn.set_nodelay(true);
+        // A send to a worker that stopped reading fails instead of blocking
+        // the coordinator; keepalive notices a peer whose host went away.
+        let _ = conn.set_write_timeout(Some(SEND_TIMEOUT));
+        super::proto::keepalive(&conn);
         let Ok(reader) = conn.try_clone() else { continue };
         if tx.send(Inbound::Conn(n, conn)).is_err() {
             return;
@@ -351,7 +480,10 @@ impl Coordinator<'_> {
     fn resume(&mut self) -> Result<Option<u64>> {
         let key = keys::job_state(&self.cfg.spec.job);
         let stored: Option<JobState> = match self.rt.block_on(self.store.get(&key)) {
-            Ok(Some(e)) => serde_json::from_slice(&e.value).ok(),
+            Ok(Some(e)) => {
+                self.state_token = Some(e.token);
+                serde_json::from_slice(&e.value).ok()
+            }
             Ok(None) => None,
             Err(e) => bail!("reading the job state: {e}"),
         };
@@ -367,6 +499,9 @@ impl Coordinator<'_> {
             let _ = std::fs::remove_file(self.complete_marker());
             return Ok(None);
         }
+        for p in self.checkpoints().clean_leftovers() {
+            self.note(format!("removed {} (left by an interrupted checkpoint write)", p.display()));
+        }
         let (restored, skipped) = self.checkpoints().latest();
         for e in skipped {
             self.note(format!("skipping an unusable checkpoint: {e}"));
@@ -381,6 +516,17 @@ impl Coordinator<'_> {
         }
         let book: Bookkeeping = serde_json::from_value(m.plugin_state.clone())
             .with_context(|| format!("{}: manifest has no coordinator state", r.path.display()))?;
+        let now = DataIdentity::of(&self.cfg.spec, self.train_len);
+        let was = book.data.clone().unwrap_or(DataIdentity { seed: m.seed, ..now.clone() });
+        let diff = was.differences(&now);
+        if !diff.is_empty() {
+            bail!(
+                "checkpoint {} was made with {}; resuming would train on another order of the data. \
+                 Run with the same flags, or use another --checkpoint-dir",
+                r.path.display(),
+                diff.join(", ")
+            );
+        }
         if book.ledger.samples() != self.train_len {
             bail!(
                 "checkpoint {} was written for {} training samples, this job has {}",
@@ -446,7 +592,7 @@ impl Coordinator<'_> {
                 }
                 let welcome = ToWorker::Welcome(Box::new(self.cfg.spec.clone()));
                 if send(&mut stream, &welcome).is_ok() {
-                    self.welcomed.push(Member { id: worker, conn: n, stream, pid });
+                    self.welcomed.push(Member { id: worker, conn: n, stream, pid, since: Instant::now() });
                 }
             }
             Inbound::Msg(n, FromWorker::Ready) => {
@@ -513,6 +659,21 @@ impl Coordinator<'_> {
             self.scaler.stop(id, Duration::from_secs(1));
             self.note(format!("worker {id} did not join within {:?}; gave it up", self.cfg.join_timeout));
         }
+        // Said hello but never became ready (stuck loading, or stopped).
+        let timeout = self.cfg.join_timeout;
+        let (late, loading): (Vec<Member>, Vec<Member>) =
+            std::mem::take(&mut self.welcomed).into_iter().partition(|m| m.since.elapsed() > timeout);
+        self.welcomed = loading;
+        for mut m in late {
+            let _ = send(&mut m.stream, &ToWorker::Stop { reason: format!("not ready within {timeout:?}") });
+            self.scaler.stop(m.id, Duration::from_secs(1));
+            let log =
+                self.scaler.log_of(m.id).map(|p| format!(" (log: {})", p.display())).unwrap_or_default();
+            self.note(format!(
+                "worker {} said hello but was not ready within {timeout:?}; gave it up{log}",
+                m.id
+            ));
+        }
     }
 
     /// Waits for joiners until at least `want` are there (or nothing is starting).
@@ -540,67 +701,84 @@ impl Coordinator<'_> {
 
     fn job(&mut self) -> Result<JobOutcome> {
         let resumed = self.resume()?;
+        self.keeper = Some(super::keeper::StoreKeeper::start(
+            &self.cfg.store,
+            keys::job_state(&self.cfg.spec.job),
+            self.state_token,
+        )?);
         self.first_generation = self.generation + 1;
         let total = self.cfg.spec.epochs;
         let first = self.cfg.initial_workers.clamp(self.cfg.min_workers.max(1), self.cfg.max_workers.max(1));
         self.spawn(first);
         self.wait_for_joiners(first as usize)?;
-        self.boundary(true);
+        self.boundary(true)?;
         let mut failures = 0;
-        while self.epoch < total {
-            if self.members.is_empty() {
-                self.recover_from_nothing()?;
+        let final_checkpoint = 'job: loop {
+            while self.epoch < total {
+                if let Some(why) = self.keeper.as_ref().and_then(|k| k.fenced()) {
+                    bail!("job {:?}: {why}", self.cfg.spec.job);
+                }
+                if self.members.is_empty() {
+                    self.recover_from_nothing()?;
+                }
+                self.boundary(true)?;
+                self.lease_members();
+                let plan_checkpoint = self.checkpoint_due();
+                let res = self.run_step(true, plan_checkpoint)?;
+                if res.dead.is_empty() && res.errors.is_empty() && res.done.len() == self.members.len() {
+                    self.commit(res)?;
+                    failures = 0;
+                } else {
+                    failures += 1;
+                    if failures >= MAX_FAILED_ATTEMPTS {
+                        bail!(
+                            "step {} failed {failures} times in a row; last: {}",
+                            self.committed,
+                            res.errors.join("; ")
+                        );
+                    }
+                    self.fail(res);
+                }
+                self.check_spawning();
             }
-            self.boundary(true);
-            self.lease_members();
-            let plan_checkpoint = self.checkpoint_due();
-            let res = self.run_step(true, plan_checkpoint)?;
-            if res.dead.is_empty() && res.errors.is_empty() && res.done.len() == self.members.len() {
-                self.commit(res)?;
-                failures = 0;
-            } else {
-                failures += 1;
-                if failures >= MAX_FAILED_ATTEMPTS {
-                    bail!(
-                        "step {} failed {failures} times in a row; last: {}",
-                        self.committed,
-                        res.errors.join("; ")
-                    );
+            // The final state: no new workers any more.
+            for mut j in
+                std::mem::take(&mut self.joiners).into_iter().chain(std::mem::take(&mut self.welcomed))
+            {
+                let _ = send(&mut j.stream, &ToWorker::Stop { reason: "the job is done".into() });
+                self.scaler.stop(j.id, Duration::from_secs(3));
+            }
+            for _ in 0..3 {
+                if self.members.is_empty() {
+                    self.recover_from_nothing()?;
+                }
+                if self.epoch < total {
+                    // Every worker died before the final state was written:
+                    // the recovery went back to an earlier checkpoint, whose
+                    // remaining steps are trained again.
+                    self.note(format!(
+                        "the final state was lost with its workers; training again from step {}",
+                        self.committed
+                    ));
+                    continue 'job;
+                }
+                self.boundary(true)?;
+                let res = self.run_step(false, Some(self.manifest()))?;
+                if let Some(p) = res.done.iter().find_map(|(_, m)| match m {
+                    FromWorker::Done { checkpoint: Some(p), .. } => Some(p.clone()),
+                    _ => None,
+                }) {
+                    break 'job Some(p);
+                }
+                for (_, m) in &res.done {
+                    if let FromWorker::Done { checkpoint_error: Some(e), .. } = m {
+                        self.note(format!("final checkpoint: {e}"));
+                    }
                 }
                 self.fail(res);
             }
-            self.check_spawning();
-        }
-        // The final state: no new workers any more.
-        for mut j in std::mem::take(&mut self.joiners).into_iter().chain(std::mem::take(&mut self.welcomed)) {
-            let _ = send(&mut j.stream, &ToWorker::Stop { reason: "the job is done".into() });
-            self.scaler.stop(j.id, Duration::from_secs(3));
-        }
-        if self.members.is_empty() {
-            self.recover_from_nothing()?;
-        }
-        self.boundary(true);
-        let mut final_checkpoint = None;
-        for _ in 0..3 {
-            let res = self.run_step(false, Some(self.manifest()))?;
-            if let Some(p) = res.done.iter().find_map(|(_, m)| match m {
-                FromWorker::Done { checkpoint: Some(p), .. } => Some(p.clone()),
-                _ => None,
-            }) {
-                final_checkpoint = Some(p);
-                break;
-            }
-            for (_, m) in &res.done {
-                if let FromWorker::Done { checkpoint_error: Some(e), .. } = m {
-                    self.note(format!("final checkpoint: {e}"));
-                }
-            }
-            self.fail(res);
-            if self.members.is_empty() {
-                self.recover_from_nothing()?;
-            }
-            self.boundary(true);
-        }
+            break None;
+        };
         let final_checkpoint =
             final_checkpoint.ok_or_else(|| anyhow!("the final checkpoint could not be written"))?;
         (self.progress)(Progress::Checkpoint { step: self.committed, path: &final_checkpoint });
@@ -611,6 +789,11 @@ impl Coordinator<'_> {
             self.scaler.stop(m.id, Duration::from_secs(5));
         }
         self.save_state(true);
+        if let Some(k) = &self.keeper
+            && let Err(e) = k.flush(Duration::from_secs(10))
+        {
+            self.note(format!("the job's final state may not be in the store: {e}"));
+        }
         let outcome = JobOutcome {
             final_checkpoint,
             steps: self.committed,
@@ -626,9 +809,19 @@ impl Coordinator<'_> {
             hyper: self.hyper,
             workers_started: self.workers_started.clone(),
         };
-        let marker = self.complete_marker();
-        std::fs::write(&marker, serde_json::to_vec_pretty(&outcome.epochs)?)
-            .with_context(|| format!("{}", marker.display()))?;
+        let finished = outcome.epochs.len() as u64;
+        let whole = self.train_len as u64;
+        if finished != total {
+            bail!(
+                "the job ended with {finished} of {total} epochs accounted for ({}); its checkpoints stay for a rerun",
+                outcome
+                    .epochs
+                    .iter()
+                    .map(|e| format!("epoch {}: {} of {whole} samples", e.epoch, e.samples_committed))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
         Ok(outcome)
     }
 
@@ -660,15 +853,34 @@ impl Coordinator<'_> {
 
     /// At a step boundary: admits joiners, applies replacements, forms a new
     /// generation when membership changed.
-    fn boundary(&mut self, admit: bool) {
+    fn boundary(&mut self, admit: bool) -> Result<()> {
         let from = self.members.len() as u32;
         let mut reasons = Vec::new();
         let max = self.cfg.max_workers.max(1) as usize;
         let mut admitted = 0;
+        // Workers kept for a handover leave now: the step since gave their
+        // replacement the state.
+        for old in std::mem::take(&mut self.retiring) {
+            if let Some(i) = self.members.iter().position(|m| m.id == old) {
+                let mut m = self.members.remove(i);
+                let _ = send(&mut m.stream, &ToWorker::Stop { reason: "replaced".into() });
+                self.scaler.stop(m.id, Duration::from_secs(3));
+                self.forget(m.id);
+                reasons.push(format!("worker {old} left after handing over its state"));
+                self.new_generation = true;
+            }
+        }
+        let stateful = self.members.len();
         while admit && !self.joiners.is_empty() {
             let j = self.joiners.remove(0);
             if let Some(old) = self.replacing.remove(&j.id) {
-                if let Some(i) = self.members.iter().position(|m| m.id == old) {
+                if stateful == 1 && self.init.is_none() && self.members.first().is_some_and(|m| m.id == old) {
+                    // The replaced worker holds the only state: it stays rank 0
+                    // for one step (the new generation's broadcast gives the
+                    // replacement its state) and leaves at the next boundary.
+                    self.retiring.push(old);
+                    reasons.push(format!("worker {old} hands over to {}", j.id));
+                } else if let Some(i) = self.members.iter().position(|m| m.id == old) {
                     let mut m = self.members.remove(i);
                     let _ = send(
                         &mut m.stream,
@@ -689,7 +901,7 @@ impl Coordinator<'_> {
             self.new_generation = true;
         }
         if !self.new_generation {
-            return;
+            return Ok(());
         }
         self.generation += 1;
         self.new_generation = false;
@@ -717,16 +929,35 @@ impl Coordinator<'_> {
         self.hyper.local_batch = local;
         if let Some(a) = self.adapter.as_mut() {
             let ev = ResizeEvent { step: self.committed, old_world_size: from, new_world_size: to };
-            match a.on_resize(&ev, &self.hyper) {
-                Ok(h) if h.global_batch > 0 => self.hyper = h,
-                Ok(h) => {
-                    tracing::warn!("batch adapter asked for a global batch of {}; ignored", h.global_batch)
-                }
-                Err(e) => tracing::warn!("batch adapter on_resize failed, hyperparameters kept: {e}"),
-            }
+            let answer = a.on_resize(&ev, &self.hyper);
+            self.take_adapter_answer("on-resize", answer)?;
         }
         self.last_change = Instant::now();
         self.save_state(false);
+        Ok(())
+    }
+
+    /// Uses the adapter's hyperparameters. An answer that breaks the contract
+    /// (the plugin layer checked it) or asks for a batch larger than the
+    /// training set ends the job, naming the adapter: training on it would
+    /// be garbage. A trap or a deadline keeps the current hyperparameters.
+    fn take_adapter_answer(
+        &mut self,
+        call: &str,
+        answer: Result<Hyperparams, crate::plugin::Error>,
+    ) -> Result<()> {
+        let name = self.adapter.as_ref().map(|a| a.info().name.clone()).unwrap_or_default();
+        match answer {
+            Ok(h) if h.global_batch as usize > self.train_len => bail!(
+                "batch adapter {name}: {call} asked for a global batch of {}, above the {} training samples",
+                h.global_batch,
+                self.train_len
+            ),
+            Ok(h) => self.hyper = h,
+            Err(e @ crate::plugin::Error::Contract { .. }) => bail!("batch adapter {name}: {e}"),
+            Err(e) => self.note(format!("batch adapter {name}: {call} failed, hyperparameters kept: {e}")),
+        }
+        Ok(())
     }
 
     fn checkpoint_due(&self) -> Option<Manifest> {
@@ -741,6 +972,7 @@ impl Coordinator<'_> {
             ledger: self.ledger.clone(),
             events: self.events.clone(),
             generation: self.generation,
+            data: Some(DataIdentity::of(&self.cfg.spec, self.train_len)),
         };
         Manifest {
             step: self.committed,
@@ -758,6 +990,8 @@ impl Coordinator<'_> {
         let world = self.members.len();
         let key = format!("{}/generation-{}", self.cfg.spec.job, self.generation);
         let mut res = StepResult { done: Vec::new(), dead: BTreeSet::new(), errors: Vec::new() };
+        // The bound covers the sends too (each is bounded by SEND_TIMEOUT).
+        let deadline = Instant::now() + self.cfg.step_timeout;
         let init = self.init.clone();
         for m in &self.members {
             if self.closed.contains(&m.conn) {
@@ -785,7 +1019,6 @@ impl Coordinator<'_> {
                 res.errors.push(format!("worker {}: {e}", m.id));
             }
         }
-        let deadline = Instant::now() + self.cfg.step_timeout;
         loop {
             let answered: BTreeSet<usize> = res.done.iter().map(|(r, _)| *r).collect();
             let waiting: Vec<usize> = (0..world)
@@ -915,11 +1148,8 @@ impl Coordinator<'_> {
             self.cursor = 0;
         }
         if let Some(a) = self.adapter.as_mut() {
-            match a.on_step(self.committed, &self.hyper) {
-                Ok(h) if h.global_batch > 0 => self.hyper = h,
-                Ok(_) => tracing::warn!("batch adapter asked for an empty batch; ignored"),
-                Err(e) => tracing::warn!("batch adapter on_step failed, hyperparameters kept: {e}"),
-            }
+            let answer = a.on_step(self.committed, &self.hyper);
+            self.take_adapter_answer("on-step", answer)?;
         }
         self.save_state(false);
         if self.committed.is_multiple_of(self.cfg.decide_every.max(1)) && self.epoch < self.cfg.spec.epochs {
@@ -957,6 +1187,10 @@ impl Coordinator<'_> {
 
     /// Asks the policy what to do.
     fn decide(&mut self) {
+        if !self.retiring.is_empty() {
+            // A handover is under way; the policy sees the job after it.
+            return;
+        }
         let now = Instant::now();
         let (t0, s0) = self.window;
         let throughput = (self.samples - s0) as f64 / now.duration_since(t0).as_secs_f64().max(1e-9);
@@ -994,48 +1228,79 @@ impl Coordinator<'_> {
                 return;
             }
         };
+        self.apply_decision(&actions, world, coming);
+    }
+
+    /// Reduces a decision to one target size within the bounds, then acts:
+    /// pending starts count toward the maximum, so no list of actions can
+    /// start more workers than `--max-workers` allows; replacements are
+    /// deduplicated and only name current members.
+    fn apply_decision(&mut self, actions: &[Action], world: u32, coming: u32) {
+        let (min, max) = (self.cfg.min_workers.max(1) as i64, self.cfg.max_workers.max(1) as i64);
+        let now = (world + coming) as i64;
+        let mut target = now;
+        let mut replace: Vec<u64> = Vec::new();
         for a in actions {
-            match a {
+            match *a {
                 Action::Hold => {}
-                Action::ScaleOut(n) => {
-                    let n = n.min(view.free_slots);
-                    if n > 0 && coming == 0 {
-                        self.pending = Some(Pending::new(world, format!("policy: {a}")));
-                        self.spawn(n);
-                    }
-                }
-                Action::ScaleIn(n) => {
-                    let keep = world.saturating_sub(n).max(self.cfg.min_workers.max(1)) as usize;
-                    if keep < self.members.len() {
-                        let removed: Vec<Member> = self.members.drain(keep..).collect();
-                        for mut m in removed {
-                            let _ = send(&mut m.stream, &ToWorker::Stop { reason: format!("policy: {a}") });
-                            self.scaler.stop(m.id, Duration::from_secs(3));
-                            self.forget(m.id);
-                        }
-                        self.pending = Some(Pending::new(world, format!("policy: {a}")));
-                        self.new_generation = true;
-                    }
-                }
+                Action::ScaleOut(n) => target = target.saturating_add(n as i64),
+                Action::ScaleIn(n) => target = target.saturating_sub(n as i64),
                 Action::Replace(id) => {
-                    if self.members.iter().any(|m| m.id == id) && !self.replacing.values().any(|&o| o == id) {
-                        let new = self.next_id;
-                        self.spawn(1);
-                        if self.spawning.contains_key(&new) {
-                            self.replacing.insert(new, id);
-                            self.pending = Some(Pending::new(world, format!("policy: {a}")));
-                        }
+                    if !replace.contains(&id) {
+                        replace.push(id)
                     }
                 }
+            }
+        }
+        let target = target.clamp(min.min(max), max);
+        let described = || {
+            let shown: Vec<String> = actions.iter().take(4).map(|a| a.to_string()).collect();
+            let more = actions.len().saturating_sub(4);
+            format!(
+                "policy: {}{}",
+                shown.join(", "),
+                if more > 0 { format!(" (+{more} more)") } else { String::new() }
+            )
+        };
+        if target > now {
+            self.pending = Some(Pending::new(world, described()));
+            self.spawn((target - now) as u32);
+        } else if target < world as i64 {
+            let keep = (target as usize).max(min as usize);
+            if keep < self.members.len() {
+                let reason = described();
+                let removed: Vec<Member> = self.members.drain(keep..).collect();
+                for mut m in removed {
+                    let _ = send(&mut m.stream, &ToWorker::Stop { reason: reason.clone() });
+                    self.scaler.stop(m.id, Duration::from_secs(3));
+                    self.forget(m.id);
+                }
+                self.pending = Some(Pending::new(world, reason));
+                self.new_generation = true;
+            }
+        }
+        for id in replace {
+            let member = self.members.iter().any(|m| m.id == id);
+            let busy = self.replacing.values().any(|&o| o == id) || self.retiring.contains(&id);
+            if !member || busy {
+                if !member {
+                    self.note(format!("policy asked to replace worker {id}, which is not a member; ignored"));
+                }
+                continue;
+            }
+            let new = self.next_id;
+            self.spawn(1);
+            if self.spawning.contains_key(&new) {
+                self.replacing.insert(new, id);
+                self.pending = Some(Pending::new(world, format!("policy: replace({id})")));
             }
         }
     }
 
     /// Removes a worker's lease from the store.
     fn forget(&mut self, id: u64) {
-        let key = format!("{}{id}", keys::workers(&self.cfg.spec.job));
-        if let Err(e) = self.rt.block_on(self.store.delete(&key)) {
-            tracing::warn!("store: removing worker {id}: {e}");
+        if let Some(k) = &self.keeper {
+            k.delete(format!("{}{id}", keys::workers(&self.cfg.spec.job)));
         }
     }
 
@@ -1045,19 +1310,15 @@ impl Coordinator<'_> {
             return;
         }
         self.last_lease = Instant::now();
+        let Some(k) = &self.keeper else { return };
         let prefix = keys::workers(&self.cfg.spec.job);
         for m in &self.members {
             let v = serde_json::json!({"pid": m.pid, "generation": self.generation}).to_string();
-            if let Err(e) = self.rt.block_on(self.store.put(
-                &format!("{prefix}{}", m.id),
-                v.as_bytes(),
-                Some(Duration::from_secs(5)),
-            )) {
-                tracing::warn!("store: worker lease: {e}");
-            }
+            k.lease(format!("{prefix}{}", m.id), v.into_bytes(), Duration::from_secs(5));
         }
     }
 
+    /// Hands the job's state to the store keeper (written off the step's path).
     fn save_state(&mut self, finished: bool) {
         let s = JobState {
             generation: self.generation,
@@ -1068,11 +1329,8 @@ impl Coordinator<'_> {
             members: self.members.iter().map(|m| m.id).collect(),
             finished,
         };
-        let key = keys::job_state(&self.cfg.spec.job);
-        if let Err(e) =
-            self.rt.block_on(self.store.put(&key, &serde_json::to_vec(&s).unwrap_or_default(), None))
-        {
-            tracing::warn!("store: job state: {e}");
+        if let Some(k) = &self.keeper {
+            k.state(s);
         }
     }
 }

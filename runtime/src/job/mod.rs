@@ -8,9 +8,13 @@
 //! - [`ledger`]: exactly-once accounting of training samples.
 //! - [`teachers`]: the teacher model (trained and cached) and teacher processes.
 //! - [`report`]: the run report and its plot.
+//! - [`keeper`]: the job's state and worker leases in the store, off the step's path.
+//! - [`preflight`]: checks before anything starts, and the job's lock.
 
 pub mod coordinator;
+pub mod keeper;
 pub mod ledger;
+pub mod preflight;
 pub mod proto;
 pub mod report;
 pub mod scaler;
@@ -19,5 +23,6 @@ pub mod worker;
 
 pub use coordinator::{JobConfig, JobOutcome, Progress, ScaleEvent, StepRecord};
 pub use ledger::{EpochRecord, Ledger};
+pub use preflight::{JobLock, preflight};
 pub use proto::{JobSpec, TeacherSource};
 pub use scaler::{LocalProcesses, Scaler};

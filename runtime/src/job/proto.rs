@@ -55,6 +55,10 @@ pub struct JobSpec {
     pub step_delay_ms: u64,
     /// Where workers compute: `cpu` or `cuda:N`.
     pub device: String,
+    /// The sandbox the workers load the reader transform into.
+    pub plugin_deadline_ms: u64,
+    pub plugin_memory_mib: usize,
+    pub allow_native: bool,
 }
 
 /// What the coordinator tells a worker.
@@ -130,6 +134,20 @@ pub enum ProtoError {
     Io { peer: String, detail: String },
     #[error("{peer}: malformed message: {detail}")]
     Malformed { peer: String, detail: String },
+}
+
+/// TCP keepalive on a control connection: a peer whose host vanished (power
+/// loss, a cut link) is noticed within about 20 s, instead of never on an
+/// idle connection.
+pub fn keepalive(stream: &TcpStream) {
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(std::time::Duration::from_secs(5))
+        .with_interval(std::time::Duration::from_secs(5));
+    #[cfg(any(target_os = "linux", target_os = "macos"))]
+    let ka = ka.with_retries(3);
+    if let Err(e) = socket2::SockRef::from(stream).set_tcp_keepalive(&ka) {
+        tracing::debug!("keepalive on a control connection: {e}");
+    }
 }
 
 fn peer(s: &TcpStream) -> String {

@@ -16,7 +16,7 @@ use crate::checkpoint::{Checkpoints, Manifest};
 use crate::data::{self, Dataset, Source};
 use crate::distill::{DistillConfig, DistillReader, Teachers};
 use crate::model::Mlp;
-use crate::plugin::{HostOptions, PluginHost, TransformPlugin};
+use crate::plugin::{HostOptions, Limits, PluginHost, TransformPlugin};
 use crate::train::Trainer;
 use anyhow::{Context, Result, anyhow, bail};
 use edl_host_gpu::comm::{Communicator, ReduceOp, RingOptions, TcpRendezvous, TcpRing};
@@ -116,6 +116,8 @@ pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
     let stream = TcpStream::connect_timeout(&coordinator, Duration::from_secs(10))
         .with_context(|| format!("worker {id}: cannot reach the coordinator at {coordinator}"))?;
     stream.set_nodelay(true)?;
+    stream.set_write_timeout(Some(Duration::from_secs(10)))?;
+    super::proto::keepalive(&stream);
     let mut out = stream.try_clone()?;
     let mut rx = Receiver::new(stream);
     send(&mut out, &FromWorker::Hello { worker: id, pid: std::process::id() })?;
@@ -130,7 +132,15 @@ pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
     let (train, _) = load_data(&spec)?;
     let device: Device = spec.device.parse().map_err(|e: String| anyhow!("worker {id}: {e}"))?;
     let host = match &spec.transform {
-        Some(_) => Some(PluginHost::new(HostOptions::default())?),
+        Some(_) => Some(PluginHost::new(HostOptions {
+            limits: Limits {
+                deadline: Duration::from_millis(spec.plugin_deadline_ms),
+                memory_bytes: spec.plugin_memory_mib << 20,
+                ..Limits::default()
+            },
+            allow_native: spec.allow_native,
+            ..HostOptions::default()
+        })?),
         None => None,
     };
     let transform = match (&spec.transform, &host, &spec.teachers) {
@@ -288,7 +298,11 @@ impl Worker {
             .map_err(|_| anyhow!("no soft labels within 120 s"))?
             .ok_or_else(|| anyhow!("the distill reader ended early"))?
             .context("distill reader")?;
-        if got.batch.ids.iter().map(|&i| i as u32).ne(ids.iter().copied()) {
+        let (mut got_ids, mut want_ids): (Vec<u64>, Vec<u64>) =
+            (got.batch.ids.clone(), ids.iter().map(|&i| i as u64).collect());
+        got_ids.sort_unstable();
+        want_ids.sort_unstable();
+        if got_ids != want_ids {
             self.reader = None;
             bail!("the distill reader returned other samples than the step's");
         }

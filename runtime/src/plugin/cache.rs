@@ -2,6 +2,12 @@
 //! engine's compatibility hash, so loading a plugin a second time skips
 //! compilation. Files are written to a temporary name and renamed, so a
 //! crash never leaves a half-written artifact under a valid key.
+//!
+//! A compiled artifact is machine code that runs outside the sandbox, so an
+//! entry is used only when the directory and the file belong to the user
+//! running the runtime and nobody else can write them, and when the file's
+//! sha256 matches the one recorded beside it (`<entry>.sha256`) when it was
+//! written. Anything else is logged and the plugin compiled afresh.
 
 use sha2::{Digest, Sha256};
 use std::{
@@ -66,31 +72,108 @@ impl ArtifactCache {
         let Some(entry) = self.entry(engine, wasm) else {
             return Ok((Component::new(engine, wasm)?, CacheStatus::Disabled));
         };
-        if entry.exists() {
-            // SAFETY: the cache directory belongs to this user and holds only
-            // artifacts this code serialised; wasmtime checks the header and
-            // engine compatibility and errors on a mismatch.
-            match unsafe { Component::deserialize_file(engine, &entry) } {
-                Ok(component) => return Ok((component, CacheStatus::Hit)),
-                Err(e) => tracing::warn!("ignoring unusable cached plugin {}: {e}", entry.display()),
+        let trusted = trusted_dir(entry.parent().expect("cache entries live in a directory"));
+        if let Err(why) = &trusted {
+            tracing::warn!("plugin cache not used: {why}");
+        }
+        if trusted.is_ok() && entry.exists() {
+            match verified(&entry) {
+                // SAFETY: the bytes are the ones this runtime serialised (their
+                // sha256 was recorded at write time, and only this user can
+                // write the directory and files); wasmtime also checks the
+                // header and engine compatibility and errors on a mismatch.
+                Ok(bytes) => match unsafe { Component::deserialize(engine, &bytes) } {
+                    Ok(component) => return Ok((component, CacheStatus::Hit)),
+                    Err(e) => tracing::warn!("ignoring unusable cached plugin {}: {e}", entry.display()),
+                },
+                Err(why) => tracing::warn!("ignoring cached plugin {}: {why}", entry.display()),
             }
         }
         let component = Component::new(engine, wasm)?;
-        if let Err(e) = store(&entry, &component.serialize()?) {
+        if trusted.is_ok()
+            && let Err(e) = store(&entry, &component.serialize()?)
+        {
             tracing::warn!("cannot cache compiled plugin at {}: {e}", entry.display());
         }
         Ok((component, CacheStatus::Miss))
     }
 }
 
+fn digest_file(entry: &Path) -> PathBuf {
+    let mut name = entry.as_os_str().to_owned();
+    name.push(".sha256");
+    PathBuf::from(name)
+}
+
+/// The entry's bytes, when they are this user's and match their recorded digest.
+fn verified(entry: &Path) -> Result<Vec<u8>, String> {
+    owned_by_me(entry)?;
+    let recorded = std::fs::read_to_string(digest_file(entry))
+        .map_err(|e| format!("no recorded checksum ({e}); it was not written by this runtime"))?;
+    let bytes = std::fs::read(entry).map_err(|e| e.to_string())?;
+    let actual = hex::encode(Sha256::digest(&bytes));
+    if recorded.trim() != actual {
+        return Err(format!("checksum mismatch (recorded {}, found {actual})", recorded.trim()));
+    }
+    Ok(bytes)
+}
+
+/// Creates the directory (mode 0700) when missing; refuses one that another
+/// user owns or can write.
+fn trusted_dir(dir: &Path) -> Result<(), String> {
+    if !dir.exists() {
+        let mut b = std::fs::DirBuilder::new();
+        b.recursive(true);
+        #[cfg(unix)]
+        std::os::unix::fs::DirBuilderExt::mode(&mut b, 0o700);
+        b.create(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    }
+    owned_by_me(dir)
+}
+
+#[cfg(unix)]
+fn owned_by_me(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::symlink_metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me {
+        return Err(format!("{} belongs to uid {}, not to this user ({me})", path.display(), meta.uid()));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return Err(format!(
+            "{} can be written by other users (mode {:o})",
+            path.display(),
+            meta.mode() & 0o777
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(not(unix))]
+fn owned_by_me(_path: &Path) -> Result<(), String> {
+    Ok(())
+}
+
 fn store(entry: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = entry.parent().expect("cache entries live in a directory");
-    std::fs::create_dir_all(dir)?;
-    let tmp = tempfile_in(dir)?;
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, entry).inspect_err(|_| {
-        let _ = std::fs::remove_file(&tmp);
-    })
+    let write = |path: &Path, data: &[u8]| -> std::io::Result<()> {
+        let tmp = tempfile_in(dir)?;
+        let mut opts = std::fs::OpenOptions::new();
+        opts.write(true).create_new(true);
+        #[cfg(unix)]
+        std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
+        let result = opts.open(&tmp).and_then(|mut f| {
+            std::io::Write::write_all(&mut f, data)?;
+            f.sync_all()
+        });
+        result.and_then(|()| std::fs::rename(&tmp, path)).inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })
+    };
+    // The checksum first: an entry is never visible without its digest.
+    write(&digest_file(entry), hex::encode(Sha256::digest(bytes)).as_bytes())?;
+    write(entry, bytes)
 }
 
 fn tempfile_in(dir: &Path) -> std::io::Result<PathBuf> {

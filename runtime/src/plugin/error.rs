@@ -31,8 +31,14 @@ pub enum Error {
     #[error("{path}: cannot be instantiated: {detail}")]
     Instantiate { path: String, detail: String },
 
-    #[error("{path}: init rejected the configuration: {error}")]
+    #[error("{path}: init {}: {error}", init_verb(error))]
     Init { path: String, error: GuestError },
+
+    #[error("{path}: {call} broke the plugin contract: {detail}")]
+    Contract { path: String, call: &'static str, detail: String },
+
+    #[error("{path}: is a native library; native plugins run unsandboxed and load only with --allow-native")]
+    NativeNotAllowed { path: String },
 
     #[error("{path}: {call} returned an error: {error}")]
     Guest { path: String, call: &'static str, error: GuestError },
@@ -40,8 +46,8 @@ pub enum Error {
     #[error("{path}: {call} trapped: {message}{}", stderr_suffix(stderr))]
     Trap { path: String, call: &'static str, message: String, stderr: String },
 
-    #[error("{path}: {call} ran past its deadline of {deadline_ms} ms and was stopped")]
-    Deadline { path: String, call: &'static str, deadline_ms: u64 },
+    #[error("{path}: {call} ran past its deadline of {deadline_ms} ms (wall-clock) and was stopped{detail}")]
+    Deadline { path: String, call: &'static str, deadline_ms: u64, detail: String },
 
     #[error("{path}: {call} went over the memory limit of {limit_mib} MiB and was stopped")]
     MemoryLimit { path: String, call: &'static str, limit_mib: u64 },
@@ -54,6 +60,13 @@ pub enum Error {
 
     #[error("{path}: engine: {detail}")]
     Engine { path: String, detail: String },
+}
+
+fn init_verb(error: &GuestError) -> &'static str {
+    match error {
+        GuestError::InvalidConfig(_) => "rejected the configuration",
+        _ => "failed",
+    }
 }
 
 fn stderr_suffix(stderr: &str) -> String {

@@ -2,7 +2,8 @@
 //! the one place that decides how a plugin file is loaded.
 
 use super::{
-    AdapterPlugin, ArtifactCache, CacheStatus, Error, PolicyPlugin, TransformPlugin, World, native, wasm,
+    AdapterPlugin, ArtifactCache, CacheStatus, Error, PolicyPlugin, TransformPlugin, World, contract, native,
+    wasm,
 };
 use edl_plugin_sdk::{PluginInfo, WIT_VERSION};
 use std::{path::Path, sync::Arc, time::Duration};
@@ -11,7 +12,8 @@ use wasmtime::{Engine, component::Component, component::Linker};
 /// Per-instance sandbox limits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
-    /// CPU time a single call may take before it is stopped (epoch interruption).
+    /// Wall-clock time a single call may take before it is stopped: epoch
+    /// interruption stops a guest that computes, the bounded clocks one that sleeps.
     pub deadline: Duration,
     /// Linear memory a plugin instance may grow to.
     pub memory_bytes: usize,
@@ -30,11 +32,18 @@ impl Default for Limits {
 pub struct HostOptions {
     pub limits: Limits,
     pub cache: ArtifactCache,
+    /// Whether native libraries may be loaded (`--allow-native`): they run
+    /// unsandboxed, with the runtime's rights. Off by default.
+    pub allow_native: bool,
 }
 
 impl Default for HostOptions {
     fn default() -> Self {
-        HostOptions { limits: Limits::default(), cache: ArtifactCache::default_location() }
+        HostOptions {
+            limits: Limits::default(),
+            cache: ArtifactCache::default_location(),
+            allow_native: false,
+        }
     }
 }
 
@@ -85,6 +94,7 @@ pub struct PluginHost {
     linker: Linker<wasm::HostState>,
     cache: ArtifactCache,
     limits: Limits,
+    allow_native: bool,
 }
 
 /// How often the engine's epoch advances; deadlines are counted in these ticks.
@@ -108,6 +118,7 @@ impl PluginHost {
         let engine = Engine::new(&config).map_err(engine_err)?;
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(engine_err)?;
+        wasm::add_bounded_clocks(&mut linker).map_err(engine_err)?;
 
         let weak = engine.weak();
         std::thread::Builder::new()
@@ -121,12 +132,23 @@ impl PluginHost {
             })
             .map_err(|e| Error::Engine { path: "<engine>".into(), detail: e.to_string() })?;
 
-        Ok(Arc::new(PluginHost { engine, linker, cache: options.cache, limits: options.limits }))
+        Ok(Arc::new(PluginHost {
+            engine,
+            linker,
+            cache: options.cache,
+            limits: options.limits,
+            allow_native: options.allow_native,
+        }))
     }
 
     /// The sandbox limits every instance gets.
     pub fn limits(&self) -> Limits {
         self.limits
+    }
+
+    /// Whether native libraries may be loaded.
+    pub fn allows_native(&self) -> bool {
+        self.allow_native
     }
 
     /// The artifact cache.
@@ -184,14 +206,20 @@ impl PluginHost {
     ) -> Result<Loaded, Error> {
         let shown = path.display().to_string();
         let bytes = std::fs::read(path).map_err(|source| Error::Read { path: shown.clone(), source })?;
-        match classify(&shown, &bytes)? {
-            FileKind::Native => native::load(path, config, expected),
+        let loaded = match classify(&shown, &bytes)? {
+            FileKind::Native => {
+                native_asked_for(path, &shown)?;
+                if !self.allow_native {
+                    return Err(Error::NativeNotAllowed { path: shown });
+                }
+                native::load(path, config, expected)?
+            }
             FileKind::Component => {
                 let (component, cache) = self.compile(&shown, &bytes)?;
                 let (world, _) = self.world_of(&shown, &component, expected)?;
                 wasm::load(
                     wasm::Ctx {
-                        path: shown,
+                        path: shown.clone(),
                         engine: &self.engine,
                         linker: &self.linker,
                         limits: self.limits,
@@ -200,25 +228,36 @@ impl PluginHost {
                     world,
                     config,
                     cache,
-                )
+                )?
             }
-        }
+        };
+        Ok(contract::checked(loaded, &shown))
     }
 
-    /// Describes a plugin file without keeping it loaded.
+    /// Describes a plugin file without keeping it loaded. A component is
+    /// instantiated in the sandbox and its `init` runs with an empty
+    /// configuration; a native library is only read (its symbol table), never
+    /// loaded, so inspecting one runs none of its code.
     pub fn inspect(&self, path: &Path) -> Result<Inspection, Error> {
         let shown = path.display().to_string();
         let bytes = std::fs::read(path).map_err(|source| Error::Read { path: shown.clone(), source })?;
         let size = bytes.len() as u64;
         match classify(&shown, &bytes)? {
             FileKind::Native => {
-                let loaded = native::load(path, &[], None)?;
+                native_asked_for(path, &shown)?;
+                let (world, exports) = native::read_symbols(&shown, &bytes)?;
                 Ok(Inspection {
-                    world: loaded.world(),
+                    world,
                     kind: "native",
-                    interface_version: format!("C ABI {}", edl_plugin_sdk::native::ABI_VERSION),
-                    info: loaded.info().clone(),
-                    exports: native::exported_symbols(loaded.world()),
+                    interface_version: "C ABI (not read: inspect runs no native code)".into(),
+                    info: PluginInfo {
+                        name: path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(),
+                        version: "?".into(),
+                        description: "native library; name and version are read only when it is loaded \
+                                      (--allow-native)"
+                            .into(),
+                    },
+                    exports,
                     size,
                     cached: None,
                     cache_entry: None,
@@ -298,6 +337,20 @@ impl PluginHost {
         }
         Ok((world, exports))
     }
+}
+
+/// A native library is loaded only under a native library's name: a file
+/// named `.wasm` is promised to be sandboxed, whatever its bytes are.
+fn native_asked_for(path: &Path, shown: &str) -> Result<(), Error> {
+    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("wasm")) {
+        return Err(Error::NotAPlugin {
+            path: shown.into(),
+            detail: "named .wasm but holds a native library; a .wasm plugin must be a WebAssembly component \
+                     (native plugins are .so/.dylib/.dll files loaded with --allow-native)"
+                .into(),
+        });
+    }
+    Ok(())
 }
 
 fn classify(path: &str, bytes: &[u8]) -> Result<FileKind, Error> {

@@ -10,6 +10,7 @@
 
 mod bindings;
 mod cache;
+mod contract;
 mod error;
 mod host;
 mod native;
@@ -18,6 +19,7 @@ mod stderr;
 mod wasm;
 
 pub use cache::{ArtifactCache, CacheStatus};
+pub use contract::{check_batch, check_hyperparams};
 pub use error::Error;
 pub use host::{HostOptions, Inspection, Limits, PluginHost};
 pub use reload::Reloading;

@@ -113,21 +113,38 @@ fn world_symbols(world: World) -> &'static [&'static str] {
     }
 }
 
-/// Every symbol a native plugin of `world` exports.
-pub fn exported_symbols(world: World) -> Vec<String> {
-    [
-        "edl_plugin_abi_version",
-        "edl_plugin_world",
-        "edl_plugin_info",
-        "edl_plugin_new",
-        "edl_plugin_free",
-        "edl_plugin_init",
-        "edl_plugin_last_error",
-    ]
-    .iter()
-    .chain(world_symbols(world))
-    .map(|s| s.to_string())
-    .collect()
+/// The world and the edl symbols of a native library, read from its symbol
+/// table without loading it (so none of its code runs).
+pub fn read_symbols(path: &str, bytes: &[u8]) -> Result<(World, Vec<String>), Error> {
+    use object::{Object, ObjectSymbol};
+    let file = object::File::parse(bytes).map_err(|e| Error::NotAPlugin {
+        path: path.into(),
+        detail: format!("cannot read native library: {e}"),
+    })?;
+    let names: std::collections::BTreeSet<String> = file
+        .exports()
+        .map(|list| list.iter().map(|e| String::from_utf8_lossy(e.name()).into_owned()).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .chain(
+            file.dynamic_symbols()
+                .filter(|s| s.is_definition())
+                .filter_map(|s| s.name().ok().map(String::from)),
+        )
+        .map(|n| n.trim_start_matches('_').to_string())
+        .filter(|n| n.starts_with("edl_"))
+        .collect();
+    if !names.contains("edl_plugin_abi_version") {
+        return Err(Error::NotAPlugin {
+            path: path.into(),
+            detail: "a native library without `edl_plugin_abi_version`, so not an edl plugin".into(),
+        });
+    }
+    let world = [World::ScalingPolicy, World::BatchAdapter, World::ReaderTransform]
+        .into_iter()
+        .find(|w| world_symbols(*w).iter().all(|s| names.contains(*s)))
+        .ok_or_else(|| native_err(path, "exports the edl ABI but no world's functions"))?;
+    Ok((world, names.into_iter().collect()))
 }
 
 /// Loads a native plugin library.

@@ -21,6 +21,8 @@ pub struct CapturedStderr {
     buf: Arc<Mutex<Vec<u8>>>,
     /// Set by writes, so that checking after every call costs one load.
     written: Arc<AtomicBool>,
+    /// Bytes dropped from the front since the last `take`.
+    dropped: Arc<std::sync::atomic::AtomicUsize>,
     capacity: usize,
 }
 
@@ -29,6 +31,7 @@ impl CapturedStderr {
         CapturedStderr {
             buf: Arc::new(Mutex::new(Vec::new())),
             written: Arc::new(AtomicBool::new(false)),
+            dropped: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
             capacity: capacity.max(1),
         }
     }
@@ -39,11 +42,14 @@ impl CapturedStderr {
         if buf.len() > self.capacity {
             let excess = buf.len() - self.capacity;
             buf.drain(..excess);
+            self.dropped.fetch_add(excess, Ordering::Relaxed);
         }
         self.written.store(true, Ordering::Release);
     }
 
-    /// Takes what was written so far (lossy UTF-8), leaving the buffer empty.
+    /// Takes what was written so far (lossy UTF-8), leaving the buffer empty;
+    /// when the buffer overflowed, the text starts with a line saying how
+    /// many bytes were dropped.
     pub fn take(&self) -> Option<String> {
         if !self.written.swap(false, Ordering::Acquire) {
             return None;
@@ -52,7 +58,12 @@ impl CapturedStderr {
         if buf.is_empty() {
             return None;
         }
-        let text = String::from_utf8_lossy(&buf).into_owned();
+        let dropped = self.dropped.swap(0, Ordering::Relaxed);
+        let mut text = String::from_utf8_lossy(&buf).into_owned();
+        if dropped > 0 {
+            text =
+                format!("[{dropped} earlier bytes of stderr dropped; the last {} kept]\n{text}", buf.len());
+        }
         buf.clear();
         Some(text)
     }
@@ -118,7 +129,12 @@ mod tests {
         let s = CapturedStderr::new(8);
         s.push(b"0123456789");
         s.push(b"ab");
-        assert_eq!(s.take().as_deref(), Some("456789ab"));
+        assert_eq!(
+            s.take().as_deref(),
+            Some("[4 earlier bytes of stderr dropped; the last 8 kept]\n456789ab")
+        );
         assert_eq!(s.take(), None);
+        s.push(b"xy");
+        assert_eq!(s.take().as_deref(), Some("xy"));
     }
 }

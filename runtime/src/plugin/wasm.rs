@@ -10,18 +10,101 @@ use super::{
     stderr::CapturedStderr,
 };
 use edl_plugin_sdk::{Action, Batch, ClusterView, Hyperparams, PluginInfo, ResizeEvent};
-use wasmtime::{
-    Engine, ResourceLimiter, Store, Trap,
-    component::{Component, InstancePre, Linker, ResourceTable},
+use std::{
+    future::Future,
+    pin::Pin,
+    time::{Duration, Instant},
 };
+use wasmtime::{
+    Engine, ResourceLimiter, Store, StoreContextMut, Trap,
+    component::{Component, InstancePre, Linker, Resource, ResourceTable},
+};
+use wasmtime_wasi::p2::{DynPollable, Pollable, subscribe as subscribe_pollable};
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
-/// Per-store state: WASI with nothing granted, and the memory cap.
+/// Per-store state: WASI with nothing granted, the memory cap, and the
+/// wall-clock deadline of the call under way.
 pub struct HostState {
     wasi: WasiCtx,
     table: ResourceTable,
     limiter: MemoryCap,
+    /// The running call must end by then (see [`add_bounded_clocks`]).
+    deadline: Instant,
+    /// Zero of the guest's monotonic clock.
+    origin: Instant,
 }
+
+/// A guest asked to sleep past its call's deadline: the call is stopped at
+/// once, as it would be at the deadline.
+#[derive(Debug)]
+struct SleepPastDeadline {
+    asked: Duration,
+}
+
+impl std::fmt::Display for SleepPastDeadline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "asked to sleep {:?}", self.asked)
+    }
+}
+
+impl std::error::Error for SleepPastDeadline {}
+
+/// A sleep that ends before the call's deadline.
+struct Sleep(tokio::time::Instant);
+
+impl Pollable for Sleep {
+    fn ready<'life0, 'async_trait>(
+        &'life0 mut self,
+    ) -> Pin<Box<dyn Future<Output = ()> + Send + 'async_trait>>
+    where
+        'life0: 'async_trait,
+        Self: 'async_trait,
+    {
+        Box::pin(tokio::time::sleep_until(self.0))
+    }
+}
+
+/// Epoch interruption stops a guest that computes past its deadline, but not
+/// one blocked in the host: the only host call that blocks in this sandbox (no
+/// files, sockets or stdin) is a sleep on the monotonic clock. These
+/// definitions replace WASI's so that a sleep ending past the call's deadline
+/// is a deadline trap at once, and every call ends within its deadline
+/// whatever the guest does. `now` is replaced too, so that the instants a
+/// guest computes and the ones it subscribes to share one origin.
+pub fn add_bounded_clocks(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
+    fn subscribe(
+        mut cx: StoreContextMut<'_, HostState>,
+        asked: Duration,
+    ) -> wasmtime::Result<Resource<DynPollable>> {
+        let state = cx.data_mut();
+        let now = Instant::now();
+        match now.checked_add(asked) {
+            Some(end) if end <= state.deadline => {
+                let sleep = state.table.push(Sleep(tokio::time::Instant::from_std(end)))?;
+                subscribe_pollable(&mut state.table, sleep)
+            }
+            _ => Err(wasmtime::Error::new(SleepPastDeadline { asked })),
+        }
+    }
+    linker.allow_shadowing(true);
+    let mut clock = linker.instance(MONOTONIC_CLOCK)?;
+    clock.func_wrap("now", |cx: StoreContextMut<'_, HostState>, (): ()| {
+        Ok((cx.data().origin.elapsed().as_nanos() as u64,))
+    })?;
+    clock.func_wrap("subscribe-duration", |cx: StoreContextMut<'_, HostState>, (nanos,): (u64,)| {
+        Ok((subscribe(cx, Duration::from_nanos(nanos))?,))
+    })?;
+    clock.func_wrap("subscribe-instant", |cx: StoreContextMut<'_, HostState>, (at,): (u64,)| {
+        let now = cx.data().origin.elapsed().as_nanos() as u64;
+        Ok((subscribe(cx, Duration::from_nanos(at.saturating_sub(now)))?,))
+    })?;
+    linker.allow_shadowing(false);
+    Ok(())
+}
+
+/// The WASI monotonic clock interface as wasmtime-wasi 48 defines it
+/// (guests built against any 0.2.x version are matched to it).
+const MONOTONIC_CLOCK: &str = "wasi:clocks/monotonic-clock@0.2.12";
 
 impl WasiView for HostState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
@@ -172,10 +255,13 @@ impl<B: WorldBindings> Sandboxed<B> {
             .allow_udp(false)
             .allow_ip_name_lookup(false)
             .build();
+        let now = Instant::now();
         let state = HostState {
             wasi,
             table: ResourceTable::new(),
             limiter: MemoryCap { limit: self.limits.memory_bytes, hit: false },
+            deadline: now + self.limits.deadline,
+            origin: now,
         };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limiter);
@@ -185,6 +271,7 @@ impl<B: WorldBindings> Sandboxed<B> {
             Err(e) => return Err(self.classify("instantiate", e, &store, &stderr)),
         };
         store.set_epoch_deadline(self.deadline_ticks);
+        store.data_mut().deadline = Instant::now() + self.limits.deadline;
         match bindings.init(&mut store, &self.config) {
             Ok(Ok(())) => Ok(Live { store, bindings, stderr }),
             Ok(Err(e)) => Err(Error::Init { path: self.path.clone(), error: e.into() }),
@@ -200,8 +287,12 @@ impl<B: WorldBindings> Sandboxed<B> {
         stderr: &CapturedStderr,
     ) -> Error {
         let path = self.path.clone();
+        let deadline_ms = self.limits.deadline.as_millis() as u64;
         if e.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
-            return Error::Deadline { path, call, deadline_ms: self.limits.deadline.as_millis() as u64 };
+            return Error::Deadline { path, call, deadline_ms, detail: String::new() };
+        }
+        if let Some(sleep) = e.downcast_ref::<SleepPastDeadline>() {
+            return Error::Deadline { path, call, deadline_ms, detail: format!(" ({sleep})") };
         }
         if store.data().limiter.hit {
             return Error::MemoryLimit { path, call, limit_mib: (self.limits.memory_bytes >> 20) as u64 };
@@ -224,6 +315,7 @@ impl<B: WorldBindings> Sandboxed<B> {
         }
         let live = self.live.as_mut().expect("instantiated above");
         live.store.set_epoch_deadline(self.deadline_ticks);
+        live.store.data_mut().deadline = Instant::now() + self.limits.deadline;
         match f(&live.bindings, &mut live.store) {
             Ok(r) => {
                 if let Some(text) = live.stderr.take() {

@@ -48,7 +48,7 @@ pub enum StoreError {
     Unavailable { url: String, detail: String },
     #[error("store {url}: unexpected reply for {op}: {detail}")]
     Protocol { url: String, op: &'static str, detail: String },
-    #[error("invalid store address {0:?}: expected `memory` or `redis://host:port[/db]`")]
+    #[error("invalid store address {:?}: expected `memory` or `redis://host:port[/db]`", redact(.0))]
     BadUrl(String),
 }
 
@@ -81,6 +81,19 @@ pub trait Store: Send + Sync + 'static {
         value: &[u8],
         ttl: Option<Duration>,
     ) -> impl Future<Output = Result<Cas, StoreError>> + Send;
+}
+
+/// A store address fit to print: the password of a `redis://user:pass@host`
+/// URL is replaced by `***`.
+pub fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_string() };
+    let Some((auth, host)) = rest.rsplit_once('@') else { return url.to_string() };
+    let user = auth.split_once(':').map_or("", |(u, _)| u);
+    if auth.contains(':') {
+        format!("{scheme}://{user}:***@{host}")
+    } else {
+        format!("{scheme}://***@{host}")
+    }
 }
 
 /// The store chosen at run time (`--store memory` or `--store redis://...`).

@@ -73,7 +73,7 @@ impl RedisStore {
         let conn = ConnectionManager::new_lazy_with_config(client, config)
             .map_err(|e| StoreError::Unavailable { url: url.to_string(), detail: e.to_string() })?;
         Ok(RedisStore {
-            url: url.into(),
+            url: super::redact(url).into(),
             conn,
             put: Arc::new(Script::new(PUT)),
             cas: Arc::new(Script::new(CAS)),

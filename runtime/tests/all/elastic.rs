@@ -14,7 +14,7 @@ use std::{
 };
 
 /// The job's command in `dir` (its own .edl/, teacher cache and checkpoints).
-fn job(dir: &Path, extra: &[&str]) -> Command {
+pub(crate) fn job(dir: &Path, extra: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
     c.current_dir(dir)
         .args([
@@ -41,7 +41,7 @@ fn job(dir: &Path, extra: &[&str]) -> Command {
 }
 
 /// Stdout lines of a running job, as they come.
-fn lines(child: &mut Child) -> mpsc::Receiver<String> {
+pub(crate) fn lines(child: &mut Child) -> mpsc::Receiver<String> {
     let (tx, rx) = mpsc::channel();
     let out = child.stdout.take().unwrap();
     std::thread::spawn(move || {
@@ -55,7 +55,7 @@ fn lines(child: &mut Child) -> mpsc::Receiver<String> {
 }
 
 /// Waits for a line with `needle` (every line seen goes to `seen`).
-fn wait_for(rx: &mpsc::Receiver<String>, needle: &str, seen: &mut Vec<String>, within: Duration) {
+pub(crate) fn wait_for(rx: &mpsc::Receiver<String>, needle: &str, seen: &mut Vec<String>, within: Duration) {
     let until = Instant::now() + within;
     loop {
         let left = until.saturating_duration_since(Instant::now());
@@ -75,7 +75,11 @@ fn wait_for(rx: &mpsc::Receiver<String>, needle: &str, seen: &mut Vec<String>, w
 }
 
 /// Waits for the job to end (bounded); returns its status and the rest of its output.
-fn finish(mut child: Child, rx: mpsc::Receiver<String>, seen: &mut Vec<String>) -> std::process::ExitStatus {
+pub(crate) fn finish(
+    mut child: Child,
+    rx: mpsc::Receiver<String>,
+    seen: &mut Vec<String>,
+) -> std::process::ExitStatus {
     let until = Instant::now() + Duration::from_secs(240);
     loop {
         while let Ok(l) = rx.try_recv() {
@@ -124,7 +128,7 @@ fn alive(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
-fn report(dir: &Path) -> Value {
+pub(crate) fn report(dir: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(dir.join("report.json")).expect("the job wrote its report"))
         .unwrap()
 }

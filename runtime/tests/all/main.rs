@@ -5,6 +5,7 @@ mod cache;
 mod cli;
 mod distill;
 mod elastic;
+mod hardening;
 mod reload;
 mod sandbox;
 mod scaffold;
@@ -18,7 +19,9 @@ use std::{path::Path, sync::Arc};
 /// A host with its own cache directory (kept alive by the returned guard).
 pub fn host_with(limits: Limits) -> (Arc<PluginHost>, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
-    let host = PluginHost::new(HostOptions { limits, cache: ArtifactCache::at(dir.path()) }).unwrap();
+    let host =
+        PluginHost::new(HostOptions { limits, cache: ArtifactCache::at(dir.path()), allow_native: true })
+            .unwrap();
     (host, dir)
 }
 

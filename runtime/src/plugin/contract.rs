@@ -1,0 +1,224 @@
+//! What a plugin's answers must satisfy before the runtime uses them. Every
+//! loaded plugin, sandboxed or native, is wrapped in [`Checked`], so no path
+//! (the worker's own transform, the DistillReader, simulation, replay) sees an
+//! answer that breaks the contract; a broken answer is an
+//! [`Error::Contract`] naming the plugin file and the call.
+//!
+//! - `apply` (reader transform): the same samples out as in: as many rows as
+//!   labels as ids, the output ids a permutation of the input's, a shape whose
+//!   product matches the data buffer, finite `float32` values.
+//! - `on-resize` / `on-step` (batch adapter): a finite learning rate above 0,
+//!   a momentum in [0, 1), global and local batches of at least 1 with the
+//!   local batch not above the global one.
+//! - `decide` (scaling policy): any list of actions; the coordinator reduces
+//!   it to one target size within its bounds (see `docs/plugins.md`).
+
+use super::{AdapterPlugin, Backend, Error, Plugin, PolicyPlugin, TransformPlugin, host::Loaded};
+use edl_plugin_sdk::{Action, Batch, ClusterView, Dtype, Hyperparams, PluginInfo, ResizeEvent};
+
+/// A plugin whose answers are checked against the contract.
+pub struct Checked<T: ?Sized> {
+    path: String,
+    inner: Box<T>,
+}
+
+/// Wraps whatever was loaded from `path`.
+pub fn checked(loaded: Loaded, path: &str) -> Loaded {
+    let path = path.to_string();
+    match loaded {
+        Loaded::Policy(inner) => Loaded::Policy(Box::new(Checked { path, inner })),
+        Loaded::Adapter(inner) => Loaded::Adapter(Box::new(Checked { path, inner })),
+        Loaded::Transform(inner) => Loaded::Transform(Box::new(Checked { path, inner })),
+    }
+}
+
+impl<T: ?Sized + Plugin> Plugin for Checked<T> {
+    fn info(&self) -> &PluginInfo {
+        self.inner.info()
+    }
+
+    fn backend(&self) -> Backend {
+        self.inner.backend()
+    }
+}
+
+impl<T: ?Sized + PolicyPlugin> PolicyPlugin for Checked<T> {
+    fn decide(&mut self, view: &ClusterView) -> Result<Vec<Action>, Error> {
+        self.inner.decide(view)
+    }
+}
+
+impl<T: ?Sized + AdapterPlugin> AdapterPlugin for Checked<T> {
+    fn on_resize(&mut self, event: &ResizeEvent, current: &Hyperparams) -> Result<Hyperparams, Error> {
+        let h = self.inner.on_resize(event, current)?;
+        check_hyperparams(&h).map_err(|detail| self.broken("on-resize", detail))?;
+        Ok(h)
+    }
+
+    fn on_step(&mut self, step: u64, current: &Hyperparams) -> Result<Hyperparams, Error> {
+        let h = self.inner.on_step(step, current)?;
+        check_hyperparams(&h).map_err(|detail| self.broken("on-step", detail))?;
+        Ok(h)
+    }
+}
+
+impl<T: ?Sized + TransformPlugin> TransformPlugin for Checked<T> {
+    fn apply(&mut self, batch: &Batch) -> Result<Batch, Error> {
+        let out = self.inner.apply(batch)?;
+        check_batch(batch, &out).map_err(|detail| self.broken("apply", detail))?;
+        Ok(out)
+    }
+}
+
+impl<T: ?Sized> Checked<T> {
+    fn broken(&self, call: &'static str, detail: String) -> Error {
+        Error::Contract { path: self.path.clone(), call, detail }
+    }
+}
+
+/// Hyperparameters a job can train with.
+pub fn check_hyperparams(h: &Hyperparams) -> Result<(), String> {
+    if !(h.lr.is_finite() && h.lr > 0.0) {
+        return Err(format!("learning rate {} (must be finite and above 0)", h.lr));
+    }
+    if !(h.momentum.is_finite() && (0.0..1.0).contains(&h.momentum)) {
+        return Err(format!("momentum {} (must be in [0, 1))", h.momentum));
+    }
+    if h.global_batch == 0 || h.local_batch == 0 {
+        return Err(format!(
+            "global batch {} and local batch {} (both must be at least 1)",
+            h.global_batch, h.local_batch
+        ));
+    }
+    if h.local_batch > h.global_batch {
+        return Err(format!("local batch {} above the global batch {}", h.local_batch, h.global_batch));
+    }
+    Ok(())
+}
+
+/// A transform's output against its input.
+pub fn check_batch(input: &Batch, out: &Batch) -> Result<(), String> {
+    let rows = out.ids.len();
+    if out.labels.len() != rows {
+        return Err(format!("{} labels for {rows} sample ids", out.labels.len()));
+    }
+    if rows != input.ids.len() {
+        return Err(format!("{rows} samples out of {} in", input.ids.len()));
+    }
+    match out.shape.first() {
+        Some(&n) if n as usize == rows => {}
+        Some(n) => return Err(format!("shape {:?} says {n} samples, the batch has {rows}", out.shape)),
+        None => return Err("an empty shape".into()),
+    }
+    let elems = out.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d as usize));
+    let bytes = elems.and_then(|e| e.checked_mul(out.dtype.size()));
+    if bytes != Some(out.data.len()) {
+        return Err(format!(
+            "shape {:?} of {:?} needs {} bytes, the data has {}",
+            out.shape,
+            out.dtype,
+            bytes.map_or("more than addressable".to_string(), |b| b.to_string()),
+            out.data.len()
+        ));
+    }
+    let mut before = input.ids.clone();
+    let mut after = out.ids.clone();
+    before.sort_unstable();
+    after.sort_unstable();
+    if before != after {
+        let missing = before.iter().find(|i| after.binary_search(i).is_err());
+        let foreign = after.iter().find(|i| before.binary_search(i).is_err());
+        return Err(match (missing, foreign) {
+            (_, Some(f)) => format!("sample id {f} was not in the input"),
+            (Some(m), None) => format!("sample id {m} of the input is missing (another one repeats)"),
+            (None, None) => "the sample ids are not those of the input".into(),
+        });
+    }
+    if out.dtype == Dtype::Float32 {
+        let row = out.data.len() / rows.max(1);
+        if let Some(at) =
+            out.data.chunks_exact(4).position(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite())
+        {
+            return Err(format!(
+                "value {} of sample {} is not finite",
+                at % (row / 4).max(1),
+                at * 4 / row.max(1)
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(rows: usize, width: usize) -> Batch {
+        let x: Vec<f32> = (0..rows * width).map(|i| i as f32).collect();
+        Batch {
+            data: x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            shape: vec![rows as u32, width as u32],
+            dtype: Dtype::Float32,
+            labels: (0..rows as u32).collect(),
+            ids: (10..10 + rows as u64).collect(),
+            seed: 1,
+        }
+    }
+
+    #[test]
+    fn an_unchanged_or_reordered_batch_passes() {
+        let b = batch(4, 3);
+        check_batch(&b, &b).unwrap();
+        let mut r = b.clone();
+        r.ids.reverse();
+        check_batch(&b, &r).unwrap();
+    }
+
+    #[test]
+    fn each_broken_output_is_named() {
+        let b = batch(4, 3);
+        let cases: Vec<(Box<dyn Fn(&mut Batch)>, &str)> = vec![
+            (Box::new(|o| o.labels.pop().map(drop).unwrap_or(())), "3 labels for 4 sample ids"),
+            (
+                Box::new(|o| {
+                    o.ids.pop();
+                    o.labels.pop();
+                }),
+                "3 samples out of 4 in",
+            ),
+            (Box::new(|o| o.shape[1] = 4), "needs 64 bytes, the data has 48"),
+            (Box::new(|o| o.shape[0] = 5), "says 5 samples"),
+            (Box::new(|o| o.shape.clear()), "an empty shape"),
+            (Box::new(|o| o.ids[0] = 99), "sample id 99 was not in the input"),
+            (Box::new(|o| o.ids[0] = 11), "sample id 10 of the input is missing"),
+            (Box::new(|o| o.data[8..12].copy_from_slice(&f32::NAN.to_le_bytes())), "value 2 of sample 0"),
+            (Box::new(|o| o.shape = vec![4, u32::MAX, u32::MAX, u32::MAX]), "more than addressable"),
+        ];
+        for (break_it, want) in cases {
+            let mut o = b.clone();
+            break_it(&mut o);
+            let e = check_batch(&b, &o).unwrap_err();
+            assert!(e.contains(want), "{e:?} should say {want:?}");
+        }
+    }
+
+    #[test]
+    fn hyperparameters_outside_their_ranges_are_refused() {
+        let ok = Hyperparams { global_batch: 64, local_batch: 32, lr: 0.1, momentum: 0.9 };
+        check_hyperparams(&ok).unwrap();
+        for (h, want) in [
+            (Hyperparams { lr: f32::NAN, ..ok }, "learning rate NaN"),
+            (Hyperparams { lr: f32::INFINITY, ..ok }, "learning rate inf"),
+            (Hyperparams { lr: 0.0, ..ok }, "learning rate 0"),
+            (Hyperparams { lr: -1.0, ..ok }, "learning rate -1"),
+            (Hyperparams { momentum: 1.0, ..ok }, "momentum 1"),
+            (Hyperparams { momentum: -0.1, ..ok }, "momentum -0.1"),
+            (Hyperparams { global_batch: 0, ..ok }, "global batch 0"),
+            (Hyperparams { local_batch: 0, ..ok }, "local batch 0"),
+            (Hyperparams { local_batch: 65, ..ok }, "local batch 65 above"),
+        ] {
+            let e = check_hyperparams(&h).unwrap_err();
+            assert!(e.contains(want), "{e:?} should say {want:?}");
+        }
+    }
+}

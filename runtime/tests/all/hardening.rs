@@ -1,0 +1,419 @@
+//! The failure contract under hostile plugins and bad flags: every plugin
+//! answer is checked before use, every plugin call ends within its deadline,
+//! native code runs only when asked for, and a job refuses what it cannot
+//! run before it starts anything.
+
+use crate::elastic::{finish, job, lines, report};
+use crate::{host, host_with, pairs, path};
+use edl_plugin_artifacts as art;
+use edl_plugin_sdk::{Action, Batch, ClusterView, Dtype, Hyperparams};
+use edl_runtime::plugin::{ArtifactCache, Error, HostOptions, Limits, PluginHost};
+use std::{path::Path, process::Command, time::Duration};
+
+fn view() -> ClusterView {
+    ClusterView {
+        step: 8,
+        world_size: 1,
+        min_workers: 1,
+        max_workers: 4,
+        free_slots: 3,
+        ..Default::default()
+    }
+}
+
+fn batch(rows: usize) -> Batch {
+    let x: Vec<f32> = (0..rows * 4).map(|i| i as f32 / 7.0).collect();
+    Batch {
+        data: x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        shape: vec![rows as u32, 4],
+        dtype: Dtype::Float32,
+        labels: (0..rows as u32).map(|i| i % 3).collect(),
+        ids: (100..100 + rows as u64).collect(),
+        seed: 7,
+    }
+}
+
+#[test]
+fn a_sleep_in_init_or_a_call_is_stopped_at_the_deadline() {
+    // An hour's sleep: without the bounded clocks this test would hang.
+    let (host, _d) = host_with(Limits { deadline: Duration::from_millis(50), ..Limits::default() });
+    let err =
+        host.load_policy(path(art::HOSTILE_POLICY_WASM), &pairs(&[("mode", "sleep-init")])).err().unwrap();
+    assert!(matches!(err, Error::Deadline { call: "init", deadline_ms: 50, .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("hostile_policy.wasm") && text.contains("asked to sleep 3600s"), "{text}");
+    assert!(text.contains("wall-clock"), "{text}");
+
+    let mut p =
+        host.load_policy(path(art::HOSTILE_POLICY_WASM), &pairs(&[("mode", "sleep-decide")])).unwrap();
+    let err = p.decide(&view()).unwrap_err();
+    assert!(matches!(err, Error::Deadline { call: "decide", .. }), "{err}");
+    // A short sleep inside the deadline is allowed.
+    let (host, _d) = host_with(Limits { deadline: Duration::from_secs(5), ..Limits::default() });
+    let mut p = host
+        .load_policy(path(art::HOSTILE_POLICY_WASM), &pairs(&[("mode", "sleep-decide"), ("ms", "1")]))
+        .unwrap();
+    assert_eq!(p.decide(&view()).unwrap(), vec![Action::Hold]);
+}
+
+#[test]
+fn every_broken_transform_output_is_refused_naming_the_plugin() {
+    let (host, _d) = host();
+    for (mode, want) in [
+        ("fewer-labels", "4 labels for 8 sample ids"),
+        ("empty", "0 samples out of 8 in"),
+        ("nan", "value 0 of sample 0 is not finite"),
+        ("huge", "800 samples out of 8 in"),
+        ("foreign-ids", "sample id 1000100 was not in the input"),
+    ] {
+        let mut t =
+            host.load_transform(path(art::HOSTILE_TRANSFORM_WASM), &pairs(&[("mode", mode)])).unwrap();
+        let err = t.apply(&batch(8)).unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, Error::Contract { call: "apply", .. }), "{mode}: {text}");
+        assert!(text.contains("hostile_transform.wasm") && text.contains(want), "{mode}: {text}");
+    }
+    // A permutation of the same samples keeps the contract.
+    let mut t =
+        host.load_transform(path(art::HOSTILE_TRANSFORM_WASM), &pairs(&[("mode", "reverse")])).unwrap();
+    let out = t.apply(&batch(8)).unwrap();
+    assert_eq!(out.ids, (100..108).rev().collect::<Vec<u64>>());
+}
+
+#[test]
+fn every_out_of_range_hyperparameter_is_refused_naming_the_adapter() {
+    let (host, _d) = host();
+    let current = Hyperparams { global_batch: 64, local_batch: 64, lr: 0.05, momentum: 0.9 };
+    for (mode, want) in [
+        ("nan-lr", "learning rate NaN"),
+        ("inf-lr", "learning rate inf"),
+        ("zero-lr", "learning rate 0"),
+        ("momentum", "momentum 1.5"),
+        ("batch0", "global batch 0"),
+    ] {
+        let mut a = host
+            .load_adapter(path(art::HOSTILE_ADAPTER_WASM), &pairs(&[("mode", mode), ("from", "0")]))
+            .unwrap();
+        let err = a.on_step(1, &current).unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, Error::Contract { call: "on-step", .. }), "{mode}: {text}");
+        assert!(text.contains("hostile_adapter.wasm") && text.contains(want), "{mode}: {text}");
+    }
+}
+
+#[test]
+fn native_code_loads_only_when_asked_for_and_never_under_a_wasm_name() {
+    let cache = tempfile::tempdir().unwrap();
+    let strict =
+        PluginHost::new(HostOptions { cache: ArtifactCache::at(cache.path()), ..Default::default() })
+            .unwrap();
+    let err = strict.load_policy(path(art::PANICKY_SO), &[]).err().unwrap();
+    assert!(matches!(err, Error::NativeNotAllowed { .. }), "{err}");
+    assert!(err.to_string().contains("--allow-native"), "{err}");
+    // A native library renamed .wasm is refused even where native code is allowed.
+    let dir = tempfile::tempdir().unwrap();
+    let disguised = dir.path().join("policy.wasm");
+    std::fs::copy(art::PANICKY_SO, &disguised).unwrap();
+    let (host, _d) = host();
+    let err = host.load_policy(&disguised, &[]).err().unwrap();
+    assert!(err.to_string().contains("named .wasm but holds a native library"), "{err}");
+    assert!(host.inspect(&disguised).is_err());
+}
+
+/// A native "plugin" whose constructor aborts the process that loads it.
+fn booby_trapped_library(dir: &Path) -> Option<std::path::PathBuf> {
+    let src = dir.join("bomb.c");
+    std::fs::write(
+        &src,
+        "#include <stdlib.h>\n\
+         __attribute__((constructor)) static void boom(void) { abort(); }\n\
+         unsigned edl_plugin_abi_version(void) { return 1; }\n\
+         int edl_policy_decide(void *h, const void *v, void *out) { return 0; }\n",
+    )
+    .unwrap();
+    let lib = dir.join("libbomb.so");
+    let status = Command::new("cc").args(["-shared", "-fPIC", "-o"]).arg(&lib).arg(&src).status();
+    match status {
+        Ok(s) if s.success() => Some(lib),
+        _ => {
+            eprintln!("SKIPPED: no C compiler (cc) to build the booby-trapped library");
+            None
+        }
+    }
+}
+
+#[test]
+fn inspect_reads_a_native_library_without_running_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(lib) = booby_trapped_library(dir.path()) else { return };
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+            .args(["plugin", "inspect"])
+            .arg(&lib)
+            .args(extra)
+            .arg("--plugin-cache")
+            .arg(dir.path().join("cache"))
+            .output()
+            .unwrap()
+    };
+    let out = run(&[]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "inspect ran the library's code: {out:?}");
+    assert!(text.contains("world:       scaling-policy") && text.contains("native library"), "{text}");
+    // Loading it is refused without --allow-native, before any of its code runs.
+    let out = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+        .args(["simulate", "--policy"])
+        .arg(&lib)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("load only with --allow-native"), "{err}");
+}
+
+#[test]
+fn a_planted_or_altered_cache_entry_is_not_loaded() {
+    let cache = tempfile::tempdir().unwrap();
+    let make = || {
+        PluginHost::new(HostOptions { cache: ArtifactCache::at(cache.path()), ..Default::default() }).unwrap()
+    };
+    let host = make();
+    let wasm = std::fs::read(art::SCHEDULE_WASM).unwrap();
+    let entry = host.cache_entry(&wasm).unwrap();
+    host.load_policy(path(art::SCHEDULE_WASM), &[]).unwrap();
+    assert!(entry.exists());
+    // One flipped byte: the recorded checksum no longer matches.
+    let mut bytes = std::fs::read(&entry).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&entry, &bytes).unwrap();
+    let p = make().load_policy(path(art::SCHEDULE_WASM), &[]).unwrap();
+    assert_eq!(
+        p.backend(),
+        edl_runtime::plugin::Backend::Wasm { cache: edl_runtime::plugin::CacheStatus::Miss }
+    );
+    // An entry planted without its checksum is ignored too.
+    std::fs::remove_file(format!("{}.sha256", entry.display())).unwrap();
+    let p = make().load_policy(path(art::SCHEDULE_WASM), &[]).unwrap();
+    assert_eq!(
+        p.backend(),
+        edl_runtime::plugin::Backend::Wasm { cache: edl_runtime::plugin::CacheStatus::Miss }
+    );
+    // A cache directory others can write is not used at all.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(cache.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let p = make().load_policy(path(art::SCHEDULE_WASM), &[]).unwrap();
+    assert_eq!(
+        p.backend(),
+        edl_runtime::plugin::Backend::Wasm { cache: edl_runtime::plugin::CacheStatus::Miss }
+    );
+    let p = make().load_policy(path(art::SCHEDULE_WASM), &[]).unwrap();
+    assert_eq!(
+        p.backend(),
+        edl_runtime::plugin::Backend::Wasm { cache: edl_runtime::plugin::CacheStatus::Miss }
+    );
+}
+
+/// A short job without teachers: 400 samples, batch 40, one epoch (later
+/// flags override these).
+fn small(dir: &Path, extra: &[&str]) -> Command {
+    let mut args = vec![
+        "--policy",
+        art::AUTOSCALE_WASM,
+        "--no-distill",
+        "--train-samples",
+        "400",
+        "--epochs",
+        "1",
+        "--decide-every",
+        "2",
+    ];
+    args.extend_from_slice(extra);
+    job(dir, &args)
+}
+
+fn run_to_end(mut c: Command) -> (std::process::ExitStatus, String) {
+    let mut child = c.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    (status, seen.join("\n"))
+}
+
+#[test]
+fn a_job_with_a_broken_transform_fails_naming_it_and_claims_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (status, out) = run_to_end(small(
+        dir.path(),
+        &["--transform", art::HOSTILE_TRANSFORM_WASM, "--transform-config", "mode=fewer-labels"],
+    ));
+    assert!(!status.success(), "{out}");
+    assert!(
+        out.contains("hostile_transform.wasm") && out.contains("apply broke the plugin contract"),
+        "{out}"
+    );
+    assert!(!out.contains("every sample exactly once: yes"), "{out}");
+}
+
+#[test]
+fn a_job_whose_adapter_answers_nan_fails_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (status, out) = run_to_end(small(
+        dir.path(),
+        &["--adapter", art::HOSTILE_ADAPTER_WASM, "--adapter-config", "mode=nan-lr"],
+    ));
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("batch adapter") && out.contains("learning rate NaN"), "{out}");
+    let dir = tempfile::tempdir().unwrap();
+    let (status, out) = run_to_end(small(
+        dir.path(),
+        &["--adapter", art::HOSTILE_ADAPTER_WASM, "--adapter-config", "mode=huge-batch"],
+    ));
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("global batch of 1000000000, above the 400 training samples"), "{out}");
+}
+
+#[test]
+fn a_flood_of_scale_outs_never_passes_the_maximum() {
+    let dir = tempfile::tempdir().unwrap();
+    let (status, out) = run_to_end(small(
+        dir.path(),
+        &[
+            "--policy",
+            art::HOSTILE_POLICY_WASM,
+            "--policy-config",
+            "mode=flood",
+            "--max-workers",
+            "3",
+            // Long enough for the started workers to join (about 4 s).
+            "--epochs",
+            "20",
+            "--step-delay-ms",
+            "20",
+        ],
+    ));
+    assert!(status.success(), "{out}");
+    let r = report(dir.path());
+    let started = r["workers_started"].as_array().unwrap().len();
+    assert!(started <= 3, "{started} workers started against --max-workers 3:\n{out}");
+    assert!(r["scale_events"].as_array().unwrap().iter().any(|e| e["to"] == 3), "{out}");
+    for e in r["epochs"].as_array().unwrap() {
+        assert_eq!((e["duplicates"].as_u64(), e["missing"].as_u64()), (Some(0), Some(0)), "{e}");
+    }
+}
+
+#[test]
+fn replacing_the_only_worker_hands_its_state_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let (status, out) = run_to_end(small(
+        dir.path(),
+        &[
+            "--policy",
+            art::HOSTILE_POLICY_WASM,
+            "--policy-config",
+            "mode=replace",
+            "--max-workers",
+            "1",
+            "--epochs",
+            "20",
+            "--step-delay-ms",
+            "20",
+        ],
+    ));
+    assert!(status.success(), "{out}");
+    assert!(out.contains("hands over to"), "{out}");
+    assert!(out.contains("left after handing over its state"), "{out}");
+    let r = report(dir.path());
+    assert_eq!(r["workers_started"].as_array().unwrap().len(), 2, "{out}");
+    assert_eq!(r["final_world_size"], 1);
+    for e in r["epochs"].as_array().unwrap() {
+        assert_eq!((e["duplicates"].as_u64(), e["missing"].as_u64()), (Some(0), Some(0)), "{e}");
+    }
+}
+
+#[test]
+fn nonsensical_flags_are_one_line_errors_before_anything_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("a-file"), b"").unwrap();
+    for (flags, want) in [
+        (&["--epochs", "0"][..], "--epochs 0"),
+        (&["--batch", "0"], "--batch 0"),
+        (&["--batch", "5000"], "--batch 5000: need 1 <= batch <= 400"),
+        (&["--min-workers", "3", "--max-workers", "2"], "--min-workers 3 and --max-workers 2"),
+        (&["--lr", "NaN"], "--lr NaN"),
+        (&["--momentum", "1"], "--momentum 1"),
+        (&["--train-samples", "0"], "the training set is empty"),
+        (&["--dataset", "nope"], "unknown data set \"nope\""),
+        (&["--store", "bogus://x"], "invalid store address"),
+        (&["--store", "redis://:hunter2@127.0.0.1:1"], "--store redis://:***@127.0.0.1:1"),
+        (&["--checkpoint-dir", "a-file/ckpt"], "a-file/ckpt: cannot create it"),
+        (&["--decide-every", "0"], "--decide-every 0"),
+    ] {
+        let out = small(dir.path(), flags).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{flags:?}: {err}");
+        assert!(err.contains(want), "{flags:?}: {err}");
+        assert!(!err.contains("hunter2") && !err.contains("panicked"), "{flags:?}: {err}");
+        assert!(!dir.path().join(".edl/mnist/logs/worker-1.log").exists(), "{flags:?} started a worker");
+    }
+}
+
+#[test]
+fn a_second_coordinator_of_the_same_job_is_refused_naming_the_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut first = small(dir.path(), &["--epochs", "50", "--step-delay-ms", "20"]).spawn().unwrap();
+    let rx = lines(&mut first);
+    let mut seen = Vec::new();
+    crate::elastic::wait_for(&rx, "scale", &mut seen, Duration::from_secs(120));
+    let out = small(dir.path(), &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let _ = first.kill();
+    let _ = first.wait();
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("already run by another coordinator") && err.contains(&format!("pid {}", first.id())),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_rerun_after_the_final_checkpoint_only_reports_and_other_data_flags_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (status, out) = run_to_end(small(dir.path(), &["--checkpoint-every", "3"]));
+    assert!(status.success(), "{out}");
+    let steps = report(dir.path())["steps"].as_u64().unwrap();
+    // Killed after the final checkpoint, before the report: no report, no
+    // completion mark. The rerun resumes at the end and trains nothing again.
+    let ckpt = dir.path().join(".edl/mnist/checkpoints");
+    std::fs::remove_file(ckpt.join("complete.json")).unwrap();
+    std::fs::remove_file(dir.path().join("report.json")).unwrap();
+    // Another seed walks another permutation: refused, naming the flag.
+    let (status, out) = run_to_end(small(dir.path(), &["--seed", "2"]));
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("was made with --seed 1 (this run: 2)"), "{out}");
+    let (status, out) = run_to_end(small(dir.path(), &["--train-samples", "360"]));
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("--train-samples 400 (this run: 360)"), "{out}");
+    std::fs::create_dir(ckpt.join(".tmp-step-0000000099-1")).unwrap();
+    let (status, out) = run_to_end(small(dir.path(), &[]));
+    assert!(status.success(), "{out}");
+    assert!(out.contains("left by an interrupted checkpoint write"), "{out}");
+    let r = report(dir.path());
+    assert_eq!(r["resumed_from_step"].as_u64(), Some(steps), "{out}");
+    assert_eq!(r["timeline"].as_array().unwrap().len(), 0, "no step was trained again: {out}");
+    assert_eq!(r["epochs"].as_array().unwrap().len(), 1);
+    assert!(ckpt.join("complete.json").exists());
+}
+
+#[test]
+fn a_failed_job_still_writes_a_report_saying_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let (status, out) = run_to_end(small(
+        dir.path(),
+        &["--transform", art::HOSTILE_TRANSFORM_WASM, "--transform-config", "mode=nan"],
+    ));
+    assert!(!status.success(), "{out}");
+    let r = report(dir.path());
+    assert_eq!(r["status"], "failed");
+    assert!(r["error"].as_str().unwrap().contains("is not finite"), "{r}");
+}
