@@ -273,19 +273,19 @@ fn a_job_whose_adapter_answers_nan_fails_naming_it() {
     assert!(out.contains("global batch of 1000000000, above the 400 training samples"), "{out}");
 }
 
-#[test]
-fn a_flood_of_scale_outs_never_passes_the_maximum() {
-    let dir = tempfile::tempdir().unwrap();
+/// A job under the hostile policy in `mode`, long enough (about 4 s of
+/// steps) for the workers it starts to join; returns its report.
+fn policy_job(dir: &Path, mode: &str, max_workers: &str) -> (serde_json::Value, String) {
+    let config = format!("mode={mode}");
     let (status, out) = run_to_end(small(
-        dir.path(),
+        dir,
         &[
             "--policy",
             art::HOSTILE_POLICY_WASM,
             "--policy-config",
-            "mode=flood",
+            &config,
             "--max-workers",
-            "3",
-            // Long enough for the started workers to join (about 4 s).
+            max_workers,
             "--epochs",
             "20",
             "--step-delay-ms",
@@ -293,42 +293,30 @@ fn a_flood_of_scale_outs_never_passes_the_maximum() {
         ],
     ));
     assert!(status.success(), "{out}");
-    let r = report(dir.path());
-    let started = r["workers_started"].as_array().unwrap().len();
-    assert!(started <= 3, "{started} workers started against --max-workers 3:\n{out}");
-    assert!(r["scale_events"].as_array().unwrap().iter().any(|e| e["to"] == 3), "{out}");
+    let r = report(dir);
     for e in r["epochs"].as_array().unwrap() {
         assert_eq!((e["duplicates"].as_u64(), e["missing"].as_u64()), (Some(0), Some(0)), "{e}");
     }
+    (r, out)
+}
+
+#[test]
+fn a_flood_of_scale_outs_never_passes_the_maximum() {
+    let dir = tempfile::tempdir().unwrap();
+    let (r, out) = policy_job(dir.path(), "flood", "3");
+    let started = r["workers_started"].as_array().unwrap().len();
+    assert!(started <= 3, "{started} workers started against --max-workers 3:\n{out}");
+    assert!(r["scale_events"].as_array().unwrap().iter().any(|e| e["to"] == 3), "{out}");
 }
 
 #[test]
 fn replacing_the_only_worker_hands_its_state_over() {
     let dir = tempfile::tempdir().unwrap();
-    let (status, out) = run_to_end(small(
-        dir.path(),
-        &[
-            "--policy",
-            art::HOSTILE_POLICY_WASM,
-            "--policy-config",
-            "mode=replace",
-            "--max-workers",
-            "1",
-            "--epochs",
-            "20",
-            "--step-delay-ms",
-            "20",
-        ],
-    ));
-    assert!(status.success(), "{out}");
+    let (r, out) = policy_job(dir.path(), "replace", "1");
     assert!(out.contains("hands over to"), "{out}");
     assert!(out.contains("left after handing over its state"), "{out}");
-    let r = report(dir.path());
     assert_eq!(r["workers_started"].as_array().unwrap().len(), 2, "{out}");
     assert_eq!(r["final_world_size"], 1);
-    for e in r["epochs"].as_array().unwrap() {
-        assert_eq!((e["duplicates"].as_u64(), e["missing"].as_u64()), (Some(0), Some(0)), "{e}");
-    }
 }
 
 #[test]
