@@ -103,6 +103,10 @@ enum PluginCommand {
         /// Print JSON lines instead of a table.
         #[arg(long)]
         json: bool,
+        /// Price of a worker-hour shown to the policy, in place of the
+        /// trace's (`price_per_worker_hour`).
+        #[arg(long)]
+        price: Option<f64>,
     },
 }
 
@@ -288,6 +292,10 @@ struct SimArgs {
     /// Reload the plugins when their files change.
     #[arg(long)]
     watch: bool,
+    /// Price of a worker-hour the simulated cluster shows the policy
+    /// (`price_per_worker_hour` of the view), for cost-aware policies.
+    #[arg(long, default_value_t = 0.0)]
+    price: f64,
 }
 
 #[derive(Args)]
@@ -379,13 +387,18 @@ fn run(cli: Cli) -> Result<ExitCode> {
             println!("  cargo build --release --target wasm32-wasip2");
             Ok(ExitCode::SUCCESS)
         }
-        Some(Command::Plugin { command: PluginCommand::Replay { policy, trace, plot, config, json } }) => {
+        Some(Command::Plugin { command: PluginCommand::Replay { policy, trace, plot, config, json, price } }) => {
             // Printing a table to a closed pipe (`| head`) ends the command
             // quietly, as it does for other Unix tools, instead of panicking.
             // SAFETY: restoring a signal's default disposition has no preconditions.
             unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
             let mut p = host.load_policy(&policy, &config)?;
-            let (decisions, recorded) = match replay::read_trace(&trace)? {
+            if let Some(price) = price
+                && !(price.is_finite() && price >= 0.0)
+            {
+                bail!("--price {price}: need a finite price of 0 or more");
+            }
+            let (decisions, recorded) = match replay::read_trace(&trace)?.priced(price) {
                 Trace::Recorded(views) => (replay::replay(p.as_mut(), &views)?, true),
                 Trace::Scenario(sc) => {
                     let mut sim = sc.cluster();
@@ -463,7 +476,7 @@ fn demo_scenario(args: &SimArgs) -> Scenario {
         max_workers: args.max_workers,
         capacity: None,
         decisions: n,
-        price_per_worker_hour: 0.0,
+        price_per_worker_hour: args.price,
         events: vec![
             ScenarioEvent { at: n / 2, slow: Some(SlowWorker { worker: 1, speed: 0.5 }), capacity: None },
             ScenarioEvent { at: n * 3 / 4, slow: None, capacity: Some(2.max(args.min_workers)) },
@@ -474,6 +487,9 @@ fn demo_scenario(args: &SimArgs) -> Scenario {
 
 /// `edl-runtime simulate`: the policy (and the adapter) drive a simulated cluster.
 fn simulate(host: &Arc<PluginHost>, args: SimArgs) -> Result<ExitCode> {
+    if !(args.price.is_finite() && args.price >= 0.0) {
+        bail!("--price {}: need a finite price of 0 or more", args.price);
+    }
     if !args.plugins.policy.exists() {
         bail!(
             "{}: no such plugin; `cargo build --release` builds the shipped plugins into plugins/",
@@ -523,10 +539,11 @@ fn simulate(host: &Arc<PluginHost>, args: SimArgs) -> Result<ExitCode> {
     let scenario = demo_scenario(&args);
     let mut sim = scenario.cluster();
     println!(
-        "simulated cluster: {}..{} workers, throughput saturates at 4, worker 1 slows to 0.5x at step {}, \
-         capacity drops to {} at step {} and comes back at step {}",
+        "simulated cluster: {}..{} workers at {} per worker-hour, throughput saturates at 4, \
+         worker 1 slows to 0.5x at step {}, capacity drops to {} at step {} and comes back at step {}",
         args.min_workers,
         args.max_workers,
+        args.price,
         scenario.events[0].at as u64 * sim.steps_per_decision,
         scenario.events[1].capacity.unwrap_or(0),
         scenario.events[1].at as u64 * sim.steps_per_decision,

@@ -24,9 +24,9 @@ pub fn policy_run(path: &Path, title: &str, decisions: &[Decision], recorded: bo
     let root = root.titled(title, ("sans-serif", 20)).map_err(|e| err(&e))?;
     let (top, bottom) = root.split_vertically(330);
 
-    let first = decisions.first().map_or(0, |d| d.step) as f64;
+    // From step 0: the world size before the first decision is drawn too.
     let last = decisions.last().map_or(1, |d| d.step).max(1) as f64;
-    let x = first..last.max(first + 1.0);
+    let x = 0f64..last;
     let kmax =
         decisions.iter().map(|d| d.capacity.max(d.chosen).max(d.world_size)).max().unwrap_or(1) as f64 + 1.5;
 
@@ -44,19 +44,10 @@ pub fn policy_run(path: &Path, title: &str, decisions: &[Decision], recorded: bo
         .x_label_formatter(&|v| format!("{}", v.round() as i64))
         .draw()
         .map_err(|e| err(&e))?;
-    let step_line = |pick: fn(&Decision) -> u32| {
-        let mut pts = Vec::with_capacity(decisions.len() * 2);
-        for (i, d) in decisions.iter().enumerate() {
-            let y = pick(d) as f64;
-            pts.push((d.step as f64, y));
-            let next = decisions.get(i + 1).map_or(last, |n| n.step as f64);
-            pts.push((next, y));
-        }
-        pts
-    };
+    let step_line = |pick: fn(&Decision) -> u32| size_steps(decisions, pick, |d| d.world_size);
     sizes
         .draw_series(LineSeries::new(
-            step_line(|d| d.capacity),
+            size_steps(decisions, |d| d.capacity, |d| d.capacity),
             ShapeStyle::from(&RGBColor(230, 140, 0)).stroke_width(2),
         ))
         .map_err(|e| err(&e))?
@@ -114,6 +105,25 @@ pub fn policy_run(path: &Path, title: &str, decisions: &[Decision], recorded: bo
         .map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))?;
     Ok(())
+}
+
+/// A size over the steps as a staircase: what `pick` gives holds from a
+/// decision to the next; before the first, `before` (the size the first
+/// decision saw) holds from step 0.
+fn size_steps(decisions: &[Decision], pick: fn(&Decision) -> u32, before: fn(&Decision) -> u32) -> Vec<(f64, f64)> {
+    let mut pts = Vec::with_capacity(decisions.len() * 2 + 2);
+    let Some(first) = decisions.first() else { return pts };
+    let last = decisions.last().map_or(0, |d| d.step) as f64;
+    let initial = before(first);
+    pts.push((0.0, initial as f64));
+    pts.push((first.step as f64, initial as f64));
+    for (i, d) in decisions.iter().enumerate() {
+        let y = pick(d) as f64;
+        pts.push((d.step as f64, y));
+        let next = decisions.get(i + 1).map_or(last, |n| n.step as f64);
+        pts.push((next, y));
+    }
+    pts
 }
 
 /// Draws a training run to `path` (SVG): world size, throughput and loss over
@@ -176,4 +186,22 @@ pub fn training_run(
     }
     root.present().map_err(|e| err(&e))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use edl_plugin_sdk::Action;
+
+    fn decision(step: u64, world_size: u32, chosen: u32) -> Decision {
+        Decision { step, world_size, chosen, throughput: 1.0, capacity: 8, actions: vec![Action::Hold] }
+    }
+
+    #[test]
+    fn the_staircase_starts_at_step_0_with_the_initial_size() {
+        let d = [decision(20, 1, 3), decision(40, 3, 2)];
+        let pts = size_steps(&d, |d| d.chosen, |d| d.world_size);
+        assert_eq!(pts, vec![(0.0, 1.0), (20.0, 1.0), (20.0, 3.0), (40.0, 3.0), (40.0, 2.0), (40.0, 2.0)]);
+        assert!(size_steps(&[], |d| d.chosen, |d| d.world_size).is_empty());
+    }
 }

@@ -29,6 +29,20 @@ pub enum Trace {
     Scenario(Scenario),
 }
 
+impl Trace {
+    /// The trace with every view (or the scenario) at `price` per
+    /// worker-hour, when one is given.
+    pub fn priced(self, price: Option<f64>) -> Trace {
+        let Some(price) = price else { return self };
+        match self {
+            Trace::Recorded(views) => Trace::Recorded(
+                views.into_iter().map(|v| ClusterView { price_per_worker_hour: price, ..v }).collect(),
+            ),
+            Trace::Scenario(sc) => Trace::Scenario(Scenario { price_per_worker_hour: price, ..sc }),
+        }
+    }
+}
+
 /// A simulated cluster and what happens to it, as a JSON document:
 /// `{"scenario": {"knee": 4, "start": 1, "min_workers": 1, "max_workers": 8,
 /// "decisions": 80, "events": [{"at": 40, "slow": {"worker": 1, "speed": 0.5}}]}}`

@@ -298,6 +298,14 @@ impl<B: WorldBindings> Sandboxed<B> {
             return Error::MemoryLimit { path, call, limit_mib: (self.limits.memory_bytes >> 20) as u64 };
         }
         let message = match e.downcast_ref::<Trap>() {
+            Some(Trap::StackOverflow) => "stack overflow (the guest's call stack ran out)".to_string(),
+            Some(Trap::MemoryOutOfBounds) => match e.downcast_ref::<wasmtime::WasmBacktrace>().and_then(recursion) {
+                Some((depth, func)) => format!(
+                    "stack overflow: {depth} calls deep in `{func}`, the guest's stack ran past the start of its memory \
+                     (seen by wasm as an out-of-bounds access)"
+                ),
+                None => Trap::MemoryOutOfBounds.to_string(),
+            },
             Some(trap) => trap.to_string(),
             None => format!("{e:#}"),
         };
@@ -402,4 +410,28 @@ pub fn load(
             ctx, component, config, cache,
         )?)),
     })
+}
+
+/// An out-of-bounds access inside a recursion at least this deep is taken
+/// for the guest's own stack running out: Rust and C toolchains keep it at
+/// the start of linear memory (64 KiB by default for wasm32-wasip2), so an
+/// overflow wraps below address 0 and wasm reports an out-of-bounds access.
+/// Returns the depth and the recursing function.
+fn recursion(bt: &wasmtime::WasmBacktrace) -> Option<(usize, String)> {
+    const DEEP: usize = 12;
+    let frames = bt.frames();
+    let mut counts: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
+    for f in frames {
+        *counts.entry(f.func_index()).or_default() += 1;
+    }
+    let (&index, &n) = counts.iter().max_by_key(|(_, n)| **n)?;
+    if n < DEEP || n * 2 < frames.len() {
+        return None;
+    }
+    let name = frames
+        .iter()
+        .find(|f| f.func_index() == index)
+        .and_then(|f| f.func_name().map(str::to_string))
+        .unwrap_or_else(|| format!("function {index}"));
+    Some((frames.len(), name))
 }

@@ -181,3 +181,44 @@ fn replay_runs_a_scenario_and_draws_it() {
         "it grows again when capacity returns"
     );
 }
+
+#[test]
+fn a_price_keeps_a_cost_aware_policy_small_in_replay_and_simulate() {
+    let cache = tempfile::tempdir().unwrap();
+    let trace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/traces/priced.json");
+    let final_size = |extra: &[&str]| {
+        let mut args = vec![
+            "plugin",
+            "replay",
+            "--policy",
+            art::AUTOSCALE_WASM,
+            "--policy-config",
+            "value-per-hour=1",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = edl(&args, cache.path());
+        assert!(ok, "{err}");
+        let last: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+        last["chosen"].as_u64().unwrap()
+    };
+    // The shipped trace's price keeps the job at one worker; free workers let it grow.
+    assert_eq!(final_size(&[]), 1);
+    assert!(final_size(&["--price", "0"]) > 1);
+
+    let sim = |price: &str| {
+        let (ok, out, err) = edl(
+            &["simulate", "--policy", art::AUTOSCALE_WASM, "--policy-config", "value-per-hour=1", "--price", price],
+            cache.path(),
+        );
+        assert!(ok, "{err}");
+        assert!(out.contains(&format!("at {price} per worker-hour")), "{out}");
+        out
+    };
+    assert!(sim("1000").contains("final world size 1"));
+    assert!(!sim("0").contains("final world size 1"));
+    let (ok, _, err) = edl(&["simulate", "--policy", art::AUTOSCALE_WASM, "--price=-1"], cache.path());
+    assert!(!ok && err.contains("--price -1"), "{err}");
+}

@@ -57,6 +57,19 @@ fn a_sleep_in_init_or_a_call_is_stopped_at_the_deadline() {
 }
 
 #[test]
+fn a_guest_stack_overflow_is_named_as_one() {
+    let (host, _d) = host();
+    let mut p = host.load_policy(path(art::HOSTILE_POLICY_WASM), &pairs(&[("mode", "recurse")])).unwrap();
+    let err = p.decide(&view()).unwrap_err();
+    assert!(matches!(err, Error::Trap { call: "decide", .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("stack overflow") && text.contains("calls deep in"), "{text}");
+    // The instance is rebuilt after the trap and still answers.
+    let mut p = host.load_policy(path(art::HOSTILE_POLICY_WASM), &pairs(&[("mode", "hold")])).unwrap();
+    assert_eq!(p.decide(&view()).unwrap(), vec![Action::Hold]);
+}
+
+#[test]
 fn every_broken_transform_output_is_refused_naming_the_plugin() {
     let (host, _d) = host();
     for (mode, want) in [

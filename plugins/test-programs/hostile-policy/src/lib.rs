@@ -3,6 +3,7 @@
 //! - `flood`: 10,000 `scale-out(1)` in one decision;
 //! - `sleep-init` / `sleep-decide`: sleeps `ms` (default an hour) in `init` or `decide`;
 //! - `replace`: replaces the first worker it sees measured, once;
+//! - `recurse`: recurses with a 4 KiB frame until the guest's stack runs out;
 //! - `hold`: holds (the control).
 
 use edl_plugin_sdk::{Action, ClusterView, Config, PluginError, ScalingPolicy};
@@ -33,6 +34,7 @@ impl ScalingPolicy for Hostile {
                 std::thread::sleep(self.sleep);
                 vec![Action::Hold]
             }
+            "recurse" => vec![Action::ScaleOut(deep(u32::MAX) as u32)],
             "replace" if !self.replaced => match view.workers.first() {
                 Some(w) => {
                     self.replaced = true;
@@ -43,6 +45,16 @@ impl ScalingPolicy for Hostile {
             _ => vec![Action::Hold],
         }
     }
+}
+
+/// Unbounded recursion whose frames live on the guest's stack in linear memory.
+#[inline(never)]
+fn deep(n: u32) -> u64 {
+    let frame = std::hint::black_box([n as u8; 4096]);
+    if n == 0 {
+        return frame[0] as u64;
+    }
+    deep(std::hint::black_box(n - 1)) + frame[(n % 4096) as usize] as u64
 }
 
 edl_plugin_sdk::export_scaling_policy!(Hostile);
