@@ -76,8 +76,11 @@ pub struct Distilled {
 /// Why the reader stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum DistillError {
-    #[error("no teacher available for {0:?} (waited that long)")]
-    NoTeachers(Duration),
+    /// No teacher answered for `waited` while work was waiting: every one
+    /// is gone, failing or cooling down. `last` holds each teacher's last
+    /// error.
+    #[error("no teacher answered for {waited:?}{}", describe_failures(last))]
+    NoTeachers { waited: Duration, last: Vec<String> },
     #[error("batch {seq}: {detail}")]
     BadBatch { seq: u64, detail: String },
     #[error(transparent)]
@@ -132,6 +135,12 @@ struct Teacher {
     outstanding: usize,
     cool_until: Option<Instant>,
     draining: bool,
+    /// Why its last request failed.
+    last_error: Option<String>,
+}
+
+fn describe_failures(last: &[String]) -> String {
+    if last.is_empty() { " (none known)".into() } else { format!(": {}", last.join("; ")) }
 }
 
 /// A slice of one batch sent as one request.
@@ -160,7 +169,8 @@ struct Pipeline {
     next_in: u64,
     next_out: u64,
     source_done: bool,
-    idle_since: Option<Instant>,
+    /// Since when work has waited without any teacher answering.
+    stalled_since: Option<Instant>,
 }
 
 type Outcome = (String, Piece, Result<Vec<f32>, String>);
@@ -186,7 +196,7 @@ impl Pipeline {
             next_in: 0,
             next_out: 0,
             source_done: false,
-            idle_since: None,
+            stalled_since: None,
         }
     }
 
@@ -209,6 +219,7 @@ impl Pipeline {
                         outstanding: 0,
                         cool_until: None,
                         draining: false,
+                        last_error: None,
                     },
                 );
             }
@@ -293,6 +304,9 @@ impl Pipeline {
         }
         let accepted = result.and_then(|v| {
             let cols = v.len() / piece.rows.max(1);
+            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                return Err(format!("answered a non-finite value ({}) in row {}", v[i], i / cols.max(1)));
+            }
             match self.classes {
                 Some(c) if c != cols => Err(format!("answered {cols} classes; other teachers answer {c}")),
                 _ => Ok((v, cols)),
@@ -301,6 +315,7 @@ impl Pipeline {
         match accepted {
             Ok((v, cols)) => {
                 self.classes = Some(cols);
+                self.stalled_since = None;
                 let p = self.pending.get_mut(&piece.seq).expect("pending batch");
                 if p.soft.is_empty() {
                     p.soft = vec![0.0; p.batch.len() * cols];
@@ -317,6 +332,7 @@ impl Pipeline {
                 );
                 if let Some(t) = self.pool.get_mut(&addr) {
                     t.cool_until = Some(Instant::now() + cooldown);
+                    t.last_error = Some(format!("{addr}: {why}"));
                 }
                 self.queue.push_front(piece);
             }
@@ -356,19 +372,23 @@ impl Pipeline {
             }
             self.dispatch(&mut running);
 
-            // Waiting with nothing able to run: say so, and give up after the timeout.
-            let usable = self.pool.values().any(|t| !t.draining);
-            if !self.queue.is_empty() && running.is_empty() && !usable {
-                let since = *self.idle_since.get_or_insert_with(|| {
-                    tracing::warn!("no teacher available; waiting up to {:?}", self.cfg.wait_for_teachers);
-                    Instant::now()
-                });
+            // Work waiting and no answer for the whole wait (teachers gone,
+            // failing or cooling down, retried in turn): give up, saying why.
+            // Only an accepted answer resets the wait.
+            if self.queue.is_empty() && running.is_empty() {
+                self.stalled_since = None;
+            } else {
+                let since = *self.stalled_since.get_or_insert_with(Instant::now);
                 if since.elapsed() >= self.cfg.wait_for_teachers {
-                    let _ = out.send(Err(DistillError::NoTeachers(self.cfg.wait_for_teachers))).await;
+                    let last = self.pool.values().filter_map(|t| t.last_error.clone()).collect();
+                    let _ = out
+                        .send(Err(DistillError::NoTeachers { waited: self.cfg.wait_for_teachers, last }))
+                        .await;
                     return;
                 }
-            } else {
-                self.idle_since = None;
+            }
+            if !self.queue.is_empty() && running.is_empty() && self.pool.values().all(|t| t.draining) {
+                tracing::warn!("no teacher available; waiting up to {:?}", self.cfg.wait_for_teachers);
             }
 
             let room = self.pending.len() < self.cfg.read_ahead.max(1) && !self.source_done;

@@ -257,6 +257,10 @@ struct RunArgs {
     /// Seconds a rank may take to answer a step before it is declared dead.
     #[arg(long, default_value_t = 60)]
     step_timeout: u64,
+    /// Seconds a worker waits with no teacher answering before the job
+    /// stops, naming the teachers (below --step-timeout).
+    #[arg(long, default_value_t = 20)]
+    teacher_wait_secs: u64,
     /// Bound on every collective, milliseconds.
     #[arg(long, default_value_t = 5000)]
     collective_timeout_ms: u64,
@@ -387,7 +391,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             println!("  cargo build --release --target wasm32-wasip2");
             Ok(ExitCode::SUCCESS)
         }
-        Some(Command::Plugin { command: PluginCommand::Replay { policy, trace, plot, config, json, price } }) => {
+        Some(Command::Plugin {
+            command: PluginCommand::Replay { policy, trace, plot, config, json, price },
+        }) => {
             // Printing a table to a closed pipe (`| head`) ends the command
             // quietly, as it does for other Unix tools, instead of panicking.
             // SAFETY: restoring a signal's default disposition has no preconditions.

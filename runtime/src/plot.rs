@@ -110,7 +110,11 @@ pub fn policy_run(path: &Path, title: &str, decisions: &[Decision], recorded: bo
 /// A size over the steps as a staircase: what `pick` gives holds from a
 /// decision to the next; before the first, `before` (the size the first
 /// decision saw) holds from step 0.
-fn size_steps(decisions: &[Decision], pick: fn(&Decision) -> u32, before: fn(&Decision) -> u32) -> Vec<(f64, f64)> {
+fn size_steps(
+    decisions: &[Decision],
+    pick: fn(&Decision) -> u32,
+    before: fn(&Decision) -> u32,
+) -> Vec<(f64, f64)> {
     let mut pts = Vec::with_capacity(decisions.len() * 2 + 2);
     let Some(first) = decisions.first() else { return pts };
     let last = decisions.last().map_or(0, |d| d.step) as f64;

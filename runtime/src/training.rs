@@ -17,7 +17,12 @@ use edl_runtime::{
     train::Trainer,
 };
 use indicatif::{ProgressBar, ProgressStyle};
-use std::{path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
+use std::{
+    path::PathBuf,
+    process::ExitCode,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 fn sizes(list: &str, what: &str) -> Result<Vec<usize>> {
     list.split(',')
@@ -84,6 +89,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         plugin_deadline_ms: host.limits().deadline.as_millis() as u64,
         plugin_memory_mib: host.limits().memory_bytes >> 20,
         allow_native: host.allows_native(),
+        teacher_wait_ms: args.teacher_wait_secs.saturating_mul(1000),
     };
     let (train, test) = load_data(&JobSpec { train_samples: None, ..spec.clone() })?;
     let hidden = sizes(&args.hidden, "hidden")?;
@@ -112,6 +118,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         step_timeout: Duration::from_secs(args.step_timeout),
         join_timeout: Duration::from_secs(60),
         price_per_worker_hour: args.price,
+        teacher_watch: None,
     };
     // Everything a flag can get wrong is refused here, before a teacher or
     // worker starts.
@@ -139,7 +146,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
 
     // Teachers: a wider model trained here (cached), served by teacher processes.
     let mut teacher_accuracy = None;
-    let mut teacher_procs: Vec<TeacherProcess> = Vec::new();
+    let teacher_procs: Arc<Mutex<Vec<TeacherProcess>>> = Default::default();
     if !args.no_distill {
         let service = args.service.clone().unwrap_or_else(|| format!("{}-teachers", args.job));
         if args.teachers > 0 {
@@ -178,22 +185,26 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
                 let log = log_dir.join(format!("teacher-{i}.log"));
                 let p = TeacherProcess::start(&exe, &path, &store_for_teachers, &service, &log)?;
                 println!("teacher   {i} serving on {}", p.addr);
-                teacher_procs.push(p);
+                teacher_procs.lock().unwrap_or_else(|e| e.into_inner()).push(p);
             }
         }
         spec.teachers = Some(if args.store == "memory" {
-            if teacher_procs.is_empty() {
+            let procs = teacher_procs.lock().unwrap_or_else(|e| e.into_inner());
+            if procs.is_empty() {
                 bail!(
                     "no teachers: give --teachers N, or --store redis://... where teachers are registered, or --no-distill"
                 );
             }
-            TeacherSource::Fixed(teacher_procs.iter().map(|p| p.addr.to_string()).collect())
+            TeacherSource::Fixed(procs.iter().map(|p| p.addr.to_string()).collect())
         } else {
             TeacherSource::Discovered { store: args.store.clone(), service }
         });
     }
 
     cfg.spec = spec.clone();
+    if !teacher_procs.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
+        cfg.teacher_watch = Some(Box::new(teacher_procs.clone()));
+    }
     let total = args.epochs * student_rows as u64;
     let bar = ProgressBar::new(total);
     bar.set_style(

@@ -52,6 +52,8 @@ pub struct JobConfig {
     /// A started worker that does not join within this is given up.
     pub join_timeout: Duration,
     pub price_per_worker_hour: f64,
+    /// The teacher processes this job started, when it started them.
+    pub teacher_watch: Option<Box<dyn super::teachers::TeacherWatch>>,
 }
 
 impl JobConfig {
@@ -97,10 +99,19 @@ impl JobConfig {
             ("--keep-checkpoints", spec.keep_checkpoints as u64),
             ("--collective-timeout-ms", spec.collective_timeout_ms),
             ("--step-timeout", self.step_timeout.as_secs()),
+            ("--teacher-wait-secs", spec.teacher_wait_ms),
         ] {
             if v == 0 {
                 bail!("{flag} 0: need at least 1");
             }
+        }
+        if Duration::from_millis(spec.teacher_wait_ms) >= self.step_timeout {
+            bail!(
+                "--teacher-wait-secs {} must be below --step-timeout {}: a worker waiting for teachers \
+                 would be declared dead first",
+                spec.teacher_wait_ms / 1000,
+                self.step_timeout.as_secs()
+            );
         }
         Ok(())
     }
@@ -460,6 +471,8 @@ struct StepResult {
     done: Vec<(usize, FromWorker)>,
     dead: BTreeSet<u64>,
     errors: Vec<String>,
+    /// A rank found no teacher answering within the job's teacher wait.
+    no_teachers: bool,
 }
 
 impl Coordinator<'_> {
@@ -607,8 +620,11 @@ impl Coordinator<'_> {
                     return;
                 };
                 if let Some(rank) = self.members.iter().position(|m| m.conn == n) {
-                    if let FromWorker::Failed { error, .. } = &msg {
+                    if let FromWorker::Failed { error, cause, .. } = &msg {
                         results.errors.push(format!("worker {}: {error}", self.members[rank].id));
+                        if *cause == Some(super::proto::FailCause::NoTeachers) {
+                            results.no_teachers = true;
+                        }
                     }
                     results.done.push((rank, msg));
                 }
@@ -621,12 +637,8 @@ impl Coordinator<'_> {
                     self.note(format!("worker {} left before it was given a rank ({why})", m.id));
                 } else if let Some(i) = self.welcomed.iter().position(|m| m.conn == n) {
                     let m = self.welcomed.remove(i);
-                    let log = self
-                        .scaler
-                        .log_of(m.id)
-                        .map(|p| format!("; log: {}", p.display()))
-                        .unwrap_or_default();
-                    self.note(format!("worker {} failed while starting ({why}{log})", m.id));
+                    let log = self.log_tail(m.id);
+                    self.note(format!("worker {} failed while starting ({why}){log}", m.id));
                 } else if let Some(m) = self.members.iter().find(|m| m.conn == n) {
                     let id = m.id;
                     if let Some(r) = results {
@@ -643,8 +655,7 @@ impl Coordinator<'_> {
         let exited = self.scaler.exited();
         for (id, status) in exited {
             if self.spawning.remove(&id).is_some() {
-                let log =
-                    self.scaler.log_of(id).map(|p| format!(" (log: {})", p.display())).unwrap_or_default();
+                let log = self.log_tail(id);
                 self.note(format!("worker {id} exited before joining: {status}{log}"));
             }
         }
@@ -692,6 +703,35 @@ impl Coordinator<'_> {
         Ok(())
     }
 
+    /// The end of worker `id`'s log, for a note about its failure.
+    fn log_tail(&self, id: u64) -> String {
+        self.scaler.log_of(id).map(|p| super::scaler::log_tail(&p, 3)).unwrap_or_default()
+    }
+
+    /// Checks the teachers this job started: a dead one is no longer handed
+    /// to new workers; with none left the job cannot go on.
+    fn check_teachers(&mut self) -> Result<()> {
+        let Some(watch) = self.cfg.teacher_watch.as_mut() else { return Ok(()) };
+        let dead = watch.dead();
+        let Some(super::proto::TeacherSource::Fixed(list)) = self.cfg.spec.teachers.as_mut() else {
+            return Ok(());
+        };
+        let mut gone = Vec::new();
+        for (addr, how) in dead {
+            if let Some(i) = list.iter().position(|a| *a == addr) {
+                list.remove(i);
+                gone.push(how);
+            }
+        }
+        if list.is_empty() && !gone.is_empty() {
+            bail!("every teacher of the job has exited: {}", gone.join("; "));
+        }
+        for how in gone {
+            self.note(format!("{how}; new workers will not be given it"));
+        }
+        Ok(())
+    }
+
     fn log_hint(&self) -> String {
         self.scaler
             .log_of(0)
@@ -721,6 +761,7 @@ impl Coordinator<'_> {
                 if self.members.is_empty() {
                     self.recover_from_nothing()?;
                 }
+                self.check_teachers()?;
                 self.boundary(true)?;
                 self.lease_members();
                 let plan_checkpoint = self.checkpoint_due();
@@ -730,6 +771,17 @@ impl Coordinator<'_> {
                     failures = 0;
                 } else {
                     failures += 1;
+                    if res.no_teachers {
+                        self.check_teachers()?;
+                        // Every worker reads from the same teachers: another
+                        // generation would wait the same and fail the same.
+                        bail!(
+                            "step {}: no teacher answered within {:?}; the job cannot go on without them ({})",
+                            self.committed,
+                            Duration::from_millis(self.cfg.spec.teacher_wait_ms),
+                            res.errors.join("; ")
+                        );
+                    }
                     if failures >= MAX_FAILED_ATTEMPTS {
                         bail!(
                             "step {} failed {failures} times in a row; last: {}",
@@ -989,7 +1041,8 @@ impl Coordinator<'_> {
     fn run_step(&mut self, work: bool, checkpoint: Option<Manifest>) -> Result<StepResult> {
         let world = self.members.len();
         let key = format!("{}/generation-{}", self.cfg.spec.job, self.generation);
-        let mut res = StepResult { done: Vec::new(), dead: BTreeSet::new(), errors: Vec::new() };
+        let mut res =
+            StepResult { done: Vec::new(), dead: BTreeSet::new(), errors: Vec::new(), no_teachers: false };
         // The bound covers the sends too (each is bounded by SEND_TIMEOUT).
         let deadline = Instant::now() + self.cfg.step_timeout;
         let init = self.init.clone();

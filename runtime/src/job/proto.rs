@@ -59,6 +59,23 @@ pub struct JobSpec {
     pub plugin_deadline_ms: u64,
     pub plugin_memory_mib: usize,
     pub allow_native: bool,
+    /// A worker whose teachers answer nothing for this long fails its step
+    /// with [`FailCause::NoTeachers`], ms.
+    #[serde(default = "default_teacher_wait_ms")]
+    pub teacher_wait_ms: u64,
+}
+
+fn default_teacher_wait_ms() -> u64 {
+    20_000
+}
+
+/// Why a rank failed a step, where the coordinator acts on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FailCause {
+    /// No teacher answered within the job's teacher wait: retrying the step
+    /// elsewhere cannot help.
+    NoTeachers,
 }
 
 /// What the coordinator tells a worker.
@@ -122,6 +139,8 @@ pub enum FromWorker {
         generation: u64,
         step: u64,
         error: String,
+        #[serde(default)]
+        cause: Option<FailCause>,
     },
 }
 

@@ -83,6 +83,19 @@ pub fn terminate(child: &mut Child, grace: Duration) {
     let _ = child.wait();
 }
 
+/// The last `lines` lines of a child's log, indented, for an error message
+/// (empty when the log is empty or unreadable).
+pub fn log_tail(path: &Path, lines: usize) -> String {
+    let Ok(text) = std::fs::read(path) else { return String::new() };
+    let text = String::from_utf8_lossy(&text);
+    let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let tail = &all[all.len().saturating_sub(lines)..];
+    if tail.is_empty() {
+        return String::new();
+    }
+    format!("; last lines of {}:\n    {}", path.display(), tail.join("\n    "))
+}
+
 fn ensure_dir(p: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(p)
         .map_err(|e| anyhow::anyhow!("{}: cannot create log directory: {e}", p.display()))
@@ -139,5 +152,22 @@ impl Drop for LocalProcesses {
         for c in self.children.values_mut() {
             terminate(c, Duration::from_secs(2));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::log_tail;
+
+    #[test]
+    fn a_log_tail_holds_the_last_lines_that_say_something() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("teacher-0.log");
+        assert_eq!(log_tail(&log, 3), "", "no log, nothing to add");
+        std::fs::write(&log, "one\ntwo\n\nthree\nError: cannot reach the store\n\n").unwrap();
+        let tail = log_tail(&log, 3);
+        assert!(tail.starts_with(&format!("; last lines of {}:", log.display())), "{tail}");
+        assert!(tail.ends_with("two\n    three\n    Error: cannot reach the store"), "{tail}");
+        assert!(!tail.contains("one"));
     }
 }

@@ -2,7 +2,7 @@
 //! (plain training on hard labels), cached as safetensors so later runs
 //! skip the training, and served by `edl-runtime teacher` processes.
 
-use super::scaler::{die_with_parent, terminate};
+use super::scaler::{die_with_parent, log_tail, terminate};
 use crate::data::{self, Dataset};
 use crate::model::Mlp;
 use crate::train::Trainer;
@@ -92,6 +92,22 @@ pub fn teacher_model(
 pub struct TeacherProcess {
     pub addr: SocketAddr,
     child: Child,
+    log: PathBuf,
+}
+
+/// The teacher processes a job started, watched by its coordinator: a dead
+/// one is left out of the list new workers get, and the job stops, saying
+/// why, when none is left.
+pub trait TeacherWatch: Send {
+    /// Teachers that have exited: (address, how, with the end of its log).
+    fn dead(&mut self) -> Vec<(String, String)>;
+}
+
+impl TeacherWatch for std::sync::Arc<std::sync::Mutex<Vec<TeacherProcess>>> {
+    fn dead(&mut self) -> Vec<(String, String)> {
+        let mut all = self.lock().unwrap_or_else(|e| e.into_inner());
+        all.iter_mut().filter_map(|t| Some((t.addr.to_string(), t.exited()?))).collect()
+    }
 }
 
 impl TeacherProcess {
@@ -118,9 +134,14 @@ impl TeacherProcess {
         });
         let line = match rx.recv_timeout(Duration::from_secs(30)) {
             Ok(l) => l,
-            Err(_) => {
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                // It closed its output without saying where it serves: it exited.
+                let status = child.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
+                bail!("the teacher exited before serving ({status}){}", log_tail(log, 5));
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
                 terminate(&mut child, Duration::from_secs(1));
-                bail!("the teacher did not start within 30 s (log: {})", log.display());
+                bail!("the teacher did not start within 30 s{}", log_tail(log, 5));
             }
         };
         let addr = line
@@ -129,7 +150,13 @@ impl TeacherProcess {
             .and_then(|rest| rest.split_whitespace().next())
             .and_then(|a| a.parse().ok())
             .ok_or_else(|| anyhow!("unexpected teacher output {line:?} (log: {})", log.display()))?;
-        Ok(TeacherProcess { addr, child })
+        Ok(TeacherProcess { addr, child, log: log.to_path_buf() })
+    }
+
+    /// How it ended, with the end of its log, once it has exited.
+    pub fn exited(&mut self) -> Option<String> {
+        let status = self.child.try_wait().ok()??;
+        Some(format!("teacher {} exited ({status}){}", self.addr, log_tail(&self.log, 3)))
     }
 
     /// Kills the process at once (as a crash would).

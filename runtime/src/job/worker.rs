@@ -11,10 +11,10 @@
 //! optimiser state from rank 0 (a survivor), so joiners start from exactly
 //! the state the others have.
 
-use super::proto::{FromWorker, JobSpec, Plan, Receiver, TeacherSource, ToWorker, send};
+use super::proto::{FailCause, FromWorker, JobSpec, Plan, Receiver, TeacherSource, ToWorker, send};
 use crate::checkpoint::{Checkpoints, Manifest};
 use crate::data::{self, Dataset, Source};
-use crate::distill::{DistillConfig, DistillReader, Teachers};
+use crate::distill::{DistillConfig, DistillError, DistillReader, Teachers};
 use crate::model::Mlp;
 use crate::plugin::{HostOptions, Limits, PluginHost, TransformPlugin};
 use crate::train::Trainer;
@@ -183,7 +183,11 @@ pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
                 tracing::warn!("worker {id}: generation {generation} step {step}: {e:#}");
                 // The ring is unusable after a failure; the next generation builds a new one.
                 w.ring = None;
-                FromWorker::Failed { generation, step, error: format!("{e:#}") }
+                let cause = e
+                    .chain()
+                    .any(|c| matches!(c.downcast_ref(), Some(DistillError::NoTeachers { .. })))
+                    .then_some(FailCause::NoTeachers);
+                FromWorker::Failed { generation, step, error: format!("{e:#}"), cause }
             }
         };
         send(&mut out, &reply)?;
@@ -367,7 +371,7 @@ impl Worker {
             classes: Some(*self.spec.layers.last().unwrap_or(&10)),
             teacher_batch: 64,
             read_ahead: 4,
-            wait_for_teachers: Duration::from_secs(60),
+            wait_for_teachers: Duration::from_millis(self.spec.teacher_wait_ms),
             ..DistillConfig::default()
         };
         let _guard = self.rt.enter();

@@ -299,13 +299,15 @@ impl<B: WorldBindings> Sandboxed<B> {
         }
         let message = match e.downcast_ref::<Trap>() {
             Some(Trap::StackOverflow) => "stack overflow (the guest's call stack ran out)".to_string(),
-            Some(Trap::MemoryOutOfBounds) => match e.downcast_ref::<wasmtime::WasmBacktrace>().and_then(recursion) {
-                Some((depth, func)) => format!(
-                    "stack overflow: {depth} calls deep in `{func}`, the guest's stack ran past the start of its memory \
+            Some(Trap::MemoryOutOfBounds) => {
+                match e.downcast_ref::<wasmtime::WasmBacktrace>().and_then(recursion) {
+                    Some((depth, func)) => format!(
+                        "stack overflow: {depth} calls deep in `{func}`, the guest's stack ran past the start of its memory \
                      (seen by wasm as an out-of-bounds access)"
-                ),
-                None => Trap::MemoryOutOfBounds.to_string(),
-            },
+                    ),
+                    None => Trap::MemoryOutOfBounds.to_string(),
+                }
+            }
             Some(trap) => trap.to_string(),
             None => format!("{e:#}"),
         };

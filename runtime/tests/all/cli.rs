@@ -210,7 +210,15 @@ fn a_price_keeps_a_cost_aware_policy_small_in_replay_and_simulate() {
 
     let sim = |price: &str| {
         let (ok, out, err) = edl(
-            &["simulate", "--policy", art::AUTOSCALE_WASM, "--policy-config", "value-per-hour=1", "--price", price],
+            &[
+                "simulate",
+                "--policy",
+                art::AUTOSCALE_WASM,
+                "--policy-config",
+                "value-per-hour=1",
+                "--price",
+                price,
+            ],
             cache.path(),
         );
         assert!(ok, "{err}");

@@ -172,7 +172,17 @@ fn the_teacher_speaks_oip_and_rejects_bad_requests() {
 #[derive(Clone)]
 struct Faulty {
     inner: TeacherService,
-    stall: bool,
+    fault: Fault,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Fault {
+    /// Never answers.
+    Stall,
+    /// Answers one class too many.
+    WrongShape,
+    /// Answers the right shape with NaN in it.
+    NaN,
 }
 
 #[tonic::async_trait]
@@ -211,11 +221,17 @@ impl GrpcInferenceService for Faulty {
         &self,
         r: Request<pb::ModelInferRequest>,
     ) -> Result<Response<pb::ModelInferResponse>, Status> {
-        if self.stall {
+        if self.fault == Fault::Stall {
             tokio::time::sleep(Duration::from_secs(3600)).await;
         }
-        // One class too many.
         let mut resp = self.inner.model_infer(r).await?;
+        if self.fault == Fault::NaN {
+            let (mut v, _, _) = oip::output_f32(resp.get_ref()).map_err(Status::internal)?;
+            v[3] = f32::NAN;
+            resp.get_mut().raw_output_contents = vec![oip::f32_bytes(&v)];
+            return Ok(resp);
+        }
+        // One class too many.
         let out = &mut resp.get_mut().outputs[0];
         out.shape[1] += 1;
         let rows = out.shape[0] as usize;
@@ -225,15 +241,15 @@ impl GrpcInferenceService for Faulty {
 }
 
 #[test]
-fn stalled_and_wrong_shape_teachers_are_worked_around() {
+fn stalled_wrong_shape_and_nan_teachers_are_worked_around() {
     runtime().block_on(async {
         let any = "127.0.0.1:0".parse().unwrap();
         let good =
             Teacher::start(any, TeacherService::new(model(), TeacherConfig::default()), None).await.unwrap();
-        let stall = Faulty { inner: TeacherService::new(model(), TeacherConfig::default()), stall: true };
-        let stalled = Teacher::start_with(any, stall, None).await.unwrap();
-        let wrong = Faulty { inner: TeacherService::new(model(), TeacherConfig::default()), stall: false };
-        let wrong = Teacher::start_with(any, wrong, None).await.unwrap();
+        let faulty = |fault| Faulty { inner: TeacherService::new(model(), TeacherConfig::default()), fault };
+        let stalled = Teacher::start_with(any, faulty(Fault::Stall), None).await.unwrap();
+        let wrong = Teacher::start_with(any, faulty(Fault::WrongShape), None).await.unwrap();
+        let nan = Teacher::start_with(any, faulty(Fault::NaN), None).await.unwrap();
         let data = batches(20, 48);
         let cfg = DistillConfig {
             teacher_batch: 16,
@@ -244,7 +260,7 @@ fn stalled_and_wrong_shape_teachers_are_worked_around() {
         };
         // The good teacher is listed last: the bad ones get the first requests.
         let teachers =
-            Teachers::Fixed(vec![stalled.addr.to_string(), wrong.addr.to_string(), good.addr.to_string()]);
+            Teachers::Fixed([&stalled, &wrong, &nan, &good].iter().map(|t| t.addr.to_string()).collect());
         let reader = DistillReader::start(data.clone().into_iter(), None, teachers, cfg);
         drain_and_check(reader, &data, |_| {}).await;
     });
@@ -259,9 +275,41 @@ fn with_no_teacher_the_reader_waits_then_fails_clearly() {
         let mut reader = DistillReader::start(batches(2, 8).into_iter(), None, teachers, cfg);
         let start = std::time::Instant::now();
         let err = reader.next().await.unwrap().unwrap_err();
-        assert!(matches!(err, DistillError::NoTeachers(_)), "{err}");
+        assert!(matches!(err, DistillError::NoTeachers { .. }), "{err}");
         assert!(err.to_string().contains("no teacher"));
         assert!(start.elapsed() < Duration::from_secs(5));
+    });
+}
+
+#[test]
+fn when_every_listed_teacher_fails_the_reader_gives_up_after_one_wait_naming_them() {
+    runtime().block_on(async {
+        let any = "127.0.0.1:0".parse().unwrap();
+        let nan = Teacher::start_with(
+            any,
+            Faulty { inner: TeacherService::new(model(), TeacherConfig::default()), fault: Fault::NaN },
+            None,
+        )
+        .await
+        .unwrap();
+        // Nothing listens on the other: a teacher that died.
+        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let cfg = DistillConfig {
+            wait_for_teachers: Duration::from_secs(2),
+            cooldown: Duration::from_millis(50),
+            classes: Some(CLASSES),
+            ..Default::default()
+        };
+        let teachers = Teachers::Fixed(vec![nan.addr.to_string(), dead.to_string()]);
+        let mut reader = DistillReader::start(batches(2, 8).into_iter(), None, teachers, cfg);
+        // Without the bound this would retry between the two for ever.
+        let err = reader.next().await.unwrap().unwrap_err();
+        let DistillError::NoTeachers { last, .. } = &err else { panic!("{err}") };
+        let text = err.to_string();
+        assert!(text.contains(&format!("{}: answered a non-finite value", nan.addr)), "{text}");
+        assert!(text.contains(&dead.to_string()), "{text}");
+        assert_eq!(last.len(), 2, "{text}");
+        assert!(reader.next().await.is_none());
     });
 }
 

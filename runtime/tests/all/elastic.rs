@@ -106,7 +106,7 @@ pub(crate) fn finish(
 }
 
 /// Processes whose parent is `pid`, with their command lines.
-fn children(pid: u32) -> Vec<(u32, String)> {
+pub(crate) fn children(pid: u32) -> Vec<(u32, String)> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else { continue };

@@ -418,3 +418,83 @@ fn a_failed_job_still_writes_a_report_saying_why() {
     assert_eq!(r["status"], "failed");
     assert!(r["error"].as_str().unwrap().contains("is not finite"), "{r}");
 }
+
+/// A job with two teachers, one worker and a hold policy, long enough to be
+/// interfered with; returns it, its output and its teachers' pids.
+fn job_with_two_teachers(
+    dir: &Path,
+) -> (std::process::Child, std::sync::mpsc::Receiver<String>, Vec<String>, Vec<u32>) {
+    let mut c = job(
+        dir,
+        &[
+            "--policy",
+            art::HOSTILE_POLICY_WASM,
+            "--policy-config",
+            "mode=hold",
+            "--teachers",
+            "2",
+            "--epochs",
+            "50",
+            "--step-delay-ms",
+            "20",
+            "--teacher-wait-secs",
+            "3",
+        ],
+    )
+    .spawn()
+    .unwrap();
+    let rx = lines(&mut c);
+    let mut seen = Vec::new();
+    crate::elastic::wait_for(&rx, "scale", &mut seen, Duration::from_secs(120));
+    let teachers: Vec<u32> = crate::elastic::children(c.id())
+        .into_iter()
+        .filter(|(_, cmd)| cmd.contains(" teacher "))
+        .map(|(pid, _)| pid)
+        .collect();
+    assert_eq!(teachers.len(), 2, "{}", seen.join("\n"));
+    (c, rx, seen, teachers)
+}
+
+fn signal(sig: &str, pid: u32) {
+    assert!(Command::new("kill").args([sig, &pid.to_string()]).status().unwrap().success());
+}
+
+#[test]
+fn losing_every_teacher_ends_the_job_at_once_naming_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c, rx, mut seen, teachers) = job_with_two_teachers(dir.path());
+    // One teacher dies: the job goes on with the other and says so.
+    signal("-KILL", teachers[0]);
+    crate::elastic::wait_for(&rx, "new workers will not be given it", &mut seen, Duration::from_secs(120));
+    let before = seen.len();
+    // The last one dies: the job stops at once, naming why, without
+    // retrying the step or blaming a worker.
+    signal("-KILL", teachers[1]);
+    let status = finish(c, rx, &mut seen);
+    let out = seen.join("\n");
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("every teacher of the job has exited"), "{out}");
+    assert!(out.contains("signal: 9"), "the teachers' end is named: {out}");
+    assert!(!seen[before..].iter().any(|l| l.contains("not committed")), "no step retried: {out}");
+    assert_eq!(report(dir.path())["status"], "failed");
+}
+
+#[test]
+fn teachers_that_answer_nothing_end_the_job_after_one_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c, rx, mut seen, teachers) = job_with_two_teachers(dir.path());
+    // Alive but silent (stopped): the worker's reader gives up after
+    // --teacher-wait-secs, and the coordinator does not retry what every
+    // worker would fail the same way.
+    for t in &teachers {
+        signal("-STOP", *t);
+    }
+    let status = finish(c, rx, &mut seen);
+    for t in &teachers {
+        let _ = Command::new("kill").args(["-KILL", &t.to_string()]).status();
+    }
+    let out = seen.join("\n");
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("no teacher answered within 3s"), "{out}");
+    assert!(!out.contains("not committed"), "no step retried: {out}");
+}
