@@ -123,6 +123,9 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
     // Everything a flag can get wrong is refused here, before a teacher or
     // worker starts.
     cfg.validate(student_rows)?;
+    if !args.no_distill {
+        cfg.validate_teacher_wait()?;
+    }
     job::preflight(&cfg)?;
     let lock = job::JobLock::acquire(&spec.checkpoint_dir, &args.job)?;
     std::fs::create_dir_all(&log_dir).with_context(|| format!("{}", log_dir.display()))?;

@@ -28,7 +28,7 @@ pub enum ReduceOp {
 /// Why a collective failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
-    #[error("rank {rank}: {op} timed out after {after:?} waiting for rank {peer}")]
+    #[error("rank {rank}: {op} timed out: no progress with rank {peer} for {after:?}")]
     Timeout { rank: usize, op: &'static str, peer: usize, after: Duration },
     #[error("rank {rank}: {op}: rank {peer} closed the connection (dead or failed)")]
     PeerClosed { rank: usize, op: &'static str, peer: usize },

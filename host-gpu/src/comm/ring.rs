@@ -16,7 +16,10 @@ use std::{
 /// How a ring is built and run.
 #[derive(Clone, Debug)]
 pub struct RingOptions {
-    /// Bound on every operation (and on building the ring).
+    /// Longest an operation may go without progress: no byte from the
+    /// previous rank (or no room to send to the next) for this long fails
+    /// it. An operation that keeps moving data is never cut short, however
+    /// large its buffer; building the ring is bounded by it as a whole.
     pub timeout: Duration,
     /// Address to listen on; loopback by default.
     pub bind: IpAddr,
@@ -223,7 +226,6 @@ impl Communicator for TcpRing {
             let recv_of =
                 |i: usize| if i < n - 1 { (r + 2 * n - i - 1) % n } else { (r + n - (i - (n - 1))) % n };
             let shared = Shared { ptr: buf.as_mut_ptr(), len };
-            let deadline = Instant::now() + self.opts.timeout;
             let timeout = self.opts.timeout;
             let (to_next, from_prev) = self.links.as_ref().expect("a ring of two or more has links");
             let scratch = &mut self.scratch;
@@ -253,14 +255,10 @@ impl Communicator for TcpRing {
                 });
                 let received = (|| -> Result<(), (usize, std::io::Error)> {
                     let mut input = from_prev;
+                    // Each read must make progress within the timeout.
+                    input.set_read_timeout(Some(timeout)).map_err(|e| (prev, e))?;
                     for i in 0..steps {
                         for s in segments(chunk(len, n, recv_of(i)), seg) {
-                            // Every read is bounded by what is left of the operation's time.
-                            let left = deadline.saturating_duration_since(Instant::now());
-                            if left.is_zero() {
-                                return Err((prev, std::io::Error::from(ErrorKind::TimedOut)));
-                            }
-                            input.set_read_timeout(Some(left)).map_err(|e| (prev, e))?;
                             let tmp = &mut scratch[..s.len()];
                             input.read_exact(bytemuck::cast_slice_mut(tmp)).map_err(|e| (prev, e))?;
                             // SAFETY: the sender is not reading this segment now (see above).
@@ -308,20 +306,16 @@ impl Communicator for TcpRing {
         }
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
         let seg = (self.opts.segment_bytes / 4).max(1);
-        let deadline = Instant::now() + self.opts.timeout;
         let (mut to_next, mut from_prev) = {
             let (a, b) = self.links.as_ref().expect("links");
             (a, b)
         };
         let forward = next != root;
         let result = (|| -> Result<(), (usize, std::io::Error)> {
+            // Each read must make progress within the timeout.
+            from_prev.set_read_timeout(Some(self.opts.timeout)).map_err(|e| (prev, e))?;
             for s in segments(0..buf.len(), seg) {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err((prev, std::io::Error::from(ErrorKind::TimedOut)));
-                }
                 if r != root {
-                    from_prev.set_read_timeout(Some(left)).map_err(|e| (prev, e))?;
                     from_prev
                         .read_exact(bytemuck::cast_slice_mut(&mut buf[s.clone()]))
                         .map_err(|e| (prev, e))?;

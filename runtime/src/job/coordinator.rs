@@ -105,11 +105,21 @@ impl JobConfig {
                 bail!("{flag} 0: need at least 1");
             }
         }
-        if Duration::from_millis(spec.teacher_wait_ms) >= self.step_timeout {
+        if spec.teachers.is_some() {
+            self.validate_teacher_wait()?;
+        }
+        Ok(())
+    }
+
+    /// For a job with teachers: a worker waiting for them must give up
+    /// before the coordinator declares it dead.
+    pub fn validate_teacher_wait(&self) -> Result<()> {
+        let wait = self.spec.teacher_wait_ms;
+        if Duration::from_millis(wait) >= self.step_timeout {
             bail!(
                 "--teacher-wait-secs {} must be below --step-timeout {}: a worker waiting for teachers \
                  would be declared dead first",
-                spec.teacher_wait_ms / 1000,
+                wait / 1000,
                 self.step_timeout.as_secs()
             );
         }
@@ -816,16 +826,20 @@ impl Coordinator<'_> {
                 }
                 self.boundary(true)?;
                 let res = self.run_step(false, Some(self.manifest()))?;
-                if let Some(p) = res.done.iter().find_map(|(_, m)| match m {
-                    FromWorker::Done { checkpoint: Some(p), .. } => Some(p.clone()),
-                    _ => None,
-                }) {
+                let step = self.committed;
+                let written: Vec<super::proto::Written> = res
+                    .done
+                    .iter()
+                    .flat_map(|(_, m)| match m {
+                        FromWorker::Done { checkpoints, .. } => checkpoints.clone(),
+                        _ => Vec::new(),
+                    })
+                    .collect();
+                self.take_written(&written);
+                if let Some(p) =
+                    written.iter().find_map(|w| (w.step == step).then(|| w.result.clone().ok()).flatten())
+                {
                     break 'job Some(p);
-                }
-                for (_, m) in &res.done {
-                    if let FromWorker::Done { checkpoint_error: Some(e), .. } = m {
-                        self.note(format!("final checkpoint: {e}"));
-                    }
                 }
                 self.fail(res);
             }
@@ -1122,7 +1136,7 @@ impl Coordinator<'_> {
         let mut loss = 0.0;
         let formed = self.pending.as_ref().is_some_and(|p| p.generation == Some(self.generation));
         for (rank, m) in &res.done {
-            if let FromWorker::Done { ids, loss: l, compute_ms, checkpoint, checkpoint_error, .. } = m {
+            if let FromWorker::Done { ids, loss: l, compute_ms, checkpoints, .. } = m {
                 self.ledger.commit(ids).map_err(|e| anyhow!("worker {}: {e}", self.members[*rank].id))?;
                 rows += ids.len();
                 loss += l;
@@ -1132,14 +1146,7 @@ impl Coordinator<'_> {
                     e.0 += ids.len() as f64;
                     e.1 += compute_ms / 1e3;
                 }
-                if let Some(p) = checkpoint {
-                    (self.progress)(Progress::Checkpoint { step: self.committed, path: p });
-                    self.checkpoints.push(p.clone());
-                    self.checkpoints.retain(|c| c.exists());
-                }
-                if let Some(e) = checkpoint_error {
-                    self.note(format!("checkpoint at step {} failed: {e}", self.committed));
-                }
+                self.take_written(checkpoints);
             }
         }
         if rows != expected {
@@ -1209,6 +1216,20 @@ impl Coordinator<'_> {
             self.decide();
         }
         Ok(())
+    }
+
+    /// Records the checkpoint writes a rank reported.
+    fn take_written(&mut self, written: &[super::proto::Written]) {
+        for w in written {
+            match &w.result {
+                Ok(p) => {
+                    (self.progress)(Progress::Checkpoint { step: w.step, path: p });
+                    self.checkpoints.push(p.clone());
+                    self.checkpoints.retain(|c| c.exists());
+                }
+                Err(e) => self.note(format!("checkpoint of step {} failed: {e}", w.step)),
+            }
+        }
     }
 
     /// The step failed somewhere: drop the dead, keep the survivors for the next generation.

@@ -100,7 +100,9 @@ pub struct Plan {
     pub committed_steps: u64,
     /// Start from this checkpoint (first generation of a resumed job).
     pub init: Option<PathBuf>,
-    /// Rank 0 writes this checkpoint of the committed state before the step.
+    /// Rank 0 writes this checkpoint of the committed state: in the
+    /// background, from a copy, while the step goes on (at the end of the
+    /// job, with `work` false, before it answers).
     pub checkpoint: Option<Manifest>,
     /// False: no step to run (the job is finishing; only the checkpoint).
     pub work: bool,
@@ -132,8 +134,9 @@ pub enum FromWorker {
         compute_ms: f64,
         /// Ring set-up and parameter broadcast of a new generation, ms.
         setup_ms: f64,
-        checkpoint: Option<PathBuf>,
-        checkpoint_error: Option<String>,
+        /// Checkpoint writes that ended since the last answer.
+        #[serde(default)]
+        checkpoints: Vec<Written>,
     },
     Failed {
         generation: u64,
@@ -142,6 +145,14 @@ pub enum FromWorker {
         #[serde(default)]
         cause: Option<FailCause>,
     },
+}
+
+/// A checkpoint write that ended: where it is, or why it failed.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Written {
+    /// The committed step it holds.
+    pub step: u64,
+    pub result: Result<PathBuf, String>,
 }
 
 /// Why a message could not be sent or read.

@@ -11,7 +11,7 @@
 //! optimiser state from rank 0 (a survivor), so joiners start from exactly
 //! the state the others have.
 
-use super::proto::{FailCause, FromWorker, JobSpec, Plan, Receiver, TeacherSource, ToWorker, send};
+use super::proto::{FailCause, FromWorker, JobSpec, Plan, Receiver, TeacherSource, ToWorker, Written, send};
 use crate::checkpoint::{Checkpoints, Manifest};
 use crate::data::{self, Dataset, Source};
 use crate::distill::{DistillConfig, DistillError, DistillReader, Teachers};
@@ -109,6 +109,10 @@ struct Worker {
     transform: Option<Box<dyn TransformPlugin>>,
     host: Option<Arc<PluginHost>>,
     rt: tokio::runtime::Runtime,
+    /// A checkpoint being written in the background: its step and thread.
+    writing: Option<(u64, std::thread::JoinHandle<Result<std::path::PathBuf>>)>,
+    /// Checkpoint writes that ended, not reported yet.
+    written: Vec<Written>,
 }
 
 /// Runs worker `id` of the coordinator at `coordinator` until it is told to stop.
@@ -163,6 +167,8 @@ pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
         transform,
         host,
         rt: tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?,
+        writing: None,
+        written: Vec::new(),
     };
     send(&mut out, &FromWorker::Ready)?;
     tracing::info!("worker {id}: ready, {} training samples", w.train.len());
@@ -171,6 +177,8 @@ pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
             Ok(ToWorker::Plan(p)) => *p,
             Ok(ToWorker::Stop { reason }) => {
                 tracing::info!("worker {id}: stopping: {reason}");
+                // A checkpoint under way is finished, not left half written.
+                w.reap_write(true);
                 return Ok(());
             }
             Ok(ToWorker::Welcome(_)) => bail!("worker {id}: a second welcome"),
@@ -382,25 +390,28 @@ impl Worker {
     fn step(&mut self, plan: &Plan) -> Result<FromWorker> {
         self.align(plan)?;
         let setup_ms = self.join_generation(plan)?;
-        let (mut checkpoint, mut checkpoint_error) = (None, None);
+        self.reap_write(false);
         if let (Some(manifest), 0) = (&plan.checkpoint, plan.rank) {
-            match self.save(manifest.clone()) {
-                Ok(p) => checkpoint = Some(p),
-                Err(e) => checkpoint_error = Some(format!("{e:#}")),
+            let step = manifest.step;
+            if let Err(e) = self.start_write(manifest.clone()) {
+                self.written.push(Written { step, result: Err(format!("{e:#}")) });
+            }
+            if !plan.work {
+                // The job's final state: answer once it is written.
+                self.reap_write(true);
             }
         }
-        let done = |ids, loss, compute_ms| FromWorker::Done {
+        let done = |ids, loss, compute_ms, checkpoints| FromWorker::Done {
             generation: plan.generation,
             step: plan.committed_steps,
             ids,
             loss,
             compute_ms,
             setup_ms,
-            checkpoint: checkpoint.clone(),
-            checkpoint_error: checkpoint_error.clone(),
+            checkpoints,
         };
         if !plan.work {
-            return Ok(done(Vec::new(), 0.0, 0.0));
+            return Ok(done(Vec::new(), 0.0, 0.0, std::mem::take(&mut self.written)));
         }
         let start = Instant::now();
         let gb = plan.hyper.global_batch.max(1) as usize;
@@ -431,18 +442,44 @@ impl Worker {
             .with_context(|| format!("all-reduce of step {}", plan.committed_steps))?;
         self.trainer.apply(plan.hyper.lr, plan.hyper.momentum)?;
         self.applied = Some(plan.committed_steps + 1);
-        Ok(done(ids, loss, compute_ms))
+        Ok(done(ids, loss, compute_ms, std::mem::take(&mut self.written)))
     }
 
-    /// Writes the committed state (rank 0).
-    fn save(&mut self, manifest: Manifest) -> Result<std::path::PathBuf> {
-        let (p, v, n) = self.committed.as_ref().ok_or_else(|| anyhow!("no committed state to save"))?;
-        if *n != manifest.step {
+    /// Starts writing the committed state (rank 0) on a thread of its own,
+    /// from a copy, so that the step and its collectives do not wait for the
+    /// disk. An earlier write still under way is finished first.
+    fn start_write(&mut self, manifest: Manifest) -> Result<()> {
+        self.reap_write(true);
+        let (p, v, n) = self.committed.clone().ok_or_else(|| anyhow!("no committed state to save"))?;
+        if n != manifest.step {
             bail!("committed state is at step {n}, the checkpoint asked for {}", manifest.step);
         }
-        let mut t = Trainer::new(self.trainer.model().clone());
-        t.load_params_flat(p)?;
-        t.load_velocity(v)?;
-        Ok(Checkpoints::new(&self.spec.checkpoint_dir, self.spec.keep_checkpoints).save(&t, manifest)?)
+        let model = self.trainer.model().clone();
+        let store = Checkpoints::new(&self.spec.checkpoint_dir, self.spec.keep_checkpoints);
+        let handle = std::thread::Builder::new().name("edl-checkpoint".into()).spawn(move || {
+            let mut t = Trainer::new(model);
+            t.load_params_flat(&p)?;
+            t.load_velocity(&v)?;
+            Ok(store.save(&t, manifest)?)
+        })?;
+        self.writing = Some((n, handle));
+        Ok(())
+    }
+
+    /// Collects the background write's outcome once it has ended (or
+    /// waits for it, with `wait`), to be reported with the next answer.
+    fn reap_write(&mut self, wait: bool) {
+        if !self.writing.as_ref().is_some_and(|(_, h)| wait || h.is_finished()) {
+            return;
+        }
+        let Some((step, handle)) = self.writing.take() else { return };
+        let result = match handle.join() {
+            Ok(r) => r.map_err(|e| format!("{e:#}")),
+            Err(_) => Err("the checkpoint writer panicked".to_string()),
+        };
+        if let Err(e) = &result {
+            tracing::warn!("worker {}: checkpoint of step {step}: {e}", self.id);
+        }
+        self.written.push(Written { step, result });
     }
 }

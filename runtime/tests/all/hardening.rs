@@ -357,6 +357,13 @@ fn nonsensical_flags_are_one_line_errors_before_anything_starts() {
         assert!(!err.contains("hunter2") && !err.contains("panicked"), "{flags:?}: {err}");
         assert!(!dir.path().join(".edl/mnist/logs/worker-1.log").exists(), "{flags:?} started a worker");
     }
+    // With teachers: a worker must give up on them before it is declared dead.
+    let out =
+        job(dir.path(), &["--policy", art::AUTOSCALE_WASM, "--teacher-wait-secs", "90"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("--teacher-wait-secs 90 must be below --step-timeout 60"), "{err}");
+    assert!(!dir.path().join(".edl/mnist/logs/teacher-0.log").exists(), "a teacher started");
 }
 
 #[test]
