@@ -15,6 +15,7 @@
 //! checkpoint; a restarted job resumes from the newest one that verifies.
 
 use super::ledger::{EpochRecord, Ledger};
+use super::membership::{Command, Event, Membership};
 use super::proto::{FromWorker, JobSpec, Plan, Receiver, ToWorker, send};
 use super::scaler::Scaler;
 use crate::checkpoint::{Checkpoints, Manifest, Restored};
@@ -22,10 +23,10 @@ use crate::plugin::{AdapterPlugin, PolicyPlugin};
 use crate::store::{AnyStore, Store, keys};
 use anyhow::{Context, Result, anyhow, bail};
 use edl_host_gpu::comm::RendezvousServer;
-use edl_plugin_sdk::{Action, ClusterView, Hyperparams, ResizeEvent, WorkerStats};
+use edl_plugin_sdk::{ClusterView, Hyperparams, ResizeEvent, WorkerStats};
 use serde::{Deserialize, Serialize};
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeSet, HashMap},
     net::{SocketAddr, TcpListener, TcpStream},
     path::PathBuf,
     sync::mpsc,
@@ -256,15 +257,6 @@ impl DataIdentity {
     }
 }
 
-struct Member {
-    id: u64,
-    conn: u64,
-    stream: TcpStream,
-    pid: u32,
-    /// When it said hello (a welcomed worker must be ready within the join timeout).
-    since: Instant,
-}
-
 enum Inbound {
     Conn(u64, TcpStream),
     Msg(u64, FromWorker),
@@ -299,21 +291,10 @@ struct Coordinator<'a> {
     addr: SocketAddr,
     rendezvous: RendezvousServer,
     rx: mpsc::Receiver<Inbound>,
+    /// Open control connections.
     conns: HashMap<u64, TcpStream>,
-    /// Connections that closed.
-    closed: BTreeSet<u64>,
-    members: Vec<Member>,
-    /// Welcomed, still loading.
-    welcomed: Vec<Member>,
-    /// Ready for a rank at the next step boundary.
-    joiners: Vec<Member>,
-    /// Started, not joined yet: id -> (started, decided at).
-    spawning: BTreeMap<u64, Instant>,
-    /// Replacement id -> the worker it replaces.
-    replacing: BTreeMap<u64, u64>,
-    /// Replaced workers kept for one more step because they held the only
-    /// state (a one-worker job): they leave at the next boundary.
-    retiring: Vec<u64>,
+    /// Who is in the job (the decisions; this struct does the I/O).
+    m: Membership,
     generation: u64,
     first_generation: u64,
     committed: u64,
@@ -324,8 +305,8 @@ struct Coordinator<'a> {
     events: Vec<ScaleEvent>,
     pending: Option<Pending>,
     init: Option<PathBuf>,
-    next_id: u64,
-    new_generation: bool,
+    /// A generation was just formed: leases are written at once.
+    lease_now: bool,
     last_change: Instant,
     started: Instant,
     window: (Instant, u64),
@@ -335,7 +316,6 @@ struct Coordinator<'a> {
     timeline: Vec<StepRecord>,
     checkpoints: Vec<PathBuf>,
     samples: u64,
-    workers_started: Vec<u64>,
     last_lease: Instant,
     train_len: usize,
     /// Writes job state and leases off the step's path (from the job's start).
@@ -388,13 +368,7 @@ pub fn run(
         rendezvous,
         rx,
         conns: HashMap::new(),
-        closed: BTreeSet::new(),
-        members: Vec::new(),
-        welcomed: Vec::new(),
-        joiners: Vec::new(),
-        spawning: BTreeMap::new(),
-        replacing: BTreeMap::new(),
-        retiring: Vec::new(),
+        m: Membership::new(cfg.min_workers, cfg.max_workers, cfg.join_timeout, 1),
         generation: 0,
         first_generation: 0,
         committed: 0,
@@ -405,8 +379,7 @@ pub fn run(
         events: Vec::new(),
         pending: None,
         init: None,
-        next_id: 1,
-        new_generation: true,
+        lease_now: true,
         last_change: now,
         started: now,
         window: (now, 0),
@@ -415,7 +388,6 @@ pub fn run(
         timeline: Vec::new(),
         checkpoints: Vec::new(),
         samples: 0,
-        workers_started: Vec::new(),
         last_lease: now,
         train_len: train.len(),
         keeper: None,
@@ -423,12 +395,8 @@ pub fn run(
         cfg,
     };
     let result = c.job();
-    for m in c.members.drain(..).chain(c.joiners.drain(..)).chain(c.welcomed.drain(..)) {
-        c.scaler.stop(m.id, Duration::from_secs(3));
-    }
-    for id in std::mem::take(&mut c.spawning).into_keys() {
-        c.scaler.stop(id, Duration::from_secs(1));
-    }
+    c.m.stop_all(if result.is_ok() { "the job is done" } else { "the job failed" });
+    c.execute();
     drop(lock);
     result
 }
@@ -512,7 +480,7 @@ impl Coordinator<'_> {
         };
         if let Some(s) = &stored {
             self.generation = s.generation;
-            self.next_id = s.next_worker_id.max(1);
+            self.m.resume_ids(s.next_worker_id);
         }
         if self.complete_marker().exists() || stored.as_ref().is_some_and(|s| s.finished) {
             self.note(format!("job {:?} finished before; starting it again from step 0", self.cfg.spec.job));
@@ -587,51 +555,67 @@ impl Coordinator<'_> {
     }
 
     fn spawn(&mut self, n: u32) {
-        for _ in 0..n {
-            let id = self.next_id;
-            self.next_id += 1;
-            match self.scaler.spawn(id, self.addr) {
-                Ok(()) => {
-                    self.workers_started.push(id);
-                    self.spawning.insert(id, Instant::now());
+        self.m.spawn(Instant::now(), n);
+        self.execute();
+    }
+
+    /// Carries out what membership decided.
+    fn execute(&mut self) {
+        while let Some(cmd) = self.m.poll_command() {
+            match cmd {
+                Command::Spawn { worker } => {
+                    if let Err(e) = self.scaler.spawn(worker, self.addr) {
+                        self.m.spawn_failed(worker, format!("{e:#}"));
+                    }
                 }
-                Err(e) => self.note(format!("could not start worker {id}: {e:#}")),
+                Command::Welcome { conn } => {
+                    // A failed send closes the connection; its reader reports that.
+                    let welcome = ToWorker::Welcome(Box::new(self.cfg.spec.clone()));
+                    if let Some(stream) = self.conns.get_mut(&conn) {
+                        let _ = send(stream, &welcome);
+                    }
+                }
+                Command::Refuse { conn, reason } => {
+                    if let Some(mut stream) = self.conns.remove(&conn) {
+                        let _ = send(&mut stream, &ToWorker::Stop { reason });
+                    }
+                }
+                Command::Stop { worker, conn, reason, grace } => {
+                    if let Some(mut stream) = conn.and_then(|c| self.conns.remove(&c)) {
+                        let _ = send(&mut stream, &ToWorker::Stop { reason });
+                    }
+                    self.scaler.stop(worker, grace);
+                    self.forget(worker);
+                }
+                Command::Note { text, log_of } => {
+                    let log = log_of.map(|id| self.log_tail(id)).unwrap_or_default();
+                    self.note(format!("{text}{log}"));
+                }
             }
         }
     }
 
-    /// Handles one inbound event outside of step collection.
+    /// Handles one inbound event; answers to the step in progress go to `results`.
     fn handle(&mut self, ev: Inbound, results: Option<&mut StepResult>) {
+        let now = Instant::now();
         match ev {
             Inbound::Conn(n, s) => {
                 self.conns.insert(n, s);
             }
             Inbound::Msg(n, FromWorker::Hello { worker, pid }) => {
-                let Some(mut stream) = self.conns.remove(&n) else { return };
-                if self.spawning.remove(&worker).is_none() {
-                    let _ =
-                        send(&mut stream, &ToWorker::Stop { reason: format!("unknown worker id {worker}") });
-                    return;
-                }
-                let welcome = ToWorker::Welcome(Box::new(self.cfg.spec.clone()));
-                if send(&mut stream, &welcome).is_ok() {
-                    self.welcomed.push(Member { id: worker, conn: n, stream, pid, since: Instant::now() });
-                }
+                self.m.handle(now, Event::Hello { conn: n, worker, pid });
             }
             Inbound::Msg(n, FromWorker::Ready) => {
-                if let Some(i) = self.welcomed.iter().position(|m| m.conn == n) {
-                    let m = self.welcomed.remove(i);
-                    self.joiners.push(m);
-                }
+                self.m.handle(now, Event::Ready { conn: n });
             }
             Inbound::Msg(n, msg) => {
                 let Some(results) = results else {
                     tracing::debug!("message outside a step from connection {n}: {msg:?}");
                     return;
                 };
-                if let Some(rank) = self.members.iter().position(|m| m.conn == n) {
+                if let Some(rank) = self.m.rank_of(n) {
                     if let FromWorker::Failed { error, cause, .. } = &msg {
-                        results.errors.push(format!("worker {}: {error}", self.members[rank].id));
+                        results.errors.push(format!("worker {}: {error}", self.m.members()[rank].id));
                         if *cause == Some(super::proto::FailCause::NoTeachers) {
                             results.no_teachers = true;
                         }
@@ -641,65 +625,32 @@ impl Coordinator<'_> {
             }
             Inbound::Closed(n, why) => {
                 self.conns.remove(&n);
-                self.closed.insert(n);
-                if let Some(i) = self.joiners.iter().position(|m| m.conn == n) {
-                    let m = self.joiners.remove(i);
-                    self.note(format!("worker {} left before it was given a rank ({why})", m.id));
-                } else if let Some(i) = self.welcomed.iter().position(|m| m.conn == n) {
-                    let m = self.welcomed.remove(i);
-                    let log = self.log_tail(m.id);
-                    self.note(format!("worker {} failed while starting ({why}){log}", m.id));
-                } else if let Some(m) = self.members.iter().find(|m| m.conn == n) {
-                    let id = m.id;
-                    if let Some(r) = results {
-                        r.dead.insert(id);
-                        r.errors.push(format!("worker {id} (pid {}) lost: {why}", m.pid));
-                    }
+                let pid = self.m.rank_of(n).map(|r| self.m.members()[r].pid);
+                if let Some(id) = self.m.handle(now, Event::Closed { conn: n, why: why.clone() })
+                    && let Some(r) = results
+                {
+                    r.dead.insert(id);
+                    r.errors.push(format!("worker {id} (pid {}) lost: {why}", pid.unwrap_or(0)));
                 }
             }
         }
+        self.execute();
     }
 
-    /// Notices started workers that died before joining, or never joined.
+    /// Notices started workers that died before joining, and gives up those
+    /// past the join timeout.
     fn check_spawning(&mut self) {
-        let exited = self.scaler.exited();
-        for (id, status) in exited {
-            if self.spawning.remove(&id).is_some() {
-                let log = self.log_tail(id);
-                self.note(format!("worker {id} exited before joining: {status}{log}"));
-            }
+        let now = Instant::now();
+        for (worker, status) in self.scaler.exited() {
+            self.m.handle(now, Event::Exited { worker, status });
         }
-        let late: Vec<u64> = self
-            .spawning
-            .iter()
-            .filter(|(_, t)| t.elapsed() > self.cfg.join_timeout)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in late {
-            self.spawning.remove(&id);
-            self.scaler.stop(id, Duration::from_secs(1));
-            self.note(format!("worker {id} did not join within {:?}; gave it up", self.cfg.join_timeout));
-        }
-        // Said hello but never became ready (stuck loading, or stopped).
-        let timeout = self.cfg.join_timeout;
-        let (late, loading): (Vec<Member>, Vec<Member>) =
-            std::mem::take(&mut self.welcomed).into_iter().partition(|m| m.since.elapsed() > timeout);
-        self.welcomed = loading;
-        for mut m in late {
-            let _ = send(&mut m.stream, &ToWorker::Stop { reason: format!("not ready within {timeout:?}") });
-            self.scaler.stop(m.id, Duration::from_secs(1));
-            let log =
-                self.scaler.log_of(m.id).map(|p| format!(" (log: {})", p.display())).unwrap_or_default();
-            self.note(format!(
-                "worker {} said hello but was not ready within {timeout:?}; gave it up{log}",
-                m.id
-            ));
-        }
+        self.m.handle_timeout(now);
+        self.execute();
     }
 
     /// Waits for joiners until at least `want` are there (or nothing is starting).
     fn wait_for_joiners(&mut self, want: usize) -> Result<()> {
-        while self.joiners.len() < want && !(self.spawning.is_empty() && self.welcomed.is_empty()) {
+        while self.m.joiners() < want && !self.m.nothing_loading() {
             match self.rx.recv_timeout(Duration::from_millis(100)) {
                 Ok(ev) => self.handle(ev, None),
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -707,7 +658,7 @@ impl Coordinator<'_> {
             }
             self.check_spawning();
         }
-        if self.joiners.is_empty() {
+        if self.m.joiners() == 0 {
             bail!("no worker joined the job (worker logs: {})", self.log_hint());
         }
         Ok(())
@@ -768,7 +719,7 @@ impl Coordinator<'_> {
                 if let Some(why) = self.keeper.as_ref().and_then(|k| k.fenced()) {
                     bail!("job {:?}: {why}", self.cfg.spec.job);
                 }
-                if self.members.is_empty() {
+                if self.m.world() == 0 {
                     self.recover_from_nothing()?;
                 }
                 self.check_teachers()?;
@@ -776,7 +727,7 @@ impl Coordinator<'_> {
                 self.lease_members();
                 let plan_checkpoint = self.checkpoint_due();
                 let res = self.run_step(true, plan_checkpoint)?;
-                if res.dead.is_empty() && res.errors.is_empty() && res.done.len() == self.members.len() {
+                if res.dead.is_empty() && res.errors.is_empty() && res.done.len() == self.m.members().len() {
                     self.commit(res)?;
                     failures = 0;
                 } else {
@@ -804,14 +755,10 @@ impl Coordinator<'_> {
                 self.check_spawning();
             }
             // The final state: no new workers any more.
-            for mut j in
-                std::mem::take(&mut self.joiners).into_iter().chain(std::mem::take(&mut self.welcomed))
-            {
-                let _ = send(&mut j.stream, &ToWorker::Stop { reason: "the job is done".into() });
-                self.scaler.stop(j.id, Duration::from_secs(3));
-            }
+            self.m.stop_newcomers("the job is done");
+            self.execute();
             for _ in 0..3 {
-                if self.members.is_empty() {
+                if self.m.world() == 0 {
                     self.recover_from_nothing()?;
                 }
                 if self.epoch < total {
@@ -849,11 +796,9 @@ impl Coordinator<'_> {
             final_checkpoint.ok_or_else(|| anyhow!("the final checkpoint could not be written"))?;
         (self.progress)(Progress::Checkpoint { step: self.committed, path: &final_checkpoint });
         self.checkpoints.push(final_checkpoint.clone());
-        let final_world = self.members.len() as u32;
-        for mut m in std::mem::take(&mut self.members) {
-            let _ = send(&mut m.stream, &ToWorker::Stop { reason: "the job is done".into() });
-            self.scaler.stop(m.id, Duration::from_secs(5));
-        }
+        let final_world = self.m.world();
+        self.m.stop_all("the job is done");
+        self.execute();
         self.save_state(true);
         if let Some(k) = &self.keeper
             && let Err(e) = k.flush(Duration::from_secs(10))
@@ -873,7 +818,7 @@ impl Coordinator<'_> {
             checkpoints: self.checkpoints.clone(),
             final_world,
             hyper: self.hyper,
-            workers_started: self.workers_started.clone(),
+            workers_started: self.m.started().to_vec(),
         };
         let finished = outcome.epochs.len() as u64;
         let whole = self.train_len as u64;
@@ -909,10 +854,8 @@ impl Coordinator<'_> {
                 self.init = None;
             }
         }
-        let want = self.cfg.min_workers.max(1);
-        let missing =
-            want.saturating_sub((self.joiners.len() + self.welcomed.len() + self.spawning.len()) as u32);
-        self.spawn(missing);
+        self.m.refill(Instant::now());
+        self.execute();
         self.wait_for_joiners(1)?;
         Ok(())
     }
@@ -920,58 +863,16 @@ impl Coordinator<'_> {
     /// At a step boundary: admits joiners, applies replacements, forms a new
     /// generation when membership changed.
     fn boundary(&mut self, admit: bool) -> Result<()> {
-        let from = self.members.len() as u32;
-        let mut reasons = Vec::new();
-        let max = self.cfg.max_workers.max(1) as usize;
-        let mut admitted = 0;
-        // Workers kept for a handover leave now: the step since gave their
-        // replacement the state.
-        for old in std::mem::take(&mut self.retiring) {
-            if let Some(i) = self.members.iter().position(|m| m.id == old) {
-                let mut m = self.members.remove(i);
-                let _ = send(&mut m.stream, &ToWorker::Stop { reason: "replaced".into() });
-                self.scaler.stop(m.id, Duration::from_secs(3));
-                self.forget(m.id);
-                reasons.push(format!("worker {old} left after handing over its state"));
-                self.new_generation = true;
-            }
-        }
-        let stateful = self.members.len();
-        while admit && !self.joiners.is_empty() {
-            let j = self.joiners.remove(0);
-            if let Some(old) = self.replacing.remove(&j.id) {
-                if stateful == 1 && self.init.is_none() && self.members.first().is_some_and(|m| m.id == old) {
-                    // The replaced worker holds the only state: it stays rank 0
-                    // for one step (the new generation's broadcast gives the
-                    // replacement its state) and leaves at the next boundary.
-                    self.retiring.push(old);
-                    reasons.push(format!("worker {old} hands over to {}", j.id));
-                } else if let Some(i) = self.members.iter().position(|m| m.id == old) {
-                    let mut m = self.members.remove(i);
-                    let _ = send(
-                        &mut m.stream,
-                        &ToWorker::Stop { reason: format!("replaced by worker {}", j.id) },
-                    );
-                    self.scaler.stop(m.id, Duration::from_secs(3));
-                    reasons.push(format!("worker {old} replaced by {}", j.id));
-                }
-            } else if self.members.len() >= max {
-                let mut j = j;
-                let _ =
-                    send(&mut j.stream, &ToWorker::Stop { reason: "the job is at its maximum size".into() });
-                self.scaler.stop(j.id, Duration::from_secs(3));
-                continue;
-            }
-            self.members.push(j);
-            admitted += 1;
-            self.new_generation = true;
-        }
-        if !self.new_generation {
+        let from = self.m.world();
+        let b = self.m.boundary(admit, self.init.is_some());
+        self.execute();
+        let (reasons, admitted) = (b.reasons, b.admitted);
+        if !b.changed {
             return Ok(());
         }
         self.generation += 1;
-        self.new_generation = false;
-        let to = self.members.len() as u32;
+        self.lease_now = true;
+        let to = self.m.world();
         let mut pending = self.pending.take().unwrap_or(Pending::new(from, String::new()));
         if pending.reason.is_empty() {
             pending.reason = match (from, self.init.is_some()) {
@@ -1053,20 +954,19 @@ impl Coordinator<'_> {
 
     /// Sends every rank its plan and collects the answers.
     fn run_step(&mut self, work: bool, checkpoint: Option<Manifest>) -> Result<StepResult> {
-        let world = self.members.len();
+        let world = self.m.members().len();
         let key = format!("{}/generation-{}", self.cfg.spec.job, self.generation);
         let mut res =
             StepResult { done: Vec::new(), dead: BTreeSet::new(), errors: Vec::new(), no_teachers: false };
         // The bound covers the sends too (each is bounded by SEND_TIMEOUT).
         let deadline = Instant::now() + self.cfg.step_timeout;
         let init = self.init.clone();
-        for m in &self.members {
-            if self.closed.contains(&m.conn) {
+        for (rank, m) in self.m.members().iter().enumerate() {
+            let Some(stream) = self.conns.get_mut(&m.conn).filter(|_| !self.m.is_closed(m.conn)) else {
                 res.dead.insert(m.id);
                 res.errors.push(format!("worker {} (pid {}) lost: connection closed", m.id, m.pid));
-            }
-        }
-        for (rank, m) in self.members.iter_mut().enumerate() {
+                continue;
+            };
             let plan = Plan {
                 generation: self.generation,
                 rank,
@@ -1081,7 +981,7 @@ impl Coordinator<'_> {
                 cursor: self.cursor,
                 hyper: self.hyper,
             };
-            if let Err(e) = send(&mut m.stream, &ToWorker::Plan(Box::new(plan))) {
+            if let Err(e) = send(stream, &ToWorker::Plan(Box::new(plan))) {
                 res.dead.insert(m.id);
                 res.errors.push(format!("worker {}: {e}", m.id));
             }
@@ -1089,7 +989,7 @@ impl Coordinator<'_> {
         loop {
             let answered: BTreeSet<usize> = res.done.iter().map(|(r, _)| *r).collect();
             let waiting: Vec<usize> = (0..world)
-                .filter(|r| !answered.contains(r) && !res.dead.contains(&self.members[*r].id))
+                .filter(|r| !answered.contains(r) && !res.dead.contains(&self.m.members()[*r].id))
                 .collect();
             if waiting.is_empty() {
                 break;
@@ -1097,7 +997,7 @@ impl Coordinator<'_> {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 for r in waiting {
-                    let m = &self.members[r];
+                    let m = &self.m.members()[r];
                     res.errors.push(format!(
                         "worker {} (pid {}) answered nothing within {:?}; stopping it",
                         m.id, m.pid, self.cfg.step_timeout
@@ -1137,12 +1037,12 @@ impl Coordinator<'_> {
         let formed = self.pending.as_ref().is_some_and(|p| p.generation == Some(self.generation));
         for (rank, m) in &res.done {
             if let FromWorker::Done { ids, loss: l, compute_ms, checkpoints, .. } = m {
-                self.ledger.commit(ids).map_err(|e| anyhow!("worker {}: {e}", self.members[*rank].id))?;
+                self.ledger.commit(ids).map_err(|e| anyhow!("worker {}: {e}", self.m.members()[*rank].id))?;
                 rows += ids.len();
                 loss += l;
                 // The first step of a generation also starts the read-ahead; it does not count.
                 if *compute_ms > 0.0 && !ids.is_empty() && !formed {
-                    let e = self.worker_rate.entry(self.members[*rank].id).or_insert((0.0, 0.0));
+                    let e = self.worker_rate.entry(self.m.members()[*rank].id).or_insert((0.0, 0.0));
                     e.0 += ids.len() as f64;
                     e.1 += compute_ms / 1e3;
                 }
@@ -1170,7 +1070,7 @@ impl Coordinator<'_> {
         let rec = StepRecord {
             step: self.committed,
             epoch: self.epoch,
-            world: self.members.len() as u32,
+            world: self.m.world(),
             secs: self.started.elapsed().as_secs_f64(),
             loss,
             samples_per_sec: sps,
@@ -1191,7 +1091,7 @@ impl Coordinator<'_> {
                 setup_ms,
                 step: self.committed - 1,
                 from: p.from,
-                to: self.members.len() as u32,
+                to: self.m.world(),
                 pause_ms: ms(p.boundary.elapsed()),
                 reason: p.reason,
                 generation: self.generation,
@@ -1234,34 +1134,24 @@ impl Coordinator<'_> {
 
     /// The step failed somewhere: drop the dead, keep the survivors for the next generation.
     fn fail(&mut self, res: StepResult) {
-        let from = self.members.len() as u32;
-        let dead = res.dead.clone();
-        for id in &dead {
-            self.scaler.stop(*id, Duration::from_millis(500));
-            self.forget(*id);
-        }
-        self.members.retain(|m| !dead.contains(&m.id));
+        let from = self.m.world();
+        self.m.fail(Instant::now(), &res.dead);
+        self.execute();
         let why = if res.errors.is_empty() { "a rank failed".to_string() } else { res.errors.join("; ") };
         self.note(format!(
             "step {} not committed (generation {}): {why}; redoing it with {} worker(s)",
             self.committed,
             self.generation,
-            self.members.len()
+            self.m.world()
         ));
-        let lost: Vec<String> = dead.iter().map(|d| format!("worker {d} lost")).collect();
+        let lost: Vec<String> = res.dead.iter().map(|d| format!("worker {d} lost")).collect();
         let reason = if lost.is_empty() { "collective failed".to_string() } else { lost.join(", ") };
         self.pending = Some(Pending::new(from, reason));
-        self.new_generation = true;
-        let min = self.cfg.min_workers.max(1) as usize;
-        let coming = self.joiners.len() + self.welcomed.len() + self.spawning.len();
-        if self.members.len() + coming < min {
-            self.spawn((min - self.members.len() - coming) as u32);
-        }
     }
 
     /// Asks the policy what to do.
     fn decide(&mut self) {
-        if !self.retiring.is_empty() {
+        if self.m.handing_over() {
             // A handover is under way; the policy sees the job after it.
             return;
         }
@@ -1269,8 +1159,8 @@ impl Coordinator<'_> {
         let (t0, s0) = self.window;
         let throughput = (self.samples - s0) as f64 / now.duration_since(t0).as_secs_f64().max(1e-9);
         self.window = (now, self.samples);
-        let world = self.members.len() as u32;
-        let coming = (self.joiners.len() + self.welcomed.len() + self.spawning.len()) as u32;
+        let world = self.m.world();
+        let coming = self.m.coming();
         let remaining = (self.cfg.spec.epochs.saturating_sub(self.epoch) as usize * self.train_len)
             .saturating_sub(self.cursor) as u64;
         let view = ClusterView {
@@ -1283,7 +1173,8 @@ impl Coordinator<'_> {
             global_batch: self.hyper.global_batch,
             throughput,
             workers: self
-                .members
+                .m
+                .members()
                 .iter()
                 .filter_map(|m| {
                     let (rows, secs) = self.worker_rate.get(&m.id).copied()?;
@@ -1302,73 +1193,10 @@ impl Coordinator<'_> {
                 return;
             }
         };
-        self.apply_decision(&actions, world, coming);
-    }
-
-    /// Reduces a decision to one target size within the bounds, then acts:
-    /// pending starts count toward the maximum, so no list of actions can
-    /// start more workers than `--max-workers` allows; replacements are
-    /// deduplicated and only name current members.
-    fn apply_decision(&mut self, actions: &[Action], world: u32, coming: u32) {
-        let (min, max) = (self.cfg.min_workers.max(1) as i64, self.cfg.max_workers.max(1) as i64);
-        let now = (world + coming) as i64;
-        let mut target = now;
-        let mut replace: Vec<u64> = Vec::new();
-        for a in actions {
-            match *a {
-                Action::Hold => {}
-                Action::ScaleOut(n) => target = target.saturating_add(n as i64),
-                Action::ScaleIn(n) => target = target.saturating_sub(n as i64),
-                Action::Replace(id) => {
-                    if !replace.contains(&id) {
-                        replace.push(id)
-                    }
-                }
-            }
+        if let Some(reason) = self.m.apply_decision(now, &actions) {
+            self.pending = Some(Pending::new(world, reason));
         }
-        let target = target.clamp(min.min(max), max);
-        let described = || {
-            let shown: Vec<String> = actions.iter().take(4).map(|a| a.to_string()).collect();
-            let more = actions.len().saturating_sub(4);
-            format!(
-                "policy: {}{}",
-                shown.join(", "),
-                if more > 0 { format!(" (+{more} more)") } else { String::new() }
-            )
-        };
-        if target > now {
-            self.pending = Some(Pending::new(world, described()));
-            self.spawn((target - now) as u32);
-        } else if target < world as i64 {
-            let keep = (target as usize).max(min as usize);
-            if keep < self.members.len() {
-                let reason = described();
-                let removed: Vec<Member> = self.members.drain(keep..).collect();
-                for mut m in removed {
-                    let _ = send(&mut m.stream, &ToWorker::Stop { reason: reason.clone() });
-                    self.scaler.stop(m.id, Duration::from_secs(3));
-                    self.forget(m.id);
-                }
-                self.pending = Some(Pending::new(world, reason));
-                self.new_generation = true;
-            }
-        }
-        for id in replace {
-            let member = self.members.iter().any(|m| m.id == id);
-            let busy = self.replacing.values().any(|&o| o == id) || self.retiring.contains(&id);
-            if !member || busy {
-                if !member {
-                    self.note(format!("policy asked to replace worker {id}, which is not a member; ignored"));
-                }
-                continue;
-            }
-            let new = self.next_id;
-            self.spawn(1);
-            if self.spawning.contains_key(&new) {
-                self.replacing.insert(new, id);
-                self.pending = Some(Pending::new(world, format!("policy: replace({id})")));
-            }
-        }
+        self.execute();
     }
 
     /// Removes a worker's lease from the store.
@@ -1380,13 +1208,13 @@ impl Coordinator<'_> {
 
     /// Keeps the members' leases in the store fresh (once a second).
     fn lease_members(&mut self) {
-        if self.last_lease.elapsed() < Duration::from_secs(1) && !self.new_generation {
+        if self.last_lease.elapsed() < Duration::from_secs(1) && !std::mem::take(&mut self.lease_now) {
             return;
         }
         self.last_lease = Instant::now();
         let Some(k) = &self.keeper else { return };
         let prefix = keys::workers(&self.cfg.spec.job);
-        for m in &self.members {
+        for m in self.m.members() {
             let v = serde_json::json!({"pid": m.pid, "generation": self.generation}).to_string();
             k.lease(format!("{prefix}{}", m.id), v.into_bytes(), Duration::from_secs(5));
         }
@@ -1399,8 +1227,8 @@ impl Coordinator<'_> {
             committed_steps: self.committed,
             epoch: self.epoch,
             cursor: self.cursor,
-            next_worker_id: self.next_id,
-            members: self.members.iter().map(|m| m.id).collect(),
+            next_worker_id: self.m.next_id(),
+            members: self.m.members().iter().map(|m| m.id).collect(),
             finished,
         };
         if let Some(k) = &self.keeper {

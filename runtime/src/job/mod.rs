@@ -14,6 +14,7 @@
 pub mod coordinator;
 pub mod keeper;
 pub mod ledger;
+pub mod membership;
 pub mod preflight;
 pub mod proto;
 pub mod report;

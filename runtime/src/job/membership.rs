@@ -1,0 +1,623 @@
+//! Who is in the job, as a state machine without I/O: events in (a worker
+//! said hello, became ready, lost its connection, its process exited),
+//! commands out (start a worker, welcome it, stop it, say something), and
+//! every timeout inside it as a value of time the caller passes in. The
+//! coordinator owns the sockets and the processes and carries the commands
+//! out; this module decides. Tested without a process or a socket.
+//!
+//! A worker goes through: **spawning** (started, not connected) ->
+//! **welcomed** (said hello, was sent the job, loading) -> **joiner** (ready,
+//! waiting for a step boundary) -> **member** (has a rank). Started workers
+//! that do not say hello, and welcomed ones that are not ready, within the
+//! join timeout are given up. At a boundary joiners become members (up to
+//! the maximum), replacements take their old worker's place, and a one-worker
+//! handover keeps the old worker one more step so its state reaches the new.
+
+use edl_plugin_sdk::Action;
+use std::{
+    collections::{BTreeMap, BTreeSet, VecDeque},
+    time::{Duration, Instant},
+};
+
+/// A control connection, numbered by the coordinator as it accepts them.
+pub type Conn = u64;
+/// A worker id, given when it is started.
+pub type WorkerId = u64;
+
+/// Something that happened to a worker.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// A connection introduced itself as `worker`.
+    Hello { conn: Conn, worker: WorkerId, pid: u32 },
+    /// The worker on `conn` loaded its data and can be given a rank.
+    Ready { conn: Conn },
+    /// The connection ended (the process died, or the network).
+    Closed { conn: Conn, why: String },
+    /// The process of `worker` exited, as its scaler saw it.
+    Exited { worker: WorkerId, status: String },
+}
+
+/// What the coordinator is to do.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Command {
+    /// Start worker `worker`.
+    Spawn { worker: WorkerId },
+    /// Send the job to the worker on `conn`.
+    Welcome { conn: Conn },
+    /// Tell `conn` it is not wanted, and close it.
+    Refuse { conn: Conn, reason: String },
+    /// Tell the worker (on `conn`, if connected) to stop, make sure its
+    /// process is gone within `grace`, and drop its lease.
+    Stop { worker: WorkerId, conn: Option<Conn>, reason: String, grace: Duration },
+    /// Something to tell the operator; `log_of` names a worker whose log
+    /// explains it.
+    Note { text: String, log_of: Option<WorkerId> },
+}
+
+/// A connected worker.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Worker {
+    pub id: WorkerId,
+    pub conn: Conn,
+    pub pid: u32,
+    /// When it said hello.
+    pub since: Instant,
+}
+
+/// What a step boundary changed.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Boundary {
+    /// Membership changed: a new generation must be formed.
+    pub changed: bool,
+    pub admitted: usize,
+    /// What happened, for the scale event's reason.
+    pub reasons: Vec<String>,
+}
+
+/// The job's workers in every state, and the bounds it keeps them in.
+#[derive(Debug)]
+pub struct Membership {
+    min: u32,
+    max: u32,
+    join_timeout: Duration,
+    next_id: WorkerId,
+    /// Started, not connected: id -> when.
+    spawning: BTreeMap<WorkerId, Instant>,
+    welcomed: Vec<Worker>,
+    joiners: Vec<Worker>,
+    members: Vec<Worker>,
+    /// Replacement id -> the worker it replaces.
+    replacing: BTreeMap<WorkerId, WorkerId>,
+    /// Replaced workers kept one more step to hand their state over.
+    retiring: Vec<WorkerId>,
+    /// Connections that ended.
+    closed: BTreeSet<Conn>,
+    /// Membership changed since the last generation was formed.
+    changed: bool,
+    commands: VecDeque<Command>,
+    /// Ids of every worker started.
+    started: Vec<WorkerId>,
+}
+
+/// How long a worker told to stop gets before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(3);
+
+impl Membership {
+    pub fn new(min: u32, max: u32, join_timeout: Duration, next_id: WorkerId) -> Self {
+        Membership {
+            min: min.max(1),
+            max: max.max(1),
+            join_timeout,
+            next_id: next_id.max(1),
+            spawning: BTreeMap::new(),
+            welcomed: Vec::new(),
+            joiners: Vec::new(),
+            members: Vec::new(),
+            replacing: BTreeMap::new(),
+            retiring: Vec::new(),
+            closed: BTreeSet::new(),
+            changed: true,
+            commands: VecDeque::new(),
+            started: Vec::new(),
+        }
+    }
+
+    /// The next command to carry out.
+    pub fn poll_command(&mut self) -> Option<Command> {
+        self.commands.pop_front()
+    }
+
+    /// The members, rank order.
+    pub fn members(&self) -> &[Worker] {
+        &self.members
+    }
+
+    pub fn world(&self) -> u32 {
+        self.members.len() as u32
+    }
+
+    /// Workers on their way: started, loading, or ready for the next boundary.
+    pub fn coming(&self) -> u32 {
+        (self.spawning.len() + self.welcomed.len() + self.joiners.len()) as u32
+    }
+
+    pub fn joiners(&self) -> usize {
+        self.joiners.len()
+    }
+
+    /// Nothing is starting or loading: waiting for more joiners is pointless.
+    pub fn nothing_loading(&self) -> bool {
+        self.spawning.is_empty() && self.welcomed.is_empty()
+    }
+
+    /// Worker ids go on from `next` (those of an earlier run of the job).
+    pub fn resume_ids(&mut self, next: WorkerId) {
+        self.next_id = self.next_id.max(next);
+    }
+
+    /// The id the next started worker gets.
+    pub fn next_id(&self) -> WorkerId {
+        self.next_id
+    }
+
+    pub fn started(&self) -> &[WorkerId] {
+        &self.started
+    }
+
+    /// The rank of the member on `conn`.
+    pub fn rank_of(&self, conn: Conn) -> Option<usize> {
+        self.members.iter().position(|m| m.conn == conn)
+    }
+
+    /// Whether `conn` has ended.
+    pub fn is_closed(&self, conn: Conn) -> bool {
+        self.closed.contains(&conn)
+    }
+
+    /// A handover is under way (the policy waits for it to end).
+    pub fn handing_over(&self) -> bool {
+        !self.retiring.is_empty()
+    }
+
+    /// When the next timeout falls, if any is pending.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let spawning = self.spawning.values().copied();
+        let welcomed = self.welcomed.iter().map(|w| w.since);
+        spawning.chain(welcomed).min().map(|t| t + self.join_timeout)
+    }
+
+    /// Starts `n` workers.
+    pub fn spawn(&mut self, now: Instant, n: u32) {
+        for _ in 0..n {
+            let worker = self.next_id;
+            self.next_id += 1;
+            self.spawning.insert(worker, now);
+            self.started.push(worker);
+            self.commands.push_back(Command::Spawn { worker });
+        }
+    }
+
+    /// The scaler could not start `worker`.
+    pub fn spawn_failed(&mut self, worker: WorkerId, why: String) {
+        self.spawning.remove(&worker);
+        self.started.retain(|w| *w != worker);
+        self.replacing.remove(&worker);
+        self.note(format!("could not start worker {worker}: {why}"), None);
+    }
+
+    fn note(&mut self, text: String, log_of: Option<WorkerId>) {
+        self.commands.push_back(Command::Note { text, log_of });
+    }
+
+    fn stop(&mut self, w: &Worker, reason: String, grace: Duration) {
+        self.commands.push_back(Command::Stop { worker: w.id, conn: Some(w.conn), reason, grace });
+    }
+
+    /// Feeds one event. Returns the id of a member whose connection ended
+    /// (the step in progress has lost that rank).
+    pub fn handle(&mut self, now: Instant, ev: Event) -> Option<WorkerId> {
+        match ev {
+            Event::Hello { conn, worker, pid } => {
+                if self.spawning.remove(&worker).is_none() {
+                    self.commands
+                        .push_back(Command::Refuse { conn, reason: format!("unknown worker id {worker}") });
+                    return None;
+                }
+                self.welcomed.push(Worker { id: worker, conn, pid, since: now });
+                self.commands.push_back(Command::Welcome { conn });
+            }
+            Event::Ready { conn } => {
+                if let Some(i) = self.welcomed.iter().position(|w| w.conn == conn) {
+                    let w = self.welcomed.remove(i);
+                    self.joiners.push(w);
+                }
+            }
+            Event::Closed { conn, why } => {
+                self.closed.insert(conn);
+                if let Some(i) = self.joiners.iter().position(|w| w.conn == conn) {
+                    let w = self.joiners.remove(i);
+                    self.replacing.remove(&w.id);
+                    self.note(format!("worker {} left before it was given a rank ({why})", w.id), None);
+                } else if let Some(i) = self.welcomed.iter().position(|w| w.conn == conn) {
+                    let w = self.welcomed.remove(i);
+                    self.replacing.remove(&w.id);
+                    self.note(format!("worker {} failed while starting ({why})", w.id), Some(w.id));
+                } else if let Some(m) = self.members.iter().find(|m| m.conn == conn) {
+                    return Some(m.id);
+                }
+            }
+            Event::Exited { worker, status } => {
+                if self.spawning.remove(&worker).is_some() {
+                    self.replacing.remove(&worker);
+                    self.note(format!("worker {worker} exited before joining: {status}"), Some(worker));
+                }
+            }
+        }
+        None
+    }
+
+    /// Gives up the workers that did not say hello, or were not ready,
+    /// within the join timeout.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let timeout = self.join_timeout;
+        let late: Vec<WorkerId> =
+            self.spawning.iter().filter(|(_, t)| now >= **t + timeout).map(|(id, _)| *id).collect();
+        for worker in late {
+            self.spawning.remove(&worker);
+            self.replacing.remove(&worker);
+            self.commands.push_back(Command::Stop {
+                worker,
+                conn: None,
+                reason: "did not join in time".into(),
+                grace: Duration::from_secs(1),
+            });
+            self.note(format!("worker {worker} did not join within {timeout:?}; gave it up"), Some(worker));
+        }
+        let (late, loading): (Vec<Worker>, Vec<Worker>) =
+            std::mem::take(&mut self.welcomed).into_iter().partition(|w| now >= w.since + timeout);
+        self.welcomed = loading;
+        for w in late {
+            self.replacing.remove(&w.id);
+            self.stop(&w, format!("not ready within {timeout:?}"), Duration::from_secs(1));
+            self.note(
+                format!("worker {} said hello but was not ready within {timeout:?}; gave it up", w.id),
+                Some(w.id),
+            );
+        }
+    }
+
+    /// At a step boundary: workers that handed over their state leave,
+    /// joiners are admitted (when `admit`), replacements take their place.
+    /// `init_pending`: the next generation loads a checkpoint, so a
+    /// replaced sole worker's state is not needed.
+    pub fn boundary(&mut self, admit: bool, init_pending: bool) -> Boundary {
+        let mut out = Boundary::default();
+        for old in std::mem::take(&mut self.retiring) {
+            if let Some(i) = self.members.iter().position(|m| m.id == old) {
+                let m = self.members.remove(i);
+                self.stop(&m, "replaced".into(), STOP_GRACE);
+                out.reasons.push(format!("worker {old} left after handing over its state"));
+                self.changed = true;
+            }
+        }
+        let stateful = self.members.len();
+        while admit && !self.joiners.is_empty() {
+            let j = self.joiners.remove(0);
+            if let Some(old) = self.replacing.remove(&j.id) {
+                if stateful == 1 && !init_pending && self.members.first().is_some_and(|m| m.id == old) {
+                    // The replaced worker holds the only state: it stays rank 0
+                    // for one step (the new generation's broadcast gives the
+                    // replacement its state) and leaves at the next boundary.
+                    self.retiring.push(old);
+                    out.reasons.push(format!("worker {old} hands over to {}", j.id));
+                } else if let Some(i) = self.members.iter().position(|m| m.id == old) {
+                    let m = self.members.remove(i);
+                    self.stop(&m, format!("replaced by worker {}", j.id), STOP_GRACE);
+                    out.reasons.push(format!("worker {old} replaced by {}", j.id));
+                }
+            } else if self.members.len() >= self.max as usize {
+                self.stop(&j, "the job is at its maximum size".into(), STOP_GRACE);
+                continue;
+            }
+            self.members.push(j);
+            out.admitted += 1;
+            self.changed = true;
+        }
+        out.changed = std::mem::take(&mut self.changed);
+        out
+    }
+
+    /// The step failed: the `dead` members are dropped, and workers are
+    /// started to keep the job at its minimum.
+    pub fn fail(&mut self, now: Instant, dead: &BTreeSet<WorkerId>) {
+        for &worker in dead {
+            self.commands.push_back(Command::Stop {
+                worker,
+                conn: None,
+                reason: "lost".into(),
+                grace: Duration::from_millis(500),
+            });
+        }
+        self.members.retain(|m| !dead.contains(&m.id));
+        self.retiring.retain(|r| !dead.contains(r));
+        self.changed = true;
+        let have = self.world() + self.coming();
+        if have < self.min {
+            self.spawn(now, self.min - have);
+        }
+    }
+
+    /// Every member is gone: starts workers up to the minimum, counting
+    /// those already on their way.
+    pub fn refill(&mut self, now: Instant) {
+        let missing = self.min.saturating_sub(self.coming());
+        self.spawn(now, missing);
+        self.changed = true;
+    }
+
+    /// Reduces a policy decision to one target size within the bounds and
+    /// acts on it: pending starts count toward the maximum, so no list of
+    /// actions can start more workers than the maximum allows; replacements
+    /// are deduplicated and only name current members. Returns the
+    /// decision's description when it resizes the job.
+    pub fn apply_decision(&mut self, now: Instant, actions: &[Action]) -> Option<String> {
+        let world = self.world();
+        let (min, max) = (self.min as i64, self.max as i64);
+        let have = (world + self.coming()) as i64;
+        let mut target = have;
+        let mut replace: Vec<WorkerId> = Vec::new();
+        for a in actions {
+            match *a {
+                Action::Hold => {}
+                Action::ScaleOut(n) => target = target.saturating_add(n as i64),
+                Action::ScaleIn(n) => target = target.saturating_sub(n as i64),
+                Action::Replace(id) => {
+                    if !replace.contains(&id) {
+                        replace.push(id)
+                    }
+                }
+            }
+        }
+        let target = target.clamp(min.min(max), max);
+        let shown: Vec<String> = actions.iter().take(4).map(|a| a.to_string()).collect();
+        let more = actions.len().saturating_sub(4);
+        let described = format!(
+            "policy: {}{}",
+            shown.join(", "),
+            if more > 0 { format!(" (+{more} more)") } else { String::new() }
+        );
+        let mut resize = None;
+        if target > have {
+            self.spawn(now, (target - have) as u32);
+            resize = Some(described);
+        } else if target < world as i64 {
+            let keep = (target as usize).max(min as usize);
+            if keep < self.members.len() {
+                let removed: Vec<Worker> = self.members.drain(keep..).collect();
+                for m in removed {
+                    self.stop(&m, described.clone(), STOP_GRACE);
+                }
+                self.changed = true;
+                resize = Some(described);
+            }
+        }
+        for id in replace {
+            let member = self.members.iter().any(|m| m.id == id);
+            let busy = self.replacing.values().any(|&o| o == id) || self.retiring.contains(&id);
+            if !member {
+                self.note(
+                    format!("policy asked to replace worker {id}, which is not a member; ignored"),
+                    None,
+                );
+                continue;
+            }
+            if busy {
+                continue;
+            }
+            let new = self.next_id;
+            self.spawn(now, 1);
+            self.replacing.insert(new, id);
+            resize = Some(format!("policy: replace({id})"));
+        }
+        resize
+    }
+
+    /// The job is done, or failed: every worker, in whatever state, is
+    /// told to stop.
+    pub fn stop_all(&mut self, reason: &str) {
+        let all: Vec<Worker> = std::mem::take(&mut self.members)
+            .into_iter()
+            .chain(std::mem::take(&mut self.joiners))
+            .chain(std::mem::take(&mut self.welcomed))
+            .collect();
+        for w in all {
+            self.stop(&w, reason.to_string(), STOP_GRACE);
+        }
+        for worker in std::mem::take(&mut self.spawning).into_keys() {
+            self.commands.push_back(Command::Stop {
+                worker,
+                conn: None,
+                reason: reason.to_string(),
+                grace: Duration::from_secs(1),
+            });
+        }
+    }
+
+    /// No more workers will be admitted: those waiting or loading are stopped.
+    pub fn stop_newcomers(&mut self, reason: &str) {
+        let waiting: Vec<Worker> =
+            std::mem::take(&mut self.joiners).into_iter().chain(std::mem::take(&mut self.welcomed)).collect();
+        for w in waiting {
+            self.stop(&w, reason.to_string(), STOP_GRACE);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const JOIN: Duration = Duration::from_secs(60);
+
+    fn drain(m: &mut Membership) -> Vec<Command> {
+        std::iter::from_fn(|| m.poll_command()).collect()
+    }
+
+    /// A job of `n` members (ids 1..=n on connections 101..), formed at `t`.
+    fn formed(n: u32, min: u32, max: u32, t: Instant) -> Membership {
+        let mut m = Membership::new(min, max, JOIN, 1);
+        m.spawn(t, n);
+        for id in 1..=n as u64 {
+            m.handle(t, Event::Hello { conn: 100 + id, worker: id, pid: 1000 + id as u32 });
+            m.handle(t, Event::Ready { conn: 100 + id });
+        }
+        let b = m.boundary(true, false);
+        assert!(b.changed && b.admitted == n as usize);
+        drain(&mut m);
+        m
+    }
+
+    fn stops(cmds: &[Command]) -> Vec<WorkerId> {
+        cmds.iter()
+            .filter_map(|c| if let Command::Stop { worker, .. } = c { Some(*worker) } else { None })
+            .collect()
+    }
+
+    #[test]
+    fn a_worker_goes_from_started_to_member_at_a_boundary() {
+        let t = Instant::now();
+        let mut m = Membership::new(1, 4, JOIN, 1);
+        m.spawn(t, 1);
+        assert_eq!(drain(&mut m), vec![Command::Spawn { worker: 1 }]);
+        m.handle(t, Event::Hello { conn: 7, worker: 1, pid: 42 });
+        assert_eq!(drain(&mut m), vec![Command::Welcome { conn: 7 }]);
+        assert_eq!(m.world(), 0);
+        m.handle(t, Event::Ready { conn: 7 });
+        assert_eq!(m.joiners(), 1);
+        let b = m.boundary(true, false);
+        assert!(b.changed);
+        assert_eq!(m.members()[0].id, 1);
+        assert_eq!(m.rank_of(7), Some(0));
+        assert!(!m.boundary(true, false).changed, "nothing changed since");
+    }
+
+    #[test]
+    fn an_unknown_worker_is_refused() {
+        let mut m = Membership::new(1, 4, JOIN, 1);
+        m.handle(Instant::now(), Event::Hello { conn: 3, worker: 99, pid: 1 });
+        assert!(matches!(&drain(&mut m)[..], [Command::Refuse { conn: 3, reason }] if reason.contains("99")));
+    }
+
+    #[test]
+    fn every_wait_for_a_worker_ends_at_the_join_timeout() {
+        let t = Instant::now();
+        let mut m = Membership::new(1, 4, JOIN, 1);
+        m.spawn(t, 2);
+        m.handle(t + Duration::from_secs(10), Event::Hello { conn: 5, worker: 2, pid: 9 });
+        drain(&mut m);
+        // Worker 1 never connects; worker 2 connects at 10 s and never gets ready.
+        assert_eq!(m.poll_timeout(), Some(t + JOIN));
+        m.handle_timeout(t + JOIN - Duration::from_millis(1));
+        assert!(drain(&mut m).is_empty(), "nothing before the timeout");
+        m.handle_timeout(t + JOIN);
+        assert_eq!(stops(&drain(&mut m)), vec![1]);
+        assert_eq!(m.poll_timeout(), Some(t + Duration::from_secs(10) + JOIN));
+        m.handle_timeout(t + Duration::from_secs(10) + JOIN);
+        let cmds = drain(&mut m);
+        assert!(matches!(&cmds[0], Command::Stop { worker: 2, conn: Some(5), .. }), "{cmds:?}");
+        assert!(m.nothing_loading() && m.poll_timeout().is_none());
+    }
+
+    #[test]
+    fn a_flood_of_scale_outs_starts_only_up_to_the_maximum_counting_pending_starts() {
+        let t = Instant::now();
+        let mut m = formed(1, 1, 3, t);
+        assert!(m.apply_decision(t, &vec![Action::ScaleOut(1); 10_000]).is_some());
+        assert_eq!(drain(&mut m).iter().filter(|c| matches!(c, Command::Spawn { .. })).count(), 2);
+        // The starts are pending: another flood starts nothing.
+        assert!(m.apply_decision(t, &vec![Action::ScaleOut(5); 100]).is_none());
+        assert!(drain(&mut m).is_empty());
+    }
+
+    #[test]
+    fn scale_in_keeps_the_minimum_and_stops_the_highest_ranks() {
+        let t = Instant::now();
+        let mut m = formed(4, 2, 4, t);
+        m.apply_decision(t, &[Action::ScaleIn(3)]);
+        assert_eq!(stops(&drain(&mut m)), vec![3, 4]);
+        assert_eq!(m.world(), 2);
+        assert!(m.boundary(true, false).changed);
+    }
+
+    #[test]
+    fn a_replacement_takes_its_workers_place_and_a_sole_worker_hands_over() {
+        let t = Instant::now();
+        let mut m = formed(2, 1, 4, t);
+        m.apply_decision(t, &[Action::Replace(1), Action::Replace(1), Action::Replace(77)]);
+        let cmds = drain(&mut m);
+        assert_eq!(cmds.iter().filter(|c| matches!(c, Command::Spawn { worker: 3 })).count(), 1, "{cmds:?}");
+        assert!(cmds.iter().any(|c| matches!(c, Command::Note { text, .. } if text.contains("77"))));
+        m.handle(t, Event::Hello { conn: 9, worker: 3, pid: 3 });
+        m.handle(t, Event::Ready { conn: 9 });
+        let b = m.boundary(true, false);
+        assert_eq!(stops(&drain(&mut m)), vec![1]);
+        assert!(b.changed && b.reasons[0].contains("worker 1 replaced by 3"));
+        assert_eq!(m.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![2, 3]);
+
+        // One worker: it stays for one step so the broadcast gives the new one its state.
+        let mut m = formed(1, 1, 4, t);
+        m.apply_decision(t, &[Action::Replace(1)]);
+        drain(&mut m);
+        m.handle(t, Event::Hello { conn: 9, worker: 2, pid: 2 });
+        m.handle(t, Event::Ready { conn: 9 });
+        let b = m.boundary(true, false);
+        assert!(stops(&drain(&mut m)).is_empty() && m.world() == 2 && m.handing_over());
+        assert!(b.reasons[0].contains("hands over"));
+        let b = m.boundary(true, false);
+        assert_eq!(stops(&drain(&mut m)), vec![1]);
+        assert!(b.changed && m.members()[0].id == 2 && !m.handing_over());
+    }
+
+    #[test]
+    fn joiners_past_the_maximum_are_sent_away() {
+        let t = Instant::now();
+        let mut m = formed(2, 1, 2, t);
+        m.spawn(t, 1);
+        m.handle(t, Event::Hello { conn: 9, worker: 3, pid: 3 });
+        m.handle(t, Event::Ready { conn: 9 });
+        drain(&mut m);
+        assert!(!m.boundary(true, false).changed);
+        assert_eq!(stops(&drain(&mut m)), vec![3]);
+    }
+
+    #[test]
+    fn a_failed_step_drops_the_dead_and_refills_to_the_minimum() {
+        let t = Instant::now();
+        let mut m = formed(3, 3, 4, t);
+        assert_eq!(m.handle(t, Event::Closed { conn: 102, why: "eof".into() }), Some(2));
+        assert!(m.is_closed(102));
+        m.fail(t, &BTreeSet::from([2]));
+        let cmds = drain(&mut m);
+        assert_eq!(stops(&cmds), vec![2]);
+        assert!(cmds.contains(&Command::Spawn { worker: 4 }));
+        assert_eq!(m.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![1, 3]);
+        assert!(m.boundary(true, false).changed);
+    }
+
+    #[test]
+    fn a_worker_that_dies_while_starting_is_named_with_its_log() {
+        let t = Instant::now();
+        let mut m = Membership::new(1, 4, JOIN, 1);
+        m.spawn(t, 2);
+        m.handle(t, Event::Exited { worker: 1, status: "exit status: 1".into() });
+        m.handle(t, Event::Hello { conn: 4, worker: 2, pid: 2 });
+        m.handle(t, Event::Closed { conn: 4, why: "eof".into() });
+        let notes: Vec<(String, Option<WorkerId>)> = drain(&mut m)
+            .into_iter()
+            .filter_map(|c| if let Command::Note { text, log_of } = c { Some((text, log_of)) } else { None })
+            .collect();
+        assert!(notes[0].0.contains("worker 1 exited before joining") && notes[0].1 == Some(1));
+        assert!(notes[1].0.contains("worker 2 failed while starting") && notes[1].1 == Some(2));
+        assert!(m.nothing_loading());
+    }
+}
