@@ -167,10 +167,9 @@ impl Checkpoints {
         let mut removed = Vec::new();
         for e in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if (name.starts_with(".tmp-step-") || name.starts_with(".old-step-")) && e.path().is_dir() {
-                if std::fs::remove_dir_all(e.path()).is_ok() {
-                    removed.push(e.path());
-                }
+            let leftover = name.starts_with(".tmp-step-") || name.starts_with(".old-step-");
+            if leftover && e.path().is_dir() && std::fs::remove_dir_all(e.path()).is_ok() {
+                removed.push(e.path());
             }
         }
         removed
