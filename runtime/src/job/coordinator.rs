@@ -16,17 +16,18 @@
 
 use super::ledger::{EpochRecord, Ledger};
 use super::membership::{Command, Event, Membership};
-use super::proto::{FromWorker, JobSpec, Plan, Receiver, ToWorker, send};
+use super::pipeline::{Committed, Failure, Pipeline};
+use super::proto::{FromWorker, Generation, JobSpec, Receiver, StepDone, StepPlan, ToWorker, Written, send};
 use super::scaler::Scaler;
 use crate::checkpoint::{Checkpoints, Manifest, Restored};
 use crate::plugin::{AdapterPlugin, PolicyPlugin};
 use crate::store::{AnyStore, Store, keys};
 use anyhow::{Context, Result, anyhow, bail};
 use edl_host_gpu::comm::RendezvousServer;
-use edl_plugin_sdk::{ClusterView, Hyperparams, ResizeEvent, WorkerStats};
+use edl_plugin_sdk::{Action, ClusterView, Hyperparams, ResizeEvent, WorkerStats};
 use serde::{Deserialize, Serialize};
 use std::{
-    collections::{BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap},
     net::{SocketAddr, TcpListener, TcpStream},
     path::PathBuf,
     sync::mpsc,
@@ -322,7 +323,35 @@ struct Coordinator<'a> {
     keeper: Option<super::keeper::StoreKeeper>,
     /// The stored job state's token when this run read it.
     state_token: Option<u64>,
+    /// The current generation's step barrier.
+    pipe: Option<Pipeline>,
+    /// The next step to plan, and the hyperparameters of every planned
+    /// step not committed yet (the adapter is asked once per step, as it
+    /// is planned).
+    plan_at: StepPlan,
+    hypers: BTreeMap<u64, Hyperparams>,
+    /// A policy decision that removes workers, applied once the windows
+    /// already sent are committed.
+    decision: Option<Vec<Action>>,
+    /// Wall time per committed step (moving average), ms: sizes the windows.
+    step_ms: Option<f64>,
+    last_commit: Instant,
+    last_save: Instant,
+    last_teacher_check: Instant,
+    /// The epoch permutation the ledger maps reported positions through.
+    perm: Option<(u64, Vec<u32>)>,
+    /// Checkpoint writes reported since the final one was asked for.
+    saved: Vec<Written>,
 }
+
+/// Windows kept ahead of the ranks while membership is stable.
+const AHEAD: usize = 2;
+/// A window holds about this much work (by the measured step time)...
+const WINDOW_WORK_MS: f64 = 25.0;
+/// ... and at most this many steps.
+const MAX_WINDOW: u64 = 32;
+/// How often the coordinator looks after starters, leases, teachers and the store.
+const CHORES_EVERY: Duration = Duration::from_millis(100);
 
 /// A step that fails this many times in a row (every generation tried) ends the job.
 const MAX_FAILED_ATTEMPTS: u32 = 5;
@@ -392,6 +421,16 @@ pub fn run(
         train_len: train.len(),
         keeper: None,
         state_token: None,
+        pipe: None,
+        plan_at: StepPlan { step: 0, epoch: 0, cursor: 0, hyper: cfg.hyper },
+        hypers: BTreeMap::new(),
+        decision: None,
+        step_ms: None,
+        last_commit: now,
+        last_save: now,
+        last_teacher_check: now,
+        perm: None,
+        saved: Vec::new(),
         cfg,
     };
     let result = c.job();
@@ -442,15 +481,6 @@ fn accept(listener: TcpListener, tx: mpsc::Sender<Inbound>) {
             }
         });
     }
-}
-
-/// Outcome of one step across the generation.
-struct StepResult {
-    done: Vec<(usize, FromWorker)>,
-    dead: BTreeSet<u64>,
-    errors: Vec<String>,
-    /// A rank found no teacher answering within the job's teacher wait.
-    no_teachers: bool,
 }
 
 impl Coordinator<'_> {
@@ -595,8 +625,8 @@ impl Coordinator<'_> {
         }
     }
 
-    /// Handles one inbound event; answers to the step in progress go to `results`.
-    fn handle(&mut self, ev: Inbound, results: Option<&mut StepResult>) {
+    /// Handles one inbound event: membership's, or the generation's step barrier's.
+    fn handle(&mut self, ev: Inbound) {
         let now = Instant::now();
         match ev {
             Inbound::Conn(n, s) => {
@@ -608,29 +638,31 @@ impl Coordinator<'_> {
             Inbound::Msg(n, FromWorker::Ready) => {
                 self.m.handle(now, Event::Ready { conn: n });
             }
-            Inbound::Msg(n, msg) => {
-                let Some(results) = results else {
-                    tracing::debug!("message outside a step from connection {n}: {msg:?}");
-                    return;
-                };
-                if let Some(rank) = self.m.rank_of(n) {
-                    if let FromWorker::Failed { error, cause, .. } = &msg {
-                        results.errors.push(format!("worker {}: {error}", self.m.members()[rank].id));
-                        if *cause == Some(super::proto::FailCause::NoTeachers) {
-                            results.no_teachers = true;
-                        }
-                    }
-                    results.done.push((rank, msg));
+            Inbound::Msg(_, FromWorker::Saved { checkpoints }) => {
+                self.take_written(&checkpoints);
+                self.saved.extend(checkpoints);
+            }
+            Inbound::Msg(n, FromWorker::Done { generation, steps, setup_ms }) => {
+                if let (Some(rank), Some(p)) = (self.m.rank_of(n), self.pipe.as_mut())
+                    && p.generation == generation
+                {
+                    p.report(now, rank, steps, setup_ms);
+                }
+            }
+            Inbound::Msg(n, FromWorker::Failed { generation, error, cause, .. }) => {
+                if let (Some(rank), Some(p)) = (self.m.rank_of(n), self.pipe.as_mut())
+                    && p.generation == generation
+                {
+                    p.fail(rank, error, cause);
                 }
             }
             Inbound::Closed(n, why) => {
                 self.conns.remove(&n);
-                let pid = self.m.rank_of(n).map(|r| self.m.members()[r].pid);
-                if let Some(id) = self.m.handle(now, Event::Closed { conn: n, why: why.clone() })
-                    && let Some(r) = results
+                let rank = self.m.rank_of(n);
+                if self.m.handle(now, Event::Closed { conn: n, why: why.clone() }).is_some()
+                    && let (Some(rank), Some(p)) = (rank, self.pipe.as_mut())
                 {
-                    r.dead.insert(id);
-                    r.errors.push(format!("worker {id} (pid {}) lost: {why}", pid.unwrap_or(0)));
+                    p.lost(rank, &why);
                 }
             }
         }
@@ -652,7 +684,7 @@ impl Coordinator<'_> {
     fn wait_for_joiners(&mut self, want: usize) -> Result<()> {
         while self.m.joiners() < want && !self.m.nothing_loading() {
             match self.rx.recv_timeout(Duration::from_millis(100)) {
-                Ok(ev) => self.handle(ev, None),
+                Ok(ev) => self.handle(ev),
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
             }
@@ -716,42 +748,36 @@ impl Coordinator<'_> {
         let mut failures = 0;
         let final_checkpoint = 'job: loop {
             while self.epoch < total {
-                if let Some(why) = self.keeper.as_ref().and_then(|k| k.fenced()) {
-                    bail!("job {:?}: {why}", self.cfg.spec.job);
-                }
+                self.fenced()?;
                 if self.m.world() == 0 {
                     self.recover_from_nothing()?;
                 }
                 self.check_teachers()?;
-                self.boundary(true)?;
-                self.lease_members();
-                let plan_checkpoint = self.checkpoint_due();
-                let res = self.run_step(true, plan_checkpoint)?;
-                if res.dead.is_empty() && res.errors.is_empty() && res.done.len() == self.m.members().len() {
-                    self.commit(res)?;
-                    failures = 0;
-                } else {
-                    failures += 1;
-                    if res.no_teachers {
-                        self.check_teachers()?;
-                        // Every worker reads from the same teachers: another
-                        // generation would wait the same and fail the same.
-                        bail!(
-                            "step {}: no teacher answered within {:?}; the job cannot go on without them ({})",
-                            self.committed,
-                            Duration::from_millis(self.cfg.spec.teacher_wait_ms),
-                            res.errors.join("; ")
-                        );
-                    }
-                    if failures >= MAX_FAILED_ATTEMPTS {
-                        bail!(
-                            "step {} failed {failures} times in a row; last: {}",
-                            self.committed,
-                            res.errors.join("; ")
-                        );
-                    }
-                    self.fail(res);
+                if let Some(actions) = self.decision.take() {
+                    self.apply_decision(&actions);
                 }
+                self.boundary(true)?;
+                let before = self.committed;
+                let Some(f) = self.run_generation()? else { continue };
+                if self.committed > before {
+                    failures = 0;
+                }
+                failures += 1;
+                if f.no_teachers {
+                    self.check_teachers()?;
+                    // Every worker reads from the same teachers: another
+                    // generation would wait the same and fail the same.
+                    bail!(
+                        "step {}: no teacher answered within {:?}; the job cannot go on without them ({})",
+                        f.step,
+                        Duration::from_millis(self.cfg.spec.teacher_wait_ms),
+                        f.errors.join("; ")
+                    );
+                }
+                if failures >= MAX_FAILED_ATTEMPTS {
+                    bail!("step {} failed {failures} times in a row; last: {}", f.step, f.errors.join("; "));
+                }
+                self.fail(f);
                 self.check_spawning();
             }
             // The final state: no new workers any more.
@@ -772,30 +798,20 @@ impl Coordinator<'_> {
                     continue 'job;
                 }
                 self.boundary(true)?;
-                let res = self.run_step(false, Some(self.manifest()))?;
-                let step = self.committed;
-                let written: Vec<super::proto::Written> = res
-                    .done
-                    .iter()
-                    .flat_map(|(_, m)| match m {
-                        FromWorker::Done { checkpoints, .. } => checkpoints.clone(),
-                        _ => Vec::new(),
-                    })
-                    .collect();
-                self.take_written(&written);
-                if let Some(p) =
-                    written.iter().find_map(|w| (w.step == step).then(|| w.result.clone().ok()).flatten())
-                {
-                    break 'job Some(p);
+                if self.pipe.as_ref().map(|p| p.generation) != Some(self.generation) {
+                    // Workers that have not joined a generation yet (a job
+                    // resumed at its end) load the state first.
+                    self.start_generation();
                 }
-                self.fail(res);
+                match self.write_final()? {
+                    Ok(p) => break 'job Some(p),
+                    Err(f) => self.fail(f),
+                }
             }
             break None;
         };
         let final_checkpoint =
             final_checkpoint.ok_or_else(|| anyhow!("the final checkpoint could not be written"))?;
-        (self.progress)(Progress::Checkpoint { step: self.committed, path: &final_checkpoint });
-        self.checkpoints.push(final_checkpoint.clone());
         let final_world = self.m.world();
         self.m.stop_all("the job is done");
         self.execute();
@@ -871,6 +887,7 @@ impl Coordinator<'_> {
             return Ok(());
         }
         self.generation += 1;
+        self.pipe = None;
         self.lease_now = true;
         let to = self.m.world();
         let mut pending = self.pending.take().unwrap_or(Pending::new(from, String::new()));
@@ -897,22 +914,25 @@ impl Coordinator<'_> {
         if let Some(a) = self.adapter.as_mut() {
             let ev = ResizeEvent { step: self.committed, old_world_size: from, new_world_size: to };
             let answer = a.on_resize(&ev, &self.hyper);
-            self.take_adapter_answer("on-resize", answer)?;
+            if let Some(h) = self.adapter_answer("on-resize", answer)? {
+                self.hyper = h;
+            }
         }
         self.last_change = Instant::now();
         self.save_state(false);
         Ok(())
     }
 
-    /// Uses the adapter's hyperparameters. An answer that breaks the contract
-    /// (the plugin layer checked it) or asks for a batch larger than the
-    /// training set ends the job, naming the adapter: training on it would
-    /// be garbage. A trap or a deadline keeps the current hyperparameters.
-    fn take_adapter_answer(
+    /// The adapter's hyperparameters, to use. An answer that breaks the
+    /// contract (the plugin layer checked it) or asks for a batch larger
+    /// than the training set ends the job, naming the adapter: training on
+    /// it would be garbage. A trap or a deadline keeps the current
+    /// hyperparameters (`None`).
+    fn adapter_answer(
         &mut self,
         call: &str,
         answer: Result<Hyperparams, crate::plugin::Error>,
-    ) -> Result<()> {
+    ) -> Result<Option<Hyperparams>> {
         let name = self.adapter.as_ref().map(|a| a.info().name.clone()).unwrap_or_default();
         match answer {
             Ok(h) if h.global_batch as usize > self.train_len => bail!(
@@ -920,11 +940,13 @@ impl Coordinator<'_> {
                 h.global_batch,
                 self.train_len
             ),
-            Ok(h) => self.hyper = h,
+            Ok(h) => Ok(Some(h)),
             Err(e @ crate::plugin::Error::Contract { .. }) => bail!("batch adapter {name}: {e}"),
-            Err(e) => self.note(format!("batch adapter {name}: {call} failed, hyperparameters kept: {e}")),
+            Err(e) => {
+                self.note(format!("batch adapter {name}: {call} failed, hyperparameters kept: {e}"));
+                Ok(None)
+            }
         }
-        Ok(())
     }
 
     fn checkpoint_due(&self) -> Option<Manifest> {
@@ -952,109 +974,252 @@ impl Coordinator<'_> {
         }
     }
 
-    /// Sends every rank its plan and collects the answers.
-    fn run_step(&mut self, work: bool, checkpoint: Option<Manifest>) -> Result<StepResult> {
-        let world = self.m.members().len();
+    /// The job was taken over (its lease in the store is lost): stop.
+    fn fenced(&self) -> Result<()> {
+        match self.keeper.as_ref().and_then(|k| k.fenced()) {
+            Some(why) => bail!("job {:?}: {why}", self.cfg.spec.job),
+            None => Ok(()),
+        }
+    }
+
+    /// A membership change waits for the windows already sent to commit.
+    fn change_waiting(&self) -> bool {
+        self.decision.is_some() || self.m.change_waiting()
+    }
+
+    /// Runs the current generation's steps, forming it first when it is
+    /// new, until it drains for a membership change or the job's end
+    /// (`None`), or fails.
+    fn run_generation(&mut self) -> Result<Option<Failure>> {
+        if self.pipe.as_ref().map(|p| p.generation) != Some(self.generation) {
+            self.start_generation();
+        }
+        let mut chores = Instant::now() + CHORES_EVERY;
+        loop {
+            self.fill_windows()?;
+            while let Some(c) = self.pipe.as_mut().and_then(Pipeline::poll_commit) {
+                self.commit_window(c)?;
+                self.fill_windows()?;
+            }
+            let pipe = self.pipe.as_mut().expect("formed above");
+            if let Some(f) = pipe.settled_failure() {
+                self.pipe = None;
+                return Ok(Some(f));
+            }
+            if pipe.drained() && !pipe.failed() {
+                return Ok(None);
+            }
+            let wake = [pipe.poll_timeout(), self.m.poll_timeout(), Some(chores)].into_iter().flatten().min();
+            let left = wake.map_or(CHORES_EVERY, |t| t.saturating_duration_since(Instant::now()));
+            match self.rx.recv_timeout(left) {
+                Ok(ev) => {
+                    self.handle(ev);
+                    // Whatever else has arrived, before planning again.
+                    while let Ok(ev) = self.rx.try_recv() {
+                        self.handle(ev);
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
+            }
+            let now = Instant::now();
+            let late = self.pipe.as_mut().map(|p| p.handle_timeout(now)).unwrap_or_default();
+            for rank in late {
+                let id = self.m.members()[rank].id;
+                self.scaler.stop(id, Duration::from_secs(1));
+            }
+            if now >= chores {
+                chores = now + CHORES_EVERY;
+                self.check_spawning();
+                self.lease_members();
+                if self.last_teacher_check.elapsed() >= Duration::from_secs(1) {
+                    self.last_teacher_check = Instant::now();
+                    self.check_teachers()?;
+                }
+                if self.last_save.elapsed() >= Duration::from_secs(1) {
+                    self.save_state(false);
+                }
+                self.fenced()?;
+            }
+        }
+    }
+
+    /// Tells every member its place in the new generation; planning starts
+    /// again from the committed step.
+    fn start_generation(&mut self) {
         let key = format!("{}/generation-{}", self.cfg.spec.job, self.generation);
-        let mut res =
-            StepResult { done: Vec::new(), dead: BTreeSet::new(), errors: Vec::new(), no_teachers: false };
-        // The bound covers the sends too (each is bounded by SEND_TIMEOUT).
-        let deadline = Instant::now() + self.cfg.step_timeout;
-        let init = self.init.clone();
+        let names: Vec<String> =
+            self.m.members().iter().map(|m| format!("worker {} (pid {})", m.id, m.pid)).collect();
+        let world = names.len();
+        let mut pipe =
+            Pipeline::new(self.generation, names, self.committed, Instant::now(), self.cfg.step_timeout);
         for (rank, m) in self.m.members().iter().enumerate() {
-            let Some(stream) = self.conns.get_mut(&m.conn).filter(|_| !self.m.is_closed(m.conn)) else {
-                res.dead.insert(m.id);
-                res.errors.push(format!("worker {} (pid {}) lost: connection closed", m.id, m.pid));
-                continue;
-            };
-            let plan = Plan {
+            let g = Generation {
                 generation: self.generation,
                 rank,
                 world,
                 rendezvous: self.rendezvous.addr(),
                 rendezvous_key: key.clone(),
                 committed_steps: self.committed,
-                init: init.clone(),
-                checkpoint: if rank == 0 { checkpoint.clone() } else { None },
-                work,
-                epoch: self.epoch,
-                cursor: self.cursor,
-                hyper: self.hyper,
+                init: self.init.clone(),
             };
-            if let Err(e) = send(stream, &ToWorker::Plan(Box::new(plan))) {
-                res.dead.insert(m.id);
-                res.errors.push(format!("worker {}: {e}", m.id));
+            let Some(stream) = self.conns.get_mut(&m.conn).filter(|_| !self.m.is_closed(m.conn)) else {
+                pipe.lost(rank, "connection closed");
+                continue;
+            };
+            if let Err(e) = send(stream, &ToWorker::Generation(Box::new(g))) {
+                pipe.lost(rank, &e.to_string());
             }
         }
-        loop {
-            let answered: BTreeSet<usize> = res.done.iter().map(|(r, _)| *r).collect();
-            let waiting: Vec<usize> = (0..world)
-                .filter(|r| !answered.contains(r) && !res.dead.contains(&self.m.members()[*r].id))
-                .collect();
-            if waiting.is_empty() {
-                break;
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                for r in waiting {
-                    let m = &self.m.members()[r];
-                    res.errors.push(format!(
-                        "worker {} (pid {}) answered nothing within {:?}; stopping it",
-                        m.id, m.pid, self.cfg.step_timeout
-                    ));
-                    res.dead.insert(m.id);
-                    self.scaler.stop(m.id, Duration::from_secs(1));
-                }
-                break;
-            }
-            match self.rx.recv_timeout(left.min(Duration::from_millis(500))) {
-                Ok(ev) => self.handle(ev, Some(&mut res)),
-                Err(mpsc::RecvTimeoutError::Timeout) => self.check_spawning(),
-                Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
-            }
-        }
-        // Answers of an older generation or step do not count.
-        let (generation, step) = (self.generation, self.committed);
-        res.done.retain(|(_, m)| match m {
-            FromWorker::Done { generation: g, step: s, .. } => *g == generation && *s == step,
-            _ => true,
-        });
-        if res.done.iter().any(|(_, m)| matches!(m, FromWorker::Failed { .. })) && res.errors.is_empty() {
-            res.errors.push("a rank failed".into());
-        }
-        if res.dead.is_empty() && res.errors.is_empty() {
-            self.init = None;
-        }
-        Ok(res)
+        self.pipe = Some(pipe);
+        self.plan_at = StepPlan { step: self.committed, epoch: self.epoch, cursor: self.cursor, hyper: self.hyper };
+        self.hypers = BTreeMap::from([(self.committed, self.hyper)]);
     }
 
-    /// Every rank finished the step: move the cursor and record it.
-    fn commit(&mut self, res: StepResult) -> Result<()> {
-        let gb = self.hyper.global_batch.max(1) as usize;
-        let expected = (self.cursor + gb).min(self.train_len) - self.cursor;
+    /// Sends windows ahead while membership is stable: the first window of
+    /// a generation is one step; later ones hold about `WINDOW_WORK_MS` of
+    /// steps and end where a checkpoint, a policy decision or an epoch's
+    /// end falls.
+    fn fill_windows(&mut self) -> Result<()> {
+        let total = self.cfg.spec.epochs;
+        loop {
+            let Some(pipe) = self.pipe.as_ref() else { return Ok(()) };
+            if pipe.failed() || pipe.windows() >= AHEAD || self.plan_at.epoch >= total {
+                return Ok(());
+            }
+            if pipe.started() && self.change_waiting() {
+                return Ok(());
+            }
+            let n = if pipe.started() { self.window_len() } else { 1 };
+            let mut steps = Vec::with_capacity(n as usize);
+            for _ in 0..n {
+                steps.push(self.plan_at);
+                let cut = self.advance_plan()?;
+                if cut || self.plan_at.epoch >= total {
+                    break;
+                }
+            }
+            let generation = self.generation;
+            let msg = ToWorker::Steps { generation, steps: steps.clone() };
+            let mut lost = Vec::new();
+            for (rank, m) in self.m.members().iter().enumerate() {
+                if let Some(stream) = self.conns.get_mut(&m.conn)
+                    && let Err(e) = send(stream, &msg)
+                {
+                    lost.push((rank, e.to_string()));
+                }
+            }
+            let pipe = self.pipe.as_mut().expect("checked above");
+            pipe.issue(Instant::now(), steps);
+            for (rank, e) in lost {
+                pipe.lost(rank, &e);
+            }
+        }
+    }
+
+    fn window_len(&self) -> u64 {
+        match self.step_ms {
+            Some(ms) if ms > 0.0 => ((WINDOW_WORK_MS / ms) as u64).clamp(1, MAX_WINDOW),
+            _ => 1,
+        }
+    }
+
+    /// Moves the plan to the next step, asking the adapter for its
+    /// hyperparameters. True when a window must end there.
+    fn advance_plan(&mut self) -> Result<bool> {
+        let mut p = self.plan_at;
+        p.cursor += p.hyper.global_batch.max(1) as usize;
+        p.step += 1;
+        let mut cut = false;
+        if p.cursor >= self.train_len {
+            p.cursor = 0;
+            p.epoch += 1;
+            cut = true;
+        }
+        cut |= p.step.is_multiple_of(self.cfg.checkpoint_every.max(1))
+            || p.step.is_multiple_of(self.cfg.decide_every.max(1));
+        if let Some(a) = self.adapter.as_mut() {
+            let answer = a.on_step(p.step, &p.hyper);
+            if let Some(h) = self.adapter_answer("on-step", answer)? {
+                p.hyper = h;
+            }
+        }
+        self.hypers.insert(p.step, p.hyper);
+        self.plan_at = p;
+        Ok(cut)
+    }
+
+    /// Every rank finished a window: its steps enter the ledger, in order.
+    fn commit_window(&mut self, c: Committed) -> Result<()> {
+        let first_of_generation = self.pending.as_ref().is_some_and(|p| p.generation == Some(self.generation))
+            && c.steps.first().map(|s| s.step) == Some(self.committed);
+        let now = Instant::now();
+        if !first_of_generation && !c.steps.is_empty() {
+            let per = ms(now.duration_since(self.last_commit)) / c.steps.len() as f64;
+            self.step_ms = Some(self.step_ms.map_or(per, |m| 0.7 * m + 0.3 * per));
+        }
+        self.last_commit = now;
+        for (i, plan) in c.steps.iter().enumerate() {
+            let reports: Vec<StepDone> = c.reports.iter().map(|r| r[i]).collect();
+            self.commit_step(plan, &reports, first_of_generation && i == 0, c.setup_ms)?;
+        }
+        self.init = None;
+        let checkpoint = self.checkpoint_due();
+        for (rank, m) in self.m.members().iter().enumerate() {
+            let msg = ToWorker::Commit {
+                step: self.committed,
+                checkpoint: if rank == 0 { checkpoint.clone() } else { None },
+                wait: false,
+            };
+            if let Some(stream) = self.conns.get_mut(&m.conn) {
+                // A failed send closes the connection; its reader reports that.
+                let _ = send(stream, &msg);
+            }
+        }
+        if checkpoint.is_some() || self.last_save.elapsed() >= Duration::from_secs(1) {
+            self.save_state(false);
+        }
+        if self.committed.is_multiple_of(self.cfg.decide_every.max(1)) && self.epoch < self.cfg.spec.epochs {
+            self.decide();
+        }
+        Ok(())
+    }
+
+    /// Commits one step every rank finished: its samples enter the ledger
+    /// (the ids at the positions each rank reported), the cursor moves.
+    fn commit_step(&mut self, plan: &StepPlan, reports: &[StepDone], first: bool, setup_ms: f64) -> Result<()> {
+        let gb = plan.hyper.global_batch.max(1) as usize;
+        let expected = (plan.cursor + gb).min(self.train_len) - plan.cursor;
+        if self.perm.as_ref().map(|p| p.0) != Some(plan.epoch) {
+            self.perm = Some((plan.epoch, crate::data::permutation(self.train_len, self.cfg.spec.seed, plan.epoch)));
+        }
+        let perm = &self.perm.as_ref().expect("set above").1;
         let mut rows = 0usize;
         let mut loss = 0.0;
-        let formed = self.pending.as_ref().is_some_and(|p| p.generation == Some(self.generation));
-        for (rank, m) in &res.done {
-            if let FromWorker::Done { ids, loss: l, compute_ms, checkpoints, .. } = m {
-                self.ledger.commit(ids).map_err(|e| anyhow!("worker {}: {e}", self.m.members()[*rank].id))?;
-                rows += ids.len();
-                loss += l;
-                // The first step of a generation also starts the read-ahead; it does not count.
-                if *compute_ms > 0.0 && !ids.is_empty() && !formed {
-                    let e = self.worker_rate.entry(self.m.members()[*rank].id).or_insert((0.0, 0.0));
-                    e.0 += ids.len() as f64;
-                    e.1 += compute_ms / 1e3;
-                }
-                self.take_written(checkpoints);
+        for (rank, d) in reports.iter().enumerate() {
+            let id = self.m.members()[rank].id;
+            let ids = perm.get(d.start as usize..d.end as usize).ok_or_else(|| {
+                anyhow!("worker {id}: step {} reported positions {}..{} outside the epoch", d.step, d.start, d.end)
+            })?;
+            self.ledger.commit(ids).map_err(|e| anyhow!("worker {id}: {e}"))?;
+            rows += ids.len();
+            loss += d.loss;
+            // The first step of a generation also starts the read-ahead; it does not count.
+            if d.compute_ms > 0.0 && !ids.is_empty() && !first {
+                let e = self.worker_rate.entry(id).or_insert((0.0, 0.0));
+                e.0 += ids.len() as f64;
+                e.1 += d.compute_ms / 1e3;
             }
         }
         if rows != expected {
-            bail!("step {}: the ranks trained on {rows} samples, the step has {expected}", self.committed);
+            bail!("step {}: the ranks trained on {rows} samples, the step has {expected}", plan.step);
         }
-        self.committed += 1;
+        self.committed = plan.step + 1;
         self.samples += rows as u64;
-        self.cursor += gb;
+        self.epoch = plan.epoch;
+        self.cursor = plan.cursor + gb;
+        self.hyper = self.hypers.get(&self.committed).copied().unwrap_or(plan.hyper);
+        self.hypers = self.hypers.split_off(&self.committed);
         let now = Instant::now();
         self.recent.push_back((now, rows as u64));
         while self.recent.len() > 20 {
@@ -1078,15 +1243,7 @@ impl Coordinator<'_> {
         };
         (self.progress)(Progress::Step(&rec));
         self.timeline.push(rec);
-        if let Some(p) = self.pending.take_if(|_| formed) {
-            let setup_ms = res
-                .done
-                .iter()
-                .filter_map(|(_, m)| match m {
-                    FromWorker::Done { setup_ms, .. } => Some(*setup_ms),
-                    _ => None,
-                })
-                .fold(0.0, f64::max);
+        if let Some(p) = self.pending.take_if(|_| first) {
             let ev = ScaleEvent {
                 setup_ms,
                 step: self.committed - 1,
@@ -1107,15 +1264,55 @@ impl Coordinator<'_> {
             self.epoch += 1;
             self.cursor = 0;
         }
-        if let Some(a) = self.adapter.as_mut() {
-            let answer = a.on_step(self.committed, &self.hyper);
-            self.take_adapter_answer("on-step", answer)?;
-        }
-        self.save_state(false);
-        if self.committed.is_multiple_of(self.cfg.decide_every.max(1)) && self.epoch < self.cfg.spec.epochs {
-            self.decide();
-        }
         Ok(())
+    }
+
+    /// Asks rank 0 to write the job's final state and waits for it (bounded
+    /// by the step timeout). An error: the failure that stopped it.
+    fn write_final(&mut self) -> Result<std::result::Result<PathBuf, Failure>> {
+        let step = self.committed;
+        let Some(m0) = self.m.members().first().cloned() else {
+            bail!("no worker holds the final state");
+        };
+        let name = format!("worker {} (pid {})", m0.id, m0.pid);
+        let failure = |error: String, dead: bool| Failure {
+            dead: if dead { BTreeSet::from([0]) } else { BTreeSet::new() },
+            errors: vec![error],
+            no_teachers: false,
+            step,
+        };
+        self.saved.clear();
+        let msg = ToWorker::Commit { step, checkpoint: Some(self.manifest()), wait: true };
+        let sent = match self.conns.get_mut(&m0.conn).filter(|_| !self.m.is_closed(m0.conn)) {
+            Some(stream) => send(stream, &msg).map_err(|e| e.to_string()),
+            None => Err("connection closed".into()),
+        };
+        if let Err(e) = sent {
+            return Ok(Err(failure(format!("{name} lost: {e}"), true)));
+        }
+        let deadline = Instant::now() + self.cfg.step_timeout;
+        loop {
+            if let Some(w) = self.saved.iter().find(|w| w.step == step) {
+                return Ok(match &w.result {
+                    Ok(p) => Ok(p.clone()),
+                    Err(e) => Err(failure(format!("{name}: the final checkpoint: {e}"), false)),
+                });
+            }
+            if self.m.is_closed(m0.conn) {
+                return Ok(Err(failure(format!("{name} lost while writing the final checkpoint"), true)));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                self.scaler.stop(m0.id, Duration::from_secs(1));
+                let t = self.cfg.step_timeout;
+                return Ok(Err(failure(format!("{name} wrote no final checkpoint within {t:?}; stopping it"), true)));
+            }
+            match self.rx.recv_timeout(left.min(CHORES_EVERY)) {
+                Ok(ev) => self.handle(ev),
+                Err(mpsc::RecvTimeoutError::Timeout) => self.check_spawning(),
+                Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
+            }
+        }
     }
 
     /// Records the checkpoint writes a rank reported.
@@ -1132,21 +1329,31 @@ impl Coordinator<'_> {
         }
     }
 
-    /// The step failed somewhere: drop the dead, keep the survivors for the next generation.
-    fn fail(&mut self, res: StepResult) {
+    /// The generation failed: drop the dead, keep the survivors for the next one.
+    fn fail(&mut self, f: Failure) {
         let from = self.m.world();
-        self.m.fail(Instant::now(), &res.dead);
+        let dead: BTreeSet<u64> = f.dead.iter().filter_map(|&r| self.m.members().get(r).map(|m| m.id)).collect();
+        self.m.fail(Instant::now(), &dead);
         self.execute();
-        let why = if res.errors.is_empty() { "a rank failed".to_string() } else { res.errors.join("; ") };
+        let why = if f.errors.is_empty() { "a rank failed".to_string() } else { f.errors.join("; ") };
         self.note(format!(
             "step {} not committed (generation {}): {why}; redoing it with {} worker(s)",
-            self.committed,
+            f.step,
             self.generation,
             self.m.world()
         ));
-        let lost: Vec<String> = res.dead.iter().map(|d| format!("worker {d} lost")).collect();
+        let lost: Vec<String> = dead.iter().map(|d| format!("worker {d} lost")).collect();
         let reason = if lost.is_empty() { "collective failed".to_string() } else { lost.join(", ") };
         self.pending = Some(Pending::new(from, reason));
+    }
+
+    /// Carries out a policy decision.
+    fn apply_decision(&mut self, actions: &[Action]) {
+        let world = self.m.world();
+        if let Some(reason) = self.m.apply_decision(Instant::now(), actions) {
+            self.pending = Some(Pending::new(world, reason));
+        }
+        self.execute();
     }
 
     /// Asks the policy what to do.
@@ -1193,10 +1400,15 @@ impl Coordinator<'_> {
                 return;
             }
         };
-        if let Some(reason) = self.m.apply_decision(now, &actions) {
-            self.pending = Some(Pending::new(world, reason));
+        if actions.iter().any(|a| matches!(a, Action::ScaleIn(_))) {
+            // Workers leave at a step boundary: once the windows already
+            // sent are committed.
+            self.decision = Some(actions);
+        } else {
+            // Starting workers (and replacements) needs no boundary: they
+            // join at one once ready.
+            self.apply_decision(&actions);
         }
-        self.execute();
     }
 
     /// Removes a worker's lease from the store.

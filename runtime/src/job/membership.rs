@@ -174,6 +174,12 @@ impl Membership {
         self.closed.contains(&conn)
     }
 
+    /// A step boundary now would change membership: joiners are ready, a
+    /// handover is due, or members changed.
+    pub fn change_waiting(&self) -> bool {
+        self.changed || !self.joiners.is_empty() || !self.retiring.is_empty()
+    }
+
     /// A handover is under way (the policy waits for it to end).
     pub fn handing_over(&self) -> bool {
         !self.retiring.is_empty()

@@ -5,6 +5,7 @@
 //! - [`coordinator`]: the job server and its step protocol.
 //! - [`worker`]: one training process per device.
 //! - [`scaler`]: how workers are started and stopped.
+//! - [`pipeline`]: the step barrier of a generation: windows ahead, commits, failures.
 //! - [`ledger`]: exactly-once accounting of training samples.
 //! - [`teachers`]: the teacher model (trained and cached) and teacher processes.
 //! - [`report`]: the run report and its plot.
@@ -15,6 +16,7 @@ pub mod coordinator;
 pub mod keeper;
 pub mod ledger;
 pub mod membership;
+pub mod pipeline;
 pub mod preflight;
 pub mod proto;
 pub mod report;

@@ -83,33 +83,57 @@ pub enum FailCause {
 #[serde(rename_all = "kebab-case")]
 pub enum ToWorker {
     Welcome(Box<JobSpec>),
-    Plan(Box<Plan>),
+    /// Form a generation: build its ring and start from the committed state.
+    Generation(Box<Generation>),
+    /// The generation's next steps, in order: one window. Windows are sent
+    /// ahead, so a worker goes from one step to the next without waiting.
+    Steps { generation: u64, steps: Vec<StepPlan> },
+    /// Every step before `step` is committed: older rollback points can go.
+    /// Rank 0 writes `checkpoint` (of the state at `step`) in the
+    /// background, or before it answers with [`FromWorker::Saved`] when
+    /// `wait` (the job's final state).
+    Commit { step: u64, checkpoint: Option<Manifest>, wait: bool },
     Stop { reason: String },
 }
 
-/// The next step for one rank.
+/// A generation: who is in it, where its ring meets, and the state it starts from.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Plan {
+pub struct Generation {
     pub generation: u64,
     pub rank: usize,
     pub world: usize,
     /// The rendezvous server of the generation's ring; the key is per generation.
     pub rendezvous: SocketAddr,
     pub rendezvous_key: String,
-    /// Steps committed so far: the state every rank must start this step from.
+    /// Steps committed so far: the state every rank starts from.
     pub committed_steps: u64,
     /// Start from this checkpoint (first generation of a resumed job).
     pub init: Option<PathBuf>,
-    /// Rank 0 writes this checkpoint of the committed state: in the
-    /// background, from a copy, while the step goes on (at the end of the
-    /// job, with `work` false, before it answers).
-    pub checkpoint: Option<Manifest>,
-    /// False: no step to run (the job is finishing; only the checkpoint).
-    pub work: bool,
+}
+
+/// One step of a window.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepPlan {
+    /// Steps before this one (0 for the job's first step).
+    pub step: u64,
     pub epoch: u64,
     /// Position in the epoch's permutation where this step starts.
     pub cursor: usize,
     pub hyper: Hyperparams,
+}
+
+/// One rank's account of one step.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepDone {
+    pub step: u64,
+    pub epoch: u64,
+    /// The positions `start..end` of the epoch's permutation this rank trained on.
+    pub start: u32,
+    pub end: u32,
+    /// This rank's summed loss divided by the global batch.
+    pub loss: f64,
+    /// Forward, backward and teacher wait on this rank, ms.
+    pub compute_ms: f64,
 }
 
 /// What a worker tells the coordinator.
@@ -122,22 +146,16 @@ pub enum FromWorker {
     },
     /// Data loaded, model built: the worker can be given a rank.
     Ready,
+    /// A window of steps is done on this rank.
     Done {
         generation: u64,
-        /// The step number that completed (`committed_steps` of the plan).
-        step: u64,
-        /// The training-set indices this rank trained on.
-        ids: Vec<u32>,
-        /// This rank's summed loss divided by the global batch.
-        loss: f64,
-        /// Forward, backward and teacher wait on this rank, ms.
-        compute_ms: f64,
-        /// Ring set-up and parameter broadcast of a new generation, ms.
+        steps: Vec<StepDone>,
+        /// Ring set-up and parameter broadcast of a new generation, ms
+        /// (with the generation's first window).
         setup_ms: f64,
-        /// Checkpoint writes that ended since the last answer.
-        #[serde(default)]
-        checkpoints: Vec<Written>,
     },
+    /// Checkpoint writes that ended.
+    Saved { checkpoints: Vec<Written> },
     Failed {
         generation: u64,
         step: u64,

@@ -11,7 +11,9 @@
 //! optimiser state from rank 0 (a survivor), so joiners start from exactly
 //! the state the others have.
 
-use super::proto::{FailCause, FromWorker, JobSpec, Plan, Receiver, TeacherSource, ToWorker, Written, send};
+use super::proto::{
+    FailCause, FromWorker, Generation, JobSpec, Receiver, StepDone, StepPlan, TeacherSource, ToWorker, Written, send,
+};
 use crate::checkpoint::{Checkpoints, Manifest};
 use crate::data::{self, Dataset, Source};
 use crate::distill::{DistillConfig, DistillError, DistillReader, Teachers};
@@ -23,8 +25,9 @@ use edl_host_gpu::comm::{Communicator, ReduceOp, RingOptions, TcpRendezvous, Tcp
 use edl_host_gpu::{Device, loss::SoftLabelLoss};
 use edl_plugin_sdk::{Batch, Dtype};
 use std::{
+    collections::{BTreeMap, VecDeque},
     net::{SocketAddr, TcpStream},
-    sync::Arc,
+    sync::{Arc, mpsc},
     time::{Duration, Instant},
 };
 
@@ -92,6 +95,27 @@ struct Reader {
     reader: DistillReader,
 }
 
+/// Parameters and optimiser velocity at a step boundary.
+struct Snapshot {
+    params: Vec<f32>,
+    velocity: Vec<f32>,
+}
+
+/// The generation a worker is in.
+#[derive(Clone, Copy)]
+struct Place {
+    generation: u64,
+    rank: usize,
+    world: usize,
+}
+
+/// A step waiting to run, and where it sits in its window.
+struct Queued {
+    plan: StepPlan,
+    opens: bool,
+    closes: bool,
+}
+
 /// The state of one worker process.
 struct Worker {
     id: u64,
@@ -101,8 +125,16 @@ struct Worker {
     loss: SoftLabelLoss,
     /// Steps applied to the current parameters (None: nothing yet, a joiner).
     applied: Option<u64>,
-    /// Parameters and velocity after `committed.2` steps.
-    committed: Option<(Vec<f32>, Vec<f32>, u64)>,
+    /// Rollback points: the state at the start of each window not known
+    /// to be committed, and at the last committed step.
+    snapshots: BTreeMap<u64, Arc<Snapshot>>,
+    place: Option<Place>,
+    /// The generation in which this worker failed a step (its later steps are dropped).
+    failed: Option<u64>,
+    queue: VecDeque<Queued>,
+    /// Steps of the current window done so far, and the generation's set-up time.
+    window: Vec<StepDone>,
+    setup_ms: f64,
     ring: Option<(u64, TcpRing)>,
     perm: Option<(u64, Vec<u32>)>,
     reader: Option<Reader>,
@@ -131,7 +163,7 @@ pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
             tracing::info!("worker {id}: not needed: {reason}");
             return Ok(());
         }
-        ToWorker::Plan(_) => bail!("worker {id}: the coordinator sent a plan before the job"),
+        _ => bail!("worker {id}: the coordinator sent something before the job"),
     };
     let (train, _) = load_data(&spec)?;
     let device: Device = spec.device.parse().map_err(|e: String| anyhow!("worker {id}: {e}"))?;
@@ -160,7 +192,12 @@ pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
         train: Arc::new(train),
         spec,
         applied: None,
-        committed: None,
+        snapshots: BTreeMap::new(),
+        place: None,
+        failed: None,
+        queue: VecDeque::new(),
+        window: Vec::new(),
+        setup_ms: 0.0,
         ring: None,
         perm: None,
         reader: None,
@@ -172,97 +209,197 @@ pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
     };
     send(&mut out, &FromWorker::Ready)?;
     tracing::info!("worker {id}: ready, {} training samples", w.train.len());
+    // Messages are read on a thread of their own, so that windows sent
+    // ahead queue up while steps run.
+    let (tx, inbox) = mpsc::channel();
+    std::thread::Builder::new().name("edl-control".into()).spawn(move || {
+        loop {
+            let msg = rx.recv::<ToWorker>();
+            let end = msg.is_err();
+            if tx.send(msg).is_err() || end {
+                return;
+            }
+        }
+    })?;
     loop {
-        let plan = match rx.recv::<ToWorker>() {
-            Ok(ToWorker::Plan(p)) => *p,
-            Ok(ToWorker::Stop { reason }) => {
-                tracing::info!("worker {id}: stopping: {reason}");
-                // A checkpoint under way is finished, not left half written.
-                w.reap_write(true);
-                return Ok(());
+        let msg = if w.queue.is_empty() {
+            match inbox.recv_timeout(Duration::from_millis(100)) {
+                Ok(m) => Some(m),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Err(mpsc::RecvTimeoutError::Disconnected) => bail!("worker {id}: lost the coordinator"),
             }
-            Ok(ToWorker::Welcome(_)) => bail!("worker {id}: a second welcome"),
-            Err(e) => bail!("worker {id}: lost the coordinator: {e}"),
+        } else {
+            inbox.try_recv().ok()
         };
-        let (generation, step) = (plan.generation, plan.committed_steps);
-        let reply = match w.step(&plan) {
-            Ok(done) => done,
+        if let Some(msg) = msg {
+            match msg {
+                Ok(ToWorker::Stop { reason }) => {
+                    tracing::info!("worker {id}: stopping: {reason}");
+                    // A checkpoint under way is finished, not left half written.
+                    w.reap_write(true);
+                    return Ok(());
+                }
+                Ok(ToWorker::Welcome(_)) => bail!("worker {id}: a second welcome"),
+                Ok(ToWorker::Generation(g)) => {
+                    if let Err(e) = w.start_generation(&g) {
+                        let failed = w.failure(g.generation, g.committed_steps, e);
+                        send(&mut out, &failed)?;
+                    }
+                }
+                Ok(ToWorker::Steps { generation, steps }) => w.enqueue(generation, steps),
+                Ok(ToWorker::Commit { step, checkpoint, wait }) => {
+                    w.commit(step, checkpoint, wait);
+                    if wait {
+                        send(&mut out, &FromWorker::Saved { checkpoints: std::mem::take(&mut w.written) })?;
+                    }
+                }
+                Err(e) => bail!("worker {id}: lost the coordinator: {e}"),
+            }
+            continue;
+        }
+        w.reap_write(false);
+        if !w.written.is_empty() {
+            send(&mut out, &FromWorker::Saved { checkpoints: std::mem::take(&mut w.written) })?;
+        }
+        let Some(q) = w.queue.pop_front() else { continue };
+        let place = w.place.expect("steps are queued within a generation");
+        match w.run_step(place, &q) {
+            Ok(done) => {
+                w.window.push(done);
+                if q.closes {
+                    let steps = std::mem::take(&mut w.window);
+                    let setup_ms = std::mem::take(&mut w.setup_ms);
+                    send(&mut out, &FromWorker::Done { generation: place.generation, steps, setup_ms })?;
+                }
+            }
             Err(e) => {
-                tracing::warn!("worker {id}: generation {generation} step {step}: {e:#}");
-                // The ring is unusable after a failure; the next generation builds a new one.
-                w.ring = None;
-                let cause = e
-                    .chain()
-                    .any(|c| matches!(c.downcast_ref(), Some(DistillError::NoTeachers { .. })))
-                    .then_some(FailCause::NoTeachers);
-                FromWorker::Failed { generation, step, error: format!("{e:#}"), cause }
+                let failed = w.failure(place.generation, q.plan.step, e);
+                send(&mut out, &failed)?;
             }
-        };
-        send(&mut out, &reply)?;
+        }
     }
 }
 
 impl Worker {
-    /// Brings the current state to `committed` steps.
-    fn align(&mut self, plan: &Plan) -> Result<()> {
-        if let Some(path) = &plan.init {
+    /// Reports a failed step; the generation's remaining steps are dropped
+    /// and its ring, unusable now, is closed (which ends its peers' waits).
+    fn failure(&mut self, generation: u64, step: u64, e: anyhow::Error) -> FromWorker {
+        tracing::warn!("worker {}: generation {generation} step {step}: {e:#}", self.id);
+        self.ring = None;
+        self.queue.clear();
+        self.window.clear();
+        self.failed = Some(generation);
+        let cause = e
+            .chain()
+            .any(|c| matches!(c.downcast_ref(), Some(DistillError::NoTeachers { .. })))
+            .then_some(FailCause::NoTeachers);
+        FromWorker::Failed { generation, step, error: format!("{e:#}"), cause }
+    }
+
+    /// Queues a window of the current generation.
+    fn enqueue(&mut self, generation: u64, steps: Vec<StepPlan>) {
+        let current = self.place.is_some_and(|p| p.generation == generation);
+        if !current || self.failed == Some(generation) {
+            return;
+        }
+        let n = steps.len();
+        self.queue.extend(
+            steps.into_iter().enumerate().map(|(i, plan)| Queued { plan, opens: i == 0, closes: i + 1 == n }),
+        );
+    }
+
+    /// Every step before `step` is committed: earlier rollback points go;
+    /// rank 0 writes the checkpoint asked for.
+    fn commit(&mut self, step: u64, checkpoint: Option<Manifest>, wait: bool) {
+        if self.applied == Some(step) && !self.snapshots.contains_key(&step) {
+            self.snapshot();
+        }
+        self.snapshots = self.snapshots.split_off(&step);
+        let Some(manifest) = checkpoint else { return };
+        if let Err(e) = self.start_write(manifest) {
+            self.written.push(Written { step, result: Err(format!("{e:#}")) });
+        }
+        if wait {
+            self.reap_write(true);
+        }
+    }
+
+    /// Keeps the current state as the rollback point of step `applied`.
+    fn snapshot(&mut self) {
+        if let Some(a) = self.applied {
+            let s = Snapshot { params: self.trainer.params_flat(), velocity: self.trainer.velocity().to_vec() };
+            self.snapshots.insert(a, Arc::new(s));
+        }
+    }
+
+    fn restore(&mut self, s: &Snapshot, step: u64) -> Result<()> {
+        self.trainer.load_params_flat(&s.params)?;
+        self.trainer.load_velocity(&s.velocity)?;
+        self.applied = Some(step);
+        Ok(())
+    }
+
+    /// Joins a generation: brings the state to its committed step (a
+    /// checkpoint, the current state, a rollback point, or rank 0's by
+    /// broadcast for a joiner), then builds the ring.
+    fn start_generation(&mut self, g: &Generation) -> Result<()> {
+        self.queue.clear();
+        self.window.clear();
+        self.ring = None;
+        self.place = Some(Place { generation: g.generation, rank: g.rank, world: g.world });
+        self.failed = None;
+        let n = g.committed_steps;
+        if let Some(path) = &g.init {
             let (restored, skipped) =
                 Checkpoints::new(&self.spec.checkpoint_dir, self.spec.keep_checkpoints).latest();
             for e in skipped {
                 tracing::warn!("worker {}: skipped checkpoint: {e}", self.id);
             }
             let r = restored.ok_or_else(|| anyhow!("no usable checkpoint in {}", path.display()))?;
-            if r.manifest.step != plan.committed_steps {
-                bail!(
-                    "checkpoint {} is at step {}, the plan says {}",
-                    r.path.display(),
-                    r.manifest.step,
-                    plan.committed_steps
-                );
+            if r.manifest.step != n {
+                bail!("checkpoint {} is at step {}, the plan says {n}", r.path.display(), r.manifest.step);
             }
             self.trainer.load_params_flat(&r.model.params_flat())?;
             self.trainer.load_velocity(&r.velocity)?;
-            self.applied = Some(plan.committed_steps);
+            self.applied = Some(n);
+            self.snapshots.clear();
         }
-        let n = plan.committed_steps;
-        if self.applied.is_none() && n == 0 && plan.init.is_none() {
+        if self.applied.is_none() && n == 0 && g.init.is_none() {
             // Every worker starts from the same seeded initial weights.
             self.applied = Some(0);
         }
-        match (self.applied, &self.committed) {
-            (Some(a), _) if a == n => {
-                self.committed = Some((self.trainer.params_flat(), self.trainer.velocity().to_vec(), n));
+        match self.applied {
+            Some(a) if a == n => {}
+            Some(a) => {
+                let s = self.snapshots.get(&n).cloned().ok_or_else(|| {
+                    anyhow!(
+                        "state at step {a} (rollback points {:?}) cannot serve committed step {n}",
+                        self.snapshots.keys().collect::<Vec<_>>()
+                    )
+                })?;
+                self.restore(&s, n)?;
             }
-            (Some(_), Some((p, v, c))) if *c == n => {
-                let (p, v) = (p.clone(), v.clone());
-                self.trainer.load_params_flat(&p)?;
-                self.trainer.load_velocity(&v)?;
-                self.applied = Some(n);
-            }
-            (None, _) => {} // a joiner: gets the state by broadcast
-            (Some(a), c) => bail!(
-                "state at step {a} (committed copy at {:?}) cannot serve committed step {n}",
-                c.as_ref().map(|c| c.2)
-            ),
+            None => {} // a joiner: gets the state by broadcast
+        }
+        self.snapshots.retain(|&k, _| k == n);
+        self.setup_ms = self.join_generation(g)?;
+        if !self.snapshots.contains_key(&n) {
+            self.snapshot();
         }
         Ok(())
     }
 
     /// Builds the generation's ring and shares rank 0's state, when the generation is new.
-    fn join_generation(&mut self, plan: &Plan) -> Result<f64> {
-        if matches!(&self.ring, Some((g, _)) if *g == plan.generation) {
-            return Ok(0.0);
-        }
+    fn join_generation(&mut self, g: &Generation) -> Result<f64> {
         let start = Instant::now();
-        self.ring = None;
         let opts = RingOptions {
             timeout: Duration::from_millis(self.spec.collective_timeout_ms),
             ..RingOptions::default()
         };
-        let rdv = TcpRendezvous::new(plan.rendezvous, plan.rendezvous_key.clone());
-        let mut ring = TcpRing::connect(plan.rank, plan.world, &rdv, opts)
-            .with_context(|| format!("building the ring of generation {}", plan.generation))?;
-        if plan.world > 1 {
+        let rdv = TcpRendezvous::new(g.rendezvous, g.rendezvous_key.clone());
+        let mut ring = TcpRing::connect(g.rank, g.world, &rdv, opts)
+            .with_context(|| format!("building the ring of generation {}", g.generation))?;
+        if g.world > 1 {
             let n = self.trainer.param_count();
             let mut state = if self.applied.is_some() {
                 let mut s = self.trainer.params_flat();
@@ -274,31 +411,25 @@ impl Worker {
             ring.broadcast(&mut state, 0).context("broadcasting parameters from rank 0")?;
             self.trainer.load_params_flat(&state[..n])?;
             self.trainer.load_velocity(&state[n..])?;
-            self.applied = Some(plan.committed_steps);
-            self.committed = Some((state[..n].to_vec(), state[n..].to_vec(), plan.committed_steps));
+            self.applied = Some(g.committed_steps);
+            // Rank 0's state is everyone's rollback point now.
+            self.snapshots.clear();
         } else if self.applied.is_none() {
             bail!("a world of one with a worker that has no state");
         }
-        self.ring = Some((plan.generation, ring));
+        self.ring = Some((g.generation, ring));
         Ok(start.elapsed().as_secs_f64() * 1e3)
     }
 
     /// This rank's batch: soft labels from the teachers when distilling.
-    fn read(&mut self, plan: &Plan, ids: &[u32]) -> Result<Rows> {
+    fn read(&mut self, want: Stream, ids: &[u32]) -> Result<Rows> {
         let Some(source) = self.spec.teachers.clone() else {
-            let b = batch_of(&self.train, ids, self.spec.seed, plan.epoch);
+            let b = batch_of(&self.train, ids, self.spec.seed, want.epoch);
             let b = match self.transform.as_mut() {
                 Some(t) => t.apply(&b).context("reader transform")?,
                 None => b,
             };
             return Ok((features_of(&b)?, b.labels, None));
-        };
-        let want = Stream {
-            rank: plan.rank,
-            world: plan.world,
-            global_batch: plan.hyper.global_batch as usize,
-            epoch: plan.epoch,
-            cursor: plan.cursor,
         };
         if self.reader.as_ref().map(|r| r.stream) != Some(want) {
             self.reader = Some(self.start_reader(want, &source)?);
@@ -387,47 +518,27 @@ impl Worker {
         Ok(Reader { stream: from, reader })
     }
 
-    fn step(&mut self, plan: &Plan) -> Result<FromWorker> {
-        self.align(plan)?;
-        let setup_ms = self.join_generation(plan)?;
-        self.reap_write(false);
-        if let (Some(manifest), 0) = (&plan.checkpoint, plan.rank) {
-            let step = manifest.step;
-            if let Err(e) = self.start_write(manifest.clone()) {
-                self.written.push(Written { step, result: Err(format!("{e:#}")) });
-            }
-            if !plan.work {
-                // The job's final state: answer once it is written.
-                self.reap_write(true);
-            }
+    /// Runs one step of the current generation: this rank's share of the
+    /// batch, its gradient, the ring's sum, the update.
+    fn run_step(&mut self, place: Place, q: &Queued) -> Result<StepDone> {
+        let plan = &q.plan;
+        if self.applied != Some(plan.step) {
+            bail!("state at step {:?}, the plan is for step {}", self.applied, plan.step);
         }
-        let done = |ids, loss, compute_ms, checkpoints| FromWorker::Done {
-            generation: plan.generation,
-            step: plan.committed_steps,
-            ids,
-            loss,
-            compute_ms,
-            setup_ms,
-            checkpoints,
-        };
-        if !plan.work {
-            return Ok(done(Vec::new(), 0.0, 0.0, std::mem::take(&mut self.written)));
+        if q.opens && !self.snapshots.contains_key(&plan.step) {
+            // The rollback point of this window, until a later commit.
+            self.snapshot();
         }
         let start = Instant::now();
         let gb = plan.hyper.global_batch.max(1) as usize;
         let len = self.train.len();
-        let at = Stream {
-            rank: plan.rank,
-            world: plan.world,
-            global_batch: gb,
-            epoch: plan.epoch,
-            cursor: plan.cursor,
-        };
+        let at = Stream { rank: place.rank, world: place.world, global_batch: gb, epoch: plan.epoch, cursor: plan.cursor };
+        let positions = data::shard(plan.cursor, gb, place.rank, place.world, len);
         let ids = shard_ids(self.spec.seed, &at, len, &mut self.perm);
         let global_rows = (plan.cursor + gb).min(len) - plan.cursor;
         let mut loss = 0.0;
         if !ids.is_empty() {
-            let (x, y, soft) = self.read(plan, &ids)?;
+            let (x, y, soft) = self.read(at, &ids)?;
             loss = self.trainer.compute_gradient(&x, &y, soft.as_deref(), &self.loss, global_rows)?
                 / global_rows as f64;
         } else {
@@ -437,12 +548,22 @@ impl Worker {
             std::thread::sleep(Duration::from_millis(self.spec.step_delay_ms));
         }
         let compute_ms = start.elapsed().as_secs_f64() * 1e3;
-        let (_, ring) = self.ring.as_mut().expect("joined above");
+        let ring = match self.ring.as_mut() {
+            Some((g, r)) if *g == place.generation => r,
+            _ => bail!("no ring for generation {}", place.generation),
+        };
         ring.all_reduce(self.trainer.grad_mut(), ReduceOp::Sum)
-            .with_context(|| format!("all-reduce of step {}", plan.committed_steps))?;
+            .with_context(|| format!("all-reduce of step {}", plan.step))?;
         self.trainer.apply(plan.hyper.lr, plan.hyper.momentum)?;
-        self.applied = Some(plan.committed_steps + 1);
-        Ok(done(ids, loss, compute_ms, std::mem::take(&mut self.written)))
+        self.applied = Some(plan.step + 1);
+        Ok(StepDone {
+            step: plan.step,
+            epoch: plan.epoch,
+            start: positions.start as u32,
+            end: positions.end as u32,
+            loss,
+            compute_ms,
+        })
     }
 
     /// Starts writing the committed state (rank 0) on a thread of its own,
@@ -450,16 +571,16 @@ impl Worker {
     /// disk. An earlier write still under way is finished first.
     fn start_write(&mut self, manifest: Manifest) -> Result<()> {
         self.reap_write(true);
-        let (p, v, n) = self.committed.clone().ok_or_else(|| anyhow!("no committed state to save"))?;
-        if n != manifest.step {
-            bail!("committed state is at step {n}, the checkpoint asked for {}", manifest.step);
-        }
+        let n = manifest.step;
+        let state = self.snapshots.get(&n).cloned().ok_or_else(|| {
+            anyhow!("no state of step {n} to save (rollback points {:?})", self.snapshots.keys().collect::<Vec<_>>())
+        })?;
         let model = self.trainer.model().clone();
         let store = Checkpoints::new(&self.spec.checkpoint_dir, self.spec.keep_checkpoints);
         let handle = std::thread::Builder::new().name("edl-checkpoint".into()).spawn(move || {
             let mut t = Trainer::new(model);
-            t.load_params_flat(&p)?;
-            t.load_velocity(&v)?;
+            t.load_params_flat(&state.params)?;
+            t.load_velocity(&state.velocity)?;
             Ok(store.save(&t, manifest)?)
         })?;
         self.writing = Some((n, handle));
