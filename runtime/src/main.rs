@@ -206,9 +206,14 @@ struct RunArgs {
     /// Checkpoints kept.
     #[arg(long, default_value_t = 3)]
     keep_checkpoints: usize,
-    /// Steps between checkpoints (one is also written at each epoch's end).
-    #[arg(long, default_value_t = 25)]
-    checkpoint_every: u64,
+    /// Steps between checkpoints (one is also written at each epoch's end
+    /// and after --checkpoint-secs of training).
+    #[arg(long)]
+    checkpoint_every: Option<u64>,
+    /// Longest training time between two checkpoints, seconds (one is also
+    /// written at each epoch's end).
+    #[arg(long, default_value_t = 30)]
+    checkpoint_secs: u64,
     /// Seed of the student's weights and of the data order.
     #[arg(long, default_value_t = 1)]
     seed: u64,

@@ -77,7 +77,19 @@ impl Mlp {
     /// All parameters, layer by layer (weight then bias): the layout of
     /// gradients, broadcasts and edl-host-gpu's CUDA trainer.
     pub fn params_flat(&self) -> Vec<f32> {
-        self.layers.iter().flat_map(|l| l.weight.iter().chain(&l.bias).copied()).collect()
+        let mut out = Vec::new();
+        self.params_into(&mut out);
+        out
+    }
+
+    /// [`Mlp::params_flat`] into `out`, reusing its allocation.
+    pub fn params_into(&self, out: &mut Vec<f32>) {
+        out.clear();
+        out.reserve(self.param_count());
+        for l in &self.layers {
+            out.extend_from_slice(&l.weight);
+            out.extend_from_slice(&l.bias);
+        }
     }
 
     /// Replaces all parameters from the layout of [`Mlp::params_flat`].

@@ -101,6 +101,14 @@ impl Trainer {
         self.model.params_flat()
     }
 
+    /// The parameters and momentum into `params` and `velocity`, reusing
+    /// their allocations (a rollback point taken every window).
+    pub fn state_into(&self, params: &mut Vec<f32>, velocity: &mut Vec<f32>) {
+        self.model.params_into(params);
+        velocity.clear();
+        velocity.extend_from_slice(&self.velocity);
+    }
+
     /// Replaces all parameters (a joiner receives them by broadcast).
     pub fn load_params_flat(&mut self, flat: &[f32]) -> Result<(), TrainError> {
         self.check_len("parameter vector", flat.len())?;
@@ -179,9 +187,10 @@ impl Trainer {
         if rows == 0 {
             return Ok(0.0);
         }
-        // Forward, keeping each layer's input.
-        let mut acts: Vec<Vec<f32>> = vec![x.to_vec()];
+        // Forward, keeping each layer's output (the next one's input).
+        let mut acts: Vec<Vec<f32>> = Vec::with_capacity(self.model.layers.len());
         for (i, l) in self.model.layers.iter().enumerate() {
+            let input = if i == 0 { x } else { &acts[i - 1] };
             let mut z = vec![0f32; rows * l.outputs];
             for r in 0..rows {
                 z[r * l.outputs..(r + 1) * l.outputs].copy_from_slice(&l.bias);
@@ -190,7 +199,7 @@ impl Trainer {
                 rows,
                 l.inputs,
                 l.outputs,
-                View::row_major(&acts[i], l.inputs),
+                View::row_major(input, l.inputs),
                 View::row_major(&l.weight, l.outputs),
                 &mut z,
                 true,
@@ -224,7 +233,7 @@ impl Trainer {
         }
         for li in (0..self.model.layers.len()).rev() {
             let l = &self.model.layers[li];
-            let a = &acts[li];
+            let a: &[f32] = if li == 0 { x } else { &acts[li - 1] };
             let off = offsets[li];
             let (dw, rest) = self.grad[off..].split_at_mut(l.weight.len());
             // dW = A^T G
@@ -279,11 +288,14 @@ impl Trainer {
         }
         let mut at = 0;
         for l in &mut self.model.layers {
-            for p in l.weight.iter_mut().chain(l.bias.iter_mut()) {
-                let v = &mut self.velocity[at];
-                *v = momentum * *v + self.grad[at];
-                *p -= lr * *v;
-                at += 1;
+            for part in [&mut l.weight, &mut l.bias] {
+                let n = part.len();
+                let (v, g) = (&mut self.velocity[at..at + n], &self.grad[at..at + n]);
+                for ((p, v), g) in part.iter_mut().zip(v).zip(g) {
+                    *v = momentum * *v + g;
+                    *p -= lr * *v;
+                }
+                at += n;
             }
         }
         Ok(())

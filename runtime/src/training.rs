@@ -108,6 +108,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         initial_workers: args.workers.unwrap_or(args.min_workers),
         decide_every: args.decide_every,
         checkpoint_every: args.checkpoint_every,
+        checkpoint_interval: Duration::from_secs(args.checkpoint_secs),
         hyper: Hyperparams {
             global_batch: args.batch,
             local_batch: args.batch,

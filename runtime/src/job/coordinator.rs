@@ -11,7 +11,7 @@
 //! step is not committed; the survivors form the next generation from the
 //! committed state and redo it. Joiners wait until a step boundary and get
 //! the state by broadcast. The job's progress (generation, cursor, members)
-//! is kept in the store and every `checkpoint_every` steps rank 0 writes a
+//! is kept in the store and on the checkpoint cadence rank 0 writes a
 //! checkpoint; a restarted job resumes from the newest one that verifies.
 
 use super::ledger::{EpochRecord, Ledger};
@@ -44,7 +44,9 @@ pub struct JobConfig {
     /// Steps between two policy decisions.
     pub decide_every: u64,
     /// Steps between two checkpoints (and one at each epoch's end).
-    pub checkpoint_every: u64,
+    pub checkpoint_every: Option<u64>,
+    /// Longest training time between two checkpoints.
+    pub checkpoint_interval: Duration,
     /// Hyperparameters at the start (the adapter changes them).
     pub hyper: Hyperparams,
     /// `memory` or `redis://...`.
@@ -97,7 +99,8 @@ impl JobConfig {
         }
         for (flag, v) in [
             ("--decide-every", self.decide_every),
-            ("--checkpoint-every", self.checkpoint_every),
+            ("--checkpoint-every", self.checkpoint_every.unwrap_or(1)),
+            ("--checkpoint-secs", self.checkpoint_interval.as_secs()),
             ("--keep-checkpoints", spec.keep_checkpoints as u64),
             ("--collective-timeout-ms", spec.collective_timeout_ms),
             ("--step-timeout", self.step_timeout.as_secs()),
@@ -337,6 +340,7 @@ struct Coordinator<'a> {
     step_ms: Option<f64>,
     last_commit: Instant,
     last_save: Instant,
+    last_checkpoint: Instant,
     last_teacher_check: Instant,
     /// The epoch permutation the ledger maps reported positions through.
     perm: Option<(u64, Vec<u32>)>,
@@ -428,6 +432,7 @@ pub fn run(
         step_ms: None,
         last_commit: now,
         last_save: now,
+        last_checkpoint: now,
         last_teacher_check: now,
         perm: None,
         saved: Vec::new(),
@@ -949,11 +954,18 @@ impl Coordinator<'_> {
         }
     }
 
-    fn checkpoint_due(&self) -> Option<Manifest> {
-        let every = self.cfg.checkpoint_every.max(1);
-        let at_epoch_start = self.cursor == 0 && self.committed > 0;
-        (self.committed > 0 && (self.committed.is_multiple_of(every) || at_epoch_start))
-            .then(|| self.manifest())
+    /// A checkpoint at this commit point: every `--checkpoint-every`
+    /// steps, when `--checkpoint-secs` passed since the last one, and at
+    /// each epoch's end.
+    fn checkpoint_due(&mut self) -> Option<Manifest> {
+        let steps = self.cfg.checkpoint_every.is_some_and(|n| self.committed.is_multiple_of(n.max(1)));
+        let time = self.last_checkpoint.elapsed() >= self.cfg.checkpoint_interval;
+        let at_epoch_start = self.cursor == 0;
+        if self.committed == 0 || !(steps || time || at_epoch_start) {
+            return None;
+        }
+        self.last_checkpoint = Instant::now();
+        Some(self.manifest())
     }
 
     fn manifest(&self) -> Manifest {
@@ -1136,7 +1148,7 @@ impl Coordinator<'_> {
             p.epoch += 1;
             cut = true;
         }
-        cut |= p.step.is_multiple_of(self.cfg.checkpoint_every.max(1))
+        cut |= self.cfg.checkpoint_every.is_some_and(|n| p.step.is_multiple_of(n.max(1)))
             || p.step.is_multiple_of(self.cfg.decide_every.max(1));
         if let Some(a) = self.adapter.as_mut() {
             let answer = a.on_step(p.step, &p.hyper);
@@ -1280,6 +1292,7 @@ impl Coordinator<'_> {
             errors: vec![error],
             no_teachers: false,
             step,
+            dropped: 0,
         };
         self.saved.clear();
         let msg = ToWorker::Commit { step, checkpoint: Some(self.manifest()), wait: true };
@@ -1336,8 +1349,12 @@ impl Coordinator<'_> {
         self.m.fail(Instant::now(), &dead);
         self.execute();
         let why = if f.errors.is_empty() { "a rank failed".to_string() } else { f.errors.join("; ") };
+        let ahead = match f.dropped {
+            0 | 1 => String::new(),
+            n => format!(", {} later step(s) sent ahead dropped", n - 1),
+        };
         self.note(format!(
-            "step {} not committed (generation {}): {why}; redoing it with {} worker(s)",
+            "step {} not committed (generation {}{ahead}): {why}; redoing it with {} worker(s)",
             f.step,
             self.generation,
             self.m.world()
@@ -1351,7 +1368,11 @@ impl Coordinator<'_> {
     fn apply_decision(&mut self, actions: &[Action]) {
         let world = self.m.world();
         if let Some(reason) = self.m.apply_decision(Instant::now(), actions) {
-            self.pending = Some(Pending::new(world, reason));
+            match self.pending.as_mut() {
+                // A failure's resize not formed yet: one event says both.
+                Some(p) if p.generation.is_none() => p.reason = format!("{}; {reason}", p.reason),
+                _ => self.pending = Some(Pending::new(world, reason)),
+            }
         }
         self.execute();
     }

@@ -40,6 +40,8 @@ pub struct Failure {
     pub no_teachers: bool,
     /// The first step not committed.
     pub step: u64,
+    /// Steps that were sent and are dropped (the failed one included).
+    pub dropped: usize,
 }
 
 #[derive(Debug)]
@@ -246,7 +248,8 @@ impl Pipeline {
             return None;
         }
         let step = self.first_uncommitted();
-        self.failure.take().map(|f| Failure { step, ..f })
+        let dropped = self.in_flight();
+        self.failure.take().map(|f| Failure { step, dropped, ..f })
     }
 
     /// Nothing issued is waiting to commit.
@@ -331,7 +334,7 @@ mod tests {
         assert_eq!(p.settled_failure(), None);
         p.fail(0, "ring broke".into(), None);
         let f = p.settled_failure().expect("every rank answered");
-        assert_eq!(f.step, 11, "the survivors go back to step 11");
+        assert_eq!((f.step, f.dropped), (11, 8), "the survivors go back to step 11");
         assert_eq!(f.dead, BTreeSet::from([2]));
         assert_eq!(f.errors[0], "worker 3 lost: connection closed");
         assert_eq!(f.errors.len(), 3);

@@ -116,6 +116,59 @@ struct Queued {
     closes: bool,
 }
 
+/// Gathers the training rows of planned steps on a thread of its own, so
+/// that a step finds its batch ready (the plain path: no teachers, no
+/// transform). Results come back in the order asked for.
+struct Loader {
+    ask: mpsc::Sender<(u64, u64, Stream)>,
+    ready: mpsc::Receiver<(u64, u64, Vec<f32>, Vec<u32>)>,
+    /// (generation, step) asked for and not taken yet, in order.
+    asked: VecDeque<(u64, u64)>,
+}
+
+/// Batches gathered ahead at most (each a global batch's share of rows).
+const LOAD_AHEAD: usize = 4;
+
+impl Loader {
+    fn start(train: Arc<Dataset>, seed: u64) -> Result<Self> {
+        let (ask, asks) = mpsc::channel::<(u64, u64, Stream)>();
+        let (done, ready) = mpsc::sync_channel(LOAD_AHEAD);
+        std::thread::Builder::new().name("edl-loader".into()).spawn(move || {
+            let mut perm = None;
+            for (generation, step, at) in asks {
+                let ids = shard_ids(seed, &at, train.len(), &mut perm);
+                let (x, y) = train.gather(&ids);
+                if done.send((generation, step, x, y)).is_err() {
+                    return;
+                }
+            }
+        })?;
+        Ok(Loader { ask, ready, asked: VecDeque::new() })
+    }
+
+    fn ask(&mut self, generation: u64, step: u64, at: Stream) {
+        if self.ask.send((generation, step, at)).is_ok() {
+            self.asked.push_back((generation, step));
+        }
+    }
+
+    /// The rows of (generation, step) if they were asked for; batches asked
+    /// for before it and no longer wanted (a failed generation) are dropped.
+    fn take(&mut self, generation: u64, step: u64) -> Option<(Vec<f32>, Vec<u32>)> {
+        if !self.asked.contains(&(generation, step)) {
+            return None;
+        }
+        while let Some(front) = self.asked.pop_front() {
+            let (g, s, x, y) = self.ready.recv().ok()?;
+            debug_assert_eq!((g, s), front);
+            if (g, s) == (generation, step) {
+                return Some((x, y));
+            }
+        }
+        None
+    }
+}
+
 /// The state of one worker process.
 struct Worker {
     id: u64,
@@ -128,6 +181,8 @@ struct Worker {
     /// Rollback points: the state at the start of each window not known
     /// to be committed, and at the last committed step.
     snapshots: BTreeMap<u64, Arc<Snapshot>>,
+    /// A released rollback point's buffers, for the next one.
+    spare: Option<Snapshot>,
     place: Option<Place>,
     /// The generation in which this worker failed a step (its later steps are dropped).
     failed: Option<u64>,
@@ -138,6 +193,8 @@ struct Worker {
     ring: Option<(u64, TcpRing)>,
     perm: Option<(u64, Vec<u32>)>,
     reader: Option<Reader>,
+    /// Read-ahead of the plain path.
+    loader: Option<Loader>,
     transform: Option<Box<dyn TransformPlugin>>,
     host: Option<Arc<PluginHost>>,
     rt: tokio::runtime::Runtime,
@@ -193,6 +250,7 @@ pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
         spec,
         applied: None,
         snapshots: BTreeMap::new(),
+        spare: None,
         place: None,
         failed: None,
         queue: VecDeque::new(),
@@ -201,12 +259,16 @@ pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
         ring: None,
         perm: None,
         reader: None,
+        loader: None,
         transform,
         host,
         rt: tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?,
         writing: None,
         written: Vec::new(),
     };
+    if w.spec.teachers.is_none() && w.transform.is_none() {
+        w.loader = Some(Loader::start(w.train.clone(), w.spec.seed)?);
+    }
     send(&mut out, &FromWorker::Ready)?;
     tracing::info!("worker {id}: ready, {} training samples", w.train.len());
     // Messages are read on a thread of their own, so that windows sent
@@ -303,6 +365,13 @@ impl Worker {
             return;
         }
         let n = steps.len();
+        if let (Some(loader), Some(p)) = (self.loader.as_mut(), self.place) {
+            for s in &steps {
+                let gb = s.hyper.global_batch.max(1) as usize;
+                let at = Stream { rank: p.rank, world: p.world, global_batch: gb, epoch: s.epoch, cursor: s.cursor };
+                loader.ask(generation, s.step, at);
+            }
+        }
         self.queue.extend(
             steps.into_iter().enumerate().map(|(i, plan)| Queued { plan, opens: i == 0, closes: i + 1 == n }),
         );
@@ -314,7 +383,7 @@ impl Worker {
         if self.applied == Some(step) && !self.snapshots.contains_key(&step) {
             self.snapshot();
         }
-        self.snapshots = self.snapshots.split_off(&step);
+        self.release_before(step);
         let Some(manifest) = checkpoint else { return };
         if let Err(e) = self.start_write(manifest) {
             self.written.push(Written { step, result: Err(format!("{e:#}")) });
@@ -324,11 +393,24 @@ impl Worker {
         }
     }
 
-    /// Keeps the current state as the rollback point of step `applied`.
+    /// Keeps the current state as the rollback point of step `applied`,
+    /// in the buffers of a released one when there is one.
     fn snapshot(&mut self) {
         if let Some(a) = self.applied {
-            let s = Snapshot { params: self.trainer.params_flat(), velocity: self.trainer.velocity().to_vec() };
+            let mut s = self.spare.take().unwrap_or(Snapshot { params: Vec::new(), velocity: Vec::new() });
+            self.trainer.state_into(&mut s.params, &mut s.velocity);
             self.snapshots.insert(a, Arc::new(s));
+        }
+    }
+
+    /// Drops the rollback points before `step`, keeping one's buffers.
+    fn release_before(&mut self, step: u64) {
+        let kept = self.snapshots.split_off(&step);
+        for old in std::mem::replace(&mut self.snapshots, kept).into_values() {
+            // Shared with a checkpoint writer: that one frees it.
+            if let Ok(s) = Arc::try_unwrap(old) {
+                self.spare = Some(s);
+            }
         }
     }
 
@@ -422,13 +504,20 @@ impl Worker {
     }
 
     /// This rank's batch: soft labels from the teachers when distilling.
-    fn read(&mut self, want: Stream, ids: &[u32]) -> Result<Rows> {
+    fn read(&mut self, want: Stream, ids: &[u32], step: (u64, u64)) -> Result<Rows> {
         let Some(source) = self.spec.teachers.clone() else {
-            let b = batch_of(&self.train, ids, self.spec.seed, want.epoch);
-            let b = match self.transform.as_mut() {
-                Some(t) => t.apply(&b).context("reader transform")?,
-                None => b,
+            let Some(t) = self.transform.as_mut() else {
+                // Straight from the training set: gathered ahead, or now.
+                let (x, y) = match self.loader.as_mut().and_then(|l| l.take(step.0, step.1)) {
+                    Some(rows) => rows,
+                    None => self.train.gather(ids),
+                };
+                if y.len() != ids.len() {
+                    bail!("the loader gathered {} rows for a share of {}", y.len(), ids.len());
+                }
+                return Ok((x, y, None));
             };
+            let b = t.apply(&batch_of(&self.train, ids, self.spec.seed, want.epoch)).context("reader transform")?;
             return Ok((features_of(&b)?, b.labels, None));
         };
         if self.reader.as_ref().map(|r| r.stream) != Some(want) {
@@ -538,7 +627,7 @@ impl Worker {
         let global_rows = (plan.cursor + gb).min(len) - plan.cursor;
         let mut loss = 0.0;
         if !ids.is_empty() {
-            let (x, y, soft) = self.read(at, &ids)?;
+            let (x, y, soft) = self.read(at, &ids, (place.generation, plan.step))?;
             loss = self.trainer.compute_gradient(&x, &y, soft.as_deref(), &self.loss, global_rows)?
                 / global_rows as f64;
         } else {

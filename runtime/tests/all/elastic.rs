@@ -383,3 +383,43 @@ fn a_job_on_cuda_resizes_and_trains_every_sample_once() {
     assert!(resizes >= 2, "{}", r["scale_events"]);
     assert!(r["student_test_accuracy"].as_f64().unwrap() > 0.8, "{}", r["student_test_accuracy"]);
 }
+
+#[test]
+fn a_worker_killed_while_later_windows_are_out_loses_no_sample() {
+    let dir = tempfile::tempdir().unwrap();
+    // Fast steps: the coordinator keeps windows of many steps ahead of the
+    // ranks. The policy never acts: the three workers stay until the kill.
+    let args = [
+        "--policy",
+        art::AUTOSCALE_WASM,
+        "--decide-every",
+        "100000",
+        "--no-distill",
+        "--workers",
+        "3",
+        "--min-workers",
+        "2",
+        "--max-workers",
+        "3",
+        "--epochs",
+        "40",
+    ];
+    let mut child = job(dir.path(), &args).spawn().unwrap();
+    let coordinator = child.id();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     2 done", &mut seen, Duration::from_secs(120));
+    let (victim, _) = children(coordinator)
+        .into_iter()
+        .find(|(_, c)| c.contains(" worker ") && c.trim_end().ends_with("--id 2"))
+        .unwrap_or_else(|| panic!("worker 2 among {:?}", children(coordinator)));
+    // SAFETY: signalling a child of the job under test.
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    assert_exactly_once(&report(dir.path()), 40, 1200);
+    let note = seen.iter().find(|l| l.contains("not committed")).unwrap_or_else(|| panic!("{text}"));
+    assert!(note.contains("worker 2 (pid") && note.contains("lost"), "{note}");
+    assert!(note.contains("later step(s) sent ahead dropped"), "windows were out when it died: {note}");
+}
