@@ -209,3 +209,13 @@ mod tests {
         assert_eq!(p, permutation(100, 7, 0), "reproducible");
     }
 }
+
+#[cfg(test)]
+mod order_tests {
+    /// The order is part of the job's contract (checkpoints, the PyTorch
+    /// comparison in benches/torch_compare.py): it must not drift.
+    #[test]
+    fn the_permutation_of_a_seed_and_epoch_is_fixed() {
+        assert_eq!(super::permutation(10, 1, 0), vec![3, 9, 5, 0, 4, 1, 7, 6, 8, 2]);
+    }
+}
