@@ -17,7 +17,9 @@
 use super::ledger::{EpochRecord, Ledger};
 use super::membership::{Command, Event, Membership};
 use super::pipeline::{Committed, Failure, Pipeline};
-use super::proto::{FromWorker, Generation, JobSpec, Receiver, StepDone, StepPlan, ToWorker, Written, send};
+use super::proto::{
+    FromWorker, Generation, JobSpec, Receiver, StepDone, StepPlan, ToWorker, Written, encode, send, send_encoded,
+};
 use super::scaler::Scaler;
 use crate::checkpoint::{Checkpoints, Manifest, Restored};
 use crate::plugin::{AdapterPlugin, PolicyPlugin};
@@ -326,8 +328,9 @@ struct Coordinator<'a> {
     keeper: Option<super::keeper::StoreKeeper>,
     /// The stored job state's token when this run read it.
     state_token: Option<u64>,
-    /// The current generation's step barrier.
+    /// The current generation's step barrier, and its ranks by connection.
     pipe: Option<Pipeline>,
+    ranks: HashMap<u64, usize>,
     /// The next step to plan, and the hyperparameters of every planned
     /// step not committed yet (the adapter is asked once per step, as it
     /// is planned).
@@ -336,9 +339,8 @@ struct Coordinator<'a> {
     /// A policy decision that removes workers, applied once the windows
     /// already sent are committed.
     decision: Option<Vec<Action>>,
-    /// Wall time per committed step (moving average), ms: sizes the windows.
+    /// The slowest rank's compute per step (moving average), ms: sizes the windows.
     step_ms: Option<f64>,
-    last_commit: Instant,
     last_save: Instant,
     last_checkpoint: Instant,
     last_teacher_check: Instant,
@@ -426,11 +428,11 @@ pub fn run(
         keeper: None,
         state_token: None,
         pipe: None,
+        ranks: HashMap::new(),
         plan_at: StepPlan { step: 0, epoch: 0, cursor: 0, hyper: cfg.hyper },
         hypers: BTreeMap::new(),
         decision: None,
         step_ms: None,
-        last_commit: now,
         last_save: now,
         last_checkpoint: now,
         last_teacher_check: now,
@@ -468,23 +470,27 @@ fn accept(listener: TcpListener, tx: mpsc::Sender<Inbound>) {
         if tx.send(Inbound::Conn(n, conn)).is_err() {
             return;
         }
-        let tx = tx.clone();
-        std::thread::spawn(move || {
+        let out = tx.clone();
+        let spawned = std::thread::Builder::new().name("edl-control-in".into()).spawn(move || {
             let mut rx = Receiver::new(reader);
             loop {
                 match rx.recv::<FromWorker>() {
                     Ok(m) => {
-                        if tx.send(Inbound::Msg(n, m)).is_err() {
+                        if out.send(Inbound::Msg(n, m)).is_err() {
                             return;
                         }
                     }
                     Err(e) => {
-                        let _ = tx.send(Inbound::Closed(n, e.to_string()));
+                        let _ = out.send(Inbound::Closed(n, e.to_string()));
                         return;
                     }
                 }
             }
         });
+        if let Err(e) = spawned {
+            // No thread to read it: the connection counts as closed.
+            let _ = tx.send(Inbound::Closed(n, format!("no thread to read the connection: {e}")));
+        }
     }
 }
 
@@ -648,14 +654,14 @@ impl Coordinator<'_> {
                 self.saved.extend(checkpoints);
             }
             Inbound::Msg(n, FromWorker::Done { generation, steps, setup_ms }) => {
-                if let (Some(rank), Some(p)) = (self.m.rank_of(n), self.pipe.as_mut())
+                if let (Some(&rank), Some(p)) = (self.ranks.get(&n), self.pipe.as_mut())
                     && p.generation == generation
                 {
                     p.report(now, rank, steps, setup_ms);
                 }
             }
             Inbound::Msg(n, FromWorker::Failed { generation, error, cause, .. }) => {
-                if let (Some(rank), Some(p)) = (self.m.rank_of(n), self.pipe.as_mut())
+                if let (Some(&rank), Some(p)) = (self.ranks.get(&n), self.pipe.as_mut())
                     && p.generation == generation
                 {
                     p.fail(rank, error, cause);
@@ -663,7 +669,7 @@ impl Coordinator<'_> {
             }
             Inbound::Closed(n, why) => {
                 self.conns.remove(&n);
-                let rank = self.m.rank_of(n);
+                let rank = self.ranks.get(&n).copied();
                 if self.m.handle(now, Event::Closed { conn: n, why: why.clone() }).is_some()
                     && let (Some(rank), Some(p)) = (rank, self.pipe.as_mut())
                 {
@@ -1021,7 +1027,9 @@ impl Coordinator<'_> {
             if pipe.drained() && !pipe.failed() {
                 return Ok(None);
             }
-            let wake = [pipe.poll_timeout(), self.m.poll_timeout(), Some(chores)].into_iter().flatten().min();
+            // Ranks' timeouts are checked with the chores (their bound is
+            // seconds; checking on every message would cost O(N) each).
+            let wake = [self.m.poll_timeout(), Some(chores)].into_iter().flatten().min();
             let left = wake.map_or(CHORES_EVERY, |t| t.saturating_duration_since(Instant::now()));
             match self.rx.recv_timeout(left) {
                 Ok(ev) => {
@@ -1035,13 +1043,13 @@ impl Coordinator<'_> {
                 Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
             }
             let now = Instant::now();
-            let late = self.pipe.as_mut().map(|p| p.handle_timeout(now)).unwrap_or_default();
-            for rank in late {
-                let id = self.m.members()[rank].id;
-                self.scaler.stop(id, Duration::from_secs(1));
-            }
             if now >= chores {
                 chores = now + CHORES_EVERY;
+                let late = self.pipe.as_mut().map(|p| p.handle_timeout(now)).unwrap_or_default();
+                for rank in late {
+                    let id = self.m.members()[rank].id;
+                    self.scaler.stop(id, Duration::from_secs(1));
+                }
                 self.check_spawning();
                 self.lease_members();
                 if self.last_teacher_check.elapsed() >= Duration::from_secs(1) {
@@ -1084,6 +1092,7 @@ impl Coordinator<'_> {
             }
         }
         self.pipe = Some(pipe);
+        self.ranks = self.m.members().iter().enumerate().map(|(r, m)| (m.conn, r)).collect();
         self.plan_at = StepPlan { step: self.committed, epoch: self.epoch, cursor: self.cursor, hyper: self.hyper };
         self.hypers = BTreeMap::from([(self.committed, self.hyper)]);
     }
@@ -1112,11 +1121,12 @@ impl Coordinator<'_> {
                 }
             }
             let generation = self.generation;
-            let msg = ToWorker::Steps { generation, steps: steps.clone() };
+            let line = encode(&ToWorker::Steps { generation, steps: steps.clone() })
+                .map_err(|e| anyhow!("encoding a window: {e}"))?;
             let mut lost = Vec::new();
             for (rank, m) in self.m.members().iter().enumerate() {
                 if let Some(stream) = self.conns.get_mut(&m.conn)
-                    && let Err(e) = send(stream, &msg)
+                    && let Err(e) = send_encoded(stream, &line)
                 {
                     lost.push((rank, e.to_string()));
                 }
@@ -1165,27 +1175,30 @@ impl Coordinator<'_> {
     fn commit_window(&mut self, c: Committed) -> Result<()> {
         let first_of_generation = self.pending.as_ref().is_some_and(|p| p.generation == Some(self.generation))
             && c.steps.first().map(|s| s.step) == Some(self.committed);
-        let now = Instant::now();
         if !first_of_generation && !c.steps.is_empty() {
-            let per = ms(now.duration_since(self.last_commit)) / c.steps.len() as f64;
+            // The slowest rank's compute per step: windows are sized by the
+            // work in them, not by the time the control plane itself takes.
+            let per = c
+                .reports
+                .iter()
+                .map(|r| r.iter().map(|d| d.compute_ms).sum::<f64>() / c.steps.len() as f64)
+                .fold(0.0, f64::max);
             self.step_ms = Some(self.step_ms.map_or(per, |m| 0.7 * m + 0.3 * per));
         }
-        self.last_commit = now;
         for (i, plan) in c.steps.iter().enumerate() {
             let reports: Vec<StepDone> = c.reports.iter().map(|r| r[i]).collect();
             self.commit_step(plan, &reports, first_of_generation && i == 0, c.setup_ms)?;
         }
         self.init = None;
         let checkpoint = self.checkpoint_due();
+        let step = self.committed;
+        let first = encode(&ToWorker::Commit { step, checkpoint: checkpoint.clone(), wait: false });
+        let rest = encode(&ToWorker::Commit { step, checkpoint: None, wait: false });
+        let (first, rest) = (first.map_err(|e| anyhow!("{e}"))?, rest.map_err(|e| anyhow!("{e}"))?);
         for (rank, m) in self.m.members().iter().enumerate() {
-            let msg = ToWorker::Commit {
-                step: self.committed,
-                checkpoint: if rank == 0 { checkpoint.clone() } else { None },
-                wait: false,
-            };
             if let Some(stream) = self.conns.get_mut(&m.conn) {
                 // A failed send closes the connection; its reader reports that.
-                let _ = send(stream, &msg);
+                let _ = send_encoded(stream, if rank == 0 { &first } else { &rest });
             }
         }
         if checkpoint.is_some() || self.last_save.elapsed() >= Duration::from_secs(1) {

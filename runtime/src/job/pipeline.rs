@@ -47,8 +47,10 @@ pub struct Failure {
 #[derive(Debug)]
 struct Window {
     steps: Vec<StepPlan>,
-    /// Per rank: whether it reported this window.
+    /// Per rank: its report of this window.
     reported: Vec<Option<Vec<StepDone>>>,
+    /// Ranks that have not reported it.
+    missing: usize,
 }
 
 /// The step barrier of one generation.
@@ -63,6 +65,8 @@ pub struct Pipeline {
     windows: VecDeque<Window>,
     /// Per rank: when it last reported, or was given work while idle.
     heard: Vec<Instant>,
+    /// Per rank: windows issued that it has not reported.
+    owed: Vec<usize>,
     setup_ms: f64,
     failure: Option<Failure>,
     /// Per rank: it answered the failure (reported its own error or is gone).
@@ -85,6 +89,7 @@ impl Pipeline {
             timeout,
             windows: VecDeque::new(),
             heard: vec![now; world],
+            owed: vec![0; world],
             setup_ms: 0.0,
             failure: None,
             settled: BTreeSet::new(),
@@ -121,18 +126,14 @@ impl Pipeline {
     pub fn issue(&mut self, now: Instant, steps: Vec<StepPlan>) {
         debug_assert_eq!(steps.first().map(|s| s.step), Some(self.next_step));
         for r in 0..self.world {
-            if self.owes(r) == 0 {
+            if self.owed[r] == 0 {
                 // An idle rank's clock starts with its new work.
                 self.heard[r] = now;
             }
+            self.owed[r] += 1;
         }
         self.next_step += steps.len() as u64;
-        self.windows.push_back(Window { steps, reported: vec![None; self.world] });
-    }
-
-    /// Windows `rank` has not reported yet.
-    fn owes(&self, rank: Rank) -> usize {
-        self.windows.iter().filter(|w| w.reported[rank].is_none()).count()
+        self.windows.push_back(Window { steps, reported: vec![None; self.world], missing: self.world });
     }
 
     /// A rank reported a window. It must be the oldest it has not reported,
@@ -161,6 +162,8 @@ impl Pipeline {
             return;
         }
         w.reported[rank] = Some(steps);
+        w.missing -= 1;
+        self.owed[rank] -= 1;
     }
 
     /// A rank failed a step (its error), or broke the protocol.
@@ -203,7 +206,7 @@ impl Pipeline {
 
     /// Whether the pipeline is waiting for `rank`.
     fn waiting_on(&self, rank: Rank) -> bool {
-        if self.failure.is_some() { !self.settled.contains(&rank) && self.owes(rank) > 0 } else { self.owes(rank) > 0 }
+        self.owed[rank] > 0 && (self.failure.is_none() || !self.settled.contains(&rank))
     }
 
     /// Declares dead every rank with work that reported nothing within
@@ -224,8 +227,7 @@ impl Pipeline {
     /// The oldest window, once every rank reported it (and no failure came
     /// first: windows reported in full before a failure still commit).
     pub fn poll_commit(&mut self) -> Option<Committed> {
-        let w = self.windows.front()?;
-        if w.reported.iter().any(Option::is_none) {
+        if self.windows.front()?.missing > 0 {
             return None;
         }
         let w = self.windows.pop_front()?;
@@ -243,7 +245,7 @@ impl Pipeline {
         self.failure.as_ref()?;
         let open = (0..self.world).any(|r| self.waiting_on(r));
         // Windows every rank reported before the failure are committed first.
-        let committable = self.windows.front().is_some_and(|w| w.reported.iter().all(Option::is_some));
+        let committable = self.windows.front().is_some_and(|w| w.missing == 0);
         if open || committable {
             return None;
         }

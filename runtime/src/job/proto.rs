@@ -204,10 +204,20 @@ fn peer(s: &TcpStream) -> String {
 
 /// Writes one message as a JSON line.
 pub fn send<T: Serialize>(stream: &mut TcpStream, msg: &T) -> Result<(), ProtoError> {
-    let mut line = serde_json::to_vec(msg)
-        .map_err(|e| ProtoError::Malformed { peer: peer(stream), detail: e.to_string() })?;
+    let line = encode(msg).map_err(|detail| ProtoError::Malformed { peer: peer(stream), detail })?;
+    send_encoded(stream, &line)
+}
+
+/// One message as its JSON line, to send to many peers.
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, String> {
+    let mut line = serde_json::to_vec(msg).map_err(|e| e.to_string())?;
     line.push(b'\n');
-    stream.write_all(&line).map_err(|e| ProtoError::Io { peer: peer(stream), detail: e.to_string() })
+    Ok(line)
+}
+
+/// Writes a line made by [`encode`].
+pub fn send_encoded(stream: &mut TcpStream, line: &[u8]) -> Result<(), ProtoError> {
+    stream.write_all(line).map_err(|e| ProtoError::Io { peer: peer(stream), detail: e.to_string() })
 }
 
 /// A reader of JSON-line messages.

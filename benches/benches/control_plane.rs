@@ -1,0 +1,347 @@
+//! The control plane at scale: N simulated workers against the real
+//! coordinator.
+//!
+//!     cargo bench -p edl-benches --bench control_plane
+//!     cargo bench -p edl-benches --bench control_plane -- --bench --sizes 16,256 --compute-ms 2
+//!
+//! Each simulated worker is a thread speaking the real protocol over a real
+//! loopback socket (hello, ready, generations, windows of steps, commits);
+//! its compute is a sleep of `--compute-ms` per step and it builds no ring
+//! (the all-reduce is the data plane, not the control plane). The
+//! coordinator is the job's own (`edl_runtime::job::coordinator::run`) with
+//! its membership, step pipeline, ledger, store and checkpoint cadence; the
+//! policy is a fixed one so every run sees the same events. Per N:
+//!
+//! - coordinator CPU per step: the process's CPU less the simulated workers'
+//!   (each measures its own thread), over 64 steady-state steps;
+//! - control-plane time per step: wall time per committed step less the
+//!   simulated compute, over the same steps;
+//! - failure recovery: one worker's connection drops mid-window; from the
+//!   failure to the first committed step of the next generation;
+//! - resize pause: the policy adds a worker; from the boundary to the first
+//!   committed step of the generation that has it.
+//!
+//! Prints a table and writes `target/control-plane.svg` (the figures against N).
+
+use edl_plugin_sdk::{Action, ClusterView, Hyperparams, PluginInfo};
+use edl_runtime::{
+    data,
+    job::{
+        JobConfig, JobLock, JobSpec, Progress, Scaler,
+        coordinator,
+        proto::{FromWorker, Receiver, StepDone, ToWorker, Written, send},
+    },
+    plugin::{Backend, Error, Plugin, PolicyPlugin},
+};
+use std::{
+    collections::HashMap,
+    net::{SocketAddr, TcpStream},
+    path::PathBuf,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+/// CPU seconds of the calling thread.
+fn thread_cpu() -> f64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid timespec to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
+/// CPU seconds of the whole process.
+fn process_cpu() -> f64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid timespec to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
+/// What the simulated workers share with the harness.
+#[derive(Clone)]
+struct Sim {
+    compute: Duration,
+    train_len: usize,
+    /// CPU nanoseconds the simulated workers used.
+    cpu_ns: Arc<AtomicU64>,
+    /// Worker id that drops its connection when it is sent this step.
+    victim: Option<(u64, u64)>,
+}
+
+fn sim_worker(addr: SocketAddr, id: u64, sim: Sim) -> anyhow::Result<()> {
+    let mut cpu_mark = thread_cpu();
+    let account = |mark: &mut f64| {
+        let now = thread_cpu();
+        sim.cpu_ns.fetch_add(((now - *mark) * 1e9) as u64, Ordering::Relaxed);
+        *mark = now;
+    };
+    let stream = TcpStream::connect(addr)?;
+    stream.set_nodelay(true)?;
+    let mut out = stream.try_clone()?;
+    let mut rx = Receiver::new(stream);
+    send(&mut out, &FromWorker::Hello { worker: id, pid: std::process::id() })?;
+    match rx.recv::<ToWorker>()? {
+        ToWorker::Welcome(_) => {}
+        _ => return Ok(()),
+    }
+    send(&mut out, &FromWorker::Ready)?;
+    let mut place = (0u64, 0usize, 1usize);
+    loop {
+        account(&mut cpu_mark);
+        match rx.recv::<ToWorker>()? {
+            ToWorker::Generation(g) => place = (g.generation, g.rank, g.world),
+            ToWorker::Steps { generation, steps } if generation == place.0 => {
+                let mut done = Vec::with_capacity(steps.len());
+                for s in steps {
+                    if sim.victim == Some((id, s.step)) {
+                        return Ok(());
+                    }
+                    std::thread::sleep(sim.compute);
+                    let gb = s.hyper.global_batch as usize;
+                    let r = data::shard(s.cursor, gb, place.1, place.2, sim.train_len);
+                    done.push(StepDone {
+                        step: s.step,
+                        epoch: s.epoch,
+                        start: r.start as u32,
+                        end: r.end as u32,
+                        loss: 0.0,
+                        compute_ms: sim.compute.as_secs_f64() * 1e3,
+                    });
+                }
+                send(&mut out, &FromWorker::Done { generation, steps: done, setup_ms: 0.0 })?;
+            }
+            ToWorker::Steps { .. } => {}
+            ToWorker::Commit { step, wait: true, .. } => {
+                let written = Written { step, result: Ok(PathBuf::from("(simulated)")) };
+                send(&mut out, &FromWorker::Saved { checkpoints: vec![written] })?;
+            }
+            ToWorker::Commit { .. } => {}
+            ToWorker::Stop { .. } => return Ok(()),
+            ToWorker::Welcome(_) => anyhow::bail!("a second welcome"),
+        }
+    }
+}
+
+/// Starts simulated workers as threads.
+struct SimScaler {
+    sim: Sim,
+}
+
+impl Scaler for SimScaler {
+    fn spawn(&mut self, id: u64, coordinator: SocketAddr) -> anyhow::Result<()> {
+        let sim = self.sim.clone();
+        std::thread::Builder::new().name("sim-worker".into()).stack_size(256 << 10).spawn(move || {
+            let _ = sim_worker(coordinator, id, sim);
+        })?;
+        Ok(())
+    }
+    fn stop(&mut self, _id: u64, _grace: Duration) {}
+    fn exited(&mut self) -> Vec<(u64, String)> {
+        Vec::new()
+    }
+    fn pid(&self, _id: u64) -> Option<u32> {
+        None
+    }
+    fn log_of(&self, _id: u64) -> Option<PathBuf> {
+        None
+    }
+}
+
+/// Adds one worker at the first decision from `at` on; holds otherwise.
+struct AddOne {
+    info: PluginInfo,
+    at: u64,
+    done: bool,
+}
+
+impl Plugin for AddOne {
+    fn info(&self) -> &PluginInfo {
+        &self.info
+    }
+    fn backend(&self) -> Backend {
+        Backend::Native
+    }
+}
+
+impl PolicyPlugin for AddOne {
+    fn decide(&mut self, view: &ClusterView) -> Result<Vec<Action>, Error> {
+        if !self.done && view.step >= self.at && view.world_size < view.max_workers {
+            self.done = true;
+            return Ok(vec![Action::ScaleOut(1)]);
+        }
+        Ok(vec![Action::Hold])
+    }
+}
+
+struct Figures {
+    n: u32,
+    cpu_per_step_ms: f64,
+    control_ms: f64,
+    recovery_ms: f64,
+    resize_ms: f64,
+}
+
+/// Steady-state steps measured, and where the events fall.
+const FROM: u64 = 24;
+const TO: u64 = FROM + 64;
+const KILL_AT: u64 = TO + 10;
+const ADD_AT: u64 = KILL_AT + 24;
+
+fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
+    let dir = tempfile::tempdir()?;
+    let spec = JobSpec {
+        job: format!("scale-{n}"),
+        dataset: "mnist5k".into(),
+        test_rows: 1000,
+        split_seed: 1,
+        train_samples: None,
+        seed: 1,
+        epochs: 3,
+        layers: vec![784, 128, 10],
+        temperature: 4.0,
+        alpha: 0.7,
+        teachers: None,
+        teacher_model_name: String::new(),
+        transform: None,
+        transform_config: Vec::new(),
+        collective_timeout_ms: 5000,
+        checkpoint_dir: dir.path().join("checkpoints"),
+        keep_checkpoints: 2,
+        step_delay_ms: 0,
+        device: "cpu".into(),
+        plugin_deadline_ms: 100,
+        plugin_memory_mib: 64,
+        allow_native: false,
+        teacher_wait_ms: 20_000,
+    };
+    let (train, _) = edl_runtime::job::worker::load_data(&spec)?;
+    let sim = Sim {
+        compute,
+        train_len: train.len(),
+        cpu_ns: Arc::new(AtomicU64::new(0)),
+        // The highest id: the last rank.
+        victim: Some((n as u64, KILL_AT)),
+    };
+    let cfg = JobConfig {
+        spec: spec.clone(),
+        min_workers: n.saturating_sub(1).max(1),
+        max_workers: n,
+        initial_workers: n,
+        decide_every: 8,
+        checkpoint_every: None,
+        checkpoint_interval: Duration::from_secs(30),
+        hyper: Hyperparams { global_batch: 64, local_batch: 64, lr: 0.05, momentum: 0.9 },
+        store: "memory".into(),
+        step_timeout: Duration::from_secs(120),
+        join_timeout: Duration::from_secs(120),
+        price_per_worker_hour: 0.0,
+        teacher_watch: None,
+    };
+    let lock = JobLock::acquire(&spec.checkpoint_dir, &spec.job)?;
+    let info = PluginInfo { name: "add-one".into(), version: "0".into(), description: String::new() };
+    let policy = Box::new(AddOne { info, at: ADD_AT, done: false });
+    let mut marks: HashMap<u64, (Instant, f64)> = HashMap::new();
+    let cpu_ns = sim.cpu_ns.clone();
+    let mut progress = |p: Progress| {
+        if let Progress::Step(r) = p
+            && (r.step == FROM || r.step == TO)
+        {
+            let sim_cpu = cpu_ns.load(Ordering::Relaxed) as f64 * 1e-9;
+            marks.insert(r.step, (Instant::now(), process_cpu() - sim_cpu));
+        }
+    };
+    let outcome = coordinator::run(cfg, lock, policy, None, Box::new(SimScaler { sim }), &mut progress)?;
+    let ((t0, c0), (t1, c1)) = (marks[&FROM], marks[&TO]);
+    let steps = (TO - FROM) as f64;
+    let wall = t1.duration_since(t0).as_secs_f64() / steps;
+    let event = |what: &str| {
+        outcome
+            .scale_events
+            .iter()
+            .find(|e| e.reason.contains(what))
+            .map(|e| e.pause_ms)
+            .ok_or_else(|| anyhow::anyhow!("N = {n}: no {what:?} event in {:?}", outcome.scale_events))
+    };
+    Ok(Figures {
+        n,
+        cpu_per_step_ms: (c1 - c0) / steps * 1e3,
+        control_ms: (wall - compute.as_secs_f64()) * 1e3,
+        recovery_ms: event("lost")?,
+        resize_ms: event("policy")?,
+    })
+}
+
+fn arg(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+}
+
+fn plot(figures: &[Figures], path: &std::path::Path) -> std::io::Result<()> {
+    let (w, h, m) = (640.0, 360.0, 50.0);
+    let max_n = figures.iter().map(|f| f.n).max().unwrap_or(1) as f64;
+    let series: [(&str, &str, fn(&Figures) -> f64); 4] = [
+        ("coordinator CPU per step (ms)", "#1f77b4", |f| f.cpu_per_step_ms),
+        ("control-plane time per step (ms)", "#ff7f0e", |f| f.control_ms),
+        ("failure recovery (ms)", "#d62728", |f| f.recovery_ms),
+        ("resize pause (ms)", "#2ca02c", |f| f.resize_ms),
+    ];
+    let max_y = figures.iter().flat_map(|f| series.iter().map(move |s| (s.2)(f))).fold(1.0, f64::max);
+    let x = |n: f64| m + (n.max(1.0).log2() / max_n.log2().max(1.0)) * (w - 2.0 * m);
+    let y = |v: f64| h - m - (v.max(0.0) / max_y) * (h - 2.0 * m);
+    let mut svg = format!(
+        "<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' font-family='sans-serif' font-size='11'>\
+         <rect width='100%' height='100%' fill='white'/>\
+         <line x1='{m}' y1='{}' x2='{}' y2='{}' stroke='black'/><line x1='{m}' y1='{m}' x2='{m}' y2='{}' stroke='black'/>\
+         <text x='{}' y='{}' text-anchor='middle'>simulated workers N (log scale)</text>\
+         <text x='{m}' y='{}' >ms (max {max_y:.1})</text>",
+        h - m,
+        w - m,
+        h - m,
+        h - m,
+        w / 2.0,
+        h - 12.0,
+        m - 10.0
+    );
+    for f in figures {
+        svg += &format!("<text x='{}' y='{}' text-anchor='middle'>{}</text>", x(f.n as f64), h - m + 14.0, f.n);
+    }
+    for (i, (name, color, get)) in series.iter().enumerate() {
+        let pts: Vec<String> = figures.iter().map(|f| format!("{:.1},{:.1}", x(f.n as f64), y(get(f)))).collect();
+        svg += &format!("<polyline fill='none' stroke='{color}' stroke-width='2' points='{}'/>", pts.join(" "));
+        svg += &format!("<text x='{}' y='{}' fill='{color}'>{name}</text>", m + 10.0, m + 14.0 * i as f64);
+    }
+    svg += "</svg>";
+    std::fs::write(path, svg)
+}
+
+fn main() -> anyhow::Result<()> {
+    // `cargo bench` passes --bench; `cargo test --benches` does not: nothing to measure then.
+    if !std::env::args().any(|a| a == "--bench") {
+        return Ok(());
+    }
+    let sizes: Vec<u32> = arg("--sizes")
+        .unwrap_or_else(|| "16,64,256,1024".into())
+        .split(',')
+        .map(|s| s.trim().parse())
+        .collect::<Result<_, _>>()?;
+    let compute = Duration::from_secs_f64(arg("--compute-ms").map_or(Ok(2.0), |s| s.parse())? / 1e3);
+    println!("simulated compute {:?} per step, global batch 64, policy decisions every 8 steps", compute);
+    println!("| N | coordinator CPU per step | control-plane time per step | failure recovery | resize pause |");
+    println!("|---|---|---|---|---|");
+    let mut figures = Vec::new();
+    for n in sizes {
+        let f = run(n, compute)?;
+        println!(
+            "| {} | {:.3} ms | {:.3} ms | {:.0} ms | {:.0} ms |",
+            f.n, f.cpu_per_step_ms, f.control_ms, f.recovery_ms, f.resize_ms
+        );
+        figures.push(f);
+    }
+    let svg = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/control-plane.svg");
+    plot(&figures, &svg)?;
+    println!("plot: {}", svg.display());
+    Ok(())
+}
