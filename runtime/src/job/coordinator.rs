@@ -350,6 +350,9 @@ struct Coordinator<'a> {
     saved: Vec<Written>,
 }
 
+/// The coordinator's lease on its job in the store (renewed every third of it).
+const LEASE_TTL: Duration = Duration::from_secs(10);
+
 /// Windows kept ahead of the ranks while membership is stable.
 const AHEAD: usize = 2;
 /// A window holds about this much work (by the measured step time)...
@@ -443,6 +446,10 @@ pub fn run(
     let result = c.job();
     c.m.stop_all(if result.is_ok() { "the job is done" } else { "the job failed" });
     c.execute();
+    if let Some(k) = &c.keeper {
+        k.release();
+        let _ = k.flush(Duration::from_secs(5));
+    }
     drop(lock);
     result
 }
@@ -744,11 +751,14 @@ impl Coordinator<'_> {
     }
 
     fn job(&mut self) -> Result<JobOutcome> {
+        // Before anything is read or changed: one coordinator per job.
+        let lease = self.rt.block_on(super::keeper::take_lease(&self.store, &self.cfg.spec.job, LEASE_TTL))?;
         let resumed = self.resume()?;
         self.keeper = Some(super::keeper::StoreKeeper::start(
             &self.cfg.store,
             keys::job_state(&self.cfg.spec.job),
             self.state_token,
+            Some(lease),
         )?);
         self.first_generation = self.generation + 1;
         let total = self.cfg.spec.epochs;

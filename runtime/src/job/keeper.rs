@@ -9,6 +9,11 @@
 //! job, and this one is *fenced*: [`StoreKeeper::fenced`] says so and the
 //! coordinator stops instead of overwriting. A key that vanished (the store
 //! restarted without persistence) is written afresh.
+//!
+//! The keeper also renews the coordinator's lease on the job
+//! ([`take_lease`]): while it lives, a second coordinator of the same job
+//! on any host that shares the store is refused, naming the holder; a
+//! coordinator whose lease was taken is fenced.
 
 use super::coordinator::JobState;
 use crate::store::{AnyStore, Cas, Store, redact};
@@ -20,6 +25,8 @@ use tokio::sync::{mpsc, oneshot};
 
 enum Cmd {
     State(JobState),
+    /// Give the coordinator lease up (the job ended).
+    Release,
     Lease { key: String, value: Vec<u8>, ttl: Duration },
     Delete(String),
     Flush(oneshot::Sender<Result<(), String>>),
@@ -34,7 +41,7 @@ pub struct StoreKeeper {
 impl StoreKeeper {
     /// Starts the keeper of `key` in the store at `url`; `token` is the
     /// state's token as read at start (None: the job has no state yet).
-    pub fn start(url: &str, key: String, token: Option<u64>) -> anyhow::Result<Self> {
+    pub fn start(url: &str, key: String, token: Option<u64>, lease: Option<Lease>) -> anyhow::Result<Self> {
         let (tx, mut rx) = mpsc::unbounded_channel::<Cmd>();
         let fenced = Arc::new(Mutex::new(None));
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -47,7 +54,26 @@ impl StoreKeeper {
         std::thread::Builder::new().name("edl-store-keeper".into()).spawn(move || {
             rt.block_on(async move {
                 let mut token = token;
-                while let Some(first) = rx.recv().await {
+                let mut lease = lease;
+                let renew_every = lease.as_ref().map_or(Duration::from_secs(3600), |l| l.ttl / 3);
+                let mut renew = tokio::time::interval(renew_every);
+                renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    let first = tokio::select! {
+                        c = rx.recv() => match c { Some(c) => c, None => break },
+                        _ = renew.tick() => {
+                            if let Some(l) = lease.as_mut()
+                                && let Err(e) = l.renew(&store).await
+                            {
+                                if e.starts_with("fenced") {
+                                    *flag.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
+                                    lease = None;
+                                }
+                                tracing::warn!("store {shown}: coordinator lease: {e}");
+                            }
+                            continue;
+                        }
+                    };
                     // Coalesce: of the states queued, only the newest is written.
                     let mut cmds = vec![first];
                     while let Ok(c) = rx.try_recv() {
@@ -65,6 +91,11 @@ impl StoreKeeper {
                                 }
                             }
                             Cmd::State(_) => {}
+                            Cmd::Release => {
+                                if let Some(l) = lease.take() {
+                                    l.release(&store).await;
+                                }
+                            }
                             Cmd::Lease { key, value, ttl } => {
                                 if let Err(e) = store.put(&key, &value, Some(ttl)).await {
                                     tracing::warn!("store {shown}: lease {key}: {e}");
@@ -89,6 +120,11 @@ impl StoreKeeper {
     /// Queues the newest job state.
     pub fn state(&self, s: JobState) {
         let _ = self.tx.send(Cmd::State(s));
+    }
+
+    /// Gives the coordinator lease up (queued after everything before it).
+    pub fn release(&self) {
+        let _ = self.tx.send(Cmd::Release);
     }
 
     /// Queues a lease write.
@@ -163,4 +199,104 @@ fn fenced(mine: Option<u64>, theirs: Option<u64>) -> String {
         theirs.map_or("none".into(), |t| t.to_string()),
         mine.map_or("none".into(), |t| t.to_string())
     )
+}
+
+/// The coordinator's lease on its job in the store.
+pub struct Lease {
+    key: String,
+    value: Vec<u8>,
+    token: u64,
+    ttl: Duration,
+}
+
+/// The coordinator's identity as the lease shows it.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Holder {
+    host: String,
+    pid: u32,
+}
+
+/// Takes the job's coordinator lease (`ttl`, renewed by the keeper), or
+/// says who holds it.
+pub async fn take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::Result<Lease> {
+    let key = crate::store::keys::coordinator(job);
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string();
+    let me = Holder { host, pid: std::process::id() };
+    let value = serde_json::to_vec(&me)?;
+    match store.compare_and_set(&key, None, &value, Some(ttl)).await? {
+        Cas::Written(token) => Ok(Lease { key, value, token, ttl }),
+        Cas::Conflict { .. } => {
+            let entry = store.get(&key).await?;
+            let found = entry.as_ref().and_then(|e| serde_json::from_slice::<Holder>(&e.value).ok());
+            if let (Some(e), Some(h)) = (&entry, &found)
+                && h.host == me.host
+                && !alive(h.pid)
+            {
+                // A coordinator of this host that died (kill -9, a crash):
+                // its lease is stale, and a restart takes it over at once.
+                if let Cas::Written(token) = store.compare_and_set(&key, Some(e.token), &value, Some(ttl)).await? {
+                    return Ok(Lease { key, value, token, ttl });
+                }
+            }
+            let holder = match (&entry, found) {
+                (_, Some(h)) => format!("pid {} on {}", h.pid, h.host),
+                (Some(_), None) => "an unreadable holder".into(),
+                (None, _) => "a coordinator whose lease just ended (try again)".into(),
+            };
+            anyhow::bail!(
+                "job {job:?} is already run by another coordinator: {holder} holds its lease in the store \
+                 (it lapses {ttl:?} after that coordinator stops)"
+            )
+        }
+    }
+}
+
+impl Lease {
+    /// Extends the lease, if it is still this coordinator's.
+    async fn renew(&mut self, store: &AnyStore) -> Result<(), String> {
+        let answer = tokio::time::timeout(
+            Duration::from_secs(10),
+            store.compare_and_set(&self.key, Some(self.token), &self.value, Some(self.ttl)),
+        )
+        .await
+        .map_err(|_| "no answer within 10 s".to_string())?
+        .map_err(|e| e.to_string())?;
+        match answer {
+            Cas::Written(t) => {
+                self.token = t;
+                Ok(())
+            }
+            // Lapsed (the store was unreachable past the lease): take it again if free.
+            Cas::Conflict { current: None } => {
+                match store.compare_and_set(&self.key, None, &self.value, Some(self.ttl)).await {
+                    Ok(Cas::Written(t)) => {
+                        self.token = t;
+                        Ok(())
+                    }
+                    Ok(Cas::Conflict { .. }) => Err(lost()),
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+            Cas::Conflict { .. } => Err(lost()),
+        }
+    }
+
+    async fn release(self, store: &AnyStore) {
+        if let Ok(Some(e)) = store.get(&self.key).await
+            && e.token == self.token
+        {
+            let _ = store.delete(&self.key).await;
+        }
+    }
+}
+
+/// Whether process `pid` of this host exists.
+fn alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
+    // SAFETY: signal 0 only checks that the process exists.
+    unsafe { libc::kill(pid, 0) == 0 || *libc::__errno_location() == libc::EPERM }
+}
+
+fn lost() -> String {
+    "fenced: another coordinator took the job's lease; stopping instead of running it twice".into()
 }

@@ -176,4 +176,9 @@ pub mod keys {
     pub fn job_state(job: &str) -> String {
         format!("{ROOT}/jobs/{job}/state")
     }
+
+    /// The lease of the coordinator that runs the job.
+    pub fn coordinator(job: &str) -> String {
+        format!("{ROOT}/jobs/{job}/coordinator")
+    }
 }

@@ -505,3 +505,67 @@ fn teachers_that_answer_nothing_end_the_job_after_one_wait() {
     assert!(out.contains("no teacher answered within 3s"), "{out}");
     assert!(!out.contains("not committed"), "no step retried: {out}");
 }
+
+#[test]
+fn a_second_coordinator_on_another_host_sharing_the_store_is_refused_by_the_lease() {
+    // Two directories stand for two hosts: no shared lock file, one Redis.
+    let redis = crate::store::RedisServer::start();
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let url = redis.url();
+    let shared = ["--store", url.as_str(), "--job", "leased"];
+    let mut first = small(a.path(), &[&shared[..], &["--epochs", "50", "--step-delay-ms", "20"]].concat())
+        .spawn()
+        .unwrap();
+    let rx = lines(&mut first);
+    let mut seen = Vec::new();
+    crate::elastic::wait_for(&rx, "scale", &mut seen, Duration::from_secs(120));
+    let out = small(b.path(), &shared).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("already run by another coordinator") && err.contains("holds its lease"), "{err}");
+    assert!(err.contains(&format!("pid {} on ", first.id())), "{err}");
+    // The refused coordinator changed nothing: the first one runs on.
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(first.try_wait().unwrap().is_none(), "the first coordinator is still running");
+    let _ = first.kill();
+    let _ = first.wait();
+}
+
+#[test]
+fn a_finished_job_gives_its_lease_up() {
+    let redis = crate::store::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let url = redis.url();
+    let args = ["--store", url.as_str(), "--job", "released"];
+    let (status, out) = run_to_end(small(dir.path(), &args));
+    assert!(status.success(), "{out}");
+    // Another host can run the job's next round at once.
+    let other = tempfile::tempdir().unwrap();
+    let (status, out) = run_to_end(small(other.path(), &args));
+    assert!(status.success(), "{out}");
+}
+
+#[test]
+fn a_coordinator_whose_lease_is_taken_stops_instead_of_running_on() {
+    use edl_runtime::store::{AnyStore, Store, keys};
+    let redis = crate::store::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let url = redis.url();
+    let args = ["--store", url.as_str(), "--job", "taken", "--epochs", "200", "--step-delay-ms", "20"];
+    let mut first = small(dir.path(), &args).spawn().unwrap();
+    let rx = lines(&mut first);
+    let mut seen = Vec::new();
+    crate::elastic::wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    // Another coordinator (as far as the store can tell) takes the lease.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let store = AnyStore::open(&url).unwrap();
+        let other = br#"{"host":"elsewhere","pid":1}"#;
+        store.put(&keys::coordinator("taken"), other, Some(Duration::from_secs(60))).await.unwrap();
+    });
+    let status = finish(first, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(!status.success(), "{text}");
+    let r = report(dir.path());
+    assert!(r["error"].as_str().unwrap().contains("another coordinator took the job's lease"), "{r}");
+}
