@@ -277,12 +277,14 @@ struct Pending {
     join_ms: Option<f64>,
     /// The generation it made, once formed.
     generation: Option<u64>,
+    /// It follows a failure (workers lost), not a decision.
+    failure: bool,
 }
 
 impl Pending {
     /// A resize decided now, from a world of `from`.
     fn new(from: u32, reason: String) -> Self {
-        Pending { from, reason, boundary: Instant::now(), join_ms: None, generation: None }
+        Pending { from, reason, boundary: Instant::now(), join_ms: None, generation: None, failure: false }
     }
 }
 
@@ -1384,7 +1386,7 @@ impl Coordinator<'_> {
         ));
         let lost: Vec<String> = dead.iter().map(|d| format!("worker {d} lost")).collect();
         let reason = if lost.is_empty() { "collective failed".to_string() } else { lost.join(", ") };
-        self.pending = Some(Pending::new(from, reason));
+        self.pending = Some(Pending { failure: true, ..Pending::new(from, reason) });
     }
 
     /// Carries out a policy decision.
@@ -1393,7 +1395,7 @@ impl Coordinator<'_> {
         if let Some(reason) = self.m.apply_decision(Instant::now(), actions) {
             match self.pending.as_mut() {
                 // A failure's resize not formed yet: one event says both.
-                Some(p) if p.generation.is_none() => p.reason = format!("{}; {reason}", p.reason),
+                Some(p) if p.generation.is_none() && p.failure => p.reason = format!("{}; {reason}", p.reason),
                 _ => self.pending = Some(Pending::new(world, reason)),
             }
         }
