@@ -54,6 +54,12 @@ fn policy_decision(c: &mut Criterion) {
     g.bench_function("native-so", |b| b.iter(|| native.decide(black_box(&view)).unwrap()));
     let no_workers = ClusterView { workers: Vec::new(), ..view.clone() };
     g.bench_function("wasm-no-worker-list", |b| b.iter(|| wasm.decide(black_box(&no_workers)).unwrap()));
+    // The floor of one call into a component: flat arguments and a flat
+    // result (no realloc, no post-return), `dynamic-batch`'s on-step with
+    // no ramp under way (it returns its input).
+    let mut adapter = host.load_adapter(Path::new(art::DYNAMIC_BATCH_WASM), &[]).unwrap();
+    let hyper = edl_plugin_sdk::Hyperparams { global_batch: 256, local_batch: 64, lr: 0.1, momentum: 0.9 };
+    g.bench_function("wasm-flat-call", |b| b.iter(|| adapter.on_step(black_box(1000), black_box(&hyper)).unwrap()));
     g.finish();
 }
 
