@@ -772,7 +772,7 @@ impl Coordinator<'_> {
         let final_checkpoint = 'job: loop {
             while self.epoch < total {
                 self.fenced()?;
-                if self.m.world() == 0 {
+                if self.m.world() == 0 && self.m.joiners() == 0 {
                     self.recover_from_nothing()?;
                 }
                 self.check_teachers()?;
@@ -807,7 +807,7 @@ impl Coordinator<'_> {
             self.m.stop_newcomers("the job is done");
             self.execute();
             for _ in 0..3 {
-                if self.m.world() == 0 {
+                if self.m.world() == 0 && self.m.joiners() == 0 {
                     self.recover_from_nothing()?;
                 }
                 if self.epoch < total {
@@ -1202,7 +1202,8 @@ impl Coordinator<'_> {
             self.commit_step(plan, &reports, first_of_generation && i == 0, c.setup_ms)?;
         }
         self.init = None;
-        let checkpoint = self.checkpoint_due();
+        // At the job's end the final checkpoint is asked for on its own.
+        let checkpoint = if self.epoch < self.cfg.spec.epochs { self.checkpoint_due() } else { None };
         let step = self.committed;
         let first = encode(&ToWorker::Commit { step, checkpoint: checkpoint.clone(), wait: false });
         let rest = encode(&ToWorker::Commit { step, checkpoint: None, wait: false });
@@ -1378,12 +1379,18 @@ impl Coordinator<'_> {
             0 | 1 => String::new(),
             n => format!(", {} later step(s) sent ahead dropped", n - 1),
         };
-        self.note(format!(
-            "step {} not committed (generation {}{ahead}): {why}; redoing it with {} worker(s)",
-            f.step,
-            self.generation,
-            self.m.world()
-        ));
+        let world = self.m.world();
+        if self.epoch >= self.cfg.spec.epochs {
+            self.note(format!(
+                "the final checkpoint (step {}) was not written (generation {}): {why}; {world} worker(s) left",
+                f.step, self.generation
+            ));
+        } else {
+            self.note(format!(
+                "step {} not committed (generation {}{ahead}): {why}; redoing it with {world} worker(s)",
+                f.step, self.generation
+            ));
+        }
         let lost: Vec<String> = dead.iter().map(|d| format!("worker {d} lost")).collect();
         let reason = if lost.is_empty() { "collective failed".to_string() } else { lost.join(", ") };
         self.pending = Some(Pending { failure: true, ..Pending::new(from, reason) });

@@ -423,3 +423,64 @@ fn a_worker_killed_while_later_windows_are_out_loses_no_sample() {
     assert!(note.contains("worker 2 (pid") && note.contains("lost"), "{note}");
     assert!(note.contains("later step(s) sent ahead dropped"), "windows were out when it died: {note}");
 }
+
+/// A one-worker job of `epochs` epochs; the policy never acts.
+fn sole_worker(dir: &Path, epochs: &str) -> Command {
+    let args = [
+        "--policy",
+        art::AUTOSCALE_WASM,
+        "--decide-every",
+        "100000",
+        "--no-distill",
+        "--min-workers",
+        "1",
+        "--max-workers",
+        "1",
+        "--step-delay-ms",
+        "5",
+        "--epochs",
+        epochs,
+    ];
+    job(dir, &args)
+}
+
+fn kill_worker(coordinator: u32, id: u64) {
+    let (victim, _) = children(coordinator)
+        .into_iter()
+        .find(|(_, c)| c.contains(" worker ") && c.trim_end().ends_with(&format!("--id {id}")))
+        .unwrap_or_else(|| panic!("worker {id} among {:?}", children(coordinator)));
+    // SAFETY: signalling a child of the job under test.
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+}
+
+#[test]
+fn losing_the_only_worker_restarts_from_the_newest_checkpoint_and_trains_every_sample_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = sole_worker(dir.path(), "3").spawn().unwrap();
+    let coordinator = child.id();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    kill_worker(coordinator, 1);
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    assert!(text.contains("no worker left; restarting from the newest checkpoint"), "{text}");
+    assert_exactly_once(&report(dir.path()), 3, 1200);
+}
+
+#[test]
+fn losing_the_only_worker_as_the_job_ends_still_ends_it_exactly_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = sole_worker(dir.path(), "2").spawn().unwrap();
+    let coordinator = child.id();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    // The last epoch's end: the final checkpoint is being asked for or written.
+    wait_for(&rx, "epoch     1 done", &mut seen, Duration::from_secs(120));
+    kill_worker(coordinator, 1);
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    assert_exactly_once(&report(dir.path()), 2, 1200);
+}
