@@ -16,6 +16,7 @@
 
 use super::ledger::{EpochRecord, Ledger};
 use super::membership::{Command, Event, Membership};
+use super::phase::{JobPhase, Phase};
 use super::pipeline::{Committed, Failure, Pipeline};
 use super::proto::{
     FromWorker, Generation, JobSpec, Receiver, StepDone, StepPlan, ToWorker, Written, encode, send, send_encoded,
@@ -363,9 +364,6 @@ const WINDOW_WORK_MS: f64 = 25.0;
 const MAX_WINDOW: u64 = 32;
 /// How often the coordinator looks after starters, leases, teachers and the store.
 const CHORES_EVERY: Duration = Duration::from_millis(100);
-
-/// A step that fails this many times in a row (every generation tried) ends the job.
-const MAX_FAILED_ATTEMPTS: u32 = 5;
 
 /// Bound on writing one control message to a worker.
 const SEND_TIMEOUT: Duration = Duration::from_secs(10);
@@ -768,73 +766,60 @@ impl Coordinator<'_> {
         self.spawn(first);
         self.wait_for_joiners(first as usize)?;
         self.boundary(true)?;
-        let mut failures = 0;
-        let final_checkpoint = 'job: loop {
-            while self.epoch < total {
-                self.fenced()?;
-                if self.m.world() == 0 && self.m.joiners() == 0 {
-                    self.recover_from_nothing()?;
-                }
-                self.check_teachers()?;
-                if let Some(actions) = self.decision.take() {
-                    self.apply_decision(&actions);
-                }
-                self.boundary(true)?;
-                let before = self.committed;
-                let Some(f) = self.run_generation()? else { continue };
-                if self.committed > before {
-                    failures = 0;
-                }
-                failures += 1;
-                if f.no_teachers {
+        let mut phase = JobPhase::new(total, Duration::from_millis(self.cfg.spec.teacher_wait_ms));
+        let final_checkpoint = loop {
+            self.fenced()?;
+            if self.m.world() == 0 && self.m.joiners() == 0 {
+                self.recover_from_nothing()?;
+            }
+            match phase.next(self.epoch) {
+                Phase::Train { again } => {
+                    if again {
+                        // Every worker died before the final state was written:
+                        // the recovery went back to an earlier checkpoint, whose
+                        // remaining steps are trained again.
+                        self.note(format!(
+                            "the final state was lost with its workers; training again from step {}",
+                            self.committed
+                        ));
+                    }
                     self.check_teachers()?;
-                    // Every worker reads from the same teachers: another
-                    // generation would wait the same and fail the same.
-                    bail!(
-                        "step {}: no teacher answered within {:?}; the job cannot go on without them ({})",
-                        f.step,
-                        Duration::from_millis(self.cfg.spec.teacher_wait_ms),
-                        f.errors.join("; ")
-                    );
+                    if let Some(actions) = self.decision.take() {
+                        self.apply_decision(&actions);
+                    }
+                    self.boundary(true)?;
+                    let before = self.committed;
+                    let Some(f) = self.run_generation()? else { continue };
+                    if f.no_teachers {
+                        // Name the teachers' end if the job started them.
+                        self.check_teachers()?;
+                    }
+                    phase.generation_failed(self.committed > before, &f).map_err(|e| anyhow!(e))?;
+                    self.fail(f);
+                    self.check_spawning();
                 }
-                if failures >= MAX_FAILED_ATTEMPTS {
-                    bail!("step {} failed {failures} times in a row; last: {}", f.step, f.errors.join("; "));
-                }
-                self.fail(f);
-                self.check_spawning();
-            }
-            // The final state: no new workers any more.
-            self.m.stop_newcomers("the job is done");
-            self.execute();
-            for _ in 0..3 {
-                if self.m.world() == 0 && self.m.joiners() == 0 {
-                    self.recover_from_nothing()?;
-                }
-                if self.epoch < total {
-                    // Every worker died before the final state was written:
-                    // the recovery went back to an earlier checkpoint, whose
-                    // remaining steps are trained again.
-                    self.note(format!(
-                        "the final state was lost with its workers; training again from step {}",
-                        self.committed
-                    ));
-                    continue 'job;
-                }
-                self.boundary(true)?;
-                if self.pipe.as_ref().map(|p| p.generation) != Some(self.generation) {
-                    // Workers that have not joined a generation yet (a job
-                    // resumed at its end) load the state first.
-                    self.start_generation();
-                }
-                match self.write_final()? {
-                    Ok(p) => break 'job Some(p),
-                    Err(f) => self.fail(f),
+                Phase::Finish { entering } => {
+                    if entering {
+                        // The final state: no new workers any more.
+                        self.m.stop_newcomers("the job is done");
+                        self.execute();
+                    }
+                    self.boundary(true)?;
+                    if self.pipe.as_ref().map(|p| p.generation) != Some(self.generation) {
+                        // Workers that have not joined a generation yet (a job
+                        // resumed at its end) load the state first.
+                        self.start_generation();
+                    }
+                    match self.write_final()? {
+                        Ok(p) => break p,
+                        Err(f) => {
+                            phase.final_failed().map_err(|e| anyhow!("{e}; last: {}", f.errors.join("; ")))?;
+                            self.fail(f);
+                        }
+                    }
                 }
             }
-            break None;
         };
-        let final_checkpoint =
-            final_checkpoint.ok_or_else(|| anyhow!("the final checkpoint could not be written"))?;
         let final_world = self.m.world();
         self.m.stop_all("the job is done");
         self.execute();

@@ -5,6 +5,7 @@
 //! - [`coordinator`]: the job server and its step protocol.
 //! - [`worker`]: one training process per device.
 //! - [`scaler`]: how workers are started and stopped.
+//! - [`phase`]: the job's phase (training, the final checkpoint) and when failures end it.
 //! - [`pipeline`]: the step barrier of a generation: windows ahead, commits, failures.
 //! - [`ledger`]: exactly-once accounting of training samples.
 //! - [`teachers`]: the teacher model (trained and cached) and teacher processes.
@@ -16,6 +17,7 @@ pub mod coordinator;
 pub mod keeper;
 pub mod ledger;
 pub mod membership;
+pub mod phase;
 pub mod pipeline;
 pub mod preflight;
 pub mod proto;
