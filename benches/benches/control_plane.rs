@@ -282,7 +282,8 @@ fn arg(name: &str) -> Option<String> {
 fn plot(figures: &[Figures], path: &std::path::Path) -> std::io::Result<()> {
     let (w, h, m) = (640.0, 360.0, 50.0);
     let max_n = figures.iter().map(|f| f.n).max().unwrap_or(1) as f64;
-    let series: [(&str, &str, fn(&Figures) -> f64); 4] = [
+    type Series = (&'static str, &'static str, fn(&Figures) -> f64);
+    let series: [Series; 4] = [
         ("coordinator CPU per step (ms)", "#1f77b4", |f| f.cpu_per_step_ms),
         ("control-plane time per step (ms)", "#ff7f0e", |f| f.control_ms),
         ("failure recovery (ms)", "#d62728", |f| f.recovery_ms),
