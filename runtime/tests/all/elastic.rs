@@ -404,22 +404,10 @@ fn a_worker_killed_while_later_windows_are_out_loses_no_sample() {
         "--epochs",
         "40",
     ];
-    let mut child = job(dir.path(), &args).spawn().unwrap();
-    let coordinator = child.id();
-    let rx = lines(&mut child);
-    let mut seen = Vec::new();
-    wait_for(&rx, "epoch     2 done", &mut seen, Duration::from_secs(120));
-    let (victim, _) = children(coordinator)
-        .into_iter()
-        .find(|(_, c)| c.contains(" worker ") && c.trim_end().ends_with("--id 2"))
-        .unwrap_or_else(|| panic!("worker 2 among {:?}", children(coordinator)));
-    // SAFETY: signalling a child of the job under test.
-    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
-    let status = finish(child, rx, &mut seen);
-    let text = seen.join("\n");
+    let (status, text) = kill_worker_after(job(dir.path(), &args), "epoch     2 done", 2);
     assert!(status.success(), "{text}");
     assert_exactly_once(&report(dir.path()), 40, 1200);
-    let note = seen.iter().find(|l| l.contains("not committed")).unwrap_or_else(|| panic!("{text}"));
+    let note = text.lines().find(|l| l.contains("not committed")).unwrap_or_else(|| panic!("{text}"));
     assert!(note.contains("worker 2 (pid") && note.contains("lost"), "{note}");
     assert!(note.contains("later step(s) sent ahead dropped"), "windows were out when it died: {note}");
 }
@@ -444,26 +432,28 @@ fn sole_worker(dir: &Path, epochs: &str) -> Command {
     job(dir, &args)
 }
 
-fn kill_worker(coordinator: u32, id: u64) {
+/// Runs `cmd`, kills worker `id` with SIGKILL once a line with `after` is
+/// printed, and returns how the job ended and everything it printed.
+fn kill_worker_after(mut cmd: Command, after: &str, id: u64) -> (std::process::ExitStatus, String) {
+    let mut child = cmd.spawn().unwrap();
+    let coordinator = child.id();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, after, &mut seen, Duration::from_secs(120));
     let (victim, _) = children(coordinator)
         .into_iter()
         .find(|(_, c)| c.contains(" worker ") && c.trim_end().ends_with(&format!("--id {id}")))
         .unwrap_or_else(|| panic!("worker {id} among {:?}", children(coordinator)));
     // SAFETY: signalling a child of the job under test.
     unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    let status = finish(child, rx, &mut seen);
+    (status, seen.join("\n"))
 }
 
 #[test]
 fn losing_the_only_worker_restarts_from_the_newest_checkpoint_and_trains_every_sample_once() {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = sole_worker(dir.path(), "3").spawn().unwrap();
-    let coordinator = child.id();
-    let rx = lines(&mut child);
-    let mut seen = Vec::new();
-    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
-    kill_worker(coordinator, 1);
-    let status = finish(child, rx, &mut seen);
-    let text = seen.join("\n");
+    let (status, text) = kill_worker_after(sole_worker(dir.path(), "3"), "epoch     0 done", 1);
     assert!(status.success(), "{text}");
     assert!(text.contains("no worker left; restarting from the newest checkpoint"), "{text}");
     assert_exactly_once(&report(dir.path()), 3, 1200);
@@ -472,15 +462,8 @@ fn losing_the_only_worker_restarts_from_the_newest_checkpoint_and_trains_every_s
 #[test]
 fn losing_the_only_worker_as_the_job_ends_still_ends_it_exactly_once() {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = sole_worker(dir.path(), "2").spawn().unwrap();
-    let coordinator = child.id();
-    let rx = lines(&mut child);
-    let mut seen = Vec::new();
     // The last epoch's end: the final checkpoint is being asked for or written.
-    wait_for(&rx, "epoch     1 done", &mut seen, Duration::from_secs(120));
-    kill_worker(coordinator, 1);
-    let status = finish(child, rx, &mut seen);
-    let text = seen.join("\n");
+    let (status, text) = kill_worker_after(sole_worker(dir.path(), "2"), "epoch     1 done", 1);
     assert!(status.success(), "{text}");
     assert_exactly_once(&report(dir.path()), 2, 1200);
 }
