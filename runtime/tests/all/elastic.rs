@@ -388,23 +388,9 @@ fn a_job_on_cuda_resizes_and_trains_every_sample_once() {
 fn a_worker_killed_while_later_windows_are_out_loses_no_sample() {
     let dir = tempfile::tempdir().unwrap();
     // Fast steps: the coordinator keeps windows of many steps ahead of the
-    // ranks. The policy never acts: the three workers stay until the kill.
-    let args = [
-        "--policy",
-        art::AUTOSCALE_WASM,
-        "--decide-every",
-        "100000",
-        "--no-distill",
-        "--workers",
-        "3",
-        "--min-workers",
-        "2",
-        "--max-workers",
-        "3",
-        "--epochs",
-        "40",
-    ];
-    let (status, text) = kill_worker_after(job(dir.path(), &args), "epoch     2 done", 2);
+    // ranks; the three workers stay until the kill.
+    let args = ["--workers", "3", "--min-workers", "2", "--max-workers", "3", "--epochs", "40"];
+    let (status, text) = kill_worker_after(steady(dir.path(), &args), "epoch     2 done", 2);
     assert!(status.success(), "{text}");
     assert_exactly_once(&report(dir.path()), 40, 1200);
     let note = text.lines().find(|l| l.contains("not committed")).unwrap_or_else(|| panic!("{text}"));
@@ -412,24 +398,16 @@ fn a_worker_killed_while_later_windows_are_out_loses_no_sample() {
     assert!(note.contains("later step(s) sent ahead dropped"), "windows were out when it died: {note}");
 }
 
-/// A one-worker job of `epochs` epochs; the policy never acts.
-fn sole_worker(dir: &Path, epochs: &str) -> Command {
-    let args = [
-        "--policy",
-        art::AUTOSCALE_WASM,
-        "--decide-every",
-        "100000",
-        "--no-distill",
-        "--min-workers",
-        "1",
-        "--max-workers",
-        "1",
-        "--step-delay-ms",
-        "5",
-        "--epochs",
-        epochs,
-    ];
+/// A job without teachers whose policy never acts, with `extra` flags.
+fn steady(dir: &Path, extra: &[&str]) -> Command {
+    let mut args = vec!["--policy", art::AUTOSCALE_WASM, "--decide-every", "100000", "--no-distill"];
+    args.extend_from_slice(extra);
     job(dir, &args)
+}
+
+/// A one-worker job of `epochs` epochs.
+fn sole_worker(dir: &Path, epochs: &str) -> Command {
+    steady(dir, &["--min-workers", "1", "--max-workers", "1", "--step-delay-ms", "5", "--epochs", epochs])
 }
 
 /// Runs `cmd`, kills worker `id` with SIGKILL once a line with `after` is
