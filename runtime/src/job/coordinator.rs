@@ -17,9 +17,10 @@
 use super::ledger::{EpochRecord, Ledger};
 use super::membership::{Command, Event, Membership};
 use super::phase::{JobPhase, Phase};
+use super::inbox::Inbound;
 use super::pipeline::{Committed, Failure, Pipeline};
 use super::proto::{
-    FromWorker, Generation, JobSpec, Receiver, StepDone, StepPlan, ToWorker, Written, encode, send, send_encoded,
+    FromWorker, Generation, JobSpec, StepDone, StepPlan, ToWorker, Written, encode, send, send_encoded,
 };
 use super::scaler::Scaler;
 use crate::checkpoint::{Checkpoints, Manifest, Restored};
@@ -264,11 +265,6 @@ impl DataIdentity {
     }
 }
 
-enum Inbound {
-    Conn(u64, TcpStream),
-    Msg(u64, FromWorker),
-    Closed(u64, String),
-}
 
 /// A resize waiting for the first committed step of its generation.
 struct Pending {
@@ -365,8 +361,6 @@ const MAX_WINDOW: u64 = 32;
 /// How often the coordinator looks after starters, leases, teachers and the store.
 const CHORES_EVERY: Duration = Duration::from_millis(100);
 
-/// Bound on writing one control message to a worker.
-const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
@@ -393,7 +387,7 @@ pub fn run(
     let addr = listener.local_addr()?;
     let rendezvous = RendezvousServer::start("127.0.0.1:0").context("rendezvous server")?;
     let (tx, rx) = mpsc::channel();
-    std::thread::Builder::new().name("edl-accept".into()).spawn(move || accept(listener, tx))?;
+    super::inbox::start(listener, tx).context("control connections")?;
     let now = Instant::now();
     let mut c = Coordinator {
         policy,
@@ -463,43 +457,6 @@ pub fn mark_complete(checkpoint_dir: &std::path::Path, epochs: &[EpochRecord]) -
         .with_context(|| format!("{}", marker.display()))
 }
 
-/// Accepts worker connections; one reader thread per connection.
-fn accept(listener: TcpListener, tx: mpsc::Sender<Inbound>) {
-    for (n, conn) in listener.incoming().enumerate() {
-        let Ok(conn) = conn else { continue };
-        let n = n as u64;
-        let _ = conn.set_nodelay(true);
-        // A send to a worker that stopped reading fails instead of blocking
-        // the coordinator; keepalive notices a peer whose host went away.
-        let _ = conn.set_write_timeout(Some(SEND_TIMEOUT));
-        super::proto::keepalive(&conn);
-        let Ok(reader) = conn.try_clone() else { continue };
-        if tx.send(Inbound::Conn(n, conn)).is_err() {
-            return;
-        }
-        let out = tx.clone();
-        let spawned = std::thread::Builder::new().name("edl-control-in".into()).spawn(move || {
-            let mut rx = Receiver::new(reader);
-            loop {
-                match rx.recv::<FromWorker>() {
-                    Ok(m) => {
-                        if out.send(Inbound::Msg(n, m)).is_err() {
-                            return;
-                        }
-                    }
-                    Err(e) => {
-                        let _ = out.send(Inbound::Closed(n, e.to_string()));
-                        return;
-                    }
-                }
-            }
-        });
-        if let Err(e) = spawned {
-            // No thread to read it: the connection counts as closed.
-            let _ = tx.send(Inbound::Closed(n, format!("no thread to read the connection: {e}")));
-        }
-    }
-}
 
 impl Coordinator<'_> {
     fn note(&mut self, s: String) {

@@ -4,6 +4,7 @@
 //!
 //! - [`coordinator`]: the job server and its step protocol.
 //! - [`worker`]: one training process per device.
+//! - [`inbox`]: the control connections: one thread accepts, one reads them all.
 //! - [`scaler`]: how workers are started and stopped.
 //! - [`phase`]: the job's phase (training, the final checkpoint) and when failures end it.
 //! - [`pipeline`]: the step barrier of a generation: windows ahead, commits, failures.
@@ -14,6 +15,7 @@
 //! - [`preflight`]: checks before anything starts, and the job's lock.
 
 pub mod coordinator;
+pub mod inbox;
 pub mod keeper;
 pub mod ledger;
 pub mod membership;

@@ -1,0 +1,205 @@
+//! The coordinator's side of its workers' control connections: one thread
+//! accepts them, one thread reads all of them (epoll, through mio), so a
+//! job of a thousand workers costs two threads, not a thousand.
+//!
+//! Connections stay blocking sockets, because the coordinator writes to them
+//! with a write timeout; the reader only ever asks the kernel for what has
+//! already arrived (`MSG_DONTWAIT`), draining each socket when epoll says it
+//! is readable. Every complete JSON line becomes one message; a closed,
+//! failed or misbehaving connection becomes one `Closed` event naming why.
+
+use super::proto::FromWorker;
+use mio::{Events, Interest, Poll, Token, Waker, unix::SourceFd};
+use std::{
+    collections::HashMap,
+    io,
+    net::{TcpListener, TcpStream},
+    os::fd::AsRawFd,
+    sync::{Arc, mpsc},
+    time::Duration,
+};
+
+/// What happens on the control connections.
+pub enum Inbound {
+    /// A new connection, numbered; the coordinator writes to this stream.
+    Conn(u64, TcpStream),
+    Msg(u64, FromWorker),
+    /// The connection ended, and why.
+    Closed(u64, String),
+}
+
+/// A line longer than this is not a control message: the connection is dropped.
+const MAX_LINE: usize = 64 << 20;
+/// Bound on writing one control message to a worker.
+pub const SEND_TIMEOUT: Duration = Duration::from_secs(10);
+const WAKE: Token = Token(usize::MAX);
+
+/// Starts the accepting and the reading thread; events go to `tx`.
+pub fn start(listener: TcpListener, tx: mpsc::Sender<Inbound>) -> io::Result<()> {
+    let poll = Poll::new()?;
+    let waker = Arc::new(Waker::new(poll.registry(), WAKE)?);
+    let (new_tx, new_rx) = mpsc::channel::<(u64, TcpStream)>();
+    let events = tx.clone();
+    std::thread::Builder::new().name("edl-control-in".into()).spawn(move || read_all(poll, new_rx, events))?;
+    std::thread::Builder::new().name("edl-accept".into()).spawn(move || {
+        for (n, conn) in listener.incoming().enumerate() {
+            let Ok(conn) = conn else { continue };
+            let n = n as u64;
+            let _ = conn.set_nodelay(true);
+            // A send to a worker that stopped reading fails instead of
+            // blocking the coordinator; keepalive notices a peer whose host
+            // went away.
+            let _ = conn.set_write_timeout(Some(SEND_TIMEOUT));
+            super::proto::keepalive(&conn);
+            let Ok(reader) = conn.try_clone() else { continue };
+            if tx.send(Inbound::Conn(n, conn)).is_err() || new_tx.send((n, reader)).is_err() {
+                return;
+            }
+            let _ = waker.wake();
+        }
+    })?;
+    Ok(())
+}
+
+/// One connection being read: its socket, who it is, the bytes of a line not complete yet.
+struct Open {
+    stream: TcpStream,
+    peer: String,
+    pending: Vec<u8>,
+}
+
+fn read_all(mut poll: Poll, new: mpsc::Receiver<(u64, TcpStream)>, tx: mpsc::Sender<Inbound>) {
+    let mut open: HashMap<u64, Open> = HashMap::new();
+    let mut events = Events::with_capacity(1024);
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        if let Err(e) = poll.poll(&mut events, None) {
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            tracing::error!("control connections: {e}");
+            return;
+        }
+        for ev in events.iter() {
+            if ev.token() == WAKE {
+                while let Ok((n, stream)) = new.try_recv() {
+                    let fd = stream.as_raw_fd();
+                    let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "peer".into());
+                    let added = poll.registry().register(&mut SourceFd(&fd), Token(n as usize), Interest::READABLE);
+                    if let Err(e) = added {
+                        let _ = tx.send(Inbound::Closed(n, format!("{peer}: cannot watch the connection: {e}")));
+                        continue;
+                    }
+                    open.insert(n, Open { stream, peer, pending: Vec::new() });
+                }
+                continue;
+            }
+            let n = ev.token().0 as u64;
+            let Some(conn) = open.get_mut(&n) else { continue };
+            match drain(conn, &mut buf, n, &tx) {
+                Ok(()) => {}
+                Err(why) => {
+                    let fd = conn.stream.as_raw_fd();
+                    let _ = poll.registry().deregister(&mut SourceFd(&fd));
+                    open.remove(&n);
+                    if tx.send(Inbound::Closed(n, why)).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Reads what has arrived on `conn` (edge-triggered: until the kernel has
+/// nothing more) and sends each complete line; an error ends the connection.
+fn drain(conn: &mut Open, buf: &mut [u8], n: u64, tx: &mpsc::Sender<Inbound>) -> Result<(), String> {
+    loop {
+        // SAFETY: `buf` is a live, writable buffer of `buf.len()` bytes and
+        // the socket stays open for the call; MSG_DONTWAIT makes it return at
+        // once when nothing is there.
+        let got = unsafe {
+            libc::recv(conn.stream.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
+        };
+        if got == 0 {
+            return Err(format!("{}: connection closed", conn.peer));
+        }
+        if got < 0 {
+            let e = io::Error::last_os_error();
+            return match e.kind() {
+                io::ErrorKind::WouldBlock => Ok(()),
+                io::ErrorKind::Interrupted => continue,
+                _ => Err(format!("{}: {e}", conn.peer)),
+            };
+        }
+        conn.pending.extend_from_slice(&buf[..got as usize]);
+        let mut start = 0;
+        while let Some(end) = conn.pending[start..].iter().position(|&b| b == b'\n') {
+            let line = &conn.pending[start..start + end];
+            start += end + 1;
+            let msg = serde_json::from_slice::<FromWorker>(line)
+                .map_err(|e| format!("{}: malformed message: {e}", conn.peer))?;
+            if tx.send(Inbound::Msg(n, msg)).is_err() {
+                return Err("the coordinator stopped".into());
+            }
+        }
+        conn.pending.drain(..start);
+        if conn.pending.len() > MAX_LINE {
+            return Err(format!("{}: a message longer than {} MiB", conn.peer, MAX_LINE >> 20));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn next(rx: &mpsc::Receiver<Inbound>) -> Inbound {
+        rx.recv_timeout(Duration::from_secs(30)).expect("an event")
+    }
+
+    #[test]
+    fn every_connection_is_read_by_one_thread_line_by_line_and_a_bad_line_closes_it() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = mpsc::channel();
+        start(listener, tx).unwrap();
+        let mut conns: Vec<TcpStream> = (0..50).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..50 {
+            match next(&rx) {
+                Inbound::Conn(n, _) => seen.insert(n),
+                _ => panic!("a connection first"),
+            };
+        }
+        assert_eq!(seen.len(), 50);
+        // A message in two writes, then two in one, on the last connection.
+        let hello = b"{\"hello\":{\"worker\":7,\"pid\":42}}\n";
+        let last = conns.last_mut().unwrap();
+        last.write_all(&hello[..9]).unwrap();
+        last.write_all(&hello[9..]).unwrap();
+        last.write_all(b"\"ready\"\n\"ready\"\n").unwrap();
+        let mut got = Vec::new();
+        for _ in 0..3 {
+            match next(&rx) {
+                Inbound::Msg(n, m) => got.push((n, format!("{m:?}"))),
+                _ => panic!("messages"),
+            }
+        }
+        assert_eq!(got[0], (49, "Hello { worker: 7, pid: 42 }".to_string()));
+        assert_eq!(got[1..], [(49, "Ready".to_string()), (49, "Ready".to_string())]);
+        // A line that is not a message ends that connection, naming why.
+        conns[3].write_all(b"{not json\n").unwrap();
+        match next(&rx) {
+            Inbound::Closed(3, why) => assert!(why.contains("malformed message"), "{why}"),
+            _ => panic!("connection 3 closed"),
+        }
+        // A peer that goes away is a closed connection.
+        drop(conns.remove(10));
+        match next(&rx) {
+            Inbound::Closed(10, why) => assert!(why.ends_with("connection closed"), "{why}"),
+            _ => panic!("connection 10 closed"),
+        }
+    }
+}
