@@ -4,6 +4,8 @@
 //! - `sleep-init` / `sleep-decide`: sleeps `ms` (default an hour) in `init` or `decide`;
 //! - `replace`: replaces the first worker it sees measured, once;
 //! - `recurse`: recurses with a 4 KiB frame until the guest's stack runs out;
+//! - `clock`: reads the monotonic clock (a host import) `calls` times per
+//!   decision, then holds (what one import call costs, for the benchmarks);
 //! - `hold`: holds (the control).
 
 use edl_plugin_sdk::{Action, ClusterView, Config, PluginError, ScalingPolicy};
@@ -14,11 +16,13 @@ pub struct Hostile {
     mode: String,
     sleep: Duration,
     replaced: bool,
+    calls: u32,
 }
 
 impl ScalingPolicy for Hostile {
     fn init(&mut self, config: &Config) -> Result<(), PluginError> {
-        config.expect_only(&["mode", "ms"])?;
+        config.expect_only(&["mode", "ms", "calls"])?;
+        self.calls = config.get_or("calls", 0u32)?;
         self.mode = config.get_or("mode", "hold".to_string())?;
         self.sleep = Duration::from_millis(config.get_or("ms", 3_600_000u64)?);
         if self.mode == "sleep-init" {
@@ -35,6 +39,12 @@ impl ScalingPolicy for Hostile {
                 vec![Action::Hold]
             }
             "recurse" => vec![Action::ScaleOut(deep(u32::MAX) as u32)],
+            "clock" => {
+                for _ in 0..self.calls {
+                    std::hint::black_box(std::time::Instant::now());
+                }
+                vec![Action::Hold]
+            }
             "replace" if !self.replaced => match view.workers.first() {
                 Some(w) => {
                     self.replaced = true;
