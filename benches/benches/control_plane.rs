@@ -279,40 +279,55 @@ fn arg(name: &str) -> Option<String> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
 }
 
+/// The four figures against N, both axes logarithmic.
 fn plot(figures: &[Figures], path: &std::path::Path) -> std::io::Result<()> {
-    let (w, h, m) = (640.0, 360.0, 50.0);
-    let max_n = figures.iter().map(|f| f.n).max().unwrap_or(1) as f64;
+    let (w, h, m) = (640.0, 380.0, 60.0);
     type Series = (&'static str, &'static str, fn(&Figures) -> f64);
     let series: [Series; 4] = [
-        ("coordinator CPU per step (ms)", "#1f77b4", |f| f.cpu_per_step_ms),
-        ("control-plane time per step (ms)", "#ff7f0e", |f| f.control_ms),
-        ("failure recovery (ms)", "#d62728", |f| f.recovery_ms),
-        ("resize pause (ms)", "#2ca02c", |f| f.resize_ms),
+        ("coordinator CPU per step", "#1f77b4", |f| f.cpu_per_step_ms),
+        ("control-plane time per step", "#ff7f0e", |f| f.control_ms),
+        ("failure recovery", "#d62728", |f| f.recovery_ms),
+        ("resize pause", "#2ca02c", |f| f.resize_ms),
     ];
-    let max_y = figures.iter().flat_map(|f| series.iter().map(move |s| (s.2)(f))).fold(1.0, f64::max);
-    let x = |n: f64| m + (n.max(1.0).log2() / max_n.log2().max(1.0)) * (w - 2.0 * m);
-    let y = |v: f64| h - m - (v.max(0.0) / max_y) * (h - 2.0 * m);
+    let values = || figures.iter().flat_map(|f| series.iter().map(move |s| (s.2)(f).max(1e-3)));
+    let lo = values().fold(f64::INFINITY, f64::min).log10().floor();
+    let hi = values().fold(1e-3, f64::max).log10().ceil().max(lo + 1.0);
+    let (n_lo, n_hi) = (
+        figures.iter().map(|f| f.n).min().unwrap_or(1).max(1) as f64,
+        figures.iter().map(|f| f.n).max().unwrap_or(2).max(2) as f64,
+    );
+    let x = |n: f64| m + (n.log2() - n_lo.log2()) / (n_hi.log2() - n_lo.log2()).max(1e-9) * (w - 2.0 * m);
+    let y = |v: f64| h - m - (v.max(1e-3).log10() - lo) / (hi - lo) * (h - 2.0 * m);
     let mut svg = format!(
         "<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' font-family='sans-serif' font-size='11'>\
          <rect width='100%' height='100%' fill='white'/>\
-         <line x1='{m}' y1='{}' x2='{}' y2='{}' stroke='black'/><line x1='{m}' y1='{m}' x2='{m}' y2='{}' stroke='black'/>\
-         <text x='{}' y='{}' text-anchor='middle'>simulated workers N (log scale)</text>\
-         <text x='{m}' y='{}' >ms (max {max_y:.1})</text>",
-        h - m,
-        w - m,
-        h - m,
-        h - m,
-        w / 2.0,
-        h - 12.0,
-        m - 10.0
+         <line x1='{m}' y1='{b}' x2='{r}' y2='{b}' stroke='black'/><line x1='{m}' y1='{m}' x2='{m}' y2='{b}' stroke='black'/>\
+         <text x='{cx}' y='{bot}' text-anchor='middle'>simulated workers N</text>\
+         <text x='12' y='{cy}' transform='rotate(-90 12 {cy})' text-anchor='middle'>ms (log scale)</text>",
+        b = h - m,
+        r = w - m,
+        cx = w / 2.0,
+        bot = h - 14.0,
+        cy = h / 2.0,
     );
+    let mut e = lo;
+    while e <= hi {
+        let v = 10f64.powf(e);
+        svg += &format!(
+            "<line x1='{m}' y1='{yy:.1}' x2='{r}' y2='{yy:.1}' stroke='#ddd'/><text x='{t}' y='{yy:.1}' text-anchor='end'>{v}</text>",
+            yy = y(v),
+            r = w - m,
+            t = m - 4.0
+        );
+        e += 1.0;
+    }
     for f in figures {
-        svg += &format!("<text x='{}' y='{}' text-anchor='middle'>{}</text>", x(f.n as f64), h - m + 14.0, f.n);
+        svg += &format!("<text x='{:.1}' y='{}' text-anchor='middle'>{}</text>", x(f.n as f64), h - m + 14.0, f.n);
     }
     for (i, (name, color, get)) in series.iter().enumerate() {
         let pts: Vec<String> = figures.iter().map(|f| format!("{:.1},{:.1}", x(f.n as f64), y(get(f)))).collect();
         svg += &format!("<polyline fill='none' stroke='{color}' stroke-width='2' points='{}'/>", pts.join(" "));
-        svg += &format!("<text x='{}' y='{}' fill='{color}'>{name}</text>", m + 10.0, m + 14.0 * i as f64);
+        svg += &format!("<text x='{}' y='{}' fill='{color}'>{name}</text>", m + 10.0, 16.0 + 13.0 * i as f64);
     }
     svg += "</svg>";
     std::fs::write(path, svg)
