@@ -259,7 +259,8 @@ struct RunArgs {
     /// Steps between two scaling-policy decisions.
     #[arg(long, default_value_t = 8)]
     decide_every: u64,
-    /// Seconds a rank may take to answer a step before it is declared dead.
+    /// Seconds a rank that owes steps may go without reporting any before it
+    /// is declared dead (it reports each window of steps it finishes).
     #[arg(long, default_value_t = 60)]
     step_timeout: u64,
     /// Seconds a worker waits with no teacher answering before the job
