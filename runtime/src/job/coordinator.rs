@@ -14,13 +14,13 @@
 //! is kept in the store and on the checkpoint cadence rank 0 writes a
 //! checkpoint; a restarted job resumes from the newest one that verifies.
 
+use super::inbox::Inbound;
 use super::ledger::{EpochRecord, Ledger};
 use super::membership::{Command, Event, Membership};
 use super::phase::{JobPhase, Phase};
-use super::inbox::Inbound;
 use super::pipeline::{Committed, Failure, Pipeline};
 use super::proto::{
-    FromWorker, Generation, JobSpec, StepDone, StepPlan, ToWorker, Written, encode, send, send_encoded,
+    FromWorker, Generation, JobSpec, StepDone, StepPlan, ToWorker, encode, send, send_encoded,
 };
 use super::scaler::Scaler;
 use crate::checkpoint::{Checkpoints, Manifest, Restored};
@@ -31,7 +31,7 @@ use edl_host_gpu::comm::RendezvousServer;
 use edl_plugin_sdk::{Action, ClusterView, Hyperparams, ResizeEvent, WorkerStats};
 use serde::{Deserialize, Serialize};
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeSet, HashMap},
     net::{SocketAddr, TcpListener, TcpStream},
     path::PathBuf,
     sync::mpsc,
@@ -265,7 +265,6 @@ impl DataIdentity {
     }
 }
 
-
 /// A resize waiting for the first committed step of its generation.
 struct Pending {
     from: u32,
@@ -330,11 +329,9 @@ struct Coordinator<'a> {
     /// The current generation's step barrier, and its ranks by connection.
     pipe: Option<Pipeline>,
     ranks: HashMap<u64, usize>,
-    /// The next step to plan, and the hyperparameters of every planned
-    /// step not committed yet (the adapter is asked once per step, as it
+    /// The next step to plan (the adapter is asked once per step, as it
     /// is planned).
     plan_at: StepPlan,
-    hypers: BTreeMap<u64, Hyperparams>,
     /// A policy decision that removes workers, applied once the windows
     /// already sent are committed.
     decision: Option<Vec<Action>>,
@@ -345,8 +342,8 @@ struct Coordinator<'a> {
     last_teacher_check: Instant,
     /// The epoch permutation the ledger maps reported positions through.
     perm: Option<(u64, Vec<u32>)>,
-    /// Checkpoint writes reported since the final one was asked for.
-    saved: Vec<Written>,
+    /// The last reported write of a checkpoint of the committed step.
+    saved: Option<Result<PathBuf, String>>,
 }
 
 /// The coordinator's lease on its job in the store (renewed every third of it).
@@ -360,7 +357,6 @@ const WINDOW_WORK_MS: f64 = 25.0;
 const MAX_WINDOW: u64 = 32;
 /// How often the coordinator looks after starters, leases, teachers and the store.
 const CHORES_EVERY: Duration = Duration::from_millis(100);
-
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
@@ -427,14 +423,13 @@ pub fn run(
         pipe: None,
         ranks: HashMap::new(),
         plan_at: StepPlan { step: 0, epoch: 0, cursor: 0, hyper: cfg.hyper },
-        hypers: BTreeMap::new(),
         decision: None,
         step_ms: None,
         last_save: now,
         last_checkpoint: now,
         last_teacher_check: now,
         perm: None,
-        saved: Vec::new(),
+        saved: None,
         cfg,
     };
     let result = c.job();
@@ -456,7 +451,6 @@ pub fn mark_complete(checkpoint_dir: &std::path::Path, epochs: &[EpochRecord]) -
     std::fs::write(&marker, serde_json::to_vec_pretty(epochs)?)
         .with_context(|| format!("{}", marker.display()))
 }
-
 
 impl Coordinator<'_> {
     fn note(&mut self, s: String) {
@@ -615,7 +609,9 @@ impl Coordinator<'_> {
             }
             Inbound::Msg(_, FromWorker::Saved { checkpoints }) => {
                 self.take_written(&checkpoints);
-                self.saved.extend(checkpoints);
+                if let Some(w) = checkpoints.into_iter().rfind(|w| w.step == self.committed) {
+                    self.saved = Some(w.result);
+                }
             }
             Inbound::Msg(n, FromWorker::Done { generation, steps, setup_ms }) => {
                 if let (Some(&rank), Some(p)) = (self.ranks.get(&n), self.pipe.as_mut())
@@ -709,7 +705,8 @@ impl Coordinator<'_> {
 
     fn job(&mut self) -> Result<JobOutcome> {
         // Before anything is read or changed: one coordinator per job.
-        let lease = self.rt.block_on(super::keeper::take_lease(&self.store, &self.cfg.spec.job, LEASE_TTL))?;
+        let lease =
+            self.rt.block_on(super::keeper::take_lease(&self.store, &self.cfg.spec.job, LEASE_TTL))?;
         let resumed = self.resume()?;
         self.keeper = Some(super::keeper::StoreKeeper::start(
             &self.cfg.store,
@@ -722,7 +719,10 @@ impl Coordinator<'_> {
         let first = self.cfg.initial_workers.clamp(self.cfg.min_workers.max(1), self.cfg.max_workers.max(1));
         self.spawn(first);
         self.wait_for_joiners(first as usize)?;
-        self.boundary(true)?;
+        // The first workers are members before any phase: a job resumed at
+        // its end goes straight to the final checkpoint, which admits no
+        // newcomer.
+        self.boundary()?;
         let mut phase = JobPhase::new(total, Duration::from_millis(self.cfg.spec.teacher_wait_ms));
         let final_checkpoint = loop {
             self.fenced()?;
@@ -744,7 +744,7 @@ impl Coordinator<'_> {
                     if let Some(actions) = self.decision.take() {
                         self.apply_decision(&actions);
                     }
-                    self.boundary(true)?;
+                    self.boundary()?;
                     let before = self.committed;
                     let Some(f) = self.run_generation()? else { continue };
                     if f.no_teachers {
@@ -761,16 +761,16 @@ impl Coordinator<'_> {
                         self.m.stop_newcomers("the job is done");
                         self.execute();
                     }
-                    self.boundary(true)?;
-                    if self.pipe.as_ref().map(|p| p.generation) != Some(self.generation) {
-                        // Workers that have not joined a generation yet (a job
-                        // resumed at its end) load the state first.
-                        self.start_generation();
-                    }
+                    self.boundary()?;
+                    // Workers that have not joined a generation yet (a job
+                    // resumed at its end) load the state first.
+                    self.ensure_generation();
                     match self.write_final()? {
                         Ok(p) => break p,
                         Err(f) => {
-                            phase.final_failed().map_err(|e| anyhow!("{e}; last: {}", f.errors.join("; ")))?;
+                            phase
+                                .final_failed()
+                                .map_err(|e| anyhow!("{e}; last: {}", f.errors.join("; ")))?;
                             self.fail(f);
                         }
                     }
@@ -843,9 +843,9 @@ impl Coordinator<'_> {
 
     /// At a step boundary: admits joiners, applies replacements, forms a new
     /// generation when membership changed.
-    fn boundary(&mut self, admit: bool) -> Result<()> {
+    fn boundary(&mut self) -> Result<()> {
         let from = self.m.world();
-        let b = self.m.boundary(admit, self.init.is_some());
+        let b = self.m.boundary(true, self.init.is_some());
         self.execute();
         let (reasons, admitted) = (b.reasons, b.admitted);
         if !b.changed {
@@ -963,9 +963,7 @@ impl Coordinator<'_> {
     /// new, until it drains for a membership change or the job's end
     /// (`None`), or fails.
     fn run_generation(&mut self) -> Result<Option<Failure>> {
-        if self.pipe.as_ref().map(|p| p.generation) != Some(self.generation) {
-            self.start_generation();
-        }
+        self.ensure_generation();
         let mut chores = Instant::now() + CHORES_EVERY;
         loop {
             self.fill_windows()?;
@@ -1018,6 +1016,13 @@ impl Coordinator<'_> {
         }
     }
 
+    /// Forms the current generation unless it is formed already.
+    fn ensure_generation(&mut self) {
+        if self.pipe.as_ref().map(|p| p.generation) != Some(self.generation) {
+            self.start_generation();
+        }
+    }
+
     /// Tells every member its place in the new generation; planning starts
     /// again from the committed step.
     fn start_generation(&mut self) {
@@ -1047,8 +1052,8 @@ impl Coordinator<'_> {
         }
         self.pipe = Some(pipe);
         self.ranks = self.m.members().iter().enumerate().map(|(r, m)| (m.conn, r)).collect();
-        self.plan_at = StepPlan { step: self.committed, epoch: self.epoch, cursor: self.cursor, hyper: self.hyper };
-        self.hypers = BTreeMap::from([(self.committed, self.hyper)]);
+        self.plan_at =
+            StepPlan { step: self.committed, epoch: self.epoch, cursor: self.cursor, hyper: self.hyper };
     }
 
     /// Sends windows ahead while membership is stable: the first window of
@@ -1120,15 +1125,15 @@ impl Coordinator<'_> {
                 p.hyper = h;
             }
         }
-        self.hypers.insert(p.step, p.hyper);
         self.plan_at = p;
         Ok(cut)
     }
 
     /// Every rank finished a window: its steps enter the ledger, in order.
     fn commit_window(&mut self, c: Committed) -> Result<()> {
-        let first_of_generation = self.pending.as_ref().is_some_and(|p| p.generation == Some(self.generation))
-            && c.steps.first().map(|s| s.step) == Some(self.committed);
+        let first_of_generation =
+            self.pending.as_ref().is_some_and(|p| p.generation == Some(self.generation))
+                && c.steps.first().map(|s| s.step) == Some(self.committed);
         if !first_of_generation && !c.steps.is_empty() {
             // The slowest rank's compute per step: windows are sized by the
             // work in them, not by the time the control plane itself takes.
@@ -1139,9 +1144,12 @@ impl Coordinator<'_> {
                 .fold(0.0, f64::max);
             self.step_ms = Some(self.step_ms.map_or(per, |m| 0.7 * m + 0.3 * per));
         }
+        // The step after the window: the next one sent, or the next to plan.
+        let after = self.pipe.as_ref().and_then(Pipeline::next_planned).unwrap_or(self.plan_at);
         for (i, plan) in c.steps.iter().enumerate() {
             let reports: Vec<StepDone> = c.reports.iter().map(|r| r[i]).collect();
-            self.commit_step(plan, &reports, first_of_generation && i == 0, c.setup_ms)?;
+            let next = c.steps.get(i + 1).copied().unwrap_or(after);
+            self.commit_step(plan, &reports, first_of_generation && i == 0, c.setup_ms, next.hyper)?;
         }
         self.init = None;
         // At the job's end the final checkpoint is asked for on its own.
@@ -1167,11 +1175,20 @@ impl Coordinator<'_> {
 
     /// Commits one step every rank finished: its samples enter the ledger
     /// (the ids at the positions each rank reported), the cursor moves.
-    fn commit_step(&mut self, plan: &StepPlan, reports: &[StepDone], first: bool, setup_ms: f64) -> Result<()> {
+    /// `next_hyper`: the hyperparameters planned for the step after it.
+    fn commit_step(
+        &mut self,
+        plan: &StepPlan,
+        reports: &[StepDone],
+        first: bool,
+        setup_ms: f64,
+        next_hyper: Hyperparams,
+    ) -> Result<()> {
         let gb = plan.hyper.global_batch.max(1) as usize;
         let expected = (plan.cursor + gb).min(self.train_len) - plan.cursor;
         if self.perm.as_ref().map(|p| p.0) != Some(plan.epoch) {
-            self.perm = Some((plan.epoch, crate::data::permutation(self.train_len, self.cfg.spec.seed, plan.epoch)));
+            self.perm =
+                Some((plan.epoch, crate::data::permutation(self.train_len, self.cfg.spec.seed, plan.epoch)));
         }
         let perm = &self.perm.as_ref().expect("set above").1;
         let mut rows = 0usize;
@@ -1179,7 +1196,12 @@ impl Coordinator<'_> {
         for (rank, d) in reports.iter().enumerate() {
             let id = self.m.members()[rank].id;
             let ids = perm.get(d.start as usize..d.end as usize).ok_or_else(|| {
-                anyhow!("worker {id}: step {} reported positions {}..{} outside the epoch", d.step, d.start, d.end)
+                anyhow!(
+                    "worker {id}: step {} reported positions {}..{} outside the epoch",
+                    d.step,
+                    d.start,
+                    d.end
+                )
             })?;
             self.ledger.commit(ids).map_err(|e| anyhow!("worker {id}: {e}"))?;
             rows += ids.len();
@@ -1198,8 +1220,7 @@ impl Coordinator<'_> {
         self.samples += rows as u64;
         self.epoch = plan.epoch;
         self.cursor = plan.cursor + gb;
-        self.hyper = self.hypers.get(&self.committed).copied().unwrap_or(plan.hyper);
-        self.hypers = self.hypers.split_off(&self.committed);
+        self.hyper = next_hyper;
         let now = Instant::now();
         self.recent.push_back((now, rows as u64));
         while self.recent.len() > 20 {
@@ -1262,7 +1283,7 @@ impl Coordinator<'_> {
             step,
             dropped: 0,
         };
-        self.saved.clear();
+        self.saved = None;
         let msg = ToWorker::Commit { step, checkpoint: Some(self.manifest()), wait: true };
         let sent = match self.conns.get_mut(&m0.conn).filter(|_| !self.m.is_closed(m0.conn)) {
             Some(stream) => send(stream, &msg).map_err(|e| e.to_string()),
@@ -1273,11 +1294,8 @@ impl Coordinator<'_> {
         }
         let deadline = Instant::now() + self.cfg.step_timeout;
         loop {
-            if let Some(w) = self.saved.iter().find(|w| w.step == step) {
-                return Ok(match &w.result {
-                    Ok(p) => Ok(p.clone()),
-                    Err(e) => Err(failure(format!("{name}: the final checkpoint: {e}"), false)),
-                });
+            if let Some(result) = self.saved.take() {
+                return Ok(result.map_err(|e| failure(format!("{name}: the final checkpoint: {e}"), false)));
             }
             if self.m.is_closed(m0.conn) {
                 return Ok(Err(failure(format!("{name} lost while writing the final checkpoint"), true)));
@@ -1286,7 +1304,10 @@ impl Coordinator<'_> {
             if left.is_zero() {
                 self.scaler.stop(m0.id, Duration::from_secs(1));
                 let t = self.cfg.step_timeout;
-                return Ok(Err(failure(format!("{name} wrote no final checkpoint within {t:?}; stopping it"), true)));
+                return Ok(Err(failure(
+                    format!("{name} wrote no final checkpoint within {t:?}; stopping it"),
+                    true,
+                )));
             }
             match self.rx.recv_timeout(left.min(CHORES_EVERY)) {
                 Ok(ev) => self.handle(ev),
@@ -1313,7 +1334,8 @@ impl Coordinator<'_> {
     /// The generation failed: drop the dead, keep the survivors for the next one.
     fn fail(&mut self, f: Failure) {
         let from = self.m.world();
-        let dead: BTreeSet<u64> = f.dead.iter().filter_map(|&r| self.m.members().get(r).map(|m| m.id)).collect();
+        let dead: BTreeSet<u64> =
+            f.dead.iter().filter_map(|&r| self.m.members().get(r).map(|m| m.id)).collect();
         self.m.fail(Instant::now(), &dead);
         self.execute();
         let why = if f.errors.is_empty() { "a rank failed".to_string() } else { f.errors.join("; ") };
@@ -1344,7 +1366,9 @@ impl Coordinator<'_> {
         if let Some(reason) = self.m.apply_decision(Instant::now(), actions) {
             match self.pending.as_mut() {
                 // A failure's resize not formed yet: one event says both.
-                Some(p) if p.generation.is_none() && p.failure => p.reason = format!("{}; {reason}", p.reason),
+                Some(p) if p.generation.is_none() && p.failure => {
+                    p.reason = format!("{}; {reason}", p.reason)
+                }
                 _ => self.pending = Some(Pending::new(world, reason)),
             }
         }

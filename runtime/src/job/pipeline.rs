@@ -154,11 +154,7 @@ impl Pipeline {
             && w.steps.iter().zip(&steps).all(|(p, d)| p.step == d.step && p.epoch == d.epoch);
         if !matches {
             let want = (w.steps[0].step, w.steps.len());
-            self.fail(
-                rank,
-                format!("reported other steps than window {} (+{})", want.0, want.1),
-                None,
-            );
+            self.fail(rank, format!("reported other steps than window {} (+{})", want.0, want.1), None);
             return;
         }
         w.reported[rank] = Some(steps);
@@ -198,10 +194,7 @@ impl Pipeline {
 
     /// When the next rank's time runs out, if any rank owes a report.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        (0..self.world)
-            .filter(|&r| self.waiting_on(r))
-            .map(|r| self.heard[r] + self.timeout)
-            .min()
+        (0..self.world).filter(|&r| self.waiting_on(r)).map(|r| self.heard[r] + self.timeout).min()
     }
 
     /// Whether the pipeline is waiting for `rank`.
@@ -252,6 +245,11 @@ impl Pipeline {
         let step = self.first_uncommitted();
         let dropped = self.in_flight();
         self.failure.take().map(|f| Failure { step, dropped, ..f })
+    }
+
+    /// The first step issued and not committed, if any.
+    pub fn next_planned(&self) -> Option<StepPlan> {
+        self.windows.front().map(|w| w.steps[0])
     }
 
     /// Nothing issued is waiting to commit.

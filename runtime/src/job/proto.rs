@@ -87,13 +87,22 @@ pub enum ToWorker {
     Generation(Box<Generation>),
     /// The generation's next steps, in order: one window. Windows are sent
     /// ahead, so a worker goes from one step to the next without waiting.
-    Steps { generation: u64, steps: Vec<StepPlan> },
+    Steps {
+        generation: u64,
+        steps: Vec<StepPlan>,
+    },
     /// Every step before `step` is committed: older rollback points can go.
     /// Rank 0 writes `checkpoint` (of the state at `step`) in the
     /// background, or before it answers with [`FromWorker::Saved`] when
     /// `wait` (the job's final state).
-    Commit { step: u64, checkpoint: Option<Manifest>, wait: bool },
-    Stop { reason: String },
+    Commit {
+        step: u64,
+        checkpoint: Option<Manifest>,
+        wait: bool,
+    },
+    Stop {
+        reason: String,
+    },
 }
 
 /// A generation: who is in it, where its ring meets, and the state it starts from.
@@ -155,7 +164,9 @@ pub enum FromWorker {
         setup_ms: f64,
     },
     /// Checkpoint writes that ended.
-    Saved { checkpoints: Vec<Written> },
+    Saved {
+        checkpoints: Vec<Written>,
+    },
     Failed {
         generation: u64,
         step: u64,

@@ -12,7 +12,8 @@
 //! the state the others have.
 
 use super::proto::{
-    FailCause, FromWorker, Generation, JobSpec, Receiver, StepDone, StepPlan, TeacherSource, ToWorker, Written, send,
+    FailCause, FromWorker, Generation, JobSpec, Receiver, StepDone, StepPlan, TeacherSource, ToWorker,
+    Written, send,
 };
 use crate::checkpoint::{Checkpoints, Manifest};
 use crate::data::{self, Dataset, Source};
@@ -284,6 +285,12 @@ pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
         }
     })?;
     loop {
+        // Checkpoint writes that ended go out first (the final one is
+        // written before its commit is done with).
+        w.reap_write(false);
+        if !w.written.is_empty() {
+            send(&mut out, &FromWorker::Saved { checkpoints: std::mem::take(&mut w.written) })?;
+        }
         let msg = if w.queue.is_empty() {
             match inbox.recv_timeout(Duration::from_millis(100)) {
                 Ok(m) => Some(m),
@@ -309,19 +316,10 @@ pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
                     }
                 }
                 Ok(ToWorker::Steps { generation, steps }) => w.enqueue(generation, steps),
-                Ok(ToWorker::Commit { step, checkpoint, wait }) => {
-                    w.commit(step, checkpoint, wait);
-                    if wait {
-                        send(&mut out, &FromWorker::Saved { checkpoints: std::mem::take(&mut w.written) })?;
-                    }
-                }
+                Ok(ToWorker::Commit { step, checkpoint, wait }) => w.commit(step, checkpoint, wait),
                 Err(e) => bail!("worker {id}: lost the coordinator: {e}"),
             }
             continue;
-        }
-        w.reap_write(false);
-        if !w.written.is_empty() {
-            send(&mut out, &FromWorker::Saved { checkpoints: std::mem::take(&mut w.written) })?;
         }
         let Some(q) = w.queue.pop_front() else { continue };
         let place = w.place.expect("steps are queued within a generation");
@@ -368,13 +366,21 @@ impl Worker {
         if let (Some(loader), Some(p)) = (self.loader.as_mut(), self.place) {
             for s in &steps {
                 let gb = s.hyper.global_batch.max(1) as usize;
-                let at = Stream { rank: p.rank, world: p.world, global_batch: gb, epoch: s.epoch, cursor: s.cursor };
+                let at = Stream {
+                    rank: p.rank,
+                    world: p.world,
+                    global_batch: gb,
+                    epoch: s.epoch,
+                    cursor: s.cursor,
+                };
                 loader.ask(generation, s.step, at);
             }
         }
-        self.queue.extend(
-            steps.into_iter().enumerate().map(|(i, plan)| Queued { plan, opens: i == 0, closes: i + 1 == n }),
-        );
+        self.queue.extend(steps.into_iter().enumerate().map(|(i, plan)| Queued {
+            plan,
+            opens: i == 0,
+            closes: i + 1 == n,
+        }));
     }
 
     /// Every step before `step` is committed: earlier rollback points go;
@@ -517,7 +523,9 @@ impl Worker {
                 }
                 return Ok((x, y, None));
             };
-            let b = t.apply(&batch_of(&self.train, ids, self.spec.seed, want.epoch)).context("reader transform")?;
+            let b = t
+                .apply(&batch_of(&self.train, ids, self.spec.seed, want.epoch))
+                .context("reader transform")?;
             return Ok((features_of(&b)?, b.labels, None));
         };
         if self.reader.as_ref().map(|r| r.stream) != Some(want) {
@@ -621,7 +629,13 @@ impl Worker {
         let start = Instant::now();
         let gb = plan.hyper.global_batch.max(1) as usize;
         let len = self.train.len();
-        let at = Stream { rank: place.rank, world: place.world, global_batch: gb, epoch: plan.epoch, cursor: plan.cursor };
+        let at = Stream {
+            rank: place.rank,
+            world: place.world,
+            global_batch: gb,
+            epoch: plan.epoch,
+            cursor: plan.cursor,
+        };
         let positions = data::shard(plan.cursor, gb, place.rank, place.world, len);
         let ids = shard_ids(self.spec.seed, &at, len, &mut self.perm);
         let global_rows = (plan.cursor + gb).min(len) - plan.cursor;
@@ -662,7 +676,10 @@ impl Worker {
         self.reap_write(true);
         let n = manifest.step;
         let state = self.snapshots.get(&n).cloned().ok_or_else(|| {
-            anyhow!("no state of step {n} to save (rollback points {:?})", self.snapshots.keys().collect::<Vec<_>>())
+            anyhow!(
+                "no state of step {n} to save (rollback points {:?})",
+                self.snapshots.keys().collect::<Vec<_>>()
+            )
         })?;
         let model = self.trainer.model().clone();
         let store = Checkpoints::new(&self.spec.checkpoint_dir, self.spec.keep_checkpoints);
