@@ -27,8 +27,7 @@ use edl_plugin_sdk::{Action, ClusterView, Hyperparams, PluginInfo};
 use edl_runtime::{
     data,
     job::{
-        JobConfig, JobLock, JobSpec, Progress, Scaler,
-        coordinator,
+        JobConfig, JobLock, JobSpec, Progress, Scaler, coordinator,
         proto::{FromWorker, Receiver, StepDone, ToWorker, Written, send},
     },
     plugin::{Backend, Error, Plugin, PolicyPlugin},
@@ -44,20 +43,21 @@ use std::{
     time::{Duration, Instant},
 };
 
-/// CPU seconds of the calling thread.
-fn thread_cpu() -> f64 {
+/// CPU seconds of `clock` (the calling thread's or the process's).
+fn cpu(clock: libc::clockid_t) -> f64 {
     let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: a valid timespec to fill.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    // SAFETY: `t` is a live timespec the call fills; nothing else is read.
+    let rc = unsafe { libc::clock_gettime(clock, &mut t) };
+    assert_eq!(rc, 0, "clock_gettime({clock}): {}", std::io::Error::last_os_error());
     t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
 }
 
-/// CPU seconds of the whole process.
+fn thread_cpu() -> f64 {
+    cpu(libc::CLOCK_THREAD_CPUTIME_ID)
+}
+
 fn process_cpu() -> f64 {
-    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: a valid timespec to fill.
-    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
-    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+    cpu(libc::CLOCK_PROCESS_CPUTIME_ID)
 }
 
 /// What the simulated workers share with the harness.
@@ -322,11 +322,18 @@ fn plot(figures: &[Figures], path: &std::path::Path) -> std::io::Result<()> {
         e += 1.0;
     }
     for f in figures {
-        svg += &format!("<text x='{:.1}' y='{}' text-anchor='middle'>{}</text>", x(f.n as f64), h - m + 14.0, f.n);
+        svg += &format!(
+            "<text x='{:.1}' y='{}' text-anchor='middle'>{}</text>",
+            x(f.n as f64),
+            h - m + 14.0,
+            f.n
+        );
     }
     for (i, (name, color, get)) in series.iter().enumerate() {
-        let pts: Vec<String> = figures.iter().map(|f| format!("{:.1},{:.1}", x(f.n as f64), y(get(f)))).collect();
-        svg += &format!("<polyline fill='none' stroke='{color}' stroke-width='2' points='{}'/>", pts.join(" "));
+        let pts: Vec<String> =
+            figures.iter().map(|f| format!("{:.1},{:.1}", x(f.n as f64), y(get(f)))).collect();
+        svg +=
+            &format!("<polyline fill='none' stroke='{color}' stroke-width='2' points='{}'/>", pts.join(" "));
         svg += &format!("<text x='{}' y='{}' fill='{color}'>{name}</text>", m + 10.0, 16.0 + 13.0 * i as f64);
     }
     svg += "</svg>";
@@ -345,7 +352,9 @@ fn main() -> anyhow::Result<()> {
         .collect::<Result<_, _>>()?;
     let compute = Duration::from_secs_f64(arg("--compute-ms").map_or(Ok(2.0), |s| s.parse())? / 1e3);
     println!("simulated compute {:?} per step, global batch 64, policy decisions every 8 steps", compute);
-    println!("| N | coordinator CPU per step | control-plane time per step | failure recovery | resize pause |");
+    println!(
+        "| N | coordinator CPU per step | control-plane time per step | failure recovery | resize pause |"
+    );
     println!("|---|---|---|---|---|");
     let mut figures = Vec::new();
     for n in sizes {

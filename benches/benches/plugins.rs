@@ -59,13 +59,17 @@ fn policy_decision(c: &mut Criterion) {
     // no ramp under way (it returns its input).
     let mut adapter = host.load_adapter(Path::new(art::DYNAMIC_BATCH_WASM), &[]).unwrap();
     let hyper = edl_plugin_sdk::Hyperparams { global_batch: 256, local_batch: 64, lr: 0.1, momentum: 0.9 };
-    g.bench_function("wasm-flat-call", |b| b.iter(|| adapter.on_step(black_box(1000), black_box(&hyper)).unwrap()));
+    g.bench_function("wasm-flat-call", |b| {
+        b.iter(|| adapter.on_step(black_box(1000), black_box(&hyper)).unwrap())
+    });
     // What the guest pays per call into the host (a flat import: the
     // monotonic clock): the same decision with 0 and with 8 such calls.
     for calls in ["0", "8"] {
         let config = [("mode".to_string(), "clock".to_string()), ("calls".to_string(), calls.to_string())];
         let mut p = host.load_policy(Path::new(art::HOSTILE_POLICY_WASM), &config).unwrap();
-        g.bench_function(format!("wasm-{calls}-host-calls"), |b| b.iter(|| p.decide(black_box(&no_workers)).unwrap()));
+        g.bench_function(format!("wasm-{calls}-host-calls"), |b| {
+            b.iter(|| p.decide(black_box(&no_workers)).unwrap())
+        });
     }
     g.finish();
 }

@@ -22,8 +22,11 @@ impl<'a> View<'a> {
         View { data, row_stride: 1, col_stride: cols }
     }
 
-    /// Elements a `rows x cols` matrix with these strides reaches.
+    /// Elements a `rows x cols` matrix with these strides reaches (None:
+    /// past what memory can hold, or a stride the GEMM cannot take).
     fn extent(&self, rows: usize, cols: usize) -> Option<usize> {
+        isize::try_from(self.row_stride).ok()?;
+        isize::try_from(self.col_stride).ok()?;
         if rows == 0 || cols == 0 {
             return Some(0);
         }
@@ -68,13 +71,14 @@ pub fn gemm(
     check("A", Some(a), m, k, a.data.len())?;
     check("B", Some(b), k, n, b.data.len())?;
     check("C", None, m, n, c.len())?;
-    let stride = |s: usize| isize::try_from(s).unwrap_or(isize::MAX);
+    // Every stride fits an isize: `extent` refuses others, and C's is at most its length.
+    let stride = |s: usize| s as isize;
     if m == 0 || n == 0 {
         return Ok(());
     }
     // SAFETY: the checks above prove that every element the strides reach
-    // lies inside `a`, `b` and `c` (and the strides fit an isize, since each
-    // reached offset is below a slice length).
+    // lies inside `a`, `b` and `c`, and that every stride fits an isize;
+    // `c` is borrowed mutably, so it overlaps neither `a` nor `b`.
     unsafe {
         matrixmultiply::sgemm(
             m,
@@ -136,5 +140,9 @@ mod tests {
         let e = gemm(usize::MAX, 2, 1, View::row_major(&a, 3), View::row_major(&b, 1), &mut c, false)
             .unwrap_err();
         assert_eq!(e.needed, usize::MAX);
+        // So do strides past isize, even where one row would not use them.
+        let huge = View { data: &a, row_stride: usize::MAX, col_stride: 1 };
+        let e = gemm(1, 2, 1, huge, View::row_major(&b, 1), &mut c, false).unwrap_err();
+        assert_eq!((e.operand, e.needed), ("A", usize::MAX));
     }
 }

@@ -40,7 +40,9 @@ pub fn start(listener: TcpListener, tx: mpsc::Sender<Inbound>) -> io::Result<()>
     let waker = Arc::new(Waker::new(poll.registry(), WAKE)?);
     let (new_tx, new_rx) = mpsc::channel::<(u64, TcpStream)>();
     let events = tx.clone();
-    std::thread::Builder::new().name("edl-control-in".into()).spawn(move || read_all(poll, new_rx, events))?;
+    std::thread::Builder::new()
+        .name("edl-control-in".into())
+        .spawn(move || read_all(poll, new_rx, events))?;
     std::thread::Builder::new().name("edl-accept".into()).spawn(move || {
         for (n, conn) in listener.incoming().enumerate() {
             let Ok(conn) = conn else { continue };
@@ -85,9 +87,11 @@ fn read_all(mut poll: Poll, new: mpsc::Receiver<(u64, TcpStream)>, tx: mpsc::Sen
                 while let Ok((n, stream)) = new.try_recv() {
                     let fd = stream.as_raw_fd();
                     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "peer".into());
-                    let added = poll.registry().register(&mut SourceFd(&fd), Token(n as usize), Interest::READABLE);
+                    let added =
+                        poll.registry().register(&mut SourceFd(&fd), Token(n as usize), Interest::READABLE);
                     if let Err(e) = added {
-                        let _ = tx.send(Inbound::Closed(n, format!("{peer}: cannot watch the connection: {e}")));
+                        let _ =
+                            tx.send(Inbound::Closed(n, format!("{peer}: cannot watch the connection: {e}")));
                         continue;
                     }
                     open.insert(n, Open { stream, peer, pending: Vec::new() });
@@ -115,9 +119,10 @@ fn read_all(mut poll: Poll, new: mpsc::Receiver<(u64, TcpStream)>, tx: mpsc::Sen
 /// nothing more) and sends each complete line; an error ends the connection.
 fn drain(conn: &mut Open, buf: &mut [u8], n: u64, tx: &mpsc::Sender<Inbound>) -> Result<(), String> {
     loop {
-        // SAFETY: `buf` is a live, writable buffer of `buf.len()` bytes and
-        // the socket stays open for the call; MSG_DONTWAIT makes it return at
-        // once when nothing is there.
+        // SAFETY: the kernel writes at most `buf.len()` bytes into `buf`, a
+        // live buffer borrowed mutably for the call; the descriptor belongs
+        // to `conn.stream`, which is open while `conn` is borrowed.
+        // MSG_DONTWAIT makes the call return at once when nothing is there.
         let got = unsafe {
             libc::recv(conn.stream.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
         };

@@ -27,7 +27,11 @@ enum Cmd {
     State(JobState),
     /// Give the coordinator lease up (the job ended).
     Release,
-    Lease { key: String, value: Vec<u8>, ttl: Duration },
+    Lease {
+        key: String,
+        value: Vec<u8>,
+        ttl: Duration,
+    },
     Delete(String),
     Flush(oneshot::Sender<Result<(), String>>),
 }
@@ -234,7 +238,9 @@ pub async fn take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::R
             {
                 // A coordinator of this host that died (kill -9, a crash):
                 // its lease is stale, and a restart takes it over at once.
-                if let Cas::Written(token) = store.compare_and_set(&key, Some(e.token), &value, Some(ttl)).await? {
+                if let Cas::Written(token) =
+                    store.compare_and_set(&key, Some(e.token), &value, Some(ttl)).await?
+                {
                     return Ok(Lease { key, value, token, ttl });
                 }
             }
@@ -293,8 +299,13 @@ impl Lease {
 /// Whether process `pid` of this host exists.
 fn alive(pid: u32) -> bool {
     let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
-    // SAFETY: signal 0 only checks that the process exists.
-    unsafe { libc::kill(pid, 0) == 0 || *libc::__errno_location() == libc::EPERM }
+    if pid <= 0 {
+        // 0 and negative ids name process groups, not a process.
+        return false;
+    }
+    // SAFETY: signal 0 sends nothing; it only asks whether `pid` exists.
+    let found = unsafe { libc::kill(pid, 0) } == 0;
+    found || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
 fn lost() -> String {
