@@ -253,14 +253,19 @@ fn run_to_end(mut c: Command) -> (std::process::ExitStatus, String) {
     (status, seen.join("\n"))
 }
 
+/// Runs a small job with `flags` in a directory of its own; it must fail.
+/// Returns what it printed.
+fn failing_job(flags: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let (status, out) = run_to_end(small(dir.path(), flags));
+    assert!(!status.success(), "{out}");
+    out
+}
+
 #[test]
 fn a_job_with_a_broken_transform_fails_naming_it_and_claims_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let (status, out) = run_to_end(small(
-        dir.path(),
-        &["--transform", art::HOSTILE_TRANSFORM_WASM, "--transform-config", "mode=fewer-labels"],
-    ));
-    assert!(!status.success(), "{out}");
+    let out =
+        failing_job(&["--transform", art::HOSTILE_TRANSFORM_WASM, "--transform-config", "mode=fewer-labels"]);
     assert!(
         out.contains("hostile_transform.wasm") && out.contains("apply broke the plugin contract"),
         "{out}"
@@ -270,19 +275,9 @@ fn a_job_with_a_broken_transform_fails_naming_it_and_claims_nothing() {
 
 #[test]
 fn a_job_whose_adapter_answers_nan_fails_naming_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let (status, out) = run_to_end(small(
-        dir.path(),
-        &["--adapter", art::HOSTILE_ADAPTER_WASM, "--adapter-config", "mode=nan-lr"],
-    ));
-    assert!(!status.success(), "{out}");
+    let out = failing_job(&["--adapter", art::HOSTILE_ADAPTER_WASM, "--adapter-config", "mode=nan-lr"]);
     assert!(out.contains("batch adapter") && out.contains("learning rate NaN"), "{out}");
-    let dir = tempfile::tempdir().unwrap();
-    let (status, out) = run_to_end(small(
-        dir.path(),
-        &["--adapter", art::HOSTILE_ADAPTER_WASM, "--adapter-config", "mode=huge-batch"],
-    ));
-    assert!(!status.success(), "{out}");
+    let out = failing_job(&["--adapter", art::HOSTILE_ADAPTER_WASM, "--adapter-config", "mode=huge-batch"]);
     assert!(out.contains("global batch of 1000000000, above the 400 training samples"), "{out}");
 }
 
