@@ -1155,16 +1155,21 @@ impl Coordinator<'_> {
         // At the job's end the final checkpoint is asked for on its own.
         let checkpoint = if self.epoch < self.cfg.spec.epochs { self.checkpoint_due() } else { None };
         let step = self.committed;
-        let first = encode(&ToWorker::Commit { step, checkpoint: checkpoint.clone(), wait: false });
-        let rest = encode(&ToWorker::Commit { step, checkpoint: None, wait: false });
-        let (first, rest) = (first.map_err(|e| anyhow!("{e}"))?, rest.map_err(|e| anyhow!("{e}"))?);
+        let wrote = checkpoint.is_some();
+        let commit = |checkpoint| {
+            encode(&ToWorker::Commit { step, checkpoint, wait: false }).map_err(|e| anyhow!("a commit: {e}"))
+        };
+        // Rank 0's message differs only when it carries a checkpoint.
+        let rank0 = checkpoint.map(|c| commit(Some(c))).transpose()?;
+        let rest = commit(None)?;
         for (rank, m) in self.m.members().iter().enumerate() {
             if let Some(stream) = self.conns.get_mut(&m.conn) {
+                let line = rank0.as_ref().filter(|_| rank == 0).unwrap_or(&rest);
                 // A failed send closes the connection; its reader reports that.
-                let _ = send_encoded(stream, if rank == 0 { &first } else { &rest });
+                let _ = send_encoded(stream, line);
             }
         }
-        if checkpoint.is_some() || self.last_save.elapsed() >= Duration::from_secs(1) {
+        if wrote || self.last_save.elapsed() >= Duration::from_secs(1) {
             self.save_state(false);
         }
         if self.committed.is_multiple_of(self.cfg.decide_every.max(1)) && self.epoch < self.cfg.spec.epochs {
