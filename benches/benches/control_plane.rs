@@ -25,9 +25,8 @@
 
 use edl_plugin_sdk::{Action, ClusterView, Hyperparams, PluginInfo};
 use edl_runtime::{
-    data,
     job::{
-        JobConfig, JobLock, JobSpec, Progress, Scaler, coordinator,
+        JobConfig, JobLock, JobSpec, Program, Progress, Scaler, coordinator,
         proto::{FromWorker, Receiver, StepDone, ToWorker, Written, send},
     },
     plugin::{Backend, Error, Plugin, PolicyPlugin},
@@ -64,7 +63,6 @@ fn process_cpu() -> f64 {
 #[derive(Clone)]
 struct Sim {
     compute: Duration,
-    train_len: usize,
     /// CPU nanoseconds the simulated workers used.
     cpu_ns: Arc<AtomicU64>,
     /// Worker id that drops its connection when it is sent this step.
@@ -88,25 +86,23 @@ fn sim_worker(addr: SocketAddr, id: u64, sim: Sim) -> anyhow::Result<()> {
         _ => return Ok(()),
     }
     send(&mut out, &FromWorker::Ready)?;
-    let mut place = (0u64, 0usize, 1usize);
+    let mut place = 0u64;
     loop {
         account(&mut cpu_mark);
         match rx.recv::<ToWorker>()? {
-            ToWorker::Generation(g) => place = (g.generation, g.rank, g.world),
-            ToWorker::Steps { generation, steps } if generation == place.0 => {
+            ToWorker::Generation(g) => place = g.generation,
+            ToWorker::Steps { generation, steps, shares } if generation == place => {
                 let mut done = Vec::with_capacity(steps.len());
-                for s in steps {
+                for (s, share) in steps.into_iter().zip(shares) {
                     if sim.victim == Some((id, s.step)) {
                         return Ok(());
                     }
                     std::thread::sleep(sim.compute);
-                    let gb = s.hyper.global_batch as usize;
-                    let r = data::shard(s.cursor, gb, place.1, place.2, sim.train_len);
                     done.push(StepDone {
                         step: s.step,
                         epoch: s.epoch,
-                        start: r.start as u32,
-                        end: r.end as u32,
+                        start: share.start,
+                        end: share.end,
                         loss: 0.0,
                         compute_ms: sim.compute.as_secs_f64() * 1e3,
                     });
@@ -194,13 +190,10 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
     let dir = tempfile::tempdir()?;
     let spec = JobSpec {
         job: format!("scale-{n}"),
-        dataset: "mnist5k".into(),
-        test_rows: 1000,
-        split_seed: 1,
-        train_samples: None,
+        samples: 4000,
         seed: 1,
         epochs: 3,
-        layers: vec![784, 128, 10],
+        program: Program::External { command: vec!["(simulated)".into()] },
         temperature: 4.0,
         alpha: 0.7,
         teachers: None,
@@ -217,10 +210,8 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
         allow_native: false,
         teacher_wait_ms: 20_000,
     };
-    let (train, _) = edl_runtime::job::worker::load_data(&spec)?;
     let sim = Sim {
         compute,
-        train_len: train.len(),
         cpu_ns: Arc::new(AtomicU64::new(0)),
         // The highest id: the last rank.
         victim: Some((n as u64, KILL_AT)),

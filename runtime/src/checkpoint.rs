@@ -1,5 +1,5 @@
-//! Checkpoints: the model and the optimiser state as safetensors, and a JSON
-//! manifest (step, epoch, data cursor, hyperparameters, plugin state, the
+//! Checkpoints: a training program's state (named float32 tensors, see
+//! [`crate::state`]) as one safetensors file, and a JSON manifest (step, epoch, data cursor, hyperparameters, plugin state, the
 //! sha256 of each file). A checkpoint is written into a temporary directory
 //! and renamed into place, so a crash never leaves a half-written one under
 //! a valid name; the last `keep` are kept. Loading takes the newest that
@@ -12,8 +12,7 @@
 //! its own sha256 in `manifest.sha256`, so a bit flip that leaves valid JSON
 //! (a step, a cursor) is caught like a damaged tensor file.
 
-use crate::model::{Mlp, ModelError};
-use crate::train::Trainer;
+use crate::state::{Layout, TensorSpec};
 use edl_plugin_sdk::Hyperparams;
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use serde::{Deserialize, Serialize};
@@ -40,21 +39,29 @@ pub struct Manifest {
     pub files: BTreeMap<String, String>,
 }
 
-/// A checkpoint read back.
+/// A checkpoint read back: the state's tensors laid out end to end.
 pub struct Restored {
     pub path: PathBuf,
     pub manifest: Manifest,
-    pub model: Mlp,
-    pub velocity: Vec<f32>,
+    pub layout: Layout,
+    pub values: Vec<f32>,
 }
+
+impl Restored {
+    /// The values of tensor `name`.
+    pub fn tensor(&self, name: &str) -> Option<&[f32]> {
+        self.layout.ranges().find(|(t, _)| t.name == name).map(|(_, r)| &self.values[r])
+    }
+}
+
+/// The file of a checkpoint that holds the state.
+pub const STATE_FILE: &str = "state.safetensors";
 
 /// Why checkpoints could not be written or read.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     #[error("{path}: {detail}")]
     Io { path: String, detail: String },
-    #[error(transparent)]
-    Model(#[from] ModelError),
 }
 
 /// A directory of checkpoints `step-<n>/`.
@@ -118,24 +125,33 @@ impl Checkpoints {
         out
     }
 
-    /// Writes a checkpoint of `trainer` at `manifest.step`; prunes old ones.
-    pub fn save(&self, trainer: &Trainer, mut manifest: Manifest) -> Result<PathBuf, CheckpointError> {
+    /// Writes a checkpoint of the state `values` (laid out as `layout`) at
+    /// `manifest.step`; prunes old ones.
+    pub fn save(&self, layout: &Layout, values: &[f32], mut manifest: Manifest) -> Result<PathBuf, CheckpointError> {
         std::fs::create_dir_all(&self.dir).map_err(|e| io(&self.dir, e))?;
         let name = format!("step-{:010}", manifest.step);
         let tmp = self.dir.join(format!(".tmp-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-        trainer.model().save(&tmp.join("model.safetensors"))?;
-        let v = crate::oip::f32_bytes(trainer.velocity());
-        let view =
-            TensorView::new(Dtype::F32, vec![trainer.velocity().len()], &v).map_err(|e| io(&tmp, e))?;
-        safetensors::serialize_to_file([("velocity", view)], None, &tmp.join("optimizer.safetensors"))
-            .map_err(|e| io(&tmp, e))?;
-        manifest.files.clear();
-        for f in ["model.safetensors", "optimizer.safetensors"] {
-            sync_file(&tmp.join(f))?;
-            manifest.files.insert(f.into(), sha256_of(&tmp.join(f))?);
+        if values.len() != layout.numel() {
+            return Err(io(&tmp, format!("{} values for a state of {}", values.len(), layout.numel())));
         }
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = layout
+            .ranges()
+            .map(|(t, r)| (t.name.clone(), t.shape.clone(), crate::oip::f32_bytes(&values[r])))
+            .collect();
+        let views = bytes
+            .iter()
+            .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
+            .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()
+            .map_err(|e| io(&tmp, e))?;
+        // The order of the tensors, which safetensors does not keep.
+        let order = serde_json::to_string(layout).map_err(|e| io(&tmp, e))?;
+        let meta = std::collections::HashMap::from([("edl.layout".to_string(), order)]);
+        safetensors::serialize_to_file(views, Some(meta), &tmp.join(STATE_FILE)).map_err(|e| io(&tmp, e))?;
+        manifest.files.clear();
+        sync_file(&tmp.join(STATE_FILE))?;
+        manifest.files.insert(STATE_FILE.into(), sha256_of(&tmp.join(STATE_FILE))?);
         let json = serde_json::to_vec_pretty(&manifest).map_err(|e| io(&tmp, e))?;
         write_durably(&tmp.join("manifest.json"), &json)?;
         write_durably(&tmp.join("manifest.sha256"), hex::encode(Sha256::digest(&json)).as_bytes())?;
@@ -175,7 +191,8 @@ impl Checkpoints {
         removed
     }
 
-    fn read(path: &Path) -> Result<Restored, CheckpointError> {
+    /// Reads and verifies the checkpoint in `path`.
+    pub fn read(path: &Path) -> Result<Restored, CheckpointError> {
         let text =
             std::fs::read(path.join("manifest.json")).map_err(|e| io(&path.join("manifest.json"), e))?;
         let sum_path = path.join("manifest.sha256");
@@ -190,21 +207,41 @@ impl Checkpoints {
         }
         let manifest: Manifest = serde_json::from_slice(&text)
             .map_err(|e| io(&path.join("manifest.json"), format!("not a manifest: {e}")))?;
-        for f in ["model.safetensors", "optimizer.safetensors"] {
-            let want = manifest.files.get(f).ok_or_else(|| io(path, format!("manifest lists no {f}")))?;
+        for (f, want) in &manifest.files {
             let got = sha256_of(&path.join(f))?;
             if &got != want {
                 return Err(io(&path.join(f), format!("sha256 {got} does not match the manifest's {want}")));
             }
         }
-        let model = Mlp::load(&path.join("model.safetensors"))?;
-        let opt_path = path.join("optimizer.safetensors");
-        let bytes = std::fs::read(&opt_path).map_err(|e| io(&opt_path, e))?;
-        let st = SafeTensors::deserialize(&bytes).map_err(|e| io(&opt_path, e))?;
-        let t = st.tensor("velocity").map_err(|e| io(&opt_path, e))?;
-        let velocity: Vec<f32> =
-            t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-        Ok(Restored { path: path.to_path_buf(), manifest, model, velocity })
+        let file = path.join(STATE_FILE);
+        if !manifest.files.contains_key(STATE_FILE) {
+            return Err(io(path, format!("manifest lists no {STATE_FILE}")));
+        }
+        let bytes = std::fs::read(&file).map_err(|e| io(&file, e))?;
+        let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| io(&file, e))?;
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| io(&file, e))?;
+        let layout: Layout = match meta.metadata().as_ref().and_then(|m| m.get("edl.layout")) {
+            Some(order) => serde_json::from_str(order).map_err(|e| io(&file, format!("tensor order: {e}")))?,
+            None => {
+                let mut names: Vec<(String, Vec<usize>)> =
+                    st.tensors().into_iter().map(|(n, t)| (n, t.shape().to_vec())).collect();
+                names.sort();
+                Layout::new(names.into_iter().map(|(n, s)| TensorSpec::new(n, s)).collect())
+                    .map_err(|e| io(&file, e))?
+            }
+        };
+        let mut values = Vec::with_capacity(layout.numel());
+        for t in layout.tensors() {
+            let v = st.tensor(&t.name).map_err(|e| io(&file, format!("tensor {:?}: {e}", t.name)))?;
+            if v.dtype() != Dtype::F32 || v.shape() != t.shape.as_slice() {
+                return Err(io(
+                    &file,
+                    format!("tensor {:?} is {:?} {:?}, expected F32 {:?}", t.name, v.dtype(), v.shape(), t.shape),
+                ));
+            }
+            values.extend(v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+        }
+        Ok(Restored { path: path.to_path_buf(), manifest, layout, values })
     }
 
     /// The newest checkpoint that verifies, and the ones skipped (newest
@@ -240,35 +277,41 @@ mod tests {
         }
     }
 
+    fn layout() -> Layout {
+        Layout::new(vec![TensorSpec::new("w", vec![4, 3]), TensorSpec::new("b", vec![3])]).unwrap()
+    }
+
+    /// A state whose `b[0]` is `mark`.
+    fn state(mark: f32) -> Vec<f32> {
+        let mut v = vec![0.5; 15];
+        v[12] = mark;
+        v
+    }
+
     #[test]
     fn keeps_the_last_k_and_falls_back_past_a_corrupt_one() {
         let dir = tempfile::tempdir().unwrap();
         let cps = Checkpoints::new(dir.path(), 2);
-        let mut model = Mlp::random(&[4, 3, 2], 1);
-        let mut t = Trainer::new(model.clone());
         for step in [10, 20, 30] {
-            model.layers[0].bias[0] = step as f32;
-            t = Trainer::new(model.clone());
-            t.load_velocity(&vec![0.5; t.param_count()]).unwrap();
-            cps.save(&t, manifest(step)).unwrap();
+            cps.save(&layout(), &state(step as f32), manifest(step)).unwrap();
         }
         let steps: Vec<u64> = cps.list().into_iter().map(|(s, _)| s).collect();
         assert_eq!(steps, vec![20, 30], "only the last two are kept");
         let (r, skipped) = cps.latest();
         let r = r.unwrap();
         assert!(skipped.is_empty());
-        assert_eq!((r.manifest.step, r.model.layers[0].bias[0]), (30, 30.0));
+        assert_eq!((r.manifest.step, r.tensor("b").unwrap()[0]), (30, 30.0));
         assert_eq!(r.manifest.plugin_state["autoscale"]["ceiling"], 5);
-        assert_eq!(r.velocity, vec![0.5; t.param_count()]);
+        assert_eq!((r.layout.clone(), r.values.clone()), (layout(), state(30.0)), "order and values kept");
 
-        // Truncate the newest model file: reported by name, the previous one is used.
-        let newest = cps.list().last().unwrap().1.join("model.safetensors");
+        // Truncate the newest state file: reported by name, the previous one is used.
+        let newest = cps.list().last().unwrap().1.join(STATE_FILE);
         let bytes = std::fs::read(&newest).unwrap();
         std::fs::write(&newest, &bytes[..bytes.len() / 2]).unwrap();
         let (r, skipped) = cps.latest();
         assert_eq!(r.unwrap().manifest.step, 20);
         assert_eq!(skipped.len(), 1);
-        assert!(skipped[0].to_string().contains("step-0000000030/model.safetensors"), "{}", skipped[0]);
+        assert!(skipped[0].to_string().contains("step-0000000030/state.safetensors"), "{}", skipped[0]);
 
         // A garbled manifest too: nothing usable is left.
         std::fs::write(cps.list()[0].1.join("manifest.json"), b"{not json").unwrap();
@@ -282,9 +325,8 @@ mod tests {
     fn a_manifest_altered_into_other_valid_json_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let cps = Checkpoints::new(dir.path(), 3);
-        let t = Trainer::new(Mlp::random(&[4, 3, 2], 1));
-        cps.save(&t, manifest(10)).unwrap();
-        cps.save(&t, manifest(20)).unwrap();
+        cps.save(&layout(), &state(1.0), manifest(10)).unwrap();
+        cps.save(&layout(), &state(1.0), manifest(20)).unwrap();
         let newest = cps.list().last().unwrap().1.join("manifest.json");
         let text = std::fs::read_to_string(&newest).unwrap();
         std::fs::write(&newest, text.replace("\"cursor\": 0", "\"cursor\": 64")).unwrap();
@@ -297,11 +339,9 @@ mod tests {
     fn rewriting_a_step_never_leaves_it_missing_and_leftovers_are_cleaned() {
         let dir = tempfile::tempdir().unwrap();
         let cps = Checkpoints::new(dir.path(), 3);
-        let mut model = Mlp::random(&[4, 3, 2], 1);
-        cps.save(&Trainer::new(model.clone()), manifest(10)).unwrap();
-        model.layers[0].bias[0] = 42.0;
-        cps.save(&Trainer::new(model.clone()), manifest(10)).unwrap();
-        assert_eq!(cps.latest().0.unwrap().model.layers[0].bias[0], 42.0);
+        cps.save(&layout(), &state(1.0), manifest(10)).unwrap();
+        cps.save(&layout(), &state(42.0), manifest(10)).unwrap();
+        assert_eq!(cps.latest().0.unwrap().tensor("b").unwrap()[0], 42.0);
         // A crash after the old copy was moved aside and before the new one
         // took its place: the old one comes back.
         let step = cps.list()[0].1.clone();

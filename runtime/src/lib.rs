@@ -15,6 +15,7 @@ pub mod plot;
 pub mod plugin;
 pub mod replay;
 pub mod scaffold;
+pub mod state;
 pub mod store;
 pub mod teacher;
 pub mod train;

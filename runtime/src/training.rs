@@ -6,11 +6,12 @@ use edl_host_gpu::Device;
 use edl_plugin_sdk::Hyperparams;
 use edl_runtime::{
     job::{
-        self, JobConfig, JobSpec, LocalProcesses, Progress, TeacherSource,
+        self, BuiltinModel, JobConfig, JobSpec, LocalProcesses, Program, TeacherSource, Progress,
         report::Report,
         teachers::{TeacherProcess, TeacherTraining, teacher_model},
-        worker::load_data,
+        worker::{load_data, mlp_of},
     },
+    checkpoint::Checkpoints,
     model::Mlp,
     plot,
     plugin::{AdapterPlugin, PluginHost, PolicyPlugin},
@@ -66,15 +67,23 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
     let log_dir = checkpoint_dir.parent().unwrap_or(&checkpoint_dir).join("logs");
     let exe = std::env::current_exe().context("locating edl-runtime")?;
 
-    let mut spec = JobSpec {
-        job: args.job.clone(),
+    let mut model = BuiltinModel {
         dataset: args.dataset.clone(),
         test_rows: if args.dataset == "digits" { 400 } else { 1000 },
         split_seed: 1,
         train_samples: args.train_samples,
+        layers: Vec::new(),
+    };
+    let (train, test) = load_data(&BuiltinModel { train_samples: None, ..model.clone() })?;
+    let hidden = sizes(&args.hidden, "hidden")?;
+    model.layers = std::iter::once(train.dim).chain(hidden).chain([train.classes]).collect();
+    let student_rows = args.train_samples.map_or(train.len(), |n| n.min(train.len()));
+    let mut spec = JobSpec {
+        job: args.job.clone(),
+        samples: student_rows,
         seed: args.seed,
         epochs: args.epochs,
-        layers: Vec::new(),
+        program: Program::Builtin(model.clone()),
         temperature: args.temperature,
         alpha: args.alpha,
         teachers: None,
@@ -91,16 +100,12 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         allow_native: host.allows_native(),
         teacher_wait_ms: args.teacher_wait_secs.saturating_mul(1000),
     };
-    let (train, test) = load_data(&JobSpec { train_samples: None, ..spec.clone() })?;
-    let hidden = sizes(&args.hidden, "hidden")?;
-    spec.layers = std::iter::once(train.dim).chain(hidden).chain([train.classes]).collect();
     if args.device != Device::Cpu {
         // A missing driver, GPU, cuBLAS or NVRTC stops the job here, before
         // any process starts.
-        Trainer::on(args.device, Mlp::random(&spec.layers, args.seed))
+        Trainer::on(args.device, Mlp::random(&model.layers, args.seed))
             .context("checking --device before the job starts")?;
     }
-    let student_rows = args.train_samples.map_or(train.len(), |n| n.min(train.len()));
     let mut cfg = JobConfig {
         spec: spec.clone(),
         min_workers: args.min_workers,
@@ -123,7 +128,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
     };
     // Everything a flag can get wrong is refused here, before a teacher or
     // worker starts.
-    cfg.validate(student_rows)?;
+    cfg.validate()?;
     if !args.no_distill {
         cfg.validate_teacher_wait()?;
     }
@@ -136,7 +141,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         args.dataset,
         student_rows,
         test.len(),
-        spec.layers,
+        model.layers,
         args.epochs,
         args.min_workers,
         args.max_workers,
@@ -279,7 +284,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
     bar.finish_and_clear();
     drop(teacher_procs);
 
-    let restored = Mlp::load(&outcome.final_checkpoint.join("model.safetensors"))?;
+    let restored = mlp_of(&Checkpoints::read(&outcome.final_checkpoint)?)?;
     let student_accuracy = restored.accuracy(&test) as f64;
     let report = Report::new(
         &args.job,

@@ -20,7 +20,7 @@ use super::membership::{Command, Event, Membership};
 use super::phase::{JobPhase, Phase};
 use super::pipeline::{Committed, Failure, Pipeline};
 use super::proto::{
-    FromWorker, Generation, JobSpec, StepDone, StepPlan, ToWorker, encode, send, send_encoded,
+    FromWorker, Generation, JobSpec, Share, StepDone, StepPlan, ToWorker, encode, send, send_encoded,
 };
 use super::scaler::Scaler;
 use crate::checkpoint::{Checkpoints, Manifest, Restored};
@@ -66,11 +66,12 @@ pub struct JobConfig {
 
 impl JobConfig {
     /// Refuses settings a job cannot run with, naming the flag, before
-    /// anything starts. `train_len` is the size of the training set.
-    pub fn validate(&self, train_len: usize) -> Result<()> {
+    /// anything starts.
+    pub fn validate(&self) -> Result<()> {
         let h = &self.hyper;
+        let train_len = self.spec.samples;
         if train_len == 0 {
-            bail!("the training set is empty (--train-samples 0?)");
+            bail!("the job has no samples (--samples 0, or --train-samples 0)");
         }
         if self.spec.epochs == 0 {
             bail!("--epochs 0: a job trains at least one epoch");
@@ -224,27 +225,17 @@ struct Bookkeeping {
     data: Option<DataIdentity>,
 }
 
-/// The flags that decide which samples a (step, cursor) names.
+/// What decides which samples a (step, cursor) names, and what the state is.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 struct DataIdentity {
-    dataset: String,
-    test_rows: usize,
-    split_seed: u64,
-    train_samples: usize,
+    samples: usize,
     seed: u64,
-    layers: Vec<usize>,
+    program: String,
 }
 
 impl DataIdentity {
-    fn of(spec: &JobSpec, train_len: usize) -> Self {
-        DataIdentity {
-            dataset: spec.dataset.clone(),
-            test_rows: spec.test_rows,
-            split_seed: spec.split_seed,
-            train_samples: train_len,
-            seed: spec.seed,
-            layers: spec.layers.clone(),
-        }
+    fn of(spec: &JobSpec) -> Self {
+        DataIdentity { samples: spec.samples, seed: spec.seed, program: spec.program.identity() }
     }
 
     /// The differences from `now`, as flags.
@@ -255,12 +246,9 @@ impl DataIdentity {
                 d.push(format!("{flag} {was} (this run: {is})"));
             }
         };
-        cmp("--dataset", self.dataset.clone(), now.dataset.clone());
-        cmp("test rows", self.test_rows.to_string(), now.test_rows.to_string());
-        cmp("split seed", self.split_seed.to_string(), now.split_seed.to_string());
-        cmp("--train-samples", self.train_samples.to_string(), now.train_samples.to_string());
+        cmp("samples (--samples, --train-samples)", self.samples.to_string(), now.samples.to_string());
         cmp("--seed", self.seed.to_string(), now.seed.to_string());
-        cmp("layers (--hidden)", format!("{:?}", self.layers), format!("{:?}", now.layers));
+        cmp("the program", self.program.clone(), now.program.clone());
         d
     }
 }
@@ -342,6 +330,8 @@ struct Coordinator<'a> {
     last_teacher_check: Instant,
     /// The epoch permutation the ledger maps reported positions through.
     perm: Option<(u64, Vec<u32>)>,
+    /// The epoch permutation windows are planned from.
+    plan_perm: Option<(u64, Vec<u32>)>,
     /// The last reported write of a checkpoint of the committed step.
     saved: Option<Result<PathBuf, String>>,
 }
@@ -358,6 +348,14 @@ const MAX_WINDOW: u64 = 32;
 /// How often the coordinator looks after starters, leases, teachers and the store.
 const CHORES_EVERY: Duration = Duration::from_millis(100);
 
+/// The permutation of `epoch` (of `len` samples under `seed`), kept in `cache`.
+fn permutation_of(cache: &mut Option<(u64, Vec<u32>)>, len: usize, seed: u64, epoch: u64) -> &[u32] {
+    if cache.as_ref().map(|p| p.0) != Some(epoch) {
+        *cache = Some((epoch, crate::data::permutation(len, seed, epoch)));
+    }
+    &cache.as_ref().expect("set above").1
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -372,8 +370,8 @@ pub fn run(
     scaler: Box<dyn Scaler>,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<JobOutcome> {
-    let (train, _) = super::worker::load_data(&cfg.spec)?;
-    cfg.validate(train.len())?;
+    cfg.validate()?;
+    let samples = cfg.spec.samples;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let store = {
         let _g = rt.enter();
@@ -403,7 +401,7 @@ pub fn run(
         epoch: 0,
         cursor: 0,
         hyper: cfg.hyper,
-        ledger: Ledger::new(train.len()),
+        ledger: Ledger::new(samples),
         events: Vec::new(),
         pending: None,
         init: None,
@@ -417,7 +415,7 @@ pub fn run(
         checkpoints: Vec::new(),
         samples: 0,
         last_lease: now,
-        train_len: train.len(),
+        train_len: samples,
         keeper: None,
         state_token: None,
         pipe: None,
@@ -429,6 +427,7 @@ pub fn run(
         last_checkpoint: now,
         last_teacher_check: now,
         perm: None,
+        plan_perm: None,
         saved: None,
         cfg,
     };
@@ -498,15 +497,9 @@ impl Coordinator<'_> {
         }
         let Some(r) = restored else { return Ok(None) };
         let m = &r.manifest;
-        if r.model.sizes() != self.cfg.spec.layers {
-            bail!(
-                "checkpoint {} holds another model than --hidden asks for; use another --checkpoint-dir",
-                r.path.display()
-            );
-        }
         let book: Bookkeeping = serde_json::from_value(m.plugin_state.clone())
             .with_context(|| format!("{}: manifest has no coordinator state", r.path.display()))?;
-        let now = DataIdentity::of(&self.cfg.spec, self.train_len);
+        let now = DataIdentity::of(&self.cfg.spec);
         let was = book.data.clone().unwrap_or(DataIdentity { seed: m.seed, ..now.clone() });
         let diff = was.differences(&now);
         if !diff.is_empty() {
@@ -747,7 +740,7 @@ impl Coordinator<'_> {
                     self.boundary()?;
                     let before = self.committed;
                     let Some(f) = self.run_generation()? else { continue };
-                    if f.no_teachers {
+                    if f.cause == Some(super::proto::FailCause::NoTeachers) {
                         // Name the teachers' end if the job started them.
                         self.check_teachers()?;
                     }
@@ -933,7 +926,7 @@ impl Coordinator<'_> {
             ledger: self.ledger.clone(),
             events: self.events.clone(),
             generation: self.generation,
-            data: Some(DataIdentity::of(&self.cfg.spec, self.train_len)),
+            data: Some(DataIdentity::of(&self.cfg.spec)),
         };
         Manifest {
             step: self.committed,
@@ -1080,10 +1073,22 @@ impl Coordinator<'_> {
                 }
             }
             let generation = self.generation;
-            let line = encode(&ToWorker::Steps { generation, steps: steps.clone() })
-                .map_err(|e| anyhow!("encoding a window: {e}"))?;
+            let world = self.m.members().len();
+            let (len, seed) = (self.train_len, self.cfg.spec.seed);
+            let perm = permutation_of(&mut self.plan_perm, len, seed, steps[0].epoch);
             let mut lost = Vec::new();
             for (rank, m) in self.m.members().iter().enumerate() {
+                // Each rank gets its own samples of every step of the window.
+                let shares = steps
+                    .iter()
+                    .map(|p| {
+                        let gb = p.hyper.global_batch.max(1) as usize;
+                        let r = crate::data::shard(p.cursor, gb, rank, world, len);
+                        Share { start: r.start as u32, end: r.end as u32, indices: perm[r].to_vec() }
+                    })
+                    .collect();
+                let line = encode(&ToWorker::Steps { generation, steps: steps.clone(), shares })
+                    .map_err(|e| anyhow!("encoding a window: {e}"))?;
                 if let Some(stream) = self.conns.get_mut(&m.conn)
                     && let Err(e) = send_encoded(stream, &line)
                 {
@@ -1191,11 +1196,7 @@ impl Coordinator<'_> {
     ) -> Result<()> {
         let gb = plan.hyper.global_batch.max(1) as usize;
         let expected = (plan.cursor + gb).min(self.train_len) - plan.cursor;
-        if self.perm.as_ref().map(|p| p.0) != Some(plan.epoch) {
-            self.perm =
-                Some((plan.epoch, crate::data::permutation(self.train_len, self.cfg.spec.seed, plan.epoch)));
-        }
-        let perm = &self.perm.as_ref().expect("set above").1;
+        let perm = permutation_of(&mut self.perm, self.train_len, self.cfg.spec.seed, plan.epoch);
         let mut rows = 0usize;
         let mut loss = 0.0;
         for (rank, d) in reports.iter().enumerate() {
@@ -1284,7 +1285,7 @@ impl Coordinator<'_> {
         let failure = |error: String, dead: bool| Failure {
             dead: if dead { BTreeSet::from([0]) } else { BTreeSet::new() },
             errors: vec![error],
-            no_teachers: false,
+            cause: None,
             step,
             dropped: 0,
         };

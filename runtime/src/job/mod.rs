@@ -3,7 +3,8 @@
 //! that train; teachers that serve soft labels.
 //!
 //! - [`coordinator`]: the job server and its step protocol.
-//! - [`worker`]: one training process per device.
+//! - [`session`]: the worker's side of the protocol, for any training program.
+//! - [`worker`]: the built-in worker (the MLP student), one process per device.
 //! - [`inbox`]: the control connections: one thread accepts, one reads them all.
 //! - [`scaler`]: how workers are started and stopped.
 //! - [`phase`]: the job's phase (training, the final checkpoint) and when failures end it.
@@ -25,11 +26,12 @@ pub mod preflight;
 pub mod proto;
 pub mod report;
 pub mod scaler;
+pub mod session;
 pub mod teachers;
 pub mod worker;
 
 pub use coordinator::{JobConfig, JobOutcome, Progress, ScaleEvent, StepRecord};
 pub use ledger::{EpochRecord, Ledger};
 pub use preflight::{JobLock, preflight};
-pub use proto::{JobSpec, TeacherSource};
+pub use proto::{BuiltinModel, JobSpec, Program, TeacherSource};
 pub use scaler::{LocalProcesses, Scaler};

@@ -11,6 +11,7 @@
 //! training.
 
 use super::pipeline::Failure;
+use super::proto::FailCause;
 use std::time::Duration;
 
 /// Generations failed in a row, without a committed step, that end the job.
@@ -65,13 +66,23 @@ impl JobPhase {
             self.failures = 0;
         }
         self.failures += 1;
-        if f.no_teachers {
-            return Err(format!(
-                "step {}: no teacher answered within {:?}; the job cannot go on without them ({})",
-                f.step,
-                self.teacher_wait,
-                f.errors.join("; ")
-            ));
+        match f.cause {
+            Some(FailCause::NoTeachers) => {
+                return Err(format!(
+                    "step {}: no teacher answered within {:?}; the job cannot go on without them ({})",
+                    f.step,
+                    self.teacher_wait,
+                    f.errors.join("; ")
+                ));
+            }
+            Some(FailCause::State) => {
+                return Err(format!(
+                    "step {}: a worker's state does not fit the job's, which no other generation can change: {}",
+                    f.step,
+                    f.errors.join("; ")
+                ));
+            }
+            None => {}
         }
         if self.failures >= MAX_FAILED_GENERATIONS {
             return Err(format!(
@@ -99,7 +110,8 @@ mod tests {
     use super::*;
 
     fn failure(step: u64, no_teachers: bool) -> Failure {
-        Failure { step, no_teachers, errors: vec!["worker 1: ring broke".into()], ..Failure::default() }
+        let cause = no_teachers.then_some(FailCause::NoTeachers);
+        Failure { step, cause, errors: vec!["worker 1: ring broke".into()], ..Failure::default() }
     }
 
     #[test]

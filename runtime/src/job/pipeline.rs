@@ -36,8 +36,10 @@ pub struct Failure {
     /// Ranks that are gone (connection closed, or silent and given up).
     pub dead: BTreeSet<Rank>,
     pub errors: Vec<String>,
-    /// A rank found no teacher answering within the job's teacher wait.
-    pub no_teachers: bool,
+    /// Why a rank failed, where another generation cannot help: no teacher
+    /// answered within the job's teacher wait, or the program's state does
+    /// not fit the job's.
+    pub cause: Option<FailCause>,
     /// The first step not committed.
     pub step: u64,
     /// Steps that were sent and are dropped (the failed one included).
@@ -175,7 +177,7 @@ impl Pipeline {
     fn record(&mut self, rank: Rank, text: String, cause: Option<FailCause>) {
         let f = self.failure.get_or_insert_with(Failure::default);
         f.errors.push(text);
-        f.no_teachers |= cause == Some(FailCause::NoTeachers);
+        f.cause = f.cause.or(cause);
         self.settled.insert(rank);
     }
 
@@ -338,7 +340,7 @@ mod tests {
         assert_eq!(f.dead, BTreeSet::from([2]));
         assert_eq!(f.errors[0], "worker 3 lost: connection closed");
         assert_eq!(f.errors.len(), 3);
-        assert!(!f.no_teachers);
+        assert_eq!(f.cause, None);
     }
 
     #[test]
@@ -384,6 +386,6 @@ mod tests {
         let mut p = Pipeline::new(1, names(1), 0, t0, T);
         p.issue(t0, plan(0, 1));
         p.fail(0, "no teacher answered".into(), Some(FailCause::NoTeachers));
-        assert!(p.settled_failure().unwrap().no_teachers);
+        assert_eq!(p.settled_failure().unwrap().cause, Some(FailCause::NoTeachers));
     }
 }

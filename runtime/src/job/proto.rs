@@ -22,10 +22,34 @@ pub enum TeacherSource {
     Discovered { store: String, service: String },
 }
 
-/// Everything a worker needs to know about the job, sent when it joins.
+/// What the workers train.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct JobSpec {
-    pub job: String,
+#[serde(rename_all = "kebab-case")]
+pub enum Program {
+    /// The built-in MLP student on a shipped data set.
+    Builtin(BuiltinModel),
+    /// The user's own program (`edl-runtime launch -- CMD ...`): it
+    /// registers its state with the runtime and reads its samples itself.
+    External { command: Vec<String> },
+}
+
+impl Program {
+    /// What a checkpoint's state depends on besides the data order, to
+    /// compare on resume.
+    pub fn identity(&self) -> String {
+        match self {
+            Program::Builtin(m) => format!(
+                "the built-in MLP {:?} on {} ({} test rows, split seed {})",
+                m.layers, m.dataset, m.test_rows, m.split_seed
+            ),
+            Program::External { .. } => "an external program".into(),
+        }
+    }
+}
+
+/// The built-in student and its data.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BuiltinModel {
     /// `mnist5k` or `digits`.
     pub dataset: String,
     /// Rows held out for testing, and the seed of the split.
@@ -33,12 +57,21 @@ pub struct JobSpec {
     pub split_seed: u64,
     /// Train on the first N training samples only (a small transfer set).
     pub train_samples: Option<usize>,
-    /// Seed of the student's initial weights and of each epoch's order.
+    /// Student layer sizes, input first.
+    pub layers: Vec<usize>,
+}
+
+/// Everything a worker needs to know about the job, sent when it joins.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobSpec {
+    pub job: String,
+    /// The job's data: the sample indices `0..samples`.
+    pub samples: usize,
+    /// Seed of each epoch's order (and of the built-in student's weights).
     pub seed: u64,
     /// Epochs the job trains for (read-ahead stops there).
     pub epochs: u64,
-    /// Student layer sizes, input first.
-    pub layers: Vec<usize>,
+    pub program: Program,
     pub temperature: f32,
     pub alpha: f32,
     /// None: plain training on hard labels.
@@ -76,6 +109,10 @@ pub enum FailCause {
     /// No teacher answered within the job's teacher wait: retrying the step
     /// elsewhere cannot help.
     NoTeachers,
+    /// The worker's state cannot take the job's committed state (a
+    /// checkpoint of another model, a program that registered other
+    /// tensors): no generation can fix that.
+    State,
 }
 
 /// What the coordinator tells a worker.
@@ -90,6 +127,8 @@ pub enum ToWorker {
     Steps {
         generation: u64,
         steps: Vec<StepPlan>,
+        /// This rank's share of each step, in the same order.
+        shares: Vec<Share>,
     },
     /// Every step before `step` is committed: older rollback points can go.
     /// Rank 0 writes `checkpoint` (of the state at `step`) in the
@@ -129,6 +168,15 @@ pub struct StepPlan {
     /// Position in the epoch's permutation where this step starts.
     pub cursor: usize,
     pub hyper: Hyperparams,
+}
+
+/// A rank's share of a step: the positions `start..end` of the epoch's
+/// permutation and the sample indices there.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Share {
+    pub start: u32,
+    pub end: u32,
+    pub indices: Vec<u32>,
 }
 
 /// One rank's account of one step.

@@ -247,7 +247,7 @@ fn a_killed_job_resumes_from_its_checkpoint_with_redis_state() {
         .collect();
     steps.sort();
     assert!(steps.len() >= 2, "{steps:?}");
-    let newest = steps.last().unwrap().join("model.safetensors");
+    let newest = steps.last().unwrap().join("state.safetensors");
     let bytes = std::fs::read(&newest).unwrap();
     std::fs::write(&newest, &bytes[..bytes.len() / 3]).unwrap();
     let previous: u64 = steps[steps.len() - 2].file_name().unwrap().to_string_lossy()[5..].parse().unwrap();

@@ -338,7 +338,7 @@ fn nonsensical_flags_are_one_line_errors_before_anything_starts() {
         (&["--min-workers", "3", "--max-workers", "2"], "--min-workers 3 and --max-workers 2"),
         (&["--lr", "NaN"], "--lr NaN"),
         (&["--momentum", "1"], "--momentum 1"),
-        (&["--train-samples", "0"], "the training set is empty"),
+        (&["--train-samples", "0"], "the job has no samples"),
         (&["--dataset", "nope"], "unknown data set \"nope\""),
         (&["--store", "bogus://x"], "invalid store address"),
         (&["--store", "redis://:hunter2@127.0.0.1:1"], "--store redis://:***@127.0.0.1:1"),
@@ -396,7 +396,7 @@ fn a_rerun_after_the_final_checkpoint_only_reports_and_other_data_flags_are_refu
     assert!(out.contains("was made with --seed 1 (this run: 2)"), "{out}");
     let (status, out) = run_to_end(small(dir.path(), &["--train-samples", "360"]));
     assert!(!status.success(), "{out}");
-    assert!(out.contains("--train-samples 400 (this run: 360)"), "{out}");
+    assert!(out.contains("samples (--samples, --train-samples) 400 (this run: 360)"), "{out}");
     std::fs::create_dir(ckpt.join(".tmp-step-0000000099-1")).unwrap();
     let (status, out) = run_to_end(small(dir.path(), &[]));
     assert!(status.success(), "{out}");

@@ -1,0 +1,579 @@
+//! The worker's side of the elastic protocol, for any training program: the
+//! built-in MLP worker ([`super::worker`]) and the Python package both drive
+//! a [`Session`].
+//!
+//! A program registers its state (named float32 tensors behind [`State`]),
+//! then asks for steps one at a time. Between steps the session does what
+//! the coordinator says: it forms generations (builds the ring, brings the
+//! state to the committed step from a rollback point, a checkpoint or rank
+//! 0's broadcast), keeps rollback points at window starts, and has rank 0
+//! write checkpoints of committed states in the background. A step gives the
+//! program its sample indices and hyperparameters; the program computes,
+//! sums its gradients over the ring with [`Session::all_reduce`] and reports
+//! the step with [`Session::finish`]. When the ring breaks the step is
+//! abandoned: the program may go on with what it has (its state is put back
+//! at the next generation), and the next step it gets is the redone one.
+
+use super::proto::{
+    FailCause, FromWorker, Generation, JobSpec, Receiver, Share, StepDone, StepPlan, ToWorker, Written,
+    send,
+};
+use crate::checkpoint::{Checkpoints, Manifest};
+use crate::state::Layout;
+use anyhow::{Context, Result, anyhow, bail};
+use edl_host_gpu::comm::{Communicator, ReduceOp, RingOptions, TcpRendezvous, TcpRing};
+use edl_plugin_sdk::Hyperparams;
+use std::{
+    collections::{BTreeMap, VecDeque},
+    net::{SocketAddr, TcpStream},
+    sync::{Arc, mpsc},
+    time::{Duration, Instant},
+};
+
+/// A program's state, as the session sees it.
+pub trait State {
+    /// The tensors, in the order of [`State::save_into`]'s values.
+    fn layout(&self) -> &Layout;
+    /// Every value of the state, laid end to end, into `out` (cleared first).
+    fn save_into(&mut self, out: &mut Vec<f32>) -> Result<()>;
+    /// Replaces every value of the state.
+    fn load(&mut self, values: &[f32]) -> Result<()>;
+}
+
+/// One step of this rank.
+#[derive(Clone, Debug)]
+pub struct Step {
+    pub generation: u64,
+    pub rank: usize,
+    pub world: usize,
+    /// Steps committed before this one (0 for the job's first).
+    pub step: u64,
+    pub epoch: u64,
+    pub hyper: Hyperparams,
+    /// This rank's samples (indices into `0..samples`); may be empty.
+    pub indices: Vec<u32>,
+    /// Samples of the whole step, over every rank: a mean loss divides by it.
+    pub global_rows: usize,
+    start: u32,
+    end: u32,
+    opens: bool,
+    closes: bool,
+}
+
+/// What the program does next.
+pub enum Event {
+    Step(Step),
+    /// The job is over for this worker (done, or scaled in).
+    Stop(String),
+}
+
+/// Where the current generation's ring meets, for programs that build their own collectives.
+#[derive(Clone, Debug)]
+pub struct Rendezvous {
+    pub generation: u64,
+    pub rank: usize,
+    pub world: usize,
+    pub addr: SocketAddr,
+    pub key: String,
+}
+
+#[derive(Clone, Copy)]
+struct Place {
+    generation: u64,
+    rank: usize,
+    world: usize,
+}
+
+/// The worker side of a job.
+pub struct Session {
+    id: u64,
+    spec: JobSpec,
+    out: TcpStream,
+    inbox: mpsc::Receiver<Result<ToWorker, super::proto::ProtoError>>,
+    /// Steps applied to the current state (None: nothing yet, a joiner).
+    applied: Option<u64>,
+    /// Rollback points: the state at the start of each window not known
+    /// to be committed, and at the last committed step.
+    snapshots: BTreeMap<u64, Arc<Vec<f32>>>,
+    /// A released rollback point's buffer, for the next one.
+    spare: Option<Vec<f32>>,
+    layout: Layout,
+    place: Option<Place>,
+    rendezvous: Option<Rendezvous>,
+    /// The generation in which this worker failed a step (its later steps are dropped).
+    failed: Option<u64>,
+    queue: VecDeque<Step>,
+    /// The step handed to the program and not finished yet.
+    current: Option<Step>,
+    /// Steps of the current window done so far, and the generation's set-up time.
+    window: Vec<StepDone>,
+    setup_ms: f64,
+    ring: Option<(u64, TcpRing)>,
+    /// A checkpoint being written in the background: its step and thread.
+    writing: Option<(u64, std::thread::JoinHandle<Result<std::path::PathBuf>>)>,
+    /// Checkpoint writes that ended, not reported yet.
+    written: Vec<Written>,
+    /// Set when the coordinator said stop.
+    stopped: Option<String>,
+}
+
+/// Joining a job: the coordinator either welcomes the worker or has no use for it.
+pub enum Joined {
+    Welcome(Box<Session>),
+    NotNeeded(String),
+}
+
+impl Session {
+    /// Connects worker `id` to the coordinator at `coordinator` and reads the job.
+    pub fn join(coordinator: SocketAddr, id: u64) -> Result<Joined> {
+        let stream = TcpStream::connect_timeout(&coordinator, Duration::from_secs(10))
+            .with_context(|| format!("worker {id}: cannot reach the coordinator at {coordinator}"))?;
+        stream.set_nodelay(true)?;
+        stream.set_write_timeout(Some(Duration::from_secs(10)))?;
+        super::proto::keepalive(&stream);
+        let mut out = stream.try_clone()?;
+        let mut rx = Receiver::new(stream);
+        send(&mut out, &FromWorker::Hello { worker: id, pid: std::process::id() })?;
+        let spec = match rx.recv::<ToWorker>()? {
+            ToWorker::Welcome(spec) => *spec,
+            ToWorker::Stop { reason } => return Ok(Joined::NotNeeded(reason)),
+            _ => bail!("worker {id}: the coordinator sent something before the job"),
+        };
+        // Messages are read on a thread of their own, so that windows sent
+        // ahead queue up while steps run.
+        let (tx, inbox) = mpsc::channel();
+        std::thread::Builder::new().name("edl-control".into()).spawn(move || {
+            loop {
+                let msg = rx.recv::<ToWorker>();
+                let end = msg.is_err();
+                if tx.send(msg).is_err() || end {
+                    return;
+                }
+            }
+        })?;
+        Ok(Joined::Welcome(Box::new(Session {
+            id,
+            spec,
+            out,
+            inbox,
+            applied: None,
+            snapshots: BTreeMap::new(),
+            spare: None,
+            layout: Layout::default(),
+            place: None,
+            rendezvous: None,
+            failed: None,
+            queue: VecDeque::new(),
+            current: None,
+            window: Vec::new(),
+            setup_ms: 0.0,
+            ring: None,
+            writing: None,
+            written: Vec::new(),
+            stopped: None,
+        })))
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    pub fn spec(&self) -> &JobSpec {
+        &self.spec
+    }
+
+    /// The program has built its state (of `layout`): the worker can be given a rank.
+    pub fn ready(&mut self, layout: Layout) -> Result<()> {
+        self.layout = layout;
+        send(&mut self.out, &FromWorker::Ready)?;
+        Ok(())
+    }
+
+    /// The current generation's rendezvous (None before the first).
+    pub fn rendezvous(&self) -> Option<&Rendezvous> {
+        self.rendezvous.as_ref()
+    }
+
+    /// Steps planned after the current one, in order (for reading ahead).
+    pub fn planned(&self) -> impl Iterator<Item = &Step> {
+        self.queue.iter()
+    }
+
+    /// The next step, once the coordinator has planned it; meanwhile does
+    /// what the coordinator asks. A step handed out and not finished is
+    /// abandoned.
+    pub fn next(&mut self, state: &mut dyn State) -> Result<Event> {
+        if let Some(s) = self.current.take() {
+            self.report_failure(s.generation, s.step, anyhow!("the program skipped step {}", s.step));
+        }
+        loop {
+            if let Some(reason) = &self.stopped {
+                return Ok(Event::Stop(reason.clone()));
+            }
+            // Checkpoint writes that ended go out first (the final one is
+            // written before its commit is done with).
+            self.reap_write(false);
+            if !self.written.is_empty() {
+                let checkpoints = std::mem::take(&mut self.written);
+                send(&mut self.out, &FromWorker::Saved { checkpoints })?;
+            }
+            let msg = if self.queue.is_empty() {
+                match self.inbox.recv_timeout(Duration::from_millis(100)) {
+                    Ok(m) => Some(m),
+                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => {
+                        bail!("worker {}: lost the coordinator", self.id)
+                    }
+                }
+            } else {
+                self.inbox.try_recv().ok()
+            };
+            if let Some(msg) = msg {
+                self.handle(msg, state)?;
+                continue;
+            }
+            let Some(s) = self.queue.pop_front() else { continue };
+            if self.applied != Some(s.step) {
+                let e = anyhow!("state at step {:?}, the plan is for step {}", self.applied, s.step);
+                self.report_failure(s.generation, s.step, e);
+                continue;
+            }
+            if s.opens && !self.snapshots.contains_key(&s.step) {
+                // The rollback point of this window, until a later commit.
+                self.snapshot(state)?;
+            }
+            self.current = Some(s.clone());
+            return Ok(Event::Step(s));
+        }
+    }
+
+    fn handle(&mut self, msg: Result<ToWorker, super::proto::ProtoError>, state: &mut dyn State) -> Result<()> {
+        match msg {
+            Ok(ToWorker::Stop { reason }) => {
+                tracing::info!("worker {}: stopping: {reason}", self.id);
+                // A checkpoint under way is finished, not left half written.
+                self.reap_write(true);
+                if !self.written.is_empty() {
+                    let checkpoints = std::mem::take(&mut self.written);
+                    let _ = send(&mut self.out, &FromWorker::Saved { checkpoints });
+                }
+                self.stopped = Some(reason);
+            }
+            Ok(ToWorker::Welcome(_)) => bail!("worker {}: a second welcome", self.id),
+            Ok(ToWorker::Generation(g)) => {
+                if let Err(e) = self.start_generation(&g, state) {
+                    let cause = e.downcast_ref::<StateMismatch>().map(|_| FailCause::State);
+                    self.report(g.generation, g.committed_steps, e, cause)?;
+                }
+            }
+            Ok(ToWorker::Steps { generation, steps, shares }) => self.enqueue(generation, steps, shares)?,
+            Ok(ToWorker::Commit { step, checkpoint, wait }) => self.commit(step, checkpoint, wait, state)?,
+            Err(e) => bail!("worker {}: lost the coordinator: {e}", self.id),
+        }
+        Ok(())
+    }
+
+    /// Sums `values` over the generation's ring, in place. An error
+    /// abandons the step (it is reported; the next step is the redone one).
+    pub fn all_reduce(&mut self, values: &mut [f32]) -> Result<()> {
+        let Some(s) = self.current.as_ref() else { bail!("all_reduce outside a step") };
+        let (generation, step) = (s.generation, s.step);
+        let r = match self.ring.as_mut() {
+            Some((g, r)) if *g == generation => r
+                .all_reduce(values, ReduceOp::Sum)
+                .with_context(|| format!("all-reduce of step {step}")),
+            _ => Err(anyhow!("no ring for generation {generation}")),
+        };
+        if let Err(e) = r {
+            let text = format!("{e:#}");
+            self.current = None;
+            self.report_failure(generation, step, e);
+            bail!(text);
+        }
+        Ok(())
+    }
+
+    /// The current step is done on this rank: its state has the update.
+    /// `loss`: this rank's summed loss divided by the step's global rows.
+    pub fn finish(&mut self, loss: f64, compute_ms: f64) -> Result<()> {
+        let Some(s) = self.current.take() else { bail!("finish outside a step (or after a failed all-reduce)") };
+        self.applied = Some(s.step + 1);
+        self.window.push(StepDone {
+            step: s.step,
+            epoch: s.epoch,
+            start: s.start,
+            end: s.end,
+            loss,
+            compute_ms,
+        });
+        if s.closes {
+            let steps = std::mem::take(&mut self.window);
+            let setup_ms = std::mem::take(&mut self.setup_ms);
+            send(&mut self.out, &FromWorker::Done { generation: s.generation, steps, setup_ms })?;
+        }
+        Ok(())
+    }
+
+    /// The program could not do the current step: the coordinator is told,
+    /// the generation's remaining steps are dropped.
+    pub fn fail(&mut self, e: anyhow::Error, cause: Option<FailCause>) -> Result<()> {
+        let Some(s) = self.current.take() else { bail!("fail outside a step: {e:#}") };
+        self.report(s.generation, s.step, e, cause)
+    }
+
+    /// Whether the program is inside a step it may still finish.
+    pub fn in_step(&self) -> bool {
+        self.current.is_some()
+    }
+
+    fn report_failure(&mut self, generation: u64, step: u64, e: anyhow::Error) {
+        if let Err(send_err) = self.report(generation, step, e, None) {
+            tracing::warn!("worker {}: reporting a failure: {send_err:#}", self.id);
+        }
+    }
+
+    /// Reports a failed step; the generation's remaining steps are dropped,
+    /// its ring (unusable now) is closed, which ends its peers' waits, and
+    /// the state counts as changed (the next generation puts it back).
+    fn report(&mut self, generation: u64, step: u64, e: anyhow::Error, cause: Option<FailCause>) -> Result<()> {
+        tracing::warn!("worker {}: generation {generation} step {step}: {e:#}", self.id);
+        self.ring = None;
+        self.queue.clear();
+        self.window.clear();
+        self.failed = Some(generation);
+        if let Some(a) = self.applied {
+            self.applied = Some(a.max(step + 1));
+        }
+        send(&mut self.out, &FromWorker::Failed { generation, step, error: format!("{e:#}"), cause })?;
+        Ok(())
+    }
+
+    /// Queues a window of the current generation.
+    fn enqueue(&mut self, generation: u64, steps: Vec<StepPlan>, shares: Vec<Share>) -> Result<()> {
+        let Some(p) = self.place.filter(|p| p.generation == generation) else { return Ok(()) };
+        if self.failed == Some(generation) {
+            return Ok(());
+        }
+        if shares.len() != steps.len() {
+            bail!("worker {}: a window of {} steps with {} shares", self.id, steps.len(), shares.len());
+        }
+        let n = steps.len();
+        let len = self.spec.samples;
+        self.queue.extend(steps.into_iter().zip(shares).enumerate().map(|(i, (plan, share))| {
+            let gb = plan.hyper.global_batch.max(1) as usize;
+            Step {
+                generation,
+                rank: p.rank,
+                world: p.world,
+                step: plan.step,
+                epoch: plan.epoch,
+                hyper: plan.hyper,
+                indices: share.indices,
+                global_rows: (plan.cursor + gb).min(len).saturating_sub(plan.cursor),
+                start: share.start,
+                end: share.end,
+                opens: i == 0,
+                closes: i + 1 == n,
+            }
+        }));
+        Ok(())
+    }
+
+    /// Every step before `step` is committed: earlier rollback points go;
+    /// rank 0 writes the checkpoint asked for.
+    fn commit(&mut self, step: u64, checkpoint: Option<Manifest>, wait: bool, state: &mut dyn State) -> Result<()> {
+        if self.applied == Some(step) && self.current.is_none() && !self.snapshots.contains_key(&step) {
+            self.snapshot(state)?;
+        }
+        self.release_before(step);
+        let Some(manifest) = checkpoint else { return Ok(()) };
+        if let Err(e) = self.start_write(manifest) {
+            self.written.push(Written { step, result: Err(format!("{e:#}")) });
+        }
+        if wait {
+            self.reap_write(true);
+        }
+        Ok(())
+    }
+
+    /// Keeps the current state as the rollback point of step `applied`,
+    /// in the buffer of a released one when there is one.
+    fn snapshot(&mut self, state: &mut dyn State) -> Result<()> {
+        if let Some(a) = self.applied {
+            let mut s = self.spare.take().unwrap_or_default();
+            state.save_into(&mut s).context("saving the state")?;
+            if s.len() != self.layout.numel() {
+                bail!("the state holds {} values, its tensors {}", s.len(), self.layout.numel());
+            }
+            self.snapshots.insert(a, Arc::new(s));
+        }
+        Ok(())
+    }
+
+    /// Drops the rollback points before `step`, keeping one's buffer.
+    fn release_before(&mut self, step: u64) {
+        let kept = self.snapshots.split_off(&step);
+        for old in std::mem::replace(&mut self.snapshots, kept).into_values() {
+            // Shared with a checkpoint writer: that one frees it.
+            if let Ok(s) = Arc::try_unwrap(old) {
+                self.spare = Some(s);
+            }
+        }
+    }
+
+    /// Joins a generation: brings the state to its committed step (a
+    /// checkpoint, the current state, a rollback point, or rank 0's by
+    /// broadcast for a joiner), then builds the ring.
+    fn start_generation(&mut self, g: &Generation, state: &mut dyn State) -> Result<()> {
+        self.queue.clear();
+        self.window.clear();
+        self.current = None;
+        self.ring = None;
+        self.place = Some(Place { generation: g.generation, rank: g.rank, world: g.world });
+        self.rendezvous = Some(Rendezvous {
+            generation: g.generation,
+            rank: g.rank,
+            world: g.world,
+            addr: g.rendezvous,
+            key: g.rendezvous_key.clone(),
+        });
+        self.failed = None;
+        let n = g.committed_steps;
+        if let Some(path) = &g.init {
+            let (restored, skipped) =
+                Checkpoints::new(&self.spec.checkpoint_dir, self.spec.keep_checkpoints).latest();
+            for e in skipped {
+                tracing::warn!("worker {}: skipped checkpoint: {e}", self.id);
+            }
+            let r = restored.ok_or_else(|| anyhow!("no usable checkpoint in {}", path.display()))?;
+            if r.manifest.step != n {
+                bail!("checkpoint {} is at step {}, the plan says {n}", r.path.display(), r.manifest.step);
+            }
+            let values = self.layout.reorder(&r.layout, &r.values).map_err(|why| StateMismatch {
+                what: format!("checkpoint {}", r.path.display()),
+                why,
+            })?;
+            state.load(&values).context("loading the checkpoint into the state")?;
+            self.applied = Some(n);
+            self.snapshots.clear();
+        }
+        if self.applied.is_none() && n == 0 && g.init.is_none() {
+            // Every worker starts from the same initial state (the program's, seeded).
+            self.applied = Some(0);
+        }
+        match self.applied {
+            Some(a) if a == n => {}
+            Some(a) => {
+                let s = self.snapshots.get(&n).cloned().ok_or_else(|| {
+                    anyhow!(
+                        "state at step {a} (rollback points {:?}) cannot serve committed step {n}",
+                        self.snapshots.keys().collect::<Vec<_>>()
+                    )
+                })?;
+                state.load(&s).context("restoring the rollback point")?;
+                self.applied = Some(n);
+            }
+            None => {} // a joiner: gets the state by broadcast
+        }
+        self.snapshots.retain(|&k, _| k == n);
+        self.setup_ms = self.join_generation(g, state)?;
+        if !self.snapshots.contains_key(&n) {
+            self.snapshot(state)?;
+        }
+        Ok(())
+    }
+
+    /// Builds the generation's ring and shares rank 0's state.
+    fn join_generation(&mut self, g: &Generation, state: &mut dyn State) -> Result<f64> {
+        let start = Instant::now();
+        let opts = RingOptions {
+            timeout: Duration::from_millis(self.spec.collective_timeout_ms),
+            ..RingOptions::default()
+        };
+        let rdv = TcpRendezvous::new(g.rendezvous, g.rendezvous_key.clone());
+        let mut ring = TcpRing::connect(g.rank, g.world, &rdv, opts)
+            .with_context(|| format!("building the ring of generation {}", g.generation))?;
+        if g.world > 1 {
+            let mut values = self.spare.take().unwrap_or_default();
+            if self.applied.is_some() {
+                state.save_into(&mut values).context("saving the state")?;
+            } else {
+                values.clear();
+                values.resize(self.layout.numel(), 0.0);
+            }
+            if values.len() != self.layout.numel() {
+                bail!("the state holds {} values, its tensors {}", values.len(), self.layout.numel());
+            }
+            // Every rank must hold a state of the same size before one is
+            // broadcast over the others: each puts its size in its own slot
+            // (as two 20-bit halves, exact in f32) and the sum shows all.
+            let mut sizes = vec![0.0f32; 2 * g.world];
+            sizes[2 * g.rank] = (values.len() >> 20) as f32;
+            sizes[2 * g.rank + 1] = (values.len() & 0xF_FFFF) as f32;
+            ring.all_reduce(&mut sizes, ReduceOp::Sum).context("comparing state sizes")?;
+            if sizes.chunks_exact(2).any(|s| s != [sizes[0], sizes[1]]) {
+                return Err(StateMismatch {
+                    what: "the generation's states".into(),
+                    why: format!("the ranks hold states of different sizes (this one {} values)", values.len()),
+                }
+                .into());
+            }
+            ring.broadcast(&mut values, 0).context("broadcasting the state from rank 0")?;
+            state.load(&values).context("loading rank 0's state")?;
+            self.applied = Some(g.committed_steps);
+            // Rank 0's state is everyone's rollback point now.
+            self.snapshots.clear();
+            self.snapshots.insert(g.committed_steps, Arc::new(values));
+        } else if self.applied.is_none() {
+            bail!("a world of one with a worker that has no state");
+        }
+        self.ring = Some((g.generation, ring));
+        Ok(start.elapsed().as_secs_f64() * 1e3)
+    }
+
+    /// Starts writing the committed state (rank 0) on a thread of its own,
+    /// from its rollback point, so that steps and their collectives do not
+    /// wait for the disk. An earlier write still under way is finished first.
+    fn start_write(&mut self, manifest: Manifest) -> Result<()> {
+        self.reap_write(true);
+        let n = manifest.step;
+        let values = self.snapshots.get(&n).cloned().ok_or_else(|| {
+            anyhow!(
+                "no state of step {n} to save (rollback points {:?})",
+                self.snapshots.keys().collect::<Vec<_>>()
+            )
+        })?;
+        let layout = self.layout.clone();
+        let store = Checkpoints::new(&self.spec.checkpoint_dir, self.spec.keep_checkpoints);
+        let handle = std::thread::Builder::new()
+            .name("edl-checkpoint".into())
+            .spawn(move || Ok(store.save(&layout, &values, manifest)?))?;
+        self.writing = Some((n, handle));
+        Ok(())
+    }
+
+    /// Collects the background write's outcome once it has ended (or
+    /// waits for it, with `wait`), to be reported with the next answer.
+    fn reap_write(&mut self, wait: bool) {
+        if !self.writing.as_ref().is_some_and(|(_, h)| wait || h.is_finished()) {
+            return;
+        }
+        let Some((step, handle)) = self.writing.take() else { return };
+        let result = match handle.join() {
+            Ok(r) => r.map_err(|e| format!("{e:#}")),
+            Err(_) => Err("the checkpoint writer panicked".to_string()),
+        };
+        if let Err(e) = &result {
+            tracing::warn!("worker {}: checkpoint of step {step}: {e}", self.id);
+        }
+        self.written.push(Written { step, result });
+    }
+}
+
+/// The committed state cannot be loaded into this worker's.
+#[derive(Debug, thiserror::Error)]
+#[error("{what} does not fit this worker's state: {why}")]
+pub struct StateMismatch {
+    what: String,
+    why: String,
+}
