@@ -42,6 +42,10 @@ enum Command {
     /// Drive a scaling policy (and a batch adapter) against a simulated
     /// cluster: a quick look at a policy's behaviour without training.
     Simulate(SimArgs),
+    /// Run your own training program as the job's workers:
+    /// `edl-runtime launch --samples N [job flags] -- CMD ARGS...`. The
+    /// program joins through the `edl` package (see docs/your-own-program.md).
+    Launch(LaunchArgs),
     /// One worker of a job (started by the coordinator).
     #[command(hide = true)]
     Worker {
@@ -175,6 +179,22 @@ struct PluginArgs {
     /// Adapter configuration, `key=value` (repeatable).
     #[arg(long = "adapter-config", value_parser = parse_pair)]
     adapter_config: Vec<(String, String)>,
+}
+
+#[derive(Args)]
+struct LaunchArgs {
+    /// The job's samples: steps hand each worker indices in 0..N.
+    #[arg(long)]
+    samples: usize,
+    /// Teachers' OIP endpoints (`host:port`, comma separated) that the
+    /// program's steps get soft labels from (`step.teacher_logits`).
+    #[arg(long = "teacher-addrs", value_delimiter = ',')]
+    teacher_addrs: Vec<String>,
+    #[command(flatten)]
+    run: RunArgs,
+    /// The program and its arguments, run as each worker.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    command: Vec<String>,
 }
 
 #[derive(Args)]
@@ -387,6 +407,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
             unreachable!("handled above")
         }
         Some(Command::Worker { .. }) => unreachable!("handled above"),
+        Some(Command::Launch(l)) => {
+            let launch = training::Launch { samples: l.samples, command: l.command, teacher_addrs: l.teacher_addrs };
+            training::run(&host, l.run, Some(launch))
+        }
         Some(Command::Simulate(args)) => simulate(&host, args),
         Some(Command::Plugin { command: PluginCommand::Inspect { file } }) => inspect(&host, &file),
         Some(Command::Plugin { command: PluginCommand::New { world, name, dir } }) => {
@@ -449,7 +473,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        None => training::run(&host, cli.run),
+        None => training::run(&host, cli.run, None),
     }
 }
 

@@ -1,4 +1,6 @@
-//! The main command: an elastic training job with teachers on this machine.
+//! The main command (an elastic training job of the built-in student with
+//! teachers on this machine) and `launch` (the same job running the user's
+//! own program as its workers).
 
 use crate::RunArgs;
 use anyhow::{Context, Result, bail};
@@ -42,7 +44,17 @@ fn say(bar: &ProgressBar, line: String) {
     }
 }
 
-pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
+/// A job of the user's own program (`edl-runtime launch`).
+pub struct Launch {
+    /// The job's samples: steps hand out indices `0..samples`.
+    pub samples: usize,
+    /// The program and its arguments, run as each worker.
+    pub command: Vec<String>,
+    /// Teachers' OIP endpoints the program's steps may ask.
+    pub teacher_addrs: Vec<String>,
+}
+
+pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Result<ExitCode> {
     if !args.plugins.policy.exists() {
         bail!(
             "{}: no such plugin; `cargo build --release` builds the shipped plugins into plugins/",
@@ -62,28 +74,48 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
     let policy_name = format!("{} {}", policy.info().name, policy.info().version);
     let adapter_name = adapter.as_ref().map(|a| format!("{} {}", a.info().name, a.info().version));
     let root = PathBuf::from(".edl");
+    let job_name = match (&launch, args.job.as_str()) {
+        // The default name belongs to the built-in job; a program gets its own.
+        (Some(_), "mnist") => "launch".to_string(),
+        _ => args.job.clone(),
+    };
+    let args = RunArgs { job: job_name, ..args };
     let checkpoint_dir =
         args.checkpoint_dir.clone().unwrap_or_else(|| root.join(&args.job).join("checkpoints"));
     let log_dir = checkpoint_dir.parent().unwrap_or(&checkpoint_dir).join("logs");
     let exe = std::env::current_exe().context("locating edl-runtime")?;
 
-    let mut model = BuiltinModel {
-        dataset: args.dataset.clone(),
-        test_rows: if args.dataset == "digits" { 400 } else { 1000 },
-        split_seed: 1,
-        train_samples: args.train_samples,
-        layers: Vec::new(),
+    // The built-in student and its data, or the program's index range.
+    let builtin = match &launch {
+        None => {
+            let mut model = BuiltinModel {
+                dataset: args.dataset.clone(),
+                test_rows: if args.dataset == "digits" { 400 } else { 1000 },
+                split_seed: 1,
+                train_samples: args.train_samples,
+                layers: Vec::new(),
+            };
+            let (train, test) = load_data(&BuiltinModel { train_samples: None, ..model.clone() })?;
+            let hidden = sizes(&args.hidden, "hidden")?;
+            model.layers = std::iter::once(train.dim).chain(hidden).chain([train.classes]).collect();
+            Some((model, train, test))
+        }
+        Some(_) => None,
     };
-    let (train, test) = load_data(&BuiltinModel { train_samples: None, ..model.clone() })?;
-    let hidden = sizes(&args.hidden, "hidden")?;
-    model.layers = std::iter::once(train.dim).chain(hidden).chain([train.classes]).collect();
-    let student_rows = args.train_samples.map_or(train.len(), |n| n.min(train.len()));
+    let (student_rows, program) = match (&builtin, &launch) {
+        (Some((model, train, _)), _) => (
+            args.train_samples.map_or(train.len(), |n| n.min(train.len())),
+            Program::Builtin(model.clone()),
+        ),
+        (None, Some(l)) => (l.samples, Program::External { command: l.command.clone() }),
+        (None, None) => unreachable!("a job is built in or launched"),
+    };
     let mut spec = JobSpec {
         job: args.job.clone(),
         samples: student_rows,
         seed: args.seed,
         epochs: args.epochs,
-        program: Program::Builtin(model.clone()),
+        program,
         temperature: args.temperature,
         alpha: args.alpha,
         teachers: None,
@@ -100,12 +132,17 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         allow_native: host.allows_native(),
         teacher_wait_ms: args.teacher_wait_secs.saturating_mul(1000),
     };
-    if args.device != Device::Cpu {
+    if let Some((model, _, _)) = &builtin
+        && args.device != Device::Cpu
+    {
         // A missing driver, GPU, cuBLAS or NVRTC stops the job here, before
         // any process starts.
         Trainer::on(args.device, Mlp::random(&model.layers, args.seed))
             .context("checking --device before the job starts")?;
     }
+    // A launched program distils only from the teachers it is given.
+    let no_distill = args.no_distill
+        || launch.as_ref().is_some_and(|l| l.teacher_addrs.is_empty() && args.service.is_none());
     let mut cfg = JobConfig {
         spec: spec.clone(),
         min_workers: args.min_workers,
@@ -129,19 +166,25 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
     // Everything a flag can get wrong is refused here, before a teacher or
     // worker starts.
     cfg.validate()?;
-    if !args.no_distill {
+    if !no_distill {
         cfg.validate_teacher_wait()?;
     }
     job::preflight(&cfg)?;
     let lock = job::JobLock::acquire(&spec.checkpoint_dir, &args.job)?;
     std::fs::create_dir_all(&log_dir).with_context(|| format!("{}", log_dir.display()))?;
+    let what = match (&builtin, &launch) {
+        (Some((model, _, test)), _) => format!(
+            "{} ({student_rows} training samples, {} test), student {:?}",
+            args.dataset,
+            test.len(),
+            model.layers
+        ),
+        (None, Some(l)) => format!("{:?} on samples 0..{student_rows}", l.command.join(" ")),
+        (None, None) => unreachable!("a job is built in or launched"),
+    };
     println!(
-        "job {:?}: {} ({} training samples, {} test), student {:?}, {} epochs, {}..{} workers on {}, store {}",
+        "job {:?}: {what}, {} epochs, {}..{} workers on {}, store {}",
         args.job,
-        args.dataset,
-        student_rows,
-        test.len(),
-        model.layers,
         args.epochs,
         args.min_workers,
         args.max_workers,
@@ -156,9 +199,11 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
     // Teachers: a wider model trained here (cached), served by teacher processes.
     let mut teacher_accuracy = None;
     let teacher_procs: Arc<Mutex<Vec<TeacherProcess>>> = Default::default();
-    if !args.no_distill {
+    if let Some(l) = launch.as_ref().filter(|l| !l.teacher_addrs.is_empty()) {
+        spec.teachers = Some(TeacherSource::Fixed(l.teacher_addrs.clone()));
+    } else if !no_distill {
         let service = args.service.clone().unwrap_or_else(|| format!("{}-teachers", args.job));
-        if args.teachers > 0 {
+        if let Some((_, train, test)) = builtin.as_ref().filter(|_| args.teachers > 0) {
             let t = TeacherTraining {
                 layers: std::iter::once(train.dim)
                     .chain(sizes(&args.teacher_hidden, "teacher-hidden")?)
@@ -174,12 +219,12 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
             let bar = ProgressBar::new(t.epochs);
             bar.set_style(ProgressStyle::with_template("teacher   [{bar:30}] epoch {pos}/{len} {msg}")?);
             let (path, model, trained) =
-                teacher_model(&root.join("teachers"), &args.dataset, &train, &t, |e, l| {
+                teacher_model(&root.join("teachers"), &args.dataset, train, &t, |e, l| {
                     bar.set_position(e + 1);
                     bar.set_message(format!("loss {l:.4}"));
                 })?;
             bar.finish_and_clear();
-            let acc = model.accuracy(&test) as f64;
+            let acc = model.accuracy(test) as f64;
             teacher_accuracy = Some(acc);
             println!(
                 "teacher   {:?} {} ({}), test accuracy {:.2}%",
@@ -220,7 +265,10 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
         ProgressStyle::with_template("[{elapsed_precise}] [{bar:30}] {percent:>3}% {msg}")?
             .progress_chars("=> "),
     );
-    let scaler = Box::new(LocalProcesses::new(&exe, &log_dir));
+    let scaler = Box::new(match &launch {
+        None => LocalProcesses::new(&exe, &log_dir),
+        Some(l) => LocalProcesses::program(&l.command, &args.job, &log_dir)?,
+    });
     let epochs = args.epochs;
     let mut progress = |p: Progress| match p {
         Progress::Step(s) => {
@@ -284,14 +332,19 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
     bar.finish_and_clear();
     drop(teacher_procs);
 
-    let restored = mlp_of(&Checkpoints::read(&outcome.final_checkpoint)?)?;
-    let student_accuracy = restored.accuracy(&test) as f64;
+    let student_accuracy = match &builtin {
+        Some((_, _, test)) => {
+            let restored = mlp_of(&Checkpoints::read(&outcome.final_checkpoint)?)?;
+            Some(restored.accuracy(test) as f64)
+        }
+        None => None,
+    };
     let report = Report::new(
         &args.job,
         outcome,
         student_accuracy,
         teacher_accuracy,
-        !args.no_distill,
+        !no_distill,
         policy_name,
         adapter_name,
         &edl_runtime::store::redact(&args.store),
@@ -305,14 +358,16 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs) -> Result<ExitCode> {
     if let Some(step) = report.resumed_from_step {
         println!("          resumed from the checkpoint at step {step}");
     }
-    println!(
-        "          student test accuracy {:.2}%{}",
-        report.student_test_accuracy * 100.0,
-        report
-            .teacher_test_accuracy
-            .map(|t| format!(" (teacher {:.2}%)", t * 100.0))
-            .unwrap_or_else(|| if report.distill { String::new() } else { " (no distillation)".into() })
-    );
+    if let Some(acc) = report.student_test_accuracy {
+        println!(
+            "          student test accuracy {:.2}%{}",
+            acc * 100.0,
+            report
+                .teacher_test_accuracy
+                .map(|t| format!(" (teacher {:.2}%)", t * 100.0))
+                .unwrap_or_else(|| if report.distill { String::new() } else { " (no distillation)".into() })
+        );
+    }
     let resizes = report.scale_events.iter().filter(|e| e.from > 0).count();
     println!(
         "          {resizes} resizes, median pause {}; generations {}..{}",

@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Report {
     pub job: String,
-    pub student_test_accuracy: f64,
+    /// The built-in student's test accuracy (None for a program of one's own).
+    pub student_test_accuracy: Option<f64>,
     /// None when the teachers were not trained by this job (or not used).
     pub teacher_test_accuracy: Option<f64>,
     /// Samples committed per second of training, this run.
@@ -51,7 +52,7 @@ impl Report {
     pub fn new(
         job: &str,
         outcome: JobOutcome,
-        student: f64,
+        student: Option<f64>,
         teacher: Option<f64>,
         distill: bool,
         policy: String,

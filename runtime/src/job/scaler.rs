@@ -1,7 +1,11 @@
 //! Starting and stopping workers. The coordinator asks a [`Scaler`] for
 //! workers and learns they exist when they connect; the default one runs
-//! them as child processes of this machine (`edl-runtime worker ...`), each
-//! logging to its own file and killed by the kernel if the coordinator dies.
+//! them as child processes of this machine (`edl-runtime worker ...`, or the
+//! user's program under `edl-runtime launch`), each logging to its own file
+//! and killed by the kernel if the coordinator dies.
+//!
+//! A program finds its job through the environment: `EDL_COORDINATOR`
+//! (`host:port`), `EDL_WORKER_ID` and `EDL_JOB`.
 
 use std::{
     collections::BTreeMap,
@@ -28,6 +32,9 @@ pub trait Scaler: Send {
 /// Workers as local child processes.
 pub struct LocalProcesses {
     exe: PathBuf,
+    /// The arguments before the job's; None: the built-in worker's.
+    args: Option<Vec<String>>,
+    job: String,
     log_dir: PathBuf,
     children: BTreeMap<u64, Child>,
 }
@@ -35,7 +42,26 @@ pub struct LocalProcesses {
 impl LocalProcesses {
     /// Workers run `exe worker --coordinator ADDR --id N`, logging to `log_dir/worker-N.log`.
     pub fn new(exe: impl Into<PathBuf>, log_dir: impl Into<PathBuf>) -> Self {
-        LocalProcesses { exe: exe.into(), log_dir: log_dir.into(), children: BTreeMap::new() }
+        LocalProcesses {
+            exe: exe.into(),
+            args: None,
+            job: String::new(),
+            log_dir: log_dir.into(),
+            children: BTreeMap::new(),
+        }
+    }
+
+    /// Workers run `command` (a program and its arguments) with the job in
+    /// their environment, logging to `log_dir/worker-N.log`.
+    pub fn program(command: &[String], job: &str, log_dir: impl Into<PathBuf>) -> anyhow::Result<Self> {
+        let (exe, args) = command.split_first().ok_or_else(|| anyhow::anyhow!("no program to launch"))?;
+        Ok(LocalProcesses {
+            exe: exe.into(),
+            args: Some(args.to_vec()),
+            job: job.into(),
+            log_dir: log_dir.into(),
+            children: BTreeMap::new(),
+        })
     }
 
     fn log_path(&self, id: u64) -> PathBuf {
@@ -107,8 +133,17 @@ impl Scaler for LocalProcesses {
         let log = std::fs::File::create(self.log_path(id))
             .map_err(|e| anyhow::anyhow!("{}: {e}", self.log_path(id).display()))?;
         let mut cmd = Command::new(&self.exe);
-        cmd.args(["worker", "--coordinator", &coordinator.to_string(), "--id", &id.to_string()])
-            .stdin(Stdio::null())
+        match &self.args {
+            None => cmd.args(["worker", "--coordinator", &coordinator.to_string(), "--id", &id.to_string()]),
+            Some(args) => cmd
+                .args(args)
+                .env("EDL_COORDINATOR", coordinator.to_string())
+                .env("EDL_WORKER_ID", id.to_string())
+                .env("EDL_JOB", &self.job)
+                // The program's output reaches its log as it is written.
+                .env("PYTHONUNBUFFERED", "1"),
+        };
+        cmd.stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
         die_with_parent(&mut cmd);
@@ -121,7 +156,13 @@ impl Scaler for LocalProcesses {
 
     fn stop(&mut self, id: u64, grace: Duration) {
         if let Some(mut c) = self.children.remove(&id) {
-            terminate(&mut c, grace);
+            // A worker told to stop gets the grace to exit by itself (a
+            // program may have work after its last step), then a signal.
+            let until = Instant::now() + grace;
+            while Instant::now() < until && matches!(c.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            terminate(&mut c, Duration::from_secs(1));
         }
     }
 

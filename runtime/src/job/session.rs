@@ -38,6 +38,11 @@ pub trait State {
     fn save_into(&mut self, out: &mut Vec<f32>) -> Result<()>;
     /// Replaces every value of the state.
     fn load(&mut self, values: &[f32]) -> Result<()>;
+    /// Called about every 100 ms while the session waits for the
+    /// coordinator; an error (the program was interrupted) ends the wait.
+    fn idle(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// One step of this rank.
@@ -220,7 +225,10 @@ impl Session {
             let msg = if self.queue.is_empty() {
                 match self.inbox.recv_timeout(Duration::from_millis(100)) {
                     Ok(m) => Some(m),
-                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        state.idle()?;
+                        None
+                    }
                     Err(mpsc::RecvTimeoutError::Disconnected) => {
                         bail!("worker {}: lost the coordinator", self.id)
                     }

@@ -1,0 +1,720 @@
+//! The `edl` Python package's native part: the worker side of an elastic
+//! job ([`edl_runtime::job::session::Session`]) for a training loop written
+//! in Python. The program registers its state (float32 arrays: NumPy, or
+//! PyTorch CPU tensors through their NumPy view), then iterates the job's
+//! steps; the runtime snapshots, restores, broadcasts and checkpoints those
+//! arrays in place, and sums gradients over the generation's ring.
+
+use anyhow::anyhow;
+use edl_plugin_sdk::{Batch, Dtype};
+use edl_runtime::distill::{DistillConfig, DistillReader, Teachers};
+use edl_runtime::job::TeacherSource;
+use edl_runtime::job::session::{Event, Joined, Session, State, Step};
+use edl_runtime::state::{Layout, TensorSpec};
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+pyo3::create_exception!(_edl, EdlError, PyRuntimeError, "An error of the elastic runtime, with its message.");
+
+fn err(e: impl std::fmt::Display) -> PyErr {
+    EdlError::new_err(e.to_string())
+}
+
+fn anyhow_err(e: anyhow::Error) -> PyErr {
+    EdlError::new_err(format!("{e:#}"))
+}
+
+/// The registered arrays, as the session's state.
+struct Arrays {
+    layout: Layout,
+    buffers: Vec<PyBuffer<f32>>,
+}
+
+impl State for Arrays {
+    fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    fn save_into(&mut self, out: &mut Vec<f32>) -> anyhow::Result<()> {
+        out.clear();
+        out.resize(self.layout.numel(), 0.0);
+        Python::attach(|py| {
+            for (b, (t, r)) in self.buffers.iter().zip(self.layout.ranges()) {
+                b.copy_to_slice(py, &mut out[r]).map_err(|e| anyhow!("reading state tensor {:?}: {e}", t.name))?;
+            }
+            Ok(())
+        })
+    }
+
+    fn load(&mut self, values: &[f32]) -> anyhow::Result<()> {
+        if values.len() != self.layout.numel() {
+            anyhow::bail!("{} values for a state of {}", values.len(), self.layout.numel());
+        }
+        Python::attach(|py| {
+            for (b, (t, r)) in self.buffers.iter().zip(self.layout.ranges()) {
+                b.copy_from_slice(py, &values[r]).map_err(|e| anyhow!("writing state tensor {:?}: {e}", t.name))?;
+            }
+            Ok(())
+        })
+    }
+
+    fn idle(&mut self) -> anyhow::Result<()> {
+        // Ctrl-C while the program waits for the coordinator.
+        Python::attach(|py| py.check_signals()).map_err(|e| anyhow!("interrupted: {e}"))
+    }
+}
+
+/// What a read-ahead is fed: a step's samples (the program's features
+/// function reads them) or rows the program gave.
+enum Feed {
+    Indices(Vec<u32>),
+    Rows { x: Vec<f32>, rows: usize },
+}
+
+/// Soft labels from the job's teachers, read ahead of the steps when the
+/// program gave a features function.
+struct Teach {
+    feed: mpsc::Sender<Feed>,
+    /// Steps fed and not taken yet, in order.
+    fed: VecDeque<(u64, u64)>,
+    reader: DistillReader,
+    /// Why the source stopped (the features function raised).
+    source_error: Arc<Mutex<Option<String>>>,
+}
+
+/// A read-ahead source batch from what was fed.
+fn batch_of(features: &Option<Py<PyAny>>, feed: Feed) -> Result<Batch, String> {
+    let (x, rows, ids) = match feed {
+        Feed::Rows { x, rows } => (x, rows, (0..rows as u64).collect()),
+        Feed::Indices(ids) => {
+            let f = features.as_ref().ok_or("no features function")?;
+            let (x, rows) = Python::attach(|py| -> PyResult<(Vec<f32>, usize)> {
+                let idx = indices_array(py, &ids)?;
+                let out = f.call1(py, (idx,))?;
+                let out = as_float32(py, out.bind(py))?;
+                let buf = PyBuffer::<f32>::get(&out)?;
+                Ok((buf.to_vec(py)?, buf.shape().first().copied().unwrap_or(0)))
+            })
+            .map_err(|e| format!("the features function: {e}"))?;
+            if rows != ids.len() {
+                return Err(format!("the features function returned {rows} rows for {} indices", ids.len()));
+            }
+            (x, rows, ids.iter().map(|&i| i as u64).collect())
+        }
+    };
+    let dim = if rows == 0 { 0 } else { x.len() / rows };
+    if rows == 0 || dim * rows != x.len() {
+        return Err(format!("{} values are not {rows} rows", x.len()));
+    }
+    Ok(Batch {
+        data: edl_runtime::oip::f32_bytes(&x),
+        shape: vec![rows as u32, dim as u32],
+        dtype: Dtype::Float32,
+        labels: vec![0; rows],
+        ids,
+        seed: 0,
+    })
+}
+
+/// `numpy.asarray(x, dtype=float32)`, C-contiguous.
+fn as_float32<'py>(py: Python<'py>, x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let np = py.import("numpy")?;
+    np.call_method1("ascontiguousarray", (x, "float32"))
+}
+
+/// Sample indices as a NumPy int64 array.
+fn indices_array<'py>(py: Python<'py>, ids: &[u32]) -> PyResult<Bound<'py, PyAny>> {
+    let bytes: Vec<u8> = ids.iter().flat_map(|&i| (i as i64).to_le_bytes()).collect();
+    let np = py.import("numpy")?;
+    let a = np.call_method1("frombuffer", (PyBytes::new(py, &bytes), "int64"))?;
+    a.call_method0("copy")
+}
+
+/// Float32 values as a NumPy array of `shape`.
+fn float_array<'py>(py: Python<'py>, values: &[f32], shape: (usize, usize)) -> PyResult<Bound<'py, PyAny>> {
+    let np = py.import("numpy")?;
+    let a = np.call_method1("frombuffer", (PyBytes::new(py, &edl_runtime::oip::f32_bytes(values)), "float32"))?;
+    a.call_method1("reshape", (shape,))?.call_method0("copy")
+}
+
+struct Inner {
+    session: Session,
+    state: Arrays,
+    ready: bool,
+    stopped: Option<String>,
+    features: Option<Py<PyAny>>,
+    teach: Option<Teach>,
+    rt: tokio::runtime::Runtime,
+    /// The step being run, when it started, and whether it was abandoned.
+    current: Option<(Step, Instant)>,
+}
+
+/// An elastic job, joined as one of its workers.
+#[pyclass(module = "edl")]
+struct Job {
+    inner: Mutex<Inner>,
+    id: u64,
+    samples: usize,
+    epochs: u64,
+    seed: u64,
+    job: String,
+    distill: bool,
+}
+
+fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[pymethods]
+impl Job {
+    /// Joins the job named by the environment `edl-runtime launch` sets
+    /// (`EDL_COORDINATOR`, `EDL_WORKER_ID`). `features(indices) -> float32
+    /// array` lets the runtime read teachers' soft labels ahead of the steps.
+    #[staticmethod]
+    #[pyo3(signature = (features=None))]
+    fn from_env(py: Python<'_>, features: Option<Py<PyAny>>) -> PyResult<Option<Self>> {
+        let var = |k: &str| {
+            std::env::var(k).map_err(|_| err(format!("{k} is not set: run the program under `edl-runtime launch`")))
+        };
+        let addr: std::net::SocketAddr = var("EDL_COORDINATOR")?
+            .parse()
+            .map_err(|e| err(format!("EDL_COORDINATOR: not host:port ({e})")))?;
+        let id: u64 = var("EDL_WORKER_ID")?.parse().map_err(|e| err(format!("EDL_WORKER_ID: {e}")))?;
+        Self::join(py, addr, id, features)
+    }
+
+    /// Joins the job of the coordinator at `coordinator` (`host:port`) as worker `worker_id`.
+    #[staticmethod]
+    #[pyo3(signature = (coordinator, worker_id, features=None))]
+    fn connect(
+        py: Python<'_>,
+        coordinator: &str,
+        worker_id: u64,
+        features: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Self>> {
+        let addr = coordinator.parse().map_err(|e| err(format!("coordinator {coordinator:?}: {e}")))?;
+        Self::join(py, addr, worker_id, features)
+    }
+
+    /// Registers a float32 array (C-contiguous, writable) as part of the
+    /// state under `name`. Register everything before the first step.
+    fn register(&self, name: &str, array: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut inner = lock(&self.inner);
+        if inner.ready {
+            return Err(err(format!("state {name:?}: register the state before the first step")));
+        }
+        let buf = PyBuffer::<f32>::get(array)
+            .map_err(|e| PyValueError::new_err(format!("state {name:?}: not a float32 array ({e})")))?;
+        if buf.readonly() || !buf.is_c_contiguous() {
+            return Err(PyValueError::new_err(format!("state {name:?}: the array must be writable and C-contiguous")));
+        }
+        let mut tensors = inner.state.layout.tensors().to_vec();
+        tensors.push(TensorSpec::new(name, buf.shape().to_vec()));
+        inner.state.layout = Layout::new(tensors).map_err(PyValueError::new_err)?;
+        inner.state.buffers.push(buf);
+        Ok(())
+    }
+
+    /// The registered state's names and shapes.
+    #[getter]
+    fn state_layout(&self) -> Vec<(String, Vec<usize>)> {
+        let inner = lock(&self.inner);
+        inner.state.layout.tensors().iter().map(|t| (t.name.clone(), t.shape.clone())).collect()
+    }
+
+    /// The steps this worker runs, until the job ends or scales it in.
+    fn steps(slf: Py<Self>) -> Steps {
+        Steps { job: slf }
+    }
+
+    /// Why the job stopped this worker (None while it runs).
+    #[getter]
+    fn stopped(&self) -> Option<String> {
+        lock(&self.inner).stopped.clone()
+    }
+
+    #[getter]
+    fn worker_id(&self) -> u64 {
+        self.id
+    }
+    /// The job's samples: indices `0..samples`.
+    #[getter]
+    fn samples(&self) -> usize {
+        self.samples
+    }
+    #[getter]
+    fn epochs(&self) -> u64 {
+        self.epochs
+    }
+    /// The job's seed (initialise the model with it: every worker must start alike).
+    #[getter]
+    fn seed(&self) -> u64 {
+        self.seed
+    }
+    #[getter]
+    fn name(&self) -> String {
+        self.job.clone()
+    }
+    /// Whether the job has teachers to distil from.
+    #[getter]
+    fn distill(&self) -> bool {
+        self.distill
+    }
+}
+
+impl Job {
+    fn join(py: Python<'_>, addr: std::net::SocketAddr, id: u64, features: Option<Py<PyAny>>) -> PyResult<Option<Self>> {
+        init_logging();
+        let joined = py.detach(|| Session::join(addr, id)).map_err(anyhow_err)?;
+        let session = match joined {
+            Joined::Welcome(s) => *s,
+            Joined::NotNeeded(reason) => {
+                tracing::info!("worker {id}: not needed: {reason}");
+                return Ok(None);
+            }
+        };
+        let spec = session.spec().clone();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .map_err(err)?;
+        Ok(Some(Job {
+            id,
+            samples: spec.samples,
+            epochs: spec.epochs,
+            seed: spec.seed,
+            job: spec.job.clone(),
+            distill: spec.teachers.is_some(),
+            inner: Mutex::new(Inner {
+                session,
+                state: Arrays { layout: Layout::default(), buffers: Vec::new() },
+                ready: false,
+                stopped: None,
+                features,
+                teach: None,
+                rt,
+                current: None,
+            }),
+        }))
+    }
+
+    /// The next step, or None when the job is over for this worker.
+    fn next_step(&self, py: Python<'_>) -> PyResult<Option<StepInfo>> {
+        let mut guard = lock(&self.inner);
+        let inner = &mut *guard;
+        if inner.stopped.is_some() {
+            return Ok(None);
+        }
+        if !inner.ready {
+            if inner.state.buffers.is_empty() {
+                return Err(err("register the state (job.register(name, array)) before the first step"));
+            }
+            inner.session.ready(inner.state.layout.clone()).map_err(anyhow_err)?;
+            inner.ready = true;
+        }
+        if inner.current.take().is_some() && inner.session.in_step() {
+            tracing::warn!("worker {}: a step was left without commit; it is redone", self.id);
+        }
+        let (session, state) = (&mut inner.session, &mut inner.state);
+        let event = py.detach(|| session.next(state)).map_err(anyhow_err)?;
+        match event {
+            Event::Stop(reason) => {
+                inner.stopped = Some(reason);
+                Ok(None)
+            }
+            Event::Step(s) => {
+                let info = StepInfo::of(&s, self.id);
+                inner.current = Some((s, Instant::now()));
+                Ok(Some(info))
+            }
+        }
+    }
+}
+
+/// The iterator of a job's steps.
+#[pyclass(module = "edl")]
+struct Steps {
+    job: Py<Job>,
+}
+
+#[pymethods]
+impl Steps {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<StepView>> {
+        let job = self.job.bind(py).borrow();
+        Ok(job.next_step(py)?.map(|info| StepView { job: self.job.clone_ref(py), info, done: false }))
+    }
+}
+
+/// What a step says, copied out of the session's plan.
+#[derive(Clone)]
+struct StepInfo {
+    generation: u64,
+    rank: usize,
+    world: usize,
+    step: u64,
+    epoch: u64,
+    global_batch: u32,
+    lr: f32,
+    momentum: f32,
+    indices: Vec<u32>,
+    global_rows: usize,
+}
+
+impl StepInfo {
+    fn of(s: &Step, _worker: u64) -> Self {
+        StepInfo {
+            generation: s.generation,
+            rank: s.rank,
+            world: s.world,
+            step: s.step,
+            epoch: s.epoch,
+            global_batch: s.hyper.global_batch,
+            lr: s.hyper.lr,
+            momentum: s.hyper.momentum,
+            indices: s.indices.clone(),
+            global_rows: s.global_rows,
+        }
+    }
+}
+
+/// One step of this worker.
+#[pyclass(module = "edl", name = "Step")]
+struct StepView {
+    job: Py<Job>,
+    info: StepInfo,
+    /// Committed or abandoned.
+    done: bool,
+}
+
+#[pymethods]
+impl StepView {
+    /// This rank's samples: indices into `0..job.samples` (int64 array; may be empty).
+    #[getter]
+    fn indices<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        indices_array(py, &self.info.indices)
+    }
+    #[getter]
+    fn step(&self) -> u64 {
+        self.info.step
+    }
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.info.epoch
+    }
+    #[getter]
+    fn generation(&self) -> u64 {
+        self.info.generation
+    }
+    #[getter]
+    fn rank(&self) -> usize {
+        self.info.rank
+    }
+    #[getter]
+    fn world(&self) -> usize {
+        self.info.world
+    }
+    /// The global batch (the adapter may change it between steps).
+    #[getter]
+    fn batch_size(&self) -> u32 {
+        self.info.global_batch
+    }
+    /// Samples of this step over every rank (the last step of an epoch may be short).
+    #[getter]
+    fn global_rows(&self) -> usize {
+        self.info.global_rows
+    }
+    #[getter]
+    fn lr(&self) -> f32 {
+        self.info.lr
+    }
+    #[getter]
+    fn momentum(&self) -> f32 {
+        self.info.momentum
+    }
+    /// Whether the step was abandoned (its all-reduce failed): the runtime
+    /// redoes it in the next generation, from the state before it.
+    #[getter]
+    fn abandoned(&self, py: Python<'_>) -> bool {
+        self.done && !lock(&self.job.bind(py).borrow().inner).session.in_step()
+    }
+
+    /// Where the generation's ring meets, for `torch.distributed`-style
+    /// collectives of your own: `{"rank", "world", "generation", "host", "port", "key"}`.
+    #[getter]
+    fn rendezvous<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let job = self.job.bind(py).borrow();
+        let inner = lock(&job.inner);
+        let r = inner.session.rendezvous().ok_or_else(|| err("no generation yet"))?;
+        let d = PyDict::new(py);
+        d.set_item("rank", r.rank)?;
+        d.set_item("world", r.world)?;
+        d.set_item("generation", r.generation)?;
+        d.set_item("host", r.addr.ip().to_string())?;
+        d.set_item("port", r.addr.port())?;
+        d.set_item("key", r.key.clone())?;
+        Ok(d)
+    }
+
+    /// Sums `arrays` (float32, writable, C-contiguous) over the generation's
+    /// ring, in place. False when the ring broke: the step is abandoned and
+    /// will be redone; the arrays are then left as they were.
+    fn all_reduce(&mut self, py: Python<'_>, arrays: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
+        if self.done {
+            return Err(err(format!("step {} is over", self.info.step)));
+        }
+        let bufs = arrays
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                let b = PyBuffer::<f32>::get(a)
+                    .map_err(|e| PyValueError::new_err(format!("all_reduce: array {i} is not float32 ({e})")))?;
+                if b.readonly() || !b.is_c_contiguous() {
+                    return Err(PyValueError::new_err(format!("all_reduce: array {i} is not writable and C-contiguous")));
+                }
+                Ok(b)
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let total: usize = bufs.iter().map(|b| b.item_count()).sum();
+        let mut flat = vec![0.0f32; total];
+        let mut at = 0;
+        for b in &bufs {
+            b.copy_to_slice(py, &mut flat[at..at + b.item_count()])?;
+            at += b.item_count();
+        }
+        let job = self.job.bind(py).borrow();
+        let mut inner = lock(&job.inner);
+        let session = &mut inner.session;
+        if py.detach(|| session.all_reduce(&mut flat)).is_err() {
+            self.done = true;
+            inner.current = None;
+            return Ok(false);
+        }
+        drop(inner);
+        let mut at = 0;
+        for b in &bufs {
+            b.copy_from_slice(py, &flat[at..at + b.item_count()])?;
+            at += b.item_count();
+        }
+        Ok(true)
+    }
+
+    /// The step is done on this rank and its update applied to the state.
+    /// `loss`: this rank's mean loss over its samples (weighted by its share
+    /// of the step for the job's curve). A no-op on an abandoned step.
+    #[pyo3(signature = (loss=0.0))]
+    fn commit(&mut self, py: Python<'_>, loss: f64) -> PyResult<()> {
+        if self.done {
+            return Ok(());
+        }
+        if !loss.is_finite() {
+            return Err(PyValueError::new_err(format!("step {}: loss {loss} is not finite", self.info.step)));
+        }
+        let job = self.job.bind(py).borrow();
+        let mut guard = lock(&job.inner);
+        let inner = &mut *guard;
+        let Some((_, started)) = inner.current.take() else {
+            self.done = true;
+            return Ok(());
+        };
+        let share = self.info.indices.len() as f64 / self.info.global_rows.max(1) as f64;
+        let compute_ms = started.elapsed().as_secs_f64() * 1e3;
+        let session = &mut inner.session;
+        py.detach(|| session.finish(loss * share, compute_ms)).map_err(anyhow_err)?;
+        self.done = true;
+        Ok(())
+    }
+
+    /// The teachers' logits for this step's samples, `[rows, classes]`
+    /// float32, or None when the job does not distil. With a features
+    /// function (`Job.from_env(features=...)`) they were read ahead; else
+    /// `x` (this step's features, `[rows, dim]`) is sent now.
+    #[pyo3(signature = (x=None))]
+    fn teacher_logits<'py>(&self, py: Python<'py>, x: Option<Bound<'py, PyAny>>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let job = self.job.bind(py).borrow();
+        if !job.distill {
+            return Ok(None);
+        }
+        if self.done {
+            return Err(err(format!("step {} is over", self.info.step)));
+        }
+        let mut guard = lock(&job.inner);
+        let inner = &mut *guard;
+        let key = (self.info.generation, self.info.step);
+        if self.info.indices.is_empty() {
+            return Ok(Some(float_array(py, &[], (0, 0))?));
+        }
+        let by_features = inner.features.is_some();
+        let x = match (&x, by_features) {
+            (_, true) => None,
+            (Some(x), false) => {
+                let x = as_float32(py, x)?;
+                let b = PyBuffer::<f32>::get(&x)?;
+                Some(b.to_vec(py)?)
+            }
+            (None, false) => {
+                return Err(err("teacher_logits: pass this step's features, or give Job.from_env(features=...)"));
+            }
+        };
+        // A new generation (or a failure) starts a new read-ahead.
+        if inner.teach.as_ref().is_some_and(|t| t.fed.front().is_some_and(|&f| f.0 != key.0 || f > key)) {
+            inner.teach = None;
+        }
+        if inner.teach.is_none() {
+            inner.teach = Some(start_teach(inner).map_err(anyhow_err)?);
+        }
+        let teach = inner.teach.as_mut().expect("started above");
+        match x {
+            Some(x) => {
+                let rows = self.info.indices.len();
+                if teach.feed.send(Feed::Rows { x, rows }).is_ok() {
+                    teach.fed.push_back(key);
+                }
+            }
+            None => {
+                let ahead = inner.session.planned().map(|s| ((s.generation, s.step), s.indices.clone()));
+                for (k, ids) in std::iter::once((key, self.info.indices.clone())).chain(ahead) {
+                    if ids.is_empty() || teach.fed.back().is_some_and(|&b| b >= k) {
+                        continue;
+                    }
+                    if teach.feed.send(Feed::Indices(ids)).is_ok() {
+                        teach.fed.push_back(k);
+                    }
+                }
+            }
+        }
+        if teach.fed.pop_front() != Some(key) {
+            inner.teach = None;
+            return Err(err(format!("teacher read-ahead is not at step {}", self.info.step)));
+        }
+        let (reader, rt) = (&mut teach.reader, &inner.rt);
+        let got = py.detach(|| {
+            rt.block_on(async { tokio::time::timeout(Duration::from_secs(120), reader.next()).await })
+        });
+        let got = match got {
+            Err(_) => Err("no soft labels within 120 s".to_string()),
+            Ok(None) => Err(teach
+                .source_error
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+                .unwrap_or_else(|| "the teacher reader ended".into())),
+            Ok(Some(Err(e))) => Err(format!("teachers: {e}")),
+            Ok(Some(Ok(d))) => Ok(d),
+        };
+        let d = match got {
+            Ok(d) => d,
+            Err(e) => {
+                inner.teach = None;
+                return Err(err(format!("step {}: {e}", self.info.step)));
+            }
+        };
+        let rows = d.batch.ids.len();
+        Ok(Some(float_array(py, &d.soft, (rows, d.classes))?))
+    }
+}
+
+fn start_teach(inner: &mut Inner) -> anyhow::Result<Teach> {
+    let spec = inner.session.spec();
+    let teachers = match spec.teachers.clone() {
+        Some(TeacherSource::Fixed(list)) => Teachers::Fixed(list),
+        Some(TeacherSource::Discovered { store, service }) => {
+            let _guard = inner.rt.enter();
+            Teachers::Discovered { store: Arc::new(edl_runtime::store::AnyStore::open(&store)?), service }
+        }
+        None => anyhow::bail!("the job has no teachers"),
+    };
+    let config = DistillConfig {
+        model_name: spec.teacher_model_name.clone(),
+        teacher_batch: 64,
+        read_ahead: 4,
+        wait_for_teachers: Duration::from_millis(spec.teacher_wait_ms),
+        ..DistillConfig::default()
+    };
+    let (feed, fed_rx) = mpsc::channel::<Feed>();
+    let features = Python::attach(|py| inner.features.as_ref().map(|f| f.clone_ref(py)));
+    let source_error = Arc::new(Mutex::new(None));
+    let errors = source_error.clone();
+    let batches = std::iter::from_fn(move || {
+        let f = fed_rx.recv().ok()?;
+        match batch_of(&features, f) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                *errors.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                None
+            }
+        }
+    });
+    let _guard = inner.rt.enter();
+    let reader = DistillReader::start(batches, None, teachers, config);
+    Ok(Teach { feed, fed: VecDeque::new(), reader, source_error })
+}
+
+fn init_logging() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let filter = tracing_subscriber::EnvFilter::try_from_env("EDL_LOG")
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    });
+}
+
+/// The built-in student's data, split as the runtime splits it:
+/// `{"train_x", "train_y", "test_x", "test_y"}` (float32 rows, int64 labels).
+/// `name`: `mnist5k` or `digits`.
+#[pyfunction]
+#[pyo3(signature = (name="mnist5k"))]
+fn builtin_data<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDict>> {
+    let model = edl_runtime::job::BuiltinModel {
+        dataset: name.into(),
+        test_rows: if name == "digits" { 400 } else { 1000 },
+        split_seed: 1,
+        train_samples: None,
+        layers: Vec::new(),
+    };
+    let (train, test) = edl_runtime::job::worker::load_data(&model).map_err(anyhow_err)?;
+    let d = PyDict::new(py);
+    for (prefix, set) in [("train", &train), ("test", &test)] {
+        d.set_item(format!("{prefix}_x"), float_array(py, &set.features, (set.len(), set.dim))?)?;
+        let labels: Vec<u32> = set.labels.clone();
+        d.set_item(format!("{prefix}_y"), indices_array(py, &labels)?)?;
+    }
+    Ok(d)
+}
+
+/// The built-in student's initial weights for layer `sizes` (input first)
+/// under `seed`: a list of `(weight [in, out], bias [out])` float32 arrays.
+#[pyfunction]
+fn mlp_init<'py>(py: Python<'py>, sizes: Vec<usize>, seed: u64) -> PyResult<Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)>> {
+    if sizes.len() < 2 || sizes.contains(&0) {
+        return Err(PyValueError::new_err(format!("sizes {sizes:?}: need two or more positive sizes")));
+    }
+    let m = edl_runtime::model::Mlp::random(&sizes, seed);
+    m.layers
+        .iter()
+        .map(|l| {
+            let b = float_array(py, &l.bias, (1, l.outputs))?.call_method1("reshape", (l.outputs,))?;
+            Ok((float_array(py, &l.weight, (l.inputs, l.outputs))?, b))
+        })
+        .collect()
+}
+
+#[pymodule]
+fn _edl(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(builtin_data, m)?)?;
+    m.add_function(wrap_pyfunction!(mlp_init, m)?)?;
+    m.add_class::<Job>()?;
+    m.add_class::<Steps>()?;
+    m.add_class::<StepView>()?;
+    m.add("EdlError", m.py().get_type::<EdlError>())?;
+    Ok(())
+}
