@@ -6,6 +6,7 @@ mod cli;
 mod distill;
 mod elastic;
 mod hardening;
+mod python;
 mod reload;
 mod sandbox;
 mod scaffold;

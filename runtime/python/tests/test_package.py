@@ -1,0 +1,150 @@
+"""The edl package against the real runtime: `edl-runtime launch` (the
+binary in $EDL_RUNTIME) running small programs, and a scripted coordinator
+for the edges a real one does not show on demand."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import edl
+
+RUNTIME = os.environ.get("EDL_RUNTIME")
+POLICY = os.environ.get("EDL_TEST_POLICY")
+
+
+def launch(tmp_path, program, *flags):
+    """Runs `program` (Python source) under `edl-runtime launch`; returns (exit code, output, report)."""
+    assert RUNTIME and POLICY, "run through the runtime's test suite (cargo test), which sets EDL_RUNTIME"
+    src = tmp_path / "program.py"
+    src.write_text(textwrap.dedent(program))
+    cmd = [RUNTIME, "launch", "--policy", POLICY, "--report", "report.json",
+           "--plugin-cache", str(tmp_path / "cache"), *flags, "--", sys.executable, str(src)]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    report = json.loads((tmp_path / "report.json").read_text()) if (tmp_path / "report.json").exists() else None
+    return out.returncode, out.stdout + out.stderr, report
+
+
+def logs(tmp_path):
+    d = tmp_path / ".edl" / "launch" / "logs"
+    return {p.name: p.read_text() for p in sorted(d.glob("worker-*.log"))}
+
+
+def test_from_env_outside_a_job_says_how_to_run(monkeypatch):
+    monkeypatch.delenv("EDL_COORDINATOR", raising=False)
+    with pytest.raises(edl.EdlError, match="EDL_COORDINATOR is not set.*edl-runtime launch"):
+        edl.Job.from_env()
+
+
+def test_two_workers_split_every_step_and_keep_one_state(tmp_path):
+    code, out, report = launch(tmp_path, """
+        import json, os, numpy as np, edl
+        job = edl.Job.from_env()
+        w = np.zeros(4, dtype=np.float32)
+        job.register("w", w)
+        seen = []
+        for step in job.steps():
+            g = np.full(4, len(step.indices) / step.global_rows, dtype=np.float32)
+            assert step.all_reduce([g])
+            assert np.allclose(g, 1.0), g          # the shares add up to the step
+            w -= step.lr * g
+            seen.append([step.step, step.rank, step.world, step.indices.tolist()])
+            step.commit(loss=1.0)
+        with open(f"seen-{job.worker_id}.json", "w") as f:
+            json.dump({"steps": seen, "w": w.tolist(), "stopped": job.stopped}, f)
+    """, "--samples", "100", "--batch", "10", "--epochs", "2", "--momentum", "0",
+        "--workers", "2", "--min-workers", "2", "--max-workers", "2")
+    assert code == 0, out
+    assert [e["duplicates"] + e["missing"] for e in report["epochs"]] == [0, 0], report["epochs"]
+    assert report["steps"] == 20 and report["student_test_accuracy"] is None
+    runs = [json.loads((tmp_path / f"seen-{i}.json").read_text()) for i in (1, 2)]
+    by_step = {}
+    for r in runs:
+        for step, rank, world, idx in r["steps"]:
+            assert world == 2
+            by_step.setdefault(step, []).append(set(idx))
+    assert sorted(by_step) == list(range(20))
+    for step, shares in by_step.items():
+        assert len(shares) == 2 and not (shares[0] & shares[1]), (step, shares)
+        assert len(shares[0] | shares[1]) == 10
+    # Both ranks applied the same 20 summed updates of 1.0 each.
+    for r in runs:
+        assert np.allclose(r["w"], -0.05 * 20), r["w"]
+        assert r["stopped"] == "the job is done"
+
+
+def test_a_program_that_registers_nothing_is_told_so(tmp_path):
+    code, out, _ = launch(tmp_path, """
+        import edl
+        job = edl.Job.from_env()
+        for step in job.steps():
+            pass
+    """, "--samples", "10", "--batch", "5", "--epochs", "1", "--max-workers", "1")
+    assert code != 0
+    assert "register the state" in "".join(logs(tmp_path).values()), logs(tmp_path)
+
+
+class ScriptedCoordinator:
+    """Welcomes one worker, then does what the test says."""
+
+    def __init__(self, tmp_path):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.spec = {
+            "job": "scripted", "samples": 10, "seed": 1, "epochs": 1,
+            "program": {"external": {"command": ["python"]}},
+            "temperature": 4.0, "alpha": 0.7, "teachers": None, "teacher_model_name": "teacher",
+            "transform": None, "transform_config": [], "collective_timeout_ms": 1000,
+            "checkpoint_dir": str(tmp_path / "ckpt"), "keep_checkpoints": 1, "step_delay_ms": 0,
+            "device": "cpu", "plugin_deadline_ms": 100, "plugin_memory_mib": 64, "allow_native": False,
+            "teacher_wait_ms": 1000,
+        }
+        self.conn = None
+        self.hello = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        self.conn, _ = self.sock.accept()
+        f = self.conn.makefile("rwb")
+        self.hello = json.loads(f.readline())
+        f.write((json.dumps({"welcome": self.spec}) + "\n").encode())
+        f.flush()
+        self.file = f
+
+    def close(self):
+        self.thread.join(5)
+        self.file.close()
+        self.conn.close()
+        self.sock.close()
+
+
+def test_register_refuses_what_it_cannot_keep(tmp_path):
+    c = ScriptedCoordinator(tmp_path)
+    job = edl.Job.connect(c.addr, 7)
+    assert (job.samples, job.seed, job.worker_id, job.distill) == (10, 1, 7, False)
+    assert c.hello == {"hello": {"worker": 7, "pid": os.getpid()}}
+    with pytest.raises(ValueError, match="not a float32 array"):
+        job.register("ints", np.zeros(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="writable and C-contiguous"):
+        job.register("strided", np.zeros((4, 4), dtype=np.float32)[:, 1])
+    job.register("w", np.zeros((2, 3), dtype=np.float32))
+    with pytest.raises(ValueError, match="registered twice"):
+        job.register("w", np.zeros(3, dtype=np.float32))
+    assert job.state_layout == [("w", [2, 3])]
+    c.close()
+
+
+def test_a_lost_coordinator_is_an_error_not_a_hang(tmp_path):
+    c = ScriptedCoordinator(tmp_path)
+    job = edl.Job.connect(c.addr, 1)
+    job.register("w", np.zeros(3, dtype=np.float32))
+    c.close()  # the coordinator is gone before any generation
+    with pytest.raises(edl.EdlError, match="lost the coordinator"):
+        next(iter(job.steps()))

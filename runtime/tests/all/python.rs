@@ -1,0 +1,235 @@
+//! The `edl` Python package and `edl-runtime launch`, as real processes.
+//! The package is the workspace's `edl-python` build (`lib_edl.so`) with
+//! its Python sources, in a virtual environment under the target directory
+//! that gets NumPy and pytest from the package registry once.
+
+use crate::elastic::{children, finish, lines, report, wait_for};
+use edl_plugin_artifacts as art;
+use edl_runtime::{
+    checkpoint::Checkpoints,
+    job::{BuiltinModel, worker},
+};
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    sync::OnceLock,
+    time::Duration,
+};
+
+struct PyEnv {
+    /// The virtual environment's `bin/`.
+    bin: PathBuf,
+    /// What goes on PYTHONPATH: holds the `edl` package.
+    site: PathBuf,
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn run(cmd: &mut Command, what: &str) -> Result<String, String> {
+    let out = cmd.output().map_err(|e| format!("{what}: {e}"))?;
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    if !out.status.success() {
+        return Err(format!("{what} failed ({}):\n{text}", out.status));
+    }
+    Ok(text)
+}
+
+/// Builds the package and its environment once per test run.
+fn py() -> &'static PyEnv {
+    static ENV: OnceLock<Result<PyEnv, String>> = OnceLock::new();
+    ENV.get_or_init(setup).as_ref().unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn setup() -> Result<PyEnv, String> {
+    let exe = Path::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    let profile = exe.parent().unwrap();
+    let target = profile.parent().unwrap();
+    // `cargo test --workspace` has built it already; this is then a no-op.
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut build = Command::new(cargo);
+    build.current_dir(root()).args(["build", "-p", "edl-python"]).env("CARGO_TARGET_DIR", target);
+    if profile.file_name().is_some_and(|n| n == "release") {
+        build.arg("--release");
+    }
+    run(&mut build, "building the edl package (cargo build -p edl-python)")?;
+    let base = target.join("edl-python");
+    let venv = base.join("venv");
+    let bin = venv.join("bin");
+    let ready = |bin: &Path| {
+        Command::new(bin.join("python"))
+            .args(["-c", "import numpy, pytest"])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !ready(&bin) {
+        run(Command::new("python3").args(["-m", "venv"]).arg(&venv), "python3 -m venv")?;
+        run(
+            Command::new(bin.join("python")).args([
+                "-m",
+                "pip",
+                "install",
+                "--disable-pip-version-check",
+                "-q",
+                "numpy>=1.22",
+                "pytest>=7",
+            ]),
+            "installing numpy and pytest from the package registry",
+        )?;
+    }
+    let site = base.join("site");
+    let pkg = site.join("edl");
+    std::fs::create_dir_all(&pkg).map_err(|e| format!("{}: {e}", pkg.display()))?;
+    let copy = |from: &Path, to: &Path| {
+        std::fs::copy(from, to).map(|_| ()).map_err(|e| format!("{} -> {}: {e}", from.display(), to.display()))
+    };
+    copy(&root().join("runtime/python/python/edl/__init__.py"), &pkg.join("__init__.py"))?;
+    copy(&profile.join("lib_edl.so"), &pkg.join("_edl.abi3.so"))?;
+    Ok(PyEnv { bin, site })
+}
+
+impl PyEnv {
+    fn python(&self) -> Command {
+        let mut c = Command::new(self.bin.join("python"));
+        self.env(&mut c);
+        c
+    }
+
+    fn env(&self, c: &mut Command) {
+        let path = std::env::var("PATH").unwrap_or_default();
+        c.env("PYTHONPATH", &self.site).env("PATH", format!("{}:{path}", self.bin.display()));
+    }
+}
+
+#[test]
+fn the_python_package_passes_its_tests() {
+    let py = py();
+    let out = py
+        .python()
+        .current_dir(root())
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "runtime/python/tests"])
+        .env("EDL_RUNTIME", env!("CARGO_BIN_EXE_edl-runtime"))
+        .env("EDL_TEST_POLICY", art::AUTOSCALE_WASM)
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("5 passed"), "{text}");
+}
+
+/// The flags both the NumPy student and the built-in one run with: three
+/// epochs under the schedule policy (1 -> 2 -> 3 workers and back).
+const SCHEDULE: [&str; 14] = [
+    "--policy",
+    art::SCHEDULE_WASM,
+    "--policy-config",
+    "every=8",
+    "--decide-every",
+    "4",
+    "--max-workers",
+    "3",
+    "--epochs",
+    "3",
+    "--no-distill",
+    "--report",
+    "report.json",
+    "--plugin-cache",
+];
+
+fn numpy_student(py: &PyEnv, dir: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    c.current_dir(dir)
+        .args(["launch", "--samples", "4000"])
+        .args(SCHEDULE)
+        .arg(dir.join("plugin-cache"))
+        .args(["--", "python"])
+        .arg(root().join("examples/numpy-mlp/train.py"))
+        // Slow enough that the kills below land mid-job.
+        .env("STEP_DELAY_MS", "10")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    py.env(&mut c);
+    c
+}
+
+/// The worker id a launched program was given.
+fn worker_id(pid: u32) -> Option<u64> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    env.split(|&b| b == 0)
+        .find_map(|kv| kv.strip_prefix(b"EDL_WORKER_ID="))
+        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
+}
+
+#[test]
+fn the_numpy_student_under_launch_trains_every_sample_once_through_resizes_kills_and_a_restart() {
+    let py = py();
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = numpy_student(py, dir.path()).spawn().unwrap();
+    let coordinator = child.id();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    // Grown to three workers: kill worker 1 (rank 0) with SIGKILL.
+    wait_for(&rx, "2 -> 3 workers", &mut seen, Duration::from_secs(120));
+    let (victim, _) = children(coordinator)
+        .into_iter()
+        .find(|(p, _)| worker_id(*p) == Some(1))
+        .unwrap_or_else(|| panic!("worker 1 among {:?}", children(coordinator)));
+    // SAFETY: signalling a child of the job under test.
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    // Then kill the whole job after its first epoch, and run it again.
+    wait_for(&rx, "epoch     1 done", &mut seen, Duration::from_secs(120));
+    // SAFETY: as above; its workers die with it.
+    unsafe { libc::kill(coordinator as i32, libc::SIGKILL) };
+    let _ = child.wait();
+    let first = seen.join("\n");
+    assert!(first.contains("worker 1 lost"), "{first}");
+
+    let mut child = numpy_student(py, dir.path()).spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    assert!(text.contains("resuming job \"launch\""), "{text}");
+    let r = report(dir.path());
+    assert!(r["resumed_from_step"].as_u64().unwrap() > 0, "{r}");
+    let epochs = r["epochs"].as_array().unwrap();
+    assert_eq!(epochs.len(), 3, "{epochs:?}");
+    for e in epochs {
+        assert_eq!((e["samples_committed"].as_u64(), e["duplicates"].as_u64(), e["missing"].as_u64()), (Some(4000), Some(0), Some(0)), "{e}");
+    }
+    let events = r["scale_events"].as_array().unwrap();
+    let policy = events.iter().filter(|e| e["reason"].as_str().unwrap().starts_with("policy")).count();
+    assert!(policy >= 2, "at least two policy-driven resizes: {events:?}");
+
+    // The program's final state is the built-in student's layout: its
+    // accuracy against the built-in trainer's, same flags.
+    let model = BuiltinModel {
+        dataset: "mnist5k".into(),
+        test_rows: 1000,
+        split_seed: 1,
+        train_samples: None,
+        layers: vec![784, 128, 10],
+    };
+    let (_, test) = worker::load_data(&model).unwrap();
+    let final_state = Checkpoints::read(Path::new(r["final_checkpoint"].as_str().unwrap())).unwrap();
+    let numpy_acc = worker::mlp_of(&final_state).unwrap().accuracy(&test) as f64;
+
+    let builtin_dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+        .current_dir(builtin_dir.path())
+        .args(SCHEDULE)
+        .arg(builtin_dir.path().join("plugin-cache"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let builtin_acc = report(builtin_dir.path())["student_test_accuracy"].as_f64().unwrap();
+    assert!(
+        (numpy_acc - builtin_acc).abs() <= 0.01,
+        "NumPy student {numpy_acc:.4}, built-in {builtin_acc:.4}: more than a point apart"
+    );
+    assert!(numpy_acc > 0.85, "{numpy_acc}");
+}
