@@ -45,7 +45,7 @@ enum Command {
     /// Run your own training program as the job's workers:
     /// `edl-runtime launch --samples N [job flags] -- CMD ARGS...`. The
     /// program joins through the `edl` package (see docs/your-own-program.md).
-    Launch(LaunchArgs),
+    Launch(Box<LaunchArgs>),
     /// One worker of a job (started by the coordinator).
     #[command(hide = true)]
     Worker {
@@ -408,6 +408,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Some(Command::Worker { .. }) => unreachable!("handled above"),
         Some(Command::Launch(l)) => {
+            let l = *l;
             let launch = training::Launch { samples: l.samples, command: l.command, teacher_addrs: l.teacher_addrs };
             training::run(&host, l.run, Some(launch))
         }

@@ -107,7 +107,7 @@ fn batch_of(features: &Option<Py<PyAny>>, feed: Feed) -> Result<Batch, String> {
             (x, rows, ids.iter().map(|&i| i as u64).collect())
         }
     };
-    let dim = if rows == 0 { 0 } else { x.len() / rows };
+    let dim = x.len().checked_div(rows).unwrap_or(0);
     if rows == 0 || dim * rows != x.len() {
         return Err(format!("{} values are not {rows} rows", x.len()));
     }
