@@ -135,7 +135,7 @@ pub(crate) fn report(dir: &Path) -> Value {
 
 /// Three epochs under the schedule policy, which grows the job 1 -> 2 -> 3
 /// workers and shrinks it again, a decision every 4 steps.
-const GROWING: [&str; 10] = [
+pub(crate) const GROWING: [&str; 10] = [
     "--policy",
     art::SCHEDULE_WASM,
     "--policy-config",

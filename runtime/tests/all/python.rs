@@ -3,7 +3,7 @@
 //! its Python sources, in a virtual environment under the target directory
 //! that gets NumPy and pytest from the package registry once.
 
-use crate::elastic::{children, finish, lines, report, wait_for};
+use crate::elastic::{GROWING, children, finish, lines, report, wait_for};
 use edl_plugin_artifacts as art;
 use edl_runtime::{
     checkpoint::Checkpoints,
@@ -121,28 +121,15 @@ fn the_python_package_passes_its_tests() {
 
 /// The flags both the NumPy student and the built-in one run with: three
 /// epochs under the schedule policy (1 -> 2 -> 3 workers and back).
-const SCHEDULE: [&str; 14] = [
-    "--policy",
-    art::SCHEDULE_WASM,
-    "--policy-config",
-    "every=8",
-    "--decide-every",
-    "4",
-    "--max-workers",
-    "3",
-    "--epochs",
-    "3",
-    "--no-distill",
-    "--report",
-    "report.json",
-    "--plugin-cache",
-];
+fn schedule() -> Vec<&'static str> {
+    [&GROWING[..], &["--no-distill", "--report", "report.json", "--plugin-cache"]].concat()
+}
 
 fn numpy_student(py: &PyEnv, dir: &Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
     c.current_dir(dir)
         .args(["launch", "--samples", "4000"])
-        .args(SCHEDULE)
+        .args(schedule())
         .arg(dir.join("plugin-cache"))
         .args(["--", "python"])
         .arg(root().join("examples/numpy-mlp/train.py"))
@@ -221,7 +208,7 @@ fn the_numpy_student_under_launch_trains_every_sample_once_through_resizes_kills
     let builtin_dir = tempfile::tempdir().unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
         .current_dir(builtin_dir.path())
-        .args(SCHEDULE)
+        .args(schedule())
         .arg(builtin_dir.path().join("plugin-cache"))
         .output()
         .unwrap();
