@@ -329,7 +329,7 @@ impl Job {
                 Ok(None)
             }
             Event::Step(s) => {
-                let info = StepInfo::of(&s, self.id);
+                let info = StepInfo::of(&s);
                 inner.current = Some((s, Instant::now()));
                 Ok(Some(info))
             }
@@ -371,7 +371,7 @@ struct StepInfo {
 }
 
 impl StepInfo {
-    fn of(s: &Step, _worker: u64) -> Self {
+    fn of(s: &Step) -> Self {
         StepInfo {
             generation: s.generation,
             rank: s.rank,
