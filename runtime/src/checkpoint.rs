@@ -127,7 +127,12 @@ impl Checkpoints {
 
     /// Writes a checkpoint of the state `values` (laid out as `layout`) at
     /// `manifest.step`; prunes old ones.
-    pub fn save(&self, layout: &Layout, values: &[f32], mut manifest: Manifest) -> Result<PathBuf, CheckpointError> {
+    pub fn save(
+        &self,
+        layout: &Layout,
+        values: &[f32],
+        mut manifest: Manifest,
+    ) -> Result<PathBuf, CheckpointError> {
         std::fs::create_dir_all(&self.dir).map_err(|e| io(&self.dir, e))?;
         let name = format!("step-{:010}", manifest.step);
         let tmp = self.dir.join(format!(".tmp-{name}-{}", std::process::id()));
@@ -221,7 +226,9 @@ impl Checkpoints {
         let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| io(&file, e))?;
         let st = SafeTensors::deserialize(&bytes).map_err(|e| io(&file, e))?;
         let layout: Layout = match meta.metadata().as_ref().and_then(|m| m.get("edl.layout")) {
-            Some(order) => serde_json::from_str(order).map_err(|e| io(&file, format!("tensor order: {e}")))?,
+            Some(order) => {
+                serde_json::from_str(order).map_err(|e| io(&file, format!("tensor order: {e}")))?
+            }
             None => {
                 let mut names: Vec<(String, Vec<usize>)> =
                     st.tensors().into_iter().map(|(n, t)| (n, t.shape().to_vec())).collect();
@@ -236,7 +243,13 @@ impl Checkpoints {
             if v.dtype() != Dtype::F32 || v.shape() != t.shape.as_slice() {
                 return Err(io(
                     &file,
-                    format!("tensor {:?} is {:?} {:?}, expected F32 {:?}", t.name, v.dtype(), v.shape(), t.shape),
+                    format!(
+                        "tensor {:?} is {:?} {:?}, expected F32 {:?}",
+                        t.name,
+                        v.dtype(),
+                        v.shape(),
+                        t.shape
+                    ),
                 ));
             }
             values.extend(v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));

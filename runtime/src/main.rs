@@ -184,12 +184,28 @@ struct PluginArgs {
 #[derive(Args)]
 struct LaunchArgs {
     /// The job's samples: steps hand each worker indices in 0..N.
-    #[arg(long)]
-    samples: usize,
+    #[arg(long, required_unless_present = "torchrun")]
+    samples: Option<usize>,
     /// Teachers' OIP endpoints (`host:port`, comma separated) that the
     /// program's steps get soft labels from (`step.teacher_logits`).
-    #[arg(long = "teacher-addrs", value_delimiter = ',')]
+    #[arg(long = "teacher-addrs", value_delimiter = ',', conflicts_with = "torchrun")]
     teacher_addrs: Vec<String>,
+    /// Run an unmodified torchrun script: its ranks get torchrun's
+    /// environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and the whole group
+    /// restarts when the policy changes its size or a rank fails.
+    #[arg(long)]
+    torchrun: bool,
+    /// With --torchrun: group restarts after rank failures before the job
+    /// gives up (resizes do not count).
+    #[arg(long, default_value_t = 3, requires = "torchrun")]
+    max_restarts: u32,
+    /// With --torchrun: seconds between two scaling-policy decisions (each
+    /// resize restarts the group, so not too often).
+    #[arg(long, default_value_t = 30.0, requires = "torchrun")]
+    decide_secs: f64,
+    /// With --torchrun: seconds a stopped rank gets after SIGTERM before SIGKILL.
+    #[arg(long, default_value_t = 15.0, requires = "torchrun")]
+    stop_grace_secs: f64,
     #[command(flatten)]
     run: RunArgs,
     /// The program and its arguments, run as each worker.
@@ -409,7 +425,21 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Worker { .. }) => unreachable!("handled above"),
         Some(Command::Launch(l)) => {
             let l = *l;
-            let launch = training::Launch { samples: l.samples, command: l.command, teacher_addrs: l.teacher_addrs };
+            if l.torchrun {
+                let secs = |v: f64, flag: &str| {
+                    Duration::try_from_secs_f64(v)
+                        .map_err(|_| anyhow::anyhow!("--{flag} {v}: expected a number of seconds >= 0"))
+                };
+                let t = training::Torchrun {
+                    command: l.command,
+                    max_restarts: l.max_restarts,
+                    decide_every: secs(l.decide_secs, "decide-secs")?,
+                    grace: secs(l.stop_grace_secs, "stop-grace-secs")?,
+                };
+                return training::torchrun(&host, l.run, t);
+            }
+            let samples = l.samples.context("--samples is required without --torchrun")?;
+            let launch = training::Launch { samples, command: l.command, teacher_addrs: l.teacher_addrs };
             training::run(&host, l.run, Some(launch))
         }
         Some(Command::Simulate(args)) => simulate(&host, args),

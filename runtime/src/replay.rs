@@ -179,7 +179,7 @@ pub struct Decision {
 }
 
 /// The world size a view's owner would have after `actions`, within its limits.
-fn asked(view: &ClusterView, actions: &[Action]) -> u32 {
+pub(crate) fn asked(view: &ClusterView, actions: &[Action]) -> u32 {
     let mut k = view.world_size as i64;
     for a in actions {
         match *a {

@@ -72,7 +72,10 @@ impl Layout {
             match other.tensors.iter().find(|o| o.name == t.name) {
                 None => return Some(format!("it has no tensor {:?}", t.name)),
                 Some(o) if o.shape != t.shape => {
-                    return Some(format!("tensor {:?} has shape {:?}, expected {:?}", t.name, o.shape, t.shape));
+                    return Some(format!(
+                        "tensor {:?} has shape {:?}, expected {:?}",
+                        t.name, o.shape, t.shape
+                    ));
                 }
                 Some(_) => {}
             }
@@ -114,12 +117,14 @@ mod tests {
         assert_eq!(a.numel(), 9);
         assert!(Layout::new(vec![TensorSpec::new("w", vec![1]), TensorSpec::new("w", vec![1])]).is_err());
 
-        let swapped = Layout::new(vec![TensorSpec::new("b", vec![3]), TensorSpec::new("w", vec![2, 3])]).unwrap();
+        let swapped =
+            Layout::new(vec![TensorSpec::new("b", vec![3]), TensorSpec::new("w", vec![2, 3])]).unwrap();
         assert_eq!(a.mismatch(&swapped), None);
         let values: Vec<f32> = (0..9).map(|i| i as f32).collect(); // b = 0..3, w = 3..9
         assert_eq!(a.reorder(&swapped, &values).unwrap(), vec![3., 4., 5., 6., 7., 8., 0., 1., 2.]);
 
-        let reshaped = Layout::new(vec![TensorSpec::new("w", vec![3, 2]), TensorSpec::new("b", vec![3])]).unwrap();
+        let reshaped =
+            Layout::new(vec![TensorSpec::new("w", vec![3, 2]), TensorSpec::new("b", vec![3])]).unwrap();
         assert!(a.mismatch(&reshaped).unwrap().contains("\"w\" has shape [3, 2]"));
         let fewer = Layout::new(vec![TensorSpec::new("w", vec![2, 3])]).unwrap();
         assert!(a.mismatch(&fewer).unwrap().contains("no tensor \"b\""));

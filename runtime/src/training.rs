@@ -2,18 +2,19 @@
 //! teachers on this machine) and `launch` (the same job running the user's
 //! own program as its workers).
 
-use crate::RunArgs;
+use crate::{PluginArgs, RunArgs};
 use anyhow::{Context, Result, bail};
 use edl_host_gpu::Device;
 use edl_plugin_sdk::Hyperparams;
 use edl_runtime::{
+    checkpoint::Checkpoints,
     job::{
-        self, BuiltinModel, JobConfig, JobSpec, LocalProcesses, Program, TeacherSource, Progress,
+        self, BuiltinModel, JobConfig, JobSpec, LocalProcesses, Program, Progress, TeacherSource,
         report::Report,
         teachers::{TeacherProcess, TeacherTraining, teacher_model},
+        torchrun::{self, Event as TorchrunEvent, TorchrunConfig},
         worker::{load_data, mlp_of},
     },
-    checkpoint::Checkpoints,
     model::Mlp,
     plot,
     plugin::{AdapterPlugin, PluginHost, PolicyPlugin},
@@ -54,15 +55,26 @@ pub struct Launch {
     pub teacher_addrs: Vec<String>,
 }
 
-pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Result<ExitCode> {
-    if !args.plugins.policy.exists() {
+/// The scaling policy and its name and version.
+fn load_policy(host: &PluginHost, plugins: &PluginArgs) -> Result<(Box<dyn PolicyPlugin>, String)> {
+    if !plugins.policy.exists() {
         bail!(
             "{}: no such plugin; `cargo build --release` builds the shipped plugins into plugins/",
-            args.plugins.policy.display()
+            plugins.policy.display()
         );
     }
-    let policy: Box<dyn PolicyPlugin> =
-        host.load_policy(&args.plugins.policy, &args.plugins.policy_config)?;
+    let policy = host.load_policy(&plugins.policy, &plugins.policy_config)?;
+    let name = format!("{} {}", policy.info().name, policy.info().version);
+    Ok((policy, name))
+}
+
+/// The name of a launched job: the default name belongs to the built-in job.
+fn launched_job_name(job: &str) -> String {
+    if job == "mnist" { "launch".to_string() } else { job.to_string() }
+}
+
+pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Result<ExitCode> {
+    let (policy, policy_name) = load_policy(host, &args.plugins)?;
     let adapter: Option<Box<dyn AdapterPlugin>> = match &args.plugins.adapter {
         Some(p) => Some(host.load_adapter(p, &args.plugins.adapter_config)?),
         None => None,
@@ -71,14 +83,9 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
         // Loaded here once so a broken plugin fails the job before it starts.
         host.load_transform(t, &args.transform_config)?;
     }
-    let policy_name = format!("{} {}", policy.info().name, policy.info().version);
     let adapter_name = adapter.as_ref().map(|a| format!("{} {}", a.info().name, a.info().version));
     let root = PathBuf::from(".edl");
-    let job_name = match (&launch, args.job.as_str()) {
-        // The default name belongs to the built-in job; a program gets its own.
-        (Some(_), "mnist") => "launch".to_string(),
-        _ => args.job.clone(),
-    };
+    let job_name = if launch.is_some() { launched_job_name(&args.job) } else { args.job.clone() };
     let args = RunArgs { job: job_name, ..args };
     let checkpoint_dir =
         args.checkpoint_dir.clone().unwrap_or_else(|| root.join(&args.job).join("checkpoints"));
@@ -103,10 +110,9 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
         Some(_) => None,
     };
     let (student_rows, program) = match (&builtin, &launch) {
-        (Some((model, train, _)), _) => (
-            args.train_samples.map_or(train.len(), |n| n.min(train.len())),
-            Program::Builtin(model.clone()),
-        ),
+        (Some((model, train, _)), _) => {
+            (args.train_samples.map_or(train.len(), |n| n.min(train.len())), Program::Builtin(model.clone()))
+        }
         (None, Some(l)) => (l.samples, Program::External { command: l.command.clone() }),
         (None, None) => unreachable!("a job is built in or launched"),
     };
@@ -394,4 +400,97 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
     }
     job::coordinator::mark_complete(&spec.checkpoint_dir, &report.epochs)?;
     Ok(if bad == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// `launch --torchrun`: an unmodified torchrun script, restarted as a group.
+pub struct Torchrun {
+    pub command: Vec<String>,
+    pub max_restarts: u32,
+    pub decide_every: Duration,
+    pub grace: Duration,
+}
+
+pub fn torchrun(host: &Arc<PluginHost>, args: RunArgs, t: Torchrun) -> Result<ExitCode> {
+    let (mut policy, policy_name) = load_policy(host, &args.plugins)?;
+    let job_name = launched_job_name(&args.job);
+    let job_dir = PathBuf::from(".edl").join(&job_name);
+    let lock_dir = std::path::absolute(job_dir.join("checkpoints"))?;
+    let _lock = job::JobLock::acquire(&lock_dir, &job_name)?;
+    let mut cfg = TorchrunConfig::new(&job_name, t.command, job_dir.join("logs"));
+    cfg.min_workers = args.min_workers;
+    cfg.max_workers = args.max_workers;
+    cfg.initial_workers = args.workers.unwrap_or(args.min_workers);
+    cfg.max_restarts = t.max_restarts;
+    cfg.decide_every = t.decide_every;
+    cfg.grace = t.grace;
+    cfg.price_per_worker_hour = args.price;
+    if cfg.min_workers == 0 || cfg.min_workers > cfg.max_workers {
+        bail!(
+            "--min-workers {} and --max-workers {}: expected 1 <= min <= max",
+            cfg.min_workers,
+            cfg.max_workers
+        );
+    }
+    println!(
+        "job {job_name:?}: torchrun script {:?}, {}..{} ranks on this host, up to {} restarts",
+        cfg.command.join(" "),
+        cfg.min_workers,
+        cfg.max_workers,
+        cfg.max_restarts
+    );
+    println!(
+        "policy    {policy_name} ({}, {}), deciding every {:.1} s",
+        args.plugins.policy.display(),
+        policy.backend(),
+        cfg.decide_every.as_secs_f64()
+    );
+    let outcome = torchrun::run(&cfg, policy.as_mut(), &mut |e| match e {
+        TorchrunEvent::Started(g) => println!(
+            "group     {}: {} ranks, restart {}/{}, master {}:{}, logs {}",
+            g.group,
+            g.world,
+            g.restart_count,
+            cfg.max_restarts,
+            cfg.master_addr,
+            g.master_port,
+            g.log_dir.display()
+        ),
+        TorchrunEvent::Output { rank, line } => println!("[rank{rank}]: {line}"),
+        TorchrunEvent::Restarting { reason, failure: true } => println!("restart   {reason}"),
+        TorchrunEvent::Restarting { reason, failure: false } => println!("scale     {reason}"),
+        TorchrunEvent::PolicyFailed(n) => println!("note      {n}"),
+    })?;
+    let resizes = outcome.groups.iter().filter(|g| g.ended.starts_with("resized")).count();
+    if let Some(out) = &args.report {
+        let report = serde_json::json!({
+            "job": job_name,
+            "mode": "torchrun",
+            "status": if outcome.failure.is_none() { "succeeded" } else { "failed" },
+            "policy": policy_name,
+            "resizes": resizes,
+            "outcome": outcome,
+        });
+        std::fs::write(out, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("{}", out.display()))?;
+    }
+    if let Some(out) = &args.plot {
+        let title = format!("{job_name} (torchrun) with {policy_name}");
+        plot::policy_run(out, &title, &outcome.decisions, false)?;
+    }
+    match outcome.failure {
+        None => {
+            println!(
+                "done      every rank succeeded in {:.1} s: {} groups, {resizes} resizes, {} restarts",
+                outcome.secs,
+                outcome.groups.len(),
+                outcome.restarts
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(f) => {
+            eprintln!("error: {f}");
+            eprintln!("       no restart left ({} of {} used)", outcome.restarts, outcome.max_restarts);
+            Ok(ExitCode::from(f.exit.launcher_code()))
+        }
+    }
 }

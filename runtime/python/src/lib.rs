@@ -45,7 +45,8 @@ impl State for Arrays {
         out.resize(self.layout.numel(), 0.0);
         Python::attach(|py| {
             for (b, (t, r)) in self.buffers.iter().zip(self.layout.ranges()) {
-                b.copy_to_slice(py, &mut out[r]).map_err(|e| anyhow!("reading state tensor {:?}: {e}", t.name))?;
+                b.copy_to_slice(py, &mut out[r])
+                    .map_err(|e| anyhow!("reading state tensor {:?}: {e}", t.name))?;
             }
             Ok(())
         })
@@ -57,7 +58,8 @@ impl State for Arrays {
         }
         Python::attach(|py| {
             for (b, (t, r)) in self.buffers.iter().zip(self.layout.ranges()) {
-                b.copy_from_slice(py, &values[r]).map_err(|e| anyhow!("writing state tensor {:?}: {e}", t.name))?;
+                b.copy_from_slice(py, &values[r])
+                    .map_err(|e| anyhow!("writing state tensor {:?}: {e}", t.name))?;
             }
             Ok(())
         })
@@ -138,7 +140,8 @@ fn indices_array<'py>(py: Python<'py>, ids: &[u32]) -> PyResult<Bound<'py, PyAny
 /// Float32 values as a NumPy array of `shape`.
 fn float_array<'py>(py: Python<'py>, values: &[f32], shape: (usize, usize)) -> PyResult<Bound<'py, PyAny>> {
     let np = py.import("numpy")?;
-    let a = np.call_method1("frombuffer", (PyBytes::new(py, &edl_runtime::oip::f32_bytes(values)), "float32"))?;
+    let a =
+        np.call_method1("frombuffer", (PyBytes::new(py, &edl_runtime::oip::f32_bytes(values)), "float32"))?;
     a.call_method1("reshape", (shape,))?.call_method0("copy")
 }
 
@@ -179,7 +182,8 @@ impl Job {
     #[pyo3(signature = (features=None))]
     fn from_env(py: Python<'_>, features: Option<Py<PyAny>>) -> PyResult<Option<Self>> {
         let var = |k: &str| {
-            std::env::var(k).map_err(|_| err(format!("{k} is not set: run the program under `edl-runtime launch`")))
+            std::env::var(k)
+                .map_err(|_| err(format!("{k} is not set: run the program under `edl-runtime launch`")))
         };
         let addr: std::net::SocketAddr = var("EDL_COORDINATOR")?
             .parse()
@@ -211,7 +215,9 @@ impl Job {
         let buf = PyBuffer::<f32>::get(array)
             .map_err(|e| PyValueError::new_err(format!("state {name:?}: not a float32 array ({e})")))?;
         if buf.readonly() || !buf.is_c_contiguous() {
-            return Err(PyValueError::new_err(format!("state {name:?}: the array must be writable and C-contiguous")));
+            return Err(PyValueError::new_err(format!(
+                "state {name:?}: the array must be writable and C-contiguous"
+            )));
         }
         let mut tensors = inner.state.layout.tensors().to_vec();
         tensors.push(TensorSpec::new(name, buf.shape().to_vec()));
@@ -268,7 +274,12 @@ impl Job {
 }
 
 impl Job {
-    fn join(py: Python<'_>, addr: std::net::SocketAddr, id: u64, features: Option<Py<PyAny>>) -> PyResult<Option<Self>> {
+    fn join(
+        py: Python<'_>,
+        addr: std::net::SocketAddr,
+        id: u64,
+        features: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Self>> {
         init_logging();
         let joined = py.detach(|| Session::join(addr, id)).map_err(anyhow_err)?;
         let session = match joined {
@@ -476,10 +487,13 @@ impl StepView {
             .iter()
             .enumerate()
             .map(|(i, a)| {
-                let b = PyBuffer::<f32>::get(a)
-                    .map_err(|e| PyValueError::new_err(format!("all_reduce: array {i} is not float32 ({e})")))?;
+                let b = PyBuffer::<f32>::get(a).map_err(|e| {
+                    PyValueError::new_err(format!("all_reduce: array {i} is not float32 ({e})"))
+                })?;
                 if b.readonly() || !b.is_c_contiguous() {
-                    return Err(PyValueError::new_err(format!("all_reduce: array {i} is not writable and C-contiguous")));
+                    return Err(PyValueError::new_err(format!(
+                        "all_reduce: array {i} is not writable and C-contiguous"
+                    )));
                 }
                 Ok(b)
             })
@@ -539,7 +553,11 @@ impl StepView {
     /// function (`Job.from_env(features=...)`) they were read ahead; else
     /// `x` (this step's features, `[rows, dim]`) is sent now.
     #[pyo3(signature = (x=None))]
-    fn teacher_logits<'py>(&self, py: Python<'py>, x: Option<Bound<'py, PyAny>>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    fn teacher_logits<'py>(
+        &self,
+        py: Python<'py>,
+        x: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let job = self.job.bind(py).borrow();
         if !job.distill {
             return Ok(None);
@@ -562,7 +580,9 @@ impl StepView {
                 Some(b.to_vec(py)?)
             }
             (None, false) => {
-                return Err(err("teacher_logits: pass this step's features, or give Job.from_env(features=...)"));
+                return Err(err(
+                    "teacher_logits: pass this step's features, or give Job.from_env(features=...)",
+                ));
             }
         };
         // A new generation (or a failure) starts a new read-ahead.
@@ -694,7 +714,11 @@ fn builtin_data<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDict>
 /// The built-in student's initial weights for layer `sizes` (input first)
 /// under `seed`: a list of `(weight [in, out], bias [out])` float32 arrays.
 #[pyfunction]
-fn mlp_init<'py>(py: Python<'py>, sizes: Vec<usize>, seed: u64) -> PyResult<Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)>> {
+fn mlp_init<'py>(
+    py: Python<'py>,
+    sizes: Vec<usize>,
+    seed: u64,
+) -> PyResult<Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)>> {
     if sizes.len() < 2 || sizes.contains(&0) {
         return Err(PyValueError::new_err(format!("sizes {sizes:?}: need two or more positive sizes")));
     }

@@ -14,6 +14,7 @@
 //! - [`report`]: the run report and its plot.
 //! - [`keeper`]: the job's state and worker leases in the store, off the step's path.
 //! - [`preflight`]: checks before anything starts, and the job's lock.
+//! - [`torchrun`]: `launch --torchrun`, unmodified torchrun scripts restarted as a group.
 
 pub mod coordinator;
 pub mod inbox;
@@ -28,6 +29,7 @@ pub mod report;
 pub mod scaler;
 pub mod session;
 pub mod teachers;
+pub mod torchrun;
 pub mod worker;
 
 pub use coordinator::{JobConfig, JobOutcome, Progress, ScaleEvent, StepRecord};

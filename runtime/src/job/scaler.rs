@@ -143,9 +143,7 @@ impl Scaler for LocalProcesses {
                 // The program's output reaches its log as it is written.
                 .env("PYTHONUNBUFFERED", "1"),
         };
-        cmd.stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log);
+        cmd.stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
         die_with_parent(&mut cmd);
         let child = cmd
             .spawn()

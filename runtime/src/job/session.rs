@@ -15,8 +15,7 @@
 //! at the next generation), and the next step it gets is the redone one.
 
 use super::proto::{
-    FailCause, FromWorker, Generation, JobSpec, Receiver, Share, StepDone, StepPlan, ToWorker, Written,
-    send,
+    FailCause, FromWorker, Generation, JobSpec, Receiver, Share, StepDone, StepPlan, ToWorker, Written, send,
 };
 use crate::checkpoint::{Checkpoints, Manifest};
 use crate::state::Layout;
@@ -255,7 +254,11 @@ impl Session {
         }
     }
 
-    fn handle(&mut self, msg: Result<ToWorker, super::proto::ProtoError>, state: &mut dyn State) -> Result<()> {
+    fn handle(
+        &mut self,
+        msg: Result<ToWorker, super::proto::ProtoError>,
+        state: &mut dyn State,
+    ) -> Result<()> {
         match msg {
             Ok(ToWorker::Stop { reason }) => {
                 tracing::info!("worker {}: stopping: {reason}", self.id);
@@ -287,9 +290,9 @@ impl Session {
         let Some(s) = self.current.as_ref() else { bail!("all_reduce outside a step") };
         let (generation, step) = (s.generation, s.step);
         let r = match self.ring.as_mut() {
-            Some((g, r)) if *g == generation => r
-                .all_reduce(values, ReduceOp::Sum)
-                .with_context(|| format!("all-reduce of step {step}")),
+            Some((g, r)) if *g == generation => {
+                r.all_reduce(values, ReduceOp::Sum).with_context(|| format!("all-reduce of step {step}"))
+            }
             _ => Err(anyhow!("no ring for generation {generation}")),
         };
         if let Err(e) = r {
@@ -304,7 +307,9 @@ impl Session {
     /// The current step is done on this rank: its state has the update.
     /// `loss`: this rank's summed loss divided by the step's global rows.
     pub fn finish(&mut self, loss: f64, compute_ms: f64) -> Result<()> {
-        let Some(s) = self.current.take() else { bail!("finish outside a step (or after a failed all-reduce)") };
+        let Some(s) = self.current.take() else {
+            bail!("finish outside a step (or after a failed all-reduce)")
+        };
         self.applied = Some(s.step + 1);
         self.window.push(StepDone {
             step: s.step,
@@ -343,7 +348,13 @@ impl Session {
     /// Reports a failed step; the generation's remaining steps are dropped,
     /// its ring (unusable now) is closed, which ends its peers' waits, and
     /// the state counts as changed (the next generation puts it back).
-    fn report(&mut self, generation: u64, step: u64, e: anyhow::Error, cause: Option<FailCause>) -> Result<()> {
+    fn report(
+        &mut self,
+        generation: u64,
+        step: u64,
+        e: anyhow::Error,
+        cause: Option<FailCause>,
+    ) -> Result<()> {
         tracing::warn!("worker {}: generation {generation} step {step}: {e:#}", self.id);
         self.ring = None;
         self.queue.clear();
@@ -389,7 +400,13 @@ impl Session {
 
     /// Every step before `step` is committed: earlier rollback points go;
     /// rank 0 writes the checkpoint asked for.
-    fn commit(&mut self, step: u64, checkpoint: Option<Manifest>, wait: bool, state: &mut dyn State) -> Result<()> {
+    fn commit(
+        &mut self,
+        step: u64,
+        checkpoint: Option<Manifest>,
+        wait: bool,
+        state: &mut dyn State,
+    ) -> Result<()> {
         if self.applied == Some(step) && self.current.is_none() && !self.snapshots.contains_key(&step) {
             self.snapshot(state)?;
         }
@@ -457,10 +474,10 @@ impl Session {
             if r.manifest.step != n {
                 bail!("checkpoint {} is at step {}, the plan says {n}", r.path.display(), r.manifest.step);
             }
-            let values = self.layout.reorder(&r.layout, &r.values).map_err(|why| StateMismatch {
-                what: format!("checkpoint {}", r.path.display()),
-                why,
-            })?;
+            let values = self
+                .layout
+                .reorder(&r.layout, &r.values)
+                .map_err(|why| StateMismatch { what: format!("checkpoint {}", r.path.display()), why })?;
             state.load(&values).context("loading the checkpoint into the state")?;
             self.applied = Some(n);
             self.snapshots.clear();
@@ -522,7 +539,10 @@ impl Session {
             if sizes.chunks_exact(2).any(|s| s != [sizes[0], sizes[1]]) {
                 return Err(StateMismatch {
                     what: "the generation's states".into(),
-                    why: format!("the ranks hold states of different sizes (this one {} values)", values.len()),
+                    why: format!(
+                        "the ranks hold states of different sizes (this one {} values)",
+                        values.len()
+                    ),
                 }
                 .into());
             }

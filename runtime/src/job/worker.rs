@@ -64,7 +64,9 @@ pub fn mlp_of(r: &Restored) -> Result<Mlp> {
     for i in 0.. {
         let name = format!("layers.{i}.weight");
         let Some(t) = r.layout.tensors().iter().find(|t| t.name == name) else { break };
-        let [inputs, outputs] = t.shape[..] else { bail!("{}: {name} has shape {:?}", r.path.display(), t.shape) };
+        let [inputs, outputs] = t.shape[..] else {
+            bail!("{}: {name} has shape {:?}", r.path.display(), t.shape)
+        };
         let bias = r
             .tensor(&format!("layers.{i}.bias"))
             .ok_or_else(|| anyhow!("{}: no layers.{i}.bias", r.path.display()))?;
@@ -176,7 +178,8 @@ impl ReadAhead {
     ) -> Self {
         let (feed, asks) = mpsc::channel::<(Vec<u32>, u64)>();
         let (train, seed) = (w.train.clone(), w.seed);
-        let batches = std::iter::from_fn(move || asks.recv().ok().map(|(ids, e)| batch_of(&train, &ids, seed, e)));
+        let batches =
+            std::iter::from_fn(move || asks.recv().ok().map(|(ids, e)| batch_of(&train, &ids, seed, e)));
         let _guard = w.rt.enter();
         let reader = DistillReader::start(batches, transform, teachers, config);
         ReadAhead { feed, fed: VecDeque::new(), source: Ahead::Teachers(reader) }
@@ -253,7 +256,9 @@ pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
     };
     let spec = session.spec().clone();
     let Program::Builtin(model) = spec.program.clone() else {
-        bail!("worker {id}: this job runs its own program (`edl-runtime launch`); its workers are not built in")
+        bail!(
+            "worker {id}: this job runs its own program (`edl-runtime launch`); its workers are not built in"
+        )
     };
     let (train, _) = load_data(&model)?;
     if train.len() != spec.samples {

@@ -12,6 +12,7 @@ mod sandbox;
 mod scaffold;
 mod shipped;
 mod store;
+mod torchrun;
 mod train;
 
 use edl_runtime::plugin::{ArtifactCache, HostOptions, Limits, PluginHost};

@@ -83,7 +83,9 @@ fn setup() -> Result<PyEnv, String> {
     let pkg = site.join("edl");
     std::fs::create_dir_all(&pkg).map_err(|e| format!("{}: {e}", pkg.display()))?;
     let copy = |from: &Path, to: &Path| {
-        std::fs::copy(from, to).map(|_| ()).map_err(|e| format!("{} -> {}: {e}", from.display(), to.display()))
+        std::fs::copy(from, to)
+            .map(|_| ())
+            .map_err(|e| format!("{} -> {}: {e}", from.display(), to.display()))
     };
     copy(&root().join("runtime/python/python/edl/__init__.py"), &pkg.join("__init__.py"))?;
     copy(&profile.join("lib_edl.so"), &pkg.join("_edl.abi3.so"))?;
@@ -186,7 +188,11 @@ fn the_numpy_student_under_launch_trains_every_sample_once_through_resizes_kills
     let epochs = r["epochs"].as_array().unwrap();
     assert_eq!(epochs.len(), 3, "{epochs:?}");
     for e in epochs {
-        assert_eq!((e["samples_committed"].as_u64(), e["duplicates"].as_u64(), e["missing"].as_u64()), (Some(4000), Some(0), Some(0)), "{e}");
+        assert_eq!(
+            (e["samples_committed"].as_u64(), e["duplicates"].as_u64(), e["missing"].as_u64()),
+            (Some(4000), Some(0), Some(0)),
+            "{e}"
+        );
     }
     let events = r["scale_events"].as_array().unwrap();
     let policy = events.iter().filter(|e| e["reason"].as_str().unwrap().starts_with("policy")).count();

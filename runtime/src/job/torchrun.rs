@@ -1,0 +1,657 @@
+//! `edl-runtime launch --torchrun`: unmodified torchrun scripts.
+//!
+//! The launcher plays torchrun's elastic agent for this host. It starts the
+//! group's ranks with the environment torchrun gives them (`RANK`,
+//! `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_*`...), watches
+//! them, and restarts the whole group when its membership changes, as
+//! torchrun does. Unlike torchrun, the world size comes from the scaling
+//! policy within `min..=max`: when the policy asks for another size the group
+//! is stopped and started again at that size (a resize, which does not count
+//! as a restart). A rank that fails stops the group, which starts again while
+//! `max_restarts` allow; when they are spent the launcher gives up with the
+//! failing rank's exit status, its log's last lines and, when the script
+//! records one (torch's `@record`), its error file.
+//!
+//! What to do next is decided by [`Agent`], a state machine fed with the
+//! ranks' exits and the policy's actions; [`run`] does the processes, the
+//! clock and the logs around it.
+
+use super::scaler::{die_with_parent, log_tail};
+use crate::plugin::PolicyPlugin;
+use crate::replay::{Decision, asked};
+use anyhow::{Context, Result, bail};
+use edl_plugin_sdk::{Action, ClusterView};
+use std::{
+    collections::BTreeSet,
+    fmt,
+    io::{BufRead, BufReader, Write},
+    net::{IpAddr, Ipv4Addr, TcpListener},
+    os::unix::process::ExitStatusExt,
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitStatus, Stdio},
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+/// How a rank's process ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exit {
+    Code(i32),
+    Signal(i32),
+}
+
+impl Exit {
+    fn of(status: ExitStatus) -> Exit {
+        match (status.code(), status.signal()) {
+            (Some(c), _) => Exit::Code(c),
+            (None, Some(s)) => Exit::Signal(s),
+            (None, None) => Exit::Code(-1),
+        }
+    }
+
+    pub fn success(self) -> bool {
+        self == Exit::Code(0)
+    }
+
+    /// The launcher's own exit code for this failure: the rank's code, or
+    /// 128 + the signal, as a shell reports it.
+    pub fn launcher_code(self) -> u8 {
+        match self {
+            Exit::Code(c) if (1..=255).contains(&c) => c as u8,
+            Exit::Code(_) => 1,
+            Exit::Signal(s) => 128u8.saturating_add(s.clamp(0, 127) as u8),
+        }
+    }
+}
+
+impl fmt::Display for Exit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Exit::Code(c) => write!(f, "exit code {c}"),
+            Exit::Signal(s) => {
+                let name = match s {
+                    libc::SIGKILL => " (SIGKILL)",
+                    libc::SIGTERM => " (SIGTERM)",
+                    libc::SIGSEGV => " (SIGSEGV)",
+                    libc::SIGABRT => " (SIGABRT)",
+                    libc::SIGINT => " (SIGINT)",
+                    libc::SIGBUS => " (SIGBUS)",
+                    _ => "",
+                };
+                write!(f, "killed by signal {s}{name}")
+            }
+        }
+    }
+}
+
+/// What the launcher does next.
+#[derive(Debug, PartialEq)]
+pub enum Next {
+    /// Let the group run.
+    Continue,
+    /// Stop the group and start it again with `world` ranks; `failure`
+    /// restarts count against the limit, resizes do not.
+    Restart { world: u32, reason: String, failure: bool },
+    /// Every rank of the group succeeded.
+    Succeeded,
+    /// A rank failed and no restart is left.
+    Failed { rank: u32, exit: Exit },
+}
+
+/// The launcher's decisions, without processes or clocks.
+#[derive(Debug)]
+pub struct Agent {
+    min: u32,
+    max: u32,
+    world: u32,
+    restarts: u32,
+    max_restarts: u32,
+    /// Ranks of the running group that finished successfully.
+    succeeded: BTreeSet<u32>,
+}
+
+impl Agent {
+    /// An agent whose first group has `initial` ranks (kept within `min..=max`).
+    pub fn new(min: u32, max: u32, initial: u32, max_restarts: u32) -> Agent {
+        let min = min.max(1);
+        let max = max.max(min);
+        Agent {
+            min,
+            max,
+            world: initial.clamp(min, max),
+            restarts: 0,
+            max_restarts,
+            succeeded: BTreeSet::new(),
+        }
+    }
+
+    /// Ranks in the group to start (or running).
+    pub fn world(&self) -> u32 {
+        self.world
+    }
+
+    /// Failure restarts so far (`TORCHELASTIC_RESTART_COUNT`).
+    pub fn restarts(&self) -> u32 {
+        self.restarts
+    }
+
+    /// A new group started: none of its ranks has finished.
+    pub fn started(&mut self) {
+        self.succeeded.clear();
+    }
+
+    /// Rank `rank` of the running group ended with `exit`.
+    pub fn exited(&mut self, rank: u32, exit: Exit) -> Next {
+        if exit.success() {
+            self.succeeded.insert(rank);
+            return if self.succeeded.len() as u32 >= self.world { Next::Succeeded } else { Next::Continue };
+        }
+        if self.restarts >= self.max_restarts {
+            return Next::Failed { rank, exit };
+        }
+        self.restarts += 1;
+        Next::Restart {
+            world: self.world,
+            reason: format!("rank {rank} failed ({exit}); restart {}/{}", self.restarts, self.max_restarts),
+            failure: true,
+        }
+    }
+
+    /// The view the policy is shown now; `decisions` counts the policy's
+    /// decisions so far (its `step`: an unmodified script reports no steps).
+    pub fn view(&self, decisions: u64, since_change: Duration, price_per_worker_hour: f64) -> ClusterView {
+        ClusterView {
+            step: decisions,
+            world_size: self.world,
+            min_workers: self.min,
+            max_workers: self.max,
+            free_slots: self.max - self.world,
+            secs_since_change: since_change.as_secs_f64(),
+            price_per_worker_hour,
+            ..ClusterView::default()
+        }
+    }
+
+    /// The policy answered `actions` to `view`. A group some of whose ranks
+    /// already finished is left to finish; a replacement is not a resize (a
+    /// group restarts whole: replacing one rank would restart them all).
+    pub fn decided(&mut self, view: &ClusterView, actions: &[Action]) -> Next {
+        if !self.succeeded.is_empty() {
+            return Next::Continue;
+        }
+        let target = asked(view, actions).clamp(self.min, self.max);
+        if target == self.world {
+            return Next::Continue;
+        }
+        let from = std::mem::replace(&mut self.world, target);
+        Next::Restart {
+            world: target,
+            reason: format!("the policy asked for {target} ranks ({from} before)"),
+            failure: false,
+        }
+    }
+}
+
+/// A `launch --torchrun` job.
+#[derive(Clone, Debug)]
+pub struct TorchrunConfig {
+    /// `TORCHELASTIC_RUN_ID`.
+    pub job: String,
+    /// The script and its arguments, run as every rank.
+    pub command: Vec<String>,
+    /// Where each group's ranks log (`group-G/rank-R.log`).
+    pub log_dir: PathBuf,
+    pub min_workers: u32,
+    pub max_workers: u32,
+    pub initial_workers: u32,
+    pub max_restarts: u32,
+    /// Time between two policy decisions (counted from each group's start).
+    pub decide_every: Duration,
+    /// Time a stopped rank gets to exit after SIGTERM before SIGKILL.
+    pub grace: Duration,
+    pub price_per_worker_hour: f64,
+    /// `MASTER_ADDR`, where rank 0 hosts the c10d store.
+    pub master_addr: IpAddr,
+}
+
+impl TorchrunConfig {
+    /// A job with torchrun's defaults on this host.
+    pub fn new(job: &str, command: Vec<String>, log_dir: PathBuf) -> TorchrunConfig {
+        TorchrunConfig {
+            job: job.into(),
+            command,
+            log_dir,
+            min_workers: 1,
+            max_workers: 1,
+            initial_workers: 1,
+            max_restarts: 3,
+            decide_every: Duration::from_secs(30),
+            grace: Duration::from_secs(15),
+            price_per_worker_hour: 0.0,
+            master_addr: IpAddr::V4(Ipv4Addr::LOCALHOST),
+        }
+    }
+}
+
+/// What happens, as it happens.
+#[derive(Debug)]
+pub enum Event<'a> {
+    Started(&'a GroupRecord),
+    /// A line a rank wrote (stdout or stderr).
+    Output {
+        rank: u32,
+        line: &'a str,
+    },
+    /// The group stops for `reason` and starts again.
+    Restarting {
+        reason: &'a str,
+        failure: bool,
+    },
+    /// The policy failed; the group holds its size.
+    PolicyFailed(String),
+}
+
+/// One group: its size and how it ended.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct GroupRecord {
+    pub group: u32,
+    pub world: u32,
+    /// `TORCHELASTIC_RESTART_COUNT` its ranks saw.
+    pub restart_count: u32,
+    pub master_port: u16,
+    pub log_dir: PathBuf,
+    /// Seconds since the job started.
+    pub started_secs: f64,
+    pub ended_secs: f64,
+    /// `succeeded`, `resized to N`, `rank R failed (...)`.
+    pub ended: String,
+}
+
+/// The failure that ended the job.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RankFailure {
+    pub rank: u32,
+    pub pid: u32,
+    #[serde(serialize_with = "display")]
+    pub exit: Exit,
+    pub log: PathBuf,
+    /// The last lines of the rank's log.
+    pub log_tail: String,
+    /// The message of the rank's error file (torch's `@record`), if any.
+    pub error: Option<String>,
+}
+
+fn display<S: serde::Serializer>(v: &impl fmt::Display, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
+impl fmt::Display for RankFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rank {} (pid {}) failed: {}", self.rank, self.pid, self.exit)?;
+        if let Some(e) = &self.error {
+            write!(f, "\n  its error file says: {e}")?;
+        }
+        if !self.log_tail.is_empty() {
+            write!(f, "\n  {}", self.log_tail.trim_start_matches("; "))?;
+        }
+        Ok(())
+    }
+}
+
+/// How a `launch --torchrun` job went.
+#[derive(Debug, serde::Serialize)]
+pub struct TorchrunOutcome {
+    pub groups: Vec<GroupRecord>,
+    /// Failure restarts used.
+    pub restarts: u32,
+    pub max_restarts: u32,
+    #[serde(skip)]
+    pub decisions: Vec<Decision>,
+    /// None: every rank of the last group succeeded.
+    pub failure: Option<RankFailure>,
+    pub secs: f64,
+}
+
+/// One rank's process.
+struct Rank {
+    child: Child,
+    log: PathBuf,
+    error_file: PathBuf,
+    exit: Option<Exit>,
+}
+
+/// The running group.
+struct Group {
+    ranks: Vec<Rank>,
+}
+
+/// A port nothing listens on now, for rank 0's c10d store (torchrun picks
+/// its `MASTER_PORT` the same way).
+fn free_port(addr: IpAddr) -> Result<u16> {
+    let l = TcpListener::bind((addr, 0)).with_context(|| format!("finding a free port on {addr}"))?;
+    Ok(l.local_addr()?.port())
+}
+
+impl Group {
+    fn start(
+        cfg: &TorchrunConfig,
+        record: &GroupRecord,
+        lines: &mpsc::Sender<(u32, u32, String)>,
+    ) -> Result<Group> {
+        std::fs::create_dir_all(&record.log_dir).with_context(|| {
+            format!("{}: cannot create the group's log directory", record.log_dir.display())
+        })?;
+        let (exe, args) = cfg.command.split_first().context("no program to launch")?;
+        let world = record.world.to_string();
+        let mut ranks = Vec::new();
+        for rank in 0..record.world {
+            let log = record.log_dir.join(format!("rank-{rank}.log"));
+            let error_file = record.log_dir.join(format!("rank-{rank}.error.json"));
+            let r = rank.to_string();
+            let (reader, writer) = std::io::pipe().context("creating a pipe for a rank's output")?;
+            let mut cmd = Command::new(exe);
+            cmd.args(args)
+                .envs([
+                    ("RANK", r.as_str()),
+                    ("LOCAL_RANK", &r),
+                    ("GROUP_RANK", "0"),
+                    ("ROLE_RANK", &r),
+                    ("ROLE_NAME", "default"),
+                    ("WORLD_SIZE", &world),
+                    ("LOCAL_WORLD_SIZE", &world),
+                    ("ROLE_WORLD_SIZE", &world),
+                    ("GROUP_WORLD_SIZE", "1"),
+                    ("MASTER_ADDR", &cfg.master_addr.to_string()),
+                    ("MASTER_PORT", &record.master_port.to_string()),
+                    ("TORCHELASTIC_RESTART_COUNT", &record.restart_count.to_string()),
+                    ("TORCHELASTIC_MAX_RESTARTS", &cfg.max_restarts.to_string()),
+                    ("TORCHELASTIC_RUN_ID", &cfg.job),
+                    ("TORCHELASTIC_USE_AGENT_STORE", "False"),
+                    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+                    ("PYTHONUNBUFFERED", "1"),
+                ])
+                .env("TORCHELASTIC_ERROR_FILE", &error_file)
+                .stdin(Stdio::null())
+                .stdout(writer.try_clone()?)
+                .stderr(writer);
+            if record.world > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
+                // As torchrun: ranks sharing a host do not each take every core.
+                cmd.env("OMP_NUM_THREADS", "1");
+            }
+            die_with_parent(&mut cmd);
+            let child = cmd.spawn().with_context(|| format!("cannot start rank {rank} ({exe})"))?;
+            // `cmd` holds the pipe's write end until it is dropped: the
+            // reader sees the end of the output when the rank's are closed.
+            drop(cmd);
+            let file = std::fs::File::create(&log).with_context(|| format!("{}", log.display()))?;
+            copy_lines(record.group, rank, reader, file, lines.clone());
+            ranks.push(Rank { child, log, error_file, exit: None });
+        }
+        Ok(Group { ranks })
+    }
+
+    /// The first rank found ended since the last call.
+    fn poll(&mut self) -> Option<(u32, Exit)> {
+        for (i, r) in self.ranks.iter_mut().enumerate() {
+            if r.exit.is_none()
+                && let Ok(Some(status)) = r.child.try_wait()
+            {
+                let exit = Exit::of(status);
+                r.exit = Some(exit);
+                return Some((i as u32, exit));
+            }
+        }
+        None
+    }
+
+    /// SIGTERM to every rank still running, SIGKILL to those left after `grace`.
+    fn stop(&mut self, grace: Duration) {
+        let running = |r: &mut Rank| matches!(r.child.try_wait(), Ok(None));
+        for r in &mut self.ranks {
+            if running(r) {
+                // SAFETY: signalling our own child by pid; it is not reaped yet.
+                unsafe { libc::kill(r.child.id() as libc::pid_t, libc::SIGTERM) };
+            }
+        }
+        let until = Instant::now() + grace;
+        while Instant::now() < until && self.ranks.iter_mut().any(running) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for r in &mut self.ranks {
+            let _ = r.child.kill();
+            let _ = r.child.wait();
+        }
+    }
+
+    fn failure(&self, rank: u32, exit: Exit) -> RankFailure {
+        let r = &self.ranks[rank as usize];
+        RankFailure {
+            rank,
+            pid: r.child.id(),
+            exit,
+            log: r.log.clone(),
+            log_tail: log_tail(&r.log, 20),
+            error: error_message(&r.error_file),
+        }
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        self.stop(Duration::from_secs(2));
+    }
+}
+
+/// Copies a rank's output to its log and to the launcher, line by line.
+fn copy_lines(
+    group: u32,
+    rank: u32,
+    from: std::io::PipeReader,
+    mut log: std::fs::File,
+    to: mpsc::Sender<(u32, u32, String)>,
+) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(from).lines() {
+            let Ok(line) = line else { break };
+            let _ = writeln!(log, "{line}");
+            // The launcher may be gone; the log still gets the rest.
+            let _ = to.send((group, rank, line));
+        }
+    });
+}
+
+/// The message of a torchelastic error file (`{"message": {"message": ...}}`
+/// as torch's `@record` writes it, or `{"message": "..."}`).
+fn error_message(path: &Path) -> Option<String> {
+    let text = std::fs::read(path).ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&text).ok()?;
+    let m = &v["message"];
+    let s = m["message"].as_str().or_else(|| m.as_str())?;
+    Some(s.trim().to_string())
+}
+
+/// Runs the job until its ranks succeed or a failure has no restart left.
+pub fn run(
+    cfg: &TorchrunConfig,
+    policy: &mut dyn PolicyPlugin,
+    on: &mut dyn FnMut(Event),
+) -> Result<TorchrunOutcome> {
+    if cfg.command.is_empty() {
+        bail!("no program to launch");
+    }
+    let t0 = Instant::now();
+    let mut agent = Agent::new(cfg.min_workers, cfg.max_workers, cfg.initial_workers, cfg.max_restarts);
+    let mut groups: Vec<GroupRecord> = Vec::new();
+    let mut decisions = Vec::new();
+    let mut last_change = Instant::now();
+    let (tx, rx) = mpsc::channel();
+    loop {
+        let n = groups.len() as u32;
+        groups.push(GroupRecord {
+            group: n,
+            world: agent.world(),
+            restart_count: agent.restarts(),
+            master_port: free_port(cfg.master_addr)?,
+            log_dir: cfg.log_dir.join(format!("group-{n}")),
+            started_secs: t0.elapsed().as_secs_f64(),
+            ended_secs: 0.0,
+            ended: String::new(),
+        });
+        let mut group = Group::start(cfg, &groups[n as usize], &tx)?;
+        agent.started();
+        on(Event::Started(&groups[n as usize]));
+        let mut decide_at = Instant::now() + cfg.decide_every;
+        let next = loop {
+            if let Some((rank, exit)) = group.poll() {
+                match agent.exited(rank, exit) {
+                    Next::Continue => continue,
+                    next => break next,
+                }
+            }
+            if Instant::now() >= decide_at {
+                decide_at = Instant::now() + cfg.decide_every;
+                let view =
+                    agent.view(decisions.len() as u64, last_change.elapsed(), cfg.price_per_worker_hour);
+                let actions = policy.decide(&view).unwrap_or_else(|e| {
+                    on(Event::PolicyFailed(format!("scaling policy failed, holding: {e}")));
+                    vec![Action::Hold]
+                });
+                let next = agent.decided(&view, &actions);
+                decisions.push(Decision {
+                    step: view.step,
+                    world_size: view.world_size,
+                    chosen: agent.world(),
+                    throughput: 0.0,
+                    capacity: view.max_workers,
+                    actions,
+                });
+                if next != Next::Continue {
+                    break next;
+                }
+            }
+            match rx.recv_timeout(Duration::from_millis(20)) {
+                Ok((g, rank, line)) if g == n => on(Event::Output { rank, line: &line }),
+                // A stopped group's last words.
+                Ok(_) | Err(_) => {}
+            }
+        };
+        let failure = match &next {
+            Next::Failed { rank, exit } => Some(group.failure(*rank, *exit)),
+            _ => None,
+        };
+        group.stop(cfg.grace);
+        drop(group);
+        // What the stopped ranks wrote last is shown before what comes next.
+        while let Ok((g, rank, line)) = rx.try_recv() {
+            if g == n {
+                on(Event::Output { rank, line: &line });
+            }
+        }
+        let record = &mut groups[n as usize];
+        record.ended_secs = t0.elapsed().as_secs_f64();
+        match next {
+            Next::Continue => unreachable!("the loop above ends on a change"),
+            Next::Restart { world, reason, failure } => {
+                record.ended = if failure { reason.clone() } else { format!("resized to {world}") };
+                if !failure {
+                    last_change = Instant::now();
+                }
+                on(Event::Restarting { reason: &reason, failure });
+            }
+            Next::Succeeded | Next::Failed { .. } => {
+                record.ended = match &failure {
+                    None => "succeeded".into(),
+                    Some(f) => format!("rank {} failed ({}), no restart left", f.rank, f.exit),
+                };
+                return Ok(TorchrunOutcome {
+                    groups,
+                    restarts: agent.restarts(),
+                    max_restarts: cfg.max_restarts,
+                    decisions,
+                    failure,
+                    secs: t0.elapsed().as_secs_f64(),
+                });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(a: &Agent) -> ClusterView {
+        a.view(0, Duration::ZERO, 0.0)
+    }
+
+    #[test]
+    fn failures_restart_the_group_until_the_limit() {
+        let mut a = Agent::new(2, 2, 2, 2);
+        a.started();
+        let n = a.exited(1, Exit::Code(3));
+        assert!(
+            matches!(&n, Next::Restart { world: 2, failure: true, reason } if reason.contains("rank 1")),
+            "{n:?}"
+        );
+        assert_eq!(a.restarts(), 1);
+        a.started();
+        assert!(matches!(a.exited(0, Exit::Signal(9)), Next::Restart { failure: true, .. }));
+        a.started();
+        assert_eq!(a.exited(1, Exit::Code(3)), Next::Failed { rank: 1, exit: Exit::Code(3) });
+        assert_eq!(a.restarts(), 2);
+    }
+
+    #[test]
+    fn the_group_succeeds_when_every_rank_has() {
+        let mut a = Agent::new(1, 4, 3, 0);
+        a.started();
+        assert_eq!(a.exited(2, Exit::Code(0)), Next::Continue);
+        assert_eq!(a.exited(0, Exit::Code(0)), Next::Continue);
+        assert_eq!(a.exited(1, Exit::Code(0)), Next::Succeeded);
+    }
+
+    #[test]
+    fn resizes_follow_the_policy_within_the_bounds_and_are_not_restarts() {
+        let mut a = Agent::new(1, 3, 1, 0);
+        a.started();
+        let v = view(&a);
+        assert_eq!(v.free_slots, 2);
+        let n = a.decided(&v, &[Action::ScaleOut(5)]);
+        assert!(matches!(n, Next::Restart { world: 3, failure: false, .. }), "{n:?}");
+        assert_eq!((a.world(), a.restarts()), (3, 0));
+        a.started();
+        assert_eq!(a.decided(&view(&a), &[Action::Hold]), Next::Continue);
+        assert_eq!(a.decided(&view(&a), &[Action::Replace(1)]), Next::Continue, "a replacement is no resize");
+        assert!(matches!(a.decided(&view(&a), &[Action::ScaleIn(9)]), Next::Restart { world: 1, .. }));
+    }
+
+    #[test]
+    fn a_finishing_group_is_not_resized() {
+        let mut a = Agent::new(1, 3, 2, 0);
+        a.started();
+        assert_eq!(a.exited(0, Exit::Code(0)), Next::Continue);
+        assert_eq!(a.decided(&view(&a), &[Action::ScaleOut(1)]), Next::Continue);
+        assert_eq!(a.world(), 2);
+    }
+
+    #[test]
+    fn exits_read_as_a_shell_reports_them() {
+        assert_eq!(Exit::Code(3).launcher_code(), 3);
+        assert_eq!(Exit::Signal(9).launcher_code(), 137);
+        assert_eq!(Exit::Signal(9).to_string(), "killed by signal 9 (SIGKILL)");
+        assert_eq!(Exit::Code(-1).launcher_code(), 1);
+    }
+
+    #[test]
+    fn error_files_in_torch_s_format_give_their_message() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("e.json");
+        assert_eq!(error_message(&p), None);
+        std::fs::write(&p, r#"{"message": {"message": "RuntimeError: boom", "extraInfo": {}}}"#).unwrap();
+        assert_eq!(error_message(&p).as_deref(), Some("RuntimeError: boom"));
+        std::fs::write(&p, r#"{"message": "plain"}"#).unwrap();
+        assert_eq!(error_message(&p).as_deref(), Some("plain"));
+        std::fs::write(&p, "not json").unwrap();
+        assert_eq!(error_message(&p), None);
+    }
+}
