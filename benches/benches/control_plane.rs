@@ -28,6 +28,7 @@ use edl_runtime::{
     job::{
         JobConfig, JobLock, JobSpec, Program, Progress, Scaler, coordinator,
         proto::{FromWorker, Receiver, StepDone, ToWorker, Written, send},
+        session::{JobAuth, Secret},
     },
     plugin::{Backend, Error, Plugin, PolicyPlugin},
 };
@@ -69,14 +70,15 @@ struct Sim {
     victim: Option<(u64, u64)>,
 }
 
-fn sim_worker(addr: SocketAddr, id: u64, sim: Sim) -> anyhow::Result<()> {
+fn sim_worker(addr: SocketAddr, id: u64, auth: JobAuth, sim: Sim) -> anyhow::Result<()> {
     let mut cpu_mark = thread_cpu();
     let account = |mark: &mut f64| {
         let now = thread_cpu();
         sim.cpu_ns.fetch_add(((now - *mark) * 1e9) as u64, Ordering::Relaxed);
         *mark = now;
     };
-    let stream = TcpStream::connect(addr)?;
+    let mut stream = TcpStream::connect(addr)?;
+    edl_host_gpu::comm::auth::connect(&mut stream, &auth.secret, &auth.claim("control", 0, id))?;
     stream.set_nodelay(true)?;
     let mut out = stream.try_clone()?;
     let mut rx = Receiver::new(stream);
@@ -127,10 +129,11 @@ struct SimScaler {
 }
 
 impl Scaler for SimScaler {
-    fn spawn(&mut self, id: u64, coordinator: SocketAddr) -> anyhow::Result<()> {
+    fn spawn(&mut self, id: u64, coordinator: SocketAddr, auth: &JobAuth) -> anyhow::Result<()> {
         let sim = self.sim.clone();
+        let auth = auth.clone();
         std::thread::Builder::new().name("sim-worker".into()).stack_size(256 << 10).spawn(move || {
-            let _ = sim_worker(coordinator, id, sim);
+            let _ = sim_worker(coordinator, id, auth, sim);
         })?;
         Ok(())
     }
@@ -230,6 +233,7 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
         join_timeout: Duration::from_secs(120),
         price_per_worker_hour: 0.0,
         teacher_watch: None,
+        secret: Secret::generate()?,
     };
     let lock = JobLock::acquire(&spec.checkpoint_dir, &spec.job)?;
     let info = PluginInfo { name: "add-one".into(), version: "0".into(), description: String::new() };

@@ -319,6 +319,11 @@ struct RunArgs {
     /// Service name teachers register under (default: <job>-teachers).
     #[arg(long)]
     service: Option<String>,
+    /// The job's secret (64 hex digits), which every worker proves on its
+    /// connections: read from this file, or written there (mode 0600) when
+    /// it does not exist. Default: a new secret per run in .edl/<job>/secret.
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
 }
 
 #[derive(Args)]

@@ -4,7 +4,7 @@
 
 use crate::{PluginArgs, RunArgs};
 use anyhow::{Context, Result, bail};
-use edl_host_gpu::Device;
+use edl_host_gpu::{Device, comm::auth::Secret};
 use edl_plugin_sdk::Hyperparams;
 use edl_runtime::{
     checkpoint::Checkpoints,
@@ -168,6 +168,10 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
         join_timeout: Duration::from_secs(60),
         price_per_worker_hour: args.price,
         teacher_watch: None,
+        secret: match &args.secret_file {
+            Some(f) if f.exists() => Secret::read(f)?,
+            _ => Secret::generate()?,
+        },
     };
     // Everything a flag can get wrong is refused here, before a teacher or
     // worker starts.
@@ -178,6 +182,12 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
     job::preflight(&cfg)?;
     let lock = job::JobLock::acquire(&spec.checkpoint_dir, &args.job)?;
     std::fs::create_dir_all(&log_dir).with_context(|| format!("{}", log_dir.display()))?;
+    // A new secret is written where an operator finds it (mode 0600):
+    // --secret-file, or .edl/<job>/secret.
+    match &args.secret_file {
+        Some(f) if f.exists() => {}
+        f => cfg.secret.write(f.as_deref().unwrap_or(&log_dir.with_file_name("secret")))?,
+    }
     let what = match (&builtin, &launch) {
         (Some((model, _, test)), _) => format!(
             "{} ({student_rows} training samples, {} test), student {:?}",
@@ -273,7 +283,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
     );
     let scaler = Box::new(match &launch {
         None => LocalProcesses::new(&exe, &log_dir),
-        Some(l) => LocalProcesses::program(&l.command, &args.job, &log_dir)?,
+        Some(l) => LocalProcesses::program(&l.command, &log_dir)?,
     });
     let epochs = args.epochs;
     let mut progress = |p: Progress| match p {

@@ -2,10 +2,12 @@
 //! (its listening address, an NCCL unique id) and receives everyone's.
 
 use super::CommError;
+use super::auth::{self, JobAuth};
 use std::{
     collections::HashMap,
     io::{Read, Write},
     net::{SocketAddr, TcpListener, TcpStream},
+    sync::atomic::{AtomicU64, Ordering},
     sync::{Arc, Condvar, Mutex},
     time::{Duration, Instant},
 };
@@ -78,6 +80,8 @@ impl Rendezvous for LocalRendezvous {
 /// that key once all have arrived.
 pub struct RendezvousServer {
     addr: SocketAddr,
+    /// The current generation: registrations of other ones are refused.
+    generation: Arc<AtomicU64>,
 }
 
 type Waiting = HashMap<String, (usize, Vec<Option<(Vec<u8>, TcpStream)>>)>;
@@ -100,26 +104,54 @@ fn write_frame(s: &mut TcpStream, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 impl RendezvousServer {
-    /// Serves on `addr` (port 0 picks one) from a background thread.
+    /// Serves on `addr` (port 0 picks one) from a background thread, to
+    /// anyone.
     pub fn start(addr: &str) -> std::io::Result<Self> {
+        Self::start_with(addr, None)
+    }
+
+    /// Serves on `addr`; with `auth`, a client registers only after proving
+    /// the job's secret for the current generation ([`Self::set_generation`]).
+    pub fn start_with(addr: &str, auth: Option<JobAuth>) -> std::io::Result<Self> {
         let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
         let waiting: Arc<Mutex<Waiting>> = Arc::default();
+        let generation = Arc::new(AtomicU64::new(0));
+        let current = generation.clone();
         std::thread::Builder::new().name("edl-rendezvous".into()).spawn(move || {
             for conn in listener.incoming().flatten() {
                 let waiting = waiting.clone();
+                let auth = auth.clone();
+                let current = current.clone();
                 std::thread::spawn(move || {
-                    if let Err(e) = Self::serve(conn, &waiting) {
+                    if let Err(e) = Self::serve(conn, &waiting, auth.as_ref(), &current) {
                         eprintln!("rendezvous: dropped a client: {e}");
                     }
                 });
             }
         })?;
-        Ok(RendezvousServer { addr })
+        Ok(RendezvousServer { addr, generation })
     }
 
-    fn serve(mut conn: TcpStream, waiting: &Mutex<Waiting>) -> std::io::Result<()> {
+    /// The generation whose ranks may register now.
+    pub fn set_generation(&self, generation: u64) {
+        self.generation.store(generation, Ordering::SeqCst);
+    }
+
+    fn serve(
+        mut conn: TcpStream,
+        waiting: &Mutex<Waiting>,
+        auth: Option<&JobAuth>,
+        generation: &AtomicU64,
+    ) -> std::io::Result<()> {
         conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a client".into());
+        if let Some(a) = auth {
+            let g = generation.load(Ordering::SeqCst);
+            auth::accept(&mut conn, &a.secret, |c| a.check(c, "rendezvous", Some(g))).map_err(|e| {
+                std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("refused {peer}: {e}"))
+            })?;
+        }
         let key = String::from_utf8_lossy(&read_frame(&mut conn)?).into_owned();
         let header = read_frame(&mut conn)?;
         let value = read_frame(&mut conn)?;
@@ -166,11 +198,17 @@ impl RendezvousServer {
 pub struct TcpRendezvous {
     server: SocketAddr,
     key: String,
+    auth: Option<(JobAuth, u64)>,
 }
 
 impl TcpRendezvous {
     pub fn new(server: SocketAddr, key: impl Into<String>) -> Self {
-        TcpRendezvous { server, key: key.into() }
+        TcpRendezvous { server, key: key.into(), auth: None }
+    }
+
+    /// Proves the job's secret for `generation` before registering.
+    pub fn with_auth(self, auth: JobAuth, generation: u64) -> Self {
+        TcpRendezvous { auth: Some((auth, generation)), ..self }
     }
 }
 
@@ -186,6 +224,10 @@ impl Rendezvous for TcpRendezvous {
         let mut s = TcpStream::connect_timeout(&self.server, timeout).map_err(io)?;
         s.set_read_timeout(Some(timeout)).map_err(io)?;
         s.set_write_timeout(Some(timeout)).map_err(io)?;
+        if let Some((a, generation)) = &self.auth {
+            auth::connect(&mut s, &a.secret, &a.claim("rendezvous", *generation, rank as u64))
+                .map_err(|e| CommError::Rendezvous(format!("{}: {e}", self.server)))?;
+        }
         let mut header = (rank as u32).to_le_bytes().to_vec();
         header.extend_from_slice(&(world as u32).to_le_bytes());
         write_frame(&mut s, self.key.as_bytes()).map_err(io)?;

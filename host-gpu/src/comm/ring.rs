@@ -4,6 +4,7 @@
 //! step i as soon as the receiving side has reduced segment j of step i-1,
 //! so sending, receiving and adding overlap.
 
+use super::auth::{self, JobAuth};
 use super::{CommError, Communicator, ReduceOp, Rendezvous};
 use std::{
     io::{ErrorKind, Read, Write},
@@ -25,6 +26,9 @@ pub struct RingOptions {
     pub bind: IpAddr,
     /// Bytes per pipelined segment.
     pub segment_bytes: usize,
+    /// The job's secret and the generation this ring belongs to: each link
+    /// proves both before any data crosses it (none: links are not checked).
+    pub auth: Option<(JobAuth, u64)>,
 }
 
 impl Default for RingOptions {
@@ -33,6 +37,7 @@ impl Default for RingOptions {
             timeout: Duration::from_secs(30),
             bind: IpAddr::V4(Ipv4Addr::LOCALHOST),
             segment_bytes: 1 << 20,
+            auth: None,
         }
     }
 }
@@ -71,14 +76,48 @@ impl TcpRing {
         let listener = TcpListener::bind(SocketAddr::new(ring.opts.bind, 0)).map_err(io(rank, "listen"))?;
         let me = listener.local_addr().map_err(io(rank, "listen"))?;
         let all = rendezvous.exchange(rank, world, me.to_string().into_bytes(), ring.opts.timeout)?;
-        let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+        let next = (rank + 1) % world;
         let next_addr: SocketAddr = String::from_utf8_lossy(&all[next])
             .parse()
             .map_err(|_| CommError::Rendezvous(format!("rank {next} published no address")))?;
         let deadline = Instant::now() + ring.opts.timeout;
 
+        // Linking to the next rank (which proves the secret and so waits for
+        // its answer) runs beside accepting the previous one: every rank
+        // does both at once, or the ring would wait on itself.
+        let opts = &ring.opts;
+        let (to_next, from_prev) = std::thread::scope(|scope| {
+            let linking = scope.spawn(|| Self::link_next(rank, world, next_addr, opts, deadline));
+            let accepted = Self::accept_prev(rank, world, &listener, opts, deadline);
+            let linked = linking.join().unwrap_or_else(|_| {
+                Err(CommError::Rendezvous(format!("rank {rank}: linking to rank {next} failed")))
+            });
+            Ok::<_, CommError>((linked?, accepted?))
+        })?;
+        for s in [&to_next, &from_prev] {
+            s.set_nodelay(true).map_err(io(rank, "configure"))?;
+            s.set_read_timeout(Some(ring.opts.timeout)).map_err(io(rank, "configure"))?;
+            s.set_write_timeout(Some(ring.opts.timeout)).map_err(io(rank, "configure"))?;
+        }
+        ring.links = Some((to_next, from_prev));
+        Ok(ring)
+    }
+
+    /// Connects to the next rank and introduces this one (proving the
+    /// secret first, where the ring has one).
+    fn link_next(
+        rank: usize,
+        world: usize,
+        next_addr: SocketAddr,
+        opts: &RingOptions,
+        deadline: Instant,
+    ) -> Result<TcpStream, CommError> {
+        let next = (rank + 1) % world;
+        let io = |peer: usize, op: &'static str| {
+            move |source: std::io::Error| CommError::Io { rank, op, peer, source }
+        };
         let mut to_next = loop {
-            match TcpStream::connect_timeout(&next_addr, ring.opts.timeout) {
+            match TcpStream::connect_timeout(&next_addr, opts.timeout) {
                 Ok(s) => break s,
                 Err(e) if Instant::now() < deadline => {
                     let _ = e;
@@ -87,23 +126,56 @@ impl TcpRing {
                 Err(e) => return Err(io(next, "connect")(e)),
             }
         };
+        if let Some((a, generation)) = &opts.auth {
+            to_next.set_read_timeout(Some(opts.timeout)).map_err(io(next, "connect"))?;
+            auth::connect(&mut to_next, &a.secret, &a.claim("ring", *generation, rank as u64)).map_err(
+                |e| CommError::Rendezvous(format!("rank {rank}: the link to rank {next} refused: {e}")),
+            )?;
+        }
         let mut hello = MAGIC.to_le_bytes().to_vec();
         hello.extend_from_slice(&(rank as u32).to_le_bytes());
         hello.extend_from_slice(&(world as u32).to_le_bytes());
         to_next.write_all(&hello).map_err(io(next, "connect"))?;
+        Ok(to_next)
+    }
 
+    /// Waits for the previous rank's link, refusing strays and stale peers.
+    fn accept_prev(
+        rank: usize,
+        world: usize,
+        listener: &TcpListener,
+        opts: &RingOptions,
+        deadline: Instant,
+    ) -> Result<TcpStream, CommError> {
+        let prev = (rank + world - 1) % world;
+        let io = |peer: usize, op: &'static str| {
+            move |source: std::io::Error| CommError::Io { rank, op, peer, source }
+        };
         listener.set_nonblocking(true).map_err(io(prev, "accept"))?;
-        let from_prev = loop {
+        loop {
             match listener.accept() {
                 Ok((mut s, _)) => {
                     s.set_nonblocking(false).map_err(io(prev, "accept"))?;
-                    s.set_read_timeout(Some(ring.opts.timeout)).map_err(io(prev, "accept"))?;
+                    s.set_read_timeout(Some(opts.timeout)).map_err(io(prev, "accept"))?;
+                    if let Some((a, generation)) = &opts.auth {
+                        let checked = auth::accept(&mut s, &a.secret, |c| {
+                            a.check(c, "ring", Some(*generation))?;
+                            (c.who == prev as u64).then_some(()).ok_or_else(|| {
+                                format!("rank {rank} takes its link from rank {prev}, not {}", c.who)
+                            })
+                        });
+                        if let Err(e) = checked {
+                            // A stray or stale peer: refuse it, keep waiting for ours.
+                            eprintln!("ring rank {rank}: refused a link: {e}");
+                            continue;
+                        }
+                    }
                     let mut got = [0u8; 12];
                     s.read_exact(&mut got).map_err(io(prev, "accept"))?;
                     let word =
                         |i: usize| u32::from_le_bytes(got[i * 4..i * 4 + 4].try_into().expect("4 bytes"));
                     if word(0) == MAGIC && word(1) as usize == prev && word(2) as usize == world {
-                        break s;
+                        return Ok(s);
                     }
                     // Not our predecessor (a stale generation, a stray client): keep waiting.
                 }
@@ -111,23 +183,11 @@ impl TcpRing {
                     std::thread::sleep(Duration::from_millis(1));
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    return Err(CommError::Timeout {
-                        rank,
-                        op: "accept",
-                        peer: prev,
-                        after: ring.opts.timeout,
-                    });
+                    return Err(CommError::Timeout { rank, op: "accept", peer: prev, after: opts.timeout });
                 }
                 Err(e) => return Err(io(prev, "accept")(e)),
             }
-        };
-        for s in [&to_next, &from_prev] {
-            s.set_nodelay(true).map_err(io(rank, "configure"))?;
-            s.set_read_timeout(Some(ring.opts.timeout)).map_err(io(rank, "configure"))?;
-            s.set_write_timeout(Some(ring.opts.timeout)).map_err(io(rank, "configure"))?;
         }
-        ring.links = Some((to_next, from_prev));
-        Ok(ring)
     }
 
     fn check(&self) -> Result<(), CommError> {

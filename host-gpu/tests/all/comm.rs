@@ -243,3 +243,93 @@ fn killing_a_rank_mid_operation_fails_the_others_within_the_timeout() {
         assert!(took < Duration::from_secs(8), "rank {rank} failed only after {took:?}");
     }
 }
+
+mod secret {
+    use super::*;
+    use edl_host_gpu::comm::{
+        Rendezvous,
+        auth::{self, AuthError, JobAuth, Secret},
+    };
+    use std::{net::TcpStream, sync::Mutex};
+
+    fn job() -> JobAuth {
+        JobAuth { job: "j".into(), secret: Secret::generate().unwrap() }
+    }
+
+    /// A rendezvous that, once the ranks' addresses are known, has strangers
+    /// try rank 1's listener before rank 0 links to it.
+    struct Spy {
+        inner: LocalRendezvous,
+        strangers: Vec<(JobAuth, u64)>,
+        refusals: Mutex<Vec<AuthError>>,
+    }
+
+    impl Rendezvous for Spy {
+        fn exchange(
+            &self,
+            rank: usize,
+            world: usize,
+            mine: Vec<u8>,
+            t: Duration,
+        ) -> Result<Vec<Vec<u8>>, CommError> {
+            let all = self.inner.exchange(rank, world, mine, t)?;
+            if rank == 0 {
+                let addr: std::net::SocketAddr = String::from_utf8_lossy(&all[1]).parse().unwrap();
+                for (a, generation) in &self.strangers {
+                    let mut s = TcpStream::connect(addr).unwrap();
+                    let e = auth::connect(&mut s, &a.secret, &a.claim("ring", *generation, 0)).unwrap_err();
+                    self.refusals.lock().unwrap().push(e);
+                }
+            }
+            Ok(all)
+        }
+    }
+
+    #[test]
+    fn a_ring_link_needs_the_secret_and_the_generation_and_strays_do_not_stop_the_ring() {
+        let a = job();
+        let spy = Spy {
+            inner: LocalRendezvous::new(),
+            strangers: vec![(job(), 5), (a.clone(), 4)],
+            refusals: Mutex::new(Vec::new()),
+        };
+        let o = RingOptions { auth: Some((a.clone(), 5)), ..opts(10_000) };
+        let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (spy, o) = (&spy, o.clone());
+                    s.spawn(move || {
+                        let mut ring = TcpRing::connect(rank, 2, spy, o).unwrap();
+                        let mut buf = vec![rank as f32 + 1.0; 1000];
+                        ring.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+                        buf
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(sums.iter().all(|b| b.iter().all(|&v| v == 3.0)), "the ring works after refusing the strays");
+        let refusals = spy.refusals.into_inner().unwrap();
+        assert_eq!(refusals[0], AuthError::WrongSecret);
+        assert_eq!(refusals[1], AuthError::Refused("generation 4 is over (the job is at 5)".into()));
+    }
+
+    #[test]
+    fn the_rendezvous_admits_only_the_job_s_current_generation() {
+        let a = job();
+        let server = RendezvousServer::start_with("127.0.0.1:0", Some(a.clone())).unwrap();
+        server.set_generation(3);
+        let t = Duration::from_secs(10);
+        let stranger = TcpRendezvous::new(server.addr(), "j/3").with_auth(job(), 3);
+        let e = stranger.exchange(0, 1, b"x".to_vec(), t).unwrap_err().to_string();
+        assert!(e.contains("the peer does not know the job's secret"), "{e}");
+        let anonymous = TcpRendezvous::new(server.addr(), "j/3");
+        let e = anonymous.exchange(0, 1, b"x".to_vec(), t).unwrap_err().to_string();
+        assert!(e.contains(&server.addr().to_string()), "{e}");
+        let stale = TcpRendezvous::new(server.addr(), "j/2").with_auth(a.clone(), 2);
+        let e = stale.exchange(0, 1, b"x".to_vec(), t).unwrap_err().to_string();
+        assert!(e.contains("generation 2 is over (the job is at 3)"), "{e}");
+        let member = TcpRendezvous::new(server.addr(), "j/3").with_auth(a, 3);
+        assert_eq!(member.exchange(0, 1, b"x".to_vec(), t).unwrap(), vec![b"x".to_vec()]);
+    }
+}

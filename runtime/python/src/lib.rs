@@ -9,7 +9,7 @@ use anyhow::anyhow;
 use edl_plugin_sdk::{Batch, Dtype};
 use edl_runtime::distill::{DistillConfig, DistillReader, Teachers};
 use edl_runtime::job::TeacherSource;
-use edl_runtime::job::session::{Event, Joined, Session, State, Step};
+use edl_runtime::job::session::{Event, JobAuth, Joined, Secret, Session, State, Step};
 use edl_runtime::state::{Layout, TensorSpec};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -189,20 +189,26 @@ impl Job {
             .parse()
             .map_err(|e| err(format!("EDL_COORDINATOR: not host:port ({e})")))?;
         let id: u64 = var("EDL_WORKER_ID")?.parse().map_err(|e| err(format!("EDL_WORKER_ID: {e}")))?;
-        Self::join(py, addr, id, features)
+        let auth = edl_runtime::job::session::auth_from_env().map_err(anyhow_err)?;
+        Self::join(py, addr, id, auth, features)
     }
 
-    /// Joins the job of the coordinator at `coordinator` (`host:port`) as worker `worker_id`.
+    /// Joins job `job` of the coordinator at `coordinator` (`host:port`) as
+    /// worker `worker_id`, proving the job's `secret` (its hex form, as in
+    /// `.edl/<job>/secret`).
     #[staticmethod]
-    #[pyo3(signature = (coordinator, worker_id, features=None))]
+    #[pyo3(signature = (coordinator, worker_id, job, secret, features=None))]
     fn connect(
         py: Python<'_>,
         coordinator: &str,
         worker_id: u64,
+        job: String,
+        secret: &str,
         features: Option<Py<PyAny>>,
     ) -> PyResult<Option<Self>> {
         let addr = coordinator.parse().map_err(|e| err(format!("coordinator {coordinator:?}: {e}")))?;
-        Self::join(py, addr, worker_id, features)
+        let secret = Secret::from_hex(secret).map_err(|e| err(format!("secret: {e}")))?;
+        Self::join(py, addr, worker_id, JobAuth { job, secret }, features)
     }
 
     /// Registers a float32 array (C-contiguous, writable) as part of the
@@ -278,10 +284,11 @@ impl Job {
         py: Python<'_>,
         addr: std::net::SocketAddr,
         id: u64,
+        auth: JobAuth,
         features: Option<Py<PyAny>>,
     ) -> PyResult<Option<Self>> {
         init_logging();
-        let joined = py.detach(|| Session::join(addr, id)).map_err(anyhow_err)?;
+        let joined = py.detach(|| Session::join(addr, id, auth)).map_err(anyhow_err)?;
         let session = match joined {
             Joined::Welcome(s) => *s,
             Joined::NotNeeded(reason) => {

@@ -2,9 +2,12 @@
 binary in $EDL_RUNTIME) running small programs, and a scripted coordinator
 for the edges a real one does not show on demand."""
 
+import hashlib
+import hmac
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -17,6 +20,7 @@ import edl
 
 RUNTIME = os.environ.get("EDL_RUNTIME")
 POLICY = os.environ.get("EDL_TEST_POLICY")
+SECRET = "5e" * 32
 
 
 def launch(tmp_path, program, *flags):
@@ -93,7 +97,8 @@ def test_a_program_that_registers_nothing_is_told_so(tmp_path):
 class ScriptedCoordinator:
     """Welcomes one worker, then does what the test says."""
 
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, secret=SECRET):
+        self.secret = bytes.fromhex(secret)
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
         self.spec = {
@@ -107,16 +112,44 @@ class ScriptedCoordinator:
         }
         self.conn = None
         self.hello = None
+        self.claim = None
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def _serve(self):
         self.conn, _ = self.sock.accept()
         f = self.conn.makefile("rwb")
+        if not self._admit(f):
+            self.file = f
+            return
         self.hello = json.loads(f.readline())
         f.write((json.dumps({"welcome": self.spec}) + "\n").encode())
         f.flush()
         self.file = f
+
+    def _mac(self, label, parts):
+        m = hmac.new(self.secret, label, hashlib.sha256)
+        for p in parts:
+            m.update(struct.pack("<I", len(p)) + p)
+        return m.digest()
+
+    def _admit(self, f):
+        """The acceptor's side of the secret's exchange (see host-gpu/src/comm/auth.rs)."""
+        def send(b):
+            f.write(struct.pack("<I", len(b)) + b)
+            f.flush()
+
+        a = os.urandom(32)
+        send(b"EDLA1" + a)
+        (n,) = struct.unpack("<I", f.read(4))
+        msg = f.read(n)
+        c, claim, proof = msg[:32], msg[32:-32], msg[-32:]
+        if not hmac.compare_digest(proof, self._mac(b"edl connector", [a, c, claim])):
+            send(b"no" + b"the peer does not know the job's secret")
+            return False
+        self.claim = json.loads(claim)
+        send(b"ok" + self._mac(b"edl acceptor", [c, a, claim]))
+        return True
 
     def close(self):
         self.thread.join(5)
@@ -125,10 +158,19 @@ class ScriptedCoordinator:
         self.sock.close()
 
 
+def test_a_worker_that_does_not_know_the_secret_is_not_admitted(tmp_path):
+    c = ScriptedCoordinator(tmp_path, secret="11" * 32)
+    with pytest.raises(edl.EdlError, match="did not admit it to job \"scripted\": the peer does not know the job's secret"):
+        edl.Job.connect(c.addr, 7, "scripted", SECRET)
+    assert c.hello is None, "nothing was said before the secret was proven"
+    c.close()
+
+
 def test_register_refuses_what_it_cannot_keep(tmp_path):
     c = ScriptedCoordinator(tmp_path)
-    job = edl.Job.connect(c.addr, 7)
+    job = edl.Job.connect(c.addr, 7, "scripted", SECRET)
     assert (job.samples, job.seed, job.worker_id, job.distill) == (10, 1, 7, False)
+    assert c.claim == {"job": "scripted", "channel": "control", "generation": 0, "who": 7}
     assert c.hello == {"hello": {"worker": 7, "pid": os.getpid()}}
     with pytest.raises(ValueError, match="not a float32 array"):
         job.register("ints", np.zeros(3, dtype=np.int64))
@@ -143,7 +185,7 @@ def test_register_refuses_what_it_cannot_keep(tmp_path):
 
 def test_a_lost_coordinator_is_an_error_not_a_hang(tmp_path):
     c = ScriptedCoordinator(tmp_path)
-    job = edl.Job.connect(c.addr, 1)
+    job = edl.Job.connect(c.addr, 1, "scripted", SECRET)
     job.register("w", np.zeros(3, dtype=np.float32))
     c.close()  # the coordinator is gone before any generation
     with pytest.raises(edl.EdlError, match="lost the coordinator"):

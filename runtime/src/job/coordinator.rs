@@ -27,7 +27,10 @@ use crate::checkpoint::{Checkpoints, Manifest, Restored};
 use crate::plugin::{AdapterPlugin, PolicyPlugin};
 use crate::store::{AnyStore, Store, keys};
 use anyhow::{Context, Result, anyhow, bail};
-use edl_host_gpu::comm::RendezvousServer;
+use edl_host_gpu::comm::{
+    RendezvousServer,
+    auth::{JobAuth, Secret},
+};
 use edl_plugin_sdk::{Action, ClusterView, Hyperparams, ResizeEvent, WorkerStats};
 use serde::{Deserialize, Serialize};
 use std::{
@@ -62,6 +65,9 @@ pub struct JobConfig {
     pub price_per_worker_hour: f64,
     /// The teacher processes this job started, when it started them.
     pub teacher_watch: Option<Box<dyn super::teachers::TeacherWatch>>,
+    /// The job's secret: every control connection, rendezvous registration
+    /// and ring link proves it.
+    pub secret: Secret,
 }
 
 impl JobConfig {
@@ -379,9 +385,11 @@ pub fn run(
     };
     let listener = TcpListener::bind("127.0.0.1:0").context("control listener")?;
     let addr = listener.local_addr()?;
-    let rendezvous = RendezvousServer::start("127.0.0.1:0").context("rendezvous server")?;
+    let auth = JobAuth { job: cfg.spec.job.clone(), secret: cfg.secret.clone() };
+    let rendezvous =
+        RendezvousServer::start_with("127.0.0.1:0", Some(auth.clone())).context("rendezvous server")?;
     let (tx, rx) = mpsc::channel();
-    super::inbox::start(listener, tx).context("control connections")?;
+    super::inbox::start(listener, auth.clone(), tx).context("control connections")?;
     let now = Instant::now();
     let mut c = Coordinator {
         policy,
@@ -556,7 +564,8 @@ impl Coordinator<'_> {
         while let Some(cmd) = self.m.poll_command() {
             match cmd {
                 Command::Spawn { worker } => {
-                    if let Err(e) = self.scaler.spawn(worker, self.addr) {
+                    let auth = JobAuth { job: self.cfg.spec.job.clone(), secret: self.cfg.secret.clone() };
+                    if let Err(e) = self.scaler.spawn(worker, self.addr, &auth) {
                         self.m.spawn_failed(worker, format!("{e:#}"));
                     }
                 }
@@ -1020,6 +1029,7 @@ impl Coordinator<'_> {
     /// again from the committed step.
     fn start_generation(&mut self) {
         let key = format!("{}/generation-{}", self.cfg.spec.job, self.generation);
+        self.rendezvous.set_generation(self.generation);
         let names: Vec<String> =
             self.m.members().iter().map(|m| format!("worker {} (pid {})", m.id, m.pid)).collect();
         let world = names.len();

@@ -7,15 +7,25 @@
 //! already arrived (`MSG_DONTWAIT`), draining each socket when epoll says it
 //! is readable. Every complete JSON line becomes one message; a closed,
 //! failed or misbehaving connection becomes one `Closed` event naming why.
+//!
+//! A connection counts only once its peer has proven the job's secret (a
+//! short-lived thread per new connection runs the exchange, bounded by a
+//! timeout); a refused one is logged with the reason and closed, and the
+//! coordinator never hears of it.
 
 use super::proto::FromWorker;
+use edl_host_gpu::comm::auth::{self, JobAuth};
 use mio::{Events, Interest, Poll, Token, Waker, unix::SourceFd};
 use std::{
     collections::HashMap,
     io,
     net::{TcpListener, TcpStream},
     os::fd::AsRawFd,
-    sync::{Arc, mpsc},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+        mpsc,
+    },
     time::Duration,
 };
 
@@ -34,8 +44,11 @@ const MAX_LINE: usize = 64 << 20;
 pub const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 const WAKE: Token = Token(usize::MAX);
 
+/// Longest a new connection may take to prove the secret.
+const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Starts the accepting and the reading thread; events go to `tx`.
-pub fn start(listener: TcpListener, tx: mpsc::Sender<Inbound>) -> io::Result<()> {
+pub fn start(listener: TcpListener, auth: JobAuth, tx: mpsc::Sender<Inbound>) -> io::Result<()> {
     let poll = Poll::new()?;
     let waker = Arc::new(Waker::new(poll.registry(), WAKE)?);
     let (new_tx, new_rx) = mpsc::channel::<(u64, TcpStream)>();
@@ -43,24 +56,50 @@ pub fn start(listener: TcpListener, tx: mpsc::Sender<Inbound>) -> io::Result<()>
     std::thread::Builder::new()
         .name("edl-control-in".into())
         .spawn(move || read_all(poll, new_rx, events))?;
+    let auth = Arc::new(auth);
+    let next = Arc::new(AtomicU64::new(0));
     std::thread::Builder::new().name("edl-accept".into()).spawn(move || {
-        for (n, conn) in listener.incoming().enumerate() {
+        for conn in listener.incoming() {
             let Ok(conn) = conn else { continue };
-            let n = n as u64;
-            let _ = conn.set_nodelay(true);
-            // A send to a worker that stopped reading fails instead of
-            // blocking the coordinator; keepalive notices a peer whose host
-            // went away.
-            let _ = conn.set_write_timeout(Some(SEND_TIMEOUT));
-            super::proto::keepalive(&conn);
-            let Ok(reader) = conn.try_clone() else { continue };
-            if tx.send(Inbound::Conn(n, conn)).is_err() || new_tx.send((n, reader)).is_err() {
-                return;
+            let (auth, next, tx, new_tx, waker) =
+                (auth.clone(), next.clone(), tx.clone(), new_tx.clone(), waker.clone());
+            let admitted = std::thread::Builder::new()
+                .name("edl-admit".into())
+                .spawn(move || admit(conn, &auth, &next, &tx, &new_tx, &waker));
+            if let Err(e) = admitted {
+                tracing::warn!("control connections: cannot start a thread for a new connection: {e}");
             }
-            let _ = waker.wake();
         }
     })?;
     Ok(())
+}
+
+/// Runs the secret's exchange on a new connection and hands it on once proven.
+fn admit(
+    mut conn: TcpStream,
+    auth: &JobAuth,
+    next: &AtomicU64,
+    tx: &mpsc::Sender<Inbound>,
+    new_tx: &mpsc::Sender<(u64, TcpStream)>,
+    waker: &Waker,
+) {
+    let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a peer".into());
+    let _ = conn.set_read_timeout(Some(AUTH_TIMEOUT));
+    // A send to a worker that stopped reading fails instead of blocking the
+    // coordinator; keepalive notices a peer whose host went away.
+    let _ = conn.set_write_timeout(Some(SEND_TIMEOUT));
+    if let Err(e) = auth::accept(&mut conn, &auth.secret, |c| auth.check(c, "control", None)) {
+        tracing::warn!("refused a control connection from {peer}: {e}");
+        return;
+    }
+    let _ = conn.set_read_timeout(None);
+    let _ = conn.set_nodelay(true);
+    super::proto::keepalive(&conn);
+    let Ok(reader) = conn.try_clone() else { return };
+    let n = next.fetch_add(1, Ordering::Relaxed);
+    if tx.send(Inbound::Conn(n, conn)).is_ok() && new_tx.send((n, reader)).is_ok() {
+        let _ = waker.wake();
+    }
 }
 
 /// One connection being read: its socket, who it is, the bytes of a line not complete yet.
@@ -164,21 +203,55 @@ mod tests {
         rx.recv_timeout(Duration::from_secs(30)).expect("an event")
     }
 
+    fn job() -> JobAuth {
+        JobAuth { job: "j".into(), secret: auth::Secret::generate().unwrap() }
+    }
+
+    /// Connects and proves `auth` for worker `who`.
+    fn connect(addr: std::net::SocketAddr, a: &JobAuth, who: u64) -> Result<TcpStream, auth::AuthError> {
+        let mut s = TcpStream::connect(addr).unwrap();
+        auth::connect(&mut s, &a.secret, &a.claim("control", 0, who))?;
+        Ok(s)
+    }
+
+    #[test]
+    fn only_connections_that_prove_the_job_s_secret_reach_the_coordinator() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = mpsc::channel();
+        let a = job();
+        start(listener, a.clone(), tx).unwrap();
+        let stranger = job();
+        assert_eq!(connect(addr, &stranger, 1).unwrap_err(), auth::AuthError::WrongSecret);
+        let other_job = JobAuth { job: "other".into(), ..a.clone() };
+        let e = connect(addr, &other_job, 1).unwrap_err();
+        assert_eq!(e, auth::AuthError::Refused("this is job \"j\", not \"other\"".into()));
+        // A peer that says nothing (or speaks another protocol) is not a connection either.
+        let mut silent = TcpStream::connect(addr).unwrap();
+        silent.write_all(b"{\"hello\":{\"worker\":7,\"pid\":42}}\n").unwrap();
+        let _ok = connect(addr, &a, 2).unwrap();
+        match next(&rx) {
+            Inbound::Conn(0, _) => {}
+            _ => panic!("the proven connection, and it alone"),
+        }
+        assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "nothing else was admitted");
+    }
+
     #[test]
     fn every_connection_is_read_by_one_thread_line_by_line_and_a_bad_line_closes_it() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = mpsc::channel();
-        start(listener, tx).unwrap();
-        let mut conns: Vec<TcpStream> = (0..50).map(|_| TcpStream::connect(addr).unwrap()).collect();
-        let mut seen = std::collections::BTreeSet::new();
-        for _ in 0..50 {
+        let a = job();
+        start(listener, a.clone(), tx).unwrap();
+        let mut conns = Vec::new();
+        for i in 0..50 {
+            conns.push(connect(addr, &a, i).unwrap());
             match next(&rx) {
-                Inbound::Conn(n, _) => seen.insert(n),
+                Inbound::Conn(n, _) => assert_eq!(n, i),
                 _ => panic!("a connection first"),
             };
         }
-        assert_eq!(seen.len(), 50);
         // A message in two writes, then two in one, on the last connection.
         let hello = b"{\"hello\":{\"worker\":7,\"pid\":42}}\n";
         let last = conns.last_mut().unwrap();

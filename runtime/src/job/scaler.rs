@@ -4,9 +4,11 @@
 //! user's program under `edl-runtime launch`), each logging to its own file
 //! and killed by the kernel if the coordinator dies.
 //!
-//! A program finds its job through the environment: `EDL_COORDINATOR`
-//! (`host:port`), `EDL_WORKER_ID` and `EDL_JOB`.
+//! A worker finds its job through the environment: `EDL_COORDINATOR`
+//! (`host:port`), `EDL_WORKER_ID`, `EDL_JOB` and `EDL_JOB_SECRET` (the
+//! secret it proves on every connection; never on a command line).
 
+use edl_host_gpu::comm::auth::JobAuth;
 use std::{
     collections::BTreeMap,
     net::SocketAddr,
@@ -17,8 +19,8 @@ use std::{
 
 /// Starts and stops workers.
 pub trait Scaler: Send {
-    /// Starts worker `id`, which will connect to `coordinator`.
-    fn spawn(&mut self, id: u64, coordinator: SocketAddr) -> anyhow::Result<()>;
+    /// Starts worker `id`, which will connect to `coordinator` and prove `auth`.
+    fn spawn(&mut self, id: u64, coordinator: SocketAddr, auth: &JobAuth) -> anyhow::Result<()>;
     /// Asks worker `id` to stop and makes sure it is gone within `grace`.
     fn stop(&mut self, id: u64, grace: Duration);
     /// Workers that exited since the last call, with how.
@@ -34,7 +36,6 @@ pub struct LocalProcesses {
     exe: PathBuf,
     /// The arguments before the job's; None: the built-in worker's.
     args: Option<Vec<String>>,
-    job: String,
     log_dir: PathBuf,
     children: BTreeMap<u64, Child>,
 }
@@ -42,23 +43,16 @@ pub struct LocalProcesses {
 impl LocalProcesses {
     /// Workers run `exe worker --coordinator ADDR --id N`, logging to `log_dir/worker-N.log`.
     pub fn new(exe: impl Into<PathBuf>, log_dir: impl Into<PathBuf>) -> Self {
-        LocalProcesses {
-            exe: exe.into(),
-            args: None,
-            job: String::new(),
-            log_dir: log_dir.into(),
-            children: BTreeMap::new(),
-        }
+        LocalProcesses { exe: exe.into(), args: None, log_dir: log_dir.into(), children: BTreeMap::new() }
     }
 
     /// Workers run `command` (a program and its arguments) with the job in
     /// their environment, logging to `log_dir/worker-N.log`.
-    pub fn program(command: &[String], job: &str, log_dir: impl Into<PathBuf>) -> anyhow::Result<Self> {
+    pub fn program(command: &[String], log_dir: impl Into<PathBuf>) -> anyhow::Result<Self> {
         let (exe, args) = command.split_first().ok_or_else(|| anyhow::anyhow!("no program to launch"))?;
         Ok(LocalProcesses {
             exe: exe.into(),
             args: Some(args.to_vec()),
-            job: job.into(),
             log_dir: log_dir.into(),
             children: BTreeMap::new(),
         })
@@ -128,7 +122,7 @@ fn ensure_dir(p: &Path) -> anyhow::Result<()> {
 }
 
 impl Scaler for LocalProcesses {
-    fn spawn(&mut self, id: u64, coordinator: SocketAddr) -> anyhow::Result<()> {
+    fn spawn(&mut self, id: u64, coordinator: SocketAddr, auth: &JobAuth) -> anyhow::Result<()> {
         ensure_dir(&self.log_dir)?;
         let log = std::fs::File::create(self.log_path(id))
             .map_err(|e| anyhow::anyhow!("{}: {e}", self.log_path(id).display()))?;
@@ -139,10 +133,10 @@ impl Scaler for LocalProcesses {
                 .args(args)
                 .env("EDL_COORDINATOR", coordinator.to_string())
                 .env("EDL_WORKER_ID", id.to_string())
-                .env("EDL_JOB", &self.job)
                 // The program's output reaches its log as it is written.
                 .env("PYTHONUNBUFFERED", "1"),
         };
+        cmd.env("EDL_JOB", &auth.job).env("EDL_JOB_SECRET", auth.secret.to_hex());
         cmd.stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
         die_with_parent(&mut cmd);
         let child = cmd

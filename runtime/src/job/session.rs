@@ -20,7 +20,8 @@ use super::proto::{
 use crate::checkpoint::{Checkpoints, Manifest};
 use crate::state::Layout;
 use anyhow::{Context, Result, anyhow, bail};
-use edl_host_gpu::comm::{Communicator, ReduceOp, RingOptions, TcpRendezvous, TcpRing};
+pub use edl_host_gpu::comm::auth::{JobAuth, Secret};
+use edl_host_gpu::comm::{Communicator, ReduceOp, RingOptions, TcpRendezvous, TcpRing, auth};
 use edl_plugin_sdk::Hyperparams;
 use std::{
     collections::{BTreeMap, VecDeque},
@@ -92,6 +93,8 @@ struct Place {
 pub struct Session {
     id: u64,
     spec: JobSpec,
+    /// The job's name and secret, proven on the rendezvous and the ring too.
+    auth: JobAuth,
     out: TcpStream,
     inbox: mpsc::Receiver<Result<ToWorker, super::proto::ProtoError>>,
     /// Steps applied to the current state (None: nothing yet, a joiner).
@@ -127,11 +130,32 @@ pub enum Joined {
     NotNeeded(String),
 }
 
+/// The job a worker belongs to, from the environment its launcher set:
+/// `EDL_JOB` and `EDL_JOB_SECRET` (64 hex digits).
+pub fn auth_from_env() -> Result<JobAuth> {
+    let var = |k: &str| {
+        std::env::var(k).map_err(|_| {
+            anyhow!("{k} is not set: a worker needs the job's name and secret (`edl-runtime` sets them for the workers it starts; the secret is in .edl/<job>/secret)")
+        })
+    };
+    let secret = Secret::from_hex(&var("EDL_JOB_SECRET")?).map_err(|e| anyhow!("EDL_JOB_SECRET: {e}"))?;
+    Ok(JobAuth { job: var("EDL_JOB")?, secret })
+}
+
 impl Session {
-    /// Connects worker `id` to the coordinator at `coordinator` and reads the job.
-    pub fn join(coordinator: SocketAddr, id: u64) -> Result<Joined> {
-        let stream = TcpStream::connect_timeout(&coordinator, Duration::from_secs(10))
+    /// Connects worker `id` to the coordinator at `coordinator`, proves the
+    /// job's secret and reads the job.
+    pub fn join(coordinator: SocketAddr, id: u64, auth: JobAuth) -> Result<Joined> {
+        let mut stream = TcpStream::connect_timeout(&coordinator, Duration::from_secs(10))
             .with_context(|| format!("worker {id}: cannot reach the coordinator at {coordinator}"))?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        auth::connect(&mut stream, &auth.secret, &auth.claim("control", 0, id)).map_err(|e| {
+            anyhow!(
+                "worker {id}: the coordinator at {coordinator} did not admit it to job {:?}: {e}",
+                auth.job
+            )
+        })?;
+        stream.set_read_timeout(None)?;
         stream.set_nodelay(true)?;
         stream.set_write_timeout(Some(Duration::from_secs(10)))?;
         super::proto::keepalive(&stream);
@@ -158,6 +182,7 @@ impl Session {
         Ok(Joined::Welcome(Box::new(Session {
             id,
             spec,
+            auth,
             out,
             inbox,
             applied: None,
@@ -513,9 +538,11 @@ impl Session {
         let start = Instant::now();
         let opts = RingOptions {
             timeout: Duration::from_millis(self.spec.collective_timeout_ms),
+            auth: Some((self.auth.clone(), g.generation)),
             ..RingOptions::default()
         };
-        let rdv = TcpRendezvous::new(g.rendezvous, g.rendezvous_key.clone());
+        let rdv = TcpRendezvous::new(g.rendezvous, g.rendezvous_key.clone())
+            .with_auth(self.auth.clone(), g.generation);
         let mut ring = TcpRing::connect(g.rank, g.world, &rdv, opts)
             .with_context(|| format!("building the ring of generation {}", g.generation))?;
         if g.world > 1 {

@@ -247,7 +247,7 @@ struct BuiltinWorker {
 
 /// Runs worker `id` of the coordinator at `coordinator` until it is told to stop.
 pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
-    let mut session = match Session::join(coordinator, id)? {
+    let mut session = match Session::join(coordinator, id, super::session::auth_from_env()?)? {
         Joined::Welcome(s) => s,
         Joined::NotNeeded(reason) => {
             tracing::info!("worker {id}: not needed: {reason}");

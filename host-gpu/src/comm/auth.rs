@@ -1,0 +1,343 @@
+//! Proof of a job's secret on a connection, before anything else is said on
+//! it: a mutual challenge-response with HMAC-SHA256. The secret never
+//! crosses the wire; both sides' fresh nonces make an old exchange useless to
+//! replay; and what the connection is for (its [`Claim`]: the job, the
+//! channel, the generation) is bound into both proofs, so the accepting side
+//! can refuse a process of another job or of an old generation by name.
+//!
+//! The exchange, in frames of a 4-byte little-endian length and the bytes:
+//!
+//! 1. acceptor -> connector: `EDLA1` and a 32-byte nonce `a`;
+//! 2. connector -> acceptor: a 32-byte nonce `c`, the claim (JSON), and
+//!    `HMAC(secret, "edl connector" | a | c | claim)`;
+//! 3. acceptor -> connector: `ok` and `HMAC(secret, "edl acceptor" | c | a | claim)`,
+//!    or `no` and the reason, after which it closes the connection.
+
+use hmac::{Hmac, KeyInit, Mac};
+use sha2::Sha256;
+use std::{
+    fmt,
+    io::{Read, Write},
+    path::Path,
+};
+
+const HELLO: &[u8] = b"EDLA1";
+/// Longest frame of the exchange: a claim is a few dozen bytes.
+const MAX_FRAME: usize = 4096;
+
+/// A job's secret: 32 random bytes, shown only as hex where it is handed on
+/// (a file of mode 0600, an environment variable), never in `Debug`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret([u8; 32]);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(redacted)")
+    }
+}
+
+impl Secret {
+    /// A new secret from the operating system's random source.
+    pub fn generate() -> Result<Secret, AuthError> {
+        let mut b = [0u8; 32];
+        getrandom::fill(&mut b).map_err(|e| AuthError::Io(format!("random source: {e}")))?;
+        Ok(Secret(b))
+    }
+
+    /// Parses the hex form (64 hex digits; surrounding whitespace ignored).
+    pub fn from_hex(text: &str) -> Result<Secret, AuthError> {
+        let bytes = hex::decode(text.trim())
+            .map_err(|_| AuthError::Malformed("a job secret is 64 hex digits".into()))?;
+        let b: [u8; 32] =
+            bytes.try_into().map_err(|_| AuthError::Malformed("a job secret is 64 hex digits".into()))?;
+        Ok(Secret(b))
+    }
+
+    /// The hex form, for a secret file or a child's environment.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    /// Reads a secret file.
+    pub fn read(path: &Path) -> Result<Secret, AuthError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| AuthError::Io(format!("{}: cannot read the job secret: {e}", path.display())))?;
+        Secret::from_hex(&text).map_err(|e| AuthError::Malformed(format!("{}: {e}", path.display())))
+    }
+
+    /// Writes the secret to `path`, readable by its owner only (created with
+    /// mode 0600, so it is never readable by others, not even briefly).
+    pub fn write(&self, path: &Path) -> Result<(), AuthError> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let io = |e: std::io::Error| {
+            AuthError::Io(format!("{}: cannot write the job secret: {e}", path.display()))
+        };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(io)?;
+        }
+        let _ = std::fs::remove_file(path);
+        let mut f =
+            std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path).map_err(io)?;
+        f.write_all(self.to_hex().as_bytes()).map_err(io)
+    }
+
+    fn mac(&self, label: &[u8], parts: [&[u8]; 3]) -> Hmac<Sha256> {
+        let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(&self.0).expect("HMAC takes keys of any size");
+        m.update(label);
+        for p in parts {
+            m.update(&(p.len() as u32).to_le_bytes());
+            m.update(p);
+        }
+        m
+    }
+}
+
+/// A job's identity on its connections: its name and its secret.
+#[derive(Clone, Debug)]
+pub struct JobAuth {
+    pub job: String,
+    pub secret: Secret,
+}
+
+impl JobAuth {
+    /// What this job's process claims when it connects on `channel`.
+    pub fn claim(&self, channel: &str, generation: u64, who: u64) -> Claim {
+        Claim { job: self.job.clone(), channel: channel.into(), generation, who }
+    }
+
+    /// Checks a proven claim: this job, this channel, and (where given) the
+    /// current generation; the error is the reason the peer is told.
+    pub fn check(&self, c: &Claim, channel: &str, generation: Option<u64>) -> Result<(), String> {
+        if c.job != self.job {
+            return Err(format!("this is job {:?}, not {:?}", self.job, c.job));
+        }
+        if c.channel != channel {
+            return Err(format!("this is the {channel} channel, not {}", c.channel));
+        }
+        match generation {
+            Some(g) if c.generation < g => {
+                Err(format!("generation {} is over (the job is at {g})", c.generation))
+            }
+            Some(g) if c.generation > g => {
+                Err(format!("generation {} has not started (the job is at {g})", c.generation))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// What a connection is for; the acceptor checks it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Claim {
+    pub job: String,
+    /// `control`, `rendezvous`, `ring`...
+    pub channel: String,
+    /// The generation the connector belongs to (0 where none applies yet).
+    pub generation: u64,
+    /// Who connects (a worker id, a rank), for the acceptor's messages.
+    pub who: u64,
+}
+
+impl fmt::Display for Claim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} of job {:?} (generation {}, from {})",
+            self.channel, self.job, self.generation, self.who
+        )
+    }
+}
+
+/// Why an exchange failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AuthError {
+    #[error("the peer does not know the job's secret")]
+    WrongSecret,
+    #[error("refused: {0}")]
+    Refused(String),
+    #[error("not an edl peer, or a malformed exchange: {0}")]
+    Malformed(String),
+    #[error("{0}")]
+    Io(String),
+}
+
+fn read_frame(s: &mut impl Read) -> Result<Vec<u8>, AuthError> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).map_err(|e| AuthError::Io(format!("during the secret's exchange: {e}")))?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(AuthError::Malformed(format!("a frame of {len} bytes")));
+    }
+    let mut buf = vec![0u8; len];
+    s.read_exact(&mut buf).map_err(|e| AuthError::Io(format!("during the secret's exchange: {e}")))?;
+    Ok(buf)
+}
+
+fn write_frame<W: Write + ?Sized>(s: &mut W, parts: &[&[u8]]) -> Result<(), AuthError> {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    let mut buf = Vec::with_capacity(4 + len);
+    buf.extend_from_slice(&(len as u32).to_le_bytes());
+    for p in parts {
+        buf.extend_from_slice(p);
+    }
+    s.write_all(&buf)
+        .and_then(|_| s.flush())
+        .map_err(|e| AuthError::Io(format!("during the secret's exchange: {e}")))
+}
+
+fn nonce() -> Result<[u8; 32], AuthError> {
+    let mut n = [0u8; 32];
+    getrandom::fill(&mut n).map_err(|e| AuthError::Io(format!("random source: {e}")))?;
+    Ok(n)
+}
+
+/// The accepting side: challenges the connector, checks its proof and then
+/// its claim with `check` (`Err(reason)` refuses it, and the connector is
+/// told the reason). Returns the proven claim. Bound the stream's reads
+/// with a timeout before: a silent connector must not hold the acceptor.
+pub fn accept(
+    s: &mut (impl Read + Write),
+    secret: &Secret,
+    check: impl FnOnce(&Claim) -> Result<(), String>,
+) -> Result<Claim, AuthError> {
+    let a = nonce()?;
+    write_frame(s, &[HELLO, &a])?;
+    let msg = read_frame(s)?;
+    if msg.len() < 64 {
+        return Err(AuthError::Malformed("a short answer to the challenge".into()));
+    }
+    let (c, rest) = msg.split_at(32);
+    let (claim_bytes, proof) = rest.split_at(rest.len() - 32);
+    let refuse = |s: &mut dyn Write, e: AuthError| {
+        let reason = match &e {
+            AuthError::Refused(r) => r.clone(),
+            other => other.to_string(),
+        };
+        let _ = write_frame(s, &[b"no", reason.as_bytes()]);
+        Err(e)
+    };
+    if secret.mac(b"edl connector", [&a, c, claim_bytes]).verify_slice(proof).is_err() {
+        return refuse(s, AuthError::WrongSecret);
+    }
+    let claim: Claim = match serde_json::from_slice(claim_bytes) {
+        Ok(c) => c,
+        Err(e) => return refuse(s, AuthError::Malformed(format!("the claim: {e}"))),
+    };
+    if let Err(reason) = check(&claim) {
+        return refuse(s, AuthError::Refused(reason));
+    }
+    let mine = secret.mac(b"edl acceptor", [c, &a, claim_bytes]).finalize().into_bytes();
+    write_frame(s, &[b"ok", &mine])?;
+    Ok(claim)
+}
+
+/// The connecting side: answers the challenge with `claim` and checks that
+/// the acceptor knows the secret too.
+pub fn connect(s: &mut (impl Read + Write), secret: &Secret, claim: &Claim) -> Result<(), AuthError> {
+    let hello = read_frame(s)?;
+    let a = hello.strip_prefix(HELLO).filter(|a| a.len() == 32).ok_or_else(|| {
+        AuthError::Malformed("no challenge from the peer (an older edl, or another service?)".into())
+    })?;
+    let c = nonce()?;
+    let claim_bytes = serde_json::to_vec(claim).map_err(|e| AuthError::Malformed(e.to_string()))?;
+    let proof = secret.mac(b"edl connector", [a, &c, &claim_bytes]).finalize().into_bytes();
+    write_frame(s, &[&c, &claim_bytes, &proof])?;
+    let answer = read_frame(s)?;
+    if let Some(reason) = answer.strip_prefix(b"no") {
+        let reason = String::from_utf8_lossy(reason).into_owned();
+        return Err(if reason == AuthError::WrongSecret.to_string() {
+            AuthError::WrongSecret
+        } else {
+            AuthError::Refused(reason)
+        });
+    }
+    let theirs = answer
+        .strip_prefix(b"ok")
+        .ok_or_else(|| AuthError::Malformed("an answer that is neither ok nor no".into()))?;
+    secret.mac(b"edl acceptor", [&c, a, &claim_bytes]).verify_slice(theirs).map_err(|_| {
+        AuthError::Malformed("the peer's proof is wrong: it does not know the job's secret".into())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{TcpListener, TcpStream};
+
+    fn claim(job: &str, generation: u64) -> Claim {
+        Claim { job: job.into(), channel: "ring".into(), generation, who: 3 }
+    }
+
+    /// Runs one exchange over loopback; returns (acceptor's, connector's) results.
+    fn exchange(
+        acceptor: Secret,
+        connector: Secret,
+        c: Claim,
+        check: impl FnOnce(&Claim) -> Result<(), String> + Send + 'static,
+    ) -> (Result<Claim, AuthError>, Result<(), AuthError>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            accept(&mut s, &acceptor, check)
+        });
+        let mut s = TcpStream::connect(addr).unwrap();
+        let mine = connect(&mut s, &connector, &c);
+        (t.join().unwrap(), mine)
+    }
+
+    #[test]
+    fn both_sides_that_know_the_secret_agree_on_the_claim() {
+        let k = Secret::generate().unwrap();
+        let (a, c) =
+            exchange(k.clone(), k, claim("j", 4), |c| (c.generation == 4).then_some(()).ok_or("old".into()));
+        assert_eq!(a.unwrap(), claim("j", 4));
+        c.unwrap();
+    }
+
+    #[test]
+    fn a_wrong_secret_is_refused_on_both_sides() {
+        let (a, c) =
+            exchange(Secret::generate().unwrap(), Secret::generate().unwrap(), claim("j", 1), |_| Ok(()));
+        assert_eq!(a.unwrap_err(), AuthError::WrongSecret);
+        assert_eq!(c.unwrap_err(), AuthError::WrongSecret);
+    }
+
+    #[test]
+    fn a_claim_the_acceptor_rejects_is_refused_with_its_reason() {
+        let k = Secret::generate().unwrap();
+        let (a, c) =
+            exchange(k.clone(), k, claim("j", 2), |c| Err(format!("generation {} is over", c.generation)));
+        assert_eq!(a.unwrap_err(), AuthError::Refused("generation 2 is over".into()));
+        assert_eq!(c.unwrap_err(), AuthError::Refused("generation 2 is over".into()));
+    }
+
+    #[test]
+    fn a_peer_that_is_no_acceptor_is_named_as_such() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            s.write_all(b"\x05\0\0\0HTTP/").unwrap();
+        });
+        let mut s = TcpStream::connect(addr).unwrap();
+        let e = connect(&mut s, &Secret::generate().unwrap(), &claim("j", 0)).unwrap_err();
+        assert!(matches!(e, AuthError::Malformed(_)), "{e}");
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn secrets_round_trip_through_hex_and_files_of_mode_0600() {
+        use std::os::unix::fs::PermissionsExt;
+        let k = Secret::generate().unwrap();
+        assert_eq!(Secret::from_hex(&k.to_hex()).unwrap(), k);
+        assert!(Secret::from_hex("abc").is_err());
+        assert_eq!(format!("{k:?}"), "Secret(redacted)");
+        let dir = std::env::temp_dir().join(format!("edl-secret-{}", std::process::id()));
+        let p = dir.join("secret");
+        k.write(&p).unwrap();
+        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(Secret::read(&p).unwrap(), k);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
