@@ -176,7 +176,7 @@ fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
 #[pymethods]
 impl Job {
     /// Joins the job named by the environment `edl-runtime launch` sets
-    /// (`EDL_COORDINATOR`, `EDL_WORKER_ID`). `features(indices) -> float32
+    /// (`EDL_COORDINATOR`, `EDL_WORKER_ID`, `EDL_JOB`, `EDL_JOB_SECRET`). `features(indices) -> float32
     /// array` lets the runtime read teachers' soft labels ahead of the steps.
     #[staticmethod]
     #[pyo3(signature = (features=None))]
