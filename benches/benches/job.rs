@@ -80,12 +80,7 @@ fn job_step(bin: &Path, batch: usize, epochs: u32, dir: &Path) -> f64 {
         .output()
         .expect("the runtime runs");
     assert!(out.status.success(), "the job failed: {}", String::from_utf8_lossy(&out.stderr));
-    let r: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&report).expect("the report")).expect("a JSON report");
-    let secs: Vec<f64> =
-        r["timeline"].as_array().expect("a timeline").iter().filter_map(|s| s["secs"].as_f64()).collect();
-    let k0 = secs.len() / 5;
-    (secs[secs.len() - 1] - secs[k0]) / (secs.len() - 1 - k0) as f64
+    edl_benches::steady_step_secs(&report)
 }
 
 fn main() {

@@ -112,12 +112,7 @@ fn launch_step(py: &Python, release: &Path, delay_ms: u32, epochs: u32, dir: &Pa
             .args(["--", "python", "examples/numpy-mlp/train.py"]),
         "the launched example",
     );
-    let r: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&report).expect("the report")).expect("a JSON report");
-    let secs: Vec<f64> =
-        r["timeline"].as_array().expect("a timeline").iter().filter_map(|s| s["secs"].as_f64()).collect();
-    let k0 = secs.len() / 5;
-    (secs[secs.len() - 1] - secs[k0]) / (secs.len() - 1 - k0) as f64
+    edl_benches::steady_step_secs(&report)
 }
 
 fn main() {

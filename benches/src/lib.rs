@@ -1,1 +1,17 @@
-//! Criterion benchmarks across the edl crates live in `benches/`.
+//! Criterion benchmarks across the edl crates live in `benches/`; this
+//! library holds what several of them share.
+
+use std::path::Path;
+
+/// Steady-state seconds per committed step of a job, from its report: the
+/// time between the committed steps of the report's timeline after the
+/// first fifth, divided by their count.
+pub fn steady_step_secs(report: &Path) -> f64 {
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(report).expect("the report")).expect("a JSON report");
+    let secs: Vec<f64> =
+        r["timeline"].as_array().expect("a timeline").iter().filter_map(|s| s["secs"].as_f64()).collect();
+    assert!(secs.len() >= 3, "{}: too few steps to measure", report.display());
+    let k0 = secs.len() / 5;
+    (secs[secs.len() - 1] - secs[k0]) / (secs.len() - 1 - k0) as f64
+}
