@@ -46,14 +46,9 @@ enum Command {
     /// `edl-runtime launch --samples N [job flags] -- CMD ARGS...`. The
     /// program joins through the `edl` package (see docs/your-own-program.md).
     Launch(Box<LaunchArgs>),
-    /// One worker of a job (started by the coordinator).
-    #[command(hide = true)]
-    Worker {
-        #[arg(long)]
-        coordinator: std::net::SocketAddr,
-        #[arg(long)]
-        id: u64,
-    },
+    /// Join a job as one of its workers: what the coordinator starts, and
+    /// what another engine (ssh, srun, Kubernetes) runs on other hosts.
+    Worker(WorkerArgs),
     /// Work with plugin files.
     Plugin {
         #[command(subcommand)]
@@ -125,6 +120,11 @@ struct TeacherArgs {
     /// Where to register: `memory` (this process only) or `redis://host:port`.
     #[arg(long, default_value = "memory")]
     store: String,
+    /// Host name or address students reach this teacher at, registered with
+    /// the port (default: the listen address; this host's routable address
+    /// when listening on all interfaces).
+    #[arg(long)]
+    advertise: Option<String>,
     /// Service name the teacher registers under.
     #[arg(long, default_value = "teachers")]
     service: String,
@@ -179,6 +179,31 @@ struct PluginArgs {
     /// Adapter configuration, `key=value` (repeatable).
     #[arg(long = "adapter-config", value_parser = parse_pair)]
     adapter_config: Vec<(String, String)>,
+}
+
+#[derive(Args)]
+struct WorkerArgs {
+    /// The coordinator's control port, `host:port`.
+    #[arg(long)]
+    coordinator: String,
+    /// This worker's id (default: the coordinator gives one).
+    #[arg(long, default_value_t = 0)]
+    id: u64,
+    /// The job's name (default: $EDL_JOB, else `mnist`, the coordinator's default).
+    #[arg(long)]
+    job: Option<String>,
+    /// A file holding the job's secret, or `-` to read it from standard input
+    /// (default: $EDL_JOB_SECRET). Never give the secret itself on a command line.
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
+    /// Address this worker's ring listens on (default: the address it
+    /// reaches the coordinator from).
+    #[arg(long)]
+    listen: Option<std::net::IpAddr>,
+    /// Address the other workers reach this one's ring at (behind NAT;
+    /// default: the listen address).
+    #[arg(long)]
+    advertise: Option<std::net::IpAddr>,
 }
 
 #[derive(Args)]
@@ -324,6 +349,53 @@ struct RunArgs {
     /// it does not exist. Default: a new secret per run in .edl/<job>/secret.
     #[arg(long)]
     secret_file: Option<PathBuf>,
+    /// Where the coordinator listens: an address (`0.0.0.0` for every
+    /// interface) and optionally its control port (`10.0.0.5:7070`; default:
+    /// any free port). Loopback keeps the job on this machine.
+    #[arg(long, default_value = "127.0.0.1", value_parser = edl_runtime::job::net::parse_listen)]
+    listen: std::net::SocketAddr,
+    /// Host name or address workers and teachers on other hosts reach the
+    /// coordinator at (default: the --listen address; this host's routable
+    /// address when listening on every interface).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Port of the rendezvous where each generation's ring meets (default: any free one).
+    #[arg(long, default_value_t = 0)]
+    rendezvous_port: u16,
+    /// How workers are started: `local` (child processes here), `command`
+    /// (--worker-command per worker, on --hosts), `external` (started by
+    /// another engine; they join with `edl-runtime worker`).
+    #[arg(long, value_enum, default_value_t = ScalerKind::Local)]
+    scaler: ScalerKind,
+    /// With --scaler command: the command that starts worker {id}, run with
+    /// `sh -c`; placeholders {id} {coordinator} {host} {slot} {job} {exe}. The
+    /// job's secret comes on its standard input (`--secret-file -`).
+    #[arg(long, required_if_eq("scaler", "command"))]
+    worker_command: Option<String>,
+    /// With --scaler command: a command that stops worker {id} (scancel,
+    /// kubectl delete, ...), run after the worker was told to stop and
+    /// did not exit within the grace.
+    #[arg(long, requires = "worker_command")]
+    worker_stop_command: Option<String>,
+    /// With --scaler command: hosts to start workers on, `host` or
+    /// `host:slots`, comma separated ({host} in the command).
+    #[arg(long, value_delimiter = ',', requires = "worker_command")]
+    hosts: Vec<String>,
+    /// Seconds a worker may go without being heard (its heartbeats come a
+    /// few times per lease) before it is declared dead and the job goes on without it.
+    #[arg(long, default_value_t = 10)]
+    worker_lease_secs: u64,
+    /// Seconds a worker asked for may take to join before it is given up.
+    #[arg(long, default_value_t = 60)]
+    join_timeout_secs: u64,
+}
+
+/// How the job's workers are started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ScalerKind {
+    Local,
+    Command,
+    External,
 }
 
 #[derive(Args)]
@@ -418,8 +490,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
     if let Some(Command::Distill(args)) = cli.command {
         return distill(args);
     }
-    if let Some(Command::Worker { coordinator, id }) = cli.command {
-        edl_runtime::job::worker::run(coordinator, id)?;
+    if let Some(Command::Worker(w)) = cli.command {
+        edl_runtime::job::worker::run(worker_join(w)?)?;
         return Ok(ExitCode::SUCCESS);
     }
     let host = host(&cli.sandbox)?;
@@ -427,7 +499,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Devices) | Some(Command::Teacher(_)) | Some(Command::Distill(_)) => {
             unreachable!("handled above")
         }
-        Some(Command::Worker { .. }) => unreachable!("handled above"),
+        Some(Command::Worker(_)) => unreachable!("handled above"),
         Some(Command::Launch(l)) => {
             let l = *l;
             if l.torchrun {
@@ -511,6 +583,25 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         None => training::run(&host, cli.run, None),
     }
+}
+
+/// Who a worker is and how it proves it: the job's name and secret from
+/// the flags, or from the environment the coordinator's scaler set.
+fn worker_join(w: WorkerArgs) -> Result<edl_runtime::job::worker::Join> {
+    use edl_runtime::job::session::JobAuth;
+    let coordinator = edl_runtime::job::net::resolve(&w.coordinator).context("--coordinator")?;
+    let job = w.job.or_else(|| std::env::var("EDL_JOB").ok()).unwrap_or_else(|| "mnist".into());
+    let secret = match &w.secret_file {
+        Some(p) => edl_runtime::job::session::read_secret(p).context("--secret-file")?,
+        None => edl_runtime::job::session::auth_from_env()?.secret,
+    };
+    Ok(edl_runtime::job::worker::Join {
+        coordinator,
+        id: w.id,
+        auth: JobAuth { job, secret },
+        ring_listen: w.listen,
+        ring_advertise: w.advertise,
+    })
 }
 
 fn inspect(host: &PluginHost, file: &std::path::Path) -> Result<ExitCode> {
@@ -684,10 +775,15 @@ fn teacher(args: TeacherArgs) -> Result<ExitCode> {
         let (inputs, outputs) = (model.input_dim(), model.output_dim());
         let service = teacher::TeacherService::new(model, config);
         let registration = Some((store, args.service.clone(), Duration::from_secs(3)));
-        let t = teacher::Teacher::start(args.listen, service, registration).await?;
+        let t =
+            teacher::Teacher::start_advertised(args.listen, args.advertise.clone(), service, registration)
+                .await?;
         println!(
             "teacher {:?} ({inputs} -> {outputs}) serving on {} as service {:?} (store {})",
-            args.model_name, t.addr, args.service, args.store
+            args.model_name,
+            t.advertised,
+            args.service,
+            edl_runtime::store::redact(&args.store)
         );
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {

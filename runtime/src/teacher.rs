@@ -215,6 +215,8 @@ impl GrpcInferenceService for TeacherService {
 /// A serving teacher; stops (and deregisters) when dropped or on [`Teacher::shutdown`].
 pub struct Teacher {
     pub addr: SocketAddr,
+    /// `host:port` clients are told (registered in the store).
+    pub advertised: String,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
     lease: Option<Lease<AnyStore>>,
@@ -232,6 +234,30 @@ impl Teacher {
         Self::start_with(listen, service, registration).await
     }
 
+    /// As [`Teacher::start`], registering `advertise` (a host name or
+    /// address other hosts reach) with the bound port instead of the bound
+    /// address; needed when listening on all interfaces.
+    pub async fn start_advertised(
+        listen: SocketAddr,
+        advertise: Option<String>,
+        service: TeacherService,
+        registration: Option<(Arc<AnyStore>, String, Duration)>,
+    ) -> Result<Self, TeacherError> {
+        let listener =
+            tokio::net::TcpListener::bind(listen).await.map_err(|e| TeacherError::Bind(listen, e))?;
+        let addr = listener.local_addr().map_err(|e| TeacherError::Bind(listen, e))?;
+        let advertised = match advertise {
+            Some(host) => crate::job::net::host_port(&host, addr.port()),
+            None if addr.ip().is_unspecified() => {
+                let ip = crate::job::net::routable_ip(addr.is_ipv6())
+                    .map_err(|e| TeacherError::Advertise(addr, format!("{e:#}")))?;
+                SocketAddr::new(ip, addr.port()).to_string()
+            }
+            None => addr.to_string(),
+        };
+        Self::serve(listener, addr, advertised, GrpcInferenceServiceServer::new(service), registration).await
+    }
+
     /// Serves any OIP service implementation (tests wrap [`TeacherService`] to inject faults).
     pub async fn start_with<S: GrpcInferenceService>(
         listen: SocketAddr,
@@ -241,12 +267,14 @@ impl Teacher {
         let listener =
             tokio::net::TcpListener::bind(listen).await.map_err(|e| TeacherError::Bind(listen, e))?;
         let addr = listener.local_addr().map_err(|e| TeacherError::Bind(listen, e))?;
-        Self::serve(listener, addr, GrpcInferenceServiceServer::new(service), registration).await
+        Self::serve(listener, addr, addr.to_string(), GrpcInferenceServiceServer::new(service), registration)
+            .await
     }
 
     async fn serve<S: GrpcInferenceService>(
         listener: tokio::net::TcpListener,
         addr: SocketAddr,
+        advertised: String,
         server: GrpcInferenceServiceServer<S>,
         registration: Option<(Arc<AnyStore>, String, Duration)>,
     ) -> Result<Self, TeacherError> {
@@ -269,16 +297,16 @@ impl Teacher {
         });
         let lease = match registration {
             Some((store, service, ttl)) => {
-                let key = keys::teacher(&service, &addr.to_string());
+                let key = keys::teacher(&service, &advertised);
                 Some(
-                    Lease::hold(store, key, addr.to_string().into_bytes(), ttl)
+                    Lease::hold(store, key, advertised.clone().into_bytes(), ttl)
                         .await
                         .map_err(TeacherError::Store)?,
                 )
             }
             None => None,
         };
-        Ok(Teacher { addr, stop: Some(stop), task, lease })
+        Ok(Teacher { addr, advertised, stop: Some(stop), task, lease })
     }
 
     /// Deregisters, then stops serving (in-flight requests are finished).
@@ -313,6 +341,8 @@ impl Drop for Teacher {
 /// Why a teacher could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum TeacherError {
+    #[error("listening on {0}: cannot tell which address other hosts reach ({1}); give --advertise")]
+    Advertise(SocketAddr, String),
     #[error("cannot listen on {0}: {1}")]
     Bind(SocketAddr, std::io::Error),
     #[error("cannot register in the store: {0}")]

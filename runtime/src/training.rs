@@ -2,15 +2,16 @@
 //! teachers on this machine) and `launch` (the same job running the user's
 //! own program as its workers).
 
-use crate::{PluginArgs, RunArgs};
+use crate::{PluginArgs, RunArgs, ScalerKind};
 use anyhow::{Context, Result, bail};
 use edl_host_gpu::{Device, comm::auth::Secret};
 use edl_plugin_sdk::Hyperparams;
 use edl_runtime::{
     checkpoint::Checkpoints,
     job::{
-        self, BuiltinModel, JobConfig, JobSpec, LocalProcesses, Program, Progress, TeacherSource,
+        self, BuiltinModel, JobConfig, JobSpec, LocalProcesses, Program, Progress, Scaler, TeacherSource,
         report::Report,
+        scaler::{CommandScaler, ExternalWorkers},
         teachers::{TeacherProcess, TeacherTraining, teacher_model},
         torchrun::{self, Event as TorchrunEvent, TorchrunConfig},
         worker::{load_data, mlp_of},
@@ -69,6 +70,28 @@ fn load_policy(host: &PluginHost, plugins: &PluginArgs) -> Result<(Box<dyn Polic
 }
 
 /// The name of a launched job: the default name belongs to the built-in job.
+/// The scaler `--scaler` names; `program`: the launched command, if any.
+fn scaler(
+    args: &RunArgs,
+    exe: &std::path::Path,
+    log_dir: &std::path::Path,
+    program: Option<&[String]>,
+) -> Result<Box<dyn Scaler>> {
+    let (stop, hosts) = (args.worker_stop_command.as_deref(), &args.hosts[..]);
+    Ok(match (args.scaler, program) {
+        (ScalerKind::Local, None) => Box::new(LocalProcesses::new(exe, log_dir)),
+        (ScalerKind::Local, Some(command)) => Box::new(LocalProcesses::program(command, log_dir)?),
+        (ScalerKind::Command, program) => {
+            let start = args.worker_command.as_deref().context("--scaler command needs --worker-command")?;
+            Box::new(match program {
+                None => CommandScaler::new(start, stop, hosts, exe, log_dir)?,
+                Some(command) => CommandScaler::for_program(start, stop, hosts, log_dir, command)?,
+            })
+        }
+        (ScalerKind::External, _) => Box::new(ExternalWorkers),
+    })
+}
+
 fn launched_job_name(job: &str) -> String {
     if job == "mnist" { "launch".to_string() } else { job.to_string() }
 }
@@ -137,6 +160,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
         plugin_memory_mib: host.limits().memory_bytes >> 20,
         allow_native: host.allows_native(),
         teacher_wait_ms: args.teacher_wait_secs.saturating_mul(1000),
+        worker_lease_ms: args.worker_lease_secs.saturating_mul(1000),
     };
     if let Some((model, _, _)) = &builtin
         && args.device != Device::Cpu
@@ -165,14 +189,22 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
         },
         store: args.store.clone(),
         step_timeout: Duration::from_secs(args.step_timeout),
-        join_timeout: Duration::from_secs(60),
+        join_timeout: Duration::from_secs(args.join_timeout_secs.max(1)),
         price_per_worker_hour: args.price,
         teacher_watch: None,
         secret: match &args.secret_file {
             Some(f) if f.exists() => Secret::read(f)?,
             _ => Secret::generate()?,
         },
+        addresses: job::net::Addresses {
+            listen: args.listen,
+            rendezvous_port: args.rendezvous_port,
+            advertise: args.advertise.clone(),
+        },
     };
+    // Teachers this job starts listen beside the coordinator and are
+    // reached at the same host.
+    let advertised = cfg.addresses.advertised_host()?;
     // Everything a flag can get wrong is refused here, before a teacher or
     // worker starts.
     cfg.validate()?;
@@ -253,7 +285,8 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
                 if args.store == "memory" { "memory".to_string() } else { args.store.clone() };
             for i in 0..args.teachers {
                 let log = log_dir.join(format!("teacher-{i}.log"));
-                let p = TeacherProcess::start(&exe, &path, &store_for_teachers, &service, &log)?;
+                let at = (args.listen.ip(), advertised.as_str());
+                let p = TeacherProcess::start(&exe, &path, at, &store_for_teachers, &service, &log)?;
                 println!("teacher   {i} serving on {}", p.addr);
                 teacher_procs.lock().unwrap_or_else(|e| e.into_inner()).push(p);
             }
@@ -265,7 +298,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
                     "no teachers: give --teachers N, or --store redis://... where teachers are registered, or --no-distill"
                 );
             }
-            TeacherSource::Fixed(procs.iter().map(|p| p.addr.to_string()).collect())
+            TeacherSource::Fixed(procs.iter().map(|p| p.addr.clone()).collect())
         } else {
             TeacherSource::Discovered { store: args.store.clone(), service }
         });
@@ -281,10 +314,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
         ProgressStyle::with_template("[{elapsed_precise}] [{bar:30}] {percent:>3}% {msg}")?
             .progress_chars("=> "),
     );
-    let scaler = Box::new(match &launch {
-        None => LocalProcesses::new(&exe, &log_dir),
-        Some(l) => LocalProcesses::program(&l.command, &log_dir)?,
-    });
+    let scaler = scaler(&args, &exe, &log_dir, launch.as_ref().map(|l| &l.command[..]))?;
     let epochs = args.epochs;
     let mut progress = |p: Progress| match p {
         Progress::Step(s) => {
@@ -421,6 +451,12 @@ pub struct Torchrun {
 }
 
 pub fn torchrun(host: &Arc<PluginHost>, args: RunArgs, t: Torchrun) -> Result<ExitCode> {
+    if args.scaler != ScalerKind::Local {
+        bail!(
+            "--torchrun runs its group on this host: --scaler {:?} is for jobs without --torchrun",
+            args.scaler
+        );
+    }
     let (mut policy, policy_name) = load_policy(host, &args.plugins)?;
     let job_name = launched_job_name(&args.job);
     let job_dir = PathBuf::from(".edl").join(&job_name);

@@ -24,6 +24,9 @@ pub struct RingOptions {
     pub timeout: Duration,
     /// Address to listen on; loopback by default.
     pub bind: IpAddr,
+    /// Address the other ranks reach this one at (None: the bound address,
+    /// which must then be a specific one, not `0.0.0.0`).
+    pub advertise: Option<IpAddr>,
     /// Bytes per pipelined segment.
     pub segment_bytes: usize,
     /// The job's secret and the generation this ring belongs to: each link
@@ -36,6 +39,7 @@ impl Default for RingOptions {
         RingOptions {
             timeout: Duration::from_secs(30),
             bind: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            advertise: None,
             segment_bytes: 1 << 20,
             auth: None,
         }
@@ -54,6 +58,9 @@ pub struct TcpRing {
 }
 
 const MAGIC: u32 = 0xED1_0001;
+
+/// Longest an accepted link may take to prove itself and say who it is.
+const STRAY_PATIENCE: Duration = Duration::from_secs(5);
 
 impl TcpRing {
     /// Builds the ring for `rank` of `world`, finding the peers through `rendezvous`.
@@ -74,7 +81,15 @@ impl TcpRing {
             move |source: std::io::Error| CommError::Io { rank, op, peer, source }
         };
         let listener = TcpListener::bind(SocketAddr::new(ring.opts.bind, 0)).map_err(io(rank, "listen"))?;
-        let me = listener.local_addr().map_err(io(rank, "listen"))?;
+        let mut me = listener.local_addr().map_err(io(rank, "listen"))?;
+        if let Some(ip) = ring.opts.advertise {
+            me.set_ip(ip);
+        } else if me.ip().is_unspecified() {
+            return Err(CommError::InvalidArgument(format!(
+                "rank {rank}: listening on {} needs an address to advertise",
+                me.ip()
+            )));
+        }
         let all = rendezvous.exchange(rank, world, me.to_string().into_bytes(), ring.opts.timeout)?;
         let next = (rank + 1) % world;
         let next_addr: SocketAddr = String::from_utf8_lossy(&all[next])
@@ -156,7 +171,10 @@ impl TcpRing {
             match listener.accept() {
                 Ok((mut s, _)) => {
                     s.set_nonblocking(false).map_err(io(prev, "accept"))?;
-                    s.set_read_timeout(Some(opts.timeout)).map_err(io(prev, "accept"))?;
+                    // A peer that connects and then says nothing holds the
+                    // ring up for a short while only, not the whole timeout.
+                    let patience = opts.timeout.min(STRAY_PATIENCE);
+                    s.set_read_timeout(Some(patience)).map_err(io(prev, "accept"))?;
                     if let Some((a, generation)) = &opts.auth {
                         let checked = auth::accept(&mut s, &a.secret, |c| {
                             a.check(c, "ring", Some(*generation))?;
@@ -171,7 +189,10 @@ impl TcpRing {
                         }
                     }
                     let mut got = [0u8; 12];
-                    s.read_exact(&mut got).map_err(io(prev, "accept"))?;
+                    if let Err(e) = s.read_exact(&mut got) {
+                        eprintln!("ring rank {rank}: dropped a link that did not introduce itself: {e}");
+                        continue;
+                    }
                     let word =
                         |i: usize| u32::from_le_bytes(got[i * 4..i * 4 + 4].try_into().expect("4 bytes"));
                     if word(0) == MAGIC && word(1) as usize == prev && word(2) as usize == world {

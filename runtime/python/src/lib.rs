@@ -176,7 +176,8 @@ fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
 #[pymethods]
 impl Job {
     /// Joins the job named by the environment `edl-runtime launch` sets
-    /// (`EDL_COORDINATOR`, `EDL_WORKER_ID`, `EDL_JOB`, `EDL_JOB_SECRET`). `features(indices) -> float32
+    /// (`EDL_COORDINATOR`, `EDL_WORKER_ID`, `EDL_JOB`, `EDL_JOB_SECRET`; without
+    /// `EDL_WORKER_ID` the coordinator gives the worker an id). `features(indices) -> float32
     /// array` lets the runtime read teachers' soft labels ahead of the steps.
     #[staticmethod]
     #[pyo3(signature = (features=None))]
@@ -185,10 +186,13 @@ impl Job {
             std::env::var(k)
                 .map_err(|_| err(format!("{k} is not set: run the program under `edl-runtime launch`")))
         };
-        let addr: std::net::SocketAddr = var("EDL_COORDINATOR")?
-            .parse()
-            .map_err(|e| err(format!("EDL_COORDINATOR: not host:port ({e})")))?;
-        let id: u64 = var("EDL_WORKER_ID")?.parse().map_err(|e| err(format!("EDL_WORKER_ID: {e}")))?;
+        let addr = edl_runtime::job::net::resolve(&var("EDL_COORDINATOR")?)
+            .map_err(|e| err(format!("EDL_COORDINATOR: {e:#}")))?;
+        // Without an id (a worker started by another engine) the coordinator gives one.
+        let id: u64 = match std::env::var("EDL_WORKER_ID") {
+            Ok(v) => v.parse().map_err(|e| err(format!("EDL_WORKER_ID: {e}")))?,
+            Err(_) => 0,
+        };
         let auth = edl_runtime::job::session::auth_from_env().map_err(anyhow_err)?;
         Self::join(py, addr, id, auth, features)
     }
@@ -206,7 +210,8 @@ impl Job {
         secret: &str,
         features: Option<Py<PyAny>>,
     ) -> PyResult<Option<Self>> {
-        let addr = coordinator.parse().map_err(|e| err(format!("coordinator {coordinator:?}: {e}")))?;
+        let addr = edl_runtime::job::net::resolve(coordinator)
+            .map_err(|e| err(format!("coordinator {coordinator:?}: {e:#}")))?;
         let secret = Secret::from_hex(secret).map_err(|e| err(format!("secret: {e}")))?;
         Self::join(py, addr, worker_id, JobAuth { job, secret }, features)
     }

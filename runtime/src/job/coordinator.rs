@@ -68,6 +68,8 @@ pub struct JobConfig {
     /// The job's secret: every control connection, rendezvous registration
     /// and ring link proves it.
     pub secret: Secret,
+    /// Where the control port and the rendezvous listen, and what workers are told.
+    pub addresses: super::net::Addresses,
 }
 
 impl JobConfig {
@@ -116,6 +118,7 @@ impl JobConfig {
             ("--collective-timeout-ms", spec.collective_timeout_ms),
             ("--step-timeout", self.step_timeout.as_secs()),
             ("--teacher-wait-secs", spec.teacher_wait_ms),
+            ("--worker-lease-secs", spec.worker_lease_ms),
         ] {
             if v == 0 {
                 bail!("{flag} 0: need at least 1");
@@ -286,7 +289,10 @@ struct Coordinator<'a> {
     progress: &'a mut dyn FnMut(Progress),
     rt: tokio::runtime::Runtime,
     store: AnyStore,
-    addr: SocketAddr,
+    /// `host:port` workers reach the control port at.
+    addr: String,
+    /// `host:port` workers reach the rendezvous at.
+    rendezvous_at: String,
     rendezvous: RendezvousServer,
     rx: mpsc::Receiver<Inbound>,
     /// Open control connections.
@@ -383,13 +389,20 @@ pub fn run(
         let _g = rt.enter();
         AnyStore::open(&cfg.store)?
     };
-    let listener = TcpListener::bind("127.0.0.1:0").context("control listener")?;
-    let addr = listener.local_addr()?;
+    let net = &cfg.addresses;
+    let listener = TcpListener::bind(net.listen).with_context(|| format!("--listen {}", net.listen))?;
+    let host = net.advertised_host()?;
+    let addr = super::net::host_port(&host, listener.local_addr()?.port());
     let auth = JobAuth { job: cfg.spec.job.clone(), secret: cfg.secret.clone() };
-    let rendezvous =
-        RendezvousServer::start_with("127.0.0.1:0", Some(auth.clone())).context("rendezvous server")?;
+    let rendezvous_listen = SocketAddr::new(net.listen.ip(), net.rendezvous_port).to_string();
+    let rendezvous = RendezvousServer::start_with(&rendezvous_listen, Some(auth.clone()))
+        .with_context(|| format!("rendezvous server on {rendezvous_listen}"))?;
+    let rendezvous_at = super::net::host_port(&host, rendezvous.addr().port());
     let (tx, rx) = mpsc::channel();
-    super::inbox::start(listener, auth.clone(), tx).context("control connections")?;
+    let lease = Duration::from_millis(cfg.spec.worker_lease_ms);
+    super::inbox::start(listener, auth.clone(), lease, tx).context("control connections")?;
+    let mut m = Membership::new(cfg.min_workers, cfg.max_workers, cfg.join_timeout, 1);
+    m.admit_uninvited(scaler.admits_uninvited());
     let now = Instant::now();
     let mut c = Coordinator {
         policy,
@@ -399,10 +412,11 @@ pub fn run(
         rt,
         store,
         addr,
+        rendezvous_at,
         rendezvous,
         rx,
         conns: HashMap::new(),
-        m: Membership::new(cfg.min_workers, cfg.max_workers, cfg.join_timeout, 1),
+        m,
         generation: 0,
         first_generation: 0,
         committed: 0,
@@ -565,14 +579,17 @@ impl Coordinator<'_> {
             match cmd {
                 Command::Spawn { worker } => {
                     let auth = JobAuth { job: self.cfg.spec.job.clone(), secret: self.cfg.secret.clone() };
-                    if let Err(e) = self.scaler.spawn(worker, self.addr, &auth) {
+                    if let Err(e) = self.scaler.spawn(worker, &self.addr, &auth) {
                         self.m.spawn_failed(worker, format!("{e:#}"));
                     }
                 }
-                Command::Welcome { conn } => {
+                Command::Welcome { conn, assigned } => {
                     // A failed send closes the connection; its reader reports that.
                     let welcome = ToWorker::Welcome(Box::new(self.cfg.spec.clone()));
                     if let Some(stream) = self.conns.get_mut(&conn) {
+                        if let Some(worker) = assigned {
+                            let _ = send(stream, &ToWorker::Assigned { worker });
+                        }
                         let _ = send(stream, &welcome);
                     }
                 }
@@ -606,6 +623,8 @@ impl Coordinator<'_> {
             Inbound::Msg(n, FromWorker::Hello { worker, pid }) => {
                 self.m.handle(now, Event::Hello { conn: n, worker, pid });
             }
+            // The inbox keeps heartbeats to itself; one that got here says nothing new.
+            Inbound::Msg(_, FromWorker::Heartbeat) => {}
             Inbound::Msg(n, FromWorker::Ready) => {
                 self.m.handle(now, Event::Ready { conn: n });
             }
@@ -717,6 +736,10 @@ impl Coordinator<'_> {
             Some(lease),
         )?);
         self.first_generation = self.generation + 1;
+        self.note(format!(
+            "coordinator at {} (rendezvous {}); workers join with `edl-runtime worker --coordinator {}`",
+            self.addr, self.rendezvous_at, self.addr
+        ));
         let total = self.cfg.spec.epochs;
         let first = self.cfg.initial_workers.clamp(self.cfg.min_workers.max(1), self.cfg.max_workers.max(1));
         self.spawn(first);
@@ -1040,7 +1063,7 @@ impl Coordinator<'_> {
                 generation: self.generation,
                 rank,
                 world,
-                rendezvous: self.rendezvous.addr(),
+                rendezvous: self.rendezvous_at.clone(),
                 rendezvous_key: key.clone(),
                 committed_steps: self.committed,
                 init: self.init.clone(),

@@ -8,6 +8,10 @@
 //! is readable. Every complete JSON line becomes one message; a closed,
 //! failed or misbehaving connection becomes one `Closed` event naming why.
 //!
+//! A worker sends heartbeats; a connection the reader hears nothing on for
+//! the worker lease is closed as dead (its host or network went silent,
+//! which TCP alone may not notice for many minutes).
+//!
 //! A connection counts only once its peer has proven the job's secret (a
 //! short-lived thread per new connection runs the exchange, bounded by a
 //! timeout); a refused one is logged with the reason and closed, and the
@@ -26,7 +30,7 @@ use std::{
         atomic::{AtomicU64, Ordering},
         mpsc,
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 /// What happens on the control connections.
@@ -47,15 +51,21 @@ const WAKE: Token = Token(usize::MAX);
 /// Longest a new connection may take to prove the secret.
 const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Starts the accepting and the reading thread; events go to `tx`.
-pub fn start(listener: TcpListener, auth: JobAuth, tx: mpsc::Sender<Inbound>) -> io::Result<()> {
+/// Starts the accepting and the reading thread; events go to `tx`. A
+/// connection silent for `lease` is closed.
+pub fn start(
+    listener: TcpListener,
+    auth: JobAuth,
+    lease: Duration,
+    tx: mpsc::Sender<Inbound>,
+) -> io::Result<()> {
     let poll = Poll::new()?;
     let waker = Arc::new(Waker::new(poll.registry(), WAKE)?);
     let (new_tx, new_rx) = mpsc::channel::<(u64, TcpStream)>();
     let events = tx.clone();
     std::thread::Builder::new()
         .name("edl-control-in".into())
-        .spawn(move || read_all(poll, new_rx, events))?;
+        .spawn(move || read_all(poll, new_rx, events, lease))?;
     let auth = Arc::new(auth);
     let next = Arc::new(AtomicU64::new(0));
     std::thread::Builder::new().name("edl-accept".into()).spawn(move || {
@@ -65,7 +75,7 @@ pub fn start(listener: TcpListener, auth: JobAuth, tx: mpsc::Sender<Inbound>) ->
                 (auth.clone(), next.clone(), tx.clone(), new_tx.clone(), waker.clone());
             let admitted = std::thread::Builder::new()
                 .name("edl-admit".into())
-                .spawn(move || admit(conn, &auth, &next, &tx, &new_tx, &waker));
+                .spawn(move || admit(conn, &auth, lease, &next, &tx, &new_tx, &waker));
             if let Err(e) = admitted {
                 tracing::warn!("control connections: cannot start a thread for a new connection: {e}");
             }
@@ -78,6 +88,7 @@ pub fn start(listener: TcpListener, auth: JobAuth, tx: mpsc::Sender<Inbound>) ->
 fn admit(
     mut conn: TcpStream,
     auth: &JobAuth,
+    lease: Duration,
     next: &AtomicU64,
     tx: &mpsc::Sender<Inbound>,
     new_tx: &mpsc::Sender<(u64, TcpStream)>,
@@ -95,6 +106,7 @@ fn admit(
     let _ = conn.set_read_timeout(None);
     let _ = conn.set_nodelay(true);
     super::proto::keepalive(&conn);
+    super::proto::give_up_unacked(&conn, lease);
     let Ok(reader) = conn.try_clone() else { return };
     let n = next.fetch_add(1, Ordering::Relaxed);
     if tx.send(Inbound::Conn(n, conn)).is_ok() && new_tx.send((n, reader)).is_ok() {
@@ -107,14 +119,44 @@ struct Open {
     stream: TcpStream,
     peer: String,
     pending: Vec<u8>,
+    /// When something last arrived.
+    heard: Instant,
 }
 
-fn read_all(mut poll: Poll, new: mpsc::Receiver<(u64, TcpStream)>, tx: mpsc::Sender<Inbound>) {
+fn read_all(
+    mut poll: Poll,
+    new: mpsc::Receiver<(u64, TcpStream)>,
+    tx: mpsc::Sender<Inbound>,
+    lease: Duration,
+) {
     let mut open: HashMap<u64, Open> = HashMap::new();
     let mut events = Events::with_capacity(1024);
     let mut buf = vec![0u8; 64 << 10];
+    let sweep_every = (lease / 4).max(Duration::from_millis(10));
+    let mut last_sweep = Instant::now();
     loop {
-        if let Err(e) = poll.poll(&mut events, None) {
+        if last_sweep.elapsed() >= sweep_every {
+            last_sweep = Instant::now();
+            let silent: Vec<u64> =
+                open.iter().filter(|(_, c)| c.heard.elapsed() > lease).map(|(n, _)| *n).collect();
+            for n in silent {
+                let Some(c) = open.remove(&n) else { continue };
+                let fd = c.stream.as_raw_fd();
+                let _ = poll.registry().deregister(&mut SourceFd(&fd));
+                // Writes to it fail from now on, and the peer, if it comes
+                // back, finds the connection gone.
+                let _ = c.stream.shutdown(std::net::Shutdown::Both);
+                let why = format!(
+                    "{}: no heartbeat for {:.1} s (the worker's host or its network went silent)",
+                    c.peer,
+                    c.heard.elapsed().as_secs_f64()
+                );
+                if tx.send(Inbound::Closed(n, why)).is_err() {
+                    return;
+                }
+            }
+        }
+        if let Err(e) = poll.poll(&mut events, Some(sweep_every)) {
             if e.kind() == io::ErrorKind::Interrupted {
                 continue;
             }
@@ -133,7 +175,7 @@ fn read_all(mut poll: Poll, new: mpsc::Receiver<(u64, TcpStream)>, tx: mpsc::Sen
                             tx.send(Inbound::Closed(n, format!("{peer}: cannot watch the connection: {e}")));
                         continue;
                     }
-                    open.insert(n, Open { stream, peer, pending: Vec::new() });
+                    open.insert(n, Open { stream, peer, pending: Vec::new(), heard: Instant::now() });
                 }
                 continue;
             }
@@ -157,6 +199,7 @@ fn read_all(mut poll: Poll, new: mpsc::Receiver<(u64, TcpStream)>, tx: mpsc::Sen
 /// Reads what has arrived on `conn` (edge-triggered: until the kernel has
 /// nothing more) and sends each complete line; an error ends the connection.
 fn drain(conn: &mut Open, buf: &mut [u8], n: u64, tx: &mpsc::Sender<Inbound>) -> Result<(), String> {
+    conn.heard = Instant::now();
     loop {
         // SAFETY: the kernel writes at most `buf.len()` bytes into `buf`, a
         // live buffer borrowed mutably for the call; the descriptor belongs
@@ -183,6 +226,10 @@ fn drain(conn: &mut Open, buf: &mut [u8], n: u64, tx: &mpsc::Sender<Inbound>) ->
             start += end + 1;
             let msg = serde_json::from_slice::<FromWorker>(line)
                 .map_err(|e| format!("{}: malformed message: {e}", conn.peer))?;
+            if matches!(msg, FromWorker::Heartbeat) {
+                // Hearing it was the point; the coordinator need not.
+                continue;
+            }
             if tx.send(Inbound::Msg(n, msg)).is_err() {
                 return Err("the coordinator stopped".into());
             }
@@ -220,7 +267,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = mpsc::channel();
         let a = job();
-        start(listener, a.clone(), tx).unwrap();
+        start(listener, a.clone(), Duration::from_secs(3600), tx).unwrap();
         let stranger = job();
         assert_eq!(connect(addr, &stranger, 1).unwrap_err(), auth::AuthError::WrongSecret);
         let other_job = JobAuth { job: "other".into(), ..a.clone() };
@@ -243,7 +290,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = mpsc::channel();
         let a = job();
-        start(listener, a.clone(), tx).unwrap();
+        start(listener, a.clone(), Duration::from_secs(3600), tx).unwrap();
         let mut conns = Vec::new();
         for i in 0..50 {
             conns.push(connect(addr, &a, i).unwrap());

@@ -42,8 +42,9 @@ pub enum Event {
 pub enum Command {
     /// Start worker `worker`.
     Spawn { worker: WorkerId },
-    /// Send the job to the worker on `conn`.
-    Welcome { conn: Conn },
+    /// Send the job to the worker on `conn` (first its id, when it joined
+    /// without one).
+    Welcome { conn: Conn, assigned: Option<WorkerId> },
     /// Tell `conn` it is not wanted, and close it.
     Refuse { conn: Conn, reason: String },
     /// Tell the worker (on `conn`, if connected) to stop, make sure its
@@ -97,6 +98,8 @@ pub struct Membership {
     commands: VecDeque<Command>,
     /// Ids of every worker started.
     started: Vec<WorkerId>,
+    /// Workers nobody asked for (started by another engine) may join.
+    uninvited: bool,
 }
 
 /// How long a worker told to stop gets before it is killed.
@@ -119,7 +122,20 @@ impl Membership {
             changed: true,
             commands: VecDeque::new(),
             started: Vec::new(),
+            uninvited: false,
         }
+    }
+
+    /// Whether workers that were not started for the job may join it: they
+    /// proved the job's secret, and are admitted at a boundary like any
+    /// joiner, up to the maximum.
+    pub fn admit_uninvited(&mut self, yes: bool) {
+        self.uninvited = yes;
+    }
+
+    /// Whether worker `id` is connected, in any state.
+    fn connected(&self, id: WorkerId) -> bool {
+        self.welcomed.iter().chain(&self.joiners).chain(&self.members).any(|w| w.id == id)
     }
 
     /// The next command to carry out.
@@ -224,13 +240,40 @@ impl Membership {
     pub fn handle(&mut self, now: Instant, ev: Event) -> Option<WorkerId> {
         match ev {
             Event::Hello { conn, worker, pid } => {
-                if self.spawning.remove(&worker).is_none() {
-                    self.commands
-                        .push_back(Command::Refuse { conn, reason: format!("unknown worker id {worker}") });
+                let mut assigned = None;
+                if self.spawning.remove(&worker).is_some() {
+                } else if let Some(&asked) =
+                    self.spawning.keys().next().filter(|_| self.uninvited && worker == 0)
+                {
+                    // A worker without an id, where another engine starts
+                    // them: it takes the place of the oldest one asked for.
+                    self.spawning.remove(&asked);
+                    self.welcomed.push(Worker { id: asked, conn, pid, since: now });
+                    self.commands.push_back(Command::Welcome { conn, assigned: Some(asked) });
+                    return None;
+                } else if !self.uninvited {
+                    let reason = format!("unknown worker id {worker}");
+                    self.commands.push_back(Command::Refuse { conn, reason });
+                    return None;
+                } else if self.connected(worker) {
+                    let reason = format!("worker id {worker} is already in the job");
+                    self.commands.push_back(Command::Refuse { conn, reason });
+                    return None;
+                } else {
+                    // Started by another engine: an id of its own choosing
+                    // (kept clear of the ids this job gives), or a new one.
+                    let id = if worker == 0 { self.next_id } else { worker };
+                    self.next_id = self.next_id.max(id + 1);
+                    if worker == 0 {
+                        assigned = Some(id);
+                    }
+                    self.note(format!("worker {id} (pid {pid}) joined uninvited"), None);
+                    self.welcomed.push(Worker { id, conn, pid, since: now });
+                    self.commands.push_back(Command::Welcome { conn, assigned });
                     return None;
                 }
                 self.welcomed.push(Worker { id: worker, conn, pid, since: now });
-                self.commands.push_back(Command::Welcome { conn });
+                self.commands.push_back(Command::Welcome { conn, assigned });
             }
             Event::Ready { conn } => {
                 if let Some(i) = self.welcomed.iter().position(|w| w.conn == conn) {
@@ -496,7 +539,7 @@ mod tests {
         m.spawn(t, 1);
         assert_eq!(drain(&mut m), vec![Command::Spawn { worker: 1 }]);
         m.handle(t, Event::Hello { conn: 7, worker: 1, pid: 42 });
-        assert_eq!(drain(&mut m), vec![Command::Welcome { conn: 7 }]);
+        assert_eq!(drain(&mut m), vec![Command::Welcome { conn: 7, assigned: None }]);
         assert_eq!(m.world(), 0);
         m.handle(t, Event::Ready { conn: 7 });
         assert_eq!(m.joiners(), 1);
@@ -512,6 +555,39 @@ mod tests {
         let mut m = Membership::new(1, 4, JOIN, 1);
         m.handle(Instant::now(), Event::Hello { conn: 3, worker: 99, pid: 1 });
         assert!(matches!(&drain(&mut m)[..], [Command::Refuse { conn: 3, reason }] if reason.contains("99")));
+    }
+
+    #[test]
+    fn where_uninvited_workers_may_join_they_get_ids_and_wait_for_a_boundary_within_the_maximum() {
+        let t = Instant::now();
+        let mut m = formed(1, 1, 2, t);
+        m.admit_uninvited(true);
+        // Without an id: given the next one. With one: kept, and new ids go past it.
+        m.handle(t, Event::Hello { conn: 20, worker: 0, pid: 5 });
+        m.handle(t, Event::Hello { conn: 21, worker: 9, pid: 6 });
+        let cmds = drain(&mut m);
+        assert!(cmds.contains(&Command::Welcome { conn: 20, assigned: Some(2) }), "{cmds:?}");
+        assert!(cmds.contains(&Command::Welcome { conn: 21, assigned: None }), "{cmds:?}");
+        assert_eq!(m.next_id(), 10);
+        // Asked for and filled by a worker without an id: it gets the id asked for.
+        m.spawn(t, 1);
+        assert_eq!(drain(&mut m), vec![Command::Spawn { worker: 10 }]);
+        m.handle(t, Event::Hello { conn: 23, worker: 0, pid: 8 });
+        assert_eq!(drain(&mut m), vec![Command::Welcome { conn: 23, assigned: Some(10) }]);
+        assert!(m.nothing_loading() == false && m.poll_timeout().is_some());
+        m.handle(t, Event::Closed { conn: 23, why: "gone".into() });
+        drain(&mut m);
+        // An id already in the job is refused.
+        m.handle(t, Event::Hello { conn: 22, worker: 9, pid: 7 });
+        assert!(
+            matches!(&drain(&mut m)[..], [Command::Refuse { conn: 22, reason }] if reason.contains("already"))
+        );
+        // Both get ready; the boundary admits up to the maximum and sends the other away.
+        m.handle(t, Event::Ready { conn: 20 });
+        m.handle(t, Event::Ready { conn: 21 });
+        let b = m.boundary(true, false);
+        assert_eq!((b.admitted, m.world()), (1, 2));
+        assert_eq!(stops(&drain(&mut m)), vec![9]);
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! - [`session`]: the worker's side of the protocol, for any training program.
 //! - [`worker`]: the built-in worker (the MLP student), one process per device.
 //! - [`inbox`]: the control connections: one thread accepts, one reads them all.
-//! - [`scaler`]: how workers are started and stopped.
+//! - [`scaler`]: how workers are started and stopped: here, by a command, or by another engine.
+//! - [`net`]: where the listeners bind and the addresses other hosts are told.
 //! - [`phase`]: the job's phase (training, the final checkpoint) and when failures end it.
 //! - [`pipeline`]: the step barrier of a generation: windows ahead, commits, failures.
 //! - [`ledger`]: exactly-once accounting of training samples.
@@ -21,6 +22,7 @@ pub mod inbox;
 pub mod keeper;
 pub mod ledger;
 pub mod membership;
+pub mod net;
 pub mod phase;
 pub mod pipeline;
 pub mod preflight;

@@ -1,14 +1,16 @@
 //! The control protocol between the coordinator and its workers: one JSON
 //! object per line over a TCP connection that the worker opens. The
 //! connection is also the worker's liveness: when it closes (the process
-//! died), the coordinator knows at once.
+//! died), the coordinator knows at once; and a worker sends a heartbeat
+//! several times per lease, so one whose host or network went silent is
+//! declared dead when its lease runs out.
 
 use crate::checkpoint::Manifest;
 use edl_plugin_sdk::Hyperparams;
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use std::{
     io::{BufRead, BufReader, Write},
-    net::{SocketAddr, TcpStream},
+    net::TcpStream,
     path::PathBuf,
 };
 
@@ -96,10 +98,18 @@ pub struct JobSpec {
     /// with [`FailCause::NoTeachers`], ms.
     #[serde(default = "default_teacher_wait_ms")]
     pub teacher_wait_ms: u64,
+    /// A worker the coordinator hears nothing from (not even a heartbeat)
+    /// for this long is declared dead, ms.
+    #[serde(default = "default_worker_lease_ms")]
+    pub worker_lease_ms: u64,
 }
 
 fn default_teacher_wait_ms() -> u64 {
     20_000
+}
+
+fn default_worker_lease_ms() -> u64 {
+    10_000
 }
 
 /// Why a rank failed a step, where the coordinator acts on it.
@@ -119,6 +129,10 @@ pub enum FailCause {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum ToWorker {
+    /// The id of a worker that joined without one (sent before the welcome).
+    Assigned {
+        worker: u64,
+    },
     Welcome(Box<JobSpec>),
     /// Form a generation: build its ring and start from the committed state.
     Generation(Box<Generation>),
@@ -150,8 +164,9 @@ pub struct Generation {
     pub generation: u64,
     pub rank: usize,
     pub world: usize,
-    /// The rendezvous server of the generation's ring; the key is per generation.
-    pub rendezvous: SocketAddr,
+    /// The rendezvous server of the generation's ring (`host:port`); the
+    /// key is per generation.
+    pub rendezvous: String,
     pub rendezvous_key: String,
     /// Steps committed so far: the state every rank starts from.
     pub committed_steps: u64,
@@ -222,6 +237,8 @@ pub enum FromWorker {
         #[serde(default)]
         cause: Option<FailCause>,
     },
+    /// The worker is alive (sent several times per lease).
+    Heartbeat,
 }
 
 /// A checkpoint write that ended: where it is, or why it failed.
@@ -257,6 +274,18 @@ pub fn keepalive(stream: &TcpStream) {
     }
 }
 
+/// Bounds how long data written on `stream` may stay unacknowledged before
+/// the connection fails (Linux `TCP_USER_TIMEOUT`): a peer cut off by the
+/// network is noticed within `within` even while messages are waiting to go.
+pub fn give_up_unacked(stream: &TcpStream, within: std::time::Duration) {
+    #[cfg(any(target_os = "linux", target_os = "android", target_os = "fuchsia"))]
+    if let Err(e) = socket2::SockRef::from(stream).set_tcp_user_timeout(Some(within)) {
+        tracing::debug!("TCP_USER_TIMEOUT on a control connection: {e}");
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android", target_os = "fuchsia")))]
+    let _ = (stream, within);
+}
+
 fn peer(s: &TcpStream) -> String {
     s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "peer".into())
 }
@@ -277,6 +306,23 @@ pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, String> {
 /// Writes a line made by [`encode`].
 pub fn send_encoded(stream: &mut TcpStream, line: &[u8]) -> Result<(), ProtoError> {
     stream.write_all(line).map_err(|e| ProtoError::Io { peer: peer(stream), detail: e.to_string() })
+}
+
+/// The sending side of a control connection, shared by the threads that
+/// write to it: each message is written whole, under a lock.
+#[derive(Clone)]
+pub struct Sender(std::sync::Arc<std::sync::Mutex<TcpStream>>);
+
+impl Sender {
+    pub fn new(stream: TcpStream) -> Self {
+        Sender(std::sync::Arc::new(std::sync::Mutex::new(stream)))
+    }
+
+    /// Writes one message as a JSON line.
+    pub fn send<T: Serialize>(&self, msg: &T) -> Result<(), ProtoError> {
+        let mut stream = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        send(&mut stream, msg)
+    }
 }
 
 /// A reader of JSON-line messages.

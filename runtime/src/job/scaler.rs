@@ -1,8 +1,14 @@
 //! Starting and stopping workers. The coordinator asks a [`Scaler`] for
-//! workers and learns they exist when they connect; the default one runs
-//! them as child processes of this machine (`edl-runtime worker ...`, or the
-//! user's program under `edl-runtime launch`), each logging to its own file
-//! and killed by the kernel if the coordinator dies.
+//! workers and learns they exist when they connect:
+//!
+//! - [`LocalProcesses`] (the default) runs them as child processes of this
+//!   machine (`edl-runtime worker ...`, or the user's program under
+//!   `edl-runtime launch`), each logging to its own file and killed by the
+//!   kernel if the coordinator dies;
+//! - [`CommandScaler`] runs a command the operator gives for each worker
+//!   (`ssh {host} ...`, `srun ...`), on a list of hosts and slots;
+//! - [`ExternalWorkers`] starts nothing: workers started by another engine
+//!   (a Kubernetes Deployment, a batch system) join with the job's secret.
 //!
 //! A worker finds its job through the environment: `EDL_COORDINATOR`
 //! (`host:port`), `EDL_WORKER_ID`, `EDL_JOB` and `EDL_JOB_SECRET` (the
@@ -11,7 +17,7 @@
 use edl_host_gpu::comm::auth::JobAuth;
 use std::{
     collections::BTreeMap,
-    net::SocketAddr,
+    io::Write,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -19,8 +25,9 @@ use std::{
 
 /// Starts and stops workers.
 pub trait Scaler: Send {
-    /// Starts worker `id`, which will connect to `coordinator` and prove `auth`.
-    fn spawn(&mut self, id: u64, coordinator: SocketAddr, auth: &JobAuth) -> anyhow::Result<()>;
+    /// Starts worker `id`, which will connect to `coordinator` (`host:port`)
+    /// and prove `auth`.
+    fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> anyhow::Result<()>;
     /// Asks worker `id` to stop and makes sure it is gone within `grace`.
     fn stop(&mut self, id: u64, grace: Duration);
     /// Workers that exited since the last call, with how.
@@ -29,6 +36,11 @@ pub trait Scaler: Send {
     fn pid(&self, id: u64) -> Option<u32>;
     /// Where worker `id` logs.
     fn log_of(&self, id: u64) -> Option<PathBuf>;
+    /// Whether workers this scaler did not start may join the job (they
+    /// still prove its secret).
+    fn admits_uninvited(&self) -> bool {
+        false
+    }
 }
 
 /// Workers as local child processes.
@@ -122,16 +134,16 @@ fn ensure_dir(p: &Path) -> anyhow::Result<()> {
 }
 
 impl Scaler for LocalProcesses {
-    fn spawn(&mut self, id: u64, coordinator: SocketAddr, auth: &JobAuth) -> anyhow::Result<()> {
+    fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> anyhow::Result<()> {
         ensure_dir(&self.log_dir)?;
         let log = std::fs::File::create(self.log_path(id))
             .map_err(|e| anyhow::anyhow!("{}: {e}", self.log_path(id).display()))?;
         let mut cmd = Command::new(&self.exe);
         match &self.args {
-            None => cmd.args(["worker", "--coordinator", &coordinator.to_string(), "--id", &id.to_string()]),
+            None => cmd.args(["worker", "--coordinator", coordinator, "--id", &id.to_string()]),
             Some(args) => cmd
                 .args(args)
-                .env("EDL_COORDINATOR", coordinator.to_string())
+                .env("EDL_COORDINATOR", coordinator)
                 .env("EDL_WORKER_ID", id.to_string())
                 // The program's output reaches its log as it is written.
                 .env("PYTHONUNBUFFERED", "1"),
@@ -188,9 +200,502 @@ impl Drop for LocalProcesses {
     }
 }
 
+/// Workers started by a command template per worker, on a list of slots.
+///
+/// The template is run with `sh -c`, its placeholders filled in (quoted for
+/// the shell): `{id}`, `{coordinator}` (`host:port`), `{host}` and `{slot}`
+/// (the slot's host and its index there), `{job}`, `{exe}` (this
+/// `edl-runtime`), and `{program}`: the whole worker command line (for the
+/// built-in worker `{exe} worker --coordinator .. --id .. --job ..
+/// --secret-file -`; under `launch`, `env EDL_COORDINATOR=.. EDL_WORKER_ID=..
+/// EDL_JOB=.. EDL_JOB_SECRET_FILE=- CMD ARGS..`), so that
+/// `ssh {host} {program}` or `srun -w {host} -N1 -n1 {program}` is a whole template. The command gets the job's secret on its standard input
+/// (one line, then end of input: `edl-runtime worker --secret-file -` reads
+/// it, and ssh and srun forward it) and in `EDL_JOB_SECRET` for a local
+/// command, never on its command line. It runs in a process group of its
+/// own, logging to `log_dir/worker-N.log`; stopping a worker signals the
+/// group, after the `stop` template when there is one.
+pub struct CommandScaler {
+    start: String,
+    stop: Option<String>,
+    exe: PathBuf,
+    log_dir: PathBuf,
+    /// Slot index -> host, in the order slots are handed out.
+    slots: Vec<(String, usize)>,
+    /// Running commands: worker id -> (process, slot index).
+    children: BTreeMap<u64, (Child, Option<usize>)>,
+    job: String,
+    /// The words `{program}` stands for (each filled in and quoted).
+    program: Vec<String>,
+}
+
+/// The placeholders a template may use.
+const PLACEHOLDERS: [&str; 7] = ["id", "coordinator", "host", "slot", "job", "exe", "program"];
+
+impl CommandScaler {
+    /// `hosts`: `host` or `host:slots` entries (empty: no limit, `{host}`
+    /// is empty). Slots are handed out across hosts in turn.
+    pub fn new(
+        start: &str,
+        stop: Option<&str>,
+        hosts: &[String],
+        exe: impl Into<PathBuf>,
+        log_dir: impl Into<PathBuf>,
+    ) -> anyhow::Result<Self> {
+        let builtin = ["{exe}", "worker", "--coordinator", "{coordinator}", "--id", "{id}", "--job", "{job}"];
+        let program = builtin.iter().chain(&["--secret-file", "-"]).map(|w| w.to_string()).collect();
+        Self::with_program(start, stop, hosts, exe, log_dir, program)
+    }
+
+    /// A scaler whose workers run the user's `command` (under `launch`):
+    /// `{program}` is `env EDL_...=.. EDL_JOB_SECRET_FILE=- command...`.
+    pub fn for_program(
+        start: &str,
+        stop: Option<&str>,
+        hosts: &[String],
+        log_dir: impl Into<PathBuf>,
+        command: &[String],
+    ) -> anyhow::Result<Self> {
+        let env = ["env", "EDL_COORDINATOR={coordinator}", "EDL_WORKER_ID={id}", "EDL_JOB={job}"];
+        let program = env
+            .iter()
+            .map(|w| w.to_string())
+            .chain(["EDL_JOB_SECRET_FILE=-".to_string(), "PYTHONUNBUFFERED=1".to_string()])
+            .chain(command.iter().map(|w| w.replace('{', "{{").replace('}', "}}")))
+            .collect();
+        Self::with_program(start, stop, hosts, PathBuf::from("edl-runtime"), log_dir, program)
+    }
+
+    fn with_program(
+        start: &str,
+        stop: Option<&str>,
+        hosts: &[String],
+        exe: impl Into<PathBuf>,
+        log_dir: impl Into<PathBuf>,
+        program: Vec<String>,
+    ) -> anyhow::Result<Self> {
+        for (flag, t) in [("--worker-command", Some(start)), ("--worker-stop-command", stop)] {
+            if let Some(t) = t {
+                check_template(t).map_err(|e| anyhow::anyhow!("{flag} {t:?}: {e}"))?;
+            }
+        }
+        let mut per_host = Vec::new();
+        for h in hosts {
+            let (host, n) = match h.rsplit_once(':') {
+                Some((host, n)) if !host.is_empty() => {
+                    let n: usize = n
+                        .parse()
+                        .ok()
+                        .filter(|n| *n > 0)
+                        .ok_or_else(|| anyhow::anyhow!("--hosts {h:?}: expected host or host:slots"))?;
+                    (host.to_string(), n)
+                }
+                _ => (h.clone(), 1),
+            };
+            if host.is_empty() {
+                anyhow::bail!("--hosts: an empty host name");
+            }
+            per_host.push((host, n));
+        }
+        let most = per_host.iter().map(|(_, n)| *n).max().unwrap_or(0);
+        let slots = (0..most)
+            .flat_map(|i| per_host.iter().filter(move |(_, n)| i < *n).map(move |(h, _)| (h.clone(), i)))
+            .collect();
+        Ok(CommandScaler {
+            start: start.to_string(),
+            stop: stop.map(str::to_string),
+            exe: exe.into(),
+            log_dir: log_dir.into(),
+            slots,
+            children: BTreeMap::new(),
+            job: String::new(),
+            program,
+        })
+    }
+
+    /// The slots, in the order they are handed out: `(host, index on it)`.
+    pub fn slots(&self) -> &[(String, usize)] {
+        &self.slots
+    }
+
+    fn free_slot(&self) -> Option<usize> {
+        (0..self.slots.len()).find(|i| !self.children.values().any(|(_, s)| *s == Some(*i)))
+    }
+
+    fn fill(
+        &self,
+        template: &str,
+        id: u64,
+        coordinator: &str,
+        slot: Option<usize>,
+    ) -> anyhow::Result<String> {
+        let (host, index) = match slot {
+            Some(i) => (self.slots[i].0.clone(), self.slots[i].1.to_string()),
+            None => (String::new(), "0".into()),
+        };
+        let exe = self.exe.to_string_lossy();
+        let value = |name: &str| match name {
+            "id" => id.to_string(),
+            "coordinator" => coordinator.to_string(),
+            "host" => host.clone(),
+            "slot" => index.clone(),
+            "job" => self.job.clone(),
+            _ => exe.to_string(),
+        };
+        let mut program = Vec::new();
+        if template.contains("{program}") {
+            for word in &self.program {
+                // Each word of the program is one shell word, whatever it holds.
+                let filled = fill_template(word, |n| (value(n), false))?;
+                program.push(quote(&filled)?);
+            }
+        }
+        let program = program.join(" ");
+        fill_template(template, |name| {
+            if name == "program" { (program.clone(), false) } else { (value(name), true) }
+        })
+    }
+
+    fn log_path(&self, id: u64) -> PathBuf {
+        self.log_dir.join(format!("worker-{id}.log"))
+    }
+
+    /// Runs `line` with `sh -c` in a process group of its own; with the
+    /// job's secret on its input and in its environment when `auth` is given.
+    fn shell(
+        &self,
+        line: &str,
+        id: u64,
+        auth: Option<&JobAuth>,
+        log: std::fs::File,
+    ) -> anyhow::Result<Child> {
+        use std::os::unix::process::CommandExt;
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
+            .arg(line)
+            .env("EDL_WORKER_ID", id.to_string())
+            .env("EDL_JOB", &self.job)
+            .stdin(if auth.is_some() { Stdio::piped() } else { Stdio::null() })
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .process_group(0);
+        if let Some(a) = auth {
+            cmd.env("EDL_JOB_SECRET", a.secret.to_hex());
+        }
+        let mut child = cmd.spawn().map_err(|e| anyhow::anyhow!("cannot run sh: {e}"))?;
+        if let (Some(mut stdin), Some(a)) = (child.stdin.take(), auth) {
+            // A command that does not read its input may have closed it: fine.
+            let _ = writeln!(stdin, "{}", a.secret.to_hex());
+        }
+        Ok(child)
+    }
+}
+
+/// Checks that every `{name}` of a template is a known placeholder.
+fn check_template(t: &str) -> Result<(), String> {
+    fill_template(t, |_| (String::new(), false)).map(|_| ()).map_err(|e| e.to_string())
+}
+
+/// One word for the shell, quoted where it needs to be.
+fn quote(word: &str) -> anyhow::Result<String> {
+    if word.is_empty() {
+        return Ok("''".into());
+    }
+    Ok(shlex::try_quote(word).map_err(|e| anyhow::anyhow!("{word:?}: {e}"))?.into_owned())
+}
+
+/// Replaces each `{name}` by `value(name)`: `(text, quote it for the
+/// shell)`; `{{` and `}}` stand for braces.
+fn fill_template(t: &str, value: impl Fn(&str) -> (String, bool)) -> anyhow::Result<String> {
+    let mut out = String::with_capacity(t.len());
+    let mut rest = t;
+    while let Some(i) = rest.find(['{', '}']) {
+        out.push_str(&rest[..i]);
+        let tail = &rest[i..];
+        if tail.starts_with("{{") || tail.starts_with("}}") {
+            out.push_str(&tail[..1]);
+            rest = &tail[2..];
+            continue;
+        }
+        let end = tail.find('}');
+        if let Some(end) = end.filter(|_| tail.starts_with('{') && out.ends_with('$')) {
+            // The shell's own `${...}`, left as it is.
+            out.push_str(&tail[..=end]);
+            rest = &tail[end + 1..];
+            continue;
+        }
+        if tail.starts_with('}') {
+            anyhow::bail!("a '}}' without its '{{' (write '}}}}' for a brace)");
+        }
+        let end = end.ok_or_else(|| anyhow::anyhow!("a '{{' without its '}}'"))?;
+        let name = &tail[1..end];
+        if !PLACEHOLDERS.contains(&name) {
+            anyhow::bail!(
+                "unknown placeholder {{{name}}}; known: {}",
+                PLACEHOLDERS.map(|p| format!("{{{p}}}")).join(" ")
+            );
+        }
+        let (v, quoted) = value(name);
+        if quoted && !v.is_empty() {
+            out.push_str(&quote(&v).map_err(|e| anyhow::anyhow!("{{{name}}}: {e}"))?);
+        } else {
+            out.push_str(&v);
+        }
+        rest = &tail[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+impl Scaler for CommandScaler {
+    fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> anyhow::Result<()> {
+        self.job = auth.job.clone();
+        let slot = match self.slots.len() {
+            0 => None,
+            n => Some(self.free_slot().ok_or_else(|| anyhow::anyhow!("all {n} slots of --hosts are taken"))?),
+        };
+        let line = self.fill(&self.start, id, coordinator, slot)?;
+        ensure_dir(&self.log_dir)?;
+        let log = std::fs::File::create(self.log_path(id))
+            .map_err(|e| anyhow::anyhow!("{}: {e}", self.log_path(id).display()))?;
+        let child =
+            self.shell(&line, id, Some(auth), log).map_err(|e| anyhow::anyhow!("worker {id}: {e}"))?;
+        tracing::info!("worker {id}: started `{line}`");
+        self.children.insert(id, (child, slot));
+        Ok(())
+    }
+
+    fn stop(&mut self, id: u64, grace: Duration) {
+        let Some((mut child, slot)) = self.children.remove(&id) else { return };
+        let until = Instant::now() + grace;
+        while Instant::now() < until && matches!(child.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if let Some(stop) = &self.stop
+            && matches!(child.try_wait(), Ok(None))
+        {
+            // The engine's own way to stop it (scancel, kubectl delete, ...).
+            match self.fill(stop, id, "", slot).and_then(|line| {
+                let log = std::fs::OpenOptions::new().append(true).create(true).open(self.log_path(id))?;
+                self.shell(&line, id, None, log)
+            }) {
+                Ok(mut c) => {
+                    let until = Instant::now() + Duration::from_secs(10);
+                    while Instant::now() < until && matches!(c.try_wait(), Ok(None)) {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    terminate_group(&mut c, Duration::from_secs(1));
+                }
+                Err(e) => tracing::warn!("worker {id}: --worker-stop-command: {e:#}"),
+            }
+        }
+        terminate_group(&mut child, Duration::from_secs(1));
+    }
+
+    fn exited(&mut self) -> Vec<(u64, String)> {
+        let mut gone = Vec::new();
+        for (id, (c, _)) in &mut self.children {
+            if let Ok(Some(status)) = c.try_wait() {
+                gone.push((*id, status.to_string()));
+            }
+        }
+        for (id, _) in &gone {
+            self.children.remove(id);
+        }
+        gone
+    }
+
+    fn pid(&self, id: u64) -> Option<u32> {
+        self.children.get(&id).map(|(c, _)| c.id())
+    }
+
+    fn log_of(&self, id: u64) -> Option<PathBuf> {
+        Some(self.log_path(id))
+    }
+
+    fn admits_uninvited(&self) -> bool {
+        true
+    }
+}
+
+impl Drop for CommandScaler {
+    fn drop(&mut self) {
+        for (c, _) in self.children.values_mut() {
+            terminate_group(c, Duration::from_secs(2));
+        }
+    }
+}
+
+/// Sends SIGTERM to a child's process group, waits up to `grace`, then SIGKILL.
+fn terminate_group(child: &mut Child, grace: Duration) {
+    let group = -(child.id() as libc::pid_t);
+    let signal_group = |sig| {
+        // SAFETY: the child was started as the leader of its own process
+        // group (process_group(0)), and it has not been reaped (try_wait
+        // said it runs, just before), so its pid still names that group.
+        unsafe {
+            libc::kill(group, sig);
+        }
+    };
+    if !matches!(child.try_wait(), Ok(None)) {
+        return;
+    }
+    signal_group(libc::SIGTERM);
+    let until = Instant::now() + grace;
+    while Instant::now() < until {
+        if !matches!(child.try_wait(), Ok(None)) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    if matches!(child.try_wait(), Ok(None)) {
+        signal_group(libc::SIGKILL);
+    }
+    let _ = child.wait();
+}
+
+/// Starts nothing: workers are started by another engine and join with
+/// `edl-runtime worker --coordinator HOST:PORT` and the job's secret. A
+/// worker the policy asks for is awaited (up to the join timeout); one that
+/// comes uninvited is admitted at the next boundary, within the maximum.
+#[derive(Default)]
+pub struct ExternalWorkers;
+
+impl Scaler for ExternalWorkers {
+    fn spawn(&mut self, id: u64, coordinator: &str, _auth: &JobAuth) -> anyhow::Result<()> {
+        tracing::info!("worker {id}: waiting for a worker to join at {coordinator}");
+        Ok(())
+    }
+
+    fn stop(&mut self, _id: u64, _grace: Duration) {
+        // Told to stop on its control connection; its engine decides what next.
+    }
+
+    fn exited(&mut self) -> Vec<(u64, String)> {
+        Vec::new()
+    }
+
+    fn pid(&self, _id: u64) -> Option<u32> {
+        None
+    }
+
+    fn log_of(&self, _id: u64) -> Option<PathBuf> {
+        None
+    }
+
+    fn admits_uninvited(&self) -> bool {
+        true
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::log_tail;
+    use super::*;
+
+    #[test]
+    fn templates_fill_known_placeholders_quoted_and_refuse_unknown_ones() {
+        let t =
+            "ssh {host} {exe} worker --coordinator {coordinator} --id {id} --secret-file - # {{job}}={job}";
+        let got = fill_template(t, |n| {
+            let v = match n {
+                "host" => "node-1",
+                "exe" => "/opt/my edl/edl-runtime",
+                "coordinator" => "10.0.0.1:7070",
+                "id" => "3",
+                _ => "mnist",
+            };
+            (v.to_string(), true)
+        })
+        .unwrap();
+        assert_eq!(
+            got,
+            "ssh node-1 '/opt/my edl/edl-runtime' worker --coordinator 10.0.0.1:7070 --id 3 --secret-file - # {job}=mnist"
+        );
+        // {program}: the worker's whole command line, each word quoted once.
+        let dir = tempfile::tempdir().unwrap();
+        let s = CommandScaler::new(
+            "ssh {host} {program}",
+            None,
+            &["n1".into()],
+            "/opt/my edl/edl-runtime",
+            dir.path(),
+        )
+        .unwrap();
+        assert_eq!(
+            s.fill(&s.start, 4, "c:7", Some(0)).unwrap(),
+            "ssh n1 '/opt/my edl/edl-runtime' worker --coordinator c:7 --id 4 --job '' --secret-file -"
+        );
+        let cmd = ["python".to_string(), "train.py".into(), "--note".into(), "a {b} c".into()];
+        let s = CommandScaler::for_program("srun {program}", None, &[], dir.path(), &cmd).unwrap();
+        assert_eq!(
+            s.fill(&s.start, 4, "c:7", None).unwrap(),
+            "srun env 'EDL_COORDINATOR=c:7' 'EDL_WORKER_ID=4' 'EDL_JOB=' 'EDL_JOB_SECRET_FILE=-' 'PYTHONUNBUFFERED=1' python train.py --note 'a {b} c'"
+        );
+        let e = check_template("srun -w {node} edl-runtime worker").unwrap_err();
+        assert!(e.contains("unknown placeholder {node}") && e.contains("{host}"), "{e}");
+        assert!(check_template("echo {id").unwrap_err().contains("without its"));
+    }
+
+    #[test]
+    fn slots_go_round_the_hosts_and_a_full_list_refuses_to_start_more() {
+        let dir = tempfile::tempdir().unwrap();
+        let hosts = ["a:2".to_string(), "b".to_string(), "c:3".to_string()];
+        let s = CommandScaler::new("true", None, &hosts, "/bin/true", dir.path()).unwrap();
+        let order: Vec<String> = s.slots().iter().map(|(h, i)| format!("{h}{i}")).collect();
+        assert_eq!(order, ["a0", "b0", "c0", "a1", "c1", "c2"]);
+        assert!(CommandScaler::new("true", None, &["a:0".into()], "x", dir.path()).is_err());
+
+        // Each worker's command runs with its slot filled in and the secret
+        // on its input; a finished command frees its slot.
+        let template = "read s; echo \"{id} {host} {slot} {coordinator} $EDL_JOB ${#s}\"";
+        let mut s = CommandScaler::new(template, None, &["h1".into(), "h2".into()], "x", dir.path()).unwrap();
+        let auth = JobAuth { job: "j".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
+        s.spawn(1, "10.0.0.1:7070", &auth).unwrap();
+        s.spawn(2, "10.0.0.1:7070", &auth).unwrap();
+        let e = s.spawn(3, "10.0.0.1:7070", &auth).unwrap_err();
+        assert!(e.to_string().contains("all 2 slots of --hosts are taken"), "{e}");
+        let mut gone = Vec::new();
+        while gone.len() < 2 {
+            gone.extend(s.exited().into_iter().map(|(id, _)| id));
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        gone.sort();
+        assert_eq!(gone, [1, 2]);
+        let log = |id| std::fs::read_to_string(dir.path().join(format!("worker-{id}.log"))).unwrap();
+        assert_eq!(log(1).trim(), "1 h1 0 10.0.0.1:7070 j 64");
+        assert_eq!(log(2).trim(), "2 h2 0 10.0.0.1:7070 j 64");
+        s.spawn(3, "10.0.0.1:7070", &auth).unwrap();
+        assert_eq!(s.children[&3].1, Some(0), "the freed first slot");
+    }
+
+    #[test]
+    fn stopping_a_command_stops_everything_it_started() {
+        let dir = tempfile::tempdir().unwrap();
+        let pidfile = dir.path().join("grandchild.pid");
+        // The command starts a child of its own and waits: both must go.
+        let template = format!("sleep 600 & echo $! > {}; wait", pidfile.display());
+        let mut s = CommandScaler::new(&template, None, &[], "x", dir.path()).unwrap();
+        let auth = JobAuth { job: "j".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
+        s.spawn(1, "c:1", &auth).unwrap();
+        let pid = loop {
+            if let Some(p) = std::fs::read_to_string(&pidfile).ok().and_then(|t| t.trim().parse::<i32>().ok())
+            {
+                break p;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        s.stop(1, Duration::ZERO);
+        // Running, not a zombie waiting for whoever adopted it to reap it.
+        let alive = |pid: i32| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|st| st.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
+        };
+        let until = Instant::now() + Duration::from_secs(30);
+        while alive(pid) && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(!alive(pid), "the command's own child {pid} outlived the stop");
+    }
 
     #[test]
     fn a_log_tail_holds_the_last_lines_that_say_something() {

@@ -15,7 +15,8 @@
 //! at the next generation), and the next step it gets is the redone one.
 
 use super::proto::{
-    FailCause, FromWorker, Generation, JobSpec, Receiver, Share, StepDone, StepPlan, ToWorker, Written, send,
+    FailCause, FromWorker, Generation, JobSpec, Receiver, Sender, Share, StepDone, StepPlan, ToWorker,
+    Written,
 };
 use crate::checkpoint::{Checkpoints, Manifest};
 use crate::state::Layout;
@@ -95,7 +96,12 @@ pub struct Session {
     spec: JobSpec,
     /// The job's name and secret, proven on the rendezvous and the ring too.
     auth: JobAuth,
-    out: TcpStream,
+    out: Sender,
+    /// The address of this host that the job's other hosts reach.
+    ring_ip: std::net::IpAddr,
+    ring_advertise: Option<std::net::IpAddr>,
+    /// Sends heartbeats while the session lives.
+    _heartbeat: Heartbeat,
     inbox: mpsc::Receiver<Result<ToWorker, super::proto::ProtoError>>,
     /// Steps applied to the current state (None: nothing yet, a joiner).
     applied: Option<u64>,
@@ -124,6 +130,26 @@ pub struct Session {
     stopped: Option<String>,
 }
 
+/// A thread that tells the coordinator this worker is alive, every
+/// `every`, until dropped (or the connection fails).
+struct Heartbeat {
+    _stop: mpsc::Sender<()>,
+}
+
+impl Heartbeat {
+    fn start(out: Sender, every: Duration) -> Result<Self> {
+        let (stop, stopped) = mpsc::channel::<()>();
+        std::thread::Builder::new().name("edl-heartbeat".into()).spawn(move || {
+            while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(every) {
+                if out.send(&FromWorker::Heartbeat).is_err() {
+                    return;
+                }
+            }
+        })?;
+        Ok(Heartbeat { _stop: stop })
+    }
+}
+
 /// Joining a job: the coordinator either welcomes the worker or has no use for it.
 pub enum Joined {
     Welcome(Box<Session>),
@@ -131,15 +157,29 @@ pub enum Joined {
 }
 
 /// The job a worker belongs to, from the environment its launcher set:
-/// `EDL_JOB` and `EDL_JOB_SECRET` (64 hex digits).
+/// `EDL_JOB`, and `EDL_JOB_SECRET` (64 hex digits) or `EDL_JOB_SECRET_FILE`
+/// (a file holding it, or `-` for standard input).
 pub fn auth_from_env() -> Result<JobAuth> {
     let var = |k: &str| {
         std::env::var(k).map_err(|_| {
             anyhow!("{k} is not set: a worker needs the job's name and secret (`edl-runtime` sets them for the workers it starts; the secret is in .edl/<job>/secret)")
         })
     };
-    let secret = Secret::from_hex(&var("EDL_JOB_SECRET")?).map_err(|e| anyhow!("EDL_JOB_SECRET: {e}"))?;
+    let secret = match std::env::var("EDL_JOB_SECRET_FILE") {
+        Ok(file) => read_secret(std::path::Path::new(&file)).context("EDL_JOB_SECRET_FILE")?,
+        Err(_) => Secret::from_hex(&var("EDL_JOB_SECRET")?).map_err(|e| anyhow!("EDL_JOB_SECRET: {e}"))?,
+    };
     Ok(JobAuth { job: var("EDL_JOB")?, secret })
+}
+
+/// Reads the job's secret from a file, or from standard input for `-` (one line).
+pub fn read_secret(path: &std::path::Path) -> Result<Secret> {
+    if path == std::path::Path::new("-") {
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line).context("reading the job's secret from standard input")?;
+        return Secret::from_hex(line.trim()).map_err(|e| anyhow!("the job's secret on standard input: {e}"));
+    }
+    Secret::read(path).map_err(|e| anyhow!("{e}"))
 }
 
 impl Session {
@@ -159,14 +199,27 @@ impl Session {
         stream.set_nodelay(true)?;
         stream.set_write_timeout(Some(Duration::from_secs(10)))?;
         super::proto::keepalive(&stream);
-        let mut out = stream.try_clone()?;
-        let mut rx = Receiver::new(stream);
-        send(&mut out, &FromWorker::Hello { worker: id, pid: std::process::id() })?;
-        let spec = match rx.recv::<ToWorker>()? {
-            ToWorker::Welcome(spec) => *spec,
-            ToWorker::Stop { reason } => return Ok(Joined::NotNeeded(reason)),
-            _ => bail!("worker {id}: the coordinator sent something before the job"),
+        let ring_ip = stream.local_addr()?.ip();
+        let out = Sender::new(stream.try_clone()?);
+        let mut rx = Receiver::new(stream.try_clone()?);
+        out.send(&FromWorker::Hello { worker: id, pid: std::process::id() })?;
+        // A worker that joined without an id (started by another engine)
+        // is given one first.
+        let mut id = id;
+        let spec = loop {
+            match rx.recv::<ToWorker>()? {
+                ToWorker::Assigned { worker } if id == 0 => id = worker,
+                ToWorker::Welcome(spec) => break *spec,
+                ToWorker::Stop { reason } => return Ok(Joined::NotNeeded(reason)),
+                _ => bail!("worker {id}: the coordinator sent something before the job"),
+            }
         };
+        // From here on the coordinator hears from this worker at least a
+        // few times per lease, and a coordinator that stops acknowledging
+        // what the worker sends is given up within the lease.
+        let lease = Duration::from_millis(spec.worker_lease_ms.max(1));
+        super::proto::give_up_unacked(&stream, lease);
+        let heartbeat = Heartbeat::start(out.clone(), lease / 4)?;
         // Messages are read on a thread of their own, so that windows sent
         // ahead queue up while steps run.
         let (tx, inbox) = mpsc::channel();
@@ -184,6 +237,9 @@ impl Session {
             spec,
             auth,
             out,
+            ring_ip,
+            ring_advertise: None,
+            _heartbeat: heartbeat,
             inbox,
             applied: None,
             snapshots: BTreeMap::new(),
@@ -207,6 +263,14 @@ impl Session {
         self.id
     }
 
+    /// Where this worker's ring listens (`bind`) and the address the other
+    /// ranks are told (`advertise`, for a host behind NAT; None: `bind`).
+    /// By default both are the address the control connection leaves from.
+    pub fn set_ring_address(&mut self, bind: std::net::IpAddr, advertise: Option<std::net::IpAddr>) {
+        self.ring_ip = bind;
+        self.ring_advertise = advertise;
+    }
+
     pub fn spec(&self) -> &JobSpec {
         &self.spec
     }
@@ -214,7 +278,7 @@ impl Session {
     /// The program has built its state (of `layout`): the worker can be given a rank.
     pub fn ready(&mut self, layout: Layout) -> Result<()> {
         self.layout = layout;
-        send(&mut self.out, &FromWorker::Ready)?;
+        self.out.send(&FromWorker::Ready)?;
         Ok(())
     }
 
@@ -244,7 +308,7 @@ impl Session {
             self.reap_write(false);
             if !self.written.is_empty() {
                 let checkpoints = std::mem::take(&mut self.written);
-                send(&mut self.out, &FromWorker::Saved { checkpoints })?;
+                self.out.send(&FromWorker::Saved { checkpoints })?;
             }
             let msg = if self.queue.is_empty() {
                 match self.inbox.recv_timeout(Duration::from_millis(100)) {
@@ -291,11 +355,13 @@ impl Session {
                 self.reap_write(true);
                 if !self.written.is_empty() {
                     let checkpoints = std::mem::take(&mut self.written);
-                    let _ = send(&mut self.out, &FromWorker::Saved { checkpoints });
+                    let _ = self.out.send(&FromWorker::Saved { checkpoints });
                 }
                 self.stopped = Some(reason);
             }
-            Ok(ToWorker::Welcome(_)) => bail!("worker {}: a second welcome", self.id),
+            Ok(ToWorker::Welcome(_) | ToWorker::Assigned { .. }) => {
+                bail!("worker {}: a second welcome", self.id)
+            }
             Ok(ToWorker::Generation(g)) => {
                 if let Err(e) = self.start_generation(&g, state) {
                     let cause = e.downcast_ref::<StateMismatch>().map(|_| FailCause::State);
@@ -347,7 +413,7 @@ impl Session {
         if s.closes {
             let steps = std::mem::take(&mut self.window);
             let setup_ms = std::mem::take(&mut self.setup_ms);
-            send(&mut self.out, &FromWorker::Done { generation: s.generation, steps, setup_ms })?;
+            self.out.send(&FromWorker::Done { generation: s.generation, steps, setup_ms })?;
         }
         Ok(())
     }
@@ -388,7 +454,7 @@ impl Session {
         if let Some(a) = self.applied {
             self.applied = Some(a.max(step + 1));
         }
-        send(&mut self.out, &FromWorker::Failed { generation, step, error: format!("{e:#}"), cause })?;
+        self.out.send(&FromWorker::Failed { generation, step, error: format!("{e:#}"), cause })?;
         Ok(())
     }
 
@@ -484,7 +550,7 @@ impl Session {
             generation: g.generation,
             rank: g.rank,
             world: g.world,
-            addr: g.rendezvous,
+            addr: super::net::resolve(&g.rendezvous).context("the generation's rendezvous")?,
             key: g.rendezvous_key.clone(),
         });
         self.failed = None;
@@ -538,10 +604,16 @@ impl Session {
         let start = Instant::now();
         let opts = RingOptions {
             timeout: Duration::from_millis(self.spec.collective_timeout_ms),
+            // The ring listens on the address this host reaches the
+            // coordinator from: loopback for a one-machine job, the
+            // interface toward the cluster otherwise.
+            bind: self.ring_ip,
+            advertise: self.ring_advertise,
             auth: Some((self.auth.clone(), g.generation)),
             ..RingOptions::default()
         };
-        let rdv = TcpRendezvous::new(g.rendezvous, g.rendezvous_key.clone())
+        let rendezvous = self.rendezvous.as_ref().map(|r| r.addr).ok_or_else(|| anyhow!("no rendezvous"))?;
+        let rdv = TcpRendezvous::new(rendezvous, g.rendezvous_key.clone())
             .with_auth(self.auth.clone(), g.generation);
         let mut ring = TcpRing::connect(g.rank, g.world, &rdv, opts)
             .with_context(|| format!("building the ring of generation {}", g.generation))?;

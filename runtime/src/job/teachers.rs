@@ -90,7 +90,8 @@ pub fn teacher_model(
 
 /// A teacher process serving a model.
 pub struct TeacherProcess {
-    pub addr: SocketAddr,
+    /// `host:port` it serves on, as students reach it.
+    pub addr: String,
     child: Child,
     log: PathBuf,
 }
@@ -111,12 +112,21 @@ impl TeacherWatch for std::sync::Arc<std::sync::Mutex<Vec<TeacherProcess>>> {
 }
 
 impl TeacherProcess {
-    /// Starts `exe teacher --model M --listen 127.0.0.1:0 --store S --service V`
-    /// and waits (up to 30 s) for the address it serves on.
-    pub fn start(exe: &Path, model: &Path, store: &str, service: &str, log: &Path) -> Result<Self> {
+    /// Starts `exe teacher --model M --listen IP:0 --advertise HOST --store S
+    /// --service V` and waits (up to 30 s) for the address it serves on.
+    pub fn start(
+        exe: &Path,
+        model: &Path,
+        (listen, advertise): (std::net::IpAddr, &str),
+        store: &str,
+        service: &str,
+        log: &Path,
+    ) -> Result<Self> {
         let log_file = std::fs::File::create(log).with_context(|| format!("{}", log.display()))?;
         let mut cmd = Command::new(exe);
-        cmd.args(["teacher", "--listen", "127.0.0.1:0", "--store", store, "--service", service, "--model"])
+        let listen = SocketAddr::new(listen, 0).to_string();
+        cmd.args(["teacher", "--listen", &listen, "--advertise", advertise])
+            .args(["--store", store, "--service", service, "--model"])
             .arg(model)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -148,7 +158,7 @@ impl TeacherProcess {
             .split("serving on ")
             .nth(1)
             .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|a| a.parse().ok())
+            .map(str::to_string)
             .ok_or_else(|| anyhow!("unexpected teacher output {line:?} (log: {})", log.display()))?;
         Ok(TeacherProcess { addr, child, log: log.to_path_buf() })
     }

@@ -245,15 +245,36 @@ struct BuiltinWorker {
     rt: tokio::runtime::Runtime,
 }
 
-/// Runs worker `id` of the coordinator at `coordinator` until it is told to stop.
-pub fn run(coordinator: SocketAddr, id: u64) -> Result<()> {
-    let mut session = match Session::join(coordinator, id, super::session::auth_from_env()?)? {
+/// How a built-in worker joins its job.
+pub struct Join {
+    /// The coordinator's control port.
+    pub coordinator: SocketAddr,
+    /// 0: the coordinator gives one.
+    pub id: u64,
+    pub auth: super::session::JobAuth,
+    /// Where the ring listens (None: the address the control connection
+    /// leaves from) and what the other ranks are told (None: the same).
+    pub ring_listen: Option<std::net::IpAddr>,
+    pub ring_advertise: Option<std::net::IpAddr>,
+}
+
+/// Runs one built-in worker until the coordinator stops it.
+pub fn run(join: Join) -> Result<()> {
+    let id = join.id;
+    let mut session = match Session::join(join.coordinator, id, join.auth)? {
         Joined::Welcome(s) => s,
         Joined::NotNeeded(reason) => {
             tracing::info!("worker {id}: not needed: {reason}");
             return Ok(());
         }
     };
+    if let Some(bind) = join.ring_listen {
+        session.set_ring_address(bind, join.ring_advertise);
+    } else if let Some(ip) = join.ring_advertise {
+        session.set_ring_address(std::net::IpAddr::from([0u8; 4]), Some(ip));
+    }
+    // A worker that joined without an id has one now.
+    let id = session.id();
     let spec = session.spec().clone();
     let Program::Builtin(model) = spec.program.clone() else {
         bail!(
