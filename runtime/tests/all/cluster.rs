@@ -32,6 +32,10 @@ fn assert_exactly_once(r: &Value, epochs: u64, samples: u64) {
 /// The `host:port` the coordinator says workers join at.
 fn coordinator_addr(rx: &mpsc::Receiver<String>, seen: &mut Vec<String>) -> String {
     wait_for(rx, "workers join with", seen, Duration::from_secs(120));
+    addr_in(seen)
+}
+
+fn addr_in(seen: &[String]) -> String {
     let line = seen.last().unwrap();
     line.split("--coordinator ").nth(1).unwrap().trim_end_matches('`').to_string()
 }
@@ -111,4 +115,228 @@ fn workers_started_elsewhere_join_with_the_secret_and_only_within_the_maximum() 
         let status = wait_exit(w, name, Duration::from_secs(60));
         assert!(status.success(), "{name}: {status}");
     }
+}
+
+/// Hosts made of network namespaces: each has `eth0` on a private subnet,
+/// its veth peer on a bridge in a namespace of its own (the switch). The
+/// switch side of a host's link can be taken down: a partition the host
+/// itself does not see. Everything is removed (its processes killed) on drop.
+struct Hosts {
+    prefix: String,
+    subnet: u8,
+    names: Vec<String>,
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+impl Hosts {
+    /// Builds the hosts, or says why it cannot (not root, no `ip`).
+    fn build(names: &[&str]) -> Result<Hosts, String> {
+        let id = std::process::id();
+        let h = Hosts {
+            prefix: format!("edl{id}"),
+            // A /24 per test run, inside the namespaces only.
+            subnet: (id % 200 + 20) as u8,
+            names: names.iter().map(|n| n.to_string()).collect(),
+        };
+        let sw = h.ns("sw");
+        ip(&["netns", "add", &sw])?;
+        ip(&["-n", &sw, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", &sw, "link", "set", "br0", "up"])?;
+        for (i, name) in names.iter().enumerate() {
+            let ns = h.ns(name);
+            let port = format!("v{i}");
+            ip(&["netns", "add", &ns])?;
+            ip(&["-n", &sw, "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", &ns])?;
+            ip(&["-n", &sw, "link", "set", &port, "master", "br0", "up"])?;
+            ip(&["-n", &ns, "addr", "add", &format!("{}/24", h.ip(name)), "dev", "eth0"])?;
+            ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
+            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(h)
+    }
+
+    fn ns(&self, name: &str) -> String {
+        format!("{}-{name}", self.prefix)
+    }
+
+    fn ip(&self, name: &str) -> String {
+        let i = self.names.iter().position(|n| n == name).expect("a host of the cluster");
+        format!("10.{}.0.{}", self.subnet, i + 1)
+    }
+
+    /// A command run on host `name`.
+    fn on(&self, name: &str, program: &str) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.ns(name), program]);
+        c
+    }
+
+    /// Connects or cuts host `name` at the switch.
+    fn link(&self, name: &str, up: bool) {
+        let i = self.names.iter().position(|n| n == name).unwrap();
+        ip(&["-n", &self.ns("sw"), "link", "set", &format!("v{i}"), if up { "up" } else { "down" }]).unwrap();
+    }
+
+    /// Waits (bounded) until something listens on TCP `port` on host `name`.
+    fn wait_listening(&self, name: &str, port: u16) {
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            let out = self.on(name, "ss").arg("-ltnH").output().unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            if text.split_whitespace().any(|w| w.ends_with(&format!(":{port}"))) {
+                return;
+            }
+            assert!(Instant::now() < until, "nothing listens on port {port} on {name}: {text}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Every process on host `name`.
+    fn pids(&self, name: &str) -> Vec<i32> {
+        let out = Command::new("ip").args(["netns", "pids", &self.ns(name)]).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect()
+    }
+
+    /// Kills every process on host `name` (SIGKILL); returns how many.
+    fn kill_all(&self, name: &str) -> usize {
+        let pids = self.pids(name);
+        for &p in &pids {
+            // SAFETY: sending a signal has no memory-safety preconditions;
+            // the pids were just read from the namespace's process list.
+            unsafe { libc::kill(p, libc::SIGKILL) };
+        }
+        pids.len()
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for name in self.names.clone().iter().map(String::as_str).chain(["sw"]) {
+            if name != "sw" {
+                self.kill_all(name);
+            }
+            let _ = ip(&["netns", "del", &self.ns(name)]);
+        }
+    }
+}
+
+#[test]
+fn a_job_across_hosts_survives_a_dead_host_and_a_cut_off_one_and_refuses_it_after() {
+    let names = ["coord", "w1", "w2", "w3", "teacher"];
+    let hosts = match Hosts::build(&names) {
+        Ok(h) => h,
+        Err(why) => {
+            eprintln!("skipped: network namespaces cannot be made here ({why}); this test needs root");
+            return;
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let coord = hosts.ip("coord");
+
+    // The store on the coordinator's host; a teacher on a host of its own,
+    // registered there under the job's service.
+    let mut redis = hosts.on("coord", "redis-server");
+    redis.args([
+        "--bind",
+        &coord,
+        "--port",
+        "6379",
+        "--protected-mode",
+        "no",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ]);
+    redis.arg("--dir").arg(d);
+    let mut redis = redis.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    hosts.wait_listening("coord", 6379);
+    let store = format!("redis://{coord}:6379/");
+    let model = d.join("teacher.safetensors");
+    edl_runtime::model::Mlp::random(&[784, 32, 10], 7).save(&model).unwrap();
+    let mut teacher = hosts.on("teacher", EXE);
+    teacher.args(["teacher", "--listen", &format!("{}:8001", hosts.ip("teacher")), "--store", &store]);
+    teacher.args(["--service", "fleet", "--model"]).arg(&model);
+    let teacher_log = std::fs::File::create(d.join("teacher.log")).unwrap();
+    let mut teacher = teacher.stdout(teacher_log.try_clone().unwrap()).stderr(teacher_log).spawn().unwrap();
+
+    // The coordinator starts workers on w1 and w2 by command; w3 comes on its own.
+    let secret = d.join("job.secret");
+    let template = format!("ip netns exec {}-{{host}} {{program}}", hosts.prefix);
+    let cmd = job(d, &["--teachers", "0", "--service", "fleet", "--store", &store]);
+    let on_coord = cmd.get_program().to_owned();
+    let mut coordinator = hosts.on("coord", on_coord.to_str().unwrap());
+    coordinator.args(cmd.get_args()).current_dir(d);
+    coordinator.args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold"]);
+    coordinator.args(["--scaler", "command", "--worker-command", &template, "--hosts", "w1:2,w2:2"]);
+    coordinator.args(["--listen", &format!("{coord}:7070"), "--min-workers", "2", "--max-workers", "3"]);
+    coordinator.args(["--epochs", "30", "--step-delay-ms", "60", "--worker-lease-secs", "3"]);
+    // The lease (3 s) runs out well before a ring operation gives up (8 s):
+    // the coordinator, not a neighbour's timeout, finds the cut-off worker.
+    coordinator.args(["--collective-timeout-ms", "8000", "--secret-file"]).arg(&secret);
+    let errors = d.join("coordinator.err");
+    let stderr = std::fs::File::create(&errors).unwrap();
+    coordinator.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(stderr);
+    let mut child = coordinator.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    // What the coordinator said, when a step of the test does not come.
+    let expect = |needle: &str, seen: &mut Vec<String>, secs: u64| {
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            wait_for(&rx, needle, seen, Duration::from_secs(secs))
+        }));
+        if caught.is_err() {
+            panic!("stderr of the coordinator: {}", std::fs::read_to_string(&errors).unwrap_or_default());
+        }
+    };
+    expect("workers join with", &mut seen, 120);
+    let addr = addr_in(&seen);
+    assert_eq!(addr, format!("{coord}:7070"));
+    expect("epoch     0 done", &mut seen, 180);
+
+    // (0) A worker started on w3 by another engine joins: 2 -> 3.
+    let mut w3 = hosts.on("w3", EXE);
+    w3.args(["worker", "--coordinator", &addr, "--secret-file"]).arg(&secret);
+    let w3_log = std::fs::File::create(d.join("w3.log")).unwrap();
+    let mut w3 = w3.stdin(Stdio::null()).stdout(w3_log.try_clone().unwrap()).stderr(w3_log).spawn().unwrap();
+    expect("2 -> 3 workers", &mut seen, 120);
+
+    // (a) Every process of host w1 dies: the job goes on with w2 and w3.
+    assert!(hosts.kill_all("w1") >= 1, "a worker ran on w1");
+    expect("3 -> 2 workers", &mut seen, 120);
+
+    // (b) w3 is cut off: declared dead within its lease, the job goes on,
+    // refilled to its minimum by a worker started on w1 or w2.
+    hosts.link("w3", false);
+    expect("2 -> 1 workers", &mut seen, 120);
+    expect("1 -> 2 workers", &mut seen, 120);
+    hosts.link("w3", true);
+    // The cut-off worker does not come back into the job: it gave up its
+    // coordinator, and finds its connection and generation gone.
+    let status = wait_exit(&mut w3, "the cut-off worker", Duration::from_secs(120));
+    let said = std::fs::read_to_string(d.join("w3.log")).unwrap();
+    assert!(!status.success(), "{status}: {said}");
+    assert!(said.contains("lost the coordinator") || said.contains("refused"), "{said}");
+
+    let status = finish(child, rx, &mut seen);
+    let _ = (teacher.kill(), redis.kill(), teacher.wait(), redis.wait());
+    assert!(status.success(), "{}", seen.join("\n"));
+    let r = report(d);
+    assert_exactly_once(&r, 30, 1200);
+    let reasons: Vec<&str> =
+        r["scale_events"].as_array().unwrap().iter().filter_map(|e| e["reason"].as_str()).collect();
+    assert_eq!(reasons.iter().filter(|r| r.ends_with(" lost")).count(), 2, "{reasons:?}");
+    // Why each was lost, as the operator was told.
+    let notes = seen.iter().filter(|l| l.starts_with("note")).cloned().collect::<Vec<_>>().join("\n");
+    assert!(notes.contains("no heartbeat for"), "the cut-off worker's lease ran out:\n{notes}");
+    assert!(notes.contains("connection closed") || notes.contains("reset by peer"), "{notes}");
 }

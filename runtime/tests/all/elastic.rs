@@ -89,10 +89,12 @@ pub(crate) fn finish(
             while let Ok(l) = rx.recv_timeout(Duration::from_millis(200)) {
                 seen.push(l);
             }
-            if !status.success() {
+            if !status.success()
+                && let Some(mut stderr) = child.stderr.take()
+            {
                 let mut err = String::new();
                 use std::io::Read;
-                let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+                let _ = stderr.read_to_string(&mut err);
                 seen.push(format!("stderr: {err}"));
             }
             return status;
