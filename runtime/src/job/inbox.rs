@@ -285,6 +285,38 @@ mod tests {
     }
 
     #[test]
+    fn a_connection_silent_for_a_lease_is_closed_and_heartbeats_keep_another_open() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = mpsc::channel();
+        let a = job();
+        start(listener, a.clone(), Duration::from_secs(2), tx).unwrap();
+        let mut beating = connect(addr, &a, 1).unwrap();
+        let mut silent = connect(addr, &a, 2).unwrap();
+        for _ in 0..2 {
+            assert!(matches!(next(&rx), Inbound::Conn(..)));
+        }
+        let (stop, stopped) = mpsc::channel::<()>();
+        let beats = std::thread::spawn(move || {
+            while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(Duration::from_millis(100))
+            {
+                beating.write_all(b"\"heartbeat\"\n").unwrap();
+            }
+        });
+        // The first event is the silent one's end: heartbeats are not passed
+        // on, and the connection that sends them stays.
+        match next(&rx) {
+            Inbound::Closed(1, why) => assert!(why.contains("no heartbeat for"), "{why}"),
+            _ => panic!("the silent connection closed first"),
+        }
+        // Its peer finds the connection shut.
+        let mut buf = [0u8; 8];
+        assert_eq!(std::io::Read::read(&mut silent, &mut buf).unwrap_or(0), 0);
+        drop(stop);
+        beats.join().unwrap();
+    }
+
+    #[test]
     fn every_connection_is_read_by_one_thread_line_by_line_and_a_bad_line_closes_it() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
