@@ -118,7 +118,7 @@ fn sim_worker(addr: SocketAddr, id: u64, auth: JobAuth, sim: Sim) -> anyhow::Res
             }
             ToWorker::Commit { .. } => {}
             ToWorker::Stop { .. } => return Ok(()),
-            ToWorker::Welcome(_) => anyhow::bail!("a second welcome"),
+            ToWorker::Welcome(_) | ToWorker::Assigned { .. } => anyhow::bail!("a second welcome"),
         }
     }
 }
@@ -129,7 +129,8 @@ struct SimScaler {
 }
 
 impl Scaler for SimScaler {
-    fn spawn(&mut self, id: u64, coordinator: SocketAddr, auth: &JobAuth) -> anyhow::Result<()> {
+    fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> anyhow::Result<()> {
+        let coordinator: SocketAddr = coordinator.parse()?;
         let sim = self.sim.clone();
         let auth = auth.clone();
         std::thread::Builder::new().name("sim-worker".into()).stack_size(256 << 10).spawn(move || {
@@ -212,6 +213,9 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
         plugin_memory_mib: 64,
         allow_native: false,
         teacher_wait_ms: 20_000,
+        // The simulated workers send no heartbeats: they are heard through
+        // their reports, and a joiner may wait long at this scale.
+        worker_lease_ms: 600_000,
     };
     let sim = Sim {
         compute,
@@ -234,6 +238,7 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
         price_per_worker_hour: 0.0,
         teacher_watch: None,
         secret: Secret::generate()?,
+        addresses: Default::default(),
     };
     let lock = JobLock::acquire(&spec.checkpoint_dir, &spec.job)?;
     let info = PluginInfo { name: "add-one".into(), version: "0".into(), description: String::new() };

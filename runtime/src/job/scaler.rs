@@ -128,6 +128,19 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
     format!("; last lines of {}:\n    {}", path.display(), tail.join("\n    "))
 }
 
+/// Removes the children that exited, and says how each ended.
+fn reap<T>(children: &mut BTreeMap<u64, T>, child: impl Fn(&mut T) -> &mut Child) -> Vec<(u64, String)> {
+    let mut gone = Vec::new();
+    children.retain(|id, c| match child(c).try_wait() {
+        Ok(Some(status)) => {
+            gone.push((*id, status.to_string()));
+            false
+        }
+        _ => true,
+    });
+    gone
+}
+
 fn ensure_dir(p: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(p)
         .map_err(|e| anyhow::anyhow!("{}: cannot create log directory: {e}", p.display()))
@@ -171,16 +184,7 @@ impl Scaler for LocalProcesses {
     }
 
     fn exited(&mut self) -> Vec<(u64, String)> {
-        let mut gone = Vec::new();
-        for (id, c) in &mut self.children {
-            if let Ok(Some(status)) = c.try_wait() {
-                gone.push((*id, status.to_string()));
-            }
-        }
-        for (id, _) in &gone {
-            self.children.remove(id);
-        }
-        gone
+        reap(&mut self.children, |c| c)
     }
 
     fn pid(&self, id: u64) -> Option<u32> {
@@ -493,16 +497,7 @@ impl Scaler for CommandScaler {
     }
 
     fn exited(&mut self) -> Vec<(u64, String)> {
-        let mut gone = Vec::new();
-        for (id, (c, _)) in &mut self.children {
-            if let Ok(Some(status)) = c.try_wait() {
-                gone.push((*id, status.to_string()));
-            }
-        }
-        for (id, _) in &gone {
-            self.children.remove(id);
-        }
-        gone
+        reap(&mut self.children, |(c, _)| c)
     }
 
     fn pid(&self, id: u64) -> Option<u32> {
