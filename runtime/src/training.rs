@@ -149,7 +149,10 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
         alpha: args.alpha,
         teachers: None,
         teacher_model_name: "teacher".into(),
-        transform: args.plugins.transform.clone().map(|p| p.canonicalize().unwrap_or(p)),
+        transform: match &args.plugins.transform {
+            Some(p) => Some(job::proto::ShippedPlugin::read(p)?),
+            None => None,
+        },
         transform_config: args.transform_config.clone(),
         collective_timeout_ms: args.collective_timeout_ms,
         checkpoint_dir: std::path::absolute(&checkpoint_dir)?,

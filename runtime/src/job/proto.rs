@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use std::{
     io::{BufRead, BufReader, Write},
     net::TcpStream,
-    path::PathBuf,
+    path::{Path, PathBuf},
 };
 
 /// Where students get soft labels.
@@ -79,8 +79,9 @@ pub struct JobSpec {
     /// None: plain training on hard labels.
     pub teachers: Option<TeacherSource>,
     pub teacher_model_name: String,
-    /// Reader-transform plugin and its configuration.
-    pub transform: Option<PathBuf>,
+    /// Reader-transform plugin (shipped: no worker host needs the file)
+    /// and its configuration.
+    pub transform: Option<ShippedPlugin>,
     pub transform_config: Vec<(String, String)>,
     /// Bound on every collective (and on building the ring), milliseconds.
     pub collective_timeout_ms: u64,
@@ -110,6 +111,82 @@ fn default_teacher_wait_ms() -> u64 {
 
 fn default_worker_lease_ms() -> u64 {
     10_000
+}
+
+/// A plugin the coordinator sends its workers: the file's bytes and their
+/// SHA-256, checked by the worker before it loads them.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShippedPlugin {
+    /// The file's name, for messages.
+    pub name: String,
+    /// SHA-256 of `bytes`, hex.
+    pub sha256: String,
+    #[serde(with = "base64_bytes")]
+    pub bytes: Vec<u8>,
+}
+
+impl std::fmt::Debug for ShippedPlugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({} bytes, sha256 {})", self.name, self.bytes.len(), self.sha256)
+    }
+}
+
+impl ShippedPlugin {
+    /// Reads a plugin file to ship.
+    pub fn read(path: &Path) -> anyhow::Result<Self> {
+        let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let name =
+            path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "plugin".into());
+        Ok(ShippedPlugin { name, sha256: sha256_hex(&bytes), bytes })
+    }
+
+    /// Checks the bytes against their hash and writes them (once per
+    /// content) under `dir` as `<hash>/<name>`, for the plugin loader.
+    pub fn unpack(&self, dir: &Path) -> anyhow::Result<PathBuf> {
+        let got = sha256_hex(&self.bytes);
+        if got != self.sha256 {
+            anyhow::bail!(
+                "plugin {}: the bytes received do not match their hash (sent {}, received {got})",
+                self.name,
+                self.sha256
+            );
+        }
+        let name = Path::new(&self.name)
+            .file_name()
+            .ok_or_else(|| anyhow::anyhow!("plugin {:?}: no file name", self.name))?;
+        let home = dir.join(&self.sha256);
+        let path = home.join(name);
+        if std::fs::read(&path).is_ok_and(|b| b == self.bytes) {
+            return Ok(path);
+        }
+        std::fs::create_dir_all(&home).map_err(|e| anyhow::anyhow!("{}: {e}", home.display()))?;
+        // Written aside and renamed: a loader never sees half a plugin.
+        let part = home.join(format!(".{}.{}", std::process::id(), name.to_string_lossy()));
+        std::fs::write(&part, &self.bytes)
+            .and_then(|()| std::fs::rename(&part, &path))
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Ok(path)
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(bytes))
+}
+
+/// Bytes as one base64 string in JSON (not an array of numbers).
+mod base64_bytes {
+    use base64::{Engine, engine::general_purpose::STANDARD};
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&STANDARD.encode(bytes))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let text = String::deserialize(d)?;
+        STANDARD.decode(text).map_err(serde::de::Error::custom)
+    }
 }
 
 /// Why a rank failed a step, where the coordinator acts on it.
@@ -347,5 +424,34 @@ impl Receiver {
                 .map_err(|e| ProtoError::Malformed { peer: self.peer.clone(), detail: e.to_string() }),
             Err(e) => Err(ProtoError::Io { peer: self.peer.clone(), detail: e.to_string() }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shipped_plugin_travels_as_base64_and_is_unpacked_only_when_its_hash_matches() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.wasm");
+        std::fs::write(&file, b"\0asm plugin bytes").unwrap();
+        let p = ShippedPlugin::read(&file).unwrap();
+        let json = serde_json::to_string(&p).unwrap();
+        assert!(json.contains(r#""bytes":"AGFzbSBwbHVnaW4gYnl0ZXM=""#), "{json}");
+        let back: ShippedPlugin = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, p);
+        let unpacked = back.unpack(&dir.path().join("cache")).unwrap();
+        assert_eq!(std::fs::read(&unpacked).unwrap(), b"\0asm plugin bytes");
+        assert!(unpacked.ends_with(format!("{}/t.wasm", p.sha256)), "{}", unpacked.display());
+        // Bytes changed on the way: refused, naming the plugin and both hashes.
+        let mut bad = back.clone();
+        bad.bytes[0] ^= 1;
+        let e = bad.unpack(&dir.path().join("cache")).unwrap_err().to_string();
+        assert!(e.contains("plugin t.wasm: the bytes received do not match their hash"), "{e}");
+        // A name cannot reach outside the directory it is unpacked into.
+        let sneaky = ShippedPlugin { name: "../../evil.wasm".into(), ..p };
+        let at = sneaky.unpack(&dir.path().join("cache")).unwrap();
+        assert!(at.starts_with(dir.path().join("cache")), "{}", at.display());
     }
 }

@@ -298,7 +298,20 @@ pub fn run(join: Join) -> Result<()> {
         })?),
         None => None,
     };
-    let transform = match (&spec.transform, &host, &spec.teachers) {
+    // The coordinator sent the plugin's bytes: written once per content,
+    // beside this user's compiled-plugin cache (or in the job's directory).
+    let transform_path = match &spec.transform {
+        Some(shipped) => {
+            let cache = crate::plugin::ArtifactCache::default_location();
+            let dir = match cache.dir() {
+                Some(d) => d.join("shipped"),
+                None => spec.checkpoint_dir.join("shipped-plugins"),
+            };
+            Some(shipped.unpack(&dir).with_context(|| format!("worker {id}: the reader transform"))?)
+        }
+        None => None,
+    };
+    let transform = match (&transform_path, &host, &spec.teachers) {
         // Without teachers the worker applies the transform itself.
         (Some(path), Some(h), None) => Some(h.load_transform(path, &spec.transform_config)?),
         _ => None,
@@ -318,7 +331,7 @@ pub fn run(join: Join) -> Result<()> {
         loss: SoftLabelLoss { temperature: spec.temperature, alpha: spec.alpha },
         read_ahead: None,
         transform,
-        transform_path: spec.transform.clone(),
+        transform_path,
         transform_config: spec.transform_config.clone(),
         host,
         model,

@@ -77,11 +77,18 @@ fn workers_started_elsewhere_join_with_the_secret_and_only_within_the_maximum() 
     let secret = d.join("job.secret");
     let mut cmd = job(d, &["--scaler", "external", "--no-distill", "--teachers", "0"]);
     cmd.args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold"]);
+    // The reader transform exists only where the coordinator starts: the
+    // workers get its bytes from the coordinator.
+    let plugins = d.join("coordinator-only");
+    std::fs::create_dir(&plugins).unwrap();
+    std::fs::copy(art::AUGMENT_WASM, plugins.join("augment.wasm")).unwrap();
+    cmd.arg("--transform").arg(plugins.join("augment.wasm"));
     cmd.args(["--max-workers", "2", "--epochs", "3", "--step-delay-ms", "40", "--secret-file"]).arg(&secret);
     let mut child = cmd.spawn().unwrap();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
     let addr = coordinator_addr(&rx, &mut seen);
+    std::fs::remove_dir_all(&plugins).unwrap();
 
     // The first worker, asked for at the start, comes from elsewhere with the
     // secret file; it gets an id from the coordinator.
