@@ -17,7 +17,7 @@ use std::{
     time::{Duration, Instant},
 };
 use tokio::{sync::mpsc, task::JoinSet};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 /// Where the teachers are.
 #[derive(Clone)]
@@ -46,6 +46,30 @@ pub struct DistillConfig {
     /// Classes the teachers must answer (the student's); when None, the
     /// first answer decides and later ones must agree.
     pub classes: Option<usize>,
+    /// The token and TLS trust for teachers that need them.
+    pub access: TeacherAccess,
+}
+
+/// What a student needs to call teachers that check a bearer token or
+/// serve TLS.
+#[derive(Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TeacherAccess {
+    /// Sent as `authorization: Bearer TOKEN` on every call.
+    pub token: Option<String>,
+    /// The CA (PEM) teachers' certificates are checked against. With it,
+    /// teachers given as `host:port` are reached over TLS; `https://`
+    /// teachers always are (checked against the web PKI roots without it).
+    pub ca_pem: Option<String>,
+}
+
+impl std::fmt::Debug for TeacherAccess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The token is never printed.
+        f.debug_struct("TeacherAccess")
+            .field("token", &self.token.as_ref().map(|_| "<set>"))
+            .field("ca_pem", &self.ca_pem.is_some())
+            .finish()
+    }
 }
 
 impl Default for DistillConfig {
@@ -59,6 +83,7 @@ impl Default for DistillConfig {
             cooldown: Duration::from_secs(2),
             wait_for_teachers: Duration::from_secs(30),
             classes: None,
+            access: TeacherAccess::default(),
         }
     }
 }
@@ -205,8 +230,23 @@ impl Pipeline {
             t.draining = false;
             return;
         }
-        let uri = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
-        match Endpoint::from_shared(uri) {
+        let tls_default = self.cfg.access.ca_pem.is_some();
+        let uri = match addr.contains("://") {
+            true => addr.to_string(),
+            false if tls_default => format!("https://{addr}"),
+            false => format!("http://{addr}"),
+        };
+        let endpoint = Endpoint::from_shared(uri.clone()).and_then(|ep| {
+            if !uri.starts_with("https://") {
+                return Ok(ep);
+            }
+            let tls = match &self.cfg.access.ca_pem {
+                Some(ca) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)),
+                None => ClientTlsConfig::new().with_webpki_roots(),
+            };
+            ep.tls_config(tls)
+        });
+        match endpoint {
             Ok(ep) => {
                 let ch = ep.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true).connect_lazy();
                 let client = GrpcInferenceServiceClient::new(ch).max_decoding_message_size(256 << 20);
@@ -276,6 +316,15 @@ impl Pipeline {
                 raw_input_contents: vec![data],
                 ..Default::default()
             };
+            let mut req = tonic::Request::new(req);
+            if let Some(token) = &self.cfg.access.token {
+                match format!("Bearer {token}").parse() {
+                    Ok(v) => {
+                        req.metadata_mut().insert("authorization", v);
+                    }
+                    Err(_) => tracing::warn!("the teacher token holds characters a header cannot; not sent"),
+                }
+            }
             let t = self.pool.get_mut(&addr).expect("picked from the pool");
             t.outstanding += 1;
             let mut client = t.client.clone();

@@ -128,6 +128,17 @@ struct TeacherArgs {
     /// Service name the teacher registers under.
     #[arg(long, default_value = "teachers")]
     service: String,
+    /// A file holding the bearer token every call must carry
+    /// (`authorization: Bearer TOKEN`); without it any client may call.
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// Serve TLS with this certificate (PEM, with its chain); needs --tls-key.
+    /// The teacher registers as `https://host:port`.
+    #[arg(long)]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    #[arg(long)]
+    tls_key: Option<PathBuf>,
     /// Model name clients ask for.
     #[arg(long, default_value = "teacher")]
     model_name: String,
@@ -159,6 +170,35 @@ struct DistillArgs {
     /// Seconds to wait for a teacher before failing.
     #[arg(long, default_value_t = 30)]
     wait_secs: u64,
+    #[command(flatten)]
+    teacher_access: TeacherAccessArgs,
+}
+
+/// How students reach teachers that need a token or serve TLS.
+#[derive(Args)]
+struct TeacherAccessArgs {
+    /// A file holding the bearer token sent on every teacher call.
+    #[arg(long)]
+    teacher_token_file: Option<PathBuf>,
+    /// CA certificate (PEM) that teachers' TLS certificates are checked
+    /// against; with it, teachers given as `host:port` are reached over TLS
+    /// (`https://` teachers are, always; without a CA, against the web PKI roots).
+    #[arg(long)]
+    teacher_ca: Option<PathBuf>,
+}
+
+impl TeacherAccessArgs {
+    fn read(&self) -> Result<edl_runtime::distill::TeacherAccess> {
+        Ok(edl_runtime::distill::TeacherAccess {
+            token: read_token(self.teacher_token_file.as_deref(), "--teacher-token-file")?,
+            ca_pem: match &self.teacher_ca {
+                Some(f) => Some(
+                    std::fs::read_to_string(f).with_context(|| format!("--teacher-ca {}", f.display()))?,
+                ),
+                None => None,
+            },
+        })
+    }
 }
 
 /// The plugins a job (or a simulation) runs with.
@@ -349,6 +389,8 @@ struct RunArgs {
     /// it does not exist. Default: a new secret per run in .edl/<job>/secret.
     #[arg(long)]
     secret_file: Option<PathBuf>,
+    #[command(flatten)]
+    teacher_access: TeacherAccessArgs,
     /// Where the coordinator listens: an address (`0.0.0.0` for every
     /// interface) and optionally its control port (`10.0.0.5:7070`; default:
     /// any free port). Loopback keeps the job on this machine.
@@ -585,6 +627,17 @@ fn run(cli: Cli) -> Result<ExitCode> {
     }
 }
 
+/// A bearer token from a file (its first line), never from a command line.
+fn read_token(file: Option<&std::path::Path>, flag: &str) -> Result<Option<String>> {
+    let Some(f) = file else { return Ok(None) };
+    let text = std::fs::read_to_string(f).with_context(|| format!("{flag} {}", f.display()))?;
+    let token = text.lines().next().unwrap_or("").trim().to_string();
+    if token.is_empty() {
+        bail!("{flag} {}: the file holds no token", f.display());
+    }
+    Ok(Some(token))
+}
+
 /// Who a worker is and how it proves it: the job's name and secret from
 /// the flags, or from the environment the coordinator's scaler set.
 fn worker_join(w: WorkerArgs) -> Result<edl_runtime::job::worker::Join> {
@@ -763,6 +816,17 @@ fn simulate(host: &Arc<PluginHost>, args: SimArgs) -> Result<ExitCode> {
 fn teacher(args: TeacherArgs) -> Result<ExitCode> {
     use edl_runtime::{model::Mlp, store::AnyStore, teacher};
     let model = Mlp::load(&args.model)?;
+    let access = teacher::Access {
+        token: read_token(args.token_file.as_deref(), "--token-file")?,
+        tls: match (&args.tls_cert, &args.tls_key) {
+            (Some(c), Some(k)) => Some((
+                std::fs::read(c).with_context(|| format!("--tls-cert {}", c.display()))?,
+                std::fs::read(k).with_context(|| format!("--tls-key {}", k.display()))?,
+            )),
+            (None, None) => None,
+            _ => bail!("--tls-cert and --tls-key go together"),
+        },
+    };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async {
         let store = Arc::new(AnyStore::open(&args.store)?);
@@ -775,9 +839,8 @@ fn teacher(args: TeacherArgs) -> Result<ExitCode> {
         let (inputs, outputs) = (model.input_dim(), model.output_dim());
         let service = teacher::TeacherService::new(model, config);
         let registration = Some((store, args.service.clone(), Duration::from_secs(3)));
-        let t =
-            teacher::Teacher::start_advertised(args.listen, args.advertise.clone(), service, registration)
-                .await?;
+        let serving = teacher::Serving { listen: args.listen, advertise: args.advertise.clone(), access };
+        let t = teacher::Teacher::serve(serving, service, registration).await?;
         println!(
             "teacher {:?} ({inputs} -> {outputs}) serving on {} as service {:?} (store {})",
             args.model_name,
@@ -828,6 +891,7 @@ fn distill(args: DistillArgs) -> Result<ExitCode> {
         let cfg = DistillConfig {
             model_name: args.model_name.clone(),
             wait_for_teachers: Duration::from_secs(args.wait_secs),
+            access: args.teacher_access.read()?,
             ..Default::default()
         };
         let mut reader = DistillReader::start(source, None, teachers, cfg);

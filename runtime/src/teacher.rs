@@ -215,11 +215,53 @@ impl GrpcInferenceService for TeacherService {
 /// A serving teacher; stops (and deregisters) when dropped or on [`Teacher::shutdown`].
 pub struct Teacher {
     pub addr: SocketAddr,
-    /// `host:port` clients are told (registered in the store).
+    /// Where clients are told it serves (registered in the store):
+    /// `host:port`, or `https://host:port` with TLS.
     pub advertised: String,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
     lease: Option<Lease<AnyStore>>,
+}
+
+/// Where and how a teacher serves: its address, the address it registers,
+/// and who may call it.
+#[derive(Clone, Debug)]
+pub struct Serving {
+    pub listen: SocketAddr,
+    /// Host name or address clients reach it at (None: the listen address,
+    /// or this host's routable one when listening on all interfaces).
+    pub advertise: Option<String>,
+    pub access: Access,
+}
+
+impl Serving {
+    /// Plain gRPC on `listen`, open to any client.
+    pub fn on(listen: SocketAddr) -> Self {
+        Serving { listen, advertise: None, access: Access::default() }
+    }
+}
+
+/// Who may call a teacher: a bearer token every call must carry, and TLS
+/// (the server's certificate and key, PEM).
+#[derive(Clone, Default)]
+pub struct Access {
+    pub token: Option<String>,
+    pub tls: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for Access {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The token and the key are never printed.
+        f.debug_struct("Access")
+            .field("token", &self.token.as_ref().map(|_| "<set>"))
+            .field("tls", &self.tls.is_some())
+            .finish()
+    }
+}
+
+/// Equal, in time that does not depend on where two strings differ.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 impl Teacher {
@@ -234,19 +276,27 @@ impl Teacher {
         Self::start_with(listen, service, registration).await
     }
 
-    /// As [`Teacher::start`], registering `advertise` (a host name or
-    /// address other hosts reach) with the bound port instead of the bound
-    /// address; needed when listening on all interfaces.
-    pub async fn start_advertised(
+    /// Serves any OIP service implementation (tests wrap [`TeacherService`] to inject faults).
+    pub async fn start_with<S: GrpcInferenceService>(
         listen: SocketAddr,
-        advertise: Option<String>,
-        service: TeacherService,
+        service: S,
         registration: Option<(Arc<AnyStore>, String, Duration)>,
     ) -> Result<Self, TeacherError> {
+        Self::serve(Serving::on(listen), service, registration).await
+    }
+
+    /// Serves as `serving` says. The address registered in the store is
+    /// `host:port`, or `https://host:port` for a teacher with TLS.
+    pub async fn serve<S: GrpcInferenceService>(
+        serving: Serving,
+        service: S,
+        registration: Option<(Arc<AnyStore>, String, Duration)>,
+    ) -> Result<Self, TeacherError> {
+        let listen = serving.listen;
         let listener =
             tokio::net::TcpListener::bind(listen).await.map_err(|e| TeacherError::Bind(listen, e))?;
         let addr = listener.local_addr().map_err(|e| TeacherError::Bind(listen, e))?;
-        let advertised = match advertise {
+        let host_port = match serving.advertise {
             Some(host) => crate::job::net::host_port(&host, addr.port()),
             None if addr.ip().is_unspecified() => {
                 let ip = crate::job::net::routable_ip(addr.is_ipv6())
@@ -255,38 +305,40 @@ impl Teacher {
             }
             None => addr.to_string(),
         };
-        Self::serve(listener, addr, advertised, GrpcInferenceServiceServer::new(service), registration).await
-    }
-
-    /// Serves any OIP service implementation (tests wrap [`TeacherService`] to inject faults).
-    pub async fn start_with<S: GrpcInferenceService>(
-        listen: SocketAddr,
-        service: S,
-        registration: Option<(Arc<AnyStore>, String, Duration)>,
-    ) -> Result<Self, TeacherError> {
-        let listener =
-            tokio::net::TcpListener::bind(listen).await.map_err(|e| TeacherError::Bind(listen, e))?;
-        let addr = listener.local_addr().map_err(|e| TeacherError::Bind(listen, e))?;
-        Self::serve(listener, addr, addr.to_string(), GrpcInferenceServiceServer::new(service), registration)
-            .await
-    }
-
-    async fn serve<S: GrpcInferenceService>(
-        listener: tokio::net::TcpListener,
-        addr: SocketAddr,
-        advertised: String,
-        server: GrpcInferenceServiceServer<S>,
-        registration: Option<(Arc<AnyStore>, String, Duration)>,
-    ) -> Result<Self, TeacherError> {
+        let advertised =
+            if serving.access.tls.is_some() { format!("https://{host_port}") } else { host_port.clone() };
         let (stop, stopped) = oneshot::channel::<()>();
         // Small responses must not wait for delayed ACKs (Nagle): no delay on every connection.
         let incoming =
             tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(listener), |s| {
                 s.and_then(|s| s.set_nodelay(true).map(|()| s))
             });
+        let token = serving.access.token.clone();
+        let check = move |req: Request<()>| -> Result<Request<()>, Status> {
+            let Some(want) = &token else { return Ok(req) };
+            let given = req.metadata().get("authorization").and_then(|v| v.to_str().ok());
+            match given.and_then(|v| v.strip_prefix("Bearer ")) {
+                Some(t) if same_secret(t.as_bytes(), want.as_bytes()) => Ok(req),
+                Some(_) => Err(Status::unauthenticated("wrong bearer token")),
+                None => Err(Status::unauthenticated(
+                    "this teacher needs a bearer token (authorization: Bearer ...)",
+                )),
+            }
+        };
+        let server = tonic::service::interceptor::InterceptedService::new(
+            GrpcInferenceServiceServer::new(service).max_decoding_message_size(256 << 20),
+            check,
+        );
+        let mut builder = tonic::transport::Server::builder();
+        if let Some((cert, key)) = &serving.access.tls {
+            let identity = tonic::transport::Identity::from_pem(cert, key);
+            builder = builder
+                .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+                .map_err(|e| TeacherError::Tls(e.to_string()))?;
+        }
         let task = tokio::spawn(async move {
-            let result = tonic::transport::Server::builder()
-                .add_service(server.max_decoding_message_size(256 << 20))
+            let result = builder
+                .add_service(server)
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = stopped.await;
                 })
@@ -297,7 +349,7 @@ impl Teacher {
         });
         let lease = match registration {
             Some((store, service, ttl)) => {
-                let key = keys::teacher(&service, &advertised);
+                let key = keys::teacher(&service, &host_port);
                 Some(
                     Lease::hold(store, key, advertised.clone().into_bytes(), ttl)
                         .await
@@ -343,6 +395,8 @@ impl Drop for Teacher {
 pub enum TeacherError {
     #[error("listening on {0}: cannot tell which address other hosts reach ({1}); give --advertise")]
     Advertise(SocketAddr, String),
+    #[error("TLS: {0}")]
+    Tls(String),
     #[error("cannot listen on {0}: {1}")]
     Bind(SocketAddr, std::io::Error),
     #[error("cannot register in the store: {0}")]

@@ -164,6 +164,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
         allow_native: host.allows_native(),
         teacher_wait_ms: args.teacher_wait_secs.saturating_mul(1000),
         worker_lease_ms: args.worker_lease_secs.saturating_mul(1000),
+        teacher_access: args.teacher_access.read()?,
     };
     if let Some((model, _, _)) = &builtin
         && args.device != Device::Cpu

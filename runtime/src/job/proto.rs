@@ -103,6 +103,10 @@ pub struct JobSpec {
     /// for this long is declared dead, ms.
     #[serde(default = "default_worker_lease_ms")]
     pub worker_lease_ms: u64,
+    /// The bearer token and TLS trust for the teachers (sent only over the
+    /// authenticated control connection; never printed).
+    #[serde(default)]
+    pub teacher_access: crate::distill::TeacherAccess,
 }
 
 fn default_teacher_wait_ms() -> u64 {

@@ -241,6 +241,8 @@ struct BuiltinWorker {
     transform: Option<Box<dyn TransformPlugin>>,
     transform_path: Option<std::path::PathBuf>,
     transform_config: Vec<(String, String)>,
+    /// The teachers' token and TLS trust.
+    access: crate::distill::TeacherAccess,
     host: Option<Arc<PluginHost>>,
     rt: tokio::runtime::Runtime,
 }
@@ -333,6 +335,7 @@ pub fn run(join: Join) -> Result<()> {
         transform,
         transform_path,
         transform_config: spec.transform_config.clone(),
+        access: spec.teacher_access.clone(),
         host,
         model,
         rt: tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?,
@@ -440,6 +443,7 @@ impl BuiltinWorker {
             teacher_batch: 64,
             read_ahead: 4,
             wait_for_teachers: self.teacher_wait,
+            access: self.access.clone(),
             ..DistillConfig::default()
         };
         tracing::debug!("worker {}: reading ahead from the teachers", self.id);

@@ -468,3 +468,134 @@ fn the_distill_command_reads_from_fixed_teachers_and_from_discovery() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// A CA and a certificate it signed for `127.0.0.1` and `localhost`: (CA
+/// PEM, server certificate PEM, server key PEM).
+fn certificates() -> (String, String, String) {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let server = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
+        .unwrap()
+        .signed_by(&key, &ca)
+        .unwrap();
+    (ca.pem(), server.pem(), key.serialize_pem())
+}
+
+#[test]
+fn a_teacher_with_tls_and_a_token_answers_only_students_that_trust_it_and_carry_the_token() {
+    use edl_runtime::{
+        distill::TeacherAccess,
+        teacher::{Access, Serving},
+    };
+    runtime().block_on(async {
+        let (ca, cert, key) = certificates();
+        let store = Arc::new(AnyStore::open("memory").unwrap());
+        let serving = Serving {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            advertise: None,
+            access: Access { token: Some("s3cret-token".into()), tls: Some((cert.into(), key.into())) },
+        };
+        let service = TeacherService::new(model(), TeacherConfig::default());
+        let t =
+            Teacher::serve(serving, service, Some((store.clone(), "tls".into(), Duration::from_secs(30))))
+                .await
+                .unwrap();
+        // It registers as an https endpoint, and the key names host:port.
+        assert_eq!(t.advertised, format!("https://{}", t.addr));
+        let key = edl_runtime::store::keys::teacher("tls", &t.addr.to_string());
+        use edl_runtime::store::Store;
+        assert_eq!(store.get(&key).await.unwrap().map(|e| e.value), Some(t.advertised.clone().into_bytes()));
+
+        let try_with = |access: TeacherAccess, addr: String| {
+            let cfg = DistillConfig {
+                wait_for_teachers: Duration::from_secs(1),
+                cooldown: Duration::from_millis(50),
+                classes: Some(CLASSES),
+                access,
+                ..Default::default()
+            };
+            DistillReader::start(batches(3, 8).into_iter(), None, Teachers::Fixed(vec![addr]), cfg)
+        };
+        let token = Some("s3cret-token".to_string());
+        // Trusting the CA, with the token: every batch, with the right labels;
+        // discovered through the store as an https endpoint.
+        let trusted = TeacherAccess { token: token.clone(), ca_pem: Some(ca.clone()) };
+        let discovered = Teachers::Discovered { store: store.clone(), service: "tls".into() };
+        let cfg = DistillConfig { classes: Some(CLASSES), access: trusted.clone(), ..Default::default() };
+        drain_and_check(
+            DistillReader::start(batches(3, 8).into_iter(), None, discovered, cfg),
+            &batches(3, 8),
+            |_| {},
+        )
+        .await;
+        // The same, given as host:port: the CA means TLS.
+        drain_and_check(try_with(trusted, t.addr.to_string()), &batches(3, 8), |_| {}).await;
+
+        // No token, a wrong token, a CA that did not sign it, or no TLS at all: refused.
+        let cases = [
+            (TeacherAccess { token: None, ca_pem: Some(ca.clone()) }, "needs a bearer token"),
+            (TeacherAccess { token: Some("guess".into()), ca_pem: Some(ca.clone()) }, "wrong bearer token"),
+            (TeacherAccess { token: token.clone(), ca_pem: Some(certificates().0) }, ""),
+            (TeacherAccess { token: token.clone(), ca_pem: None }, ""),
+        ];
+        for (access, why) in cases {
+            let shown = format!("{access:?}");
+            assert!(!shown.contains("s3cret") && !shown.contains("guess"), "a token in {shown}");
+            let err = try_with(access, t.addr.to_string()).next().await.unwrap().unwrap_err();
+            let text = err.to_string();
+            assert!(matches!(err, DistillError::NoTeachers { .. }), "{text}");
+            assert!(text.contains(why), "{shown}: {text}");
+        }
+    });
+}
+
+#[test]
+fn the_teacher_and_distill_commands_speak_tls_and_carry_the_token_from_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (ca, cert, key) = certificates();
+    for (name, text) in
+        [("ca.pem", &ca), ("cert.pem", &cert), ("key.pem", &key), ("token", &"tok-123\n".to_string())]
+    {
+        std::fs::write(d.join(name), text).unwrap();
+    }
+    model().save(&d.join("teacher.safetensors")).unwrap();
+    let mut teacher = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+        .args(["teacher", "--listen", "127.0.0.1:0", "--model"])
+        .arg(d.join("teacher.safetensors"))
+        .arg("--token-file")
+        .arg(d.join("token"))
+        .arg("--tls-cert")
+        .arg(d.join("cert.pem"))
+        .arg("--tls-key")
+        .arg(d.join("key.pem"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(teacher.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let addr = line.split("serving on ").nth(1).and_then(|r| r.split(' ').next()).unwrap().to_string();
+    assert!(addr.starts_with("https://127.0.0.1:"), "{line}");
+    let distill = |with_token: bool| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+        c.args(["distill", "--teachers", &addr, "--features", &DIM.to_string(), "--batches", "3"]);
+        c.args(["--batch-size", "16", "--wait-secs", "2", "--teacher-ca"]).arg(d.join("ca.pem"));
+        if with_token {
+            c.arg("--teacher-token-file").arg(d.join("token"));
+        }
+        c.output().unwrap()
+    };
+    let out = distill(true);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("done: 48 samples in order with 10-class soft labels"), "{text}");
+    let out = distill(false);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("needs a bearer token"), "{err}");
+    let _ = teacher.kill();
+    let _ = teacher.wait();
+}
