@@ -5,6 +5,12 @@
 //! a valid name; the last `keep` are kept. Loading takes the newest that
 //! verifies; a corrupt or truncated one is reported by name and skipped.
 //!
+//! The directory may be object storage instead (`s3://bucket/prefix`,
+//! `gs://`, `az://`; see [`crate::objects`]), so that no host needs a shared
+//! file system: there each file is one object written whole, and
+//! `manifest.sha256` is written last, as the commit marker: a reader finds a
+//! checkpoint complete, or skips it as incomplete, never half of one.
+//!
 //! Durability: every file is fsynced before the rename and the directory
 //! after it; a checkpoint of the same step that already exists is moved
 //! aside and removed only once the new one is in place (a crash between the
@@ -12,6 +18,7 @@
 //! its own sha256 in `manifest.sha256`, so a bit flip that leaves valid JSON
 //! (a step, a cursor) is caught like a damaged tensor file.
 
+use crate::objects::{self, ObjectDir};
 use crate::state::{Layout, TensorSpec};
 use edl_plugin_sdk::Hyperparams;
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
@@ -64,18 +71,15 @@ pub enum CheckpointError {
     Io { path: String, detail: String },
 }
 
-/// A directory of checkpoints `step-<n>/`.
+/// A directory of checkpoints `step-<n>/`, local or in object storage.
 pub struct Checkpoints {
     dir: PathBuf,
     keep: usize,
+    remote: Option<ObjectDir>,
 }
 
 fn io(path: &Path, e: impl std::fmt::Display) -> CheckpointError {
     CheckpointError::Io { path: path.display().to_string(), detail: e.to_string() }
-}
-
-fn sha256_of(path: &Path) -> Result<String, CheckpointError> {
-    Ok(hex::encode(Sha256::digest(std::fs::read(path).map_err(|e| io(path, e))?)))
 }
 
 /// Writes a file and forces it to disk.
@@ -85,9 +89,15 @@ fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     f.sync_all().map_err(|e| io(path, e))
 }
 
-/// Forces a file written by another writer (safetensors) to disk.
-fn sync_file(path: &Path) -> Result<(), CheckpointError> {
-    std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(|e| io(path, e))
+/// Creates the directory and proves a file can be written and renamed in it.
+fn check_writable(dir: &Path) -> Result<(), CheckpointError> {
+    std::fs::create_dir_all(dir).map_err(|e| io(dir, format!("cannot create it: {e}")))?;
+    let probe = dir.join(format!(".write-probe-{}", std::process::id()));
+    let result = write_durably(&probe, b"probe")
+        .and_then(|()| std::fs::rename(&probe, dir.join(".write-probe")).map_err(|e| io(dir, e)));
+    let _ = std::fs::remove_file(&probe);
+    let _ = std::fs::remove_file(dir.join(".write-probe"));
+    result.map_err(|e| io(dir, format!("cannot write in it: {e}")))
 }
 
 /// Makes renames and removals inside `dir` durable.
@@ -95,14 +105,132 @@ fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
     std::fs::File::open(dir).and_then(|f| f.sync_all()).map_err(|e| io(dir, e))
 }
 
+/// The checkpoint's name for `step`.
+fn step_name(step: u64) -> String {
+    format!("step-{step:010}")
+}
+
+/// The state as a safetensors file's bytes, with the tensors' order.
+fn encode_state(layout: &Layout, values: &[f32], at: &Path) -> Result<Vec<u8>, CheckpointError> {
+    if values.len() != layout.numel() {
+        return Err(io(at, format!("{} values for a state of {}", values.len(), layout.numel())));
+    }
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = layout
+        .ranges()
+        .map(|(t, r)| (t.name.clone(), t.shape.clone(), crate::oip::f32_bytes(&values[r])))
+        .collect();
+    let views = bytes
+        .iter()
+        .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
+        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()
+        .map_err(|e| io(at, e))?;
+    // The order of the tensors, which safetensors does not keep.
+    let order = serde_json::to_string(layout).map_err(|e| io(at, e))?;
+    let meta = std::collections::HashMap::from([("edl.layout".to_string(), order)]);
+    safetensors::serialize(views, Some(meta)).map_err(|e| io(at, e))
+}
+
 impl Checkpoints {
+    /// Checkpoints in the local directory `dir`.
     pub fn new(dir: impl Into<PathBuf>, keep: usize) -> Self {
-        Checkpoints { dir: dir.into(), keep: keep.max(1) }
+        Checkpoints { dir: dir.into(), keep: keep.max(1), remote: None }
+    }
+
+    /// Checkpoints at `location`: a local directory, or object storage
+    /// (`s3://bucket/prefix`, `gs://...`, `az://...`).
+    pub fn open(location: &Path, keep: usize) -> Result<Self, CheckpointError> {
+        let shown = location.to_string_lossy();
+        if !objects::is_url(&shown) {
+            return Ok(Self::new(location, keep));
+        }
+        let remote = ObjectDir::open(&shown)
+            .map_err(|detail| CheckpointError::Io { path: shown.to_string(), detail })?;
+        Ok(Checkpoints { dir: location.to_path_buf(), keep: keep.max(1), remote: Some(remote) })
+    }
+
+    /// Checkpoints in a directory of object storage opened elsewhere.
+    pub fn in_objects(dir: ObjectDir, keep: usize) -> Self {
+        Checkpoints { dir: PathBuf::from(dir.url_of("")), keep: keep.max(1), remote: Some(dir) }
+    }
+
+    /// Whether the checkpoints are in object storage.
+    pub fn is_remote(&self) -> bool {
+        self.remote.is_some()
+    }
+
+    /// Proves checkpoints can be written here: a probe written, read back and removed.
+    pub fn probe(&self) -> Result<(), CheckpointError> {
+        let Some(r) = &self.remote else { return check_writable(&self.dir) };
+        let err = |detail: String| CheckpointError::Io { path: r.url_of(".write-probe"), detail };
+        r.put(".write-probe", b"probe".to_vec()).map_err(err)?;
+        match r.get(".write-probe").map_err(err)? {
+            Some(b) if b == b"probe" => {}
+            _ => return Err(err("the probe written could not be read back".into())),
+        }
+        r.delete(".write-probe").map_err(err)
+    }
+
+    /// Writes a small file beside the checkpoints (a marker).
+    pub fn put_file(&self, name: &str, bytes: &[u8]) -> Result<(), CheckpointError> {
+        match &self.remote {
+            Some(r) => r
+                .put(name, bytes.to_vec())
+                .map_err(|detail| CheckpointError::Io { path: r.url_of(name), detail }),
+            None => write_durably(&self.dir.join(name), bytes),
+        }
+    }
+
+    /// Whether the file `name` is there.
+    pub fn has_file(&self, name: &str) -> bool {
+        match &self.remote {
+            Some(r) => r.get(name).is_ok_and(|b| b.is_some()),
+            None => self.dir.join(name).exists(),
+        }
+    }
+
+    /// Removes the file `name`, if there.
+    pub fn remove_file(&self, name: &str) {
+        match &self.remote {
+            Some(r) => {
+                let _ = r.delete(name);
+            }
+            None => {
+                let _ = std::fs::remove_file(self.dir.join(name));
+            }
+        }
+    }
+
+    /// Removes the checkpoint at `path` (as [`Checkpoints::list`] gives it).
+    pub fn remove(&self, path: &Path) {
+        match &self.remote {
+            Some(r) => {
+                if let Some(rel) = r.rel_of(&path.to_string_lossy()) {
+                    let _ = r.delete_dir(rel);
+                }
+            }
+            None => {
+                let _ = std::fs::remove_dir_all(path);
+            }
+        }
     }
 
     /// The checkpoint directories, oldest first. A checkpoint moved aside by
     /// a writer that crashed before the new copy took its place is put back.
     pub fn list(&self) -> Vec<(u64, PathBuf)> {
+        if let Some(r) = &self.remote {
+            let names = r.dirs().unwrap_or_else(|e| {
+                tracing::warn!("checkpoints: {e}");
+                Vec::new()
+            });
+            let mut out: Vec<(u64, PathBuf)> = names
+                .iter()
+                .filter_map(|n| {
+                    n.strip_prefix("step-")?.parse().ok().map(|s| (s, PathBuf::from(r.url_of(n))))
+                })
+                .collect();
+            out.sort();
+            return out;
+        }
         for e in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             let Some(rest) = name.strip_prefix(".old-") else { continue };
@@ -133,30 +261,30 @@ impl Checkpoints {
         values: &[f32],
         mut manifest: Manifest,
     ) -> Result<PathBuf, CheckpointError> {
+        let name = step_name(manifest.step);
+        if let Some(r) = &self.remote {
+            let at = PathBuf::from(r.url_of(&name));
+            let state = encode_state(layout, values, &at)?;
+            manifest.files = BTreeMap::from([(STATE_FILE.to_string(), hex::encode(Sha256::digest(&state)))]);
+            let json = serde_json::to_vec_pretty(&manifest).map_err(|e| io(&at, e))?;
+            let sum = hex::encode(Sha256::digest(&json)).into_bytes();
+            // The checksum goes last: until it is there, readers skip this one.
+            for (file, bytes) in [(STATE_FILE, state), ("manifest.json", json), ("manifest.sha256", sum)] {
+                r.put(&format!("{name}/{file}"), bytes).map_err(|detail| CheckpointError::Io {
+                    path: r.url_of(&format!("{name}/{file}")),
+                    detail,
+                })?;
+            }
+            self.prune();
+            return Ok(at);
+        }
         std::fs::create_dir_all(&self.dir).map_err(|e| io(&self.dir, e))?;
-        let name = format!("step-{:010}", manifest.step);
         let tmp = self.dir.join(format!(".tmp-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-        if values.len() != layout.numel() {
-            return Err(io(&tmp, format!("{} values for a state of {}", values.len(), layout.numel())));
-        }
-        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = layout
-            .ranges()
-            .map(|(t, r)| (t.name.clone(), t.shape.clone(), crate::oip::f32_bytes(&values[r])))
-            .collect();
-        let views = bytes
-            .iter()
-            .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
-            .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()
-            .map_err(|e| io(&tmp, e))?;
-        // The order of the tensors, which safetensors does not keep.
-        let order = serde_json::to_string(layout).map_err(|e| io(&tmp, e))?;
-        let meta = std::collections::HashMap::from([("edl.layout".to_string(), order)]);
-        safetensors::serialize_to_file(views, Some(meta), &tmp.join(STATE_FILE)).map_err(|e| io(&tmp, e))?;
-        manifest.files.clear();
-        sync_file(&tmp.join(STATE_FILE))?;
-        manifest.files.insert(STATE_FILE.into(), sha256_of(&tmp.join(STATE_FILE))?);
+        let state = encode_state(layout, values, &tmp)?;
+        write_durably(&tmp.join(STATE_FILE), &state)?;
+        manifest.files = BTreeMap::from([(STATE_FILE.to_string(), hex::encode(Sha256::digest(&state)))]);
         let json = serde_json::to_vec_pretty(&manifest).map_err(|e| io(&tmp, e))?;
         write_durably(&tmp.join("manifest.json"), &json)?;
         write_durably(&tmp.join("manifest.sha256"), hex::encode(Sha256::digest(&json)).as_bytes())?;
@@ -174,16 +302,25 @@ impl Checkpoints {
         if replacing {
             let _ = std::fs::remove_dir_all(&aside);
         }
+        self.prune();
+        Ok(dest)
+    }
+
+    /// Keeps the newest `keep` checkpoints.
+    fn prune(&self) {
         let all = self.list();
         for (_, old) in all.iter().take(all.len().saturating_sub(self.keep)) {
-            let _ = std::fs::remove_dir_all(old);
+            self.remove(old);
         }
-        Ok(dest)
     }
 
     /// Removes what an interrupted writer left: temporary directories (call
     /// only while nothing writes checkpoints, as at a job's start).
     pub fn clean_leftovers(&self) -> Vec<PathBuf> {
+        if self.remote.is_some() {
+            // Objects are written whole: nothing is left half written.
+            return Vec::new();
+        }
         let _ = self.list(); // puts back a checkpoint moved aside by a crash
         let mut removed = Vec::new();
         for e in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
@@ -196,33 +333,54 @@ impl Checkpoints {
         removed
     }
 
-    /// Reads and verifies the checkpoint in `path`.
+    /// Reads and verifies the checkpoint in the local directory `path`.
     pub fn read(path: &Path) -> Result<Restored, CheckpointError> {
-        let text =
-            std::fs::read(path.join("manifest.json")).map_err(|e| io(&path.join("manifest.json"), e))?;
+        Self::verify(path, |name| std::fs::read(path.join(name)).map_err(|e| io(&path.join(name), e)))
+    }
+
+    /// Reads and verifies the checkpoint at `path`, as [`Checkpoints::list`] gives it.
+    pub fn read_at(&self, path: &Path) -> Result<Restored, CheckpointError> {
+        let Some(r) = &self.remote else { return Self::read(path) };
+        let shown = path.to_string_lossy();
+        let rel = r.rel_of(&shown).ok_or_else(|| io(path, format!("not under {}", self.dir.display())))?;
+        Self::verify(path, |name| {
+            let at = format!("{rel}/{name}");
+            match r.get(&at) {
+                Ok(Some(b)) => Ok(b),
+                Ok(None) => Err(io(&path.join(name), "no such object")),
+                Err(detail) => Err(CheckpointError::Io { path: r.url_of(&at), detail }),
+            }
+        })
+    }
+
+    /// Verifies a checkpoint whose files `fetch` reads, and decodes its state.
+    fn verify(
+        path: &Path,
+        fetch: impl Fn(&str) -> Result<Vec<u8>, CheckpointError>,
+    ) -> Result<Restored, CheckpointError> {
         let sum_path = path.join("manifest.sha256");
-        let recorded = std::fs::read_to_string(&sum_path)
+        let recorded = fetch("manifest.sha256")
             .map_err(|e| io(&sum_path, format!("no manifest checksum ({e}); not a complete checkpoint")))?;
+        let recorded = String::from_utf8_lossy(&recorded).trim().to_string();
+        let text = fetch("manifest.json")?;
         let actual = hex::encode(Sha256::digest(&text));
-        if recorded.trim() != actual {
+        if recorded != actual {
             return Err(io(
                 &path.join("manifest.json"),
-                format!("sha256 {actual} does not match manifest.sha256 ({})", recorded.trim()),
+                format!("sha256 {actual} does not match manifest.sha256 ({recorded})"),
             ));
         }
         let manifest: Manifest = serde_json::from_slice(&text)
             .map_err(|e| io(&path.join("manifest.json"), format!("not a manifest: {e}")))?;
-        for (f, want) in &manifest.files {
-            let got = sha256_of(&path.join(f))?;
-            if &got != want {
-                return Err(io(&path.join(f), format!("sha256 {got} does not match the manifest's {want}")));
-            }
-        }
         let file = path.join(STATE_FILE);
-        if !manifest.files.contains_key(STATE_FILE) {
+        let Some(want) = manifest.files.get(STATE_FILE) else {
             return Err(io(path, format!("manifest lists no {STATE_FILE}")));
+        };
+        let bytes = fetch(STATE_FILE)?;
+        let got = hex::encode(Sha256::digest(&bytes));
+        if &got != want {
+            return Err(io(&file, format!("sha256 {got} does not match the manifest's {want}")));
         }
-        let bytes = std::fs::read(&file).map_err(|e| io(&file, e))?;
         let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| io(&file, e))?;
         let st = SafeTensors::deserialize(&bytes).map_err(|e| io(&file, e))?;
         let layout: Layout = match meta.metadata().as_ref().and_then(|m| m.get("edl.layout")) {
@@ -262,7 +420,7 @@ impl Checkpoints {
     pub fn latest(&self) -> (Option<Restored>, Vec<CheckpointError>) {
         let mut skipped = Vec::new();
         for (_, path) in self.list().into_iter().rev() {
-            match Self::read(&path) {
+            match self.read_at(&path) {
                 Ok(r) => return (Some(r), skipped),
                 Err(e) => {
                     tracing::warn!("checkpoint {} is unusable, trying the previous one: {e}", path.display());
@@ -332,6 +490,48 @@ mod tests {
         assert!(r.is_none());
         assert_eq!(skipped.len(), 2);
         assert!(skipped[1].to_string().contains("does not match manifest.sha256"), "{}", skipped[1]);
+    }
+
+    #[test]
+    fn in_object_storage_a_checkpoint_counts_once_its_checksum_is_written_and_old_ones_go() {
+        let objects = ObjectDir::open("memory:///jobs/mnist/checkpoints").unwrap();
+        let cps = Checkpoints::in_objects(objects.clone(), 2);
+        cps.probe().unwrap();
+        for step in [10, 20, 30] {
+            let at = cps.save(&layout(), &state(step as f32), manifest(step)).unwrap();
+            assert_eq!(at, PathBuf::from(format!("memory:///jobs/mnist/checkpoints/step-{step:010}")));
+        }
+        let steps: Vec<u64> = cps.list().into_iter().map(|(s, _)| s).collect();
+        assert_eq!(steps, vec![20, 30], "only the last two are kept");
+        assert_eq!(
+            objects.get("step-0000000010/state.safetensors").unwrap(),
+            None,
+            "pruned objects are gone"
+        );
+        let (r, skipped) = cps.latest();
+        assert!(skipped.is_empty());
+        assert_eq!((r.unwrap().values, 30.0), (state(30.0), 30.0));
+
+        // A writer that stopped before the checksum: skipped as incomplete.
+        let half = "step-0000000040";
+        objects.put(&format!("{half}/state.safetensors"), vec![1, 2, 3]).unwrap();
+        objects.put(&format!("{half}/manifest.json"), b"{}".to_vec()).unwrap();
+        let (r, skipped) = cps.latest();
+        assert_eq!(r.unwrap().manifest.step, 30);
+        assert!(skipped[0].to_string().contains("not a complete checkpoint"), "{}", skipped[0]);
+        // A damaged state: named, and the one before is used.
+        objects.delete_dir(half).unwrap();
+        objects.put("step-0000000030/state.safetensors", b"garbage".to_vec()).unwrap();
+        let (r, skipped) = cps.latest();
+        assert_eq!(r.unwrap().manifest.step, 20);
+        assert!(skipped[0].to_string().contains("step-0000000030/state.safetensors"), "{}", skipped[0]);
+
+        // Markers beside the checkpoints.
+        assert!(!cps.has_file("complete.json"));
+        cps.put_file("complete.json", b"[]").unwrap();
+        assert!(cps.has_file("complete.json"));
+        cps.remove_file("complete.json");
+        assert!(!cps.has_file("complete.json"));
     }
 
     #[test]

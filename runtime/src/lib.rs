@@ -3,6 +3,7 @@
 //!
 //! - [`plugin`]: the plugin host (wasmtime components and native libraries).
 //! - [`replay`]: drives a scaling policy over a recorded trace or a simulated cluster.
+//! - [`checkpoint`]: checkpoints in a local directory or object storage ([`objects`]).
 
 pub mod checkpoint;
 pub mod data;
@@ -10,6 +11,7 @@ pub mod distill;
 pub mod gemm;
 pub mod job;
 pub mod model;
+pub mod objects;
 pub mod oip;
 pub mod plot;
 pub mod plugin;

@@ -112,7 +112,15 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
     let args = RunArgs { job: job_name, ..args };
     let checkpoint_dir =
         args.checkpoint_dir.clone().unwrap_or_else(|| root.join(&args.job).join("checkpoints"));
-    let log_dir = checkpoint_dir.parent().unwrap_or(&checkpoint_dir).join("logs");
+    // Checkpoints in object storage: the job's local files (logs, the lock,
+    // the secret) stay in .edl/<job>/.
+    let remote = edl_runtime::objects::is_url(&checkpoint_dir.to_string_lossy());
+    let job_dir = if remote {
+        root.join(&args.job)
+    } else {
+        checkpoint_dir.parent().unwrap_or(&checkpoint_dir).to_path_buf()
+    };
+    let log_dir = job_dir.join("logs");
     let exe = std::env::current_exe().context("locating edl-runtime")?;
 
     // The built-in student and its data, or the program's index range.
@@ -155,7 +163,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
         },
         transform_config: args.transform_config.clone(),
         collective_timeout_ms: args.collective_timeout_ms,
-        checkpoint_dir: std::path::absolute(&checkpoint_dir)?,
+        checkpoint_dir: if remote { checkpoint_dir.clone() } else { std::path::absolute(&checkpoint_dir)? },
         keep_checkpoints: args.keep_checkpoints,
         step_delay_ms: args.step_delay_ms,
         device: args.device.to_string(),
@@ -216,7 +224,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
         cfg.validate_teacher_wait()?;
     }
     job::preflight(&cfg)?;
-    let lock = job::JobLock::acquire(&spec.checkpoint_dir, &args.job)?;
+    let lock = job::JobLock::acquire(if remote { &job_dir } else { &spec.checkpoint_dir }, &args.job)?;
     std::fs::create_dir_all(&log_dir).with_context(|| format!("{}", log_dir.display()))?;
     // A new secret is written where an operator finds it (mode 0600):
     // --secret-file, or .edl/<job>/secret.
@@ -384,7 +392,8 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
 
     let student_accuracy = match &builtin {
         Some((_, _, test)) => {
-            let restored = mlp_of(&Checkpoints::read(&outcome.final_checkpoint)?)?;
+            let store = Checkpoints::open(&spec.checkpoint_dir, 1)?;
+            let restored = mlp_of(&store.read_at(&outcome.final_checkpoint)?)?;
             Some(restored.accuracy(test) as f64)
         }
         None => None,

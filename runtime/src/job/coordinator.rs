@@ -293,6 +293,8 @@ struct Coordinator<'a> {
     addr: String,
     /// `host:port` workers reach the rendezvous at.
     rendezvous_at: String,
+    /// Where the job's checkpoints are (read here, written by rank 0).
+    ckpt: Checkpoints,
     rendezvous: RendezvousServer,
     rx: mpsc::Receiver<Inbound>,
     /// Open control connections.
@@ -414,6 +416,7 @@ pub fn run(
         addr,
         rendezvous_at,
         rendezvous,
+        ckpt: Checkpoints::open(&cfg.spec.checkpoint_dir, cfg.spec.keep_checkpoints)?,
         rx,
         conns: HashMap::new(),
         m,
@@ -468,22 +471,20 @@ pub fn run(
 /// it again from step 0. Until then a rerun resumes from the final
 /// checkpoint and only writes the report.
 pub fn mark_complete(checkpoint_dir: &std::path::Path, epochs: &[EpochRecord]) -> Result<()> {
-    let marker = checkpoint_dir.join("complete.json");
-    std::fs::write(&marker, serde_json::to_vec_pretty(epochs)?)
-        .with_context(|| format!("{}", marker.display()))
+    Checkpoints::open(checkpoint_dir, 1)?.put_file(COMPLETE, &serde_json::to_vec_pretty(epochs)?)?;
+    Ok(())
 }
+
+/// The marker of a finished job, beside its checkpoints.
+const COMPLETE: &str = "complete.json";
 
 impl Coordinator<'_> {
     fn note(&mut self, s: String) {
         (self.progress)(Progress::Note(s));
     }
 
-    fn checkpoints(&self) -> Checkpoints {
-        Checkpoints::new(&self.cfg.spec.checkpoint_dir, self.cfg.spec.keep_checkpoints)
-    }
-
-    fn complete_marker(&self) -> PathBuf {
-        self.cfg.spec.checkpoint_dir.join("complete.json")
+    fn checkpoints(&self) -> &Checkpoints {
+        &self.ckpt
     }
 
     /// Picks up where an earlier run of this job stopped: the store's job
@@ -502,12 +503,12 @@ impl Coordinator<'_> {
             self.generation = s.generation;
             self.m.resume_ids(s.next_worker_id);
         }
-        if self.complete_marker().exists() || stored.as_ref().is_some_and(|s| s.finished) {
+        if self.ckpt.has_file(COMPLETE) || stored.as_ref().is_some_and(|s| s.finished) {
             self.note(format!("job {:?} finished before; starting it again from step 0", self.cfg.spec.job));
-            for (_, p) in self.checkpoints().list() {
-                let _ = std::fs::remove_dir_all(p);
+            for (_, p) in self.ckpt.list() {
+                self.ckpt.remove(&p);
             }
-            let _ = std::fs::remove_file(self.complete_marker());
+            self.ckpt.remove_file(COMPLETE);
             return Ok(None);
         }
         for p in self.checkpoints().clean_leftovers() {

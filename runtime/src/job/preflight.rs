@@ -18,8 +18,10 @@ const STORE_PROBE: Duration = Duration::from_secs(5);
 /// Checks the store and the checkpoint directory.
 pub fn preflight(cfg: &JobConfig) -> Result<()> {
     check_store(&cfg.store)?;
-    check_writable(&cfg.spec.checkpoint_dir)
-        .with_context(|| format!("--checkpoint-dir {}", cfg.spec.checkpoint_dir.display()))?;
+    let dir = &cfg.spec.checkpoint_dir;
+    crate::checkpoint::Checkpoints::open(dir, 1)
+        .and_then(|c| c.probe())
+        .with_context(|| format!("--checkpoint-dir {}", dir.display()))?;
     Ok(())
 }
 
@@ -36,18 +38,6 @@ fn check_store(url: &str) -> Result<()> {
         Ok(Err(e)) => bail!("--store {shown}: {e}"),
         Err(_) => bail!("--store {shown}: no answer within {STORE_PROBE:?}"),
     }
-}
-
-/// Creates the directory and proves a file can be written and renamed in it.
-fn check_writable(dir: &Path) -> Result<()> {
-    std::fs::create_dir_all(dir).context("cannot create it")?;
-    let probe = dir.join(format!(".write-probe-{}", std::process::id()));
-    let result = File::create(&probe)
-        .and_then(|mut f| f.write_all(b"probe").and_then(|()| f.sync_all()))
-        .and_then(|()| std::fs::rename(&probe, dir.join(".write-probe")));
-    let _ = std::fs::remove_file(&probe);
-    let _ = std::fs::remove_file(dir.join(".write-probe"));
-    result.context("cannot write in it")
 }
 
 /// The one coordinator of a job on this machine: an exclusive `flock` on

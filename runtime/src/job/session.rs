@@ -557,7 +557,7 @@ impl Session {
         let n = g.committed_steps;
         if let Some(path) = &g.init {
             let (restored, skipped) =
-                Checkpoints::new(&self.spec.checkpoint_dir, self.spec.keep_checkpoints).latest();
+                Checkpoints::open(&self.spec.checkpoint_dir, self.spec.keep_checkpoints)?.latest();
             for e in skipped {
                 tracing::warn!("worker {}: skipped checkpoint: {e}", self.id);
             }
@@ -671,7 +671,7 @@ impl Session {
             )
         })?;
         let layout = self.layout.clone();
-        let store = Checkpoints::new(&self.spec.checkpoint_dir, self.spec.keep_checkpoints);
+        let store = Checkpoints::open(&self.spec.checkpoint_dir, self.spec.keep_checkpoints)?;
         let handle = std::thread::Builder::new()
             .name("edl-checkpoint".into())
             .spawn(move || Ok(store.save(&layout, &values, manifest)?))?;

@@ -307,7 +307,7 @@ pub fn run(join: Join) -> Result<()> {
             let cache = crate::plugin::ArtifactCache::default_location();
             let dir = match cache.dir() {
                 Some(d) => d.join("shipped"),
-                None => spec.checkpoint_dir.join("shipped-plugins"),
+                None => std::env::temp_dir().join(format!("edl-shipped-plugins-{}", std::process::id())),
             };
             Some(shipped.unpack(&dir).with_context(|| format!("worker {id}: the reader transform"))?)
         }
