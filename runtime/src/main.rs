@@ -301,7 +301,9 @@ struct RunArgs {
     /// Discovery and job state: `memory` (embedded) or `redis://host:port`.
     #[arg(long, default_value = "memory")]
     store: String,
-    /// Where checkpoints go (default: .edl/<job>/checkpoints).
+    /// Where checkpoints go: a directory, or object storage shared by every
+    /// host (`s3://bucket/prefix`, `gs://...`, `az://...`, credentials from
+    /// the usual AWS_/GOOGLE_/AZURE_ environment). Default: .edl/<job>/checkpoints.
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
     /// Checkpoints kept.

@@ -12,6 +12,7 @@ mod reload;
 mod sandbox;
 mod scaffold;
 mod shipped;
+mod storage;
 mod store;
 mod torchrun;
 mod train;
