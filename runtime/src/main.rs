@@ -117,8 +117,9 @@ struct TeacherArgs {
     /// The model, a safetensors file of the runtime's MLP.
     #[arg(long)]
     model: PathBuf,
-    /// Where to register: `memory` (this process only) or `redis://host:port`.
-    #[arg(long, default_value = "memory")]
+    /// Where to register: `memory` (this process only) or `redis://host:port`
+    /// (a URL with a password is better given in $EDL_STORE).
+    #[arg(long, default_value = "memory", env = "EDL_STORE", hide_env_values = true)]
     store: String,
     /// Host name or address students reach this teacher at, registered with
     /// the port (default: the listen address; this host's routable address
@@ -153,8 +154,9 @@ struct DistillArgs {
     /// Fixed teacher endpoints, `host:port,host:port`.
     #[arg(long)]
     teachers: Option<String>,
-    /// Store to discover teachers in (with --service), e.g. redis://127.0.0.1:6379.
-    #[arg(long)]
+    /// Store to discover teachers in (with --service), e.g. redis://127.0.0.1:6379
+    /// (or $EDL_STORE).
+    #[arg(long, env = "EDL_STORE", hide_env_values = true)]
     store: Option<String>,
     #[arg(long, default_value = "teachers")]
     service: String,
@@ -298,8 +300,9 @@ struct RunArgs {
     /// Teacher processes to start (0: use teachers already registered in --store).
     #[arg(long, default_value_t = 2)]
     teachers: u32,
-    /// Discovery and job state: `memory` (embedded) or `redis://host:port`.
-    #[arg(long, default_value = "memory")]
+    /// Discovery and job state: `memory` (embedded) or `redis://host:port`
+    /// (a URL with a password is better given in $EDL_STORE than on a command line).
+    #[arg(long, default_value = "memory", env = "EDL_STORE", hide_env_values = true)]
     store: String,
     /// Where checkpoints go: a directory, or object storage shared by every
     /// host (`s3://bucket/prefix`, `gs://...`, `az://...`, credentials from

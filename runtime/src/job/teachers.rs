@@ -112,8 +112,8 @@ impl TeacherWatch for std::sync::Arc<std::sync::Mutex<Vec<TeacherProcess>>> {
 }
 
 impl TeacherProcess {
-    /// Starts `exe teacher --model M --listen IP:0 --advertise HOST --store S
-    /// --service V` and waits (up to 30 s) for the address it serves on.
+    /// Starts `exe teacher --model M --listen IP:0 --advertise HOST --service V`
+    /// (the store in `EDL_STORE`) and waits (up to 30 s) for the address it serves on.
     pub fn start(
         exe: &Path,
         model: &Path,
@@ -125,9 +125,12 @@ impl TeacherProcess {
         let log_file = std::fs::File::create(log).with_context(|| format!("{}", log.display()))?;
         let mut cmd = Command::new(exe);
         let listen = SocketAddr::new(listen, 0).to_string();
+        // The store's URL may hold a password: in the environment, not on
+        // the command line where any user of the host could read it.
         cmd.args(["teacher", "--listen", &listen, "--advertise", advertise])
-            .args(["--store", store, "--service", service, "--model"])
+            .args(["--service", service, "--model"])
             .arg(model)
+            .env("EDL_STORE", store)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log_file);

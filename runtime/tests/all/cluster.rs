@@ -347,3 +347,56 @@ fn a_job_across_hosts_survives_a_dead_host_and_a_cut_off_one_and_refuses_it_afte
     assert!(notes.contains("no heartbeat for"), "the cut-off worker's lease ran out:\n{notes}");
     assert!(notes.contains("connection closed") || notes.contains("reset by peer"), "{notes}");
 }
+
+/// The command lines of every process on this machine, but this one.
+fn command_lines() -> Vec<(u32, String)> {
+    let me = std::process::id();
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        if pid == me {
+            continue;
+        }
+        if let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) {
+            out.push((pid, String::from_utf8_lossy(&cmd).replace('\0', " ")));
+        }
+    }
+    out
+}
+
+#[test]
+fn the_job_s_secret_and_the_store_s_password_are_on_no_command_line_and_in_no_output() {
+    let password = "pw-4d1b9c";
+    let redis = crate::store::RedisServer::start_with(Some(password));
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let mut cmd = job(d, &["--epochs", "2", "--step-delay-ms", "20", "--plot", "run.svg", "--job", "quiet"]);
+    cmd.args(["--policy", art::SCHEDULE_WASM, "--policy-config", "every=4", "--max-workers", "2"]);
+    cmd.env("EDL_STORE", redis.url());
+    let mut child = cmd.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(180));
+    let secret = std::fs::read_to_string(d.join(".edl/quiet/secret")).unwrap();
+    let secret = secret.trim();
+    assert_eq!(secret.len(), 64);
+    // Teachers, workers, the coordinator: none carries either on its command line.
+    let lines_now = command_lines();
+    assert!(lines_now.iter().any(|(_, c)| c.contains("edl-runtime teacher")), "a teacher runs");
+    assert!(lines_now.iter().any(|(_, c)| c.contains("edl-runtime worker")), "a worker runs");
+    for (pid, c) in &lines_now {
+        assert!(!c.contains(password) && !c.contains(secret), "process {pid}: {c}");
+    }
+    let status = finish(child, rx, &mut seen);
+    assert!(status.success(), "{}", seen.join("\n"));
+    // Nor in what the job printed, its report, its plot or its logs.
+    let mut files = vec![d.join("report.json"), d.join("run.svg")];
+    files.extend(std::fs::read_dir(d.join(".edl/quiet/logs")).unwrap().flatten().map(|e| e.path()));
+    for f in &files {
+        let text = std::fs::read_to_string(f).unwrap();
+        assert!(!text.contains(password) && !text.contains(secret), "{}", f.display());
+    }
+    let out = seen.join("\n");
+    assert!(!out.contains(password) && !out.contains(secret), "{out}");
+    assert!(out.contains("redis://:***@127.0.0.1"), "the store is shown, redacted: {out}");
+}

@@ -16,12 +16,19 @@ pub struct RedisServer {
     port: u16,
     dir: tempfile::TempDir,
     child: Option<Child>,
+    password: Option<String>,
 }
 
 impl RedisServer {
     pub fn start() -> Self {
+        Self::start_with(None)
+    }
+
+    /// A server that wants `password` from every client.
+    pub fn start_with(password: Option<&str>) -> Self {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let mut s = RedisServer { port, dir: tempfile::tempdir().unwrap(), child: None };
+        let password = password.map(str::to_string);
+        let mut s = RedisServer { port, dir: tempfile::tempdir().unwrap(), child: None, password };
         s.spawn();
         s
     }
@@ -33,6 +40,7 @@ impl RedisServer {
             .args(["--bind", "127.0.0.1", "--port", &self.port.to_string(), "--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(self.dir.path())
+            .args(self.password.iter().flat_map(|p| ["--requirepass", p]))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -48,7 +56,10 @@ impl RedisServer {
     }
 
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/", self.port)
+        match &self.password {
+            Some(p) => format!("redis://:{p}@127.0.0.1:{}/", self.port),
+            None => format!("redis://127.0.0.1:{}/", self.port),
+        }
     }
 
     pub fn stop(&mut self) {
