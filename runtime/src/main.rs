@@ -143,10 +143,17 @@ struct TeacherArgs {
     /// Model name clients ask for.
     #[arg(long, default_value = "teacher")]
     model_name: String,
+    /// Most rows run through the model together (concurrent requests are batched up to it).
     #[arg(long, default_value_t = 512)]
     max_batch: usize,
+    /// Longest the first request of a batch waits for others to join it, ms.
     #[arg(long, default_value_t = 2)]
     max_delay_ms: u64,
+    /// Most rows one request may hold; larger ones are refused
+    /// (RESOURCE_EXHAUSTED), and the transport refuses messages that could
+    /// only hold more before reading them.
+    #[arg(long, default_value_t = 4096)]
+    max_request_rows: usize,
 }
 
 #[derive(Args)]
@@ -154,19 +161,22 @@ struct DistillArgs {
     /// Fixed teacher endpoints, `host:port,host:port`.
     #[arg(long)]
     teachers: Option<String>,
-    /// Store to discover teachers in (with --service), e.g. redis://127.0.0.1:6379
-    /// (or $EDL_STORE).
-    #[arg(long, env = "EDL_STORE", hide_env_values = true)]
+    /// Store to discover teachers in (with --service), e.g. redis://127.0.0.1:6379.
+    #[arg(long)]
     store: Option<String>,
+    /// Service name the teachers registered under (with --store).
     #[arg(long, default_value = "teachers")]
     service: String,
+    /// Model name asked of every teacher.
     #[arg(long, default_value = "teacher")]
     model_name: String,
     /// Features per sample the teachers take.
     #[arg(long, default_value_t = 784)]
     features: usize,
+    /// Synthetic batches to read through the teachers.
     #[arg(long, default_value_t = 20)]
     batches: usize,
+    /// Samples per batch.
     #[arg(long, default_value_t = 256)]
     batch_size: usize,
     /// Seconds to wait for a teacher before failing.
@@ -839,12 +849,18 @@ fn teacher(args: TeacherArgs) -> Result<ExitCode> {
             model_name: args.model_name.clone(),
             max_batch: args.max_batch,
             max_delay: Duration::from_millis(args.max_delay_ms),
+            max_request_rows: args.max_request_rows,
             ..Default::default()
         };
         let (inputs, outputs) = (model.input_dim(), model.output_dim());
         let service = teacher::TeacherService::new(model, config);
         let registration = Some((store, args.service.clone(), Duration::from_secs(3)));
-        let serving = teacher::Serving { listen: args.listen, advertise: args.advertise.clone(), access };
+        let serving = teacher::Serving {
+            advertise: args.advertise.clone(),
+            access,
+            ..teacher::Serving::on(args.listen)
+        }
+        .max_rows(args.max_request_rows, inputs);
         let t = teacher::Teacher::serve(serving, service, registration).await?;
         println!(
             "teacher {:?} ({inputs} -> {outputs}) serving on {} as service {:?} (store {})",

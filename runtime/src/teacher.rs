@@ -81,7 +81,50 @@ impl TeacherService {
             )))
         }
     }
+
+    /// The model and its version: any version but the one served is
+    /// unknown (an empty version means the latest), as in Triton.
+    fn check_model_version(&self, name: &str, version: &str) -> Result<(), Status> {
+        self.check_model(name)?;
+        if version.is_empty() || version == MODEL_VERSION {
+            return Ok(());
+        }
+        Err(Status::not_found(format!(
+            "model {name:?} has no version {version:?}; versions served: [{MODEL_VERSION:?}]"
+        )))
+    }
+
+    /// The request's tensors are the ones the model has: one input named
+    /// `input`, and, if outputs are asked for by name, `logits` only.
+    fn check_tensors(&self, req: &pb::ModelInferRequest) -> Result<(), Status> {
+        let model = &self.config.model_name;
+        if req.inputs.len() != 1 {
+            return Err(Status::invalid_argument(format!(
+                "model {model:?} takes 1 input ({INPUT:?}), the request has {}",
+                req.inputs.len()
+            )));
+        }
+        let given = &req.inputs[0].name;
+        if given != INPUT {
+            return Err(Status::invalid_argument(format!(
+                "unexpected inference input {given:?} for model {model:?}; its input is {INPUT:?}"
+            )));
+        }
+        if let Some(o) = req.outputs.iter().find(|o| o.name != OUTPUT) {
+            return Err(Status::invalid_argument(format!(
+                "unexpected inference output {:?} for model {model:?}; its output is {OUTPUT:?}",
+                o.name
+            )));
+        }
+        Ok(())
+    }
 }
+
+/// The one version of the model a teacher serves.
+const MODEL_VERSION: &str = "1";
+/// The model's input and output tensors.
+const INPUT: &str = "input";
+const OUTPUT: &str = "logits";
 
 /// Collects jobs into batches and runs them off the async threads.
 async fn batcher(model: Arc<Mlp>, config: TeacherConfig, mut rx: mpsc::Receiver<Job>) {
@@ -133,7 +176,10 @@ impl GrpcInferenceService for TeacherService {
         &self,
         r: Request<pb::ModelReadyRequest>,
     ) -> Result<Response<pb::ModelReadyResponse>, Status> {
-        Ok(Response::new(pb::ModelReadyResponse { ready: r.get_ref().name == self.config.model_name }))
+        let r = r.get_ref();
+        Ok(Response::new(pb::ModelReadyResponse {
+            ready: self.check_model_version(&r.name, &r.version).is_ok(),
+        }))
     }
 
     async fn server_metadata(
@@ -151,7 +197,7 @@ impl GrpcInferenceService for TeacherService {
         &self,
         r: Request<pb::ModelMetadataRequest>,
     ) -> Result<Response<pb::ModelMetadataResponse>, Status> {
-        self.check_model(&r.get_ref().name)?;
+        self.check_model_version(&r.get_ref().name, &r.get_ref().version)?;
         let tensor = |name: &str, dim: usize| pb::model_metadata_response::TensorMetadata {
             name: name.into(),
             datatype: "FP32".into(),
@@ -159,10 +205,10 @@ impl GrpcInferenceService for TeacherService {
         };
         Ok(Response::new(pb::ModelMetadataResponse {
             name: self.config.model_name.clone(),
-            versions: vec!["1".into()],
+            versions: vec![MODEL_VERSION.into()],
             platform: "edl-mlp".into(),
-            inputs: vec![tensor("input", self.model.input_dim())],
-            outputs: vec![tensor("logits", self.model.output_dim())],
+            inputs: vec![tensor(INPUT, self.model.input_dim())],
+            outputs: vec![tensor(OUTPUT, self.model.output_dim())],
         }))
     }
 
@@ -171,13 +217,8 @@ impl GrpcInferenceService for TeacherService {
         r: Request<pb::ModelInferRequest>,
     ) -> Result<Response<pb::ModelInferResponse>, Status> {
         let req = r.into_inner();
-        self.check_model(&req.model_name)?;
-        if req.inputs.len() != 1 {
-            return Err(Status::invalid_argument(format!(
-                "expected 1 input tensor, got {}",
-                req.inputs.len()
-            )));
-        }
+        self.check_model_version(&req.model_name, &req.model_version)?;
+        self.check_tensors(&req)?;
         let (input, rows, cols) = oip::input_f32(&req, 0).map_err(Status::invalid_argument)?;
         if cols != self.model.input_dim() {
             return Err(Status::invalid_argument(format!(
@@ -197,11 +238,11 @@ impl GrpcInferenceService for TeacherService {
         }
         Ok(Response::new(pb::ModelInferResponse {
             model_name: self.config.model_name.clone(),
-            model_version: "1".into(),
+            model_version: MODEL_VERSION.into(),
             id: req.id,
             parameters: Default::default(),
             outputs: vec![pb::model_infer_response::InferOutputTensor {
-                name: "logits".into(),
+                name: OUTPUT.into(),
                 datatype: "FP32".into(),
                 shape: vec![rows as i64, self.model.output_dim() as i64],
                 parameters: Default::default(),
@@ -232,12 +273,23 @@ pub struct Serving {
     /// or this host's routable one when listening on all interfaces).
     pub advertise: Option<String>,
     pub access: Access,
+    /// Largest request message the transport reads, bytes.
+    pub max_message_bytes: usize,
 }
 
 impl Serving {
     /// Plain gRPC on `listen`, open to any client.
     pub fn on(listen: SocketAddr) -> Self {
-        Serving { listen, advertise: None, access: Access::default() }
+        Serving { listen, advertise: None, access: Access::default(), max_message_bytes: 256 << 20 }
+    }
+
+    /// Refuses messages larger than a request of `rows` rows of `features`
+    /// values could be, before reading them.
+    pub fn max_rows(self, rows: usize, features: usize) -> Self {
+        // 4 bytes a value however it is sent, and room for the names,
+        // shape and parameters around them.
+        let bytes = rows.saturating_mul(features).saturating_mul(4).saturating_add(64 << 10);
+        Serving { max_message_bytes: bytes, ..self }
     }
 }
 
@@ -326,7 +378,7 @@ impl Teacher {
             }
         };
         let server = tonic::service::interceptor::InterceptedService::new(
-            GrpcInferenceServiceServer::new(service).max_decoding_message_size(256 << 20),
+            GrpcInferenceServiceServer::new(service).max_decoding_message_size(serving.max_message_bytes),
             check,
         );
         let mut builder = tonic::transport::Server::builder();

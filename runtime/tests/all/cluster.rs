@@ -83,6 +83,8 @@ fn workers_started_elsewhere_join_with_the_secret_and_only_within_the_maximum() 
     std::fs::create_dir(&plugins).unwrap();
     std::fs::copy(art::AUGMENT_WASM, plugins.join("augment.wasm")).unwrap();
     cmd.arg("--transform").arg(plugins.join("augment.wasm"));
+    // Where the transform runs is checked here, not its speed.
+    cmd.args(["--plugin-deadline-ms", "30000"]);
     cmd.args(["--max-workers", "2", "--epochs", "3", "--step-delay-ms", "40", "--secret-file"]).arg(&secret);
     let mut child = cmd.spawn().unwrap();
     let rx = lines(&mut child);

@@ -162,6 +162,45 @@ fn the_teacher_speaks_oip_and_rejects_bad_requests() {
             .await,
         );
         assert_eq!(e.code(), Code::ResourceExhausted, "{e}");
+        // Names and versions are checked as Triton checks them, naming what is served.
+        let e =
+            code(c.model_infer(pb::ModelInferRequest { model_version: "99".into(), ..raw.clone() }).await);
+        assert!(
+            e.code() == Code::NotFound && e.message().contains("no version \"99\"; versions served: [\"1\"]"),
+            "{e}"
+        );
+        assert!(
+            c.model_infer(pb::ModelInferRequest { model_version: "1".into(), ..raw.clone() }).await.is_ok()
+        );
+        let ready = pb::ModelReadyRequest { name: "teacher".into(), version: "99".into() };
+        assert!(!c.model_ready(ready).await.unwrap().get_ref().ready);
+        let meta = pb::ModelMetadataRequest { name: "teacher".into(), version: "2".into() };
+        assert_eq!(c.model_metadata(meta).await.unwrap_err().code(), Code::NotFound);
+        let mut renamed = raw.clone();
+        renamed.inputs[0].name = "INPUT0".into();
+        let e = code(c.model_infer(renamed).await);
+        assert!(
+            e.code() == Code::InvalidArgument
+                && e.message().contains("unexpected inference input \"INPUT0\""),
+            "{e}"
+        );
+        assert!(e.message().contains("its input is \"input\""), "{e}");
+        let asked = |name: &str| pb::model_infer_request::InferRequestedOutputTensor {
+            name: name.into(),
+            ..Default::default()
+        };
+        let e =
+            code(c.model_infer(pb::ModelInferRequest { outputs: vec![asked("probs")], ..raw.clone() }).await);
+        assert!(
+            e.code() == Code::InvalidArgument
+                && e.message().contains("unexpected inference output \"probs\""),
+            "{e}"
+        );
+        assert!(
+            c.model_infer(pb::ModelInferRequest { outputs: vec![asked("logits")], ..raw.clone() })
+                .await
+                .is_ok()
+        );
         // The server is still fine.
         assert!(c.model_infer(raw).await.is_ok());
         t.shutdown().await;
@@ -323,15 +362,19 @@ fn teacher_process(model: &std::path::Path, redis: &str) -> (Child, String) {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    let addr = serving_at(&mut child);
+    (child, addr)
+}
+
+/// Where a teacher process says it serves (the first line it prints).
+fn serving_at(child: &mut Child) -> String {
     let mut line = String::new();
     BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let addr = line
-        .split("serving on ")
+    line.split("serving on ")
         .nth(1)
         .and_then(|r| r.split(' ').next())
         .unwrap_or_else(|| panic!("{line}"))
-        .to_string();
-    (child, addr)
+        .to_string()
 }
 
 #[test]
@@ -380,10 +423,14 @@ fn teachers_killed_added_and_a_redis_restart_lose_nothing() {
 
 #[test]
 fn teachers_see_the_transformed_samples() {
-    use edl_runtime::plugin::{ArtifactCache, HostOptions, PluginHost};
+    use edl_runtime::plugin::{ArtifactCache, HostOptions, Limits, PluginHost};
     let cache = tempfile::tempdir().unwrap();
-    let host = PluginHost::new(HostOptions { cache: ArtifactCache::at(cache.path()), ..Default::default() })
-        .unwrap();
+    // What is checked is which samples the teachers see, not the plugin's
+    // speed: a deadline a loaded machine cannot miss.
+    let limits = Limits { deadline: Duration::from_secs(30), ..Limits::default() };
+    let host =
+        PluginHost::new(HostOptions { cache: ArtifactCache::at(cache.path()), limits, ..Default::default() })
+            .unwrap();
     let augment =
         || host.load_transform(std::path::Path::new(edl_plugin_artifacts::AUGMENT_WASM), &[]).unwrap();
     runtime().block_on(async {
@@ -494,9 +541,8 @@ fn a_teacher_with_tls_and_a_token_answers_only_students_that_trust_it_and_carry_
         let (ca, cert, key) = certificates();
         let store = Arc::new(AnyStore::open("memory").unwrap());
         let serving = Serving {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            advertise: None,
             access: Access { token: Some("s3cret-token".into()), tls: Some((cert.into(), key.into())) },
+            ..Serving::on("127.0.0.1:0".parse().unwrap())
         };
         let service = TeacherService::new(model(), TeacherConfig::default());
         let t =
@@ -576,10 +622,8 @@ fn the_teacher_and_distill_commands_speak_tls_and_carry_the_token_from_files() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    BufReader::new(teacher.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let addr = line.split("serving on ").nth(1).and_then(|r| r.split(' ').next()).unwrap().to_string();
-    assert!(addr.starts_with("https://127.0.0.1:"), "{line}");
+    let addr = serving_at(&mut teacher);
+    assert!(addr.starts_with("https://127.0.0.1:"), "{addr}");
     let distill = |with_token: bool| {
         let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
         c.args(["distill", "--teachers", &addr, "--features", &DIM.to_string(), "--batches", "3"]);
@@ -598,4 +642,34 @@ fn the_teacher_and_distill_commands_speak_tls_and_carry_the_token_from_files() {
     assert!(!out.status.success() && err.contains("needs a bearer token"), "{err}");
     let _ = teacher.kill();
     let _ = teacher.wait();
+}
+
+#[test]
+fn a_request_larger_than_the_largest_allowed_is_refused_before_it_is_read() {
+    use edl_runtime::teacher::Serving;
+    runtime().block_on(async {
+        let cfg = TeacherConfig { max_request_rows: 100, ..Default::default() };
+        let serving = Serving::on("127.0.0.1:0".parse().unwrap()).max_rows(100, DIM);
+        let t = Teacher::serve(serving, TeacherService::new(model(), cfg), None).await.unwrap();
+        let mut c = GrpcInferenceServiceClient::connect(format!("http://{}", t.addr)).await.unwrap();
+        let request = |rows: usize| pb::ModelInferRequest {
+            model_name: "teacher".into(),
+            inputs: vec![pb::model_infer_request::InferInputTensor {
+                name: "input".into(),
+                datatype: "FP32".into(),
+                shape: vec![rows as i64, DIM as i64],
+                ..Default::default()
+            }],
+            raw_input_contents: vec![oip::f32_bytes(&vec![0.5; rows * DIM])],
+            ..Default::default()
+        };
+        // Just above the row limit: decoded, refused by the teacher.
+        let e = c.model_infer(request(101)).await.unwrap_err();
+        assert_eq!(e.code(), Code::ResourceExhausted, "{e}");
+        // Far above: the transport refuses it by its size, naming the limit.
+        let e = c.model_infer(request(10_000)).await.unwrap_err();
+        let limit = (100 * DIM * 4 + (64 << 10)).to_string();
+        assert!(e.message().contains(&limit), "{e}");
+        assert!(c.model_infer(request(100)).await.is_ok());
+    });
 }
