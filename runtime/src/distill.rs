@@ -106,6 +106,10 @@ pub enum DistillError {
     /// error.
     #[error("no teacher answered for {waited:?}{}", describe_failures(last))]
     NoTeachers { waited: Duration, last: Vec<String> },
+    /// Every teacher refused the requests for a reason retrying cannot fix
+    /// (a wrong model name, input, datatype, class count or credentials).
+    #[error("every teacher refused the requests: {}", reasons.join("; "))]
+    Refused { reasons: Vec<String> },
     #[error("batch {seq}: {detail}")]
     BadBatch { seq: u64, detail: String },
     #[error(transparent)]
@@ -156,12 +160,72 @@ impl DistillReader {
 
 struct Teacher {
     addr: String,
+    /// The model asked of it, and its version (empty: the latest).
+    model: String,
+    version: String,
     client: GrpcInferenceServiceClient<Channel>,
     outstanding: usize,
     cool_until: Option<Instant>,
+    /// Transient failures in a row (each doubles the cool-down, up to a cap).
+    failures: u32,
     draining: bool,
+    /// It refused a request for a reason retrying cannot fix (a wrong
+    /// model name, shapes, datatype or credentials): it gets no more.
+    refused: Option<String>,
     /// Why its last request failed.
     last_error: Option<String>,
+}
+
+/// How a failed request is treated.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Failure {
+    /// It may work later (unavailable, a timeout, overloaded): the teacher
+    /// cools down, longer after each failure in a row.
+    Transient,
+    /// Retrying cannot help (NOT_FOUND, INVALID_ARGUMENT, UNAUTHENTICATED, an
+    /// answer of the wrong kind): the teacher is dropped from the pool.
+    Permanent,
+}
+
+impl Failure {
+    fn of(code: tonic::Code) -> Self {
+        use tonic::Code::*;
+        match code {
+            NotFound | InvalidArgument | Unimplemented | Unauthenticated | PermissionDenied
+            | FailedPrecondition | OutOfRange | AlreadyExists => Failure::Permanent,
+            _ => Failure::Transient,
+        }
+    }
+}
+
+/// The longest a failing teacher is left alone before it is tried again.
+const MAX_COOLDOWN: Duration = Duration::from_secs(30);
+
+/// How long a teacher rests after `failures` transient failures in a row:
+/// 1, 2, 4, ... times the cool-down, up to [`MAX_COOLDOWN`] (or the
+/// cool-down itself, if longer).
+fn backoff(cooldown: Duration, failures: u32) -> Duration {
+    let doubled = cooldown.saturating_mul(1u32 << failures.saturating_sub(1).min(16));
+    doubled.min(MAX_COOLDOWN.max(cooldown))
+}
+
+/// A teacher endpoint with an optional model (and version):
+/// `host:port`, `host:port/model`, `host:port/model/version`, each also
+/// with `http://` or `https://` in front.
+pub fn parse_endpoint(spec: &str) -> (String, Option<String>, Option<String>) {
+    let (scheme, rest) = match spec.split_once("://") {
+        Some((s, r)) => (Some(s), r),
+        None => (None, spec),
+    };
+    let mut parts = rest.splitn(3, '/');
+    let authority = parts.next().unwrap_or_default();
+    let model = parts.next().filter(|m| !m.is_empty()).map(str::to_string);
+    let version = parts.next().filter(|v| !v.is_empty()).map(|v| v.trim_end_matches('/').to_string());
+    let addr = match scheme {
+        Some(s) => format!("{s}://{authority}"),
+        None => authority.to_string(),
+    };
+    (addr, model, version)
 }
 
 fn describe_failures(last: &[String]) -> String {
@@ -198,7 +262,23 @@ struct Pipeline {
     stalled_since: Option<Instant>,
 }
 
-type Outcome = (String, Piece, Result<Vec<f32>, String>);
+type Outcome = (String, Piece, Result<Vec<f32>, (Failure, String)>);
+
+/// A gRPC status in words: its code, and its message or what the transport said.
+fn describe_status(status: &tonic::Status) -> String {
+    use std::error::Error;
+    let mut detail = status.message().to_string();
+    let mut source = status.source();
+    while let Some(e) = source {
+        // Each layer often repeats the one below it: say each thing once.
+        let said = e.to_string();
+        if !detail.contains(&said) {
+            detail = if detail.is_empty() { said } else { format!("{detail}: {said}") };
+        }
+        source = e.source();
+    }
+    if detail.is_empty() { format!("{:?}", status.code()) } else { format!("{:?}: {detail}", status.code()) }
+}
 
 fn features_of(b: &Batch) -> Result<(Vec<f32>, usize), String> {
     b.validate().map_err(|e| e.to_string())?;
@@ -225,11 +305,13 @@ impl Pipeline {
         }
     }
 
-    fn add_teacher(&mut self, addr: &str) {
-        if let Some(t) = self.pool.get_mut(addr) {
+    fn add_teacher(&mut self, spec: &str) {
+        if let Some(t) = self.pool.get_mut(spec) {
             t.draining = false;
             return;
         }
+        let (addr, model, version) = parse_endpoint(spec);
+        let addr = addr.as_str();
         let tls_default = self.cfg.access.ca_pem.is_some();
         let uri = match addr.contains("://") {
             true => addr.to_string(),
@@ -250,26 +332,36 @@ impl Pipeline {
             Ok(ep) => {
                 let ch = ep.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true).connect_lazy();
                 let client = GrpcInferenceServiceClient::new(ch).max_decoding_message_size(256 << 20);
-                tracing::info!("teacher {addr} joined");
+                let model = model.unwrap_or_else(|| self.cfg.model_name.clone());
+                tracing::info!("teacher {addr} (model {model:?}) added");
                 self.pool.insert(
-                    addr.to_string(),
+                    spec.to_string(),
                     Teacher {
-                        addr: addr.to_string(),
+                        addr: spec.to_string(),
+                        model,
+                        version: version.unwrap_or_default(),
                         client,
                         outstanding: 0,
                         cool_until: None,
+                        failures: 0,
                         draining: false,
+                        refused: None,
                         last_error: None,
                     },
                 );
             }
-            Err(e) => tracing::warn!("teacher endpoint {addr:?} is not usable: {e}"),
+            Err(e) => tracing::warn!("teacher endpoint {spec:?} is not usable: {e}"),
         }
     }
 
-    fn remove_teacher(&mut self, addr: &str) {
-        if let Some(t) = self.pool.get_mut(addr) {
-            tracing::info!("teacher {addr} left; draining its {} requests", t.outstanding);
+    /// The teacher at `host:port` left (its registration is gone).
+    fn remove_teacher(&mut self, host_port: &str) {
+        let at = |spec: &str| {
+            let (addr, _, _) = parse_endpoint(spec);
+            addr.split_once("://").map_or(addr.clone(), |(_, a)| a.to_string()) == host_port
+        };
+        for t in self.pool.values_mut().filter(|t| at(&t.addr)) {
+            tracing::info!("teacher {} left; draining its {} requests", t.addr, t.outstanding);
             t.draining = true;
         }
     }
@@ -280,7 +372,12 @@ impl Pipeline {
         let limit = self.cfg.in_flight_per_teacher;
         self.pool
             .values()
-            .filter(|t| !t.draining && t.outstanding < limit && t.cool_until.is_none_or(|c| c <= now))
+            .filter(|t| {
+                !t.draining
+                    && t.refused.is_none()
+                    && t.outstanding < limit
+                    && t.cool_until.is_none_or(|c| c <= now)
+            })
             .min_by_key(|t| t.outstanding)
             .map(|t| t.addr.clone())
     }
@@ -304,8 +401,10 @@ impl Pipeline {
             self.queue.pop_front();
             let p = &self.pending[&piece.seq];
             let data = oip::f32_bytes(&p.features[piece.start * p.dim..(piece.start + piece.rows) * p.dim]);
+            let t = &self.pool[&addr];
             let req = pb::ModelInferRequest {
-                model_name: self.cfg.model_name.clone(),
+                model_name: t.model.clone(),
+                model_version: t.version.clone(),
                 id: format!("{}:{}", piece.seq, piece.start),
                 inputs: vec![pb::model_infer_request::InferInputTensor {
                     name: "input".into(),
@@ -331,14 +430,15 @@ impl Pipeline {
             let timeout = self.cfg.request_timeout;
             running.spawn(async move {
                 let result = match tokio::time::timeout(timeout, client.model_infer(req)).await {
-                    Err(_) => Err(format!("no answer within {timeout:?}")),
-                    Ok(Err(status)) => Err(format!("{}: {}", status.code(), status.message())),
+                    Err(_) => Err((Failure::Transient, format!("no answer within {timeout:?}"))),
+                    Ok(Err(status)) => Err((Failure::of(status.code()), describe_status(&status))),
                     Ok(Ok(resp)) => match oip::output_f32(resp.get_ref()) {
                         Ok((v, rows, _)) if rows == piece.rows => Ok(v),
-                        Ok((_, rows, cols)) => {
-                            Err(format!("answered [{rows}, {cols}] for {} rows", piece.rows))
-                        }
-                        Err(e) => Err(e),
+                        Ok((_, rows, cols)) => Err((
+                            Failure::Permanent,
+                            format!("answered [{rows}, {cols}] for {} rows", piece.rows),
+                        )),
+                        Err(e) => Err((Failure::Permanent, e)),
                     },
                 };
                 (addr, piece, result)
@@ -351,13 +451,18 @@ impl Pipeline {
         if let Some(t) = self.pool.get_mut(&addr) {
             t.outstanding -= 1;
         }
+        let expected = self.cfg.classes;
         let accepted = result.and_then(|v| {
             let cols = v.len() / piece.rows.max(1);
             if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-                return Err(format!("answered a non-finite value ({}) in row {}", v[i], i / cols.max(1)));
+                let why = format!("answered a non-finite value ({}) in row {}", v[i], i / cols.max(1));
+                return Err((Failure::Transient, why));
             }
             match self.classes {
-                Some(c) if c != cols => Err(format!("answered {cols} classes; other teachers answer {c}")),
+                Some(c) if c != cols => {
+                    let whose = if expected.is_some() { "the student has" } else { "other teachers answer" };
+                    Err((Failure::Permanent, format!("answered {cols} classes; {whose} {c}")))
+                }
                 _ => Ok((v, cols)),
             }
         });
@@ -365,6 +470,9 @@ impl Pipeline {
             Ok((v, cols)) => {
                 self.classes = Some(cols);
                 self.stalled_since = None;
+                if let Some(t) = self.pool.get_mut(&addr) {
+                    t.failures = 0;
+                }
                 let p = self.pending.get_mut(&piece.seq).expect("pending batch");
                 if p.soft.is_empty() {
                     p.soft = vec![0.0; p.batch.len() * cols];
@@ -372,16 +480,32 @@ impl Pipeline {
                 p.soft[piece.start * cols..(piece.start + piece.rows) * cols].copy_from_slice(&v);
                 p.missing -= 1;
             }
-            Err(why) => {
-                tracing::warn!(
-                    "teacher {addr} failed on batch {} rows {}..{}: {why}; resending elsewhere, cooling it down for {cooldown:?}",
-                    piece.seq,
-                    piece.start,
-                    piece.start + piece.rows
-                );
+            Err((kind, why)) => {
                 if let Some(t) = self.pool.get_mut(&addr) {
-                    t.cool_until = Some(Instant::now() + cooldown);
-                    t.last_error = Some(format!("{addr}: {why}"));
+                    let what = format!("{addr} (model {:?}): {why}", t.model);
+                    match kind {
+                        Failure::Permanent if t.refused.is_none() => {
+                            tracing::error!("teacher {what}; no more requests go to it");
+                            t.refused = Some(what.clone());
+                        }
+                        Failure::Permanent => {}
+                        Failure::Transient => {
+                            t.failures += 1;
+                            let wait = backoff(cooldown, t.failures);
+                            t.cool_until = Some(Instant::now() + wait);
+                            if t.failures == 1 {
+                                tracing::warn!(
+                                    "teacher {what}; its requests go elsewhere, retrying it in {wait:?}"
+                                );
+                            } else {
+                                tracing::debug!(
+                                    "teacher {what} (failure {} in a row); next try in {wait:?}",
+                                    t.failures
+                                );
+                            }
+                        }
+                    }
+                    t.last_error = Some(what);
                 }
                 self.queue.push_front(piece);
             }
@@ -436,6 +560,14 @@ impl Pipeline {
                     return;
                 }
             }
+            // Every fixed teacher refused for a reason retrying cannot fix:
+            // say so now rather than after the wait.
+            let all_refused = !self.pool.is_empty() && self.pool.values().all(|t| t.refused.is_some());
+            if matches!(self.teachers, Teachers::Fixed(_)) && all_refused && running.is_empty() {
+                let reasons = self.pool.values().filter_map(|t| t.refused.clone()).collect();
+                let _ = out.send(Err(DistillError::Refused { reasons })).await;
+                return;
+            }
             if !self.queue.is_empty() && running.is_empty() && self.pool.values().all(|t| t.draining) {
                 tracing::warn!("no teacher available; waiting up to {:?}", self.cfg.wait_for_teachers);
             }
@@ -487,4 +619,28 @@ pub fn endpoints(list: &str) -> Vec<String> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failing_teacher_rests_longer_after_each_failure_up_to_a_cap() {
+        let ms = |v: u64| Duration::from_millis(v);
+        let got: Vec<Duration> = (1..=7).map(|n| backoff(ms(2000), n)).collect();
+        assert_eq!(got, [2000, 4000, 8000, 16000, 30000, 30000, 30000].map(ms));
+        assert_eq!(backoff(ms(50), 40), MAX_COOLDOWN, "no overflow");
+        assert_eq!(backoff(ms(60_000), 3), ms(60_000), "a cool-down above the cap is kept");
+    }
+
+    #[test]
+    fn an_endpoint_may_name_its_model_and_version() {
+        let e = |s: &str| parse_endpoint(s);
+        assert_eq!(e("10.0.0.1:8001"), ("10.0.0.1:8001".into(), None, None));
+        assert_eq!(e("t1:8001/resnet"), ("t1:8001".into(), Some("resnet".into()), None));
+        assert_eq!(e("t1:8001/resnet/3"), ("t1:8001".into(), Some("resnet".into()), Some("3".into())));
+        assert_eq!(e("https://t1:443/m/2/"), ("https://t1:443".into(), Some("m".into()), Some("2".into())));
+        assert_eq!(e("http://t1:80"), ("http://t1:80".into(), None, None));
+    }
 }

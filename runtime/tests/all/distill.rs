@@ -345,7 +345,10 @@ fn when_every_listed_teacher_fails_the_reader_gives_up_after_one_wait_naming_the
         let err = reader.next().await.unwrap().unwrap_err();
         let DistillError::NoTeachers { last, .. } = &err else { panic!("{err}") };
         let text = err.to_string();
-        assert!(text.contains(&format!("{}: answered a non-finite value", nan.addr)), "{text}");
+        assert!(
+            text.contains(&format!("{} (model \"teacher\"): answered a non-finite value", nan.addr)),
+            "{text}"
+        );
         assert!(text.contains(&dead.to_string()), "{text}");
         assert_eq!(last.len(), 2, "{text}");
         assert!(reader.next().await.is_none());
@@ -592,7 +595,8 @@ fn a_teacher_with_tls_and_a_token_answers_only_students_that_trust_it_and_carry_
             assert!(!shown.contains("s3cret") && !shown.contains("guess"), "a token in {shown}");
             let err = try_with(access, t.addr.to_string()).next().await.unwrap().unwrap_err();
             let text = err.to_string();
-            assert!(matches!(err, DistillError::NoTeachers { .. }), "{text}");
+            // A refused token is final; a connection that cannot be made is retried until the wait ends.
+            assert!(matches!(err, DistillError::Refused { .. } | DistillError::NoTeachers { .. }), "{text}");
             assert!(text.contains(why), "{shown}: {text}");
         }
     });
@@ -671,5 +675,40 @@ fn a_request_larger_than_the_largest_allowed_is_refused_before_it_is_read() {
         let limit = (100 * DIM * 4 + (64 << 10)).to_string();
         assert!(e.message().contains(&limit), "{e}");
         assert!(c.model_infer(request(100)).await.is_ok());
+    });
+}
+
+#[test]
+fn a_teacher_that_refuses_for_good_gets_no_more_requests_and_the_error_names_it() {
+    runtime().block_on(async {
+        let any = "127.0.0.1:0".parse().unwrap();
+        let other = TeacherConfig { model_name: "other".into(), ..Default::default() };
+        let t = Teacher::start(any, TeacherService::new(model(), other), None).await.unwrap();
+        let read = |teachers: Vec<String>, classes: Option<usize>| {
+            // A wait far longer than the test: only a refusal ends these early.
+            let cfg =
+                DistillConfig { wait_for_teachers: Duration::from_secs(3600), classes, ..Default::default() };
+            DistillReader::start(batches(3, 8).into_iter(), None, Teachers::Fixed(teachers), cfg)
+        };
+        let first = |mut r: DistillReader| async move {
+            tokio::time::timeout(Duration::from_secs(120), r.next())
+                .await
+                .expect("an answer, not a wait")
+                .unwrap()
+        };
+        // The wrong model (the reader's default, "teacher"): one clear error, at once.
+        let err = first(read(vec![t.addr.to_string()], None)).await.unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, DistillError::Refused { .. }), "{text}");
+        assert!(text.contains(&format!("{} (model \"teacher\")", t.addr)), "{text}");
+        assert!(text.contains("NotFound") && text.contains("this server serves \"other\""), "{text}");
+        // Named with the endpoint (and its version), the same teacher serves.
+        drain_and_check(read(vec![format!("{}/other/1", t.addr)], None), &batches(3, 8), |_| {}).await;
+        // A class count other than the student's is refused for good too.
+        let err = first(read(vec![format!("{}/other", t.addr)], Some(CLASSES + 1))).await.unwrap_err();
+        assert!(
+            err.to_string().contains(&format!("answered {CLASSES} classes; the student has {}", CLASSES + 1)),
+            "{err}"
+        );
     });
 }
