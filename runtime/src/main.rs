@@ -158,7 +158,9 @@ struct TeacherArgs {
 
 #[derive(Args)]
 struct DistillArgs {
-    /// Fixed teacher endpoints, `host:port,host:port`.
+    /// Fixed teacher endpoints, comma separated: `host:port`, or
+    /// `host:port/model[/version]` to ask that teacher for its own model;
+    /// `https://` in front for TLS.
     #[arg(long)]
     teachers: Option<String>,
     /// Store to discover teachers in (with --service), e.g. redis://127.0.0.1:6379.
@@ -182,6 +184,20 @@ struct DistillArgs {
     /// Seconds to wait for a teacher before failing.
     #[arg(long, default_value_t = 30)]
     wait_secs: u64,
+    /// Longest a teacher may take to answer one request, ms (then it is
+    /// retried elsewhere and the teacher rests).
+    #[arg(long, default_value_t = 5000)]
+    request_timeout_ms: u64,
+    /// Rows per teacher request.
+    #[arg(long, default_value_t = 64)]
+    teacher_batch: usize,
+    /// Requests in flight per teacher.
+    #[arg(long, default_value_t = 4)]
+    in_flight: usize,
+    /// How long a teacher rests after a failure, ms; doubled after each
+    /// failure in a row, up to 30 s.
+    #[arg(long, default_value_t = 2000)]
+    cooldown_ms: u64,
     #[command(flatten)]
     teacher_access: TeacherAccessArgs,
 }
@@ -912,6 +928,10 @@ fn distill(args: DistillArgs) -> Result<ExitCode> {
         let cfg = DistillConfig {
             model_name: args.model_name.clone(),
             wait_for_teachers: Duration::from_secs(args.wait_secs),
+            request_timeout: Duration::from_millis(args.request_timeout_ms.max(1)),
+            teacher_batch: args.teacher_batch.max(1),
+            in_flight_per_teacher: args.in_flight.max(1),
+            cooldown: Duration::from_millis(args.cooldown_ms),
             access: args.teacher_access.read()?,
             ..Default::default()
         };

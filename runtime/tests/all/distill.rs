@@ -712,3 +712,53 @@ fn a_teacher_that_refuses_for_good_gets_no_more_requests_and_the_error_names_it(
         );
     });
 }
+
+#[test]
+fn the_distill_command_gives_up_on_dead_teachers_after_the_wait_and_on_a_wrong_model_at_once() {
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let run = |teachers: &str, wait: &str| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+            .args(["distill", "--teachers", teachers, "--features", &DIM.to_string(), "--batches", "2"])
+            .args(["--wait-secs", wait, "--cooldown-ms", "100"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Bounded, so that a reader that never gives up fails the test instead of hanging it.
+        let until = std::time::Instant::now() + Duration::from_secs(300);
+        let status = loop {
+            if let Some(s) = c.try_wait().unwrap() {
+                break s;
+            }
+            assert!(std::time::Instant::now() < until, "distill --teachers {teachers} did not give up");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut c.stderr.take().unwrap(), &mut err).unwrap();
+        (status, err)
+    };
+    let (status, err) = run(&dead.to_string(), "2");
+    assert!(
+        !status.success() && err.contains("no teacher answered for 2s") && err.contains(&dead.to_string()),
+        "{err}"
+    );
+    // A live teacher asked for a model it does not serve: refused at once
+    // (the wait is an hour).
+    let dir = tempfile::tempdir().unwrap();
+    model().save(&dir.path().join("t.safetensors")).unwrap();
+    let mut teacher = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+        .args(["teacher", "--listen", "127.0.0.1:0", "--model"])
+        .arg(dir.path().join("t.safetensors"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let addr = serving_at(&mut teacher);
+    let (status, err) = run(&format!("{addr}/resnet"), "3600");
+    assert!(
+        !status.success() && err.contains("every teacher refused") && err.contains("\"resnet\""),
+        "{err}"
+    );
+    let _ = teacher.kill();
+    let _ = teacher.wait();
+}
