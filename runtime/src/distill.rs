@@ -48,6 +48,53 @@ pub struct DistillConfig {
     pub classes: Option<usize>,
     /// The token and TLS trust for teachers that need them.
     pub access: TeacherAccess,
+    /// Which tensors are sent and read, and what the outputs hold.
+    pub io: TeacherIo,
+}
+
+/// The tensors students send and read.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TeacherIo {
+    /// The input to send and the output to read (None: learnt from each
+    /// teacher's model metadata at first contact).
+    pub input_name: Option<String>,
+    pub output_name: Option<String>,
+    /// What the teachers' outputs hold (an endpoint may say otherwise for
+    /// its teacher with `@logits` or `@probs`).
+    pub output: OutputKind,
+}
+
+/// What a teacher's output holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OutputKind {
+    /// Unnormalised scores (the student's loss applies the softmax).
+    #[default]
+    Logits,
+    /// Probabilities (turned into log-probabilities, which the softmax
+    /// maps back to them).
+    Probs,
+}
+
+impl std::str::FromStr for OutputKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "logits" => Ok(OutputKind::Logits),
+            "probs" => Ok(OutputKind::Probs),
+            other => Err(format!("{other:?}: expected logits or probs")),
+        }
+    }
+}
+
+/// The tensors a teacher's model takes and gives, as the reader uses them.
+#[derive(Clone, Debug)]
+struct Names {
+    input: String,
+    /// Its datatype: FP32, or FP64 (sent converted).
+    input_fp64: bool,
+    /// The output asked for (None: whichever comes first).
+    output: Option<String>,
 }
 
 /// What a student needs to call teachers that check a bearer token or
@@ -84,6 +131,7 @@ impl Default for DistillConfig {
             wait_for_teachers: Duration::from_secs(30),
             classes: None,
             access: TeacherAccess::default(),
+            io: TeacherIo::default(),
         }
     }
 }
@@ -174,6 +222,9 @@ struct Teacher {
     refused: Option<String>,
     /// Why its last request failed.
     last_error: Option<String>,
+    /// Learnt once, at the first request.
+    names: Arc<tokio::sync::OnceCell<Names>>,
+    kind: OutputKind,
 }
 
 /// How a failed request is treated.
@@ -264,6 +315,174 @@ struct Pipeline {
 
 type Outcome = (String, Piece, Result<Vec<f32>, (Failure, String)>);
 
+/// One request to one teacher, with what it needs to make it.
+struct Ask {
+    client: GrpcInferenceServiceClient<Channel>,
+    model: String,
+    version: String,
+    names: Arc<tokio::sync::OnceCell<Names>>,
+    kind: OutputKind,
+    token: Option<String>,
+    timeout: Duration,
+}
+
+/// Output names that say what they hold, preferred in this order.
+const KNOWN_OUTPUTS: [&str; 5] = ["logits", "probs", "probabilities", "predict_proba", "output_probability"];
+
+impl Ask {
+    fn request<T>(&self, msg: T) -> tonic::Request<T> {
+        let mut req = tonic::Request::new(msg);
+        if let Some(token) = &self.token {
+            match format!("Bearer {token}").parse() {
+                Ok(v) => {
+                    req.metadata_mut().insert("authorization", v);
+                }
+                Err(_) => tracing::warn!("the teacher token holds characters a header cannot; not sent"),
+            }
+        }
+        req
+    }
+
+    /// The teacher's model's input and output, from its metadata (or as given).
+    async fn learn(&self, wanted: (Option<String>, Option<String>)) -> Result<Names, (Failure, String)> {
+        let (input, output) = wanted;
+        let asked = pb::ModelMetadataRequest { name: self.model.clone(), version: self.version.clone() };
+        let mut client = self.client.clone();
+        let meta = match tokio::time::timeout(self.timeout, client.model_metadata(self.request(asked))).await
+        {
+            Err(_) => return Err((Failure::Transient, format!("no metadata within {:?}", self.timeout))),
+            // A server without metadata: the names given, or the usual ones.
+            Ok(Err(s)) if s.code() == tonic::Code::Unimplemented => {
+                return Ok(Names {
+                    input: input.unwrap_or_else(|| "input".into()),
+                    input_fp64: false,
+                    output,
+                });
+            }
+            Ok(Err(s)) => {
+                return Err((Failure::of(s.code()), format!("model metadata: {}", describe_status(&s))));
+            }
+            Ok(Ok(m)) => m.into_inner(),
+        };
+        let model = &self.model;
+        let input_meta = match &input {
+            Some(n) => meta.inputs.iter().find(|i| &i.name == n).ok_or_else(|| {
+                let names: Vec<&str> = meta.inputs.iter().map(|i| i.name.as_str()).collect();
+                (Failure::Permanent, format!("model {model:?} has no input {n:?} (it has {names:?})"))
+            })?,
+            None => meta
+                .inputs
+                .first()
+                .ok_or((Failure::Permanent, format!("model {model:?} declares no input")))?,
+        };
+        let input_fp64 = match input_meta.datatype.as_str() {
+            "FP32" => false,
+            "FP64" => true,
+            other => {
+                let why = format!(
+                    "model {model:?} takes {other} input {:?}; this reader sends FP32 or FP64 features",
+                    input_meta.name
+                );
+                return Err((Failure::Permanent, why));
+            }
+        };
+        let floating = |d: &str| matches!(d, "FP32" | "FP64" | "FP16" | "BF16");
+        let output = match output {
+            Some(n) => {
+                let o = meta.outputs.iter().find(|o| o.name == n).ok_or_else(|| {
+                    let names: Vec<&str> = meta.outputs.iter().map(|o| o.name.as_str()).collect();
+                    (Failure::Permanent, format!("model {model:?} has no output {n:?} (it has {names:?})"))
+                })?;
+                if !floating(&o.datatype) {
+                    let why = format!(
+                        "output {n:?} of model {model:?} is {}: soft labels need floating point",
+                        o.datatype
+                    );
+                    return Err((Failure::Permanent, why));
+                }
+                Some(n)
+            }
+            None => {
+                let known = KNOWN_OUTPUTS
+                    .iter()
+                    .find_map(|k| meta.outputs.iter().find(|o| o.name == *k && floating(&o.datatype)));
+                match known.or_else(|| meta.outputs.iter().find(|o| floating(&o.datatype))) {
+                    Some(o) => Some(o.name.clone()),
+                    // Nothing declared: whatever the answer holds first.
+                    None if meta.outputs.is_empty() => None,
+                    None => {
+                        let names: Vec<String> =
+                            meta.outputs.iter().map(|o| format!("{} {}", o.name, o.datatype)).collect();
+                        let why = format!("model {model:?} has no floating-point output ({names:?})");
+                        return Err((Failure::Permanent, why));
+                    }
+                }
+            }
+        };
+        Ok(Names { input: input_meta.name.clone(), input_fp64, output })
+    }
+
+    /// Sends `piece` (its `features`, `dim` per row) and reads its soft labels.
+    async fn infer(
+        &self,
+        piece: &Piece,
+        features: Vec<f32>,
+        dim: usize,
+        wanted: (Option<String>, Option<String>),
+    ) -> Result<Vec<f32>, (Failure, String)> {
+        let names = self.names.get_or_try_init(|| self.learn(wanted)).await?.clone();
+        let (datatype, raw) = if names.input_fp64 {
+            ("FP64", features.iter().flat_map(|&v| (v as f64).to_le_bytes()).collect())
+        } else {
+            ("FP32", oip::f32_bytes(&features))
+        };
+        let req = pb::ModelInferRequest {
+            model_name: self.model.clone(),
+            model_version: self.version.clone(),
+            id: format!("{}:{}", piece.seq, piece.start),
+            inputs: vec![pb::model_infer_request::InferInputTensor {
+                name: names.input.clone(),
+                datatype: datatype.into(),
+                shape: vec![piece.rows as i64, dim as i64],
+                ..Default::default()
+            }],
+            outputs: names
+                .output
+                .iter()
+                .map(|n| pb::model_infer_request::InferRequestedOutputTensor {
+                    name: n.clone(),
+                    ..Default::default()
+                })
+                .collect(),
+            raw_input_contents: vec![raw],
+            ..Default::default()
+        };
+        let mut client = self.client.clone();
+        let timeout = self.timeout;
+        let resp = match tokio::time::timeout(timeout, client.model_infer(self.request(req))).await {
+            Err(_) => return Err((Failure::Transient, format!("no answer within {timeout:?}"))),
+            Ok(Err(status)) => return Err((Failure::of(status.code()), describe_status(&status))),
+            Ok(Ok(resp)) => resp.into_inner(),
+        };
+        let (v, rows, cols) =
+            oip::output_as_f32(&resp, names.output.as_deref()).map_err(|e| (Failure::Permanent, e))?;
+        if rows != piece.rows {
+            return Err((Failure::Permanent, format!("answered [{rows}, {cols}] for {} rows", piece.rows)));
+        }
+        match self.kind {
+            OutputKind::Logits => Ok(v),
+            OutputKind::Probs => {
+                if let Some(bad) = v.iter().find(|p| !(-1e-6..=1.0 + 1e-6).contains(*p)) {
+                    let why =
+                        format!("read as probabilities, answered {bad} (outside [0, 1]); are they logits?");
+                    return Err((Failure::Permanent, why));
+                }
+                Ok(v.iter().map(|p| p.max(1e-12).ln()).collect())
+            }
+        }
+    }
+}
+
 /// A gRPC status in words: its code, and its message or what the transport said.
 fn describe_status(status: &tonic::Status) -> String {
     use std::error::Error;
@@ -310,7 +529,11 @@ impl Pipeline {
             t.draining = false;
             return;
         }
-        let (addr, model, version) = parse_endpoint(spec);
+        let (spec_only, kind) = match spec.rsplit_once('@') {
+            Some((rest, k)) if k.parse::<OutputKind>().is_ok() => (rest, k.parse().unwrap_or_default()),
+            _ => (spec, self.cfg.io.output),
+        };
+        let (addr, model, version) = parse_endpoint(spec_only);
         let addr = addr.as_str();
         let tls_default = self.cfg.access.ca_pem.is_some();
         let uri = match addr.contains("://") {
@@ -347,6 +570,8 @@ impl Pipeline {
                         draining: false,
                         refused: None,
                         last_error: None,
+                        names: Arc::new(tokio::sync::OnceCell::new()),
+                        kind,
                     },
                 );
             }
@@ -400,47 +625,23 @@ impl Pipeline {
             let Some(addr) = self.pick() else { break };
             self.queue.pop_front();
             let p = &self.pending[&piece.seq];
-            let data = oip::f32_bytes(&p.features[piece.start * p.dim..(piece.start + piece.rows) * p.dim]);
-            let t = &self.pool[&addr];
-            let req = pb::ModelInferRequest {
-                model_name: t.model.clone(),
-                model_version: t.version.clone(),
-                id: format!("{}:{}", piece.seq, piece.start),
-                inputs: vec![pb::model_infer_request::InferInputTensor {
-                    name: "input".into(),
-                    datatype: "FP32".into(),
-                    shape: vec![piece.rows as i64, p.dim as i64],
-                    ..Default::default()
-                }],
-                raw_input_contents: vec![data],
-                ..Default::default()
-            };
-            let mut req = tonic::Request::new(req);
-            if let Some(token) = &self.cfg.access.token {
-                match format!("Bearer {token}").parse() {
-                    Ok(v) => {
-                        req.metadata_mut().insert("authorization", v);
-                    }
-                    Err(_) => tracing::warn!("the teacher token holds characters a header cannot; not sent"),
-                }
-            }
+            let rows = p.features[piece.start * p.dim..(piece.start + piece.rows) * p.dim].to_vec();
+            let dim = p.dim;
+            let token = self.cfg.access.token.clone();
+            let wanted = (self.cfg.io.input_name.clone(), self.cfg.io.output_name.clone());
             let t = self.pool.get_mut(&addr).expect("picked from the pool");
             t.outstanding += 1;
-            let mut client = t.client.clone();
-            let timeout = self.cfg.request_timeout;
+            let ask = Ask {
+                client: t.client.clone(),
+                model: t.model.clone(),
+                version: t.version.clone(),
+                names: t.names.clone(),
+                kind: t.kind,
+                token,
+                timeout: self.cfg.request_timeout,
+            };
             running.spawn(async move {
-                let result = match tokio::time::timeout(timeout, client.model_infer(req)).await {
-                    Err(_) => Err((Failure::Transient, format!("no answer within {timeout:?}"))),
-                    Ok(Err(status)) => Err((Failure::of(status.code()), describe_status(&status))),
-                    Ok(Ok(resp)) => match oip::output_f32(resp.get_ref()) {
-                        Ok((v, rows, _)) if rows == piece.rows => Ok(v),
-                        Ok((_, rows, cols)) => Err((
-                            Failure::Permanent,
-                            format!("answered [{rows}, {cols}] for {} rows", piece.rows),
-                        )),
-                        Err(e) => Err((Failure::Permanent, e)),
-                    },
-                };
+                let result = ask.infer(&piece, rows, dim, wanted).await;
                 (addr, piece, result)
             });
         }

@@ -199,7 +199,38 @@ struct DistillArgs {
     #[arg(long, default_value_t = 2000)]
     cooldown_ms: u64,
     #[command(flatten)]
+    teacher_io: TeacherIoArgs,
+    #[command(flatten)]
     teacher_access: TeacherAccessArgs,
+}
+
+/// Which tensors students send and read, and what the outputs hold.
+#[derive(Args)]
+struct TeacherIoArgs {
+    /// The input to send the features as (default: the model's first input,
+    /// from its metadata; FP32 or FP64).
+    #[arg(long)]
+    teacher_input: Option<String>,
+    /// The output to read (default: `logits`, `probs`, `probabilities`,
+    /// `predict_proba` or `output_probability` if the model has one, else
+    /// its first floating-point output).
+    #[arg(long)]
+    teacher_output_name: Option<String>,
+    /// What the teachers' outputs hold: `logits` or `probs` (turned into
+    /// log-probabilities). A teacher given as `host:port[/model]@probs` or
+    /// `@logits` says so for itself, so a fleet may mix them.
+    #[arg(long, default_value = "logits")]
+    teacher_output: edl_runtime::distill::OutputKind,
+}
+
+impl TeacherIoArgs {
+    fn io(&self) -> edl_runtime::distill::TeacherIo {
+        edl_runtime::distill::TeacherIo {
+            input_name: self.teacher_input.clone(),
+            output_name: self.teacher_output_name.clone(),
+            output: self.teacher_output,
+        }
+    }
 }
 
 /// How students reach teachers that need a token or serve TLS.
@@ -422,6 +453,8 @@ struct RunArgs {
     secret_file: Option<PathBuf>,
     #[command(flatten)]
     teacher_access: TeacherAccessArgs,
+    #[command(flatten)]
+    teacher_io: TeacherIoArgs,
     /// Where the coordinator listens: an address (`0.0.0.0` for every
     /// interface) and optionally its control port (`10.0.0.5:7070`; default:
     /// any free port). Loopback keeps the job on this machine.
@@ -933,6 +966,7 @@ fn distill(args: DistillArgs) -> Result<ExitCode> {
             in_flight_per_teacher: args.in_flight.max(1),
             cooldown: Duration::from_millis(args.cooldown_ms),
             access: args.teacher_access.read()?,
+            io: args.teacher_io.io(),
             ..Default::default()
         };
         let mut reader = DistillReader::start(source, None, teachers, cfg);

@@ -671,6 +671,7 @@ fn start_teach(inner: &mut Inner) -> anyhow::Result<Teach> {
         read_ahead: 4,
         wait_for_teachers: Duration::from_millis(spec.teacher_wait_ms),
         access: spec.teacher_access.clone(),
+        io: spec.teacher_io.clone(),
         ..DistillConfig::default()
     };
     let (feed, fed_rx) = mpsc::channel::<Feed>();

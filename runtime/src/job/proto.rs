@@ -107,6 +107,9 @@ pub struct JobSpec {
     /// authenticated control connection; never printed).
     #[serde(default)]
     pub teacher_access: crate::distill::TeacherAccess,
+    /// Which tensors the students send and read, and what outputs hold.
+    #[serde(default)]
+    pub teacher_io: crate::distill::TeacherIo,
 }
 
 fn default_teacher_wait_ms() -> u64 {

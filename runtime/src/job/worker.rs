@@ -241,8 +241,9 @@ struct BuiltinWorker {
     transform: Option<Box<dyn TransformPlugin>>,
     transform_path: Option<std::path::PathBuf>,
     transform_config: Vec<(String, String)>,
-    /// The teachers' token and TLS trust.
+    /// The teachers' token and TLS trust, and the tensors read and sent.
     access: crate::distill::TeacherAccess,
+    io: crate::distill::TeacherIo,
     host: Option<Arc<PluginHost>>,
     rt: tokio::runtime::Runtime,
 }
@@ -336,6 +337,7 @@ pub fn run(join: Join) -> Result<()> {
         transform_path,
         transform_config: spec.transform_config.clone(),
         access: spec.teacher_access.clone(),
+        io: spec.teacher_io.clone(),
         host,
         model,
         rt: tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?,
@@ -444,6 +446,7 @@ impl BuiltinWorker {
             read_ahead: 4,
             wait_for_teachers: self.teacher_wait,
             access: self.access.clone(),
+            io: self.io.clone(),
             ..DistillConfig::default()
         };
         tracing::debug!("worker {}: reading ahead from the teachers", self.id);

@@ -762,3 +762,152 @@ fn the_distill_command_gives_up_on_dead_teachers_after_the_wait_and_on_a_wrong_m
     let _ = teacher.kill();
     let _ = teacher.wait();
 }
+
+/// A teacher as scikit-learn servers present one: FP64 input `features`, an
+/// INT64 `label` output and FP64 `probabilities`; only the outputs asked
+/// for are answered (all when none is).
+#[derive(Clone)]
+struct SklearnLike;
+
+fn softmax_rows(v: &[f32], cols: usize) -> Vec<f32> {
+    v.chunks(cols)
+        .flat_map(|r| {
+            let m = r.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = r.iter().map(|x| (x - m).exp()).collect();
+            let s: f32 = e.iter().sum();
+            e.into_iter().map(move |x| x / s)
+        })
+        .collect()
+}
+
+#[tonic::async_trait]
+impl GrpcInferenceService for SklearnLike {
+    async fn server_live(
+        &self,
+        _: Request<pb::ServerLiveRequest>,
+    ) -> Result<Response<pb::ServerLiveResponse>, Status> {
+        Ok(Response::new(pb::ServerLiveResponse { live: true }))
+    }
+    async fn server_ready(
+        &self,
+        _: Request<pb::ServerReadyRequest>,
+    ) -> Result<Response<pb::ServerReadyResponse>, Status> {
+        Ok(Response::new(pb::ServerReadyResponse { ready: true }))
+    }
+    async fn model_ready(
+        &self,
+        _: Request<pb::ModelReadyRequest>,
+    ) -> Result<Response<pb::ModelReadyResponse>, Status> {
+        Ok(Response::new(pb::ModelReadyResponse { ready: true }))
+    }
+    async fn server_metadata(
+        &self,
+        _: Request<pb::ServerMetadataRequest>,
+    ) -> Result<Response<pb::ServerMetadataResponse>, Status> {
+        Ok(Response::new(pb::ServerMetadataResponse::default()))
+    }
+    async fn model_metadata(
+        &self,
+        _: Request<pb::ModelMetadataRequest>,
+    ) -> Result<Response<pb::ModelMetadataResponse>, Status> {
+        let t = |name: &str, datatype: &str, cols: usize| pb::model_metadata_response::TensorMetadata {
+            name: name.into(),
+            datatype: datatype.into(),
+            shape: vec![-1, cols as i64],
+        };
+        Ok(Response::new(pb::ModelMetadataResponse {
+            name: "clf".into(),
+            versions: vec!["1".into()],
+            platform: "sklearn".into(),
+            inputs: vec![t("features", "FP64", DIM)],
+            outputs: vec![t("label", "INT64", 1), t("probabilities", "FP64", CLASSES)],
+        }))
+    }
+    async fn model_infer(
+        &self,
+        r: Request<pb::ModelInferRequest>,
+    ) -> Result<Response<pb::ModelInferResponse>, Status> {
+        let req = r.into_inner();
+        let input = &req.inputs[0];
+        if input.name != "features" || input.datatype != "FP64" {
+            return Err(Status::invalid_argument(format!(
+                "unexpected input {} {}",
+                input.name, input.datatype
+            )));
+        }
+        let rows = input.shape[0] as usize;
+        let x: Vec<f32> = req.raw_input_contents[0]
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32)
+            .collect();
+        let probs = softmax_rows(&model().forward(&x, rows), CLASSES);
+        let label = |name: &str, datatype: &str, cols: usize| pb::model_infer_response::InferOutputTensor {
+            name: name.into(),
+            datatype: datatype.into(),
+            shape: vec![rows as i64, cols as i64],
+            ..Default::default()
+        };
+        let mut outputs = Vec::new();
+        let mut raw = Vec::new();
+        let asked = |n: &str| req.outputs.is_empty() || req.outputs.iter().any(|o| o.name == n);
+        if asked("label") {
+            outputs.push(label("label", "INT64", 1));
+            raw.push(vec![0u8; rows * 8]);
+        }
+        if asked("probabilities") {
+            outputs.push(label("probabilities", "FP64", CLASSES));
+            raw.push(probs.iter().flat_map(|&p| (p as f64).to_le_bytes()).collect());
+        }
+        Ok(Response::new(pb::ModelInferResponse { outputs, raw_output_contents: raw, ..Default::default() }))
+    }
+}
+
+#[test]
+fn teachers_with_other_names_datatypes_and_probabilities_are_read_from_their_metadata() {
+    use edl_runtime::distill::TeacherIo;
+    runtime().block_on(async {
+        let any = "127.0.0.1:0".parse().unwrap();
+        let sk = Teacher::start_with(any, SklearnLike, None).await.unwrap();
+        let ours =
+            Teacher::start(any, TeacherService::new(model(), TeacherConfig::default()), None).await.unwrap();
+        let data = batches(6, 40);
+        // A fleet that mixes logits (ours) and probabilities (the other, which
+        // says so with @probs): every batch's soft labels mean the same.
+        let teachers = Teachers::Fixed(vec![ours.addr.to_string(), format!("{}/clf@probs", sk.addr)]);
+        let cfg = DistillConfig { teacher_batch: 8, classes: Some(CLASSES), ..Default::default() };
+        let mut reader = DistillReader::start(data.clone().into_iter(), None, teachers, cfg);
+        for want in &data {
+            let got = reader.next().await.unwrap().unwrap();
+            let healthy = softmax_rows(&model().forward(&want.to_f32().unwrap(), want.len()), CLASSES);
+            let read = softmax_rows(&got.soft, CLASSES);
+            for (a, b) in read.iter().zip(&healthy) {
+                assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+            }
+        }
+        // Told to read the integer output: refused, saying why.
+        let io = TeacherIo { output_name: Some("label".into()), ..Default::default() };
+        let cfg = DistillConfig { io, wait_for_teachers: Duration::from_secs(3600), ..Default::default() };
+        let teachers = Teachers::Fixed(vec![format!("{}/clf", sk.addr)]);
+        let mut reader = DistillReader::start(batches(1, 8).into_iter(), None, teachers, cfg);
+        let err = tokio::time::timeout(Duration::from_secs(120), reader.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("output \"label\" of model \"clf\" is INT64: soft labels need floating point"),
+            "{text}"
+        );
+        // Probabilities read as if they were: values outside [0, 1] are refused, naming the teacher.
+        let teachers = Teachers::Fixed(vec![format!("{}@probs", ours.addr)]);
+        let cfg = DistillConfig { wait_for_teachers: Duration::from_secs(3600), ..Default::default() };
+        let mut reader = DistillReader::start(batches(1, 8).into_iter(), None, teachers, cfg);
+        let err = tokio::time::timeout(Duration::from_secs(120), reader.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap_err();
+        assert!(err.to_string().contains("read as probabilities, answered"), "{err}");
+    });
+}
