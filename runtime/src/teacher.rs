@@ -42,6 +42,46 @@ struct Job {
     rows: usize,
     input: Vec<f32>,
     reply: oneshot::Sender<Vec<f32>>,
+    /// When it was queued for a batch.
+    queued: std::time::Instant,
+}
+
+/// A count and the nanoseconds it took in all.
+#[derive(Clone, Copy, Default)]
+struct Tally {
+    count: u64,
+    ns: u64,
+}
+
+impl Tally {
+    fn add(&mut self, d: Duration) {
+        self.count += 1;
+        self.ns += d.as_nanos() as u64;
+    }
+
+    fn pb(self) -> Option<pb::StatisticDuration> {
+        Some(pb::StatisticDuration { count: self.count, ns: self.ns })
+    }
+}
+
+/// What the teacher has done since it started, as Triton's statistics
+/// extension reports it.
+#[derive(Default)]
+struct Stats {
+    success: Tally,
+    fail: Tally,
+    queue: Tally,
+    infer: Tally,
+    /// Rows inferred, and model executions (batches).
+    rows: u64,
+    executions: u64,
+    last_ms: u64,
+    /// Executions and their time, by batch size.
+    by_batch: std::collections::BTreeMap<u64, Tally>,
+}
+
+fn lock_stats(s: &std::sync::Mutex<Stats>) -> std::sync::MutexGuard<'_, Stats> {
+    s.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The OIP service of one model.
@@ -50,6 +90,7 @@ pub struct TeacherService {
     model: Arc<Mlp>,
     config: Arc<TeacherConfig>,
     jobs: mpsc::Sender<Job>,
+    stats: Arc<std::sync::Mutex<Stats>>,
 }
 
 impl TeacherService {
@@ -57,15 +98,16 @@ impl TeacherService {
     pub fn new(model: Mlp, config: TeacherConfig) -> Self {
         let model = Arc::new(model);
         let (tx, rx) = mpsc::channel(1024);
-        tokio::spawn(batcher(model.clone(), config.clone(), rx));
-        TeacherService { model, config: Arc::new(config), jobs: tx }
+        let stats = Arc::new(std::sync::Mutex::new(Stats::default()));
+        tokio::spawn(batcher(model.clone(), config.clone(), rx, stats.clone()));
+        TeacherService { model, config: Arc::new(config), jobs: tx, stats }
     }
 
     /// The model's logits for `rows` inputs, through the batcher.
     pub async fn infer(&self, input: Vec<f32>, rows: usize) -> Result<Vec<f32>, Status> {
         let (reply, rx) = oneshot::channel();
         self.jobs
-            .send(Job { rows, input, reply })
+            .send(Job { rows, input, reply, queued: std::time::Instant::now() })
             .await
             .map_err(|_| Status::unavailable("teacher is shutting down"))?;
         rx.await.map_err(|_| Status::internal("the batch failed"))
@@ -127,7 +169,12 @@ const INPUT: &str = "input";
 const OUTPUT: &str = "logits";
 
 /// Collects jobs into batches and runs them off the async threads.
-async fn batcher(model: Arc<Mlp>, config: TeacherConfig, mut rx: mpsc::Receiver<Job>) {
+async fn batcher(
+    model: Arc<Mlp>,
+    config: TeacherConfig,
+    mut rx: mpsc::Receiver<Job>,
+    stats: Arc<std::sync::Mutex<Stats>>,
+) {
     while let Some(first) = rx.recv().await {
         let mut jobs = vec![first];
         let mut rows = jobs[0].rows;
@@ -143,10 +190,25 @@ async fn batcher(model: Arc<Mlp>, config: TeacherConfig, mut rx: mpsc::Receiver<
         }
         let m = model.clone();
         let inputs: Vec<f32> = jobs.iter().flat_map(|j| j.input.iter().copied()).collect();
+        let started = std::time::Instant::now();
         let out = match tokio::task::spawn_blocking(move || m.forward(&inputs, rows)).await {
             Ok(out) => out,
             Err(_) => continue, // the forward pass panicked: the callers see their channel closed
         };
+        let took = started.elapsed();
+        {
+            let mut st = lock_stats(&stats);
+            st.executions += 1;
+            st.rows += rows as u64;
+            st.by_batch.entry(rows as u64).or_default().add(took);
+            for j in &jobs {
+                st.queue.add(started.saturating_duration_since(j.queued));
+                st.infer.add(took);
+            }
+            st.last_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+        }
         let c = model.output_dim();
         let mut at = 0;
         for j in jobs {
@@ -218,6 +280,94 @@ impl GrpcInferenceService for TeacherService {
     ) -> Result<Response<pb::ModelInferResponse>, Status> {
         let req = r.into_inner();
         self.check_model_version(&req.model_name, &req.model_version)?;
+        // A request for this model counts as a success or a failure.
+        let start = std::time::Instant::now();
+        let answer = self.answer(req).await;
+        let mut st = lock_stats(&self.stats);
+        if answer.is_ok() {
+            st.success.add(start.elapsed())
+        } else {
+            st.fail.add(start.elapsed())
+        }
+        answer
+    }
+
+    async fn model_config(
+        &self,
+        r: Request<pb::ModelConfigRequest>,
+    ) -> Result<Response<pb::ModelConfigResponse>, Status> {
+        let r = r.get_ref();
+        self.check_model_version(&r.name, &r.version)?;
+        let c = &self.config;
+        Ok(Response::new(pb::ModelConfigResponse {
+            config: Some(pb::ModelConfig {
+                name: c.model_name.clone(),
+                platform: "edl-mlp".into(),
+                backend: "edl".into(),
+                // The first dimension of every tensor is the rows of a request.
+                max_batch_size: c.max_request_rows.min(i32::MAX as usize) as i32,
+                input: vec![pb::ModelInput {
+                    name: INPUT.into(),
+                    data_type: pb::DataType::TypeFp32 as i32,
+                    dims: vec![self.model.input_dim() as i64],
+                }],
+                output: vec![pb::ModelOutput {
+                    name: OUTPUT.into(),
+                    data_type: pb::DataType::TypeFp32 as i32,
+                    dims: vec![self.model.output_dim() as i64],
+                }],
+                dynamic_batching: Some(pb::ModelDynamicBatching {
+                    preferred_batch_size: vec![c.max_batch.min(i32::MAX as usize) as i32],
+                    max_queue_delay_microseconds: c.max_delay.as_micros() as u64,
+                }),
+            }),
+        }))
+    }
+
+    async fn model_statistics(
+        &self,
+        r: Request<pb::ModelStatisticsRequest>,
+    ) -> Result<Response<pb::ModelStatisticsResponse>, Status> {
+        let r = r.get_ref();
+        // No name: every model this server has (this one).
+        if !r.name.is_empty() {
+            self.check_model_version(&r.name, &r.version)?;
+        }
+        let st = lock_stats(&self.stats);
+        let zero = Tally::default();
+        Ok(Response::new(pb::ModelStatisticsResponse {
+            model_stats: vec![pb::ModelStatistics {
+                name: self.config.model_name.clone(),
+                version: MODEL_VERSION.into(),
+                last_inference: st.last_ms,
+                inference_count: st.rows,
+                execution_count: st.executions,
+                inference_stats: Some(pb::InferStatistics {
+                    success: st.success.pb(),
+                    fail: st.fail.pb(),
+                    queue: st.queue.pb(),
+                    compute_input: zero.pb(),
+                    compute_infer: st.infer.pb(),
+                    compute_output: zero.pb(),
+                }),
+                batch_stats: st
+                    .by_batch
+                    .iter()
+                    .map(|(&size, &t)| pb::InferBatchStatistics {
+                        batch_size: size,
+                        compute_input: zero.pb(),
+                        compute_infer: t.pb(),
+                        compute_output: zero.pb(),
+                    })
+                    .collect(),
+            }],
+        }))
+    }
+}
+
+impl TeacherService {
+    /// Checks a request for this model and runs it.
+    async fn answer(&self, req: pb::ModelInferRequest) -> Result<Response<pb::ModelInferResponse>, Status> {
         self.check_tensors(&req)?;
         let (input, rows, cols) = oip::input_f32(&req, 0).map_err(Status::invalid_argument)?;
         if cols != self.model.input_dim() {

@@ -203,6 +203,43 @@ fn the_teacher_speaks_oip_and_rejects_bad_requests() {
         );
         // The server is still fine.
         assert!(c.model_infer(raw).await.is_ok());
+
+        // Triton's model configuration and statistics, which its tools read.
+        let config = c
+            .model_config(pb::ModelConfigRequest { name: "teacher".into(), version: String::new() })
+            .await
+            .unwrap()
+            .into_inner()
+            .config
+            .unwrap();
+        assert_eq!((config.name.as_str(), config.max_batch_size), ("teacher", 100));
+        assert_eq!((config.input[0].name.as_str(), &config.input[0].dims[..]), ("input", &[DIM as i64][..]));
+        assert_eq!(config.input[0].data_type, pb::DataType::TypeFp32 as i32);
+        assert_eq!(
+            (config.output[0].name.as_str(), &config.output[0].dims[..]),
+            ("logits", &[CLASSES as i64][..])
+        );
+        let stats = c
+            .model_statistics(pb::ModelStatisticsRequest { name: "teacher".into(), version: String::new() })
+            .await
+            .unwrap()
+            .into_inner();
+        let m = &stats.model_stats[0];
+        let s = m.inference_stats.unwrap();
+        // Answered: raw, typed, version 1, logits asked for, and the last one: 5 of 2 rows.
+        assert_eq!(s.success.unwrap().count, 5, "{m:?}");
+        // Failed after reaching the model: a wrong shape, datatype, byte count, the
+        // row limit, an input and an output of other names.
+        assert_eq!(s.fail.unwrap().count, 6, "{m:?}");
+        assert_eq!(m.inference_count, 10, "{m:?}");
+        assert!(m.execution_count >= 1 && m.execution_count <= 5, "{m:?}");
+        assert_eq!(s.compute_infer.unwrap().count, 5, "{m:?}");
+        assert!(m.batch_stats.iter().all(|b| b.batch_size % 2 == 0) && m.last_inference > 0, "{m:?}");
+        let e = c
+            .model_statistics(pb::ModelStatisticsRequest { name: "teacher".into(), version: "7".into() })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::NotFound);
         t.shutdown().await;
     });
 }
@@ -255,6 +292,18 @@ impl GrpcInferenceService for Faulty {
         r: Request<pb::ModelMetadataRequest>,
     ) -> Result<Response<pb::ModelMetadataResponse>, Status> {
         self.inner.model_metadata(r).await
+    }
+    async fn model_config(
+        &self,
+        r: Request<pb::ModelConfigRequest>,
+    ) -> Result<Response<pb::ModelConfigResponse>, Status> {
+        self.inner.model_config(r).await
+    }
+    async fn model_statistics(
+        &self,
+        r: Request<pb::ModelStatisticsRequest>,
+    ) -> Result<Response<pb::ModelStatisticsResponse>, Status> {
+        self.inner.model_statistics(r).await
     }
     async fn model_infer(
         &self,
@@ -822,6 +871,18 @@ impl GrpcInferenceService for SklearnLike {
             inputs: vec![t("features", "FP64", DIM)],
             outputs: vec![t("label", "INT64", 1), t("probabilities", "FP64", CLASSES)],
         }))
+    }
+    async fn model_config(
+        &self,
+        _: Request<pb::ModelConfigRequest>,
+    ) -> Result<Response<pb::ModelConfigResponse>, Status> {
+        Err(Status::unimplemented("no model configuration here"))
+    }
+    async fn model_statistics(
+        &self,
+        _: Request<pb::ModelStatisticsRequest>,
+    ) -> Result<Response<pb::ModelStatisticsResponse>, Status> {
+        Err(Status::unimplemented("no statistics here"))
     }
     async fn model_infer(
         &self,
