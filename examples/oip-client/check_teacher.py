@@ -61,6 +61,36 @@ def check(url):
     print("logits", got.shape, "max difference from NumPy", diff)
     assert diff < 1e-4
 
+    # Triton's extensions that its tools read.
+    config = client.get_model_config("teacher").config
+    print("config", config.name, config.max_batch_size, [(i.name, list(i.dims)) for i in config.input])
+    assert config.name == "teacher" and [i.name for i in config.input] == ["input"]
+    assert list(config.input[0].dims) == [DIMS[0]] and list(config.output[0].dims) == [DIMS[-1]]
+    stats = client.get_inference_statistics("teacher").model_stats[0]
+    print("statistics", stats.inference_count, stats.execution_count, stats.inference_stats.success.count)
+    assert stats.inference_count >= 4 and stats.inference_stats.success.count >= 1
+
+    # What Triton refuses, refused as Triton refuses it, saying what is served.
+    from tritonclient.utils import InferenceServerException
+
+    def refused(call, status, words):
+        try:
+            call()
+        except InferenceServerException as e:
+            print("refused", e.status(), e.message())
+            assert status in str(e.status()) and words in e.message(), (e.status(), e.message())
+            return
+        raise AssertionError(f"not refused: {words}")
+
+    refused(lambda: client.infer("nope", [tensor]), "NOT_FOUND", "this server serves")
+    refused(lambda: client.infer("teacher", [tensor], model_version="99"), "NOT_FOUND", "versions served")
+    renamed = grpcclient.InferInput("INPUT0", list(x.shape), "FP32")
+    renamed.set_data_from_numpy(x)
+    refused(lambda: client.infer("teacher", [renamed]), "INVALID_ARGUMENT", "its input is")
+    asked = [grpcclient.InferRequestedOutput("probs")]
+    refused(lambda: client.infer("teacher", [tensor], outputs=asked), "INVALID_ARGUMENT", "its output is")
+    print("ok")
+
 
 if __name__ == "__main__":
     if sys.argv[1] == "write":

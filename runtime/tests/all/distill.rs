@@ -972,3 +972,46 @@ fn teachers_with_other_names_datatypes_and_probabilities_are_read_from_their_met
         assert!(err.to_string().contains("read as probabilities, answered"), "{err}");
     });
 }
+
+/// NVIDIA's own client (tritonclient, from the package registry into a
+/// virtual environment under the target directory) against a teacher
+/// process: `examples/oip-client/check_teacher.py`.
+#[test]
+fn tritonclient_reads_metadata_config_statistics_and_logits_and_gets_triton_s_refusals() {
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    let venv = exe.parent().unwrap().parent().unwrap().join("tritonclient/venv");
+    let python = venv.join("bin/python");
+    let ready = || {
+        Command::new(&python)
+            .args(["-c", "import tritonclient.grpc, numpy"])
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !ready() {
+        let made = Command::new("python3").args(["-m", "venv"]).arg(&venv).status().unwrap();
+        assert!(made.success(), "python3 -m venv {}", venv.display());
+        let pip =
+            ["-m", "pip", "install", "--disable-pip-version-check", "-q", "tritonclient[grpc]", "numpy"];
+        let out = Command::new(&python).args(pip).output().unwrap();
+        assert!(out.status.success(), "installing tritonclient: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/oip-client/check_teacher.py");
+    let dir = tempfile::tempdir().unwrap();
+    let model_file = dir.path().join("m.safetensors");
+    let out = Command::new(&python).arg(&script).arg("write").arg(&model_file).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut teacher = Command::new(exe)
+        .args(["teacher", "--listen", "127.0.0.1:0", "--model"])
+        .arg(&model_file)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let addr = serving_at(&mut teacher);
+    let out = Command::new(&python).arg(&script).arg("check").arg(&addr).output().unwrap();
+    let _ = teacher.kill();
+    let _ = teacher.wait();
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && said.trim_end().ends_with("ok"), "{said}");
+}
