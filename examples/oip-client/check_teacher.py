@@ -89,6 +89,8 @@ def check(url):
     refused(lambda: client.infer("teacher", [renamed]), "INVALID_ARGUMENT", "its input is")
     asked = [grpcclient.InferRequestedOutput("probs")]
     refused(lambda: client.infer("teacher", [tensor], outputs=asked), "INVALID_ARGUMENT", "its output is")
+    # Triton methods a teacher does not serve say so.
+    refused(lambda: client.get_model_repository_index(), "UNIMPLEMENTED", "does not serve RepositoryIndex")
     print("ok")
 
 

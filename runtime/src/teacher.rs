@@ -461,6 +461,56 @@ impl std::fmt::Debug for Access {
     }
 }
 
+/// The OIP service with an answer for the methods of Triton's service that
+/// a teacher does not serve (repository index, shared memory, tracing, ...):
+/// UNIMPLEMENTED naming the method and what is served, rather than an empty
+/// status.
+#[derive(Clone)]
+struct Explained<S>(S);
+
+/// The methods a teacher answers.
+const SERVED: [&str; 8] = [
+    "ServerLive",
+    "ServerReady",
+    "ModelReady",
+    "ServerMetadata",
+    "ModelMetadata",
+    "ModelInfer",
+    "ModelConfig",
+    "ModelStatistics",
+];
+
+impl<S> tonic::server::NamedService for Explained<S> {
+    const NAME: &'static str = "inference.GRPCInferenceService";
+}
+
+impl<S, B> tonic::codegen::Service<tonic::codegen::http::Request<B>> for Explained<S>
+where
+    S: tonic::codegen::Service<
+            tonic::codegen::http::Request<B>,
+            Response = tonic::codegen::http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+        >,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = std::convert::Infallible;
+    type Future = tonic::codegen::BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: tonic::codegen::http::Request<B>) -> Self::Future {
+        let method = req.uri().path().rsplit('/').next().unwrap_or_default().to_string();
+        if SERVED.contains(&method.as_str()) {
+            return Box::pin(self.0.call(req));
+        }
+        let why = format!("this teacher does not serve {method}; it serves {}", SERVED.join(", "));
+        Box::pin(async move { Ok(Status::unimplemented(why).into_http()) })
+    }
+}
+
 /// Equal, in time that does not depend on where two strings differ.
 fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
@@ -528,7 +578,9 @@ impl Teacher {
             }
         };
         let server = tonic::service::interceptor::InterceptedService::new(
-            GrpcInferenceServiceServer::new(service).max_decoding_message_size(serving.max_message_bytes),
+            Explained(
+                GrpcInferenceServiceServer::new(service).max_decoding_message_size(serving.max_message_bytes),
+            ),
             check,
         );
         let mut builder = tonic::transport::Server::builder();
