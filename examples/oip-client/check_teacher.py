@@ -1,10 +1,12 @@
 """Talks to an `edl-runtime teacher` with NVIDIA's standard OIP client
 (tritonclient), unchanged, and checks its logits against NumPy.
 
-    pip install "tritonclient[grpc]" numpy
+    pip install "tritonclient[grpc,http]" numpy
     python3 examples/oip-client/check_teacher.py write /tmp/m.safetensors
-    cargo run --release -p edl-runtime -- teacher --model /tmp/m.safetensors --listen 127.0.0.1:18001 &
-    python3 examples/oip-client/check_teacher.py check 127.0.0.1:18001 /tmp/m.safetensors
+    cargo run --release -p edl-runtime -- teacher --model /tmp/m.safetensors \
+        --listen 127.0.0.1:18001 --http-listen 127.0.0.1:18000 &
+    python3 examples/oip-client/check_teacher.py check 127.0.0.1:18001
+    python3 examples/oip-client/check_teacher.py check-http 127.0.0.1:18000
 """
 
 import json
@@ -94,8 +96,53 @@ def check(url):
     print("ok")
 
 
+def check_http(url):
+    """The same over KServe v2 HTTP/REST (`teacher --http-listen`)."""
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    client = httpclient.InferenceServerClient(url=url)
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("teacher")
+    meta = client.get_model_metadata("teacher")
+    assert [i["name"] for i in meta["inputs"]] == ["input"], meta
+    config = client.get_model_config("teacher")
+    assert config["input"][0]["dims"] == [DIMS[0]] and config["input"][0]["data_type"] == "TYPE_FP32", config
+    x = ((np.arange(4 * DIMS[0]) % 7) / 7.0).astype(np.float32).reshape(4, DIMS[0])
+    want = reference(x)
+    for binary in (True, False):
+        tensor = httpclient.InferInput("input", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x, binary_data=binary)
+        asked = [httpclient.InferRequestedOutput("logits", binary_data=binary)]
+        got = client.infer("teacher", [tensor], outputs=asked).as_numpy("logits")
+        diff = float(np.abs(got - want).max())
+        print("http logits, binary", binary, "max difference from NumPy", diff)
+        assert diff < 1e-4
+    stats = client.get_inference_statistics("teacher")["model_stats"][0]
+    print("http statistics", stats["inference_count"], stats["inference_stats"]["success"]["count"])
+    assert stats["inference_stats"]["success"]["count"] >= 2
+    try:
+        client.infer("nope", [tensor])
+        raise AssertionError("an unknown model was served")
+    except InferenceServerException as e:
+        print("refused", e.status(), e.message())
+        assert "this server serves" in e.message()
+    print("ok")
+
+
+def reference(x):
+    h = x
+    layers = weights()
+    for i in range(0, len(layers), 2):
+        h = h @ layers[i][1] + layers[i + 1][1]
+        if i + 2 < len(layers):
+            h = np.maximum(h, 0)
+    return h
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "write":
         write(sys.argv[2])
+    elif sys.argv[1] == "check-http":
+        check_http(sys.argv[2])
     else:
         check(sys.argv[2])

@@ -16,6 +16,7 @@ pub mod oip;
 pub mod plot;
 pub mod plugin;
 pub mod replay;
+pub mod rest;
 pub mod scaffold;
 pub mod state;
 pub mod store;

@@ -154,6 +154,11 @@ struct TeacherArgs {
     /// only hold more before reading them.
     #[arg(long, default_value_t = 4096)]
     max_request_rows: usize,
+    /// Also serve KServe v2 over HTTP/REST on this address (`/v2/...`:
+    /// health, metadata, infer with JSON or binary tensors, config, stats),
+    /// with the same token (plain HTTP).
+    #[arg(long)]
+    http_listen: Option<std::net::SocketAddr>,
 }
 
 #[derive(Args)]
@@ -880,8 +885,9 @@ fn simulate(host: &Arc<PluginHost>, args: SimArgs) -> Result<ExitCode> {
 fn teacher(args: TeacherArgs) -> Result<ExitCode> {
     use edl_runtime::{model::Mlp, store::AnyStore, teacher};
     let model = Mlp::load(&args.model)?;
+    let token = read_token(args.token_file.as_deref(), "--token-file")?;
     let access = teacher::Access {
-        token: read_token(args.token_file.as_deref(), "--token-file")?,
+        token: token.clone(),
         tls: match (&args.tls_cert, &args.tls_key) {
             (Some(c), Some(k)) => Some((
                 std::fs::read(c).with_context(|| format!("--tls-cert {}", c.display()))?,
@@ -910,6 +916,7 @@ fn teacher(args: TeacherArgs) -> Result<ExitCode> {
             ..teacher::Serving::on(args.listen)
         }
         .max_rows(args.max_request_rows, inputs);
+        let rest = args.http_listen.map(|a| (a, service.clone(), token.clone()));
         let t = teacher::Teacher::serve(serving, service, registration).await?;
         println!(
             "teacher {:?} ({inputs} -> {outputs}) serving on {} as service {:?} (store {})",
@@ -918,6 +925,13 @@ fn teacher(args: TeacherArgs) -> Result<ExitCode> {
             args.service,
             edl_runtime::store::redact(&args.store)
         );
+        if let Some((addr, service, token)) = rest {
+            let listener =
+                tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--http-listen {addr}"))?;
+            let at = listener.local_addr()?;
+            tokio::spawn(edl_runtime::rest::serve(listener, edl_runtime::rest::router(service, token)));
+            println!("teacher {:?} serving KServe v2 REST on http://{at}", args.model_name);
+        }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}

@@ -983,7 +983,8 @@ fn tritonclient_reads_metadata_config_statistics_and_logits_and_gets_triton_s_re
     let python = venv.join("bin/python");
     let ready = || {
         Command::new(&python)
-            .args(["-c", "import tritonclient.grpc, numpy"])
+            .args(["-c", "import tritonclient.grpc, tritonclient.http, numpy"])
+            .stderr(Stdio::null())
             .status()
             .is_ok_and(|s| s.success())
     };
@@ -991,7 +992,7 @@ fn tritonclient_reads_metadata_config_statistics_and_logits_and_gets_triton_s_re
         let made = Command::new("python3").args(["-m", "venv"]).arg(&venv).status().unwrap();
         assert!(made.success(), "python3 -m venv {}", venv.display());
         let pip =
-            ["-m", "pip", "install", "--disable-pip-version-check", "-q", "tritonclient[grpc]", "numpy"];
+            ["-m", "pip", "install", "--disable-pip-version-check", "-q", "tritonclient[grpc,http]", "numpy"];
         let out = Command::new(&python).args(pip).output().unwrap();
         assert!(out.status.success(), "installing tritonclient: {}", String::from_utf8_lossy(&out.stderr));
     }
@@ -1002,16 +1003,30 @@ fn tritonclient_reads_metadata_config_statistics_and_logits_and_gets_triton_s_re
     let out = Command::new(&python).arg(&script).arg("write").arg(&model_file).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let mut teacher = Command::new(exe)
-        .args(["teacher", "--listen", "127.0.0.1:0", "--model"])
+        .args(["teacher", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--model"])
         .arg(&model_file)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let addr = serving_at(&mut teacher);
-    let out = Command::new(&python).arg(&script).arg("check").arg(&addr).output().unwrap();
+    let mut out = BufReader::new(teacher.stdout.take().unwrap());
+    let mut line = |needle: &str| {
+        let mut l = String::new();
+        out.read_line(&mut l).unwrap();
+        l.split(needle)
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .unwrap_or_else(|| panic!("{l}"))
+            .to_string()
+    };
+    let grpc = line("serving on ");
+    let http = line("REST on http://");
+    for (mode, addr) in [("check", &grpc), ("check-http", &http)] {
+        let out = Command::new(&python).arg(&script).arg(mode).arg(addr).output().unwrap();
+        let said =
+            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && said.trim_end().ends_with("ok"), "{mode}: {said}");
+    }
     let _ = teacher.kill();
     let _ = teacher.wait();
-    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success() && said.trim_end().ends_with("ok"), "{said}");
 }
