@@ -104,7 +104,7 @@ pub struct TeacherAccess {
     /// Sent as `authorization: Bearer TOKEN` on every call.
     pub token: Option<String>,
     /// The CA (PEM) teachers' certificates are checked against. With it,
-    /// teachers given as `host:port` are reached over TLS; `https://`
+    /// teachers given as `host:port` are reached over TLS; `grpcs://` and `https://`
     /// teachers always are (checked against the web PKI roots without it).
     pub ca_pem: Option<String>,
 }
@@ -211,7 +211,7 @@ struct Teacher {
     /// The model asked of it, and its version (empty: the latest).
     model: String,
     version: String,
-    client: GrpcInferenceServiceClient<Channel>,
+    wire: Wire,
     outstanding: usize,
     cool_until: Option<Instant>,
     /// Transient failures in a row (each doubles the cool-down, up to a cap).
@@ -262,7 +262,7 @@ fn backoff(cooldown: Duration, failures: u32) -> Duration {
 
 /// A teacher endpoint with an optional model (and version):
 /// `host:port`, `host:port/model`, `host:port/model/version`, each also
-/// with `http://` or `https://` in front.
+/// with a scheme in front (`grpc://`, `grpcs://`, `http://`, `https://`).
 pub fn parse_endpoint(spec: &str) -> (String, Option<String>, Option<String>) {
     let (scheme, rest) = match spec.split_once("://") {
         Some((s, r)) => (Some(s), r),
@@ -315,9 +315,20 @@ struct Pipeline {
 
 type Outcome = (String, Piece, Result<Vec<f32>, (Failure, String)>);
 
+/// How a teacher is reached.
+#[derive(Clone)]
+enum Wire {
+    Grpc(GrpcInferenceServiceClient<Channel>),
+    /// KServe v2 over HTTP/REST at this base URL.
+    Rest {
+        base: String,
+        http: reqwest::Client,
+    },
+}
+
 /// One request to one teacher, with what it needs to make it.
 struct Ask {
-    client: GrpcInferenceServiceClient<Channel>,
+    wire: Wire,
     model: String,
     version: String,
     names: Arc<tokio::sync::OnceCell<Names>>,
@@ -343,26 +354,76 @@ impl Ask {
         req
     }
 
+    /// The model's metadata; None when the server has none to give.
+    async fn metadata(&self) -> Result<Option<pb::ModelMetadataResponse>, (Failure, String)> {
+        let timeout = self.timeout;
+        let late = || (Failure::Transient, format!("no metadata within {timeout:?}"));
+        match &self.wire {
+            Wire::Grpc(client) => {
+                let asked =
+                    pb::ModelMetadataRequest { name: self.model.clone(), version: self.version.clone() };
+                let mut client = client.clone();
+                match tokio::time::timeout(timeout, client.model_metadata(self.request(asked))).await {
+                    Err(_) => Err(late()),
+                    Ok(Err(s)) if s.code() == tonic::Code::Unimplemented => Ok(None),
+                    Ok(Err(s)) => {
+                        Err((Failure::of(s.code()), format!("model metadata: {}", describe_status(&s))))
+                    }
+                    Ok(Ok(m)) => Ok(Some(m.into_inner())),
+                }
+            }
+            Wire::Rest { base, http } => {
+                let call = crate::rest::client::metadata(
+                    http,
+                    base,
+                    &self.model,
+                    &self.version,
+                    self.token.as_deref(),
+                );
+                match tokio::time::timeout(timeout, call).await {
+                    Err(_) => Err(late()),
+                    Ok(Err(e)) if e.status == Some(501) => Ok(None),
+                    Ok(Err(e)) => Err((rest_failure(&e), format!("model metadata: {e}"))),
+                    Ok(Ok(m)) => Ok(Some(m)),
+                }
+            }
+        }
+    }
+
+    /// Sends one inference request.
+    async fn send(&self, req: pb::ModelInferRequest) -> Result<pb::ModelInferResponse, (Failure, String)> {
+        let timeout = self.timeout;
+        let late = || (Failure::Transient, format!("no answer within {timeout:?}"));
+        match &self.wire {
+            Wire::Grpc(client) => {
+                let mut client = client.clone();
+                match tokio::time::timeout(timeout, client.model_infer(self.request(req))).await {
+                    Err(_) => Err(late()),
+                    Ok(Err(status)) => Err((Failure::of(status.code()), describe_status(&status))),
+                    Ok(Ok(resp)) => Ok(resp.into_inner()),
+                }
+            }
+            Wire::Rest { base, http } => {
+                match tokio::time::timeout(
+                    timeout,
+                    crate::rest::client::infer(http, base, &req, self.token.as_deref()),
+                )
+                .await
+                {
+                    Err(_) => Err(late()),
+                    Ok(Err(e)) => Err((rest_failure(&e), e.to_string())),
+                    Ok(Ok(resp)) => Ok(resp),
+                }
+            }
+        }
+    }
+
     /// The teacher's model's input and output, from its metadata (or as given).
     async fn learn(&self, wanted: (Option<String>, Option<String>)) -> Result<Names, (Failure, String)> {
         let (input, output) = wanted;
-        let asked = pb::ModelMetadataRequest { name: self.model.clone(), version: self.version.clone() };
-        let mut client = self.client.clone();
-        let meta = match tokio::time::timeout(self.timeout, client.model_metadata(self.request(asked))).await
-        {
-            Err(_) => return Err((Failure::Transient, format!("no metadata within {:?}", self.timeout))),
+        let Some(meta) = self.metadata().await? else {
             // A server without metadata: the names given, or the usual ones.
-            Ok(Err(s)) if s.code() == tonic::Code::Unimplemented => {
-                return Ok(Names {
-                    input: input.unwrap_or_else(|| "input".into()),
-                    input_fp64: false,
-                    output,
-                });
-            }
-            Ok(Err(s)) => {
-                return Err((Failure::of(s.code()), format!("model metadata: {}", describe_status(&s))));
-            }
-            Ok(Ok(m)) => m.into_inner(),
+            return Ok(Names { input: input.unwrap_or_else(|| "input".into()), input_fp64: false, output });
         };
         let model = &self.model;
         let input_meta = match &input {
@@ -457,13 +518,7 @@ impl Ask {
             raw_input_contents: vec![raw],
             ..Default::default()
         };
-        let mut client = self.client.clone();
-        let timeout = self.timeout;
-        let resp = match tokio::time::timeout(timeout, client.model_infer(self.request(req))).await {
-            Err(_) => return Err((Failure::Transient, format!("no answer within {timeout:?}"))),
-            Ok(Err(status)) => return Err((Failure::of(status.code()), describe_status(&status))),
-            Ok(Ok(resp)) => resp.into_inner(),
-        };
+        let resp = self.send(req).await?;
         let (v, rows, cols) =
             oip::output_as_f32(&resp, names.output.as_deref()).map_err(|e| (Failure::Permanent, e))?;
         if rows != piece.rows {
@@ -480,6 +535,15 @@ impl Ask {
                 Ok(v.iter().map(|p| p.max(1e-12).ln()).collect())
             }
         }
+    }
+}
+
+/// How a failed REST call is treated: the client's mistakes are for good,
+/// the server's troubles and the network's pass.
+fn rest_failure(e: &crate::rest::client::CallError) -> Failure {
+    match e.status {
+        Some(400 | 401 | 403 | 404 | 405 | 413 | 501) => Failure::Permanent,
+        _ => Failure::Transient,
     }
 }
 
@@ -535,26 +599,8 @@ impl Pipeline {
         };
         let (addr, model, version) = parse_endpoint(spec_only);
         let addr = addr.as_str();
-        let tls_default = self.cfg.access.ca_pem.is_some();
-        let uri = match addr.contains("://") {
-            true => addr.to_string(),
-            false if tls_default => format!("https://{addr}"),
-            false => format!("http://{addr}"),
-        };
-        let endpoint = Endpoint::from_shared(uri.clone()).and_then(|ep| {
-            if !uri.starts_with("https://") {
-                return Ok(ep);
-            }
-            let tls = match &self.cfg.access.ca_pem {
-                Some(ca) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)),
-                None => ClientTlsConfig::new().with_webpki_roots(),
-            };
-            ep.tls_config(tls)
-        });
-        match endpoint {
-            Ok(ep) => {
-                let ch = ep.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true).connect_lazy();
-                let client = GrpcInferenceServiceClient::new(ch).max_decoding_message_size(256 << 20);
+        match self.wire(addr) {
+            Ok(wire) => {
                 let model = model.unwrap_or_else(|| self.cfg.model_name.clone());
                 tracing::info!("teacher {addr} (model {model:?}) added");
                 self.pool.insert(
@@ -563,7 +609,7 @@ impl Pipeline {
                         addr: spec.to_string(),
                         model,
                         version: version.unwrap_or_default(),
-                        client,
+                        wire,
                         outstanding: 0,
                         cool_until: None,
                         failures: 0,
@@ -577,6 +623,45 @@ impl Pipeline {
             }
             Err(e) => tracing::warn!("teacher endpoint {spec:?} is not usable: {e}"),
         }
+    }
+
+    /// How to reach `addr`: `http://` and `https://` are KServe v2 over
+    /// REST; `grpc://` plain gRPC, `grpcs://` gRPC over TLS; a bare
+    /// `host:port` gRPC, over TLS when a CA is given.
+    fn wire(&self, addr: &str) -> Result<Wire, String> {
+        let ca = self.cfg.access.ca_pem.as_deref();
+        if addr.starts_with("http://") || addr.starts_with("https://") {
+            let mut http =
+                reqwest::Client::builder().connect_timeout(Duration::from_secs(1)).tcp_nodelay(true);
+            if let Some(ca) = ca {
+                http = http.add_root_certificate(
+                    reqwest::Certificate::from_pem(ca.as_bytes()).map_err(|e| e.to_string())?,
+                );
+            }
+            return Ok(Wire::Rest {
+                base: addr.trim_end_matches('/').to_string(),
+                http: http.build().map_err(|e| e.to_string())?,
+            });
+        }
+        let (tls, authority) = match addr.split_once("://") {
+            Some(("grpc", a)) => (false, a),
+            Some(("grpcs", a)) => (true, a),
+            Some((scheme, _)) => {
+                return Err(format!("{scheme}:// is not a teacher protocol (http, https, grpc, grpcs)"));
+            }
+            None => (ca.is_some(), addr),
+        };
+        let uri = format!("{}://{authority}", if tls { "https" } else { "http" });
+        let mut ep = Endpoint::from_shared(uri).map_err(|e| e.to_string())?;
+        if tls {
+            let tls = match ca {
+                Some(ca) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)),
+                None => ClientTlsConfig::new().with_webpki_roots(),
+            };
+            ep = ep.tls_config(tls).map_err(|e| e.to_string())?;
+        }
+        let ch = ep.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true).connect_lazy();
+        Ok(Wire::Grpc(GrpcInferenceServiceClient::new(ch).max_decoding_message_size(256 << 20)))
     }
 
     /// The teacher at `host:port` left (its registration is gone).
@@ -632,7 +717,7 @@ impl Pipeline {
             let t = self.pool.get_mut(&addr).expect("picked from the pool");
             t.outstanding += 1;
             let ask = Ask {
-                client: t.client.clone(),
+                wire: t.wire.clone(),
                 model: t.model.clone(),
                 version: t.version.clone(),
                 names: t.names.clone(),

@@ -134,7 +134,7 @@ struct TeacherArgs {
     #[arg(long)]
     token_file: Option<PathBuf>,
     /// Serve TLS with this certificate (PEM, with its chain); needs --tls-key.
-    /// The teacher registers as `https://host:port`.
+    /// The teacher registers as `grpcs://host:port`.
     #[arg(long)]
     tls_cert: Option<PathBuf>,
     /// The certificate's private key (PEM).
@@ -165,7 +165,8 @@ struct TeacherArgs {
 struct DistillArgs {
     /// Fixed teacher endpoints, comma separated: `host:port`, or
     /// `host:port/model[/version]` to ask that teacher for its own model;
-    /// `https://` in front for TLS.
+    /// `grpcs://` in front for gRPC over TLS, `http://` or `https://` for a
+    /// teacher that speaks KServe v2 over HTTP/REST.
     #[arg(long)]
     teachers: Option<String>,
     /// Store to discover teachers in (with --service), e.g. redis://127.0.0.1:6379.
@@ -246,7 +247,7 @@ struct TeacherAccessArgs {
     teacher_token_file: Option<PathBuf>,
     /// CA certificate (PEM) that teachers' TLS certificates are checked
     /// against; with it, teachers given as `host:port` are reached over TLS
-    /// (`https://` teachers are, always; without a CA, against the web PKI roots).
+    /// (`grpcs://` and `https://` teachers are, always; without a CA, against the web PKI roots).
     #[arg(long)]
     teacher_ca: Option<PathBuf>,
 }

@@ -407,7 +407,7 @@ impl TeacherService {
 pub struct Teacher {
     pub addr: SocketAddr,
     /// Where clients are told it serves (registered in the store):
-    /// `host:port`, or `https://host:port` with TLS.
+    /// `host:port`, or `grpcs://host:port` with TLS.
     pub advertised: String,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
@@ -538,7 +538,7 @@ impl Teacher {
     }
 
     /// Serves as `serving` says. The address registered in the store is
-    /// `host:port`, or `https://host:port` for a teacher with TLS.
+    /// `host:port`, or `grpcs://host:port` for a teacher with TLS.
     pub async fn serve<S: GrpcInferenceService>(
         serving: Serving,
         service: S,
@@ -558,7 +558,7 @@ impl Teacher {
             None => addr.to_string(),
         };
         let advertised =
-            if serving.access.tls.is_some() { format!("https://{host_port}") } else { host_port.clone() };
+            if serving.access.tls.is_some() { format!("grpcs://{host_port}") } else { host_port.clone() };
         let (stop, stopped) = oneshot::channel::<()>();
         // Small responses must not wait for delayed ACKs (Nagle): no delay on every connection.
         let incoming =

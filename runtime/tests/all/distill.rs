@@ -602,7 +602,7 @@ fn a_teacher_with_tls_and_a_token_answers_only_students_that_trust_it_and_carry_
                 .await
                 .unwrap();
         // It registers as an https endpoint, and the key names host:port.
-        assert_eq!(t.advertised, format!("https://{}", t.addr));
+        assert_eq!(t.advertised, format!("grpcs://{}", t.addr));
         let key = edl_runtime::store::keys::teacher("tls", &t.addr.to_string());
         use edl_runtime::store::Store;
         assert_eq!(store.get(&key).await.unwrap().map(|e| e.value), Some(t.advertised.clone().into_bytes()));
@@ -676,7 +676,7 @@ fn the_teacher_and_distill_commands_speak_tls_and_carry_the_token_from_files() {
         .spawn()
         .unwrap();
     let addr = serving_at(&mut teacher);
-    assert!(addr.starts_with("https://127.0.0.1:"), "{addr}");
+    assert!(addr.starts_with("grpcs://127.0.0.1:"), "{addr}");
     let distill = |with_token: bool| {
         let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
         c.args(["distill", "--teachers", &addr, "--features", &DIM.to_string(), "--batches", "3"]);
@@ -1029,4 +1029,68 @@ fn tritonclient_reads_metadata_config_statistics_and_logits_and_gets_triton_s_re
     }
     let _ = teacher.kill();
     let _ = teacher.wait();
+}
+
+#[test]
+fn the_reader_reads_teachers_that_speak_rest() {
+    use edl_runtime::distill::TeacherAccess;
+    runtime().block_on(async {
+        let serve = |token: Option<String>| async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let service = TeacherService::new(model(), TeacherConfig::default());
+            tokio::spawn(edl_runtime::rest::serve(listener, edl_runtime::rest::router(service, token)));
+            format!("http://{addr}")
+        };
+        let open = serve(None).await;
+        let guarded = serve(Some("tok".into())).await;
+        let cfg = |access: TeacherAccess| DistillConfig {
+            teacher_batch: 8,
+            classes: Some(CLASSES),
+            wait_for_teachers: Duration::from_secs(3600),
+            access,
+            ..Default::default()
+        };
+        // Over REST, and beside a gRPC teacher: the same soft labels, every sample once.
+        let grpc = Teacher::start(
+            "127.0.0.1:0".parse().unwrap(),
+            TeacherService::new(model(), TeacherConfig::default()),
+            None,
+        )
+        .await
+        .unwrap();
+        let teachers = Teachers::Fixed(vec![open.clone(), format!("grpc://{}", grpc.addr)]);
+        let data = batches(6, 24);
+        drain_and_check(
+            DistillReader::start(data.clone().into_iter(), None, teachers, cfg(Default::default())),
+            &data,
+            |_| {},
+        )
+        .await;
+        let with_token = TeacherAccess { token: Some("tok".into()), ca_pem: None };
+        let teachers = Teachers::Fixed(vec![guarded.clone()]);
+        drain_and_check(
+            DistillReader::start(batches(2, 8).into_iter(), None, teachers, cfg(with_token)),
+            &batches(2, 8),
+            |_| {},
+        )
+        .await;
+        // Refusals over REST end the read at once, naming the teacher and the answer.
+        let first = |teachers: Vec<String>| async move {
+            let mut r = DistillReader::start(
+                batches(1, 8).into_iter(),
+                None,
+                Teachers::Fixed(teachers),
+                cfg(Default::default()),
+            );
+            tokio::time::timeout(Duration::from_secs(120), r.next())
+                .await
+                .expect("an answer, not a wait")
+                .unwrap()
+        };
+        let err = first(vec![guarded.clone()]).await.unwrap_err().to_string();
+        assert!(err.contains("HTTP 401") && err.contains("needs a bearer token"), "{err}");
+        let err = first(vec![format!("{open}/resnet")]).await.unwrap_err().to_string();
+        assert!(err.contains("HTTP 404") && err.contains("this server serves"), "{err}");
+    });
 }
