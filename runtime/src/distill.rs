@@ -52,6 +52,44 @@ pub struct DistillConfig {
     pub io: TeacherIo,
 }
 
+/// How students call teachers: per request and per teacher.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TeacherCalls {
+    /// Longest one request may take, ms.
+    pub request_timeout_ms: u64,
+    /// Rows per request.
+    pub teacher_batch: usize,
+    /// Requests in flight per teacher.
+    pub in_flight: usize,
+    /// Rest after a failure, ms (doubled per failure in a row, to a cap).
+    pub cooldown_ms: u64,
+}
+
+impl Default for TeacherCalls {
+    fn default() -> Self {
+        let d = DistillConfig::default();
+        TeacherCalls {
+            request_timeout_ms: d.request_timeout.as_millis() as u64,
+            teacher_batch: d.teacher_batch,
+            in_flight: d.in_flight_per_teacher,
+            cooldown_ms: d.cooldown.as_millis() as u64,
+        }
+    }
+}
+
+impl TeacherCalls {
+    /// `cfg` with these settings.
+    pub fn apply(&self, cfg: DistillConfig) -> DistillConfig {
+        DistillConfig {
+            request_timeout: Duration::from_millis(self.request_timeout_ms.max(1)),
+            teacher_batch: self.teacher_batch.max(1),
+            in_flight_per_teacher: self.in_flight.max(1),
+            cooldown: Duration::from_millis(self.cooldown_ms),
+            ..cfg
+        }
+    }
+}
+
 /// The tensors students send and read.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TeacherIo {

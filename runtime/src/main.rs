@@ -190,20 +190,8 @@ struct DistillArgs {
     /// Seconds to wait for a teacher before failing.
     #[arg(long, default_value_t = 30)]
     wait_secs: u64,
-    /// Longest a teacher may take to answer one request, ms (then it is
-    /// retried elsewhere and the teacher rests).
-    #[arg(long, default_value_t = 5000)]
-    request_timeout_ms: u64,
-    /// Rows per teacher request.
-    #[arg(long, default_value_t = 64)]
-    teacher_batch: usize,
-    /// Requests in flight per teacher.
-    #[arg(long, default_value_t = 4)]
-    in_flight: usize,
-    /// How long a teacher rests after a failure, ms; doubled after each
-    /// failure in a row, up to 30 s.
-    #[arg(long, default_value_t = 2000)]
-    cooldown_ms: u64,
+    #[command(flatten)]
+    teacher_calls: TeacherCallArgs,
     #[command(flatten)]
     teacher_io: TeacherIoArgs,
     #[command(flatten)]
@@ -235,6 +223,36 @@ impl TeacherIoArgs {
             input_name: self.teacher_input.clone(),
             output_name: self.teacher_output_name.clone(),
             output: self.teacher_output,
+        }
+    }
+}
+
+/// How a job's students call their teachers.
+#[derive(Args)]
+struct TeacherCallArgs {
+    /// Longest a teacher may take to answer one request, ms (then it is
+    /// retried elsewhere and the teacher rests).
+    #[arg(long, default_value_t = 5000)]
+    teacher_timeout_ms: u64,
+    /// Rows per teacher request.
+    #[arg(long, default_value_t = 64)]
+    teacher_batch: usize,
+    /// Requests in flight per teacher.
+    #[arg(long, default_value_t = 4)]
+    teacher_in_flight: usize,
+    /// How long a teacher rests after a failure, ms; doubled after each
+    /// failure in a row, up to 30 s.
+    #[arg(long, default_value_t = 2000)]
+    teacher_cooldown_ms: u64,
+}
+
+impl TeacherCallArgs {
+    fn calls(&self) -> edl_runtime::distill::TeacherCalls {
+        edl_runtime::distill::TeacherCalls {
+            request_timeout_ms: self.teacher_timeout_ms,
+            teacher_batch: self.teacher_batch,
+            in_flight: self.teacher_in_flight,
+            cooldown_ms: self.teacher_cooldown_ms,
         }
     }
 }
@@ -461,6 +479,8 @@ struct RunArgs {
     teacher_access: TeacherAccessArgs,
     #[command(flatten)]
     teacher_io: TeacherIoArgs,
+    #[command(flatten)]
+    teacher_calls: TeacherCallArgs,
     /// Where the coordinator listens: an address (`0.0.0.0` for every
     /// interface) and optionally its control port (`10.0.0.5:7070`; default:
     /// any free port). Loopback keeps the job on this machine.
@@ -973,17 +993,13 @@ fn distill(args: DistillArgs) -> Result<ExitCode> {
                 seed: 0,
             }
         });
-        let cfg = DistillConfig {
+        let cfg = args.teacher_calls.calls().apply(DistillConfig {
             model_name: args.model_name.clone(),
             wait_for_teachers: Duration::from_secs(args.wait_secs),
-            request_timeout: Duration::from_millis(args.request_timeout_ms.max(1)),
-            teacher_batch: args.teacher_batch.max(1),
-            in_flight_per_teacher: args.in_flight.max(1),
-            cooldown: Duration::from_millis(args.cooldown_ms),
             access: args.teacher_access.read()?,
             io: args.teacher_io.io(),
             ..Default::default()
-        };
+        });
         let mut reader = DistillReader::start(source, None, teachers, cfg);
         let start = std::time::Instant::now();
         let (mut samples, mut next_id, mut classes) = (0usize, 0u64, 0usize);

@@ -174,6 +174,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
         worker_lease_ms: args.worker_lease_secs.saturating_mul(1000),
         teacher_access: args.teacher_access.read()?,
         teacher_io: args.teacher_io.io(),
+        teacher_calls: args.teacher_calls.calls(),
     };
     if let Some((model, _, _)) = &builtin
         && args.device != Device::Cpu

@@ -665,15 +665,14 @@ fn start_teach(inner: &mut Inner) -> anyhow::Result<Teach> {
         }
         None => anyhow::bail!("the job has no teachers"),
     };
-    let config = DistillConfig {
+    let config = spec.teacher_calls.apply(DistillConfig {
         model_name: spec.teacher_model_name.clone(),
-        teacher_batch: 64,
         read_ahead: 4,
         wait_for_teachers: Duration::from_millis(spec.teacher_wait_ms),
         access: spec.teacher_access.clone(),
         io: spec.teacher_io.clone(),
         ..DistillConfig::default()
-    };
+    });
     let (feed, fed_rx) = mpsc::channel::<Feed>();
     let features = Python::attach(|py| inner.features.as_ref().map(|f| f.clone_ref(py)));
     let source_error = Arc::new(Mutex::new(None));

@@ -119,6 +119,9 @@ impl JobConfig {
             ("--step-timeout", self.step_timeout.as_secs()),
             ("--teacher-wait-secs", spec.teacher_wait_ms),
             ("--worker-lease-secs", spec.worker_lease_ms),
+            ("--teacher-timeout-ms", spec.teacher_calls.request_timeout_ms),
+            ("--teacher-batch", spec.teacher_calls.teacher_batch as u64),
+            ("--teacher-in-flight", spec.teacher_calls.in_flight as u64),
         ] {
             if v == 0 {
                 bail!("{flag} 0: need at least 1");

@@ -110,6 +110,9 @@ pub struct JobSpec {
     /// Which tensors the students send and read, and what outputs hold.
     #[serde(default)]
     pub teacher_io: crate::distill::TeacherIo,
+    /// Request timeout, rows per request, requests in flight, cool-down.
+    #[serde(default)]
+    pub teacher_calls: crate::distill::TeacherCalls,
 }
 
 fn default_teacher_wait_ms() -> u64 {

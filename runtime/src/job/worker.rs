@@ -244,6 +244,7 @@ struct BuiltinWorker {
     /// The teachers' token and TLS trust, and the tensors read and sent.
     access: crate::distill::TeacherAccess,
     io: crate::distill::TeacherIo,
+    calls: crate::distill::TeacherCalls,
     host: Option<Arc<PluginHost>>,
     rt: tokio::runtime::Runtime,
 }
@@ -338,6 +339,7 @@ pub fn run(join: Join) -> Result<()> {
         transform_config: spec.transform_config.clone(),
         access: spec.teacher_access.clone(),
         io: spec.teacher_io.clone(),
+        calls: spec.teacher_calls.clone(),
         host,
         model,
         rt: tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?,
@@ -439,16 +441,15 @@ impl BuiltinWorker {
             (Some(path), Some(h)) => Some(h.load_transform(path, &self.transform_config)?),
             _ => None,
         };
-        let config = DistillConfig {
+        let config = self.calls.apply(DistillConfig {
             model_name: self.teacher_model_name.clone(),
             classes: Some(*self.model.layers.last().unwrap_or(&10)),
-            teacher_batch: 64,
             read_ahead: 4,
             wait_for_teachers: self.teacher_wait,
             access: self.access.clone(),
             io: self.io.clone(),
             ..DistillConfig::default()
-        };
+        });
         tracing::debug!("worker {}: reading ahead from the teachers", self.id);
         Ok(ReadAhead::teachers(self, teachers, transform, config))
     }

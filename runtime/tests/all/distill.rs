@@ -768,7 +768,7 @@ fn the_distill_command_gives_up_on_dead_teachers_after_the_wait_and_on_a_wrong_m
     let run = |teachers: &str, wait: &str| {
         let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
             .args(["distill", "--teachers", teachers, "--features", &DIM.to_string(), "--batches", "2"])
-            .args(["--wait-secs", wait, "--cooldown-ms", "100"])
+            .args(["--wait-secs", wait, "--teacher-cooldown-ms", "100"])
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

@@ -344,6 +344,7 @@ fn nonsensical_flags_are_one_line_errors_before_anything_starts() {
         (&["--store", "redis://:hunter2@127.0.0.1:1"], "--store redis://:***@127.0.0.1:1"),
         (&["--checkpoint-dir", "a-file/ckpt"], "a-file/ckpt: cannot create it"),
         (&["--decide-every", "0"], "--decide-every 0"),
+        (&["--teacher-batch", "0"], "--teacher-batch 0: need at least 1"),
     ] {
         let out = small(dir.path(), flags).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
