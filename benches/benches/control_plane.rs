@@ -139,15 +139,6 @@ impl Scaler for SimScaler {
         Ok(())
     }
     fn stop(&mut self, _id: u64, _grace: Duration) {}
-    fn exited(&mut self) -> Vec<(u64, String)> {
-        Vec::new()
-    }
-    fn pid(&self, _id: u64) -> Option<u32> {
-        None
-    }
-    fn log_of(&self, _id: u64) -> Option<PathBuf> {
-        None
-    }
 }
 
 /// Adds one worker at the first decision from `at` on; holds otherwise.

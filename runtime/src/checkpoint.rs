@@ -72,6 +72,7 @@ pub enum CheckpointError {
 }
 
 /// A directory of checkpoints `step-<n>/`, local or in object storage.
+#[derive(Clone)]
 pub struct Checkpoints {
     dir: PathBuf,
     keep: usize,

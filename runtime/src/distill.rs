@@ -587,18 +587,24 @@ fn rest_failure(e: &crate::rest::client::CallError) -> Failure {
 
 /// A gRPC status in words: its code, and its message or what the transport said.
 fn describe_status(status: &tonic::Status) -> String {
-    use std::error::Error;
-    let mut detail = status.message().to_string();
-    let mut source = status.source();
+    let detail = with_causes(status.message().to_string(), std::error::Error::source(status));
+    if detail.is_empty() { format!("{:?}", status.code()) } else { format!("{:?}: {detail}", status.code()) }
+}
+
+/// `detail` followed by each cause below it that it does not already say
+/// (each layer of a transport error often repeats the one below it).
+pub(crate) fn with_causes(
+    mut detail: String,
+    mut source: Option<&(dyn std::error::Error + 'static)>,
+) -> String {
     while let Some(e) = source {
-        // Each layer often repeats the one below it: say each thing once.
         let said = e.to_string();
         if !detail.contains(&said) {
             detail = if detail.is_empty() { said } else { format!("{detail}: {said}") };
         }
         source = e.source();
     }
-    if detail.is_empty() { format!("{:?}", status.code()) } else { format!("{:?}: {detail}", status.code()) }
+    detail
 }
 
 fn features_of(b: &Batch) -> Result<(Vec<f32>, usize), String> {

@@ -418,16 +418,7 @@ pub mod client {
     }
 
     fn transport(e: reqwest::Error) -> CallError {
-        use std::error::Error;
-        let mut detail = e.to_string();
-        let mut source = e.source();
-        while let Some(s) = source {
-            let said = s.to_string();
-            if !detail.contains(&said) {
-                detail = format!("{detail}: {said}");
-            }
-            source = s.source();
-        }
+        let detail = crate::distill::with_causes(e.to_string(), std::error::Error::source(&e));
         CallError { status: None, detail }
     }
 

@@ -30,12 +30,19 @@ pub trait Scaler: Send {
     fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> anyhow::Result<()>;
     /// Asks worker `id` to stop and makes sure it is gone within `grace`.
     fn stop(&mut self, id: u64, grace: Duration);
-    /// Workers that exited since the last call, with how.
-    fn exited(&mut self) -> Vec<(u64, String)>;
-    /// Process id of a running worker, when it has one.
-    fn pid(&self, id: u64) -> Option<u32>;
-    /// Where worker `id` logs.
-    fn log_of(&self, id: u64) -> Option<PathBuf>;
+    /// Workers that exited since the last call, with how (none, for a
+    /// scaler that runs no processes of its own).
+    fn exited(&mut self) -> Vec<(u64, String)> {
+        Vec::new()
+    }
+    /// Process id of a running worker, when it has one here.
+    fn pid(&self, _id: u64) -> Option<u32> {
+        None
+    }
+    /// Where worker `id` logs, when it logs here.
+    fn log_of(&self, _id: u64) -> Option<PathBuf> {
+        None
+    }
     /// Whether workers this scaler did not start may join the job (they
     /// still prove its secret).
     fn admits_uninvited(&self) -> bool {
@@ -564,18 +571,6 @@ impl Scaler for ExternalWorkers {
 
     fn stop(&mut self, _id: u64, _grace: Duration) {
         // Told to stop on its control connection; its engine decides what next.
-    }
-
-    fn exited(&mut self) -> Vec<(u64, String)> {
-        Vec::new()
-    }
-
-    fn pid(&self, _id: u64) -> Option<u32> {
-        None
-    }
-
-    fn log_of(&self, _id: u64) -> Option<PathBuf> {
-        None
     }
 
     fn admits_uninvited(&self) -> bool {

@@ -94,6 +94,9 @@ struct Place {
 pub struct Session {
     id: u64,
     spec: JobSpec,
+    /// Where the job's checkpoints are (opened once: a store client and its
+    /// runtime for object storage).
+    checkpoints: Checkpoints,
     /// The job's name and secret, proven on the rendezvous and the ring too.
     auth: JobAuth,
     out: Sender,
@@ -232,8 +235,10 @@ impl Session {
                 }
             }
         })?;
+        let checkpoints = Checkpoints::open(&spec.checkpoint_dir, spec.keep_checkpoints)?;
         Ok(Joined::Welcome(Box::new(Session {
             id,
+            checkpoints,
             spec,
             auth,
             out,
@@ -556,8 +561,7 @@ impl Session {
         self.failed = None;
         let n = g.committed_steps;
         if let Some(path) = &g.init {
-            let (restored, skipped) =
-                Checkpoints::open(&self.spec.checkpoint_dir, self.spec.keep_checkpoints)?.latest();
+            let (restored, skipped) = self.checkpoints.latest();
             for e in skipped {
                 tracing::warn!("worker {}: skipped checkpoint: {e}", self.id);
             }
@@ -671,7 +675,7 @@ impl Session {
             )
         })?;
         let layout = self.layout.clone();
-        let store = Checkpoints::open(&self.spec.checkpoint_dir, self.spec.keep_checkpoints)?;
+        let store = self.checkpoints.clone();
         let handle = std::thread::Builder::new()
             .name("edl-checkpoint".into())
             .spawn(move || Ok(store.save(&layout, &values, manifest)?))?;

@@ -28,7 +28,9 @@ fn an_infinite_loop_hits_the_deadline_and_the_next_call_works() {
 
 #[test]
 fn a_memory_bomb_hits_the_limit_and_the_next_call_works() {
-    let limits = Limits { memory_bytes: 16 << 20, ..Limits::default() };
+    // The memory limit is what is checked: a deadline a loaded machine cannot reach first.
+    let limits =
+        Limits { memory_bytes: 16 << 20, deadline: std::time::Duration::from_secs(30), ..Limits::default() };
     let (host, _d) = host_with(limits);
     let mut p = host.load_policy(path(art::MEMBOMB_WASM), &[]).unwrap();
     let err = p.decide(&view(1)).unwrap_err();
