@@ -69,6 +69,9 @@ pub const STATE_FILE: &str = "state.safetensors";
 pub enum CheckpointError {
     #[error("{path}: {detail}")]
     Io { path: String, detail: String },
+    /// An object storage call failed; the message names the object.
+    #[error("{0}")]
+    Store(String),
 }
 
 /// A directory of checkpoints `step-<n>/`, local or in object storage.
@@ -162,30 +165,35 @@ impl Checkpoints {
     /// Proves checkpoints can be written here: a probe written, read back and removed.
     pub fn probe(&self) -> Result<(), CheckpointError> {
         let Some(r) = &self.remote else { return check_writable(&self.dir) };
-        let err = |detail: String| CheckpointError::Io { path: r.url_of(".write-probe"), detail };
-        r.put(".write-probe", b"probe".to_vec()).map_err(err)?;
-        match r.get(".write-probe").map_err(err)? {
+        r.put(".write-probe", b"probe".to_vec()).map_err(CheckpointError::Store)?;
+        match r.get(".write-probe").map_err(CheckpointError::Store)? {
             Some(b) if b == b"probe" => {}
-            _ => return Err(err("the probe written could not be read back".into())),
+            _ => {
+                return Err(CheckpointError::Io {
+                    path: r.url_of(".write-probe"),
+                    detail: "the probe written could not be read back".into(),
+                })
+            }
         }
-        r.delete(".write-probe").map_err(err)
+        r.delete(".write-probe").map_err(CheckpointError::Store)
     }
 
     /// Writes a small file beside the checkpoints (a marker).
     pub fn put_file(&self, name: &str, bytes: &[u8]) -> Result<(), CheckpointError> {
         match &self.remote {
-            Some(r) => r
-                .put(name, bytes.to_vec())
-                .map_err(|detail| CheckpointError::Io { path: r.url_of(name), detail }),
+            Some(r) => r.put(name, bytes.to_vec()).map_err(CheckpointError::Store),
             None => write_durably(&self.dir.join(name), bytes),
         }
     }
 
-    /// Whether the file `name` is there.
-    pub fn has_file(&self, name: &str) -> bool {
+    /// Whether the file `name` is there; an error when that cannot be told.
+    pub fn has_file(&self, name: &str) -> Result<bool, CheckpointError> {
         match &self.remote {
-            Some(r) => r.get(name).is_ok_and(|b| b.is_some()),
-            None => self.dir.join(name).exists(),
+            Some(r) => r.get(name).map(|b| b.is_some()).map_err(CheckpointError::Store),
+            None => {
+                let path = self.dir.join(name);
+                path.try_exists().map_err(|e| io(&path, e))
+            }
         }
     }
 
@@ -215,14 +223,14 @@ impl Checkpoints {
         }
     }
 
-    /// The checkpoint directories, oldest first. A checkpoint moved aside by
-    /// a writer that crashed before the new copy took its place is put back.
-    pub fn list(&self) -> Vec<(u64, PathBuf)> {
+    /// The checkpoint directories, oldest first (none when the directory
+    /// does not exist yet); an error when they cannot be listed, so that a
+    /// store that fails is never taken for an empty one. A checkpoint moved
+    /// aside by a writer that crashed before the new copy took its place is
+    /// put back.
+    pub fn list(&self) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
         if let Some(r) = &self.remote {
-            let names = r.dirs().unwrap_or_else(|e| {
-                tracing::warn!("checkpoints: {e}");
-                Vec::new()
-            });
+            let names = r.dirs().map_err(CheckpointError::Store)?;
             let mut out: Vec<(u64, PathBuf)> = names
                 .iter()
                 .filter_map(|n| {
@@ -230,9 +238,16 @@ impl Checkpoints {
                 })
                 .collect();
             out.sort();
-            return out;
+            return Ok(out);
         }
-        for e in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
+        let entries = || -> Result<Vec<std::fs::DirEntry>, CheckpointError> {
+            match std::fs::read_dir(&self.dir) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+                Err(e) => Err(io(&self.dir, e)),
+                Ok(dir) => dir.map(|e| e.map_err(|e| io(&self.dir, e))).collect(),
+            }
+        };
+        for e in entries()? {
             let name = e.file_name().to_string_lossy().into_owned();
             let Some(rest) = name.strip_prefix(".old-") else { continue };
             let Some((step, _pid)) = rest.rsplit_once('-') else { continue };
@@ -241,17 +256,15 @@ impl Checkpoints {
                 let _ = std::fs::rename(e.path(), &dest);
             }
         }
-        let mut out: Vec<(u64, PathBuf)> = std::fs::read_dir(&self.dir)
+        let mut out: Vec<(u64, PathBuf)> = entries()?
             .into_iter()
-            .flatten()
-            .flatten()
             .filter_map(|e| {
                 let name = e.file_name().to_string_lossy().into_owned();
                 name.strip_prefix("step-").and_then(|n| n.parse().ok()).map(|n| (n, e.path()))
             })
             .collect();
         out.sort();
-        out
+        Ok(out)
     }
 
     /// Writes a checkpoint of the state `values` (laid out as `layout`) at
@@ -271,10 +284,7 @@ impl Checkpoints {
             let sum = hex::encode(Sha256::digest(&json)).into_bytes();
             // The checksum goes last: until it is there, readers skip this one.
             for (file, bytes) in [(STATE_FILE, state), ("manifest.json", json), ("manifest.sha256", sum)] {
-                r.put(&format!("{name}/{file}"), bytes).map_err(|detail| CheckpointError::Io {
-                    path: r.url_of(&format!("{name}/{file}")),
-                    detail,
-                })?;
+                r.put(&format!("{name}/{file}"), bytes).map_err(CheckpointError::Store)?;
             }
             self.prune();
             return Ok(at);
@@ -307,9 +317,16 @@ impl Checkpoints {
         Ok(dest)
     }
 
-    /// Keeps the newest `keep` checkpoints.
+    /// Keeps the newest `keep` checkpoints (a failed listing leaves them all,
+    /// to be pruned after the next write).
     fn prune(&self) {
-        let all = self.list();
+        let all = match self.list() {
+            Ok(all) => all,
+            Err(e) => {
+                tracing::warn!("checkpoints not pruned: {e}");
+                return;
+            }
+        };
         for (_, old) in all.iter().take(all.len().saturating_sub(self.keep)) {
             self.remove(old);
         }
@@ -322,7 +339,7 @@ impl Checkpoints {
             // Objects are written whole: nothing is left half written.
             return Vec::new();
         }
-        let _ = self.list(); // puts back a checkpoint moved aside by a crash
+        let _ = self.list(); // puts back a checkpoint moved aside by a crash (its error is the resume's)
         let mut removed = Vec::new();
         for e in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
@@ -349,7 +366,7 @@ impl Checkpoints {
             match r.get(&at) {
                 Ok(Some(b)) => Ok(b),
                 Ok(None) => Err(io(&path.join(name), "no such object")),
-                Err(detail) => Err(CheckpointError::Io { path: r.url_of(&at), detail }),
+                Err(detail) => Err(CheckpointError::Store(detail)),
             }
         })
     }
@@ -417,19 +434,19 @@ impl Checkpoints {
     }
 
     /// The newest checkpoint that verifies, and the ones skipped (newest
-    /// first) with why.
-    pub fn latest(&self) -> (Option<Restored>, Vec<CheckpointError>) {
+    /// first) with why; an error when the checkpoints cannot be listed.
+    pub fn latest(&self) -> Result<(Option<Restored>, Vec<CheckpointError>), CheckpointError> {
         let mut skipped = Vec::new();
-        for (_, path) in self.list().into_iter().rev() {
+        for (_, path) in self.list()?.into_iter().rev() {
             match self.read_at(&path) {
-                Ok(r) => return (Some(r), skipped),
+                Ok(r) => return Ok((Some(r), skipped)),
                 Err(e) => {
                     tracing::warn!("checkpoint {} is unusable, trying the previous one: {e}", path.display());
                     skipped.push(e);
                 }
             }
         }
-        (None, skipped)
+        Ok((None, skipped))
     }
 }
 
@@ -467,9 +484,9 @@ mod tests {
         for step in [10, 20, 30] {
             cps.save(&layout(), &state(step as f32), manifest(step)).unwrap();
         }
-        let steps: Vec<u64> = cps.list().into_iter().map(|(s, _)| s).collect();
+        let steps: Vec<u64> = cps.list().unwrap().into_iter().map(|(s, _)| s).collect();
         assert_eq!(steps, vec![20, 30], "only the last two are kept");
-        let (r, skipped) = cps.latest();
+        let (r, skipped) = cps.latest().unwrap();
         let r = r.unwrap();
         assert!(skipped.is_empty());
         assert_eq!((r.manifest.step, r.tensor("b").unwrap()[0]), (30, 30.0));
@@ -477,17 +494,17 @@ mod tests {
         assert_eq!((r.layout.clone(), r.values.clone()), (layout(), state(30.0)), "order and values kept");
 
         // Truncate the newest state file: reported by name, the previous one is used.
-        let newest = cps.list().last().unwrap().1.join(STATE_FILE);
+        let newest = cps.list().unwrap().last().unwrap().1.join(STATE_FILE);
         let bytes = std::fs::read(&newest).unwrap();
         std::fs::write(&newest, &bytes[..bytes.len() / 2]).unwrap();
-        let (r, skipped) = cps.latest();
+        let (r, skipped) = cps.latest().unwrap();
         assert_eq!(r.unwrap().manifest.step, 20);
         assert_eq!(skipped.len(), 1);
         assert!(skipped[0].to_string().contains("step-0000000030/state.safetensors"), "{}", skipped[0]);
 
         // A garbled manifest too: nothing usable is left.
-        std::fs::write(cps.list()[0].1.join("manifest.json"), b"{not json").unwrap();
-        let (r, skipped) = cps.latest();
+        std::fs::write(cps.list().unwrap()[0].1.join("manifest.json"), b"{not json").unwrap();
+        let (r, skipped) = cps.latest().unwrap();
         assert!(r.is_none());
         assert_eq!(skipped.len(), 2);
         assert!(skipped[1].to_string().contains("does not match manifest.sha256"), "{}", skipped[1]);
@@ -502,14 +519,14 @@ mod tests {
             let at = cps.save(&layout(), &state(step as f32), manifest(step)).unwrap();
             assert_eq!(at, PathBuf::from(format!("memory:///jobs/mnist/checkpoints/step-{step:010}")));
         }
-        let steps: Vec<u64> = cps.list().into_iter().map(|(s, _)| s).collect();
+        let steps: Vec<u64> = cps.list().unwrap().into_iter().map(|(s, _)| s).collect();
         assert_eq!(steps, vec![20, 30], "only the last two are kept");
         assert_eq!(
             objects.get("step-0000000010/state.safetensors").unwrap(),
             None,
             "pruned objects are gone"
         );
-        let (r, skipped) = cps.latest();
+        let (r, skipped) = cps.latest().unwrap();
         assert!(skipped.is_empty());
         assert_eq!((r.unwrap().values, 30.0), (state(30.0), 30.0));
 
@@ -517,22 +534,22 @@ mod tests {
         let half = "step-0000000040";
         objects.put(&format!("{half}/state.safetensors"), vec![1, 2, 3]).unwrap();
         objects.put(&format!("{half}/manifest.json"), b"{}".to_vec()).unwrap();
-        let (r, skipped) = cps.latest();
+        let (r, skipped) = cps.latest().unwrap();
         assert_eq!(r.unwrap().manifest.step, 30);
         assert!(skipped[0].to_string().contains("not a complete checkpoint"), "{}", skipped[0]);
         // A damaged state: named, and the one before is used.
         objects.delete_dir(half).unwrap();
         objects.put("step-0000000030/state.safetensors", b"garbage".to_vec()).unwrap();
-        let (r, skipped) = cps.latest();
+        let (r, skipped) = cps.latest().unwrap();
         assert_eq!(r.unwrap().manifest.step, 20);
         assert!(skipped[0].to_string().contains("step-0000000030/state.safetensors"), "{}", skipped[0]);
 
         // Markers beside the checkpoints.
-        assert!(!cps.has_file("complete.json"));
+        assert!(!cps.has_file("complete.json").unwrap());
         cps.put_file("complete.json", b"[]").unwrap();
-        assert!(cps.has_file("complete.json"));
+        assert!(cps.has_file("complete.json").unwrap());
         cps.remove_file("complete.json");
-        assert!(!cps.has_file("complete.json"));
+        assert!(!cps.has_file("complete.json").unwrap());
     }
 
     #[test]
@@ -541,10 +558,10 @@ mod tests {
         let cps = Checkpoints::new(dir.path(), 3);
         cps.save(&layout(), &state(1.0), manifest(10)).unwrap();
         cps.save(&layout(), &state(1.0), manifest(20)).unwrap();
-        let newest = cps.list().last().unwrap().1.join("manifest.json");
+        let newest = cps.list().unwrap().last().unwrap().1.join("manifest.json");
         let text = std::fs::read_to_string(&newest).unwrap();
         std::fs::write(&newest, text.replace("\"cursor\": 0", "\"cursor\": 64")).unwrap();
-        let (r, skipped) = cps.latest();
+        let (r, skipped) = cps.latest().unwrap();
         assert_eq!(r.unwrap().manifest.step, 10);
         assert!(skipped[0].to_string().contains("does not match manifest.sha256"), "{}", skipped[0]);
     }
@@ -555,13 +572,13 @@ mod tests {
         let cps = Checkpoints::new(dir.path(), 3);
         cps.save(&layout(), &state(1.0), manifest(10)).unwrap();
         cps.save(&layout(), &state(42.0), manifest(10)).unwrap();
-        assert_eq!(cps.latest().0.unwrap().tensor("b").unwrap()[0], 42.0);
+        assert_eq!(cps.latest().unwrap().0.unwrap().tensor("b").unwrap()[0], 42.0);
         // A crash after the old copy was moved aside and before the new one
         // took its place: the old one comes back.
-        let step = cps.list()[0].1.clone();
+        let step = cps.list().unwrap()[0].1.clone();
         std::fs::rename(&step, dir.path().join(".old-step-0000000010-999")).unwrap();
         std::fs::create_dir(dir.path().join(".tmp-step-0000000020-999")).unwrap();
-        assert_eq!(cps.latest().0.unwrap().manifest.step, 10);
+        assert_eq!(cps.latest().unwrap().0.unwrap().manifest.step, 10);
         let removed = cps.clean_leftovers();
         assert_eq!(removed.len(), 1, "{removed:?}");
         assert!(!dir.path().join(".tmp-step-0000000020-999").exists());
@@ -570,7 +587,97 @@ mod tests {
     #[test]
     fn an_empty_directory_has_no_checkpoint() {
         let dir = tempfile::tempdir().unwrap();
-        let (r, skipped) = Checkpoints::new(dir.path().join("none"), 3).latest();
+        let (r, skipped) = Checkpoints::new(dir.path().join("none"), 3).latest().unwrap();
         assert!(r.is_none() && skipped.is_empty());
+    }
+
+    #[test]
+    fn a_directory_that_cannot_be_listed_is_an_error_not_an_empty_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("not-a-directory");
+        std::fs::write(&file, b"x").unwrap();
+        let cps = Checkpoints::new(&file, 3);
+        let e = cps.latest().err().expect("listing a file as a directory fails");
+        assert!(e.to_string().contains("not-a-directory"), "{e}");
+        assert!(cps.list().is_err());
+    }
+
+    /// An object store that writes and reads but cannot list, as a bucket
+    /// whose credentials lack the list permission.
+    #[derive(Debug, Default)]
+    struct ListingRefused(object_store::memory::InMemory);
+
+    impl std::fmt::Display for ListingRefused {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("ListingRefused")
+        }
+    }
+
+    type Stream<T> = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = object_store::Result<T>> + Send>>;
+
+    #[async_trait::async_trait]
+    impl object_store::ObjectStore for ListingRefused {
+        async fn put_opts(
+            &self,
+            at: &object_store::path::Path,
+            payload: object_store::PutPayload,
+            opts: object_store::PutOptions,
+        ) -> object_store::Result<object_store::PutResult> {
+            self.0.put_opts(at, payload, opts).await
+        }
+        async fn put_multipart_opts(
+            &self,
+            at: &object_store::path::Path,
+            opts: object_store::PutMultipartOptions,
+        ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
+            self.0.put_multipart_opts(at, opts).await
+        }
+        async fn get_opts(
+            &self,
+            at: &object_store::path::Path,
+            opts: object_store::GetOptions,
+        ) -> object_store::Result<object_store::GetResult> {
+            self.0.get_opts(at, opts).await
+        }
+        fn delete_stream(&self, at: Stream<object_store::path::Path>) -> Stream<object_store::path::Path> {
+            self.0.delete_stream(at)
+        }
+        fn list(&self, _: Option<&object_store::path::Path>) -> Stream<object_store::ObjectMeta> {
+            Box::pin(tokio_stream::once(Err(refused())))
+        }
+        async fn list_with_delimiter(
+            &self,
+            _: Option<&object_store::path::Path>,
+        ) -> object_store::Result<object_store::ListResult> {
+            Err(refused())
+        }
+        async fn copy_opts(
+            &self,
+            from: &object_store::path::Path,
+            to: &object_store::path::Path,
+            opts: object_store::CopyOptions,
+        ) -> object_store::Result<()> {
+            self.0.copy_opts(from, to, opts).await
+        }
+    }
+
+    fn refused() -> object_store::Error {
+        object_store::Error::PermissionDenied { path: "jobs".into(), source: "s3:ListBucket not allowed".into() }
+    }
+
+    #[test]
+    fn a_store_that_cannot_list_is_an_error_not_an_empty_one() {
+        let store = std::sync::Arc::new(ListingRefused::default());
+        let objects = ObjectDir::with_store(store, "jobs/mnist".into(), "s3://edl/jobs/mnist").unwrap();
+        let cps = Checkpoints::in_objects(objects, 3);
+        // Writing works (the preflight passes) ...
+        cps.probe().unwrap();
+        cps.save(&layout(), &state(1.0), manifest(10)).unwrap();
+        // ... but what is there cannot be told: an error naming the store
+        // and why, never "no checkpoint" (which would start the job over).
+        let e = cps.latest().err().expect("a listing that fails is an error");
+        let text = e.to_string();
+        assert!(text.contains("s3://edl/jobs/mnist") && text.contains("ListBucket"), "{text}");
+        assert!(cps.list().is_err());
     }
 }

@@ -506,9 +506,10 @@ impl Coordinator<'_> {
             self.generation = s.generation;
             self.m.resume_ids(s.next_worker_id);
         }
-        if self.ckpt.has_file(COMPLETE) || stored.as_ref().is_some_and(|s| s.finished) {
+        let complete = self.ckpt.has_file(COMPLETE).context("looking for the finished job's marker")?;
+        if complete || stored.as_ref().is_some_and(|s| s.finished) {
             self.note(format!("job {:?} finished before; starting it again from step 0", self.cfg.spec.job));
-            for (_, p) in self.ckpt.list() {
+            for (_, p) in self.ckpt.list().context("listing the finished job's checkpoints")? {
                 self.ckpt.remove(&p);
             }
             self.ckpt.remove_file(COMPLETE);
@@ -517,7 +518,7 @@ impl Coordinator<'_> {
         for p in self.checkpoints().clean_leftovers() {
             self.note(format!("removed {} (left by an interrupted checkpoint write)", p.display()));
         }
-        let (restored, skipped) = self.checkpoints().latest();
+        let (restored, skipped) = self.checkpoints().latest().context("listing the checkpoints to resume from")?;
         for e in skipped {
             self.note(format!("skipping an unusable checkpoint: {e}"));
         }
@@ -849,7 +850,7 @@ impl Coordinator<'_> {
     /// Every worker is gone: start over from the newest checkpoint with new ones.
     fn recover_from_nothing(&mut self) -> Result<()> {
         self.note("no worker left; restarting from the newest checkpoint".into());
-        match self.checkpoints().latest().0 {
+        match self.checkpoints().latest().context("listing the checkpoints to restart from")?.0 {
             Some(r) => {
                 let book: Bookkeeping = serde_json::from_value(r.manifest.plugin_state.clone())
                     .with_context(|| format!("{}: manifest has no coordinator state", r.path.display()))?;

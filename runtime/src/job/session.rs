@@ -561,7 +561,7 @@ impl Session {
         self.failed = None;
         let n = g.committed_steps;
         if let Some(path) = &g.init {
-            let (restored, skipped) = self.checkpoints.latest();
+            let (restored, skipped) = self.checkpoints.latest().context("listing the checkpoints")?;
             for e in skipped {
                 tracing::warn!("worker {}: skipped checkpoint: {e}", self.id);
             }

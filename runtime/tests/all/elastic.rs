@@ -169,9 +169,11 @@ fn exactly_once_across_policy_resizes_and_a_killed_worker() {
     let coordinator = child.id();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
-    // The schedule grows the job 1 -> 2 -> 3; then kill worker 1, rank 0 (a
-    // scale-in removes the highest ranks, so it is still in the job).
-    wait_for(&rx, "2 -> 3 workers", &mut seen, Duration::from_secs(120));
+    // The schedule grows the job 1 -> 2 -> 3 (one resize 1 -> 3 when the
+    // second worker is asked for before the first is ready); then kill
+    // worker 1, rank 0 (a scale-in removes the highest ranks, so it is still
+    // in the job).
+    wait_for(&rx, " -> 3 workers", &mut seen, Duration::from_secs(120));
     let workers: Vec<(u32, String)> =
         children(coordinator).into_iter().filter(|(_, c)| c.contains(" worker ")).collect();
     assert!(workers.len() >= 2, "{workers:?}");
