@@ -207,6 +207,7 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
         // The simulated workers send no heartbeats: they are heard through
         // their reports, and a joiner may wait long at this scale.
         worker_lease_ms: 600_000,
+        worker_reconnect_ms: 0,
         teacher_access: Default::default(),
         teacher_io: Default::default(),
         teacher_calls: Default::default(),

@@ -517,6 +517,12 @@ struct RunArgs {
     /// few times per lease) before it is declared dead and the job goes on without it.
     #[arg(long, default_value_t = 10)]
     worker_lease_secs: u64,
+    /// Seconds a worker that lost its connection to the coordinator keeps
+    /// trying to reach it again, to hear where it stands: a worker the job
+    /// went on without is refused (its generation is over) and exits with
+    /// that reason; one that reaches nothing exits when the time is up.
+    #[arg(long, default_value_t = 30)]
+    worker_reconnect_secs: u64,
     /// Seconds a worker asked for may take to join before it is given up.
     #[arg(long, default_value_t = 60)]
     join_timeout_secs: u64,

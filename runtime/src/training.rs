@@ -172,6 +172,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
         allow_native: host.allows_native(),
         teacher_wait_ms: args.teacher_wait_secs.saturating_mul(1000),
         worker_lease_ms: args.worker_lease_secs.saturating_mul(1000),
+        worker_reconnect_ms: args.worker_reconnect_secs.saturating_mul(1000),
         teacher_access: args.teacher_access.read()?,
         teacher_io: args.teacher_io.io(),
         teacher_calls: args.teacher_calls.calls(),

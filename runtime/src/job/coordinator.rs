@@ -37,7 +37,7 @@ use std::{
     collections::{BTreeSet, HashMap},
     net::{SocketAddr, TcpListener, TcpStream},
     path::PathBuf,
-    sync::mpsc,
+    sync::{Arc, mpsc},
     time::{Duration, Instant},
 };
 
@@ -299,6 +299,8 @@ struct Coordinator<'a> {
     /// Where the job's checkpoints are (read here, written by rank 0).
     ckpt: Checkpoints,
     rendezvous: RendezvousServer,
+    /// Who may open a control connection (told each new generation).
+    gate: Arc<super::inbox::Gate>,
     rx: mpsc::Receiver<Inbound>,
     /// Open control connections.
     conns: HashMap<u64, TcpStream>,
@@ -405,7 +407,7 @@ pub fn run(
     let rendezvous_at = super::net::host_port(&host, rendezvous.addr().port());
     let (tx, rx) = mpsc::channel();
     let lease = Duration::from_millis(cfg.spec.worker_lease_ms);
-    super::inbox::start(listener, auth.clone(), lease, tx).context("control connections")?;
+    let gate = super::inbox::start(listener, auth.clone(), lease, tx).context("control connections")?;
     let mut m = Membership::new(cfg.min_workers, cfg.max_workers, cfg.join_timeout, 1);
     m.admit_uninvited(scaler.admits_uninvited());
     let now = Instant::now();
@@ -419,6 +421,7 @@ pub fn run(
         addr,
         rendezvous_at,
         rendezvous,
+        gate,
         ckpt: Checkpoints::open(&cfg.spec.checkpoint_dir, cfg.spec.keep_checkpoints)?,
         rx,
         conns: HashMap::new(),
@@ -1058,6 +1061,7 @@ impl Coordinator<'_> {
     fn start_generation(&mut self) {
         let key = format!("{}/generation-{}", self.cfg.spec.job, self.generation);
         self.rendezvous.set_generation(self.generation);
+        self.gate.set_generation(self.generation);
         let names: Vec<String> =
             self.m.members().iter().map(|m| format!("worker {} (pid {})", m.id, m.pid)).collect();
         let world = names.len();

@@ -53,12 +53,44 @@ const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Starts the accepting and the reading thread; events go to `tx`. A
 /// connection silent for `lease` is closed.
+/// Who may open a control connection: a process that proves the job's
+/// secret and is not a worker coming back from a generation it lost.
+pub struct Gate {
+    auth: JobAuth,
+    /// The job's current generation (set by the coordinator as it starts each).
+    generation: AtomicU64,
+}
+
+impl Gate {
+    pub fn set_generation(&self, g: u64) {
+        self.generation.store(g, Ordering::Relaxed);
+    }
+
+    /// A new worker claims generation 0. One that names a generation was a
+    /// member and lost its connection: it is out of the job (its place was
+    /// or will be given up), so it is refused, saying why.
+    fn check(&self, c: &auth::Claim) -> Result<(), String> {
+        let now = self.generation.load(Ordering::Relaxed);
+        self.auth.check(c, "control", (c.generation > 0).then_some(now))?;
+        if c.generation > 0 {
+            return Err(format!(
+                "worker {} lost its connection in generation {}, the current one; a worker that lost \
+                 its connection is not taken back",
+                c.who, c.generation
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Starts accepting and reading control connections; the returned gate
+/// is told each new generation.
 pub fn start(
     listener: TcpListener,
     auth: JobAuth,
     lease: Duration,
     tx: mpsc::Sender<Inbound>,
-) -> io::Result<()> {
+) -> io::Result<Arc<Gate>> {
     let poll = Poll::new()?;
     let waker = Arc::new(Waker::new(poll.registry(), WAKE)?);
     let (new_tx, new_rx) = mpsc::channel::<(u64, TcpStream)>();
@@ -66,28 +98,29 @@ pub fn start(
     std::thread::Builder::new()
         .name("edl-control-in".into())
         .spawn(move || read_all(poll, new_rx, events, lease))?;
-    let auth = Arc::new(auth);
+    let gate = Arc::new(Gate { auth, generation: AtomicU64::new(0) });
     let next = Arc::new(AtomicU64::new(0));
+    let accepting = gate.clone();
     std::thread::Builder::new().name("edl-accept".into()).spawn(move || {
         for conn in listener.incoming() {
             let Ok(conn) = conn else { continue };
-            let (auth, next, tx, new_tx, waker) =
-                (auth.clone(), next.clone(), tx.clone(), new_tx.clone(), waker.clone());
+            let (gate, next, tx, new_tx, waker) =
+                (accepting.clone(), next.clone(), tx.clone(), new_tx.clone(), waker.clone());
             let admitted = std::thread::Builder::new()
                 .name("edl-admit".into())
-                .spawn(move || admit(conn, &auth, lease, &next, &tx, &new_tx, &waker));
+                .spawn(move || admit(conn, &gate, lease, &next, &tx, &new_tx, &waker));
             if let Err(e) = admitted {
                 tracing::warn!("control connections: cannot start a thread for a new connection: {e}");
             }
         }
     })?;
-    Ok(())
+    Ok(gate)
 }
 
 /// Runs the secret's exchange on a new connection and hands it on once proven.
 fn admit(
     mut conn: TcpStream,
-    auth: &JobAuth,
+    gate: &Gate,
     lease: Duration,
     next: &AtomicU64,
     tx: &mpsc::Sender<Inbound>,
@@ -99,7 +132,7 @@ fn admit(
     // A send to a worker that stopped reading fails instead of blocking the
     // coordinator; keepalive notices a peer whose host went away.
     let _ = conn.set_write_timeout(Some(SEND_TIMEOUT));
-    if let Err(e) = auth::accept(&mut conn, &auth.secret, |c| auth.check(c, "control", None)) {
+    if let Err(e) = auth::accept(&mut conn, &gate.auth.secret, |c| gate.check(c)) {
         tracing::warn!("refused a control connection from {peer}: {e}");
         return;
     }
@@ -281,6 +314,29 @@ mod tests {
             Inbound::Conn(0, _) => {}
             _ => panic!("the proven connection, and it alone"),
         }
+        assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "nothing else was admitted");
+    }
+
+    #[test]
+    fn a_worker_coming_back_from_a_generation_it_lost_is_refused_and_a_new_one_admitted() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = mpsc::channel();
+        let a = job();
+        let gate = start(listener, a.clone(), Duration::from_secs(3600), tx).unwrap();
+        gate.set_generation(7);
+        let back = |generation: u64| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            auth::connect(&mut s, &a.secret, &a.claim("control", generation, 3)).map(|_| s)
+        };
+        let e = back(5).unwrap_err();
+        assert_eq!(e, auth::AuthError::Refused("generation 5 is over (the job is at 7)".into()));
+        // Before the coordinator has moved on: out all the same.
+        let e = back(7).unwrap_err().to_string();
+        assert!(e.contains("worker 3 lost its connection in generation 7"), "{e}");
+        // A new worker (generation 0) comes in, and it alone.
+        let _ok = back(0).unwrap();
+        assert!(matches!(next(&rx), Inbound::Conn(0, _)));
         assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "nothing else was admitted");
     }
 

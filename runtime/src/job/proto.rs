@@ -103,6 +103,10 @@ pub struct JobSpec {
     /// for this long is declared dead, ms.
     #[serde(default = "default_worker_lease_ms")]
     pub worker_lease_ms: u64,
+    /// A worker that lost its connection to the coordinator tries to reach
+    /// it again for this long, to hear where it stands, ms (0: not at all).
+    #[serde(default = "default_worker_reconnect_ms")]
+    pub worker_reconnect_ms: u64,
     /// The bearer token and TLS trust for the teachers (sent only over the
     /// authenticated control connection; never printed).
     #[serde(default)]
@@ -121,6 +125,10 @@ fn default_teacher_wait_ms() -> u64 {
 
 fn default_worker_lease_ms() -> u64 {
     10_000
+}
+
+fn default_worker_reconnect_ms() -> u64 {
+    30_000
 }
 
 /// A plugin the coordinator sends its workers: the file's bytes and their

@@ -93,6 +93,8 @@ struct Place {
 /// The worker side of a job.
 pub struct Session {
     id: u64,
+    /// Where the coordinator listens (reached again after a lost connection).
+    coordinator: SocketAddr,
     spec: JobSpec,
     /// Where the job's checkpoints are (opened once: a store client and its
     /// runtime for object storage).
@@ -238,6 +240,7 @@ impl Session {
         let checkpoints = Checkpoints::open(&spec.checkpoint_dir, spec.keep_checkpoints)?;
         Ok(Joined::Welcome(Box::new(Session {
             id,
+            coordinator,
             checkpoints,
             spec,
             auth,
@@ -323,7 +326,7 @@ impl Session {
                         None
                     }
                     Err(mpsc::RecvTimeoutError::Disconnected) => {
-                        bail!("worker {}: lost the coordinator", self.id)
+                        return Err(self.lost_coordinator("connection closed", state));
                     }
                 }
             } else {
@@ -375,9 +378,50 @@ impl Session {
             }
             Ok(ToWorker::Steps { generation, steps, shares }) => self.enqueue(generation, steps, shares)?,
             Ok(ToWorker::Commit { step, checkpoint, wait }) => self.commit(step, checkpoint, wait, state)?,
-            Err(e) => bail!("worker {}: lost the coordinator: {e}", self.id),
+            Err(e) => return Err(self.lost_coordinator(&e.to_string(), state)),
         }
         Ok(())
+    }
+
+    /// The control connection ended (`why`): the error to end with. A
+    /// worker that was in a generation tries for the spec's reconnect time
+    /// to reach the coordinator again, to hear where it stands; a job that
+    /// went on without it refuses it, naming the generation that is over.
+    fn lost_coordinator(&mut self, why: &str, state: &mut dyn State) -> anyhow::Error {
+        let lost = format!("worker {}: lost the coordinator at {} ({why})", self.id, self.coordinator);
+        let window = Duration::from_millis(self.spec.worker_reconnect_ms);
+        let Some(place) = self.place.filter(|_| !window.is_zero()) else { return anyhow!(lost) };
+        tracing::warn!("{lost}; trying to reach it again for {window:?}");
+        let claim = self.auth.claim("control", place.generation, self.id);
+        let deadline = Instant::now() + window;
+        let mut last = String::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return anyhow!("{lost}, and could not reach it again within {window:?}: {last}");
+            }
+            let io = |e: std::io::Error| auth::AuthError::Io(e.to_string());
+            let attempt = TcpStream::connect_timeout(&self.coordinator, left.min(Duration::from_secs(5)))
+                .map_err(io)
+                .and_then(|mut s| {
+                    s.set_read_timeout(Some(left.min(Duration::from_secs(10)))).map_err(io)?;
+                    auth::connect(&mut s, &self.auth.secret, &claim)
+                });
+            match attempt {
+                Err(auth::AuthError::Refused(reason)) => {
+                    return anyhow!("{lost}; on its return the coordinator refused it: {reason}");
+                }
+                Err(e) => last = e.to_string(),
+                // A connection that claims a generation is never taken back.
+                Ok(()) => {
+                    return anyhow!("{lost}; it took the connection back without saying where this worker stands");
+                }
+            }
+            if let Err(e) = state.idle() {
+                return e.context(lost);
+            }
+            std::thread::sleep(left.min(Duration::from_millis(500)));
+        }
     }
 
     /// Sums `values` over the generation's ring, in place. An error

@@ -289,6 +289,9 @@ fn a_job_across_hosts_survives_a_dead_host_and_a_cut_off_one_and_refuses_it_afte
     coordinator.args(["--scaler", "command", "--worker-command", &template, "--hosts", "w1:2,w2:2"]);
     coordinator.args(["--listen", &format!("{coord}:7070"), "--min-workers", "2", "--max-workers", "3"]);
     coordinator.args(["--epochs", "30", "--step-delay-ms", "60", "--worker-lease-secs", "3"]);
+    // A worker that lost the coordinator keeps trying to reach it for as
+    // long as this test may keep it cut off.
+    coordinator.args(["--worker-reconnect-secs", "600"]);
     // The lease (3 s) runs out well before a ring operation gives up (8 s):
     // the coordinator, not a neighbour's timeout, finds the cut-off worker.
     coordinator.args(["--collective-timeout-ms", "8000", "--secret-file"]).arg(&secret);
@@ -329,12 +332,17 @@ fn a_job_across_hosts_survives_a_dead_host_and_a_cut_off_one_and_refuses_it_afte
     expect("2 -> 1 workers", &mut seen, 120);
     expect("1 -> 2 workers", &mut seen, 120);
     hosts.link("w3", true);
-    // The cut-off worker does not come back into the job: it gave up its
-    // coordinator, and finds its connection and generation gone.
+    // The cut-off worker does not come back into the job: when its link is
+    // back it reaches the coordinator, which refuses it by its generation,
+    // and it exits saying so.
     let status = wait_exit(&mut w3, "the cut-off worker", Duration::from_secs(120));
     let said = std::fs::read_to_string(d.join("w3.log")).unwrap();
     assert!(!status.success(), "{status}: {said}");
-    assert!(said.contains("lost the coordinator") || said.contains("refused"), "{said}");
+    assert!(said.contains("lost the coordinator"), "{said}");
+    assert!(said.contains("on its return the coordinator refused it: generation "), "{said}");
+    assert!(said.contains(" is over (the job is at "), "{said}");
+    let refused = std::fs::read_to_string(&errors).unwrap();
+    assert!(refused.contains("refused a control connection from") && refused.contains(" is over"), "{refused}");
 
     let status = finish(child, rx, &mut seen);
     let _ = (teacher.kill(), redis.kill(), teacher.wait(), redis.wait());
