@@ -287,6 +287,17 @@ mod tests {
         JobAuth { job: "j".into(), secret: auth::Secret::generate().unwrap() }
     }
 
+    /// Control connections of a new job on a free loopback port: its
+    /// address, events, gate and secret.
+    fn serve(lease: Duration) -> (std::net::SocketAddr, mpsc::Receiver<Inbound>, Arc<Gate>, JobAuth) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = mpsc::channel();
+        let a = job();
+        let gate = start(listener, a.clone(), lease, tx).unwrap();
+        (addr, rx, gate, a)
+    }
+
     /// Connects and proves `auth` for worker `who`.
     fn connect(addr: std::net::SocketAddr, a: &JobAuth, who: u64) -> Result<TcpStream, auth::AuthError> {
         let mut s = TcpStream::connect(addr).unwrap();
@@ -296,11 +307,7 @@ mod tests {
 
     #[test]
     fn only_connections_that_prove_the_job_s_secret_reach_the_coordinator() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (tx, rx) = mpsc::channel();
-        let a = job();
-        start(listener, a.clone(), Duration::from_secs(3600), tx).unwrap();
+        let (addr, rx, _, a) = serve(Duration::from_secs(3600));
         let stranger = job();
         assert_eq!(connect(addr, &stranger, 1).unwrap_err(), auth::AuthError::WrongSecret);
         let other_job = JobAuth { job: "other".into(), ..a.clone() };
@@ -319,11 +326,7 @@ mod tests {
 
     #[test]
     fn a_worker_coming_back_from_a_generation_it_lost_is_refused_and_a_new_one_admitted() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (tx, rx) = mpsc::channel();
-        let a = job();
-        let gate = start(listener, a.clone(), Duration::from_secs(3600), tx).unwrap();
+        let (addr, rx, gate, a) = serve(Duration::from_secs(3600));
         gate.set_generation(7);
         let back = |generation: u64| {
             let mut s = TcpStream::connect(addr).unwrap();
@@ -342,11 +345,7 @@ mod tests {
 
     #[test]
     fn a_connection_silent_for_a_lease_is_closed_and_heartbeats_keep_another_open() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (tx, rx) = mpsc::channel();
-        let a = job();
-        start(listener, a.clone(), Duration::from_secs(2), tx).unwrap();
+        let (addr, rx, _, a) = serve(Duration::from_secs(2));
         let mut beating = connect(addr, &a, 1).unwrap();
         let mut silent = connect(addr, &a, 2).unwrap();
         for _ in 0..2 {
@@ -374,11 +373,7 @@ mod tests {
 
     #[test]
     fn every_connection_is_read_by_one_thread_line_by_line_and_a_bad_line_closes_it() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (tx, rx) = mpsc::channel();
-        let a = job();
-        start(listener, a.clone(), Duration::from_secs(3600), tx).unwrap();
+        let (addr, rx, _, a) = serve(Duration::from_secs(3600));
         let mut conns = Vec::new();
         for i in 0..50 {
             conns.push(connect(addr, &a, i).unwrap());
