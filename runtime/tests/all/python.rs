@@ -152,6 +152,23 @@ fn worker_id(pid: u32) -> Option<u64> {
         .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
 }
 
+/// Waits (bounded) until `dir` holds a checkpoint that verifies and returns
+/// its step; panics if the job ends first.
+fn committed_checkpoint(dir: &Path, job: &mut std::process::Child) -> u64 {
+    let store = Checkpoints::new(dir, 1);
+    let until = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Ok((Some(r), _)) = store.latest() {
+            return r.manifest.step;
+        }
+        if let Ok(Some(status)) = job.try_wait() {
+            panic!("the job ended ({status}) before a checkpoint was in {}", dir.display());
+        }
+        assert!(std::time::Instant::now() < until, "no checkpoint in {} within 120 s", dir.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn the_numpy_student_under_launch_trains_every_sample_once_through_resizes_kills_and_a_restart() {
     let py = py();
@@ -169,13 +186,14 @@ fn the_numpy_student_under_launch_trains_every_sample_once_through_resizes_kills
         .unwrap_or_else(|| panic!("worker 1 among {:?}", children(coordinator)));
     // SAFETY: signalling a child of the job under test.
     unsafe { libc::kill(victim as i32, libc::SIGKILL) };
-    // Then kill the whole job after its first epoch, and run it again.
-    wait_for(&rx, "epoch     1 done", &mut seen, Duration::from_secs(120));
+    wait_for(&rx, "worker 1 lost", &mut seen, Duration::from_secs(120));
+    // Then kill the whole job once a checkpoint is on disk (rank 0 writes
+    // it after the coordinator has printed the epoch's end), and run it again.
+    let written = committed_checkpoint(&dir.path().join(".edl/launch/checkpoints"), &mut child);
     // SAFETY: as above; its workers die with it.
     unsafe { libc::kill(coordinator as i32, libc::SIGKILL) };
     let _ = child.wait();
-    let first = seen.join("\n");
-    assert!(first.contains("worker 1 lost"), "{first}");
+    assert!(written > 0, "a checkpoint after step 0: {written}");
 
     let mut child = numpy_student(py, dir.path()).spawn().unwrap();
     let rx = lines(&mut child);
