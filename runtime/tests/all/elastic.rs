@@ -54,6 +54,29 @@ pub(crate) fn lines(child: &mut Child) -> mpsc::Receiver<String> {
     rx
 }
 
+/// Polls `check` every 20 ms until it gives a value; panics if `child`
+/// exits first or nothing comes within `within` (`context` says what was
+/// there). The bound only keeps a broken job from hanging the suite.
+pub(crate) fn poll_while_running<T>(
+    child: &mut Child,
+    what: &str,
+    within: Duration,
+    mut check: impl FnMut() -> Option<T>,
+    context: impl Fn() -> String,
+) -> T {
+    let until = Instant::now() + within;
+    loop {
+        if let Some(v) = check() {
+            return v;
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("it exited ({status}) before {what}: {}", context());
+        }
+        assert!(Instant::now() < until, "no {what} within {within:?}: {}", context());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Waits for a line with `needle` (every line seen goes to `seen`).
 pub(crate) fn wait_for(rx: &mpsc::Receiver<String>, needle: &str, seen: &mut Vec<String>, within: Duration) {
     let until = Instant::now() + within;

@@ -3,6 +3,7 @@
 //! ranks get, resizes by the policy, restarts after failures, and how the
 //! last failure is reported.
 
+use crate::elastic::poll_while_running;
 use edl_plugin_artifacts as art;
 use serde_json::Value;
 use std::{
@@ -30,21 +31,11 @@ fn records(dir: &Path) -> Groups {
     groups
 }
 
-/// Polls until `done` holds of the records; the bound only keeps a broken
-/// launcher from hanging the suite.
+/// Polls until `done` holds of the records.
 fn wait_until(dir: &Path, launcher: &mut Child, what: &str, done: impl Fn(&Groups) -> bool) -> Groups {
-    let until = Instant::now() + Duration::from_secs(180);
-    loop {
-        let g = records(dir);
-        if done(&g) {
-            return g;
-        }
-        if let Some(status) = launcher.try_wait().unwrap() {
-            panic!("the launcher exited ({status}) before {what}: {}", output(dir));
-        }
-        assert!(Instant::now() < until, "no {what}: {g:?}\n{}", output(dir));
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let check = || Some(records(dir)).filter(|g| done(g));
+    let context = || format!("{:?}\n{}", records(dir), output(dir));
+    poll_while_running(launcher, what, Duration::from_secs(180), check, context)
 }
 
 fn output(dir: &Path) -> String {
