@@ -12,10 +12,12 @@
 
 use edl_plugin_sdk::{Batch, testing::standard_batch};
 use edl_runtime::{
-    distill::{DistillConfig, DistillReader, Teachers},
-    model::Mlp,
-    oip::{self, GrpcInferenceServiceClient, pb},
-    teacher::{Teacher, TeacherConfig, TeacherService},
+    distill::{
+        DistillConfig, DistillReader, Teachers,
+        oip::{self, GrpcInferenceServiceClient, pb},
+        teacher::{Teacher, TeacherConfig, TeacherService},
+    },
+    trainer::model::Mlp,
 };
 use std::time::{Duration, Instant};
 

@@ -15,7 +15,7 @@
 //! Efficiency is trainer step / job step (1.0: the job adds nothing).
 
 use edl_host_gpu::loss::SoftLabelLoss;
-use edl_runtime::{
+use edl_runtime::trainer::{
     data::{self, Dataset, Source},
     model::Mlp,
     train::Trainer,

@@ -11,7 +11,7 @@
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use edl_host_gpu::{Device, loss::SoftLabelLoss};
-use edl_runtime::{model::Mlp, train::Trainer};
+use edl_runtime::trainer::{model::Mlp, train::Trainer};
 use std::{hint::black_box, time::Duration};
 
 fn values(n: usize, seed: u64) -> Vec<f32> {

@@ -42,7 +42,7 @@ fn soft_label(c: &mut Criterion) {
         }
     };
     let mut g = c.benchmark_group("soft-label");
-    for (rows, classes) in [(1024usize, 10usize), (4096, 1000), (512, 50_000)] {
+    for (rows, classes) in [(1024usize, 10usize), (1024, 100), (4096, 1000), (512, 50_000)] {
         let n = rows * classes;
         let (z, t) = (data(n, 1), data(n, 2));
         let labels: Vec<u32> = (0..rows).map(|r| (r % classes) as u32).collect();

@@ -1,7 +1,7 @@
 //! Pictures of a policy's run: world size (and the capacity the cluster
 //! offered) over the steps, with the job's throughput under it, as an SVG.
 
-use crate::replay::Decision;
+use crate::plugin::replay::Decision;
 use plotters::prelude::*;
 use std::path::Path;
 
@@ -16,6 +16,7 @@ pub struct PlotError {
 /// Draws `decisions` to `path` (SVG): the world size the policy chose and the
 /// capacity on top, the throughput below; `recorded` also draws the world
 /// size the trace itself had (for an open-loop replay).
+// Long: one chart's drawing calls, top to bottom, in the order they paint.
 pub fn policy_run(path: &Path, title: &str, decisions: &[Decision], recorded: bool) -> Result<(), PlotError> {
     let err =
         |e: &dyn std::fmt::Display| PlotError { path: path.display().to_string(), detail: e.to_string() };

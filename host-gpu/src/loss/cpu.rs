@@ -220,6 +220,71 @@ fn row<K: TeacherKind>(
     loss
 }
 
+/// Longest row taken by [`short_row`]. Its three exponentials per element
+/// are kept on the stack between the statistics and the gradient
+/// (`3 x SHORT_ROW` f32), so a short row computes them once, where the
+/// streaming path computes seven per element and spends most of its time on a
+/// row of ten in block and lane bookkeeping.
+pub(super) const SHORT_ROW: usize = 64;
+
+/// Loss of one row of at most [`SHORT_ROW`] classes and its gradient (scaled
+/// by `scale` = 1 / rows): the same quantities as [`row`], with each
+/// exponential computed once and kept for the gradient.
+fn short_row<K: TeacherKind>(
+    p: &SoftLabelLoss,
+    z: &[f32],
+    t: &[f32],
+    label: Option<u32>,
+    grad: &mut [f32],
+    scale: f32,
+) -> f64 {
+    let c = z.len();
+    debug_assert!(c <= SHORT_ROW && t.len() == c && grad.len() == c);
+    let (temp, alpha) = (p.temperature, p.alpha);
+    let inv_t = 1.0 / temp;
+    let (mut e_zt, mut e_z1, mut e_t) = ([0f32; SHORT_ROW], [0f32; SHORT_ROW], [0f32; SHORT_ROW]);
+    let (e_zt, e_z1, e_t) = (&mut e_zt[..c], &mut e_z1[..c], &mut e_t[..c]);
+
+    let m_z = z.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let m_t = K::block_max(t);
+    let (mut s_zt, mut s_z1, mut s_t, mut acc) = (0f32, 0f32, 0f32, 0f32);
+    for k in 0..c {
+        let (zk, tk) = (z[k], K::logit(t[k]));
+        let valid = tk > f32::NEG_INFINITY;
+        let et = fexp((tk - m_t) * inv_t);
+        let et = if valid { et } else { 0.0 };
+        e_zt[k] = fexp((zk - m_z) * inv_t);
+        e_z1[k] = fexp(zk - m_z);
+        e_t[k] = et;
+        s_zt += e_zt[k];
+        s_z1 += e_z1[k];
+        s_t += et;
+        acc += if valid { et * (tk - zk) } else { 0.0 };
+    }
+    let (s_zt, s_z1, s_t, acc) = (s_zt as f64, s_z1 as f64, s_t as f64, acc as f64);
+
+    let log_zt = m_z as f64 / temp as f64 + s_zt.ln();
+    let log_t = m_t as f64 / temp as f64 + s_t.ln();
+    let kl = (acc / s_t / temp as f64 - log_t + log_zt).max(0.0);
+    let mut loss = (alpha * temp * temp) as f64 * kl;
+    let hard_weight = if label.is_some() { 1.0 - alpha } else { 0.0 };
+    if let Some(y) = label {
+        let log_q1_y = (z[y as usize] - m_z) as f64 - s_z1.ln();
+        loss -= hard_weight as f64 * log_q1_y;
+    }
+
+    let soft = alpha * temp * scale;
+    let hard = hard_weight * scale;
+    let (a_zt, a_t, a_z1) = (soft / s_zt as f32, soft / s_t as f32, hard / s_z1 as f32);
+    for k in 0..c {
+        grad[k] = a_zt * e_zt[k] - a_t * e_t[k] + a_z1 * e_z1[k];
+    }
+    if let Some(y) = label {
+        grad[y as usize] -= hard;
+    }
+    loss
+}
+
 /// Rows per parallel task: enough work to be worth a task.
 fn min_rows(classes: usize) -> usize {
     (4 * 1024 / classes.max(1)).max(1)
@@ -242,10 +307,11 @@ pub(super) fn fused(p: &SoftLabelLoss, b: &Batch<'_>, grad: &mut [f32]) -> Resul
             let t = &values[r * c..(r + 1) * c];
             check_row(z, t, probs, r)?;
             let label = b.labels.map(|l| l[r]);
-            Ok::<f64, LossError>(if probs {
-                row::<Probs>(p, z, t, label, g, scale)
-            } else {
-                row::<Logits>(p, z, t, label, g, scale)
+            Ok::<f64, LossError>(match (probs, c <= SHORT_ROW) {
+                (true, true) => short_row::<Probs>(p, z, t, label, g, scale),
+                (false, true) => short_row::<Logits>(p, z, t, label, g, scale),
+                (true, false) => row::<Probs>(p, z, t, label, g, scale),
+                (false, false) => row::<Logits>(p, z, t, label, g, scale),
             })
         })
         .try_reduce(|| 0.0, |a, b| Ok(a + b))?;

@@ -10,9 +10,52 @@
 //! more than `drift` from the last one at the same size means the cluster
 //! changed, and the search starts again.
 //!
-//! Stragglers: an EWMA (`ewma-alpha`) of each worker's throughput; a worker
-//! below `straggler-ratio` x the median is replaced (the runtime starts the
-//! replacement before removing it).
+//! Stragglers: a worker is replaced (the runtime starts the replacement before
+//! removing it) only on evidence that persists, and only when a replacement
+//! can be faster. At each decision every worker's reading is divided by the
+//! median reading of that decision, so a slowdown that all workers share
+//! (another job on the machine) cancels out. A worker is a straggler when
+//!
+//! - its relative speed was below `straggler-ratio` at each of the last
+//!   `straggler-persist` decisions (one reading at or above resets the count),
+//!   and
+//! - its smoothed relative speed (EWMA with `ewma-alpha`, starting at 1: a new
+//!   worker is presumed as fast as the others) is below the ratio too, so a
+//!   short run of dips among typical readings is not enough, and the milder
+//!   the lag the longer it must last (at the defaults a half-speed worker is
+//!   replaced at its 5th slow decision), and
+//! - it has been observed at least `straggler-min-obs` times.
+//!
+//! Even then it is not replaced when
+//!
+//! - the job has outgrown what the cluster gives it: the per-worker throughput
+//!   at this world size (upper median, which one straggler cannot pull down;
+//!   averaged over the decisions at that size) has been below the ratio x the
+//!   best seen at a smaller size for `straggler-persist` decisions in a row.
+//!   Workers then share devices or cores (or each pays an overhead that grows
+//!   with the world), their differences come from that sharing, and a new
+//!   worker would share them as well: the size search (scaling in) is the
+//!   remedy, not a replacement. The view carries no host or device layout, so
+//!   this is read from the throughputs;
+//! - it was itself started as a replacement and has not yet passed a full
+//!   persistence window at speed (at least `straggler-persist` readings, the
+//!   last one and the smoothed speed at or above the ratio): a replacement
+//!   as slow as the worker it replaced shows that the slowness is in where
+//!   workers run, not in the worker, so it is kept;
+//! - another replacement was asked for fewer than `straggler-cooldown`
+//!   decisions ago; at most one worker is replaced per decision.
+//!
+//! While a worker that may still be replaced is below the ratio, the job's
+//! throughput is no measure of its size and that decision's sample is left
+//! out; a slowness that will not lead to a replacement is part of what the
+//! size delivers and is measured.
+//!
+//! Configuration (`key=value`, defaults in brackets): `threshold` [0.1],
+//! `warmup` decisions after a resize [1], `window` samples per size [3, at
+//! least 1], `drift` [0.3], `value-per-hour` [1e6], `straggler-ratio` [0.8,
+//! in [0, 1); 0 never replaces], `straggler-persist` consecutive decisions
+//! [3, at least 1], `straggler-cooldown` decisions between two replacements
+//! [10], `straggler-min-obs` [3], `ewma-alpha` [0.1, in (0, 1]].
 
 use edl_plugin_sdk::{Action, ClusterView, Config, PluginError, ScalingPolicy};
 
@@ -26,6 +69,8 @@ pub struct Autoscale {
     straggler_ratio: f64,
     alpha: f64,
     straggler_min_obs: u32,
+    straggler_persist: u32,
+    straggler_cooldown: u32,
     /// Settled throughput per world size (index = size).
     measured: Vec<Option<f64>>,
     /// Smallest size found not worth it.
@@ -33,28 +78,55 @@ pub struct Autoscale {
     size: u32,
     skip: u32,
     samples: Vec<f64>,
-    /// Per-worker throughput EWMA. Small vectors rather than maps: a job has
-    /// tens of workers, and a decision then allocates nothing.
-    ewma: Vec<Tracked>,
-    replaced: Vec<u64>,
+    /// Per-worker straggler evidence. Small vectors rather than maps: a job
+    /// has tens of workers, and a decision then allocates nothing.
+    tracked: Vec<Tracked>,
+    /// Per-worker throughput (upper median) per world size (index = size),
+    /// smoothed, and the number of readings behind it: what one worker gets
+    /// when that many share the cluster. Kept when the search restarts: a
+    /// drift is often a straggler's doing, and a stale value errs towards not
+    /// replacing.
+    share: Vec<(f64, u32)>,
+    /// Consecutive decisions whose size gave each worker less than the ratio
+    /// x what a smaller size did.
+    outgrown: u32,
+    /// True once that has lasted `straggler-persist` decisions: the evidence
+    /// that excuses a slow worker persists as long as the one that condemns it.
+    contended: bool,
+    /// Replacements asked for whose new worker has not been seen yet: the
+    /// next new workers are those replacements.
+    awaiting: u32,
+    /// Decisions left before another replacement may be asked for.
+    cooldown: u32,
     scratch: Vec<f64>,
 }
 
 #[derive(Clone, Copy, Debug)]
 struct Tracked {
     id: u64,
-    value: f64,
+    /// Smoothed speed relative to the median (1 = typical).
+    relative: f64,
+    /// The last reading relative to that decision's median.
+    last: f64,
     observations: u32,
+    /// Consecutive decisions below the straggler ratio.
+    below: u32,
+    /// Started in place of a straggler and not yet seen to be faster.
+    replacement: bool,
+    /// A replacement was asked for; the runtime keeps it until that one joins.
+    replaced: bool,
 }
 
-/// The median of `values` (reordered in place); None when empty.
-fn median(values: &mut [f64]) -> Option<f64> {
+/// The median and the upper median (the higher middle value) of `values`
+/// (reordered in place); None when empty.
+fn middle(values: &mut [f64]) -> Option<(f64, f64)> {
     if values.is_empty() {
         return None;
     }
     values.sort_unstable_by(f64::total_cmp);
     let mid = values.len() / 2;
-    Some(if values.len() % 2 == 1 { values[mid] } else { (values[mid - 1] + values[mid]) / 2.0 })
+    let median = if values.len() % 2 == 1 { values[mid] } else { (values[mid - 1] + values[mid]) / 2.0 };
+    Some((median, values[mid]))
 }
 
 impl Default for Autoscale {
@@ -68,13 +140,19 @@ impl Default for Autoscale {
             straggler_ratio: 0.8,
             alpha: 0.1,
             straggler_min_obs: 3,
+            straggler_persist: 3,
+            straggler_cooldown: 10,
             measured: Vec::new(),
             ceiling: None,
             size: 0,
             skip: 0,
             samples: Vec::new(),
-            ewma: Vec::new(),
-            replaced: Vec::new(),
+            tracked: Vec::new(),
+            share: Vec::new(),
+            outgrown: 0,
+            contended: false,
+            awaiting: 0,
+            cooldown: 0,
             scratch: Vec::new(),
         }
     }
@@ -89,56 +167,114 @@ const KEYS: &[&str] = &[
     "straggler-ratio",
     "ewma-alpha",
     "straggler-min-obs",
+    "straggler-persist",
+    "straggler-cooldown",
 ];
 
 impl Autoscale {
-    /// True when some worker is below the straggler ratio right now: the
-    /// job's throughput is then no measure of its size.
-    fn suspect(&mut self, view: &ClusterView) -> bool {
-        self.scratch.clear();
-        self.scratch.extend(view.workers.iter().map(|w| w.throughput));
-        let slowest = self.scratch.iter().copied().fold(f64::INFINITY, f64::min);
-        match median(&mut self.scratch) {
-            Some(m) if self.scratch.len() >= 2 && m > 0.0 => slowest / m < self.straggler_ratio,
-            _ => false,
-        }
+    /// True when a worker that may still be replaced is below the straggler
+    /// ratio right now: the job's throughput is then no measure of its size.
+    /// Slowness that will not lead to a replacement (a contended size, a slow
+    /// replacement) is what this size delivers, so it does not count; were
+    /// it to, such a job would never be measured and never scale in.
+    fn lagging(&self) -> bool {
+        !self.contended && self.tracked.iter().any(|t| t.last < self.straggler_ratio && !t.replacement)
     }
 
-    /// Updates the per-worker EWMAs; returns the workers to replace.
-    fn stragglers(&mut self, view: &ClusterView) -> Vec<u64> {
+    /// Records what one worker gets at world size `k`: the mean of the
+    /// readings until there are 1/alpha of them, an EWMA after, so a size
+    /// visited for a few decisions is not judged by its first reading.
+    fn record_share(&mut self, k: u32, per_worker: f64) {
+        if self.share.len() <= k as usize {
+            self.share.resize(k as usize + 1, (0.0, 0));
+        }
+        let (value, n) = &mut self.share[k as usize];
+        *n = n.saturating_add(1);
+        let weight = self.alpha.max(1.0 / *n as f64);
+        *value = weight * per_worker + (1.0 - weight) * *value;
+    }
+
+    /// True when each worker at size `k` gets less than the straggler ratio
+    /// x what one got at the best smaller size: workers then share devices
+    /// or cores (or pay a per-worker overhead), a cause no replacement removes.
+    fn outgrown_at(&self, k: u32) -> bool {
+        let Some(&(now, _)) = self.share.get(k as usize).filter(|s| s.1 > 0) else { return false };
+        let best = self.share.iter().take(k as usize).filter(|s| s.1 > 0).map(|s| s.0).fold(0.0, f64::max);
+        now < self.straggler_ratio * best
+    }
+
+    /// Updates the per-worker evidence; returns the worker to replace, if any.
+    fn straggler(&mut self, view: &ClusterView) -> Option<u64> {
+        self.cooldown = self.cooldown.saturating_sub(1);
         let present = |id: u64| view.workers.iter().any(|w| w.id == id);
-        self.ewma.retain(|t| present(t.id));
-        self.replaced.retain(|&id| present(id));
-        for w in &view.workers {
-            match self.ewma.iter_mut().find(|t| t.id == w.id) {
-                Some(t) => {
-                    t.value = self.alpha * w.throughput + (1.0 - self.alpha) * t.value;
-                    t.observations += 1;
-                }
-                None => self.ewma.push(Tracked { id: w.id, value: w.throughput, observations: 1 }),
-            }
-        }
-        if self.ewma.len() < 2 {
-            return Vec::new();
-        }
+        self.tracked.retain(|t| present(t.id));
         self.scratch.clear();
-        self.scratch.extend(self.ewma.iter().map(|t| t.value));
-        let median = median(&mut self.scratch).unwrap_or(0.0);
-        if median <= 0.0 {
-            return Vec::new();
-        }
-        let mut slow = Vec::new();
-        for t in &self.ewma {
-            if t.observations >= self.straggler_min_obs
-                && t.value / median < self.straggler_ratio
-                && !self.replaced.contains(&t.id)
-            {
-                slow.push(t.id);
+        self.scratch.extend(view.workers.iter().map(|w| w.throughput));
+        let (median, upper) = middle(&mut self.scratch)?;
+        self.record_share(view.world_size, upper);
+        self.outgrown = if self.outgrown_at(view.world_size) { self.outgrown.saturating_add(1) } else { 0 };
+        self.contended = self.outgrown >= self.straggler_persist;
+
+        let (ratio, alpha, persist) = (self.straggler_ratio, self.alpha, self.straggler_persist);
+        for w in &view.workers {
+            let t = match self.tracked.iter().position(|t| t.id == w.id) {
+                Some(i) => &mut self.tracked[i],
+                None => {
+                    // The first workers to appear after a Replace are taken
+                    // for its replacements. A worker from a scale-out that was
+                    // still starting may be taken instead; it then only has to
+                    // show a full window at speed before it can be replaced.
+                    let replacement = self.awaiting > 0;
+                    self.awaiting -= u32::from(replacement);
+                    self.tracked.push(Tracked {
+                        id: w.id,
+                        relative: 1.0,
+                        last: 1.0,
+                        observations: 0,
+                        below: 0,
+                        replacement,
+                        replaced: false,
+                    });
+                    self.tracked.last_mut().expect("just pushed")
+                }
+            };
+            if median <= 0.0 {
+                // Nothing is moving: no evidence either way.
+                continue;
+            }
+            let rel = w.throughput / median;
+            t.last = rel;
+            t.relative = alpha * rel + (1.0 - alpha) * t.relative;
+            t.observations = t.observations.saturating_add(1);
+            t.below = if rel < ratio { t.below.saturating_add(1) } else { 0 };
+            if t.replacement && t.observations >= persist && t.below == 0 && t.relative >= ratio {
+                // A full window at speed: an ordinary worker from now on.
+                t.replacement = false;
             }
         }
-        slow.sort_unstable();
-        self.replaced.extend_from_slice(&slow);
-        slow
+
+        if view.workers.len() < 2 || median <= 0.0 || self.contended || self.cooldown > 0 {
+            return None;
+        }
+        let min_obs = self.straggler_min_obs;
+        let slowest = self
+            .tracked
+            .iter_mut()
+            .filter(|t| {
+                t.observations >= min_obs
+                    && t.below >= persist
+                    && t.relative < ratio
+                    && !t.replacement
+                    && !t.replaced
+            })
+            .min_by(|a, b| a.relative.total_cmp(&b.relative).then(a.id.cmp(&b.id)))?;
+        slowest.replaced = true;
+        let id = slowest.id;
+        self.awaiting += 1;
+        // Counted down at the start of each decision: two replacements are at
+        // least `straggler-cooldown` decisions apart.
+        self.cooldown = self.straggler_cooldown;
+        Some(id)
     }
 
     fn measured_at(&self, size: u32) -> Option<f64> {
@@ -171,27 +307,33 @@ impl ScalingPolicy for Autoscale {
         self.straggler_ratio = config.get_or("straggler-ratio", d.straggler_ratio)?;
         self.alpha = config.get_or("ewma-alpha", d.alpha)?;
         self.straggler_min_obs = config.get_or("straggler-min-obs", d.straggler_min_obs)?;
+        self.straggler_persist = config.get_or("straggler-persist", d.straggler_persist)?;
+        self.straggler_cooldown = config.get_or("straggler-cooldown", d.straggler_cooldown)?;
         if self.window == 0 {
             return Err(PluginError::InvalidConfig("`window` must be at least 1".into()));
         }
         if !(0.0..=1.0).contains(&self.alpha) || self.alpha == 0.0 {
             return Err(PluginError::InvalidConfig("`ewma-alpha` must be in (0, 1]".into()));
         }
+        // At 1 or more every worker at the median would be a straggler.
+        if !(0.0..1.0).contains(&self.straggler_ratio) {
+            return Err(PluginError::InvalidConfig(format!(
+                "`straggler-ratio` must be in [0, 1) (0 never replaces), got {}",
+                self.straggler_ratio
+            )));
+        }
+        if self.straggler_persist == 0 {
+            return Err(PluginError::InvalidConfig("`straggler-persist` must be at least 1".into()));
+        }
         Ok(())
     }
 
     fn decide(&mut self, view: &ClusterView) -> Vec<Action> {
-        let slow = self.stragglers(view);
-        if !slow.is_empty() {
+        if let Some(id) = self.straggler(view) {
             // A replaced worker changes the throughput: measure this size again.
             self.samples.clear();
             self.skip = self.warmup;
-            return slow.into_iter().map(Action::Replace).collect();
-        }
-        if self.suspect(view) {
-            // Wait for the EWMA to confirm (or clear) a straggler before measuring.
-            self.samples.clear();
-            return vec![Action::Hold];
+            return vec![Action::Replace(id)];
         }
 
         let k = view.world_size;
@@ -202,6 +344,12 @@ impl ScalingPolicy for Autoscale {
         }
         if self.skip > 0 {
             self.skip -= 1;
+            return vec![Action::Hold];
+        }
+        if self.lagging() {
+            // Leave this sample out until the worker recovers or is replaced;
+            // the samples before it were taken at full speed and still count
+            // (a noisy worker would otherwise keep emptying the window).
             return vec![Action::Hold];
         }
         self.samples.push(view.throughput);
@@ -253,7 +401,7 @@ edl_plugin_sdk::export_scaling_policy!(Autoscale);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use edl_plugin_sdk::testing::{self, SimCluster};
+    use edl_plugin_sdk::testing::{self, SimCluster, SimRecord};
 
     #[test]
     fn settles_at_the_knee_of_a_saturating_curve() {
@@ -311,5 +459,206 @@ mod tests {
         ));
         assert!(testing::policy::<Autoscale>(&[("window", "0")]).is_err());
         assert!(testing::policy::<Autoscale>(&[("threshold", "x")]).is_err());
+        for (key, value) in [
+            ("straggler-persist", "0"),
+            ("straggler-persist", "x"),
+            ("straggler-cooldown", "-1"),
+            ("straggler-ratio", "1.5"),
+            ("straggler-ratio", "-0.1"),
+            ("straggler-ratio", "NaN"),
+        ] {
+            assert!(
+                matches!(
+                    testing::policy::<Autoscale>(&[(key, value)]),
+                    Err(PluginError::InvalidConfig(m)) if m.contains(key)
+                ),
+                "{key}={value}"
+            );
+        }
+        assert!(
+            testing::policy::<Autoscale>(&[
+                ("straggler-persist", "1"),
+                ("straggler-cooldown", "0"),
+                ("straggler-ratio", "0")
+            ])
+            .is_ok()
+        );
+    }
+
+    /// The ids a run asked to replace, in order.
+    fn replaced(history: &[SimRecord]) -> Vec<u64> {
+        history
+            .iter()
+            .flat_map(|r| &r.actions)
+            .filter_map(|a| match a {
+                Action::Replace(id) => Some(*id),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The decision (index) of each Replace.
+    fn replaced_at(history: &[SimRecord]) -> Vec<usize> {
+        (0..history.len())
+            .filter(|&i| history[i].actions.iter().any(|a| matches!(a, Action::Replace(_))))
+            .collect()
+    }
+
+    /// Deterministic pseudo-random numbers in [0, 1) from a 64-bit LCG.
+    struct Lcg(u64);
+
+    impl Lcg {
+        fn next(&mut self) -> f64 {
+            self.0 = self.0.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (self.0 >> 11) as f64 / (1u64 << 53) as f64
+        }
+    }
+
+    #[test]
+    fn noisy_workers_are_not_replaced() {
+        let mut p = testing::policy::<Autoscale>(&[]).unwrap();
+        let mut sim = SimCluster::saturating(4, 1, 4);
+        // A fixed seed, so the run is the same every time; the assertions
+        // after it check that this noise has the features the test is about.
+        let mut rng = Lcg(1);
+        // Per worker id: consecutive readings below the ratio x the median.
+        let mut run = vec![0u32; 256];
+        let (mut dips, mut longest) = (0, 0);
+        // Workers seen among others, and those whose first such reading was a dip.
+        let (mut judged, mut first_dips) = (vec![false; 256], 0);
+        let mut decide = |v: &ClusterView| {
+            let mut v = v.clone();
+            for w in &mut v.workers {
+                // Mostly within 15% of the rate; one reading in six far below it.
+                let f =
+                    if rng.next() < 1.0 / 6.0 { 0.5 + 0.25 * rng.next() } else { 0.85 + 0.3 * rng.next() };
+                w.throughput *= f;
+            }
+            let mut readings: Vec<f64> = v.workers.iter().map(|w| w.throughput).collect();
+            let (median, _) = middle(&mut readings).unwrap();
+            for w in v.workers.iter().filter(|_| v.workers.len() > 1) {
+                let r = &mut run[w.id as usize];
+                *r = if w.throughput < 0.8 * median { *r + 1 } else { 0 };
+                dips += u32::from(*r > 0);
+                longest = longest.max(*r);
+                if !std::mem::replace(&mut judged[w.id as usize], true) {
+                    first_dips += u32::from(*r > 0);
+                }
+            }
+            let actions = p.decide(&v);
+            assert!(!p.contended, "the noise alone must not look like an outgrown machine");
+            actions
+        };
+        // The cluster takes two devices back now and then and returns them,
+        // so the job keeps starting fresh workers, whose first readings are
+        // as noisy as any.
+        let mut history = Vec::new();
+        for round in 0..12 {
+            history.extend(sim.run(25, &mut decide));
+            sim.set_capacity(if round % 2 == 0 { 2 } else { 4 });
+        }
+        assert_eq!(replaced(&history), Vec::<u64>::new());
+        // The noise dips below the ratio often, now and then for a whole
+        // persistence window, and on some fresh worker's first reading (a
+        // record started from that reading would take it for a trend).
+        assert!(
+            dips > 50 && longest >= 3 && first_dips >= 1,
+            "{dips} dips, longest run {longest}, {first_dips} first"
+        );
+    }
+
+    #[test]
+    fn a_slowdown_every_worker_shares_replaces_none() {
+        let mut p = testing::policy::<Autoscale>(&[]).unwrap();
+        // A machine with two workers' worth of cores: past 2, workers share it.
+        let mut sim = SimCluster::saturating(2, 2, 4);
+        let mut history = sim.run(20, |v| p.decide(v));
+        assert_eq!(sim.world_size(), 2);
+        // Four workers are kept on it: each gets half of what one got, the
+        // two that joined from their first reading, the others from now on.
+        sim.min_workers = 4;
+        sim.apply(&[Action::ScaleOut(2)]);
+        history.extend(sim.run(30, |v| p.decide(v)));
+        // Then another job takes 40% of the machine from all of them at once.
+        sim.curve.iter_mut().for_each(|c| *c *= 0.6);
+        history.extend(sim.run(30, |v| p.decide(v)));
+        assert!(history[20..].iter().all(|r| r.world_size == 4));
+        assert_eq!(replaced(&history), Vec::<u64>::new());
+    }
+
+    #[test]
+    fn a_lagging_worker_on_an_outgrown_machine_is_not_replaced() {
+        let mut p = testing::policy::<Autoscale>(&[]).unwrap();
+        let mut sim = SimCluster::saturating(2, 2, 4);
+        let mut history = sim.run(20, |v| p.decide(v));
+        // Four workers on two workers' worth of cores, one of them persistently
+        // getting less of it than the others: the spread is the sharing.
+        sim.min_workers = 4;
+        sim.apply(&[Action::ScaleOut(2)]);
+        sim.set_speed(3, 0.6);
+        history.extend(sim.run(40, |v| p.decide(v)));
+        assert!(p.contended);
+        assert_eq!(replaced(&history), Vec::<u64>::new());
+    }
+
+    #[test]
+    fn a_persistent_straggler_is_replaced_once_and_a_slow_replacement_is_kept() {
+        let mut p = testing::policy::<Autoscale>(&[]).unwrap();
+        let mut sim = SimCluster::saturating(8, 4, 4);
+        sim.set_speed(2, 0.5);
+        let slow = sim.worker_ids()[2];
+        let mut history = sim.run(5, |v| p.decide(v));
+        // Judged on its 5th slow decision: 3 below the ratio in a row, and
+        // the smoothed speed (from 1) below it as well.
+        assert_eq!(replaced_at(&history), vec![4]);
+        assert_eq!(replaced(&history), vec![slow]);
+        assert!(!sim.worker_ids().contains(&slow));
+        // The replacement runs where the slow worker ran, and is as slow:
+        // replacing it again would not be faster.
+        sim.set_speed(3, 0.5);
+        history.extend(sim.run(60, |v| p.decide(v)));
+        assert_eq!(replaced(&history), vec![slow]);
+        assert_eq!(sim.world_size(), 4);
+    }
+
+    #[test]
+    fn a_replacement_at_speed_becomes_an_ordinary_worker() {
+        let mut p = testing::policy::<Autoscale>(&[]).unwrap();
+        let mut sim = SimCluster::saturating(8, 4, 4);
+        sim.set_speed(2, 0.5);
+        let mut history = sim.run(20, |v| p.decide(v));
+        assert_eq!(replaced(&history).len(), 1);
+        let replacement = *sim.worker_ids().last().unwrap();
+        assert!(p.tracked.iter().any(|t| t.id == replacement && !t.replacement));
+        // Its device degrades later: then it is a straggler like any other.
+        sim.set_speed(3, 0.5);
+        history.extend(sim.run(20, |v| p.decide(v)));
+        assert_eq!(replaced(&history)[1..], [replacement]);
+    }
+
+    #[test]
+    fn replacements_are_spaced_by_the_cooldown() {
+        let mut p = testing::policy::<Autoscale>(&[]).unwrap();
+        let mut sim = SimCluster::saturating(8, 6, 6);
+        sim.set_speed(1, 0.5);
+        sim.set_speed(4, 0.5);
+        let ids = sim.worker_ids();
+        let history = sim.run(30, |v| p.decide(v));
+        assert_eq!(replaced(&history), vec![ids[1], ids[4]]);
+        let at = replaced_at(&history);
+        assert_eq!(at[1] - at[0], 10, "{at:?}");
+    }
+
+    #[test]
+    fn straggler_keys_take_effect() {
+        let half_speed = |config: &[(&str, &str)]| {
+            let mut p = testing::policy::<Autoscale>(config).unwrap();
+            let mut sim = SimCluster::saturating(8, 4, 4);
+            sim.set_speed(2, 0.5);
+            replaced_at(&sim.run(30, |v| p.decide(v)))
+        };
+        assert_eq!(half_speed(&[]), vec![4]);
+        assert_eq!(half_speed(&[("straggler-persist", "8")]), vec![7]);
+        assert_eq!(half_speed(&[("straggler-ratio", "0")]), Vec::<usize>::new());
     }
 }

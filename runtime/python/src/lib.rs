@@ -114,7 +114,7 @@ fn batch_of(features: &Option<Py<PyAny>>, feed: Feed) -> Result<Batch, String> {
         return Err(format!("{} values are not {rows} rows", x.len()));
     }
     Ok(Batch {
-        data: edl_runtime::oip::f32_bytes(&x),
+        data: edl_runtime::distill::oip::f32_bytes(&x),
         shape: vec![rows as u32, dim as u32],
         dtype: Dtype::Float32,
         labels: vec![0; rows],
@@ -141,7 +141,7 @@ fn indices_array<'py>(py: Python<'py>, ids: &[u32]) -> PyResult<Bound<'py, PyAny
 fn float_array<'py>(py: Python<'py>, values: &[f32], shape: (usize, usize)) -> PyResult<Bound<'py, PyAny>> {
     let np = py.import("numpy")?;
     let a =
-        np.call_method1("frombuffer", (PyBytes::new(py, &edl_runtime::oip::f32_bytes(values)), "float32"))?;
+        np.call_method1("frombuffer", (PyBytes::new(py, &edl_runtime::distill::oip::f32_bytes(values)), "float32"))?;
     a.call_method1("reshape", (shape,))?.call_method0("copy")
 }
 
@@ -714,7 +714,7 @@ fn builtin_data<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDict>
         train_samples: None,
         layers: Vec::new(),
     };
-    let (train, test) = edl_runtime::job::worker::load_data(&model).map_err(anyhow_err)?;
+    let (train, test) = edl_runtime::trainer::worker::load_data(&model).map_err(anyhow_err)?;
     let d = PyDict::new(py);
     for (prefix, set) in [("train", &train), ("test", &test)] {
         d.set_item(format!("{prefix}_x"), float_array(py, &set.features, (set.len(), set.dim))?)?;
@@ -735,7 +735,7 @@ fn mlp_init<'py>(
     if sizes.len() < 2 || sizes.contains(&0) {
         return Err(PyValueError::new_err(format!("sizes {sizes:?}: need two or more positive sizes")));
     }
-    let m = edl_runtime::model::Mlp::random(&sizes, seed);
+    let m = edl_runtime::trainer::model::Mlp::random(&sizes, seed);
     m.layers
         .iter()
         .map(|l| {

@@ -15,8 +15,8 @@
 //! on any host that shares the store is refused, naming the holder; a
 //! coordinator whose lease was taken is fenced.
 
-use super::coordinator::JobState;
 use crate::store::{AnyStore, Cas, Store, redact};
+use serde::{Deserialize, Serialize};
 use std::{
     sync::{Arc, Mutex},
     time::Duration,
@@ -34,6 +34,18 @@ enum Cmd {
     },
     Delete(String),
     Flush(oneshot::Sender<Result<(), String>>),
+}
+
+/// What the store keeps about a job (survives a coordinator restart).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct JobState {
+    pub generation: u64,
+    pub committed_steps: u64,
+    pub epoch: u64,
+    pub cursor: usize,
+    pub next_worker_id: u64,
+    pub members: Vec<u64>,
+    pub finished: bool,
 }
 
 /// Writes the job's state and worker leases in the background.

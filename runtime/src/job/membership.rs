@@ -428,13 +428,7 @@ impl Membership {
             }
         }
         let target = target.clamp(min.min(max), max);
-        let shown: Vec<String> = actions.iter().take(4).map(|a| a.to_string()).collect();
-        let more = actions.len().saturating_sub(4);
-        let described = format!(
-            "policy: {}{}",
-            shown.join(", "),
-            if more > 0 { format!(" (+{more} more)") } else { String::new() }
-        );
+        let described = in_words(actions);
         let mut resize = None;
         if target > have {
             self.spawn(now, (target - have) as u32);
@@ -466,7 +460,7 @@ impl Membership {
             let new = self.next_id;
             self.spawn(now, 1);
             self.replacing.insert(new, id);
-            resize = Some(format!("policy: replace({id})"));
+            resize = Some(format!("policy: replace worker {id}, slower than the others, by worker {new}"));
         }
         resize
     }
@@ -499,6 +493,28 @@ impl Membership {
         for w in waiting {
             self.stop(&w, reason.to_string(), STOP_GRACE);
         }
+    }
+}
+
+/// A policy's decision as a scale line says it: `policy: add 2 workers`.
+fn in_words(actions: &[Action]) -> String {
+    let plural = |n: u32| if n == 1 { "worker" } else { "workers" };
+    let said: Vec<String> = actions
+        .iter()
+        .filter(|a| !matches!(a, Action::Hold))
+        .take(4)
+        .map(|a| match *a {
+            Action::ScaleOut(n) => format!("add {n} {}", plural(n)),
+            Action::ScaleIn(n) => format!("remove {n} {}", plural(n)),
+            Action::Replace(id) => format!("replace worker {id}, slower than the others"),
+            Action::Hold => unreachable!("filtered out above"),
+        })
+        .collect();
+    let more = actions.iter().filter(|a| !matches!(a, Action::Hold)).count().saturating_sub(4);
+    match (said.is_empty(), more) {
+        (true, _) => "policy: hold".into(),
+        (false, 0) => format!("policy: {}", said.join(", ")),
+        (false, m) => format!("policy: {} (and {m} more)", said.join(", ")),
     }
 }
 

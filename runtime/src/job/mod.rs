@@ -4,7 +4,7 @@
 //!
 //! - [`coordinator`]: the job server and its step protocol.
 //! - [`session`]: the worker's side of the protocol, for any training program.
-//! - [`worker`]: the built-in worker (the MLP student), one process per device.
+//! - the built-in worker (the MLP student) lives in [`crate::trainer::worker`].
 //! - [`inbox`]: the control connections: one thread accepts, one reads them all.
 //! - [`scaler`]: how workers are started and stopped: here, by a command, or by another engine.
 //! - [`net`]: where the listeners bind and the addresses other hosts are told.
@@ -32,7 +32,6 @@ pub mod scaler;
 pub mod session;
 pub mod teachers;
 pub mod torchrun;
-pub mod worker;
 
 pub use coordinator::{JobConfig, JobOutcome, Progress, ScaleEvent, StepRecord};
 pub use ledger::{EpochRecord, Ledger};

@@ -135,7 +135,8 @@ fn default_worker_reconnect_ms() -> u64 {
 /// SHA-256, checked by the worker before it loads them.
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
 pub struct ShippedPlugin {
-    /// The file's name, for messages.
+    /// The file as the user named it (`--transform plugins/augment.wasm`):
+    /// messages about the plugin name it so, wherever its bytes were written.
     pub name: String,
     /// SHA-256 of `bytes`, hex.
     pub sha256: String,
@@ -153,9 +154,7 @@ impl ShippedPlugin {
     /// Reads a plugin file to ship.
     pub fn read(path: &Path) -> anyhow::Result<Self> {
         let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        let name =
-            path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "plugin".into());
-        Ok(ShippedPlugin { name, sha256: sha256_hex(&bytes), bytes })
+        Ok(ShippedPlugin { name: path.display().to_string(), sha256: sha256_hex(&bytes), bytes })
     }
 
     /// Checks the bytes against their hash and writes them (once per

@@ -3,8 +3,9 @@
 //!
 //! - [`LocalProcesses`] (the default) runs them as child processes of this
 //!   machine (`edl-runtime worker ...`, or the user's program under
-//!   `edl-runtime launch`), each logging to its own file and killed by the
-//!   kernel if the coordinator dies;
+//!   `edl-runtime launch`), each logging to its own file (a program's
+//!   output is also shown, prefixed `[worker N]`) and killed by the kernel
+//!   if the coordinator dies;
 //! - [`CommandScaler`] runs a command the operator gives for each worker
 //!   (`ssh {host} ...`, `srun ...`), on a list of hosts and slots;
 //! - [`ExternalWorkers`] starts nothing: workers started by another engine
@@ -80,6 +81,29 @@ impl LocalProcesses {
     fn log_path(&self, id: u64) -> PathBuf {
         self.log_dir.join(format!("worker-{id}.log"))
     }
+
+    /// Starts worker `id`'s process; `cmd` (and with it any pipe's write
+    /// end it holds) is dropped, so a reader sees the output end with the
+    /// process.
+    fn start(&self, id: u64, mut cmd: Command) -> anyhow::Result<Child> {
+        die_with_parent(&mut cmd);
+        cmd.spawn().map_err(|e| anyhow::anyhow!("cannot start worker {id} ({}): {e}", self.exe.display()))
+    }
+}
+
+/// Copies worker `id`'s output to its log and to standard output, each line
+/// prefixed `[worker N]`, until the worker closes it.
+fn stream_lines(id: u64, from: std::io::PipeReader, mut log: std::fs::File) {
+    use std::io::BufRead;
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(from).lines() {
+            let Ok(line) = line else { break };
+            let _ = writeln!(log, "{line}");
+            // Standard output may be closed (the reader of a pipe gone);
+            // the log still gets every line.
+            let _ = writeln!(std::io::stdout().lock(), "[worker {id}] {line}");
+        }
+    });
 }
 
 /// Makes a child die with its parent (Linux); elsewhere a child notices the
@@ -123,17 +147,27 @@ pub fn terminate(child: &mut Child, grace: Duration) {
 }
 
 /// The last `lines` lines of a child's log, indented, for an error message
-/// (empty when the log is empty or unreadable).
+/// (empty when the log is empty or unreadable). A log that holds a Python
+/// traceback gives the whole of its last traceback instead, however long
+/// (up to [`MAX_TRACEBACK_LINES`]): the frame that raised is often far
+/// above the last few lines.
 pub fn log_tail(path: &Path, lines: usize) -> String {
     let Ok(text) = std::fs::read(path) else { return String::new() };
     let text = String::from_utf8_lossy(&text);
     let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-    let tail = &all[all.len().saturating_sub(lines)..];
+    let from = match all.iter().rposition(|l| l.starts_with("Traceback (most recent call last)")) {
+        Some(t) => t.max(all.len().saturating_sub(MAX_TRACEBACK_LINES)),
+        None => all.len().saturating_sub(lines),
+    };
+    let tail = &all[from..];
     if tail.is_empty() {
         return String::new();
     }
     format!("; last lines of {}:\n    {}", path.display(), tail.join("\n    "))
 }
+
+/// The most lines of a Python traceback an error message quotes.
+pub const MAX_TRACEBACK_LINES: usize = 200;
 
 /// Removes the children that exited, and says how each ended.
 fn reap<T>(children: &mut BTreeMap<u64, T>, child: impl Fn(&mut T) -> &mut Child) -> Vec<(u64, String)> {
@@ -169,11 +203,22 @@ impl Scaler for LocalProcesses {
                 .env("PYTHONUNBUFFERED", "1"),
         };
         cmd.env("EDL_JOB", &auth.job).env("EDL_JOB_SECRET", auth.secret.to_hex());
-        cmd.stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
-        die_with_parent(&mut cmd);
-        let child = cmd
-            .spawn()
-            .map_err(|e| anyhow::anyhow!("cannot start worker {id} ({}): {e}", self.exe.display()))?;
+        cmd.stdin(Stdio::null());
+        if self.args.is_none() {
+            // The built-in worker reports through the coordinator; its own
+            // output is for the log.
+            cmd.stdout(log.try_clone()?).stderr(log);
+        } else {
+            // A user's program: its output is shown as it comes, each line
+            // prefixed `[worker N]`, and kept in its log.
+            let (reader, writer) = std::io::pipe()?;
+            cmd.stdout(writer.try_clone()?).stderr(writer);
+            let child = self.start(id, cmd)?;
+            stream_lines(id, reader, log);
+            self.children.insert(id, child);
+            return Ok(());
+        }
+        let child = self.start(id, cmd)?;
         self.children.insert(id, child);
         Ok(())
     }
@@ -582,6 +627,7 @@ impl Scaler for ExternalWorkers {
 mod tests {
     use super::*;
 
+    // Long: a table of templates and what each must expand to or refuse.
     #[test]
     fn templates_fill_known_placeholders_quoted_and_refuse_unknown_ones() {
         let t =
@@ -697,5 +743,22 @@ mod tests {
         assert!(tail.starts_with(&format!("; last lines of {}:", log.display())), "{tail}");
         assert!(tail.ends_with("two\n    three\n    Error: cannot reach the store"), "{tail}");
         assert!(!tail.contains("one"));
+    }
+
+    #[test]
+    fn a_log_tail_quotes_a_python_traceback_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("worker-3.log");
+        let mut text = String::from("epoch 0 step 1\nTraceback (most recent call last):\n");
+        for i in 0..30 {
+            text.push_str(&format!("  File \"train.py\", line {i}, in frame{i}\n"));
+        }
+        text.push_str("ValueError: shapes do not match\n");
+        std::fs::write(&log, &text).unwrap();
+        let tail = log_tail(&log, 3);
+        assert!(tail.contains("Traceback (most recent call last):"), "{tail}");
+        assert!(tail.contains("in frame0") && tail.contains("in frame29"), "{tail}");
+        assert!(tail.ends_with("ValueError: shapes do not match"), "{tail}");
+        assert!(!tail.contains("epoch 0 step 1"), "only the traceback: {tail}");
     }
 }

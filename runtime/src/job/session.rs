@@ -414,7 +414,9 @@ impl Session {
                 Err(e) => last = e.to_string(),
                 // A connection that claims a generation is never taken back.
                 Ok(()) => {
-                    return anyhow!("{lost}; it took the connection back without saying where this worker stands");
+                    return anyhow!(
+                        "{lost}; it took the connection back without saying where this worker stands"
+                    );
                 }
             }
             if let Err(e) = state.idle() {

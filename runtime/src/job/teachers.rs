@@ -3,9 +3,9 @@
 //! skip the training, and served by `edl-runtime teacher` processes.
 
 use super::scaler::{die_with_parent, log_tail, terminate};
-use crate::data::{self, Dataset};
-use crate::model::Mlp;
-use crate::train::Trainer;
+use crate::trainer::data::{self, Dataset};
+use crate::trainer::model::Mlp;
+use crate::trainer::train::Trainer;
 use anyhow::{Context, Result, anyhow, bail};
 use edl_host_gpu::{Device, loss::SoftLabelLoss};
 use std::{

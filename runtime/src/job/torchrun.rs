@@ -18,7 +18,7 @@
 
 use super::scaler::{die_with_parent, log_tail};
 use crate::plugin::PolicyPlugin;
-use crate::replay::{Decision, asked};
+use crate::plugin::replay::{Decision, asked};
 use anyhow::{Context, Result, bail};
 use edl_plugin_sdk::{Action, ClusterView};
 use std::{
@@ -471,6 +471,8 @@ fn error_message(path: &Path) -> Option<String> {
 }
 
 /// Runs the job until its ranks succeed or a failure has no restart left.
+// Long: the agent's loop over groups (start, watch, stop, decide what
+// comes next) reads best as the one sequence it is.
 pub fn run(
     cfg: &TorchrunConfig,
     policy: &mut dyn PolicyPlugin,
@@ -487,16 +489,7 @@ pub fn run(
     let (tx, rx) = mpsc::channel();
     loop {
         let n = groups.len() as u32;
-        groups.push(GroupRecord {
-            group: n,
-            world: agent.world(),
-            restart_count: agent.restarts(),
-            master_port: free_port(cfg.master_addr)?,
-            log_dir: cfg.log_dir.join(format!("group-{n}")),
-            started_secs: t0.elapsed().as_secs_f64(),
-            ended_secs: 0.0,
-            ended: String::new(),
-        });
+        groups.push(GroupRecord::next(n, cfg, &agent, t0)?);
         let mut group = Group::start(cfg, &groups[n as usize], &tx)?;
         agent.started();
         on(Event::Started(&groups[n as usize]));
@@ -510,21 +503,7 @@ pub fn run(
             }
             if Instant::now() >= decide_at {
                 decide_at = Instant::now() + cfg.decide_every;
-                let view =
-                    agent.view(decisions.len() as u64, last_change.elapsed(), cfg.price_per_worker_hour);
-                let actions = policy.decide(&view).unwrap_or_else(|e| {
-                    on(Event::PolicyFailed(format!("scaling policy failed, holding: {e}")));
-                    vec![Action::Hold]
-                });
-                let next = agent.decided(&view, &actions);
-                decisions.push(Decision {
-                    step: view.step,
-                    world_size: view.world_size,
-                    chosen: agent.world(),
-                    throughput: 0.0,
-                    capacity: view.max_workers,
-                    actions,
-                });
+                let next = decide(cfg, &mut agent, policy, &mut decisions, last_change, on);
                 if next != Next::Continue {
                     break next;
                 }
@@ -574,6 +553,48 @@ pub fn run(
             }
         }
     }
+}
+
+impl GroupRecord {
+    /// The record of group `n`, starting now with the agent's world.
+    fn next(n: u32, cfg: &TorchrunConfig, agent: &Agent, t0: Instant) -> Result<Self> {
+        Ok(GroupRecord {
+            group: n,
+            world: agent.world(),
+            restart_count: agent.restarts(),
+            master_port: free_port(cfg.master_addr)?,
+            log_dir: cfg.log_dir.join(format!("group-{n}")),
+            started_secs: t0.elapsed().as_secs_f64(),
+            ended_secs: 0.0,
+            ended: String::new(),
+        })
+    }
+}
+
+/// Asks the policy once, records its decision, and says what the group must do.
+fn decide(
+    cfg: &TorchrunConfig,
+    agent: &mut Agent,
+    policy: &mut dyn PolicyPlugin,
+    decisions: &mut Vec<Decision>,
+    last_change: Instant,
+    on: &mut dyn FnMut(Event),
+) -> Next {
+    let view = agent.view(decisions.len() as u64, last_change.elapsed(), cfg.price_per_worker_hour);
+    let actions = policy.decide(&view).unwrap_or_else(|e| {
+        on(Event::PolicyFailed(format!("scaling policy failed, holding: {e}")));
+        vec![Action::Hold]
+    });
+    let next = agent.decided(&view, &actions);
+    decisions.push(Decision {
+        step: view.step,
+        world_size: view.world_size,
+        chosen: agent.world(),
+        throughput: 0.0,
+        capacity: view.max_workers,
+        actions,
+    });
+    next
 }
 
 #[cfg(test)]

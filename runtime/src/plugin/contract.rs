@@ -13,7 +13,7 @@
 //! - `decide` (scaling policy): any list of actions; the coordinator reduces
 //!   it to one target size within its bounds (see `docs/plugins.md`).
 
-use super::{AdapterPlugin, Backend, Error, Plugin, PolicyPlugin, TransformPlugin, host::Loaded};
+use super::{AdapterPlugin, Backend, Error, Loaded, Plugin, PolicyPlugin, TransformPlugin};
 use edl_plugin_sdk::{Action, Batch, ClusterView, Dtype, Hyperparams, PluginInfo, ResizeEvent};
 
 /// A plugin whose answers are checked against the contract.

@@ -2,30 +2,13 @@
 //! the one place that decides how a plugin file is loaded.
 
 use super::{
-    AdapterPlugin, ArtifactCache, CacheStatus, Error, PolicyPlugin, TransformPlugin, World, contract, native,
-    wasm,
+    AdapterPlugin, ArtifactCache, CacheStatus, Error, Loaded, PolicyPlugin, TransformPlugin, World, contract,
+    limits::{EPOCH_TICK, Limits},
+    native, wasm,
 };
 use edl_plugin_sdk::{PluginInfo, WIT_VERSION};
-use std::{path::Path, sync::Arc, time::Duration};
+use std::{path::Path, sync::Arc};
 use wasmtime::{Engine, component::Component, component::Linker};
-
-/// Per-instance sandbox limits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Limits {
-    /// Wall-clock time a single call may take before it is stopped: epoch
-    /// interruption stops a guest that computes, the bounded clocks one that sleeps.
-    pub deadline: Duration,
-    /// Linear memory a plugin instance may grow to.
-    pub memory_bytes: usize,
-    /// Bytes of guest stderr kept for logs and trap reports.
-    pub stderr_bytes: usize,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Limits { deadline: Duration::from_millis(100), memory_bytes: 64 << 20, stderr_bytes: 16 << 10 }
-    }
-}
 
 /// How to build a [`PluginHost`].
 #[derive(Clone, Debug)]
@@ -63,31 +46,6 @@ pub struct Inspection {
     pub cache_entry: Option<std::path::PathBuf>,
 }
 
-/// A loaded plugin of any world.
-pub enum Loaded {
-    Policy(Box<dyn PolicyPlugin>),
-    Adapter(Box<dyn AdapterPlugin>),
-    Transform(Box<dyn TransformPlugin>),
-}
-
-impl Loaded {
-    pub fn world(&self) -> World {
-        match self {
-            Loaded::Policy(_) => World::ScalingPolicy,
-            Loaded::Adapter(_) => World::BatchAdapter,
-            Loaded::Transform(_) => World::ReaderTransform,
-        }
-    }
-
-    pub fn info(&self) -> &PluginInfo {
-        match self {
-            Loaded::Policy(p) => p.info(),
-            Loaded::Adapter(p) => p.info(),
-            Loaded::Transform(p) => p.info(),
-        }
-    }
-}
-
 /// Loads plugins. Cheap to share (`Arc`); one engine, one linker, one cache.
 pub struct PluginHost {
     engine: Engine,
@@ -96,9 +54,6 @@ pub struct PluginHost {
     limits: Limits,
     allow_native: bool,
 }
-
-/// How often the engine's epoch advances; deadlines are counted in these ticks.
-pub(crate) const EPOCH_TICK: Duration = Duration::from_millis(2);
 
 enum FileKind {
     Component,
@@ -197,6 +152,21 @@ impl PluginHost {
         }
     }
 
+    /// Loads a reader transform from `path`, naming it `shown` in every
+    /// message: the file a user passed, when its bytes were copied elsewhere
+    /// (a worker's copy of a plugin its coordinator shipped).
+    pub fn load_transform_as(
+        &self,
+        path: &Path,
+        shown: &str,
+        config: &[(String, String)],
+    ) -> Result<Box<dyn TransformPlugin>, Error> {
+        match self.load_shown(path, shown.to_string(), config, Some(World::ReaderTransform))? {
+            Loaded::Transform(p) => Ok(p),
+            _ => unreachable!("load checks the world"),
+        }
+    }
+
     /// Loads a plugin of any world, or of `expected` only.
     pub fn load(
         &self,
@@ -204,7 +174,16 @@ impl PluginHost {
         config: &[(String, String)],
         expected: Option<World>,
     ) -> Result<Loaded, Error> {
-        let shown = path.display().to_string();
+        self.load_shown(path, path.display().to_string(), config, expected)
+    }
+
+    fn load_shown(
+        &self,
+        path: &Path,
+        shown: String,
+        config: &[(String, String)],
+        expected: Option<World>,
+    ) -> Result<Loaded, Error> {
         let bytes = std::fs::read(path).map_err(|source| Error::Read { path: shown.clone(), source })?;
         let loaded = match classify(&shown, &bytes)? {
             FileKind::Native => {

@@ -7,25 +7,56 @@
 //! - [`PolicyPlugin`], [`AdapterPlugin`], [`TransformPlugin`]: what the rest of
 //!   the runtime calls, whichever way the plugin was built.
 //! - [`Reloading`]: a plugin that follows its file on disk (hot reload).
+//! - [`replay`]: drives a scaling policy over a recorded trace or a simulated cluster.
+//! - [`scaffold`]: `plugin new`, a plugin crate to start from.
 
 mod bindings;
 mod cache;
 mod contract;
 mod error;
 mod host;
+mod limits;
 mod native;
 mod reload;
+pub mod replay;
+pub mod scaffold;
 mod stderr;
 mod wasm;
 
 pub use cache::{ArtifactCache, CacheStatus};
 pub use contract::{check_batch, check_hyperparams};
 pub use error::Error;
-pub use host::{HostOptions, Inspection, Limits, PluginHost};
+pub use host::{HostOptions, Inspection, PluginHost};
+pub use limits::Limits;
 pub use reload::Reloading;
 
 use edl_plugin_sdk::{Action, Batch, ClusterView, Hyperparams, PluginInfo, ResizeEvent};
 use std::fmt;
+
+/// A loaded plugin of any world.
+pub enum Loaded {
+    Policy(Box<dyn PolicyPlugin>),
+    Adapter(Box<dyn AdapterPlugin>),
+    Transform(Box<dyn TransformPlugin>),
+}
+
+impl Loaded {
+    pub fn world(&self) -> World {
+        match self {
+            Loaded::Policy(_) => World::ScalingPolicy,
+            Loaded::Adapter(_) => World::BatchAdapter,
+            Loaded::Transform(_) => World::ReaderTransform,
+        }
+    }
+
+    pub fn info(&self) -> &PluginInfo {
+        match self {
+            Loaded::Policy(p) => p.info(),
+            Loaded::Adapter(p) => p.info(),
+            Loaded::Transform(p) => p.info(),
+        }
+    }
+}
 
 /// The three kinds of plugin (the WIT worlds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -4,7 +4,7 @@
 //! the baseline the sandbox is measured against. A caught panic recreates
 //! the plugin instance, as a trap does for a component.
 
-use super::{AdapterPlugin, Backend, Error, Plugin, PolicyPlugin, TransformPlugin, World, host::Loaded};
+use super::{AdapterPlugin, Backend, Error, Loaded, Plugin, PolicyPlugin, TransformPlugin, World};
 use edl_plugin_sdk::native::{
     ABI_VERSION, RawAction, RawBatch, RawClusterView, RawInfo, RawPair, RawSlice, RawStr, status,
 };

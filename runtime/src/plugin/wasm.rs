@@ -4,9 +4,9 @@
 //! `InstancePre` and runs `init` again with the same configuration.
 
 use super::{
-    AdapterPlugin, Backend, CacheStatus, Error, Plugin, PolicyPlugin, TransformPlugin, World,
+    AdapterPlugin, Backend, CacheStatus, Error, Loaded, Plugin, PolicyPlugin, TransformPlugin, World,
     bindings::{self, adapter, policy, policy::edl::plugins::types as wit, transform},
-    host::{EPOCH_TICK, Limits, Loaded},
+    limits::{EPOCH_TICK, Limits},
     stderr::CapturedStderr,
 };
 use edl_plugin_sdk::{Action, Batch, ClusterView, Hyperparams, PluginInfo, ResizeEvent};

@@ -271,7 +271,7 @@ fn a_job_across_hosts_survives_a_dead_host_and_a_cut_off_one_and_refuses_it_afte
     hosts.wait_listening("coord", 6379);
     let store = format!("redis://{coord}:6379/");
     let model = d.join("teacher.safetensors");
-    edl_runtime::model::Mlp::random(&[784, 32, 10], 7).save(&model).unwrap();
+    edl_runtime::trainer::model::Mlp::random(&[784, 32, 10], 7).save(&model).unwrap();
     let mut teacher = hosts.on("teacher", EXE);
     teacher.args(["teacher", "--listen", &format!("{}:8001", hosts.ip("teacher")), "--store", &store]);
     teacher.args(["--service", "fleet", "--model"]).arg(&model);
@@ -342,7 +342,10 @@ fn a_job_across_hosts_survives_a_dead_host_and_a_cut_off_one_and_refuses_it_afte
     assert!(said.contains("on its return the coordinator refused it: generation "), "{said}");
     assert!(said.contains(" is over (the job is at "), "{said}");
     let refused = std::fs::read_to_string(&errors).unwrap();
-    assert!(refused.contains("refused a control connection from") && refused.contains(" is over"), "{refused}");
+    assert!(
+        refused.contains("refused a control connection from") && refused.contains(" is over"),
+        "{refused}"
+    );
 
     let status = finish(child, rx, &mut seen);
     let _ = (teacher.kill(), redis.kill(), teacher.wait(), redis.wait());

@@ -6,11 +6,13 @@
 use crate::store::RedisServer;
 use edl_plugin_sdk::{Batch, Dtype};
 use edl_runtime::{
-    distill::{DistillConfig, DistillError, DistillReader, Teachers},
-    model::Mlp,
-    oip::{self, GrpcInferenceService, GrpcInferenceServiceClient, pb},
+    distill::{
+        DistillConfig, DistillError, DistillReader, Teachers,
+        oip::{self, GrpcInferenceService, GrpcInferenceServiceClient, pb},
+        teacher::{Teacher, TeacherConfig, TeacherService},
+    },
     store::AnyStore,
-    teacher::{Teacher, TeacherConfig, TeacherService},
+    trainer::model::Mlp,
 };
 use std::{
     io::{BufRead, BufReader},
@@ -587,7 +589,7 @@ fn certificates() -> (String, String, String) {
 fn a_teacher_with_tls_and_a_token_answers_only_students_that_trust_it_and_carry_the_token() {
     use edl_runtime::{
         distill::TeacherAccess,
-        teacher::{Access, Serving},
+        distill::teacher::{Access, Serving},
     };
     runtime().block_on(async {
         let (ca, cert, key) = certificates();
@@ -699,7 +701,7 @@ fn the_teacher_and_distill_commands_speak_tls_and_carry_the_token_from_files() {
 
 #[test]
 fn a_request_larger_than_the_largest_allowed_is_refused_before_it_is_read() {
-    use edl_runtime::teacher::Serving;
+    use edl_runtime::distill::teacher::Serving;
     runtime().block_on(async {
         let cfg = TeacherConfig { max_request_rows: 100, ..Default::default() };
         let serving = Serving::on("127.0.0.1:0".parse().unwrap()).max_rows(100, DIM);
@@ -1039,7 +1041,10 @@ fn the_reader_reads_teachers_that_speak_rest() {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = listener.local_addr().unwrap();
             let service = TeacherService::new(model(), TeacherConfig::default());
-            tokio::spawn(edl_runtime::rest::serve(listener, edl_runtime::rest::router(service, token)));
+            tokio::spawn(edl_runtime::distill::rest::serve(
+                listener,
+                edl_runtime::distill::rest::router(service, token),
+            ));
             format!("http://{addr}")
         };
         let open = serve(None).await;

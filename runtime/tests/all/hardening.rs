@@ -270,6 +270,9 @@ fn a_job_with_a_broken_transform_fails_naming_it_and_claims_nothing() {
         out.contains("hostile_transform.wasm") && out.contains("apply broke the plugin contract"),
         "{out}"
     );
+    // Named as the user passed it, not by the worker's copy of its bytes.
+    assert!(out.contains(art::HOSTILE_TRANSFORM_WASM), "{out}");
+    assert!(!out.contains("/shipped/"), "{out}");
     assert!(!out.contains("every sample exactly once: yes"), "{out}");
 }
 

@@ -5,10 +5,7 @@
 
 use crate::elastic::{GROWING, children, finish, lines, poll_while_running, report, wait_for};
 use edl_plugin_artifacts as art;
-use edl_runtime::{
-    checkpoint::Checkpoints,
-    job::{BuiltinModel, worker},
-};
+use edl_runtime::{checkpoint::Checkpoints, job::BuiltinModel, trainer::worker};
 use std::{
     path::{Path, PathBuf},
     process::{Command, Stdio},
@@ -192,6 +189,11 @@ fn the_numpy_student_under_launch_trains_every_sample_once_through_resizes_kills
     let text = seen.join("\n");
     assert!(status.success(), "{text}");
     assert!(text.contains("resuming job \"launch\""), "{text}");
+    // The program's own output is shown, line by line, naming its worker.
+    assert!(
+        seen.iter().any(|l| l.starts_with("[worker ") && l.contains("test accuracy")),
+        "the workers' output is streamed: {text}"
+    );
     let r = report(dir.path());
     // From that checkpoint, or one written after it before the kill.
     let resumed = r["resumed_from_step"].as_u64().unwrap();

@@ -4,7 +4,7 @@
 
 use crate::elastic::{finish, job, lines, report, wait_for};
 use edl_plugin_artifacts as art;
-use edl_runtime::{checkpoint::Checkpoints, objects::ObjectDir};
+use edl_runtime::checkpoint::{Checkpoints, objects::ObjectDir};
 use std::{
     io::{Read, Write},
     net::{TcpListener, TcpStream},

@@ -5,7 +5,7 @@
 use edl_host_gpu::comm::{Communicator, LocalRendezvous, ReduceOp, RingOptions, TcpRing};
 use edl_host_gpu::loss::SoftLabelLoss;
 use edl_host_gpu::{Device, testing::cuda_or_skip};
-use edl_runtime::{
+use edl_runtime::trainer::{
     data::{self, Dataset, Source},
     model::Mlp,
     train::Trainer,

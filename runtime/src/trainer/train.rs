@@ -14,9 +14,9 @@
 //! gradient of the whole batch's mean loss: two workers on B/2 each take the
 //! same step as one worker on B.
 
-use crate::data::Dataset;
-use crate::gemm::{ShapeError, View, gemm};
-use crate::model::Mlp;
+use crate::trainer::data::Dataset;
+use crate::trainer::gemm::{ShapeError, View, gemm};
+use crate::trainer::model::Mlp;
 use edl_host_gpu::Device;
 use edl_host_gpu::loss::{Batch as LossBatch, LossError, SoftLabelLoss, Teacher};
 use edl_host_gpu::mlp::{CudaMlp, MlpError};
@@ -169,6 +169,8 @@ impl Trainer {
     /// Computes the gradient of this shard's summed loss divided by
     /// `global_rows` into the gradient buffer; returns the shard's summed loss.
     /// Without `teacher` logits the loss is plain cross-entropy.
+    // Long: the forward and backward passes of every layer in one place,
+    // sharing their activation buffers; apart they would be harder to check.
     pub fn compute_gradient(
         &mut self,
         x: &[f32],
@@ -310,7 +312,7 @@ impl Trainer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::{self, Source};
+    use crate::trainer::data::{self, Source};
 
     fn loss_of(t: &mut Trainer, x: &[f32], y: &[u32], teacher: Option<&[f32]>, p: &SoftLabelLoss) -> f64 {
         t.compute_gradient(x, y, teacher, p, y.len()).unwrap() / y.len() as f64

@@ -3,9 +3,9 @@
 //! maximum batch or a maximum delay, registered in the store under a lease
 //! while it serves.
 
-use crate::model::Mlp;
-use crate::oip::{self, GrpcInferenceService, GrpcInferenceServiceServer, pb};
+use crate::distill::oip::{self, GrpcInferenceService, GrpcInferenceServiceServer, pb};
 use crate::store::{AnyStore, Lease, StoreError, keys};
+use crate::trainer::model::Mlp;
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status};

@@ -6,8 +6,13 @@ pub mod pb {
     tonic::include_proto!("inference");
 }
 
+pub use crate::state::f32_bytes;
 pub use pb::grpc_inference_service_client::GrpcInferenceServiceClient;
 pub use pb::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
+
+/// The header that splits a binary KServe v2 REST request or response: the
+/// length of its JSON part.
+pub const HEADER_LENGTH: &str = "inference-header-content-length";
 
 /// An FP32 tensor `[rows, cols]` from an infer input: raw bytes (the
 /// request's `raw_input_contents[index]`) or the typed `fp32_contents`.
@@ -39,15 +44,6 @@ pub fn input_f32(req: &pb::ModelInferRequest, index: usize) -> Result<(Vec<f32>,
         v
     };
     Ok((data, rows, cols))
-}
-
-/// Raw little-endian bytes of f32 values.
-pub fn f32_bytes(values: &[f32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(values.len() * 4);
-    for v in values {
-        out.extend_from_slice(&v.to_le_bytes());
-    }
-    out
 }
 
 /// The first output of a response as FP32 `[rows, cols]`.
@@ -120,6 +116,19 @@ pub fn output_as_f32(
         return Err(format!("output {:?}: {} values for shape [{rows}, {cols}]", t.name, data.len()));
     }
     Ok((data, rows, cols))
+}
+
+/// Every number of a JSON array (a KServe v2 REST tensor's `data`), nested
+/// or flat, in order.
+pub fn json_numbers(v: &serde_json::Value, out: &mut Vec<f32>) -> Result<(), String> {
+    match v {
+        serde_json::Value::Array(items) => items.iter().try_for_each(|i| json_numbers(i, out)),
+        serde_json::Value::Number(n) => {
+            out.push(n.as_f64().ok_or("a number out of range")? as f32);
+            Ok(())
+        }
+        other => Err(format!("{other} is not a number")),
+    }
 }
 
 #[cfg(test)]

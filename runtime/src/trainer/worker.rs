@@ -5,15 +5,15 @@
 //! generation's ring and applies it. Its state for the session is the
 //! parameters and the momentum buffer, as named tensors.
 
-use super::proto::{BuiltinModel, FailCause, Program, TeacherSource};
-use super::session::{Event, Joined, Session, State, Step};
 use crate::checkpoint::Restored;
-use crate::data::{Dataset, Source};
 use crate::distill::{DistillConfig, DistillError, DistillReader, Teachers};
-use crate::model::{Layer, Mlp};
+use crate::job::proto::{BuiltinModel, FailCause, Program, TeacherSource};
+use crate::job::session::{Event, Joined, Session, State, Step};
 use crate::plugin::{HostOptions, Limits, PluginHost, TransformPlugin};
 use crate::state::{Layout, TensorSpec};
-use crate::train::Trainer;
+use crate::trainer::data::{Dataset, Source};
+use crate::trainer::model::{Layer, Mlp};
+use crate::trainer::train::Trainer;
 use anyhow::{Context, Result, anyhow, bail};
 use edl_host_gpu::{Device, loss::SoftLabelLoss};
 use edl_plugin_sdk::{Batch, Dtype};
@@ -115,7 +115,7 @@ impl State for MlpState {
 fn batch_of(train: &Dataset, ids: &[u32], seed: u64, epoch: u64) -> Batch {
     let (x, y) = train.gather(ids);
     Batch {
-        data: crate::oip::f32_bytes(&x),
+        data: crate::distill::oip::f32_bytes(&x),
         shape: vec![ids.len() as u32, train.dim as u32],
         dtype: Dtype::Float32,
         labels: y,
@@ -239,7 +239,8 @@ struct BuiltinWorker {
     read_ahead: Option<ReadAhead>,
     /// The reader transform applied by the worker itself (no teachers).
     transform: Option<Box<dyn TransformPlugin>>,
-    transform_path: Option<std::path::PathBuf>,
+    /// The transform's copy here, and the name the user gave it.
+    transform_path: Option<(std::path::PathBuf, String)>,
     transform_config: Vec<(String, String)>,
     /// The teachers' token and TLS trust, and the tensors read and sent.
     access: crate::distill::TeacherAccess,
@@ -255,7 +256,7 @@ pub struct Join {
     pub coordinator: SocketAddr,
     /// 0: the coordinator gives one.
     pub id: u64,
-    pub auth: super::session::JobAuth,
+    pub auth: crate::job::session::JobAuth,
     /// Where the ring listens (None: the address the control connection
     /// leaves from) and what the other ranks are told (None: the same).
     pub ring_listen: Option<std::net::IpAddr>,
@@ -290,36 +291,7 @@ pub fn run(join: Join) -> Result<()> {
         bail!("worker {id}: {} training samples here, the job has {}", train.len(), spec.samples);
     }
     let device: Device = spec.device.parse().map_err(|e: String| anyhow!("worker {id}: {e}"))?;
-    let host = match &spec.transform {
-        Some(_) => Some(PluginHost::new(HostOptions {
-            limits: Limits {
-                deadline: Duration::from_millis(spec.plugin_deadline_ms),
-                memory_bytes: spec.plugin_memory_mib << 20,
-                ..Limits::default()
-            },
-            allow_native: spec.allow_native,
-            ..HostOptions::default()
-        })?),
-        None => None,
-    };
-    // The coordinator sent the plugin's bytes: written once per content,
-    // beside this user's compiled-plugin cache (or in the job's directory).
-    let transform_path = match &spec.transform {
-        Some(shipped) => {
-            let cache = crate::plugin::ArtifactCache::default_location();
-            let dir = match cache.dir() {
-                Some(d) => d.join("shipped"),
-                None => std::env::temp_dir().join(format!("edl-shipped-plugins-{}", std::process::id())),
-            };
-            Some(shipped.unpack(&dir).with_context(|| format!("worker {id}: the reader transform"))?)
-        }
-        None => None,
-    };
-    let transform = match (&transform_path, &host, &spec.teachers) {
-        // Without teachers the worker applies the transform itself.
-        (Some(path), Some(h), None) => Some(h.load_transform(path, &spec.transform_config)?),
-        _ => None,
-    };
+    let (host, transform_path, transform) = transform_of(id, &spec)?;
     let trainer =
         Trainer::on(device, Mlp::random(&model.layers, spec.seed)).with_context(|| format!("worker {id}"))?;
     let mut state =
@@ -346,42 +318,96 @@ pub fn run(join: Join) -> Result<()> {
     };
     session.ready(state.layout.clone())?;
     tracing::info!("worker {id}: ready, {} training samples", w.train.len());
-    loop {
-        let step = match session.next(&mut state)? {
-            Event::Stop(reason) => {
-                tracing::info!("worker {id}: {reason}");
-                return Ok(());
-            }
-            Event::Step(s) => s,
-        };
-        let start = Instant::now();
-        let loss = match w.compute(&session, &step, &mut state.trainer) {
-            Ok(l) => l,
-            Err(e) => {
-                w.read_ahead = None;
-                let cause = e
-                    .chain()
-                    .any(|c| matches!(c.downcast_ref(), Some(DistillError::NoTeachers { .. })))
-                    .then_some(FailCause::NoTeachers);
-                session.fail(e, cause)?;
-                continue;
-            }
-        };
-        let compute_ms = start.elapsed().as_secs_f64() * 1e3;
-        if session.all_reduce(state.trainer.grad_mut()).is_err() {
-            // Reported by the session; the next step is the redone one.
-            w.read_ahead = None;
-            continue;
+    w.train_until_stopped(&mut session, &mut state)
+}
+
+/// The plugin host a worker loads its reader transform with, the
+/// transform's copy here (and the name the user gave it), and the transform
+/// itself when the worker applies it (without teachers; with them the
+/// DistillReader does).
+#[allow(clippy::type_complexity)]
+fn transform_of(
+    id: u64,
+    spec: &crate::job::JobSpec,
+) -> Result<(Option<Arc<PluginHost>>, Option<(std::path::PathBuf, String)>, Option<Box<dyn TransformPlugin>>)>
+{
+    let host = match &spec.transform {
+        Some(_) => Some(PluginHost::new(HostOptions {
+            limits: Limits {
+                deadline: Duration::from_millis(spec.plugin_deadline_ms),
+                memory_bytes: spec.plugin_memory_mib << 20,
+                ..Limits::default()
+            },
+            allow_native: spec.allow_native,
+            ..HostOptions::default()
+        })?),
+        None => None,
+    };
+    // The coordinator sent the plugin's bytes: written once per content,
+    // beside this user's compiled-plugin cache (or in the job's directory).
+    let transform_path = match &spec.transform {
+        Some(shipped) => {
+            // Loaded from this copy, named as the user named the file.
+            let cache = crate::plugin::ArtifactCache::default_location();
+            let dir = match cache.dir() {
+                Some(d) => d.join("shipped"),
+                None => std::env::temp_dir().join(format!("edl-shipped-plugins-{}", std::process::id())),
+            };
+            let copy = shipped.unpack(&dir).with_context(|| format!("worker {id}: the reader transform"))?;
+            Some((copy, shipped.name.clone()))
         }
-        if let Err(e) = state.trainer.apply(step.hyper.lr, step.hyper.momentum) {
-            session.fail(e.into(), None)?;
-            continue;
+        None => None,
+    };
+    let transform = match (&transform_path, &host, &spec.teachers) {
+        // Without teachers the worker applies the transform itself.
+        (Some((path, shown)), Some(h), None) => {
+            Some(h.load_transform_as(path, shown, &spec.transform_config)?)
         }
-        session.finish(loss, compute_ms)?;
-    }
+        _ => None,
+    };
+    Ok((host, transform_path, transform))
 }
 
 impl BuiltinWorker {
+    /// Trains the steps the coordinator plans until it says stop. A step
+    /// that fails is reported and redone by the next generation.
+    fn train_until_stopped(&mut self, session: &mut Session, state: &mut MlpState) -> Result<()> {
+        let id = self.id;
+        loop {
+            let step = match session.next(state)? {
+                Event::Stop(reason) => {
+                    tracing::info!("worker {id}: {reason}");
+                    return Ok(());
+                }
+                Event::Step(s) => s,
+            };
+            let start = Instant::now();
+            let loss = match self.compute(session, &step, &mut state.trainer) {
+                Ok(l) => l,
+                Err(e) => {
+                    self.read_ahead = None;
+                    let cause = e
+                        .chain()
+                        .any(|c| matches!(c.downcast_ref(), Some(DistillError::NoTeachers { .. })))
+                        .then_some(FailCause::NoTeachers);
+                    session.fail(e, cause)?;
+                    continue;
+                }
+            };
+            let compute_ms = start.elapsed().as_secs_f64() * 1e3;
+            if session.all_reduce(state.trainer.grad_mut()).is_err() {
+                // Reported by the session; the next step is the redone one.
+                self.read_ahead = None;
+                continue;
+            }
+            if let Err(e) = state.trainer.apply(step.hyper.lr, step.hyper.momentum) {
+                session.fail(e.into(), None)?;
+                continue;
+            }
+            session.finish(loss, compute_ms)?;
+        }
+    }
+
     /// This rank's gradient of the step (zero without samples), and its
     /// loss summed and divided by the step's global rows.
     fn compute(&mut self, session: &Session, step: &Step, trainer: &mut Trainer) -> Result<f64> {
@@ -438,7 +464,9 @@ impl BuiltinWorker {
             }
         };
         let transform = match (&self.transform_path, &self.host) {
-            (Some(path), Some(h)) => Some(h.load_transform(path, &self.transform_config)?),
+            (Some((path, shown)), Some(h)) => {
+                Some(h.load_transform_as(path, shown, &self.transform_config)?)
+            }
             _ => None,
         };
         let config = self.calls.apply(DistillConfig {

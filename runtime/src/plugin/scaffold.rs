@@ -88,19 +88,19 @@ pub fn new_plugin(
     let lib = name.replace('-', "_");
     let (body, bench_fn, run_flag, description) = match world {
         World::ScalingPolicy => (
-            include_str!("../templates/scaling-policy.rs.tmpl"),
+            include_str!("../../templates/scaling-policy.rs.tmpl"),
             "policy",
             "--policy",
             "A scaling policy that grows the job while each worker still pays",
         ),
         World::BatchAdapter => (
-            include_str!("../templates/batch-adapter.rs.tmpl"),
+            include_str!("../../templates/batch-adapter.rs.tmpl"),
             "adapter",
             "--adapter",
             "A batch adapter that applies the linear scaling rule",
         ),
         World::ReaderTransform => (
-            include_str!("../templates/reader-transform.rs.tmpl"),
+            include_str!("../../templates/reader-transform.rs.tmpl"),
             "transform",
             "--transform",
             "A reader transform that turns pixels into floats in [0, 1]",
@@ -120,10 +120,10 @@ pub fn new_plugin(
     let toolchain =
         "[toolchain]\nchannel = \"1.95.0\"\ntargets = [\"wasm32-wasip2\"]\nprofile = \"minimal\"\n";
     let files = [
-        ("Cargo.toml".to_string(), fill(include_str!("../templates/Cargo.toml.tmpl"))),
+        ("Cargo.toml".to_string(), fill(include_str!("../../templates/Cargo.toml.tmpl"))),
         ("src/lib.rs".to_string(), fill(body)),
-        (format!("benches/{lib}.rs"), fill(include_str!("../templates/bench.rs.tmpl"))),
-        ("README.md".to_string(), fill(include_str!("../templates/README.md.tmpl"))),
+        (format!("benches/{lib}.rs"), fill(include_str!("../../templates/bench.rs.tmpl"))),
+        ("README.md".to_string(), fill(include_str!("../../templates/README.md.tmpl"))),
         ("rust-toolchain.toml".to_string(), toolchain.to_string()),
         (".gitignore".to_string(), "/target\n".to_string()),
     ];

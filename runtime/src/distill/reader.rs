@@ -7,7 +7,7 @@
 //! down; no sample is lost, duplicated or reordered. Teachers come from a
 //! fixed list or from the store, followed live.
 
-use crate::oip::{self, GrpcInferenceServiceClient, pb};
+use crate::distill::oip::{self, GrpcInferenceServiceClient, pb};
 use crate::plugin::TransformPlugin;
 use crate::store::{AnyStore, Change, keys, watch};
 use edl_plugin_sdk::{Batch, Dtype};
@@ -411,7 +411,7 @@ impl Ask {
                 }
             }
             Wire::Rest { base, http } => {
-                let call = crate::rest::client::metadata(
+                let call = crate::distill::rest_client::metadata(
                     http,
                     base,
                     &self.model,
@@ -444,7 +444,7 @@ impl Ask {
             Wire::Rest { base, http } => {
                 match tokio::time::timeout(
                     timeout,
-                    crate::rest::client::infer(http, base, &req, self.token.as_deref()),
+                    crate::distill::rest_client::infer(http, base, &req, self.token.as_deref()),
                 )
                 .await
                 {
@@ -578,7 +578,7 @@ impl Ask {
 
 /// How a failed REST call is treated: the client's mistakes are for good,
 /// the server's troubles and the network's pass.
-fn rest_failure(e: &crate::rest::client::CallError) -> Failure {
+fn rest_failure(e: &crate::distill::rest_client::CallError) -> Failure {
     match e.status {
         Some(400 | 401 | 403 | 404 | 405 | 413 | 501) => Failure::Permanent,
         _ => Failure::Transient,
@@ -587,24 +587,8 @@ fn rest_failure(e: &crate::rest::client::CallError) -> Failure {
 
 /// A gRPC status in words: its code, and its message or what the transport said.
 fn describe_status(status: &tonic::Status) -> String {
-    let detail = with_causes(status.message().to_string(), std::error::Error::source(status));
+    let detail = super::with_causes(status.message().to_string(), std::error::Error::source(status));
     if detail.is_empty() { format!("{:?}", status.code()) } else { format!("{:?}: {detail}", status.code()) }
-}
-
-/// `detail` followed by each cause below it that it does not already say
-/// (each layer of a transport error often repeats the one below it).
-pub(crate) fn with_causes(
-    mut detail: String,
-    mut source: Option<&(dyn std::error::Error + 'static)>,
-) -> String {
-    while let Some(e) = source {
-        let said = e.to_string();
-        if !detail.contains(&said) {
-            detail = if detail.is_empty() { said } else { format!("{detail}: {said}") };
-        }
-        source = e.source();
-    }
-    detail
 }
 
 fn features_of(b: &Batch) -> Result<(Vec<f32>, usize), String> {
@@ -842,6 +826,8 @@ impl Pipeline {
         }
     }
 
+    // Long: the reader's one event loop (batches in, answers back, teachers
+    // coming and going); its arms share the pipeline's state.
     async fn run(
         mut self,
         mut batches: mpsc::Receiver<Result<Batch, DistillError>>,

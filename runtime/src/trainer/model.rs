@@ -108,7 +108,7 @@ impl Mlp {
     }
 
     /// Share of `data` classified correctly.
-    pub fn accuracy(&self, data: &crate::data::Dataset) -> f32 {
+    pub fn accuracy(&self, data: &crate::trainer::data::Dataset) -> f32 {
         let chunk = 512;
         let mut correct = 0usize;
         for start in (0..data.len()).step_by(chunk) {
@@ -133,12 +133,12 @@ impl Mlp {
             for r in 0..rows {
                 out[r * l.outputs..(r + 1) * l.outputs].copy_from_slice(&l.bias);
             }
-            crate::gemm::gemm(
+            crate::trainer::gemm::gemm(
                 rows,
                 l.inputs,
                 l.outputs,
-                crate::gemm::View::row_major(&cur, l.inputs),
-                crate::gemm::View::row_major(&l.weight, l.outputs),
+                crate::trainer::gemm::View::row_major(&cur, l.inputs),
+                crate::trainer::gemm::View::row_major(&l.weight, l.outputs),
                 &mut out,
                 true,
             )
@@ -162,10 +162,10 @@ impl Mlp {
                 [
                     (
                         format!("layers.{i}.weight"),
-                        crate::oip::f32_bytes(&l.weight),
+                        crate::distill::oip::f32_bytes(&l.weight),
                         vec![l.inputs, l.outputs],
                     ),
-                    (format!("layers.{i}.bias"), crate::oip::f32_bytes(&l.bias), vec![l.outputs]),
+                    (format!("layers.{i}.bias"), crate::distill::oip::f32_bytes(&l.bias), vec![l.outputs]),
                 ]
             })
             .collect();

@@ -2,7 +2,7 @@
 //! teachers on this machine) and `launch` (the same job running the user's
 //! own program as its workers).
 
-use crate::{PluginArgs, RunArgs, ScalerKind};
+use super::{PluginArgs, RunArgs, ScalerKind};
 use anyhow::{Context, Result, bail};
 use edl_host_gpu::{Device, comm::auth::Secret};
 use edl_plugin_sdk::Hyperparams;
@@ -14,12 +14,14 @@ use edl_runtime::{
         scaler::{CommandScaler, ExternalWorkers},
         teachers::{TeacherProcess, TeacherTraining, teacher_model},
         torchrun::{self, Event as TorchrunEvent, TorchrunConfig},
-        worker::{load_data, mlp_of},
     },
-    model::Mlp,
     plot,
     plugin::{AdapterPlugin, PluginHost, PolicyPlugin},
-    train::Trainer,
+    trainer::{
+        model::Mlp,
+        train::Trainer,
+        worker::{load_data, mlp_of},
+    },
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use std::{
@@ -114,7 +116,7 @@ pub fn run(host: &Arc<PluginHost>, args: RunArgs, launch: Option<Launch>) -> Res
         args.checkpoint_dir.clone().unwrap_or_else(|| root.join(&args.job).join("checkpoints"));
     // Checkpoints in object storage: the job's local files (logs, the lock,
     // the secret) stay in .edl/<job>/.
-    let remote = edl_runtime::objects::is_url(&checkpoint_dir.to_string_lossy());
+    let remote = edl_runtime::checkpoint::objects::is_url(&checkpoint_dir.to_string_lossy());
     let job_dir = if remote {
         root.join(&args.job)
     } else {

@@ -6,7 +6,7 @@
 //! verifies; a corrupt or truncated one is reported by name and skipped.
 //!
 //! The directory may be object storage instead (`s3://bucket/prefix`,
-//! `gs://`, `az://`; see [`crate::objects`]), so that no host needs a shared
+//! `gs://`, `az://`; see [`crate::checkpoint::objects`]), so that no host needs a shared
 //! file system: there each file is one object written whole, and
 //! `manifest.sha256` is written last, as the commit marker: a reader finds a
 //! checkpoint complete, or skips it as incomplete, never half of one.
@@ -18,9 +18,11 @@
 //! its own sha256 in `manifest.sha256`, so a bit flip that leaves valid JSON
 //! (a step, a cursor) is caught like a damaged tensor file.
 
-use crate::objects::{self, ObjectDir};
+pub mod objects;
+
 use crate::state::{Layout, TensorSpec};
 use edl_plugin_sdk::Hyperparams;
+use objects::ObjectDir;
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -121,7 +123,7 @@ fn encode_state(layout: &Layout, values: &[f32], at: &Path) -> Result<Vec<u8>, C
     }
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = layout
         .ranges()
-        .map(|(t, r)| (t.name.clone(), t.shape.clone(), crate::oip::f32_bytes(&values[r])))
+        .map(|(t, r)| (t.name.clone(), t.shape.clone(), crate::distill::oip::f32_bytes(&values[r])))
         .collect();
     let views = bytes
         .iter()
@@ -172,7 +174,7 @@ impl Checkpoints {
                 return Err(CheckpointError::Io {
                     path: r.url_of(".write-probe"),
                     detail: "the probe written could not be read back".into(),
-                })
+                });
             }
         }
         r.delete(".write-probe").map_err(CheckpointError::Store)
@@ -477,6 +479,7 @@ mod tests {
         v
     }
 
+    // Long: one store walked through every way a checkpoint goes bad, in turn.
     #[test]
     fn keeps_the_last_k_and_falls_back_past_a_corrupt_one() {
         let dir = tempfile::tempdir().unwrap();
@@ -662,7 +665,10 @@ mod tests {
     }
 
     fn refused() -> object_store::Error {
-        object_store::Error::PermissionDenied { path: "jobs".into(), source: "s3:ListBucket not allowed".into() }
+        object_store::Error::PermissionDenied {
+            path: "jobs".into(),
+            source: "s3:ListBucket not allowed".into(),
+        }
     }
 
     #[test]

@@ -1,0 +1,116 @@
+//! `edl-runtime distill`: synthetic batches through the DistillReader, from
+//! fixed teachers or discovered ones; reports throughput.
+
+use super::flags::{TeacherAccessArgs, TeacherCallArgs, TeacherIoArgs, TeachersArg};
+use anyhow::{Result, bail};
+use clap::Args;
+use edl_runtime::distill::{DistillConfig, DistillReader, Teachers};
+use std::{process::ExitCode, sync::Arc, time::Duration};
+
+#[derive(Args)]
+pub struct DistillArgs {
+    /// Teacher endpoints, comma separated: `host:port`, `host:port/model[/version]`,
+    /// `grpcs://` for gRPC over TLS, `http(s)://` for KServe v2 over REST, `@probs`
+    /// or `@logits` after one that says what it returns.
+    #[arg(long, value_name = "ENDPOINTS", value_parser = super::flags::parse_teachers, help_heading = "Distillation")]
+    teachers: Option<TeachersArg>,
+    /// Store to discover teachers in (with --service), e.g. redis://127.0.0.1:6379.
+    #[arg(long, help_heading = "Distillation")]
+    store: Option<String>,
+    /// Service name the teachers registered under (with --store).
+    #[arg(long, default_value = "teachers", help_heading = "Distillation")]
+    service: String,
+    /// Model name asked of every teacher.
+    #[arg(long, default_value = "teacher", help_heading = "Distillation")]
+    model_name: String,
+    /// Seconds to wait for a teacher to answer before failing.
+    #[arg(long, alias = "wait-secs", default_value_t = 30, help_heading = "Distillation")]
+    teacher_wait_secs: u64,
+    #[command(flatten)]
+    teacher_calls: TeacherCallArgs,
+    #[command(flatten)]
+    teacher_io: TeacherIoArgs,
+    #[command(flatten)]
+    teacher_access: TeacherAccessArgs,
+    /// Features per sample the teachers take.
+    #[arg(long, default_value_t = 784, help_heading = "Synthetic batches")]
+    features: usize,
+    /// Synthetic batches to read through the teachers.
+    #[arg(long, default_value_t = 20, help_heading = "Synthetic batches")]
+    batches: usize,
+    /// Samples per batch.
+    #[arg(long, alias = "batch-size", default_value_t = 256, help_heading = "Synthetic batches")]
+    batch: usize,
+}
+
+/// Reads the batches in order and prints each one's soft labels.
+pub fn run(args: DistillArgs) -> Result<ExitCode> {
+    let teachers = match (&args.teachers, &args.store) {
+        (Some(t), None) => Some(t.endpoints("distill")?),
+        (None, Some(_)) => None,
+        _ => bail!("give either --teachers host:port,... or --store URL (with --service)"),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async {
+        let teachers = match (teachers, &args.store) {
+            (Some(list), _) => Teachers::Fixed(list),
+            (None, Some(url)) => Teachers::Discovered {
+                store: Arc::new(edl_runtime::store::AnyStore::open(url)?),
+                service: args.service.clone(),
+            },
+            (None, None) => unreachable!("checked above"),
+        };
+        let cfg = args.teacher_calls.calls().apply(DistillConfig {
+            model_name: args.model_name.clone(),
+            wait_for_teachers: Duration::from_secs(args.teacher_wait_secs),
+            access: args.teacher_access.read()?,
+            io: args.teacher_io.io(),
+            ..Default::default()
+        });
+        let rows = args.batch;
+        let mut reader = DistillReader::start(batches(args.batches, rows, args.features), None, teachers, cfg);
+        let start = std::time::Instant::now();
+        let (mut samples, mut next_id, mut classes) = (0usize, 0u64, 0usize);
+        while let Some(b) = reader.next().await {
+            let b = b?;
+            for &id in &b.batch.ids {
+                if id != next_id {
+                    bail!("sample {next_id} expected, {id} received");
+                }
+                next_id += 1;
+            }
+            samples += b.batch.len();
+            classes = b.classes;
+            println!(
+                "batch {:>4}: {} samples, {} soft labels each",
+                b.batch.ids[0] / rows as u64,
+                b.batch.len(),
+                b.classes
+            );
+        }
+        println!(
+            "done: {samples} samples in order with {classes}-class soft labels, {:.0} samples/s",
+            samples as f64 / start.elapsed().as_secs_f64()
+        );
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// `n` batches of `rows` samples of `dim` deterministic features.
+fn batches(n: usize, rows: usize, dim: usize) -> impl Iterator<Item = edl_plugin_sdk::Batch> + Send + 'static {
+    (0..n).map(move |b| {
+        let ids: Vec<u64> = (0..rows as u64).map(|i| (b * rows) as u64 + i).collect();
+        let feats: Vec<f32> = ids
+            .iter()
+            .flat_map(|&id| (0..dim).map(move |k| ((id as usize * 31 + k) % 255) as f32 / 255.0))
+            .collect();
+        edl_plugin_sdk::Batch {
+            data: edl_runtime::distill::oip::f32_bytes(&feats),
+            shape: vec![rows as u32, dim as u32],
+            dtype: edl_plugin_sdk::Dtype::Float32,
+            labels: vec![0; rows],
+            ids,
+            seed: 0,
+        }
+    })
+}

@@ -1,0 +1,475 @@
+//! Flag groups more than one subcommand takes, and the parsers of their values.
+//!
+//! One name, one meaning, across subcommands: `--teachers` is always a list
+//! of teacher endpoints, `--listen` always an address with an optional
+//! port, and a duration or a cadence names its unit (`-secs`, `-ms`,
+//! `-every N` steps). docs/training.md has the table of every flag and the
+//! subcommands that take it; a unit test in `cli/mod.rs` keeps the two in step.
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::{Path, PathBuf},
+};
+
+/// The scaling policy and batch adapter a job, a launched program or a
+/// simulation runs with.
+#[derive(Args)]
+#[command(next_help_heading = "Plugins")]
+pub struct PluginArgs {
+    /// Scaling-policy plugin (`.wasm` component or native `.so`); a
+    /// relative path not found here is also looked for beside the executable.
+    #[arg(long, default_value = "plugins/autoscale.wasm")]
+    pub policy: PathBuf,
+    /// Policy configuration, `key=value` (repeatable).
+    #[arg(long = "policy-config", value_name = "KEY=VALUE", value_parser = parse_pair)]
+    pub policy_config: Vec<(String, String)>,
+    /// Batch-adapter plugin (called at each step and each resize).
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
+    /// Adapter configuration, `key=value` (repeatable).
+    #[arg(long = "adapter-config", value_name = "KEY=VALUE", value_parser = parse_pair)]
+    pub adapter_config: Vec<(String, String)>,
+}
+
+/// The reader transform, which the built-in worker applies to every batch
+/// (and `simulate` to a standard one).
+#[derive(Args)]
+#[command(next_help_heading = "Plugins")]
+pub struct TransformArgs {
+    /// Reader-transform plugin, applied to every batch before teachers and
+    /// student (`simulate` runs it once on a standard batch).
+    #[arg(long)]
+    pub transform: Option<PathBuf>,
+    /// Transform configuration, `key=value` (repeatable).
+    #[arg(long = "transform-config", value_name = "KEY=VALUE", value_parser = parse_pair)]
+    pub transform_config: Vec<(String, String)>,
+}
+
+/// The bounds of the world size, shared by every command that scales.
+#[derive(Args)]
+#[command(next_help_heading = "Workers and scaling")]
+pub struct WorkerBounds {
+    /// Fewest workers: the policy never goes below, and lost workers are
+    /// replaced up to it.
+    #[arg(long, default_value_t = 1)]
+    pub min_workers: u32,
+    /// Most workers the policy may ask for.
+    #[arg(long, default_value_t = 4)]
+    pub max_workers: u32,
+    /// Workers at the start (default: --min-workers).
+    #[arg(long)]
+    pub workers: Option<u32>,
+}
+
+impl WorkerBounds {
+    /// Workers at the start.
+    pub fn initial(&self) -> u32 {
+        self.workers.unwrap_or(self.min_workers)
+    }
+}
+
+/// How a job of steps scales: its bounds, how often the policy decides,
+/// what a worker costs.
+#[derive(Args)]
+#[command(next_help_heading = "Workers and scaling")]
+pub struct ScalingArgs {
+    #[command(flatten)]
+    pub bounds: WorkerBounds,
+    /// Committed steps between two scaling-policy decisions.
+    #[arg(long, alias = "decide-every", value_name = "STEPS", default_value_t = 8)]
+    pub decide_every_steps: u64,
+    /// Price of a worker-hour, shown to the policy.
+    #[arg(long, default_value_t = 0.0)]
+    pub price: f64,
+}
+
+/// What a job trains with: epochs and the starting hyperparameters.
+#[derive(Args)]
+#[command(next_help_heading = "Training")]
+pub struct TrainingArgs {
+    /// Epochs to train.
+    #[arg(long, default_value_t = 5)]
+    pub epochs: u64,
+    /// Global batch at the start (the adapter may change it).
+    #[arg(long, default_value_t = 64)]
+    pub batch: u32,
+    /// Learning rate at the start (the adapter may change it).
+    #[arg(long, default_value_t = 0.05)]
+    pub lr: f32,
+    /// SGD momentum, in [0, 1).
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f32,
+    /// Seed of the student's weights and of the data order.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+/// Where a job keeps its state and checkpoints, and how often it writes them.
+#[derive(Args)]
+#[command(next_help_heading = "Checkpoints and state")]
+pub struct StateArgs {
+    /// Discovery and job state: `memory` (embedded) or `redis://host:port`
+    /// (a URL with a password is better given in $EDL_STORE than on a command line).
+    #[arg(long, default_value = "memory", env = "EDL_STORE", hide_env_values = true)]
+    pub store: String,
+    /// Where checkpoints go: a directory, or object storage shared by every
+    /// host (`s3://bucket/prefix`, `gs://...`, `az://...`, credentials from
+    /// the usual AWS_/GOOGLE_/AZURE_ environment). Default: .edl/<job>/checkpoints.
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoints kept.
+    #[arg(long, default_value_t = 3)]
+    pub keep_checkpoints: usize,
+    /// Committed steps between checkpoints (one is also written at each
+    /// epoch's end and after --checkpoint-secs of training).
+    #[arg(long, alias = "checkpoint-every", value_name = "STEPS")]
+    pub checkpoint_every_steps: Option<u64>,
+    /// Longest training time between two checkpoints, seconds (one is also
+    /// written at each epoch's end).
+    #[arg(long, default_value_t = 30)]
+    pub checkpoint_secs: u64,
+}
+
+/// Where a job's students get soft labels, and how they call teachers.
+#[derive(Args)]
+#[command(next_help_heading = "Distillation")]
+pub struct DistillationArgs {
+    /// Train on hard labels only: no teachers.
+    #[arg(long)]
+    pub no_distill: bool,
+    /// Teacher endpoints, comma separated: `host:port`, `host:port/model[/version]`,
+    /// `grpcs://` for gRPC over TLS, `http(s)://` for KServe v2 over REST, `@probs`
+    /// or `@logits` after one that says what it returns.
+    #[arg(long, alias = "teacher-addrs", value_name = "ENDPOINTS", value_parser = parse_teachers)]
+    pub teachers: Option<TeachersArg>,
+    /// Service name teachers register under in --store (default: <job>-teachers).
+    #[arg(long)]
+    pub service: Option<String>,
+    /// Seconds a worker waits with no teacher answering before the job
+    /// stops, naming the teachers (below --step-timeout-secs).
+    #[arg(long, default_value_t = 20)]
+    pub teacher_wait_secs: u64,
+    #[command(flatten)]
+    pub teacher_calls: TeacherCallArgs,
+    #[command(flatten)]
+    pub teacher_io: TeacherIoArgs,
+    #[command(flatten)]
+    pub teacher_access: TeacherAccessArgs,
+}
+
+/// `--teachers`: endpoints. A bare number is the count of teacher
+/// processes the built-in job starts, the flag's old meaning there (a
+/// number is never an endpoint, so the two cannot be confused).
+#[derive(Clone, Debug, PartialEq)]
+pub enum TeachersArg {
+    Endpoints(Vec<String>),
+    Count(u32),
+}
+
+impl TeachersArg {
+    /// The endpoints, for a subcommand (`sub`) that starts no teachers.
+    pub fn endpoints(&self, sub: &str) -> Result<Vec<String>> {
+        match self {
+            TeachersArg::Endpoints(list) => Ok(list.clone()),
+            TeachersArg::Count(n) => bail!(
+                "--teachers {n}: `{sub}` starts no teacher processes (that is the built-in job's \
+                 --teacher-processes); give the teachers' endpoints, host:port,..."
+            ),
+        }
+    }
+}
+
+pub fn parse_teachers(s: &str) -> Result<TeachersArg, String> {
+    if let Ok(n) = s.trim().parse::<u32>() {
+        return Ok(TeachersArg::Count(n));
+    }
+    let list = edl_runtime::distill::endpoints(s);
+    if list.is_empty() {
+        return Err("expected teacher endpoints, host:port,...".into());
+    }
+    Ok(TeachersArg::Endpoints(list))
+}
+
+/// Which tensors students send and read, and what the outputs hold.
+#[derive(Args)]
+#[command(next_help_heading = "Distillation")]
+pub struct TeacherIoArgs {
+    /// The input to send the features as (default: the model's first input,
+    /// from its metadata; FP32 or FP64).
+    #[arg(long)]
+    pub teacher_input: Option<String>,
+    /// The output to read (default: `logits`, `probs`, `probabilities`,
+    /// `predict_proba` or `output_probability` if the model has one, else
+    /// its first floating-point output).
+    #[arg(long)]
+    pub teacher_output_name: Option<String>,
+    /// What the teachers' outputs hold: `logits` or `probs` (turned into
+    /// log-probabilities). A teacher given as `host:port[/model]@probs` or
+    /// `@logits` says so for itself, so a fleet may mix them.
+    #[arg(long, default_value = "logits")]
+    pub teacher_output: edl_runtime::distill::OutputKind,
+}
+
+impl TeacherIoArgs {
+    pub fn io(&self) -> edl_runtime::distill::TeacherIo {
+        edl_runtime::distill::TeacherIo {
+            input_name: self.teacher_input.clone(),
+            output_name: self.teacher_output_name.clone(),
+            output: self.teacher_output,
+        }
+    }
+}
+
+/// How students call their teachers.
+#[derive(Args)]
+#[command(next_help_heading = "Distillation")]
+pub struct TeacherCallArgs {
+    /// Longest a teacher may take to answer one request, ms (then it is
+    /// retried elsewhere and the teacher rests).
+    #[arg(long, default_value_t = 5000)]
+    pub teacher_timeout_ms: u64,
+    /// Rows per teacher request.
+    #[arg(long, default_value_t = 64)]
+    pub teacher_batch: usize,
+    /// Requests in flight per teacher.
+    #[arg(long, default_value_t = 4)]
+    pub teacher_in_flight: usize,
+    /// How long a teacher rests after a failure, ms; doubled after each
+    /// failure in a row, up to 30 s.
+    #[arg(long, default_value_t = 2000)]
+    pub teacher_cooldown_ms: u64,
+}
+
+impl TeacherCallArgs {
+    pub fn calls(&self) -> edl_runtime::distill::TeacherCalls {
+        edl_runtime::distill::TeacherCalls {
+            request_timeout_ms: self.teacher_timeout_ms,
+            teacher_batch: self.teacher_batch,
+            in_flight: self.teacher_in_flight,
+            cooldown_ms: self.teacher_cooldown_ms,
+        }
+    }
+}
+
+/// How students reach teachers that need a token or serve TLS.
+#[derive(Args)]
+#[command(next_help_heading = "Distillation")]
+pub struct TeacherAccessArgs {
+    /// A file holding the bearer token sent on every teacher call.
+    #[arg(long)]
+    pub teacher_token_file: Option<PathBuf>,
+    /// CA certificate (PEM) that teachers' TLS certificates are checked
+    /// against; with it, teachers given as `host:port` are reached over TLS
+    /// (`grpcs://` and `https://` teachers are, always; without a CA, against the web PKI roots).
+    #[arg(long)]
+    pub teacher_ca: Option<PathBuf>,
+}
+
+impl TeacherAccessArgs {
+    pub fn read(&self) -> Result<edl_runtime::distill::TeacherAccess> {
+        Ok(edl_runtime::distill::TeacherAccess {
+            token: read_token(self.teacher_token_file.as_deref(), "--teacher-token-file")?,
+            ca_pem: match &self.teacher_ca {
+                Some(f) => Some(
+                    std::fs::read_to_string(f).with_context(|| format!("--teacher-ca {}", f.display()))?,
+                ),
+                None => None,
+            },
+        })
+    }
+}
+
+/// Where the coordinator listens and how it starts workers.
+#[derive(Args)]
+#[command(next_help_heading = "Cluster")]
+pub struct ClusterArgs {
+    /// Where the coordinator listens: an address (`0.0.0.0` for every
+    /// interface), optionally with its control port (`10.0.0.5:7070`;
+    /// without one, any free port). Loopback keeps the job on this machine.
+    #[arg(long, value_name = "ADDR[:PORT]", default_value = "127.0.0.1", value_parser = listen_on(0))]
+    pub listen: SocketAddr,
+    /// Host name or address workers and teachers on other hosts reach the
+    /// coordinator at (default: the --listen address; this host's routable
+    /// address when listening on every interface).
+    #[arg(long)]
+    pub advertise: Option<String>,
+    /// Port of the rendezvous where each generation's ring meets (default: any free one).
+    #[arg(long, default_value_t = 0)]
+    pub rendezvous_port: u16,
+    /// How workers are started.
+    #[arg(long, value_enum, default_value_t = ScalerKind::Local)]
+    pub scaler: ScalerKind,
+    /// With --scaler command: the command that starts worker {id}, run with
+    /// `sh -c`; placeholders {id} {coordinator} {host} {slot} {job} {exe}. The
+    /// job's secret comes on its standard input (`--secret-file -`).
+    #[arg(long, required_if_eq("scaler", "command"))]
+    pub worker_command: Option<String>,
+    /// With --scaler command: a command that stops worker {id} (scancel,
+    /// kubectl delete, ...), run after the worker was told to stop and
+    /// did not exit within the grace.
+    #[arg(long, requires = "worker_command")]
+    pub worker_stop_command: Option<String>,
+    /// With --scaler command: hosts to start workers on, `host` or
+    /// `host:slots`, comma separated ({host} in the command).
+    #[arg(long, value_delimiter = ',', requires = "worker_command")]
+    pub hosts: Vec<String>,
+    /// The job's secret (64 hex digits), which every worker proves on its
+    /// connections: read from this file, or written there (mode 0600) when
+    /// it does not exist. Default: a new secret per run in .edl/<job>/secret.
+    #[arg(long)]
+    pub secret_file: Option<PathBuf>,
+}
+
+/// How workers are started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ScalerKind {
+    /// Child processes of the coordinator, on this host.
+    Local,
+    /// --worker-command per worker, on --hosts (ssh, srun, ...).
+    Command,
+    /// Started by another engine (Kubernetes, ...); they join with `edl-runtime worker`.
+    External,
+}
+
+/// The bounds after which a worker or a step is given up.
+#[derive(Args)]
+#[command(next_help_heading = "Failure detection")]
+pub struct LivenessArgs {
+    /// Seconds a rank that owes steps may go without reporting any before it
+    /// is declared dead (it reports each window of steps it finishes).
+    #[arg(long, alias = "step-timeout", default_value_t = 60)]
+    pub step_timeout_secs: u64,
+    /// Bound on every collective, milliseconds (with no byte from the previous rank).
+    #[arg(long, default_value_t = 5000)]
+    pub collective_timeout_ms: u64,
+    /// Seconds a worker may go without being heard (its heartbeats come a
+    /// few times per lease) before it is declared dead and the job goes on without it.
+    #[arg(long, default_value_t = 10)]
+    pub worker_lease_secs: u64,
+    /// Seconds a worker that lost its connection to the coordinator keeps
+    /// trying to reach it again, to hear where it stands: a worker the job
+    /// went on without is refused (its generation is over) and exits with
+    /// that reason; one that reaches nothing exits when the time is up.
+    #[arg(long, default_value_t = 30)]
+    pub worker_reconnect_secs: u64,
+    /// Seconds a worker asked for may take to join before it is given up.
+    #[arg(long, default_value_t = 60)]
+    pub join_timeout_secs: u64,
+}
+
+/// What a run writes besides its output lines.
+#[derive(Args)]
+#[command(next_help_heading = "Output")]
+pub struct OutputArgs {
+    /// Write the run's report (JSON) here.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    /// Draw world size, throughput and loss over time to this SVG file.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+/// The plugin sandbox: flags of every subcommand, before or after it.
+#[derive(Args)]
+#[command(next_help_heading = "Plugin sandbox")]
+pub struct SandboxArgs {
+    /// CPU deadline of one plugin call, in milliseconds.
+    #[arg(long, global = true, default_value_t = 100)]
+    pub plugin_deadline_ms: u64,
+    /// Memory cap of one plugin instance, in MiB.
+    #[arg(long, global = true, default_value_t = 64)]
+    pub plugin_memory_mib: usize,
+    /// Directory of compiled plugins (default: $EDL_PLUGIN_CACHE or ~/.cache/edl/plugins).
+    #[arg(long, global = true)]
+    pub plugin_cache: Option<PathBuf>,
+    /// Compile plugins at every load.
+    #[arg(long, global = true)]
+    pub no_plugin_cache: bool,
+    /// Allow native plugin libraries (.so/.dylib/.dll): they run unsandboxed,
+    /// with this process's rights, and are refused without this flag.
+    #[arg(long, global = true)]
+    pub allow_native: bool,
+}
+
+/// `key=value`.
+pub fn parse_pair(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .ok_or_else(|| format!("expected key=value, got {s:?}"))
+}
+
+/// Parses `--listen`: an address with or without a port (`0.0.0.0`,
+/// `10.0.0.5:7070`, `[::]:7070`, `::`); without one, `default_port`.
+pub fn listen_on(default_port: u16) -> impl Fn(&str) -> Result<SocketAddr, String> + Clone + Send + Sync {
+    move |s: &str| {
+        if let Ok(a) = s.parse::<SocketAddr>() {
+            return Ok(a);
+        }
+        s.trim_matches(|c| c == '[' || c == ']')
+            .parse::<IpAddr>()
+            .map(|ip| SocketAddr::new(ip, default_port))
+            .map_err(|_| format!("{s:?}: expected an address (10.0.0.5) or address:port (0.0.0.0:7070)"))
+    }
+}
+
+/// Parses a worker's `--listen`: an address; a port, if given, must be 0,
+/// since the ring takes a new port each generation.
+pub fn parse_ring_listen(s: &str) -> Result<IpAddr, String> {
+    let a = listen_on(0)(s)?;
+    if a.port() != 0 {
+        return Err(format!(
+            "{s:?}: a worker's ring listens on a new port each generation; give the address only ({})",
+            a.ip()
+        ));
+    }
+    Ok(a.ip())
+}
+
+/// A bearer token from a file (its first line), never from a command line.
+pub fn read_token(file: Option<&Path>, flag: &str) -> Result<Option<String>> {
+    let Some(f) = file else { return Ok(None) };
+    let text = std::fs::read_to_string(f).with_context(|| format!("{flag} {}", f.display()))?;
+    let token = text.lines().next().unwrap_or("").trim().to_string();
+    if token.is_empty() {
+        bail!("{flag} {}: the file holds no token", f.display());
+    }
+    Ok(Some(token))
+}
+
+/// A non-negative number of seconds, named by its flag when it is not one.
+pub fn secs(v: f64, flag: &str) -> Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(v)
+        .map_err(|_| anyhow::anyhow!("--{flag} {v}: expected a number of seconds >= 0"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listen_takes_an_address_with_or_without_a_port() {
+        let teacher = listen_on(8001);
+        assert_eq!(teacher("0.0.0.0").unwrap(), "0.0.0.0:8001".parse().unwrap());
+        assert_eq!(teacher("10.0.0.5:7070").unwrap(), "10.0.0.5:7070".parse().unwrap());
+        assert_eq!(teacher("[::1]").unwrap(), "[::1]:8001".parse().unwrap());
+        assert_eq!(listen_on(0)("::").unwrap(), "[::]:0".parse().unwrap());
+        assert!(teacher("node-1").unwrap_err().contains("expected an address"));
+        assert_eq!(parse_ring_listen("10.0.0.5").unwrap(), "10.0.0.5".parse::<IpAddr>().unwrap());
+        assert_eq!(parse_ring_listen("10.0.0.5:0").unwrap(), "10.0.0.5".parse::<IpAddr>().unwrap());
+        assert!(parse_ring_listen("10.0.0.5:7070").unwrap_err().contains("new port each generation"));
+    }
+
+    #[test]
+    fn teachers_are_endpoints_or_on_the_job_a_count() {
+        assert_eq!(parse_teachers("2").unwrap(), TeachersArg::Count(2));
+        assert_eq!(
+            parse_teachers("a:1, b:2/m@probs").unwrap(),
+            TeachersArg::Endpoints(vec!["a:1".into(), "b:2/m@probs".into()])
+        );
+        assert!(parse_teachers(" , ").is_err());
+        let e = TeachersArg::Count(2).endpoints("launch").unwrap_err().to_string();
+        assert!(e.contains("--teachers 2") && e.contains("--teacher-processes"), "{e}");
+    }
+}

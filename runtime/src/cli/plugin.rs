@@ -1,0 +1,175 @@
+//! `edl-runtime plugin`: create a plugin crate, inspect a plugin file, and
+//! replay a policy over a trace or a scenario.
+
+use super::{flags::parse_pair, plugin_path};
+use anyhow::{Result, bail};
+use clap::{Subcommand, ValueEnum};
+use edl_plugin_sdk::Hyperparams;
+use edl_runtime::{
+    plot,
+    plugin::{
+        PluginHost, World,
+        replay::{self, Decision, Trace},
+        scaffold,
+    },
+};
+use std::{
+    path::{Path, PathBuf},
+    process::ExitCode,
+};
+
+#[derive(Subcommand)]
+pub enum PluginCommand {
+    /// Create a plugin crate: a working example, a unit test, a bench and a README.
+    New {
+        /// The plugin's world: what it decides.
+        world: WorldArg,
+        /// Crate name (lowercase letters, digits, '-', '_').
+        name: String,
+        /// Directory to create the crate in (default: the current one).
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+    },
+    /// Print a plugin's world, interface version, info, exports, size and cache state.
+    Inspect {
+        /// The plugin file (`.wasm` component or native library); a relative
+        /// path not found here is also looked for beside the executable.
+        file: PathBuf,
+    },
+    /// Run a policy over a trace (JSON lines of cluster views) or a scenario
+    /// (a simulated cluster, see examples/traces/) and print its decisions.
+    Replay(ReplayArgs),
+}
+
+#[derive(clap::Args)]
+pub struct ReplayArgs {
+    /// Scaling-policy plugin to replay; a relative path not found here is
+    /// also looked for beside the executable.
+    #[arg(long)]
+    policy: PathBuf,
+    /// Policy configuration, `key=value` (repeatable), as for the main command.
+    #[arg(long = "policy-config", alias = "config", value_name = "KEY=VALUE", value_parser = parse_pair)]
+    config: Vec<(String, String)>,
+    /// The trace: JSON lines of cluster views, or a scenario (JSON).
+    #[arg(long)]
+    trace: PathBuf,
+    /// Price of a worker-hour shown to the policy, in place of the
+    /// trace's (`price_per_worker_hour`).
+    #[arg(long)]
+    price: Option<f64>,
+    /// Print JSON lines instead of a table.
+    #[arg(long, help_heading = "Output")]
+    json: bool,
+    /// Draw world size and throughput over the steps to this SVG file.
+    #[arg(long, help_heading = "Output")]
+    plot: Option<PathBuf>,
+}
+
+/// A plugin's world, as `plugin new` takes it.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum WorldArg {
+    /// Decides the world size.
+    ScalingPolicy,
+    /// Sets the batch size and learning rate at each step and resize.
+    BatchAdapter,
+    /// Changes every batch the reader hands out.
+    ReaderTransform,
+}
+
+impl From<WorldArg> for World {
+    fn from(w: WorldArg) -> World {
+        match w {
+            WorldArg::ScalingPolicy => World::ScalingPolicy,
+            WorldArg::BatchAdapter => World::BatchAdapter,
+            WorldArg::ReaderTransform => World::ReaderTransform,
+        }
+    }
+}
+
+pub fn run(host: &PluginHost, command: PluginCommand) -> Result<ExitCode> {
+    match command {
+        PluginCommand::New { world, name, dir } => new(world, &name, &dir),
+        PluginCommand::Inspect { file } => inspect(host, &plugin_path::resolve("plugin inspect", &file)?),
+        PluginCommand::Replay(args) => replay(host, args),
+    }
+}
+
+fn new(world: WorldArg, name: &str, dir: &Path) -> Result<ExitCode> {
+    let created = scaffold::new_plugin(world.into(), name, dir, None)?;
+    println!("created {} ({} plugin); next:", created.display(), World::from(world));
+    println!("  cd {}", created.display());
+    println!("  cargo test");
+    println!("  cargo build --release --target wasm32-wasip2");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn inspect(host: &PluginHost, file: &Path) -> Result<ExitCode> {
+    let i = host.inspect(file)?;
+    println!("file:        {} ({} bytes)", file.display(), i.size);
+    println!(
+        "kind:        {}",
+        if i.kind == "wasm" { "WebAssembly component (sandboxed)" } else { "native library (trusted)" }
+    );
+    println!("world:       {}", i.world);
+    println!("interface:   {}", i.interface_version);
+    println!("plugin:      {} {}", i.info.name, i.info.version);
+    println!("description: {}", i.info.description);
+    println!("exports:     {}", i.exports.join(", "));
+    match (i.cached, &i.cache_entry) {
+        (Some(c), Some(entry)) => {
+            println!("cached:      {} ({})", if c { "yes" } else { "no, compiled now" }, entry.display())
+        }
+        (_, _) if i.kind == "wasm" => println!("cached:      cache disabled"),
+        _ => println!("cached:      not applicable"),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn replay(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
+    // Printing a table to a closed pipe (`| head`) ends the command
+    // quietly, as it does for other Unix tools, instead of panicking.
+    // SAFETY: restoring a signal's default disposition has no preconditions.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    let mut p = host.load_policy(&plugin_path::resolve("--policy", &args.policy)?, &args.config)?;
+    if let Some(price) = args.price
+        && !(price.is_finite() && price >= 0.0)
+    {
+        bail!("--price {price}: need a finite price of 0 or more");
+    }
+    let (decisions, recorded) = match replay::read_trace(&args.trace)?.priced(args.price) {
+        Trace::Recorded(views) => (replay::replay(p.as_mut(), &views)?, true),
+        Trace::Scenario(sc) => {
+            let mut sim = sc.cluster();
+            let hyper = Hyperparams::default();
+            let run =
+                replay::simulate(p.as_mut(), None, &mut sim, sc.decisions, hyper, |r, s| sc.before(r, s), |_, _| {})?;
+            (run.decisions, false)
+        }
+    };
+    for d in &decisions {
+        print_decision(d, args.json)?;
+    }
+    if let Some(out) = args.plot {
+        let title = format!("{} on {}", p.info().name, args.trace.display());
+        plot::policy_run(&out, &title, &decisions, recorded)?;
+        eprintln!("plot written to {}", out.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_decision(d: &Decision, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(d)?);
+    } else {
+        let actions: Vec<String> = d.actions.iter().map(|a| a.to_string()).collect();
+        println!(
+            "step {:>7}  world {:>3} -> {:>3}  {:>10.1} samples/s  {}",
+            d.step,
+            d.world_size,
+            d.chosen,
+            d.throughput,
+            actions.join(", ")
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,104 @@
+//! What the main job shows while it runs: a progress bar on a terminal,
+//! plain lines where output goes to a file, a pipe or a log collector
+//! (Kubernetes, CI, `| tee`), which cannot show a bar.
+
+use edl_runtime::job::Progress;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::time::{Duration, Instant};
+
+/// Longest time between two plain progress lines.
+pub const PLAIN_EVERY: Duration = Duration::from_secs(5);
+
+/// The job's progress: a bar redrawn at every step, or, without a terminal
+/// on stderr (where the bar would be drawn), a line at the first step and
+/// then at most every [`PLAIN_EVERY`] and at each epoch's end. Scale events,
+/// epochs and notes are a line each either way.
+pub struct ProgressDisplay {
+    bar: ProgressBar,
+    /// Samples in an epoch and epochs in the job.
+    rows: u64,
+    epochs: u64,
+    /// When the last plain line was printed (`None`: none yet).
+    last_plain: Option<Instant>,
+    /// The newest step's line when it was not printed, for the epoch's end.
+    pending: Option<String>,
+}
+
+impl ProgressDisplay {
+    pub fn new(rows: u64, epochs: u64) -> anyhow::Result<Self> {
+        let bar = ProgressBar::new(epochs * rows);
+        bar.set_style(
+            ProgressStyle::with_template("[{elapsed_precise}] [{bar:30}] {percent:>3}% {msg}")?
+                .progress_chars("=> "),
+        );
+        Ok(ProgressDisplay { bar, rows, epochs, last_plain: None, pending: None })
+    }
+
+    /// Shows one event of the job.
+    pub fn show(&mut self, p: Progress) {
+        match p {
+            Progress::Step(s) => {
+                let line = format!(
+                    "epoch {}/{} step {} | {} workers | {:.0} samples/s | loss {:.4}",
+                    (s.epoch + 1).min(self.epochs),
+                    self.epochs,
+                    s.step,
+                    s.world,
+                    s.samples_per_sec,
+                    s.loss
+                );
+                if self.bar.is_hidden() {
+                    if self.last_plain.is_none_or(|t| t.elapsed() >= PLAIN_EVERY) {
+                        self.last_plain = Some(Instant::now());
+                        self.pending = None;
+                        println!("progress  {line}");
+                    } else {
+                        self.pending = Some(line);
+                    }
+                } else {
+                    self.bar.set_position((s.epoch * self.rows + s.cursor as u64).min(self.epochs * self.rows));
+                    self.bar.set_message(line);
+                }
+            }
+            Progress::Scale(e) => self.say(format!(
+                "scale     step {:>5}: {} -> {} workers (generation {}), paused {:.0} ms{}: {}",
+                e.step,
+                e.from,
+                e.to,
+                e.generation,
+                e.pause_ms,
+                e.join_ms.map(|j| format!(", new worker ready {j:.0} ms after the decision")).unwrap_or_default(),
+                e.reason
+            )),
+            Progress::Epoch(r) => {
+                // Each epoch's last step is shown, however soon it ends.
+                if let Some(line) = self.pending.take() {
+                    self.last_plain = Some(Instant::now());
+                    println!("progress  {line}");
+                }
+                self.say(format!(
+                    "epoch     {} done: {} samples committed, {} duplicates, {} missing",
+                    r.epoch, r.samples_committed, r.duplicates, r.missing
+                ))
+            }
+            Progress::Checkpoint { step, path } => {
+                tracing::debug!("checkpoint at step {step}: {}", path.display())
+            }
+            Progress::Note(n) => self.say(format!("note      {n}")),
+        }
+    }
+
+    /// Prints above the bar, or plainly when there is no terminal.
+    fn say(&self, line: String) {
+        if self.bar.is_hidden() {
+            println!("{line}");
+        } else {
+            self.bar.println(line);
+        }
+    }
+
+    /// Removes the bar (the job ended, or failed).
+    pub fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}

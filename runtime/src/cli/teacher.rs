@@ -1,0 +1,120 @@
+//! `edl-runtime teacher`: a model served over the Open Inference Protocol
+//! (KServe v2 gRPC, and REST with --http-listen), registered in a store.
+
+use super::flags::{listen_on, read_token};
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use edl_runtime::{distill::teacher, store::AnyStore, trainer::model::Mlp};
+use std::{net::SocketAddr, path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
+
+#[derive(Args)]
+pub struct TeacherArgs {
+    /// The model, a safetensors file of the runtime's MLP.
+    #[arg(long, help_heading = "Serving")]
+    model: PathBuf,
+    /// Model name clients ask for.
+    #[arg(long, default_value = "teacher", help_heading = "Serving")]
+    model_name: String,
+    /// Address to serve gRPC on, with or without a port (without: 8001;
+    /// port 0 picks a free one).
+    #[arg(long, value_name = "ADDR[:PORT]", default_value = "127.0.0.1:8001", value_parser = listen_on(8001), help_heading = "Serving")]
+    listen: SocketAddr,
+    /// Also serve KServe v2 over HTTP/REST on this address, with or without
+    /// a port (without: 8000): `/v2/...` health, metadata, infer with JSON
+    /// or binary tensors, config, stats; the same token (plain HTTP).
+    #[arg(long, value_name = "ADDR[:PORT]", value_parser = listen_on(8000), help_heading = "Serving")]
+    http_listen: Option<SocketAddr>,
+    /// Host name or address students reach this teacher at, registered with
+    /// the port (default: the listen address; this host's routable address
+    /// when listening on all interfaces).
+    #[arg(long, help_heading = "Serving")]
+    advertise: Option<String>,
+    /// Where to register: `memory` (this process only) or `redis://host:port`
+    /// (a URL with a password is better given in $EDL_STORE).
+    #[arg(long, default_value = "memory", env = "EDL_STORE", hide_env_values = true, help_heading = "Registration")]
+    store: String,
+    /// Service name the teacher registers under.
+    #[arg(long, default_value = "teachers", help_heading = "Registration")]
+    service: String,
+    /// Most rows run through the model together (concurrent requests are batched up to it).
+    #[arg(long, default_value_t = 512, help_heading = "Batching")]
+    max_batch: usize,
+    /// Longest the first request of a batch waits for others to join it, ms.
+    #[arg(long, default_value_t = 2, help_heading = "Batching")]
+    max_delay_ms: u64,
+    /// Most rows one request may hold; larger ones are refused
+    /// (RESOURCE_EXHAUSTED), and the transport refuses messages that could
+    /// only hold more before reading them.
+    #[arg(long, default_value_t = 4096, help_heading = "Batching")]
+    max_request_rows: usize,
+    /// A file holding the bearer token every call must carry
+    /// (`authorization: Bearer TOKEN`); without it any client may call.
+    #[arg(long, help_heading = "Access")]
+    token_file: Option<PathBuf>,
+    /// Serve TLS with this certificate (PEM, with its chain); needs --tls-key.
+    /// The teacher registers as `grpcs://host:port`.
+    #[arg(long, help_heading = "Access")]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    #[arg(long, help_heading = "Access")]
+    tls_key: Option<PathBuf>,
+}
+
+/// Serves until Ctrl-C or SIGTERM, then deregisters.
+pub fn run(args: TeacherArgs) -> Result<ExitCode> {
+    let model = Mlp::load(&args.model)?;
+    let token = read_token(args.token_file.as_deref(), "--token-file")?;
+    let access = teacher::Access {
+        token: token.clone(),
+        tls: match (&args.tls_cert, &args.tls_key) {
+            (Some(c), Some(k)) => Some((
+                std::fs::read(c).with_context(|| format!("--tls-cert {}", c.display()))?,
+                std::fs::read(k).with_context(|| format!("--tls-key {}", k.display()))?,
+            )),
+            (None, None) => None,
+            _ => bail!("--tls-cert and --tls-key go together"),
+        },
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(serve(args, model, access, token))
+}
+
+async fn serve(args: TeacherArgs, model: Mlp, access: teacher::Access, token: Option<String>) -> Result<ExitCode> {
+    let store = Arc::new(AnyStore::open(&args.store)?);
+    let config = teacher::TeacherConfig {
+        model_name: args.model_name.clone(),
+        max_batch: args.max_batch,
+        max_delay: Duration::from_millis(args.max_delay_ms),
+        max_request_rows: args.max_request_rows,
+        ..Default::default()
+    };
+    let (inputs, outputs) = (model.input_dim(), model.output_dim());
+    let service = teacher::TeacherService::new(model, config);
+    let registration = Some((store, args.service.clone(), Duration::from_secs(3)));
+    let serving = teacher::Serving { advertise: args.advertise.clone(), access, ..teacher::Serving::on(args.listen) }
+        .max_rows(args.max_request_rows, inputs);
+    let rest = args.http_listen.map(|a| (a, service.clone(), token));
+    let t = teacher::Teacher::serve(serving, service, registration).await?;
+    println!(
+        "teacher {:?} ({inputs} -> {outputs}) serving on {} as service {:?} (store {})",
+        args.model_name,
+        t.advertised,
+        args.service,
+        edl_runtime::store::redact(&args.store)
+    );
+    if let Some((addr, service, token)) = rest {
+        let listener =
+            tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--http-listen {addr}"))?;
+        let at = listener.local_addr()?;
+        tokio::spawn(edl_runtime::distill::rest::serve(listener, edl_runtime::distill::rest::router(service, token)));
+        println!("teacher {:?} serving KServe v2 REST on http://{at}", args.model_name);
+    }
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("teacher on {}: stopping, deregistering", t.addr);
+    t.shutdown().await;
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,445 @@
+//! The coordinator (job server): membership, generations, ranks and the
+//! global data cursor; the scaling policy on a fixed cadence and the batch
+//! adapter at each step and resize; workers started and stopped through a
+//! [`Scaler`].
+//!
+//! The coordinator is the step barrier. It sends every rank the plan of a
+//! step, and commits the step when every rank of the generation reports it
+//! done; only then does the cursor move and the sample ids the ranks trained
+//! on enter the ledger. When a rank dies (its control connection closes),
+//! fails (its ring broke) or hangs (no answer within the step timeout), the
+//! step is not committed; the survivors form the next generation from the
+//! committed state and redo it. Joiners wait until a step boundary and get
+//! the state by broadcast. The job's progress (generation, cursor, members)
+//! is kept in the store and on the checkpoint cadence rank 0 writes a
+//! checkpoint; a restarted job resumes from the newest one that verifies.
+
+mod config;
+mod members;
+mod records;
+mod resume;
+mod scaling;
+mod steps;
+
+pub use config::JobConfig;
+pub use records::{JobOutcome, Progress, ScaleEvent, StepRecord};
+pub use resume::mark_complete;
+
+use super::inbox::Inbound;
+pub use super::keeper::JobState;
+use super::ledger::Ledger;
+use super::membership::Membership;
+use super::phase::{JobPhase, Phase};
+use super::pipeline::Pipeline;
+use super::proto::StepPlan;
+use super::scaler::Scaler;
+use crate::checkpoint::Checkpoints;
+use crate::plugin::{AdapterPlugin, PolicyPlugin};
+use crate::store::{AnyStore, keys};
+use anyhow::{Context, Result, anyhow, bail};
+use edl_host_gpu::comm::{RendezvousServer, auth::JobAuth};
+use edl_plugin_sdk::{Action, Hyperparams};
+use records::Pending;
+use std::{
+    collections::HashMap,
+    net::{SocketAddr, TcpListener, TcpStream},
+    path::PathBuf,
+    sync::{Arc, mpsc},
+    time::{Duration, Instant},
+};
+
+struct Coordinator<'a> {
+    cfg: JobConfig,
+    policy: Box<dyn PolicyPlugin>,
+    adapter: Option<Box<dyn AdapterPlugin>>,
+    scaler: Box<dyn Scaler>,
+    progress: &'a mut dyn FnMut(Progress),
+    rt: tokio::runtime::Runtime,
+    store: AnyStore,
+    /// `host:port` workers reach the control port at.
+    addr: String,
+    /// `host:port` workers reach the rendezvous at.
+    rendezvous_at: String,
+    /// Where the job's checkpoints are (read here, written by rank 0).
+    ckpt: Checkpoints,
+    rendezvous: RendezvousServer,
+    /// Who may open a control connection (told each new generation).
+    gate: Arc<super::inbox::Gate>,
+    rx: mpsc::Receiver<Inbound>,
+    /// Open control connections.
+    conns: HashMap<u64, TcpStream>,
+    /// Who is in the job (the decisions; this struct does the I/O).
+    m: Membership,
+    generation: u64,
+    first_generation: u64,
+    committed: u64,
+    epoch: u64,
+    cursor: usize,
+    hyper: Hyperparams,
+    ledger: Ledger,
+    events: Vec<ScaleEvent>,
+    pending: Option<Pending>,
+    init: Option<PathBuf>,
+    /// A generation was just formed: leases are written at once.
+    lease_now: bool,
+    last_change: Instant,
+    started: Instant,
+    /// When the first generation formed: training time (and so samples/s)
+    /// counts from here, not from the workers' start-up.
+    training_since: Option<Instant>,
+    window: (Instant, u64),
+    /// Per worker: samples and seconds of compute since the last decision.
+    worker_rate: HashMap<u64, (f64, f64)>,
+    recent: std::collections::VecDeque<(Instant, u64)>,
+    timeline: Vec<StepRecord>,
+    checkpoints: Vec<PathBuf>,
+    samples: u64,
+    last_lease: Instant,
+    train_len: usize,
+    /// Writes job state and leases off the step's path (from the job's start).
+    keeper: Option<super::keeper::StoreKeeper>,
+    /// The stored job state's token when this run read it.
+    state_token: Option<u64>,
+    /// The current generation's step barrier, and its ranks by connection.
+    pipe: Option<Pipeline>,
+    ranks: HashMap<u64, usize>,
+    /// The next step to plan (the adapter is asked once per step, as it
+    /// is planned).
+    plan_at: StepPlan,
+    /// A policy decision that removes workers, applied once the windows
+    /// already sent are committed.
+    decision: Option<Vec<Action>>,
+    /// The slowest rank's compute per step (moving average), ms: sizes the windows.
+    step_ms: Option<f64>,
+    last_save: Instant,
+    last_checkpoint: Instant,
+    last_teacher_check: Instant,
+    /// The epoch permutation the ledger maps reported positions through.
+    perm: Option<(u64, Vec<u32>)>,
+    /// The epoch permutation windows are planned from.
+    plan_perm: Option<(u64, Vec<u32>)>,
+    /// The last reported write of a checkpoint of the committed step.
+    saved: Option<Result<PathBuf, String>>,
+}
+
+/// The coordinator's lease on its job in the store (renewed every third of it).
+const LEASE_TTL: Duration = Duration::from_secs(10);
+
+/// Windows kept ahead of the ranks while membership is stable.
+const AHEAD: usize = 2;
+/// A window holds about this much work (by the measured step time)...
+const WINDOW_WORK_MS: f64 = 25.0;
+/// ... and at most this many steps.
+const MAX_WINDOW: u64 = 32;
+/// Lines of a crashed worker's log its error quotes (a Python traceback is
+/// quoted whole).
+const CRASH_LOG_LINES: usize = 20;
+/// How often the coordinator looks after starters, leases, teachers and the store.
+const CHORES_EVERY: Duration = Duration::from_millis(100);
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Runs a job to its end.
+/// `lock` is the job's [`JobLock`](super::JobLock), held until the job ends.
+// Long: most of it is the coordinator's initial fields, one per line.
+pub fn run(
+    cfg: JobConfig,
+    lock: super::JobLock,
+    policy: Box<dyn PolicyPlugin>,
+    adapter: Option<Box<dyn AdapterPlugin>>,
+    scaler: Box<dyn Scaler>,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<JobOutcome> {
+    cfg.validate()?;
+    let samples = cfg.spec.samples;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let store = {
+        let _g = rt.enter();
+        AnyStore::open(&cfg.store)?
+    };
+    let net = &cfg.addresses;
+    let listener = TcpListener::bind(net.listen).with_context(|| format!("--listen {}", net.listen))?;
+    let host = net.advertised_host()?;
+    let addr = super::net::host_port(&host, listener.local_addr()?.port());
+    let auth = JobAuth { job: cfg.spec.job.clone(), secret: cfg.secret.clone() };
+    let rendezvous_listen = SocketAddr::new(net.listen.ip(), net.rendezvous_port).to_string();
+    let rendezvous = RendezvousServer::start_with(&rendezvous_listen, Some(auth.clone()))
+        .with_context(|| format!("rendezvous server on {rendezvous_listen}"))?;
+    let rendezvous_at = super::net::host_port(&host, rendezvous.addr().port());
+    let (tx, rx) = mpsc::channel();
+    let lease = Duration::from_millis(cfg.spec.worker_lease_ms);
+    let gate = super::inbox::start(listener, auth.clone(), lease, tx).context("control connections")?;
+    let mut m = Membership::new(cfg.min_workers, cfg.max_workers, cfg.join_timeout, 1);
+    m.admit_uninvited(scaler.admits_uninvited());
+    let now = Instant::now();
+    let mut c = Coordinator {
+        policy,
+        adapter,
+        scaler,
+        progress,
+        rt,
+        store,
+        addr,
+        rendezvous_at,
+        rendezvous,
+        gate,
+        ckpt: Checkpoints::open(&cfg.spec.checkpoint_dir, cfg.spec.keep_checkpoints)?,
+        rx,
+        conns: HashMap::new(),
+        m,
+        generation: 0,
+        first_generation: 0,
+        committed: 0,
+        epoch: 0,
+        cursor: 0,
+        hyper: cfg.hyper,
+        ledger: Ledger::new(samples),
+        events: Vec::new(),
+        pending: None,
+        init: None,
+        lease_now: true,
+        last_change: now,
+        started: now,
+        training_since: None,
+        window: (now, 0),
+        worker_rate: HashMap::new(),
+        recent: Default::default(),
+        timeline: Vec::new(),
+        checkpoints: Vec::new(),
+        samples: 0,
+        last_lease: now,
+        train_len: samples,
+        keeper: None,
+        state_token: None,
+        pipe: None,
+        ranks: HashMap::new(),
+        plan_at: StepPlan { step: 0, epoch: 0, cursor: 0, hyper: cfg.hyper },
+        decision: None,
+        step_ms: None,
+        last_save: now,
+        last_checkpoint: now,
+        last_teacher_check: now,
+        perm: None,
+        plan_perm: None,
+        saved: None,
+        cfg,
+    };
+    let result = c.job();
+    c.m.stop_all(if result.is_ok() { "the job is done" } else { "the job failed" });
+    c.execute();
+    if let Some(k) = &c.keeper {
+        k.release();
+        let _ = k.flush(Duration::from_secs(5));
+    }
+    drop(lock);
+    result
+}
+
+impl Coordinator<'_> {
+    fn note(&mut self, s: String) {
+        (self.progress)(Progress::Note(s));
+    }
+
+    fn checkpoints(&self) -> &Checkpoints {
+        &self.ckpt
+    }
+
+    fn spawn(&mut self, n: u32) {
+        self.m.spawn(Instant::now(), n);
+        self.execute();
+    }
+
+    /// Checks the teachers this job started: a dead one is no longer handed
+    /// to new workers; with none left the job cannot go on.
+    fn check_teachers(&mut self) -> Result<()> {
+        let Some(watch) = self.cfg.teacher_watch.as_mut() else { return Ok(()) };
+        let dead = watch.dead();
+        let Some(super::proto::TeacherSource::Fixed(list)) = self.cfg.spec.teachers.as_mut() else {
+            return Ok(());
+        };
+        let mut gone = Vec::new();
+        for (addr, how) in dead {
+            if let Some(i) = list.iter().position(|a| *a == addr) {
+                list.remove(i);
+                gone.push(how);
+            }
+        }
+        if list.is_empty() && !gone.is_empty() {
+            bail!("every teacher of the job has exited: {}", gone.join("; "));
+        }
+        for how in gone {
+            self.note(format!("{how}; new workers will not be given it"));
+        }
+        Ok(())
+    }
+
+    fn job(&mut self) -> Result<JobOutcome> {
+        let resumed = self.start()?;
+        let final_checkpoint = self.train_to_the_end()?;
+        self.finish(final_checkpoint, resumed)
+    }
+
+    /// Takes the job (its lease, its state in the store, the newest
+    /// checkpoint), starts the first workers and makes them members.
+    /// Returns the step the job resumed from.
+    fn start(&mut self) -> Result<Option<u64>> {
+        // Before anything is read or changed: one coordinator per job.
+        let lease =
+            self.rt.block_on(super::keeper::take_lease(&self.store, &self.cfg.spec.job, LEASE_TTL))?;
+        let resumed = self.resume()?;
+        self.keeper = Some(super::keeper::StoreKeeper::start(
+            &self.cfg.store,
+            keys::job_state(&self.cfg.spec.job),
+            self.state_token,
+            Some(lease),
+        )?);
+        self.first_generation = self.generation + 1;
+        self.note(format!(
+            "coordinator at {} (rendezvous {}); workers join with `edl-runtime worker --coordinator {}`",
+            self.addr, self.rendezvous_at, self.addr
+        ));
+        let first = self.cfg.initial_workers.clamp(self.cfg.min_workers.max(1), self.cfg.max_workers.max(1));
+        self.spawn(first);
+        self.wait_for_joiners(first as usize)?;
+        // The first workers are members before any phase: a job resumed at
+        // its end goes straight to the final checkpoint, which admits no
+        // newcomer.
+        self.boundary()?;
+        Ok(resumed)
+    }
+
+    /// Trains generation after generation until every epoch is committed,
+    /// then writes the final checkpoint; returns its path.
+    fn train_to_the_end(&mut self) -> Result<PathBuf> {
+        let total = self.cfg.spec.epochs;
+        let mut phase = JobPhase::new(total, Duration::from_millis(self.cfg.spec.teacher_wait_ms));
+        loop {
+            self.fenced()?;
+            if self.m.world() == 0 && self.m.joiners() == 0 {
+                self.recover_from_nothing()?;
+            }
+            match phase.next(self.epoch) {
+                Phase::Train { again } => {
+                    if again {
+                        // Every worker died before the final state was written:
+                        // the recovery went back to an earlier checkpoint, whose
+                        // remaining steps are trained again.
+                        self.note(format!(
+                            "the final state was lost with its workers; training again from step {}",
+                            self.committed
+                        ));
+                    }
+                    self.check_teachers()?;
+                    if let Some(actions) = self.decision.take() {
+                        self.apply_decision(&actions);
+                    }
+                    self.boundary()?;
+                    let before = self.committed;
+                    let Some(f) = self.run_generation()? else { continue };
+                    if f.cause == Some(super::proto::FailCause::NoTeachers) {
+                        // Name the teachers' end if the job started them.
+                        self.check_teachers()?;
+                    }
+                    phase.generation_failed(self.committed > before, &f).map_err(|e| anyhow!(e))?;
+                    self.fail(f);
+                    self.check_spawning();
+                }
+                Phase::Finish { entering } => {
+                    if entering {
+                        // The final state: no new workers any more.
+                        self.m.stop_newcomers("the job is done");
+                        self.execute();
+                    }
+                    self.boundary()?;
+                    // Workers that have not joined a generation yet (a job
+                    // resumed at its end) load the state first.
+                    self.ensure_generation();
+                    match self.write_final()? {
+                        Ok(p) => return Ok(p),
+                        Err(f) => {
+                            phase
+                                .final_failed()
+                                .map_err(|e| anyhow!("{e}; last: {}", f.errors.join("; ")))?;
+                            self.fail(f);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stops the workers, leaves the final state in the store and accounts
+    /// for every epoch.
+    fn finish(&mut self, final_checkpoint: PathBuf, resumed: Option<u64>) -> Result<JobOutcome> {
+        let total = self.cfg.spec.epochs;
+        let final_world = self.m.world();
+        self.m.stop_all("the job is done");
+        self.execute();
+        self.save_state(true);
+        if let Some(k) = &self.keeper
+            && let Err(e) = k.flush(Duration::from_secs(10))
+        {
+            self.note(format!("the job's final state may not be in the store: {e}"));
+        }
+        let outcome = JobOutcome {
+            final_checkpoint,
+            steps: self.committed,
+            epochs: self.ledger.epochs.clone(),
+            scale_events: self.events.clone(),
+            timeline: std::mem::take(&mut self.timeline),
+            resumed_from_step: resumed,
+            samples: self.samples,
+            train_secs: self.training_since.map_or(0.0, |t| t.elapsed().as_secs_f64()),
+            generations: (self.first_generation, self.generation),
+            checkpoints: self.checkpoints.clone(),
+            final_world,
+            hyper: self.hyper,
+            workers_started: self.m.started().to_vec(),
+        };
+        let finished = outcome.epochs.len() as u64;
+        let whole = self.train_len as u64;
+        if finished != total {
+            bail!(
+                "the job ended with {finished} of {total} epochs accounted for ({}); its checkpoints stay for a rerun",
+                outcome
+                    .epochs
+                    .iter()
+                    .map(|e| format!("epoch {}: {} of {whole} samples", e.epoch, e.samples_committed))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        Ok(outcome)
+    }
+
+    /// The job was taken over (its lease in the store is lost): stop.
+    fn fenced(&self) -> Result<()> {
+        match self.keeper.as_ref().and_then(|k| k.fenced()) {
+            Some(why) => bail!("job {:?}: {why}", self.cfg.spec.job),
+            None => Ok(()),
+        }
+    }
+
+    /// A membership change waits for the windows already sent to commit.
+    fn change_waiting(&self) -> bool {
+        self.decision.is_some() || self.m.change_waiting()
+    }
+
+    /// Hands the job's state to the store keeper (written off the step's path).
+    fn save_state(&mut self, finished: bool) {
+        let s = JobState {
+            generation: self.generation,
+            committed_steps: self.committed,
+            epoch: self.epoch,
+            cursor: self.cursor,
+            next_worker_id: self.m.next_id(),
+            members: self.m.members().iter().map(|m| m.id).collect(),
+            finished,
+        };
+        if let Some(k) = &self.keeper {
+            k.state(s);
+        }
+    }
+}

@@ -1,0 +1,276 @@
+//! What survives the coordinator: checkpoints written on the cadence and at
+//! the end, the bookkeeping they carry besides the tensors, and a resume
+//! that refuses to continue on another data order.
+
+use super::records::*;
+use super::{CHORES_EVERY, Coordinator};
+use crate::checkpoint::{Checkpoints, Manifest, Restored};
+use crate::job::keeper::JobState;
+use crate::job::ledger::{EpochRecord, Ledger};
+use crate::job::pipeline::Failure;
+use crate::job::proto::{JobSpec, ToWorker, send};
+use crate::store::{Store, keys};
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+use std::{
+    collections::BTreeSet,
+    path::PathBuf,
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+/// What a checkpoint keeps for the coordinator besides the tensors.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+struct Bookkeeping {
+    ledger: Ledger,
+    events: Vec<ScaleEvent>,
+    generation: u64,
+    /// What the data order depends on: a resume with other values would
+    /// walk another permutation and train samples twice or never.
+    #[serde(default)]
+    data: Option<DataIdentity>,
+}
+
+/// What decides which samples a (step, cursor) names, and what the state is.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+struct DataIdentity {
+    samples: usize,
+    seed: u64,
+    program: String,
+}
+
+impl DataIdentity {
+    pub(super) fn of(spec: &JobSpec) -> Self {
+        DataIdentity { samples: spec.samples, seed: spec.seed, program: spec.program.identity() }
+    }
+
+    /// The differences from `now`, as flags.
+    pub(super) fn differences(&self, now: &DataIdentity) -> Vec<String> {
+        let mut d = Vec::new();
+        let mut cmp = |flag: &str, was: String, is: String| {
+            if was != is {
+                d.push(format!("{flag} {was} (this run: {is})"));
+            }
+        };
+        cmp("samples (--samples, --train-samples)", self.samples.to_string(), now.samples.to_string());
+        cmp("--seed", self.seed.to_string(), now.seed.to_string());
+        cmp("the program", self.program.clone(), now.program.clone());
+        d
+    }
+}
+
+/// Marks a job finished (after its report is written): a rerun starts
+/// it again from step 0. Until then a rerun resumes from the final
+/// checkpoint and only writes the report.
+pub fn mark_complete(checkpoint_dir: &std::path::Path, epochs: &[EpochRecord]) -> Result<()> {
+    Checkpoints::open(checkpoint_dir, 1)?.put_file(COMPLETE, &serde_json::to_vec_pretty(epochs)?)?;
+    Ok(())
+}
+
+/// The marker of a finished job, beside its checkpoints.
+const COMPLETE: &str = "complete.json";
+
+impl Coordinator<'_> {
+    /// Picks up where an earlier run of this job stopped: the store's job
+    /// state (generations, worker ids) and the newest checkpoint that verifies.
+    pub(super) fn resume(&mut self) -> Result<Option<u64>> {
+        let key = keys::job_state(&self.cfg.spec.job);
+        let stored: Option<JobState> = match self.rt.block_on(self.store.get(&key)) {
+            Ok(Some(e)) => {
+                self.state_token = Some(e.token);
+                serde_json::from_slice(&e.value).ok()
+            }
+            Ok(None) => None,
+            Err(e) => bail!("reading the job state: {e}"),
+        };
+        if let Some(s) = &stored {
+            self.generation = s.generation;
+            self.m.resume_ids(s.next_worker_id);
+        }
+        let complete = self.ckpt.has_file(COMPLETE).context("looking for the finished job's marker")?;
+        if complete || stored.as_ref().is_some_and(|s| s.finished) {
+            self.note(format!("job {:?} finished before; starting it again from step 0", self.cfg.spec.job));
+            for (_, p) in self.ckpt.list().context("listing the finished job's checkpoints")? {
+                self.ckpt.remove(&p);
+            }
+            self.ckpt.remove_file(COMPLETE);
+            return Ok(None);
+        }
+        for p in self.checkpoints().clean_leftovers() {
+            self.note(format!("removed {} (left by an interrupted checkpoint write)", p.display()));
+        }
+        let (restored, skipped) =
+            self.checkpoints().latest().context("listing the checkpoints to resume from")?;
+        for e in skipped {
+            self.note(format!("skipping an unusable checkpoint: {e}"));
+        }
+        let Some(r) = restored else { return Ok(None) };
+        let m = &r.manifest;
+        let book: Bookkeeping = serde_json::from_value(m.plugin_state.clone())
+            .with_context(|| format!("{}: manifest has no coordinator state", r.path.display()))?;
+        let now = DataIdentity::of(&self.cfg.spec);
+        let was = book.data.clone().unwrap_or(DataIdentity { seed: m.seed, ..now.clone() });
+        let diff = was.differences(&now);
+        if !diff.is_empty() {
+            bail!(
+                "checkpoint {} was made with {}; resuming would train on another order of the data. \
+                 Run with the same flags, or use another --checkpoint-dir",
+                r.path.display(),
+                diff.join(", ")
+            );
+        }
+        if book.ledger.samples() != self.train_len {
+            bail!(
+                "checkpoint {} was written for {} training samples, this job has {}",
+                r.path.display(),
+                book.ledger.samples(),
+                self.train_len
+            );
+        }
+        self.restore(&r, book.ledger);
+        self.events = book.events;
+        self.generation = self.generation.max(book.generation);
+        let lost = stored.map(|s| s.committed_steps.saturating_sub(m.step)).unwrap_or(0);
+        self.note(format!(
+            "resuming job {:?} from {} (step {}, epoch {}, cursor {}){}",
+            self.cfg.spec.job,
+            r.path.display(),
+            m.step,
+            m.epoch,
+            m.cursor,
+            if lost > 0 { format!("; redoing the {lost} steps committed after it") } else { String::new() }
+        ));
+        Ok(Some(m.step))
+    }
+
+    /// Takes the cursor, hyperparameters and ledger of a checkpoint, whose
+    /// parameters the first generation then loads.
+    pub(super) fn restore(&mut self, r: &Restored, ledger: Ledger) {
+        let m = &r.manifest;
+        self.committed = m.step;
+        self.epoch = m.epoch;
+        self.cursor = m.cursor;
+        self.hyper = m.hyperparams;
+        self.ledger = ledger;
+        self.init = Some(r.path.clone());
+    }
+
+    /// Every worker is gone: start over from the newest checkpoint with new ones.
+    pub(super) fn recover_from_nothing(&mut self) -> Result<()> {
+        self.note("no worker left; restarting from the newest checkpoint".into());
+        match self.checkpoints().latest().context("listing the checkpoints to restart from")?.0 {
+            Some(r) => {
+                let book: Bookkeeping = serde_json::from_value(r.manifest.plugin_state.clone())
+                    .with_context(|| format!("{}: manifest has no coordinator state", r.path.display()))?;
+                self.restore(&r, book.ledger);
+            }
+            None => {
+                self.committed = 0;
+                self.epoch = 0;
+                self.cursor = 0;
+                self.hyper = self.cfg.hyper;
+                self.ledger = Ledger::new(self.train_len);
+                self.init = None;
+            }
+        }
+        self.m.refill(Instant::now());
+        self.execute();
+        self.wait_for_joiners(1)?;
+        Ok(())
+    }
+
+    /// A checkpoint at this commit point: every `--checkpoint-every`
+    /// steps, when `--checkpoint-secs` passed since the last one, and at
+    /// each epoch's end.
+    pub(super) fn checkpoint_due(&mut self) -> Option<Manifest> {
+        let steps = self.cfg.checkpoint_every.is_some_and(|n| self.committed.is_multiple_of(n.max(1)));
+        let time = self.last_checkpoint.elapsed() >= self.cfg.checkpoint_interval;
+        let at_epoch_start = self.cursor == 0;
+        if self.committed == 0 || !(steps || time || at_epoch_start) {
+            return None;
+        }
+        self.last_checkpoint = Instant::now();
+        Some(self.manifest())
+    }
+
+    pub(super) fn manifest(&self) -> Manifest {
+        let book = Bookkeeping {
+            ledger: self.ledger.clone(),
+            events: self.events.clone(),
+            generation: self.generation,
+            data: Some(DataIdentity::of(&self.cfg.spec)),
+        };
+        Manifest {
+            step: self.committed,
+            epoch: self.epoch,
+            cursor: self.cursor,
+            seed: self.cfg.spec.seed,
+            hyperparams: self.hyper,
+            plugin_state: serde_json::to_value(book).unwrap_or_default(),
+            files: Default::default(),
+        }
+    }
+
+    /// Asks rank 0 to write the job's final state and waits for it (bounded
+    /// by the step timeout). An error: the failure that stopped it.
+    pub(super) fn write_final(&mut self) -> Result<std::result::Result<PathBuf, Failure>> {
+        let step = self.committed;
+        let Some(m0) = self.m.members().first().cloned() else {
+            bail!("no worker holds the final state");
+        };
+        let name = format!("worker {} (pid {})", m0.id, m0.pid);
+        let failure = |error: String, dead: bool| Failure {
+            dead: if dead { BTreeSet::from([0]) } else { BTreeSet::new() },
+            errors: vec![error],
+            cause: None,
+            step,
+            dropped: 0,
+        };
+        self.saved = None;
+        let msg = ToWorker::Commit { step, checkpoint: Some(self.manifest()), wait: true };
+        let sent = match self.conns.get_mut(&m0.conn).filter(|_| !self.m.is_closed(m0.conn)) {
+            Some(stream) => send(stream, &msg).map_err(|e| e.to_string()),
+            None => Err("connection closed".into()),
+        };
+        if let Err(e) = sent {
+            return Ok(Err(failure(format!("{name} lost: {e}"), true)));
+        }
+        let deadline = Instant::now() + self.cfg.step_timeout;
+        loop {
+            if let Some(result) = self.saved.take() {
+                return Ok(result.map_err(|e| failure(format!("{name}: the final checkpoint: {e}"), false)));
+            }
+            if self.m.is_closed(m0.conn) {
+                return Ok(Err(failure(format!("{name} lost while writing the final checkpoint"), true)));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                self.scaler.stop(m0.id, Duration::from_secs(1));
+                let t = self.cfg.step_timeout;
+                return Ok(Err(failure(
+                    format!("{name} wrote no final checkpoint within {t:?}; stopping it"),
+                    true,
+                )));
+            }
+            match self.rx.recv_timeout(left.min(CHORES_EVERY)) {
+                Ok(ev) => self.handle(ev),
+                Err(mpsc::RecvTimeoutError::Timeout) => self.check_spawning(),
+                Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
+            }
+        }
+    }
+
+    /// Records the checkpoint writes a rank reported.
+    pub(super) fn take_written(&mut self, written: &[crate::job::proto::Written]) {
+        for w in written {
+            match &w.result {
+                Ok(p) => {
+                    (self.progress)(Progress::Checkpoint { step: w.step, path: p });
+                    self.checkpoints.push(p.clone());
+                    self.checkpoints.retain(|c| c.exists());
+                }
+                Err(e) => self.note(format!("checkpoint of step {} failed: {e}", w.step)),
+            }
+        }
+    }
+}

@@ -1,0 +1,160 @@
+//! Resizes: the scaling policy's decisions on its cadence, the batch
+//! adapter's answer at each resize, and the step boundary where the world
+//! changes.
+
+use super::records::*;
+use super::{Coordinator, ms};
+use anyhow::{Result, bail};
+use edl_plugin_sdk::{Action, ClusterView, Hyperparams, ResizeEvent, WorkerStats};
+use std::time::Instant;
+
+impl Coordinator<'_> {
+    /// At a step boundary: admits joiners, applies replacements, forms a new
+    /// generation when membership changed.
+    pub(super) fn boundary(&mut self) -> Result<()> {
+        let from = self.m.world();
+        let b = self.m.boundary(true, self.init.is_some());
+        self.execute();
+        let (reasons, admitted) = (b.reasons, b.admitted);
+        if !b.changed {
+            return Ok(());
+        }
+        self.generation += 1;
+        self.pipe = None;
+        self.lease_now = true;
+        let to = self.m.world();
+        let mut pending = self.pending.take().unwrap_or(Pending::new(from, String::new()));
+        if pending.reason.is_empty() {
+            // Nobody decided this change: say what happened. A replacement
+            // (as many workers as before) is said by `reasons` alone.
+            pending.reason = match (from, self.init.is_some()) {
+                (0, true) => "job resumed".into(),
+                (0, false) => "job started".into(),
+                _ if to > from => "workers joined".into(),
+                _ if to < from => "workers left".into(),
+                _ => String::new(),
+            };
+        }
+        if admitted > 0 && pending.join_ms.is_none() && from > 0 {
+            // The policy decided earlier; the others trained while the new worker started.
+            pending.join_ms = Some(ms(pending.boundary.elapsed()));
+            pending.boundary = Instant::now();
+        }
+        if !reasons.is_empty() {
+            pending.reason = match pending.reason.is_empty() {
+                true => reasons.join(", "),
+                false => format!("{}; {}", pending.reason, reasons.join(", ")),
+            };
+        }
+        pending.generation = Some(self.generation);
+        self.pending = Some(pending);
+        let local = (self.hyper.global_batch / to.max(1)).max(1);
+        self.hyper.local_batch = local;
+        if let Some(a) = self.adapter.as_mut() {
+            let ev = ResizeEvent { step: self.committed, old_world_size: from, new_world_size: to };
+            let answer = a.on_resize(&ev, &self.hyper);
+            if let Some(h) = self.adapter_answer("on-resize", answer)? {
+                self.hyper = h;
+            }
+        }
+        self.last_change = Instant::now();
+        self.save_state(false);
+        Ok(())
+    }
+
+    /// The adapter's hyperparameters, to use. An answer that breaks the
+    /// contract (the plugin layer checked it) or asks for a batch larger
+    /// than the training set ends the job, naming the adapter: training on
+    /// it would be garbage. A trap or a deadline keeps the current
+    /// hyperparameters (`None`).
+    pub(super) fn adapter_answer(
+        &mut self,
+        call: &str,
+        answer: Result<Hyperparams, crate::plugin::Error>,
+    ) -> Result<Option<Hyperparams>> {
+        let name = self.adapter.as_ref().map(|a| a.info().name.clone()).unwrap_or_default();
+        match answer {
+            Ok(h) if h.global_batch as usize > self.train_len => bail!(
+                "batch adapter {name}: {call} asked for a global batch of {}, above the {} training samples",
+                h.global_batch,
+                self.train_len
+            ),
+            Ok(h) => Ok(Some(h)),
+            Err(e @ crate::plugin::Error::Contract { .. }) => bail!("batch adapter {name}: {e}"),
+            Err(e) => {
+                self.note(format!("batch adapter {name}: {call} failed, hyperparameters kept: {e}"));
+                Ok(None)
+            }
+        }
+    }
+
+    /// Carries out a policy decision.
+    pub(super) fn apply_decision(&mut self, actions: &[Action]) {
+        let world = self.m.world();
+        if let Some(reason) = self.m.apply_decision(Instant::now(), actions) {
+            match self.pending.as_mut() {
+                // A failure's resize not formed yet: one event says both.
+                Some(p) if p.generation.is_none() && p.failure => {
+                    p.reason = format!("{}; {reason}", p.reason)
+                }
+                _ => self.pending = Some(Pending::new(world, reason)),
+            }
+        }
+        self.execute();
+    }
+
+    /// Asks the policy what to do.
+    pub(super) fn decide(&mut self) {
+        if self.m.handing_over() {
+            // A handover is under way; the policy sees the job after it.
+            return;
+        }
+        let now = Instant::now();
+        let (t0, s0) = self.window;
+        let throughput = (self.samples - s0) as f64 / now.duration_since(t0).as_secs_f64().max(1e-9);
+        self.window = (now, self.samples);
+        let world = self.m.world();
+        let coming = self.m.coming();
+        let remaining = (self.cfg.spec.epochs.saturating_sub(self.epoch) as usize * self.train_len)
+            .saturating_sub(self.cursor) as u64;
+        let view = ClusterView {
+            step: self.committed,
+            epoch: self.epoch as u32,
+            world_size: world,
+            min_workers: self.cfg.min_workers,
+            max_workers: self.cfg.max_workers,
+            free_slots: self.cfg.max_workers.saturating_sub(world + coming),
+            global_batch: self.hyper.global_batch,
+            throughput,
+            workers: self
+                .m
+                .members()
+                .iter()
+                .filter_map(|m| {
+                    let (rows, secs) = self.worker_rate.get(&m.id).copied()?;
+                    (secs > 0.0).then(|| WorkerStats { id: m.id, throughput: rows / secs })
+                })
+                .collect(),
+            secs_since_change: self.last_change.elapsed().as_secs_f64(),
+            price_per_worker_hour: self.cfg.price_per_worker_hour,
+            samples_remaining: remaining,
+        };
+        self.worker_rate.clear();
+        let actions = match self.policy.decide(&view) {
+            Ok(a) => a,
+            Err(e) => {
+                self.note(format!("scaling policy failed, holding: {e}"));
+                return;
+            }
+        };
+        if actions.iter().any(|a| matches!(a, Action::ScaleIn(_))) {
+            // Workers leave at a step boundary: once the windows already
+            // sent are committed.
+            self.decision = Some(actions);
+        } else {
+            // Starting workers (and replacements) needs no boundary: they
+            // join at one once ready.
+            self.apply_decision(&actions);
+        }
+    }
+}

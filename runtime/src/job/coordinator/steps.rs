@@ -1,0 +1,356 @@
+//! The step path of a generation: windows of step plans sent ahead,
+//! reports gathered, steps committed (the cursor moves and the samples enter
+//! the ledger), failures turned into the next generation.
+
+use super::records::*;
+use super::{AHEAD, CHORES_EVERY, Coordinator, MAX_WINDOW, WINDOW_WORK_MS, ms};
+use crate::job::pipeline::{Committed, Failure, Pipeline};
+use crate::job::proto::{Generation, Share, StepDone, StepPlan, ToWorker, encode, send, send_encoded};
+use anyhow::{Result, anyhow, bail};
+use edl_plugin_sdk::Hyperparams;
+use std::{
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+/// The permutation of `epoch` (of `len` samples under `seed`), kept in `cache`.
+pub(super) fn permutation_of(
+    cache: &mut Option<(u64, Vec<u32>)>,
+    len: usize,
+    seed: u64,
+    epoch: u64,
+) -> &[u32] {
+    if cache.as_ref().map(|p| p.0) != Some(epoch) {
+        *cache = Some((epoch, crate::trainer::data::permutation(len, seed, epoch)));
+    }
+    &cache.as_ref().expect("set above").1
+}
+
+impl Coordinator<'_> {
+    /// Runs the current generation's steps, forming it first when it is
+    /// new, until it drains for a membership change or the job's end
+    /// (`None`), or fails.
+    pub(super) fn run_generation(&mut self) -> Result<Option<Failure>> {
+        self.ensure_generation();
+        let mut chores = Instant::now() + CHORES_EVERY;
+        loop {
+            self.fill_windows()?;
+            while let Some(c) = self.pipe.as_mut().and_then(Pipeline::poll_commit) {
+                self.commit_window(c)?;
+                self.fill_windows()?;
+            }
+            let pipe = self.pipe.as_mut().expect("formed above");
+            if let Some(f) = pipe.settled_failure() {
+                self.pipe = None;
+                return Ok(Some(f));
+            }
+            if pipe.drained() && !pipe.failed() {
+                return Ok(None);
+            }
+            // Ranks' timeouts are checked with the chores (their bound is
+            // seconds; checking on every message would cost O(N) each).
+            let wake = [self.m.poll_timeout(), Some(chores)].into_iter().flatten().min();
+            let left = wake.map_or(CHORES_EVERY, |t| t.saturating_duration_since(Instant::now()));
+            match self.rx.recv_timeout(left) {
+                Ok(ev) => {
+                    self.handle(ev);
+                    // Whatever else has arrived, before planning again.
+                    while let Ok(ev) = self.rx.try_recv() {
+                        self.handle(ev);
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
+            }
+            let now = Instant::now();
+            if now >= chores {
+                chores = now + CHORES_EVERY;
+                let late = self.pipe.as_mut().map(|p| p.handle_timeout(now)).unwrap_or_default();
+                for rank in late {
+                    let id = self.m.members()[rank].id;
+                    self.scaler.stop(id, Duration::from_secs(1));
+                }
+                self.check_spawning();
+                self.lease_members();
+                if self.last_teacher_check.elapsed() >= Duration::from_secs(1) {
+                    self.last_teacher_check = Instant::now();
+                    self.check_teachers()?;
+                }
+                if self.last_save.elapsed() >= Duration::from_secs(1) {
+                    self.save_state(false);
+                }
+                self.fenced()?;
+            }
+        }
+    }
+
+    /// Forms the current generation unless it is formed already.
+    pub(super) fn ensure_generation(&mut self) {
+        if self.pipe.as_ref().map(|p| p.generation) != Some(self.generation) {
+            self.start_generation();
+        }
+    }
+
+    /// Tells every member its place in the new generation; planning starts
+    /// again from the committed step.
+    pub(super) fn start_generation(&mut self) {
+        self.training_since.get_or_insert_with(Instant::now);
+        let key = format!("{}/generation-{}", self.cfg.spec.job, self.generation);
+        self.rendezvous.set_generation(self.generation);
+        self.gate.set_generation(self.generation);
+        let names: Vec<String> =
+            self.m.members().iter().map(|m| format!("worker {} (pid {})", m.id, m.pid)).collect();
+        let world = names.len();
+        let mut pipe =
+            Pipeline::new(self.generation, names, self.committed, Instant::now(), self.cfg.step_timeout);
+        for (rank, m) in self.m.members().iter().enumerate() {
+            let g = Generation {
+                generation: self.generation,
+                rank,
+                world,
+                rendezvous: self.rendezvous_at.clone(),
+                rendezvous_key: key.clone(),
+                committed_steps: self.committed,
+                init: self.init.clone(),
+            };
+            let Some(stream) = self.conns.get_mut(&m.conn).filter(|_| !self.m.is_closed(m.conn)) else {
+                pipe.lost(rank, "connection closed");
+                continue;
+            };
+            if let Err(e) = send(stream, &ToWorker::Generation(Box::new(g))) {
+                pipe.lost(rank, &e.to_string());
+            }
+        }
+        self.pipe = Some(pipe);
+        self.ranks = self.m.members().iter().enumerate().map(|(r, m)| (m.conn, r)).collect();
+        self.plan_at =
+            StepPlan { step: self.committed, epoch: self.epoch, cursor: self.cursor, hyper: self.hyper };
+    }
+
+    /// Sends windows ahead while membership is stable: the first window of
+    /// a generation is one step; later ones hold about `WINDOW_WORK_MS` of
+    /// steps and end where a checkpoint, a policy decision or an epoch's
+    /// end falls.
+    pub(super) fn fill_windows(&mut self) -> Result<()> {
+        let total = self.cfg.spec.epochs;
+        loop {
+            let Some(pipe) = self.pipe.as_ref() else { return Ok(()) };
+            if pipe.failed() || pipe.windows() >= AHEAD || self.plan_at.epoch >= total {
+                return Ok(());
+            }
+            if pipe.started() && self.change_waiting() {
+                return Ok(());
+            }
+            let n = if pipe.started() { self.window_len() } else { 1 };
+            let mut steps = Vec::with_capacity(n as usize);
+            for _ in 0..n {
+                steps.push(self.plan_at);
+                let cut = self.advance_plan()?;
+                if cut || self.plan_at.epoch >= total {
+                    break;
+                }
+            }
+            let generation = self.generation;
+            let world = self.m.members().len();
+            let (len, seed) = (self.train_len, self.cfg.spec.seed);
+            let perm = permutation_of(&mut self.plan_perm, len, seed, steps[0].epoch);
+            let mut lost = Vec::new();
+            for (rank, m) in self.m.members().iter().enumerate() {
+                // Each rank gets its own samples of every step of the window.
+                let shares = steps
+                    .iter()
+                    .map(|p| {
+                        let gb = p.hyper.global_batch.max(1) as usize;
+                        let r = crate::trainer::data::shard(p.cursor, gb, rank, world, len);
+                        Share { start: r.start as u32, end: r.end as u32, indices: perm[r].to_vec() }
+                    })
+                    .collect();
+                let line = encode(&ToWorker::Steps { generation, steps: steps.clone(), shares })
+                    .map_err(|e| anyhow!("encoding a window: {e}"))?;
+                if let Some(stream) = self.conns.get_mut(&m.conn)
+                    && let Err(e) = send_encoded(stream, &line)
+                {
+                    lost.push((rank, e.to_string()));
+                }
+            }
+            let pipe = self.pipe.as_mut().expect("checked above");
+            pipe.issue(Instant::now(), steps);
+            for (rank, e) in lost {
+                pipe.lost(rank, &e);
+            }
+        }
+    }
+
+    pub(super) fn window_len(&self) -> u64 {
+        match self.step_ms {
+            Some(ms) if ms > 0.0 => ((WINDOW_WORK_MS / ms) as u64).clamp(1, MAX_WINDOW),
+            _ => 1,
+        }
+    }
+
+    /// Moves the plan to the next step, asking the adapter for its
+    /// hyperparameters. True when a window must end there.
+    pub(super) fn advance_plan(&mut self) -> Result<bool> {
+        let mut p = self.plan_at;
+        p.cursor += p.hyper.global_batch.max(1) as usize;
+        p.step += 1;
+        let mut cut = false;
+        if p.cursor >= self.train_len {
+            p.cursor = 0;
+            p.epoch += 1;
+            cut = true;
+        }
+        cut |= self.cfg.checkpoint_every.is_some_and(|n| p.step.is_multiple_of(n.max(1)))
+            || p.step.is_multiple_of(self.cfg.decide_every.max(1));
+        if let Some(a) = self.adapter.as_mut() {
+            let answer = a.on_step(p.step, &p.hyper);
+            if let Some(h) = self.adapter_answer("on-step", answer)? {
+                p.hyper = h;
+            }
+        }
+        self.plan_at = p;
+        Ok(cut)
+    }
+
+    /// Every rank finished a window: its steps enter the ledger, in order.
+    pub(super) fn commit_window(&mut self, c: Committed) -> Result<()> {
+        let first_of_generation =
+            self.pending.as_ref().is_some_and(|p| p.generation == Some(self.generation))
+                && c.steps.first().map(|s| s.step) == Some(self.committed);
+        if !first_of_generation && !c.steps.is_empty() {
+            // The slowest rank's compute per step: windows are sized by the
+            // work in them, not by the time the control plane itself takes.
+            let per = c
+                .reports
+                .iter()
+                .map(|r| r.iter().map(|d| d.compute_ms).sum::<f64>() / c.steps.len() as f64)
+                .fold(0.0, f64::max);
+            self.step_ms = Some(self.step_ms.map_or(per, |m| 0.7 * m + 0.3 * per));
+        }
+        // The step after the window: the next one sent, or the next to plan.
+        let after = self.pipe.as_ref().and_then(Pipeline::next_planned).unwrap_or(self.plan_at);
+        for (i, plan) in c.steps.iter().enumerate() {
+            let reports: Vec<StepDone> = c.reports.iter().map(|r| r[i]).collect();
+            let next = c.steps.get(i + 1).copied().unwrap_or(after);
+            self.commit_step(plan, &reports, first_of_generation && i == 0, c.setup_ms, next.hyper)?;
+        }
+        self.init = None;
+        // At the job's end the final checkpoint is asked for on its own.
+        let checkpoint = if self.epoch < self.cfg.spec.epochs { self.checkpoint_due() } else { None };
+        let step = self.committed;
+        let wrote = checkpoint.is_some();
+        let commit = |checkpoint| {
+            encode(&ToWorker::Commit { step, checkpoint, wait: false }).map_err(|e| anyhow!("a commit: {e}"))
+        };
+        // Rank 0's message differs only when it carries a checkpoint.
+        let rank0 = checkpoint.map(|c| commit(Some(c))).transpose()?;
+        let rest = commit(None)?;
+        for (rank, m) in self.m.members().iter().enumerate() {
+            if let Some(stream) = self.conns.get_mut(&m.conn) {
+                let line = rank0.as_ref().filter(|_| rank == 0).unwrap_or(&rest);
+                // A failed send closes the connection; its reader reports that.
+                let _ = send_encoded(stream, line);
+            }
+        }
+        if wrote || self.last_save.elapsed() >= Duration::from_secs(1) {
+            self.save_state(false);
+        }
+        if self.committed.is_multiple_of(self.cfg.decide_every.max(1)) && self.epoch < self.cfg.spec.epochs {
+            self.decide();
+        }
+        Ok(())
+    }
+
+    /// Commits one step every rank finished: its samples enter the ledger
+    /// (the ids at the positions each rank reported), the cursor moves.
+    /// `next_hyper`: the hyperparameters planned for the step after it.
+    // Long: every effect of a commit (ledger, cursor, epoch end, records,
+    // hyperparameters) in the one order the exactly-once accounting needs.
+    pub(super) fn commit_step(
+        &mut self,
+        plan: &StepPlan,
+        reports: &[StepDone],
+        first: bool,
+        setup_ms: f64,
+        next_hyper: Hyperparams,
+    ) -> Result<()> {
+        let gb = plan.hyper.global_batch.max(1) as usize;
+        let expected = (plan.cursor + gb).min(self.train_len) - plan.cursor;
+        let perm = permutation_of(&mut self.perm, self.train_len, self.cfg.spec.seed, plan.epoch);
+        let mut rows = 0usize;
+        let mut loss = 0.0;
+        for (rank, d) in reports.iter().enumerate() {
+            let id = self.m.members()[rank].id;
+            let ids = perm.get(d.start as usize..d.end as usize).ok_or_else(|| {
+                anyhow!(
+                    "worker {id}: step {} reported positions {}..{} outside the epoch",
+                    d.step,
+                    d.start,
+                    d.end
+                )
+            })?;
+            self.ledger.commit(ids).map_err(|e| anyhow!("worker {id}: {e}"))?;
+            rows += ids.len();
+            loss += d.loss;
+            // The first step of a generation also starts the read-ahead; it does not count.
+            if d.compute_ms > 0.0 && !ids.is_empty() && !first {
+                let e = self.worker_rate.entry(id).or_insert((0.0, 0.0));
+                e.0 += ids.len() as f64;
+                e.1 += d.compute_ms / 1e3;
+            }
+        }
+        if rows != expected {
+            bail!("step {}: the ranks trained on {rows} samples, the step has {expected}", plan.step);
+        }
+        self.committed = plan.step + 1;
+        self.samples += rows as u64;
+        self.epoch = plan.epoch;
+        self.cursor = plan.cursor + gb;
+        self.hyper = next_hyper;
+        let now = Instant::now();
+        self.recent.push_back((now, rows as u64));
+        while self.recent.len() > 20 {
+            self.recent.pop_front();
+        }
+        let sps = match (self.recent.front(), self.recent.len()) {
+            (Some((t0, _)), n) if n > 1 => {
+                let s: u64 = self.recent.iter().skip(1).map(|r| r.1).sum();
+                s as f64 / now.duration_since(*t0).as_secs_f64().max(1e-9)
+            }
+            _ => 0.0,
+        };
+        let rec = StepRecord {
+            step: self.committed,
+            epoch: self.epoch,
+            world: self.m.world(),
+            secs: self.started.elapsed().as_secs_f64(),
+            loss,
+            samples_per_sec: sps,
+            cursor: self.cursor.min(self.train_len),
+        };
+        (self.progress)(Progress::Step(&rec));
+        self.timeline.push(rec);
+        if let Some(p) = self.pending.take_if(|_| first) {
+            let ev = ScaleEvent {
+                setup_ms,
+                step: self.committed - 1,
+                from: p.from,
+                to: self.m.world(),
+                pause_ms: ms(p.boundary.elapsed()),
+                reason: p.reason,
+                generation: self.generation,
+                join_ms: p.join_ms,
+                at_secs: self.started.elapsed().as_secs_f64(),
+            };
+            (self.progress)(Progress::Scale(&ev));
+            self.events.push(ev);
+        }
+        if self.cursor >= self.train_len {
+            let rec = self.ledger.finish_epoch(self.epoch);
+            (self.progress)(Progress::Epoch(&rec));
+            self.epoch += 1;
+            self.cursor = 0;
+        }
+        Ok(())
+    }
+}
