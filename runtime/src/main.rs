@@ -1,6 +1,5 @@
 //! `edl-runtime`: an elastic training job, its workers, teachers and plugin tools.
 
-use clap::Parser;
 use std::process::ExitCode;
 
 mod cli;
@@ -14,7 +13,7 @@ fn main() -> ExitCode {
         .with_target(false)
         .without_time()
         .init();
-    match cli::run(cli::Cli::parse()) {
+    match cli::run(cli::parse()) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");

@@ -134,8 +134,11 @@ impl SoftLabelLoss {
     }
 
     /// Mean loss over the batch, and its gradient with respect to the student
-    /// logits written to `grad` (`[rows, classes]`), on the CPU: one fused
-    /// pass per row (online softmax), rows spread over threads, no allocation.
+    /// logits written to `grad` (`[rows, classes]`), on the CPU: rows spread
+    /// over threads, no allocation. Rows of up to 1024 classes keep their
+    /// exponentials in stack buffers between the statistics and the gradient
+    /// (three per element, and at ten classes a few lanes per row); longer
+    /// rows take a streaming pass (online softmax) and a gradient pass.
     pub fn forward_backward(&self, batch: &Batch<'_>, grad: &mut [f32]) -> Result<f32, LossError> {
         self.validate(batch, grad.len())?;
         cpu::fused(self, batch, grad)

@@ -15,16 +15,22 @@ pub struct DistillArgs {
     #[arg(long, value_name = "ENDPOINTS", value_parser = super::flags::parse_teachers, help_heading = "Distillation")]
     teachers: Option<TeachersArg>,
     /// Store to discover teachers in (with --service), e.g. redis://127.0.0.1:6379.
-    #[arg(long, help_heading = "Distillation")]
+    #[arg(long, value_name = "URL", help_heading = "Distillation")]
     store: Option<String>,
     /// Service name the teachers registered under (with --store).
-    #[arg(long, default_value = "teachers", help_heading = "Distillation")]
+    #[arg(long, value_name = "NAME", default_value = "teachers", help_heading = "Distillation")]
     service: String,
     /// Model name asked of every teacher.
-    #[arg(long, default_value = "teacher", help_heading = "Distillation")]
+    #[arg(long, value_name = "NAME", default_value = "teacher", help_heading = "Distillation")]
     model_name: String,
     /// Seconds to wait for a teacher to answer before failing.
-    #[arg(long, alias = "wait-secs", default_value_t = 30, help_heading = "Distillation")]
+    #[arg(
+        long,
+        value_name = "SECS",
+        alias = "wait-secs",
+        default_value_t = 30,
+        help_heading = "Distillation"
+    )]
     teacher_wait_secs: u64,
     #[command(flatten)]
     teacher_calls: TeacherCallArgs,
@@ -33,13 +39,19 @@ pub struct DistillArgs {
     #[command(flatten)]
     teacher_access: TeacherAccessArgs,
     /// Features per sample the teachers take.
-    #[arg(long, default_value_t = 784, help_heading = "Synthetic batches")]
+    #[arg(long, value_name = "N", default_value_t = 784, help_heading = "Synthetic batches")]
     features: usize,
     /// Synthetic batches to read through the teachers.
-    #[arg(long, default_value_t = 20, help_heading = "Synthetic batches")]
+    #[arg(long, value_name = "N", default_value_t = 20, help_heading = "Synthetic batches")]
     batches: usize,
     /// Samples per batch.
-    #[arg(long, alias = "batch-size", default_value_t = 256, help_heading = "Synthetic batches")]
+    #[arg(
+        long,
+        value_name = "N",
+        alias = "batch-size",
+        default_value_t = 256,
+        help_heading = "Synthetic batches"
+    )]
     batch: usize,
 }
 
@@ -68,7 +80,8 @@ pub fn run(args: DistillArgs) -> Result<ExitCode> {
             ..Default::default()
         });
         let rows = args.batch;
-        let mut reader = DistillReader::start(batches(args.batches, rows, args.features), None, teachers, cfg);
+        let mut reader =
+            DistillReader::start(batches(args.batches, rows, args.features), None, teachers, cfg);
         let start = std::time::Instant::now();
         let (mut samples, mut next_id, mut classes) = (0usize, 0u64, 0usize);
         while let Some(b) = reader.next().await {
@@ -97,7 +110,11 @@ pub fn run(args: DistillArgs) -> Result<ExitCode> {
 }
 
 /// `n` batches of `rows` samples of `dim` deterministic features.
-fn batches(n: usize, rows: usize, dim: usize) -> impl Iterator<Item = edl_plugin_sdk::Batch> + Send + 'static {
+fn batches(
+    n: usize,
+    rows: usize,
+    dim: usize,
+) -> impl Iterator<Item = edl_plugin_sdk::Batch> + Send + 'static {
     (0..n).map(move |b| {
         let ids: Vec<u64> = (0..rows as u64).map(|i| (b * rows) as u64 + i).collect();
         let feats: Vec<f32> = ids

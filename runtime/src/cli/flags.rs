@@ -3,7 +3,7 @@
 //! One name, one meaning, across subcommands: `--teachers` is always a list
 //! of teacher endpoints, `--listen` always an address with an optional
 //! port, and a duration or a cadence names its unit (`-secs`, `-ms`,
-//! `-every N` steps). docs/training.md has the table of every flag and the
+//! `-every-steps`). docs/training.md has the table of every flag and the
 //! subcommands that take it; a unit test in `cli/mod.rs` keeps the two in step.
 
 use anyhow::{Context, Result, bail};
@@ -20,13 +20,13 @@ use std::{
 pub struct PluginArgs {
     /// Scaling-policy plugin (`.wasm` component or native `.so`); a
     /// relative path not found here is also looked for beside the executable.
-    #[arg(long, default_value = "plugins/autoscale.wasm")]
+    #[arg(long, value_name = "FILE", default_value = "plugins/autoscale.wasm")]
     pub policy: PathBuf,
     /// Policy configuration, `key=value` (repeatable).
     #[arg(long = "policy-config", value_name = "KEY=VALUE", value_parser = parse_pair)]
     pub policy_config: Vec<(String, String)>,
     /// Batch-adapter plugin (called at each step and each resize).
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub adapter: Option<PathBuf>,
     /// Adapter configuration, `key=value` (repeatable).
     #[arg(long = "adapter-config", value_name = "KEY=VALUE", value_parser = parse_pair)]
@@ -40,7 +40,7 @@ pub struct PluginArgs {
 pub struct TransformArgs {
     /// Reader-transform plugin, applied to every batch before teachers and
     /// student (`simulate` runs it once on a standard batch).
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub transform: Option<PathBuf>,
     /// Transform configuration, `key=value` (repeatable).
     #[arg(long = "transform-config", value_name = "KEY=VALUE", value_parser = parse_pair)]
@@ -53,13 +53,13 @@ pub struct TransformArgs {
 pub struct WorkerBounds {
     /// Fewest workers: the policy never goes below, and lost workers are
     /// replaced up to it.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, value_name = "N", default_value_t = 1)]
     pub min_workers: u32,
     /// Most workers the policy may ask for.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, value_name = "N", default_value_t = 4)]
     pub max_workers: u32,
     /// Workers at the start (default: --min-workers).
-    #[arg(long)]
+    #[arg(long, value_name = "N")]
     pub workers: Option<u32>,
 }
 
@@ -81,7 +81,7 @@ pub struct ScalingArgs {
     #[arg(long, alias = "decide-every", value_name = "STEPS", default_value_t = 8)]
     pub decide_every_steps: u64,
     /// Price of a worker-hour, shown to the policy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, value_name = "PRICE", default_value_t = 0.0)]
     pub price: f64,
 }
 
@@ -90,19 +90,19 @@ pub struct ScalingArgs {
 #[command(next_help_heading = "Training")]
 pub struct TrainingArgs {
     /// Epochs to train.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, value_name = "N", default_value_t = 5)]
     pub epochs: u64,
     /// Global batch at the start (the adapter may change it).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, value_name = "N", default_value_t = 64)]
     pub batch: u32,
     /// Learning rate at the start (the adapter may change it).
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, value_name = "LR", default_value_t = 0.05)]
     pub lr: f32,
     /// SGD momentum, in [0, 1).
-    #[arg(long, default_value_t = 0.9)]
+    #[arg(long, value_name = "M", default_value_t = 0.9)]
     pub momentum: f32,
     /// Seed of the student's weights and of the data order.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, value_name = "N", default_value_t = 1)]
     pub seed: u64,
 }
 
@@ -112,15 +112,15 @@ pub struct TrainingArgs {
 pub struct StateArgs {
     /// Discovery and job state: `memory` (embedded) or `redis://host:port`
     /// (a URL with a password is better given in $EDL_STORE than on a command line).
-    #[arg(long, default_value = "memory", env = "EDL_STORE", hide_env_values = true)]
+    #[arg(long, value_name = "URL", default_value = "memory", env = "EDL_STORE", hide_env_values = true)]
     pub store: String,
     /// Where checkpoints go: a directory, or object storage shared by every
     /// host (`s3://bucket/prefix`, `gs://...`, `az://...`, credentials from
     /// the usual AWS_/GOOGLE_/AZURE_ environment). Default: .edl/<job>/checkpoints.
-    #[arg(long)]
+    #[arg(long, value_name = "DIR|URL")]
     pub checkpoint_dir: Option<PathBuf>,
     /// Checkpoints kept.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, value_name = "N", default_value_t = 3)]
     pub keep_checkpoints: usize,
     /// Committed steps between checkpoints (one is also written at each
     /// epoch's end and after --checkpoint-secs of training).
@@ -128,7 +128,7 @@ pub struct StateArgs {
     pub checkpoint_every_steps: Option<u64>,
     /// Longest training time between two checkpoints, seconds (one is also
     /// written at each epoch's end).
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
     pub checkpoint_secs: u64,
 }
 
@@ -145,11 +145,11 @@ pub struct DistillationArgs {
     #[arg(long, alias = "teacher-addrs", value_name = "ENDPOINTS", value_parser = parse_teachers)]
     pub teachers: Option<TeachersArg>,
     /// Service name teachers register under in --store (default: <job>-teachers).
-    #[arg(long)]
+    #[arg(long, value_name = "NAME")]
     pub service: Option<String>,
     /// Seconds a worker waits with no teacher answering before the job
     /// stops, naming the teachers (below --step-timeout-secs).
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, value_name = "SECS", default_value_t = 20)]
     pub teacher_wait_secs: u64,
     #[command(flatten)]
     pub teacher_calls: TeacherCallArgs,
@@ -198,17 +198,17 @@ pub fn parse_teachers(s: &str) -> Result<TeachersArg, String> {
 pub struct TeacherIoArgs {
     /// The input to send the features as (default: the model's first input,
     /// from its metadata; FP32 or FP64).
-    #[arg(long)]
+    #[arg(long, value_name = "NAME")]
     pub teacher_input: Option<String>,
     /// The output to read (default: `logits`, `probs`, `probabilities`,
     /// `predict_proba` or `output_probability` if the model has one, else
     /// its first floating-point output).
-    #[arg(long)]
+    #[arg(long, value_name = "NAME")]
     pub teacher_output_name: Option<String>,
     /// What the teachers' outputs hold: `logits` or `probs` (turned into
     /// log-probabilities). A teacher given as `host:port[/model]@probs` or
     /// `@logits` says so for itself, so a fleet may mix them.
-    #[arg(long, default_value = "logits")]
+    #[arg(long, value_name = "KIND", default_value = "logits")]
     pub teacher_output: edl_runtime::distill::OutputKind,
 }
 
@@ -228,17 +228,17 @@ impl TeacherIoArgs {
 pub struct TeacherCallArgs {
     /// Longest a teacher may take to answer one request, ms (then it is
     /// retried elsewhere and the teacher rests).
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, value_name = "MS", default_value_t = 5000)]
     pub teacher_timeout_ms: u64,
     /// Rows per teacher request.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, value_name = "ROWS", default_value_t = 64)]
     pub teacher_batch: usize,
     /// Requests in flight per teacher.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, value_name = "N", default_value_t = 4)]
     pub teacher_in_flight: usize,
     /// How long a teacher rests after a failure, ms; doubled after each
     /// failure in a row, up to 30 s.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, value_name = "MS", default_value_t = 2000)]
     pub teacher_cooldown_ms: u64,
 }
 
@@ -258,12 +258,12 @@ impl TeacherCallArgs {
 #[command(next_help_heading = "Distillation")]
 pub struct TeacherAccessArgs {
     /// A file holding the bearer token sent on every teacher call.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub teacher_token_file: Option<PathBuf>,
     /// CA certificate (PEM) that teachers' TLS certificates are checked
     /// against; with it, teachers given as `host:port` are reached over TLS
     /// (`grpcs://` and `https://` teachers are, always; without a CA, against the web PKI roots).
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub teacher_ca: Option<PathBuf>,
 }
 
@@ -293,43 +293,42 @@ pub struct ClusterArgs {
     /// Host name or address workers and teachers on other hosts reach the
     /// coordinator at (default: the --listen address; this host's routable
     /// address when listening on every interface).
-    #[arg(long)]
+    #[arg(long, value_name = "HOST")]
     pub advertise: Option<String>,
     /// Port of the rendezvous where each generation's ring meets (default: any free one).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, value_name = "PORT", default_value_t = 0)]
     pub rendezvous_port: u16,
-    /// How workers are started.
-    #[arg(long, value_enum, default_value_t = ScalerKind::Local)]
+    /// How workers are started: `local` (child processes here), `command`
+    /// (--worker-command per worker, on --hosts: ssh, srun, ...), `external`
+    /// (started by another engine; they join with `edl-runtime worker`).
+    #[arg(long, value_name = "KIND", value_enum, default_value_t = ScalerKind::Local)]
     pub scaler: ScalerKind,
     /// With --scaler command: the command that starts worker {id}, run with
     /// `sh -c`; placeholders {id} {coordinator} {host} {slot} {job} {exe}. The
     /// job's secret comes on its standard input (`--secret-file -`).
-    #[arg(long, required_if_eq("scaler", "command"))]
+    #[arg(long, value_name = "CMD", required_if_eq("scaler", "command"))]
     pub worker_command: Option<String>,
     /// With --scaler command: a command that stops worker {id} (scancel,
     /// kubectl delete, ...), run after the worker was told to stop and
     /// did not exit within the grace.
-    #[arg(long, requires = "worker_command")]
+    #[arg(long, value_name = "CMD", requires = "worker_command")]
     pub worker_stop_command: Option<String>,
     /// With --scaler command: hosts to start workers on, `host` or
     /// `host:slots`, comma separated ({host} in the command).
-    #[arg(long, value_delimiter = ',', requires = "worker_command")]
+    #[arg(long, value_name = "HOSTS", value_delimiter = ',', requires = "worker_command")]
     pub hosts: Vec<String>,
     /// The job's secret (64 hex digits), which every worker proves on its
     /// connections: read from this file, or written there (mode 0600) when
     /// it does not exist. Default: a new secret per run in .edl/<job>/secret.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub secret_file: Option<PathBuf>,
 }
 
 /// How workers are started.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ScalerKind {
-    /// Child processes of the coordinator, on this host.
     Local,
-    /// --worker-command per worker, on --hosts (ssh, srun, ...).
     Command,
-    /// Started by another engine (Kubernetes, ...); they join with `edl-runtime worker`.
     External,
 }
 
@@ -339,23 +338,23 @@ pub enum ScalerKind {
 pub struct LivenessArgs {
     /// Seconds a rank that owes steps may go without reporting any before it
     /// is declared dead (it reports each window of steps it finishes).
-    #[arg(long, alias = "step-timeout", default_value_t = 60)]
+    #[arg(long, value_name = "SECS", alias = "step-timeout", default_value_t = 60)]
     pub step_timeout_secs: u64,
     /// Bound on every collective, milliseconds (with no byte from the previous rank).
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, value_name = "MS", default_value_t = 5000)]
     pub collective_timeout_ms: u64,
     /// Seconds a worker may go without being heard (its heartbeats come a
     /// few times per lease) before it is declared dead and the job goes on without it.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, value_name = "SECS", default_value_t = 10)]
     pub worker_lease_secs: u64,
     /// Seconds a worker that lost its connection to the coordinator keeps
     /// trying to reach it again, to hear where it stands: a worker the job
     /// went on without is refused (its generation is over) and exits with
     /// that reason; one that reaches nothing exits when the time is up.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
     pub worker_reconnect_secs: u64,
     /// Seconds a worker asked for may take to join before it is given up.
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, value_name = "SECS", default_value_t = 60)]
     pub join_timeout_secs: u64,
 }
 
@@ -364,10 +363,10 @@ pub struct LivenessArgs {
 #[command(next_help_heading = "Output")]
 pub struct OutputArgs {
     /// Write the run's report (JSON) here.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub report: Option<PathBuf>,
     /// Draw world size, throughput and loss over time to this SVG file.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     pub plot: Option<PathBuf>,
 }
 
@@ -376,13 +375,13 @@ pub struct OutputArgs {
 #[command(next_help_heading = "Plugin sandbox")]
 pub struct SandboxArgs {
     /// CPU deadline of one plugin call, in milliseconds.
-    #[arg(long, global = true, default_value_t = 100)]
+    #[arg(long, value_name = "MS", global = true, default_value_t = 100)]
     pub plugin_deadline_ms: u64,
     /// Memory cap of one plugin instance, in MiB.
-    #[arg(long, global = true, default_value_t = 64)]
+    #[arg(long, value_name = "MIB", global = true, default_value_t = 64)]
     pub plugin_memory_mib: usize,
     /// Directory of compiled plugins (default: $EDL_PLUGIN_CACHE or ~/.cache/edl/plugins).
-    #[arg(long, global = true)]
+    #[arg(long, value_name = "DIR", global = true)]
     pub plugin_cache: Option<PathBuf>,
     /// Compile plugins at every load.
     #[arg(long, global = true)]

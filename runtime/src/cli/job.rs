@@ -2,30 +2,30 @@
 //! launched program (`edl-runtime launch`), run by the coordinator from the
 //! same flags. [`run`] goes through it step by step: the plugins, the
 //! directories, the workload, the job's configuration and the checks
-//! before anything starts, the teachers, the run with its progress, and the
-//! summary.
+//! before anything starts, the teachers (`teachers.rs`), the run with its
+//! progress (`progress.rs`), and the summary (`summary.rs`).
 
 use super::{
     flags::{
-        ClusterArgs, DistillationArgs, LivenessArgs, OutputArgs, PluginArgs, ScalerKind, ScalingArgs, StateArgs,
-        TeachersArg, TrainingArgs, TransformArgs,
+        ClusterArgs, DistillationArgs, LivenessArgs, OutputArgs, PluginArgs, ScalerKind, ScalingArgs,
+        StateArgs, TrainingArgs, TransformArgs,
     },
     plugin_path,
     progress::ProgressDisplay,
+    summary::{summarize, write_failed_report},
+    teachers::Teachers,
 };
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::Args;
 use edl_host_gpu::{Device, comm::auth::Secret};
 use edl_plugin_sdk::Hyperparams;
 use edl_runtime::{
     checkpoint::Checkpoints,
     job::{
-        self, BuiltinModel, JobConfig, JobLock, JobOutcome, JobSpec, LocalProcesses, Program, Scaler, TeacherSource,
+        self, BuiltinModel, JobConfig, JobLock, JobOutcome, JobSpec, LocalProcesses, Program, Scaler,
         report::Report,
         scaler::{CommandScaler, ExternalWorkers},
-        teachers::{TeacherProcess, TeacherTraining, teacher_model},
     },
-    plot,
     plugin::{AdapterPlugin, PluginHost, PolicyPlugin},
     trainer::{
         data::Dataset,
@@ -34,11 +34,10 @@ use edl_runtime::{
         worker::{load_data, mlp_of},
     },
 };
-use indicatif::{ProgressBar, ProgressStyle};
 use std::{
     path::{Path, PathBuf},
     process::ExitCode,
-    sync::{Arc, Mutex},
+    sync::Arc,
     time::Duration,
 };
 
@@ -74,39 +73,45 @@ pub const ALPHA: f32 = 0.7;
 #[command(next_help_heading = "Built-in student")]
 pub struct StudentArgs {
     /// `mnist5k` (4000 train / 1000 test) or `digits` (1397 / 400).
-    #[arg(long, default_value = "mnist5k")]
+    #[arg(long, value_name = "NAME", default_value = "mnist5k")]
     pub dataset: String,
     /// Train the student on the first N training samples only (a small transfer set).
-    #[arg(long)]
+    #[arg(long, value_name = "N")]
     pub train_samples: Option<usize>,
     /// Student hidden layer sizes, comma separated.
-    #[arg(long, default_value = "128")]
+    #[arg(long, value_name = "SIZES", default_value = "128")]
     pub hidden: String,
     /// Where workers (and the teacher's training) compute: `cpu`, `cuda` or
     /// `cuda:N` (cuBLAS and the CUDA loss kernel; checked before the job starts).
-    #[arg(long, default_value = "cpu", help_heading = "Training")]
+    #[arg(long, value_name = "DEVICE", default_value = "cpu", help_heading = "Training")]
     pub device: Device,
     /// Extra milliseconds each step takes on each worker (emulates slower devices).
-    #[arg(long, default_value_t = 0, help_heading = "Training")]
+    #[arg(long, value_name = "MS", default_value_t = 0, help_heading = "Training")]
     pub step_delay_ms: u64,
     #[command(flatten)]
     pub transform: TransformArgs,
     /// Teacher processes to start, serving a wider model trained here and
     /// cached (0: use the teachers registered in --store).
-    #[arg(long, value_name = "N", default_value_t = 2, conflicts_with = "teachers", help_heading = "Distillation")]
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 2,
+        conflicts_with = "teachers",
+        help_heading = "Distillation"
+    )]
     pub teacher_processes: u32,
     /// Teacher hidden layer sizes, comma separated.
-    #[arg(long, default_value = "512", help_heading = "Distillation")]
+    #[arg(long, value_name = "SIZES", default_value = "512", help_heading = "Distillation")]
     pub teacher_hidden: String,
     /// Epochs the teacher trains for, on hard labels (once: later runs with
     /// the same settings take it from .edl/teachers/).
-    #[arg(long, default_value_t = 10, help_heading = "Distillation")]
+    #[arg(long, value_name = "N", default_value_t = 10, help_heading = "Distillation")]
     pub teacher_epochs: u64,
     /// Distillation temperature.
-    #[arg(long, default_value_t = TEMPERATURE, help_heading = "Distillation")]
+    #[arg(long, value_name = "T", default_value_t = TEMPERATURE, help_heading = "Distillation")]
     pub temperature: f32,
     /// Weight of the soft-label term (1 - alpha goes to the hard labels).
-    #[arg(long, default_value_t = ALPHA, help_heading = "Distillation")]
+    #[arg(long, value_name = "A", default_value_t = ALPHA, help_heading = "Distillation")]
     pub alpha: f32,
 }
 
@@ -211,7 +216,10 @@ impl Plugins {
 
 /// The scaling policy `--policy` names (found as given or beside the
 /// executable), its name and version, and where it was found.
-pub fn load_policy(host: &PluginHost, plugins: &PluginArgs) -> Result<(Box<dyn PolicyPlugin>, String, PathBuf)> {
+pub fn load_policy(
+    host: &PluginHost,
+    plugins: &PluginArgs,
+) -> Result<(Box<dyn PolicyPlugin>, String, PathBuf)> {
     let path = plugin_path::resolve("--policy", &plugins.policy)?;
     let policy = host.load_policy(&path, &plugins.policy_config)?;
     let name = format!("{} {}", policy.info().name, policy.info().version);
@@ -219,17 +227,17 @@ pub fn load_policy(host: &PluginHost, plugins: &PluginArgs) -> Result<(Box<dyn P
 }
 
 /// Where a job keeps its files.
-struct JobDirs {
+pub(super) struct JobDirs {
     /// `.edl`, where the job's directory and the cached teachers are.
-    root: PathBuf,
+    pub(super) root: PathBuf,
     /// `--checkpoint-dir`, or `.edl/<job>/checkpoints`.
-    checkpoint_dir: PathBuf,
+    pub(super) checkpoint_dir: PathBuf,
     /// Checkpoints in object storage: the job's local files (logs, the
     /// lock, the secret) stay in .edl/<job>/.
-    remote: bool,
+    pub(super) remote: bool,
     /// The checkpoint directory's parent, or `.edl/<job>` when remote.
-    job_dir: PathBuf,
-    log_dir: PathBuf,
+    pub(super) job_dir: PathBuf,
+    pub(super) log_dir: PathBuf,
 }
 
 impl JobDirs {
@@ -237,15 +245,19 @@ impl JobDirs {
         let root = PathBuf::from(".edl");
         let checkpoint_dir = checkpoint_dir.unwrap_or_else(|| root.join(name).join("checkpoints"));
         let remote = edl_runtime::checkpoint::objects::is_url(&checkpoint_dir.to_string_lossy());
-        let job_dir =
-            if remote { root.join(name) } else { checkpoint_dir.parent().unwrap_or(&checkpoint_dir).to_path_buf() };
+        let job_dir = if remote {
+            root.join(name)
+        } else {
+            checkpoint_dir.parent().unwrap_or(&checkpoint_dir).to_path_buf()
+        };
         let log_dir = job_dir.join("logs");
         JobDirs { root, checkpoint_dir, remote, job_dir, log_dir }
     }
 }
 
 /// The workload, ready: the built-in student with its data, or the program.
-enum Prepared {
+#[allow(clippy::large_enum_variant, reason = "one value per run, never moved in a loop")]
+pub(super) enum Prepared {
     Builtin { student: StudentArgs, model: BuiltinModel, train: Dataset, test: Dataset },
     Program { samples: usize, command: Vec<String> },
 }
@@ -273,7 +285,9 @@ impl Prepared {
     /// Samples per epoch.
     fn rows(&self) -> usize {
         match self {
-            Prepared::Builtin { student, train, .. } => student.train_samples.map_or(train.len(), |n| n.min(train.len())),
+            Prepared::Builtin { student, train, .. } => {
+                student.train_samples.map_or(train.len(), |n| n.min(train.len()))
+            }
             Prepared::Program { samples, .. } => *samples,
         }
     }
@@ -332,7 +346,9 @@ impl Prepared {
                 test.len(),
                 model.layers
             ),
-            Prepared::Program { command, samples } => format!("{:?} on samples 0..{samples}", command.join(" ")),
+            Prepared::Program { command, samples } => {
+                format!("{:?} on samples 0..{samples}", command.join(" "))
+            }
         }
     }
 
@@ -349,7 +365,7 @@ impl Prepared {
     }
 }
 
-fn sizes(list: &str, what: &str) -> Result<Vec<usize>> {
+pub(super) fn sizes(list: &str, what: &str) -> Result<Vec<usize>> {
     list.split(',')
         .filter(|s| !s.trim().is_empty())
         .map(|s| s.trim().parse::<usize>().ok().filter(|&n| n > 0))
@@ -477,114 +493,24 @@ fn print_header(name: &str, args: &JobArgs, work: &Prepared, plugins: &Plugins) 
         b.max_workers,
         edl_runtime::store::redact(&args.state.store)
     );
-    println!("policy    {} ({}, {})", plugins.policy_name, plugins.policy_path.display(), plugins.policy.backend());
+    println!(
+        "policy    {} ({}, {})",
+        plugins.policy_name,
+        plugins.policy_path.display(),
+        plugins.policy.backend()
+    );
     if let Some(a) = &plugins.adapter_name {
         println!("adapter   {a}");
     }
 }
 
-/// The job's teachers: the endpoints given, processes started here
-/// serving a teacher trained here (or cached), or those registered in the store.
-struct Teachers {
-    source: Option<TeacherSource>,
-    /// The teacher's test accuracy, when it was trained (or cached) here.
-    accuracy: Option<f64>,
-    /// The teacher processes this job started; they stop when dropped.
-    processes: Arc<Mutex<Vec<TeacherProcess>>>,
-}
-
-impl Teachers {
-    fn start(
-        args: &JobArgs,
-        name: &str,
-        work: &Prepared,
-        distill: bool,
-        dirs: &JobDirs,
-        (advertised, exe): (&str, &Path),
-    ) -> Result<Teachers> {
-        let d = &args.distillation;
-        let mut out = Teachers { source: None, accuracy: None, processes: Default::default() };
-        // A launched program may ask the teachers it is given, even with --no-distill.
-        if let Some(TeachersArg::Endpoints(list)) = &d.teachers
-            && (distill || matches!(work, Prepared::Program { .. }))
-        {
-            out.source = Some(TeacherSource::Fixed(list.clone()));
-            return Ok(out);
-        }
-        if !distill {
-            return Ok(out);
-        }
-        let store = &args.state.store;
-        let service = d.service.clone().unwrap_or_else(|| format!("{name}-teachers"));
-        if let Prepared::Builtin { student, train, test, .. } = work {
-            let count = match d.teachers {
-                Some(TeachersArg::Count(n)) => n,
-                _ => student.teacher_processes,
-            };
-            if count > 0 {
-                let (path, accuracy) = train_teacher(student, train, test, &dirs.root)?;
-                out.accuracy = Some(accuracy);
-                let mut procs = out.processes.lock().unwrap_or_else(|e| e.into_inner());
-                for i in 0..count {
-                    let log = dirs.log_dir.join(format!("teacher-{i}.log"));
-                    let at = (args.cluster.listen.ip(), advertised);
-                    let p = TeacherProcess::start(exe, &path, at, store, &service, &log)?;
-                    println!("teacher   {i} serving on {}", p.addr);
-                    procs.push(p);
-                }
-            }
-        }
-        out.source = Some(if store == "memory" {
-            let procs = out.processes.lock().unwrap_or_else(|e| e.into_inner());
-            if procs.is_empty() {
-                bail!(
-                    "no teachers: give --teacher-processes N, --teachers host:port,..., or --store redis://... \
-                     where teachers are registered, or --no-distill"
-                );
-            }
-            TeacherSource::Fixed(procs.iter().map(|p| p.addr.clone()).collect())
-        } else {
-            TeacherSource::Discovered { store: store.clone(), service }
-        });
-        Ok(out)
-    }
-}
-
-/// The built-in student's teacher: a wider model trained on hard labels
-/// (or taken from the cache). Returns its file and its test accuracy.
-fn train_teacher(student: &StudentArgs, train: &Dataset, test: &Dataset, root: &Path) -> Result<(PathBuf, f64)> {
-    let t = TeacherTraining {
-        layers: std::iter::once(train.dim)
-            .chain(sizes(&student.teacher_hidden, "teacher-hidden")?)
-            .chain([train.classes])
-            .collect(),
-        epochs: student.teacher_epochs,
-        batch: 64,
-        lr: 0.05,
-        momentum: 0.9,
-        seed: 7,
-        device: student.device,
-    };
-    let bar = ProgressBar::new(t.epochs);
-    bar.set_style(ProgressStyle::with_template("teacher   [{bar:30}] epoch {pos}/{len} {msg}")?);
-    let (path, model, trained) = teacher_model(&root.join("teachers"), &student.dataset, train, &t, |e, l| {
-        bar.set_position(e + 1);
-        bar.set_message(format!("loss {l:.4}"));
-    })?;
-    bar.finish_and_clear();
-    let acc = model.accuracy(test) as f64;
-    println!(
-        "teacher   {:?} {} ({}), test accuracy {:.2}%",
-        t.layers,
-        if trained { "trained now" } else { "from the cache" },
-        path.display(),
-        acc * 100.0
-    );
-    Ok((path, acc))
-}
-
 /// The scaler `--scaler` names; `program`: the launched command, if any.
-fn scaler(args: &ClusterArgs, exe: &Path, log_dir: &Path, program: Option<&[String]>) -> Result<Box<dyn Scaler>> {
+fn scaler(
+    args: &ClusterArgs,
+    exe: &Path,
+    log_dir: &Path,
+    program: Option<&[String]>,
+) -> Result<Box<dyn Scaler>> {
     let (stop, hosts) = (args.worker_stop_command.as_deref(), &args.hosts[..]);
     Ok(match (args.scaler, program) {
         (ScalerKind::Local, None) => Box::new(LocalProcesses::new(exe, log_dir)),
@@ -598,74 +524,4 @@ fn scaler(args: &ClusterArgs, exe: &Path, log_dir: &Path, program: Option<&[Stri
         }
         (ScalerKind::External, _) => Box::new(ExternalWorkers),
     })
-}
-
-/// A failed job still says what happened, for whoever reads the reports.
-fn write_failed_report(out: Option<&Path>, name: &str, e: &anyhow::Error, checkpoint_dir: &Path) {
-    let Some(out) = out else { return };
-    let failed = serde_json::json!({
-        "job": name,
-        "status": "failed",
-        "error": format!("{e:#}"),
-        "checkpoint_dir": checkpoint_dir,
-    });
-    let written = serde_json::to_vec_pretty(&failed).map_err(anyhow::Error::from).and_then(|bytes| {
-        std::fs::write(out, bytes)?;
-        Ok(())
-    });
-    if let Err(w) = written {
-        eprintln!("could not write the report {}: {w}", out.display());
-    }
-}
-
-/// Prints the closing summary, writes the report and the plot, and marks
-/// the job complete. Fails the command if any epoch's accounting is off.
-fn summarize(
-    report: &Report,
-    output: &OutputArgs,
-    checkpoint_dir: &Path,
-    spec_checkpoint_dir: &Path,
-) -> Result<ExitCode> {
-    println!(
-        "done      {} steps in {:.1} s, {:.0} samples/s, final world size {}",
-        report.steps, report.train_secs, report.samples_per_sec, report.final_world_size
-    );
-    if let Some(step) = report.resumed_from_step {
-        println!("          resumed from the checkpoint at step {step}");
-    }
-    if let Some(acc) = report.student_test_accuracy {
-        println!(
-            "          student test accuracy {:.2}%{}",
-            acc * 100.0,
-            report
-                .teacher_test_accuracy
-                .map(|t| format!(" (teacher {:.2}%)", t * 100.0))
-                .unwrap_or_else(|| if report.distill { String::new() } else { " (no distillation)".into() })
-        );
-    }
-    let resizes = report.scale_events.iter().filter(|e| e.from > 0).count();
-    println!(
-        "          {resizes} resizes, median pause {}; generations {}..{}",
-        report.rescale_pause_ms_median.map(|p| format!("{p:.0} ms")).unwrap_or_else(|| "-".into()),
-        report.generations.0,
-        report.generations.1
-    );
-    let bad: u64 = report.epochs.iter().map(|e| e.duplicates + e.missing).sum();
-    println!(
-        "          {} epochs, every sample exactly once: {}",
-        report.epochs.len(),
-        if bad == 0 { "yes".to_string() } else { format!("NO ({bad} samples off)") }
-    );
-    println!("          checkpoints in {} (final: {})", checkpoint_dir.display(), report.final_checkpoint);
-    if let Some(out) = &output.report {
-        std::fs::write(out, serde_json::to_vec_pretty(report)?).with_context(|| format!("{}", out.display()))?;
-        println!("          report written to {}", out.display());
-    }
-    if let Some(out) = &output.plot {
-        let title = format!("{} with {}", report.job, report.policy);
-        plot::training_run(out, &title, &report.timeline, &report.scale_events)?;
-        println!("          plot written to {}", out.display());
-    }
-    job::coordinator::mark_complete(spec_checkpoint_dir, &report.epochs)?;
-    Ok(if bad == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

@@ -44,7 +44,7 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "N", required_unless_present = "torchrun", help_heading = "Your program")]
     pub samples: Option<usize>,
     /// Job name: its keys in the store and its directories under .edl/.
-    #[arg(long, default_value = "launch", help_heading = "Your program")]
+    #[arg(long, value_name = "NAME", default_value = "launch", help_heading = "Your program")]
     pub job: String,
     /// Run an unmodified torchrun script: its ranks get torchrun's
     /// environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and the whole group
@@ -53,19 +53,31 @@ pub struct LaunchArgs {
     pub torchrun: bool,
     /// With --torchrun: group restarts after rank failures before the job
     /// gives up (resizes do not count).
-    #[arg(long, default_value_t = 3, requires = "torchrun", help_heading = "torchrun")]
+    #[arg(long, value_name = "N", default_value_t = 3, requires = "torchrun", help_heading = "torchrun")]
     pub max_restarts: u32,
     /// With --torchrun: seconds between two scaling-policy decisions (each
     /// resize restarts the group, so not too often).
-    #[arg(long, default_value_t = 30.0, requires = "torchrun", help_heading = "torchrun")]
+    #[arg(
+        long,
+        value_name = "SECS",
+        default_value_t = 30.0,
+        requires = "torchrun",
+        help_heading = "torchrun"
+    )]
     pub decide_secs: f64,
     /// With --torchrun: seconds a stopped rank gets after SIGTERM before SIGKILL.
-    #[arg(long, default_value_t = 15.0, requires = "torchrun", help_heading = "torchrun")]
+    #[arg(
+        long,
+        value_name = "SECS",
+        default_value_t = 15.0,
+        requires = "torchrun",
+        help_heading = "torchrun"
+    )]
     pub stop_grace_secs: f64,
     #[command(flatten)]
     pub run: JobArgs,
     /// The program and its arguments, run as each worker.
-    #[arg(last = true, required = true, value_name = "CMD")]
+    #[arg(last = true, required = true, value_name = "CMD", help_heading = "Your program")]
     pub command: Vec<String>,
 }
 
@@ -136,7 +148,8 @@ fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
             "resizes": resizes,
             "outcome": outcome,
         });
-        std::fs::write(out, serde_json::to_vec_pretty(&report)?).with_context(|| format!("{}", out.display()))?;
+        std::fs::write(out, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("{}", out.display()))?;
     }
     if let Some(out) = &args.output.plot {
         let title = format!("{} (torchrun) with {policy_name}", l.job);

@@ -27,7 +27,7 @@ pub enum PluginCommand {
         /// Crate name (lowercase letters, digits, '-', '_').
         name: String,
         /// Directory to create the crate in (default: the current one).
-        #[arg(long, default_value = ".")]
+        #[arg(long, value_name = "DIR", default_value = ".")]
         dir: PathBuf,
     },
     /// Print a plugin's world, interface version, info, exports, size and cache state.
@@ -45,23 +45,23 @@ pub enum PluginCommand {
 pub struct ReplayArgs {
     /// Scaling-policy plugin to replay; a relative path not found here is
     /// also looked for beside the executable.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     policy: PathBuf,
     /// Policy configuration, `key=value` (repeatable), as for the main command.
     #[arg(long = "policy-config", alias = "config", value_name = "KEY=VALUE", value_parser = parse_pair)]
     config: Vec<(String, String)>,
     /// The trace: JSON lines of cluster views, or a scenario (JSON).
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     trace: PathBuf,
     /// Price of a worker-hour shown to the policy, in place of the
     /// trace's (`price_per_worker_hour`).
-    #[arg(long)]
+    #[arg(long, value_name = "PRICE")]
     price: Option<f64>,
     /// Print JSON lines instead of a table.
     #[arg(long, help_heading = "Output")]
     json: bool,
     /// Draw world size and throughput over the steps to this SVG file.
-    #[arg(long, help_heading = "Output")]
+    #[arg(long, value_name = "FILE", help_heading = "Output")]
     plot: Option<PathBuf>,
 }
 
@@ -141,8 +141,15 @@ fn replay(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
         Trace::Scenario(sc) => {
             let mut sim = sc.cluster();
             let hyper = Hyperparams::default();
-            let run =
-                replay::simulate(p.as_mut(), None, &mut sim, sc.decisions, hyper, |r, s| sc.before(r, s), |_, _| {})?;
+            let run = replay::simulate(
+                p.as_mut(),
+                None,
+                &mut sim,
+                sc.decisions,
+                hyper,
+                |r, s| sc.before(r, s),
+                |_, _| {},
+            )?;
             (run.decisions, false)
         }
     };

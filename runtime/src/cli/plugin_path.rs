@@ -61,7 +61,10 @@ mod tests {
                 PathBuf::from("/opt/edl/share/edl/plugins/a.wasm"),
             ]
         );
-        assert_eq!(candidates(Path::new("/x/a.wasm"), Some(Path::new("/opt/edl/bin"))), [PathBuf::from("/x/a.wasm")]);
+        assert_eq!(
+            candidates(Path::new("/x/a.wasm"), Some(Path::new("/opt/edl/bin"))),
+            [PathBuf::from("/x/a.wasm")]
+        );
     }
 
     #[test]

@@ -56,7 +56,8 @@ impl ProgressDisplay {
                         self.pending = Some(line);
                     }
                 } else {
-                    self.bar.set_position((s.epoch * self.rows + s.cursor as u64).min(self.epochs * self.rows));
+                    self.bar
+                        .set_position((s.epoch * self.rows + s.cursor as u64).min(self.epochs * self.rows));
                     self.bar.set_message(line);
                 }
             }
@@ -67,7 +68,9 @@ impl ProgressDisplay {
                 e.to,
                 e.generation,
                 e.pause_ms,
-                e.join_ms.map(|j| format!(", new worker ready {j:.0} ms after the decision")).unwrap_or_default(),
+                e.join_ms
+                    .map(|j| format!(", new worker ready {j:.0} ms after the decision"))
+                    .unwrap_or_default(),
                 e.reason
             )),
             Progress::Epoch(r) => {

@@ -30,13 +30,13 @@ pub struct SimArgs {
     bounds: WorkerBounds,
     /// Price of a worker-hour the simulated cluster shows the policy
     /// (`price_per_worker_hour` of the view), for cost-aware policies.
-    #[arg(long, default_value_t = 0.0, help_heading = "Workers and scaling")]
+    #[arg(long, value_name = "PRICE", default_value_t = 0.0, help_heading = "Workers and scaling")]
     price: f64,
     /// Policy decisions to simulate (one every 20 steps).
-    #[arg(long, default_value_t = 60, help_heading = "Simulation")]
+    #[arg(long, value_name = "N", default_value_t = 60, help_heading = "Simulation")]
     decisions: usize,
     /// Draw world size and throughput over the steps to this SVG file.
-    #[arg(long, help_heading = "Output")]
+    #[arg(long, value_name = "FILE", help_heading = "Output")]
     plot: Option<PathBuf>,
 }
 
@@ -109,7 +109,10 @@ pub fn run(host: &Arc<PluginHost>, args: SimArgs) -> Result<ExitCode> {
         |r, s| {
             for e in scenario.events.iter().filter(|e| e.at == r) {
                 if let Some(c) = e.capacity {
-                    println!("step {:>5}  the cluster now offers {c} devices", r as u64 * s.steps_per_decision);
+                    println!(
+                        "step {:>5}  the cluster now offers {c} devices",
+                        r as u64 * s.steps_per_decision
+                    );
                 }
             }
             scenario.before(r, s)

@@ -10,10 +10,10 @@ use std::{net::SocketAddr, path::PathBuf, process::ExitCode, sync::Arc, time::Du
 #[derive(Args)]
 pub struct TeacherArgs {
     /// The model, a safetensors file of the runtime's MLP.
-    #[arg(long, help_heading = "Serving")]
+    #[arg(long, value_name = "FILE", help_heading = "Serving")]
     model: PathBuf,
     /// Model name clients ask for.
-    #[arg(long, default_value = "teacher", help_heading = "Serving")]
+    #[arg(long, value_name = "NAME", default_value = "teacher", help_heading = "Serving")]
     model_name: String,
     /// Address to serve gRPC on, with or without a port (without: 8001;
     /// port 0 picks a free one).
@@ -27,36 +27,43 @@ pub struct TeacherArgs {
     /// Host name or address students reach this teacher at, registered with
     /// the port (default: the listen address; this host's routable address
     /// when listening on all interfaces).
-    #[arg(long, help_heading = "Serving")]
+    #[arg(long, value_name = "HOST", help_heading = "Serving")]
     advertise: Option<String>,
     /// Where to register: `memory` (this process only) or `redis://host:port`
     /// (a URL with a password is better given in $EDL_STORE).
-    #[arg(long, default_value = "memory", env = "EDL_STORE", hide_env_values = true, help_heading = "Registration")]
+    #[arg(
+        long,
+        value_name = "URL",
+        default_value = "memory",
+        env = "EDL_STORE",
+        hide_env_values = true,
+        help_heading = "Registration"
+    )]
     store: String,
     /// Service name the teacher registers under.
-    #[arg(long, default_value = "teachers", help_heading = "Registration")]
+    #[arg(long, value_name = "NAME", default_value = "teachers", help_heading = "Registration")]
     service: String,
     /// Most rows run through the model together (concurrent requests are batched up to it).
-    #[arg(long, default_value_t = 512, help_heading = "Batching")]
+    #[arg(long, value_name = "ROWS", default_value_t = 512, help_heading = "Batching")]
     max_batch: usize,
     /// Longest the first request of a batch waits for others to join it, ms.
-    #[arg(long, default_value_t = 2, help_heading = "Batching")]
+    #[arg(long, value_name = "MS", default_value_t = 2, help_heading = "Batching")]
     max_delay_ms: u64,
     /// Most rows one request may hold; larger ones are refused
     /// (RESOURCE_EXHAUSTED), and the transport refuses messages that could
     /// only hold more before reading them.
-    #[arg(long, default_value_t = 4096, help_heading = "Batching")]
+    #[arg(long, value_name = "ROWS", default_value_t = 4096, help_heading = "Batching")]
     max_request_rows: usize,
     /// A file holding the bearer token every call must carry
     /// (`authorization: Bearer TOKEN`); without it any client may call.
-    #[arg(long, help_heading = "Access")]
+    #[arg(long, value_name = "FILE", help_heading = "Access")]
     token_file: Option<PathBuf>,
     /// Serve TLS with this certificate (PEM, with its chain); needs --tls-key.
     /// The teacher registers as `grpcs://host:port`.
-    #[arg(long, help_heading = "Access")]
+    #[arg(long, value_name = "FILE", help_heading = "Access")]
     tls_cert: Option<PathBuf>,
     /// The certificate's private key (PEM).
-    #[arg(long, help_heading = "Access")]
+    #[arg(long, value_name = "FILE", help_heading = "Access")]
     tls_key: Option<PathBuf>,
 }
 
@@ -79,7 +86,12 @@ pub fn run(args: TeacherArgs) -> Result<ExitCode> {
     rt.block_on(serve(args, model, access, token))
 }
 
-async fn serve(args: TeacherArgs, model: Mlp, access: teacher::Access, token: Option<String>) -> Result<ExitCode> {
+async fn serve(
+    args: TeacherArgs,
+    model: Mlp,
+    access: teacher::Access,
+    token: Option<String>,
+) -> Result<ExitCode> {
     let store = Arc::new(AnyStore::open(&args.store)?);
     let config = teacher::TeacherConfig {
         model_name: args.model_name.clone(),
@@ -91,8 +103,9 @@ async fn serve(args: TeacherArgs, model: Mlp, access: teacher::Access, token: Op
     let (inputs, outputs) = (model.input_dim(), model.output_dim());
     let service = teacher::TeacherService::new(model, config);
     let registration = Some((store, args.service.clone(), Duration::from_secs(3)));
-    let serving = teacher::Serving { advertise: args.advertise.clone(), access, ..teacher::Serving::on(args.listen) }
-        .max_rows(args.max_request_rows, inputs);
+    let serving =
+        teacher::Serving { advertise: args.advertise.clone(), access, ..teacher::Serving::on(args.listen) }
+            .max_rows(args.max_request_rows, inputs);
     let rest = args.http_listen.map(|a| (a, service.clone(), token));
     let t = teacher::Teacher::serve(serving, service, registration).await?;
     println!(
@@ -106,7 +119,10 @@ async fn serve(args: TeacherArgs, model: Mlp, access: teacher::Access, token: Op
         let listener =
             tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--http-listen {addr}"))?;
         let at = listener.local_addr()?;
-        tokio::spawn(edl_runtime::distill::rest::serve(listener, edl_runtime::distill::rest::router(service, token)));
+        tokio::spawn(edl_runtime::distill::rest::serve(
+            listener,
+            edl_runtime::distill::rest::router(service, token),
+        ));
         println!("teacher {:?} serving KServe v2 REST on http://{at}", args.model_name);
     }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

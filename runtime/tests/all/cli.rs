@@ -110,6 +110,8 @@ fn the_main_command_runs_a_policy_against_the_simulated_cluster() {
             art::DYNAMIC_BATCH_WASM,
             "--decisions",
             "60",
+            "--max-workers",
+            "8",
         ],
         cache.path(),
     );
@@ -229,4 +231,277 @@ fn a_price_keeps_a_cost_aware_policy_small_in_replay_and_simulate() {
     assert!(!sim("0").contains("final world size 1"));
     let (ok, _, err) = edl(&["simulate", "--policy", art::AUTOSCALE_WASM, "--price=-1"], cache.path());
     assert!(!ok && err.contains("--price -1"), "{err}");
+}
+
+/// `edl-runtime ARGS` in `dir`, output piped; (exit code, stdout, stderr).
+fn edl_in(dir: &std::path::Path, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+        .current_dir(dir)
+        .args(args)
+        .arg("--plugin-cache")
+        .arg(dir.join("plugin-cache"))
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+/// A refused command line: a usage error (status 2) whose message has every
+/// one of `want`, and nothing started.
+fn refused(args: &[&str], want: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, out, err) = edl_in(dir.path(), args);
+    assert_eq!(code, Some(2), "{args:?} was not refused: {out}{err}");
+    for w in want {
+        assert!(err.contains(w), "{args:?}: {w:?} missing from\n{err}");
+    }
+    assert!(!dir.path().join(".edl").exists(), "{args:?} started a job");
+}
+
+#[test]
+fn without_a_terminal_the_job_prints_plain_progress_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, out, err) = edl_in(
+        dir.path(),
+        &[
+            "--policy",
+            art::AUTOSCALE_WASM,
+            "--dataset",
+            "digits",
+            "--train-samples",
+            "400",
+            "--epochs",
+            "2",
+            "--no-distill",
+            "--max-workers",
+            "1",
+        ],
+    );
+    assert_eq!(code, Some(0), "{out}{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    let epochs: Vec<usize> = (0..lines.len()).filter(|&i| lines[i].starts_with("epoch ")).collect();
+    assert_eq!(epochs.len(), 2, "{out}");
+    let progress = |from: usize, to: usize| {
+        lines[from..to]
+            .iter()
+            .filter(|l| l.starts_with("progress  epoch ") && l.contains(" workers | "))
+            .count()
+    };
+    // A line at the first step, and at least one in each epoch (its last
+    // step's, at the latest): never only a bar nobody sees.
+    assert!(progress(0, epochs[0]) >= 1, "no progress line in the first epoch:\n{out}");
+    assert!(progress(epochs[0], epochs[1]) >= 1, "no progress line in the second epoch:\n{out}");
+    assert!(lines.iter().any(|l| l.starts_with("scale ") && l.contains("0 -> 1 workers")), "{out}");
+    assert!(out.contains("loss ") && out.contains("samples/s"), "{out}");
+}
+
+#[test]
+fn launch_refuses_the_built_in_students_flags_naming_the_built_in_job() {
+    for flag in [
+        &["--hidden", "64"][..],
+        &["--dataset", "digits"],
+        &["--train-samples", "10"],
+        &["--temperature", "2"],
+        &["--alpha", "0.5"],
+        &["--teacher-hidden", "32"],
+        &["--teacher-epochs", "1"],
+        &["--teacher-processes", "1"],
+        &["--transform", "x.wasm"],
+        &["--transform-config", "a=b"],
+        &["--device", "cpu"],
+        &["--step-delay-ms", "5"],
+    ] {
+        let name = flag[0];
+        let args = [&["launch", "--samples", "8"][..], flag, &["--", "true"]].concat();
+        // (`--transform` is `simulate`'s too, named after the built-in job.)
+        let whose = format!("`{name}` is a flag of the built-in job (`edl-runtime [job flags]`)");
+        refused(&args, &[&format!("unexpected argument '{name}'"), &whose, "not of `edl-runtime launch`"]);
+    }
+}
+
+#[test]
+fn launch_torchrun_refuses_the_job_flags_a_torchrun_script_does_not_use() {
+    for flag in [
+        &["--epochs", "2"][..],
+        &["--batch", "8"],
+        &["--checkpoint-dir", "ckpt"],
+        &["--store", "redis://127.0.0.1:1"],
+        &["--samples", "8"],
+        &["--teachers", "127.0.0.1:8001"],
+        &["--no-distill"],
+        &["--adapter", "x.wasm"],
+        &["--lr", "0.1"],
+        &["--step-timeout-secs", "5"],
+        &["--listen", "0.0.0.0"],
+    ] {
+        let name = flag[0];
+        let args = [&["launch", "--torchrun"][..], flag, &["--", "true"]].concat();
+        let what = format!("`{name}` is a flag of `edl-runtime launch` without --torchrun");
+        refused(&args, &[&what, "`launch --torchrun` takes --job", "--decide-secs"]);
+    }
+    refused(
+        &["launch", "--torchrun", "--decide-every-steps", "4", "--", "true"],
+        &["`--decide-every-steps`", "decides every --decide-secs seconds"],
+    );
+}
+
+#[test]
+fn a_flag_before_its_subcommand_is_refused_saying_where_it_goes() {
+    refused(
+        &["--max-workers", "8", "launch", "--samples", "8", "--", "true"],
+        &["`--max-workers 8` goes after the subcommand: edl-runtime launch --max-workers 8 ..."],
+    );
+    refused(
+        &["--policy", art::AUTOSCALE_WASM, "plugin", "replay", "--trace", "t.jsonl"],
+        &["goes after the subcommand: edl-runtime plugin replay --policy"],
+    );
+    refused(
+        &["--hidden", "64", "launch", "--samples", "8", "--", "true"],
+        &[
+            "`--hidden` is a flag of the built-in job (`edl-runtime [job flags]`), not of `edl-runtime launch`",
+        ],
+    );
+    refused(
+        &["--epochs", "2", "simulate"],
+        &[
+            "`--epochs` is a flag of the built-in job (`edl-runtime [job flags]`) and `edl-runtime launch`, not of `edl-runtime simulate`",
+        ],
+    );
+    // The sandbox flags belong to every command, on either side of it.
+    let cache = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+        .args(["--no-plugin-cache", "plugin", "inspect", art::AUTOSCALE_WASM])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("cached:      cache disabled"));
+    let (ok, out, err) = edl(&["plugin", "inspect", "--no-plugin-cache", art::AUTOSCALE_WASM], cache.path());
+    assert!(ok && out.contains("cached:      cache disabled"), "{out}{err}");
+}
+
+#[test]
+fn other_subcommands_refuse_flags_that_are_not_theirs_naming_whose_they_are() {
+    refused(
+        &["simulate", "--epochs", "2"],
+        &[
+            "`--epochs` is a flag of the built-in job (`edl-runtime [job flags]`) and `edl-runtime launch`, not of `edl-runtime simulate`",
+        ],
+    );
+    refused(
+        &["distill", "--hidden", "8"],
+        &["`--hidden` is a flag of the built-in job", "not of `edl-runtime distill`"],
+    );
+    refused(
+        &["teacher", "--model", "m.safetensors", "--teachers", "127.0.0.1:8001"],
+        &[
+            "`--teachers` is a flag of the built-in job (`edl-runtime [job flags]`), `edl-runtime launch` and `edl-runtime distill`, not of `edl-runtime teacher`",
+        ],
+    );
+    refused(&["--samples", "8"], &["`--samples` is a flag of `edl-runtime launch`, not of the built-in job"]);
+    refused(&["worker", "--coordinator", "127.0.0.1:1", "--epochs", "2"], &["not of `edl-runtime worker`"]);
+}
+
+#[test]
+fn launch_takes_teacher_endpoints_not_a_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, _, err) = edl_in(
+        dir.path(),
+        &["launch", "--samples", "8", "--policy", art::AUTOSCALE_WASM, "--teachers", "2", "--", "true"],
+    );
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("--teachers 2: `launch` starts no teacher processes")
+            && err.contains("--teacher-processes"),
+        "{err}"
+    );
+    assert!(!dir.path().join(".edl").exists());
+}
+
+#[test]
+fn a_launched_job_keeps_the_name_it_is_given() {
+    // `.edl` a file: the job stops where it would create its directory,
+    // which names the job.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join(".edl"), b"").unwrap();
+    let launch = |extra: &[&str]| {
+        let args =
+            [
+                &[
+                    "launch",
+                    "--samples",
+                    "8",
+                    "--batch",
+                    "4",
+                    "--no-distill",
+                    "--policy",
+                    art::AUTOSCALE_WASM,
+                ][..],
+                extra,
+                &["--", "true"],
+            ]
+            .concat();
+        let (code, _, err) = edl_in(dir.path(), &args);
+        assert_eq!(code, Some(1), "{err}");
+        err
+    };
+    let err = launch(&["--job", "mnist"]);
+    assert!(err.contains(".edl/mnist/checkpoints: cannot create it"), "{err}");
+    let err = launch(&[]);
+    assert!(err.contains(".edl/launch/checkpoints: cannot create it"), "the default name of launch: {err}");
+}
+
+#[test]
+fn plugins_are_found_beside_the_installed_executable() {
+    // An installation: bin/edl-runtime with plugins/ beside bin/, and
+    // share/edl/plugins/.
+    let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let bin = root.path().join("bin");
+    std::fs::create_dir_all(bin.join("../plugins")).unwrap();
+    std::fs::create_dir_all(root.path().join("share/edl/plugins")).unwrap();
+    let exe = bin.join("edl-runtime");
+    if std::fs::hard_link(env!("CARGO_BIN_EXE_edl-runtime"), &exe).is_err() {
+        std::fs::copy(env!("CARGO_BIN_EXE_edl-runtime"), &exe).unwrap();
+    }
+    std::fs::copy(art::AUTOSCALE_WASM, root.path().join("plugins/autoscale.wasm")).unwrap();
+    std::fs::copy(art::SCHEDULE_WASM, root.path().join("share/edl/plugins/schedule.wasm")).unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(&exe)
+            .current_dir(elsewhere.path())
+            .args(args)
+            .arg("--plugin-cache")
+            .arg(elsewhere.path().join("cache"))
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, out, err) = run(&["plugin", "inspect", "plugins/autoscale.wasm"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("edl-plugin-autoscale")
+            && out.contains(&root.path().join("plugins").display().to_string()),
+        "{out}"
+    );
+    let (ok, out, err) = run(&["simulate", "--policy", "plugins/schedule.wasm", "--decisions", "4"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("edl-plugin-schedule"), "{out}");
+
+    let (ok, _, err) = run(&["simulate", "--policy", "plugins/none.wasm"]);
+    assert!(!ok);
+    for place in [
+        elsewhere.path().join("plugins/none.wasm"),
+        bin.join("plugins/none.wasm"),
+        root.path().join("plugins/none.wasm"),
+        root.path().join("share/edl/plugins/none.wasm"),
+    ] {
+        assert!(err.contains(&place.display().to_string()), "{place:?} not named in {err}");
+    }
 }

@@ -165,7 +165,7 @@ pub(crate) const GROWING: [&str; 10] = [
     art::SCHEDULE_WASM,
     "--policy-config",
     "every=8",
-    "--decide-every",
+    "--decide-every-steps",
     "4",
     "--max-workers",
     "3",
@@ -242,7 +242,7 @@ fn a_killed_job_resumes_from_its_checkpoint_with_redis_state() {
         &redis.url(),
         "--epochs",
         "2",
-        "--checkpoint-every",
+        "--checkpoint-every-steps",
         "5",
         "--step-delay-ms",
         "30",
@@ -354,7 +354,7 @@ fn a_step_that_keeps_failing_ends_the_job_with_the_reason() {
     let dir = tempfile::tempdir().unwrap();
     let mut child = job(
         dir.path(),
-        &["--policy", art::SCHEDULE_WASM, "--no-distill", "--step-timeout", "1", "--step-delay-ms", "1500"],
+        &["--policy", art::SCHEDULE_WASM, "--no-distill", "--step-timeout-secs", "1", "--step-delay-ms", "1500"],
     )
     .spawn()
     .unwrap();

@@ -238,7 +238,7 @@ fn small(dir: &Path, extra: &[&str]) -> Command {
         "400",
         "--epochs",
         "1",
-        "--decide-every",
+        "--decide-every-steps",
         "2",
     ];
     args.extend_from_slice(extra);
@@ -346,7 +346,7 @@ fn nonsensical_flags_are_one_line_errors_before_anything_starts() {
         (&["--store", "bogus://x"], "invalid store address"),
         (&["--store", "redis://:hunter2@127.0.0.1:1"], "--store redis://:***@127.0.0.1:1"),
         (&["--checkpoint-dir", "a-file/ckpt"], "a-file/ckpt: cannot create it"),
-        (&["--decide-every", "0"], "--decide-every 0"),
+        (&["--decide-every-steps", "0"], "--decide-every-steps 0"),
         (&["--teacher-batch", "0"], "--teacher-batch 0: need at least 1"),
     ] {
         let out = small(dir.path(), flags).output().unwrap();
@@ -361,7 +361,7 @@ fn nonsensical_flags_are_one_line_errors_before_anything_starts() {
         job(dir.path(), &["--policy", art::AUTOSCALE_WASM, "--teacher-wait-secs", "90"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("--teacher-wait-secs 90 must be below --step-timeout 60"), "{err}");
+    assert!(err.contains("--teacher-wait-secs 90 must be below --step-timeout-secs 60"), "{err}");
     assert!(!dir.path().join(".edl/mnist/logs/teacher-0.log").exists(), "a teacher started");
 }
 

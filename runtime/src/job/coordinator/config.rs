@@ -76,12 +76,12 @@ impl JobConfig {
             bail!("--alpha {}: need 0 <= alpha <= 1", spec.alpha);
         }
         for (flag, v) in [
-            ("--decide-every", self.decide_every),
-            ("--checkpoint-every", self.checkpoint_every.unwrap_or(1)),
+            ("--decide-every-steps", self.decide_every),
+            ("--checkpoint-every-steps", self.checkpoint_every.unwrap_or(1)),
             ("--checkpoint-secs", self.checkpoint_interval.as_secs()),
             ("--keep-checkpoints", spec.keep_checkpoints as u64),
             ("--collective-timeout-ms", spec.collective_timeout_ms),
-            ("--step-timeout", self.step_timeout.as_secs()),
+            ("--step-timeout-secs", self.step_timeout.as_secs()),
             ("--teacher-wait-secs", spec.teacher_wait_ms),
             ("--worker-lease-secs", spec.worker_lease_ms),
             ("--teacher-timeout-ms", spec.teacher_calls.request_timeout_ms),
@@ -104,7 +104,7 @@ impl JobConfig {
         let wait = self.spec.teacher_wait_ms;
         if Duration::from_millis(wait) >= self.step_timeout {
             bail!(
-                "--teacher-wait-secs {} must be below --step-timeout {}: a worker waiting for teachers \
+                "--teacher-wait-secs {} must be below --step-timeout-secs {}: a worker waiting for teachers \
                  would be declared dead first",
                 wait / 1000,
                 self.step_timeout.as_secs()

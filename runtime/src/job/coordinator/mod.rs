@@ -79,6 +79,8 @@ struct Coordinator<'a> {
     ledger: Ledger,
     events: Vec<ScaleEvent>,
     pending: Option<Pending>,
+    /// Decisions whose workers have not joined yet, oldest first.
+    decided: std::collections::VecDeque<Pending>,
     init: Option<PathBuf>,
     /// A generation was just formed: leases are written at once.
     lease_now: bool,
@@ -198,6 +200,7 @@ pub fn run(
         ledger: Ledger::new(samples),
         events: Vec::new(),
         pending: None,
+        decided: Default::default(),
         init: None,
         lease_now: true,
         last_change: now,

@@ -179,7 +179,7 @@ impl Coordinator<'_> {
         Ok(())
     }
 
-    /// A checkpoint at this commit point: every `--checkpoint-every`
+    /// A checkpoint at this commit point: every `--checkpoint-every-steps`
     /// steps, when `--checkpoint-secs` passed since the last one, and at
     /// each epoch's end.
     pub(super) fn checkpoint_due(&mut self) -> Option<Manifest> {

@@ -23,7 +23,11 @@ impl Coordinator<'_> {
         self.pipe = None;
         self.lease_now = true;
         let to = self.m.world();
-        let mut pending = self.pending.take().unwrap_or(Pending::new(from, String::new()));
+        let mut pending = match self.pending.take() {
+            Some(p) => p,
+            None => self.decided_for(admitted).unwrap_or(Pending::new(from, String::new())),
+        };
+        let decided = !pending.reason.is_empty();
         if pending.reason.is_empty() {
             // Nobody decided this change: say what happened. A replacement
             // (as many workers as before) is said by `reasons` alone.
@@ -35,7 +39,7 @@ impl Coordinator<'_> {
                 _ => String::new(),
             };
         }
-        if admitted > 0 && pending.join_ms.is_none() && from > 0 {
+        if decided && admitted > 0 && pending.join_ms.is_none() && from > 0 {
             // The policy decided earlier; the others trained while the new worker started.
             pending.join_ms = Some(ms(pending.boundary.elapsed()));
             pending.boundary = Instant::now();
@@ -91,16 +95,36 @@ impl Coordinator<'_> {
     /// Carries out a policy decision.
     pub(super) fn apply_decision(&mut self, actions: &[Action]) {
         let world = self.m.world();
+        // Workers asked for join later, each at a boundary of its own: the
+        // decision waits for them. Workers removed leave at the next one.
+        let starts = actions.iter().any(|a| matches!(a, Action::ScaleOut(_) | Action::Replace(_)));
         if let Some(reason) = self.m.apply_decision(Instant::now(), actions) {
             match self.pending.as_mut() {
                 // A failure's resize not formed yet: one event says both.
                 Some(p) if p.generation.is_none() && p.failure => {
                     p.reason = format!("{}; {reason}", p.reason)
                 }
+                _ if starts => self.decided.push_back(Pending::new(world, reason)),
                 _ => self.pending = Some(Pending::new(world, reason)),
             }
         }
         self.execute();
+    }
+
+    /// The decisions that asked for the `admitted` workers that just joined,
+    /// oldest first, as one resize (None: nobody asked for them). Decisions
+    /// older than the join timeout are forgotten: their workers never came.
+    fn decided_for(&mut self, admitted: usize) -> Option<Pending> {
+        let timeout = self.cfg.join_timeout;
+        self.decided.retain(|p| p.boundary.elapsed() <= timeout);
+        let mut taken = self.decided.drain(..admitted.min(self.decided.len()));
+        let mut first = taken.next()?;
+        for p in taken {
+            if !first.reason.contains(&p.reason) {
+                first.reason = format!("{}; {}", first.reason, p.reason);
+            }
+        }
+        Some(first)
     }
 
     /// Asks the policy what to do.

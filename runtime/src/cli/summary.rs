@@ -1,0 +1,80 @@
+//! The end of a job of steps: the closing summary, the report and the plot.
+
+use super::flags::OutputArgs;
+use anyhow::{Context, Result};
+use edl_runtime::{
+    job::{self, report::Report},
+    plot,
+};
+use std::{path::Path, process::ExitCode};
+
+/// A failed job still says what happened, for whoever reads the reports.
+pub(super) fn write_failed_report(out: Option<&Path>, name: &str, e: &anyhow::Error, checkpoint_dir: &Path) {
+    let Some(out) = out else { return };
+    let failed = serde_json::json!({
+        "job": name,
+        "status": "failed",
+        "error": format!("{e:#}"),
+        "checkpoint_dir": checkpoint_dir,
+    });
+    let written = serde_json::to_vec_pretty(&failed).map_err(anyhow::Error::from).and_then(|bytes| {
+        std::fs::write(out, bytes)?;
+        Ok(())
+    });
+    if let Err(w) = written {
+        eprintln!("could not write the report {}: {w}", out.display());
+    }
+}
+
+/// Prints the closing summary, writes the report and the plot, and marks
+/// the job complete. Fails the command if any epoch's accounting is off.
+pub(super) fn summarize(
+    report: &Report,
+    output: &OutputArgs,
+    checkpoint_dir: &Path,
+    spec_checkpoint_dir: &Path,
+) -> Result<ExitCode> {
+    println!(
+        "done      {} steps in {:.1} s, {:.0} samples/s, final world size {}",
+        report.steps, report.train_secs, report.samples_per_sec, report.final_world_size
+    );
+    if let Some(step) = report.resumed_from_step {
+        println!("          resumed from the checkpoint at step {step}");
+    }
+    if let Some(acc) = report.student_test_accuracy {
+        println!(
+            "          student test accuracy {:.2}%{}",
+            acc * 100.0,
+            report
+                .teacher_test_accuracy
+                .map(|t| format!(" (teacher {:.2}%)", t * 100.0))
+                .unwrap_or_else(|| if report.distill { String::new() } else { " (no distillation)".into() })
+        );
+    }
+    let resizes = report.scale_events.iter().filter(|e| e.from > 0).count();
+    println!(
+        "          {resizes} resizes, median pause {}; generations {}..{}",
+        report.rescale_pause_ms_median.map(|p| format!("{p:.0} ms")).unwrap_or_else(|| "-".into()),
+        report.generations.0,
+        report.generations.1
+    );
+    let bad: u64 = report.epochs.iter().map(|e| e.duplicates + e.missing).sum();
+    println!(
+        "          {} epochs, every sample exactly once: {}",
+        report.epochs.len(),
+        if bad == 0 { "yes".to_string() } else { format!("NO ({bad} samples off)") }
+    );
+    println!("          checkpoints in {} (final: {})", checkpoint_dir.display(), report.final_checkpoint);
+    if let Some(out) = &output.report {
+        std::fs::write(out, serde_json::to_vec_pretty(report)?)
+            .with_context(|| format!("{}", out.display()))?;
+        println!("          report written to {}", out.display());
+    }
+    if let Some(out) = &output.plot {
+        let title = format!("{} with {}", report.job, report.policy);
+        plot::training_run(out, &title, &report.timeline, &report.scale_events)?;
+        println!("          plot written to {}", out.display());
+    }
+    job::coordinator::mark_complete(spec_checkpoint_dir, &report.epochs)?;
+    Ok(if bad == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
