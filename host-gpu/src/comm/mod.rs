@@ -9,10 +9,12 @@
 //! every rank's data went into it.
 
 pub mod auth;
+pub mod kv;
 mod nccl;
 mod rendezvous;
 mod ring;
 
+pub use kv::{KvClient, KvStore};
 pub use nccl::NcclCommunicator;
 pub use rendezvous::{LocalRendezvous, Rendezvous, RendezvousServer, TcpRendezvous};
 pub use ring::{RingOptions, TcpRing};

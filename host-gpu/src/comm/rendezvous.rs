@@ -3,6 +3,7 @@
 
 use super::CommError;
 use super::auth::{self, JobAuth};
+use super::kv::{self, KvStore};
 use std::{
     collections::HashMap,
     io::{Read, Write},
@@ -78,10 +79,14 @@ impl Rendezvous for LocalRendezvous {
 /// A rendezvous server for ranks in separate processes: collects the values
 /// published under a key (one key per generation) and answers every rank of
 /// that key once all have arrived.
+///
+/// With the job's secret it also serves the generation's key-value store
+/// ([`KvStore`]) on the same port, to connections that claim its channel.
 pub struct RendezvousServer {
     addr: SocketAddr,
     /// The current generation: registrations of other ones are refused.
     generation: Arc<AtomicU64>,
+    store: Arc<KvStore>,
 }
 
 type Waiting = HashMap<String, (usize, Vec<Option<(Vec<u8>, TcpStream)>>)>;
@@ -117,25 +122,28 @@ impl RendezvousServer {
         let addr = listener.local_addr()?;
         let waiting: Arc<Mutex<Waiting>> = Arc::default();
         let generation = Arc::new(AtomicU64::new(0));
-        let current = generation.clone();
+        let store = Arc::new(KvStore::default());
+        let (current, kv) = (generation.clone(), store.clone());
         std::thread::Builder::new().name("edl-rendezvous".into()).spawn(move || {
             for conn in listener.incoming().flatten() {
                 let waiting = waiting.clone();
                 let auth = auth.clone();
                 let current = current.clone();
+                let kv = kv.clone();
                 std::thread::spawn(move || {
-                    if let Err(e) = Self::serve(conn, &waiting, auth.as_ref(), &current) {
+                    if let Err(e) = Self::serve(conn, &waiting, auth.as_ref(), &current, &kv) {
                         eprintln!("rendezvous: dropped a client: {e}");
                     }
                 });
             }
         })?;
-        Ok(RendezvousServer { addr, generation })
+        Ok(RendezvousServer { addr, generation, store })
     }
 
     /// The generation whose ranks may register now.
     pub fn set_generation(&self, generation: u64) {
         self.generation.store(generation, Ordering::SeqCst);
+        self.store.set_generation(generation);
     }
 
     fn serve(
@@ -143,14 +151,22 @@ impl RendezvousServer {
         waiting: &Mutex<Waiting>,
         auth: Option<&JobAuth>,
         generation: &AtomicU64,
+        store: &KvStore,
     ) -> std::io::Result<()> {
         conn.set_read_timeout(Some(Duration::from_secs(10)))?;
         let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a client".into());
         if let Some(a) = auth {
             let g = generation.load(Ordering::SeqCst);
-            auth::accept(&mut conn, &a.secret, |c| a.check(c, "rendezvous", Some(g))).map_err(|e| {
+            let claim = auth::accept(&mut conn, &a.secret, |c| {
+                let channel = if c.channel == kv::CHANNEL { kv::CHANNEL } else { "rendezvous" };
+                a.check(c, channel, Some(g))
+            })
+            .map_err(|e| {
                 std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("refused {peer}: {e}"))
             })?;
+            if claim.channel == kv::CHANNEL {
+                return store.serve(&mut conn, claim.generation);
+            }
         }
         let key = String::from_utf8_lossy(&read_frame(&mut conn)?).into_owned();
         let header = read_frame(&mut conn)?;
