@@ -257,7 +257,8 @@ impl KvClient {
         conn.set_nodelay(true).map_err(|e| err(&e))?;
         conn.set_read_timeout(Some(timeout)).map_err(|e| err(&e))?;
         conn.set_write_timeout(Some(timeout)).map_err(|e| err(&e))?;
-        auth::connect(&mut conn, &auth.secret, &auth.claim(CHANNEL, generation, rank)).map_err(|e| err(&e))?;
+        auth::connect(&mut conn, &auth.secret, &auth.claim(CHANNEL, generation, rank))
+            .map_err(|e| err(&e))?;
         Ok(KvClient { conn, server, timeout })
     }
 
@@ -292,7 +293,8 @@ impl KvClient {
     /// Adds `by` to the number `key` holds (0 when unset); returns the sum.
     pub fn add(&mut self, key: &str, by: i64) -> Result<i64, CommError> {
         let v = self.call(op::ADD, &[key.as_bytes(), &by.to_le_bytes()], None)?;
-        let bytes: [u8; 8] = v.try_into().map_err(|_| CommError::Rendezvous("store: a short answer".into()))?;
+        let bytes: [u8; 8] =
+            v.try_into().map_err(|_| CommError::Rendezvous("store: a short answer".into()))?;
         Ok(i64::from_le_bytes(bytes))
     }
 
@@ -331,7 +333,8 @@ impl KvClient {
     /// How many keys are set.
     pub fn num_keys(&mut self) -> Result<u64, CommError> {
         let v = self.call(op::NUM_KEYS, &[], None)?;
-        let bytes: [u8; 8] = v.try_into().map_err(|_| CommError::Rendezvous("store: a short answer".into()))?;
+        let bytes: [u8; 8] =
+            v.try_into().map_err(|_| CommError::Rendezvous("store: a short answer".into()))?;
         Ok(u64::from_le_bytes(bytes))
     }
 }

@@ -6,6 +6,7 @@
 //! arrays in place, and sums gradients over the generation's ring.
 
 use anyhow::anyhow;
+use edl_host_gpu::comm::KvClient;
 use edl_plugin_sdk::{Batch, Dtype};
 use edl_runtime::distill::{DistillConfig, DistillReader, Teachers};
 use edl_runtime::job::TeacherSource;
@@ -140,8 +141,10 @@ fn indices_array<'py>(py: Python<'py>, ids: &[u32]) -> PyResult<Bound<'py, PyAny
 /// Float32 values as a NumPy array of `shape`.
 fn float_array<'py>(py: Python<'py>, values: &[f32], shape: (usize, usize)) -> PyResult<Bound<'py, PyAny>> {
     let np = py.import("numpy")?;
-    let a =
-        np.call_method1("frombuffer", (PyBytes::new(py, &edl_runtime::distill::oip::f32_bytes(values)), "float32"))?;
+    let a = np.call_method1(
+        "frombuffer",
+        (PyBytes::new(py, &edl_runtime::distill::oip::f32_bytes(values)), "float32"),
+    )?;
     a.call_method1("reshape", (shape,))?.call_method0("copy")
 }
 
@@ -360,6 +363,86 @@ impl Job {
     }
 }
 
+/// A generation's key-value store, with the operations of a
+/// `torch.distributed` `Store` (`edl.torch` wraps it as one). Every call
+/// releases the GIL while it waits.
+#[pyclass(module = "edl")]
+struct Store {
+    client: Mutex<KvClient>,
+    #[pyo3(get)]
+    generation: u64,
+}
+
+fn wait_of(timeout: Option<f64>) -> PyResult<Duration> {
+    match timeout {
+        None => Ok(Duration::from_secs(300)),
+        Some(t) if t.is_finite() && t >= 0.0 => Ok(Duration::from_secs_f64(t)),
+        Some(t) => Err(PyValueError::new_err(format!("timeout {t}: need seconds, 0 or more"))),
+    }
+}
+
+impl Store {
+    fn call<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut KvClient) -> Result<T, edl_host_gpu::comm::CommError> + Send,
+    ) -> PyResult<T> {
+        let mut c = self.client.lock().unwrap_or_else(|e| e.into_inner());
+        let client: &mut KvClient = &mut c;
+        py.detach(|| f(client)).map_err(err)
+    }
+}
+
+#[pymethods]
+impl Store {
+    fn set(&self, py: Python<'_>, key: &str, value: &[u8]) -> PyResult<()> {
+        self.call(py, |c| c.set(key, value))
+    }
+
+    /// The value of `key`, waiting up to `timeout` seconds (default 300) for it.
+    #[pyo3(signature = (key, timeout=None))]
+    fn get<'py>(&self, py: Python<'py>, key: &str, timeout: Option<f64>) -> PyResult<Bound<'py, PyBytes>> {
+        let wait = wait_of(timeout)?;
+        let v = self.call(py, |c| c.get(key, wait))?;
+        Ok(PyBytes::new(py, &v))
+    }
+
+    fn add(&self, py: Python<'_>, key: &str, amount: i64) -> PyResult<i64> {
+        self.call(py, |c| c.add(key, amount))
+    }
+
+    fn compare_set<'py>(
+        &self,
+        py: Python<'py>,
+        key: &str,
+        expected: &[u8],
+        desired: &[u8],
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let v = self.call(py, |c| c.compare_set(key, expected, desired))?;
+        Ok(PyBytes::new(py, &v))
+    }
+
+    fn check(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<bool> {
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        self.call(py, |c| c.check(&keys))
+    }
+
+    #[pyo3(signature = (keys, timeout=None))]
+    fn wait(&self, py: Python<'_>, keys: Vec<String>, timeout: Option<f64>) -> PyResult<()> {
+        let wait = wait_of(timeout)?;
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        self.call(py, |c| c.wait(&keys, wait))
+    }
+
+    fn delete_key(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
+        self.call(py, |c| c.delete(key))
+    }
+
+    fn num_keys(&self, py: Python<'_>) -> PyResult<u64> {
+        self.call(py, |c| c.num_keys())
+    }
+}
+
 /// The iterator of a job's steps.
 #[pyclass(module = "edl")]
 struct Steps {
@@ -486,6 +569,45 @@ impl StepView {
         d.set_item("port", r.addr.port())?;
         d.set_item("key", r.key.clone())?;
         Ok(d)
+    }
+
+    /// The generation's key-value store (a `torch.distributed` process
+    /// group's rendezvous), reached through the job's authenticated
+    /// rendezvous port; `timeout` bounds each request that does not wait.
+    #[pyo3(signature = (timeout=30.0))]
+    fn store(&self, py: Python<'_>, timeout: f64) -> PyResult<Store> {
+        let job = self.job.bind(py).borrow();
+        let inner = lock(&job.inner);
+        let r = inner.session.rendezvous().ok_or_else(|| err("no generation yet"))?.clone();
+        let auth = inner.session.auth().clone();
+        drop(inner);
+        if !(timeout.is_finite() && timeout > 0.0) {
+            return Err(PyValueError::new_err(format!("timeout {timeout}: need seconds above 0")));
+        }
+        let limit = Duration::from_secs_f64(timeout);
+        let client = py
+            .detach(|| KvClient::connect(r.addr, &auth, r.generation, r.rank as u64, limit))
+            .map_err(err)?;
+        Ok(Store { client: Mutex::new(client), generation: r.generation })
+    }
+
+    /// Gives the step up: `reason` (a collective of your own failed, a peer
+    /// died) is reported, the step is redone by the next generation from the
+    /// state before it, and the loop goes on with the next step it is given.
+    fn abandon(&mut self, py: Python<'_>, reason: &str) -> PyResult<()> {
+        if self.done {
+            return Ok(());
+        }
+        let job = self.job.bind(py).borrow();
+        let mut inner = lock(&job.inner);
+        inner.current = None;
+        self.done = true;
+        let e = anyhow!("step {}: {reason}", self.info.step);
+        if inner.session.in_step() {
+            let session = &mut inner.session;
+            py.detach(|| session.fail(e, None)).map_err(anyhow_err)?;
+        }
+        Ok(())
     }
 
     /// Sums `arrays` (float32, writable, C-contiguous) over the generation's
@@ -752,6 +874,7 @@ fn _edl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Job>()?;
     m.add_class::<Steps>()?;
     m.add_class::<StepView>()?;
+    m.add_class::<Store>()?;
     m.add("EdlError", m.py().get_type::<EdlError>())?;
     Ok(())
 }

@@ -283,6 +283,12 @@ impl Session {
         &self.spec
     }
 
+    /// The job's identity this worker proves on its connections (for the
+    /// generation's key-value store, see [`edl_host_gpu::comm::KvClient`]).
+    pub fn auth(&self) -> &JobAuth {
+        &self.auth
+    }
+
     /// The program has built its state (of `layout`): the worker can be given a rank.
     pub fn ready(&mut self, layout: Layout) -> Result<()> {
         self.layout = layout;

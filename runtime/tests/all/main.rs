@@ -14,6 +14,7 @@ mod scaffold;
 mod shipped;
 mod storage;
 mod store;
+mod torch;
 mod torchrun;
 mod train;
 

@@ -13,7 +13,7 @@ use std::{
     time::Duration,
 };
 
-struct PyEnv {
+pub(crate) struct PyEnv {
     /// The virtual environment's `bin/`.
     bin: PathBuf,
     /// What goes on PYTHONPATH: holds the `edl` package.
@@ -39,6 +39,50 @@ fn py() -> &'static PyEnv {
     ENV.get_or_init(setup).as_ref().unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// The package in an environment with PyTorch (CPU use of the PyPI
+/// wheel), made once per machine and reused by every later run: at
+/// `$EDL_TORCH_VENV`, else `~/.cache/edl/venv-torch`.
+pub(crate) fn torch_py() -> &'static PyEnv {
+    static ENV: OnceLock<Result<PyEnv, String>> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let site = py().site.clone();
+        let venv = match std::env::var_os("EDL_TORCH_VENV") {
+            Some(v) => PathBuf::from(v),
+            None => {
+                let home = std::env::var_os("HOME").ok_or("HOME is not set: give EDL_TORCH_VENV")?;
+                Path::new(&home).join(".cache/edl/venv-torch")
+            }
+        };
+        let bin = venv_with(&venv, "import torch, numpy", &["torch>=2.4", "numpy>=1.22"])?;
+        Ok(PyEnv { bin, site })
+    })
+    .as_ref()
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A virtual environment at `venv` in which `probe` runs: made, and
+/// `packages` installed from the package registry, only when it does not.
+fn venv_with(venv: &Path, probe: &str, packages: &[&str]) -> Result<PathBuf, String> {
+    let bin = venv.join("bin");
+    let ready = |bin: &Path| {
+        Command::new(bin.join("python"))
+            .args(["-c", probe])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !ready(&bin) {
+        run(Command::new("python3").args(["-m", "venv"]).arg(venv), "python3 -m venv")?;
+        run(
+            Command::new(bin.join("python"))
+                .args(["-m", "pip", "install", "--disable-pip-version-check", "-q"])
+                .args(packages),
+            &format!("installing {} from the package registry", packages.join(", ")),
+        )?;
+    }
+    Ok(bin)
+}
+
 fn setup() -> Result<PyEnv, String> {
     let exe = Path::new(env!("CARGO_BIN_EXE_edl-runtime"));
     let profile = exe.parent().unwrap();
@@ -52,30 +96,7 @@ fn setup() -> Result<PyEnv, String> {
     }
     run(&mut build, "building the edl package (cargo build -p edl-python)")?;
     let base = target.join("edl-python");
-    let venv = base.join("venv");
-    let bin = venv.join("bin");
-    let ready = |bin: &Path| {
-        Command::new(bin.join("python"))
-            .args(["-c", "import numpy, pytest"])
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if !ready(&bin) {
-        run(Command::new("python3").args(["-m", "venv"]).arg(&venv), "python3 -m venv")?;
-        run(
-            Command::new(bin.join("python")).args([
-                "-m",
-                "pip",
-                "install",
-                "--disable-pip-version-check",
-                "-q",
-                "numpy>=1.22",
-                "pytest>=7",
-            ]),
-            "installing numpy and pytest from the package registry",
-        )?;
-    }
+    let bin = venv_with(&base.join("venv"), "import numpy, pytest", &["numpy>=1.22", "pytest>=7"])?;
     let site = base.join("site");
     let pkg = site.join("edl");
     std::fs::create_dir_all(&pkg).map_err(|e| format!("{}: {e}", pkg.display()))?;
@@ -84,7 +105,9 @@ fn setup() -> Result<PyEnv, String> {
             .map(|_| ())
             .map_err(|e| format!("{} -> {}: {e}", from.display(), to.display()))
     };
-    copy(&root().join("runtime/python/python/edl/__init__.py"), &pkg.join("__init__.py"))?;
+    for source in ["__init__.py", "torch.py"] {
+        copy(&root().join("runtime/python/python/edl").join(source), &pkg.join(source))?;
+    }
     copy(&profile.join("lib_edl.so"), &pkg.join("_edl.abi3.so"))?;
     Ok(PyEnv { bin, site })
 }
@@ -96,7 +119,7 @@ impl PyEnv {
         c
     }
 
-    fn env(&self, c: &mut Command) {
+    pub(crate) fn env(&self, c: &mut Command) {
         let path = std::env::var("PATH").unwrap_or_default();
         c.env("PYTHONPATH", &self.site).env("PATH", format!("{}:{path}", self.bin.display()));
     }

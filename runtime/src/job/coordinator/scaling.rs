@@ -25,7 +25,10 @@ impl Coordinator<'_> {
         let to = self.m.world();
         let mut pending = match self.pending.take() {
             Some(p) => p,
-            None => self.decided_for(admitted).unwrap_or(Pending::new(from, String::new())),
+            // A decision's workers join later: the world they join is this one.
+            None => self
+                .decided_for(admitted)
+                .map_or(Pending::new(from, String::new()), |p| Pending { from, ..p }),
         };
         let decided = !pending.reason.is_empty();
         if pending.reason.is_empty() {
