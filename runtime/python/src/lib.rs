@@ -846,6 +846,28 @@ fn builtin_data<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDict>
     Ok(d)
 }
 
+/// A checkpoint's tensors, verified (each file against its sha256), as
+/// `{name: float32 array}` in their shapes, and its manifest's step and
+/// epoch: `edl.torch.load_checkpoint` puts them back into a model.
+#[pyfunction]
+fn read_checkpoint<'py>(py: Python<'py>, path: &str) -> PyResult<Bound<'py, PyDict>> {
+    let r = py
+        .detach(|| edl_runtime::checkpoint::Checkpoints::read(std::path::Path::new(path)))
+        .map_err(|e| err(format!("checkpoint {path}: {e}")))?;
+    let tensors = PyDict::new(py);
+    let np = py.import("numpy")?;
+    for (t, range) in r.layout.ranges() {
+        let flat = float_array(py, &r.values[range], (1, t.numel()))?;
+        let shaped = np.getattr("reshape")?.call1((flat, t.shape.clone()))?;
+        tensors.set_item(&t.name, shaped)?;
+    }
+    let d = PyDict::new(py);
+    d.set_item("tensors", tensors)?;
+    d.set_item("step", r.manifest.step)?;
+    d.set_item("epoch", r.manifest.epoch)?;
+    Ok(d)
+}
+
 /// The built-in student's initial weights for layer `sizes` (input first)
 /// under `seed`: a list of `(weight [in, out], bias [out])` float32 arrays.
 #[pyfunction]
@@ -871,6 +893,7 @@ fn mlp_init<'py>(
 fn _edl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(builtin_data, m)?)?;
     m.add_function(wrap_pyfunction!(mlp_init, m)?)?;
+    m.add_function(wrap_pyfunction!(read_checkpoint, m)?)?;
     m.add_class::<Job>()?;
     m.add_class::<Steps>()?;
     m.add_class::<StepView>()?;

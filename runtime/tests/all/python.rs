@@ -119,6 +119,10 @@ impl PyEnv {
         c
     }
 
+    pub(crate) fn bin(&self) -> &Path {
+        &self.bin
+    }
+
     pub(crate) fn env(&self, c: &mut Command) {
         let path = std::env::var("PATH").unwrap_or_default();
         c.env("PYTHONPATH", &self.site).env("PATH", format!("{}:{path}", self.bin.display()));
@@ -173,7 +177,7 @@ fn worker_id(pid: u32) -> Option<u64> {
 }
 
 /// Waits until `dir` holds a checkpoint that verifies; returns its step.
-fn committed_checkpoint(dir: &Path, job: &mut std::process::Child) -> u64 {
+pub(crate) fn committed_checkpoint(dir: &Path, job: &mut std::process::Child) -> u64 {
     let store = Checkpoints::new(dir, 1);
     let check = || store.latest().ok()?.0.map(|r| r.manifest.step);
     let context = || format!("checkpoints in {}", dir.display());

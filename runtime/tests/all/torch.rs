@@ -1,15 +1,46 @@
-//! PyTorch programs under `edl-runtime launch`, for real: DDP over the
-//! gloo process group `edl.torch` builds for each generation, with the job's
-//! store (`tests/programs/torch_ddp.py`).
+//! PyTorch programs under `edl-runtime launch`, for real
+//! (`tests/programs/torch_state.py`): a CNN with BatchNorm, AdamW or
+//! RMSprop and a cosine schedule, whole in `edl.torch.ElasticState`,
+//! trained with DDP over the gloo process group `edl.torch` builds for each
+//! generation on the job's authenticated store.
 
 use crate::elastic::{children, finish, lines, report, wait_for};
-use crate::python::torch_py;
+use crate::python::{PyEnv, committed_checkpoint, torch_py};
 use edl_plugin_artifacts as art;
+use serde_json::Value;
 use std::{
-    path::Path,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
     time::Duration,
 };
+
+fn program() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/programs/torch_state.py")
+}
+
+/// The job: 2 to 3 workers under the schedule policy, digits (1397 samples).
+fn job(py: &PyEnv, dir: &Path, optimizer: &str, epochs: u32) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    c.current_dir(dir)
+        .args(["launch", "--samples", "1397", "--min-workers", "2", "--max-workers", "3"])
+        .args(["--policy", art::SCHEDULE_WASM, "--policy-config", "every=8", "--decide-every-steps", "4"])
+        .arg("--epochs")
+        .arg(epochs.to_string())
+        .args(["--no-distill", "--report", "report.json", "--plugin-cache"])
+        .arg(dir.join("plugin-cache"))
+        .args(["--", "python"])
+        .arg(program())
+        .env("OPTIMIZER", optimizer)
+        .env("EPOCHS", epochs.to_string())
+        // Slow enough for a third worker (PyTorch takes seconds to import)
+        // to join, and for the kills to land mid-job.
+        .env("STEP_DELAY_MS", "60")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    py.env(&mut c);
+    c
+}
 
 /// The worker id a launched program was given.
 fn worker_id(pid: u32) -> Option<u64> {
@@ -19,49 +50,44 @@ fn worker_id(pid: u32) -> Option<u64> {
         .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
 }
 
-/// What a worker said when it stopped: (worker, why, generations it
-/// trained in, params digest, accuracy).
-fn farewells(lines: &[String]) -> Vec<(u64, String, u64, String, f64)> {
+/// The value after `key ` in `line`, up to the next `;`.
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    let rest = line.split_once(&format!("{key} "))?.1;
+    Some(rest.split(';').next()?.trim().trim_end_matches('%'))
+}
+
+/// The workers that ended with the job having trained: (params digest, accuracy).
+fn finishers(lines: &[String]) -> Vec<(String, f64)> {
     lines
         .iter()
-        .filter_map(|l| {
-            let rest = l.split_once("] worker ")?.1;
-            let (id, rest) = rest.split_once(": ")?;
-            let (why, rest) = rest.split_once("; generations ")?;
-            let generations = rest.split_once(';')?.0.parse().ok()?;
-            let digest = rest.split_once("params ")?.1.split_once(';')?.0;
-            let acc = rest.split_once("test accuracy ")?.1.trim_end_matches('%').parse().ok()?;
-            Some((id.parse().ok()?, why.to_string(), generations, digest.to_string(), acc))
-        })
+        .filter(|l| l.contains(": the job is done; generations "))
+        .filter(|l| field(l, "generations").is_some_and(|g| g != "0"))
+        .filter_map(|l| Some((field(l, "params")?.to_string(), field(l, "test accuracy")?.parse().ok()?)))
         .collect()
 }
 
+fn every_sample_once(r: &Value, epochs: usize) {
+    let done = r["epochs"].as_array().unwrap();
+    assert_eq!(done.len(), epochs, "{done:?}");
+    for e in done {
+        assert_eq!(
+            (e["samples_committed"].as_u64(), e["duplicates"].as_u64(), e["missing"].as_u64()),
+            (Some(1397), Some(0), Some(0)),
+            "{e}"
+        );
+    }
+}
+
 #[test]
-fn ddp_over_the_jobs_process_groups_trains_every_sample_once_through_resizes_and_a_kill() {
+fn a_cnn_with_batchnorm_adamw_and_a_schedule_trains_whole_through_resizes_and_a_kill() {
     let py = torch_py();
     let dir = tempfile::tempdir().unwrap();
-    let program = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/programs/torch_ddp.py");
-    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
-    c.current_dir(dir.path())
-        .args(["launch", "--samples", "1397", "--min-workers", "2", "--max-workers", "3"])
-        .args(["--policy", art::SCHEDULE_WASM, "--policy-config", "every=8", "--decide-every-steps", "4"])
-        .args(["--epochs", "6", "--no-distill", "--report", "report.json", "--plugin-cache"])
-        .arg(dir.path().join("plugin-cache"))
-        .args(["--", "python"])
-        .arg(&program)
-        // Slow enough for a third worker (PyTorch takes seconds to import)
-        // to join and for the kill to land mid-job.
-        .env("STEP_DELAY_MS", "60")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    py.env(&mut c);
-    let mut child = c.spawn().unwrap();
+    let mut child = job(py, dir.path(), "adamw", 6).spawn().unwrap();
     let coordinator = child.id();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
-    // Grown to three workers: kill one of them with SIGKILL, mid-collective
-    // as likely as not; the others' gloo collectives fail and the step is redone.
+    // Grown to three workers: kill one with SIGKILL, mid-collective as
+    // likely as not; the others' collectives fail and the step is redone.
     wait_for(&rx, " -> 3 workers", &mut seen, Duration::from_secs(180));
     let (victim, id) = children(coordinator)
         .into_iter()
@@ -73,26 +99,70 @@ fn ddp_over_the_jobs_process_groups_trains_every_sample_once_through_resizes_and
     let status = finish(child, rx, &mut seen);
     let text = seen.join("\n");
     assert!(status.success(), "{text}");
-
     let r = report(dir.path());
-    let epochs = r["epochs"].as_array().unwrap();
-    assert_eq!(epochs.len(), 6, "{epochs:?}");
-    for e in epochs {
-        assert_eq!(
-            (e["samples_committed"].as_u64(), e["duplicates"].as_u64(), e["missing"].as_u64()),
-            (Some(1397), Some(0), Some(0)),
-            "{e}"
-        );
-    }
+    every_sample_once(&r, 6);
     let events = r["scale_events"].as_array().unwrap();
-    let policy = events.iter().filter(|e| e["reason"].as_str().unwrap().starts_with("policy")).count();
-    assert!(policy >= 1, "a policy-driven resize: {events:?}");
-    // The workers that ended with the job hold one model: DDP's reductions
-    // agreed across every generation, the redone steps included.
-    // (A worker started near the end may have joined no generation: it
-    // holds the untrained model and is no member.)
-    let done: Vec<_> = farewells(&seen).into_iter().filter(|f| f.1 == "the job is done" && f.2 > 0).collect();
+    assert!(events.iter().any(|e| e["reason"].as_str().unwrap().starts_with("policy")), "{events:?}");
+
+    // The workers that ended together hold one model: the reductions
+    // agreed in every generation, the redone steps included.
+    let done = finishers(&seen);
     assert!(done.len() >= 2, "two workers at the end: {text}");
-    assert!(done.iter().all(|f| f.3 == done[0].3), "the final workers' models differ: {done:?}");
-    assert!(done[0].4 > 85.0, "test accuracy {}: {text}", done[0].4);
+    assert!(done.iter().all(|f| f.0 == done[0].0), "the final workers' models differ: {done:?}");
+    assert!(done[0].1 > 85.0, "test accuracy {}: {text}", done[0].1);
+
+    // The final checkpoint, loaded into a plain PyTorch model, optimizer
+    // and scheduler: the same parameters, the same accuracy (within a
+    // point: BatchNorm's running statistics are rank 0's), and an optimizer
+    // and a schedule that stepped once per committed step.
+    let ckpt = r["final_checkpoint"].as_str().unwrap();
+    let mut check = Command::new(py.bin().join("python"));
+    py.env(&mut check);
+    let out = check.arg(program()).args(["--check", ckpt]).env("EPOCHS", "6").output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert_eq!(field(&said, "params"), Some(done[0].0.as_str()), "{said}");
+    let acc: f64 = field(&said, "test accuracy").unwrap().parse().unwrap();
+    assert!((acc - done[0].1).abs() <= 1.0, "checkpoint {acc}, workers {}: {said}", done[0].1);
+    let steps = r["steps"].as_u64().unwrap().to_string();
+    assert_eq!(field(&said, "optimizer steps"), Some(steps.as_str()), "{said}");
+    assert_eq!(field(&said, "scheduler steps"), Some(steps.as_str()), "{said}");
+}
+
+#[test]
+fn a_killed_rmsprop_job_resumes_with_its_optimizer_and_schedule_where_they_were() {
+    let py = torch_py();
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = job(py, dir.path(), "rmsprop", 4).spawn().unwrap();
+    let coordinator = child.id();
+    let _rx = lines(&mut child);
+    let written = committed_checkpoint(&dir.path().join(".edl/launch/checkpoints"), &mut child);
+    // SAFETY: signalling the job under test; its workers die with it.
+    unsafe { libc::kill(coordinator as i32, libc::SIGKILL) };
+    let _ = child.wait();
+
+    let mut child = job(py, dir.path(), "rmsprop", 4).spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    let r = report(dir.path());
+    let resumed = r["resumed_from_step"].as_u64().unwrap();
+    assert!(resumed > 0 && resumed >= written, "{r}, a checkpoint at step {written}");
+    every_sample_once(&r, 4);
+    // Each worker's first step (the resumed one, or a later one for a
+    // worker that joined later) finds RMSprop's state (made lazily by
+    // PyTorch, here from the start) and the schedule as the checkpoint or
+    // its peers had them: one optimizer and one scheduler step per committed
+    // step. A reset optimizer or schedule would say 0.
+    let firsts: Vec<&String> = seen.iter().filter(|l| l.contains(": first step ")).collect();
+    assert!(firsts.iter().any(|l| field(l, "first step") == Some(&resumed.to_string())), "{text}");
+    for l in firsts {
+        let step = field(l, "first step").unwrap();
+        assert_eq!(field(l, "optimizer steps"), Some(step), "{l}");
+        assert_eq!(field(l, "scheduler steps"), Some(step), "{l}");
+    }
+    let done = finishers(&seen);
+    assert!(done.len() >= 2 && done.iter().all(|f| f.0 == done[0].0), "{done:?}: {text}");
 }

@@ -17,9 +17,9 @@ inside it::
 See docs/your-own-program.md.
 """
 
-from ._edl import EdlError, Job, Step, Steps, builtin_data, mlp_init
+from ._edl import EdlError, Job, Step, Steps, builtin_data, mlp_init, read_checkpoint
 
-__all__ = ["EdlError", "Job", "Step", "Steps", "builtin_data", "mlp_init", "register_torch"]
+__all__ = ["EdlError", "Job", "Step", "Steps", "builtin_data", "mlp_init", "read_checkpoint", "register_torch"]
 
 
 def register_torch(job, module, optimizer=None, prefix=""):

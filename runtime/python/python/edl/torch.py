@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["EdlStore", "ProcessGroups", "ElasticDDP", "scaled", "zero_loss"]
+__all__ = ["EdlStore", "ProcessGroups", "ElasticDDP", "ElasticState", "load_checkpoint", "scaled", "zero_loss"]
 
 
 def _bytes(value):
@@ -193,3 +193,350 @@ def zero_loss(module):
     """A loss of 0 that reaches every parameter: what a rank with no samples
     in a step backpropagates, so that it still takes part in DDP's reduction."""
     return sum(p.sum() for p in module.parameters() if p.requires_grad) * 0.0
+
+
+# ---------------------------------------------------------------------------
+# The whole state of a PyTorch program, kept by the job.
+
+_INT_BITS = 22  # an int64 travels as three float32 values of up to 22 bits: exact
+
+
+def _materialize(optimizer):
+    """Creates the optimizer's per-parameter state now, with the values its
+    first step would create it with (an optimizer creates it lazily; the
+    ranks and the checkpoints must have it from the start).
+
+    One step runs with zero gradients on a copy of the parameters' values;
+    every state entry it creates is recorded as first assigned and put back
+    to that value, so the step's arithmetic leaves no trace.
+    """
+
+    class _Recording(dict):
+        def __init__(self):
+            super().__init__()
+            self.first = {}
+
+        def __setitem__(self, key, value):
+            if key not in self.first:
+                self.first[key] = value.detach().clone() if torch.is_tensor(value) else value
+            super().__setitem__(key, value)
+
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    missing = [p for p in params if len(optimizer.state[p]) == 0]
+    if not missing:
+        return
+    name = type(optimizer).__name__
+    saved = [(p, p.grad, p.detach().clone()) for p in params]
+    for p in missing:
+        optimizer.state[p] = _Recording()
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+    except Exception as e:
+        raise ValueError(
+            f"optimizer {name}: its state cannot be created before its first step ({e}); "
+            "edl keeps an optimizer's state from the start, so it cannot keep this one"
+        ) from e
+    finally:
+        with torch.no_grad():
+            for p, grad, value in saved:
+                p.copy_(value)
+                p.grad = grad
+        for p in missing:
+            state = optimizer.state[p]
+            if isinstance(state, _Recording):
+                plain = {}
+                for key, value in dict.items(state):
+                    first = state.first.get(key, value)
+                    if torch.is_tensor(value) and torch.is_tensor(first):
+                        value.copy_(first)
+                        plain[key] = value
+                    else:
+                        plain[key] = first
+                optimizer.state[p] = plain
+
+
+def _int_pack(t, out):
+    bits = t.detach().reshape(-1).to("cpu", torch.int64).numpy().view("uint64")
+    mask = (1 << _INT_BITS) - 1
+    out[:, 0] = bits & mask
+    out[:, 1] = (bits >> _INT_BITS) & mask
+    out[:, 2] = bits >> (2 * _INT_BITS)
+
+
+def _int_unpack(mirror):
+    import numpy as np
+
+    u = mirror.astype(np.uint64)
+    bits = u[:, 0] | (u[:, 1] << np.uint64(_INT_BITS)) | (u[:, 2] << np.uint64(2 * _INT_BITS))
+    return torch.from_numpy(bits.view(np.int64).copy())
+
+
+class _Mirrored:
+    """A tensor the runtime cannot hold in place (another dtype, another
+    device, another memory layout): the runtime holds a float32 copy that is
+    written before the runtime may read it and read back after it may have
+    changed it (a rollback, a joiner's broadcast, a checkpoint loaded)."""
+
+    def __init__(self, name, tensor):
+        import numpy as np
+
+        self.tensor = tensor
+        dtype = tensor.dtype
+        if dtype in (torch.float32, torch.float16, torch.bfloat16):
+            self.codec = "f32"
+            self.mirror = np.zeros(max(tensor.numel(), 1), dtype=np.float32)
+        elif dtype == torch.float64 or not dtype.is_floating_point and not dtype.is_complex:
+            self.codec = "bits" if dtype == torch.float64 else "int"
+            self.mirror = np.zeros((max(tensor.numel(), 1), 3), dtype=np.float32)
+        else:
+            raise ValueError(f"state {name!r}: edl cannot keep {dtype} tensors")
+        self.name = f"{name}@{self.codec}"
+
+    def pack(self):
+        t = self.tensor.detach()
+        if t.numel() == 0:
+            return
+        if self.codec == "f32":
+            self.mirror[: t.numel()] = t.reshape(-1).to("cpu", torch.float32).numpy()
+        elif self.codec == "bits":
+            _int_pack(t.reshape(-1).contiguous().cpu().view(torch.int64), self.mirror)
+        else:
+            _int_pack(t, self.mirror)
+
+    def unpack(self):
+        t = self.tensor
+        if t.numel() == 0:
+            return
+        with torch.no_grad():
+            if self.codec == "f32":
+                src = torch.from_numpy(self.mirror[: t.numel()].copy())
+            elif self.codec == "bits":
+                src = _int_unpack(self.mirror).view(torch.float64)
+            else:
+                src = _int_unpack(self.mirror)
+            t.copy_(src.reshape(t.shape).to(t.device, t.dtype))
+
+
+class _Blob:
+    """Python values (scalars, the scheduler's and the optimizer's settings,
+    RNG states) pickled into a float32 array of bytes of a fixed capacity,
+    with its length in front."""
+
+    def __init__(self, data, capacity=None):
+        import numpy as np
+
+        size = len(data)
+        self.capacity = capacity or max(16 * 1024, 4 * size)
+        self.mirror = np.zeros(self.capacity + 2, dtype=np.float32)
+        self.last = None
+
+    def pack(self, data):
+        import numpy as np
+
+        if len(data) > self.capacity:
+            raise ValueError(
+                f"edl: the program's Python state grew to {len(data)} bytes, over the {self.capacity} "
+                "reserved when it was registered (ElasticState(..., python_bytes=N) reserves more)"
+            )
+        n = len(data)
+        self.mirror[0], self.mirror[1] = n & 0xFFFF, n >> 16
+        self.mirror[2 : 2 + n] = np.frombuffer(data, dtype=np.uint8)
+        self.mirror[2 + n :] = 0
+        self.last = data
+
+    def unpack(self):
+        n = int(self.mirror[0]) | (int(self.mirror[1]) << 16)
+        data = self.mirror[2 : 2 + n].astype("uint8").tobytes()
+        changed = data != self.last
+        self.last = data
+        return data, changed
+
+
+class ElasticState:
+    """Registers, in one call, everything of a PyTorch program that must
+    stay the same on every rank and survive a dead worker: the model's
+    parameters and buffers of any dtype (float32 held in place; float16,
+    bfloat16, float64, integer and boolean ones, CUDA and channels_last
+    tensors through a float32 copy the runtime holds), the optimizer's
+    state (any ``torch.optim`` optimizer: its lazily created state is made
+    now, and a state entry that appears later is an error naming it), its
+    settings (learning rates a scheduler changes), the LR scheduler, named
+    Python scalars (``epoch=0``: read and set as ``state.epoch``) and, with
+    ``rng=True``, the RNG states (the same on every rank).
+
+    Iterate ``state.steps()`` instead of ``job.steps()``: it brings the
+    copies up to date around the runtime's own work between steps.
+    ``edl.torch.load_checkpoint`` puts a checkpoint back into a plain model.
+    """
+
+    def __init__(self, job, model, optimizer=None, scheduler=None, rng=False, python_bytes=None, **scalars):
+        import pickle
+
+        object.__setattr__(self, "_scalars", dict(scalars))
+        self.job, self.model, self.optimizer, self.scheduler, self.rng = job, model, optimizer, scheduler, rng
+        self._mirrored = []
+        for name, t in model.state_dict(keep_vars=True).items():
+            self._add(f"model.{name}", t)
+        self._optimizer_keys = {}
+        if optimizer is not None:
+            _materialize(optimizer)
+            for i, p in enumerate(self._params()):
+                keys = []
+                for key, value in sorted(optimizer.state[p].items()):
+                    if torch.is_tensor(value):
+                        self._add(f"optimizer.{i}.{key}", value)
+                    keys.append(key)
+                self._optimizer_keys[i] = keys
+            optimizer.register_step_post_hook(self._check_optimizer)
+        self._pickle = pickle
+        data = self._python()
+        self._blob = _Blob(data, python_bytes)
+        self._blob.pack(data)
+        job.register("python@pickle", self._blob.mirror)
+        for m in self._mirrored:
+            m.pack()
+
+    def _params(self):
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _add(self, name, t):
+        direct = t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+        if direct:
+            view = t.detach().reshape(-1) if t.dim() == 0 else t.detach()
+            self.job.register(name, view.numpy())
+        else:
+            m = _Mirrored(name, t)
+            self.job.register(m.name, m.mirror)
+            self._mirrored.append(m)
+
+    def _check_optimizer(self, optimizer, args, kwargs):
+        for i, p in enumerate(self._params()):
+            keys = sorted(optimizer.state[p].keys())
+            if keys != self._optimizer_keys.get(i, []):
+                new = sorted(set(keys) - set(self._optimizer_keys.get(i, [])))
+                raise RuntimeError(
+                    f"optimizer {type(optimizer).__name__}: state {new} of parameter {i} appeared after "
+                    "the state was registered; edl cannot keep it consistent across workers"
+                )
+
+    def _python(self):
+        """The Python part of the state, pickled."""
+        value = {"scalars": self._scalars}
+        if self.optimizer is not None:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            loose = {
+                i: {k: v for k, v in self.optimizer.state[p].items() if not torch.is_tensor(v)}
+                for i, p in enumerate(self._params())
+            }
+            value["optimizer"] = {"groups": groups, "loose": loose}
+        if self.scheduler is not None:
+            value["scheduler"] = self.scheduler.state_dict()
+        if self.rng:
+            value["rng"] = torch.get_rng_state()
+        return self._pickle.dumps(value, protocol=4)
+
+    def _restore_python(self, value):
+        self._scalars.clear()
+        self._scalars.update(value["scalars"])
+        if self.optimizer is not None and "optimizer" in value:
+            for g, saved in zip(self.optimizer.param_groups, value["optimizer"]["groups"]):
+                g.update(saved)
+            for i, p in enumerate(self._params()):
+                self.optimizer.state[p].update(value["optimizer"]["loose"].get(i, {}))
+        if self.scheduler is not None and "scheduler" in value:
+            self.scheduler.load_state_dict(value["scheduler"])
+        if "rng" in value:
+            torch.set_rng_state(value["rng"])
+
+    def pack(self):
+        """Writes the copies the runtime holds (before it may read them)."""
+        for m in self._mirrored:
+            m.pack()
+        self._blob.pack(self._python())
+
+    def unpack(self):
+        """Reads back the copies the runtime may have changed."""
+        for m in self._mirrored:
+            m.unpack()
+        data, changed = self._blob.unpack()
+        if changed:
+            self._restore_python(self._pickle.loads(data))
+
+    def steps(self):
+        """The job's steps, with the state brought up to date around the
+        runtime's work between them (rollbacks, broadcasts, checkpoints)."""
+        steps = iter(self.job.steps())
+        while True:
+            self.pack()
+            step = next(steps, None)
+            if step is None:
+                return
+            self.unpack()
+            yield step
+
+    def __getattr__(self, name):
+        scalars = object.__getattribute__(self, "_scalars")
+        if name in scalars:
+            return scalars[name]
+        raise AttributeError(name)
+
+    def __setattr__(self, name, value):
+        if name in self.__dict__.get("_scalars", {}):
+            self._scalars[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+
+def load_checkpoint(path, model, optimizer=None, scheduler=None):
+    """Puts an edl checkpoint (a ``step-...`` directory an ``ElasticState``
+    job wrote) back into a plain PyTorch ``model`` (and ``optimizer``,
+    ``scheduler``). Returns the named scalars and the checkpoint's step and
+    epoch: ``{"scalars": {...}, "step": N, "epoch": E}``."""
+    import pickle
+
+    import numpy as np
+
+    from . import read_checkpoint
+
+    ckpt = read_checkpoint(str(path))
+    tensors = ckpt["tensors"]
+
+    def value(name, like):
+        for codec in ("", "@f32", "@int", "@bits"):
+            if name + codec in tensors:
+                raw = tensors[name + codec]
+                break
+        else:
+            raise KeyError(f"checkpoint {path}: no tensor {name!r}")
+        if codec in ("", "@f32"):
+            src = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1)[: like.numel()].copy())
+        elif codec == "@int":
+            src = _int_unpack(raw.reshape(-1, 3))
+        else:
+            src = _int_unpack(raw.reshape(-1, 3)).view(torch.float64)
+        return src.reshape(like.shape).to(like.device, like.dtype)
+
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            t.copy_(value(f"model.{name}", t))
+    blob = tensors["python@pickle"].reshape(-1)
+    n = int(blob[0]) | (int(blob[1]) << 16)
+    python = pickle.loads(blob[2 : 2 + n].astype("uint8").tobytes())
+    if optimizer is not None:
+        _materialize(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                for key, v in optimizer.state[p].items():
+                    if torch.is_tensor(v):
+                        v.copy_(value(f"optimizer.{i}.{key}", v))
+        saved = python.get("optimizer", {})
+        for g, s in zip(optimizer.param_groups, saved.get("groups", [])):
+            g.update(s)
+        for i, p in enumerate(params):
+            optimizer.state[p].update(saved.get("loose", {}).get(i, {}))
+    if scheduler is not None and "scheduler" in python:
+        scheduler.load_state_dict(python["scheduler"])
+    return {"scalars": python["scalars"], "step": ckpt["step"], "epoch": ckpt["epoch"]}

@@ -1,0 +1,137 @@
+"""A small CNN with BatchNorm (an int64 buffer), AdamW or RMSprop
+(`OPTIMIZER`; RMSprop makes its state lazily) and a cosine LR schedule,
+kept whole by `edl.torch.ElasticState` and trained with DDP over the job's
+gloo groups:
+
+    edl-runtime launch --samples 1397 ... -- python torch_state.py
+
+When a worker stops it prints a digest of its model's parameters and its
+test accuracy; at its first step it prints where the
+optimizer and the scheduler stand. `python torch_state.py --check CKPT`
+loads a checkpoint into a plain model with `edl.torch.load_checkpoint` and
+prints the same digest and accuracy.
+"""
+
+import hashlib
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import edl
+import edl.torch
+
+EPOCHS = int(os.environ.get("EPOCHS", "4"))
+
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 64, 10),
+    )
+    if os.environ.get("OPTIMIZER", "adamw") == "rmsprop":
+        opt = torch.optim.RMSprop(model.parameters(), lr=0.002, momentum=0.5)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.005, weight_decay=0.01)
+    steps = EPOCHS * 22  # digits: 1397 samples, 64 a step
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    return model, opt, sched
+
+
+def digest(model):
+    """Of the parameters: the same on every rank. (BatchNorm's running
+    statistics are each rank's own between two forwards; DDP sends rank 0's
+    at the next one.)"""
+    d = hashlib.sha256()
+    for t in model.parameters():
+        d.update(t.detach().contiguous().numpy().tobytes())
+    return d.hexdigest()[:16]
+
+
+def accuracy(model, data):
+    model.eval()
+    with torch.no_grad():
+        x = torch.from_numpy(data["test_x"]).reshape(-1, 1, 8, 8)
+        pred = model(x).argmax(dim=1)
+        acc = (pred == torch.from_numpy(data["test_y"]).long()).float().mean().item()
+    model.train()
+    return acc
+
+
+def optimizer_steps(opt):
+    state = opt.state[next(iter(opt.param_groups[0]["params"]))]
+    return int(state["step"]) if "step" in state else -1
+
+
+def check(path):
+    data = edl.builtin_data("digits")
+    model, opt, sched = build()
+    info = edl.torch.load_checkpoint(path, model, opt, sched)
+    print(
+        f"checkpoint step {info['step']}: params {digest(model)}; test accuracy {accuracy(model, data) * 100:.2f}%; "
+        f"optimizer steps {optimizer_steps(opt)}; scheduler steps {sched.last_epoch}; epochs {info['scalars']['epochs_done']}",
+        flush=True,
+    )
+    return 0
+
+
+def main():
+    torch.set_num_threads(1)
+    data = edl.builtin_data("digits")
+    X = torch.from_numpy(data["train_x"]).reshape(-1, 1, 8, 8)
+    Y = torch.from_numpy(data["train_y"]).long()
+    job = edl.Job.from_env()
+    if job is None:
+        return 0
+    model, opt, sched = build()
+    state = edl.torch.ElasticState(job, model, opt, sched, epochs_done=0)
+    ddp = edl.torch.ElasticDDP(model, backend="gloo", timeout=10.0)
+    delay = float(os.environ.get("STEP_DELAY_MS", "0")) / 1000
+    first, generations = True, set()
+    for step in state.steps():
+        if first:
+            print(
+                f"worker {job.worker_id}: first step {step.step}; optimizer steps {optimizer_steps(opt)}; "
+                f"scheduler steps {sched.last_epoch}",
+                flush=True,
+            )
+            first = False
+        idx = torch.from_numpy(step.indices).long()
+        try:
+            net = ddp.on(step)
+            generations.add(step.generation)
+            opt.zero_grad()
+            if len(idx):
+                mean = F.cross_entropy(net(X[idx]), Y[idx])
+                loss = edl.torch.scaled(step, mean)
+            else:
+                mean = torch.tensor(0.0)
+                loss = edl.torch.zero_loss(net)
+            loss.backward()
+        except RuntimeError as e:
+            step.abandon(f"a collective failed: {e}")
+            continue
+        opt.step()
+        sched.step()
+        state.epochs_done = step.epoch
+        if delay:
+            time.sleep(delay)
+        step.commit(loss=mean.item())
+    print(
+        f"worker {job.worker_id}: {job.stopped}; generations {len(generations)}; params {digest(model)}; "
+        f"test accuracy {accuracy(model, data) * 100:.2f}%",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--check":
+        sys.exit(check(sys.argv[2]))
+    sys.exit(main())
