@@ -107,6 +107,7 @@ fn sim_worker(addr: SocketAddr, id: u64, auth: JobAuth, sim: Sim) -> anyhow::Res
                         end: share.end,
                         loss: 0.0,
                         compute_ms: sim.compute.as_secs_f64() * 1e3,
+                        metrics: Vec::new(),
                     });
                 }
                 send(&mut out, &FromWorker::Done { generation, steps: done, setup_ms: 0.0 })?;

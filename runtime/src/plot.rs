@@ -132,7 +132,9 @@ fn size_steps(
 }
 
 /// Draws a training run to `path` (SVG): world size, throughput and loss over
-/// wall-clock time, one panel each, with a dashed line at each scale event.
+/// wall-clock time, one panel each, with a dashed line at each scale event;
+/// the program's own metrics (`step.commit(loss=..., accuracy=...)`) are
+/// drawn with the loss, each with its name in the legend.
 pub fn training_run(
     path: &Path,
     title: &str,
@@ -153,8 +155,18 @@ pub fn training_run(
         ("samples/s", |s| s.samples_per_sec, RED, false),
         ("loss", |s| s.loss, RGBColor(0, 130, 0), false),
     ];
+    let metrics: std::collections::BTreeSet<&str> =
+        steps.iter().flat_map(|s| s.metrics.keys().map(String::as_str)).collect();
+    let metric_max =
+        steps.iter().flat_map(|s| s.metrics.values().copied()).filter(|v| v.is_finite()).fold(0.0, f64::max);
     for (area, (name, pick, color, integer)) in panels.iter().zip(series) {
-        let ymax = steps.iter().map(pick).filter(|v| v.is_finite()).fold(0.0, f64::max).max(1e-6)
+        let own = name == "loss" && !metrics.is_empty();
+        let ymax = steps
+            .iter()
+            .map(pick)
+            .filter(|v| v.is_finite())
+            .fold(if own { metric_max } else { 0.0 }, f64::max)
+            .max(1e-6)
             * if integer { 1.0 } else { 1.1 }
             + if integer { 1.0 } else { 0.0 };
         let mut chart = ChartBuilder::on(area)
@@ -185,9 +197,31 @@ pub fn training_run(
         } else {
             steps.iter().map(|s| (s.secs, pick(s))).filter(|p| p.1.is_finite()).collect()
         };
-        chart
+        let line = chart
             .draw_series(LineSeries::new(pts, ShapeStyle::from(&color).stroke_width(2)))
             .map_err(|e| err(&e))?;
+        if own {
+            line.label(name).legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], color));
+            for (i, metric) in metrics.iter().enumerate() {
+                let c = Palette99::pick(i + 1).to_rgba();
+                let pts: Vec<(f64, f64)> = steps
+                    .iter()
+                    .filter_map(|s| Some((s.secs, *s.metrics.get(*metric)?)))
+                    .filter(|p| p.1.is_finite())
+                    .collect();
+                chart
+                    .draw_series(LineSeries::new(pts, ShapeStyle::from(&c).stroke_width(2)))
+                    .map_err(|e| err(&e))?
+                    .label(*metric)
+                    .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], c));
+            }
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .draw()
+                .map_err(|e| err(&e))?;
+        }
     }
     root.present().map_err(|e| err(&e))?;
     Ok(())

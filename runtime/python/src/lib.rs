@@ -658,14 +658,30 @@ impl StepView {
 
     /// The step is done on this rank and its update applied to the state.
     /// `loss`: this rank's mean loss over its samples (weighted by its share
-    /// of the step for the job's curve). A no-op on an abandoned step.
-    #[pyo3(signature = (loss=0.0))]
-    fn commit(&mut self, py: Python<'_>, loss: f64) -> PyResult<()> {
+    /// of the step for the job's curve); `metrics` (`accuracy=0.93`, ...):
+    /// numbers of the program's own, averaged the same way, shown in the
+    /// progress, the report and the plot. A no-op on an abandoned step.
+    #[pyo3(signature = (loss=0.0, **metrics))]
+    fn commit(&mut self, py: Python<'_>, loss: f64, metrics: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
         if self.done {
             return Ok(());
         }
         if !loss.is_finite() {
             return Err(PyValueError::new_err(format!("step {}: loss {loss} is not finite", self.info.step)));
+        }
+        let mut named = Vec::new();
+        for (k, v) in metrics.into_iter().flat_map(|d| d.iter()) {
+            let name: String = k.extract()?;
+            let value: f64 = v.extract().map_err(|_| {
+                PyValueError::new_err(format!("step {}: metric {name:?} is not a number", self.info.step))
+            })?;
+            if !value.is_finite() {
+                return Err(PyValueError::new_err(format!(
+                    "step {}: metric {name:?} is {value}, not a finite number",
+                    self.info.step
+                )));
+            }
+            named.push((name, value));
         }
         let job = self.job.bind(py).borrow();
         let mut guard = lock(&job.inner);
@@ -677,7 +693,8 @@ impl StepView {
         let share = self.info.indices.len() as f64 / self.info.global_rows.max(1) as f64;
         let compute_ms = started.elapsed().as_secs_f64() * 1e3;
         let session = &mut inner.session;
-        py.detach(|| session.finish(loss * share, compute_ms)).map_err(anyhow_err)?;
+        let weighted = named.into_iter().map(|(k, v)| (k, v * share)).collect();
+        py.detach(|| session.finish_with(loss * share, compute_ms, weighted)).map_err(anyhow_err)?;
         self.done = true;
         Ok(())
     }

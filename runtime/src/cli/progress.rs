@@ -38,7 +38,7 @@ impl ProgressDisplay {
     pub fn show(&mut self, p: Progress) {
         match p {
             Progress::Step(s) => {
-                let line = format!(
+                let mut line = format!(
                     "epoch {}/{} step {} | {} workers | {:.0} samples/s | loss {:.4}",
                     (s.epoch + 1).min(self.epochs),
                     self.epochs,
@@ -47,6 +47,9 @@ impl ProgressDisplay {
                     s.samples_per_sec,
                     s.loss
                 );
+                for (name, v) in &s.metrics {
+                    line.push_str(&format!(" | {name} {v:.4}"));
+                }
                 if self.bar.is_hidden() {
                     if self.last_plain.is_none_or(|t| t.elapsed() >= PLAIN_EVERY) {
                         self.last_plain = Some(Instant::now());

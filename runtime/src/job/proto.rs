@@ -289,7 +289,7 @@ pub struct Share {
 }
 
 /// One rank's account of one step.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StepDone {
     pub step: u64,
     pub epoch: u64,
@@ -300,6 +300,10 @@ pub struct StepDone {
     pub loss: f64,
     /// Forward, backward and teacher wait on this rank, ms.
     pub compute_ms: f64,
+    /// The program's own metrics of the step (accuracy, ...), each this
+    /// rank's value weighted by its share of the step's samples, as `loss`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub metrics: Vec<(String, f64)>,
 }
 
 /// What a worker tells the coordinator.

@@ -455,6 +455,12 @@ impl Session {
     /// The current step is done on this rank: its state has the update.
     /// `loss`: this rank's summed loss divided by the step's global rows.
     pub fn finish(&mut self, loss: f64, compute_ms: f64) -> Result<()> {
+        self.finish_with(loss, compute_ms, Vec::new())
+    }
+
+    /// [`Session::finish`] with the program's own metrics of the step, each
+    /// weighted as `loss` is (its share of the step's samples).
+    pub fn finish_with(&mut self, loss: f64, compute_ms: f64, metrics: Vec<(String, f64)>) -> Result<()> {
         let Some(s) = self.current.take() else {
             bail!("finish outside a step (or after a failed all-reduce)")
         };
@@ -466,6 +472,7 @@ impl Session {
             end: s.end,
             loss,
             compute_ms,
+            metrics,
         });
         if s.closes {
             let steps = std::mem::take(&mut self.window);

@@ -26,7 +26,7 @@ fn job(py: &PyEnv, dir: &Path, optimizer: &str, epochs: u32) -> Command {
         .args(["--policy", art::SCHEDULE_WASM, "--policy-config", "every=8", "--decide-every-steps", "4"])
         .arg("--epochs")
         .arg(epochs.to_string())
-        .args(["--no-distill", "--report", "report.json", "--plugin-cache"])
+        .args(["--no-distill", "--report", "report.json", "--plot", "run.svg", "--plugin-cache"])
         .arg(dir.join("plugin-cache"))
         .args(["--", "python"])
         .arg(program())
@@ -103,6 +103,15 @@ fn a_cnn_with_batchnorm_adamw_and_a_schedule_trains_whole_through_resizes_and_a_
     every_sample_once(&r, 6);
     let events = r["scale_events"].as_array().unwrap();
     assert!(events.iter().any(|e| e["reason"].as_str().unwrap().starts_with("policy")), "{events:?}");
+    // The program's own metric (`step.commit(loss=..., accuracy=...)`): in
+    // the live progress, in every step of the report, in the plot.
+    assert!(seen.iter().any(|l| l.starts_with("progress") && l.contains("| accuracy 0.")), "{text}");
+    let timeline = r["timeline"].as_array().unwrap();
+    let last = timeline.last().unwrap()["metrics"]["accuracy"].as_f64().unwrap();
+    assert!(timeline.iter().all(|s| s["metrics"]["accuracy"].is_number()), "{r}");
+    assert!(last > 0.8 && last <= 1.0, "the last step's training accuracy {last}");
+    let svg = std::fs::read_to_string(dir.path().join("run.svg")).unwrap();
+    assert!(svg.contains("accuracy"), "the plot names the metric");
 
     // The workers that ended together hold one model: the reductions
     // agreed in every generation, the redone steps included.

@@ -107,9 +107,12 @@ def main():
             net = ddp.on(step)
             generations.add(step.generation)
             opt.zero_grad()
+            hits = 0.0
             if len(idx):
-                mean = F.cross_entropy(net(X[idx]), Y[idx])
+                out = net(X[idx])
+                mean = F.cross_entropy(out, Y[idx])
                 loss = edl.torch.scaled(step, mean)
+                hits = (out.argmax(dim=1) == Y[idx]).float().mean().item()
             else:
                 mean = torch.tensor(0.0)
                 loss = edl.torch.zero_loss(net)
@@ -122,7 +125,7 @@ def main():
         state.epochs_done = step.epoch
         if delay:
             time.sleep(delay)
-        step.commit(loss=mean.item())
+        step.commit(loss=mean.item(), accuracy=hits)
     print(
         f"worker {job.worker_id}: {job.stopped}; generations {len(generations)}; params {digest(model)}; "
         f"test accuracy {accuracy(model, data) * 100:.2f}%",

@@ -39,6 +39,10 @@ pub struct StepRecord {
     pub samples_per_sec: f64,
     /// Samples of the epoch consumed after this step.
     pub cursor: usize,
+    /// The program's own metrics (`step.commit(loss=..., accuracy=...)`),
+    /// averaged over the step's samples.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub metrics: std::collections::BTreeMap<String, f64>,
 }
 
 /// What the coordinator reports while it runs.

@@ -230,7 +230,7 @@ impl Coordinator<'_> {
         // The step after the window: the next one sent, or the next to plan.
         let after = self.pipe.as_ref().and_then(Pipeline::next_planned).unwrap_or(self.plan_at);
         for (i, plan) in c.steps.iter().enumerate() {
-            let reports: Vec<StepDone> = c.reports.iter().map(|r| r[i]).collect();
+            let reports: Vec<StepDone> = c.reports.iter().map(|r| r[i].clone()).collect();
             let next = c.steps.get(i + 1).copied().unwrap_or(after);
             self.commit_step(plan, &reports, first_of_generation && i == 0, c.setup_ms, next.hyper)?;
         }
@@ -279,6 +279,7 @@ impl Coordinator<'_> {
         let perm = permutation_of(&mut self.perm, self.train_len, self.cfg.spec.seed, plan.epoch);
         let mut rows = 0usize;
         let mut loss = 0.0;
+        let mut metrics = std::collections::BTreeMap::<String, f64>::new();
         for (rank, d) in reports.iter().enumerate() {
             let id = self.m.members()[rank].id;
             let ids = perm.get(d.start as usize..d.end as usize).ok_or_else(|| {
@@ -292,6 +293,9 @@ impl Coordinator<'_> {
             self.ledger.commit(ids).map_err(|e| anyhow!("worker {id}: {e}"))?;
             rows += ids.len();
             loss += d.loss;
+            for (name, v) in &d.metrics {
+                *metrics.entry(name.clone()).or_default() += v;
+            }
             // The first step of a generation also starts the read-ahead; it does not count.
             if d.compute_ms > 0.0 && !ids.is_empty() && !first {
                 let e = self.worker_rate.entry(id).or_insert((0.0, 0.0));
@@ -327,6 +331,7 @@ impl Coordinator<'_> {
             loss,
             samples_per_sec: sps,
             cursor: self.cursor.min(self.train_len),
+            metrics,
         };
         (self.progress)(Progress::Step(&rec));
         self.timeline.push(rec);
