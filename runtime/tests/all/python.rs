@@ -53,7 +53,7 @@ pub(crate) fn torch_py() -> &'static PyEnv {
                 Path::new(&home).join(".cache/edl/venv-torch")
             }
         };
-        let bin = venv_with(&venv, "import torch, numpy", &["torch>=2.4", "numpy>=1.22"])?;
+        let bin = venv_with(&venv, "import torch, numpy, pytest", &["torch>=2.4", "numpy>=1.22", "pytest>=7"])?;
         Ok(PyEnv { bin, site })
     })
     .as_ref()
@@ -113,7 +113,7 @@ fn setup() -> Result<PyEnv, String> {
 }
 
 impl PyEnv {
-    fn python(&self) -> Command {
+    pub(crate) fn python(&self) -> Command {
         let mut c = Command::new(self.bin.join("python"));
         self.env(&mut c);
         c

@@ -79,6 +79,19 @@ fn every_sample_once(r: &Value, epochs: usize) {
 }
 
 #[test]
+fn the_torch_module_passes_its_tests() {
+    let out = torch_py()
+        .python()
+        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap())
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "runtime/python/tests/test_torch.py"])
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains(" passed") && !text.contains("skipped"), "{text}");
+}
+
+#[test]
 fn a_cnn_with_batchnorm_adamw_and_a_schedule_trains_whole_through_resizes_and_a_kill() {
     let py = torch_py();
     let dir = tempfile::tempdir().unwrap();

@@ -31,7 +31,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["EdlStore", "ProcessGroups", "ElasticDDP", "ElasticState", "load_checkpoint", "scaled", "zero_loss"]
+__all__ = [
+    "EdlStore",
+    "ProcessGroups",
+    "ElasticDDP",
+    "ElasticState",
+    "all_reduce_grads",
+    "load_checkpoint",
+    "scaled",
+    "zero_loss",
+]
 
 
 def _bytes(value):
@@ -179,6 +188,28 @@ class ElasticDDP:
         self._ddp = None
         self._generation = None
         self.groups.close()
+
+
+def all_reduce_grads(step, module):
+    """Sums ``module``'s gradients over the generation's ring (the runtime's
+    own, without DDP), in place; False when the ring broke (the step is then
+    redone by the next generation). Each parameter's ``.grad`` is read as it
+    is now: PyTorch's ``zero_grad()`` replaces the tensors, so views taken
+    earlier would sum stale zeros."""
+    grads = []
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        g = p.grad
+        if g.dtype != torch.float32 or g.device.type != "cpu" or not g.is_contiguous():
+            raise ValueError(
+                f"gradient of {name!r}: the runtime's ring sums CPU float32 contiguous gradients "
+                f"(got {g.dtype} on {g.device}); use ElasticDDP for others"
+            )
+        grads.append(g.numpy())
+    return step.all_reduce(grads)
 
 
 def scaled(step, loss):

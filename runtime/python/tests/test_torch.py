@@ -1,0 +1,151 @@
+"""edl.torch's pieces that need no job: optimiser state made up front, the
+float32 copies of other tensors, gradients read as they are."""
+
+import pytest
+
+# Run with PyTorch by the runtime's test suite (tests/all/torch.rs); an
+# environment without it skips this file.
+torch = pytest.importorskip("torch")
+
+import edl.torch as et  # noqa: E402
+
+
+def _model():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+
+
+def _step(model, opt, seed):
+    torch.manual_seed(seed)
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+OPTIMIZERS = [
+    ("RMSprop", lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5, centered=True)),
+    ("Adam amsgrad", lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True)),
+    ("AdamW", lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)),
+    ("NAdam", lambda p: torch.optim.NAdam(p, lr=0.01)),
+    ("Rprop", lambda p: torch.optim.Rprop(p, lr=0.01)),
+    ("Adadelta", lambda p: torch.optim.Adadelta(p)),
+    ("Adamax", lambda p: torch.optim.Adamax(p, lr=0.01)),
+    ("SGD", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True)),
+]
+
+
+@pytest.mark.parametrize("name,make", OPTIMIZERS, ids=[o[0] for o in OPTIMIZERS])
+def test_state_made_up_front_trains_exactly_as_state_made_lazily(name, make):
+    lazy, early = _model(), _model()
+    lazy_opt, early_opt = make(lazy.parameters()), make(early.parameters())
+    before = [p.detach().clone() for p in early.parameters()]
+    et._materialize(early_opt)
+    # The parameters are untouched and every parameter has its state.
+    assert all(torch.equal(a, b) for a, b in zip(before, early.parameters()))
+    assert all(len(early_opt.state[p]) > 0 for p in early.parameters()), name
+    for seed in range(3):
+        _step(lazy, lazy_opt, seed)
+        _step(early, early_opt, seed)
+    for a, b in zip(lazy.parameters(), early.parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-7), name
+
+
+def test_an_optimizer_whose_state_cannot_be_made_up_front_is_refused_by_name():
+    with pytest.raises(ValueError, match="optimizer LBFGS"):
+        et._materialize(torch.optim.LBFGS(_model().parameters()))
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.tensor([0, -1, 2**62, -(2**63), 12345678901], dtype=torch.int64),
+        torch.tensor([1.5, -2.0**-30, 3.141592653589793, 1e300], dtype=torch.float64),
+        torch.tensor([1.5, -0.25, 65504.0], dtype=torch.float16),
+        torch.tensor([1.5, -0.25, 3.0e38], dtype=torch.bfloat16),
+        torch.tensor([True, False, True]),
+        torch.arange(24, dtype=torch.float32).reshape(1, 2, 3, 4).to(memory_format=torch.channels_last),
+    ],
+    ids=["int64", "float64", "float16", "bfloat16", "bool", "channels_last"],
+)
+def test_tensors_the_runtime_cannot_hold_in_place_travel_exactly_through_their_copy(tensor):
+    m = et._Mirrored("t", tensor.clone())
+    m.pack()
+    original = m.tensor.clone()
+    with torch.no_grad():
+        m.tensor.zero_()
+    m.unpack()
+    assert torch.equal(m.tensor, original)
+    assert m.mirror.dtype.name == "float32"
+
+
+class _Ring:
+    """A step whose ring doubles what it is given (two ranks of the same values)."""
+
+    def __init__(self):
+        self.seen = None
+
+    def all_reduce(self, arrays):
+        for a in arrays:
+            a *= 2
+        self.seen = arrays
+        return True
+
+
+def test_gradients_are_read_as_they_are_after_pytorchs_default_zero_grad():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ring = _Ring()
+    for _ in range(2):
+        opt.zero_grad()  # set_to_none: backward makes new tensors
+        model(torch.ones(2, 4)).sum().backward()
+        want = [p.grad.clone() * 2 for p in model.parameters()]
+        assert et.all_reduce_grads(ring, model)
+        for p, w in zip(model.parameters(), want):
+            assert torch.equal(p.grad, w)
+
+
+class _Native:
+    def __init__(self):
+        self.d = {}
+        self.generation = 7
+
+    def set(self, k, v):
+        self.d[k] = v
+
+    def get(self, k, timeout):
+        return self.d[k]
+
+    def add(self, k, n):
+        self.d[k] = str(int(self.d.get(k, b"0")) + n).encode()
+        return int(self.d[k])
+
+    def compare_set(self, k, e, v):
+        if self.d.get(k, b"") == e:
+            self.d[k] = v
+        return self.d.get(k, e)
+
+    def check(self, keys):
+        return all(k in self.d for k in keys)
+
+    def wait(self, keys, timeout):
+        assert self.check(keys)
+
+    def delete_key(self, k):
+        return self.d.pop(k, None) is not None
+
+    def num_keys(self):
+        return len(self.d)
+
+
+def test_the_store_speaks_c10d():
+    import torch.distributed as dist
+
+    store = et.EdlStore(_Native(), timeout=5)
+    assert isinstance(store, dist.Store)
+    store.set("a", "x")
+    assert store.get("a") == b"x"
+    assert store.add("n", 2) == 2 and store.add("n", 3) == 5
+    assert store.check(["a", "n"]) and not store.check(["b"])
+    assert store.delete_key("a") and store.num_keys() == 1
+    assert store.generation == 7
