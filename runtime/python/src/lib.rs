@@ -247,6 +247,18 @@ impl Job {
         inner.state.layout.tensors().iter().map(|t| (t.name.clone(), t.shape.clone())).collect()
     }
 
+    /// The steps planned for this worker after the current one, in order:
+    /// `[(generation, step, indices)]` (for reading their data ahead; a
+    /// generation change drops them and plans again).
+    fn planned<'py>(&self, py: Python<'py>) -> PyResult<Vec<(u64, u64, Bound<'py, PyAny>)>> {
+        let inner = lock(&self.inner);
+        inner
+            .session
+            .planned()
+            .map(|s| Ok((s.generation, s.step, indices_array(py, &s.indices)?)))
+            .collect()
+    }
+
     /// The steps this worker runs, until the job ends or scales it in.
     fn steps(slf: Py<Self>) -> Steps {
         Steps { job: slf }

@@ -26,6 +26,20 @@ import edl.torch
 EPOCHS = int(os.environ.get("EPOCHS", "4"))
 
 
+class Digits(torch.utils.data.Dataset):
+    """The training images, with each sample's index (to check that every
+    batch holds the step's samples)."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i], i
+
+
 def build():
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -92,9 +106,10 @@ def main():
     model, opt, sched = build()
     state = edl.torch.ElasticState(job, model, opt, sched, epochs_done=0)
     ddp = edl.torch.ElasticDDP(model, backend="gloo", timeout=10.0)
+    loader = edl.torch.ElasticLoader(Digits(X, Y), state, num_workers=2)
     delay = float(os.environ.get("STEP_DELAY_MS", "0")) / 1000
     first, generations = True, set()
-    for step in state.steps():
+    for step, batch in loader:
         if first:
             print(
                 f"worker {job.worker_id}: first step {step.step}; optimizer steps {optimizer_steps(opt)}; "
@@ -103,16 +118,20 @@ def main():
             )
             first = False
         idx = torch.from_numpy(step.indices).long()
+        if len(idx):
+            # The DataLoader's worker processes read exactly the step's samples.
+            xb, yb, ib = batch
+            assert torch.equal(ib, idx), f"step {step.step}: batch {ib.tolist()} for {idx.tolist()}"
         try:
             net = ddp.on(step)
             generations.add(step.generation)
             opt.zero_grad()
             hits = 0.0
             if len(idx):
-                out = net(X[idx])
-                mean = F.cross_entropy(out, Y[idx])
+                out = net(xb)
+                mean = F.cross_entropy(out, yb)
                 loss = edl.torch.scaled(step, mean)
-                hits = (out.argmax(dim=1) == Y[idx]).float().mean().item()
+                hits = (out.argmax(dim=1) == yb).float().mean().item()
             else:
                 mean = torch.tensor(0.0)
                 loss = edl.torch.zero_loss(net)

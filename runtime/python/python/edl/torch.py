@@ -35,6 +35,7 @@ __all__ = [
     "EdlStore",
     "ProcessGroups",
     "ElasticDDP",
+    "ElasticLoader",
     "ElasticState",
     "all_reduce_grads",
     "load_checkpoint",
@@ -188,6 +189,96 @@ class ElasticDDP:
         self._ddp = None
         self._generation = None
         self.groups.close()
+
+
+class _PlannedBatches:
+    """The batch sampler of an ``ElasticLoader``'s DataLoader: the index
+    lists of the steps fed to it, in order, and, when none is waiting, a
+    one-sample stand-in (tagged, and dropped by the loader), so that the
+    DataLoader, which asks for its next batch whenever one is consumed, never
+    waits on a plan that has not come yet."""
+
+    def __init__(self):
+        import collections
+
+        self.waiting = collections.deque()  # (key, indices) fed, not yet given out
+        self.given = collections.deque()  # keys of the batches given out, in order
+        self.fed = set()
+
+    def feed(self, key, indices, first=False):
+        if key in self.fed or len(indices) == 0:
+            return
+        self.fed.add(key)
+        (self.waiting.appendleft if first else self.waiting.append)((key, [int(i) for i in indices]))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.waiting:
+            key, indices = self.waiting.popleft()
+        else:
+            key, indices = None, [0]
+        self.given.append(key)
+        return indices
+
+
+class ElasticLoader:
+    """Each step's batch from a ``torch.utils.data.DataLoader`` over
+    ``dataset``: its worker processes, prefetching, ``collate_fn``,
+    ``pin_memory`` and the dataset's own transforms are kept; the samples
+    are the step's (``step.indices``), read ahead over the steps the runtime
+    has planned.
+
+        loader = edl.torch.ElasticLoader(dataset, state, num_workers=2)
+        for step, batch in loader:       # batch: None when this rank has no samples
+            ...
+
+    ``source``: an ``ElasticState`` (its ``steps()``) or a ``Job``. Other
+    keyword arguments go to the DataLoader (not ``batch_size``, ``shuffle``,
+    ``sampler`` or ``batch_sampler``: the job decides those). A generation
+    change drops the batches read ahead for the steps it replans.
+    """
+
+    def __init__(self, dataset, source, **loader_options):
+        for fixed in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
+            if fixed in loader_options:
+                raise ValueError(f"ElasticLoader: {fixed!r} is the job's to decide (each step's samples)")
+        self.dataset, self.source, self.options = dataset, source, loader_options
+        self.job = getattr(source, "job", source)
+
+    def __iter__(self):
+        from torch.utils.data import DataLoader
+
+        sampler = _PlannedBatches()
+        loader = None
+        steps = self.source.steps()
+        try:
+            for step in steps:
+                key = (step.generation, step.step)
+                if len(step.indices) == 0:
+                    # No samples for this rank in this step: nothing to read.
+                    yield step, None
+                    continue
+                # This step first if it was not read ahead (a new generation
+                # replanned it), then the planned ones behind it.
+                sampler.feed(key, step.indices, first=True)
+                for generation, number, indices in self.job.planned():
+                    sampler.feed((generation, number), indices)
+                if loader is None:
+                    # Made once the first steps are known: its first reads are theirs.
+                    loader = iter(DataLoader(self.dataset, batch_sampler=sampler, **self.options))
+                while True:
+                    # Batches come in the order the sampler gave them out.
+                    batch = next(loader)
+                    given = sampler.given.popleft()
+                    if given == key:
+                        break
+                    sampler.fed.discard(given)
+                sampler.fed.discard(key)
+                yield step, batch
+        finally:
+            del loader
 
 
 def all_reduce_grads(step, module):
