@@ -122,11 +122,17 @@ impl Coordinator<'_> {
         self.decided.retain(|p| p.boundary.elapsed() <= timeout);
         let mut taken = self.decided.drain(..admitted.min(self.decided.len()));
         let mut first = taken.next()?;
+        // Each decision once, with how many times it was made: `policy: add 1 worker (x2)`.
+        let mut said: Vec<(String, usize)> = vec![(std::mem::take(&mut first.reason), 1)];
         for p in taken {
-            if !first.reason.contains(&p.reason) {
-                first.reason = format!("{}; {}", first.reason, p.reason);
+            match said.iter_mut().find(|(r, _)| *r == p.reason) {
+                Some((_, n)) => *n += 1,
+                None => said.push((p.reason, 1)),
             }
         }
+        let parts: Vec<String> =
+            said.into_iter().map(|(r, n)| if n > 1 { format!("{r} (x{n})") } else { r }).collect();
+        first.reason = parts.join("; ");
         Some(first)
     }
 
