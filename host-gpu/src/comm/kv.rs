@@ -27,6 +27,14 @@ pub const CHANNEL: &str = "store";
 /// Longest one value or key may be.
 const MAX_FRAME: usize = 16 << 20;
 
+/// Most keys one request may name.
+const MAX_KEYS_PER_REQUEST: u64 = 4096;
+
+/// Most bytes of keys and values the store holds: a process group needs
+/// kilobytes per rank; a program that stores more is refused, not the job
+/// brought down.
+const MAX_STORED: usize = 256 << 20;
+
 /// Longest a request may wait for keys, whatever it asks for.
 const MAX_WAIT: Duration = Duration::from_secs(3600);
 
@@ -127,7 +135,7 @@ impl KvStore {
         };
         let keys = |c: &mut TcpStream| -> std::io::Result<Vec<String>> {
             let n = u64_of(&read_frame(c)?, "key count")?;
-            if n > 1 << 16 {
+            if n > MAX_KEYS_PER_REQUEST {
                 return Err(bad(format!("{n} keys in one request")));
             }
             (0..n).map(|_| key(c)).collect()
@@ -136,14 +144,18 @@ impl KvStore {
             op::SET => {
                 let (k, v) = (key(conn)?, read_frame(conn)?);
                 self.with(generation, |s| {
+                    let held: usize = s.map.iter().map(|(k, v)| k.len() + v.len()).sum();
+                    if held + k.len() + v.len() > MAX_STORED {
+                        return Err(format!("the store is full ({held} bytes held, at most {MAX_STORED})"));
+                    }
                     s.map.insert(k, v);
                     Ok(Vec::new())
                 })
             }
             op::GET => {
                 let (k, wait) = (key(conn)?, u64_of(&read_frame(conn)?, "timeout")?);
-                self.wait_for(generation, std::slice::from_ref(&k), wait)
-                    .and_then(|()| self.with(generation, |s| Ok(s.map[&k].clone())))
+                // The value is taken under the same lock that saw it set.
+                self.wait_for(generation, std::slice::from_ref(&k), wait, |s| s.map.get(&k).cloned())
             }
             op::ADD => {
                 let (k, by) = (key(conn)?, u64_of(&read_frame(conn)?, "amount")? as i64);
@@ -182,7 +194,7 @@ impl KvStore {
             }
             op::WAIT => {
                 let (ks, wait) = (keys(conn)?, u64_of(&read_frame(conn)?, "timeout")?);
-                self.wait_for(generation, &ks, wait).map(|()| Vec::new())
+                self.wait_for(generation, &ks, wait, |_| Some(Vec::new()))
             }
             op::DELETE => {
                 let k = key(conn)?;
@@ -214,14 +226,23 @@ impl KvStore {
         Ok(())
     }
 
-    /// Waits until every one of `keys` is set, up to `wait_ms`.
-    fn wait_for(&self, generation: u64, keys: &[String], wait_ms: u64) -> Result<(), String> {
+    /// Waits until every one of `keys` is set, up to `wait_ms`; then
+    /// answers with `then`, under the lock that saw them set.
+    fn wait_for(
+        &self,
+        generation: u64,
+        keys: &[String],
+        wait_ms: u64,
+        then: impl Fn(&State) -> Option<Vec<u8>>,
+    ) -> Answer {
         let until = Instant::now() + Duration::from_millis(wait_ms).min(MAX_WAIT);
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             Self::current(&mut s, generation)?;
-            if keys.iter().all(|k| s.map.contains_key(k)) {
-                return Ok(());
+            if keys.iter().all(|k| s.map.contains_key(k))
+                && let Some(answer) = then(&s)
+            {
+                return Ok(answer);
             }
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -240,6 +261,8 @@ pub struct KvClient {
     server: SocketAddr,
     /// Bound on a request that does not wait for keys.
     timeout: Duration,
+    /// An i/o error left the connection mid-answer: it is not used again.
+    broken: Option<String>,
 }
 
 impl KvClient {
@@ -259,12 +282,32 @@ impl KvClient {
         conn.set_write_timeout(Some(timeout)).map_err(|e| err(&e))?;
         auth::connect(&mut conn, &auth.secret, &auth.claim(CHANNEL, generation, rank))
             .map_err(|e| err(&e))?;
-        Ok(KvClient { conn, server, timeout })
+        Ok(KvClient { conn, server, timeout, broken: None })
     }
 
     fn call(&mut self, code: u8, args: &[&[u8]], waits: Option<Duration>) -> Result<Vec<u8>, CommError> {
         let server = self.server;
-        let io = |e: std::io::Error| CommError::Rendezvous(format!("store at {server}: {e}"));
+        if let Some(why) = &self.broken {
+            return Err(CommError::Rendezvous(format!(
+                "store at {server}: the connection broke earlier: {why}"
+            )));
+        }
+        let r = self.exchange(code, args, waits);
+        if let Err(CommError::Rendezvous(e)) = &r
+            && !e.starts_with("refused: ")
+        {
+            self.broken = Some(e.clone());
+        }
+        r.map_err(|e| match e {
+            CommError::Rendezvous(m) => {
+                CommError::Rendezvous(format!("store at {server}: {}", m.trim_start_matches("refused: ")))
+            }
+            other => other,
+        })
+    }
+
+    fn exchange(&mut self, code: u8, args: &[&[u8]], waits: Option<Duration>) -> Result<Vec<u8>, CommError> {
+        let io = |e: std::io::Error| CommError::Rendezvous(e.to_string());
         // A request that waits for keys may take its whole wait before the answer.
         let read = self.timeout + waits.unwrap_or_default();
         self.conn.set_read_timeout(Some(read)).map_err(io)?;
@@ -276,7 +319,8 @@ impl KvClient {
         let body = read_frame(&mut self.conn).map_err(io)?;
         match status.as_slice() {
             b"ok" => Ok(body),
-            _ => Err(CommError::Rendezvous(format!("store at {server}: {}", String::from_utf8_lossy(&body)))),
+            // The server answered: the connection is sound, the request refused.
+            _ => Err(CommError::Rendezvous(format!("refused: {}", String::from_utf8_lossy(&body)))),
         }
     }
 

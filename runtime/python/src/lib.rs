@@ -252,11 +252,7 @@ impl Job {
     /// generation change drops them and plans again).
     fn planned<'py>(&self, py: Python<'py>) -> PyResult<Vec<(u64, u64, Bound<'py, PyAny>)>> {
         let inner = lock(&self.inner);
-        inner
-            .session
-            .planned()
-            .map(|s| Ok((s.generation, s.step, indices_array(py, &s.indices)?)))
-            .collect()
+        inner.session.planned().map(|s| Ok((s.generation, s.step, indices_array(py, &s.indices)?))).collect()
     }
 
     /// The steps this worker runs, until the job ends or scales it in.
@@ -399,9 +395,14 @@ impl Store {
         py: Python<'_>,
         f: impl FnOnce(&mut KvClient) -> Result<T, edl_host_gpu::comm::CommError> + Send,
     ) -> PyResult<T> {
-        let mut c = self.client.lock().unwrap_or_else(|e| e.into_inner());
-        let client: &mut KvClient = &mut c;
-        py.detach(|| f(client)).map_err(err)
+        // The lock is taken without the GIL: a thread that holds it while
+        // waiting on the store never waits for the GIL another one holds.
+        let client = &self.client;
+        py.detach(|| {
+            let mut c = client.lock().unwrap_or_else(|e| e.into_inner());
+            f(&mut c)
+        })
+        .map_err(err)
     }
 }
 

@@ -32,6 +32,8 @@ OPTIMIZERS = [
     ("Adadelta", lambda p: torch.optim.Adadelta(p)),
     ("Adamax", lambda p: torch.optim.Adamax(p, lr=0.01)),
     ("SGD", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True)),
+    ("SGD weight decay", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01)),
+    ("Adam weight decay", lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.01)),
 ]
 
 
@@ -54,6 +56,21 @@ def test_state_made_up_front_trains_exactly_as_state_made_lazily(name, make):
 def test_an_optimizer_whose_state_cannot_be_made_up_front_is_refused_by_name():
     with pytest.raises(ValueError, match="optimizer LBFGS"):
         et._materialize(torch.optim.LBFGS(_model().parameters()))
+    with pytest.raises(ValueError, match="optimizer SGD: momentum with dampening"):
+        et._materialize(torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9, dampening=0.5))
+
+
+def test_state_already_there_is_left_as_it_is():
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _step(model, opt, 0)
+    head = torch.nn.Linear(2, 2)
+    opt.add_param_group({"params": head.parameters()})
+    before = {k: v.clone() for k, v in opt.state[next(model.parameters())].items()}
+    et._materialize(opt)
+    after = opt.state[next(model.parameters())]
+    assert all(torch.equal(before[k], after[k]) for k in before), "the trained parameters' state moved"
+    assert all(len(opt.state[p]) > 0 for p in head.parameters())
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,9 @@ pub fn resolve(flag: &str, given: &Path) -> Result<PathBuf> {
 
 /// Where a plugin named `given` may be, in order: as given (from the
 /// current directory), then, for a relative path, beside the executable,
-/// in the executable's parent directory, and in `<exe dir>/../share/edl/`.
+/// in the executable's parent directory, in `<exe dir>/../share/edl/`,
+/// and, for an executable cargo built (`<checkout>/target/<profile>/`), in
+/// the checkout it was built from.
 pub fn candidates(given: &Path, exe_dir: Option<&Path>) -> Vec<PathBuf> {
     let here = std::path::absolute(given).unwrap_or_else(|_| given.to_path_buf());
     let mut out = vec![here];
@@ -40,6 +42,11 @@ pub fn candidates(given: &Path, exe_dir: Option<&Path>) -> Vec<PathBuf> {
         if let Some(parent) = dir.parent() {
             out.push(parent.join(given));
             out.push(parent.join("share/edl").join(given));
+            if parent.file_name().is_some_and(|n| n == "target")
+                && let Some(checkout) = parent.parent()
+            {
+                out.push(checkout.join(given));
+            }
         }
     }
     out
@@ -65,6 +72,9 @@ mod tests {
             candidates(Path::new("/x/a.wasm"), Some(Path::new("/opt/edl/bin"))),
             [PathBuf::from("/x/a.wasm")]
         );
+        // A cargo build: the checkout's plugins/ last.
+        let built = candidates(Path::new("plugins/a.wasm"), Some(Path::new("/src/edl/target/release")));
+        assert_eq!(built.last(), Some(&PathBuf::from("/src/edl/plugins/a.wasm")));
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 use edl_runtime::job::Progress;
 use indicatif::{ProgressBar, ProgressStyle};
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 /// Longest time between two plain progress lines.
@@ -54,7 +55,7 @@ impl ProgressDisplay {
                     if self.last_plain.is_none_or(|t| t.elapsed() >= PLAIN_EVERY) {
                         self.last_plain = Some(Instant::now());
                         self.pending = None;
-                        println!("progress  {line}");
+                        let _ = writeln!(std::io::stdout().lock(), "progress  {line}");
                     } else {
                         self.pending = Some(line);
                     }
@@ -80,7 +81,7 @@ impl ProgressDisplay {
                 // Each epoch's last step is shown, however soon it ends.
                 if let Some(line) = self.pending.take() {
                     self.last_plain = Some(Instant::now());
-                    println!("progress  {line}");
+                    let _ = writeln!(std::io::stdout().lock(), "progress  {line}");
                 }
                 self.say(format!(
                     "epoch     {} done: {} samples committed, {} duplicates, {} missing",
@@ -97,7 +98,7 @@ impl ProgressDisplay {
     /// Prints above the bar, or plainly when there is no terminal.
     fn say(&self, line: String) {
         if self.bar.is_hidden() {
-            println!("{line}");
+            let _ = writeln!(std::io::stdout().lock(), "{line}");
         } else {
             self.bar.println(line);
         }

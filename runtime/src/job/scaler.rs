@@ -58,12 +58,20 @@ pub struct LocalProcesses {
     args: Option<Vec<String>>,
     log_dir: PathBuf,
     children: BTreeMap<u64, Child>,
+    /// The threads copying programs' output to their logs.
+    streams: BTreeMap<u64, std::thread::JoinHandle<()>>,
 }
 
 impl LocalProcesses {
     /// Workers run `exe worker --coordinator ADDR --id N`, logging to `log_dir/worker-N.log`.
     pub fn new(exe: impl Into<PathBuf>, log_dir: impl Into<PathBuf>) -> Self {
-        LocalProcesses { exe: exe.into(), args: None, log_dir: log_dir.into(), children: BTreeMap::new() }
+        LocalProcesses {
+            exe: exe.into(),
+            args: None,
+            log_dir: log_dir.into(),
+            children: BTreeMap::new(),
+            streams: BTreeMap::new(),
+        }
     }
 
     /// Workers run `command` (a program and its arguments) with the job in
@@ -75,6 +83,7 @@ impl LocalProcesses {
             args: Some(args.to_vec()),
             log_dir: log_dir.into(),
             children: BTreeMap::new(),
+            streams: BTreeMap::new(),
         })
     }
 
@@ -92,18 +101,29 @@ impl LocalProcesses {
 }
 
 /// Copies worker `id`'s output to its log and to standard output, each line
-/// prefixed `[worker N]`, until the worker closes it.
-fn stream_lines(id: u64, from: std::io::PipeReader, mut log: std::fs::File) {
+/// prefixed `[worker N]`, until the worker closes it. Bytes that are not
+/// UTF-8 are shown replaced and kept as they are in the log; the pipe is
+/// drained to its end whatever happens to standard output, so a worker
+/// never blocks or dies on a write.
+fn stream_lines(id: u64, from: std::io::PipeReader, mut log: std::fs::File) -> std::thread::JoinHandle<()> {
     use std::io::BufRead;
     std::thread::spawn(move || {
-        for line in std::io::BufReader::new(from).lines() {
-            let Ok(line) = line else { break };
-            let _ = writeln!(log, "{line}");
-            // Standard output may be closed (the reader of a pipe gone);
-            // the log still gets every line.
-            let _ = writeln!(std::io::stdout().lock(), "[worker {id}] {line}");
+        let mut from = std::io::BufReader::new(from);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match from.read_until(b'\n', &mut line) {
+                Ok(0) => return,
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(_) => return,
+            }
+            let _ = log.write_all(&line);
+            let text = String::from_utf8_lossy(&line);
+            let _ =
+                writeln!(std::io::stdout().lock(), "[worker {id}] {}", text.trim_end_matches(['\n', '\r']));
         }
-    });
+    })
 }
 
 /// Makes a child die with its parent (Linux); elsewhere a child notices the
@@ -155,9 +175,17 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
     let Ok(text) = std::fs::read(path) else { return String::new() };
     let text = String::from_utf8_lossy(&text);
     let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    // A traceback counts when the log ends with it (its exception line
+    // last), not when the program printed one it caught and went on.
+    let ends_with_exception = all.last().is_some_and(|l| {
+        let name = l.split(':').next().unwrap_or_default();
+        !l.starts_with(' ')
+            && !name.contains(' ')
+            && ["Error", "Exception", "Interrupt", "Exit"].iter().any(|e| name.ends_with(e))
+    });
     let from = match all.iter().rposition(|l| l.starts_with("Traceback (most recent call last)")) {
-        Some(t) => t.max(all.len().saturating_sub(MAX_TRACEBACK_LINES)),
-        None => all.len().saturating_sub(lines),
+        Some(t) if ends_with_exception => t.max(all.len().saturating_sub(MAX_TRACEBACK_LINES)),
+        _ => all.len().saturating_sub(lines),
     };
     let tail = &all[from..];
     if tail.is_empty() {
@@ -214,7 +242,7 @@ impl Scaler for LocalProcesses {
             let (reader, writer) = std::io::pipe()?;
             cmd.stdout(writer.try_clone()?).stderr(writer);
             let child = self.start(id, cmd)?;
-            stream_lines(id, reader, log);
+            self.streams.insert(id, stream_lines(id, reader, log));
             self.children.insert(id, child);
             return Ok(());
         }
@@ -236,7 +264,17 @@ impl Scaler for LocalProcesses {
     }
 
     fn exited(&mut self) -> Vec<(u64, String)> {
-        reap(&mut self.children, |c| c)
+        let gone = reap(&mut self.children, |c| c);
+        for (id, _) in &gone {
+            // The output's last lines (a traceback) reach the log before it is quoted.
+            if let Some(copy) = self.streams.remove(id) {
+                let until = Instant::now() + Duration::from_secs(2);
+                while !copy.is_finished() && Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+        }
+        gone
     }
 
     fn pid(&self, id: u64) -> Option<u32> {
@@ -760,5 +798,10 @@ mod tests {
         assert!(tail.contains("in frame0") && tail.contains("in frame29"), "{tail}");
         assert!(tail.ends_with("ValueError: shapes do not match"), "{tail}");
         assert!(!tail.contains("epoch 0 step 1"), "only the traceback: {tail}");
+        // One the program caught and printed, then went on past: the last lines.
+        text.push_str("recovered\nstep 2\nstep 3\nkilled by the policy\n");
+        std::fs::write(&log, &text).unwrap();
+        let tail = log_tail(&log, 3);
+        assert!(!tail.contains("Traceback") && tail.ends_with("killed by the policy"), "{tail}");
     }
 }

@@ -118,23 +118,20 @@ def main():
             )
             first = False
         idx = torch.from_numpy(step.indices).long()
+        xb, yb, ib = batch
         if len(idx):
             # The DataLoader's worker processes read exactly the step's samples.
-            xb, yb, ib = batch
             assert torch.equal(ib, idx), f"step {step.step}: batch {ib.tolist()} for {idx.tolist()}"
         try:
             net = ddp.on(step)
             generations.add(step.generation)
             opt.zero_grad()
-            hits = 0.0
-            if len(idx):
-                out = net(xb)
-                mean = F.cross_entropy(out, yb)
-                loss = edl.torch.scaled(step, mean)
-                hits = (out.argmax(dim=1) == yb).float().mean().item()
-            else:
-                mean = torch.tensor(0.0)
-                loss = edl.torch.zero_loss(net)
+            # Without samples here (fewer rows than ranks) the batch holds
+            # stand-ins: DDP still needs this rank, and `scaled` weighs it 0.
+            out = net(xb)
+            mean = F.cross_entropy(out, yb)
+            loss = edl.torch.scaled(step, mean)
+            hits = (out.argmax(dim=1) == yb).float().mean().item()
             loss.backward()
         except RuntimeError as e:
             step.abandon(f"a collective failed: {e}")

@@ -4,19 +4,21 @@ resizes.
 
     import edl, edl.torch
     job = edl.Job.from_env()
-    edl.register_torch(job, model, opt)
-    ddp = edl.torch.ElasticDDP(model)           # gloo; backend="nccl" on GPUs
-    for step in job.steps():
+    state = edl.torch.ElasticState(job, model, opt, scheduler)   # the whole state
+    ddp = edl.torch.ElasticDDP(model)            # gloo; backend="nccl" on GPUs
+    loader = edl.torch.ElasticLoader(dataset, state, num_workers=2)
+    for step, (x, y) in loader:
         try:
             net = ddp.on(step)                   # this generation's DDP module
             opt.zero_grad()
-            loss = edl.torch.scaled(step, F.cross_entropy(net(x), y))
-            loss.backward()                      # DDP sums the gradients
+            mean = F.cross_entropy(net(x), y)
+            edl.torch.scaled(step, mean).backward()   # DDP sums the gradients
         except RuntimeError as e:                # a peer died mid-collective
             step.abandon(str(e))                 # redone by the next generation
             continue
         opt.step()
-        step.commit(loss=loss.item())
+        scheduler.step()
+        step.commit(loss=mean.item())
 
 The group (``torch.distributed``'s default one, so ``dist.all_reduce`` and
 any library that uses it work too) has the job's own store (``step.store()``): it answers only
@@ -40,7 +42,6 @@ __all__ = [
     "all_reduce_grads",
     "load_checkpoint",
     "scaled",
-    "zero_loss",
 ]
 
 
@@ -206,8 +207,12 @@ class _PlannedBatches:
         self.fed = set()
 
     def feed(self, key, indices, first=False):
-        if key in self.fed or len(indices) == 0:
+        if key in self.fed:
             return
+        if len(indices) == 0:
+            # No samples here this step: stand-ins, which the rank weighs by 0
+            # (``scaled``) but runs through DDP, which every rank must.
+            indices = [0, 1]
         self.fed.add(key)
         (self.waiting.appendleft if first else self.waiting.append)((key, [int(i) for i in indices]))
 
@@ -231,8 +236,12 @@ class ElasticLoader:
     has planned.
 
         loader = edl.torch.ElasticLoader(dataset, state, num_workers=2)
-        for step, batch in loader:       # batch: None when this rank has no samples
+        for step, batch in loader:
             ...
+
+    A rank with no samples in a step (fewer rows than ranks) gets a batch
+    of two stand-in samples: DDP needs every rank's forward and backward,
+    and ``scaled`` weighs that rank's loss by 0.
 
     ``source``: an ``ElasticState`` (its ``steps()``) or a ``Job``. Other
     keyword arguments go to the DataLoader (not ``batch_size``, ``shuffle``,
@@ -241,6 +250,8 @@ class ElasticLoader:
     """
 
     def __init__(self, dataset, source, **loader_options):
+        if loader_options.get("in_order") is False:
+            raise ValueError("ElasticLoader: in_order=False would pair batches with the wrong steps")
         for fixed in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
             if fixed in loader_options:
                 raise ValueError(f"ElasticLoader: {fixed!r} is the job's to decide (each step's samples)")
@@ -256,10 +267,6 @@ class ElasticLoader:
         try:
             for step in steps:
                 key = (step.generation, step.step)
-                if len(step.indices) == 0:
-                    # No samples for this rank in this step: nothing to read.
-                    yield step, None
-                    continue
                 # This step first if it was not read ahead (a new generation
                 # replanned it), then the planned ones behind it.
                 sampler.feed(key, step.indices, first=True)
@@ -306,15 +313,12 @@ def all_reduce_grads(step, module):
 def scaled(step, loss):
     """This rank's mean ``loss`` weighted so that DDP's average over the
     ranks is the mean over the step's samples, even when the ranks' shares
-    differ (an epoch's last step): ``loss * rows_here * world / global_rows``."""
+    differ (an epoch's last step): ``loss * rows_here * world / global_rows``.
+    A rank with no samples in a step (fewer rows than ranks) still runs the
+    DDP module forward and backward, on stand-in samples (``ElasticLoader``
+    gives it some), so that it takes part in the reduction: its weight is 0."""
     rows = len(step.indices)
     return loss * (rows * step.world / max(step.global_rows, 1))
-
-
-def zero_loss(module):
-    """A loss of 0 that reaches every parameter: what a rank with no samples
-    in a step backpropagates, so that it still takes part in DDP's reduction."""
-    return sum(p.sum() for p in module.parameters() if p.requires_grad) * 0.0
 
 
 # ---------------------------------------------------------------------------
@@ -348,12 +352,29 @@ def _materialize(optimizer):
     if not missing:
         return
     name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.SGD) and any(
+        g.get("momentum", 0) and g.get("dampening", 0) for g in optimizer.param_groups
+    ):
+        # Its first step takes the gradient whole, later ones damped: a
+        # buffer made up front cannot say "first".
+        raise ValueError(
+            f"optimizer {name}: momentum with dampening makes its first step unlike the others; "
+            "edl keeps an optimizer's state from the start, so it cannot keep this one (dampening=0 can)"
+        )
+    missing_ids = {id(p) for p in missing}
     saved = [(p, p.grad, p.detach().clone()) for p in params]
+    decays = [g.get("weight_decay") for g in optimizer.param_groups]
     for p in missing:
         optimizer.state[p] = _Recording()
     try:
+        # Zero gradients for the parameters without state only (the others
+        # are skipped and keep theirs untouched), and no weight decay, which
+        # some optimizers fold into the first buffer.
         for p in params:
-            p.grad = torch.zeros_like(p)
+            p.grad = torch.zeros_like(p) if id(p) in missing_ids else None
+        for g in optimizer.param_groups:
+            if "weight_decay" in g:
+                g["weight_decay"] = 0.0
         optimizer.step()
     except Exception as e:
         raise ValueError(
@@ -361,6 +382,9 @@ def _materialize(optimizer):
             "edl keeps an optimizer's state from the start, so it cannot keep this one"
         ) from e
     finally:
+        for g, decay in zip(optimizer.param_groups, decays):
+            if decay is not None:
+                g["weight_decay"] = decay
         with torch.no_grad():
             for p, grad, value in saved:
                 p.copy_(value)
@@ -441,10 +465,28 @@ class _Mirrored:
             t.copy_(src.reshape(t.shape).to(t.device, t.dtype))
 
 
+def _dumps(value):
+    import io
+
+    out = io.BytesIO()
+    torch.save(value, out)
+    return out.getvalue()
+
+
+def _loads(data):
+    """Reads what ``_dumps`` wrote, allowing plain values and tensors only:
+    a checkpoint from elsewhere cannot run code here (as ``torch.load``'s
+    ``weights_only``)."""
+    import io
+
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
 class _Blob:
     """Python values (scalars, the scheduler's and the optimizer's settings,
-    RNG states) pickled into a float32 array of bytes of a fixed capacity,
-    with its length in front."""
+    RNG states), saved as ``torch.save`` does and read back with
+    ``weights_only`` (plain values and tensors, never code), in a float32
+    array of bytes of a fixed capacity, with its length in front."""
 
     def __init__(self, data, capacity=None):
         import numpy as np
@@ -494,8 +536,6 @@ class ElasticState:
     """
 
     def __init__(self, job, model, optimizer=None, scheduler=None, rng=False, python_bytes=None, **scalars):
-        import pickle
-
         object.__setattr__(self, "_scalars", dict(scalars))
         self.job, self.model, self.optimizer, self.scheduler, self.rng = job, model, optimizer, scheduler, rng
         self._mirrored = []
@@ -512,11 +552,10 @@ class ElasticState:
                     keys.append(key)
                 self._optimizer_keys[i] = keys
             optimizer.register_step_post_hook(self._check_optimizer)
-        self._pickle = pickle
         data = self._python()
         self._blob = _Blob(data, python_bytes)
         self._blob.pack(data)
-        job.register("python@pickle", self._blob.mirror)
+        job.register("python@torch", self._blob.mirror)
         for m in self._mirrored:
             m.pack()
 
@@ -544,7 +583,7 @@ class ElasticState:
                 )
 
     def _python(self):
-        """The Python part of the state, pickled."""
+        """The Python part of the state, as bytes."""
         value = {"scalars": self._scalars}
         if self.optimizer is not None:
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -557,7 +596,7 @@ class ElasticState:
             value["scheduler"] = self.scheduler.state_dict()
         if self.rng:
             value["rng"] = torch.get_rng_state()
-        return self._pickle.dumps(value, protocol=4)
+        return _dumps(value)
 
     def _restore_python(self, value):
         self._scalars.clear()
@@ -584,7 +623,7 @@ class ElasticState:
             m.unpack()
         data, changed = self._blob.unpack()
         if changed:
-            self._restore_python(self._pickle.loads(data))
+            self._restore_python(_loads(data))
 
     def steps(self):
         """The job's steps, with the state brought up to date around the
@@ -616,8 +655,6 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
     job wrote) back into a plain PyTorch ``model`` (and ``optimizer``,
     ``scheduler``). Returns the named scalars and the checkpoint's step and
     epoch: ``{"scalars": {...}, "step": N, "epoch": E}``."""
-    import pickle
-
     import numpy as np
 
     from . import read_checkpoint
@@ -632,6 +669,12 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
                 break
         else:
             raise KeyError(f"checkpoint {path}: no tensor {name!r}")
+        held = raw.size // (3 if codec in ("@int", "@bits") else 1)
+        if held != max(like.numel(), 1):
+            raise ValueError(
+                f"checkpoint {path}: tensor {name!r} holds {held} values, the model's {tuple(like.shape)} "
+                f"{like.numel()}: another model's checkpoint?"
+            )
         if codec in ("", "@f32"):
             src = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1)[: like.numel()].copy())
         elif codec == "@int":
@@ -643,9 +686,9 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None):
     with torch.no_grad():
         for name, t in model.state_dict(keep_vars=True).items():
             t.copy_(value(f"model.{name}", t))
-    blob = tensors["python@pickle"].reshape(-1)
+    blob = tensors["python@torch"].reshape(-1)
     n = int(blob[0]) | (int(blob[1]) << 16)
-    python = pickle.loads(blob[2 : 2 + n].astype("uint8").tobytes())
+    python = _loads(blob[2 : 2 + n].astype("uint8").tobytes())
     if optimizer is not None:
         _materialize(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
