@@ -178,7 +178,12 @@ impl Autoscale {
     /// replacement) is what this size delivers, so it does not count; were
     /// it to, such a job would never be measured and never scale in.
     fn lagging(&self) -> bool {
-        !self.contended && self.tracked.iter().any(|t| t.last < self.straggler_ratio && !t.replacement)
+        // A worker already asked to be replaced no longer holds the
+        // measurement back: if its replacement never comes, the size search
+        // must not wait for it forever (the replacement's arrival starts the
+        // size's measurement again anyway).
+        !self.contended
+            && self.tracked.iter().any(|t| t.last < self.straggler_ratio && !t.replacement && !t.replaced)
     }
 
     /// Records what one worker gets at world size `k`: the mean of the
