@@ -404,8 +404,14 @@ def _materialize(optimizer):
 
 
 def _int_pack(t, out):
-    bits = t.detach().reshape(-1).to("cpu", torch.int64).numpy().view("uint64")
     mask = (1 << _INT_BITS) - 1
+    if t.numel() == 1:
+        # A BatchNorm's counter and the like, packed before every step: one
+        # Python integer costs a fraction of the array operations below.
+        bits = int(t.item()) & 0xFFFF_FFFF_FFFF_FFFF
+        out[0] = (bits & mask, (bits >> _INT_BITS) & mask, bits >> (2 * _INT_BITS))
+        return
+    bits = t.detach().reshape(-1).to("cpu", torch.int64).numpy().view("uint64")
     out[:, 0] = bits & mask
     out[:, 1] = (bits >> _INT_BITS) & mask
     out[:, 2] = bits >> (2 * _INT_BITS)
@@ -627,14 +633,22 @@ class ElasticState:
 
     def steps(self):
         """The job's steps, with the state brought up to date around the
-        runtime's work between them (rollbacks, broadcasts, checkpoints)."""
+        runtime's work between them (rollbacks, broadcasts, checkpoints).
+
+        The copies are written before every step (the runtime may read the
+        state at any of them) and read back at a generation's first step
+        only: the runtime writes the state only as a generation starts (a
+        checkpoint loaded, a rollback, rank 0's state broadcast)."""
         steps = iter(self.job.steps())
+        generation = None
         while True:
             self.pack()
             step = next(steps, None)
             if step is None:
                 return
-            self.unpack()
+            if step.generation != generation:
+                self.unpack()
+                generation = step.generation
             yield step
 
     def __getattr__(self, name):
