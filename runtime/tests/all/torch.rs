@@ -100,7 +100,7 @@ fn a_cnn_with_batchnorm_adamw_and_a_schedule_trains_whole_through_resizes_and_a_
     let dir = tempfile::tempdir().unwrap();
     // 1396 samples in steps of 93: each epoch ends with a step of one
     // sample, where a rank has none and still takes part in DDP.
-    let mut child = job(py, dir.path(), "adamw", 6, 1396, 93).spawn().unwrap();
+    let mut child = job(py, dir.path(), "adamw", 6, 1396, 93).env("HOLD_UNTIL_WORLD", "3").spawn().unwrap();
     let coordinator = child.id();
     let rx = lines(&mut child);
     let mut seen = Vec::new();

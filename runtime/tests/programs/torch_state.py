@@ -108,6 +108,9 @@ def main():
     ddp = edl.torch.ElasticDDP(model, backend="gloo", timeout=10.0)
     loader = edl.torch.ElasticLoader(Digits(X, Y), state, num_workers=2)
     delay = float(os.environ.get("STEP_DELAY_MS", "0")) / 1000
+    # Steps slow down until the job has grown to this many workers, so that a
+    # test sees the growth however long PyTorch takes to start on its machine.
+    hold = int(os.environ.get("HOLD_UNTIL_WORLD", "0"))
     first, generations = True, set()
     for step, batch in loader:
         if first:
@@ -139,8 +142,10 @@ def main():
         opt.step()
         sched.step()
         state.epochs_done = step.epoch
-        if delay:
-            time.sleep(delay)
+        if hold and step.world >= hold:
+            hold = 0
+        if delay or hold:
+            time.sleep(delay + (0.2 if hold else 0))
         step.commit(loss=mean.item(), accuracy=hits)
     print(
         f"worker {job.worker_id}: {job.stopped}; generations {len(generations)}; params {digest(model)}; "
