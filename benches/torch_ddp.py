@@ -1,0 +1,255 @@
+#!/usr/bin/env python3
+"""PyTorch DDP under edl against plain torchrun, side by side in one run.
+
+    cargo build --release -p edl-runtime -p edl-python
+    ~/.cache/edl/venv-torch/bin/python benches/torch_ddp.py
+
+Both sides run `benches/programs/ddp_cnn.py`: the same CNN (BatchNorm),
+AdamW, cosine schedule, data, global batch and steps, on 2 workers, DDP over
+gloo, one compute thread each.
+
+Throughput: `edl-runtime launch` (fixed world of 2: `--min-workers 2
+--max-workers 2`, the schedule policy, checkpoints at each epoch's end, the
+report) against `torchrun --nproc-per-node 2` (rank 0 saving the usual
+snapshot at each epoch's end). Steady-state samples/s as rank 0 measures it
+(after the first fifth of the steps) and the median time between two steps
+there; the two sides alternate, `--runs` times each; medians, edl /
+torchrun and each pair's ratio. A run during which other work kept
+`QUIET` cores or more of the machine busy is measured again (up to 4 times).
+
+Resize cost, on the digits CNN: edl's scale events (2 -> 3 -> 2 workers,
+the schedule policy) from the job's report: `join_ms`, from the decision to
+the new worker being ready, while the others train, and `pause_ms`, from the
+step boundary to the first committed step of the new generation, during
+which nobody trains. Against torchrun's restart of the group at the new
+size, as `edl-runtime launch --torchrun` does it: the time between the last
+step the old group of 2 finished and the first step the new group of 3
+finished (stop, start of 3 processes, torch import, rendezvous, snapshot
+load, DDP set-up, one step); and a cold `torchrun --nproc-per-node 3` from
+the snapshot: from the command's start to its first finished step.
+
+The `edl` package is put together here from the release build
+(target/release/lib_edl.so and runtime/python/python/edl/*.py, into
+target/edl-python/torch-site). Needs torch (CPU wheels are enough).
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PROGRAM = ROOT / "benches" / "programs" / "ddp_cnn.py"
+RELEASE = ROOT / "target" / "release"
+SCHEDULE = ROOT / "plugins" / "schedule.wasm"
+# (training rows, epochs) per data set: 5 to 10 s of training on 2 cores.
+DATA = {"digits": (1397, 60), "mnist": (4000, 6)}
+LINE = re.compile(r"ddp_cnn (\{[^{}]*\})")
+# A throughput run counts when other work kept fewer cores busy than this.
+QUIET = 0.15
+
+
+def site():
+    """The `edl` package from the release build, on a directory of its own."""
+    for built in (RELEASE / "edl-runtime", RELEASE / "lib_edl.so", SCHEDULE):
+        if not built.exists():
+            sys.exit(f"{built} missing: cargo build --release -p edl-runtime -p edl-python (and the plugins)")
+    pkg = ROOT / "target" / "edl-python" / "torch-site" / "edl"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for py in (ROOT / "runtime" / "python" / "python" / "edl").glob("*.py"):
+        shutil.copy(py, pkg / py.name)
+    shutil.copy(RELEASE / "lib_edl.so", pkg / "_edl.abi3.so")
+    return pkg.parent
+
+
+def environment(site_dir):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(site_dir)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def records(text):
+    return [json.loads(m.group(1)) for m in LINE.finditer(text)]
+
+
+def busy_secs():
+    """CPU seconds the machine has spent on anything but idling."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_secs():
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def run(cmd, env, cwd, what):
+    """The command's output, and the cores other work on the machine kept
+    busy meanwhile (its CPU time less the command's, over its wall time)."""
+    busy, ours, start = busy_secs(), children_secs(), time.perf_counter()
+    # A run that never ends (a resize that does not go as planned) is ended
+    # with its launcher; the launcher's ranks die with it.
+    p = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=900)
+    if p.returncode != 0:
+        sys.exit(f"{what} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    others = (busy_secs() - busy) - (children_secs() - ours)
+    return p.stdout + p.stderr, max(others, 0.0) / (time.perf_counter() - start)
+
+
+def torchrun(nproc, program_args):
+    # `python -m torch.distributed.run` is torchrun.
+    run_module = [sys.executable, "-m", "torch.distributed.run"]
+    return [*run_module, "--nproc-per-node", str(nproc), str(PROGRAM), *program_args]
+
+
+def launch(flags, program_args):
+    return [str(RELEASE / "edl-runtime"), "launch", *flags, "--", sys.executable, str(PROGRAM), *program_args]
+
+
+def throughput_torchrun(data, env, scratch):
+    _, epochs = DATA[data]
+    with tempfile.TemporaryDirectory(dir=scratch) as d:
+        args = ["--data", data, "--epochs", str(epochs), "--snapshot", str(pathlib.Path(d) / "snapshot.pt")]
+        out, others = run(torchrun(2, args), env, d, "torchrun")
+    (r,) = [r for r in records(out) if "samples_per_sec" in r]
+    return r, others
+
+
+def throughput_edl(data, env, scratch):
+    rows, epochs = DATA[data]
+    with tempfile.TemporaryDirectory(dir=scratch) as d:
+        flags = ["--samples", str(rows), "--epochs", str(epochs), "--batch", "64", "--no-distill"]
+        flags += ["--min-workers", "2", "--max-workers", "2", "--workers", "2", "--policy", str(SCHEDULE)]
+        flags += ["--job", f"torch-ddp-{data}", "--report", str(pathlib.Path(d) / "report.json")]
+        program = ["--data", data, "--epochs", str(epochs)]
+        out, others = run(launch(flags, program), env, d, "edl-runtime launch")
+    (r,) = [r for r in records(out) if "samples_per_sec" in r]
+    return r, others
+
+
+def resize_edl(env, scratch):
+    """The report's scale events of a 2 -> 3 -> 2 job: [(from, to, join_ms, pause_ms)]."""
+    with tempfile.TemporaryDirectory(dir=scratch) as d:
+        report = pathlib.Path(d) / "report.json"
+        flags = ["--samples", "1397", "--epochs", "60", "--batch", "64", "--no-distill"]
+        flags += ["--min-workers", "2", "--max-workers", "3", "--workers", "2"]
+        flags += ["--policy", str(SCHEDULE), "--policy-config", "every=250", "--decide-every-steps", "10"]
+        flags += ["--job", "torch-ddp-resize", "--report", str(report)]
+        run(launch(flags, ["--data", "digits", "--epochs", "60"]), env, d, "edl-runtime launch (resizes)")
+        events = json.loads(report.read_text())["scale_events"]
+    return [(e["from"], e["to"], e["join_ms"], e["pause_ms"]) for e in events if e["from"] > 0]
+
+
+def resize_torchrun(env, scratch):
+    """`launch --torchrun` resizing a group of 2 to 3: seconds from the old
+    group's last finished step to the new group's first; and a cold
+    `torchrun --nproc-per-node 3` from the snapshot left: seconds from its
+    start to its first finished step."""
+    with tempfile.TemporaryDirectory(dir=scratch) as d:
+        snapshot = str(pathlib.Path(d) / "snapshot.pt")
+        args = ["--data", "digits", "--epochs", "100000", "--snapshot", snapshot, "--log-steps"]
+        args += ["--steps-after-resume", "20"]
+        # The schedule policy holds at its first decision and scales out at
+        # its second: the group of 2 trains for 2 x --decide-secs; the group
+        # of 3 ends after its 20 steps, well before its first decision.
+        flags = ["--torchrun", "--min-workers", "2", "--max-workers", "3", "--workers", "2"]
+        flags += ["--policy", str(SCHEDULE), "--policy-config", "every=1", "--decide-secs", "20"]
+        flags += ["--job", "torch-ddp-restart", "--report", str(pathlib.Path(d) / "report.json")]
+        out = records(run(launch(flags, args), env, d, "edl-runtime launch --torchrun")[0])
+        old = max(r["step_done"] for r in out if r.get("world") == 2)
+        new = min(r["step_done"] for r in out if r.get("world") == 3)
+        start = time.time()
+        cold = records(run(torchrun(3, args), env, d, "torchrun --nproc-per-node 3")[0])
+        first = min(r["step_done"] for r in cold if r.get("resumed"))
+    return new - old, first - start
+
+
+def quiet(measure):
+    """`measure()`'s result, measured again (up to 4 times in all) while
+    other work on the machine kept more than QUIET cores busy."""
+    for _ in range(4):
+        result, others = measure()
+        if others < QUIET:
+            break
+        print(f"  (other work kept {others:.2f} cores busy: measured again)", file=sys.stderr, flush=True)
+    return result, others
+
+
+def median_ms(values):
+    return f"{statistics.median(values):.0f} ms" if values else "-"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default="digits,mnist", help="digits, mnist or both (comma separated)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--no-resize", action="store_true", help="throughput only")
+    args = ap.parse_args()
+    env = environment(site())
+    scratch = ROOT / "target" / "edl-python"
+
+    print(
+        "| data | torchrun + DDP | edl + DDP | edl / torchrun | each run's edl / torchrun "
+        "| median step, torchrun / edl |"
+    )
+    print("|---|---|---|---|---|---|")
+    others = []
+    for data in args.data.split(","):
+        t, e = [], []
+        for _ in range(args.runs):
+            for side, out in ((throughput_torchrun, t), (throughput_edl, e)):
+                r, busy = quiet(lambda: side(data, env, scratch))
+                out.append(r)
+                others.append(busy)
+        tm = statistics.median(r["samples_per_sec"] for r in t)
+        em = statistics.median(r["samples_per_sec"] for r in e)
+        each = ", ".join(f"{a['samples_per_sec'] / b['samples_per_sec']:.3f}" for a, b in zip(e, t))
+        steps = [statistics.median(r["step_ms_median"] for r in side) for side in (t, e)]
+        print(
+            f"| {data} | {tm:.0f} samples/s | {em:.0f} samples/s | {em / tm:.3f} | {each} "
+            f"| {steps[0]:.2f} ms / {steps[1]:.2f} ms |",
+            flush=True,
+        )
+    print(f"other work on the machine during these runs: at most {max(others):.2f} cores")
+
+    if args.no_resize:
+        return
+    outs, ins, gaps, colds = [], [], [], []
+    for _ in range(args.runs):
+        for src, dst, join, pause in resize_edl(env, scratch):
+            (outs if dst > src else ins).append((join, pause))
+        gap, cold = resize_torchrun(env, scratch)
+        gaps.append(gap * 1e3)
+        colds.append(cold * 1e3)
+    joins = [j for j, _ in outs if j is not None]
+    print()
+    print("| resize (medians) | decision to new worker ready, others training | training stopped |")
+    print("|---|---|---|")
+    print(f"| edl 2 -> 3 ({len(outs)} resizes) | {median_ms(joins)} | {median_ms([p for _, p in outs])} |")
+    print(f"| edl 3 -> 2 ({len(ins)} resizes) | - | {median_ms([p for _, p in ins])} |")
+    print(f"| `launch --torchrun` 2 -> 3 ({len(gaps)} restarts) | - | {median_ms(gaps)} |")
+    label = "`torchrun --nproc-per-node 3` from the snapshot"
+    print(f"| {label} ({len(colds)} starts) | - | {median_ms(colds)} |")
+    print()
+    each = ", ".join(f"({j:.0f}, {p:.0f})" for j, p in outs if j is not None)
+    print("each: edl 2 -> 3 (join, pause) " + each)
+    print("      edl 3 -> 2 pause " + ", ".join(f"{p:.0f}" for _, p in ins))
+    print(
+        "      torchrun restart " + ", ".join(f"{g:.0f}" for g in gaps)
+        + "; cold start " + ", ".join(f"{c:.0f}" for c in colds),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
