@@ -113,23 +113,13 @@ fn install(venv: &Path) -> Result<(), String> {
 /// run path (`$ORIGIN`), that is from the wheel's directory beside it.
 #[cfg(target_os = "linux")]
 fn load(lib: &Path) -> Result<(), String> {
-    use std::ffi::{CStr, CString, c_char, c_int, c_void};
-    use std::os::unix::ffi::OsStrExt;
-    unsafe extern "C" {
-        fn dlopen(filename: *const c_char, flags: c_int) -> *mut c_void;
-        fn dlerror() -> *const c_char;
-    }
-    const RTLD_NOW: c_int = 2;
-    let path = CString::new(lib.as_os_str().as_bytes()).map_err(|e| format!("{}: {e}", lib.display()))?;
-    // SAFETY: a NUL-terminated path; loading NVRTC runs no code of ours, and
-    // the handle is deliberately leaked so the library stays loaded.
-    if unsafe { dlopen(path.as_ptr(), RTLD_NOW) }.is_null() {
-        // SAFETY: after a failed dlopen, dlerror returns null or a C string
-        // valid until the next dl* call on this thread.
-        let why = unsafe { dlerror().as_ref().map(|c| CStr::from_ptr(c).to_string_lossy().into_owned()) };
-        let why = why.unwrap_or_else(|| "unknown error".into());
-        return Err(format!("loading {}: {why}", lib.display()));
-    }
+    use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
+    // SAFETY: loading NVIDIA's NVRTC runs only its own initialisers; the
+    // library is never closed (kept loaded for the rest of the process), so
+    // nothing of it is used after an unload.
+    let loaded = unsafe { Library::open(Some(lib), RTLD_NOW | RTLD_GLOBAL) }
+        .map_err(|e| format!("loading {}: {e}", lib.display()))?;
+    std::mem::forget(loaded);
     Ok(())
 }
 

@@ -126,10 +126,6 @@ fn inspect(host: &PluginHost, file: &Path) -> Result<ExitCode> {
 }
 
 fn replay(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
-    // Printing a table to a closed pipe (`| head`) ends the command
-    // quietly, as it does for other Unix tools, instead of panicking.
-    // SAFETY: restoring a signal's default disposition has no preconditions.
-    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let mut p = host.load_policy(&plugin_path::resolve("--policy", &args.policy)?, &args.config)?;
     if let Some(price) = args.price
         && !(price.is_finite() && price >= 0.0)
@@ -153,9 +149,16 @@ fn replay(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
             (run.decisions, false)
         }
     };
+    let mut out = std::io::stdout().lock();
     for d in &decisions {
-        print_decision(d, args.json)?;
+        match print_decision(&mut out, d, args.json) {
+            Ok(()) => {}
+            // A closed pipe (`| head`) has read enough: stop printing, quietly.
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => break,
+            Err(e) => return Err(e.into()),
+        }
     }
+    drop(out);
     if let Some(out) = args.plot {
         let title = format!("{} on {}", p.info().name, args.trace.display());
         plot::policy_run(&out, &title, &decisions, recorded)?;
@@ -164,19 +167,20 @@ fn replay(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn print_decision(d: &Decision, json: bool) -> Result<()> {
+fn print_decision(out: &mut impl std::io::Write, d: &Decision, json: bool) -> std::io::Result<()> {
     if json {
-        println!("{}", serde_json::to_string(d)?);
+        writeln!(out, "{}", serde_json::to_string(d)?)?;
     } else {
         let actions: Vec<String> = d.actions.iter().map(|a| a.to_string()).collect();
-        println!(
+        writeln!(
+            out,
             "step {:>7}  world {:>3} -> {:>3}  {:>10.1} samples/s  {}",
             d.step,
             d.world_size,
             d.chosen,
             d.throughput,
             actions.join(", ")
-        );
+        )?;
     }
     Ok(())
 }

@@ -53,7 +53,8 @@ pub(crate) fn torch_py() -> &'static PyEnv {
                 Path::new(&home).join(".cache/edl/venv-torch")
             }
         };
-        let bin = venv_with(&venv, "import torch, numpy, pytest", &["torch>=2.4", "numpy>=1.22", "pytest>=7"])?;
+        let bin =
+            venv_with(&venv, "import torch, numpy, pytest", &["torch>=2.4", "numpy>=1.22", "pytest>=7"])?;
         Ok(PyEnv { bin, site })
     })
     .as_ref()
@@ -176,6 +177,25 @@ fn worker_id(pid: u32) -> Option<u64> {
         .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
 }
 
+/// Sends SIGKILL to worker `id`, a child of the job `coordinator`
+/// (panics, naming the children, when it has none of that id).
+pub(crate) fn sigkill_worker(coordinator: u32, id: u64) {
+    let victim = children(coordinator)
+        .into_iter()
+        .find(|(p, _)| worker_id(*p) == Some(id))
+        .unwrap_or_else(|| panic!("worker {id} among {:?}", children(coordinator)))
+        .0;
+    sigkill(victim);
+}
+
+/// Sends SIGKILL to process `pid`.
+pub(crate) fn sigkill(pid: u32) {
+    let pid = libc::pid_t::try_from(pid).expect("a process id fits pid_t");
+    // SAFETY: kill(2) takes plain integers and touches no memory of ours;
+    // the tests signal only processes of the job they started.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+}
+
 /// Waits until `dir` holds a checkpoint that verifies; returns its step.
 pub(crate) fn committed_checkpoint(dir: &Path, job: &mut std::process::Child) -> u64 {
     let store = Checkpoints::new(dir, 1);
@@ -195,18 +215,13 @@ fn the_numpy_student_under_launch_trains_every_sample_once_through_resizes_kills
     // Grown to three workers (in one resize or two, as the workers come
     // ready): kill worker 1 (rank 0) with SIGKILL.
     wait_for(&rx, " -> 3 workers", &mut seen, Duration::from_secs(120));
-    let (victim, _) = children(coordinator)
-        .into_iter()
-        .find(|(p, _)| worker_id(*p) == Some(1))
-        .unwrap_or_else(|| panic!("worker 1 among {:?}", children(coordinator)));
-    // SAFETY: signalling a child of the job under test.
-    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    sigkill_worker(coordinator, 1);
     wait_for(&rx, "worker 1 lost", &mut seen, Duration::from_secs(120));
     // Then kill the whole job once a checkpoint is on disk (rank 0 writes
     // it after the coordinator has printed the epoch's end), and run it again.
     let written = committed_checkpoint(&dir.path().join(".edl/launch/checkpoints"), &mut child);
-    // SAFETY: as above; its workers die with it.
-    unsafe { libc::kill(coordinator as i32, libc::SIGKILL) };
+    // Its workers die with it.
+    sigkill(coordinator);
     let _ = child.wait();
 
     let mut child = numpy_student(py, dir.path()).spawn().unwrap();

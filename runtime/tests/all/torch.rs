@@ -4,8 +4,8 @@
 //! trained with DDP over the gloo process group `edl.torch` builds for each
 //! generation on the job's authenticated store.
 
-use crate::elastic::{children, finish, lines, report, wait_for};
-use crate::python::{PyEnv, committed_checkpoint, torch_py};
+use crate::elastic::{finish, lines, report, wait_for};
+use crate::python::{PyEnv, committed_checkpoint, sigkill, sigkill_worker, torch_py};
 use edl_plugin_artifacts as art;
 use serde_json::Value;
 use std::{
@@ -43,14 +43,6 @@ fn job(py: &PyEnv, dir: &Path, optimizer: &str, epochs: u32, samples: u32, batch
         .stderr(Stdio::piped());
     py.env(&mut c);
     c
-}
-
-/// The worker id a launched program was given.
-fn worker_id(pid: u32) -> Option<u64> {
-    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    env.split(|&b| b == 0)
-        .find_map(|kv| kv.strip_prefix(b"EDL_WORKER_ID="))
-        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
 }
 
 /// The value after `key ` in `line`, up to the next `;`.
@@ -107,12 +99,8 @@ fn a_cnn_with_batchnorm_adamw_and_a_schedule_trains_whole_through_resizes_and_a_
     // Grown to three workers: kill one with SIGKILL, mid-collective as
     // likely as not; the others' collectives fail and the step is redone.
     wait_for(&rx, " -> 3 workers", &mut seen, Duration::from_secs(180));
-    let (victim, id) = children(coordinator)
-        .into_iter()
-        .find_map(|(p, _)| worker_id(p).filter(|&id| id == 2).map(|id| (p, id)))
-        .unwrap_or_else(|| panic!("worker 2 among {:?}", children(coordinator)));
-    // SAFETY: signalling a child of the job under test.
-    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    let id = 2;
+    sigkill_worker(coordinator, id);
     wait_for(&rx, &format!("worker {id} lost"), &mut seen, Duration::from_secs(120));
     let status = finish(child, rx, &mut seen);
     let text = seen.join("\n");
@@ -164,8 +152,8 @@ fn a_killed_rmsprop_job_resumes_with_its_optimizer_and_schedule_where_they_were(
     let coordinator = child.id();
     let _rx = lines(&mut child);
     let written = committed_checkpoint(&dir.path().join(".edl/launch/checkpoints"), &mut child);
-    // SAFETY: signalling the job under test; its workers die with it.
-    unsafe { libc::kill(coordinator as i32, libc::SIGKILL) };
+    // Its workers die with it.
+    sigkill(coordinator);
     let _ = child.wait();
 
     let mut child = job(py, dir.path(), "rmsprop", 4, 1397, 64).spawn().unwrap();
