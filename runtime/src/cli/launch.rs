@@ -10,12 +10,20 @@ use clap::Args;
 use edl_runtime::{
     job::{
         JobLock,
-        torchrun::{self, Event as TorchrunEvent, TorchrunConfig},
+        net::Addresses,
+        scaler::{CommandScaler, ExternalWorkers, Scaler},
+        session::{JobAuth, Secret},
+        torchrun::{self, Event as TorchrunEvent, HostsConfig, TorchrunConfig},
     },
     plot,
     plugin::PluginHost,
 };
-use std::{path::PathBuf, process::ExitCode, sync::Arc};
+use std::{
+    path::{Path, PathBuf},
+    process::ExitCode,
+    sync::Arc,
+    time::Duration,
+};
 
 /// The flags `launch --torchrun` takes, by argument id: the script runs its
 /// own training loop, so the job's training, distillation, checkpoint,
@@ -36,6 +44,16 @@ pub const TORCHRUN_FLAGS: &[&str] = &[
     "report",
     "plot",
     "command",
+    // Across hosts: an agent per host.
+    "nproc_per_node",
+    "listen",
+    "advertise",
+    "worker_command",
+    "worker_stop_command",
+    "hosts",
+    "secret_file",
+    "worker_lease_secs",
+    "join_timeout_secs",
 ];
 
 #[derive(Args)]
@@ -74,6 +92,11 @@ pub struct LaunchArgs {
         help_heading = "torchrun"
     )]
     pub stop_grace_secs: f64,
+    /// With --torchrun and --scaler command or external: ranks each host
+    /// runs. The job then runs an agent per host (`edl-runtime agent`) and
+    /// --min-workers / --max-workers count hosts.
+    #[arg(long, value_name = "N", requires = "torchrun", help_heading = "torchrun")]
+    pub nproc_per_node: Option<u32>,
     #[command(flatten)]
     pub run: JobArgs,
     /// The program and its arguments, run as each worker.
@@ -97,19 +120,17 @@ pub fn run(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
 /// The flags it does not use were refused when the command line was read.
 fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
     let args = &l.run;
-    if args.cluster.scaler != ScalerKind::Local {
-        bail!(
-            "--torchrun runs its group on this host: --scaler {:?} is for jobs without --torchrun",
-            args.cluster.scaler
-        );
-    }
+    let across = args.cluster.scaler != ScalerKind::Local;
     let job_dir = PathBuf::from(".edl").join(&l.job);
     let cfg = torchrun_config(&l, &job_dir)?;
     let (mut policy, policy_name, policy_path) = job::load_policy(host, &args.plugins)?;
     let lock_dir = std::path::absolute(job_dir.join("checkpoints"))?;
     let _lock = JobLock::acquire(&lock_dir, &l.job)?;
+    let nproc = l.nproc_per_node.unwrap_or(1);
+    let (unit, place) =
+        if across { ("hosts", format!(" of {nproc} ranks")) } else { ("ranks", " on this host".into()) };
     println!(
-        "job {:?}: torchrun script {:?}, {}..{} ranks on this host, up to {} restarts",
+        "job {:?}: torchrun script {:?}, {}..{} {unit}{place}, up to {} restarts",
         l.job,
         cfg.command.join(" "),
         cfg.min_workers,
@@ -122,22 +143,33 @@ fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
         policy.backend(),
         cfg.decide_every.as_secs_f64()
     );
-    let outcome = torchrun::run(&cfg, policy.as_mut(), &mut |e| match e {
-        TorchrunEvent::Started(g) => println!(
-            "group     {}: {} ranks, restart {}/{}, master {}:{}, logs {}",
-            g.group,
-            g.world,
-            g.restart_count,
-            cfg.max_restarts,
-            cfg.master_addr,
-            g.master_port,
-            g.log_dir.display()
-        ),
+    let mut on = |e: TorchrunEvent| match e {
+        TorchrunEvent::Started(g) => {
+            let hosts =
+                if g.hosts.is_empty() { String::new() } else { format!(" on {}", g.hosts.join(", ")) };
+            println!(
+                "group     {}: {} ranks{hosts}, restart {}/{}, master {}:{}, logs {}",
+                g.group,
+                g.world,
+                g.restart_count,
+                cfg.max_restarts,
+                g.master_addr,
+                g.master_port,
+                g.log_dir.display()
+            )
+        }
         TorchrunEvent::Output { rank, line } => println!("[rank{rank}]: {line}"),
         TorchrunEvent::Restarting { reason, failure: true } => println!("restart   {reason}"),
         TorchrunEvent::Restarting { reason, failure: false } => println!("scale     {reason}"),
         TorchrunEvent::PolicyFailed(n) => println!("note      {n}"),
-    })?;
+        TorchrunEvent::Host(n) => println!("host      {n}"),
+    };
+    let outcome = if across {
+        let (hc, mut scaler) = hosts_config(&l, &job_dir, nproc)?;
+        torchrun::run_hosts(&cfg, hc, scaler.as_mut(), policy.as_mut(), &mut on)?
+    } else {
+        torchrun::run(&cfg, policy.as_mut(), &mut on)?
+    };
     let resizes = outcome.groups.iter().filter(|g| g.ended.starts_with("resized")).count();
     if let Some(out) = &args.output.report {
         let report = serde_json::json!({
@@ -171,6 +203,42 @@ fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
             Ok(ExitCode::from(f.exit.launcher_code()))
         }
     }
+}
+
+/// How the launcher meets its agents across hosts, and the scaler that starts them.
+fn hosts_config(l: &LaunchArgs, job_dir: &Path, nproc: u32) -> Result<(HostsConfig, Box<dyn Scaler>)> {
+    let c = &l.run.cluster;
+    let secret = match &c.secret_file {
+        Some(f) if f.exists() => Secret::read(f)?,
+        f => {
+            let s = Secret::generate()?;
+            s.write(&f.clone().unwrap_or_else(|| job_dir.join("secret")))?;
+            s
+        }
+    };
+    let log_dir = job_dir.join("logs");
+    let scaler: Box<dyn Scaler> = match c.scaler {
+        ScalerKind::Command => {
+            let start = c.worker_command.as_deref().context("--scaler command needs --worker-command")?;
+            let exe = std::env::current_exe().context("finding edl-runtime's own path for the agents")?;
+            Box::new(CommandScaler::for_agents(
+                start,
+                c.worker_stop_command.as_deref(),
+                &c.hosts,
+                exe,
+                &log_dir,
+            )?)
+        }
+        _ => Box::new(ExternalWorkers),
+    };
+    let hc = HostsConfig {
+        nproc,
+        addresses: Addresses { listen: c.listen, rendezvous_port: 0, advertise: c.advertise.clone() },
+        auth: JobAuth { job: l.job.clone(), secret },
+        lease: Duration::from_secs(l.run.liveness.worker_lease_secs.max(1)),
+        join_timeout: Duration::from_secs(l.run.liveness.join_timeout_secs.max(1)),
+    };
+    Ok((hc, scaler))
 }
 
 fn torchrun_config(l: &LaunchArgs, job_dir: &std::path::Path) -> Result<TorchrunConfig> {

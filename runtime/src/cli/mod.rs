@@ -3,7 +3,7 @@
 //! One file per subcommand: `job.rs` (the built-in job, and the job runner
 //! `launch` shares, with its `teachers.rs`, `progress.rs` and `summary.rs`),
 //! `launch.rs`, `teacher.rs`, `distill.rs`, `simulate.rs`, `plugin.rs`,
-//! `worker.rs`, `devices.rs`. The flag groups several of them take are in
+//! `worker.rs`, `agent.rs`, `devices.rs`. The flag groups several of them take are in
 //! `flags.rs`; `refusals.rs` turns a flag given where it does not apply into
 //! an error naming where it does; `plugin_path.rs` finds plugin files.
 
@@ -12,6 +12,7 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use edl_runtime::plugin::{ArtifactCache, HostOptions, Limits, PluginHost};
 use std::{ffi::OsString, process::ExitCode, sync::Arc, time::Duration};
 
+mod agent;
 mod devices;
 mod distill;
 mod flags;
@@ -78,6 +79,9 @@ enum Command {
     /// Join a job as one of its workers.
     #[command(after_help = WORKER_EXAMPLES)]
     Worker(worker::WorkerArgs),
+    /// Run one host's ranks of a `launch --torchrun` job across hosts.
+    #[command(after_help = AGENT_EXAMPLES)]
+    Agent(agent::AgentCliArgs),
     /// Serve a model as a teacher over the Open Inference Protocol.
     #[command(after_help = TEACHER_EXAMPLES)]
     Teacher(teacher::TeacherArgs),
@@ -116,6 +120,14 @@ Kubernetes) runs on other hosts.
 
 Example:
   edl-runtime worker --coordinator 10.0.0.5:7070 --secret-file job.secret";
+
+const AGENT_EXAMPLES: &str = "\
+What `launch --torchrun --scaler command` starts on each host, and what another
+engine runs with `--scaler external`: it runs --nproc-per-node ranks of each
+group the launcher forms, with torchrun's environment across hosts.
+
+Example:
+  edl-runtime agent --coordinator 10.0.0.5:7070 --job train --secret-file job.secret";
 
 const TEACHER_EXAMPLES: &str = "\
 KServe v2 gRPC, and REST with --http-listen; registered in --store, where
@@ -185,6 +197,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         None => job::run(&host(&cli.sandbox)?, cli.job, cli.run, Workload::Builtin(cli.student)),
         Some(Command::Launch(l)) => launch::run(&host(&cli.sandbox)?, *l),
         Some(Command::Worker(w)) => worker::run(w),
+        Some(Command::Agent(a)) => agent::run(a),
         Some(Command::Teacher(args)) => teacher::run(args),
         Some(Command::Distill(args)) => distill::run(args),
         Some(Command::Simulate(args)) => simulate::run(&host(&cli.sandbox)?, args),

@@ -113,6 +113,34 @@ pub fn unused_by_torchrun(matches: &ArgMatches) -> Result<(), clap::Error> {
         );
         return Err(refusal(&path, message));
     }
+    across_hosts_only(launch, &path)
+}
+
+/// `launch --torchrun` on this host (`--scaler local`) with a flag of a
+/// group across hosts.
+fn across_hosts_only(launch: &ArgMatches, path: &[String]) -> Result<(), clap::Error> {
+    let given = |id: &str| launch.value_source(id) == Some(ValueSource::CommandLine);
+    let local =
+        launch.get_one::<super::flags::ScalerKind>("scaler") == Some(&super::flags::ScalerKind::Local);
+    if !local {
+        return Ok(());
+    }
+    for (id, long) in [
+        ("nproc_per_node", "--nproc-per-node"),
+        ("listen", "--listen"),
+        ("advertise", "--advertise"),
+        ("secret_file", "--secret-file"),
+    ] {
+        if given(id) {
+            return Err(refusal(
+                path,
+                format!(
+                    "`{long}` is for a torchrun group across hosts (--scaler command or external, an agent \
+                     per host); on this host --min-workers / --max-workers count the ranks"
+                ),
+            ));
+        }
+    }
     Ok(())
 }
 

@@ -33,11 +33,23 @@ use std::{
     time::{Duration, Instant},
 };
 
+/// A message a control connection carries: one JSON line; heartbeats only
+/// keep the connection alive and are not passed on.
+pub trait Message: serde::de::DeserializeOwned + Send + 'static {
+    fn is_heartbeat(&self) -> bool;
+}
+
+impl Message for FromWorker {
+    fn is_heartbeat(&self) -> bool {
+        matches!(self, FromWorker::Heartbeat)
+    }
+}
+
 /// What happens on the control connections.
-pub enum Inbound {
+pub enum Inbound<M = FromWorker> {
     /// A new connection, numbered; the coordinator writes to this stream.
     Conn(u64, TcpStream),
-    Msg(u64, FromWorker),
+    Msg(u64, M),
     /// The connection ended, and why.
     Closed(u64, String),
 }
@@ -57,6 +69,9 @@ const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 /// secret and is not a worker coming back from a generation it lost.
 pub struct Gate {
     auth: JobAuth,
+    /// The channel connections claim (`control` for workers, `agent` for
+    /// torchrun agents).
+    channel: &'static str,
     /// The job's current generation (set by the coordinator as it starts each).
     generation: AtomicU64,
 }
@@ -71,7 +86,7 @@ impl Gate {
     /// or will be given up), so it is refused, saying why.
     fn check(&self, c: &auth::Claim) -> Result<(), String> {
         let now = self.generation.load(Ordering::Relaxed);
-        self.auth.check(c, "control", (c.generation > 0).then_some(now))?;
+        self.auth.check(c, self.channel, (c.generation > 0).then_some(now))?;
         if c.generation > 0 {
             return Err(format!(
                 "worker {} lost its connection in generation {}, the current one; a worker that lost \
@@ -85,11 +100,22 @@ impl Gate {
 
 /// Starts accepting and reading control connections; the returned gate
 /// is told each new generation.
-pub fn start(
+pub fn start<M: Message>(
     listener: TcpListener,
     auth: JobAuth,
     lease: Duration,
-    tx: mpsc::Sender<Inbound>,
+    tx: mpsc::Sender<Inbound<M>>,
+) -> io::Result<Arc<Gate>> {
+    start_channel(listener, auth, "control", lease, tx)
+}
+
+/// As [`start`], for connections that claim `channel`.
+pub fn start_channel<M: Message>(
+    listener: TcpListener,
+    auth: JobAuth,
+    channel: &'static str,
+    lease: Duration,
+    tx: mpsc::Sender<Inbound<M>>,
 ) -> io::Result<Arc<Gate>> {
     let poll = Poll::new()?;
     let waker = Arc::new(Waker::new(poll.registry(), WAKE)?);
@@ -98,7 +124,7 @@ pub fn start(
     std::thread::Builder::new()
         .name("edl-control-in".into())
         .spawn(move || read_all(poll, new_rx, events, lease))?;
-    let gate = Arc::new(Gate { auth, generation: AtomicU64::new(0) });
+    let gate = Arc::new(Gate { auth, channel, generation: AtomicU64::new(0) });
     let next = Arc::new(AtomicU64::new(0));
     let accepting = gate.clone();
     std::thread::Builder::new().name("edl-accept".into()).spawn(move || {
@@ -118,12 +144,12 @@ pub fn start(
 }
 
 /// Runs the secret's exchange on a new connection and hands it on once proven.
-fn admit(
+fn admit<M>(
     mut conn: TcpStream,
     gate: &Gate,
     lease: Duration,
     next: &AtomicU64,
-    tx: &mpsc::Sender<Inbound>,
+    tx: &mpsc::Sender<Inbound<M>>,
     new_tx: &mpsc::Sender<(u64, TcpStream)>,
     waker: &Waker,
 ) {
@@ -156,10 +182,10 @@ struct Open {
     heard: Instant,
 }
 
-fn read_all(
+fn read_all<M: Message>(
     mut poll: Poll,
     new: mpsc::Receiver<(u64, TcpStream)>,
-    tx: mpsc::Sender<Inbound>,
+    tx: mpsc::Sender<Inbound<M>>,
     lease: Duration,
 ) {
     let mut open: HashMap<u64, Open> = HashMap::new();
@@ -231,7 +257,12 @@ fn read_all(
 
 /// Reads what has arrived on `conn` (edge-triggered: until the kernel has
 /// nothing more) and sends each complete line; an error ends the connection.
-fn drain(conn: &mut Open, buf: &mut [u8], n: u64, tx: &mpsc::Sender<Inbound>) -> Result<(), String> {
+fn drain<M: Message>(
+    conn: &mut Open,
+    buf: &mut [u8],
+    n: u64,
+    tx: &mpsc::Sender<Inbound<M>>,
+) -> Result<(), String> {
     conn.heard = Instant::now();
     loop {
         // SAFETY: the kernel writes at most `buf.len()` bytes into `buf`, a
@@ -257,9 +288,9 @@ fn drain(conn: &mut Open, buf: &mut [u8], n: u64, tx: &mpsc::Sender<Inbound>) ->
         while let Some(end) = conn.pending[start..].iter().position(|&b| b == b'\n') {
             let line = &conn.pending[start..start + end];
             start += end + 1;
-            let msg = serde_json::from_slice::<FromWorker>(line)
+            let msg = serde_json::from_slice::<M>(line)
                 .map_err(|e| format!("{}: malformed message: {e}", conn.peer))?;
-            if matches!(msg, FromWorker::Heartbeat) {
+            if msg.is_heartbeat() {
                 // Hearing it was the point; the coordinator need not.
                 continue;
             }

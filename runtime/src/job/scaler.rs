@@ -336,7 +336,33 @@ impl CommandScaler {
         exe: impl Into<PathBuf>,
         log_dir: impl Into<PathBuf>,
     ) -> anyhow::Result<Self> {
-        let builtin = ["{exe}", "worker", "--coordinator", "{coordinator}", "--id", "{id}", "--job", "{job}"];
+        Self::running(start, stop, hosts, exe, log_dir, "worker")
+    }
+
+    /// A scaler whose "workers" are torchrun agents, one per host
+    /// (`{program}` is `{exe} agent --coordinator .. --id .. --job ..
+    /// --secret-file -`).
+    pub fn for_agents(
+        start: &str,
+        stop: Option<&str>,
+        hosts: &[String],
+        exe: impl Into<PathBuf>,
+        log_dir: impl Into<PathBuf>,
+    ) -> anyhow::Result<Self> {
+        Self::running(start, stop, hosts, exe, log_dir, "agent")
+    }
+
+    /// Runs `{exe} <subcommand>` with the job's address, the id and the job.
+    fn running(
+        start: &str,
+        stop: Option<&str>,
+        hosts: &[String],
+        exe: impl Into<PathBuf>,
+        log_dir: impl Into<PathBuf>,
+        subcommand: &str,
+    ) -> anyhow::Result<Self> {
+        let builtin =
+            ["{exe}", subcommand, "--coordinator", "{coordinator}", "--id", "{id}", "--job", "{job}"];
         let program = builtin.iter().chain(&["--secret-file", "-"]).map(|w| w.to_string()).collect();
         Self::with_program(start, stop, hosts, exe, log_dir, program)
     }

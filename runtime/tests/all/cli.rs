@@ -336,13 +336,22 @@ fn launch_torchrun_refuses_the_job_flags_a_torchrun_script_does_not_use() {
         &["--adapter", "x.wasm"],
         &["--lr", "0.1"],
         &["--step-timeout-secs", "5"],
-        &["--listen", "0.0.0.0"],
+        &["--rendezvous-port", "7000"],
     ] {
         let name = flag[0];
         let args = [&["launch", "--torchrun"][..], flag, &["--", "true"]].concat();
         let what = format!("`{name}` is a flag of `edl-runtime launch` without --torchrun");
         refused(&args, &[&what, "`launch --torchrun` takes --job", "--decide-secs"]);
     }
+    // Flags of a group across hosts, on a group on this host.
+    refused(
+        &["launch", "--torchrun", "--listen", "0.0.0.0", "--", "true"],
+        &["`--listen` is for a torchrun group across hosts", "--scaler command or external"],
+    );
+    refused(
+        &["launch", "--torchrun", "--nproc-per-node", "2", "--", "true"],
+        &["`--nproc-per-node` is for a torchrun group across hosts"],
+    );
     refused(
         &["launch", "--torchrun", "--decide-every-steps", "4", "--", "true"],
         &["`--decide-every-steps`", "decides every --decide-secs seconds"],

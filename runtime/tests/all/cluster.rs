@@ -130,8 +130,8 @@ fn workers_started_elsewhere_join_with_the_secret_and_only_within_the_maximum() 
 /// its veth peer on a bridge in a namespace of its own (the switch). The
 /// switch side of a host's link can be taken down: a partition the host
 /// itself does not see. Everything is removed (its processes killed) on drop.
-struct Hosts {
-    prefix: String,
+pub(crate) struct Hosts {
+    pub(crate) prefix: String,
     subnet: u8,
     names: Vec<String>,
 }
@@ -147,7 +147,7 @@ fn ip(args: &[&str]) -> Result<(), String> {
 
 impl Hosts {
     /// Builds the hosts, or says why it cannot (not root, no `ip`).
-    fn build(names: &[&str]) -> Result<Hosts, String> {
+    pub(crate) fn build(names: &[&str]) -> Result<Hosts, String> {
         let id = std::process::id();
         let h = Hosts {
             prefix: format!("edl{id}"),
@@ -172,30 +172,30 @@ impl Hosts {
         Ok(h)
     }
 
-    fn ns(&self, name: &str) -> String {
+    pub(crate) fn ns(&self, name: &str) -> String {
         format!("{}-{name}", self.prefix)
     }
 
-    fn ip(&self, name: &str) -> String {
+    pub(crate) fn ip(&self, name: &str) -> String {
         let i = self.names.iter().position(|n| n == name).expect("a host of the cluster");
         format!("10.{}.0.{}", self.subnet, i + 1)
     }
 
     /// A command run on host `name`.
-    fn on(&self, name: &str, program: &str) -> Command {
+    pub(crate) fn on(&self, name: &str, program: &str) -> Command {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &self.ns(name), program]);
         c
     }
 
     /// Connects or cuts host `name` at the switch.
-    fn link(&self, name: &str, up: bool) {
+    pub(crate) fn link(&self, name: &str, up: bool) {
         let i = self.names.iter().position(|n| n == name).unwrap();
         ip(&["-n", &self.ns("sw"), "link", "set", &format!("v{i}"), if up { "up" } else { "down" }]).unwrap();
     }
 
     /// Waits (bounded) until something listens on TCP `port` on host `name`.
-    fn wait_listening(&self, name: &str, port: u16) {
+    pub(crate) fn wait_listening(&self, name: &str, port: u16) {
         let until = Instant::now() + Duration::from_secs(30);
         loop {
             let out = self.on(name, "ss").arg("-ltnH").output().unwrap();
@@ -209,13 +209,13 @@ impl Hosts {
     }
 
     /// Every process on host `name`.
-    fn pids(&self, name: &str) -> Vec<i32> {
+    pub(crate) fn pids(&self, name: &str) -> Vec<i32> {
         let out = Command::new("ip").args(["netns", "pids", &self.ns(name)]).output().unwrap();
         String::from_utf8_lossy(&out.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect()
     }
 
     /// Kills every process on host `name` (SIGKILL); returns how many.
-    fn kill_all(&self, name: &str) -> usize {
+    pub(crate) fn kill_all(&self, name: &str) -> usize {
         let pids = self.pids(name);
         for &p in &pids {
             // SAFETY: sending a signal has no memory-safety preconditions;

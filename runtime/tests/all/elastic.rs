@@ -354,7 +354,15 @@ fn a_step_that_keeps_failing_ends_the_job_with_the_reason() {
     let dir = tempfile::tempdir().unwrap();
     let mut child = job(
         dir.path(),
-        &["--policy", art::SCHEDULE_WASM, "--no-distill", "--step-timeout-secs", "1", "--step-delay-ms", "1500"],
+        &[
+            "--policy",
+            art::SCHEDULE_WASM,
+            "--no-distill",
+            "--step-timeout-secs",
+            "1",
+            "--step-delay-ms",
+            "1500",
+        ],
     )
     .spawn()
     .unwrap();

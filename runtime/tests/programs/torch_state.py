@@ -6,10 +6,14 @@ gloo groups:
     edl-runtime launch --samples 1397 ... -- python torch_state.py
 
 When a worker stops it prints a digest of its model's parameters and its
-test accuracy; at its first step it prints where the
-optimizer and the scheduler stand. `python torch_state.py --check CKPT`
-loads a checkpoint into a plain model with `edl.torch.load_checkpoint` and
-prints the same digest and accuracy.
+test accuracy; at its first step it prints where the optimizer and the
+scheduler stand; at the start of every `DIGEST_EVERY`th step, a digest of
+the parameters (the same on every rank and every attempt of the step).
+`python torch_state.py --check CKPT` loads a checkpoint into a plain model
+with `edl.torch.load_checkpoint` and prints the same digest and accuracy.
+`python torch_state.py --plain SAMPLES BATCH` trains the same model the
+same number of epochs in one process without edl (a shuffled DataLoader of
+global batches) and prints its test accuracy.
 """
 
 import hashlib
@@ -83,6 +87,27 @@ def optimizer_steps(opt):
     return int(state["step"]) if "step" in state else -1
 
 
+def plain(samples, batch):
+    """The same script without edl: one process, the same seed, model,
+    optimizer, schedule, epochs and global batch."""
+    torch.set_num_threads(1)
+    data = edl.builtin_data("digits")
+    X = torch.from_numpy(data["train_x"]).reshape(-1, 1, 8, 8)[:samples]
+    Y = torch.from_numpy(data["train_y"]).long()[:samples]
+    model, opt, sched = build()
+    loader = torch.utils.data.DataLoader(
+        Digits(X, Y), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
+    for _ in range(EPOCHS):
+        for xb, yb, _ in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            opt.step()
+            sched.step()
+    print(f"plain: test accuracy {accuracy(model, data) * 100:.2f}%", flush=True)
+    return 0
+
+
 def check(path):
     data = edl.builtin_data("digits")
     model, opt, sched = build()
@@ -111,6 +136,7 @@ def main():
     # Steps slow down until the job has grown to this many workers, so that a
     # test sees the growth however long PyTorch takes to start on its machine.
     hold = int(os.environ.get("HOLD_UNTIL_WORLD", "0"))
+    every = int(os.environ.get("DIGEST_EVERY", "0"))
     first, generations = True, set()
     for step, batch in loader:
         if first:
@@ -120,6 +146,8 @@ def main():
                 flush=True,
             )
             first = False
+        if every and step.step % every == 0:
+            print(f"worker {job.worker_id}: step {step.step} starts at params {digest(model)}", flush=True)
         idx = torch.from_numpy(step.indices).long()
         xb, yb, ib = batch
         if len(idx):
@@ -158,4 +186,6 @@ def main():
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--check":
         sys.exit(check(sys.argv[2]))
+    if len(sys.argv) == 4 and sys.argv[1] == "--plain":
+        sys.exit(plain(int(sys.argv[2]), int(sys.argv[3])))
     sys.exit(main())

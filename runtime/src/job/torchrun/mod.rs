@@ -16,73 +16,26 @@
 //! ranks' exits and the policy's actions; [`run`] does the processes, the
 //! clock and the logs around it.
 
-use super::scaler::{die_with_parent, log_tail};
+mod agent;
+mod hosts;
+mod ranks;
+
+pub use agent::{AgentArgs, run_agent};
+pub use hosts::{HostsConfig, run_hosts};
+pub use ranks::{Exit, Placement, RankFailure};
+
 use crate::plugin::PolicyPlugin;
 use crate::plugin::replay::{Decision, asked};
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use edl_plugin_sdk::{Action, ClusterView};
+use ranks::{Ranks, free_port};
 use std::{
     collections::BTreeSet,
-    fmt,
-    io::{BufRead, BufReader, Write},
-    net::{IpAddr, Ipv4Addr, TcpListener},
-    os::unix::process::ExitStatusExt,
-    path::{Path, PathBuf},
-    process::{Child, Command, ExitStatus, Stdio},
+    net::{IpAddr, Ipv4Addr},
+    path::PathBuf,
     sync::mpsc,
     time::{Duration, Instant},
 };
-
-/// How a rank's process ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Exit {
-    Code(i32),
-    Signal(i32),
-}
-
-impl Exit {
-    fn of(status: ExitStatus) -> Exit {
-        match (status.code(), status.signal()) {
-            (Some(c), _) => Exit::Code(c),
-            (None, Some(s)) => Exit::Signal(s),
-            (None, None) => Exit::Code(-1),
-        }
-    }
-
-    pub fn success(self) -> bool {
-        self == Exit::Code(0)
-    }
-
-    /// The launcher's own exit code for this failure: the rank's code, or
-    /// 128 + the signal, as a shell reports it.
-    pub fn launcher_code(self) -> u8 {
-        match self {
-            Exit::Code(c) if (1..=255).contains(&c) => c as u8,
-            Exit::Code(_) => 1,
-            Exit::Signal(s) => 128u8.saturating_add(s.clamp(0, 127) as u8),
-        }
-    }
-}
-
-impl fmt::Display for Exit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match *self {
-            Exit::Code(c) => write!(f, "exit code {c}"),
-            Exit::Signal(s) => {
-                let name = match s {
-                    libc::SIGKILL => " (SIGKILL)",
-                    libc::SIGTERM => " (SIGTERM)",
-                    libc::SIGSEGV => " (SIGSEGV)",
-                    libc::SIGABRT => " (SIGABRT)",
-                    libc::SIGINT => " (SIGINT)",
-                    libc::SIGBUS => " (SIGBUS)",
-                    _ => "",
-                };
-                write!(f, "killed by signal {s}{name}")
-            }
-        }
-    }
-}
 
 /// What the launcher does next.
 #[derive(Debug, PartialEq)]
@@ -154,6 +107,18 @@ impl Agent {
             world: self.world,
             reason: format!("rank {rank} failed ({exit}); restart {}/{}", self.restarts, self.max_restarts),
             failure: true,
+        }
+    }
+
+    /// A host of the running group was lost, `alive` hosts are left: the
+    /// group restarts on them, or on `min` (the missing asked for). A change
+    /// of membership, as in torchrun: not counted against `max_restarts`.
+    pub fn lost(&mut self, host: &str, alive: u32) -> Next {
+        self.world = alive.clamp(self.min, self.max);
+        Next::Restart {
+            world: self.world,
+            reason: format!("host {host} lost; the group restarts on {} hosts", self.world),
+            failure: false,
         }
     }
 
@@ -249,15 +214,23 @@ pub enum Event<'a> {
     },
     /// The policy failed; the group holds its size.
     PolicyFailed(String),
+    /// Hosts joining, leaving, lost (a group across hosts).
+    Host(String),
 }
 
 /// One group: its size and how it ended.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct GroupRecord {
     pub group: u32,
+    /// Ranks in the group.
     pub world: u32,
+    /// For a group across hosts: its hosts, in `GROUP_RANK` order (each
+    /// runs `world / hosts.len()` ranks); empty for a group on this host.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<String>,
     /// `TORCHELASTIC_RESTART_COUNT` its ranks saw.
     pub restart_count: u32,
+    pub master_addr: String,
     pub master_port: u16,
     pub log_dir: PathBuf,
     /// Seconds since the job started.
@@ -265,37 +238,6 @@ pub struct GroupRecord {
     pub ended_secs: f64,
     /// `succeeded`, `resized to N`, `rank R failed (...)`.
     pub ended: String,
-}
-
-/// The failure that ended the job.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct RankFailure {
-    pub rank: u32,
-    pub pid: u32,
-    #[serde(serialize_with = "display")]
-    pub exit: Exit,
-    pub log: PathBuf,
-    /// The last lines of the rank's log.
-    pub log_tail: String,
-    /// The message of the rank's error file (torch's `@record`), if any.
-    pub error: Option<String>,
-}
-
-fn display<S: serde::Serializer>(v: &impl fmt::Display, s: S) -> Result<S::Ok, S::Error> {
-    s.collect_str(v)
-}
-
-impl fmt::Display for RankFailure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "rank {} (pid {}) failed: {}", self.rank, self.pid, self.exit)?;
-        if let Some(e) = &self.error {
-            write!(f, "\n  its error file says: {e}")?;
-        }
-        if !self.log_tail.is_empty() {
-            write!(f, "\n  {}", self.log_tail.trim_start_matches("; "))?;
-        }
-        Ok(())
-    }
 }
 
 /// How a `launch --torchrun` job went.
@@ -310,164 +252,6 @@ pub struct TorchrunOutcome {
     /// None: every rank of the last group succeeded.
     pub failure: Option<RankFailure>,
     pub secs: f64,
-}
-
-/// One rank's process.
-struct Rank {
-    child: Child,
-    log: PathBuf,
-    error_file: PathBuf,
-    exit: Option<Exit>,
-}
-
-/// The running group.
-struct Group {
-    ranks: Vec<Rank>,
-}
-
-/// A port nothing listens on now, for rank 0's c10d store (torchrun picks
-/// its `MASTER_PORT` the same way).
-fn free_port(addr: IpAddr) -> Result<u16> {
-    let l = TcpListener::bind((addr, 0)).with_context(|| format!("finding a free port on {addr}"))?;
-    Ok(l.local_addr()?.port())
-}
-
-impl Group {
-    fn start(
-        cfg: &TorchrunConfig,
-        record: &GroupRecord,
-        lines: &mpsc::Sender<(u32, u32, String)>,
-    ) -> Result<Group> {
-        std::fs::create_dir_all(&record.log_dir).with_context(|| {
-            format!("{}: cannot create the group's log directory", record.log_dir.display())
-        })?;
-        let (exe, args) = cfg.command.split_first().context("no program to launch")?;
-        let world = record.world.to_string();
-        let mut ranks = Vec::new();
-        for rank in 0..record.world {
-            let log = record.log_dir.join(format!("rank-{rank}.log"));
-            let error_file = record.log_dir.join(format!("rank-{rank}.error.json"));
-            let r = rank.to_string();
-            let (reader, writer) = std::io::pipe().context("creating a pipe for a rank's output")?;
-            let mut cmd = Command::new(exe);
-            cmd.args(args)
-                .envs([
-                    ("RANK", r.as_str()),
-                    ("LOCAL_RANK", &r),
-                    ("GROUP_RANK", "0"),
-                    ("ROLE_RANK", &r),
-                    ("ROLE_NAME", "default"),
-                    ("WORLD_SIZE", &world),
-                    ("LOCAL_WORLD_SIZE", &world),
-                    ("ROLE_WORLD_SIZE", &world),
-                    ("GROUP_WORLD_SIZE", "1"),
-                    ("MASTER_ADDR", &cfg.master_addr.to_string()),
-                    ("MASTER_PORT", &record.master_port.to_string()),
-                    ("TORCHELASTIC_RESTART_COUNT", &record.restart_count.to_string()),
-                    ("TORCHELASTIC_MAX_RESTARTS", &cfg.max_restarts.to_string()),
-                    ("TORCHELASTIC_RUN_ID", &cfg.job),
-                    ("TORCHELASTIC_USE_AGENT_STORE", "False"),
-                    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-                    ("PYTHONUNBUFFERED", "1"),
-                ])
-                .env("TORCHELASTIC_ERROR_FILE", &error_file)
-                .stdin(Stdio::null())
-                .stdout(writer.try_clone()?)
-                .stderr(writer);
-            if record.world > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
-                // As torchrun: ranks sharing a host do not each take every core.
-                cmd.env("OMP_NUM_THREADS", "1");
-            }
-            die_with_parent(&mut cmd);
-            let child = cmd.spawn().with_context(|| format!("cannot start rank {rank} ({exe})"))?;
-            // `cmd` holds the pipe's write end until it is dropped: the
-            // reader sees the end of the output when the rank's are closed.
-            drop(cmd);
-            let file = std::fs::File::create(&log).with_context(|| format!("{}", log.display()))?;
-            copy_lines(record.group, rank, reader, file, lines.clone());
-            ranks.push(Rank { child, log, error_file, exit: None });
-        }
-        Ok(Group { ranks })
-    }
-
-    /// The first rank found ended since the last call.
-    fn poll(&mut self) -> Option<(u32, Exit)> {
-        for (i, r) in self.ranks.iter_mut().enumerate() {
-            if r.exit.is_none()
-                && let Ok(Some(status)) = r.child.try_wait()
-            {
-                let exit = Exit::of(status);
-                r.exit = Some(exit);
-                return Some((i as u32, exit));
-            }
-        }
-        None
-    }
-
-    /// SIGTERM to every rank still running, SIGKILL to those left after `grace`.
-    fn stop(&mut self, grace: Duration) {
-        let running = |r: &mut Rank| matches!(r.child.try_wait(), Ok(None));
-        for r in &mut self.ranks {
-            if running(r) {
-                // SAFETY: signalling our own child by pid; it is not reaped yet.
-                unsafe { libc::kill(r.child.id() as libc::pid_t, libc::SIGTERM) };
-            }
-        }
-        let until = Instant::now() + grace;
-        while Instant::now() < until && self.ranks.iter_mut().any(running) {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        for r in &mut self.ranks {
-            let _ = r.child.kill();
-            let _ = r.child.wait();
-        }
-    }
-
-    fn failure(&self, rank: u32, exit: Exit) -> RankFailure {
-        let r = &self.ranks[rank as usize];
-        RankFailure {
-            rank,
-            pid: r.child.id(),
-            exit,
-            log: r.log.clone(),
-            log_tail: log_tail(&r.log, 20),
-            error: error_message(&r.error_file),
-        }
-    }
-}
-
-impl Drop for Group {
-    fn drop(&mut self) {
-        self.stop(Duration::from_secs(2));
-    }
-}
-
-/// Copies a rank's output to its log and to the launcher, line by line.
-fn copy_lines(
-    group: u32,
-    rank: u32,
-    from: std::io::PipeReader,
-    mut log: std::fs::File,
-    to: mpsc::Sender<(u32, u32, String)>,
-) {
-    std::thread::spawn(move || {
-        for line in BufReader::new(from).lines() {
-            let Ok(line) = line else { break };
-            let _ = writeln!(log, "{line}");
-            // The launcher may be gone; the log still gets the rest.
-            let _ = to.send((group, rank, line));
-        }
-    });
-}
-
-/// The message of a torchelastic error file (`{"message": {"message": ...}}`
-/// as torch's `@record` writes it, or `{"message": "..."}`).
-fn error_message(path: &Path) -> Option<String> {
-    let text = std::fs::read(path).ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&text).ok()?;
-    let m = &v["message"];
-    let s = m["message"].as_str().or_else(|| m.as_str())?;
-    Some(s.trim().to_string())
 }
 
 /// Runs the job until its ranks succeed or a failure has no restart left.
@@ -490,7 +274,21 @@ pub fn run(
     loop {
         let n = groups.len() as u32;
         groups.push(GroupRecord::next(n, cfg, &agent, t0)?);
-        let mut group = Group::start(cfg, &groups[n as usize], &tx)?;
+        let record = &groups[n as usize];
+        let place = Placement {
+            group: n,
+            job: cfg.job.clone(),
+            restart_count: record.restart_count,
+            max_restarts: cfg.max_restarts,
+            master_addr: record.master_addr.clone(),
+            master_port: record.master_port,
+            group_rank: 0,
+            group_world: 1,
+            nproc: record.world,
+            log_dir: record.log_dir.clone(),
+            extra_env: Vec::new(),
+        };
+        let mut group = Ranks::start(&cfg.command, &place, &tx)?;
         agent.started();
         on(Event::Started(&groups[n as usize]));
         let mut decide_at = Instant::now() + cfg.decide_every;
@@ -561,7 +359,9 @@ impl GroupRecord {
         Ok(GroupRecord {
             group: n,
             world: agent.world(),
+            hosts: Vec::new(),
             restart_count: agent.restarts(),
+            master_addr: cfg.master_addr.to_string(),
             master_port: free_port(cfg.master_addr)?,
             log_dir: cfg.log_dir.join(format!("group-{n}")),
             started_secs: t0.elapsed().as_secs_f64(),
@@ -623,6 +423,23 @@ mod tests {
     }
 
     #[test]
+    fn a_lost_host_restarts_the_group_on_the_survivors_and_is_no_failure_restart() {
+        let mut a = Agent::new(2, 4, 4, 0);
+        a.started();
+        let n = a.lost("h3", 3);
+        assert!(
+            matches!(&n, Next::Restart { world: 3, failure: false, reason } if reason.contains("h3")),
+            "{n:?}"
+        );
+        assert_eq!((a.world(), a.restarts()), (3, 0));
+        // Below the minimum: the group waits for `min` hosts again.
+        assert!(matches!(a.lost("h2", 1), Next::Restart { world: 2, failure: false, .. }));
+        // And a rank failure still counts (none is left here).
+        a.started();
+        assert_eq!(a.exited(0, Exit::Code(1)), Next::Failed { rank: 0, exit: Exit::Code(1) });
+    }
+
+    #[test]
     fn the_group_succeeds_when_every_rank_has() {
         let mut a = Agent::new(1, 4, 3, 0);
         a.started();
@@ -656,23 +473,15 @@ mod tests {
     }
 
     #[test]
-    fn exits_read_as_a_shell_reports_them() {
-        assert_eq!(Exit::Code(3).launcher_code(), 3);
-        assert_eq!(Exit::Signal(9).launcher_code(), 137);
-        assert_eq!(Exit::Signal(9).to_string(), "killed by signal 9 (SIGKILL)");
-        assert_eq!(Exit::Code(-1).launcher_code(), 1);
-    }
-
-    #[test]
     fn error_files_in_torch_s_format_give_their_message() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("e.json");
-        assert_eq!(error_message(&p), None);
+        assert_eq!(ranks::error_message(&p), None);
         std::fs::write(&p, r#"{"message": {"message": "RuntimeError: boom", "extraInfo": {}}}"#).unwrap();
-        assert_eq!(error_message(&p).as_deref(), Some("RuntimeError: boom"));
+        assert_eq!(ranks::error_message(&p).as_deref(), Some("RuntimeError: boom"));
         std::fs::write(&p, r#"{"message": "plain"}"#).unwrap();
-        assert_eq!(error_message(&p).as_deref(), Some("plain"));
+        assert_eq!(ranks::error_message(&p).as_deref(), Some("plain"));
         std::fs::write(&p, "not json").unwrap();
-        assert_eq!(error_message(&p), None);
+        assert_eq!(ranks::error_message(&p), None);
     }
 }
