@@ -165,7 +165,9 @@ struct Inner {
 struct Job {
     inner: Mutex<Inner>,
     id: u64,
-    samples: usize,
+    /// The job's samples; 0 until the program declares them when the job
+    /// was launched without `--samples`.
+    samples: std::sync::atomic::AtomicUsize,
     epochs: u64,
     seed: u64,
     job: String,
@@ -270,10 +272,27 @@ impl Job {
     fn worker_id(&self) -> u64 {
         self.id
     }
-    /// The job's samples: indices `0..samples`.
+    /// The job's samples: indices `0..samples` (0 while unknown: a job
+    /// launched without `--samples` takes them from its first worker).
     #[getter]
     fn samples(&self) -> usize {
-        self.samples
+        self.samples.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Declares the samples of the program's data set (`len(dataset)`),
+    /// before the first step: a job launched without `--samples` takes the
+    /// first worker's number; a worker whose number differs from the job's
+    /// stops the job with an error naming both.
+    #[setter]
+    fn set_samples(&self, n: usize) -> PyResult<()> {
+        if lock(&self.inner).ready {
+            return Err(err("job.samples: declare the samples before the first step"));
+        }
+        if n == 0 {
+            return Err(PyValueError::new_err("job.samples: a data set of 0 samples"));
+        }
+        self.samples.store(n, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
     #[getter]
     fn epochs(&self) -> u64 {
@@ -320,7 +339,7 @@ impl Job {
             .map_err(err)?;
         Ok(Some(Job {
             id,
-            samples: spec.samples,
+            samples: std::sync::atomic::AtomicUsize::new(spec.samples),
             epochs: spec.epochs,
             seed: spec.seed,
             job: spec.job.clone(),
@@ -349,7 +368,8 @@ impl Job {
             if inner.state.buffers.is_empty() {
                 return Err(err("register the state (job.register(name, array)) before the first step"));
             }
-            inner.session.ready(inner.state.layout.clone()).map_err(anyhow_err)?;
+            let declared = (self.samples() > 0).then(|| self.samples() as u64);
+            inner.session.ready(inner.state.layout.clone(), declared).map_err(anyhow_err)?;
             inner.ready = true;
         }
         if inner.current.take().is_some() && inner.session.in_step() {

@@ -346,6 +346,9 @@ impl Prepared {
                 test.len(),
                 model.layers
             ),
+            Prepared::Program { command, samples: 0 } => {
+                format!("{:?} on the samples its data set holds", command.join(" "))
+            }
             Prepared::Program { command, samples } => {
                 format!("{:?} on samples 0..{samples}", command.join(" "))
             }

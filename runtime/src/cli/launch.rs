@@ -58,9 +58,11 @@ pub const TORCHRUN_FLAGS: &[&str] = &[
 
 #[derive(Args)]
 pub struct LaunchArgs {
-    /// The job's samples: steps hand each worker indices in 0..N (not with --torchrun).
-    #[arg(long, value_name = "N", required_unless_present = "torchrun", help_heading = "Your program")]
-    pub samples: Option<usize>,
+    /// The job's samples: steps hand each worker indices in 0..N (not with
+    /// --torchrun). Default: as many as the program's data set holds (its
+    /// first worker declares len(dataset); edl.torch.ElasticLoader does).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..), help_heading = "Your program")]
+    pub samples: Option<u64>,
     /// Job name: its keys in the store and its directories under .edl/.
     #[arg(long, value_name = "NAME", default_value = "launch", help_heading = "Your program")]
     pub job: String,
@@ -109,7 +111,8 @@ pub fn run(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
     if l.torchrun {
         return torchrun(host, l);
     }
-    let samples = l.samples.context("--samples is required without --torchrun")?;
+    // 0: the program's first worker declares them.
+    let samples = l.samples.unwrap_or(0) as usize;
     if let Some(t) = &l.run.distillation.teachers {
         t.endpoints("launch")?;
     }

@@ -314,8 +314,13 @@ pub enum FromWorker {
         worker: u64,
         pid: u32,
     },
-    /// Data loaded, model built: the worker can be given a rank.
-    Ready,
+    /// Data loaded, model built: the worker can be given a rank. A program
+    /// says how many samples its data set holds (`len(dataset)`), which a
+    /// job launched without `--samples` takes.
+    Ready {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        samples: Option<u64>,
+    },
     /// A window of steps is done on this rank.
     Done {
         generation: u64,

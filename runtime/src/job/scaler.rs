@@ -60,6 +60,10 @@ pub struct LocalProcesses {
     children: BTreeMap<u64, Child>,
     /// The threads copying programs' output to their logs.
     streams: BTreeMap<u64, std::thread::JoinHandle<()>>,
+    /// Workers told to stop, each given its grace on a thread of its own:
+    /// the job goes on meanwhile (a scale-in does not wait for a program's
+    /// exit), and dropping the scaler waits for them.
+    stopping: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl LocalProcesses {
@@ -71,6 +75,7 @@ impl LocalProcesses {
             log_dir: log_dir.into(),
             children: BTreeMap::new(),
             streams: BTreeMap::new(),
+            stopping: Vec::new(),
         }
     }
 
@@ -84,6 +89,7 @@ impl LocalProcesses {
             log_dir: log_dir.into(),
             children: BTreeMap::new(),
             streams: BTreeMap::new(),
+            stopping: Vec::new(),
         })
     }
 
@@ -252,14 +258,24 @@ impl Scaler for LocalProcesses {
     }
 
     fn stop(&mut self, id: u64, grace: Duration) {
+        self.stopping.retain(|t| !t.is_finished());
         if let Some(mut c) = self.children.remove(&id) {
             // A worker told to stop gets the grace to exit by itself (a
-            // program may have work after its last step), then a signal.
-            let until = Instant::now() + grace;
-            while Instant::now() < until && matches!(c.try_wait(), Ok(None)) {
-                std::thread::sleep(Duration::from_millis(10));
+            // program may have work after its last step), then a signal;
+            // off the coordinator's thread, which goes on with the job.
+            let stopping = std::thread::Builder::new().name(format!("edl-stop-{id}")).spawn(move || {
+                let until = Instant::now() + grace;
+                while Instant::now() < until && matches!(c.try_wait(), Ok(None)) {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                terminate(&mut c, Duration::from_secs(1));
+            });
+            match stopping {
+                Ok(t) => self.stopping.push(t),
+                Err(e) => {
+                    tracing::warn!("worker {id}: cannot stop it in the background ({e}); it is left to exit")
+                }
             }
-            terminate(&mut c, Duration::from_secs(1));
         }
     }
 
@@ -290,6 +306,10 @@ impl Drop for LocalProcesses {
     fn drop(&mut self) {
         for c in self.children.values_mut() {
             terminate(c, Duration::from_secs(2));
+        }
+        // Each ends within its worker's grace and a second.
+        for t in self.stopping.drain(..) {
+            let _ = t.join();
         }
     }
 }

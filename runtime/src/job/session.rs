@@ -290,9 +290,16 @@ impl Session {
     }
 
     /// The program has built its state (of `layout`): the worker can be given a rank.
-    pub fn ready(&mut self, layout: Layout) -> Result<()> {
+    /// `samples`: how many samples the program's data set holds, for a job
+    /// launched without `--samples` (the first worker's number is the job's).
+    pub fn ready(&mut self, layout: Layout, samples: Option<u64>) -> Result<()> {
         self.layout = layout;
-        self.out.send(&FromWorker::Ready)?;
+        if let Some(n) = samples
+            && self.spec.samples == 0
+        {
+            self.spec.samples = n as usize;
+        }
+        self.out.send(&FromWorker::Ready { samples })?;
         Ok(())
     }
 

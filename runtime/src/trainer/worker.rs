@@ -316,7 +316,7 @@ pub fn run(join: Join) -> Result<()> {
         model,
         rt: tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?,
     };
-    session.ready(state.layout.clone())?;
+    session.ready(state.layout.clone(), None)?;
     tracing::info!("worker {id}: ready, {} training samples", w.train.len());
     w.train_until_stopped(&mut session, &mut state)
 }

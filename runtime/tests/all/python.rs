@@ -281,3 +281,69 @@ fn the_numpy_student_under_launch_trains_every_sample_once_through_resizes_kills
     );
     assert!(numpy_acc > 0.85, "{numpy_acc}");
 }
+
+/// A job launched without `--samples`: each worker's program declares the
+/// size of its data set (`job.samples = N`, worker 1 `first`, the others
+/// `rest`; nothing when 0). Returns whether the job succeeded, its output
+/// and its report when there is one.
+fn declared_samples(first: u32, rest: u32) -> (bool, String, Option<serde_json::Value>) {
+    let py = py();
+    let dir = tempfile::tempdir().unwrap();
+    let program = dir.path().join("declare.py");
+    std::fs::write(
+        &program,
+        "import os, numpy as np, edl\n\
+         job = edl.Job.from_env()\n\
+         if job is not None:\n\
+         \x20   n = int(os.environ['FIRST'] if job.worker_id == 1 else os.environ['REST'])\n\
+         \x20   if n:\n\
+         \x20       job.samples = n\n\
+         \x20   w = np.zeros(4, dtype=np.float32)\n\
+         \x20   job.register('w', w)\n\
+         \x20   for step in job.steps():\n\
+         \x20       step.commit(loss=float(len(step.indices)))\n",
+    )
+    .unwrap();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    c.current_dir(dir.path())
+        .args(["launch", "--min-workers", "2", "--max-workers", "2", "--batch", "8", "--epochs", "2"])
+        .args(["--no-distill", "--report", "report.json", "--policy", art::SCHEDULE_WASM, "--plugin-cache"])
+        .arg(dir.path().join("plugin-cache"))
+        .args(["--", "python"])
+        .arg(&program)
+        .env("FIRST", first.to_string())
+        .env("REST", rest.to_string())
+        .stdin(Stdio::null());
+    py.env(&mut c);
+    let out = c.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let r = std::fs::read(dir.path().join("report.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
+    (out.status.success(), text, r)
+}
+
+#[test]
+fn a_job_without_samples_takes_its_programs_data_set_size_and_refuses_a_worker_that_differs() {
+    // Both programs read 61 samples: the job's epochs are of 61.
+    let (ok, text, r) = declared_samples(61, 61);
+    assert!(ok, "{text}");
+    assert!(text.contains("the job's samples: 61"), "{text}");
+    let r = r.unwrap();
+    for e in r["epochs"].as_array().unwrap() {
+        assert_eq!((e["samples_committed"].as_u64(), e["missing"].as_u64()), (Some(61), Some(0)), "{e}");
+    }
+    // Two programs that read different data sets: the job stops, naming both sizes.
+    let (ok, text, _) = declared_samples(61, 60);
+    assert!(!ok, "{text}");
+    assert!(text.contains("every worker must read the same data set"), "{text}");
+    assert!(
+        text.contains("declared 60 samples; the job has 61")
+            || text.contains("declared 61 samples; the job has 60")
+    );
+    // A program that declares nothing, with no --samples: told what to do.
+    let (ok, text, _) = declared_samples(0, 0);
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("the job's samples are unknown") && text.contains("job.samples = len(dataset)"),
+        "{text}"
+    );
+}

@@ -20,11 +20,22 @@ fn program() -> PathBuf {
 
 /// The job: `min` to 3 workers under the schedule policy, on the first
 /// `samples` of digits' 1397, in global batches of `batch`.
-fn job(py: &PyEnv, dir: &Path, optimizer: &str, min: u32, epochs: u32, samples: u32, batch: u32) -> Command {
+/// `samples` None: as many as the program's data set holds (1397).
+fn job(
+    py: &PyEnv,
+    dir: &Path,
+    optimizer: &str,
+    min: u32,
+    epochs: u32,
+    samples: Option<u32>,
+    batch: u32,
+) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
-    c.current_dir(dir)
-        .arg("launch")
-        .args(["--samples", &samples.to_string(), "--batch", &batch.to_string()])
+    c.current_dir(dir).arg("launch");
+    if let Some(n) = samples {
+        c.args(["--samples", &n.to_string()]);
+    }
+    c.args(["--batch", &batch.to_string()])
         .args(["--min-workers", &min.to_string(), "--max-workers", "3"])
         .args(["--policy", art::SCHEDULE_WASM, "--policy-config", "every=8", "--decide-every-steps", "4"])
         .arg("--epochs")
@@ -121,7 +132,7 @@ fn a_cnn_with_batchnorm_adamw_and_a_schedule_trains_whole_through_resizes_and_a_
     // 1396 samples in steps of 93: each epoch ends with a step of one
     // sample, where a rank has none and still takes part in DDP.
     let (samples, batch, epochs) = (1396, 93, 6);
-    let mut child = job(py, dir.path(), "adamw", 1, epochs, samples, batch)
+    let mut child = job(py, dir.path(), "adamw", 1, epochs, Some(samples), batch)
         .env("HOLD_UNTIL_WORLD", "3")
         .env("DIGEST_EVERY", "3")
         .spawn()
@@ -202,7 +213,7 @@ fn a_cnn_with_batchnorm_adamw_and_a_schedule_trains_whole_through_resizes_and_a_
 fn a_killed_rmsprop_job_resumes_with_its_optimizer_and_schedule_where_they_were() {
     let py = torch_py();
     let dir = tempfile::tempdir().unwrap();
-    let mut child = job(py, dir.path(), "rmsprop", 2, 4, 1397, 64).spawn().unwrap();
+    let mut child = job(py, dir.path(), "rmsprop", 2, 4, None, 64).spawn().unwrap();
     let coordinator = child.id();
     let _rx = lines(&mut child);
     let written = committed_checkpoint(&dir.path().join(".edl/launch/checkpoints"), &mut child);
@@ -210,7 +221,7 @@ fn a_killed_rmsprop_job_resumes_with_its_optimizer_and_schedule_where_they_were(
     sigkill(coordinator);
     let _ = child.wait();
 
-    let mut child = job(py, dir.path(), "rmsprop", 2, 4, 1397, 64).spawn().unwrap();
+    let mut child = job(py, dir.path(), "rmsprop", 2, 4, None, 64).spawn().unwrap();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
     let status = finish(child, rx, &mut seen);

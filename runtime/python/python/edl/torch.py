@@ -245,6 +245,9 @@ class ElasticLoader:
     of two stand-in samples: DDP needs every rank's forward and backward,
     and ``scaled`` weighs that rank's loss by 0.
 
+    A job launched without ``--samples`` takes ``len(dataset)`` as its
+    samples (each worker declares it; one that differs stops the job).
+
     ``source``: an ``ElasticState`` (its ``steps()``) or a ``Job``. Other
     keyword arguments go to the DataLoader (not ``batch_size``, ``shuffle``,
     ``sampler`` or ``batch_sampler``: the job decides those). A generation
@@ -259,6 +262,13 @@ class ElasticLoader:
                 raise ValueError(f"ElasticLoader: {fixed!r} is the job's to decide (each step's samples)")
         self.dataset, self.source, self.options = dataset, source, loader_options
         self.job = getattr(source, "job", source)
+        if self.job.samples == 0:
+            # Launched without --samples: the job's samples are the data set's.
+            self.job.samples = len(dataset)
+        elif self.job.samples > len(dataset):
+            raise ValueError(
+                f"ElasticLoader: the job has {self.job.samples} samples (--samples), the data set {len(dataset)}"
+            )
 
     def __iter__(self):
         from torch.utils.data import DataLoader

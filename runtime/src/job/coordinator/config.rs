@@ -43,7 +43,11 @@ impl JobConfig {
     pub fn validate(&self) -> Result<()> {
         let h = &self.hyper;
         let train_len = self.spec.samples;
-        if train_len == 0 {
+        // A program's job launched without --samples takes them from its
+        // first worker (and checks the batch then).
+        let from_program =
+            train_len == 0 && matches!(self.spec.program, crate::job::proto::Program::External { .. });
+        if train_len == 0 && !from_program {
             bail!("the job has no samples (--samples 0, or --train-samples 0)");
         }
         if self.spec.epochs == 0 {
@@ -59,7 +63,7 @@ impl JobConfig {
         if self.initial_workers > self.max_workers {
             bail!("--workers {} is above --max-workers {}", self.initial_workers, self.max_workers);
         }
-        if h.global_batch == 0 || h.global_batch as usize > train_len {
+        if h.global_batch == 0 || (!from_program && h.global_batch as usize > train_len) {
             bail!("--batch {}: need 1 <= batch <= {train_len} (the training samples)", h.global_batch);
         }
         if !(h.lr.is_finite() && h.lr > 0.0) {

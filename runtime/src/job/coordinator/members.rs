@@ -71,9 +71,14 @@ impl Coordinator<'_> {
             }
             // The inbox keeps heartbeats to itself; one that got here says nothing new.
             Inbound::Msg(_, FromWorker::Heartbeat) => {}
-            Inbound::Msg(n, FromWorker::Ready) => {
-                self.m.handle(now, Event::Ready { conn: n });
-            }
+            Inbound::Msg(n, FromWorker::Ready { samples }) => match self.take_samples(samples) {
+                Ok(()) => {
+                    self.m.handle(now, Event::Ready { conn: n });
+                }
+                Err(why) => {
+                    self.fatal.get_or_insert(why);
+                }
+            },
             Inbound::Msg(_, FromWorker::Saved { checkpoints }) => {
                 self.take_written(&checkpoints);
                 if let Some(w) = checkpoints.into_iter().rfind(|w| w.step == self.committed) {
@@ -107,6 +112,47 @@ impl Coordinator<'_> {
         self.execute();
     }
 
+    /// A worker's program said how many samples its data set holds: the
+    /// job's samples when it was launched without `--samples`, else checked
+    /// against them.
+    fn take_samples(&mut self, declared: Option<u64>) -> Result<(), String> {
+        match (self.train_len, declared) {
+            (0, Some(n)) if n > 0 => {
+                let n = n as usize;
+                if self.hyper.global_batch as usize > n {
+                    return Err(format!(
+                        "--batch {} is above the {n} samples the program's data set holds",
+                        self.hyper.global_batch
+                    ));
+                }
+                self.train_len = n;
+                self.cfg.spec.samples = n;
+                self.ledger = crate::job::ledger::Ledger::new(n);
+                self.note(format!(
+                    "the job's samples: {n}, as its first worker's program declared (len(dataset))"
+                ));
+                Ok(())
+            }
+            (0, _) => Err("the job's samples are unknown: `launch` was given no --samples and the program \
+                 declared none before its first step (edl.torch.ElasticLoader declares len(dataset); or set \
+                 job.samples = len(dataset))"
+                .into()),
+            (len, Some(n)) if n as usize != len => Err(format!(
+                "a worker's program declared {n} samples; the job has {len} (from --samples, a checkpoint or \
+                 its first worker): every worker must read the same data set"
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Stops the job when a worker's program declared what cannot be.
+    pub(super) fn check_fatal(&mut self) -> Result<()> {
+        match self.fatal.take() {
+            Some(why) => bail!("{why}"),
+            None => Ok(()),
+        }
+    }
+
     /// Notices started workers that died before joining, and gives up those
     /// past the join timeout.
     pub(super) fn check_spawning(&mut self) {
@@ -126,6 +172,7 @@ impl Coordinator<'_> {
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
             }
+            self.check_fatal()?;
             self.check_spawning();
         }
         if self.m.joiners() == 0 {

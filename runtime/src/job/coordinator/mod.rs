@@ -122,6 +122,9 @@ struct Coordinator<'a> {
     plan_perm: Option<(u64, Vec<u32>)>,
     /// The last reported write of a checkpoint of the committed step.
     saved: Option<Result<PathBuf, String>>,
+    /// What stops the job at the next look: a worker's program declared
+    /// samples that cannot be the job's.
+    fatal: Option<String>,
 }
 
 /// The coordinator's lease on its job in the store (renewed every third of it).
@@ -227,6 +230,7 @@ pub fn run(
         perm: None,
         plan_perm: None,
         saved: None,
+        fatal: None,
         cfg,
     };
     let result = c.job();

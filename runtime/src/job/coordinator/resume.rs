@@ -108,6 +108,12 @@ impl Coordinator<'_> {
         let m = &r.manifest;
         let book: Bookkeeping = serde_json::from_value(m.plugin_state.clone())
             .with_context(|| format!("{}: manifest has no coordinator state", r.path.display()))?;
+        if self.train_len == 0 {
+            // Launched without --samples: the checkpoint's, which the
+            // programs' declarations are then checked against.
+            self.train_len = book.ledger.samples();
+            self.cfg.spec.samples = self.train_len;
+        }
         let now = DataIdentity::of(&self.cfg.spec);
         let was = book.data.clone().unwrap_or(DataIdentity { seed: m.seed, ..now.clone() });
         let diff = was.differences(&now);

@@ -58,6 +58,7 @@ impl Coordinator<'_> {
                     while let Ok(ev) = self.rx.try_recv() {
                         self.handle(ev);
                     }
+                    self.check_fatal()?;
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
