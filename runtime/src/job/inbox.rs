@@ -418,7 +418,7 @@ mod tests {
         let last = conns.last_mut().unwrap();
         last.write_all(&hello[..9]).unwrap();
         last.write_all(&hello[9..]).unwrap();
-        last.write_all(b"\"ready\"\n\"ready\"\n").unwrap();
+        last.write_all(b"{\"ready\":{}}\n{\"ready\":{\"samples\":9}}\n").unwrap();
         let mut got = Vec::new();
         for _ in 0..3 {
             match next(&rx) {
@@ -427,7 +427,8 @@ mod tests {
             }
         }
         assert_eq!(got[0], (49, "Hello { worker: 7, pid: 42 }".to_string()));
-        assert_eq!(got[1..], [(49, "Ready".to_string()), (49, "Ready".to_string())]);
+        let ready = |s: &str| (49, format!("Ready {{ samples: {s} }}"));
+        assert_eq!(got[1..], [ready("None"), ready("Some(9)")]);
         // A line that is not a message ends that connection, naming why.
         conns[3].write_all(b"{not json\n").unwrap();
         match next(&rx) {
