@@ -133,7 +133,7 @@ const LEASE_TTL: Duration = Duration::from_secs(10);
 /// Windows kept ahead of the ranks while membership is stable.
 const AHEAD: usize = 2;
 /// A window holds about this much work (by the measured step time)...
-const WINDOW_WORK_MS: f64 = 25.0;
+const WINDOW_WORK_MS: f64 = 100.0;
 /// ... and at most this many steps.
 const MAX_WINDOW: u64 = 32;
 /// Lines of a crashed worker's log its error quotes (a Python traceback is
