@@ -87,7 +87,7 @@ fn sim_worker(addr: SocketAddr, id: u64, auth: JobAuth, sim: Sim) -> anyhow::Res
         ToWorker::Welcome(_) => {}
         _ => return Ok(()),
     }
-    send(&mut out, &FromWorker::Ready)?;
+    send(&mut out, &FromWorker::Ready { samples: None })?;
     let mut place = 0u64;
     loop {
         account(&mut cpu_mark);
