@@ -19,7 +19,7 @@ pub struct AgentCliArgs {
     #[arg(long, value_name = "N", default_value_t = 0)]
     id: u64,
     /// The job's name (default: $EDL_JOB, else `launch`).
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", value_parser = super::flags::job_name)]
     job: Option<String>,
     /// A file holding the job's secret, or `-` to read it from standard input
     /// (default: $EDL_JOB_SECRET). Never give the secret itself on a command line.
@@ -34,6 +34,7 @@ pub struct AgentCliArgs {
 pub fn run(a: AgentCliArgs) -> Result<ExitCode> {
     let coordinator = edl_runtime::job::net::resolve(&a.coordinator).context("--coordinator")?;
     let job = a.job.or_else(|| std::env::var("EDL_JOB").ok()).unwrap_or_else(|| "launch".into());
+    edl_runtime::job::check_job_name(&job).map_err(|e| anyhow::anyhow!("{e} (--job or $EDL_JOB)"))?;
     let secret = match &a.secret_file {
         Some(p) => session::read_secret(p).context("--secret-file")?,
         None => session::auth_from_env()?.secret,

@@ -393,6 +393,11 @@ pub struct SandboxArgs {
 }
 
 /// `key=value`.
+/// A `--job` name ([`edl_runtime::job::check_job_name`]).
+pub fn job_name(s: &str) -> Result<String, String> {
+    edl_runtime::job::check_job_name(s).map(|()| s.to_string())
+}
+
 pub fn parse_pair(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))

@@ -64,7 +64,7 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..), help_heading = "Your program")]
     pub samples: Option<u64>,
     /// Job name: its keys in the store and its directories under .edl/.
-    #[arg(long, value_name = "NAME", default_value = "launch", help_heading = "Your program")]
+    #[arg(long, value_name = "NAME", default_value = "launch", value_parser = super::flags::job_name, help_heading = "Your program")]
     pub job: String,
     /// Run an unmodified torchrun script: its ranks get torchrun's
     /// environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and the whole group

@@ -65,7 +65,7 @@ pub struct Cli {
     #[command(flatten)]
     student: StudentArgs,
     /// Job name: its keys in the store and its directories under .edl/.
-    #[arg(long, value_name = "NAME", default_value = "mnist", help_heading = "Checkpoints and state")]
+    #[arg(long, value_name = "NAME", default_value = "mnist", value_parser = flags::job_name, help_heading = "Checkpoints and state")]
     job: String,
     #[command(flatten)]
     sandbox: SandboxArgs,

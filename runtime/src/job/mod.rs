@@ -38,3 +38,44 @@ pub use ledger::{EpochRecord, Ledger};
 pub use preflight::{JobLock, preflight};
 pub use proto::{BuiltinModel, JobSpec, Program, TeacherSource};
 pub use scaler::{LocalProcesses, Scaler};
+
+/// Longest job name.
+pub const MAX_JOB_NAME: usize = 64;
+
+/// Checks a job name: letters, digits, `.`, `_` and `-`, starting with a
+/// letter or a digit, at most [`MAX_JOB_NAME`] characters. A job's name
+/// becomes directory names, store keys and words of worker command lines
+/// (`ssh {host} {program}`): nothing in it may mean anything to a shell or
+/// a path.
+pub fn check_job_name(name: &str) -> Result<(), String> {
+    let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    if name.is_empty() {
+        return Err("a job name cannot be empty".into());
+    }
+    if name.len() > MAX_JOB_NAME {
+        return Err(format!("job name {:?}...: longer than {MAX_JOB_NAME} characters", &name[..16]));
+    }
+    if !name.starts_with(|c: char| c.is_ascii_alphanumeric()) || !name.chars().all(ok_char) {
+        return Err(format!(
+            "job name {name:?}: use letters, digits, '.', '_' and '-', starting with a letter or a digit"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod name_tests {
+    use super::check_job_name;
+
+    #[test]
+    fn job_names_mean_nothing_to_a_shell_or_a_path() {
+        for ok in ["mnist", "launch", "run-2.b_3", "7"] {
+            assert_eq!(check_job_name(ok), Ok(()), "{ok}");
+        }
+        for bad in
+            ["", "x;touch /tmp/p;#", "../up", ".hidden", "-flag", "a b", "$(id)", "a/b", "é", &"x".repeat(65)]
+        {
+            assert!(check_job_name(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -490,7 +490,13 @@ impl CommandScaler {
                 program.push(quote(&filled)?);
             }
         }
-        let program = program.join(" ");
+        let mut program = program.join(" ");
+        if runs_remote_shell(template) {
+            // ssh joins its arguments and hands the line to the remote
+            // host's shell, which parses it again: quoted once more, each
+            // word arrives there whole (a job name, an argument with spaces).
+            program = quote(&program)?;
+        }
         fill_template(template, |name| {
             if name == "program" { (program.clone(), false) } else { (value(name), true) }
         })
@@ -537,6 +543,16 @@ fn check_template(t: &str) -> Result<(), String> {
 }
 
 /// One word for the shell, quoted where it needs to be.
+/// Whether `template` runs its command through a remote shell: `ssh` (by
+/// any path) among its words, which joins what follows and has the remote
+/// host's shell parse it. `srun`, `ip netns exec`, `kubectl exec -- ...`
+/// start the command's words as they are.
+fn runs_remote_shell(template: &str) -> bool {
+    let words =
+        shlex::split(template).unwrap_or_else(|| template.split_whitespace().map(String::from).collect());
+    words.iter().any(|w| w == "ssh" || w.ends_with("/ssh"))
+}
+
 fn quote(word: &str) -> anyhow::Result<String> {
     if word.is_empty() {
         return Ok("''".into());
@@ -741,9 +757,25 @@ mod tests {
             dir.path(),
         )
         .unwrap();
+        // Through ssh, quoted once more for the remote shell.
+        let line = s.fill(&s.start, 4, "c:7", Some(0)).unwrap();
+        let words = shlex::split(&line).unwrap();
+        assert_eq!(words[..2], ["ssh", "n1"], "{line}");
+        assert_eq!(words.len(), 3, "the remote command is one word: {line}");
         assert_eq!(
-            s.fill(&s.start, 4, "c:7", Some(0)).unwrap(),
-            "ssh n1 '/opt/my edl/edl-runtime' worker --coordinator c:7 --id 4 --job '' --secret-file -"
+            shlex::split(&words[2]).unwrap(),
+            [
+                "/opt/my edl/edl-runtime",
+                "worker",
+                "--coordinator",
+                "c:7",
+                "--id",
+                "4",
+                "--job",
+                "",
+                "--secret-file",
+                "-"
+            ]
         );
         let cmd = ["python".to_string(), "train.py".into(), "--note".into(), "a {b} c".into()];
         let s = CommandScaler::for_program("srun {program}", None, &[], dir.path(), &cmd).unwrap();
@@ -754,6 +786,35 @@ mod tests {
         let e = check_template("srun -w {node} edl-runtime worker").unwrap_err();
         assert!(e.contains("unknown placeholder {node}") && e.contains("{host}"), "{e}");
         assert!(check_template("echo {id").unwrap_err().contains("without its"));
+    }
+
+    #[test]
+    fn a_program_reaches_the_far_side_of_ssh_word_for_word() {
+        // An ssh that does what ssh does: joins its arguments after the host
+        // and has a shell (here, this machine's) parse the line.
+        let dir = tempfile::tempdir().unwrap();
+        let ssh = dir.path().join("ssh");
+        std::fs::write(&ssh, "#!/bin/sh\nshift\nexec sh -c \"$*\"\n").unwrap();
+        std::fs::set_permissions(&ssh, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let marker = dir.path().join("pwned");
+        let hostile = format!("x;touch {};#", marker.display());
+        let cmd = [
+            "printf".to_string(),
+            "<%s>\\n".into(),
+            "two words".into(),
+            "it's \"quoted\"".into(),
+            hostile.clone(),
+        ];
+        let template = format!("{} {{host}} {{program}}", ssh.display());
+        let mut s = CommandScaler::for_program(&template, None, &["h1".into()], dir.path(), &cmd).unwrap();
+        let auth = JobAuth { job: "j".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
+        s.spawn(1, "10.0.0.1:7070", &auth).unwrap();
+        while s.exited().is_empty() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let log = std::fs::read_to_string(dir.path().join("worker-1.log")).unwrap();
+        assert_eq!(log, format!("<two words>\n<it's \"quoted\">\n<{hostile}>\n"));
+        assert!(!marker.exists(), "the remote shell ran part of an argument");
     }
 
     #[test]

@@ -174,7 +174,9 @@ pub fn auth_from_env() -> Result<JobAuth> {
         Ok(file) => read_secret(std::path::Path::new(&file)).context("EDL_JOB_SECRET_FILE")?,
         Err(_) => Secret::from_hex(&var("EDL_JOB_SECRET")?).map_err(|e| anyhow!("EDL_JOB_SECRET: {e}"))?,
     };
-    Ok(JobAuth { job: var("EDL_JOB")?, secret })
+    let job = var("EDL_JOB")?;
+    super::check_job_name(&job).map_err(|e| anyhow!("EDL_JOB: {e}"))?;
+    Ok(JobAuth { job, secret })
 }
 
 /// Reads the job's secret from a file, or from standard input for `-` (one line).

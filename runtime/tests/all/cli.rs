@@ -514,3 +514,24 @@ fn plugins_are_found_beside_the_installed_executable() {
         assert!(err.contains(&place.display().to_string()), "{place:?} not named in {err}");
     }
 }
+
+#[test]
+fn a_job_name_a_shell_or_a_path_would_read_is_refused_before_anything_starts() {
+    for cmd in [&["launch", "--samples", "8"][..], &[], &["launch", "--torchrun"]] {
+        for bad in ["x;touch /tmp/p;#", "../up", "a b"] {
+            let args = [&cmd[..], &["--job", bad, "--", "true"]].concat();
+            let args: Vec<&str> = if cmd.is_empty() { vec!["--job", bad] } else { args };
+            let dir = tempfile::tempdir().unwrap();
+            let (code, out, err) = edl_in(dir.path(), &args);
+            assert_eq!(code, Some(2), "{args:?}: {out}{err}");
+            assert!(err.contains("use letters, digits, '.', '_' and '-'"), "{args:?}: {err}");
+            assert!(
+                !dir.path().join(".edl").exists() && !dir.path().join("up").exists(),
+                "{args:?} started a job"
+            );
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (code, _, err) = edl_in(dir.path(), &["worker", "--coordinator", "127.0.0.1:9", "--job", "a;b"]);
+    assert_eq!(code, Some(2), "{err}");
+}
