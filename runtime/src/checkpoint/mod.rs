@@ -71,6 +71,12 @@ pub const STATE_FILE: &str = "state.safetensors";
 pub enum CheckpointError {
     #[error("{path}: {detail}")]
     Io { path: String, detail: String },
+    /// The checkpoint was read and is unusable (incomplete, a checksum that
+    /// does not match, not a state): another one may be used instead. A
+    /// checkpoint that could not be read is an [`Io`](Self::Io) or
+    /// [`Store`](Self::Store) error, never this.
+    #[error("{path}: {detail}")]
+    Corrupt { path: String, detail: String },
     /// An object storage call failed; the message names the object.
     #[error("{0}")]
     Store(String),
@@ -82,10 +88,17 @@ pub struct Checkpoints {
     dir: PathBuf,
     keep: usize,
     remote: Option<ObjectDir>,
+    /// Checkpoints known good (written or verified by this process), which
+    /// pruning need not read again.
+    good: std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<PathBuf>>>,
 }
 
 fn io(path: &Path, e: impl std::fmt::Display) -> CheckpointError {
     CheckpointError::Io { path: path.display().to_string(), detail: e.to_string() }
+}
+
+fn corrupt(path: &Path, e: impl std::fmt::Display) -> CheckpointError {
+    CheckpointError::Corrupt { path: path.display().to_string(), detail: e.to_string() }
 }
 
 /// Writes a file and forces it to disk.
@@ -139,7 +152,7 @@ fn encode_state(layout: &Layout, values: &[f32], at: &Path) -> Result<Vec<u8>, C
 impl Checkpoints {
     /// Checkpoints in the local directory `dir`.
     pub fn new(dir: impl Into<PathBuf>, keep: usize) -> Self {
-        Checkpoints { dir: dir.into(), keep: keep.max(1), remote: None }
+        Checkpoints { dir: dir.into(), keep: keep.max(1), remote: None, good: Default::default() }
     }
 
     /// Checkpoints at `location`: a local directory, or object storage
@@ -151,12 +164,22 @@ impl Checkpoints {
         }
         let remote = ObjectDir::open(&shown)
             .map_err(|detail| CheckpointError::Io { path: shown.to_string(), detail })?;
-        Ok(Checkpoints { dir: location.to_path_buf(), keep: keep.max(1), remote: Some(remote) })
+        Ok(Checkpoints {
+            dir: location.to_path_buf(),
+            keep: keep.max(1),
+            remote: Some(remote),
+            good: Default::default(),
+        })
     }
 
     /// Checkpoints in a directory of object storage opened elsewhere.
     pub fn in_objects(dir: ObjectDir, keep: usize) -> Self {
-        Checkpoints { dir: PathBuf::from(dir.url_of("")), keep: keep.max(1), remote: Some(dir) }
+        Checkpoints {
+            dir: PathBuf::from(dir.url_of("")),
+            keep: keep.max(1),
+            remote: Some(dir),
+            good: Default::default(),
+        }
     }
 
     /// Whether the checkpoints are in object storage.
@@ -288,6 +311,7 @@ impl Checkpoints {
             for (file, bytes) in [(STATE_FILE, state), ("manifest.json", json), ("manifest.sha256", sum)] {
                 r.put(&format!("{name}/{file}"), bytes).map_err(CheckpointError::Store)?;
             }
+            self.known_good(&at);
             self.prune();
             return Ok(at);
         }
@@ -315,12 +339,35 @@ impl Checkpoints {
         if replacing {
             let _ = std::fs::remove_dir_all(&aside);
         }
+        self.known_good(&dest);
         self.prune();
         Ok(dest)
     }
 
-    /// Keeps the newest `keep` checkpoints (a failed listing leaves them all,
-    /// to be pruned after the next write).
+    fn known_good(&self, path: &Path) {
+        self.good.lock().unwrap_or_else(|p| p.into_inner()).insert(path.to_path_buf());
+    }
+
+    /// Whether the checkpoint at `path` verifies (read once per process).
+    fn verifies(&self, path: &Path) -> Result<bool, CheckpointError> {
+        if self.good.lock().unwrap_or_else(|p| p.into_inner()).contains(path) {
+            return Ok(true);
+        }
+        match self.read_at(path) {
+            Ok(_) => {
+                self.known_good(path);
+                Ok(true)
+            }
+            Err(CheckpointError::Corrupt { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Keeps the newest `keep` checkpoints that verify. An unusable one goes
+    /// only once a newer good one exists; the newest good one always stays.
+    /// A checkpoint that cannot be read (the store failing, not the
+    /// checkpoint) stops the pruning, as a failed listing does: nothing is
+    /// removed on a guess, and the next write prunes again.
     fn prune(&self) {
         let all = match self.list() {
             Ok(all) => all,
@@ -329,8 +376,24 @@ impl Checkpoints {
                 return;
             }
         };
-        for (_, old) in all.iter().take(all.len().saturating_sub(self.keep)) {
-            self.remove(old);
+        let mut kept_good = 0;
+        let mut doomed = Vec::new();
+        for (_, path) in all.iter().rev() {
+            match self.verifies(path) {
+                Ok(true) if kept_good < self.keep => kept_good += 1,
+                Ok(true) => doomed.push(path),
+                // Unusable, behind a newer good one.
+                Ok(false) if kept_good > 0 => doomed.push(path),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!("checkpoints not pruned: {e}");
+                    return;
+                }
+            }
+        }
+        for path in doomed {
+            self.remove(path);
+            self.good.lock().unwrap_or_else(|p| p.into_inner()).remove(path);
         }
     }
 
@@ -355,7 +418,14 @@ impl Checkpoints {
 
     /// Reads and verifies the checkpoint in the local directory `path`.
     pub fn read(path: &Path) -> Result<Restored, CheckpointError> {
-        Self::verify(path, |name| std::fs::read(path.join(name)).map_err(|e| io(&path.join(name), e)))
+        Self::verify(path, |name| {
+            let file = path.join(name);
+            std::fs::read(&file).map_err(|e| match e.kind() {
+                // A file the writer never got to: an incomplete checkpoint.
+                std::io::ErrorKind::NotFound => corrupt(&file, "no such file; not a complete checkpoint"),
+                _ => io(&file, e),
+            })
+        })
     }
 
     /// Reads and verifies the checkpoint at `path`, as [`Checkpoints::list`] gives it.
@@ -367,7 +437,7 @@ impl Checkpoints {
             let at = format!("{rel}/{name}");
             match r.get(&at) {
                 Ok(Some(b)) => Ok(b),
-                Ok(None) => Err(io(&path.join(name), "no such object")),
+                Ok(None) => Err(corrupt(&path.join(name), "no such object; not a complete checkpoint")),
                 Err(detail) => Err(CheckpointError::Store(detail)),
             }
         })
@@ -379,47 +449,51 @@ impl Checkpoints {
         fetch: impl Fn(&str) -> Result<Vec<u8>, CheckpointError>,
     ) -> Result<Restored, CheckpointError> {
         let sum_path = path.join("manifest.sha256");
-        let recorded = fetch("manifest.sha256")
-            .map_err(|e| io(&sum_path, format!("no manifest checksum ({e}); not a complete checkpoint")))?;
+        let recorded = fetch("manifest.sha256").map_err(|e| match e {
+            CheckpointError::Corrupt { .. } => {
+                corrupt(&sum_path, format!("no manifest checksum ({e}); not a complete checkpoint"))
+            }
+            e => e,
+        })?;
         let recorded = String::from_utf8_lossy(&recorded).trim().to_string();
         let text = fetch("manifest.json")?;
         let actual = hex::encode(Sha256::digest(&text));
         if recorded != actual {
-            return Err(io(
+            return Err(corrupt(
                 &path.join("manifest.json"),
                 format!("sha256 {actual} does not match manifest.sha256 ({recorded})"),
             ));
         }
         let manifest: Manifest = serde_json::from_slice(&text)
-            .map_err(|e| io(&path.join("manifest.json"), format!("not a manifest: {e}")))?;
+            .map_err(|e| corrupt(&path.join("manifest.json"), format!("not a manifest: {e}")))?;
         let file = path.join(STATE_FILE);
         let Some(want) = manifest.files.get(STATE_FILE) else {
-            return Err(io(path, format!("manifest lists no {STATE_FILE}")));
+            return Err(corrupt(path, format!("manifest lists no {STATE_FILE}")));
         };
         let bytes = fetch(STATE_FILE)?;
         let got = hex::encode(Sha256::digest(&bytes));
         if &got != want {
-            return Err(io(&file, format!("sha256 {got} does not match the manifest's {want}")));
+            return Err(corrupt(&file, format!("sha256 {got} does not match the manifest's {want}")));
         }
-        let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| io(&file, e))?;
-        let st = SafeTensors::deserialize(&bytes).map_err(|e| io(&file, e))?;
+        let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(&file, e))?;
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| corrupt(&file, e))?;
         let layout: Layout = match meta.metadata().as_ref().and_then(|m| m.get("edl.layout")) {
             Some(order) => {
-                serde_json::from_str(order).map_err(|e| io(&file, format!("tensor order: {e}")))?
+                serde_json::from_str(order).map_err(|e| corrupt(&file, format!("tensor order: {e}")))?
             }
             None => {
                 let mut names: Vec<(String, Vec<usize>)> =
                     st.tensors().into_iter().map(|(n, t)| (n, t.shape().to_vec())).collect();
                 names.sort();
                 Layout::new(names.into_iter().map(|(n, s)| TensorSpec::new(n, s)).collect())
-                    .map_err(|e| io(&file, e))?
+                    .map_err(|e| corrupt(&file, e))?
             }
         };
         let mut values = Vec::with_capacity(layout.numel());
         for t in layout.tensors() {
-            let v = st.tensor(&t.name).map_err(|e| io(&file, format!("tensor {:?}: {e}", t.name)))?;
+            let v = st.tensor(&t.name).map_err(|e| corrupt(&file, format!("tensor {:?}: {e}", t.name)))?;
             if v.dtype() != Dtype::F32 || v.shape() != t.shape.as_slice() {
-                return Err(io(
+                return Err(corrupt(
                     &file,
                     format!(
                         "tensor {:?} is {:?} {:?}, expected F32 {:?}",
@@ -435,13 +509,26 @@ impl Checkpoints {
         Ok(Restored { path: path.to_path_buf(), manifest, layout, values })
     }
 
-    /// The newest checkpoint that verifies, and the ones skipped (newest
-    /// first) with why; an error when the checkpoints cannot be listed.
+    /// The newest checkpoint that verifies, and the unusable ones skipped
+    /// (newest first) with why; an error when the checkpoints cannot be
+    /// listed or one cannot be read (a store error is never taken for a
+    /// corrupt checkpoint: falling back past it would undo training).
     pub fn latest(&self) -> Result<(Option<Restored>, Vec<CheckpointError>), CheckpointError> {
         let mut skipped = Vec::new();
         for (_, path) in self.list()?.into_iter().rev() {
             match self.read_at(&path) {
-                Ok(r) => return Ok((Some(r), skipped)),
+                Ok(r) => {
+                    self.known_good(&path);
+                    return Ok((Some(r), skipped));
+                }
+                Err(e @ (CheckpointError::Io { .. } | CheckpointError::Store(_))) => {
+                    return Err(CheckpointError::Io {
+                        path: path.display().to_string(),
+                        detail: format!(
+                            "cannot be read, so it cannot be judged ({e}); fix the store and run again"
+                        ),
+                    });
+                }
                 Err(e) => {
                     tracing::warn!("checkpoint {} is unusable, trying the previous one: {e}", path.display());
                     skipped.push(e);
@@ -685,5 +772,69 @@ mod tests {
         let text = e.to_string();
         assert!(text.contains("s3://edl/jobs/mnist") && text.contains("ListBucket"), "{text}");
         assert!(cps.list().is_err());
+    }
+
+    /// Truncates the state file of the checkpoint at `step`.
+    fn spoil(cps: &Checkpoints, step: u64) {
+        let path = cps.list().unwrap().into_iter().find(|(s, _)| *s == step).unwrap().1;
+        std::fs::write(path.join(STATE_FILE), b"torn").unwrap();
+    }
+
+    fn steps(cps: &Checkpoints) -> Vec<u64> {
+        cps.list().unwrap().into_iter().map(|(s, _)| s).collect()
+    }
+
+    #[test]
+    fn newer_unusable_checkpoints_never_cost_the_good_ones_written_after_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let cps = Checkpoints::new(dir.path(), 2);
+        for step in [10, 20, 30] {
+            cps.save(&layout(), &state(step as f32), manifest(step)).unwrap();
+        }
+        // 20 and 30 (the two keep 2 left) go bad: a new run (a process of
+        // its own: nothing known good) finds no usable one and starts over.
+        spoil(&cps, 20);
+        spoil(&cps, 30);
+        let rerun = Checkpoints::new(dir.path(), 2);
+        let (r, skipped) = rerun.latest().unwrap();
+        assert!(r.is_none() && skipped.len() == 2, "{skipped:?}");
+        // It writes from the start again. The unusable ones go only behind a
+        // newer good one, which here none is (their steps are higher): they
+        // stay, and the newest two of the new ones with them.
+        for step in [5, 6, 7] {
+            rerun.save(&layout(), &state(step as f32), manifest(step)).unwrap();
+        }
+        assert_eq!(
+            steps(&rerun),
+            [6, 7, 20, 30],
+            "the newest two good ones and the unusable ones above them"
+        );
+        let (r, _) = rerun.latest().unwrap();
+        assert_eq!(r.unwrap().manifest.step, 7, "a kill now resumes from the newest good one");
+        // A good one above the unusable ones: they go, and the oldest good one.
+        rerun.save(&layout(), &state(40.0), manifest(40)).unwrap();
+        assert_eq!(steps(&rerun), [7, 40]);
+    }
+
+    #[test]
+    fn a_checkpoint_that_cannot_be_read_is_an_error_not_a_reason_to_go_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let cps = Checkpoints::new(dir.path(), 3);
+        for step in [10, 20] {
+            cps.save(&layout(), &state(step as f32), manifest(step)).unwrap();
+        }
+        // The newest's state cannot be read (a directory where the file is:
+        // EISDIR, as EACCES or EIO would be).
+        let newest = cps.list().unwrap().last().unwrap().1.clone();
+        std::fs::remove_file(newest.join(STATE_FILE)).unwrap();
+        std::fs::create_dir(newest.join(STATE_FILE)).unwrap();
+        let rerun = Checkpoints::new(dir.path(), 3);
+        let Err(e) = rerun.latest() else { panic!("a checkpoint that cannot be read was skipped") };
+        let e = e.to_string();
+        assert!(e.contains("step-") && e.contains("cannot be read"), "{e}");
+        // Nor does a write prune on it.
+        rerun.save(&layout(), &state(30.0), manifest(30)).unwrap();
+        rerun.save(&layout(), &state(40.0), manifest(40)).unwrap();
+        assert_eq!(steps(&rerun), [10, 20, 30, 40]);
     }
 }
