@@ -87,9 +87,20 @@ pub struct RendezvousServer {
     /// The current generation: registrations of other ones are refused.
     generation: Arc<AtomicU64>,
     store: Arc<KvStore>,
+    /// The largest world a registration may name.
+    max_world: Arc<AtomicU64>,
 }
 
-type Waiting = HashMap<String, (usize, Vec<Option<(Vec<u8>, TcpStream)>>)>;
+/// Registrations waiting for the rest of their world, by key: the world,
+/// when the first came, and each rank's value and connection.
+type Waiting = HashMap<String, (usize, std::time::Instant, Vec<Option<(Vec<u8>, TcpStream)>>)>;
+
+/// How long a key waits for the rest of its ranks before it is dropped
+/// (its ranks gave up long before: their rendezvous has a deadline).
+const KEY_TTL: Duration = Duration::from_secs(300);
+
+/// The largest world a registration may name by default.
+pub const DEFAULT_MAX_WORLD: usize = 1 << 16;
 
 fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     let mut len = [0u8; 4];
@@ -123,21 +134,29 @@ impl RendezvousServer {
         let waiting: Arc<Mutex<Waiting>> = Arc::default();
         let generation = Arc::new(AtomicU64::new(0));
         let store = Arc::new(KvStore::default());
-        let (current, kv) = (generation.clone(), store.clone());
+        let max_world = Arc::new(AtomicU64::new(DEFAULT_MAX_WORLD as u64));
+        let (current, kv, most) = (generation.clone(), store.clone(), max_world.clone());
         std::thread::Builder::new().name("edl-rendezvous".into()).spawn(move || {
             for conn in listener.incoming().flatten() {
                 let waiting = waiting.clone();
                 let auth = auth.clone();
                 let current = current.clone();
                 let kv = kv.clone();
+                let most = most.load(Ordering::Relaxed) as usize;
                 std::thread::spawn(move || {
-                    if let Err(e) = Self::serve(conn, &waiting, auth.as_ref(), &current, &kv) {
+                    if let Err(e) = Self::serve(conn, &waiting, auth.as_ref(), &current, &kv, most) {
                         eprintln!("rendezvous: dropped a client: {e}");
                     }
                 });
             }
         })?;
-        Ok(RendezvousServer { addr, generation, store })
+        Ok(RendezvousServer { addr, generation, store, max_world })
+    }
+
+    /// The largest world a registration may name (the job's most workers):
+    /// a registration naming more is refused before anything is sized by it.
+    pub fn set_max_world(&self, n: usize) {
+        self.max_world.store(n.max(1) as u64, Ordering::Relaxed);
     }
 
     /// The generation whose ranks may register now.
@@ -152,6 +171,7 @@ impl RendezvousServer {
         auth: Option<&JobAuth>,
         generation: &AtomicU64,
         store: &KvStore,
+        max_world: usize,
     ) -> std::io::Result<()> {
         conn.set_read_timeout(Some(Duration::from_secs(10)))?;
         // Answers go out as several small writes (length, then bytes): with
@@ -183,17 +203,27 @@ impl RendezvousServer {
         if world == 0 || rank >= world {
             return Err(bad());
         }
+        if world > max_world {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("a world of {world}, above the job's most ({max_world})"),
+            ));
+        }
         let mut all = waiting.lock().unwrap_or_else(|e| e.into_inner());
-        let entry = all.entry(key.clone()).or_insert_with(|| (world, (0..world).map(|_| None).collect()));
+        // Keys whose ranks never all came (their clients gave up) go.
+        all.retain(|_, (_, since, _)| since.elapsed() < KEY_TTL);
+        let entry = all
+            .entry(key.clone())
+            .or_insert_with(|| (world, std::time::Instant::now(), (0..world).map(|_| None).collect()));
         if entry.0 != world {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
                 "world size differs from other ranks",
             ));
         }
-        entry.1[rank] = Some((value, conn));
-        if entry.1.iter().all(Option::is_some) {
-            let (_, ranks) = all.remove(&key).expect("entry exists");
+        entry.2[rank] = Some((value, conn));
+        if entry.2.iter().all(Option::is_some) {
+            let (_, _, ranks) = all.remove(&key).expect("entry exists");
             drop(all);
             let (values, conns): (Vec<Vec<u8>>, Vec<TcpStream>) =
                 ranks.into_iter().map(|r| r.expect("all present")).unzip();

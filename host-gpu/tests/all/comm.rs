@@ -3,7 +3,8 @@
 //! others fail within the timeout.
 
 use edl_host_gpu::comm::{
-    CommError, Communicator, LocalRendezvous, ReduceOp, RendezvousServer, RingOptions, TcpRendezvous, TcpRing,
+    CommError, Communicator, LocalRendezvous, ReduceOp, Rendezvous, RendezvousServer, RingOptions,
+    TcpRendezvous, TcpRing,
 };
 use std::{
     io::{BufRead, BufReader},
@@ -144,6 +145,40 @@ fn rendezvous_server_serves_several_generations() {
         });
         assert!(out.iter().all(|b| b.iter().all(|&v| v == 6.0)));
     }
+}
+
+#[test]
+fn a_registration_naming_a_huge_world_is_refused_and_the_server_serves_on() {
+    use std::io::{Read, Write};
+    let server = RendezvousServer::start("127.0.0.1:0").unwrap();
+    server.set_max_world(8);
+    let frame = |s: &mut std::net::TcpStream, b: &[u8]| {
+        s.write_all(&(b.len() as u32).to_le_bytes()).unwrap();
+        s.write_all(b).unwrap();
+    };
+    for world in [u32::MAX, 9] {
+        let mut c = std::net::TcpStream::connect(server.addr()).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        frame(&mut c, b"job/x");
+        let header: Vec<u8> = [0u32.to_le_bytes(), world.to_le_bytes()].concat();
+        frame(&mut c, &header);
+        frame(&mut c, b"v");
+        // Refused: the server closes the connection without an answer.
+        let mut buf = [0u8; 4];
+        assert_eq!(c.read(&mut buf).unwrap_or(0), 0, "a world of {world} was taken");
+    }
+    // The server is alive and serves a world within the bound.
+    let rdv = TcpRendezvous::new(server.addr(), "job/ok");
+    let got: Vec<Vec<Vec<u8>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let rdv = rdv.clone();
+                s.spawn(move || rdv.exchange(rank, 2, vec![rank as u8], Duration::from_secs(30)).unwrap())
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(got.iter().all(|v| *v == vec![vec![0u8], vec![1u8]]), "{got:?}");
 }
 
 // ---- ranks as processes: this test binary re-runs itself as each rank ----

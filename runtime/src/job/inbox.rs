@@ -178,6 +178,9 @@ struct Open {
     stream: TcpStream,
     peer: String,
     pending: Vec<u8>,
+    /// How much of `pending` is known to hold no line end: a line that comes
+    /// in many reads is scanned once, not from its start at each.
+    scanned: usize,
     /// When something last arrived.
     heard: Instant,
 }
@@ -234,7 +237,10 @@ fn read_all<M: Message>(
                             tx.send(Inbound::Closed(n, format!("{peer}: cannot watch the connection: {e}")));
                         continue;
                     }
-                    open.insert(n, Open { stream, peer, pending: Vec::new(), heard: Instant::now() });
+                    open.insert(
+                        n,
+                        Open { stream, peer, pending: Vec::new(), scanned: 0, heard: Instant::now() },
+                    );
                 }
                 continue;
             }
@@ -285,7 +291,9 @@ fn drain<M: Message>(
         }
         conn.pending.extend_from_slice(&buf[..got as usize]);
         let mut start = 0;
-        while let Some(end) = conn.pending[start..].iter().position(|&b| b == b'\n') {
+        while let Some(end) = conn.pending[start.max(conn.scanned)..].iter().position(|&b| b == b'\n') {
+            let end = start.max(conn.scanned) + end - start;
+            conn.scanned = 0;
             let line = &conn.pending[start..start + end];
             start += end + 1;
             let msg = serde_json::from_slice::<M>(line)
@@ -299,6 +307,7 @@ fn drain<M: Message>(
             }
         }
         conn.pending.drain(..start);
+        conn.scanned = conn.pending.len();
         if conn.pending.len() > MAX_LINE {
             return Err(format!("{}: a message longer than {} MiB", conn.peer, MAX_LINE >> 20));
         }
