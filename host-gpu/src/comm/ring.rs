@@ -167,13 +167,20 @@ impl TcpRing {
             move |source: std::io::Error| CommError::Io { rank, op, peer, source }
         };
         listener.set_nonblocking(true).map_err(io(prev, "accept"))?;
+        let timed_out = || CommError::Timeout { rank, op: "accept", peer: prev, after: opts.timeout };
         loop {
+            // Checked whatever arrives: a stream of stray peers, each
+            // refused in turn, does not keep the ring waiting past it.
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(timed_out());
+            }
             match listener.accept() {
                 Ok((mut s, _)) => {
                     s.set_nonblocking(false).map_err(io(prev, "accept"))?;
                     // A peer that connects and then says nothing holds the
                     // ring up for a short while only, not the whole timeout.
-                    let patience = opts.timeout.min(STRAY_PATIENCE);
+                    let patience = opts.timeout.min(STRAY_PATIENCE).min(left).max(Duration::from_millis(1));
                     s.set_read_timeout(Some(patience)).map_err(io(prev, "accept"))?;
                     if let Some((a, generation)) = &opts.auth {
                         let checked = auth::accept(&mut s, &a.secret, |c| {
@@ -200,11 +207,8 @@ impl TcpRing {
                     }
                     // Not our predecessor (a stale generation, a stray client): keep waiting.
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock && Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    return Err(CommError::Timeout { rank, op: "accept", peer: prev, after: opts.timeout });
+                    std::thread::sleep(Duration::from_millis(1));
                 }
                 Err(e) => return Err(io(prev, "accept")(e)),
             }

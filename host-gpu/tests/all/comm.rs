@@ -367,4 +367,49 @@ mod secret {
         let member = TcpRendezvous::new(server.addr(), "j/3").with_auth(a, 3);
         assert_eq!(member.exchange(0, 1, b"x".to_vec(), t).unwrap(), vec![b"x".to_vec()]);
     }
+
+    /// A rendezvous for rank 0 alone: rank 1's address is a listener that
+    /// never answers, and 50 strangers connect to rank 0's listener and say
+    /// nothing, as the ring starts.
+    struct Flood {
+        silent: std::net::TcpListener,
+        strangers: Mutex<Vec<TcpStream>>,
+    }
+
+    impl Rendezvous for Flood {
+        fn exchange(
+            &self,
+            _: usize,
+            _: usize,
+            mine: Vec<u8>,
+            _: Duration,
+        ) -> Result<Vec<Vec<u8>>, CommError> {
+            let addr: std::net::SocketAddr = String::from_utf8_lossy(&mine).parse().unwrap();
+            let mut s = self.strangers.lock().unwrap();
+            for _ in 0..50 {
+                s.push(TcpStream::connect(addr).unwrap());
+            }
+            Ok(vec![mine, self.silent.local_addr().unwrap().to_string().into_bytes()])
+        }
+    }
+
+    #[test]
+    fn strangers_that_keep_coming_do_not_hold_the_ring_past_its_deadline() {
+        let flood = std::sync::Arc::new(Flood {
+            silent: std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+            strangers: Mutex::new(Vec::new()),
+        });
+        let (tx, rx) = std::sync::mpsc::channel();
+        let f = flood.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(TcpRing::connect(0, 2, &*f, opts(1500)).map(|_| ()));
+        });
+        // Each stranger may hold a link for a moment; 50 of them, one after
+        // the other, would hold it for over a minute.
+        let got = rx.recv_timeout(Duration::from_secs(60)).expect("the ring set-up ended");
+        match got {
+            Err(CommError::Timeout { op: "accept", .. }) => {}
+            other => panic!("expected the set-up to time out, got {other:?}"),
+        }
+    }
 }
