@@ -191,6 +191,40 @@ fn nonce() -> Result<[u8; 32], AuthError> {
     Ok(n)
 }
 
+/// A stream whose reads all end by one deadline: a handshake that a peer
+/// trickles a byte at a time ends when the deadline passes, not later (a
+/// per-read timeout alone would be reset by every byte).
+pub struct Deadline<'a> {
+    stream: &'a mut std::net::TcpStream,
+    until: std::time::Instant,
+}
+
+impl<'a> Deadline<'a> {
+    pub fn new(stream: &'a mut std::net::TcpStream, within: std::time::Duration) -> Self {
+        Deadline { stream, until: std::time::Instant::now() + within }
+    }
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.until.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the handshake's time is up"));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buf)
+    }
+}
+
+impl Write for Deadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.stream.write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.stream.flush()
+    }
+}
+
 /// The accepting side: challenges the connector, checks its proof and then
 /// its claim with `check` (`Err(reason)` refuses it, and the connector is
 /// told the reason). Returns the proven claim. Bound the stream's reads

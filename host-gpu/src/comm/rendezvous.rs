@@ -181,13 +181,17 @@ impl RendezvousServer {
         let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a client".into());
         if let Some(a) = auth {
             let g = generation.load(Ordering::SeqCst);
-            let claim = auth::accept(&mut conn, &a.secret, |c| {
+            let mut within = auth::Deadline::new(&mut conn, Duration::from_secs(10));
+            let claim = auth::accept(&mut within, &a.secret, |c| {
                 let channel = if c.channel == kv::CHANNEL { kv::CHANNEL } else { "rendezvous" };
                 a.check(c, channel, Some(g))
             })
             .map_err(|e| {
                 std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("refused {peer}: {e}"))
             })?;
+            // The handshake's deadline set the socket's last timeout; a
+            // proven client's requests get the usual one.
+            conn.set_read_timeout(Some(Duration::from_secs(10)))?;
             if claim.channel == kv::CHANNEL {
                 return store.serve(&mut conn, claim.generation);
             }

@@ -60,8 +60,11 @@ const MAX_LINE: usize = 64 << 20;
 pub const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 const WAKE: Token = Token(usize::MAX);
 
-/// Longest a new connection may take to prove the secret.
+/// Longest a new connection may take to prove the secret, all reads together.
 const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most connections proving the secret at once; more are closed at once
+/// (each runs on a thread of its own until it has proven it or failed).
+pub const MAX_PENDING: usize = 256;
 
 /// Starts the accepting and the reading thread; events go to `tx`. A
 /// connection silent for `lease` is closed.
@@ -127,15 +130,34 @@ pub fn start_channel<M: Message>(
     let gate = Arc::new(Gate { auth, channel, generation: AtomicU64::new(0) });
     let next = Arc::new(AtomicU64::new(0));
     let accepting = gate.clone();
+    let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     std::thread::Builder::new().name("edl-accept".into()).spawn(move || {
         for conn in listener.incoming() {
-            let Ok(conn) = conn else { continue };
-            let (gate, next, tx, new_tx, waker) =
-                (accepting.clone(), next.clone(), tx.clone(), new_tx.clone(), waker.clone());
-            let admitted = std::thread::Builder::new()
-                .name("edl-admit".into())
-                .spawn(move || admit(conn, &gate, lease, &next, &tx, &new_tx, &waker));
+            let conn = match conn {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of descriptors (EMFILE) and the like: the
+                    // connection stays queued; wait instead of spinning.
+                    tracing::warn!("control connections: accept: {e}");
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+            };
+            if pending.load(Ordering::Relaxed) >= MAX_PENDING {
+                tracing::warn!(
+                    "control connections: {MAX_PENDING} already proving the secret; one more closed"
+                );
+                continue;
+            }
+            pending.fetch_add(1, Ordering::Relaxed);
+            let (gate, next, tx, new_tx, waker, done) =
+                (accepting.clone(), next.clone(), tx.clone(), new_tx.clone(), waker.clone(), pending.clone());
+            let admitted = std::thread::Builder::new().name("edl-admit".into()).spawn(move || {
+                admit(conn, &gate, lease, &next, &tx, &new_tx, &waker);
+                done.fetch_sub(1, Ordering::Relaxed);
+            });
             if let Err(e) = admitted {
+                pending.fetch_sub(1, Ordering::Relaxed);
                 tracing::warn!("control connections: cannot start a thread for a new connection: {e}");
             }
         }
@@ -154,11 +176,13 @@ fn admit<M>(
     waker: &Waker,
 ) {
     let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a peer".into());
-    let _ = conn.set_read_timeout(Some(AUTH_TIMEOUT));
+
     // A send to a worker that stopped reading fails instead of blocking the
     // coordinator; keepalive notices a peer whose host went away.
     let _ = conn.set_write_timeout(Some(SEND_TIMEOUT));
-    if let Err(e) = auth::accept(&mut conn, &gate.auth.secret, |c| gate.check(c)) {
+    if let Err(e) =
+        auth::accept(&mut auth::Deadline::new(&mut conn, AUTH_TIMEOUT), &gate.auth.secret, |c| gate.check(c))
+    {
         tracing::warn!("refused a control connection from {peer}: {e}");
         return;
     }
@@ -450,5 +474,40 @@ mod tests {
             Inbound::Closed(10, why) => assert!(why.ends_with("connection closed"), "{why}"),
             _ => panic!("connection 10 closed"),
         }
+    }
+
+    #[test]
+    fn a_peer_that_trickles_its_handshake_is_cut_off_at_the_handshake_s_deadline() {
+        use std::io::Read;
+        let (addr, rx, _, a) = serve(Duration::from_secs(3600));
+        let mut slow = std::net::TcpStream::connect(addr).unwrap();
+        // A frame of 4000 bytes announced, then a byte every 200 ms: each
+        // read gets something long before a per-read timeout.
+        slow.write_all(&4000u32.to_le_bytes()).unwrap();
+        let started = Instant::now();
+        let cut = loop {
+            std::thread::sleep(Duration::from_millis(200));
+            if slow.write_all(b"x").is_err() {
+                break true;
+            }
+            slow.set_nonblocking(true).unwrap();
+            let mut buf = [0u8; 64];
+            let closed = loop {
+                match slow.read(&mut buf) {
+                    Ok(0) => break true,
+                    Ok(_) => continue, // the acceptor's hello
+                    Err(_) => break false,
+                }
+            };
+            slow.set_nonblocking(false).unwrap();
+            // Bounded: a handshake has AUTH_TIMEOUT; this waits three times that.
+            if closed || started.elapsed() > 3 * AUTH_TIMEOUT {
+                break closed;
+            }
+        };
+        assert!(cut, "a trickling peer held its handshake for {:?}", started.elapsed());
+        // It never became a connection; a real worker still gets in.
+        let _ok = connect(addr, &a, 1).unwrap();
+        assert!(matches!(next(&rx), Inbound::Conn(0, _)));
     }
 }
