@@ -52,6 +52,10 @@ pub struct JobState {
 pub struct StoreKeeper {
     tx: mpsc::UnboundedSender<Cmd>,
     fenced: Arc<Mutex<Option<String>>>,
+    /// The lease's term: when the store last confirmed it, and for how
+    /// long. Read by [`Self::fenced`] on the coordinator's own clock, so a
+    /// lease that lapsed fences it whatever the keeper's thread is waiting on.
+    term: Arc<Mutex<Option<(std::time::Instant, Duration)>>>,
 }
 
 impl StoreKeeper {
@@ -67,6 +71,8 @@ impl StoreKeeper {
         };
         let shown = redact(url);
         let flag = fenced.clone();
+        let term = Arc::new(Mutex::new(lease.as_ref().map(|l| (l.confirmed, l.ttl))));
+        let confirmed = term.clone();
         std::thread::Builder::new().name("edl-store-keeper".into()).spawn(move || {
             rt.block_on(async move {
                 let mut token = token;
@@ -78,11 +84,31 @@ impl StoreKeeper {
                     let first = tokio::select! {
                         c = rx.recv() => match c { Some(c) => c, None => break },
                         _ = renew.tick() => {
-                            if let Some(l) = lease.as_mut()
-                                && let Err(e) = l.renew(&store).await
+                            let renewed = match lease.as_mut() {
+                                Some(l) => l.renew(&store).await.map(|()| (l.confirmed, l.ttl)),
+                                None => continue,
+                            };
+                            if let Ok(t) = renewed {
+                                *confirmed.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+                            }
+                            if let (Some(l), Err(e)) = (lease.as_mut(), renewed)
                             {
-                                if e.starts_with("fenced") {
-                                    *flag.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
+                                // Self-fencing: a lease this coordinator
+                                // cannot renew may have lapsed and been taken;
+                                // it stops acting once the lease is over by
+                                // its own clock, whether or not the store answers.
+                                let lapsed = l.confirmed.elapsed() >= l.ttl;
+                                if e.starts_with("fenced") || lapsed {
+                                    let why = if e.starts_with("fenced") {
+                                        e.clone()
+                                    } else {
+                                        format!(
+                                            "fenced: the job's lease could not be renewed for {:.1} s, its whole \
+                                             term ({e}); another coordinator may hold it now, so this one stops",
+                                            l.confirmed.elapsed().as_secs_f64()
+                                        )
+                                    };
+                                    *flag.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
                                     lease = None;
                                 }
                                 tracing::warn!("store {shown}: coordinator lease: {e}");
@@ -108,6 +134,7 @@ impl StoreKeeper {
                             }
                             Cmd::State(_) => {}
                             Cmd::Release => {
+                                *confirmed.lock().unwrap_or_else(|p| p.into_inner()) = None;
                                 if let Some(l) = lease.take() {
                                     l.release(&store).await;
                                 }
@@ -130,7 +157,7 @@ impl StoreKeeper {
                 }
             })
         })?;
-        Ok(StoreKeeper { tx, fenced })
+        Ok(StoreKeeper { tx, fenced, term })
     }
 
     /// Queues the newest job state.
@@ -155,7 +182,17 @@ impl StoreKeeper {
 
     /// Why this coordinator may no longer write the job's state, if so.
     pub fn fenced(&self) -> Option<String> {
-        self.fenced.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        if let Some(why) = self.fenced.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Some(why);
+        }
+        let (confirmed, ttl) = (*self.term.lock().unwrap_or_else(|p| p.into_inner()))?;
+        (confirmed.elapsed() >= ttl).then(|| {
+            format!(
+                "fenced: the job's lease could not be renewed for {:.1} s, its whole term (the store does not \
+                 answer); another coordinator may hold it now, so this one stops",
+                confirmed.elapsed().as_secs_f64()
+            )
+        })
     }
 
     /// Waits (at most `within`) until everything queued so far was tried.
@@ -223,6 +260,10 @@ pub struct Lease {
     value: Vec<u8>,
     token: u64,
     ttl: Duration,
+    /// When the store last confirmed the lease (the request that it
+    /// answered was sent then): the lease holds until `ttl` after it, and
+    /// not a moment longer as far as this coordinator can know.
+    confirmed: std::time::Instant,
 }
 
 /// The coordinator's identity as the lease shows it.
@@ -239,8 +280,9 @@ pub async fn take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::R
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string();
     let me = Holder { host, pid: std::process::id() };
     let value = serde_json::to_vec(&me)?;
+    let asked = std::time::Instant::now();
     match store.compare_and_set(&key, None, &value, Some(ttl)).await? {
-        Cas::Written(token) => Ok(Lease { key, value, token, ttl }),
+        Cas::Written(token) => Ok(Lease { key, value, token, ttl, confirmed: asked }),
         Cas::Conflict { .. } => {
             let entry = store.get(&key).await?;
             let found = entry.as_ref().and_then(|e| serde_json::from_slice::<Holder>(&e.value).ok());
@@ -253,7 +295,7 @@ pub async fn take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::R
                 if let Cas::Written(token) =
                     store.compare_and_set(&key, Some(e.token), &value, Some(ttl)).await?
                 {
-                    return Ok(Lease { key, value, token, ttl });
+                    return Ok(Lease { key, value, token, ttl, confirmed: asked });
                 }
             }
             let holder = match (&entry, found) {
@@ -272,23 +314,31 @@ pub async fn take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::R
 impl Lease {
     /// Extends the lease, if it is still this coordinator's.
     async fn renew(&mut self, store: &AnyStore) -> Result<(), String> {
+        let asked = std::time::Instant::now();
+        // An answer later than a third of the lease is no use: by then the
+        // next renewal is due.
+        let within = (self.ttl / 3).clamp(Duration::from_millis(100), Duration::from_secs(10));
         let answer = tokio::time::timeout(
-            Duration::from_secs(10),
+            within,
             store.compare_and_set(&self.key, Some(self.token), &self.value, Some(self.ttl)),
         )
         .await
-        .map_err(|_| "no answer within 10 s".to_string())?
+        .map_err(|_| format!("no answer within {within:?}"))?
         .map_err(|e| e.to_string())?;
         match answer {
             Cas::Written(t) => {
                 self.token = t;
+                self.confirmed = asked;
                 Ok(())
             }
-            // Lapsed (the store was unreachable past the lease): take it again if free.
-            Cas::Conflict { current: None } => {
+            // Gone while, by this coordinator's clock, it still held (the
+            // store restarted empty): take it again if free. Past the lease,
+            // another coordinator may have held it meanwhile: fenced.
+            Cas::Conflict { current: None } if self.confirmed.elapsed() < self.ttl => {
                 match store.compare_and_set(&self.key, None, &self.value, Some(self.ttl)).await {
                     Ok(Cas::Written(t)) => {
                         self.token = t;
+                        self.confirmed = asked;
                         Ok(())
                     }
                     Ok(Cas::Conflict { .. }) => Err(lost()),
@@ -300,11 +350,7 @@ impl Lease {
     }
 
     async fn release(self, store: &AnyStore) {
-        if let Ok(Some(e)) = store.get(&self.key).await
-            && e.token == self.token
-        {
-            let _ = store.delete(&self.key).await;
-        }
+        let _ = store.delete_if(&self.key, self.token).await;
     }
 }
 

@@ -66,6 +66,16 @@ impl Store for MemoryStore {
         Ok(self.with(|m| m.remove(key).is_some()))
     }
 
+    async fn delete_if(&self, key: &str, token: u64) -> Result<bool, StoreError> {
+        Ok(self.with(|m| {
+            let ours = m.get(key).is_some_and(|s| s.token == token);
+            if ours {
+                m.remove(key);
+            }
+            ours
+        }))
+    }
+
     async fn list(&self, prefix: &str) -> Result<Vec<Entry>, StoreError> {
         Ok(self.with(|m| {
             m.range(prefix.to_string()..)

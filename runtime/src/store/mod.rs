@@ -70,6 +70,10 @@ pub trait Store: Send + Sync + 'static {
     /// Removes a key; false when it was not there.
     fn delete(&self, key: &str) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
+    /// Removes a key only if its token is `token`, in one step (a lease
+    /// given up never removes the next holder's); false when it was not.
+    fn delete_if(&self, key: &str, token: u64) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
     /// Every entry whose key starts with `prefix`, sorted by key.
     fn list(&self, prefix: &str) -> impl Future<Output = Result<Vec<Entry>, StoreError>> + Send;
 
@@ -137,6 +141,9 @@ impl Store for AnyStore {
     }
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
         delegate!(self, s => s.delete(key))
+    }
+    async fn delete_if(&self, key: &str, token: u64) -> Result<bool, StoreError> {
+        delegate!(self, s => s.delete_if(key, token))
     }
     async fn list(&self, prefix: &str) -> Result<Vec<Entry>, StoreError> {
         delegate!(self, s => s.list(prefix))

@@ -27,6 +27,11 @@ if tonumber(ARGV[3]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[3]) else redis
 return {1, t}
 ";
 
+const DELETE_IF: &str = r"
+if redis.call('HGET', KEYS[1], 't') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+";
+
 /// A store in Redis.
 #[derive(Clone)]
 pub struct RedisStore {
@@ -34,6 +39,7 @@ pub struct RedisStore {
     conn: ConnectionManager,
     put: Arc<Script>,
     cas: Arc<Script>,
+    delete_if: Arc<Script>,
 }
 
 fn ttl_ms(ttl: Option<Duration>) -> u64 {
@@ -77,6 +83,7 @@ impl RedisStore {
             conn,
             put: Arc::new(Script::new(PUT)),
             cas: Arc::new(Script::new(CAS)),
+            delete_if: Arc::new(Script::new(DELETE_IF)),
         })
     }
 
@@ -114,6 +121,18 @@ impl Store for RedisStore {
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
         let mut c = self.conn.clone();
         let n: u64 = c.del(key).await.map_err(|e| self.err(e))?;
+        Ok(n > 0)
+    }
+
+    async fn delete_if(&self, key: &str, token: u64) -> Result<bool, StoreError> {
+        let mut c = self.conn.clone();
+        let n: u64 = self
+            .delete_if
+            .key(key)
+            .arg(token.to_string())
+            .invoke_async(&mut c)
+            .await
+            .map_err(|e| self.err(e))?;
         Ok(n > 0)
     }
 

@@ -568,3 +568,25 @@ fn a_coordinator_whose_lease_is_taken_stops_instead_of_running_on() {
     let r = report(dir.path());
     assert!(r["error"].as_str().unwrap().contains("another coordinator took the job's lease"), "{r}");
 }
+
+#[test]
+fn a_coordinator_that_cannot_reach_its_store_stops_when_its_lease_is_over() {
+    let redis = crate::store::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let url = redis.url();
+    let args = ["--store", url.as_str(), "--job", "cut-off", "--epochs", "200", "--step-delay-ms", "20"];
+    let mut first = small(dir.path(), &args).spawn().unwrap();
+    let rx = lines(&mut first);
+    let mut seen = Vec::new();
+    crate::elastic::wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    // The store goes silent (no error, no answer): the coordinator cannot
+    // renew its lease, and training itself needs no store.
+    redis.freeze(true);
+    let status = finish(first, rx, &mut seen);
+    redis.freeze(false);
+    let text = seen.join("\n");
+    assert!(!status.success(), "{text}");
+    let r = report(dir.path());
+    let e = r["error"].as_str().unwrap_or_else(|| panic!("{r}\n{text}"));
+    assert!(e.contains("fenced: the job's lease could not be renewed"), "{r}");
+}

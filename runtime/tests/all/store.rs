@@ -62,6 +62,17 @@ impl RedisServer {
         }
     }
 
+    /// Freezes (SIGSTOP) or thaws (SIGCONT) the server: while frozen it
+    /// holds its connections and answers nothing, as a server cut off by
+    /// the network does.
+    pub fn freeze(&self, frozen: bool) {
+        if let Some(c) = &self.child {
+            let sig = if frozen { libc::SIGSTOP } else { libc::SIGCONT };
+            // SAFETY: signalling our own child, which is not reaped.
+            unsafe { libc::kill(c.id() as libc::pid_t, sig) };
+        }
+    }
+
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
@@ -99,6 +110,14 @@ async fn contract<S: Store>(store: Arc<S>) {
     assert_eq!(listed, vec!["a/1", "a/2"]);
     assert!(store.delete("a/2").await.unwrap());
     assert!(!store.delete("a/2").await.unwrap());
+    // delete_if: only the holder of the token removes the key, in one step.
+    let t = store.put("a/3", b"mine", None).await.unwrap();
+    store.put("a/3", b"the next holder's", None).await.unwrap();
+    assert!(!store.delete_if("a/3", t).await.unwrap(), "an old token removed the key");
+    assert_eq!(store.get("a/3").await.unwrap().unwrap().value, b"the next holder's");
+    assert!(store.delete_if("a/3", t + 1).await.unwrap());
+    assert!(store.get("a/3").await.unwrap().is_none());
+    assert!(!store.delete_if("a/3", t + 1).await.unwrap());
     assert!(store.get("a/2").await.unwrap().is_none());
 
     // compare-and-set with a fencing token
