@@ -153,7 +153,7 @@ impl RendezvousServer {
         Ok(RendezvousServer { addr, generation, store, max_world })
     }
 
-    /// The largest world a registration may name (the job's most workers):
+    /// The largest world a registration may name (the generation's size):
     /// a registration naming more is refused before anything is sized by it.
     pub fn set_max_world(&self, n: usize) {
         self.max_world.store(n.max(1) as u64, Ordering::Relaxed);
@@ -210,7 +210,7 @@ impl RendezvousServer {
         if world > max_world {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
-                format!("a world of {world}, above the job's most ({max_world})"),
+                format!("a world of {world}, above the generation's ({max_world})"),
             ));
         }
         let mut all = waiting.lock().unwrap_or_else(|e| e.into_inner());

@@ -172,7 +172,6 @@ pub fn run(
     let rendezvous_listen = SocketAddr::new(net.listen.ip(), net.rendezvous_port).to_string();
     let rendezvous = RendezvousServer::start_with(&rendezvous_listen, Some(auth.clone()))
         .with_context(|| format!("rendezvous server on {rendezvous_listen}"))?;
-    rendezvous.set_max_world(cfg.max_workers as usize);
     let rendezvous_at = super::net::host_port(&host, rendezvous.addr().port());
     let (tx, rx) = mpsc::channel();
     let lease = Duration::from_millis(cfg.spec.worker_lease_ms);

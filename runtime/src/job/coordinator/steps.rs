@@ -102,6 +102,8 @@ impl Coordinator<'_> {
         let names: Vec<String> =
             self.m.members().iter().map(|m| format!("worker {} (pid {})", m.id, m.pid)).collect();
         let world = names.len();
+        // A registration naming a larger world is not one of this generation's.
+        self.rendezvous.set_max_world(world);
         let mut pipe =
             Pipeline::new(self.generation, names, self.committed, Instant::now(), self.cfg.step_timeout);
         for (rank, m) in self.m.members().iter().enumerate() {
