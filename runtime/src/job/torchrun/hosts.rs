@@ -432,23 +432,12 @@ pub fn run_hosts(
                     Next::Failed { .. } => last_failure.take(),
                     _ => None,
                 };
-                record.ended = match &failure {
-                    None => "succeeded".into(),
-                    Some(f) => format!("rank {} failed ({}), no restart left", f.rank, f.exit),
-                };
                 let reason = if failure.is_none() { "the job is done" } else { "the job failed" };
                 let ids: Vec<u64> = l.agents.keys().copied().collect();
                 for id in ids {
                     l.dismiss(id, reason);
                 }
-                return Ok(TorchrunOutcome {
-                    groups,
-                    restarts: agent.restarts(),
-                    max_restarts: cfg.max_restarts,
-                    decisions,
-                    failure,
-                    secs: t0.elapsed().as_secs_f64(),
-                });
+                return Ok(TorchrunOutcome::end(groups, &agent, cfg, decisions, failure, t0));
             }
         }
     }

@@ -336,19 +336,35 @@ pub fn run(
                 on(Event::Restarting { reason: &reason, failure });
             }
             Next::Succeeded | Next::Failed { .. } => {
-                record.ended = match &failure {
-                    None => "succeeded".into(),
-                    Some(f) => format!("rank {} failed ({}), no restart left", f.rank, f.exit),
-                };
-                return Ok(TorchrunOutcome {
-                    groups,
-                    restarts: agent.restarts(),
-                    max_restarts: cfg.max_restarts,
-                    decisions,
-                    failure,
-                    secs: t0.elapsed().as_secs_f64(),
-                });
+                return Ok(TorchrunOutcome::end(groups, &agent, cfg, decisions, failure, t0));
             }
+        }
+    }
+}
+
+impl TorchrunOutcome {
+    /// The job's end: the last group's record says how it ended.
+    fn end(
+        mut groups: Vec<GroupRecord>,
+        agent: &Agent,
+        cfg: &TorchrunConfig,
+        decisions: Vec<Decision>,
+        failure: Option<RankFailure>,
+        t0: Instant,
+    ) -> Self {
+        if let Some(last) = groups.last_mut() {
+            last.ended = match &failure {
+                None => "succeeded".into(),
+                Some(f) => format!("rank {} failed ({}), no restart left", f.rank, f.exit),
+            };
+        }
+        TorchrunOutcome {
+            groups,
+            restarts: agent.restarts(),
+            max_restarts: cfg.max_restarts,
+            decisions,
+            failure,
+            secs: t0.elapsed().as_secs_f64(),
         }
     }
 }
