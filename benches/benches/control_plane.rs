@@ -78,10 +78,10 @@ fn sim_worker(addr: SocketAddr, id: u64, auth: JobAuth, sim: Sim) -> anyhow::Res
         *mark = now;
     };
     let mut stream = TcpStream::connect(addr)?;
-    edl_host_gpu::comm::auth::connect(&mut stream, &auth.secret, &auth.claim("control", 0, id))?;
+    let keys = edl_host_gpu::comm::auth::connect(&mut stream, &auth.secret, &auth.claim("control", 0, id))?;
     stream.set_nodelay(true)?;
-    let mut out = stream.try_clone()?;
-    let mut rx = Receiver::new(stream);
+    let (mut out, rx) = edl_runtime::job::proto::seal(&stream, keys)?;
+    let mut rx = Receiver::new(rx);
     send(&mut out, &FromWorker::Hello { worker: id, pid: std::process::id() })?;
     match rx.recv::<ToWorker>()? {
         ToWorker::Welcome(_) => {}

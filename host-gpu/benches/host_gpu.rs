@@ -10,6 +10,7 @@
 //!   measured in the same run.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use edl_host_gpu::comm::auth::{JobAuth, Secret};
 use edl_host_gpu::comm::{Communicator, LocalRendezvous, ReduceOp, RingOptions, TcpRing};
 use edl_host_gpu::device::check_cuda;
 use edl_host_gpu::loss::{Batch, CudaSoftLabel, DeviceBatch, SoftLabelLoss, Teacher, naive_three_pass};
@@ -82,15 +83,18 @@ fn soft_label(c: &mut Criterion) {
 const RING_BYTES: usize = 16 << 20;
 
 /// `iters` all-reduces of 16 MiB on a ring of `n` threads, timed on rank 0
-/// from a barrier to the end.
-fn time_ring(n: usize, iters: u64) -> Duration {
+/// from a barrier to the end; `sealed`: links proven with a job's secret and
+/// encrypted, as in a job across hosts.
+fn time_ring(n: usize, iters: u64, sealed: bool) -> Duration {
     let rdv = LocalRendezvous::new();
+    let auth = sealed.then(|| (JobAuth { job: "bench".into(), secret: Secret::generate().unwrap() }, 0));
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|rank| {
                 let rdv = rdv.clone();
+                let opts = RingOptions { auth: auth.clone(), ..RingOptions::default() };
                 s.spawn(move || {
-                    let mut ring = TcpRing::connect(rank, n, &rdv, RingOptions::default()).unwrap();
+                    let mut ring = TcpRing::connect(rank, n, &rdv, opts).unwrap();
                     let mut buf = vec![1f32; RING_BYTES / 4];
                     ring.barrier().unwrap();
                     let start = Instant::now();
@@ -139,7 +143,12 @@ fn all_reduce(c: &mut Criterion) {
     for n in [2usize, 4] {
         // Bus bandwidth: what each link carries, comparable across n.
         g.throughput(Throughput::Bytes((RING_BYTES * 2 * (n - 1) / n) as u64));
-        g.bench_function(BenchmarkId::new("ring-busbw", n), |b| b.iter_custom(|iters| time_ring(n, iters)));
+        g.bench_function(BenchmarkId::new("ring-busbw", n), |b| {
+            b.iter_custom(|iters| time_ring(n, iters, false))
+        });
+        g.bench_function(BenchmarkId::new("ring-busbw-sealed", n), |b| {
+            b.iter_custom(|iters| time_ring(n, iters, true))
+        });
     }
     g.finish();
 }

@@ -12,7 +12,18 @@
 //!    `HMAC(secret, "edl connector" | a | c | claim)`;
 //! 3. acceptor -> connector: `ok` and `HMAC(secret, "edl acceptor" | c | a | claim)`,
 //!    or `no` and the reason, after which it closes the connection.
+//!
+//! The same two messages carry a Noise handshake (`NNpsk0`: fresh X25519
+//! keys on both sides, ChaCha20-Poly1305, BLAKE2s) whose pre-shared key is
+//! `HMAC(secret, "edl channel key" | a | c | claim)`: only the two peers of
+//! this exchange can derive it, and the session keys it yields (returned as
+//! [`Keys`]) seal everything said on the connection afterwards (see
+//! [`super::sealed`]). Its ephemeral keys make the traffic of a connection
+//! unreadable later even to someone who learns the secret then. The Noise
+//! message rides in message 2 after `c` (a 2-byte length and the message)
+//! and in message 3 after the acceptor's proof.
 
+pub use super::sealed::Keys;
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 use std::{
@@ -21,7 +32,9 @@ use std::{
     path::Path,
 };
 
-const HELLO: &[u8] = b"EDLA1";
+const HELLO: &[u8] = b"EDLA2";
+/// The Noise protocol that keys a channel.
+const NOISE: &str = "Noise_NNpsk0_25519_AESGCM_BLAKE2s";
 /// Longest frame of the exchange: a claim is a few dozen bytes.
 const MAX_FRAME: usize = 4096;
 
@@ -225,22 +238,46 @@ impl Write for Deadline<'_> {
     }
 }
 
+/// The channel's pre-shared key for the Noise handshake of one exchange.
+fn channel_key(secret: &Secret, a: &[u8], c: &[u8], claim: &[u8]) -> [u8; 32] {
+    secret.mac(b"edl channel key", [a, c, claim]).finalize().into_bytes().into()
+}
+
+fn noise(e: snow::Error) -> AuthError {
+    AuthError::Malformed(format!("the channel's key exchange: {e}"))
+}
+
+fn noise_builder(psk: &[u8; 32]) -> Result<snow::Builder<'_>, AuthError> {
+    let params: snow::params::NoiseParams = NOISE.parse().map_err(noise)?;
+    snow::Builder::new(params).prologue(HELLO).map_err(noise)?.psk(0, psk).map_err(noise)
+}
+
+/// Splits `bytes` after a 2-byte big-endian length and that many bytes.
+fn take_sized(bytes: &[u8]) -> Option<(&[u8], &[u8])> {
+    let (len, rest) = bytes.split_first_chunk::<2>()?;
+    let len = u16::from_be_bytes(*len) as usize;
+    (rest.len() >= len).then(|| rest.split_at(len))
+}
+
 /// The accepting side: challenges the connector, checks its proof and then
 /// its claim with `check` (`Err(reason)` refuses it, and the connector is
-/// told the reason). Returns the proven claim. Bound the stream's reads
-/// with a timeout before: a silent connector must not hold the acceptor.
+/// told the reason). Returns the proven claim and the keys that seal the
+/// connection from now on. Bound the stream's reads with a timeout before:
+/// a silent connector must not hold the acceptor.
 pub fn accept(
     s: &mut (impl Read + Write),
     secret: &Secret,
     check: impl FnOnce(&Claim) -> Result<(), String>,
-) -> Result<Claim, AuthError> {
+) -> Result<(Claim, Keys), AuthError> {
     let a = nonce()?;
     write_frame(s, &[HELLO, &a])?;
     let msg = read_frame(s)?;
-    if msg.len() < 64 {
-        return Err(AuthError::Malformed("a short answer to the challenge".into()));
+    let short = || AuthError::Malformed("a short answer to the challenge".into());
+    let (c, rest) = msg.split_first_chunk::<32>().ok_or_else(short)?;
+    let (offer, rest) = take_sized(rest).ok_or_else(short)?;
+    if rest.len() < 32 {
+        return Err(short());
     }
-    let (c, rest) = msg.split_at(32);
     let (claim_bytes, proof) = rest.split_at(rest.len() - 32);
     let refuse = |s: &mut dyn Write, e: AuthError| {
         let reason = match &e {
@@ -260,22 +297,34 @@ pub fn accept(
     if let Err(reason) = check(&claim) {
         return refuse(s, AuthError::Refused(reason));
     }
+    let psk = channel_key(secret, &a, c, claim_bytes);
+    let mut hs = noise_builder(&psk)?.build_responder().map_err(noise)?;
+    let mut scratch = [0u8; 256];
+    hs.read_message(offer, &mut scratch).map_err(noise)?;
+    let mut reply = [0u8; 256];
+    let n = hs.write_message(&[], &mut reply).map_err(noise)?;
+    let keys = Keys::new(hs.into_stateless_transport_mode().map_err(noise)?);
     let mine = secret.mac(b"edl acceptor", [c, &a, claim_bytes]).finalize().into_bytes();
-    write_frame(s, &[b"ok", &mine])?;
-    Ok(claim)
+    write_frame(s, &[b"ok", &mine, &reply[..n]])?;
+    Ok((claim, keys))
 }
 
 /// The connecting side: answers the challenge with `claim` and checks that
-/// the acceptor knows the secret too.
-pub fn connect(s: &mut (impl Read + Write), secret: &Secret, claim: &Claim) -> Result<(), AuthError> {
+/// the acceptor knows the secret too. Returns the keys that seal the
+/// connection from now on.
+pub fn connect(s: &mut (impl Read + Write), secret: &Secret, claim: &Claim) -> Result<Keys, AuthError> {
     let hello = read_frame(s)?;
     let a = hello.strip_prefix(HELLO).filter(|a| a.len() == 32).ok_or_else(|| {
-        AuthError::Malformed("no challenge from the peer (an older edl, or another service?)".into())
+        AuthError::Malformed("no challenge from the peer (another edl version, or another service?)".into())
     })?;
     let c = nonce()?;
     let claim_bytes = serde_json::to_vec(claim).map_err(|e| AuthError::Malformed(e.to_string()))?;
     let proof = secret.mac(b"edl connector", [a, &c, &claim_bytes]).finalize().into_bytes();
-    write_frame(s, &[&c, &claim_bytes, &proof])?;
+    let psk = channel_key(secret, a, &c, &claim_bytes);
+    let mut hs = noise_builder(&psk)?.build_initiator().map_err(noise)?;
+    let mut offer = [0u8; 256];
+    let n = hs.write_message(&[], &mut offer).map_err(noise)?;
+    write_frame(s, &[&c, &(n as u16).to_be_bytes(), &offer[..n], &claim_bytes, &proof])?;
     let answer = read_frame(s)?;
     if let Some(reason) = answer.strip_prefix(b"no") {
         let reason = String::from_utf8_lossy(reason).into_owned();
@@ -288,9 +337,16 @@ pub fn connect(s: &mut (impl Read + Write), secret: &Secret, claim: &Claim) -> R
     let theirs = answer
         .strip_prefix(b"ok")
         .ok_or_else(|| AuthError::Malformed("an answer that is neither ok nor no".into()))?;
+    if theirs.len() < 32 {
+        return Err(AuthError::Malformed("a short answer".into()));
+    }
+    let (theirs, reply) = theirs.split_at(32);
     secret.mac(b"edl acceptor", [&c, a, &claim_bytes]).verify_slice(theirs).map_err(|_| {
         AuthError::Malformed("the peer's proof is wrong: it does not know the job's secret".into())
-    })
+    })?;
+    let mut scratch = [0u8; 256];
+    hs.read_message(reply, &mut scratch).map_err(noise)?;
+    Ok(Keys::new(hs.into_stateless_transport_mode().map_err(noise)?))
 }
 
 #[cfg(test)]
@@ -308,7 +364,7 @@ mod tests {
         connector: Secret,
         c: Claim,
         check: impl FnOnce(&Claim) -> Result<(), String> + Send + 'static,
-    ) -> (Result<Claim, AuthError>, Result<(), AuthError>) {
+    ) -> (Result<(Claim, Keys), AuthError>, Result<Keys, AuthError>) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         let t = std::thread::spawn(move || {
@@ -325,8 +381,52 @@ mod tests {
         let k = Secret::generate().unwrap();
         let (a, c) =
             exchange(k.clone(), k, claim("j", 4), |c| (c.generation == 4).then_some(()).ok_or("old".into()));
-        assert_eq!(a.unwrap(), claim("j", 4));
-        c.unwrap();
+        let (proven, acceptor_keys) = a.unwrap();
+        assert_eq!(proven, claim("j", 4));
+        let connector_keys = c.unwrap();
+
+        // The keys both sides got seal one direction each, for the other side alone.
+        let (mut seal_c, mut open_c) = connector_keys.split();
+        let (mut seal_a, mut open_a) = acceptor_keys.split();
+        let mut wire = Vec::new();
+        seal_c.seal(b"the teacher token", &mut wire).unwrap();
+        assert!(!wire.windows(7).any(|w| w == b"teacher"), "sealed bytes show no plaintext");
+        let mut got = Vec::new();
+        // In any pieces, as TCP may deliver them.
+        for piece in wire.chunks(5) {
+            open_a.open(piece, &mut got).unwrap();
+        }
+        assert_eq!(got, b"the teacher token");
+        let mut back = Vec::new();
+        seal_a.seal(b"welcome", &mut back).unwrap();
+        let mut got = Vec::new();
+        open_c.open(&back, &mut got).unwrap();
+        assert_eq!(got, b"welcome");
+
+        // A changed byte, a replayed frame: refused, and the channel stays refused.
+        let mut changed = Vec::new();
+        seal_c.seal(b"allow_native: false", &mut changed).unwrap();
+        let last = changed.len() - 20;
+        changed[last] ^= 1;
+        let e = open_a.open(&changed, &mut Vec::new()).unwrap_err();
+        assert!(e.to_string().contains("failed its authentication"), "{e}");
+        let mut fresh = Vec::new();
+        seal_c.seal(b"next", &mut fresh).unwrap();
+        assert!(open_a.open(&fresh, &mut Vec::new()).is_err(), "a broken channel stays broken");
+        assert!(open_c.open(&back, &mut Vec::new()).is_err(), "a replayed frame does not open");
+    }
+
+    #[test]
+    fn two_connections_of_the_same_job_get_different_keys() {
+        let k = Secret::generate().unwrap();
+        let (a1, _) = exchange(k.clone(), k.clone(), claim("j", 1), |_| Ok(()));
+        let (a2, c2) = exchange(k.clone(), k, claim("j", 1), |_| Ok(()));
+        let (mut seal1, _) = a1.unwrap().1.split();
+        let (_, mut open2) = c2.unwrap().split();
+        let _ = a2;
+        let mut wire = Vec::new();
+        seal1.seal(b"gradient", &mut wire).unwrap();
+        assert!(open2.open(&wire, &mut Vec::new()).is_err(), "one connection's frames mean nothing on another");
     }
 
     #[test]

@@ -13,6 +13,7 @@
 
 use super::CommError;
 use super::auth::{self, JobAuth};
+use super::sealed::SealedStream;
 use std::{
     collections::HashMap,
     io::{Read, Write},
@@ -79,9 +80,14 @@ fn read_frame(s: &mut impl Read) -> std::io::Result<Vec<u8>> {
     Ok(buf)
 }
 
-fn write_frame(s: &mut impl Write, bytes: &[u8]) -> std::io::Result<()> {
-    s.write_all(&(bytes.len() as u32).to_le_bytes())?;
-    s.write_all(bytes)
+/// Writes frames as one message (one sealed frame, one packet where it fits).
+fn write_frames(s: &mut impl Write, frames: &[&[u8]]) -> std::io::Result<()> {
+    let mut out = Vec::with_capacity(frames.iter().map(|f| 4 + f.len()).sum());
+    for f in frames {
+        out.extend_from_slice(&(f.len() as u32).to_le_bytes());
+        out.extend_from_slice(f);
+    }
+    s.write_all(&out)
 }
 
 fn bad(what: impl Into<String>) -> std::io::Error {
@@ -105,9 +111,9 @@ impl KvStore {
     }
 
     /// Serves one authenticated connection of `generation` until it closes.
-    pub fn serve(&self, conn: &mut TcpStream, generation: u64) -> std::io::Result<()> {
+    pub fn serve(&self, conn: &mut SealedStream, generation: u64) -> std::io::Result<()> {
         // Requests may wait for keys; the connection lives as long as its rank.
-        conn.set_read_timeout(None)?;
+        conn.get_ref().set_read_timeout(None)?;
         loop {
             let code = match read_frame(conn) {
                 Ok(c) => c,
@@ -117,23 +123,17 @@ impl KvStore {
             let &[code] = code.as_slice() else { return Err(bad("a store request without its code")) };
             let answer = self.request(conn, code, generation)?;
             match answer {
-                Ok(v) => {
-                    write_frame(conn, b"ok")?;
-                    write_frame(conn, &v)?;
-                }
-                Err(reason) => {
-                    write_frame(conn, b"er")?;
-                    write_frame(conn, reason.as_bytes())?;
-                }
+                Ok(v) => write_frames(conn, &[b"ok", &v])?,
+                Err(reason) => write_frames(conn, &[b"er", reason.as_bytes()])?,
             }
         }
     }
 
-    fn request(&self, conn: &mut TcpStream, code: u8, generation: u64) -> std::io::Result<Answer> {
-        let key = |c: &mut TcpStream| -> std::io::Result<String> {
+    fn request(&self, conn: &mut SealedStream, code: u8, generation: u64) -> std::io::Result<Answer> {
+        let key = |c: &mut SealedStream| -> std::io::Result<String> {
             String::from_utf8(read_frame(c)?).map_err(|_| bad("a key that is not UTF-8"))
         };
-        let keys = |c: &mut TcpStream| -> std::io::Result<Vec<String>> {
+        let keys = |c: &mut SealedStream| -> std::io::Result<Vec<String>> {
             let n = u64_of(&read_frame(c)?, "key count")?;
             if n > MAX_KEYS_PER_REQUEST {
                 return Err(bad(format!("{n} keys in one request")));
@@ -257,7 +257,7 @@ impl KvStore {
 
 /// A rank's connection to the store of its generation.
 pub struct KvClient {
-    conn: TcpStream,
+    conn: SealedStream,
     server: SocketAddr,
     /// Bound on a request that does not wait for keys.
     timeout: Duration,
@@ -280,8 +280,9 @@ impl KvClient {
         conn.set_nodelay(true).map_err(|e| err(&e))?;
         conn.set_read_timeout(Some(timeout)).map_err(|e| err(&e))?;
         conn.set_write_timeout(Some(timeout)).map_err(|e| err(&e))?;
-        auth::connect(&mut conn, &auth.secret, &auth.claim(CHANNEL, generation, rank))
+        let keys = auth::connect(&mut conn, &auth.secret, &auth.claim(CHANNEL, generation, rank))
             .map_err(|e| err(&e))?;
+        let conn = SealedStream::new(conn, Some(keys)).map_err(|e| err(&e))?;
         Ok(KvClient { conn, server, timeout, broken: None })
     }
 
@@ -310,11 +311,11 @@ impl KvClient {
         let io = |e: std::io::Error| CommError::Rendezvous(e.to_string());
         // A request that waits for keys may take its whole wait before the answer.
         let read = self.timeout + waits.unwrap_or_default();
-        self.conn.set_read_timeout(Some(read)).map_err(io)?;
-        write_frame(&mut self.conn, &[code]).map_err(io)?;
-        for a in args {
-            write_frame(&mut self.conn, a).map_err(io)?;
-        }
+        self.conn.get_ref().set_read_timeout(Some(read)).map_err(io)?;
+        let code = [code];
+        let mut frames: Vec<&[u8]> = vec![&code];
+        frames.extend_from_slice(args);
+        write_frames(&mut self.conn, &frames).map_err(io)?;
         let status = read_frame(&mut self.conn).map_err(io)?;
         let body = read_frame(&mut self.conn).map_err(io)?;
         match status.as_slice() {
@@ -455,7 +456,7 @@ mod tests {
         // Without authentication the port gives nothing away.
         let mut raw = TcpStream::connect(server.addr()).unwrap();
         raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        write_frame(&mut raw, &[op::NUM_KEYS]).unwrap();
+        write_frames(&mut raw, &[&[op::NUM_KEYS]]).unwrap();
         let mut buf = Vec::new();
         let _ = raw.read_to_end(&mut buf);
         assert!(!buf.windows(6).any(|w| w == b"\x02\0\0\0ok"), "answered a stranger: {buf:?}");

@@ -4,6 +4,7 @@
 use super::CommError;
 use super::auth::{self, JobAuth};
 use super::kv::{self, KvStore};
+use super::sealed::SealedStream;
 use std::{
     collections::HashMap,
     io::{Read, Write},
@@ -93,7 +94,7 @@ pub struct RendezvousServer {
 
 /// Registrations waiting for the rest of their world, by key: the world,
 /// when the first came, and each rank's value and connection.
-type Waiting = HashMap<String, (usize, std::time::Instant, Vec<Option<(Vec<u8>, TcpStream)>>)>;
+type Waiting = HashMap<String, (usize, std::time::Instant, Vec<Option<(Vec<u8>, SealedStream)>>)>;
 
 /// How long a key waits for the rest of its ranks before it is dropped
 /// (its ranks gave up long before: their rendezvous has a deadline).
@@ -102,7 +103,7 @@ const KEY_TTL: Duration = Duration::from_secs(300);
 /// The largest world a registration may name by default.
 pub const DEFAULT_MAX_WORLD: usize = 1 << 16;
 
-fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+fn read_frame(s: &mut impl Read) -> std::io::Result<Vec<u8>> {
     let mut len = [0u8; 4];
     s.read_exact(&mut len)?;
     let len = u32::from_le_bytes(len) as usize;
@@ -114,9 +115,10 @@ fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     Ok(buf)
 }
 
-fn write_frame(s: &mut TcpStream, bytes: &[u8]) -> std::io::Result<()> {
-    s.write_all(&(bytes.len() as u32).to_le_bytes())?;
-    s.write_all(bytes)
+/// Appends one frame to a message being built (sent whole with one write).
+fn frame(out: &mut Vec<u8>, bytes: &[u8]) {
+    out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+    out.extend_from_slice(bytes);
 }
 
 impl RendezvousServer {
@@ -179,10 +181,11 @@ impl RendezvousServer {
         // ACK, about 40 ms per store request.
         conn.set_nodelay(true)?;
         let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a client".into());
+        let mut keys = None;
         if let Some(a) = auth {
             let g = generation.load(Ordering::SeqCst);
             let mut within = auth::Deadline::new(&mut conn, Duration::from_secs(10));
-            let claim = auth::accept(&mut within, &a.secret, |c| {
+            let (claim, k) = auth::accept(&mut within, &a.secret, |c| {
                 let channel = if c.channel == kv::CHANNEL { kv::CHANNEL } else { "rendezvous" };
                 a.check(c, channel, Some(g))
             })
@@ -193,9 +196,11 @@ impl RendezvousServer {
             // proven client's requests get the usual one.
             conn.set_read_timeout(Some(Duration::from_secs(10)))?;
             if claim.channel == kv::CHANNEL {
-                return store.serve(&mut conn, claim.generation);
+                return store.serve(&mut SealedStream::new(conn, Some(k))?, claim.generation);
             }
+            keys = Some(k);
         }
+        let mut conn = SealedStream::new(conn, keys)?;
         let key = String::from_utf8_lossy(&read_frame(&mut conn)?).into_owned();
         let header = read_frame(&mut conn)?;
         let value = read_frame(&mut conn)?;
@@ -229,13 +234,14 @@ impl RendezvousServer {
         if entry.2.iter().all(Option::is_some) {
             let (_, _, ranks) = all.remove(&key).expect("entry exists");
             drop(all);
-            let (values, conns): (Vec<Vec<u8>>, Vec<TcpStream>) =
+            let (values, conns): (Vec<Vec<u8>>, Vec<SealedStream>) =
                 ranks.into_iter().map(|r| r.expect("all present")).unzip();
+            let mut answer = (values.len() as u32).to_le_bytes().to_vec();
+            for v in &values {
+                frame(&mut answer, v);
+            }
             for mut c in conns {
-                let _ = c.write_all(&(values.len() as u32).to_le_bytes());
-                for v in &values {
-                    let _ = write_frame(&mut c, v);
-                }
+                let _ = c.write_all(&answer);
             }
         }
         Ok(())
@@ -280,15 +286,21 @@ impl Rendezvous for TcpRendezvous {
         s.set_write_timeout(Some(timeout)).map_err(io)?;
         // The registration goes out as several small frames (see `serve`).
         s.set_nodelay(true).map_err(io)?;
+        let mut keys = None;
         if let Some((a, generation)) = &self.auth {
-            auth::connect(&mut s, &a.secret, &a.claim("rendezvous", *generation, rank as u64))
-                .map_err(|e| CommError::Rendezvous(format!("{}: {e}", self.server)))?;
+            keys = Some(
+                auth::connect(&mut s, &a.secret, &a.claim("rendezvous", *generation, rank as u64))
+                    .map_err(|e| CommError::Rendezvous(format!("{}: {e}", self.server)))?,
+            );
         }
+        let mut s = SealedStream::new(s, keys).map_err(io)?;
         let mut header = (rank as u32).to_le_bytes().to_vec();
         header.extend_from_slice(&(world as u32).to_le_bytes());
-        write_frame(&mut s, self.key.as_bytes()).map_err(io)?;
-        write_frame(&mut s, &header).map_err(io)?;
-        write_frame(&mut s, &mine).map_err(io)?;
+        let mut registration = Vec::new();
+        frame(&mut registration, self.key.as_bytes());
+        frame(&mut registration, &header);
+        frame(&mut registration, &mine);
+        s.write_all(&registration).map_err(io)?;
         let mut n = [0u8; 4];
         s.read_exact(&mut n).map_err(|e| {
             CommError::Rendezvous(format!(

@@ -4,7 +4,8 @@
 //! step i as soon as the receiving side has reduced segment j of step i-1,
 //! so sending, receiving and adding overlap.
 
-use super::auth::{self, JobAuth};
+use super::auth::{self, JobAuth, Keys};
+use super::sealed::{SealedReader, SealedWriter};
 use super::{CommError, Communicator, ReduceOp, Rendezvous};
 use std::{
     io::{ErrorKind, Read, Write},
@@ -50,11 +51,29 @@ impl Default for RingOptions {
 pub struct TcpRing {
     rank: usize,
     world: usize,
-    /// Connection to rank + 1 (we send on it) and from rank - 1 (we receive).
-    links: Option<(TcpStream, TcpStream)>,
+    links: Option<Links>,
     opts: RingOptions,
     scratch: Vec<f32>,
     broken: Option<String>,
+}
+
+/// A rank's two links, sealed where the ring has the job's secret.
+struct Links {
+    /// To rank + 1: we send on it.
+    to_next: SealedWriter<TcpStream>,
+    /// From rank - 1: we receive on it.
+    from_prev: SealedReader<TcpStream>,
+    /// The two sockets again, for one side to close while the other is busy.
+    next_sock: TcpStream,
+    prev_sock: TcpStream,
+}
+
+impl Links {
+    /// Closes both, so that the neighbours' pending operations fail at once.
+    fn close(&self) {
+        let _ = self.next_sock.shutdown(Shutdown::Both);
+        let _ = self.prev_sock.shutdown(Shutdown::Both);
+    }
 }
 
 const MAGIC: u32 = 0xED1_0001;
@@ -109,12 +128,14 @@ impl TcpRing {
             });
             Ok::<_, CommError>((linked?, accepted?))
         })?;
-        for s in [&to_next, &from_prev] {
+        for s in [to_next.get_ref(), from_prev.get_ref()] {
             s.set_nodelay(true).map_err(io(rank, "configure"))?;
             s.set_read_timeout(Some(ring.opts.timeout)).map_err(io(rank, "configure"))?;
             s.set_write_timeout(Some(ring.opts.timeout)).map_err(io(rank, "configure"))?;
         }
-        ring.links = Some((to_next, from_prev));
+        let next_sock = to_next.get_ref().try_clone().map_err(io(next, "configure"))?;
+        let prev_sock = from_prev.get_ref().try_clone().map_err(io(rank, "configure"))?;
+        ring.links = Some(Links { to_next, from_prev, next_sock, prev_sock });
         Ok(ring)
     }
 
@@ -126,7 +147,7 @@ impl TcpRing {
         next_addr: SocketAddr,
         opts: &RingOptions,
         deadline: Instant,
-    ) -> Result<TcpStream, CommError> {
+    ) -> Result<SealedWriter<TcpStream>, CommError> {
         let next = (rank + 1) % world;
         let io = |peer: usize, op: &'static str| {
             move |source: std::io::Error| CommError::Io { rank, op, peer, source }
@@ -141,12 +162,16 @@ impl TcpRing {
                 Err(e) => return Err(io(next, "connect")(e)),
             }
         };
+        let mut keys = None;
         if let Some((a, generation)) = &opts.auth {
             to_next.set_read_timeout(Some(opts.timeout)).map_err(io(next, "connect"))?;
-            auth::connect(&mut to_next, &a.secret, &a.claim("ring", *generation, rank as u64)).map_err(
-                |e| CommError::Rendezvous(format!("rank {rank}: the link to rank {next} refused: {e}")),
-            )?;
+            keys = Some(
+                auth::connect(&mut to_next, &a.secret, &a.claim("ring", *generation, rank as u64)).map_err(
+                    |e| CommError::Rendezvous(format!("rank {rank}: the link to rank {next} refused: {e}")),
+                )?,
+            );
         }
+        let mut to_next = SealedWriter::new(to_next, keys.map(|k: Keys| k.split().0));
         let mut hello = MAGIC.to_le_bytes().to_vec();
         hello.extend_from_slice(&(rank as u32).to_le_bytes());
         hello.extend_from_slice(&(world as u32).to_le_bytes());
@@ -161,7 +186,7 @@ impl TcpRing {
         listener: &TcpListener,
         opts: &RingOptions,
         deadline: Instant,
-    ) -> Result<TcpStream, CommError> {
+    ) -> Result<SealedReader<TcpStream>, CommError> {
         let prev = (rank + world - 1) % world;
         let io = |peer: usize, op: &'static str| {
             move |source: std::io::Error| CommError::Io { rank, op, peer, source }
@@ -182,6 +207,7 @@ impl TcpRing {
                     // ring up for a short while only, not the whole timeout.
                     let patience = opts.timeout.min(STRAY_PATIENCE).min(left).max(Duration::from_millis(1));
                     s.set_read_timeout(Some(patience)).map_err(io(prev, "accept"))?;
+                    let mut keys = None;
                     if let Some((a, generation)) = &opts.auth {
                         let checked = auth::accept(&mut s, &a.secret, |c| {
                             a.check(c, "ring", Some(*generation))?;
@@ -189,12 +215,16 @@ impl TcpRing {
                                 format!("rank {rank} takes its link from rank {prev}, not {}", c.who)
                             })
                         });
-                        if let Err(e) = checked {
-                            // A stray or stale peer: refuse it, keep waiting for ours.
-                            eprintln!("ring rank {rank}: refused a link: {e}");
-                            continue;
+                        match checked {
+                            Ok((_, k)) => keys = Some(k),
+                            Err(e) => {
+                                // A stray or stale peer: refuse it, keep waiting for ours.
+                                eprintln!("ring rank {rank}: refused a link: {e}");
+                                continue;
+                            }
                         }
                     }
+                    let mut s = SealedReader::new(s, keys.map(|k| k.split().1));
                     let mut got = [0u8; 12];
                     if let Err(e) = s.read_exact(&mut got) {
                         eprintln!("ring rank {rank}: dropped a link that did not introduce itself: {e}");
@@ -226,9 +256,8 @@ impl TcpRing {
     /// operations fail at once instead of waiting for their timeout.
     fn fail(&mut self, err: CommError) -> CommError {
         self.broken = Some(err.to_string());
-        if let Some((a, b)) = self.links.take() {
-            let _ = a.shutdown(Shutdown::Both);
-            let _ = b.shutdown(Shutdown::Both);
+        if let Some(links) = self.links.take() {
+            links.close();
         }
         err
     }
@@ -312,13 +341,15 @@ impl Communicator for TcpRing {
                 |i: usize| if i < n - 1 { (r + 2 * n - i - 1) % n } else { (r + n - (i - (n - 1))) % n };
             let shared = Shared { ptr: buf.as_mut_ptr(), len };
             let timeout = self.opts.timeout;
-            let (to_next, from_prev) = self.links.as_ref().expect("a ring of two or more has links");
+            let Links { to_next, from_prev, next_sock, prev_sock } =
+                self.links.as_mut().expect("a ring of two or more has links");
+            let (next_sock, prev_sock) = (&*next_sock, &*prev_sock);
             let scratch = &mut self.scratch;
             let (tx, rx) = mpsc::channel::<()>();
 
             let (sent, received) = std::thread::scope(|scope| {
                 let sender = scope.spawn(move || -> Result<(), (usize, std::io::Error)> {
-                    let mut out = to_next;
+                    let out = to_next;
                     for i in 0..steps {
                         for s in segments(chunk(len, n, send_of(i)), seg) {
                             if i > 0 && rx.recv_timeout(timeout).is_err() {
@@ -331,7 +362,7 @@ impl Communicator for TcpRing {
                             // data that follows this write comes back around the ring.
                             let data = unsafe { shared.slice(s) };
                             if let Err(e) = out.write_all(bytemuck::cast_slice(data)) {
-                                let _ = from_prev.shutdown(Shutdown::Both);
+                                let _ = prev_sock.shutdown(Shutdown::Both);
                                 return Err((next, e));
                             }
                         }
@@ -339,9 +370,9 @@ impl Communicator for TcpRing {
                     Ok(())
                 });
                 let received = (|| -> Result<(), (usize, std::io::Error)> {
-                    let mut input = from_prev;
+                    let input = from_prev;
                     // Each read must make progress within the timeout.
-                    input.set_read_timeout(Some(timeout)).map_err(|e| (prev, e))?;
+                    prev_sock.set_read_timeout(Some(timeout)).map_err(|e| (prev, e))?;
                     for i in 0..steps {
                         for s in segments(chunk(len, n, recv_of(i)), seg) {
                             let tmp = &mut scratch[..s.len()];
@@ -362,7 +393,7 @@ impl Communicator for TcpRing {
                 })();
                 drop(tx);
                 if received.is_err() {
-                    let _ = to_next.shutdown(Shutdown::Both);
+                    let _ = next_sock.shutdown(Shutdown::Both);
                 }
                 let sent =
                     sender.join().unwrap_or_else(|_| Err((next, std::io::Error::other("sender panicked"))));
@@ -391,14 +422,12 @@ impl Communicator for TcpRing {
         }
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
         let seg = (self.opts.segment_bytes / 4).max(1);
-        let (mut to_next, mut from_prev) = {
-            let (a, b) = self.links.as_ref().expect("links");
-            (a, b)
-        };
+        let timeout = self.opts.timeout;
+        let Links { to_next, from_prev, prev_sock, .. } = self.links.as_mut().expect("links");
         let forward = next != root;
         let result = (|| -> Result<(), (usize, std::io::Error)> {
             // Each read must make progress within the timeout.
-            from_prev.set_read_timeout(Some(self.opts.timeout)).map_err(|e| (prev, e))?;
+            prev_sock.set_read_timeout(Some(timeout)).map_err(|e| (prev, e))?;
             for s in segments(0..buf.len(), seg) {
                 if r != root {
                     from_prev

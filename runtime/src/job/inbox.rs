@@ -17,7 +17,8 @@
 //! timeout); a refused one is logged with the reason and closed, and the
 //! coordinator never hears of it.
 
-use super::proto::FromWorker;
+use super::proto::{FromWorker, Link};
+use edl_host_gpu::comm::sealed::Opener;
 use edl_host_gpu::comm::auth::{self, JobAuth};
 use mio::{Events, Interest, Poll, Token, Waker, unix::SourceFd};
 use std::{
@@ -48,7 +49,7 @@ impl Message for FromWorker {
 /// What happens on the control connections.
 pub enum Inbound<M = FromWorker> {
     /// A new connection, numbered; the coordinator writes to this stream.
-    Conn(u64, TcpStream),
+    Conn(u64, Link),
     Msg(u64, M),
     /// The connection ended, and why.
     Closed(u64, String),
@@ -122,7 +123,7 @@ pub fn start_channel<M: Message>(
 ) -> io::Result<Arc<Gate>> {
     let poll = Poll::new()?;
     let waker = Arc::new(Waker::new(poll.registry(), WAKE)?);
-    let (new_tx, new_rx) = mpsc::channel::<(u64, TcpStream)>();
+    let (new_tx, new_rx) = mpsc::channel::<(u64, TcpStream, Opener)>();
     let events = tx.clone();
     std::thread::Builder::new()
         .name("edl-control-in".into())
@@ -172,7 +173,7 @@ fn admit<M>(
     lease: Duration,
     next: &AtomicU64,
     tx: &mpsc::Sender<Inbound<M>>,
-    new_tx: &mpsc::Sender<(u64, TcpStream)>,
+    new_tx: &mpsc::Sender<(u64, TcpStream, Opener)>,
     waker: &Waker,
 ) {
     let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a peer".into());
@@ -180,19 +181,25 @@ fn admit<M>(
     // A send to a worker that stopped reading fails instead of blocking the
     // coordinator; keepalive notices a peer whose host went away.
     let _ = conn.set_write_timeout(Some(SEND_TIMEOUT));
-    if let Err(e) =
-        auth::accept(&mut auth::Deadline::new(&mut conn, AUTH_TIMEOUT), &gate.auth.secret, |c| gate.check(c))
-    {
-        tracing::warn!("refused a control connection from {peer}: {e}");
-        return;
-    }
+    let keys = match auth::accept(&mut auth::Deadline::new(&mut conn, AUTH_TIMEOUT), &gate.auth.secret, |c| {
+        gate.check(c)
+    }) {
+        Ok((_, keys)) => keys,
+        Err(e) => {
+            tracing::warn!("refused a control connection from {peer}: {e}");
+            return;
+        }
+    };
     let _ = conn.set_read_timeout(None);
     let _ = conn.set_nodelay(true);
     super::proto::keepalive(&conn);
     super::proto::give_up_unacked(&conn, lease);
     let Ok(reader) = conn.try_clone() else { return };
+    let (sealer, opener) = keys.split();
     let n = next.fetch_add(1, Ordering::Relaxed);
-    if tx.send(Inbound::Conn(n, conn)).is_ok() && new_tx.send((n, reader)).is_ok() {
+    if tx.send(Inbound::Conn(n, Link::new(conn, Some(sealer)))).is_ok()
+        && new_tx.send((n, reader, opener)).is_ok()
+    {
         let _ = waker.wake();
     }
 }
@@ -200,6 +207,8 @@ fn admit<M>(
 /// One connection being read: its socket, who it is, the bytes of a line not complete yet.
 struct Open {
     stream: TcpStream,
+    /// Opens what the peer sealed.
+    opener: Opener,
     peer: String,
     pending: Vec<u8>,
     /// How much of `pending` is known to hold no line end: a line that comes
@@ -211,7 +220,7 @@ struct Open {
 
 fn read_all<M: Message>(
     mut poll: Poll,
-    new: mpsc::Receiver<(u64, TcpStream)>,
+    new: mpsc::Receiver<(u64, TcpStream, Opener)>,
     tx: mpsc::Sender<Inbound<M>>,
     lease: Duration,
 ) {
@@ -251,7 +260,7 @@ fn read_all<M: Message>(
         }
         for ev in events.iter() {
             if ev.token() == WAKE {
-                while let Ok((n, stream)) = new.try_recv() {
+                while let Ok((n, stream, opener)) = new.try_recv() {
                     let fd = stream.as_raw_fd();
                     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "peer".into());
                     let added =
@@ -263,7 +272,7 @@ fn read_all<M: Message>(
                     }
                     open.insert(
                         n,
-                        Open { stream, peer, pending: Vec::new(), scanned: 0, heard: Instant::now() },
+                        Open { stream, opener, peer, pending: Vec::new(), scanned: 0, heard: Instant::now() },
                     );
                 }
                 continue;
@@ -313,7 +322,7 @@ fn drain<M: Message>(
                 _ => Err(format!("{}: {e}", conn.peer)),
             };
         }
-        conn.pending.extend_from_slice(&buf[..got as usize]);
+        conn.opener.open(&buf[..got as usize], &mut conn.pending).map_err(|e| format!("{}: {e}", conn.peer))?;
         let mut start = 0;
         while let Some(end) = conn.pending[start.max(conn.scanned)..].iter().position(|&b| b == b'\n') {
             let end = start.max(conn.scanned) + end - start;
@@ -341,6 +350,7 @@ fn drain<M: Message>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use edl_host_gpu::comm::sealed::SealedStream;
     use std::io::Write;
 
     fn next(rx: &mpsc::Receiver<Inbound>) -> Inbound {
@@ -363,10 +373,10 @@ mod tests {
     }
 
     /// Connects and proves `auth` for worker `who`.
-    fn connect(addr: std::net::SocketAddr, a: &JobAuth, who: u64) -> Result<TcpStream, auth::AuthError> {
+    fn connect(addr: std::net::SocketAddr, a: &JobAuth, who: u64) -> Result<SealedStream, auth::AuthError> {
         let mut s = TcpStream::connect(addr).unwrap();
-        auth::connect(&mut s, &a.secret, &a.claim("control", 0, who))?;
-        Ok(s)
+        let keys = auth::connect(&mut s, &a.secret, &a.claim("control", 0, who))?;
+        Ok(SealedStream::new(s, Some(keys)).unwrap())
     }
 
     #[test]
@@ -467,6 +477,15 @@ mod tests {
         match next(&rx) {
             Inbound::Closed(3, why) => assert!(why.contains("malformed message"), "{why}"),
             _ => panic!("connection 3 closed"),
+        }
+        // A frame not sealed with the connection's keys (forged on the
+        // way, or a peer that skips the encryption) ends it too.
+        let mut forged = 29u16.to_be_bytes().to_vec();
+        forged.extend_from_slice(b"{\"ready\":{}}\n0123456789abcdef");
+        conns[5].writer.get_mut().write_all(&forged).unwrap();
+        match next(&rx) {
+            Inbound::Closed(5, why) => assert!(why.contains("failed its authentication"), "{why}"),
+            _ => panic!("connection 5 closed"),
         }
         // A peer that goes away is a closed connection.
         drop(conns.remove(10));

@@ -6,6 +6,8 @@
 //! declared dead when its lease runs out.
 
 use crate::checkpoint::Manifest;
+use edl_host_gpu::comm::auth::Keys;
+use edl_host_gpu::comm::sealed::{SealedReader, SealedWriter};
 use edl_plugin_sdk::Hyperparams;
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use std::{
@@ -393,9 +395,23 @@ fn peer(s: &TcpStream) -> String {
     s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "peer".into())
 }
 
+/// The sending side of a control connection: sealed with the keys of the
+/// secret's exchange.
+pub type Link = SealedWriter<TcpStream>;
+
+/// Both sides of a proven connection, sealed with `keys`.
+pub fn seal(stream: &TcpStream, keys: Keys) -> std::io::Result<(Link, SealedReader<TcpStream>)> {
+    let (sealer, opener) = keys.split();
+    Ok((
+        SealedWriter::new(stream.try_clone()?, Some(sealer)),
+        SealedReader::new(stream.try_clone()?, Some(opener)),
+    ))
+}
+
 /// Writes one message as a JSON line.
-pub fn send<T: Serialize>(stream: &mut TcpStream, msg: &T) -> Result<(), ProtoError> {
-    let line = encode(msg).map_err(|detail| ProtoError::Malformed { peer: peer(stream), detail })?;
+pub fn send<T: Serialize>(stream: &mut Link, msg: &T) -> Result<(), ProtoError> {
+    let line =
+        encode(msg).map_err(|detail| ProtoError::Malformed { peer: peer(stream.get_ref()), detail })?;
     send_encoded(stream, &line)
 }
 
@@ -407,17 +423,17 @@ pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, String> {
 }
 
 /// Writes a line made by [`encode`].
-pub fn send_encoded(stream: &mut TcpStream, line: &[u8]) -> Result<(), ProtoError> {
-    stream.write_all(line).map_err(|e| ProtoError::Io { peer: peer(stream), detail: e.to_string() })
+pub fn send_encoded(stream: &mut Link, line: &[u8]) -> Result<(), ProtoError> {
+    stream.write_all(line).map_err(|e| ProtoError::Io { peer: peer(stream.get_ref()), detail: e.to_string() })
 }
 
 /// The sending side of a control connection, shared by the threads that
 /// write to it: each message is written whole, under a lock.
 #[derive(Clone)]
-pub struct Sender(std::sync::Arc<std::sync::Mutex<TcpStream>>);
+pub struct Sender(std::sync::Arc<std::sync::Mutex<Link>>);
 
 impl Sender {
-    pub fn new(stream: TcpStream) -> Self {
+    pub fn new(stream: Link) -> Self {
         Sender(std::sync::Arc::new(std::sync::Mutex::new(stream)))
     }
 
@@ -430,14 +446,14 @@ impl Sender {
 
 /// A reader of JSON-line messages.
 pub struct Receiver {
-    inner: BufReader<TcpStream>,
+    inner: BufReader<SealedReader<TcpStream>>,
     peer: String,
     line: String,
 }
 
 impl Receiver {
-    pub fn new(stream: TcpStream) -> Self {
-        let peer = peer(&stream);
+    pub fn new(stream: SealedReader<TcpStream>) -> Self {
+        let peer = peer(stream.get_ref());
         Receiver { inner: BufReader::new(stream), peer, line: String::new() }
     }
 

@@ -196,7 +196,7 @@ impl Session {
         let mut stream = TcpStream::connect_timeout(&coordinator, Duration::from_secs(10))
             .with_context(|| format!("worker {id}: cannot reach the coordinator at {coordinator}"))?;
         stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-        auth::connect(&mut stream, &auth.secret, &auth.claim("control", 0, id)).map_err(|e| {
+        let keys = auth::connect(&mut stream, &auth.secret, &auth.claim("control", 0, id)).map_err(|e| {
             anyhow!(
                 "worker {id}: the coordinator at {coordinator} did not admit it to job {:?}: {e}",
                 auth.job
@@ -207,8 +207,8 @@ impl Session {
         stream.set_write_timeout(Some(Duration::from_secs(10)))?;
         super::proto::keepalive(&stream);
         let ring_ip = stream.local_addr()?.ip();
-        let out = Sender::new(stream.try_clone()?);
-        let mut rx = Receiver::new(stream.try_clone()?);
+        let (out, rx) = super::proto::seal(&stream, keys)?;
+        let (out, mut rx) = (Sender::new(out), Receiver::new(rx));
         out.send(&FromWorker::Hello { worker: id, pid: std::process::id() })?;
         // A worker that joined without an id (started by another engine)
         // is given one first.
@@ -428,7 +428,7 @@ impl Session {
                 }
                 Err(e) => last = e.to_string(),
                 // A connection that claims a generation is never taken back.
-                Ok(()) => {
+                Ok(_) => {
                     return anyhow!(
                         "{lost}; it took the connection back without saying where this worker stands"
                     );

@@ -42,7 +42,7 @@ use edl_plugin_sdk::{Action, Hyperparams};
 use records::Pending;
 use std::{
     collections::HashMap,
-    net::{SocketAddr, TcpListener, TcpStream},
+    net::{SocketAddr, TcpListener},
     path::PathBuf,
     sync::{Arc, mpsc},
     time::{Duration, Instant},
@@ -67,7 +67,7 @@ struct Coordinator<'a> {
     gate: Arc<super::inbox::Gate>,
     rx: mpsc::Receiver<Inbound>,
     /// Open control connections.
-    conns: HashMap<u64, TcpStream>,
+    conns: HashMap<u64, crate::job::proto::Link>,
     /// Who is in the job (the decisions; this struct does the I/O).
     m: Membership,
     generation: u64,

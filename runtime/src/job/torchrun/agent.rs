@@ -42,15 +42,15 @@ pub fn run_agent(a: AgentArgs) -> Result<String> {
     let mut stream = TcpStream::connect_timeout(&a.coordinator, CONNECT_TIMEOUT)
         .with_context(|| format!("connecting to the launcher at {}", a.coordinator))?;
     stream.set_read_timeout(Some(CONNECT_TIMEOUT))?;
-    auth::connect(&mut stream, &a.auth.secret, &a.auth.claim("agent", 0, a.id))
+    let keys = auth::connect(&mut stream, &a.auth.secret, &a.auth.claim("agent", 0, a.id))
         .map_err(|e| anyhow!("the launcher at {} refused this agent: {e}", a.coordinator))?;
     let _ = stream.set_nodelay(true);
     proto::keepalive(&stream);
     // The address this host reaches the launcher from is the one other
     // hosts reach it at (the store of group rank 0 listens there).
     let here = stream.local_addr()?.ip();
-    let to = Sender::new(stream.try_clone()?);
-    let mut from = Receiver::new(stream.try_clone()?);
+    let (to, from) = proto::seal(&stream, keys)?;
+    let (to, mut from) = (Sender::new(to), Receiver::new(from));
     to.send(&FromAgent::Hello { agent: a.id, host: here.to_string(), pid: std::process::id() })?;
     let (id, job, command, nproc, max_restarts, heartbeat, grace) = match from.recv::<ToAgent>()? {
         ToAgent::Welcome { agent, job, command, nproc, max_restarts, heartbeat_ms, grace_ms } => (
