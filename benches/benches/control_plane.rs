@@ -197,6 +197,7 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
         transform: None,
         transform_config: Vec::new(),
         collective_timeout_ms: 5000,
+        gradients_in_clear: false,
         checkpoint_dir: dir.path().join("checkpoints"),
         keep_checkpoints: 2,
         step_delay_ms: 0,

@@ -6,8 +6,9 @@
 //!   written: 12 bytes per element) by the fused CPU loss, the naive
 //!   three-pass version, and the CUDA kernel where a GPU is present.
 //! - `all-reduce/*`: bus bandwidth (algorithm bandwidth x 2(n-1)/n) of the TCP
-//!   ring on loopback, and `tcp-stream`: one plain TCP stream on loopback,
-//!   measured in the same run.
+//!   ring on loopback, plain, authenticated (`-authenticated`: the default of
+//!   a job with a secret) and encrypted (`-encrypted`), and `tcp-stream`: one
+//!   plain TCP stream on loopback, measured in the same run.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use edl_host_gpu::comm::auth::{JobAuth, Secret};
@@ -83,16 +84,16 @@ fn soft_label(c: &mut Criterion) {
 const RING_BYTES: usize = 16 << 20;
 
 /// `iters` all-reduces of 16 MiB on a ring of `n` threads, timed on rank 0
-/// from a barrier to the end; `sealed`: links proven with a job's secret and
-/// encrypted, as in a job across hosts.
-fn time_ring(n: usize, iters: u64, sealed: bool) -> Duration {
+/// from a barrier to the end; with a job's secret the links are proven and
+/// every frame authenticated (`encrypt`: and encrypted), as in a job across hosts.
+fn time_ring(n: usize, iters: u64, secret: bool, encrypt: bool) -> Duration {
     let rdv = LocalRendezvous::new();
-    let auth = sealed.then(|| (JobAuth { job: "bench".into(), secret: Secret::generate().unwrap() }, 0));
+    let auth = secret.then(|| (JobAuth { job: "bench".into(), secret: Secret::generate().unwrap() }, 0));
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|rank| {
                 let rdv = rdv.clone();
-                let opts = RingOptions { auth: auth.clone(), ..RingOptions::default() };
+                let opts = RingOptions { auth: auth.clone(), encrypt, ..RingOptions::default() };
                 s.spawn(move || {
                     let mut ring = TcpRing::connect(rank, n, &rdv, opts).unwrap();
                     let mut buf = vec![1f32; RING_BYTES / 4];
@@ -143,12 +144,15 @@ fn all_reduce(c: &mut Criterion) {
     for n in [2usize, 4] {
         // Bus bandwidth: what each link carries, comparable across n.
         g.throughput(Throughput::Bytes((RING_BYTES * 2 * (n - 1) / n) as u64));
-        g.bench_function(BenchmarkId::new("ring-busbw", n), |b| {
-            b.iter_custom(|iters| time_ring(n, iters, false))
-        });
-        g.bench_function(BenchmarkId::new("ring-busbw-sealed", n), |b| {
-            b.iter_custom(|iters| time_ring(n, iters, true))
-        });
+        for (name, secret, encrypt) in [
+            ("ring-busbw", false, false),
+            ("ring-busbw-authenticated", true, false),
+            ("ring-busbw-encrypted", true, true),
+        ] {
+            g.bench_function(BenchmarkId::new(name, n), |b| {
+                b.iter_custom(|iters| time_ring(n, iters, secret, encrypt))
+            });
+        }
     }
     g.finish();
 }

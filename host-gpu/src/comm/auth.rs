@@ -243,6 +243,12 @@ fn channel_key(secret: &Secret, a: &[u8], c: &[u8], claim: &[u8]) -> [u8; 32] {
     secret.mac(b"edl channel key", [a, c, claim]).finalize().into_bytes().into()
 }
 
+/// The key that authenticates one direction's frames of an
+/// authenticated-only channel (see [`super::sealed`]).
+fn mac_key(secret: &Secret, direction: &[u8], a: &[u8], c: &[u8], claim: &[u8]) -> [u8; 32] {
+    secret.mac(direction, [a, c, claim]).finalize().into_bytes().into()
+}
+
 fn noise(e: snow::Error) -> AuthError {
     AuthError::Malformed(format!("the channel's key exchange: {e}"))
 }
@@ -303,7 +309,11 @@ pub fn accept(
     hs.read_message(offer, &mut scratch).map_err(noise)?;
     let mut reply = [0u8; 256];
     let n = hs.write_message(&[], &mut reply).map_err(noise)?;
-    let keys = Keys::new(hs.into_stateless_transport_mode().map_err(noise)?);
+    let keys = Keys::new(
+        hs.into_stateless_transport_mode().map_err(noise)?,
+        mac_key(secret, b"edl acceptor's frames", &a, c, claim_bytes),
+        mac_key(secret, b"edl connector's frames", &a, c, claim_bytes),
+    );
     let mine = secret.mac(b"edl acceptor", [c, &a, claim_bytes]).finalize().into_bytes();
     write_frame(s, &[b"ok", &mine, &reply[..n]])?;
     Ok((claim, keys))
@@ -346,7 +356,11 @@ pub fn connect(s: &mut (impl Read + Write), secret: &Secret, claim: &Claim) -> R
     })?;
     let mut scratch = [0u8; 256];
     hs.read_message(reply, &mut scratch).map_err(noise)?;
-    Ok(Keys::new(hs.into_stateless_transport_mode().map_err(noise)?))
+    Ok(Keys::new(
+        hs.into_stateless_transport_mode().map_err(noise)?,
+        mac_key(secret, b"edl connector's frames", a, &c, &claim_bytes),
+        mac_key(secret, b"edl acceptor's frames", a, &c, &claim_bytes),
+    ))
 }
 
 #[cfg(test)]
@@ -414,6 +428,34 @@ mod tests {
         seal_c.seal(b"next", &mut fresh).unwrap();
         assert!(open_a.open(&fresh, &mut Vec::new()).is_err(), "a broken channel stays broken");
         assert!(open_c.open(&back, &mut Vec::new()).is_err(), "a replayed frame does not open");
+    }
+
+    #[test]
+    fn authenticated_only_frames_are_in_clear_and_refused_when_changed_or_replayed() {
+        let k = Secret::generate().unwrap();
+        let (a, c) = exchange(k.clone(), k, claim("j", 1), |_| Ok(()));
+        let (connector, acceptor) = (c.unwrap(), a.unwrap().1);
+        let (mut seal, _) = connector.clone().split_authenticated();
+        let (_, mut open) = acceptor.clone().split_authenticated();
+        let mut wire = Vec::new();
+        seal.seal(b"gradient bytes", &mut wire).unwrap();
+        assert!(wire.windows(8).any(|w| w == b"gradient"), "in clear, as asked");
+        let mut got = Vec::new();
+        for piece in wire.chunks(3) {
+            open.open(piece, &mut got).unwrap();
+        }
+        assert_eq!(got, b"gradient bytes");
+        // A replay of the same frame carries the wrong count.
+        assert!(open.open(&wire, &mut Vec::new()).is_err(), "a replayed frame");
+        // One changed byte of the data.
+        let (_, mut fresh) = acceptor.clone().split_authenticated();
+        let mut changed = wire.clone();
+        changed[6] ^= 0x40;
+        assert!(fresh.open(&changed, &mut Vec::new()).is_err(), "a changed frame");
+        // The connector's own key does not open its frames on the way back:
+        // each direction has its own.
+        let (_, mut reflected) = connector.split_authenticated();
+        assert!(reflected.open(&wire, &mut Vec::new()).is_err(), "a reflected frame");
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! so sending, receiving and adding overlap.
 
 use super::auth::{self, JobAuth, Keys};
-use super::sealed::{SealedReader, SealedWriter};
+use super::sealed::{Opener, SealedReader, SealedWriter, Sealer};
 use super::{CommError, Communicator, ReduceOp, Rendezvous};
 use std::{
     io::{ErrorKind, Read, Write},
@@ -31,8 +31,12 @@ pub struct RingOptions {
     /// Bytes per pipelined segment.
     pub segment_bytes: usize,
     /// The job's secret and the generation this ring belongs to: each link
-    /// proves both before any data crosses it (none: links are not checked).
+    /// proves both before any data crosses it, and every frame after is
+    /// authenticated (none: links are not checked).
     pub auth: Option<(JobAuth, u64)>,
+    /// Whether proven links are also encrypted (otherwise the data crosses
+    /// in clear, authenticated only: see [`super::sealed`]).
+    pub encrypt: bool,
 }
 
 impl Default for RingOptions {
@@ -43,6 +47,7 @@ impl Default for RingOptions {
             advertise: None,
             segment_bytes: 1 << 20,
             auth: None,
+            encrypt: true,
         }
     }
 }
@@ -55,6 +60,11 @@ pub struct TcpRing {
     opts: RingOptions,
     scratch: Vec<f32>,
     broken: Option<String>,
+}
+
+/// A link's sending and receiving halves: encrypting, or authenticating only.
+fn halves(keys: Keys, encrypt: bool) -> (Sealer, Opener) {
+    if encrypt { keys.split() } else { keys.split_authenticated() }
 }
 
 /// A rank's two links, sealed where the ring has the job's secret.
@@ -171,7 +181,7 @@ impl TcpRing {
                 )?,
             );
         }
-        let mut to_next = SealedWriter::new(to_next, keys.map(|k: Keys| k.split().0));
+        let mut to_next = SealedWriter::new(to_next, keys.map(|k| halves(k, opts.encrypt).0));
         let mut hello = MAGIC.to_le_bytes().to_vec();
         hello.extend_from_slice(&(rank as u32).to_le_bytes());
         hello.extend_from_slice(&(world as u32).to_le_bytes());
@@ -224,7 +234,7 @@ impl TcpRing {
                             }
                         }
                     }
-                    let mut s = SealedReader::new(s, keys.map(|k| k.split().1));
+                    let mut s = SealedReader::new(s, keys.map(|k| halves(k, opts.encrypt).1));
                     let mut got = [0u8; 12];
                     if let Err(e) = s.read_exact(&mut got) {
                         eprintln!("ring rank {rank}: dropped a link that did not introduce itself: {e}");

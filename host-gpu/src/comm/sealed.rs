@@ -10,6 +10,14 @@
 //! then unusable (reads keep failing), since a stream cipher's sequence
 //! cannot be resynchronised.
 //!
+//! A channel may instead be *authenticated only* ([`Keys::split_authenticated`]):
+//! each frame (a 4-byte big-endian length, the bytes in clear, and a 32-byte
+//! keyed BLAKE3 hash of the frame's count and bytes, under a key of that
+//! direction and that connection) is refused when changed, dropped, replayed
+//! or moved, but can be read on the way. The gradient ring uses it where a
+//! job asks for it (`--gradients-in-clear`); docs/benchmarks.md has what
+//! each costs.
+//!
 //! The two directions are separate values ([`Sealer`], [`Opener`]) so that a
 //! reader thread and a writer thread need no lock between them; the
 //! [`SealedReader`], [`SealedWriter`] and [`SealedStream`] wrappers put them
@@ -27,10 +35,18 @@ const MAX_MESSAGE: usize = 65_535;
 const TAG: usize = 16;
 /// Largest plaintext one frame carries.
 pub const MAX_PLAIN: usize = MAX_MESSAGE - TAG;
+/// Largest authenticated-only frame: small enough that the receiver checks
+/// and passes on a segment's first bytes while its last are on the way.
+const MAX_CLEAR: usize = 64 << 10;
 
 /// The keys of one connection, both directions.
 #[derive(Clone)]
-pub struct Keys(Arc<snow::StatelessTransportState>);
+pub struct Keys {
+    noise: Arc<snow::StatelessTransportState>,
+    /// Authentication-only keys: this side's sending one, and the peer's.
+    mac_out: [u8; 32],
+    mac_in: [u8; 32],
+}
 
 impl std::fmt::Debug for Keys {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -39,17 +55,48 @@ impl std::fmt::Debug for Keys {
 }
 
 impl Keys {
-    pub(crate) fn new(state: snow::StatelessTransportState) -> Self {
-        Keys(Arc::new(state))
+    pub(crate) fn new(state: snow::StatelessTransportState, mac_out: [u8; 32], mac_in: [u8; 32]) -> Self {
+        Keys { noise: Arc::new(state), mac_out, mac_in }
     }
 
-    /// The sending and the receiving half.
+    /// The sending and the receiving half, encrypting.
     pub fn split(self) -> (Sealer, Opener) {
-        (
-            Sealer { keys: self.0.clone(), count: 0 },
-            Opener { keys: self.0, count: 0, raw: Vec::new(), start: 0, broken: false },
-        )
+        (Sealer::new(Cipher::Noise(self.noise.clone())), Opener::new(Cipher::Noise(self.noise)))
     }
+
+    /// The sending and the receiving half, authenticating only.
+    pub fn split_authenticated(self) -> (Sealer, Opener) {
+        (Sealer::new(Cipher::Mac(self.mac_out)), Opener::new(Cipher::Mac(self.mac_in)))
+    }
+}
+
+/// How a channel's frames are protected.
+#[derive(Clone)]
+enum Cipher {
+    /// Encrypted and authenticated (Noise transport messages).
+    Noise(Arc<snow::StatelessTransportState>),
+    /// In clear, authenticated with keyed BLAKE3.
+    Mac([u8; 32]),
+}
+
+impl std::fmt::Debug for Cipher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Cipher::Noise(_) => "encrypted",
+            Cipher::Mac(_) => "authenticated",
+        })
+    }
+}
+
+/// Length of an authenticated-only frame's MAC.
+const MAC: usize = 32;
+
+/// The MAC of frame number `count` holding `data`.
+fn mac(key: &[u8; 32], count: u64, data: &[u8]) -> blake3::Hash {
+    let mut h = blake3::Hasher::new_keyed(key);
+    h.update(&count.to_be_bytes());
+    h.update(data);
+    h.finalize()
 }
 
 fn broken(what: &str) -> io::Error {
@@ -59,27 +106,40 @@ fn broken(what: &str) -> io::Error {
 /// Seals what one side sends.
 #[derive(Debug)]
 pub struct Sealer {
-    keys: Arc<snow::StatelessTransportState>,
+    cipher: Cipher,
     count: u64,
 }
 
 impl Sealer {
+    fn new(cipher: Cipher) -> Self {
+        Sealer { cipher, count: 0 }
+    }
+
     /// Appends `plain` to `out` as sealed frames.
     pub fn seal(&mut self, plain: &[u8], out: &mut Vec<u8>) -> io::Result<()> {
+        let keys = match &self.cipher {
+            Cipher::Noise(keys) => keys.clone(),
+            Cipher::Mac(key) => {
+                for piece in plain.chunks(MAX_CLEAR) {
+                    out.extend_from_slice(&(piece.len() as u32).to_be_bytes());
+                    out.extend_from_slice(piece);
+                    out.extend_from_slice(mac(key, self.count, piece).as_bytes());
+                    self.count = self.count.checked_add(1).ok_or_else(|| broken("2^64 messages sent"))?;
+                }
+                return Ok(());
+            }
+        };
         for piece in plain.chunks(MAX_PLAIN) {
             let at = out.len();
             let len = piece.len() + TAG;
             out.resize(at + 2 + len, 0);
             out[at..at + 2].copy_from_slice(&(len as u16).to_be_bytes());
-            let n = self
-                .keys
+            let n = keys
                 .write_message(self.count, piece, &mut out[at + 2..])
                 .map_err(|e| broken(&format!("sealing: {e}")))?;
             debug_assert_eq!(n, len);
             self.count = self.count.checked_add(1).ok_or_else(|| broken("2^64 messages sent"))?;
         }
-        // An empty write still says something (a keep-alive of zero bytes is
-        // not sent: there is nothing to seal).
         Ok(())
     }
 }
@@ -87,7 +147,7 @@ impl Sealer {
 /// Opens what the other side sent, from raw bytes in any pieces.
 #[derive(Debug)]
 pub struct Opener {
-    keys: Arc<snow::StatelessTransportState>,
+    cipher: Cipher,
     count: u64,
     /// Raw bytes not yet a whole frame (from `start` on).
     raw: Vec<u8>,
@@ -95,48 +155,124 @@ pub struct Opener {
     broken: bool,
 }
 
+/// Where the next frame stands in an opener's buffer.
+enum Next {
+    /// More bytes are needed.
+    Incomplete,
+    /// A whole frame: its header's length, the payload's length, and the
+    /// length of its plaintext.
+    Whole { header: usize, payload: usize, plain: usize },
+}
+
 impl Opener {
+    fn new(cipher: Cipher) -> Self {
+        Opener { cipher, count: 0, raw: Vec::new(), start: 0, broken: false }
+    }
+
+    fn refuse(&mut self, what: String) -> io::Error {
+        self.broken = true;
+        broken(&what)
+    }
+
     /// Takes `raw` bytes as they came and appends to `plain` the contents
     /// of every frame they complete. A frame that fails to open is an
     /// error, now and on every later call.
     pub fn open(&mut self, raw: &[u8], plain: &mut Vec<u8>) -> io::Result<()> {
+        self.raw.extend_from_slice(raw);
+        while let Some(len) = self.ready()? {
+            let at = plain.len();
+            plain.resize(at + len, 0);
+            let n = self.open_next(&mut plain[at..])?;
+            plain.truncate(at + n);
+        }
+        self.compact();
+        Ok(())
+    }
+
+    /// The plaintext length of the next frame when it is here whole.
+    fn ready(&mut self) -> io::Result<Option<usize>> {
+        match self.next()? {
+            Next::Whole { plain, .. } => Ok(Some(plain)),
+            Next::Incomplete => Ok(None),
+        }
+    }
+
+    fn next(&mut self) -> io::Result<Next> {
         if self.broken {
             return Err(broken("an earlier message failed its authentication"));
         }
-        self.raw.extend_from_slice(raw);
-        loop {
-            let pending = &self.raw[self.start..];
-            if pending.len() < 2 {
-                break;
-            }
-            let len = u16::from_be_bytes([pending[0], pending[1]]) as usize;
-            if len < TAG {
-                self.broken = true;
-                return Err(broken(&format!("a frame of {len} bytes is shorter than its tag")));
-            }
-            if pending.len() < 2 + len {
-                break;
-            }
-            let at = plain.len();
-            plain.resize(at + len - TAG, 0);
-            match self.keys.read_message(self.count, &pending[2..2 + len], &mut plain[at..]) {
-                Ok(n) => plain.truncate(at + n),
-                Err(_) => {
-                    plain.truncate(at);
-                    self.broken = true;
-                    return Err(broken(
-                        "a message failed its authentication (changed on the way, or not from this job's peer)",
-                    ));
+        let pending = &self.raw[self.start..];
+        let (header, payload, plain) = match &self.cipher {
+            Cipher::Noise(_) => {
+                let Some(len) = pending.first_chunk::<2>() else { return Ok(Next::Incomplete) };
+                let len = u16::from_be_bytes(*len) as usize;
+                if len < TAG {
+                    return Err(self.refuse(format!("a frame of {len} bytes is shorter than its tag")));
                 }
+                (2, len, len - TAG)
             }
-            self.count += 1;
-            self.start += 2 + len;
-        }
-        if self.start > 0 && self.start * 2 >= self.raw.len() {
+            Cipher::Mac(_) => {
+                let Some(len) = pending.first_chunk::<4>() else { return Ok(Next::Incomplete) };
+                let len = u32::from_be_bytes(*len) as usize;
+                if len > MAX_CLEAR {
+                    return Err(self.refuse(format!("a frame of {len} bytes (at most {MAX_CLEAR})")));
+                }
+                (4, len + MAC, len)
+            }
+        };
+        Ok(if pending.len() < header + payload { Next::Incomplete } else { Next::Whole { header, payload, plain } })
+    }
+
+    /// Opens the next frame, which is here whole, into `out` (at least its
+    /// plaintext long); returns the plaintext's length.
+    fn open_next(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        let Next::Whole { header, payload, plain } = self.next()? else {
+            return Err(broken("no whole frame to open"));
+        };
+        let frame = &self.raw[self.start + header..self.start + header + payload];
+        let opened = match &self.cipher {
+            Cipher::Noise(keys) => keys.read_message(self.count, frame, &mut out[..plain]).ok(),
+            Cipher::Mac(key) => {
+                let (data, tag) = frame.split_at(plain);
+                let tag: [u8; MAC] = tag.try_into().expect("a MAC's length");
+                // blake3::Hash compares in constant time.
+                (mac(key, self.count, data) == blake3::Hash::from_bytes(tag)).then(|| {
+                    out[..plain].copy_from_slice(data);
+                    plain
+                })
+            }
+        };
+        let Some(n) = opened else {
+            return Err(self.refuse(
+                "a message failed its authentication (changed on the way, or not from this job's peer)".into(),
+            ));
+        };
+        self.count += 1;
+        self.start += header + payload;
+        Ok(n)
+    }
+
+    /// Moves the bytes of an unfinished frame to the front of the buffer.
+    fn compact(&mut self) {
+        if self.start > 0 {
             self.raw.drain(..self.start);
             self.start = 0;
         }
-        Ok(())
+    }
+
+    /// Room for at least `min` more raw bytes, to read into.
+    fn spare(&mut self, min: usize) -> &mut [u8] {
+        if self.start > 0 && self.raw.len() - self.start < self.start {
+            self.compact();
+        }
+        let have = self.raw.len();
+        self.raw.resize(have + min, 0);
+        &mut self.raw[have..]
+    }
+
+    /// After reading into [`Self::spare`]: how many bytes came.
+    fn filled(&mut self, asked: usize, got: usize) {
+        self.raw.truncate(self.raw.len() - asked + got);
     }
 
     /// Whether bytes of an unfinished frame are waiting.
@@ -151,15 +287,14 @@ impl Opener {
 pub struct SealedReader<R = TcpStream> {
     inner: R,
     opener: Option<Opener>,
+    /// A frame's plaintext that did not fit the caller's buffer, from `pos` on.
     plain: Vec<u8>,
     pos: usize,
-    raw: Vec<u8>,
 }
 
 impl<R: Read> SealedReader<R> {
     pub fn new(inner: R, opener: Option<Opener>) -> Self {
-        let raw = if opener.is_some() { vec![0u8; 2 + MAX_MESSAGE] } else { Vec::new() };
-        SealedReader { inner, opener, plain: Vec::new(), pos: 0, raw }
+        SealedReader { inner, opener, plain: Vec::new(), pos: 0 }
     }
 
     pub fn get_ref(&self) -> &R {
@@ -170,24 +305,46 @@ impl<R: Read> SealedReader<R> {
 impl<R: Read> Read for SealedReader<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let Some(opener) = self.opener.as_mut() else { return self.inner.read(buf) };
-        while self.pos == self.plain.len() {
-            self.plain.clear();
-            self.pos = 0;
+        if self.pos < self.plain.len() {
+            let n = buf.len().min(self.plain.len() - self.pos);
+            buf[..n].copy_from_slice(&self.plain[self.pos..self.pos + n]);
+            self.pos += n;
+            return Ok(n);
+        }
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            if let Some(len) = opener.ready()? {
+                // Straight into the caller's buffer where it fits.
+                if len <= buf.len() {
+                    return opener.open_next(buf);
+                }
+                self.plain.resize(len, 0);
+                let n = opener.open_next(&mut self.plain)?;
+                self.plain.truncate(n);
+                let n = n.min(buf.len());
+                buf[..n].copy_from_slice(&self.plain[..n]);
+                self.pos = n;
+                return Ok(n);
+            }
             // A timeout here leaves what came of a frame in the opener: the
             // next read goes on from it.
-            let n = self.inner.read(&mut self.raw)?;
-            if n == 0 {
-                if opener.midway() {
-                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the channel ended inside a message"));
+            const CHUNK: usize = 2 + MAX_MESSAGE;
+            let room = opener.spare(CHUNK);
+            let got = self.inner.read(room);
+            opener.filled(CHUNK, *got.as_ref().unwrap_or(&0));
+            match got? {
+                0 if opener.midway() => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the channel ended inside a message",
+                    ));
                 }
-                return Ok(0);
+                0 => return Ok(0),
+                _ => {}
             }
-            opener.open(&self.raw[..n], &mut self.plain)?;
         }
-        let n = buf.len().min(self.plain.len() - self.pos);
-        buf[..n].copy_from_slice(&self.plain[self.pos..self.pos + n]);
-        self.pos += n;
-        Ok(n)
     }
 }
 

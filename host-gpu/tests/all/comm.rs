@@ -350,6 +350,37 @@ mod secret {
     }
 
     #[test]
+    fn a_ring_of_proven_links_sums_and_broadcasts_encrypted_and_authenticated_only() {
+        for encrypt in [true, false] {
+            let a = job();
+            let rdv = LocalRendezvous::new();
+            // Segments that are no multiple of a frame, a buffer of many frames.
+            let o = RingOptions { auth: Some((a, 1)), encrypt, segment_bytes: 100_004, ..opts(10_000) };
+            let n = 300_001;
+            let got: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..3)
+                    .map(|rank| {
+                        let (rdv, o) = (rdv.clone(), o.clone());
+                        s.spawn(move || {
+                            let mut ring = TcpRing::connect(rank, 3, &rdv, o).unwrap();
+                            let mut sum: Vec<f32> = (0..n).map(|i| (i % 97) as f32 + rank as f32).collect();
+                            ring.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
+                            let mut from_1 = vec![rank as f32; n];
+                            ring.broadcast(&mut from_1, 1).unwrap();
+                            (sum, from_1)
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (sum, from_1) in got {
+                assert!(sum.iter().enumerate().all(|(i, &v)| v == 3.0 * (i % 97) as f32 + 3.0), "{encrypt}");
+                assert!(from_1.iter().all(|&v| v == 1.0), "{encrypt}");
+            }
+        }
+    }
+
+    #[test]
     fn the_rendezvous_admits_only_the_job_s_current_generation() {
         let a = job();
         let server = RendezvousServer::start_with("127.0.0.1:0", Some(a.clone())).unwrap();

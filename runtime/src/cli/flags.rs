@@ -322,6 +322,13 @@ pub struct ClusterArgs {
     /// it does not exist. Default: a new secret per run in .edl/<job>/secret.
     #[arg(long, value_name = "FILE")]
     pub secret_file: Option<PathBuf>,
+    /// Send the gradient ring's data in clear, authenticated only (nothing
+    /// changed, forged or replayed gets through, but it can be read on the
+    /// way). Control, rendezvous and store traffic is always encrypted, and
+    /// so is the ring unless this is given. See docs/benchmarks.md for what
+    /// each costs.
+    #[arg(long)]
+    pub gradients_in_clear: bool,
 }
 
 /// How workers are started.

@@ -408,6 +408,7 @@ fn job_spec(
         },
         transform_config,
         collective_timeout_ms: args.liveness.collective_timeout_ms,
+        gradients_in_clear: args.cluster.gradients_in_clear,
         checkpoint_dir: if dirs.remote {
             dirs.checkpoint_dir.clone()
         } else {

@@ -87,6 +87,10 @@ pub struct JobSpec {
     pub transform_config: Vec<(String, String)>,
     /// Bound on every collective (and on building the ring), milliseconds.
     pub collective_timeout_ms: u64,
+    /// Whether the gradient ring's data crosses in clear, authenticated
+    /// only (otherwise it is encrypted too).
+    #[serde(default)]
+    pub gradients_in_clear: bool,
     pub checkpoint_dir: PathBuf,
     pub keep_checkpoints: usize,
     /// Extra time each step takes on each worker (to emulate slower devices), ms.

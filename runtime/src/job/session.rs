@@ -682,6 +682,7 @@ impl Session {
             bind: self.ring_ip,
             advertise: self.ring_advertise,
             auth: Some((self.auth.clone(), g.generation)),
+            encrypt: !self.spec.gradients_in_clear,
             ..RingOptions::default()
         };
         let rendezvous = self.rendezvous.as_ref().map(|r| r.addr).ok_or_else(|| anyhow!("no rendezvous"))?;

@@ -11,6 +11,7 @@ mod python;
 mod reload;
 mod sandbox;
 mod scaffold;
+mod sealed;
 mod shipped;
 mod storage;
 mod store;
