@@ -15,6 +15,7 @@ import threading
 
 import numpy as np
 import pytest
+from noise.connection import NoiseConnection
 
 import edl
 
@@ -119,13 +120,12 @@ class ScriptedCoordinator:
     def _serve(self):
         self.conn, _ = self.sock.accept()
         f = self.conn.makefile("rwb")
-        if not self._admit(f):
-            self.file = f
-            return
-        self.hello = json.loads(f.readline())
-        f.write((json.dumps({"welcome": self.spec}) + "\n").encode())
-        f.flush()
         self.file = f
+        noise = self._admit(f)
+        if noise is None:
+            return
+        self.hello = json.loads(self._receive(f, noise))
+        self._send(f, noise, (json.dumps({"welcome": self.spec}) + "\n").encode())
 
     def _mac(self, label, parts):
         m = hmac.new(self.secret, label, hashlib.sha256)
@@ -134,22 +134,51 @@ class ScriptedCoordinator:
         return m.digest()
 
     def _admit(self, f):
-        """The acceptor's side of the secret's exchange (see host-gpu/src/comm/auth.rs)."""
+        """The acceptor's side of the secret's exchange and the channel's
+        Noise handshake (see host-gpu/src/comm/auth.rs), with an independent
+        Noise implementation (noiseprotocol). Returns the Noise session."""
         def send(b):
             f.write(struct.pack("<I", len(b)) + b)
             f.flush()
 
         a = os.urandom(32)
-        send(b"EDLA1" + a)
+        send(b"EDLA2" + a)
         (n,) = struct.unpack("<I", f.read(4))
         msg = f.read(n)
-        c, claim, proof = msg[:32], msg[32:-32], msg[-32:]
+        c, rest = msg[:32], msg[32:]
+        (offer_len,) = struct.unpack(">H", rest[:2])
+        offer, rest = rest[2:2 + offer_len], rest[2 + offer_len:]
+        claim, proof = rest[:-32], rest[-32:]
         if not hmac.compare_digest(proof, self._mac(b"edl connector", [a, c, claim])):
             send(b"no" + b"the peer does not know the job's secret")
-            return False
+            return None
         self.claim = json.loads(claim)
-        send(b"ok" + self._mac(b"edl acceptor", [c, a, claim]))
-        return True
+        noise = NoiseConnection.from_name(b"Noise_NNpsk0_25519_AESGCM_BLAKE2s")
+        noise.set_psks(psk=self._mac(b"edl channel key", [a, c, claim]))
+        noise.set_prologue(b"EDLA2")
+        noise.set_as_responder()
+        noise.start_handshake()
+        noise.read_message(offer)
+        reply = noise.write_message()
+        assert noise.handshake_finished
+        send(b"ok" + self._mac(b"edl acceptor", [c, a, claim]) + reply)
+        return noise
+
+    @staticmethod
+    def _send(f, noise, plain):
+        """One sealed frame: a 2-byte length and a Noise transport message."""
+        sealed = noise.encrypt(plain)
+        f.write(struct.pack(">H", len(sealed)) + sealed)
+        f.flush()
+
+    @staticmethod
+    def _receive(f, noise):
+        """One line of sealed frames."""
+        line = b""
+        while not line.endswith(b"\n"):
+            (n,) = struct.unpack(">H", f.read(2))
+            line += noise.decrypt(f.read(n))
+        return line
 
     def close(self):
         self.thread.join(5)

@@ -266,19 +266,73 @@ pub struct Lease {
     confirmed: std::time::Instant,
 }
 
-/// The coordinator's identity as the lease shows it.
-#[derive(serde::Serialize, serde::Deserialize)]
+/// The coordinator's identity as the lease shows it: enough to tell, from
+/// the same machine, whether that very process is still running.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 struct Holder {
     host: String,
     pid: u32,
+    /// The kernel's boot id (`/proc/sys/kernel/random/boot_id`): the same
+    /// machine, since its last boot. Absent in leases of older versions.
+    #[serde(default)]
+    boot: Option<String>,
+    /// The pid namespace (`/proc/self/ns/pid`): the same container, where
+    /// pids mean the same processes.
+    #[serde(default)]
+    pid_ns: Option<String>,
+    /// The process's start time (clock ticks since boot): a pid reused by
+    /// another process has another.
+    #[serde(default)]
+    started: Option<u64>,
+}
+
+impl Holder {
+    fn me() -> Holder {
+        let pid = std::process::id();
+        Holder {
+            host: std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string(),
+            pid,
+            boot: boot_id(),
+            pid_ns: pid_namespace(),
+            started: start_time(pid),
+        }
+    }
+
+    /// Whether this holder is proven gone, as seen from `me`: the same
+    /// machine and pid namespace, and its process no longer running (its pid
+    /// free, or taken by a process that started at another time). Anything
+    /// less (another host, another container, a lease without the proof) is
+    /// no proof: the lease is waited out.
+    fn proven_dead(&self, me: &Holder) -> bool {
+        let same_place = self.boot.is_some()
+            && self.boot == me.boot
+            && self.pid_ns.is_some()
+            && self.pid_ns == me.pid_ns;
+        same_place && (!alive(self.pid) || start_time(self.pid) != self.started)
+    }
+}
+
+fn boot_id() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok().map(|s| s.trim().to_string())
+}
+
+fn pid_namespace() -> Option<String> {
+    std::fs::read_link("/proc/self/ns/pid").ok().map(|p| p.to_string_lossy().into_owned())
+}
+
+/// Field 22 of `/proc/<pid>/stat`: when the process started, in clock ticks since boot.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces.
+    let after = &stat[stat.rfind(')')? + 1..];
+    after.split_whitespace().nth(19)?.parse().ok()
 }
 
 /// Takes the job's coordinator lease (`ttl`, renewed by the keeper), or
 /// says who holds it.
 pub async fn take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::Result<Lease> {
     let key = crate::store::keys::coordinator(job);
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string();
-    let me = Holder { host, pid: std::process::id() };
+    let me = Holder::me();
     let value = serde_json::to_vec(&me)?;
     let asked = std::time::Instant::now();
     match store.compare_and_set(&key, None, &value, Some(ttl)).await? {
@@ -287,11 +341,11 @@ pub async fn take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::R
             let entry = store.get(&key).await?;
             let found = entry.as_ref().and_then(|e| serde_json::from_slice::<Holder>(&e.value).ok());
             if let (Some(e), Some(h)) = (&entry, &found)
-                && h.host == me.host
-                && !alive(h.pid)
+                && h.proven_dead(&me)
             {
-                // A coordinator of this host that died (kill -9, a crash):
-                // its lease is stale, and a restart takes it over at once.
+                // A coordinator of this machine and container that died
+                // (kill -9, a crash): its lease is stale, and a restart
+                // takes it over at once.
                 if let Cas::Written(token) =
                     store.compare_and_set(&key, Some(e.token), &value, Some(ttl)).await?
                 {
@@ -364,6 +418,58 @@ fn alive(pid: u32) -> bool {
     // SAFETY: signal 0 sends nothing; it only asks whether `pid` exists.
     let found = unsafe { libc::kill(pid, 0) } == 0;
     found || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lease_is_taken_over_only_on_proof_that_its_holder_is_gone() {
+        let me = Holder::me();
+        assert!(me.boot.is_some() && me.pid_ns.is_some() && me.started.is_some(), "{me:?}");
+        assert!(!me.proven_dead(&me), "a running holder");
+        // A holder that exited: its pid is free.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let gone = child.id();
+        child.wait().unwrap();
+        let exited = Holder { pid: gone, started: Some(1), ..me.clone() };
+        assert!(exited.proven_dead(&me));
+        // Its pid taken by another process since: another start time.
+        let reused = Holder { started: me.started.map(|t| t + 1), ..me.clone() };
+        assert!(reused.proven_dead(&me));
+        // Another machine of the same name, another container of the same
+        // machine, a holder without the proof: waited out, not taken.
+        for other in [
+            Holder { pid: gone, boot: Some("another boot".into()), ..me.clone() },
+            Holder { pid: gone, pid_ns: Some("pid:[1]".into()), ..me.clone() },
+            Holder { pid: gone, boot: None, pid_ns: None, started: None, ..me.clone() },
+        ] {
+            assert!(!other.proven_dead(&me), "{other:?}");
+        }
+    }
+
+    #[test]
+    fn a_dead_coordinator_s_lease_is_taken_at_once_and_a_foreign_one_is_not() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let store = AnyStore::open("memory").unwrap();
+            let key = crate::store::keys::coordinator("j");
+            let mut child = std::process::Command::new("true").spawn().unwrap();
+            let gone = child.id();
+            child.wait().unwrap();
+            let dead = Holder { pid: gone, ..Holder::me() };
+            let ttl = Duration::from_secs(60);
+            let t = store.put(&key, &serde_json::to_vec(&dead).unwrap(), Some(ttl)).await.unwrap();
+            let lease = take_lease(&store, "j", ttl).await.unwrap();
+            assert!(lease.token > t);
+            // The same host name and pid, from another machine: refused.
+            let foreign = Holder { boot: Some("elsewhere".into()), ..Holder::me() };
+            store.put(&key, &serde_json::to_vec(&foreign).unwrap(), Some(ttl)).await.unwrap();
+            let e = take_lease(&store, "j", ttl).await.err().unwrap().to_string();
+            assert!(e.contains("already run by another coordinator"), "{e}");
+        });
+    }
 }
 
 fn lost() -> String {

@@ -14,10 +14,25 @@ struct Slot {
     expires: Option<Instant>,
 }
 
-/// A store in this process's memory. Expired leases vanish at the next access.
+/// A store in this process's memory. Expired leases vanish at the next
+/// access. Tokens come from one sequence for the whole store, as in Redis.
 #[derive(Clone, Default)]
 pub struct MemoryStore {
-    inner: Arc<Mutex<BTreeMap<String, Slot>>>,
+    inner: Arc<Mutex<Keys>>,
+}
+
+#[derive(Default)]
+struct Keys {
+    map: BTreeMap<String, Slot>,
+    /// The last token given.
+    sequence: u64,
+}
+
+impl Keys {
+    fn next_token(&mut self) -> u64 {
+        self.sequence += 1;
+        self.sequence
+    }
 }
 
 impl MemoryStore {
@@ -25,11 +40,11 @@ impl MemoryStore {
         Self::default()
     }
 
-    fn with<R>(&self, f: impl FnOnce(&mut BTreeMap<String, Slot>) -> R) -> R {
-        let mut map = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+    fn with<R>(&self, f: impl FnOnce(&mut Keys) -> R) -> R {
+        let mut keys = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
-        map.retain(|_, s| s.expires.is_none_or(|t| t > now));
-        f(&mut map)
+        keys.map.retain(|_, s| s.expires.is_none_or(|t| t > now));
+        f(&mut keys)
     }
 }
 
@@ -39,15 +54,15 @@ fn expiry(ttl: Option<Duration>) -> Option<Instant> {
 
 impl Store for MemoryStore {
     async fn put(&self, key: &str, value: &[u8], ttl: Option<Duration>) -> Result<u64, StoreError> {
-        Ok(self.with(|m| {
-            let token = m.get(key).map_or(1, |s| s.token + 1);
-            m.insert(key.to_string(), Slot { value: value.to_vec(), token, expires: expiry(ttl) });
+        Ok(self.with(|k| {
+            let token = k.next_token();
+            k.map.insert(key.to_string(), Slot { value: value.to_vec(), token, expires: expiry(ttl) });
             token
         }))
     }
 
     async fn refresh(&self, key: &str, ttl: Duration) -> Result<bool, StoreError> {
-        Ok(self.with(|m| match m.get_mut(key) {
+        Ok(self.with(|k| match k.map.get_mut(key) {
             Some(s) => {
                 s.expires = expiry(Some(ttl));
                 true
@@ -57,28 +72,29 @@ impl Store for MemoryStore {
     }
 
     async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
-        Ok(self.with(|m| {
-            m.get(key).map(|s| Entry { key: key.to_string(), value: s.value.clone(), token: s.token })
+        Ok(self.with(|k| {
+            k.map.get(key).map(|s| Entry { key: key.to_string(), value: s.value.clone(), token: s.token })
         }))
     }
 
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
-        Ok(self.with(|m| m.remove(key).is_some()))
+        Ok(self.with(|k| k.map.remove(key).is_some()))
     }
 
     async fn delete_if(&self, key: &str, token: u64) -> Result<bool, StoreError> {
-        Ok(self.with(|m| {
-            let ours = m.get(key).is_some_and(|s| s.token == token);
+        Ok(self.with(|k| {
+            let ours = k.map.get(key).is_some_and(|s| s.token == token);
             if ours {
-                m.remove(key);
+                k.map.remove(key);
             }
             ours
         }))
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<Entry>, StoreError> {
-        Ok(self.with(|m| {
-            m.range(prefix.to_string()..)
+        Ok(self.with(|k| {
+            k.map
+                .range(prefix.to_string()..)
                 .take_while(|(k, _)| k.starts_with(prefix))
                 .map(|(k, s)| Entry { key: k.clone(), value: s.value.clone(), token: s.token })
                 .collect()
@@ -92,13 +108,13 @@ impl Store for MemoryStore {
         value: &[u8],
         ttl: Option<Duration>,
     ) -> Result<Cas, StoreError> {
-        Ok(self.with(|m| {
-            let current = m.get(key).map(|s| s.token);
+        Ok(self.with(|k| {
+            let current = k.map.get(key).map(|s| s.token);
             if current != expected {
                 return Cas::Conflict { current };
             }
-            let token = current.map_or(1, |t| t + 1);
-            m.insert(key.to_string(), Slot { value: value.to_vec(), token, expires: expiry(ttl) });
+            let token = k.next_token();
+            k.map.insert(key.to_string(), Slot { value: value.to_vec(), token, expires: expiry(ttl) });
             Cas::Written(token)
         }))
     }

@@ -1,5 +1,8 @@
 //! The Redis store. Each key is a hash `{v: value, t: token}`; writes go
-//! through Lua scripts so the token and the value change together. The
+//! through Lua scripts so the token and the value change together. Tokens
+//! come from one sequence for the whole store (the key [`SEQUENCE`], never
+//! expiring), so a key written again after it expired or was deleted gets a
+//! token higher than any it had: a fencing token stays a fencing token. The
 //! connection manager reconnects with exponential backoff after a Redis
 //! restart; while Redis is away, operations fail within the response timeout
 //! with an error naming the server.
@@ -8,9 +11,12 @@ use super::{Cas, Entry, Store, StoreError};
 use redis::{AsyncCommands, Client, Script, aio::ConnectionManager, aio::ConnectionManagerConfig};
 use std::{sync::Arc, time::Duration};
 
+/// The store's token sequence.
+pub const SEQUENCE: &str = "edl-token-sequence";
+
 const PUT: &str = r"
-local t = redis.call('HINCRBY', KEYS[1], 't', 1)
-redis.call('HSET', KEYS[1], 'v', ARGV[1])
+local t = redis.call('INCR', KEYS[2])
+redis.call('HSET', KEYS[1], 'v', ARGV[1], 't', t)
 if tonumber(ARGV[2]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) else redis.call('PERSIST', KEYS[1]) end
 return t
 ";
@@ -21,8 +27,8 @@ if (cur == false and ARGV[1] ~= '') or (cur ~= false and cur ~= ARGV[1]) then
   if cur == false then return {0, -1} end
   return {0, tonumber(cur)}
 end
-local t = redis.call('HINCRBY', KEYS[1], 't', 1)
-redis.call('HSET', KEYS[1], 'v', ARGV[2])
+local t = redis.call('INCR', KEYS[2])
+redis.call('HSET', KEYS[1], 'v', ARGV[2], 't', t)
 if tonumber(ARGV[3]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[3]) else redis.call('PERSIST', KEYS[1]) end
 return {1, t}
 ";
@@ -95,7 +101,7 @@ impl RedisStore {
 impl Store for RedisStore {
     async fn put(&self, key: &str, value: &[u8], ttl: Option<Duration>) -> Result<u64, StoreError> {
         let mut c = self.conn.clone();
-        self.put.key(key).arg(value).arg(ttl_ms(ttl)).invoke_async(&mut c).await.map_err(|e| self.err(e))
+        self.put.key(key).key(SEQUENCE).arg(value).arg(ttl_ms(ttl)).invoke_async(&mut c).await.map_err(|e| self.err(e))
     }
 
     async fn refresh(&self, key: &str, ttl: Duration) -> Result<bool, StoreError> {
@@ -190,6 +196,7 @@ impl Store for RedisStore {
         let reply: Vec<i64> = self
             .cas
             .key(key)
+            .key(SEQUENCE)
             .arg(want)
             .arg(value)
             .arg(ttl_ms(ttl))

@@ -97,7 +97,13 @@ fn setup() -> Result<PyEnv, String> {
     }
     run(&mut build, "building the edl package (cargo build -p edl-python)")?;
     let base = target.join("edl-python");
-    let bin = venv_with(&base.join("venv"), "import numpy, pytest", &["numpy>=1.22", "pytest>=7"])?;
+    // noiseprotocol: an independent Noise implementation, which the
+    // package's tests speak the job channel's handshake with.
+    let bin = venv_with(
+        &base.join("venv"),
+        "import numpy, pytest, noise",
+        &["numpy>=1.22", "pytest>=7", "noiseprotocol>=0.3"],
+    )?;
     let site = base.join("site");
     let pkg = site.join("edl");
     std::fs::create_dir_all(&pkg).map_err(|e| format!("{}: {e}", pkg.display()))?;

@@ -100,42 +100,68 @@ fn runtime() -> tokio::runtime::Runtime {
 async fn contract<S: Store>(store: Arc<S>) {
     let ms = Duration::from_millis;
     // put, get, tokens, list by prefix, delete
-    assert_eq!(store.put("a/1", b"one", None).await.unwrap(), 1);
-    assert_eq!(store.put("a/1", b"uno", None).await.unwrap(), 2);
+    let t1 = store.put("a/1", b"one", None).await.unwrap();
+    let t2 = store.put("a/1", b"uno", None).await.unwrap();
+    assert!(t2 > t1, "tokens grow");
     store.put("a/2", b"two", None).await.unwrap();
     store.put("b/1", b"other", None).await.unwrap();
     let e = store.get("a/1").await.unwrap().unwrap();
-    assert_eq!((e.value.as_slice(), e.token), (&b"uno"[..], 2));
+    assert_eq!((e.value.as_slice(), e.token), (&b"uno"[..], t2));
     let listed: Vec<String> = store.list("a/").await.unwrap().into_iter().map(|e| e.key).collect();
     assert_eq!(listed, vec!["a/1", "a/2"]);
     assert!(store.delete("a/2").await.unwrap());
     assert!(!store.delete("a/2").await.unwrap());
     // delete_if: only the holder of the token removes the key, in one step.
     let t = store.put("a/3", b"mine", None).await.unwrap();
-    store.put("a/3", b"the next holder's", None).await.unwrap();
+    let next = store.put("a/3", b"the next holder's", None).await.unwrap();
     assert!(!store.delete_if("a/3", t).await.unwrap(), "an old token removed the key");
     assert_eq!(store.get("a/3").await.unwrap().unwrap().value, b"the next holder's");
-    assert!(store.delete_if("a/3", t + 1).await.unwrap());
+    assert!(store.delete_if("a/3", next).await.unwrap());
     assert!(store.get("a/3").await.unwrap().is_none());
-    assert!(!store.delete_if("a/3", t + 1).await.unwrap());
+    assert!(!store.delete_if("a/3", next).await.unwrap());
     assert!(store.get("a/2").await.unwrap().is_none());
+    // A key written again after it was deleted gets a higher token than
+    // any it had: an old holder's token never becomes valid again.
+    let again = store.put("a/3", b"back", None).await.unwrap();
+    assert!(again > next, "{again} after {next}");
 
     // compare-and-set with a fencing token
-    assert_eq!(store.compare_and_set("s", None, b"v1", None).await.unwrap(), Cas::Written(1));
+    let Cas::Written(s1) = store.compare_and_set("s", None, b"v1", None).await.unwrap() else {
+        panic!("the first write of a key")
+    };
     assert_eq!(
         store.compare_and_set("s", None, b"v1'", None).await.unwrap(),
-        Cas::Conflict { current: Some(1) }
+        Cas::Conflict { current: Some(s1) }
     );
-    assert_eq!(store.compare_and_set("s", Some(1), b"v2", None).await.unwrap(), Cas::Written(2));
+    let Cas::Written(s2) = store.compare_and_set("s", Some(s1), b"v2", None).await.unwrap() else {
+        panic!("a write with the current token")
+    };
+    assert!(s2 > s1);
     assert_eq!(
-        store.compare_and_set("s", Some(1), b"stale", None).await.unwrap(),
-        Cas::Conflict { current: Some(2) }
+        store.compare_and_set("s", Some(s1), b"stale", None).await.unwrap(),
+        Cas::Conflict { current: Some(s2) }
     );
     assert_eq!(
         store.compare_and_set("gone", Some(3), b"x", None).await.unwrap(),
         Cas::Conflict { current: None }
     );
     assert_eq!(store.get("s").await.unwrap().unwrap().value, b"v2");
+
+    // A lease taken again after it expired: its token is higher than the
+    // last one of the lapsed holder (who may still think it holds).
+    let Cas::Written(first) = store.compare_and_set("l/fenced", None, b"a", Some(ms(100))).await.unwrap()
+    else {
+        panic!("a new lease")
+    };
+    let Cas::Written(renewed) = store.compare_and_set("l/fenced", Some(first), b"a", Some(ms(100))).await.unwrap()
+    else {
+        panic!("a renewal")
+    };
+    tokio::time::sleep(ms(250)).await;
+    let Cas::Written(taken) = store.compare_and_set("l/fenced", None, b"b", Some(ms(100))).await.unwrap() else {
+        panic!("the lapsed lease taken")
+    };
+    assert!(taken > renewed, "the new holder's token {taken} is not above the old one's {renewed}");
 
     // a lease lives while refreshed and vanishes after its TTL
     store.put("l/x", b"lease", Some(ms(300))).await.unwrap();
