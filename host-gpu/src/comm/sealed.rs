@@ -117,30 +117,47 @@ impl Sealer {
 
     /// Appends `plain` to `out` as sealed frames.
     pub fn seal(&mut self, plain: &[u8], out: &mut Vec<u8>) -> io::Result<()> {
-        let keys = match &self.cipher {
-            Cipher::Noise(keys) => keys.clone(),
-            Cipher::Mac(key) => {
-                for piece in plain.chunks(MAX_CLEAR) {
-                    out.extend_from_slice(&(piece.len() as u32).to_be_bytes());
-                    out.extend_from_slice(piece);
-                    out.extend_from_slice(mac(key, self.count, piece).as_bytes());
-                    self.count = self.count.checked_add(1).ok_or_else(|| broken("2^64 messages sent"))?;
-                }
-                return Ok(());
+        let end = self.seal_at(plain, out, out.len())?;
+        out.truncate(end);
+        Ok(())
+    }
+
+    /// Writes `plain` as sealed frames into `out` from byte `at` on, growing
+    /// it only where it is too short (a buffer kept between calls is not
+    /// cleared again each time); returns where the frames end.
+    pub fn seal_at(&mut self, plain: &[u8], out: &mut Vec<u8>, mut at: usize) -> io::Result<usize> {
+        let room = |out: &mut Vec<u8>, end: usize| {
+            if out.len() < end {
+                out.resize(end, 0);
             }
         };
-        for piece in plain.chunks(MAX_PLAIN) {
-            let at = out.len();
-            let len = piece.len() + TAG;
-            out.resize(at + 2 + len, 0);
-            out[at..at + 2].copy_from_slice(&(len as u16).to_be_bytes());
-            let n = keys
-                .write_message(self.count, piece, &mut out[at + 2..])
-                .map_err(|e| broken(&format!("sealing: {e}")))?;
-            debug_assert_eq!(n, len);
+        for piece in plain.chunks(match self.cipher {
+            Cipher::Noise(_) => MAX_PLAIN,
+            Cipher::Mac(_) => MAX_CLEAR,
+        }) {
+            at = match &self.cipher {
+                Cipher::Noise(keys) => {
+                    let len = piece.len() + TAG;
+                    room(out, at + 2 + len);
+                    out[at..at + 2].copy_from_slice(&(len as u16).to_be_bytes());
+                    let n = keys
+                        .write_message(self.count, piece, &mut out[at + 2..at + 2 + len])
+                        .map_err(|e| broken(&format!("sealing: {e}")))?;
+                    debug_assert_eq!(n, len);
+                    at + 2 + len
+                }
+                Cipher::Mac(key) => {
+                    let end = at + 4 + piece.len() + MAC;
+                    room(out, end);
+                    out[at..at + 4].copy_from_slice(&(piece.len() as u32).to_be_bytes());
+                    out[at + 4..end - MAC].copy_from_slice(piece);
+                    out[end - MAC..end].copy_from_slice(mac(key, self.count, piece).as_bytes());
+                    end
+                }
+            };
             self.count = self.count.checked_add(1).ok_or_else(|| broken("2^64 messages sent"))?;
         }
-        Ok(())
+        Ok(at)
     }
 }
 
@@ -149,9 +166,11 @@ impl Sealer {
 pub struct Opener {
     cipher: Cipher,
     count: u64,
-    /// Raw bytes not yet a whole frame (from `start` on).
+    /// Raw bytes not yet opened: `raw[start..end]` (the buffer is kept, not
+    /// cleared, between reads).
     raw: Vec<u8>,
     start: usize,
+    end: usize,
     broken: bool,
 }
 
@@ -166,7 +185,7 @@ enum Next {
 
 impl Opener {
     fn new(cipher: Cipher) -> Self {
-        Opener { cipher, count: 0, raw: Vec::new(), start: 0, broken: false }
+        Opener { cipher, count: 0, raw: Vec::new(), start: 0, end: 0, broken: false }
     }
 
     fn refuse(&mut self, what: String) -> io::Error {
@@ -178,7 +197,8 @@ impl Opener {
     /// of every frame they complete. A frame that fails to open is an
     /// error, now and on every later call.
     pub fn open(&mut self, raw: &[u8], plain: &mut Vec<u8>) -> io::Result<()> {
-        self.raw.extend_from_slice(raw);
+        self.spare(raw.len())[..raw.len()].copy_from_slice(raw);
+        self.filled(raw.len());
         while let Some(len) = self.ready()? {
             let at = plain.len();
             plain.resize(at + len, 0);
@@ -201,7 +221,7 @@ impl Opener {
         if self.broken {
             return Err(broken("an earlier message failed its authentication"));
         }
-        let pending = &self.raw[self.start..];
+        let pending = &self.raw[self.start..self.end];
         let (header, payload, plain) = match &self.cipher {
             Cipher::Noise(_) => {
                 let Some(len) = pending.first_chunk::<2>() else { return Ok(Next::Incomplete) };
@@ -255,29 +275,31 @@ impl Opener {
     /// Moves the bytes of an unfinished frame to the front of the buffer.
     fn compact(&mut self) {
         if self.start > 0 {
-            self.raw.drain(..self.start);
+            self.raw.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
             self.start = 0;
         }
     }
 
     /// Room for at least `min` more raw bytes, to read into.
     fn spare(&mut self, min: usize) -> &mut [u8] {
-        if self.start > 0 && self.raw.len() - self.start < self.start {
+        if self.raw.len() - self.end < min {
             self.compact();
+            if self.raw.len() - self.end < min {
+                self.raw.resize(self.end + min, 0);
+            }
         }
-        let have = self.raw.len();
-        self.raw.resize(have + min, 0);
-        &mut self.raw[have..]
+        &mut self.raw[self.end..]
     }
 
     /// After reading into [`Self::spare`]: how many bytes came.
-    fn filled(&mut self, asked: usize, got: usize) {
-        self.raw.truncate(self.raw.len() - asked + got);
+    fn filled(&mut self, got: usize) {
+        self.end += got;
     }
 
     /// Whether bytes of an unfinished frame are waiting.
     pub fn midway(&self) -> bool {
-        self.start < self.raw.len()
+        self.start < self.end
     }
 }
 
@@ -333,7 +355,7 @@ impl<R: Read> Read for SealedReader<R> {
             const CHUNK: usize = 2 + MAX_MESSAGE;
             let room = opener.spare(CHUNK);
             let got = self.inner.read(room);
-            opener.filled(CHUNK, *got.as_ref().unwrap_or(&0));
+            opener.filled(*got.as_ref().unwrap_or(&0));
             match got? {
                 0 if opener.midway() => {
                     return Err(io::Error::new(
@@ -375,20 +397,18 @@ impl<W: Write> Write for SealedWriter<W> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let Some(sealer) = self.sealer.as_mut() else { return self.inner.write(buf) };
         let n = buf.len().min(MAX_PLAIN);
-        self.frame.clear();
-        sealer.seal(&buf[..n], &mut self.frame)?;
+        let end = sealer.seal_at(&buf[..n], &mut self.frame, 0)?;
         // A frame goes out whole or the channel is broken: a half-written
         // frame cannot be taken back.
-        self.inner.write_all(&self.frame)?;
+        self.inner.write_all(&self.frame[..end])?;
         Ok(n)
     }
 
     /// Sealed whole: one write to the socket for a message of any size up to a frame.
     fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
         let Some(sealer) = self.sealer.as_mut() else { return self.inner.write_all(buf) };
-        self.frame.clear();
-        sealer.seal(buf, &mut self.frame)?;
-        self.inner.write_all(&self.frame)
+        let end = sealer.seal_at(buf, &mut self.frame, 0)?;
+        self.inner.write_all(&self.frame[..end])
     }
 
     fn flush(&mut self) -> io::Result<()> {

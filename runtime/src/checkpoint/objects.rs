@@ -15,6 +15,15 @@ use object_store::{
 use std::sync::Arc;
 use tokio_stream::StreamExt;
 
+/// Objects from this size on are uploaded in parts.
+pub const MULTIPART_FROM: usize = 64 << 20;
+/// The size of each part of a multipart upload (S3 wants at least 5 MiB).
+const PART_BYTES: usize = 16 << 20;
+
+/// The version of an object as read, for a conditional write.
+#[derive(Clone, Debug)]
+pub struct Version(object_store::UpdateVersion);
+
 /// The URL schemes that name object storage shared between hosts.
 const SCHEMES: [&str; 7] = ["s3", "s3a", "gs", "az", "azure", "abfs", "abfss"];
 
@@ -100,12 +109,70 @@ impl ObjectDir {
         }
     }
 
-    /// Writes `bytes` as `rel` (whole or not at all).
+    /// Writes `bytes` as `rel` (whole or not at all). Above
+    /// [`MULTIPART_FROM`] bytes the object goes up in parts (a single PUT
+    /// holds at most 5 GiB on S3), and appears only when every part is there.
     pub fn put(&self, rel: &str, bytes: Vec<u8>) -> Result<(), String> {
+        self.put_in_parts_from(rel, bytes, MULTIPART_FROM)
+    }
+
+    /// As [`Self::put`], in parts from `threshold` bytes on.
+    pub fn put_in_parts_from(&self, rel: &str, bytes: Vec<u8>, threshold: usize) -> Result<(), String> {
         let path = self.path(rel);
-        self.block(async { self.store.put(&path, bytes.into()).await })
-            .map(|_| ())
-            .map_err(|e| format!("{}: {e}", self.url_of(rel)))
+        let done = if bytes.len() < threshold {
+            self.block(async { self.store.put(&path, bytes.into()).await.map(drop) })
+        } else {
+            self.block(async {
+                let upload = self.store.put_multipart(&path).await?;
+                let mut parts = object_store::WriteMultipart::new_with_chunk_size(upload, PART_BYTES);
+                parts.write(&bytes);
+                parts.finish().await.map(drop)
+            })
+        };
+        done.map_err(|e| format!("{}: {e}", self.url_of(rel)))
+    }
+
+    /// Reads `rel` with its version (an ETag); None when there is no such object.
+    pub fn get_versioned(&self, rel: &str) -> Result<Option<(Vec<u8>, Version)>, String> {
+        let path = self.path(rel);
+        self.block(async {
+            match self.store.get(&path).await {
+                Ok(r) => {
+                    let version =
+                        Version(object_store::UpdateVersion { e_tag: r.meta.e_tag.clone(), version: r.meta.version.clone() });
+                    r.bytes().await.map(|b| Some((b.to_vec(), version)))
+                }
+                Err(object_store::Error::NotFound { .. }) => Ok(None),
+                Err(e) => Err(e),
+            }
+        })
+        .map_err(|e| format!("{}: {e}", self.url_of(rel)))
+    }
+
+    /// Writes `rel` only if it is still at `seen` (None: only if absent).
+    /// Ok(false): someone wrote it meanwhile. A store without conditional
+    /// updates (S3 without its conditional-put option) writes it anyway,
+    /// which the callers' rules allow for.
+    pub fn put_if(&self, rel: &str, bytes: Vec<u8>, seen: Option<&Version>) -> Result<bool, String> {
+        let path = self.path(rel);
+        let mode = match seen {
+            None => object_store::PutMode::Create,
+            Some(v) => object_store::PutMode::Update(v.0.clone()),
+        };
+        let put = self.block(async {
+            let opts = object_store::PutOptions { mode, ..Default::default() };
+            match self.store.put_opts(&path, bytes.clone().into(), opts).await {
+                Ok(_) => Ok(true),
+                Err(object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. }) => {
+                    Ok(false)
+                }
+                Err(object_store::Error::NotImplemented { .. }) => {
+                    self.store.put(&path, bytes.into()).await.map(|_| true)
+                }
+                Err(e) => Err(e),
+            }
+        });
+        put.map_err(|e| format!("{}: {e}", self.url_of(rel)))
     }
 
     /// Reads `rel`; None when there is no such object.
