@@ -46,6 +46,34 @@ pub struct Manifest {
     /// File name -> sha256, filled in by [`Checkpoints::save`].
     #[serde(default)]
     pub files: BTreeMap<String, String>,
+    /// The lease token of the coordinator this checkpoint was written for
+    /// (see [`Fence`]); None where checkpoints are not fenced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fence: Option<u64>,
+}
+
+/// Who may write a checkpoint location: the highest lease token a
+/// coordinator claimed it with, and the step that coordinator resumed from.
+/// A checkpoint of a later step written with a lower token comes from a
+/// deposed coordinator (one that ran on after its lease was taken): it is
+/// refused where the write lands, and where it got through (object storage
+/// between a check and a write), never resumed from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fence {
+    pub token: u64,
+    pub from_step: u64,
+}
+
+/// The fence's file beside the checkpoints.
+const FENCE_FILE: &str = "fence.json";
+/// The lock a local writer holds while it checks the fence and writes.
+const LOCK_FILE: &str = ".fence.lock";
+
+impl Fence {
+    /// Whether `m` was written by a coordinator this fence deposed.
+    fn deposes(&self, m: &Manifest) -> bool {
+        m.step > self.from_step && m.fence.unwrap_or(0) < self.token
+    }
 }
 
 /// A checkpoint read back: the state's tensors laid out end to end.
@@ -65,6 +93,9 @@ impl Restored {
 
 /// The file of a checkpoint that holds the state.
 pub const STATE_FILE: &str = "state.safetensors";
+/// The checkpoint's commit marker: the manifest's sha256 (in object storage
+/// followed by the manifest's name); until it is there, readers skip it.
+const SUM_FILE: &str = "manifest.sha256";
 
 /// Why checkpoints could not be written or read.
 #[derive(Debug, thiserror::Error)]
@@ -80,6 +111,10 @@ pub enum CheckpointError {
     /// An object storage call failed; the message names the object.
     #[error("{0}")]
     Store(String),
+    /// A coordinator with a higher lease token has claimed the checkpoints:
+    /// this one was deposed and must not write.
+    #[error("{0}")]
+    Fenced(String),
 }
 
 /// A directory of checkpoints `step-<n>/`, local or in object storage.
@@ -292,24 +327,176 @@ impl Checkpoints {
         Ok(out)
     }
 
+    /// The location's fence, if a coordinator claimed it.
+    pub fn fence(&self) -> Result<Option<Fence>, CheckpointError> {
+        Ok(self.fence_versioned()?.map(|(f, _)| f))
+    }
+
+    fn fence_versioned(&self) -> Result<Option<(Fence, Option<objects::Version>)>, CheckpointError> {
+        let (bytes, version, at) = match &self.remote {
+            Some(r) => match r.get_versioned(FENCE_FILE).map_err(CheckpointError::Store)? {
+                Some((b, v)) => (b, Some(v), r.url_of(FENCE_FILE)),
+                None => return Ok(None),
+            },
+            None => {
+                let path = self.dir.join(FENCE_FILE);
+                match std::fs::read(&path) {
+                    Ok(b) => (b, None, path.display().to_string()),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+                    Err(e) => return Err(io(&path, e)),
+                }
+            }
+        };
+        let fence = serde_json::from_slice(&bytes)
+            .map_err(|e| CheckpointError::Io { path: at, detail: format!("not a fence: {e}") })?;
+        Ok(Some((fence, version)))
+    }
+
+    /// Holds the local directory's lock while `f` runs (object storage has
+    /// none: its writes check the fence before and after).
+    fn locked<T>(&self, f: impl FnOnce() -> Result<T, CheckpointError>) -> Result<T, CheckpointError> {
+        if self.remote.is_some() {
+            return f();
+        }
+        std::fs::create_dir_all(&self.dir).map_err(|e| io(&self.dir, e))?;
+        let path = self.dir.join(LOCK_FILE);
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| io(&path, e))?;
+        file.lock().map_err(|e| io(&path, format!("cannot lock: {e}")))?;
+        let out = f();
+        drop(file);
+        out
+    }
+
+    /// Fails when a coordinator with a token above `token` has claimed
+    /// the location.
+    fn check_fence(&self, token: u64) -> Result<(), CheckpointError> {
+        match self.fence()? {
+            Some(f) if f.token > token => Err(CheckpointError::Fenced(format!(
+                "fenced: the checkpoints at {} were claimed by a coordinator with lease token {} \
+                 (this one's is {token}); it took the job over, and this coordinator stops",
+                self.dir.display(),
+                f.token
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Claims the location for the coordinator holding lease token `token`,
+    /// which resumed from `from_step`: from now on a checkpoint of a later
+    /// step written with a lower token is refused, and never resumed from.
+    /// Fails when a higher token claimed it already. `force` (a coordinator
+    /// whose store is its own: its tokens start again with each run, and
+    /// the location is locked for it) replaces any earlier claim.
+    pub fn claim(&self, token: u64, from_step: u64, force: bool) -> Result<(), CheckpointError> {
+        let fence = Fence { token, from_step };
+        let json = serde_json::to_vec(&fence).map_err(|e| io(&self.dir, e))?;
+        // What was judged good before may be a deposed writer's now.
+        self.good.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        let Some(r) = &self.remote else {
+            return self.locked(|| {
+                if !force {
+                    self.check_fence(token)?;
+                }
+                let tmp = self.dir.join(format!(".{FENCE_FILE}-{}", std::process::id()));
+                write_durably(&tmp, &json)?;
+                let dest = self.dir.join(FENCE_FILE);
+                std::fs::rename(&tmp, &dest).map_err(|e| io(&dest, e))?;
+                sync_dir(&self.dir)
+            });
+        };
+        // A conditional write, read again when someone wrote between.
+        for _ in 0..8 {
+            let current = self.fence_versioned()?;
+            if let Some((f, _)) = &current
+                && f.token > token
+                && !force
+            {
+                return self.check_fence(token);
+            }
+            let seen = current.as_ref().map(|(_, v)| v.clone().ok_or_else(|| io(&self.dir, "no version")));
+            let seen = seen.transpose()?;
+            if r.put_if(FENCE_FILE, json.clone(), seen.as_ref()).map_err(CheckpointError::Store)? {
+                return Ok(());
+            }
+        }
+        Err(CheckpointError::Fenced(format!(
+            "{}: the fence kept changing while this coordinator claimed it; another coordinator runs the job",
+            r.url_of(FENCE_FILE)
+        )))
+    }
+
     /// Writes a checkpoint of the state `values` (laid out as `layout`) at
     /// `manifest.step`; prunes old ones.
     pub fn save(
         &self,
         layout: &Layout,
         values: &[f32],
+        manifest: Manifest,
+    ) -> Result<PathBuf, CheckpointError> {
+        if manifest.fence.is_none() {
+            return self.save_unfenced(layout, values, manifest);
+        }
+        self.locked(|| self.save_unfenced(layout, values, manifest))
+    }
+
+    fn save_unfenced(
+        &self,
+        layout: &Layout,
+        values: &[f32],
         mut manifest: Manifest,
     ) -> Result<PathBuf, CheckpointError> {
+        if let Some(token) = manifest.fence {
+            self.check_fence(token)?;
+        }
         let name = step_name(manifest.step);
         if let Some(r) = &self.remote {
             let at = PathBuf::from(r.url_of(&name));
+            // Written under new names, then switched to by one write of the
+            // checksum (naming the manifest): a rewrite of a step never
+            // touches the copy it replaces before the new one is whole.
+            let mut nonce = [0u8; 8];
+            getrandom::fill(&mut nonce).map_err(|e| io(&at, e))?;
+            let version = hex::encode(nonce);
+            let (state_name, manifest_name) =
+                (format!("state-{version}.safetensors"), format!("manifest-{version}.json"));
+            let before = r.get(&format!("{name}/{SUM_FILE}")).map_err(CheckpointError::Store)?;
             let state = encode_state(layout, values, &at)?;
-            manifest.files = BTreeMap::from([(STATE_FILE.to_string(), hex::encode(Sha256::digest(&state)))]);
+            manifest.files = BTreeMap::from([(state_name.clone(), hex::encode(Sha256::digest(&state)))]);
             let json = serde_json::to_vec_pretty(&manifest).map_err(|e| io(&at, e))?;
-            let sum = hex::encode(Sha256::digest(&json)).into_bytes();
-            // The checksum goes last: until it is there, readers skip this one.
-            for (file, bytes) in [(STATE_FILE, state), ("manifest.json", json), ("manifest.sha256", sum)] {
+            let sum = format!("{} {manifest_name}", hex::encode(Sha256::digest(&json))).into_bytes();
+            for (file, bytes) in [(&state_name, state), (&manifest_name, json)] {
                 r.put(&format!("{name}/{file}"), bytes).map_err(CheckpointError::Store)?;
+            }
+            // The fence again, just before the switch: a coordinator that
+            // was deposed while it uploaded stops here.
+            if let Some(token) = manifest.fence
+                && let Err(e) = self.check_fence(token)
+            {
+                for file in [&state_name, &manifest_name] {
+                    let _ = r.delete(&format!("{name}/{file}"));
+                }
+                return Err(e);
+            }
+            r.put(&format!("{name}/{SUM_FILE}"), sum).map_err(CheckpointError::Store)?;
+            // What the switch replaced.
+            if let Some(old) = before {
+                let old = String::from_utf8_lossy(&old).into_owned();
+                let old_manifest = old.split_once(' ').map_or("manifest.json", |(_, m)| m.trim()).to_string();
+                if let Ok(Some(text)) = r.get(&format!("{name}/{old_manifest}"))
+                    && let Ok(m) = serde_json::from_slice::<Manifest>(&text)
+                {
+                    for f in m.files.keys().filter(|f| **f != state_name) {
+                        let _ = r.delete(&format!("{name}/{f}"));
+                    }
+                }
+                if old_manifest != manifest_name {
+                    let _ = r.delete(&format!("{name}/{old_manifest}"));
+                }
             }
             self.known_good(&at);
             self.prune();
@@ -428,8 +615,29 @@ impl Checkpoints {
         })
     }
 
-    /// Reads and verifies the checkpoint at `path`, as [`Checkpoints::list`] gives it.
+    /// Reads and verifies the checkpoint at `path`, as [`Checkpoints::list`]
+    /// gives it; one written by a deposed coordinator (see [`Fence`]) is
+    /// unusable.
     pub fn read_at(&self, path: &Path) -> Result<Restored, CheckpointError> {
+        let r = self.read_unfenced(path)?;
+        if let Some(f) = self.fence()?
+            && f.deposes(&r.manifest)
+        {
+            return Err(corrupt(
+                path,
+                format!(
+                    "written by a deposed coordinator (lease token {}, below the token {} of the one that took \
+                     the job over at step {})",
+                    r.manifest.fence.unwrap_or(0),
+                    f.token,
+                    f.from_step
+                ),
+            ));
+        }
+        Ok(r)
+    }
+
+    fn read_unfenced(&self, path: &Path) -> Result<Restored, CheckpointError> {
         let Some(r) = &self.remote else { return Self::read(path) };
         let shown = path.to_string_lossy();
         let rel = r.rel_of(&shown).ok_or_else(|| io(path, format!("not under {}", self.dir.display())))?;
@@ -456,21 +664,33 @@ impl Checkpoints {
             e => e,
         })?;
         let recorded = String::from_utf8_lossy(&recorded).trim().to_string();
-        let text = fetch("manifest.json")?;
+        // `<sha256>` (manifest.json) or `<sha256> <manifest's name>`.
+        let (recorded, manifest_name) = match recorded.split_once(' ') {
+            Some((sum, name)) if name.starts_with("manifest-") && !name.contains('/') => {
+                (sum.to_string(), name.trim().to_string())
+            }
+            Some(_) => return Err(corrupt(&sum_path, "names no manifest of this checkpoint")),
+            None => (recorded, "manifest.json".to_string()),
+        };
+        let text = fetch(&manifest_name)?;
         let actual = hex::encode(Sha256::digest(&text));
         if recorded != actual {
             return Err(corrupt(
-                &path.join("manifest.json"),
+                &path.join(&manifest_name),
                 format!("sha256 {actual} does not match manifest.sha256 ({recorded})"),
             ));
         }
         let manifest: Manifest = serde_json::from_slice(&text)
-            .map_err(|e| corrupt(&path.join("manifest.json"), format!("not a manifest: {e}")))?;
-        let file = path.join(STATE_FILE);
-        let Some(want) = manifest.files.get(STATE_FILE) else {
-            return Err(corrupt(path, format!("manifest lists no {STATE_FILE}")));
-        };
-        let bytes = fetch(STATE_FILE)?;
+            .map_err(|e| corrupt(&path.join(&manifest_name), format!("not a manifest: {e}")))?;
+        let state_name = manifest
+            .files
+            .keys()
+            .find(|f| f.ends_with(".safetensors") && !f.contains('/'))
+            .cloned()
+            .ok_or_else(|| corrupt(path, format!("manifest lists no {STATE_FILE}")))?;
+        let want = &manifest.files[&state_name];
+        let file = path.join(&state_name);
+        let bytes = fetch(&state_name)?;
         let got = hex::encode(Sha256::digest(&bytes));
         if &got != want {
             return Err(corrupt(&file, format!("sha256 {got} does not match the manifest's {want}")));
@@ -552,6 +772,7 @@ mod tests {
             hyperparams: Hyperparams { global_batch: 64, local_batch: 32, lr: 0.1, momentum: 0.9 },
             plugin_state: serde_json::json!({"autoscale": {"ceiling": 5}}),
             files: BTreeMap::new(),
+            fence: None,
         }
     }
 
@@ -611,11 +832,7 @@ mod tests {
         }
         let steps: Vec<u64> = cps.list().unwrap().into_iter().map(|(s, _)| s).collect();
         assert_eq!(steps, vec![20, 30], "only the last two are kept");
-        assert_eq!(
-            objects.get("step-0000000010/state.safetensors").unwrap(),
-            None,
-            "pruned objects are gone"
-        );
+        assert!(!objects.dirs().unwrap().contains(&"step-0000000010".to_string()), "pruned objects are gone");
         let (r, skipped) = cps.latest().unwrap();
         assert!(skipped.is_empty());
         assert_eq!((r.unwrap().values, 30.0), (state(30.0), 30.0));
@@ -629,10 +846,18 @@ mod tests {
         assert!(skipped[0].to_string().contains("not a complete checkpoint"), "{}", skipped[0]);
         // A damaged state: named, and the one before is used.
         objects.delete_dir(half).unwrap();
-        objects.put("step-0000000030/state.safetensors", b"garbage".to_vec()).unwrap();
+        let pointer = objects.get("step-0000000030/manifest.sha256").unwrap().unwrap();
+        let pointer = String::from_utf8(pointer).unwrap();
+        let (_, manifest_name) = pointer.split_once(' ').expect("the checksum names its manifest");
+        let m: Manifest =
+            serde_json::from_slice(&objects.get(&format!("step-0000000030/{manifest_name}")).unwrap().unwrap())
+                .unwrap();
+        let state_name = m.files.keys().next().unwrap().clone();
+        assert!(state_name.starts_with("state-") && state_name.ends_with(".safetensors"), "{state_name}");
+        objects.put(&format!("step-0000000030/{state_name}"), b"garbage".to_vec()).unwrap();
         let (r, skipped) = cps.latest().unwrap();
         assert_eq!(r.unwrap().manifest.step, 20);
-        assert!(skipped[0].to_string().contains("step-0000000030/state.safetensors"), "{}", skipped[0]);
+        assert!(skipped[0].to_string().contains(&format!("step-0000000030/{state_name}")), "{}", skipped[0]);
 
         // Markers beside the checkpoints.
         assert!(!cps.has_file("complete.json").unwrap());
@@ -692,54 +917,74 @@ mod tests {
         assert!(cps.list().is_err());
     }
 
-    /// An object store that writes and reads but cannot list, as a bucket
-    /// whose credentials lack the list permission.
+    /// An object store in memory that can be told to fail: to list (as a
+    /// bucket whose credentials lack the list permission), or to write
+    /// objects whose names end a certain way (a crash at that write); it
+    /// counts multipart uploads.
     #[derive(Debug, Default)]
-    struct ListingRefused(object_store::memory::InMemory);
+    struct Faulty {
+        inner: object_store::memory::InMemory,
+        refuse_listing: bool,
+        fail_puts_ending: std::sync::Mutex<Option<&'static str>>,
+        multipart_uploads: std::sync::atomic::AtomicUsize,
+    }
 
-    impl std::fmt::Display for ListingRefused {
+    impl std::fmt::Display for Faulty {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("ListingRefused")
+            f.write_str("Faulty")
         }
     }
 
     type Stream<T> = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = object_store::Result<T>> + Send>>;
 
     #[async_trait::async_trait]
-    impl object_store::ObjectStore for ListingRefused {
+    impl object_store::ObjectStore for Faulty {
         async fn put_opts(
             &self,
             at: &object_store::path::Path,
             payload: object_store::PutPayload,
             opts: object_store::PutOptions,
         ) -> object_store::Result<object_store::PutResult> {
-            self.0.put_opts(at, payload, opts).await
+            let failing = *self.fail_puts_ending.lock().unwrap();
+            if let Some(end) = failing
+                && at.as_ref().ends_with(end)
+            {
+                return Err(object_store::Error::Generic { store: "Faulty", source: "the writer crashed".into() });
+            }
+            self.inner.put_opts(at, payload, opts).await
         }
         async fn put_multipart_opts(
             &self,
             at: &object_store::path::Path,
             opts: object_store::PutMultipartOptions,
         ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
-            self.0.put_multipart_opts(at, opts).await
+            self.multipart_uploads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.inner.put_multipart_opts(at, opts).await
         }
         async fn get_opts(
             &self,
             at: &object_store::path::Path,
             opts: object_store::GetOptions,
         ) -> object_store::Result<object_store::GetResult> {
-            self.0.get_opts(at, opts).await
+            self.inner.get_opts(at, opts).await
         }
         fn delete_stream(&self, at: Stream<object_store::path::Path>) -> Stream<object_store::path::Path> {
-            self.0.delete_stream(at)
+            self.inner.delete_stream(at)
         }
-        fn list(&self, _: Option<&object_store::path::Path>) -> Stream<object_store::ObjectMeta> {
-            Box::pin(tokio_stream::once(Err(refused())))
+        fn list(&self, at: Option<&object_store::path::Path>) -> Stream<object_store::ObjectMeta> {
+            if self.refuse_listing {
+                return Box::pin(tokio_stream::once(Err(refused())));
+            }
+            self.inner.list(at)
         }
         async fn list_with_delimiter(
             &self,
-            _: Option<&object_store::path::Path>,
+            at: Option<&object_store::path::Path>,
         ) -> object_store::Result<object_store::ListResult> {
-            Err(refused())
+            if self.refuse_listing {
+                return Err(refused());
+            }
+            self.inner.list_with_delimiter(at).await
         }
         async fn copy_opts(
             &self,
@@ -747,7 +992,90 @@ mod tests {
             to: &object_store::path::Path,
             opts: object_store::CopyOptions,
         ) -> object_store::Result<()> {
-            self.0.copy_opts(from, to, opts).await
+            self.inner.copy_opts(from, to, opts).await
+        }
+    }
+
+    fn faulty() -> (std::sync::Arc<Faulty>, Checkpoints) {
+        let store = std::sync::Arc::new(Faulty::default());
+        let objects = ObjectDir::with_store(store.clone(), "jobs/mnist".into(), "s3://edl/jobs/mnist").unwrap();
+        (store, Checkpoints::in_objects(objects, 3))
+    }
+
+    #[test]
+    fn rewriting_a_step_in_object_storage_never_touches_the_copy_it_replaces() {
+        let (store, cps) = faulty();
+        cps.save(&layout(), &state(1.0), manifest(10)).unwrap();
+        // The rewrite's writer dies at its switch: its new objects are
+        // there, but the checkpoint is still the old one, whole.
+        *store.fail_puts_ending.lock().unwrap() = Some("manifest.sha256");
+        assert!(cps.save(&layout(), &state(2.0), manifest(10)).is_err());
+        let fresh = Checkpoints::in_objects(cps.remote.clone().unwrap(), 3);
+        let (r, skipped) = fresh.latest().unwrap();
+        assert!(skipped.is_empty(), "{skipped:?}");
+        assert_eq!(r.unwrap().tensor("b").unwrap()[0], 1.0);
+        // A rewrite that completes replaces it, and what it replaced goes.
+        *store.fail_puts_ending.lock().unwrap() = None;
+        cps.save(&layout(), &state(3.0), manifest(10)).unwrap();
+        assert_eq!(fresh.latest().unwrap().0.unwrap().tensor("b").unwrap()[0], 3.0);
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let names: Vec<String> = rt.block_on(async {
+            use object_store::ObjectStore;
+            use tokio_stream::StreamExt;
+            let mut listing = store.inner.list(None);
+            let mut names = Vec::new();
+            while let Some(m) = listing.next().await {
+                names.push(m.unwrap().location.to_string());
+            }
+            names
+        });
+        let states = names.iter().filter(|n| n.ends_with(".safetensors")).count();
+        let manifests = names.iter().filter(|n| n.contains("/manifest-")).count();
+        assert_eq!((states, manifests), (2, 2), "the live copy and the crashed writer's leftovers: {names:?}");
+    }
+
+    #[test]
+    fn a_large_state_goes_up_in_parts() {
+        let (store, cps) = faulty();
+        let objects = cps.remote.clone().unwrap();
+        let big = vec![7u8; 20 << 20];
+        objects.put_in_parts_from("big", big.clone(), 1 << 20).unwrap();
+        assert_eq!(store.multipart_uploads.load(std::sync::atomic::Ordering::Relaxed), 1);
+        assert_eq!(objects.get("big").unwrap().unwrap(), big);
+        objects.put_in_parts_from("small", vec![1; 10], 1 << 20).unwrap();
+        assert_eq!(store.multipart_uploads.load(std::sync::atomic::Ordering::Relaxed), 1, "one PUT");
+    }
+
+    #[test]
+    fn a_deposed_coordinator_can_neither_write_nor_be_resumed_from() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, remote) = faulty();
+        for cps in [Checkpoints::new(dir.path(), 3), remote] {
+            let fenced = |step: u64, token: u64| Manifest { fence: Some(token), ..manifest(step) };
+            cps.claim(5, 0, false).unwrap();
+            cps.save(&layout(), &state(10.0), fenced(10, 5)).unwrap();
+            // The old coordinator writes step 20 as the new one takes over
+            // from step 10 (on object storage a write can get past the
+            // check this way).
+            let late = cps.save(&layout(), &state(20.0), fenced(20, 5)).unwrap();
+            cps.claim(9, 10, false).unwrap();
+            // From now on the old one is refused, by name ...
+            let e = cps.save(&layout(), &state(30.0), fenced(30, 5)).unwrap_err();
+            assert!(matches!(e, CheckpointError::Fenced(_)), "{e}");
+            assert!(e.to_string().contains("lease token 9"), "{e}");
+            assert!(matches!(cps.claim(5, 10, false), Err(CheckpointError::Fenced(_))));
+            // ... and what it wrote late is never resumed from.
+            let (r, skipped) = cps.latest().unwrap();
+            assert_eq!(r.unwrap().manifest.step, 10);
+            assert!(skipped[0].to_string().contains("deposed coordinator"), "{}", skipped[0]);
+            // The new coordinator's own writes count, and prune the late one.
+            cps.save(&layout(), &state(15.0), fenced(15, 9)).unwrap();
+            cps.save(&layout(), &state(25.0), fenced(25, 9)).unwrap();
+            assert_eq!(cps.latest().unwrap().0.unwrap().manifest.step, 25);
+            assert!(!cps.list().unwrap().iter().any(|(_, p)| *p == late), "the deposed write is pruned");
+            // A coordinator whose store is its own replaces the claim.
+            cps.claim(0, 25, true).unwrap();
+            cps.save(&layout(), &state(26.0), fenced(26, 0)).unwrap();
         }
     }
 
@@ -760,7 +1088,7 @@ mod tests {
 
     #[test]
     fn a_store_that_cannot_list_is_an_error_not_an_empty_one() {
-        let store = std::sync::Arc::new(ListingRefused::default());
+        let store = std::sync::Arc::new(Faulty { refuse_listing: true, ..Default::default() });
         let objects = ObjectDir::with_store(store, "jobs/mnist".into(), "s3://edl/jobs/mnist").unwrap();
         let cps = Checkpoints::in_objects(objects, 3);
         // Writing works (the preflight passes) ...

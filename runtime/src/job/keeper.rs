@@ -366,6 +366,12 @@ pub async fn take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::R
 }
 
 impl Lease {
+    /// The token the lease was taken with: higher than any its earlier
+    /// holders had (the store's tokens come from one sequence).
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+
     /// Extends the lease, if it is still this coordinator's.
     async fn renew(&mut self, store: &AnyStore) -> Result<(), String> {
         let asked = std::time::Instant::now();

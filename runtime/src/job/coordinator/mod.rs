@@ -102,6 +102,9 @@ struct Coordinator<'a> {
     keeper: Option<super::keeper::StoreKeeper>,
     /// The stored job state's token when this run read it.
     state_token: Option<u64>,
+    /// The lease token every checkpoint is written with (see
+    /// [`crate::checkpoint::Fence`]).
+    fence: Option<u64>,
     /// The current generation's step barrier, and its ranks by connection.
     pipe: Option<Pipeline>,
     ranks: HashMap<u64, usize>,
@@ -219,6 +222,7 @@ pub fn run(
         train_len: samples,
         keeper: None,
         state_token: None,
+        fence: None,
         pipe: None,
         ranks: HashMap::new(),
         plan_at: StepPlan { step: 0, epoch: 0, cursor: 0, hyper: cfg.hyper },
@@ -296,6 +300,16 @@ impl Coordinator<'_> {
         let lease =
             self.rt.block_on(super::keeper::take_lease(&self.store, &self.cfg.spec.job, LEASE_TTL))?;
         let resumed = self.resume()?;
+        // The checkpoints are this coordinator's from here on: a deposed one
+        // that runs on cannot write or prune them. A store of its own (the
+        // embedded one) gives tokens that start again with each run; the
+        // job's local lock keeps others out then, and the claim is replaced.
+        let shared = matches!(self.store, crate::store::AnyStore::Redis(_));
+        let token = if shared { lease.token() } else { 0 };
+        self.ckpt
+            .claim(token, resumed.unwrap_or(0), !shared)
+            .with_context(|| format!("claiming the checkpoints at {}", self.cfg.spec.checkpoint_dir.display()))?;
+        self.fence = Some(token);
         self.keeper = Some(super::keeper::StoreKeeper::start(
             &self.cfg.store,
             keys::job_state(&self.cfg.spec.job),

@@ -214,6 +214,7 @@ impl Coordinator<'_> {
             hyperparams: self.hyper,
             plugin_state: serde_json::to_value(book).unwrap_or_default(),
             files: Default::default(),
+            fence: self.fence,
         }
     }
 
