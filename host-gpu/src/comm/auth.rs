@@ -468,7 +468,10 @@ mod tests {
         let _ = a2;
         let mut wire = Vec::new();
         seal1.seal(b"gradient", &mut wire).unwrap();
-        assert!(open2.open(&wire, &mut Vec::new()).is_err(), "one connection's frames mean nothing on another");
+        assert!(
+            open2.open(&wire, &mut Vec::new()).is_err(),
+            "one connection's frames mean nothing on another"
+        );
     }
 
     #[test]

@@ -10,10 +10,10 @@
 
 pub mod auth;
 pub mod kv;
-pub mod sealed;
 mod nccl;
 mod rendezvous;
 mod ring;
+pub mod sealed;
 
 pub use kv::{KvClient, KvStore};
 pub use nccl::NcclCommunicator;

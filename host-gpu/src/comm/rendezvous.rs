@@ -100,6 +100,9 @@ type Waiting = HashMap<String, (usize, std::time::Instant, Vec<Option<(Vec<u8>, 
 /// (its ranks gave up long before: their rendezvous has a deadline).
 const KEY_TTL: Duration = Duration::from_secs(300);
 
+/// Most clients proving the secret at once.
+pub const MAX_PROVING: usize = 256;
+
 /// The largest world a registration may name by default.
 pub const DEFAULT_MAX_WORLD: usize = 1 << 16;
 
@@ -138,18 +141,48 @@ impl RendezvousServer {
         let store = Arc::new(KvStore::default());
         let max_world = Arc::new(AtomicU64::new(DEFAULT_MAX_WORLD as u64));
         let (current, kv, most) = (generation.clone(), store.clone(), max_world.clone());
+        let proving = Arc::new(AtomicU64::new(0));
         std::thread::Builder::new().name("edl-rendezvous".into()).spawn(move || {
-            for conn in listener.incoming().flatten() {
+            let mut refused = 0u64;
+            for conn in listener.incoming() {
+                let conn = match conn {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Out of descriptors (EMFILE) and the like: wait
+                        // for some to close instead of spinning on it.
+                        eprintln!("rendezvous: accept: {e}");
+                        std::thread::sleep(Duration::from_millis(100));
+                        continue;
+                    }
+                };
+                // Before a client has proven the secret, it costs a thread
+                // for at most the handshake's deadline, and only so many at
+                // once: more are closed at once.
+                if proving.load(Ordering::SeqCst) >= MAX_PROVING as u64 {
+                    refused += 1;
+                    if refused.is_power_of_two() {
+                        eprintln!("rendezvous: {MAX_PROVING} clients already proving the secret; {refused} closed so far");
+                    }
+                    continue;
+                }
+                proving.fetch_add(1, Ordering::SeqCst);
                 let waiting = waiting.clone();
                 let auth = auth.clone();
                 let current = current.clone();
                 let kv = kv.clone();
                 let most = most.load(Ordering::Relaxed) as usize;
-                std::thread::spawn(move || {
-                    if let Err(e) = Self::serve(conn, &waiting, auth.as_ref(), &current, &kv, most) {
+                let mine = proving.clone();
+                let spawned = std::thread::Builder::new().name("edl-rendezvous-client".into()).spawn(move || {
+                    let proved = || {
+                        mine.fetch_sub(1, Ordering::SeqCst);
+                    };
+                    if let Err(e) = Self::serve(conn, &waiting, auth.as_ref(), &current, &kv, most, proved) {
                         eprintln!("rendezvous: dropped a client: {e}");
                     }
                 });
+                if spawned.is_err() {
+                    proving.fetch_sub(1, Ordering::SeqCst);
+                }
             }
         })?;
         Ok(RendezvousServer { addr, generation, store, max_world })
@@ -167,6 +200,8 @@ impl RendezvousServer {
         self.store.set_generation(generation);
     }
 
+    /// Serves one client; `proved` is called once, when the client has
+    /// proven the secret or failed to.
     fn serve(
         mut conn: TcpStream,
         waiting: &Mutex<Waiting>,
@@ -174,6 +209,7 @@ impl RendezvousServer {
         generation: &AtomicU64,
         store: &KvStore,
         max_world: usize,
+        proved: impl FnOnce(),
     ) -> std::io::Result<()> {
         conn.set_read_timeout(Some(Duration::from_secs(10)))?;
         // Answers go out as several small writes (length, then bytes): with
@@ -182,14 +218,17 @@ impl RendezvousServer {
         conn.set_nodelay(true)?;
         let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a client".into());
         let mut keys = None;
+        let mut proved = Some(proved);
         if let Some(a) = auth {
+            let proved = proved.take().expect("called once");
             let g = generation.load(Ordering::SeqCst);
             let mut within = auth::Deadline::new(&mut conn, Duration::from_secs(10));
-            let (claim, k) = auth::accept(&mut within, &a.secret, |c| {
+            let accepted = auth::accept(&mut within, &a.secret, |c| {
                 let channel = if c.channel == kv::CHANNEL { kv::CHANNEL } else { "rendezvous" };
                 a.check(c, channel, Some(g))
-            })
-            .map_err(|e| {
+            });
+            proved();
+            let (claim, k) = accepted.map_err(|e| {
                 std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("refused {peer}: {e}"))
             })?;
             // The handshake's deadline set the socket's last timeout; a
@@ -199,6 +238,9 @@ impl RendezvousServer {
                 return store.serve(&mut SealedStream::new(conn, Some(k))?, claim.generation);
             }
             keys = Some(k);
+        }
+        if let Some(proved) = proved {
+            proved();
         }
         let mut conn = SealedStream::new(conn, keys)?;
         let key = String::from_utf8_lossy(&read_frame(&mut conn)?).into_owned();

@@ -240,7 +240,11 @@ impl Opener {
                 (4, len + MAC, len)
             }
         };
-        Ok(if pending.len() < header + payload { Next::Incomplete } else { Next::Whole { header, payload, plain } })
+        Ok(if pending.len() < header + payload {
+            Next::Incomplete
+        } else {
+            Next::Whole { header, payload, plain }
+        })
     }
 
     /// Opens the next frame, which is here whole, into `out` (at least its
@@ -264,7 +268,8 @@ impl Opener {
         };
         let Some(n) = opened else {
             return Err(self.refuse(
-                "a message failed its authentication (changed on the way, or not from this job's peer)".into(),
+                "a message failed its authentication (changed on the way, or not from this job's peer)"
+                    .into(),
             ));
         };
         self.count += 1;

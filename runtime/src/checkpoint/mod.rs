@@ -849,9 +849,10 @@ mod tests {
         let pointer = objects.get("step-0000000030/manifest.sha256").unwrap().unwrap();
         let pointer = String::from_utf8(pointer).unwrap();
         let (_, manifest_name) = pointer.split_once(' ').expect("the checksum names its manifest");
-        let m: Manifest =
-            serde_json::from_slice(&objects.get(&format!("step-0000000030/{manifest_name}")).unwrap().unwrap())
-                .unwrap();
+        let m: Manifest = serde_json::from_slice(
+            &objects.get(&format!("step-0000000030/{manifest_name}")).unwrap().unwrap(),
+        )
+        .unwrap();
         let state_name = m.files.keys().next().unwrap().clone();
         assert!(state_name.starts_with("state-") && state_name.ends_with(".safetensors"), "{state_name}");
         objects.put(&format!("step-0000000030/{state_name}"), b"garbage".to_vec()).unwrap();
@@ -949,7 +950,10 @@ mod tests {
             if let Some(end) = failing
                 && at.as_ref().ends_with(end)
             {
-                return Err(object_store::Error::Generic { store: "Faulty", source: "the writer crashed".into() });
+                return Err(object_store::Error::Generic {
+                    store: "Faulty",
+                    source: "the writer crashed".into(),
+                });
             }
             self.inner.put_opts(at, payload, opts).await
         }
@@ -998,7 +1002,8 @@ mod tests {
 
     fn faulty() -> (std::sync::Arc<Faulty>, Checkpoints) {
         let store = std::sync::Arc::new(Faulty::default());
-        let objects = ObjectDir::with_store(store.clone(), "jobs/mnist".into(), "s3://edl/jobs/mnist").unwrap();
+        let objects =
+            ObjectDir::with_store(store.clone(), "jobs/mnist".into(), "s3://edl/jobs/mnist").unwrap();
         (store, Checkpoints::in_objects(objects, 3))
     }
 
@@ -1031,7 +1036,11 @@ mod tests {
         });
         let states = names.iter().filter(|n| n.ends_with(".safetensors")).count();
         let manifests = names.iter().filter(|n| n.contains("/manifest-")).count();
-        assert_eq!((states, manifests), (2, 2), "the live copy and the crashed writer's leftovers: {names:?}");
+        assert_eq!(
+            (states, manifests),
+            (2, 2),
+            "the live copy and the crashed writer's leftovers: {names:?}"
+        );
     }
 
     #[test]

@@ -138,8 +138,10 @@ impl ObjectDir {
         self.block(async {
             match self.store.get(&path).await {
                 Ok(r) => {
-                    let version =
-                        Version(object_store::UpdateVersion { e_tag: r.meta.e_tag.clone(), version: r.meta.version.clone() });
+                    let version = Version(object_store::UpdateVersion {
+                        e_tag: r.meta.e_tag.clone(),
+                        version: r.meta.version.clone(),
+                    });
                     r.bytes().await.map(|b| Some((b.to_vec(), version)))
                 }
                 Err(object_store::Error::NotFound { .. }) => Ok(None),

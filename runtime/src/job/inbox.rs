@@ -18,8 +18,8 @@
 //! coordinator never hears of it.
 
 use super::proto::{FromWorker, Link};
-use edl_host_gpu::comm::sealed::Opener;
 use edl_host_gpu::comm::auth::{self, JobAuth};
+use edl_host_gpu::comm::sealed::Opener;
 use mio::{Events, Interest, Poll, Token, Waker, unix::SourceFd};
 use std::{
     collections::HashMap,
@@ -133,6 +133,7 @@ pub fn start_channel<M: Message>(
     let accepting = gate.clone();
     let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     std::thread::Builder::new().name("edl-accept".into()).spawn(move || {
+        let mut closed = 0u64;
         for conn in listener.incoming() {
             let conn = match conn {
                 Ok(c) => c,
@@ -145,9 +146,14 @@ pub fn start_channel<M: Message>(
                 }
             };
             if pending.load(Ordering::Relaxed) >= MAX_PENDING {
-                tracing::warn!(
-                    "control connections: {MAX_PENDING} already proving the secret; one more closed"
-                );
+                // Said at the 1st, 2nd, 4th, 8th... so that a flood does
+                // not flood the log too.
+                closed += 1;
+                if closed.is_power_of_two() {
+                    tracing::warn!(
+                        "control connections: {MAX_PENDING} already proving the secret; {closed} closed so far"
+                    );
+                }
                 continue;
             }
             pending.fetch_add(1, Ordering::Relaxed);
@@ -322,7 +328,9 @@ fn drain<M: Message>(
                 _ => Err(format!("{}: {e}", conn.peer)),
             };
         }
-        conn.opener.open(&buf[..got as usize], &mut conn.pending).map_err(|e| format!("{}: {e}", conn.peer))?;
+        conn.opener
+            .open(&buf[..got as usize], &mut conn.pending)
+            .map_err(|e| format!("{}: {e}", conn.peer))?;
         let mut start = 0;
         while let Some(end) = conn.pending[start.max(conn.scanned)..].iter().position(|&b| b == b'\n') {
             let end = start.max(conn.scanned) + end - start;

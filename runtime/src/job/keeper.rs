@@ -304,10 +304,8 @@ impl Holder {
     /// less (another host, another container, a lease without the proof) is
     /// no proof: the lease is waited out.
     fn proven_dead(&self, me: &Holder) -> bool {
-        let same_place = self.boot.is_some()
-            && self.boot == me.boot
-            && self.pid_ns.is_some()
-            && self.pid_ns == me.pid_ns;
+        let same_place =
+            self.boot.is_some() && self.boot == me.boot && self.pid_ns.is_some() && self.pid_ns == me.pid_ns;
         same_place && (!alive(self.pid) || start_time(self.pid) != self.started)
     }
 }

@@ -101,7 +101,14 @@ impl RedisStore {
 impl Store for RedisStore {
     async fn put(&self, key: &str, value: &[u8], ttl: Option<Duration>) -> Result<u64, StoreError> {
         let mut c = self.conn.clone();
-        self.put.key(key).key(SEQUENCE).arg(value).arg(ttl_ms(ttl)).invoke_async(&mut c).await.map_err(|e| self.err(e))
+        self.put
+            .key(key)
+            .key(SEQUENCE)
+            .arg(value)
+            .arg(ttl_ms(ttl))
+            .invoke_async(&mut c)
+            .await
+            .map_err(|e| self.err(e))
     }
 
     async fn refresh(&self, key: &str, ttl: Duration) -> Result<bool, StoreError> {

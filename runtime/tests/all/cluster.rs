@@ -17,7 +17,7 @@ use std::{
 const EXE: &str = env!("CARGO_BIN_EXE_edl-runtime");
 
 /// Every epoch: every training sample in exactly one committed step.
-fn assert_exactly_once(r: &Value, epochs: u64, samples: u64) {
+pub(crate) fn assert_exactly_once(r: &Value, epochs: u64, samples: u64) {
     let list = r["epochs"].as_array().unwrap();
     assert_eq!(list.len() as u64, epochs, "{list:?}");
     for e in list {

@@ -590,3 +590,56 @@ fn a_coordinator_that_cannot_reach_its_store_stops_when_its_lease_is_over() {
     let e = r["error"].as_str().unwrap_or_else(|| panic!("{r}\n{text}"));
     assert!(e.contains("fenced: the job's lease could not be renewed"), "{r}");
 }
+
+#[test]
+fn two_thousand_idle_and_trickling_connections_do_not_stop_a_running_job() {
+    use std::io::Write;
+    use std::net::TcpStream;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let mut c = small(d, &["--epochs", "6", "--min-workers", "2", "--max-workers", "2", "--step-delay-ms", "40"]);
+    let mut child = c.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    crate::elastic::wait_for(&rx, "workers join with", &mut seen, Duration::from_secs(120));
+    // "coordinator at ADDR (rendezvous ADDR); ..."
+    let line = seen.last().unwrap().clone();
+    let field = |after: &str| line.split(after).nth(1).unwrap().split([' ', ')', ';']).next().unwrap().to_string();
+    let (control, rendezvous) = (field("coordinator at "), field("(rendezvous "));
+    crate::elastic::wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+
+    // A thousand connections on each port: half say nothing, half send a
+    // byte now and then, as a handshake that never ends would.
+    let mut idle = Vec::new();
+    let mut trickling = Vec::new();
+    for (i, addr) in std::iter::repeat_n([&control, &rendezvous], 500).flatten().enumerate() {
+        for _ in 0..2 {
+            let Ok(s) = TcpStream::connect(addr.as_str()) else { continue };
+            if i % 2 == 0 { idle.push(s) } else { trickling.push(s) }
+        }
+    }
+    assert!(idle.len() + trickling.len() >= 1900, "{} connections opened", idle.len() + trickling.len());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let dripping = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for s in &mut trickling {
+                    let _ = s.write_all(b"\x01");
+                }
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        })
+    };
+    // The job trains on through them and ends as it would have.
+    let flooded = seen.len();
+    let status = finish(child, rx, &mut seen);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    dripping.join().unwrap();
+    drop(idle);
+    let out = seen.join("\n");
+    assert!(status.success(), "{out}");
+    let during = seen[flooded..].iter().filter(|l| l.contains(" done")).count();
+    assert!(during >= 2, "epochs trained while the connections were open: {during}\n{out}");
+    crate::cluster::assert_exactly_once(&report(d), 6, 400);
+}

@@ -153,12 +153,14 @@ async fn contract<S: Store>(store: Arc<S>) {
     else {
         panic!("a new lease")
     };
-    let Cas::Written(renewed) = store.compare_and_set("l/fenced", Some(first), b"a", Some(ms(100))).await.unwrap()
+    let Cas::Written(renewed) =
+        store.compare_and_set("l/fenced", Some(first), b"a", Some(ms(100))).await.unwrap()
     else {
         panic!("a renewal")
     };
     tokio::time::sleep(ms(250)).await;
-    let Cas::Written(taken) = store.compare_and_set("l/fenced", None, b"b", Some(ms(100))).await.unwrap() else {
+    let Cas::Written(taken) = store.compare_and_set("l/fenced", None, b"b", Some(ms(100))).await.unwrap()
+    else {
         panic!("the lapsed lease taken")
     };
     assert!(taken > renewed, "the new holder's token {taken} is not above the old one's {renewed}");

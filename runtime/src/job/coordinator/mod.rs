@@ -306,9 +306,9 @@ impl Coordinator<'_> {
         // job's local lock keeps others out then, and the claim is replaced.
         let shared = matches!(self.store, crate::store::AnyStore::Redis(_));
         let token = if shared { lease.token() } else { 0 };
-        self.ckpt
-            .claim(token, resumed.unwrap_or(0), !shared)
-            .with_context(|| format!("claiming the checkpoints at {}", self.cfg.spec.checkpoint_dir.display()))?;
+        self.ckpt.claim(token, resumed.unwrap_or(0), !shared).with_context(|| {
+            format!("claiming the checkpoints at {}", self.cfg.spec.checkpoint_dir.display())
+        })?;
         self.fence = Some(token);
         self.keeper = Some(super::keeper::StoreKeeper::start(
             &self.cfg.store,
