@@ -413,3 +413,96 @@ fn the_job_s_secret_and_the_store_s_password_are_on_no_command_line_and_in_no_ou
     assert!(!out.contains(password) && !out.contains(secret), "{out}");
     assert!(out.contains("redis://:***@127.0.0.1"), "the store is shown, redacted: {out}");
 }
+
+#[test]
+fn a_coordinator_firewalled_from_its_store_stops_and_another_host_takes_the_job_over() {
+    let nft = ["/usr/sbin/nft", "/sbin/nft"].into_iter().find(|p| Path::new(p).exists());
+    let Some(nft) = nft else {
+        assert!(std::env::var("CI").is_err(), "nft is missing (.ci/run installs nftables)");
+        eprintln!("skipped: nft is missing (apt-get install nftables)");
+        return;
+    };
+    let hosts = match Hosts::build(&["store", "a", "b"]) {
+        Ok(h) => h,
+        Err(why) => {
+            eprintln!("skipped: network namespaces cannot be made here ({why}); this test needs root");
+            return;
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let store_ip = hosts.ip("store");
+    let mut redis = hosts.on("store", "redis-server");
+    redis.args(["--bind", &store_ip, "--port", "6379", "--protected-mode", "no", "--save", "", "--appendonly", "no"]);
+    let mut redis = redis.arg("--dir").arg(d).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    hosts.wait_listening("store", 6379);
+    let url = format!("redis://{store_ip}:6379/");
+    // The checkpoints are shared (as object storage or a network file
+    // system would be); each host has its own working directory.
+    let checkpoints = d.join("checkpoints");
+    let coordinator_on = |host: &str, cwd: &Path| {
+        std::fs::create_dir_all(cwd).unwrap();
+        let args = ["--no-distill", "--teachers", "0", "--store", &url, "--job", "walled", "--epochs", "8"];
+        let cmd = job(cwd, &args);
+        let mut c = hosts.on(host, cmd.get_program().to_str().unwrap());
+        c.args(cmd.get_args()).current_dir(cwd);
+        c.args(["--checkpoint-every-steps", "5", "--step-delay-ms", "40", "--checkpoint-dir"]).arg(&checkpoints);
+        c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        c
+    };
+
+    let (da, db) = (d.join("a"), d.join("b"));
+    let mut first = coordinator_on("a", &da).spawn().unwrap();
+    let rx = lines(&mut first);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    // A firewall rule on host a drops everything it sends to the store.
+    let ns = hosts.ns("a");
+    for rule in [
+        "add table inet wall".to_string(),
+        "add chain inet wall out { type filter hook output priority 0 ; }".to_string(),
+        format!("add rule inet wall out ip daddr {store_ip} tcp dport 6379 drop"),
+    ] {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &ns, nft]).args(rule.split(' '));
+        assert!(c.status().unwrap().success(), "nft {rule}");
+    }
+    // It cannot renew its lease: it stops by its own clock, saying why.
+    let status = finish(first, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(!status.success(), "{text}");
+    let error = report(&da)["error"].as_str().unwrap_or_default().to_string();
+    assert!(error.contains("fenced: the job's lease could not be renewed"), "{error}\n{text}");
+
+    // Host b takes the job over once the lease has lapsed in the store (a
+    // start before that is refused, naming the holder).
+    let mut attempts = 0;
+    let (status, text) = loop {
+        attempts += 1;
+        let mut second = coordinator_on("b", &db).spawn().unwrap();
+        let rx = lines(&mut second);
+        let mut seen = Vec::new();
+        let status = finish(second, rx, &mut seen);
+        let text = seen.join("\n");
+        if !status.success() && text.contains("already run by another coordinator") && attempts < 60 {
+            std::thread::sleep(Duration::from_secs(1));
+            continue;
+        }
+        break (status, text);
+    };
+    let _ = (redis.kill(), redis.wait());
+    assert!(status.success(), "{text}");
+    assert!(text.contains("resuming job \"walled\""), "{text}");
+    assert!(!text.contains("skipping an unusable checkpoint"), "{text}");
+    let r = report(&db);
+    assert!(r["resumed_from_step"].as_u64().is_some_and(|s| s >= 5), "{r}");
+    assert_exactly_once(&r, 8, 1200);
+    // The checkpoints are consistent: every one verifies, and the newest
+    // is the second coordinator's final state.
+    let cps = edl_runtime::checkpoint::Checkpoints::new(&checkpoints, 3);
+    let (newest, skipped) = cps.latest().unwrap();
+    assert!(skipped.is_empty(), "{skipped:?}");
+    assert_eq!(newest.unwrap().manifest.step, r["steps"].as_u64().unwrap());
+    let fence = cps.fence().unwrap().expect("the second coordinator claimed the checkpoints");
+    assert!(fence.from_step >= 5, "{fence:?}");
+}
