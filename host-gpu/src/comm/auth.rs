@@ -71,6 +71,22 @@ impl Secret {
         hex::encode(self.0)
     }
 
+    /// What is wrong with a secret file's permissions, if anything: one
+    /// that others on the host may read (group or world bits set) lets
+    /// them join the job. A warning, not a refusal: a volume mounted from a
+    /// Kubernetes Secret is 0644 unless its `defaultMode` says otherwise.
+    pub fn exposure(path: &Path) -> Option<String> {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o777;
+        (mode & 0o077 != 0).then(|| {
+            format!(
+                "{}: the job's secret is readable by others on this host (mode {mode:03o}): anyone who reads it \
+                 can join the job; chmod 600 it (or set the Secret volume's defaultMode to 0400)",
+                path.display()
+            )
+        })
+    }
+
     /// Reads a secret file.
     pub fn read(path: &Path) -> Result<Secret, AuthError> {
         let text = std::fs::read_to_string(path)
@@ -517,6 +533,10 @@ mod tests {
         k.write(&p).unwrap();
         assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
         assert_eq!(Secret::read(&p).unwrap(), k);
+        assert_eq!(Secret::exposure(&p), None);
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let said = Secret::exposure(&p).expect("a secret others may read is named");
+        assert!(said.contains("mode 644") && said.contains("chmod 600"), "{said}");
         let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -72,10 +72,18 @@ pub fn run(args: DistillArgs) -> Result<ExitCode> {
             },
             (None, None) => unreachable!("checked above"),
         };
+        let access = args.teacher_access.read()?;
+        if let Teachers::Fixed(list) = &teachers {
+            for addr in list {
+                if let Some(why) = access.refusal(addr) {
+                    bail!(why);
+                }
+            }
+        }
         let cfg = args.teacher_calls.calls().apply(DistillConfig {
             model_name: args.model_name.clone(),
             wait_for_teachers: Duration::from_secs(args.teacher_wait_secs),
-            access: args.teacher_access.read()?,
+            access,
             io: args.teacher_io.io(),
             ..Default::default()
         });

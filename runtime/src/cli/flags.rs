@@ -265,6 +265,10 @@ pub struct TeacherAccessArgs {
     /// (`grpcs://` and `https://` teachers are, always; without a CA, against the web PKI roots).
     #[arg(long, value_name = "FILE")]
     pub teacher_ca: Option<PathBuf>,
+    /// Send the teacher token to teachers reached without TLS too (on a
+    /// network trusted as a whole); without it they are refused.
+    #[arg(long)]
+    pub allow_insecure_token: bool,
 }
 
 impl TeacherAccessArgs {
@@ -277,6 +281,7 @@ impl TeacherAccessArgs {
                 ),
                 None => None,
             },
+            allow_insecure_token: self.allow_insecure_token,
         })
     }
 }

@@ -145,6 +145,21 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
 
     let teachers = Teachers::start(&args, &name, &work, distill, &dirs, (&advertised, &exe))?;
     cfg.spec.teachers = teachers.source.clone();
+    if let Some(pem) = &teachers.ca_pem {
+        let access = &mut cfg.spec.teacher_access;
+        access.ca_pem = Some(match access.ca_pem.take() {
+            Some(given) => format!("{given}\n{pem}"),
+            None => pem.clone(),
+        });
+    }
+    // A token never goes to a teacher reached in clear.
+    if let Some(edl_runtime::job::TeacherSource::Fixed(list)) = &cfg.spec.teachers {
+        for addr in list {
+            if let Some(why) = cfg.spec.teacher_access.refusal(addr) {
+                anyhow::bail!(why);
+            }
+        }
+    }
     if !teachers.processes.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
         cfg.teacher_watch = Some(Box::new(teachers.processes.clone()));
     }
@@ -447,7 +462,7 @@ fn job_config(args: &JobArgs, spec: JobSpec) -> Result<JobConfig> {
         price_per_worker_hour: s.price,
         teacher_watch: None,
         secret: match &c.secret_file {
-            Some(f) if f.exists() => Secret::read(f)?,
+            Some(f) if f.exists() => edl_runtime::job::session::read_secret_file(f)?,
             _ => Secret::generate()?,
         },
         addresses: job::net::Addresses {

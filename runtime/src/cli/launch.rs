@@ -212,7 +212,7 @@ fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
 fn hosts_config(l: &LaunchArgs, job_dir: &Path, nproc: u32) -> Result<(HostsConfig, Box<dyn Scaler>)> {
     let c = &l.run.cluster;
     let secret = match &c.secret_file {
-        Some(f) if f.exists() => Secret::read(f)?,
+        Some(f) if f.exists() => edl_runtime::job::session::read_secret_file(f)?,
         f => {
             let s = Secret::generate()?;
             s.write(&f.clone().unwrap_or_else(|| job_dir.join("secret")))?;

@@ -21,7 +21,8 @@ pub struct TeacherArgs {
     listen: SocketAddr,
     /// Also serve KServe v2 over HTTP/REST on this address, with or without
     /// a port (without: 8000): `/v2/...` health, metadata, infer with JSON
-    /// or binary tensors, config, stats; the same token (plain HTTP).
+    /// or binary tensors, config, stats; the same token, and HTTPS with the
+    /// same certificate when --tls-cert is given.
     #[arg(long, value_name = "ADDR[:PORT]", value_parser = listen_on(8000), help_heading = "Serving")]
     http_listen: Option<SocketAddr>,
     /// Host name or address students reach this teacher at, registered with
@@ -71,6 +72,12 @@ pub struct TeacherArgs {
 pub fn run(args: TeacherArgs) -> Result<ExitCode> {
     let model = Mlp::load(&args.model)?;
     let token = read_token(args.token_file.as_deref(), "--token-file")?;
+    if token.is_some() && args.tls_cert.is_none() && !args.listen.ip().is_loopback() {
+        eprintln!(
+            "warning: --token-file without --tls-cert: students send the token in clear to {}",
+            args.listen
+        );
+    }
     let access = teacher::Access {
         token: token.clone(),
         tls: match (&args.tls_cert, &args.tls_key) {
@@ -103,6 +110,12 @@ async fn serve(
     let (inputs, outputs) = (model.input_dim(), model.output_dim());
     let service = teacher::TeacherService::new(model, config);
     let registration = Some((store, args.service.clone(), Duration::from_secs(3)));
+    let rest_tls = match &access.tls {
+        Some((cert, key)) if args.http_listen.is_some() => Some(
+            edl_runtime::distill::rest::tls_config(cert, key).map_err(|e| anyhow::anyhow!("--tls-cert: {e}"))?,
+        ),
+        _ => None,
+    };
     let serving =
         teacher::Serving { advertise: args.advertise.clone(), access, ..teacher::Serving::on(args.listen) }
             .max_rows(args.max_request_rows, inputs);
@@ -119,11 +132,18 @@ async fn serve(
         let listener =
             tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--http-listen {addr}"))?;
         let at = listener.local_addr()?;
-        tokio::spawn(edl_runtime::distill::rest::serve(
-            listener,
-            edl_runtime::distill::rest::router(service, token),
-        ));
-        println!("teacher {:?} serving KServe v2 REST on http://{at}", args.model_name);
+        let router = edl_runtime::distill::rest::router(service, token);
+        let scheme = match rest_tls {
+            Some(config) => {
+                tokio::spawn(edl_runtime::distill::rest::serve_tls(listener, router, config));
+                "https"
+            }
+            None => {
+                tokio::spawn(edl_runtime::distill::rest::serve(listener, router));
+                "http"
+            }
+        };
+        println!("teacher {:?} serving KServe v2 REST on {scheme}://{at}", args.model_name);
     }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {

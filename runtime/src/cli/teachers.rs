@@ -10,7 +10,7 @@ use anyhow::{Result, bail};
 use edl_runtime::{
     job::{
         TeacherSource,
-        teachers::{TeacherProcess, TeacherTraining, teacher_model},
+        teachers::{TeacherGuard, TeacherProcess, TeacherTls, TeacherTraining, teacher_model},
     },
     trainer::data::Dataset,
 };
@@ -24,6 +24,9 @@ use std::{
 /// serving a teacher trained here (or cached), or those registered in the store.
 pub(super) struct Teachers {
     pub(super) source: Option<TeacherSource>,
+    /// The certificate (PEM) of the teachers started here, when they serve
+    /// TLS: students trust it beside any --teacher-ca.
+    pub(super) ca_pem: Option<String>,
     /// The teacher's test accuracy, when it was trained (or cached) here.
     pub(super) accuracy: Option<f64>,
     /// The teacher processes this job started; they stop when dropped.
@@ -40,7 +43,7 @@ impl Teachers {
         (advertised, exe): (&str, &Path),
     ) -> Result<Teachers> {
         let d = &args.distillation;
-        let mut out = Teachers { source: None, accuracy: None, processes: Default::default() };
+        let mut out = Teachers { source: None, ca_pem: None, accuracy: None, processes: Default::default() };
         // A launched program may ask the teachers it is given, even with --no-distill.
         if let Some(TeachersArg::Endpoints(list)) = &d.teachers
             && (distill || matches!(work, Prepared::Program { .. }))
@@ -61,11 +64,23 @@ impl Teachers {
             if count > 0 {
                 let (path, accuracy) = train_teacher(student, train, test, &dirs.root)?;
                 out.accuracy = Some(accuracy);
+                // The job's token, and TLS wherever the token is or the
+                // teachers are reached from other hosts.
+                let token_file = d.teacher_access.teacher_token_file.clone();
+                let listen = args.cluster.listen.ip();
+                let tls = if token_file.is_some() || !listen.is_loopback() {
+                    let tls = TeacherTls::make(&dirs.job_dir.join("teacher-tls"), advertised)?;
+                    out.ca_pem = Some(tls.pem.clone());
+                    Some(tls)
+                } else {
+                    None
+                };
+                let guard = TeacherGuard { token_file, tls };
                 let mut procs = out.processes.lock().unwrap_or_else(|e| e.into_inner());
                 for i in 0..count {
                     let log = dirs.log_dir.join(format!("teacher-{i}.log"));
-                    let at = (args.cluster.listen.ip(), advertised);
-                    let p = TeacherProcess::start(exe, &path, at, store, &service, &log)?;
+                    let at = (listen, advertised);
+                    let p = TeacherProcess::start(exe, &path, at, (store, &service), &guard, &log)?;
                     println!("teacher   {i} serving on {}", p.addr);
                     procs.push(p);
                 }

@@ -145,6 +145,41 @@ pub struct TeacherAccess {
     /// teachers given as `host:port` are reached over TLS; `grpcs://` and `https://`
     /// teachers always are (checked against the web PKI roots without it).
     pub ca_pem: Option<String>,
+    /// Send the token to teachers reached without TLS too (where the
+    /// network itself is trusted). Without it, a teacher reached in clear
+    /// is refused rather than told the token.
+    #[serde(default)]
+    pub allow_insecure_token: bool,
+}
+
+impl TeacherAccess {
+    /// Why the teacher at `addr` must not be called with this access, if
+    /// it must not: the token would cross in clear, or a CA was given (the
+    /// student expects TLS) and the endpoint, as given or as registered in
+    /// the store, names a protocol without it.
+    pub fn refusal(&self, addr: &str) -> Option<String> {
+        let scheme = addr.split_once("://").map(|(s, _)| s);
+        let tls = match scheme {
+            Some("https" | "grpcs") => true,
+            Some("http" | "grpc") => false,
+            _ => self.ca_pem.is_some(),
+        };
+        if tls {
+            return None;
+        }
+        if self.ca_pem.is_some() {
+            return Some(format!(
+                "teacher {addr}: the student checks teachers' certificates (--teacher-ca), and this endpoint \
+                 is reached without TLS"
+            ));
+        }
+        (self.token.is_some() && !self.allow_insecure_token).then(|| {
+            format!(
+                "teacher {addr}: the bearer token goes only over TLS (https://, grpcs://, or host:port with \
+                 --teacher-ca); this endpoint would carry it in clear (--allow-insecure-token allows that)"
+            )
+        })
+    }
 }
 
 impl std::fmt::Debug for TeacherAccess {
@@ -153,6 +188,7 @@ impl std::fmt::Debug for TeacherAccess {
         f.debug_struct("TeacherAccess")
             .field("token", &self.token.as_ref().map(|_| "<set>"))
             .field("ca_pem", &self.ca_pem.is_some())
+            .field("allow_insecure_token", &self.allow_insecure_token)
             .finish()
     }
 }
@@ -657,14 +693,18 @@ impl Pipeline {
     /// REST; `grpc://` plain gRPC, `grpcs://` gRPC over TLS; a bare
     /// `host:port` gRPC, over TLS when a CA is given.
     fn wire(&self, addr: &str) -> Result<Wire, String> {
+        if let Some(why) = self.cfg.access.refusal(addr) {
+            return Err(why);
+        }
         let ca = self.cfg.access.ca_pem.as_deref();
         if addr.starts_with("http://") || addr.starts_with("https://") {
             let mut http =
                 reqwest::Client::builder().connect_timeout(Duration::from_secs(1)).tcp_nodelay(true);
             if let Some(ca) = ca {
-                http = http.add_root_certificate(
-                    reqwest::Certificate::from_pem(ca.as_bytes()).map_err(|e| e.to_string())?,
-                );
+                // Every certificate of the PEM (a --teacher-ca and the job's own teachers').
+                for cert in reqwest::Certificate::from_pem_bundle(ca.as_bytes()).map_err(|e| e.to_string())? {
+                    http = http.add_root_certificate(cert);
+                }
             }
             return Ok(Wire::Rest {
                 base: addr.trim_end_matches('/').to_string(),

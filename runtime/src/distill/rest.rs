@@ -16,7 +16,7 @@ use axum::{
     routing::{get, post},
 };
 use serde_json::{Value, json};
-use std::sync::Arc;
+use std::{net::SocketAddr, sync::Arc};
 use tonic::{Code, Request};
 
 #[derive(Clone)]
@@ -54,6 +54,105 @@ pub async fn serve(listener: tokio::net::TcpListener, router: Router) {
     }
 }
 
+/// Most TLS handshakes under way at once, and how long each may take.
+const MAX_HANDSHAKES: usize = 256;
+const HANDSHAKE_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A TLS server configuration from a certificate chain and its key (PEM).
+pub fn tls_config(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<tokio_rustls::rustls::ServerConfig>, String> {
+    use tokio_rustls::rustls::{
+        self,
+        pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject},
+    };
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("the certificate: {e}"))?;
+    if certs.is_empty() {
+        return Err("the certificate file holds no certificate".into());
+    }
+    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| format!("the key: {e}"))?;
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| format!("the certificate and key: {e}"))?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// Connections that finished their TLS handshake, for axum to serve.
+struct TlsListener {
+    ready: tokio::sync::mpsc::Receiver<(tokio_rustls::server::TlsStream<tokio::net::TcpStream>, SocketAddr)>,
+    local: SocketAddr,
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.ready.recv().await {
+            Some(conn) => conn,
+            // The accepting task ended (the listener failed): serve no more.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        Ok(self.local)
+    }
+}
+
+/// Serves `router` over TLS on `listener` until the process ends. Each
+/// handshake runs on a task of its own, bounded in time and in number, so a
+/// client that stalls in it holds up no one.
+pub async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    config: Arc<tokio_rustls::rustls::ServerConfig>,
+) {
+    let local = match listener.local_addr() {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::warn!("teacher REST endpoint: {e}");
+            return;
+        }
+    };
+    let (tx, ready) = tokio::sync::mpsc::channel(MAX_HANDSHAKES);
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+    tokio::spawn(async move {
+        loop {
+            let (tcp, peer) = match listener.accept().await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!("teacher REST endpoint: accept: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let Ok(slot) = slots.clone().try_acquire_owned() else { continue };
+            let (acceptor, tx) = (acceptor.clone(), tx.clone());
+            tokio::spawn(async move {
+                let shaken = tokio::time::timeout(HANDSHAKE_TIME, acceptor.accept(tcp)).await;
+                drop(slot);
+                match shaken {
+                    Ok(Ok(tls)) => {
+                        let _ = tx.send((tls, peer)).await;
+                    }
+                    Ok(Err(e)) => tracing::debug!("teacher REST endpoint: TLS handshake with {peer}: {e}"),
+                    Err(_) => tracing::debug!("teacher REST endpoint: {peer} took too long to shake hands"),
+                }
+            });
+        }
+    });
+    if let Err(e) = axum::serve(TlsListener { ready, local }, router).await {
+        tracing::warn!("teacher REST endpoint: {e}");
+    }
+}
+
 fn error(code: StatusCode, message: impl Into<String>) -> Response {
     (code, axum::Json(json!({ "error": message.into() }))).into_response()
 }
@@ -65,7 +164,13 @@ fn from_status(s: tonic::Status) -> Response {
         Code::Unauthenticated => StatusCode::UNAUTHORIZED,
         Code::Unimplemented => StatusCode::NOT_IMPLEMENTED,
         Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-        _ => StatusCode::BAD_REQUEST,
+        Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange => StatusCode::BAD_REQUEST,
+        Code::ResourceExhausted => StatusCode::PAYLOAD_TOO_LARGE,
+        Code::PermissionDenied => StatusCode::FORBIDDEN,
+        Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
+        // A failure of the server's, not of the request: Internal, Unknown,
+        // DataLoss, Aborted, Cancelled.
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     error(code, s.message())
 }

@@ -186,6 +186,14 @@ pub fn read_secret(path: &std::path::Path) -> Result<Secret> {
         std::io::stdin().read_line(&mut line).context("reading the job's secret from standard input")?;
         return Secret::from_hex(line.trim()).map_err(|e| anyhow!("the job's secret on standard input: {e}"));
     }
+    read_secret_file(path)
+}
+
+/// Reads a secret file, warning when others on the host may read it.
+pub fn read_secret_file(path: &std::path::Path) -> Result<Secret> {
+    if let Some(warning) = Secret::exposure(path) {
+        eprintln!("warning: {warning}");
+    }
     Secret::read(path).map_err(|e| anyhow!("{e}"))
 }
 

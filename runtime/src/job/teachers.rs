@@ -111,6 +111,50 @@ impl TeacherWatch for std::sync::Arc<std::sync::Mutex<Vec<TeacherProcess>>> {
     }
 }
 
+/// How the teachers a job starts guard their endpoint: the job's teacher
+/// token, and TLS with a certificate the job makes for them.
+#[derive(Clone, Debug, Default)]
+pub struct TeacherGuard {
+    pub token_file: Option<PathBuf>,
+    pub tls: Option<TeacherTls>,
+}
+
+/// A certificate the job made for its teachers, and its key.
+#[derive(Clone, Debug)]
+pub struct TeacherTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// The certificate (PEM), which students trust.
+    pub pem: String,
+}
+
+impl TeacherTls {
+    /// A self-signed certificate for `host` (a name or an address), written
+    /// to `dir` (the key readable by its owner only).
+    pub fn make(dir: &Path, host: &str) -> Result<TeacherTls> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let key = rcgen::KeyPair::generate().context("a key for the teachers' certificate")?;
+        let names = vec![host.to_string(), "localhost".to_string(), "127.0.0.1".to_string()];
+        let cert = rcgen::CertificateParams::new(names)
+            .and_then(|p| p.self_signed(&key))
+            .with_context(|| format!("a certificate for the teachers at {host}"))?;
+        std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
+        let (cert_path, key_path) = (dir.join("teachers.crt"), dir.join("teachers.key"));
+        let pem = cert.pem();
+        std::fs::write(&cert_path, &pem).with_context(|| cert_path.display().to_string())?;
+        let _ = std::fs::remove_file(&key_path);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&key_path)
+            .with_context(|| key_path.display().to_string())?;
+        std::io::Write::write_all(&mut f, key.serialize_pem().as_bytes())
+            .with_context(|| key_path.display().to_string())?;
+        Ok(TeacherTls { cert: cert_path, key: key_path, pem })
+    }
+}
+
 impl TeacherProcess {
     /// Starts `exe teacher --model M --listen IP:0 --advertise HOST --service V`
     /// (the store in `EDL_STORE`) and waits (up to 30 s) for the address it serves on.
@@ -118,8 +162,8 @@ impl TeacherProcess {
         exe: &Path,
         model: &Path,
         (listen, advertise): (std::net::IpAddr, &str),
-        store: &str,
-        service: &str,
+        (store, service): (&str, &str),
+        guard: &TeacherGuard,
         log: &Path,
     ) -> Result<Self> {
         let log_file = std::fs::File::create(log).with_context(|| format!("{}", log.display()))?;
@@ -129,7 +173,14 @@ impl TeacherProcess {
         // the command line where any user of the host could read it.
         cmd.args(["teacher", "--listen", &listen, "--advertise", advertise])
             .args(["--service", service, "--model"])
-            .arg(model)
+            .arg(model);
+        if let Some(token) = &guard.token_file {
+            cmd.arg("--token-file").arg(token);
+        }
+        if let Some(tls) = &guard.tls {
+            cmd.arg("--tls-cert").arg(&tls.cert).arg("--tls-key").arg(&tls.key);
+        }
+        cmd
             .env("EDL_STORE", store)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

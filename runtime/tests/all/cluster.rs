@@ -112,6 +112,10 @@ fn workers_started_elsewhere_join_with_the_secret_and_only_within_the_maximum() 
     let status = wait_exit(&mut stranger, "the stranger", Duration::from_secs(60));
     let said = std::fs::read_to_string(d.join("w4.log")).unwrap();
     assert!(!status.success() && said.contains("the peer does not know the job's secret"), "{said}");
+    // Written with this process's umask (0644): named as readable by others.
+    assert!(said.contains("readable by others on this host (mode 644)"), "{said}");
+    let first_log = std::fs::read_to_string(d.join("w1.log")).unwrap();
+    assert!(!first_log.contains("readable by others"), "the job's own secret file is 0600: {first_log}");
 
     let status = finish(child, rx, &mut seen);
     assert!(status.success(), "{}", seen.join("\n"));

@@ -622,7 +622,7 @@ fn a_teacher_with_tls_and_a_token_answers_only_students_that_trust_it_and_carry_
         let token = Some("s3cret-token".to_string());
         // Trusting the CA, with the token: every batch, with the right labels;
         // discovered through the store as an https endpoint.
-        let trusted = TeacherAccess { token: token.clone(), ca_pem: Some(ca.clone()) };
+        let trusted = TeacherAccess { token: token.clone(), ca_pem: Some(ca.clone()), ..Default::default() };
         let discovered = Teachers::Discovered { store: store.clone(), service: "tls".into() };
         let cfg = DistillConfig { classes: Some(CLASSES), access: trusted.clone(), ..Default::default() };
         drain_and_check(
@@ -636,10 +636,13 @@ fn a_teacher_with_tls_and_a_token_answers_only_students_that_trust_it_and_carry_
 
         // No token, a wrong token, a CA that did not sign it, or no TLS at all: refused.
         let cases = [
-            (TeacherAccess { token: None, ca_pem: Some(ca.clone()) }, "needs a bearer token"),
-            (TeacherAccess { token: Some("guess".into()), ca_pem: Some(ca.clone()) }, "wrong bearer token"),
-            (TeacherAccess { token: token.clone(), ca_pem: Some(certificates().0) }, ""),
-            (TeacherAccess { token: token.clone(), ca_pem: None }, ""),
+            (TeacherAccess { token: None, ca_pem: Some(ca.clone()), ..Default::default() }, "needs a bearer token"),
+            (
+                TeacherAccess { token: Some("guess".into()), ca_pem: Some(ca.clone()), ..Default::default() },
+                "wrong bearer token",
+            ),
+            (TeacherAccess { token: token.clone(), ca_pem: Some(certificates().0), ..Default::default() }, ""),
+            (TeacherAccess { token: token.clone(), ca_pem: None, ..Default::default() }, ""),
         ];
         for (access, why) in cases {
             let shown = format!("{access:?}");
@@ -665,7 +668,7 @@ fn the_teacher_and_distill_commands_speak_tls_and_carry_the_token_from_files() {
     }
     model().save(&d.join("teacher.safetensors")).unwrap();
     let mut teacher = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
-        .args(["teacher", "--listen", "127.0.0.1:0", "--model"])
+        .args(["teacher", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--model"])
         .arg(d.join("teacher.safetensors"))
         .arg("--token-file")
         .arg(d.join("token"))
@@ -677,24 +680,48 @@ fn the_teacher_and_distill_commands_speak_tls_and_carry_the_token_from_files() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let addr = serving_at(&mut teacher);
+    let mut said = BufReader::new(teacher.stdout.take().unwrap()).lines();
+    let mut serving = || {
+        let line = said.next().unwrap().unwrap();
+        let at = line.split(" on ").nth(1).unwrap_or_else(|| panic!("{line}"));
+        at.split(' ').next().unwrap().to_string()
+    };
+    let addr = serving();
     assert!(addr.starts_with("grpcs://127.0.0.1:"), "{addr}");
-    let distill = |with_token: bool| {
+    // --http-listen with --tls-cert: KServe v2 REST over HTTPS, the same certificate.
+    let rest = serving();
+    assert!(rest.starts_with("https://127.0.0.1:"), "{rest}");
+    let distill = |teacher: &str, with_token: bool, ca: bool| {
         let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
-        c.args(["distill", "--teachers", &addr, "--features", &DIM.to_string(), "--batches", "3"]);
-        c.args(["--batch-size", "16", "--wait-secs", "2", "--teacher-ca"]).arg(d.join("ca.pem"));
+        c.args(["distill", "--teachers", teacher, "--features", &DIM.to_string(), "--batches", "3"]);
+        c.args(["--batch-size", "16", "--wait-secs", "2"]);
+        if ca {
+            c.arg("--teacher-ca").arg(d.join("ca.pem"));
+        }
         if with_token {
             c.arg("--teacher-token-file").arg(d.join("token"));
         }
         c.output().unwrap()
     };
-    let out = distill(true);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(text.contains("done: 48 samples in order with 10-class soft labels"), "{text}");
-    let out = distill(false);
+    for at in [&addr, &rest] {
+        let out = distill(at, true, true);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{at}: {text}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(text.contains("done: 48 samples in order with 10-class soft labels"), "{text}");
+    }
+    let out = distill(&addr, false, true);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("needs a bearer token"), "{err}");
+    // The token never goes in clear, unless asked to: a plain endpoint is
+    // refused before anything is sent; with a CA, a plain endpoint is
+    // refused too (the student expects TLS).
+    let plain = addr.replace("grpcs://", "grpc://");
+    let out = distill(&plain, true, false);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("the bearer token goes only over TLS"), "{err}");
+    let out = distill(&rest.replace("https://", "http://"), false, true);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("reached without TLS"), "{err}");
     let _ = teacher.kill();
     let _ = teacher.wait();
 }
@@ -1072,7 +1099,9 @@ fn the_reader_reads_teachers_that_speak_rest() {
             |_| {},
         )
         .await;
-        let with_token = TeacherAccess { token: Some("tok".into()), ca_pem: None };
+        // A plain http:// teacher gets the token only when asked to.
+        let with_token =
+            TeacherAccess { token: Some("tok".into()), ca_pem: None, allow_insecure_token: true };
         let teachers = Teachers::Fixed(vec![guarded.clone()]);
         drain_and_check(
             DistillReader::start(batches(2, 8).into_iter(), None, teachers, cfg(with_token)),
@@ -1098,4 +1127,28 @@ fn the_reader_reads_teachers_that_speak_rest() {
         let err = first(vec![format!("{open}/resnet")]).await.unwrap_err().to_string();
         assert!(err.contains("HTTP 404") && err.contains("this server serves"), "{err}");
     });
+}
+
+#[test]
+fn the_teachers_a_job_starts_get_its_token_and_serve_tls_with_a_certificate_it_makes() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("token"), "job-token-42\n").unwrap();
+    let mut c = crate::elastic::job(d, &["--epochs", "1", "--teacher-token-file"]);
+    c.arg(d.join("token"));
+    let mut child = c.spawn().unwrap();
+    let rx = crate::elastic::lines(&mut child);
+    let mut seen = Vec::new();
+    let status = crate::elastic::finish(child, rx, &mut seen);
+    let out = seen.join("\n");
+    assert!(status.success(), "{out}");
+    // Its teacher serves TLS (the token would otherwise cross in clear),
+    // and the students, trusting the job's certificate and carrying its
+    // token, distilled from it.
+    assert!(out.contains("serving on grpcs://127.0.0.1:"), "{out}");
+    let r = crate::elastic::report(d);
+    assert!(r["student_test_accuracy"].as_f64().unwrap() > 0.5, "{r}");
+    let key = std::fs::metadata(d.join(".edl/mnist/teacher-tls/teachers.key")).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(key.permissions().mode() & 0o777, 0o600, "the key is its owner's alone");
 }
