@@ -112,7 +112,8 @@ async fn serve(
     let registration = Some((store, args.service.clone(), Duration::from_secs(3)));
     let rest_tls = match &access.tls {
         Some((cert, key)) if args.http_listen.is_some() => Some(
-            edl_runtime::distill::rest::tls_config(cert, key).map_err(|e| anyhow::anyhow!("--tls-cert: {e}"))?,
+            edl_runtime::distill::rest::tls_config(cert, key)
+                .map_err(|e| anyhow::anyhow!("--tls-cert: {e}"))?,
         ),
         _ => None,
     };
@@ -132,7 +133,8 @@ async fn serve(
         let listener =
             tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--http-listen {addr}"))?;
         let at = listener.local_addr()?;
-        let router = edl_runtime::distill::rest::router(service, token);
+        let max_body = edl_runtime::distill::rest::max_body(args.max_request_rows, inputs);
+        let router = edl_runtime::distill::rest::router(service, token, max_body);
         let scheme = match rest_tls {
             Some(config) => {
                 tokio::spawn(edl_runtime::distill::rest::serve_tls(listener, router, config));

@@ -25,7 +25,9 @@ pub fn input_f32(req: &pb::ModelInferRequest, index: usize) -> Result<(Vec<f32>,
         [r, c] if *r >= 0 && *c >= 0 => (*r as usize, *c as usize),
         other => return Err(format!("input {:?} has shape {other:?}; [rows, features] is needed", t.name)),
     };
-    let want = rows.checked_mul(cols).ok_or("shape overflows")?;
+    let want = rows.checked_mul(cols).filter(|n| n.checked_mul(4).is_some()).ok_or_else(|| {
+        format!("input {:?}: shape [{rows}, {cols}] is larger than any tensor can be", t.name)
+    })?;
     let data: Vec<f32> = if let Some(raw) = req.raw_input_contents.get(index) {
         if raw.len() != want * 4 {
             return Err(format!(
@@ -70,12 +72,17 @@ pub fn output_as_f32(
         [r, c] if *r >= 0 && *c >= 0 => (*r as usize, *c as usize),
         other => return Err(format!("output {:?} has shape {other:?}; [rows, classes] is needed", t.name)),
     };
+    // Shapes come from the peer: arithmetic on them is checked, so that
+    // an absurd one is an error, not an overflow.
+    let values = rows.checked_mul(cols).filter(|n| n.checked_mul(8).is_some()).ok_or_else(|| {
+        format!("output {:?}: shape [{rows}, {cols}] is larger than any tensor can be", t.name)
+    })?;
     let raw = resp.raw_output_contents.get(index);
     let typed = t.contents.as_ref();
     let width = |w: usize| -> Result<&[u8], String> {
         let raw =
             raw.ok_or_else(|| format!("output {:?} ({}) came without its raw bytes", t.name, t.datatype))?;
-        if raw.len() != rows * cols * w {
+        if raw.len() != values * w {
             return Err(format!(
                 "output {:?}: {} bytes for {} [{rows}, {cols}]",
                 t.name,
@@ -112,7 +119,7 @@ pub fn output_as_f32(
             ));
         }
     };
-    if data.len() != rows * cols {
+    if data.len() != values {
         return Err(format!("output {:?}: {} values for shape [{rows}, {cols}]", t.name, data.len()));
     }
     Ok((data, rows, cols))
@@ -154,6 +161,26 @@ mod tests {
             raw_output_contents: vec![vec![0; 16], raw],
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn shapes_too_large_for_any_tensor_are_errors_not_overflows() {
+        let mut huge = answer("probs", "FP32", vec![0; 16]);
+        huge.outputs[1].shape = vec![i64::MAX, i64::MAX];
+        let e = output_as_f32(&huge, Some("probs")).unwrap_err();
+        assert!(e.contains("larger than any tensor can be"), "{e}");
+        let req = pb::ModelInferRequest {
+            inputs: vec![pb::model_infer_request::InferInputTensor {
+                name: "input".into(),
+                datatype: "FP32".into(),
+                shape: vec![1 << 40, 1 << 22],
+                ..Default::default()
+            }],
+            raw_input_contents: vec![vec![0; 16]],
+            ..Default::default()
+        };
+        let e = input_f32(&req, 0).unwrap_err();
+        assert!(e.contains("larger than any tensor can be"), "{e}");
     }
 
     #[test]

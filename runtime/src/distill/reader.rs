@@ -393,10 +393,12 @@ type Outcome = (String, Piece, Result<Vec<f32>, (Failure, String)>);
 #[derive(Clone)]
 enum Wire {
     Grpc(GrpcInferenceServiceClient<Channel>),
-    /// KServe v2 over HTTP/REST at this base URL.
+    /// KServe v2 over HTTP/REST at this base URL; whether the server takes
+    /// binary tensors is asked once.
     Rest {
         base: String,
         http: reqwest::Client,
+        binary: Arc<tokio::sync::OnceCell<bool>>,
     },
 }
 
@@ -446,7 +448,7 @@ impl Ask {
                     Ok(Ok(m)) => Ok(Some(m.into_inner())),
                 }
             }
-            Wire::Rest { base, http } => {
+            Wire::Rest { base, http, .. } => {
                 let call = crate::distill::rest_client::metadata(
                     http,
                     base,
@@ -477,13 +479,15 @@ impl Ask {
                     Ok(Ok(resp)) => Ok(resp.into_inner()),
                 }
             }
-            Wire::Rest { base, http } => {
-                match tokio::time::timeout(
-                    timeout,
-                    crate::distill::rest_client::infer(http, base, &req, self.token.as_deref()),
-                )
-                .await
-                {
+            Wire::Rest { base, http, binary } => {
+                let token = self.token.as_deref();
+                let call = async {
+                    let binary = *binary
+                        .get_or_try_init(|| crate::distill::rest_client::speaks_binary(http, base, token))
+                        .await?;
+                    crate::distill::rest_client::infer(http, base, &req, token, binary).await
+                };
+                match tokio::time::timeout(timeout, call).await {
                     Err(_) => Err(late()),
                     Ok(Err(e)) => Err((rest_failure(&e), e.to_string())),
                     Ok(Ok(resp)) => Ok(resp),
@@ -500,26 +504,30 @@ impl Ask {
             return Ok(Names { input: input.unwrap_or_else(|| "input".into()), input_fp64: false, output });
         };
         let model = &self.model;
-        let input_meta = match &input {
-            Some(n) => meta.inputs.iter().find(|i| &i.name == n).ok_or_else(|| {
-                let names: Vec<&str> = meta.inputs.iter().map(|i| i.name.as_str()).collect();
-                (Failure::Permanent, format!("model {model:?} has no input {n:?} (it has {names:?})"))
-            })?,
-            None => meta
-                .inputs
-                .first()
-                .ok_or((Failure::Permanent, format!("model {model:?} declares no input")))?,
-        };
-        let input_fp64 = match input_meta.datatype.as_str() {
-            "FP32" => false,
-            "FP64" => true,
-            other => {
-                let why = format!(
-                    "model {model:?} takes {other} input {:?}; this reader sends FP32 or FP64 features",
-                    input_meta.name
-                );
-                return Err((Failure::Permanent, why));
-            }
+        let (input, input_fp64) = if meta.inputs.is_empty() {
+            // A model that declares no input (MLServer's custom models): the
+            // name given, or the usual one, in FP32.
+            (input.unwrap_or_else(|| "input".into()), false)
+        } else {
+            let input_meta = match &input {
+                Some(n) => meta.inputs.iter().find(|i| &i.name == n).ok_or_else(|| {
+                    let names: Vec<&str> = meta.inputs.iter().map(|i| i.name.as_str()).collect();
+                    (Failure::Permanent, format!("model {model:?} has no input {n:?} (it has {names:?})"))
+                })?,
+                None => &meta.inputs[0],
+            };
+            let input_fp64 = match input_meta.datatype.as_str() {
+                "FP32" => false,
+                "FP64" => true,
+                other => {
+                    let why = format!(
+                        "model {model:?} takes {other} input {:?}; this reader sends FP32 or FP64 features",
+                        input_meta.name
+                    );
+                    return Err((Failure::Permanent, why));
+                }
+            };
+            (input_meta.name.clone(), input_fp64)
         };
         let floating = |d: &str| matches!(d, "FP32" | "FP64" | "FP16" | "BF16");
         let output = match output {
@@ -554,7 +562,7 @@ impl Ask {
                 }
             }
         };
-        Ok(Names { input: input_meta.name.clone(), input_fp64, output })
+        Ok(Names { input, input_fp64, output })
     }
 
     /// Sends `piece` (its `features`, `dim` per row) and reads its soft labels.
@@ -709,6 +717,7 @@ impl Pipeline {
             return Ok(Wire::Rest {
                 base: addr.trim_end_matches('/').to_string(),
                 http: http.build().map_err(|e| e.to_string())?,
+                binary: Arc::default(),
             });
         }
         let (tls, authority) = match addr.split_once("://") {

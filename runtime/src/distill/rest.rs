@@ -27,7 +27,7 @@ struct Served {
 
 /// The routes of the REST protocol for `service`; with `token`, every call
 /// must carry `Authorization: Bearer TOKEN`.
-pub fn router(service: TeacherService, token: Option<String>) -> Router {
+pub fn router(service: TeacherService, token: Option<String>, max_body: usize) -> Router {
     let served = Served { service, token: token.map(Arc::from) };
     Router::new()
         .route("/v2/health/live", get(|| async { StatusCode::OK }))
@@ -45,6 +45,15 @@ pub fn router(service: TeacherService, token: Option<String>) -> Router {
             error(StatusCode::NOT_FOUND, "no such route in KServe v2 as this teacher serves it")
         })
         .with_state(served)
+        // As large as the largest request the teacher takes (axum's default
+        // of 2 MiB refused requests that gRPC takes).
+        .layer(axum::extract::DefaultBodyLimit::max(max_body))
+}
+
+/// The largest request body for `rows` rows of `features` values: JSON
+/// spends up to about 24 bytes on a value, the binary extension 4.
+pub fn max_body(rows: usize, features: usize) -> usize {
+    rows.saturating_mul(features).saturating_mul(24).saturating_add(64 << 10)
 }
 
 /// Serves `router` on `listener` until the process ends.
@@ -59,7 +68,10 @@ const MAX_HANDSHAKES: usize = 256;
 const HANDSHAKE_TIME: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A TLS server configuration from a certificate chain and its key (PEM).
-pub fn tls_config(cert_pem: &[u8], key_pem: &[u8]) -> Result<Arc<tokio_rustls::rustls::ServerConfig>, String> {
+pub fn tls_config(
+    cert_pem: &[u8],
+    key_pem: &[u8],
+) -> Result<Arc<tokio_rustls::rustls::ServerConfig>, String> {
     use tokio_rustls::rustls::{
         self,
         pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject},
@@ -196,7 +208,9 @@ async fn server_metadata(State(s): State<Served>, headers: HeaderMap) -> Respons
     }
     match s.service.server_metadata(Request::new(pb::ServerMetadataRequest {})).await {
         Ok(m) => {
-            let m = m.into_inner();
+            let mut m = m.into_inner();
+            // Binary tensors are this endpoint's to offer (KServe v2's REST extension).
+            m.extensions.push("binary_tensor_data".into());
             axum::Json(json!({ "name": m.name, "version": m.version, "extensions": m.extensions }))
                 .into_response()
         }

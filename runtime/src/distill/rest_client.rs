@@ -40,11 +40,28 @@ fn authorized(req: reqwest::RequestBuilder, token: Option<&str>) -> reqwest::Req
     }
 }
 
-/// The body of an answer, or the error it carries.
-async fn body(resp: reqwest::Response) -> Result<(reqwest::header::HeaderMap, Vec<u8>), CallError> {
+/// The largest answer read (as the gRPC client's largest message).
+pub const MAX_ANSWER: usize = 256 << 20;
+
+/// The body of an answer, or the error it carries; an answer larger than
+/// [`MAX_ANSWER`] is refused as it comes, not read whole first.
+async fn body(mut resp: reqwest::Response) -> Result<(reqwest::header::HeaderMap, Vec<u8>), CallError> {
     let status = resp.status();
     let headers = resp.headers().clone();
-    let bytes = resp.bytes().await.map_err(transport)?.to_vec();
+    let too_large = |n: u64| CallError {
+        status: None,
+        detail: format!("an answer of {n} bytes or more, above the {MAX_ANSWER} this client reads"),
+    };
+    if let Some(n) = resp.content_length().filter(|&n| n > MAX_ANSWER as u64) {
+        return Err(too_large(n));
+    }
+    let mut bytes = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(transport)? {
+        if bytes.len() + chunk.len() > MAX_ANSWER {
+            return Err(too_large((bytes.len() + chunk.len()) as u64));
+        }
+        bytes.extend_from_slice(&chunk);
+    }
     if status.is_success() {
         return Ok((headers, bytes));
     }
@@ -53,6 +70,19 @@ async fn body(resp: reqwest::Response) -> Result<(reqwest::header::HeaderMap, Ve
         .and_then(|v| v["error"].as_str().map(str::to_string))
         .unwrap_or_else(|| String::from_utf8_lossy(&bytes).trim().to_string());
     Err(CallError { status: Some(status.as_u16()), detail })
+}
+
+/// A JSON tensor's values as the bytes a binary answer of `datatype`
+/// would hold (which the decoding of answers then reads).
+fn raw_of_json(datatype: &str, data: &Value) -> Result<Vec<u8>, String> {
+    let mut values = Vec::new();
+    json_numbers(data, &mut values)?;
+    Ok(match datatype {
+        "FP64" => values.iter().flat_map(|&x| (x as f64).to_le_bytes()).collect(),
+        "FP16" => values.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect(),
+        "BF16" => values.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
+        _ => crate::distill::oip::f32_bytes(&values),
+    })
 }
 
 /// `GET /v2/models/{model}[/versions/{v}]`.
@@ -97,7 +127,40 @@ pub async fn metadata(
     })
 }
 
-/// `POST .../infer` with the binary-data extension both ways.
+/// Whether the server at `base` takes and gives tensors as binary data
+/// (`GET /v2` lists the `binary_tensor_data` extension, as Triton's does);
+/// a server that does not (MLServer) is spoken to in JSON.
+pub async fn speaks_binary(
+    http: &reqwest::Client,
+    base: &str,
+    token: Option<&str>,
+) -> Result<bool, CallError> {
+    let resp = authorized(http.get(format!("{base}/v2")), token).send().await.map_err(transport)?;
+    let (_, bytes) = match body(resp).await {
+        // No server metadata to give: the protocol's base, JSON.
+        Err(CallError { status: Some(404 | 501), .. }) => return Ok(false),
+        other => other?,
+    };
+    let v: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| CallError { status: None, detail: format!("server metadata is not JSON: {e}") })?;
+    Ok(v["extensions"].as_array().is_some_and(|x| x.iter().any(|e| e == "binary_tensor_data")))
+}
+
+/// A raw FP32 or FP64 input's values, for a JSON request.
+fn json_values(datatype: &str, raw: &[u8]) -> Result<Value, CallError> {
+    let bad = |detail: String| CallError { status: None, detail };
+    let values: Vec<Value> = match datatype {
+        "FP32" => raw.chunks_exact(4).map(|c| json!(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect(),
+        "FP64" => {
+            raw.chunks_exact(8).map(|c| json!(f64::from_le_bytes(c.try_into().expect("8 bytes")))).collect()
+        }
+        other => return Err(bad(format!("an input of datatype {other} cannot be sent as JSON here"))),
+    };
+    Ok(Value::Array(values))
+}
+
+/// `POST .../infer`: with the binary-data extension both ways where the
+/// server has it (`binary`), in JSON tensors otherwise.
 // Long: one call's binary framing both ways (request out, response in),
 // read together because each side mirrors the other.
 pub async fn infer(
@@ -105,39 +168,57 @@ pub async fn infer(
     base: &str,
     req: &pb::ModelInferRequest,
     token: Option<&str>,
+    binary: bool,
 ) -> Result<pb::ModelInferResponse, CallError> {
     let inputs: Vec<Value> = req
         .inputs
         .iter()
         .zip(&req.raw_input_contents)
         .map(|(t, raw)| {
-            json!({
-                "name": t.name, "datatype": t.datatype, "shape": t.shape,
-                "parameters": { "binary_data_size": raw.len() },
-            })
+            let mut input = json!({ "name": t.name, "datatype": t.datatype, "shape": t.shape });
+            if binary {
+                input["parameters"] = json!({ "binary_data_size": raw.len() });
+            } else {
+                input["data"] = json_values(&t.datatype, raw)?;
+            }
+            Ok(input)
         })
-        .collect();
+        .collect::<Result<_, CallError>>()?;
     let outputs: Vec<Value> = req
         .outputs
         .iter()
-        .map(|o| json!({ "name": o.name, "parameters": { "binary_data": true } }))
+        .map(|o| {
+            if binary {
+                json!({ "name": o.name, "parameters": { "binary_data": true } })
+            } else {
+                json!({ "name": o.name })
+            }
+        })
         .collect();
-    let mut head = json!({ "id": req.id, "inputs": inputs, "parameters": { "binary_data_output": true } });
+    let mut head = json!({ "id": req.id, "inputs": inputs });
+    if binary {
+        head["parameters"] = json!({ "binary_data_output": true });
+    }
     if !outputs.is_empty() {
         head["outputs"] = Value::Array(outputs);
     }
     let mut payload =
         serde_json::to_vec(&head).map_err(|e| CallError { status: None, detail: e.to_string() })?;
     let json_len = payload.len();
-    for raw in &req.raw_input_contents {
-        payload.extend_from_slice(raw);
+    if binary {
+        for raw in &req.raw_input_contents {
+            payload.extend_from_slice(raw);
+        }
     }
     let url = format!("{}/infer", model_url(base, &req.model_name, &req.model_version));
-    let call = http
-        .post(url)
-        .header(HEADER_LENGTH, json_len.to_string())
-        .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-        .body(payload);
+    let call = if binary {
+        http.post(url)
+            .header(HEADER_LENGTH, json_len.to_string())
+            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .body(payload)
+    } else {
+        http.post(url).header(reqwest::header::CONTENT_TYPE, "application/json").body(payload)
+    };
     let resp = authorized(call, token).send().await.map_err(transport)?;
     let (headers, bytes) = body(resp).await?;
     let bad = |detail: String| CallError { status: None, detail };
@@ -177,14 +258,7 @@ pub async fn infer(
                 mine.to_vec()
             }
             // JSON values, as raw bytes of the datatype given.
-            None => {
-                let mut values = Vec::new();
-                json_numbers(&o["data"], &mut values).map_err(|e| bad(format!("output {name:?}: {e}")))?;
-                match datatype.as_str() {
-                    "FP64" => values.iter().flat_map(|&x| (x as f64).to_le_bytes()).collect(),
-                    _ => crate::distill::oip::f32_bytes(&values),
-                }
-            }
+            None => raw_of_json(&datatype, &o["data"]).map_err(|e| bad(format!("output {name:?}: {e}")))?,
         };
         out.outputs.push(pb::model_infer_response::InferOutputTensor {
             name,
@@ -195,4 +269,29 @@ pub async fn infer(
         out.raw_output_contents.push(raw);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_outputs_of_every_float_width_decode_to_their_values() {
+        let data = json!([[0.25, 0.75], [1.5, -2.0]]);
+        for datatype in ["FP32", "FP64", "FP16", "BF16"] {
+            let raw = raw_of_json(datatype, &data).unwrap();
+            let resp = pb::ModelInferResponse {
+                outputs: vec![pb::model_infer_response::InferOutputTensor {
+                    name: "probs".into(),
+                    datatype: datatype.into(),
+                    shape: vec![2, 2],
+                    ..Default::default()
+                }],
+                raw_output_contents: vec![raw],
+                ..Default::default()
+            };
+            let (values, rows, cols) = crate::distill::oip::output_f32(&resp).unwrap();
+            assert_eq!((values, rows, cols), (vec![0.25, 0.75, 1.5, -2.0], 2, 2), "{datatype}");
+        }
+    }
 }

@@ -180,11 +180,7 @@ impl TeacherProcess {
         if let Some(tls) = &guard.tls {
             cmd.arg("--tls-cert").arg(&tls.cert).arg("--tls-key").arg(&tls.key);
         }
-        cmd
-            .env("EDL_STORE", store)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(log_file);
+        cmd.env("EDL_STORE", store).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(log_file);
         die_with_parent(&mut cmd);
         let mut child = cmd.spawn().with_context(|| format!("starting a teacher ({})", exe.display()))?;
         let stdout = child.stdout.take().expect("piped");

@@ -437,7 +437,18 @@ fn a_coordinator_firewalled_from_its_store_stops_and_another_host_takes_the_job_
     let d = dir.path();
     let store_ip = hosts.ip("store");
     let mut redis = hosts.on("store", "redis-server");
-    redis.args(["--bind", &store_ip, "--port", "6379", "--protected-mode", "no", "--save", "", "--appendonly", "no"]);
+    redis.args([
+        "--bind",
+        &store_ip,
+        "--port",
+        "6379",
+        "--protected-mode",
+        "no",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ]);
     let mut redis = redis.arg("--dir").arg(d).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
     hosts.wait_listening("store", 6379);
     let url = format!("redis://{store_ip}:6379/");
@@ -450,7 +461,8 @@ fn a_coordinator_firewalled_from_its_store_stops_and_another_host_takes_the_job_
         let cmd = job(cwd, &args);
         let mut c = hosts.on(host, cmd.get_program().to_str().unwrap());
         c.args(cmd.get_args()).current_dir(cwd);
-        c.args(["--checkpoint-every-steps", "5", "--step-delay-ms", "40", "--checkpoint-dir"]).arg(&checkpoints);
+        c.args(["--checkpoint-every-steps", "5", "--step-delay-ms", "40", "--checkpoint-dir"])
+            .arg(&checkpoints);
         c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
         c
     };

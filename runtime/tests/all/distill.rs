@@ -636,12 +636,18 @@ fn a_teacher_with_tls_and_a_token_answers_only_students_that_trust_it_and_carry_
 
         // No token, a wrong token, a CA that did not sign it, or no TLS at all: refused.
         let cases = [
-            (TeacherAccess { token: None, ca_pem: Some(ca.clone()), ..Default::default() }, "needs a bearer token"),
+            (
+                TeacherAccess { token: None, ca_pem: Some(ca.clone()), ..Default::default() },
+                "needs a bearer token",
+            ),
             (
                 TeacherAccess { token: Some("guess".into()), ca_pem: Some(ca.clone()), ..Default::default() },
                 "wrong bearer token",
             ),
-            (TeacherAccess { token: token.clone(), ca_pem: Some(certificates().0), ..Default::default() }, ""),
+            (
+                TeacherAccess { token: token.clone(), ca_pem: Some(certificates().0), ..Default::default() },
+                "",
+            ),
             (TeacherAccess { token: token.clone(), ca_pem: None, ..Default::default() }, ""),
         ];
         for (access, why) in cases {
@@ -1070,7 +1076,11 @@ fn the_reader_reads_teachers_that_speak_rest() {
             let service = TeacherService::new(model(), TeacherConfig::default());
             tokio::spawn(edl_runtime::distill::rest::serve(
                 listener,
-                edl_runtime::distill::rest::router(service, token),
+                edl_runtime::distill::rest::router(
+                    service,
+                    token,
+                    edl_runtime::distill::rest::max_body(4096, DIM),
+                ),
             ));
             format!("http://{addr}")
         };
@@ -1151,4 +1161,117 @@ fn the_teachers_a_job_starts_get_its_token_and_serve_tls_with_a_certificate_it_m
     let key = std::fs::metadata(d.join(".edl/mnist/teacher-tls/teachers.key")).unwrap();
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(key.permissions().mode() & 0o777, 0o600, "the key is its owner's alone");
+}
+
+/// A model for MLServer (the KServe v2 reference server, from the package
+/// registry): soft labels softmax(x W) with a W the test knows, declaring
+/// no input or output (as custom MLServer models often do).
+const MLSERVER_MODEL: &str = r#"
+import numpy as np
+from mlserver import MLModel
+from mlserver.codecs import NumpyCodec
+from mlserver.types import InferenceRequest, InferenceResponse
+
+
+class Probs(MLModel):
+    async def load(self) -> bool:
+        return True
+
+    async def predict(self, payload: InferenceRequest) -> InferenceResponse:
+        x = NumpyCodec.decode_input(payload.inputs[0]).astype(np.float64)
+        w = np.array([[((i * 7 + j * 3) % 11 - 5) / 10.0 for j in range(10)] for i in range(x.shape[1])])
+        z = x @ w
+        z -= z.max(axis=1, keepdims=True)
+        p = np.exp(z)
+        p /= p.sum(axis=1, keepdims=True)
+        out = NumpyCodec.encode_output("probs", p.astype(np.float32))
+        return InferenceResponse(model_name=self.name, outputs=[out])
+"#;
+
+/// The soft labels [`MLSERVER_MODEL`] gives for `features` rows of `dim`.
+fn mlserver_probs(features: &[f32], dim: usize) -> Vec<f32> {
+    let mut out = Vec::new();
+    for row in features.chunks(dim) {
+        let z: Vec<f64> = (0..10)
+            .map(|j| {
+                (0..dim).map(|i| row[i] as f64 * (((i * 7 + j * 3) % 11) as f64 - 5.0) / 10.0).sum::<f64>()
+            })
+            .collect();
+        let top = z.iter().cloned().fold(f64::MIN, f64::max);
+        let e: Vec<f64> = z.iter().map(|v| (v - top).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        out.extend(e.iter().map(|v| (v / sum) as f32));
+    }
+    out
+}
+
+#[test]
+fn mlserver_over_rest_in_json_tensors_and_over_grpc_gives_the_soft_labels_its_model_computes() {
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    let venv = exe.parent().unwrap().parent().unwrap().join("mlserver/venv");
+    let bin = crate::python::venv_with(&venv, "import mlserver", &["mlserver>=1.7,<2"])
+        .unwrap_or_else(|e| panic!("MLServer from the package registry: {e}"));
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::create_dir(d.join("digits")).unwrap();
+    std::fs::write(d.join("digits/model.py"), MLSERVER_MODEL).unwrap();
+    std::fs::write(
+        d.join("digits/model-settings.json"),
+        r#"{"name": "digits", "implementation": "model.Probs"}"#,
+    )
+    .unwrap();
+    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (http, grpc) = (free(), free());
+    let settings = format!(
+        r#"{{"host": "127.0.0.1", "http_port": {http}, "grpc_port": {grpc}, "metrics_endpoint": null, "parallel_workers": 0}}"#
+    );
+    std::fs::write(d.join("settings.json"), settings).unwrap();
+    let log = std::fs::File::create(d.join("mlserver.log")).unwrap();
+    let mut server = Command::new(bin.join("mlserver"))
+        .arg("start")
+        .arg(d)
+        .current_dir(d)
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let said = || std::fs::read_to_string(d.join("mlserver.log")).unwrap_or_default();
+    runtime().block_on(async {
+        // Ready when its model is (it loads after the port opens).
+        let ready = format!("http://127.0.0.1:{http}/v2/models/digits/ready");
+        let client = reqwest::Client::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        while !client.get(&ready).send().await.is_ok_and(|r| r.status().is_success()) {
+            assert!(std::time::Instant::now() < deadline, "MLServer did not get ready:\n{}", said());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        for teacher in
+            [format!("http://127.0.0.1:{http}/digits@probs"), format!("grpc://127.0.0.1:{grpc}/digits@probs")]
+        {
+            let cfg = DistillConfig {
+                classes: Some(CLASSES),
+                wait_for_teachers: Duration::from_secs(10),
+                ..Default::default()
+            };
+            let data = batches(3, 16);
+            let mut reader = DistillReader::start(
+                data.clone().into_iter(),
+                None,
+                Teachers::Fixed(vec![teacher.clone()]),
+                cfg,
+            );
+            for b in &data {
+                let got =
+                    reader.next().await.unwrap().unwrap_or_else(|e| panic!("{teacher}: {e}\n{}", said()));
+                // Probabilities reach the student as log-probabilities.
+                let want: Vec<f32> =
+                    mlserver_probs(&b.to_f32().unwrap(), DIM).iter().map(|p| p.ln()).collect();
+                assert_eq!(got.soft.len(), want.len(), "{teacher}");
+                let worst = got.soft.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(worst < 1e-4, "{teacher}: soft labels off by {worst}");
+            }
+        }
+    });
+    let _ = server.kill();
+    let _ = server.wait();
 }

@@ -597,14 +597,16 @@ fn two_thousand_idle_and_trickling_connections_do_not_stop_a_running_job() {
     use std::net::TcpStream;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let mut c = small(d, &["--epochs", "6", "--min-workers", "2", "--max-workers", "2", "--step-delay-ms", "40"]);
+    let mut c =
+        small(d, &["--epochs", "6", "--min-workers", "2", "--max-workers", "2", "--step-delay-ms", "40"]);
     let mut child = c.spawn().unwrap();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
     crate::elastic::wait_for(&rx, "workers join with", &mut seen, Duration::from_secs(120));
     // "coordinator at ADDR (rendezvous ADDR); ..."
     let line = seen.last().unwrap().clone();
-    let field = |after: &str| line.split(after).nth(1).unwrap().split([' ', ')', ';']).next().unwrap().to_string();
+    let field =
+        |after: &str| line.split(after).nth(1).unwrap().split([' ', ')', ';']).next().unwrap().to_string();
     let (control, rendezvous) = (field("coordinator at "), field("(rendezvous "));
     crate::elastic::wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
 

@@ -63,7 +63,7 @@ pub(crate) fn torch_py() -> &'static PyEnv {
 
 /// A virtual environment at `venv` in which `probe` runs: made, and
 /// `packages` installed from the package registry, only when it does not.
-fn venv_with(venv: &Path, probe: &str, packages: &[&str]) -> Result<PathBuf, String> {
+pub(crate) fn venv_with(venv: &Path, probe: &str, packages: &[&str]) -> Result<PathBuf, String> {
     let bin = venv.join("bin");
     let ready = |bin: &Path| {
         Command::new(bin.join("python"))
