@@ -338,7 +338,8 @@ impl Job {
             .build()
             .map_err(err)?;
         Ok(Some(Job {
-            id,
+            // The coordinator's, when it gave this worker its id.
+            id: session.id(),
             samples: std::sync::atomic::AtomicUsize::new(spec.samples),
             epochs: spec.epochs,
             seed: spec.seed,

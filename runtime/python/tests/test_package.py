@@ -98,8 +98,9 @@ def test_a_program_that_registers_nothing_is_told_so(tmp_path):
 class ScriptedCoordinator:
     """Welcomes one worker, then does what the test says."""
 
-    def __init__(self, tmp_path, secret=SECRET):
+    def __init__(self, tmp_path, secret=SECRET, assign=None):
         self.secret = bytes.fromhex(secret)
+        self.assign = assign
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
         self.spec = {
@@ -125,6 +126,8 @@ class ScriptedCoordinator:
         if noise is None:
             return
         self.hello = json.loads(self._receive(f, noise))
+        if self.assign is not None:
+            self._send(f, noise, (json.dumps({"assigned": {"worker": self.assign}}) + "\n").encode())
         self._send(f, noise, (json.dumps({"welcome": self.spec}) + "\n").encode())
 
     def _mac(self, label, parts):
@@ -192,6 +195,14 @@ def test_a_worker_that_does_not_know_the_secret_is_not_admitted(tmp_path):
     with pytest.raises(edl.EdlError, match="did not admit it to job \"scripted\": the peer does not know the job's secret"):
         edl.Job.connect(c.addr, 7, "scripted", SECRET)
     assert c.hello is None, "nothing was said before the secret was proven"
+    c.close()
+
+
+def test_a_worker_joining_without_an_id_has_the_one_the_coordinator_gives(tmp_path):
+    c = ScriptedCoordinator(tmp_path, assign=12)
+    job = edl.Job.connect(c.addr, 0, "scripted", SECRET)
+    assert c.hello == {"hello": {"worker": 0, "pid": os.getpid()}}
+    assert job.worker_id == 12
     c.close()
 
 

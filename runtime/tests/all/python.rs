@@ -149,7 +149,7 @@ fn the_python_package_passes_its_tests() {
         .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{text}");
-    assert!(text.contains("6 passed"), "{text}");
+    assert!(text.contains("7 passed"), "{text}");
 }
 
 /// The flags both the NumPy student and the built-in one run with: three
