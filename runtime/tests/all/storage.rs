@@ -173,5 +173,8 @@ fn a_job_keeps_its_checkpoints_in_s3_and_resumes_from_there_after_it_was_killed(
     }
     assert_eq!(r["epochs"].as_array().unwrap().len(), 3);
     assert!(r["final_checkpoint"].as_str().unwrap().starts_with(url), "{r}");
+    // The report lists the checkpoints written there (the newest kept).
+    let listed: Vec<&str> = r["checkpoints"].as_array().unwrap().iter().filter_map(|c| c.as_str()).collect();
+    assert!(!listed.is_empty() && listed.iter().all(|c| c.starts_with(url)), "{r}");
     assert!(cps.has_file("complete.json").unwrap(), "the finished job is marked in the bucket");
 }

@@ -273,8 +273,16 @@ impl Coordinator<'_> {
             match &w.result {
                 Ok(p) => {
                     (self.progress)(Progress::Checkpoint { step: w.step, path: p });
+                    self.checkpoints.retain(|c| c != p);
                     self.checkpoints.push(p.clone());
-                    self.checkpoints.retain(|c| c.exists());
+                    if self.ckpt.is_remote() {
+                        // Object storage prunes as a directory does: the newest stay.
+                        let keep = self.cfg.spec.keep_checkpoints.max(1);
+                        let over = self.checkpoints.len().saturating_sub(keep);
+                        self.checkpoints.drain(..over);
+                    } else {
+                        self.checkpoints.retain(|c| c.exists());
+                    }
                 }
                 Err(e) => self.note(format!("checkpoint of step {} failed: {e}", w.step)),
             }
