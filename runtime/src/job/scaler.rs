@@ -338,6 +338,10 @@ pub struct CommandScaler {
     slots: Vec<(String, usize)>,
     /// Running commands: worker id -> (process, slot index).
     children: BTreeMap<u64, (Child, Option<usize>)>,
+    /// Every worker started and not stopped yet, with its slot: a command
+    /// that hands the worker to an engine (sbatch, kubectl run) exits at
+    /// once, and the worker is still the engine's to stop.
+    started: BTreeMap<u64, Option<usize>>,
     job: String,
     /// The words `{program}` stands for (each filled in and quoted).
     program: Vec<String>,
@@ -448,6 +452,7 @@ impl CommandScaler {
             log_dir: log_dir.into(),
             slots,
             children: BTreeMap::new(),
+            started: BTreeMap::new(),
             job: String::new(),
             program,
         })
@@ -618,17 +623,27 @@ impl Scaler for CommandScaler {
             self.shell(&line, id, Some(auth), log).map_err(|e| anyhow::anyhow!("worker {id}: {e}"))?;
         tracing::info!("worker {id}: started `{line}`");
         self.children.insert(id, (child, slot));
+        self.started.insert(id, slot);
         Ok(())
     }
 
     fn stop(&mut self, id: u64, grace: Duration) {
-        let Some((mut child, slot)) = self.children.remove(&id) else { return };
+        let Some(slot) = self.started.remove(&id) else { return };
+        let mut child = self.children.remove(&id).map(|(c, _)| c);
+        let mut running = |c: &mut Option<Child>| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)));
+        let was_running = running(&mut child);
         let until = Instant::now() + grace;
-        while Instant::now() < until && matches!(child.try_wait(), Ok(None)) {
+        while Instant::now() < until && running(&mut child) {
             std::thread::sleep(Duration::from_millis(10));
         }
+        // The engine's stop command runs when the start command outlived
+        // the grace, and when it had ended before the stop: it handed the
+        // worker to an engine (sbatch, kubectl run), which holds it still
+        // (for a worker that finished, the command is harmless). A start
+        // command that ended within the grace took its worker with it.
+        let needs_stop = running(&mut child) || !was_running;
         if let Some(stop) = &self.stop
-            && matches!(child.try_wait(), Ok(None))
+            && needs_stop
         {
             // The engine's own way to stop it (scancel, kubectl delete, ...).
             match self.fill(stop, id, "", slot).and_then(|line| {
@@ -645,7 +660,9 @@ impl Scaler for CommandScaler {
                 Err(e) => tracing::warn!("worker {id}: --worker-stop-command: {e:#}"),
             }
         }
-        terminate_group(&mut child, Duration::from_secs(1));
+        if let Some(c) = child.as_mut() {
+            terminate_group(c, Duration::from_secs(1));
+        }
     }
 
     fn exited(&mut self) -> Vec<(u64, String)> {
@@ -847,6 +864,33 @@ mod tests {
         assert_eq!(log(2).trim(), "2 h2 0 10.0.0.1:7070 j 64");
         s.spawn(3, "10.0.0.1:7070", &auth).unwrap();
         assert_eq!(s.children[&3].1, Some(0), "the freed first slot");
+    }
+
+    #[test]
+    fn the_stop_command_runs_for_a_worker_whose_start_command_handed_it_on_and_exited() {
+        let dir = tempfile::tempdir().unwrap();
+        let stopped = dir.path().join("stopped");
+        // As sbatch does: the start command returns at once; the worker is
+        // the engine's now, and only the stop command reaches it.
+        let stop = format!("echo {{id}} >> {}", stopped.display());
+        let mut s = CommandScaler::new("true", Some(&stop), &[], "x", dir.path()).unwrap();
+        let auth = JobAuth { job: "j".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
+        s.spawn(4, "c:1", &auth).unwrap();
+        while s.exited().is_empty() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        s.stop(4, Duration::ZERO);
+        assert_eq!(std::fs::read_to_string(&stopped).unwrap(), "4\n");
+        // A worker stopped twice, or never started, is not stopped again.
+        s.stop(4, Duration::ZERO);
+        s.stop(9, Duration::ZERO);
+        assert_eq!(std::fs::read_to_string(&stopped).unwrap(), "4\n");
+        // A start command that runs the worker in the foreground and ends
+        // within the grace took its worker with it: no stop command.
+        let mut s = CommandScaler::new("read s; sleep 0.2", Some(&stop), &[], "x", dir.path()).unwrap();
+        s.spawn(5, "c:1", &auth).unwrap();
+        s.stop(5, Duration::from_secs(30));
+        assert_eq!(std::fs::read_to_string(&stopped).unwrap(), "4\n");
     }
 
     #[test]
