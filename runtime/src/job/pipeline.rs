@@ -44,6 +44,8 @@ pub struct Failure {
     pub step: u64,
     /// Steps that were sent and are dropped (the failed one included).
     pub dropped: usize,
+    /// Ranks that failed because no teacher answered them.
+    pub no_teachers: BTreeSet<Rank>,
 }
 
 #[derive(Debug)]
@@ -178,6 +180,9 @@ impl Pipeline {
         let f = self.failure.get_or_insert_with(Failure::default);
         f.errors.push(text);
         f.cause = f.cause.or(cause);
+        if cause == Some(FailCause::NoTeachers) {
+            f.no_teachers.insert(rank);
+        }
         self.settled.insert(rank);
     }
 
@@ -246,7 +251,21 @@ impl Pipeline {
         }
         let step = self.first_uncommitted();
         let dropped = self.in_flight();
-        self.failure.take().map(|f| Failure { step, dropped, ..f })
+        let mut f = self.failure.take()?;
+        // Teachers that answered another rank in the failed window are
+        // there: a rank that reached none is at fault (its host or its
+        // network), and is replaced, not the job ended.
+        let others_reached = self.windows.front().is_some_and(|w| {
+            w.reported.iter().enumerate().any(|(r, got)| got.is_some() && !f.no_teachers.contains(&r))
+        });
+        if f.cause == Some(FailCause::NoTeachers) && others_reached {
+            f.cause = None;
+            for &r in &f.no_teachers {
+                f.dead.insert(r);
+                f.errors.push(format!("{} reached no teacher while others did; replacing it", self.name(r)));
+            }
+        }
+        Some(Failure { step, dropped, ..f })
     }
 
     /// The first step issued and not committed, if any.
@@ -388,5 +407,26 @@ mod tests {
         p.issue(t0, plan(0, 1));
         p.fail(0, "no teacher answered".into(), Some(FailCause::NoTeachers));
         assert_eq!(p.settled_failure().unwrap().cause, Some(FailCause::NoTeachers));
+        // Every rank of a generation without teachers: the job's end.
+        let mut p = Pipeline::new(2, names(2), 0, t0, T);
+        p.issue(t0, plan(0, 2));
+        p.fail(0, "no teacher answered".into(), Some(FailCause::NoTeachers));
+        p.fail(1, "no teacher answered".into(), Some(FailCause::NoTeachers));
+        assert_eq!(p.settled_failure().unwrap().cause, Some(FailCause::NoTeachers));
+    }
+
+    #[test]
+    fn a_rank_that_reached_no_teacher_while_others_did_is_replaced_not_the_job_ended() {
+        let t0 = Instant::now();
+        let mut p = Pipeline::new(3, names(3), 0, t0, T);
+        let a = plan(0, 3);
+        p.issue(t0, a.clone());
+        p.report(t0, 0, done(0, &a), 0.0);
+        p.fail(1, "no teacher answered within 20s".into(), Some(FailCause::NoTeachers));
+        p.fail(2, "ring broke".into(), None);
+        let f = p.settled_failure().unwrap();
+        assert_eq!(f.cause, None, "the teachers answered rank 0");
+        assert_eq!(f.dead, BTreeSet::from([1]), "the rank that reached none goes");
+        assert!(f.errors.last().unwrap().contains("reached no teacher while others did"), "{:?}", f.errors);
     }
 }

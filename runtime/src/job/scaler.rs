@@ -630,7 +630,7 @@ impl Scaler for CommandScaler {
     fn stop(&mut self, id: u64, grace: Duration) {
         let Some(slot) = self.started.remove(&id) else { return };
         let mut child = self.children.remove(&id).map(|(c, _)| c);
-        let mut running = |c: &mut Option<Child>| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)));
+        let running = |c: &mut Option<Child>| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)));
         let was_running = running(&mut child);
         let until = Instant::now() + grace;
         while Instant::now() < until && running(&mut child) {

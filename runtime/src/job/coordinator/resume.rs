@@ -232,6 +232,7 @@ impl Coordinator<'_> {
             cause: None,
             step,
             dropped: 0,
+            no_teachers: BTreeSet::new(),
         };
         self.saved = None;
         let msg = ToWorker::Commit { step, checkpoint: Some(self.manifest()), wait: true };
