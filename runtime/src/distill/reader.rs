@@ -380,6 +380,8 @@ struct Pipeline {
     queue: VecDeque<Piece>,
     pending: BTreeMap<u64, Pending>,
     classes: Option<usize>,
+    /// The teacher whose first answer set `classes` (None: the student's).
+    classes_from: Option<String>,
     next_in: u64,
     next_out: u64,
     source_done: bool,
@@ -648,6 +650,7 @@ impl Pipeline {
     fn new(cfg: DistillConfig, teachers: Teachers) -> Self {
         Pipeline {
             classes: cfg.classes,
+            classes_from: None,
             cfg,
             teachers,
             pool: BTreeMap::new(),
@@ -823,14 +826,24 @@ impl Pipeline {
             }
             match self.classes {
                 Some(c) if c != cols => {
-                    let whose = if expected.is_some() { "the student has" } else { "other teachers answer" };
-                    Err((Failure::Permanent, format!("answered {cols} classes; {whose} {c}")))
+                    let whose = match (&expected, &self.classes_from) {
+                        (Some(_), _) => format!("the student has {c}"),
+                        (None, Some(first)) => format!(
+                            "teacher {first}, the first to answer, gives {c} (the student's class count, \
+                             where it is given, settles which is right)"
+                        ),
+                        (None, None) => format!("other teachers answer {c}"),
+                    };
+                    Err((Failure::Permanent, format!("answered {cols} classes; {whose}")))
                 }
                 _ => Ok((v, cols)),
             }
         });
         match accepted {
             Ok((v, cols)) => {
+                if self.classes.is_none() {
+                    self.classes_from = Some(addr.clone());
+                }
                 self.classes = Some(cols);
                 self.stalled_since = None;
                 if let Some(t) = self.pool.get_mut(&addr) {
