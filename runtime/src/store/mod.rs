@@ -4,8 +4,11 @@
 //!   needs no server).
 //! - [`RedisStore`]: Redis, shared by jobs and teachers and surviving a
 //!   coordinator restart; reconnects with backoff after a Redis restart.
+//! - [`EtcdStore`]: an etcd cluster, replicated and linearizable: it
+//!   survives losing a minority of its members.
 //!
-//! Every value carries a *token* that grows by one at each write of its key:
+//! Every value carries a *token*; tokens come from one sequence for the
+//! whole store, so each write's is higher than any before, of any key:
 //! [`Store::compare_and_set`] writes only if the token is still the one the
 //! writer read, which makes it a fencing token for single-writer state.
 //! A value written with a TTL is a *lease*: it disappears unless refreshed
@@ -13,11 +16,13 @@
 //! changed and removed under a prefix. Key layout: `docs/store.md`.
 
 mod lease;
+mod etcd_store;
 mod memory;
 mod redis_store;
 mod watch;
 
 pub use lease::Lease;
+pub use etcd_store::EtcdStore;
 pub use memory::MemoryStore;
 pub use redis_store::RedisStore;
 pub use watch::{Change, watch};
@@ -48,7 +53,10 @@ pub enum StoreError {
     Unavailable { url: String, detail: String },
     #[error("store {url}: unexpected reply for {op}: {detail}")]
     Protocol { url: String, op: &'static str, detail: String },
-    #[error("invalid store address {:?}: expected `memory` or `redis://host:port[/db]`", redact(.0))]
+    #[error(
+        "invalid store address {:?}: expected `memory`, `redis://host:port[/db]` or `etcd://host:port[,host:port...]`",
+        redact(.0)
+    )]
     BadUrl(String),
 }
 
@@ -105,6 +113,7 @@ pub fn redact(url: &str) -> String {
 pub enum AnyStore {
     Memory(MemoryStore),
     Redis(RedisStore),
+    Etcd(EtcdStore),
 }
 
 impl AnyStore {
@@ -116,6 +125,9 @@ impl AnyStore {
         if url.starts_with("redis://") || url.starts_with("rediss://") {
             return Ok(AnyStore::Redis(RedisStore::open(url)?));
         }
+        if url.starts_with("etcd://") {
+            return Ok(AnyStore::Etcd(EtcdStore::open(url)?));
+        }
         Err(StoreError::BadUrl(url.to_string()))
     }
 }
@@ -125,6 +137,7 @@ macro_rules! delegate {
         match $self {
             AnyStore::Memory($s) => $e.await,
             AnyStore::Redis($s) => $e.await,
+            AnyStore::Etcd($s) => $e.await,
         }
     };
 }

@@ -1,6 +1,7 @@
-//! The store, in memory and in a real Redis started by the test itself: the
-//! same behaviour from both, leases, fencing tokens, watchers, and a Redis
-//! restart in the middle.
+//! The store, in memory, in a real Redis and in a real three-member etcd
+//! cluster, each started by the test itself: the same behaviour from all,
+//! leases, fencing tokens, watchers, a Redis restart in the middle, and an
+//! etcd cluster losing its leader.
 
 use edl_runtime::store::{AnyStore, Cas, Change, Lease, MemoryStore, RedisStore, Store, keys, watch};
 use std::{
@@ -92,13 +93,106 @@ impl Drop for RedisServer {
     }
 }
 
+/// An etcd cluster of this test's own (Debian's etcd-server), its members
+/// on free loopback ports.
+pub struct EtcdCluster {
+    dir: tempfile::TempDir,
+    /// Each member's name, client port, peer port and process.
+    members: Vec<(String, u16, u16, Option<Child>)>,
+}
+
+impl EtcdCluster {
+    pub fn start(n: usize) -> Self {
+        let free = || TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let members: Vec<(String, u16, u16, Option<Child>)> =
+            (0..n).map(|i| (format!("m{i}"), free(), free(), None)).collect();
+        let mut c = EtcdCluster { dir: tempfile::tempdir().unwrap(), members };
+        let initial: Vec<String> =
+            c.members.iter().map(|(name, _, peer, _)| format!("{name}=http://127.0.0.1:{peer}")).collect();
+        let initial = initial.join(",");
+        let bin = std::env::var_os("EDL_ETCD").map(PathBuf::from).unwrap_or_else(|| "etcd".into());
+        for (name, client, peer, child) in &mut c.members {
+            let (client_url, peer_url) = (format!("http://127.0.0.1:{client}"), format!("http://127.0.0.1:{peer}"));
+            let spawned = Command::new(&bin)
+                .args(["--name", name, "--data-dir"])
+                .arg(c.dir.path().join(name.as_str()))
+                .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
+                .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+                .args(["--initial-cluster", &initial, "--initial-cluster-state", "new"])
+                .args(["--initial-cluster-token", "edl-test", "--heartbeat-interval", "50", "--election-timeout", "500"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| {
+                    panic!("cannot start {}: {e}. The etcd tests need etcd-server (.ci/run installs it)", bin.display())
+                });
+            *child = Some(spawned);
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while c.leader().is_none() {
+            assert!(Instant::now() < deadline, "the etcd cluster elected no leader");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        c
+    }
+
+    pub fn url(&self) -> String {
+        let all: Vec<String> = self.members.iter().map(|(_, client, _, _)| format!("127.0.0.1:{client}")).collect();
+        format!("etcd://{}", all.join(","))
+    }
+
+    /// Which running member leads, asked through etcd's JSON gateway.
+    pub fn leader(&self) -> Option<usize> {
+        use std::io::{Read, Write};
+        for (i, (_, client, _, child)) in self.members.iter().enumerate() {
+            if child.is_none() {
+                continue;
+            }
+            let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", *client)) else { continue };
+            let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+            let req = "POST /v3/maintenance/status HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}";
+            if s.write_all(req.as_bytes()).is_err() {
+                continue;
+            }
+            let mut answer = String::new();
+            let _ = s.read_to_string(&mut answer);
+            let Some(body) = answer.split("\r\n\r\n").nth(1) else { continue };
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(body) else { continue };
+            let (me, leader) = (&v["header"]["member_id"], &v["leader"]);
+            if !leader.is_null() && me == leader {
+                return Some(i);
+            }
+            let _ = i;
+        }
+        None
+    }
+
+    /// Kills member `i` (as a crash does).
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.members[i].3.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill(i);
+        }
+    }
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
 }
 
 /// The behaviour every store must have.
-async fn contract<S: Store>(store: Arc<S>) {
-    let ms = Duration::from_millis;
+/// `slow` stretches every lease and wait: etcd counts leases in whole
+/// seconds (1 for Redis and memory).
+async fn contract<S: Store>(store: Arc<S>, slow: u32) {
+    let ms = |n: u64| Duration::from_millis(n) * slow;
     // put, get, tokens, list by prefix, delete
     let t1 = store.put("a/1", b"one", None).await.unwrap();
     let t2 = store.put("a/1", b"uno", None).await.unwrap();
@@ -186,21 +280,21 @@ async fn contract<S: Store>(store: Arc<S>) {
     let mut rx = watch(store.clone(), keys::teachers("svc"), ms(100));
     let start = Instant::now();
     store.put(&keys::teacher("svc", "t1"), b"127.0.0.1:9000", Some(ms(400))).await.unwrap();
-    match tokio::time::timeout(Duration::from_secs(1), rx.recv()).await {
+    match tokio::time::timeout(ms(1000), rx.recv()).await {
         Ok(Some(Change::Added(e))) => assert_eq!(e.value, b"127.0.0.1:9000"),
         other => panic!("no addition seen within 1 s: {other:?}"),
     }
     // Not refreshed: the lease expires and the watcher reports it.
-    match tokio::time::timeout(Duration::from_secs(2), rx.recv()).await {
+    match tokio::time::timeout(ms(2000), rx.recv()).await {
         Ok(Some(Change::Removed(k))) => assert_eq!(k, keys::teacher("svc", "t1")),
         other => panic!("no removal seen: {other:?}"),
     }
-    assert!(start.elapsed() < Duration::from_secs(2));
+    assert!(start.elapsed() < ms(2000));
 }
 
 #[test]
 fn the_memory_store_keeps_the_contract() {
-    runtime().block_on(contract(Arc::new(MemoryStore::new())));
+    runtime().block_on(contract(Arc::new(MemoryStore::new()), 1));
 }
 
 #[test]
@@ -209,10 +303,61 @@ fn the_redis_store_keeps_the_contract() {
     runtime().block_on(async {
         let store = match AnyStore::open(&server.url()).unwrap() {
             AnyStore::Redis(r) => r,
-            AnyStore::Memory(_) => unreachable!(),
+            _ => unreachable!(),
         };
-        contract(Arc::new(store)).await
+        contract(Arc::new(store), 1).await
     });
+}
+
+#[test]
+fn the_etcd_store_keeps_the_contract() {
+    let cluster = EtcdCluster::start(3);
+    runtime().block_on(async {
+        let store = match AnyStore::open(&cluster.url()).unwrap() {
+            AnyStore::Etcd(e) => e,
+            _ => unreachable!(),
+        };
+        contract(Arc::new(store), 10).await
+    });
+}
+
+#[test]
+fn an_etcd_store_that_loses_its_leader_goes_on_with_what_it_held() {
+    let mut cluster = EtcdCluster::start(3);
+    let rt = runtime();
+    let store = rt.block_on(async { AnyStore::open(&cluster.url()).unwrap() });
+    let before = rt.block_on(async {
+        let Cas::Written(t) = store.compare_and_set("edl/jobs/j/state", None, b"gen 4", None).await.unwrap() else {
+            panic!("the first write")
+        };
+        store.put("edl/jobs/j/workers/1", b"w1", None).await.unwrap();
+        t
+    });
+    let leader = cluster.leader().expect("a leader");
+    cluster.kill(leader);
+    rt.block_on(async {
+        // A blip while the others elect a new leader; then every operation
+        // works, and nothing written before is lost.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut token = before;
+        let after = loop {
+            match store.compare_and_set("edl/jobs/j/state", Some(token), b"gen 5", None).await {
+                Ok(Cas::Written(t)) => break t,
+                Ok(Cas::Conflict { current }) => token = current.expect("the state is there"),
+                Err(e) => assert!(Instant::now() < deadline, "no write within 30 s of losing the leader: {e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert!(after > before);
+        assert_eq!(store.get("edl/jobs/j/workers/1").await.unwrap().unwrap().value, b"w1");
+        let mut last = after;
+        for i in 0..20 {
+            let t = store.put("edl/jobs/j/workers/2", format!("{i}").as_bytes(), None).await.unwrap();
+            assert!(t > last, "tokens strictly increase: {t} after {last}");
+            last = t;
+        }
+    });
+    assert!(cluster.leader().is_some_and(|l| l != leader), "a new leader");
 }
 
 #[test]

@@ -1,0 +1,233 @@
+//! The etcd store (`etcd://host1:port,host2:port,...`): a replicated,
+//! linearizable store that survives losing a minority of its members.
+//!
+//! Tokens are etcd's own revisions: every write of the cluster gets the next
+//! one, so they strictly increase across keys, deletions and expiries, as the
+//! [`super::Store`] contract asks. A key written with a TTL is attached to an
+//! etcd lease of that TTL (etcd counts leases in whole seconds, at least the
+//! cluster's minimum: a TTL is rounded up). Compare-and-set and
+//! compare-and-delete are etcd transactions on the key's `mod_revision`.
+
+use super::{Cas, Entry, Store, StoreError};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp,
+    TxnOpResponse,
+};
+use std::{sync::Arc, time::Duration};
+
+/// A store in an etcd cluster; connects on first use.
+#[derive(Clone)]
+pub struct EtcdStore {
+    url: Arc<str>,
+    endpoints: Arc<[String]>,
+    client: Arc<tokio::sync::OnceCell<Client>>,
+}
+
+impl std::fmt::Debug for EtcdStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "EtcdStore({})", self.url)
+    }
+}
+
+/// A lease's TTL in etcd's whole seconds (rounded up, at least one).
+fn seconds(ttl: Duration) -> i64 {
+    ttl.as_millis().div_ceil(1000).max(1) as i64
+}
+
+fn token(revision: i64) -> u64 {
+    revision.max(0) as u64
+}
+
+impl EtcdStore {
+    /// A store at `url`: `etcd://host:port[,host:port...]` (the members'
+    /// client addresses). Nothing is contacted yet.
+    pub fn open(url: &str) -> Result<Self, StoreError> {
+        let rest = url.strip_prefix("etcd://").ok_or_else(|| StoreError::BadUrl(url.to_string()))?;
+        let endpoints: Vec<String> = rest
+            .trim_end_matches('/')
+            .split(',')
+            .filter(|e| !e.is_empty())
+            .map(|e| format!("http://{e}"))
+            .collect();
+        if endpoints.is_empty() {
+            return Err(StoreError::BadUrl(url.to_string()));
+        }
+        Ok(EtcdStore { url: url.into(), endpoints: endpoints.into(), client: Arc::default() })
+    }
+
+    fn err(&self, e: etcd_client::Error) -> StoreError {
+        StoreError::Unavailable { url: self.url.to_string(), detail: e.to_string() }
+    }
+
+    /// The client, connected (each call clones it: its channels are shared).
+    async fn client(&self) -> Result<Client, StoreError> {
+        let connect = || async {
+            let options = ConnectOptions::new()
+                .with_connect_timeout(Duration::from_secs(1))
+                .with_timeout(Duration::from_secs(2))
+                .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
+            Client::connect(self.endpoints.as_ref(), Some(options)).await.map_err(|e| self.err(e))
+        };
+        self.client.get_or_try_init(connect).await.cloned()
+    }
+
+    /// Runs `op`, again on a member that answers while a member is down or
+    /// the cluster elects a leader (the client spreads calls over the
+    /// members, and one that went away is not dropped at once), for up to
+    /// [`RETRY_FOR`]: what the caller sees of losing a member is a pause.
+    async fn call<T, F, Fut>(&self, mut op: F) -> Result<T, StoreError>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let client = self.client().await?;
+        let deadline = std::time::Instant::now() + RETRY_FOR;
+        loop {
+            match op(client.clone()).await {
+                Ok(v) => return Ok(v),
+                Err(e) if transient(&e) && std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(self.err(e)),
+            }
+        }
+    }
+
+    /// Put options for a write with `ttl`: a new lease of that TTL.
+    async fn lease_for(&self, ttl: Option<Duration>) -> Result<Option<PutOptions>, StoreError> {
+        let Some(ttl) = ttl else { return Ok(None) };
+        let lease = self.call(|mut c| async move { c.lease_grant(seconds(ttl), None).await }).await?;
+        Ok(Some(PutOptions::new().with_lease(lease.id())))
+    }
+}
+
+/// How long a call is tried again on members that answer.
+const RETRY_FOR: Duration = Duration::from_secs(5);
+
+/// Whether an error is the cluster's passing state (a member down, no
+/// leader yet) and the request surely was not applied, so that sending it
+/// again is safe (a compare-and-set that may have been applied, its answer
+/// lost to a timeout, is not sent again: it would find its own write and
+/// report a conflict).
+fn transient(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::GRpcStatus(s) => {
+            s.code() == tonic::Code::Unavailable
+                && (s.message().contains("connect") || s.message().contains("leader"))
+        }
+        etcd_client::Error::TransportError(_) => true,
+        _ => false,
+    }
+}
+
+impl Store for EtcdStore {
+    async fn put(&self, key: &str, value: &[u8], ttl: Option<Duration>) -> Result<u64, StoreError> {
+        let options = self.lease_for(ttl).await?;
+        let r = self.call(|mut c| {
+            let options = options.clone();
+            async move { c.put(key, value, options).await }
+        });
+        Ok(token(r.await?.header().map_or(0, |h| h.revision())))
+    }
+
+    async fn refresh(&self, key: &str, ttl: Duration) -> Result<bool, StoreError> {
+        let r = self.call(|mut c| async move { c.get(key, None).await }).await?;
+        let Some(kv) = r.kvs().first() else { return Ok(false) };
+        if kv.lease() == 0 {
+            // Written without a TTL: put it under a lease now.
+            let options = self.lease_for(Some(ttl)).await?;
+            let (revision, value) = (kv.mod_revision(), kv.value().to_vec());
+            let done = self.call(|mut c| {
+                let txn = Txn::new()
+                    .when([Compare::mod_revision(key, CompareOp::Equal, revision)])
+                    .and_then([TxnOp::put(key, value.clone(), options.clone())]);
+                async move { c.txn(txn).await }
+            });
+            return Ok(done.await?.succeeded());
+        }
+        let lease = kv.lease();
+        let answer = self
+            .call(|mut c| async move {
+                let (mut keeper, mut answers) = c.lease_keep_alive(lease).await?;
+                keeper.keep_alive().await?;
+                answers.message().await
+            })
+            .await?;
+        // A lease that already ended answers with a TTL of 0.
+        Ok(answer.is_some_and(|a| a.ttl() > 0))
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
+        let r = self.call(|mut c| async move { c.get(key, None).await }).await?;
+        Ok(r.kvs().first().map(|kv| Entry {
+            key: key.to_string(),
+            value: kv.value().to_vec(),
+            token: token(kv.mod_revision()),
+        }))
+    }
+
+    async fn delete(&self, key: &str) -> Result<bool, StoreError> {
+        let r = self.call(|mut c| async move { c.delete(key, None).await }).await?;
+        Ok(r.deleted() > 0)
+    }
+
+    async fn delete_if(&self, key: &str, token: u64) -> Result<bool, StoreError> {
+        let r = self.call(|mut c| {
+            let txn = Txn::new()
+                .when([Compare::mod_revision(key, CompareOp::Equal, token as i64)])
+                .and_then([TxnOp::delete(key, None::<DeleteOptions>)]);
+            async move { c.txn(txn).await }
+        });
+        Ok(r.await?.succeeded())
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<Entry>, StoreError> {
+        let r = self.call(|mut c| async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await });
+        let mut out: Vec<Entry> = r
+            .await?
+            .kvs()
+            .iter()
+            .filter_map(|kv| {
+                Some(Entry {
+                    key: kv.key_str().ok()?.to_string(),
+                    value: kv.value().to_vec(),
+                    token: token(kv.mod_revision()),
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
+    async fn compare_and_set(
+        &self,
+        key: &str,
+        expected: Option<u64>,
+        value: &[u8],
+        ttl: Option<Duration>,
+    ) -> Result<Cas, StoreError> {
+        let options = self.lease_for(ttl).await?;
+        let r = self
+            .call(|mut c| {
+                let condition = match expected {
+                    // Absent: never created (or deleted since).
+                    None => Compare::create_revision(key, CompareOp::Equal, 0),
+                    Some(t) => Compare::mod_revision(key, CompareOp::Equal, t as i64),
+                };
+                let txn = Txn::new()
+                    .when([condition])
+                    .and_then([TxnOp::put(key, value, options.clone())])
+                    .or_else([TxnOp::get(key, None)]);
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        if r.succeeded() {
+            return Ok(Cas::Written(token(r.header().map_or(0, |h| h.revision()))));
+        }
+        let current = r.op_responses().into_iter().find_map(|op| match op {
+            TxnOpResponse::Get(g) => Some(g.kvs().first().map(|kv| token(kv.mod_revision()))),
+            _ => None,
+        });
+        Ok(Cas::Conflict { current: current.flatten() })
+    }
+}
