@@ -15,14 +15,14 @@
 //! ([`Lease`] refreshes one in the background). [`watch`] reports keys added,
 //! changed and removed under a prefix. Key layout: `docs/store.md`.
 
-mod lease;
 mod etcd_store;
+mod lease;
 mod memory;
 mod redis_store;
 mod watch;
 
-pub use lease::Lease;
 pub use etcd_store::EtcdStore;
+pub use lease::Lease;
 pub use memory::MemoryStore;
 pub use redis_store::RedisStore;
 pub use watch::{Change, watch};

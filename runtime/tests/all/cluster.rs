@@ -152,11 +152,16 @@ fn ip(args: &[&str]) -> Result<(), String> {
 impl Hosts {
     /// Builds the hosts, or says why it cannot (not root, no `ip`).
     pub(crate) fn build(names: &[&str]) -> Result<Hosts, String> {
+        // Tests run side by side in one process: each set of hosts has
+        // names of its own (a second `...-sw` would collide, and one set's
+        // drop would remove the other's).
+        static BUILT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let id = std::process::id();
         let h = Hosts {
-            prefix: format!("edl{id}"),
-            // A /24 per test run, inside the namespaces only.
-            subnet: (id % 200 + 20) as u8,
+            prefix: format!("edl{id}n{n}"),
+            // A /24 per set of hosts, inside its namespaces only.
+            subnet: ((id + n * 37) % 200 + 20) as u8,
             names: names.iter().map(|n| n.to_string()).collect(),
         };
         let sw = h.ns("sw");
@@ -174,6 +179,19 @@ impl Hosts {
             ip(&["-n", &ns, "link", "set", "lo", "up"])?;
         }
         Ok(h)
+    }
+
+    /// The hosts, or None (and why, printed) where namespaces cannot be
+    /// made (not root, no `ip`); under CI (root) that is a failure.
+    pub(crate) fn build_or_skip(names: &[&str]) -> Option<Hosts> {
+        match Hosts::build(names) {
+            Ok(h) => Some(h),
+            Err(why) if std::env::var_os("CI").is_some() => panic!("network namespaces: {why}"),
+            Err(why) => {
+                eprintln!("skipped: network namespaces cannot be made here ({why}); this test needs root");
+                None
+            }
+        }
     }
 
     pub(crate) fn ns(&self, name: &str) -> String {
@@ -244,13 +262,7 @@ impl Drop for Hosts {
 #[test]
 fn a_job_across_hosts_survives_a_dead_host_and_a_cut_off_one_and_refuses_it_after() {
     let names = ["coord", "w1", "w2", "w3", "teacher"];
-    let hosts = match Hosts::build(&names) {
-        Ok(h) => h,
-        Err(why) => {
-            eprintln!("skipped: network namespaces cannot be made here ({why}); this test needs root");
-            return;
-        }
-    };
+    let Some(hosts) = Hosts::build_or_skip(&names) else { return };
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let coord = hosts.ip("coord");
@@ -426,13 +438,7 @@ fn a_coordinator_firewalled_from_its_store_stops_and_another_host_takes_the_job_
         eprintln!("skipped: nft is missing (apt-get install nftables)");
         return;
     };
-    let hosts = match Hosts::build(&["store", "a", "b"]) {
-        Ok(h) => h,
-        Err(why) => {
-            eprintln!("skipped: network namespaces cannot be made here ({why}); this test needs root");
-            return;
-        }
-    };
+    let Some(hosts) = Hosts::build_or_skip(&["store", "a", "b"]) else { return };
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let store_ip = hosts.ip("store");

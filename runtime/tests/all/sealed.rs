@@ -81,13 +81,7 @@ fn a_capture_of_a_job_across_hosts_shows_no_token_no_plugin_bytes_no_control_mes
         eprintln!("skipped: tcpdump is missing (apt-get install tcpdump)");
         return;
     };
-    let hosts = match Hosts::build(&["coord", "w1", "w2"]) {
-        Ok(h) => h,
-        Err(why) => {
-            eprintln!("skipped: network namespaces cannot be made here ({why}); this test needs root");
-            return;
-        }
-    };
+    let Some(hosts) = Hosts::build_or_skip(&["coord", "w1", "w2"]) else { return };
     let (control, ring, everything, token) = capture_a_job(&hosts, tcpdump, &[]);
     // The capture holds the job: the plugin shipped to w1 alone is larger.
     let plugin = std::fs::read(art::AUGMENT_WASM).unwrap();

@@ -112,19 +112,30 @@ impl EtcdCluster {
         let initial = initial.join(",");
         let bin = std::env::var_os("EDL_ETCD").map(PathBuf::from).unwrap_or_else(|| "etcd".into());
         for (name, client, peer, child) in &mut c.members {
-            let (client_url, peer_url) = (format!("http://127.0.0.1:{client}"), format!("http://127.0.0.1:{peer}"));
+            let (client_url, peer_url) =
+                (format!("http://127.0.0.1:{client}"), format!("http://127.0.0.1:{peer}"));
             let spawned = Command::new(&bin)
                 .args(["--name", name, "--data-dir"])
                 .arg(c.dir.path().join(name.as_str()))
                 .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
                 .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
                 .args(["--initial-cluster", &initial, "--initial-cluster-state", "new"])
-                .args(["--initial-cluster-token", "edl-test", "--heartbeat-interval", "50", "--election-timeout", "500"])
+                .args([
+                    "--initial-cluster-token",
+                    "edl-test",
+                    "--heartbeat-interval",
+                    "50",
+                    "--election-timeout",
+                    "500",
+                ])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
                 .unwrap_or_else(|e| {
-                    panic!("cannot start {}: {e}. The etcd tests need etcd-server (.ci/run installs it)", bin.display())
+                    panic!(
+                        "cannot start {}: {e}. The etcd tests need etcd-server (.ci/run installs it)",
+                        bin.display()
+                    )
                 });
             *child = Some(spawned);
         }
@@ -137,7 +148,8 @@ impl EtcdCluster {
     }
 
     pub fn url(&self) -> String {
-        let all: Vec<String> = self.members.iter().map(|(_, client, _, _)| format!("127.0.0.1:{client}")).collect();
+        let all: Vec<String> =
+            self.members.iter().map(|(_, client, _, _)| format!("127.0.0.1:{client}")).collect();
         format!("etcd://{}", all.join(","))
     }
 
@@ -327,7 +339,8 @@ fn an_etcd_store_that_loses_its_leader_goes_on_with_what_it_held() {
     let rt = runtime();
     let store = rt.block_on(async { AnyStore::open(&cluster.url()).unwrap() });
     let before = rt.block_on(async {
-        let Cas::Written(t) = store.compare_and_set("edl/jobs/j/state", None, b"gen 4", None).await.unwrap() else {
+        let Cas::Written(t) = store.compare_and_set("edl/jobs/j/state", None, b"gen 4", None).await.unwrap()
+        else {
             panic!("the first write")
         };
         store.put("edl/jobs/j/workers/1", b"w1", None).await.unwrap();
@@ -344,7 +357,9 @@ fn an_etcd_store_that_loses_its_leader_goes_on_with_what_it_held() {
             match store.compare_and_set("edl/jobs/j/state", Some(token), b"gen 5", None).await {
                 Ok(Cas::Written(t)) => break t,
                 Ok(Cas::Conflict { current }) => token = current.expect("the state is there"),
-                Err(e) => assert!(Instant::now() < deadline, "no write within 30 s of losing the leader: {e}"),
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "no write within 30 s of losing the leader: {e}")
+                }
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         };
@@ -399,5 +414,8 @@ fn the_redis_store_reconnects_after_a_restart() {
 #[test]
 fn store_urls_are_checked() {
     assert!(AnyStore::open("memory").is_ok());
-    assert!(AnyStore::open("etcd://x").is_err());
+    assert!(AnyStore::open("etcd://10.0.0.1:2379,10.0.0.2:2379").is_ok(), "nothing is contacted yet");
+    let e = AnyStore::open("etcd://").err().expect("no member").to_string();
+    assert!(e.contains("etcd://host:port"), "{e}");
+    assert!(AnyStore::open("consul://x").is_err());
 }

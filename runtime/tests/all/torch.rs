@@ -269,13 +269,7 @@ fn rank_envs(lines: &[String]) -> Vec<std::collections::HashMap<String, String>>
 
 #[test]
 fn a_torchrun_ddp_script_runs_across_hosts_and_a_dead_host_restarts_the_group_on_the_survivor() {
-    let hosts = match crate::cluster::Hosts::build(&["launcher", "b", "c"]) {
-        Ok(h) => h,
-        Err(why) => {
-            eprintln!("skipped: network namespaces cannot be made here ({why}); this test needs root");
-            return;
-        }
-    };
+    let Some(hosts) = crate::cluster::Hosts::build_or_skip(&["launcher", "b", "c"]) else { return };
     let py = torch_py();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
