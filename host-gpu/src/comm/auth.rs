@@ -7,14 +7,14 @@
 //!
 //! The exchange, in frames of a 4-byte little-endian length and the bytes:
 //!
-//! 1. acceptor -> connector: `EDLA1` and a 32-byte nonce `a`;
+//! 1. acceptor -> connector: `EDLA2` and a 32-byte nonce `a`;
 //! 2. connector -> acceptor: a 32-byte nonce `c`, the claim (JSON), and
 //!    `HMAC(secret, "edl connector" | a | c | claim)`;
 //! 3. acceptor -> connector: `ok` and `HMAC(secret, "edl acceptor" | c | a | claim)`,
 //!    or `no` and the reason, after which it closes the connection.
 //!
 //! The same two messages carry a Noise handshake (`NNpsk0`: fresh X25519
-//! keys on both sides, ChaCha20-Poly1305, BLAKE2s) whose pre-shared key is
+//! keys on both sides, AES-256-GCM, BLAKE2s) whose pre-shared key is
 //! `HMAC(secret, "edl channel key" | a | c | claim)`: only the two peers of
 //! this exchange can derive it, and the session keys it yields (returned as
 //! [`Keys`]) seal everything said on the connection afterwards (see

@@ -39,8 +39,10 @@ pub const MAX_PLAIN: usize = MAX_MESSAGE - TAG;
 /// and passes on a segment's first bytes while its last are on the way.
 const MAX_CLEAR: usize = 64 << 10;
 
-/// The keys of one connection, both directions.
-#[derive(Clone)]
+/// The keys of one connection, both directions. Not `Clone`: two sealers
+/// of one connection would count their messages from 0 twice (a nonce
+/// reused), so the keys are split once.
+#[cfg_attr(test, derive(Clone))]
 pub struct Keys {
     noise: Arc<snow::StatelessTransportState>,
     /// Authentication-only keys: this side's sending one, and the peer's.
@@ -343,6 +345,11 @@ impl<R: Read> Read for SealedReader<R> {
         }
         loop {
             if let Some(len) = opener.ready()? {
+                if len == 0 {
+                    // An empty frame says nothing (and 0 would read as the end).
+                    opener.open_next(&mut [])?;
+                    continue;
+                }
                 // Straight into the caller's buffer where it fits.
                 if len <= buf.len() {
                     return opener.open_next(buf);

@@ -378,9 +378,15 @@ impl Checkpoints {
         match self.fence()? {
             Some(f) if f.token > token => Err(CheckpointError::Fenced(format!(
                 "fenced: the checkpoints at {} were claimed by a coordinator with lease token {} \
-                 (this one's is {token}); it took the job over, and this coordinator stops",
+                 (this one's is {token}): another coordinator took the job over, and this one stops. \
+                 If instead the store was wiped or replaced (its tokens start again), remove {} to let \
+                 the job resume here",
                 self.dir.display(),
-                f.token
+                f.token,
+                match &self.remote {
+                    Some(r) => r.url_of(FENCE_FILE),
+                    None => self.dir.join(FENCE_FILE).display().to_string(),
+                }
             ))),
             _ => Ok(()),
         }
@@ -464,7 +470,7 @@ impl Checkpoints {
             let version = hex::encode(nonce);
             let (state_name, manifest_name) =
                 (format!("state-{version}.safetensors"), format!("manifest-{version}.json"));
-            let before = r.get(&format!("{name}/{SUM_FILE}")).map_err(CheckpointError::Store)?;
+            let before = r.get_versioned(&format!("{name}/{SUM_FILE}")).map_err(CheckpointError::Store)?;
             let state = encode_state(layout, values, &at)?;
             manifest.files = BTreeMap::from([(state_name.clone(), hex::encode(Sha256::digest(&state)))]);
             let json = serde_json::to_vec_pretty(&manifest).map_err(|e| io(&at, e))?;
@@ -482,9 +488,23 @@ impl Checkpoints {
                 }
                 return Err(e);
             }
-            r.put(&format!("{name}/{SUM_FILE}"), sum).map_err(CheckpointError::Store)?;
+            // The switch, only if no one switched this step since it was read
+            // (a newer coordinator's write of it is never replaced).
+            let seen = before.as_ref().map(|(_, v)| v);
+            if !r.put_if(&format!("{name}/{SUM_FILE}"), sum, seen).map_err(CheckpointError::Store)? {
+                for file in [&state_name, &manifest_name] {
+                    let _ = r.delete(&format!("{name}/{file}"));
+                }
+                if let Some(token) = manifest.fence {
+                    self.check_fence(token)?;
+                }
+                return Err(CheckpointError::Store(format!(
+                    "{}: another writer switched this checkpoint while it was written",
+                    r.url_of(&name)
+                )));
+            }
             // What the switch replaced.
-            if let Some(old) = before {
+            if let Some((old, _)) = before {
                 let old = String::from_utf8_lossy(&old).into_owned();
                 let old_manifest = old.split_once(' ').map_or("manifest.json", |(_, m)| m.trim()).to_string();
                 if let Ok(Some(text)) = r.get(&format!("{name}/{old_manifest}"))
@@ -499,7 +519,7 @@ impl Checkpoints {
                 }
             }
             self.known_good(&at);
-            self.prune();
+            self.prune(manifest.fence);
             return Ok(at);
         }
         std::fs::create_dir_all(&self.dir).map_err(|e| io(&self.dir, e))?;
@@ -527,7 +547,7 @@ impl Checkpoints {
             let _ = std::fs::remove_dir_all(&aside);
         }
         self.known_good(&dest);
-        self.prune();
+        self.prune(manifest.fence);
         Ok(dest)
     }
 
@@ -555,7 +575,14 @@ impl Checkpoints {
     /// A checkpoint that cannot be read (the store failing, not the
     /// checkpoint) stops the pruning, as a failed listing does: nothing is
     /// removed on a guess, and the next write prunes again.
-    fn prune(&self) {
+    fn prune(&self, token: Option<u64>) {
+        // A writer the fence has deposed removes nothing.
+        if let Some(token) = token
+            && let Err(e) = self.check_fence(token)
+        {
+            tracing::warn!("checkpoints not pruned: {e}");
+            return;
+        }
         let all = match self.list() {
             Ok(all) => all,
             Err(e) => {

@@ -169,6 +169,15 @@ impl ObjectDir {
                     Ok(false)
                 }
                 Err(object_store::Error::NotImplemented { .. }) => {
+                    static SAID: std::sync::Once = std::sync::Once::new();
+                    SAID.call_once(|| {
+                        tracing::warn!(
+                            "{}: this object store has no conditional writes (for S3, set \
+                             AWS_CONDITIONAL_PUT=etag); fence and checkpoint switches are written \
+                             unconditionally, and only the fence's rules on reading protect them",
+                            self.url
+                        )
+                    });
                     self.store.put(&path, bytes.into()).await.map(|_| true)
                 }
                 Err(e) => Err(e),
@@ -261,5 +270,16 @@ mod tests {
         let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
         assert_eq!(rt.block_on(async { d.get("step-2/a").unwrap() }).as_deref(), Some(&b"three"[..]));
         assert!(ObjectDir::open("ftp://x/y").unwrap_err().contains("not object storage"));
+    }
+
+    #[test]
+    fn a_conditional_write_lands_only_on_the_version_it_read() {
+        let d = ObjectDir::open("memory:///jobs/x").unwrap();
+        assert!(d.put_if("pointer", b"a".to_vec(), None).unwrap(), "created");
+        assert!(!d.put_if("pointer", b"b".to_vec(), None).unwrap(), "not created twice");
+        let (_, seen) = d.get_versioned("pointer").unwrap().unwrap();
+        assert!(d.put_if("pointer", b"c".to_vec(), Some(&seen)).unwrap(), "on the version read");
+        assert!(!d.put_if("pointer", b"d".to_vec(), Some(&seen)).unwrap(), "not on a stale one");
+        assert_eq!(d.get("pointer").unwrap().unwrap(), b"c");
     }
 }

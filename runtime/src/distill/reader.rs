@@ -169,8 +169,8 @@ impl TeacherAccess {
         }
         if self.ca_pem.is_some() {
             return Some(format!(
-                "teacher {addr}: the student checks teachers' certificates (--teacher-ca), and this endpoint \
-                 is reached without TLS"
+                "teacher {addr}: the student checks teachers' certificates (--teacher-ca, or the certificate \
+                 of the teachers the job started), and this endpoint is reached without TLS"
             ));
         }
         (self.token.is_some() && !self.allow_insecure_token).then(|| {
@@ -712,10 +712,12 @@ impl Pipeline {
             let mut http =
                 reqwest::Client::builder().connect_timeout(Duration::from_secs(1)).tcp_nodelay(true);
             if let Some(ca) = ca {
-                // Every certificate of the PEM (a --teacher-ca and the job's own teachers').
-                for cert in reqwest::Certificate::from_pem_bundle(ca.as_bytes()).map_err(|e| e.to_string())? {
-                    http = http.add_root_certificate(cert);
-                }
+                // Every certificate of the PEM (a --teacher-ca and the job's
+                // own teachers'), and nothing else: as over gRPC, a CA given
+                // is the only one trusted (not the platform's roots too).
+                let certs =
+                    reqwest::Certificate::from_pem_bundle(ca.as_bytes()).map_err(|e| e.to_string())?;
+                http = http.tls_certs_only(certs);
             }
             return Ok(Wire::Rest {
                 base: addr.trim_end_matches('/').to_string(),

@@ -44,10 +44,28 @@ pub fn router(service: TeacherService, token: Option<String>, max_body: usize) -
         .fallback(|| async {
             error(StatusCode::NOT_FOUND, "no such route in KServe v2 as this teacher serves it")
         })
+        // The token is checked before a request's body is read: a client
+        // without it cannot make the teacher read a large body.
+        .layer(axum::middleware::from_fn_with_state(served.clone(), admit_first))
         .with_state(served)
         // As large as the largest request the teacher takes (axum's default
         // of 2 MiB refused requests that gRPC takes).
         .layer(axum::extract::DefaultBodyLimit::max(max_body))
+}
+
+/// Refuses a request without the teacher's token before anything else of it
+/// is read (health checks excepted, as probes carry no token).
+async fn admit_first(
+    State(s): State<Served>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if !req.uri().path().starts_with("/v2/health/")
+        && let Err(refused) = s.admit(req.headers())
+    {
+        return refused;
+    }
+    next.run(req).await
 }
 
 /// The largest request body for `rows` rows of `features` values: JSON

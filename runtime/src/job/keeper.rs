@@ -306,7 +306,10 @@ impl Holder {
     fn proven_dead(&self, me: &Holder) -> bool {
         let same_place =
             self.boot.is_some() && self.boot == me.boot && self.pid_ns.is_some() && self.pid_ns == me.pid_ns;
-        same_place && (!alive(self.pid) || start_time(self.pid) != self.started)
+        // A start time that cannot be read (another user's process under
+        // hidepid) proves nothing.
+        let reused = matches!(start_time(self.pid), Some(t) if Some(t) != self.started);
+        same_place && (!alive(self.pid) || reused)
     }
 }
 
@@ -338,6 +341,12 @@ pub async fn take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::R
         Cas::Conflict { .. } => {
             let entry = store.get(&key).await?;
             let found = entry.as_ref().and_then(|e| serde_json::from_slice::<Holder>(&e.value).ok());
+            // This very process's write, applied though its answer was lost.
+            if let (Some(e), Some(h)) = (&entry, &found)
+                && *h == me
+            {
+                return Ok(Lease { key, value, token: e.token, ttl, confirmed: asked });
+            }
             if let (Some(e), Some(h)) = (&entry, &found)
                 && h.proven_dead(&me)
             {
@@ -403,6 +412,16 @@ impl Lease {
                     Err(e) => Err(e.to_string()),
                 }
             }
+            // A renewal of this coordinator's, applied though its answer was
+            // lost (a timeout, a leader election): the value is this
+            // process's own (its pid and start time make it unique).
+            Cas::Conflict { current: Some(t) } => match store.get(&self.key).await {
+                Ok(Some(e)) if e.token == t && e.value == self.value => {
+                    self.token = t;
+                    Ok(())
+                }
+                _ => Err(lost()),
+            },
             Cas::Conflict { .. } => Err(lost()),
         }
     }
@@ -472,6 +491,30 @@ mod tests {
             store.put(&key, &serde_json::to_vec(&foreign).unwrap(), Some(ttl)).await.unwrap();
             let e = take_lease(&store, "j", ttl).await.err().unwrap().to_string();
             assert!(e.contains("already run by another coordinator"), "{e}");
+        });
+    }
+
+    #[test]
+    fn a_renewal_applied_though_its_answer_was_lost_is_taken_for_this_coordinator_s_own() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let store = AnyStore::open("memory").unwrap();
+            let ttl = Duration::from_secs(60);
+            let mut lease = take_lease(&store, "j", ttl).await.unwrap();
+            // The store applied a renewal whose answer never came back.
+            let Cas::Written(applied) =
+                store.compare_and_set(&lease.key, Some(lease.token), &lease.value, Some(ttl)).await.unwrap()
+            else {
+                panic!("a renewal")
+            };
+            lease.renew(&store).await.unwrap();
+            assert_eq!(lease.token, applied, "the applied renewal is taken as this coordinator's");
+            lease.renew(&store).await.unwrap();
+            assert!(lease.token > applied, "and renewed from it on");
+            // Another holder's write is not taken for this one's.
+            let other = serde_json::to_vec(&Holder { pid: 1, ..Holder::me() }).unwrap();
+            store.compare_and_set(&lease.key, Some(lease.token), &other, Some(ttl)).await.unwrap();
+            assert!(lease.renew(&store).await.unwrap_err().contains("fenced"));
         });
     }
 }

@@ -642,6 +642,9 @@ impl Scaler for CommandScaler {
         // (for a worker that finished, the command is harmless). A start
         // command that ended within the grace took its worker with it.
         let needs_stop = running(&mut child) || !was_running;
+        // A slot that another worker holds now is not this one's to name:
+        // a stop command by {host} or {slot} would reach that worker.
+        let slot = slot.filter(|s| !self.children.values().any(|(_, other)| *other == Some(*s)));
         if let Some(stop) = &self.stop
             && needs_stop
         {

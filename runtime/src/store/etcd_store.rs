@@ -7,6 +7,8 @@
 //! etcd lease of that TTL (etcd counts leases in whole seconds, at least the
 //! cluster's minimum: a TTL is rounded up). Compare-and-set and
 //! compare-and-delete are etcd transactions on the key's `mod_revision`.
+//! A call is sent again only when it failed before it was sent (see
+//! [`transient`]).
 
 use super::{Cas, Entry, Store, StoreError};
 use etcd_client::{
@@ -71,10 +73,10 @@ impl EtcdStore {
         self.client.get_or_try_init(connect).await.cloned()
     }
 
-    /// Runs `op`, again on a member that answers while a member is down or
-    /// the cluster elects a leader (the client spreads calls over the
-    /// members, and one that went away is not dropped at once), for up to
-    /// [`RETRY_FOR`]: what the caller sees of losing a member is a pause.
+    /// Runs `op`, again on a member that answers while a member is down
+    /// (the client spreads calls over the members, and one that went away
+    /// is not dropped at once), for up to [`RETRY_FOR`]: what the caller
+    /// sees of losing a member is a pause.
     async fn call<T, F, Fut>(&self, mut op: F) -> Result<T, StoreError>
     where
         F: FnMut(Client) -> Fut,
@@ -104,16 +106,15 @@ impl EtcdStore {
 /// How long a call is tried again on members that answer.
 const RETRY_FOR: Duration = Duration::from_secs(5);
 
-/// Whether an error is the cluster's passing state (a member down, no
-/// leader yet) and the request surely was not applied, so that sending it
-/// again is safe (a compare-and-set that may have been applied, its answer
-/// lost to a timeout, is not sent again: it would find its own write and
-/// report a conflict).
+/// Whether an error came before the request was sent (a member down: its
+/// connection refused), so that sending it again is safe. An error after
+/// sending ("leader changed", a timeout) may come with the write applied:
+/// it is the caller's, who can read the key to tell (a compare-and-set sent
+/// again would find its own write and report a conflict).
 fn transient(e: &etcd_client::Error) -> bool {
     match e {
         etcd_client::Error::GRpcStatus(s) => {
-            s.code() == tonic::Code::Unavailable
-                && (s.message().contains("connect") || s.message().contains("leader"))
+            s.code() == tonic::Code::Unavailable && s.message().contains("connect")
         }
         etcd_client::Error::TransportError(_) => true,
         _ => false,

@@ -1275,3 +1275,33 @@ fn mlserver_over_rest_in_json_tensors_and_over_grpc_gives_the_soft_labels_its_mo
     let _ = server.kill();
     let _ = server.wait();
 }
+
+#[test]
+fn a_rest_request_without_the_token_is_refused_before_its_body_is_read() {
+    use std::io::{Read, Write};
+    runtime().block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let service = TeacherService::new(model(), TeacherConfig::default());
+        let router =
+            edl_runtime::distill::rest::router(service, Some("tok".into()), edl_runtime::distill::rest::max_body(4096, DIM));
+        tokio::spawn(edl_runtime::distill::rest::serve(listener, router));
+        let answer = tokio::task::spawn_blocking(move || {
+            // A body of 50 MB announced and never sent: the teacher answers
+            // at once, without waiting for it.
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            let head = "POST /v2/models/teacher/infer HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 50000000\r\n\r\n";
+            s.write_all(head.as_bytes()).unwrap();
+            let mut buf = [0u8; 512];
+            let n = s.read(&mut buf).unwrap_or(0);
+            String::from_utf8_lossy(&buf[..n]).into_owned()
+        })
+        .await
+        .unwrap();
+        assert!(answer.starts_with("HTTP/1.1 401"), "{answer:?}");
+        // Health probes carry no token and are answered.
+        let ok = reqwest::get(format!("http://{addr}/v2/health/ready")).await.unwrap();
+        assert!(ok.status().is_success());
+    });
+}

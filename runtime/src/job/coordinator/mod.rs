@@ -304,7 +304,7 @@ impl Coordinator<'_> {
         // that runs on cannot write or prune them. A store of its own (the
         // embedded one) gives tokens that start again with each run; the
         // job's local lock keeps others out then, and the claim is replaced.
-        let shared = matches!(self.store, crate::store::AnyStore::Redis(_));
+        let shared = !matches!(self.store, crate::store::AnyStore::Memory(_));
         let token = if shared { lease.token() } else { 0 };
         self.ckpt.claim(token, resumed.unwrap_or(0), !shared).with_context(|| {
             format!("claiming the checkpoints at {}", self.cfg.spec.checkpoint_dir.display())
