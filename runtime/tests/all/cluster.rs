@@ -194,6 +194,28 @@ impl Hosts {
         }
     }
 
+    /// A redis-server on host `name` (its address, port 6379, files in
+    /// `dir`), listening when this returns.
+    pub(crate) fn redis(&self, name: &str, dir: &Path) -> Child {
+        let ip = self.ip(name);
+        let mut c = self.on(name, "redis-server");
+        c.args([
+            "--bind",
+            &ip,
+            "--port",
+            "6379",
+            "--protected-mode",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]);
+        let child = c.arg("--dir").arg(dir).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        self.wait_listening(name, 6379);
+        child
+    }
+
     pub(crate) fn ns(&self, name: &str) -> String {
         format!("{}-{name}", self.prefix)
     }
@@ -269,22 +291,7 @@ fn a_job_across_hosts_survives_a_dead_host_and_a_cut_off_one_and_refuses_it_afte
 
     // The store on the coordinator's host; a teacher on a host of its own,
     // registered there under the job's service.
-    let mut redis = hosts.on("coord", "redis-server");
-    redis.args([
-        "--bind",
-        &coord,
-        "--port",
-        "6379",
-        "--protected-mode",
-        "no",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-    ]);
-    redis.arg("--dir").arg(d);
-    let mut redis = redis.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-    hosts.wait_listening("coord", 6379);
+    let mut redis = hosts.redis("coord", d);
     let store = format!("redis://{coord}:6379/");
     let model = d.join("teacher.safetensors");
     edl_runtime::trainer::model::Mlp::random(&[784, 32, 10], 7).save(&model).unwrap();
@@ -442,21 +449,7 @@ fn a_coordinator_firewalled_from_its_store_stops_and_another_host_takes_the_job_
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let store_ip = hosts.ip("store");
-    let mut redis = hosts.on("store", "redis-server");
-    redis.args([
-        "--bind",
-        &store_ip,
-        "--port",
-        "6379",
-        "--protected-mode",
-        "no",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-    ]);
-    let mut redis = redis.arg("--dir").arg(d).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-    hosts.wait_listening("store", 6379);
+    let mut redis = hosts.redis("store", d);
     let url = format!("redis://{store_ip}:6379/");
     // The checkpoints are shared (as object storage or a network file
     // system would be); each host has its own working directory.
