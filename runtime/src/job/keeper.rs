@@ -443,6 +443,10 @@ fn alive(pid: u32) -> bool {
     found || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
+fn lost() -> String {
+    "fenced: another coordinator took the job's lease; stopping instead of running it twice".into()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -519,6 +523,3 @@ mod tests {
     }
 }
 
-fn lost() -> String {
-    "fenced: another coordinator took the job's lease; stopping instead of running it twice".into()
-}
