@@ -221,6 +221,7 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
         victim: Some((n as u64, KILL_AT)),
     };
     let cfg = JobConfig {
+        standby: false,
         spec: spec.clone(),
         min_workers: n.saturating_sub(1).max(1),
         max_workers: n,

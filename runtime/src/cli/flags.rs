@@ -130,6 +130,11 @@ pub struct StateArgs {
     /// written at each epoch's end).
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     pub checkpoint_secs: u64,
+    /// When another coordinator runs the job (its lock here, its lease in
+    /// the store), wait as its standby and take the job over when it is
+    /// gone, instead of refusing to start.
+    #[arg(long)]
+    pub standby: bool,
 }
 
 /// Where a job's students get soft labels, and how they call teachers.

@@ -457,6 +457,7 @@ fn job_config(args: &JobArgs, spec: JobSpec) -> Result<JobConfig> {
         checkpoint_interval: Duration::from_secs(args.state.checkpoint_secs),
         hyper: Hyperparams { global_batch: t.batch, local_batch: t.batch, lr: t.lr, momentum: t.momentum },
         store: args.state.store.clone(),
+        standby: args.state.standby,
         step_timeout: Duration::from_secs(l.step_timeout_secs),
         join_timeout: Duration::from_secs(l.join_timeout_secs.max(1)),
         price_per_worker_hour: s.price,
@@ -487,7 +488,11 @@ fn prepare_to_start(
         cfg.validate_teacher_wait()?;
     }
     job::preflight(cfg)?;
-    let lock = JobLock::acquire(if dirs.remote { &dirs.job_dir } else { &cfg.spec.checkpoint_dir }, name)?;
+    let lock = JobLock::acquire(
+        if dirs.remote { &dirs.job_dir } else { &cfg.spec.checkpoint_dir },
+        name,
+        cfg.standby,
+    )?;
     std::fs::create_dir_all(&dirs.log_dir).with_context(|| format!("{}", dirs.log_dir.display()))?;
     // A new secret is written where an operator finds it (mode 0600):
     // --secret-file, or .edl/<job>/secret.

@@ -330,8 +330,27 @@ fn start_time(pid: u32) -> Option<u64> {
 }
 
 /// Takes the job's coordinator lease (`ttl`, renewed by the keeper), or
-/// says who holds it.
-pub async fn take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::Result<Lease> {
+/// says who holds it; a `standby` waits until the lease is free (its holder
+/// gone: the lease lapsed, or proven dead on this machine).
+pub async fn take_lease(store: &AnyStore, job: &str, ttl: Duration, standby: bool) -> anyhow::Result<Lease> {
+    let mut said = false;
+    loop {
+        match try_take_lease(store, job, ttl).await {
+            Err(e) if standby && e.to_string().contains("already run by another coordinator") => {
+                if !said {
+                    println!("standby   {e:#}; waiting to take the job over when that lease lapses");
+                    said = true;
+                }
+                tokio::time::sleep((ttl / 10).clamp(Duration::from_millis(100), Duration::from_secs(1)))
+                    .await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// One attempt at [`take_lease`].
+async fn try_take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::Result<Lease> {
     let key = crate::store::keys::coordinator(job);
     let me = Holder::me();
     let value = serde_json::to_vec(&me)?;
@@ -488,12 +507,12 @@ mod tests {
             let dead = Holder { pid: gone, ..Holder::me() };
             let ttl = Duration::from_secs(60);
             let t = store.put(&key, &serde_json::to_vec(&dead).unwrap(), Some(ttl)).await.unwrap();
-            let lease = take_lease(&store, "j", ttl).await.unwrap();
+            let lease = take_lease(&store, "j", ttl, false).await.unwrap();
             assert!(lease.token > t);
             // The same host name and pid, from another machine: refused.
             let foreign = Holder { boot: Some("elsewhere".into()), ..Holder::me() };
             store.put(&key, &serde_json::to_vec(&foreign).unwrap(), Some(ttl)).await.unwrap();
-            let e = take_lease(&store, "j", ttl).await.err().unwrap().to_string();
+            let e = take_lease(&store, "j", ttl, false).await.err().unwrap().to_string();
             assert!(e.contains("already run by another coordinator"), "{e}");
         });
     }
@@ -504,7 +523,7 @@ mod tests {
         rt.block_on(async {
             let store = AnyStore::open("memory").unwrap();
             let ttl = Duration::from_secs(60);
-            let mut lease = take_lease(&store, "j", ttl).await.unwrap();
+            let mut lease = take_lease(&store, "j", ttl, false).await.unwrap();
             // The store applied a renewal whose answer never came back.
             let Cas::Written(applied) =
                 store.compare_and_set(&lease.key, Some(lease.token), &lease.value, Some(ttl)).await.unwrap()
@@ -522,4 +541,3 @@ mod tests {
         });
     }
 }
-

@@ -50,8 +50,9 @@ pub struct JobLock {
 }
 
 impl JobLock {
-    /// Takes the job's lock, or says who holds it.
-    pub fn acquire(checkpoint_dir: &Path, job: &str) -> Result<JobLock> {
+    /// Takes the job's lock, or says who holds it; a `standby` waits for
+    /// it (the kernel releases it when the holder ends, however it ends).
+    pub fn acquire(checkpoint_dir: &Path, job: &str, standby: bool) -> Result<JobLock> {
         std::fs::create_dir_all(checkpoint_dir)
             .with_context(|| format!("--checkpoint-dir {}", checkpoint_dir.display()))?;
         let path = checkpoint_dir.join("coordinator.lock");
@@ -65,6 +66,16 @@ impl JobLock {
         if let Err(e) = file.try_lock() {
             let holder = std::fs::read_to_string(&path).unwrap_or_default();
             let holder = holder.trim();
+            if standby && matches!(e, std::fs::TryLockError::WouldBlock) {
+                println!(
+                    "standby   job {job:?} is run by another coordinator ({holder}); waiting to take it over"
+                );
+                file.lock().with_context(|| format!("{}", path.display()))?;
+                let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+                file.set_len(0)?;
+                writeln!(file, "pid {} on {}", std::process::id(), host.trim())?;
+                return Ok(JobLock { _file: file, path });
+            }
             bail!(
                 "job {job:?} is already run by another coordinator ({}; lock {}): {}",
                 if holder.is_empty() { "holder unknown" } else { holder },

@@ -645,3 +645,50 @@ fn two_thousand_idle_and_trickling_connections_do_not_stop_a_running_job() {
     assert!(during >= 2, "epochs trained while the connections were open: {during}\n{out}");
     crate::cluster::assert_exactly_once(&report(d), 6, 400);
 }
+
+#[test]
+fn a_standby_coordinator_waits_and_takes_the_job_over_when_the_active_one_dies() {
+    let redis = crate::store::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    let checkpoints = dir.path().join("checkpoints");
+    let url = redis.url();
+    let checkpoints = checkpoints.to_str().unwrap();
+    let args = [
+        "--store",
+        url.as_str(),
+        "--job",
+        "standby",
+        "--epochs",
+        "6",
+        "--step-delay-ms",
+        "40",
+        "--checkpoint-every-steps",
+        "5",
+        "--checkpoint-dir",
+        checkpoints,
+    ];
+    let mut active = small(&a, &args).spawn().unwrap();
+    let rx = lines(&mut active);
+    let mut seen = Vec::new();
+    crate::elastic::wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    // A second coordinator of the job: a standby, not refused.
+    let mut standby = small(&b, &[&args[..], &["--standby"]].concat()).spawn().unwrap();
+    let rx_b = lines(&mut standby);
+    let mut seen_b = Vec::new();
+    crate::elastic::wait_for(&rx_b, "standby", &mut seen_b, Duration::from_secs(120));
+    assert!(seen_b.last().unwrap().contains("waiting to take it over"), "{seen_b:?}");
+    // The active one dies at once (its workers with it); the standby takes
+    // the job over from what the store and the checkpoints hold.
+    signal("-KILL", active.id());
+    let _ = active.wait();
+    let status = finish(standby, rx_b, &mut seen_b);
+    let out = seen_b.join("\n");
+    assert!(status.success(), "{out}");
+    assert!(out.contains("resuming job \"standby\""), "{out}");
+    let r = report(&b);
+    assert!(r["resumed_from_step"].as_u64().is_some_and(|s| s >= 5), "{r}");
+    crate::cluster::assert_exactly_once(&r, 6, 400);
+}

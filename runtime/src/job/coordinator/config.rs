@@ -23,6 +23,8 @@ pub struct JobConfig {
     pub hyper: Hyperparams,
     /// `memory` or `redis://...`.
     pub store: String,
+    /// Wait for the job's lease as a standby instead of refusing to start.
+    pub standby: bool,
     /// A rank that answers no step within this is declared dead.
     pub step_timeout: Duration,
     /// A started worker that does not join within this is given up.

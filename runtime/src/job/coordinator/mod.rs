@@ -297,8 +297,12 @@ impl Coordinator<'_> {
     /// Returns the step the job resumed from.
     fn start(&mut self) -> Result<Option<u64>> {
         // Before anything is read or changed: one coordinator per job.
-        let lease =
-            self.rt.block_on(super::keeper::take_lease(&self.store, &self.cfg.spec.job, LEASE_TTL))?;
+        let lease = self.rt.block_on(super::keeper::take_lease(
+            &self.store,
+            &self.cfg.spec.job,
+            LEASE_TTL,
+            self.cfg.standby,
+        ))?;
         let resumed = self.resume()?;
         // The checkpoints are this coordinator's from here on: a deposed one
         // that runs on cannot write or prune them. A store of its own (the
