@@ -213,6 +213,7 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
         teacher_access: Default::default(),
         teacher_io: Default::default(),
         teacher_calls: Default::default(),
+        follow: None,
     };
     let sim = Sim {
         compute,

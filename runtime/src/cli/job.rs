@@ -441,6 +441,7 @@ fn job_spec(
         teacher_access: d.teacher_access.read()?,
         teacher_io: d.teacher_io.io(),
         teacher_calls: d.teacher_calls.calls(),
+        follow: None,
     })
 }
 
@@ -492,6 +493,7 @@ fn prepare_to_start(
         if dirs.remote { &dirs.job_dir } else { &cfg.spec.checkpoint_dir },
         name,
         cfg.standby,
+        cfg.store != "memory",
     )?;
     std::fs::create_dir_all(&dirs.log_dir).with_context(|| format!("{}", dirs.log_dir.display()))?;
     // A new secret is written where an operator finds it (mode 0600):

@@ -128,7 +128,7 @@ fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
     let cfg = torchrun_config(&l, &job_dir)?;
     let (mut policy, policy_name, policy_path) = job::load_policy(host, &args.plugins)?;
     let lock_dir = std::path::absolute(job_dir.join("checkpoints"))?;
-    let _lock = JobLock::acquire(&lock_dir, &l.job, false)?;
+    let _lock = JobLock::acquire(&lock_dir, &l.job, false, false)?;
     let nproc = l.nproc_per_node.unwrap_or(1);
     let (unit, place) =
         if across { ("hosts", format!(" of {nproc} ranks")) } else { ("ranks", " on this host".into()) };

@@ -78,6 +78,9 @@ pub struct Gate {
     channel: &'static str,
     /// The job's current generation (set by the coordinator as it starts each).
     generation: AtomicU64,
+    /// Workers of the generation an earlier coordinator of the job ran,
+    /// who may come back to this one (it took the job over).
+    returning: std::sync::Mutex<Option<(u64, std::collections::BTreeSet<u64>)>>,
 }
 
 impl Gate {
@@ -85,10 +88,27 @@ impl Gate {
         self.generation.store(g, Ordering::Relaxed);
     }
 
+    /// Admits `workers` of `generation`, an earlier coordinator's, coming
+    /// back to this one; `None` ends that.
+    pub fn expect_return(&self, workers: Option<(u64, std::collections::BTreeSet<u64>)>) {
+        *self.returning.lock().unwrap_or_else(|p| p.into_inner()) = workers;
+    }
+
     /// A new worker claims generation 0. One that names a generation was a
     /// member and lost its connection: it is out of the job (its place was
-    /// or will be given up), so it is refused, saying why.
+    /// or will be given up), so it is refused, saying why; unless it comes
+    /// back from the coordinator this one took the job over from.
     fn check(&self, c: &auth::Claim) -> Result<(), String> {
+        let returning = self.returning.lock().unwrap_or_else(|p| p.into_inner());
+        // A member of the last generation the store names, or of an
+        // earlier one whose successor it was not told of before the loss.
+        if let Some((g, ids)) = returning.as_ref()
+            && (1..=*g).contains(&c.generation)
+            && ids.contains(&c.who)
+        {
+            return self.auth.check(c, self.channel, Some(c.generation));
+        }
+        drop(returning);
         let now = self.generation.load(Ordering::Relaxed);
         self.auth.check(c, self.channel, (c.generation > 0).then_some(now))?;
         if c.generation > 0 {
@@ -128,7 +148,7 @@ pub fn start_channel<M: Message>(
     std::thread::Builder::new()
         .name("edl-control-in".into())
         .spawn(move || read_all(poll, new_rx, events, lease))?;
-    let gate = Arc::new(Gate { auth, channel, generation: AtomicU64::new(0) });
+    let gate = Arc::new(Gate { auth, channel, generation: AtomicU64::new(0), returning: Default::default() });
     let next = Arc::new(AtomicU64::new(0));
     let accepting = gate.clone();
     let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));

@@ -46,6 +46,25 @@ pub struct JobState {
     pub next_worker_id: u64,
     pub members: Vec<u64>,
     pub finished: bool,
+    /// What a coordinator taking the job over needs besides the above to
+    /// carry it on where this one is (absent in states of older versions).
+    #[serde(default)]
+    pub handover: Option<Handover>,
+}
+
+/// The rest of a running job's progress at its committed step: who leads
+/// it, the hyperparameters of the next step, the epoch's ledger and the
+/// scale events so far. Written at each commit, off the step's path.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Handover {
+    pub leader: crate::job::proto::Leader,
+    pub hyper: edl_plugin_sdk::Hyperparams,
+    pub ledger: crate::job::ledger::Ledger,
+    pub events: Vec<crate::job::coordinator::ScaleEvent>,
+    /// What the data order depends on: a coordinator started with other
+    /// flags cannot take the job over.
+    #[serde(default)]
+    pub data: crate::job::coordinator::DataIdentity,
 }
 
 /// Writes the job's state and worker leases in the background.
@@ -56,6 +75,8 @@ pub struct StoreKeeper {
     /// long. Read by [`Self::fenced`] on the coordinator's own clock, so a
     /// lease that lapsed fences it whatever the keeper's thread is waiting on.
     term: Arc<Mutex<Option<(std::time::Instant, Duration)>>>,
+    /// The committed step of the newest job state the store took (0: none yet).
+    stored: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl StoreKeeper {
@@ -73,6 +94,8 @@ impl StoreKeeper {
         let flag = fenced.clone();
         let term = Arc::new(Mutex::new(lease.as_ref().map(|l| (l.confirmed, l.ttl))));
         let confirmed = term.clone();
+        let stored = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let stored_step = stored.clone();
         std::thread::Builder::new().name("edl-store-keeper".into()).spawn(move || {
             rt.block_on(async move {
                 let mut token = token;
@@ -125,7 +148,23 @@ impl StoreKeeper {
                     for (i, cmd) in cmds.into_iter().enumerate() {
                         match cmd {
                             Cmd::State(s) if Some(i) == last_state => {
-                                if let Err(e) = write_state(&store, &key, &mut token, &s).await {
+                                // A coordinator whose lease is over by its own
+                                // clock (it was frozen, or cut off) writes
+                                // nothing: another may hold the job now.
+                                if let Some(l) = lease.as_ref().filter(|l| l.confirmed.elapsed() >= l.ttl) {
+                                    let why = format!(
+                                        "fenced: the job's lease was last confirmed {:.1} s ago, longer than its \
+                                         term; another coordinator may hold it now, so this one stops",
+                                        l.confirmed.elapsed().as_secs_f64()
+                                    );
+                                    *flag.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+                                    continue;
+                                }
+                                let result = write_state(&store, &key, &mut token, &s).await;
+                                if result.is_ok() {
+                                    stored_step.store(s.committed_steps, std::sync::atomic::Ordering::Release);
+                                }
+                                if let Err(e) = result {
                                     if e.starts_with("fenced") {
                                         *flag.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
                                     }
@@ -157,12 +196,17 @@ impl StoreKeeper {
                 }
             })
         })?;
-        Ok(StoreKeeper { tx, fenced, term })
+        Ok(StoreKeeper { tx, fenced, term, stored })
     }
 
     /// Queues the newest job state.
     pub fn state(&self, s: JobState) {
         let _ = self.tx.send(Cmd::State(s));
+    }
+
+    /// The committed step of the newest job state the store took.
+    pub fn stored_step(&self) -> u64 {
+        self.stored.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Gives the coordinator lease up (queued after everything before it).

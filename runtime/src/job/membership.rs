@@ -35,6 +35,10 @@ pub enum Event {
     Closed { conn: Conn, why: String },
     /// The process of `worker` exited, as its scaler saw it.
     Exited { worker: WorkerId, status: String },
+    /// A worker of the coordinator this one took the job over from came
+    /// back on `conn`; `holds`: it kept a rollback point at the committed
+    /// step the job goes on from.
+    Returned { conn: Conn, worker: WorkerId, pid: u32, holds: bool },
 }
 
 /// What the coordinator is to do.
@@ -100,6 +104,9 @@ pub struct Membership {
     started: Vec<WorkerId>,
     /// Workers nobody asked for (started by another engine) may join.
     uninvited: bool,
+    /// Members of the coordinator this one took the job over from, who
+    /// may still come back.
+    returning: BTreeSet<WorkerId>,
 }
 
 /// How long a worker told to stop gets before it is killed.
@@ -123,7 +130,24 @@ impl Membership {
             commands: VecDeque::new(),
             started: Vec::new(),
             uninvited: false,
+            returning: BTreeSet::new(),
         }
+    }
+
+    /// The job was taken over from another coordinator: its members
+    /// `workers` may come back (with their state) until [`Self::end_return`].
+    pub fn expect_return(&mut self, workers: &[WorkerId]) {
+        self.returning = workers.iter().copied().collect();
+    }
+
+    /// Workers still expected back.
+    pub fn returning(&self) -> usize {
+        self.returning.len()
+    }
+
+    /// No more workers come back; returns those that did not.
+    pub fn end_return(&mut self) -> Vec<WorkerId> {
+        std::mem::take(&mut self.returning).into_iter().collect()
     }
 
     /// Whether workers that were not started for the job may join it: they
@@ -293,6 +317,21 @@ impl Membership {
                     self.note(format!("worker {} failed while starting ({why})", w.id), Some(w.id));
                 } else if let Some(m) = self.members.iter().find(|m| m.conn == conn) {
                     return Some(m.id);
+                }
+            }
+            Event::Returned { conn, worker, pid, holds } => {
+                if !self.returning.remove(&worker) {
+                    let reason = format!("worker {worker} is not one this coordinator took the job over with");
+                    self.commands.push_back(Command::Refuse { conn, reason });
+                } else if !holds {
+                    let reason = format!("worker {worker} kept no state at the job's committed step");
+                    self.commands.push_back(Command::Refuse { conn, reason });
+                } else {
+                    // It has its program and its state: ready at once.
+                    self.started.push(worker);
+                    self.joiners.push(Worker { id: worker, conn, pid, since: now });
+                    self.commands.push_back(Command::Welcome { conn, assigned: None });
+                    self.note(format!("worker {worker} (pid {pid}) came back with its state"), None);
                 }
             }
             Event::Exited { worker, status } => {
@@ -564,6 +603,32 @@ mod tests {
         assert_eq!(m.members()[0].id, 1);
         assert_eq!(m.rank_of(7), Some(0));
         assert!(!m.boundary(true, false).changed, "nothing changed since");
+    }
+
+    #[test]
+    fn after_a_takeover_the_old_members_that_kept_their_state_come_back_as_they_are() {
+        let t = Instant::now();
+        let mut m = Membership::new(1, 4, JOIN, 8);
+        m.expect_return(&[3, 5, 6]);
+        assert_eq!(m.returning(), 3);
+        // Back with its state: ready at once, no start, no loading.
+        m.handle(t, Event::Returned { conn: 1, worker: 3, pid: 33, holds: true });
+        assert_eq!(drain(&mut m)[0], Command::Welcome { conn: 1, assigned: None });
+        assert_eq!(m.joiners(), 1);
+        // Without the committed step's state, or not one of the old members: refused.
+        m.handle(t, Event::Returned { conn: 2, worker: 5, pid: 55, holds: false });
+        assert!(matches!(&drain(&mut m)[..], [Command::Refuse { conn: 2, reason }] if reason.contains("no state")));
+        m.handle(t, Event::Returned { conn: 4, worker: 9, pid: 99, holds: true });
+        assert!(matches!(&drain(&mut m)[..], [Command::Refuse { conn: 4, .. }]));
+        // A second return of the same worker is not taken either.
+        m.handle(t, Event::Returned { conn: 7, worker: 3, pid: 33, holds: true });
+        assert!(matches!(&drain(&mut m)[..], [Command::Refuse { conn: 7, .. }]));
+        assert_eq!(m.end_return(), vec![6]);
+        assert_eq!(m.returning(), 0);
+        let b = m.boundary(true, false);
+        assert!(b.changed && b.admitted == 1);
+        assert_eq!((m.members()[0].id, m.members()[0].pid), (3, 33));
+        assert!(m.started().contains(&3));
     }
 
     #[test]

@@ -51,8 +51,10 @@ pub struct JobLock {
 
 impl JobLock {
     /// Takes the job's lock, or says who holds it; a `standby` waits for
-    /// it (the kernel releases it when the holder ends, however it ends).
-    pub fn acquire(checkpoint_dir: &Path, job: &str, standby: bool) -> Result<JobLock> {
+    /// it (the kernel releases it when the holder ends, however it ends),
+    /// unless the job is `leased` in a shared store: the lease alone then
+    /// says when it takes over.
+    pub fn acquire(checkpoint_dir: &Path, job: &str, standby: bool, leased: bool) -> Result<JobLock> {
         std::fs::create_dir_all(checkpoint_dir)
             .with_context(|| format!("--checkpoint-dir {}", checkpoint_dir.display()))?;
         let path = checkpoint_dir.join("coordinator.lock");
@@ -70,6 +72,11 @@ impl JobLock {
                 println!(
                     "standby   job {job:?} is run by another coordinator ({holder}); waiting to take it over"
                 );
+                if leased {
+                    // The job's lease in a shared store decides who leads:
+                    // a holder that is frozen keeps its lock, not its lease.
+                    return Ok(JobLock { _file: file, path });
+                }
                 file.lock().with_context(|| format!("{}", path.display()))?;
                 let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
                 file.set_len(0)?;

@@ -123,6 +123,38 @@ pub struct JobSpec {
     /// Request timeout, rows per request, requests in flight, cool-down.
     #[serde(default)]
     pub teacher_calls: crate::distill::TeacherCalls,
+    /// Where a worker that lost its coordinator finds the next one: the
+    /// job's store and the lease token of the coordinator that sent this
+    /// (None: the job's store is the coordinator's own, nobody takes over).
+    #[serde(default)]
+    pub follow: Option<Follow>,
+}
+
+/// How a worker follows the job's leader from one coordinator to the next.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
+pub struct Follow {
+    /// The job's store (`redis://...`, `etcd://...`); it may hold a password,
+    /// so it travels only over the sealed control connection and is never printed.
+    pub store: String,
+    /// The lease token of the coordinator that welcomed the worker: a
+    /// coordinator is followed only to one with a higher token.
+    pub token: u64,
+}
+
+impl std::fmt::Debug for Follow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Follow {{ store: {:?}, token: {} }}", crate::store::redact(&self.store), self.token)
+    }
+}
+
+/// The coordinator holding a job's lease, as the store names it for the
+/// job's workers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Leader {
+    /// Its control port, `host:port`.
+    pub addr: String,
+    /// Its lease token.
+    pub token: u64,
 }
 
 fn default_teacher_wait_ms() -> u64 {
@@ -252,6 +284,11 @@ pub enum ToWorker {
         step: u64,
         checkpoint: Option<Manifest>,
         wait: bool,
+        /// The newest step the job's store holds the bookkeeping of: the
+        /// rollback point a coordinator taking the job over starts from is
+        /// kept until a later one is stored (None: none is kept back).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stored: Option<u64>,
     },
     Stop {
         reason: String,
@@ -348,6 +385,14 @@ pub enum FromWorker {
     },
     /// The worker is alive (sent several times per lease).
     Heartbeat,
+    /// A worker whose coordinator is gone, to the one that took the job
+    /// over: it kept its process and its state, and holds rollback points
+    /// at these committed steps (the first message on its new connection).
+    Return {
+        worker: u64,
+        pid: u32,
+        rollback: Vec<u64>,
+    },
 }
 
 /// A checkpoint write that ended: where it is, or why it failed.

@@ -15,8 +15,8 @@
 //! at the next generation), and the next step it gets is the redone one.
 
 use super::proto::{
-    FailCause, FromWorker, Generation, JobSpec, Receiver, Sender, Share, StepDone, StepPlan, ToWorker,
-    Written,
+    FailCause, FromWorker, Generation, JobSpec, Leader, Receiver, Sender, Share, StepDone, StepPlan,
+    ToWorker, Written,
 };
 use crate::checkpoint::{Checkpoints, Manifest};
 use crate::state::Layout;
@@ -30,6 +30,17 @@ use std::{
     sync::{Arc, mpsc},
     time::{Duration, Instant},
 };
+
+/// Rollback points a worker keeps at most (the committed step's, the
+/// windows sent ahead, and those the store has not caught up with).
+const MAX_ROLLBACK_POINTS: usize = 6;
+
+/// Why a worker could not follow the coordinator that took its job over.
+enum Followed {
+    /// It was refused: no use trying again.
+    Refused(String),
+    Failed(String),
+}
 
 /// A program's state, as the session sees it.
 pub trait State {
@@ -108,6 +119,14 @@ pub struct Session {
     /// Sends heartbeats while the session lives.
     _heartbeat: Heartbeat,
     inbox: mpsc::Receiver<Result<ToWorker, super::proto::ProtoError>>,
+    /// The control connection, to close when this worker follows another coordinator.
+    control: TcpStream,
+    /// When the coordinator last said something, and when the store was
+    /// last asked who leads the job.
+    heard: Instant,
+    looked: Instant,
+    /// The job's store, opened when this worker first looks for its leader.
+    store: Option<(tokio::runtime::Runtime, crate::store::AnyStore)>,
     /// Steps applied to the current state (None: nothing yet, a joiner).
     applied: Option<u64>,
     /// Rollback points: the state at the start of each window not known
@@ -201,23 +220,8 @@ impl Session {
     /// Connects worker `id` to the coordinator at `coordinator`, proves the
     /// job's secret and reads the job.
     pub fn join(coordinator: SocketAddr, id: u64, auth: JobAuth) -> Result<Joined> {
-        let mut stream = TcpStream::connect_timeout(&coordinator, Duration::from_secs(10))
-            .with_context(|| format!("worker {id}: cannot reach the coordinator at {coordinator}"))?;
-        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-        let keys = auth::connect(&mut stream, &auth.secret, &auth.claim("control", 0, id)).map_err(|e| {
-            anyhow!(
-                "worker {id}: the coordinator at {coordinator} did not admit it to job {:?}: {e}",
-                auth.job
-            )
-        })?;
-        stream.set_read_timeout(None)?;
-        stream.set_nodelay(true)?;
-        stream.set_write_timeout(Some(Duration::from_secs(10)))?;
-        super::proto::keepalive(&stream);
-        let ring_ip = stream.local_addr()?.ip();
-        let (out, rx) = super::proto::seal(&stream, keys)?;
-        let (out, mut rx) = (Sender::new(out), Receiver::new(rx));
-        out.send(&FromWorker::Hello { worker: id, pid: std::process::id() })?;
+        let hello = |id| FromWorker::Hello { worker: id, pid: std::process::id() };
+        let (control, out, mut rx) = Self::connect(coordinator, id, &auth, 0, &hello(id))?;
         // A worker that joined without an id (started by another engine)
         // is given one first.
         let mut id = id;
@@ -229,25 +233,9 @@ impl Session {
                 _ => bail!("worker {id}: the coordinator sent something before the job"),
             }
         };
-        // From here on the coordinator hears from this worker at least a
-        // few times per lease, and a coordinator that stops acknowledging
-        // what the worker sends is given up within the lease.
-        let lease = Duration::from_millis(spec.worker_lease_ms.max(1));
-        super::proto::give_up_unacked(&stream, lease);
-        let heartbeat = Heartbeat::start(out.clone(), lease / 4)?;
-        // Messages are read on a thread of their own, so that windows sent
-        // ahead queue up while steps run.
-        let (tx, inbox) = mpsc::channel();
-        std::thread::Builder::new().name("edl-control".into()).spawn(move || {
-            loop {
-                let msg = rx.recv::<ToWorker>();
-                let end = msg.is_err();
-                if tx.send(msg).is_err() || end {
-                    return;
-                }
-            }
-        })?;
+        let (heartbeat, inbox) = Self::listen(&control, &out, rx, &spec)?;
         let checkpoints = Checkpoints::open(&spec.checkpoint_dir, spec.keep_checkpoints)?;
+        let ring_ip = control.local_addr()?.ip();
         Ok(Joined::Welcome(Box::new(Session {
             id,
             coordinator,
@@ -259,6 +247,10 @@ impl Session {
             ring_advertise: None,
             _heartbeat: heartbeat,
             inbox,
+            control,
+            heard: Instant::now(),
+            looked: Instant::now(),
+            store: None,
             applied: None,
             snapshots: BTreeMap::new(),
             spare: None,
@@ -275,6 +267,63 @@ impl Session {
             written: Vec::new(),
             stopped: None,
         })))
+    }
+
+    /// Opens a control connection to the coordinator at `coordinator`
+    /// claiming `generation` (0 for a new worker), proves the job's secret
+    /// and sends `first`.
+    fn connect(
+        coordinator: SocketAddr,
+        id: u64,
+        auth: &JobAuth,
+        generation: u64,
+        first: &FromWorker,
+    ) -> Result<(TcpStream, Sender, Receiver)> {
+        let mut stream = TcpStream::connect_timeout(&coordinator, Duration::from_secs(10))
+            .with_context(|| format!("worker {id}: cannot reach the coordinator at {coordinator}"))?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let keys = auth::connect(&mut stream, &auth.secret, &auth.claim("control", generation, id)).map_err(|e| {
+            anyhow!(
+                "worker {id}: the coordinator at {coordinator} did not admit it to job {:?}: {e}",
+                auth.job
+            )
+        })?;
+        stream.set_read_timeout(None)?;
+        stream.set_nodelay(true)?;
+        stream.set_write_timeout(Some(Duration::from_secs(10)))?;
+        super::proto::keepalive(&stream);
+        let (out, rx) = super::proto::seal(&stream, keys)?;
+        let (out, rx) = (Sender::new(out), Receiver::new(rx));
+        out.send(first)?;
+        Ok((stream, out, rx))
+    }
+
+    /// Once welcomed: heartbeats go out, and messages are read on a thread
+    /// of their own (so that windows sent ahead queue up while steps run).
+    #[allow(clippy::type_complexity)]
+    fn listen(
+        stream: &TcpStream,
+        out: &Sender,
+        mut rx: Receiver,
+        spec: &JobSpec,
+    ) -> Result<(Heartbeat, mpsc::Receiver<Result<ToWorker, super::proto::ProtoError>>)> {
+        // From here on the coordinator hears from this worker at least a
+        // few times per lease, and a coordinator that stops acknowledging
+        // what the worker sends is given up within the lease.
+        let lease = Duration::from_millis(spec.worker_lease_ms.max(1));
+        super::proto::give_up_unacked(stream, lease);
+        let heartbeat = Heartbeat::start(out.clone(), lease / 4)?;
+        let (tx, inbox) = mpsc::channel();
+        std::thread::Builder::new().name("edl-control".into()).spawn(move || {
+            loop {
+                let msg = rx.recv::<ToWorker>();
+                let end = msg.is_err();
+                if tx.send(msg).is_err() || end {
+                    return;
+                }
+            }
+        })?;
+        Ok((heartbeat, inbox))
     }
 
     pub fn id(&self) -> u64 {
@@ -339,22 +388,27 @@ impl Session {
             self.reap_write(false);
             if !self.written.is_empty() {
                 let checkpoints = std::mem::take(&mut self.written);
-                self.out.send(&FromWorker::Saved { checkpoints })?;
+                self.tell(&FromWorker::Saved { checkpoints })?;
             }
             let msg = if self.queue.is_empty() {
                 match self.inbox.recv_timeout(Duration::from_millis(100)) {
                     Ok(m) => Some(m),
                     Err(mpsc::RecvTimeoutError::Timeout) => {
                         state.idle()?;
+                        self.look_for_leader(state)?;
                         None
                     }
                     Err(mpsc::RecvTimeoutError::Disconnected) => {
-                        return Err(self.lost_coordinator("connection closed", state));
+                        self.lost_coordinator("connection closed", state)?;
+                        continue;
                     }
                 }
             } else {
                 self.inbox.try_recv().ok()
             };
+            if msg.is_some() {
+                self.heard = Instant::now();
+            }
             if let Some(msg) = msg {
                 self.handle(msg, state)?;
                 continue;
@@ -400,20 +454,25 @@ impl Session {
                 }
             }
             Ok(ToWorker::Steps { generation, steps, shares }) => self.enqueue(generation, steps, shares)?,
-            Ok(ToWorker::Commit { step, checkpoint, wait }) => self.commit(step, checkpoint, wait, state)?,
-            Err(e) => return Err(self.lost_coordinator(&e.to_string(), state)),
+            Ok(ToWorker::Commit { step, checkpoint, wait, stored }) => {
+                self.commit(step, checkpoint, wait, stored, state)?
+            }
+            Err(e) => self.lost_coordinator(&e.to_string(), state)?,
         }
         Ok(())
     }
 
-    /// The control connection ended (`why`): the error to end with. A
-    /// worker that was in a generation tries for the spec's reconnect time
-    /// to reach the coordinator again, to hear where it stands; a job that
-    /// went on without it refuses it, naming the generation that is over.
-    fn lost_coordinator(&mut self, why: &str, state: &mut dyn State) -> anyhow::Error {
+    /// The control connection ended (`why`). A worker that was in a
+    /// generation tries for the spec's reconnect time to reach a coordinator
+    /// again: in a job that can be taken over, the one the store names once
+    /// it is another (a higher lease token), which takes it back with its
+    /// process and state (then this returns Ok and the session goes on);
+    /// otherwise the same one, to hear where it stands: a job that went on
+    /// without it refuses it, naming the generation that is over.
+    fn lost_coordinator(&mut self, why: &str, state: &mut dyn State) -> Result<()> {
         let lost = format!("worker {}: lost the coordinator at {} ({why})", self.id, self.coordinator);
         let window = Duration::from_millis(self.spec.worker_reconnect_ms);
-        let Some(place) = self.place.filter(|_| !window.is_zero()) else { return anyhow!(lost) };
+        let Some(place) = self.place.filter(|_| !window.is_zero()) else { bail!(lost) };
         tracing::warn!("{lost}; trying to reach it again for {window:?}");
         let claim = self.auth.claim("control", place.generation, self.id);
         let deadline = Instant::now() + window;
@@ -421,7 +480,18 @@ impl Session {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return anyhow!("{lost}, and could not reach it again within {window:?}: {last}");
+                bail!("{lost}, and could not reach it again within {window:?}: {last}");
+            }
+            match self.newer_leader() {
+                Ok(Some(leader)) => match self.follow(&leader) {
+                    Ok(()) => return Ok(()),
+                    Err(Followed::Refused(reason)) => {
+                        bail!("{lost}; the coordinator at {} that took the job over refused it: {reason}", leader.addr)
+                    }
+                    Err(Followed::Failed(e)) => last = e,
+                },
+                Ok(None) => {}
+                Err(e) => last = e,
             }
             let io = |e: std::io::Error| auth::AuthError::Io(e.to_string());
             let attempt = TcpStream::connect_timeout(&self.coordinator, left.min(Duration::from_secs(5)))
@@ -432,20 +502,156 @@ impl Session {
                 });
             match attempt {
                 Err(auth::AuthError::Refused(reason)) => {
-                    return anyhow!("{lost}; on its return the coordinator refused it: {reason}");
+                    bail!("{lost}; on its return the coordinator refused it: {reason}");
                 }
-                Err(e) => last = e.to_string(),
-                // A connection that claims a generation is never taken back.
+                Err(e) if last.is_empty() || self.spec.follow.is_none() => last = e.to_string(),
+                Err(_) => {}
+                // A connection that claims a generation is never taken back
+                // by the coordinator it was lost to.
                 Ok(_) => {
-                    return anyhow!(
-                        "{lost}; it took the connection back without saying where this worker stands"
-                    );
+                    bail!("{lost}; it took the connection back without saying where this worker stands")
                 }
             }
-            if let Err(e) = state.idle() {
-                return e.context(lost);
+            state.idle().map_err(|e| e.context(lost.clone()))?;
+            std::thread::sleep(left.min(Duration::from_millis(250)));
+        }
+    }
+
+    /// While the coordinator says nothing for a while (it may be frozen or
+    /// cut off, its connection still open), asks the store at most once a
+    /// second who leads the job: another coordinator that took it over is
+    /// followed, and the silent one's connection closed.
+    fn look_for_leader(&mut self, state: &mut dyn State) -> Result<()> {
+        const SILENT: Duration = Duration::from_secs(1);
+        if self.spec.follow.is_none()
+            || self.place.is_none()
+            || self.heard.elapsed() < SILENT
+            || self.looked.elapsed() < SILENT
+        {
+            return Ok(());
+        }
+        self.looked = Instant::now();
+        match self.newer_leader() {
+            Ok(Some(leader)) => {
+                tracing::warn!(
+                    "worker {}: the coordinator at {} is silent and the job's store names another, {} (lease \
+                     token {}): following it",
+                    self.id,
+                    self.coordinator,
+                    leader.addr,
+                    leader.token
+                );
+                let _ = self.control.shutdown(std::net::Shutdown::Both);
+                match self.follow(&leader) {
+                    Ok(()) => Ok(()),
+                    Err(_) => self.lost_coordinator("silent; another coordinator leads the job", state),
+                }
             }
-            std::thread::sleep(left.min(Duration::from_millis(500)));
+            Ok(None) => Ok(()),
+            Err(e) => {
+                tracing::debug!("worker {}: asking the store who leads the job: {e}", self.id);
+                Ok(())
+            }
+        }
+    }
+
+    /// The coordinator the job's store names, when it is one that took the
+    /// job over from this worker's (a higher lease token). A job the store
+    /// says is finished ends this worker.
+    fn newer_leader(&mut self) -> Result<Option<Leader>, String> {
+        let Some(follow) = self.spec.follow.clone() else { return Ok(None) };
+        if self.store.is_none() {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            let store = {
+                let _g = rt.enter();
+                crate::store::AnyStore::open(&follow.store).map_err(|e| format!("{e:#}"))?
+            };
+            self.store = Some((rt, store));
+        }
+        use crate::store::Store;
+        let (rt, store) = self.store.as_ref().expect("opened above");
+        let key = crate::store::keys::job_state(&self.spec.job);
+        let shown = crate::store::redact(&follow.store);
+        let got = rt
+            .block_on(async { tokio::time::timeout(Duration::from_secs(5), store.get(&key)).await })
+            .map_err(|_| format!("the job's store {shown} did not answer within 5 s"))?
+            .map_err(|e| format!("the job's store {shown}: {e}"))?;
+        let Some(entry) = got else { return Ok(None) };
+        let s: super::keeper::JobState = serde_json::from_slice(&entry.value)
+            .map_err(|e| format!("the job's state in {shown} does not parse: {e}"))?;
+        if s.finished {
+            return Err("the job's store says the job is finished".into());
+        }
+        Ok(s.handover.map(|h| h.leader).filter(|l| l.token > follow.token))
+    }
+
+    /// Goes over to `leader`, which took the job over: comes back to it
+    /// with this worker's process and state (its rollback points), and is
+    /// welcomed again. Steps sent and not committed are redone.
+    fn follow(&mut self, leader: &Leader) -> Result<(), Followed> {
+        let place = self.place.ok_or_else(|| Followed::Failed("never in a generation".into()))?;
+        let addr = super::net::resolve(&leader.addr).map_err(|e| Followed::Failed(format!("{e:#}")))?;
+        let back = FromWorker::Return {
+            worker: self.id,
+            pid: std::process::id(),
+            rollback: self.snapshots.keys().copied().collect(),
+        };
+        let (control, out, mut rx) = Self::connect(addr, self.id, &self.auth, place.generation, &back)
+            .map_err(|e| {
+                let text = format!("{e:#}");
+                // Refused by the coordinator itself, not by the network.
+                match text.contains(": refused: ") || text.contains("does not know the job's secret") {
+                    true => Followed::Refused(text),
+                    false => Followed::Failed(text),
+                }
+            })?;
+        let spec = match rx.recv::<ToWorker>() {
+            Ok(ToWorker::Welcome(spec)) => *spec,
+            Ok(ToWorker::Stop { reason }) => return Err(Followed::Refused(reason)),
+            Ok(_) => return Err(Followed::Failed("it sent something before the job".into())),
+            Err(e) => return Err(Followed::Failed(e.to_string())),
+        };
+        let (heartbeat, inbox) =
+            Self::listen(&control, &out, rx, &spec).map_err(|e| Followed::Failed(format!("{e:#}")))?;
+        tracing::info!(
+            "worker {}: now with the coordinator at {} (lease token {}), holding steps {:?}",
+            self.id,
+            leader.addr,
+            leader.token,
+            self.snapshots.keys().collect::<Vec<_>>()
+        );
+        let _ = self.control.shutdown(std::net::Shutdown::Both);
+        let samples = self.spec.samples;
+        self.spec = spec;
+        if self.spec.samples == 0 {
+            self.spec.samples = samples;
+        }
+        (self.coordinator, self.control, self.out, self._heartbeat, self.inbox) =
+            (addr, control, out, heartbeat, inbox);
+        self.heard = Instant::now();
+        // What the old coordinator sent ahead is its no more.
+        self.queue.clear();
+        self.window.clear();
+        self.current = None;
+        self.ring = None;
+        self.failed = None;
+        Ok(())
+    }
+
+    /// Sends `msg` to the coordinator. In a job that can be taken over a
+    /// coordinator that is gone is not an error here: the reader sees the
+    /// connection end and the worker follows the next coordinator, which
+    /// redoes what was not committed.
+    fn tell(&self, msg: &FromWorker) -> Result<()> {
+        match self.out.send(msg) {
+            Err(e) if self.spec.follow.is_some() => {
+                tracing::debug!("worker {}: {e}", self.id);
+                Ok(())
+            }
+            r => r.map_err(Into::into),
         }
     }
 
@@ -494,7 +700,7 @@ impl Session {
         if s.closes {
             let steps = std::mem::take(&mut self.window);
             let setup_ms = std::mem::take(&mut self.setup_ms);
-            self.out.send(&FromWorker::Done { generation: s.generation, steps, setup_ms })?;
+            self.tell(&FromWorker::Done { generation: s.generation, steps, setup_ms })?;
         }
         Ok(())
     }
@@ -535,7 +741,7 @@ impl Session {
         if let Some(a) = self.applied {
             self.applied = Some(a.max(step + 1));
         }
-        self.out.send(&FromWorker::Failed { generation, step, error: format!("{e:#}"), cause })?;
+        self.tell(&FromWorker::Failed { generation, step, error: format!("{e:#}"), cause })?;
         Ok(())
     }
 
@@ -572,17 +778,26 @@ impl Session {
 
     /// Every step before `step` is committed: earlier rollback points go;
     /// rank 0 writes the checkpoint asked for.
+    /// `stored`: the newest step the job's store holds; its rollback point
+    /// stays, for a coordinator that takes the job over.
     fn commit(
         &mut self,
         step: u64,
         checkpoint: Option<Manifest>,
         wait: bool,
+        stored: Option<u64>,
         state: &mut dyn State,
     ) -> Result<()> {
         if self.applied == Some(step) && self.current.is_none() && !self.snapshots.contains_key(&step) {
             self.snapshot(state)?;
         }
-        self.release_before(step);
+        self.release_before(stored.map_or(step, |s| s.min(step)));
+        // A store that falls behind does not make the rollback points pile
+        // up: beyond a few, the oldest go (a takeover then restores a checkpoint).
+        while self.snapshots.len() > MAX_ROLLBACK_POINTS {
+            let oldest = *self.snapshots.keys().next().expect("not empty");
+            self.release_before(oldest + 1);
+        }
         let Some(manifest) = checkpoint else { return Ok(()) };
         if let Err(e) = self.start_write(manifest) {
             self.written.push(Written { step, result: Err(format!("{e:#}")) });

@@ -270,6 +270,24 @@ impl Hosts {
     }
 }
 
+/// Runs `f` on a thread inside network namespace `ns` (its sockets are
+/// that namespace's), and returns what it returned.
+pub(crate) fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(format!("/var/run/netns/{ns}")).expect("the namespace's file");
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // SAFETY: setns on this thread only, with a descriptor that
+            // stays open for the call; the thread ends with the scope.
+            let r = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+            assert_eq!(r, 0, "setns {ns}: {}", std::io::Error::last_os_error());
+            f()
+        })
+        .join()
+        .expect("the thread in the namespace")
+    })
+}
+
 impl Drop for Hosts {
     fn drop(&mut self) {
         for name in self.names.clone().iter().map(String::as_str).chain(["sw"]) {
@@ -520,4 +538,165 @@ fn a_coordinator_firewalled_from_its_store_stops_and_another_host_takes_the_job_
     assert_eq!(newest.unwrap().manifest.step, r["steps"].as_u64().unwrap());
     let fence = cps.fence().unwrap().expect("the second coordinator claimed the checkpoints");
     assert!(fence.from_step >= 5, "{fence:?}");
+}
+
+/// A job across hosts that can be taken over: workers started by command
+/// on w1 and w2, the active coordinator on host a, a standby on host b,
+/// the store at `store`, the checkpoints shared.
+struct Takeover<'h> {
+    hosts: &'h Hosts,
+    dir: std::path::PathBuf,
+    store: String,
+}
+
+/// What a takeover left: the standby's report and what it said, the worker
+/// processes before and after, and the first coordinator.
+struct TakenOver {
+    report: Value,
+    said: String,
+    before: Vec<i32>,
+    after: Vec<i32>,
+    first: Child,
+    first_said: mpsc::Receiver<String>,
+}
+
+impl Takeover<'_> {
+    fn coordinator(&self, host: &str, extra: &[&str]) -> Command {
+        let cwd = self.dir.join(host);
+        std::fs::create_dir_all(&cwd).unwrap();
+        let template = format!("ip netns exec {}-{{host}} {{program}}", self.hosts.prefix);
+        let args = ["--no-distill", "--teachers", "0", "--store", &self.store, "--job", "led", "--epochs", "10"];
+        let cmd = job(&cwd, &args);
+        let mut c = self.hosts.on(host, cmd.get_program().to_str().unwrap());
+        c.args(cmd.get_args()).current_dir(&cwd);
+        c.args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold"]);
+        c.args(["--scaler", "command", "--worker-command", &template, "--hosts", "w1:1,w2:1"]);
+        c.args(["--listen", &format!("{}:7070", self.hosts.ip(host)), "--workers", "2"]);
+        c.args(["--min-workers", "2", "--max-workers", "2", "--step-delay-ms", "40"]);
+        c.args(["--checkpoint-every-steps", "20", "--checkpoint-dir"]).arg(self.dir.join("checkpoints"));
+        c.arg("--secret-file").arg(self.dir.join("job.secret"));
+        c.args(extra);
+        c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        c
+    }
+
+    /// The worker processes on w1 and w2 (their shells and programs).
+    fn workers(&self) -> Vec<i32> {
+        let mut p = [self.hosts.pids("w1"), self.hosts.pids("w2")].concat();
+        p.sort();
+        p
+    }
+
+    /// Runs the active coordinator on a and a standby on b; `strike` does
+    /// to the active one what the test is about, `then` runs once the
+    /// workers came back to the standby, which then finishes the job.
+    fn run(&self, strike: impl FnOnce(&mut Child), then: impl FnOnce()) -> TakenOver {
+        let mut first = self.coordinator("a", &[]).spawn().unwrap();
+        let first_said = lines(&mut first);
+        let mut seen_a = Vec::new();
+        wait_for(&first_said, "epoch     1 done", &mut seen_a, Duration::from_secs(180));
+        let mut standby = self.coordinator("b", &["--standby"]).spawn().unwrap();
+        let rx = lines(&mut standby);
+        let mut seen = Vec::new();
+        wait_for(&rx, "standby", &mut seen, Duration::from_secs(120));
+        assert!(seen.last().unwrap().contains("waiting to take it over"), "{seen:?}");
+        let before = self.workers();
+        assert!(before.len() >= 2, "workers run on w1 and w2: {before:?}");
+        strike(&mut first);
+        wait_for(&rx, "taking job \"led\" over", &mut seen, Duration::from_secs(120));
+        wait_for(&rx, "came back with its state", &mut seen, Duration::from_secs(60));
+        then();
+        wait_for(&rx, "epoch     ", &mut seen, Duration::from_secs(120));
+        let after = self.workers();
+        let status = finish(standby, rx, &mut seen);
+        let said = seen.join("\n");
+        assert!(status.success(), "{said}");
+        TakenOver { report: report(&self.dir.join("b")), said, before, after, first, first_said }
+    }
+}
+
+/// The report's scale events that are takeovers.
+fn takeovers(r: &Value) -> Vec<String> {
+    let events = r["scale_events"].as_array().unwrap();
+    let reasons = events.iter().filter_map(|e| e["reason"].as_str());
+    reasons.filter(|r| r.starts_with("coordinator takeover")).map(String::from).collect()
+}
+
+#[test]
+fn workers_follow_a_standby_that_takes_over_from_a_killed_coordinator_on_etcd_that_loses_its_leader() {
+    let Some(hosts) = Hosts::build_or_skip(&["etcd", "a", "b", "w1", "w2"]) else { return };
+    let mut etcd = crate::store::EtcdCluster::start_on(&hosts, "etcd", 3);
+    let dir = tempfile::tempdir().unwrap();
+    let t = Takeover { hosts: &hosts, dir: dir.path().to_path_buf(), store: etcd.url() };
+    let mut lost_leader = None;
+    let mut out = t.run(
+        // The active coordinator dies at once.
+        |a| a.kill().unwrap(),
+        // Then the store's leader member dies: the others elect another.
+        || {
+            let leader = etcd.leader().expect("an etcd leader");
+            etcd.kill(leader);
+            lost_leader = Some(leader);
+        },
+    );
+    let _ = out.first.wait();
+    let r = &out.report;
+    assert_eq!(out.before, out.after, "the workers kept their processes:\n{}", out.said);
+    // Every sample exactly once over the whole job, both coordinators' steps.
+    assert_exactly_once(r, 10, 1200);
+    let taken = takeovers(r);
+    assert_eq!(taken.len(), 1, "{r}");
+    assert!(taken[0].contains("2 of its 2 workers came back with their state"), "{taken:?}");
+    // No worker was started again (the two the first coordinator started came back).
+    assert_eq!(r["workers_started"].as_array().unwrap().len(), 2, "{r}");
+    assert!(!out.said.contains("resuming job"), "no checkpoint was restored:\n{}", out.said);
+    // The store lost its leader member and went on under another.
+    let now = etcd.leader().expect("the two members left elected a leader");
+    assert_ne!(Some(now), lost_leader);
+}
+
+#[test]
+fn a_frozen_coordinator_is_taken_over_on_redis_and_writes_nothing_when_it_wakes() {
+    let Some(hosts) = Hosts::build_or_skip(&["store", "a", "b", "w1", "w2"]) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut redis = hosts.redis("store", dir.path());
+    let store = format!("redis://{}:6379/", hosts.ip("store"));
+    let t = Takeover { hosts: &hosts, dir: dir.path().to_path_buf(), store };
+    let frozen = std::cell::Cell::new(0u32);
+    let mut out = t.run(
+        // SIGSTOP: its connections stay open, its lease lapses.
+        |a| {
+            frozen.set(a.id());
+            // SAFETY: signalling a child of this test by its pid.
+            unsafe { libc::kill(a.id() as i32, libc::SIGSTOP) };
+        },
+        // Woken once the standby leads with the workers: it finds itself
+        // fenced by its own clock and stops without writing anything.
+        || unsafe {
+            libc::kill(frozen.get() as i32, libc::SIGCONT);
+        },
+    );
+    let status = wait_exit(&mut out.first, "the woken coordinator", Duration::from_secs(60));
+    let mut said = Vec::new();
+    while let Ok(l) = out.first_said.try_recv() {
+        said.push(l);
+    }
+    let error = report(&t.dir.join("a"))["error"].as_str().unwrap_or_default().to_string();
+    let _ = (redis.kill(), redis.wait());
+    assert!(!status.success(), "the deposed coordinator finished: {said:?}");
+    assert!(error.contains("fenced"), "{error}\n{said:?}");
+    let r = &out.report;
+    assert_eq!(out.before, out.after, "the workers kept their processes:\n{}", out.said);
+    assert_exactly_once(r, 10, 1200);
+    assert_eq!(takeovers(r).len(), 1, "{r}");
+    // Nothing of the deposed coordinator's: every checkpoint verifies, the
+    // newest is the standby's final state, and the fence is the standby's.
+    let cps = edl_runtime::checkpoint::Checkpoints::new(t.dir.join("checkpoints"), 3);
+    let (newest, skipped) = cps.latest().unwrap();
+    assert!(skipped.is_empty(), "{skipped:?}");
+    assert_eq!(newest.unwrap().manifest.step, r["steps"].as_u64().unwrap());
+    let fence = cps.fence().unwrap().expect("the standby claimed the checkpoints");
+    assert!(fence.from_step > 0, "{fence:?}");
+    // The woken coordinator started no worker: only the standby's two ever ran.
+    assert_eq!(r["workers_started"].as_array().unwrap().len(), 2, "{r}");
 }

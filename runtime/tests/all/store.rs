@@ -94,9 +94,13 @@ impl Drop for RedisServer {
 }
 
 /// An etcd cluster of this test's own (Debian's etcd-server), its members
-/// on free loopback ports.
+/// on free loopback ports, or on one network-namespace host.
 pub struct EtcdCluster {
     dir: tempfile::TempDir,
+    /// The address the members listen on.
+    ip: String,
+    /// The namespace host they run on (None: this machine's loopback).
+    host: Option<String>,
     /// Each member's name, client port, peer port and process.
     members: Vec<(String, u16, u16, Option<Child>)>,
 }
@@ -104,17 +108,34 @@ pub struct EtcdCluster {
 impl EtcdCluster {
     pub fn start(n: usize) -> Self {
         let free = || TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let members: Vec<(String, u16, u16, Option<Child>)> =
-            (0..n).map(|i| (format!("m{i}"), free(), free(), None)).collect();
-        let mut c = EtcdCluster { dir: tempfile::tempdir().unwrap(), members };
+        let ports = (0..n).map(|_| (free(), free())).collect();
+        Self::start_at(None, "127.0.0.1", ports)
+    }
+
+    /// `n` members on namespace host `name` of `hosts`, at its address.
+    pub fn start_on(hosts: &crate::cluster::Hosts, name: &str, n: usize) -> Self {
+        let ports = (0..n as u16).map(|i| (2379 + 2 * i, 2380 + 2 * i)).collect();
+        Self::start_at(Some(hosts.ns(name)), &hosts.ip(name), ports)
+    }
+
+    fn start_at(host: Option<String>, ip: &str, ports: Vec<(u16, u16)>) -> Self {
+        let members = ports.into_iter().enumerate().map(|(i, (c, p))| (format!("m{i}"), c, p, None)).collect();
+        let mut c = EtcdCluster { dir: tempfile::tempdir().unwrap(), ip: ip.to_string(), host, members };
         let initial: Vec<String> =
-            c.members.iter().map(|(name, _, peer, _)| format!("{name}=http://127.0.0.1:{peer}")).collect();
+            c.members.iter().map(|(name, _, peer, _)| format!("{name}=http://{ip}:{peer}")).collect();
         let initial = initial.join(",");
         let bin = std::env::var_os("EDL_ETCD").map(PathBuf::from).unwrap_or_else(|| "etcd".into());
         for (name, client, peer, child) in &mut c.members {
-            let (client_url, peer_url) =
-                (format!("http://127.0.0.1:{client}"), format!("http://127.0.0.1:{peer}"));
-            let spawned = Command::new(&bin)
+            let (client_url, peer_url) = (format!("http://{ip}:{client}"), format!("http://{ip}:{peer}"));
+            let mut cmd = match &c.host {
+                Some(ns) => {
+                    let mut cmd = Command::new("ip");
+                    cmd.args(["netns", "exec", ns]).arg(&bin);
+                    cmd
+                }
+                None => Command::new(&bin),
+            };
+            let spawned = cmd
                 .args(["--name", name, "--data-dir"])
                 .arg(c.dir.path().join(name.as_str()))
                 .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
@@ -149,18 +170,25 @@ impl EtcdCluster {
 
     pub fn url(&self) -> String {
         let all: Vec<String> =
-            self.members.iter().map(|(_, client, _, _)| format!("127.0.0.1:{client}")).collect();
+            self.members.iter().map(|(_, client, _, _)| format!("{}:{client}", self.ip)).collect();
         format!("etcd://{}", all.join(","))
     }
 
     /// Which running member leads, asked through etcd's JSON gateway.
     pub fn leader(&self) -> Option<usize> {
+        match &self.host {
+            Some(ns) => crate::cluster::in_netns(ns, || self.leader_here()),
+            None => self.leader_here(),
+        }
+    }
+
+    fn leader_here(&self) -> Option<usize> {
         use std::io::{Read, Write};
         for (i, (_, client, _, child)) in self.members.iter().enumerate() {
             if child.is_none() {
                 continue;
             }
-            let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", *client)) else { continue };
+            let Ok(mut s) = std::net::TcpStream::connect((self.ip.as_str(), *client)) else { continue };
             let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
             let req = "POST /v3/maintenance/status HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}";
             if s.write_all(req.as_bytes()).is_err() {

@@ -69,6 +69,10 @@ impl Coordinator<'_> {
             Inbound::Msg(n, FromWorker::Hello { worker, pid }) => {
                 self.m.handle(now, Event::Hello { conn: n, worker, pid });
             }
+            Inbound::Msg(n, FromWorker::Return { worker, pid, rollback }) => {
+                let holds = rollback.contains(&self.committed);
+                self.m.handle(now, Event::Returned { conn: n, worker, pid, holds });
+            }
             // The inbox keeps heartbeats to itself; one that got here says nothing new.
             Inbound::Msg(_, FromWorker::Heartbeat) => {}
             Inbound::Msg(n, FromWorker::Ready { samples }) => match self.take_samples(samples) {

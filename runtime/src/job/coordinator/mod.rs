@@ -23,7 +23,7 @@ mod steps;
 
 pub use config::JobConfig;
 pub use records::{JobOutcome, Progress, ScaleEvent, StepRecord};
-pub use resume::mark_complete;
+pub use resume::{DataIdentity, mark_complete};
 
 use super::inbox::Inbound;
 pub use super::keeper::JobState;
@@ -128,10 +128,22 @@ struct Coordinator<'a> {
     /// What stops the job at the next look: a worker's program declared
     /// samples that cannot be the job's.
     fatal: Option<String>,
+    /// The job is being taken over from another coordinator.
+    takeover: Option<Takeover>,
 }
 
-/// The coordinator's lease on its job in the store (renewed every third of it).
-const LEASE_TTL: Duration = Duration::from_secs(10);
+/// Where a job taken over from another coordinator stood.
+struct Takeover {
+    from: super::proto::Leader,
+    generation: u64,
+    members: Vec<u64>,
+}
+
+/// The coordinator's lease on its job in the store (renewed every third of
+/// it): a standby takes the job over this long after its coordinator died.
+const LEASE_TTL: Duration = Duration::from_secs(5);
+/// How long a coordinator that took a job over waits for its workers to come back.
+const RETURN_WITHIN: Duration = Duration::from_secs(10);
 
 /// Windows kept ahead of the ranks while membership is stable.
 const AHEAD: usize = 2;
@@ -235,6 +247,7 @@ pub fn run(
         plan_perm: None,
         saved: None,
         fatal: None,
+        takeover: None,
         cfg,
     };
     let result = c.job();
@@ -314,6 +327,10 @@ impl Coordinator<'_> {
             format!("claiming the checkpoints at {}", self.cfg.spec.checkpoint_dir.display())
         })?;
         self.fence = Some(token);
+        if shared {
+            // Workers that lose this coordinator find the next in the store.
+            self.cfg.spec.follow = Some(super::proto::Follow { store: self.cfg.store.clone(), token });
+        }
         self.keeper = Some(super::keeper::StoreKeeper::start(
             &self.cfg.store,
             keys::job_state(&self.cfg.spec.job),
@@ -325,6 +342,21 @@ impl Coordinator<'_> {
             "coordinator at {} (rendezvous {}); workers join with `edl-runtime worker --coordinator {}`",
             self.addr, self.rendezvous_at, self.addr
         ));
+        if self.takeover.is_some() {
+            // The store names this coordinator: the workers find it there.
+            self.save_state(false);
+            self.await_return(RETURN_WITHIN)?;
+            if self.m.joiners() > 0 {
+                self.boundary()?;
+                // Workers lost with the old coordinator are started anew
+                // where the job is short of its minimum.
+                let short = self.cfg.min_workers.saturating_sub(self.m.world() + self.m.coming());
+                if short > 0 {
+                    self.spawn(short);
+                }
+                return Ok(resumed);
+            }
+        }
         let first = self.cfg.initial_workers.clamp(self.cfg.min_workers.max(1), self.cfg.max_workers.max(1));
         self.spawn(first);
         self.wait_for_joiners(first as usize)?;
@@ -368,6 +400,9 @@ impl Coordinator<'_> {
                         self.check_teachers()?;
                     }
                     phase.generation_failed(self.committed > before, &f).map_err(|e| anyhow!(e))?;
+                    // A coordinator whose lease lapsed (it was frozen) starts
+                    // no worker: another may lead the job now.
+                    self.fenced()?;
                     self.fail(f);
                     self.check_spawning();
                 }
@@ -462,9 +497,17 @@ impl Coordinator<'_> {
             next_worker_id: self.m.next_id(),
             members: self.m.members().iter().map(|m| m.id).collect(),
             finished,
+            handover: self.fence.filter(|_| self.shared_store()).map(|token| super::keeper::Handover {
+                leader: super::proto::Leader { addr: self.addr.clone(), token },
+                hyper: self.hyper,
+                ledger: self.ledger.clone(),
+                events: self.events.clone(),
+                data: DataIdentity::of(&self.cfg.spec),
+            }),
         };
         if let Some(k) = &self.keeper {
             k.state(s);
         }
+        self.last_save = Instant::now();
     }
 }

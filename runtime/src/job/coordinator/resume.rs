@@ -3,7 +3,7 @@
 //! that refuses to continue on another data order.
 
 use super::records::*;
-use super::{CHORES_EVERY, Coordinator};
+use super::{CHORES_EVERY, Coordinator, ms};
 use crate::checkpoint::{Checkpoints, Manifest, Restored};
 use crate::job::keeper::JobState;
 use crate::job::ledger::{EpochRecord, Ledger};
@@ -33,7 +33,7 @@ struct Bookkeeping {
 
 /// What decides which samples a (step, cursor) names, and what the state is.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-struct DataIdentity {
+pub struct DataIdentity {
     samples: usize,
     seed: u64,
     program: String,
@@ -99,6 +99,112 @@ impl Coordinator<'_> {
         for p in self.checkpoints().clean_leftovers() {
             self.note(format!("removed {} (left by an interrupted checkpoint write)", p.display()));
         }
+        if let Some(s) = stored.as_ref().filter(|s| !s.members.is_empty() && self.shared_store())
+            && let Some(h) = &s.handover
+        {
+            return self.take_over(s, h).map(Some);
+        }
+        self.resume_from_checkpoint(stored.map(|s| s.committed_steps))
+    }
+
+    /// Whether the job's store is shared (not the coordinator's own): the
+    /// job can then be taken over, and its workers follow.
+    pub(super) fn shared_store(&self) -> bool {
+        !matches!(self.store, crate::store::AnyStore::Memory(_))
+    }
+
+    /// Carries on a job another coordinator ran (it died, was cut off or
+    /// frozen, and its lease lapsed) from the progress the store holds at
+    /// its last stored commit: the workers of its generation may come back
+    /// with their state ([`Self::await_return`]). Returns that step.
+    fn take_over(&mut self, s: &JobState, h: &crate::job::keeper::Handover) -> Result<u64> {
+        if self.train_len == 0 {
+            self.train_len = h.ledger.samples();
+            self.cfg.spec.samples = self.train_len;
+        }
+        let now = DataIdentity::of(&self.cfg.spec);
+        let diff = h.data.differences(&now);
+        if !diff.is_empty() {
+            bail!(
+                "job {:?} runs with {} (its coordinator at {}); a coordinator taking it over must be started \
+                 with the same flags",
+                self.cfg.spec.job,
+                diff.join(", "),
+                h.leader.addr
+            );
+        }
+        self.committed = s.committed_steps;
+        self.epoch = s.epoch;
+        self.cursor = s.cursor;
+        self.hyper = h.hyper;
+        self.ledger = h.ledger.clone();
+        self.events = h.events.clone();
+        self.init = None;
+        self.takeover = Some(super::Takeover {
+            from: h.leader.clone(),
+            generation: s.generation,
+            members: s.members.clone(),
+        });
+        self.note(format!(
+            "taking job {:?} over from the coordinator at {} (lease token {}) at step {} (epoch {}, cursor {}); \
+             waiting for its {} workers to come back",
+            self.cfg.spec.job,
+            h.leader.addr,
+            h.leader.token,
+            s.committed_steps,
+            s.epoch,
+            s.cursor,
+            s.members.len()
+        ));
+        Ok(s.committed_steps)
+    }
+
+    /// The workers of the coordinator this one took the job over from come
+    /// back within `within` (each with its process and its state); the job
+    /// goes on from the stored step with those that did. None came back:
+    /// it goes on from the newest checkpoint with new workers.
+    pub(super) fn await_return(&mut self, within: Duration) -> Result<()> {
+        let Some(t) = self.takeover.take() else { return Ok(()) };
+        let since = Instant::now();
+        self.gate.expect_return(Some((t.generation, t.members.iter().copied().collect())));
+        self.m.expect_return(&t.members);
+        while self.m.returning() > 0 && since.elapsed() < within {
+            match self.rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(ev) => self.handle(ev),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
+            }
+            self.check_fatal()?;
+        }
+        self.gate.expect_return(None);
+        let missing = self.m.end_return();
+        let back = self.m.joiners();
+        if back == 0 {
+            self.note(format!(
+                "no worker of the coordinator at {} came back within {within:?}; going on from the newest checkpoint",
+                t.from.addr
+            ));
+            return self.recover_from_nothing();
+        }
+        let mut reason = format!(
+            "coordinator takeover: the coordinator at {} (lease token {}) was gone; {back} of its {} workers \
+             came back with their state",
+            t.from.addr,
+            t.from.token,
+            t.members.len()
+        );
+        if !missing.is_empty() {
+            reason.push_str(&format!(" (not back: {missing:?})"));
+        }
+        let mut pending = Pending::new(t.members.len() as u32, reason);
+        pending.join_ms = Some(ms(since.elapsed()));
+        self.pending = Some(pending);
+        Ok(())
+    }
+
+    /// Resumes from the newest checkpoint that verifies; `stored_step`: the
+    /// committed step the store names, to say how many steps are redone.
+    fn resume_from_checkpoint(&mut self, stored_step: Option<u64>) -> Result<Option<u64>> {
         let (restored, skipped) =
             self.checkpoints().latest().context("listing the checkpoints to resume from")?;
         for e in skipped {
@@ -136,7 +242,7 @@ impl Coordinator<'_> {
         self.restore(&r, book.ledger);
         self.events = book.events;
         self.generation = self.generation.max(book.generation);
-        let lost = stored.map(|s| s.committed_steps.saturating_sub(m.step)).unwrap_or(0);
+        let lost = stored_step.map(|s| s.saturating_sub(m.step)).unwrap_or(0);
         self.note(format!(
             "resuming job {:?} from {} (step {}, epoch {}, cursor {}){}",
             self.cfg.spec.job,
@@ -235,7 +341,7 @@ impl Coordinator<'_> {
             no_teachers: BTreeSet::new(),
         };
         self.saved = None;
-        let msg = ToWorker::Commit { step, checkpoint: Some(self.manifest()), wait: true };
+        let msg = ToWorker::Commit { step, checkpoint: Some(self.manifest()), wait: true, stored: None };
         let sent = match self.conns.get_mut(&m0.conn).filter(|_| !self.m.is_closed(m0.conn)) {
             Some(stream) => send(stream, &msg).map_err(|e| e.to_string()),
             None => Err("connection closed".into()),

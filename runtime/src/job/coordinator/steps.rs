@@ -242,8 +242,16 @@ impl Coordinator<'_> {
         let checkpoint = if self.epoch < self.cfg.spec.epochs { self.checkpoint_due() } else { None };
         let step = self.committed;
         let wrote = checkpoint.is_some();
+        // A job that can be taken over stores its progress at every commit;
+        // the workers keep the rollback point of the newest stored step.
+        let follow = self.cfg.spec.follow.is_some();
+        if follow {
+            self.save_state(false);
+        }
+        let stored = self.keeper.as_ref().filter(|_| follow).map(|k| k.stored_step());
         let commit = |checkpoint| {
-            encode(&ToWorker::Commit { step, checkpoint, wait: false }).map_err(|e| anyhow!("a commit: {e}"))
+            encode(&ToWorker::Commit { step, checkpoint, wait: false, stored })
+                .map_err(|e| anyhow!("a commit: {e}"))
         };
         // Rank 0's message differs only when it carries a checkpoint.
         let rank0 = checkpoint.map(|c| commit(Some(c))).transpose()?;
@@ -255,7 +263,7 @@ impl Coordinator<'_> {
                 let _ = send_encoded(stream, line);
             }
         }
-        if wrote || self.last_save.elapsed() >= Duration::from_secs(1) {
+        if !follow && (wrote || self.last_save.elapsed() >= Duration::from_secs(1)) {
             self.save_state(false);
         }
         if self.committed.is_multiple_of(self.cfg.decide_every.max(1)) && self.epoch < self.cfg.spec.epochs {
