@@ -49,6 +49,9 @@ pub trait Scaler: Send {
     fn admits_uninvited(&self) -> bool {
         false
     }
+    /// Another coordinator leads the job now: the workers are its, so they
+    /// are let go, not stopped (where they can outlive this process).
+    fn release(&mut self) {}
 }
 
 /// Workers as local child processes.
@@ -609,6 +612,11 @@ fn fill_template(t: &str, value: impl Fn(&str) -> (String, bool)) -> anyhow::Res
 }
 
 impl Scaler for CommandScaler {
+    fn release(&mut self) {
+        // Their process groups are their own: they run on without this one.
+        self.children.clear();
+    }
+
     fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> anyhow::Result<()> {
         self.job = auth.job.clone();
         let slot = match self.slots.len() {

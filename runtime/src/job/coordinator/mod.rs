@@ -251,8 +251,13 @@ pub fn run(
         cfg,
     };
     let result = c.job();
-    c.m.stop_all(if result.is_ok() { "the job is done" } else { "the job failed" });
-    c.execute();
+    if c.keeper.as_ref().and_then(|k| k.fenced()).is_some() {
+        // Deposed: the workers follow the coordinator that leads now.
+        c.scaler.release();
+    } else {
+        c.m.stop_all(if result.is_ok() { "the job is done" } else { "the job failed" });
+        c.execute();
+    }
     if let Some(k) = &c.keeper {
         k.release();
         let _ = k.flush(Duration::from_secs(5));

@@ -66,6 +66,9 @@ impl Coordinator<'_> {
             let now = Instant::now();
             if now >= chores {
                 chores = now + CHORES_EVERY;
+                // A coordinator that lost its lease (it was frozen, or cut
+                // off) stops before it acts on anyone.
+                self.fenced()?;
                 let late = self.pipe.as_mut().map(|p| p.handle_timeout(now)).unwrap_or_default();
                 for rank in late {
                     let id = self.m.members()[rank].id;
