@@ -132,7 +132,9 @@ pub struct StateArgs {
     pub checkpoint_secs: u64,
     /// When another coordinator runs the job (its lock here, its lease in
     /// the store), wait as its standby and take the job over when it is
-    /// gone, instead of refusing to start.
+    /// gone, instead of refusing to start. With a shared --store the job
+    /// goes on from its last stored commit and the workers come back to
+    /// this coordinator with their state.
     #[arg(long)]
     pub standby: bool,
 }
@@ -368,6 +370,8 @@ pub struct LivenessArgs {
     /// trying to reach it again, to hear where it stands: a worker the job
     /// went on without is refused (its generation is over) and exits with
     /// that reason; one that reaches nothing exits when the time is up.
+    /// With a shared --store it follows a coordinator that took the job
+    /// over meanwhile (the store names it).
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     pub worker_reconnect_secs: u64,
     /// Seconds a worker asked for may take to join before it is given up.

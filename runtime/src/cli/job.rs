@@ -137,6 +137,12 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     work.check_device(args.training.seed)?;
     let distill = work.distills(&args.distillation);
     let mut cfg = job_config(&args, spec)?;
+    let kept = dirs.job_dir.join("secret");
+    if args.cluster.secret_file.is_none() && cfg.store != "memory" && kept.exists() {
+        // The job's workers may outlive its coordinator and come back to
+        // the next one (a standby, a rerun): it keeps the job's secret.
+        cfg.secret = edl_runtime::job::session::read_secret_file(&kept)?;
+    }
     // Teachers this job starts listen beside the coordinator and are
     // reached at the same host.
     let advertised = cfg.addresses.advertised_host()?;
@@ -498,9 +504,11 @@ fn prepare_to_start(
     std::fs::create_dir_all(&dirs.log_dir).with_context(|| format!("{}", dirs.log_dir.display()))?;
     // A new secret is written where an operator finds it (mode 0600):
     // --secret-file, or .edl/<job>/secret.
+    let kept = dirs.job_dir.join("secret");
     match secret_file {
         Some(f) if f.exists() => {}
-        f => cfg.secret.write(f.unwrap_or(&dirs.job_dir.join("secret")))?,
+        None if cfg.store != "memory" && kept.exists() => {}
+        f => cfg.secret.write(f.unwrap_or(&kept))?,
     }
     Ok(lock)
 }

@@ -52,6 +52,11 @@ pub trait Scaler: Send {
     /// Another coordinator leads the job now: the workers are its, so they
     /// are let go, not stopped (where they can outlive this process).
     fn release(&mut self) {}
+    /// Whether the workers outlive this coordinator (they are not its
+    /// children), so that they can follow one that takes the job over.
+    fn workers_outlive(&self) -> bool {
+        true
+    }
 }
 
 /// Workers as local child processes.
@@ -225,6 +230,11 @@ fn ensure_dir(p: &Path) -> anyhow::Result<()> {
 }
 
 impl Scaler for LocalProcesses {
+    fn workers_outlive(&self) -> bool {
+        // Children that die with their parent.
+        false
+    }
+
     fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> anyhow::Result<()> {
         ensure_dir(&self.log_dir)?;
         let log = std::fs::File::create(self.log_path(id))

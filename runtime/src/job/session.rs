@@ -35,6 +35,9 @@ use std::{
 /// windows sent ahead, and those the store has not caught up with).
 const MAX_ROLLBACK_POINTS: usize = 6;
 
+/// What the store says of a job that ended.
+const JOB_FINISHED: &str = "the job's store says the job is finished";
+
 /// Why a worker could not follow the coordinator that took its job over.
 enum Followed {
     /// It was refused: no use trying again.
@@ -491,6 +494,11 @@ impl Session {
                     Err(Followed::Failed(e)) => last = e,
                 },
                 Ok(None) => {}
+                Err(e) if e.starts_with(JOB_FINISHED) => {
+                    // It ended as this worker lost it: nothing to redo.
+                    self.stopped = Some(e);
+                    return Ok(());
+                }
                 Err(e) => last = e,
             }
             let io = |e: std::io::Error| auth::AuthError::Io(e.to_string());
@@ -583,7 +591,7 @@ impl Session {
         let s: super::keeper::JobState = serde_json::from_slice(&entry.value)
             .map_err(|e| format!("the job's state in {shown} does not parse: {e}"))?;
         if s.finished {
-            return Err("the job's store says the job is finished".into());
+            return Err(JOB_FINISHED.into());
         }
         Ok(s.handover.map(|h| h.leader).filter(|l| l.token > follow.token))
     }

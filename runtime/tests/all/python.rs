@@ -353,3 +353,65 @@ fn a_job_without_samples_takes_its_programs_data_set_size_and_refuses_a_worker_t
         "{text}"
     );
 }
+
+/// Programs under `launch`, started by command (not the coordinator's
+/// children), follow a standby coordinator that takes the job over when the
+/// active one is killed: the same processes finish the job, no checkpoint
+/// is restored, and every sample is trained exactly once.
+#[test]
+fn launched_programs_follow_a_standby_coordinator_when_the_active_one_is_killed() {
+    let py = py();
+    let redis = crate::store::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let url = redis.url();
+    let launch = |standby: bool| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+        c.current_dir(dir.path())
+            .args(["launch", "--samples", "4000", "--epochs", "4", "--no-distill", "--job", "followed"])
+            .args(["--store", &url, "--scaler", "command", "--worker-command", "{program}"])
+            .args(["--hosts", "here:2", "--workers", "2", "--min-workers", "2", "--max-workers", "2"])
+            .args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold"])
+            .args(["--report", if standby { "standby.json" } else { "active.json" }])
+            .arg("--plugin-cache")
+            .arg(dir.path().join("plugin-cache"));
+        if standby {
+            c.arg("--standby");
+        }
+        c.args(["--", "python"])
+            .arg(root().join("examples/numpy-mlp/train.py"))
+            .env("STEP_DELAY_MS", "10")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        py.env(&mut c);
+        c
+    };
+    let mut active = launch(false).spawn().unwrap();
+    let rx = lines(&mut active);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(180));
+    let mut standby = launch(true).spawn().unwrap();
+    let rx_b = lines(&mut standby);
+    let mut seen_b = Vec::new();
+    wait_for(&rx_b, "standby", &mut seen_b, Duration::from_secs(120));
+    // The programs, as the active coordinator started them.
+    let programs: Vec<u32> = children(active.id()).into_iter().map(|(p, _)| p).collect();
+    assert_eq!(programs.len(), 2, "{programs:?}");
+    sigkill(active.id());
+    let _ = active.wait();
+    wait_for(&rx_b, "came back with its state", &mut seen_b, Duration::from_secs(120));
+    wait_for(&rx_b, "epoch     ", &mut seen_b, Duration::from_secs(120));
+    let alive = |p: &u32| Path::new(&format!("/proc/{p}")).exists();
+    assert!(programs.iter().all(alive), "the programs kept running: {programs:?}");
+    let status = finish(standby, rx_b, &mut seen_b);
+    let text = seen_b.join("\n");
+    assert!(status.success(), "{text}");
+    assert!(!text.contains("resuming job"), "no checkpoint was restored:\n{text}");
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("standby.json")).unwrap()).unwrap();
+    crate::cluster::assert_exactly_once(&r, 4, 4000);
+    let events = r["scale_events"].as_array().unwrap();
+    let taken = events.iter().filter_map(|e| e["reason"].as_str()).filter(|r| r.starts_with("coordinator takeover"));
+    assert_eq!(taken.count(), 1, "{events:?}");
+    assert_eq!(r["workers_started"].as_array().unwrap().len(), 2, "{r}");
+}

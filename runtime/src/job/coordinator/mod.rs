@@ -332,7 +332,7 @@ impl Coordinator<'_> {
             format!("claiming the checkpoints at {}", self.cfg.spec.checkpoint_dir.display())
         })?;
         self.fence = Some(token);
-        if shared {
+        if shared && self.scaler.workers_outlive() {
             // Workers that lose this coordinator find the next in the store.
             self.cfg.spec.follow = Some(super::proto::Follow { store: self.cfg.store.clone(), token });
         }
@@ -502,7 +502,7 @@ impl Coordinator<'_> {
             next_worker_id: self.m.next_id(),
             members: self.m.members().iter().map(|m| m.id).collect(),
             finished,
-            handover: self.fence.filter(|_| self.shared_store()).map(|token| super::keeper::Handover {
+            handover: self.cfg.spec.follow.as_ref().map(|f| f.token).map(|token| super::keeper::Handover {
                 leader: super::proto::Leader { addr: self.addr.clone(), token },
                 hyper: self.hyper,
                 ledger: self.ledger.clone(),

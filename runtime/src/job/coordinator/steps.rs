@@ -241,6 +241,7 @@ impl Coordinator<'_> {
             self.commit_step(plan, &reports, first_of_generation && i == 0, c.setup_ms, next.hyper)?;
         }
         self.init = None;
+        tracing::debug!("committed step {}", self.committed);
         // At the job's end the final checkpoint is asked for on its own.
         let checkpoint = if self.epoch < self.cfg.spec.epochs { self.checkpoint_due() } else { None };
         let step = self.committed;
