@@ -77,6 +77,9 @@ pub struct StoreKeeper {
     term: Arc<Mutex<Option<(std::time::Instant, Duration)>>>,
     /// The committed step of the newest job state the store took (0: none yet).
     stored: Arc<std::sync::atomic::AtomicU64>,
+    /// What happened to the store that the job went on through (a
+    /// replicated store's leader changed), not yet taken.
+    events: Arc<Mutex<Vec<String>>>,
 }
 
 impl StoreKeeper {
@@ -96,12 +99,16 @@ impl StoreKeeper {
         let confirmed = term.clone();
         let stored = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let stored_step = stored.clone();
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let seen = events.clone();
         std::thread::Builder::new().name("edl-store-keeper".into()).spawn(move || {
             rt.block_on(async move {
                 let mut token = token;
                 let mut lease = lease;
                 let renew_every = lease.as_ref().map_or(Duration::from_secs(3600), |l| l.ttl / 3);
                 let mut renew = tokio::time::interval(renew_every);
+                // The replicated store's leader, asked after each renewal.
+                let mut leader: Option<String> = None;
                 renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
                     let first = tokio::select! {
@@ -113,6 +120,14 @@ impl StoreKeeper {
                             };
                             if let Ok(t) = renewed {
                                 *confirmed.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+                                let now = tokio::time::timeout(renew_every / 2, store.leader()).await.ok().flatten();
+                                if let (Some(was), Some(is)) = (&leader, &now)
+                                    && was != is
+                                {
+                                    let change = format!("the store's leader changed from {was} to {is}");
+                                    seen.lock().unwrap_or_else(|p| p.into_inner()).push(change);
+                                }
+                                leader = now.or(leader);
                             }
                             if let (Some(l), Err(e)) = (lease.as_mut(), renewed)
                             {
@@ -196,12 +211,17 @@ impl StoreKeeper {
                 }
             })
         })?;
-        Ok(StoreKeeper { tx, fenced, term, stored })
+        Ok(StoreKeeper { tx, fenced, term, stored, events })
     }
 
     /// Queues the newest job state.
     pub fn state(&self, s: JobState) {
         let _ = self.tx.send(Cmd::State(s));
+    }
+
+    /// What happened to the store since the last call (its leader changed).
+    pub fn store_events(&self) -> Vec<String> {
+        std::mem::take(&mut *self.events.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// The committed step of the newest job state the store took.

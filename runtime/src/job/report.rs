@@ -1,6 +1,6 @@
 //! The report of a training run (`--report run.json`).
 
-use super::coordinator::{JobOutcome, ScaleEvent, StepRecord};
+use super::coordinator::{JobOutcome, ScaleEvent, StepRecord, StoreEvent};
 use super::ledger::EpochRecord;
 use serde::{Deserialize, Serialize};
 
@@ -33,6 +33,10 @@ pub struct Report {
     pub device: String,
     pub seed: u64,
     pub workers_started: Vec<u64>,
+    /// What happened to the job's store that it went on through (a
+    /// replicated store's leader changed).
+    #[serde(default)]
+    pub store_events: Vec<StoreEvent>,
     pub timeline: Vec<StepRecord>,
 }
 
@@ -83,6 +87,7 @@ impl Report {
             device,
             seed,
             workers_started: outcome.workers_started,
+            store_events: outcome.store_events,
             timeline: outcome.timeline,
         }
     }

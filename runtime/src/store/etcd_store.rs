@@ -95,6 +95,12 @@ impl EtcdStore {
         }
     }
 
+    /// The id of the member that leads the cluster now (as the member
+    /// asked knows it).
+    pub async fn leader(&self) -> Result<u64, StoreError> {
+        Ok(self.call(|mut c| async move { c.status().await }).await?.leader())
+    }
+
     /// Put options for a write with `ttl`: a new lease of that TTL.
     async fn lease_for(&self, ttl: Option<Duration>) -> Result<Option<PutOptions>, StoreError> {
         let Some(ttl) = ttl else { return Ok(None) };

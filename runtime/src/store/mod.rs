@@ -132,6 +132,17 @@ impl AnyStore {
     }
 }
 
+impl AnyStore {
+    /// Which member leads a replicated store (etcd), as a name for the
+    /// operator; None for a store of one server, or when it cannot be asked.
+    pub async fn leader(&self) -> Option<String> {
+        match self {
+            AnyStore::Etcd(s) => s.leader().await.ok().filter(|&id| id != 0).map(|id| format!("etcd member {id:x}")),
+            _ => None,
+        }
+    }
+}
+
 macro_rules! delegate {
     ($self:ident, $s:ident => $e:expr) => {
         match $self {

@@ -650,9 +650,15 @@ fn workers_follow_a_standby_that_takes_over_from_a_killed_coordinator_on_etcd_th
     // No worker was started again (the two the first coordinator started came back).
     assert_eq!(r["workers_started"].as_array().unwrap().len(), 2, "{r}");
     assert!(!out.said.contains("resuming job"), "no checkpoint was restored:\n{}", out.said);
-    // The store lost its leader member and went on under another.
+    // The store lost its leader member and went on under another, and
+    // the report shows that takeover too.
     let now = etcd.leader().expect("the two members left elected a leader");
     assert_ne!(Some(now), lost_leader);
+    let store_events = r["store_events"].as_array().unwrap();
+    assert!(
+        store_events.iter().any(|e| e["what"].as_str().unwrap().contains("the store's leader changed from etcd member")),
+        "{store_events:?}"
+    );
 }
 
 #[test]

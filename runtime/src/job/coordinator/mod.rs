@@ -22,7 +22,7 @@ mod scaling;
 mod steps;
 
 pub use config::JobConfig;
-pub use records::{JobOutcome, Progress, ScaleEvent, StepRecord};
+pub use records::{JobOutcome, Progress, ScaleEvent, StepRecord, StoreEvent};
 pub use resume::{DataIdentity, mark_complete};
 
 use super::inbox::Inbound;
@@ -130,6 +130,7 @@ struct Coordinator<'a> {
     fatal: Option<String>,
     /// The job is being taken over from another coordinator.
     takeover: Option<Takeover>,
+    store_events: Vec<StoreEvent>,
 }
 
 /// Where a job taken over from another coordinator stood.
@@ -248,6 +249,7 @@ pub fn run(
         saved: None,
         fatal: None,
         takeover: None,
+        store_events: Vec::new(),
         cfg,
     };
     let result = c.job();
@@ -462,6 +464,7 @@ impl Coordinator<'_> {
             final_world,
             hyper: self.hyper,
             workers_started: self.m.started().to_vec(),
+            store_events: std::mem::take(&mut self.store_events),
         };
         let finished = outcome.epochs.len() as u64;
         let whole = self.train_len as u64;
@@ -477,6 +480,16 @@ impl Coordinator<'_> {
             );
         }
         Ok(outcome)
+    }
+
+    /// Takes what the keeper saw happen to the store, and says it.
+    fn store_news(&mut self) {
+        let Some(k) = &self.keeper else { return };
+        for what in k.store_events() {
+            self.note(format!("store: {what}; the job went on"));
+            let at_secs = self.started.elapsed().as_secs_f64();
+            self.store_events.push(StoreEvent { at_secs, step: self.committed, what });
+        }
     }
 
     /// The job was taken over (its lease in the store is lost): stop.

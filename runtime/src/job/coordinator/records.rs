@@ -73,6 +73,19 @@ pub struct JobOutcome {
     pub hyper: Hyperparams,
     /// Ids of the workers this run started.
     pub workers_started: Vec<u64>,
+    /// What happened to the store that the job went on through.
+    pub store_events: Vec<StoreEvent>,
+}
+
+/// Something that happened to the job's store (a replicated store's
+/// leader changed), as the report shows it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StoreEvent {
+    /// Seconds since the coordinator started.
+    pub at_secs: f64,
+    /// The job's committed step then.
+    pub step: u64,
+    pub what: String,
 }
 
 /// A resize waiting for the first committed step of its generation.

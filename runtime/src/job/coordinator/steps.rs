@@ -69,6 +69,7 @@ impl Coordinator<'_> {
                 // A coordinator that lost its lease (it was frozen, or cut
                 // off) stops before it acts on anyone.
                 self.fenced()?;
+                self.store_news();
                 let late = self.pipe.as_mut().map(|p| p.handle_timeout(now)).unwrap_or_default();
                 for rank in late {
                     let id = self.m.members()[rank].id;
