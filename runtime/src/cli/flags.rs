@@ -311,8 +311,9 @@ pub struct ClusterArgs {
     #[arg(long, value_name = "PORT", default_value_t = 0)]
     pub rendezvous_port: u16,
     /// How workers are started: `local` (child processes here), `command`
-    /// (--worker-command per worker, on --hosts: ssh, srun, ...), `external`
-    /// (started by another engine; they join with `edl-runtime worker`).
+    /// (--worker-command per worker, on --hosts: ssh, srun, ...), `slurm`
+    /// (a Slurm batch job per worker), `external` (started by another
+    /// engine; they join with `edl-runtime worker`).
     #[arg(long, value_name = "KIND", value_enum, default_value_t = ScalerKind::Local)]
     pub scaler: ScalerKind,
     /// With --scaler command: the command that starts worker {id}, run with
@@ -341,6 +342,44 @@ pub struct ClusterArgs {
     /// each costs.
     #[arg(long)]
     pub gradients_in_clear: bool,
+    #[command(flatten)]
+    pub slurm: SlurmArgs,
+}
+
+/// Where `--scaler slurm` submits the workers.
+#[derive(Args)]
+#[command(next_help_heading = "Slurm (--scaler slurm)")]
+pub struct SlurmArgs {
+    /// The partition workers are submitted to; its idle nodes are the free
+    /// capacity the scaling policy is told of.
+    #[arg(long, value_name = "NAME")]
+    pub slurm_partition: Option<String>,
+    /// The account workers are charged to.
+    #[arg(long, value_name = "NAME")]
+    pub slurm_account: Option<String>,
+    /// The quality of service workers run under.
+    #[arg(long, value_name = "NAME")]
+    pub slurm_qos: Option<String>,
+    /// One more `sbatch` option for every worker, as it is (repeatable):
+    /// `--slurm-arg=--time=2:00:00 --slurm-arg=--gres=gpu:1`.
+    #[arg(long = "slurm-arg", value_name = "OPTION", allow_hyphen_values = true)]
+    pub slurm_args: Vec<String>,
+    /// A worker Slurm has not started after this many seconds is cancelled
+    /// and reported (the job goes on without it).
+    #[arg(long, value_name = "SECS", default_value_t = 300)]
+    pub slurm_pending_secs: u64,
+}
+
+impl SlurmArgs {
+    pub fn options(&self) -> edl_runtime::job::slurm::SlurmOptions {
+        edl_runtime::job::slurm::SlurmOptions {
+            partition: self.slurm_partition.clone(),
+            account: self.slurm_account.clone(),
+            qos: self.slurm_qos.clone(),
+            extra: self.slurm_args.clone(),
+            pending_bound: std::time::Duration::from_secs(self.slurm_pending_secs.max(1)),
+        }
+    }
 }
 
 /// How workers are started.
@@ -348,6 +387,7 @@ pub struct ClusterArgs {
 pub enum ScalerKind {
     Local,
     Command,
+    Slurm,
     External,
 }
 

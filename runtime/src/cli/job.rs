@@ -25,6 +25,7 @@ use edl_runtime::{
         self, BuiltinModel, JobConfig, JobLock, JobOutcome, JobSpec, LocalProcesses, Program, Scaler,
         report::Report,
         scaler::{CommandScaler, ExternalWorkers},
+        slurm::SlurmScaler,
     },
     plugin::{AdapterPlugin, PluginHost, PolicyPlugin},
     trainer::{
@@ -555,6 +556,10 @@ fn scaler(
                 None => CommandScaler::new(start, stop, hosts, exe, log_dir)?,
                 Some(command) => CommandScaler::for_program(start, stop, hosts, log_dir, command)?,
             })
+        }
+        (ScalerKind::Slurm, None) => Box::new(SlurmScaler::new(args.slurm.options(), exe.to_path_buf(), log_dir.to_path_buf())),
+        (ScalerKind::Slurm, Some(command)) => {
+            Box::new(SlurmScaler::for_program(args.slurm.options(), log_dir.to_path_buf(), command))
         }
         (ScalerKind::External, _) => Box::new(ExternalWorkers),
     })

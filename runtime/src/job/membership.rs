@@ -504,6 +504,48 @@ impl Membership {
         resize
     }
 
+    /// Worker `worker` was told to go by its scheduler (preemption, a spot
+    /// notice): it leaves now, at a boundary, as a planned scale-in (a sole
+    /// member first hands its state to a replacement), and workers are
+    /// started to keep the minimum. Returns whether it was in the job.
+    pub fn leave(&mut self, now: Instant, worker: WorkerId, reason: &str) -> bool {
+        let why = format!("left with notice ({reason})");
+        if let Some(i) = self.members.iter().position(|m| m.id == worker) {
+            if self.members.len() == 1 {
+                if !self.replacing.values().any(|&o| o == worker) {
+                    let new = self.next_id;
+                    self.spawn(now, 1);
+                    self.replacing.insert(new, worker);
+                }
+                return true;
+            }
+            let m = self.members.remove(i);
+            self.stop(&m, why, STOP_GRACE);
+            self.retiring.retain(|r| *r != worker);
+            self.changed = true;
+        } else if let Some(i) = self.joiners.iter().position(|w| w.id == worker) {
+            let w = self.joiners.remove(i);
+            self.replacing.remove(&w.id);
+            self.stop(&w, why, STOP_GRACE);
+        } else if let Some(i) = self.welcomed.iter().position(|w| w.id == worker) {
+            let w = self.welcomed.remove(i);
+            self.replacing.remove(&w.id);
+            self.stop(&w, why, STOP_GRACE);
+        } else {
+            return false;
+        }
+        let have = self.world() + self.coming();
+        if have < self.min {
+            self.spawn(now, self.min - have);
+        }
+        true
+    }
+
+    /// The id of the worker on `conn`, in any state.
+    pub fn worker_on(&self, conn: Conn) -> Option<WorkerId> {
+        self.welcomed.iter().chain(&self.joiners).chain(&self.members).find(|w| w.conn == conn).map(|w| w.id)
+    }
+
     /// The job is done, or failed: every worker, in whatever state, is
     /// told to stop.
     pub fn stop_all(&mut self, reason: &str) {
@@ -629,6 +671,29 @@ mod tests {
         assert!(b.changed && b.admitted == 1);
         assert_eq!((m.members()[0].id, m.members()[0].pid), (3, 33));
         assert!(m.started().contains(&3));
+    }
+
+    #[test]
+    fn a_worker_told_to_go_leaves_as_a_scale_in_and_a_sole_one_hands_over_first() {
+        let t = Instant::now();
+        let mut m = formed(3, 2, 3, t);
+        assert!(m.leave(t, 2, "SIGTERM"));
+        let cmds = drain(&mut m);
+        assert!(
+            matches!(&cmds[..], [Command::Stop { worker: 2, reason, .. }] if reason == "left with notice (SIGTERM)"),
+            "{cmds:?}"
+        );
+        assert_eq!(m.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![1, 3]);
+        assert!(m.boundary(true, false).changed);
+        // Below the minimum: a worker is started to keep it.
+        assert!(m.leave(t, 3, "notice file /run/spot"));
+        assert!(drain(&mut m).contains(&Command::Spawn { worker: 4 }));
+        assert!(!m.leave(t, 99, "SIGTERM"), "not in the job");
+        // The sole member stays until its replacement took its state.
+        let mut one = formed(1, 1, 2, t);
+        assert!(one.leave(t, 1, "SIGTERM"));
+        assert_eq!(drain(&mut one), vec![Command::Spawn { worker: 2 }]);
+        assert_eq!(one.world(), 1);
     }
 
     #[test]

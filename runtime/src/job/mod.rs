@@ -30,6 +30,7 @@ pub mod proto;
 pub mod report;
 pub mod scaler;
 pub mod session;
+pub mod slurm;
 pub mod teachers;
 pub mod torchrun;
 

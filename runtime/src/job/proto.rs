@@ -385,6 +385,12 @@ pub enum FromWorker {
     },
     /// The worker is alive (sent several times per lease).
     Heartbeat,
+    /// The worker was told to go (SIGTERM from its scheduler's preemption,
+    /// a spot-instance notice): it goes on with the steps it was sent and
+    /// leaves at the next boundary, as a planned scale-in.
+    Leaving {
+        reason: String,
+    },
     /// A worker whose coordinator is gone, to the one that took the job
     /// over: it kept its process and its state, and holds rollback points
     /// at these committed steps (the first message on its new connection).

@@ -37,6 +37,9 @@ pub struct Report {
     /// replicated store's leader changed).
     #[serde(default)]
     pub store_events: Vec<StoreEvent>,
+    /// How the scheduler knows each worker (`slurm:123`), by worker id.
+    #[serde(default)]
+    pub worker_handles: std::collections::BTreeMap<u64, String>,
     pub timeline: Vec<StepRecord>,
 }
 
@@ -88,6 +91,7 @@ impl Report {
             seed,
             workers_started: outcome.workers_started,
             store_events: outcome.store_events,
+            worker_handles: outcome.worker_handles,
             timeline: outcome.timeline,
         }
     }

@@ -57,6 +57,15 @@ pub trait Scaler: Send {
     fn workers_outlive(&self) -> bool {
         true
     }
+    /// How many more workers the cluster could start right now, as its
+    /// scheduler reports it (None: it does not say).
+    fn capacity(&mut self) -> Option<u32> {
+        None
+    }
+    /// How the scheduler knows worker `id` (`slurm:123`), for the report.
+    fn handle(&self, _id: u64) -> Option<String> {
+        None
+    }
 }
 
 /// Workers as local child processes.

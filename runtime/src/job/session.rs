@@ -35,6 +35,46 @@ use std::{
 /// windows sent ahead, and those the store has not caught up with).
 const MAX_ROLLBACK_POINTS: usize = 6;
 
+/// Set when this process was told to go: SIGTERM (a scheduler's
+/// preemption or its notice before a time limit, a pod's deletion), or the
+/// file `$EDL_NOTICE_FILE` appeared (a spot-instance notice written by a
+/// watcher). A second SIGTERM ends the process at once.
+static NOTICE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Installs the SIGTERM handler that sets [`NOTICE`] (once per process).
+fn hear_notice() {
+    static INSTALL: std::sync::Once = std::sync::Once::new();
+    INSTALL.call_once(|| {
+        // SAFETY: the handler only swaps an atomic and may call _exit, both
+        // async-signal-safe.
+        let installed = unsafe {
+            signal_hook_registry::register(libc::SIGTERM, || {
+                if NOTICE.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                    libc::_exit(128 + libc::SIGTERM);
+                }
+            })
+        };
+        if let Err(e) = installed {
+            tracing::warn!("SIGTERM will end this worker without notice: {e}");
+        }
+    });
+}
+
+/// Why this worker was told to go, if it was (the notice file is looked
+/// at most once a second).
+fn told_to_go(looked: &mut Option<Instant>) -> Option<String> {
+    if NOTICE.load(std::sync::atomic::Ordering::SeqCst) {
+        return Some("SIGTERM".into());
+    }
+    let file = std::env::var_os("EDL_NOTICE_FILE")?;
+    if looked.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+        return None;
+    }
+    *looked = Some(Instant::now());
+    let path = std::path::Path::new(&file);
+    path.exists().then(|| format!("notice file {}", path.display()))
+}
+
 /// What the store says of a job that ended.
 const JOB_FINISHED: &str = "the job's store says the job is finished";
 
@@ -130,6 +170,10 @@ pub struct Session {
     looked: Instant,
     /// The job's store, opened when this worker first looks for its leader.
     store: Option<(tokio::runtime::Runtime, crate::store::AnyStore)>,
+    /// Told to go and said so (it leaves at the coordinator's next boundary);
+    /// when the notice file was last looked for.
+    leaving: bool,
+    notice_looked: Option<Instant>,
     /// Steps applied to the current state (None: nothing yet, a joiner).
     applied: Option<u64>,
     /// Rollback points: the state at the start of each window not known
@@ -238,6 +282,7 @@ impl Session {
         };
         let (heartbeat, inbox) = Self::listen(&control, &out, rx, &spec)?;
         let checkpoints = Checkpoints::open(&spec.checkpoint_dir, spec.keep_checkpoints)?;
+        hear_notice();
         let ring_ip = control.local_addr()?.ip();
         Ok(Joined::Welcome(Box::new(Session {
             id,
@@ -254,6 +299,8 @@ impl Session {
             heard: Instant::now(),
             looked: Instant::now(),
             store: None,
+            leaving: false,
+            notice_looked: None,
             applied: None,
             snapshots: BTreeMap::new(),
             spare: None,
@@ -385,6 +432,17 @@ impl Session {
         loop {
             if let Some(reason) = &self.stopped {
                 return Ok(Event::Stop(reason.clone()));
+            }
+            if !self.leaving
+                && let Some(why) = told_to_go(&mut self.notice_looked)
+            {
+                self.leaving = true;
+                if self.place.is_none() {
+                    // Not in the job yet: nothing to hand over.
+                    return Ok(Event::Stop(format!("told to go ({why}) before it was given a rank")));
+                }
+                tracing::warn!("worker {}: told to go ({why}); leaving at the job's next step boundary", self.id);
+                self.tell(&FromWorker::Leaving { reason: why })?;
             }
             // Checkpoint writes that ended go out first (the final one is
             // written before its commit is done with).
@@ -521,6 +579,9 @@ impl Session {
                 }
             }
             state.idle().map_err(|e| e.context(lost.clone()))?;
+            if let Some(why) = told_to_go(&mut self.notice_looked) {
+                bail!("{lost}; told to go ({why}) meanwhile");
+            }
             std::thread::sleep(left.min(Duration::from_millis(250)));
         }
     }

@@ -69,6 +69,12 @@ impl Coordinator<'_> {
             Inbound::Msg(n, FromWorker::Hello { worker, pid }) => {
                 self.m.handle(now, Event::Hello { conn: n, worker, pid });
             }
+            Inbound::Msg(n, FromWorker::Leaving { reason }) => {
+                if let Some(id) = self.m.worker_on(n) {
+                    self.note(format!("worker {id} was told to go ({reason}); it leaves at the next step boundary"));
+                    self.leaving.push((id, reason));
+                }
+            }
             Inbound::Msg(n, FromWorker::Return { worker, pid, rollback }) => {
                 let holds = rollback.contains(&self.committed);
                 self.m.handle(now, Event::Returned { conn: n, worker, pid, holds });

@@ -131,6 +131,9 @@ struct Coordinator<'a> {
     /// The job is being taken over from another coordinator.
     takeover: Option<Takeover>,
     store_events: Vec<StoreEvent>,
+    /// Workers told to go by their scheduler, and why: they leave at the
+    /// next boundary.
+    leaving: Vec<(u64, String)>,
 }
 
 /// Where a job taken over from another coordinator stood.
@@ -250,6 +253,7 @@ pub fn run(
         fatal: None,
         takeover: None,
         store_events: Vec::new(),
+        leaving: Vec::new(),
         cfg,
     };
     let result = c.job();
@@ -399,6 +403,7 @@ impl Coordinator<'_> {
                     if let Some(actions) = self.decision.take() {
                         self.apply_decision(&actions);
                     }
+                    self.apply_leaving();
                     self.boundary()?;
                     let before = self.committed;
                     let Some(f) = self.run_generation()? else { continue };
@@ -465,6 +470,12 @@ impl Coordinator<'_> {
             hyper: self.hyper,
             workers_started: self.m.started().to_vec(),
             store_events: std::mem::take(&mut self.store_events),
+            worker_handles: self
+                .m
+                .started()
+                .iter()
+                .filter_map(|&id| Some((id, self.scaler.handle(id)?)))
+                .collect(),
         };
         let finished = outcome.epochs.len() as u64;
         let whole = self.train_len as u64;
@@ -502,7 +513,27 @@ impl Coordinator<'_> {
 
     /// A membership change waits for the windows already sent to commit.
     fn change_waiting(&self) -> bool {
-        self.decision.is_some() || self.m.change_waiting()
+        self.decision.is_some() || !self.leaving.is_empty() || self.m.change_waiting()
+    }
+
+    /// Workers told to go leave now (the windows sent before are committed):
+    /// a planned scale-in, named so in the scale event.
+    fn apply_leaving(&mut self) {
+        let from = self.m.world();
+        let mut left = Vec::new();
+        for (id, why) in std::mem::take(&mut self.leaving) {
+            if self.m.leave(Instant::now(), id, &why) {
+                left.push(format!("worker {id} left with notice ({why})"));
+            }
+        }
+        self.execute();
+        if !left.is_empty() {
+            let reason = left.join(", ");
+            match self.pending.as_mut() {
+                Some(p) => p.reason = format!("{}; {reason}", p.reason),
+                None => self.pending = Some(records::Pending::new(from, reason)),
+            }
+        }
     }
 
     /// Hands the job's state to the store keeper (written off the step's path).

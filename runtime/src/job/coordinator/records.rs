@@ -75,6 +75,8 @@ pub struct JobOutcome {
     pub workers_started: Vec<u64>,
     /// What happened to the store that the job went on through.
     pub store_events: Vec<StoreEvent>,
+    /// How the scheduler knows each worker it started (`slurm:123`).
+    pub worker_handles: std::collections::BTreeMap<u64, String>,
 }
 
 /// Something that happened to the job's store (a replicated store's

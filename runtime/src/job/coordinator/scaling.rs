@@ -156,7 +156,12 @@ impl Coordinator<'_> {
             world_size: world,
             min_workers: self.cfg.min_workers,
             max_workers: self.cfg.max_workers,
-            free_slots: self.cfg.max_workers.saturating_sub(world + coming),
+            // Within the job's bounds, and what the scheduler has free.
+            free_slots: self
+                .cfg
+                .max_workers
+                .saturating_sub(world + coming)
+                .min(self.scaler.capacity().unwrap_or(u32::MAX)),
             global_batch: self.hyper.global_batch,
             throughput,
             workers: self
