@@ -1,7 +1,7 @@
 //! Compiles the Open Inference Protocol proto with protox (pure Rust: no
 //! `protoc` to install) and tonic. In debug builds (what `cargo test`
 //! makes) it also makes sure the servers and tools the tests use are there
-//! (redis-server, etcd, tcpdump, nft), installing them with apt-get when
+//! (redis-server, etcd, tcpdump, nft, Slurm and munge), installing them with apt-get when
 //! they are missing and this user may.
 
 use std::process::Command;
@@ -12,11 +12,13 @@ fn on_path(bin: &str) -> bool {
 
 /// The servers and tools the tests start or use, by the program that shows
 /// each is there and the Debian package that brings it.
-const TEST_TOOLS: [(&str, &str, &str); 4] = [
+const TEST_TOOLS: [(&str, &str, &str); 6] = [
     ("redis-server", "redis-server", "the store and distillation tests"),
     ("etcd", "etcd-server", "the etcd store tests"),
     ("tcpdump", "tcpdump", "the test that captures a job's traffic"),
     ("nft", "nftables", "the test that firewalls a coordinator from its store"),
+    ("slurmctld", "slurm-wlm", "the test that runs a job on a Slurm cluster"),
+    ("munged", "munge", "the test that runs a job on a Slurm cluster"),
 ];
 
 fn on_path_or_sbin(bin: &str) -> bool {
@@ -58,7 +60,7 @@ fn ensure_test_tools() {
         );
     }
     // The packages start system-wide servers; the tests start their own.
-    for service in ["redis-server", "etcd"] {
+    for service in ["redis-server", "etcd", "slurmctld", "slurmd", "munge"] {
         let _ = Command::new("service").args([service, "stop"]).output();
     }
 }

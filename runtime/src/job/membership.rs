@@ -338,6 +338,9 @@ impl Membership {
                 if self.spawning.remove(&worker).is_some() {
                     self.replacing.remove(&worker);
                     self.note(format!("worker {worker} exited before joining: {status}"), Some(worker));
+                } else {
+                    // Its connection says it is gone; its scheduler says how.
+                    self.note(format!("worker {worker}: {status}"), None);
                 }
             }
         }
@@ -507,38 +510,45 @@ impl Membership {
     /// Worker `worker` was told to go by its scheduler (preemption, a spot
     /// notice): it leaves now, at a boundary, as a planned scale-in (a sole
     /// member first hands its state to a replacement), and workers are
-    /// started to keep the minimum. Returns whether it was in the job.
-    pub fn leave(&mut self, now: Instant, worker: WorkerId, reason: &str) -> bool {
+    /// started to keep the minimum. Returns what happened, None when it
+    /// was not in the job.
+    pub fn leave(&mut self, now: Instant, worker: WorkerId, reason: &str) -> Option<String> {
         let why = format!("left with notice ({reason})");
         if let Some(i) = self.members.iter().position(|m| m.id == worker) {
             if self.members.len() == 1 {
-                if !self.replacing.values().any(|&o| o == worker) {
-                    let new = self.next_id;
-                    self.spawn(now, 1);
-                    self.replacing.insert(new, worker);
-                }
-                return true;
+                let new = match self.replacing.iter().find(|(_, o)| **o == worker) {
+                    Some((new, _)) => *new,
+                    None => {
+                        let new = self.next_id;
+                        self.spawn(now, 1);
+                        self.replacing.insert(new, worker);
+                        new
+                    }
+                };
+                return Some(format!(
+                    "worker {worker} was told to go ({reason}): it hands its state to worker {new} first"
+                ));
             }
             let m = self.members.remove(i);
-            self.stop(&m, why, STOP_GRACE);
+            self.stop(&m, why.clone(), STOP_GRACE);
             self.retiring.retain(|r| *r != worker);
             self.changed = true;
         } else if let Some(i) = self.joiners.iter().position(|w| w.id == worker) {
             let w = self.joiners.remove(i);
             self.replacing.remove(&w.id);
-            self.stop(&w, why, STOP_GRACE);
+            self.stop(&w, why.clone(), STOP_GRACE);
         } else if let Some(i) = self.welcomed.iter().position(|w| w.id == worker) {
             let w = self.welcomed.remove(i);
             self.replacing.remove(&w.id);
-            self.stop(&w, why, STOP_GRACE);
+            self.stop(&w, why.clone(), STOP_GRACE);
         } else {
-            return false;
+            return None;
         }
         let have = self.world() + self.coming();
         if have < self.min {
             self.spawn(now, self.min - have);
         }
-        true
+        Some(format!("worker {worker} {why}"))
     }
 
     /// The id of the worker on `conn`, in any state.
@@ -677,7 +687,7 @@ mod tests {
     fn a_worker_told_to_go_leaves_as_a_scale_in_and_a_sole_one_hands_over_first() {
         let t = Instant::now();
         let mut m = formed(3, 2, 3, t);
-        assert!(m.leave(t, 2, "SIGTERM"));
+        assert_eq!(m.leave(t, 2, "SIGTERM").as_deref(), Some("worker 2 left with notice (SIGTERM)"));
         let cmds = drain(&mut m);
         assert!(
             matches!(&cmds[..], [Command::Stop { worker: 2, reason, .. }] if reason == "left with notice (SIGTERM)"),
@@ -686,12 +696,15 @@ mod tests {
         assert_eq!(m.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![1, 3]);
         assert!(m.boundary(true, false).changed);
         // Below the minimum: a worker is started to keep it.
-        assert!(m.leave(t, 3, "notice file /run/spot"));
+        assert!(m.leave(t, 3, "notice file /run/spot").is_some());
         assert!(drain(&mut m).contains(&Command::Spawn { worker: 4 }));
-        assert!(!m.leave(t, 99, "SIGTERM"), "not in the job");
-        // The sole member stays until its replacement took its state.
+        assert_eq!(m.leave(t, 99, "SIGTERM"), None, "not in the job");
+        // The sole member stays until its replacement took its state (one
+        // replacement, however often it is told).
         let mut one = formed(1, 1, 2, t);
-        assert!(one.leave(t, 1, "SIGTERM"));
+        let said = one.leave(t, 1, "SIGTERM").unwrap();
+        assert!(said.contains("hands its state to worker 2"), "{said}");
+        assert!(one.leave(t, 1, "SIGTERM").is_some());
         assert_eq!(drain(&mut one), vec![Command::Spawn { worker: 2 }]);
         assert_eq!(one.world(), 1);
     }

@@ -38,20 +38,19 @@ const MAX_ROLLBACK_POINTS: usize = 6;
 /// Set when this process was told to go: SIGTERM (a scheduler's
 /// preemption or its notice before a time limit, a pod's deletion), or the
 /// file `$EDL_NOTICE_FILE` appeared (a spot-instance notice written by a
-/// watcher). A second SIGTERM ends the process at once.
+/// watcher). Schedulers may send it more than once (a node set down after
+/// a preemption): it stays a notice; they end a worker that overstays with
+/// SIGKILL.
 static NOTICE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Installs the SIGTERM handler that sets [`NOTICE`] (once per process).
 fn hear_notice() {
     static INSTALL: std::sync::Once = std::sync::Once::new();
     INSTALL.call_once(|| {
-        // SAFETY: the handler only swaps an atomic and may call _exit, both
-        // async-signal-safe.
+        // SAFETY: the handler only stores to an atomic (async-signal-safe).
         let installed = unsafe {
             signal_hook_registry::register(libc::SIGTERM, || {
-                if NOTICE.swap(true, std::sync::atomic::Ordering::SeqCst) {
-                    libc::_exit(128 + libc::SIGTERM);
-                }
+                NOTICE.store(true, std::sync::atomic::Ordering::SeqCst);
             })
         };
         if let Err(e) = installed {
@@ -64,7 +63,11 @@ fn hear_notice() {
 /// at most once a second).
 fn told_to_go(looked: &mut Option<Instant>) -> Option<String> {
     if NOTICE.load(std::sync::atomic::Ordering::SeqCst) {
-        return Some("SIGTERM".into());
+        // Where, when a scheduler says (a node set down ends its jobs so).
+        return Some(match std::env::var("SLURMD_NODENAME") {
+            Ok(node) => format!("SIGTERM on {node}"),
+            Err(_) => "SIGTERM".into(),
+        });
     }
     let file = std::env::var_os("EDL_NOTICE_FILE")?;
     if looked.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {

@@ -118,8 +118,9 @@ impl SlurmScaler {
             })
             .collect();
         format!(
-            "#!/bin/sh\nexport EDL_JOB_SECRET={}\nexport EDL_SLURM_WORKER={id}\nexec {}\n",
+            "#!/bin/sh\nexport EDL_JOB_SECRET={}\nexport EDL_JOB={}\nexec {}\n",
             auth.secret.to_hex(),
+            quote(&auth.job),
             words.join(" ")
         )
     }
@@ -133,6 +134,9 @@ impl SlurmScaler {
             format!("--output={}", log.display()),
             "--ntasks=1".to_string(),
             "--export=ALL".to_string(),
+            // A worker Slurm ended (a node failed) is the coordinator's to
+            // replace: Slurm does not start it again on its own.
+            "--no-requeue".to_string(),
         ];
         for (flag, v) in [("partition", &self.opts.partition), ("account", &self.opts.account), ("qos", &self.opts.qos)] {
             if let Some(v) = v {
@@ -356,6 +360,7 @@ mod tests {
         let lines: Vec<&str> = script.lines().collect();
         assert_eq!(lines[0], "#!/bin/sh");
         assert_eq!(lines[1], format!("export EDL_JOB_SECRET={}", auth.secret.to_hex()));
+        assert_eq!(lines[2], "export EDL_JOB='mnist'");
         assert_eq!(
             lines[3],
             "exec 'env' 'EDL_COORDINATOR=10.0.0.1:7070' 'EDL_WORKER_ID=7' 'EDL_JOB=mnist' \

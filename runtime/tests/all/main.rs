@@ -13,6 +13,7 @@ mod sandbox;
 mod scaffold;
 mod sealed;
 mod shipped;
+mod slurm;
 mod storage;
 mod store;
 mod torch;

@@ -522,9 +522,7 @@ impl Coordinator<'_> {
         let from = self.m.world();
         let mut left = Vec::new();
         for (id, why) in std::mem::take(&mut self.leaving) {
-            if self.m.leave(Instant::now(), id, &why) {
-                left.push(format!("worker {id} left with notice ({why})"));
-            }
+            left.extend(self.m.leave(Instant::now(), id, &why));
         }
         self.execute();
         if !left.is_empty() {

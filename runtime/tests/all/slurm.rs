@@ -1,0 +1,282 @@
+//! A job on a real Slurm cluster built by the test: its own munged, a
+//! slurmctld on one network-namespace host and a slurmd on each of three
+//! more (Debian's slurm-wlm and munge, installed by the project's build
+//! script and `.ci/run` when missing; as root).
+
+use crate::cluster::{Hosts, assert_exactly_once};
+use crate::elastic::{finish, job, lines, report, wait_for};
+use edl_plugin_artifacts as art;
+use std::{
+    io::Read,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+/// A program of Slurm's or munge's, where Debian puts it.
+fn sbin(name: &str) -> Option<PathBuf> {
+    ["/usr/sbin", "/usr/bin", "/sbin"].iter().map(|d| Path::new(d).join(name)).find(|p| p.exists())
+}
+
+/// A Slurm cluster: slurmctld on host `ctl`, a slurmd per node host.
+struct Slurm<'h> {
+    hosts: &'h Hosts,
+    dir: tempfile::TempDir,
+    conf: PathBuf,
+    daemons: Vec<Child>,
+}
+
+impl<'h> Slurm<'h> {
+    /// Starts it and waits until every node is idle; None (and why,
+    /// printed) where Slurm is not installed, outside CI.
+    fn start(hosts: &'h Hosts, nodes: &[&str]) -> Option<Slurm<'h>> {
+        let (Some(munged), Some(ctld), Some(slurmd)) = (sbin("munged"), sbin("slurmctld"), sbin("slurmd")) else {
+            assert!(std::env::var_os("CI").is_none(), "Slurm is missing (.ci/run installs slurm-wlm and munge)");
+            eprintln!("skipped: Slurm is missing (apt-get install slurm-wlm munge)");
+            return None;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        // munge: a key of this cluster's own, a socket the daemons name.
+        let key = d.join("munge.key");
+        let mut bytes = vec![0u8; 1024];
+        std::fs::File::open("/dev/urandom").unwrap().read_exact(&mut bytes).unwrap();
+        std::fs::write(&key, &bytes).unwrap();
+        std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o400)).unwrap();
+        let socket = d.join("munge.sock");
+        let mut daemons = Vec::new();
+        let munge = Command::new(&munged)
+            .args(["--foreground", "--force", "--key-file"])
+            .arg(&key)
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--pid-file")
+            .arg(d.join("munged.pid"))
+            .arg("--log-file")
+            .arg(d.join("munged.log"))
+            .arg("--seed-file")
+            .arg(d.join("munged.seed"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("munged");
+        daemons.push(munge);
+        let until = Instant::now() + Duration::from_secs(10);
+        while !socket.exists() {
+            assert!(Instant::now() < until, "munged made no socket: {}", log(&d.join("munged.log")));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let p = |name: &str| d.join(name).display().to_string();
+        let mut conf = format!(
+            "ClusterName=edltest\nSlurmctldHost={me}({ctl})\nAuthType=auth/munge\nCredType=cred/munge\nMailProg=/bin/true\n\
+             AuthInfo=socket={sock}\nSlurmUser=root\nSlurmdUser=root\nSlurmctldPort=6817\nSlurmdPort=6818\n\
+             StateSaveLocation={state}\nSlurmdSpoolDir={spool}\nSlurmctldPidFile={ctldpid}\n\
+             SlurmdPidFile={dpid}\nSlurmctldLogFile={ctldlog}\nSlurmdLogFile={dlog}\n\
+             ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nJobAcctGatherType=jobacct_gather/none\n\
+             AccountingStorageType=accounting_storage/none\nSelectType=select/cons_tres\n\
+             SelectTypeParameters=CR_Core\nReturnToService=2\nMpiDefault=none\nKillWait=10\nMinJobAge=600\n\
+             SchedulerParameters=sched_interval=2\n",
+            // The controller is this machine (the hosts share its name), at ctl's address.
+            me = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim().to_string(),
+            ctl = hosts.ip("ctl"),
+            sock = socket.display(),
+            state = p("state"),
+            spool = p("spool-%n"),
+            ctldpid = p("slurmctld.pid"),
+            dpid = p("slurmd-%n.pid"),
+            ctldlog = p("slurmctld.log"),
+            dlog = p("slurmd-%n.log"),
+        );
+        for n in nodes {
+            conf.push_str(&format!("NodeName={n} NodeAddr={} CPUs=2 RealMemory=1000 State=UNKNOWN\n", hosts.ip(n)));
+        }
+        conf.push_str(&format!(
+            "PartitionName=edl Nodes={} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4\n",
+            nodes.join(",")
+        ));
+        let conf_path = d.join("slurm.conf");
+        std::fs::write(&conf_path, conf).unwrap();
+        let quiet = |mut c: Command| c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        let mut c = hosts.on("ctl", ctld.to_str().unwrap());
+        c.args(["-D", "-i", "-f"]).arg(&conf_path);
+        daemons.push(quiet(c));
+        for n in nodes {
+            std::fs::create_dir_all(d.join(format!("spool-{n}"))).unwrap();
+            // Into the host's network only: `ip netns exec` would also mount
+            // a sysfs of its own, without the cgroups slurmd looks for.
+            let mut c = Command::new("nsenter");
+            c.arg(format!("--net=/var/run/netns/{}", hosts.ns(n))).arg("--").arg(&slurmd);
+            c.args(["-D", "-N", n, "-f"]).arg(&conf_path);
+            daemons.push(quiet(c));
+        }
+        let s = Slurm { hosts, dir, conf: conf_path, daemons };
+        let until = Instant::now() + Duration::from_secs(60);
+        loop {
+            let idle = s.run("sinfo", &["--noheader", "--states=idle", "--format=%D"]);
+            if idle.trim().parse::<usize>().ok() == Some(nodes.len()) {
+                break;
+            }
+            assert!(
+                Instant::now() < until,
+                "the Slurm nodes did not come up ({idle}; {}); slurmctld: {}\nslurmd on {}: {}",
+                s.run("sinfo", &["--Node", "--long"]),
+                log(&s.dir.path().join("slurmctld.log")),
+                nodes[0],
+                log(&s.dir.path().join(format!("slurmd-{}.log", nodes[0])))
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Some(s)
+    }
+
+    /// A Slurm client command, on the controller's host.
+    fn command(&self, program: &str) -> Command {
+        let mut c = self.hosts.on("ctl", program);
+        c.env("SLURM_CONF", &self.conf);
+        c
+    }
+
+    /// Runs a Slurm client command; its output (stdout and stderr).
+    fn run(&self, program: &str, args: &[&str]) -> String {
+        let out = self.command(program).args(args).output().unwrap();
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    }
+
+    /// The queue: (job id, state, node, name) of every job.
+    fn queue(&self) -> Vec<(String, String, String, String)> {
+        self.run("squeue", &["--noheader", "--format=%i|%T|%N|%j"])
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.trim().split('|').map(str::to_string);
+                Some((f.next()?, f.next()?, f.next()?, f.next()?))
+            })
+            .collect()
+    }
+}
+
+impl Drop for Slurm<'_> {
+    fn drop(&mut self) {
+        for d in self.daemons.iter_mut().rev() {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+    }
+}
+
+fn log(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+}
+
+/// Waits (bounded) for `f` to hold.
+fn until(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + within;
+    while !f() {
+        assert!(Instant::now() < end, "{what}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn a_job_runs_on_slurm_grows_loses_a_node_has_a_worker_preempted_with_notice_and_leaves_nothing_queued() {
+    let nodes = ["n1", "n2", "n3"];
+    let Some(hosts) = Hosts::build_or_skip(&["ctl", "n1", "n2", "n3"]) else { return };
+    let Some(slurm) = Slurm::start(&hosts, &nodes) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let cmd = job(d, &["--no-distill", "--teachers", "0", "--epochs", "20"]);
+    let mut c = slurm.command(cmd.get_program().to_str().unwrap());
+    c.args(cmd.get_args()).current_dir(d).env("SLURM_CONF", &slurm.conf);
+    c.args(["--scaler", "slurm", "--slurm-partition", "edl", "--listen", &format!("{}:7070", hosts.ip("ctl"))]);
+    // The policy grows the job one worker every 8 steps to 3, then shrinks it.
+    c.args(["--policy", art::SCHEDULE_WASM, "--policy-config", "every=8", "--decide-every-steps", "4"]);
+    c.args(["--workers", "1", "--min-workers", "1", "--max-workers", "3", "--step-delay-ms", "40"]);
+    c.args(["--slurm-pending-secs", "4"]);
+    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, " -> 3 workers", &mut seen, Duration::from_secs(180));
+
+    // A worker preempted with notice: SIGTERM to its batch job. (One the
+    // policy is removing at that moment hears nothing it could hand over:
+    // another is tried.)
+    let mut preempted = None;
+    for _ in 0..5 {
+        let mut victim = None;
+        until("a running worker to preempt", Duration::from_secs(120), || {
+            // Its Slurm job is named edl-<job>-<worker id>.
+            victim = slurm.queue().into_iter().find(|(_, s, _, _)| s == "RUNNING").map(|(id, _, _, name)| {
+                (id, name.rsplit('-').next().unwrap_or_default().to_string())
+            });
+            victim.is_some()
+        });
+        let (victim, id) = victim.unwrap();
+        slurm.run("scancel", &["--batch", "--signal=TERM", &victim]);
+        let told = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let needle = format!("worker {id} was told to go (SIGTERM on");
+            wait_for(&rx, &needle, &mut seen, Duration::from_secs(20))
+        }));
+        if told.is_ok() {
+            preempted = Some((victim, id));
+            break;
+        }
+    }
+    let (victim, preempted) = preempted.expect("a worker preempted with notice");
+    wait_for(&rx, &format!("worker {preempted} left with notice"), &mut seen, Duration::from_secs(60));
+
+    // A node set down: Slurm ends its jobs, with SIGTERM first, so the
+    // workers there leave at a boundary; the job goes on.
+    let mut downed = None;
+    for _ in 0..5 {
+        let mut node = None;
+        until("a worker running on a node", Duration::from_secs(120), || {
+            node = slurm.queue().into_iter().find(|(id, s, n, _)| *id != victim && s == "RUNNING" && !n.is_empty());
+            node.is_some()
+        });
+        let (_, _, node, _) = node.unwrap();
+        slurm.run("scontrol", &["update", &format!("nodename={node}"), "state=down", "reason=edl-test"]);
+        let told = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            wait_for(&rx, &format!("was told to go (SIGTERM on {node})"), &mut seen, Duration::from_secs(20))
+        }));
+        slurm.run("scontrol", &["update", &format!("nodename={node}"), "state=resume"]);
+        if told.is_ok() {
+            downed = Some(node);
+            break;
+        }
+    }
+    let node = downed.expect("a node set down under a worker");
+
+    // The partition goes down: the workers the policy asks for meanwhile
+    // stay pending, are cancelled after the bound and reported; the job
+    // goes on with those it has.
+    slurm.run("scontrol", &["update", "partitionname=edl", "state=down"]);
+    wait_for(&rx, "Slurm did not start its job", &mut seen, Duration::from_secs(120));
+    slurm.run("scontrol", &["update", "partitionname=edl", "state=up"]);
+
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    let r = report(d);
+    assert_exactly_once(&r, 20, 1200);
+    let events = r["scale_events"].as_array().unwrap();
+    let reasons: Vec<&str> = events.iter().filter_map(|e| e["reason"].as_str()).collect();
+    // Grown and shrunk by the policy.
+    assert!(events.iter().any(|e| e["to"] == 3 && e["reason"].as_str().unwrap().starts_with("policy")), "{reasons:?}");
+    assert!(
+        events.iter().any(|e| e["to"].as_u64() < e["from"].as_u64() && e["reason"].as_str().unwrap().starts_with("policy")),
+        "{reasons:?}"
+    );
+    // The preempted worker left as a planned scale-in: its own event, and
+    // it is not among the lost; so did those on the node set down.
+    assert!(reasons.iter().any(|r| r.contains(&format!("(SIGTERM on {node})"))), "{reasons:?}");
+    let handles = r["worker_handles"].as_object().unwrap();
+    assert_eq!(handles[&preempted].as_str(), Some(format!("slurm:{victim}").as_str()), "{handles:?}");
+    let left = format!("worker {preempted} left with notice (SIGTERM on ");
+    assert!(reasons.iter().any(|r| r.contains(&left)), "{reasons:?}\n{text}");
+    assert!(!reasons.iter().any(|r| r.contains(&format!("worker {preempted} lost"))), "{reasons:?}");
+    // Every worker was a Slurm job, and none is left in the queue.
+    let started = r["workers_started"].as_array().unwrap();
+    assert_eq!(handles.len(), started.len(), "{r}");
+    until("the queue to empty", Duration::from_secs(30), || slurm.queue().is_empty());
+}
