@@ -312,8 +312,9 @@ pub struct ClusterArgs {
     pub rendezvous_port: u16,
     /// How workers are started: `local` (child processes here), `command`
     /// (--worker-command per worker, on --hosts: ssh, srun, ...), `slurm`
-    /// (a Slurm batch job per worker), `external` (started by another
-    /// engine; they join with `edl-runtime worker`).
+    /// (a Slurm batch job per worker), `kubernetes` (a Pod per worker),
+    /// `external` (started by another engine; they join with
+    /// `edl-runtime worker`).
     #[arg(long, value_name = "KIND", value_enum, default_value_t = ScalerKind::Local)]
     pub scaler: ScalerKind,
     /// With --scaler command: the command that starts worker {id}, run with
@@ -344,6 +345,63 @@ pub struct ClusterArgs {
     pub gradients_in_clear: bool,
     #[command(flatten)]
     pub slurm: SlurmArgs,
+    #[command(flatten)]
+    pub kube: KubeArgs,
+}
+
+/// How `--scaler kubernetes` makes the worker Pods.
+#[derive(Args)]
+#[command(next_help_heading = "Kubernetes (--scaler kubernetes)")]
+pub struct KubeArgs {
+    /// The image the worker Pods run (with `edl-runtime` on its PATH, or
+    /// your program under `launch`).
+    #[arg(long, value_name = "IMAGE", required_if_eq("scaler", "kubernetes"))]
+    pub kube_image: Option<String>,
+    /// The Kubernetes Secret holding the job's secret under the key
+    /// `secret` (mounted read-only into each worker Pod).
+    #[arg(long, value_name = "NAME", required_if_eq("scaler", "kubernetes"))]
+    pub kube_secret: Option<String>,
+    /// The namespace of the worker Pods (default: the coordinator's own).
+    #[arg(long, value_name = "NAME")]
+    pub kube_namespace: Option<String>,
+    /// GPUs each worker Pod asks for (`nvidia.com/gpu`).
+    #[arg(long, value_name = "N")]
+    pub kube_gpus: Option<u32>,
+    /// What owns the worker Pods: `pod` (the coordinator's Pod: they go
+    /// with it) or `controller` (its Deployment's ReplicaSet: they outlive
+    /// one coordinator Pod, for standby coordinators).
+    #[arg(long, value_name = "KIND", value_enum, default_value_t = KubeOwner::Pod)]
+    pub kube_owner: KubeOwner,
+    /// A worker Pod not running after this many seconds is deleted and reported.
+    #[arg(long, value_name = "SECS", default_value_t = 300)]
+    pub kube_pending_secs: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum KubeOwner {
+    Pod,
+    Controller,
+}
+
+impl KubeArgs {
+    pub fn options(&self) -> edl_runtime::job::kubernetes::KubeOptions {
+        use edl_runtime::job::kubernetes::{KubeOptions, Owner};
+        KubeOptions {
+            namespace: self.kube_namespace.clone(),
+            image: self.kube_image.clone().unwrap_or_default(),
+            secret: self.kube_secret.clone().unwrap_or_default(),
+            gpus: self.kube_gpus,
+            owner: match self.kube_owner {
+                KubeOwner::Pod => Owner::Pod,
+                KubeOwner::Controller => Owner::Controller,
+            },
+            pending_bound: std::time::Duration::from_secs(self.kube_pending_secs.max(1)),
+            // The downward API's name, else the host name a Pod is given.
+            pod_name: std::env::var("POD_NAME")
+                .ok()
+                .or_else(|| std::env::var("KUBERNETES_SERVICE_HOST").ok().and_then(|_| std::env::var("HOSTNAME").ok())),
+        }
+    }
 }
 
 /// Where `--scaler slurm` submits the workers.
@@ -388,6 +446,7 @@ pub enum ScalerKind {
     Local,
     Command,
     Slurm,
+    Kubernetes,
     External,
 }
 

@@ -25,6 +25,7 @@ use edl_runtime::{
         self, BuiltinModel, JobConfig, JobLock, JobOutcome, JobSpec, LocalProcesses, Program, Scaler,
         report::Report,
         scaler::{CommandScaler, ExternalWorkers},
+        kubernetes::KubernetesScaler,
         slurm::SlurmScaler,
     },
     plugin::{AdapterPlugin, PluginHost, PolicyPlugin},
@@ -561,6 +562,8 @@ fn scaler(
         (ScalerKind::Slurm, Some(command)) => {
             Box::new(SlurmScaler::for_program(args.slurm.options(), log_dir.to_path_buf(), command))
         }
+        (ScalerKind::Kubernetes, None) => Box::new(KubernetesScaler::new(args.kube.options())?),
+        (ScalerKind::Kubernetes, Some(command)) => Box::new(KubernetesScaler::for_program(args.kube.options(), command)?),
         (ScalerKind::External, _) => Box::new(ExternalWorkers),
     })
 }

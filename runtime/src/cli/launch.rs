@@ -232,9 +232,10 @@ fn hosts_config(l: &LaunchArgs, job_dir: &Path, nproc: u32) -> Result<(HostsConf
                 &log_dir,
             )?)
         }
-        ScalerKind::Slurm => bail!(
-            "launch --torchrun does not take --scaler slurm: give --scaler command an srun template \
-             (`srun -N1 -n1 -w {{host}} {{program}}`), or start the agents yourself (--scaler external)"
+        ScalerKind::Slurm | ScalerKind::Kubernetes => bail!(
+            "launch --torchrun does not take --scaler slurm or kubernetes yet: give --scaler command an \
+             srun or kubectl template (`srun -N1 -n1 -w {{host}} {{program}}`), or start the agents yourself \
+             (--scaler external)"
         ),
         _ => Box::new(ExternalWorkers),
     };

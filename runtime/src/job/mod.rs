@@ -20,6 +20,7 @@
 pub mod coordinator;
 pub mod inbox;
 pub mod keeper;
+pub mod kubernetes;
 pub mod ledger;
 pub mod membership;
 pub mod net;
