@@ -239,7 +239,7 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
         secret: Secret::generate()?,
         addresses: Default::default(),
     };
-    let lock = JobLock::acquire(&spec.checkpoint_dir, &spec.job)?;
+    let lock = JobLock::acquire(&spec.checkpoint_dir, &spec.job, false, false)?;
     let info = PluginInfo { name: "add-one".into(), version: "0".into(), description: String::new() };
     let policy = Box::new(AddOne { info, at: ADD_AT, done: false });
     let mut marks: HashMap<u64, (Instant, f64)> = HashMap::new();

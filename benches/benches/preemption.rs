@@ -20,18 +20,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+use edl_benches::{median, release_runtime as runtime};
 
-fn runtime() -> PathBuf {
-    let exe = std::env::current_exe().expect("the bench's path");
-    let dir = exe.parent().and_then(Path::parent).expect("target/release").to_path_buf();
-    let bin = dir.join("edl-runtime");
-    assert!(bin.exists(), "build first: cargo build --release -p edl-runtime ({} missing)", bin.display());
-    bin
-}
 
 fn hold_policy() -> PathBuf {
     Path::new(edl_plugin_artifacts::HOSTILE_POLICY_WASM).to_path_buf()

@@ -24,25 +24,13 @@
 use std::{
     io::{BufRead, BufReader},
     net::TcpListener,
-    path::{Path, PathBuf},
+    path::Path,
     process::{Child, Command, Stdio},
     sync::mpsc,
     time::{Duration, Instant},
 };
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// target/release/edl-runtime.
-fn runtime() -> PathBuf {
-    let exe = std::env::current_exe().expect("the bench's path");
-    let dir = exe.parent().and_then(Path::parent).expect("target/release").to_path_buf();
-    let bin = dir.join("edl-runtime");
-    assert!(bin.exists(), "build first: cargo build --release -p edl-runtime ({} missing)", bin.display());
-    bin
-}
+use edl_benches::{median, release_runtime as runtime};
 
 /// Lines of a child's stdout and stderr as they come, each with when it was read.
 fn lines(child: &mut Child) -> mpsc::Receiver<(Instant, String)> {

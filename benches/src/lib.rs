@@ -1,7 +1,23 @@
 //! Criterion benchmarks across the edl crates live in `benches/`; this
 //! library holds what several of them share.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// The median of `v` (the upper one of an even count).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The release build of `edl-runtime` beside the running bench
+/// (target/release), which the bench's doc says to build first.
+pub fn release_runtime() -> PathBuf {
+    let exe = std::env::current_exe().expect("the bench's path");
+    let dir = exe.parent().and_then(Path::parent).expect("target/release").to_path_buf();
+    let bin = dir.join("edl-runtime");
+    assert!(bin.exists(), "build first: cargo build --release -p edl-runtime ({} missing)", bin.display());
+    bin
+}
 
 /// Steady-state seconds per committed step of a job, from its report: the
 /// time between the committed steps of the report's timeline after the
