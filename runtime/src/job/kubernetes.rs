@@ -34,6 +34,21 @@ use std::{
     time::{Duration, Instant},
 };
 
+/// The longest the coordinator waits for one call to the API server (it
+/// is made on the coordinator's own thread).
+const CALL_WITHIN: Duration = Duration::from_secs(10);
+
+/// Runs one call to the API server on `rt`, bounded by [`CALL_WITHIN`].
+fn call<T>(
+    rt: &tokio::runtime::Runtime,
+    what: &str,
+    f: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> Result<T> {
+    rt.block_on(async { tokio::time::timeout(CALL_WITHIN, f).await })
+        .map_err(|_| anyhow!("{what}: the Kubernetes API server did not answer within {CALL_WITHIN:?}"))?
+        .map_err(|e| anyhow!("{what}: {e}"))
+}
+
 /// Where the secret is mounted in a worker's Pod.
 const SECRET_DIR: &str = "/run/edl";
 /// The label every worker Pod of a job carries (its value: the job).
@@ -252,11 +267,19 @@ impl KubernetesScaler {
         }
         let opts = self.opts.clone();
         let found = self.rt.block_on(async move {
-            let client = kube::Client::try_default().await.context("reaching the Kubernetes API server")?;
+            let client = tokio::time::timeout(CALL_WITHIN, kube::Client::try_default())
+                .await
+                .map_err(|_| anyhow!("the Kubernetes API server did not answer within {CALL_WITHIN:?}"))?
+                .context("reaching the Kubernetes API server")?;
             let namespace = opts.namespace.clone().unwrap_or_else(|| client.default_namespace().to_string());
             let api: Api<Pod> = Api::namespaced(client, &namespace);
             let me = match &opts.pod_name {
-                Some(name) => Some(api.get(name).await.with_context(|| format!("reading this coordinator's Pod {name}"))?),
+                Some(name) => Some(
+                    tokio::time::timeout(CALL_WITHIN, api.get(name))
+                        .await
+                        .map_err(|_| anyhow!("reading this coordinator's Pod {name}: no answer within {CALL_WITHIN:?}"))?
+                        .with_context(|| format!("reading this coordinator's Pod {name}"))?,
+                ),
                 None => None,
             };
             let owner = me.as_ref().and_then(|p| owner_of(p, opts.owner));
@@ -277,10 +300,10 @@ impl KubernetesScaler {
         self.polled = Some(Instant::now());
         let Ok((api, _)) = self.api() else { return };
         let selector = format!("{JOB_LABEL}={}", self.job);
-        let listed = match self.rt.block_on(api.list(&ListParams::default().labels(&selector))) {
+        let listed = match call(&self.rt, "listing the worker Pods", api.list(&ListParams::default().labels(&selector))) {
             Ok(l) => l,
             Err(e) => {
-                tracing::warn!("kubernetes: listing the worker Pods: {e}");
+                tracing::warn!("kubernetes: {e:#}");
                 return;
             }
         };
@@ -306,7 +329,9 @@ impl KubernetesScaler {
             if let Some((name, _, _)) = self.pods.remove(&id)
                 && delete
             {
-                let _ = self.rt.block_on(api.delete(&name, &DeleteParams::default()));
+                if let Err(e) = call(&self.rt, "deleting a Pod that did not start", api.delete(&name, &DeleteParams::default())) {
+                    tracing::warn!("kubernetes: {e:#}");
+                }
             }
             self.exited.push((id, why));
         }
@@ -330,9 +355,7 @@ impl Scaler for KubernetesScaler {
             .collect();
         let pod = worker_pod(&self.opts, &auth.job, id, coordinator, program, owner);
         let name = pod.metadata.name.clone().unwrap_or_default();
-        self.rt
-            .block_on(api.create(&PostParams::default(), &pod))
-            .map_err(|e| anyhow!("creating the Pod {name}: {e}"))?;
+        call(&self.rt, &format!("creating the Pod {name}"), api.create(&PostParams::default(), &pod))?;
         tracing::info!("worker {id}: Pod {name}");
         self.pods.insert(id, (name, Instant::now(), false));
         Ok(())
@@ -344,8 +367,8 @@ impl Scaler for KubernetesScaler {
         // Told to stop over its connection already: the deletion's SIGTERM
         // and grace end one that did not exit.
         let params = DeleteParams { grace_period_seconds: Some(grace.as_secs().max(1) as u32), ..Default::default() };
-        if let Err(e) = self.rt.block_on(api.delete(&name, &params)) {
-            tracing::warn!("kubernetes: deleting the Pod {name}: {e}");
+        if let Err(e) = call(&self.rt, &format!("deleting the Pod {name}"), api.delete(&name, &params)) {
+            tracing::warn!("kubernetes: {e:#}");
         }
     }
 
