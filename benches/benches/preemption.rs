@@ -22,7 +22,6 @@ use std::{
 
 use edl_benches::{median, release_runtime as runtime};
 
-
 fn hold_policy() -> PathBuf {
     Path::new(edl_plugin_artifacts::HOSTILE_POLICY_WASM).to_path_buf()
 }
@@ -57,10 +56,13 @@ fn worker_pid(parent: u32, id: u64) -> i32 {
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else { continue };
-        let ppid: u32 = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse().ok()).unwrap_or(0);
+        let ppid: u32 =
+            stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse().ok()).unwrap_or(0);
         let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
         let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-        if ppid == parent && cmd.contains(&format!(" --id {id} ")) || ppid == parent && cmd.ends_with(&format!(" --id {id}")) {
+        if ppid == parent && cmd.contains(&format!(" --id {id} "))
+            || ppid == parent && cmd.ends_with(&format!(" --id {id}"))
+        {
             return p;
         }
     }
@@ -78,7 +80,17 @@ fn run(n: u32) -> (Cost, Cost) {
     let dir = tempfile::tempdir().unwrap();
     let mut child = Command::new(runtime())
         .current_dir(dir.path())
-        .args(["--no-distill", "--teachers", "0", "--train-samples", "4000", "--batch", "40", "--epochs", "5"])
+        .args([
+            "--no-distill",
+            "--teachers",
+            "0",
+            "--train-samples",
+            "4000",
+            "--batch",
+            "40",
+            "--epochs",
+            "5",
+        ])
         .args(["--step-delay-ms", "20", "--workers", "3", "--min-workers", "1", "--max-workers", "3"])
         .arg("--policy")
         .arg(hold_policy())
@@ -114,7 +126,8 @@ fn run(n: u32) -> (Cost, Cost) {
             .find(|e| e["reason"].as_str().unwrap().contains(needle))
             .unwrap_or_else(|| panic!("an event with {needle:?}"));
         let step = e["step"].as_u64().unwrap();
-        let at = |s: u64| timeline.iter().find(|t| t["step"].as_u64() == Some(s)).and_then(|t| t["secs"].as_f64());
+        let at =
+            |s: u64| timeline.iter().find(|t| t["step"].as_u64() == Some(s)).and_then(|t| t["secs"].as_f64());
         let gap = at(step + 1).zip(at(step)).map(|(b, a)| (b - a) * 1e3).expect("the steps around it");
         Cost {
             pause_ms: e["pause_ms"].as_f64().unwrap(),
@@ -140,6 +153,11 @@ fn main() {
     ] {
         let costs: Vec<&Cost> = runs.iter().map(|r| if pick == 0 { &r.0 } else { &r.1 }).collect();
         let m = |f: fn(&Cost) -> f64| median(costs.iter().map(|c| f(c)).collect());
-        println!("| {name} | {:.0} ms | {:.0} ms | {:.0} ms |", m(|c| c.pause_ms), m(|c| c.gap_ms), m(|c| c.seen_ms));
+        println!(
+            "| {name} | {:.0} ms | {:.0} ms | {:.0} ms |",
+            m(|c| c.pause_ms),
+            m(|c| c.gap_ms),
+            m(|c| c.seen_ms)
+        );
     }
 }

@@ -52,7 +52,11 @@ fn lines(child: &mut Child) -> mpsc::Receiver<(Instant, String)> {
 
 /// Waits (bounded) for a line containing `needle`; returns it and when it came.
 /// `seen` gets every line read meanwhile.
-fn wait_for(rx: &mpsc::Receiver<(Instant, String)>, needle: &str, seen: &mut Vec<String>) -> (Instant, String) {
+fn wait_for(
+    rx: &mpsc::Receiver<(Instant, String)>,
+    needle: &str,
+    seen: &mut Vec<String>,
+) -> (Instant, String) {
     let until = Instant::now() + Duration::from_secs(300);
     loop {
         let left = until.saturating_duration_since(Instant::now());
@@ -146,7 +150,11 @@ fn report(dir: &Path) -> serde_json::Value {
 }
 
 /// Kills the running coordinator `first` once its third epoch is under way.
-fn kill_mid_job(first: &mut Child, rx: &mpsc::Receiver<(Instant, String)>, seen: &mut Vec<String>) -> (Instant, u64) {
+fn kill_mid_job(
+    first: &mut Child,
+    rx: &mpsc::Receiver<(Instant, String)>,
+    seen: &mut Vec<String>,
+) -> (Instant, u64) {
     wait_for(rx, "epoch     1 done", seen);
     std::thread::sleep(Duration::from_millis(700));
     first.kill().expect("kill -9");
@@ -171,7 +179,8 @@ fn apart_possible() -> bool {
 fn standby_run(store: &str, n: u32, apart: bool) -> Cost {
     let dir = tempfile::tempdir().unwrap();
     let job = format!("takeover-{n}-{apart}");
-    let command = ["--store", store, "--scaler", "command", "--worker-command", "{program}", "--hosts", "here:2"];
+    let command =
+        ["--store", store, "--scaler", "command", "--worker-command", "{program}", "--hosts", "here:2"];
     let mut first = coordinator(dir.path(), &job, &command).spawn().unwrap();
     let rx = lines(&mut first);
     let mut seen = Vec::new();
@@ -225,9 +234,13 @@ fn main() {
         again.push(rerun(n));
     }
     if !apart {
-        println!("(no pid namespace could be made here, so no standby that must wait for the lease: run as root)");
+        println!(
+            "(no pid namespace could be made here, so no standby that must wait for the lease: run as root)"
+        );
     }
-    println!("| after kill -9 of the coordinator | back to a committed step (median) | steps trained again (median, each run) |");
+    println!(
+        "| after kill -9 of the coordinator | back to a committed step (median) | steps trained again (median, each run) |"
+    );
     println!("|---|---|---|");
     let rows = [
         ("standby on the same host (proves the holder dead), workers follow", &here),

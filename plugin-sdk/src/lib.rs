@@ -56,6 +56,22 @@ pub trait ScalingPolicy: Default + 'static {
 
     /// Called on a fixed cadence with the job's current state.
     fn decide(&mut self, view: &ClusterView) -> Vec<Action>;
+
+    /// The policy's memory between decisions, as bytes [`load_state`](Self::load_state)
+    /// reads back. The host stores it at every commit, so that a standby
+    /// coordinator taking the job over, a resume from a checkpoint and a hot
+    /// reload go on from it instead of from a fresh `init`. The default:
+    /// no memory.
+    fn save_state(&self) -> Vec<u8> {
+        Vec::new()
+    }
+
+    /// Called after `init` on a new instance with what `save_state` gave
+    /// (possibly an older version's). The default ignores it.
+    fn load_state(&mut self, state: &[u8]) -> Result<(), PluginError> {
+        let _ = state;
+        Ok(())
+    }
 }
 
 /// Adapts batch size, learning rate and momentum (WIT world `batch-adapter`).
@@ -72,6 +88,17 @@ pub trait BatchAdapter: Default + 'static {
     fn on_step(&mut self, step: u64, current: &Hyperparams) -> Hyperparams {
         let _ = step;
         *current
+    }
+
+    /// The adapter's memory between calls; see [`ScalingPolicy::save_state`].
+    fn save_state(&self) -> Vec<u8> {
+        Vec::new()
+    }
+
+    /// Restores what `save_state` gave; see [`ScalingPolicy::load_state`].
+    fn load_state(&mut self, state: &[u8]) -> Result<(), PluginError> {
+        let _ = state;
+        Ok(())
     }
 }
 
@@ -110,7 +137,7 @@ macro_rules! export_scaling_policy {
         mod __edl_wasm_export {
             #[allow(unused_imports)]
             use super::*;
-            $crate::__edl_generate_world!("scaling-policy");
+            $crate::__edl_generate_world!("stateful-scaling-policy");
             static SLOT: $crate::__private::Slot<$ty> = $crate::__private::Slot::new();
             struct Export;
             impl exports::edl::plugins::policy::Guest for Export {
@@ -129,6 +156,14 @@ macro_rules! export_scaling_policy {
                     SLOT.with(|p| $crate::ScalingPolicy::decide(p, &view))
                 }
             }
+            impl exports::edl::plugins::state::Guest for Export {
+                fn save() -> ::std::vec::Vec<u8> {
+                    SLOT.with(|p| $crate::ScalingPolicy::save_state(p))
+                }
+                fn load(state: ::std::vec::Vec<u8>) -> ::std::result::Result<(), $crate::PluginError> {
+                    SLOT.with(|p| $crate::ScalingPolicy::load_state(p, &state))
+                }
+            }
             export!(Export);
         }
         $crate::__native_exports!("scaling-policy", $ty, $crate::ScalingPolicy, {
@@ -140,6 +175,7 @@ macro_rules! export_scaling_policy {
             ) -> i32 {
                 unsafe { $crate::native::policy_decide::<$ty>(handle, view, out) }
             }
+            $crate::__native_state_exports!($ty, $crate::ScalingPolicy);
         });
     };
 }
@@ -153,7 +189,7 @@ macro_rules! export_batch_adapter {
         mod __edl_wasm_export {
             #[allow(unused_imports)]
             use super::*;
-            $crate::__edl_generate_world!("batch-adapter");
+            $crate::__edl_generate_world!("stateful-batch-adapter");
             static SLOT: $crate::__private::Slot<$ty> = $crate::__private::Slot::new();
             struct Export;
             impl exports::edl::plugins::adapter::Guest for Export {
@@ -178,6 +214,14 @@ macro_rules! export_batch_adapter {
                     SLOT.with(|p| $crate::BatchAdapter::on_step(p, step, &current))
                 }
             }
+            impl exports::edl::plugins::state::Guest for Export {
+                fn save() -> ::std::vec::Vec<u8> {
+                    SLOT.with(|p| $crate::BatchAdapter::save_state(p))
+                }
+                fn load(state: ::std::vec::Vec<u8>) -> ::std::result::Result<(), $crate::PluginError> {
+                    SLOT.with(|p| $crate::BatchAdapter::load_state(p, &state))
+                }
+            }
             export!(Export);
         }
         $crate::__native_exports!("batch-adapter", $ty, $crate::BatchAdapter, {
@@ -199,6 +243,7 @@ macro_rules! export_batch_adapter {
             ) -> i32 {
                 unsafe { $crate::native::adapter_on_step::<$ty>(handle, step, current, out) }
             }
+            $crate::__native_state_exports!($ty, $crate::BatchAdapter);
         });
     };
 }
@@ -243,6 +288,29 @@ macro_rules! export_reader_transform {
                 unsafe { $crate::native::transform_apply::<$ty>(handle, input, out) }
             }
         });
+    };
+}
+
+/// The C ABI symbols of a plugin's memory (`edl_plugin_save_state`, `edl_plugin_load_state`).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __native_state_exports {
+    ($ty:ty, $trait:path) => {
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn edl_plugin_save_state(
+            handle: *mut ::std::ffi::c_void,
+            out: *mut $crate::native::RawSlice<u8>,
+        ) -> i32 {
+            unsafe { $crate::native::plugin_save_state::<$ty>(handle, out, <$ty as $trait>::save_state) }
+        }
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn edl_plugin_load_state(
+            handle: *mut ::std::ffi::c_void,
+            ptr: *const u8,
+            len: usize,
+        ) -> i32 {
+            unsafe { $crate::native::plugin_load_state::<$ty>(handle, ptr, len, <$ty as $trait>::load_state) }
+        }
     };
 }
 

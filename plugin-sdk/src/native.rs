@@ -9,6 +9,9 @@
 //! `edl_plugin_info`, `edl_plugin_new`, `edl_plugin_free`, `edl_plugin_init`
 //! and `edl_plugin_last_error`, plus its world's calls (`edl_policy_decide`,
 //! `edl_adapter_on_resize` / `edl_adapter_on_step`, `edl_transform_apply`).
+//! Policies and adapters also export `edl_plugin_save_state` and
+//! `edl_plugin_load_state` (their memory between calls, as the WIT `state`
+//! interface); a library without them is taken for a plugin without memory.
 //! Calls return a [`status`] code; panics are caught and reported as
 //! [`status::PANIC`] with the message in `edl_plugin_last_error`. Output
 //! buffers belong to the plugin instance and stay valid until its next call.
@@ -244,6 +247,7 @@ pub struct Instance<T> {
     view: ClusterView,
     actions: Vec<RawAction>,
     batch_out: Batch,
+    state_out: Vec<u8>,
 }
 
 fn status_of(e: &PluginError) -> i32 {
@@ -295,6 +299,7 @@ pub fn plugin_new<T: Default>() -> *mut c_void {
             view: ClusterView::default(),
             actions: Vec::new(),
             batch_out: Batch::default(),
+            state_out: Vec::new(),
         })) as *mut c_void,
         Err(_) => std::ptr::null_mut(),
     }
@@ -414,4 +419,31 @@ pub unsafe fn transform_apply<T: ReaderTransform>(
             Ok(())
         })
     }
+}
+
+#[doc(hidden)]
+pub unsafe fn plugin_save_state<T>(
+    handle: *mut c_void,
+    out: *mut RawSlice<u8>,
+    save: fn(&T) -> Vec<u8>,
+) -> i32 {
+    unsafe {
+        with_instance::<T>(handle, |inst| {
+            let out = out.as_mut().ok_or_else(|| PluginError::InvalidInput("null output".into()))?;
+            inst.state_out = save(&inst.plugin);
+            *out = RawSlice::borrow(&inst.state_out);
+            Ok(())
+        })
+    }
+}
+
+#[doc(hidden)]
+pub unsafe fn plugin_load_state<T>(
+    handle: *mut c_void,
+    ptr: *const u8,
+    len: usize,
+    load: fn(&mut T, &[u8]) -> Result<(), PluginError>,
+) -> i32 {
+    let bytes = unsafe { RawSlice { ptr, len }.as_slice() };
+    unsafe { with_instance::<T>(handle, |inst| load(&mut inst.plugin, bytes)) }
 }

@@ -58,6 +58,7 @@
 //! [10], `straggler-min-obs` [3], `ewma-alpha` [0.1, in (0, 1]].
 
 use edl_plugin_sdk::{Action, ClusterView, Config, PluginError, ScalingPolicy};
+use serde::{Deserialize, Serialize};
 
 #[derive(Debug)]
 pub struct Autoscale {
@@ -101,7 +102,7 @@ pub struct Autoscale {
     scratch: Vec<f64>,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 struct Tracked {
     id: u64,
     /// Smoothed speed relative to the median (1 = typical).
@@ -300,7 +301,60 @@ impl Autoscale {
     }
 }
 
+/// The policy's memory between decisions (what `init` does not set): the
+/// size search, the straggler evidence and the per-worker shares, so that a
+/// coordinator taking the job over decides as this one would have.
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct Memory {
+    measured: Vec<Option<f64>>,
+    ceiling: Option<u32>,
+    size: u32,
+    skip: u32,
+    samples: Vec<f64>,
+    tracked: Vec<Tracked>,
+    share: Vec<(f64, u32)>,
+    outgrown: u32,
+    contended: bool,
+    awaiting: u32,
+    cooldown: u32,
+}
+
 impl ScalingPolicy for Autoscale {
+    fn save_state(&self) -> Vec<u8> {
+        let m = Memory {
+            measured: self.measured.clone(),
+            ceiling: self.ceiling,
+            size: self.size,
+            skip: self.skip,
+            samples: self.samples.clone(),
+            tracked: self.tracked.clone(),
+            share: self.share.clone(),
+            outgrown: self.outgrown,
+            contended: self.contended,
+            awaiting: self.awaiting,
+            cooldown: self.cooldown,
+        };
+        // Plain numbers and vectors: serialising them cannot fail.
+        serde_json::to_vec(&m).unwrap_or_default()
+    }
+
+    fn load_state(&mut self, state: &[u8]) -> Result<(), PluginError> {
+        let m: Memory = serde_json::from_slice(state)
+            .map_err(|e| PluginError::InvalidInput(format!("not the autoscale policy's memory: {e}")))?;
+        self.measured = m.measured;
+        self.ceiling = m.ceiling;
+        self.size = m.size;
+        self.skip = m.skip;
+        self.samples = m.samples;
+        self.tracked = m.tracked;
+        self.share = m.share;
+        self.outgrown = m.outgrown;
+        self.contended = m.contended;
+        self.awaiting = m.awaiting;
+        self.cooldown = m.cooldown;
+        Ok(())
+    }
+
     fn init(&mut self, config: &Config) -> Result<(), PluginError> {
         config.expect_only(KEYS)?;
         let d = Autoscale::default();
@@ -444,6 +498,30 @@ mod tests {
         assert_eq!(
             history.iter().flat_map(|r| &r.actions).filter(|a| matches!(a, Action::Replace(_))).count(),
             1
+        );
+    }
+
+    #[test]
+    fn a_new_instance_given_the_memory_decides_as_the_old_one_would_have() {
+        // A search half done and a straggler under watch: the memory holds
+        // both. Clusters in the same place, driven on by the first instance,
+        // by a new instance given its memory, and by one without it.
+        let mut first = testing::policy::<Autoscale>(&[]).unwrap();
+        let mut sim = SimCluster::saturating(5, 1, 8);
+        sim.run(9, |v| first.decide(v));
+        sim.set_speed(1, 0.5);
+        sim.run(2, |v| first.decide(v));
+        let (mut twin, mut bare) = (sim.clone(), sim.clone());
+        let mut second = testing::policy::<Autoscale>(&[]).unwrap();
+        second.load_state(&first.save_state()).unwrap();
+        let mut fresh = testing::policy::<Autoscale>(&[]).unwrap();
+        let a = sim.run(60, |v| first.decide(v));
+        let b = twin.run(60, |v| second.decide(v));
+        let c = bare.run(60, |v| fresh.decide(v));
+        assert_eq!(a, b);
+        assert_ne!(a, c, "the memory made no difference, so this test shows nothing");
+        assert!(
+            matches!(second.load_state(b"{"), Err(PluginError::InvalidInput(m)) if m.contains("autoscale"))
         );
     }
 

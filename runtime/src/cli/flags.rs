@@ -397,9 +397,9 @@ impl KubeArgs {
             },
             pending_bound: std::time::Duration::from_secs(self.kube_pending_secs.max(1)),
             // The downward API's name, else the host name a Pod is given.
-            pod_name: std::env::var("POD_NAME")
-                .ok()
-                .or_else(|| std::env::var("KUBERNETES_SERVICE_HOST").ok().and_then(|_| std::env::var("HOSTNAME").ok())),
+            pod_name: std::env::var("POD_NAME").ok().or_else(|| {
+                std::env::var("KUBERNETES_SERVICE_HOST").ok().and_then(|_| std::env::var("HOSTNAME").ok())
+            }),
         }
     }
 }

@@ -23,9 +23,9 @@ use edl_runtime::{
     checkpoint::Checkpoints,
     job::{
         self, BuiltinModel, JobConfig, JobLock, JobOutcome, JobSpec, LocalProcesses, Program, Scaler,
+        kubernetes::KubernetesScaler,
         report::Report,
         scaler::{CommandScaler, ExternalWorkers},
-        kubernetes::KubernetesScaler,
         slurm::SlurmScaler,
     },
     plugin::{AdapterPlugin, PluginHost, PolicyPlugin},
@@ -558,12 +558,16 @@ fn scaler(
                 Some(command) => CommandScaler::for_program(start, stop, hosts, log_dir, command)?,
             })
         }
-        (ScalerKind::Slurm, None) => Box::new(SlurmScaler::new(args.slurm.options(), exe.to_path_buf(), log_dir.to_path_buf())),
+        (ScalerKind::Slurm, None) => {
+            Box::new(SlurmScaler::new(args.slurm.options(), exe.to_path_buf(), log_dir.to_path_buf()))
+        }
         (ScalerKind::Slurm, Some(command)) => {
             Box::new(SlurmScaler::for_program(args.slurm.options(), log_dir.to_path_buf(), command))
         }
         (ScalerKind::Kubernetes, None) => Box::new(KubernetesScaler::new(args.kube.options())?),
-        (ScalerKind::Kubernetes, Some(command)) => Box::new(KubernetesScaler::for_program(args.kube.options(), command)?),
+        (ScalerKind::Kubernetes, Some(command)) => {
+            Box::new(KubernetesScaler::for_program(args.kube.options(), command)?)
+        }
         (ScalerKind::External, _) => Box::new(ExternalWorkers),
     })
 }

@@ -65,6 +65,9 @@ pub struct Handover {
     /// flags cannot take the job over.
     #[serde(default)]
     pub data: crate::job::coordinator::DataIdentity,
+    /// The policy's and the adapter's memory at this step.
+    #[serde(default)]
+    pub plugins: crate::job::coordinator::PluginMemory,
 }
 
 /// Writes the job's state and worker leases in the background.

@@ -25,7 +25,9 @@ use super::scaler::Scaler;
 use crate::job::session::JobAuth;
 use anyhow::{Context, Result, anyhow, bail};
 use k8s_openapi::{
-    api::core::v1::{Container, EnvVar, Pod, PodSpec, ResourceRequirements, SecretVolumeSource, Volume, VolumeMount},
+    api::core::v1::{
+        Container, EnvVar, Pod, PodSpec, ResourceRequirements, SecretVolumeSource, Volume, VolumeMount,
+    },
     apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::OwnerReference},
 };
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
@@ -100,7 +102,8 @@ pub fn worker_pod(
         (JOB_LABEL.to_string(), job.to_string()),
         (WORKER_LABEL.to_string(), id.to_string()),
     ]);
-    let env = |name: &str, value: String| EnvVar { name: name.into(), value: Some(value), ..Default::default() };
+    let env =
+        |name: &str, value: String| EnvVar { name: name.into(), value: Some(value), ..Default::default() };
     let resources = opts.gpus.map(|n| ResourceRequirements {
         limits: Some(BTreeMap::from([("nvidia.com/gpu".to_string(), Quantity(n.to_string()))])),
         ..Default::default()
@@ -154,7 +157,8 @@ pub fn worker_pod(
 
 fn pod_name(job: &str, id: u64) -> String {
     // Job names are at most 64 of [A-Za-z0-9._-]; Pod names are DNS labels.
-    let clean: String = job.to_ascii_lowercase().chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect();
+    let clean: String =
+        job.to_ascii_lowercase().chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect();
     format!("edl-{}-w{id}", clean.trim_matches('-'))
 }
 
@@ -233,7 +237,8 @@ pub struct KubernetesScaler {
 impl KubernetesScaler {
     /// Workers running `edl-runtime worker` from the image.
     pub fn new(opts: KubeOptions) -> Result<Self> {
-        let program = ["edl-runtime", "worker", "--coordinator", "{coordinator}", "--id", "{id}", "--job", "{job}"];
+        let program =
+            ["edl-runtime", "worker", "--coordinator", "{coordinator}", "--id", "{id}", "--job", "{job}"];
         Self::with_program(opts, program.iter().map(|w| w.to_string()).collect())
     }
 
@@ -277,14 +282,19 @@ impl KubernetesScaler {
                 Some(name) => Some(
                     tokio::time::timeout(CALL_WITHIN, api.get(name))
                         .await
-                        .map_err(|_| anyhow!("reading this coordinator's Pod {name}: no answer within {CALL_WITHIN:?}"))?
+                        .map_err(|_| {
+                            anyhow!("reading this coordinator's Pod {name}: no answer within {CALL_WITHIN:?}")
+                        })?
                         .with_context(|| format!("reading this coordinator's Pod {name}"))?,
                 ),
                 None => None,
             };
             let owner = me.as_ref().and_then(|p| owner_of(p, opts.owner));
             if me.is_some() && owner.is_none() {
-                tracing::warn!("the worker Pods get no owner: this coordinator's Pod has no {:?} to name", opts.owner);
+                tracing::warn!(
+                    "the worker Pods get no owner: this coordinator's Pod has no {:?} to name",
+                    opts.owner
+                );
             }
             anyhow::Ok((api, owner))
         })?;
@@ -300,7 +310,11 @@ impl KubernetesScaler {
         self.polled = Some(Instant::now());
         let Ok((api, _)) = self.api() else { return };
         let selector = format!("{JOB_LABEL}={}", self.job);
-        let listed = match call(&self.rt, "listing the worker Pods", api.list(&ListParams::default().labels(&selector))) {
+        let listed = match call(
+            &self.rt,
+            "listing the worker Pods",
+            api.list(&ListParams::default().labels(&selector)),
+        ) {
             Ok(l) => l,
             Err(e) => {
                 tracing::warn!("kubernetes: {e:#}");
@@ -312,7 +326,10 @@ impl KubernetesScaler {
             .into_iter()
             .filter_map(|p| {
                 let status = p.status.unwrap_or_default();
-                Some((p.metadata.name?, Seen::Phase(status.phase.unwrap_or_else(|| "Unknown".into()), status.reason)))
+                Some((
+                    p.metadata.name?,
+                    Seen::Phase(status.phase.unwrap_or_else(|| "Unknown".into()), status.reason),
+                ))
             })
             .collect();
         let mut gone = Vec::new();
@@ -329,7 +346,11 @@ impl KubernetesScaler {
             if let Some((name, _, _)) = self.pods.remove(&id)
                 && delete
             {
-                if let Err(e) = call(&self.rt, "deleting a Pod that did not start", api.delete(&name, &DeleteParams::default())) {
+                if let Err(e) = call(
+                    &self.rt,
+                    "deleting a Pod that did not start",
+                    api.delete(&name, &DeleteParams::default()),
+                ) {
                     tracing::warn!("kubernetes: {e:#}");
                 }
             }
@@ -366,7 +387,8 @@ impl Scaler for KubernetesScaler {
         let Ok((api, _)) = self.api() else { return };
         // Told to stop over its connection already: the deletion's SIGTERM
         // and grace end one that did not exit.
-        let params = DeleteParams { grace_period_seconds: Some(grace.as_secs().max(1) as u32), ..Default::default() };
+        let params =
+            DeleteParams { grace_period_seconds: Some(grace.as_secs().max(1) as u32), ..Default::default() };
         if let Err(e) = call(&self.rt, &format!("deleting the Pod {name}"), api.delete(&name, &params)) {
             tracing::warn!("kubernetes: {e:#}");
         }
@@ -430,7 +452,8 @@ mod tests {
     #[test]
     fn a_worker_pod_mounts_the_secret_names_its_owner_and_carries_no_secret_itself() {
         let owner = owner_of(&coordinator_pod(), Owner::Pod);
-        let program = vec!["edl-runtime".into(), "worker".into(), "--coordinator".into(), "10.0.0.5:7070".into()];
+        let program =
+            vec!["edl-runtime".into(), "worker".into(), "--coordinator".into(), "10.0.0.5:7070".into()];
         let pod = worker_pod(&opts(), "MNIST_big", 7, "10.0.0.5:7070", program, owner);
         // Through the API's own schema: what the server would be sent.
         let json = serde_json::to_value(&pod).unwrap();
@@ -471,7 +494,10 @@ mod tests {
         let rs = owner_of(&p, Owner::Controller).unwrap();
         assert_eq!((rs.kind.as_str(), rs.uid.as_str(), rs.controller), ("ReplicaSet", "uid-rs", Some(false)));
         // A bare Pod has no controller: no owner to name.
-        let bare = Pod { metadata: ObjectMeta { name: Some("c".into()), uid: Some("u".into()), ..Default::default() }, ..Default::default() };
+        let bare = Pod {
+            metadata: ObjectMeta { name: Some("c".into()), uid: Some("u".into()), ..Default::default() },
+            ..Default::default()
+        };
         assert_eq!(owner_of(&bare, Owner::Controller), None);
     }
 

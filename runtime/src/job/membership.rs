@@ -321,7 +321,8 @@ impl Membership {
             }
             Event::Returned { conn, worker, pid, holds } => {
                 if !self.returning.remove(&worker) {
-                    let reason = format!("worker {worker} is not one this coordinator took the job over with");
+                    let reason =
+                        format!("worker {worker} is not one this coordinator took the job over with");
                     self.commands.push_back(Command::Refuse { conn, reason });
                 } else if !holds {
                     let reason = format!("worker {worker} kept no state at the job's committed step");
@@ -669,7 +670,9 @@ mod tests {
         assert_eq!(m.joiners(), 1);
         // Without the committed step's state, or not one of the old members: refused.
         m.handle(t, Event::Returned { conn: 2, worker: 5, pid: 55, holds: false });
-        assert!(matches!(&drain(&mut m)[..], [Command::Refuse { conn: 2, reason }] if reason.contains("no state")));
+        assert!(
+            matches!(&drain(&mut m)[..], [Command::Refuse { conn: 2, reason }] if reason.contains("no state"))
+        );
         m.handle(t, Event::Returned { conn: 4, worker: 9, pid: 99, holds: true });
         assert!(matches!(&drain(&mut m)[..], [Command::Refuse { conn: 4, .. }]));
         // A second return of the same worker is not taken either.

@@ -335,12 +335,14 @@ impl Session {
         let mut stream = TcpStream::connect_timeout(&coordinator, Duration::from_secs(10))
             .with_context(|| format!("worker {id}: cannot reach the coordinator at {coordinator}"))?;
         stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-        let keys = auth::connect(&mut stream, &auth.secret, &auth.claim("control", generation, id)).map_err(|e| {
-            anyhow!(
-                "worker {id}: the coordinator at {coordinator} did not admit it to job {:?}: {e}",
-                auth.job
-            )
-        })?;
+        let keys = auth::connect(&mut stream, &auth.secret, &auth.claim("control", generation, id)).map_err(
+            |e| {
+                anyhow!(
+                    "worker {id}: the coordinator at {coordinator} did not admit it to job {:?}: {e}",
+                    auth.job
+                )
+            },
+        )?;
         stream.set_read_timeout(None)?;
         stream.set_nodelay(true)?;
         stream.set_write_timeout(Some(Duration::from_secs(10)))?;
@@ -444,7 +446,10 @@ impl Session {
                     // Not in the job yet: nothing to hand over.
                     return Ok(Event::Stop(format!("told to go ({why}) before it was given a rank")));
                 }
-                tracing::warn!("worker {}: told to go ({why}); leaving at the job's next step boundary", self.id);
+                tracing::warn!(
+                    "worker {}: told to go ({why}); leaving at the job's next step boundary",
+                    self.id
+                );
                 self.tell(&FromWorker::Leaving { reason: why })?;
             }
             // Checkpoint writes that ended go out first (the final one is
@@ -550,7 +555,10 @@ impl Session {
                 Ok(Some(leader)) => match self.follow(&leader) {
                     Ok(()) => return Ok(()),
                     Err(Followed::Refused(reason)) => {
-                        bail!("{lost}; the coordinator at {} that took the job over refused it: {reason}", leader.addr)
+                        bail!(
+                            "{lost}; the coordinator at {} that took the job over refused it: {reason}",
+                            leader.addr
+                        )
                     }
                     Err(Followed::Failed(e)) => last = e,
                 },

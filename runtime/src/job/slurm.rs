@@ -71,13 +71,20 @@ impl SlurmScaler {
     /// Workers running `edl-runtime worker` (this executable).
     pub fn new(opts: SlurmOptions, exe: PathBuf, log_dir: PathBuf) -> Self {
         let exe = exe.display().to_string();
-        let program = [exe.as_str(), "worker", "--coordinator", "{coordinator}", "--id", "{id}", "--job", "{job}"];
+        let program =
+            [exe.as_str(), "worker", "--coordinator", "{coordinator}", "--id", "{id}", "--job", "{job}"];
         Self::with_program(opts, log_dir, program.iter().map(|w| w.to_string()).collect())
     }
 
     /// Workers running the user's `command` (under `launch`).
     pub fn for_program(opts: SlurmOptions, log_dir: PathBuf, command: &[String]) -> Self {
-        let env = ["env", "EDL_COORDINATOR={coordinator}", "EDL_WORKER_ID={id}", "EDL_JOB={job}", "PYTHONUNBUFFERED=1"];
+        let env = [
+            "env",
+            "EDL_COORDINATOR={coordinator}",
+            "EDL_WORKER_ID={id}",
+            "EDL_JOB={job}",
+            "PYTHONUNBUFFERED=1",
+        ];
         let program = env
             .iter()
             .map(|w| w.to_string())
@@ -138,7 +145,9 @@ impl SlurmScaler {
             // replace: Slurm does not start it again on its own.
             "--no-requeue".to_string(),
         ];
-        for (flag, v) in [("partition", &self.opts.partition), ("account", &self.opts.account), ("qos", &self.opts.qos)] {
+        for (flag, v) in
+            [("partition", &self.opts.partition), ("account", &self.opts.account), ("qos", &self.opts.qos)]
+        {
             if let Some(v) = v {
                 a.push(format!("--{flag}={v}"));
             }
@@ -202,9 +211,8 @@ impl SlurmScaler {
 /// while after the end).
 fn ended(slurm: &str, node: &str) -> String {
     let shown = run("scontrol", &["--oneliner", "show", "job", slurm]).unwrap_or_default();
-    let field = |name: &str| {
-        shown.split_whitespace().find_map(|f| f.strip_prefix(name)).unwrap_or("").to_string()
-    };
+    let field =
+        |name: &str| shown.split_whitespace().find_map(|f| f.strip_prefix(name)).unwrap_or("").to_string();
     let (state, reason) = (field("JobState="), field("Reason="));
     let on = if node.is_empty() { String::new() } else { format!(" on {node}") };
     match (state.as_str(), reason.as_str()) {
@@ -245,7 +253,12 @@ impl Scaler for SlurmScaler {
             .spawn()
             .context("sbatch: cannot run it (is Slurm's client installed?)")?;
         let script = self.script(id, coordinator, auth);
-        child.stdin.take().expect("piped").write_all(script.as_bytes()).context("sbatch: writing the script")?;
+        child
+            .stdin
+            .take()
+            .expect("piped")
+            .write_all(script.as_bytes())
+            .context("sbatch: writing the script")?;
         let out = child.wait_with_output().context("sbatch")?;
         if !out.status.success() {
             bail!("sbatch {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
@@ -273,7 +286,8 @@ impl Scaler for SlurmScaler {
         self.stopping.push(std::thread::spawn(move || {
             let until = Instant::now() + grace;
             while Instant::now() < until {
-                let listed = run("squeue", &["--noheader", "--format=%i", "--jobs", &j.slurm]).unwrap_or_default();
+                let listed =
+                    run("squeue", &["--noheader", "--format=%i", "--jobs", &j.slurm]).unwrap_or_default();
                 if !listed.lines().any(|l| l.trim() == j.slurm) {
                     return;
                 }
@@ -367,7 +381,8 @@ mod tests {
              'PYTHONUNBUFFERED=1' 'python' 'it'\\''s {x}.py'"
         );
         let args = s.sbatch_args(7, "mnist");
-        for want in ["--parsable", "--job-name=edl-mnist-7", "--output=/logs/worker-7.log", "--partition=gpu"] {
+        for want in ["--parsable", "--job-name=edl-mnist-7", "--output=/logs/worker-7.log", "--partition=gpu"]
+        {
             assert!(args.iter().any(|a| a == want), "{want} in {args:?}");
         }
         assert!(args.iter().any(|a| a == "--account=lab") && args.iter().any(|a| a == "--qos=low"));

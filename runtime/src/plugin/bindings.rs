@@ -24,6 +24,15 @@ pub mod transform {
     });
 }
 
+/// A plugin's optional `state` export, looked up beside its world's.
+pub mod state {
+    wasmtime::component::bindgen!({
+        path: "../plugin-sdk/wit",
+        world: "plugin-state",
+        with: { "edl:plugins/types": super::policy::edl::plugins::types },
+    });
+}
+
 use edl_plugin_sdk as sdk;
 use policy::edl::plugins::types as wit;
 

@@ -32,6 +32,9 @@ pub fn checked(loaded: Loaded, path: &str) -> Loaded {
     }
 }
 
+/// The most memory a plugin may hand over: it is stored at every commit.
+pub const MAX_STATE_BYTES: usize = 1 << 20;
+
 impl<T: ?Sized + Plugin> Plugin for Checked<T> {
     fn info(&self) -> &PluginInfo {
         self.inner.info()
@@ -39,6 +42,22 @@ impl<T: ?Sized + Plugin> Plugin for Checked<T> {
 
     fn backend(&self) -> Backend {
         self.inner.backend()
+    }
+
+    fn save_state(&mut self) -> Result<Option<Vec<u8>>, Error> {
+        let state = self.inner.save_state()?;
+        if let Some(bytes) = &state
+            && bytes.len() > MAX_STATE_BYTES
+        {
+            let detail =
+                format!("saved {} bytes of state, more than the {MAX_STATE_BYTES} allowed", bytes.len());
+            return Err(self.broken("save", detail));
+        }
+        Ok(state)
+    }
+
+    fn load_state(&mut self, bytes: &[u8]) -> Result<bool, Error> {
+        self.inner.load_state(bytes)
     }
 }
 

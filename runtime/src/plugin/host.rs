@@ -2,7 +2,8 @@
 //! the one place that decides how a plugin file is loaded.
 
 use super::{
-    AdapterPlugin, ArtifactCache, CacheStatus, Error, Loaded, PolicyPlugin, TransformPlugin, World, contract,
+    AdapterPlugin, ArtifactCache, CacheStatus, Error, Loaded, PolicyPlugin, STATE_INTERFACE, TransformPlugin,
+    World, contract,
     limits::{EPOCH_TICK, Limits},
     native, wasm,
 };
@@ -284,10 +285,11 @@ impl PluginHost {
     ) -> Result<(World, Vec<String>), Error> {
         let ty = component.component_type();
         let exports: Vec<String> = ty.exports(&self.engine).map(|(name, _)| name.to_string()).collect();
+        // The world's own interface; `state` rides beside it in any world.
         let ours = exports.iter().find_map(|name| {
             let rest = name.strip_prefix("edl:plugins/")?;
             let (iface, version) = rest.split_once('@').unwrap_or((rest, ""));
-            Some((iface.to_string(), version.to_string()))
+            (iface != STATE_INTERFACE).then(|| (iface.to_string(), version.to_string()))
         });
         let Some((iface, version)) = ours else {
             return Err(Error::InvalidComponent {

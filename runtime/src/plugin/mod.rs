@@ -127,12 +127,27 @@ impl fmt::Display for Backend {
     }
 }
 
+/// The WIT interface through which a plugin hands its memory over
+/// (`edl:plugins/state`), exported beside its world's own.
+pub(crate) const STATE_INTERFACE: &str = "state";
+
 /// What every loaded plugin can tell about itself.
 pub trait Plugin: Send {
     /// The plugin's `info()`, read once at load.
     fn info(&self) -> &PluginInfo;
     /// How it was loaded.
     fn backend(&self) -> Backend;
+    /// The plugin's memory between calls, as it saves it; `None` for a
+    /// plugin that keeps none (exports no `state`).
+    fn save_state(&mut self) -> Result<Option<Vec<u8>>, Error> {
+        Ok(None)
+    }
+    /// Gives this instance the memory an earlier one saved. `Ok(false)`: the
+    /// plugin keeps none, and nothing was given.
+    fn load_state(&mut self, state: &[u8]) -> Result<bool, Error> {
+        let _ = state;
+        Ok(false)
+    }
 }
 
 /// A loaded scaling policy.

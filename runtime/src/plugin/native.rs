@@ -23,9 +23,18 @@ struct Common {
     free: unsafe extern "C" fn(Handle),
     init: unsafe extern "C" fn(Handle, *const RawPair, usize) -> i32,
     last_error: unsafe extern "C" fn(Handle) -> RawStr,
+    /// `edl_plugin_save_state` and `edl_plugin_load_state`, where the
+    /// plugin keeps a memory it hands over (both or neither).
+    state: Option<StateFns>,
     handle: Handle,
     config: Vec<(String, String)>,
     info: PluginInfo,
+}
+
+#[derive(Clone, Copy)]
+struct StateFns {
+    save: unsafe extern "C" fn(Handle, *mut RawSlice<u8>) -> i32,
+    load: unsafe extern "C" fn(Handle, *const u8, usize) -> i32,
 }
 
 // SAFETY: a handle is used by one thread at a time (`&mut self` calls); the
@@ -77,6 +86,21 @@ impl Common {
             Err(Error::Guest { error, .. }) => Err(Error::Init { path: self.path.clone(), error }),
             other => other,
         }
+    }
+
+    fn save_state(&mut self) -> Result<Option<Vec<u8>>, Error> {
+        let Some(f) = self.state else { return Ok(None) };
+        let mut out = RawSlice::empty();
+        let code = unsafe { (f.save)(self.handle, &mut out) };
+        self.check("save", code)?;
+        // The bytes belong to the instance until its next call: copied now.
+        Ok(Some(unsafe { out.as_slice() }.to_vec()))
+    }
+
+    fn load_state(&mut self, bytes: &[u8]) -> Result<bool, Error> {
+        let Some(f) = self.state else { return Ok(false) };
+        let code = unsafe { (f.load)(self.handle, bytes.as_ptr(), bytes.len()) };
+        self.check("load", code).map(|()| true)
     }
 
     /// Turns a status code into a result; a panic recreates the instance.
@@ -194,6 +218,13 @@ pub fn load(path: &Path, config: &[(String, String)], expected: Option<World>) -
             free: symbol(&lib, &shown, "edl_plugin_free")?,
             init: symbol(&lib, &shown, "edl_plugin_init")?,
             last_error: symbol(&lib, &shown, "edl_plugin_last_error")?,
+            state: match (
+                symbol(&lib, &shown, "edl_plugin_save_state"),
+                symbol(&lib, &shown, "edl_plugin_load_state"),
+            ) {
+                (Ok(save), Ok(load)) => Some(StateFns { save, load }),
+                _ => None,
+            },
             _lib: lib.clone(),
             path: shown.clone(),
             handle: std::ptr::null_mut(),
@@ -227,6 +258,12 @@ macro_rules! native_plugin {
             }
             fn backend(&self) -> Backend {
                 Backend::Native
+            }
+            fn save_state(&mut self) -> Result<Option<Vec<u8>>, Error> {
+                self.common.save_state()
+            }
+            fn load_state(&mut self, bytes: &[u8]) -> Result<bool, Error> {
+                self.common.load_state(bytes)
             }
         }
     };

@@ -93,7 +93,8 @@ impl<T: ?Sized + Plugin> Reloading<T> {
         }
         self.stamp = now;
         match (self.loader)(&self.host, &self.path, &self.config) {
-            Ok(next) => {
+            Ok(mut next) => {
+                self.hand_memory_over(next.as_mut());
                 tracing::info!(
                     "{}: reloaded plugin {} {} (was {})",
                     self.path.display(),
@@ -113,6 +114,23 @@ impl<T: ?Sized + Plugin> Reloading<T> {
     }
 }
 
+impl<T: ?Sized + Plugin> Reloading<T> {
+    /// The running version's memory goes on in the new one; a version that
+    /// cannot read it starts from its `init`, and the log says why.
+    fn hand_memory_over(&mut self, next: &mut T) {
+        let moved = self.current.save_state().and_then(|saved| match saved {
+            Some(bytes) => next.load_state(&bytes),
+            None => Ok(false),
+        });
+        if let Err(e) = moved {
+            tracing::warn!(
+                "{}: the new version starts without the running one's memory: {e}",
+                self.path.display()
+            );
+        }
+    }
+}
+
 impl<T: ?Sized + Plugin> Plugin for Reloading<T> {
     fn info(&self) -> &PluginInfo {
         self.current.info()
@@ -120,6 +138,14 @@ impl<T: ?Sized + Plugin> Plugin for Reloading<T> {
 
     fn backend(&self) -> Backend {
         self.current.backend()
+    }
+
+    fn save_state(&mut self) -> Result<Option<Vec<u8>>, Error> {
+        self.current.save_state()
+    }
+
+    fn load_state(&mut self, bytes: &[u8]) -> Result<bool, Error> {
+        self.current.load_state(bytes)
     }
 }
 

@@ -5,7 +5,7 @@
 
 use super::{
     AdapterPlugin, Backend, CacheStatus, Error, Loaded, Plugin, PolicyPlugin, TransformPlugin, World,
-    bindings::{self, adapter, policy, policy::edl::plugins::types as wit, transform},
+    bindings::{self, adapter, policy, policy::edl::plugins::types as wit, state, transform},
     limits::{EPOCH_TICK, Limits},
     stderr::CapturedStderr,
 };
@@ -17,7 +17,7 @@ use std::{
 };
 use wasmtime::{
     Engine, ResourceLimiter, Store, StoreContextMut, Trap,
-    component::{Component, InstancePre, Linker, Resource, ResourceTable},
+    component::{Component, Instance, InstancePre, Linker, Resource, ResourceTable},
 };
 use wasmtime_wasi::p2::{DynPollable, Pollable, subscribe as subscribe_pollable};
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
@@ -153,9 +153,10 @@ pub struct Ctx<'a> {
 
 /// The generated bindings of one world.
 pub trait WorldBindings: Sized + Send + 'static {
-    type Pre: Send + Sync + 'static;
-    fn pre(pre: InstancePre<HostState>) -> wasmtime::Result<Self::Pre>;
-    fn instantiate(pre: &Self::Pre, store: &mut Store<HostState>) -> wasmtime::Result<Self>;
+    /// Where the world's exports are in a component, found once at load.
+    type Indices: Send + Sync + 'static;
+    fn indices(pre: &InstancePre<HostState>) -> wasmtime::Result<Self::Indices>;
+    fn load(ix: &Self::Indices, store: &mut Store<HostState>, instance: &Instance) -> wasmtime::Result<Self>;
     fn info(&self, store: &mut Store<HostState>) -> wasmtime::Result<wit::PluginInfo>;
     fn init(
         &self,
@@ -165,14 +166,18 @@ pub trait WorldBindings: Sized + Send + 'static {
 }
 
 macro_rules! world_bindings {
-    ($ty:ty, $pre:ty, $iface:ident) => {
+    ($ty:ty, $ix:ty, $iface:ident) => {
         impl WorldBindings for $ty {
-            type Pre = $pre;
-            fn pre(pre: InstancePre<HostState>) -> wasmtime::Result<Self::Pre> {
-                <$pre>::new(pre)
+            type Indices = $ix;
+            fn indices(pre: &InstancePre<HostState>) -> wasmtime::Result<Self::Indices> {
+                <$ix>::new(pre)
             }
-            fn instantiate(pre: &Self::Pre, store: &mut Store<HostState>) -> wasmtime::Result<Self> {
-                pre.instantiate(store)
+            fn load(
+                ix: &Self::Indices,
+                store: &mut Store<HostState>,
+                instance: &Instance,
+            ) -> wasmtime::Result<Self> {
+                ix.load(store, instance)
             }
             fn info(&self, store: &mut Store<HostState>) -> wasmtime::Result<wit::PluginInfo> {
                 self.$iface().call_info(store)
@@ -188,13 +193,15 @@ macro_rules! world_bindings {
     };
 }
 
-world_bindings!(policy::ScalingPolicy, policy::ScalingPolicyPre<HostState>, edl_plugins_policy);
-world_bindings!(adapter::BatchAdapter, adapter::BatchAdapterPre<HostState>, edl_plugins_adapter);
-world_bindings!(transform::ReaderTransform, transform::ReaderTransformPre<HostState>, edl_plugins_transform);
+world_bindings!(policy::ScalingPolicy, policy::ScalingPolicyIndices, edl_plugins_policy);
+world_bindings!(adapter::BatchAdapter, adapter::BatchAdapterIndices, edl_plugins_adapter);
+world_bindings!(transform::ReaderTransform, transform::ReaderTransformIndices, edl_plugins_transform);
 
 struct Live<B> {
     store: Store<HostState>,
     bindings: B,
+    /// The `state` export, where the component has one.
+    state: Option<state::PluginState>,
     stderr: CapturedStderr,
 }
 
@@ -202,7 +209,10 @@ struct Live<B> {
 pub struct Sandboxed<B: WorldBindings> {
     path: String,
     engine: Engine,
-    pre: B::Pre,
+    pre: InstancePre<HostState>,
+    indices: B::Indices,
+    /// Where the component's `state` export is, if it has one.
+    state_indices: Option<state::PluginStateIndices>,
     limits: Limits,
     deadline_ticks: u64,
     config: Vec<(String, String)>,
@@ -224,14 +234,17 @@ impl<B: WorldBindings> Sandboxed<B> {
             .linker
             .instantiate_pre(component)
             .map_err(|e| Error::Instantiate { path: ctx.path.clone(), detail: format!("{e:#}") })?;
-        let pre = B::pre(instance_pre)
+        let indices = B::indices(&instance_pre)
             .map_err(|e| Error::Instantiate { path: ctx.path.clone(), detail: format!("{e:#}") })?;
+        let state_indices = state::PluginStateIndices::new(&instance_pre).ok();
         let tick = EPOCH_TICK.as_nanos().max(1);
         let deadline_ticks = (ctx.limits.deadline.as_nanos().div_ceil(tick) as u64).max(1) + 1;
         let mut me = Sandboxed {
             path: ctx.path,
             engine: ctx.engine.clone(),
-            pre,
+            pre: instance_pre,
+            indices,
+            state_indices,
             limits: ctx.limits,
             deadline_ticks,
             config: config.to_vec(),
@@ -266,14 +279,19 @@ impl<B: WorldBindings> Sandboxed<B> {
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limiter);
         store.set_epoch_deadline(self.deadline_ticks);
-        let bindings = match B::instantiate(&self.pre, &mut store) {
+        let loaded = self.pre.instantiate(&mut store).and_then(|instance| {
+            let bindings = B::load(&self.indices, &mut store, &instance)?;
+            let state = self.state_indices.as_ref().map(|ix| ix.load(&mut store, &instance)).transpose()?;
+            Ok((bindings, state))
+        });
+        let (bindings, state) = match loaded {
             Ok(b) => b,
             Err(e) => return Err(self.classify("instantiate", e, &store, &stderr)),
         };
         store.set_epoch_deadline(self.deadline_ticks);
         store.data_mut().deadline = Instant::now() + self.limits.deadline;
         match bindings.init(&mut store, &self.config) {
-            Ok(Ok(())) => Ok(Live { store, bindings, stderr }),
+            Ok(Ok(())) => Ok(Live { store, bindings, state, stderr }),
             Ok(Err(e)) => Err(Error::Init { path: self.path.clone(), error: e.into() }),
             Err(e) => Err(self.classify("init", e, &store, &stderr)),
         }
@@ -320,13 +338,36 @@ impl<B: WorldBindings> Sandboxed<B> {
         call: &'static str,
         f: impl FnOnce(&B, &mut Store<HostState>) -> wasmtime::Result<R>,
     ) -> Result<R, Error> {
+        self.call_live(call, |live| f(&live.bindings, &mut live.store))
+    }
+
+    /// Runs one call of the `state` export; `None` when there is none.
+    fn call_state<R>(
+        &mut self,
+        call: &'static str,
+        f: impl FnOnce(&state::PluginState, &mut Store<HostState>) -> wasmtime::Result<R>,
+    ) -> Result<Option<R>, Error> {
+        if self.state_indices.is_none() {
+            return Ok(None);
+        }
+        self.call_live(call, |live| match &live.state {
+            Some(st) => f(st, &mut live.store).map(Some),
+            None => Ok(None),
+        })
+    }
+
+    fn call_live<R>(
+        &mut self,
+        call: &'static str,
+        f: impl FnOnce(&mut Live<B>) -> wasmtime::Result<R>,
+    ) -> Result<R, Error> {
         if self.live.is_none() {
             self.live = Some(self.instantiate()?);
         }
         let live = self.live.as_mut().expect("instantiated above");
         live.store.set_epoch_deadline(self.deadline_ticks);
         live.store.data_mut().deadline = Instant::now() + self.limits.deadline;
-        match f(&live.bindings, &mut live.store) {
+        match f(live) {
             Ok(r) => {
                 if let Some(text) = live.stderr.take() {
                     for line in text.lines() {
@@ -352,6 +393,18 @@ impl<B: WorldBindings> Plugin for Sandboxed<B> {
 
     fn backend(&self) -> Backend {
         Backend::Wasm { cache: self.cache }
+    }
+
+    fn save_state(&mut self) -> Result<Option<Vec<u8>>, Error> {
+        self.call_state("save", |st, s| st.edl_plugins_state().call_save(s))
+    }
+
+    fn load_state(&mut self, bytes: &[u8]) -> Result<bool, Error> {
+        match self.call_state("load", |st, s| st.edl_plugins_state().call_load(s, bytes))? {
+            None => Ok(false),
+            Some(Ok(())) => Ok(true),
+            Some(Err(e)) => Err(Error::Guest { path: self.path.clone(), call: "load", error: e.into() }),
+        }
     }
 }
 

@@ -137,7 +137,9 @@ impl AnyStore {
     /// operator; None for a store of one server, or when it cannot be asked.
     pub async fn leader(&self) -> Option<String> {
         match self {
-            AnyStore::Etcd(s) => s.leader().await.ok().filter(|&id| id != 0).map(|id| format!("etcd member {id:x}")),
+            AnyStore::Etcd(s) => {
+                s.leader().await.ok().filter(|&id| id != 0).map(|id| format!("etcd member {id:x}"))
+            }
             _ => None,
         }
     }

@@ -565,7 +565,8 @@ impl Takeover<'_> {
         let cwd = self.dir.join(host);
         std::fs::create_dir_all(&cwd).unwrap();
         let template = format!("ip netns exec {}-{{host}} {{program}}", self.hosts.prefix);
-        let args = ["--no-distill", "--teachers", "0", "--store", &self.store, "--job", "led", "--epochs", "10"];
+        let args =
+            ["--no-distill", "--teachers", "0", "--store", &self.store, "--job", "led", "--epochs", "10"];
         let cmd = job(&cwd, &args);
         let mut c = self.hosts.on(host, cmd.get_program().to_str().unwrap());
         c.args(cmd.get_args()).current_dir(&cwd);
@@ -604,6 +605,8 @@ impl Takeover<'_> {
         assert!(before.len() >= 2, "workers run on w1 and w2: {before:?}");
         strike(&mut first);
         wait_for(&rx, "taking job \"led\" over", &mut seen, Duration::from_secs(120));
+        // The policy counts its decisions on from the active one's count.
+        wait_for(&rx, "the policy went on with its memory of step", &mut seen, Duration::from_secs(60));
         wait_for(&rx, "came back with its state", &mut seen, Duration::from_secs(60));
         then();
         wait_for(&rx, "epoch     ", &mut seen, Duration::from_secs(120));
@@ -656,7 +659,9 @@ fn workers_follow_a_standby_that_takes_over_from_a_killed_coordinator_on_etcd_th
     assert_ne!(Some(now), lost_leader);
     let store_events = r["store_events"].as_array().unwrap();
     assert!(
-        store_events.iter().any(|e| e["what"].as_str().unwrap().contains("the store's leader changed from etcd member")),
+        store_events
+            .iter()
+            .any(|e| e["what"].as_str().unwrap().contains("the store's leader changed from etcd member")),
         "{store_events:?}"
     );
 }

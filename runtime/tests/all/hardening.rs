@@ -688,6 +688,8 @@ fn a_standby_coordinator_waits_and_takes_the_job_over_when_the_active_one_dies()
     let out = seen_b.join("\n");
     assert!(status.success(), "{out}");
     assert!(out.contains("resuming job \"standby\""), "{out}");
+    // The autoscale policy's search goes on from the checkpoint's memory.
+    assert!(out.contains("the policy went on with its memory of step"), "{out}");
     let r = report(&b);
     assert!(r["resumed_from_step"].as_u64().is_some_and(|s| s >= 5), "{r}");
     crate::cluster::assert_exactly_once(&r, 6, 400);
@@ -701,7 +703,8 @@ fn a_worker_told_to_go_by_sigterm_leaves_at_a_boundary_without_a_redone_step() {
     let dir = tempfile::tempdir().unwrap();
     let hold = ["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold"];
     let bounds = ["--workers", "3", "--min-workers", "2", "--max-workers", "3", "--epochs", "3"];
-    let mut c = small(dir.path(), &[&hold[..], &bounds[..], &["--step-delay-ms", "30"]].concat()).spawn().unwrap();
+    let mut c =
+        small(dir.path(), &[&hold[..], &bounds[..], &["--step-delay-ms", "30"]].concat()).spawn().unwrap();
     let rx = lines(&mut c);
     let mut seen = Vec::new();
     crate::elastic::wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
@@ -718,8 +721,10 @@ fn a_worker_told_to_go_by_sigterm_leaves_at_a_boundary_without_a_redone_step() {
     let r = report(dir.path());
     crate::cluster::assert_exactly_once(&r, 3, 400);
     let events = r["scale_events"].as_array().unwrap();
-    let left: Vec<&serde_json::Value> =
-        events.iter().filter(|e| e["reason"].as_str().unwrap().contains("worker 2 left with notice (SIGTERM)")).collect();
+    let left: Vec<&serde_json::Value> = events
+        .iter()
+        .filter(|e| e["reason"].as_str().unwrap().contains("worker 2 left with notice (SIGTERM)"))
+        .collect();
     assert_eq!(left.len(), 1, "{events:?}");
     assert_eq!((left[0]["from"].as_u64(), left[0]["to"].as_u64()), (Some(3), Some(2)), "{events:?}");
     // Nothing was lost: no step failed, no worker replaced.

@@ -48,7 +48,8 @@ fn the_kubernetes_example_is_made_of_valid_api_objects_that_run_the_kubernetes_s
     assert_eq!(kinds.len(), 6, "{kinds:?}");
     // The coordinators may make, delete and watch Pods.
     let rules = role.unwrap().rules.unwrap();
-    let pods = rules.iter().find(|r| r.resources.as_ref().is_some_and(|r| r.contains(&"pods".to_string()))).unwrap();
+    let pods =
+        rules.iter().find(|r| r.resources.as_ref().is_some_and(|r| r.contains(&"pods".to_string()))).unwrap();
     for verb in ["create", "delete", "get", "list"] {
         assert!(pods.verbs.contains(&verb.to_string()), "{verb}");
     }

@@ -411,7 +411,8 @@ fn launched_programs_follow_a_standby_coordinator_when_the_active_one_is_killed(
         serde_json::from_slice(&std::fs::read(dir.path().join("standby.json")).unwrap()).unwrap();
     crate::cluster::assert_exactly_once(&r, 4, 4000);
     let events = r["scale_events"].as_array().unwrap();
-    let taken = events.iter().filter_map(|e| e["reason"].as_str()).filter(|r| r.starts_with("coordinator takeover"));
+    let taken =
+        events.iter().filter_map(|e| e["reason"].as_str()).filter(|r| r.starts_with("coordinator takeover"));
     assert_eq!(taken.count(), 1, "{events:?}");
     assert_eq!(r["workers_started"].as_array().unwrap().len(), 2, "{r}");
 }

@@ -1,8 +1,8 @@
 //! Hot reload: a changed file is used at the next call; a broken one is not.
 
-use crate::{host, pairs};
+use crate::{host, pairs, path};
 use edl_plugin_artifacts as art;
-use edl_plugin_sdk::{Action, ClusterView};
+use edl_plugin_sdk::{Action, ClusterView, testing::SimCluster};
 use edl_runtime::plugin::{Plugin, PolicyPlugin, Reloading};
 use std::time::Duration;
 
@@ -55,4 +55,56 @@ fn a_new_version_is_used_at_the_next_call_and_a_broken_one_is_not() {
     assert_eq!(p.decide(&view).unwrap(), vec![Action::Hold]);
     assert_eq!(p.reloads(), 2);
     assert!(p.last_error().is_none());
+}
+
+/// Drives `p` over a cluster of five useful workers until its size search
+/// is under way and a straggler is under watch: a memory worth handing over.
+fn warmed(p: &mut dyn PolicyPlugin) -> SimCluster {
+    let mut sim = SimCluster::saturating(5, 1, 8);
+    sim.run(9, |v| p.decide(v).unwrap());
+    sim.set_speed(1, 0.5);
+    sim.run(2, |v| p.decide(v).unwrap());
+    sim
+}
+
+#[test]
+fn a_policy_s_memory_goes_on_in_a_new_instance_sandboxed_or_native() {
+    let (host, _d) = host();
+    for file in [art::AUTOSCALE_WASM, art::AUTOSCALE_SO] {
+        let load = || host.load_policy(path(file), &[]).unwrap();
+        let mut first = load();
+        let mut sim = warmed(first.as_mut());
+        let (mut twin, mut bare) = (sim.clone(), sim.clone());
+        let saved = first.save_state().unwrap().expect("autoscale keeps a memory");
+        let mut second = load();
+        assert!(second.load_state(&saved).unwrap(), "{file}");
+        let mut fresh = load();
+        let a = sim.run(60, |v| first.decide(v).unwrap());
+        let b = twin.run(60, |v| second.decide(v).unwrap());
+        let c = bare.run(60, |v| fresh.decide(v).unwrap());
+        assert_eq!(a, b, "{file}: the new instance decided otherwise");
+        assert_ne!(a, c, "{file}: the memory made no difference, so this shows nothing");
+        // Bytes that are not its memory are refused, naming the plugin and the call.
+        let err = second.load_state(b"{").unwrap_err().to_string();
+        assert!(err.contains("autoscale") && err.contains("load"), "{err}");
+    }
+}
+
+#[test]
+fn a_reloaded_policy_goes_on_with_the_running_version_s_memory() {
+    let (host, _d) = host();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policy.wasm");
+    std::fs::copy(art::AUTOSCALE_WASM, &file).unwrap();
+    let mut p =
+        Reloading::policy(host.clone(), &file, &pairs(&[])).unwrap().with_poll_interval(Duration::ZERO);
+    let mut kept = host.load_policy(path(art::AUTOSCALE_WASM), &[]).unwrap();
+    let mut sim = warmed(&mut p);
+    let mut twin = warmed(kept.as_mut());
+    // A new version lands mid-job (here the same build, a new file).
+    replace_file(art::AUTOSCALE_WASM, &file);
+    let a = sim.run(60, |v| p.decide(v).unwrap());
+    assert_eq!(p.reloads(), 1);
+    let b = twin.run(60, |v| kept.decide(v).unwrap());
+    assert_eq!(a, b, "the reloaded policy did not go on from the running one's memory");
 }

@@ -30,8 +30,12 @@ impl<'h> Slurm<'h> {
     /// Starts it and waits until every node is idle; None (and why,
     /// printed) where Slurm is not installed, outside CI.
     fn start(hosts: &'h Hosts, nodes: &[&str]) -> Option<Slurm<'h>> {
-        let (Some(munged), Some(ctld), Some(slurmd)) = (sbin("munged"), sbin("slurmctld"), sbin("slurmd")) else {
-            assert!(std::env::var_os("CI").is_none(), "Slurm is missing (.ci/run installs slurm-wlm and munge)");
+        let (Some(munged), Some(ctld), Some(slurmd)) = (sbin("munged"), sbin("slurmctld"), sbin("slurmd"))
+        else {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "Slurm is missing (.ci/run installs slurm-wlm and munge)"
+            );
             eprintln!("skipped: Slurm is missing (apt-get install slurm-wlm munge)");
             return None;
         };
@@ -88,7 +92,10 @@ impl<'h> Slurm<'h> {
             dlog = p("slurmd-%n.log"),
         );
         for n in nodes {
-            conf.push_str(&format!("NodeName={n} NodeAddr={} CPUs=2 RealMemory=1000 State=UNKNOWN\n", hosts.ip(n)));
+            conf.push_str(&format!(
+                "NodeName={n} NodeAddr={} CPUs=2 RealMemory=1000 State=UNKNOWN\n",
+                hosts.ip(n)
+            ));
         }
         conf.push_str(&format!(
             "PartitionName=edl Nodes={} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4\n",
@@ -187,7 +194,14 @@ fn a_job_runs_on_slurm_grows_loses_a_node_has_a_worker_preempted_with_notice_and
     let cmd = job(d, &["--no-distill", "--teachers", "0", "--epochs", "20"]);
     let mut c = slurm.command(cmd.get_program().to_str().unwrap());
     c.args(cmd.get_args()).current_dir(d).env("SLURM_CONF", &slurm.conf);
-    c.args(["--scaler", "slurm", "--slurm-partition", "edl", "--listen", &format!("{}:7070", hosts.ip("ctl"))]);
+    c.args([
+        "--scaler",
+        "slurm",
+        "--slurm-partition",
+        "edl",
+        "--listen",
+        &format!("{}:7070", hosts.ip("ctl")),
+    ]);
     // The policy grows the job one worker every 8 steps to 3, then shrinks it.
     c.args(["--policy", art::SCHEDULE_WASM, "--policy-config", "every=8", "--decide-every-steps", "4"]);
     c.args(["--workers", "1", "--min-workers", "1", "--max-workers", "3", "--step-delay-ms", "40"]);
@@ -206,9 +220,11 @@ fn a_job_runs_on_slurm_grows_loses_a_node_has_a_worker_preempted_with_notice_and
         let mut victim = None;
         until("a running worker to preempt", Duration::from_secs(120), || {
             // Its Slurm job is named edl-<job>-<worker id>.
-            victim = slurm.queue().into_iter().find(|(_, s, _, _)| s == "RUNNING").map(|(id, _, _, name)| {
-                (id, name.rsplit('-').next().unwrap_or_default().to_string())
-            });
+            victim = slurm
+                .queue()
+                .into_iter()
+                .find(|(_, s, _, _)| s == "RUNNING")
+                .map(|(id, _, _, name)| (id, name.rsplit('-').next().unwrap_or_default().to_string()));
             victim.is_some()
         });
         let (victim, id) = victim.unwrap();
@@ -231,7 +247,10 @@ fn a_job_runs_on_slurm_grows_loses_a_node_has_a_worker_preempted_with_notice_and
     for _ in 0..5 {
         let mut node = None;
         until("a worker running on a node", Duration::from_secs(120), || {
-            node = slurm.queue().into_iter().find(|(id, s, n, _)| *id != victim && s == "RUNNING" && !n.is_empty());
+            node = slurm
+                .queue()
+                .into_iter()
+                .find(|(id, s, n, _)| *id != victim && s == "RUNNING" && !n.is_empty());
             node.is_some()
         });
         let (_, _, node, _) = node.unwrap();
@@ -262,9 +281,15 @@ fn a_job_runs_on_slurm_grows_loses_a_node_has_a_worker_preempted_with_notice_and
     let events = r["scale_events"].as_array().unwrap();
     let reasons: Vec<&str> = events.iter().filter_map(|e| e["reason"].as_str()).collect();
     // Grown and shrunk by the policy.
-    assert!(events.iter().any(|e| e["to"] == 3 && e["reason"].as_str().unwrap().starts_with("policy")), "{reasons:?}");
     assert!(
-        events.iter().any(|e| e["to"].as_u64() < e["from"].as_u64() && e["reason"].as_str().unwrap().starts_with("policy")),
+        events.iter().any(|e| e["to"] == 3 && e["reason"].as_str().unwrap().starts_with("policy")),
+        "{reasons:?}"
+    );
+    assert!(
+        events
+            .iter()
+            .any(|e| e["to"].as_u64() < e["from"].as_u64()
+                && e["reason"].as_str().unwrap().starts_with("policy")),
         "{reasons:?}"
     );
     // The preempted worker left as a planned scale-in: its own event, and

@@ -119,7 +119,8 @@ impl EtcdCluster {
     }
 
     fn start_at(host: Option<String>, ip: &str, ports: Vec<(u16, u16)>) -> Self {
-        let members = ports.into_iter().enumerate().map(|(i, (c, p))| (format!("m{i}"), c, p, None)).collect();
+        let members =
+            ports.into_iter().enumerate().map(|(i, (c, p))| (format!("m{i}"), c, p, None)).collect();
         let mut c = EtcdCluster { dir: tempfile::tempdir().unwrap(), ip: ip.to_string(), host, members };
         let initial: Vec<String> =
             c.members.iter().map(|(name, _, peer, _)| format!("{name}=http://{ip}:{peer}")).collect();

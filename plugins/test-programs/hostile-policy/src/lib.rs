@@ -7,6 +7,9 @@
 //! - `clock`: reads the monotonic clock (a host import) `calls` times per
 //!   decision, then holds (what one import call costs, for the benchmarks);
 //! - `hold`: holds (the control).
+//!
+//! Whatever the mode, it counts its decisions and hands the count over as
+//! its memory (a new instance given it goes on counting).
 
 use edl_plugin_sdk::{Action, ClusterView, Config, PluginError, ScalingPolicy};
 use std::time::Duration;
@@ -17,6 +20,7 @@ pub struct Hostile {
     sleep: Duration,
     replaced: bool,
     calls: u32,
+    decisions: u64,
 }
 
 impl ScalingPolicy for Hostile {
@@ -31,7 +35,18 @@ impl ScalingPolicy for Hostile {
         Ok(())
     }
 
+    fn save_state(&self) -> Vec<u8> {
+        self.decisions.to_le_bytes().to_vec()
+    }
+
+    fn load_state(&mut self, state: &[u8]) -> Result<(), PluginError> {
+        let count = state.try_into().map_err(|_| PluginError::InvalidInput("not a decision count".into()))?;
+        self.decisions = u64::from_le_bytes(count);
+        Ok(())
+    }
+
     fn decide(&mut self, view: &ClusterView) -> Vec<Action> {
+        self.decisions += 1;
         match self.mode.as_str() {
             "flood" => vec![Action::ScaleOut(1); 10_000],
             "sleep-decide" => {

@@ -71,7 +71,9 @@ impl Coordinator<'_> {
             }
             Inbound::Msg(n, FromWorker::Leaving { reason }) => {
                 if let Some(id) = self.m.worker_on(n) {
-                    self.note(format!("worker {id} was told to go ({reason}); it leaves at the next step boundary"));
+                    self.note(format!(
+                        "worker {id} was told to go ({reason}); it leaves at the next step boundary"
+                    ));
                     self.leaving.push((id, reason));
                 }
             }

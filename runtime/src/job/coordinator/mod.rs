@@ -16,12 +16,14 @@
 
 mod config;
 mod members;
+mod memory;
 mod records;
 mod resume;
 mod scaling;
 mod steps;
 
 pub use config::JobConfig;
+pub use memory::PluginMemory;
 pub use records::{JobOutcome, Progress, ScaleEvent, StepRecord, StoreEvent};
 pub use resume::{DataIdentity, mark_complete};
 
@@ -536,6 +538,8 @@ impl Coordinator<'_> {
 
     /// Hands the job's state to the store keeper (written off the step's path).
     fn save_state(&mut self, finished: bool) {
+        let plugins =
+            if self.cfg.spec.follow.is_some() { self.plugin_memory() } else { PluginMemory::default() };
         let s = JobState {
             generation: self.generation,
             committed_steps: self.committed,
@@ -550,6 +554,7 @@ impl Coordinator<'_> {
                 ledger: self.ledger.clone(),
                 events: self.events.clone(),
                 data: DataIdentity::of(&self.cfg.spec),
+                plugins,
             }),
         };
         if let Some(k) = &self.keeper {

@@ -29,6 +29,9 @@ struct Bookkeeping {
     /// walk another permutation and train samples twice or never.
     #[serde(default)]
     data: Option<DataIdentity>,
+    /// The plugins' memory at the checkpoint's step.
+    #[serde(default)]
+    plugins: super::PluginMemory,
 }
 
 /// What decides which samples a (step, cursor) names, and what the state is.
@@ -156,6 +159,7 @@ impl Coordinator<'_> {
             s.cursor,
             s.members.len()
         ));
+        self.restore_plugin_memory(&h.plugins, s.committed_steps);
         Ok(s.committed_steps)
     }
 
@@ -252,6 +256,7 @@ impl Coordinator<'_> {
             m.cursor,
             if lost > 0 { format!("; redoing the {lost} steps committed after it") } else { String::new() }
         ));
+        self.restore_plugin_memory(&book.plugins, m.step);
         Ok(Some(m.step))
     }
 
@@ -305,12 +310,13 @@ impl Coordinator<'_> {
         Some(self.manifest())
     }
 
-    pub(super) fn manifest(&self) -> Manifest {
+    pub(super) fn manifest(&mut self) -> Manifest {
         let book = Bookkeeping {
             ledger: self.ledger.clone(),
             events: self.events.clone(),
             generation: self.generation,
             data: Some(DataIdentity::of(&self.cfg.spec)),
+            plugins: self.plugin_memory(),
         };
         Manifest {
             step: self.committed,
