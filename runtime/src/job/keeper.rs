@@ -107,6 +107,7 @@ impl StoreKeeper {
         std::thread::Builder::new().name("edl-store-keeper".into()).spawn(move || {
             rt.block_on(async move {
                 let mut token = token;
+                let mut lost: Option<Vec<u8>> = None;
                 let mut lease = lease;
                 let renew_every = lease.as_ref().map_or(Duration::from_secs(3600), |l| l.ttl / 3);
                 let mut renew = tokio::time::interval(renew_every);
@@ -178,7 +179,7 @@ impl StoreKeeper {
                                     *flag.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
                                     continue;
                                 }
-                                let result = write_state(&store, &key, &mut token, &s).await;
+                                let result = write_state(&store, &key, &mut token, &mut lost, &s).await;
                                 if result.is_ok() {
                                     stored_step.store(s.committed_steps, std::sync::atomic::Ordering::Release);
                                 }
@@ -281,21 +282,30 @@ impl StoreKeeper {
     }
 }
 
+/// Writes the job's state if the key still holds this coordinator's last
+/// write (`token`). `lost`: the bytes of a write whose answer never came
+/// (a timeout, a replicated store's leader lost mid-call): it may have been
+/// applied, so a conflict with a key holding exactly those bytes is this
+/// coordinator's own write, not another's.
 async fn write_state(
     store: &AnyStore,
     key: &str,
     token: &mut Option<u64>,
+    lost: &mut Option<Vec<u8>>,
     s: &JobState,
 ) -> Result<(), String> {
     let value = serde_json::to_vec(s).map_err(|e| e.to_string())?;
-    let answer =
-        tokio::time::timeout(Duration::from_secs(10), store.compare_and_set(key, *token, &value, None))
-            .await
-            .map_err(|_| "no answer within 10 s".to_string())?
-            .map_err(|e| e.to_string())?;
+    let answer = match cas_within(store, key, *token, &value).await {
+        Ok(a) => a,
+        Err(e) => {
+            *lost = Some(value);
+            return Err(e);
+        }
+    };
     match answer {
         Cas::Written(t) => {
             *token = Some(t);
+            *lost = None;
             Ok(())
         }
         // The key is gone (a store restarted without persistence): write it afresh.
@@ -303,13 +313,44 @@ async fn write_state(
             match store.compare_and_set(key, None, &value, None).await.map_err(|e| e.to_string())? {
                 Cas::Written(t) => {
                     *token = Some(t);
+                    *lost = None;
                     Ok(())
                 }
                 Cas::Conflict { current } => Err(fenced(*token, current)),
             }
         }
-        Cas::Conflict { current } => Err(fenced(*token, current)),
+        Cas::Conflict { current: Some(theirs) } => {
+            let ours = match lost.take() {
+                Some(mine) => {
+                    matches!(store.get(key).await, Ok(Some(e)) if e.token == theirs && e.value == mine)
+                }
+                None => false,
+            };
+            if !ours {
+                return Err(fenced(*token, Some(theirs)));
+            }
+            *token = Some(theirs);
+            match cas_within(store, key, *token, &value).await {
+                Ok(Cas::Written(t)) => {
+                    *token = Some(t);
+                    Ok(())
+                }
+                Ok(Cas::Conflict { current }) => Err(fenced(*token, current)),
+                Err(e) => {
+                    *lost = Some(value);
+                    Err(e)
+                }
+            }
+        }
     }
+}
+
+/// One compare-and-set, bounded: an error means its answer was not had.
+async fn cas_within(store: &AnyStore, key: &str, token: Option<u64>, value: &[u8]) -> Result<Cas, String> {
+    tokio::time::timeout(Duration::from_secs(10), store.compare_and_set(key, token, value, None))
+        .await
+        .map_err(|_| "no answer within 10 s".to_string())?
+        .map_err(|e| e.to_string())
 }
 
 fn fenced(mine: Option<u64>, theirs: Option<u64>) -> String {
@@ -605,6 +646,32 @@ mod tests {
             let other = serde_json::to_vec(&Holder { pid: 1, ..Holder::me() }).unwrap();
             store.compare_and_set(&lease.key, Some(lease.token), &other, Some(ttl)).await.unwrap();
             assert!(lease.renew(&store).await.unwrap_err().contains("fenced"));
+        });
+    }
+
+    #[test]
+    fn a_state_write_applied_though_its_answer_was_lost_is_taken_for_this_coordinator_s_own() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let store = AnyStore::open("memory").unwrap();
+            let state = |step| JobState { committed_steps: step, members: vec![1, 2], ..Default::default() };
+            let (mut token, mut lost) = (None, None);
+            write_state(&store, "s", &mut token, &mut lost, &state(1)).await.unwrap();
+            // The write of step 2 reached the store, but its answer was lost
+            // (an etcd leader killed mid-call): the keeper only knows the bytes.
+            let bytes = serde_json::to_vec(&state(2)).unwrap();
+            store.compare_and_set("s", token, &bytes, None).await.unwrap();
+            lost = Some(bytes);
+            write_state(&store, "s", &mut token, &mut lost, &state(3)).await.unwrap();
+            let e = store.get("s").await.unwrap().unwrap();
+            assert_eq!(Some(e.token), token);
+            assert_eq!(serde_json::from_slice::<JobState>(&e.value).unwrap().committed_steps, 3);
+            // Another coordinator's write is never taken for this one's,
+            // even with a lost write outstanding.
+            store.compare_and_set("s", token, &serde_json::to_vec(&state(9)).unwrap(), None).await.unwrap();
+            lost = Some(serde_json::to_vec(&state(4)).unwrap());
+            let err = write_state(&store, "s", &mut token, &mut lost, &state(5)).await.unwrap_err();
+            assert!(err.starts_with("fenced"), "{err}");
         });
     }
 }

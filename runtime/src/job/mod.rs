@@ -17,6 +17,7 @@
 //! - [`preflight`]: checks before anything starts, and the job's lock.
 //! - [`torchrun`]: `launch --torchrun`, unmodified torchrun scripts restarted as a group.
 
+pub mod bounded;
 pub mod coordinator;
 pub mod inbox;
 pub mod keeper;

@@ -43,10 +43,15 @@ const MAX_ROLLBACK_POINTS: usize = 6;
 /// SIGKILL.
 static NOTICE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Installs the SIGTERM handler that sets [`NOTICE`] (once per process).
+/// What the notice command said, once it said the worker must go.
+static COMMAND_NOTICE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Installs the SIGTERM handler that sets [`NOTICE`] and starts the
+/// notice command's watcher (once per process).
 fn hear_notice() {
     static INSTALL: std::sync::Once = std::sync::Once::new();
     INSTALL.call_once(|| {
+        watch_notice_command();
         // SAFETY: the handler only stores to an atomic (async-signal-safe).
         let installed = unsafe {
             signal_hook_registry::register(libc::SIGTERM, || {
@@ -59,9 +64,51 @@ fn hear_notice() {
     });
 }
 
+/// `$EDL_NOTICE_COMMAND`, run by `sh` every `$EDL_NOTICE_EVERY_SECS` (5)
+/// on a thread of its own: its success is the notice (as `curl -sf` of a
+/// cloud's spot-instance notice succeeds only once there is one). Each run
+/// is bounded by the interval, so a hook that hangs is stopped and tried
+/// again.
+fn watch_notice_command() {
+    let Some(hook) = std::env::var("EDL_NOTICE_COMMAND").ok().filter(|c| !c.trim().is_empty()) else {
+        return;
+    };
+    let every = std::env::var("EDL_NOTICE_EVERY_SECS")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map_or(Duration::from_secs(5), |s| Duration::from_secs_f64(s.max(0.05)));
+    let watcher = std::thread::Builder::new().name("edl-notice".into()).spawn(move || {
+        let mut failed_to_run = false;
+        loop {
+            let mut sh = std::process::Command::new("sh");
+            sh.args(["-c", &hook]);
+            match super::bounded::output("the notice command", &mut sh, b"", every) {
+                Ok(out) if out.status.success() => {
+                    let _ = COMMAND_NOTICE.set(format!("notice command `{hook}`"));
+                    return;
+                }
+                Ok(_) => {}
+                Err(e) if !failed_to_run => {
+                    tracing::warn!("{e:#}");
+                    failed_to_run = true;
+                }
+                Err(_) => {}
+            }
+            std::thread::sleep(every);
+        }
+    });
+    if let Err(e) = watcher {
+        tracing::warn!("the notice command will not be run: {e}");
+    }
+}
+
 /// Why this worker was told to go, if it was (the notice file is looked
 /// at most once a second).
 fn told_to_go(looked: &mut Option<Instant>) -> Option<String> {
+    if let Some(said) = COMMAND_NOTICE.get() {
+        return Some(said.clone());
+    }
     if NOTICE.load(std::sync::atomic::Ordering::SeqCst) {
         // Where, when a scheduler says (a node set down ends its jobs so).
         return Some(match std::env::var("SLURMD_NODENAME") {

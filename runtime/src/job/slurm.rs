@@ -21,9 +21,8 @@ use crate::job::session::JobAuth;
 use anyhow::{Context, Result, anyhow, bail};
 use std::{
     collections::BTreeMap,
-    io::Write,
     path::PathBuf,
-    process::{Command, Stdio},
+    process::Command,
     time::{Duration, Instant},
 };
 
@@ -222,13 +221,16 @@ fn ended(slurm: &str, node: &str) -> String {
     }
 }
 
+/// How long a Slurm client may take to answer: a controller that stopped
+/// answering costs the job this, not a stall.
+const CLIENT_BOUND: Duration = Duration::from_secs(10);
+
 /// Runs a Slurm command; its standard output, or an error naming it.
 fn run(program: &str, args: &[&str]) -> Result<String> {
-    let out = Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("{program}: cannot run it (is Slurm's client installed?)"))?;
+    let mut cmd = Command::new(program);
+    cmd.args(args);
+    let out = super::bounded::output(program, &mut cmd, b"", CLIENT_BOUND)
+        .map_err(|e| anyhow!("{e:#} (is Slurm's client installed and its controller up?)"))?;
     if !out.status.success() {
         bail!("{program} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
     }
@@ -245,21 +247,11 @@ impl Scaler for SlurmScaler {
         self.job = auth.job.clone();
         std::fs::create_dir_all(&self.log_dir).with_context(|| format!("{}", self.log_dir.display()))?;
         let args = self.sbatch_args(id, &auth.job);
-        let mut child = Command::new("sbatch")
-            .args(&args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("sbatch: cannot run it (is Slurm's client installed?)")?;
         let script = self.script(id, coordinator, auth);
-        child
-            .stdin
-            .take()
-            .expect("piped")
-            .write_all(script.as_bytes())
-            .context("sbatch: writing the script")?;
-        let out = child.wait_with_output().context("sbatch")?;
+        let mut cmd = Command::new("sbatch");
+        cmd.args(&args);
+        let out = super::bounded::output("sbatch", &mut cmd, script.as_bytes(), CLIENT_BOUND)
+            .map_err(|e| anyhow!("{e:#} (is Slurm's client installed and its controller up?)"))?;
         if !out.status.success() {
             bail!("sbatch {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
         }

@@ -731,3 +731,48 @@ fn a_worker_told_to_go_by_sigterm_leaves_at_a_boundary_without_a_redone_step() {
     assert!(!events.iter().any(|e| e["reason"].as_str().unwrap().contains("lost")), "{events:?}");
     assert_eq!(r["workers_started"].as_array().unwrap().len(), 3, "{r}");
 }
+
+/// The other two notices a cloud or a watcher gives: a file that appears
+/// (`$EDL_NOTICE_FILE`) and a command that starts to succeed
+/// (`$EDL_NOTICE_COMMAND`, as `curl -sf` of a spot-instance notice does).
+/// Each worker has its own, set by the command scaler's template.
+#[test]
+fn a_worker_told_to_go_by_a_notice_file_or_a_notice_command_leaves_without_a_redone_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let template = format!(
+        "EDL_NOTICE_FILE={d}/notice-{{id}} SPOT={d}/spot-{{id}} EDL_NOTICE_COMMAND='test -e \"$SPOT\"' \
+         EDL_NOTICE_EVERY_SECS=0.2 {{program}}"
+    );
+    let hold = ["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold"];
+    let bounds = ["--workers", "3", "--min-workers", "1", "--max-workers", "3", "--epochs", "6"];
+    let scaler = ["--scaler", "command", "--worker-command", &template, "--hosts", "here:3"];
+    let args = [&hold[..], &bounds[..], &scaler[..], &["--step-delay-ms", "30"]].concat();
+    let mut c = small(dir.path(), &args).spawn().unwrap();
+    let rx = lines(&mut c);
+    let mut seen = Vec::new();
+    crate::elastic::wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    std::fs::write(dir.path().join("notice-2"), b"").unwrap();
+    crate::elastic::wait_for(
+        &rx,
+        "worker 2 left with notice (notice file ",
+        &mut seen,
+        Duration::from_secs(60),
+    );
+    std::fs::write(dir.path().join("spot-1"), b"").unwrap();
+    crate::elastic::wait_for(
+        &rx,
+        "worker 1 left with notice (notice command ",
+        &mut seen,
+        Duration::from_secs(60),
+    );
+    let status = finish(c, rx, &mut seen);
+    let out = seen.join("\n");
+    assert!(status.success(), "{out}");
+    let r = report(dir.path());
+    crate::cluster::assert_exactly_once(&r, 6, 400);
+    let events = r["scale_events"].as_array().unwrap();
+    // Nothing was lost: no step failed, no worker replaced.
+    assert!(!events.iter().any(|e| e["reason"].as_str().unwrap().contains("lost")), "{events:?}");
+    assert_eq!(r["workers_started"].as_array().unwrap().len(), 3, "{r}");
+}

@@ -278,6 +278,12 @@ fn a_job_runs_on_slurm_grows_loses_a_node_has_a_worker_preempted_with_notice_and
     assert!(status.success(), "{text}");
     let r = report(d);
     assert_exactly_once(&r, 20, 1200);
+    // The policy was told the room Slurm reports: idle nodes of the partition.
+    let rooms: Vec<u32> = seen
+        .iter()
+        .filter_map(|l| l.split("the scheduler has room for ").nth(1)?.split(' ').next()?.parse().ok())
+        .collect();
+    assert!(!rooms.is_empty() && rooms.iter().all(|n| *n <= 3), "{rooms:?}\n{text}");
     let events = r["scale_events"].as_array().unwrap();
     let reasons: Vec<&str> = events.iter().filter_map(|e| e["reason"].as_str()).collect();
     // Grown and shrunk by the policy.

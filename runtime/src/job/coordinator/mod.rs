@@ -94,6 +94,8 @@ struct Coordinator<'a> {
     window: (Instant, u64),
     /// Per worker: samples and seconds of compute since the last decision.
     worker_rate: HashMap<u64, (f64, f64)>,
+    /// The room the scheduler last reported (said when it changes).
+    capacity: Option<u32>,
     recent: std::collections::VecDeque<(Instant, u64)>,
     timeline: Vec<StepRecord>,
     checkpoints: Vec<PathBuf>,
@@ -232,6 +234,7 @@ pub fn run(
         training_since: None,
         window: (now, 0),
         worker_rate: HashMap::new(),
+        capacity: None,
         recent: Default::default(),
         timeline: Vec::new(),
         checkpoints: Vec::new(),

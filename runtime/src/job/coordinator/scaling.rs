@@ -150,6 +150,12 @@ impl Coordinator<'_> {
         let coming = self.m.coming();
         let remaining = (self.cfg.spec.epochs.saturating_sub(self.epoch) as usize * self.train_len)
             .saturating_sub(self.cursor) as u64;
+        let capacity = self.scaler.capacity();
+        if capacity.is_some() && capacity != self.capacity {
+            let n = capacity.unwrap_or_default();
+            self.note(format!("the scheduler has room for {n} more worker{}", if n == 1 { "" } else { "s" }));
+            self.capacity = capacity;
+        }
         let view = ClusterView {
             step: self.committed,
             epoch: self.epoch as u32,
@@ -157,11 +163,7 @@ impl Coordinator<'_> {
             min_workers: self.cfg.min_workers,
             max_workers: self.cfg.max_workers,
             // Within the job's bounds, and what the scheduler has free.
-            free_slots: self
-                .cfg
-                .max_workers
-                .saturating_sub(world + coming)
-                .min(self.scaler.capacity().unwrap_or(u32::MAX)),
+            free_slots: self.cfg.max_workers.saturating_sub(world + coming).min(capacity.unwrap_or(u32::MAX)),
             global_batch: self.hyper.global_batch,
             throughput,
             workers: self

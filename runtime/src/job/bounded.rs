@@ -1,0 +1,87 @@
+//! Other programs the job runs and waits for (a scheduler's client, a
+//! notice hook), each within a bound: a client whose server stopped
+//! answering is killed at the bound instead of stalling the coordinator or
+//! the worker that waits for it.
+
+use anyhow::{Context, Result, bail};
+use std::io::{Read, Write};
+use std::process::{Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+use wait_timeout::ChildExt;
+
+/// Runs `cmd` with `input` on its standard input and returns its output,
+/// or an error naming `what` when it cannot start, or has not ended
+/// `within` (it is then killed).
+pub fn output(what: &str, cmd: &mut Command, input: &[u8], within: Duration) -> Result<Output> {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("{what}: cannot run it"))?;
+    // Its input and output go on threads of their own, so that a program
+    // that fills a pipe while this one waits cannot hold the wait.
+    let mut stdin = child.stdin.take();
+    let input = input.to_vec();
+    let writer = std::thread::spawn(move || {
+        if let Some(s) = stdin.as_mut() {
+            let _ = s.write_all(&input);
+        }
+    });
+    let readers = [drain(child.stdout.take()), drain(child.stderr.take())];
+    let status = match child.wait_timeout(within).with_context(|| format!("{what}: waiting for it"))? {
+        Some(status) => status,
+        None => {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("{what}: no answer within {within:?}; it was stopped");
+        }
+    };
+    drop(writer);
+    // A program that left a child holding its output open is not waited
+    // for past a second: what it wrote by then is its answer.
+    let [stdout, stderr] = readers.map(|r| r.recv_timeout(Duration::from_secs(1)).unwrap_or_default());
+    Ok(Output { status, stdout, stderr })
+}
+
+/// Reads `pipe` to its end on a thread; the bytes come on the channel.
+fn drain(pipe: Option<impl Read + Send + 'static>) -> mpsc::Receiver<Vec<u8>> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut out = Vec::new();
+        if let Some(mut p) = pipe {
+            let _ = p.read_to_end(&mut out);
+        }
+        let _ = tx.send(out);
+    });
+    rx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_program_that_answers_is_read_whole_with_its_input() {
+        let out = output("cat", &mut Command::new("cat"), b"in and out", Duration::from_secs(30)).unwrap();
+        assert!(out.status.success());
+        assert_eq!(out.stdout, b"in and out");
+    }
+
+    #[test]
+    fn a_program_that_never_answers_is_stopped_at_the_bound() {
+        let mut cmd = Command::new("sleep");
+        cmd.arg("600");
+        let err = output("sleep 600", &mut cmd, b"", Duration::from_millis(200)).unwrap_err().to_string();
+        assert!(err.contains("sleep 600: no answer within"), "{err}");
+    }
+
+    #[test]
+    fn a_program_that_is_not_there_is_named() {
+        let err =
+            output("no-such-client", &mut Command::new("/nonexistent/client"), b"", Duration::from_secs(5))
+                .unwrap_err();
+        assert!(format!("{err:#}").contains("no-such-client: cannot run it"), "{err:#}");
+    }
+}
