@@ -99,7 +99,7 @@ pub fn worker_pod(
 ) -> Pod {
     let labels = BTreeMap::from([
         ("app.kubernetes.io/name".to_string(), "edl".to_string()),
-        (JOB_LABEL.to_string(), job.to_string()),
+        (JOB_LABEL.to_string(), job_label(job)),
         (WORKER_LABEL.to_string(), id.to_string()),
     ]);
     let env =
@@ -153,6 +153,14 @@ pub fn worker_pod(
         }),
         status: None,
     }
+}
+
+/// The job's name as a label value (at most 63 characters, ending with a
+/// letter or digit; job names start with one). Two jobs whose names differ
+/// past that share the label, and each still finds its Pods by name.
+fn job_label(job: &str) -> String {
+    let head: String = job.chars().take(63).collect();
+    head.trim_end_matches(|c: char| !c.is_ascii_alphanumeric()).to_string()
 }
 
 fn pod_name(job: &str, id: u64) -> String {
@@ -228,8 +236,10 @@ pub struct KubernetesScaler {
     rt: tokio::runtime::Runtime,
     api: Option<(Api<Pod>, Option<OwnerReference>)>,
     job: String,
-    /// Pods made and not deleted: worker id -> (name, when made, running).
-    pods: BTreeMap<u64, (String, Instant, bool)>,
+    /// Pods made and not deleted: worker id -> (name, when made).
+    pods: BTreeMap<u64, (String, Instant)>,
+    /// Every worker's Pod, for the report (kept after the Pod is gone).
+    handles: BTreeMap<u64, String>,
     exited: Vec<(u64, String)>,
     polled: Option<Instant>,
 }
@@ -259,6 +269,7 @@ impl KubernetesScaler {
             api: None,
             job: String::new(),
             pods: BTreeMap::new(),
+            handles: BTreeMap::new(),
             exited: Vec::new(),
             polled: None,
         })
@@ -309,7 +320,7 @@ impl KubernetesScaler {
         }
         self.polled = Some(Instant::now());
         let Ok((api, _)) = self.api() else { return };
-        let selector = format!("{JOB_LABEL}={}", self.job);
+        let selector = format!("{JOB_LABEL}={}", job_label(&self.job));
         let listed = match call(
             &self.rt,
             "listing the worker Pods",
@@ -333,9 +344,8 @@ impl KubernetesScaler {
             })
             .collect();
         let mut gone = Vec::new();
-        for (&id, (name, made, running)) in &mut self.pods {
+        for (&id, (name, made)) in &self.pods {
             let seen = by_name.get(name).cloned().unwrap_or(Seen::Gone);
-            *running |= matches!(&seen, Seen::Phase(p, _) if p == "Running");
             match judge(name, &seen, made.elapsed(), self.opts.pending_bound) {
                 Verdict::Wait => {}
                 Verdict::Ended(why) => gone.push((id, why, false)),
@@ -343,7 +353,7 @@ impl KubernetesScaler {
             }
         }
         for (id, why, delete) in gone {
-            if let Some((name, _, _)) = self.pods.remove(&id)
+            if let Some((name, _)) = self.pods.remove(&id)
                 && delete
             {
                 if let Err(e) = call(
@@ -378,12 +388,13 @@ impl Scaler for KubernetesScaler {
         let name = pod.metadata.name.clone().unwrap_or_default();
         call(&self.rt, &format!("creating the Pod {name}"), api.create(&PostParams::default(), &pod))?;
         tracing::info!("worker {id}: Pod {name}");
-        self.pods.insert(id, (name, Instant::now(), false));
+        self.handles.insert(id, format!("pod:{name}"));
+        self.pods.insert(id, (name, Instant::now()));
         Ok(())
     }
 
     fn stop(&mut self, id: u64, grace: Duration) {
-        let Some((name, _, _)) = self.pods.remove(&id) else { return };
+        let Some((name, _)) = self.pods.remove(&id) else { return };
         let Ok((api, _)) = self.api() else { return };
         // Told to stop over its connection already: the deletion's SIGTERM
         // and grace end one that did not exit.
@@ -400,7 +411,7 @@ impl Scaler for KubernetesScaler {
     }
 
     fn handle(&self, id: u64) -> Option<String> {
-        self.pods.get(&id).map(|(name, _, _)| format!("pod:{name}"))
+        self.handles.get(&id).cloned()
     }
 }
 
@@ -484,6 +495,15 @@ mod tests {
         assert_eq!(env["EDL_JOB_SECRET_FILE"], "/run/edl/secret");
         assert_eq!(env["EDL_WORKER_ID"], "7");
         assert!(!env.contains_key("EDL_JOB_SECRET"), "the secret itself is in no variable");
+    }
+
+    #[test]
+    fn a_job_name_that_is_no_label_value_is_made_one() {
+        assert_eq!(job_label("mnist"), "mnist");
+        assert_eq!(job_label("run-2."), "run-2");
+        let long = format!("a{}", "b".repeat(63));
+        assert_eq!(job_label(&long).len(), 63);
+        assert_eq!(job_label(&format!("{}_-x", "c".repeat(61))), "c".repeat(61));
     }
 
     #[test]
