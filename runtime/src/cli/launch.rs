@@ -13,7 +13,7 @@ use edl_runtime::{
         net::Addresses,
         scaler::{CommandScaler, ExternalWorkers, Scaler},
         session::{JobAuth, Secret},
-        torchrun::{self, Event as TorchrunEvent, HostsConfig, TorchrunConfig},
+        torchrun::{self, Event as TorchrunEvent, HostsConfig, Lead, TorchrunConfig},
     },
     plot,
     plugin::PluginHost,
@@ -54,6 +54,10 @@ pub const TORCHRUN_FLAGS: &[&str] = &[
     "secret_file",
     "worker_lease_secs",
     "join_timeout_secs",
+    // Across hosts with a shared store: the group outlives its launcher.
+    "store",
+    "standby",
+    "worker_reconnect_secs",
 ];
 
 #[derive(Args)]
@@ -128,7 +132,13 @@ fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
     let cfg = torchrun_config(&l, &job_dir)?;
     let (mut policy, policy_name, policy_path) = job::load_policy(host, &args.plugins)?;
     let lock_dir = std::path::absolute(job_dir.join("checkpoints"))?;
-    let _lock = JobLock::acquire(&lock_dir, &l.job, false, false)?;
+    // A group on this host ends with its launcher (--store and --standby
+    // were refused there; $EDL_STORE is not its).
+    let shared = across && args.state.store != "memory";
+    if args.state.standby && !shared {
+        bail!("--standby needs a shared --store (redis://..., etcd://...): the launchers meet there");
+    }
+    let _lock = JobLock::acquire(&lock_dir, &l.job, args.state.standby, shared)?;
     let nproc = l.nproc_per_node.unwrap_or(1);
     let (unit, place) =
         if across { ("hosts", format!(" of {nproc} ranks")) } else { ("ranks", " on this host".into()) };
@@ -245,6 +255,11 @@ fn hosts_config(l: &LaunchArgs, job_dir: &Path, nproc: u32) -> Result<(HostsConf
         auth: JobAuth { job: l.job.clone(), secret },
         lease: Duration::from_secs(l.run.liveness.worker_lease_secs.max(1)),
         join_timeout: Duration::from_secs(l.run.liveness.join_timeout_secs.max(1)),
+        lead: (l.run.state.store != "memory").then(|| Lead {
+            store: l.run.state.store.clone(),
+            standby: l.run.state.standby,
+            reconnect: Duration::from_secs(l.run.liveness.worker_reconnect_secs),
+        }),
     };
     Ok((hc, scaler))
 }

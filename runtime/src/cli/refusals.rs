@@ -130,6 +130,9 @@ fn across_hosts_only(launch: &ArgMatches, path: &[String]) -> Result<(), clap::E
         ("listen", "--listen"),
         ("advertise", "--advertise"),
         ("secret_file", "--secret-file"),
+        ("store", "--store"),
+        ("standby", "--standby"),
+        ("worker_reconnect_secs", "--worker-reconnect-secs"),
     ] {
         if given(id) {
             return Err(refusal(

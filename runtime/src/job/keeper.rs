@@ -50,6 +50,10 @@ pub struct JobState {
     /// carry it on where this one is (absent in states of older versions).
     #[serde(default)]
     pub handover: Option<Handover>,
+    /// A `launch --torchrun` job across hosts: its running group and who
+    /// leads it, for a launcher that takes the job over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub torchrun: Option<crate::job::torchrun::GroupHandover>,
 }
 
 /// The rest of a running job's progress at its committed step: who leads

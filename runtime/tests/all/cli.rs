@@ -329,7 +329,6 @@ fn launch_torchrun_refuses_the_job_flags_a_torchrun_script_does_not_use() {
         &["--epochs", "2"][..],
         &["--batch", "8"],
         &["--checkpoint-dir", "ckpt"],
-        &["--store", "redis://127.0.0.1:1"],
         &["--samples", "8"],
         &["--teachers", "127.0.0.1:8001"],
         &["--no-distill"],
@@ -351,6 +350,15 @@ fn launch_torchrun_refuses_the_job_flags_a_torchrun_script_does_not_use() {
     refused(
         &["launch", "--torchrun", "--nproc-per-node", "2", "--", "true"],
         &["`--nproc-per-node` is for a torchrun group across hosts"],
+    );
+    // A group on this host ends with its launcher: no store, no standby.
+    refused(
+        &["launch", "--torchrun", "--store", "redis://127.0.0.1:1", "--", "true"],
+        &["`--store` is for a torchrun group across hosts"],
+    );
+    refused(
+        &["launch", "--torchrun", "--standby", "--", "true"],
+        &["`--standby` is for a torchrun group across hosts"],
     );
     refused(
         &["launch", "--torchrun", "--decide-every-steps", "4", "--", "true"],

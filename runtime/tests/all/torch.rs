@@ -344,3 +344,195 @@ fn a_torchrun_ddp_script_runs_across_hosts_and_a_dead_host_restarts_the_group_on
     }
     assert!(hosts.pids("b").is_empty(), "left on b: {:?}", hosts.pids("b"));
 }
+
+/// A torchrun job across two agent hosts (w1, w2) whose launcher can be
+/// taken over: the active launcher on host a, a standby on host b, Redis
+/// on host store. The DDP script holds after its first epoch until the
+/// file `release` exists.
+struct TorchrunTakeover<'h> {
+    hosts: &'h crate::cluster::Hosts,
+    py: &'h crate::python::PyEnv,
+    dir: PathBuf,
+}
+
+/// What a takeover left: the standby's report and output, the processes
+/// on the agent hosts before and after it, and the first launcher.
+struct LauncherTakenOver {
+    report: Value,
+    said: String,
+    before: Vec<i32>,
+    after: Vec<i32>,
+    first: std::process::Child,
+    first_said: std::sync::mpsc::Receiver<String>,
+}
+
+impl TorchrunTakeover<'_> {
+    fn launcher(&self, host: &str, extra: &[&str]) -> Command {
+        let cwd = self.dir.join(host);
+        std::fs::create_dir_all(&cwd).unwrap();
+        let program = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/programs/ddp_hosts.py");
+        let store = format!("redis://{}:6379/", self.hosts.ip("store"));
+        let mut c = self.hosts.on(host, env!("CARGO_BIN_EXE_edl-runtime"));
+        c.current_dir(&cwd)
+            .args(["launch", "--torchrun", "--job", "follow", "--nproc-per-node", "2"])
+            .args(["--min-workers", "2", "--max-workers", "2", "--workers", "2"])
+            .args(["--scaler", "command", "--hosts", "w1,w2", "--listen", &self.hosts.ip(host)])
+            .arg("--worker-command")
+            .arg(format!("ip netns exec {}-{{host}} {{program}}", self.hosts.prefix))
+            .args(["--policy", art::SCHEDULE_WASM, "--decide-secs", "600", "--max-restarts", "0"])
+            .args(["--worker-lease-secs", "3", "--stop-grace-secs", "2", "--report", "report.json"])
+            .args(["--store", &store])
+            .arg("--secret-file")
+            .arg(self.dir.join("job.secret"))
+            .args(extra)
+            .arg("--")
+            .arg(self.py.bin().join("python"))
+            .arg(&program)
+            .arg(self.dir.join("snapshot.pt"))
+            .arg("3")
+            .env("HOLD_UNTIL", self.dir.join("release"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(self.dir.join(format!("{host}.stderr"))).unwrap());
+        self.py.env(&mut c);
+        c
+    }
+
+    /// Waits (bounded) for a line of `host`'s launcher holding `needle`;
+    /// on failure shows what it wrote on both streams.
+    fn wait(&self, host: &str, rx: &std::sync::mpsc::Receiver<String>, needle: &str, seen: &mut Vec<String>) {
+        let until = std::time::Instant::now() + Duration::from_secs(240);
+        while let Ok(l) = rx.recv_timeout(until.saturating_duration_since(std::time::Instant::now())) {
+            let hit = l.contains(needle);
+            seen.push(l);
+            if hit {
+                return;
+            }
+        }
+        let err = std::fs::read_to_string(self.dir.join(format!("{host}.stderr"))).unwrap_or_default();
+        panic!("no line with {needle:?} from the launcher on {host}:\n{}\nstderr:\n{err}", seen.join("\n"));
+    }
+
+    /// The processes on the agent hosts: each agent and its two ranks.
+    fn processes(&self) -> Vec<i32> {
+        let mut p = [self.hosts.pids("w1"), self.hosts.pids("w2")].concat();
+        p.sort();
+        p
+    }
+
+    /// Runs the active launcher on a until its group of 4 holds, a standby
+    /// on b; `strike` does to the active one what the test is about, then
+    /// the standby must take the group over with all its agents, `then`
+    /// runs, the group is released and the standby finishes the job.
+    fn run(&self, strike: impl FnOnce(&mut std::process::Child), then: impl FnOnce()) -> LauncherTakenOver {
+        let mut first = self.launcher("a", &[]).spawn().unwrap();
+        let first_said = lines(&mut first);
+        let mut seen_a: Vec<String> = Vec::new();
+        while seen_a.iter().filter(|l| l.contains("holding until")).count() < 4 {
+            self.wait("a", &first_said, "holding until", &mut seen_a);
+        }
+        let mut standby = self.launcher("b", &["--standby"]).spawn().unwrap();
+        let rx = lines(&mut standby);
+        let mut seen = Vec::new();
+        self.wait("b", &rx, "standby", &mut seen);
+        let before = self.processes();
+        assert!(before.len() >= 6, "an agent and two ranks on each of w1 and w2: {before:?}");
+        strike(&mut first);
+        self.wait("b", &rx, "taking the job over from the launcher at", &mut seen);
+        self.wait("b", &rx, "coordinator takeover", &mut seen);
+        let after = self.processes();
+        then();
+        std::fs::write(self.dir.join("release"), "").unwrap();
+        let status = finish(standby, rx, &mut seen);
+        let said = seen.join("\n");
+        let err = std::fs::read_to_string(self.dir.join("b.stderr")).unwrap_or_default();
+        assert!(status.success(), "{said}\nstderr:\n{err}");
+        LauncherTakenOver { report: report(&self.dir.join("b")), said, before, after, first, first_said }
+    }
+}
+
+#[test]
+fn a_torchrun_group_across_hosts_keeps_running_when_a_standby_takes_over_from_its_killed_launcher() {
+    let Some(hosts) = crate::cluster::Hosts::build_or_skip(&["store", "a", "b", "w1", "w2"]) else { return };
+    let py = torch_py();
+    let dir = tempfile::tempdir().unwrap();
+    let mut redis = hosts.redis("store", dir.path());
+    let t = TorchrunTakeover { hosts: &hosts, py, dir: dir.path().to_path_buf() };
+    let mut out = t.run(|a| a.kill().unwrap(), || {});
+    let _ = out.first.wait();
+    let _ = (redis.kill(), redis.wait());
+    let (said, r) = (&out.said, &out.report);
+    // The agents and ranks on both hosts are the processes they were.
+    assert_eq!(out.before, out.after, "the ranks kept their processes:\n{said}");
+    assert!(said.contains("all 2 agents of group 0 came back with their ranks running"), "{said}");
+    // The group was not restarted: the standby started no rank, and its
+    // one group is the one it took over, which succeeded.
+    assert!(!said.contains("]: env "), "no rank started again:\n{said}");
+    let groups = r["outcome"]["groups"].as_array().unwrap();
+    assert_eq!(groups.len(), 1, "{r}");
+    assert_eq!(
+        (groups[0]["group"].as_u64(), groups[0]["taken_over"].as_bool()),
+        (Some(0), Some(true)),
+        "{r}"
+    );
+    assert_eq!(groups[0]["world"], 4, "{r}");
+    assert_eq!(groups[0]["ended"], "succeeded", "{r}");
+    assert_eq!(r["outcome"]["restarts"], 0, "{r}");
+    // The ranks trained on to the end, their output now through the standby.
+    assert!(said.contains("rank 0: trained 3 epochs"), "{said}");
+    // Nothing is left on the agent hosts.
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    while !t.processes().is_empty() && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(t.processes().is_empty(), "left on w1, w2: {:?}", t.processes());
+}
+
+#[test]
+fn a_frozen_torchrun_launcher_is_taken_over_and_acts_on_nobody_when_it_wakes() {
+    let Some(hosts) = crate::cluster::Hosts::build_or_skip(&["store", "a", "b", "w1", "w2"]) else { return };
+    let py = torch_py();
+    let dir = tempfile::tempdir().unwrap();
+    let mut redis = hosts.redis("store", dir.path());
+    let t = TorchrunTakeover { hosts: &hosts, py, dir: dir.path().to_path_buf() };
+    let frozen = std::cell::Cell::new(0i32);
+    // SIGSTOP: its connections stay open, its lease lapses; woken once the
+    // standby leads the group, before the group is released.
+    let mut out = t.run(
+        |a| {
+            frozen.set(a.id() as i32);
+            // SAFETY: signalling a child of this test by its pid.
+            unsafe { libc::kill(a.id() as i32, libc::SIGSTOP) };
+        },
+        || {
+            // SAFETY: as above.
+            unsafe { libc::kill(frozen.get(), libc::SIGCONT) };
+            std::thread::sleep(Duration::from_secs(2));
+        },
+    );
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(s) = out.first.try_wait().unwrap() {
+            break s;
+        }
+        assert!(std::time::Instant::now() < until, "the woken launcher did not stop");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut first_said = Vec::new();
+    while let Ok(l) = out.first_said.try_recv() {
+        first_said.push(l);
+    }
+    let _ = (redis.kill(), redis.wait());
+    let err = std::fs::read_to_string(t.dir.join("a.stderr")).unwrap_or_default();
+    assert!(!status.success(), "the deposed launcher finished: {first_said:?}");
+    assert!(err.contains("fenced"), "{err}");
+    // It sent nobody away and started nothing: the ranks ran on, not
+    // restarted, and the standby finished the job with them.
+    assert_eq!(out.before, out.after, "{}", out.said);
+    for deed in ["lost", "agent 3", "scale     ", "restart   ", "sent away"] {
+        assert!(!first_said.iter().any(|l| l.contains(deed)), "{deed:?}: {first_said:?}");
+    }
+    let groups = out.report["outcome"]["groups"].as_array().unwrap();
+    assert_eq!((groups.len(), groups[0]["ended"].as_str()), (1, Some("succeeded")), "{}", out.report);
+    assert!(out.said.contains("rank 0: trained 3 epochs"), "{}", out.said);
+}

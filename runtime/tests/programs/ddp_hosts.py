@@ -3,7 +3,9 @@ the environment the launcher gave it, trains a small MLP on seeded data,
 keeps the usual torchrun snapshot (rank 0 writes it after each epoch,
 every rank loads it when it starts) and, while its group has
 `HOLD_WHILE_WORLD` ranks, waits after its first epoch (so that a test can
-take a host away at a known point).
+take a host away at a known point); with `HOLD_UNTIL=FILE` it waits there
+once, until FILE exists, and goes on (so that a test can take the
+launcher away while the group runs).
 
     python ddp_hosts.py SNAPSHOT EPOCHS
 """
@@ -39,12 +41,18 @@ def main():
         done = snap["epochs_done"]
     ddp = DDP(model)
     hold = int(os.environ.get("HOLD_WHILE_WORLD", "0"))
+    until = os.environ.get("HOLD_UNTIL")
     per = 64 // world
     for epoch in range(done, epochs):
         if epoch > done and world == hold:
             print(f"rank {rank}: holding with {world} ranks", flush=True)
             while True:
                 time.sleep(1)
+        if epoch > done and until:
+            print(f"rank {rank}: holding until {until} (pid {os.getpid()})", flush=True)
+            while not os.path.exists(until):
+                time.sleep(0.2)
+            until = None
         g = torch.Generator().manual_seed(epoch)
         order = torch.randperm(len(y), generator=g)
         for i in range(0, len(y), 64):

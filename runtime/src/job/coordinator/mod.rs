@@ -149,9 +149,9 @@ struct Takeover {
 
 /// The coordinator's lease on its job in the store (renewed every third of
 /// it): a standby takes the job over this long after its coordinator died.
-const LEASE_TTL: Duration = Duration::from_secs(5);
+pub(crate) const LEASE_TTL: Duration = Duration::from_secs(5);
 /// How long a coordinator that took a job over waits for its workers to come back.
-const RETURN_WITHIN: Duration = Duration::from_secs(10);
+pub(crate) const RETURN_WITHIN: Duration = Duration::from_secs(10);
 
 /// Windows kept ahead of the ranks while membership is stable.
 const AHEAD: usize = 2;
@@ -559,6 +559,7 @@ impl Coordinator<'_> {
                 data: DataIdentity::of(&self.cfg.spec),
                 plugins,
             }),
+            torchrun: None,
         };
         if let Some(k) = &self.keeper {
             k.state(s);

@@ -2,18 +2,21 @@
 //! across hosts. It proves the job's secret on the launcher's port, runs
 //! the ranks of each group it is given, passes their output and exits on,
 //! and stops them when told, when the launcher goes away, or when it is
-//! itself stopped: no rank outlives its agent.
+//! itself stopped: no rank outlives its agent. With a shared store an agent
+//! whose launcher goes away keeps its ranks for a while and follows the
+//! launcher that takes the job over (a higher lease token, never a lower).
 
+use super::follow::{Found, Lookup};
 use super::hosts::{FromAgent, ToAgent};
 use super::ranks::{Line, Placement, Ranks, free_port};
-use crate::job::proto::{self, Receiver, Sender};
+use crate::job::proto::{self, Follow, Leader, Receiver, Sender};
 use anyhow::{Context, Result, anyhow, bail};
 use edl_host_gpu::comm::auth::{self, JobAuth};
 use std::{
     net::{IpAddr, SocketAddr, TcpStream},
     path::PathBuf,
     sync::mpsc,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 /// Who the agent is and where it reports.
@@ -29,6 +32,8 @@ pub struct AgentArgs {
 
 /// How long connecting to the launcher may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often an agent that lost its launcher asks the store who leads the job.
+const LOOK_EVERY: Duration = Duration::from_millis(250);
 
 /// What the agent's loop hears: the launcher, or the end of its connection.
 enum Heard {
@@ -36,153 +41,345 @@ enum Heard {
     Gone(String),
 }
 
-/// Runs the agent until the launcher sends it away (Ok, with the reason)
-/// or is lost (an error).
-pub fn run_agent(a: AgentArgs) -> Result<String> {
-    let mut stream = TcpStream::connect_timeout(&a.coordinator, CONNECT_TIMEOUT)
-        .with_context(|| format!("connecting to the launcher at {}", a.coordinator))?;
-    stream.set_read_timeout(Some(CONNECT_TIMEOUT))?;
-    let keys = auth::connect(&mut stream, &a.auth.secret, &a.auth.claim("agent", 0, a.id))
-        .map_err(|e| anyhow!("the launcher at {} refused this agent: {e}", a.coordinator))?;
-    let _ = stream.set_nodelay(true);
-    proto::keepalive(&stream);
-    // The address this host reaches the launcher from is the one other
-    // hosts reach it at (the store of group rank 0 listens there).
-    let here = stream.local_addr()?.ip();
-    let (to, from) = proto::seal(&stream, keys)?;
-    let (to, mut from) = (Sender::new(to), Receiver::new(from));
-    to.send(&FromAgent::Hello { agent: a.id, host: here.to_string(), pid: std::process::id() })?;
-    let (id, job, command, nproc, max_restarts, heartbeat, grace) = match from.recv::<ToAgent>()? {
-        ToAgent::Welcome { agent, job, command, nproc, max_restarts, heartbeat_ms, grace_ms } => (
-            agent,
-            job,
-            command,
-            nproc,
-            max_restarts,
-            Duration::from_millis(heartbeat_ms.max(10)),
-            Duration::from_millis(grace_ms),
-        ),
-        ToAgent::Exit { reason } => bail!("the launcher sent this agent away: {reason}"),
-        other => bail!("the launcher's first message was {other:?}, not the job"),
-    };
-    stream.set_read_timeout(None)?;
-    eprintln!("agent {id}: joined job {job:?} at {}, {nproc} ranks on {here}", a.coordinator);
-    let (tx, rx) = mpsc::channel::<Heard>();
-    std::thread::spawn(move || {
-        loop {
-            match from.recv::<ToAgent>() {
-                Ok(m) => {
-                    if tx.send(Heard::Told(m)).is_err() {
+/// The job as the launcher gave it.
+struct Job {
+    id: u64,
+    job: String,
+    command: Vec<String>,
+    nproc: u32,
+    max_restarts: u32,
+    heartbeat: Duration,
+    grace: Duration,
+    /// The store and the token of the launcher followed (None: the ranks
+    /// end with the launcher).
+    follow: Option<Follow>,
+    reconnect: Duration,
+    /// A launcher silent this long is lost (zero: only a closed connection is).
+    lease: Duration,
+}
+
+/// A connection to a launcher that welcomed this agent.
+struct Launcher {
+    addr: SocketAddr,
+    stream: TcpStream,
+    to: Sender,
+    rx: mpsc::Receiver<Heard>,
+    heard: Instant,
+    /// The address this host reaches the launcher from.
+    here: IpAddr,
+}
+
+impl Launcher {
+    /// Joins the launcher at `addr` as agent `id` (0: it gives one),
+    /// saying which group's ranks run here; returns it and the job.
+    fn join(addr: SocketAddr, id: u64, auth: &JobAuth, running: Option<u32>) -> Result<(Launcher, Job)> {
+        let mut stream = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
+            .with_context(|| format!("connecting to the launcher at {addr}"))?;
+        stream.set_read_timeout(Some(CONNECT_TIMEOUT))?;
+        let keys = auth::connect(&mut stream, &auth.secret, &auth.claim("agent", 0, id))
+            .map_err(|e| anyhow!("the launcher at {addr} refused this agent: {e}"))?;
+        let _ = stream.set_nodelay(true);
+        proto::keepalive(&stream);
+        // The address this host reaches the launcher from is the one other
+        // hosts reach it at (the store of group rank 0 listens there).
+        let here = stream.local_addr()?.ip();
+        let (to, from) = proto::seal(&stream, keys)?;
+        let (to, mut from) = (Sender::new(to), Receiver::new(from));
+        to.send(&FromAgent::Hello { agent: id, host: here.to_string(), pid: std::process::id(), running })?;
+        let job = match from.recv::<ToAgent>()? {
+            ToAgent::Welcome {
+                agent,
+                job,
+                command,
+                nproc,
+                max_restarts,
+                heartbeat_ms,
+                grace_ms,
+                follow,
+                reconnect_ms,
+                lease_ms,
+            } => Job {
+                id: agent,
+                job,
+                command,
+                nproc,
+                max_restarts,
+                heartbeat: Duration::from_millis(heartbeat_ms.max(10)),
+                grace: Duration::from_millis(grace_ms),
+                follow,
+                reconnect: Duration::from_millis(reconnect_ms),
+                lease: Duration::from_millis(lease_ms),
+            },
+            ToAgent::Exit { reason } => bail!("the launcher sent this agent away: {reason}"),
+            other => bail!("the launcher's first message was {other:?}, not the job"),
+        };
+        stream.set_read_timeout(None)?;
+        let (tx, rx) = mpsc::channel::<Heard>();
+        std::thread::spawn(move || {
+            loop {
+                match from.recv::<ToAgent>() {
+                    Ok(m) => {
+                        if tx.send(Heard::Told(m)).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Heard::Gone(e.to_string()));
                         return;
                     }
                 }
-                Err(e) => {
-                    let _ = tx.send(Heard::Gone(e.to_string()));
-                    return;
-                }
+            }
+        });
+        let beat = to.clone();
+        let every = job.heartbeat;
+        std::thread::spawn(move || {
+            while beat.send(&FromAgent::Heartbeat).is_ok() {
+                std::thread::sleep(every);
+            }
+        });
+        Ok((Launcher { addr, stream, to, rx, heard: Instant::now(), here }, job))
+    }
+
+    /// What the launcher said within `wait`: a message, its loss (closed,
+    /// or silent for `lease`), or nothing yet.
+    fn hear(&mut self, wait: Duration, lease: Duration) -> Option<Heard> {
+        match self.rx.recv_timeout(wait) {
+            Ok(Heard::Told(ToAgent::Heartbeat)) => {
+                self.heard = Instant::now();
+                None
+            }
+            Ok(Heard::Told(m)) => {
+                self.heard = Instant::now();
+                Some(Heard::Told(m))
+            }
+            Ok(gone) => Some(gone),
+            Err(mpsc::RecvTimeoutError::Timeout) if !lease.is_zero() && self.heard.elapsed() > lease => {
+                Some(Heard::Gone(format!("silent for {:.1} s", self.heard.elapsed().as_secs_f64())))
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => None,
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Some(Heard::Gone("its connection's reader stopped".into()))
             }
         }
-    });
-    let beat = to.clone();
-    std::thread::spawn(move || {
-        while beat.send(&FromAgent::Heartbeat).is_ok() {
-            std::thread::sleep(heartbeat);
-        }
-    });
-    let (lines_tx, lines) = mpsc::channel::<Line>();
-    let mut ranks: Option<Ranks> = None;
-    loop {
-        while let Ok((group, rank, line)) = lines.try_recv() {
+    }
+}
+
+/// The agent's ranks and what they said that the launcher has not heard.
+struct Here {
+    ranks: Option<Ranks>,
+    lines: mpsc::Receiver<Line>,
+    lines_tx: mpsc::Sender<Line>,
+    /// Exits of ranks that the launcher could not be told (it was lost):
+    /// told to the launcher that takes the job over.
+    untold: Vec<FromAgent>,
+}
+
+impl Here {
+    /// Passes the ranks' output and exits on; an exit the launcher cannot
+    /// take is kept for the next one.
+    fn report(&mut self, to: &Sender, here: IpAddr) {
+        while let Ok((group, rank, line)) = self.lines.try_recv() {
             println!("[group {group} rank {rank}] {line}");
             let _ = to.send(&FromAgent::Output { group, rank, line });
         }
-        if let Some(r) = &mut ranks
-            && let Some((rank, exit)) = r.poll()
-        {
+        let Some(r) = &mut self.ranks else { return };
+        while let Some((rank, exit)) = r.poll() {
             let group = r.place().group;
             let failure = (!exit.success()).then(|| {
                 let mut f = r.failure(rank, exit);
                 f.host = Some(here.to_string());
                 f
             });
-            to.send(&FromAgent::Exited { group, rank, exit, failure })?;
-            continue;
+            let msg = FromAgent::Exited { group, rank, exit, failure };
+            if to.send(&msg).is_err() {
+                self.untold.push(msg);
+            }
         }
-        let told = match rx.recv_timeout(Duration::from_millis(20)) {
-            Ok(Heard::Told(m)) => m,
-            Ok(Heard::Gone(why)) => {
-                drop(ranks.take());
-                bail!("lost the launcher at {}: {why}; this host's ranks were stopped", a.coordinator);
+    }
+}
+
+/// Runs the agent until the launcher sends it away (Ok, with the reason)
+/// or is lost (an error). With a store, an agent that loses its launcher
+/// keeps its ranks and follows the launcher that takes the job over.
+pub fn run_agent(a: AgentArgs) -> Result<String> {
+    let (mut l, mut job) = Launcher::join(a.coordinator, a.id, &a.auth, None)?;
+    eprintln!(
+        "agent {}: joined job {:?} at {}, {} ranks on {}",
+        job.id, job.job, a.coordinator, job.nproc, l.here
+    );
+    let (lines_tx, lines) = mpsc::channel::<Line>();
+    let mut h = Here { ranks: None, lines, lines_tx, untold: Vec::new() };
+    loop {
+        h.report(&l.to, l.here);
+        let told = match l.hear(Duration::from_millis(20), job.lease) {
+            Some(Heard::Told(m)) => m,
+            Some(Heard::Gone(why)) => {
+                let _ = l.stream.shutdown(std::net::Shutdown::Both);
+                match follow(&a, &mut l, &mut job, &mut h, &why)? {
+                    Some(reason) => return Ok(reason),
+                    None => continue,
+                }
             }
-            Err(mpsc::RecvTimeoutError::Timeout) => continue,
-            Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the launcher's connection reader stopped"),
+            None => continue,
         };
-        match told {
-            ToAgent::Start { group, group_rank, group_world, restart_count, master_addr, master_port } => {
-                if let Some(mut old) = ranks.take() {
-                    old.stop(grace);
+        if let Some(reason) = obey(told, &l, &job, &a, &mut h)? {
+            return Ok(reason);
+        }
+    }
+}
+
+/// Does what the launcher said; Some: it sent the agent away, saying why.
+fn obey(told: ToAgent, l: &Launcher, job: &Job, a: &AgentArgs, h: &mut Here) -> Result<Option<String>> {
+    let (to, here) = (&l.to, l.here);
+    match told {
+        ToAgent::Start { group, group_rank, group_world, restart_count, master_addr, master_port } => {
+            if let Some(mut old) = h.ranks.take() {
+                old.stop(job.grace);
+            }
+            let (master_addr, master_port) = if master_port == 0 {
+                (here.to_string(), free_port(here)?)
+            } else {
+                (master_addr, master_port)
+            };
+            let place = Placement {
+                group,
+                job: job.job.clone(),
+                restart_count,
+                max_restarts: job.max_restarts,
+                master_addr,
+                master_port,
+                group_rank,
+                group_world,
+                nproc: job.nproc,
+                log_dir: a.log_dir.join(format!("group-{group}")),
+                extra_env: collectives_env(here),
+            };
+            match Ranks::start(&job.command, &place, &h.lines_tx) {
+                Ok(r) => {
+                    h.ranks = Some(r);
+                    to.send(&FromAgent::Started { group, master_port })?;
                 }
-                let (master_addr, master_port) = if master_port == 0 {
-                    (here.to_string(), free_port(here)?)
-                } else {
-                    (master_addr, master_port)
-                };
-                let place = Placement {
-                    group,
-                    job: job.clone(),
-                    restart_count,
-                    max_restarts,
-                    master_addr,
-                    master_port,
-                    group_rank,
-                    group_world,
-                    nproc,
-                    log_dir: a.log_dir.join(format!("group-{group}")),
-                    extra_env: collectives_env(here),
-                };
-                match Ranks::start(&command, &place, &lines_tx) {
-                    Ok(r) => {
-                        ranks = Some(r);
-                        to.send(&FromAgent::Started { group, master_port })?;
+                Err(e) => {
+                    // Told as the first rank's failure: the launcher
+                    // restarts or gives up as for any failed rank.
+                    eprintln!("agent {}: cannot start group {group}: {e:#}", job.id);
+                    let exit = super::Exit::Code(127);
+                    let failure = super::RankFailure {
+                        rank: place.rank(0),
+                        pid: 0,
+                        exit,
+                        log: place.log_dir.clone(),
+                        log_tail: format!("{e:#}"),
+                        error: None,
+                        host: Some(here.to_string()),
+                    };
+                    to.send(&FromAgent::Exited { group, rank: place.rank(0), exit, failure: Some(failure) })?;
+                }
+            }
+        }
+        ToAgent::Stop { group } => {
+            if let Some(mut r) = h.ranks.take() {
+                r.stop(job.grace);
+            }
+            // What the stopped ranks wrote last goes before the word that they stopped.
+            while let Ok((g, rank, line)) = h.lines.recv_timeout(Duration::from_millis(50)) {
+                let _ = to.send(&FromAgent::Output { group: g, rank, line });
+            }
+            h.untold.clear();
+            to.send(&FromAgent::Stopped { group })?;
+        }
+        ToAgent::Exit { reason } => {
+            drop(h.ranks.take());
+            return Ok(Some(reason));
+        }
+        ToAgent::Welcome { .. } | ToAgent::Heartbeat => {}
+    }
+    Ok(None)
+}
+
+/// The launcher was lost (`why`). Without a store the ranks stop with it.
+/// With one, the ranks run on while the agent asks the store, every
+/// [`LOOK_EVERY`] for the job's reconnect time, who leads the job: a
+/// launcher with a higher lease token than the lost one's is joined (the
+/// agent proves the job's secret and says which group it runs), and told
+/// the exits it missed. Some: the job ended meanwhile (the reason).
+fn follow(a: &AgentArgs, l: &mut Launcher, job: &mut Job, h: &mut Here, why: &str) -> Result<Option<String>> {
+    let lost = format!("agent {}: lost the launcher at {} ({why})", job.id, l.addr);
+    let Some(f) = job.follow.clone().filter(|_| !job.reconnect.is_zero()) else {
+        drop(h.ranks.take());
+        bail!("{lost}; this host's ranks were stopped");
+    };
+    eprintln!("{lost}; its ranks run on while it looks for the launcher that takes the job over");
+    let lookup = Lookup::open(&f.store, &job.job);
+    let deadline = Instant::now() + job.reconnect;
+    let mut last = String::from("the store names no other launcher");
+    while Instant::now() < deadline {
+        h.report(&l.to, l.here);
+        let found = match &lookup {
+            Ok(s) => s.look(f.token),
+            Err(e) => Err(format!("{e:#}")),
+        };
+        match found {
+            Ok(Found::Leader(leader)) => match rejoin(a, job, h, &leader) {
+                Ok((next, next_job)) => {
+                    eprintln!(
+                        "agent {}: now with the launcher at {} (lease token {})",
+                        job.id, leader.addr, leader.token
+                    );
+                    (*l, *job) = (next, next_job);
+                    for msg in std::mem::take(&mut h.untold) {
+                        let _ = l.to.send(&msg);
                     }
-                    Err(e) => {
-                        // Told as the first rank's failure: the launcher
-                        // restarts or gives up as for any failed rank.
-                        eprintln!("agent {id}: cannot start group {group}: {e:#}");
-                        let exit = super::Exit::Code(127);
-                        let failure = super::RankFailure {
-                            rank: place.rank(0),
-                            pid: 0,
-                            exit,
-                            log: place.log_dir.clone(),
-                            log_tail: format!("{e:#}"),
-                            error: None,
-                            host: Some(here.to_string()),
-                        };
-                        to.send(&FromAgent::Exited {
-                            group,
-                            rank: place.rank(0),
-                            exit,
-                            failure: Some(failure),
-                        })?;
-                    }
+                    return Ok(None);
                 }
-            }
-            ToAgent::Stop { group } => {
-                if let Some(mut r) = ranks.take() {
-                    r.stop(grace);
+                Err(Rejoined::Sent(reason)) => {
+                    drop(h.ranks.take());
+                    return Ok(Some(reason));
                 }
-                // What the stopped ranks wrote last goes before the word that they stopped.
-                while let Ok((g, rank, line)) = lines.recv_timeout(Duration::from_millis(50)) {
-                    let _ = to.send(&FromAgent::Output { group: g, rank, line });
-                }
-                to.send(&FromAgent::Stopped { group })?;
+                Err(Rejoined::Failed(e)) => last = e,
+            },
+            Ok(Found::Finished) => {
+                drop(h.ranks.take());
+                return Ok(Some("the job is over (the store says so)".into()));
             }
-            ToAgent::Exit { reason } => {
-                drop(ranks.take());
-                return Ok(reason);
+            Ok(Found::Nothing) => {}
+            Err(e) => last = e,
+        }
+        std::thread::sleep(LOOK_EVERY.min(deadline.saturating_duration_since(Instant::now())));
+    }
+    drop(h.ranks.take());
+    bail!(
+        "{lost}; no launcher took the job over within {:.0} s ({last}); this host's ranks were stopped",
+        job.reconnect.as_secs_f64()
+    )
+}
+
+/// Why joining the next launcher did not happen.
+enum Rejoined {
+    /// It sent the agent away.
+    Sent(String),
+    Failed(String),
+}
+
+/// Joins `leader`, which took the job over, saying which group's ranks
+/// run here; it welcomes the agent with the job (and its own token).
+fn rejoin(a: &AgentArgs, job: &Job, h: &Here, leader: &Leader) -> Result<(Launcher, Job), Rejoined> {
+    let addr = crate::job::net::resolve(&leader.addr).map_err(|e| Rejoined::Failed(format!("{e:#}")))?;
+    let running = h.ranks.as_ref().map(|r| r.place().group);
+    match Launcher::join(addr, job.id, &a.auth, running) {
+        Ok((l, mut next)) => {
+            // Never back to a lower token, whatever the launcher says.
+            if let Some(f) = next.follow.as_mut() {
+                f.token = f.token.max(leader.token);
             }
-            ToAgent::Welcome { .. } => {}
+            Ok((l, next))
+        }
+        Err(e) => {
+            let text = format!("{e:#}");
+            match text.strip_prefix("the launcher sent this agent away: ") {
+                Some(reason) => Err(Rejoined::Sent(reason.to_string())),
+                None => Err(Rejoined::Failed(text)),
+            }
         }
     }
 }

@@ -18,12 +18,14 @@
 //! free port for the c10d store on its own address and says which, then
 //! every other host with that port.
 
+use super::follow::{Adopt, GroupHandover, Hold, adopt};
 use super::ranks::{Exit, RankFailure};
 use super::{Agent, Event, GroupRecord, Next, TorchrunConfig, TorchrunOutcome, decide};
 use crate::job::{
+    coordinator::RETURN_WITHIN,
     inbox::{self, Inbound, Message},
     net::Addresses,
-    proto,
+    proto::{self, Follow, Leader},
     scaler::Scaler,
 };
 use crate::plugin::PolicyPlugin;
@@ -31,7 +33,7 @@ use anyhow::{Context, Result, bail};
 use edl_host_gpu::comm::auth::JobAuth;
 use serde::{Deserialize, Serialize};
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap},
     net::TcpListener,
     sync::mpsc,
     time::{Duration, Instant},
@@ -47,6 +49,10 @@ pub enum FromAgent {
         agent: u64,
         host: String,
         pid: u32,
+        /// The group whose ranks it runs: an agent that lost its launcher
+        /// and comes back to the one that took the job over.
+        #[serde(default)]
+        running: Option<u32>,
     },
     Heartbeat,
     /// Its ranks of `group` started; `master_port` is the c10d store's
@@ -94,7 +100,20 @@ pub enum ToAgent {
         max_restarts: u32,
         heartbeat_ms: u64,
         grace_ms: u64,
+        /// The job's store and this launcher's lease token: an agent that
+        /// loses the launcher keeps its ranks and follows the launcher the
+        /// store names with a higher token (None: nobody takes over).
+        #[serde(default)]
+        follow: Option<Follow>,
+        /// How long such an agent looks for that launcher, and how long a
+        /// launcher may be silent before it counts as lost, ms.
+        #[serde(default)]
+        reconnect_ms: u64,
+        #[serde(default)]
+        lease_ms: u64,
     },
+    /// The launcher is alive (a few times per lease).
+    Heartbeat,
     /// Start this host's ranks of `group`. `master_port` 0: this host holds
     /// group rank 0 and picks the store's port on its own address.
     Start {
@@ -121,6 +140,20 @@ pub struct HostsConfig {
     pub lease: Duration,
     /// How long an agent asked for may take to join.
     pub join_timeout: Duration,
+    /// A shared store through which the launcher leads the job, so that
+    /// its groups outlive it (None: the job ends with the launcher).
+    pub lead: Option<Lead>,
+}
+
+/// Leading the job through a shared store.
+pub struct Lead {
+    /// `redis://...`, `etcd://...` (told to the agents only over their
+    /// sealed connections: it may hold a password).
+    pub store: String,
+    /// Wait for the job's lease and take the job over (`--standby`).
+    pub standby: bool,
+    /// How long an agent that lost its launcher looks for the next one.
+    pub reconnect: Duration,
 }
 
 /// An agent that joined.
@@ -145,6 +178,19 @@ struct Launcher<'a> {
     next_id: u64,
     /// Where agents connect (`host:port`).
     addr: String,
+    /// The job's lease and record in a shared store.
+    hold: Option<Hold>,
+    /// Why this launcher no longer leads the job: it does nothing more.
+    deposed: Option<String>,
+    /// The group agents may come back running (a job taken over), and
+    /// those that did.
+    returning: Option<(u32, Vec<u64>)>,
+    back: BTreeSet<u64>,
+    /// What agents that came back said during the return (ranks that
+    /// exited while the job had no launcher), for the group they run.
+    replay: std::collections::VecDeque<(u64, FromAgent)>,
+    /// When the agents were last told this launcher is alive.
+    beat: Instant,
 }
 
 /// What one event meant for the running group.
@@ -160,16 +206,28 @@ enum Happened {
 impl Launcher<'_> {
     /// Takes one event off the connections; `members` are the ids in the running group.
     fn event(&mut self, wait: Duration, members: &[u64], on: &mut dyn FnMut(Event)) -> Happened {
+        if self.deposed() {
+            std::thread::sleep(wait);
+            return Happened::Nothing;
+        }
+        self.heartbeat();
+        if let Some((id, msg)) = self.replay.pop_front() {
+            return Happened::Msg(id, msg);
+        }
         let ev = match self.rx.recv_timeout(wait) {
             Ok(ev) => ev,
             Err(_) => return Happened::Nothing,
         };
+        // A launcher frozen in the wait above may have been deposed meanwhile.
+        if self.deposed() {
+            return Happened::Nothing;
+        }
         match ev {
             Inbound::Conn(n, stream) => {
                 self.fresh.insert(n, stream);
                 Happened::Nothing
             }
-            Inbound::Msg(n, FromAgent::Hello { agent, host, pid }) => {
+            Inbound::Msg(n, FromAgent::Hello { agent, host, pid, running }) => {
                 let Some(stream) = self.fresh.remove(&n) else { return Happened::Nothing };
                 // An agent without an id (started by hand or by another
                 // engine) takes the place of the longest awaited one.
@@ -193,12 +251,32 @@ impl Launcher<'_> {
                     max_restarts: self.cfg.max_restarts,
                     heartbeat_ms: (self.hc.lease.as_millis() as u64 / 4).max(50),
                     grace_ms: self.cfg.grace.as_millis() as u64,
+                    follow: self.follow(),
+                    reconnect_ms: self.hc.lead.as_ref().map_or(0, |l| l.reconnect.as_millis() as u64),
+                    lease_ms: self.hc.lease.as_millis() as u64,
                 };
                 if let Err(e) = to.send(&welcome) {
                     on(Event::Host(format!("agent {id} on {host}: cannot send it the job: {e}")));
                     return Happened::Nothing;
                 }
-                on(Event::Host(format!("agent {id} joined from {host} (pid {pid})")));
+                let Some(group) = running else {
+                    on(Event::Host(format!("agent {id} joined from {host} (pid {pid})")));
+                    self.agents.insert(id, Joined { conn: n, host, to });
+                    return Happened::Joined;
+                };
+                let ours = self.returning.as_ref().is_some_and(|(g, ids)| *g == group && ids.contains(&id));
+                if ours {
+                    on(Event::Host(format!(
+                        "agent {id} came back from {host} (pid {pid}) with its ranks of group {group} running"
+                    )));
+                    self.back.insert(id);
+                } else {
+                    // Ranks of a group this launcher does not carry on.
+                    on(Event::Host(format!(
+                        "agent {id} joined from {host} (pid {pid}); its ranks of group {group} are stopped"
+                    )));
+                    let _ = to.send(&ToAgent::Stop { group });
+                }
                 self.agents.insert(id, Joined { conn: n, host, to });
                 Happened::Joined
             }
@@ -220,6 +298,36 @@ impl Launcher<'_> {
         }
     }
 
+    /// Whether another launcher took the job over: this one then acts on
+    /// nobody (its agents are that launcher's now, and are let go).
+    fn deposed(&mut self) -> bool {
+        if self.deposed.is_none()
+            && let Some(why) = self.hold.as_ref().and_then(Hold::fenced)
+        {
+            self.scaler.release();
+            self.deposed = Some(why);
+        }
+        self.deposed.is_some()
+    }
+
+    /// Tells the agents this launcher is alive, a few times per lease (an
+    /// agent that hears nothing for a lease looks for another launcher).
+    fn heartbeat(&mut self) {
+        if self.beat.elapsed() < self.hc.lease / 4 {
+            return;
+        }
+        self.beat = Instant::now();
+        for a in self.agents.values() {
+            let _ = a.to.send(&ToAgent::Heartbeat);
+        }
+    }
+
+    /// What agents need to follow the next launcher, when there can be one.
+    fn follow(&self) -> Option<Follow> {
+        let (lead, hold) = (self.hc.lead.as_ref()?, self.hold.as_ref()?);
+        Some(Follow { store: lead.store.clone(), token: hold.token })
+    }
+
     fn id_of(&self, conn: u64) -> Option<u64> {
         self.agents.iter().find(|(_, a)| a.conn == conn).map(|(id, _)| *id)
     }
@@ -233,7 +341,7 @@ impl Launcher<'_> {
 
     /// Asks the scaler for agents until `want` have joined or are on their way.
     fn ask_for(&mut self, want: u32, on: &mut dyn FnMut(Event)) {
-        while (self.agents.len() + self.asked.len()) < want as usize {
+        while !self.deposed() && (self.agents.len() + self.asked.len()) < want as usize {
             let id = self.fresh_id();
             match self.scaler.spawn(id, &self.addr, &self.hc.auth) {
                 Ok(()) => {
@@ -277,6 +385,9 @@ impl Launcher<'_> {
     fn gather(&mut self, world: u32, min: u32, on: &mut dyn FnMut(Event)) -> Result<u32> {
         let deadline = Instant::now() + self.hc.join_timeout;
         loop {
+            if let Some(why) = &self.deposed {
+                bail!("{why}");
+            }
             if self.agents.len() as u32 >= world {
                 return Ok(world);
             }
@@ -302,12 +413,18 @@ impl Launcher<'_> {
     }
 
     fn send(&mut self, id: u64, msg: &ToAgent) -> Result<(), String> {
+        if self.deposed() {
+            return Err("this launcher no longer leads the job".into());
+        }
         let a = self.agents.get(&id).ok_or_else(|| format!("agent {id} is gone"))?;
         a.to.send(msg).map_err(|e| format!("agent {id} on {}: {e}", a.host))
     }
 
     /// Sends the agent away and makes sure its command is gone.
     fn dismiss(&mut self, id: u64, reason: &str) {
+        if self.deposed() {
+            return;
+        }
         let _ = self.send(id, &ToAgent::Exit { reason: reason.into() });
         self.agents.remove(&id);
         self.scaler.stop(id, self.cfg.grace + Duration::from_secs(5));
@@ -339,6 +456,11 @@ pub fn run_hosts(
     if hc.nproc == 0 {
         bail!("--nproc-per-node 0: a host runs at least one rank");
     }
+    // Before anything is started: one launcher leads the job.
+    let hold = match &hc.lead {
+        Some(lead) => Some(Hold::take(&lead.store, &cfg.job, lead.standby)?),
+        None => None,
+    };
     let listen = hc.addresses.listen;
     let listener = TcpListener::bind(listen).with_context(|| format!("--listen {listen}"))?;
     let addr = crate::job::net::host_port(&hc.addresses.advertised_host()?, listener.local_addr()?.port());
@@ -355,6 +477,12 @@ pub fn run_hosts(
         asked: BTreeMap::new(),
         next_id: 1,
         addr,
+        hold,
+        deposed: None,
+        returning: None,
+        back: BTreeSet::new(),
+        replay: Default::default(),
+        beat: Instant::now(),
     };
     let t0 = Instant::now();
     let mut agent = Agent::new(cfg.min_workers, cfg.max_workers, cfg.initial_workers, cfg.max_restarts);
@@ -362,17 +490,31 @@ pub fn run_hosts(
     let mut decisions = Vec::new();
     let mut last_change = Instant::now();
     let mut last_failure: Option<RankFailure> = None;
+    let found = l.hold.as_ref().and_then(|h| h.found.clone());
+    let (base, mut kept) = match found {
+        Some(g) => take_over(&mut l, &g, &mut agent, on)?,
+        None => (0, None),
+    };
     loop {
-        let hosts = l.gather(agent.world(), agent.min, on)?;
-        agent.world = hosts;
-        let members: Vec<u64> = l.agents.keys().copied().take(hosts as usize).collect();
-        let n = groups.len() as u32;
-        let mut run = Running { n, members, done: vec![0; hosts as usize] };
-        let next = match start_group(&mut l, &run, &mut agent, on) {
+        let n = base + groups.len() as u32;
+        let (mut run, started) = match kept.take() {
+            Some((run, record)) => (run, Ok(record)),
+            None => {
+                let hosts = l.gather(agent.world(), agent.min, on)?;
+                agent.world = hosts;
+                let members: Vec<u64> = l.agents.keys().copied().take(hosts as usize).collect();
+                let run = Running { n, members, done: vec![0; hosts as usize] };
+                let started = start_group(&mut l, &run, &mut agent, on)
+                    .map(|record| GroupRecord { started_secs: t0.elapsed().as_secs_f64(), ..record });
+                (run, started)
+            }
+        };
+        let next = match started {
             Ok(record) => {
-                groups.push(GroupRecord { started_secs: t0.elapsed().as_secs_f64(), ..record });
+                l.formed(&record, &run.members, agent.restarts());
+                groups.push(record);
                 agent.started();
-                on(Event::Started(&groups[n as usize]));
+                on(Event::Started(groups.last().expect("just pushed")));
                 watch(
                     &mut l,
                     &mut run,
@@ -387,7 +529,7 @@ pub fn run_hosts(
             Err(next) => {
                 groups.push(GroupRecord {
                     group: n,
-                    world: hosts * l.hc.nproc,
+                    world: run.members.len() as u32 * l.hc.nproc,
                     hosts: run
                         .members
                         .iter()
@@ -400,12 +542,18 @@ pub fn run_hosts(
                     started_secs: t0.elapsed().as_secs_f64(),
                     ended_secs: 0.0,
                     ended: String::new(),
+                    taken_over: false,
                 });
                 next
             }
         };
+        if let Some(why) = l.deposed.take() {
+            // Another launcher leads the job and its agents: this one stops
+            // without a word to them.
+            bail!("{why}");
+        }
         stop_group(&mut l, &run, on);
-        let record = &mut groups[n as usize];
+        let record = groups.last_mut().expect("a record per group");
         record.ended_secs = t0.elapsed().as_secs_f64();
         match next {
             Next::Continue => unreachable!("a group is watched until it changes"),
@@ -433,13 +581,134 @@ pub fn run_hosts(
                     _ => None,
                 };
                 let reason = if failure.is_none() { "the job is done" } else { "the job failed" };
+                // The store says so first: an agent looking for a launcher stops looking.
+                if let Some(h) = &l.hold {
+                    h.finish();
+                }
                 let ids: Vec<u64> = l.agents.keys().copied().collect();
+                for id in &ids {
+                    let _ = l.send(*id, &ToAgent::Exit { reason: reason.into() });
+                }
                 for id in ids {
                     l.dismiss(id, reason);
                 }
                 return Ok(TorchrunOutcome::end(groups, &agent, cfg, decisions, failure, t0));
             }
         }
+    }
+}
+
+/// A group found running, carried on by a launcher that took the job over.
+type Kept = (Running, GroupRecord);
+
+/// Takes the job over from the launcher that formed group `g`: names this
+/// launcher in the store, admits the group's agents that come back within
+/// [`RETURN_WITHIN`], and keeps the group when all did. When some did, it
+/// is stopped on them and restarts (a change of membership); when none
+/// did, the job starts afresh. Returns the number of the next group and
+/// the group kept, if so.
+fn take_over(
+    l: &mut Launcher,
+    g: &GroupHandover,
+    agent: &mut Agent,
+    on: &mut dyn FnMut(Event),
+) -> Result<(u32, Option<Kept>)> {
+    on(Event::Host(format!(
+        "taking the job over from the launcher at {} (lease token {}): waiting for the {} agents of group {} to \
+         come back",
+        g.leader.addr,
+        g.leader.token,
+        g.agents.len(),
+        g.group
+    )));
+    let token = l.hold.as_ref().map_or(0, |h| h.token);
+    if let Some(h) = &l.hold {
+        h.formed(GroupHandover { leader: Leader { addr: l.addr.clone(), token }, ..g.clone() });
+    }
+    l.next_id = g.agents.iter().max().map_or(1, |m| m + 1);
+    l.returning = Some((g.group, g.agents.clone()));
+    let since = Instant::now();
+    let mut said = std::collections::VecDeque::new();
+    while l.back.len() < g.agents.len() && since.elapsed() < RETURN_WITHIN {
+        if let Some(why) = &l.deposed {
+            bail!("{why}");
+        }
+        if let Happened::Msg(id, msg) = l.event(Duration::from_millis(50), &[], on) {
+            said.push_back((id, msg));
+        }
+    }
+    l.replay = said;
+    l.returning = None;
+    let mut back = std::mem::take(&mut l.back);
+    // One that came back and was lost again is not back.
+    back.retain(|id| l.agents.contains_key(id));
+    let from = format!("the launcher at {} (lease token {})", g.leader.addr, g.leader.token);
+    agent.restarts = g.restart_count;
+    match adopt(&g.agents, &back) {
+        Adopt::Keep => {
+            on(Event::Host(format!(
+                "coordinator takeover: {from} was gone; all {} agents of group {} came back with their ranks \
+                 running: the group goes on, not restarted",
+                g.agents.len(),
+                g.group
+            )));
+            agent.world = g.agents.len() as u32;
+            let run = Running { n: g.group, members: g.agents.clone(), done: vec![0; g.agents.len()] };
+            let record = GroupRecord {
+                group: g.group,
+                world: g.agents.len() as u32 * g.nproc,
+                hosts: g.hosts.clone(),
+                restart_count: g.restart_count,
+                master_addr: g.master_addr.clone(),
+                master_port: g.master_port,
+                log_dir: l.cfg.log_dir.join(format!("group-{}", g.group)),
+                started_secs: 0.0,
+                ended_secs: 0.0,
+                ended: String::new(),
+                taken_over: true,
+            };
+            Ok((g.group, Some((run, record))))
+        }
+        Adopt::Restart { on: members, missing } => {
+            on(Event::Host(format!(
+                "coordinator takeover: {from} was gone; {} of the {} agents of group {} came back (not back: \
+                 {missing:?}); the group restarts on them",
+                members.len(),
+                g.agents.len(),
+                g.group
+            )));
+            let run = Running { n: g.group, done: vec![0; members.len()], members };
+            l.replay.clear();
+            stop_group(l, &run, on);
+            agent.world = (run.members.len() as u32).clamp(agent.min, agent.max);
+            Ok((g.group + 1, None))
+        }
+        Adopt::Afresh => {
+            on(Event::Host(format!(
+                "coordinator takeover: {from} was gone; no agent of group {} came back within {RETURN_WITHIN:?}: \
+                 the job starts afresh",
+                g.group
+            )));
+            l.replay.clear();
+            Ok((g.group + 1, None))
+        }
+    }
+}
+
+impl Launcher<'_> {
+    /// Records the group that formed in the store, naming this launcher.
+    fn formed(&self, record: &GroupRecord, members: &[u64], restart_count: u32) {
+        let Some(h) = &self.hold else { return };
+        h.formed(GroupHandover {
+            group: record.group,
+            agents: members.to_vec(),
+            hosts: record.hosts.clone(),
+            master_addr: record.master_addr.clone(),
+            master_port: record.master_port,
+            nproc: self.hc.nproc,
+            restart_count,
+            leader: Leader { addr: self.addr.clone(), token: h.token },
+        });
     }
 }
 
@@ -469,6 +738,9 @@ fn start_group(
     }
     let deadline = Instant::now() + l.hc.join_timeout;
     let port = loop {
+        if l.deposed.is_some() {
+            return Err(Next::Continue);
+        }
         if Instant::now() > deadline {
             on(Event::Host(format!("agent {first} did not start group {} in time; it is sent away", run.n)));
             l.dismiss(first, "it did not start its ranks in time");
@@ -509,6 +781,7 @@ fn start_group(
         started_secs: 0.0,
         ended_secs: 0.0,
         ended: String::new(),
+        taken_over: false,
     })
 }
 
@@ -529,6 +802,9 @@ fn watch(
     // A resize to more hosts waits, the group running, until they joined.
     let mut growing: Option<Next> = None;
     loop {
+        if l.deposed.is_some() {
+            return Next::Continue;
+        }
         if let Some(Next::Restart { world, .. }) = &growing {
             l.give_up_on_late(on);
             if l.agents.len() as u32 >= *world {

@@ -17,11 +17,13 @@
 //! clock and the logs around it.
 
 mod agent;
+mod follow;
 mod hosts;
 mod ranks;
 
 pub use agent::{AgentArgs, run_agent};
-pub use hosts::{HostsConfig, run_hosts};
+pub use follow::GroupHandover;
+pub use hosts::{HostsConfig, Lead, run_hosts};
 pub use ranks::{Exit, Placement, RankFailure};
 
 use crate::plugin::PolicyPlugin;
@@ -238,6 +240,10 @@ pub struct GroupRecord {
     pub ended_secs: f64,
     /// `succeeded`, `resized to N`, `rank R failed (...)`.
     pub ended: String,
+    /// Started by another launcher, whose job this one took over with the
+    /// group running (it was not restarted).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub taken_over: bool,
 }
 
 /// How a `launch --torchrun` job went.
@@ -383,6 +389,7 @@ impl GroupRecord {
             started_secs: t0.elapsed().as_secs_f64(),
             ended_secs: 0.0,
             ended: String::new(),
+            taken_over: false,
         })
     }
 }
