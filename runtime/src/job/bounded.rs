@@ -5,6 +5,7 @@
 
 use anyhow::{Context, Result, bail};
 use std::io::{Read, Write};
+use std::os::unix::process::CommandExt;
 use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -14,7 +15,10 @@ use wait_timeout::ChildExt;
 /// or an error naming `what` when it cannot start, or has not ended
 /// `within` (it is then killed).
 pub fn output(what: &str, cmd: &mut Command, input: &[u8], within: Duration) -> Result<Output> {
+    // A process group of its own, so that what it started (a pipeline's
+    // other commands) is stopped with it at the bound.
     let mut child = cmd
+        .process_group(0)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -33,7 +37,8 @@ pub fn output(what: &str, cmd: &mut Command, input: &[u8], within: Duration) -> 
     let status = match child.wait_timeout(within).with_context(|| format!("{what}: waiting for it"))? {
         Some(status) => status,
         None => {
-            let _ = child.kill();
+            // SAFETY: signals the group this call made (its leader's pid).
+            unsafe { libc::killpg(child.id() as i32, libc::SIGKILL) };
             let _ = child.wait();
             bail!("{what}: no answer within {within:?}; it was stopped");
         }
@@ -75,6 +80,26 @@ mod tests {
         cmd.arg("600");
         let err = output("sleep 600", &mut cmd, b"", Duration::from_millis(200)).unwrap_err().to_string();
         assert!(err.contains("sleep 600: no answer within"), "{err}");
+    }
+
+    #[test]
+    fn what_a_program_started_is_stopped_with_it_at_the_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let pid_file = dir.path().join("pid");
+        let mut sh = Command::new("sh");
+        sh.args(["-c", &format!("sleep 600 & echo $! > {}; wait", pid_file.display())]);
+        assert!(output("a pipeline", &mut sh, b"", Duration::from_millis(300)).is_err());
+        let pid: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+        // The grandchild goes too (a zombie until init reaps it counts as gone).
+        let alive = || {
+            let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            state.split_whitespace().nth(2).is_some_and(|s| s != "Z")
+        };
+        let since = std::time::Instant::now();
+        while alive() && since.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(!alive(), "sleep {pid} outlived the bound");
     }
 
     #[test]

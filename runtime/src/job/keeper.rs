@@ -183,7 +183,11 @@ impl StoreKeeper {
                                     *flag.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
                                     continue;
                                 }
-                                let result = write_state(&store, &key, &mut token, &mut lost, &s).await;
+                                // Bounded by a third of the lease, as its renewals are.
+                                let bound = lease.as_ref().map_or(Duration::from_secs(10), |l| l.ttl / 3);
+                                let mine = lease.as_ref().map(|l| l.token);
+                                let result =
+                                    write_state(&store, &key, &mut token, &mut lost, &s, bound, mine).await;
                                 if result.is_ok() {
                                     stored_step.store(s.committed_steps, std::sync::atomic::Ordering::Release);
                                 }
@@ -287,73 +291,80 @@ impl StoreKeeper {
 }
 
 /// Writes the job's state if the key still holds this coordinator's last
-/// write (`token`). `lost`: the bytes of a write whose answer never came
-/// (a timeout, a replicated store's leader lost mid-call): it may have been
-/// applied, so a conflict with a key holding exactly those bytes is this
-/// coordinator's own write, not another's.
+/// write (`token`), each store call bounded by `bound` (a third of the
+/// lease: a write stuck in a replicated store's election must not hold up
+/// the lease's renewal). A conflict is not another coordinator's doing
+/// when the key holds
+/// - the bytes of this coordinator's write whose answer never came
+///   (`lost`: a timeout, a leader lost mid-call), which the store applied;
+/// - a state a coordinator with a lower lease token than `mine` wrote: a
+///   deposed one's late write, landed after this one took the job over.
 async fn write_state(
     store: &AnyStore,
     key: &str,
     token: &mut Option<u64>,
     lost: &mut Option<Vec<u8>>,
     s: &JobState,
+    bound: Duration,
+    mine: Option<u64>,
 ) -> Result<(), String> {
     let value = serde_json::to_vec(s).map_err(|e| e.to_string())?;
-    let answer = match cas_within(store, key, *token, &value).await {
-        Ok(a) => a,
-        Err(e) => {
-            *lost = Some(value);
-            return Err(e);
-        }
-    };
-    match answer {
-        Cas::Written(t) => {
-            *token = Some(t);
-            *lost = None;
-            Ok(())
-        }
-        // The key is gone (a store restarted without persistence): write it afresh.
-        Cas::Conflict { current: None } => {
-            match store.compare_and_set(key, None, &value, None).await.map_err(|e| e.to_string())? {
-                Cas::Written(t) => {
-                    *token = Some(t);
-                    *lost = None;
-                    Ok(())
-                }
-                Cas::Conflict { current } => Err(fenced(*token, current)),
+    let mut overwritten = false;
+    loop {
+        let answer = match within(bound, store.compare_and_set(key, *token, &value, None)).await {
+            Ok(a) => a,
+            Err(e) => {
+                *lost = Some(value);
+                return Err(e);
             }
-        }
-        Cas::Conflict { current: Some(theirs) } => {
-            let ours = match lost.take() {
-                Some(mine) => {
-                    matches!(store.get(key).await, Ok(Some(e)) if e.token == theirs && e.value == mine)
-                }
-                None => false,
-            };
-            if !ours {
-                return Err(fenced(*token, Some(theirs)));
+        };
+        let theirs = match answer {
+            Cas::Written(t) => {
+                *token = Some(t);
+                *lost = None;
+                return Ok(());
             }
-            *token = Some(theirs);
-            match cas_within(store, key, *token, &value).await {
-                Ok(Cas::Written(t)) => {
-                    *token = Some(t);
-                    Ok(())
+            // The key is gone (a store restarted without persistence): write it afresh.
+            Cas::Conflict { current: None } if token.is_some() && !overwritten => None,
+            Cas::Conflict { current } if overwritten => return Err(fenced(*token, current)),
+            Cas::Conflict { current: None } => return Err(fenced(*token, None)),
+            Cas::Conflict { current: Some(theirs) } => {
+                let held = within(bound, store.get(key)).await?.filter(|e| e.token == theirs);
+                let ours = held.as_ref().zip(lost.as_ref()).is_some_and(|(e, mine)| &e.value == mine);
+                let deposed =
+                    held.as_ref().and_then(|e| leader_token(&e.value)).zip(mine).is_some_and(|(t, m)| t < m);
+                if !(ours || deposed) {
+                    return Err(fenced(*token, Some(theirs)));
                 }
-                Ok(Cas::Conflict { current }) => Err(fenced(*token, current)),
-                Err(e) => {
-                    *lost = Some(value);
-                    Err(e)
+                if deposed {
+                    tracing::warn!(
+                        "the job's state held a deposed coordinator's late write; it is overwritten"
+                    );
                 }
+                Some(theirs)
             }
-        }
+        };
+        *lost = None;
+        *token = theirs;
+        overwritten = true;
     }
 }
 
-/// One compare-and-set, bounded: an error means its answer was not had.
-async fn cas_within(store: &AnyStore, key: &str, token: Option<u64>, value: &[u8]) -> Result<Cas, String> {
-    tokio::time::timeout(Duration::from_secs(10), store.compare_and_set(key, token, value, None))
+/// The lease token of the coordinator (or torchrun launcher) that wrote a
+/// job state, where the state names it.
+fn leader_token(value: &[u8]) -> Option<u64> {
+    let s: JobState = serde_json::from_slice(value).ok()?;
+    s.handover.map(|h| h.leader.token).or(s.torchrun.map(|g| g.leader.token))
+}
+
+/// A store call, bounded: an error means its answer was not had.
+async fn within<T>(
+    bound: Duration,
+    call: impl std::future::Future<Output = Result<T, crate::store::StoreError>>,
+) -> Result<T, String> {
+    tokio::time::timeout(bound, call)
         .await
-        .map_err(|_| "no answer within 10 s".to_string())?
+        .map_err(|_| format!("no answer within {bound:?}"))?
         .map_err(|e| e.to_string())
 }
 
@@ -653,6 +664,44 @@ mod tests {
         });
     }
 
+    const BOUND: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn a_deposed_coordinator_s_late_write_is_overwritten_and_a_newer_one_s_fences() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let store = AnyStore::open("memory").unwrap();
+            let led_by = |token| JobState {
+                torchrun: Some(crate::job::torchrun::GroupHandover {
+                    group: 0,
+                    agents: vec![1],
+                    hosts: vec!["10.0.0.3".into()],
+                    master_addr: "10.0.0.3".into(),
+                    master_port: 29500,
+                    nproc: 1,
+                    restart_count: 0,
+                    leader: crate::job::proto::Leader { addr: "10.0.0.2:7070".into(), token },
+                }),
+                ..Default::default()
+            };
+            // This one (lease token 5) read the state at `token`; then the
+            // coordinator it took over from (token 3) landed a late write.
+            let (mut token, mut lost) = (None, None);
+            write_state(&store, "s", &mut token, &mut lost, &led_by(3), BOUND, Some(3)).await.unwrap();
+            let read = token;
+            store.compare_and_set("s", read, &serde_json::to_vec(&led_by(3)).unwrap(), None).await.unwrap();
+            write_state(&store, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5)).await.unwrap();
+            let held = store.get("s").await.unwrap().unwrap();
+            assert_eq!(leader_token(&held.value), Some(5));
+            // A coordinator with a higher token than this one's wrote: fenced.
+            store.compare_and_set("s", token, &serde_json::to_vec(&led_by(8)).unwrap(), None).await.unwrap();
+            let err = write_state(&store, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5))
+                .await
+                .unwrap_err();
+            assert!(err.starts_with("fenced"), "{err}");
+        });
+    }
+
     #[test]
     fn a_state_write_applied_though_its_answer_was_lost_is_taken_for_this_coordinator_s_own() {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -660,13 +709,13 @@ mod tests {
             let store = AnyStore::open("memory").unwrap();
             let state = |step| JobState { committed_steps: step, members: vec![1, 2], ..Default::default() };
             let (mut token, mut lost) = (None, None);
-            write_state(&store, "s", &mut token, &mut lost, &state(1)).await.unwrap();
+            write_state(&store, "s", &mut token, &mut lost, &state(1), BOUND, None).await.unwrap();
             // The write of step 2 reached the store, but its answer was lost
             // (an etcd leader killed mid-call): the keeper only knows the bytes.
             let bytes = serde_json::to_vec(&state(2)).unwrap();
             store.compare_and_set("s", token, &bytes, None).await.unwrap();
             lost = Some(bytes);
-            write_state(&store, "s", &mut token, &mut lost, &state(3)).await.unwrap();
+            write_state(&store, "s", &mut token, &mut lost, &state(3), BOUND, None).await.unwrap();
             let e = store.get("s").await.unwrap().unwrap();
             assert_eq!(Some(e.token), token);
             assert_eq!(serde_json::from_slice::<JobState>(&e.value).unwrap().committed_steps, 3);
@@ -674,7 +723,8 @@ mod tests {
             // even with a lost write outstanding.
             store.compare_and_set("s", token, &serde_json::to_vec(&state(9)).unwrap(), None).await.unwrap();
             lost = Some(serde_json::to_vec(&state(4)).unwrap());
-            let err = write_state(&store, "s", &mut token, &mut lost, &state(5)).await.unwrap_err();
+            let err =
+                write_state(&store, "s", &mut token, &mut lost, &state(5), BOUND, None).await.unwrap_err();
             assert!(err.starts_with("fenced"), "{err}");
         });
     }

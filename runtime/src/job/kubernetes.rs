@@ -413,6 +413,12 @@ impl Scaler for KubernetesScaler {
     fn handle(&self, id: u64) -> Option<String> {
         self.handles.get(&id).cloned()
     }
+
+    fn release(&mut self) {
+        // The workers follow the coordinator that leads now: their Pods
+        // are its, and nothing here deletes them.
+        self.pods.clear();
+    }
 }
 
 impl Drop for KubernetesScaler {

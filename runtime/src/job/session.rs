@@ -759,6 +759,9 @@ impl Session {
         (self.coordinator, self.control, self.out, self._heartbeat, self.inbox) =
             (addr, control, out, heartbeat, inbox);
         self.heard = Instant::now();
+        // A notice told to the coordinator that is gone is told again to
+        // this one (the notice itself stays set).
+        self.leaving = false;
         // What the old coordinator sent ahead is its no more.
         self.queue.clear();
         self.window.clear();

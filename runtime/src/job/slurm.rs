@@ -249,7 +249,10 @@ impl Scaler for SlurmScaler {
         let args = self.sbatch_args(id, &auth.job);
         let script = self.script(id, coordinator, auth);
         let mut cmd = Command::new("sbatch");
-        cmd.args(&args);
+        // `--export=ALL` hands the worker this environment, and Slurm keeps
+        // a job's environment: the store's URL (its password) stays out of
+        // it, and the secret goes only in the script.
+        cmd.args(&args).env_remove("EDL_STORE").env_remove("EDL_JOB_SECRET");
         let out = super::bounded::output("sbatch", &mut cmd, script.as_bytes(), CLIENT_BOUND)
             .map_err(|e| anyhow!("{e:#} (is Slurm's client installed and its controller up?)"))?;
         if !out.status.success() {
@@ -323,6 +326,12 @@ impl Scaler for SlurmScaler {
     fn handle(&self, id: u64) -> Option<String> {
         self.handles.get(&id).cloned()
     }
+
+    fn release(&mut self) {
+        // The workers follow the coordinator that leads now: their batch
+        // jobs are its, and nothing here cancels them.
+        self.jobs.clear();
+    }
 }
 
 impl Drop for SlurmScaler {
@@ -381,5 +390,24 @@ mod tests {
         assert_eq!(args.last().unwrap(), "--time=10");
         // The secret is in the script, on no command line.
         assert!(!args.iter().any(|a| a.contains(&auth.secret.to_hex())));
+    }
+
+    #[test]
+    fn a_deposed_coordinator_leaves_the_batch_jobs_to_the_one_that_leads_now() {
+        let opts = SlurmOptions {
+            partition: None,
+            account: None,
+            qos: None,
+            extra: Vec::new(),
+            pending_bound: Duration::from_secs(60),
+        };
+        let mut s = SlurmScaler::for_program(opts, "/logs".into(), &["python".into()]);
+        let job = Submitted { slurm: "4242".into(), at: Instant::now(), running: true, node: "n1".into() };
+        s.jobs.insert(3, job);
+        s.handles.insert(3, "slurm:4242".into());
+        s.release();
+        // Dropping it cancels only what it still holds: nothing.
+        assert!(s.jobs.is_empty());
+        assert_eq!(s.handle(3).as_deref(), Some("slurm:4242"), "the report still names it");
     }
 }

@@ -33,7 +33,7 @@ pub fn checked(loaded: Loaded, path: &str) -> Loaded {
 }
 
 /// The most memory a plugin may hand over: it is stored at every commit.
-pub const MAX_STATE_BYTES: usize = 1 << 20;
+pub const MAX_STATE_BYTES: usize = 64 << 10;
 
 impl<T: ?Sized + Plugin> Plugin for Checked<T> {
     fn info(&self) -> &PluginInfo {

@@ -6,6 +6,7 @@
 use super::Coordinator;
 use base64::{Engine as _, engine::general_purpose::STANDARD};
 use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// What the policy and the adapter saved, as base64 (absent: the plugin
 /// keeps no memory, or the state is of an older version).
@@ -23,18 +24,21 @@ impl Coordinator<'_> {
     pub(super) fn plugin_memory(&mut self) -> PluginMemory {
         let policy = self.policy.save_state();
         let adapter = self.adapter.as_mut().map(|a| a.save_state()).transpose();
-        let encode = |what: &str, saved: Result<Option<Vec<u8>>, crate::plugin::Error>| match saved {
+        // Said once per plugin: a memory that cannot be saved at one commit
+        // usually cannot at the next.
+        static WARNED: [AtomicBool; 2] = [AtomicBool::new(false), AtomicBool::new(false)];
+        let encode = |which: usize, saved: Result<Option<Vec<u8>>, crate::plugin::Error>| match saved {
             // An SDK plugin that keeps no memory saves nothing.
             Ok(bytes) => bytes.filter(|b| !b.is_empty()).map(|b| STANDARD.encode(b)),
             Err(e) => {
-                tracing::warn!("the {what}'s memory is not saved: {e}");
+                if !WARNED[which].swap(true, Ordering::Relaxed) {
+                    let what = ["policy", "adapter"][which];
+                    tracing::warn!("the {what}'s memory is not saved (a successor starts it afresh): {e}");
+                }
                 None
             }
         };
-        PluginMemory {
-            policy: encode("policy", policy),
-            adapter: encode("adapter", adapter.map(Option::flatten)),
-        }
+        PluginMemory { policy: encode(0, policy), adapter: encode(1, adapter.map(Option::flatten)) }
     }
 
     /// Gives the plugins the memory saved at `at` (a step, said in the
