@@ -8,7 +8,7 @@ use std::io::{Read, Write};
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use wait_timeout::ChildExt;
 
 /// Runs `cmd` with `input` on its standard input and returns its output,
@@ -63,6 +63,44 @@ fn drain(pipe: Option<impl Read + Send + 'static>) -> mpsc::Receiver<Vec<u8>> {
     rx
 }
 
+/// A scheduler's server that did not answer is asked again only after a
+/// pause (30 s, doubling to 5 min while it stays silent): an unreachable
+/// controller then costs the job one bounded wait per pause, not one at
+/// every poll.
+#[derive(Debug)]
+pub struct Backoff {
+    until: Option<Instant>,
+    pause: Duration,
+}
+
+const FIRST_PAUSE: Duration = Duration::from_secs(30);
+const LONGEST_PAUSE: Duration = Duration::from_secs(300);
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff { until: None, pause: FIRST_PAUSE }
+    }
+}
+
+impl Backoff {
+    /// Whether the server may be asked now.
+    pub fn open(&self) -> bool {
+        self.until.is_none_or(|t| Instant::now() >= t)
+    }
+
+    /// It did not answer (`why`): said once per pause, the pause doubles.
+    pub fn failed(&mut self, why: &anyhow::Error) {
+        tracing::warn!("{why:#}; asking again in {:?}", self.pause);
+        self.until = Some(Instant::now() + self.pause);
+        self.pause = (self.pause * 2).min(LONGEST_PAUSE);
+    }
+
+    /// It answered: the next silence starts from the first pause.
+    pub fn answered(&mut self) {
+        *self = Backoff::default();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -100,6 +138,22 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
         }
         assert!(!alive(), "sleep {pid} outlived the bound");
+    }
+
+    #[test]
+    fn a_server_that_does_not_answer_is_asked_again_after_a_growing_pause() {
+        let mut b = Backoff::default();
+        assert!(b.open());
+        b.failed(&anyhow::anyhow!("squeue: no answer"));
+        assert!(!b.open());
+        assert_eq!(b.pause, FIRST_PAUSE * 2);
+        for _ in 0..10 {
+            b.failed(&anyhow::anyhow!("squeue: no answer"));
+        }
+        assert_eq!(b.pause, LONGEST_PAUSE);
+        b.answered();
+        assert!(b.open());
+        assert_eq!(b.pause, FIRST_PAUSE);
     }
 
     #[test]

@@ -242,6 +242,8 @@ pub struct KubernetesScaler {
     handles: BTreeMap<u64, String>,
     exited: Vec<(u64, String)>,
     polled: Option<Instant>,
+    /// The API server did not answer: asked again after a pause.
+    quiet: super::bounded::Backoff,
 }
 
 impl KubernetesScaler {
@@ -272,6 +274,7 @@ impl KubernetesScaler {
             handles: BTreeMap::new(),
             exited: Vec::new(),
             polled: None,
+            quiet: Default::default(),
         })
     }
 
@@ -315,7 +318,10 @@ impl KubernetesScaler {
 
     /// Asks the API where the workers' Pods stand (at most once a second).
     fn poll(&mut self) {
-        if self.pods.is_empty() || self.polled.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+        if self.pods.is_empty()
+            || self.polled.is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+            || !self.quiet.open()
+        {
             return;
         }
         self.polled = Some(Instant::now());
@@ -326,9 +332,12 @@ impl KubernetesScaler {
             "listing the worker Pods",
             api.list(&ListParams::default().labels(&selector)),
         ) {
-            Ok(l) => l,
+            Ok(l) => {
+                self.quiet.answered();
+                l
+            }
             Err(e) => {
-                tracing::warn!("kubernetes: {e:#}");
+                self.quiet.failed(&e.context("kubernetes"));
                 return;
             }
         };
@@ -373,17 +382,7 @@ impl Scaler for KubernetesScaler {
     fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> Result<()> {
         self.job = auth.job.clone();
         let (api, owner) = self.api()?;
-        let program = self
-            .program
-            .iter()
-            .map(|w| {
-                w.replace("{coordinator}", coordinator)
-                    .replace("{id}", &id.to_string())
-                    .replace("{job}", &auth.job)
-                    .replace("{{", "{")
-                    .replace("}}", "}")
-            })
-            .collect();
+        let program = super::scaler::fill_words(&self.program, coordinator, id, &auth.job);
         let pod = worker_pod(&self.opts, &auth.job, id, coordinator, program, owner);
         let name = pod.metadata.name.clone().unwrap_or_default();
         call(&self.rt, &format!("creating the Pod {name}"), api.create(&PostParams::default(), &pod))?;

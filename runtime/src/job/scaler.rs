@@ -630,6 +630,22 @@ fn fill_template(t: &str, value: impl Fn(&str) -> (String, bool)) -> anyhow::Res
     Ok(out)
 }
 
+/// Fills `{coordinator}`, `{id}` and `{job}` in the words of a
+/// scheduler's worker command, where the user's own braces are written
+/// doubled: a literal `{id}` of theirs stays as it is.
+pub(crate) fn fill_words(words: &[String], coordinator: &str, id: u64, job: &str) -> Vec<String> {
+    let id = id.to_string();
+    let value = |name: &str| match name {
+        "coordinator" => (coordinator.to_string(), false),
+        "id" => (id.clone(), false),
+        "job" => (job.to_string(), false),
+        other => (format!("{{{other}}}"), false),
+    };
+    // The words are built here, so they always parse; were one not to, it
+    // goes as it is.
+    words.iter().map(|w| fill_template(w, value).unwrap_or_else(|_| w.clone())).collect()
+}
+
 impl Scaler for CommandScaler {
     fn release(&mut self) {
         // Their process groups are their own: they run on without this one.

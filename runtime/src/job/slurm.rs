@@ -59,6 +59,8 @@ pub struct SlurmScaler {
     exited: Vec<(u64, String)>,
     polled: Option<Instant>,
     idle: Option<(Instant, Option<u32>)>,
+    /// Slurm's controller did not answer: asked again after a pause.
+    quiet: super::bounded::Backoff,
     /// Stops under way: a worker told to stop gets its grace, then `scancel`.
     stopping: Vec<std::thread::JoinHandle<()>>,
 }
@@ -69,7 +71,7 @@ const POLL_EVERY: Duration = Duration::from_secs(1);
 impl SlurmScaler {
     /// Workers running `edl-runtime worker` (this executable).
     pub fn new(opts: SlurmOptions, exe: PathBuf, log_dir: PathBuf) -> Self {
-        let exe = exe.display().to_string();
+        let exe = exe.display().to_string().replace('{', "{{").replace('}', "}}");
         let program =
             [exe.as_str(), "worker", "--coordinator", "{coordinator}", "--id", "{id}", "--job", "{job}"];
         Self::with_program(opts, log_dir, program.iter().map(|w| w.to_string()).collect())
@@ -103,6 +105,7 @@ impl SlurmScaler {
             exited: Vec::new(),
             polled: None,
             idle: None,
+            quiet: Default::default(),
             stopping: Vec::new(),
         }
     }
@@ -110,18 +113,9 @@ impl SlurmScaler {
     /// The batch script of worker `id`: the secret in its environment, the
     /// worker exec'd (so that Slurm's signals reach it).
     fn script(&self, id: u64, coordinator: &str, auth: &JobAuth) -> String {
-        let words: Vec<String> = self
-            .program
+        let words: Vec<String> = super::scaler::fill_words(&self.program, coordinator, id, &auth.job)
             .iter()
-            .map(|w| {
-                let filled = w
-                    .replace("{coordinator}", coordinator)
-                    .replace("{id}", &id.to_string())
-                    .replace("{job}", &auth.job)
-                    .replace("{{", "{")
-                    .replace("}}", "}");
-                quote(&filled)
-            })
+            .map(|w| quote(w))
             .collect();
         format!(
             "#!/bin/sh\nexport EDL_JOB_SECRET={}\nexport EDL_JOB={}\nexec {}\n",
@@ -158,14 +152,18 @@ impl SlurmScaler {
     /// Asks `squeue` where the workers' jobs stand (at most once a second):
     /// ended ones and ones pending past the bound become exits.
     fn poll(&mut self) {
-        if self.jobs.is_empty() || self.polled.is_some_and(|t| t.elapsed() < POLL_EVERY) {
+        if self.jobs.is_empty() || self.polled.is_some_and(|t| t.elapsed() < POLL_EVERY) || !self.quiet.open()
+        {
             return;
         }
         self.polled = Some(Instant::now());
         let out = match run("squeue", &["--me", "--noheader", "--format=%i|%T|%N|%r"]) {
-            Ok(out) => out,
+            Ok(out) => {
+                self.quiet.answered();
+                out
+            }
             Err(e) => {
-                tracing::warn!("slurm: {e:#}");
+                self.quiet.failed(&e.context("slurm"));
                 return;
             }
         };
@@ -303,7 +301,7 @@ impl Scaler for SlurmScaler {
 
     fn capacity(&mut self) -> Option<u32> {
         if let Some((t, n)) = self.idle
-            && t.elapsed() < POLL_EVERY
+            && (t.elapsed() < POLL_EVERY || !self.quiet.open())
         {
             return n;
         }
@@ -313,9 +311,12 @@ impl Scaler for SlurmScaler {
             args.push(p);
         }
         let n = match run("sinfo", &args) {
-            Ok(out) => Some(out.lines().filter_map(|l| l.trim().parse::<u32>().ok()).sum()),
+            Ok(out) => {
+                self.quiet.answered();
+                Some(out.lines().filter_map(|l| l.trim().parse::<u32>().ok()).sum())
+            }
             Err(e) => {
-                tracing::warn!("slurm: {e:#}");
+                self.quiet.failed(&e.context("slurm"));
                 None
             }
         };
@@ -369,7 +370,11 @@ mod tests {
             extra: vec!["--time=10".into()],
             pending_bound: Duration::from_secs(60),
         };
-        let s = SlurmScaler::for_program(opts, "/logs".into(), &["python".into(), "it's {x}.py".into()]);
+        let s = SlurmScaler::for_program(
+            opts,
+            "/logs".into(),
+            &["python".into(), "it's {x}.py".into(), "{id}".into()],
+        );
         let auth = JobAuth { job: "mnist".into(), secret: Secret::generate().unwrap() };
         let script = s.script(7, "10.0.0.1:7070", &auth);
         let lines: Vec<&str> = script.lines().collect();
@@ -379,7 +384,7 @@ mod tests {
         assert_eq!(
             lines[3],
             "exec 'env' 'EDL_COORDINATOR=10.0.0.1:7070' 'EDL_WORKER_ID=7' 'EDL_JOB=mnist' \
-             'PYTHONUNBUFFERED=1' 'python' 'it'\\''s {x}.py'"
+             'PYTHONUNBUFFERED=1' 'python' 'it'\\''s {x}.py' '{id}'"
         );
         let args = s.sbatch_args(7, "mnist");
         for want in ["--parsable", "--job-name=edl-mnist-7", "--output=/logs/worker-7.log", "--partition=gpu"]

@@ -35,7 +35,11 @@ use serde::{Deserialize, Serialize};
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::TcpListener,
-    sync::mpsc,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+        mpsc,
+    },
     time::{Duration, Instant},
 };
 
@@ -189,8 +193,9 @@ struct Launcher<'a> {
     /// What agents that came back said during the return (ranks that
     /// exited while the job had no launcher), for the group they run.
     replay: std::collections::VecDeque<(u64, FromAgent)>,
-    /// When the agents were last told this launcher is alive.
-    beat: Instant,
+    /// While set, each agent's heartbeat thread tells it this launcher is
+    /// alive (cleared once deposed, so its agents hear the silence).
+    leading: Arc<AtomicBool>,
 }
 
 /// What one event meant for the running group.
@@ -210,7 +215,6 @@ impl Launcher<'_> {
             std::thread::sleep(wait);
             return Happened::Nothing;
         }
-        self.heartbeat();
         if let Some((id, msg)) = self.replay.pop_front() {
             return Happened::Msg(id, msg);
         }
@@ -253,12 +257,15 @@ impl Launcher<'_> {
                     grace_ms: self.cfg.grace.as_millis() as u64,
                     follow: self.follow(),
                     reconnect_ms: self.hc.lead.as_ref().map_or(0, |l| l.reconnect.as_millis() as u64),
-                    lease_ms: self.hc.lease.as_millis() as u64,
+                    // Silence means a lost launcher only where there can
+                    // be another to follow.
+                    lease_ms: if self.follow().is_some() { self.hc.lease.as_millis() as u64 } else { 0 },
                 };
                 if let Err(e) = to.send(&welcome) {
                     on(Event::Host(format!("agent {id} on {host}: cannot send it the job: {e}")));
                     return Happened::Nothing;
                 }
+                self.beat(&to);
                 let Some(group) = running else {
                     on(Event::Host(format!("agent {id} joined from {host} (pid {pid})")));
                     self.agents.insert(id, Joined { conn: n, host, to });
@@ -305,20 +312,26 @@ impl Launcher<'_> {
             && let Some(why) = self.hold.as_ref().and_then(Hold::fenced)
         {
             self.scaler.release();
+            self.leading.store(false, Ordering::SeqCst);
             self.deposed = Some(why);
         }
         self.deposed.is_some()
     }
 
-    /// Tells the agents this launcher is alive, a few times per lease (an
-    /// agent that hears nothing for a lease looks for another launcher).
-    fn heartbeat(&mut self) {
-        if self.beat.elapsed() < self.hc.lease / 4 {
-            return;
-        }
-        self.beat = Instant::now();
-        for a in self.agents.values() {
-            let _ = a.to.send(&ToAgent::Heartbeat);
+    /// Tells the agent behind `to` that this launcher is alive, a few times
+    /// per lease, from a thread of its own: the launcher's loop may wait on
+    /// a stopping agent's command for longer than a lease, and an agent
+    /// that hears nothing for a lease looks for another launcher.
+    fn beat(&self, to: &proto::Sender) {
+        let (to, leading) = (to.clone(), self.leading.clone());
+        let every = (self.hc.lease / 4).max(Duration::from_millis(50));
+        let spawned = std::thread::Builder::new().name("edl-agent-beat".into()).spawn(move || {
+            while leading.load(Ordering::SeqCst) && to.send(&ToAgent::Heartbeat).is_ok() {
+                std::thread::sleep(every);
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!("no heartbeats for an agent: {e}");
         }
     }
 
@@ -482,7 +495,7 @@ pub fn run_hosts(
         returning: None,
         back: BTreeSet::new(),
         replay: Default::default(),
-        beat: Instant::now(),
+        leading: Arc::new(AtomicBool::new(true)),
     };
     let t0 = Instant::now();
     let mut agent = Agent::new(cfg.min_workers, cfg.max_workers, cfg.initial_workers, cfg.max_restarts);
