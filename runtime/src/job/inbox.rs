@@ -38,11 +38,24 @@ use std::{
 /// keep the connection alive and are not passed on.
 pub trait Message: serde::de::DeserializeOwned + Send + 'static {
     fn is_heartbeat(&self) -> bool;
+    /// The worker a message says it is, where that must be the one the
+    /// connection proved the secret as (a worker coming back to a new
+    /// coordinator names itself in its message).
+    fn names_worker(&self) -> Option<u64> {
+        None
+    }
 }
 
 impl Message for FromWorker {
     fn is_heartbeat(&self) -> bool {
         matches!(self, FromWorker::Heartbeat)
+    }
+
+    fn names_worker(&self) -> Option<u64> {
+        match self {
+            FromWorker::Return { worker, .. } => Some(*worker),
+            _ => None,
+        }
     }
 }
 
@@ -143,7 +156,7 @@ pub fn start_channel<M: Message>(
 ) -> io::Result<Arc<Gate>> {
     let poll = Poll::new()?;
     let waker = Arc::new(Waker::new(poll.registry(), WAKE)?);
-    let (new_tx, new_rx) = mpsc::channel::<(u64, TcpStream, Opener)>();
+    let (new_tx, new_rx) = mpsc::channel::<(u64, TcpStream, Opener, u64)>();
     let events = tx.clone();
     std::thread::Builder::new()
         .name("edl-control-in".into())
@@ -199,7 +212,7 @@ fn admit<M>(
     lease: Duration,
     next: &AtomicU64,
     tx: &mpsc::Sender<Inbound<M>>,
-    new_tx: &mpsc::Sender<(u64, TcpStream, Opener)>,
+    new_tx: &mpsc::Sender<(u64, TcpStream, Opener, u64)>,
     waker: &Waker,
 ) {
     let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a peer".into());
@@ -207,15 +220,16 @@ fn admit<M>(
     // A send to a worker that stopped reading fails instead of blocking the
     // coordinator; keepalive notices a peer whose host went away.
     let _ = conn.set_write_timeout(Some(SEND_TIMEOUT));
-    let keys = match auth::accept(&mut auth::Deadline::new(&mut conn, AUTH_TIMEOUT), &gate.auth.secret, |c| {
-        gate.check(c)
-    }) {
-        Ok((_, keys)) => keys,
-        Err(e) => {
-            tracing::warn!("refused a control connection from {peer}: {e}");
-            return;
-        }
-    };
+    let (who, keys) =
+        match auth::accept(&mut auth::Deadline::new(&mut conn, AUTH_TIMEOUT), &gate.auth.secret, |c| {
+            gate.check(c)
+        }) {
+            Ok((claim, keys)) => (claim.who, keys),
+            Err(e) => {
+                tracing::warn!("refused a control connection from {peer}: {e}");
+                return;
+            }
+        };
     let _ = conn.set_read_timeout(None);
     let _ = conn.set_nodelay(true);
     super::proto::keepalive(&conn);
@@ -224,7 +238,7 @@ fn admit<M>(
     let (sealer, opener) = keys.split();
     let n = next.fetch_add(1, Ordering::Relaxed);
     if tx.send(Inbound::Conn(n, Link::new(conn, Some(sealer)))).is_ok()
-        && new_tx.send((n, reader, opener)).is_ok()
+        && new_tx.send((n, reader, opener, who)).is_ok()
     {
         let _ = waker.wake();
     }
@@ -236,6 +250,8 @@ struct Open {
     /// Opens what the peer sealed.
     opener: Opener,
     peer: String,
+    /// The worker it proved the secret as (0: one to be given an id).
+    who: u64,
     pending: Vec<u8>,
     /// How much of `pending` is known to hold no line end: a line that comes
     /// in many reads is scanned once, not from its start at each.
@@ -246,7 +262,7 @@ struct Open {
 
 fn read_all<M: Message>(
     mut poll: Poll,
-    new: mpsc::Receiver<(u64, TcpStream, Opener)>,
+    new: mpsc::Receiver<(u64, TcpStream, Opener, u64)>,
     tx: mpsc::Sender<Inbound<M>>,
     lease: Duration,
 ) {
@@ -286,7 +302,7 @@ fn read_all<M: Message>(
         }
         for ev in events.iter() {
             if ev.token() == WAKE {
-                while let Ok((n, stream, opener)) = new.try_recv() {
+                while let Ok((n, stream, opener, who)) = new.try_recv() {
                     let fd = stream.as_raw_fd();
                     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "peer".into());
                     let added =
@@ -298,7 +314,15 @@ fn read_all<M: Message>(
                     }
                     open.insert(
                         n,
-                        Open { stream, opener, peer, pending: Vec::new(), scanned: 0, heard: Instant::now() },
+                        Open {
+                            stream,
+                            opener,
+                            peer,
+                            who,
+                            pending: Vec::new(),
+                            scanned: 0,
+                            heard: Instant::now(),
+                        },
                     );
                 }
                 continue;
@@ -362,6 +386,14 @@ fn drain<M: Message>(
             if msg.is_heartbeat() {
                 // Hearing it was the point; the coordinator need not.
                 continue;
+            }
+            if let Some(named) = msg.names_worker()
+                && named != conn.who
+            {
+                return Err(format!(
+                    "{}: says it is worker {named}, but proved the secret as worker {}",
+                    conn.peer, conn.who
+                ));
             }
             if tx.send(Inbound::Msg(n, msg)).is_err() {
                 return Err("the coordinator stopped".into());
@@ -520,6 +552,39 @@ mod tests {
         match next(&rx) {
             Inbound::Closed(10, why) => assert!(why.ends_with("connection closed"), "{why}"),
             _ => panic!("connection 10 closed"),
+        }
+    }
+
+    #[test]
+    fn a_worker_coming_back_may_name_itself_only() {
+        let (addr, rx, gate, a) = serve(Duration::from_secs(3600));
+        gate.set_generation(2);
+        gate.expect_return(Some((1, std::collections::BTreeSet::from([3, 4]))));
+        let back = |who: u64| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            let keys = auth::connect(&mut s, &a.secret, &a.claim("control", 1, who)).unwrap();
+            SealedStream::new(s, Some(keys)).unwrap()
+        };
+        let says = |worker: u64| {
+            let mut line =
+                serde_json::to_vec(&FromWorker::Return { worker, pid: 1, rollback: vec![5] }).unwrap();
+            line.push(b'\n');
+            line
+        };
+        let mut honest = back(3);
+        assert!(matches!(next(&rx), Inbound::Conn(0, _)));
+        honest.write_all(&says(3)).unwrap();
+        match next(&rx) {
+            Inbound::Msg(0, FromWorker::Return { worker: 3, .. }) => {}
+            _ => panic!("worker 3's return"),
+        }
+        // Worker 4 proved the secret as itself and claims to be worker 3.
+        let mut liar = back(4);
+        assert!(matches!(next(&rx), Inbound::Conn(1, _)));
+        liar.write_all(&says(3)).unwrap();
+        match next(&rx) {
+            Inbound::Closed(1, why) => assert!(why.contains("says it is worker 3, but proved"), "{why}"),
+            _ => panic!("the liar's connection closed"),
         }
     }
 
