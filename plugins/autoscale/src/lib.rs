@@ -72,33 +72,8 @@ pub struct Autoscale {
     straggler_min_obs: u32,
     straggler_persist: u32,
     straggler_cooldown: u32,
-    /// Settled throughput per world size (index = size).
-    measured: Vec<Option<f64>>,
-    /// Smallest size found not worth it.
-    ceiling: Option<u32>,
-    size: u32,
-    skip: u32,
-    samples: Vec<f64>,
-    /// Per-worker straggler evidence. Small vectors rather than maps: a job
-    /// has tens of workers, and a decision then allocates nothing.
-    tracked: Vec<Tracked>,
-    /// Per-worker throughput (upper median) per world size (index = size),
-    /// smoothed, and the number of readings behind it: what one worker gets
-    /// when that many share the cluster. Kept when the search restarts: a
-    /// drift is often a straggler's doing, and a stale value errs towards not
-    /// replacing.
-    share: Vec<(f64, u32)>,
-    /// Consecutive decisions whose size gave each worker less than the ratio
-    /// x what a smaller size did.
-    outgrown: u32,
-    /// True once that has lasted `straggler-persist` decisions: the evidence
-    /// that excuses a slow worker persists as long as the one that condemns it.
-    contended: bool,
-    /// Replacements asked for whose new worker has not been seen yet: the
-    /// next new workers are those replacements.
-    awaiting: u32,
-    /// Decisions left before another replacement may be asked for.
-    cooldown: u32,
+    /// What it learned of the job so far: handed over to a new instance.
+    mem: Memory,
     scratch: Vec<f64>,
 }
 
@@ -143,17 +118,7 @@ impl Default for Autoscale {
             straggler_min_obs: 3,
             straggler_persist: 3,
             straggler_cooldown: 10,
-            measured: Vec::new(),
-            ceiling: None,
-            size: 0,
-            skip: 0,
-            samples: Vec::new(),
-            tracked: Vec::new(),
-            share: Vec::new(),
-            outgrown: 0,
-            contended: false,
-            awaiting: 0,
-            cooldown: 0,
+            mem: Memory::default(),
             scratch: Vec::new(),
         }
     }
@@ -183,18 +148,18 @@ impl Autoscale {
         // measurement back: if its replacement never comes, the size search
         // must not wait for it forever (the replacement's arrival starts the
         // size's measurement again anyway).
-        !self.contended
-            && self.tracked.iter().any(|t| t.last < self.straggler_ratio && !t.replacement && !t.replaced)
+        !self.mem.contended
+            && self.mem.tracked.iter().any(|t| t.last < self.straggler_ratio && !t.replacement && !t.replaced)
     }
 
     /// Records what one worker gets at world size `k`: the mean of the
     /// readings until there are 1/alpha of them, an EWMA after, so a size
     /// visited for a few decisions is not judged by its first reading.
     fn record_share(&mut self, k: u32, per_worker: f64) {
-        if self.share.len() <= k as usize {
-            self.share.resize(k as usize + 1, (0.0, 0));
+        if self.mem.share.len() <= k as usize {
+            self.mem.share.resize(k as usize + 1, (0.0, 0));
         }
-        let (value, n) = &mut self.share[k as usize];
+        let (value, n) = &mut self.mem.share[k as usize];
         *n = n.saturating_add(1);
         let weight = self.alpha.max(1.0 / *n as f64);
         *value = weight * per_worker + (1.0 - weight) * *value;
@@ -204,35 +169,37 @@ impl Autoscale {
     /// x what one got at the best smaller size: workers then share devices
     /// or cores (or pay a per-worker overhead), a cause no replacement removes.
     fn outgrown_at(&self, k: u32) -> bool {
-        let Some(&(now, _)) = self.share.get(k as usize).filter(|s| s.1 > 0) else { return false };
-        let best = self.share.iter().take(k as usize).filter(|s| s.1 > 0).map(|s| s.0).fold(0.0, f64::max);
+        let Some(&(now, _)) = self.mem.share.get(k as usize).filter(|s| s.1 > 0) else { return false };
+        let best =
+            self.mem.share.iter().take(k as usize).filter(|s| s.1 > 0).map(|s| s.0).fold(0.0, f64::max);
         now < self.straggler_ratio * best
     }
 
     /// Updates the per-worker evidence; returns the worker to replace, if any.
     fn straggler(&mut self, view: &ClusterView) -> Option<u64> {
-        self.cooldown = self.cooldown.saturating_sub(1);
+        self.mem.cooldown = self.mem.cooldown.saturating_sub(1);
         let present = |id: u64| view.workers.iter().any(|w| w.id == id);
-        self.tracked.retain(|t| present(t.id));
+        self.mem.tracked.retain(|t| present(t.id));
         self.scratch.clear();
         self.scratch.extend(view.workers.iter().map(|w| w.throughput));
         let (median, upper) = middle(&mut self.scratch)?;
         self.record_share(view.world_size, upper);
-        self.outgrown = if self.outgrown_at(view.world_size) { self.outgrown.saturating_add(1) } else { 0 };
-        self.contended = self.outgrown >= self.straggler_persist;
+        self.mem.outgrown =
+            if self.outgrown_at(view.world_size) { self.mem.outgrown.saturating_add(1) } else { 0 };
+        self.mem.contended = self.mem.outgrown >= self.straggler_persist;
 
         let (ratio, alpha, persist) = (self.straggler_ratio, self.alpha, self.straggler_persist);
         for w in &view.workers {
-            let t = match self.tracked.iter().position(|t| t.id == w.id) {
-                Some(i) => &mut self.tracked[i],
+            let t = match self.mem.tracked.iter().position(|t| t.id == w.id) {
+                Some(i) => &mut self.mem.tracked[i],
                 None => {
                     // The first workers to appear after a Replace are taken
                     // for its replacements. A worker from a scale-out that was
                     // still starting may be taken instead; it then only has to
                     // show a full window at speed before it can be replaced.
-                    let replacement = self.awaiting > 0;
-                    self.awaiting -= u32::from(replacement);
-                    self.tracked.push(Tracked {
+                    let replacement = self.mem.awaiting > 0;
+                    self.mem.awaiting -= u32::from(replacement);
+                    self.mem.tracked.push(Tracked {
                         id: w.id,
                         relative: 1.0,
                         last: 1.0,
@@ -241,7 +208,7 @@ impl Autoscale {
                         replacement,
                         replaced: false,
                     });
-                    self.tracked.last_mut().expect("just pushed")
+                    self.mem.tracked.last_mut().expect("just pushed")
                 }
             };
             if median <= 0.0 {
@@ -259,11 +226,12 @@ impl Autoscale {
             }
         }
 
-        if view.workers.len() < 2 || median <= 0.0 || self.contended || self.cooldown > 0 {
+        if view.workers.len() < 2 || median <= 0.0 || self.mem.contended || self.mem.cooldown > 0 {
             return None;
         }
         let min_obs = self.straggler_min_obs;
         let slowest = self
+            .mem
             .tracked
             .iter_mut()
             .filter(|t| {
@@ -276,15 +244,15 @@ impl Autoscale {
             .min_by(|a, b| a.relative.total_cmp(&b.relative).then(a.id.cmp(&b.id)))?;
         slowest.replaced = true;
         let id = slowest.id;
-        self.awaiting += 1;
+        self.mem.awaiting += 1;
         // Counted down at the start of each decision: two replacements are at
         // least `straggler-cooldown` decisions apart.
-        self.cooldown = self.straggler_cooldown;
+        self.mem.cooldown = self.straggler_cooldown;
         Some(id)
     }
 
     fn measured_at(&self, size: u32) -> Option<f64> {
-        self.measured.get(size as usize).copied().flatten()
+        self.mem.measured.get(size as usize).copied().flatten()
     }
 
     /// Hours to finish `remaining` samples at `rate` samples/s.
@@ -304,54 +272,46 @@ impl Autoscale {
 /// The policy's memory between decisions (what `init` does not set): the
 /// size search, the straggler evidence and the per-worker shares, so that a
 /// coordinator taking the job over decides as this one would have.
-#[derive(Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Default, PartialEq, Serialize, Deserialize)]
 struct Memory {
+    /// Settled throughput per world size (index = size).
     measured: Vec<Option<f64>>,
+    /// Smallest size found not worth it.
     ceiling: Option<u32>,
     size: u32,
     skip: u32,
     samples: Vec<f64>,
+    /// Per-worker straggler evidence. Small vectors rather than maps: a job
+    /// has tens of workers, and a decision then allocates nothing.
     tracked: Vec<Tracked>,
+    /// Per-worker throughput (upper median) per world size (index = size),
+    /// smoothed, and the number of readings behind it: what one worker gets
+    /// when that many share the cluster. Kept when the search restarts: a
+    /// drift is often a straggler's doing, and a stale value errs towards not
+    /// replacing.
     share: Vec<(f64, u32)>,
+    /// Consecutive decisions whose size gave each worker less than the ratio
+    /// x what a smaller size did.
     outgrown: u32,
+    /// True once that has lasted `straggler-persist` decisions: the evidence
+    /// that excuses a slow worker persists as long as the one that condemns it.
     contended: bool,
+    /// Replacements asked for whose new worker has not been seen yet: the
+    /// next new workers are those replacements.
     awaiting: u32,
+    /// Decisions left before another replacement may be asked for.
     cooldown: u32,
 }
 
 impl ScalingPolicy for Autoscale {
     fn save_state(&self) -> Vec<u8> {
-        let m = Memory {
-            measured: self.measured.clone(),
-            ceiling: self.ceiling,
-            size: self.size,
-            skip: self.skip,
-            samples: self.samples.clone(),
-            tracked: self.tracked.clone(),
-            share: self.share.clone(),
-            outgrown: self.outgrown,
-            contended: self.contended,
-            awaiting: self.awaiting,
-            cooldown: self.cooldown,
-        };
         // Plain numbers and vectors: serialising them cannot fail.
-        serde_json::to_vec(&m).unwrap_or_default()
+        serde_json::to_vec(&self.mem).unwrap_or_default()
     }
 
     fn load_state(&mut self, state: &[u8]) -> Result<(), PluginError> {
-        let m: Memory = serde_json::from_slice(state)
+        self.mem = serde_json::from_slice(state)
             .map_err(|e| PluginError::InvalidInput(format!("not the autoscale policy's memory: {e}")))?;
-        self.measured = m.measured;
-        self.ceiling = m.ceiling;
-        self.size = m.size;
-        self.skip = m.skip;
-        self.samples = m.samples;
-        self.tracked = m.tracked;
-        self.share = m.share;
-        self.outgrown = m.outgrown;
-        self.contended = m.contended;
-        self.awaiting = m.awaiting;
-        self.cooldown = m.cooldown;
         Ok(())
     }
 
@@ -390,19 +350,19 @@ impl ScalingPolicy for Autoscale {
     fn decide(&mut self, view: &ClusterView) -> Vec<Action> {
         if let Some(id) = self.straggler(view) {
             // A replaced worker changes the throughput: measure this size again.
-            self.samples.clear();
-            self.skip = self.warmup;
+            self.mem.samples.clear();
+            self.mem.skip = self.warmup;
             return vec![Action::Replace(id)];
         }
 
         let k = view.world_size;
-        if k != self.size {
-            self.size = k;
-            self.samples.clear();
-            self.skip = self.warmup;
+        if k != self.mem.size {
+            self.mem.size = k;
+            self.mem.samples.clear();
+            self.mem.skip = self.warmup;
         }
-        if self.skip > 0 {
-            self.skip -= 1;
+        if self.mem.skip > 0 {
+            self.mem.skip -= 1;
             return vec![Action::Hold];
         }
         if self.lagging() {
@@ -411,35 +371,35 @@ impl ScalingPolicy for Autoscale {
             // (a noisy worker would otherwise keep emptying the window).
             return vec![Action::Hold];
         }
-        self.samples.push(view.throughput);
-        if self.samples.len() < self.window {
+        self.mem.samples.push(view.throughput);
+        if self.mem.samples.len() < self.window {
             return vec![Action::Hold];
         }
-        let r_k = self.samples.iter().sum::<f64>() / self.samples.len() as f64;
-        self.samples.clear();
+        let r_k = self.mem.samples.iter().sum::<f64>() / self.mem.samples.len() as f64;
+        self.mem.samples.clear();
         if let Some(old) = self.measured_at(k)
             && (r_k - old).abs() > self.drift * old
         {
             // The cluster changed under us (other jobs, slower links): search again.
-            self.measured.clear();
-            self.ceiling = None;
+            self.mem.measured.clear();
+            self.mem.ceiling = None;
         }
-        if self.measured.len() <= k as usize {
-            self.measured.resize(k as usize + 1, None);
+        if self.mem.measured.len() <= k as usize {
+            self.mem.measured.resize(k as usize + 1, None);
         }
-        self.measured[k as usize] = Some(r_k);
+        self.mem.measured[k as usize] = Some(r_k);
 
         if k > view.min_workers.max(1)
             && let Some(r_prev) = self.measured_at(k - 1)
         {
             let efficiency = (r_k - r_prev) / (r_k / k as f64);
             if efficiency <= self.threshold || !self.worth(view, k - 1, r_prev, k, r_k) {
-                self.ceiling = Some(k);
+                self.mem.ceiling = Some(k);
                 return vec![Action::ScaleIn(1)];
             }
         }
 
-        let below_ceiling = self.ceiling.is_none_or(|c| k + 1 < c);
+        let below_ceiling = self.mem.ceiling.is_none_or(|c| k + 1 < c);
         if below_ceiling && k < view.max_workers && view.free_slots > 0 {
             // Predict the next size from the last step (linear at first).
             let gain = match self.measured_at(k.saturating_sub(1)) {
@@ -629,7 +589,7 @@ mod tests {
                 }
             }
             let actions = p.decide(&v);
-            assert!(!p.contended, "the noise alone must not look like an outgrown machine");
+            assert!(!p.mem.contended, "the noise alone must not look like an outgrown machine");
             actions
         };
         // The cluster takes two devices back now and then and returns them,
@@ -680,7 +640,7 @@ mod tests {
         sim.apply(&[Action::ScaleOut(2)]);
         sim.set_speed(3, 0.6);
         history.extend(sim.run(40, |v| p.decide(v)));
-        assert!(p.contended);
+        assert!(p.mem.contended);
         assert_eq!(replaced(&history), Vec::<u64>::new());
     }
 
@@ -712,7 +672,7 @@ mod tests {
         let mut history = sim.run(20, |v| p.decide(v));
         assert_eq!(replaced(&history).len(), 1);
         let replacement = *sim.worker_ids().last().unwrap();
-        assert!(p.tracked.iter().any(|t| t.id == replacement && !t.replacement));
+        assert!(p.mem.tracked.iter().any(|t| t.id == replacement && !t.replacement));
         // Its device degrades later: then it is a straggler like any other.
         sim.set_speed(3, 0.5);
         history.extend(sim.run(20, |v| p.decide(v)));
