@@ -74,6 +74,32 @@ pub struct Handover {
     pub plugins: crate::job::coordinator::PluginMemory,
 }
 
+/// Tells, from any thread, whether a keeper's coordinator still holds its
+/// job: not when the store said another took it, nor once the lease has
+/// not been confirmed for its whole term by this process's own clock.
+#[derive(Clone)]
+pub struct Fence {
+    fenced: Arc<Mutex<Option<String>>>,
+    term: Arc<Mutex<Option<(std::time::Instant, Duration)>>>,
+}
+
+impl Fence {
+    /// Why this coordinator may no longer act, if so.
+    pub fn fenced(&self) -> Option<String> {
+        if let Some(why) = self.fenced.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Some(why);
+        }
+        let (confirmed, ttl) = (*self.term.lock().unwrap_or_else(|p| p.into_inner()))?;
+        (confirmed.elapsed() >= ttl).then(|| {
+            format!(
+                "fenced: the job's lease could not be renewed for {:.1} s, its whole term (the store does not \
+                 answer); another coordinator may hold it now, so this one stops",
+                confirmed.elapsed().as_secs_f64()
+            )
+        })
+    }
+}
+
 /// Writes the job's state and worker leases in the background.
 pub struct StoreKeeper {
     tx: mpsc::UnboundedSender<Cmd>,
@@ -258,17 +284,12 @@ impl StoreKeeper {
 
     /// Why this coordinator may no longer write the job's state, if so.
     pub fn fenced(&self) -> Option<String> {
-        if let Some(why) = self.fenced.lock().unwrap_or_else(|p| p.into_inner()).clone() {
-            return Some(why);
-        }
-        let (confirmed, ttl) = (*self.term.lock().unwrap_or_else(|p| p.into_inner()))?;
-        (confirmed.elapsed() >= ttl).then(|| {
-            format!(
-                "fenced: the job's lease could not be renewed for {:.1} s, its whole term (the store does not \
-                 answer); another coordinator may hold it now, so this one stops",
-                confirmed.elapsed().as_secs_f64()
-            )
-        })
+        self.fence().fenced()
+    }
+
+    /// The same answer, for other threads of this coordinator.
+    pub fn fence(&self) -> Fence {
+        Fence { fenced: self.fenced.clone(), term: self.term.clone() }
     }
 
     /// Waits (at most `within`) until everything queued so far was tried.
@@ -291,14 +312,17 @@ impl StoreKeeper {
 }
 
 /// Writes the job's state if the key still holds this coordinator's last
-/// write (`token`), each store call bounded by `bound` (a third of the
-/// lease: a write stuck in a replicated store's election must not hold up
-/// the lease's renewal). A conflict is not another coordinator's doing
-/// when the key holds
-/// - the bytes of this coordinator's write whose answer never came
-///   (`lost`: a timeout, a leader lost mid-call), which the store applied;
-/// - a state a coordinator with a lower lease token than `mine` wrote: a
-///   deposed one's late write, landed after this one took the job over.
+/// write (`token`), all its store calls together bounded by `bound` (a
+/// third of the lease: a write stuck in a replicated store's election must
+/// not hold up the lease's renewal). A conflict is not another
+/// coordinator's doing when the key holds
+/// - a state that names this coordinator's lease token (`mine`) as its
+///   leader: its own write whose answer never came (a timeout, a leader
+///   lost mid-call), which the store applied;
+/// - a state a coordinator with a lower lease token wrote: a deposed one's
+///   late write, landed after this one took the job over;
+/// - the bytes of the last write whose answer never came (`lost`), for a
+///   state that names no leader.
 async fn write_state(
     store: &AnyStore,
     key: &str,
@@ -309,9 +333,10 @@ async fn write_state(
     mine: Option<u64>,
 ) -> Result<(), String> {
     let value = serde_json::to_vec(s).map_err(|e| e.to_string())?;
+    let until = tokio::time::Instant::now() + bound;
     let mut overwritten = false;
     loop {
-        let answer = match within(bound, store.compare_and_set(key, *token, &value, None)).await {
+        let answer = match within(until, store.compare_and_set(key, *token, &value, None)).await {
             Ok(a) => a,
             Err(e) => {
                 *lost = Some(value);
@@ -329,10 +354,11 @@ async fn write_state(
             Cas::Conflict { current } if overwritten => return Err(fenced(*token, current)),
             Cas::Conflict { current: None } => return Err(fenced(*token, None)),
             Cas::Conflict { current: Some(theirs) } => {
-                let held = within(bound, store.get(key)).await?.filter(|e| e.token == theirs);
-                let ours = held.as_ref().zip(lost.as_ref()).is_some_and(|(e, mine)| &e.value == mine);
-                let deposed =
-                    held.as_ref().and_then(|e| leader_token(&e.value)).zip(mine).is_some_and(|(t, m)| t < m);
+                let held = within(until, store.get(key)).await?.filter(|e| e.token == theirs);
+                let led = held.as_ref().and_then(|e| leader_token(&e.value));
+                let ours = led.zip(mine).is_some_and(|(t, m)| t == m)
+                    || held.as_ref().zip(lost.as_ref()).is_some_and(|(e, sent)| &e.value == sent);
+                let deposed = led.zip(mine).is_some_and(|(t, m)| t < m);
                 if !(ours || deposed) {
                     return Err(fenced(*token, Some(theirs)));
                 }
@@ -357,14 +383,15 @@ fn leader_token(value: &[u8]) -> Option<u64> {
     s.handover.map(|h| h.leader.token).or(s.torchrun.map(|g| g.leader.token))
 }
 
-/// A store call, bounded: an error means its answer was not had.
+/// A store call that must answer by `until`: an error means its answer
+/// was not had.
 async fn within<T>(
-    bound: Duration,
+    until: tokio::time::Instant,
     call: impl std::future::Future<Output = Result<T, crate::store::StoreError>>,
 ) -> Result<T, String> {
-    tokio::time::timeout(bound, call)
+    tokio::time::timeout_at(until, call)
         .await
-        .map_err(|_| format!("no answer within {bound:?}"))?
+        .map_err(|_| "the store did not answer in time".to_string())?
         .map_err(|e| e.to_string())
 }
 
@@ -693,6 +720,12 @@ mod tests {
             write_state(&store, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5)).await.unwrap();
             let held = store.get("s").await.unwrap().unwrap();
             assert_eq!(leader_token(&held.value), Some(5));
+            // Two writes of this one's lost their answers, and the store
+            // applied the first: the key names this one, so it is its own.
+            let first = JobState { committed_steps: 1, ..led_by(5) };
+            store.compare_and_set("s", token, &serde_json::to_vec(&first).unwrap(), None).await.unwrap();
+            lost = Some(serde_json::to_vec(&JobState { committed_steps: 2, ..led_by(5) }).unwrap());
+            write_state(&store, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5)).await.unwrap();
             // A coordinator with a higher token than this one's wrote: fenced.
             store.compare_and_set("s", token, &serde_json::to_vec(&led_by(8)).unwrap(), None).await.unwrap();
             let err = write_state(&store, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5))

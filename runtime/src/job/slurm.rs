@@ -300,8 +300,12 @@ impl Scaler for SlurmScaler {
     }
 
     fn capacity(&mut self) -> Option<u32> {
+        if !self.quiet.open() {
+            // Slurm does not answer: what it said before may no longer hold.
+            return None;
+        }
         if let Some((t, n)) = self.idle
-            && (t.elapsed() < POLL_EVERY || !self.quiet.open())
+            && t.elapsed() < POLL_EVERY
         {
             return n;
         }
@@ -337,6 +341,8 @@ impl Scaler for SlurmScaler {
 
 impl Drop for SlurmScaler {
     fn drop(&mut self) {
+        // Whatever the pause, the queue is asked once more before cancelling.
+        self.quiet = Default::default();
         for t in self.stopping.drain(..) {
             let _ = t.join();
         }

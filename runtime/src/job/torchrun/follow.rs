@@ -162,6 +162,11 @@ impl Hold {
         self.keeper.fenced()
     }
 
+    /// The same answer, for the launcher's other threads.
+    pub fn fence(&self) -> crate::job::keeper::Fence {
+        self.keeper.fence()
+    }
+
     /// The job ended: the store says so (agents looking stop looking) and
     /// the lease is given up.
     pub fn finish(&self) {

@@ -257,9 +257,9 @@ impl Launcher<'_> {
                     grace_ms: self.cfg.grace.as_millis() as u64,
                     follow: self.follow(),
                     reconnect_ms: self.hc.lead.as_ref().map_or(0, |l| l.reconnect.as_millis() as u64),
-                    // Silence means a lost launcher only where there can
-                    // be another to follow.
-                    lease_ms: if self.follow().is_some() { self.hc.lease.as_millis() as u64 } else { 0 },
+                    // Heartbeats come from threads of their own (`beat`):
+                    // silence is a launcher frozen, gone or cut off.
+                    lease_ms: self.hc.lease.as_millis() as u64,
                 };
                 if let Err(e) = to.send(&welcome) {
                     on(Event::Host(format!("agent {id} on {host}: cannot send it the job: {e}")));
@@ -324,9 +324,14 @@ impl Launcher<'_> {
     /// that hears nothing for a lease looks for another launcher.
     fn beat(&self, to: &proto::Sender) {
         let (to, leading) = (to.clone(), self.leading.clone());
+        // The lease's own end is checked too: the launcher's loop that
+        // would notice it may be waiting on an agent's stop.
+        let fence = self.hold.as_ref().map(Hold::fence);
+        let leads =
+            move || leading.load(Ordering::SeqCst) && fence.as_ref().is_none_or(|f| f.fenced().is_none());
         let every = (self.hc.lease / 4).max(Duration::from_millis(50));
         let spawned = std::thread::Builder::new().name("edl-agent-beat".into()).spawn(move || {
-            while leading.load(Ordering::SeqCst) && to.send(&ToAgent::Heartbeat).is_ok() {
+            while leads() && to.send(&ToAgent::Heartbeat).is_ok() {
                 std::thread::sleep(every);
             }
         });
