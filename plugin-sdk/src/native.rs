@@ -444,6 +444,9 @@ pub unsafe fn plugin_load_state<T>(
     len: usize,
     load: fn(&mut T, &[u8]) -> Result<(), PluginError>,
 ) -> i32 {
+    // SAFETY: the caller (the runtime) passes a slice of `len` live bytes
+    // for the call's duration, as for every other input of this ABI; a
+    // null pointer or 0 reads as empty, and a null handle is refused.
     let bytes = unsafe { RawSlice { ptr, len }.as_slice() };
     unsafe { with_instance::<T>(handle, |inst| load(&mut inst.plugin, bytes)) }
 }

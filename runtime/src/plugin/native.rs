@@ -91,14 +91,29 @@ impl Common {
     fn save_state(&mut self) -> Result<Option<Vec<u8>>, Error> {
         let Some(f) = self.state else { return Ok(None) };
         let mut out = RawSlice::empty();
+        // SAFETY: the handle is this instance's own, `out` a live local.
         let code = unsafe { (f.save)(self.handle, &mut out) };
         self.check("save", code)?;
-        // The bytes belong to the instance until its next call: copied now.
+        // A length past the contract's cap is refused before a byte is read
+        // (a bogus one would read far past the plugin's buffer).
+        if out.len > super::contract::MAX_STATE_BYTES {
+            let detail = format!(
+                "save returned {} bytes, more than the {} allowed",
+                out.len,
+                super::contract::MAX_STATE_BYTES
+            );
+            return Err(native_err(&self.path, detail));
+        }
+        // SAFETY: the SDK's export hands out its own buffer of `len` bytes,
+        // valid until the instance's next call (null or 0: none); `len` is
+        // bounded above. The bytes are copied now.
         Ok(Some(unsafe { out.as_slice() }.to_vec()))
     }
 
     fn load_state(&mut self, bytes: &[u8]) -> Result<bool, Error> {
         let Some(f) = self.state else { return Ok(false) };
+        // SAFETY: `bytes` is a live slice; the plugin reads `len` bytes of it
+        // during the call only.
         let code = unsafe { (f.load)(self.handle, bytes.as_ptr(), bytes.len()) };
         self.check("load", code).map(|()| true)
     }
