@@ -427,6 +427,8 @@ pub unsafe fn plugin_save_state<T>(
     out: *mut RawSlice<u8>,
     save: fn(&T) -> Vec<u8>,
 ) -> i32 {
+    // SAFETY: a null handle or output is refused; the slice handed out is
+    // the instance's own buffer, valid until its next call.
     unsafe {
         with_instance::<T>(handle, |inst| {
             let out = out.as_mut().ok_or_else(|| PluginError::InvalidInput("null output".into()))?;
