@@ -95,6 +95,10 @@ pub struct Membership {
     replacing: BTreeMap<WorkerId, WorkerId>,
     /// Replaced workers kept one more step to hand their state over.
     retiring: Vec<WorkerId>,
+    /// Sole members told to go by their scheduler, with the reason: each
+    /// leaves once another worker holds the state, whichever worker that
+    /// is (its own replacement may never start).
+    told: BTreeMap<WorkerId, String>,
     /// Connections that ended.
     closed: BTreeSet<Conn>,
     /// Membership changed since the last generation was formed.
@@ -125,6 +129,7 @@ impl Membership {
             members: Vec::new(),
             replacing: BTreeMap::new(),
             retiring: Vec::new(),
+            told: BTreeMap::new(),
             closed: BTreeSet::new(),
             changed: true,
             commands: VecDeque::new(),
@@ -387,11 +392,22 @@ impl Membership {
         for old in std::mem::take(&mut self.retiring) {
             if let Some(i) = self.members.iter().position(|m| m.id == old) {
                 let m = self.members.remove(i);
-                self.stop(&m, "replaced".into(), STOP_GRACE);
-                out.reasons.push(format!("worker {old} left after handing over its state"));
+                match self.told.remove(&old) {
+                    Some(why) => {
+                        self.stop(&m, format!("left with notice ({why})"), STOP_GRACE);
+                        out.reasons.push(format!(
+                            "worker {old} left with notice ({why}) after handing over its state"
+                        ));
+                    }
+                    None => {
+                        self.stop(&m, "replaced".into(), STOP_GRACE);
+                        out.reasons.push(format!("worker {old} left after handing over its state"));
+                    }
+                }
                 self.changed = true;
             }
         }
+        self.told.retain(|id, _| self.members.iter().any(|m| m.id == *id));
         let stateful = self.members.len();
         while admit && !self.joiners.is_empty() {
             let j = self.joiners.remove(0);
@@ -415,8 +431,34 @@ impl Membership {
             out.admitted += 1;
             self.changed = true;
         }
+        if out.admitted > 0 {
+            self.release_told(stateful, init_pending, &mut out);
+        }
         out.changed = std::mem::take(&mut self.changed);
         out
+    }
+
+    /// Workers told to go that stayed as the only holders of the state
+    /// leave now that others joined: at once where another member holds
+    /// the state too (or a checkpoint gives it), after this generation's
+    /// broadcast otherwise.
+    fn release_told(&mut self, stateful: usize, init_pending: bool, out: &mut Boundary) {
+        let told: Vec<WorkerId> = self.told.keys().copied().collect();
+        for id in told {
+            if self.retiring.contains(&id) {
+                continue;
+            }
+            let Some(i) = self.members.iter().position(|m| m.id == id) else { continue };
+            if stateful == 1 && i == 0 && !init_pending {
+                self.retiring.push(id);
+                out.reasons.push(format!("worker {id} hands over its state before it leaves"));
+            } else if self.members.len() > 1 {
+                let m = self.members.remove(i);
+                let why = self.told.remove(&id).unwrap_or_default();
+                self.stop(&m, format!("left with notice ({why})"), STOP_GRACE);
+                out.reasons.push(format!("worker {id} left with notice ({why})"));
+            }
+        }
     }
 
     /// The step failed: the `dead` members are dropped, and workers are
@@ -517,6 +559,7 @@ impl Membership {
         let why = format!("left with notice ({reason})");
         if let Some(i) = self.members.iter().position(|m| m.id == worker) {
             if self.members.len() == 1 {
+                self.told.insert(worker, reason.to_string());
                 let new = match self.replacing.iter().find(|(_, o)| **o == worker) {
                     Some((new, _)) => *new,
                     None => {
@@ -533,6 +576,7 @@ impl Membership {
             let m = self.members.remove(i);
             self.stop(&m, why.clone(), STOP_GRACE);
             self.retiring.retain(|r| *r != worker);
+            self.told.remove(&worker);
             self.changed = true;
         } else if let Some(i) = self.joiners.iter().position(|w| w.id == worker) {
             let w = self.joiners.remove(i);
@@ -710,6 +754,52 @@ mod tests {
         assert!(one.leave(t, 1, "SIGTERM").is_some());
         assert_eq!(drain(&mut one), vec![Command::Spawn { worker: 2 }]);
         assert_eq!(one.world(), 1);
+    }
+
+    #[test]
+    fn a_sole_worker_told_to_go_leaves_once_any_other_worker_holds_the_state() {
+        let t = Instant::now();
+        let mut one = formed(1, 1, 3, t);
+        one.leave(t, 1, "SIGTERM on n1").unwrap();
+        assert_eq!(drain(&mut one), vec![Command::Spawn { worker: 2 }]);
+        // Its replacement never starts (the partition is down)...
+        one.handle(t, Event::Exited { worker: 2, status: "Slurm did not start it".into() });
+        drain(&mut one);
+        assert!(!one.boundary(true, false).changed);
+        assert_eq!(one.world(), 1, "the only state stays");
+        // ...but the policy's new workers join: the told worker hands its
+        // state over in their first generation and leaves at the next boundary.
+        assert!(one.apply_decision(t, &[Action::ScaleOut(2)]).is_some());
+        for (id, conn) in [(3, 203), (4, 204)] {
+            one.handle(t, Event::Hello { conn, worker: id, pid: 3000 + id as u32 });
+            one.handle(t, Event::Ready { conn });
+        }
+        drain(&mut one);
+        let b = one.boundary(true, false);
+        assert_eq!(b.admitted, 2);
+        assert_eq!(one.members()[0].id, 1, "rank 0 broadcasts the state");
+        assert!(stops(&drain(&mut one)).is_empty());
+        let b = one.boundary(true, false);
+        assert!(b.changed);
+        assert!(
+            b.reasons
+                .iter()
+                .any(|r| r == "worker 1 left with notice (SIGTERM on n1) after handing over its state"),
+            "{:?}",
+            b.reasons
+        );
+        assert_eq!(stops(&drain(&mut one)), vec![1]);
+        assert_eq!(one.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![3, 4]);
+        // Where a checkpoint gives the state, it leaves at once.
+        let mut two = formed(1, 1, 3, t);
+        two.leave(t, 1, "SIGTERM").unwrap();
+        drain(&mut two);
+        two.handle(t, Event::Hello { conn: 202, worker: 2, pid: 22 });
+        two.handle(t, Event::Ready { conn: 202 });
+        // (the replacement joined, but the generation loads a checkpoint)
+        let b = two.boundary(true, true);
+        assert!(b.reasons.iter().any(|r| r.contains("worker 1 replaced by 2")), "{:?}", b.reasons);
+        assert_eq!(two.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![2]);
     }
 
     #[test]

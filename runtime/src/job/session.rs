@@ -461,6 +461,7 @@ impl Session {
             self.spec.samples = n as usize;
         }
         self.out.send(&FromWorker::Ready { samples })?;
+        tracing::info!("worker {}: ready; it joins the job at the next step boundary", self.id);
         Ok(())
     }
 
@@ -1043,6 +1044,11 @@ impl Session {
             .with_auth(self.auth.clone(), g.generation);
         let mut ring = TcpRing::connect(g.rank, g.world, &rdv, opts)
             .with_context(|| format!("building the ring of generation {}", g.generation))?;
+        if g.world > 1 && g.rank == 0 && self.applied.is_none() {
+            // Rank 0's state becomes everyone's: one it does not have is
+            // no state at all.
+            bail!("rank 0 of a world of {} with a worker that has no state", g.world);
+        }
         if g.world > 1 {
             let mut values = self.spare.take().unwrap_or_default();
             if self.applied.is_some() {

@@ -776,3 +776,74 @@ fn a_worker_told_to_go_by_a_notice_file_or_a_notice_command_leaves_without_a_red
     assert!(!events.iter().any(|e| e["reason"].as_str().unwrap().contains("lost")), "{events:?}");
     assert_eq!(r["workers_started"].as_array().unwrap().len(), 3, "{r}");
 }
+
+#[test]
+fn a_sole_worker_lost_while_its_replacement_is_ready_restarts_from_the_newest_checkpoint() {
+    // The only worker is told to go and a replacement is started; before
+    // the replacement is given the state, the worker dies. The replacement
+    // has nothing to take the state from: the job goes back to its newest
+    // checkpoint instead of forming a generation that holds no state.
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let template = format!(
+        "touch {d}/started-{{id}}; while [ {{id}} -gt 1 ] && [ ! -e {d}/go-{{id}} ]; do sleep 0.05; done; \
+         exec env EDL_NOTICE_FILE={d}/notice-{{id}} {{program}}"
+    );
+    let hold = ["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold"];
+    let bounds = ["--workers", "1", "--min-workers", "1", "--max-workers", "2", "--epochs", "20"];
+    let scaler = ["--scaler", "command", "--worker-command", &template, "--hosts", "here:2"];
+    // Only the kill below ends worker 1: no lease or step bound runs out first.
+    let bounds_in_time =
+        ["--worker-lease-secs", "600", "--step-timeout-secs", "600", "--step-delay-ms", "40"];
+    let args = [&hold[..], &bounds[..], &scaler[..], &bounds_in_time[..]].concat();
+    let mut c = small(dir.path(), &args).spawn().unwrap();
+    let coordinator = c.id();
+    let rx = lines(&mut c);
+    let mut seen = Vec::new();
+    crate::elastic::wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    std::fs::write(dir.path().join("notice-1"), b"").unwrap();
+    crate::elastic::wait_for(&rx, "worker 1 was told to go", &mut seen, Duration::from_secs(60));
+    until("the replacement to be started", || dir.path().join("started-2").exists());
+    let is_worker = |cmd: &str, id: &str| {
+        let words: Vec<&str> = cmd.split_whitespace().collect();
+        words.contains(&"worker") && words.windows(2).any(|w| w == ["--id", id])
+    };
+    let (first, _) = crate::elastic::children(coordinator)
+        .into_iter()
+        .find(|(_, cmd)| is_worker(cmd, "1"))
+        .expect("worker 1 among the coordinator's children");
+    // Frozen, worker 1 commits nothing more: the replacement cannot be
+    // admitted before it dies.
+    // SAFETY: signalling a child of the job under test.
+    unsafe { libc::kill(first as i32, libc::SIGSTOP) };
+    std::fs::write(dir.path().join("go-2"), b"").unwrap();
+    until("the replacement to be ready", || {
+        walkdir::WalkDir::new(dir.path())
+            .into_iter()
+            .flatten()
+            .find(|e| e.path().ends_with("logs/worker-2.log"))
+            .and_then(|e| std::fs::read_to_string(e.path()).ok())
+            .is_some_and(|t| t.contains("worker 2: ready"))
+    });
+    // SAFETY: as above.
+    unsafe { libc::kill(first as i32, libc::SIGKILL) };
+    let status = finish(c, rx, &mut seen);
+    let out = seen.join("\n");
+    assert!(status.success(), "{out}");
+    assert!(
+        out.contains(
+            "no worker holding the state is left (1 joining have none); restarting from the newest checkpoint"
+        ),
+        "{out}"
+    );
+    crate::cluster::assert_exactly_once(&report(dir.path()), 20, 400);
+}
+
+/// Waits (up to two minutes) for `f` to hold.
+fn until(what: &str, f: impl Fn() -> bool) {
+    let end = std::time::Instant::now() + Duration::from_secs(120);
+    while !f() {
+        assert!(std::time::Instant::now() < end, "waited two minutes for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

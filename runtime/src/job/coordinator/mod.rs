@@ -390,7 +390,9 @@ impl Coordinator<'_> {
         let mut phase = JobPhase::new(total, Duration::from_millis(self.cfg.spec.teacher_wait_ms));
         loop {
             self.fenced()?;
-            if self.m.world() == 0 && self.m.joiners() == 0 {
+            // The state lives in the members alone: with none left, the
+            // workers that are joining have nothing to take it from.
+            if self.m.world() == 0 {
                 self.recover_from_nothing()?;
             }
             match phase.next(self.epoch) {

@@ -274,7 +274,13 @@ impl Coordinator<'_> {
 
     /// Every worker is gone: start over from the newest checkpoint with new ones.
     pub(super) fn recover_from_nothing(&mut self) -> Result<()> {
-        self.note("no worker left; restarting from the newest checkpoint".into());
+        let joining = self.m.joiners();
+        self.note(match joining {
+            0 => "no worker left; restarting from the newest checkpoint".into(),
+            n => format!(
+                "no worker holding the state is left ({n} joining have none); restarting from the newest checkpoint"
+            ),
+        });
         match self.checkpoints().latest().context("listing the checkpoints to restart from")?.0 {
             Some(r) => {
                 let book: Bookkeeping = serde_json::from_value(r.manifest.plugin_state.clone())
