@@ -79,6 +79,15 @@ pub struct Boundary {
     pub reasons: Vec<String>,
 }
 
+/// What a worker told to go does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Leave {
+    /// It left: the next generation is formed without it.
+    Now(String),
+    /// It holds the only state: it stays until another worker holds it.
+    AfterHandover(String),
+}
+
 /// The job's workers in every state, and the bounds it keeps them in.
 #[derive(Debug)]
 pub struct Membership {
@@ -555,7 +564,7 @@ impl Membership {
     /// member first hands its state to a replacement), and workers are
     /// started to keep the minimum. Returns what happened, None when it
     /// was not in the job.
-    pub fn leave(&mut self, now: Instant, worker: WorkerId, reason: &str) -> Option<String> {
+    pub fn leave(&mut self, now: Instant, worker: WorkerId, reason: &str) -> Option<Leave> {
         let why = format!("left with notice ({reason})");
         if let Some(i) = self.members.iter().position(|m| m.id == worker) {
             if self.members.len() == 1 {
@@ -569,9 +578,9 @@ impl Membership {
                         new
                     }
                 };
-                return Some(format!(
+                return Some(Leave::AfterHandover(format!(
                     "worker {worker} was told to go ({reason}): it hands its state to worker {new} first"
-                ));
+                )));
             }
             let m = self.members.remove(i);
             self.stop(&m, why.clone(), STOP_GRACE);
@@ -593,7 +602,7 @@ impl Membership {
         if have < self.min {
             self.spawn(now, self.min - have);
         }
-        Some(format!("worker {worker} {why}"))
+        Some(Leave::Now(format!("worker {worker} {why}")))
     }
 
     /// The id of the worker on `conn`, in any state.
@@ -734,7 +743,7 @@ mod tests {
     fn a_worker_told_to_go_leaves_as_a_scale_in_and_a_sole_one_hands_over_first() {
         let t = Instant::now();
         let mut m = formed(3, 2, 3, t);
-        assert_eq!(m.leave(t, 2, "SIGTERM").as_deref(), Some("worker 2 left with notice (SIGTERM)"));
+        assert_eq!(m.leave(t, 2, "SIGTERM"), Some(Leave::Now("worker 2 left with notice (SIGTERM)".into())));
         let cmds = drain(&mut m);
         assert!(
             matches!(&cmds[..], [Command::Stop { worker: 2, reason, .. }] if reason == "left with notice (SIGTERM)"),
@@ -750,7 +759,10 @@ mod tests {
         // replacement, however often it is told).
         let mut one = formed(1, 1, 2, t);
         let said = one.leave(t, 1, "SIGTERM").unwrap();
-        assert!(said.contains("hands its state to worker 2"), "{said}");
+        assert!(
+            matches!(&said, Leave::AfterHandover(s) if s.contains("hands its state to worker 2")),
+            "{said:?}"
+        );
         assert!(one.leave(t, 1, "SIGTERM").is_some());
         assert_eq!(drain(&mut one), vec![Command::Spawn { worker: 2 }]);
         assert_eq!(one.world(), 1);

@@ -78,7 +78,7 @@ impl<'h> Slurm<'h> {
              SlurmdPidFile={dpid}\nSlurmctldLogFile={ctldlog}\nSlurmdLogFile={dlog}\n\
              ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nJobAcctGatherType=jobacct_gather/none\n\
              AccountingStorageType=accounting_storage/none\nSelectType=select/cons_tres\n\
-             SelectTypeParameters=CR_Core\nReturnToService=2\nMpiDefault=none\nKillWait=10\nMinJobAge=600\n\
+             SelectTypeParameters=CR_Core\nReturnToService=2\nMpiDefault=none\nKillWait=30\nMinJobAge=600\n\
              SchedulerParameters=sched_interval=2\n",
             // The controller is this machine (the hosts share its name), at ctl's address.
             me = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim().to_string(),
@@ -265,6 +265,9 @@ fn a_job_runs_on_slurm_grows_loses_a_node_has_a_worker_preempted_with_notice_and
         }
     }
     let node = downed.expect("a node set down under a worker");
+    // A worker there that held the job's only state hands it to a
+    // replacement on another node first, within Slurm's KillWait.
+    wait_for(&rx, &format!("left with notice (SIGTERM on {node})"), &mut seen, Duration::from_secs(60));
 
     // The partition goes down: the workers the policy asks for meanwhile
     // stay pending, are cancelled after the bound and reported; the job

@@ -30,7 +30,7 @@ pub use resume::{DataIdentity, mark_complete};
 use super::inbox::Inbound;
 pub use super::keeper::JobState;
 use super::ledger::Ledger;
-use super::membership::Membership;
+use super::membership::{Leave, Membership};
 use super::phase::{JobPhase, Phase};
 use super::pipeline::Pipeline;
 use super::proto::StepPlan;
@@ -529,7 +529,12 @@ impl Coordinator<'_> {
         let from = self.m.world();
         let mut left = Vec::new();
         for (id, why) in std::mem::take(&mut self.leaving) {
-            left.extend(self.m.leave(Instant::now(), id, &why));
+            match self.m.leave(Instant::now(), id, &why) {
+                Some(Leave::Now(said)) => left.push(said),
+                // Nothing changes yet: the change is said when it happens.
+                Some(Leave::AfterHandover(said)) => self.note(said),
+                None => {}
+            }
         }
         self.execute();
         if !left.is_empty() {
