@@ -72,6 +72,11 @@ pub struct Handover {
     /// The policy's and the adapter's memory at this step.
     #[serde(default)]
     pub plugins: crate::job::coordinator::PluginMemory,
+    /// How the scheduler knows each member (`slurm:123`, `pod:...`,
+    /// `slot:host/0`): the coordinator that takes over stops, reports and
+    /// places around them as its own.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub handles: std::collections::BTreeMap<u64, String>,
 }
 
 /// Tells, from any thread, whether a keeper's coordinator still holds its
@@ -708,6 +713,7 @@ mod tests {
                     nproc: 1,
                     restart_count: 0,
                     leader: crate::job::proto::Leader { addr: "10.0.0.2:7070".into(), token },
+                    handles: Default::default(),
                 }),
                 ..Default::default()
             };

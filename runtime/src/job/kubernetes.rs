@@ -418,6 +418,14 @@ impl Scaler for KubernetesScaler {
         // are its, and nothing here deletes them.
         self.pods.clear();
     }
+
+    fn adopt(&mut self, id: u64, handle: &str, job: &str) -> bool {
+        let Some(name) = handle.strip_prefix("pod:").filter(|n| !n.is_empty()) else { return false };
+        self.job = job.to_string();
+        self.pods.insert(id, (name.to_string(), Instant::now()));
+        self.handles.insert(id, handle.to_string());
+        true
+    }
 }
 
 impl Drop for KubernetesScaler {
@@ -543,5 +551,17 @@ mod tests {
         ));
         assert!(matches!(judge("w1", &Seen::Gone, early, bound), Verdict::Ended(w) if w.contains("gone")));
         assert!(matches!(judge("w1", &phase("Succeeded", None), early, bound), Verdict::Ended(_)));
+    }
+
+    #[test]
+    fn a_coordinator_that_took_the_job_over_takes_its_workers_pods_as_its_own() {
+        let mut s = KubernetesScaler::new(opts()).unwrap();
+        assert!(s.adopt(3, "pod:edl-mnist-w3-x7k2p", "mnist"));
+        assert!(!s.adopt(4, "pod:", "mnist") && !s.adopt(4, "slurm:12", "mnist"));
+        assert_eq!(s.pods.get(&3).map(|(n, _)| n.as_str()), Some("edl-mnist-w3-x7k2p"));
+        assert_eq!(s.handle(3).as_deref(), Some("pod:edl-mnist-w3-x7k2p"));
+        // Its Pods are listed by the job's label, as those it made.
+        assert_eq!(s.job, "mnist");
+        s.release();
     }
 }

@@ -62,9 +62,18 @@ pub trait Scaler: Send {
     fn capacity(&mut self) -> Option<u32> {
         None
     }
-    /// How the scheduler knows worker `id` (`slurm:123`), for the report.
+    /// How the scheduler knows worker `id` (`slurm:123`), for the report
+    /// and for a coordinator that takes the job over.
     fn handle(&self, _id: u64) -> Option<String> {
         None
+    }
+    /// Worker `id`, started by the coordinator this one took the job over
+    /// from, is known to the scheduler as `handle` (what [`Scaler::handle`]
+    /// said there): this scaler stops it, reports it and counts its place
+    /// as taken, as if it had started it, in job `job`. False where the
+    /// handle is not one this scaler knows how to read.
+    fn adopt(&mut self, _id: u64, _handle: &str, _job: &str) -> bool {
+        false
     }
 }
 
@@ -364,6 +373,11 @@ pub struct CommandScaler {
     /// that hands the worker to an engine (sbatch, kubectl run) exits at
     /// once, and the worker is still the engine's to stop.
     started: BTreeMap<u64, Option<usize>>,
+    /// Workers another coordinator started on a slot, taken over with the
+    /// job: no command of this one runs for them, their slots are taken.
+    adopted: BTreeMap<u64, usize>,
+    /// Every worker's slot (`slot:host/0`), for the report (kept after it stopped).
+    handles: BTreeMap<u64, String>,
     job: String,
     /// The words `{program}` stands for (each filled in and quoted).
     program: Vec<String>,
@@ -475,6 +489,8 @@ impl CommandScaler {
             slots,
             children: BTreeMap::new(),
             started: BTreeMap::new(),
+            adopted: BTreeMap::new(),
+            handles: BTreeMap::new(),
             job: String::new(),
             program,
         })
@@ -486,7 +502,11 @@ impl CommandScaler {
     }
 
     fn free_slot(&self) -> Option<usize> {
-        (0..self.slots.len()).find(|i| !self.children.values().any(|(_, s)| *s == Some(*i)))
+        (0..self.slots.len()).find(|i| !self.slot_taken(*i))
+    }
+
+    fn slot_taken(&self, i: usize) -> bool {
+        self.children.values().any(|(_, s)| *s == Some(i)) || self.adopted.values().any(|s| *s == i)
     }
 
     fn fill(
@@ -667,11 +687,15 @@ impl Scaler for CommandScaler {
         tracing::info!("worker {id}: started `{line}`");
         self.children.insert(id, (child, slot));
         self.started.insert(id, slot);
+        if let Some(i) = slot {
+            self.handles.insert(id, format!("slot:{}/{}", self.slots[i].0, self.slots[i].1));
+        }
         Ok(())
     }
 
     fn stop(&mut self, id: u64, grace: Duration) {
         let Some(slot) = self.started.remove(&id) else { return };
+        self.adopted.remove(&id);
         let mut child = self.children.remove(&id).map(|(c, _)| c);
         let running = |c: &mut Option<Child>| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)));
         let was_running = running(&mut child);
@@ -687,7 +711,7 @@ impl Scaler for CommandScaler {
         let needs_stop = running(&mut child) || !was_running;
         // A slot that another worker holds now is not this one's to name:
         // a stop command by {host} or {slot} would reach that worker.
-        let slot = slot.filter(|s| !self.children.values().any(|(_, other)| *other == Some(*s)));
+        let slot = slot.filter(|s| !self.slot_taken(*s));
         if let Some(stop) = &self.stop
             && needs_stop
         {
@@ -724,6 +748,24 @@ impl Scaler for CommandScaler {
     }
 
     fn admits_uninvited(&self) -> bool {
+        true
+    }
+
+    fn handle(&self, id: u64) -> Option<String> {
+        self.handles.get(&id).cloned()
+    }
+
+    fn adopt(&mut self, id: u64, handle: &str, job: &str) -> bool {
+        let Some((host, index)) = handle.strip_prefix("slot:").and_then(|s| s.rsplit_once('/')) else {
+            return false;
+        };
+        let Some(i) = self.slots.iter().position(|(h, n)| h == host && n.to_string() == index) else {
+            return false;
+        };
+        self.job = job.to_string();
+        self.started.insert(id, Some(i));
+        self.adopted.insert(id, i);
+        self.handles.insert(id, handle.to_string());
         true
     }
 }
@@ -910,6 +952,39 @@ mod tests {
         assert_eq!(log(2).trim(), "2 h2 0 10.0.0.1:7070 j 64");
         s.spawn(3, "10.0.0.1:7070", &auth).unwrap();
         assert_eq!(s.children[&3].1, Some(0), "the freed first slot");
+    }
+
+    #[test]
+    fn workers_taken_over_with_the_job_keep_their_slots_and_are_stopped_by_their_handle() {
+        let dir = tempfile::tempdir().unwrap();
+        let hosts = ["h1".to_string(), "h2".to_string(), "h3".to_string()];
+        let stopped = dir.path().join("stopped");
+        let stop = format!("echo {{id}} {{host}} >> {}", stopped.display());
+        let auth = JobAuth { job: "j".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
+        // The coordinator before: workers 1 and 2 on h1 and h2.
+        let mut before = CommandScaler::new("sleep 5", Some(&stop), &hosts, "x", dir.path()).unwrap();
+        before.spawn(1, "c:1", &auth).unwrap();
+        before.spawn(2, "c:1", &auth).unwrap();
+        let handles: Vec<String> = [1, 2].map(|id| before.handle(id).unwrap()).to_vec();
+        assert_eq!(handles, ["slot:h1/0", "slot:h2/0"]);
+        before.release();
+        // The coordinator that took over: their slots are taken, the next
+        // worker goes to h3, and none fits after it.
+        let mut after = CommandScaler::new("sleep 5", Some(&stop), &hosts, "x", dir.path()).unwrap();
+        assert!(after.adopt(1, &handles[0], "j") && after.adopt(2, &handles[1], "j"));
+        assert!(!after.adopt(9, "slot:elsewhere/0", "j"), "a host not in --hosts");
+        assert!(!after.adopt(9, "slurm:12", "j"), "another scheduler's");
+        after.spawn(3, "c:1", &auth).unwrap();
+        assert_eq!(after.handle(3).as_deref(), Some("slot:h3/0"));
+        let e = after.spawn(4, "c:1", &auth).unwrap_err();
+        assert!(e.to_string().contains("all 3 slots of --hosts are taken"), "{e}");
+        // Stopping one taken over runs the stop command on its host and frees its slot.
+        after.stop(2, Duration::from_millis(10));
+        assert_eq!(std::fs::read_to_string(&stopped).unwrap().trim(), "2 h2");
+        after.spawn(4, "c:1", &auth).unwrap();
+        assert_eq!(after.handle(4).as_deref(), Some("slot:h2/0"));
+        after.stop(3, Duration::from_millis(10));
+        after.stop(4, Duration::from_millis(10));
     }
 
     #[test]

@@ -178,7 +178,7 @@ impl SlurmScaler {
         for (&id, j) in &mut self.jobs {
             match listed.get(j.slurm.as_str()) {
                 Some((state, node, reason)) => {
-                    if *state == "RUNNING" && !j.running {
+                    if *state == "RUNNING" && (!j.running || j.node.is_empty()) {
                         j.running = true;
                         j.node = node.to_string();
                         tracing::info!("worker {id}: Slurm job {} runs on {node}", j.slurm);
@@ -337,6 +337,21 @@ impl Scaler for SlurmScaler {
         // jobs are its, and nothing here cancels them.
         self.jobs.clear();
     }
+
+    fn adopt(&mut self, id: u64, handle: &str, job_name: &str) -> bool {
+        let Some(slurm) =
+            handle.strip_prefix("slurm:").filter(|j| !j.is_empty() && j.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            return false;
+        };
+        // A member of the job: its batch job runs (the queue says where).
+        let job =
+            Submitted { slurm: slurm.to_string(), at: Instant::now(), running: true, node: String::new() };
+        self.job = job_name.to_string();
+        self.jobs.insert(id, job);
+        self.handles.insert(id, handle.to_string());
+        true
+    }
 }
 
 impl Drop for SlurmScaler {
@@ -420,5 +435,22 @@ mod tests {
         // Dropping it cancels only what it still holds: nothing.
         assert!(s.jobs.is_empty());
         assert_eq!(s.handle(3).as_deref(), Some("slurm:4242"), "the report still names it");
+        // The one that leads now takes the batch job as its own (it cancels
+        // it at the end, and the report names it); a handle that is no
+        // Slurm job id is not taken.
+        let opts = SlurmOptions {
+            partition: None,
+            account: None,
+            qos: None,
+            extra: Vec::new(),
+            pending_bound: Duration::from_secs(60),
+        };
+        let mut next = SlurmScaler::for_program(opts, "/logs".into(), &["python".into()]);
+        assert!(next.adopt(3, "slurm:4242", "mnist"));
+        assert!(!next.adopt(4, "slurm:42;rm", "mnist") && !next.adopt(4, "pod:w-4", "mnist"));
+        assert_eq!(next.jobs.keys().copied().collect::<Vec<_>>(), [3]);
+        assert_eq!(next.jobs[&3].slurm, "4242");
+        assert_eq!(next.handle(3).as_deref(), Some("slurm:4242"));
+        next.release();
     }
 }

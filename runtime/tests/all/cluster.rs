@@ -652,6 +652,11 @@ fn workers_follow_a_standby_that_takes_over_from_a_killed_coordinator_on_etcd_th
     assert!(taken[0].contains("2 of its 2 workers came back with their state"), "{taken:?}");
     // No worker was started again (the two the first coordinator started came back).
     assert_eq!(r["workers_started"].as_array().unwrap().len(), 2, "{r}");
+    // The standby took them as its own, on the slots they hold.
+    let mut slots: Vec<&str> =
+        r["worker_handles"].as_object().unwrap().values().filter_map(|h| h.as_str()).collect();
+    slots.sort();
+    assert_eq!(slots, ["slot:w1/0", "slot:w2/0"], "{r}");
     assert!(!out.said.contains("resuming job"), "no checkpoint was restored:\n{}", out.said);
     // The store lost its leader member and went on under another, and
     // the report shows that takeover too.

@@ -145,6 +145,8 @@ struct Takeover {
     from: super::proto::Leader,
     generation: u64,
     members: Vec<u64>,
+    /// How the scheduler knows them.
+    handles: std::collections::BTreeMap<u64, String>,
 }
 
 /// The coordinator's lease on its job in the store (renewed every third of
@@ -565,6 +567,12 @@ impl Coordinator<'_> {
                 events: self.events.clone(),
                 data: DataIdentity::of(&self.cfg.spec),
                 plugins,
+                handles: self
+                    .m
+                    .members()
+                    .iter()
+                    .filter_map(|m| Some((m.id, self.scaler.handle(m.id)?)))
+                    .collect(),
             }),
             torchrun: None,
         };

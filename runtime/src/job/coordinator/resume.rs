@@ -147,6 +147,7 @@ impl Coordinator<'_> {
             from: h.leader.clone(),
             generation: s.generation,
             members: s.members.clone(),
+            handles: h.handles.clone(),
         });
         self.note(format!(
             "taking job {:?} over from the coordinator at {} (lease token {}) at step {} (epoch {}, cursor {}); \
@@ -170,6 +171,14 @@ impl Coordinator<'_> {
     pub(super) fn await_return(&mut self, within: Duration) -> Result<()> {
         let Some(t) = self.takeover.take() else { return Ok(()) };
         let since = Instant::now();
+        // Its workers are this coordinator's to stop and to place around.
+        for (&id, handle) in t.handles.iter().filter(|(id, _)| t.members.contains(id)) {
+            if !self.scaler.adopt(id, handle, &self.cfg.spec.job) {
+                self.note(format!(
+                    "worker {id} runs as {handle}, which this coordinator's scaler does not know"
+                ));
+            }
+        }
         self.gate.expect_return(Some((t.generation, t.members.iter().copied().collect())));
         self.m.expect_return(&t.members);
         while self.m.returning() > 0 && since.elapsed() < within {
@@ -182,6 +191,14 @@ impl Coordinator<'_> {
         }
         self.gate.expect_return(None);
         let missing = self.m.end_return();
+        for &id in &missing {
+            // Not back, and never admitted now: whatever its scheduler
+            // still runs for it is stopped, so nothing is left behind.
+            if let Some(handle) = self.scaler.handle(id) {
+                self.note(format!("worker {id} did not come back; stopping {handle}"));
+            }
+            self.scaler.stop(id, Duration::from_secs(1));
+        }
         let back = self.m.joiners();
         if back == 0 {
             self.note(format!(

@@ -32,6 +32,10 @@ pub struct GroupHandover {
     pub restart_count: u32,
     /// The launcher that formed it: its agent port and lease token.
     pub leader: Leader,
+    /// How the scheduler knows each agent (`slot:host/0`, `slurm:123`):
+    /// a launcher that takes over stops and places around them as its own.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub handles: std::collections::BTreeMap<u64, String>,
 }
 
 /// What a launcher that took the job over does with the group it found.
@@ -221,6 +225,7 @@ mod tests {
             nproc: 2,
             restart_count: 0,
             leader: leader(9),
+            handles: [(1, "slot:w1/0".to_string())].into(),
         };
         let state = |s: JobState| serde_json::to_vec(&s).unwrap();
         let put = |v: Vec<u8>| l.rt.block_on(l.store.put(&l.key, &v, None)).unwrap();

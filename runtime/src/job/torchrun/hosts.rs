@@ -644,6 +644,14 @@ fn take_over(
         h.formed(GroupHandover { leader: Leader { addr: l.addr.clone(), token }, ..g.clone() });
     }
     l.next_id = g.agents.iter().max().map_or(1, |m| m + 1);
+    // Its agents are this launcher's to stop and to place around.
+    for (&id, handle) in g.handles.iter().filter(|(id, _)| g.agents.contains(id)) {
+        if !l.scaler.adopt(id, handle, &l.hc.auth.job) {
+            on(Event::Host(format!(
+                "agent {id} runs as {handle}, which this launcher's scaler does not know"
+            )));
+        }
+    }
     l.returning = Some((g.group, g.agents.clone()));
     let since = Instant::now();
     let mut said = std::collections::VecDeque::new();
@@ -660,6 +668,14 @@ fn take_over(
     let mut back = std::mem::take(&mut l.back);
     // One that came back and was lost again is not back.
     back.retain(|id| l.agents.contains_key(id));
+    for &id in g.agents.iter().filter(|id| !back.contains(id)) {
+        // Not back, and never admitted now: whatever its scheduler still
+        // runs for it is stopped, so nothing is left behind.
+        if let Some(handle) = l.scaler.handle(id) {
+            on(Event::Host(format!("agent {id} did not come back; stopping {handle}")));
+        }
+        l.scaler.stop(id, Duration::from_secs(1));
+    }
     let from = format!("the launcher at {} (lease token {})", g.leader.addr, g.leader.token);
     agent.restarts = g.restart_count;
     match adopt(&g.agents, &back) {
@@ -726,6 +742,7 @@ impl Launcher<'_> {
             nproc: self.hc.nproc,
             restart_count,
             leader: Leader { addr: self.addr.clone(), token: h.token },
+            handles: members.iter().filter_map(|&id| Some((id, self.scaler.handle(id)?))).collect(),
         });
     }
 }
