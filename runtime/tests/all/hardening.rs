@@ -778,7 +778,7 @@ fn a_worker_told_to_go_by_a_notice_file_or_a_notice_command_leaves_without_a_red
 }
 
 #[test]
-fn a_sole_worker_lost_while_its_replacement_is_ready_restarts_from_the_newest_checkpoint() {
+fn a_sole_worker_told_to_go_checkpoints_and_if_lost_before_handing_over_the_job_restarts_from_there() {
     // The only worker is told to go and a replacement is started; before
     // the replacement is given the state, the worker dies. The replacement
     // has nothing to take the state from: the job goes back to its newest
@@ -803,6 +803,14 @@ fn a_sole_worker_lost_while_its_replacement_is_ready_restarts_from_the_newest_ch
     crate::elastic::wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
     std::fs::write(dir.path().join("notice-1"), b"").unwrap();
     crate::elastic::wait_for(&rx, "worker 1 was told to go", &mut seen, Duration::from_secs(60));
+    // It holds the only state: that state goes to a checkpoint at once.
+    let saved = "the state of step ";
+    crate::elastic::wait_for(&rx, saved, &mut seen, Duration::from_secs(60));
+    let step_after = |line: &str, after: &str| -> u64 {
+        let rest = line.split(after).nth(1).unwrap_or_default();
+        rest.split(|c: char| !c.is_ascii_digit()).next().unwrap_or_default().parse().unwrap()
+    };
+    let saved_at = step_after(seen.last().unwrap(), saved);
     until("the replacement to be started", || dir.path().join("started-2").exists());
     let is_worker = |cmd: &str, id: &str| {
         let words: Vec<&str> = cmd.split_whitespace().collect();
@@ -836,6 +844,9 @@ fn a_sole_worker_lost_while_its_replacement_is_ready_restarts_from_the_newest_ch
         ),
         "{out}"
     );
+    // The restart lost no more than the steps since the notice's checkpoint.
+    let restart = seen.iter().find(|l| l.contains("restarting from step ")).expect(&out);
+    assert!(step_after(restart, "restarting from step ") >= saved_at, "{out}");
     crate::cluster::assert_exactly_once(&report(dir.path()), 20, 400);
 }
 

@@ -138,6 +138,10 @@ struct Coordinator<'a> {
     /// Workers told to go by their scheduler, and why: they leave at the
     /// next boundary.
     leaving: Vec<(u64, String)>,
+    /// A worker told to go holds the only state: the next commit writes a
+    /// checkpoint, so that its going first costs the steps since then only.
+    /// Some(None) until that commit, then the step it wrote.
+    notice_checkpoint: Option<Option<u64>>,
 }
 
 /// Where a job taken over from another coordinator stood.
@@ -261,6 +265,7 @@ pub fn run(
         takeover: None,
         store_events: Vec::new(),
         leaving: Vec::new(),
+        notice_checkpoint: None,
         cfg,
     };
     let result = c.job();
@@ -534,7 +539,10 @@ impl Coordinator<'_> {
             match self.m.leave(Instant::now(), id, &why) {
                 Some(Leave::Now(said)) => left.push(said),
                 // Nothing changes yet: the change is said when it happens.
-                Some(Leave::AfterHandover(said)) => self.note(said),
+                Some(Leave::AfterHandover(said)) => {
+                    self.note(format!("{said}; the state goes to a checkpoint too, in case it goes before"));
+                    self.notice_checkpoint = Some(None);
+                }
                 None => {}
             }
         }

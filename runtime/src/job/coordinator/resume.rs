@@ -300,6 +300,7 @@ impl Coordinator<'_> {
         });
         match self.checkpoints().latest().context("listing the checkpoints to restart from")?.0 {
             Some(r) => {
+                self.note(format!("restarting from step {} ({})", r.manifest.step, r.path.display()));
                 let book: Bookkeeping = serde_json::from_value(r.manifest.plugin_state.clone())
                     .with_context(|| format!("{}: manifest has no coordinator state", r.path.display()))?;
                 self.restore(&r, book.ledger);
@@ -326,8 +327,12 @@ impl Coordinator<'_> {
         let steps = self.cfg.checkpoint_every.is_some_and(|n| self.committed.is_multiple_of(n.max(1)));
         let time = self.last_checkpoint.elapsed() >= self.cfg.checkpoint_interval;
         let at_epoch_start = self.cursor == 0;
-        if self.committed == 0 || !(steps || time || at_epoch_start) {
+        let notice = self.notice_checkpoint == Some(None);
+        if self.committed == 0 || !(steps || time || at_epoch_start || notice) {
             return None;
+        }
+        if notice {
+            self.notice_checkpoint = Some(Some(self.committed));
         }
         self.last_checkpoint = Instant::now();
         Some(self.manifest())
@@ -409,6 +414,13 @@ impl Coordinator<'_> {
             match &w.result {
                 Ok(p) => {
                     (self.progress)(Progress::Checkpoint { step: w.step, path: p });
+                    if self.notice_checkpoint == Some(Some(w.step)) {
+                        self.notice_checkpoint = None;
+                        self.note(format!(
+                            "the state of step {} is in a checkpoint: a worker told to go held it alone",
+                            w.step
+                        ));
+                    }
                     self.checkpoints.retain(|c| c != p);
                     self.checkpoints.push(p.clone());
                     if self.ckpt.is_remote() {
