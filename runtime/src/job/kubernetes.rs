@@ -420,7 +420,12 @@ impl Scaler for KubernetesScaler {
     }
 
     fn adopt(&mut self, id: u64, handle: &str, job: &str) -> bool {
-        let Some(name) = handle.strip_prefix("pod:").filter(|n| !n.is_empty()) else { return false };
+        // Only the Pod this scaler would have made for the worker: a handle
+        // read from the store never names another Pod to delete.
+        let name = pod_name(job, id);
+        if handle.strip_prefix("pod:") != Some(name.as_str()) {
+            return false;
+        }
         self.job = job.to_string();
         self.pods.insert(id, (name.to_string(), Instant::now()));
         self.handles.insert(id, handle.to_string());
@@ -556,10 +561,13 @@ mod tests {
     #[test]
     fn a_coordinator_that_took_the_job_over_takes_its_workers_pods_as_its_own() {
         let mut s = KubernetesScaler::new(opts()).unwrap();
-        assert!(s.adopt(3, "pod:edl-mnist-w3-x7k2p", "mnist"));
-        assert!(!s.adopt(4, "pod:", "mnist") && !s.adopt(4, "slurm:12", "mnist"));
-        assert_eq!(s.pods.get(&3).map(|(n, _)| n.as_str()), Some("edl-mnist-w3-x7k2p"));
-        assert_eq!(s.handle(3).as_deref(), Some("pod:edl-mnist-w3-x7k2p"));
+        assert!(s.adopt(3, "pod:edl-mnist-w3", "mnist"));
+        // Only the Pod made for that worker of that job.
+        for other in ["pod:", "pod:edl-mnist-w4", "pod:edl-other-w3", "pod:coordinator-0", "slurm:12"] {
+            assert!(!s.adopt(3, other, "mnist"), "{other}");
+        }
+        assert_eq!(s.pods.get(&3).map(|(n, _)| n.as_str()), Some("edl-mnist-w3"));
+        assert_eq!(s.handle(3).as_deref(), Some("pod:edl-mnist-w3"));
         // Its Pods are listed by the job's label, as those it made.
         assert_eq!(s.job, "mnist");
         s.release();

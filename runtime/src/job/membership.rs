@@ -107,7 +107,9 @@ pub struct Membership {
     /// Sole members told to go by their scheduler, with the reason: each
     /// leaves once another worker holds the state, whichever worker that
     /// is (its own replacement may never start).
-    told: BTreeMap<WorkerId, String>,
+    told: BTreeMap<WorkerId, Told>,
+    /// Retiring workers whose handover's generation failed: kept one more.
+    handover_again: BTreeSet<WorkerId>,
     /// Connections that ended.
     closed: BTreeSet<Conn>,
     /// Membership changed since the last generation was formed.
@@ -121,6 +123,17 @@ pub struct Membership {
     /// may still come back.
     returning: BTreeSet<WorkerId>,
 }
+
+/// A sole member told to go: why, and how many replacements were started for it.
+#[derive(Debug)]
+struct Told {
+    why: String,
+    tries: u32,
+}
+
+/// Replacements started for a sole member told to go before it waits for
+/// any worker to join instead.
+const REPLACEMENT_TRIES: u32 = 3;
 
 /// How long a worker told to stop gets before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(3);
@@ -139,6 +152,7 @@ impl Membership {
             replacing: BTreeMap::new(),
             retiring: Vec::new(),
             told: BTreeMap::new(),
+            handover_again: BTreeSet::new(),
             closed: BTreeSet::new(),
             changed: true,
             commands: VecDeque::new(),
@@ -261,7 +275,7 @@ impl Membership {
     pub fn spawn_failed(&mut self, worker: WorkerId, why: String) {
         self.spawning.remove(&worker);
         self.started.retain(|w| *w != worker);
-        self.replacing.remove(&worker);
+        self.replacement_lost(Instant::now(), worker);
         self.note(format!("could not start worker {worker}: {why}"), None);
     }
 
@@ -323,11 +337,11 @@ impl Membership {
                 self.closed.insert(conn);
                 if let Some(i) = self.joiners.iter().position(|w| w.conn == conn) {
                     let w = self.joiners.remove(i);
-                    self.replacing.remove(&w.id);
+                    self.replacement_lost(now, w.id);
                     self.note(format!("worker {} left before it was given a rank ({why})", w.id), None);
                 } else if let Some(i) = self.welcomed.iter().position(|w| w.conn == conn) {
                     let w = self.welcomed.remove(i);
-                    self.replacing.remove(&w.id);
+                    self.replacement_lost(now, w.id);
                     self.note(format!("worker {} failed while starting ({why})", w.id), Some(w.id));
                 } else if let Some(m) = self.members.iter().find(|m| m.conn == conn) {
                     return Some(m.id);
@@ -351,7 +365,7 @@ impl Membership {
             }
             Event::Exited { worker, status } => {
                 if self.spawning.remove(&worker).is_some() {
-                    self.replacing.remove(&worker);
+                    self.replacement_lost(now, worker);
                     self.note(format!("worker {worker} exited before joining: {status}"), Some(worker));
                 } else {
                     // Its connection says it is gone; its scheduler says how.
@@ -370,7 +384,7 @@ impl Membership {
             self.spawning.iter().filter(|(_, t)| now >= **t + timeout).map(|(id, _)| *id).collect();
         for worker in late {
             self.spawning.remove(&worker);
-            self.replacing.remove(&worker);
+            self.replacement_lost(now, worker);
             self.commands.push_back(Command::Stop {
                 worker,
                 conn: None,
@@ -383,7 +397,7 @@ impl Membership {
             std::mem::take(&mut self.welcomed).into_iter().partition(|w| now >= w.since + timeout);
         self.welcomed = loading;
         for w in late {
-            self.replacing.remove(&w.id);
+            self.replacement_lost(now, w.id);
             self.stop(&w, format!("not ready within {timeout:?}"), Duration::from_secs(1));
             self.note(
                 format!("worker {} said hello but was not ready within {timeout:?}; gave it up", w.id),
@@ -399,10 +413,21 @@ impl Membership {
     pub fn boundary(&mut self, admit: bool, init_pending: bool) -> Boundary {
         let mut out = Boundary::default();
         for old in std::mem::take(&mut self.retiring) {
+            if self.members.len() < 2 {
+                // Whom it was handing over to is gone: it stays.
+                self.handover_again.remove(&old);
+                continue;
+            }
+            if self.handover_again.remove(&old) {
+                // Its handover's generation failed: it goes first in the next.
+                self.retiring.push(old);
+                continue;
+            }
             if let Some(i) = self.members.iter().position(|m| m.id == old) {
                 let m = self.members.remove(i);
                 match self.told.remove(&old) {
-                    Some(why) => {
+                    Some(t) => {
+                        let why = t.why;
                         self.stop(&m, format!("left with notice ({why})"), STOP_GRACE);
                         out.reasons.push(format!(
                             "worker {old} left with notice ({why}) after handing over its state"
@@ -413,6 +438,7 @@ impl Membership {
                         out.reasons.push(format!("worker {old} left after handing over its state"));
                     }
                 }
+                self.replacing.retain(|_, o| *o != old);
                 self.changed = true;
             }
         }
@@ -429,8 +455,18 @@ impl Membership {
                     out.reasons.push(format!("worker {old} hands over to {}", j.id));
                 } else if let Some(i) = self.members.iter().position(|m| m.id == old) {
                     let m = self.members.remove(i);
-                    self.stop(&m, format!("replaced by worker {}", j.id), STOP_GRACE);
-                    out.reasons.push(format!("worker {old} replaced by {}", j.id));
+                    let (stop, said) = match self.told.remove(&old) {
+                        Some(t) => {
+                            let said = format!("left with notice ({}); replaced by worker {}", t.why, j.id);
+                            (said.clone(), format!("worker {old} {said}"))
+                        }
+                        None => (
+                            format!("replaced by worker {}", j.id),
+                            format!("worker {old} replaced by {}", j.id),
+                        ),
+                    };
+                    self.stop(&m, stop, STOP_GRACE);
+                    out.reasons.push(said);
                 }
             } else if self.members.len() >= self.max as usize {
                 self.stop(&j, "the job is at its maximum size".into(), STOP_GRACE);
@@ -440,38 +476,81 @@ impl Membership {
             out.admitted += 1;
             self.changed = true;
         }
-        if out.admitted > 0 {
-            self.release_told(stateful, init_pending, &mut out);
-        }
+        self.release_told(init_pending, &mut out);
         out.changed = std::mem::take(&mut self.changed);
         out
     }
 
     /// Workers told to go that stayed as the only holders of the state
-    /// leave now that others joined: at once where another member holds
-    /// the state too (or a checkpoint gives it), after this generation's
-    /// broadcast otherwise.
-    fn release_told(&mut self, stateful: usize, init_pending: bool, out: &mut Boundary) {
+    /// leave once other members hold it too: at once where rank 0 is
+    /// another (it had the state before this boundary) or a checkpoint
+    /// gives it, after one more generation otherwise (as rank 0 it
+    /// broadcasts the state to those that joined).
+    fn release_told(&mut self, init_pending: bool, out: &mut Boundary) {
         let told: Vec<WorkerId> = self.told.keys().copied().collect();
         for id in told {
-            if self.retiring.contains(&id) {
+            if self.retiring.contains(&id) || self.members.len() < 2 {
                 continue;
             }
             let Some(i) = self.members.iter().position(|m| m.id == id) else { continue };
-            if stateful == 1 && i == 0 && !init_pending {
+            if i == 0 && !init_pending {
                 self.retiring.push(id);
                 out.reasons.push(format!("worker {id} hands over its state before it leaves"));
-            } else if self.members.len() > 1 {
+                self.changed = true;
+            } else {
                 let m = self.members.remove(i);
-                let why = self.told.remove(&id).unwrap_or_default();
+                let why = self.told.remove(&id).map(|t| t.why).unwrap_or_default();
                 self.stop(&m, format!("left with notice ({why})"), STOP_GRACE);
                 out.reasons.push(format!("worker {id} left with notice ({why})"));
+                self.replacing.retain(|_, o| *o != id);
+                self.changed = true;
             }
         }
     }
 
-    /// The step failed: the `dead` members are dropped, and workers are
-    /// started to keep the job at its minimum.
+    /// The replacement `new` will not join. A worker told to go that it
+    /// was to take over from, and that still holds the only state, gets
+    /// another (up to [`REPLACEMENT_TRIES`] in all).
+    fn replacement_lost(&mut self, now: Instant, new: WorkerId) {
+        let Some(old) = self.replacing.remove(&new) else { return };
+        if self.told.contains_key(&old) && self.members.len() == 1 && self.members[0].id == old {
+            self.note(
+                format!("worker {new}, which was to take over from worker {old} (told to go), will not join"),
+                None,
+            );
+            self.replace_told(now, old);
+        }
+    }
+
+    /// Starts a replacement for `old`, told to go, when it holds the only
+    /// state and none is on its way (up to [`REPLACEMENT_TRIES`] in all).
+    /// Returns whether it did.
+    fn replace_told(&mut self, now: Instant, old: WorkerId) -> bool {
+        let sole = self.members.len() == 1 && self.members[0].id == old;
+        let coming = self.replacing.values().any(|o| *o == old);
+        let Some(t) = self.told.get_mut(&old).filter(|_| sole && !coming) else { return false };
+        if t.tries >= REPLACEMENT_TRIES {
+            let tries = t.tries;
+            self.note(
+                format!(
+                    "worker {old}, told to go, holds the job's only state; {tries} replacements did not start: \
+                     it leaves once another worker joins"
+                ),
+                None,
+            );
+            return false;
+        }
+        t.tries += 1;
+        let next = self.next_id;
+        self.spawn(now, 1);
+        self.replacing.insert(next, old);
+        self.note(format!("worker {next} is started to take the state over from worker {old}"), None);
+        true
+    }
+
+    /// The generation failed: the dead are dropped (and the job kept at
+    /// its minimum). A worker handing its state over survives as rank 0 of
+    /// the next generation, so that its broadcast is done again.
     pub fn fail(&mut self, now: Instant, dead: &BTreeSet<WorkerId>) {
         for &worker in dead {
             self.commands.push_back(Command::Stop {
@@ -483,6 +562,17 @@ impl Membership {
         }
         self.members.retain(|m| !dead.contains(&m.id));
         self.retiring.retain(|r| !dead.contains(r));
+        for &r in self.retiring.iter().rev() {
+            if let Some(i) = self.members.iter().position(|m| m.id == r) {
+                let m = self.members.remove(i);
+                self.members.insert(0, m);
+            }
+            self.handover_again.insert(r);
+        }
+        if let Some(first) = self.members.first().map(|m| m.id) {
+            // Its replacement was lost with the generation: another comes.
+            self.replace_told(now, first);
+        }
         self.changed = true;
         let have = self.world() + self.coming();
         if have < self.min {
@@ -568,7 +658,7 @@ impl Membership {
         let why = format!("left with notice ({reason})");
         if let Some(i) = self.members.iter().position(|m| m.id == worker) {
             if self.members.len() == 1 {
-                self.told.insert(worker, reason.to_string());
+                self.told.entry(worker).or_insert_with(|| Told { why: reason.to_string(), tries: 1 });
                 let new = match self.replacing.iter().find(|(_, o)| **o == worker) {
                     Some((new, _)) => *new,
                     None => {
@@ -589,11 +679,11 @@ impl Membership {
             self.changed = true;
         } else if let Some(i) = self.joiners.iter().position(|w| w.id == worker) {
             let w = self.joiners.remove(i);
-            self.replacing.remove(&w.id);
+            self.replacement_lost(now, w.id);
             self.stop(&w, why.clone(), STOP_GRACE);
         } else if let Some(i) = self.welcomed.iter().position(|w| w.id == worker) {
             let w = self.welcomed.remove(i);
-            self.replacing.remove(&w.id);
+            self.replacement_lost(now, w.id);
             self.stop(&w, why.clone(), STOP_GRACE);
         } else {
             return None;
@@ -603,6 +693,11 @@ impl Membership {
             self.spawn(now, self.min - have);
         }
         Some(Leave::Now(format!("worker {worker} {why}")))
+    }
+
+    /// The only member was told to go: it holds the job's state alone.
+    pub fn told_alone(&self) -> bool {
+        self.members.len() == 1 && self.told.contains_key(&self.members[0].id)
     }
 
     /// The id of the worker on `conn`, in any state.
@@ -810,8 +905,62 @@ mod tests {
         two.handle(t, Event::Ready { conn: 202 });
         // (the replacement joined, but the generation loads a checkpoint)
         let b = two.boundary(true, true);
-        assert!(b.reasons.iter().any(|r| r.contains("worker 1 replaced by 2")), "{:?}", b.reasons);
+        assert!(
+            b.reasons.iter().any(|r| r == "worker 1 left with notice (SIGTERM); replaced by worker 2"),
+            "{:?}",
+            b.reasons
+        );
         assert_eq!(two.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![2]);
+    }
+
+    #[test]
+    fn a_sole_worker_told_to_go_gets_a_few_replacements_and_a_failed_handover_is_done_again() {
+        let t = Instant::now();
+        let mut one = formed(1, 1, 3, t);
+        one.leave(t, 1, "SIGTERM").unwrap();
+        assert_eq!(drain(&mut one), vec![Command::Spawn { worker: 2 }]);
+        // Replacements that never join are started again, three in all.
+        one.spawn_failed(2, "no slot".into());
+        assert!(drain(&mut one).contains(&Command::Spawn { worker: 3 }));
+        one.handle(t, Event::Exited { worker: 3, status: "pending too long".into() });
+        assert!(drain(&mut one).contains(&Command::Spawn { worker: 4 }));
+        one.handle_timeout(t + JOIN);
+        let said = drain(&mut one);
+        assert!(!said.iter().any(|c| matches!(c, Command::Spawn { .. })), "{said:?}");
+        assert!(
+            said.iter().any(
+                |c| matches!(c, Command::Note { text, .. } if text.contains("3 replacements did not start"))
+            ),
+            "{said:?}"
+        );
+        assert_eq!(one.world(), 1, "it still holds the state");
+
+        // A handover whose generation fails is done again, the worker
+        // handing over first; one whose new worker died is not done at all.
+        let mut two = formed(1, 1, 3, t);
+        two.leave(t, 1, "SIGTERM").unwrap();
+        drain(&mut two);
+        two.handle(t, Event::Hello { conn: 202, worker: 2, pid: 22 });
+        two.handle(t, Event::Ready { conn: 202 });
+        assert!(two.boundary(true, false).changed);
+        two.fail(t, &BTreeSet::new());
+        assert!(two.boundary(true, false).changed);
+        assert_eq!(two.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![1, 2], "handing over again");
+        assert!(stops(&drain(&mut two)).is_empty());
+        assert!(two.boundary(true, false).changed);
+        assert_eq!(stops(&drain(&mut two)), vec![1]);
+        let mut three = formed(1, 1, 3, t);
+        three.leave(t, 1, "SIGTERM").unwrap();
+        drain(&mut three);
+        three.handle(t, Event::Hello { conn: 202, worker: 2, pid: 22 });
+        three.handle(t, Event::Ready { conn: 202 });
+        three.boundary(true, false);
+        three.fail(t, &BTreeSet::from([2]));
+        assert!(drain(&mut three).contains(&Command::Spawn { worker: 3 }), "another replacement");
+        three.boundary(true, false);
+        three.boundary(true, false);
+        assert_eq!(three.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![1], "it stays");
+        assert!(three.told_alone());
     }
 
     #[test]

@@ -82,7 +82,8 @@ impl JobPhase {
                     f.errors.join("; ")
                 ));
             }
-            None => {}
+            // The coordinator goes back to a checkpoint: another generation can.
+            Some(FailCause::NoState) | None => {}
         }
         if self.failures >= MAX_FAILED_GENERATIONS {
             return Err(format!(

@@ -255,6 +255,9 @@ pub enum FailCause {
     /// checkpoint of another model, a program that registered other
     /// tensors): no generation can fix that.
     State,
+    /// No rank holds the job's state: its only holder was lost while
+    /// handing it over. Only a checkpoint gives it back.
+    NoState,
 }
 
 /// What the coordinator tells a worker.

@@ -711,9 +711,13 @@ impl Scaler for CommandScaler {
         let needs_stop = running(&mut child) || !was_running;
         // A slot that another worker holds now is not this one's to name:
         // a stop command by {host} or {slot} would reach that worker.
+        let slotted = slot.is_some();
         let slot = slot.filter(|s| !self.slot_taken(*s));
+        // Without its slot a worker that had one cannot be named to a stop
+        // command that goes by {host} or {slot}: its process group is all.
         if let Some(stop) = &self.stop
             && needs_stop
+            && (slot.is_some() || !slotted)
         {
             // The engine's own way to stop it (scancel, kubectl delete, ...).
             match self.fill(stop, id, "", slot).and_then(|line| {
@@ -762,6 +766,9 @@ impl Scaler for CommandScaler {
         let Some(i) = self.slots.iter().position(|(h, n)| h == host && n.to_string() == index) else {
             return false;
         };
+        if self.slot_taken(i) || self.started.contains_key(&id) {
+            return false;
+        }
         self.job = job.to_string();
         self.started.insert(id, Some(i));
         self.adopted.insert(id, i);
@@ -974,6 +981,7 @@ mod tests {
         assert!(after.adopt(1, &handles[0], "j") && after.adopt(2, &handles[1], "j"));
         assert!(!after.adopt(9, "slot:elsewhere/0", "j"), "a host not in --hosts");
         assert!(!after.adopt(9, "slurm:12", "j"), "another scheduler's");
+        assert!(!after.adopt(9, &handles[0], "j"), "a slot already taken");
         after.spawn(3, "c:1", &auth).unwrap();
         assert_eq!(after.handle(3).as_deref(), Some("slot:h3/0"));
         let e = after.spawn(4, "c:1", &auth).unwrap_err();

@@ -566,7 +566,11 @@ impl Session {
             }
             Ok(ToWorker::Generation(g)) => {
                 if let Err(e) = self.start_generation(&g, state) {
-                    let cause = e.downcast_ref::<StateMismatch>().map(|_| FailCause::State);
+                    let cause = match () {
+                        _ if e.downcast_ref::<StateMismatch>().is_some() => Some(FailCause::State),
+                        _ if e.downcast_ref::<NoState>().is_some() => Some(FailCause::NoState),
+                        _ => None,
+                    };
                     self.report(g.generation, g.committed_steps, e, cause)?;
                 }
             }
@@ -1047,7 +1051,7 @@ impl Session {
         if g.world > 1 && g.rank == 0 && self.applied.is_none() {
             // Rank 0's state becomes everyone's: one it does not have is
             // no state at all.
-            bail!("rank 0 of a world of {} with a worker that has no state", g.world);
+            return Err(NoState(format!("rank 0 of a world of {}", g.world)).into());
         }
         if g.world > 1 {
             let mut values = self.spare.take().unwrap_or_default();
@@ -1084,7 +1088,7 @@ impl Session {
             self.snapshots.clear();
             self.snapshots.insert(g.committed_steps, Arc::new(values));
         } else if self.applied.is_none() {
-            bail!("a world of one with a worker that has no state");
+            return Err(NoState("a world of one".into()).into());
         }
         self.ring = Some((g.generation, ring));
         Ok(start.elapsed().as_secs_f64() * 1e3)
@@ -1128,6 +1132,11 @@ impl Session {
         self.written.push(Written { step, result });
     }
 }
+
+/// A generation's rank 0 (whose state becomes everyone's) holds none.
+#[derive(Debug, thiserror::Error)]
+#[error("{0} with a worker that has no state")]
+pub struct NoState(String);
 
 /// The committed state cannot be loaded into this worker's.
 #[derive(Debug, thiserror::Error)]

@@ -344,6 +344,13 @@ impl Scaler for SlurmScaler {
         else {
             return false;
         };
+        // Only the batch job this scaler would have submitted for the
+        // worker (Slurm names it): a handle read from the store never names
+        // another job to cancel.
+        let named = run("squeue", &["--noheader", "--format=%j", "--jobs", slurm]).unwrap_or_default();
+        if named.trim() != format!("edl-{job_name}-{id}") {
+            return false;
+        }
         // A member of the job: its batch job runs (the queue says where).
         let job =
             Submitted { slurm: slurm.to_string(), at: Instant::now(), running: true, node: String::new() };
@@ -446,11 +453,10 @@ mod tests {
             pending_bound: Duration::from_secs(60),
         };
         let mut next = SlurmScaler::for_program(opts, "/logs".into(), &["python".into()]);
-        assert!(next.adopt(3, "slurm:4242", "mnist"));
         assert!(!next.adopt(4, "slurm:42;rm", "mnist") && !next.adopt(4, "pod:w-4", "mnist"));
-        assert_eq!(next.jobs.keys().copied().collect::<Vec<_>>(), [3]);
-        assert_eq!(next.jobs[&3].slurm, "4242");
-        assert_eq!(next.handle(3).as_deref(), Some("slurm:4242"));
-        next.release();
+        // A job id Slurm does not name `edl-<job>-<id>` (here: no Slurm at
+        // all) is not taken either; the real takeover is in the Slurm test.
+        assert!(!next.adopt(3, "slurm:4242", "mnist"));
+        assert!(next.jobs.is_empty());
     }
 }

@@ -429,7 +429,14 @@ impl Coordinator<'_> {
                     // A coordinator whose lease lapsed (it was frozen) starts
                     // no worker: another may lead the job now.
                     self.fenced()?;
+                    let no_state = f.cause == Some(super::proto::FailCause::NoState);
                     self.fail(f);
+                    if no_state && self.m.world() > 0 {
+                        self.restore_newest(format!(
+                            "no worker of generation {} holds the job's state",
+                            self.generation
+                        ))?;
+                    }
                     self.check_spawning();
                 }
                 Phase::Finish { entering } => {
@@ -560,13 +567,22 @@ impl Coordinator<'_> {
     fn save_state(&mut self, finished: bool) {
         let plugins =
             if self.cfg.spec.follow.is_some() { self.plugin_memory() } else { PluginMemory::default() };
+        // Until the workers of a job taken over are back, they are still its
+        // members: a coordinator that dies meanwhile leaves them to the next.
+        let (members, handles) = match &self.takeover {
+            Some(t) => (t.members.clone(), t.handles.clone()),
+            None => (
+                self.m.members().iter().map(|m| m.id).collect(),
+                self.m.members().iter().filter_map(|m| Some((m.id, self.scaler.handle(m.id)?))).collect(),
+            ),
+        };
         let s = JobState {
             generation: self.generation,
             committed_steps: self.committed,
             epoch: self.epoch,
             cursor: self.cursor,
             next_worker_id: self.m.next_id(),
-            members: self.m.members().iter().map(|m| m.id).collect(),
+            members,
             finished,
             handover: self.cfg.spec.follow.as_ref().map(|f| f.token).map(|token| super::keeper::Handover {
                 leader: super::proto::Leader { addr: self.addr.clone(), token },
@@ -575,12 +591,7 @@ impl Coordinator<'_> {
                 events: self.events.clone(),
                 data: DataIdentity::of(&self.cfg.spec),
                 plugins,
-                handles: self
-                    .m
-                    .members()
-                    .iter()
-                    .filter_map(|m| Some((m.id, self.scaler.handle(m.id)?)))
-                    .collect(),
+                handles,
             }),
             torchrun: None,
         };

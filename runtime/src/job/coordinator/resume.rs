@@ -292,12 +292,21 @@ impl Coordinator<'_> {
     /// Every worker is gone: start over from the newest checkpoint with new ones.
     pub(super) fn recover_from_nothing(&mut self) -> Result<()> {
         let joining = self.m.joiners();
-        self.note(match joining {
-            0 => "no worker left; restarting from the newest checkpoint".into(),
-            n => format!(
-                "no worker holding the state is left ({n} joining have none); restarting from the newest checkpoint"
-            ),
-        });
+        self.restore_newest(match joining {
+            0 => "no worker left".into(),
+            n => format!("no worker holding the state is left ({n} joining have none)"),
+        })?;
+        self.m.refill(Instant::now());
+        self.execute();
+        self.wait_for_joiners(1)?;
+        Ok(())
+    }
+
+    /// The job's state is held by no worker (`why`): the next generation
+    /// loads the newest checkpoint (or starts from the beginning without one).
+    pub(super) fn restore_newest(&mut self, why: String) -> Result<()> {
+        self.notice_checkpoint = None;
+        self.note(format!("{why}; restarting from the newest checkpoint"));
         match self.checkpoints().latest().context("listing the checkpoints to restart from")?.0 {
             Some(r) => {
                 self.note(format!("restarting from step {} ({})", r.manifest.step, r.path.display()));
@@ -314,9 +323,6 @@ impl Coordinator<'_> {
                 self.init = None;
             }
         }
-        self.m.refill(Instant::now());
-        self.execute();
-        self.wait_for_joiners(1)?;
         Ok(())
     }
 
@@ -327,6 +333,10 @@ impl Coordinator<'_> {
         let steps = self.cfg.checkpoint_every.is_some_and(|n| self.committed.is_multiple_of(n.max(1)));
         let time = self.last_checkpoint.elapsed() >= self.cfg.checkpoint_interval;
         let at_epoch_start = self.cursor == 0;
+        if self.notice_checkpoint == Some(None) && !self.m.told_alone() {
+            // It handed its state over, or went: nothing to save for it.
+            self.notice_checkpoint = None;
+        }
         let notice = self.notice_checkpoint == Some(None);
         if self.committed == 0 || !(steps || time || at_epoch_start || notice) {
             return None;
@@ -432,7 +442,13 @@ impl Coordinator<'_> {
                         self.checkpoints.retain(|c| c.exists());
                     }
                 }
-                Err(e) => self.note(format!("checkpoint of step {} failed: {e}", w.step)),
+                Err(e) => {
+                    if self.notice_checkpoint == Some(Some(w.step)) {
+                        // Asked for again at the next commit.
+                        self.notice_checkpoint = Some(None);
+                    }
+                    self.note(format!("checkpoint of step {} failed: {e}", w.step))
+                }
             }
         }
     }
