@@ -328,3 +328,80 @@ fn a_job_runs_on_slurm_grows_loses_a_node_has_a_worker_preempted_with_notice_and
     assert_eq!(handles.len(), started.len(), "{r}");
     until("the queue to empty", Duration::from_secs(30), || slurm.queue().is_empty());
 }
+
+#[test]
+fn a_standby_coordinator_takes_a_slurm_job_over_with_its_workers_batch_jobs() {
+    let nodes = ["n1", "n2"];
+    let Some(hosts) = Hosts::build_or_skip(&["ctl", "n1", "n2"]) else { return };
+    let Some(slurm) = Slurm::start(&hosts, &nodes) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let _redis = KillOnDrop(hosts.redis("ctl", d));
+    let store = format!("redis://{}:6379/", hosts.ip("ctl"));
+    // Two coordinators of one job on the controller's host, each with a
+    // directory of its own; checkpoints and the secret are shared.
+    let coordinator = |name: &str, port: u16, extra: &[&str]| {
+        let cwd = d.join(name);
+        std::fs::create_dir_all(&cwd).unwrap();
+        let args = ["--no-distill", "--teachers", "0", "--store", &store, "--job", "sl", "--epochs", "12"];
+        let cmd = job(&cwd, &args);
+        let mut c = slurm.command(cmd.get_program().to_str().unwrap());
+        c.args(cmd.get_args()).current_dir(&cwd);
+        c.args(["--scaler", "slurm", "--slurm-partition", "edl"]);
+        c.args(["--listen", &format!("{}:{port}", hosts.ip("ctl"))]);
+        c.args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold"]);
+        c.args(["--workers", "2", "--min-workers", "2", "--max-workers", "2", "--step-delay-ms", "40"]);
+        c.args(["--checkpoint-every-steps", "20", "--checkpoint-dir"]).arg(d.join("checkpoints"));
+        c.arg("--secret-file").arg(d.join("job.secret"));
+        c.args(extra);
+        c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        c.spawn().unwrap()
+    };
+    let mut first = coordinator("a", 7070, &[]);
+    let first_said = lines(&mut first);
+    let mut seen_a = Vec::new();
+    wait_for(&first_said, "epoch     1 done", &mut seen_a, Duration::from_secs(180));
+    let mut standby = coordinator("b", 7071, &["--standby"]);
+    let rx = lines(&mut standby);
+    let mut seen = Vec::new();
+    wait_for(&rx, "waiting to take it over", &mut seen, Duration::from_secs(120));
+    let mut running: Vec<String> =
+        slurm.queue().into_iter().filter(|(_, s, _, _)| s == "RUNNING").map(|(id, ..)| id).collect();
+    running.sort();
+    assert_eq!(running.len(), 2, "{:?}\n{}", slurm.queue(), seen_a.join("\n"));
+    first.kill().unwrap();
+    let _ = first.wait();
+    wait_for(&rx, "taking job \"sl\" over", &mut seen, Duration::from_secs(120));
+    let status = finish(standby, rx, &mut seen);
+    let said = seen.join("\n");
+    assert!(status.success(), "{said}");
+    let r = report(&d.join("b"));
+    assert_exactly_once(&r, 12, 1200);
+    let events = r["scale_events"].as_array().unwrap();
+    assert!(
+        events.iter().any(|e| e["reason"].as_str().unwrap().contains("2 of its 2 workers came back")),
+        "{events:?}"
+    );
+    // The batch jobs of the workers that came back are the standby's: it
+    // names them, and no new one was submitted.
+    let mut handles: Vec<String> = r["worker_handles"]
+        .as_object()
+        .unwrap()
+        .values()
+        .filter_map(|h| h.as_str()?.strip_prefix("slurm:").map(String::from))
+        .collect();
+    handles.sort();
+    assert_eq!(handles, running, "{r}");
+    assert!(!said.contains("which this coordinator's scaler does not know"), "{said}");
+    until("the queue to empty", Duration::from_secs(30), || slurm.queue().is_empty());
+}
+
+/// A server the test started, killed when the test ends however it ends.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
