@@ -869,21 +869,21 @@ mod tests {
         let mut one = formed(1, 1, 3, t);
         one.leave(t, 1, "SIGTERM on n1").unwrap();
         assert_eq!(drain(&mut one), vec![Command::Spawn { worker: 2 }]);
-        // Its replacement never starts (the partition is down)...
+        // Its replacement does not start (the partition is down): another
+        // is asked for...
         one.handle(t, Event::Exited { worker: 2, status: "Slurm did not start it".into() });
-        drain(&mut one);
+        assert!(drain(&mut one).contains(&Command::Spawn { worker: 3 }));
         assert!(!one.boundary(true, false).changed);
         assert_eq!(one.world(), 1, "the only state stays");
-        // ...but the policy's new workers join: the told worker hands its
-        // state over in their first generation and leaves at the next boundary.
-        assert!(one.apply_decision(t, &[Action::ScaleOut(2)]).is_some());
-        for (id, conn) in [(3, 203), (4, 204)] {
-            one.handle(t, Event::Hello { conn, worker: id, pid: 3000 + id as u32 });
-            one.handle(t, Event::Ready { conn });
-        }
-        drain(&mut one);
+        // ...but a worker the policy asked for joins first: the told worker
+        // hands its state over in their first generation and leaves at the
+        // next boundary.
+        assert!(one.apply_decision(t, &[Action::ScaleOut(1)]).is_some());
+        assert_eq!(drain(&mut one), vec![Command::Spawn { worker: 4 }]);
+        one.handle(t, Event::Hello { conn: 204, worker: 4, pid: 44 });
+        one.handle(t, Event::Ready { conn: 204 });
         let b = one.boundary(true, false);
-        assert_eq!(b.admitted, 2);
+        assert_eq!(b.admitted, 1);
         assert_eq!(one.members()[0].id, 1, "rank 0 broadcasts the state");
         assert!(stops(&drain(&mut one)).is_empty());
         let b = one.boundary(true, false);
@@ -896,14 +896,14 @@ mod tests {
             b.reasons
         );
         assert_eq!(stops(&drain(&mut one)), vec![1]);
-        assert_eq!(one.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![3, 4]);
+        assert_eq!(one.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![4]);
+        // Its second replacement, when it comes, is a joiner like any other.
+        one.handle(t, Event::Hello { conn: 203, worker: 3, pid: 33 });
+        one.handle(t, Event::Ready { conn: 203 });
+        assert_eq!(one.boundary(true, false).admitted, 1);
+        assert_eq!(one.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![4, 3]);
         // Where a checkpoint gives the state, it leaves at once.
-        let mut two = formed(1, 1, 3, t);
-        two.leave(t, 1, "SIGTERM").unwrap();
-        drain(&mut two);
-        two.handle(t, Event::Hello { conn: 202, worker: 2, pid: 22 });
-        two.handle(t, Event::Ready { conn: 202 });
-        // (the replacement joined, but the generation loads a checkpoint)
+        let mut two = told_with_its_replacement_ready(t);
         let b = two.boundary(true, true);
         assert!(
             b.reasons.iter().any(|r| r == "worker 1 left with notice (SIGTERM); replaced by worker 2"),
@@ -911,6 +911,17 @@ mod tests {
             b.reasons
         );
         assert_eq!(two.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![2]);
+    }
+
+    /// A job whose one member (worker 1) was told to go, with its
+    /// replacement (worker 2) ready to join.
+    fn told_with_its_replacement_ready(t: Instant) -> Membership {
+        let mut m = formed(1, 1, 3, t);
+        m.leave(t, 1, "SIGTERM").unwrap();
+        drain(&mut m);
+        m.handle(t, Event::Hello { conn: 202, worker: 2, pid: 22 });
+        m.handle(t, Event::Ready { conn: 202 });
+        m
     }
 
     #[test]
@@ -937,11 +948,7 @@ mod tests {
 
         // A handover whose generation fails is done again, the worker
         // handing over first; one whose new worker died is not done at all.
-        let mut two = formed(1, 1, 3, t);
-        two.leave(t, 1, "SIGTERM").unwrap();
-        drain(&mut two);
-        two.handle(t, Event::Hello { conn: 202, worker: 2, pid: 22 });
-        two.handle(t, Event::Ready { conn: 202 });
+        let mut two = told_with_its_replacement_ready(t);
         assert!(two.boundary(true, false).changed);
         two.fail(t, &BTreeSet::new());
         assert!(two.boundary(true, false).changed);
@@ -949,11 +956,7 @@ mod tests {
         assert!(stops(&drain(&mut two)).is_empty());
         assert!(two.boundary(true, false).changed);
         assert_eq!(stops(&drain(&mut two)), vec![1]);
-        let mut three = formed(1, 1, 3, t);
-        three.leave(t, 1, "SIGTERM").unwrap();
-        drain(&mut three);
-        three.handle(t, Event::Hello { conn: 202, worker: 2, pid: 22 });
-        three.handle(t, Event::Ready { conn: 202 });
+        let mut three = told_with_its_replacement_ready(t);
         three.boundary(true, false);
         three.fail(t, &BTreeSet::from([2]));
         assert!(drain(&mut three).contains(&Command::Spawn { worker: 3 }), "another replacement");

@@ -427,14 +427,14 @@ mod tests {
 
     #[test]
     fn a_deposed_coordinator_leaves_the_batch_jobs_to_the_one_that_leads_now() {
-        let opts = SlurmOptions {
+        let opts = || SlurmOptions {
             partition: None,
             account: None,
             qos: None,
             extra: Vec::new(),
             pending_bound: Duration::from_secs(60),
         };
-        let mut s = SlurmScaler::for_program(opts, "/logs".into(), &["python".into()]);
+        let mut s = SlurmScaler::for_program(opts(), "/logs".into(), &["python".into()]);
         let job = Submitted { slurm: "4242".into(), at: Instant::now(), running: true, node: "n1".into() };
         s.jobs.insert(3, job);
         s.handles.insert(3, "slurm:4242".into());
@@ -442,17 +442,9 @@ mod tests {
         // Dropping it cancels only what it still holds: nothing.
         assert!(s.jobs.is_empty());
         assert_eq!(s.handle(3).as_deref(), Some("slurm:4242"), "the report still names it");
-        // The one that leads now takes the batch job as its own (it cancels
-        // it at the end, and the report names it); a handle that is no
-        // Slurm job id is not taken.
-        let opts = SlurmOptions {
-            partition: None,
-            account: None,
-            qos: None,
-            extra: Vec::new(),
-            pending_bound: Duration::from_secs(60),
-        };
-        let mut next = SlurmScaler::for_program(opts, "/logs".into(), &["python".into()]);
+        // The one that leads now takes only a Slurm job id, and only one
+        // Slurm names as this job's worker (the Slurm test takes one over).
+        let mut next = SlurmScaler::for_program(opts(), "/logs".into(), &["python".into()]);
         assert!(!next.adopt(4, "slurm:42;rm", "mnist") && !next.adopt(4, "pod:w-4", "mnist"));
         // A job id Slurm does not name `edl-<job>-<id>` (here: no Slurm at
         // all) is not taken either; the real takeover is in the Slurm test.
