@@ -732,6 +732,16 @@ fn a_worker_told_to_go_by_sigterm_leaves_at_a_boundary_without_a_redone_step() {
     assert_eq!(r["workers_started"].as_array().unwrap().len(), 3, "{r}");
 }
 
+/// A small job whose policy holds its size, its workers started by the
+/// command `template` on `slots` slots of this host, with `extra` flags.
+fn held_by_command(dir: &Path, template: &str, slots: u32, extra: &[&str]) -> Command {
+    let hosts = format!("here:{slots}");
+    let mut args = vec!["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold"];
+    args.extend(["--scaler", "command", "--worker-command", template, "--hosts", &hosts]);
+    args.extend_from_slice(extra);
+    small(dir, &args)
+}
+
 /// The other two notices a cloud or a watcher gives: a file that appears
 /// (`$EDL_NOTICE_FILE`) and a command that starts to succeed
 /// (`$EDL_NOTICE_COMMAND`, as `curl -sf` of a spot-instance notice does).
@@ -744,11 +754,9 @@ fn a_worker_told_to_go_by_a_notice_file_or_a_notice_command_leaves_without_a_red
         "EDL_NOTICE_FILE={d}/notice-{{id}} SPOT={d}/spot-{{id}} EDL_NOTICE_COMMAND='test -e \"$SPOT\"' \
          EDL_NOTICE_EVERY_SECS=0.2 {{program}}"
     );
-    let hold = ["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold"];
     let bounds = ["--workers", "3", "--min-workers", "1", "--max-workers", "3", "--epochs", "6"];
-    let scaler = ["--scaler", "command", "--worker-command", &template, "--hosts", "here:3"];
-    let args = [&hold[..], &bounds[..], &scaler[..], &["--step-delay-ms", "30"]].concat();
-    let mut c = small(dir.path(), &args).spawn().unwrap();
+    let args = [&bounds[..], &["--step-delay-ms", "30"]].concat();
+    let mut c = held_by_command(dir.path(), &template, 3, &args).spawn().unwrap();
     let rx = lines(&mut c);
     let mut seen = Vec::new();
     crate::elastic::wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
@@ -789,14 +797,12 @@ fn a_sole_worker_told_to_go_checkpoints_and_if_lost_before_handing_over_the_job_
         "touch {d}/started-{{id}}; while [ {{id}} -gt 1 ] && [ ! -e {d}/go-{{id}} ]; do sleep 0.05; done; \
          exec env EDL_NOTICE_FILE={d}/notice-{{id}} {{program}}"
     );
-    let hold = ["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold"];
     let bounds = ["--workers", "1", "--min-workers", "1", "--max-workers", "2", "--epochs", "20"];
-    let scaler = ["--scaler", "command", "--worker-command", &template, "--hosts", "here:2"];
     // Only the kill below ends worker 1: no lease or step bound runs out first.
     let bounds_in_time =
         ["--worker-lease-secs", "600", "--step-timeout-secs", "600", "--step-delay-ms", "40"];
-    let args = [&hold[..], &bounds[..], &scaler[..], &bounds_in_time[..]].concat();
-    let mut c = small(dir.path(), &args).spawn().unwrap();
+    let args = [&bounds[..], &bounds_in_time[..]].concat();
+    let mut c = held_by_command(dir.path(), &template, 2, &args).spawn().unwrap();
     let coordinator = c.id();
     let rx = lines(&mut c);
     let mut seen = Vec::new();
