@@ -138,10 +138,9 @@ struct Coordinator<'a> {
     /// Workers told to go by their scheduler, and why: they leave at the
     /// next boundary.
     leaving: Vec<(u64, String)>,
-    /// A worker told to go holds the only state: the next commit writes a
-    /// checkpoint, so that its going first costs the steps since then only.
-    /// Some(None) until that commit, then the step it wrote.
-    notice_checkpoint: Option<Option<u64>>,
+    /// A worker told to go holds the only state: a checkpoint of it, so
+    /// that its going first costs only the steps since then.
+    notice_checkpoint: Option<NoticeCheckpoint>,
 }
 
 /// Where a job taken over from another coordinator stood.
@@ -151,6 +150,15 @@ struct Takeover {
     members: Vec<u64>,
     /// How the scheduler knows them.
     handles: std::collections::BTreeMap<u64, String>,
+}
+
+/// Where the checkpoint of a state a worker told to go holds alone stands.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum NoticeCheckpoint {
+    /// Written at the next commit.
+    Due,
+    /// Asked of rank 0 at this step.
+    Writing(u64),
 }
 
 /// The coordinator's lease on its job in the store (renewed every third of
@@ -548,7 +556,7 @@ impl Coordinator<'_> {
                 // Nothing changes yet: the change is said when it happens.
                 Some(Leave::AfterHandover(said)) => {
                     self.note(format!("{said}; the state goes to a checkpoint too, in case it goes before"));
-                    self.notice_checkpoint = Some(None);
+                    self.notice_checkpoint = Some(NoticeCheckpoint::Due);
                 }
                 None => {}
             }

@@ -3,7 +3,7 @@
 //! that refuses to continue on another data order.
 
 use super::records::*;
-use super::{CHORES_EVERY, Coordinator, ms};
+use super::{CHORES_EVERY, Coordinator, NoticeCheckpoint, ms};
 use crate::checkpoint::{Checkpoints, Manifest, Restored};
 use crate::job::keeper::JobState;
 use crate::job::ledger::{EpochRecord, Ledger};
@@ -327,22 +327,22 @@ impl Coordinator<'_> {
     }
 
     /// A checkpoint at this commit point: every `--checkpoint-every-steps`
-    /// steps, when `--checkpoint-secs` passed since the last one, and at
-    /// each epoch's end.
+    /// steps, when `--checkpoint-secs` passed since the last one, at each
+    /// epoch's end, and once a sole worker holding the state was told to go.
     pub(super) fn checkpoint_due(&mut self) -> Option<Manifest> {
         let steps = self.cfg.checkpoint_every.is_some_and(|n| self.committed.is_multiple_of(n.max(1)));
         let time = self.last_checkpoint.elapsed() >= self.cfg.checkpoint_interval;
         let at_epoch_start = self.cursor == 0;
-        if self.notice_checkpoint == Some(None) && !self.m.told_alone() {
+        if self.notice_checkpoint == Some(NoticeCheckpoint::Due) && !self.m.told_alone() {
             // It handed its state over, or went: nothing to save for it.
             self.notice_checkpoint = None;
         }
-        let notice = self.notice_checkpoint == Some(None);
+        let notice = self.notice_checkpoint == Some(NoticeCheckpoint::Due);
         if self.committed == 0 || !(steps || time || at_epoch_start || notice) {
             return None;
         }
         if notice {
-            self.notice_checkpoint = Some(Some(self.committed));
+            self.notice_checkpoint = Some(NoticeCheckpoint::Writing(self.committed));
         }
         self.last_checkpoint = Instant::now();
         Some(self.manifest())
@@ -424,7 +424,7 @@ impl Coordinator<'_> {
             match &w.result {
                 Ok(p) => {
                     (self.progress)(Progress::Checkpoint { step: w.step, path: p });
-                    if self.notice_checkpoint == Some(Some(w.step)) {
+                    if self.notice_checkpoint == Some(NoticeCheckpoint::Writing(w.step)) {
                         self.notice_checkpoint = None;
                         self.note(format!(
                             "the state of step {} is in a checkpoint: a worker told to go held it alone",
@@ -443,9 +443,9 @@ impl Coordinator<'_> {
                     }
                 }
                 Err(e) => {
-                    if self.notice_checkpoint == Some(Some(w.step)) {
+                    if self.notice_checkpoint == Some(NoticeCheckpoint::Writing(w.step)) {
                         // Asked for again at the next commit.
-                        self.notice_checkpoint = Some(None);
+                        self.notice_checkpoint = Some(NoticeCheckpoint::Due);
                     }
                     self.note(format!("checkpoint of step {} failed: {e}", w.step))
                 }
