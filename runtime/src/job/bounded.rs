@@ -37,7 +37,10 @@ pub fn output(what: &str, cmd: &mut Command, input: &[u8], within: Duration) -> 
     let status = match child.wait_timeout(within).with_context(|| format!("{what}: waiting for it"))? {
         Some(status) => status,
         None => {
-            // SAFETY: signals the group this call made (its leader's pid).
+            // SAFETY: kill(2) has no memory-safety preconditions. The pid is
+            // the leader of the group this call made (process_group(0)), and
+            // wait_timeout said it still runs and did not reap it, so the pid
+            // cannot have been reused: only that group is signalled.
             unsafe { libc::killpg(child.id() as i32, libc::SIGKILL) };
             let _ = child.wait();
             bail!("{what}: no answer within {within:?}; it was stopped");

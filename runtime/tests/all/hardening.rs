@@ -828,7 +828,8 @@ fn a_sole_worker_told_to_go_checkpoints_and_if_lost_before_handing_over_the_job_
         .expect("worker 1 among the coordinator's children");
     // Frozen, worker 1 commits nothing more: the replacement cannot be
     // admitted before it dies.
-    // SAFETY: signalling a child of the job under test.
+    // SAFETY: kill(2) has no memory-safety preconditions; `first` was
+    // just read as a running child of the job's coordinator.
     unsafe { libc::kill(first as i32, libc::SIGSTOP) };
     std::fs::write(dir.path().join("go-2"), b"").unwrap();
     until("the replacement to be ready", || {
@@ -839,7 +840,8 @@ fn a_sole_worker_told_to_go_checkpoints_and_if_lost_before_handing_over_the_job_
             .and_then(|e| std::fs::read_to_string(e.path()).ok())
             .is_some_and(|t| t.contains("worker 2: ready"))
     });
-    // SAFETY: as above.
+    // SAFETY: as above; stopped since, it cannot have exited, so the pid
+    // still names worker 1.
     unsafe { libc::kill(first as i32, libc::SIGKILL) };
     let status = finish(c, rx, &mut seen);
     let out = seen.join("\n");
