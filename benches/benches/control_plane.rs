@@ -8,7 +8,7 @@
 //! loopback socket (hello, ready, generations, windows of steps, commits);
 //! its compute is a sleep of `--compute-ms` per step and it builds no ring
 //! (the all-reduce is the data plane, not the control plane). The
-//! coordinator is the job's own (`edl_runtime::job::coordinator::run`) with
+//! coordinator is the job's own (`edl_runtime::coordinator::run`) with
 //! its membership, step pipeline, ledger, store and checkpoint cadence; the
 //! policy is a fixed one so every run sees the same events. Per N:
 //!
@@ -25,12 +25,12 @@
 
 use edl_plugin_sdk::{Action, ClusterView, Hyperparams, PluginInfo};
 use edl_runtime::{
-    job::{
-        JobConfig, JobLock, JobSpec, Program, Progress, Scaler, coordinator,
-        proto::{FromWorker, Receiver, StepDone, ToWorker, Written, send},
-        session::{JobAuth, Secret},
-    },
+    control::proto::{FromWorker, Receiver, StepDone, ToWorker, Written, send},
+    coordinator::{self, Progress},
+    job::{JobConfig, JobLock, JobSpec, Program},
     plugin::{Backend, Error, Plugin, PolicyPlugin},
+    scalers::Scaler,
+    worker::session::{JobAuth, Secret},
 };
 use std::{
     collections::HashMap,
@@ -80,7 +80,7 @@ fn sim_worker(addr: SocketAddr, id: u64, auth: JobAuth, sim: Sim) -> anyhow::Res
     let mut stream = TcpStream::connect(addr)?;
     let keys = edl_host_gpu::comm::auth::connect(&mut stream, &auth.secret, &auth.claim("control", 0, id))?;
     stream.set_nodelay(true)?;
-    let (mut out, rx) = edl_runtime::job::proto::seal(&stream, keys)?;
+    let (mut out, rx) = edl_runtime::control::proto::seal(&stream, keys)?;
     let mut rx = Receiver::new(rx);
     send(&mut out, &FromWorker::Hello { worker: id, pid: std::process::id() })?;
     match rx.recv::<ToWorker>()? {

@@ -131,7 +131,7 @@ fn coordinator_in(wrap: Option<&[&str]>, dir: &Path, job: &str, extra: &[&str]) 
         .args(["--max-workers", "2", "--job", job, "--report", "report.json", "--checkpoint-dir"])
         .arg(dir.join("checkpoints"))
         .args(extra)
-        .env("RUST_LOG", "edl_runtime::job::coordinator=debug")
+        .env("RUST_LOG", "edl_runtime::coordinator=debug")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());

@@ -2,9 +2,16 @@
 //! policies, batch adapters, reader transforms) are WebAssembly plugins.
 //!
 //! The tree follows the system:
-//! - [`job`]: the elastic job: the coordinator (membership, generations,
-//!   step commits, the data cursor), the worker's session, the scalers that
-//!   start and stop workers, `launch --torchrun`.
+//! - [`job`]: what a job is before it runs: its configuration, the checks
+//!   before it starts, the teacher processes it starts for itself.
+//! - [`coordinator`]: the job server, a thin shell of sockets, store and
+//!   processes around [`coordinator::machine`], its decisions without I/O.
+//! - [`leader`]: the job's lease and the record every party reads.
+//! - [`control`]: the control channel between coordinator and workers.
+//! - [`worker`]: the worker's side of the protocol, for any program.
+//! - [`scalers`]: how workers are started and stopped: here, by a command,
+//!   as Slurm batch jobs or Kubernetes Pods.
+//! - [`torchrun`]: `launch --torchrun`, unmodified scripts as a group.
 //! - [`trainer`]: the built-in student and teacher models, their data, and
 //!   the built-in worker process.
 //! - [`distill`]: service-based distillation: the teacher service (KServe v2
@@ -13,16 +20,26 @@
 //! - [`state`]: a training program's state as named tensors.
 //! - [`plugin`]: the plugin host (wasmtime components and native libraries),
 //!   policy replay and plugin scaffolding.
-//! - [`store`]: the discovery and job-state store (embedded or Redis).
+//! - [`store`]: the discovery and job-state store (embedded, Redis, etcd).
+//! - [`net`] and [`process`]: where listeners bind, and other programs run
+//!   within a bound.
 //! - [`plot`]: SVG charts of runs and replays.
 //!
 //! The command line (`edl-runtime`, in `src/cli/`) is a thin layer over these.
 
 pub mod checkpoint;
+pub mod control;
+pub mod coordinator;
 pub mod distill;
 pub mod job;
+pub mod leader;
+pub mod net;
 pub mod plot;
 pub mod plugin;
+pub mod process;
+pub mod scalers;
 pub mod state;
 pub mod store;
+pub mod torchrun;
 pub mod trainer;
+pub mod worker;

@@ -138,8 +138,8 @@ fn size_steps(
 pub fn training_run(
     path: &Path,
     title: &str,
-    steps: &[crate::job::StepRecord],
-    events: &[crate::job::ScaleEvent],
+    steps: &[crate::coordinator::StepRecord],
+    events: &[crate::leader::record::ScaleEvent],
 ) -> Result<(), PlotError> {
     let err =
         |e: &dyn std::fmt::Display| PlotError { path: path.display().to_string(), detail: e.to_string() };
@@ -149,7 +149,7 @@ pub fn training_run(
     let panels = root.split_evenly((3, 1));
     let t_end = steps.last().map_or(1.0, |s| s.secs).max(1e-3);
     let t0 = steps.first().map_or(0.0, |s| s.secs).min(t_end - 1e-3);
-    type Pick = fn(&crate::job::StepRecord) -> f64;
+    type Pick = fn(&crate::coordinator::StepRecord) -> f64;
     let series: [(&str, Pick, RGBColor, bool); 3] = [
         ("workers", |s| s.world as f64, BLUE, true),
         ("samples/s", |s| s.samples_per_sec, RED, false),

@@ -1,5 +1,5 @@
 //! The `edl` Python package's native part: the worker side of an elastic
-//! job ([`edl_runtime::job::session::Session`]) for a training loop written
+//! job ([`edl_runtime::worker::session::Session`]) for a training loop written
 //! in Python. The program registers its state (float32 arrays: NumPy, or
 //! PyTorch CPU tensors through their NumPy view), then iterates the job's
 //! steps; the runtime snapshots, restores, broadcasts and checkpoints those
@@ -10,7 +10,7 @@ use edl_host_gpu::comm::KvClient;
 use edl_plugin_sdk::{Batch, Dtype};
 use edl_runtime::distill::{DistillConfig, DistillReader, Teachers};
 use edl_runtime::job::TeacherSource;
-use edl_runtime::job::session::{Event, JobAuth, Joined, Secret, Session, State, Step};
+use edl_runtime::worker::session::{Event, JobAuth, Joined, Secret, Session, State, Step};
 use edl_runtime::state::{Layout, TensorSpec};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -191,14 +191,14 @@ impl Job {
             std::env::var(k)
                 .map_err(|_| err(format!("{k} is not set: run the program under `edl-runtime launch`")))
         };
-        let addr = edl_runtime::job::net::resolve(&var("EDL_COORDINATOR")?)
+        let addr = edl_runtime::net::resolve(&var("EDL_COORDINATOR")?)
             .map_err(|e| err(format!("EDL_COORDINATOR: {e:#}")))?;
         // Without an id (a worker started by another engine) the coordinator gives one.
         let id: u64 = match std::env::var("EDL_WORKER_ID") {
             Ok(v) => v.parse().map_err(|e| err(format!("EDL_WORKER_ID: {e}")))?,
             Err(_) => 0,
         };
-        let auth = edl_runtime::job::session::auth_from_env().map_err(anyhow_err)?;
+        let auth = edl_runtime::worker::session::auth_from_env().map_err(anyhow_err)?;
         Self::join(py, addr, id, auth, features)
     }
 
@@ -215,7 +215,7 @@ impl Job {
         secret: &str,
         features: Option<Py<PyAny>>,
     ) -> PyResult<Option<Self>> {
-        let addr = edl_runtime::job::net::resolve(coordinator)
+        let addr = edl_runtime::net::resolve(coordinator)
             .map_err(|e| err(format!("coordinator {coordinator:?}: {e:#}")))?;
         let secret = Secret::from_hex(secret).map_err(|e| err(format!("secret: {e}")))?;
         Self::join(py, addr, worker_id, JobAuth { job, secret }, features)

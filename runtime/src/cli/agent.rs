@@ -4,9 +4,9 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
-use edl_runtime::job::{
-    session::{self, JobAuth},
+use edl_runtime::{
     torchrun::{AgentArgs, run_agent},
+    worker::session::{self, JobAuth},
 };
 use std::{path::PathBuf, process::ExitCode};
 
@@ -32,7 +32,7 @@ pub struct AgentCliArgs {
 
 /// Joins the job's launcher and runs this host's ranks until sent away.
 pub fn run(a: AgentCliArgs) -> Result<ExitCode> {
-    let coordinator = edl_runtime::job::net::resolve(&a.coordinator).context("--coordinator")?;
+    let coordinator = edl_runtime::net::resolve(&a.coordinator).context("--coordinator")?;
     let job = a.job.or_else(|| std::env::var("EDL_JOB").ok()).unwrap_or_else(|| "launch".into());
     edl_runtime::job::check_job_name(&job).map_err(|e| anyhow::anyhow!("{e} (--job or $EDL_JOB)"))?;
     let secret = match &a.secret_file {

@@ -384,8 +384,8 @@ pub enum KubeOwner {
 }
 
 impl KubeArgs {
-    pub fn options(&self) -> edl_runtime::job::kubernetes::KubeOptions {
-        use edl_runtime::job::kubernetes::{KubeOptions, Owner};
+    pub fn options(&self) -> edl_runtime::scalers::kubernetes::KubeOptions {
+        use edl_runtime::scalers::kubernetes::{KubeOptions, Owner};
         KubeOptions {
             namespace: self.kube_namespace.clone(),
             image: self.kube_image.clone().unwrap_or_default(),
@@ -429,8 +429,8 @@ pub struct SlurmArgs {
 }
 
 impl SlurmArgs {
-    pub fn options(&self) -> edl_runtime::job::slurm::SlurmOptions {
-        edl_runtime::job::slurm::SlurmOptions {
+    pub fn options(&self) -> edl_runtime::scalers::slurm::SlurmOptions {
+        edl_runtime::scalers::slurm::SlurmOptions {
             partition: self.slurm_partition.clone(),
             account: self.slurm_account.clone(),
             qos: self.slurm_qos.clone(),

@@ -21,14 +21,14 @@ use edl_host_gpu::{Device, comm::auth::Secret};
 use edl_plugin_sdk::Hyperparams;
 use edl_runtime::{
     checkpoint::Checkpoints,
-    job::{
-        self, BuiltinModel, JobConfig, JobLock, JobOutcome, JobSpec, LocalProcesses, Program, Scaler,
-        kubernetes::KubernetesScaler,
-        report::Report,
-        scaler::{CommandScaler, ExternalWorkers},
+    coordinator::{self, JobOutcome, report::Report},
+    job::{self, BuiltinModel, JobConfig, JobLock, JobSpec, Program},
+    net,
+    plugin::{AdapterPlugin, PluginHost, PolicyPlugin},
+    scalers::{
+        CommandScaler, ExternalWorkers, LocalProcesses, Scaler, kubernetes::KubernetesScaler,
         slurm::SlurmScaler,
     },
-    plugin::{AdapterPlugin, PluginHost, PolicyPlugin},
     trainer::{
         data::Dataset,
         model::Mlp,
@@ -143,7 +143,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     if args.cluster.secret_file.is_none() && cfg.store != "memory" && kept.exists() {
         // The job's workers may outlive its coordinator and come back to
         // the next one (a standby, a rerun): it keeps the job's secret.
-        cfg.secret = edl_runtime::job::session::read_secret_file(&kept)?;
+        cfg.secret = edl_runtime::worker::session::read_secret_file(&kept)?;
     }
     // Teachers this job starts listen beside the coordinator and are
     // reached at the same host.
@@ -175,7 +175,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     let scaler = scaler(&args.cluster, &exe, &dirs.log_dir, work.command())?;
     let mut display = ProgressDisplay::new(work.rows() as u64, args.training.epochs)?;
     let Plugins { policy, policy_name, adapter, adapter_name, .. } = plugins;
-    let outcome = match job::coordinator::run(cfg, lock, policy, adapter, scaler, &mut |p| display.show(p)) {
+    let outcome = match coordinator::run(cfg, lock, policy, adapter, scaler, &mut |p| display.show(p)) {
         Ok(o) => o,
         Err(e) => {
             display.finish();
@@ -426,7 +426,7 @@ fn job_spec(
         teachers: None,
         teacher_model_name: "teacher".into(),
         transform: match transform {
-            Some(p) => Some(job::proto::ShippedPlugin::read(p)?),
+            Some(p) => Some(job::spec::ShippedPlugin::read(p)?),
             None => None,
         },
         transform_config,
@@ -472,10 +472,10 @@ fn job_config(args: &JobArgs, spec: JobSpec) -> Result<JobConfig> {
         price_per_worker_hour: s.price,
         teacher_watch: None,
         secret: match &c.secret_file {
-            Some(f) if f.exists() => edl_runtime::job::session::read_secret_file(f)?,
+            Some(f) if f.exists() => edl_runtime::worker::session::read_secret_file(f)?,
             _ => Secret::generate()?,
         },
-        addresses: job::net::Addresses {
+        addresses: net::Addresses {
             listen: c.listen,
             rendezvous_port: c.rendezvous_port,
             advertise: c.advertise.clone(),

@@ -8,15 +8,13 @@ use super::{
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use edl_runtime::{
-    job::{
-        JobLock,
-        net::Addresses,
-        scaler::{CommandScaler, ExternalWorkers, Scaler},
-        session::{JobAuth, Secret},
-        torchrun::{self, Event as TorchrunEvent, HostsConfig, Lead, TorchrunConfig},
-    },
+    job::JobLock,
+    net::Addresses,
     plot,
     plugin::PluginHost,
+    scalers::{CommandScaler, ExternalWorkers, Scaler},
+    torchrun::{self, Event as TorchrunEvent, HostsConfig, Lead, TorchrunConfig},
+    worker::session::{JobAuth, Secret},
 };
 use std::{
     path::{Path, PathBuf},
@@ -222,7 +220,7 @@ fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
 fn hosts_config(l: &LaunchArgs, job_dir: &Path, nproc: u32) -> Result<(HostsConfig, Box<dyn Scaler>)> {
     let c = &l.run.cluster;
     let secret = match &c.secret_file {
-        Some(f) if f.exists() => edl_runtime::job::session::read_secret_file(f)?,
+        Some(f) if f.exists() => edl_runtime::worker::session::read_secret_file(f)?,
         f => {
             let s = Secret::generate()?;
             s.write(&f.clone().unwrap_or_else(|| job_dir.join("secret")))?;

@@ -2,7 +2,7 @@
 //! plain lines where output goes to a file, a pipe or a log collector
 //! (Kubernetes, CI, `| tee`), which cannot show a bar.
 
-use edl_runtime::job::Progress;
+use edl_runtime::coordinator::Progress;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::Write;
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 use super::flags::OutputArgs;
 use anyhow::{Context, Result};
 use edl_runtime::{
-    job::{self, report::Report},
+    coordinator::{self, report::Report},
     plot,
 };
 use std::{path::Path, process::ExitCode};
@@ -75,6 +75,6 @@ pub(super) fn summarize(
         plot::training_run(out, &title, &report.timeline, &report.scale_events)?;
         println!("          plot written to {}", out.display());
     }
-    job::coordinator::mark_complete(spec_checkpoint_dir, &report.epochs)?;
+    coordinator::mark_complete(spec_checkpoint_dir, &report.epochs)?;
     Ok(if bad == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

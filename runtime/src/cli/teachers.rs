@@ -10,7 +10,7 @@ use anyhow::{Result, bail};
 use edl_runtime::{
     job::{
         TeacherSource,
-        teachers::{TeacherGuard, TeacherProcess, TeacherTls, TeacherTraining, teacher_model},
+        teacher_pool::{TeacherGuard, TeacherProcess, TeacherTls, TeacherTraining, teacher_model},
     },
     trainer::data::Dataset,
 };

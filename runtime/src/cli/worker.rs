@@ -5,8 +5,8 @@ use super::flags::parse_ring_listen;
 use anyhow::{Context, Result};
 use clap::Args;
 use edl_runtime::{
-    job::session::{self, JobAuth},
     trainer::worker::{self, Join},
+    worker::session::{self, JobAuth},
 };
 use std::{net::IpAddr, path::PathBuf, process::ExitCode};
 
@@ -45,7 +45,7 @@ pub fn run(w: WorkerArgs) -> Result<ExitCode> {
 /// Who a worker is and how it proves it: the job's name and secret from
 /// the flags, or from the environment the coordinator's scaler set.
 fn join(w: WorkerArgs) -> Result<Join> {
-    let coordinator = edl_runtime::job::net::resolve(&w.coordinator).context("--coordinator")?;
+    let coordinator = edl_runtime::net::resolve(&w.coordinator).context("--coordinator")?;
     let job = w.job.or_else(|| std::env::var("EDL_JOB").ok()).unwrap_or_else(|| "mnist".into());
     edl_runtime::job::check_job_name(&job).map_err(|e| anyhow::anyhow!("{e} (--job or $EDL_JOB)"))?;
     let secret = match &w.secret_file {

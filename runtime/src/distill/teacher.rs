@@ -549,9 +549,9 @@ impl Teacher {
             tokio::net::TcpListener::bind(listen).await.map_err(|e| TeacherError::Bind(listen, e))?;
         let addr = listener.local_addr().map_err(|e| TeacherError::Bind(listen, e))?;
         let host_port = match serving.advertise {
-            Some(host) => crate::job::net::host_port(&host, addr.port()),
+            Some(host) => crate::net::host_port(&host, addr.port()),
             None if addr.ip().is_unspecified() => {
-                let ip = crate::job::net::routable_ip(addr.is_ipv6())
+                let ip = crate::net::routable_ip(addr.is_ipv6())
                     .map_err(|e| TeacherError::Advertise(addr, format!("{e:#}")))?;
                 SocketAddr::new(ip, addr.port()).to_string()
             }

@@ -2,7 +2,7 @@
 //! checkpoint directory can be written, and no other coordinator runs the
 //! same job. Each failure is one line naming the flag or the holder.
 
-use super::JobConfig;
+use super::config::JobConfig;
 use crate::store::{AnyStore, Store, redact};
 use anyhow::{Context, Result, bail};
 use std::{

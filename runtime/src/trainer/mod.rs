@@ -7,7 +7,7 @@
 //! - [`model`]: the MLP, its forward and backward passes, safetensors I/O.
 //! - [`train`]: the losses (hard labels and soft labels) and the optimiser step.
 //! - [`worker`]: the built-in worker process, one per device, that trains the
-//!   student through a [`Session`](crate::job::session::Session).
+//!   student through a [`Session`](crate::worker::session::Session).
 
 pub mod data;
 pub mod gemm;

@@ -6,14 +6,15 @@
 //! parameters and the momentum buffer, as named tensors.
 
 use crate::checkpoint::Restored;
+use crate::control::proto::FailCause;
 use crate::distill::{DistillConfig, DistillError, DistillReader, Teachers};
-use crate::job::proto::{BuiltinModel, FailCause, Program, TeacherSource};
-use crate::job::session::{Event, Joined, Session, State, Step};
+use crate::job::spec::{BuiltinModel, Program, TeacherSource};
 use crate::plugin::{HostOptions, Limits, PluginHost, TransformPlugin};
 use crate::state::{Layout, TensorSpec};
 use crate::trainer::data::{Dataset, Source};
 use crate::trainer::model::{Layer, Mlp};
 use crate::trainer::train::Trainer;
+use crate::worker::session::{Event, Joined, Session, State, Step};
 use anyhow::{Context, Result, anyhow, bail};
 use edl_host_gpu::{Device, loss::SoftLabelLoss};
 use edl_plugin_sdk::{Batch, Dtype};
@@ -256,7 +257,7 @@ pub struct Join {
     pub coordinator: SocketAddr,
     /// 0: the coordinator gives one.
     pub id: u64,
-    pub auth: crate::job::session::JobAuth,
+    pub auth: crate::worker::session::JobAuth,
     /// Where the ring listens (None: the address the control connection
     /// leaves from) and what the other ranks are told (None: the same).
     pub ring_listen: Option<std::net::IpAddr>,

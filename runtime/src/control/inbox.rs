@@ -1,0 +1,643 @@
+//! The coordinator's side of its workers' control connections: one thread
+//! accepts them, one thread reads all of them (epoll, through mio), so a
+//! job of a thousand workers costs two threads, not a thousand.
+//!
+//! Connections stay blocking sockets, because the coordinator writes to them
+//! with a write timeout; the reader only ever asks the kernel for what has
+//! already arrived (`MSG_DONTWAIT`), draining each socket when epoll says it
+//! is readable. Every complete JSON line becomes one message; a closed,
+//! failed or misbehaving connection becomes one `Closed` event naming why.
+//!
+//! A worker sends heartbeats; a connection the reader hears nothing on for
+//! the worker lease is closed as dead (its host or network went silent,
+//! which TCP alone may not notice for many minutes).
+//!
+//! A connection counts only once its peer has proven the job's secret (a
+//! short-lived thread per new connection runs the exchange, bounded by a
+//! timeout); a refused one is logged with the reason and closed, and the
+//! coordinator never hears of it.
+
+use crate::control::proto::{FromWorker, Link};
+use edl_host_gpu::comm::auth::{self, JobAuth};
+use edl_host_gpu::comm::sealed::Opener;
+use mio::{Events, Interest, Poll, Token, Waker, unix::SourceFd};
+use std::{
+    collections::HashMap,
+    io,
+    net::{TcpListener, TcpStream},
+    os::fd::AsRawFd,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+        mpsc,
+    },
+    time::{Duration, Instant},
+};
+
+/// A message a control connection carries: one JSON line; heartbeats only
+/// keep the connection alive and are not passed on.
+pub trait Message: serde::de::DeserializeOwned + Send + 'static {
+    fn is_heartbeat(&self) -> bool;
+    /// The worker a message says it is, where that must be the one the
+    /// connection proved the secret as (a worker coming back to a new
+    /// coordinator names itself in its message).
+    fn names_worker(&self) -> Option<u64> {
+        None
+    }
+}
+
+impl Message for FromWorker {
+    fn is_heartbeat(&self) -> bool {
+        matches!(self, FromWorker::Heartbeat)
+    }
+
+    fn names_worker(&self) -> Option<u64> {
+        match self {
+            FromWorker::Return { worker, .. } => Some(*worker),
+            _ => None,
+        }
+    }
+}
+
+/// What happens on the control connections.
+pub enum Inbound<M = FromWorker> {
+    /// A new connection, numbered; the coordinator writes to this stream.
+    Conn(u64, Link),
+    Msg(u64, M),
+    /// The connection ended, and why.
+    Closed(u64, String),
+}
+
+/// A line longer than this is not a control message: the connection is dropped.
+const MAX_LINE: usize = 64 << 20;
+/// Bound on writing one control message to a worker.
+pub const SEND_TIMEOUT: Duration = Duration::from_secs(10);
+const WAKE: Token = Token(usize::MAX);
+
+/// Longest a new connection may take to prove the secret, all reads together.
+const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most connections proving the secret at once; more are closed at once
+/// (each runs on a thread of its own until it has proven it or failed).
+pub const MAX_PENDING: usize = 256;
+
+/// Starts the accepting and the reading thread; events go to `tx`. A
+/// connection silent for `lease` is closed.
+/// Who may open a control connection: a process that proves the job's
+/// secret and is not a worker coming back from a generation it lost.
+pub struct Gate {
+    auth: JobAuth,
+    /// The channel connections claim (`control` for workers, `agent` for
+    /// torchrun agents).
+    channel: &'static str,
+    /// The job's current generation (set by the coordinator as it starts each).
+    generation: AtomicU64,
+    /// Workers of the generation an earlier coordinator of the job ran,
+    /// who may come back to this one (it took the job over).
+    returning: std::sync::Mutex<Option<(u64, std::collections::BTreeSet<u64>)>>,
+}
+
+impl Gate {
+    pub fn set_generation(&self, g: u64) {
+        self.generation.store(g, Ordering::Relaxed);
+    }
+
+    /// Admits `workers` of `generation`, an earlier coordinator's, coming
+    /// back to this one; `None` ends that.
+    pub fn expect_return(&self, workers: Option<(u64, std::collections::BTreeSet<u64>)>) {
+        *self.returning.lock().unwrap_or_else(|p| p.into_inner()) = workers;
+    }
+
+    /// A new worker claims generation 0. One that names a generation was a
+    /// member and lost its connection: it is out of the job (its place was
+    /// or will be given up), so it is refused, saying why; unless it comes
+    /// back from the coordinator this one took the job over from.
+    fn check(&self, c: &auth::Claim) -> Result<(), String> {
+        let returning = self.returning.lock().unwrap_or_else(|p| p.into_inner());
+        // A member of the last generation the store names, or of an
+        // earlier one whose successor it was not told of before the loss.
+        if let Some((g, ids)) = returning.as_ref()
+            && (1..=*g).contains(&c.generation)
+            && ids.contains(&c.who)
+        {
+            return self.auth.check(c, self.channel, Some(c.generation));
+        }
+        drop(returning);
+        let now = self.generation.load(Ordering::Relaxed);
+        self.auth.check(c, self.channel, (c.generation > 0).then_some(now))?;
+        if c.generation > 0 {
+            return Err(format!(
+                "worker {} lost its connection in generation {}, the current one; a worker that lost \
+                 its connection is not taken back",
+                c.who, c.generation
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Starts accepting and reading control connections; the returned gate
+/// is told each new generation.
+pub fn start<M: Message>(
+    listener: TcpListener,
+    auth: JobAuth,
+    lease: Duration,
+    tx: mpsc::Sender<Inbound<M>>,
+) -> io::Result<Arc<Gate>> {
+    start_channel(listener, auth, "control", lease, tx)
+}
+
+/// As [`start`], for connections that claim `channel`.
+pub fn start_channel<M: Message>(
+    listener: TcpListener,
+    auth: JobAuth,
+    channel: &'static str,
+    lease: Duration,
+    tx: mpsc::Sender<Inbound<M>>,
+) -> io::Result<Arc<Gate>> {
+    let poll = Poll::new()?;
+    let waker = Arc::new(Waker::new(poll.registry(), WAKE)?);
+    let (new_tx, new_rx) = mpsc::channel::<(u64, TcpStream, Opener, u64)>();
+    let events = tx.clone();
+    std::thread::Builder::new()
+        .name("edl-control-in".into())
+        .spawn(move || read_all(poll, new_rx, events, lease))?;
+    let gate = Arc::new(Gate { auth, channel, generation: AtomicU64::new(0), returning: Default::default() });
+    let next = Arc::new(AtomicU64::new(0));
+    let accepting = gate.clone();
+    let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    std::thread::Builder::new().name("edl-accept".into()).spawn(move || {
+        let mut closed = 0u64;
+        for conn in listener.incoming() {
+            let conn = match conn {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of descriptors (EMFILE) and the like: the
+                    // connection stays queued; wait instead of spinning.
+                    tracing::warn!("control connections: accept: {e}");
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+            };
+            if pending.load(Ordering::Relaxed) >= MAX_PENDING {
+                // Said at the 1st, 2nd, 4th, 8th... so that a flood does
+                // not flood the log too.
+                closed += 1;
+                if closed.is_power_of_two() {
+                    tracing::warn!(
+                        "control connections: {MAX_PENDING} already proving the secret; {closed} closed so far"
+                    );
+                }
+                continue;
+            }
+            pending.fetch_add(1, Ordering::Relaxed);
+            let (gate, next, tx, new_tx, waker, done) =
+                (accepting.clone(), next.clone(), tx.clone(), new_tx.clone(), waker.clone(), pending.clone());
+            let admitted = std::thread::Builder::new().name("edl-admit".into()).spawn(move || {
+                admit(conn, &gate, lease, &next, &tx, &new_tx, &waker);
+                done.fetch_sub(1, Ordering::Relaxed);
+            });
+            if let Err(e) = admitted {
+                pending.fetch_sub(1, Ordering::Relaxed);
+                tracing::warn!("control connections: cannot start a thread for a new connection: {e}");
+            }
+        }
+    })?;
+    Ok(gate)
+}
+
+/// Runs the secret's exchange on a new connection and hands it on once proven.
+fn admit<M>(
+    mut conn: TcpStream,
+    gate: &Gate,
+    lease: Duration,
+    next: &AtomicU64,
+    tx: &mpsc::Sender<Inbound<M>>,
+    new_tx: &mpsc::Sender<(u64, TcpStream, Opener, u64)>,
+    waker: &Waker,
+) {
+    let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a peer".into());
+
+    // A send to a worker that stopped reading fails instead of blocking the
+    // coordinator; keepalive notices a peer whose host went away.
+    let _ = conn.set_write_timeout(Some(SEND_TIMEOUT));
+    let (who, keys) =
+        match auth::accept(&mut auth::Deadline::new(&mut conn, AUTH_TIMEOUT), &gate.auth.secret, |c| {
+            gate.check(c)
+        }) {
+            Ok((claim, keys)) => (claim.who, keys),
+            Err(e) => {
+                tracing::warn!("refused a control connection from {peer}: {e}");
+                return;
+            }
+        };
+    let _ = conn.set_read_timeout(None);
+    let _ = conn.set_nodelay(true);
+    crate::control::proto::keepalive(&conn);
+    crate::control::proto::give_up_unacked(&conn, lease);
+    let Ok(reader) = conn.try_clone() else { return };
+    let (sealer, opener) = keys.split();
+    let n = next.fetch_add(1, Ordering::Relaxed);
+    if tx.send(Inbound::Conn(n, Link::new(conn, Some(sealer)))).is_ok()
+        && new_tx.send((n, reader, opener, who)).is_ok()
+    {
+        let _ = waker.wake();
+    }
+}
+
+/// One connection being read: its socket, who it is, the bytes of a line not complete yet.
+struct Open {
+    stream: TcpStream,
+    /// Opens what the peer sealed.
+    opener: Opener,
+    peer: String,
+    /// The worker it proved the secret as (0: one to be given an id).
+    who: u64,
+    pending: Vec<u8>,
+    /// How much of `pending` is known to hold no line end: a line that comes
+    /// in many reads is scanned once, not from its start at each.
+    scanned: usize,
+    /// When something last arrived.
+    heard: Instant,
+}
+
+/// The thread that reads every control connection.
+struct ReadAll<M: Message> {
+    poll: Poll,
+    /// Connections the acceptor hands over, with their number.
+    new: mpsc::Receiver<(u64, TcpStream, Opener, u64)>,
+    tx: mpsc::Sender<Inbound<M>>,
+    /// A connection silent for this long is closed.
+    lease: Duration,
+    open: HashMap<u64, Open>,
+    buf: Vec<u8>,
+}
+
+/// The coordinator stopped listening: the reader ends.
+struct Gone;
+
+fn read_all<M: Message>(
+    poll: Poll,
+    new: mpsc::Receiver<(u64, TcpStream, Opener, u64)>,
+    tx: mpsc::Sender<Inbound<M>>,
+    lease: Duration,
+) {
+    let mut reader = ReadAll { poll, new, tx, lease, open: HashMap::new(), buf: vec![0u8; 64 << 10] };
+    let _ = reader.run();
+}
+
+impl<M: Message> ReadAll<M> {
+    fn run(&mut self) -> Result<(), Gone> {
+        let mut events = Events::with_capacity(1024);
+        let sweep_every = (self.lease / 4).max(Duration::from_millis(10));
+        let mut last_sweep = Instant::now();
+        loop {
+            if last_sweep.elapsed() >= sweep_every {
+                last_sweep = Instant::now();
+                self.close_silent()?;
+            }
+            if let Err(e) = self.poll.poll(&mut events, Some(sweep_every)) {
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                tracing::error!("control connections: {e}");
+                return Err(Gone);
+            }
+            for ev in events.iter() {
+                if ev.token() == WAKE {
+                    self.watch_new();
+                } else {
+                    self.read(ev.token().0 as u64)?;
+                }
+            }
+        }
+    }
+
+    /// Closes the connections nothing arrived on (not even a heartbeat)
+    /// within the lease.
+    fn close_silent(&mut self) -> Result<(), Gone> {
+        let silent: Vec<u64> =
+            self.open.iter().filter(|(_, c)| c.heard.elapsed() > self.lease).map(|(n, _)| *n).collect();
+        for n in silent {
+            let Some(c) = self.open.remove(&n) else { continue };
+            let fd = c.stream.as_raw_fd();
+            let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
+            // Writes to it fail from now on, and the peer, if it comes back,
+            // finds the connection gone.
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
+            let why = format!(
+                "{}: no heartbeat for {:.1} s (the worker's host or its network went silent)",
+                c.peer,
+                c.heard.elapsed().as_secs_f64()
+            );
+            self.tx.send(Inbound::Closed(n, why)).map_err(|_| Gone)?;
+        }
+        Ok(())
+    }
+
+    /// Watches the connections the acceptor handed over.
+    fn watch_new(&mut self) {
+        while let Ok((n, stream, opener, who)) = self.new.try_recv() {
+            let fd = stream.as_raw_fd();
+            let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "peer".into());
+            let added =
+                self.poll.registry().register(&mut SourceFd(&fd), Token(n as usize), Interest::READABLE);
+            if let Err(e) = added {
+                let _ = self.tx.send(Inbound::Closed(n, format!("{peer}: cannot watch the connection: {e}")));
+                continue;
+            }
+            let conn =
+                Open { stream, opener, peer, who, pending: Vec::new(), scanned: 0, heard: Instant::now() };
+            self.open.insert(n, conn);
+        }
+    }
+
+    /// Reads what arrived on connection `n`; one that failed is closed.
+    fn read(&mut self, n: u64) -> Result<(), Gone> {
+        let Some(conn) = self.open.get_mut(&n) else { return Ok(()) };
+        let Err(why) = drain(conn, &mut self.buf, n, &self.tx) else { return Ok(()) };
+        let fd = conn.stream.as_raw_fd();
+        let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
+        self.open.remove(&n);
+        self.tx.send(Inbound::Closed(n, why)).map_err(|_| Gone)
+    }
+}
+
+/// Reads what has arrived on `conn` (edge-triggered: until the kernel has
+/// nothing more) and sends each complete line; an error ends the connection.
+fn drain<M: Message>(
+    conn: &mut Open,
+    buf: &mut [u8],
+    n: u64,
+    tx: &mpsc::Sender<Inbound<M>>,
+) -> Result<(), String> {
+    conn.heard = Instant::now();
+    loop {
+        // SAFETY: the kernel writes at most `buf.len()` bytes into `buf`, a
+        // live buffer borrowed mutably for the call; the descriptor belongs
+        // to `conn.stream`, which is open while `conn` is borrowed.
+        // MSG_DONTWAIT makes the call return at once when nothing is there.
+        let got = unsafe {
+            libc::recv(conn.stream.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
+        };
+        if got == 0 {
+            return Err(format!("{}: connection closed", conn.peer));
+        }
+        if got < 0 {
+            let e = io::Error::last_os_error();
+            return match e.kind() {
+                io::ErrorKind::WouldBlock => Ok(()),
+                io::ErrorKind::Interrupted => continue,
+                _ => Err(format!("{}: {e}", conn.peer)),
+            };
+        }
+        conn.opener
+            .open(&buf[..got as usize], &mut conn.pending)
+            .map_err(|e| format!("{}: {e}", conn.peer))?;
+        let mut start = 0;
+        while let Some(end) = conn.pending[start.max(conn.scanned)..].iter().position(|&b| b == b'\n') {
+            let end = start.max(conn.scanned) + end - start;
+            conn.scanned = 0;
+            let line = &conn.pending[start..start + end];
+            start += end + 1;
+            let msg = serde_json::from_slice::<M>(line)
+                .map_err(|e| format!("{}: malformed message: {e}", conn.peer))?;
+            if msg.is_heartbeat() {
+                // Hearing it was the point; the coordinator need not.
+                continue;
+            }
+            if let Some(named) = msg.names_worker()
+                && named != conn.who
+            {
+                return Err(format!(
+                    "{}: says it is worker {named}, but proved the secret as worker {}",
+                    conn.peer, conn.who
+                ));
+            }
+            if tx.send(Inbound::Msg(n, msg)).is_err() {
+                return Err("the coordinator stopped".into());
+            }
+        }
+        conn.pending.drain(..start);
+        conn.scanned = conn.pending.len();
+        if conn.pending.len() > MAX_LINE {
+            return Err(format!("{}: a message longer than {} MiB", conn.peer, MAX_LINE >> 20));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use edl_host_gpu::comm::sealed::SealedStream;
+    use std::io::Write;
+
+    fn next(rx: &mpsc::Receiver<Inbound>) -> Inbound {
+        rx.recv_timeout(Duration::from_secs(30)).expect("an event")
+    }
+
+    fn job() -> JobAuth {
+        JobAuth { job: "j".into(), secret: auth::Secret::generate().unwrap() }
+    }
+
+    /// Control connections of a new job on a free loopback port: its
+    /// address, events, gate and secret.
+    fn serve(lease: Duration) -> (std::net::SocketAddr, mpsc::Receiver<Inbound>, Arc<Gate>, JobAuth) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = mpsc::channel();
+        let a = job();
+        let gate = start(listener, a.clone(), lease, tx).unwrap();
+        (addr, rx, gate, a)
+    }
+
+    /// Connects and proves `auth` for worker `who`.
+    fn connect(addr: std::net::SocketAddr, a: &JobAuth, who: u64) -> Result<SealedStream, auth::AuthError> {
+        let mut s = TcpStream::connect(addr).unwrap();
+        let keys = auth::connect(&mut s, &a.secret, &a.claim("control", 0, who))?;
+        Ok(SealedStream::new(s, Some(keys)).unwrap())
+    }
+
+    #[test]
+    fn only_connections_that_prove_the_job_s_secret_reach_the_coordinator() {
+        let (addr, rx, _, a) = serve(Duration::from_secs(3600));
+        let stranger = job();
+        assert_eq!(connect(addr, &stranger, 1).unwrap_err(), auth::AuthError::WrongSecret);
+        let other_job = JobAuth { job: "other".into(), ..a.clone() };
+        let e = connect(addr, &other_job, 1).unwrap_err();
+        assert_eq!(e, auth::AuthError::Refused("this is job \"j\", not \"other\"".into()));
+        // A peer that says nothing (or speaks another protocol) is not a connection either.
+        let mut silent = TcpStream::connect(addr).unwrap();
+        silent.write_all(b"{\"hello\":{\"worker\":7,\"pid\":42}}\n").unwrap();
+        let _ok = connect(addr, &a, 2).unwrap();
+        match next(&rx) {
+            Inbound::Conn(0, _) => {}
+            _ => panic!("the proven connection, and it alone"),
+        }
+        assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "nothing else was admitted");
+    }
+
+    #[test]
+    fn a_worker_coming_back_from_a_generation_it_lost_is_refused_and_a_new_one_admitted() {
+        let (addr, rx, gate, a) = serve(Duration::from_secs(3600));
+        gate.set_generation(7);
+        let back = |generation: u64| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            auth::connect(&mut s, &a.secret, &a.claim("control", generation, 3)).map(|_| s)
+        };
+        let e = back(5).unwrap_err();
+        assert_eq!(e, auth::AuthError::Refused("generation 5 is over (the job is at 7)".into()));
+        // Before the coordinator has moved on: out all the same.
+        let e = back(7).unwrap_err().to_string();
+        assert!(e.contains("worker 3 lost its connection in generation 7"), "{e}");
+        // A new worker (generation 0) comes in, and it alone.
+        let _ok = back(0).unwrap();
+        assert!(matches!(next(&rx), Inbound::Conn(0, _)));
+        assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "nothing else was admitted");
+    }
+
+    #[test]
+    fn a_connection_silent_for_a_lease_is_closed_and_heartbeats_keep_another_open() {
+        let (addr, rx, _, a) = serve(Duration::from_secs(2));
+        let mut beating = connect(addr, &a, 1).unwrap();
+        let mut silent = connect(addr, &a, 2).unwrap();
+        for _ in 0..2 {
+            assert!(matches!(next(&rx), Inbound::Conn(..)));
+        }
+        let (stop, stopped) = mpsc::channel::<()>();
+        let beats = std::thread::spawn(move || {
+            while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(Duration::from_millis(100))
+            {
+                beating.write_all(b"\"heartbeat\"\n").unwrap();
+            }
+        });
+        // The first event is the silent one's end: heartbeats are not passed
+        // on, and the connection that sends them stays.
+        match next(&rx) {
+            Inbound::Closed(1, why) => assert!(why.contains("no heartbeat for"), "{why}"),
+            _ => panic!("the silent connection closed first"),
+        }
+        // Its peer finds the connection shut.
+        let mut buf = [0u8; 8];
+        assert_eq!(std::io::Read::read(&mut silent, &mut buf).unwrap_or(0), 0);
+        drop(stop);
+        beats.join().unwrap();
+    }
+
+    #[test]
+    fn every_connection_is_read_by_one_thread_line_by_line_and_a_bad_line_closes_it() {
+        let (addr, rx, _, a) = serve(Duration::from_secs(3600));
+        let mut conns = Vec::new();
+        for i in 0..50 {
+            conns.push(connect(addr, &a, i).unwrap());
+            match next(&rx) {
+                Inbound::Conn(n, _) => assert_eq!(n, i),
+                _ => panic!("a connection first"),
+            };
+        }
+        // A message in two writes, then two in one, on the last connection.
+        let hello = b"{\"hello\":{\"worker\":7,\"pid\":42}}\n";
+        let last = conns.last_mut().unwrap();
+        last.write_all(&hello[..9]).unwrap();
+        last.write_all(&hello[9..]).unwrap();
+        last.write_all(b"{\"ready\":{}}\n{\"ready\":{\"samples\":9}}\n").unwrap();
+        let mut got = Vec::new();
+        for _ in 0..3 {
+            match next(&rx) {
+                Inbound::Msg(n, m) => got.push((n, format!("{m:?}"))),
+                _ => panic!("messages"),
+            }
+        }
+        assert_eq!(got[0], (49, "Hello { worker: 7, pid: 42 }".to_string()));
+        let ready = |s: &str| (49, format!("Ready {{ samples: {s} }}"));
+        assert_eq!(got[1..], [ready("None"), ready("Some(9)")]);
+        // A line that is not a message ends that connection, naming why.
+        conns[3].write_all(b"{not json\n").unwrap();
+        match next(&rx) {
+            Inbound::Closed(3, why) => assert!(why.contains("malformed message"), "{why}"),
+            _ => panic!("connection 3 closed"),
+        }
+        // A frame not sealed with the connection's keys (forged on the
+        // way, or a peer that skips the encryption) ends it too.
+        let mut forged = 29u16.to_be_bytes().to_vec();
+        forged.extend_from_slice(b"{\"ready\":{}}\n0123456789abcdef");
+        conns[5].writer.get_mut().write_all(&forged).unwrap();
+        match next(&rx) {
+            Inbound::Closed(5, why) => assert!(why.contains("failed its authentication"), "{why}"),
+            _ => panic!("connection 5 closed"),
+        }
+        // A peer that goes away is a closed connection.
+        drop(conns.remove(10));
+        match next(&rx) {
+            Inbound::Closed(10, why) => assert!(why.ends_with("connection closed"), "{why}"),
+            _ => panic!("connection 10 closed"),
+        }
+    }
+
+    #[test]
+    fn a_worker_coming_back_may_name_itself_only() {
+        let (addr, rx, gate, a) = serve(Duration::from_secs(3600));
+        gate.set_generation(2);
+        gate.expect_return(Some((1, std::collections::BTreeSet::from([3, 4]))));
+        let back = |who: u64| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            let keys = auth::connect(&mut s, &a.secret, &a.claim("control", 1, who)).unwrap();
+            SealedStream::new(s, Some(keys)).unwrap()
+        };
+        let says = |worker: u64| {
+            let mut line =
+                serde_json::to_vec(&FromWorker::Return { worker, pid: 1, rollback: vec![5] }).unwrap();
+            line.push(b'\n');
+            line
+        };
+        let mut honest = back(3);
+        assert!(matches!(next(&rx), Inbound::Conn(0, _)));
+        honest.write_all(&says(3)).unwrap();
+        match next(&rx) {
+            Inbound::Msg(0, FromWorker::Return { worker: 3, .. }) => {}
+            _ => panic!("worker 3's return"),
+        }
+        // Worker 4 proved the secret as itself and claims to be worker 3.
+        let mut liar = back(4);
+        assert!(matches!(next(&rx), Inbound::Conn(1, _)));
+        liar.write_all(&says(3)).unwrap();
+        match next(&rx) {
+            Inbound::Closed(1, why) => assert!(why.contains("says it is worker 3, but proved"), "{why}"),
+            _ => panic!("the liar's connection closed"),
+        }
+    }
+
+    #[test]
+    fn a_peer_that_trickles_its_handshake_is_cut_off_at_the_handshake_s_deadline() {
+        use std::io::Read;
+        let (addr, rx, _, a) = serve(Duration::from_secs(3600));
+        let mut slow = std::net::TcpStream::connect(addr).unwrap();
+        // A frame of 4000 bytes announced, then a byte every 200 ms: each
+        // read gets something long before a per-read timeout.
+        slow.write_all(&4000u32.to_le_bytes()).unwrap();
+        let started = Instant::now();
+        let cut = loop {
+            std::thread::sleep(Duration::from_millis(200));
+            if slow.write_all(b"x").is_err() {
+                break true;
+            }
+            slow.set_nonblocking(true).unwrap();
+            let mut buf = [0u8; 64];
+            let closed = loop {
+                match slow.read(&mut buf) {
+                    Ok(0) => break true,
+                    Ok(_) => continue, // the acceptor's hello
+                    Err(_) => break false,
+                }
+            };
+            slow.set_nonblocking(false).unwrap();
+            // Bounded: a handshake has AUTH_TIMEOUT; this waits three times that.
+            if closed || started.elapsed() > 3 * AUTH_TIMEOUT {
+                break closed;
+            }
+        };
+        assert!(cut, "a trickling peer held its handshake for {:?}", started.elapsed());
+        // It never became a connection; a real worker still gets in.
+        let _ok = connect(addr, &a, 1).unwrap();
+        assert!(matches!(next(&rx), Inbound::Conn(0, _)));
+    }
+}

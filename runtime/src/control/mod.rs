@@ -1,0 +1,5 @@
+//! The control channel between a coordinator and its workers: the messages
+//! ([`proto`]) and the coordinator's side of the connections ([`inbox`]).
+
+pub mod inbox;
+pub mod proto;

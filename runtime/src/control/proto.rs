@@ -1,0 +1,301 @@
+//! The control protocol between the coordinator and its workers: one JSON
+//! object per line over a TCP connection that the worker opens. The
+//! connection is also the worker's liveness: when it closes (the process
+//! died), the coordinator knows at once; and a worker sends a heartbeat
+//! several times per lease, so one whose host or network went silent is
+//! declared dead when its lease runs out.
+
+use crate::checkpoint::Manifest;
+use crate::job::spec::JobSpec;
+use edl_host_gpu::comm::auth::Keys;
+use edl_host_gpu::comm::sealed::{SealedReader, SealedWriter};
+use edl_plugin_sdk::Hyperparams;
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+use std::{
+    io::{BufRead, BufReader, Write},
+    net::TcpStream,
+    path::PathBuf,
+};
+
+/// Why a rank failed a step, where the coordinator acts on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FailCause {
+    /// No teacher answered within the job's teacher wait: retrying the step
+    /// elsewhere cannot help.
+    NoTeachers,
+    /// The worker's state cannot take the job's committed state (a
+    /// checkpoint of another model, a program that registered other
+    /// tensors): no generation can fix that.
+    State,
+    /// No rank holds the job's state: its only holder was lost while
+    /// handing it over. Only a checkpoint gives it back.
+    NoState,
+}
+
+/// What the coordinator tells a worker.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ToWorker {
+    /// The id of a worker that joined without one (sent before the welcome).
+    Assigned {
+        worker: u64,
+    },
+    Welcome(Box<JobSpec>),
+    /// Form a generation: build its ring and start from the committed state.
+    Generation(Box<Generation>),
+    /// The generation's next steps, in order: one window. Windows are sent
+    /// ahead, so a worker goes from one step to the next without waiting.
+    Steps {
+        generation: u64,
+        steps: Vec<StepPlan>,
+        /// This rank's share of each step, in the same order.
+        shares: Vec<Share>,
+    },
+    /// Every step before `step` is committed: older rollback points can go.
+    /// Rank 0 writes `checkpoint` (of the state at `step`) in the
+    /// background, or before it answers with [`FromWorker::Saved`] when
+    /// `wait` (the job's final state).
+    Commit {
+        step: u64,
+        checkpoint: Option<Manifest>,
+        wait: bool,
+        /// The newest step the job's store holds the bookkeeping of: the
+        /// rollback point a coordinator taking the job over starts from is
+        /// kept until a later one is stored (None: none is kept back).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stored: Option<u64>,
+    },
+    Stop {
+        reason: String,
+    },
+}
+
+/// A generation: who is in it, where its ring meets, and the state it starts from.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Generation {
+    pub generation: u64,
+    pub rank: usize,
+    pub world: usize,
+    /// The rendezvous server of the generation's ring (`host:port`); the
+    /// key is per generation.
+    pub rendezvous: String,
+    pub rendezvous_key: String,
+    /// Steps committed so far: the state every rank starts from.
+    pub committed_steps: u64,
+    /// Start from this checkpoint (first generation of a resumed job).
+    pub init: Option<PathBuf>,
+}
+
+/// One step of a window.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepPlan {
+    /// Steps before this one (0 for the job's first step).
+    pub step: u64,
+    pub epoch: u64,
+    /// Position in the epoch's permutation where this step starts.
+    pub cursor: usize,
+    pub hyper: Hyperparams,
+}
+
+/// A rank's share of a step: the positions `start..end` of the epoch's
+/// permutation and the sample indices there.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Share {
+    pub start: u32,
+    pub end: u32,
+    pub indices: Vec<u32>,
+}
+
+/// One rank's account of one step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepDone {
+    pub step: u64,
+    pub epoch: u64,
+    /// The positions `start..end` of the epoch's permutation this rank trained on.
+    pub start: u32,
+    pub end: u32,
+    /// This rank's summed loss divided by the global batch.
+    pub loss: f64,
+    /// Forward, backward and teacher wait on this rank, ms.
+    pub compute_ms: f64,
+    /// The program's own metrics of the step (accuracy, ...), each this
+    /// rank's value weighted by its share of the step's samples, as `loss`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub metrics: Vec<(String, f64)>,
+}
+
+/// What a worker tells the coordinator.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FromWorker {
+    Hello {
+        worker: u64,
+        pid: u32,
+    },
+    /// Data loaded, model built: the worker can be given a rank. A program
+    /// says how many samples its data set holds (`len(dataset)`), which a
+    /// job launched without `--samples` takes.
+    Ready {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        samples: Option<u64>,
+    },
+    /// A window of steps is done on this rank.
+    Done {
+        generation: u64,
+        steps: Vec<StepDone>,
+        /// Ring set-up and parameter broadcast of a new generation, ms
+        /// (with the generation's first window).
+        setup_ms: f64,
+    },
+    /// Checkpoint writes that ended.
+    Saved {
+        checkpoints: Vec<Written>,
+    },
+    Failed {
+        generation: u64,
+        step: u64,
+        error: String,
+        #[serde(default)]
+        cause: Option<FailCause>,
+    },
+    /// The worker is alive (sent several times per lease).
+    Heartbeat,
+    /// The worker was told to go (SIGTERM from its scheduler's preemption,
+    /// a spot-instance notice): it goes on with the steps it was sent and
+    /// leaves at the next boundary, as a planned scale-in.
+    Leaving {
+        reason: String,
+    },
+    /// A worker whose coordinator is gone, to the one that took the job
+    /// over: it kept its process and its state, and holds rollback points
+    /// at these committed steps (the first message on its new connection).
+    Return {
+        worker: u64,
+        pid: u32,
+        rollback: Vec<u64>,
+    },
+}
+
+/// A checkpoint write that ended: where it is, or why it failed.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Written {
+    /// The committed step it holds.
+    pub step: u64,
+    pub result: Result<PathBuf, String>,
+}
+
+/// Why a message could not be sent or read.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtoError {
+    #[error("{peer}: connection closed")]
+    Closed { peer: String },
+    #[error("{peer}: {detail}")]
+    Io { peer: String, detail: String },
+    #[error("{peer}: malformed message: {detail}")]
+    Malformed { peer: String, detail: String },
+}
+
+/// TCP keepalive on a control connection: a peer whose host vanished (power
+/// loss, a cut link) is noticed within about 20 s, instead of never on an
+/// idle connection.
+pub fn keepalive(stream: &TcpStream) {
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(std::time::Duration::from_secs(5))
+        .with_interval(std::time::Duration::from_secs(5));
+    #[cfg(any(target_os = "linux", target_os = "macos"))]
+    let ka = ka.with_retries(3);
+    if let Err(e) = socket2::SockRef::from(stream).set_tcp_keepalive(&ka) {
+        tracing::debug!("keepalive on a control connection: {e}");
+    }
+}
+
+/// Bounds how long data written on `stream` may stay unacknowledged before
+/// the connection fails (Linux `TCP_USER_TIMEOUT`): a peer cut off by the
+/// network is noticed within `within` even while messages are waiting to go.
+pub fn give_up_unacked(stream: &TcpStream, within: std::time::Duration) {
+    #[cfg(any(target_os = "linux", target_os = "android", target_os = "fuchsia"))]
+    if let Err(e) = socket2::SockRef::from(stream).set_tcp_user_timeout(Some(within)) {
+        tracing::debug!("TCP_USER_TIMEOUT on a control connection: {e}");
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android", target_os = "fuchsia")))]
+    let _ = (stream, within);
+}
+
+fn peer(s: &TcpStream) -> String {
+    s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "peer".into())
+}
+
+/// The sending side of a control connection: sealed with the keys of the
+/// secret's exchange.
+pub type Link = SealedWriter<TcpStream>;
+
+/// Both sides of a proven connection, sealed with `keys`.
+pub fn seal(stream: &TcpStream, keys: Keys) -> std::io::Result<(Link, SealedReader<TcpStream>)> {
+    let (sealer, opener) = keys.split();
+    Ok((
+        SealedWriter::new(stream.try_clone()?, Some(sealer)),
+        SealedReader::new(stream.try_clone()?, Some(opener)),
+    ))
+}
+
+/// Writes one message as a JSON line.
+pub fn send<T: Serialize>(stream: &mut Link, msg: &T) -> Result<(), ProtoError> {
+    let line =
+        encode(msg).map_err(|detail| ProtoError::Malformed { peer: peer(stream.get_ref()), detail })?;
+    send_encoded(stream, &line)
+}
+
+/// One message as its JSON line, to send to many peers.
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, String> {
+    let mut line = serde_json::to_vec(msg).map_err(|e| e.to_string())?;
+    line.push(b'\n');
+    Ok(line)
+}
+
+/// Writes a line made by [`encode`].
+pub fn send_encoded(stream: &mut Link, line: &[u8]) -> Result<(), ProtoError> {
+    stream.write_all(line).map_err(|e| ProtoError::Io { peer: peer(stream.get_ref()), detail: e.to_string() })
+}
+
+/// The sending side of a control connection, shared by the threads that
+/// write to it: each message is written whole, under a lock.
+#[derive(Clone)]
+pub struct Sender(std::sync::Arc<std::sync::Mutex<Link>>);
+
+impl Sender {
+    pub fn new(stream: Link) -> Self {
+        Sender(std::sync::Arc::new(std::sync::Mutex::new(stream)))
+    }
+
+    /// Writes one message as a JSON line.
+    pub fn send<T: Serialize>(&self, msg: &T) -> Result<(), ProtoError> {
+        let mut stream = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        send(&mut stream, msg)
+    }
+}
+
+/// A reader of JSON-line messages.
+pub struct Receiver {
+    inner: BufReader<SealedReader<TcpStream>>,
+    peer: String,
+    line: String,
+}
+
+impl Receiver {
+    pub fn new(stream: SealedReader<TcpStream>) -> Self {
+        let peer = peer(stream.get_ref());
+        Receiver { inner: BufReader::new(stream), peer, line: String::new() }
+    }
+
+    /// The next message; blocks until one arrives or the connection ends.
+    pub fn recv<T: DeserializeOwned>(&mut self) -> Result<T, ProtoError> {
+        self.line.clear();
+        match self.inner.read_line(&mut self.line) {
+            Ok(0) => Err(ProtoError::Closed { peer: self.peer.clone() }),
+            Ok(_) => serde_json::from_str(&self.line)
+                .map_err(|e| ProtoError::Malformed { peer: self.peer.clone(), detail: e.to_string() }),
+            Err(e) => Err(ProtoError::Io { peer: self.peer.clone(), detail: e.to_string() }),
+        }
+    }
+}

@@ -1,0 +1,257 @@
+//! The workers as they come and go: the membership's commands carried out
+//! (plans, stops, starts), what the control connections say, starters that
+//! die before joining, failures that end a generation, and worker leases.
+
+use super::records::*;
+use super::{CRASH_LOG_LINES, Coordinator, SECOND};
+use crate::control::inbox::Inbound;
+use crate::coordinator::machine::timers::Timer;
+
+use crate::control::proto::{FromWorker, ToWorker, send};
+use crate::coordinator::machine::membership::{Command, Event};
+use crate::coordinator::machine::pipeline::Failure;
+use crate::store::keys;
+use anyhow::{Result, bail};
+use edl_host_gpu::comm::auth::JobAuth;
+use std::{
+    collections::BTreeSet,
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+impl Coordinator<'_> {
+    /// Carries out what membership decided.
+    pub(super) fn execute(&mut self) {
+        while let Some(cmd) = self.membership.poll_command() {
+            match cmd {
+                Command::Spawn { worker } => {
+                    let auth = JobAuth { job: self.cfg.spec.job.clone(), secret: self.cfg.secret.clone() };
+                    if let Err(e) = self.scaler.spawn(worker, &self.addr, &auth) {
+                        self.membership.spawn_failed(worker, format!("{e:#}"));
+                    }
+                }
+                Command::Welcome { conn, assigned } => {
+                    // A failed send closes the connection; its reader reports that.
+                    let welcome = ToWorker::Welcome(Box::new(self.told_spec()));
+                    if let Some(stream) = self.conns.get_mut(&conn) {
+                        if let Some(worker) = assigned {
+                            let _ = send(stream, &ToWorker::Assigned { worker });
+                        }
+                        let _ = send(stream, &welcome);
+                    }
+                }
+                Command::Refuse { conn, reason } => {
+                    if let Some(mut stream) = self.conns.remove(&conn) {
+                        let _ = send(&mut stream, &ToWorker::Stop { reason });
+                    }
+                }
+                Command::Stop { worker, conn, reason, grace } => {
+                    if let Some(mut stream) = conn.and_then(|c| self.conns.remove(&c)) {
+                        let _ = send(&mut stream, &ToWorker::Stop { reason });
+                    }
+                    self.scaler.stop(worker, grace);
+                    self.forget(worker);
+                }
+                Command::Note { text, log_of } => {
+                    let log = log_of.map(|id| self.log_tail(id)).unwrap_or_default();
+                    self.note(format!("{text}{log}"));
+                }
+            }
+        }
+    }
+
+    /// Handles one inbound event: membership's, or the generation's step barrier's.
+    pub(super) fn handle(&mut self, ev: Inbound) {
+        let now = Instant::now();
+        match ev {
+            Inbound::Conn(n, s) => {
+                self.conns.insert(n, s);
+            }
+            Inbound::Msg(n, FromWorker::Hello { worker, pid }) => {
+                self.membership.handle(now, Event::Hello { conn: n, worker, pid });
+            }
+            Inbound::Msg(n, FromWorker::Leaving { reason }) => {
+                if let Some(id) = self.membership.worker_on(n) {
+                    self.note(format!(
+                        "worker {id} was told to go ({reason}); it leaves at the next step boundary"
+                    ));
+                    self.leaving.push((id, reason));
+                }
+            }
+            Inbound::Msg(n, FromWorker::Return { worker, pid, rollback }) => {
+                let holds = rollback.contains(&self.tally.committed);
+                self.membership.handle(now, Event::Returned { conn: n, worker, pid, holds });
+            }
+            // The inbox keeps heartbeats to itself; one that got here says nothing new.
+            Inbound::Msg(_, FromWorker::Heartbeat) => {}
+            Inbound::Msg(n, FromWorker::Ready { samples }) => match self.take_samples(samples) {
+                Ok(()) => {
+                    self.membership.handle(now, Event::Ready { conn: n });
+                }
+                Err(why) => {
+                    self.fatal.get_or_insert(why);
+                }
+            },
+            Inbound::Msg(_, FromWorker::Saved { checkpoints }) => {
+                self.take_written(&checkpoints);
+                if let Some(w) = checkpoints.into_iter().rfind(|w| w.step == self.tally.committed) {
+                    self.saved = Some(w.result);
+                }
+            }
+            Inbound::Msg(n, FromWorker::Done { generation, steps, setup_ms }) => {
+                if let (Some(&rank), Some(p)) = (self.ranks.get(&n), self.pipe.as_mut())
+                    && p.generation == generation
+                {
+                    p.report(now, rank, steps, setup_ms);
+                }
+            }
+            Inbound::Msg(n, FromWorker::Failed { generation, error, cause, .. }) => {
+                if let (Some(&rank), Some(p)) = (self.ranks.get(&n), self.pipe.as_mut())
+                    && p.generation == generation
+                {
+                    p.fail(rank, error, cause);
+                }
+            }
+            Inbound::Closed(n, why) => {
+                self.conns.remove(&n);
+                let rank = self.ranks.get(&n).copied();
+                if self.membership.handle(now, Event::Closed { conn: n, why: why.clone() }).is_some()
+                    && let (Some(rank), Some(p)) = (rank, self.pipe.as_mut())
+                {
+                    p.lost(rank, &why);
+                }
+            }
+        }
+        self.execute();
+    }
+
+    /// A worker's program said how many samples its data set holds: the
+    /// job's samples when it was launched without `--samples`, else checked
+    /// against them.
+    fn take_samples(&mut self, declared: Option<u64>) -> Result<(), String> {
+        match (self.tally.train_len(), declared) {
+            (0, Some(n)) if n > 0 => {
+                let n = n as usize;
+                if self.hyper.global_batch as usize > n {
+                    return Err(format!(
+                        "--batch {} is above the {n} samples the program's data set holds",
+                        self.hyper.global_batch
+                    ));
+                }
+                self.tally.learn_train_len(n);
+                self.note(format!(
+                    "the job's samples: {n}, as its first worker's program declared (len(dataset))"
+                ));
+                Ok(())
+            }
+            (0, _) => Err("the job's samples are unknown: `launch` was given no --samples and the program \
+                 declared none before its first step (edl.torch.ElasticLoader declares len(dataset); or set \
+                 job.samples = len(dataset))"
+                .into()),
+            (len, Some(n)) if n as usize != len => Err(format!(
+                "a worker's program declared {n} samples; the job has {len} (from --samples, a checkpoint or \
+                 its first worker): every worker must read the same data set"
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Stops the job when a worker's program declared what cannot be.
+    pub(super) fn check_fatal(&mut self) -> Result<()> {
+        match self.fatal.take() {
+            Some(why) => bail!("{why}"),
+            None => Ok(()),
+        }
+    }
+
+    /// Notices started workers that died before joining, and gives up those
+    /// past the join timeout.
+    pub(super) fn check_spawning(&mut self) {
+        let now = Instant::now();
+        for (worker, status) in self.scaler.exited() {
+            self.membership.handle(now, Event::Exited { worker, status });
+        }
+        self.membership.handle_timeout(now);
+        self.execute();
+    }
+
+    /// Waits for joiners until at least `want` are there (or nothing is starting).
+    pub(super) fn wait_for_joiners(&mut self, want: usize) -> Result<()> {
+        while self.membership.joiners() < want && !self.membership.nothing_loading() {
+            match self.rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(ev) => self.handle(ev),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
+            }
+            self.check_fatal()?;
+            self.check_spawning();
+        }
+        if self.membership.joiners() == 0 {
+            bail!("no worker joined the job (worker logs: {})", self.log_hint());
+        }
+        Ok(())
+    }
+
+    /// The end of worker `id`'s log, for a note about its failure.
+    pub(super) fn log_tail(&self, id: u64) -> String {
+        self.scaler.log_of(id).map(|p| crate::process::log_tail(&p, CRASH_LOG_LINES)).unwrap_or_default()
+    }
+
+    pub(super) fn log_hint(&self) -> String {
+        self.scaler
+            .log_of(0)
+            .and_then(|p| p.parent().map(|d| d.display().to_string()))
+            .unwrap_or_else(|| "the scaler's".into())
+    }
+
+    /// The generation failed: drop the dead, keep the survivors for the next one.
+    pub(super) fn fail(&mut self, f: Failure) {
+        let from = self.membership.world();
+        let dead: BTreeSet<u64> =
+            f.dead.iter().filter_map(|&r| self.membership.members().get(r).map(|m| m.id)).collect();
+        self.membership.fail(Instant::now(), &dead);
+        self.execute();
+        let why = if f.errors.is_empty() { "a rank failed".to_string() } else { f.errors.join("; ") };
+        let ahead = match f.dropped {
+            0 | 1 => String::new(),
+            n => format!(", {} later step(s) sent ahead dropped", n - 1),
+        };
+        let world = self.membership.world();
+        if self.tally.epoch >= self.cfg.spec.epochs {
+            self.note(format!(
+                "the final checkpoint (step {}) was not written (generation {}): {why}; {world} worker(s) left",
+                f.step, self.generation
+            ));
+        } else {
+            self.note(format!(
+                "step {} not committed (generation {}{ahead}): {why}; redoing it with {world} worker(s)",
+                f.step, self.generation
+            ));
+        }
+        let lost: Vec<String> = dead.iter().map(|d| format!("worker {d} lost")).collect();
+        let reason = if lost.is_empty() { "collective failed".to_string() } else { lost.join(", ") };
+        self.pending = Some(Pending { failure: true, ..Pending::new(from, reason) });
+    }
+
+    /// Removes a worker's lease from the store.
+    pub(super) fn forget(&mut self, id: u64) {
+        if let Some(k) = &self.keeper {
+            k.delete(format!("{}{id}", keys::workers(&self.cfg.spec.job)));
+        }
+    }
+
+    /// Keeps the members' leases in the store fresh (once a second).
+    pub(super) fn lease_members(&mut self, now: Instant) {
+        let due = self.timers.fire(Timer::WorkerLeases, now, SECOND);
+        if !due && !std::mem::take(&mut self.lease_now) {
+            return;
+        }
+        self.timers.set(Timer::WorkerLeases, now + SECOND);
+        let Some(k) = &self.keeper else { return };
+        let prefix = keys::workers(&self.cfg.spec.job);
+        for m in self.membership.members() {
+            let v = serde_json::json!({"pid": m.pid, "generation": self.generation}).to_string();
+            k.lease(format!("{prefix}{}", m.id), v.into_bytes(), Duration::from_secs(5));
+        }
+    }
+}

@@ -1,0 +1,679 @@
+//! The coordinator (job server): membership, generations, ranks and the
+//! global data cursor; the scaling policy on a fixed cadence and the batch
+//! adapter at each step and resize; workers started and stopped through a
+//! [`Scaler`].
+//!
+//! The coordinator is the step barrier. It sends every rank the plan of a
+//! step, and commits the step when every rank of the generation reports it
+//! done; only then does the cursor move and the sample ids the ranks trained
+//! on enter the ledger. When a rank dies (its control connection closes),
+//! fails (its ring broke) or hangs (no answer within the step timeout), the
+//! step is not committed; the survivors form the next generation from the
+//! committed state and redo it. Joiners wait until a step boundary and get
+//! the state by broadcast. The job's progress (generation, cursor, members)
+//! is kept in the store and on the checkpoint cadence rank 0 writes a
+//! checkpoint; a restarted job resumes from the newest one that verifies.
+
+pub mod machine;
+mod members;
+mod memory;
+mod records;
+pub mod report;
+mod resume;
+mod scaling;
+mod steps;
+
+use crate::job::JobConfig;
+pub use records::{JobOutcome, Progress, StepRecord, StoreEvent};
+pub use resume::mark_complete;
+
+use crate::checkpoint::Checkpoints;
+use crate::control::inbox::Inbound;
+use crate::control::proto::StepPlan;
+use crate::coordinator::machine::membership::{Leave, Membership};
+use crate::coordinator::machine::phase::{JobPhase, Phase};
+use crate::coordinator::machine::pipeline::Pipeline;
+use crate::coordinator::machine::tally::Tally;
+use crate::coordinator::machine::timers::{Timer, TimerTable};
+use crate::leader::record::{DataIdentity, JobState, PluginMemory, ScaleEvent};
+use crate::plugin::{AdapterPlugin, PolicyPlugin};
+use crate::scalers::Scaler;
+use crate::store::{AnyStore, keys};
+use anyhow::{Context, Result, anyhow, bail};
+use edl_host_gpu::comm::{RendezvousServer, auth::JobAuth};
+use edl_plugin_sdk::{Action, Hyperparams};
+use records::Pending;
+use std::{
+    collections::HashMap,
+    net::{SocketAddr, TcpListener},
+    path::PathBuf,
+    sync::{Arc, mpsc},
+    time::{Duration, Instant},
+};
+
+struct Coordinator<'a> {
+    /// How the job runs: fixed once it starts.
+    cfg: Arc<JobConfig>,
+    /// What workers are told that changes while the job runs.
+    told: Told,
+    /// The teacher processes this job started, when it started them.
+    teacher_watch: Option<Box<dyn crate::job::teacher_pool::TeacherWatch>>,
+    policy: Box<dyn PolicyPlugin>,
+    adapter: Option<Box<dyn AdapterPlugin>>,
+    scaler: Box<dyn Scaler>,
+    progress: &'a mut dyn FnMut(Progress),
+    rt: tokio::runtime::Runtime,
+    store: AnyStore,
+    /// `host:port` workers reach the control port at.
+    addr: String,
+    /// `host:port` workers reach the rendezvous at.
+    rendezvous_at: String,
+    /// Where the job's checkpoints are (read here, written by rank 0).
+    ckpt: Checkpoints,
+    rendezvous: RendezvousServer,
+    /// Who may open a control connection (told each new generation).
+    gate: Arc<crate::control::inbox::Gate>,
+    rx: mpsc::Receiver<Inbound>,
+    /// Open control connections.
+    conns: HashMap<u64, crate::control::proto::Link>,
+    /// Who is in the job (the decisions; this struct does the I/O).
+    membership: Membership,
+    generation: u64,
+    first_generation: u64,
+    /// Steps committed, the epoch and cursor, the ledger, throughput.
+    tally: Tally,
+    hyper: Hyperparams,
+    events: Vec<ScaleEvent>,
+    pending: Option<Pending>,
+    /// Decisions whose workers have not joined yet, oldest first.
+    decided: std::collections::VecDeque<Pending>,
+    init: Option<PathBuf>,
+    /// A generation was just formed: leases are written at once.
+    lease_now: bool,
+    last_change: Instant,
+    started: Instant,
+    /// The periodic work's deadlines.
+    timers: TimerTable,
+    /// When the first generation formed: training time (and so samples/s)
+    /// counts from here, not from the workers' start-up.
+    training_since: Option<Instant>,
+    /// The room the scheduler last reported (said when it changes).
+    capacity: Option<u32>,
+    timeline: Vec<StepRecord>,
+    checkpoints: Vec<PathBuf>,
+    /// Writes job state and leases off the step's path (from the job's start).
+    keeper: Option<crate::leader::keeper::StoreKeeper>,
+    /// The stored job state's token when this run read it.
+    state_token: Option<u64>,
+    /// The lease token every checkpoint is written with (see
+    /// [`crate::checkpoint::Fence`]).
+    fence: Option<u64>,
+    /// The current generation's step barrier, and its ranks by connection.
+    pipe: Option<Pipeline>,
+    ranks: HashMap<u64, usize>,
+    /// The next step to plan (the adapter is asked once per step, as it
+    /// is planned).
+    plan_at: StepPlan,
+    /// A policy decision that removes workers, applied once the windows
+    /// already sent are committed.
+    decision: Option<Vec<Action>>,
+    /// The slowest rank's compute per step (moving average), ms: sizes the windows.
+    step_ms: Option<f64>,
+    last_checkpoint: Instant,
+    /// The epoch permutation windows are planned from.
+    plan_perm: Option<(u64, Vec<u32>)>,
+    /// The last reported write of a checkpoint of the committed step.
+    saved: Option<Result<PathBuf, String>>,
+    /// What stops the job at the next look: a worker's program declared
+    /// samples that cannot be the job's.
+    fatal: Option<String>,
+    /// The job is being taken over from another coordinator.
+    takeover: Option<Takeover>,
+    store_events: Vec<StoreEvent>,
+    /// Workers told to go by their scheduler, and why: they leave at the
+    /// next boundary.
+    leaving: Vec<(u64, String)>,
+    /// A worker told to go holds the only state: a checkpoint of it, so
+    /// that its going first costs only the steps since then.
+    notice_checkpoint: Option<NoticeCheckpoint>,
+}
+
+/// What workers are told about the job that changes while it runs: the
+/// rest of their [`JobSpec`] is the configuration's.
+#[derive(Default)]
+struct Told {
+    /// Where a worker that loses this coordinator finds the next one.
+    follow: Option<crate::job::spec::Follow>,
+    /// The teachers still alive (teachers this job started that exited are
+    /// no longer handed out).
+    teachers: Option<crate::job::spec::TeacherSource>,
+}
+
+/// Where a job taken over from another coordinator stood.
+struct Takeover {
+    from: crate::job::spec::Leader,
+    generation: u64,
+    members: Vec<u64>,
+    /// How the scheduler knows them.
+    handles: std::collections::BTreeMap<u64, String>,
+}
+
+/// Where the checkpoint of a state a worker told to go holds alone stands.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum NoticeCheckpoint {
+    /// Written at the next commit.
+    Due,
+    /// Asked of rank 0 at this step.
+    Writing(u64),
+}
+
+/// The coordinator's lease on its job in the store (renewed every third of
+/// it): a standby takes the job over this long after its coordinator died.
+pub(crate) const LEASE_TTL: Duration = Duration::from_secs(5);
+/// How long a coordinator that took a job over waits for its workers to come back.
+pub(crate) const RETURN_WITHIN: Duration = Duration::from_secs(10);
+
+/// Windows kept ahead of the ranks while membership is stable.
+const AHEAD: usize = 2;
+/// A window holds about this much work (by the measured step time)...
+const WINDOW_WORK_MS: f64 = 100.0;
+/// ... and at most this many steps.
+const MAX_WINDOW: u64 = 32;
+/// Lines of a crashed worker's log its error quotes (a Python traceback is
+/// quoted whole).
+const CRASH_LOG_LINES: usize = 20;
+/// How often the coordinator looks after starters, leases, teachers and the store.
+const CHORES_EVERY: Duration = Duration::from_millis(100);
+/// How often worker leases, the job's state and the teachers are looked at
+/// when nothing else asks for it.
+const SECOND: Duration = Duration::from_secs(1);
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Runs a job to its end.
+/// `lock` is the job's [`JobLock`](crate::job::JobLock), held until the job ends.
+pub fn run(
+    cfg: JobConfig,
+    lock: crate::job::JobLock,
+    policy: Box<dyn PolicyPlugin>,
+    adapter: Option<Box<dyn AdapterPlugin>>,
+    scaler: Box<dyn Scaler>,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<JobOutcome> {
+    cfg.validate()?;
+    let mut cfg = cfg;
+    let teacher_watch = cfg.teacher_watch.take();
+    let cfg = Arc::new(cfg);
+    let io = Io::open(&cfg)?;
+    let mut c = Coordinator::new(cfg, io, Plugins { policy, adapter, scaler, teacher_watch }, progress)?;
+    let result = c.job();
+    c.close(result.is_ok());
+    drop(lock);
+    result
+}
+
+/// The plugins and processes a coordinator drives.
+struct Plugins {
+    policy: Box<dyn PolicyPlugin>,
+    adapter: Option<Box<dyn AdapterPlugin>>,
+    scaler: Box<dyn Scaler>,
+    teacher_watch: Option<Box<dyn crate::job::teacher_pool::TeacherWatch>>,
+}
+
+/// The coordinator's sockets and store, opened before anything is decided.
+struct Io {
+    rt: tokio::runtime::Runtime,
+    store: AnyStore,
+    addr: String,
+    rendezvous_at: String,
+    rendezvous: RendezvousServer,
+    gate: Arc<crate::control::inbox::Gate>,
+    rx: mpsc::Receiver<Inbound>,
+}
+
+impl Io {
+    /// Opens the store, the control port (with the thread that reads its
+    /// connections) and the rendezvous, at the configured addresses.
+    fn open(cfg: &JobConfig) -> Result<Io> {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let store = {
+            let _g = rt.enter();
+            AnyStore::open(&cfg.store)?
+        };
+        let net = &cfg.addresses;
+        let listener = TcpListener::bind(net.listen).with_context(|| format!("--listen {}", net.listen))?;
+        let host = net.advertised_host()?;
+        let addr = crate::net::host_port(&host, listener.local_addr()?.port());
+        let auth = JobAuth { job: cfg.spec.job.clone(), secret: cfg.secret.clone() };
+        let rendezvous_listen = SocketAddr::new(net.listen.ip(), net.rendezvous_port).to_string();
+        let rendezvous = RendezvousServer::start_with(&rendezvous_listen, Some(auth.clone()))
+            .with_context(|| format!("rendezvous server on {rendezvous_listen}"))?;
+        let rendezvous_at = crate::net::host_port(&host, rendezvous.addr().port());
+        let (tx, rx) = mpsc::channel();
+        let lease = Duration::from_millis(cfg.spec.worker_lease_ms);
+        let gate = crate::control::inbox::start(listener, auth, lease, tx).context("control connections")?;
+        Ok(Io { rt, store, addr, rendezvous_at, rendezvous, gate, rx })
+    }
+}
+
+impl<'a> Coordinator<'a> {
+    fn new(
+        cfg: Arc<JobConfig>,
+        io: Io,
+        plugins: Plugins,
+        progress: &'a mut dyn FnMut(Progress),
+    ) -> Result<Self> {
+        let mut membership = Membership::new(cfg.min_workers, cfg.max_workers, cfg.join_timeout, 1);
+        membership.admit_uninvited(plugins.scaler.admits_uninvited());
+        let now = Instant::now();
+        let Io { rt, store, addr, rendezvous_at, rendezvous, gate, rx } = io;
+        Ok(Coordinator {
+            told: Told { follow: None, teachers: cfg.spec.teachers.clone() },
+            teacher_watch: plugins.teacher_watch,
+            policy: plugins.policy,
+            adapter: plugins.adapter,
+            scaler: plugins.scaler,
+            progress,
+            rt,
+            store,
+            addr,
+            rendezvous_at,
+            rendezvous,
+            gate,
+            ckpt: Checkpoints::open(&cfg.spec.checkpoint_dir, cfg.spec.keep_checkpoints)?,
+            rx,
+            conns: HashMap::new(),
+            membership,
+            generation: 0,
+            first_generation: 0,
+            tally: Tally::new(cfg.spec.samples, cfg.spec.seed, now),
+            hyper: cfg.hyper,
+            events: Vec::new(),
+            pending: None,
+            decided: Default::default(),
+            init: None,
+            lease_now: true,
+            last_change: now,
+            started: now,
+            timers: TimerTable::every(
+                now,
+                &[(Timer::Chores, CHORES_EVERY), (Timer::WorkerLeases, SECOND), (Timer::SaveState, SECOND)],
+            ),
+            training_since: None,
+            capacity: None,
+            timeline: Vec::new(),
+            checkpoints: Vec::new(),
+            keeper: None,
+            state_token: None,
+            fence: None,
+            pipe: None,
+            ranks: HashMap::new(),
+            plan_at: StepPlan { step: 0, epoch: 0, cursor: 0, hyper: cfg.hyper },
+            decision: None,
+            step_ms: None,
+            last_checkpoint: now,
+            plan_perm: None,
+            saved: None,
+            fatal: None,
+            takeover: None,
+            store_events: Vec::new(),
+            leaving: Vec::new(),
+            notice_checkpoint: None,
+            cfg,
+        })
+    }
+
+    /// The job is over (`ok`: it finished): its workers are stopped, or
+    /// left to the coordinator that deposed this one, and the store is
+    /// written one last time.
+    fn close(&mut self, ok: bool) {
+        if self.keeper.as_ref().and_then(|k| k.fenced()).is_some() {
+            // Deposed: the workers follow the coordinator that leads now.
+            self.scaler.release();
+        } else {
+            self.membership.stop_all(if ok { "the job is done" } else { "the job failed" });
+            self.execute();
+        }
+        if let Some(k) = &self.keeper {
+            k.release();
+            let _ = k.flush(Duration::from_secs(5));
+        }
+    }
+
+    /// The job as workers are told it now: the configuration's, with the
+    /// samples learned, the leader to follow and the teachers still alive.
+    fn told_spec(&self) -> crate::job::spec::JobSpec {
+        crate::job::spec::JobSpec {
+            samples: self.tally.train_len(),
+            follow: self.told.follow.clone(),
+            teachers: self.told.teachers.clone(),
+            ..self.cfg.spec.clone()
+        }
+    }
+}
+
+impl Coordinator<'_> {
+    fn note(&mut self, s: String) {
+        (self.progress)(Progress::Note(s));
+    }
+
+    fn checkpoints(&self) -> &Checkpoints {
+        &self.ckpt
+    }
+
+    fn spawn(&mut self, n: u32) {
+        self.membership.spawn(Instant::now(), n);
+        self.execute();
+    }
+
+    /// Checks the teachers this job started: a dead one is no longer handed
+    /// to new workers; with none left the job cannot go on.
+    fn check_teachers(&mut self) -> Result<()> {
+        let Some(watch) = self.teacher_watch.as_mut() else { return Ok(()) };
+        let dead = watch.dead();
+        let Some(crate::job::spec::TeacherSource::Fixed(list)) = self.told.teachers.as_mut() else {
+            return Ok(());
+        };
+        let mut gone = Vec::new();
+        for (addr, how) in dead {
+            if let Some(i) = list.iter().position(|a| *a == addr) {
+                list.remove(i);
+                gone.push(how);
+            }
+        }
+        if list.is_empty() && !gone.is_empty() {
+            bail!("every teacher of the job has exited: {}", gone.join("; "));
+        }
+        for how in gone {
+            self.note(format!("{how}; new workers will not be given it"));
+        }
+        Ok(())
+    }
+
+    fn job(&mut self) -> Result<JobOutcome> {
+        let resumed = self.start()?;
+        let final_checkpoint = self.train_to_the_end()?;
+        self.finish(final_checkpoint, resumed)
+    }
+
+    /// Takes the job (its lease, its state in the store, the newest
+    /// checkpoint), starts the first workers and makes them members.
+    /// Returns the step the job resumed from.
+    fn start(&mut self) -> Result<Option<u64>> {
+        // Before anything is read or changed: one coordinator per job.
+        let lease = self.rt.block_on(crate::leader::keeper::take_lease(
+            &self.store,
+            &self.cfg.spec.job,
+            LEASE_TTL,
+            self.cfg.standby,
+        ))?;
+        let resumed = self.resume()?;
+        // The checkpoints are this coordinator's from here on: a deposed one
+        // that runs on cannot write or prune them. A store of its own (the
+        // embedded one) gives tokens that start again with each run; the
+        // job's local lock keeps others out then, and the claim is replaced.
+        let shared = !matches!(self.store, crate::store::AnyStore::Memory(_));
+        let token = if shared { lease.token() } else { 0 };
+        self.ckpt.claim(token, resumed.unwrap_or(0), !shared).with_context(|| {
+            format!("claiming the checkpoints at {}", self.cfg.spec.checkpoint_dir.display())
+        })?;
+        self.fence = Some(token);
+        if shared && self.scaler.workers_outlive() {
+            // Workers that lose this coordinator find the next in the store.
+            self.told.follow = Some(crate::job::spec::Follow { store: self.cfg.store.clone(), token });
+        }
+        self.keeper = Some(crate::leader::keeper::StoreKeeper::start(
+            &self.cfg.store,
+            keys::job_state(&self.cfg.spec.job),
+            self.state_token,
+            Some(lease),
+        )?);
+        self.first_generation = self.generation + 1;
+        self.note(format!(
+            "coordinator at {} (rendezvous {}); workers join with `edl-runtime worker --coordinator {}`",
+            self.addr, self.rendezvous_at, self.addr
+        ));
+        if self.takeover.is_some() {
+            // The store names this coordinator: the workers find it there.
+            self.save_state(false);
+            self.await_return(RETURN_WITHIN)?;
+            if self.membership.joiners() > 0 {
+                self.boundary()?;
+                // Workers lost with the old coordinator are started anew
+                // where the job is short of its minimum.
+                let short =
+                    self.cfg.min_workers.saturating_sub(self.membership.world() + self.membership.coming());
+                if short > 0 {
+                    self.spawn(short);
+                }
+                return Ok(resumed);
+            }
+        }
+        let first = self.cfg.initial_workers.clamp(self.cfg.min_workers.max(1), self.cfg.max_workers.max(1));
+        self.spawn(first);
+        self.wait_for_joiners(first as usize)?;
+        // The first workers are members before any phase: a job resumed at
+        // its end goes straight to the final checkpoint, which admits no
+        // newcomer.
+        self.boundary()?;
+        Ok(resumed)
+    }
+
+    /// Trains generation after generation until every epoch is committed,
+    /// then writes the final checkpoint; returns its path.
+    fn train_to_the_end(&mut self) -> Result<PathBuf> {
+        let total = self.cfg.spec.epochs;
+        let mut phase = JobPhase::new(total, Duration::from_millis(self.cfg.spec.teacher_wait_ms));
+        loop {
+            self.fenced()?;
+            // The state lives in the members alone: with none left, the
+            // workers that are joining have nothing to take it from.
+            if self.membership.world() == 0 {
+                self.recover_from_nothing()?;
+            }
+            match phase.next(self.tally.epoch) {
+                Phase::Train { again } => {
+                    if again {
+                        // Every worker died before the final state was written:
+                        // the recovery went back to an earlier checkpoint, whose
+                        // remaining steps are trained again.
+                        self.note(format!(
+                            "the final state was lost with its workers; training again from step {}",
+                            self.tally.committed
+                        ));
+                    }
+                    self.check_teachers()?;
+                    if let Some(actions) = self.decision.take() {
+                        self.apply_decision(&actions);
+                    }
+                    self.apply_leaving();
+                    self.boundary()?;
+                    let before = self.tally.committed;
+                    let Some(f) = self.run_generation()? else { continue };
+                    if f.cause == Some(crate::control::proto::FailCause::NoTeachers) {
+                        // Name the teachers' end if the job started them.
+                        self.check_teachers()?;
+                    }
+                    phase.generation_failed(self.tally.committed > before, &f)?;
+                    // A coordinator whose lease lapsed (it was frozen) starts
+                    // no worker: another may lead the job now.
+                    self.fenced()?;
+                    let no_state = f.cause == Some(crate::control::proto::FailCause::NoState);
+                    self.fail(f);
+                    if no_state && self.membership.world() > 0 {
+                        self.restore_newest(format!(
+                            "no worker of generation {} holds the job's state",
+                            self.generation
+                        ))?;
+                    }
+                    self.check_spawning();
+                }
+                Phase::Finish { entering } => {
+                    if entering {
+                        // The final state: no new workers any more.
+                        self.membership.stop_newcomers("the job is done");
+                        self.execute();
+                    }
+                    self.boundary()?;
+                    // Workers that have not joined a generation yet (a job
+                    // resumed at its end) load the state first.
+                    self.ensure_generation();
+                    match self.write_final()? {
+                        Ok(p) => return Ok(p),
+                        Err(f) => {
+                            phase
+                                .final_failed()
+                                .map_err(|e| anyhow!("{e}; last: {}", f.errors.join("; ")))?;
+                            self.fail(f);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stops the workers, leaves the final state in the store and accounts
+    /// for every epoch.
+    fn finish(&mut self, final_checkpoint: PathBuf, resumed: Option<u64>) -> Result<JobOutcome> {
+        let total = self.cfg.spec.epochs;
+        let final_world = self.membership.world();
+        self.membership.stop_all("the job is done");
+        self.execute();
+        self.save_state(true);
+        if let Some(k) = &self.keeper
+            && let Err(e) = k.flush(Duration::from_secs(10))
+        {
+            self.note(format!("the job's final state may not be in the store: {e}"));
+        }
+        let outcome = JobOutcome {
+            final_checkpoint,
+            steps: self.tally.committed,
+            epochs: self.tally.ledger.epochs.clone(),
+            scale_events: self.events.clone(),
+            timeline: std::mem::take(&mut self.timeline),
+            resumed_from_step: resumed,
+            samples: self.tally.samples,
+            train_secs: self.training_since.map_or(0.0, |t| t.elapsed().as_secs_f64()),
+            generations: (self.first_generation, self.generation),
+            checkpoints: self.checkpoints.clone(),
+            final_world,
+            hyper: self.hyper,
+            workers_started: self.membership.started().to_vec(),
+            store_events: std::mem::take(&mut self.store_events),
+            worker_handles: self
+                .membership
+                .started()
+                .iter()
+                .filter_map(|&id| Some((id, self.scaler.handle(id)?)))
+                .collect(),
+        };
+        let finished = outcome.epochs.len() as u64;
+        let whole = self.tally.train_len() as u64;
+        if finished != total {
+            bail!(
+                "the job ended with {finished} of {total} epochs accounted for ({}); its checkpoints stay for a rerun",
+                outcome
+                    .epochs
+                    .iter()
+                    .map(|e| format!("epoch {}: {} of {whole} samples", e.epoch, e.samples_committed))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        Ok(outcome)
+    }
+
+    /// Takes what the keeper saw happen to the store, and says it.
+    fn store_news(&mut self) {
+        let Some(k) = &self.keeper else { return };
+        for what in k.store_events() {
+            self.note(format!("store: {what}; the job went on"));
+            let at_secs = self.started.elapsed().as_secs_f64();
+            self.store_events.push(StoreEvent { at_secs, step: self.tally.committed, what });
+        }
+    }
+
+    /// The job was taken over (its lease in the store is lost): stop.
+    fn fenced(&self) -> Result<()> {
+        match self.keeper.as_ref().and_then(|k| k.fenced()) {
+            Some(why) => bail!("job {:?}: {why}", self.cfg.spec.job),
+            None => Ok(()),
+        }
+    }
+
+    /// A membership change waits for the windows already sent to commit.
+    fn change_waiting(&self) -> bool {
+        self.decision.is_some() || !self.leaving.is_empty() || self.membership.change_waiting()
+    }
+
+    /// Workers told to go leave now (the windows sent before are committed):
+    /// a planned scale-in, named so in the scale event.
+    fn apply_leaving(&mut self) {
+        let from = self.membership.world();
+        let mut left = Vec::new();
+        for (id, why) in std::mem::take(&mut self.leaving) {
+            match self.membership.leave(Instant::now(), id, &why) {
+                Some(Leave::Now(said)) => left.push(said),
+                // Nothing changes yet: the change is said when it happens.
+                Some(Leave::AfterHandover(said)) => {
+                    self.note(format!("{said}; the state goes to a checkpoint too, in case it goes before"));
+                    self.notice_checkpoint = Some(NoticeCheckpoint::Due);
+                }
+                None => {}
+            }
+        }
+        self.execute();
+        if !left.is_empty() {
+            let reason = left.join(", ");
+            match self.pending.as_mut() {
+                Some(p) => p.reason = format!("{}; {reason}", p.reason),
+                None => self.pending = Some(records::Pending::new(from, reason)),
+            }
+        }
+    }
+
+    /// Hands the job's state to the store keeper (written off the step's path).
+    fn save_state(&mut self, finished: bool) {
+        let plugins = if self.told.follow.is_some() { self.plugin_memory() } else { PluginMemory::default() };
+        // Until the workers of a job taken over are back, they are still its
+        // members: a coordinator that dies meanwhile leaves them to the next.
+        let (members, handles) = match &self.takeover {
+            Some(t) => (t.members.clone(), t.handles.clone()),
+            None => (
+                self.membership.members().iter().map(|m| m.id).collect(),
+                self.membership
+                    .members()
+                    .iter()
+                    .filter_map(|m| Some((m.id, self.scaler.handle(m.id)?)))
+                    .collect(),
+            ),
+        };
+        let s = JobState {
+            generation: self.generation,
+            committed_steps: self.tally.committed,
+            epoch: self.tally.epoch,
+            cursor: self.tally.cursor,
+            next_worker_id: self.membership.next_id(),
+            members,
+            finished,
+            handover: self.told.follow.as_ref().map(|f| f.token).map(|token| {
+                crate::leader::record::Handover {
+                    leader: crate::job::spec::Leader { addr: self.addr.clone(), token },
+                    hyper: self.hyper,
+                    ledger: self.tally.ledger.clone(),
+                    events: self.events.clone(),
+                    data: DataIdentity::of(&self.told_spec()),
+                    plugins,
+                    handles,
+                }
+            }),
+            torchrun: None,
+        };
+        if let Some(k) = &self.keeper {
+            k.state(s);
+        }
+        self.timers.set(Timer::SaveState, Instant::now() + SECOND);
+    }
+}

@@ -1,0 +1,90 @@
+//! What a job reports: its scale events, committed steps and outcome, and
+//! the resize under way that becomes a scale event.
+
+use crate::coordinator::machine::ledger::EpochRecord;
+use crate::leader::record::ScaleEvent;
+use edl_plugin_sdk::Hyperparams;
+use serde::{Deserialize, Serialize};
+use std::{path::PathBuf, time::Instant};
+
+/// One committed step, for the progress display and the plot.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StepRecord {
+    pub step: u64,
+    pub epoch: u64,
+    pub world: u32,
+    pub secs: f64,
+    pub loss: f64,
+    /// Committed samples per second over the last few steps.
+    pub samples_per_sec: f64,
+    /// Samples of the epoch consumed after this step.
+    pub cursor: usize,
+    /// The program's own metrics (`step.commit(loss=..., accuracy=...)`),
+    /// averaged over the step's samples.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub metrics: std::collections::BTreeMap<String, f64>,
+}
+
+/// What the coordinator reports while it runs.
+pub enum Progress<'a> {
+    Step(&'a StepRecord),
+    Scale(&'a ScaleEvent),
+    Epoch(&'a EpochRecord),
+    Checkpoint { step: u64, path: &'a std::path::Path },
+    Note(String),
+}
+
+/// The end of a job.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct JobOutcome {
+    pub final_checkpoint: PathBuf,
+    pub steps: u64,
+    pub epochs: Vec<EpochRecord>,
+    pub scale_events: Vec<ScaleEvent>,
+    pub timeline: Vec<StepRecord>,
+    pub resumed_from_step: Option<u64>,
+    /// Samples committed by this run, and the seconds it trained: from its
+    /// first generation on, so the workers' start-up is not counted.
+    pub samples: u64,
+    pub train_secs: f64,
+    pub generations: (u64, u64),
+    pub checkpoints: Vec<PathBuf>,
+    pub final_world: u32,
+    pub hyper: Hyperparams,
+    /// Ids of the workers this run started.
+    pub workers_started: Vec<u64>,
+    /// What happened to the store that the job went on through.
+    pub store_events: Vec<StoreEvent>,
+    /// How the scheduler knows each worker it started (`slurm:123`).
+    pub worker_handles: std::collections::BTreeMap<u64, String>,
+}
+
+/// Something that happened to the job's store (a replicated store's
+/// leader changed), as the report shows it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StoreEvent {
+    /// Seconds since the coordinator started.
+    pub at_secs: f64,
+    /// The job's committed step then.
+    pub step: u64,
+    pub what: String,
+}
+
+/// A resize waiting for the first committed step of its generation.
+pub(super) struct Pending {
+    pub(super) from: u32,
+    pub(super) reason: String,
+    pub(super) boundary: Instant,
+    pub(super) join_ms: Option<f64>,
+    /// The generation it made, once formed.
+    pub(super) generation: Option<u64>,
+    /// It follows a failure (workers lost), not a decision.
+    pub(super) failure: bool,
+}
+
+impl Pending {
+    /// A resize decided now, from a world of `from`.
+    pub(super) fn new(from: u32, reason: String) -> Self {
+        Pending { from, reason, boundary: Instant::now(), join_ms: None, generation: None, failure: false }
+    }
+}

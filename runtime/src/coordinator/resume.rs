@@ -1,0 +1,416 @@
+//! What survives the coordinator: checkpoints written on the cadence and at
+//! the end, the bookkeeping they carry besides the tensors, and a resume
+//! that refuses to continue on another data order.
+
+use super::records::*;
+use super::{CHORES_EVERY, Coordinator, NoticeCheckpoint, ms};
+use crate::checkpoint::{Checkpoints, Manifest, Restored};
+use crate::control::proto::{ToWorker, send};
+use crate::coordinator::machine::ledger::{EpochRecord, Ledger};
+use crate::coordinator::machine::pipeline::Failure;
+use crate::leader::record::{DataIdentity, JobState, PluginMemory, ScaleEvent};
+use crate::store::{Store, keys};
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+use std::{
+    collections::BTreeSet,
+    path::PathBuf,
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+/// What a checkpoint keeps for the coordinator besides the tensors.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+struct Bookkeeping {
+    ledger: Ledger,
+    events: Vec<ScaleEvent>,
+    generation: u64,
+    /// What the data order depends on: a resume with other values would
+    /// walk another permutation and train samples twice or never.
+    #[serde(default)]
+    data: Option<DataIdentity>,
+    /// The plugins' memory at the checkpoint's step.
+    #[serde(default)]
+    plugins: PluginMemory,
+}
+
+/// Marks a job finished (after its report is written): a rerun starts
+/// it again from step 0. Until then a rerun resumes from the final
+/// checkpoint and only writes the report.
+pub fn mark_complete(checkpoint_dir: &std::path::Path, epochs: &[EpochRecord]) -> Result<()> {
+    Checkpoints::open(checkpoint_dir, 1)?.put_file(COMPLETE, &serde_json::to_vec_pretty(epochs)?)?;
+    Ok(())
+}
+
+/// The marker of a finished job, beside its checkpoints.
+const COMPLETE: &str = "complete.json";
+
+impl Coordinator<'_> {
+    /// Picks up where an earlier run of this job stopped: the store's job
+    /// state (generations, worker ids) and the newest checkpoint that verifies.
+    pub(super) fn resume(&mut self) -> Result<Option<u64>> {
+        let key = keys::job_state(&self.cfg.spec.job);
+        let stored: Option<JobState> = match self.rt.block_on(self.store.get(&key)) {
+            Ok(Some(e)) => {
+                self.state_token = Some(e.token);
+                serde_json::from_slice(&e.value).ok()
+            }
+            Ok(None) => None,
+            Err(e) => bail!("reading the job state: {e}"),
+        };
+        if let Some(s) = &stored {
+            self.generation = s.generation;
+            self.membership.resume_ids(s.next_worker_id);
+        }
+        let complete = self.ckpt.has_file(COMPLETE).context("looking for the finished job's marker")?;
+        if complete || stored.as_ref().is_some_and(|s| s.finished) {
+            self.note(format!("job {:?} finished before; starting it again from step 0", self.cfg.spec.job));
+            for (_, p) in self.ckpt.list().context("listing the finished job's checkpoints")? {
+                self.ckpt.remove(&p);
+            }
+            self.ckpt.remove_file(COMPLETE);
+            return Ok(None);
+        }
+        for p in self.checkpoints().clean_leftovers() {
+            self.note(format!("removed {} (left by an interrupted checkpoint write)", p.display()));
+        }
+        if let Some(s) = stored.as_ref().filter(|s| !s.members.is_empty() && self.shared_store())
+            && let Some(h) = &s.handover
+        {
+            return self.take_over(s, h).map(Some);
+        }
+        self.resume_from_checkpoint(stored.map(|s| s.committed_steps))
+    }
+
+    /// Whether the job's store is shared (not the coordinator's own): the
+    /// job can then be taken over, and its workers follow.
+    pub(super) fn shared_store(&self) -> bool {
+        !matches!(self.store, crate::store::AnyStore::Memory(_))
+    }
+
+    /// Carries on a job another coordinator ran (it died, was cut off or
+    /// frozen, and its lease lapsed) from the progress the store holds at
+    /// its last stored commit: the workers of its generation may come back
+    /// with their state ([`Self::await_return`]). Returns that step.
+    fn take_over(&mut self, s: &JobState, h: &crate::leader::record::Handover) -> Result<u64> {
+        if self.tally.train_len() == 0 {
+            self.tally.learn_train_len(h.ledger.samples());
+        }
+        let now = DataIdentity::of(&self.told_spec());
+        let diff = h.data.differences(&now);
+        if !diff.is_empty() {
+            bail!(
+                "job {:?} runs with {} (its coordinator at {}); a coordinator taking it over must be started \
+                 with the same flags",
+                self.cfg.spec.job,
+                diff.join(", "),
+                h.leader.addr
+            );
+        }
+        self.tally.restore(s.committed_steps, s.epoch, s.cursor, h.ledger.clone());
+        self.hyper = h.hyper;
+        self.events = h.events.clone();
+        self.init = None;
+        self.takeover = Some(super::Takeover {
+            from: h.leader.clone(),
+            generation: s.generation,
+            members: s.members.clone(),
+            handles: h.handles.clone(),
+        });
+        self.note(format!(
+            "taking job {:?} over from the coordinator at {} (lease token {}) at step {} (epoch {}, cursor {}); \
+             waiting for its {} workers to come back",
+            self.cfg.spec.job,
+            h.leader.addr,
+            h.leader.token,
+            s.committed_steps,
+            s.epoch,
+            s.cursor,
+            s.members.len()
+        ));
+        self.restore_plugin_memory(&h.plugins, s.committed_steps);
+        Ok(s.committed_steps)
+    }
+
+    /// The workers of the coordinator this one took the job over from come
+    /// back within `within` (each with its process and its state); the job
+    /// goes on from the stored step with those that did. None came back:
+    /// it goes on from the newest checkpoint with new workers.
+    pub(super) fn await_return(&mut self, within: Duration) -> Result<()> {
+        let Some(t) = self.takeover.take() else { return Ok(()) };
+        let since = Instant::now();
+        // Its workers are this coordinator's to stop and to place around.
+        for (&id, handle) in t.handles.iter().filter(|(id, _)| t.members.contains(id)) {
+            if !self.scaler.adopt(id, handle, &self.cfg.spec.job) {
+                self.note(format!(
+                    "worker {id} runs as {handle}, which this coordinator's scaler does not know"
+                ));
+            }
+        }
+        self.gate.expect_return(Some((t.generation, t.members.iter().copied().collect())));
+        self.membership.expect_return(&t.members);
+        while self.membership.returning() > 0 && since.elapsed() < within {
+            match self.rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(ev) => self.handle(ev),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
+            }
+            self.check_fatal()?;
+        }
+        self.gate.expect_return(None);
+        let missing = self.membership.end_return();
+        for &id in &missing {
+            // Not back, and never admitted now: whatever its scheduler
+            // still runs for it is stopped, so nothing is left behind.
+            if let Some(handle) = self.scaler.handle(id) {
+                self.note(format!("worker {id} did not come back; stopping {handle}"));
+            }
+            self.scaler.stop(id, Duration::from_secs(1));
+        }
+        let back = self.membership.joiners();
+        if back == 0 {
+            self.note(format!(
+                "no worker of the coordinator at {} came back within {within:?}; going on from the newest checkpoint",
+                t.from.addr
+            ));
+            return self.recover_from_nothing();
+        }
+        let mut reason = format!(
+            "coordinator takeover: the coordinator at {} (lease token {}) was gone; {back} of its {} workers \
+             came back with their state",
+            t.from.addr,
+            t.from.token,
+            t.members.len()
+        );
+        if !missing.is_empty() {
+            reason.push_str(&format!(" (not back: {missing:?})"));
+        }
+        let mut pending = Pending::new(t.members.len() as u32, reason);
+        pending.join_ms = Some(ms(since.elapsed()));
+        self.pending = Some(pending);
+        Ok(())
+    }
+
+    /// Resumes from the newest checkpoint that verifies; `stored_step`: the
+    /// committed step the store names, to say how many steps are redone.
+    fn resume_from_checkpoint(&mut self, stored_step: Option<u64>) -> Result<Option<u64>> {
+        let (restored, skipped) =
+            self.checkpoints().latest().context("listing the checkpoints to resume from")?;
+        for e in skipped {
+            self.note(format!("skipping an unusable checkpoint: {e}"));
+        }
+        let Some(r) = restored else { return Ok(None) };
+        let m = &r.manifest;
+        let book: Bookkeeping = serde_json::from_value(m.plugin_state.clone())
+            .with_context(|| format!("{}: manifest has no coordinator state", r.path.display()))?;
+        if self.tally.train_len() == 0 {
+            // Launched without --samples: the checkpoint's, which the
+            // programs' declarations are then checked against.
+            self.tally.learn_train_len(book.ledger.samples());
+        }
+        let now = DataIdentity::of(&self.told_spec());
+        let was = book.data.clone().unwrap_or_else(|| now.with_seed(m.seed));
+        let diff = was.differences(&now);
+        if !diff.is_empty() {
+            bail!(
+                "checkpoint {} was made with {}; resuming would train on another order of the data. \
+                 Run with the same flags, or use another --checkpoint-dir",
+                r.path.display(),
+                diff.join(", ")
+            );
+        }
+        if book.ledger.samples() != self.tally.train_len() {
+            bail!(
+                "checkpoint {} was written for {} training samples, this job has {}",
+                r.path.display(),
+                book.ledger.samples(),
+                self.tally.train_len()
+            );
+        }
+        self.restore(&r, book.ledger);
+        self.events = book.events;
+        self.generation = self.generation.max(book.generation);
+        let lost = stored_step.map(|s| s.saturating_sub(m.step)).unwrap_or(0);
+        self.note(format!(
+            "resuming job {:?} from {} (step {}, epoch {}, cursor {}){}",
+            self.cfg.spec.job,
+            r.path.display(),
+            m.step,
+            m.epoch,
+            m.cursor,
+            if lost > 0 { format!("; redoing the {lost} steps committed after it") } else { String::new() }
+        ));
+        self.restore_plugin_memory(&book.plugins, m.step);
+        Ok(Some(m.step))
+    }
+
+    /// Takes the cursor, hyperparameters and ledger of a checkpoint, whose
+    /// parameters the first generation then loads.
+    pub(super) fn restore(&mut self, r: &Restored, ledger: Ledger) {
+        let m = &r.manifest;
+        self.tally.restore(m.step, m.epoch, m.cursor, ledger);
+        self.hyper = m.hyperparams;
+        self.init = Some(r.path.clone());
+    }
+
+    /// Every worker is gone: start over from the newest checkpoint with new ones.
+    pub(super) fn recover_from_nothing(&mut self) -> Result<()> {
+        let joining = self.membership.joiners();
+        self.restore_newest(match joining {
+            0 => "no worker left".into(),
+            n => format!("no worker holding the state is left ({n} joining have none)"),
+        })?;
+        self.membership.refill(Instant::now());
+        self.execute();
+        self.wait_for_joiners(1)?;
+        Ok(())
+    }
+
+    /// The job's state is held by no worker (`why`): the next generation
+    /// loads the newest checkpoint (or starts from the beginning without one).
+    pub(super) fn restore_newest(&mut self, why: String) -> Result<()> {
+        self.notice_checkpoint = None;
+        self.note(format!("{why}; restarting from the newest checkpoint"));
+        match self.checkpoints().latest().context("listing the checkpoints to restart from")?.0 {
+            Some(r) => {
+                self.note(format!("restarting from step {} ({})", r.manifest.step, r.path.display()));
+                let book: Bookkeeping = serde_json::from_value(r.manifest.plugin_state.clone())
+                    .with_context(|| format!("{}: manifest has no coordinator state", r.path.display()))?;
+                self.restore(&r, book.ledger);
+            }
+            None => {
+                self.tally.restart();
+                self.hyper = self.cfg.hyper;
+                self.init = None;
+            }
+        }
+        Ok(())
+    }
+
+    /// A checkpoint at this commit point: every `--checkpoint-every-steps`
+    /// steps, when `--checkpoint-secs` passed since the last one, at each
+    /// epoch's end, and once a sole worker holding the state was told to go.
+    pub(super) fn checkpoint_due(&mut self) -> Option<Manifest> {
+        let steps = self.cfg.checkpoint_every.is_some_and(|n| self.tally.committed.is_multiple_of(n.max(1)));
+        let time = self.last_checkpoint.elapsed() >= self.cfg.checkpoint_interval;
+        let at_epoch_start = self.tally.cursor == 0;
+        if self.notice_checkpoint == Some(NoticeCheckpoint::Due) && !self.membership.told_alone() {
+            // It handed its state over, or went: nothing to save for it.
+            self.notice_checkpoint = None;
+        }
+        let notice = self.notice_checkpoint == Some(NoticeCheckpoint::Due);
+        if self.tally.committed == 0 || !(steps || time || at_epoch_start || notice) {
+            return None;
+        }
+        if notice {
+            self.notice_checkpoint = Some(NoticeCheckpoint::Writing(self.tally.committed));
+        }
+        self.last_checkpoint = Instant::now();
+        Some(self.manifest())
+    }
+
+    pub(super) fn manifest(&mut self) -> Manifest {
+        let book = Bookkeeping {
+            ledger: self.tally.ledger.clone(),
+            events: self.events.clone(),
+            generation: self.generation,
+            data: Some(DataIdentity::of(&self.told_spec())),
+            plugins: self.plugin_memory(),
+        };
+        Manifest {
+            step: self.tally.committed,
+            epoch: self.tally.epoch,
+            cursor: self.tally.cursor,
+            seed: self.cfg.spec.seed,
+            hyperparams: self.hyper,
+            plugin_state: serde_json::to_value(book).unwrap_or_default(),
+            files: Default::default(),
+            fence: self.fence,
+        }
+    }
+
+    /// Asks rank 0 to write the job's final state and waits for it (bounded
+    /// by the step timeout). An error: the failure that stopped it.
+    pub(super) fn write_final(&mut self) -> Result<std::result::Result<PathBuf, Failure>> {
+        let step = self.tally.committed;
+        let Some(m0) = self.membership.members().first().cloned() else {
+            bail!("no worker holds the final state");
+        };
+        let name = format!("worker {} (pid {})", m0.id, m0.pid);
+        let failure = |error: String, dead: bool| Failure {
+            dead: if dead { BTreeSet::from([0]) } else { BTreeSet::new() },
+            errors: vec![error],
+            cause: None,
+            step,
+            dropped: 0,
+            no_teachers: BTreeSet::new(),
+        };
+        self.saved = None;
+        let msg = ToWorker::Commit { step, checkpoint: Some(self.manifest()), wait: true, stored: None };
+        let sent = match self.conns.get_mut(&m0.conn).filter(|_| !self.membership.is_closed(m0.conn)) {
+            Some(stream) => send(stream, &msg).map_err(|e| e.to_string()),
+            None => Err("connection closed".into()),
+        };
+        if let Err(e) = sent {
+            return Ok(Err(failure(format!("{name} lost: {e}"), true)));
+        }
+        let deadline = Instant::now() + self.cfg.step_timeout;
+        loop {
+            if let Some(result) = self.saved.take() {
+                return Ok(result.map_err(|e| failure(format!("{name}: the final checkpoint: {e}"), false)));
+            }
+            if self.membership.is_closed(m0.conn) {
+                return Ok(Err(failure(format!("{name} lost while writing the final checkpoint"), true)));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                self.scaler.stop(m0.id, Duration::from_secs(1));
+                let t = self.cfg.step_timeout;
+                return Ok(Err(failure(
+                    format!("{name} wrote no final checkpoint within {t:?}; stopping it"),
+                    true,
+                )));
+            }
+            match self.rx.recv_timeout(left.min(CHORES_EVERY)) {
+                Ok(ev) => self.handle(ev),
+                Err(mpsc::RecvTimeoutError::Timeout) => self.check_spawning(),
+                Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
+            }
+        }
+    }
+
+    /// Records the checkpoint writes a rank reported.
+    pub(super) fn take_written(&mut self, written: &[crate::control::proto::Written]) {
+        for w in written {
+            match &w.result {
+                Ok(p) => {
+                    (self.progress)(Progress::Checkpoint { step: w.step, path: p });
+                    if self.notice_checkpoint == Some(NoticeCheckpoint::Writing(w.step)) {
+                        self.notice_checkpoint = None;
+                        self.note(format!(
+                            "the state of step {} is in a checkpoint: a worker told to go held it alone",
+                            w.step
+                        ));
+                    }
+                    self.checkpoints.retain(|c| c != p);
+                    self.checkpoints.push(p.clone());
+                    if self.ckpt.is_remote() {
+                        // Object storage prunes as a directory does: the newest stay.
+                        let keep = self.cfg.spec.keep_checkpoints.max(1);
+                        let over = self.checkpoints.len().saturating_sub(keep);
+                        self.checkpoints.drain(..over);
+                    } else {
+                        self.checkpoints.retain(|c| c.exists());
+                    }
+                }
+                Err(e) => {
+                    if self.notice_checkpoint == Some(NoticeCheckpoint::Writing(w.step)) {
+                        // Asked for again at the next commit.
+                        self.notice_checkpoint = Some(NoticeCheckpoint::Due);
+                    }
+                    self.note(format!("checkpoint of step {} failed: {e}", w.step))
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,192 @@
+//! Resizes: the scaling policy's decisions on its cadence, the batch
+//! adapter's answer at each resize, and the step boundary where the world
+//! changes.
+
+use super::records::*;
+use super::{Coordinator, ms};
+use anyhow::{Result, bail};
+use edl_plugin_sdk::{Action, ClusterView, Hyperparams, ResizeEvent, WorkerStats};
+use std::time::Instant;
+
+impl Coordinator<'_> {
+    /// At a step boundary: admits joiners, applies replacements, forms a new
+    /// generation when membership changed.
+    pub(super) fn boundary(&mut self) -> Result<()> {
+        let from = self.membership.world();
+        let b = self.membership.boundary(true, self.init.is_some());
+        self.execute();
+        let (reasons, admitted) = (b.reasons, b.admitted);
+        if !b.changed {
+            return Ok(());
+        }
+        self.generation += 1;
+        self.pipe = None;
+        self.lease_now = true;
+        let to = self.membership.world();
+        let mut pending = match self.pending.take() {
+            Some(p) => p,
+            // A decision's workers join later: the world they join is this one.
+            None => self
+                .decided_for(admitted)
+                .map_or(Pending::new(from, String::new()), |p| Pending { from, ..p }),
+        };
+        let decided = !pending.reason.is_empty();
+        if pending.reason.is_empty() {
+            // Nobody decided this change: say what happened. A replacement
+            // (as many workers as before) is said by `reasons` alone.
+            pending.reason = match (from, self.init.is_some()) {
+                (0, true) => "job resumed".into(),
+                (0, false) => "job started".into(),
+                _ if to > from => "workers joined".into(),
+                _ if to < from => "workers left".into(),
+                _ => String::new(),
+            };
+        }
+        if decided && admitted > 0 && pending.join_ms.is_none() && from > 0 {
+            // The policy decided earlier; the others trained while the new worker started.
+            pending.join_ms = Some(ms(pending.boundary.elapsed()));
+            pending.boundary = Instant::now();
+        }
+        if !reasons.is_empty() {
+            pending.reason = match pending.reason.is_empty() {
+                true => reasons.join(", "),
+                false => format!("{}; {}", pending.reason, reasons.join(", ")),
+            };
+        }
+        pending.generation = Some(self.generation);
+        self.pending = Some(pending);
+        let local = (self.hyper.global_batch / to.max(1)).max(1);
+        self.hyper.local_batch = local;
+        if let Some(a) = self.adapter.as_mut() {
+            let ev = ResizeEvent { step: self.tally.committed, old_world_size: from, new_world_size: to };
+            let answer = a.on_resize(&ev, &self.hyper);
+            if let Some(h) = self.adapter_answer("on-resize", answer)? {
+                self.hyper = h;
+            }
+        }
+        self.last_change = Instant::now();
+        self.save_state(false);
+        Ok(())
+    }
+
+    /// The adapter's hyperparameters, to use. An answer that breaks the
+    /// contract (the plugin layer checked it) or asks for a batch larger
+    /// than the training set ends the job, naming the adapter: training on
+    /// it would be garbage. A trap or a deadline keeps the current
+    /// hyperparameters (`None`).
+    pub(super) fn adapter_answer(
+        &mut self,
+        call: &str,
+        answer: Result<Hyperparams, crate::plugin::Error>,
+    ) -> Result<Option<Hyperparams>> {
+        let name = self.adapter.as_ref().map(|a| a.info().name.clone()).unwrap_or_default();
+        match answer {
+            Ok(h) if h.global_batch as usize > self.tally.train_len() => bail!(
+                "batch adapter {name}: {call} asked for a global batch of {}, above the {} training samples",
+                h.global_batch,
+                self.tally.train_len()
+            ),
+            Ok(h) => Ok(Some(h)),
+            Err(e @ crate::plugin::Error::Contract { .. }) => bail!("batch adapter {name}: {e}"),
+            Err(e) => {
+                self.note(format!("batch adapter {name}: {call} failed, hyperparameters kept: {e}"));
+                Ok(None)
+            }
+        }
+    }
+
+    /// Carries out a policy decision.
+    pub(super) fn apply_decision(&mut self, actions: &[Action]) {
+        let world = self.membership.world();
+        // Workers asked for join later, each at a boundary of its own: the
+        // decision waits for them. Workers removed leave at the next one.
+        let starts = actions.iter().any(|a| matches!(a, Action::ScaleOut(_) | Action::Replace(_)));
+        if let Some(reason) = self.membership.apply_decision(Instant::now(), actions) {
+            match self.pending.as_mut() {
+                // A failure's resize not formed yet: one event says both.
+                Some(p) if p.generation.is_none() && p.failure => {
+                    p.reason = format!("{}; {reason}", p.reason)
+                }
+                _ if starts => self.decided.push_back(Pending::new(world, reason)),
+                _ => self.pending = Some(Pending::new(world, reason)),
+            }
+        }
+        self.execute();
+    }
+
+    /// The decisions that asked for the `admitted` workers that just joined,
+    /// oldest first, as one resize (None: nobody asked for them). Decisions
+    /// older than the join timeout are forgotten: their workers never came.
+    fn decided_for(&mut self, admitted: usize) -> Option<Pending> {
+        let timeout = self.cfg.join_timeout;
+        self.decided.retain(|p| p.boundary.elapsed() <= timeout);
+        let mut taken = self.decided.drain(..admitted.min(self.decided.len()));
+        let mut first = taken.next()?;
+        // Each decision once, with how many times it was made: `policy: add 1 worker (x2)`.
+        let mut said: Vec<(String, usize)> = vec![(std::mem::take(&mut first.reason), 1)];
+        for p in taken {
+            match said.iter_mut().find(|(r, _)| *r == p.reason) {
+                Some((_, n)) => *n += 1,
+                None => said.push((p.reason, 1)),
+            }
+        }
+        let parts: Vec<String> =
+            said.into_iter().map(|(r, n)| if n > 1 { format!("{r} (x{n})") } else { r }).collect();
+        first.reason = parts.join("; ");
+        Some(first)
+    }
+
+    /// Asks the policy what to do.
+    pub(super) fn decide(&mut self) {
+        if self.membership.handing_over() {
+            // A handover is under way; the policy sees the job after it.
+            return;
+        }
+        let (throughput, rates) = self.tally.since_decision(Instant::now());
+        let world = self.membership.world();
+        let coming = self.membership.coming();
+        let remaining = self.tally.remaining(self.cfg.spec.epochs);
+        let capacity = self.scaler.capacity();
+        if capacity.is_some() && capacity != self.capacity {
+            let n = capacity.unwrap_or_default();
+            self.note(format!("the scheduler has room for {n} more worker{}", if n == 1 { "" } else { "s" }));
+            self.capacity = capacity;
+        }
+        let view = ClusterView {
+            step: self.tally.committed,
+            epoch: self.tally.epoch as u32,
+            world_size: world,
+            min_workers: self.cfg.min_workers,
+            max_workers: self.cfg.max_workers,
+            // Within the job's bounds, and what the scheduler has free.
+            free_slots: self.cfg.max_workers.saturating_sub(world + coming).min(capacity.unwrap_or(u32::MAX)),
+            global_batch: self.hyper.global_batch,
+            throughput,
+            workers: self
+                .membership
+                .members()
+                .iter()
+                .filter_map(|m| Some(WorkerStats { id: m.id, throughput: *rates.get(&m.id)? }))
+                .collect(),
+            secs_since_change: self.last_change.elapsed().as_secs_f64(),
+            price_per_worker_hour: self.cfg.price_per_worker_hour,
+            samples_remaining: remaining,
+        };
+        let actions = match self.policy.decide(&view) {
+            Ok(a) => a,
+            Err(e) => {
+                self.note(format!("scaling policy failed, holding: {e}"));
+                return;
+            }
+        };
+        if actions.iter().any(|a| matches!(a, Action::ScaleIn(_))) {
+            // Workers leave at a step boundary: once the windows already
+            // sent are committed.
+            self.decision = Some(actions);
+        } else {
+            // Starting workers (and replacements) needs no boundary: they
+            // join at one once ready.
+            self.apply_decision(&actions);
+        }
+    }
+}

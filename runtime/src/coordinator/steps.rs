@@ -1,0 +1,349 @@
+//! The step path of a generation: windows of step plans sent ahead,
+//! reports gathered, steps committed (the cursor moves and the samples enter
+//! the ledger), failures turned into the next generation.
+
+use super::records::*;
+use super::{AHEAD, CHORES_EVERY, Coordinator, MAX_WINDOW, SECOND, WINDOW_WORK_MS, ms};
+use crate::control::proto::{Generation, Share, StepDone, StepPlan, ToWorker, encode, send, send_encoded};
+use crate::coordinator::machine::pipeline::{Committed, Failure, Pipeline};
+use crate::coordinator::machine::tally::permutation_of;
+use crate::coordinator::machine::timers::Timer;
+use crate::leader::record::ScaleEvent;
+use anyhow::{Result, anyhow, bail};
+use edl_plugin_sdk::Hyperparams;
+use std::{
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+impl Coordinator<'_> {
+    /// Runs the current generation's steps, forming it first when it is
+    /// new, until it drains for a membership change or the job's end
+    /// (`None`), or fails.
+    pub(super) fn run_generation(&mut self) -> Result<Option<Failure>> {
+        self.ensure_generation();
+        self.timers.set(Timer::Chores, Instant::now() + CHORES_EVERY);
+        loop {
+            self.fill_windows()?;
+            while let Some(c) = self.pipe.as_mut().and_then(Pipeline::poll_commit) {
+                self.commit_window(c)?;
+                self.fill_windows()?;
+            }
+            let pipe = self.pipe.as_mut().expect("formed above");
+            if let Some(f) = pipe.settled_failure() {
+                self.pipe = None;
+                return Ok(Some(f));
+            }
+            if pipe.drained() && !pipe.failed() {
+                return Ok(None);
+            }
+            // Ranks' timeouts are checked with the chores (their bound is
+            // seconds; checking on every message would cost O(N) each).
+            self.wait_for_news()?;
+            let now = Instant::now();
+            if self.timers.fire(Timer::Chores, now, CHORES_EVERY) {
+                self.chores(now)?;
+            }
+        }
+    }
+
+    /// Waits for what the workers say, up to the next timeout, and handles
+    /// all that has arrived.
+    fn wait_for_news(&mut self) -> Result<()> {
+        let wake =
+            [self.membership.poll_timeout(), self.timers.get(Timer::Chores)].into_iter().flatten().min();
+        let left = wake.map_or(CHORES_EVERY, |t| t.saturating_duration_since(Instant::now()));
+        match self.rx.recv_timeout(left) {
+            Ok(ev) => {
+                self.handle(ev);
+                // Whatever else has arrived, before planning again.
+                while let Ok(ev) = self.rx.try_recv() {
+                    self.handle(ev);
+                }
+                self.check_fatal()
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => Ok(()),
+            Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
+        }
+    }
+
+    /// The periodic work: store news, ranks' timeouts (their bound is
+    /// seconds; checking on every message would cost O(N) each), starters,
+    /// leases, teachers, the job's state.
+    fn chores(&mut self, now: Instant) -> Result<()> {
+        // A coordinator that lost its lease (it was frozen, or cut off)
+        // stops before it acts on anyone.
+        self.fenced()?;
+        self.store_news();
+        let late = self.pipe.as_mut().map(|p| p.handle_timeout(now)).unwrap_or_default();
+        for rank in late {
+            let id = self.membership.members()[rank].id;
+            self.scaler.stop(id, Duration::from_secs(1));
+        }
+        self.check_spawning();
+        self.lease_members(now);
+        if self.timers.fire(Timer::TeacherCheck, now, SECOND) {
+            self.check_teachers()?;
+        }
+        if self.timers.is_due(Timer::SaveState, now) {
+            self.save_state(false);
+        }
+        self.fenced()
+    }
+
+    /// Forms the current generation unless it is formed already.
+    pub(super) fn ensure_generation(&mut self) {
+        if self.pipe.as_ref().map(|p| p.generation) != Some(self.generation) {
+            self.start_generation();
+        }
+    }
+
+    /// Tells every member its place in the new generation; planning starts
+    /// again from the committed step.
+    pub(super) fn start_generation(&mut self) {
+        self.training_since.get_or_insert_with(Instant::now);
+        let key = format!("{}/generation-{}", self.cfg.spec.job, self.generation);
+        self.rendezvous.set_generation(self.generation);
+        self.gate.set_generation(self.generation);
+        let names: Vec<String> =
+            self.membership.members().iter().map(|m| format!("worker {} (pid {})", m.id, m.pid)).collect();
+        let world = names.len();
+        // A registration naming a larger world is not one of this generation's.
+        self.rendezvous.set_max_world(world);
+        let mut pipe = Pipeline::new(
+            self.generation,
+            names,
+            self.tally.committed,
+            Instant::now(),
+            self.cfg.step_timeout,
+        );
+        for (rank, m) in self.membership.members().iter().enumerate() {
+            let g = Generation {
+                generation: self.generation,
+                rank,
+                world,
+                rendezvous: self.rendezvous_at.clone(),
+                rendezvous_key: key.clone(),
+                committed_steps: self.tally.committed,
+                init: self.init.clone(),
+            };
+            let Some(stream) = self.conns.get_mut(&m.conn).filter(|_| !self.membership.is_closed(m.conn))
+            else {
+                pipe.lost(rank, "connection closed");
+                continue;
+            };
+            if let Err(e) = send(stream, &ToWorker::Generation(Box::new(g))) {
+                pipe.lost(rank, &e.to_string());
+            }
+        }
+        self.pipe = Some(pipe);
+        self.ranks = self.membership.members().iter().enumerate().map(|(r, m)| (m.conn, r)).collect();
+        self.plan_at = StepPlan {
+            step: self.tally.committed,
+            epoch: self.tally.epoch,
+            cursor: self.tally.cursor,
+            hyper: self.hyper,
+        };
+    }
+
+    /// Sends windows ahead while membership is stable: the first window of
+    /// a generation is one step; later ones hold about `WINDOW_WORK_MS` of
+    /// steps and end where a checkpoint, a policy decision or an epoch's
+    /// end falls.
+    pub(super) fn fill_windows(&mut self) -> Result<()> {
+        let total = self.cfg.spec.epochs;
+        loop {
+            let Some(pipe) = self.pipe.as_ref() else { return Ok(()) };
+            if pipe.failed() || pipe.windows() >= AHEAD || self.plan_at.epoch >= total {
+                return Ok(());
+            }
+            if pipe.started() && self.change_waiting() {
+                return Ok(());
+            }
+            let n = if pipe.started() { self.window_len() } else { 1 };
+            let mut steps = Vec::with_capacity(n as usize);
+            for _ in 0..n {
+                steps.push(self.plan_at);
+                let cut = self.advance_plan()?;
+                if cut || self.plan_at.epoch >= total {
+                    break;
+                }
+            }
+            let generation = self.generation;
+            let world = self.membership.members().len();
+            let (len, seed) = (self.tally.train_len(), self.cfg.spec.seed);
+            let perm = permutation_of(&mut self.plan_perm, len, seed, steps[0].epoch);
+            let mut lost = Vec::new();
+            for (rank, m) in self.membership.members().iter().enumerate() {
+                // Each rank gets its own samples of every step of the window.
+                let shares = steps
+                    .iter()
+                    .map(|p| {
+                        let gb = p.hyper.global_batch.max(1) as usize;
+                        let r = crate::trainer::data::shard(p.cursor, gb, rank, world, len);
+                        Share { start: r.start as u32, end: r.end as u32, indices: perm[r].to_vec() }
+                    })
+                    .collect();
+                let line = encode(&ToWorker::Steps { generation, steps: steps.clone(), shares })
+                    .map_err(|e| anyhow!("encoding a window: {e}"))?;
+                if let Some(stream) = self.conns.get_mut(&m.conn)
+                    && let Err(e) = send_encoded(stream, &line)
+                {
+                    lost.push((rank, e.to_string()));
+                }
+            }
+            let pipe = self.pipe.as_mut().expect("checked above");
+            pipe.issue(Instant::now(), steps);
+            for (rank, e) in lost {
+                pipe.lost(rank, &e);
+            }
+        }
+    }
+
+    pub(super) fn window_len(&self) -> u64 {
+        match self.step_ms {
+            Some(ms) if ms > 0.0 => ((WINDOW_WORK_MS / ms) as u64).clamp(1, MAX_WINDOW),
+            _ => 1,
+        }
+    }
+
+    /// Moves the plan to the next step, asking the adapter for its
+    /// hyperparameters. True when a window must end there.
+    pub(super) fn advance_plan(&mut self) -> Result<bool> {
+        let mut p = self.plan_at;
+        p.cursor += p.hyper.global_batch.max(1) as usize;
+        p.step += 1;
+        let mut cut = false;
+        if p.cursor >= self.tally.train_len() {
+            p.cursor = 0;
+            p.epoch += 1;
+            cut = true;
+        }
+        cut |= self.cfg.checkpoint_every.is_some_and(|n| p.step.is_multiple_of(n.max(1)))
+            || p.step.is_multiple_of(self.cfg.decide_every.max(1));
+        if let Some(a) = self.adapter.as_mut() {
+            let answer = a.on_step(p.step, &p.hyper);
+            if let Some(h) = self.adapter_answer("on-step", answer)? {
+                p.hyper = h;
+            }
+        }
+        self.plan_at = p;
+        Ok(cut)
+    }
+
+    /// Every rank finished a window: its steps enter the ledger, in order.
+    pub(super) fn commit_window(&mut self, c: Committed) -> Result<()> {
+        let first_of_generation =
+            self.pending.as_ref().is_some_and(|p| p.generation == Some(self.generation))
+                && c.steps.first().map(|s| s.step) == Some(self.tally.committed);
+        if !first_of_generation && !c.steps.is_empty() {
+            // The slowest rank's compute per step: windows are sized by the
+            // work in them, not by the time the control plane itself takes.
+            let per = c
+                .reports
+                .iter()
+                .map(|r| r.iter().map(|d| d.compute_ms).sum::<f64>() / c.steps.len() as f64)
+                .fold(0.0, f64::max);
+            self.step_ms = Some(self.step_ms.map_or(per, |m| 0.7 * m + 0.3 * per));
+        }
+        // The step after the window: the next one sent, or the next to plan.
+        let after = self.pipe.as_ref().and_then(Pipeline::next_planned).unwrap_or(self.plan_at);
+        for (i, plan) in c.steps.iter().enumerate() {
+            let reports: Vec<StepDone> = c.reports.iter().map(|r| r[i].clone()).collect();
+            let next = c.steps.get(i + 1).copied().unwrap_or(after);
+            self.commit_step(plan, &reports, first_of_generation && i == 0, c.setup_ms, next.hyper)?;
+        }
+        self.init = None;
+        tracing::debug!("committed step {}", self.tally.committed);
+        // At the job's end the final checkpoint is asked for on its own.
+        let checkpoint = if self.tally.epoch < self.cfg.spec.epochs { self.checkpoint_due() } else { None };
+        let step = self.tally.committed;
+        let wrote = checkpoint.is_some();
+        // A job that can be taken over stores its progress at every commit;
+        // the workers keep the rollback point of the newest stored step.
+        let follow = self.told.follow.is_some();
+        if follow {
+            self.save_state(false);
+        }
+        let stored = self.keeper.as_ref().filter(|_| follow).map(|k| k.stored_step());
+        let commit = |checkpoint| {
+            encode(&ToWorker::Commit { step, checkpoint, wait: false, stored })
+                .map_err(|e| anyhow!("a commit: {e}"))
+        };
+        // Rank 0's message differs only when it carries a checkpoint.
+        let rank0 = checkpoint.map(|c| commit(Some(c))).transpose()?;
+        let rest = commit(None)?;
+        for (rank, m) in self.membership.members().iter().enumerate() {
+            if let Some(stream) = self.conns.get_mut(&m.conn) {
+                let line = rank0.as_ref().filter(|_| rank == 0).unwrap_or(&rest);
+                // A failed send closes the connection; its reader reports that.
+                let _ = send_encoded(stream, line);
+            }
+        }
+        if !follow && (wrote || self.timers.is_due(Timer::SaveState, Instant::now())) {
+            self.save_state(false);
+        }
+        if self.tally.committed.is_multiple_of(self.cfg.decide_every.max(1))
+            && self.tally.epoch < self.cfg.spec.epochs
+        {
+            self.decide();
+        }
+        Ok(())
+    }
+
+    /// Commits one step every rank finished: its samples enter the ledger
+    /// (the ids at the positions each rank reported), the cursor moves.
+    /// `next_hyper`: the hyperparameters planned for the step after it.
+    /// What the commit adds up to is said in the order the report keeps:
+    /// the step, the resize it completes, the epoch it ends.
+    pub(super) fn commit_step(
+        &mut self,
+        plan: &StepPlan,
+        reports: &[StepDone],
+        first: bool,
+        setup_ms: f64,
+        next_hyper: Hyperparams,
+    ) -> Result<()> {
+        let members: Vec<u64> = self.membership.members().iter().map(|m| m.id).collect();
+        let totals = self.tally.commit(Instant::now(), plan, reports, &members, first)?;
+        self.hyper = next_hyper;
+        let rec = StepRecord {
+            step: self.tally.committed,
+            epoch: self.tally.epoch,
+            world: self.membership.world(),
+            secs: self.started.elapsed().as_secs_f64(),
+            loss: totals.loss,
+            samples_per_sec: totals.samples_per_sec,
+            cursor: self.tally.cursor.min(self.tally.train_len()),
+            metrics: totals.metrics,
+        };
+        (self.progress)(Progress::Step(&rec));
+        self.timeline.push(rec);
+        if first {
+            self.complete_resize(setup_ms);
+        }
+        if let Some(rec) = self.tally.end_epoch() {
+            (self.progress)(Progress::Epoch(&rec));
+        }
+        Ok(())
+    }
+
+    /// The first step of a generation is committed: the resize that made
+    /// it becomes a scale event.
+    fn complete_resize(&mut self, setup_ms: f64) {
+        let Some(p) = self.pending.take() else { return };
+        let ev = ScaleEvent {
+            setup_ms,
+            step: self.tally.committed - 1,
+            from: p.from,
+            to: self.membership.world(),
+            pause_ms: ms(p.boundary.elapsed()),
+            reason: p.reason,
+            generation: self.generation,
+            join_ms: p.join_ms,
+            at_secs: self.started.elapsed().as_secs_f64(),
+        };
+        (self.progress)(Progress::Scale(&ev));
+        self.events.push(ev);
+    }
+}

@@ -1,0 +1,233 @@
+//! Teachers for the main job: a wider MLP trained by the runtime itself
+//! (plain training on hard labels), cached as safetensors so later runs
+//! skip the training, and served by `edl-runtime teacher` processes.
+
+use crate::process::{die_with_parent, log_tail, terminate};
+use crate::trainer::data::{self, Dataset};
+use crate::trainer::model::Mlp;
+use crate::trainer::train::Trainer;
+use anyhow::{Context, Result, anyhow, bail};
+use edl_host_gpu::{Device, loss::SoftLabelLoss};
+use std::{
+    io::{BufRead, BufReader},
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    time::Duration,
+};
+
+/// How the teacher model is trained.
+#[derive(Clone, Debug)]
+pub struct TeacherTraining {
+    pub layers: Vec<usize>,
+    pub epochs: u64,
+    pub batch: usize,
+    pub lr: f32,
+    pub momentum: f32,
+    pub seed: u64,
+    /// Where it trains (the weights do not depend on it beyond rounding).
+    pub device: Device,
+}
+
+impl TeacherTraining {
+    /// The cache file name: everything that decides the weights is in it.
+    pub fn file_name(&self, dataset: &str, train_rows: usize) -> String {
+        let layers: Vec<String> = self.layers.iter().map(|l| l.to_string()).collect();
+        format!(
+            "teacher-{dataset}-{train_rows}-{}-e{}-b{}-lr{}-m{}-s{}.safetensors",
+            layers.join("x"),
+            self.epochs,
+            self.batch,
+            self.lr,
+            self.momentum,
+            self.seed
+        )
+    }
+}
+
+/// The cached teacher model in `dir`, trained on `train` first when there is
+/// none (or the cached one does not load). Returns the file and whether it
+/// was trained now.
+pub fn teacher_model(
+    dir: &Path,
+    dataset: &str,
+    train: &Dataset,
+    t: &TeacherTraining,
+    mut progress: impl FnMut(u64, f32),
+) -> Result<(PathBuf, Mlp, bool)> {
+    let path = dir.join(t.file_name(dataset, train.len()));
+    if path.exists() {
+        match Mlp::load(&path) {
+            Ok(m) => return Ok((path, m, false)),
+            Err(e) => tracing::warn!("cached teacher unusable, training it again: {e}"),
+        }
+    }
+    let mut trainer = Trainer::on(t.device, Mlp::random(&t.layers, t.seed))?;
+    let loss = SoftLabelLoss { temperature: 1.0, alpha: 0.0 };
+    let mut last = 0.0;
+    for epoch in 0..t.epochs {
+        let order = data::permutation(train.len(), t.seed ^ 0x7EAC, epoch);
+        let (mut sum, mut rows) = (0.0, 0usize);
+        for chunk in order.chunks(t.batch.max(1)) {
+            let (x, y) = train.gather(chunk);
+            sum += trainer.compute_gradient(&x, &y, None, &loss, y.len())?;
+            rows += y.len();
+            trainer.apply(t.lr, t.momentum)?;
+        }
+        last = (sum / rows.max(1) as f64) as f32;
+        progress(epoch, last);
+    }
+    if !last.is_finite() {
+        bail!("teacher training diverged (loss {last}); lower its learning rate");
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
+    let tmp = dir.join(format!(".tmp-{}", std::process::id()));
+    trainer.model().save(&tmp)?;
+    std::fs::rename(&tmp, &path).with_context(|| format!("{}", path.display()))?;
+    Ok((path, trainer.into_model(), true))
+}
+
+/// A teacher process serving a model.
+pub struct TeacherProcess {
+    /// `host:port` it serves on, as students reach it.
+    pub addr: String,
+    child: Child,
+    log: PathBuf,
+}
+
+/// The teacher processes a job started, watched by its coordinator: a dead
+/// one is left out of the list new workers get, and the job stops, saying
+/// why, when none is left.
+pub trait TeacherWatch: Send {
+    /// Teachers that have exited: (address, how, with the end of its log).
+    fn dead(&mut self) -> Vec<(String, String)>;
+}
+
+impl TeacherWatch for std::sync::Arc<std::sync::Mutex<Vec<TeacherProcess>>> {
+    fn dead(&mut self) -> Vec<(String, String)> {
+        let mut all = self.lock().unwrap_or_else(|e| e.into_inner());
+        all.iter_mut().filter_map(|t| Some((t.addr.to_string(), t.exited()?))).collect()
+    }
+}
+
+/// How the teachers a job starts guard their endpoint: the job's teacher
+/// token, and TLS with a certificate the job makes for them.
+#[derive(Clone, Debug, Default)]
+pub struct TeacherGuard {
+    pub token_file: Option<PathBuf>,
+    pub tls: Option<TeacherTls>,
+}
+
+/// A certificate the job made for its teachers, and its key.
+#[derive(Clone, Debug)]
+pub struct TeacherTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// The certificate (PEM), which students trust.
+    pub pem: String,
+}
+
+impl TeacherTls {
+    /// A self-signed certificate for `host` (a name or an address), written
+    /// to `dir` (the key readable by its owner only).
+    pub fn make(dir: &Path, host: &str) -> Result<TeacherTls> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let key = rcgen::KeyPair::generate().context("a key for the teachers' certificate")?;
+        let names = vec![host.to_string(), "localhost".to_string(), "127.0.0.1".to_string()];
+        let cert = rcgen::CertificateParams::new(names)
+            .and_then(|p| p.self_signed(&key))
+            .with_context(|| format!("a certificate for the teachers at {host}"))?;
+        std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
+        let (cert_path, key_path) = (dir.join("teachers.crt"), dir.join("teachers.key"));
+        let pem = cert.pem();
+        std::fs::write(&cert_path, &pem).with_context(|| cert_path.display().to_string())?;
+        let _ = std::fs::remove_file(&key_path);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&key_path)
+            .with_context(|| key_path.display().to_string())?;
+        std::io::Write::write_all(&mut f, key.serialize_pem().as_bytes())
+            .with_context(|| key_path.display().to_string())?;
+        Ok(TeacherTls { cert: cert_path, key: key_path, pem })
+    }
+}
+
+impl TeacherProcess {
+    /// Starts `exe teacher --model M --listen IP:0 --advertise HOST --service V`
+    /// (the store in `EDL_STORE`) and waits (up to 30 s) for the address it serves on.
+    pub fn start(
+        exe: &Path,
+        model: &Path,
+        (listen, advertise): (std::net::IpAddr, &str),
+        (store, service): (&str, &str),
+        guard: &TeacherGuard,
+        log: &Path,
+    ) -> Result<Self> {
+        let log_file = std::fs::File::create(log).with_context(|| format!("{}", log.display()))?;
+        let mut cmd = Command::new(exe);
+        let listen = SocketAddr::new(listen, 0).to_string();
+        // The store's URL may hold a password: in the environment, not on
+        // the command line where any user of the host could read it.
+        cmd.args(["teacher", "--listen", &listen, "--advertise", advertise])
+            .args(["--service", service, "--model"])
+            .arg(model);
+        if let Some(token) = &guard.token_file {
+            cmd.arg("--token-file").arg(token);
+        }
+        if let Some(tls) = &guard.tls {
+            cmd.arg("--tls-cert").arg(&tls.cert).arg("--tls-key").arg(&tls.key);
+        }
+        cmd.env("EDL_STORE", store).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(log_file);
+        die_with_parent(&mut cmd);
+        let mut child = cmd.spawn().with_context(|| format!("starting a teacher ({})", exe.display()))?;
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            if let Some(Ok(first)) = lines.next() {
+                let _ = tx.send(first);
+            }
+            for _ in lines {} // keep the pipe drained
+        });
+        let line = match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(l) => l,
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                // It closed its output without saying where it serves: it exited.
+                let status = child.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
+                bail!("the teacher exited before serving ({status}){}", log_tail(log, 5));
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                terminate(&mut child, Duration::from_secs(1));
+                bail!("the teacher did not start within 30 s{}", log_tail(log, 5));
+            }
+        };
+        let addr = line
+            .split("serving on ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .map(str::to_string)
+            .ok_or_else(|| anyhow!("unexpected teacher output {line:?} (log: {})", log.display()))?;
+        Ok(TeacherProcess { addr, child, log: log.to_path_buf() })
+    }
+
+    /// How it ended, with the end of its log, once it has exited.
+    pub fn exited(&mut self) -> Option<String> {
+        let status = self.child.try_wait().ok()??;
+        Some(format!("teacher {} exited ({status}){}", self.addr, log_tail(&self.log, 3)))
+    }
+
+    /// Kills the process at once (as a crash would).
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for TeacherProcess {
+    fn drop(&mut self) {
+        terminate(&mut self.child, Duration::from_secs(3));
+    }
+}

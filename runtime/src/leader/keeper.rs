@@ -1,0 +1,727 @@
+//! The job's record in the store, kept by a thread of its own so that the
+//! store is never on a step's path: a Redis outage slows nothing, and the
+//! writes catch up when it is back.
+//!
+//! The coordinator hands over the latest [`JobState`] (only the newest one
+//! queued is written), worker leases and removals. The job state is written
+//! with compare-and-set on the token the coordinator read at start: a write
+//! that finds another writer's token means a second coordinator took the
+//! job, and this one is *fenced*: [`StoreKeeper::fenced`] says so and the
+//! coordinator stops instead of overwriting. A key that vanished (the store
+//! restarted without persistence) is written afresh.
+//!
+//! The keeper also renews the coordinator's lease on the job
+//! ([`take_lease`]): while it lives, a second coordinator of the same job
+//! on any host that shares the store is refused, naming the holder; a
+//! coordinator whose lease was taken is fenced.
+
+use crate::leader::record::JobState;
+use crate::store::{AnyStore, Cas, Store, redact};
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+use tokio::sync::{mpsc, oneshot};
+
+enum Cmd {
+    State(JobState),
+    /// Give the coordinator lease up (the job ended).
+    Release,
+    Lease {
+        key: String,
+        value: Vec<u8>,
+        ttl: Duration,
+    },
+    Delete(String),
+    Flush(oneshot::Sender<Result<(), String>>),
+}
+
+/// Tells, from any thread, whether a keeper's coordinator still holds its
+/// job: not when the store said another took it, nor once the lease has
+/// not been confirmed for its whole term by this process's own clock.
+#[derive(Clone)]
+pub struct Fence {
+    fenced: Arc<Mutex<Option<String>>>,
+    term: Arc<Mutex<Option<(std::time::Instant, Duration)>>>,
+}
+
+impl Fence {
+    /// Why this coordinator may no longer act, if so.
+    pub fn fenced(&self) -> Option<String> {
+        if let Some(why) = self.fenced.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Some(why);
+        }
+        let (confirmed, ttl) = (*self.term.lock().unwrap_or_else(|p| p.into_inner()))?;
+        (confirmed.elapsed() >= ttl).then(|| {
+            format!(
+                "fenced: the job's lease could not be renewed for {:.1} s, its whole term (the store does not \
+                 answer); another coordinator may hold it now, so this one stops",
+                confirmed.elapsed().as_secs_f64()
+            )
+        })
+    }
+}
+
+/// Writes the job's state and worker leases in the background.
+pub struct StoreKeeper {
+    tx: mpsc::UnboundedSender<Cmd>,
+    fenced: Arc<Mutex<Option<String>>>,
+    /// The lease's term: when the store last confirmed it, and for how
+    /// long. Read by [`Self::fenced`] on the coordinator's own clock, so a
+    /// lease that lapsed fences it whatever the keeper's thread is waiting on.
+    term: Arc<Mutex<Option<(std::time::Instant, Duration)>>>,
+    /// The committed step of the newest job state the store took (0: none yet).
+    stored: Arc<std::sync::atomic::AtomicU64>,
+    /// What happened to the store that the job went on through (a
+    /// replicated store's leader changed), not yet taken.
+    events: Arc<Mutex<Vec<String>>>,
+}
+
+impl StoreKeeper {
+    /// Starts the keeper of `key` in the store at `url`; `token` is the
+    /// state's token as read at start (None: the job has no state yet).
+    pub fn start(url: &str, key: String, token: Option<u64>, lease: Option<Lease>) -> anyhow::Result<Self> {
+        let (tx, mut rx) = mpsc::unbounded_channel::<Cmd>();
+        let fenced = Arc::new(Mutex::new(None));
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let store = {
+            let _g = rt.enter();
+            AnyStore::open(url)?
+        };
+        let shown = redact(url);
+        let flag = fenced.clone();
+        let term = Arc::new(Mutex::new(lease.as_ref().map(|l| (l.confirmed, l.ttl))));
+        let confirmed = term.clone();
+        let stored = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let stored_step = stored.clone();
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let seen = events.clone();
+        std::thread::Builder::new().name("edl-store-keeper".into()).spawn(move || {
+            rt.block_on(async move {
+                let mut token = token;
+                let mut lost: Option<Vec<u8>> = None;
+                let mut lease = lease;
+                let renew_every = lease.as_ref().map_or(Duration::from_secs(3600), |l| l.ttl / 3);
+                let mut renew = tokio::time::interval(renew_every);
+                // The replicated store's leader, asked after each renewal.
+                let mut leader: Option<String> = None;
+                renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    let first = tokio::select! {
+                        c = rx.recv() => match c { Some(c) => c, None => break },
+                        _ = renew.tick() => {
+                            let renewed = match lease.as_mut() {
+                                Some(l) => l.renew(&store).await.map(|()| (l.confirmed, l.ttl)),
+                                None => continue,
+                            };
+                            if let Ok(t) = renewed {
+                                *confirmed.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+                                let now = tokio::time::timeout(renew_every / 2, store.leader()).await.ok().flatten();
+                                if let (Some(was), Some(is)) = (&leader, &now)
+                                    && was != is
+                                {
+                                    let change = format!("the store's leader changed from {was} to {is}");
+                                    seen.lock().unwrap_or_else(|p| p.into_inner()).push(change);
+                                }
+                                leader = now.or(leader);
+                            }
+                            if let (Some(l), Err(e)) = (lease.as_mut(), renewed)
+                            {
+                                // Self-fencing: a lease this coordinator
+                                // cannot renew may have lapsed and been taken;
+                                // it stops acting once the lease is over by
+                                // its own clock, whether or not the store answers.
+                                let lapsed = l.confirmed.elapsed() >= l.ttl;
+                                if e.starts_with("fenced") || lapsed {
+                                    let why = if e.starts_with("fenced") {
+                                        e.clone()
+                                    } else {
+                                        format!(
+                                            "fenced: the job's lease could not be renewed for {:.1} s, its whole \
+                                             term ({e}); another coordinator may hold it now, so this one stops",
+                                            l.confirmed.elapsed().as_secs_f64()
+                                        )
+                                    };
+                                    *flag.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+                                    lease = None;
+                                }
+                                tracing::warn!("store {shown}: coordinator lease: {e}");
+                            }
+                            continue;
+                        }
+                    };
+                    // Coalesce: of the states queued, only the newest is written.
+                    let mut cmds = vec![first];
+                    while let Ok(c) = rx.try_recv() {
+                        cmds.push(c);
+                    }
+                    let last_state = cmds.iter().rposition(|c| matches!(c, Cmd::State(_)));
+                    for (i, cmd) in cmds.into_iter().enumerate() {
+                        match cmd {
+                            Cmd::State(s) if Some(i) == last_state => {
+                                // A coordinator whose lease is over by its own
+                                // clock (it was frozen, or cut off) writes
+                                // nothing: another may hold the job now.
+                                if let Some(l) = lease.as_ref().filter(|l| l.confirmed.elapsed() >= l.ttl) {
+                                    let why = format!(
+                                        "fenced: the job's lease was last confirmed {:.1} s ago, longer than its \
+                                         term; another coordinator may hold it now, so this one stops",
+                                        l.confirmed.elapsed().as_secs_f64()
+                                    );
+                                    *flag.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+                                    continue;
+                                }
+                                // Bounded by a third of the lease, as its renewals are.
+                                let bound = lease.as_ref().map_or(Duration::from_secs(10), |l| l.ttl / 3);
+                                let mine = lease.as_ref().map(|l| l.token);
+                                let result =
+                                    write_state(&store, &key, &mut token, &mut lost, &s, bound, mine).await;
+                                if result.is_ok() {
+                                    stored_step.store(s.committed_steps, std::sync::atomic::Ordering::Release);
+                                }
+                                if let Err(e) = result {
+                                    if e.starts_with("fenced") {
+                                        *flag.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
+                                    }
+                                    tracing::warn!("store {shown}: job state: {e}");
+                                }
+                            }
+                            Cmd::State(_) => {}
+                            Cmd::Release => {
+                                *confirmed.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                                if let Some(l) = lease.take() {
+                                    l.release(&store).await;
+                                }
+                            }
+                            Cmd::Lease { key, value, ttl } => {
+                                if let Err(e) = store.put(&key, &value, Some(ttl)).await {
+                                    tracing::warn!("store {shown}: lease {key}: {e}");
+                                }
+                            }
+                            Cmd::Delete(key) => {
+                                if let Err(e) = store.delete(&key).await {
+                                    tracing::warn!("store {shown}: removing {key}: {e}");
+                                }
+                            }
+                            Cmd::Flush(done) => {
+                                let _ = done.send(Ok(()));
+                            }
+                        }
+                    }
+                }
+            })
+        })?;
+        Ok(StoreKeeper { tx, fenced, term, stored, events })
+    }
+
+    /// Queues the newest job state.
+    pub fn state(&self, s: JobState) {
+        let _ = self.tx.send(Cmd::State(s));
+    }
+
+    /// What happened to the store since the last call (its leader changed).
+    pub fn store_events(&self) -> Vec<String> {
+        std::mem::take(&mut *self.events.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// The committed step of the newest job state the store took.
+    pub fn stored_step(&self) -> u64 {
+        self.stored.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Gives the coordinator lease up (queued after everything before it).
+    pub fn release(&self) {
+        let _ = self.tx.send(Cmd::Release);
+    }
+
+    /// Queues a lease write.
+    pub fn lease(&self, key: String, value: Vec<u8>, ttl: Duration) {
+        let _ = self.tx.send(Cmd::Lease { key, value, ttl });
+    }
+
+    /// Queues a removal.
+    pub fn delete(&self, key: String) {
+        let _ = self.tx.send(Cmd::Delete(key));
+    }
+
+    /// Why this coordinator may no longer write the job's state, if so.
+    pub fn fenced(&self) -> Option<String> {
+        self.fence().fenced()
+    }
+
+    /// The same answer, for other threads of this coordinator.
+    pub fn fence(&self) -> Fence {
+        Fence { fenced: self.fenced.clone(), term: self.term.clone() }
+    }
+
+    /// Waits (at most `within`) until everything queued so far was tried.
+    pub fn flush(&self, within: Duration) -> Result<(), String> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(Cmd::Flush(tx)).map_err(|_| "the store keeper stopped".to_string())?;
+        let deadline = std::time::Instant::now() + within;
+        let mut rx = rx;
+        loop {
+            match rx.try_recv() {
+                Ok(r) => return r,
+                Err(oneshot::error::TryRecvError::Closed) => return Err("the store keeper stopped".into()),
+                Err(oneshot::error::TryRecvError::Empty) if std::time::Instant::now() >= deadline => {
+                    return Err(format!("the store did not take the job's state within {within:?}"));
+                }
+                Err(oneshot::error::TryRecvError::Empty) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    }
+}
+
+/// Writes the job's state if the key still holds this coordinator's last
+/// write (`token`), all its store calls together bounded by `bound` (a
+/// third of the lease: a write stuck in a replicated store's election must
+/// not hold up the lease's renewal). A conflict is not another
+/// coordinator's doing when the key holds
+/// - a state that names this coordinator's lease token (`mine`) as its
+///   leader: its own write whose answer never came (a timeout, a leader
+///   lost mid-call), which the store applied;
+/// - a state a coordinator with a lower lease token wrote: a deposed one's
+///   late write, landed after this one took the job over;
+/// - the bytes of the last write whose answer never came (`lost`), for a
+///   state that names no leader.
+async fn write_state(
+    store: &AnyStore,
+    key: &str,
+    token: &mut Option<u64>,
+    lost: &mut Option<Vec<u8>>,
+    s: &JobState,
+    bound: Duration,
+    mine: Option<u64>,
+) -> Result<(), String> {
+    let value = serde_json::to_vec(s).map_err(|e| e.to_string())?;
+    let until = tokio::time::Instant::now() + bound;
+    let mut overwritten = false;
+    loop {
+        let answer = match within(until, store.compare_and_set(key, *token, &value, None)).await {
+            Ok(a) => a,
+            Err(e) => {
+                *lost = Some(value);
+                return Err(e);
+            }
+        };
+        let theirs = match answer {
+            Cas::Written(t) => {
+                *token = Some(t);
+                *lost = None;
+                return Ok(());
+            }
+            // The key is gone (a store restarted without persistence): write it afresh.
+            Cas::Conflict { current: None } if token.is_some() && !overwritten => None,
+            Cas::Conflict { current } if overwritten => return Err(fenced(*token, current)),
+            Cas::Conflict { current: None } => return Err(fenced(*token, None)),
+            Cas::Conflict { current: Some(theirs) } => {
+                let held = within(until, store.get(key)).await?.filter(|e| e.token == theirs);
+                let led = held.as_ref().and_then(|e| leader_token(&e.value));
+                let ours = led.zip(mine).is_some_and(|(t, m)| t == m)
+                    || held.as_ref().zip(lost.as_ref()).is_some_and(|(e, sent)| &e.value == sent);
+                let deposed = led.zip(mine).is_some_and(|(t, m)| t < m);
+                if !(ours || deposed) {
+                    return Err(fenced(*token, Some(theirs)));
+                }
+                if deposed {
+                    tracing::warn!(
+                        "the job's state held a deposed coordinator's late write; it is overwritten"
+                    );
+                }
+                Some(theirs)
+            }
+        };
+        *lost = None;
+        *token = theirs;
+        overwritten = true;
+    }
+}
+
+/// The lease token of the coordinator (or torchrun launcher) that wrote a
+/// job state, where the state names it.
+fn leader_token(value: &[u8]) -> Option<u64> {
+    let s: JobState = serde_json::from_slice(value).ok()?;
+    s.handover.map(|h| h.leader.token).or(s.torchrun.map(|g| g.leader.token))
+}
+
+/// A store call that must answer by `until`: an error means its answer
+/// was not had.
+async fn within<T>(
+    until: tokio::time::Instant,
+    call: impl std::future::Future<Output = Result<T, crate::store::StoreError>>,
+) -> Result<T, String> {
+    tokio::time::timeout_at(until, call)
+        .await
+        .map_err(|_| "the store did not answer in time".to_string())?
+        .map_err(|e| e.to_string())
+}
+
+fn fenced(mine: Option<u64>, theirs: Option<u64>) -> String {
+    format!(
+        "fenced: another coordinator wrote the job's state (token {}, this coordinator's {}); \
+         stopping instead of overwriting it",
+        theirs.map_or("none".into(), |t| t.to_string()),
+        mine.map_or("none".into(), |t| t.to_string())
+    )
+}
+
+/// The coordinator's lease on its job in the store.
+pub struct Lease {
+    key: String,
+    value: Vec<u8>,
+    token: u64,
+    ttl: Duration,
+    /// When the store last confirmed the lease (the request that it
+    /// answered was sent then): the lease holds until `ttl` after it, and
+    /// not a moment longer as far as this coordinator can know.
+    confirmed: std::time::Instant,
+}
+
+/// The coordinator's identity as the lease shows it: enough to tell, from
+/// the same machine, whether that very process is still running.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Holder {
+    host: String,
+    pid: u32,
+    /// The kernel's boot id (`/proc/sys/kernel/random/boot_id`): the same
+    /// machine, since its last boot. Absent in leases of older versions.
+    #[serde(default)]
+    boot: Option<String>,
+    /// The pid namespace (`/proc/self/ns/pid`): the same container, where
+    /// pids mean the same processes.
+    #[serde(default)]
+    pid_ns: Option<String>,
+    /// The process's start time (clock ticks since boot): a pid reused by
+    /// another process has another.
+    #[serde(default)]
+    started: Option<u64>,
+}
+
+impl Holder {
+    fn me() -> Holder {
+        let pid = std::process::id();
+        Holder {
+            host: std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string(),
+            pid,
+            boot: boot_id(),
+            pid_ns: pid_namespace(),
+            started: start_time(pid),
+        }
+    }
+
+    /// Whether this holder is proven gone, as seen from `me`: the same
+    /// machine and pid namespace, and its process no longer running (its pid
+    /// free, or taken by a process that started at another time). Anything
+    /// less (another host, another container, a lease without the proof) is
+    /// no proof: the lease is waited out.
+    fn proven_dead(&self, me: &Holder) -> bool {
+        let same_place =
+            self.boot.is_some() && self.boot == me.boot && self.pid_ns.is_some() && self.pid_ns == me.pid_ns;
+        // A start time that cannot be read (another user's process under
+        // hidepid) proves nothing.
+        let reused = matches!(start_time(self.pid), Some(t) if Some(t) != self.started);
+        same_place && (!alive(self.pid) || reused)
+    }
+}
+
+fn boot_id() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok().map(|s| s.trim().to_string())
+}
+
+fn pid_namespace() -> Option<String> {
+    std::fs::read_link("/proc/self/ns/pid").ok().map(|p| p.to_string_lossy().into_owned())
+}
+
+/// Field 22 of `/proc/<pid>/stat`: when the process started, in clock ticks since boot.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces.
+    let after = &stat[stat.rfind(')')? + 1..];
+    after.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Takes the job's coordinator lease (`ttl`, renewed by the keeper), or
+/// says who holds it; a `standby` waits until the lease is free (its holder
+/// gone: the lease lapsed, or proven dead on this machine).
+pub async fn take_lease(store: &AnyStore, job: &str, ttl: Duration, standby: bool) -> anyhow::Result<Lease> {
+    let mut said = false;
+    loop {
+        match try_take_lease(store, job, ttl).await {
+            Err(e) if standby && e.to_string().contains("already run by another coordinator") => {
+                if !said {
+                    println!("standby   {e:#}; waiting to take the job over when that lease lapses");
+                    said = true;
+                }
+                tokio::time::sleep((ttl / 10).clamp(Duration::from_millis(100), Duration::from_secs(1)))
+                    .await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// One attempt at [`take_lease`].
+async fn try_take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::Result<Lease> {
+    let key = crate::store::keys::coordinator(job);
+    let me = Holder::me();
+    let value = serde_json::to_vec(&me)?;
+    let asked = std::time::Instant::now();
+    match store.compare_and_set(&key, None, &value, Some(ttl)).await? {
+        Cas::Written(token) => Ok(Lease { key, value, token, ttl, confirmed: asked }),
+        Cas::Conflict { .. } => {
+            let entry = store.get(&key).await?;
+            let found = entry.as_ref().and_then(|e| serde_json::from_slice::<Holder>(&e.value).ok());
+            // This very process's write, applied though its answer was lost.
+            if let (Some(e), Some(h)) = (&entry, &found)
+                && *h == me
+            {
+                return Ok(Lease { key, value, token: e.token, ttl, confirmed: asked });
+            }
+            if let (Some(e), Some(h)) = (&entry, &found)
+                && h.proven_dead(&me)
+            {
+                // A coordinator of this machine and container that died
+                // (kill -9, a crash): its lease is stale, and a restart
+                // takes it over at once.
+                if let Cas::Written(token) =
+                    store.compare_and_set(&key, Some(e.token), &value, Some(ttl)).await?
+                {
+                    return Ok(Lease { key, value, token, ttl, confirmed: asked });
+                }
+            }
+            let holder = match (&entry, found) {
+                (_, Some(h)) => format!("pid {} on {}", h.pid, h.host),
+                (Some(_), None) => "an unreadable holder".into(),
+                (None, _) => "a coordinator whose lease just ended (try again)".into(),
+            };
+            anyhow::bail!(
+                "job {job:?} is already run by another coordinator: {holder} holds its lease in the store \
+                 (it lapses {ttl:?} after that coordinator stops)"
+            )
+        }
+    }
+}
+
+impl Lease {
+    /// The token the lease was taken with: higher than any its earlier
+    /// holders had (the store's tokens come from one sequence).
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+
+    /// Extends the lease, if it is still this coordinator's.
+    async fn renew(&mut self, store: &AnyStore) -> Result<(), String> {
+        let asked = std::time::Instant::now();
+        // An answer later than a third of the lease is no use: by then the
+        // next renewal is due.
+        let within = (self.ttl / 3).clamp(Duration::from_millis(100), Duration::from_secs(10));
+        let answer = tokio::time::timeout(
+            within,
+            store.compare_and_set(&self.key, Some(self.token), &self.value, Some(self.ttl)),
+        )
+        .await
+        .map_err(|_| format!("no answer within {within:?}"))?
+        .map_err(|e| e.to_string())?;
+        match answer {
+            Cas::Written(t) => {
+                self.token = t;
+                self.confirmed = asked;
+                Ok(())
+            }
+            // Gone while, by this coordinator's clock, it still held (the
+            // store restarted empty): take it again if free. Past the lease,
+            // another coordinator may have held it meanwhile: fenced.
+            Cas::Conflict { current: None } if self.confirmed.elapsed() < self.ttl => {
+                match store.compare_and_set(&self.key, None, &self.value, Some(self.ttl)).await {
+                    Ok(Cas::Written(t)) => {
+                        self.token = t;
+                        self.confirmed = asked;
+                        Ok(())
+                    }
+                    Ok(Cas::Conflict { .. }) => Err(lost()),
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+            // A renewal of this coordinator's, applied though its answer was
+            // lost (a timeout, a leader election): the value is this
+            // process's own (its pid and start time make it unique).
+            Cas::Conflict { current: Some(t) } => match store.get(&self.key).await {
+                Ok(Some(e)) if e.token == t && e.value == self.value => {
+                    self.token = t;
+                    Ok(())
+                }
+                _ => Err(lost()),
+            },
+            Cas::Conflict { .. } => Err(lost()),
+        }
+    }
+
+    async fn release(self, store: &AnyStore) {
+        let _ = store.delete_if(&self.key, self.token).await;
+    }
+}
+
+/// Whether process `pid` of this host exists.
+fn alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
+    if pid <= 0 {
+        // 0 and negative ids name process groups, not a process.
+        return false;
+    }
+    // SAFETY: signal 0 sends nothing; it only asks whether `pid` exists.
+    let found = unsafe { libc::kill(pid, 0) } == 0;
+    found || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+fn lost() -> String {
+    "fenced: another coordinator took the job's lease; stopping instead of running it twice".into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lease_is_taken_over_only_on_proof_that_its_holder_is_gone() {
+        let me = Holder::me();
+        assert!(me.boot.is_some() && me.pid_ns.is_some() && me.started.is_some(), "{me:?}");
+        assert!(!me.proven_dead(&me), "a running holder");
+        // A holder that exited: its pid is free.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let gone = child.id();
+        child.wait().unwrap();
+        let exited = Holder { pid: gone, started: Some(1), ..me.clone() };
+        assert!(exited.proven_dead(&me));
+        // Its pid taken by another process since: another start time.
+        let reused = Holder { started: me.started.map(|t| t + 1), ..me.clone() };
+        assert!(reused.proven_dead(&me));
+        // Another machine of the same name, another container of the same
+        // machine, a holder without the proof: waited out, not taken.
+        for other in [
+            Holder { pid: gone, boot: Some("another boot".into()), ..me.clone() },
+            Holder { pid: gone, pid_ns: Some("pid:[1]".into()), ..me.clone() },
+            Holder { pid: gone, boot: None, pid_ns: None, started: None, ..me.clone() },
+        ] {
+            assert!(!other.proven_dead(&me), "{other:?}");
+        }
+    }
+
+    #[test]
+    fn a_dead_coordinator_s_lease_is_taken_at_once_and_a_foreign_one_is_not() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let store = AnyStore::open("memory").unwrap();
+            let key = crate::store::keys::coordinator("j");
+            let mut child = std::process::Command::new("true").spawn().unwrap();
+            let gone = child.id();
+            child.wait().unwrap();
+            let dead = Holder { pid: gone, ..Holder::me() };
+            let ttl = Duration::from_secs(60);
+            let t = store.put(&key, &serde_json::to_vec(&dead).unwrap(), Some(ttl)).await.unwrap();
+            let lease = take_lease(&store, "j", ttl, false).await.unwrap();
+            assert!(lease.token > t);
+            // The same host name and pid, from another machine: refused.
+            let foreign = Holder { boot: Some("elsewhere".into()), ..Holder::me() };
+            store.put(&key, &serde_json::to_vec(&foreign).unwrap(), Some(ttl)).await.unwrap();
+            let e = take_lease(&store, "j", ttl, false).await.err().unwrap().to_string();
+            assert!(e.contains("already run by another coordinator"), "{e}");
+        });
+    }
+
+    #[test]
+    fn a_renewal_applied_though_its_answer_was_lost_is_taken_for_this_coordinator_s_own() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let store = AnyStore::open("memory").unwrap();
+            let ttl = Duration::from_secs(60);
+            let mut lease = take_lease(&store, "j", ttl, false).await.unwrap();
+            // The store applied a renewal whose answer never came back.
+            let Cas::Written(applied) =
+                store.compare_and_set(&lease.key, Some(lease.token), &lease.value, Some(ttl)).await.unwrap()
+            else {
+                panic!("a renewal")
+            };
+            lease.renew(&store).await.unwrap();
+            assert_eq!(lease.token, applied, "the applied renewal is taken as this coordinator's");
+            lease.renew(&store).await.unwrap();
+            assert!(lease.token > applied, "and renewed from it on");
+            // Another holder's write is not taken for this one's.
+            let other = serde_json::to_vec(&Holder { pid: 1, ..Holder::me() }).unwrap();
+            store.compare_and_set(&lease.key, Some(lease.token), &other, Some(ttl)).await.unwrap();
+            assert!(lease.renew(&store).await.unwrap_err().contains("fenced"));
+        });
+    }
+
+    const BOUND: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn a_deposed_coordinator_s_late_write_is_overwritten_and_a_newer_one_s_fences() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let store = AnyStore::open("memory").unwrap();
+            let led_by = |token| JobState {
+                torchrun: Some(crate::leader::record::GroupHandover {
+                    group: 0,
+                    agents: vec![1],
+                    hosts: vec!["10.0.0.3".into()],
+                    master_addr: "10.0.0.3".into(),
+                    master_port: 29500,
+                    nproc: 1,
+                    restart_count: 0,
+                    leader: crate::job::spec::Leader { addr: "10.0.0.2:7070".into(), token },
+                    handles: Default::default(),
+                }),
+                ..Default::default()
+            };
+            // This one (lease token 5) read the state at `token`; then the
+            // coordinator it took over from (token 3) landed a late write.
+            let (mut token, mut lost) = (None, None);
+            write_state(&store, "s", &mut token, &mut lost, &led_by(3), BOUND, Some(3)).await.unwrap();
+            let read = token;
+            store.compare_and_set("s", read, &serde_json::to_vec(&led_by(3)).unwrap(), None).await.unwrap();
+            write_state(&store, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5)).await.unwrap();
+            let held = store.get("s").await.unwrap().unwrap();
+            assert_eq!(leader_token(&held.value), Some(5));
+            // Two writes of this one's lost their answers, and the store
+            // applied the first: the key names this one, so it is its own.
+            let first = JobState { committed_steps: 1, ..led_by(5) };
+            store.compare_and_set("s", token, &serde_json::to_vec(&first).unwrap(), None).await.unwrap();
+            lost = Some(serde_json::to_vec(&JobState { committed_steps: 2, ..led_by(5) }).unwrap());
+            write_state(&store, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5)).await.unwrap();
+            // A coordinator with a higher token than this one's wrote: fenced.
+            store.compare_and_set("s", token, &serde_json::to_vec(&led_by(8)).unwrap(), None).await.unwrap();
+            let err = write_state(&store, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5))
+                .await
+                .unwrap_err();
+            assert!(err.starts_with("fenced"), "{err}");
+        });
+    }
+
+    #[test]
+    fn a_state_write_applied_though_its_answer_was_lost_is_taken_for_this_coordinator_s_own() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let store = AnyStore::open("memory").unwrap();
+            let state = |step| JobState { committed_steps: step, members: vec![1, 2], ..Default::default() };
+            let (mut token, mut lost) = (None, None);
+            write_state(&store, "s", &mut token, &mut lost, &state(1), BOUND, None).await.unwrap();
+            // The write of step 2 reached the store, but its answer was lost
+            // (an etcd leader killed mid-call): the keeper only knows the bytes.
+            let bytes = serde_json::to_vec(&state(2)).unwrap();
+            store.compare_and_set("s", token, &bytes, None).await.unwrap();
+            lost = Some(bytes);
+            write_state(&store, "s", &mut token, &mut lost, &state(3), BOUND, None).await.unwrap();
+            let e = store.get("s").await.unwrap().unwrap();
+            assert_eq!(Some(e.token), token);
+            assert_eq!(serde_json::from_slice::<JobState>(&e.value).unwrap().committed_steps, 3);
+            // Another coordinator's write is never taken for this one's,
+            // even with a lost write outstanding.
+            store.compare_and_set("s", token, &serde_json::to_vec(&state(9)).unwrap(), None).await.unwrap();
+            lost = Some(serde_json::to_vec(&state(4)).unwrap());
+            let err =
+                write_state(&store, "s", &mut token, &mut lost, &state(5), BOUND, None).await.unwrap_err();
+            assert!(err.starts_with("fenced"), "{err}");
+        });
+    }
+}

@@ -1,0 +1,137 @@
+//! The job's record in the store, as every party reads it: the
+//! coordinator that writes it at each commit, a standby or a rerun that
+//! carries the job on from it, a torchrun launcher that takes a group over.
+//! Plain data, so that whoever reads it needs nothing of whoever wrote it.
+
+use crate::coordinator::machine::ledger::Ledger;
+use crate::job::spec::{JobSpec, Leader};
+use serde::{Deserialize, Serialize};
+
+/// What the store keeps about a job (survives a coordinator restart).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct JobState {
+    pub generation: u64,
+    pub committed_steps: u64,
+    pub epoch: u64,
+    pub cursor: usize,
+    pub next_worker_id: u64,
+    pub members: Vec<u64>,
+    pub finished: bool,
+    /// What a coordinator taking the job over needs besides the above to
+    /// carry it on where this one is (absent in states of older versions).
+    #[serde(default)]
+    pub handover: Option<Handover>,
+    /// A `launch --torchrun` job across hosts: its running group and who
+    /// leads it, for a launcher that takes the job over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub torchrun: Option<GroupHandover>,
+}
+
+/// The rest of a running job's progress at its committed step: who leads
+/// it, the hyperparameters of the next step, the epoch's ledger and the
+/// scale events so far. Written at each commit, off the step's path.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Handover {
+    pub leader: Leader,
+    pub hyper: edl_plugin_sdk::Hyperparams,
+    pub ledger: Ledger,
+    pub events: Vec<ScaleEvent>,
+    /// What the data order depends on: a coordinator started with other
+    /// flags cannot take the job over.
+    #[serde(default)]
+    pub data: DataIdentity,
+    /// The policy's and the adapter's memory at this step.
+    #[serde(default)]
+    pub plugins: PluginMemory,
+    /// How the scheduler knows each member (`slurm:123`, `pod:...`,
+    /// `slot:host/0`): the coordinator that takes over stops, reports and
+    /// places around them as its own.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub handles: std::collections::BTreeMap<u64, String>,
+}
+
+/// A change of world size, as the report shows it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScaleEvent {
+    /// Committed steps when the new generation started.
+    pub step: u64,
+    pub from: u32,
+    pub to: u32,
+    /// From the resize at the step boundary to the first committed step of
+    /// the new generation (ring, broadcast and one step included).
+    pub pause_ms: f64,
+    pub reason: String,
+    pub generation: u64,
+    /// The slowest rank's ring set-up and parameter broadcast, within the pause.
+    pub setup_ms: f64,
+    /// For scale-outs: from the policy's decision to the new worker being
+    /// ready (process start and data load), while the others kept training.
+    pub join_ms: Option<f64>,
+    /// Seconds since the job (this run) started.
+    pub at_secs: f64,
+}
+
+/// What decides which samples a (step, cursor) names, and what the state is.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DataIdentity {
+    samples: usize,
+    seed: u64,
+    program: String,
+}
+
+impl DataIdentity {
+    pub fn of(spec: &JobSpec) -> Self {
+        DataIdentity { samples: spec.samples, seed: spec.seed, program: spec.program.identity() }
+    }
+
+    /// The same, but for the seed (a checkpoint of an older version
+    /// records only that).
+    pub fn with_seed(&self, seed: u64) -> Self {
+        DataIdentity { seed, ..self.clone() }
+    }
+
+    /// The differences from `now`, as flags.
+    pub fn differences(&self, now: &DataIdentity) -> Vec<String> {
+        let mut d = Vec::new();
+        let mut cmp = |flag: &str, was: String, is: String| {
+            if was != is {
+                d.push(format!("{flag} {was} (this run: {is})"));
+            }
+        };
+        cmp("samples (--samples, --train-samples)", self.samples.to_string(), now.samples.to_string());
+        cmp("--seed", self.seed.to_string(), now.seed.to_string());
+        cmp("the program", self.program.clone(), now.program.clone());
+        d
+    }
+}
+
+/// What the policy and the adapter saved, as base64 (absent: the plugin
+/// keeps no memory, or the state is of an older version).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PluginMemory {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<String>,
+}
+
+/// What the store keeps of the running group for a launcher taking it over.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GroupHandover {
+    pub group: u32,
+    /// Its agents' ids in `GROUP_RANK` order, and their hosts' addresses.
+    pub agents: Vec<u64>,
+    pub hosts: Vec<String>,
+    pub master_addr: String,
+    pub master_port: u16,
+    /// Ranks per host.
+    pub nproc: u32,
+    /// `TORCHELASTIC_RESTART_COUNT` its ranks saw.
+    pub restart_count: u32,
+    /// The launcher that formed it: its agent port and lease token.
+    pub leader: Leader,
+    /// How the scheduler knows each agent (`slot:host/0`, `slurm:123`):
+    /// a launcher that takes over stops and places around them as its own.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub handles: std::collections::BTreeMap<u64, String>,
+}

@@ -1,0 +1,324 @@
+//! Other programs the job runs and waits for (a scheduler's client, a
+//! notice hook), each within a bound: a client whose server stopped
+//! answering is killed at the bound instead of stalling the coordinator or
+//! the worker that waits for it. And the children the job starts (workers,
+//! teachers): made to die with it, stopped with a grace, their logs quoted.
+
+use anyhow::{Context, Result, bail};
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+use wait_timeout::ChildExt;
+
+/// Runs `cmd` with `input` on its standard input and returns its output,
+/// or an error naming `what` when it cannot start, or has not ended
+/// `within` (it is then killed).
+pub fn output(what: &str, cmd: &mut Command, input: &[u8], within: Duration) -> Result<Output> {
+    // A process group of its own, so that what it started (a pipeline's
+    // other commands) is stopped with it at the bound.
+    let mut child = cmd
+        .process_group(0)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("{what}: cannot run it"))?;
+    // Its input and output go on threads of their own, so that a program
+    // that fills a pipe while this one waits cannot hold the wait.
+    let mut stdin = child.stdin.take();
+    let input = input.to_vec();
+    let writer = std::thread::spawn(move || {
+        if let Some(s) = stdin.as_mut() {
+            let _ = s.write_all(&input);
+        }
+    });
+    let readers = [drain(child.stdout.take()), drain(child.stderr.take())];
+    let status = match child.wait_timeout(within).with_context(|| format!("{what}: waiting for it"))? {
+        Some(status) => status,
+        None => {
+            // SAFETY: kill(2) has no memory-safety preconditions. The pid is
+            // the leader of the group this call made (process_group(0)), and
+            // wait_timeout said it still runs and did not reap it, so the pid
+            // cannot have been reused: only that group is signalled.
+            unsafe { libc::killpg(child.id() as i32, libc::SIGKILL) };
+            let _ = child.wait();
+            bail!("{what}: no answer within {within:?}; it was stopped");
+        }
+    };
+    drop(writer);
+    // A program that left a child holding its output open is not waited
+    // for past a second: what it wrote by then is its answer.
+    let [stdout, stderr] = readers.map(|r| r.recv_timeout(Duration::from_secs(1)).unwrap_or_default());
+    Ok(Output { status, stdout, stderr })
+}
+
+/// Reads `pipe` to its end on a thread; the bytes come on the channel.
+fn drain(pipe: Option<impl Read + Send + 'static>) -> mpsc::Receiver<Vec<u8>> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut out = Vec::new();
+        if let Some(mut p) = pipe {
+            let _ = p.read_to_end(&mut out);
+        }
+        let _ = tx.send(out);
+    });
+    rx
+}
+
+/// A scheduler's server that did not answer is asked again only after a
+/// pause (30 s, doubling to 5 min while it stays silent): an unreachable
+/// controller then costs the job one bounded wait per pause, not one at
+/// every poll.
+#[derive(Debug)]
+pub struct Backoff {
+    until: Option<Instant>,
+    pause: Duration,
+}
+
+const FIRST_PAUSE: Duration = Duration::from_secs(30);
+const LONGEST_PAUSE: Duration = Duration::from_secs(300);
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff { until: None, pause: FIRST_PAUSE }
+    }
+}
+
+impl Backoff {
+    /// Whether the server may be asked now.
+    pub fn open(&self) -> bool {
+        self.until.is_none_or(|t| Instant::now() >= t)
+    }
+
+    /// It did not answer (`why`): said once per pause, the pause doubles.
+    pub fn failed(&mut self, why: &anyhow::Error) {
+        tracing::warn!("{why:#}; asking again in {:?}", self.pause);
+        self.until = Some(Instant::now() + self.pause);
+        self.pause = (self.pause * 2).min(LONGEST_PAUSE);
+    }
+
+    /// It answered: the next silence starts from the first pause.
+    pub fn answered(&mut self) {
+        *self = Backoff::default();
+    }
+}
+
+/// Makes a child die with its parent (Linux); elsewhere a child notices the
+/// closed control connection and exits.
+pub fn die_with_parent(cmd: &mut Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: prctl is async-signal-safe and touches only this process.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
+}
+
+/// Sends SIGTERM, waits up to `grace`, then SIGKILL.
+pub fn terminate(child: &mut Child, grace: Duration) {
+    if let Ok(Some(_)) = child.try_wait() {
+        return;
+    }
+    // SAFETY: signalling our own child by pid.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+    }
+    let until = Instant::now() + grace;
+    while Instant::now() < until {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// The last `lines` lines of a child's log, indented, for an error message
+/// (empty when the log is empty or unreadable). A log that holds a Python
+/// traceback gives the whole of its last traceback instead, however long
+/// (up to [`MAX_TRACEBACK_LINES`]): the frame that raised is often far
+/// above the last few lines.
+pub fn log_tail(path: &Path, lines: usize) -> String {
+    let Ok(text) = std::fs::read(path) else { return String::new() };
+    let text = String::from_utf8_lossy(&text);
+    let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    // A traceback counts when the log ends with it (its exception line
+    // last), not when the program printed one it caught and went on.
+    let ends_with_exception = all.last().is_some_and(|l| {
+        let name = l.split(':').next().unwrap_or_default();
+        !l.starts_with(' ')
+            && !name.contains(' ')
+            && ["Error", "Exception", "Interrupt", "Exit"].iter().any(|e| name.ends_with(e))
+    });
+    let from = match all.iter().rposition(|l| l.starts_with("Traceback (most recent call last)")) {
+        Some(t) if ends_with_exception => t.max(all.len().saturating_sub(MAX_TRACEBACK_LINES)),
+        _ => all.len().saturating_sub(lines),
+    };
+    let tail = &all[from..];
+    if tail.is_empty() {
+        return String::new();
+    }
+    format!("; last lines of {}:\n    {}", path.display(), tail.join("\n    "))
+}
+
+/// The most lines of a Python traceback an error message quotes.
+pub const MAX_TRACEBACK_LINES: usize = 200;
+
+/// Removes the children that exited, and says how each ended.
+pub fn reap<T>(children: &mut BTreeMap<u64, T>, child: impl Fn(&mut T) -> &mut Child) -> Vec<(u64, String)> {
+    let mut gone = Vec::new();
+    children.retain(|id, c| match child(c).try_wait() {
+        Ok(Some(status)) => {
+            gone.push((*id, status.to_string()));
+            false
+        }
+        _ => true,
+    });
+    gone
+}
+
+/// Creates a log directory, naming it when that fails.
+pub fn ensure_dir(p: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(p)
+        .map_err(|e| anyhow::anyhow!("{}: cannot create log directory: {e}", p.display()))
+}
+
+/// Sends SIGTERM to a child's process group, waits up to `grace`, then SIGKILL.
+pub fn terminate_group(child: &mut Child, grace: Duration) {
+    let group = -(child.id() as libc::pid_t);
+    let signal_group = |sig| {
+        // SAFETY: the child was started as the leader of its own process
+        // group (process_group(0)), and it has not been reaped (try_wait
+        // said it runs, just before), so its pid still names that group.
+        unsafe {
+            libc::kill(group, sig);
+        }
+    };
+    if !matches!(child.try_wait(), Ok(None)) {
+        return;
+    }
+    signal_group(libc::SIGTERM);
+    let until = Instant::now() + grace;
+    while Instant::now() < until {
+        if !matches!(child.try_wait(), Ok(None)) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    if matches!(child.try_wait(), Ok(None)) {
+        signal_group(libc::SIGKILL);
+    }
+    let _ = child.wait();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_program_that_answers_is_read_whole_with_its_input() {
+        let out = output("cat", &mut Command::new("cat"), b"in and out", Duration::from_secs(30)).unwrap();
+        assert!(out.status.success());
+        assert_eq!(out.stdout, b"in and out");
+    }
+
+    #[test]
+    fn a_program_that_never_answers_is_stopped_at_the_bound() {
+        let mut cmd = Command::new("sleep");
+        cmd.arg("600");
+        let err = output("sleep 600", &mut cmd, b"", Duration::from_millis(200)).unwrap_err().to_string();
+        assert!(err.contains("sleep 600: no answer within"), "{err}");
+    }
+
+    #[test]
+    fn what_a_program_started_is_stopped_with_it_at_the_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let pid_file = dir.path().join("pid");
+        let mut sh = Command::new("sh");
+        sh.args(["-c", &format!("sleep 600 & echo $! > {}; wait", pid_file.display())]);
+        assert!(output("a pipeline", &mut sh, b"", Duration::from_millis(300)).is_err());
+        let pid: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+        // The grandchild goes too (a zombie until init reaps it counts as gone).
+        let alive = || {
+            let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            state.split_whitespace().nth(2).is_some_and(|s| s != "Z")
+        };
+        let since = std::time::Instant::now();
+        while alive() && since.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(!alive(), "sleep {pid} outlived the bound");
+    }
+
+    #[test]
+    fn a_server_that_does_not_answer_is_asked_again_after_a_growing_pause() {
+        let mut b = Backoff::default();
+        assert!(b.open());
+        b.failed(&anyhow::anyhow!("squeue: no answer"));
+        assert!(!b.open());
+        assert_eq!(b.pause, FIRST_PAUSE * 2);
+        for _ in 0..10 {
+            b.failed(&anyhow::anyhow!("squeue: no answer"));
+        }
+        assert_eq!(b.pause, LONGEST_PAUSE);
+        b.answered();
+        assert!(b.open());
+        assert_eq!(b.pause, FIRST_PAUSE);
+    }
+
+    #[test]
+    fn a_program_that_is_not_there_is_named() {
+        let err =
+            output("no-such-client", &mut Command::new("/nonexistent/client"), b"", Duration::from_secs(5))
+                .unwrap_err();
+        assert!(format!("{err:#}").contains("no-such-client: cannot run it"), "{err:#}");
+    }
+
+    #[test]
+    fn a_log_tail_holds_the_last_lines_that_say_something() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("teacher-0.log");
+        assert_eq!(log_tail(&log, 3), "", "no log, nothing to add");
+        std::fs::write(&log, "one\ntwo\n\nthree\nError: cannot reach the store\n\n").unwrap();
+        let tail = log_tail(&log, 3);
+        assert!(tail.starts_with(&format!("; last lines of {}:", log.display())), "{tail}");
+        assert!(tail.ends_with("two\n    three\n    Error: cannot reach the store"), "{tail}");
+        assert!(!tail.contains("one"));
+    }
+
+    #[test]
+    fn a_log_tail_quotes_a_python_traceback_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("worker-3.log");
+        let mut text = String::from("epoch 0 step 1\nTraceback (most recent call last):\n");
+        for i in 0..30 {
+            text.push_str(&format!("  File \"train.py\", line {i}, in frame{i}\n"));
+        }
+        text.push_str("ValueError: shapes do not match\n");
+        std::fs::write(&log, &text).unwrap();
+        let tail = log_tail(&log, 3);
+        assert!(tail.contains("Traceback (most recent call last):"), "{tail}");
+        assert!(tail.contains("in frame0") && tail.contains("in frame29"), "{tail}");
+        assert!(tail.ends_with("ValueError: shapes do not match"), "{tail}");
+        assert!(!tail.contains("epoch 0 step 1"), "only the traceback: {tail}");
+        // One the program caught and printed, then went on past: the last lines.
+        text.push_str("recovered\nstep 2\nstep 3\nkilled by the policy\n");
+        std::fs::write(&log, &text).unwrap();
+        let tail = log_tail(&log, 3);
+        assert!(!tail.contains("Traceback") && tail.ends_with("killed by the policy"), "{tail}");
+    }
+}

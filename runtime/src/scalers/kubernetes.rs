@@ -1,0 +1,575 @@
+//! `--scaler kubernetes`: each worker is a Pod, created and deleted through
+//! the API server (the `kube` crate, typed by `k8s-openapi`).
+//!
+//! A worker's Pod runs `edl-runtime worker` (or the launched program) from
+//! `--kube-image`, `restartPolicy: Never` (a worker that ended is the
+//! coordinator's to replace), with the job's secret mounted read-only from
+//! the Kubernetes Secret `--kube-secret` (key `secret`): never in the Pod's
+//! spec, its environment or a command line. The Pod is owned (an owner
+//! reference) by the coordinator's Pod, or with `--kube-owner controller` by
+//! the coordinator Pod's own controller (the ReplicaSet of its Deployment,
+//! for standby coordinators, so that workers outlive one coordinator Pod):
+//! deleting the job's coordinator deletes its workers, and nothing is
+//! orphaned. A Pod is ready when its worker joins the job (the coordinator
+//! sees it), so no readiness probe is needed.
+//!
+//! What happens to the Pods is judged by [`judge`] from what the API says
+//! (a pure function, tested without a cluster): a Pod the scheduler has not
+//! started within the pending bound is deleted and reported, one that
+//! failed or was evicted is reported with its reason. Never run here
+//! against an API server (none can run on the development machine): the
+//! Pods it makes are checked against the API's schema types, and its
+//! decisions as a state machine.
+
+use crate::scalers::Scaler;
+use crate::worker::session::JobAuth;
+use anyhow::{Context, Result, anyhow, bail};
+use k8s_openapi::{
+    api::core::v1::{
+        Container, EnvVar, Pod, PodSpec, ResourceRequirements, SecretVolumeSource, Volume, VolumeMount,
+    },
+    apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::OwnerReference},
+};
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
+use std::{
+    collections::BTreeMap,
+    time::{Duration, Instant},
+};
+
+/// The longest the coordinator waits for one call to the API server (it
+/// is made on the coordinator's own thread).
+const CALL_WITHIN: Duration = Duration::from_secs(10);
+
+/// Runs one call to the API server on `rt`, bounded by [`CALL_WITHIN`].
+fn call<T>(
+    rt: &tokio::runtime::Runtime,
+    what: &str,
+    f: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> Result<T> {
+    rt.block_on(async { tokio::time::timeout(CALL_WITHIN, f).await })
+        .map_err(|_| anyhow!("{what}: the Kubernetes API server did not answer within {CALL_WITHIN:?}"))?
+        .map_err(|e| anyhow!("{what}: {e}"))
+}
+
+/// Where the secret is mounted in a worker's Pod.
+const SECRET_DIR: &str = "/run/edl";
+/// The label every worker Pod of a job carries (its value: the job).
+const JOB_LABEL: &str = "edl.dev/job";
+const WORKER_LABEL: &str = "edl.dev/worker";
+
+/// Which object owns the worker Pods.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Owner {
+    /// The coordinator's Pod: the workers go with it.
+    #[default]
+    Pod,
+    /// The coordinator Pod's controller (its ReplicaSet): the workers
+    /// outlive one coordinator Pod, for a standby to take them over.
+    Controller,
+}
+
+/// How worker Pods are made.
+#[derive(Clone, Debug, Default)]
+pub struct KubeOptions {
+    /// The namespace (default: the coordinator's own, else `default`).
+    pub namespace: Option<String>,
+    pub image: String,
+    /// The Kubernetes Secret holding the job's secret under the key `secret`.
+    pub secret: String,
+    /// GPUs each worker asks for (`nvidia.com/gpu`), if any.
+    pub gpus: Option<u32>,
+    pub owner: Owner,
+    /// A Pod not running after this long is deleted and reported.
+    pub pending_bound: Duration,
+    /// The coordinator's own Pod's name (`$POD_NAME` from the downward API,
+    /// else the host name Kubernetes gives a Pod).
+    pub pod_name: Option<String>,
+}
+
+/// The Pod of worker `id` of `job`: `program` is its command (the words,
+/// `{coordinator}` `{id}` `{job}` filled in already), `owner` the object it
+/// belongs to.
+pub fn worker_pod(
+    opts: &KubeOptions,
+    job: &str,
+    id: u64,
+    coordinator: &str,
+    program: Vec<String>,
+    owner: Option<OwnerReference>,
+) -> Pod {
+    let labels = BTreeMap::from([
+        ("app.kubernetes.io/name".to_string(), "edl".to_string()),
+        (JOB_LABEL.to_string(), job_label(job)),
+        (WORKER_LABEL.to_string(), id.to_string()),
+    ]);
+    let env =
+        |name: &str, value: String| EnvVar { name: name.into(), value: Some(value), ..Default::default() };
+    let resources = opts.gpus.map(|n| ResourceRequirements {
+        limits: Some(BTreeMap::from([("nvidia.com/gpu".to_string(), Quantity(n.to_string()))])),
+        ..Default::default()
+    });
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(pod_name(job, id)),
+            namespace: opts.namespace.clone(),
+            labels: Some(labels),
+            owner_references: owner.map(|o| vec![o]),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            restart_policy: Some("Never".into()),
+            // The notice a deleted worker gets: it leaves at a step boundary.
+            termination_grace_period_seconds: Some(30),
+            containers: vec![Container {
+                name: "worker".into(),
+                image: Some(opts.image.clone()),
+                command: Some(program),
+                env: Some(vec![
+                    env("EDL_COORDINATOR", coordinator.to_string()),
+                    env("EDL_WORKER_ID", id.to_string()),
+                    env("EDL_JOB", job.to_string()),
+                    env("EDL_JOB_SECRET_FILE", format!("{SECRET_DIR}/secret")),
+                    env("PYTHONUNBUFFERED", "1".into()),
+                ]),
+                volume_mounts: Some(vec![VolumeMount {
+                    name: "edl-secret".into(),
+                    mount_path: SECRET_DIR.into(),
+                    read_only: Some(true),
+                    ..Default::default()
+                }]),
+                resources,
+                ..Default::default()
+            }],
+            volumes: Some(vec![Volume {
+                name: "edl-secret".into(),
+                secret: Some(SecretVolumeSource {
+                    secret_name: Some(opts.secret.clone()),
+                    default_mode: Some(0o400),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// The job's name as a label value (at most 63 characters, ending with a
+/// letter or digit; job names start with one). Two jobs whose names differ
+/// past that share the label, and each still finds its Pods by name.
+fn job_label(job: &str) -> String {
+    let head: String = job.chars().take(63).collect();
+    head.trim_end_matches(|c: char| !c.is_ascii_alphanumeric()).to_string()
+}
+
+fn pod_name(job: &str, id: u64) -> String {
+    // Job names are at most 64 of [A-Za-z0-9._-]; Pod names are DNS labels.
+    let clean: String =
+        job.to_ascii_lowercase().chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect();
+    format!("edl-{}-w{id}", clean.trim_matches('-'))
+}
+
+/// The owner reference for the worker Pods, from the coordinator's own Pod.
+pub fn owner_of(pod: &Pod, owner: Owner) -> Option<OwnerReference> {
+    let m = &pod.metadata;
+    match owner {
+        Owner::Pod => Some(OwnerReference {
+            api_version: "v1".into(),
+            kind: "Pod".into(),
+            name: m.name.clone()?,
+            uid: m.uid.clone()?,
+            block_owner_deletion: Some(true),
+            controller: Some(false),
+        }),
+        Owner::Controller => {
+            let c = m.owner_references.as_ref()?.iter().find(|o| o.controller == Some(true))?;
+            Some(OwnerReference { controller: Some(false), block_owner_deletion: Some(true), ..c.clone() })
+        }
+    }
+}
+
+/// What the API says of a worker's Pod.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Seen {
+    /// Not there (deleted, or never made).
+    Gone,
+    /// Its phase (`Pending`, `Running`, `Succeeded`, `Failed`, `Unknown`)
+    /// and the reason the API gives, if any.
+    Phase(String, Option<String>),
+}
+
+/// What to do about a worker's Pod.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Verdict {
+    /// Nothing: it runs, or may still start.
+    Wait,
+    /// It ended: report why.
+    Ended(String),
+    /// It did not start in time: delete it and report why.
+    GiveUp(String),
+}
+
+/// The scaler's decision about a Pod made `age` ago, as the API sees it now.
+pub fn judge(name: &str, seen: &Seen, age: Duration, pending_bound: Duration) -> Verdict {
+    match seen {
+        Seen::Gone => Verdict::Ended(format!("its Pod {name} is gone")),
+        Seen::Phase(phase, reason) => {
+            let why = reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default();
+            match phase.as_str() {
+                "Running" => Verdict::Wait,
+                "Pending" | "Unknown" if age >= pending_bound => Verdict::GiveUp(format!(
+                    "Kubernetes did not start its Pod {name} within {pending_bound:?} ({phase}{why}); deleted"
+                )),
+                "Pending" | "Unknown" => Verdict::Wait,
+                "Succeeded" => Verdict::Ended(format!("its Pod {name} exited{why}")),
+                other => Verdict::Ended(format!("its Pod {name} ended: {other}{why}")),
+            }
+        }
+    }
+}
+
+/// Workers as Pods.
+pub struct KubernetesScaler {
+    opts: KubeOptions,
+    program: Vec<String>,
+    rt: tokio::runtime::Runtime,
+    api: Option<(Api<Pod>, Option<OwnerReference>)>,
+    job: String,
+    /// Pods made and not deleted: worker id -> (name, when made).
+    pods: BTreeMap<u64, (String, Instant)>,
+    /// Every worker's Pod, for the report (kept after the Pod is gone).
+    handles: BTreeMap<u64, String>,
+    exited: Vec<(u64, String)>,
+    polled: Option<Instant>,
+    /// The API server did not answer: asked again after a pause.
+    quiet: crate::process::Backoff,
+}
+
+impl KubernetesScaler {
+    /// Workers running `edl-runtime worker` from the image.
+    pub fn new(opts: KubeOptions) -> Result<Self> {
+        let program =
+            ["edl-runtime", "worker", "--coordinator", "{coordinator}", "--id", "{id}", "--job", "{job}"];
+        Self::with_program(opts, program.iter().map(|w| w.to_string()).collect())
+    }
+
+    /// Workers running the user's `command` (under `launch`).
+    pub fn for_program(opts: KubeOptions, command: &[String]) -> Result<Self> {
+        Self::with_program(opts, command.iter().map(|w| w.replace('{', "{{").replace('}', "}}")).collect())
+    }
+
+    fn with_program(opts: KubeOptions, program: Vec<String>) -> Result<Self> {
+        if opts.image.is_empty() || opts.secret.is_empty() {
+            bail!("--scaler kubernetes needs --kube-image and --kube-secret");
+        }
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        Ok(KubernetesScaler {
+            opts,
+            program,
+            rt,
+            api: None,
+            job: String::new(),
+            pods: BTreeMap::new(),
+            handles: BTreeMap::new(),
+            exited: Vec::new(),
+            polled: None,
+            quiet: Default::default(),
+        })
+    }
+
+    /// The Pods' API and their owner, found on first use (in the cluster:
+    /// its service account; outside: the kubeconfig).
+    fn api(&mut self) -> Result<(Api<Pod>, Option<OwnerReference>)> {
+        if let Some(a) = &self.api {
+            return Ok(a.clone());
+        }
+        let opts = self.opts.clone();
+        let found = self.rt.block_on(async move {
+            let client = tokio::time::timeout(CALL_WITHIN, kube::Client::try_default())
+                .await
+                .map_err(|_| anyhow!("the Kubernetes API server did not answer within {CALL_WITHIN:?}"))?
+                .context("reaching the Kubernetes API server")?;
+            let namespace = opts.namespace.clone().unwrap_or_else(|| client.default_namespace().to_string());
+            let api: Api<Pod> = Api::namespaced(client, &namespace);
+            let me = match &opts.pod_name {
+                Some(name) => Some(
+                    tokio::time::timeout(CALL_WITHIN, api.get(name))
+                        .await
+                        .map_err(|_| {
+                            anyhow!("reading this coordinator's Pod {name}: no answer within {CALL_WITHIN:?}")
+                        })?
+                        .with_context(|| format!("reading this coordinator's Pod {name}"))?,
+                ),
+                None => None,
+            };
+            let owner = me.as_ref().and_then(|p| owner_of(p, opts.owner));
+            if me.is_some() && owner.is_none() {
+                tracing::warn!(
+                    "the worker Pods get no owner: this coordinator's Pod has no {:?} to name",
+                    opts.owner
+                );
+            }
+            anyhow::Ok((api, owner))
+        })?;
+        self.api = Some(found.clone());
+        Ok(found)
+    }
+
+    /// Asks the API where the workers' Pods stand (at most once a second).
+    fn poll(&mut self) {
+        if self.pods.is_empty()
+            || self.polled.is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+            || !self.quiet.open()
+        {
+            return;
+        }
+        self.polled = Some(Instant::now());
+        let Ok((api, _)) = self.api() else { return };
+        let selector = format!("{JOB_LABEL}={}", job_label(&self.job));
+        let listed = match call(
+            &self.rt,
+            "listing the worker Pods",
+            api.list(&ListParams::default().labels(&selector)),
+        ) {
+            Ok(l) => {
+                self.quiet.answered();
+                l
+            }
+            Err(e) => {
+                self.quiet.failed(&e.context("kubernetes"));
+                return;
+            }
+        };
+        let by_name: BTreeMap<String, Seen> = listed
+            .items
+            .into_iter()
+            .filter_map(|p| {
+                let status = p.status.unwrap_or_default();
+                Some((
+                    p.metadata.name?,
+                    Seen::Phase(status.phase.unwrap_or_else(|| "Unknown".into()), status.reason),
+                ))
+            })
+            .collect();
+        let mut gone = Vec::new();
+        for (&id, (name, made)) in &self.pods {
+            let seen = by_name.get(name).cloned().unwrap_or(Seen::Gone);
+            match judge(name, &seen, made.elapsed(), self.opts.pending_bound) {
+                Verdict::Wait => {}
+                Verdict::Ended(why) => gone.push((id, why, false)),
+                Verdict::GiveUp(why) => gone.push((id, why, true)),
+            }
+        }
+        for (id, why, delete) in gone {
+            if let Some((name, _)) = self.pods.remove(&id)
+                && delete
+            {
+                if let Err(e) = call(
+                    &self.rt,
+                    "deleting a Pod that did not start",
+                    api.delete(&name, &DeleteParams::default()),
+                ) {
+                    tracing::warn!("kubernetes: {e:#}");
+                }
+            }
+            self.exited.push((id, why));
+        }
+    }
+}
+
+impl Scaler for KubernetesScaler {
+    fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> Result<()> {
+        self.job = auth.job.clone();
+        let (api, owner) = self.api()?;
+        let program = crate::scalers::command::fill_words(&self.program, coordinator, id, &auth.job);
+        let pod = worker_pod(&self.opts, &auth.job, id, coordinator, program, owner);
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        call(&self.rt, &format!("creating the Pod {name}"), api.create(&PostParams::default(), &pod))?;
+        tracing::info!("worker {id}: Pod {name}");
+        self.handles.insert(id, format!("pod:{name}"));
+        self.pods.insert(id, (name, Instant::now()));
+        Ok(())
+    }
+
+    fn stop(&mut self, id: u64, grace: Duration) {
+        let Some((name, _)) = self.pods.remove(&id) else { return };
+        let Ok((api, _)) = self.api() else { return };
+        // Told to stop over its connection already: the deletion's SIGTERM
+        // and grace end one that did not exit.
+        let params =
+            DeleteParams { grace_period_seconds: Some(grace.as_secs().max(1) as u32), ..Default::default() };
+        if let Err(e) = call(&self.rt, &format!("deleting the Pod {name}"), api.delete(&name, &params)) {
+            tracing::warn!("kubernetes: {e:#}");
+        }
+    }
+
+    fn exited(&mut self) -> Vec<(u64, String)> {
+        self.poll();
+        std::mem::take(&mut self.exited)
+    }
+
+    fn handle(&self, id: u64) -> Option<String> {
+        self.handles.get(&id).cloned()
+    }
+
+    fn release(&mut self) {
+        // The workers follow the coordinator that leads now: their Pods
+        // are its, and nothing here deletes them.
+        self.pods.clear();
+    }
+
+    fn adopt(&mut self, id: u64, handle: &str, job: &str) -> bool {
+        // Only the Pod this scaler would have made for the worker: a handle
+        // read from the store never names another Pod to delete.
+        let name = pod_name(job, id);
+        if handle.strip_prefix("pod:") != Some(name.as_str()) {
+            return false;
+        }
+        self.job = job.to_string();
+        self.pods.insert(id, (name.to_string(), Instant::now()));
+        self.handles.insert(id, handle.to_string());
+        true
+    }
+}
+
+impl Drop for KubernetesScaler {
+    fn drop(&mut self) {
+        // What is left when the job ends goes with it.
+        let ids: Vec<u64> = self.pods.keys().copied().collect();
+        for id in ids {
+            self.stop(id, Duration::from_secs(5));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts() -> KubeOptions {
+        KubeOptions {
+            namespace: Some("ml".into()),
+            image: "registry.example/edl:1".into(),
+            secret: "edl-mnist".into(),
+            gpus: Some(1),
+            owner: Owner::Pod,
+            pending_bound: Duration::from_secs(120),
+            pod_name: Some("coord-0".into()),
+        }
+    }
+
+    fn coordinator_pod() -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                name: Some("edl-mnist-7d9c-abcde".into()),
+                uid: Some("uid-pod".into()),
+                owner_references: Some(vec![OwnerReference {
+                    api_version: "apps/v1".into(),
+                    kind: "ReplicaSet".into(),
+                    name: "edl-mnist-7d9c".into(),
+                    uid: "uid-rs".into(),
+                    controller: Some(true),
+                    block_owner_deletion: Some(true),
+                }]),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_worker_pod_mounts_the_secret_names_its_owner_and_carries_no_secret_itself() {
+        let owner = owner_of(&coordinator_pod(), Owner::Pod);
+        let program =
+            vec!["edl-runtime".into(), "worker".into(), "--coordinator".into(), "10.0.0.5:7070".into()];
+        let pod = worker_pod(&opts(), "MNIST_big", 7, "10.0.0.5:7070", program, owner);
+        // Through the API's own schema: what the server would be sent.
+        let json = serde_json::to_value(&pod).unwrap();
+        let back: Pod = serde_json::from_value(json.clone()).unwrap();
+        assert_eq!(back, pod);
+        assert_eq!(json["apiVersion"], "v1");
+        assert_eq!(json["kind"], "Pod");
+        assert_eq!(json["metadata"]["name"], "edl-mnist-big-w7");
+        assert_eq!(json["metadata"]["namespace"], "ml");
+        assert_eq!(json["metadata"]["labels"]["edl.dev/job"], "MNIST_big");
+        assert_eq!(json["metadata"]["labels"]["edl.dev/worker"], "7");
+        let o = &json["metadata"]["ownerReferences"][0];
+        assert_eq!((o["kind"].as_str(), o["uid"].as_str()), (Some("Pod"), Some("uid-pod")));
+        let spec = &json["spec"];
+        assert_eq!(spec["restartPolicy"], "Never");
+        let c = &spec["containers"][0];
+        assert_eq!(c["image"], "registry.example/edl:1");
+        assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "1");
+        assert_eq!(c["volumeMounts"][0]["mountPath"], "/run/edl");
+        assert_eq!(spec["volumes"][0]["secret"]["secretName"], "edl-mnist");
+        assert_eq!(spec["volumes"][0]["secret"]["defaultMode"], 0o400);
+        let env: BTreeMap<String, String> = c["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| (e["name"].as_str().unwrap().to_string(), e["value"].as_str().unwrap().to_string()))
+            .collect();
+        assert_eq!(env["EDL_JOB_SECRET_FILE"], "/run/edl/secret");
+        assert_eq!(env["EDL_WORKER_ID"], "7");
+        assert!(!env.contains_key("EDL_JOB_SECRET"), "the secret itself is in no variable");
+    }
+
+    #[test]
+    fn a_job_name_that_is_no_label_value_is_made_one() {
+        assert_eq!(job_label("mnist"), "mnist");
+        assert_eq!(job_label("run-2."), "run-2");
+        let long = format!("a{}", "b".repeat(63));
+        assert_eq!(job_label(&long).len(), 63);
+        assert_eq!(job_label(&format!("{}_-x", "c".repeat(61))), "c".repeat(61));
+    }
+
+    #[test]
+    fn the_owner_is_the_coordinator_pod_or_its_controller() {
+        let p = coordinator_pod();
+        let pod = owner_of(&p, Owner::Pod).unwrap();
+        assert_eq!((pod.kind.as_str(), pod.name.as_str()), ("Pod", "edl-mnist-7d9c-abcde"));
+        let rs = owner_of(&p, Owner::Controller).unwrap();
+        assert_eq!((rs.kind.as_str(), rs.uid.as_str(), rs.controller), ("ReplicaSet", "uid-rs", Some(false)));
+        // A bare Pod has no controller: no owner to name.
+        let bare = Pod {
+            metadata: ObjectMeta { name: Some("c".into()), uid: Some("u".into()), ..Default::default() },
+            ..Default::default()
+        };
+        assert_eq!(owner_of(&bare, Owner::Controller), None);
+    }
+
+    #[test]
+    fn pods_are_waited_for_given_up_when_they_do_not_start_and_reported_when_they_end() {
+        let bound = Duration::from_secs(60);
+        let phase = |p: &str, r: Option<&str>| Seen::Phase(p.into(), r.map(String::from));
+        let early = Duration::from_secs(5);
+        assert_eq!(judge("w1", &phase("Pending", None), early, bound), Verdict::Wait);
+        assert_eq!(judge("w1", &phase("Running", None), bound * 10, bound), Verdict::Wait);
+        assert!(matches!(
+            judge("w1", &phase("Pending", Some("Unschedulable")), bound, bound),
+            Verdict::GiveUp(w) if w.contains("did not start its Pod w1 within 60s (Pending (Unschedulable))")
+        ));
+        assert!(matches!(
+            judge("w1", &phase("Failed", Some("Evicted")), early, bound),
+            Verdict::Ended(w) if w == "its Pod w1 ended: Failed (Evicted)"
+        ));
+        assert!(matches!(judge("w1", &Seen::Gone, early, bound), Verdict::Ended(w) if w.contains("gone")));
+        assert!(matches!(judge("w1", &phase("Succeeded", None), early, bound), Verdict::Ended(_)));
+    }
+
+    #[test]
+    fn a_coordinator_that_took_the_job_over_takes_its_workers_pods_as_its_own() {
+        let mut s = KubernetesScaler::new(opts()).unwrap();
+        assert!(s.adopt(3, "pod:edl-mnist-w3", "mnist"));
+        // Only the Pod made for that worker of that job.
+        for other in ["pod:", "pod:edl-mnist-w4", "pod:edl-other-w3", "pod:coordinator-0", "slurm:12"] {
+            assert!(!s.adopt(3, other, "mnist"), "{other}");
+        }
+        assert_eq!(s.pods.get(&3).map(|(n, _)| n.as_str()), Some("edl-mnist-w3"));
+        assert_eq!(s.handle(3).as_deref(), Some("pod:edl-mnist-w3"));
+        // Its Pods are listed by the job's label, as those it made.
+        assert_eq!(s.job, "mnist");
+        s.release();
+    }
+}

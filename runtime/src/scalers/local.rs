@@ -1,0 +1,192 @@
+//! [`LocalProcesses`]: workers as child processes of this machine, each
+//! logging to its own file and killed by the kernel if the coordinator dies.
+
+use super::Scaler;
+use crate::process::{die_with_parent, ensure_dir, reap, terminate};
+use edl_host_gpu::comm::auth::JobAuth;
+use std::{
+    collections::BTreeMap,
+    io::Write,
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+/// Workers as local child processes.
+pub struct LocalProcesses {
+    exe: PathBuf,
+    /// The arguments before the job's; None: the built-in worker's.
+    args: Option<Vec<String>>,
+    log_dir: PathBuf,
+    children: BTreeMap<u64, Child>,
+    /// The threads copying programs' output to their logs.
+    streams: BTreeMap<u64, std::thread::JoinHandle<()>>,
+    /// Workers told to stop, each given its grace on a thread of its own:
+    /// the job goes on meanwhile (a scale-in does not wait for a program's
+    /// exit), and dropping the scaler waits for them.
+    stopping: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl LocalProcesses {
+    /// Workers run `exe worker --coordinator ADDR --id N`, logging to `log_dir/worker-N.log`.
+    pub fn new(exe: impl Into<PathBuf>, log_dir: impl Into<PathBuf>) -> Self {
+        LocalProcesses {
+            exe: exe.into(),
+            args: None,
+            log_dir: log_dir.into(),
+            children: BTreeMap::new(),
+            streams: BTreeMap::new(),
+            stopping: Vec::new(),
+        }
+    }
+
+    /// Workers run `command` (a program and its arguments) with the job in
+    /// their environment, logging to `log_dir/worker-N.log`.
+    pub fn program(command: &[String], log_dir: impl Into<PathBuf>) -> anyhow::Result<Self> {
+        let (exe, args) = command.split_first().ok_or_else(|| anyhow::anyhow!("no program to launch"))?;
+        Ok(LocalProcesses {
+            exe: exe.into(),
+            args: Some(args.to_vec()),
+            log_dir: log_dir.into(),
+            children: BTreeMap::new(),
+            streams: BTreeMap::new(),
+            stopping: Vec::new(),
+        })
+    }
+
+    fn log_path(&self, id: u64) -> PathBuf {
+        self.log_dir.join(format!("worker-{id}.log"))
+    }
+
+    /// Starts worker `id`'s process; `cmd` (and with it any pipe's write
+    /// end it holds) is dropped, so a reader sees the output end with the
+    /// process.
+    fn start(&self, id: u64, mut cmd: Command) -> anyhow::Result<Child> {
+        die_with_parent(&mut cmd);
+        cmd.spawn().map_err(|e| anyhow::anyhow!("cannot start worker {id} ({}): {e}", self.exe.display()))
+    }
+}
+
+/// Copies worker `id`'s output to its log and to standard output, each line
+/// prefixed `[worker N]`, until the worker closes it. Bytes that are not
+/// UTF-8 are shown replaced and kept as they are in the log; the pipe is
+/// drained to its end whatever happens to standard output, so a worker
+/// never blocks or dies on a write.
+fn stream_lines(id: u64, from: std::io::PipeReader, mut log: std::fs::File) -> std::thread::JoinHandle<()> {
+    use std::io::BufRead;
+    std::thread::spawn(move || {
+        let mut from = std::io::BufReader::new(from);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match from.read_until(b'\n', &mut line) {
+                Ok(0) => return,
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(_) => return,
+            }
+            let _ = log.write_all(&line);
+            let text = String::from_utf8_lossy(&line);
+            let _ =
+                writeln!(std::io::stdout().lock(), "[worker {id}] {}", text.trim_end_matches(['\n', '\r']));
+        }
+    })
+}
+
+impl Scaler for LocalProcesses {
+    fn workers_outlive(&self) -> bool {
+        // Children that die with their parent.
+        false
+    }
+
+    fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> anyhow::Result<()> {
+        ensure_dir(&self.log_dir)?;
+        let log = std::fs::File::create(self.log_path(id))
+            .map_err(|e| anyhow::anyhow!("{}: {e}", self.log_path(id).display()))?;
+        let mut cmd = Command::new(&self.exe);
+        match &self.args {
+            None => cmd.args(["worker", "--coordinator", coordinator, "--id", &id.to_string()]),
+            Some(args) => cmd
+                .args(args)
+                .env("EDL_COORDINATOR", coordinator)
+                .env("EDL_WORKER_ID", id.to_string())
+                // The program's output reaches its log as it is written.
+                .env("PYTHONUNBUFFERED", "1"),
+        };
+        cmd.env("EDL_JOB", &auth.job).env("EDL_JOB_SECRET", auth.secret.to_hex());
+        cmd.stdin(Stdio::null());
+        if self.args.is_none() {
+            // The built-in worker reports through the coordinator; its own
+            // output is for the log.
+            cmd.stdout(log.try_clone()?).stderr(log);
+        } else {
+            // A user's program: its output is shown as it comes, each line
+            // prefixed `[worker N]`, and kept in its log.
+            let (reader, writer) = std::io::pipe()?;
+            cmd.stdout(writer.try_clone()?).stderr(writer);
+            let child = self.start(id, cmd)?;
+            self.streams.insert(id, stream_lines(id, reader, log));
+            self.children.insert(id, child);
+            return Ok(());
+        }
+        let child = self.start(id, cmd)?;
+        self.children.insert(id, child);
+        Ok(())
+    }
+
+    fn stop(&mut self, id: u64, grace: Duration) {
+        self.stopping.retain(|t| !t.is_finished());
+        if let Some(mut c) = self.children.remove(&id) {
+            // A worker told to stop gets the grace to exit by itself (a
+            // program may have work after its last step), then a signal;
+            // off the coordinator's thread, which goes on with the job.
+            let stopping = std::thread::Builder::new().name(format!("edl-stop-{id}")).spawn(move || {
+                let until = Instant::now() + grace;
+                while Instant::now() < until && matches!(c.try_wait(), Ok(None)) {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                terminate(&mut c, Duration::from_secs(1));
+            });
+            match stopping {
+                Ok(t) => self.stopping.push(t),
+                Err(e) => {
+                    tracing::warn!("worker {id}: cannot stop it in the background ({e}); it is left to exit")
+                }
+            }
+        }
+    }
+
+    fn exited(&mut self) -> Vec<(u64, String)> {
+        let gone = reap(&mut self.children, |c| c);
+        for (id, _) in &gone {
+            // The output's last lines (a traceback) reach the log before it is quoted.
+            if let Some(copy) = self.streams.remove(id) {
+                let until = Instant::now() + Duration::from_secs(2);
+                while !copy.is_finished() && Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+        }
+        gone
+    }
+
+    fn pid(&self, id: u64) -> Option<u32> {
+        self.children.get(&id).map(Child::id)
+    }
+
+    fn log_of(&self, id: u64) -> Option<PathBuf> {
+        Some(self.log_path(id))
+    }
+}
+
+impl Drop for LocalProcesses {
+    fn drop(&mut self) {
+        for c in self.children.values_mut() {
+            terminate(c, Duration::from_secs(2));
+        }
+        // Each ends within its worker's grace and a second.
+        for t in self.stopping.drain(..) {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,83 @@
+//! Starting and stopping workers. The coordinator asks a [`Scaler`] for
+//! workers and learns they exist when they connect:
+//!
+//! - [`LocalProcesses`] (the default) runs them as child processes of this
+//!   machine (`edl-runtime worker ...`, or the user's program under
+//!   `edl-runtime launch`), each logging to its own file (a program's
+//!   output is also shown, prefixed `[worker N]`) and killed by the kernel
+//!   if the coordinator dies;
+//! - [`CommandScaler`] runs a command the operator gives for each worker
+//!   (`ssh {host} ...`, `srun ...`), on a list of hosts and slots;
+//! - [`ExternalWorkers`] starts nothing: workers started by another engine
+//!   (a Kubernetes Deployment, a batch system) join with the job's secret.
+//!
+//! A worker finds its job through the environment: `EDL_COORDINATOR`
+//! (`host:port`), `EDL_WORKER_ID`, `EDL_JOB` and `EDL_JOB_SECRET` (the
+//! secret it proves on every connection; never on a command line).
+
+pub mod command;
+pub mod kubernetes;
+pub mod local;
+pub mod slurm;
+
+mod external;
+
+pub use command::CommandScaler;
+pub use external::ExternalWorkers;
+pub use local::LocalProcesses;
+
+use edl_host_gpu::comm::auth::JobAuth;
+use std::{path::PathBuf, time::Duration};
+
+/// Starts and stops workers.
+pub trait Scaler: Send {
+    /// Starts worker `id`, which will connect to `coordinator` (`host:port`)
+    /// and prove `auth`.
+    fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> anyhow::Result<()>;
+    /// Asks worker `id` to stop and makes sure it is gone within `grace`.
+    fn stop(&mut self, id: u64, grace: Duration);
+    /// Workers that exited since the last call, with how (none, for a
+    /// scaler that runs no processes of its own).
+    fn exited(&mut self) -> Vec<(u64, String)> {
+        Vec::new()
+    }
+    /// Process id of a running worker, when it has one here.
+    fn pid(&self, _id: u64) -> Option<u32> {
+        None
+    }
+    /// Where worker `id` logs, when it logs here.
+    fn log_of(&self, _id: u64) -> Option<PathBuf> {
+        None
+    }
+    /// Whether workers this scaler did not start may join the job (they
+    /// still prove its secret).
+    fn admits_uninvited(&self) -> bool {
+        false
+    }
+    /// Another coordinator leads the job now: the workers are its, so they
+    /// are let go, not stopped (where they can outlive this process).
+    fn release(&mut self) {}
+    /// Whether the workers outlive this coordinator (they are not its
+    /// children), so that they can follow one that takes the job over.
+    fn workers_outlive(&self) -> bool {
+        true
+    }
+    /// How many more workers the cluster could start right now, as its
+    /// scheduler reports it (None: it does not say).
+    fn capacity(&mut self) -> Option<u32> {
+        None
+    }
+    /// How the scheduler knows worker `id` (`slurm:123`), for the report
+    /// and for a coordinator that takes the job over.
+    fn handle(&self, _id: u64) -> Option<String> {
+        None
+    }
+    /// Worker `id`, started by the coordinator this one took the job over
+    /// from, is known to the scheduler as `handle` (what [`Scaler::handle`]
+    /// said there): this scaler stops it, reports it and counts its place
+    /// as taken, as if it had started it, in job `job`. False where the
+    /// handle is not one this scaler knows how to read.
+    fn adopt(&mut self, _id: u64, _handle: &str, _job: &str) -> bool {
+        false
+    }
+}

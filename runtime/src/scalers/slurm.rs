@@ -1,0 +1,455 @@
+//! `--scaler slurm`: each worker is a Slurm batch job of its own.
+//!
+//! Why one batch job per worker rather than `srun` steps inside one
+//! allocation: an allocation fixes the job's size when it is granted, while
+//! an elastic job grows into capacity that frees up later and gives it back
+//! one worker at a time. A batch job per worker is queued, started,
+//! preempted and cancelled on its own, by Slurm's own rules (partitions,
+//! accounts, QOS, preemption), and `scancel` of one worker touches no other.
+//!
+//! A worker's batch script is written to `sbatch`'s standard input, never to
+//! a command line or a file: it exports the job's secret and `exec`s the
+//! worker, so the batch step is the worker itself and Slurm's signals
+//! (`scancel --signal`, preemption's SIGTERM, `--signal`) reach it. The
+//! scaler polls `squeue` about once a second: a job that Slurm did not start
+//! within the pending bound is cancelled and reported, one that ended is
+//! reported with Slurm's state and reason (`NODE_FAIL` on a node set down),
+//! and the partition's idle nodes are the capacity the policy is told of.
+
+use crate::scalers::Scaler;
+use crate::worker::session::JobAuth;
+use anyhow::{Context, Result, anyhow, bail};
+use std::{
+    collections::BTreeMap,
+    path::PathBuf,
+    process::Command,
+    time::{Duration, Instant},
+};
+
+/// Where and how the workers are submitted.
+#[derive(Clone, Debug, Default)]
+pub struct SlurmOptions {
+    pub partition: Option<String>,
+    pub account: Option<String>,
+    pub qos: Option<String>,
+    /// More `sbatch` options, passed as they are (`--time=1:00:00`, `--gres=gpu:1`).
+    pub extra: Vec<String>,
+    /// A worker Slurm has not started after this long is cancelled and reported.
+    pub pending_bound: Duration,
+}
+
+/// A worker's batch job.
+struct Submitted {
+    slurm: String,
+    at: Instant,
+    running: bool,
+    node: String,
+}
+
+/// Workers as Slurm batch jobs.
+pub struct SlurmScaler {
+    opts: SlurmOptions,
+    log_dir: PathBuf,
+    /// The worker command's words; `{coordinator}`, `{id}` and `{job}` filled in per worker.
+    program: Vec<String>,
+    job: String,
+    jobs: BTreeMap<u64, Submitted>,
+    /// Every worker's Slurm job id, for the report.
+    handles: BTreeMap<u64, String>,
+    exited: Vec<(u64, String)>,
+    polled: Option<Instant>,
+    idle: Option<(Instant, Option<u32>)>,
+    /// Slurm's controller did not answer: asked again after a pause.
+    quiet: crate::process::Backoff,
+    /// Stops under way: a worker told to stop gets its grace, then `scancel`.
+    stopping: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// How often `squeue` and `sinfo` are asked.
+const POLL_EVERY: Duration = Duration::from_secs(1);
+
+impl SlurmScaler {
+    /// Workers running `edl-runtime worker` (this executable).
+    pub fn new(opts: SlurmOptions, exe: PathBuf, log_dir: PathBuf) -> Self {
+        let exe = exe.display().to_string().replace('{', "{{").replace('}', "}}");
+        let program =
+            [exe.as_str(), "worker", "--coordinator", "{coordinator}", "--id", "{id}", "--job", "{job}"];
+        Self::with_program(opts, log_dir, program.iter().map(|w| w.to_string()).collect())
+    }
+
+    /// Workers running the user's `command` (under `launch`).
+    pub fn for_program(opts: SlurmOptions, log_dir: PathBuf, command: &[String]) -> Self {
+        let env = [
+            "env",
+            "EDL_COORDINATOR={coordinator}",
+            "EDL_WORKER_ID={id}",
+            "EDL_JOB={job}",
+            "PYTHONUNBUFFERED=1",
+        ];
+        let program = env
+            .iter()
+            .map(|w| w.to_string())
+            .chain(command.iter().map(|w| w.replace('{', "{{").replace('}', "}}")))
+            .collect();
+        Self::with_program(opts, log_dir, program)
+    }
+
+    fn with_program(opts: SlurmOptions, log_dir: PathBuf, program: Vec<String>) -> Self {
+        SlurmScaler {
+            opts,
+            log_dir,
+            program,
+            job: String::new(),
+            jobs: BTreeMap::new(),
+            handles: BTreeMap::new(),
+            exited: Vec::new(),
+            polled: None,
+            idle: None,
+            quiet: Default::default(),
+            stopping: Vec::new(),
+        }
+    }
+
+    /// The batch script of worker `id`: the secret in its environment, the
+    /// worker exec'd (so that Slurm's signals reach it).
+    fn script(&self, id: u64, coordinator: &str, auth: &JobAuth) -> String {
+        let words: Vec<String> =
+            crate::scalers::command::fill_words(&self.program, coordinator, id, &auth.job)
+                .iter()
+                .map(|w| quote(w))
+                .collect();
+        format!(
+            "#!/bin/sh\nexport EDL_JOB_SECRET={}\nexport EDL_JOB={}\nexec {}\n",
+            auth.secret.to_hex(),
+            quote(&auth.job),
+            words.join(" ")
+        )
+    }
+
+    /// The `sbatch` options of worker `id`.
+    fn sbatch_args(&self, id: u64, job: &str) -> Vec<String> {
+        let log = self.log_dir.join(format!("worker-{id}.log"));
+        let mut a = vec![
+            "--parsable".to_string(),
+            format!("--job-name=edl-{job}-{id}"),
+            format!("--output={}", log.display()),
+            "--ntasks=1".to_string(),
+            "--export=ALL".to_string(),
+            // A worker Slurm ended (a node failed) is the coordinator's to
+            // replace: Slurm does not start it again on its own.
+            "--no-requeue".to_string(),
+        ];
+        for (flag, v) in
+            [("partition", &self.opts.partition), ("account", &self.opts.account), ("qos", &self.opts.qos)]
+        {
+            if let Some(v) = v {
+                a.push(format!("--{flag}={v}"));
+            }
+        }
+        a.extend(self.opts.extra.iter().cloned());
+        a
+    }
+
+    /// Asks `squeue` where the workers' jobs stand (at most once a second):
+    /// ended ones and ones pending past the bound become exits.
+    fn poll(&mut self) {
+        if self.jobs.is_empty() || self.polled.is_some_and(|t| t.elapsed() < POLL_EVERY) || !self.quiet.open()
+        {
+            return;
+        }
+        self.polled = Some(Instant::now());
+        let out = match run("squeue", &["--me", "--noheader", "--format=%i|%T|%N|%r"]) {
+            Ok(out) => {
+                self.quiet.answered();
+                out
+            }
+            Err(e) => {
+                self.quiet.failed(&e.context("slurm"));
+                return;
+            }
+        };
+        let listed: BTreeMap<&str, (&str, &str, &str)> = out
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.trim().splitn(4, '|');
+                Some((f.next()?, (f.next()?, f.next()?, f.next()?)))
+            })
+            .collect();
+        let mut gone = Vec::new();
+        for (&id, j) in &mut self.jobs {
+            match listed.get(j.slurm.as_str()) {
+                Some((state, node, reason)) => {
+                    if *state == "RUNNING" && (!j.running || j.node.is_empty()) {
+                        j.running = true;
+                        j.node = node.to_string();
+                        tracing::info!("worker {id}: Slurm job {} runs on {node}", j.slurm);
+                    }
+                    if *state == "PENDING" && j.at.elapsed() >= self.opts.pending_bound {
+                        let _ = run("scancel", &[&j.slurm]);
+                        gone.push((
+                            id,
+                            format!(
+                                "Slurm did not start its job {} within {:?} (pending: {reason}); cancelled",
+                                j.slurm, self.opts.pending_bound
+                            ),
+                        ));
+                    }
+                }
+                None => gone.push((id, ended(&j.slurm, &j.node))),
+            }
+        }
+        for (id, why) in gone {
+            self.jobs.remove(&id);
+            self.exited.push((id, why));
+        }
+    }
+}
+
+/// How Slurm says job `slurm` ended (`scontrol show job` keeps it for a
+/// while after the end).
+fn ended(slurm: &str, node: &str) -> String {
+    let shown = run("scontrol", &["--oneliner", "show", "job", slurm]).unwrap_or_default();
+    let field =
+        |name: &str| shown.split_whitespace().find_map(|f| f.strip_prefix(name)).unwrap_or("").to_string();
+    let (state, reason) = (field("JobState="), field("Reason="));
+    let on = if node.is_empty() { String::new() } else { format!(" on {node}") };
+    match (state.as_str(), reason.as_str()) {
+        ("", _) => format!("its Slurm job {slurm}{on} is gone"),
+        (s, "None" | "") => format!("its Slurm job {slurm}{on} ended: {s}"),
+        (s, r) => format!("its Slurm job {slurm}{on} ended: {s} ({r})"),
+    }
+}
+
+/// How long a Slurm client may take to answer: a controller that stopped
+/// answering costs the job this, not a stall.
+const CLIENT_BOUND: Duration = Duration::from_secs(10);
+
+/// Runs a Slurm command; its standard output, or an error naming it.
+fn run(program: &str, args: &[&str]) -> Result<String> {
+    let mut cmd = Command::new(program);
+    cmd.args(args);
+    let out = crate::process::output(program, &mut cmd, b"", CLIENT_BOUND)
+        .map_err(|e| anyhow!("{e:#} (is Slurm's client installed and its controller up?)"))?;
+    if !out.status.success() {
+        bail!("{program} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// One word for `sh`, single-quoted.
+fn quote(w: &str) -> String {
+    format!("'{}'", w.replace('\'', r"'\''"))
+}
+
+impl Scaler for SlurmScaler {
+    fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> Result<()> {
+        self.job = auth.job.clone();
+        std::fs::create_dir_all(&self.log_dir).with_context(|| format!("{}", self.log_dir.display()))?;
+        let args = self.sbatch_args(id, &auth.job);
+        let script = self.script(id, coordinator, auth);
+        let mut cmd = Command::new("sbatch");
+        // `--export=ALL` hands the worker this environment, and Slurm keeps
+        // a job's environment: the store's URL (its password) stays out of
+        // it, and the secret goes only in the script.
+        cmd.args(&args).env_remove("EDL_STORE").env_remove("EDL_JOB_SECRET");
+        let out = crate::process::output("sbatch", &mut cmd, script.as_bytes(), CLIENT_BOUND)
+            .map_err(|e| anyhow!("{e:#} (is Slurm's client installed and its controller up?)"))?;
+        if !out.status.success() {
+            bail!("sbatch {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let slurm = text.trim().split(';').next().unwrap_or("").to_string();
+        if slurm.is_empty() || !slurm.chars().all(|c| c.is_ascii_digit()) {
+            return Err(anyhow!("sbatch answered {text:?}, not a job id"));
+        }
+        tracing::info!("worker {id}: Slurm job {slurm}");
+        self.handles.insert(id, format!("slurm:{slurm}"));
+        self.jobs.insert(id, Submitted { slurm, at: Instant::now(), running: false, node: String::new() });
+        Ok(())
+    }
+
+    fn stop(&mut self, id: u64, grace: Duration) {
+        let Some(j) = self.jobs.remove(&id) else { return };
+        if !j.running {
+            // Nothing runs to hear a stop: out of the queue at once.
+            let _ = run("scancel", &[&j.slurm]);
+            return;
+        }
+        // Told to stop over its connection: it ends its Slurm job by
+        // exiting; one still there after its grace is cancelled.
+        self.stopping.push(std::thread::spawn(move || {
+            let until = Instant::now() + grace;
+            while Instant::now() < until {
+                let listed =
+                    run("squeue", &["--noheader", "--format=%i", "--jobs", &j.slurm]).unwrap_or_default();
+                if !listed.lines().any(|l| l.trim() == j.slurm) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            let _ = run("scancel", &[&j.slurm]);
+        }));
+    }
+
+    fn exited(&mut self) -> Vec<(u64, String)> {
+        self.poll();
+        std::mem::take(&mut self.exited)
+    }
+
+    fn log_of(&self, id: u64) -> Option<PathBuf> {
+        Some(self.log_dir.join(format!("worker-{id}.log")))
+    }
+
+    fn capacity(&mut self) -> Option<u32> {
+        if !self.quiet.open() {
+            // Slurm does not answer: what it said before may no longer hold.
+            return None;
+        }
+        if let Some((t, n)) = self.idle
+            && t.elapsed() < POLL_EVERY
+        {
+            return n;
+        }
+        let mut args = vec!["--noheader", "--states=idle", "--format=%D"];
+        let partition = self.opts.partition.as_ref().map(|p| format!("--partition={p}"));
+        if let Some(p) = &partition {
+            args.push(p);
+        }
+        let n = match run("sinfo", &args) {
+            Ok(out) => {
+                self.quiet.answered();
+                Some(out.lines().filter_map(|l| l.trim().parse::<u32>().ok()).sum())
+            }
+            Err(e) => {
+                self.quiet.failed(&e.context("slurm"));
+                None
+            }
+        };
+        self.idle = Some((Instant::now(), n));
+        n
+    }
+
+    fn handle(&self, id: u64) -> Option<String> {
+        self.handles.get(&id).cloned()
+    }
+
+    fn release(&mut self) {
+        // The workers follow the coordinator that leads now: their batch
+        // jobs are its, and nothing here cancels them.
+        self.jobs.clear();
+    }
+
+    fn adopt(&mut self, id: u64, handle: &str, job_name: &str) -> bool {
+        let Some(slurm) =
+            handle.strip_prefix("slurm:").filter(|j| !j.is_empty() && j.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            return false;
+        };
+        // Only the batch job this scaler would have submitted for the
+        // worker (Slurm names it): a handle read from the store never names
+        // another job to cancel.
+        let named = run("squeue", &["--noheader", "--format=%j", "--jobs", slurm]).unwrap_or_default();
+        if named.trim() != format!("edl-{job_name}-{id}") {
+            return false;
+        }
+        // A member of the job: its batch job runs (the queue says where).
+        let job =
+            Submitted { slurm: slurm.to_string(), at: Instant::now(), running: true, node: String::new() };
+        self.job = job_name.to_string();
+        self.jobs.insert(id, job);
+        self.handles.insert(id, handle.to_string());
+        true
+    }
+}
+
+impl Drop for SlurmScaler {
+    fn drop(&mut self) {
+        // Whatever the pause, the queue is asked once more before cancelling.
+        self.quiet = Default::default();
+        for t in self.stopping.drain(..) {
+            let _ = t.join();
+        }
+        // Told to stop (the job ended): their jobs end as they exit; what
+        // is left after a few seconds is cancelled, so nothing stays queued.
+        let until = Instant::now() + Duration::from_secs(5);
+        while !self.jobs.is_empty() && Instant::now() < until {
+            self.polled = None;
+            self.poll();
+            if !self.jobs.is_empty() {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+        for j in self.jobs.values() {
+            let _ = run("scancel", &[&j.slurm]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::worker::session::Secret;
+
+    #[test]
+    fn a_worker_s_script_carries_the_secret_in_its_environment_and_execs_the_worker_quoted() {
+        let opts = SlurmOptions {
+            partition: Some("gpu".into()),
+            account: Some("lab".into()),
+            qos: Some("low".into()),
+            extra: vec!["--time=10".into()],
+            pending_bound: Duration::from_secs(60),
+        };
+        let s = SlurmScaler::for_program(
+            opts,
+            "/logs".into(),
+            &["python".into(), "it's {x}.py".into(), "{id}".into()],
+        );
+        let auth = JobAuth { job: "mnist".into(), secret: Secret::generate().unwrap() };
+        let script = s.script(7, "10.0.0.1:7070", &auth);
+        let lines: Vec<&str> = script.lines().collect();
+        assert_eq!(lines[0], "#!/bin/sh");
+        assert_eq!(lines[1], format!("export EDL_JOB_SECRET={}", auth.secret.to_hex()));
+        assert_eq!(lines[2], "export EDL_JOB='mnist'");
+        assert_eq!(
+            lines[3],
+            "exec 'env' 'EDL_COORDINATOR=10.0.0.1:7070' 'EDL_WORKER_ID=7' 'EDL_JOB=mnist' \
+             'PYTHONUNBUFFERED=1' 'python' 'it'\\''s {x}.py' '{id}'"
+        );
+        let args = s.sbatch_args(7, "mnist");
+        for want in ["--parsable", "--job-name=edl-mnist-7", "--output=/logs/worker-7.log", "--partition=gpu"]
+        {
+            assert!(args.iter().any(|a| a == want), "{want} in {args:?}");
+        }
+        assert!(args.iter().any(|a| a == "--account=lab") && args.iter().any(|a| a == "--qos=low"));
+        assert_eq!(args.last().unwrap(), "--time=10");
+        // The secret is in the script, on no command line.
+        assert!(!args.iter().any(|a| a.contains(&auth.secret.to_hex())));
+    }
+
+    #[test]
+    fn a_deposed_coordinator_leaves_the_batch_jobs_to_the_one_that_leads_now() {
+        let opts = || SlurmOptions {
+            partition: None,
+            account: None,
+            qos: None,
+            extra: Vec::new(),
+            pending_bound: Duration::from_secs(60),
+        };
+        let mut s = SlurmScaler::for_program(opts(), "/logs".into(), &["python".into()]);
+        let job = Submitted { slurm: "4242".into(), at: Instant::now(), running: true, node: "n1".into() };
+        s.jobs.insert(3, job);
+        s.handles.insert(3, "slurm:4242".into());
+        s.release();
+        // Dropping it cancels only what it still holds: nothing.
+        assert!(s.jobs.is_empty());
+        assert_eq!(s.handle(3).as_deref(), Some("slurm:4242"), "the report still names it");
+        // The one that leads now takes only a Slurm job id, and only one
+        // Slurm names as this job's worker (the Slurm test takes one over).
+        let mut next = SlurmScaler::for_program(opts(), "/logs".into(), &["python".into()]);
+        assert!(!next.adopt(4, "slurm:42;rm", "mnist") && !next.adopt(4, "pod:w-4", "mnist"));
+        // A job id Slurm does not name `edl-<job>-<id>` (here: no Slurm at
+        // all) is not taken either; the real takeover is in the Slurm test.
+        assert!(!next.adopt(3, "slurm:4242", "mnist"));
+        assert!(next.jobs.is_empty());
+    }
+}
