@@ -7,6 +7,7 @@ mod cluster;
 mod distill;
 mod elastic;
 mod hardening;
+mod house;
 mod kubernetes;
 mod python;
 mod reload;
