@@ -154,7 +154,7 @@ fn try_transform(host: &PluginHost, path: &std::path::Path, config: &[(String, S
     Ok(())
 }
 
-fn print_scale_event(d: &replay::Decision, e: Option<&replay::ScaleEvent>) {
+fn print_scale_event(d: &replay::Decision, e: Option<&replay::SimulatedResize>) {
     if let Some(e) = e {
         let hp = e
             .hyperparams

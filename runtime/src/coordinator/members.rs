@@ -8,7 +8,7 @@ use crate::control::inbox::Inbound;
 use crate::coordinator::machine::timers::Timer;
 
 use crate::control::proto::{FromWorker, ToWorker, send};
-use crate::coordinator::machine::membership::{Command, Event};
+use crate::coordinator::machine::membership::{Command, MemberEvent};
 use crate::coordinator::machine::pipeline::Failure;
 use crate::store::keys;
 use anyhow::{Result, bail};
@@ -68,7 +68,7 @@ impl Coordinator<'_> {
                 self.conns.insert(n, s);
             }
             Inbound::Msg(n, FromWorker::Hello { worker, pid }) => {
-                self.membership.handle(now, Event::Hello { conn: n, worker, pid });
+                self.membership.handle(now, MemberEvent::Hello { conn: n, worker, pid });
             }
             Inbound::Msg(n, FromWorker::Leaving { reason }) => {
                 if let Some(id) = self.membership.worker_on(n) {
@@ -80,13 +80,13 @@ impl Coordinator<'_> {
             }
             Inbound::Msg(n, FromWorker::Return { worker, pid, rollback }) => {
                 let holds = rollback.contains(&self.tally.committed);
-                self.membership.handle(now, Event::Returned { conn: n, worker, pid, holds });
+                self.membership.handle(now, MemberEvent::Returned { conn: n, worker, pid, holds });
             }
             // The inbox keeps heartbeats to itself; one that got here says nothing new.
             Inbound::Msg(_, FromWorker::Heartbeat) => {}
             Inbound::Msg(n, FromWorker::Ready { samples }) => match self.take_samples(samples) {
                 Ok(()) => {
-                    self.membership.handle(now, Event::Ready { conn: n });
+                    self.membership.handle(now, MemberEvent::Ready { conn: n });
                 }
                 Err(why) => {
                     self.fatal.get_or_insert(why);
@@ -115,7 +115,7 @@ impl Coordinator<'_> {
             Inbound::Closed(n, why) => {
                 self.conns.remove(&n);
                 let rank = self.ranks.get(&n).copied();
-                if self.membership.handle(now, Event::Closed { conn: n, why: why.clone() }).is_some()
+                if self.membership.handle(now, MemberEvent::Closed { conn: n, why: why.clone() }).is_some()
                     && let (Some(rank), Some(p)) = (rank, self.pipe.as_mut())
                 {
                     p.lost(rank, &why);
@@ -169,7 +169,7 @@ impl Coordinator<'_> {
     pub(super) fn check_spawning(&mut self) {
         let now = Instant::now();
         for (worker, status) in self.scaler.exited() {
-            self.membership.handle(now, Event::Exited { worker, status });
+            self.membership.handle(now, MemberEvent::Exited { worker, status });
         }
         self.membership.handle_timeout(now);
         self.execute();

@@ -212,7 +212,7 @@ pub fn replay(policy: &mut dyn PolicyPlugin, views: &[ClusterView]) -> Result<Ve
 
 /// A change of world size in a simulation.
 #[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct ScaleEvent {
+pub struct SimulatedResize {
     pub step: u64,
     pub from: u32,
     pub to: u32,
@@ -225,7 +225,7 @@ pub struct ScaleEvent {
 #[derive(Clone, Debug, Serialize)]
 pub struct Simulation {
     pub decisions: Vec<Decision>,
-    pub events: Vec<ScaleEvent>,
+    pub events: Vec<SimulatedResize>,
     pub final_world_size: u32,
 }
 
@@ -239,7 +239,7 @@ pub fn simulate(
     rounds: usize,
     mut hyper: Hyperparams,
     mut before: impl FnMut(usize, &mut SimCluster),
-    mut on_round: impl FnMut(&Decision, Option<&ScaleEvent>),
+    mut on_round: impl FnMut(&Decision, Option<&SimulatedResize>),
 ) -> Result<Simulation, Error> {
     let mut out = Simulation { decisions: Vec::new(), events: Vec::new(), final_world_size: 0 };
     for round in 0..rounds {
@@ -255,7 +255,7 @@ pub fn simulate(
                 hyper = a.on_resize(&ev, &hyper)?;
                 chosen = Some(hyper);
             }
-            out.events.push(ScaleEvent {
+            out.events.push(SimulatedResize {
                 step: view.step,
                 from: seen,
                 to: view.world_size,
@@ -281,7 +281,7 @@ pub fn simulate(
                 hyper = a.on_resize(&ev, &hyper)?;
                 chosen = Some(hyper);
             }
-            event = Some(ScaleEvent {
+            event = Some(SimulatedResize {
                 step: view.step,
                 from: before_size,
                 to: after,

@@ -25,8 +25,11 @@ fn the_checker_finds_a_long_function_and_a_loop_between_two_files() {
     std::fs::write(src.join("lib.rs"), "mod a;\nmod b;\n").unwrap();
     std::fs::write(src.join("a.rs"), "use crate::b::B;\npub struct A;\npub fn f(_: B) {}\n").unwrap();
     let long: String = (0..90).map(|i| format!("    let _x{i} = {i};\n")).collect();
-    std::fs::write(src.join("b.rs"), format!("use crate::a::A;\npub struct B;\npub fn g(_: A) {{\n{long}}}\n"))
-        .unwrap();
+    std::fs::write(
+        src.join("b.rs"),
+        format!("use crate::a::A;\npub struct B;\npub fn g(_: A) {{\n{long}}}\n"),
+    )
+    .unwrap();
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let out = Command::new("python3").arg(root.join("tools/house-check")).arg(dir.path()).output().unwrap();
     let found = String::from_utf8_lossy(&out.stdout);

@@ -26,7 +26,7 @@ pub type WorkerId = u64;
 
 /// Something that happened to a worker.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Event {
+pub enum MemberEvent {
     /// A connection introduced itself as `worker`.
     Hello { conn: Conn, worker: WorkerId, pid: u32 },
     /// The worker on `conn` loaded its data and can be given a rank.
@@ -289,18 +289,20 @@ impl Membership {
 
     /// Feeds one event. Returns the id of a member whose connection ended
     /// (the step in progress has lost that rank).
-    pub fn handle(&mut self, now: Instant, ev: Event) -> Option<WorkerId> {
+    pub fn handle(&mut self, now: Instant, ev: MemberEvent) -> Option<WorkerId> {
         match ev {
-            Event::Hello { conn, worker, pid } => self.hello(now, conn, worker, pid),
-            Event::Ready { conn } => {
+            MemberEvent::Hello { conn, worker, pid } => self.hello(now, conn, worker, pid),
+            MemberEvent::Ready { conn } => {
                 if let Some(i) = self.welcomed.iter().position(|w| w.conn == conn) {
                     let w = self.welcomed.remove(i);
                     self.joiners.push(w);
                 }
             }
-            Event::Closed { conn, why } => return self.closed(now, conn, &why),
-            Event::Returned { conn, worker, pid, holds } => self.returned(now, conn, worker, pid, holds),
-            Event::Exited { worker, status } => {
+            MemberEvent::Closed { conn, why } => return self.closed(now, conn, &why),
+            MemberEvent::Returned { conn, worker, pid, holds } => {
+                self.returned(now, conn, worker, pid, holds)
+            }
+            MemberEvent::Exited { worker, status } => {
                 if self.spawning.remove(&worker).is_some() {
                     self.replacement_lost(now, worker);
                     self.note(format!("worker {worker} exited before joining: {status}"), Some(worker));
@@ -777,8 +779,8 @@ mod tests {
         let mut m = Membership::new(min, max, JOIN, 1);
         m.spawn(t, n);
         for id in 1..=n as u64 {
-            m.handle(t, Event::Hello { conn: 100 + id, worker: id, pid: 1000 + id as u32 });
-            m.handle(t, Event::Ready { conn: 100 + id });
+            m.handle(t, MemberEvent::Hello { conn: 100 + id, worker: id, pid: 1000 + id as u32 });
+            m.handle(t, MemberEvent::Ready { conn: 100 + id });
         }
         let b = m.boundary(true, false);
         assert!(b.changed && b.admitted == n as usize);
@@ -798,10 +800,10 @@ mod tests {
         let mut m = Membership::new(1, 4, JOIN, 1);
         m.spawn(t, 1);
         assert_eq!(drain(&mut m), vec![Command::Spawn { worker: 1 }]);
-        m.handle(t, Event::Hello { conn: 7, worker: 1, pid: 42 });
+        m.handle(t, MemberEvent::Hello { conn: 7, worker: 1, pid: 42 });
         assert_eq!(drain(&mut m), vec![Command::Welcome { conn: 7, assigned: None }]);
         assert_eq!(m.world(), 0);
-        m.handle(t, Event::Ready { conn: 7 });
+        m.handle(t, MemberEvent::Ready { conn: 7 });
         assert_eq!(m.joiners(), 1);
         let b = m.boundary(true, false);
         assert!(b.changed);
@@ -817,18 +819,18 @@ mod tests {
         m.expect_return(&[3, 5, 6]);
         assert_eq!(m.returning(), 3);
         // Back with its state: ready at once, no start, no loading.
-        m.handle(t, Event::Returned { conn: 1, worker: 3, pid: 33, holds: true });
+        m.handle(t, MemberEvent::Returned { conn: 1, worker: 3, pid: 33, holds: true });
         assert_eq!(drain(&mut m)[0], Command::Welcome { conn: 1, assigned: None });
         assert_eq!(m.joiners(), 1);
         // Without the committed step's state, or not one of the old members: refused.
-        m.handle(t, Event::Returned { conn: 2, worker: 5, pid: 55, holds: false });
+        m.handle(t, MemberEvent::Returned { conn: 2, worker: 5, pid: 55, holds: false });
         assert!(
             matches!(&drain(&mut m)[..], [Command::Refuse { conn: 2, reason }] if reason.contains("no state"))
         );
-        m.handle(t, Event::Returned { conn: 4, worker: 9, pid: 99, holds: true });
+        m.handle(t, MemberEvent::Returned { conn: 4, worker: 9, pid: 99, holds: true });
         assert!(matches!(&drain(&mut m)[..], [Command::Refuse { conn: 4, .. }]));
         // A second return of the same worker is not taken either.
-        m.handle(t, Event::Returned { conn: 7, worker: 3, pid: 33, holds: true });
+        m.handle(t, MemberEvent::Returned { conn: 7, worker: 3, pid: 33, holds: true });
         assert!(matches!(&drain(&mut m)[..], [Command::Refuse { conn: 7, .. }]));
         assert_eq!(m.end_return(), vec![6]);
         assert_eq!(m.returning(), 0);
@@ -875,7 +877,7 @@ mod tests {
         assert_eq!(drain(&mut one), vec![Command::Spawn { worker: 2 }]);
         // Its replacement does not start (the partition is down): another
         // is asked for...
-        one.handle(t, Event::Exited { worker: 2, status: "Slurm did not start it".into() });
+        one.handle(t, MemberEvent::Exited { worker: 2, status: "Slurm did not start it".into() });
         assert!(drain(&mut one).contains(&Command::Spawn { worker: 3 }));
         assert!(!one.boundary(true, false).changed);
         assert_eq!(one.world(), 1, "the only state stays");
@@ -884,8 +886,8 @@ mod tests {
         // next boundary.
         assert!(one.apply_decision(t, &[Action::ScaleOut(1)]).is_some());
         assert_eq!(drain(&mut one), vec![Command::Spawn { worker: 4 }]);
-        one.handle(t, Event::Hello { conn: 204, worker: 4, pid: 44 });
-        one.handle(t, Event::Ready { conn: 204 });
+        one.handle(t, MemberEvent::Hello { conn: 204, worker: 4, pid: 44 });
+        one.handle(t, MemberEvent::Ready { conn: 204 });
         let b = one.boundary(true, false);
         assert_eq!(b.admitted, 1);
         assert_eq!(one.members()[0].id, 1, "rank 0 broadcasts the state");
@@ -902,8 +904,8 @@ mod tests {
         assert_eq!(stops(&drain(&mut one)), vec![1]);
         assert_eq!(one.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![4]);
         // Its second replacement, when it comes, is a joiner like any other.
-        one.handle(t, Event::Hello { conn: 203, worker: 3, pid: 33 });
-        one.handle(t, Event::Ready { conn: 203 });
+        one.handle(t, MemberEvent::Hello { conn: 203, worker: 3, pid: 33 });
+        one.handle(t, MemberEvent::Ready { conn: 203 });
         assert_eq!(one.boundary(true, false).admitted, 1);
         assert_eq!(one.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![4, 3]);
         // Where a checkpoint gives the state, it leaves at once.
@@ -923,8 +925,8 @@ mod tests {
         let mut m = formed(1, 1, 3, t);
         m.leave(t, 1, "SIGTERM").unwrap();
         drain(&mut m);
-        m.handle(t, Event::Hello { conn: 202, worker: 2, pid: 22 });
-        m.handle(t, Event::Ready { conn: 202 });
+        m.handle(t, MemberEvent::Hello { conn: 202, worker: 2, pid: 22 });
+        m.handle(t, MemberEvent::Ready { conn: 202 });
         m
     }
 
@@ -937,7 +939,7 @@ mod tests {
         // Replacements that never join are started again, three in all.
         one.spawn_failed(2, "no slot".into());
         assert!(drain(&mut one).contains(&Command::Spawn { worker: 3 }));
-        one.handle(t, Event::Exited { worker: 3, status: "pending too long".into() });
+        one.handle(t, MemberEvent::Exited { worker: 3, status: "pending too long".into() });
         assert!(drain(&mut one).contains(&Command::Spawn { worker: 4 }));
         one.handle_timeout(t + JOIN);
         let said = drain(&mut one);
@@ -973,7 +975,7 @@ mod tests {
     #[test]
     fn an_unknown_worker_is_refused() {
         let mut m = Membership::new(1, 4, JOIN, 1);
-        m.handle(Instant::now(), Event::Hello { conn: 3, worker: 99, pid: 1 });
+        m.handle(Instant::now(), MemberEvent::Hello { conn: 3, worker: 99, pid: 1 });
         assert!(matches!(&drain(&mut m)[..], [Command::Refuse { conn: 3, reason }] if reason.contains("99")));
     }
 
@@ -983,8 +985,8 @@ mod tests {
         let mut m = formed(1, 1, 2, t);
         m.admit_uninvited(true);
         // Without an id: given the next one. With one: kept, and new ids go past it.
-        m.handle(t, Event::Hello { conn: 20, worker: 0, pid: 5 });
-        m.handle(t, Event::Hello { conn: 21, worker: 9, pid: 6 });
+        m.handle(t, MemberEvent::Hello { conn: 20, worker: 0, pid: 5 });
+        m.handle(t, MemberEvent::Hello { conn: 21, worker: 9, pid: 6 });
         let cmds = drain(&mut m);
         assert!(cmds.contains(&Command::Welcome { conn: 20, assigned: Some(2) }), "{cmds:?}");
         assert!(cmds.contains(&Command::Welcome { conn: 21, assigned: None }), "{cmds:?}");
@@ -992,19 +994,19 @@ mod tests {
         // Asked for and filled by a worker without an id: it gets the id asked for.
         m.spawn(t, 1);
         assert_eq!(drain(&mut m), vec![Command::Spawn { worker: 10 }]);
-        m.handle(t, Event::Hello { conn: 23, worker: 0, pid: 8 });
+        m.handle(t, MemberEvent::Hello { conn: 23, worker: 0, pid: 8 });
         assert_eq!(drain(&mut m), vec![Command::Welcome { conn: 23, assigned: Some(10) }]);
         assert!(m.nothing_loading() == false && m.poll_timeout().is_some());
-        m.handle(t, Event::Closed { conn: 23, why: "gone".into() });
+        m.handle(t, MemberEvent::Closed { conn: 23, why: "gone".into() });
         drain(&mut m);
         // An id already in the job is refused.
-        m.handle(t, Event::Hello { conn: 22, worker: 9, pid: 7 });
+        m.handle(t, MemberEvent::Hello { conn: 22, worker: 9, pid: 7 });
         assert!(
             matches!(&drain(&mut m)[..], [Command::Refuse { conn: 22, reason }] if reason.contains("already"))
         );
         // Both get ready; the boundary admits up to the maximum and sends the other away.
-        m.handle(t, Event::Ready { conn: 20 });
-        m.handle(t, Event::Ready { conn: 21 });
+        m.handle(t, MemberEvent::Ready { conn: 20 });
+        m.handle(t, MemberEvent::Ready { conn: 21 });
         let b = m.boundary(true, false);
         assert_eq!((b.admitted, m.world()), (1, 2));
         assert_eq!(stops(&drain(&mut m)), vec![9]);
@@ -1015,7 +1017,7 @@ mod tests {
         let t = Instant::now();
         let mut m = Membership::new(1, 4, JOIN, 1);
         m.spawn(t, 2);
-        m.handle(t + Duration::from_secs(10), Event::Hello { conn: 5, worker: 2, pid: 9 });
+        m.handle(t + Duration::from_secs(10), MemberEvent::Hello { conn: 5, worker: 2, pid: 9 });
         drain(&mut m);
         // Worker 1 never connects; worker 2 connects at 10 s and never gets ready.
         assert_eq!(m.poll_timeout(), Some(t + JOIN));
@@ -1059,8 +1061,8 @@ mod tests {
         let cmds = drain(&mut m);
         assert_eq!(cmds.iter().filter(|c| matches!(c, Command::Spawn { worker: 3 })).count(), 1, "{cmds:?}");
         assert!(cmds.iter().any(|c| matches!(c, Command::Note { text, .. } if text.contains("77"))));
-        m.handle(t, Event::Hello { conn: 9, worker: 3, pid: 3 });
-        m.handle(t, Event::Ready { conn: 9 });
+        m.handle(t, MemberEvent::Hello { conn: 9, worker: 3, pid: 3 });
+        m.handle(t, MemberEvent::Ready { conn: 9 });
         let b = m.boundary(true, false);
         assert_eq!(stops(&drain(&mut m)), vec![1]);
         assert!(b.changed && b.reasons[0].contains("worker 1 replaced by 3"));
@@ -1070,8 +1072,8 @@ mod tests {
         let mut m = formed(1, 1, 4, t);
         m.apply_decision(t, &[Action::Replace(1)]);
         drain(&mut m);
-        m.handle(t, Event::Hello { conn: 9, worker: 2, pid: 2 });
-        m.handle(t, Event::Ready { conn: 9 });
+        m.handle(t, MemberEvent::Hello { conn: 9, worker: 2, pid: 2 });
+        m.handle(t, MemberEvent::Ready { conn: 9 });
         let b = m.boundary(true, false);
         assert!(stops(&drain(&mut m)).is_empty() && m.world() == 2 && m.handing_over());
         assert!(b.reasons[0].contains("hands over"));
@@ -1085,8 +1087,8 @@ mod tests {
         let t = Instant::now();
         let mut m = formed(2, 1, 2, t);
         m.spawn(t, 1);
-        m.handle(t, Event::Hello { conn: 9, worker: 3, pid: 3 });
-        m.handle(t, Event::Ready { conn: 9 });
+        m.handle(t, MemberEvent::Hello { conn: 9, worker: 3, pid: 3 });
+        m.handle(t, MemberEvent::Ready { conn: 9 });
         drain(&mut m);
         assert!(!m.boundary(true, false).changed);
         assert_eq!(stops(&drain(&mut m)), vec![3]);
@@ -1096,7 +1098,7 @@ mod tests {
     fn a_failed_step_drops_the_dead_and_refills_to_the_minimum() {
         let t = Instant::now();
         let mut m = formed(3, 3, 4, t);
-        assert_eq!(m.handle(t, Event::Closed { conn: 102, why: "eof".into() }), Some(2));
+        assert_eq!(m.handle(t, MemberEvent::Closed { conn: 102, why: "eof".into() }), Some(2));
         assert!(m.is_closed(102));
         m.fail(t, &BTreeSet::from([2]));
         let cmds = drain(&mut m);
@@ -1111,9 +1113,9 @@ mod tests {
         let t = Instant::now();
         let mut m = Membership::new(1, 4, JOIN, 1);
         m.spawn(t, 2);
-        m.handle(t, Event::Exited { worker: 1, status: "exit status: 1".into() });
-        m.handle(t, Event::Hello { conn: 4, worker: 2, pid: 2 });
-        m.handle(t, Event::Closed { conn: 4, why: "eof".into() });
+        m.handle(t, MemberEvent::Exited { worker: 1, status: "exit status: 1".into() });
+        m.handle(t, MemberEvent::Hello { conn: 4, worker: 2, pid: 2 });
+        m.handle(t, MemberEvent::Closed { conn: 4, why: "eof".into() });
         let notes: Vec<(String, Option<WorkerId>)> = drain(&mut m)
             .into_iter()
             .filter_map(|c| if let Command::Note { text, log_of } = c { Some((text, log_of)) } else { None })
