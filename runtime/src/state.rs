@@ -25,6 +25,15 @@ impl TensorSpec {
     }
 }
 
+/// Why a list of tensors is no layout.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    #[error("a state tensor has an empty name")]
+    EmptyName,
+    #[error("state tensor {0:?} is registered twice")]
+    Duplicate(String),
+}
+
 /// The tensors of a state, in the order their values are laid out.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Layout {
@@ -33,14 +42,14 @@ pub struct Layout {
 
 impl Layout {
     /// A layout; names must be unique and not empty.
-    pub fn new(tensors: Vec<TensorSpec>) -> Result<Self, String> {
+    pub fn new(tensors: Vec<TensorSpec>) -> Result<Self, LayoutError> {
         let mut seen = std::collections::HashSet::new();
         for t in &tensors {
             if t.name.is_empty() {
-                return Err("a state tensor has an empty name".into());
+                return Err(LayoutError::EmptyName);
             }
             if !seen.insert(t.name.as_str()) {
-                return Err(format!("state tensor {:?} is registered twice", t.name));
+                return Err(LayoutError::Duplicate(t.name.clone()));
             }
         }
         Ok(Layout { tensors })

@@ -8,7 +8,7 @@
 use anyhow::anyhow;
 use edl_host_gpu::comm::KvClient;
 use edl_plugin_sdk::{Batch, Dtype};
-use edl_runtime::distill::{DistillConfig, DistillReader, Teachers};
+use edl_runtime::distill::{DistillConfig, DistillReader, Distilled, Teachers};
 use edl_runtime::job::TeacherSource;
 use edl_runtime::worker::session::{Event, JobAuth, Joined, Secret, Session, State, Step};
 use edl_runtime::state::{Layout, TensorSpec};
@@ -237,7 +237,7 @@ impl Job {
         }
         let mut tensors = inner.state.layout.tensors().to_vec();
         tensors.push(TensorSpec::new(name, buf.shape().to_vec()));
-        inner.state.layout = Layout::new(tensors).map_err(PyValueError::new_err)?;
+        inner.state.layout = Layout::new(tensors).map_err(|e| PyValueError::new_err(e.to_string()))?;
         inner.state.buffers.push(buf);
         Ok(())
     }
@@ -752,62 +752,101 @@ impl StepView {
         }
         let mut guard = lock(&job.inner);
         let inner = &mut *guard;
-        let key = (self.info.generation, self.info.step);
         if self.info.indices.is_empty() {
             return Ok(Some(float_array(py, &[], (0, 0))?));
         }
-        let by_features = inner.features.is_some();
-        let x = match (&x, by_features) {
-            (_, true) => None,
-            (Some(x), false) => {
-                let x = as_float32(py, x)?;
-                let b = PyBuffer::<f32>::get(&x)?;
-                Some(b.to_vec(py)?)
-            }
-            (None, false) => {
-                return Err(err(
-                    "teacher_logits: pass this step's features, or give Job.from_env(features=...)",
-                ));
-            }
-        };
-        // A new generation (or a failure) starts a new read-ahead.
-        if inner.teach.as_ref().is_some_and(|t| t.fed.front().is_some_and(|&f| f.0 != key.0 || f > key)) {
-            inner.teach = None;
-        }
-        if inner.teach.is_none() {
-            inner.teach = Some(start_teach(inner).map_err(anyhow_err)?);
-        }
+        let x = features_to_send(py, x.as_ref(), inner.features.is_some())?;
+        let key = (self.info.generation, self.info.step);
+        ensure_teach(inner, key)?;
         let teach = inner.teach.as_mut().expect("started above");
         match x {
-            Some(x) => {
-                let rows = self.info.indices.len();
-                if teach.feed.send(Feed::Rows { x, rows }).is_ok() {
-                    teach.fed.push_back(key);
-                }
-            }
+            Some(x) => teach.feed_rows(key, x, self.info.indices.len()),
             None => {
                 let ahead = inner.session.planned().map(|s| ((s.generation, s.step), s.indices.clone()));
-                for (k, ids) in std::iter::once((key, self.info.indices.clone())).chain(ahead) {
-                    if ids.is_empty() || teach.fed.back().is_some_and(|&b| b >= k) {
-                        continue;
-                    }
-                    if teach.feed.send(Feed::Indices(ids)).is_ok() {
-                        teach.fed.push_back(k);
-                    }
-                }
+                teach.feed_indices(std::iter::once((key, self.info.indices.clone())).chain(ahead));
             }
         }
         if teach.fed.pop_front() != Some(key) {
             inner.teach = None;
             return Err(err(format!("teacher read-ahead is not at step {}", self.info.step)));
         }
-        let (reader, rt) = (&mut teach.reader, &inner.rt);
+        match teach.next_soft_labels(py, &inner.rt) {
+            Ok(d) => Ok(Some(float_array(py, &d.soft, (d.batch.ids.len(), d.classes))?)),
+            Err(e) => {
+                inner.teach = None;
+                Err(err(format!("step {}: {e}", self.info.step)))
+            }
+        }
+    }
+}
+
+/// This step's features to send to the teachers now: `x` as float32, or
+/// None where the job's features function reads them ahead instead.
+fn features_to_send(
+    py: Python<'_>,
+    x: Option<&Bound<'_, PyAny>>,
+    by_features: bool,
+) -> PyResult<Option<Vec<f32>>> {
+    match (x, by_features) {
+        (_, true) => Ok(None),
+        (Some(x), false) => {
+            let x = as_float32(py, x)?;
+            let b = PyBuffer::<f32>::get(&x)?;
+            Ok(Some(b.to_vec(py)?))
+        }
+        (None, false) => {
+            Err(err("teacher_logits: pass this step's features, or give Job.from_env(features=...)"))
+        }
+    }
+}
+
+/// Makes sure the job's teacher reader is there for step `key`: a new
+/// generation (or a failure, which dropped it) starts a new read-ahead.
+fn ensure_teach(inner: &mut Inner, key: (u64, u64)) -> PyResult<()> {
+    if inner.teach.as_ref().is_some_and(|t| t.fed.front().is_some_and(|&f| f.0 != key.0 || f > key)) {
+        inner.teach = None;
+    }
+    if inner.teach.is_none() {
+        inner.teach = Some(start_teach(inner).map_err(anyhow_err)?);
+    }
+    Ok(())
+}
+
+impl Teach {
+    /// Sends step `key`'s features `x` (`rows` rows) to the teachers.
+    fn feed_rows(&mut self, key: (u64, u64), x: Vec<f32>, rows: usize) {
+        if self.feed.send(Feed::Rows { x, rows }).is_ok() {
+            self.fed.push_back(key);
+        }
+    }
+
+    /// Hands the features function the samples of each step in `steps`
+    /// (this one, then those planned after it) not fed yet, to read ahead.
+    fn feed_indices(&mut self, steps: impl IntoIterator<Item = ((u64, u64), Vec<u32>)>) {
+        for (k, ids) in steps {
+            if ids.is_empty() || self.fed.back().is_some_and(|&b| b >= k) {
+                continue;
+            }
+            if self.feed.send(Feed::Indices(ids)).is_ok() {
+                self.fed.push_back(k);
+            }
+        }
+    }
+
+    /// The soft labels of the step fed first, waited for up to 120 s
+    /// without the GIL; else why there are none.
+    fn next_soft_labels(
+        &mut self,
+        py: Python<'_>,
+        rt: &tokio::runtime::Runtime,
+    ) -> Result<Distilled, String> {
+        let reader = &mut self.reader;
         let got = py.detach(|| {
             rt.block_on(async { tokio::time::timeout(Duration::from_secs(120), reader.next()).await })
         });
-        let got = match got {
+        match got {
             Err(_) => Err("no soft labels within 120 s".to_string()),
-            Ok(None) => Err(teach
+            Ok(None) => Err(self
                 .source_error
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -815,16 +854,7 @@ impl StepView {
                 .unwrap_or_else(|| "the teacher reader ended".into())),
             Ok(Some(Err(e))) => Err(format!("teachers: {e}")),
             Ok(Some(Ok(d))) => Ok(d),
-        };
-        let d = match got {
-            Ok(d) => d,
-            Err(e) => {
-                inner.teach = None;
-                return Err(err(format!("step {}: {e}", self.info.step)));
-            }
-        };
-        let rows = d.batch.ids.len();
-        Ok(Some(float_array(py, &d.soft, (rows, d.classes))?))
+        }
     }
 }
 

@@ -22,7 +22,7 @@ pub mod objects;
 
 use crate::state::{Layout, TensorSpec};
 use edl_plugin_sdk::Hyperparams;
-use objects::ObjectDir;
+use objects::{ObjectDir, ObjectStoreError};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -109,8 +109,12 @@ pub enum CheckpointError {
     #[error("{path}: {detail}")]
     Corrupt { path: String, detail: String },
     /// An object storage call failed; the message names the object.
-    #[error("{0}")]
-    Store(String),
+    #[error(transparent)]
+    Store(#[from] ObjectStoreError),
+    /// Another writer switched the checkpoint in object storage to its own
+    /// copy while this one uploaded; that copy is kept.
+    #[error("{url}: another writer switched this checkpoint while it was written")]
+    Overtaken { url: String },
     /// A coordinator with a higher lease token has claimed the checkpoints:
     /// this one was deposed and must not write.
     #[error("{0}")]
@@ -184,6 +188,84 @@ fn encode_state(layout: &Layout, values: &[f32], at: &Path) -> Result<Vec<u8>, C
     safetensors::serialize(views, Some(meta)).map_err(|e| io(at, e))
 }
 
+/// Writes a checkpoint's files into the local directory `dir` (which exists):
+/// the state, the manifest listing its sha256, and last the manifest's own
+/// sha256, each forced to disk.
+fn write_checkpoint_files(
+    dir: &Path,
+    layout: &Layout,
+    values: &[f32],
+    mut manifest: Manifest,
+) -> Result<(), CheckpointError> {
+    let state = encode_state(layout, values, dir)?;
+    write_durably(&dir.join(STATE_FILE), &state)?;
+    manifest.files = BTreeMap::from([(STATE_FILE.to_string(), hex::encode(Sha256::digest(&state)))]);
+    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| io(dir, e))?;
+    write_durably(&dir.join("manifest.json"), &json)?;
+    write_durably(&dir.join(SUM_FILE), hex::encode(Sha256::digest(&json)).as_bytes())?;
+    sync_dir(dir)
+}
+
+/// One write of a checkpoint to object storage: the state and the manifest
+/// under names of this write alone (`state-<version>.safetensors`,
+/// `manifest-<version>.json`) in the step's directory, which readers see
+/// only once the step's checksum names the manifest.
+struct ObjectUpload<'a> {
+    dir: &'a ObjectDir,
+    /// The step's directory under `dir`.
+    step: &'a str,
+    state_name: String,
+    manifest_name: String,
+}
+
+impl<'a> ObjectUpload<'a> {
+    /// A write of the step `step` under fresh names; `at` is its URL, for errors.
+    fn new(dir: &'a ObjectDir, step: &'a str, at: &Path) -> Result<Self, CheckpointError> {
+        let mut nonce = [0u8; 8];
+        getrandom::fill(&mut nonce).map_err(|e| io(at, e))?;
+        let version = hex::encode(nonce);
+        Ok(ObjectUpload {
+            dir,
+            step,
+            state_name: format!("state-{version}.safetensors"),
+            manifest_name: format!("manifest-{version}.json"),
+        })
+    }
+
+    /// Uploads the state's and the manifest's bytes.
+    fn put(&self, state: Vec<u8>, manifest: Vec<u8>) -> Result<(), CheckpointError> {
+        for (file, bytes) in [(&self.state_name, state), (&self.manifest_name, manifest)] {
+            self.dir.put(&format!("{}/{file}", self.step), bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Removes what this write uploaded, once it will never be switched to.
+    fn discard(&self) {
+        for file in [&self.state_name, &self.manifest_name] {
+            let _ = self.dir.delete(&format!("{}/{file}", self.step));
+        }
+    }
+
+    /// Removes the files of the copy this write replaced, whose checksum
+    /// file read `old_sum` before the switch (best effort: a leftover is
+    /// only space).
+    fn remove_replaced(&self, old_sum: &[u8]) {
+        let old_sum = String::from_utf8_lossy(old_sum);
+        let old_manifest = old_sum.split_once(' ').map_or("manifest.json", |(_, m)| m.trim()).to_string();
+        if let Ok(Some(text)) = self.dir.get(&format!("{}/{old_manifest}", self.step))
+            && let Ok(m) = serde_json::from_slice::<Manifest>(&text)
+        {
+            for f in m.files.keys().filter(|f| **f != self.state_name) {
+                let _ = self.dir.delete(&format!("{}/{f}", self.step));
+            }
+        }
+        if old_manifest != self.manifest_name {
+            let _ = self.dir.delete(&format!("{}/{old_manifest}", self.step));
+        }
+    }
+}
+
 impl Checkpoints {
     /// Checkpoints in the local directory `dir`.
     pub fn new(dir: impl Into<PathBuf>, keep: usize) -> Self {
@@ -198,7 +280,7 @@ impl Checkpoints {
             return Ok(Self::new(location, keep));
         }
         let remote = ObjectDir::open(&shown)
-            .map_err(|detail| CheckpointError::Io { path: shown.to_string(), detail })?;
+            .map_err(|e| CheckpointError::Io { path: shown.to_string(), detail: e.to_string() })?;
         Ok(Checkpoints {
             dir: location.to_path_buf(),
             keep: keep.max(1),
@@ -225,8 +307,8 @@ impl Checkpoints {
     /// Proves checkpoints can be written here: a probe written, read back and removed.
     pub fn probe(&self) -> Result<(), CheckpointError> {
         let Some(r) = &self.remote else { return check_writable(&self.dir) };
-        r.put(".write-probe", b"probe".to_vec()).map_err(CheckpointError::Store)?;
-        match r.get(".write-probe").map_err(CheckpointError::Store)? {
+        r.put(".write-probe", b"probe".to_vec())?;
+        match r.get(".write-probe")? {
             Some(b) if b == b"probe" => {}
             _ => {
                 return Err(CheckpointError::Io {
@@ -235,13 +317,13 @@ impl Checkpoints {
                 });
             }
         }
-        r.delete(".write-probe").map_err(CheckpointError::Store)
+        r.delete(".write-probe").map_err(CheckpointError::from)
     }
 
     /// Writes a small file beside the checkpoints (a marker).
     pub fn put_file(&self, name: &str, bytes: &[u8]) -> Result<(), CheckpointError> {
         match &self.remote {
-            Some(r) => r.put(name, bytes.to_vec()).map_err(CheckpointError::Store),
+            Some(r) => r.put(name, bytes.to_vec()).map_err(CheckpointError::from),
             None => write_durably(&self.dir.join(name), bytes),
         }
     }
@@ -249,7 +331,7 @@ impl Checkpoints {
     /// Whether the file `name` is there; an error when that cannot be told.
     pub fn has_file(&self, name: &str) -> Result<bool, CheckpointError> {
         match &self.remote {
-            Some(r) => r.get(name).map(|b| b.is_some()).map_err(CheckpointError::Store),
+            Some(r) => r.get(name).map(|b| b.is_some()).map_err(CheckpointError::from),
             None => {
                 let path = self.dir.join(name);
                 path.try_exists().map_err(|e| io(&path, e))
@@ -290,7 +372,7 @@ impl Checkpoints {
     /// put back.
     pub fn list(&self) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
         if let Some(r) = &self.remote {
-            let names = r.dirs().map_err(CheckpointError::Store)?;
+            let names = r.dirs()?;
             let mut out: Vec<(u64, PathBuf)> = names
                 .iter()
                 .filter_map(|n| {
@@ -334,7 +416,7 @@ impl Checkpoints {
 
     fn fence_versioned(&self) -> Result<Option<(Fence, Option<objects::Version>)>, CheckpointError> {
         let (bytes, version, at) = match &self.remote {
-            Some(r) => match r.get_versioned(FENCE_FILE).map_err(CheckpointError::Store)? {
+            Some(r) => match r.get_versioned(FENCE_FILE)? {
                 Some((b, v)) => (b, Some(v), r.url_of(FENCE_FILE)),
                 None => return Ok(None),
             },
@@ -426,7 +508,7 @@ impl Checkpoints {
             }
             let seen = current.as_ref().map(|(_, v)| v.clone().ok_or_else(|| io(&self.dir, "no version")));
             let seen = seen.transpose()?;
-            if r.put_if(FENCE_FILE, json.clone(), seen.as_ref()).map_err(CheckpointError::Store)? {
+            if r.put_if(FENCE_FILE, json.clone(), seen.as_ref())? {
                 return Ok(());
             }
         }
@@ -454,101 +536,101 @@ impl Checkpoints {
         &self,
         layout: &Layout,
         values: &[f32],
-        mut manifest: Manifest,
+        manifest: Manifest,
     ) -> Result<PathBuf, CheckpointError> {
         if let Some(token) = manifest.fence {
             self.check_fence(token)?;
         }
         let name = step_name(manifest.step);
-        if let Some(r) = &self.remote {
-            let at = PathBuf::from(r.url_of(&name));
-            // Written under new names, then switched to by one write of the
-            // checksum (naming the manifest): a rewrite of a step never
-            // touches the copy it replaces before the new one is whole.
-            let mut nonce = [0u8; 8];
-            getrandom::fill(&mut nonce).map_err(|e| io(&at, e))?;
-            let version = hex::encode(nonce);
-            let (state_name, manifest_name) =
-                (format!("state-{version}.safetensors"), format!("manifest-{version}.json"));
-            let before = r.get_versioned(&format!("{name}/{SUM_FILE}")).map_err(CheckpointError::Store)?;
-            let state = encode_state(layout, values, &at)?;
-            manifest.files = BTreeMap::from([(state_name.clone(), hex::encode(Sha256::digest(&state)))]);
-            let json = serde_json::to_vec_pretty(&manifest).map_err(|e| io(&at, e))?;
-            let sum = format!("{} {manifest_name}", hex::encode(Sha256::digest(&json))).into_bytes();
-            for (file, bytes) in [(&state_name, state), (&manifest_name, json)] {
-                r.put(&format!("{name}/{file}"), bytes).map_err(CheckpointError::Store)?;
-            }
-            // The fence again, just before the switch: a coordinator that
-            // was deposed while it uploaded stops here.
-            if let Some(token) = manifest.fence
-                && let Err(e) = self.check_fence(token)
-            {
-                for file in [&state_name, &manifest_name] {
-                    let _ = r.delete(&format!("{name}/{file}"));
-                }
-                return Err(e);
-            }
-            // The switch, only if no one switched this step since it was read
-            // (a newer coordinator's write of it is never replaced).
-            let seen = before.as_ref().map(|(_, v)| v);
-            if !r.put_if(&format!("{name}/{SUM_FILE}"), sum, seen).map_err(CheckpointError::Store)? {
-                for file in [&state_name, &manifest_name] {
-                    let _ = r.delete(&format!("{name}/{file}"));
-                }
-                if let Some(token) = manifest.fence {
-                    self.check_fence(token)?;
-                }
-                return Err(CheckpointError::Store(format!(
-                    "{}: another writer switched this checkpoint while it was written",
-                    r.url_of(&name)
-                )));
-            }
-            // What the switch replaced.
-            if let Some((old, _)) = before {
-                let old = String::from_utf8_lossy(&old).into_owned();
-                let old_manifest = old.split_once(' ').map_or("manifest.json", |(_, m)| m.trim()).to_string();
-                if let Ok(Some(text)) = r.get(&format!("{name}/{old_manifest}"))
-                    && let Ok(m) = serde_json::from_slice::<Manifest>(&text)
-                {
-                    for f in m.files.keys().filter(|f| **f != state_name) {
-                        let _ = r.delete(&format!("{name}/{f}"));
-                    }
-                }
-                if old_manifest != manifest_name {
-                    let _ = r.delete(&format!("{name}/{old_manifest}"));
-                }
-            }
-            self.known_good(&at);
-            self.prune(manifest.fence);
-            return Ok(at);
+        let fence = manifest.fence;
+        let at = match &self.remote {
+            Some(r) => self.save_to_objects(r, &name, layout, values, manifest)?,
+            None => self.save_to_directory(&name, layout, values, manifest)?,
+        };
+        self.known_good(&at);
+        self.prune(fence);
+        Ok(at)
+    }
+
+    /// Writes the checkpoint `name` to object storage: its files under names
+    /// of their own, then switched to by one write of the checksum (naming
+    /// the manifest), so that a rewrite of a step never touches the copy it
+    /// replaces before the new one is whole.
+    fn save_to_objects(
+        &self,
+        r: &ObjectDir,
+        name: &str,
+        layout: &Layout,
+        values: &[f32],
+        mut manifest: Manifest,
+    ) -> Result<PathBuf, CheckpointError> {
+        let at = PathBuf::from(r.url_of(name));
+        let upload = ObjectUpload::new(r, name, &at)?;
+        let sum_rel = format!("{name}/{SUM_FILE}");
+        let before = r.get_versioned(&sum_rel)?;
+        let state = encode_state(layout, values, &at)?;
+        manifest.files = BTreeMap::from([(upload.state_name.clone(), hex::encode(Sha256::digest(&state)))]);
+        let json = serde_json::to_vec_pretty(&manifest).map_err(|e| io(&at, e))?;
+        let sum = format!("{} {}", hex::encode(Sha256::digest(&json)), upload.manifest_name).into_bytes();
+        upload.put(state, json)?;
+        // The fence again, just before the switch: a coordinator that was
+        // deposed while it uploaded stops here.
+        if let Some(token) = manifest.fence
+            && let Err(e) = self.check_fence(token)
+        {
+            upload.discard();
+            return Err(e);
         }
+        // Only if no one switched this step since it was read (a newer
+        // coordinator's write of it is never replaced).
+        if !r.put_if(&sum_rel, sum, before.as_ref().map(|(_, v)| v))? {
+            upload.discard();
+            if let Some(token) = manifest.fence {
+                self.check_fence(token)?;
+            }
+            return Err(CheckpointError::Overtaken { url: r.url_of(name) });
+        }
+        if let Some((old_sum, _)) = before {
+            upload.remove_replaced(&old_sum);
+        }
+        Ok(at)
+    }
+
+    /// Writes the checkpoint `name` into a temporary directory, then renames
+    /// it into place in the local directory.
+    fn save_to_directory(
+        &self,
+        name: &str,
+        layout: &Layout,
+        values: &[f32],
+        manifest: Manifest,
+    ) -> Result<PathBuf, CheckpointError> {
         std::fs::create_dir_all(&self.dir).map_err(|e| io(&self.dir, e))?;
         let tmp = self.dir.join(format!(".tmp-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-        let state = encode_state(layout, values, &tmp)?;
-        write_durably(&tmp.join(STATE_FILE), &state)?;
-        manifest.files = BTreeMap::from([(STATE_FILE.to_string(), hex::encode(Sha256::digest(&state)))]);
-        let json = serde_json::to_vec_pretty(&manifest).map_err(|e| io(&tmp, e))?;
-        write_durably(&tmp.join("manifest.json"), &json)?;
-        write_durably(&tmp.join("manifest.sha256"), hex::encode(Sha256::digest(&json)).as_bytes())?;
-        sync_dir(&tmp)?;
-        let dest = self.dir.join(&name);
-        // Never remove the old copy before the new one is durable.
+        write_checkpoint_files(&tmp, layout, values, manifest)?;
+        let dest = self.dir.join(name);
+        self.move_into_place(&tmp, &dest, name)?;
+        Ok(dest)
+    }
+
+    /// Renames the complete checkpoint `tmp` to `dest`; a copy already at
+    /// `dest` is moved aside first and removed only once the new one is
+    /// durable (a crash between the renames is repaired by [`Checkpoints::list`]).
+    fn move_into_place(&self, tmp: &Path, dest: &Path, name: &str) -> Result<(), CheckpointError> {
         let aside = self.dir.join(format!(".old-{name}-{}", std::process::id()));
         let replacing = dest.exists();
         if replacing {
             let _ = std::fs::remove_dir_all(&aside);
-            std::fs::rename(&dest, &aside).map_err(|e| io(&dest, e))?;
+            std::fs::rename(dest, &aside).map_err(|e| io(dest, e))?;
         }
-        std::fs::rename(&tmp, &dest).map_err(|e| io(&dest, e))?;
+        std::fs::rename(tmp, dest).map_err(|e| io(dest, e))?;
         sync_dir(&self.dir)?;
         if replacing {
             let _ = std::fs::remove_dir_all(&aside);
         }
-        self.known_good(&dest);
-        self.prune(manifest.fence);
-        Ok(dest)
+        Ok(())
     }
 
     fn known_good(&self, path: &Path) {
@@ -814,7 +896,7 @@ mod tests {
         v
     }
 
-    // Long: one store walked through every way a checkpoint goes bad, in turn.
+    /// One store, walked through every way a checkpoint goes bad, in turn.
     #[test]
     fn keeps_the_last_k_and_falls_back_past_a_corrupt_one() {
         let dir = tempfile::tempdir().unwrap();

@@ -20,6 +20,28 @@ pub const MULTIPART_FROM: usize = 64 << 20;
 /// The size of each part of a multipart upload (S3 wants at least 5 MiB).
 const PART_BYTES: usize = 16 << 20;
 
+/// Why a directory in object storage could not be opened or used; each
+/// message starts with the URL of the directory or object concerned.
+#[derive(Debug, thiserror::Error)]
+pub enum ObjectStoreError {
+    #[error("{url}: not a URL: {source}")]
+    NotAUrl { url: String, source: url::ParseError },
+    #[error("{url}: {scheme}:// is not object storage this runtime knows")]
+    UnknownScheme { url: String, scheme: String },
+    /// The store's client could not be configured from the URL and the environment.
+    #[error("{url}: {source}")]
+    Config { url: String, source: object_store::Error },
+    #[error("{url}: {source}")]
+    Prefix { url: String, source: object_store::path::Error },
+    #[error("{url}: cannot start the I/O runtime: {source}")]
+    Runtime { url: String, source: std::io::Error },
+    /// A read, write or removal of the object at `url` failed.
+    #[error("{url}: {source}")]
+    Object { url: String, source: object_store::Error },
+    #[error("{url}: listing: {source}")]
+    Listing { url: String, source: object_store::Error },
+}
+
 /// The version of an object as read, for a conditional write.
 #[derive(Clone, Debug)]
 pub struct Version(object_store::UpdateVersion);
@@ -51,34 +73,36 @@ pub fn is_url(location: &str) -> bool {
 impl ObjectDir {
     /// Opens `url`; the store is not contacted yet. `memory:///prefix` is a
     /// store of this process alone (for tests).
-    pub fn open(url: &str) -> Result<Self, String> {
-        let parsed = url::Url::parse(url).map_err(|e| format!("{url}: not a URL: {e}"))?;
+    pub fn open(url: &str) -> Result<Self, ObjectStoreError> {
+        let parsed =
+            url::Url::parse(url).map_err(|source| ObjectStoreError::NotAUrl { url: url.into(), source })?;
+        let config = |source| ObjectStoreError::Config { url: url.into(), source };
         let store: Arc<dyn ObjectStore> = match parsed.scheme() {
-            "s3" | "s3a" => Arc::new(
-                AmazonS3Builder::from_env().with_url(url).build().map_err(|e| format!("{url}: {e}"))?,
-            ),
-            "gs" => Arc::new(
-                GoogleCloudStorageBuilder::from_env()
-                    .with_url(url)
-                    .build()
-                    .map_err(|e| format!("{url}: {e}"))?,
-            ),
-            "az" | "azure" | "abfs" | "abfss" => Arc::new(
-                MicrosoftAzureBuilder::from_env().with_url(url).build().map_err(|e| format!("{url}: {e}"))?,
-            ),
+            "s3" | "s3a" => Arc::new(AmazonS3Builder::from_env().with_url(url).build().map_err(config)?),
+            "gs" => Arc::new(GoogleCloudStorageBuilder::from_env().with_url(url).build().map_err(config)?),
+            "az" | "azure" | "abfs" | "abfss" => {
+                Arc::new(MicrosoftAzureBuilder::from_env().with_url(url).build().map_err(config)?)
+            }
             "memory" => Arc::new(InMemory::new()),
-            other => return Err(format!("{url}: {other}:// is not object storage this runtime knows")),
+            other => {
+                return Err(ObjectStoreError::UnknownScheme { url: url.into(), scheme: other.into() });
+            }
         };
-        let prefix = ObjPath::parse(parsed.path().trim_matches('/')).map_err(|e| format!("{url}: {e}"))?;
+        let prefix = ObjPath::parse(parsed.path().trim_matches('/'))
+            .map_err(|source| ObjectStoreError::Prefix { url: url.into(), source })?;
         Self::with_store(store, prefix, url.trim_end_matches('/'))
     }
 
     /// A directory in a store made elsewhere (tests use an in-memory one).
-    pub fn with_store(store: Arc<dyn ObjectStore>, prefix: ObjPath, url: &str) -> Result<Self, String> {
+    pub fn with_store(
+        store: Arc<dyn ObjectStore>,
+        prefix: ObjPath,
+        url: &str,
+    ) -> Result<Self, ObjectStoreError> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .map_err(|e| format!("{url}: cannot start the I/O runtime: {e}"))?;
+            .map_err(|source| ObjectStoreError::Runtime { url: url.into(), source })?;
         Ok(ObjectDir { store, prefix, url: url.to_string(), rt: Arc::new(rt) })
     }
 
@@ -90,6 +114,12 @@ impl ObjectDir {
     /// `rel` back from a URL made by [`ObjectDir::url_of`].
     pub fn rel_of<'a>(&self, url: &'a str) -> Option<&'a str> {
         url.strip_prefix(&self.url).map(|r| r.trim_start_matches('/'))
+    }
+
+    /// The error of a call on the object `rel`.
+    fn failed(&self, rel: &str) -> impl FnOnce(object_store::Error) -> ObjectStoreError {
+        let url = self.url_of(rel);
+        move |source| ObjectStoreError::Object { url, source }
     }
 
     fn path(&self, rel: &str) -> ObjPath {
@@ -112,12 +142,17 @@ impl ObjectDir {
     /// Writes `bytes` as `rel` (whole or not at all). Above
     /// [`MULTIPART_FROM`] bytes the object goes up in parts (a single PUT
     /// holds at most 5 GiB on S3), and appears only when every part is there.
-    pub fn put(&self, rel: &str, bytes: Vec<u8>) -> Result<(), String> {
+    pub fn put(&self, rel: &str, bytes: Vec<u8>) -> Result<(), ObjectStoreError> {
         self.put_in_parts_from(rel, bytes, MULTIPART_FROM)
     }
 
     /// As [`Self::put`], in parts from `threshold` bytes on.
-    pub fn put_in_parts_from(&self, rel: &str, bytes: Vec<u8>, threshold: usize) -> Result<(), String> {
+    pub fn put_in_parts_from(
+        &self,
+        rel: &str,
+        bytes: Vec<u8>,
+        threshold: usize,
+    ) -> Result<(), ObjectStoreError> {
         let path = self.path(rel);
         let done = if bytes.len() < threshold {
             self.block(async { self.store.put(&path, bytes.into()).await.map(drop) })
@@ -129,11 +164,11 @@ impl ObjectDir {
                 parts.finish().await.map(drop)
             })
         };
-        done.map_err(|e| format!("{}: {e}", self.url_of(rel)))
+        done.map_err(self.failed(rel))
     }
 
     /// Reads `rel` with its version (an ETag); None when there is no such object.
-    pub fn get_versioned(&self, rel: &str) -> Result<Option<(Vec<u8>, Version)>, String> {
+    pub fn get_versioned(&self, rel: &str) -> Result<Option<(Vec<u8>, Version)>, ObjectStoreError> {
         let path = self.path(rel);
         self.block(async {
             match self.store.get(&path).await {
@@ -148,14 +183,19 @@ impl ObjectDir {
                 Err(e) => Err(e),
             }
         })
-        .map_err(|e| format!("{}: {e}", self.url_of(rel)))
+        .map_err(self.failed(rel))
     }
 
     /// Writes `rel` only if it is still at `seen` (None: only if absent).
     /// Ok(false): someone wrote it meanwhile. A store without conditional
     /// updates (S3 without its conditional-put option) writes it anyway,
     /// which the callers' rules allow for.
-    pub fn put_if(&self, rel: &str, bytes: Vec<u8>, seen: Option<&Version>) -> Result<bool, String> {
+    pub fn put_if(
+        &self,
+        rel: &str,
+        bytes: Vec<u8>,
+        seen: Option<&Version>,
+    ) -> Result<bool, ObjectStoreError> {
         let path = self.path(rel);
         let mode = match seen {
             None => object_store::PutMode::Create,
@@ -183,11 +223,11 @@ impl ObjectDir {
                 Err(e) => Err(e),
             }
         });
-        put.map_err(|e| format!("{}: {e}", self.url_of(rel)))
+        put.map_err(self.failed(rel))
     }
 
     /// Reads `rel`; None when there is no such object.
-    pub fn get(&self, rel: &str) -> Result<Option<Vec<u8>>, String> {
+    pub fn get(&self, rel: &str) -> Result<Option<Vec<u8>>, ObjectStoreError> {
         let path = self.path(rel);
         self.block(async {
             match self.store.get(&path).await {
@@ -196,11 +236,11 @@ impl ObjectDir {
                 Err(e) => Err(e),
             }
         })
-        .map_err(|e| format!("{}: {e}", self.url_of(rel)))
+        .map_err(self.failed(rel))
     }
 
     /// Removes `rel` (absent already is fine).
-    pub fn delete(&self, rel: &str) -> Result<(), String> {
+    pub fn delete(&self, rel: &str) -> Result<(), ObjectStoreError> {
         let path = self.path(rel);
         self.block(async {
             match self.store.delete(&path).await {
@@ -208,18 +248,18 @@ impl ObjectDir {
                 Err(e) => Err(e),
             }
         })
-        .map_err(|e| format!("{}: {e}", self.url_of(rel)))
+        .map_err(self.failed(rel))
     }
 
     /// The names of the "directories" right under this one.
-    pub fn dirs(&self) -> Result<Vec<String>, String> {
+    pub fn dirs(&self) -> Result<Vec<String>, ObjectStoreError> {
         let listed = self.block(async { self.store.list_with_delimiter(Some(&self.prefix)).await });
-        let listed = listed.map_err(|e| format!("{}: listing: {e}", self.url))?;
+        let listed = listed.map_err(|source| ObjectStoreError::Listing { url: self.url.clone(), source })?;
         Ok(listed.common_prefixes.iter().filter_map(|p| p.filename().map(str::to_string)).collect())
     }
 
     /// Removes every object under `rel/`.
-    pub fn delete_dir(&self, rel: &str) -> Result<(), String> {
+    pub fn delete_dir(&self, rel: &str) -> Result<(), ObjectStoreError> {
         let dir = self.path(rel);
         self.block(async {
             let mut names = Vec::new();
@@ -235,7 +275,7 @@ impl ObjectDir {
             }
             Ok(())
         })
-        .map_err(|e| format!("{}: {e}", self.url_of(rel)))
+        .map_err(self.failed(rel))
     }
 }
 
@@ -269,7 +309,7 @@ mod tests {
         // From async code too (a thread of its own runs the call).
         let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
         assert_eq!(rt.block_on(async { d.get("step-2/a").unwrap() }).as_deref(), Some(&b"three"[..]));
-        assert!(ObjectDir::open("ftp://x/y").unwrap_err().contains("not object storage"));
+        assert!(ObjectDir::open("ftp://x/y").unwrap_err().to_string().contains("not object storage"));
     }
 
     #[test]

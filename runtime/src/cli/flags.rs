@@ -188,13 +188,30 @@ impl TeachersArg {
     }
 }
 
-pub fn parse_teachers(s: &str) -> Result<TeachersArg, String> {
+/// Why a flag's value was refused (clap shows it after the flag's name).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FlagError {
+    #[error("expected teacher endpoints, host:port,...")]
+    NoTeachers,
+    /// A `--job` name the runtime refuses, and why.
+    #[error("{0}")]
+    JobName(String),
+    #[error("expected key=value, got {0:?}")]
+    NotAPair(String),
+    #[error("{0:?}: expected an address (10.0.0.5) or address:port (0.0.0.0:7070)")]
+    NotAnAddress(String),
+    #[error("{given:?}: a worker's ring listens on a new port each generation; give the address only ({ip})")]
+    RingPort { given: String, ip: IpAddr },
+}
+
+/// Parses `--teachers`: a count of teacher processes, or endpoints.
+pub fn parse_teachers(s: &str) -> Result<TeachersArg, FlagError> {
     if let Ok(n) = s.trim().parse::<u32>() {
         return Ok(TeachersArg::Count(n));
     }
     let list = edl_runtime::distill::endpoints(s);
     if list.is_empty() {
-        return Err("expected teacher endpoints, host:port,...".into());
+        return Err(FlagError::NoTeachers);
     }
     Ok(TeachersArg::Endpoints(list))
 }
@@ -512,21 +529,21 @@ pub struct SandboxArgs {
     pub allow_native: bool,
 }
 
-/// `key=value`.
 /// A `--job` name ([`edl_runtime::job::check_job_name`]).
-pub fn job_name(s: &str) -> Result<String, String> {
-    edl_runtime::job::check_job_name(s).map(|()| s.to_string())
+pub fn job_name(s: &str) -> Result<String, FlagError> {
+    edl_runtime::job::check_job_name(s).map(|()| s.to_string()).map_err(FlagError::JobName)
 }
 
-pub fn parse_pair(s: &str) -> Result<(String, String), String> {
+/// Parses `key=value`.
+pub fn parse_pair(s: &str) -> Result<(String, String), FlagError> {
     s.split_once('=')
         .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
-        .ok_or_else(|| format!("expected key=value, got {s:?}"))
+        .ok_or_else(|| FlagError::NotAPair(s.to_string()))
 }
 
 /// Parses `--listen`: an address with or without a port (`0.0.0.0`,
 /// `10.0.0.5:7070`, `[::]:7070`, `::`); without one, `default_port`.
-pub fn listen_on(default_port: u16) -> impl Fn(&str) -> Result<SocketAddr, String> + Clone + Send + Sync {
+pub fn listen_on(default_port: u16) -> impl Fn(&str) -> Result<SocketAddr, FlagError> + Clone + Send + Sync {
     move |s: &str| {
         if let Ok(a) = s.parse::<SocketAddr>() {
             return Ok(a);
@@ -534,19 +551,16 @@ pub fn listen_on(default_port: u16) -> impl Fn(&str) -> Result<SocketAddr, Strin
         s.trim_matches(|c| c == '[' || c == ']')
             .parse::<IpAddr>()
             .map(|ip| SocketAddr::new(ip, default_port))
-            .map_err(|_| format!("{s:?}: expected an address (10.0.0.5) or address:port (0.0.0.0:7070)"))
+            .map_err(|_| FlagError::NotAnAddress(s.to_string()))
     }
 }
 
 /// Parses a worker's `--listen`: an address; a port, if given, must be 0,
 /// since the ring takes a new port each generation.
-pub fn parse_ring_listen(s: &str) -> Result<IpAddr, String> {
+pub fn parse_ring_listen(s: &str) -> Result<IpAddr, FlagError> {
     let a = listen_on(0)(s)?;
     if a.port() != 0 {
-        return Err(format!(
-            "{s:?}: a worker's ring listens on a new port each generation; give the address only ({})",
-            a.ip()
-        ));
+        return Err(FlagError::RingPort { given: s.to_string(), ip: a.ip() });
     }
     Ok(a.ip())
 }
@@ -579,10 +593,12 @@ mod tests {
         assert_eq!(teacher("10.0.0.5:7070").unwrap(), "10.0.0.5:7070".parse().unwrap());
         assert_eq!(teacher("[::1]").unwrap(), "[::1]:8001".parse().unwrap());
         assert_eq!(listen_on(0)("::").unwrap(), "[::]:0".parse().unwrap());
-        assert!(teacher("node-1").unwrap_err().contains("expected an address"));
+        assert!(teacher("node-1").unwrap_err().to_string().contains("expected an address"));
         assert_eq!(parse_ring_listen("10.0.0.5").unwrap(), "10.0.0.5".parse::<IpAddr>().unwrap());
         assert_eq!(parse_ring_listen("10.0.0.5:0").unwrap(), "10.0.0.5".parse::<IpAddr>().unwrap());
-        assert!(parse_ring_listen("10.0.0.5:7070").unwrap_err().contains("new port each generation"));
+        assert!(
+            parse_ring_listen("10.0.0.5:7070").unwrap_err().to_string().contains("new port each generation")
+        );
     }
 
     #[test]

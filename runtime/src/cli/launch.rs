@@ -3,7 +3,8 @@
 
 use super::{
     flags::{ScalerKind, secs},
-    job::{self, JobArgs, Workload},
+    job,
+    workload::{JobArgs, Workload},
 };
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -13,7 +14,7 @@ use edl_runtime::{
     plot,
     plugin::PluginHost,
     scalers::{CommandScaler, ExternalWorkers, Scaler},
-    torchrun::{self, Event as TorchrunEvent, HostsConfig, Lead, TorchrunConfig},
+    torchrun::{self, Event as TorchrunEvent, HostsConfig, Lead, TorchrunConfig, TorchrunOutcome},
     worker::session::{JobAuth, Secret},
 };
 use std::{
@@ -129,14 +130,7 @@ fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
     let job_dir = PathBuf::from(".edl").join(&l.job);
     let cfg = torchrun_config(&l, &job_dir)?;
     let (mut policy, policy_name, policy_path) = job::load_policy(host, &args.plugins)?;
-    let lock_dir = std::path::absolute(job_dir.join("checkpoints"))?;
-    // A group on this host ends with its launcher (--store and --standby
-    // were refused there; $EDL_STORE is not its).
-    let shared = across && args.state.store != "memory";
-    if args.state.standby && !shared {
-        bail!("--standby needs a shared --store (redis://..., etcd://...): the launchers meet there");
-    }
-    let _lock = JobLock::acquire(&lock_dir, &l.job, args.state.standby, shared)?;
+    let _lock = lock_torchrun_job(&l, &job_dir, across)?;
     let nproc = l.nproc_per_node.unwrap_or(1);
     let (unit, place) =
         if across { ("hosts", format!(" of {nproc} ranks")) } else { ("ranks", " on this host".into()) };
@@ -154,7 +148,41 @@ fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
         policy.backend(),
         cfg.decide_every.as_secs_f64()
     );
-    let mut on = |e: TorchrunEvent| match e {
+    let mut on = |e: TorchrunEvent| print_torchrun_event(e, cfg.max_restarts);
+    let outcome = if across {
+        let (hc, mut scaler) = hosts_config(&l, &job_dir, nproc)?;
+        torchrun::run_hosts(&cfg, hc, scaler.as_mut(), policy.as_mut(), &mut on)?
+    } else {
+        torchrun::run(&cfg, policy.as_mut(), &mut on)?
+    };
+    let resizes = outcome.groups.iter().filter(|g| g.ended.starts_with("resized")).count();
+    if let Some(out) = &args.output.report {
+        write_torchrun_report(out, &l.job, &policy_name, resizes, &outcome)?;
+    }
+    if let Some(out) = &args.output.plot {
+        let title = format!("{} (torchrun) with {policy_name}", l.job);
+        plot::policy_run(out, &title, &outcome.decisions, false)?;
+    }
+    Ok(torchrun_exit(outcome, resizes))
+}
+
+/// Takes the job's lock on this machine (see [`JobLock::acquire`]), after
+/// checking that a --standby launcher has a shared store to meet in.
+fn lock_torchrun_job(l: &LaunchArgs, job_dir: &Path, across: bool) -> Result<JobLock> {
+    let state = &l.run.state;
+    let lock_dir = std::path::absolute(job_dir.join("checkpoints"))?;
+    // A group on this host ends with its launcher (--store and --standby
+    // were refused there; $EDL_STORE is not its).
+    let shared = across && state.store != "memory";
+    if state.standby && !shared {
+        bail!("--standby needs a shared --store (redis://..., etcd://...): the launchers meet there");
+    }
+    JobLock::acquire(&lock_dir, &l.job, state.standby, shared)
+}
+
+/// Prints what the group does, a line each.
+fn print_torchrun_event(e: TorchrunEvent, max_restarts: u32) {
+    match e {
         TorchrunEvent::Started(g) => {
             let hosts =
                 if g.hosts.is_empty() { String::new() } else { format!(" on {}", g.hosts.join(", ")) };
@@ -163,7 +191,7 @@ fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
                 g.group,
                 g.world,
                 g.restart_count,
-                cfg.max_restarts,
+                max_restarts,
                 g.master_addr,
                 g.master_port,
                 g.log_dir.display()
@@ -174,30 +202,30 @@ fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
         TorchrunEvent::Restarting { reason, failure: false } => println!("scale     {reason}"),
         TorchrunEvent::PolicyFailed(n) => println!("note      {n}"),
         TorchrunEvent::Host(n) => println!("host      {n}"),
-    };
-    let outcome = if across {
-        let (hc, mut scaler) = hosts_config(&l, &job_dir, nproc)?;
-        torchrun::run_hosts(&cfg, hc, scaler.as_mut(), policy.as_mut(), &mut on)?
-    } else {
-        torchrun::run(&cfg, policy.as_mut(), &mut on)?
-    };
-    let resizes = outcome.groups.iter().filter(|g| g.ended.starts_with("resized")).count();
-    if let Some(out) = &args.output.report {
-        let report = serde_json::json!({
-            "job": l.job,
-            "mode": "torchrun",
-            "status": if outcome.failure.is_none() { "succeeded" } else { "failed" },
-            "policy": policy_name,
-            "resizes": resizes,
-            "outcome": outcome,
-        });
-        std::fs::write(out, serde_json::to_vec_pretty(&report)?)
-            .with_context(|| format!("{}", out.display()))?;
     }
-    if let Some(out) = &args.output.plot {
-        let title = format!("{} (torchrun) with {policy_name}", l.job);
-        plot::policy_run(out, &title, &outcome.decisions, false)?;
-    }
+}
+
+/// Writes the `--report` of a torchrun job (JSON).
+fn write_torchrun_report(
+    out: &Path,
+    job: &str,
+    policy_name: &str,
+    resizes: usize,
+    outcome: &TorchrunOutcome,
+) -> Result<()> {
+    let report = serde_json::json!({
+        "job": job,
+        "mode": "torchrun",
+        "status": if outcome.failure.is_none() { "succeeded" } else { "failed" },
+        "policy": policy_name,
+        "resizes": resizes,
+        "outcome": outcome,
+    });
+    std::fs::write(out, serde_json::to_vec_pretty(&report)?).with_context(|| format!("{}", out.display()))
+}
+
+/// Says how the job ended; the exit code is the failed rank's, as torchrun's.
+fn torchrun_exit(outcome: TorchrunOutcome, resizes: usize) -> ExitCode {
     match outcome.failure {
         None => {
             println!(
@@ -206,12 +234,12 @@ fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
                 outcome.groups.len(),
                 outcome.restarts
             );
-            Ok(ExitCode::SUCCESS)
+            ExitCode::SUCCESS
         }
         Some(f) => {
             eprintln!("error: {f}");
             eprintln!("       no restart left ({} of {} used)", outcome.restarts, outcome.max_restarts);
-            Ok(ExitCode::from(f.exit.launcher_code()))
+            ExitCode::from(f.exit.launcher_code())
         }
     }
 }

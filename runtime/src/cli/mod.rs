@@ -1,11 +1,12 @@
 //! The `edl-runtime` command line: the flags of each subcommand and what runs them.
 //!
 //! One file per subcommand: `job.rs` (the built-in job, and the job runner
-//! `launch` shares, with its `teachers.rs`, `progress.rs` and `summary.rs`),
-//! `launch.rs`, `teacher.rs`, `distill.rs`, `simulate.rs`, `plugin.rs`,
-//! `worker.rs`, `agent.rs`, `devices.rs`. The flag groups several of them take are in
-//! `flags.rs`; `refusals.rs` turns a flag given where it does not apply into
-//! an error naming where it does; `plugin_path.rs` finds plugin files.
+//! `launch` shares, with its `workload.rs`, `teachers.rs`, `progress.rs` and
+//! `summary.rs`), `launch.rs`, `teacher.rs`, `distill.rs`, `simulate.rs`,
+//! `plugin.rs`, `worker.rs`, `agent.rs`, `devices.rs`. The flag groups
+//! several of them take are in `flags.rs`; `refusals.rs` turns a flag given
+//! where it does not apply into an error naming where it does;
+//! `plugin_path.rs` finds plugin files.
 
 use anyhow::Result;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
@@ -27,9 +28,10 @@ mod summary;
 mod teacher;
 mod teachers;
 mod worker;
+mod workload;
 
 use flags::SandboxArgs;
-use job::{JobArgs, StudentArgs, Workload};
+use workload::{JobArgs, StudentArgs, Workload};
 
 const EXAMPLES: &str = "\
 Without a subcommand, edl-runtime runs the built-in job: a student MLP trained
@@ -169,10 +171,11 @@ pub fn parse() -> Cli {
 /// Reads a command line (`args[0]` is the program), refusing flags given
 /// where they do not apply with a message naming where they do.
 pub fn parse_from(args: &[OsString]) -> Result<Cli, clap::Error> {
-    refusals::misplaced(args)?;
+    let tree = Cli::command();
+    refusals::misplaced(&tree, args)?;
     let mut cmd = Cli::command();
-    let matches = cmd.try_get_matches_from_mut(args).map_err(|e| refusals::explain(e, args))?;
-    refusals::unused_by_torchrun(&matches)?;
+    let matches = cmd.try_get_matches_from_mut(args).map_err(|e| refusals::explain(&tree, e, args))?;
+    refusals::unused_by_torchrun(&tree, &matches)?;
     Cli::from_arg_matches(&matches).map_err(|e| e.format(&mut cmd))
 }
 

@@ -11,10 +11,13 @@
 //! - a flag of `launch` that `launch --torchrun` does not use (the script
 //!   trains, checkpoints and distils on its own): refused when it was
 //!   given on the command line.
+//!
+//! Each check is given `root`, the command tree as defined
+//! (`Cli::command()`, not yet built), by the parser in `mod.rs`.
 
-use super::{Cli, launch::TORCHRUN_FLAGS};
+use super::launch::TORCHRUN_FLAGS;
 use clap::{
-    Arg, ArgMatches, Command, CommandFactory,
+    Arg, ArgMatches, Command,
     error::{ContextKind, ContextValue, ErrorKind},
     parser::ValueSource,
 };
@@ -22,18 +25,17 @@ use std::ffi::OsString;
 
 /// Adds to clap's unknown-argument error which commands take the flag.
 /// Other errors, and flags no command takes, are left as clap made them.
-pub fn explain(mut err: clap::Error, args: &[OsString]) -> clap::Error {
+pub fn explain(root: &Command, mut err: clap::Error, args: &[OsString]) -> clap::Error {
     if err.kind() != ErrorKind::UnknownArgument {
         return err;
     }
     let Some(ContextValue::String(given)) = err.get(ContextKind::InvalidArg) else { return err };
     let Some(long) = given.strip_prefix("--").and_then(|l| l.split('=').next()) else { return err };
-    let root = Cli::command();
-    let takers = takers(&root, long);
+    let takers = takers(root, long);
     if takers.is_empty() {
         return err;
     }
-    let here = command_path(&root, args);
+    let here = command_path(root, args);
     let tip = format!("`--{long}` is a flag of {}, not of {}", names(&takers), name(&here));
     err.insert(ContextKind::Suggested, ContextValue::StyledStrs(vec![tip.into()]));
     err
@@ -43,8 +45,7 @@ pub fn explain(mut err: clap::Error, args: &[OsString]) -> clap::Error {
 /// job, whose flags a subcommand never sees. Read from the command line
 /// itself, so the flag is named even where the subcommand's own parse
 /// would fail first (`edl-runtime --policy P plugin replay` lacks --policy).
-pub fn misplaced(args: &[OsString]) -> Result<(), clap::Error> {
-    let root = Cli::command();
+pub fn misplaced(root: &Command, args: &[OsString]) -> Result<(), clap::Error> {
     let mut before: Option<(&str, String)> = None;
     let mut words = args.iter().skip(1).filter_map(|a| a.to_str());
     while let Some(w) = words.next() {
@@ -68,13 +69,13 @@ pub fn misplaced(args: &[OsString]) -> Result<(), clap::Error> {
             }
         } else if !w.starts_with('-') && root.find_subcommand(w).is_some() {
             let Some((long, given)) = before else { return Ok(()) };
-            let path = command_path(&root, args);
-            let message = if takes_flag(subcommand(&root, &path), long) {
+            let path = command_path(root, args);
+            let message = if takes_flag(subcommand(root, &path), long) {
                 format!("`{given}` goes after the subcommand: edl-runtime {} {given} ...", path.join(" "))
             } else {
-                format!("`--{long}` is a flag of {}, not of {}", names(&takers(&root, long)), name(&path))
+                format!("`--{long}` is a flag of {}, not of {}", names(&takers(root, long)), name(&path))
             };
-            return Err(refusal(&path, message));
+            return Err(refusal(root, &path, message));
         } else {
             // A positional word of the built-in job: there is none, so clap refuses it.
             return Ok(());
@@ -85,14 +86,13 @@ pub fn misplaced(args: &[OsString]) -> Result<(), clap::Error> {
 
 /// `launch --torchrun` with a flag only a job of steps uses (given on the
 /// command line; an environment variable such as $EDL_STORE is no flag).
-pub fn unused_by_torchrun(matches: &ArgMatches) -> Result<(), clap::Error> {
+pub fn unused_by_torchrun(root: &Command, matches: &ArgMatches) -> Result<(), clap::Error> {
     let Some(("launch", launch)) = matches.subcommand() else { return Ok(()) };
     if !launch.get_flag("torchrun") {
         return Ok(());
     }
-    let root = Cli::command();
     let path = ["launch".to_string()];
-    let cmd = subcommand(&root, &path);
+    let cmd = subcommand(root, &path);
     for arg in cmd.get_arguments().filter(|a| !a.is_global_set()) {
         let id = arg.get_id().as_str();
         if TORCHRUN_FLAGS.contains(&id) || launch.value_source(id) != Some(ValueSource::CommandLine) {
@@ -111,14 +111,14 @@ pub fn unused_by_torchrun(matches: &ArgMatches) -> Result<(), clap::Error> {
              own{hint}. `launch --torchrun` takes {} and the plugin sandbox flags",
             takes.join(", ")
         );
-        return Err(refusal(&path, message));
+        return Err(refusal(root, &path, message));
     }
-    across_hosts_only(launch, &path)
+    across_hosts_only(root, launch, &path)
 }
 
 /// `launch --torchrun` on this host (`--scaler local`) with a flag of a
 /// group across hosts.
-fn across_hosts_only(launch: &ArgMatches, path: &[String]) -> Result<(), clap::Error> {
+fn across_hosts_only(root: &Command, launch: &ArgMatches, path: &[String]) -> Result<(), clap::Error> {
     let given = |id: &str| launch.value_source(id) == Some(ValueSource::CommandLine);
     let local =
         launch.get_one::<super::flags::ScalerKind>("scaler") == Some(&super::flags::ScalerKind::Local);
@@ -136,6 +136,7 @@ fn across_hosts_only(launch: &ArgMatches, path: &[String]) -> Result<(), clap::E
     ] {
         if given(id) {
             return Err(refusal(
+                root,
                 path,
                 format!(
                     "`{long}` is for a torchrun group across hosts (--scaler command or external, an agent \
@@ -157,8 +158,8 @@ fn torchrun_flags(launch: &Command) -> Vec<&str> {
 }
 
 /// A usage error of the command at `path`, shown with its usage line.
-fn refusal(path: &[String], message: String) -> clap::Error {
-    let mut root = Cli::command();
+fn refusal(root: &Command, path: &[String], message: String) -> clap::Error {
+    let mut root = root.clone();
     root.build();
     let mut cmd = &mut root;
     for name in path {

@@ -4,7 +4,7 @@
 
 use super::{
     flags::TeachersArg,
-    job::{JobArgs, JobDirs, Prepared, StudentArgs, sizes},
+    workload::{JobArgs, JobDirs, Prepared, StudentArgs, sizes},
 };
 use anyhow::{Result, bail};
 use edl_runtime::{

@@ -14,34 +14,77 @@ pub use pb::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceS
 /// length of its JSON part.
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
 
+/// Why a tensor of an inference request or answer cannot be read as f32
+/// values; the shapes are the peer's, as sent.
+#[derive(Debug, thiserror::Error)]
+pub enum TensorError {
+    #[error("request has no input {0}")]
+    NoInput(usize),
+    #[error("input {name:?} has datatype {datatype:?}; FP32 is needed")]
+    InputDatatype { name: String, datatype: String },
+    #[error("input {name:?} has shape {shape:?}; [rows, features] is needed")]
+    InputShape { name: String, shape: Vec<i64> },
+    #[error("input {name:?}: shape [{rows}, {cols}] is larger than any tensor can be")]
+    InputTooLarge { name: String, rows: usize, cols: usize },
+    #[error("input {name:?}: {got} raw bytes for shape [{rows}, {cols}] (needs {needs})")]
+    RawInputSize { name: String, got: usize, rows: usize, cols: usize, needs: usize },
+    #[error("input {name:?}: {got} values for shape [{rows}, {cols}]")]
+    InputValues { name: String, got: usize, rows: usize, cols: usize },
+    #[error("the answer has no output {wanted:?} (it has {names:?})")]
+    NoSuchOutput { wanted: String, names: Vec<String> },
+    #[error("response has no output")]
+    NoOutput,
+    #[error("output {name:?} has shape {shape:?}; [rows, classes] is needed")]
+    OutputShape { name: String, shape: Vec<i64> },
+    #[error("output {name:?}: shape [{rows}, {cols}] is larger than any tensor can be")]
+    OutputTooLarge { name: String, rows: usize, cols: usize },
+    #[error("output {name:?} ({datatype}) came without its raw bytes")]
+    NoRawBytes { name: String, datatype: String },
+    #[error("output {name:?}: {got} bytes for {datatype} [{rows}, {cols}]")]
+    RawOutputSize { name: String, got: usize, datatype: String, rows: usize, cols: usize },
+    #[error(
+        "output {name:?} has datatype {datatype}: soft labels need floating point (FP32, FP64, FP16 or BF16)"
+    )]
+    NotFloatingPoint { name: String, datatype: String },
+    #[error("output {name:?}: {got} values for shape [{rows}, {cols}]")]
+    OutputValues { name: String, got: usize, rows: usize, cols: usize },
+    #[error("a number out of range")]
+    NumberOutOfRange,
+    #[error("{0} is not a number")]
+    NotANumber(serde_json::Value),
+}
+
 /// An FP32 tensor `[rows, cols]` from an infer input: raw bytes (the
 /// request's `raw_input_contents[index]`) or the typed `fp32_contents`.
-pub fn input_f32(req: &pb::ModelInferRequest, index: usize) -> Result<(Vec<f32>, usize, usize), String> {
-    let t = req.inputs.get(index).ok_or_else(|| format!("request has no input {index}"))?;
+pub fn input_f32(req: &pb::ModelInferRequest, index: usize) -> Result<(Vec<f32>, usize, usize), TensorError> {
+    let t = req.inputs.get(index).ok_or(TensorError::NoInput(index))?;
+    let name = || t.name.clone();
     if t.datatype != "FP32" {
-        return Err(format!("input {:?} has datatype {:?}; FP32 is needed", t.name, t.datatype));
+        return Err(TensorError::InputDatatype { name: name(), datatype: t.datatype.clone() });
     }
     let (rows, cols) = match t.shape.as_slice() {
         [r, c] if *r >= 0 && *c >= 0 => (*r as usize, *c as usize),
-        other => return Err(format!("input {:?} has shape {other:?}; [rows, features] is needed", t.name)),
+        other => return Err(TensorError::InputShape { name: name(), shape: other.to_vec() }),
     };
-    let want = rows.checked_mul(cols).filter(|n| n.checked_mul(4).is_some()).ok_or_else(|| {
-        format!("input {:?}: shape [{rows}, {cols}] is larger than any tensor can be", t.name)
-    })?;
+    let want = rows
+        .checked_mul(cols)
+        .filter(|n| n.checked_mul(4).is_some())
+        .ok_or_else(|| TensorError::InputTooLarge { name: name(), rows, cols })?;
     let data: Vec<f32> = if let Some(raw) = req.raw_input_contents.get(index) {
         if raw.len() != want * 4 {
-            return Err(format!(
-                "input {:?}: {} raw bytes for shape [{rows}, {cols}] (needs {})",
-                t.name,
-                raw.len(),
-                want * 4
-            ));
+            return Err(TensorError::RawInputSize {
+                name: name(),
+                got: raw.len(),
+                rows,
+                cols,
+                needs: want * 4,
+            });
         }
         raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
     } else {
         let v = t.contents.as_ref().map(|c| c.fp32_contents.clone()).unwrap_or_default();
         if v.len() != want {
-            return Err(format!("input {:?}: {} values for shape [{rows}, {cols}]", t.name, v.len()));
+            return Err(TensorError::InputValues { name: name(), got: v.len(), rows, cols });
         }
         v
     };
@@ -49,7 +92,7 @@ pub fn input_f32(req: &pb::ModelInferRequest, index: usize) -> Result<(Vec<f32>,
 }
 
 /// The first output of a response as FP32 `[rows, cols]`.
-pub fn output_f32(resp: &pb::ModelInferResponse) -> Result<(Vec<f32>, usize, usize), String> {
+pub fn output_f32(resp: &pb::ModelInferResponse) -> Result<(Vec<f32>, usize, usize), TensorError> {
     output_as_f32(resp, None)
 }
 
@@ -59,36 +102,41 @@ pub fn output_f32(resp: &pb::ModelInferResponse) -> Result<(Vec<f32>, usize, usi
 pub fn output_as_f32(
     resp: &pb::ModelInferResponse,
     name: Option<&str>,
-) -> Result<(Vec<f32>, usize, usize), String> {
+) -> Result<(Vec<f32>, usize, usize), TensorError> {
     let index = match name {
         None => 0,
-        Some(n) => resp.outputs.iter().position(|o| o.name == n).ok_or_else(|| {
-            let names: Vec<&str> = resp.outputs.iter().map(|o| o.name.as_str()).collect();
-            format!("the answer has no output {n:?} (it has {names:?})")
-        })?,
+        Some(n) => {
+            resp.outputs.iter().position(|o| o.name == n).ok_or_else(|| TensorError::NoSuchOutput {
+                wanted: n.to_string(),
+                names: resp.outputs.iter().map(|o| o.name.clone()).collect(),
+            })?
+        }
     };
-    let t = resp.outputs.get(index).ok_or("response has no output")?;
+    let t = resp.outputs.get(index).ok_or(TensorError::NoOutput)?;
+    let name = || t.name.clone();
     let (rows, cols) = match t.shape.as_slice() {
         [r, c] if *r >= 0 && *c >= 0 => (*r as usize, *c as usize),
-        other => return Err(format!("output {:?} has shape {other:?}; [rows, classes] is needed", t.name)),
+        other => return Err(TensorError::OutputShape { name: name(), shape: other.to_vec() }),
     };
     // Shapes come from the peer: arithmetic on them is checked, so that
     // an absurd one is an error, not an overflow.
-    let values = rows.checked_mul(cols).filter(|n| n.checked_mul(8).is_some()).ok_or_else(|| {
-        format!("output {:?}: shape [{rows}, {cols}] is larger than any tensor can be", t.name)
-    })?;
+    let values = rows
+        .checked_mul(cols)
+        .filter(|n| n.checked_mul(8).is_some())
+        .ok_or_else(|| TensorError::OutputTooLarge { name: name(), rows, cols })?;
     let raw = resp.raw_output_contents.get(index);
     let typed = t.contents.as_ref();
-    let width = |w: usize| -> Result<&[u8], String> {
+    let width = |w: usize| -> Result<&[u8], TensorError> {
         let raw =
-            raw.ok_or_else(|| format!("output {:?} ({}) came without its raw bytes", t.name, t.datatype))?;
+            raw.ok_or_else(|| TensorError::NoRawBytes { name: name(), datatype: t.datatype.clone() })?;
         if raw.len() != values * w {
-            return Err(format!(
-                "output {:?}: {} bytes for {} [{rows}, {cols}]",
-                t.name,
-                raw.len(),
-                t.datatype
-            ));
+            return Err(TensorError::RawOutputSize {
+                name: name(),
+                got: raw.len(),
+                datatype: t.datatype.clone(),
+                rows,
+                cols,
+            });
         }
         Ok(raw)
     };
@@ -113,28 +161,25 @@ pub fn output_as_f32(
             width(2)?.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
         }
         other => {
-            return Err(format!(
-                "output {:?} has datatype {other}: soft labels need floating point (FP32, FP64, FP16 or BF16)",
-                t.name
-            ));
+            return Err(TensorError::NotFloatingPoint { name: name(), datatype: other.to_string() });
         }
     };
     if data.len() != values {
-        return Err(format!("output {:?}: {} values for shape [{rows}, {cols}]", t.name, data.len()));
+        return Err(TensorError::OutputValues { name: name(), got: data.len(), rows, cols });
     }
     Ok((data, rows, cols))
 }
 
 /// Every number of a JSON array (a KServe v2 REST tensor's `data`), nested
 /// or flat, in order.
-pub fn json_numbers(v: &serde_json::Value, out: &mut Vec<f32>) -> Result<(), String> {
+pub fn json_numbers(v: &serde_json::Value, out: &mut Vec<f32>) -> Result<(), TensorError> {
     match v {
         serde_json::Value::Array(items) => items.iter().try_for_each(|i| json_numbers(i, out)),
         serde_json::Value::Number(n) => {
-            out.push(n.as_f64().ok_or("a number out of range")? as f32);
+            out.push(n.as_f64().ok_or(TensorError::NumberOutOfRange)? as f32);
             Ok(())
         }
-        other => Err(format!("{other} is not a number")),
+        other => Err(TensorError::NotANumber(other.clone())),
     }
 }
 
@@ -167,7 +212,7 @@ mod tests {
     fn shapes_too_large_for_any_tensor_are_errors_not_overflows() {
         let mut huge = answer("probs", "FP32", vec![0; 16]);
         huge.outputs[1].shape = vec![i64::MAX, i64::MAX];
-        let e = output_as_f32(&huge, Some("probs")).unwrap_err();
+        let e = output_as_f32(&huge, Some("probs")).unwrap_err().to_string();
         assert!(e.contains("larger than any tensor can be"), "{e}");
         let req = pb::ModelInferRequest {
             inputs: vec![pb::model_infer_request::InferInputTensor {
@@ -179,7 +224,7 @@ mod tests {
             raw_input_contents: vec![vec![0; 16]],
             ..Default::default()
         };
-        let e = input_f32(&req, 0).unwrap_err();
+        let e = input_f32(&req, 0).unwrap_err().to_string();
         assert!(e.contains("larger than any tensor can be"), "{e}");
     }
 
@@ -193,11 +238,13 @@ mod tests {
             let got = output_as_f32(&answer("probs", dt, raw), Some("probs")).unwrap();
             assert_eq!(got, (want.clone(), 2, 2), "{dt}");
         }
-        let e = output_as_f32(&answer("probs", "FP32", f32_bytes(&want)), None).unwrap_err();
+        let e = output_as_f32(&answer("probs", "FP32", f32_bytes(&want)), None).unwrap_err().to_string();
         assert!(e.contains("\"label\" has datatype INT64: soft labels need floating point"), "{e}");
-        let e = output_as_f32(&answer("probs", "FP32", f32_bytes(&want)), Some("logits")).unwrap_err();
+        let e = output_as_f32(&answer("probs", "FP32", f32_bytes(&want)), Some("logits"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("no output \"logits\" (it has [\"label\", \"probs\"])"), "{e}");
-        let e = output_as_f32(&answer("probs", "FP64", vec![0; 8]), Some("probs")).unwrap_err();
+        let e = output_as_f32(&answer("probs", "FP64", vec![0; 8]), Some("probs")).unwrap_err().to_string();
         assert!(e.contains("8 bytes for FP64 [2, 2]"), "{e}");
     }
 }

@@ -13,6 +13,7 @@ use crate::store::{AnyStore, Change, keys, watch};
 use edl_plugin_sdk::{Batch, Dtype};
 use std::{
     collections::{BTreeMap, VecDeque},
+    ops::ControlFlow,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -114,13 +115,18 @@ pub enum OutputKind {
     Probs,
 }
 
+/// A word that names no [`OutputKind`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?}: expected logits or probs")]
+pub struct UnknownOutputKind(pub String);
+
 impl std::str::FromStr for OutputKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownOutputKind;
+    fn from_str(s: &str) -> Result<Self, UnknownOutputKind> {
         match s {
             "logits" => Ok(OutputKind::Logits),
             "probs" => Ok(OutputKind::Probs),
-            other => Err(format!("{other:?}: expected logits or probs")),
+            other => Err(UnknownOutputKind(other.to_string())),
         }
     }
 }
@@ -232,8 +238,8 @@ pub enum DistillError {
     /// (a wrong model name, input, datatype, class count or credentials).
     #[error("every teacher refused the requests: {}", reasons.join("; "))]
     Refused { reasons: Vec<String> },
-    #[error("batch {seq}: {detail}")]
-    BadBatch { seq: u64, detail: String },
+    #[error("batch {seq}: {source}")]
+    BadBatch { seq: u64, source: edl_plugin_sdk::PluginError },
     #[error(transparent)]
     Transform(#[from] crate::plugin::Error),
 }
@@ -390,6 +396,22 @@ struct Pipeline {
 }
 
 type Outcome = (String, Piece, Result<Vec<f32>, (Failure, String)>);
+
+/// Why a teacher endpoint cannot be used.
+#[derive(Debug, thiserror::Error)]
+enum EndpointError {
+    /// The access settings forbid it (see [`TeacherAccess::refusal`]).
+    #[error("{0}")]
+    Refused(String),
+    #[error("{0}:// is not a teacher protocol (http, https, grpc, grpcs)")]
+    UnknownScheme(String),
+    /// The REST client (or its certificates) could not be set up.
+    #[error("{0}")]
+    Http(reqwest::Error),
+    /// The gRPC endpoint (or its TLS) could not be set up.
+    #[error("{0}")]
+    Grpc(tonic::transport::Error),
+}
 
 /// How a teacher is reached.
 #[derive(Clone)]
@@ -603,8 +625,8 @@ impl Ask {
             ..Default::default()
         };
         let resp = self.send(req).await?;
-        let (v, rows, cols) =
-            oip::output_as_f32(&resp, names.output.as_deref()).map_err(|e| (Failure::Permanent, e))?;
+        let (v, rows, cols) = oip::output_as_f32(&resp, names.output.as_deref())
+            .map_err(|e| (Failure::Permanent, e.to_string()))?;
         if rows != piece.rows {
             return Err((Failure::Permanent, format!("answered [{rows}, {cols}] for {} rows", piece.rows)));
         }
@@ -637,8 +659,10 @@ fn describe_status(status: &tonic::Status) -> String {
     if detail.is_empty() { format!("{:?}", status.code()) } else { format!("{:?}: {detail}", status.code()) }
 }
 
-fn features_of(b: &Batch) -> Result<(Vec<f32>, usize), String> {
-    b.validate().map_err(|e| e.to_string())?;
+/// A batch's samples as f32 features (bytes scaled to [0, 1]), and the
+/// features per sample.
+fn features_of(b: &Batch) -> Result<(Vec<f32>, usize), edl_plugin_sdk::PluginError> {
+    b.validate()?;
     let dim = b.sample_elems();
     Ok(match b.dtype {
         Dtype::Float32 => (b.to_f32().expect("float32"), dim),
@@ -703,9 +727,9 @@ impl Pipeline {
     /// How to reach `addr`: `http://` and `https://` are KServe v2 over
     /// REST; `grpc://` plain gRPC, `grpcs://` gRPC over TLS; a bare
     /// `host:port` gRPC, over TLS when a CA is given.
-    fn wire(&self, addr: &str) -> Result<Wire, String> {
+    fn wire(&self, addr: &str) -> Result<Wire, EndpointError> {
         if let Some(why) = self.cfg.access.refusal(addr) {
-            return Err(why);
+            return Err(EndpointError::Refused(why));
         }
         let ca = self.cfg.access.ca_pem.as_deref();
         if addr.starts_with("http://") || addr.starts_with("https://") {
@@ -716,12 +740,12 @@ impl Pipeline {
                 // own teachers'), and nothing else: as over gRPC, a CA given
                 // is the only one trusted (not the platform's roots too).
                 let certs =
-                    reqwest::Certificate::from_pem_bundle(ca.as_bytes()).map_err(|e| e.to_string())?;
+                    reqwest::Certificate::from_pem_bundle(ca.as_bytes()).map_err(EndpointError::Http)?;
                 http = http.tls_certs_only(certs);
             }
             return Ok(Wire::Rest {
                 base: addr.trim_end_matches('/').to_string(),
-                http: http.build().map_err(|e| e.to_string())?,
+                http: http.build().map_err(EndpointError::Http)?,
                 binary: Arc::default(),
             });
         }
@@ -729,18 +753,18 @@ impl Pipeline {
             Some(("grpc", a)) => (false, a),
             Some(("grpcs", a)) => (true, a),
             Some((scheme, _)) => {
-                return Err(format!("{scheme}:// is not a teacher protocol (http, https, grpc, grpcs)"));
+                return Err(EndpointError::UnknownScheme(scheme.to_string()));
             }
             None => (ca.is_some(), addr),
         };
         let uri = format!("{}://{authority}", if tls { "https" } else { "http" });
-        let mut ep = Endpoint::from_shared(uri).map_err(|e| e.to_string())?;
+        let mut ep = Endpoint::from_shared(uri).map_err(EndpointError::Grpc)?;
         if tls {
             let tls = match ca {
                 Some(ca) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)),
                 None => ClientTlsConfig::new().with_webpki_roots(),
             };
-            ep = ep.tls_config(tls).map_err(|e| e.to_string())?;
+            ep = ep.tls_config(tls).map_err(EndpointError::Grpc)?;
         }
         let ch = ep.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true).connect_lazy();
         Ok(Wire::Grpc(GrpcInferenceServiceClient::new(ch).max_decoding_message_size(256 << 20)))
@@ -777,7 +801,7 @@ impl Pipeline {
     fn admit(&mut self, batch: Batch) -> Result<(), DistillError> {
         let seq = self.next_in;
         self.next_in += 1;
-        let (features, dim) = features_of(&batch).map_err(|detail| DistillError::BadBatch { seq, detail })?;
+        let (features, dim) = features_of(&batch).map_err(|source| DistillError::BadBatch { seq, source })?;
         let rows = batch.len();
         let step = self.cfg.teacher_batch.max(1);
         let pieces: Vec<Piece> =
@@ -890,14 +914,55 @@ impl Pipeline {
         }
     }
 
-    // Long: the reader's one event loop (batches in, answers back, teachers
-    // coming and going); its arms share the pipeline's state.
+    /// The reader's event loop (batches in, answers back, teachers coming
+    /// and going), until every batch of the source is out, the consumer
+    /// is gone, or the reader stops with an error, which it sends last.
     async fn run(
         mut self,
         mut batches: mpsc::Receiver<Result<Batch, DistillError>>,
         out: mpsc::Sender<Result<Distilled, DistillError>>,
     ) {
-        let mut changes = match &self.teachers {
+        let mut changes = self.follow_teachers();
+        let mut running: JoinSet<Outcome> = JoinSet::new();
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        loop {
+            if self.emit_finished(&out).await.is_break() {
+                return;
+            }
+            self.dispatch(&mut running);
+            if let Err(e) = self.check_progress(running.is_empty()) {
+                let _ = out.send(Err(e)).await;
+                return;
+            }
+            let room = self.pending.len() < self.cfg.read_ahead.max(1) && !self.source_done;
+            let step = tokio::select! {
+                Some(done) = running.join_next(), if !running.is_empty() => {
+                    match done {
+                        Ok(outcome) => self.complete(outcome),
+                        Err(e) => tracing::warn!("a teacher request task failed: {e}"),
+                    }
+                    Ok(())
+                }
+                next = batches.recv(), if room => self.take_batch(next),
+                Some(change) = next_change(&mut changes), if changes.is_some() => {
+                    self.teacher_changed(change);
+                    Ok(())
+                }
+                _ = tick.tick() => Ok(()),
+            };
+            if let Err(e) = step {
+                let _ = out.send(Err(e)).await;
+                return;
+            }
+            // Forget drained teachers.
+            self.pool.retain(|_, t| !(t.draining && t.outstanding == 0));
+        }
+    }
+
+    /// Adds the fixed teachers, or starts following the store's list of
+    /// them (its changes, for [`Pipeline::teacher_changed`]).
+    fn follow_teachers(&mut self) -> Option<mpsc::Receiver<Change>> {
+        match &self.teachers {
             Teachers::Fixed(list) => {
                 for a in list.clone() {
                     self.add_teacher(&a);
@@ -907,86 +972,86 @@ impl Pipeline {
             Teachers::Discovered { store, service } => {
                 Some(watch(store.clone(), keys::teachers(service), Duration::from_millis(200)))
             }
-        };
-        let mut running: JoinSet<Outcome> = JoinSet::new();
-        let mut tick = tokio::time::interval(Duration::from_millis(50));
-        loop {
-            // Emit finished batches in order.
-            while self.pending.get(&self.next_out).is_some_and(|p| p.missing == 0) {
-                let p = self.pending.remove(&self.next_out).expect("checked above");
-                self.next_out += 1;
-                let classes = self.classes.unwrap_or(0);
-                if out.send(Ok(Distilled { batch: p.batch, soft: p.soft, classes })).await.is_err() {
-                    return;
-                }
-            }
-            if self.source_done && self.pending.is_empty() {
-                return;
-            }
-            self.dispatch(&mut running);
-
-            // Work waiting and no answer for the whole wait (teachers gone,
-            // failing or cooling down, retried in turn): give up, saying why.
-            // Only an accepted answer resets the wait.
-            if self.queue.is_empty() && running.is_empty() {
-                self.stalled_since = None;
-            } else {
-                let since = *self.stalled_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= self.cfg.wait_for_teachers {
-                    let last = self.pool.values().filter_map(|t| t.last_error.clone()).collect();
-                    let _ = out
-                        .send(Err(DistillError::NoTeachers { waited: self.cfg.wait_for_teachers, last }))
-                        .await;
-                    return;
-                }
-            }
-            // Every fixed teacher refused for a reason retrying cannot fix:
-            // say so now rather than after the wait.
-            let all_refused = !self.pool.is_empty() && self.pool.values().all(|t| t.refused.is_some());
-            if matches!(self.teachers, Teachers::Fixed(_)) && all_refused && running.is_empty() {
-                let reasons = self.pool.values().filter_map(|t| t.refused.clone()).collect();
-                let _ = out.send(Err(DistillError::Refused { reasons })).await;
-                return;
-            }
-            if !self.queue.is_empty() && running.is_empty() && self.pool.values().all(|t| t.draining) {
-                tracing::warn!("no teacher available; waiting up to {:?}", self.cfg.wait_for_teachers);
-            }
-
-            let room = self.pending.len() < self.cfg.read_ahead.max(1) && !self.source_done;
-            tokio::select! {
-                Some(done) = running.join_next(), if !running.is_empty() => {
-                    match done {
-                        Ok(outcome) => self.complete(outcome),
-                        Err(e) => tracing::warn!("a teacher request task failed: {e}"),
-                    }
-                }
-                next = batches.recv(), if room => match next {
-                    Some(Ok(b)) => {
-                        if let Err(e) = self.admit(b) {
-                            let _ = out.send(Err(e)).await;
-                            return;
-                        }
-                    }
-                    Some(Err(e)) => {
-                        let _ = out.send(Err(e)).await;
-                        return;
-                    }
-                    None => self.source_done = true,
-                },
-                Some(change) = async { match changes.as_mut() { Some(rx) => rx.recv().await, None => None } }, if changes.is_some() => {
-                    match change {
-                        Change::Added(e) | Change::Updated(e) => self.add_teacher(&String::from_utf8_lossy(&e.value)),
-                        Change::Removed(key) => {
-                            let addr = key.rsplit('/').next().unwrap_or_default().to_string();
-                            self.remove_teacher(&addr);
-                        }
-                    }
-                }
-                _ = tick.tick() => {}
-            }
-            // Forget drained teachers.
-            self.pool.retain(|_, t| !(t.draining && t.outstanding == 0));
         }
+    }
+
+    /// Sends the batches whose answers are all in, in source order. Breaks
+    /// when the consumer is gone or the source is done and nothing is left.
+    async fn emit_finished(
+        &mut self,
+        out: &mpsc::Sender<Result<Distilled, DistillError>>,
+    ) -> ControlFlow<()> {
+        while self.pending.get(&self.next_out).is_some_and(|p| p.missing == 0) {
+            let p = self.pending.remove(&self.next_out).expect("checked above");
+            self.next_out += 1;
+            let classes = self.classes.unwrap_or(0);
+            if out.send(Ok(Distilled { batch: p.batch, soft: p.soft, classes })).await.is_err() {
+                return ControlFlow::Break(());
+            }
+        }
+        if self.source_done && self.pending.is_empty() {
+            return ControlFlow::Break(());
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// Why the reader must give up now, if it must: work waited a whole
+    /// wait with no answer, or every fixed teacher refused. `idle`: no
+    /// request is in flight.
+    fn check_progress(&mut self, idle: bool) -> Result<(), DistillError> {
+        // Teachers gone, failing or cooling down (retried in turn): only an
+        // accepted answer resets the wait.
+        if self.queue.is_empty() && idle {
+            self.stalled_since = None;
+        } else {
+            let since = *self.stalled_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= self.cfg.wait_for_teachers {
+                let last = self.pool.values().filter_map(|t| t.last_error.clone()).collect();
+                return Err(DistillError::NoTeachers { waited: self.cfg.wait_for_teachers, last });
+            }
+        }
+        // Refused for a reason retrying cannot fix: say so now rather than
+        // after the wait.
+        let all_refused = !self.pool.is_empty() && self.pool.values().all(|t| t.refused.is_some());
+        if matches!(self.teachers, Teachers::Fixed(_)) && all_refused && idle {
+            let reasons = self.pool.values().filter_map(|t| t.refused.clone()).collect();
+            return Err(DistillError::Refused { reasons });
+        }
+        if !self.queue.is_empty() && idle && self.pool.values().all(|t| t.draining) {
+            tracing::warn!("no teacher available; waiting up to {:?}", self.cfg.wait_for_teachers);
+        }
+        Ok(())
+    }
+
+    /// Takes the source's next batch (None: the source is done); a batch
+    /// that cannot be taken, or the source's error, stops the reader.
+    fn take_batch(&mut self, next: Option<Result<Batch, DistillError>>) -> Result<(), DistillError> {
+        match next {
+            Some(batch) => self.admit(batch?),
+            None => {
+                self.source_done = true;
+                Ok(())
+            }
+        }
+    }
+
+    /// A teacher registered, re-registered or left the store.
+    fn teacher_changed(&mut self, change: Change) {
+        match change {
+            Change::Added(e) | Change::Updated(e) => self.add_teacher(&String::from_utf8_lossy(&e.value)),
+            Change::Removed(key) => {
+                let addr = key.rsplit('/').next().unwrap_or_default().to_string();
+                self.remove_teacher(&addr);
+            }
+        }
+    }
+}
+
+/// The next change to the teachers followed (never, when none are).
+async fn next_change(changes: &mut Option<mpsc::Receiver<Change>>) -> Option<Change> {
+    match changes.as_mut() {
+        Some(rx) => rx.recv().await,
+        None => None,
     }
 }
 

@@ -1,7 +1,7 @@
 //! KServe v2 over HTTP/REST, the client side: a DistillReader's calls to a
 //! teacher that speaks it, as the same messages the gRPC side uses.
 
-use super::oip::{HEADER_LENGTH, json_numbers, pb};
+use super::oip::{HEADER_LENGTH, TensorError, json_numbers, pb};
 use serde_json::{Value, json};
 
 /// A failed call: the HTTP status, if one came, and what was said.
@@ -74,7 +74,7 @@ async fn body(mut resp: reqwest::Response) -> Result<(reqwest::header::HeaderMap
 
 /// A JSON tensor's values as the bytes a binary answer of `datatype`
 /// would hold (which the decoding of answers then reads).
-fn raw_of_json(datatype: &str, data: &Value) -> Result<Vec<u8>, String> {
+fn raw_of_json(datatype: &str, data: &Value) -> Result<Vec<u8>, TensorError> {
     let mut values = Vec::new();
     json_numbers(data, &mut values)?;
     Ok(match datatype {
@@ -148,21 +148,20 @@ pub async fn speaks_binary(
 
 /// A raw FP32 or FP64 input's values, for a JSON request.
 fn json_values(datatype: &str, raw: &[u8]) -> Result<Value, CallError> {
-    let bad = |detail: String| CallError { status: None, detail };
     let values: Vec<Value> = match datatype {
         "FP32" => raw.chunks_exact(4).map(|c| json!(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect(),
         "FP64" => {
             raw.chunks_exact(8).map(|c| json!(f64::from_le_bytes(c.try_into().expect("8 bytes")))).collect()
         }
-        other => return Err(bad(format!("an input of datatype {other} cannot be sent as JSON here"))),
+        other => {
+            return Err(local_error(format!("an input of datatype {other} cannot be sent as JSON here")));
+        }
     };
     Ok(Value::Array(values))
 }
 
 /// `POST .../infer`: with the binary-data extension both ways where the
 /// server has it (`binary`), in JSON tensors otherwise.
-// Long: one call's binary framing both ways (request out, response in),
-// read together because each side mirrors the other.
 pub async fn infer(
     http: &reqwest::Client,
     base: &str,
@@ -170,6 +169,43 @@ pub async fn infer(
     token: Option<&str>,
     binary: bool,
 ) -> Result<pb::ModelInferResponse, CallError> {
+    let (payload, json_len) = request_body(req, binary)?;
+    let url = format!("{}/infer", model_url(base, &req.model_name, &req.model_version));
+    let call = if binary {
+        http.post(url)
+            .header(HEADER_LENGTH, json_len.to_string())
+            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .body(payload)
+    } else {
+        http.post(url).header(reqwest::header::CONTENT_TYPE, "application/json").body(payload)
+    };
+    let resp = authorized(call, token).send().await.map_err(transport)?;
+    let (headers, bytes) = body(resp).await?;
+    decode_answer(&headers, &bytes)
+}
+
+/// A failure on this side of a call, with no HTTP status to tell.
+fn local_error(detail: String) -> CallError {
+    CallError { status: None, detail }
+}
+
+/// An infer request's body, and the length of its JSON part: the JSON head,
+/// followed with `binary` by the inputs' raw bytes in order.
+fn request_body(req: &pb::ModelInferRequest, binary: bool) -> Result<(Vec<u8>, usize), CallError> {
+    let head = request_head(req, binary)?;
+    let mut payload = serde_json::to_vec(&head).map_err(|e| local_error(e.to_string()))?;
+    let json_len = payload.len();
+    if binary {
+        for raw in &req.raw_input_contents {
+            payload.extend_from_slice(raw);
+        }
+    }
+    Ok((payload, json_len))
+}
+
+/// An infer request's JSON head: the inputs (their values in it unless
+/// `binary`, where they follow it) and the outputs asked for.
+fn request_head(req: &pb::ModelInferRequest, binary: bool) -> Result<Value, CallError> {
     let inputs: Vec<Value> = req
         .inputs
         .iter()
@@ -202,36 +238,24 @@ pub async fn infer(
     if !outputs.is_empty() {
         head["outputs"] = Value::Array(outputs);
     }
-    let mut payload =
-        serde_json::to_vec(&head).map_err(|e| CallError { status: None, detail: e.to_string() })?;
-    let json_len = payload.len();
-    if binary {
-        for raw in &req.raw_input_contents {
-            payload.extend_from_slice(raw);
-        }
-    }
-    let url = format!("{}/infer", model_url(base, &req.model_name, &req.model_version));
-    let call = if binary {
-        http.post(url)
-            .header(HEADER_LENGTH, json_len.to_string())
-            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-            .body(payload)
-    } else {
-        http.post(url).header(reqwest::header::CONTENT_TYPE, "application/json").body(payload)
-    };
-    let resp = authorized(call, token).send().await.map_err(transport)?;
-    let (headers, bytes) = body(resp).await?;
-    let bad = |detail: String| CallError { status: None, detail };
-    let json_len = match headers.get(HEADER_LENGTH).and_then(|v| v.to_str().ok()) {
-        Some(v) => v
-            .parse::<usize>()
-            .ok()
-            .filter(|&n| n <= bytes.len())
-            .ok_or_else(|| bad(format!("{HEADER_LENGTH} {v:?} is not a length within the body")))?,
-        None => bytes.len(),
-    };
+    Ok(head)
+}
+
+/// An infer answer as the gRPC message: its JSON part (all of the body
+/// unless [`HEADER_LENGTH`] says less), then the binary outputs after it.
+fn decode_answer(
+    headers: &reqwest::header::HeaderMap,
+    bytes: &[u8],
+) -> Result<pb::ModelInferResponse, CallError> {
+    let json_len =
+        match headers.get(HEADER_LENGTH).and_then(|v| v.to_str().ok()) {
+            Some(v) => v.parse::<usize>().ok().filter(|&n| n <= bytes.len()).ok_or_else(|| {
+                local_error(format!("{HEADER_LENGTH} {v:?} is not a length within the body"))
+            })?,
+            None => bytes.len(),
+        };
     let v: Value = serde_json::from_slice(&bytes[..json_len])
-        .map_err(|e| bad(format!("the answer is not JSON: {e}")))?;
+        .map_err(|e| local_error(format!("the answer is not JSON: {e}")))?;
     let mut blobs = &bytes[json_len..];
     let mut out = pb::ModelInferResponse {
         model_name: v["model_name"].as_str().unwrap_or_default().into(),
@@ -239,36 +263,44 @@ pub async fn infer(
         id: v["id"].as_str().unwrap_or_default().into(),
         ..Default::default()
     };
-    for o in v["outputs"].as_array().ok_or_else(|| bad("the answer has no outputs".into()))? {
-        let name = o["name"].as_str().unwrap_or_default().to_string();
-        let datatype = o["datatype"].as_str().unwrap_or_default().to_string();
-        let shape: Vec<i64> =
-            o["shape"].as_array().map(|s| s.iter().filter_map(Value::as_i64).collect()).unwrap_or_default();
-        let raw = match o["parameters"]["binary_data_size"].as_u64() {
-            Some(n) => {
-                let n = n as usize;
-                if n > blobs.len() {
-                    return Err(bad(format!(
-                        "output {name:?}: {n} binary bytes announced, {} there",
-                        blobs.len()
-                    )));
-                }
-                let (mine, rest) = blobs.split_at(n);
-                blobs = rest;
-                mine.to_vec()
-            }
-            // JSON values, as raw bytes of the datatype given.
-            None => raw_of_json(&datatype, &o["data"]).map_err(|e| bad(format!("output {name:?}: {e}")))?,
-        };
-        out.outputs.push(pb::model_infer_response::InferOutputTensor {
-            name,
-            datatype,
-            shape,
-            ..Default::default()
-        });
+    for o in v["outputs"].as_array().ok_or_else(|| local_error("the answer has no outputs".into()))? {
+        let (tensor, raw) = decode_output(o, &mut blobs)?;
+        out.outputs.push(tensor);
         out.raw_output_contents.push(raw);
     }
     Ok(out)
+}
+
+/// One output of an answer and its values as raw bytes: the next of
+/// `blobs` where it announces binary data, else its JSON values converted
+/// to its datatype.
+fn decode_output(
+    o: &Value,
+    blobs: &mut &[u8],
+) -> Result<(pb::model_infer_response::InferOutputTensor, Vec<u8>), CallError> {
+    let name = o["name"].as_str().unwrap_or_default().to_string();
+    let datatype = o["datatype"].as_str().unwrap_or_default().to_string();
+    let shape: Vec<i64> =
+        o["shape"].as_array().map(|s| s.iter().filter_map(Value::as_i64).collect()).unwrap_or_default();
+    let raw = match o["parameters"]["binary_data_size"].as_u64() {
+        Some(n) => {
+            let n = n as usize;
+            if n > blobs.len() {
+                return Err(local_error(format!(
+                    "output {name:?}: {n} binary bytes announced, {} there",
+                    blobs.len()
+                )));
+            }
+            let (mine, rest) = blobs.split_at(n);
+            *blobs = rest;
+            mine.to_vec()
+        }
+        None => {
+            raw_of_json(&datatype, &o["data"]).map_err(|e| local_error(format!("output {name:?}: {e}")))?
+        }
+    };
+    let tensor = pb::model_infer_response::InferOutputTensor { name, datatype, shape, ..Default::default() };
+    Ok((tensor, raw))
 }
 
 #[cfg(test)]

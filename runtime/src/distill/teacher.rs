@@ -369,7 +369,8 @@ impl TeacherService {
     /// Checks a request for this model and runs it.
     async fn answer(&self, req: pb::ModelInferRequest) -> Result<Response<pb::ModelInferResponse>, Status> {
         self.check_tensors(&req)?;
-        let (input, rows, cols) = oip::input_f32(&req, 0).map_err(Status::invalid_argument)?;
+        let (input, rows, cols) =
+            oip::input_f32(&req, 0).map_err(|e| Status::invalid_argument(e.to_string()))?;
         if cols != self.model.input_dim() {
             return Err(Status::invalid_argument(format!(
                 "input has {cols} features per row; the model takes {}",

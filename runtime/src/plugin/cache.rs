@@ -105,53 +105,68 @@ fn digest_file(entry: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
+/// Why the cache directory or a cached artifact is not used.
+#[derive(Debug, thiserror::Error)]
+enum CacheError {
+    #[error("no recorded checksum ({0}); it was not written by this runtime")]
+    NoChecksum(std::io::Error),
+    #[error("{0}")]
+    Read(std::io::Error),
+    #[error("checksum mismatch (recorded {recorded}, found {actual})")]
+    ChecksumMismatch { recorded: String, actual: String },
+    #[error("cannot create {}: {source}", dir.display())]
+    CreateDir { dir: PathBuf, source: std::io::Error },
+    #[error("{}: {source}", path.display())]
+    Stat { path: PathBuf, source: std::io::Error },
+    #[error("{} belongs to uid {owner}, not to this user ({me})", path.display())]
+    ForeignOwner { path: PathBuf, owner: u32, me: u32 },
+    #[error("{} can be written by other users (mode {mode:o})", path.display())]
+    WritableByOthers { path: PathBuf, mode: u32 },
+}
+
 /// The entry's bytes, when they are this user's and match their recorded digest.
-fn verified(entry: &Path) -> Result<Vec<u8>, String> {
+fn verified(entry: &Path) -> Result<Vec<u8>, CacheError> {
     owned_by_me(entry)?;
-    let recorded = std::fs::read_to_string(digest_file(entry))
-        .map_err(|e| format!("no recorded checksum ({e}); it was not written by this runtime"))?;
-    let bytes = std::fs::read(entry).map_err(|e| e.to_string())?;
+    let recorded = std::fs::read_to_string(digest_file(entry)).map_err(CacheError::NoChecksum)?;
+    let bytes = std::fs::read(entry).map_err(CacheError::Read)?;
     let actual = hex::encode(Sha256::digest(&bytes));
     if recorded.trim() != actual {
-        return Err(format!("checksum mismatch (recorded {}, found {actual})", recorded.trim()));
+        return Err(CacheError::ChecksumMismatch { recorded: recorded.trim().to_string(), actual });
     }
     Ok(bytes)
 }
 
 /// Creates the directory (mode 0700) when missing; refuses one that another
 /// user owns or can write.
-fn trusted_dir(dir: &Path) -> Result<(), String> {
+fn trusted_dir(dir: &Path) -> Result<(), CacheError> {
     if !dir.exists() {
         let mut b = std::fs::DirBuilder::new();
         b.recursive(true);
         #[cfg(unix)]
         std::os::unix::fs::DirBuilderExt::mode(&mut b, 0o700);
-        b.create(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        b.create(dir).map_err(|source| CacheError::CreateDir { dir: dir.to_path_buf(), source })?;
     }
     owned_by_me(dir)
 }
 
 #[cfg(unix)]
-fn owned_by_me(path: &Path) -> Result<(), String> {
+fn owned_by_me(path: &Path) -> Result<(), CacheError> {
     use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::symlink_metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let meta = std::fs::symlink_metadata(path)
+        .map_err(|source| CacheError::Stat { path: path.to_path_buf(), source })?;
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
     if meta.uid() != me {
-        return Err(format!("{} belongs to uid {}, not to this user ({me})", path.display(), meta.uid()));
+        return Err(CacheError::ForeignOwner { path: path.to_path_buf(), owner: meta.uid(), me });
     }
     if meta.mode() & 0o022 != 0 {
-        return Err(format!(
-            "{} can be written by other users (mode {:o})",
-            path.display(),
-            meta.mode() & 0o777
-        ));
+        return Err(CacheError::WritableByOthers { path: path.to_path_buf(), mode: meta.mode() & 0o777 });
     }
     Ok(())
 }
 
 #[cfg(not(unix))]
-fn owned_by_me(_path: &Path) -> Result<(), String> {
+fn owned_by_me(_path: &Path) -> Result<(), CacheError> {
     Ok(())
 }
 

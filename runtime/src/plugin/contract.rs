@@ -35,6 +35,44 @@ pub fn checked(loaded: Loaded, path: &str) -> Loaded {
 /// The most memory a plugin may hand over: it is stored at every commit.
 pub const MAX_STATE_BYTES: usize = 64 << 10;
 
+/// How a plugin's answer breaks the contract.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ContractBreach {
+    #[error("saved {bytes} bytes of state, more than the {MAX_STATE_BYTES} allowed")]
+    StateTooLarge { bytes: usize },
+    #[error("learning rate {0} (must be finite and above 0)")]
+    LearningRate(f32),
+    #[error("momentum {0} (must be in [0, 1))")]
+    Momentum(f32),
+    #[error("global batch {global} and local batch {local} (both must be at least 1)")]
+    ZeroBatch { global: u32, local: u32 },
+    #[error("local batch {local} above the global batch {global}")]
+    LocalAboveGlobal { local: u32, global: u32 },
+    #[error("{labels} labels for {ids} sample ids")]
+    LabelCount { labels: usize, ids: usize },
+    #[error("{out} samples out of {input} in")]
+    SampleCount { out: usize, input: usize },
+    #[error("shape {shape:?} says {first} samples, the batch has {rows}")]
+    ShapeRows { shape: Vec<u32>, first: u32, rows: usize },
+    #[error("an empty shape")]
+    EmptyShape,
+    /// The shape's size (None: more than can be addressed) is not the data's.
+    #[error("shape {shape:?} of {dtype:?} needs {} bytes, the data has {data}", needed(.needs))]
+    DataSize { shape: Vec<u32>, dtype: Dtype, needs: Option<usize>, data: usize },
+    #[error("sample id {0} was not in the input")]
+    ForeignId(u64),
+    #[error("sample id {0} of the input is missing (another one repeats)")]
+    MissingId(u64),
+    #[error("the sample ids are not those of the input")]
+    OtherIds,
+    #[error("value {value} of sample {sample} is not finite")]
+    NotFinite { value: usize, sample: usize },
+}
+
+fn needed(bytes: &Option<usize>) -> String {
+    bytes.map_or("more than addressable".to_string(), |b| b.to_string())
+}
+
 impl<T: ?Sized + Plugin> Plugin for Checked<T> {
     fn info(&self) -> &PluginInfo {
         self.inner.info()
@@ -49,9 +87,7 @@ impl<T: ?Sized + Plugin> Plugin for Checked<T> {
         if let Some(bytes) = &state
             && bytes.len() > MAX_STATE_BYTES
         {
-            let detail =
-                format!("saved {} bytes of state, more than the {MAX_STATE_BYTES} allowed", bytes.len());
-            return Err(self.broken("save", detail));
+            return Err(self.broken("save", ContractBreach::StateTooLarge { bytes: bytes.len() }));
         }
         Ok(state)
     }
@@ -90,55 +126,51 @@ impl<T: ?Sized + TransformPlugin> TransformPlugin for Checked<T> {
 }
 
 impl<T: ?Sized> Checked<T> {
-    fn broken(&self, call: &'static str, detail: String) -> Error {
-        Error::Contract { path: self.path.clone(), call, detail }
+    fn broken(&self, call: &'static str, breach: ContractBreach) -> Error {
+        Error::Contract { path: self.path.clone(), call, detail: breach.to_string() }
     }
 }
 
 /// Hyperparameters a job can train with.
-pub fn check_hyperparams(h: &Hyperparams) -> Result<(), String> {
+pub fn check_hyperparams(h: &Hyperparams) -> Result<(), ContractBreach> {
     if !(h.lr.is_finite() && h.lr > 0.0) {
-        return Err(format!("learning rate {} (must be finite and above 0)", h.lr));
+        return Err(ContractBreach::LearningRate(h.lr));
     }
     if !(h.momentum.is_finite() && (0.0..1.0).contains(&h.momentum)) {
-        return Err(format!("momentum {} (must be in [0, 1))", h.momentum));
+        return Err(ContractBreach::Momentum(h.momentum));
     }
     if h.global_batch == 0 || h.local_batch == 0 {
-        return Err(format!(
-            "global batch {} and local batch {} (both must be at least 1)",
-            h.global_batch, h.local_batch
-        ));
+        return Err(ContractBreach::ZeroBatch { global: h.global_batch, local: h.local_batch });
     }
     if h.local_batch > h.global_batch {
-        return Err(format!("local batch {} above the global batch {}", h.local_batch, h.global_batch));
+        return Err(ContractBreach::LocalAboveGlobal { local: h.local_batch, global: h.global_batch });
     }
     Ok(())
 }
 
 /// A transform's output against its input.
-pub fn check_batch(input: &Batch, out: &Batch) -> Result<(), String> {
+pub fn check_batch(input: &Batch, out: &Batch) -> Result<(), ContractBreach> {
     let rows = out.ids.len();
     if out.labels.len() != rows {
-        return Err(format!("{} labels for {rows} sample ids", out.labels.len()));
+        return Err(ContractBreach::LabelCount { labels: out.labels.len(), ids: rows });
     }
     if rows != input.ids.len() {
-        return Err(format!("{rows} samples out of {} in", input.ids.len()));
+        return Err(ContractBreach::SampleCount { out: rows, input: input.ids.len() });
     }
     match out.shape.first() {
         Some(&n) if n as usize == rows => {}
-        Some(n) => return Err(format!("shape {:?} says {n} samples, the batch has {rows}", out.shape)),
-        None => return Err("an empty shape".into()),
+        Some(&first) => return Err(ContractBreach::ShapeRows { shape: out.shape.clone(), first, rows }),
+        None => return Err(ContractBreach::EmptyShape),
     }
     let elems = out.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d as usize));
-    let bytes = elems.and_then(|e| e.checked_mul(out.dtype.size()));
-    if bytes != Some(out.data.len()) {
-        return Err(format!(
-            "shape {:?} of {:?} needs {} bytes, the data has {}",
-            out.shape,
-            out.dtype,
-            bytes.map_or("more than addressable".to_string(), |b| b.to_string()),
-            out.data.len()
-        ));
+    let needs = elems.and_then(|e| e.checked_mul(out.dtype.size()));
+    if needs != Some(out.data.len()) {
+        return Err(ContractBreach::DataSize {
+            shape: out.shape.clone(),
+            dtype: out.dtype,
+            needs,
+            data: out.data.len(),
+        });
     }
     let mut before = input.ids.clone();
     let mut after = out.ids.clone();
@@ -148,9 +180,9 @@ pub fn check_batch(input: &Batch, out: &Batch) -> Result<(), String> {
         let missing = before.iter().find(|i| after.binary_search(i).is_err());
         let foreign = after.iter().find(|i| before.binary_search(i).is_err());
         return Err(match (missing, foreign) {
-            (_, Some(f)) => format!("sample id {f} was not in the input"),
-            (Some(m), None) => format!("sample id {m} of the input is missing (another one repeats)"),
-            (None, None) => "the sample ids are not those of the input".into(),
+            (_, Some(&f)) => ContractBreach::ForeignId(f),
+            (Some(&m), None) => ContractBreach::MissingId(m),
+            (None, None) => ContractBreach::OtherIds,
         });
     }
     if out.dtype == Dtype::Float32 {
@@ -158,11 +190,10 @@ pub fn check_batch(input: &Batch, out: &Batch) -> Result<(), String> {
         if let Some(at) =
             out.data.chunks_exact(4).position(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite())
         {
-            return Err(format!(
-                "value {} of sample {} is not finite",
-                at % (row / 4).max(1),
-                at * 4 / row.max(1)
-            ));
+            return Err(ContractBreach::NotFinite {
+                value: at % (row / 4).max(1),
+                sample: at * 4 / row.max(1),
+            });
         }
     }
     Ok(())
@@ -216,7 +247,7 @@ mod tests {
         for (break_it, want) in cases {
             let mut o = b.clone();
             break_it(&mut o);
-            let e = check_batch(&b, &o).unwrap_err();
+            let e = check_batch(&b, &o).unwrap_err().to_string();
             assert!(e.contains(want), "{e:?} should say {want:?}");
         }
     }
@@ -236,7 +267,7 @@ mod tests {
             (Hyperparams { local_batch: 0, ..ok }, "local batch 0"),
             (Hyperparams { local_batch: 65, ..ok }, "local batch 65 above"),
         ] {
-            let e = check_hyperparams(&h).unwrap_err();
+            let e = check_hyperparams(&h).unwrap_err().to_string();
             assert!(e.contains(want), "{e:?} should say {want:?}");
         }
     }

@@ -24,7 +24,7 @@ mod stderr;
 mod wasm;
 
 pub use cache::{ArtifactCache, CacheStatus};
-pub use contract::{check_batch, check_hyperparams};
+pub use contract::{ContractBreach, check_batch, check_hyperparams};
 pub use error::Error;
 pub use host::{HostOptions, Inspection, PluginHost};
 pub use limits::Limits;

@@ -169,8 +169,6 @@ impl Trainer {
     /// Computes the gradient of this shard's summed loss divided by
     /// `global_rows` into the gradient buffer; returns the shard's summed loss.
     /// Without `teacher` logits the loss is plain cross-entropy.
-    // Long: the forward and backward passes of every layer in one place,
-    // sharing their activation buffers; apart they would be harder to check.
     pub fn compute_gradient(
         &mut self,
         x: &[f32],
@@ -189,90 +187,10 @@ impl Trainer {
         if rows == 0 {
             return Ok(0.0);
         }
-        // Forward, keeping each layer's output (the next one's input).
-        let mut acts: Vec<Vec<f32>> = Vec::with_capacity(self.model.layers.len());
-        for (i, l) in self.model.layers.iter().enumerate() {
-            let input = if i == 0 { x } else { &acts[i - 1] };
-            let mut z = vec![0f32; rows * l.outputs];
-            for r in 0..rows {
-                z[r * l.outputs..(r + 1) * l.outputs].copy_from_slice(&l.bias);
-            }
-            gemm(
-                rows,
-                l.inputs,
-                l.outputs,
-                View::row_major(input, l.inputs),
-                View::row_major(&l.weight, l.outputs),
-                &mut z,
-                true,
-            )?;
-            if i + 1 < self.model.layers.len() {
-                z.iter_mut().for_each(|v| *v = v.max(0.0));
-            }
-            acts.push(z);
-        }
+        let mut acts = forward(&self.model, x, rows)?;
         let logits = acts.pop().expect("at least one layer");
-        let classes = self.model.output_dim();
-        let (params, teacher_values) = match teacher {
-            Some(t) => (*loss, Teacher::Logits(t)),
-            None => (SoftLabelLoss { alpha: 0.0, ..*loss }, Teacher::Logits(&logits)),
-        };
-        let mut g = vec![0f32; rows * classes];
-        let mean = params.forward_backward(
-            &LossBatch { student: &logits, teacher: teacher_values, labels: Some(labels), rows, classes },
-            &mut g,
-        )?;
-        // The loss averaged over this shard; rescale to the global batch.
-        let scale = rows as f32 / global_rows.max(1) as f32;
-        g.iter_mut().for_each(|v| *v *= scale);
-
-        // Backward, last layer first; gradient layout: per layer weight then bias.
-        let mut offsets = Vec::new();
-        let mut at = 0;
-        for l in &self.model.layers {
-            offsets.push(at);
-            at += l.weight.len() + l.bias.len();
-        }
-        for li in (0..self.model.layers.len()).rev() {
-            let l = &self.model.layers[li];
-            let a: &[f32] = if li == 0 { x } else { &acts[li - 1] };
-            let off = offsets[li];
-            let (dw, rest) = self.grad[off..].split_at_mut(l.weight.len());
-            // dW = A^T G
-            gemm(
-                l.inputs,
-                rows,
-                l.outputs,
-                View::transposed(a, l.inputs),
-                View::row_major(&g, l.outputs),
-                dw,
-                false,
-            )?;
-            for r in 0..rows {
-                for (db, gv) in rest[..l.outputs].iter_mut().zip(&g[r * l.outputs..(r + 1) * l.outputs]) {
-                    *db += gv;
-                }
-            }
-            if li > 0 {
-                // G_prev = G W^T, through the ReLU.
-                let mut prev = vec![0f32; rows * l.inputs];
-                gemm(
-                    rows,
-                    l.outputs,
-                    l.inputs,
-                    View::row_major(&g, l.outputs),
-                    View::transposed(&l.weight, l.outputs),
-                    &mut prev,
-                    false,
-                )?;
-                for (p, act) in prev.iter_mut().zip(a) {
-                    if *act <= 0.0 {
-                        *p = 0.0;
-                    }
-                }
-                g = prev;
-            }
-        }
+        let (mean, g) = logits_gradient(&logits, labels, teacher, loss, global_rows)?;
+        backward(&self.model, x, rows, &acts, g, &mut self.grad)?;
         Ok(mean as f64 * rows as f64)
     }
 
@@ -307,6 +225,120 @@ impl Trainer {
     pub fn accuracy(&self, data: &Dataset) -> f32 {
         self.model.accuracy(data)
     }
+}
+
+/// The forward pass on the CPU: each layer's output for the `rows` rows of
+/// `x` (ReLU after all but the last), kept for the backward pass; the last
+/// is the logits.
+fn forward(model: &Mlp, x: &[f32], rows: usize) -> Result<Vec<Vec<f32>>, TrainError> {
+    let mut acts: Vec<Vec<f32>> = Vec::with_capacity(model.layers.len());
+    for (i, l) in model.layers.iter().enumerate() {
+        let input = if i == 0 { x } else { &acts[i - 1] };
+        let mut z = vec![0f32; rows * l.outputs];
+        for r in 0..rows {
+            z[r * l.outputs..(r + 1) * l.outputs].copy_from_slice(&l.bias);
+        }
+        gemm(
+            rows,
+            l.inputs,
+            l.outputs,
+            View::row_major(input, l.inputs),
+            View::row_major(&l.weight, l.outputs),
+            &mut z,
+            true,
+        )?;
+        if i + 1 < model.layers.len() {
+            z.iter_mut().for_each(|v| *v = v.max(0.0));
+        }
+        acts.push(z);
+    }
+    Ok(acts)
+}
+
+/// The shard's mean loss, and its gradient with respect to the logits,
+/// scaled so that the ranks' gradients sum to the global batch's.
+fn logits_gradient(
+    logits: &[f32],
+    labels: &[u32],
+    teacher: Option<&[f32]>,
+    loss: &SoftLabelLoss,
+    global_rows: usize,
+) -> Result<(f32, Vec<f32>), TrainError> {
+    let rows = labels.len();
+    let classes = logits.len() / rows;
+    let (params, teacher_values) = match teacher {
+        Some(t) => (*loss, Teacher::Logits(t)),
+        None => (SoftLabelLoss { alpha: 0.0, ..*loss }, Teacher::Logits(logits)),
+    };
+    let mut g = vec![0f32; rows * classes];
+    let mean = params.forward_backward(
+        &LossBatch { student: logits, teacher: teacher_values, labels: Some(labels), rows, classes },
+        &mut g,
+    )?;
+    // The loss averaged over this shard; rescale to the global batch.
+    let scale = rows as f32 / global_rows.max(1) as f32;
+    g.iter_mut().for_each(|v| *v *= scale);
+    Ok((mean, g))
+}
+
+/// The backward pass on the CPU for the `rows` rows of `x`, last layer
+/// first, from `g`, the gradient with respect to the logits: adds each
+/// layer's weight and bias gradients into `grad` (laid out per layer, weight
+/// then bias). `acts` are the hidden layers' outputs from [`forward`].
+fn backward(
+    model: &Mlp,
+    x: &[f32],
+    rows: usize,
+    acts: &[Vec<f32>],
+    mut g: Vec<f32>,
+    grad: &mut [f32],
+) -> Result<(), TrainError> {
+    let mut offsets = Vec::new();
+    let mut at = 0;
+    for l in &model.layers {
+        offsets.push(at);
+        at += l.weight.len() + l.bias.len();
+    }
+    for li in (0..model.layers.len()).rev() {
+        let l = &model.layers[li];
+        let a: &[f32] = if li == 0 { x } else { &acts[li - 1] };
+        let (dw, rest) = grad[offsets[li]..].split_at_mut(l.weight.len());
+        // dW = A^T G
+        gemm(
+            l.inputs,
+            rows,
+            l.outputs,
+            View::transposed(a, l.inputs),
+            View::row_major(&g, l.outputs),
+            dw,
+            false,
+        )?;
+        for r in 0..rows {
+            for (db, gv) in rest[..l.outputs].iter_mut().zip(&g[r * l.outputs..(r + 1) * l.outputs]) {
+                *db += gv;
+            }
+        }
+        if li > 0 {
+            // G_prev = G W^T, through the ReLU.
+            let mut prev = vec![0f32; rows * l.inputs];
+            gemm(
+                rows,
+                l.outputs,
+                l.inputs,
+                View::row_major(&g, l.outputs),
+                View::transposed(&l.weight, l.outputs),
+                &mut prev,
+                false,
+            )?;
+            for (p, act) in prev.iter_mut().zip(a) {
+                if *act <= 0.0 {
+                    *p = 0.0;
+                }
+            }
+            g = prev;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

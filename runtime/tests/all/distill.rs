@@ -316,7 +316,8 @@ impl GrpcInferenceService for Faulty {
         }
         let mut resp = self.inner.model_infer(r).await?;
         if self.fault == Fault::NaN {
-            let (mut v, _, _) = oip::output_f32(resp.get_ref()).map_err(Status::internal)?;
+            let (mut v, _, _) =
+                oip::output_f32(resp.get_ref()).map_err(|e| Status::internal(e.to_string()))?;
             v[3] = f32::NAN;
             resp.get_mut().raw_output_contents = vec![oip::f32_bytes(&v)];
             return Ok(resp);

@@ -1,0 +1,261 @@
+//! What a job of steps runs: the flags the built-in job and `launch`
+//! share, the workload they name, prepared (the built-in student with its
+//! data, or the user's program), and where the job keeps its files.
+//! `job.rs` runs the job from these, and `teachers.rs` starts its teachers.
+
+use super::flags::{
+    ClusterArgs, DistillationArgs, LivenessArgs, OutputArgs, PluginArgs, ScalingArgs, StateArgs,
+    TrainingArgs, TransformArgs,
+};
+use anyhow::{Context, Result};
+use clap::Args;
+use edl_host_gpu::Device;
+use edl_runtime::{
+    checkpoint::Checkpoints,
+    coordinator::JobOutcome,
+    job::{BuiltinModel, Program},
+    trainer::{
+        data::Dataset,
+        model::Mlp,
+        train::Trainer,
+        worker::{load_data, mlp_of},
+    },
+};
+use std::path::{Path, PathBuf};
+
+/// Flags of every job of steps: the built-in one and `launch`'s.
+#[derive(Args)]
+pub struct JobArgs {
+    #[command(flatten)]
+    pub plugins: PluginArgs,
+    #[command(flatten)]
+    pub scaling: ScalingArgs,
+    #[command(flatten)]
+    pub training: TrainingArgs,
+    #[command(flatten)]
+    pub distillation: DistillationArgs,
+    #[command(flatten)]
+    pub state: StateArgs,
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+    #[command(flatten)]
+    pub liveness: LivenessArgs,
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+/// The built-in student's distillation temperature, by default; a
+/// launched program's job carries it unused.
+pub const TEMPERATURE: f32 = 4.0;
+/// The built-in student's weight of the soft-label term, by default.
+pub const ALPHA: f32 = 0.7;
+
+/// Flags of the built-in student and its teachers only (`launch` refuses them).
+#[derive(Args)]
+#[command(next_help_heading = "Built-in student")]
+pub struct StudentArgs {
+    /// `mnist5k` (4000 train / 1000 test) or `digits` (1397 / 400).
+    #[arg(long, value_name = "NAME", default_value = "mnist5k")]
+    pub dataset: String,
+    /// Train the student on the first N training samples only (a small transfer set).
+    #[arg(long, value_name = "N")]
+    pub train_samples: Option<usize>,
+    /// Student hidden layer sizes, comma separated.
+    #[arg(long, value_name = "SIZES", default_value = "128")]
+    pub hidden: String,
+    /// Where workers (and the teacher's training) compute: `cpu`, `cuda` or
+    /// `cuda:N` (cuBLAS and the CUDA loss kernel; checked before the job starts).
+    #[arg(long, value_name = "DEVICE", default_value = "cpu", help_heading = "Training")]
+    pub device: Device,
+    /// Extra milliseconds each step takes on each worker (emulates slower devices).
+    #[arg(long, value_name = "MS", default_value_t = 0, help_heading = "Training")]
+    pub step_delay_ms: u64,
+    #[command(flatten)]
+    pub transform: TransformArgs,
+    /// Teacher processes to start, serving a wider model trained here and
+    /// cached (0: use the teachers registered in --store).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 2,
+        conflicts_with = "teachers",
+        help_heading = "Distillation"
+    )]
+    pub teacher_processes: u32,
+    /// Teacher hidden layer sizes, comma separated.
+    #[arg(long, value_name = "SIZES", default_value = "512", help_heading = "Distillation")]
+    pub teacher_hidden: String,
+    /// Epochs the teacher trains for, on hard labels (once: later runs with
+    /// the same settings take it from .edl/teachers/).
+    #[arg(long, value_name = "N", default_value_t = 10, help_heading = "Distillation")]
+    pub teacher_epochs: u64,
+    /// Distillation temperature.
+    #[arg(long, value_name = "T", default_value_t = TEMPERATURE, help_heading = "Distillation")]
+    pub temperature: f32,
+    /// Weight of the soft-label term (1 - alpha goes to the hard labels).
+    #[arg(long, value_name = "A", default_value_t = ALPHA, help_heading = "Distillation")]
+    pub alpha: f32,
+}
+
+/// What the job's workers run.
+pub enum Workload {
+    /// The built-in student on its data set.
+    Builtin(StudentArgs),
+    /// The user's program (`launch`), on the samples `0..samples`.
+    Program { samples: usize, command: Vec<String> },
+}
+
+/// Where a job keeps its files.
+pub(super) struct JobDirs {
+    /// `.edl`, where the job's directory and the cached teachers are.
+    pub(super) root: PathBuf,
+    /// `--checkpoint-dir`, or `.edl/<job>/checkpoints`.
+    pub(super) checkpoint_dir: PathBuf,
+    /// Checkpoints in object storage: the job's local files (logs, the
+    /// lock, the secret) stay in .edl/<job>/.
+    pub(super) remote: bool,
+    /// The checkpoint directory's parent, or `.edl/<job>` when remote.
+    pub(super) job_dir: PathBuf,
+    pub(super) log_dir: PathBuf,
+}
+
+impl JobDirs {
+    pub(super) fn new(name: &str, checkpoint_dir: Option<PathBuf>) -> JobDirs {
+        let root = PathBuf::from(".edl");
+        let checkpoint_dir = checkpoint_dir.unwrap_or_else(|| root.join(name).join("checkpoints"));
+        let remote = edl_runtime::checkpoint::objects::is_url(&checkpoint_dir.to_string_lossy());
+        let job_dir = if remote {
+            root.join(name)
+        } else {
+            checkpoint_dir.parent().unwrap_or(&checkpoint_dir).to_path_buf()
+        };
+        let log_dir = job_dir.join("logs");
+        JobDirs { root, checkpoint_dir, remote, job_dir, log_dir }
+    }
+}
+
+/// The workload, ready: the built-in student with its data, or the program.
+#[allow(clippy::large_enum_variant, reason = "one value per run, never moved in a loop")]
+pub(super) enum Prepared {
+    Builtin { student: StudentArgs, model: BuiltinModel, train: Dataset, test: Dataset },
+    Program { samples: usize, command: Vec<String> },
+}
+
+impl Prepared {
+    pub(super) fn new(work: Workload) -> Result<Prepared> {
+        Ok(match work {
+            Workload::Builtin(student) => {
+                let mut model = BuiltinModel {
+                    dataset: student.dataset.clone(),
+                    test_rows: if student.dataset == "digits" { 400 } else { 1000 },
+                    split_seed: 1,
+                    train_samples: student.train_samples,
+                    layers: Vec::new(),
+                };
+                let (train, test) = load_data(&BuiltinModel { train_samples: None, ..model.clone() })?;
+                let hidden = sizes(&student.hidden, "hidden")?;
+                model.layers = std::iter::once(train.dim).chain(hidden).chain([train.classes]).collect();
+                Prepared::Builtin { student, model, train, test }
+            }
+            Workload::Program { samples, command } => Prepared::Program { samples, command },
+        })
+    }
+
+    /// Samples per epoch.
+    pub(super) fn rows(&self) -> usize {
+        match self {
+            Prepared::Builtin { student, train, .. } => {
+                student.train_samples.map_or(train.len(), |n| n.min(train.len()))
+            }
+            Prepared::Program { samples, .. } => *samples,
+        }
+    }
+
+    pub(super) fn program(&self) -> Program {
+        match self {
+            Prepared::Builtin { model, .. } => Program::Builtin(model.clone()),
+            Prepared::Program { command, .. } => Program::External { command: command.clone() },
+        }
+    }
+
+    /// The launched command, if any.
+    pub(super) fn command(&self) -> Option<&[String]> {
+        match self {
+            Prepared::Builtin { .. } => None,
+            Prepared::Program { command, .. } => Some(command),
+        }
+    }
+
+    /// Where the built-in workers compute (a launched program decides for itself).
+    pub(super) fn device(&self) -> Device {
+        match self {
+            Prepared::Builtin { student, .. } => student.device,
+            Prepared::Program { .. } => Device::Cpu,
+        }
+    }
+
+    /// Whether the job distils: the built-in student unless --no-distill; a
+    /// launched program only from the teachers it is given.
+    pub(super) fn distills(&self, d: &DistillationArgs) -> bool {
+        match self {
+            Prepared::Builtin { .. } => !d.no_distill,
+            Prepared::Program { .. } => !d.no_distill && (d.teachers.is_some() || d.service.is_some()),
+        }
+    }
+
+    /// A missing driver, GPU, cuBLAS or NVRTC stops the job here, before
+    /// any process starts.
+    pub(super) fn check_device(&self, seed: u64) -> Result<()> {
+        if let Prepared::Builtin { student, model, .. } = self
+            && student.device != Device::Cpu
+        {
+            Trainer::on(student.device, Mlp::random(&model.layers, seed))
+                .context("checking --device before the job starts")?;
+        }
+        Ok(())
+    }
+
+    /// What the job trains, for its first line.
+    pub(super) fn describe(&self) -> String {
+        match self {
+            Prepared::Builtin { student, model, test, .. } => format!(
+                "{} ({} training samples, {} test), student {:?}",
+                student.dataset,
+                self.rows(),
+                test.len(),
+                model.layers
+            ),
+            Prepared::Program { command, samples: 0 } => {
+                format!("{:?} on the samples its data set holds", command.join(" "))
+            }
+            Prepared::Program { command, samples } => {
+                format!("{:?} on samples 0..{samples}", command.join(" "))
+            }
+        }
+    }
+
+    /// The built-in student's test accuracy, from the final checkpoint.
+    pub(super) fn student_accuracy(
+        &self,
+        checkpoint_dir: &Path,
+        outcome: &JobOutcome,
+    ) -> Result<Option<f64>> {
+        match self {
+            Prepared::Builtin { test, .. } => {
+                let store = Checkpoints::open(checkpoint_dir, 1)?;
+                let restored = mlp_of(&store.read_at(&outcome.final_checkpoint)?)?;
+                Ok(Some(restored.accuracy(test) as f64))
+            }
+            Prepared::Program { .. } => Ok(None),
+        }
+    }
+}
+
+/// Layer sizes from a comma-separated list (`--hidden 128,64`).
+pub(super) fn sizes(list: &str, what: &str) -> Result<Vec<usize>> {
+    list.split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| s.trim().parse::<usize>().ok().filter(|&n| n > 0))
+        .collect::<Option<Vec<_>>>()
+        .with_context(|| format!("--{what} {list:?}: expected positive sizes separated by commas"))
+}
