@@ -26,7 +26,7 @@ impl Coordinator<'_> {
             match cmd {
                 Command::Spawn { worker } => {
                     let auth = JobAuth { job: self.cfg.spec.job.clone(), secret: self.cfg.secret.clone() };
-                    if let Err(e) = self.scaler.spawn(worker, &self.addr, &auth) {
+                    if let Err(e) = self.scaler.spawn(worker, &self.io.addr, &auth) {
                         self.membership.spawn_failed(worker, format!("{e:#}"));
                     }
                 }
@@ -178,7 +178,7 @@ impl Coordinator<'_> {
     /// Waits for joiners until at least `want` are there (or nothing is starting).
     pub(super) fn wait_for_joiners(&mut self, want: usize) -> Result<()> {
         while self.membership.joiners() < want && !self.membership.nothing_loading() {
-            match self.rx.recv_timeout(Duration::from_millis(100)) {
+            match self.io.rx.recv_timeout(Duration::from_millis(100)) {
                 Ok(ev) => self.handle(ev),
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),

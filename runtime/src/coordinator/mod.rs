@@ -62,18 +62,10 @@ struct Coordinator<'a> {
     adapter: Option<Box<dyn AdapterPlugin>>,
     scaler: Box<dyn Scaler>,
     progress: &'a mut dyn FnMut(Progress),
-    rt: tokio::runtime::Runtime,
-    store: AnyStore,
-    /// `host:port` workers reach the control port at.
-    addr: String,
-    /// `host:port` workers reach the rendezvous at.
-    rendezvous_at: String,
+    /// The store, the control port and the rendezvous.
+    io: Io,
     /// Where the job's checkpoints are (read here, written by rank 0).
     ckpt: Checkpoints,
-    rendezvous: RendezvousServer,
-    /// Who may open a control connection (told each new generation).
-    gate: Arc<crate::control::inbox::Gate>,
-    rx: mpsc::Receiver<Inbound>,
     /// Open control connections.
     conns: HashMap<u64, crate::control::proto::Link>,
     /// Who is in the job (the decisions; this struct does the I/O).
@@ -226,10 +218,14 @@ struct Plugins {
 struct Io {
     rt: tokio::runtime::Runtime,
     store: AnyStore,
+    /// `host:port` workers reach the control port at.
     addr: String,
+    /// `host:port` workers reach the rendezvous at.
     rendezvous_at: String,
     rendezvous: RendezvousServer,
+    /// Who may open a control connection (told each new generation).
     gate: Arc<crate::control::inbox::Gate>,
+    /// What the control connections say.
     rx: mpsc::Receiver<Inbound>,
 }
 
@@ -268,7 +264,6 @@ impl<'a> Coordinator<'a> {
         let mut membership = Membership::new(cfg.min_workers, cfg.max_workers, cfg.join_timeout, 1);
         membership.admit_uninvited(plugins.scaler.admits_uninvited());
         let now = Instant::now();
-        let Io { rt, store, addr, rendezvous_at, rendezvous, gate, rx } = io;
         Ok(Coordinator {
             told: Told { follow: None, teachers: cfg.spec.teachers.clone() },
             teacher_watch: plugins.teacher_watch,
@@ -276,14 +271,8 @@ impl<'a> Coordinator<'a> {
             adapter: plugins.adapter,
             scaler: plugins.scaler,
             progress,
-            rt,
-            store,
-            addr,
-            rendezvous_at,
-            rendezvous,
-            gate,
+            io,
             ckpt: Checkpoints::open(&cfg.spec.checkpoint_dir, cfg.spec.keep_checkpoints)?,
-            rx,
             conns: HashMap::new(),
             membership,
             generation: 0,
@@ -403,8 +392,8 @@ impl Coordinator<'_> {
     /// Returns the step the job resumed from.
     fn start(&mut self) -> Result<Option<u64>> {
         // Before anything is read or changed: one coordinator per job.
-        let lease = self.rt.block_on(crate::leader::keeper::take_lease(
-            &self.store,
+        let lease = self.io.rt.block_on(crate::leader::keeper::take_lease(
+            &self.io.store,
             &self.cfg.spec.job,
             LEASE_TTL,
             self.cfg.standby,
@@ -414,7 +403,7 @@ impl Coordinator<'_> {
         // that runs on cannot write or prune them. A store of its own (the
         // embedded one) gives tokens that start again with each run; the
         // job's local lock keeps others out then, and the claim is replaced.
-        let shared = !matches!(self.store, crate::store::AnyStore::Memory(_));
+        let shared = !matches!(self.io.store, crate::store::AnyStore::Memory(_));
         let token = if shared { lease.token() } else { 0 };
         self.ckpt.claim(token, resumed.unwrap_or(0), !shared).with_context(|| {
             format!("claiming the checkpoints at {}", self.cfg.spec.checkpoint_dir.display())
@@ -433,7 +422,7 @@ impl Coordinator<'_> {
         self.first_generation = self.generation + 1;
         self.note(format!(
             "coordinator at {} (rendezvous {}); workers join with `edl-runtime worker --coordinator {}`",
-            self.addr, self.rendezvous_at, self.addr
+            self.io.addr, self.io.rendezvous_at, self.io.addr
         ));
         if self.takeover.is_some() {
             // The store names this coordinator: the workers find it there.
@@ -660,7 +649,7 @@ impl Coordinator<'_> {
             finished,
             handover: self.told.follow.as_ref().map(|f| f.token).map(|token| {
                 crate::leader::record::Handover {
-                    leader: crate::job::spec::Leader { addr: self.addr.clone(), token },
+                    leader: crate::job::spec::Leader { addr: self.io.addr.clone(), token },
                     hyper: self.hyper,
                     ledger: self.tally.ledger.clone(),
                     events: self.events.clone(),

@@ -50,7 +50,7 @@ impl Coordinator<'_> {
     /// state (generations, worker ids) and the newest checkpoint that verifies.
     pub(super) fn resume(&mut self) -> Result<Option<u64>> {
         let key = keys::job_state(&self.cfg.spec.job);
-        let stored: Option<JobState> = match self.rt.block_on(self.store.get(&key)) {
+        let stored: Option<JobState> = match self.io.rt.block_on(self.io.store.get(&key)) {
             Ok(Some(e)) => {
                 self.state_token = Some(e.token);
                 serde_json::from_slice(&e.value).ok()
@@ -85,7 +85,7 @@ impl Coordinator<'_> {
     /// Whether the job's store is shared (not the coordinator's own): the
     /// job can then be taken over, and its workers follow.
     pub(super) fn shared_store(&self) -> bool {
-        !matches!(self.store, crate::store::AnyStore::Memory(_))
+        !matches!(self.io.store, crate::store::AnyStore::Memory(_))
     }
 
     /// Carries on a job another coordinator ran (it died, was cut off or
@@ -147,17 +147,17 @@ impl Coordinator<'_> {
                 ));
             }
         }
-        self.gate.expect_return(Some((t.generation, t.members.iter().copied().collect())));
+        self.io.gate.expect_return(Some((t.generation, t.members.iter().copied().collect())));
         self.membership.expect_return(&t.members);
         while self.membership.returning() > 0 && since.elapsed() < within {
-            match self.rx.recv_timeout(Duration::from_millis(50)) {
+            match self.io.rx.recv_timeout(Duration::from_millis(50)) {
                 Ok(ev) => self.handle(ev),
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
             }
             self.check_fatal()?;
         }
-        self.gate.expect_return(None);
+        self.io.gate.expect_return(None);
         let missing = self.membership.end_return();
         for &id in &missing {
             // Not back, and never admitted now: whatever its scheduler
@@ -371,7 +371,7 @@ impl Coordinator<'_> {
                     true,
                 )));
             }
-            match self.rx.recv_timeout(left.min(CHORES_EVERY)) {
+            match self.io.rx.recv_timeout(left.min(CHORES_EVERY)) {
                 Ok(ev) => self.handle(ev),
                 Err(mpsc::RecvTimeoutError::Timeout) => self.check_spawning(),
                 Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),

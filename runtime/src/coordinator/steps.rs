@@ -53,11 +53,11 @@ impl Coordinator<'_> {
         let wake =
             [self.membership.poll_timeout(), self.timers.get(Timer::Chores)].into_iter().flatten().min();
         let left = wake.map_or(CHORES_EVERY, |t| t.saturating_duration_since(Instant::now()));
-        match self.rx.recv_timeout(left) {
+        match self.io.rx.recv_timeout(left) {
             Ok(ev) => {
                 self.handle(ev);
                 // Whatever else has arrived, before planning again.
-                while let Ok(ev) = self.rx.try_recv() {
+                while let Ok(ev) = self.io.rx.try_recv() {
                     self.handle(ev);
                 }
                 self.check_fatal()
@@ -103,13 +103,13 @@ impl Coordinator<'_> {
     pub(super) fn start_generation(&mut self) {
         self.training_since.get_or_insert_with(Instant::now);
         let key = format!("{}/generation-{}", self.cfg.spec.job, self.generation);
-        self.rendezvous.set_generation(self.generation);
-        self.gate.set_generation(self.generation);
+        self.io.rendezvous.set_generation(self.generation);
+        self.io.gate.set_generation(self.generation);
         let names: Vec<String> =
             self.membership.members().iter().map(|m| format!("worker {} (pid {})", m.id, m.pid)).collect();
         let world = names.len();
         // A registration naming a larger world is not one of this generation's.
-        self.rendezvous.set_max_world(world);
+        self.io.rendezvous.set_max_world(world);
         let mut pipe = Pipeline::new(
             self.generation,
             names,
@@ -122,7 +122,7 @@ impl Coordinator<'_> {
                 generation: self.generation,
                 rank,
                 world,
-                rendezvous: self.rendezvous_at.clone(),
+                rendezvous: self.io.rendezvous_at.clone(),
                 rendezvous_key: key.clone(),
                 committed_steps: self.tally.committed,
                 init: self.init.clone(),
