@@ -1,13 +1,16 @@
 //! CUDA soft-label loss: the kernels of `kernels/soft_label.cu`, compiled
 //! once per process by NVRTC and loaded once per device.
 
-use super::{Batch, LossError, SoftLabelLoss, Teacher};
+use super::batch::{Batch, Teacher};
+use super::error::LossError;
+use super::params::SoftLabelLoss;
 use crate::device::{check_cuda, kernel_module};
+use crate::kernels;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
-/// The kernels' CUDA C source.
-pub const CUDA_SOURCE: &str = include_str!("../../kernels/soft_label.cu");
+/// The kernels' CUDA C source ([`kernels::SOFT_LABEL`]).
+pub const CUDA_SOURCE: &str = kernels::SOFT_LABEL.code;
 /// Rows with at most this many classes get a warp each instead of a block.
 const WARP_MAX_CLASSES: usize = 1024;
 const BLOCK_THREADS: u32 = 256;
@@ -39,7 +42,7 @@ impl CudaSoftLabel {
     pub fn new(ordinal: usize) -> Result<Self, LossError> {
         check_cuda(ordinal)?;
         let ctx = CudaContext::new(ordinal).map_err(cuda_err)?;
-        let m = kernel_module(&ctx, ordinal, "soft_label.cu", CUDA_SOURCE).map_err(LossError::Cuda)?;
+        let m = kernel_module(&ctx, ordinal, kernels::SOFT_LABEL)?;
         Ok(CudaSoftLabel {
             stream: ctx.default_stream(),
             block: m.load_function("soft_label_block").map_err(cuda_err)?,
