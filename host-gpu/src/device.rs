@@ -1,5 +1,7 @@
 //! Devices and what the machine offers.
 
+pub use crate::kernels::KERNEL_SOURCES;
+use crate::kernels::KernelSource;
 use cudarc::{
     driver::{CudaContext, CudaModule},
     nvrtc::Ptx,
@@ -110,38 +112,48 @@ pub fn check_cuda(ordinal: usize) -> Result<(), CudaUnavailable> {
     Ok(())
 }
 
-/// The CUDA C sources this crate compiles at run time, by file name.
-pub const KERNEL_SOURCES: [(&str, &str); 2] =
-    [("soft_label.cu", crate::loss::CUDA_SOURCE), ("mlp.cu", crate::mlp::CUDA_SOURCE)];
+/// Why a kernel source did not become a loaded module.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    #[error(transparent)]
+    Unavailable(#[from] CudaUnavailable),
+    /// NVRTC rejected the source; `log` is its compile log.
+    #[error("compiling {name}: {log}")]
+    Compile { name: &'static str, log: String },
+    /// The driver did not load the compiled module.
+    #[error("loading {name}: {reason}")]
+    Load { name: &'static str, reason: String },
+}
 
 /// Compiles every kernel source with NVRTC, which needs no GPU: the PTX by
 /// file name, or the first source's compile log. An error without NVRTC.
-pub fn compile_kernels() -> Result<Vec<(&'static str, String)>, String> {
+pub fn compile_kernels() -> Result<Vec<(&'static str, String)>, KernelError> {
     if !nvrtc_present() {
-        return Err(CudaUnavailable::NoNvrtc.to_string());
+        return Err(CudaUnavailable::NoNvrtc.into());
     }
     KERNEL_SOURCES
         .iter()
         .map(|&(name, source)| {
-            let ptx = cudarc::nvrtc::compile_ptx(source).map_err(|e| format!("compiling {name}: {e:?}"))?;
+            let ptx = cudarc::nvrtc::compile_ptx(source)
+                .map_err(|e| KernelError::Compile { name, log: format!("{e:?}") })?;
             let text = ptx.as_bytes().map(String::from_utf8_lossy).unwrap_or_default();
             Ok((name, text.trim_end_matches('\0').to_string()))
         })
         .collect()
 }
 
-/// The module of CUDA C source `source` (named `name` in messages) on
-/// device `ordinal`: compiled by NVRTC once per process, loaded once per device.
+/// The module of `kernel` on device `ordinal`: compiled by NVRTC once per
+/// process, loaded once per device.
 pub(crate) fn kernel_module(
     ctx: &Arc<CudaContext>,
     ordinal: usize,
-    name: &'static str,
-    source: &'static str,
-) -> Result<Arc<CudaModule>, String> {
-    type Compiled = HashMap<&'static str, Result<Ptx, String>>;
+    kernel: KernelSource,
+) -> Result<Arc<CudaModule>, KernelError> {
+    type Compiled = HashMap<&'static str, Result<Ptx, KernelError>>;
     type Loaded = HashMap<(&'static str, usize), Arc<CudaModule>>;
     static PTX: OnceLock<Mutex<Compiled>> = OnceLock::new();
     static MODULES: OnceLock<Mutex<Loaded>> = OnceLock::new();
+    let KernelSource { name, code } = kernel;
     let mut modules = MODULES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
     if let Some(m) = modules.get(&(name, ordinal)) {
         return Ok(m.clone());
@@ -151,10 +163,11 @@ pub(crate) fn kernel_module(
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .entry(name)
-        .or_insert_with(|| cudarc::nvrtc::compile_ptx(source).map_err(|e| format!("{e:?}")))
-        .clone()
-        .map_err(|e| format!("compiling {name}: {e}"))?;
-    let m = ctx.load_module(ptx).map_err(|e| format!("loading {name}: {e:?}"))?;
+        .or_insert_with(|| {
+            cudarc::nvrtc::compile_ptx(code).map_err(|e| KernelError::Compile { name, log: format!("{e:?}") })
+        })
+        .clone()?;
+    let m = ctx.load_module(ptx).map_err(|e| KernelError::Load { name, reason: format!("{e:?}") })?;
     modules.insert((name, ordinal), m.clone());
     Ok(m)
 }
@@ -168,7 +181,7 @@ pub struct DeviceReport {
     pub nvrtc: bool,
     pub cublas: bool,
     /// Whether the kernels compile (with NVRTC), or why not.
-    pub kernels: Result<(), String>,
+    pub kernels: Result<(), KernelError>,
     pub nccl: Option<String>,
 }
 

@@ -8,6 +8,7 @@
 //! - [`mlp`]: an MLP trainer on one CUDA device (cuBLAS products, the loss
 //!   kernel, SGD with momentum), the CUDA side of edl-runtime's trainer.
 //! - [`device`]: which devices and CUDA libraries this machine has.
+//! - [`kernels`]: the CUDA C sources, compiled at run time by NVRTC.
 //!
 //! Everything CUDA is loaded at run time: the crate builds and its CPU paths
 //! run on machines with no GPU, and a missing driver, NVRTC or NCCL is an
@@ -15,6 +16,7 @@
 
 pub mod comm;
 pub mod device;
+pub mod kernels;
 pub mod loss;
 pub mod mlp;
 pub mod testing;

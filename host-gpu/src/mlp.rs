@@ -14,7 +14,8 @@
 //! copies it to the host, where the ranks all-reduce it;
 //! [`CudaMlp::apply`] takes the reduced gradient back and updates.
 
-use crate::device::{CudaUnavailable, check_cuda, cublas_present, kernel_module};
+use crate::device::{CudaUnavailable, KernelError, check_cuda, cublas_present, kernel_module};
+use crate::kernels;
 use crate::loss::{CudaSoftLabel, DeviceBatch, LossError, SoftLabelLoss, check_labels};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{
@@ -22,8 +23,8 @@ use cudarc::driver::{
 };
 use std::sync::Arc;
 
-/// The kernels' CUDA C source.
-pub const CUDA_SOURCE: &str = include_str!("../kernels/mlp.cu");
+/// The kernels' CUDA C source ([`kernels::MLP`]).
+pub const CUDA_SOURCE: &str = kernels::MLP.code;
 const THREADS: u32 = 256;
 /// Grid-stride kernels need no more blocks than this to fill a GPU.
 const MAX_BLOCKS: usize = 4096;
@@ -33,6 +34,9 @@ const MAX_BLOCKS: usize = 4096;
 pub enum MlpError {
     #[error(transparent)]
     Unavailable(#[from] CudaUnavailable),
+    /// The MLP kernels did not compile or load.
+    #[error("CUDA: {0}")]
+    Kernel(#[from] KernelError),
     #[error("CUDA: {0}")]
     Cuda(String),
     #[error("shape mismatch: {0}")]
@@ -164,8 +168,7 @@ impl CudaMlp {
         }
         let loss = CudaSoftLabel::new(ordinal)?;
         let stream = loss.stream().clone();
-        let module =
-            kernel_module(stream.context(), ordinal, "mlp.cu", CUDA_SOURCE).map_err(MlpError::Cuda)?;
+        let module = kernel_module(stream.context(), ordinal, kernels::MLP)?;
         let load = |name| module.load_function(name).map_err(cuda_err);
         let kernels = Kernels {
             bias_act: load("bias_act")?,

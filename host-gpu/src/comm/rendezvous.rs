@@ -2,7 +2,7 @@
 //! (its listening address, an NCCL unique id) and receives everyone's.
 
 use super::CommError;
-use super::auth::{self, JobAuth};
+use super::auth::{self, Claim, JobAuth, Keys};
 use super::kv::{self, KvStore};
 use super::sealed::SealedStream;
 use std::{
@@ -124,6 +124,77 @@ fn frame(out: &mut Vec<u8>, bytes: &[u8]) {
     out.extend_from_slice(bytes);
 }
 
+/// How long a client may take to prove the secret, and then each of its reads.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One rank's registration: the key of its generation, its place in the
+/// world, and the value it publishes.
+struct Registration {
+    key: String,
+    rank: usize,
+    world: usize,
+    value: Vec<u8>,
+}
+
+impl Registration {
+    /// Reads the three frames of a registration (key, header, value) and
+    /// checks the header's rank and world.
+    fn read(conn: &mut SealedStream, max_world: usize) -> std::io::Result<Self> {
+        let key = String::from_utf8_lossy(&read_frame(conn)?).into_owned();
+        let header = read_frame(conn)?;
+        let value = read_frame(conn)?;
+        let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "bad rendezvous header");
+        let word = |at: usize| -> std::io::Result<usize> {
+            let bytes = header.get(at..at + 4).ok_or_else(bad)?.try_into().map_err(|_| bad())?;
+            Ok(u32::from_le_bytes(bytes) as usize)
+        };
+        let (rank, world) = (word(0)?, word(4)?);
+        if world == 0 || rank >= world {
+            return Err(bad());
+        }
+        if world > max_world {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("a world of {world}, above the generation's ({max_world})"),
+            ));
+        }
+        Ok(Registration { key, rank, world, value })
+    }
+
+    /// Joins the ranks waiting under the same key; the last to arrive
+    /// answers every one of them with all the values in rank order.
+    fn wait_or_answer(self, waiting: &Mutex<Waiting>, conn: SealedStream) -> std::io::Result<()> {
+        let Registration { key, rank, world, value } = self;
+        let mut all = waiting.lock().unwrap_or_else(|e| e.into_inner());
+        // Keys whose ranks never all came (their clients gave up) go.
+        all.retain(|_, (_, since, _)| since.elapsed() < KEY_TTL);
+        let entry = all
+            .entry(key.clone())
+            .or_insert_with(|| (world, std::time::Instant::now(), (0..world).map(|_| None).collect()));
+        if entry.0 != world {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "world size differs from other ranks",
+            ));
+        }
+        entry.2[rank] = Some((value, conn));
+        if entry.2.iter().all(Option::is_some) {
+            let (_, _, ranks) = all.remove(&key).expect("entry exists");
+            drop(all);
+            let (values, conns): (Vec<Vec<u8>>, Vec<SealedStream>) =
+                ranks.into_iter().map(|r| r.expect("all present")).unzip();
+            let mut answer = (values.len() as u32).to_le_bytes().to_vec();
+            for v in &values {
+                frame(&mut answer, v);
+            }
+            for mut c in conns {
+                let _ = c.write_all(&answer);
+            }
+        }
+        Ok(())
+    }
+}
+
 impl RendezvousServer {
     /// Serves on `addr` (port 0 picks one) from a background thread, to
     /// anyone.
@@ -211,82 +282,53 @@ impl RendezvousServer {
         max_world: usize,
         proved: impl FnOnce(),
     ) -> std::io::Result<()> {
-        conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+        conn.set_read_timeout(Some(CLIENT_TIMEOUT))?;
         // Answers go out as several small writes (length, then bytes): with
         // Nagle's algorithm each exchange waited for the client's delayed
         // ACK, about 40 ms per store request.
         conn.set_nodelay(true)?;
-        let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a client".into());
-        let mut keys = None;
-        let mut proved = Some(proved);
-        if let Some(a) = auth {
-            let proved = proved.take().expect("called once");
-            let g = generation.load(Ordering::SeqCst);
-            let mut within = auth::Deadline::new(&mut conn, Duration::from_secs(10));
-            let accepted = auth::accept(&mut within, &a.secret, |c| {
-                let channel = if c.channel == kv::CHANNEL { kv::CHANNEL } else { "rendezvous" };
-                a.check(c, channel, Some(g))
-            });
-            proved();
-            let (claim, k) = accepted.map_err(|e| {
-                std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("refused {peer}: {e}"))
-            })?;
-            // The handshake's deadline set the socket's last timeout; a
-            // proven client's requests get the usual one.
-            conn.set_read_timeout(Some(Duration::from_secs(10)))?;
-            if claim.channel == kv::CHANNEL {
-                return store.serve(&mut SealedStream::new(conn, Some(k))?, claim.generation);
+        let keys = match auth {
+            None => {
+                proved();
+                None
             }
-            keys = Some(k);
-        }
-        if let Some(proved) = proved {
-            proved();
-        }
+            Some(a) => {
+                let (claim, keys) = Self::admit(&mut conn, a, generation, proved)?;
+                if claim.channel == kv::CHANNEL {
+                    return store.serve(&mut SealedStream::new(conn, Some(keys))?, claim.generation);
+                }
+                Some(keys)
+            }
+        };
         let mut conn = SealedStream::new(conn, keys)?;
-        let key = String::from_utf8_lossy(&read_frame(&mut conn)?).into_owned();
-        let header = read_frame(&mut conn)?;
-        let value = read_frame(&mut conn)?;
-        let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "bad rendezvous header");
-        let rank =
-            u32::from_le_bytes(header.get(0..4).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
-        let world =
-            u32::from_le_bytes(header.get(4..8).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
-        if world == 0 || rank >= world {
-            return Err(bad());
-        }
-        if world > max_world {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                format!("a world of {world}, above the generation's ({max_world})"),
-            ));
-        }
-        let mut all = waiting.lock().unwrap_or_else(|e| e.into_inner());
-        // Keys whose ranks never all came (their clients gave up) go.
-        all.retain(|_, (_, since, _)| since.elapsed() < KEY_TTL);
-        let entry = all
-            .entry(key.clone())
-            .or_insert_with(|| (world, std::time::Instant::now(), (0..world).map(|_| None).collect()));
-        if entry.0 != world {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                "world size differs from other ranks",
-            ));
-        }
-        entry.2[rank] = Some((value, conn));
-        if entry.2.iter().all(Option::is_some) {
-            let (_, _, ranks) = all.remove(&key).expect("entry exists");
-            drop(all);
-            let (values, conns): (Vec<Vec<u8>>, Vec<SealedStream>) =
-                ranks.into_iter().map(|r| r.expect("all present")).unzip();
-            let mut answer = (values.len() as u32).to_le_bytes().to_vec();
-            for v in &values {
-                frame(&mut answer, v);
-            }
-            for mut c in conns {
-                let _ = c.write_all(&answer);
-            }
-        }
-        Ok(())
+        let registration = Registration::read(&mut conn, max_world)?;
+        registration.wait_or_answer(waiting, conn)
+    }
+
+    /// Has the client prove the job's secret and claim the rendezvous or
+    /// the store channel of the current generation; calls `proved` once the
+    /// handshake is over, whatever its outcome.
+    fn admit(
+        conn: &mut TcpStream,
+        auth: &JobAuth,
+        generation: &AtomicU64,
+        proved: impl FnOnce(),
+    ) -> std::io::Result<(Claim, Keys)> {
+        let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a client".into());
+        let g = generation.load(Ordering::SeqCst);
+        let mut within = auth::Deadline::new(conn, CLIENT_TIMEOUT);
+        let accepted = auth::accept(&mut within, &auth.secret, |c| {
+            let channel = if c.channel == kv::CHANNEL { kv::CHANNEL } else { "rendezvous" };
+            auth.check(c, channel, Some(g))
+        });
+        proved();
+        let admitted = accepted.map_err(|e| {
+            std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("refused {peer}: {e}"))
+        })?;
+        // The handshake's deadline set the socket's last timeout; a proven
+        // client's requests get the usual one.
+        conn.set_read_timeout(Some(CLIENT_TIMEOUT))?;
+        Ok(admitted)
     }
 
     /// The address clients connect to.

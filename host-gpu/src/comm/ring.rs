@@ -323,6 +323,168 @@ fn segments(r: Range<usize>, seg: usize) -> impl Iterator<Item = Range<usize>> {
     (r.start..r.end).step_by(seg).map(move |s| s..(s + seg).min(r.end))
 }
 
+/// A failure on one link: the rank at its other end, and the error.
+type LinkFailure = (usize, std::io::Error);
+
+/// Which part of the buffer each step of one rank's all-reduce moves. Of
+/// the 2(n - 1) steps, the first n - 1 reduce-scatter (each adds the chunk
+/// it receives) and the last n - 1 all-gather (each copies it).
+#[derive(Clone, Copy)]
+struct Schedule {
+    rank: usize,
+    world: usize,
+    /// Values in the buffer.
+    len: usize,
+    /// Values per pipelined segment.
+    segment: usize,
+}
+
+impl Schedule {
+    fn steps(&self) -> usize {
+        2 * (self.world - 1)
+    }
+
+    fn next(&self) -> usize {
+        (self.rank + 1) % self.world
+    }
+
+    fn prev(&self) -> usize {
+        (self.rank + self.world - 1) % self.world
+    }
+
+    /// Whether step `i` adds what it receives (reduce-scatter) rather than
+    /// copying it (all-gather).
+    fn reduces(&self, i: usize) -> bool {
+        i < self.world - 1
+    }
+
+    /// The chunk step `i` sends; for i >= 1 it is the one step i - 1 received.
+    fn sent_chunk(&self, i: usize) -> usize {
+        let (n, r) = (self.world, self.rank);
+        if i < n - 1 { (r + n - i) % n } else { (r + 1 + n - (i - (n - 1))) % n }
+    }
+
+    /// The chunk step `i` receives.
+    fn received_chunk(&self, i: usize) -> usize {
+        let (n, r) = (self.world, self.rank);
+        if i < n - 1 { (r + 2 * n - i - 1) % n } else { (r + n - (i - (n - 1))) % n }
+    }
+
+    /// The segments step `i` sends, in order.
+    fn sent(&self, i: usize) -> impl Iterator<Item = Range<usize>> {
+        segments(chunk(self.len, self.world, self.sent_chunk(i)), self.segment)
+    }
+
+    /// The segments step `i` receives, in order.
+    fn received(&self, i: usize) -> impl Iterator<Item = Range<usize>> {
+        segments(chunk(self.len, self.world, self.received_chunk(i)), self.segment)
+    }
+}
+
+/// The sending half of an all-reduce: ships each segment of every step to
+/// the next rank, after step 0 only once the receiving half has said (on
+/// `done`) that it has finished the segment. A failed send closes the link from
+/// the previous rank, so that the receiving half stops too.
+fn send_segments(
+    schedule: Schedule,
+    shared: Shared,
+    to_next: &mut SealedWriter<TcpStream>,
+    done: mpsc::Receiver<()>,
+    timeout: Duration,
+    prev_sock: &TcpStream,
+) -> Result<(), LinkFailure> {
+    for i in 0..schedule.steps() {
+        for s in schedule.sent(i) {
+            if i > 0 && done.recv_timeout(timeout).is_err() {
+                // The receiving side failed or stalled; it reports why.
+                return Ok(());
+            }
+            debug_assert!(s.end <= shared.len);
+            // SAFETY: segment s of this chunk was finished by the receiver
+            // (the message above), and it does not write it again until
+            // data that follows this write comes back around the ring.
+            let data = unsafe { shared.slice(s) };
+            if let Err(e) = to_next.write_all(bytemuck::cast_slice(data)) {
+                let _ = prev_sock.shutdown(Shutdown::Both);
+                return Err((schedule.next(), e));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The receiving half of an all-reduce: reads each segment of every step
+/// from the previous rank into `scratch`, adds it into the buffer or copies
+/// it there, and tells the sending half (on `done`) that it may send it on.
+fn receive_segments(
+    schedule: Schedule,
+    shared: Shared,
+    from_prev: &mut SealedReader<TcpStream>,
+    scratch: &mut [f32],
+    done: mpsc::Sender<()>,
+    timeout: Duration,
+    prev_sock: &TcpStream,
+) -> Result<(), LinkFailure> {
+    let prev = schedule.prev();
+    // Each read must make progress within the timeout.
+    prev_sock.set_read_timeout(Some(timeout)).map_err(|e| (prev, e))?;
+    for i in 0..schedule.steps() {
+        for s in schedule.received(i) {
+            let tmp = &mut scratch[..s.len()];
+            from_prev.read_exact(bytemuck::cast_slice_mut(tmp)).map_err(|e| (prev, e))?;
+            // SAFETY: the sender is not reading this segment now (see `send_segments`).
+            let dst = unsafe { shared.slice_mut(s) };
+            if schedule.reduces(i) {
+                for (d, v) in dst.iter_mut().zip(tmp.iter()) {
+                    *d += *v;
+                }
+            } else {
+                dst.copy_from_slice(tmp);
+            }
+            let _ = done.send(());
+        }
+    }
+    Ok(())
+}
+
+impl TcpRing {
+    /// Reduce-scatter then all-gather of `buf` (at least one value, in a
+    /// ring of two or more), sending and receiving on two threads so that
+    /// both overlap the additions.
+    fn reduce_around_ring(&mut self, buf: &mut [f32]) -> Result<(), LinkFailure> {
+        let schedule = Schedule {
+            rank: self.rank,
+            world: self.world,
+            len: buf.len(),
+            segment: (self.opts.segment_bytes / 4).max(1),
+        };
+        if self.scratch.len() < schedule.segment {
+            self.scratch.resize(schedule.segment, 0.0);
+        }
+        let shared = Shared { ptr: buf.as_mut_ptr(), len: buf.len() };
+        let timeout = self.opts.timeout;
+        let Links { to_next, from_prev, next_sock, prev_sock } =
+            self.links.as_mut().expect("a ring of two or more has links");
+        let (next_sock, prev_sock) = (&*next_sock, &*prev_sock);
+        let scratch = &mut self.scratch;
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        let (sent, received) = std::thread::scope(|scope| {
+            let sender =
+                scope.spawn(move || send_segments(schedule, shared, to_next, done_rx, timeout, prev_sock));
+            let received =
+                receive_segments(schedule, shared, from_prev, scratch, done_tx, timeout, prev_sock);
+            if received.is_err() {
+                let _ = next_sock.shutdown(Shutdown::Both);
+            }
+            let sent = sender
+                .join()
+                .unwrap_or_else(|_| Err((schedule.next(), std::io::Error::other("sender panicked"))));
+            (sent, received)
+        });
+        received.and(sent)
+    }
+}
+
 impl Communicator for TcpRing {
     fn rank(&self) -> usize {
         self.rank
@@ -334,85 +496,13 @@ impl Communicator for TcpRing {
 
     fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
         self.check()?;
-        let (n, r) = (self.world, self.rank);
-        if n > 1 && !buf.is_empty() {
-            let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-            let len = buf.len();
-            let seg = (self.opts.segment_bytes / 4).max(1);
-            if self.scratch.len() < seg {
-                self.scratch.resize(seg, 0.0);
-            }
-            let steps = 2 * (n - 1);
-            // Step i sends chunk send_of(i) and receives chunk recv_of(i); for
-            // i >= 1, send_of(i) == recv_of(i - 1).
-            let send_of =
-                |i: usize| if i < n - 1 { (r + n - i) % n } else { (r + 1 + n - (i - (n - 1))) % n };
-            let recv_of =
-                |i: usize| if i < n - 1 { (r + 2 * n - i - 1) % n } else { (r + n - (i - (n - 1))) % n };
-            let shared = Shared { ptr: buf.as_mut_ptr(), len };
-            let timeout = self.opts.timeout;
-            let Links { to_next, from_prev, next_sock, prev_sock } =
-                self.links.as_mut().expect("a ring of two or more has links");
-            let (next_sock, prev_sock) = (&*next_sock, &*prev_sock);
-            let scratch = &mut self.scratch;
-            let (tx, rx) = mpsc::channel::<()>();
-
-            let (sent, received) = std::thread::scope(|scope| {
-                let sender = scope.spawn(move || -> Result<(), (usize, std::io::Error)> {
-                    let out = to_next;
-                    for i in 0..steps {
-                        for s in segments(chunk(len, n, send_of(i)), seg) {
-                            if i > 0 && rx.recv_timeout(timeout).is_err() {
-                                // The receiving side failed or stalled; it reports why.
-                                return Ok(());
-                            }
-                            debug_assert!(s.end <= shared.len);
-                            // SAFETY: segment s of this chunk was finished by the receiver
-                            // (the message above), and it does not write it again until
-                            // data that follows this write comes back around the ring.
-                            let data = unsafe { shared.slice(s) };
-                            if let Err(e) = out.write_all(bytemuck::cast_slice(data)) {
-                                let _ = prev_sock.shutdown(Shutdown::Both);
-                                return Err((next, e));
-                            }
-                        }
-                    }
-                    Ok(())
-                });
-                let received = (|| -> Result<(), (usize, std::io::Error)> {
-                    let input = from_prev;
-                    // Each read must make progress within the timeout.
-                    prev_sock.set_read_timeout(Some(timeout)).map_err(|e| (prev, e))?;
-                    for i in 0..steps {
-                        for s in segments(chunk(len, n, recv_of(i)), seg) {
-                            let tmp = &mut scratch[..s.len()];
-                            input.read_exact(bytemuck::cast_slice_mut(tmp)).map_err(|e| (prev, e))?;
-                            // SAFETY: the sender is not reading this segment now (see above).
-                            let dst = unsafe { shared.slice_mut(s) };
-                            if i < n - 1 {
-                                for (d, v) in dst.iter_mut().zip(tmp.iter()) {
-                                    *d += *v;
-                                }
-                            } else {
-                                dst.copy_from_slice(tmp);
-                            }
-                            let _ = tx.send(());
-                        }
-                    }
-                    Ok(())
-                })();
-                drop(tx);
-                if received.is_err() {
-                    let _ = next_sock.shutdown(Shutdown::Both);
-                }
-                let sent =
-                    sender.join().unwrap_or_else(|_| Err((next, std::io::Error::other("sender panicked"))));
-                (sent, received)
-            });
-            if let Err((peer, e)) = received.and(sent) {
-                let err = self.io_error("all-reduce", peer, e);
-                return Err(self.fail(err));
-            }
+        let n = self.world;
+        if n > 1
+            && !buf.is_empty()
+            && let Err((peer, e)) = self.reduce_around_ring(buf)
+        {
+            let err = self.io_error("all-reduce", peer, e);
+            return Err(self.fail(err));
         }
         if op == ReduceOp::Average && n > 1 {
             let inv = 1.0 / n as f32;

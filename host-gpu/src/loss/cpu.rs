@@ -4,8 +4,23 @@
 //! gradient; a longer row takes one streaming pass for the normalisers and
 //! the loss and one more for the gradient. Neither allocates.
 
-use super::{Batch, LossError, SoftLabelLoss, Teacher};
+use super::batch::{Batch, Teacher};
+use super::error::LossError;
+use super::params::SoftLabelLoss;
 use rayon::prelude::*;
+
+impl SoftLabelLoss {
+    /// Mean loss over the batch, and its gradient with respect to the student
+    /// logits written to `grad` (`[rows, classes]`), on the CPU: rows spread
+    /// over threads, no allocation. Rows of up to 1024 classes keep their
+    /// exponentials in stack buffers between the statistics and the gradient
+    /// (three per element, and at ten classes a few lanes per row); longer
+    /// rows take a streaming pass (online softmax) and a gradient pass.
+    pub fn forward_backward(&self, batch: &Batch<'_>, grad: &mut [f32]) -> Result<f32, LossError> {
+        self.validate(batch, grad.len())?;
+        fused(self, batch, grad)
+    }
+}
 
 /// exp(x) for x <= 0 (larger x is clamped at 88), accurate to about
 /// 2e-7 + 1e-7 |x| relative, written without branches or calls so that LLVM vectorises the
@@ -237,7 +252,7 @@ fn row<K: TeacherKind>(
 /// 256 classes, 1.2x at 1000. At this limit the buffers take 20 KiB, within a
 /// 32 KiB L1 data cache; longer rows would outgrow it and take a large share
 /// of a thread's stack.
-pub(super) const BUFFERED_ROW_MAX: usize = 1024;
+const BUFFERED_ROW_MAX: usize = 1024;
 
 /// Lanes of [`buffered_row`]'s loop; a row is padded to a multiple of them.
 const ROW_LANES: usize = 4;
@@ -354,7 +369,7 @@ fn min_rows(classes: usize) -> usize {
     (4 * 1024 / classes.max(1)).max(1)
 }
 
-pub(super) fn fused(p: &SoftLabelLoss, b: &Batch<'_>, grad: &mut [f32]) -> Result<f32, LossError> {
+fn fused(p: &SoftLabelLoss, b: &Batch<'_>, grad: &mut [f32]) -> Result<f32, LossError> {
     if b.rows == 0 {
         return Ok(0.0);
     }

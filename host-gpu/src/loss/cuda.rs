@@ -1,16 +1,22 @@
 //! CUDA soft-label loss: the kernels of `kernels/soft_label.cu`, compiled
 //! once per process by NVRTC and loaded once per device.
 
-use super::{Batch, LossError, SoftLabelLoss, Teacher};
+use super::batch::{Batch, Teacher};
+use super::error::LossError;
+use super::params::SoftLabelLoss;
 use crate::device::{check_cuda, kernel_module};
+use crate::kernels;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
-/// The kernels' CUDA C source.
-pub const CUDA_SOURCE: &str = include_str!("../../kernels/soft_label.cu");
+/// The kernels' CUDA C source ([`kernels::SOFT_LABEL`]).
+pub const CUDA_SOURCE: &str = kernels::SOFT_LABEL.code;
 /// Rows with at most this many classes get a warp each instead of a block.
 const WARP_MAX_CLASSES: usize = 1024;
 const BLOCK_THREADS: u32 = 256;
+/// The kernel's "first invalid input" before any is found: it keeps the
+/// smallest flat index of one (atomicMin), so none leaves this.
+const NO_BAD_VALUE: u64 = u64::MAX;
 
 fn cuda_err(e: impl std::fmt::Debug) -> LossError {
     LossError::Cuda(format!("{e:?}"))
@@ -33,13 +39,41 @@ pub struct DeviceBatch<'a> {
     pub classes: usize,
 }
 
+impl DeviceBatch<'_> {
+    /// Checks the inputs and the output buffers against `[rows, classes]`.
+    fn check_buffers(&self, grad: &CudaSlice<f32>, row_loss: &CudaSlice<f32>) -> Result<(), LossError> {
+        let n = self.rows * self.classes;
+        if self.student.len() != n || self.teacher.len() != n || grad.len() != n || row_loss.len() < self.rows
+        {
+            return Err(LossError::Shape(format!(
+                "device buffers do not match [{} x {}]",
+                self.rows, self.classes
+            )));
+        }
+        Ok(())
+    }
+
+    /// The error for the invalid input at flat index `at`, as the kernel
+    /// reported it. The value itself stays on the device: callers that hold
+    /// a host copy name it (see [`CudaSoftLabel::forward_backward`]).
+    fn bad_value_error(&self, at: u64) -> LossError {
+        let (row, class) = ((at / self.classes as u64) as usize, (at % self.classes as u64) as usize);
+        let value = f32::NAN;
+        if self.teacher_is_probs {
+            LossError::BadProbability { row, class, value }
+        } else {
+            LossError::NonFinite { what: "student or teacher input", row, class, value }
+        }
+    }
+}
+
 impl CudaSoftLabel {
     /// Loads the kernels on device `ordinal`; an error value when CUDA, the
     /// device or NVRTC is missing.
     pub fn new(ordinal: usize) -> Result<Self, LossError> {
         check_cuda(ordinal)?;
         let ctx = CudaContext::new(ordinal).map_err(cuda_err)?;
-        let m = kernel_module(&ctx, ordinal, "soft_label.cu", CUDA_SOURCE).map_err(LossError::Cuda)?;
+        let m = kernel_module(&ctx, ordinal, kernels::SOFT_LABEL)?;
         Ok(CudaSoftLabel {
             stream: ctx.default_stream(),
             block: m.load_function("soft_label_block").map_err(cuda_err)?,
@@ -78,52 +112,45 @@ impl CudaSoftLabel {
         grad: &mut CudaSlice<f32>,
         row_loss: &mut CudaSlice<f32>,
     ) -> Result<f32, LossError> {
-        let n = b.rows * b.classes;
-        if b.student.len() != n || b.teacher.len() != n || grad.len() != n || row_loss.len() < b.rows {
-            return Err(LossError::Shape(format!(
-                "device buffers do not match [{} x {}]",
-                b.rows, b.classes
-            )));
-        }
+        b.check_buffers(grad, row_loss)?;
         if b.rows == 0 {
             return Ok(0.0);
         }
         let s = &self.stream;
-        let mut bad = s.clone_htod(&[u64::MAX]).map_err(cuda_err)?;
-        let dummy;
+        let mut first_bad = s.clone_htod(&[NO_BAD_VALUE]).map_err(cuda_err)?;
+        self.launch(p, b, grad_scale, grad, row_loss, &mut first_bad)?;
+        let first_bad = s.clone_dtoh(&first_bad).map_err(cuda_err)?[0];
+        if first_bad != NO_BAD_VALUE {
+            return Err(b.bad_value_error(first_bad));
+        }
+        let losses = s.clone_dtoh(&row_loss.slice(..b.rows)).map_err(cuda_err)?;
+        Ok((losses.iter().map(|&l| l as f64).sum::<f64>() / b.rows as f64) as f32)
+    }
+
+    /// Queues the kernel for the batch's row length on the stream.
+    fn launch(
+        &self,
+        p: &SoftLabelLoss,
+        b: &DeviceBatch<'_>,
+        grad_scale: f32,
+        grad: &mut CudaSlice<f32>,
+        row_loss: &mut CudaSlice<f32>,
+        first_bad: &mut CudaSlice<u64>,
+    ) -> Result<(), LossError> {
+        // The kernel reads no label when `has_labels` is 0, but its argument
+        // must still be a device pointer.
+        let no_labels;
         let labels = match b.labels {
             Some(l) => l,
             None => {
-                dummy = s.alloc_zeros::<u32>(1).map_err(cuda_err)?;
-                &dummy
+                no_labels = self.stream.alloc_zeros::<u32>(1).map_err(cuda_err)?;
+                &no_labels
             }
         };
         let (rows, classes) = (b.rows as i32, b.classes as i32);
         let (has_labels, probs) = (b.labels.is_some() as i32, b.teacher_is_probs as i32);
-        let warp_mode = b.classes <= WARP_MAX_CLASSES;
-        let (func, cfg) = if warp_mode {
-            let rows_per_block = BLOCK_THREADS / 32;
-            let blocks = (b.rows as u32).div_ceil(rows_per_block);
-            (
-                &self.warp,
-                LaunchConfig {
-                    grid_dim: (blocks, 1, 1),
-                    block_dim: (BLOCK_THREADS, 1, 1),
-                    shared_mem_bytes: 0,
-                },
-            )
-        } else {
-            let threads = if b.classes >= 16 * 1024 { 1024 } else { BLOCK_THREADS };
-            (
-                &self.block,
-                LaunchConfig {
-                    grid_dim: (b.rows as u32, 1, 1),
-                    block_dim: (threads, 1, 1),
-                    shared_mem_bytes: 0,
-                },
-            )
-        };
-        let mut launch = s.launch_builder(func);
+        let (func, cfg) = self.kernel_for(b.rows, b.classes);
+        let mut launch = self.stream.launch_builder(func);
         launch
             .arg(b.student)
             .arg(b.teacher)
@@ -136,23 +163,30 @@ impl CudaSoftLabel {
             .arg(&p.alpha)
             .arg(&grad_scale)
             .arg(grad)
-            .arg(&mut *row_loss)
-            .arg(&mut bad);
+            .arg(row_loss)
+            .arg(first_bad);
         // SAFETY: the argument list matches the kernel's signature and every
-        // buffer was checked against rows x classes above.
+        // buffer was checked against rows x classes by `check_buffers`.
         unsafe { launch.launch(cfg) }.map_err(cuda_err)?;
-        let bad = s.clone_dtoh(&bad).map_err(cuda_err)?[0];
-        if bad != u64::MAX {
-            let (row, class) = ((bad / b.classes as u64) as usize, (bad % b.classes as u64) as usize);
-            let value = f32::NAN;
-            return Err(if b.teacher_is_probs {
-                LossError::BadProbability { row, class, value }
-            } else {
-                LossError::NonFinite { what: "student or teacher input", row, class, value }
-            });
+        Ok(())
+    }
+
+    /// The kernel for rows of `classes` classes and how to launch it on
+    /// `rows` rows: a warp per row up to [`WARP_MAX_CLASSES`], a block per
+    /// row beyond (of 1024 threads from 16K classes on).
+    fn kernel_for(&self, rows: usize, classes: usize) -> (&CudaFunction, LaunchConfig) {
+        let launch = |blocks: u32, threads: u32| LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        if classes <= WARP_MAX_CLASSES {
+            let rows_per_block = BLOCK_THREADS / 32;
+            (&self.warp, launch((rows as u32).div_ceil(rows_per_block), BLOCK_THREADS))
+        } else {
+            let threads = if classes >= 16 * 1024 { 1024 } else { BLOCK_THREADS };
+            (&self.block, launch(rows as u32, threads))
         }
-        let losses = s.clone_dtoh(&row_loss.slice(..b.rows)).map_err(cuda_err)?;
-        Ok((losses.iter().map(|&l| l as f64).sum::<f64>() / b.rows as f64) as f32)
     }
 
     /// Host-memory convenience: copies the batch to the device, runs the

@@ -1,0 +1,71 @@
+//! The three kinds of plugin, one trait per WIT world. They sit apart from
+//! the export macros of the crate root so that the C ABI of [`crate::native`]
+//! can call them while the macros call that ABI.
+
+use crate::{Action, Batch, ClusterView, Config, Hyperparams, PluginError, ResizeEvent};
+
+/// Decides how many workers the job should have (WIT world `scaling-policy`).
+pub trait ScalingPolicy: Default + 'static {
+    /// Reads the configuration; the default accepts none.
+    fn init(&mut self, config: &Config) -> Result<(), PluginError> {
+        config.expect_only(&[])
+    }
+
+    /// Called on a fixed cadence with the job's current state.
+    fn decide(&mut self, view: &ClusterView) -> Vec<Action>;
+
+    /// The policy's memory between decisions, as bytes [`load_state`](Self::load_state)
+    /// reads back. The host stores it at every commit, so that a standby
+    /// coordinator taking the job over, a resume from a checkpoint and a hot
+    /// reload go on from it instead of from a fresh `init`. The default:
+    /// no memory.
+    fn save_state(&self) -> Vec<u8> {
+        Vec::new()
+    }
+
+    /// Called after `init` on a new instance with what `save_state` gave
+    /// (possibly an older version's). The default ignores it.
+    fn load_state(&mut self, state: &[u8]) -> Result<(), PluginError> {
+        let _ = state;
+        Ok(())
+    }
+}
+
+/// Adapts batch size, learning rate and momentum (WIT world `batch-adapter`).
+pub trait BatchAdapter: Default + 'static {
+    /// Reads the configuration; the default accepts none.
+    fn init(&mut self, config: &Config) -> Result<(), PluginError> {
+        config.expect_only(&[])
+    }
+
+    /// Called once when the world size changes, before the first step of the new size.
+    fn on_resize(&mut self, event: &ResizeEvent, current: &Hyperparams) -> Hyperparams;
+
+    /// Called before every step; the default keeps the settings.
+    fn on_step(&mut self, step: u64, current: &Hyperparams) -> Hyperparams {
+        let _ = step;
+        *current
+    }
+
+    /// The adapter's memory between calls; see [`ScalingPolicy::save_state`].
+    fn save_state(&self) -> Vec<u8> {
+        Vec::new()
+    }
+
+    /// Restores what `save_state` gave; see [`ScalingPolicy::load_state`].
+    fn load_state(&mut self, state: &[u8]) -> Result<(), PluginError> {
+        let _ = state;
+        Ok(())
+    }
+}
+
+/// Transforms a columnar batch before teachers and student see it (WIT world `reader-transform`).
+pub trait ReaderTransform: Default + 'static {
+    /// Reads the configuration; the default accepts none.
+    fn init(&mut self, config: &Config) -> Result<(), PluginError> {
+        config.expect_only(&[])
+    }
+
+    /// Returns the transformed batch (same samples, same order).
+    fn apply(&mut self, batch: Batch) -> Result<Batch, PluginError>;
+}
