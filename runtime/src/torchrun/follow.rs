@@ -11,7 +11,7 @@
 //! came back, restarts it on those that did, or starts afresh ([`adopt`]).
 
 use crate::job::spec::Leader;
-use crate::leader::keeper::{StoreKeeper, take_lease};
+use crate::leader::keeper::{Fenced, LeaseFence, StoreKeeper, take_lease};
 use crate::leader::record::{GroupHandover, JobState};
 use crate::store::{AnyStore, Store, keys, redact};
 use anyhow::{Context, Result};
@@ -141,12 +141,12 @@ impl Hold {
     }
 
     /// Why this launcher may no longer act, if so: another took the job.
-    pub fn fenced(&self) -> Option<String> {
+    pub fn fenced(&self) -> Option<Fenced> {
         self.keeper.fenced()
     }
 
     /// The same answer, for the launcher's other threads.
-    pub fn fence(&self) -> crate::leader::keeper::Fence {
+    pub fn fence(&self) -> LeaseFence {
         self.keeper.fence()
     }
 

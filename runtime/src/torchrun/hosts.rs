@@ -27,6 +27,7 @@ use crate::control::{
 };
 use crate::coordinator::RETURN_WITHIN;
 use crate::job::spec::{Follow, Leader};
+use crate::leader::keeper::Fenced;
 use crate::leader::record::GroupHandover;
 use crate::net::Addresses;
 use crate::plugin::PolicyPlugin;
@@ -187,7 +188,7 @@ struct Launcher<'a> {
     /// The job's lease and record in a shared store.
     hold: Option<Hold>,
     /// Why this launcher no longer leads the job: it does nothing more.
-    deposed: Option<String>,
+    deposed: Option<Fenced>,
     /// The group agents may come back running (a job taken over), and
     /// those that did.
     returning: Option<(u32, Vec<u64>)>,
