@@ -13,7 +13,7 @@ use edl_runtime::{
     plot,
     plugin::PluginHost,
     scalers::{CommandScaler, ExternalWorkers, Scaler},
-    torchrun::{self, Event as TorchrunEvent, HostsConfig, Lead, TorchrunConfig},
+    torchrun::{self, GroupEvent as TorchrunEvent, HostsConfig, Lead, TorchrunConfig},
     worker::session::{JobAuth, Secret},
 };
 use std::{
