@@ -14,7 +14,7 @@ use edl_runtime::{
     plot,
     plugin::PluginHost,
     scalers::{CommandScaler, ExternalWorkers, Scaler},
-    torchrun::{self, Event as TorchrunEvent, HostsConfig, Lead, TorchrunConfig, TorchrunOutcome},
+    torchrun::{self, GroupEvent as TorchrunEvent, HostsConfig, Lead, TorchrunConfig, TorchrunOutcome},
     worker::session::{JobAuth, Secret},
 };
 use std::{

@@ -16,12 +16,103 @@
 //! coordinator whose lease was taken is fenced.
 
 use crate::leader::record::JobState;
-use crate::store::{AnyStore, Cas, Store, redact};
+use crate::store::{AnyStore, Cas, Store, StoreError, redact};
 use std::{
-    sync::{Arc, Mutex},
-    time::Duration,
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
 };
 use tokio::sync::{mpsc, oneshot};
+
+/// Why a coordinator may no longer act on its job: another coordinator
+/// holds it, or may hold it by now.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum Fenced {
+    /// The store's lease names another coordinator.
+    #[error("fenced: another coordinator took the job's lease; stopping instead of running it twice")]
+    LeaseTaken,
+    /// The lease could not be renewed for its whole term (`cause`: why the
+    /// last renewal failed), so it may have lapsed and been taken.
+    #[error(
+        "fenced: the job's lease could not be renewed for {secs:.1} s, its whole term ({cause}); another \
+         coordinator may hold it now, so this one stops"
+    )]
+    NotRenewed { secs: f64, cause: String },
+    /// A state was due to be written after the lease's term was over by
+    /// this process's clock (it was frozen, or cut off).
+    #[error(
+        "fenced: the job's lease was last confirmed {secs:.1} s ago, longer than its term; another coordinator \
+         may hold it now, so this one stops"
+    )]
+    Lapsed { secs: f64 },
+    /// The job's state holds another coordinator's write (tokens of the
+    /// key: `theirs` found, `mine` expected).
+    #[error(
+        "fenced: another coordinator wrote the job's state (token {}, this coordinator's {}); stopping instead \
+         of overwriting it",
+        shown(.theirs),
+        shown(.mine)
+    )]
+    StateWritten { theirs: Option<u64>, mine: Option<u64> },
+}
+
+fn shown(token: &Option<u64>) -> String {
+    token.map_or("none".into(), |t| t.to_string())
+}
+
+/// Why [`StoreKeeper::flush`] could not tell that everything queued was tried.
+#[derive(Debug, thiserror::Error)]
+pub enum FlushError {
+    #[error("the store keeper stopped")]
+    Stopped,
+    #[error("the store did not take the job's state within {0:?}")]
+    TimedOut(Duration),
+}
+
+/// Why a renewal of the lease failed.
+#[derive(Debug, thiserror::Error)]
+enum RenewError {
+    #[error(transparent)]
+    Fenced(#[from] Fenced),
+    #[error("no answer within {0:?}")]
+    NoAnswer(Duration),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Why a store call bounded in time had no answer.
+#[derive(Debug, thiserror::Error)]
+enum CallError {
+    #[error("the store did not answer in time")]
+    NoAnswer,
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Why the job's state was not written.
+#[derive(Debug, thiserror::Error)]
+enum WriteError {
+    #[error(transparent)]
+    Fenced(#[from] Fenced),
+    #[error("{0}")]
+    Encode(#[from] serde_json::Error),
+    #[error(transparent)]
+    Call(#[from] CallError),
+}
+
+/// A refusal of [`take_lease`]: another coordinator holds the job's lease.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "job {job:?} is already run by another coordinator: {holder} holds its lease in the store (it lapses \
+     {ttl:?} after that coordinator stops)"
+)]
+struct LeaseHeld {
+    job: String,
+    holder: String,
+    ttl: Duration,
+}
 
 enum Cmd {
     State(JobState),
@@ -33,31 +124,50 @@ enum Cmd {
         ttl: Duration,
     },
     Delete(String),
-    Flush(oneshot::Sender<Result<(), String>>),
+    /// Answered once everything queued before it was tried.
+    Flush(oneshot::Sender<()>),
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What the keeper's thread tells the coordinator's threads.
+#[derive(Clone)]
+struct Shared {
+    /// Why the coordinator was fenced, once it was.
+    fenced: Arc<Mutex<Option<Fenced>>>,
+    /// The lease's term: when the store last confirmed it, and for how
+    /// long. Read by [`LeaseFence::fenced`] on the coordinator's own clock,
+    /// so a lease that lapsed fences it whatever the keeper's thread is
+    /// waiting on.
+    term: Arc<Mutex<Option<(Instant, Duration)>>>,
+    /// The committed step of the newest job state the store took (0: none yet).
+    stored: Arc<AtomicU64>,
+    /// What happened to the store that the job went on through (a
+    /// replicated store's leader changed), not yet taken.
+    events: Arc<Mutex<Vec<String>>>,
 }
 
 /// Tells, from any thread, whether a keeper's coordinator still holds its
 /// job: not when the store said another took it, nor once the lease has
 /// not been confirmed for its whole term by this process's own clock.
 #[derive(Clone)]
-pub struct Fence {
-    fenced: Arc<Mutex<Option<String>>>,
-    term: Arc<Mutex<Option<(std::time::Instant, Duration)>>>,
+pub struct LeaseFence {
+    fenced: Arc<Mutex<Option<Fenced>>>,
+    term: Arc<Mutex<Option<(Instant, Duration)>>>,
 }
 
-impl Fence {
+impl LeaseFence {
     /// Why this coordinator may no longer act, if so.
-    pub fn fenced(&self) -> Option<String> {
-        if let Some(why) = self.fenced.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+    pub fn fenced(&self) -> Option<Fenced> {
+        if let Some(why) = lock(&self.fenced).clone() {
             return Some(why);
         }
-        let (confirmed, ttl) = (*self.term.lock().unwrap_or_else(|p| p.into_inner()))?;
-        (confirmed.elapsed() >= ttl).then(|| {
-            format!(
-                "fenced: the job's lease could not be renewed for {:.1} s, its whole term (the store does not \
-                 answer); another coordinator may hold it now, so this one stops",
-                confirmed.elapsed().as_secs_f64()
-            )
+        let (confirmed, ttl) = (*lock(&self.term))?;
+        (confirmed.elapsed() >= ttl).then(|| Fenced::NotRenewed {
+            secs: confirmed.elapsed().as_secs_f64(),
+            cause: "the store does not answer".into(),
         })
     }
 }
@@ -65,153 +175,45 @@ impl Fence {
 /// Writes the job's state and worker leases in the background.
 pub struct StoreKeeper {
     tx: mpsc::UnboundedSender<Cmd>,
-    fenced: Arc<Mutex<Option<String>>>,
-    /// The lease's term: when the store last confirmed it, and for how
-    /// long. Read by [`Self::fenced`] on the coordinator's own clock, so a
-    /// lease that lapsed fences it whatever the keeper's thread is waiting on.
-    term: Arc<Mutex<Option<(std::time::Instant, Duration)>>>,
-    /// The committed step of the newest job state the store took (0: none yet).
-    stored: Arc<std::sync::atomic::AtomicU64>,
-    /// What happened to the store that the job went on through (a
-    /// replicated store's leader changed), not yet taken.
-    events: Arc<Mutex<Vec<String>>>,
+    shared: Shared,
 }
 
 impl StoreKeeper {
     /// Starts the keeper of `key` in the store at `url`; `token` is the
     /// state's token as read at start (None: the job has no state yet).
-    pub fn start(url: &str, key: String, token: Option<u64>, lease: Option<Lease>) -> anyhow::Result<Self> {
-        let (tx, mut rx) = mpsc::unbounded_channel::<Cmd>();
-        let fenced = Arc::new(Mutex::new(None));
+    pub fn start(
+        url: &str,
+        key: String,
+        token: Option<u64>,
+        lease: Option<JobLease>,
+    ) -> anyhow::Result<Self> {
+        let (tx, rx) = mpsc::unbounded_channel::<Cmd>();
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let store = {
             let _g = rt.enter();
             AnyStore::open(url)?
         };
-        let shown = redact(url);
-        let flag = fenced.clone();
-        let term = Arc::new(Mutex::new(lease.as_ref().map(|l| (l.confirmed, l.ttl))));
-        let confirmed = term.clone();
-        let stored = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let stored_step = stored.clone();
-        let events = Arc::new(Mutex::new(Vec::new()));
-        let seen = events.clone();
-        std::thread::Builder::new().name("edl-store-keeper".into()).spawn(move || {
-            rt.block_on(async move {
-                let mut token = token;
-                let mut lost: Option<Vec<u8>> = None;
-                let mut lease = lease;
-                let renew_every = lease.as_ref().map_or(Duration::from_secs(3600), |l| l.ttl / 3);
-                let mut renew = tokio::time::interval(renew_every);
-                // The replicated store's leader, asked after each renewal.
-                let mut leader: Option<String> = None;
-                renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    let first = tokio::select! {
-                        c = rx.recv() => match c { Some(c) => c, None => break },
-                        _ = renew.tick() => {
-                            let renewed = match lease.as_mut() {
-                                Some(l) => l.renew(&store).await.map(|()| (l.confirmed, l.ttl)),
-                                None => continue,
-                            };
-                            if let Ok(t) = renewed {
-                                *confirmed.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
-                                let now = tokio::time::timeout(renew_every / 2, store.leader()).await.ok().flatten();
-                                if let (Some(was), Some(is)) = (&leader, &now)
-                                    && was != is
-                                {
-                                    let change = format!("the store's leader changed from {was} to {is}");
-                                    seen.lock().unwrap_or_else(|p| p.into_inner()).push(change);
-                                }
-                                leader = now.or(leader);
-                            }
-                            if let (Some(l), Err(e)) = (lease.as_mut(), renewed)
-                            {
-                                // Self-fencing: a lease this coordinator
-                                // cannot renew may have lapsed and been taken;
-                                // it stops acting once the lease is over by
-                                // its own clock, whether or not the store answers.
-                                let lapsed = l.confirmed.elapsed() >= l.ttl;
-                                if e.starts_with("fenced") || lapsed {
-                                    let why = if e.starts_with("fenced") {
-                                        e.clone()
-                                    } else {
-                                        format!(
-                                            "fenced: the job's lease could not be renewed for {:.1} s, its whole \
-                                             term ({e}); another coordinator may hold it now, so this one stops",
-                                            l.confirmed.elapsed().as_secs_f64()
-                                        )
-                                    };
-                                    *flag.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
-                                    lease = None;
-                                }
-                                tracing::warn!("store {shown}: coordinator lease: {e}");
-                            }
-                            continue;
-                        }
-                    };
-                    // Coalesce: of the states queued, only the newest is written.
-                    let mut cmds = vec![first];
-                    while let Ok(c) = rx.try_recv() {
-                        cmds.push(c);
-                    }
-                    let last_state = cmds.iter().rposition(|c| matches!(c, Cmd::State(_)));
-                    for (i, cmd) in cmds.into_iter().enumerate() {
-                        match cmd {
-                            Cmd::State(s) if Some(i) == last_state => {
-                                // A coordinator whose lease is over by its own
-                                // clock (it was frozen, or cut off) writes
-                                // nothing: another may hold the job now.
-                                if let Some(l) = lease.as_ref().filter(|l| l.confirmed.elapsed() >= l.ttl) {
-                                    let why = format!(
-                                        "fenced: the job's lease was last confirmed {:.1} s ago, longer than its \
-                                         term; another coordinator may hold it now, so this one stops",
-                                        l.confirmed.elapsed().as_secs_f64()
-                                    );
-                                    *flag.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
-                                    continue;
-                                }
-                                // Bounded by a third of the lease, as its renewals are.
-                                let bound = lease.as_ref().map_or(Duration::from_secs(10), |l| l.ttl / 3);
-                                let mine = lease.as_ref().map(|l| l.token);
-                                let result =
-                                    write_state(&store, &key, &mut token, &mut lost, &s, bound, mine).await;
-                                if result.is_ok() {
-                                    stored_step.store(s.committed_steps, std::sync::atomic::Ordering::Release);
-                                }
-                                if let Err(e) = result {
-                                    if e.starts_with("fenced") {
-                                        *flag.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
-                                    }
-                                    tracing::warn!("store {shown}: job state: {e}");
-                                }
-                            }
-                            Cmd::State(_) => {}
-                            Cmd::Release => {
-                                *confirmed.lock().unwrap_or_else(|p| p.into_inner()) = None;
-                                if let Some(l) = lease.take() {
-                                    l.release(&store).await;
-                                }
-                            }
-                            Cmd::Lease { key, value, ttl } => {
-                                if let Err(e) = store.put(&key, &value, Some(ttl)).await {
-                                    tracing::warn!("store {shown}: lease {key}: {e}");
-                                }
-                            }
-                            Cmd::Delete(key) => {
-                                if let Err(e) = store.delete(&key).await {
-                                    tracing::warn!("store {shown}: removing {key}: {e}");
-                                }
-                            }
-                            Cmd::Flush(done) => {
-                                let _ = done.send(Ok(()));
-                            }
-                        }
-                    }
-                }
-            })
-        })?;
-        Ok(StoreKeeper { tx, fenced, term, stored, events })
+        let shared = Shared {
+            fenced: Arc::new(Mutex::new(None)),
+            term: Arc::new(Mutex::new(lease.as_ref().map(|l| (l.confirmed, l.ttl)))),
+            stored: Arc::new(AtomicU64::new(0)),
+            events: Arc::new(Mutex::new(Vec::new())),
+        };
+        let keeper = Keeper {
+            store,
+            key,
+            shown: redact(url),
+            token,
+            lost: None,
+            renew_every: lease.as_ref().map_or(Duration::from_secs(3600), |l| l.ttl / 3),
+            lease,
+            leader: None,
+            shared: shared.clone(),
+        };
+        std::thread::Builder::new()
+            .name("edl-store-keeper".into())
+            .spawn(move || rt.block_on(keeper.run(rx)))?;
+        Ok(StoreKeeper { tx, shared })
     }
 
     /// Queues the newest job state.
@@ -221,12 +223,12 @@ impl StoreKeeper {
 
     /// What happened to the store since the last call (its leader changed).
     pub fn store_events(&self) -> Vec<String> {
-        std::mem::take(&mut *self.events.lock().unwrap_or_else(|p| p.into_inner()))
+        std::mem::take(&mut *lock(&self.shared.events))
     }
 
     /// The committed step of the newest job state the store took.
     pub fn stored_step(&self) -> u64 {
-        self.stored.load(std::sync::atomic::Ordering::Acquire)
+        self.shared.stored.load(Ordering::Acquire)
     }
 
     /// Gives the coordinator lease up (queued after everything before it).
@@ -245,30 +247,167 @@ impl StoreKeeper {
     }
 
     /// Why this coordinator may no longer write the job's state, if so.
-    pub fn fenced(&self) -> Option<String> {
+    pub fn fenced(&self) -> Option<Fenced> {
         self.fence().fenced()
     }
 
     /// The same answer, for other threads of this coordinator.
-    pub fn fence(&self) -> Fence {
-        Fence { fenced: self.fenced.clone(), term: self.term.clone() }
+    pub fn fence(&self) -> LeaseFence {
+        LeaseFence { fenced: self.shared.fenced.clone(), term: self.shared.term.clone() }
     }
 
     /// Waits (at most `within`) until everything queued so far was tried.
-    pub fn flush(&self, within: Duration) -> Result<(), String> {
-        let (tx, rx) = oneshot::channel();
-        self.tx.send(Cmd::Flush(tx)).map_err(|_| "the store keeper stopped".to_string())?;
-        let deadline = std::time::Instant::now() + within;
-        let mut rx = rx;
+    pub fn flush(&self, within: Duration) -> Result<(), FlushError> {
+        let (tx, mut rx) = oneshot::channel();
+        self.tx.send(Cmd::Flush(tx)).map_err(|_| FlushError::Stopped)?;
+        let deadline = Instant::now() + within;
         loop {
             match rx.try_recv() {
-                Ok(r) => return r,
-                Err(oneshot::error::TryRecvError::Closed) => return Err("the store keeper stopped".into()),
-                Err(oneshot::error::TryRecvError::Empty) if std::time::Instant::now() >= deadline => {
-                    return Err(format!("the store did not take the job's state within {within:?}"));
+                Ok(()) => return Ok(()),
+                Err(oneshot::error::TryRecvError::Closed) => return Err(FlushError::Stopped),
+                Err(oneshot::error::TryRecvError::Empty) if Instant::now() >= deadline => {
+                    return Err(FlushError::TimedOut(within));
                 }
                 Err(oneshot::error::TryRecvError::Empty) => std::thread::sleep(Duration::from_millis(5)),
             }
+        }
+    }
+}
+
+/// The keeper's thread: the store, the lease it renews and what it knows
+/// of the job's state in the store.
+struct Keeper {
+    store: AnyStore,
+    key: String,
+    /// The store's address as logs show it (without a password).
+    shown: String,
+    /// The state's token as this keeper last wrote or read it.
+    token: Option<u64>,
+    /// The bytes of the last state write whose answer never came.
+    lost: Option<Vec<u8>>,
+    lease: Option<JobLease>,
+    renew_every: Duration,
+    /// The replicated store's leader, asked after each renewal.
+    leader: Option<String>,
+    shared: Shared,
+}
+
+impl Keeper {
+    /// Serves commands and renews the lease until the [`StoreKeeper`] is dropped.
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Cmd>) {
+        let mut renew = tokio::time::interval(self.renew_every);
+        renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                c = rx.recv() => match c {
+                    Some(first) => self.commands(first, &mut rx).await,
+                    None => break,
+                },
+                _ = renew.tick() => self.renew().await,
+            }
+        }
+    }
+
+    /// Carries out `first` and the commands queued behind it. Of the
+    /// states queued, only the newest is written.
+    async fn commands(&mut self, first: Cmd, rx: &mut mpsc::UnboundedReceiver<Cmd>) {
+        let mut cmds = vec![first];
+        while let Ok(c) = rx.try_recv() {
+            cmds.push(c);
+        }
+        let last_state = cmds.iter().rposition(|c| matches!(c, Cmd::State(_)));
+        for (i, cmd) in cmds.into_iter().enumerate() {
+            match cmd {
+                Cmd::State(s) if Some(i) == last_state => self.write(&s).await,
+                Cmd::State(_) => {}
+                Cmd::Release => self.release().await,
+                Cmd::Lease { key, value, ttl } => {
+                    if let Err(e) = self.store.put(&key, &value, Some(ttl)).await {
+                        tracing::warn!("store {}: lease {key}: {e}", self.shown);
+                    }
+                }
+                Cmd::Delete(key) => {
+                    if let Err(e) = self.store.delete(&key).await {
+                        tracing::warn!("store {}: removing {key}: {e}", self.shown);
+                    }
+                }
+                Cmd::Flush(done) => {
+                    let _ = done.send(());
+                }
+            }
+        }
+    }
+
+    fn fence(&self, why: Fenced) {
+        *lock(&self.shared.fenced) = Some(why);
+    }
+
+    /// Renews the lease. Self-fencing: a lease this coordinator cannot
+    /// renew may have lapsed and been taken; it stops acting once the lease
+    /// is over by its own clock, whether or not the store answers.
+    async fn renew(&mut self) {
+        let Some(l) = self.lease.as_mut() else { return };
+        match l.renew(&self.store).await {
+            Ok(()) => {
+                *lock(&self.shared.term) = Some((l.confirmed, l.ttl));
+                self.ask_leader().await;
+            }
+            Err(e) => {
+                let why = match &e {
+                    RenewError::Fenced(f) => Some(f.clone()),
+                    _ if l.confirmed.elapsed() >= l.ttl => Some(Fenced::NotRenewed {
+                        secs: l.confirmed.elapsed().as_secs_f64(),
+                        cause: e.to_string(),
+                    }),
+                    _ => None,
+                };
+                if let Some(why) = why {
+                    self.fence(why);
+                    self.lease = None;
+                }
+                tracing::warn!("store {}: coordinator lease: {e}", self.shown);
+            }
+        }
+    }
+
+    /// Notes a change of the replicated store's leader, as an event.
+    async fn ask_leader(&mut self) {
+        let now = tokio::time::timeout(self.renew_every / 2, self.store.leader()).await.ok().flatten();
+        if let (Some(was), Some(is)) = (&self.leader, &now)
+            && was != is
+        {
+            lock(&self.shared.events).push(format!("the store's leader changed from {was} to {is}"));
+        }
+        self.leader = now.or(self.leader.take());
+    }
+
+    /// Writes the job's state, unless this coordinator was fenced meanwhile.
+    async fn write(&mut self, s: &JobState) {
+        // A coordinator whose lease is over by its own clock (it was
+        // frozen, or cut off) writes nothing: another may hold the job now.
+        if let Some(l) = self.lease.as_ref().filter(|l| l.confirmed.elapsed() >= l.ttl) {
+            self.fence(Fenced::Lapsed { secs: l.confirmed.elapsed().as_secs_f64() });
+            return;
+        }
+        // Bounded by a third of the lease, as its renewals are.
+        let bound = self.lease.as_ref().map_or(Duration::from_secs(10), |l| l.ttl / 3);
+        let mine = self.lease.as_ref().map(|l| l.token);
+        match write_state(&self.store, &self.key, &mut self.token, &mut self.lost, s, bound, mine).await {
+            Ok(()) => self.shared.stored.store(s.committed_steps, Ordering::Release),
+            Err(e) => {
+                if let WriteError::Fenced(why) = &e {
+                    self.fence(why.clone());
+                }
+                tracing::warn!("store {}: job state: {e}", self.shown);
+            }
+        }
+    }
+
+    /// Gives the lease up: the coordinator no longer holds the job.
+    async fn release(&mut self) {
+        *lock(&self.shared.term) = None;
+        if let Some(l) = self.lease.take() {
+            l.release(&self.store).await;
         }
     }
 }
@@ -293,8 +432,8 @@ async fn write_state(
     s: &JobState,
     bound: Duration,
     mine: Option<u64>,
-) -> Result<(), String> {
-    let value = serde_json::to_vec(s).map_err(|e| e.to_string())?;
+) -> Result<(), WriteError> {
+    let value = serde_json::to_vec(s)?;
     let until = tokio::time::Instant::now() + bound;
     let mut overwritten = false;
     loop {
@@ -302,7 +441,7 @@ async fn write_state(
             Ok(a) => a,
             Err(e) => {
                 *lost = Some(value);
-                return Err(e);
+                return Err(e.into());
             }
         };
         let theirs = match answer {
@@ -313,8 +452,12 @@ async fn write_state(
             }
             // The key is gone (a store restarted without persistence): write it afresh.
             Cas::Conflict { current: None } if token.is_some() && !overwritten => None,
-            Cas::Conflict { current } if overwritten => return Err(fenced(*token, current)),
-            Cas::Conflict { current: None } => return Err(fenced(*token, None)),
+            Cas::Conflict { current } if overwritten => {
+                return Err(Fenced::StateWritten { theirs: current, mine: *token }.into());
+            }
+            Cas::Conflict { current: None } => {
+                return Err(Fenced::StateWritten { theirs: None, mine: *token }.into());
+            }
             Cas::Conflict { current: Some(theirs) } => {
                 let held = within(until, store.get(key)).await?.filter(|e| e.token == theirs);
                 let led = held.as_ref().and_then(|e| leader_token(&e.value));
@@ -322,7 +465,7 @@ async fn write_state(
                     || held.as_ref().zip(lost.as_ref()).is_some_and(|(e, sent)| &e.value == sent);
                 let deposed = led.zip(mine).is_some_and(|(t, m)| t < m);
                 if !(ours || deposed) {
-                    return Err(fenced(*token, Some(theirs)));
+                    return Err(Fenced::StateWritten { theirs: Some(theirs), mine: *token }.into());
                 }
                 if deposed {
                     tracing::warn!(
@@ -350,24 +493,12 @@ fn leader_token(value: &[u8]) -> Option<u64> {
 async fn within<T>(
     until: tokio::time::Instant,
     call: impl std::future::Future<Output = Result<T, crate::store::StoreError>>,
-) -> Result<T, String> {
-    tokio::time::timeout_at(until, call)
-        .await
-        .map_err(|_| "the store did not answer in time".to_string())?
-        .map_err(|e| e.to_string())
-}
-
-fn fenced(mine: Option<u64>, theirs: Option<u64>) -> String {
-    format!(
-        "fenced: another coordinator wrote the job's state (token {}, this coordinator's {}); \
-         stopping instead of overwriting it",
-        theirs.map_or("none".into(), |t| t.to_string()),
-        mine.map_or("none".into(), |t| t.to_string())
-    )
+) -> Result<T, CallError> {
+    Ok(tokio::time::timeout_at(until, call).await.map_err(|_| CallError::NoAnswer)??)
 }
 
 /// The coordinator's lease on its job in the store.
-pub struct Lease {
+pub struct JobLease {
     key: String,
     value: Vec<u8>,
     token: u64,
@@ -444,11 +575,16 @@ fn start_time(pid: u32) -> Option<u64> {
 /// Takes the job's coordinator lease (`ttl`, renewed by the keeper), or
 /// says who holds it; a `standby` waits until the lease is free (its holder
 /// gone: the lease lapsed, or proven dead on this machine).
-pub async fn take_lease(store: &AnyStore, job: &str, ttl: Duration, standby: bool) -> anyhow::Result<Lease> {
+pub async fn take_lease(
+    store: &AnyStore,
+    job: &str,
+    ttl: Duration,
+    standby: bool,
+) -> anyhow::Result<JobLease> {
     let mut said = false;
     loop {
         match try_take_lease(store, job, ttl).await {
-            Err(e) if standby && e.to_string().contains("already run by another coordinator") => {
+            Err(e) if standby && e.is::<LeaseHeld>() => {
                 if !said {
                     println!("standby   {e:#}; waiting to take the job over when that lease lapses");
                     said = true;
@@ -462,13 +598,13 @@ pub async fn take_lease(store: &AnyStore, job: &str, ttl: Duration, standby: boo
 }
 
 /// One attempt at [`take_lease`].
-async fn try_take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::Result<Lease> {
+async fn try_take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::Result<JobLease> {
     let key = crate::store::keys::coordinator(job);
     let me = Holder::me();
     let value = serde_json::to_vec(&me)?;
     let asked = std::time::Instant::now();
     match store.compare_and_set(&key, None, &value, Some(ttl)).await? {
-        Cas::Written(token) => Ok(Lease { key, value, token, ttl, confirmed: asked }),
+        Cas::Written(token) => Ok(JobLease { key, value, token, ttl, confirmed: asked }),
         Cas::Conflict { .. } => {
             let entry = store.get(&key).await?;
             let found = entry.as_ref().and_then(|e| serde_json::from_slice::<Holder>(&e.value).ok());
@@ -476,7 +612,7 @@ async fn try_take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::R
             if let (Some(e), Some(h)) = (&entry, &found)
                 && *h == me
             {
-                return Ok(Lease { key, value, token: e.token, ttl, confirmed: asked });
+                return Ok(JobLease { key, value, token: e.token, ttl, confirmed: asked });
             }
             if let (Some(e), Some(h)) = (&entry, &found)
                 && h.proven_dead(&me)
@@ -487,7 +623,7 @@ async fn try_take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::R
                 if let Cas::Written(token) =
                     store.compare_and_set(&key, Some(e.token), &value, Some(ttl)).await?
                 {
-                    return Ok(Lease { key, value, token, ttl, confirmed: asked });
+                    return Ok(JobLease { key, value, token, ttl, confirmed: asked });
                 }
             }
             let holder = match (&entry, found) {
@@ -495,15 +631,12 @@ async fn try_take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::R
                 (Some(_), None) => "an unreadable holder".into(),
                 (None, _) => "a coordinator whose lease just ended (try again)".into(),
             };
-            anyhow::bail!(
-                "job {job:?} is already run by another coordinator: {holder} holds its lease in the store \
-                 (it lapses {ttl:?} after that coordinator stops)"
-            )
+            Err(LeaseHeld { job: job.into(), holder, ttl }.into())
         }
     }
 }
 
-impl Lease {
+impl JobLease {
     /// The token the lease was taken with: higher than any its earlier
     /// holders had (the store's tokens come from one sequence).
     pub fn token(&self) -> u64 {
@@ -511,7 +644,7 @@ impl Lease {
     }
 
     /// Extends the lease, if it is still this coordinator's.
-    async fn renew(&mut self, store: &AnyStore) -> Result<(), String> {
+    async fn renew(&mut self, store: &AnyStore) -> Result<(), RenewError> {
         let asked = std::time::Instant::now();
         // An answer later than a third of the lease is no use: by then the
         // next renewal is due.
@@ -521,8 +654,7 @@ impl Lease {
             store.compare_and_set(&self.key, Some(self.token), &self.value, Some(self.ttl)),
         )
         .await
-        .map_err(|_| format!("no answer within {within:?}"))?
-        .map_err(|e| e.to_string())?;
+        .map_err(|_| RenewError::NoAnswer(within))??;
         match answer {
             Cas::Written(t) => {
                 self.token = t;
@@ -539,8 +671,8 @@ impl Lease {
                         self.confirmed = asked;
                         Ok(())
                     }
-                    Ok(Cas::Conflict { .. }) => Err(lost()),
-                    Err(e) => Err(e.to_string()),
+                    Ok(Cas::Conflict { .. }) => Err(Fenced::LeaseTaken.into()),
+                    Err(e) => Err(e.into()),
                 }
             }
             // A renewal of this coordinator's, applied though its answer was
@@ -551,9 +683,9 @@ impl Lease {
                     self.token = t;
                     Ok(())
                 }
-                _ => Err(lost()),
+                _ => Err(Fenced::LeaseTaken.into()),
             },
-            Cas::Conflict { .. } => Err(lost()),
+            Cas::Conflict { .. } => Err(Fenced::LeaseTaken.into()),
         }
     }
 
@@ -572,10 +704,6 @@ fn alive(pid: u32) -> bool {
     // SAFETY: signal 0 sends nothing; it only asks whether `pid` exists.
     let found = unsafe { libc::kill(pid, 0) } == 0;
     found || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
-}
-
-fn lost() -> String {
-    "fenced: another coordinator took the job's lease; stopping instead of running it twice".into()
 }
 
 #[cfg(test)]
@@ -649,7 +777,7 @@ mod tests {
             // Another holder's write is not taken for this one's.
             let other = serde_json::to_vec(&Holder { pid: 1, ..Holder::me() }).unwrap();
             store.compare_and_set(&lease.key, Some(lease.token), &other, Some(ttl)).await.unwrap();
-            assert!(lease.renew(&store).await.unwrap_err().contains("fenced"));
+            assert!(matches!(lease.renew(&store).await, Err(RenewError::Fenced(Fenced::LeaseTaken))));
         });
     }
 
@@ -694,7 +822,7 @@ mod tests {
             let err = write_state(&store, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5))
                 .await
                 .unwrap_err();
-            assert!(err.starts_with("fenced"), "{err}");
+            assert!(matches!(err, WriteError::Fenced(Fenced::StateWritten { .. })), "{err}");
         });
     }
 
@@ -721,7 +849,7 @@ mod tests {
             lost = Some(serde_json::to_vec(&state(4)).unwrap());
             let err =
                 write_state(&store, "s", &mut token, &mut lost, &state(5), BOUND, None).await.unwrap_err();
-            assert!(err.starts_with("fenced"), "{err}");
+            assert!(matches!(err, WriteError::Fenced(Fenced::StateWritten { .. })), "{err}");
         });
     }
 }

@@ -317,7 +317,7 @@ fn follow(a: &AgentArgs, l: &mut Launcher, job: &mut Job, h: &mut Here, why: &st
     while Instant::now() < deadline {
         h.report(&l.to, l.here);
         let found = match &lookup {
-            Ok(s) => s.look(f.token),
+            Ok(s) => s.look(f.token).map_err(|e| e.to_string()),
             Err(e) => Err(format!("{e:#}")),
         };
         match found {

@@ -11,7 +11,7 @@
 //! came back, restarts it on those that did, or starts afresh ([`adopt`]).
 
 use crate::job::spec::Leader;
-use crate::leader::keeper::{StoreKeeper, take_lease};
+use crate::leader::keeper::{Fenced, LeaseFence, StoreKeeper, take_lease};
 use crate::leader::record::{GroupHandover, JobState};
 use crate::store::{AnyStore, Store, keys, redact};
 use anyhow::{Context, Result};
@@ -77,21 +77,33 @@ impl Lookup {
 
     /// Who leads the job, when it is a launcher newer than token `current`
     /// (each read bounded: a store that does not answer is "nothing yet").
-    pub fn look(&self, current: u64) -> Result<Found, String> {
-        let shown = redact(&self.url);
+    pub fn look(&self, current: u64) -> Result<Found, LookupError> {
+        let store = redact(&self.url);
         let got = self
             .rt
             .block_on(async { tokio::time::timeout(Duration::from_secs(2), self.store.get(&self.key)).await })
-            .map_err(|_| format!("the job's store {shown} did not answer within 2 s"))?
-            .map_err(|e| format!("the job's store {shown}: {e}"))?;
+            .map_err(|_| LookupError::NoAnswer { store: store.clone() })?
+            .map_err(|cause| LookupError::Store { store: store.clone(), cause })?;
         let Some(entry) = got else { return Ok(Found::Nothing) };
-        let s: JobState = serde_json::from_slice(&entry.value)
-            .map_err(|e| format!("the job's state in {shown} does not parse: {e}"))?;
+        let s: JobState =
+            serde_json::from_slice(&entry.value).map_err(|cause| LookupError::Unreadable { store, cause })?;
         if s.finished {
             return Ok(Found::Finished);
         }
         Ok(newer(current, s.torchrun.map(|g| g.leader)).map_or(Found::Nothing, Found::Leader))
     }
+}
+
+/// Why [`Lookup::look`] could not read the job's record (`store`: its
+/// address as shown, without a password).
+#[derive(Debug, thiserror::Error)]
+pub enum LookupError {
+    #[error("the job's store {store} did not answer within 2 s")]
+    NoAnswer { store: String },
+    #[error("the job's store {store}: {cause}")]
+    Store { store: String, cause: crate::store::StoreError },
+    #[error("the job's state in {store} does not parse: {cause}")]
+    Unreadable { store: String, cause: serde_json::Error },
 }
 
 /// The launcher's hold on the job in a shared store.
@@ -141,12 +153,12 @@ impl Hold {
     }
 
     /// Why this launcher may no longer act, if so: another took the job.
-    pub fn fenced(&self) -> Option<String> {
+    pub fn fenced(&self) -> Option<Fenced> {
         self.keeper.fenced()
     }
 
     /// The same answer, for the launcher's other threads.
-    pub fn fence(&self) -> crate::leader::keeper::Fence {
+    pub fn fence(&self) -> LeaseFence {
         self.keeper.fence()
     }
 

@@ -8,7 +8,7 @@
 //! it is given, with the environment torchrun gives them across hosts
 //! (`GROUP_RANK`, `GROUP_WORLD_SIZE`, `LOCAL_WORLD_SIZE`, global `RANK`,
 //! `MASTER_ADDR` of the host of group rank 0). The launcher decides as on
-//! one host ([`Agent`]): the policy sizes the number of hosts, a failed rank
+//! one host ([`RestartDecider`]): the policy sizes the number of hosts, a failed rank
 //! restarts the group while restarts are left, and a host that is lost (its
 //! agent's connection closed, or silent for the lease) restarts the group
 //! on the hosts that are left: a change of membership, as in torchrun, not
@@ -20,16 +20,18 @@
 
 use super::follow::{Adopt, Hold, adopt};
 use super::ranks::{Exit, RankFailure};
-use super::{Agent, Event, GroupRecord, Next, TorchrunConfig, TorchrunOutcome, decide};
+use super::{GroupEvent, GroupRecord, Next, RestartDecider, TorchrunConfig, TorchrunOutcome, decide};
 use crate::control::{
     inbox::{self, Inbound, Message},
     proto,
 };
 use crate::coordinator::RETURN_WITHIN;
 use crate::job::spec::{Follow, Leader};
+use crate::leader::keeper::Fenced;
 use crate::leader::record::GroupHandover;
 use crate::net::Addresses;
 use crate::plugin::PolicyPlugin;
+use crate::plugin::replay::Decision;
 use crate::scalers::Scaler;
 use anyhow::{Context, Result, bail};
 use edl_host_gpu::comm::auth::JobAuth;
@@ -169,7 +171,8 @@ struct Joined {
     to: proto::Sender,
 }
 
-/// The launcher's side: the agents, the scaler that starts them, the events.
+/// The launcher's side: the agents, the scaler that starts them, the
+/// events, and the groups it runs on them.
 struct Launcher<'a> {
     cfg: &'a TorchrunConfig,
     hc: HostsConfig,
@@ -187,7 +190,7 @@ struct Launcher<'a> {
     /// The job's lease and record in a shared store.
     hold: Option<Hold>,
     /// Why this launcher no longer leads the job: it does nothing more.
-    deposed: Option<String>,
+    deposed: Option<Fenced>,
     /// The group agents may come back running (a job taken over), and
     /// those that did.
     returning: Option<(u32, Vec<u64>)>,
@@ -198,6 +201,28 @@ struct Launcher<'a> {
     /// While set, each agent's heartbeat thread tells it this launcher is
     /// alive (cleared once deposed, so its agents hear the silence).
     leading: Arc<AtomicBool>,
+    policy: &'a mut dyn PolicyPlugin,
+    /// What the group does next, from the ranks' exits and the policy.
+    decider: RestartDecider,
+    /// The groups so far, the running one last.
+    groups: Vec<GroupRecord>,
+    decisions: Vec<Decision>,
+    /// When the group last changed size (the policy is shown how long ago).
+    last_change: Instant,
+    /// What is known of the last rank that failed.
+    last_failure: Option<RankFailure>,
+    t0: Instant,
+}
+
+/// Why a message did not reach an agent.
+#[derive(Debug, thiserror::Error)]
+enum SendError {
+    #[error("this launcher no longer leads the job")]
+    Deposed,
+    #[error("agent {0} is gone")]
+    Gone(u64),
+    #[error("agent {id} on {host}: {cause}")]
+    Failed { id: u64, host: String, cause: proto::ProtoError },
 }
 
 /// What one event meant for the running group.
@@ -212,7 +237,7 @@ enum Happened {
 
 impl Launcher<'_> {
     /// Takes one event off the connections; `members` are the ids in the running group.
-    fn event(&mut self, wait: Duration, members: &[u64], on: &mut dyn FnMut(Event)) -> Happened {
+    fn event(&mut self, wait: Duration, members: &[u64], on: &mut dyn FnMut(GroupEvent)) -> Happened {
         if self.deposed() {
             std::thread::sleep(wait);
             return Happened::Nothing;
@@ -234,60 +259,7 @@ impl Launcher<'_> {
                 Happened::Nothing
             }
             Inbound::Msg(n, FromAgent::Hello { agent, host, pid, running }) => {
-                let Some(stream) = self.fresh.remove(&n) else { return Happened::Nothing };
-                // An agent without an id (started by hand or by another
-                // engine) takes the place of the longest awaited one.
-                let id = match (agent, self.asked.keys().next().copied()) {
-                    (0, Some(awaited)) => awaited,
-                    (0, None) => self.fresh_id(),
-                    (id, _) => id,
-                };
-                let to = proto::Sender::new(stream);
-                if self.agents.contains_key(&id) {
-                    let _ = to.send(&ToAgent::Exit { reason: format!("agent {id} has already joined") });
-                    return Happened::Nothing;
-                }
-                self.next_id = self.next_id.max(id + 1);
-                self.asked.remove(&id);
-                let welcome = ToAgent::Welcome {
-                    agent: id,
-                    job: self.cfg.job.clone(),
-                    command: self.cfg.command.clone(),
-                    nproc: self.hc.nproc,
-                    max_restarts: self.cfg.max_restarts,
-                    heartbeat_ms: (self.hc.lease.as_millis() as u64 / 4).max(50),
-                    grace_ms: self.cfg.grace.as_millis() as u64,
-                    follow: self.follow(),
-                    reconnect_ms: self.hc.lead.as_ref().map_or(0, |l| l.reconnect.as_millis() as u64),
-                    // Heartbeats come from threads of their own (`beat`):
-                    // silence is a launcher frozen, gone or cut off.
-                    lease_ms: self.hc.lease.as_millis() as u64,
-                };
-                if let Err(e) = to.send(&welcome) {
-                    on(Event::Host(format!("agent {id} on {host}: cannot send it the job: {e}")));
-                    return Happened::Nothing;
-                }
-                self.beat(&to);
-                let Some(group) = running else {
-                    on(Event::Host(format!("agent {id} joined from {host} (pid {pid})")));
-                    self.agents.insert(id, Joined { conn: n, host, to });
-                    return Happened::Joined;
-                };
-                let ours = self.returning.as_ref().is_some_and(|(g, ids)| *g == group && ids.contains(&id));
-                if ours {
-                    on(Event::Host(format!(
-                        "agent {id} came back from {host} (pid {pid}) with its ranks of group {group} running"
-                    )));
-                    self.back.insert(id);
-                } else {
-                    // Ranks of a group this launcher does not carry on.
-                    on(Event::Host(format!(
-                        "agent {id} joined from {host} (pid {pid}); its ranks of group {group} are stopped"
-                    )));
-                    let _ = to.send(&ToAgent::Stop { group });
-                }
-                self.agents.insert(id, Joined { conn: n, host, to });
-                Happened::Joined
+                self.hello(n, agent, host, pid, running, on)
             }
             Inbound::Msg(n, msg) => match self.id_of(n) {
                 Some(id) => Happened::Msg(id, msg),
@@ -300,10 +272,83 @@ impl Launcher<'_> {
                 if members.contains(&id) {
                     Happened::Lost(id, a.host, why)
                 } else {
-                    on(Event::Host(format!("agent {id} on {} left: {why}", a.host)));
+                    on(GroupEvent::Host(format!("agent {id} on {} left: {why}", a.host)));
                     Happened::Nothing
                 }
             }
+        }
+    }
+
+    /// Admits the agent that said hello on connection `conn` (`agent`: its
+    /// id, 0 for none yet) and sends it the job. An agent that comes back
+    /// `running` a group keeps its ranks when this launcher carries that
+    /// group on, and stops them otherwise.
+    fn hello(
+        &mut self,
+        conn: u64,
+        agent: u64,
+        host: String,
+        pid: u32,
+        running: Option<u32>,
+        on: &mut dyn FnMut(GroupEvent),
+    ) -> Happened {
+        let Some(stream) = self.fresh.remove(&conn) else { return Happened::Nothing };
+        // An agent without an id (started by hand or by another engine)
+        // takes the place of the longest awaited one.
+        let id = match (agent, self.asked.keys().next().copied()) {
+            (0, Some(awaited)) => awaited,
+            (0, None) => self.fresh_id(),
+            (id, _) => id,
+        };
+        let to = proto::Sender::new(stream);
+        if self.agents.contains_key(&id) {
+            let _ = to.send(&ToAgent::Exit { reason: format!("agent {id} has already joined") });
+            return Happened::Nothing;
+        }
+        self.next_id = self.next_id.max(id + 1);
+        self.asked.remove(&id);
+        if let Err(e) = to.send(&self.welcome(id)) {
+            on(GroupEvent::Host(format!("agent {id} on {host}: cannot send it the job: {e}")));
+            return Happened::Nothing;
+        }
+        self.beat(&to);
+        match running {
+            None => on(GroupEvent::Host(format!("agent {id} joined from {host} (pid {pid})"))),
+            Some(group)
+                if self.returning.as_ref().is_some_and(|(g, ids)| *g == group && ids.contains(&id)) =>
+            {
+                on(GroupEvent::Host(format!(
+                    "agent {id} came back from {host} (pid {pid}) with its ranks of group {group} running"
+                )));
+                self.back.insert(id);
+            }
+            Some(group) => {
+                // Ranks of a group this launcher does not carry on.
+                on(GroupEvent::Host(format!(
+                    "agent {id} joined from {host} (pid {pid}); its ranks of group {group} are stopped"
+                )));
+                let _ = to.send(&ToAgent::Stop { group });
+            }
+        }
+        self.agents.insert(id, Joined { conn, host, to });
+        Happened::Joined
+    }
+
+    /// The job as agent `id` is told it when it joins.
+    fn welcome(&self, id: u64) -> ToAgent {
+        ToAgent::Welcome {
+            agent: id,
+            job: self.cfg.job.clone(),
+            command: self.cfg.command.clone(),
+            nproc: self.hc.nproc,
+            max_restarts: self.cfg.max_restarts,
+            heartbeat_ms: (self.hc.lease.as_millis() as u64 / 4).max(50),
+            grace_ms: self.cfg.grace.as_millis() as u64,
+            follow: self.follow(),
+            reconnect_ms: self.hc.lead.as_ref().map_or(0, |l| l.reconnect.as_millis() as u64),
+            // Heartbeats come from threads of their own (`beat`): silence
+            // is a launcher frozen, gone or cut off.
+            lease_ms: self.hc.lease.as_millis() as u64,
         }
     }
 
@@ -360,7 +405,7 @@ impl Launcher<'_> {
     }
 
     /// Asks the scaler for agents until `want` have joined or are on their way.
-    fn ask_for(&mut self, want: u32, on: &mut dyn FnMut(Event)) {
+    fn ask_for(&mut self, want: u32, on: &mut dyn FnMut(GroupEvent)) {
         while !self.deposed() && (self.agents.len() + self.asked.len()) < want as usize {
             let id = self.fresh_id();
             match self.scaler.spawn(id, &self.addr, &self.hc.auth) {
@@ -368,7 +413,7 @@ impl Launcher<'_> {
                     self.asked.insert(id, Instant::now());
                 }
                 Err(e) => {
-                    on(Event::Host(format!("cannot start agent {id}: {e:#}")));
+                    on(GroupEvent::Host(format!("cannot start agent {id}: {e:#}")));
                     return;
                 }
             }
@@ -377,10 +422,10 @@ impl Launcher<'_> {
 
     /// Agents asked for that will not come: their command ended, or the
     /// join timeout passed.
-    fn give_up_on_late(&mut self, on: &mut dyn FnMut(Event)) {
+    fn give_up_on_late(&mut self, on: &mut dyn FnMut(GroupEvent)) {
         for (id, how) in self.scaler.exited() {
             if self.asked.remove(&id).is_some() {
-                on(Event::Host(format!("agent {id} ended before it joined: {how}")));
+                on(GroupEvent::Host(format!("agent {id} ended before it joined: {how}")));
             }
         }
         let late: Vec<u64> = self
@@ -392,7 +437,7 @@ impl Launcher<'_> {
         for id in late {
             self.asked.remove(&id);
             self.scaler.stop(id, Duration::from_secs(1));
-            on(Event::Host(format!(
+            on(GroupEvent::Host(format!(
                 "agent {id} did not join within {:.0} s; given up",
                 self.hc.join_timeout.as_secs_f64()
             )));
@@ -402,7 +447,7 @@ impl Launcher<'_> {
     /// Waits until `world` agents have joined (asking for the missing
     /// ones). Returns how many hosts the group can have: `world`, or fewer
     /// (at least `min`) when the others did not come in time.
-    fn gather(&mut self, world: u32, min: u32, on: &mut dyn FnMut(Event)) -> Result<u32> {
+    fn gather(&mut self, world: u32, min: u32, on: &mut dyn FnMut(GroupEvent)) -> Result<u32> {
         let deadline = Instant::now() + self.hc.join_timeout;
         loop {
             if let Some(why) = &self.deposed {
@@ -415,7 +460,7 @@ impl Launcher<'_> {
             if Instant::now() > deadline {
                 let have = self.agents.len() as u32;
                 if have >= min {
-                    on(Event::Host(format!(
+                    on(GroupEvent::Host(format!(
                         "{have} of {world} hosts joined in time; the group starts on {have}"
                     )));
                     return Ok(have);
@@ -432,12 +477,12 @@ impl Launcher<'_> {
         }
     }
 
-    fn send(&mut self, id: u64, msg: &ToAgent) -> Result<(), String> {
+    fn send(&mut self, id: u64, msg: &ToAgent) -> Result<(), SendError> {
         if self.deposed() {
-            return Err("this launcher no longer leads the job".into());
+            return Err(SendError::Deposed);
         }
-        let a = self.agents.get(&id).ok_or_else(|| format!("agent {id} is gone"))?;
-        a.to.send(msg).map_err(|e| format!("agent {id} on {}: {e}", a.host))
+        let a = self.agents.get(&id).ok_or(SendError::Gone(id))?;
+        a.to.send(msg).map_err(|cause| SendError::Failed { id, host: a.host.clone(), cause })
     }
 
     /// Sends the agent away and makes sure its command is gone.
@@ -461,14 +506,12 @@ struct Running {
 
 /// Runs a `launch --torchrun` job across hosts until its ranks succeed or a
 /// failure has no restart left. `cfg`'s worker bounds count hosts.
-// Long: the launcher's loop over groups (gather hosts, start, watch, stop,
-// decide what comes next) reads best as the one sequence it is, as on one host.
 pub fn run_hosts(
     cfg: &TorchrunConfig,
     hc: HostsConfig,
     scaler: &mut dyn Scaler,
     policy: &mut dyn PolicyPlugin,
-    on: &mut dyn FnMut(Event),
+    on: &mut dyn FnMut(GroupEvent),
 ) -> Result<TorchrunOutcome> {
     if cfg.command.is_empty() {
         bail!("no program to launch");
@@ -476,94 +519,24 @@ pub fn run_hosts(
     if hc.nproc == 0 {
         bail!("--nproc-per-node 0: a host runs at least one rank");
     }
-    // Before anything is started: one launcher leads the job.
-    let hold = match &hc.lead {
-        Some(lead) => Some(Hold::take(&lead.store, &cfg.job, lead.standby)?),
-        None => None,
-    };
-    let listen = hc.addresses.listen;
-    let listener = TcpListener::bind(listen).with_context(|| format!("--listen {listen}"))?;
-    let addr = crate::net::host_port(&hc.addresses.advertised_host()?, listener.local_addr()?.port());
-    let (tx, rx) = mpsc::channel();
-    inbox::start_channel(listener, hc.auth.clone(), "agent", hc.lease, tx).context("agent connections")?;
-    on(Event::Host(format!("agents join at {addr}")));
-    let mut l = Launcher {
-        cfg,
-        hc,
-        scaler,
-        rx,
-        fresh: HashMap::new(),
-        agents: BTreeMap::new(),
-        asked: BTreeMap::new(),
-        next_id: 1,
-        addr,
-        hold,
-        deposed: None,
-        returning: None,
-        back: BTreeSet::new(),
-        replay: Default::default(),
-        leading: Arc::new(AtomicBool::new(true)),
-    };
-    let t0 = Instant::now();
-    let mut agent = Agent::new(cfg.min_workers, cfg.max_workers, cfg.initial_workers, cfg.max_restarts);
-    let mut groups: Vec<GroupRecord> = Vec::new();
-    let mut decisions = Vec::new();
-    let mut last_change = Instant::now();
-    let mut last_failure: Option<RankFailure> = None;
-    let found = l.hold.as_ref().and_then(|h| h.found.clone());
-    let (base, mut kept) = match found {
-        Some(g) => take_over(&mut l, &g, &mut agent, on)?,
+    let mut l = Launcher::open(cfg, hc, scaler, policy, on)?;
+    let (base, mut kept) = match l.hold.as_ref().and_then(|h| h.found.clone()) {
+        Some(g) => l.take_over(&g, on)?,
         None => (0, None),
     };
     loop {
-        let n = base + groups.len() as u32;
+        let n = base + l.groups.len() as u32;
         let (mut run, started) = match kept.take() {
             Some((run, record)) => (run, Ok(record)),
-            None => {
-                let hosts = l.gather(agent.world(), agent.min, on)?;
-                agent.world = hosts;
-                let members: Vec<u64> = l.agents.keys().copied().take(hosts as usize).collect();
-                let run = Running { n, members, done: vec![0; hosts as usize] };
-                let started = start_group(&mut l, &run, &mut agent, on)
-                    .map(|record| GroupRecord { started_secs: t0.elapsed().as_secs_f64(), ..record });
-                (run, started)
-            }
+            None => l.form_group(n, on)?,
         };
         let next = match started {
             Ok(record) => {
-                l.formed(&record, &run.members, agent.restarts());
-                groups.push(record);
-                agent.started();
-                on(Event::Started(groups.last().expect("just pushed")));
-                watch(
-                    &mut l,
-                    &mut run,
-                    &mut agent,
-                    policy,
-                    &mut decisions,
-                    &mut last_failure,
-                    last_change,
-                    on,
-                )
+                l.started(record, &run, on);
+                l.watch(&mut run, on)
             }
             Err(next) => {
-                groups.push(GroupRecord {
-                    group: n,
-                    world: run.members.len() as u32 * l.hc.nproc,
-                    hosts: run
-                        .members
-                        .iter()
-                        .filter_map(|id| l.agents.get(id).map(|a| a.host.clone()))
-                        .collect(),
-                    restart_count: agent.restarts(),
-                    master_addr: String::new(),
-                    master_port: 0,
-                    log_dir: cfg.log_dir.join(format!("group-{n}")),
-                    started_secs: t0.elapsed().as_secs_f64(),
-                    ended_secs: 0.0,
-                    ended: String::new(),
-                    taken_over: false,
-                });
+                l.not_started(&run);
                 next
             }
         };
@@ -572,9 +545,257 @@ pub fn run_hosts(
             // without a word to them.
             bail!("{why}");
         }
-        stop_group(&mut l, &run, on);
-        let record = groups.last_mut().expect("a record per group");
-        record.ended_secs = t0.elapsed().as_secs_f64();
+        l.stop_group(&run, on);
+        if let Some(outcome) = l.group_ended(next, on) {
+            return Ok(outcome);
+        }
+    }
+}
+
+/// A group found running, carried on by a launcher that took the job over.
+type Kept = (Running, GroupRecord);
+
+impl<'a> Launcher<'a> {
+    /// Takes the job in the shared store, if there is one (before anything
+    /// is started: one launcher leads the job), and opens the port agents
+    /// join at.
+    fn open(
+        cfg: &'a TorchrunConfig,
+        hc: HostsConfig,
+        scaler: &'a mut dyn Scaler,
+        policy: &'a mut dyn PolicyPlugin,
+        on: &mut dyn FnMut(GroupEvent),
+    ) -> Result<Self> {
+        let hold = match &hc.lead {
+            Some(lead) => Some(Hold::take(&lead.store, &cfg.job, lead.standby)?),
+            None => None,
+        };
+        let listen = hc.addresses.listen;
+        let listener = TcpListener::bind(listen).with_context(|| format!("--listen {listen}"))?;
+        let addr = crate::net::host_port(&hc.addresses.advertised_host()?, listener.local_addr()?.port());
+        let (tx, rx) = mpsc::channel();
+        inbox::start_channel(listener, hc.auth.clone(), "agent", hc.lease, tx)
+            .context("agent connections")?;
+        on(GroupEvent::Host(format!("agents join at {addr}")));
+        Ok(Launcher {
+            cfg,
+            hc,
+            scaler,
+            policy,
+            rx,
+            fresh: HashMap::new(),
+            agents: BTreeMap::new(),
+            asked: BTreeMap::new(),
+            next_id: 1,
+            addr,
+            hold,
+            deposed: None,
+            returning: None,
+            back: BTreeSet::new(),
+            replay: Default::default(),
+            leading: Arc::new(AtomicBool::new(true)),
+            decider: RestartDecider::new(
+                cfg.min_workers,
+                cfg.max_workers,
+                cfg.initial_workers,
+                cfg.max_restarts,
+            ),
+            groups: Vec::new(),
+            decisions: Vec::new(),
+            last_change: Instant::now(),
+            last_failure: None,
+            t0: Instant::now(),
+        })
+    }
+
+    /// Takes the job over from the launcher that formed group `g`: names
+    /// this launcher in the store, admits the group's agents that come back
+    /// within [`RETURN_WITHIN`], and keeps the group when all did. When some
+    /// did, it is stopped on them and restarts (a change of membership);
+    /// when none did, the job starts afresh. Returns the number of the next
+    /// group and the group kept, if so.
+    fn take_over(
+        &mut self,
+        g: &GroupHandover,
+        on: &mut dyn FnMut(GroupEvent),
+    ) -> Result<(u32, Option<Kept>)> {
+        self.claim(g, on);
+        let back = self.await_return(g, on)?;
+        self.decider.restarts = g.restart_count;
+        Ok(self.carry_on(g, &back, on))
+    }
+
+    /// Names this launcher in the store as group `g`'s leader, and takes
+    /// its agents over: they are this launcher's to stop and to place around.
+    fn claim(&mut self, g: &GroupHandover, on: &mut dyn FnMut(GroupEvent)) {
+        on(GroupEvent::Host(format!(
+            "taking the job over from the launcher at {} (lease token {}): waiting for the {} agents of group {} \
+             to come back",
+            g.leader.addr,
+            g.leader.token,
+            g.agents.len(),
+            g.group
+        )));
+        if let Some(h) = &self.hold {
+            h.formed(GroupHandover {
+                leader: Leader { addr: self.addr.clone(), token: h.token },
+                ..g.clone()
+            });
+        }
+        self.next_id = g.agents.iter().max().map_or(1, |m| m + 1);
+        for (&id, handle) in g.handles.iter().filter(|(id, _)| g.agents.contains(id)) {
+            if !self.scaler.adopt(id, handle, &self.hc.auth.job) {
+                on(GroupEvent::Host(format!(
+                    "agent {id} runs as {handle}, which this launcher's scaler does not know"
+                )));
+            }
+        }
+    }
+
+    /// Waits (at most [`RETURN_WITHIN`]) for group `g`'s agents to come
+    /// back, keeping what they say for the group they run; returns those
+    /// that did. The others are stopped, so that nothing is left behind.
+    fn await_return(&mut self, g: &GroupHandover, on: &mut dyn FnMut(GroupEvent)) -> Result<BTreeSet<u64>> {
+        self.returning = Some((g.group, g.agents.clone()));
+        let since = Instant::now();
+        let mut said = std::collections::VecDeque::new();
+        while self.back.len() < g.agents.len() && since.elapsed() < RETURN_WITHIN {
+            if let Some(why) = &self.deposed {
+                bail!("{why}");
+            }
+            if let Happened::Msg(id, msg) = self.event(Duration::from_millis(50), &[], on) {
+                said.push_back((id, msg));
+            }
+        }
+        self.replay = said;
+        self.returning = None;
+        let mut back = std::mem::take(&mut self.back);
+        // One that came back and was lost again is not back.
+        back.retain(|id| self.agents.contains_key(id));
+        for &id in g.agents.iter().filter(|id| !back.contains(id)) {
+            // Never admitted now: whatever its scheduler still runs for it is stopped.
+            if let Some(handle) = self.scaler.handle(id) {
+                on(GroupEvent::Host(format!("agent {id} did not come back; stopping {handle}")));
+            }
+            self.scaler.stop(id, Duration::from_secs(1));
+        }
+        Ok(back)
+    }
+
+    /// What becomes of group `g` now that the agents `back` came back:
+    /// the number of the next group and the group kept, if so.
+    fn carry_on(
+        &mut self,
+        g: &GroupHandover,
+        back: &BTreeSet<u64>,
+        on: &mut dyn FnMut(GroupEvent),
+    ) -> (u32, Option<Kept>) {
+        let from = format!("the launcher at {} (lease token {})", g.leader.addr, g.leader.token);
+        match adopt(&g.agents, back) {
+            Adopt::Keep => {
+                on(GroupEvent::Host(format!(
+                    "coordinator takeover: {from} was gone; all {} agents of group {} came back with their \
+                     ranks running: the group goes on, not restarted",
+                    g.agents.len(),
+                    g.group
+                )));
+                self.decider.world = g.agents.len() as u32;
+                let run = Running { n: g.group, members: g.agents.clone(), done: vec![0; g.agents.len()] };
+                (g.group, Some((run, self.kept_record(g))))
+            }
+            Adopt::Restart { on: members, missing } => {
+                on(GroupEvent::Host(format!(
+                    "coordinator takeover: {from} was gone; {} of the {} agents of group {} came back (not \
+                     back: {missing:?}); the group restarts on them",
+                    members.len(),
+                    g.agents.len(),
+                    g.group
+                )));
+                let run = Running { n: g.group, done: vec![0; members.len()], members };
+                self.replay.clear();
+                self.stop_group(&run, on);
+                self.decider.world = (run.members.len() as u32).clamp(self.decider.min, self.decider.max);
+                (g.group + 1, None)
+            }
+            Adopt::Afresh => {
+                on(GroupEvent::Host(format!(
+                    "coordinator takeover: {from} was gone; no agent of group {} came back within \
+                     {RETURN_WITHIN:?}: the job starts afresh",
+                    g.group
+                )));
+                self.replay.clear();
+                (g.group + 1, None)
+            }
+        }
+    }
+
+    /// The record of group `g`, carried on as it runs.
+    fn kept_record(&self, g: &GroupHandover) -> GroupRecord {
+        GroupRecord {
+            group: g.group,
+            world: g.agents.len() as u32 * g.nproc,
+            hosts: g.hosts.clone(),
+            restart_count: g.restart_count,
+            master_addr: g.master_addr.clone(),
+            master_port: g.master_port,
+            log_dir: self.cfg.log_dir.join(format!("group-{}", g.group)),
+            started_secs: 0.0,
+            ended_secs: 0.0,
+            ended: String::new(),
+            taken_over: true,
+        }
+    }
+
+    /// Gathers the hosts of group `n` and starts it on them: its record,
+    /// or the next move when a host was lost on the way.
+    fn form_group(
+        &mut self,
+        n: u32,
+        on: &mut dyn FnMut(GroupEvent),
+    ) -> Result<(Running, Result<GroupRecord, Next>)> {
+        let hosts = self.gather(self.decider.world(), self.decider.min, on)?;
+        self.decider.world = hosts;
+        let members: Vec<u64> = self.agents.keys().copied().take(hosts as usize).collect();
+        let run = Running { n, members, done: vec![0; hosts as usize] };
+        let t0 = self.t0;
+        let started = self
+            .start_group(&run, on)
+            .map(|record| GroupRecord { started_secs: t0.elapsed().as_secs_f64(), ..record });
+        Ok((run, started))
+    }
+
+    /// The group started: the store names it, and its record is kept.
+    fn started(&mut self, record: GroupRecord, run: &Running, on: &mut dyn FnMut(GroupEvent)) {
+        self.formed(&record, &run.members, self.decider.restarts());
+        self.groups.push(record);
+        self.decider.started();
+        on(GroupEvent::Started(self.groups.last().expect("just pushed")));
+    }
+
+    /// Keeps the record of a group that could not start.
+    fn not_started(&mut self, run: &Running) {
+        let n = run.n;
+        self.groups.push(GroupRecord {
+            group: n,
+            world: run.members.len() as u32 * self.hc.nproc,
+            hosts: run.members.iter().filter_map(|id| self.agents.get(id).map(|a| a.host.clone())).collect(),
+            restart_count: self.decider.restarts(),
+            master_addr: String::new(),
+            master_port: 0,
+            log_dir: self.cfg.log_dir.join(format!("group-{n}")),
+            started_secs: self.t0.elapsed().as_secs_f64(),
+            ended_secs: 0.0,
+            ended: String::new(),
+            taken_over: false,
+        });
+    }
+
+    /// Records how the stopped group ended and acts on it: hosts beyond a
+    /// smaller size leave, and at the job's end every agent does. Returns
+    /// the job's outcome when it is over.
+    fn group_ended(&mut self, next: Next, on: &mut dyn FnMut(GroupEvent)) -> Option<TorchrunOutcome> {
+        let record = self.groups.last_mut().expect("a record per group");
+        record.ended_secs = self.t0.elapsed().as_secs_f64();
         match next {
             Next::Continue => unreachable!("a group is watched until it changes"),
             Next::Restart { world, reason, failure } => {
@@ -586,152 +807,42 @@ pub fn run_hosts(
                     format!("resized to {world} hosts")
                 };
                 if !failure {
-                    last_change = Instant::now();
+                    self.last_change = Instant::now();
                 }
                 // Hosts beyond the new size leave (the policy scaled in).
-                let extra: Vec<u64> = l.agents.keys().copied().skip(world as usize).collect();
+                let extra: Vec<u64> = self.agents.keys().copied().skip(world as usize).collect();
                 for id in extra {
-                    l.dismiss(id, "the job scaled in");
+                    self.dismiss(id, "the job scaled in");
                 }
-                on(Event::Restarting { reason: &reason, failure });
+                on(GroupEvent::Restarting { reason: &reason, failure });
+                None
             }
-            Next::Succeeded | Next::Failed { .. } => {
-                let failure = match next {
-                    Next::Failed { .. } => last_failure.take(),
-                    _ => None,
-                };
-                let reason = if failure.is_none() { "the job is done" } else { "the job failed" };
-                // The store says so first: an agent looking for a launcher stops looking.
-                if let Some(h) = &l.hold {
-                    h.finish();
-                }
-                let ids: Vec<u64> = l.agents.keys().copied().collect();
-                for id in &ids {
-                    let _ = l.send(*id, &ToAgent::Exit { reason: reason.into() });
-                }
-                for id in ids {
-                    l.dismiss(id, reason);
-                }
-                return Ok(TorchrunOutcome::end(groups, &agent, cfg, decisions, failure, t0));
+            Next::Succeeded => Some(self.finish(None)),
+            Next::Failed { .. } => {
+                let failure = self.last_failure.take();
+                Some(self.finish(failure))
             }
         }
     }
-}
 
-/// A group found running, carried on by a launcher that took the job over.
-type Kept = (Running, GroupRecord);
+    /// The job is over: the store says so first (an agent looking for a
+    /// launcher stops looking), then every agent is sent away.
+    fn finish(&mut self, failure: Option<RankFailure>) -> TorchrunOutcome {
+        let reason = if failure.is_none() { "the job is done" } else { "the job failed" };
+        if let Some(h) = &self.hold {
+            h.finish();
+        }
+        let ids: Vec<u64> = self.agents.keys().copied().collect();
+        for id in &ids {
+            let _ = self.send(*id, &ToAgent::Exit { reason: reason.into() });
+        }
+        for id in ids {
+            self.dismiss(id, reason);
+        }
+        let (groups, decisions) = (std::mem::take(&mut self.groups), std::mem::take(&mut self.decisions));
+        TorchrunOutcome::end(groups, &self.decider, self.cfg, decisions, failure, self.t0)
+    }
 
-/// Takes the job over from the launcher that formed group `g`: names this
-/// launcher in the store, admits the group's agents that come back within
-/// [`RETURN_WITHIN`], and keeps the group when all did. When some did, it
-/// is stopped on them and restarts (a change of membership); when none
-/// did, the job starts afresh. Returns the number of the next group and
-/// the group kept, if so.
-fn take_over(
-    l: &mut Launcher,
-    g: &GroupHandover,
-    agent: &mut Agent,
-    on: &mut dyn FnMut(Event),
-) -> Result<(u32, Option<Kept>)> {
-    on(Event::Host(format!(
-        "taking the job over from the launcher at {} (lease token {}): waiting for the {} agents of group {} to \
-         come back",
-        g.leader.addr,
-        g.leader.token,
-        g.agents.len(),
-        g.group
-    )));
-    let token = l.hold.as_ref().map_or(0, |h| h.token);
-    if let Some(h) = &l.hold {
-        h.formed(GroupHandover { leader: Leader { addr: l.addr.clone(), token }, ..g.clone() });
-    }
-    l.next_id = g.agents.iter().max().map_or(1, |m| m + 1);
-    // Its agents are this launcher's to stop and to place around.
-    for (&id, handle) in g.handles.iter().filter(|(id, _)| g.agents.contains(id)) {
-        if !l.scaler.adopt(id, handle, &l.hc.auth.job) {
-            on(Event::Host(format!(
-                "agent {id} runs as {handle}, which this launcher's scaler does not know"
-            )));
-        }
-    }
-    l.returning = Some((g.group, g.agents.clone()));
-    let since = Instant::now();
-    let mut said = std::collections::VecDeque::new();
-    while l.back.len() < g.agents.len() && since.elapsed() < RETURN_WITHIN {
-        if let Some(why) = &l.deposed {
-            bail!("{why}");
-        }
-        if let Happened::Msg(id, msg) = l.event(Duration::from_millis(50), &[], on) {
-            said.push_back((id, msg));
-        }
-    }
-    l.replay = said;
-    l.returning = None;
-    let mut back = std::mem::take(&mut l.back);
-    // One that came back and was lost again is not back.
-    back.retain(|id| l.agents.contains_key(id));
-    for &id in g.agents.iter().filter(|id| !back.contains(id)) {
-        // Not back, and never admitted now: whatever its scheduler still
-        // runs for it is stopped, so nothing is left behind.
-        if let Some(handle) = l.scaler.handle(id) {
-            on(Event::Host(format!("agent {id} did not come back; stopping {handle}")));
-        }
-        l.scaler.stop(id, Duration::from_secs(1));
-    }
-    let from = format!("the launcher at {} (lease token {})", g.leader.addr, g.leader.token);
-    agent.restarts = g.restart_count;
-    match adopt(&g.agents, &back) {
-        Adopt::Keep => {
-            on(Event::Host(format!(
-                "coordinator takeover: {from} was gone; all {} agents of group {} came back with their ranks \
-                 running: the group goes on, not restarted",
-                g.agents.len(),
-                g.group
-            )));
-            agent.world = g.agents.len() as u32;
-            let run = Running { n: g.group, members: g.agents.clone(), done: vec![0; g.agents.len()] };
-            let record = GroupRecord {
-                group: g.group,
-                world: g.agents.len() as u32 * g.nproc,
-                hosts: g.hosts.clone(),
-                restart_count: g.restart_count,
-                master_addr: g.master_addr.clone(),
-                master_port: g.master_port,
-                log_dir: l.cfg.log_dir.join(format!("group-{}", g.group)),
-                started_secs: 0.0,
-                ended_secs: 0.0,
-                ended: String::new(),
-                taken_over: true,
-            };
-            Ok((g.group, Some((run, record))))
-        }
-        Adopt::Restart { on: members, missing } => {
-            on(Event::Host(format!(
-                "coordinator takeover: {from} was gone; {} of the {} agents of group {} came back (not back: \
-                 {missing:?}); the group restarts on them",
-                members.len(),
-                g.agents.len(),
-                g.group
-            )));
-            let run = Running { n: g.group, done: vec![0; members.len()], members };
-            l.replay.clear();
-            stop_group(l, &run, on);
-            agent.world = (run.members.len() as u32).clamp(agent.min, agent.max);
-            Ok((g.group + 1, None))
-        }
-        Adopt::Afresh => {
-            on(Event::Host(format!(
-                "coordinator takeover: {from} was gone; no agent of group {} came back within {RETURN_WITHIN:?}: \
-                 the job starts afresh",
-                g.group
-            )));
-            l.replay.clear();
-            Ok((g.group + 1, None))
-        }
-    }
-}
-
-impl Launcher<'_> {
     /// Records the group that formed in the store, naming this launcher.
     fn formed(&self, record: &GroupRecord, members: &[u64], restart_count: u32) {
         let Some(h) = &self.hold else { return };
@@ -747,181 +858,195 @@ impl Launcher<'_> {
             handles: members.iter().filter_map(|&id| Some((id, self.scaler.handle(id)?))).collect(),
         });
     }
-}
 
-/// Starts the group on its hosts: group rank 0's first (it picks the
-/// store's port), then the others. A host lost on the way gives the next
-/// move instead of a record.
-fn start_group(
-    l: &mut Launcher,
-    run: &Running,
-    agent: &mut Agent,
-    on: &mut dyn FnMut(Event),
-) -> Result<GroupRecord, Next> {
-    let restart_count = agent.restarts();
-    let first = run.members[0];
-    let master_addr = l.agents[&first].host.clone();
-    let start = |group_rank: u32, port: u16| ToAgent::Start {
-        group: run.n,
-        group_rank,
-        group_world: run.members.len() as u32,
-        restart_count,
-        master_addr: master_addr.clone(),
-        master_port: port,
-    };
-    if let Err(e) = l.send(first, &start(0, 0)) {
-        on(Event::Host(e));
-        return Err(agent.lost(&master_addr, l.agents.len() as u32));
+    /// Starts the group on its hosts: group rank 0's first (it picks the
+    /// store's port), then the others. A host lost on the way gives the next
+    /// move instead of a record.
+    fn start_group(&mut self, run: &Running, on: &mut dyn FnMut(GroupEvent)) -> Result<GroupRecord, Next> {
+        let restart_count = self.decider.restarts();
+        let first = run.members[0];
+        let master_addr = self.agents[&first].host.clone();
+        let start = |group_rank: u32, port: u16| ToAgent::Start {
+            group: run.n,
+            group_rank,
+            group_world: run.members.len() as u32,
+            restart_count,
+            master_addr: master_addr.clone(),
+            master_port: port,
+        };
+        if let Err(e) = self.send(first, &start(0, 0)) {
+            on(GroupEvent::Host(e.to_string()));
+            return Err(self.decider.lost(&master_addr, self.agents.len() as u32));
+        }
+        let deadline = Instant::now() + self.hc.join_timeout;
+        let port = loop {
+            if self.deposed.is_some() {
+                return Err(Next::Continue);
+            }
+            if Instant::now() > deadline {
+                on(GroupEvent::Host(format!(
+                    "agent {first} did not start group {} in time; it is sent away",
+                    run.n
+                )));
+                self.dismiss(first, "it did not start its ranks in time");
+                return Err(self.decider.lost(&master_addr, self.agents.len() as u32));
+            }
+            match self.event(Duration::from_millis(50), &run.members, on) {
+                Happened::Msg(id, FromAgent::Started { group, master_port })
+                    if id == first && group == run.n =>
+                {
+                    break master_port;
+                }
+                Happened::Msg(_, FromAgent::Exited { group, rank, exit, failure }) if group == run.n => {
+                    let f = failure.map(|f| f.to_string()).unwrap_or_else(|| format!("rank {rank}: {exit}"));
+                    on(GroupEvent::Host(format!("group {} could not start: {f}", run.n)));
+                    return Err(self.decider.exited(rank, exit));
+                }
+                Happened::Lost(_, host, why) => {
+                    on(GroupEvent::Host(format!("host {host} lost: {why}")));
+                    return Err(self.decider.lost(&host, self.agents.len() as u32));
+                }
+                _ => {}
+            }
+        };
+        for (i, id) in run.members.iter().enumerate().skip(1) {
+            if let Err(e) = self.send(*id, &start(i as u32, port)) {
+                let host = self.agents.get(id).map(|a| a.host.clone()).unwrap_or_default();
+                on(GroupEvent::Host(e.to_string()));
+                self.agents.remove(id);
+                return Err(self.decider.lost(&host, self.agents.len() as u32));
+            }
+        }
+        Ok(GroupRecord {
+            group: run.n,
+            world: run.members.len() as u32 * self.hc.nproc,
+            hosts: run.members.iter().map(|id| self.agents[id].host.clone()).collect(),
+            restart_count: self.decider.restarts(),
+            master_addr,
+            master_port: port,
+            log_dir: self.cfg.log_dir.join(format!("group-{}", run.n)),
+            started_secs: 0.0,
+            ended_secs: 0.0,
+            ended: String::new(),
+            taken_over: false,
+        })
     }
-    let deadline = Instant::now() + l.hc.join_timeout;
-    let port = loop {
-        if l.deposed.is_some() {
-            return Err(Next::Continue);
-        }
-        if Instant::now() > deadline {
-            on(Event::Host(format!("agent {first} did not start group {} in time; it is sent away", run.n)));
-            l.dismiss(first, "it did not start its ranks in time");
-            return Err(agent.lost(&master_addr, l.agents.len() as u32));
-        }
-        match l.event(Duration::from_millis(50), &run.members, on) {
-            Happened::Msg(id, FromAgent::Started { group, master_port }) if id == first && group == run.n => {
-                break master_port;
-            }
-            Happened::Msg(_, FromAgent::Exited { group, rank, exit, failure }) if group == run.n => {
-                let f = failure.map(|f| f.to_string()).unwrap_or_else(|| format!("rank {rank}: {exit}"));
-                on(Event::Host(format!("group {} could not start: {f}", run.n)));
-                return Err(agent.exited(rank, exit));
-            }
-            Happened::Lost(_, host, why) => {
-                on(Event::Host(format!("host {host} lost: {why}")));
-                return Err(agent.lost(&host, l.agents.len() as u32));
-            }
-            _ => {}
-        }
-    };
-    for (i, id) in run.members.iter().enumerate().skip(1) {
-        if let Err(e) = l.send(*id, &start(i as u32, port)) {
-            let host = l.agents.get(id).map(|a| a.host.clone()).unwrap_or_default();
-            on(Event::Host(e));
-            l.agents.remove(id);
-            return Err(agent.lost(&host, l.agents.len() as u32));
-        }
-    }
-    Ok(GroupRecord {
-        group: run.n,
-        world: run.members.len() as u32 * l.hc.nproc,
-        hosts: run.members.iter().map(|id| l.agents[id].host.clone()).collect(),
-        restart_count: agent.restarts(),
-        master_addr,
-        master_port: port,
-        log_dir: l.cfg.log_dir.join(format!("group-{}", run.n)),
-        started_secs: 0.0,
-        ended_secs: 0.0,
-        ended: String::new(),
-        taken_over: false,
-    })
-}
 
-/// Watches the running group until something changes it: every rank
-/// done, a rank failed, a host lost, or the policy resized it.
-#[allow(clippy::too_many_arguments)]
-fn watch(
-    l: &mut Launcher,
-    run: &mut Running,
-    agent: &mut Agent,
-    policy: &mut dyn PolicyPlugin,
-    decisions: &mut Vec<crate::plugin::replay::Decision>,
-    last_failure: &mut Option<RankFailure>,
-    last_change: Instant,
-    on: &mut dyn FnMut(Event),
-) -> Next {
-    let mut decide_at = Instant::now() + l.cfg.decide_every;
-    // A resize to more hosts waits, the group running, until they joined.
-    let mut growing: Option<Next> = None;
-    loop {
-        if l.deposed.is_some() {
-            return Next::Continue;
-        }
-        if let Some(Next::Restart { world, .. }) = &growing {
-            l.give_up_on_late(on);
-            if l.agents.len() as u32 >= *world {
-                return growing.take().unwrap();
+    /// Watches the running group until something changes it: every rank
+    /// done, a rank failed, a host lost, or the policy resized it.
+    fn watch(&mut self, run: &mut Running, on: &mut dyn FnMut(GroupEvent)) -> Next {
+        let mut decide_at = Instant::now() + self.cfg.decide_every;
+        // A resize to more hosts waits, the group running, until they joined.
+        let mut growing: Option<Next> = None;
+        loop {
+            if self.deposed.is_some() {
+                return Next::Continue;
             }
-            if l.asked.is_empty() && l.agents.len() as u32 <= run.members.len() as u32 {
-                // None of them came: the group goes on as it is.
-                on(Event::Host(
-                    "the hosts the policy asked for did not join; the group keeps its size".into(),
-                ));
-                agent.world = run.members.len() as u32;
-                growing = None;
+            if let Some(next) = self.grown(&mut growing, run, on) {
+                return next;
             }
-        }
-        match l.event(Duration::from_millis(20), &run.members, on) {
-            Happened::Msg(_, FromAgent::Output { group, rank, line }) if group == run.n => {
-                on(Event::Output { rank, line: &line });
-            }
-            Happened::Msg(id, FromAgent::Exited { group, rank, exit, failure }) if group == run.n => {
-                let Some(i) = run.members.iter().position(|m| *m == id) else { continue };
-                if exit.success() {
-                    run.done[i] += 1;
-                    if run.done[i] == l.hc.nproc {
-                        match agent.exited(i as u32, exit) {
-                            Next::Continue => {}
-                            next => return next,
+            match self.event(Duration::from_millis(20), &run.members, on) {
+                Happened::Msg(_, FromAgent::Output { group, rank, line }) if group == run.n => {
+                    on(GroupEvent::Output { rank, line: &line });
+                }
+                Happened::Msg(id, FromAgent::Exited { group, rank, exit, failure }) if group == run.n => {
+                    let Some(i) = run.members.iter().position(|m| *m == id) else { continue };
+                    if exit.success() {
+                        run.done[i] += 1;
+                        if run.done[i] == self.hc.nproc {
+                            match self.decider.exited(i as u32, exit) {
+                                Next::Continue => {}
+                                next => return next,
+                            }
                         }
+                        continue;
                     }
-                    continue;
+                    self.last_failure = failure;
+                    return self.decider.exited(rank, exit);
                 }
-                *last_failure = failure;
-                return agent.exited(rank, exit);
-            }
-            Happened::Lost(_, host, why) => {
-                on(Event::Host(format!("host {host} lost: {why}")));
-                return agent.lost(&host, l.agents.len() as u32);
-            }
-            _ => {}
-        }
-        if growing.is_none() && Instant::now() >= decide_at {
-            decide_at = Instant::now() + l.cfg.decide_every;
-            match decide(l.cfg, agent, policy, decisions, last_change, on) {
-                Next::Continue => {}
-                Next::Restart { world, reason, failure } if world > run.members.len() as u32 => {
-                    l.ask_for(world, on);
-                    growing = Some(Next::Restart { world, reason, failure });
+                Happened::Lost(_, host, why) => {
+                    on(GroupEvent::Host(format!("host {host} lost: {why}")));
+                    return self.decider.lost(&host, self.agents.len() as u32);
                 }
-                next => return next,
+                _ => {}
+            }
+            if growing.is_none() && Instant::now() >= decide_at {
+                decide_at = Instant::now() + self.cfg.decide_every;
+                match decide(
+                    self.cfg,
+                    &mut self.decider,
+                    &mut *self.policy,
+                    &mut self.decisions,
+                    self.last_change,
+                    on,
+                ) {
+                    Next::Continue => {}
+                    Next::Restart { world, reason, failure } if world > run.members.len() as u32 => {
+                        self.ask_for(world, on);
+                        growing = Some(Next::Restart { world, reason, failure });
+                    }
+                    next => return next,
+                }
             }
         }
     }
-}
 
-/// Stops the group on every host still there and waits (bounded) until
-/// each says its ranks are gone, so that the next group never meets them.
-fn stop_group(l: &mut Launcher, run: &Running, on: &mut dyn FnMut(Event)) {
-    let mut waiting: Vec<u64> = Vec::new();
-    for id in &run.members {
-        if l.send(*id, &ToAgent::Stop { group: run.n }).is_ok() {
-            waiting.push(*id);
+    /// A resize to more hosts (`growing`) once they joined; given up when
+    /// none of them came (the group goes on as it is).
+    fn grown(
+        &mut self,
+        growing: &mut Option<Next>,
+        run: &Running,
+        on: &mut dyn FnMut(GroupEvent),
+    ) -> Option<Next> {
+        let Some(Next::Restart { world, .. }) = growing else { return None };
+        let world = *world;
+        self.give_up_on_late(on);
+        if self.agents.len() as u32 >= world {
+            return growing.take();
         }
-    }
-    let deadline = Instant::now() + l.cfg.grace + Duration::from_secs(10);
-    while !waiting.is_empty() && Instant::now() < deadline {
-        match l.event(Duration::from_millis(20), &run.members, on) {
-            Happened::Msg(id, FromAgent::Stopped { group }) if group == run.n => waiting.retain(|w| *w != id),
-            Happened::Msg(_, FromAgent::Output { group, rank, line }) if group == run.n => {
-                on(Event::Output { rank, line: &line });
-            }
-            Happened::Lost(id, host, why) => {
-                on(Event::Host(format!("host {host} lost while its ranks stopped: {why}")));
-                waiting.retain(|w| *w != id);
-            }
-            _ => {}
+        if self.asked.is_empty() && self.agents.len() as u32 <= run.members.len() as u32 {
+            on(GroupEvent::Host(
+                "the hosts the policy asked for did not join; the group keeps its size".into(),
+            ));
+            self.decider.world = run.members.len() as u32;
+            *growing = None;
         }
+        None
     }
-    for id in waiting {
-        let host = l.agents.get(&id).map(|a| a.host.clone()).unwrap_or_default();
-        on(Event::Host(format!("agent {id} on {host} did not say its ranks stopped; it is sent away")));
-        l.dismiss(id, "its ranks did not stop in time");
+
+    /// Stops the group on every host still there and waits (bounded) until
+    /// each says its ranks are gone, so that the next group never meets them.
+    fn stop_group(&mut self, run: &Running, on: &mut dyn FnMut(GroupEvent)) {
+        let mut waiting: Vec<u64> = Vec::new();
+        for id in &run.members {
+            if self.send(*id, &ToAgent::Stop { group: run.n }).is_ok() {
+                waiting.push(*id);
+            }
+        }
+        let deadline = Instant::now() + self.cfg.grace + Duration::from_secs(10);
+        while !waiting.is_empty() && Instant::now() < deadline {
+            match self.event(Duration::from_millis(20), &run.members, on) {
+                Happened::Msg(id, FromAgent::Stopped { group }) if group == run.n => {
+                    waiting.retain(|w| *w != id)
+                }
+                Happened::Msg(_, FromAgent::Output { group, rank, line }) if group == run.n => {
+                    on(GroupEvent::Output { rank, line: &line });
+                }
+                Happened::Lost(id, host, why) => {
+                    on(GroupEvent::Host(format!("host {host} lost while its ranks stopped: {why}")));
+                    waiting.retain(|w| *w != id);
+                }
+                _ => {}
+            }
+        }
+        for id in waiting {
+            let host = self.agents.get(&id).map(|a| a.host.clone()).unwrap_or_default();
+            on(GroupEvent::Host(format!(
+                "agent {id} on {host} did not say its ranks stopped; it is sent away"
+            )));
+            self.dismiss(id, "its ranks did not stop in time");
+        }
     }
 }
 

@@ -12,7 +12,7 @@
 //! failing rank's exit status, its log's last lines and, when the script
 //! records one (torch's `@record`), its error file.
 //!
-//! What to do next is decided by [`Agent`], a state machine fed with the
+//! What to do next is decided by [`RestartDecider`], a state machine fed with the
 //! ranks' exits and the policy's actions; [`run`] does the processes, the
 //! clock and the logs around it.
 
@@ -29,7 +29,7 @@ use crate::plugin::PolicyPlugin;
 use crate::plugin::replay::{Decision, asked};
 use anyhow::{Result, bail};
 use edl_plugin_sdk::{Action, ClusterView};
-use ranks::{Ranks, free_port};
+use ranks::{Line, Ranks, free_port};
 use std::{
     collections::BTreeSet,
     net::{IpAddr, Ipv4Addr},
@@ -54,7 +54,7 @@ pub enum Next {
 
 /// The launcher's decisions, without processes or clocks.
 #[derive(Debug)]
-pub struct Agent {
+pub struct RestartDecider {
     min: u32,
     max: u32,
     world: u32,
@@ -64,12 +64,12 @@ pub struct Agent {
     succeeded: BTreeSet<u32>,
 }
 
-impl Agent {
-    /// An agent whose first group has `initial` ranks (kept within `min..=max`).
-    pub fn new(min: u32, max: u32, initial: u32, max_restarts: u32) -> Agent {
+impl RestartDecider {
+    /// A decider whose first group has `initial` ranks (kept within `min..=max`).
+    pub fn new(min: u32, max: u32, initial: u32, max_restarts: u32) -> RestartDecider {
         let min = min.max(1);
         let max = max.max(min);
-        Agent {
+        RestartDecider {
             min,
             max,
             world: initial.clamp(min, max),
@@ -201,7 +201,7 @@ impl TorchrunConfig {
 
 /// What happens, as it happens.
 #[derive(Debug)]
-pub enum Event<'a> {
+pub enum GroupEvent<'a> {
     Started(&'a GroupRecord),
     /// A line a rank wrote (stdout or stderr).
     Output {
@@ -260,26 +260,74 @@ pub struct TorchrunOutcome {
 }
 
 /// Runs the job until its ranks succeed or a failure has no restart left.
-// Long: the agent's loop over groups (start, watch, stop, decide what
-// comes next) reads best as the one sequence it is.
 pub fn run(
     cfg: &TorchrunConfig,
     policy: &mut dyn PolicyPlugin,
-    on: &mut dyn FnMut(Event),
+    on: &mut dyn FnMut(GroupEvent),
 ) -> Result<TorchrunOutcome> {
     if cfg.command.is_empty() {
         bail!("no program to launch");
     }
-    let t0 = Instant::now();
-    let mut agent = Agent::new(cfg.min_workers, cfg.max_workers, cfg.initial_workers, cfg.max_restarts);
-    let mut groups: Vec<GroupRecord> = Vec::new();
-    let mut decisions = Vec::new();
-    let mut last_change = Instant::now();
-    let (tx, rx) = mpsc::channel();
+    let mut job = OneHost::new(cfg);
     loop {
-        let n = groups.len() as u32;
-        groups.push(GroupRecord::next(n, cfg, &agent, t0)?);
-        let record = &groups[n as usize];
+        let mut group = job.start_group(on)?;
+        let next = job.watch(&mut group, policy, on);
+        let failure = match &next {
+            Next::Failed { rank, exit } => Some(group.failure(*rank, *exit)),
+            _ => None,
+        };
+        job.stop_group(group, on);
+        if let Some(outcome) = job.group_ended(next, failure, on) {
+            return Ok(outcome);
+        }
+    }
+}
+
+/// A job on this host as it runs: its groups so far and the decisions
+/// that shaped them.
+struct OneHost<'a> {
+    cfg: &'a TorchrunConfig,
+    decider: RestartDecider,
+    groups: Vec<GroupRecord>,
+    decisions: Vec<Decision>,
+    /// When the group last changed size (the policy is shown how long ago).
+    last_change: Instant,
+    t0: Instant,
+    /// What the ranks write: their group's number, the rank, the line.
+    tx: mpsc::Sender<Line>,
+    rx: mpsc::Receiver<Line>,
+}
+
+impl<'a> OneHost<'a> {
+    fn new(cfg: &'a TorchrunConfig) -> Self {
+        let (tx, rx) = mpsc::channel();
+        OneHost {
+            cfg,
+            decider: RestartDecider::new(
+                cfg.min_workers,
+                cfg.max_workers,
+                cfg.initial_workers,
+                cfg.max_restarts,
+            ),
+            groups: Vec::new(),
+            decisions: Vec::new(),
+            last_change: Instant::now(),
+            t0: Instant::now(),
+            tx,
+            rx,
+        }
+    }
+
+    /// The running group's number.
+    fn n(&self) -> u32 {
+        self.groups.len() as u32 - 1
+    }
+
+    /// Starts the next group with the decider's world.
+    fn start_group(&mut self, on: &mut dyn FnMut(GroupEvent)) -> Result<Ranks> {
+        let (cfg, n) = (self.cfg, self.groups.len() as u32);
+        self.groups.push(GroupRecord::next(n, cfg, &self.decider, self.t0)?);
+        let record = &self.groups[n as usize];
         let place = Placement {
             group: n,
             job: cfg.job.clone(),
@@ -293,56 +341,85 @@ pub fn run(
             log_dir: record.log_dir.clone(),
             extra_env: Vec::new(),
         };
-        let mut group = Ranks::start(&cfg.command, &place, &tx)?;
-        agent.started();
-        on(Event::Started(&groups[n as usize]));
-        let mut decide_at = Instant::now() + cfg.decide_every;
-        let next = loop {
+        let group = Ranks::start(&cfg.command, &place, &self.tx)?;
+        self.decider.started();
+        on(GroupEvent::Started(record));
+        Ok(group)
+    }
+
+    /// Watches the running group until something changes it: every rank
+    /// done, a rank failed, or the policy resized it.
+    fn watch(
+        &mut self,
+        group: &mut Ranks,
+        policy: &mut dyn PolicyPlugin,
+        on: &mut dyn FnMut(GroupEvent),
+    ) -> Next {
+        let n = self.n();
+        let mut decide_at = Instant::now() + self.cfg.decide_every;
+        loop {
             if let Some((rank, exit)) = group.poll() {
-                match agent.exited(rank, exit) {
+                match self.decider.exited(rank, exit) {
                     Next::Continue => continue,
-                    next => break next,
+                    next => return next,
                 }
             }
             if Instant::now() >= decide_at {
-                decide_at = Instant::now() + cfg.decide_every;
-                let next = decide(cfg, &mut agent, policy, &mut decisions, last_change, on);
+                decide_at = Instant::now() + self.cfg.decide_every;
+                let next =
+                    decide(self.cfg, &mut self.decider, policy, &mut self.decisions, self.last_change, on);
                 if next != Next::Continue {
-                    break next;
+                    return next;
                 }
             }
-            match rx.recv_timeout(Duration::from_millis(20)) {
-                Ok((g, rank, line)) if g == n => on(Event::Output { rank, line: &line }),
+            match self.rx.recv_timeout(Duration::from_millis(20)) {
+                Ok((g, rank, line)) if g == n => on(GroupEvent::Output { rank, line: &line }),
                 // A stopped group's last words.
                 Ok(_) | Err(_) => {}
             }
-        };
-        let failure = match &next {
-            Next::Failed { rank, exit } => Some(group.failure(*rank, *exit)),
-            _ => None,
-        };
-        group.stop(cfg.grace);
+        }
+    }
+
+    /// Stops the group's ranks and shows what they wrote last, before
+    /// whatever comes next.
+    fn stop_group(&mut self, mut group: Ranks, on: &mut dyn FnMut(GroupEvent)) {
+        let n = self.n();
+        group.stop(self.cfg.grace);
         drop(group);
-        // What the stopped ranks wrote last is shown before what comes next.
-        while let Ok((g, rank, line)) = rx.try_recv() {
+        while let Ok((g, rank, line)) = self.rx.try_recv() {
             if g == n {
-                on(Event::Output { rank, line: &line });
+                on(GroupEvent::Output { rank, line: &line });
             }
         }
-        let record = &mut groups[n as usize];
-        record.ended_secs = t0.elapsed().as_secs_f64();
+    }
+
+    /// Records how the stopped group ended; the job's outcome when it is over.
+    fn group_ended(
+        &mut self,
+        next: Next,
+        failure: Option<RankFailure>,
+        on: &mut dyn FnMut(GroupEvent),
+    ) -> Option<TorchrunOutcome> {
+        let record = self.groups.last_mut().expect("a record per group");
+        record.ended_secs = self.t0.elapsed().as_secs_f64();
         match next {
-            Next::Continue => unreachable!("the loop above ends on a change"),
+            Next::Continue => unreachable!("a group is watched until it changes"),
             Next::Restart { world, reason, failure } => {
                 record.ended = if failure { reason.clone() } else { format!("resized to {world}") };
                 if !failure {
-                    last_change = Instant::now();
+                    self.last_change = Instant::now();
                 }
-                on(Event::Restarting { reason: &reason, failure });
+                on(GroupEvent::Restarting { reason: &reason, failure });
+                None
             }
-            Next::Succeeded | Next::Failed { .. } => {
-                return Ok(TorchrunOutcome::end(groups, &agent, cfg, decisions, failure, t0));
-            }
+            Next::Succeeded | Next::Failed { .. } => Some(TorchrunOutcome::end(
+                std::mem::take(&mut self.groups),
+                &self.decider,
+                self.cfg,
+                std::mem::take(&mut self.decisions),
+                failure,
+                self.t0,
+            )),
         }
     }
 }
@@ -351,7 +428,7 @@ impl TorchrunOutcome {
     /// The job's end: the last group's record says how it ended.
     fn end(
         mut groups: Vec<GroupRecord>,
-        agent: &Agent,
+        decider: &RestartDecider,
         cfg: &TorchrunConfig,
         decisions: Vec<Decision>,
         failure: Option<RankFailure>,
@@ -365,7 +442,7 @@ impl TorchrunOutcome {
         }
         TorchrunOutcome {
             groups,
-            restarts: agent.restarts(),
+            restarts: decider.restarts(),
             max_restarts: cfg.max_restarts,
             decisions,
             failure,
@@ -375,13 +452,13 @@ impl TorchrunOutcome {
 }
 
 impl GroupRecord {
-    /// The record of group `n`, starting now with the agent's world.
-    fn next(n: u32, cfg: &TorchrunConfig, agent: &Agent, t0: Instant) -> Result<Self> {
+    /// The record of group `n`, starting now with the decider's world.
+    fn next(n: u32, cfg: &TorchrunConfig, decider: &RestartDecider, t0: Instant) -> Result<Self> {
         Ok(GroupRecord {
             group: n,
-            world: agent.world(),
+            world: decider.world(),
             hosts: Vec::new(),
-            restart_count: agent.restarts(),
+            restart_count: decider.restarts(),
             master_addr: cfg.master_addr.to_string(),
             master_port: free_port(cfg.master_addr)?,
             log_dir: cfg.log_dir.join(format!("group-{n}")),
@@ -396,22 +473,22 @@ impl GroupRecord {
 /// Asks the policy once, records its decision, and says what the group must do.
 fn decide(
     cfg: &TorchrunConfig,
-    agent: &mut Agent,
+    decider: &mut RestartDecider,
     policy: &mut dyn PolicyPlugin,
     decisions: &mut Vec<Decision>,
     last_change: Instant,
-    on: &mut dyn FnMut(Event),
+    on: &mut dyn FnMut(GroupEvent),
 ) -> Next {
-    let view = agent.view(decisions.len() as u64, last_change.elapsed(), cfg.price_per_worker_hour);
+    let view = decider.view(decisions.len() as u64, last_change.elapsed(), cfg.price_per_worker_hour);
     let actions = policy.decide(&view).unwrap_or_else(|e| {
-        on(Event::PolicyFailed(format!("scaling policy failed, holding: {e}")));
+        on(GroupEvent::PolicyFailed(format!("scaling policy failed, holding: {e}")));
         vec![Action::Hold]
     });
-    let next = agent.decided(&view, &actions);
+    let next = decider.decided(&view, &actions);
     decisions.push(Decision {
         step: view.step,
         world_size: view.world_size,
-        chosen: agent.world(),
+        chosen: decider.world(),
         throughput: 0.0,
         capacity: view.max_workers,
         actions,
@@ -423,13 +500,13 @@ fn decide(
 mod tests {
     use super::*;
 
-    fn view(a: &Agent) -> ClusterView {
+    fn view(a: &RestartDecider) -> ClusterView {
         a.view(0, Duration::ZERO, 0.0)
     }
 
     #[test]
     fn failures_restart_the_group_until_the_limit() {
-        let mut a = Agent::new(2, 2, 2, 2);
+        let mut a = RestartDecider::new(2, 2, 2, 2);
         a.started();
         let n = a.exited(1, Exit::Code(3));
         assert!(
@@ -446,7 +523,7 @@ mod tests {
 
     #[test]
     fn a_lost_host_restarts_the_group_on_the_survivors_and_is_no_failure_restart() {
-        let mut a = Agent::new(2, 4, 4, 0);
+        let mut a = RestartDecider::new(2, 4, 4, 0);
         a.started();
         let n = a.lost("h3", 3);
         assert!(
@@ -463,7 +540,7 @@ mod tests {
 
     #[test]
     fn the_group_succeeds_when_every_rank_has() {
-        let mut a = Agent::new(1, 4, 3, 0);
+        let mut a = RestartDecider::new(1, 4, 3, 0);
         a.started();
         assert_eq!(a.exited(2, Exit::Code(0)), Next::Continue);
         assert_eq!(a.exited(0, Exit::Code(0)), Next::Continue);
@@ -472,7 +549,7 @@ mod tests {
 
     #[test]
     fn resizes_follow_the_policy_within_the_bounds_and_are_not_restarts() {
-        let mut a = Agent::new(1, 3, 1, 0);
+        let mut a = RestartDecider::new(1, 3, 1, 0);
         a.started();
         let v = view(&a);
         assert_eq!(v.free_slots, 2);
@@ -487,7 +564,7 @@ mod tests {
 
     #[test]
     fn a_finishing_group_is_not_resized() {
-        let mut a = Agent::new(1, 3, 2, 0);
+        let mut a = RestartDecider::new(1, 3, 2, 0);
         a.started();
         assert_eq!(a.exited(0, Exit::Code(0)), Next::Continue);
         assert_eq!(a.decided(&view(&a), &[Action::ScaleOut(1)]), Next::Continue);
