@@ -3,7 +3,7 @@
 //! ranks get, resizes by the policy, restarts after failures, and how the
 //! last failure is reported.
 
-use crate::elastic::poll_while_running;
+use crate::support::{job::report, wait::poll_while_running};
 use edl_plugin_artifacts as art;
 use serde_json::Value;
 use std::{
@@ -85,11 +85,6 @@ fn exit_of(mut launcher: Child, dir: &Path) -> std::process::ExitStatus {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-fn report(dir: &Path) -> Value {
-    serde_json::from_slice(&std::fs::read(dir.join("report.json")).expect("the launcher wrote its report"))
-        .unwrap()
 }
 
 /// True when a group of `world` ranks at restart `restart` has all started.
