@@ -8,7 +8,7 @@ use crate::support::{
     hosts::Hosts,
     job::{assert_exactly_once, finish, job, lines, report},
     servers::{EtcdCluster, RedisServer},
-    wait::wait_for,
+    wait::{wait_exit, wait_for},
 };
 use edl_plugin_artifacts as art;
 use serde_json::Value;
@@ -16,7 +16,7 @@ use std::{
     path::Path,
     process::{Child, Command, Stdio},
     sync::mpsc,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 const EXE: &str = env!("CARGO_BIN_EXE_edl-runtime");
@@ -45,21 +45,6 @@ fn worker(prefix: &[&str], coordinator: &str, secret: Option<&Path>, log: &Path)
     let log = std::fs::File::create(log).unwrap();
     c.stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log);
     c
-}
-
-/// Waits (bounded) for a process to end.
-fn wait_exit(child: &mut Child, what: &str, within: Duration) -> std::process::ExitStatus {
-    let until = Instant::now() + within;
-    loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            return s;
-        }
-        if Instant::now() > until {
-            let _ = child.kill();
-            panic!("{what} did not exit within {within:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 #[test]
@@ -95,13 +80,13 @@ fn workers_started_elsewhere_join_with_the_secret_and_only_within_the_maximum() 
     wait_for(&rx, "1 -> 2 workers", &mut seen, Duration::from_secs(120));
     // A third is past the maximum: sent away, and it exits without an error.
     let mut third = worker(&[], &addr, Some(&secret), &d.join("w3.log")).spawn().unwrap();
-    let status = wait_exit(&mut third, "the worker past the maximum", Duration::from_secs(120));
+    let status = wait_exit(&mut third, "the worker past the maximum", Duration::from_secs(120), String::new);
     assert!(status.success(), "{status}: {}", std::fs::read_to_string(d.join("w3.log")).unwrap());
     // One that does not know the secret is refused, saying so.
     let wrong = d.join("wrong.secret");
     std::fs::write(&wrong, "ab".repeat(32)).unwrap();
     let mut stranger = worker(&[], &addr, Some(&wrong), &d.join("w4.log")).spawn().unwrap();
-    let status = wait_exit(&mut stranger, "the stranger", Duration::from_secs(60));
+    let status = wait_exit(&mut stranger, "the stranger", Duration::from_secs(60), String::new);
     let said = std::fs::read_to_string(d.join("w4.log")).unwrap();
     assert!(!status.success() && said.contains("the peer does not know the job's secret"), "{said}");
     // Written with this process's umask (0644): named as readable by others.
@@ -117,7 +102,7 @@ fn workers_started_elsewhere_join_with_the_secret_and_only_within_the_maximum() 
     assert!(joined >= 1, "{}", seen.join("\n"));
     assert_eq!(r["final_world_size"], 2, "{r}");
     for (w, name) in [(&mut first, "the first worker"), (&mut second, "the second worker")] {
-        let status = wait_exit(w, name, Duration::from_secs(60));
+        let status = wait_exit(w, name, Duration::from_secs(60), String::new);
         assert!(status.success(), "{name}: {status}");
     }
 }
@@ -199,7 +184,7 @@ fn a_job_across_hosts_survives_a_dead_host_and_a_cut_off_one_and_refuses_it_afte
     // The cut-off worker does not come back into the job: when its link is
     // back it reaches the coordinator, which refuses it by its generation,
     // and it exits saying so.
-    let status = wait_exit(&mut w3, "the cut-off worker", Duration::from_secs(120));
+    let status = wait_exit(&mut w3, "the cut-off worker", Duration::from_secs(120), String::new);
     let said = std::fs::read_to_string(d.join("w3.log")).unwrap();
     assert!(!status.success(), "{status}: {said}");
     assert!(said.contains("lost the coordinator"), "{said}");
@@ -515,7 +500,7 @@ fn a_frozen_coordinator_is_taken_over_on_redis_and_writes_nothing_when_it_wakes(
             libc::kill(frozen.get() as i32, libc::SIGCONT);
         },
     );
-    let status = wait_exit(&mut out.first, "the woken coordinator", Duration::from_secs(60));
+    let status = wait_exit(&mut out.first, "the woken coordinator", Duration::from_secs(60), String::new);
     let mut said = Vec::new();
     while let Ok(l) = out.first_said.try_recv() {
         said.push(l);

@@ -6,7 +6,8 @@
 use crate::support::{
     job::{GROWING, assert_exactly_once, committed_checkpoint, finish, lines, report},
     process::{children, sigkill, sigkill_worker},
-    python::{PyEnv, py, root},
+    python::{PyEnv, py},
+    root,
     servers::RedisServer,
     wait::wait_for,
 };

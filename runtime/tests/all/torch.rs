@@ -9,6 +9,7 @@ use crate::support::{
     job::{assert_exactly_once, committed_checkpoint, finish, lines, report},
     process::{sigkill, sigkill_worker},
     python::{PyEnv, torch_py},
+    root,
     wait::wait_for,
 };
 use edl_plugin_artifacts as art;
@@ -81,7 +82,7 @@ fn finishers(lines: &[String]) -> Vec<(String, f64)> {
 fn the_torch_module_passes_its_tests() {
     let out = torch_py()
         .python()
-        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap())
+        .current_dir(root())
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "runtime/python/tests/test_torch.py"])
         .output()
         .unwrap();

@@ -11,7 +11,10 @@ pub(crate) mod wait;
 
 use edl_plugin_sdk::ClusterView;
 use edl_runtime::plugin::{ArtifactCache, HostOptions, Limits, PluginHost};
-use std::{path::Path, sync::Arc};
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+};
 
 /// A host with its own cache directory (kept alive by the returned guard).
 pub(crate) fn host_with(limits: Limits) -> (Arc<PluginHost>, tempfile::TempDir) {
@@ -32,6 +35,11 @@ pub(crate) fn pairs(p: &[(&str, &str)]) -> Vec<(String, String)> {
 
 pub(crate) fn path(p: &str) -> &Path {
     Path::new(p)
+}
+
+/// The workspace's root directory.
+pub(crate) fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
 /// A one-worker job at `step` that may grow to four.

@@ -1,4 +1,18 @@
-//! Processes of a running job, read from /proc, and signals to them.
+//! Processes: a command's output, a running job's processes read from
+//! /proc, and signals to them.
+
+use std::process::Command;
+
+/// Runs `cmd` to its end: its stdout and stderr, or (when it cannot start
+/// or fails) an error naming `what`.
+pub(crate) fn output_of(cmd: &mut Command, what: &str) -> Result<String, String> {
+    let out = cmd.output().map_err(|e| format!("{what}: {e}"))?;
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    if !out.status.success() {
+        return Err(format!("{what} failed ({}):\n{text}", out.status));
+    }
+    Ok(text)
+}
 
 /// Processes whose parent is `pid`, with their command lines.
 pub(crate) fn children(pid: u32) -> Vec<(u32, String)> {

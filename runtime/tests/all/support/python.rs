@@ -1,6 +1,7 @@
 //! The `edl` Python package in virtual environments: with NumPy and
 //! pytest (built once per test run), and with PyTorch (once per machine).
 
+use crate::support::{process::output_of, root};
 use std::{
     path::{Path, PathBuf},
     process::{Command, Stdio},
@@ -12,19 +13,6 @@ pub(crate) struct PyEnv {
     bin: PathBuf,
     /// What goes on PYTHONPATH: holds the `edl` package.
     site: PathBuf,
-}
-
-pub(crate) fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-fn run(cmd: &mut Command, what: &str) -> Result<String, String> {
-    let out = cmd.output().map_err(|e| format!("{what}: {e}"))?;
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    if !out.status.success() {
-        return Err(format!("{what} failed ({}):\n{text}", out.status));
-    }
-    Ok(text)
 }
 
 /// Builds the package and its environment once per test run.
@@ -67,8 +55,8 @@ pub(crate) fn venv_with(venv: &Path, probe: &str, packages: &[&str]) -> Result<P
             .is_ok_and(|s| s.success())
     };
     if !ready(&bin) {
-        run(Command::new("python3").args(["-m", "venv"]).arg(venv), "python3 -m venv")?;
-        run(
+        output_of(Command::new("python3").args(["-m", "venv"]).arg(venv), "python3 -m venv")?;
+        output_of(
             Command::new(bin.join("python"))
                 .args(["-m", "pip", "install", "--disable-pip-version-check", "-q"])
                 .args(packages),
@@ -89,7 +77,7 @@ fn setup() -> Result<PyEnv, String> {
     if profile.file_name().is_some_and(|n| n == "release") {
         build.arg("--release");
     }
-    run(&mut build, "building the edl package (cargo build -p edl-python)")?;
+    output_of(&mut build, "building the edl package (cargo build -p edl-python)")?;
     let base = target.join("edl-python");
     // noiseprotocol: an independent Noise implementation, which the
     // package's tests speak the job channel's handshake with.

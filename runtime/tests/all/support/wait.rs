@@ -59,3 +59,24 @@ pub(crate) fn wait_for(rx: &mpsc::Receiver<String>, needle: &str, seen: &mut Vec
         }
     }
 }
+
+/// Waits (up to `within`) for `child` to end; past that, kills it and
+/// panics naming `what`, with what `context` says.
+pub(crate) fn wait_exit(
+    child: &mut Child,
+    what: &str,
+    within: Duration,
+    context: impl Fn() -> String,
+) -> std::process::ExitStatus {
+    let until = Instant::now() + within;
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            panic!("{what} did not exit within {within:?}: {}", context());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
