@@ -1,6 +1,6 @@
 //! The precompiled-artifact cache.
 
-use crate::{host, path};
+use crate::support::{host, path};
 use edl_plugin_artifacts as art;
 use edl_runtime::plugin::{ArtifactCache, Backend, CacheStatus, HostOptions, PluginHost};
 

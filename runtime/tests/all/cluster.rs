@@ -4,30 +4,22 @@
 //! hosts built from Linux network namespaces (veth pairs to a bridge, private
 //! addresses that exist only inside the namespaces).
 
-use crate::elastic::{finish, job, lines, report, wait_for};
+use crate::support::{
+    hosts::Hosts,
+    job::{assert_exactly_once, finish, job, lines, report},
+    servers::{EtcdCluster, RedisServer},
+    wait::{wait_exit, wait_for},
+};
 use edl_plugin_artifacts as art;
 use serde_json::Value;
 use std::{
     path::Path,
     process::{Child, Command, Stdio},
     sync::mpsc,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 const EXE: &str = env!("CARGO_BIN_EXE_edl-runtime");
-
-/// Every epoch: every training sample in exactly one committed step.
-pub(crate) fn assert_exactly_once(r: &Value, epochs: u64, samples: u64) {
-    let list = r["epochs"].as_array().unwrap();
-    assert_eq!(list.len() as u64, epochs, "{list:?}");
-    for e in list {
-        assert_eq!(
-            (&e["samples_committed"], &e["duplicates"], &e["missing"]),
-            (&samples.into(), &0.into(), &0.into()),
-            "{e}"
-        );
-    }
-}
 
 /// The `host:port` the coordinator says workers join at.
 fn coordinator_addr(rx: &mpsc::Receiver<String>, seen: &mut Vec<String>) -> String {
@@ -53,21 +45,6 @@ fn worker(prefix: &[&str], coordinator: &str, secret: Option<&Path>, log: &Path)
     let log = std::fs::File::create(log).unwrap();
     c.stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log);
     c
-}
-
-/// Waits (bounded) for a process to end.
-fn wait_exit(child: &mut Child, what: &str, within: Duration) -> std::process::ExitStatus {
-    let until = Instant::now() + within;
-    loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            return s;
-        }
-        if Instant::now() > until {
-            let _ = child.kill();
-            panic!("{what} did not exit within {within:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 #[test]
@@ -103,13 +80,13 @@ fn workers_started_elsewhere_join_with_the_secret_and_only_within_the_maximum() 
     wait_for(&rx, "1 -> 2 workers", &mut seen, Duration::from_secs(120));
     // A third is past the maximum: sent away, and it exits without an error.
     let mut third = worker(&[], &addr, Some(&secret), &d.join("w3.log")).spawn().unwrap();
-    let status = wait_exit(&mut third, "the worker past the maximum", Duration::from_secs(120));
+    let status = wait_exit(&mut third, "the worker past the maximum", Duration::from_secs(120), String::new);
     assert!(status.success(), "{status}: {}", std::fs::read_to_string(d.join("w3.log")).unwrap());
     // One that does not know the secret is refused, saying so.
     let wrong = d.join("wrong.secret");
     std::fs::write(&wrong, "ab".repeat(32)).unwrap();
     let mut stranger = worker(&[], &addr, Some(&wrong), &d.join("w4.log")).spawn().unwrap();
-    let status = wait_exit(&mut stranger, "the stranger", Duration::from_secs(60));
+    let status = wait_exit(&mut stranger, "the stranger", Duration::from_secs(60), String::new);
     let said = std::fs::read_to_string(d.join("w4.log")).unwrap();
     assert!(!status.success() && said.contains("the peer does not know the job's secret"), "{said}");
     // Written with this process's umask (0644): named as readable by others.
@@ -125,177 +102,8 @@ fn workers_started_elsewhere_join_with_the_secret_and_only_within_the_maximum() 
     assert!(joined >= 1, "{}", seen.join("\n"));
     assert_eq!(r["final_world_size"], 2, "{r}");
     for (w, name) in [(&mut first, "the first worker"), (&mut second, "the second worker")] {
-        let status = wait_exit(w, name, Duration::from_secs(60));
+        let status = wait_exit(w, name, Duration::from_secs(60), String::new);
         assert!(status.success(), "{name}: {status}");
-    }
-}
-
-/// Hosts made of network namespaces: each has `eth0` on a private subnet,
-/// its veth peer on a bridge in a namespace of its own (the switch). The
-/// switch side of a host's link can be taken down: a partition the host
-/// itself does not see. Everything is removed (its processes killed) on drop.
-pub(crate) struct Hosts {
-    pub(crate) prefix: String,
-    subnet: u8,
-    names: Vec<String>,
-}
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
-    }
-}
-
-impl Hosts {
-    /// Builds the hosts, or says why it cannot (not root, no `ip`).
-    pub(crate) fn build(names: &[&str]) -> Result<Hosts, String> {
-        // Tests run side by side in one process: each set of hosts has
-        // names of its own (a second `...-sw` would collide, and one set's
-        // drop would remove the other's).
-        static BUILT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let id = std::process::id();
-        let h = Hosts {
-            prefix: format!("edl{id}n{n}"),
-            // A /24 per set of hosts, inside its namespaces only.
-            subnet: ((id + n * 37) % 200 + 20) as u8,
-            names: names.iter().map(|n| n.to_string()).collect(),
-        };
-        let sw = h.ns("sw");
-        ip(&["netns", "add", &sw])?;
-        ip(&["-n", &sw, "link", "add", "br0", "type", "bridge"])?;
-        ip(&["-n", &sw, "link", "set", "br0", "up"])?;
-        for (i, name) in names.iter().enumerate() {
-            let ns = h.ns(name);
-            let port = format!("v{i}");
-            ip(&["netns", "add", &ns])?;
-            ip(&["-n", &sw, "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", &ns])?;
-            ip(&["-n", &sw, "link", "set", &port, "master", "br0", "up"])?;
-            ip(&["-n", &ns, "addr", "add", &format!("{}/24", h.ip(name)), "dev", "eth0"])?;
-            ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
-            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
-        }
-        Ok(h)
-    }
-
-    /// The hosts, or None (and why, printed) where namespaces cannot be
-    /// made (not root, no `ip`); under CI (root) that is a failure.
-    pub(crate) fn build_or_skip(names: &[&str]) -> Option<Hosts> {
-        match Hosts::build(names) {
-            Ok(h) => Some(h),
-            Err(why) if std::env::var_os("CI").is_some() => panic!("network namespaces: {why}"),
-            Err(why) => {
-                eprintln!("skipped: network namespaces cannot be made here ({why}); this test needs root");
-                None
-            }
-        }
-    }
-
-    /// A redis-server on host `name` (its address, port 6379, files in
-    /// `dir`), listening when this returns.
-    pub(crate) fn redis(&self, name: &str, dir: &Path) -> Child {
-        let ip = self.ip(name);
-        let mut c = self.on(name, "redis-server");
-        c.args([
-            "--bind",
-            &ip,
-            "--port",
-            "6379",
-            "--protected-mode",
-            "no",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ]);
-        let child = c.arg("--dir").arg(dir).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-        self.wait_listening(name, 6379);
-        child
-    }
-
-    pub(crate) fn ns(&self, name: &str) -> String {
-        format!("{}-{name}", self.prefix)
-    }
-
-    pub(crate) fn ip(&self, name: &str) -> String {
-        let i = self.names.iter().position(|n| n == name).expect("a host of the cluster");
-        format!("10.{}.0.{}", self.subnet, i + 1)
-    }
-
-    /// A command run on host `name`.
-    pub(crate) fn on(&self, name: &str, program: &str) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.ns(name), program]);
-        c
-    }
-
-    /// Connects or cuts host `name` at the switch.
-    pub(crate) fn link(&self, name: &str, up: bool) {
-        let i = self.names.iter().position(|n| n == name).unwrap();
-        ip(&["-n", &self.ns("sw"), "link", "set", &format!("v{i}"), if up { "up" } else { "down" }]).unwrap();
-    }
-
-    /// Waits (bounded) until something listens on TCP `port` on host `name`.
-    pub(crate) fn wait_listening(&self, name: &str, port: u16) {
-        let until = Instant::now() + Duration::from_secs(30);
-        loop {
-            let out = self.on(name, "ss").arg("-ltnH").output().unwrap();
-            let text = String::from_utf8_lossy(&out.stdout);
-            if text.split_whitespace().any(|w| w.ends_with(&format!(":{port}"))) {
-                return;
-            }
-            assert!(Instant::now() < until, "nothing listens on port {port} on {name}: {text}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// Every process on host `name`.
-    pub(crate) fn pids(&self, name: &str) -> Vec<i32> {
-        let out = Command::new("ip").args(["netns", "pids", &self.ns(name)]).output().unwrap();
-        String::from_utf8_lossy(&out.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect()
-    }
-
-    /// Kills every process on host `name` (SIGKILL); returns how many.
-    pub(crate) fn kill_all(&self, name: &str) -> usize {
-        let pids = self.pids(name);
-        for &p in &pids {
-            // SAFETY: sending a signal has no memory-safety preconditions;
-            // the pids were just read from the namespace's process list.
-            unsafe { libc::kill(p, libc::SIGKILL) };
-        }
-        pids.len()
-    }
-}
-
-/// Runs `f` on a thread inside network namespace `ns` (its sockets are
-/// that namespace's), and returns what it returned.
-pub(crate) fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
-    use std::os::fd::AsRawFd;
-    let file = std::fs::File::open(format!("/var/run/netns/{ns}")).expect("the namespace's file");
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            // SAFETY: setns on this thread only, with a descriptor that
-            // stays open for the call; the thread ends with the scope.
-            let r = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(r, 0, "setns {ns}: {}", std::io::Error::last_os_error());
-            f()
-        })
-        .join()
-        .expect("the thread in the namespace")
-    })
-}
-
-impl Drop for Hosts {
-    fn drop(&mut self) {
-        for name in self.names.clone().iter().map(String::as_str).chain(["sw"]) {
-            if name != "sw" {
-                self.kill_all(name);
-            }
-            let _ = ip(&["netns", "del", &self.ns(name)]);
-        }
     }
 }
 
@@ -376,7 +184,7 @@ fn a_job_across_hosts_survives_a_dead_host_and_a_cut_off_one_and_refuses_it_afte
     // The cut-off worker does not come back into the job: when its link is
     // back it reaches the coordinator, which refuses it by its generation,
     // and it exits saying so.
-    let status = wait_exit(&mut w3, "the cut-off worker", Duration::from_secs(120));
+    let status = wait_exit(&mut w3, "the cut-off worker", Duration::from_secs(120), String::new);
     let said = std::fs::read_to_string(d.join("w3.log")).unwrap();
     assert!(!status.success(), "{status}: {said}");
     assert!(said.contains("lost the coordinator"), "{said}");
@@ -421,7 +229,7 @@ fn command_lines() -> Vec<(u32, String)> {
 #[test]
 fn the_job_s_secret_and_the_store_s_password_are_on_no_command_line_and_in_no_output() {
     let password = "pw-4d1b9c";
-    let redis = crate::store::RedisServer::start_with(Some(password));
+    let redis = RedisServer::start_with(Some(password));
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let mut cmd = job(d, &["--epochs", "2", "--step-delay-ms", "20", "--plot", "run.svg", "--job", "quiet"]);
@@ -628,7 +436,7 @@ fn takeovers(r: &Value) -> Vec<String> {
 #[test]
 fn workers_follow_a_standby_that_takes_over_from_a_killed_coordinator_on_etcd_that_loses_its_leader() {
     let Some(hosts) = Hosts::build_or_skip(&["etcd", "a", "b", "w1", "w2"]) else { return };
-    let mut etcd = crate::store::EtcdCluster::start_on(&hosts, "etcd", 3);
+    let mut etcd = EtcdCluster::start_on(&hosts, "etcd", 3);
     let dir = tempfile::tempdir().unwrap();
     let t = Takeover { hosts: &hosts, dir: dir.path().to_path_buf(), store: etcd.url() };
     let mut lost_leader = None;
@@ -692,7 +500,7 @@ fn a_frozen_coordinator_is_taken_over_on_redis_and_writes_nothing_when_it_wakes(
             libc::kill(frozen.get() as i32, libc::SIGCONT);
         },
     );
-    let status = wait_exit(&mut out.first, "the woken coordinator", Duration::from_secs(60));
+    let status = wait_exit(&mut out.first, "the woken coordinator", Duration::from_secs(60), String::new);
     let mut said = Vec::new();
     while let Ok(l) = out.first_said.try_recv() {
         said.push(l);

@@ -3,7 +3,12 @@
 //! once, in order, with the soft labels a healthy teacher gives, while
 //! teachers die, join, stall or answer nonsense, and while Redis restarts.
 
-use crate::store::RedisServer;
+use crate::support::{
+    job::{finish, job, lines, report},
+    python::venv_with,
+    runtime,
+    servers::RedisServer,
+};
 use edl_plugin_sdk::{Batch, Dtype};
 use edl_runtime::{
     distill::{
@@ -48,10 +53,6 @@ fn batches(n: usize, rows: usize) -> Vec<Batch> {
             }
         })
         .collect()
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
 }
 
 /// Reads everything, checking order, completeness and soft labels; `between`
@@ -1145,19 +1146,19 @@ fn the_teachers_a_job_starts_get_its_token_and_serve_tls_with_a_certificate_it_m
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     std::fs::write(d.join("token"), "job-token-42\n").unwrap();
-    let mut c = crate::elastic::job(d, &["--epochs", "1", "--teacher-token-file"]);
+    let mut c = job(d, &["--epochs", "1", "--teacher-token-file"]);
     c.arg(d.join("token"));
     let mut child = c.spawn().unwrap();
-    let rx = crate::elastic::lines(&mut child);
+    let rx = lines(&mut child);
     let mut seen = Vec::new();
-    let status = crate::elastic::finish(child, rx, &mut seen);
+    let status = finish(child, rx, &mut seen);
     let out = seen.join("\n");
     assert!(status.success(), "{out}");
     // Its teacher serves TLS (the token would otherwise cross in clear),
     // and the students, trusting the job's certificate and carrying its
     // token, distilled from it.
     assert!(out.contains("serving on grpcs://127.0.0.1:"), "{out}");
-    let r = crate::elastic::report(d);
+    let r = report(d);
     assert!(r["student_test_accuracy"].as_f64().unwrap() > 0.5, "{r}");
     let key = std::fs::metadata(d.join(".edl/mnist/teacher-tls/teachers.key")).unwrap();
     use std::os::unix::fs::PermissionsExt;
@@ -1210,7 +1211,7 @@ fn mlserver_probs(features: &[f32], dim: usize) -> Vec<f32> {
 fn mlserver_over_rest_in_json_tensors_and_over_grpc_gives_the_soft_labels_its_model_computes() {
     let exe = std::path::Path::new(env!("CARGO_BIN_EXE_edl-runtime"));
     let venv = exe.parent().unwrap().parent().unwrap().join("mlserver/venv");
-    let bin = crate::python::venv_with(&venv, "import mlserver", &["mlserver>=1.7,<2"])
+    let bin = venv_with(&venv, "import mlserver", &["mlserver>=1.7,<2"])
         .unwrap_or_else(|e| panic!("MLServer from the package registry: {e}"));
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();

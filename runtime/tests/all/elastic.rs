@@ -2,187 +2,24 @@
 //! (`edl-runtime --policy ...`), its worker processes and teacher processes.
 //! Workers are killed with SIGKILL, the whole job too.
 
-use crate::store::RedisServer;
+use crate::support::{
+    job::{GROWING, assert_exactly_once, finish, job, lines, report},
+    process::children,
+    servers::RedisServer,
+    wait::wait_for,
+};
 use edl_plugin_artifacts as art;
 use serde_json::Value;
 use std::{
-    io::{BufRead, BufReader},
     path::Path,
-    process::{Child, Command, Stdio},
-    sync::mpsc,
+    process::Command,
     time::{Duration, Instant},
 };
-
-/// The job's command in `dir` (its own .edl/, teacher cache and checkpoints).
-pub(crate) fn job(dir: &Path, extra: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
-    c.current_dir(dir)
-        .args([
-            "--train-samples",
-            "1200",
-            "--batch",
-            "40",
-            "--teacher-hidden",
-            "64",
-            "--teacher-epochs",
-            "2",
-            "--teachers",
-            "1",
-            "--report",
-            "report.json",
-            "--plugin-cache",
-        ])
-        .arg(dir.join("plugin-cache"))
-        .args(extra)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    c
-}
-
-/// Stdout lines of a running job, as they come.
-pub(crate) fn lines(child: &mut Child) -> mpsc::Receiver<String> {
-    let (tx, rx) = mpsc::channel();
-    let out = child.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for l in BufReader::new(out).lines().map_while(Result::ok) {
-            if tx.send(l).is_err() {
-                return;
-            }
-        }
-    });
-    rx
-}
-
-/// Polls `check` every 20 ms until it gives a value; panics if `child`
-/// exits first or nothing comes within `within` (`context` says what was
-/// there). The bound only keeps a broken job from hanging the suite.
-pub(crate) fn poll_while_running<T>(
-    child: &mut Child,
-    what: &str,
-    within: Duration,
-    mut check: impl FnMut() -> Option<T>,
-    context: impl Fn() -> String,
-) -> T {
-    let until = Instant::now() + within;
-    loop {
-        if let Some(v) = check() {
-            return v;
-        }
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("it exited ({status}) before {what}: {}", context());
-        }
-        assert!(Instant::now() < until, "no {what} within {within:?}: {}", context());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Waits for a line with `needle` (every line seen goes to `seen`).
-pub(crate) fn wait_for(rx: &mpsc::Receiver<String>, needle: &str, seen: &mut Vec<String>, within: Duration) {
-    let until = Instant::now() + within;
-    loop {
-        let left = until.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(l) => {
-                let hit = l.contains(needle);
-                seen.push(l);
-                if hit {
-                    return;
-                }
-            }
-            Err(_) => {
-                panic!("no line with {needle:?} within {within:?}; output so far:\n{}", seen.join("\n"))
-            }
-        }
-    }
-}
-
-/// Waits for the job to end (bounded); returns its status and the rest of its output.
-pub(crate) fn finish(
-    mut child: Child,
-    rx: mpsc::Receiver<String>,
-    seen: &mut Vec<String>,
-) -> std::process::ExitStatus {
-    let until = Instant::now() + Duration::from_secs(240);
-    loop {
-        while let Ok(l) = rx.try_recv() {
-            seen.push(l);
-        }
-        if let Some(status) = child.try_wait().unwrap() {
-            while let Ok(l) = rx.recv_timeout(Duration::from_millis(200)) {
-                seen.push(l);
-            }
-            if !status.success()
-                && let Some(mut stderr) = child.stderr.take()
-            {
-                let mut err = String::new();
-                use std::io::Read;
-                let _ = stderr.read_to_string(&mut err);
-                seen.push(format!("stderr: {err}"));
-            }
-            return status;
-        }
-        if Instant::now() > until {
-            let _ = child.kill();
-            panic!("the job did not end within 240 s:\n{}", seen.join("\n"));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// Processes whose parent is `pid`, with their command lines.
-pub(crate) fn children(pid: u32) -> Vec<(u32, String)> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else { continue };
-        // Fields after the command name (which is in parentheses): state, ppid, ...
-        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r.to_string()) else { continue };
-        let ppid: u32 = rest.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
-        if ppid == pid {
-            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
-            out.push((p, String::from_utf8_lossy(&cmd).replace('\0', " ")));
-        }
-    }
-    out
-}
 
 fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .map(|s| !s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')))
         .unwrap_or(false)
-}
-
-pub(crate) fn report(dir: &Path) -> Value {
-    serde_json::from_slice(&std::fs::read(dir.join("report.json")).expect("the job wrote its report"))
-        .unwrap()
-}
-
-/// Three epochs under the schedule policy, which grows the job 1 -> 2 -> 3
-/// workers and shrinks it again, a decision every 4 steps.
-pub(crate) const GROWING: [&str; 10] = [
-    "--policy",
-    art::SCHEDULE_WASM,
-    "--policy-config",
-    "every=8",
-    "--decide-every-steps",
-    "4",
-    "--max-workers",
-    "3",
-    "--epochs",
-    "3",
-];
-
-/// Every epoch: every training sample consumed by exactly one committed step.
-fn assert_exactly_once(r: &Value, epochs: u64, samples: u64) {
-    let list = r["epochs"].as_array().unwrap();
-    assert_eq!(list.len() as u64, epochs, "{list:?}");
-    for (i, e) in list.iter().enumerate() {
-        assert_eq!(e["epoch"], i as u64);
-        assert_eq!(e["samples_committed"], samples, "epoch {i}: {e}");
-        assert_eq!(e["duplicates"], 0, "epoch {i}: {e}");
-        assert_eq!(e["missing"], 0, "epoch {i}: {e}");
-    }
 }
 
 #[test]

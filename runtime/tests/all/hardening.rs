@@ -3,23 +3,19 @@
 //! native code runs only when asked for, and a job refuses what it cannot
 //! run before it starts anything.
 
-use crate::elastic::{finish, job, lines, report};
-use crate::{host, host_with, pairs, path};
+use crate::support::{
+    host, host_with,
+    job::{assert_exactly_once, finish, job, lines, report},
+    pairs, path,
+    process::children,
+    servers::RedisServer,
+    view,
+    wait::{until, wait_for},
+};
 use edl_plugin_artifacts as art;
-use edl_plugin_sdk::{Action, Batch, ClusterView, Dtype, Hyperparams};
+use edl_plugin_sdk::{Action, Batch, Dtype, Hyperparams};
 use edl_runtime::plugin::{ArtifactCache, Error, HostOptions, Limits, PluginHost};
 use std::{path::Path, process::Command, time::Duration};
-
-fn view() -> ClusterView {
-    ClusterView {
-        step: 8,
-        world_size: 1,
-        min_workers: 1,
-        max_workers: 4,
-        free_slots: 3,
-        ..Default::default()
-    }
-}
 
 fn batch(rows: usize) -> Batch {
     let x: Vec<f32> = (0..rows * 4).map(|i| i as f32 / 7.0).collect();
@@ -46,27 +42,27 @@ fn a_sleep_in_init_or_a_call_is_stopped_at_the_deadline() {
 
     let mut p =
         host.load_policy(path(art::HOSTILE_POLICY_WASM), &pairs(&[("mode", "sleep-decide")])).unwrap();
-    let err = p.decide(&view()).unwrap_err();
+    let err = p.decide(&view(8)).unwrap_err();
     assert!(matches!(err, Error::Deadline { call: "decide", .. }), "{err}");
     // A short sleep inside the deadline is allowed.
     let (host, _d) = host_with(Limits { deadline: Duration::from_secs(5), ..Limits::default() });
     let mut p = host
         .load_policy(path(art::HOSTILE_POLICY_WASM), &pairs(&[("mode", "sleep-decide"), ("ms", "1")]))
         .unwrap();
-    assert_eq!(p.decide(&view()).unwrap(), vec![Action::Hold]);
+    assert_eq!(p.decide(&view(8)).unwrap(), vec![Action::Hold]);
 }
 
 #[test]
 fn a_guest_stack_overflow_is_named_as_one() {
     let (host, _d) = host();
     let mut p = host.load_policy(path(art::HOSTILE_POLICY_WASM), &pairs(&[("mode", "recurse")])).unwrap();
-    let err = p.decide(&view()).unwrap_err();
+    let err = p.decide(&view(8)).unwrap_err();
     assert!(matches!(err, Error::Trap { call: "decide", .. }), "{err}");
     let text = err.to_string();
     assert!(text.contains("stack overflow") && text.contains("calls deep in"), "{text}");
     // The instance is rebuilt after the trap and still answers.
     let mut p = host.load_policy(path(art::HOSTILE_POLICY_WASM), &pairs(&[("mode", "hold")])).unwrap();
-    assert_eq!(p.decide(&view()).unwrap(), vec![Action::Hold]);
+    assert_eq!(p.decide(&view(8)).unwrap(), vec![Action::Hold]);
 }
 
 #[test]
@@ -371,7 +367,7 @@ fn a_second_coordinator_of_the_same_job_is_refused_naming_the_first() {
     let mut first = small(dir.path(), &["--epochs", "50", "--step-delay-ms", "20"]).spawn().unwrap();
     let rx = lines(&mut first);
     let mut seen = Vec::new();
-    crate::elastic::wait_for(&rx, "scale", &mut seen, Duration::from_secs(120));
+    wait_for(&rx, "scale", &mut seen, Duration::from_secs(120));
     let out = small(dir.path(), &[]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     let _ = first.kill();
@@ -451,8 +447,8 @@ fn job_with_two_teachers(
     .unwrap();
     let rx = lines(&mut c);
     let mut seen = Vec::new();
-    crate::elastic::wait_for(&rx, "scale", &mut seen, Duration::from_secs(120));
-    let teachers: Vec<u32> = crate::elastic::children(c.id())
+    wait_for(&rx, "scale", &mut seen, Duration::from_secs(120));
+    let teachers: Vec<u32> = children(c.id())
         .into_iter()
         .filter(|(_, cmd)| cmd.contains(" teacher "))
         .map(|(pid, _)| pid)
@@ -471,7 +467,7 @@ fn losing_every_teacher_ends_the_job_at_once_naming_them() {
     let (c, rx, mut seen, teachers) = job_with_two_teachers(dir.path());
     // One teacher dies: the job goes on with the other and says so.
     signal("-KILL", teachers[0]);
-    crate::elastic::wait_for(&rx, "new workers will not be given it", &mut seen, Duration::from_secs(120));
+    wait_for(&rx, "new workers will not be given it", &mut seen, Duration::from_secs(120));
     let before = seen.len();
     // The last one dies: the job stops at once, naming why, without
     // retrying the step or blaming a worker.
@@ -508,7 +504,7 @@ fn teachers_that_answer_nothing_end_the_job_after_one_wait() {
 #[test]
 fn a_second_coordinator_on_another_host_sharing_the_store_is_refused_by_the_lease() {
     // Two directories stand for two hosts: no shared lock file, one Redis.
-    let redis = crate::store::RedisServer::start();
+    let redis = RedisServer::start();
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let url = redis.url();
     let shared = ["--store", url.as_str(), "--job", "leased"];
@@ -517,7 +513,7 @@ fn a_second_coordinator_on_another_host_sharing_the_store_is_refused_by_the_leas
         .unwrap();
     let rx = lines(&mut first);
     let mut seen = Vec::new();
-    crate::elastic::wait_for(&rx, "scale", &mut seen, Duration::from_secs(120));
+    wait_for(&rx, "scale", &mut seen, Duration::from_secs(120));
     let out = small(b.path(), &shared).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
@@ -532,7 +528,7 @@ fn a_second_coordinator_on_another_host_sharing_the_store_is_refused_by_the_leas
 
 #[test]
 fn a_finished_job_gives_its_lease_up() {
-    let redis = crate::store::RedisServer::start();
+    let redis = RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     let url = redis.url();
     let args = ["--store", url.as_str(), "--job", "released"];
@@ -547,14 +543,14 @@ fn a_finished_job_gives_its_lease_up() {
 #[test]
 fn a_coordinator_whose_lease_is_taken_stops_instead_of_running_on() {
     use edl_runtime::store::{AnyStore, Store, keys};
-    let redis = crate::store::RedisServer::start();
+    let redis = RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     let url = redis.url();
     let args = ["--store", url.as_str(), "--job", "taken", "--epochs", "200", "--step-delay-ms", "20"];
     let mut first = small(dir.path(), &args).spawn().unwrap();
     let rx = lines(&mut first);
     let mut seen = Vec::new();
-    crate::elastic::wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
     // Another coordinator (as far as the store can tell) takes the lease.
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
@@ -571,14 +567,14 @@ fn a_coordinator_whose_lease_is_taken_stops_instead_of_running_on() {
 
 #[test]
 fn a_coordinator_that_cannot_reach_its_store_stops_when_its_lease_is_over() {
-    let redis = crate::store::RedisServer::start();
+    let redis = RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     let url = redis.url();
     let args = ["--store", url.as_str(), "--job", "cut-off", "--epochs", "200", "--step-delay-ms", "20"];
     let mut first = small(dir.path(), &args).spawn().unwrap();
     let rx = lines(&mut first);
     let mut seen = Vec::new();
-    crate::elastic::wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
     // The store goes silent (no error, no answer): the coordinator cannot
     // renew its lease, and training itself needs no store.
     redis.freeze(true);
@@ -602,13 +598,13 @@ fn two_thousand_idle_and_trickling_connections_do_not_stop_a_running_job() {
     let mut child = c.spawn().unwrap();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
-    crate::elastic::wait_for(&rx, "workers join with", &mut seen, Duration::from_secs(120));
+    wait_for(&rx, "workers join with", &mut seen, Duration::from_secs(120));
     // "coordinator at ADDR (rendezvous ADDR); ..."
     let line = seen.last().unwrap().clone();
     let field =
         |after: &str| line.split(after).nth(1).unwrap().split([' ', ')', ';']).next().unwrap().to_string();
     let (control, rendezvous) = (field("coordinator at "), field("(rendezvous "));
-    crate::elastic::wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
 
     // A thousand connections on each port: half say nothing, half send a
     // byte now and then, as a handshake that never ends would.
@@ -643,12 +639,12 @@ fn two_thousand_idle_and_trickling_connections_do_not_stop_a_running_job() {
     assert!(status.success(), "{out}");
     let during = seen[flooded..].iter().filter(|l| l.contains(" done")).count();
     assert!(during >= 2, "epochs trained while the connections were open: {during}\n{out}");
-    crate::cluster::assert_exactly_once(&report(d), 6, 400);
+    assert_exactly_once(&report(d), 6, 400);
 }
 
 #[test]
 fn a_standby_coordinator_waits_and_takes_the_job_over_when_the_active_one_dies() {
-    let redis = crate::store::RedisServer::start();
+    let redis = RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     let (a, b) = (dir.path().join("a"), dir.path().join("b"));
     std::fs::create_dir_all(&a).unwrap();
@@ -673,12 +669,12 @@ fn a_standby_coordinator_waits_and_takes_the_job_over_when_the_active_one_dies()
     let mut active = small(&a, &args).spawn().unwrap();
     let rx = lines(&mut active);
     let mut seen = Vec::new();
-    crate::elastic::wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
     // A second coordinator of the job: a standby, not refused.
     let mut standby = small(&b, &[&args[..], &["--standby"]].concat()).spawn().unwrap();
     let rx_b = lines(&mut standby);
     let mut seen_b = Vec::new();
-    crate::elastic::wait_for(&rx_b, "standby", &mut seen_b, Duration::from_secs(120));
+    wait_for(&rx_b, "standby", &mut seen_b, Duration::from_secs(120));
     assert!(seen_b.last().unwrap().contains("waiting to take it over"), "{seen_b:?}");
     // The active one dies at once (its workers with it); the standby takes
     // the job over from what the store and the checkpoints hold.
@@ -692,7 +688,7 @@ fn a_standby_coordinator_waits_and_takes_the_job_over_when_the_active_one_dies()
     assert!(out.contains("the policy went on with its memory of step"), "{out}");
     let r = report(&b);
     assert!(r["resumed_from_step"].as_u64().is_some_and(|s| s >= 5), "{r}");
-    crate::cluster::assert_exactly_once(&r, 6, 400);
+    assert_exactly_once(&r, 6, 400);
 }
 
 /// A worker told to go (SIGTERM, as a scheduler's preemption sends) leaves
@@ -707,19 +703,19 @@ fn a_worker_told_to_go_by_sigterm_leaves_at_a_boundary_without_a_redone_step() {
         small(dir.path(), &[&hold[..], &bounds[..], &["--step-delay-ms", "30"]].concat()).spawn().unwrap();
     let rx = lines(&mut c);
     let mut seen = Vec::new();
-    crate::elastic::wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
-    let worker_2 = crate::elastic::children(c.id())
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    let worker_2 = children(c.id())
         .into_iter()
         .find(|(_, cmd)| cmd.contains(" --id 2"))
-        .unwrap_or_else(|| panic!("worker 2 among {:?}", crate::elastic::children(c.id())))
+        .unwrap_or_else(|| panic!("worker 2 among {:?}", children(c.id())))
         .0;
     signal("-TERM", worker_2);
-    crate::elastic::wait_for(&rx, "left with notice (SIGTERM)", &mut seen, Duration::from_secs(60));
+    wait_for(&rx, "left with notice (SIGTERM)", &mut seen, Duration::from_secs(60));
     let status = finish(c, rx, &mut seen);
     let out = seen.join("\n");
     assert!(status.success(), "{out}");
     let r = report(dir.path());
-    crate::cluster::assert_exactly_once(&r, 3, 400);
+    assert_exactly_once(&r, 3, 400);
     let events = r["scale_events"].as_array().unwrap();
     let left: Vec<&serde_json::Value> = events
         .iter()
@@ -759,26 +755,16 @@ fn a_worker_told_to_go_by_a_notice_file_or_a_notice_command_leaves_without_a_red
     let mut c = held_by_command(dir.path(), &template, 3, &args).spawn().unwrap();
     let rx = lines(&mut c);
     let mut seen = Vec::new();
-    crate::elastic::wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
     std::fs::write(dir.path().join("notice-2"), b"").unwrap();
-    crate::elastic::wait_for(
-        &rx,
-        "worker 2 left with notice (notice file ",
-        &mut seen,
-        Duration::from_secs(60),
-    );
+    wait_for(&rx, "worker 2 left with notice (notice file ", &mut seen, Duration::from_secs(60));
     std::fs::write(dir.path().join("spot-1"), b"").unwrap();
-    crate::elastic::wait_for(
-        &rx,
-        "worker 1 left with notice (notice command ",
-        &mut seen,
-        Duration::from_secs(60),
-    );
+    wait_for(&rx, "worker 1 left with notice (notice command ", &mut seen, Duration::from_secs(60));
     let status = finish(c, rx, &mut seen);
     let out = seen.join("\n");
     assert!(status.success(), "{out}");
     let r = report(dir.path());
-    crate::cluster::assert_exactly_once(&r, 6, 400);
+    assert_exactly_once(&r, 6, 400);
     let events = r["scale_events"].as_array().unwrap();
     // Nothing was lost: no step failed, no worker replaced.
     assert!(!events.iter().any(|e| e["reason"].as_str().unwrap().contains("lost")), "{events:?}");
@@ -806,23 +792,25 @@ fn a_sole_worker_told_to_go_checkpoints_and_if_lost_before_handing_over_the_job_
     let coordinator = c.id();
     let rx = lines(&mut c);
     let mut seen = Vec::new();
-    crate::elastic::wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
     std::fs::write(dir.path().join("notice-1"), b"").unwrap();
-    crate::elastic::wait_for(&rx, "worker 1 was told to go", &mut seen, Duration::from_secs(60));
+    wait_for(&rx, "worker 1 was told to go", &mut seen, Duration::from_secs(60));
     // It holds the only state: that state goes to a checkpoint at once.
     let saved = "the state of step ";
-    crate::elastic::wait_for(&rx, saved, &mut seen, Duration::from_secs(60));
+    wait_for(&rx, saved, &mut seen, Duration::from_secs(60));
     let step_after = |line: &str, after: &str| -> u64 {
         let rest = line.split(after).nth(1).unwrap_or_default();
         rest.split(|c: char| !c.is_ascii_digit()).next().unwrap_or_default().parse().unwrap()
     };
     let saved_at = step_after(seen.last().unwrap(), saved);
-    until("the replacement to be started", || dir.path().join("started-2").exists());
+    until("the replacement to be started", Duration::from_secs(120), || {
+        dir.path().join("started-2").exists()
+    });
     let is_worker = |cmd: &str, id: &str| {
         let words: Vec<&str> = cmd.split_whitespace().collect();
         words.contains(&"worker") && words.windows(2).any(|w| w == ["--id", id])
     };
-    let (first, _) = crate::elastic::children(coordinator)
+    let (first, _) = children(coordinator)
         .into_iter()
         .find(|(_, cmd)| is_worker(cmd, "1"))
         .expect("worker 1 among the coordinator's children");
@@ -832,7 +820,7 @@ fn a_sole_worker_told_to_go_checkpoints_and_if_lost_before_handing_over_the_job_
     // just read as a running child of the job's coordinator.
     unsafe { libc::kill(first as i32, libc::SIGSTOP) };
     std::fs::write(dir.path().join("go-2"), b"").unwrap();
-    until("the replacement to be ready", || {
+    until("the replacement to be ready", Duration::from_secs(120), || {
         walkdir::WalkDir::new(dir.path())
             .into_iter()
             .flatten()
@@ -857,14 +845,5 @@ fn a_sole_worker_told_to_go_checkpoints_and_if_lost_before_handing_over_the_job_
     // The restart lost no more than the steps since the notice's checkpoint.
     let restart = seen.iter().find(|l| l.contains("restarting from step ")).expect(&out);
     assert!(step_after(restart, "restarting from step ") >= saved_at, "{out}");
-    crate::cluster::assert_exactly_once(&report(dir.path()), 20, 400);
-}
-
-/// Waits (up to two minutes) for `f` to hold.
-fn until(what: &str, f: impl Fn() -> bool) {
-    let end = std::time::Instant::now() + Duration::from_secs(120);
-    while !f() {
-        assert!(std::time::Instant::now() < end, "waited two minutes for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    assert_exactly_once(&report(dir.path()), 20, 400);
 }

@@ -3,138 +3,21 @@
 //! its Python sources, in a virtual environment under the target directory
 //! that gets NumPy and pytest from the package registry once.
 
-use crate::elastic::{GROWING, children, finish, lines, poll_while_running, report, wait_for};
+use crate::support::{
+    job::{GROWING, assert_exactly_once, committed_checkpoint, finish, lines, report},
+    process::{children, sigkill, sigkill_worker},
+    python::{PyEnv, py},
+    root,
+    servers::RedisServer,
+    wait::wait_for,
+};
 use edl_plugin_artifacts as art;
 use edl_runtime::{checkpoint::Checkpoints, job::BuiltinModel, trainer::worker};
 use std::{
-    path::{Path, PathBuf},
+    path::Path,
     process::{Command, Stdio},
-    sync::OnceLock,
     time::Duration,
 };
-
-pub(crate) struct PyEnv {
-    /// The virtual environment's `bin/`.
-    bin: PathBuf,
-    /// What goes on PYTHONPATH: holds the `edl` package.
-    site: PathBuf,
-}
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-fn run(cmd: &mut Command, what: &str) -> Result<String, String> {
-    let out = cmd.output().map_err(|e| format!("{what}: {e}"))?;
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    if !out.status.success() {
-        return Err(format!("{what} failed ({}):\n{text}", out.status));
-    }
-    Ok(text)
-}
-
-/// Builds the package and its environment once per test run.
-fn py() -> &'static PyEnv {
-    static ENV: OnceLock<Result<PyEnv, String>> = OnceLock::new();
-    ENV.get_or_init(setup).as_ref().unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// The package in an environment with PyTorch (CPU use of the PyPI
-/// wheel), made once per machine and reused by every later run: at
-/// `$EDL_TORCH_VENV`, else `~/.cache/edl/venv-torch`.
-pub(crate) fn torch_py() -> &'static PyEnv {
-    static ENV: OnceLock<Result<PyEnv, String>> = OnceLock::new();
-    ENV.get_or_init(|| {
-        let site = py().site.clone();
-        let venv = match std::env::var_os("EDL_TORCH_VENV") {
-            Some(v) => PathBuf::from(v),
-            None => {
-                let home = std::env::var_os("HOME").ok_or("HOME is not set: give EDL_TORCH_VENV")?;
-                Path::new(&home).join(".cache/edl/venv-torch")
-            }
-        };
-        let bin =
-            venv_with(&venv, "import torch, numpy, pytest", &["torch>=2.4", "numpy>=1.22", "pytest>=7"])?;
-        Ok(PyEnv { bin, site })
-    })
-    .as_ref()
-    .unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// A virtual environment at `venv` in which `probe` runs: made, and
-/// `packages` installed from the package registry, only when it does not.
-pub(crate) fn venv_with(venv: &Path, probe: &str, packages: &[&str]) -> Result<PathBuf, String> {
-    let bin = venv.join("bin");
-    let ready = |bin: &Path| {
-        Command::new(bin.join("python"))
-            .args(["-c", probe])
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if !ready(&bin) {
-        run(Command::new("python3").args(["-m", "venv"]).arg(venv), "python3 -m venv")?;
-        run(
-            Command::new(bin.join("python"))
-                .args(["-m", "pip", "install", "--disable-pip-version-check", "-q"])
-                .args(packages),
-            &format!("installing {} from the package registry", packages.join(", ")),
-        )?;
-    }
-    Ok(bin)
-}
-
-fn setup() -> Result<PyEnv, String> {
-    let exe = Path::new(env!("CARGO_BIN_EXE_edl-runtime"));
-    let profile = exe.parent().unwrap();
-    let target = profile.parent().unwrap();
-    // `cargo test --workspace` has built it already; this is then a no-op.
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut build = Command::new(cargo);
-    build.current_dir(root()).args(["build", "-p", "edl-python"]).env("CARGO_TARGET_DIR", target);
-    if profile.file_name().is_some_and(|n| n == "release") {
-        build.arg("--release");
-    }
-    run(&mut build, "building the edl package (cargo build -p edl-python)")?;
-    let base = target.join("edl-python");
-    // noiseprotocol: an independent Noise implementation, which the
-    // package's tests speak the job channel's handshake with.
-    let bin = venv_with(
-        &base.join("venv"),
-        "import numpy, pytest, noise",
-        &["numpy>=1.22", "pytest>=7", "noiseprotocol>=0.3"],
-    )?;
-    let site = base.join("site");
-    let pkg = site.join("edl");
-    std::fs::create_dir_all(&pkg).map_err(|e| format!("{}: {e}", pkg.display()))?;
-    let copy = |from: &Path, to: &Path| {
-        std::fs::copy(from, to)
-            .map(|_| ())
-            .map_err(|e| format!("{} -> {}: {e}", from.display(), to.display()))
-    };
-    for source in ["__init__.py", "torch.py"] {
-        copy(&root().join("runtime/python/python/edl").join(source), &pkg.join(source))?;
-    }
-    copy(&profile.join("lib_edl.so"), &pkg.join("_edl.abi3.so"))?;
-    Ok(PyEnv { bin, site })
-}
-
-impl PyEnv {
-    pub(crate) fn python(&self) -> Command {
-        let mut c = Command::new(self.bin.join("python"));
-        self.env(&mut c);
-        c
-    }
-
-    pub(crate) fn bin(&self) -> &Path {
-        &self.bin
-    }
-
-    pub(crate) fn env(&self, c: &mut Command) {
-        let path = std::env::var("PATH").unwrap_or_default();
-        c.env("PYTHONPATH", &self.site).env("PATH", format!("{}:{path}", self.bin.display()));
-    }
-}
 
 #[test]
 fn the_python_package_passes_its_tests() {
@@ -173,41 +56,6 @@ fn numpy_student(py: &PyEnv, dir: &Path) -> Command {
         .stderr(Stdio::piped());
     py.env(&mut c);
     c
-}
-
-/// The worker id a launched program was given.
-fn worker_id(pid: u32) -> Option<u64> {
-    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    env.split(|&b| b == 0)
-        .find_map(|kv| kv.strip_prefix(b"EDL_WORKER_ID="))
-        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
-}
-
-/// Sends SIGKILL to worker `id`, a child of the job `coordinator`
-/// (panics, naming the children, when it has none of that id).
-pub(crate) fn sigkill_worker(coordinator: u32, id: u64) {
-    let victim = children(coordinator)
-        .into_iter()
-        .find(|(p, _)| worker_id(*p) == Some(id))
-        .unwrap_or_else(|| panic!("worker {id} among {:?}", children(coordinator)))
-        .0;
-    sigkill(victim);
-}
-
-/// Sends SIGKILL to process `pid`.
-pub(crate) fn sigkill(pid: u32) {
-    let pid = libc::pid_t::try_from(pid).expect("a process id fits pid_t");
-    // SAFETY: kill(2) takes plain integers and touches no memory of ours;
-    // the tests signal only processes of the job they started.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
-}
-
-/// Waits until `dir` holds a checkpoint that verifies; returns its step.
-pub(crate) fn committed_checkpoint(dir: &Path, job: &mut std::process::Child) -> u64 {
-    let store = Checkpoints::new(dir, 1);
-    let check = || store.latest().ok()?.0.map(|r| r.manifest.step);
-    let context = || format!("checkpoints in {}", dir.display());
-    poll_while_running(job, "a checkpoint", Duration::from_secs(120), check, context)
 }
 
 #[test]
@@ -361,7 +209,7 @@ fn a_job_without_samples_takes_its_programs_data_set_size_and_refuses_a_worker_t
 #[test]
 fn launched_programs_follow_a_standby_coordinator_when_the_active_one_is_killed() {
     let py = py();
-    let redis = crate::store::RedisServer::start();
+    let redis = RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     let url = redis.url();
     let launch = |standby: bool| {
@@ -409,7 +257,7 @@ fn launched_programs_follow_a_standby_coordinator_when_the_active_one_is_killed(
     assert!(!text.contains("resuming job"), "no checkpoint was restored:\n{text}");
     let r: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.path().join("standby.json")).unwrap()).unwrap();
-    crate::cluster::assert_exactly_once(&r, 4, 4000);
+    assert_exactly_once(&r, 4, 4000);
     let events = r["scale_events"].as_array().unwrap();
     let taken =
         events.iter().filter_map(|e| e["reason"].as_str()).filter(|r| r.starts_with("coordinator takeover"));

@@ -1,6 +1,6 @@
 //! Hot reload: a changed file is used at the next call; a broken one is not.
 
-use crate::{host, pairs, path};
+use crate::support::{host, pairs, path};
 use edl_plugin_artifacts as art;
 use edl_plugin_sdk::{Action, ClusterView, testing::SimCluster};
 use edl_runtime::plugin::{Plugin, PolicyPlugin, Reloading};

@@ -1,15 +1,11 @@
 //! Adversarial plugins and broken files: each gives its clear error; the host
 //! neither crashes nor hangs, and keeps serving the next call.
 
-use crate::{host, host_with, pairs, path};
+use crate::support::{host, host_with, pairs, path, view};
 use edl_plugin_artifacts as art;
-use edl_plugin_sdk::{Action, ClusterView};
+use edl_plugin_sdk::Action;
 use edl_runtime::plugin::{Error, Limits, World};
 use std::time::{Duration, Instant};
-
-fn view(step: u64) -> ClusterView {
-    ClusterView { step, world_size: 1, min_workers: 1, max_workers: 4, free_slots: 3, ..Default::default() }
-}
 
 #[test]
 fn an_infinite_loop_hits_the_deadline_and_the_next_call_works() {

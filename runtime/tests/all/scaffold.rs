@@ -4,15 +4,15 @@
 //! SDK by path) and built with the workspace's lockfile and target
 //! directories, so what the workspace build compiled is reused.
 
+use crate::support::{process::output_of, root};
 use edl_plugin_sdk::{Action, ClusterView, Hyperparams, ResizeEvent, testing};
 use edl_runtime::plugin::{ArtifactCache, HostOptions, PluginHost};
 use std::{path::Path, process::Command};
 
+/// Runs `cmd`, which must succeed; returns its output.
 fn run(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{cmd:?} failed:\n{text}");
-    text
+    let what = format!("{cmd:?}");
+    output_of(cmd, &what).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn cargo(dir: &Path, target_dir: &Path, args: &[&str]) -> String {
@@ -27,7 +27,7 @@ fn cargo(dir: &Path, target_dir: &Path, args: &[&str]) -> String {
 
 #[test]
 fn scaffolded_plugins_build_pass_their_tests_and_load() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
+    let root = root();
     let base = root.join("target/scaffold-tests");
     let _ = std::fs::remove_dir_all(&base);
     std::fs::create_dir_all(&base).unwrap();

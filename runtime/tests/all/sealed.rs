@@ -3,8 +3,11 @@
 //! of what the job's channels carry in clear: not the teacher token, not the
 //! reader transform's bytes, not the control messages, not the gradients.
 
-use crate::cluster::Hosts;
-use crate::elastic::{finish, job, lines, report, wait_for};
+use crate::support::{
+    hosts::Hosts,
+    job::{finish, job, lines, report},
+    wait::wait_for,
+};
 use edl_plugin_artifacts as art;
 use std::{
     collections::HashMap,

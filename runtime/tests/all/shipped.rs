@@ -1,7 +1,7 @@
 //! The shipped plugins' algorithms, run through the real hosts: the
 //! sandboxed component and the native library give the same answers.
 
-use crate::{host, pairs, path};
+use crate::support::{host, pairs, path};
 use edl_plugin_artifacts as art;
 use edl_plugin_sdk::{Action, Batch, Dtype, Hyperparams, ResizeEvent, testing::SimCluster};
 use edl_runtime::plugin::{Backend, PolicyPlugin};

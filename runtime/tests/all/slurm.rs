@@ -3,8 +3,11 @@
 //! more (Debian's slurm-wlm and munge, installed by the project's build
 //! script and `.ci/run` when missing; as root).
 
-use crate::cluster::{Hosts, assert_exactly_once};
-use crate::elastic::{finish, job, lines, report, wait_for};
+use crate::support::{
+    hosts::Hosts,
+    job::{assert_exactly_once, finish, job, lines, report},
+    wait::{until, wait_for},
+};
 use edl_plugin_artifacts as art;
 use std::{
     io::Read,
@@ -173,15 +176,6 @@ impl Drop for Slurm<'_> {
 fn log(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     text.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
-}
-
-/// Waits (bounded) for `f` to hold.
-fn until(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + within;
-    while !f() {
-        assert!(Instant::now() < end, "{what}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
 }
 
 #[test]

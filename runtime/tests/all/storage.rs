@@ -2,7 +2,10 @@
 //! moto's server mode, installed from the package registry into a virtual
 //! environment under the target directory (once per target directory).
 
-use crate::elastic::{finish, job, lines, report, wait_for};
+use crate::support::{
+    job::{finish, job, lines, report},
+    wait::wait_for,
+};
 use edl_plugin_artifacts as art;
 use edl_runtime::checkpoint::{Checkpoints, objects::ObjectDir};
 use std::{

@@ -4,8 +4,14 @@
 //! trained with DDP over the gloo process group `edl.torch` builds for each
 //! generation on the job's authenticated store.
 
-use crate::elastic::{finish, lines, report, wait_for};
-use crate::python::{PyEnv, committed_checkpoint, sigkill, sigkill_worker, torch_py};
+use crate::support::{
+    hosts::Hosts,
+    job::{assert_exactly_once, committed_checkpoint, finish, lines, report},
+    process::{sigkill, sigkill_worker},
+    python::{PyEnv, torch_py},
+    root,
+    wait::wait_for,
+};
 use edl_plugin_artifacts as art;
 use serde_json::Value;
 use std::{
@@ -72,23 +78,11 @@ fn finishers(lines: &[String]) -> Vec<(String, f64)> {
         .collect()
 }
 
-fn every_sample_once(r: &Value, epochs: usize, samples: u64) {
-    let done = r["epochs"].as_array().unwrap();
-    assert_eq!(done.len(), epochs, "{done:?}");
-    for e in done {
-        assert_eq!(
-            (e["samples_committed"].as_u64(), e["duplicates"].as_u64(), e["missing"].as_u64()),
-            (Some(samples), Some(0), Some(0)),
-            "{e}"
-        );
-    }
-}
-
 #[test]
 fn the_torch_module_passes_its_tests() {
     let out = torch_py()
         .python()
-        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap())
+        .current_dir(root())
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "runtime/python/tests/test_torch.py"])
         .output()
         .unwrap();
@@ -150,7 +144,7 @@ fn a_cnn_with_batchnorm_adamw_and_a_schedule_trains_whole_through_resizes_and_a_
     let text = seen.join("\n");
     assert!(status.success(), "{text}");
     let r = report(dir.path());
-    every_sample_once(&r, epochs as usize, samples as u64);
+    assert_exactly_once(&r, epochs as u64, samples as u64);
     let events = r["scale_events"].as_array().unwrap();
     let by_policy = |from: u64, to: u64| {
         events.iter().any(|e| {
@@ -236,7 +230,7 @@ fn a_killed_rmsprop_job_resumes_with_its_optimizer_and_schedule_where_they_were(
     let r = report(dir.path());
     let resumed = r["resumed_from_step"].as_u64().unwrap();
     assert!(resumed > 0 && resumed >= written, "{r}, a checkpoint at step {written}");
-    every_sample_once(&r, 4, 1397);
+    assert_exactly_once(&r, 4, 1397);
     // Each worker's first step (the resumed one, or a later one for a
     // worker that joined later) finds RMSprop's state (made lazily by
     // PyTorch, here from the start) and the schedule as the checkpoint or
@@ -269,7 +263,7 @@ fn rank_envs(lines: &[String]) -> Vec<std::collections::HashMap<String, String>>
 
 #[test]
 fn a_torchrun_ddp_script_runs_across_hosts_and_a_dead_host_restarts_the_group_on_the_survivor() {
-    let Some(hosts) = crate::cluster::Hosts::build_or_skip(&["launcher", "b", "c"]) else { return };
+    let Some(hosts) = Hosts::build_or_skip(&["launcher", "b", "c"]) else { return };
     let py = torch_py();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
@@ -350,8 +344,8 @@ fn a_torchrun_ddp_script_runs_across_hosts_and_a_dead_host_restarts_the_group_on
 /// on host store. The DDP script holds after its first epoch until the
 /// file `release` exists.
 struct TorchrunTakeover<'h> {
-    hosts: &'h crate::cluster::Hosts,
-    py: &'h crate::python::PyEnv,
+    hosts: &'h Hosts,
+    py: &'h PyEnv,
     dir: PathBuf,
 }
 
@@ -453,7 +447,7 @@ impl TorchrunTakeover<'_> {
 
 #[test]
 fn a_torchrun_group_across_hosts_keeps_running_when_a_standby_takes_over_from_its_killed_launcher() {
-    let Some(hosts) = crate::cluster::Hosts::build_or_skip(&["store", "a", "b", "w1", "w2"]) else { return };
+    let Some(hosts) = Hosts::build_or_skip(&["store", "a", "b", "w1", "w2"]) else { return };
     let py = torch_py();
     let dir = tempfile::tempdir().unwrap();
     let mut redis = hosts.redis("store", dir.path());
@@ -490,7 +484,7 @@ fn a_torchrun_group_across_hosts_keeps_running_when_a_standby_takes_over_from_it
 
 #[test]
 fn a_frozen_torchrun_launcher_is_taken_over_and_acts_on_nobody_when_it_wakes() {
-    let Some(hosts) = crate::cluster::Hosts::build_or_skip(&["store", "a", "b", "w1", "w2"]) else { return };
+    let Some(hosts) = Hosts::build_or_skip(&["store", "a", "b", "w1", "w2"]) else { return };
     let py = torch_py();
     let dir = tempfile::tempdir().unwrap();
     let mut redis = hosts.redis("store", dir.path());

@@ -3,14 +3,17 @@
 //! ranks get, resizes by the policy, restarts after failures, and how the
 //! last failure is reported.
 
-use crate::elastic::poll_while_running;
+use crate::support::{
+    job::report,
+    wait::{poll_while_running, wait_exit},
+};
 use edl_plugin_artifacts as art;
 use serde_json::Value;
 use std::{
     collections::BTreeMap,
     path::Path,
     process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 /// The probe's records: MASTER_PORT (one per group) -> rank -> environment.
@@ -74,22 +77,7 @@ fn launch(dir: &Path, flags: &[&str]) -> Child {
 
 /// Waits for the launcher to end (bounded, as above).
 fn exit_of(mut launcher: Child, dir: &Path) -> std::process::ExitStatus {
-    let until = Instant::now() + Duration::from_secs(180);
-    loop {
-        if let Some(s) = launcher.try_wait().unwrap() {
-            return s;
-        }
-        if Instant::now() > until {
-            let _ = launcher.kill();
-            panic!("the launcher did not end: {}", output(dir));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn report(dir: &Path) -> Value {
-    serde_json::from_slice(&std::fs::read(dir.join("report.json")).expect("the launcher wrote its report"))
-        .unwrap()
+    wait_exit(&mut launcher, "the launcher", Duration::from_secs(180), || output(dir))
 }
 
 /// True when a group of `world` ranks at restart `restart` has all started.

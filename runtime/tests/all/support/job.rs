@@ -1,0 +1,130 @@
+//! The main job as a process: its command, its output as it comes, its end
+//! and its report, and the exactly-once check on that report.
+
+use crate::support::wait::poll_while_running;
+use edl_plugin_artifacts as art;
+use edl_runtime::checkpoint::Checkpoints;
+use serde_json::Value;
+use std::{
+    io::{BufRead, BufReader},
+    path::Path,
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+/// The job's command in `dir` (its own .edl/, teacher cache and checkpoints).
+pub(crate) fn job(dir: &Path, extra: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    c.current_dir(dir)
+        .args([
+            "--train-samples",
+            "1200",
+            "--batch",
+            "40",
+            "--teacher-hidden",
+            "64",
+            "--teacher-epochs",
+            "2",
+            "--teachers",
+            "1",
+            "--report",
+            "report.json",
+            "--plugin-cache",
+        ])
+        .arg(dir.join("plugin-cache"))
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+/// Stdout lines of a running job, as they come.
+pub(crate) fn lines(child: &mut Child) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// Waits for the job to end (bounded); returns its status and the rest of its output.
+pub(crate) fn finish(
+    mut child: Child,
+    rx: mpsc::Receiver<String>,
+    seen: &mut Vec<String>,
+) -> std::process::ExitStatus {
+    let until = Instant::now() + Duration::from_secs(240);
+    loop {
+        while let Ok(l) = rx.try_recv() {
+            seen.push(l);
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            while let Ok(l) = rx.recv_timeout(Duration::from_millis(200)) {
+                seen.push(l);
+            }
+            if !status.success()
+                && let Some(mut stderr) = child.stderr.take()
+            {
+                let mut err = String::new();
+                use std::io::Read;
+                let _ = stderr.read_to_string(&mut err);
+                seen.push(format!("stderr: {err}"));
+            }
+            return status;
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            panic!("the job did not end within 240 s:\n{}", seen.join("\n"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The report a job (or a launcher) wrote to `report.json` in `dir`.
+pub(crate) fn report(dir: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(dir.join("report.json")).expect("the job wrote its report"))
+        .unwrap()
+}
+
+/// Three epochs under the schedule policy, which grows the job 1 -> 2 -> 3
+/// workers and shrinks it again, a decision every 4 steps.
+pub(crate) const GROWING: [&str; 10] = [
+    "--policy",
+    art::SCHEDULE_WASM,
+    "--policy-config",
+    "every=8",
+    "--decide-every-steps",
+    "4",
+    "--max-workers",
+    "3",
+    "--epochs",
+    "3",
+];
+
+/// Every epoch, numbered in order: every training sample consumed by
+/// exactly one committed step.
+pub(crate) fn assert_exactly_once(r: &Value, epochs: u64, samples: u64) {
+    let list = r["epochs"].as_array().unwrap();
+    assert_eq!(list.len() as u64, epochs, "{list:?}");
+    for (i, e) in list.iter().enumerate() {
+        assert_eq!(e["epoch"], i as u64, "{e}");
+        assert_eq!(e["samples_committed"], samples, "epoch {i}: {e}");
+        assert_eq!(e["duplicates"], 0, "epoch {i}: {e}");
+        assert_eq!(e["missing"], 0, "epoch {i}: {e}");
+    }
+}
+
+/// Waits until `dir` holds a checkpoint that verifies; returns its step.
+pub(crate) fn committed_checkpoint(dir: &Path, job: &mut Child) -> u64 {
+    let store = Checkpoints::new(dir, 1);
+    let check = || store.latest().ok()?.0.map(|r| r.manifest.step);
+    let context = || format!("checkpoints in {}", dir.display());
+    poll_while_running(job, "a checkpoint", Duration::from_secs(120), check, context)
+}

@@ -1,0 +1,59 @@
+//! Processes: a command's output, a running job's processes read from
+//! /proc, and signals to them.
+
+use std::process::Command;
+
+/// Runs `cmd` to its end: its stdout and stderr, or (when it cannot start
+/// or fails) an error naming `what`.
+pub(crate) fn output_of(cmd: &mut Command, what: &str) -> Result<String, String> {
+    let out = cmd.output().map_err(|e| format!("{what}: {e}"))?;
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    if !out.status.success() {
+        return Err(format!("{what} failed ({}):\n{text}", out.status));
+    }
+    Ok(text)
+}
+
+/// Processes whose parent is `pid`, with their command lines.
+pub(crate) fn children(pid: u32) -> Vec<(u32, String)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else { continue };
+        // Fields after the command name (which is in parentheses): state, ppid, ...
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r.to_string()) else { continue };
+        let ppid: u32 = rest.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
+        if ppid == pid {
+            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            out.push((p, String::from_utf8_lossy(&cmd).replace('\0', " ")));
+        }
+    }
+    out
+}
+
+/// The worker id a launched program was given.
+fn worker_id(pid: u32) -> Option<u64> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    env.split(|&b| b == 0)
+        .find_map(|kv| kv.strip_prefix(b"EDL_WORKER_ID="))
+        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
+}
+
+/// Sends SIGKILL to worker `id`, a child of the job `coordinator`
+/// (panics, naming the children, when it has none of that id).
+pub(crate) fn sigkill_worker(coordinator: u32, id: u64) {
+    let victim = children(coordinator)
+        .into_iter()
+        .find(|(p, _)| worker_id(*p) == Some(id))
+        .unwrap_or_else(|| panic!("worker {id} among {:?}", children(coordinator)))
+        .0;
+    sigkill(victim);
+}
+
+/// Sends SIGKILL to process `pid`.
+pub(crate) fn sigkill(pid: u32) {
+    let pid = libc::pid_t::try_from(pid).expect("a process id fits pid_t");
+    // SAFETY: kill(2) takes plain integers and touches no memory of ours;
+    // the tests signal only processes of the job they started.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+}
