@@ -288,7 +288,12 @@ impl<'a> Coordinator<'a> {
             started: now,
             timers: TimerTable::every(
                 now,
-                &[(Timer::Chores, CHORES_EVERY), (Timer::WorkerLeases, SECOND), (Timer::SaveState, SECOND)],
+                &[
+                    (Timer::Chores, CHORES_EVERY),
+                    (Timer::WorkerLeases, SECOND),
+                    (Timer::SaveState, SECOND),
+                    (Timer::TeacherCheck, SECOND),
+                ],
             ),
             training_since: None,
             capacity: None,
