@@ -8,7 +8,7 @@
 //! loopback socket (hello, ready, generations, windows of steps, commits);
 //! its compute is a sleep of `--compute-ms` per step and it builds no ring
 //! (the all-reduce is the data plane, not the control plane). The
-//! coordinator is the job's own (`edl_runtime::coordinator::run`) with
+//! coordinator is the job's own (`edl_runtime::job::Job`, assembled and run) with
 //! its membership, step pipeline, ledger, store and checkpoint cadence; the
 //! policy is a fixed one so every run sees the same events. Per N:
 //!
@@ -26,8 +26,8 @@
 use edl_plugin_sdk::{Action, ClusterView, Hyperparams, PluginInfo};
 use edl_runtime::{
     control::proto::{FromWorker, Receiver, StepDone, ToWorker, Written, send},
-    coordinator::{self, Progress},
-    job::{JobConfig, JobLock, JobSpec, Program},
+    coordinator::Progress,
+    job::{Job, JobConfig, JobDirs, JobPlugins, JobSpec, Program},
     plugin::{Backend, Error, Plugin, PolicyPlugin},
     scalers::Scaler,
     worker::session::{JobAuth, Secret},
@@ -235,11 +235,9 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
         step_timeout: Duration::from_secs(120),
         join_timeout: Duration::from_secs(120),
         price_per_worker_hour: 0.0,
-        teacher_watch: None,
         secret: Secret::generate()?,
         addresses: Default::default(),
     };
-    let lock = JobLock::acquire(&spec.checkpoint_dir, &spec.job, false, false)?;
     let info = PluginInfo { name: "add-one".into(), version: "0".into(), description: String::new() };
     let policy = Box::new(AddOne { info, at: ADD_AT, done: false });
     let mut marks: HashMap<u64, (Instant, f64)> = HashMap::new();
@@ -252,7 +250,10 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
             marks.insert(r.step, (Instant::now(), process_cpu() - sim_cpu));
         }
     };
-    let outcome = coordinator::run(cfg, lock, policy, None, Box::new(SimScaler { sim }), &mut progress)?;
+    let dirs = JobDirs::new(&spec.job, Some(spec.checkpoint_dir.clone()));
+    let plugins = JobPlugins { policy, adapter: None };
+    let job = Job::assemble(cfg, &dirs, None, plugins, Box::new(SimScaler { sim }), None)?;
+    let (outcome, _) = job.run(&mut progress)?;
     let ((t0, c0), (t1, c1)) = (marks[&FROM], marks[&TO]);
     let steps = (TO - FROM) as f64;
     let wall = t1.duration_since(t0).as_secs_f64() / steps;

@@ -10,15 +10,15 @@ use super::{
     plugin_path,
     progress::ProgressDisplay,
     summary::{summarize, write_failed_report},
-    teachers::Teachers,
-    workload::{ALPHA, JobArgs, JobDirs, Prepared, TEMPERATURE, Workload},
+    teachers::TeacherPlan,
+    workload::{ALPHA, JobArgs, Prepared, TEMPERATURE, Workload},
 };
 use anyhow::{Context, Result};
 use edl_host_gpu::comm::auth::Secret;
 use edl_plugin_sdk::Hyperparams;
 use edl_runtime::{
-    coordinator::{self, report::Report},
-    job::{self, JobConfig, JobLock, JobSpec},
+    coordinator::report::Report,
+    job::{Job, JobConfig, JobDirs, JobPlugins, JobSpec, TeacherSource},
     net,
     plugin::{AdapterPlugin, PluginHost, PolicyPlugin},
     scalers::{
@@ -43,47 +43,28 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     let dirs = JobDirs::new(&name, args.state.checkpoint_dir.clone());
     let exe = std::env::current_exe().context("locating edl-runtime")?;
     let work = Prepared::new(work)?;
-    let spec = job_spec(host, &name, &args, &work, &dirs, plugins.transform.as_deref())?;
     work.check_device(args.training.seed)?;
     let distill = work.distills(&args.distillation);
-    let mut cfg = job_config(&args, spec)?;
-    let kept = dirs.job_dir.join("secret");
-    if args.cluster.secret_file.is_none() && cfg.store != "memory" && kept.exists() {
-        // The job's workers may outlive its coordinator and come back to
-        // the next one (a standby, a rerun): it keeps the job's secret.
-        cfg.secret = edl_runtime::worker::session::read_secret_file(&kept)?;
-    }
-    // Teachers this job starts listen beside the coordinator and are
-    // reached at the same host.
-    let advertised = cfg.addresses.advertised_host()?;
-    let lock = prepare_to_start(&cfg, distill, &dirs, &name, args.cluster.secret_file.as_deref())?;
-    print_header(&name, &args, &work, &plugins);
-
-    let teachers = Teachers::start(&args, &name, &work, distill, &dirs, (&advertised, &exe))?;
-    cfg.spec.teachers = teachers.source.clone();
-    if let Some(pem) = &teachers.ca_pem {
-        let access = &mut cfg.spec.teacher_access;
-        access.ca_pem = Some(match access.ca_pem.take() {
-            Some(given) => format!("{given}\n{pem}"),
-            None => pem.clone(),
-        });
-    }
-    // A token never goes to a teacher reached in clear.
-    if let Some(edl_runtime::job::TeacherSource::Fixed(list)) = &cfg.spec.teachers {
-        for addr in list {
-            if let Some(why) = cfg.spec.teacher_access.refusal(addr) {
-                anyhow::bail!(why);
-            }
+    let teachers = TeacherPlan::new(&args, &name, &work, distill, &dirs)?;
+    let spec = job_spec(host, &name, &args, &work, &dirs, plugins.transform.as_deref(), teachers.source)?;
+    let cfg = job_config(&args, spec, &dirs)?;
+    let checkpoint_dir = cfg.spec.checkpoint_dir.clone();
+    let scaler = scaler(&args.cluster, &exe, &dirs.log_dir, work.command())?;
+    let header = header(&name, &args, &work, &plugins);
+    let Plugins { policy, policy_name, adapter, adapter_name, .. } = plugins;
+    let job_plugins = JobPlugins { policy, adapter };
+    let secret_file = args.cluster.secret_file.as_deref();
+    let starts_teachers = teachers.start.is_some();
+    let mut job = Job::prepare(cfg, &dirs, secret_file, job_plugins, scaler, starts_teachers)?;
+    println!("{header}");
+    if let Some(start) = teachers.start {
+        job = job.start_teachers(&dirs, start)?;
+        for (i, addr) in job.teachers().addrs().iter().enumerate() {
+            println!("teacher   {i} serving on {addr}");
         }
     }
-    if !teachers.processes.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
-        cfg.teacher_watch = Some(Box::new(teachers.processes.clone()));
-    }
-    let spec = cfg.spec.clone();
-    let scaler = scaler(&args.cluster, &exe, &dirs.log_dir, work.command())?;
     let mut display = ProgressDisplay::new(work.rows() as u64, args.training.epochs)?;
-    let Plugins { policy, policy_name, adapter, adapter_name, .. } = plugins;
-    let outcome = match coordinator::run(cfg, lock, policy, adapter, scaler, &mut |p| display.show(p)) {
+    let (outcome, teacher_accuracy) = match job.run(&mut |p| display.show(p)) {
         Ok(o) => o,
         Err(e) => {
             display.finish();
@@ -92,14 +73,13 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
         }
     };
     display.finish();
-    drop(teachers.processes);
 
-    let student_accuracy = work.student_accuracy(&spec.checkpoint_dir, &outcome)?;
+    let student_accuracy = work.student_accuracy(&checkpoint_dir, &outcome)?;
     let report = Report::new(
         &name,
         outcome,
         student_accuracy,
-        teachers.accuracy,
+        teacher_accuracy,
         distill,
         policy_name,
         adapter_name,
@@ -107,7 +87,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
         work.device().to_string(),
         args.training.seed,
     );
-    summarize(&report, &args.output, &dirs.checkpoint_dir, &spec.checkpoint_dir)
+    summarize(&report, &args.output, &dirs.checkpoint_dir, &checkpoint_dir)
 }
 
 /// The plugins the coordinator runs, loaded (and the transform tried)
@@ -157,7 +137,7 @@ pub fn load_policy(
     Ok((policy, name, path))
 }
 
-/// What every worker is told about the job (its teachers come later).
+/// What every worker is told about the job.
 fn job_spec(
     host: &PluginHost,
     name: &str,
@@ -165,6 +145,7 @@ fn job_spec(
     work: &Prepared,
     dirs: &JobDirs,
     transform: Option<&Path>,
+    teachers: Option<TeacherSource>,
 ) -> Result<JobSpec> {
     let (temperature, alpha, step_delay_ms, transform_config) = match work {
         Prepared::Builtin { student: s, .. } => {
@@ -181,10 +162,10 @@ fn job_spec(
         program: work.program(),
         temperature,
         alpha,
-        teachers: None,
+        teachers,
         teacher_model_name: "teacher".into(),
         transform: match transform {
-            Some(p) => Some(job::spec::ShippedPlugin::read(p)?),
+            Some(p) => Some(edl_runtime::job::spec::ShippedPlugin::read(p)?),
             None => None,
         },
         transform_config,
@@ -212,7 +193,7 @@ fn job_spec(
 }
 
 /// How the coordinator runs the job.
-fn job_config(args: &JobArgs, spec: JobSpec) -> Result<JobConfig> {
+fn job_config(args: &JobArgs, spec: JobSpec, dirs: &JobDirs) -> Result<JobConfig> {
     let (s, t, c, l) = (&args.scaling, &args.training, &args.cluster, &args.liveness);
     Ok(JobConfig {
         spec,
@@ -228,11 +209,7 @@ fn job_config(args: &JobArgs, spec: JobSpec) -> Result<JobConfig> {
         step_timeout: Duration::from_secs(l.step_timeout_secs),
         join_timeout: Duration::from_secs(l.join_timeout_secs.max(1)),
         price_per_worker_hour: s.price,
-        teacher_watch: None,
-        secret: match &c.secret_file {
-            Some(f) if f.exists() => edl_runtime::worker::session::read_secret_file(f)?,
-            _ => Secret::generate()?,
-        },
+        secret: job_secret(c.secret_file.as_deref(), &args.state.store, dirs)?,
         addresses: net::Addresses {
             listen: c.listen,
             rendezvous_port: c.rendezvous_port,
@@ -241,61 +218,47 @@ fn job_config(args: &JobArgs, spec: JobSpec) -> Result<JobConfig> {
     })
 }
 
-/// Refuses, before a teacher or worker starts, everything a flag can get
-/// wrong; then takes the job's lock and writes its secret.
-fn prepare_to_start(
-    cfg: &JobConfig,
-    distill: bool,
-    dirs: &JobDirs,
-    name: &str,
-    secret_file: Option<&Path>,
-) -> Result<JobLock> {
-    cfg.validate()?;
-    if distill {
-        cfg.validate_teacher_wait()?;
-    }
-    job::preflight(cfg)?;
-    let lock = JobLock::acquire(
-        if dirs.remote { &dirs.job_dir } else { &cfg.spec.checkpoint_dir },
-        name,
-        cfg.standby,
-        cfg.store != "memory",
-    )?;
-    std::fs::create_dir_all(&dirs.log_dir).with_context(|| format!("{}", dirs.log_dir.display()))?;
-    // A new secret is written where an operator finds it (mode 0600):
-    // --secret-file, or .edl/<job>/secret.
-    let kept = dirs.job_dir.join("secret");
+/// The job's secret: `--secret-file` when it exists; else the one the
+/// job kept (its workers may outlive their coordinator and come back to
+/// the next, a standby or a rerun), where the store is shared; else a new one.
+fn job_secret(secret_file: Option<&Path>, store: &str, dirs: &JobDirs) -> Result<Secret> {
+    let kept = dirs.kept_secret();
     match secret_file {
-        Some(f) if f.exists() => {}
-        None if cfg.store != "memory" && kept.exists() => {}
-        f => cfg.secret.write(f.unwrap_or(&kept))?,
+        Some(f) if f.exists() => Ok(edl_runtime::worker::session::read_secret_file(f)?),
+        None if store != "memory" && kept.exists() => {
+            Ok(edl_runtime::worker::session::read_secret_file(&kept)?)
+        }
+        _ => Ok(Secret::generate()?),
     }
-    Ok(lock)
 }
 
-fn print_header(name: &str, args: &JobArgs, work: &Prepared, plugins: &Plugins) {
+/// What the job is, as its first lines say it.
+fn header(name: &str, args: &JobArgs, work: &Prepared, plugins: &Plugins) -> String {
     let b = &args.scaling.bounds;
     let on = match work {
         Prepared::Builtin { student, .. } => format!(" on {}", student.device),
         Prepared::Program { .. } => String::new(),
     };
-    println!(
-        "job {name:?}: {}, {} epochs, {}..{} workers{on}, store {}",
-        work.describe(),
-        args.training.epochs,
-        b.min_workers,
-        b.max_workers,
-        edl_runtime::store::redact(&args.state.store)
-    );
-    println!(
-        "policy    {} ({}, {})",
-        plugins.policy_name,
-        plugins.policy_path.display(),
-        plugins.policy.backend()
-    );
+    let mut lines = vec![
+        format!(
+            "job {name:?}: {}, {} epochs, {}..{} workers{on}, store {}",
+            work.describe(),
+            args.training.epochs,
+            b.min_workers,
+            b.max_workers,
+            edl_runtime::store::redact(&args.state.store)
+        ),
+        format!(
+            "policy    {} ({}, {})",
+            plugins.policy_name,
+            plugins.policy_path.display(),
+            plugins.policy.backend()
+        ),
+    ];
     if let Some(a) = &plugins.adapter_name {
-        println!("adapter   {a}");
+        lines.push(format!("adapter   {a}"));
     }
+    lines.join("\n")
 }
 
 /// The scaler `--scaler` names; `program`: the launched command, if any.

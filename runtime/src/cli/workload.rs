@@ -21,7 +21,7 @@ use edl_runtime::{
         worker::{load_data, mlp_of},
     },
 };
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// Flags of every job of steps: the built-in one and `launch`'s.
 #[derive(Args)]
@@ -103,35 +103,6 @@ pub enum Workload {
     Builtin(StudentArgs),
     /// The user's program (`launch`), on the samples `0..samples`.
     Program { samples: usize, command: Vec<String> },
-}
-
-/// Where a job keeps its files.
-pub(super) struct JobDirs {
-    /// `.edl`, where the job's directory and the cached teachers are.
-    pub(super) root: PathBuf,
-    /// `--checkpoint-dir`, or `.edl/<job>/checkpoints`.
-    pub(super) checkpoint_dir: PathBuf,
-    /// Checkpoints in object storage: the job's local files (logs, the
-    /// lock, the secret) stay in .edl/<job>/.
-    pub(super) remote: bool,
-    /// The checkpoint directory's parent, or `.edl/<job>` when remote.
-    pub(super) job_dir: PathBuf,
-    pub(super) log_dir: PathBuf,
-}
-
-impl JobDirs {
-    pub(super) fn new(name: &str, checkpoint_dir: Option<PathBuf>) -> JobDirs {
-        let root = PathBuf::from(".edl");
-        let checkpoint_dir = checkpoint_dir.unwrap_or_else(|| root.join(name).join("checkpoints"));
-        let remote = edl_runtime::checkpoint::objects::is_url(&checkpoint_dir.to_string_lossy());
-        let job_dir = if remote {
-            root.join(name)
-        } else {
-            checkpoint_dir.parent().unwrap_or(&checkpoint_dir).to_path_buf()
-        };
-        let log_dir = job_dir.join("logs");
-        JobDirs { root, checkpoint_dir, remote, job_dir, log_dir }
-    }
 }
 
 /// The workload, ready: the built-in student with its data, or the program.

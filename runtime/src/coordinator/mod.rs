@@ -23,7 +23,7 @@ mod resume;
 mod scaling;
 mod steps;
 
-use crate::job::JobConfig;
+use crate::job::{JobConfig, assembly::Job};
 pub use records::{JobOutcome, Progress, StepRecord, StoreEvent};
 pub use resume::mark_complete;
 
@@ -130,15 +130,19 @@ struct Coordinator<'a> {
     notice_checkpoint: Option<NoticeCheckpoint>,
 }
 
-/// What workers are told about the job that changes while it runs: the
-/// rest of their [`JobSpec`] is the configuration's.
-#[derive(Default)]
+/// What workers are told about the job that is not its configuration:
+/// the leader to follow and the teachers alive change while it runs; the
+/// teachers it started are known once they serve. The rest of the
+/// [`JobSpec`](crate::job::spec::JobSpec) they get is the configuration's.
 struct Told {
     /// Where a worker that loses this coordinator finds the next one.
     follow: Option<crate::job::spec::Follow>,
     /// The teachers still alive (teachers this job started that exited are
     /// no longer handed out).
     teachers: Option<crate::job::spec::TeacherSource>,
+    /// How students reach them: the configured access, trusting also the
+    /// certificate of the teachers this job started.
+    teacher_access: crate::distill::TeacherAccess,
 }
 
 /// Where a job taken over from another coordinator stood.
@@ -184,25 +188,28 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// Runs a job to its end.
-/// `lock` is the job's [`JobLock`](crate::job::JobLock), held until the job ends.
-pub fn run(
-    cfg: JobConfig,
-    lock: crate::job::JobLock,
-    policy: Box<dyn PolicyPlugin>,
-    adapter: Option<Box<dyn AdapterPlugin>>,
-    scaler: Box<dyn Scaler>,
-    progress: &mut dyn FnMut(Progress),
-) -> Result<JobOutcome> {
+/// Runs a job put together by [`Job::assemble`] to its end; the job's
+/// lock is held until then.
+pub fn run(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobOutcome> {
+    let Job { cfg, lock, plugins, scaler, teachers } = job;
     cfg.validate()?;
-    let mut cfg = cfg;
-    let teacher_watch = cfg.teacher_watch.take();
     let cfg = Arc::new(cfg);
     let io = Io::open(&cfg)?;
-    let mut c = Coordinator::new(cfg, io, Plugins { policy, adapter, scaler, teacher_watch }, progress)?;
+    let told = Told {
+        follow: None,
+        teachers: cfg.spec.teachers.clone().or_else(|| {
+            let addrs = teachers.addrs();
+            (!addrs.is_empty()).then_some(crate::job::spec::TeacherSource::Fixed(addrs))
+        }),
+        teacher_access: crate::job::assembly::with_ca(&cfg.spec.teacher_access, teachers.ca_pem()),
+    };
+    let plugins =
+        Plugins { policy: plugins.policy, adapter: plugins.adapter, scaler, teacher_watch: teachers.watch() };
+    let mut c = Coordinator::new(cfg, io, plugins, told, progress)?;
     let result = c.job();
     c.close(result.is_ok());
     drop(lock);
+    drop(teachers);
     result
 }
 
@@ -259,13 +266,14 @@ impl<'a> Coordinator<'a> {
         cfg: Arc<JobConfig>,
         io: Io,
         plugins: Plugins,
+        told: Told,
         progress: &'a mut dyn FnMut(Progress),
     ) -> Result<Self> {
         let mut membership = Membership::new(cfg.min_workers, cfg.max_workers, cfg.join_timeout, 1);
         membership.admit_uninvited(plugins.scaler.admits_uninvited());
         let now = Instant::now();
         Ok(Coordinator {
-            told: Told { follow: None, teachers: cfg.spec.teachers.clone() },
+            told,
             teacher_watch: plugins.teacher_watch,
             policy: plugins.policy,
             adapter: plugins.adapter,
@@ -343,6 +351,7 @@ impl<'a> Coordinator<'a> {
             samples: self.tally.train_len(),
             follow: self.told.follow.clone(),
             teachers: self.told.teachers.clone(),
+            teacher_access: self.told.teacher_access.clone(),
             ..self.cfg.spec.clone()
         }
     }

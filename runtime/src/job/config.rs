@@ -30,8 +30,6 @@ pub struct JobConfig {
     /// A started worker that does not join within this is given up.
     pub join_timeout: Duration,
     pub price_per_worker_hour: f64,
-    /// The teacher processes this job started, when it started them.
-    pub teacher_watch: Option<Box<dyn crate::job::teacher_pool::TeacherWatch>>,
     /// The job's secret: every control connection, rendezvous registration
     /// and ring link proves it.
     pub secret: Secret,

@@ -2,6 +2,8 @@
 //! anything starts (and the job's lock), and the teacher processes a job of
 //! the built-in student starts for itself.
 //!
+//! - [`assembly`]: the one place a job is put together from its
+//!   configuration (checks, lock, secret, teacher processes), then run.
 //! - [`config`]: [`JobConfig`], how a job runs, fixed once it starts.
 //! - [`spec`]: [`JobSpec`], what every worker is told about the job.
 //! - [`preflight`]: the store answers, the checkpoint directory can be
@@ -11,11 +13,13 @@
 //!
 //! The job runs in [`crate::coordinator`]; its workers in [`crate::worker`].
 
+pub mod assembly;
 pub mod config;
 pub mod preflight;
 pub mod spec;
 pub mod teacher_pool;
 
+pub use assembly::{Job, JobDirs, JobPlugins, TeacherStart};
 pub use config::JobConfig;
 pub use preflight::{JobLock, preflight};
 pub use spec::{BuiltinModel, JobSpec, Program, TeacherSource};

@@ -1,0 +1,269 @@
+//! One place that puts a job together from its configuration, in the order
+//! it must happen: the checks a flag can fail, the job's lock, its secret
+//! where an operator finds it, the teacher processes it serves itself.
+//! The command line and the benches assemble a job here and run it; the
+//! configuration is complete before this starts and is not changed after.
+
+use super::{
+    JobConfig, JobLock, preflight,
+    spec::TeacherSource,
+    teacher_pool::{TeacherGuard, TeacherProcess, TeacherTls},
+};
+use crate::{
+    coordinator::{self, JobOutcome, Progress},
+    plugin::{AdapterPlugin, PolicyPlugin},
+    scalers::Scaler,
+};
+use anyhow::{Context, Result, bail};
+use std::{
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+};
+
+/// Where a job keeps its files on this machine.
+#[derive(Clone, Debug)]
+pub struct JobDirs {
+    /// `.edl`, where the job's directory and the cached teachers are.
+    pub root: PathBuf,
+    /// `--checkpoint-dir`, or `.edl/<job>/checkpoints`.
+    pub checkpoint_dir: PathBuf,
+    /// Checkpoints in object storage: the job's local files (logs, the
+    /// lock, the secret) stay in .edl/<job>/.
+    pub remote: bool,
+    /// The checkpoint directory's parent, or `.edl/<job>` when remote.
+    pub job_dir: PathBuf,
+    pub log_dir: PathBuf,
+}
+
+impl JobDirs {
+    /// The directories of job `name`, its checkpoints at `checkpoint_dir`
+    /// (a directory or an object store URL) or in `.edl/<name>/checkpoints`.
+    pub fn new(name: &str, checkpoint_dir: Option<PathBuf>) -> JobDirs {
+        let root = PathBuf::from(".edl");
+        let checkpoint_dir = checkpoint_dir.unwrap_or_else(|| root.join(name).join("checkpoints"));
+        let remote = crate::checkpoint::objects::is_url(&checkpoint_dir.to_string_lossy());
+        let job_dir = if remote {
+            root.join(name)
+        } else {
+            checkpoint_dir.parent().unwrap_or(&checkpoint_dir).to_path_buf()
+        };
+        let log_dir = job_dir.join("logs");
+        JobDirs { root, checkpoint_dir, remote, job_dir, log_dir }
+    }
+
+    /// Where the job keeps its secret when no `--secret-file` is given.
+    pub fn kept_secret(&self) -> PathBuf {
+        self.job_dir.join("secret")
+    }
+}
+
+/// The model a job's teachers serve, made when they start (trained here,
+/// or taken from the cache): its file, and its test accuracy when known.
+pub type TeacherModel = Box<dyn FnOnce() -> Result<(PathBuf, Option<f64>)>>;
+
+/// Teacher processes a job starts for itself.
+pub struct TeacherStart {
+    pub count: u32,
+    pub model: TeacherModel,
+    /// The `edl-runtime` they run as (`edl-runtime teacher ...`).
+    pub exe: PathBuf,
+    /// The service they register under in the job's store.
+    pub service: String,
+    /// The token students present. They serve TLS, with a certificate the
+    /// job makes, wherever a token is or they are reached from other hosts.
+    pub token_file: Option<PathBuf>,
+}
+
+/// The teacher processes a job started, which stop when it is dropped.
+#[derive(Default)]
+pub struct StartedTeachers {
+    processes: Arc<Mutex<Vec<TeacherProcess>>>,
+    /// Their certificate (PEM), when they serve TLS: students trust it
+    /// beside any `--teacher-ca`.
+    ca_pem: Option<String>,
+    accuracy: Option<f64>,
+}
+
+impl StartedTeachers {
+    /// The addresses they serve on, as students reach them.
+    pub fn addrs(&self) -> Vec<String> {
+        self.processes.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|p| p.addr.clone()).collect()
+    }
+
+    /// Their model's test accuracy, when the job trained it (or took it from the cache).
+    pub fn accuracy(&self) -> Option<f64> {
+        self.accuracy
+    }
+
+    /// Their certificate (PEM), when they serve TLS.
+    pub fn ca_pem(&self) -> Option<&str> {
+        self.ca_pem.as_deref()
+    }
+
+    /// What watches them while the job runs, if any were started.
+    pub(crate) fn watch(&self) -> Option<Box<dyn super::teacher_pool::TeacherWatch>> {
+        (!self.addrs().is_empty()).then(|| Box::new(self.processes.clone()) as Box<_>)
+    }
+}
+
+/// The scaling policy and the batch adapter a job runs.
+pub struct JobPlugins {
+    pub policy: Box<dyn PolicyPlugin>,
+    pub adapter: Option<Box<dyn AdapterPlugin>>,
+}
+
+/// A job put together, ready to run.
+pub struct Job {
+    pub(crate) cfg: JobConfig,
+    pub(crate) lock: JobLock,
+    pub(crate) plugins: JobPlugins,
+    pub(crate) scaler: Box<dyn Scaler>,
+    pub(crate) teachers: StartedTeachers,
+}
+
+impl Job {
+    /// Puts job `cfg` together: refuses what a flag got wrong before
+    /// anything starts, takes the job's lock (naming the holder when another
+    /// coordinator has it), writes a new secret to `secret_file` or the
+    /// job's directory (mode 0600), then starts the teachers it serves
+    /// itself, if any. Nothing is started when a check fails.
+    pub fn assemble(
+        cfg: JobConfig,
+        dirs: &JobDirs,
+        secret_file: Option<&Path>,
+        plugins: JobPlugins,
+        scaler: Box<dyn Scaler>,
+        teachers: Option<TeacherStart>,
+    ) -> Result<Job> {
+        let job = Job::prepare(cfg, dirs, secret_file, plugins, scaler, teachers.is_some())?;
+        match teachers {
+            Some(start) => job.start_teachers(dirs, start),
+            None => Ok(job),
+        }
+    }
+
+    /// The first half of [`Job::assemble`]: the checks, the lock and the
+    /// secret (`starts_teachers`: teachers will be started, whose waits are
+    /// checked too).
+    pub fn prepare(
+        cfg: JobConfig,
+        dirs: &JobDirs,
+        secret_file: Option<&Path>,
+        plugins: JobPlugins,
+        scaler: Box<dyn Scaler>,
+        starts_teachers: bool,
+    ) -> Result<Job> {
+        check(&cfg, starts_teachers)?;
+        let lock = lock_and_keep_secret(&cfg, dirs, secret_file)?;
+        let job = Job { cfg, lock, plugins, scaler, teachers: StartedTeachers::default() };
+        refuse_tokens_in_clear(&job.cfg, &job.teachers)?;
+        Ok(job)
+    }
+
+    /// The second half of [`Job::assemble`]: the teacher processes start,
+    /// and what students will be told of them is checked.
+    pub fn start_teachers(mut self, dirs: &JobDirs, start: TeacherStart) -> Result<Job> {
+        self.teachers = start_teachers(&self.cfg, dirs, start)?;
+        refuse_tokens_in_clear(&self.cfg, &self.teachers)?;
+        Ok(self)
+    }
+
+    pub fn config(&self) -> &JobConfig {
+        &self.cfg
+    }
+
+    pub fn teachers(&self) -> &StartedTeachers {
+        &self.teachers
+    }
+
+    /// Runs the job to its end; its teachers stop when it returns.
+    pub fn run(self, progress: &mut dyn FnMut(Progress)) -> Result<(JobOutcome, Option<f64>)> {
+        let accuracy = self.teachers.accuracy;
+        Ok((coordinator::run(self, progress)?, accuracy))
+    }
+}
+
+/// Everything a flag can get wrong, before anything starts.
+fn check(cfg: &JobConfig, starts_teachers: bool) -> Result<()> {
+    cfg.validate()?;
+    if starts_teachers {
+        cfg.validate_teacher_wait()?;
+    }
+    preflight(cfg)
+}
+
+/// Takes the job's lock, makes its log directory and writes a new secret
+/// where an operator finds it: `secret_file`, or `.edl/<job>/secret`.
+fn lock_and_keep_secret(cfg: &JobConfig, dirs: &JobDirs, secret_file: Option<&Path>) -> Result<JobLock> {
+    let shared = cfg.store != "memory";
+    let at = if dirs.remote { &dirs.job_dir } else { &cfg.spec.checkpoint_dir };
+    let lock = JobLock::acquire(at, &cfg.spec.job, cfg.standby, shared)?;
+    std::fs::create_dir_all(&dirs.log_dir).with_context(|| format!("{}", dirs.log_dir.display()))?;
+    let kept = dirs.kept_secret();
+    match secret_file {
+        Some(f) if f.exists() => {}
+        None if shared && kept.exists() => {}
+        f => cfg.secret.write(f.unwrap_or(&kept))?,
+    }
+    Ok(lock)
+}
+
+/// Starts the teacher processes, beside the coordinator and reached at
+/// the same host.
+fn start_teachers(cfg: &JobConfig, dirs: &JobDirs, start: TeacherStart) -> Result<StartedTeachers> {
+    let advertised = cfg.addresses.advertised_host()?;
+    let listen = cfg.addresses.listen.ip();
+    let (model, accuracy) = (start.model)()?;
+    let tls = if start.token_file.is_some() || !listen.is_loopback() {
+        Some(TeacherTls::make(&dirs.job_dir.join("teacher-tls"), &advertised)?)
+    } else {
+        None
+    };
+    let ca_pem = tls.as_ref().map(|t| t.pem.clone());
+    let guard = TeacherGuard { token_file: start.token_file, tls };
+    let mut processes = Vec::new();
+    for i in 0..start.count {
+        let log = dirs.log_dir.join(format!("teacher-{i}.log"));
+        let at = (listen, advertised.as_str());
+        processes.push(TeacherProcess::start(
+            &start.exe,
+            &model,
+            at,
+            (&cfg.store, &start.service),
+            &guard,
+            &log,
+        )?);
+    }
+    Ok(StartedTeachers { processes: Arc::new(Mutex::new(processes)), ca_pem, accuracy })
+}
+
+/// A token never goes to a teacher reached in clear.
+fn refuse_tokens_in_clear(cfg: &JobConfig, teachers: &StartedTeachers) -> Result<()> {
+    let access = with_ca(&cfg.spec.teacher_access, teachers.ca_pem());
+    let told = match &cfg.spec.teachers {
+        Some(TeacherSource::Fixed(list)) => list.clone(),
+        Some(TeacherSource::Discovered { .. }) => return Ok(()),
+        None => teachers.addrs(),
+    };
+    for addr in told {
+        if let Some(why) = access.refusal(&addr) {
+            bail!(why);
+        }
+    }
+    Ok(())
+}
+
+/// `access`, also trusting the certificate of the teachers a job started.
+pub(crate) fn with_ca(
+    access: &crate::distill::TeacherAccess,
+    ca_pem: Option<&str>,
+) -> crate::distill::TeacherAccess {
+    let mut access = access.clone();
+    if let Some(pem) = ca_pem {
+        access.ca_pem = Some(match access.ca_pem.take() {
+            Some(given) => format!("{given}\n{pem}"),
+            None => pem.to_string(),
+        });
+    }
+    access
+}
