@@ -8,7 +8,7 @@
 //! loopback socket (hello, ready, generations, windows of steps, commits);
 //! its compute is a sleep of `--compute-ms` per step and it builds no ring
 //! (the all-reduce is the data plane, not the control plane). The
-//! coordinator is the job's own (`edl_runtime::job::Job`, assembled and run) with
+//! coordinator is the job's own (`edl_runtime::job::Job`, run by `edl_runtime::coordinator::run`) with
 //! its membership, step pipeline, ledger, store and checkpoint cadence; the
 //! policy is a fixed one so every run sees the same events. Per N:
 //!
@@ -26,7 +26,7 @@
 use edl_plugin_sdk::{Action, ClusterView, Hyperparams, PluginInfo};
 use edl_runtime::{
     control::proto::{FromWorker, Receiver, StepDone, ToWorker, Written, send},
-    coordinator::Progress,
+    coordinator::{self, Progress},
     job::{Job, JobConfig, JobDirs, JobPlugins, JobSpec, Program},
     plugin::{Backend, Error, Plugin, PolicyPlugin},
     scalers::Scaler,
@@ -253,7 +253,7 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
     let dirs = JobDirs::new(&spec.job, Some(spec.checkpoint_dir.clone()));
     let plugins = JobPlugins { policy, adapter: None };
     let job = Job::assemble(cfg, &dirs, None, plugins, Box::new(SimScaler { sim }), None)?;
-    let (outcome, _) = job.run(&mut progress)?;
+    let outcome = coordinator::run(job, &mut progress)?;
     let ((t0, c0), (t1, c1)) = (marks[&FROM], marks[&TO]);
     let steps = (TO - FROM) as f64;
     let wall = t1.duration_since(t0).as_secs_f64() / steps;

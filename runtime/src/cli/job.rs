@@ -17,7 +17,7 @@ use anyhow::{Context, Result};
 use edl_host_gpu::comm::auth::Secret;
 use edl_plugin_sdk::Hyperparams;
 use edl_runtime::{
-    coordinator::report::Report,
+    coordinator::{self, report::Report},
     job::{Job, JobConfig, JobDirs, JobPlugins, JobSpec, TeacherSource},
     net,
     plugin::{AdapterPlugin, PluginHost, PolicyPlugin},
@@ -64,7 +64,8 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
         }
     }
     let mut display = ProgressDisplay::new(work.rows() as u64, args.training.epochs)?;
-    let (outcome, teacher_accuracy) = match job.run(&mut |p| display.show(p)) {
+    let teacher_accuracy = job.teachers().accuracy();
+    let outcome = match coordinator::run(job, &mut |p| display.show(p)) {
         Ok(o) => o,
         Err(e) => {
             display.finish();

@@ -1,8 +1,9 @@
 //! One place that puts a job together from its configuration, in the order
 //! it must happen: the checks a flag can fail, the job's lock, its secret
 //! where an operator finds it, the teacher processes it serves itself.
-//! The command line and the benches assemble a job here and run it; the
-//! configuration is complete before this starts and is not changed after.
+//! The command line and the benches assemble a job here and run it with
+//! [`crate::coordinator::run`]; the configuration is complete before this
+//! starts and is not changed after.
 
 use super::{
     JobConfig, JobLock, preflight,
@@ -10,7 +11,6 @@ use super::{
     teacher_pool::{TeacherGuard, TeacherProcess, TeacherTls},
 };
 use crate::{
-    coordinator::{self, JobOutcome, Progress},
     plugin::{AdapterPlugin, PolicyPlugin},
     scalers::Scaler,
 };
@@ -174,12 +174,6 @@ impl Job {
 
     pub fn teachers(&self) -> &StartedTeachers {
         &self.teachers
-    }
-
-    /// Runs the job to its end; its teachers stop when it returns.
-    pub fn run(self, progress: &mut dyn FnMut(Progress)) -> Result<(JobOutcome, Option<f64>)> {
-        let accuracy = self.teachers.accuracy;
-        Ok((coordinator::run(self, progress)?, accuracy))
     }
 }
 
