@@ -81,30 +81,9 @@ pub fn resolve(addr: &str) -> Result<SocketAddr> {
         .ok_or_else(|| anyhow!("{addr}: the name has no address"))
 }
 
-/// Parses `--listen`: an address, optionally with a port (`0.0.0.0`,
-/// `10.0.0.5:7070`, `[::]:7070`).
-pub fn parse_listen(s: &str) -> Result<SocketAddr, String> {
-    if let Ok(a) = s.parse::<SocketAddr>() {
-        return Ok(a);
-    }
-    s.trim_matches(|c| c == '[' || c == ']')
-        .parse::<IpAddr>()
-        .map(|ip| SocketAddr::new(ip, 0))
-        .map_err(|_| format!("{s:?}: expected an address (10.0.0.5) or address:port (0.0.0.0:7070)"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn listen_takes_an_address_with_or_without_a_port() {
-        assert_eq!(parse_listen("0.0.0.0").unwrap(), "0.0.0.0:0".parse().unwrap());
-        assert_eq!(parse_listen("10.0.0.5:7070").unwrap(), "10.0.0.5:7070".parse().unwrap());
-        assert_eq!(parse_listen("[::1]:9").unwrap(), "[::1]:9".parse().unwrap());
-        assert_eq!(parse_listen("::").unwrap(), "[::]:0".parse().unwrap());
-        assert!(parse_listen("node-1").unwrap_err().contains("expected an address"));
-    }
 
     #[test]
     fn the_advertised_host_is_given_or_the_listen_address_or_a_routable_one() {

@@ -194,8 +194,8 @@ pub enum FlagError {
     #[error("expected teacher endpoints, host:port,...")]
     NoTeachers,
     /// A `--job` name the runtime refuses, and why.
-    #[error("{0}")]
-    JobName(String),
+    #[error(transparent)]
+    JobName(#[from] edl_runtime::job::JobNameError),
     #[error("expected key=value, got {0:?}")]
     NotAPair(String),
     #[error("{0:?}: expected an address (10.0.0.5) or address:port (0.0.0.0:7070)")]

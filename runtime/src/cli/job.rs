@@ -58,10 +58,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     let mut job = Job::prepare(cfg, &dirs, secret_file, job_plugins, scaler, starts_teachers)?;
     println!("{header}");
     if let Some(start) = teachers.start {
-        job = job.start_teachers(&dirs, start)?;
-        for (i, addr) in job.teachers().addrs().iter().enumerate() {
-            println!("teacher   {i} serving on {addr}");
-        }
+        job = job.start_teachers(&dirs, start, &mut |i, addr| println!("teacher   {i} serving on {addr}"))?;
     }
     let mut display = ProgressDisplay::new(work.rows() as u64, args.training.epochs)?;
     let teacher_accuracy = job.teachers().accuracy();

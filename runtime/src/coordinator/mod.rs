@@ -344,6 +344,11 @@ impl<'a> Coordinator<'a> {
         }
     }
 
+    /// What the data order and the state depend on, now.
+    fn data_identity(&self) -> DataIdentity {
+        DataIdentity::of(&self.cfg.spec, self.tally.train_len())
+    }
+
     /// The job as workers are told it now: the configuration's, with the
     /// samples learned, the leader to follow and the teachers still alive.
     fn told_spec(&self) -> crate::job::spec::JobSpec {
@@ -667,7 +672,7 @@ impl Coordinator<'_> {
                     hyper: self.hyper,
                     ledger: self.tally.ledger.clone(),
                     events: self.events.clone(),
-                    data: DataIdentity::of(&self.told_spec()),
+                    data: self.data_identity(),
                     plugins,
                     handles,
                 }

@@ -96,7 +96,7 @@ impl Coordinator<'_> {
         if self.tally.train_len() == 0 {
             self.tally.learn_train_len(h.ledger.samples());
         }
-        let now = DataIdentity::of(&self.told_spec());
+        let now = self.data_identity();
         let diff = h.data.differences(&now);
         if !diff.is_empty() {
             bail!(
@@ -208,7 +208,7 @@ impl Coordinator<'_> {
             // programs' declarations are then checked against.
             self.tally.learn_train_len(book.ledger.samples());
         }
-        let now = DataIdentity::of(&self.told_spec());
+        let now = self.data_identity();
         let was = book.data.clone().unwrap_or_else(|| now.with_seed(m.seed));
         let diff = was.differences(&now);
         if !diff.is_empty() {
@@ -314,7 +314,7 @@ impl Coordinator<'_> {
             ledger: self.tally.ledger.clone(),
             events: self.events.clone(),
             generation: self.generation,
-            data: Some(DataIdentity::of(&self.told_spec())),
+            data: Some(self.data_identity()),
             plugins: self.plugin_memory(),
         };
         Manifest {

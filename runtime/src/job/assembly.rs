@@ -137,7 +137,7 @@ impl Job {
     ) -> Result<Job> {
         let job = Job::prepare(cfg, dirs, secret_file, plugins, scaler, teachers.is_some())?;
         match teachers {
-            Some(start) => job.start_teachers(dirs, start),
+            Some(start) => job.start_teachers(dirs, start, &mut |_, _| {}),
             None => Ok(job),
         }
     }
@@ -154,16 +154,23 @@ impl Job {
         starts_teachers: bool,
     ) -> Result<Job> {
         check(&cfg, starts_teachers)?;
+        refuse_tokens_in_clear(&cfg, &StartedTeachers::default())?;
         let lock = lock_and_keep_secret(&cfg, dirs, secret_file)?;
-        let job = Job { cfg, lock, plugins, scaler, teachers: StartedTeachers::default() };
-        refuse_tokens_in_clear(&job.cfg, &job.teachers)?;
-        Ok(job)
+        Ok(Job { cfg, lock, plugins, scaler, teachers: StartedTeachers::default() })
     }
 
-    /// The second half of [`Job::assemble`]: the teacher processes start,
+    /// The second half of [`Job::assemble`]: the teacher processes start
+    /// (`serving` is told each one's number and address as it serves),
     /// and what students will be told of them is checked.
-    pub fn start_teachers(mut self, dirs: &JobDirs, start: TeacherStart) -> Result<Job> {
-        self.teachers = start_teachers(&self.cfg, dirs, start)?;
+    pub fn start_teachers(
+        mut self,
+        dirs: &JobDirs,
+        start: TeacherStart,
+        serving: &mut dyn FnMut(u32, &str),
+    ) -> Result<Job> {
+        // A worker waiting for them must give up before it is declared dead.
+        self.cfg.validate_teacher_wait()?;
+        self.teachers = start_teachers(&self.cfg, dirs, start, serving)?;
         refuse_tokens_in_clear(&self.cfg, &self.teachers)?;
         Ok(self)
     }
@@ -204,7 +211,12 @@ fn lock_and_keep_secret(cfg: &JobConfig, dirs: &JobDirs, secret_file: Option<&Pa
 
 /// Starts the teacher processes, beside the coordinator and reached at
 /// the same host.
-fn start_teachers(cfg: &JobConfig, dirs: &JobDirs, start: TeacherStart) -> Result<StartedTeachers> {
+fn start_teachers(
+    cfg: &JobConfig,
+    dirs: &JobDirs,
+    start: TeacherStart,
+    serving: &mut dyn FnMut(u32, &str),
+) -> Result<StartedTeachers> {
     let advertised = cfg.addresses.advertised_host()?;
     let listen = cfg.addresses.listen.ip();
     let (model, accuracy) = (start.model)()?;
@@ -219,14 +231,10 @@ fn start_teachers(cfg: &JobConfig, dirs: &JobDirs, start: TeacherStart) -> Resul
     for i in 0..start.count {
         let log = dirs.log_dir.join(format!("teacher-{i}.log"));
         let at = (listen, advertised.as_str());
-        processes.push(TeacherProcess::start(
-            &start.exe,
-            &model,
-            at,
-            (&cfg.store, &start.service),
-            &guard,
-            &log,
-        )?);
+        let store = (cfg.store.as_str(), start.service.as_str());
+        let teacher = TeacherProcess::start(&start.exe, &model, at, store, &guard, &log)?;
+        serving(i, &teacher.addr);
+        processes.push(teacher);
     }
     Ok(StartedTeachers { processes: Arc::new(Mutex::new(processes)), ca_pem, accuracy })
 }

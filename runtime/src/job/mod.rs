@@ -24,6 +24,17 @@ pub use config::JobConfig;
 pub use preflight::{JobLock, preflight};
 pub use spec::{BuiltinModel, JobSpec, Program, TeacherSource};
 
+/// A job name that could mean something to a shell or a path.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum JobNameError {
+    #[error("a job name cannot be empty")]
+    Empty,
+    #[error("job name {start:?}...: longer than {MAX_JOB_NAME} characters")]
+    TooLong { start: String },
+    #[error("job name {name:?}: use letters, digits, '.', '_' and '-', starting with a letter or a digit")]
+    Characters { name: String },
+}
+
 /// Longest job name.
 pub const MAX_JOB_NAME: usize = 64;
 
@@ -32,18 +43,16 @@ pub const MAX_JOB_NAME: usize = 64;
 /// becomes directory names, store keys and words of worker command lines
 /// (`ssh {host} {program}`): nothing in it may mean anything to a shell or
 /// a path.
-pub fn check_job_name(name: &str) -> Result<(), String> {
+pub fn check_job_name(name: &str) -> Result<(), JobNameError> {
     let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
     if name.is_empty() {
-        return Err("a job name cannot be empty".into());
+        return Err(JobNameError::Empty);
     }
     if name.len() > MAX_JOB_NAME {
-        return Err(format!("job name {:?}...: longer than {MAX_JOB_NAME} characters", &name[..16]));
+        return Err(JobNameError::TooLong { start: name.chars().take(16).collect() });
     }
     if !name.starts_with(|c: char| c.is_ascii_alphanumeric()) || !name.chars().all(ok_char) {
-        return Err(format!(
-            "job name {name:?}: use letters, digits, '.', '_' and '-', starting with a letter or a digit"
-        ));
+        return Err(JobNameError::Characters { name: name.to_string() });
     }
     Ok(())
 }
@@ -57,9 +66,19 @@ mod name_tests {
         for ok in ["mnist", "launch", "run-2.b_3", "7"] {
             assert_eq!(check_job_name(ok), Ok(()), "{ok}");
         }
-        for bad in
-            ["", "x;touch /tmp/p;#", "../up", ".hidden", "-flag", "a b", "$(id)", "a/b", "é", &"x".repeat(65)]
-        {
+        for bad in [
+            "",
+            "x;touch /tmp/p;#",
+            "../up",
+            ".hidden",
+            "-flag",
+            "a b",
+            "$(id)",
+            "a/b",
+            "é",
+            &"x".repeat(65),
+            &format!("a{}", "é".repeat(40)),
+        ] {
             assert!(check_job_name(bad).is_err(), "{bad:?}");
         }
     }

@@ -80,8 +80,10 @@ pub struct DataIdentity {
 }
 
 impl DataIdentity {
-    pub fn of(spec: &JobSpec) -> Self {
-        DataIdentity { samples: spec.samples, seed: spec.seed, program: spec.program.identity() }
+    /// The identity of job `spec` with `samples` training samples (known
+    /// after the start when a program declares them).
+    pub fn of(spec: &JobSpec, samples: usize) -> Self {
+        DataIdentity { samples, seed: spec.seed, program: spec.program.identity() }
     }
 
     /// The same, but for the seed (a checkpoint of an older version

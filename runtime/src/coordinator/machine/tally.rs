@@ -103,7 +103,7 @@ impl Tally {
     /// took over), with the ledger of its epoch.
     pub fn restore(&mut self, committed: u64, epoch: u64, cursor: usize, ledger: Ledger) {
         if self.train_len == 0 {
-            self.train_len = ledger.samples();
+            self.learn_train_len(ledger.samples());
         }
         (self.committed, self.epoch, self.cursor, self.ledger) = (committed, epoch, cursor, ledger);
     }
