@@ -152,7 +152,10 @@ fn a_cnn_with_batchnorm_adamw_and_a_schedule_trains_whole_through_resizes_and_a_
                 && (e["from"].as_u64(), e["to"].as_u64()) == (Some(from), Some(to))
         })
     };
-    assert!(by_policy(1, 2) && by_policy(2, 3), "{events:?}");
+    // Grown by the policy to 3: one worker at a time, or both at one
+    // boundary when the second was asked for before the first was ready
+    // (a slow torch import).
+    assert!((by_policy(1, 2) && by_policy(2, 3)) || by_policy(1, 3), "{events:?}");
     // The kill shrank the group of 3 (to 2, or to 1 when the schedule's
     // own scale-in fell at the same step boundary).
     let lost = format!("worker {id} lost");
