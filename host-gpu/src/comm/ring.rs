@@ -302,14 +302,18 @@ unsafe impl Sync for Shared {}
 
 impl Shared {
     /// # Safety
-    /// `range` is in bounds and no other thread writes it meanwhile.
+    /// No other thread writes `range` meanwhile (its bounds are checked here).
     unsafe fn slice(&self, range: Range<usize>) -> &[f32] {
+        assert!(range.start <= range.end && range.end <= self.len, "segment {range:?} of {}", self.len);
+        // SAFETY: in bounds (checked above); the caller keeps writers away.
         unsafe { std::slice::from_raw_parts(self.ptr.add(range.start), range.len()) }
     }
     /// # Safety
-    /// `range` is in bounds and no other thread touches it meanwhile.
+    /// No other thread touches `range` meanwhile (its bounds are checked here).
     #[allow(clippy::mut_from_ref)]
     unsafe fn slice_mut(&self, range: Range<usize>) -> &mut [f32] {
+        assert!(range.start <= range.end && range.end <= self.len, "segment {range:?} of {}", self.len);
+        // SAFETY: in bounds (checked above); the caller keeps other threads away.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len()) }
     }
 }
@@ -399,7 +403,6 @@ fn send_segments(
                 // The receiving side failed or stalled; it reports why.
                 return Ok(());
             }
-            debug_assert!(s.end <= shared.len);
             // SAFETY: segment s of this chunk was finished by the receiver
             // (the message above), and it does not write it again until
             // data that follows this write comes back around the ring.
