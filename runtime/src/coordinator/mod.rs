@@ -444,8 +444,6 @@ impl Coordinator<'_> {
             self.io.addr, self.io.rendezvous_at, self.io.addr
         ));
         if self.takeover.is_some() {
-            // The store names this coordinator: the workers find it there.
-            self.save_state(false);
             self.await_return(RETURN_WITHIN)?;
             if self.membership.joiners() > 0 {
                 self.boundary()?;

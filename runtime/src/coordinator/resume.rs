@@ -137,7 +137,17 @@ impl Coordinator<'_> {
     /// goes on from the stored step with those that did. None came back:
     /// it goes on from the newest checkpoint with new workers.
     pub(super) fn await_return(&mut self, within: Duration) -> Result<()> {
-        let Some(t) = self.takeover.take() else { return Ok(()) };
+        let Some(t) = self.takeover.as_ref() else { return Ok(()) };
+        // Its workers are admitted before the store names this coordinator:
+        // one that found it there first would be refused as a stranger
+        // (adopting their batch jobs below can take a while).
+        let (generation, members) = (t.generation, t.members.clone());
+        self.io.gate.expect_return(Some((generation, members.iter().copied().collect())));
+        self.membership.expect_return(&members);
+        // The store names this coordinator (the takeover's members still
+        // its own): the workers find it there.
+        self.save_state(false);
+        let t = self.takeover.take().expect("checked above");
         let since = Instant::now();
         // Its workers are this coordinator's to stop and to place around.
         for (&id, handle) in t.handles.iter().filter(|(id, _)| t.members.contains(id)) {
@@ -147,8 +157,6 @@ impl Coordinator<'_> {
                 ));
             }
         }
-        self.io.gate.expect_return(Some((t.generation, t.members.iter().copied().collect())));
-        self.membership.expect_return(&t.members);
         while self.membership.returning() > 0 && since.elapsed() < within {
             match self.io.rx.recv_timeout(Duration::from_millis(50)) {
                 Ok(ev) => self.handle(ev),
