@@ -594,12 +594,7 @@ impl<'a> Launcher<'a> {
             back: BTreeSet::new(),
             replay: Default::default(),
             leading: Arc::new(AtomicBool::new(true)),
-            decider: RestartDecider::new(
-                cfg.min_workers,
-                cfg.max_workers,
-                cfg.initial_workers,
-                cfg.max_restarts,
-            ),
+            decider: RestartDecider::of(cfg),
             groups: Vec::new(),
             decisions: Vec::new(),
             last_change: Instant::now(),

@@ -65,6 +65,11 @@ pub struct RestartDecider {
 }
 
 impl RestartDecider {
+    /// The decider of a job run as `cfg` says (its bounds, first group and restarts).
+    pub fn of(cfg: &TorchrunConfig) -> RestartDecider {
+        RestartDecider::new(cfg.min_workers, cfg.max_workers, cfg.initial_workers, cfg.max_restarts)
+    }
+
     /// A decider whose first group has `initial` ranks (kept within `min..=max`).
     pub fn new(min: u32, max: u32, initial: u32, max_restarts: u32) -> RestartDecider {
         let min = min.max(1);
@@ -303,12 +308,7 @@ impl<'a> OneHost<'a> {
         let (tx, rx) = mpsc::channel();
         OneHost {
             cfg,
-            decider: RestartDecider::new(
-                cfg.min_workers,
-                cfg.max_workers,
-                cfg.initial_workers,
-                cfg.max_restarts,
-            ),
+            decider: RestartDecider::of(cfg),
             groups: Vec::new(),
             decisions: Vec::new(),
             last_change: Instant::now(),
