@@ -223,6 +223,8 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
     };
     let cfg = JobConfig {
         standby: false,
+        restart: false,
+        max_restarts: 1,
         spec: spec.clone(),
         min_workers: n.saturating_sub(1).max(1),
         max_workers: n,

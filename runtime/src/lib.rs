@@ -28,6 +28,7 @@
 //! The command line (`edl-runtime`, in `src/cli/`) is a thin layer over these.
 
 pub mod checkpoint;
+pub mod clock;
 pub mod control;
 pub mod coordinator;
 pub mod distill;

@@ -11,6 +11,7 @@ use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 use wait_timeout::ChildExt;
 
@@ -156,23 +157,39 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
     let Ok(text) = std::fs::read(path) else { return String::new() };
     let text = String::from_utf8_lossy(&text);
     let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-    // A traceback counts when the log ends with it (its exception line
-    // last), not when the program printed one it caught and went on.
-    let ends_with_exception = all.last().is_some_and(|l| {
-        let name = l.split(':').next().unwrap_or_default();
-        !l.starts_with(' ')
-            && !name.contains(' ')
-            && ["Error", "Exception", "Interrupt", "Exit"].iter().any(|e| name.ends_with(e))
-    });
-    let from = match all.iter().rposition(|l| l.starts_with("Traceback (most recent call last)")) {
-        Some(t) if ends_with_exception => t.max(all.len().saturating_sub(MAX_TRACEBACK_LINES)),
-        _ => all.len().saturating_sub(lines),
+    let from = match traceback_at(&all) {
+        Some(t) => t.max(all.len().saturating_sub(MAX_TRACEBACK_LINES)),
+        None => all.len().saturating_sub(lines),
     };
     let tail = &all[from..];
     if tail.is_empty() {
         return String::new();
     }
     format!("; last lines of {}:\n    {}", path.display(), tail.join("\n    "))
+}
+
+/// Where the Python traceback the log's lines end with starts. A traceback
+/// counts when the log ends with it (its exception line last), not when
+/// the program printed one it caught and went on.
+fn traceback_at(all: &[&str]) -> Option<usize> {
+    let ends_with_exception = all.last().is_some_and(|l| {
+        let name = l.split(':').next().unwrap_or_default();
+        !l.starts_with(' ')
+            && !name.contains(' ')
+            && ["Error", "Exception", "Interrupt", "Exit"].iter().any(|e| name.ends_with(e))
+    });
+    let t = all.iter().rposition(|l| l.starts_with("Traceback (most recent call last)"))?;
+    ends_with_exception.then_some(t)
+}
+
+/// The exception a program's log ends with (a Python traceback's last
+/// line), if it ends with one: what the program died of.
+pub fn program_error(path: &Path) -> Option<String> {
+    let text = std::fs::read(path).ok()?;
+    let text = String::from_utf8_lossy(&text);
+    let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    traceback_at(&all)?;
+    all.last().map(|l| l.to_string())
 }
 
 /// The most lines of a Python traceback an error message quotes.
@@ -223,6 +240,105 @@ pub fn terminate_group(child: &mut Child, grace: Duration) {
         signal_group(libc::SIGKILL);
     }
     let _ = child.wait();
+}
+
+/// The signal (SIGTERM or SIGINT) that asked this process to stop, 0 until
+/// one came; the count of them.
+static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
+static STOP_SIGNALS: AtomicU32 = AtomicU32::new(0);
+/// Whether a loop that stops the job with notice looks at [`STOP_SIGNAL`].
+static STOPS_WITH_NOTICE: AtomicBool = AtomicBool::new(false);
+
+/// Longest a job stopping on SIGTERM or SIGINT takes (a checkpoint, its
+/// workers stopped, its report) before the process exits regardless.
+pub const STOP_WITHIN: Duration = Duration::from_secs(30);
+
+/// Hears SIGTERM and SIGINT (once per process): a loop that calls
+/// [`stop_requested`] (under [`StopsWithNotice`]) stops the job with notice
+/// and exits 143 or 130 itself. Anywhere else, or at a second signal, or
+/// past [`STOP_WITHIN`], the process says so and exits with that status.
+pub fn hear_stop_signals() {
+    static INSTALL: std::sync::Once = std::sync::Once::new();
+    INSTALL.call_once(|| {
+        for sig in [libc::SIGTERM, libc::SIGINT] {
+            // SAFETY: the handler only stores to atomics (async-signal-safe).
+            let installed = unsafe {
+                signal_hook_registry::register(sig, move || {
+                    let _ = STOP_SIGNAL.compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst);
+                    STOP_SIGNALS.fetch_add(1, Ordering::SeqCst);
+                })
+            };
+            if let Err(e) = installed {
+                tracing::warn!("{} will end this process without a checkpoint: {e}", signal_name(sig));
+            }
+        }
+        let watchdog = std::thread::Builder::new().name("edl-stop".into()).spawn(|| {
+            let mut since: Option<Instant> = None;
+            loop {
+                std::thread::sleep(Duration::from_millis(50));
+                let sig = STOP_SIGNAL.load(Ordering::SeqCst);
+                if sig == 0 {
+                    continue;
+                }
+                let heard = *since.get_or_insert_with(Instant::now);
+                let handled = STOPS_WITH_NOTICE.load(Ordering::SeqCst);
+                let again = STOP_SIGNALS.load(Ordering::SeqCst) > 1;
+                if !handled || again || heard.elapsed() >= STOP_WITHIN {
+                    eprintln!("stopped by {}", signal_name(sig));
+                    std::process::exit(128 + sig);
+                }
+            }
+        });
+        if let Err(e) = watchdog {
+            tracing::warn!("no watch on stop signals: {e}");
+        }
+    });
+}
+
+/// The signal that asked this process to stop, once one came.
+pub fn stop_requested() -> Option<i32> {
+    Some(STOP_SIGNAL.load(Ordering::SeqCst)).filter(|&s| s != 0)
+}
+
+/// While alive, a stop signal is left to the loop that holds it (see
+/// [`hear_stop_signals`]).
+pub struct StopsWithNotice(());
+
+impl StopsWithNotice {
+    pub fn begin() -> Self {
+        STOPS_WITH_NOTICE.store(true, Ordering::SeqCst);
+        StopsWithNotice(())
+    }
+}
+
+impl Drop for StopsWithNotice {
+    fn drop(&mut self) {
+        STOPS_WITH_NOTICE.store(false, Ordering::SeqCst);
+    }
+}
+
+/// The process was asked to stop by `signal`; `what` says what was kept.
+#[derive(Debug, thiserror::Error)]
+#[error("stopped by {}: {what}", signal_name(*signal))]
+pub struct StopSignalled {
+    pub signal: i32,
+    pub what: String,
+}
+
+impl StopSignalled {
+    /// The status a process that stopped so exits with (143, 130).
+    pub fn exit_code(&self) -> u8 {
+        u8::try_from(128 + self.signal).unwrap_or(1)
+    }
+}
+
+/// `SIGTERM`, `SIGINT`, or the number.
+pub fn signal_name(sig: i32) -> String {
+    match sig {
+        libc::SIGTERM => "SIGTERM".into(),
+        libc::SIGINT => "SIGINT".into(),
+        n => format!("signal {n}"),
+    }
 }
 
 #[cfg(test)]
@@ -315,10 +431,12 @@ mod tests {
         assert!(tail.contains("in frame0") && tail.contains("in frame29"), "{tail}");
         assert!(tail.ends_with("ValueError: shapes do not match"), "{tail}");
         assert!(!tail.contains("epoch 0 step 1"), "only the traceback: {tail}");
+        assert_eq!(program_error(&log).as_deref(), Some("ValueError: shapes do not match"));
         // One the program caught and printed, then went on past: the last lines.
         text.push_str("recovered\nstep 2\nstep 3\nkilled by the policy\n");
         std::fs::write(&log, &text).unwrap();
         let tail = log_tail(&log, 3);
         assert!(!tail.contains("Traceback") && tail.ends_with("killed by the policy"), "{tail}");
+        assert_eq!(program_error(&log), None, "it did not die of it");
     }
 }

@@ -284,8 +284,8 @@ fn take_sized(bytes: &[u8]) -> Option<(&[u8], &[u8])> {
 /// The accepting side: challenges the connector, checks its proof and then
 /// its claim with `check` (`Err(reason)` refuses it, and the connector is
 /// told the reason). Returns the proven claim and the keys that seal the
-/// connection from now on. Bound the stream's reads with a timeout before:
-/// a silent connector must not hold the acceptor.
+/// connection from now on. Bound the stream's reads before, as a whole (see
+/// [`Deadline`]): a silent or trickling connector must not hold the acceptor.
 pub fn accept(
     s: &mut (impl Read + Write),
     secret: &Secret,

@@ -88,8 +88,13 @@ impl Links {
 
 const MAGIC: u32 = 0xED1_0001;
 
-/// Longest an accepted link may take to prove itself and say who it is.
+/// Longest an accepted link may take to prove itself and say who it is,
+/// all of its handshake together (shorter in this crate's unit tests, which
+/// trickle a handshake past it).
+#[cfg(not(test))]
 const STRAY_PATIENCE: Duration = Duration::from_secs(5);
+#[cfg(test)]
+const STRAY_PATIENCE: Duration = Duration::from_secs(2);
 
 impl TcpRing {
     /// Builds the ring for `rank` of `world`, finding the peers through `rendezvous`.
@@ -211,41 +216,17 @@ impl TcpRing {
                 return Err(timed_out());
             }
             match listener.accept() {
-                Ok((mut s, _)) => {
+                Ok((s, _)) => {
                     s.set_nonblocking(false).map_err(io(prev, "accept"))?;
-                    // A peer that connects and then says nothing holds the
+                    // A peer that connects and then says nothing, or
+                    // trickles its handshake a byte at a time, holds the
                     // ring up for a short while only, not the whole timeout.
                     let patience = opts.timeout.min(STRAY_PATIENCE).min(left).max(Duration::from_millis(1));
-                    s.set_read_timeout(Some(patience)).map_err(io(prev, "accept"))?;
-                    let mut keys = None;
-                    if let Some((a, generation)) = &opts.auth {
-                        let checked = auth::accept(&mut s, &a.secret, |c| {
-                            a.check(c, "ring", Some(*generation))?;
-                            (c.who == prev as u64).then_some(()).ok_or_else(|| {
-                                format!("rank {rank} takes its link from rank {prev}, not {}", c.who)
-                            })
-                        });
-                        match checked {
-                            Ok((_, k)) => keys = Some(k),
-                            Err(e) => {
-                                // A stray or stale peer: refuse it, keep waiting for ours.
-                                eprintln!("ring rank {rank}: refused a link: {e}");
-                                continue;
-                            }
-                        }
+                    match Self::admit(rank, world, s, opts, patience) {
+                        Ok(s) => return Ok(s),
+                        // A stray or stale peer: drop it, keep waiting for ours.
+                        Err(why) => eprintln!("ring rank {rank}: {why}"),
                     }
-                    let mut s = SealedReader::new(s, keys.map(|k| halves(k, opts.encrypt).1));
-                    let mut got = [0u8; 12];
-                    if let Err(e) = s.read_exact(&mut got) {
-                        eprintln!("ring rank {rank}: dropped a link that did not introduce itself: {e}");
-                        continue;
-                    }
-                    let word =
-                        |i: usize| u32::from_le_bytes(got[i * 4..i * 4 + 4].try_into().expect("4 bytes"));
-                    if word(0) == MAGIC && word(1) as usize == prev && word(2) as usize == world {
-                        return Ok(s);
-                    }
-                    // Not our predecessor (a stale generation, a stray client): keep waiting.
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
                     std::thread::sleep(Duration::from_millis(1));
@@ -253,6 +234,58 @@ impl TcpRing {
                 Err(e) => return Err(io(prev, "accept")(e)),
             }
         }
+    }
+
+    /// Takes an accepted link if it is the previous rank of this ring: it
+    /// proves the job's secret, generation and rank (where the ring has a
+    /// secret), then introduces itself. Everything a peer must send before
+    /// it is proven is read under one deadline, `patience` from now, however
+    /// it is spread over time; a proven peer's sealed introduction is read
+    /// with what is left of it as its reads' timeout. `Err` says why the link
+    /// was dropped.
+    fn admit(
+        rank: usize,
+        world: usize,
+        mut s: TcpStream,
+        opts: &RingOptions,
+        patience: Duration,
+    ) -> Result<SealedReader<TcpStream>, String> {
+        let prev = (rank + world - 1) % world;
+        let until = Instant::now() + patience;
+        let mut got = [0u8; 12];
+        let unintroduced = |e: std::io::Error| format!("dropped a link that did not introduce itself: {e}");
+        let mut keys = None;
+        {
+            let mut within = auth::Deadline::new(&mut s, patience);
+            match &opts.auth {
+                Some((a, generation)) => {
+                    let (_, k) = auth::accept(&mut within, &a.secret, |c| {
+                        a.check(c, "ring", Some(*generation))?;
+                        (c.who == prev as u64).then_some(()).ok_or_else(|| {
+                            format!("rank {rank} takes its link from rank {prev}, not {}", c.who)
+                        })
+                    })
+                    .map_err(|e| format!("refused a link: {e}"))?;
+                    keys = Some(k);
+                }
+                // No secret: the introduction is all a peer says first.
+                None => within.read_exact(&mut got).map_err(unintroduced)?,
+            }
+        }
+        let proven = keys.is_some();
+        let mut s = SealedReader::new(s, keys.map(|k| halves(k, opts.encrypt).1));
+        if proven {
+            let left = until.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            s.get_ref().set_read_timeout(Some(left)).map_err(unintroduced)?;
+            s.read_exact(&mut got).map_err(unintroduced)?;
+        }
+        let word = |i: usize| u32::from_le_bytes(got[i * 4..i * 4 + 4].try_into().expect("4 bytes"));
+        if word(0) == MAGIC && word(1) as usize == prev && word(2) as usize == world {
+            return Ok(s);
+        }
+        Err(format!(
+            "dropped a link that is not rank {prev}'s of this ring (a stale generation, a stray client)"
+        ))
     }
 
     fn check(&self) -> Result<(), CommError> {
@@ -548,5 +581,93 @@ impl Communicator for TcpRing {
             return Err(self.fail(err));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::{LocalRendezvous, auth::Secret};
+    use std::sync::Mutex;
+
+    /// How long the stranger trickles before it gives up on its own.
+    const TRICKLE_FOR: usize = 300;
+
+    /// A rendezvous that, once the ranks' addresses are known, has a stranger
+    /// connect to rank 1's listener before rank 0 links to it, and trickle a
+    /// handshake there a byte at a time.
+    struct Trickle {
+        inner: LocalRendezvous,
+        stranger: Mutex<Option<std::thread::JoinHandle<(usize, bool)>>>,
+    }
+
+    impl Rendezvous for Trickle {
+        fn exchange(
+            &self,
+            rank: usize,
+            world: usize,
+            mine: Vec<u8>,
+            timeout: Duration,
+        ) -> Result<Vec<Vec<u8>>, CommError> {
+            let all = self.inner.exchange(rank, world, mine, timeout)?;
+            if rank == 0 {
+                let addr: SocketAddr = String::from_utf8_lossy(&all[1]).parse().expect("rank 1's address");
+                // Connected before this returns: queued ahead of rank 0's link.
+                let s = TcpStream::connect(addr).expect("the stranger connects");
+                *self.stranger.lock().unwrap() = Some(std::thread::spawn(move || trickle(s)));
+            }
+            Ok(all)
+        }
+    }
+
+    /// Announces a frame of 4000 bytes (the secret's exchange reads it all)
+    /// and sends one byte of it every 200 ms: each read of the acceptor gets
+    /// a byte long before any per-read timeout. Returns how many bytes went
+    /// and whether the far side dropped the link before the stranger gave up
+    /// (a minute in).
+    fn trickle(mut s: TcpStream) -> (usize, bool) {
+        let header = 4000u32.to_le_bytes();
+        for sent in 0..TRICKLE_FOR {
+            let byte = header.get(sent).copied().unwrap_or(0x55);
+            if s.write_all(&[byte]).is_err() {
+                return (sent, true);
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        (TRICKLE_FOR, false)
+    }
+
+    #[test]
+    fn a_stranger_trickling_its_handshake_is_dropped_and_the_ring_still_forms() {
+        let job = JobAuth { job: "j".into(), secret: Secret::generate().unwrap() };
+        // With the secret, the stranger trickles the secret's exchange; without
+        // it, the introduction.
+        for auth in [Some((job, 1)), None] {
+            let rdv = Trickle { inner: LocalRendezvous::new(), stranger: Mutex::new(None) };
+            let o = RingOptions {
+                timeout: Duration::from_secs(20),
+                auth: auth.clone(),
+                ..RingOptions::default()
+            };
+            assert!(STRAY_PATIENCE < o.timeout);
+            let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..2)
+                    .map(|rank| {
+                        let (rdv, o) = (&rdv, o.clone());
+                        s.spawn(move || {
+                            let mut ring = TcpRing::connect(rank, 2, rdv, o).expect("the ring forms");
+                            let mut buf = vec![rank as f32 + 1.0; 1000];
+                            ring.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+                            buf
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            assert!(sums.iter().all(|b| b.iter().all(|&v| v == 3.0)), "secret {}", auth.is_some());
+            let stranger = rdv.stranger.lock().unwrap().take().expect("a stranger came");
+            let (sent, dropped) = stranger.join().unwrap();
+            assert!(dropped, "the stranger was dropped before it gave up, after {sent} bytes");
+        }
     }
 }

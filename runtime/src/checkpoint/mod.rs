@@ -164,6 +164,9 @@ fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
 }
 
 /// The checkpoint's name for `step`.
+/// The name's prefix of a finished run's checkpoint set aside by `--restart`.
+const FINISHED_PREFIX: &str = "finished-";
+
 fn step_name(step: u64) -> String {
     format!("step-{step:010}")
 }
@@ -693,6 +696,51 @@ impl Checkpoints {
         }
     }
 
+    /// Sets a finished run's checkpoints aside (`step-N` becomes
+    /// `finished-step-N`), out of the way of a run that trains the job
+    /// again from step 0: nothing resumes from them or prunes them. Returns
+    /// how many were set aside. Checkpoints in object storage cannot be
+    /// renamed: they are refused, naming the location.
+    pub fn set_aside_finished(&self) -> Result<usize, CheckpointError> {
+        if let Some(r) = &self.remote {
+            return Err(CheckpointError::Io {
+                path: r.url_of(""),
+                detail: "a finished job's checkpoints in object storage cannot be set aside for --restart; \
+                         remove them (or choose another --checkpoint-dir) to train the job again"
+                    .into(),
+            });
+        }
+        let all = self.list()?;
+        for (_, path) in &all {
+            let Some(name) = path.file_name() else { continue };
+            let aside = self.dir.join(format!("{FINISHED_PREFIX}{}", name.to_string_lossy()));
+            // One set aside by an earlier restart is older than this one.
+            if aside.exists() {
+                std::fs::remove_dir_all(&aside).map_err(|e| io(&aside, e))?;
+            }
+            std::fs::rename(path, &aside).map_err(|e| io(path, e))?;
+        }
+        sync_dir(&self.dir)?;
+        self.good.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        Ok(all.len())
+    }
+
+    /// Removes the checkpoints [`Checkpoints::set_aside_finished`] set
+    /// aside (once the run that trained the job again has finished).
+    pub fn remove_set_aside(&self) -> Vec<PathBuf> {
+        if self.remote.is_some() {
+            return Vec::new();
+        }
+        let mut removed = Vec::new();
+        for e in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
+            let set_aside = e.file_name().to_string_lossy().starts_with(FINISHED_PREFIX);
+            if set_aside && e.path().is_dir() && std::fs::remove_dir_all(e.path()).is_ok() {
+                removed.push(e.path());
+            }
+        }
+        removed
+    }
+
     /// Removes what an interrupted writer left: temporary directories (call
     /// only while nothing writes checkpoints, as at a job's start).
     pub fn clean_leftovers(&self) -> Vec<PathBuf> {
@@ -975,6 +1023,28 @@ mod tests {
         assert!(cps.has_file("complete.json").unwrap());
         cps.remove_file("complete.json");
         assert!(!cps.has_file("complete.json").unwrap());
+    }
+
+    #[test]
+    fn a_finished_run_set_aside_is_neither_resumed_nor_pruned_until_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let cps = Checkpoints::new(dir.path(), 2);
+        cps.save(&layout(), &state(1.0), manifest(50)).unwrap();
+        cps.save(&layout(), &state(2.0), manifest(60)).unwrap();
+        assert_eq!(cps.set_aside_finished().unwrap(), 2);
+        assert!(cps.list().unwrap().is_empty());
+        assert!(cps.latest().unwrap().0.is_none(), "nothing to resume from");
+        // The new run writes its own (lower steps); the old ones stay.
+        cps.save(&layout(), &state(3.0), manifest(10)).unwrap();
+        cps.save(&layout(), &state(4.0), manifest(20)).unwrap();
+        cps.save(&layout(), &state(5.0), manifest(30)).unwrap();
+        assert_eq!(cps.list().unwrap().iter().map(|(s, _)| *s).collect::<Vec<_>>(), [20, 30]);
+        let aside = dir.path().join("finished-step-0000000060");
+        assert_eq!(Checkpoints::read(&aside).unwrap().manifest.step, 60, "the finished state is intact");
+        let removed = cps.remove_set_aside();
+        assert_eq!(removed.len(), 2);
+        assert!(!aside.exists());
+        assert_eq!(cps.latest().unwrap().0.unwrap().manifest.step, 30);
     }
 
     #[test]

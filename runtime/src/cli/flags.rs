@@ -137,6 +137,13 @@ pub struct StateArgs {
     /// this coordinator with their state.
     #[arg(long)]
     pub standby: bool,
+    /// Train a job that finished before again, from step 0. Without it, a
+    /// coordinator (or standby) that finds the job finished says so, names
+    /// its final checkpoint and exits 0. The finished run's checkpoints are
+    /// set aside (`finished-step-*`) and removed only once the new run has
+    /// finished too.
+    #[arg(long)]
+    pub restart: bool,
 }
 
 /// Where a job's students get soft labels, and how they call teachers.
@@ -493,6 +500,13 @@ pub struct LivenessArgs {
     /// Seconds a worker asked for may take to join before it is given up.
     #[arg(long, value_name = "SECS", default_value_t = 60)]
     pub join_timeout_secs: u64,
+    /// Restarts after the same failure before the job gives up. A job of
+    /// steps: every worker lost to the same program error (its exception)
+    /// at the same step, from the same checkpoint (default 1: once more,
+    /// then the job ends with the traceback). With --torchrun: group
+    /// restarts after rank failures (default 3; resizes do not count).
+    #[arg(long, value_name = "N")]
+    pub max_restarts: Option<u32>,
 }
 
 /// What a run writes besides its output lines.

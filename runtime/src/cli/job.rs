@@ -62,8 +62,24 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     }
     let mut display = ProgressDisplay::new(work.rows() as u64, args.training.epochs)?;
     let teacher_accuracy = job.teachers().accuracy();
+    // SIGTERM or SIGINT stops the job with notice: a checkpoint, its
+    // workers stopped, its report written, exit status 143 or 130.
+    edl_runtime::process::hear_stop_signals();
+    let _stops = edl_runtime::process::StopsWithNotice::begin();
     let outcome = match coordinator::run(job, &mut |p| display.show(p)) {
         Ok(o) => o,
+        Err(e) if e.is::<coordinator::AlreadyFinished>() => {
+            display.finish();
+            println!("done      {e}");
+            return Ok(ExitCode::SUCCESS);
+        }
+        Err(e) if e.is::<edl_runtime::process::StopSignalled>() => {
+            display.finish();
+            write_failed_report(args.output.report.as_deref(), &name, &e, &dirs.checkpoint_dir);
+            eprintln!("{e}");
+            let code = e.downcast_ref::<edl_runtime::process::StopSignalled>().map_or(1, |s| s.exit_code());
+            return Ok(ExitCode::from(code));
+        }
         Err(e) => {
             display.finish();
             write_failed_report(args.output.report.as_deref(), &name, &e, &dirs.checkpoint_dir);
@@ -204,8 +220,10 @@ fn job_config(args: &JobArgs, spec: JobSpec, dirs: &JobDirs) -> Result<JobConfig
         hyper: Hyperparams { global_batch: t.batch, local_batch: t.batch, lr: t.lr, momentum: t.momentum },
         store: args.state.store.clone(),
         standby: args.state.standby,
+        restart: args.state.restart,
         step_timeout: Duration::from_secs(l.step_timeout_secs),
         join_timeout: Duration::from_secs(l.join_timeout_secs.max(1)),
+        max_restarts: l.max_restarts.unwrap_or(1),
         price_per_worker_hour: s.price,
         secret: job_secret(c.secret_file.as_deref(), &args.state.store, dirs)?,
         addresses: net::Addresses {

@@ -56,6 +56,7 @@ pub const TORCHRUN_FLAGS: &[&str] = &[
     // Across hosts with a shared store: the group outlives its launcher.
     "store",
     "standby",
+    "restart",
     "worker_reconnect_secs",
 ];
 
@@ -74,10 +75,6 @@ pub struct LaunchArgs {
     /// restarts when the policy changes its size or a rank fails.
     #[arg(long, help_heading = "torchrun")]
     pub torchrun: bool,
-    /// With --torchrun: group restarts after rank failures before the job
-    /// gives up (resizes do not count).
-    #[arg(long, value_name = "N", default_value_t = 3, requires = "torchrun", help_heading = "torchrun")]
-    pub max_restarts: u32,
     /// With --torchrun: seconds between two scaling-policy decisions (each
     /// resize restarts the group, so not too often).
     #[arg(
@@ -149,9 +146,19 @@ fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
         cfg.decide_every.as_secs_f64()
     );
     let mut on = |e: TorchrunEvent| print_torchrun_event(e, cfg.max_restarts);
+    // SIGTERM or SIGINT stops the group with notice, writes the report and
+    // exits 143 or 130.
+    edl_runtime::process::hear_stop_signals();
+    let _stops = edl_runtime::process::StopsWithNotice::begin();
     let outcome = if across {
         let (hc, mut scaler) = hosts_config(&l, &job_dir, nproc)?;
-        torchrun::run_hosts(&cfg, hc, scaler.as_mut(), policy.as_mut(), &mut on)?
+        match torchrun::run_hosts(&cfg, hc, scaler.as_mut(), policy.as_mut(), &mut on) {
+            Err(e) if e.is::<edl_runtime::coordinator::AlreadyFinished>() => {
+                println!("done      {e}");
+                return Ok(ExitCode::SUCCESS);
+            }
+            r => r?,
+        }
     } else {
         torchrun::run(&cfg, policy.as_mut(), &mut on)?
     };
@@ -216,7 +223,11 @@ fn write_torchrun_report(
     let report = serde_json::json!({
         "job": job,
         "mode": "torchrun",
-        "status": if outcome.failure.is_none() { "succeeded" } else { "failed" },
+        "status": match (&outcome.failure, outcome.stopped_by) {
+            (_, Some(_)) => "stopped",
+            (None, None) => "succeeded",
+            (Some(_), None) => "failed",
+        },
         "policy": policy_name,
         "resizes": resizes,
         "outcome": outcome,
@@ -226,6 +237,14 @@ fn write_torchrun_report(
 
 /// Says how the job ended; the exit code is the failed rank's, as torchrun's.
 fn torchrun_exit(outcome: TorchrunOutcome, resizes: usize) -> ExitCode {
+    if let Some(signal) = outcome.stopped_by {
+        eprintln!(
+            "stopped by {}: the group's ranks were stopped with notice after {:.1} s",
+            edl_runtime::process::signal_name(signal),
+            outcome.secs
+        );
+        return ExitCode::from(u8::try_from(128 + signal).unwrap_or(1));
+    }
     match outcome.failure {
         None => {
             println!(
@@ -284,6 +303,7 @@ fn hosts_config(l: &LaunchArgs, job_dir: &Path, nproc: u32) -> Result<(HostsConf
         lead: (l.run.state.store != "memory").then(|| Lead {
             store: l.run.state.store.clone(),
             standby: l.run.state.standby,
+            restart: l.run.state.restart,
             reconnect: Duration::from_secs(l.run.liveness.worker_reconnect_secs),
         }),
     };
@@ -296,7 +316,7 @@ fn torchrun_config(l: &LaunchArgs, job_dir: &std::path::Path) -> Result<Torchrun
     cfg.min_workers = b.min_workers;
     cfg.max_workers = b.max_workers;
     cfg.initial_workers = b.initial();
-    cfg.max_restarts = l.max_restarts;
+    cfg.max_restarts = l.run.liveness.max_restarts.unwrap_or(3);
     cfg.decide_every = secs(l.decide_secs, "decide-secs")?;
     cfg.grace = secs(l.stop_grace_secs, "stop-grace-secs")?;
     cfg.price_per_worker_hour = l.run.scaling.price;

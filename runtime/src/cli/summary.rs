@@ -11,9 +11,10 @@ use std::{path::Path, process::ExitCode};
 /// A failed job still says what happened, for whoever reads the reports.
 pub(super) fn write_failed_report(out: Option<&Path>, name: &str, e: &anyhow::Error, checkpoint_dir: &Path) {
     let Some(out) = out else { return };
+    let stopped = e.is::<edl_runtime::process::StopSignalled>();
     let failed = serde_json::json!({
         "job": name,
-        "status": "failed",
+        "status": if stopped { "stopped" } else { "failed" },
         "error": format!("{e:#}"),
         "checkpoint_dir": checkpoint_dir,
     });

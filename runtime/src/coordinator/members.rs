@@ -2,6 +2,7 @@
 //! (plans, stops, starts), what the control connections say, starters that
 //! die before joining, failures that end a generation, and worker leases.
 
+use crate::scalers::Scaler;
 use super::records::*;
 use super::{CRASH_LOG_LINES, Coordinator, SECOND};
 use crate::control::inbox::Inbound;
@@ -184,6 +185,7 @@ impl Coordinator<'_> {
                 Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
             }
             self.check_fatal()?;
+            self.stop_signalled()?;
             self.check_spawning();
         }
         if self.membership.joiners() == 0 {
@@ -211,6 +213,7 @@ impl Coordinator<'_> {
             f.dead.iter().filter_map(|&r| self.membership.members().get(r).map(|m| m.id)).collect();
         self.membership.fail(Instant::now(), &dead);
         self.execute();
+        self.lost.extend(&dead);
         let why = if f.errors.is_empty() { "a rank failed".to_string() } else { f.errors.join("; ") };
         let ahead = match f.dropped {
             0 | 1 => String::new(),

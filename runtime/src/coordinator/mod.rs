@@ -25,17 +25,18 @@ mod steps;
 
 use crate::job::{JobConfig, assembly::Job};
 pub use records::{JobOutcome, Progress, StepRecord, StoreEvent};
-pub use resume::mark_complete;
+pub use resume::{AlreadyFinished, mark_complete};
 
 use crate::checkpoint::Checkpoints;
 use crate::control::inbox::Inbound;
 use crate::control::proto::StepPlan;
 use crate::coordinator::machine::membership::{Leave, Membership};
-use crate::coordinator::machine::phase::{JobPhase, Phase};
+use crate::coordinator::machine::phase::{CrashLoop, JobPhase, Phase};
 use crate::coordinator::machine::pipeline::Pipeline;
 use crate::coordinator::machine::tally::Tally;
 use crate::coordinator::machine::timers::{Timer, TimerTable};
 use crate::leader::record::{DataIdentity, JobState, PluginMemory, ScaleEvent};
+use crate::leader::seal::RecordKey;
 use crate::plugin::{AdapterPlugin, PolicyPlugin};
 use crate::scalers::Scaler;
 use crate::store::{AnyStore, keys};
@@ -60,7 +61,7 @@ struct Coordinator<'a> {
     teacher_watch: Option<Box<dyn crate::job::teacher_pool::TeacherWatch>>,
     policy: Box<dyn PolicyPlugin>,
     adapter: Option<Box<dyn AdapterPlugin>>,
-    scaler: Box<dyn Scaler>,
+    scaler: crate::scalers::fenced::FencedScaler,
     progress: &'a mut dyn FnMut(Progress),
     /// The store, the control port and the rendezvous.
     io: Io,
@@ -128,6 +129,22 @@ struct Coordinator<'a> {
     /// A worker told to go holds the only state: a checkpoint of it, so
     /// that its going first costs only the steps since then.
     notice_checkpoint: Option<NoticeCheckpoint>,
+    /// Workers lost since the job last went back to a checkpoint (their
+    /// logs say what they died of).
+    lost: Vec<u64>,
+    /// Every worker lost to the same program error again and again.
+    crash_loop: CrashLoop,
+    /// SIGTERM or SIGINT came: the job stops once its committed state is
+    /// in a checkpoint.
+    stopping: Option<Stopping>,
+}
+
+/// A job stopping on a signal: the checkpoint asked of its committed
+/// state, and where it was written.
+struct Stopping {
+    since: Instant,
+    asked: Option<u64>,
+    written: Option<PathBuf>,
 }
 
 /// What workers are told about the job that is not its configuration:
@@ -207,7 +224,14 @@ pub fn run(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobOutcome> {
         Plugins { policy: plugins.policy, adapter: plugins.adapter, scaler, teacher_watch: teachers.watch() };
     let mut c = Coordinator::new(cfg, io, plugins, told, progress)?;
     let result = c.job();
-    c.close(result.is_ok());
+    let reason = match &result {
+        Ok(_) => "the job is done".to_string(),
+        Err(e) => match e.downcast_ref::<crate::process::StopSignalled>() {
+            Some(s) => format!("the coordinator was stopped by {}", crate::process::signal_name(s.signal)),
+            None => "the job failed".to_string(),
+        },
+    };
+    c.close(&reason);
     drop(lock);
     drop(teachers);
     result
@@ -277,7 +301,7 @@ impl<'a> Coordinator<'a> {
             teacher_watch: plugins.teacher_watch,
             policy: plugins.policy,
             adapter: plugins.adapter,
-            scaler: plugins.scaler,
+            scaler: crate::scalers::fenced::FencedScaler::new(plugins.scaler),
             progress,
             io,
             ckpt: Checkpoints::open(&cfg.spec.checkpoint_dir, cfg.spec.keep_checkpoints)?,
@@ -322,20 +346,23 @@ impl<'a> Coordinator<'a> {
             takeover: None,
             store_events: Vec::new(),
             leaving: Vec::new(),
+            lost: Vec::new(),
+            crash_loop: CrashLoop::new(cfg.max_restarts),
+            stopping: None,
             notice_checkpoint: None,
             cfg,
         })
     }
 
-    /// The job is over (`ok`: it finished): its workers are stopped, or
+    /// The job is over (`reason`: how): its workers are stopped, or
     /// left to the coordinator that deposed this one, and the store is
     /// written one last time.
-    fn close(&mut self, ok: bool) {
+    fn close(&mut self, reason: &str) {
         if self.keeper.as_ref().and_then(|k| k.fenced()).is_some() {
             // Deposed: the workers follow the coordinator that leads now.
             self.scaler.release();
         } else {
-            self.membership.stop_all(if ok { "the job is done" } else { "the job failed" });
+            self.membership.stop_all(reason);
             self.execute();
         }
         if let Some(k) = &self.keeper {
@@ -411,11 +438,13 @@ impl Coordinator<'_> {
     /// Returns the step the job resumed from.
     fn start(&mut self) -> Result<Option<u64>> {
         // Before anything is read or changed: one coordinator per job.
-        let lease = self.io.rt.block_on(crate::leader::keeper::take_lease(
+        let seal = RecordKey::job_records(&self.cfg.secret);
+        let mut lease = self.io.rt.block_on(crate::leader::keeper::take_lease(
             &self.io.store,
             &self.cfg.spec.job,
             LEASE_TTL,
             self.cfg.standby,
+            &seal,
         ))?;
         let resumed = self.resume()?;
         // The checkpoints are this coordinator's from here on: a deposed one
@@ -423,6 +452,9 @@ impl Coordinator<'_> {
         // embedded one) gives tokens that start again with each run; the
         // job's local lock keeps others out then, and the claim is replaced.
         let shared = !matches!(self.io.store, crate::store::AnyStore::Memory(_));
+        if shared {
+            self.fence_above_checkpoints(&mut lease)?;
+        }
         let token = if shared { lease.token() } else { 0 };
         self.ckpt.claim(token, resumed.unwrap_or(0), !shared).with_context(|| {
             format!("claiming the checkpoints at {}", self.cfg.spec.checkpoint_dir.display())
@@ -437,7 +469,17 @@ impl Coordinator<'_> {
             keys::job_state(&self.cfg.spec.job),
             self.state_token,
             Some(lease),
+            seal,
         )?);
+        if let Some(k) = &self.keeper {
+            // Every start and stop from here on checks the lease first.
+            self.scaler.guard(k.fence());
+        }
+        if resumed.is_none() {
+            // A job that starts from step 0 (new, or finished before and
+            // restarted) is no longer finished in the store from here on.
+            self.save_state(false);
+        }
         self.first_generation = self.generation + 1;
         self.note(format!(
             "coordinator at {} (rendezvous {}); workers join with `edl-runtime worker --coordinator {}`",
@@ -547,11 +589,19 @@ impl Coordinator<'_> {
         let final_world = self.membership.world();
         self.membership.stop_all("the job is done");
         self.execute();
-        self.save_state(true);
+        // The store says "finished" only once every epoch is accounted for:
+        // a job that is not stays resumable from its checkpoints.
+        let accounted = self.accounted_for(total);
+        self.save_state(accounted.is_ok());
         if let Some(k) = &self.keeper
             && let Err(e) = k.flush(Duration::from_secs(10))
         {
             self.note(format!("the job's final state may not be in the store: {e}"));
+        }
+        self.store_news();
+        accounted?;
+        for p in self.ckpt.remove_set_aside() {
+            self.note(format!("removed {} (the run before --restart)", p.display()));
         }
         let outcome = JobOutcome {
             final_checkpoint,
@@ -575,20 +625,25 @@ impl Coordinator<'_> {
                 .filter_map(|&id| Some((id, self.scaler.handle(id)?)))
                 .collect(),
         };
-        let finished = outcome.epochs.len() as u64;
+        Ok(outcome)
+    }
+
+    /// Whether every one of the job's `total` epochs is accounted for.
+    fn accounted_for(&self, total: u64) -> Result<()> {
+        let epochs = &self.tally.ledger.epochs;
         let whole = self.tally.train_len() as u64;
-        if finished != total {
+        if epochs.len() as u64 != total {
             bail!(
-                "the job ended with {finished} of {total} epochs accounted for ({}); its checkpoints stay for a rerun",
-                outcome
-                    .epochs
+                "the job ended with {} of {total} epochs accounted for ({}); its checkpoints stay for a rerun",
+                epochs.len(),
+                epochs
                     .iter()
                     .map(|e| format!("epoch {}: {} of {whole} samples", e.epoch, e.samples_committed))
                     .collect::<Vec<_>>()
                     .join(", ")
             );
         }
-        Ok(outcome)
+        Ok(())
     }
 
     /// Takes what the keeper saw happen to the store, and says it.
@@ -664,6 +719,7 @@ impl Coordinator<'_> {
             next_worker_id: self.membership.next_id(),
             members,
             finished,
+            failed: None,
             handover: self.told.follow.as_ref().map(|f| f.token).map(|token| {
                 crate::leader::record::Handover {
                     leader: crate::job::spec::Leader { addr: self.io.addr.clone(), token },

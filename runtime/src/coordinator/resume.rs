@@ -2,13 +2,16 @@
 //! the end, the bookkeeping they carry besides the tensors, and a resume
 //! that refuses to continue on another data order.
 
+use crate::scalers::Scaler;
 use super::records::*;
 use super::{CHORES_EVERY, Coordinator, NoticeCheckpoint, ms};
 use crate::checkpoint::{Checkpoints, Manifest, Restored};
 use crate::control::proto::{ToWorker, send};
 use crate::coordinator::machine::ledger::{EpochRecord, Ledger};
+use crate::coordinator::machine::phase::Crash;
 use crate::coordinator::machine::pipeline::Failure;
 use crate::leader::record::{DataIdentity, JobState, PluginMemory, ScaleEvent};
+use crate::leader::seal::RecordKey;
 use crate::store::{Store, keys};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
@@ -42,6 +45,18 @@ pub fn mark_complete(checkpoint_dir: &std::path::Path, epochs: &[EpochRecord]) -
     Ok(())
 }
 
+/// A job found finished (by a rerun, or a standby once the coordinator
+/// that finished it let go): nothing to train, unless `--restart`.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "job {job:?} finished before{}; nothing to do (--restart trains it again from step 0)",
+    final_checkpoint.as_ref().map(|p| format!(", its final checkpoint is {}", p.display())).unwrap_or_default()
+)]
+pub struct AlreadyFinished {
+    pub job: String,
+    pub final_checkpoint: Option<PathBuf>,
+}
+
 /// The marker of a finished job, beside its checkpoints.
 const COMPLETE: &str = "complete.json";
 
@@ -53,7 +68,13 @@ impl Coordinator<'_> {
         let stored: Option<JobState> = match self.io.rt.block_on(self.io.store.get(&key)) {
             Ok(Some(e)) => {
                 self.state_token = Some(e.token);
-                serde_json::from_slice(&e.value).ok()
+                match JobState::open(&key, &e.value, &RecordKey::job_records(&self.cfg.secret)) {
+                    Ok(s) => Some(s),
+                    Err(why) => {
+                        self.note(format!("the job's state in the store is ignored: {why}"));
+                        None
+                    }
+                }
             }
             Ok(None) => None,
             Err(e) => bail!("reading the job state: {e}"),
@@ -64,12 +85,7 @@ impl Coordinator<'_> {
         }
         let complete = self.ckpt.has_file(COMPLETE).context("looking for the finished job's marker")?;
         if complete || stored.as_ref().is_some_and(|s| s.finished) {
-            self.note(format!("job {:?} finished before; starting it again from step 0", self.cfg.spec.job));
-            for (_, p) in self.ckpt.list().context("listing the finished job's checkpoints")? {
-                self.ckpt.remove(&p);
-            }
-            self.ckpt.remove_file(COMPLETE);
-            return Ok(None);
+            return self.finished_before().map(|()| None);
         }
         for p in self.checkpoints().clean_leftovers() {
             self.note(format!("removed {} (left by an interrupted checkpoint write)", p.display()));
@@ -80,6 +96,45 @@ impl Coordinator<'_> {
             return self.take_over(s, h).map(Some);
         }
         self.resume_from_checkpoint(stored.map(|s| s.committed_steps))
+    }
+
+    /// The job finished before. Without `--restart` there is nothing to
+    /// do ([`AlreadyFinished`]); with it, the finished run's checkpoints are
+    /// set aside (removed once this run has finished too) and the job
+    /// starts again from step 0.
+    fn finished_before(&mut self) -> Result<()> {
+        let job = &self.cfg.spec.job;
+        let listed = self.ckpt.list().context("listing the finished job's checkpoints")?;
+        if !self.cfg.restart {
+            let final_checkpoint = listed.last().map(|(_, p)| p.clone());
+            return Err(AlreadyFinished { job: job.clone(), final_checkpoint }.into());
+        }
+        let n = self.ckpt.set_aside_finished().context("setting the finished job's checkpoints aside")?;
+        self.ckpt.remove_file(COMPLETE);
+        self.note(format!(
+            "job {job:?} finished before; --restart: training it again from step 0 (its {n} checkpoints are \
+             kept as finished-step-* until this run finishes)"
+        ));
+        Ok(())
+    }
+
+    /// Keeps the fencing token monotonic across a store that lost its data
+    /// (restarted without persistence, or replaced): its token sequence
+    /// starts again, below the token the checkpoints were claimed with,
+    /// which would refuse this coordinator and which the workers would not
+    /// follow. The lease's fencing token goes above the fence then.
+    pub(super) fn fence_above_checkpoints(&mut self, lease: &mut crate::leader::keeper::JobLease) -> Result<()> {
+        let Some(fence) = self.ckpt.fence().context("reading the checkpoints' fence")? else { return Ok(()) };
+        let store_token = lease.token();
+        if lease.fence_above(fence.token) {
+            self.note(format!(
+                "the store's lease token {store_token} is not above the checkpoints' fence (token {}): the store \
+                 lost its data; this coordinator fences with token {}",
+                fence.token,
+                lease.token()
+            ));
+        }
+        Ok(())
     }
 
     /// Whether the job's store is shared (not the coordinator's own): the
@@ -262,16 +317,47 @@ impl Coordinator<'_> {
     }
 
     /// Every worker is gone: start over from the newest checkpoint with new ones.
+    /// The same program error from the same checkpoint, once more than
+    /// `--max-restarts` allows, ends the job with its traceback instead.
     pub(super) fn recover_from_nothing(&mut self) -> Result<()> {
         let joining = self.membership.joiners();
+        let failed_at = self.tally.committed;
+        let died_of = self.program_error_of_lost();
         self.restore_newest(match joining {
             0 => "no worker left".into(),
             n => format!("no worker holding the state is left ({n} joining have none)"),
         })?;
+        let from = self.tally.committed;
+        self.lost.clear();
+        self.crash_loop.all_lost(died_of.map(|(error, traceback)| Crash { from, step: failed_at, error, traceback }))?;
         self.membership.refill(Instant::now());
         self.execute();
         self.wait_for_joiners(1)?;
         Ok(())
+    }
+
+    /// The program error the workers lost since the last restore died of
+    /// (the exception their log ends with) and the log's tail that quotes
+    /// it. Their last lines may still be on the way to the log: it is read
+    /// again for a moment before no error is taken for an answer.
+    fn program_error_of_lost(&self) -> Option<(String, String)> {
+        let logs: Vec<(u64, PathBuf)> =
+            self.lost.iter().filter_map(|&id| Some((id, self.scaler.log_of(id)?))).collect();
+        if logs.is_empty() {
+            return None;
+        }
+        let until = Instant::now() + Duration::from_secs(1);
+        loop {
+            for (id, log) in &logs {
+                if let Some(error) = crate::process::program_error(log) {
+                    return Some((error, self.log_tail(*id)));
+                }
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// The job's state is held by no worker (`why`): the next generation
@@ -307,14 +393,46 @@ impl Coordinator<'_> {
             self.notice_checkpoint = None;
         }
         let notice = self.notice_checkpoint == Some(NoticeCheckpoint::Due);
-        if self.tally.committed == 0 || !(steps || time || at_epoch_start || notice) {
+        let stop = self.stopping.as_ref().is_some_and(|s| s.asked.is_none());
+        if self.tally.committed == 0 || !(steps || time || at_epoch_start || notice || stop) {
             return None;
+        }
+        if let Some(s) = self.stopping.as_mut() {
+            s.asked = Some(self.tally.committed);
         }
         if notice {
             self.notice_checkpoint = Some(NoticeCheckpoint::Writing(self.tally.committed));
         }
         self.last_checkpoint = Instant::now();
         Some(self.manifest())
+    }
+
+    /// SIGTERM or SIGINT came: the committed state goes to a checkpoint at
+    /// the next commit point, then the job stops (an error saying so, which
+    /// stops the workers with notice). It stops without one when no worker
+    /// holds the state, nothing was committed yet, or the checkpoint did
+    /// not come within half of [`crate::process::STOP_WITHIN`].
+    pub(super) fn stop_signalled(&mut self) -> Result<()> {
+        let Some(signal) = crate::process::stop_requested() else { return Ok(()) };
+        if self.stopping.is_none() {
+            self.note(format!(
+                "{}: stopping the job once its committed state is in a checkpoint",
+                crate::process::signal_name(signal)
+            ));
+            self.stopping = Some(super::Stopping { since: Instant::now(), asked: None, written: None });
+        }
+        let Some(s) = &self.stopping else { return Ok(()) };
+        let out_of_time = s.since.elapsed() >= crate::process::STOP_WITHIN / 2;
+        let nothing_to_save = self.membership.world() == 0 || self.tally.committed == 0;
+        let what = match (&s.written, s.asked) {
+            (Some(p), Some(step)) => format!("its state at step {step} is in checkpoint {}", p.display()),
+            _ if !(out_of_time || nothing_to_save) => return Ok(()),
+            _ => match self.checkpoints.last() {
+                Some(p) => format!("no checkpoint of step {} was written; the newest is {}", self.tally.committed, p.display()),
+                None => format!("no checkpoint of step {} was written", self.tally.committed),
+            },
+        };
+        Err(crate::process::StopSignalled { signal, what: format!("{what}; a rerun resumes from it") }.into())
     }
 
     pub(super) fn manifest(&mut self) -> Manifest {
@@ -393,6 +511,9 @@ impl Coordinator<'_> {
             match &w.result {
                 Ok(p) => {
                     (self.progress)(Progress::Checkpoint { step: w.step, path: p });
+                    if let Some(s) = self.stopping.as_mut().filter(|s| s.asked == Some(w.step)) {
+                        s.written = Some(p.clone());
+                    }
                     if self.notice_checkpoint == Some(NoticeCheckpoint::Writing(w.step)) {
                         self.notice_checkpoint = None;
                         self.note(format!(

@@ -2,6 +2,7 @@
 //! adapter's answer at each resize, and the step boundary where the world
 //! changes.
 
+use crate::scalers::Scaler;
 use super::records::*;
 use super::{Coordinator, ms};
 use anyhow::{Result, bail};

@@ -2,6 +2,7 @@
 //! reports gathered, steps committed (the cursor moves and the samples enter
 //! the ledger), failures turned into the next generation.
 
+use crate::scalers::Scaler;
 use super::records::*;
 use super::{AHEAD, CHORES_EVERY, Coordinator, MAX_WINDOW, SECOND, WINDOW_WORK_MS, ms};
 use crate::control::proto::{Generation, Share, StepDone, StepPlan, ToWorker, encode, send, send_encoded};
@@ -74,6 +75,7 @@ impl Coordinator<'_> {
         // A coordinator that lost its lease (it was frozen, or cut off)
         // stops before it acts on anyone.
         self.fenced()?;
+        self.stop_signalled()?;
         self.store_news();
         let late = self.pipe.as_mut().map(|p| p.handle_timeout(now)).unwrap_or_default();
         for rank in late {

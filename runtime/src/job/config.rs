@@ -25,10 +25,15 @@ pub struct JobConfig {
     pub store: String,
     /// Wait for the job's lease as a standby instead of refusing to start.
     pub standby: bool,
+    /// Train a finished job again from step 0 (its checkpoints set aside).
+    pub restart: bool,
     /// A rank that answers no step within this is declared dead.
     pub step_timeout: Duration,
     /// A started worker that does not join within this is given up.
     pub join_timeout: Duration,
+    /// Restarts from the same checkpoint after every worker was lost to
+    /// the same program error, before the job ends.
+    pub max_restarts: u32,
     pub price_per_worker_hour: f64,
     /// The job's secret: every control connection, rendezvous registration
     /// and ring link proves it.

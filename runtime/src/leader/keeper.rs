@@ -15,7 +15,9 @@
 //! on any host that shares the store is refused, naming the holder; a
 //! coordinator whose lease was taken is fenced.
 
+use crate::clock::BootInstant;
 use crate::leader::record::JobState;
+use crate::leader::seal::RecordKey;
 use crate::store::{AnyStore, Cas, Store, StoreError, redact};
 use std::{
     sync::{
@@ -141,7 +143,7 @@ struct Shared {
     /// long. Read by [`LeaseFence::fenced`] on the coordinator's own clock,
     /// so a lease that lapsed fences it whatever the keeper's thread is
     /// waiting on.
-    term: Arc<Mutex<Option<(Instant, Duration)>>>,
+    term: Arc<Mutex<Option<(BootInstant, Duration)>>>,
     /// The committed step of the newest job state the store took (0: none yet).
     stored: Arc<AtomicU64>,
     /// What happened to the store that the job went on through (a
@@ -155,10 +157,15 @@ struct Shared {
 #[derive(Clone)]
 pub struct LeaseFence {
     fenced: Arc<Mutex<Option<Fenced>>>,
-    term: Arc<Mutex<Option<(Instant, Duration)>>>,
+    term: Arc<Mutex<Option<(BootInstant, Duration)>>>,
 }
 
 impl LeaseFence {
+    /// A fence of a lease the store last confirmed at `confirmed`, for `ttl`.
+    pub fn confirmed_at(confirmed: BootInstant, ttl: Duration) -> Self {
+        LeaseFence { fenced: Arc::new(Mutex::new(None)), term: Arc::new(Mutex::new(Some((confirmed, ttl)))) }
+    }
+
     /// Why this coordinator may no longer act, if so.
     pub fn fenced(&self) -> Option<Fenced> {
         if let Some(why) = lock(&self.fenced).clone() {
@@ -181,11 +188,13 @@ pub struct StoreKeeper {
 impl StoreKeeper {
     /// Starts the keeper of `key` in the store at `url`; `token` is the
     /// state's token as read at start (None: the job has no state yet).
+    /// The state is sealed with `seal` (see [`crate::leader::seal`]).
     pub fn start(
         url: &str,
         key: String,
         token: Option<u64>,
         lease: Option<JobLease>,
+        seal: RecordKey,
     ) -> anyhow::Result<Self> {
         let (tx, rx) = mpsc::unbounded_channel::<Cmd>();
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -208,6 +217,7 @@ impl StoreKeeper {
             renew_every: lease.as_ref().map_or(Duration::from_secs(3600), |l| l.ttl / 3),
             lease,
             leader: None,
+            seal,
             shared: shared.clone(),
         };
         std::thread::Builder::new()
@@ -289,6 +299,8 @@ struct Keeper {
     renew_every: Duration,
     /// The replicated store's leader, asked after each renewal.
     leader: Option<String>,
+    /// What seals the job's state.
+    seal: RecordKey,
     shared: Shared,
 }
 
@@ -332,6 +344,10 @@ impl Keeper {
                     }
                 }
                 Cmd::Flush(done) => {
+                    // The state written, one more look at the store's
+                    // leader: a change during the last renewal period is
+                    // news too.
+                    self.ask_leader().await;
                     let _ = done.send(());
                 }
             }
@@ -391,8 +407,9 @@ impl Keeper {
         }
         // Bounded by a third of the lease, as its renewals are.
         let bound = self.lease.as_ref().map_or(Duration::from_secs(10), |l| l.ttl / 3);
-        let mine = self.lease.as_ref().map(|l| l.token);
-        match write_state(&self.store, &self.key, &mut self.token, &mut self.lost, s, bound, mine).await {
+        let mine = self.lease.as_ref().map(|l| l.token.max(l.fence.unwrap_or(0)));
+        let (store, seal) = (&self.store, &self.seal);
+        match write_state(store, seal, &self.key, &mut self.token, &mut self.lost, s, bound, mine).await {
             Ok(()) => self.shared.stored.store(s.committed_steps, Ordering::Release),
             Err(e) => {
                 if let WriteError::Fenced(why) = &e {
@@ -424,8 +441,10 @@ impl Keeper {
 ///   late write, landed after this one took the job over;
 /// - the bytes of the last write whose answer never came (`lost`), for a
 ///   state that names no leader.
+#[allow(clippy::too_many_arguments)]
 async fn write_state(
     store: &AnyStore,
+    seal: &RecordKey,
     key: &str,
     token: &mut Option<u64>,
     lost: &mut Option<Vec<u8>>,
@@ -433,7 +452,7 @@ async fn write_state(
     bound: Duration,
     mine: Option<u64>,
 ) -> Result<(), WriteError> {
-    let value = serde_json::to_vec(s)?;
+    let value = seal.seal(key, &serde_json::to_vec(s)?);
     let until = tokio::time::Instant::now() + bound;
     let mut overwritten = false;
     loop {
@@ -460,14 +479,19 @@ async fn write_state(
             }
             Cas::Conflict { current: Some(theirs) } => {
                 let held = within(until, store.get(key)).await?.filter(|e| e.token == theirs);
-                let led = held.as_ref().and_then(|e| leader_token(&e.value));
+                let opened = held.as_ref().map(|e| seal.open(key, &e.value));
+                let led = opened.as_ref().and_then(|o| o.as_ref().ok()).and_then(|v| leader_token(v));
                 let ours = led.zip(mine).is_some_and(|(t, m)| t == m)
                     || held.as_ref().zip(lost.as_ref()).is_some_and(|(e, sent)| &e.value == sent);
                 let deposed = led.zip(mine).is_some_and(|(t, m)| t < m);
-                if !(ours || deposed) {
+                // Written without the job's secret: no coordinator's.
+                let forged = opened.as_ref().and_then(|o| o.as_ref().err());
+                if !(ours || deposed || forged.is_some()) {
                     return Err(Fenced::StateWritten { theirs: Some(theirs), mine: *token }.into());
                 }
-                if deposed {
+                if let Some(why) = forged {
+                    tracing::warn!("the job's state: {why}; it is overwritten");
+                } else if deposed {
                     tracing::warn!(
                         "the job's state held a deposed coordinator's late write; it is overwritten"
                     );
@@ -506,7 +530,13 @@ pub struct JobLease {
     /// When the store last confirmed the lease (the request that it
     /// answered was sent then): the lease holds until `ttl` after it, and
     /// not a moment longer as far as this coordinator can know.
-    confirmed: std::time::Instant,
+    confirmed: BootInstant,
+    /// What seals the lease's record (and opens the one found in its place).
+    seal: RecordKey,
+    /// The fencing token, where it is not the lease's first token: the
+    /// store's sequence started again (it lost its data) below the tokens
+    /// the job was fenced with (see [`JobLease::fence_above`]).
+    fence: Option<u64>,
 }
 
 /// The coordinator's identity as the lease shows it: enough to tell, from
@@ -580,11 +610,34 @@ pub async fn take_lease(
     job: &str,
     ttl: Duration,
     standby: bool,
+    seal: &RecordKey,
 ) -> anyhow::Result<JobLease> {
     let mut said = false;
+    let mut unreachable: Option<Duration> = None;
     loop {
-        match try_take_lease(store, job, ttl).await {
+        match try_take_lease(store, job, ttl, seal).await {
+            // A standby rides out a store that is away (restarting, cut
+            // off): it tries again, backing off up to a lease's length.
+            Err(e) if standby && e.is::<crate::store::StoreError>() => {
+                if let Some(signal) = crate::process::stop_requested() {
+                    let what = "the standby had not taken the job over".to_string();
+                    return Err(crate::process::StopSignalled { signal, what }.into());
+                }
+                let wait = unreachable.map_or(Duration::from_millis(100), |w| (w * 2).min(ttl));
+                if unreachable.is_none() {
+                    println!("standby   {e:#}; trying again until the store answers");
+                }
+                unreachable = Some(wait);
+                tokio::time::sleep(wait).await;
+            }
             Err(e) if standby && e.is::<LeaseHeld>() => {
+                if unreachable.take().is_some() {
+                    println!("standby   the store answers again");
+                }
+                if let Some(signal) = crate::process::stop_requested() {
+                    let what = "the standby had not taken the job over".to_string();
+                    return Err(crate::process::StopSignalled { signal, what }.into());
+                }
                 if !said {
                     println!("standby   {e:#}; waiting to take the job over when that lease lapses");
                     said = true;
@@ -598,32 +651,47 @@ pub async fn take_lease(
 }
 
 /// One attempt at [`take_lease`].
-async fn try_take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::Result<JobLease> {
+async fn try_take_lease(store: &AnyStore, job: &str, ttl: Duration, seal: &RecordKey) -> anyhow::Result<JobLease> {
     let key = crate::store::keys::coordinator(job);
     let me = Holder::me();
-    let value = serde_json::to_vec(&me)?;
-    let asked = std::time::Instant::now();
+    let value = seal.seal(&key, &serde_json::to_vec(&me)?);
+    let asked = BootInstant::now();
+    let lease = |token| JobLease {
+        key: key.clone(),
+        value: value.clone(),
+        token,
+        ttl,
+        confirmed: asked,
+        fence: None,
+        seal: seal.clone(),
+    };
     match store.compare_and_set(&key, None, &value, Some(ttl)).await? {
-        Cas::Written(token) => Ok(JobLease { key, value, token, ttl, confirmed: asked }),
+        Cas::Written(token) => Ok(lease(token)),
         Cas::Conflict { .. } => {
             let entry = store.get(&key).await?;
-            let found = entry.as_ref().and_then(|e| serde_json::from_slice::<Holder>(&e.value).ok());
+            let opened = entry.as_ref().map(|e| seal.open(&key, &e.value));
+            let found = opened.as_ref().and_then(|o| o.as_ref().ok()).and_then(|v| serde_json::from_slice::<Holder>(v).ok());
             // This very process's write, applied though its answer was lost.
             if let (Some(e), Some(h)) = (&entry, &found)
                 && *h == me
             {
-                return Ok(JobLease { key, value, token: e.token, ttl, confirmed: asked });
+                return Ok(lease(e.token));
             }
-            if let (Some(e), Some(h)) = (&entry, &found)
-                && h.proven_dead(&me)
+            // A coordinator of this machine and container that died (kill
+            // -9, a crash): its lease is stale, and a restart takes it over
+            // at once. A lease record written without the job's secret holds
+            // nothing: it is taken over too.
+            let forged = opened.as_ref().and_then(|o| o.as_ref().err());
+            if let Some(e) = &entry
+                && (found.as_ref().is_some_and(|h| h.proven_dead(&me)) || forged.is_some())
             {
-                // A coordinator of this machine and container that died
-                // (kill -9, a crash): its lease is stale, and a restart
-                // takes it over at once.
+                if let Some(why) = forged {
+                    tracing::warn!("the job's lease: {why}; it is taken over");
+                }
                 if let Cas::Written(token) =
                     store.compare_and_set(&key, Some(e.token), &value, Some(ttl)).await?
                 {
-                    return Ok(JobLease { key, value, token, ttl, confirmed: asked });
+                    return Ok(lease(token));
                 }
             }
             let holder = match (&entry, found) {
@@ -637,15 +705,28 @@ async fn try_take_lease(store: &AnyStore, job: &str, ttl: Duration) -> anyhow::R
 }
 
 impl JobLease {
-    /// The token the lease was taken with: higher than any its earlier
-    /// holders had (the store's tokens come from one sequence).
+    /// The fencing token: the token the lease was taken with, higher than
+    /// any its earlier holders had (the store's tokens come from one
+    /// sequence), or above the job's fence where the store lost its data.
     pub fn token(&self) -> u64 {
-        self.token
+        self.fence.unwrap_or(self.token)
+    }
+
+    /// Makes the fencing token higher than `floor` (the highest token the
+    /// job's checkpoints were fenced with), where the store's is not: a
+    /// store restarted without its data starts its sequence again. Returns
+    /// whether it had to.
+    pub fn fence_above(&mut self, floor: u64) -> bool {
+        let below = self.token() <= floor;
+        if below {
+            self.fence = Some(floor + 1);
+        }
+        below
     }
 
     /// Extends the lease, if it is still this coordinator's.
     async fn renew(&mut self, store: &AnyStore) -> Result<(), RenewError> {
-        let asked = std::time::Instant::now();
+        let asked = BootInstant::now();
         // An answer later than a third of the lease is no use: by then the
         // next renewal is due.
         let within = (self.ttl / 3).clamp(Duration::from_millis(100), Duration::from_secs(10));
@@ -683,6 +764,20 @@ impl JobLease {
                     self.token = t;
                     Ok(())
                 }
+                // Written in its place without the job's secret: not another
+                // coordinator's, and written over.
+                Ok(Some(e)) if e.token == t && self.seal.open(&self.key, &e.value).is_err() => {
+                    tracing::warn!("the job's lease at {} was overwritten by a record that does not verify; renewed over it", self.key);
+                    match store.compare_and_set(&self.key, Some(t), &self.value, Some(self.ttl)).await {
+                        Ok(Cas::Written(t)) => {
+                            self.token = t;
+                            self.confirmed = asked;
+                            Ok(())
+                        }
+                        Ok(Cas::Conflict { .. }) => Err(Fenced::LeaseTaken.into()),
+                        Err(e) => Err(e.into()),
+                    }
+                }
                 _ => Err(Fenced::LeaseTaken.into()),
             },
             Cas::Conflict { .. } => Err(Fenced::LeaseTaken.into()),
@@ -709,6 +804,7 @@ fn alive(pid: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use edl_host_gpu::comm::auth::Secret;
 
     #[test]
     fn a_lease_is_taken_over_only_on_proof_that_its_holder_is_gone() {
@@ -746,13 +842,14 @@ mod tests {
             child.wait().unwrap();
             let dead = Holder { pid: gone, ..Holder::me() };
             let ttl = Duration::from_secs(60);
-            let t = store.put(&key, &serde_json::to_vec(&dead).unwrap(), Some(ttl)).await.unwrap();
-            let lease = take_lease(&store, "j", ttl, false).await.unwrap();
+            let seal = RecordKey::job_records(&Secret::generate().unwrap());
+            let t = store.put(&key, &seal.seal(&key, &serde_json::to_vec(&dead).unwrap()), Some(ttl)).await.unwrap();
+            let lease = take_lease(&store, "j", ttl, false, &seal).await.unwrap();
             assert!(lease.token > t);
             // The same host name and pid, from another machine: refused.
             let foreign = Holder { boot: Some("elsewhere".into()), ..Holder::me() };
-            store.put(&key, &serde_json::to_vec(&foreign).unwrap(), Some(ttl)).await.unwrap();
-            let e = take_lease(&store, "j", ttl, false).await.err().unwrap().to_string();
+            store.put(&key, &seal.seal(&key, &serde_json::to_vec(&foreign).unwrap()), Some(ttl)).await.unwrap();
+            let e = take_lease(&store, "j", ttl, false, &seal).await.err().unwrap().to_string();
             assert!(e.contains("already run by another coordinator"), "{e}");
         });
     }
@@ -763,7 +860,8 @@ mod tests {
         rt.block_on(async {
             let store = AnyStore::open("memory").unwrap();
             let ttl = Duration::from_secs(60);
-            let mut lease = take_lease(&store, "j", ttl, false).await.unwrap();
+            let seal = RecordKey::job_records(&Secret::generate().unwrap());
+            let mut lease = take_lease(&store, "j", ttl, false, &seal).await.unwrap();
             // The store applied a renewal whose answer never came back.
             let Cas::Written(applied) =
                 store.compare_and_set(&lease.key, Some(lease.token), &lease.value, Some(ttl)).await.unwrap()
@@ -775,7 +873,7 @@ mod tests {
             lease.renew(&store).await.unwrap();
             assert!(lease.token > applied, "and renewed from it on");
             // Another holder's write is not taken for this one's.
-            let other = serde_json::to_vec(&Holder { pid: 1, ..Holder::me() }).unwrap();
+            let other = seal.seal(&lease.key, &serde_json::to_vec(&Holder { pid: 1, ..Holder::me() }).unwrap());
             store.compare_and_set(&lease.key, Some(lease.token), &other, Some(ttl)).await.unwrap();
             assert!(matches!(lease.renew(&store).await, Err(RenewError::Fenced(Fenced::LeaseTaken))));
         });
@@ -788,6 +886,7 @@ mod tests {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
             let store = AnyStore::open("memory").unwrap();
+            let seal = RecordKey::job_records(&Secret::generate().unwrap());
             let led_by = |token| JobState {
                 torchrun: Some(crate::leader::record::GroupHandover {
                     group: 0,
@@ -805,21 +904,21 @@ mod tests {
             // This one (lease token 5) read the state at `token`; then the
             // coordinator it took over from (token 3) landed a late write.
             let (mut token, mut lost) = (None, None);
-            write_state(&store, "s", &mut token, &mut lost, &led_by(3), BOUND, Some(3)).await.unwrap();
+            write_state(&store, &seal, "s", &mut token, &mut lost, &led_by(3), BOUND, Some(3)).await.unwrap();
             let read = token;
-            store.compare_and_set("s", read, &serde_json::to_vec(&led_by(3)).unwrap(), None).await.unwrap();
-            write_state(&store, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5)).await.unwrap();
+            store.compare_and_set("s", read, &seal.seal("s", &serde_json::to_vec(&led_by(3)).unwrap()), None).await.unwrap();
+            write_state(&store, &seal, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5)).await.unwrap();
             let held = store.get("s").await.unwrap().unwrap();
-            assert_eq!(leader_token(&held.value), Some(5));
+            assert_eq!(leader_token(seal.open("s", &held.value).unwrap()), Some(5));
             // Two writes of this one's lost their answers, and the store
             // applied the first: the key names this one, so it is its own.
             let first = JobState { committed_steps: 1, ..led_by(5) };
-            store.compare_and_set("s", token, &serde_json::to_vec(&first).unwrap(), None).await.unwrap();
-            lost = Some(serde_json::to_vec(&JobState { committed_steps: 2, ..led_by(5) }).unwrap());
-            write_state(&store, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5)).await.unwrap();
+            store.compare_and_set("s", token, &seal.seal("s", &serde_json::to_vec(&first).unwrap()), None).await.unwrap();
+            lost = Some(seal.seal("s", &serde_json::to_vec(&JobState { committed_steps: 2, ..led_by(5) }).unwrap()));
+            write_state(&store, &seal, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5)).await.unwrap();
             // A coordinator with a higher token than this one's wrote: fenced.
-            store.compare_and_set("s", token, &serde_json::to_vec(&led_by(8)).unwrap(), None).await.unwrap();
-            let err = write_state(&store, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5))
+            store.compare_and_set("s", token, &seal.seal("s", &serde_json::to_vec(&led_by(8)).unwrap()), None).await.unwrap();
+            let err = write_state(&store, &seal, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5))
                 .await
                 .unwrap_err();
             assert!(matches!(err, WriteError::Fenced(Fenced::StateWritten { .. })), "{err}");
@@ -831,25 +930,58 @@ mod tests {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
             let store = AnyStore::open("memory").unwrap();
+            let seal = RecordKey::job_records(&Secret::generate().unwrap());
             let state = |step| JobState { committed_steps: step, members: vec![1, 2], ..Default::default() };
             let (mut token, mut lost) = (None, None);
-            write_state(&store, "s", &mut token, &mut lost, &state(1), BOUND, None).await.unwrap();
+            write_state(&store, &seal, "s", &mut token, &mut lost, &state(1), BOUND, None).await.unwrap();
             // The write of step 2 reached the store, but its answer was lost
             // (an etcd leader killed mid-call): the keeper only knows the bytes.
-            let bytes = serde_json::to_vec(&state(2)).unwrap();
+            let bytes = seal.seal("s", &serde_json::to_vec(&state(2)).unwrap());
             store.compare_and_set("s", token, &bytes, None).await.unwrap();
             lost = Some(bytes);
-            write_state(&store, "s", &mut token, &mut lost, &state(3), BOUND, None).await.unwrap();
+            write_state(&store, &seal, "s", &mut token, &mut lost, &state(3), BOUND, None).await.unwrap();
             let e = store.get("s").await.unwrap().unwrap();
             assert_eq!(Some(e.token), token);
-            assert_eq!(serde_json::from_slice::<JobState>(&e.value).unwrap().committed_steps, 3);
+            assert_eq!(serde_json::from_slice::<JobState>(seal.open("s", &e.value).unwrap()).unwrap().committed_steps, 3);
             // Another coordinator's write is never taken for this one's,
             // even with a lost write outstanding.
-            store.compare_and_set("s", token, &serde_json::to_vec(&state(9)).unwrap(), None).await.unwrap();
-            lost = Some(serde_json::to_vec(&state(4)).unwrap());
+            store.compare_and_set("s", token, &seal.seal("s", &serde_json::to_vec(&state(9)).unwrap()), None).await.unwrap();
+            lost = Some(seal.seal("s", &serde_json::to_vec(&state(4)).unwrap()));
             let err =
-                write_state(&store, "s", &mut token, &mut lost, &state(5), BOUND, None).await.unwrap_err();
+                write_state(&store, &seal, "s", &mut token, &mut lost, &state(5), BOUND, None).await.unwrap_err();
             assert!(matches!(err, WriteError::Fenced(Fenced::StateWritten { .. })), "{err}");
+        });
+    }
+
+    #[test]
+    fn records_written_without_the_job_s_secret_neither_fence_nor_hold_the_job() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let store = AnyStore::open("memory").unwrap();
+            let seal = RecordKey::job_records(&Secret::generate().unwrap());
+            let ttl = Duration::from_secs(60);
+            // A lease record planted by a store writer: taken over.
+            let key = crate::store::keys::coordinator("j");
+            let planted = serde_json::to_vec(&Holder { pid: 1, boot: Some("elsewhere".into()), ..Holder::me() });
+            store.put(&key, &planted.unwrap(), None).await.unwrap();
+            let mut lease = take_lease(&store, "j", ttl, false, &seal).await.unwrap();
+            // Planted again over the held lease: renewed over it, not fenced.
+            let held = store.get(&key).await.unwrap().unwrap();
+            store.compare_and_set(&key, Some(held.token), b"{}", None).await.unwrap();
+            lease.renew(&store).await.unwrap();
+            let now = store.get(&key).await.unwrap().unwrap();
+            assert_eq!(now.value, lease.value);
+            // A state that names a higher token but does not verify: written over.
+            let (mut token, mut lost) = (None, None);
+            let state = JobState { committed_steps: 1, ..Default::default() };
+            write_state(&store, &seal, "s", &mut token, &mut lost, &state, BOUND, Some(5)).await.unwrap();
+            let forged = JobState { finished: true, ..Default::default() };
+            store.compare_and_set("s", token, &serde_json::to_vec(&forged).unwrap(), None).await.unwrap();
+            let next = JobState { committed_steps: 2, ..Default::default() };
+            write_state(&store, &seal, "s", &mut token, &mut lost, &next, BOUND, Some(5)).await.unwrap();
+            let e = store.get("s").await.unwrap().unwrap();
+            let s: JobState = serde_json::from_slice(seal.open("s", &e.value).unwrap()).unwrap();
+            assert_eq!((s.committed_steps, s.finished), (2, false));
         });
     }
 }

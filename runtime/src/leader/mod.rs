@@ -4,3 +4,4 @@
 
 pub mod keeper;
 pub mod record;
+pub mod seal;

@@ -16,7 +16,14 @@ pub struct JobState {
     pub cursor: usize,
     pub next_worker_id: u64,
     pub members: Vec<u64>,
+    /// Every epoch is accounted for (a coordinator), or every rank
+    /// succeeded (a torchrun launcher): a standby or a rerun trains it
+    /// again only with `--restart`.
     pub finished: bool,
+    /// A torchrun group that failed with no restart left, and why: a
+    /// standby launcher does not start it again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed: Option<String>,
     /// What a coordinator taking the job over needs besides the above to
     /// carry it on where this one is (absent in states of older versions).
     #[serde(default)]
@@ -25,6 +32,15 @@ pub struct JobState {
     /// leads it, for a launcher that takes the job over.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub torchrun: Option<GroupHandover>,
+}
+
+impl JobState {
+    /// The state stored under `key`, if it verifies under `seal` and
+    /// parses; what is wrong with it otherwise.
+    pub fn open(key: &str, stored: &[u8], seal: &crate::leader::seal::RecordKey) -> Result<JobState, String> {
+        let bytes = seal.open(key, stored).map_err(|e| e.to_string())?;
+        serde_json::from_slice(bytes).map_err(|e| format!("{key} does not parse: {e}"))
+    }
 }
 
 /// The rest of a running job's progress at its committed step: who leads

@@ -30,7 +30,7 @@ use k8s_openapi::{
     },
     apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::OwnerReference},
 };
-use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams, Preconditions};
 use std::{
     collections::BTreeMap,
     time::{Duration, Instant},
@@ -56,6 +56,11 @@ const SECRET_DIR: &str = "/run/edl";
 /// The label every worker Pod of a job carries (its value: the job).
 const JOB_LABEL: &str = "edl.dev/job";
 const WORKER_LABEL: &str = "edl.dev/worker";
+/// The annotation that names a worker Pod's job exactly (the label may be
+/// cut short): a Pod is deleted or taken over only where it matches.
+const JOB_ANNOTATION: &str = "edl.dev/job-name";
+/// The longest Pod name: a DNS label.
+const NAME_MAX: usize = 63;
 
 /// Which object owns the worker Pods.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -113,6 +118,7 @@ pub fn worker_pod(
             name: Some(pod_name(job, id)),
             namespace: opts.namespace.clone(),
             labels: Some(labels),
+            annotations: Some(BTreeMap::from([(JOB_ANNOTATION.to_string(), job.to_string())])),
             owner_references: owner.map(|o| vec![o]),
             ..Default::default()
         },
@@ -163,11 +169,46 @@ fn job_label(job: &str) -> String {
     head.trim_end_matches(|c: char| !c.is_ascii_alphanumeric()).to_string()
 }
 
+/// A short hash of the exact job name (8 hex digits of its SHA-256): it
+/// tells apart jobs whose names make the same DNS label.
+fn job_hash(job: &str) -> String {
+    use sha2::Digest;
+    hex::encode(&sha2::Sha256::digest(job.as_bytes())[..4])
+}
+
+/// Worker `id`'s Pod name: `edl-`, the job's name as a DNS label (lower
+/// case, anything but a letter or digit as `-`, cut to fit), the hash of
+/// the exact name and `w<id>`. Jobs whose names differ only in case or
+/// punctuation (`Mnist`, `mnist`, `mnist_a`, `mnist-a`) get different Pods,
+/// and a job gets the same ones on every coordinator.
 fn pod_name(job: &str, id: u64) -> String {
-    // Job names are at most 64 of [A-Za-z0-9._-]; Pod names are DNS labels.
-    let clean: String =
-        job.to_ascii_lowercase().chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect();
-    format!("edl-{}-w{id}", clean.trim_matches('-'))
+    let tail = format!("{}-w{id}", job_hash(job));
+    // At most 30 characters of tail (a u64 has 20 digits): 28 are left.
+    let room = NAME_MAX - "edl-".len() - "-".len() - tail.len();
+    let clean: String = job
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' })
+        .take(room)
+        .collect();
+    match clean.trim_matches('-') {
+        "" => format!("edl-{tail}"),
+        head => format!("edl-{head}-{tail}"),
+    }
+}
+
+/// Whether a Pod, as the API shows it, is one of job `job`'s: its job
+/// label and its job annotation both name it. `Err` says why not (a Pod of
+/// another job, or one edl did not make, that happens to bear the name).
+pub fn of_job(meta: &ObjectMeta, job: &str) -> Result<(), String> {
+    let label = meta.labels.as_ref().and_then(|l| l.get(JOB_LABEL));
+    if label.map(String::as_str) != Some(job_label(job).as_str()) {
+        return Err(format!("its label {JOB_LABEL} is {label:?}, not that of job {job:?}"));
+    }
+    let named = meta.annotations.as_ref().and_then(|a| a.get(JOB_ANNOTATION));
+    if named.map(String::as_str) != Some(job) {
+        return Err(format!("its annotation {JOB_ANNOTATION} is {named:?}, not {job:?}"));
+    }
+    Ok(())
 }
 
 /// The owner reference for the worker Pods, from the coordinator's own Pod.
@@ -341,40 +382,93 @@ impl KubernetesScaler {
                 return;
             }
         };
-        let by_name: BTreeMap<String, Seen> = listed
-            .items
+        for (id, why, give_up) in self.judge_listed(listed.items) {
+            if let Some((name, _)) = self.pods.remove(&id)
+                && let Some(meta) = give_up
+            {
+                self.delete_checked(&api, &name, &meta, DeleteParams::default());
+            }
+            self.exited.push((id, why));
+        }
+    }
+
+    /// Judges the Pods this scaler keeps by the listing: what ended, with
+    /// why, and the Pod as listed where it is to be deleted. A listed Pod of
+    /// a worker's name that is not this job's is not taken for the worker's:
+    /// the worker's own is gone.
+    fn judge_listed(&self, listed: Vec<Pod>) -> Vec<(u64, String, Option<ObjectMeta>)> {
+        let by_name: BTreeMap<String, (ObjectMeta, Seen)> = listed
             .into_iter()
             .filter_map(|p| {
                 let status = p.status.unwrap_or_default();
-                Some((
-                    p.metadata.name?,
-                    Seen::Phase(status.phase.unwrap_or_else(|| "Unknown".into()), status.reason),
-                ))
+                let seen = Seen::Phase(status.phase.unwrap_or_else(|| "Unknown".into()), status.reason);
+                Some((p.metadata.name.clone()?, (p.metadata, seen)))
             })
             .collect();
         let mut gone = Vec::new();
         for (&id, (name, made)) in &self.pods {
-            let seen = by_name.get(name).cloned().unwrap_or(Seen::Gone);
+            let (meta, seen) = match by_name.get(name) {
+                Some((meta, seen)) => match of_job(meta, &self.job) {
+                    Ok(()) => (Some(meta), seen.clone()),
+                    Err(why) => {
+                        tracing::warn!("kubernetes: the Pod {name} is not worker {id}'s ({why}); left alone");
+                        (None, Seen::Gone)
+                    }
+                },
+                None => (None, Seen::Gone),
+            };
             match judge(name, &seen, made.elapsed(), self.opts.pending_bound) {
                 Verdict::Wait => {}
-                Verdict::Ended(why) => gone.push((id, why, false)),
-                Verdict::GiveUp(why) => gone.push((id, why, true)),
+                Verdict::Ended(why) => gone.push((id, why, None)),
+                Verdict::GiveUp(why) => gone.push((id, why, meta.cloned())),
             }
         }
-        for (id, why, delete) in gone {
-            if let Some((name, _)) = self.pods.remove(&id)
-                && delete
-            {
-                if let Err(e) = call(
-                    &self.rt,
-                    "deleting a Pod that did not start",
-                    api.delete(&name, &DeleteParams::default()),
-                ) {
-                    tracing::warn!("kubernetes: {e:#}");
-                }
-            }
-            self.exited.push((id, why));
+        gone
+    }
+
+    /// Deletes the Pod `name`, as the API showed it (`meta`), if it is one
+    /// of this job's; only that very Pod (its uid a precondition), not one
+    /// made under the name since. A Pod of another job is left alone, with a
+    /// warning naming it.
+    fn delete_checked(&self, api: &Api<Pod>, name: &str, meta: &ObjectMeta, mut params: DeleteParams) {
+        if let Err(why) = of_job(meta, &self.job) {
+            tracing::warn!(
+                "kubernetes: not deleting the Pod {name}, which is not job {:?}'s: {why}",
+                self.job
+            );
+            return;
         }
+        params.preconditions = Some(Preconditions { uid: meta.uid.clone(), resource_version: None });
+        if let Err(e) = call(&self.rt, &format!("deleting the Pod {name}"), api.delete(name, &params)) {
+            tracing::warn!("kubernetes: {e:#}");
+        }
+    }
+
+    /// The Pod `name` as the API shows it now (None: there is none).
+    fn read_pod(&mut self, name: &str) -> Result<Option<Pod>> {
+        let (api, _) = self.api()?;
+        call(&self.rt, &format!("reading the Pod {name}"), api.get_opt(name))
+    }
+
+    /// Takes worker `id`'s Pod, as the API showed it (`seen`; None: gone
+    /// already, for the next poll to report), as this scaler's own: only the
+    /// Pod it would have made for that worker of `job`, and only where the
+    /// Pod says it is that job's.
+    fn adopt_seen(&mut self, id: u64, handle: &str, job: &str, seen: Option<&ObjectMeta>) -> bool {
+        let name = pod_name(job, id);
+        if handle.strip_prefix("pod:") != Some(name.as_str()) {
+            return false;
+        }
+        if let Some(Err(why)) = seen.map(|meta| of_job(meta, job)) {
+            tracing::warn!(
+                "kubernetes: not taking over the Pod {name} for worker {id} of job {job:?}: {why}"
+            );
+            return false;
+        }
+        self.job = job.to_string();
+        self.pods.insert(id, (name, Instant::now()));
+        self.handles.insert(id, handle.to_string());
+        true
     }
 }
 
@@ -395,13 +489,20 @@ impl Scaler for KubernetesScaler {
     fn stop(&mut self, id: u64, grace: Duration) {
         let Some((name, _)) = self.pods.remove(&id) else { return };
         let Ok((api, _)) = self.api() else { return };
+        // Read first: only a Pod that says it is this job's is deleted.
+        let meta = match self.read_pod(&name) {
+            Ok(Some(pod)) => pod.metadata,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!("kubernetes: {e:#}");
+                return;
+            }
+        };
         // Told to stop over its connection already: the deletion's SIGTERM
         // and grace end one that did not exit.
         let params =
             DeleteParams { grace_period_seconds: Some(grace.as_secs().max(1) as u32), ..Default::default() };
-        if let Err(e) = call(&self.rt, &format!("deleting the Pod {name}"), api.delete(&name, &params)) {
-            tracing::warn!("kubernetes: {e:#}");
-        }
+        self.delete_checked(&api, &name, &meta, params);
     }
 
     fn exited(&mut self) -> Vec<(u64, String)> {
@@ -426,10 +527,13 @@ impl Scaler for KubernetesScaler {
         if handle.strip_prefix("pod:") != Some(name.as_str()) {
             return false;
         }
-        self.job = job.to_string();
-        self.pods.insert(id, (name.to_string(), Instant::now()));
-        self.handles.insert(id, handle.to_string());
-        true
+        match self.read_pod(&name) {
+            Ok(pod) => self.adopt_seen(id, handle, job, pod.as_ref().map(|p| &p.metadata)),
+            Err(e) => {
+                tracing::warn!("kubernetes: worker {id}'s Pod {name} is not taken over: {e:#}");
+                false
+            }
+        }
     }
 }
 
@@ -490,10 +594,11 @@ mod tests {
         assert_eq!(back, pod);
         assert_eq!(json["apiVersion"], "v1");
         assert_eq!(json["kind"], "Pod");
-        assert_eq!(json["metadata"]["name"], "edl-mnist-big-w7");
+        assert_eq!(json["metadata"]["name"], format!("edl-mnist-big-{}-w7", job_hash("MNIST_big")));
         assert_eq!(json["metadata"]["namespace"], "ml");
         assert_eq!(json["metadata"]["labels"]["edl.dev/job"], "MNIST_big");
         assert_eq!(json["metadata"]["labels"]["edl.dev/worker"], "7");
+        assert_eq!(json["metadata"]["annotations"]["edl.dev/job-name"], "MNIST_big");
         let o = &json["metadata"]["ownerReferences"][0];
         assert_eq!((o["kind"].as_str(), o["uid"].as_str()), (Some("Pod"), Some("uid-pod")));
         let spec = &json["spec"];
@@ -558,18 +663,92 @@ mod tests {
         assert!(matches!(judge("w1", &phase("Succeeded", None), early, bound), Verdict::Ended(_)));
     }
 
+    /// Worker `id`'s Pod as the API would show it, for job `job`.
+    fn listed(job: &str, id: u64, phase: &str) -> Pod {
+        let mut pod = worker_pod(&opts(), job, id, "10.0.0.5:7070", vec!["w".into()], None);
+        pod.metadata.uid = Some(format!("uid-{job}-{id}"));
+        pod.status =
+            Some(k8s_openapi::api::core::v1::PodStatus { phase: Some(phase.into()), ..Default::default() });
+        pod
+    }
+
     #[test]
     fn a_coordinator_that_took_the_job_over_takes_its_workers_pods_as_its_own() {
         let mut s = KubernetesScaler::new(opts()).unwrap();
-        assert!(s.adopt(3, "pod:edl-mnist-w3", "mnist"));
+        let name = pod_name("mnist", 3);
+        let handle = format!("pod:{name}");
+        let ours = listed("mnist", 3, "Running").metadata;
+        assert!(s.adopt_seen(3, &handle, "mnist", Some(&ours)));
         // Only the Pod made for that worker of that job.
-        for other in ["pod:", "pod:edl-mnist-w4", "pod:edl-other-w3", "pod:coordinator-0", "slurm:12"] {
-            assert!(!s.adopt(3, other, "mnist"), "{other}");
+        let (w4, other) = (format!("pod:{}", pod_name("mnist", 4)), format!("pod:{}", pod_name("other", 3)));
+        for h in ["pod:", "pod:edl-mnist-w3", w4.as_str(), other.as_str(), "pod:coordinator-0", "slurm:12"] {
+            assert!(!s.adopt(3, h, "mnist"), "{h}");
         }
-        assert_eq!(s.pods.get(&3).map(|(n, _)| n.as_str()), Some("edl-mnist-w3"));
-        assert_eq!(s.handle(3).as_deref(), Some("pod:edl-mnist-w3"));
+        assert_eq!(s.pods.get(&3).map(|(n, _)| n.as_str()), Some(name.as_str()));
+        assert_eq!(s.handle(3), Some(handle));
         // Its Pods are listed by the job's label, as those it made.
         assert_eq!(s.job, "mnist");
+        s.release();
+    }
+
+    #[test]
+    fn pod_names_differ_for_every_exact_job_name_and_are_dns_labels() {
+        let dns_label = |n: &str| {
+            let b = n.as_bytes();
+            n.len() <= 63
+                && b.iter().all(|&c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+                && b.first().is_some_and(|c| c.is_ascii_alphanumeric())
+                && b.last().is_some_and(|c| c.is_ascii_alphanumeric())
+        };
+        let long = format!("A{}", "b_.".repeat(21));
+        let jobs =
+            ["Mnist", "mnist", "mnist_a", "mnist-a", "mnist.a", "run-2.", "run-2", long.as_str(), "_", "x"];
+        let mut names = std::collections::BTreeSet::new();
+        for job in jobs {
+            for id in [0, 7, u64::MAX] {
+                let name = pod_name(job, id);
+                assert!(dns_label(&name), "{job:?} {id}: {name:?}");
+                assert_eq!(pod_name(job, id), name, "the same on every call");
+                assert!(name.ends_with(&format!("-{}-w{id}", job_hash(job))), "{name}");
+                assert!(names.insert(name.clone()), "{job:?} {id}: {name} is another job's too");
+            }
+        }
+        // Readable: the job's name leads.
+        assert!(pod_name("mnist_a", 1).starts_with("edl-mnist-a-"));
+        assert_eq!(job_hash("mnist").len(), 8);
+        assert_ne!(job_hash("Mnist"), job_hash("mnist"));
+    }
+
+    #[test]
+    fn only_a_pod_that_names_this_exact_job_is_deleted_or_taken_over() {
+        let ours = listed("mnist_a", 3, "Running").metadata;
+        assert_eq!(of_job(&ours, "mnist_a"), Ok(()));
+        // Another job's Pod, however alike its name, and one edl did not make.
+        for job in ["mnist-a", "Mnist_a", "mnist"] {
+            assert!(of_job(&ours, job).is_err(), "{job}");
+        }
+        let mut relabelled = ours.clone();
+        relabelled.annotations = None;
+        assert!(of_job(&relabelled, "mnist_a").unwrap_err().contains(JOB_ANNOTATION));
+        // Two names of one label: the annotation tells them apart.
+        let (a, b) = (format!("{}x", "c".repeat(63)), format!("{}y", "c".repeat(63)));
+        assert_eq!(job_label(&a), job_label(&b));
+        assert!(of_job(&listed(&a, 1, "Running").metadata, &b).is_err());
+        // A Pod that bears worker 3's name but is another job's is refused,
+        // and is not taken for the worker's own when the Pods are listed.
+        // Any Pod still pending is overdue.
+        let mut s = KubernetesScaler::new(KubeOptions { pending_bound: Duration::ZERO, ..opts() }).unwrap();
+        let mut stranger = listed("mnist-a", 3, "Pending");
+        stranger.metadata.name = Some(pod_name("mnist_a", 3));
+        let handle = format!("pod:{}", pod_name("mnist_a", 3));
+        assert!(!s.adopt_seen(3, &handle, "mnist_a", Some(&stranger.metadata)));
+        assert!(s.pods.is_empty());
+        assert!(s.adopt_seen(3, &handle, "mnist_a", None), "gone already: the next poll reports it");
+        let judged = s.judge_listed(vec![stranger]);
+        assert!(matches!(&judged[..], [(3, why, None)] if why.contains("is gone")), "{judged:?}");
+        // Its own Pod, stuck in Pending, is given up on and deleted.
+        let judged = s.judge_listed(vec![listed("mnist_a", 3, "Pending")]);
+        assert!(matches!(&judged[..], [(3, _, Some(m))] if m.uid.as_deref() == Some("uid-mnist_a-3")));
         s.release();
     }
 }

@@ -16,6 +16,7 @@
 //! secret it proves on every connection; never on a command line).
 
 pub mod command;
+pub mod fenced;
 pub mod kubernetes;
 pub mod local;
 pub mod slurm;

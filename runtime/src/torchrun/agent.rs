@@ -311,7 +311,7 @@ fn follow(a: &AgentArgs, l: &mut Launcher, job: &mut Job, h: &mut Here, why: &st
         bail!("{lost}; this host's ranks were stopped");
     };
     eprintln!("{lost}; its ranks run on while it looks for the launcher that takes the job over");
-    let lookup = Lookup::open(&f.store, &job.job);
+    let lookup = Lookup::open(&f.store, &job.job, &a.auth.secret);
     let deadline = Instant::now() + job.reconnect;
     let mut last = String::from("the store names no other launcher");
     while Instant::now() < deadline {

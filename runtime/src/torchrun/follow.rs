@@ -13,6 +13,8 @@
 use crate::job::spec::Leader;
 use crate::leader::keeper::{Fenced, LeaseFence, StoreKeeper, take_lease};
 use crate::leader::record::{GroupHandover, JobState};
+use crate::leader::seal::RecordKey;
+use edl_host_gpu::comm::auth::Secret;
 use crate::store::{AnyStore, Store, keys, redact};
 use anyhow::{Context, Result};
 use std::{collections::BTreeSet, time::Duration};
@@ -63,16 +65,19 @@ pub struct Lookup {
     store: AnyStore,
     url: String,
     key: String,
+    /// Opens the job's record (written with the job's secret).
+    seal: RecordKey,
 }
 
 impl Lookup {
-    pub fn open(url: &str, job: &str) -> Result<Lookup> {
+    pub fn open(url: &str, job: &str, secret: &Secret) -> Result<Lookup> {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let store = {
             let _g = rt.enter();
             AnyStore::open(url).with_context(|| format!("the job's store {}", redact(url)))?
         };
-        Ok(Lookup { rt, store, url: url.into(), key: keys::job_state(job) })
+        let seal = RecordKey::job_records(secret);
+        Ok(Lookup { rt, store, url: url.into(), key: keys::job_state(job), seal })
     }
 
     /// Who leads the job, when it is a launcher newer than token `current`
@@ -85,8 +90,8 @@ impl Lookup {
             .map_err(|_| LookupError::NoAnswer { store: store.clone() })?
             .map_err(|cause| LookupError::Store { store: store.clone(), cause })?;
         let Some(entry) = got else { return Ok(Found::Nothing) };
-        let s: JobState =
-            serde_json::from_slice(&entry.value).map_err(|cause| LookupError::Unreadable { store, cause })?;
+        let s = JobState::open(&self.key, &entry.value, &self.seal)
+            .map_err(|cause| LookupError::Unreadable { store, cause })?;
         if s.finished {
             return Ok(Found::Finished);
         }
@@ -102,8 +107,8 @@ pub enum LookupError {
     NoAnswer { store: String },
     #[error("the job's store {store}: {cause}")]
     Store { store: String, cause: crate::store::StoreError },
-    #[error("the job's state in {store} does not parse: {cause}")]
-    Unreadable { store: String, cause: serde_json::Error },
+    #[error("the job's state in {store} is ignored: {cause}")]
+    Unreadable { store: String, cause: String },
 }
 
 /// The launcher's hold on the job in a shared store.
@@ -114,32 +119,48 @@ pub struct Hold {
     /// The group the store names, when a launcher led the job before and
     /// did not finish it.
     pub found: Option<GroupHandover>,
+    /// The job finished under a launcher before.
+    pub finished: bool,
+    /// The job failed under a launcher before, and why.
+    pub failed: Option<String>,
 }
 
 impl Hold {
     /// Takes the job's lease in the store at `url` (a `standby` waits
     /// until it is free) and reads where an earlier launcher left the job.
-    pub fn take(url: &str, job: &str, standby: bool) -> Result<Hold> {
+    pub fn take(url: &str, job: &str, standby: bool, secret: &Secret) -> Result<Hold> {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let store = {
             let _g = rt.enter();
             AnyStore::open(url).with_context(|| format!("--store {}", redact(url)))?
         };
         let ttl = crate::coordinator::LEASE_TTL;
-        let lease = rt.block_on(take_lease(&store, job, ttl, standby))?;
+        let seal = RecordKey::job_records(secret);
+        let lease = rt.block_on(take_lease(&store, job, ttl, standby, &seal))?;
         let key = keys::job_state(job);
         let entry = rt
             .block_on(async { tokio::time::timeout(Duration::from_secs(10), store.get(&key)).await })
             .map_err(|_| anyhow::anyhow!("the store {} did not answer within 10 s", redact(url)))?
             .with_context(|| format!("reading job {job:?}'s state"))?;
         let state_token = entry.as_ref().map(|e| e.token);
-        let found = entry
-            .and_then(|e| serde_json::from_slice::<JobState>(&e.value).ok())
-            .filter(|s| !s.finished)
-            .and_then(|s| s.torchrun);
+        let before = match entry.map(|e| JobState::open(&key, &e.value, &seal)) {
+            Some(Ok(s)) => s,
+            Some(Err(why)) => {
+                tracing::warn!("the job's state in the store is ignored: {why}");
+                JobState::default()
+            }
+            None => JobState::default(),
+        };
+        let found = before.torchrun.filter(|_| !before.finished && before.failed.is_none());
         let token = lease.token();
-        let keeper = StoreKeeper::start(url, key, state_token, Some(lease))?;
-        Ok(Hold { keeper, token, found })
+        let keeper = StoreKeeper::start(url, key, state_token, Some(lease), seal)?;
+        Ok(Hold { keeper, token, found, finished: before.finished, failed: before.failed })
+    }
+
+    /// A job that starts again from the beginning is neither finished nor
+    /// failed in the store from here on.
+    pub fn started_afresh(&self) {
+        self.keeper.state(JobState::default());
     }
 
     /// Records the group that formed (it names this launcher as leader).
@@ -162,10 +183,18 @@ impl Hold {
         self.keeper.fence()
     }
 
-    /// The job ended: the store says so (agents looking stop looking) and
-    /// the lease is given up.
-    pub fn finish(&self) {
-        self.keeper.state(JobState { finished: true, ..JobState::default() });
+    /// The launcher stops without ending the job: its lease is given up.
+    pub fn release(&self) {
+        self.keeper.release();
+        if let Err(e) = self.keeper.flush(Duration::from_secs(5)) {
+            tracing::warn!("giving the job's lease up: {e}");
+        }
+    }
+
+    /// The job ended (`failed`: with no restart left, and why): the store
+    /// says so (agents looking stop looking) and the lease is given up.
+    pub fn finish(&self, failed: Option<String>) {
+        self.keeper.state(JobState { finished: failed.is_none(), failed, ..JobState::default() });
         self.keeper.release();
         if let Err(e) = self.keeper.flush(Duration::from_secs(10)) {
             tracing::warn!("the job's end in the store: {e}");
@@ -205,7 +234,7 @@ mod tests {
     #[test]
     fn the_store_names_the_newest_launcher_and_the_job_s_end() {
         let url = "memory";
-        let l = Lookup::open(url, "j").unwrap();
+        let l = Lookup::open(url, "j", &Secret::generate().unwrap()).unwrap();
         assert_eq!(l.look(0).unwrap(), Found::Nothing);
         let g = GroupHandover {
             group: 2,
@@ -218,7 +247,7 @@ mod tests {
             leader: leader(9),
             handles: [(1, "slot:w1/0".to_string())].into(),
         };
-        let state = |s: JobState| serde_json::to_vec(&s).unwrap();
+        let state = |s: JobState| l.seal.seal(&l.key, &serde_json::to_vec(&s).unwrap());
         let put = |v: Vec<u8>| l.rt.block_on(l.store.put(&l.key, &v, None)).unwrap();
         put(state(JobState { torchrun: Some(g.clone()), ..JobState::default() }));
         assert_eq!(l.look(3).unwrap(), Found::Leader(leader(9)));
@@ -226,9 +255,11 @@ mod tests {
         put(state(JobState { finished: true, ..JobState::default() }));
         assert_eq!(l.look(3).unwrap(), Found::Finished);
         // The record reads back as written (a successor reads it so).
-        let back: JobState =
-            serde_json::from_slice(&state(JobState { torchrun: Some(g.clone()), ..JobState::default() }))
-                .unwrap();
-        assert_eq!(back.torchrun, Some(g));
+        let written = state(JobState { torchrun: Some(g.clone()), ..JobState::default() });
+        assert_eq!(JobState::open(&l.key, &written, &l.seal).unwrap().torchrun, Some(g.clone()));
+        // One written without the job's secret names nobody and ends nothing.
+        put(serde_json::to_vec(&JobState { finished: true, ..JobState::default() }).unwrap());
+        let e = l.look(3).unwrap_err().to_string();
+        assert!(e.contains("is ignored") && e.contains("carries no MAC"), "{e}");
     }
 }

@@ -25,7 +25,7 @@ use crate::control::{
     inbox::{self, Inbound, Message},
     proto,
 };
-use crate::coordinator::RETURN_WITHIN;
+use crate::coordinator::{AlreadyFinished, RETURN_WITHIN};
 use crate::job::spec::{Follow, Leader};
 use crate::leader::keeper::Fenced;
 use crate::leader::record::GroupHandover;
@@ -160,6 +160,9 @@ pub struct Lead {
     pub store: String,
     /// Wait for the job's lease and take the job over (`--standby`).
     pub standby: bool,
+    /// Start a job that finished (or failed) under a launcher before
+    /// again (`--restart`).
+    pub restart: bool,
     /// How long an agent that lost its launcher looks for the next one.
     pub reconnect: Duration,
 }
@@ -552,6 +555,28 @@ pub fn run_hosts(
     }
 }
 
+/// What a launcher does with a job that ended under a launcher before: one
+/// that finished is done ([`AlreadyFinished`]) and one that failed is not
+/// started again by a standby, unless `--restart`; a job started again is
+/// neither from here on.
+fn ended_before(hold: Hold, lead: &Lead, job: &str) -> Result<Hold> {
+    if !lead.restart {
+        if hold.finished {
+            return Err(AlreadyFinished { job: job.into(), final_checkpoint: None }.into());
+        }
+        if let Some(why) = hold.failed.as_ref().filter(|_| lead.standby) {
+            bail!(
+                "job {job:?} failed under the launcher before ({why}); a standby does not start it again \
+                 (--restart does)"
+            );
+        }
+    }
+    if hold.finished || hold.failed.is_some() {
+        hold.started_afresh();
+    }
+    Ok(hold)
+}
+
 /// A group found running, carried on by a launcher that took the job over.
 type Kept = (Running, GroupRecord);
 
@@ -567,7 +592,10 @@ impl<'a> Launcher<'a> {
         on: &mut dyn FnMut(GroupEvent),
     ) -> Result<Self> {
         let hold = match &hc.lead {
-            Some(lead) => Some(Hold::take(&lead.store, &cfg.job, lead.standby)?),
+            Some(lead) => {
+                let hold = Hold::take(&lead.store, &cfg.job, lead.standby, &hc.auth.secret)?;
+                Some(ended_before(hold, lead, &cfg.job)?)
+            }
             None => None,
         };
         let listen = hc.addresses.listen;
@@ -813,6 +841,7 @@ impl<'a> Launcher<'a> {
                 None
             }
             Next::Succeeded => Some(self.finish(None)),
+            Next::Stopped { signal } => Some(self.stopped(signal)),
             Next::Failed { .. } => {
                 let failure = self.last_failure.take();
                 Some(self.finish(failure))
@@ -820,12 +849,34 @@ impl<'a> Launcher<'a> {
         }
     }
 
+    /// The launcher was stopped by `signal`: every agent is sent away (its
+    /// ranks stopped with notice) and the lease given up, the job left
+    /// unfinished in the store for a launcher that takes it over.
+    fn stopped(&mut self, signal: i32) -> TorchrunOutcome {
+        let reason = format!("the launcher was stopped by {}", crate::process::signal_name(signal));
+        if let Some(h) = &self.hold {
+            h.release();
+        }
+        let ids: Vec<u64> = self.agents.keys().copied().collect();
+        for id in &ids {
+            let _ = self.send(*id, &ToAgent::Exit { reason: reason.clone() });
+        }
+        for id in ids {
+            self.dismiss(id, &reason);
+        }
+        let (groups, decisions) = (std::mem::take(&mut self.groups), std::mem::take(&mut self.decisions));
+        let mut outcome = TorchrunOutcome::end(groups, &self.decider, self.cfg, decisions, None, self.t0);
+        outcome.stop(signal);
+        outcome
+    }
+
     /// The job is over: the store says so first (an agent looking for a
     /// launcher stops looking), then every agent is sent away.
     fn finish(&mut self, failure: Option<RankFailure>) -> TorchrunOutcome {
         let reason = if failure.is_none() { "the job is done" } else { "the job failed" };
         if let Some(h) = &self.hold {
-            h.finish();
+            let failed = failure.as_ref().map_or_else(|| "no restart left".to_string(), |f| f.to_string());
+            h.finish((reason == "the job failed").then_some(failed));
         }
         let ids: Vec<u64> = self.agents.keys().copied().collect();
         for id in &ids {
@@ -936,6 +987,9 @@ impl<'a> Launcher<'a> {
         loop {
             if self.deposed.is_some() {
                 return Next::Continue;
+            }
+            if let Some(signal) = crate::process::stop_requested() {
+                return Next::Stopped { signal };
             }
             if let Some(next) = self.grown(&mut growing, run, on) {
                 return next;

@@ -50,6 +50,9 @@ pub enum Next {
     Succeeded,
     /// A rank failed and no restart is left.
     Failed { rank: u32, exit: Exit },
+    /// SIGTERM or SIGINT came to the launcher: the group is stopped with
+    /// notice (its ranks get SIGTERM and the grace) and the job ends.
+    Stopped { signal: i32 },
 }
 
 /// The launcher's decisions, without processes or clocks.
@@ -259,9 +262,13 @@ pub struct TorchrunOutcome {
     pub max_restarts: u32,
     #[serde(skip)]
     pub decisions: Vec<Decision>,
-    /// None: every rank of the last group succeeded.
+    /// None: every rank of the last group succeeded, or the launcher was
+    /// stopped.
     pub failure: Option<RankFailure>,
     pub secs: f64,
+    /// The signal that stopped the launcher (SIGTERM: 15, SIGINT: 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopped_by: Option<i32>,
 }
 
 /// Runs the job until its ranks succeed or a failure has no restart left.
@@ -358,6 +365,9 @@ impl<'a> OneHost<'a> {
         let n = self.n();
         let mut decide_at = Instant::now() + self.cfg.decide_every;
         loop {
+            if let Some(signal) = crate::process::stop_requested() {
+                return Next::Stopped { signal };
+            }
             if let Some((rank, exit)) = group.poll() {
                 match self.decider.exited(rank, exit) {
                     Next::Continue => continue,
@@ -412,6 +422,18 @@ impl<'a> OneHost<'a> {
                 on(GroupEvent::Restarting { reason: &reason, failure });
                 None
             }
+            Next::Stopped { signal } => {
+                let mut outcome = TorchrunOutcome::end(
+                    std::mem::take(&mut self.groups),
+                    &self.decider,
+                    self.cfg,
+                    std::mem::take(&mut self.decisions),
+                    None,
+                    self.t0,
+                );
+                outcome.stop(signal);
+                Some(outcome)
+            }
             Next::Succeeded | Next::Failed { .. } => Some(TorchrunOutcome::end(
                 std::mem::take(&mut self.groups),
                 &self.decider,
@@ -447,7 +469,16 @@ impl TorchrunOutcome {
             decisions,
             failure,
             secs: t0.elapsed().as_secs_f64(),
+            stopped_by: None,
         }
+    }
+
+    /// The launcher was stopped by `signal`: its last group says so.
+    fn stop(&mut self, signal: i32) {
+        if let Some(last) = self.groups.last_mut() {
+            last.ended = format!("stopped by {}", crate::process::signal_name(signal));
+        }
+        self.stopped_by = Some(signal);
     }
 }
 

@@ -712,8 +712,9 @@ impl Session {
             .map_err(|_| format!("the job's store {shown} did not answer within 5 s"))?
             .map_err(|e| format!("the job's store {shown}: {e}"))?;
         let Some(entry) = got else { return Ok(None) };
-        let s: crate::leader::record::JobState = serde_json::from_slice(&entry.value)
-            .map_err(|e| format!("the job's state in {shown} does not parse: {e}"))?;
+        let seal = crate::leader::seal::RecordKey::job_records(&self.auth.secret);
+        let s = crate::leader::record::JobState::open(&key, &entry.value, &seal)
+            .map_err(|e| format!("the job's state in {shown} is ignored: {e}"))?;
         if s.finished {
             return Err(JOB_FINISHED.into());
         }

@@ -551,13 +551,18 @@ fn a_coordinator_whose_lease_is_taken_stops_instead_of_running_on() {
     let rx = lines(&mut first);
     let mut seen = Vec::new();
     wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
-    // Another coordinator (as far as the store can tell) takes the lease.
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    rt.block_on(async {
-        let store = AnyStore::open(&url).unwrap();
-        let other = br#"{"host":"elsewhere","pid":1}"#;
-        store.put(&keys::coordinator("taken"), other, Some(Duration::from_secs(60))).await.unwrap();
-    });
+    let store = rt.block_on(async { AnyStore::open(&url) }).unwrap();
+    let key = keys::coordinator("taken");
+    let other = br#"{"host":"elsewhere","pid":1}"#;
+    // A store writer without the job's secret plants a lease record: it
+    // holds nothing, and the job goes on past another epoch.
+    rt.block_on(store.put(&key, other, Some(Duration::from_secs(60)))).unwrap();
+    wait_for(&rx, "epoch     2 done", &mut seen, Duration::from_secs(120));
+    // Another coordinator of the job (it knows the secret) takes the lease.
+    let secret = edl_runtime::worker::session::read_secret_file(&dir.path().join(".edl/taken/secret")).unwrap();
+    let sealed = edl_runtime::leader::seal::RecordKey::job_records(&secret).seal(&key, other);
+    rt.block_on(store.put(&key, &sealed, Some(Duration::from_secs(60)))).unwrap();
     let status = finish(first, rx, &mut seen);
     let text = seen.join("\n");
     assert!(!status.success(), "{text}");

@@ -9,6 +9,7 @@ mod elastic;
 mod hardening;
 mod house;
 mod kubernetes;
+mod lifecycle;
 mod python;
 mod reload;
 mod sandbox;

@@ -264,3 +264,64 @@ fn launched_programs_follow_a_standby_coordinator_when_the_active_one_is_killed(
     assert_eq!(taken.count(), 1, "{events:?}");
     assert_eq!(r["workers_started"].as_array().unwrap().len(), 2, "{r}");
 }
+
+/// A program that raises at the same step every time it gets there.
+const RAISES: &str = r#"
+import numpy as np
+import edl
+
+job = edl.Job.from_env()
+if job is None:
+    raise SystemExit(0)
+w = np.zeros(4, dtype=np.float32)
+job.register("w", w)
+for step in job.steps():
+    g = np.ones(4, dtype=np.float32)
+    if step.step == 5:
+        raise ValueError("bad batch at step 5")
+    if not step.all_reduce([g]):
+        continue
+    w -= 0.01 * g
+    step.commit(loss=1.0)
+"#;
+
+/// Every worker raising the same error from the same checkpoint: the job
+/// goes back once (`--max-restarts` 1 by default), then ends with exit
+/// status 1, the traceback in its error and its report.
+#[test]
+fn a_program_error_that_repeats_from_the_same_checkpoint_ends_the_job_with_its_traceback() {
+    let py = py();
+    let dir = tempfile::tempdir().unwrap();
+    let program = dir.path().join("raises.py");
+    std::fs::write(&program, RAISES).unwrap();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    c.current_dir(dir.path())
+        .args(["launch", "--samples", "400", "--epochs", "2", "--batch", "40", "--no-distill"])
+        .args(["--workers", "2", "--min-workers", "1", "--max-workers", "2", "--checkpoint-every-steps", "2"])
+        .args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold"])
+        .args(["--report", "report.json", "--plugin-cache"])
+        .arg(dir.path().join("plugin-cache"))
+        .args(["--", "python"])
+        .arg(&program)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    py.env(&mut c);
+    let mut child = c.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert_eq!(status.code(), Some(1), "{text}");
+    // Once from the checkpoint it fails from (twice where the first loss
+    // came before the newest checkpoint was written).
+    let restarts = text.matches("restarting from the newest checkpoint").count();
+    assert!((1..=2).contains(&restarts), "{restarts} restarts:\n{text}");
+    assert!(text.contains("every worker failed with the same error 2 times in a row from step"), "{text}");
+    assert!(text.contains("ValueError: bad batch at step 5"), "{text}");
+    assert!(text.contains("Traceback (most recent call last)"), "{text}");
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("report.json")).unwrap()).unwrap();
+    assert_eq!(r["status"], "failed", "{r}");
+    assert!(r["error"].as_str().unwrap().contains("ValueError: bad batch at step 5"), "{r}");
+}

@@ -201,3 +201,31 @@ fn when_the_restarts_are_spent_the_failing_rank_is_reported_with_its_exit_code()
     assert_eq!(r["outcome"]["failure"]["rank"], 1, "{r}");
     assert_eq!(r["outcome"]["failure"]["exit"], "exit code 3", "{r}");
 }
+
+/// Whether process `pid` runs (a zombie does not).
+fn runs(pid: i64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| s.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
+}
+
+#[test]
+fn sigterm_stops_the_group_with_notice_writes_the_report_and_exits_143() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let mut launcher = launch(d, &["--min-workers", "2", "--max-workers", "2"]);
+    let g = wait_until(d, &mut launcher, "the first group", |g| complete(g, 2, "0"));
+    let ranks: Vec<i64> = g.values().next().unwrap().values().map(|v| v["pid"].as_i64().unwrap()).collect();
+    // SAFETY: signalling the launcher this test started.
+    unsafe { libc::kill(launcher.id() as i32, libc::SIGTERM) };
+    let status = exit_of(launcher, d);
+    let out = output(d);
+    assert_eq!(status.code(), Some(143), "{out}");
+    assert!(out.contains("stopped by SIGTERM: the group's ranks were stopped with notice"), "{out}");
+    let left: Vec<i64> = ranks.into_iter().filter(|&p| runs(p)).collect();
+    assert!(left.is_empty(), "ranks left running: {left:?}\n{out}");
+    let r = report(d);
+    assert_eq!(r["status"], "stopped", "{r}");
+    assert_eq!(r["outcome"]["stopped_by"], 15, "{r}");
+    let last = r["outcome"]["groups"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["ended"], "stopped by SIGTERM", "{r}");
+}

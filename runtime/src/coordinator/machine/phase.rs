@@ -97,6 +97,54 @@ impl JobPhase {
     }
 }
 
+/// Every worker lost to the same program error (its exception line, which
+/// names what failed), from the same checkpoint, again and again: another
+/// restart would fail the same. Counts the repeats; `limit` restarts after
+/// the same failure are allowed.
+#[derive(Debug)]
+pub struct CrashLoop {
+    limit: u32,
+    last: Option<Crash>,
+    times: u32,
+}
+
+/// One loss of every worker: the step the job goes back to, the step it
+/// failed at and the program's error (its exception line, and the
+/// traceback to quote).
+#[derive(Clone, Debug)]
+pub struct Crash {
+    pub from: u64,
+    pub step: u64,
+    pub error: String,
+    pub traceback: String,
+}
+
+impl CrashLoop {
+    pub fn new(limit: u32) -> Self {
+        CrashLoop { limit, last: None, times: 0 }
+    }
+
+    /// Every worker was lost; `crash`: to a program error (None: killed, or
+    /// no error known, which is never taken for a repeat). An error ends
+    /// the job: the same crash came more than `limit` times in a row.
+    pub fn all_lost(&mut self, crash: Option<Crash>) -> Result<(), JobEnds> {
+        let Some(c) = crash else {
+            self.last = None;
+            self.times = 0;
+            return Ok(());
+        };
+        // The step a failure is noticed at moves with the windows sent
+        // ahead; the checkpoint and the program's error do not.
+        let same = self.last.as_ref().is_some_and(|l| (l.from, &l.error) == (c.from, &c.error));
+        self.times = if same { self.times + 1 } else { 1 };
+        if self.times > self.limit {
+            return Err(JobEnds::SameCrash { times: self.times, limit: self.limit, crash: c });
+        }
+        self.last = Some(c);
+        Ok(())
+    }
+}
+
 /// Why failures end the job.
 #[derive(Debug, thiserror::Error)]
 pub enum JobEnds {
@@ -110,6 +158,12 @@ pub enum JobEnds {
     FailedInARow { step: u64, times: u32, last: String },
     #[error("the final checkpoint could not be written ({tries} tries)")]
     NoFinalCheckpoint { tries: u32 },
+    #[error(
+        "step {}: every worker failed with the same error {times} times in a row from step {} ({limit} restart(s) \
+         allowed by --max-restarts): {}{}",
+        crash.step, crash.from, crash.error, crash.traceback
+    )]
+    SameCrash { times: u32, limit: u32, crash: Crash },
 }
 
 #[cfg(test)]
@@ -134,6 +188,37 @@ mod tests {
         }
         let e = p.generation_failed(false, &failure(9, false)).unwrap_err();
         assert_eq!(e.to_string(), "step 9 failed 5 times in a row; last: worker 1: ring broke");
+    }
+
+    #[test]
+    fn the_same_crash_from_the_same_checkpoint_ends_the_job_past_the_limit_and_anything_else_resets_it() {
+        let crash = |from, step, error: &str| {
+            Some(Crash { from, step, error: error.into(), traceback: "\n  Traceback ...".into() })
+        };
+        let mut one = CrashLoop::new(1);
+        one.all_lost(crash(2, 3, "ValueError: bad")).unwrap();
+        let e = one.all_lost(crash(2, 3, "ValueError: bad")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "step 3: every worker failed with the same error 2 times in a row from step 2 (1 restart(s) allowed by \
+             --max-restarts): ValueError: bad\n  Traceback ..."
+        );
+        // Another error, another checkpoint, or a loss with no program
+        // error between: not a repeat.
+        let mut l = CrashLoop::new(1);
+        l.all_lost(crash(2, 3, "ValueError: bad")).unwrap();
+        l.all_lost(crash(2, 3, "KeyError: 'x'")).unwrap();
+        l.all_lost(crash(4, 3, "KeyError: 'x'")).unwrap();
+        l.all_lost(None).unwrap();
+        l.all_lost(crash(4, 5, "KeyError: 'x'")).unwrap();
+        // Noticed a step later (windows sent ahead): the same crash.
+        assert!(l.all_lost(crash(4, 6, "KeyError: 'x'")).is_err());
+        // --max-restarts 3: the fourth restart is refused.
+        let mut three = CrashLoop::new(3);
+        for _ in 0..3 {
+            three.all_lost(crash(0, 1, "RuntimeError")).unwrap();
+        }
+        assert!(matches!(three.all_lost(crash(0, 1, "RuntimeError")), Err(JobEnds::SameCrash { times: 4, .. })));
     }
 
     #[test]

@@ -1,0 +1,211 @@
+//! A job's life: a finished job stays finished (for a rerun and for a
+//! standby), `--restart` trains it again without losing the finished run's
+//! checkpoints first, and a job whose accounting fails is not marked finished.
+
+use crate::support::{
+    job::{assert_exactly_once, finish, job, lines, report},
+    servers::RedisServer,
+    wait::wait_for,
+};
+use edl_plugin_artifacts as art;
+use std::{path::Path, process::Command, time::Duration};
+
+fn small(dir: &Path, extra: &[&str]) -> Command {
+    let mut args =
+        vec!["--policy", art::AUTOSCALE_WASM, "--no-distill", "--train-samples", "400", "--decide-every-steps", "2"];
+    args.extend_from_slice(extra);
+    job(dir, &args)
+}
+
+fn run_to_end(mut c: Command) -> (std::process::ExitStatus, String) {
+    let mut child = c.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    (status, seen.join("\n"))
+}
+
+/// The checkpoint directories' names, sorted.
+fn names(dir: &Path) -> Vec<String> {
+    let mut n: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    n.sort();
+    n
+}
+
+#[test]
+fn a_finished_job_stays_finished_and_restart_trains_it_again_keeping_its_checkpoints_until_then() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join(".edl/mnist/checkpoints");
+    let flags = ["--epochs", "2", "--checkpoint-every", "4"];
+    let (status, out) = run_to_end(small(dir.path(), &flags));
+    assert!(status.success(), "{out}");
+    let finished = names(&ckpt);
+    let first_report = std::fs::read(dir.path().join("report.json")).unwrap();
+
+    // A rerun trains nothing: it names the final checkpoint and exits 0,
+    // leaving the checkpoints and the report as they were.
+    let (status, out) = run_to_end(small(dir.path(), &flags));
+    assert!(status.success(), "{out}");
+    let last = finished.last().unwrap();
+    assert!(out.contains("job \"mnist\" finished before, its final checkpoint is"), "{out}");
+    assert!(out.contains(last.as_str()) && out.contains("--restart"), "{out}");
+    assert!(!out.contains("epoch     0 done"), "it trained again:\n{out}");
+    assert_eq!(names(&ckpt), finished);
+    assert_eq!(std::fs::read(dir.path().join("report.json")).unwrap(), first_report);
+
+    // --restart trains it again from step 0; the finished run's checkpoints
+    // are set aside until the new run has finished, then removed.
+    let mut c = small(dir.path(), &[&flags[..], &["--restart", "--step-delay-ms", "30"]].concat()).spawn().unwrap();
+    let rx = lines(&mut c);
+    let mut seen = Vec::new();
+    wait_for(&rx, "training it again from step 0", &mut seen, Duration::from_secs(120));
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    let during = names(&ckpt);
+    for n in &finished {
+        assert!(during.contains(&format!("finished-{n}")), "{n} set aside while the new run trains: {during:?}");
+    }
+    let status = finish(c, rx, &mut seen);
+    let out = seen.join("\n");
+    assert!(status.success(), "{out}");
+    let r = report(dir.path());
+    assert!(r["resumed_from_step"].is_null(), "{r}");
+    assert_exactly_once(&r, 2, 400);
+    let after = names(&ckpt);
+    assert!(after.iter().all(|n| !n.starts_with("finished-")), "{after:?}");
+    assert!(after.iter().any(|n| n.starts_with("step-")), "{after:?}");
+    assert!(ckpt.join("complete.json").exists());
+}
+
+#[test]
+fn a_standby_that_takes_the_lease_of_a_finished_job_says_so_and_exits_0_without_training() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    let checkpoints = dir.path().join("checkpoints");
+    let url = redis.url();
+    let args = [
+        "--store",
+        url.as_str(),
+        "--job",
+        "fin",
+        "--epochs",
+        "3",
+        "--step-delay-ms",
+        "20",
+        "--checkpoint-dir",
+        checkpoints.to_str().unwrap(),
+    ];
+    let mut active = small(&a, &args).spawn().unwrap();
+    let rx = lines(&mut active);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    let mut standby = small(&b, &[&args[..], &["--standby"]].concat()).spawn().unwrap();
+    let rx_b = lines(&mut standby);
+    let mut seen_b = Vec::new();
+    wait_for(&rx_b, "waiting to take it over", &mut seen_b, Duration::from_secs(120));
+    let status = finish(active, rx, &mut seen);
+    assert!(status.success(), "{}", seen.join("\n"));
+    let finished = names(&checkpoints);
+    let status = finish(standby, rx_b, &mut seen_b);
+    let out = seen_b.join("\n");
+    assert!(status.success(), "{out}");
+    assert!(out.contains("job \"fin\" finished before"), "{out}");
+    assert!(!out.contains("epoch     0 done"), "the standby trained the finished job again:\n{out}");
+    assert!(!b.join("report.json").exists(), "the standby wrote a report of a job it did not run");
+    assert_eq!(names(&checkpoints), finished, "the finished job's checkpoints are as they were");
+}
+
+/// Whether process `pid` runs (a zombie left to a parent that is gone does not).
+fn runs(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| s.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
+}
+
+#[test]
+fn sigterm_stops_the_job_with_a_checkpoint_of_its_committed_state_a_report_and_status_143() {
+    let dir = tempfile::tempdir().unwrap();
+    let flags = ["--epochs", "30", "--step-delay-ms", "20", "--workers", "2", "--min-workers", "2"];
+    let mut c = small(dir.path(), &flags).spawn().unwrap();
+    let rx = lines(&mut c);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    let workers: Vec<u32> = crate::support::process::children(c.id()).into_iter().map(|(p, _)| p).collect();
+    assert!(workers.len() >= 2, "{workers:?}");
+    assert!(std::process::Command::new("kill").args(["-TERM", &c.id().to_string()]).status().unwrap().success());
+    let status = finish(c, rx, &mut seen);
+    let out = seen.join("\n");
+    assert_eq!(status.code(), Some(143), "{out}");
+    assert!(out.contains("SIGTERM: stopping the job once its committed state is in a checkpoint"), "{out}");
+    assert!(out.contains("stopped by SIGTERM: its state at step"), "{out}");
+    let r = report(dir.path());
+    assert_eq!(r["status"], "stopped", "{r}");
+    let left: Vec<u32> = workers.into_iter().filter(|&p| runs(p)).collect();
+    assert!(left.is_empty(), "workers left running: {left:?}\n{out}");
+    // The rerun goes on from that checkpoint: nothing committed was lost.
+    let said = out.split("stopped by SIGTERM: its state at step ").nth(1).unwrap();
+    let step: u64 = said.split_whitespace().next().unwrap().parse().unwrap();
+    let (status, out) = run_to_end(small(dir.path(), &["--epochs", "30", "--workers", "2", "--min-workers", "2"]));
+    assert!(status.success(), "{out}");
+    let r = report(dir.path());
+    assert_eq!(r["resumed_from_step"].as_u64(), Some(step), "{out}");
+    assert_exactly_once(&r, 30, 400);
+}
+
+/// Redis restarted without its data under an active coordinator and a
+/// standby: the standby waits on, and when the active one dies it takes the
+/// job over with a fencing token above the checkpoints' fence (the store's
+/// token sequence started again below it), and finishes the job.
+#[test]
+fn a_standby_rides_out_a_store_that_lost_its_data_and_fences_above_the_checkpoints() {
+    let mut redis = RedisServer::start();
+    let url = redis.url();
+    // Tokens well above where the restarted store's sequence will be.
+    let port = url.trim_end_matches('/').rsplit(':').next().unwrap().to_string();
+    let set = Command::new("redis-cli").args(["-p", &port, "set", "edl-token-sequence", "1000"]).output().unwrap();
+    assert!(set.status.success(), "{set:?}");
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    let checkpoints = dir.path().join("checkpoints");
+    let args = [
+        "--store",
+        url.as_str(),
+        "--job",
+        "restarted",
+        "--epochs",
+        "8",
+        "--step-delay-ms",
+        "40",
+        "--checkpoint-every-steps",
+        "5",
+        "--checkpoint-dir",
+        checkpoints.to_str().unwrap(),
+    ];
+    let mut active = small(&a, &args).spawn().unwrap();
+    let rx = lines(&mut active);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    let mut standby = small(&b, &[&args[..], &["--standby"]].concat()).spawn().unwrap();
+    let rx_b = lines(&mut standby);
+    let mut seen_b = Vec::new();
+    wait_for(&rx_b, "waiting to take it over", &mut seen_b, Duration::from_secs(120));
+    redis.restart();
+    // The active one goes on (it takes its lease again) past another epoch.
+    wait_for(&rx, "epoch     2 done", &mut seen, Duration::from_secs(120));
+    assert!(std::process::Command::new("kill").args(["-KILL", &active.id().to_string()]).status().unwrap().success());
+    let _ = active.wait();
+    let status = finish(standby, rx_b, &mut seen_b);
+    let out = seen_b.join("\n");
+    assert!(status.success(), "{out}");
+    assert!(out.contains("the checkpoints' fence (token 1001)"), "{out}");
+    assert!(out.contains("the store lost its data; this coordinator fences with token 1002"), "{out}");
+    assert_exactly_once(&report(&b), 8, 400);
+}
