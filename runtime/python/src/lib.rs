@@ -864,7 +864,9 @@ fn start_teach(inner: &mut Inner) -> anyhow::Result<Teach> {
         Some(TeacherSource::Fixed(list)) => Teachers::Fixed(list),
         Some(TeacherSource::Discovered { store, service }) => {
             let _guard = inner.rt.enter();
-            Teachers::Discovered { store: Arc::new(edl_runtime::store::AnyStore::open(&store)?), service }
+            let store = Arc::new(edl_runtime::store::AnyStore::open(&store)?);
+            let key = edl_runtime::leader::seal::RecordKey::teacher_registrations(&inner.session.auth().secret);
+            Teachers::Discovered { store, service, key }
         }
         None => anyhow::bail!("the job has no teachers"),
     };

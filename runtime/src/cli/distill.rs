@@ -20,6 +20,11 @@ pub struct DistillArgs {
     /// Service name the teachers registered under (with --store).
     #[arg(long, value_name = "NAME", default_value = "teachers", help_heading = "Distillation")]
     service: String,
+    /// The key the teachers sealed their registrations with (with --store;
+    /// see `edl-runtime teacher --registration-key-file`): registrations
+    /// that do not verify are ignored.
+    #[arg(long, value_name = "FILE", requires = "store", help_heading = "Distillation")]
+    registration_key_file: Option<std::path::PathBuf>,
     /// Model name asked of every teacher.
     #[arg(long, value_name = "NAME", default_value = "teacher", help_heading = "Distillation")]
     model_name: String,
@@ -55,6 +60,17 @@ pub struct DistillArgs {
     batch: usize,
 }
 
+/// The teachers' registration key, from `--registration-key-file`.
+fn registration_key(file: Option<&std::path::Path>) -> Result<edl_runtime::leader::seal::RecordKey> {
+    let Some(f) = file else {
+        bail!("--store needs --registration-key-file: the key the teachers registered with")
+    };
+    let text = std::fs::read_to_string(f)
+        .map_err(|e| anyhow::anyhow!("--registration-key-file {}: {e}", f.display()))?;
+    edl_runtime::leader::seal::RecordKey::from_hex(&text)
+        .ok_or_else(|| anyhow::anyhow!("--registration-key-file {}: not a registration key", f.display()))
+}
+
 /// Reads the batches in order and prints each one's soft labels.
 pub fn run(args: DistillArgs) -> Result<ExitCode> {
     let teachers = match (&args.teachers, &args.store) {
@@ -69,6 +85,7 @@ pub fn run(args: DistillArgs) -> Result<ExitCode> {
             (None, Some(url)) => Teachers::Discovered {
                 store: Arc::new(edl_runtime::store::AnyStore::open(url)?),
                 service: args.service.clone(),
+                key: registration_key(args.registration_key_file.as_deref())?,
             },
             (None, None) => unreachable!("checked above"),
         };

@@ -4,7 +4,7 @@
 use super::flags::{listen_on, read_token};
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use edl_runtime::{distill::teacher, store::AnyStore, trainer::model::Mlp};
+use edl_runtime::{distill::teacher, leader::seal::RecordKey, store::AnyStore, trainer::model::Mlp};
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
 
 #[derive(Args)]
@@ -44,6 +44,12 @@ pub struct TeacherArgs {
     /// Service name the teacher registers under.
     #[arg(long, value_name = "NAME", default_value = "teachers", help_heading = "Registration")]
     service: String,
+    /// The job's teacher registration key (64 hex digits; a job that finds
+    /// its teachers in a store writes it to .edl/<job>/teacher-registration.key).
+    /// Students ignore registrations not sealed with it. Needed with a
+    /// shared --store; also read from $EDL_TEACHER_REGISTRATION_KEY.
+    #[arg(long, value_name = "FILE", help_heading = "Registration")]
+    registration_key_file: Option<PathBuf>,
     /// Most rows run through the model together (concurrent requests are batched up to it).
     #[arg(long, value_name = "ROWS", default_value_t = 512, help_heading = "Batching")]
     max_batch: usize,
@@ -93,6 +99,31 @@ pub fn run(args: TeacherArgs) -> Result<ExitCode> {
     rt.block_on(serve(args, model, access, token))
 }
 
+/// The key this teacher seals its registration with: `--registration-key-file`,
+/// else `$EDL_TEACHER_REGISTRATION_KEY`; a teacher registering only in this
+/// process's memory needs none (it makes one).
+fn registration_key(args: &TeacherArgs) -> Result<RecordKey> {
+    let env = edl_runtime::job::teacher_pool::REGISTRATION_KEY_ENV;
+    let (text, from) = match &args.registration_key_file {
+        Some(f) => (
+            std::fs::read_to_string(f).with_context(|| format!("--registration-key-file {}", f.display()))?,
+            format!("--registration-key-file {}", f.display()),
+        ),
+        None => match std::env::var(env) {
+            Ok(v) => (v, format!("${env}")),
+            Err(_) if args.store == "memory" => {
+                return Ok(RecordKey::teacher_registrations(&edl_runtime::worker::session::Secret::generate()?));
+            }
+            Err(_) => bail!(
+                "a teacher registering in a shared --store needs the job's registration key: \
+                 --registration-key-file .edl/<job>/teacher-registration.key (students ignore registrations \
+                 without it)"
+            ),
+        },
+    };
+    RecordKey::from_hex(&text).ok_or_else(|| anyhow::anyhow!("{from}: not a registration key (64 hex digits)"))
+}
+
 async fn serve(
     args: TeacherArgs,
     model: Mlp,
@@ -109,7 +140,12 @@ async fn serve(
     };
     let (inputs, outputs) = (model.input_dim(), model.output_dim());
     let service = teacher::TeacherService::new(model, config);
-    let registration = Some((store, args.service.clone(), Duration::from_secs(3)));
+    let registration = Some(teacher::Registration {
+        store,
+        service: args.service.clone(),
+        ttl: Duration::from_secs(3),
+        key: registration_key(&args)?,
+    });
     let rest_tls = match &access.tls {
         Some((cert, key)) if args.http_listen.is_some() => Some(
             edl_runtime::distill::rest::tls_config(cert, key)

@@ -25,8 +25,9 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 pub enum Teachers {
     /// Fixed endpoints (`host:port`), e.g. any OIP server.
     Fixed(Vec<String>),
-    /// Teachers registered in the store under a service name.
-    Discovered { store: Arc<AnyStore>, service: String },
+    /// Teachers registered in the store under a service name, their
+    /// registrations sealed with `key` (the job's registration key).
+    Discovered { store: Arc<AnyStore>, service: String, key: crate::leader::seal::RecordKey },
 }
 
 /// How the reader works.
@@ -969,7 +970,7 @@ impl Pipeline {
                 }
                 None
             }
-            Teachers::Discovered { store, service } => {
+            Teachers::Discovered { store, service, .. } => {
                 Some(watch(store.clone(), keys::teachers(service), Duration::from_millis(200)))
             }
         }
@@ -1038,7 +1039,13 @@ impl Pipeline {
     /// A teacher registered, re-registered or left the store.
     fn teacher_changed(&mut self, change: Change) {
         match change {
-            Change::Added(e) | Change::Updated(e) => self.add_teacher(&String::from_utf8_lossy(&e.value)),
+            Change::Added(e) | Change::Updated(e) => {
+                let Teachers::Discovered { key, .. } = &self.teachers else { return };
+                match key.open(&e.key, &e.value) {
+                    Ok(addr) => self.add_teacher(&String::from_utf8_lossy(addr)),
+                    Err(why) => tracing::warn!("teacher registration ignored: {why}"),
+                }
+            }
             Change::Removed(key) => {
                 let addr = key.rsplit('/').next().unwrap_or_default().to_string();
                 self.remove_teacher(&addr);

@@ -517,6 +517,16 @@ pub(crate) fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// Where a teacher registers its endpoint: under `service` in `store`, as
+/// a lease of `ttl`, sealed with the job's registration key (students
+/// ignore a registration that does not verify).
+pub struct Registration {
+    pub store: Arc<AnyStore>,
+    pub service: String,
+    pub ttl: Duration,
+    pub key: crate::leader::seal::RecordKey,
+}
+
 impl Teacher {
     /// Serves `service` on `listen` (port 0 picks one). With a store, the
     /// endpoint is registered under `edl/services/<service_name>/teachers/<addr>`
@@ -524,7 +534,7 @@ impl Teacher {
     pub async fn start(
         listen: SocketAddr,
         service: TeacherService,
-        registration: Option<(Arc<AnyStore>, String, Duration)>,
+        registration: Option<Registration>,
     ) -> Result<Self, TeacherError> {
         Self::start_with(listen, service, registration).await
     }
@@ -533,7 +543,7 @@ impl Teacher {
     pub async fn start_with<S: GrpcInferenceService>(
         listen: SocketAddr,
         service: S,
-        registration: Option<(Arc<AnyStore>, String, Duration)>,
+        registration: Option<Registration>,
     ) -> Result<Self, TeacherError> {
         Self::serve(Serving::on(listen), service, registration).await
     }
@@ -543,7 +553,7 @@ impl Teacher {
     pub async fn serve<S: GrpcInferenceService>(
         serving: Serving,
         service: S,
-        registration: Option<(Arc<AnyStore>, String, Duration)>,
+        registration: Option<Registration>,
     ) -> Result<Self, TeacherError> {
         let listen = serving.listen;
         let listener =
@@ -603,13 +613,10 @@ impl Teacher {
             }
         });
         let lease = match registration {
-            Some((store, service, ttl)) => {
-                let key = keys::teacher(&service, &host_port);
-                Some(
-                    Lease::hold(store, key, advertised.clone().into_bytes(), ttl)
-                        .await
-                        .map_err(TeacherError::Store)?,
-                )
+            Some(r) => {
+                let key = keys::teacher(&r.service, &host_port);
+                let sealed = r.key.seal(&key, advertised.as_bytes());
+                Some(Lease::hold(r.store, key, sealed, r.ttl).await.map_err(TeacherError::Store)?)
             }
             None => None,
         };

@@ -156,6 +156,9 @@ impl Job {
         check(&cfg, starts_teachers)?;
         refuse_tokens_in_clear(&cfg, &StartedTeachers::default())?;
         let lock = lock_and_keep_secret(&cfg, dirs, secret_file)?;
+        if matches!(cfg.spec.teachers, Some(crate::job::spec::TeacherSource::Discovered { .. })) {
+            keep_registration_key(&cfg, dirs)?;
+        }
         Ok(Job { cfg, lock, plugins, scaler, teachers: StartedTeachers::default() })
     }
 
@@ -193,6 +196,28 @@ fn check(cfg: &JobConfig, starts_teachers: bool) -> Result<()> {
     preflight(cfg)
 }
 
+/// Where a job that finds its teachers in a store keeps the key they
+/// register with, for the operator to give them (`edl-runtime teacher
+/// --registration-key-file`).
+pub fn registration_key_file(dirs: &JobDirs) -> PathBuf {
+    dirs.job_dir.join("teacher-registration.key")
+}
+
+/// Writes the job's teacher registration key (readable by its owner only).
+fn keep_registration_key(cfg: &JobConfig, dirs: &JobDirs) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = registration_key_file(dirs);
+    let key = crate::leader::seal::RecordKey::teacher_registrations(&cfg.secret);
+    let _ = std::fs::remove_file(&path);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("{}: cannot write the teacher registration key", path.display()))?;
+    std::io::Write::write_all(&mut f, key.to_hex().as_bytes()).with_context(|| format!("{}", path.display()))
+}
+
 /// Takes the job's lock, makes its log directory and writes a new secret
 /// where an operator finds it: `secret_file`, or `.edl/<job>/secret`.
 fn lock_and_keep_secret(cfg: &JobConfig, dirs: &JobDirs, secret_file: Option<&Path>) -> Result<JobLock> {
@@ -226,7 +251,8 @@ fn start_teachers(
         None
     };
     let ca_pem = tls.as_ref().map(|t| t.pem.clone());
-    let guard = TeacherGuard { token_file: start.token_file, tls };
+    let registration = crate::leader::seal::RecordKey::teacher_registrations(&cfg.secret);
+    let guard = TeacherGuard { token_file: start.token_file, tls, registration };
     let mut processes = Vec::new();
     for i in 0..start.count {
         let log = dirs.log_dir.join(format!("teacher-{i}.log"));

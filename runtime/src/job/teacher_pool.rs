@@ -113,10 +113,13 @@ impl TeacherWatch for std::sync::Arc<std::sync::Mutex<Vec<TeacherProcess>>> {
 
 /// How the teachers a job starts guard their endpoint: the job's teacher
 /// token, and TLS with a certificate the job makes for them.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct TeacherGuard {
     pub token_file: Option<PathBuf>,
     pub tls: Option<TeacherTls>,
+    /// The job's key teachers seal their registrations with (given to them
+    /// in `EDL_TEACHER_REGISTRATION_KEY`, not on a command line).
+    pub registration: crate::leader::seal::RecordKey,
 }
 
 /// A certificate the job made for its teachers, and its key.
@@ -155,6 +158,9 @@ impl TeacherTls {
     }
 }
 
+/// Where a teacher finds the key it seals its registration with.
+pub const REGISTRATION_KEY_ENV: &str = "EDL_TEACHER_REGISTRATION_KEY";
+
 impl TeacherProcess {
     /// Starts `exe teacher --model M --listen IP:0 --advertise HOST --service V`
     /// (the store in `EDL_STORE`) and waits (up to 30 s) for the address it serves on.
@@ -180,7 +186,11 @@ impl TeacherProcess {
         if let Some(tls) = &guard.tls {
             cmd.arg("--tls-cert").arg(&tls.cert).arg("--tls-key").arg(&tls.key);
         }
-        cmd.env("EDL_STORE", store).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(log_file);
+        cmd.env("EDL_STORE", store)
+            .env(REGISTRATION_KEY_ENV, guard.registration.to_hex())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log_file);
         die_with_parent(&mut cmd);
         let mut child = cmd.spawn().with_context(|| format!("starting a teacher ({})", exe.display()))?;
         let stdout = child.stdout.take().expect("piped");

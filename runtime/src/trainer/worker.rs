@@ -232,6 +232,8 @@ struct BuiltinWorker {
     seed: u64,
     model: BuiltinModel,
     teachers: Option<TeacherSource>,
+    /// Opens the registrations of teachers found in the store.
+    registrations: crate::leader::seal::RecordKey,
     teacher_model_name: String,
     teacher_wait: Duration,
     step_delay: Duration,
@@ -301,6 +303,7 @@ pub fn run(join: Join) -> Result<()> {
         id,
         seed: spec.seed,
         teachers: spec.teachers.clone(),
+        registrations: crate::leader::seal::RecordKey::teacher_registrations(&session.auth().secret),
         teacher_model_name: spec.teacher_model_name.clone(),
         teacher_wait: Duration::from_millis(spec.teacher_wait_ms),
         step_delay: Duration::from_millis(spec.step_delay_ms),
@@ -461,7 +464,8 @@ impl BuiltinWorker {
             TeacherSource::Fixed(list) => Teachers::Fixed(list),
             TeacherSource::Discovered { store, service } => {
                 let _guard = self.rt.enter();
-                Teachers::Discovered { store: Arc::new(crate::store::AnyStore::open(&store)?), service }
+                let store = Arc::new(crate::store::AnyStore::open(&store)?);
+                Teachers::Discovered { store, service, key: self.registrations.clone() }
             }
         };
         let transform = match (&self.transform_path, &self.host) {

@@ -14,8 +14,9 @@ use edl_runtime::{
     distill::{
         DistillConfig, DistillError, DistillReader, Teachers,
         oip::{self, GrpcInferenceService, GrpcInferenceServiceClient, pb},
-        teacher::{Teacher, TeacherConfig, TeacherService},
+        teacher::{Registration, Teacher, TeacherConfig, TeacherService},
     },
+    leader::seal::RecordKey,
     store::AnyStore,
     trainer::model::Mlp,
 };
@@ -363,13 +364,46 @@ fn with_no_teacher_the_reader_waits_then_fails_clearly() {
     runtime().block_on(async {
         let cfg = DistillConfig { wait_for_teachers: Duration::from_millis(500), ..Default::default() };
         let store = Arc::new(AnyStore::open("memory").unwrap());
-        let teachers = Teachers::Discovered { store, service: "empty".into() };
+        let teachers = Teachers::Discovered { store, service: "empty".into(), key: registration_key() };
         let mut reader = DistillReader::start(batches(2, 8).into_iter(), None, teachers, cfg);
         let start = std::time::Instant::now();
         let err = reader.next().await.unwrap().unwrap_err();
         assert!(matches!(err, DistillError::NoTeachers { .. }), "{err}");
         assert!(err.to_string().contains("no teacher"));
         assert!(start.elapsed() < Duration::from_secs(5));
+    });
+}
+
+/// A store writer without the job's registration key registers a teacher
+/// of its own (soft labels of another model): students ignore it, with a
+/// warning naming its key, and every batch gets the real teacher's labels.
+#[test]
+fn registrations_that_do_not_verify_are_ignored_and_cannot_poison_the_soft_labels() {
+    runtime().block_on(async {
+        use edl_runtime::store::Store;
+        let store = Arc::new(AnyStore::open("memory").unwrap());
+        let any = "127.0.0.1:0".parse().unwrap();
+        let service = |m: Mlp| TeacherService::new(m, TeacherConfig::default());
+        let registration = || Registration {
+            store: store.clone(),
+            service: "svc".into(),
+            ttl: Duration::from_secs(30),
+            key: registration_key(),
+        };
+        let good = Teacher::start(any, service(model()), Some(registration())).await.unwrap();
+        let poison = Teacher::start(any, service(Mlp::random(&[DIM, 32, CLASSES], 99)), None).await.unwrap();
+        // Planted in clear, and sealed with another key.
+        let addr = poison.addr.to_string();
+        let key = edl_runtime::store::keys::teacher("svc", &addr);
+        store.put(&key, addr.as_bytes(), None).await.unwrap();
+        let other = RecordKey::from_hex(&"01".repeat(32)).unwrap();
+        let key2 = edl_runtime::store::keys::teacher("svc", "10.9.9.9:1");
+        store.put(&key2, &other.seal(&key2, addr.as_bytes()), None).await.unwrap();
+        let teachers = Teachers::Discovered { store: store.clone(), service: "svc".into(), key: registration_key() };
+        let cfg = DistillConfig { teacher_batch: 8, classes: Some(CLASSES), ..Default::default() };
+        let data = batches(12, 16);
+        drain_and_check(DistillReader::start(data.clone().into_iter(), None, teachers, cfg), &data, |_| {}).await;
+        drop(good);
     });
 }
 
@@ -409,9 +443,17 @@ fn when_every_listed_teacher_fails_the_reader_gives_up_after_one_wait_naming_the
 }
 
 /// A teacher process (`edl-runtime teacher`) registered in Redis.
+/// The key the tests' teachers register with (a job derives its own from its secret).
+const REGISTRATION_KEY: &str = "5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a";
+
+fn registration_key() -> RecordKey {
+    RecordKey::from_hex(REGISTRATION_KEY).unwrap()
+}
+
 fn teacher_process(model: &std::path::Path, redis: &str) -> (Child, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
         .args(["teacher", "--listen", "127.0.0.1:0", "--store", redis, "--service", "mnist"])
+        .env("EDL_TEACHER_REGISTRATION_KEY", REGISTRATION_KEY)
         .arg("--model")
         .arg(model)
         .stdout(Stdio::piped())
@@ -452,7 +494,7 @@ fn teachers_killed_added_and_a_redis_restart_lose_nothing() {
             cooldown: Duration::from_millis(300),
             ..Default::default()
         };
-        let teachers = Teachers::Discovered { store, service: "mnist".into() };
+        let teachers = Teachers::Discovered { store, service: "mnist".into(), key: registration_key() };
         // A slow source keeps the epoch going while teachers come and go.
         let slow = data.clone().into_iter().inspect(|_| std::thread::sleep(Duration::from_millis(40)));
         let reader = DistillReader::start(slow, None, teachers, cfg);
@@ -537,7 +579,8 @@ fn a_teacher_deregisters_on_sigterm() {
         let store = AnyStore::open(&redis.url()).unwrap();
         let key = edl_runtime::store::keys::teacher("mnist", &addr);
         use edl_runtime::store::Store;
-        assert_eq!(store.get(&key).await.unwrap().unwrap().value, addr.as_bytes());
+        let registered = store.get(&key).await.unwrap().unwrap().value;
+        assert_eq!(registration_key().open(&key, &registered).unwrap(), addr.as_bytes());
         let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
         assert!(status.success());
         let exit = child.wait().unwrap();
@@ -555,9 +598,14 @@ fn the_distill_command_reads_from_fixed_teachers_and_from_discovery() {
     model().save(&model_file).unwrap();
     let (mut child, addr) = teacher_process(&model_file, &redis.url());
     let dim = DIM.to_string();
-    for how in
-        [vec!["--teachers", addr.as_str()], vec!["--store", redis.url().as_str(), "--service", "mnist"]]
-    {
+    let key_file = dir.path().join("teacher-registration.key");
+    std::fs::write(&key_file, REGISTRATION_KEY).unwrap();
+    let key_file = key_file.to_str().unwrap();
+    let url = redis.url();
+    for how in [
+        vec!["--teachers", addr.as_str()],
+        vec!["--store", url.as_str(), "--service", "mnist", "--registration-key-file", key_file],
+    ] {
         let out = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
             .arg("distill")
             .args(&how)
@@ -601,15 +649,15 @@ fn a_teacher_with_tls_and_a_token_answers_only_students_that_trust_it_and_carry_
             ..Serving::on("127.0.0.1:0".parse().unwrap())
         };
         let service = TeacherService::new(model(), TeacherConfig::default());
-        let t =
-            Teacher::serve(serving, service, Some((store.clone(), "tls".into(), Duration::from_secs(30))))
-                .await
-                .unwrap();
+        let registration =
+            Registration { store: store.clone(), service: "tls".into(), ttl: Duration::from_secs(30), key: registration_key() };
+        let t = Teacher::serve(serving, service, Some(registration)).await.unwrap();
         // It registers as an https endpoint, and the key names host:port.
         assert_eq!(t.advertised, format!("grpcs://{}", t.addr));
         let key = edl_runtime::store::keys::teacher("tls", &t.addr.to_string());
         use edl_runtime::store::Store;
-        assert_eq!(store.get(&key).await.unwrap().map(|e| e.value), Some(t.advertised.clone().into_bytes()));
+        let registered = store.get(&key).await.unwrap().unwrap().value;
+        assert_eq!(registration_key().open(&key, &registered).unwrap(), t.advertised.as_bytes());
 
         let try_with = |access: TeacherAccess, addr: String| {
             let cfg = DistillConfig {
@@ -625,7 +673,7 @@ fn a_teacher_with_tls_and_a_token_answers_only_students_that_trust_it_and_carry_
         // Trusting the CA, with the token: every batch, with the right labels;
         // discovered through the store as an https endpoint.
         let trusted = TeacherAccess { token: token.clone(), ca_pem: Some(ca.clone()), ..Default::default() };
-        let discovered = Teachers::Discovered { store: store.clone(), service: "tls".into() };
+        let discovered = Teachers::Discovered { store: store.clone(), service: "tls".into(), key: registration_key() };
         let cfg = DistillConfig { classes: Some(CLASSES), access: trusted.clone(), ..Default::default() };
         drain_and_check(
             DistillReader::start(batches(3, 8).into_iter(), None, discovered, cfg),

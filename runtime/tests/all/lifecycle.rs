@@ -96,9 +96,9 @@ fn a_standby_that_takes_the_lease_of_a_finished_job_says_so_and_exits_0_without_
         "--job",
         "fin",
         "--epochs",
-        "3",
+        "12",
         "--step-delay-ms",
-        "20",
+        "40",
         "--checkpoint-dir",
         checkpoints.to_str().unwrap(),
     ];
