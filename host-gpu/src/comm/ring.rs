@@ -256,7 +256,7 @@ impl TcpRing {
         let unintroduced = |e: std::io::Error| format!("dropped a link that did not introduce itself: {e}");
         let mut keys = None;
         {
-            s.set_read_timeout(Some(patience)).ok(); let mut within = &mut s;
+            let mut within = auth::Deadline::new(&mut s, patience);
             match &opts.auth {
                 Some((a, generation)) => {
                     let (_, k) = auth::accept(&mut within, &a.secret, |c| {
