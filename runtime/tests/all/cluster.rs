@@ -121,14 +121,21 @@ fn a_job_across_hosts_survives_a_dead_host_and_a_cut_off_one_and_refuses_it_afte
     let store = format!("redis://{coord}:6379/");
     let model = d.join("teacher.safetensors");
     edl_runtime::trainer::model::Mlp::random(&[784, 32, 10], 7).save(&model).unwrap();
+    // The job's secret, made beforehand; the teacher gets the registration
+    // key derived from it (not the secret).
+    let secret = d.join("job.secret");
+    let made = edl_runtime::worker::session::Secret::generate().unwrap();
+    made.write(&secret).unwrap();
+    let key_file = d.join("teacher-registration.key");
+    let key = edl_runtime::leader::seal::RecordKey::teacher_registrations(&made);
+    std::fs::write(&key_file, key.to_hex()).unwrap();
     let mut teacher = hosts.on("teacher", EXE);
     teacher.args(["teacher", "--listen", &format!("{}:8001", hosts.ip("teacher")), "--store", &store]);
-    teacher.args(["--service", "fleet", "--model"]).arg(&model);
+    teacher.args(["--service", "fleet", "--registration-key-file"]).arg(&key_file).arg("--model").arg(&model);
     let teacher_log = std::fs::File::create(d.join("teacher.log")).unwrap();
     let mut teacher = teacher.stdout(teacher_log.try_clone().unwrap()).stderr(teacher_log).spawn().unwrap();
 
     // The coordinator starts workers on w1 and w2 by command; w3 comes on its own.
-    let secret = d.join("job.secret");
     let template = format!("ip netns exec {}-{{host}} {{program}}", hosts.prefix);
     let cmd = job(d, &["--teachers", "0", "--service", "fleet", "--store", &store]);
     let on_coord = cmd.get_program().to_owned();
