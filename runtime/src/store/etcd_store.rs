@@ -1,6 +1,15 @@
 //! The etcd store (`etcd://host1:port,host2:port,...`): a replicated,
 //! linearizable store that survives losing a minority of its members.
 //!
+//! `etcds://` reaches the members over TLS: `?ca=FILE` is the CA their
+//! certificates are checked against (default: the web PKI's roots),
+//! `&cert=FILE&key=FILE` the client certificate members that demand one
+//! (`--client-cert-auth`) check, `&domain=NAME` the name their
+//! certificates carry where it is not the host's. `user:password@` before
+//! the hosts authenticates to a cluster with auth enabled (with `etcd://`
+//! the password would cross in clear: it is refused). The files are read
+//! when the store is opened, and an error names the one that is wrong.
+//!
 //! Tokens are etcd's own revisions: every write of the cluster gets the next
 //! one, so they strictly increase across keys, deletions and expiries, as the
 //! [`super::Store`] contract asks. A key written with a TTL is attached to an
@@ -20,8 +29,12 @@ use std::{sync::Arc, time::Duration};
 /// A store in an etcd cluster; connects on first use.
 #[derive(Clone)]
 pub struct EtcdStore {
+    /// As logs show it (without a password).
     url: Arc<str>,
     endpoints: Arc<[String]>,
+    /// User name and password, for a cluster with auth enabled.
+    user: Option<(String, String)>,
+    tls: Option<etcd_client::TlsOptions>,
     client: Arc<tokio::sync::OnceCell<Client>>,
 }
 
@@ -44,17 +57,39 @@ impl EtcdStore {
     /// A store at `url`: `etcd://host:port[,host:port...]` (the members'
     /// client addresses). Nothing is contacted yet.
     pub fn open(url: &str) -> Result<Self, StoreError> {
-        let rest = url.strip_prefix("etcd://").ok_or_else(|| StoreError::BadUrl(url.to_string()))?;
-        let endpoints: Vec<String> = rest
+        let shown = super::redact(url);
+        let bad = || StoreError::BadUrl(shown.clone());
+        let (secure, rest) = match (url.strip_prefix("etcds://"), url.strip_prefix("etcd://")) {
+            (Some(rest), _) => (true, rest),
+            (None, Some(rest)) => (false, rest),
+            _ => return Err(bad()),
+        };
+        let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let (user, hosts) = match rest.rsplit_once('@') {
+            Some((auth, hosts)) => {
+                let (name, password) = auth.split_once(':').ok_or_else(bad)?;
+                (Some((name.to_string(), password.to_string())), hosts)
+            }
+            None => (None, rest),
+        };
+        if user.is_some() && !secure {
+            return Err(StoreError::Unavailable {
+                url: shown,
+                detail: "a user and password over etcd:// would cross in clear: use etcds://".into(),
+            });
+        }
+        let scheme = if secure { "https" } else { "http" };
+        let endpoints: Vec<String> = hosts
             .trim_end_matches('/')
             .split(',')
             .filter(|e| !e.is_empty())
-            .map(|e| format!("http://{e}"))
+            .map(|e| format!("{scheme}://{e}"))
             .collect();
         if endpoints.is_empty() {
-            return Err(StoreError::BadUrl(url.to_string()));
+            return Err(bad());
         }
-        Ok(EtcdStore { url: url.into(), endpoints: endpoints.into(), client: Arc::default() })
+        let tls = if secure { Some(tls_options(query, &shown)?) } else { None };
+        Ok(EtcdStore { url: shown.into(), endpoints: endpoints.into(), user, tls, client: Arc::default() })
     }
 
     fn err(&self, e: etcd_client::Error) -> StoreError {
@@ -64,10 +99,16 @@ impl EtcdStore {
     /// The client, connected (each call clones it: its channels are shared).
     async fn client(&self) -> Result<Client, StoreError> {
         let connect = || async {
-            let options = ConnectOptions::new()
+            let mut options = ConnectOptions::new()
                 .with_connect_timeout(Duration::from_secs(1))
                 .with_timeout(Duration::from_secs(2))
                 .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
+            if let Some((name, password)) = &self.user {
+                options = options.with_user(name, password);
+            }
+            if let Some(tls) = &self.tls {
+                options = options.with_tls(tls.clone());
+            }
             Client::connect(self.endpoints.as_ref(), Some(options)).await.map_err(|e| self.err(e))
         };
         self.client.get_or_try_init(connect).await.cloned()
@@ -107,6 +148,48 @@ impl EtcdStore {
         let lease = self.call(|mut c| async move { c.lease_grant(seconds(ttl), None).await }).await?;
         Ok(Some(PutOptions::new().with_lease(lease.id())))
     }
+}
+
+/// The TLS settings `?ca=FILE&cert=FILE&key=FILE&domain=NAME` ask for,
+/// their files read now; an error names the setting and the file.
+fn tls_options(query: &str, shown: &str) -> Result<etcd_client::TlsOptions, StoreError> {
+    use etcd_client::{Certificate, Identity, TlsOptions};
+    let mut params = std::collections::BTreeMap::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        if !matches!(k, "ca" | "cert" | "key" | "domain") {
+            return Err(StoreError::Unavailable {
+                url: shown.to_string(),
+                detail: format!("unknown setting {k:?} (etcds:// takes ca, cert, key and domain)"),
+            });
+        }
+        params.insert(k, v.to_string());
+    }
+    let read = |name: &str| -> Result<Option<Vec<u8>>, StoreError> {
+        let Some(path) = params.get(name) else { return Ok(None) };
+        std::fs::read(path).map(Some).map_err(|e| StoreError::Unavailable {
+            url: shown.to_string(),
+            detail: format!("{name}={path}: {e}"),
+        })
+    };
+    let mut tls = match read("ca")? {
+        Some(ca) => TlsOptions::new().ca_certificate(Certificate::from_pem(ca)),
+        None => TlsOptions::new().with_webpki_roots(),
+    };
+    match (read("cert")?, read("key")?) {
+        (Some(cert), Some(key)) => tls = tls.identity(Identity::from_pem(cert, key)),
+        (None, None) => {}
+        _ => {
+            return Err(StoreError::Unavailable {
+                url: shown.to_string(),
+                detail: "cert= and key= go together (the client certificate and its key)".into(),
+            });
+        }
+    }
+    if let Some(domain) = params.get("domain") {
+        tls = tls.domain_name(domain.clone());
+    }
+    Ok(tls)
 }
 
 /// How long a call is tried again on members that answer.

@@ -54,7 +54,7 @@ pub enum StoreError {
     #[error("store {url}: unexpected reply for {op}: {detail}")]
     Protocol { url: String, op: &'static str, detail: String },
     #[error(
-        "invalid store address {:?}: expected `memory`, `redis://host:port[/db]` or `etcd://host:port[,host:port...]`",
+        "invalid store address {:?}: expected `memory`, `redis://host:port[/db]`, `rediss://...`, `etcd://host:port[,host:port...]` or `etcds://[user:password@]host:port[,...][?ca=FILE&cert=FILE&key=FILE]`",
         redact(.0)
     )]
     BadUrl(String),
@@ -125,7 +125,7 @@ impl AnyStore {
         if url.starts_with("redis://") || url.starts_with("rediss://") {
             return Ok(AnyStore::Redis(RedisStore::open(url)?));
         }
-        if url.starts_with("etcd://") {
+        if url.starts_with("etcd://") || url.starts_with("etcds://") {
             return Ok(AnyStore::Etcd(EtcdStore::open(url)?));
         }
         Err(StoreError::BadUrl(url.to_string()))

@@ -52,6 +52,26 @@ fn ttl_ms(ttl: Option<Duration>) -> u64 {
     ttl.map_or(0, |t| (t.as_millis() as u64).max(1))
 }
 
+/// A `rediss://` URL's `?ca=FILE`: the URL without it, and the CA (PEM)
+/// read from the file (an error names it). None: no CA was given.
+fn tls_root(url: &str, shown: &str) -> Result<Option<(String, Vec<u8>)>, StoreError> {
+    let Some((base, query)) = url.split_once('?').filter(|_| url.starts_with("rediss://")) else {
+        return Ok(None);
+    };
+    let (mut ca, mut rest) = (None, Vec::new());
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.strip_prefix("ca=") {
+            Some(path) => ca = Some(path.to_string()),
+            None => rest.push(pair),
+        }
+    }
+    let Some(path) = ca else { return Ok(None) };
+    let pem = std::fs::read(&path)
+        .map_err(|e| StoreError::Unavailable { url: shown.to_string(), detail: format!("ca={path}: {e}") })?;
+    let url = if rest.is_empty() { base.to_string() } else { format!("{base}?{}", rest.join("&")) };
+    Ok(Some((url, pem)))
+}
+
 /// Escapes a prefix for a SCAN MATCH pattern.
 fn glob_escape(prefix: &str) -> String {
     let mut out = String::with_capacity(prefix.len() + 1);
@@ -66,16 +86,24 @@ fn glob_escape(prefix: &str) -> String {
 }
 
 impl RedisStore {
-    /// A store at `url` (`redis://host:port[/db]`); connects on first use.
-    /// Must be called inside a Tokio runtime.
+    /// A store at `url` (`redis://host:port[/db]`, or `rediss://` over TLS,
+    /// checked against the system's roots or `?ca=FILE`); connects on first
+    /// use. Must be called inside a Tokio runtime.
     pub fn open(url: &str) -> Result<Self, StoreError> {
+        let shown = super::redact(url);
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(StoreError::Unavailable {
-                url: url.to_string(),
+                url: shown,
                 detail: "opened outside a Tokio runtime (the connection lives on one)".into(),
             });
         }
-        let client = Client::open(url).map_err(|_| StoreError::BadUrl(url.to_string()))?;
+        let client = match tls_root(url, &shown)? {
+            Some((url, ca)) => {
+                let certs = redis::TlsCertificates { client_tls: None, root_cert: Some(ca) };
+                Client::build_with_tls(url.as_str(), certs).map_err(|_| StoreError::BadUrl(shown.clone()))?
+            }
+            None => Client::open(url).map_err(|_| StoreError::BadUrl(shown.clone()))?,
+        };
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(1)))
             .set_response_timeout(Some(Duration::from_secs(2)))

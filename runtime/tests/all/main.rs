@@ -19,6 +19,7 @@ mod shipped;
 mod slurm;
 mod storage;
 mod store;
+mod store_tls;
 mod support;
 mod torch;
 mod torchrun;
