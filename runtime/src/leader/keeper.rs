@@ -213,7 +213,7 @@ impl StoreKeeper {
             key,
             shown: redact(url),
             token,
-            lost: None,
+            lost: Vec::new(),
             renew_every: lease.as_ref().map_or(Duration::from_secs(3600), |l| l.ttl / 3),
             lease,
             leader: None,
@@ -294,7 +294,7 @@ struct Keeper {
     /// The state's token as this keeper last wrote or read it.
     token: Option<u64>,
     /// The bytes of the last state write whose answer never came.
-    lost: Option<Vec<u8>>,
+    lost: Vec<Vec<u8>>,
     lease: Option<JobLease>,
     renew_every: Duration,
     /// The replicated store's leader, asked after each renewal.
@@ -439,15 +439,17 @@ impl Keeper {
 ///   lost mid-call), which the store applied;
 /// - a state a coordinator with a lower lease token wrote: a deposed one's
 ///   late write, landed after this one took the job over;
-/// - the bytes of the last write whose answer never came (`lost`), for a
-///   state that names no leader.
+/// - the bytes of a write whose answer never came since the last one
+///   confirmed (`lost`: one timed out, the next ones too while the store
+///   elected a leader, and the first was applied), for a state that names
+///   no leader.
 #[allow(clippy::too_many_arguments)]
 async fn write_state(
     store: &AnyStore,
     seal: &RecordKey,
     key: &str,
     token: &mut Option<u64>,
-    lost: &mut Option<Vec<u8>>,
+    lost: &mut Vec<Vec<u8>>,
     s: &JobState,
     bound: Duration,
     mine: Option<u64>,
@@ -459,14 +461,17 @@ async fn write_state(
         let answer = match within(until, store.compare_and_set(key, *token, &value, None)).await {
             Ok(a) => a,
             Err(e) => {
-                *lost = Some(value);
+                if lost.len() >= MAX_LOST {
+                    lost.remove(0);
+                }
+                lost.push(value);
                 return Err(e.into());
             }
         };
         let theirs = match answer {
             Cas::Written(t) => {
                 *token = Some(t);
-                *lost = None;
+                lost.clear();
                 return Ok(());
             }
             // The key is gone (a store restarted without persistence): write it afresh.
@@ -482,7 +487,7 @@ async fn write_state(
                 let opened = held.as_ref().map(|e| seal.open(key, &e.value));
                 let led = opened.as_ref().and_then(|o| o.as_ref().ok()).and_then(|v| leader_token(v));
                 let ours = led.zip(mine).is_some_and(|(t, m)| t == m)
-                    || held.as_ref().zip(lost.as_ref()).is_some_and(|(e, sent)| &e.value == sent);
+                    || held.as_ref().is_some_and(|e| lost.iter().any(|sent| &e.value == sent));
                 let deposed = led.zip(mine).is_some_and(|(t, m)| t < m);
                 // Written without the job's secret: no coordinator's.
                 let forged = opened.as_ref().and_then(|o| o.as_ref().err());
@@ -499,11 +504,15 @@ async fn write_state(
                 Some(theirs)
             }
         };
-        *lost = None;
+        lost.clear();
         *token = theirs;
         overwritten = true;
     }
 }
+
+/// Unconfirmed state writes remembered (a store that answers none of them
+/// for longer fences the coordinator by its lease first).
+const MAX_LOST: usize = 16;
 
 /// The lease token of the coordinator (or torchrun launcher) that wrote a
 /// job state, where the state names it.
@@ -903,7 +912,7 @@ mod tests {
             };
             // This one (lease token 5) read the state at `token`; then the
             // coordinator it took over from (token 3) landed a late write.
-            let (mut token, mut lost) = (None, None);
+            let (mut token, mut lost) = (None, Vec::new());
             write_state(&store, &seal, "s", &mut token, &mut lost, &led_by(3), BOUND, Some(3)).await.unwrap();
             let read = token;
             store.compare_and_set("s", read, &seal.seal("s", &serde_json::to_vec(&led_by(3)).unwrap()), None).await.unwrap();
@@ -914,7 +923,7 @@ mod tests {
             // applied the first: the key names this one, so it is its own.
             let first = JobState { committed_steps: 1, ..led_by(5) };
             store.compare_and_set("s", token, &seal.seal("s", &serde_json::to_vec(&first).unwrap()), None).await.unwrap();
-            lost = Some(seal.seal("s", &serde_json::to_vec(&JobState { committed_steps: 2, ..led_by(5) }).unwrap()));
+            lost = vec![seal.seal("s", &serde_json::to_vec(&JobState { committed_steps: 2, ..led_by(5) }).unwrap())];
             write_state(&store, &seal, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5)).await.unwrap();
             // A coordinator with a higher token than this one's wrote: fenced.
             store.compare_and_set("s", token, &seal.seal("s", &serde_json::to_vec(&led_by(8)).unwrap()), None).await.unwrap();
@@ -932,13 +941,15 @@ mod tests {
             let store = AnyStore::open("memory").unwrap();
             let seal = RecordKey::job_records(&Secret::generate().unwrap());
             let state = |step| JobState { committed_steps: step, members: vec![1, 2], ..Default::default() };
-            let (mut token, mut lost) = (None, None);
+            let (mut token, mut lost) = (None, Vec::new());
             write_state(&store, &seal, "s", &mut token, &mut lost, &state(1), BOUND, None).await.unwrap();
             // The write of step 2 reached the store, but its answer was lost
             // (an etcd leader killed mid-call): the keeper only knows the bytes.
+            // The next write timed out too, unapplied (the store was
+            // electing a leader): the applied one is still known as its own.
             let bytes = seal.seal("s", &serde_json::to_vec(&state(2)).unwrap());
             store.compare_and_set("s", token, &bytes, None).await.unwrap();
-            lost = Some(bytes);
+            lost = vec![bytes, seal.seal("s", &serde_json::to_vec(&state(3)).unwrap())];
             write_state(&store, &seal, "s", &mut token, &mut lost, &state(3), BOUND, None).await.unwrap();
             let e = store.get("s").await.unwrap().unwrap();
             assert_eq!(Some(e.token), token);
@@ -946,7 +957,7 @@ mod tests {
             // Another coordinator's write is never taken for this one's,
             // even with a lost write outstanding.
             store.compare_and_set("s", token, &seal.seal("s", &serde_json::to_vec(&state(9)).unwrap()), None).await.unwrap();
-            lost = Some(seal.seal("s", &serde_json::to_vec(&state(4)).unwrap()));
+            lost = vec![seal.seal("s", &serde_json::to_vec(&state(4)).unwrap())];
             let err =
                 write_state(&store, &seal, "s", &mut token, &mut lost, &state(5), BOUND, None).await.unwrap_err();
             assert!(matches!(err, WriteError::Fenced(Fenced::StateWritten { .. })), "{err}");
@@ -972,7 +983,7 @@ mod tests {
             let now = store.get(&key).await.unwrap().unwrap();
             assert_eq!(now.value, lease.value);
             // A state that names a higher token but does not verify: written over.
-            let (mut token, mut lost) = (None, None);
+            let (mut token, mut lost) = (None, Vec::new());
             let state = JobState { committed_steps: 1, ..Default::default() };
             write_state(&store, &seal, "s", &mut token, &mut lost, &state, BOUND, Some(5)).await.unwrap();
             let forged = JobState { finished: true, ..Default::default() };

@@ -2,6 +2,7 @@
 //! Plugins come from `edl-plugin-artifacts`, built as part of this build.
 
 mod cache;
+mod chaos;
 mod cli;
 mod cluster;
 mod distill;
