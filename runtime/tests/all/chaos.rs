@@ -292,3 +292,46 @@ fn sigterm_to_the_coordinator_then_a_rerun() {
     let (status, said) = r.end();
     held(&[dir.path()], dir.path(), status, &said, &["resuming job \"chaos\""]);
 }
+
+/// A tmpfs of `size` mounted at `at` for the test (root only; None where
+/// it cannot be mounted), unmounted when dropped.
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn mount(at: &Path, size: &str) -> Option<Tmpfs> {
+        std::fs::create_dir_all(at).unwrap();
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(at)
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then(|| Tmpfs(at.to_path_buf()))
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn the_checkpoint_directory_fills_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("checkpoints");
+    let Some(_fs) = Tmpfs::mount(&ckpt, "4m") else {
+        assert!(std::env::var("CI").is_err(), "CI runs as root and mounts a tmpfs");
+        eprintln!("skipped: cannot mount a tmpfs here (not root)");
+        return;
+    };
+    let flags = ["--checkpoint-dir", ckpt.to_str().unwrap(), "--keep-checkpoints", "1"];
+    let mut r = Running::start(dir.path(), "memory", &flags);
+    // Everything left is taken: the next checkpoints cannot be written.
+    let filler = ckpt.join("filler");
+    let _ = Command::new("dd").arg("if=/dev/zero").arg(format!("of={}", filler.display())).args(["bs=64k"]).status();
+    r.wait("No space left on device");
+    // Space comes back: the job writes its checkpoints again and finishes.
+    std::fs::remove_file(&filler).unwrap();
+    let (status, said) = r.end();
+    held(&[dir.path()], dir.path(), status, &said, &["checkpoint of step", "failed"]);
+}
