@@ -11,7 +11,7 @@ use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use wait_timeout::ChildExt;
 
@@ -185,7 +185,14 @@ fn traceback_at(all: &[&str]) -> Option<usize> {
 /// The exception a program's log ends with (a Python traceback's last
 /// line), if it ends with one: what the program died of.
 pub fn program_error(path: &Path) -> Option<String> {
-    let text = std::fs::read(path).ok()?;
+    use std::io::Seek;
+    // The end of the log is enough (a traceback is at most
+    // MAX_TRACEBACK_LINES lines): a long log is not read whole.
+    let mut f = std::fs::File::open(path).ok()?;
+    let len = f.metadata().ok()?.len();
+    f.seek(std::io::SeekFrom::Start(len.saturating_sub(256 << 10))).ok()?;
+    let mut text = Vec::new();
+    f.read_to_end(&mut text).ok()?;
     let text = String::from_utf8_lossy(&text);
     let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
     traceback_at(&all)?;
@@ -248,9 +255,12 @@ static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
 static STOP_SIGNALS: AtomicU32 = AtomicU32::new(0);
 /// Whether a loop that stops the job with notice looks at [`STOP_SIGNAL`].
 static STOPS_WITH_NOTICE: AtomicBool = AtomicBool::new(false);
+/// How long that loop may take to stop the job, ms (see [`StopsWithNotice`]).
+static STOP_BOUND_MS: AtomicU64 = AtomicU64::new(30_000);
 
-/// Longest a job stopping on SIGTERM or SIGINT takes (a checkpoint, its
-/// workers stopped, its report) before the process exits regardless.
+/// Longest a coordinator stopping on SIGTERM or SIGINT takes (a
+/// checkpoint, its workers stopped, its report) before the process exits
+/// regardless.
 pub const STOP_WITHIN: Duration = Duration::from_secs(30);
 
 /// Hears SIGTERM and SIGINT (once per process): a loop that calls
@@ -283,7 +293,8 @@ pub fn hear_stop_signals() {
                 let heard = *since.get_or_insert_with(Instant::now);
                 let handled = STOPS_WITH_NOTICE.load(Ordering::SeqCst);
                 let again = STOP_SIGNALS.load(Ordering::SeqCst) > 1;
-                if !handled || again || heard.elapsed() >= STOP_WITHIN {
+                let bound = Duration::from_millis(STOP_BOUND_MS.load(Ordering::SeqCst));
+                if !handled || again || heard.elapsed() >= bound {
                     eprintln!("stopped by {}", signal_name(sig));
                     std::process::exit(128 + sig);
                 }
@@ -301,11 +312,14 @@ pub fn stop_requested() -> Option<i32> {
 }
 
 /// While alive, a stop signal is left to the loop that holds it (see
-/// [`hear_stop_signals`]).
+/// [`hear_stop_signals`]), for up to its bound.
 pub struct StopsWithNotice(());
 
 impl StopsWithNotice {
-    pub fn begin() -> Self {
+    /// The loop stops the job within `within` (a coordinator: [`STOP_WITHIN`];
+    /// a torchrun launcher: its ranks' grace and then some).
+    pub fn begin(within: Duration) -> Self {
+        STOP_BOUND_MS.store(within.as_millis() as u64, Ordering::SeqCst);
         STOPS_WITH_NOTICE.store(true, Ordering::SeqCst);
         StopsWithNotice(())
     }

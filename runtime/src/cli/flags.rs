@@ -141,8 +141,9 @@ pub struct StateArgs {
     /// coordinator (or standby) that finds the job finished says so, names
     /// its final checkpoint and exits 0. The finished run's checkpoints are
     /// set aside (`finished-step-*`) and removed only once the new run has
-    /// finished too.
-    #[arg(long)]
+    /// finished too. Not with --standby (a standby that restarted every job
+    /// it found finished would train it again and again).
+    #[arg(long, conflicts_with = "standby")]
     pub restart: bool,
 }
 
@@ -502,7 +503,7 @@ pub struct LivenessArgs {
     pub join_timeout_secs: u64,
     /// Restarts after the same failure before the job gives up. A job of
     /// steps: every worker lost to the same program error (its exception)
-    /// at the same step, from the same checkpoint (default 1: once more,
+    /// at about the same step, from the same checkpoint (default 1: once more,
     /// then the job ends with the traceback). With --torchrun: group
     /// restarts after rank failures (default 3; resizes do not count).
     #[arg(long, value_name = "N")]

@@ -65,7 +65,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     // SIGTERM or SIGINT stops the job with notice: a checkpoint, its
     // workers stopped, its report written, exit status 143 or 130.
     edl_runtime::process::hear_stop_signals();
-    let _stops = edl_runtime::process::StopsWithNotice::begin();
+    let _stops = edl_runtime::process::StopsWithNotice::begin(edl_runtime::process::STOP_WITHIN);
     let outcome = match coordinator::run(job, &mut |p| display.show(p)) {
         Ok(o) => o,
         Err(e) if e.is::<coordinator::AlreadyFinished>() => {

@@ -149,7 +149,7 @@ fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
     // SIGTERM or SIGINT stops the group with notice, writes the report and
     // exits 143 or 130.
     edl_runtime::process::hear_stop_signals();
-    let _stops = edl_runtime::process::StopsWithNotice::begin();
+    let _stops = edl_runtime::process::StopsWithNotice::begin(cfg.grace + Duration::from_secs(15));
     let outcome = if across {
         let (hc, mut scaler) = hosts_config(&l, &job_dir, nproc)?;
         match torchrun::run_hosts(&cfg, hc, scaler.as_mut(), policy.as_mut(), &mut on) {

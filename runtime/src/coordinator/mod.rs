@@ -137,6 +137,9 @@ struct Coordinator<'a> {
     /// SIGTERM or SIGINT came: the job stops once its committed state is
     /// in a checkpoint.
     stopping: Option<Stopping>,
+    /// Why the job failed for good (the same crash again and again): a
+    /// standby does not start it again.
+    failed: Option<String>,
 }
 
 /// A job stopping on a signal: the checkpoint asked of its committed
@@ -224,6 +227,13 @@ pub fn run(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobOutcome> {
         Plugins { policy: plugins.policy, adapter: plugins.adapter, scaler, teacher_watch: teachers.watch() };
     let mut c = Coordinator::new(cfg, io, plugins, told, progress)?;
     let result = c.job();
+    if let Some(e @ crate::coordinator::machine::phase::JobEnds::SameCrash { .. }) =
+        result.as_ref().err().and_then(|e| e.downcast_ref())
+    {
+        // A standby would only fail the same way again.
+        c.failed = Some(e.to_string().lines().next().unwrap_or_default().to_string());
+        c.save_state(false);
+    }
     let reason = match &result {
         Ok(_) => "the job is done".to_string(),
         Err(e) => match e.downcast_ref::<crate::process::StopSignalled>() {
@@ -349,6 +359,7 @@ impl<'a> Coordinator<'a> {
             lost: Vec::new(),
             crash_loop: CrashLoop::new(cfg.max_restarts),
             stopping: None,
+            failed: None,
             notice_checkpoint: None,
             cfg,
         })
@@ -719,7 +730,8 @@ impl Coordinator<'_> {
             next_worker_id: self.membership.next_id(),
             members,
             finished,
-            failed: None,
+            failed: self.failed.clone(),
+            fence: self.fence.unwrap_or(0),
             handover: self.told.follow.as_ref().map(|f| f.token).map(|token| {
                 crate::leader::record::Handover {
                     leader: crate::job::spec::Leader { addr: self.io.addr.clone(), token },

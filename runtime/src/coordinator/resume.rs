@@ -79,6 +79,7 @@ impl Coordinator<'_> {
             Ok(None) => None,
             Err(e) => bail!("reading the job state: {e}"),
         };
+        let stored = self.believed(stored)?;
         if let Some(s) = &stored {
             self.generation = s.generation;
             self.membership.resume_ids(s.next_worker_id);
@@ -96,6 +97,31 @@ impl Coordinator<'_> {
             return self.take_over(s, h).map(Some);
         }
         self.resume_from_checkpoint(stored.map(|s| s.committed_steps))
+    }
+
+    /// The stored state, unless it is an earlier leader's than the one the
+    /// checkpoints were last claimed by (left over, or replayed by a store
+    /// writer: its `finished` is not believed). A job that failed for good
+    /// under the coordinator before is not started again by a standby.
+    fn believed(&mut self, stored: Option<JobState>) -> Result<Option<JobState>> {
+        let Some(s) = stored else { return Ok(None) };
+        let fence = self.ckpt.fence().context("reading the checkpoints' fence")?.map_or(0, |f| f.token);
+        if self.shared_store() && s.fence < fence {
+            self.note(format!(
+                "the job's state in the store was written with token {}, below the checkpoints' fence (token \
+                 {fence}): an earlier coordinator's, ignored",
+                s.fence
+            ));
+            return Ok(None);
+        }
+        if let Some(why) = s.failed.as_ref().filter(|_| self.cfg.standby) {
+            bail!(
+                "job {:?} failed under the coordinator before ({why}); a standby does not start it again (a \
+                 rerun without --standby does)",
+                self.cfg.spec.job
+            );
+        }
+        Ok(Some(s))
     }
 
     /// The job finished before. Without `--restart` there is nothing to

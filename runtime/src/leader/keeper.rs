@@ -623,6 +623,7 @@ pub async fn take_lease(
 ) -> anyhow::Result<JobLease> {
     let mut said = false;
     let mut unreachable: Option<Duration> = None;
+    let mut said_unreachable: Option<std::time::Instant> = None;
     loop {
         match try_take_lease(store, job, ttl, seal).await {
             // A standby rides out a store that is away (restarting, cut
@@ -633,14 +634,18 @@ pub async fn take_lease(
                     return Err(crate::process::StopSignalled { signal, what }.into());
                 }
                 let wait = unreachable.map_or(Duration::from_millis(100), |w| (w * 2).min(ttl));
-                if unreachable.is_none() {
+                // Said at once, and again every minute while it lasts (a
+                // wrong certificate or password never passes).
+                if said_unreachable.is_none_or(|t: std::time::Instant| t.elapsed() >= Duration::from_secs(60)) {
                     println!("standby   {e:#}; trying again until the store answers");
+                    said_unreachable = Some(std::time::Instant::now());
                 }
                 unreachable = Some(wait);
                 tokio::time::sleep(wait).await;
             }
             Err(e) if standby && e.is::<LeaseHeld>() => {
                 if unreachable.take().is_some() {
+                    said_unreachable = None;
                     println!("standby   the store answers again");
                 }
                 if let Some(signal) = crate::process::stop_requested() {
@@ -688,15 +693,11 @@ async fn try_take_lease(store: &AnyStore, job: &str, ttl: Duration, seal: &Recor
             }
             // A coordinator of this machine and container that died (kill
             // -9, a crash): its lease is stale, and a restart takes it over
-            // at once. A lease record written without the job's secret holds
-            // nothing: it is taken over too.
-            let forged = opened.as_ref().and_then(|o| o.as_ref().err());
+            // at once. A record that does not verify is held until it
+            // expires: it may be a coordinator's with another secret.
             if let Some(e) = &entry
-                && (found.as_ref().is_some_and(|h| h.proven_dead(&me)) || forged.is_some())
+                && found.as_ref().is_some_and(|h| h.proven_dead(&me))
             {
-                if let Some(why) = forged {
-                    tracing::warn!("the job's lease: {why}; it is taken over");
-                }
                 if let Cas::Written(token) =
                     store.compare_and_set(&key, Some(e.token), &value, Some(ttl)).await?
                 {
@@ -705,6 +706,11 @@ async fn try_take_lease(store: &AnyStore, job: &str, ttl: Duration, seal: &Recor
             }
             let holder = match (&entry, found) {
                 (_, Some(h)) => format!("pid {} on {}", h.pid, h.host),
+                (Some(_), None) if opened.as_ref().is_some_and(|o| o.is_err()) => {
+                    "a holder whose record does not verify (a coordinator with another --secret-file, or a record \
+                     not written by edl)"
+                        .into()
+                }
                 (Some(_), None) => "an unreadable holder".into(),
                 (None, _) => "a coordinator whose lease just ended (try again)".into(),
             };
@@ -773,9 +779,14 @@ impl JobLease {
                     self.token = t;
                     Ok(())
                 }
-                // Written in its place without the job's secret: not another
-                // coordinator's, and written over.
-                Ok(Some(e)) if e.token == t && self.seal.open(&self.key, &e.value).is_err() => {
+                // Written in its place, within this coordinator's term,
+                // without the job's secret: no coordinator of this job holds
+                // it, and it is written over.
+                Ok(Some(e))
+                    if e.token == t
+                        && self.confirmed.elapsed() < self.ttl
+                        && self.seal.open(&self.key, &e.value).is_err() =>
+                {
                     tracing::warn!("the job's lease at {} was overwritten by a record that does not verify; renewed over it", self.key);
                     match store.compare_and_set(&self.key, Some(t), &self.value, Some(self.ttl)).await {
                         Ok(Cas::Written(t)) => {
@@ -965,16 +976,20 @@ mod tests {
     }
 
     #[test]
-    fn records_written_without_the_job_s_secret_neither_fence_nor_hold_the_job() {
+    fn records_written_without_the_job_s_secret_neither_fence_the_job_nor_take_its_lease() {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
             let store = AnyStore::open("memory").unwrap();
             let seal = RecordKey::job_records(&Secret::generate().unwrap());
             let ttl = Duration::from_secs(60);
-            // A lease record planted by a store writer: taken over.
+            // A lease record that does not verify (planted, or a coordinator's
+            // with another secret) keeps a new coordinator out until it expires.
             let key = crate::store::keys::coordinator("j");
             let planted = serde_json::to_vec(&Holder { pid: 1, boot: Some("elsewhere".into()), ..Holder::me() });
             store.put(&key, &planted.unwrap(), None).await.unwrap();
+            let e = take_lease(&store, "j", ttl, false, &seal).await.err().unwrap().to_string();
+            assert!(e.contains("does not verify") && e.contains("--secret-file"), "{e}");
+            store.delete(&key).await.unwrap();
             let mut lease = take_lease(&store, "j", ttl, false, &seal).await.unwrap();
             // Planted again over the held lease: renewed over it, not fenced.
             let held = store.get(&key).await.unwrap().unwrap();

@@ -24,6 +24,12 @@ pub struct JobState {
     /// standby launcher does not start it again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failed: Option<String>,
+    /// The fencing token of the coordinator or launcher that wrote it: a
+    /// record below the token a reader knows the job by is an earlier
+    /// leader's (left over, or replayed by a store writer), and what it
+    /// says (`finished` included) is not believed.
+    #[serde(default)]
+    pub fence: u64,
     /// What a coordinator taking the job over needs besides the above to
     /// carry it on where this one is (absent in states of older versions).
     #[serde(default)]

@@ -64,14 +64,21 @@ impl EtcdStore {
             (None, Some(rest)) => (false, rest),
             _ => return Err(bad()),
         };
-        let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
-        let (user, hosts) = match rest.rsplit_once('@') {
-            Some((auth, hosts)) => {
+        // The user and password come first (a password may hold `?`).
+        let (user, rest) = match rest.rsplit_once('@') {
+            Some((auth, rest)) => {
                 let (name, password) = auth.split_once(':').ok_or_else(bad)?;
-                (Some((name.to_string(), password.to_string())), hosts)
+                (Some((name.to_string(), password.to_string())), rest)
             }
             None => (None, rest),
         };
+        let (hosts, query) = rest.split_once('?').unwrap_or((rest, ""));
+        if !secure && !query.is_empty() {
+            return Err(StoreError::Unavailable {
+                url: shown,
+                detail: "TLS settings (?ca=, cert=, key=) over etcd:// would be ignored: use etcds://".into(),
+            });
+        }
         if user.is_some() && !secure {
             return Err(StoreError::Unavailable {
                 url: shown,
@@ -104,7 +111,9 @@ impl EtcdStore {
                 .with_timeout(Duration::from_secs(2))
                 .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
             if let Some((name, password)) = &self.user {
-                options = options.with_user(name, password);
+                // The token etcd gives for the password expires (its TTL, a
+                // change of users): the client asks for a new one then.
+                options = options.with_user(name, password).with_auto_token_refresh(true);
             }
             if let Some(tls) = &self.tls {
                 options = options.with_tls(tls.clone());

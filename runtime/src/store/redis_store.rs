@@ -55,9 +55,16 @@ fn ttl_ms(ttl: Option<Duration>) -> u64 {
 /// A `rediss://` URL's `?ca=FILE`: the URL without it, and the CA (PEM)
 /// read from the file (an error names it). None: no CA was given.
 fn tls_root(url: &str, shown: &str) -> Result<Option<(String, Vec<u8>)>, StoreError> {
-    let Some((base, query)) = url.split_once('?').filter(|_| url.starts_with("rediss://")) else {
+    let Some((base, query)) = url.split_once('?') else { return Ok(None) };
+    if !url.starts_with("rediss://") {
+        if query.split('&').any(|p| p.starts_with("ca=")) {
+            return Err(StoreError::Unavailable {
+                url: shown.to_string(),
+                detail: "?ca= over redis:// would be ignored: use rediss://".into(),
+            });
+        }
         return Ok(None);
-    };
+    }
     let (mut ca, mut rest) = (None, Vec::new());
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         match pair.strip_prefix("ca=") {

@@ -92,7 +92,8 @@ impl Lookup {
         let Some(entry) = got else { return Ok(Found::Nothing) };
         let s = JobState::open(&self.key, &entry.value, &self.seal)
             .map_err(|cause| LookupError::Unreadable { store, cause })?;
-        if s.finished {
+        // (A finished mark of an earlier launcher's is left over, or replayed.)
+        if s.finished && s.fence >= current {
             return Ok(Found::Finished);
         }
         Ok(newer(current, s.torchrun.map(|g| g.leader)).map_or(Found::Nothing, Found::Leader))
@@ -160,7 +161,7 @@ impl Hold {
     /// A job that starts again from the beginning is neither finished nor
     /// failed in the store from here on.
     pub fn started_afresh(&self) {
-        self.keeper.state(JobState::default());
+        self.keeper.state(JobState { fence: self.token, ..JobState::default() });
     }
 
     /// Records the group that formed (it names this launcher as leader).
@@ -169,6 +170,7 @@ impl Hold {
             generation: u64::from(g.group) + 1,
             members: g.agents.clone(),
             torchrun: Some(g),
+            fence: self.token,
             ..JobState::default()
         });
     }
@@ -194,7 +196,7 @@ impl Hold {
     /// The job ended (`failed`: with no restart left, and why): the store
     /// says so (agents looking stop looking) and the lease is given up.
     pub fn finish(&self, failed: Option<String>) {
-        self.keeper.state(JobState { finished: failed.is_none(), failed, ..JobState::default() });
+        self.keeper.state(JobState { finished: failed.is_none(), failed, fence: self.token, ..JobState::default() });
         self.keeper.release();
         if let Err(e) = self.keeper.flush(Duration::from_secs(10)) {
             tracing::warn!("the job's end in the store: {e}");
@@ -252,8 +254,13 @@ mod tests {
         put(state(JobState { torchrun: Some(g.clone()), ..JobState::default() }));
         assert_eq!(l.look(3).unwrap(), Found::Leader(leader(9)));
         assert_eq!(l.look(9).unwrap(), Found::Nothing);
-        put(state(JobState { finished: true, ..JobState::default() }));
+        put(state(JobState { finished: true, fence: 9, ..JobState::default() }));
         assert_eq!(l.look(3).unwrap(), Found::Finished);
+        assert_eq!(l.look(9).unwrap(), Found::Finished);
+        // An earlier launcher's finished mark (left over, or replayed by a
+        // store writer) ends nothing for an agent that follows a later one.
+        put(state(JobState { finished: true, fence: 2, ..JobState::default() }));
+        assert_eq!(l.look(3).unwrap(), Found::Nothing);
         // The record reads back as written (a successor reads it so).
         let written = state(JobState { torchrun: Some(g.clone()), ..JobState::default() });
         assert_eq!(JobState::open(&l.key, &written, &l.seal).unwrap().torchrun, Some(g.clone()));

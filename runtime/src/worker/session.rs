@@ -715,7 +715,8 @@ impl Session {
         let seal = crate::leader::seal::RecordKey::job_records(&self.auth.secret);
         let s = crate::leader::record::JobState::open(&key, &entry.value, &seal)
             .map_err(|e| format!("the job's state in {shown} is ignored: {e}"))?;
-        if s.finished {
+        // (A finished mark of an earlier leader's is left over, or replayed.)
+        if s.finished && s.fence >= follow.token {
             return Err(JOB_FINISHED.into());
         }
         Ok(s.handover.map(|h| h.leader).filter(|l| l.token > follow.token))

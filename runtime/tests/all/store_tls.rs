@@ -110,6 +110,8 @@ fn an_etcd_member_with_client_certificates_and_auth_is_reached_over_etcds_and_a_
             .arg("--client-cert-auth")
             .arg("--trusted-ca-file")
             .arg(&c.ca)
+            // Tokens that expire while the job runs: the client gets new ones.
+            .args(["--auth-token-ttl", "2"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -156,6 +158,9 @@ fn an_etcd_member_with_client_certificates_and_auth_is_reached_over_etcds_and_a_
     assert!(e.contains("ca=/nope.pem"), "{e}");
     let e = AnyStore::open(&format!("etcds://127.0.0.1:{client}/?cafile=x")).err().unwrap().to_string();
     assert!(e.contains("unknown setting \"cafile\""), "{e}");
+    // TLS settings on a URL in clear would be ignored: refused.
+    let e = AnyStore::open(&format!("etcd://127.0.0.1:{client}/?{tls}")).err().unwrap().to_string();
+    assert!(e.contains("use etcds://"), "{e}");
     // A job (its coordinator and its workers) runs on it to its end.
     let out = small_job(dir.path(), &with_user);
     assert!(!out.contains("s3cret-pw"), "{out}");
@@ -186,6 +191,12 @@ fn a_redis_that_serves_only_tls_is_reached_over_rediss_and_a_job_runs_on_it() {
     );
     let url = format!("rediss://127.0.0.1:{port}/?ca={}", c.ca.display());
     answers(&url).unwrap();
+    let e = runtime()
+        .block_on(async { AnyStore::open(&format!("redis://127.0.0.1:{port}/?ca={}", c.ca.display())) })
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("use rediss://"), "{e}");
     // In clear, or without the CA that signed the server's certificate: refused.
     for url in [format!("redis://127.0.0.1:{port}/"), format!("rediss://127.0.0.1:{port}/")] {
         let rt = runtime();

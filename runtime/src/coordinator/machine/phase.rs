@@ -97,6 +97,10 @@ impl JobPhase {
     }
 }
 
+/// How far apart two failures' steps may be noticed and still be the same
+/// step's: the windows of steps sent ahead of the ranks (two of up to 32).
+pub const SAME_STEP_WITHIN: u64 = 64;
+
 /// Every worker lost to the same program error (its exception line, which
 /// names what failed), from the same checkpoint, again and again: another
 /// restart would fail the same. Counts the repeats; `limit` restarts after
@@ -134,8 +138,11 @@ impl CrashLoop {
             return Ok(());
         };
         // The step a failure is noticed at moves with the windows sent
-        // ahead; the checkpoint and the program's error do not.
-        let same = self.last.as_ref().is_some_and(|l| (l.from, &l.error) == (c.from, &c.error));
+        // ahead (by less than [`SAME_STEP_WITHIN`]); the checkpoint and the
+        // program's error do not.
+        let same = self.last.as_ref().is_some_and(|l| {
+            (l.from, &l.error) == (c.from, &c.error) && l.step.abs_diff(c.step) <= SAME_STEP_WITHIN
+        });
         self.times = if same { self.times + 1 } else { 1 };
         if self.times > self.limit {
             return Err(JobEnds::SameCrash { times: self.times, limit: self.limit, crash: c });
@@ -211,8 +218,10 @@ mod tests {
         l.all_lost(crash(4, 3, "KeyError: 'x'")).unwrap();
         l.all_lost(None).unwrap();
         l.all_lost(crash(4, 5, "KeyError: 'x'")).unwrap();
+        // The same error far later (a flaky one, not the same step): not a repeat.
+        l.all_lost(crash(4, 500, "KeyError: 'x'")).unwrap();
         // Noticed a step later (windows sent ahead): the same crash.
-        assert!(l.all_lost(crash(4, 6, "KeyError: 'x'")).is_err());
+        assert!(l.all_lost(crash(4, 501, "KeyError: 'x'")).is_err());
         // --max-restarts 3: the fourth restart is refused.
         let mut three = CrashLoop::new(3);
         for _ in 0..3 {
