@@ -507,18 +507,26 @@ fn a_second_coordinator_on_another_host_sharing_the_store_is_refused_by_the_leas
     let redis = RedisServer::start();
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let url = redis.url();
+    // The job's secret, handed to both hosts.
+    let secret = a.path().join("job.secret");
+    let secret = secret.to_str().unwrap();
     let shared = ["--store", url.as_str(), "--job", "leased"];
-    let mut first = small(a.path(), &[&shared[..], &["--epochs", "50", "--step-delay-ms", "20"]].concat())
-        .spawn()
-        .unwrap();
+    let first_flags = [&shared[..], &["--epochs", "50", "--step-delay-ms", "20", "--secret-file", secret]].concat();
+    let mut first = small(a.path(), &first_flags).spawn().unwrap();
     let rx = lines(&mut first);
     let mut seen = Vec::new();
     wait_for(&rx, "scale", &mut seen, Duration::from_secs(120));
-    let out = small(b.path(), &shared).output().unwrap();
+    let out = small(b.path(), &[&shared[..], &["--secret-file", secret]].concat()).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("already run by another coordinator") && err.contains("holds its lease"), "{err}");
     assert!(err.contains(&format!("pid {} on ", first.id())), "{err}");
+    // Without the job's secret (a new one of its own) it cannot read who
+    // holds the lease, and is refused all the same, saying why.
+    let out = small(b.path(), &shared).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("whose record does not verify") && err.contains("another --secret-file"), "{err}");
     // The refused coordinator changed nothing: the first one runs on.
     std::thread::sleep(Duration::from_millis(300));
     assert!(first.try_wait().unwrap().is_none(), "the first coordinator is still running");

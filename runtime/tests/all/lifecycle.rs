@@ -209,3 +209,12 @@ fn a_standby_rides_out_a_store_that_lost_its_data_and_fences_above_the_checkpoin
     assert!(out.contains("the store lost its data; this coordinator fences with token 1002"), "{out}");
     assert_exactly_once(&report(&b), 8, 400);
 }
+
+#[test]
+fn restart_and_standby_are_refused_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = small(dir.path(), &["--restart", "--standby"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--restart") && err.contains("cannot be used with") && err.contains("--standby"), "{err}");
+}
