@@ -325,3 +325,48 @@ fn a_program_error_that_repeats_from_the_same_checkpoint_ends_the_job_with_its_t
     assert_eq!(r["status"], "failed", "{r}");
     assert!(r["error"].as_str().unwrap().contains("ValueError: bad batch at step 5"), "{r}");
 }
+
+/// The same crash under a coordinator with a standby: the job ends failed
+/// in the store too, and the standby that takes the lease does not start
+/// it again (it would fail the same way) but says why and exits 1.
+#[test]
+fn a_standby_does_not_restart_a_job_that_failed_the_same_way_again_and_again() {
+    let py = py();
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let program = dir.path().join("raises.py");
+    std::fs::write(&program, RAISES).unwrap();
+    let url = redis.url();
+    let launch = |standby: bool| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+        c.current_dir(dir.path())
+            .args(["launch", "--samples", "400", "--epochs", "2", "--batch", "40", "--no-distill"])
+            .args(["--workers", "2", "--min-workers", "1", "--max-workers", "2", "--checkpoint-every-steps", "2"])
+            .args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold", "--job", "crashes"])
+            .args(["--store", &url, "--report", if standby { "standby.json" } else { "active.json" }])
+            .arg("--plugin-cache")
+            .arg(dir.path().join("plugin-cache"));
+        if standby {
+            c.arg("--standby");
+        }
+        c.args(["--", "python"]).arg(&program).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        py.env(&mut c);
+        c
+    };
+    let mut active = launch(false).spawn().unwrap();
+    let rx = lines(&mut active);
+    let mut seen = Vec::new();
+    wait_for(&rx, "coordinator at", &mut seen, Duration::from_secs(120));
+    let mut standby = launch(true).spawn().unwrap();
+    let rx_b = lines(&mut standby);
+    let mut seen_b = Vec::new();
+    wait_for(&rx_b, "standby", &mut seen_b, Duration::from_secs(120));
+    let status = finish(active, rx, &mut seen);
+    assert_eq!(status.code(), Some(1), "{}", seen.join("\n"));
+    let status = finish(standby, rx_b, &mut seen_b);
+    let text = seen_b.join("\n");
+    assert_eq!(status.code(), Some(1), "{text}");
+    assert!(text.contains("failed under the coordinator before"), "{text}");
+    assert!(text.contains("ValueError: bad batch at step 5") || text.contains("same error"), "{text}");
+    assert!(!text.contains("restarting from the newest checkpoint"), "the standby trained it again:\n{text}");
+}
