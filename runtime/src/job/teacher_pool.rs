@@ -192,6 +192,8 @@ impl TeacherProcess {
             .stdout(Stdio::piped())
             .stderr(log_file);
         die_with_parent(&mut cmd);
+        // As the workers: Ctrl-C is the coordinator's to act on.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let mut child = cmd.spawn().with_context(|| format!("starting a teacher ({})", exe.display()))?;
         let stdout = child.stdout.take().expect("piped");
         let (tx, rx) = mpsc::channel();

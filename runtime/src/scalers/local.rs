@@ -63,6 +63,9 @@ impl LocalProcesses {
     /// process.
     fn start(&self, id: u64, mut cmd: Command) -> anyhow::Result<Child> {
         die_with_parent(&mut cmd);
+        // A process group of its own: a terminal's Ctrl-C reaches the
+        // coordinator alone, which checkpoints and then stops the workers.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         cmd.spawn().map_err(|e| anyhow::anyhow!("cannot start worker {id} ({}): {e}", self.exe.display()))
     }
 }

@@ -218,3 +218,23 @@ fn restart_and_standby_are_refused_together() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--restart") && err.contains("cannot be used with") && err.contains("--standby"), "{err}");
 }
+
+/// Ctrl-C in a terminal signals the job's whole process group: the workers
+/// and teachers are in groups of their own, so the coordinator alone acts
+/// on it, with a checkpoint first.
+#[test]
+fn ctrl_c_to_the_job_s_process_group_stops_it_with_a_checkpoint_and_status_130() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let flags = ["--epochs", "30", "--step-delay-ms", "20", "--workers", "2", "--min-workers", "2"];
+    let mut c = small(dir.path(), &flags).process_group(0).spawn().unwrap();
+    let rx = lines(&mut c);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    let group = format!("-{}", c.id());
+    assert!(std::process::Command::new("kill").args(["-INT", "--", &group]).status().unwrap().success());
+    let status = finish(c, rx, &mut seen);
+    let out = seen.join("\n");
+    assert_eq!(status.code(), Some(130), "{out}");
+    assert!(out.contains("stopped by SIGINT: its state at step"), "{out}");
+}
