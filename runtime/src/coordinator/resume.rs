@@ -349,13 +349,16 @@ impl Coordinator<'_> {
         let joining = self.membership.joiners();
         let failed_at = self.tally.committed;
         let died_of = self.program_error_of_lost();
+        // Judged before going back, so that a job that ends says no restart:
+        // the step the newest checkpoint holds (0: none).
+        let newest = self.ckpt.list().context("listing the checkpoints to restart from")?;
+        let from = newest.last().map_or(0, |(step, _)| *step);
+        self.lost.clear();
+        self.crash_loop.all_lost(died_of.map(|(error, traceback)| Crash { from, step: failed_at, error, traceback }))?;
         self.restore_newest(match joining {
             0 => "no worker left".into(),
             n => format!("no worker holding the state is left ({n} joining have none)"),
         })?;
-        let from = self.tally.committed;
-        self.lost.clear();
-        self.crash_loop.all_lost(died_of.map(|(error, traceback)| Crash { from, step: failed_at, error, traceback }))?;
         self.membership.refill(Instant::now());
         self.execute();
         self.wait_for_joiners(1)?;

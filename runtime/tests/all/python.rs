@@ -314,7 +314,7 @@ fn a_program_error_that_repeats_from_the_same_checkpoint_ends_the_job_with_its_t
     let text = seen.join("\n");
     assert_eq!(status.code(), Some(1), "{text}");
     // Once from the checkpoint it fails from (twice where the first loss
-    // came before the newest checkpoint was written).
+    // came before the newest checkpoint was written); not after the last.
     let restarts = text.matches("restarting from the newest checkpoint").count();
     assert!((1..=2).contains(&restarts), "{restarts} restarts:\n{text}");
     assert!(text.contains("every worker failed with the same error 2 times in a row from step"), "{text}");
