@@ -865,7 +865,8 @@ fn start_teach(inner: &mut Inner) -> anyhow::Result<Teach> {
         Some(TeacherSource::Discovered { store, service }) => {
             let _guard = inner.rt.enter();
             let store = Arc::new(edl_runtime::store::AnyStore::open(&store)?);
-            let key = edl_runtime::leader::seal::RecordKey::teacher_registrations(&inner.session.auth().secret);
+            let key =
+                edl_runtime::leader::seal::RecordKey::teacher_registrations(&inner.session.auth().secret);
             Teachers::Discovered { store, service, key }
         }
         None => anyhow::bail!("the job has no teachers"),

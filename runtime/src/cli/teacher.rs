@@ -112,7 +112,9 @@ fn registration_key(args: &TeacherArgs) -> Result<RecordKey> {
         None => match std::env::var(env) {
             Ok(v) => (v, format!("${env}")),
             Err(_) if args.store == "memory" => {
-                return Ok(RecordKey::teacher_registrations(&edl_runtime::worker::session::Secret::generate()?));
+                return Ok(RecordKey::teacher_registrations(
+                    &edl_runtime::worker::session::Secret::generate()?,
+                ));
             }
             Err(_) => bail!(
                 "a teacher registering in a shared --store needs the job's registration key: \
@@ -121,7 +123,8 @@ fn registration_key(args: &TeacherArgs) -> Result<RecordKey> {
             ),
         },
     };
-    RecordKey::from_hex(&text).ok_or_else(|| anyhow::anyhow!("{from}: not a registration key (64 hex digits)"))
+    RecordKey::from_hex(&text)
+        .ok_or_else(|| anyhow::anyhow!("{from}: not a registration key (64 hex digits)"))
 }
 
 async fn serve(

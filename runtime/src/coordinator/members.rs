@@ -2,11 +2,11 @@
 //! (plans, stops, starts), what the control connections say, starters that
 //! die before joining, failures that end a generation, and worker leases.
 
-use crate::scalers::Scaler;
 use super::records::*;
 use super::{CRASH_LOG_LINES, Coordinator, SECOND};
 use crate::control::inbox::Inbound;
 use crate::coordinator::machine::timers::Timer;
+use crate::scalers::Scaler;
 
 use crate::control::proto::{FromWorker, ToWorker, send};
 use crate::coordinator::machine::membership::{Command, MemberEvent};

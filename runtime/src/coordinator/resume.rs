@@ -2,7 +2,6 @@
 //! the end, the bookkeeping they carry besides the tensors, and a resume
 //! that refuses to continue on another data order.
 
-use crate::scalers::Scaler;
 use super::records::*;
 use super::{CHORES_EVERY, Coordinator, NoticeCheckpoint, ms};
 use crate::checkpoint::{Checkpoints, Manifest, Restored};
@@ -12,6 +11,7 @@ use crate::coordinator::machine::phase::Crash;
 use crate::coordinator::machine::pipeline::Failure;
 use crate::leader::record::{DataIdentity, JobState, PluginMemory, ScaleEvent};
 use crate::leader::seal::RecordKey;
+use crate::scalers::Scaler;
 use crate::store::{Store, keys};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
@@ -149,7 +149,10 @@ impl Coordinator<'_> {
     /// starts again, below the token the checkpoints were claimed with,
     /// which would refuse this coordinator and which the workers would not
     /// follow. The lease's fencing token goes above the fence then.
-    pub(super) fn fence_above_checkpoints(&mut self, lease: &mut crate::leader::keeper::JobLease) -> Result<()> {
+    pub(super) fn fence_above_checkpoints(
+        &mut self,
+        lease: &mut crate::leader::keeper::JobLease,
+    ) -> Result<()> {
         let Some(fence) = self.ckpt.fence().context("reading the checkpoints' fence")? else { return Ok(()) };
         let store_token = lease.token();
         if lease.fence_above(fence.token) {
@@ -354,7 +357,12 @@ impl Coordinator<'_> {
         let newest = self.ckpt.list().context("listing the checkpoints to restart from")?;
         let from = newest.last().map_or(0, |(step, _)| *step);
         self.lost.clear();
-        self.crash_loop.all_lost(died_of.map(|(error, traceback)| Crash { from, step: failed_at, error, traceback }))?;
+        self.crash_loop.all_lost(died_of.map(|(error, traceback)| Crash {
+            from,
+            step: failed_at,
+            error,
+            traceback,
+        }))?;
         self.restore_newest(match joining {
             0 => "no worker left".into(),
             n => format!("no worker holding the state is left ({n} joining have none)"),
@@ -457,7 +465,11 @@ impl Coordinator<'_> {
             (Some(p), Some(step)) => format!("its state at step {step} is in checkpoint {}", p.display()),
             _ if !(out_of_time || nothing_to_save) => return Ok(()),
             _ => match self.checkpoints.last() {
-                Some(p) => format!("no checkpoint of step {} was written; the newest is {}", self.tally.committed, p.display()),
+                Some(p) => format!(
+                    "no checkpoint of step {} was written; the newest is {}",
+                    self.tally.committed,
+                    p.display()
+                ),
                 None => format!("no checkpoint of step {} was written", self.tally.committed),
             },
         };

@@ -2,9 +2,9 @@
 //! adapter's answer at each resize, and the step boundary where the world
 //! changes.
 
-use crate::scalers::Scaler;
 use super::records::*;
 use super::{Coordinator, ms};
+use crate::scalers::Scaler;
 use anyhow::{Result, bail};
 use edl_plugin_sdk::{Action, ClusterView, Hyperparams, ResizeEvent, WorkerStats};
 use std::time::Instant;

@@ -2,7 +2,6 @@
 //! reports gathered, steps committed (the cursor moves and the samples enter
 //! the ledger), failures turned into the next generation.
 
-use crate::scalers::Scaler;
 use super::records::*;
 use super::{AHEAD, CHORES_EVERY, Coordinator, MAX_WINDOW, SECOND, WINDOW_WORK_MS, ms};
 use crate::control::proto::{Generation, Share, StepDone, StepPlan, ToWorker, encode, send, send_encoded};
@@ -10,6 +9,7 @@ use crate::coordinator::machine::pipeline::{Committed, Failure, Pipeline};
 use crate::coordinator::machine::tally::permutation_of;
 use crate::coordinator::machine::timers::Timer;
 use crate::leader::record::ScaleEvent;
+use crate::scalers::Scaler;
 use anyhow::{Result, anyhow, bail};
 use edl_plugin_sdk::Hyperparams;
 use std::{

@@ -636,7 +636,8 @@ pub async fn take_lease(
                 let wait = unreachable.map_or(Duration::from_millis(100), |w| (w * 2).min(ttl));
                 // Said at once, and again every minute while it lasts (a
                 // wrong certificate or password never passes).
-                if said_unreachable.is_none_or(|t: std::time::Instant| t.elapsed() >= Duration::from_secs(60)) {
+                if said_unreachable.is_none_or(|t: std::time::Instant| t.elapsed() >= Duration::from_secs(60))
+                {
                     println!("standby   {e:#}; trying again until the store answers");
                     said_unreachable = Some(std::time::Instant::now());
                 }
@@ -665,7 +666,12 @@ pub async fn take_lease(
 }
 
 /// One attempt at [`take_lease`].
-async fn try_take_lease(store: &AnyStore, job: &str, ttl: Duration, seal: &RecordKey) -> anyhow::Result<JobLease> {
+async fn try_take_lease(
+    store: &AnyStore,
+    job: &str,
+    ttl: Duration,
+    seal: &RecordKey,
+) -> anyhow::Result<JobLease> {
     let key = crate::store::keys::coordinator(job);
     let me = Holder::me();
     let value = seal.seal(&key, &serde_json::to_vec(&me)?);
@@ -684,7 +690,10 @@ async fn try_take_lease(store: &AnyStore, job: &str, ttl: Duration, seal: &Recor
         Cas::Conflict { .. } => {
             let entry = store.get(&key).await?;
             let opened = entry.as_ref().map(|e| seal.open(&key, &e.value));
-            let found = opened.as_ref().and_then(|o| o.as_ref().ok()).and_then(|v| serde_json::from_slice::<Holder>(v).ok());
+            let found = opened
+                .as_ref()
+                .and_then(|o| o.as_ref().ok())
+                .and_then(|v| serde_json::from_slice::<Holder>(v).ok());
             // This very process's write, applied though its answer was lost.
             if let (Some(e), Some(h)) = (&entry, &found)
                 && *h == me
@@ -761,15 +770,7 @@ impl JobLease {
             // store restarted empty): take it again if free. Past the lease,
             // another coordinator may have held it meanwhile: fenced.
             Cas::Conflict { current: None } if self.confirmed.elapsed() < self.ttl => {
-                match store.compare_and_set(&self.key, None, &self.value, Some(self.ttl)).await {
-                    Ok(Cas::Written(t)) => {
-                        self.token = t;
-                        self.confirmed = asked;
-                        Ok(())
-                    }
-                    Ok(Cas::Conflict { .. }) => Err(Fenced::LeaseTaken.into()),
-                    Err(e) => Err(e.into()),
-                }
+                self.write_over(store, None, asked).await
             }
             // A renewal of this coordinator's, applied though its answer was
             // lost (a timeout, a leader election): the value is this
@@ -787,20 +788,35 @@ impl JobLease {
                         && self.confirmed.elapsed() < self.ttl
                         && self.seal.open(&self.key, &e.value).is_err() =>
                 {
-                    tracing::warn!("the job's lease at {} was overwritten by a record that does not verify; renewed over it", self.key);
-                    match store.compare_and_set(&self.key, Some(t), &self.value, Some(self.ttl)).await {
-                        Ok(Cas::Written(t)) => {
-                            self.token = t;
-                            self.confirmed = asked;
-                            Ok(())
-                        }
-                        Ok(Cas::Conflict { .. }) => Err(Fenced::LeaseTaken.into()),
-                        Err(e) => Err(e.into()),
-                    }
+                    tracing::warn!(
+                        "the job's lease at {} was overwritten by a record that does not verify; renewed over it",
+                        self.key
+                    );
+                    self.write_over(store, Some(t), asked).await
                 }
                 _ => Err(Fenced::LeaseTaken.into()),
             },
             Cas::Conflict { .. } => Err(Fenced::LeaseTaken.into()),
+        }
+    }
+
+    /// Writes the lease again over what the key holds now (`found`: its
+    /// token, None: nothing), as asked at `asked`; anything else written
+    /// meanwhile is another coordinator's.
+    async fn write_over(
+        &mut self,
+        store: &AnyStore,
+        found: Option<u64>,
+        asked: BootInstant,
+    ) -> Result<(), RenewError> {
+        match store.compare_and_set(&self.key, found, &self.value, Some(self.ttl)).await {
+            Ok(Cas::Written(t)) => {
+                self.token = t;
+                self.confirmed = asked;
+                Ok(())
+            }
+            Ok(Cas::Conflict { .. }) => Err(Fenced::LeaseTaken.into()),
+            Err(e) => Err(e.into()),
         }
     }
 
@@ -863,12 +879,18 @@ mod tests {
             let dead = Holder { pid: gone, ..Holder::me() };
             let ttl = Duration::from_secs(60);
             let seal = RecordKey::job_records(&Secret::generate().unwrap());
-            let t = store.put(&key, &seal.seal(&key, &serde_json::to_vec(&dead).unwrap()), Some(ttl)).await.unwrap();
+            let t = store
+                .put(&key, &seal.seal(&key, &serde_json::to_vec(&dead).unwrap()), Some(ttl))
+                .await
+                .unwrap();
             let lease = take_lease(&store, "j", ttl, false, &seal).await.unwrap();
             assert!(lease.token > t);
             // The same host name and pid, from another machine: refused.
             let foreign = Holder { boot: Some("elsewhere".into()), ..Holder::me() };
-            store.put(&key, &seal.seal(&key, &serde_json::to_vec(&foreign).unwrap()), Some(ttl)).await.unwrap();
+            store
+                .put(&key, &seal.seal(&key, &serde_json::to_vec(&foreign).unwrap()), Some(ttl))
+                .await
+                .unwrap();
             let e = take_lease(&store, "j", ttl, false, &seal).await.err().unwrap().to_string();
             assert!(e.contains("already run by another coordinator"), "{e}");
         });
@@ -893,7 +915,8 @@ mod tests {
             lease.renew(&store).await.unwrap();
             assert!(lease.token > applied, "and renewed from it on");
             // Another holder's write is not taken for this one's.
-            let other = seal.seal(&lease.key, &serde_json::to_vec(&Holder { pid: 1, ..Holder::me() }).unwrap());
+            let other =
+                seal.seal(&lease.key, &serde_json::to_vec(&Holder { pid: 1, ..Holder::me() }).unwrap());
             store.compare_and_set(&lease.key, Some(lease.token), &other, Some(ttl)).await.unwrap();
             assert!(matches!(lease.renew(&store).await, Err(RenewError::Fenced(Fenced::LeaseTaken))));
         });
@@ -926,18 +949,29 @@ mod tests {
             let (mut token, mut lost) = (None, Vec::new());
             write_state(&store, &seal, "s", &mut token, &mut lost, &led_by(3), BOUND, Some(3)).await.unwrap();
             let read = token;
-            store.compare_and_set("s", read, &seal.seal("s", &serde_json::to_vec(&led_by(3)).unwrap()), None).await.unwrap();
+            store
+                .compare_and_set("s", read, &seal.seal("s", &serde_json::to_vec(&led_by(3)).unwrap()), None)
+                .await
+                .unwrap();
             write_state(&store, &seal, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5)).await.unwrap();
             let held = store.get("s").await.unwrap().unwrap();
             assert_eq!(leader_token(seal.open("s", &held.value).unwrap()), Some(5));
             // Two writes of this one's lost their answers, and the store
             // applied the first: the key names this one, so it is its own.
             let first = JobState { committed_steps: 1, ..led_by(5) };
-            store.compare_and_set("s", token, &seal.seal("s", &serde_json::to_vec(&first).unwrap()), None).await.unwrap();
-            lost = vec![seal.seal("s", &serde_json::to_vec(&JobState { committed_steps: 2, ..led_by(5) }).unwrap())];
+            store
+                .compare_and_set("s", token, &seal.seal("s", &serde_json::to_vec(&first).unwrap()), None)
+                .await
+                .unwrap();
+            lost = vec![
+                seal.seal("s", &serde_json::to_vec(&JobState { committed_steps: 2, ..led_by(5) }).unwrap()),
+            ];
             write_state(&store, &seal, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5)).await.unwrap();
             // A coordinator with a higher token than this one's wrote: fenced.
-            store.compare_and_set("s", token, &seal.seal("s", &serde_json::to_vec(&led_by(8)).unwrap()), None).await.unwrap();
+            store
+                .compare_and_set("s", token, &seal.seal("s", &serde_json::to_vec(&led_by(8)).unwrap()), None)
+                .await
+                .unwrap();
             let err = write_state(&store, &seal, "s", &mut token, &mut lost, &led_by(5), BOUND, Some(5))
                 .await
                 .unwrap_err();
@@ -964,13 +998,22 @@ mod tests {
             write_state(&store, &seal, "s", &mut token, &mut lost, &state(3), BOUND, None).await.unwrap();
             let e = store.get("s").await.unwrap().unwrap();
             assert_eq!(Some(e.token), token);
-            assert_eq!(serde_json::from_slice::<JobState>(seal.open("s", &e.value).unwrap()).unwrap().committed_steps, 3);
+            assert_eq!(
+                serde_json::from_slice::<JobState>(seal.open("s", &e.value).unwrap())
+                    .unwrap()
+                    .committed_steps,
+                3
+            );
             // Another coordinator's write is never taken for this one's,
             // even with a lost write outstanding.
-            store.compare_and_set("s", token, &seal.seal("s", &serde_json::to_vec(&state(9)).unwrap()), None).await.unwrap();
+            store
+                .compare_and_set("s", token, &seal.seal("s", &serde_json::to_vec(&state(9)).unwrap()), None)
+                .await
+                .unwrap();
             lost = vec![seal.seal("s", &serde_json::to_vec(&state(4)).unwrap())];
-            let err =
-                write_state(&store, &seal, "s", &mut token, &mut lost, &state(5), BOUND, None).await.unwrap_err();
+            let err = write_state(&store, &seal, "s", &mut token, &mut lost, &state(5), BOUND, None)
+                .await
+                .unwrap_err();
             assert!(matches!(err, WriteError::Fenced(Fenced::StateWritten { .. })), "{err}");
         });
     }
@@ -985,7 +1028,8 @@ mod tests {
             // A lease record that does not verify (planted, or a coordinator's
             // with another secret) keeps a new coordinator out until it expires.
             let key = crate::store::keys::coordinator("j");
-            let planted = serde_json::to_vec(&Holder { pid: 1, boot: Some("elsewhere".into()), ..Holder::me() });
+            let planted =
+                serde_json::to_vec(&Holder { pid: 1, boot: Some("elsewhere".into()), ..Holder::me() });
             store.put(&key, &planted.unwrap(), None).await.unwrap();
             let e = take_lease(&store, "j", ttl, false, &seal).await.err().unwrap().to_string();
             assert!(e.contains("does not verify") && e.contains("--secret-file"), "{e}");

@@ -121,7 +121,10 @@ mod tests {
         assert!(matches!(k.open("edl/jobs/a/state", &altered), Err(SealError::Forged { .. })));
         // A plain record, as a writer without the secret leaves it.
         let e = k.open("edl/jobs/a/state", br#"{"finished":true}"#).unwrap_err();
-        assert_eq!(e.to_string(), "edl/jobs/a/state carries no MAC (not written by a party that knows the job's secret)");
+        assert_eq!(
+            e.to_string(),
+            "edl/jobs/a/state carries no MAC (not written by a party that knows the job's secret)"
+        );
         assert!(matches!(k.open("k", b"edl-sealed-v1 00\n{}"), Err(SealError::Unsealed { .. })));
     }
 

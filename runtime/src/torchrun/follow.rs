@@ -14,9 +14,9 @@ use crate::job::spec::Leader;
 use crate::leader::keeper::{Fenced, LeaseFence, StoreKeeper, take_lease};
 use crate::leader::record::{GroupHandover, JobState};
 use crate::leader::seal::RecordKey;
-use edl_host_gpu::comm::auth::Secret;
 use crate::store::{AnyStore, Store, keys, redact};
 use anyhow::{Context, Result};
+use edl_host_gpu::comm::auth::Secret;
 use std::{collections::BTreeSet, time::Duration};
 
 /// What a launcher that took the job over does with the group it found.
@@ -196,7 +196,12 @@ impl Hold {
     /// The job ended (`failed`: with no restart left, and why): the store
     /// says so (agents looking stop looking) and the lease is given up.
     pub fn finish(&self, failed: Option<String>) {
-        self.keeper.state(JobState { finished: failed.is_none(), failed, fence: self.token, ..JobState::default() });
+        self.keeper.state(JobState {
+            finished: failed.is_none(),
+            failed,
+            fence: self.token,
+            ..JobState::default()
+        });
         self.keeper.release();
         if let Err(e) = self.keeper.flush(Duration::from_secs(10)) {
             tracing::warn!("the job's end in the store: {e}");

@@ -6,7 +6,7 @@
 
 use crate::support::{
     job::{assert_exactly_once, job, lines, report},
-    process::{children, sigkill},
+    process::{children, runs, sigkill},
     servers::{EtcdCluster, RedisServer},
     wait::{until, wait_exit, wait_for},
 };
@@ -122,9 +122,7 @@ fn processes_in(dir: &Path) -> Vec<u32> {
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
         let Ok(cwd) = std::fs::read_link(format!("/proc/{pid}/cwd")) else { continue };
-        let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .is_ok_and(|s| s.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z')));
-        if cwd.starts_with(dir) && !zombie {
+        if cwd.starts_with(dir) && runs(pid) {
             out.push(pid);
         }
     }
@@ -328,7 +326,11 @@ fn the_checkpoint_directory_fills_up() {
     let mut r = Running::start(dir.path(), "memory", &flags);
     // Everything left is taken: the next checkpoints cannot be written.
     let filler = ckpt.join("filler");
-    let _ = Command::new("dd").arg("if=/dev/zero").arg(format!("of={}", filler.display())).args(["bs=64k"]).status();
+    let _ = Command::new("dd")
+        .arg("if=/dev/zero")
+        .arg(format!("of={}", filler.display()))
+        .args(["bs=64k"])
+        .status();
     r.wait("No space left on device");
     // Space comes back: the job writes its checkpoints again and finishes.
     std::fs::remove_file(&filler).unwrap();

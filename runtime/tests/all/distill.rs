@@ -399,10 +399,12 @@ fn registrations_that_do_not_verify_are_ignored_and_cannot_poison_the_soft_label
         let other = RecordKey::from_hex(&"01".repeat(32)).unwrap();
         let key2 = edl_runtime::store::keys::teacher("svc", "10.9.9.9:1");
         store.put(&key2, &other.seal(&key2, addr.as_bytes()), None).await.unwrap();
-        let teachers = Teachers::Discovered { store: store.clone(), service: "svc".into(), key: registration_key() };
+        let teachers =
+            Teachers::Discovered { store: store.clone(), service: "svc".into(), key: registration_key() };
         let cfg = DistillConfig { teacher_batch: 8, classes: Some(CLASSES), ..Default::default() };
         let data = batches(12, 16);
-        drain_and_check(DistillReader::start(data.clone().into_iter(), None, teachers, cfg), &data, |_| {}).await;
+        drain_and_check(DistillReader::start(data.clone().into_iter(), None, teachers, cfg), &data, |_| {})
+            .await;
         drop(good);
     });
 }
@@ -649,8 +651,12 @@ fn a_teacher_with_tls_and_a_token_answers_only_students_that_trust_it_and_carry_
             ..Serving::on("127.0.0.1:0".parse().unwrap())
         };
         let service = TeacherService::new(model(), TeacherConfig::default());
-        let registration =
-            Registration { store: store.clone(), service: "tls".into(), ttl: Duration::from_secs(30), key: registration_key() };
+        let registration = Registration {
+            store: store.clone(),
+            service: "tls".into(),
+            ttl: Duration::from_secs(30),
+            key: registration_key(),
+        };
         let t = Teacher::serve(serving, service, Some(registration)).await.unwrap();
         // It registers as an https endpoint, and the key names host:port.
         assert_eq!(t.advertised, format!("grpcs://{}", t.addr));
@@ -673,7 +679,8 @@ fn a_teacher_with_tls_and_a_token_answers_only_students_that_trust_it_and_carry_
         // Trusting the CA, with the token: every batch, with the right labels;
         // discovered through the store as an https endpoint.
         let trusted = TeacherAccess { token: token.clone(), ca_pem: Some(ca.clone()), ..Default::default() };
-        let discovered = Teachers::Discovered { store: store.clone(), service: "tls".into(), key: registration_key() };
+        let discovered =
+            Teachers::Discovered { store: store.clone(), service: "tls".into(), key: registration_key() };
         let cfg = DistillConfig { classes: Some(CLASSES), access: trusted.clone(), ..Default::default() };
         drain_and_check(
             DistillReader::start(batches(3, 8).into_iter(), None, discovered, cfg),

@@ -5,7 +5,7 @@
 
 use crate::support::{
     host, host_with,
-    job::{assert_exactly_once, finish, job, lines, report},
+    job::{assert_exactly_once, finish, job, lines, report, run_to_end},
     pairs, path,
     process::children,
     servers::RedisServer,
@@ -239,14 +239,6 @@ fn small(dir: &Path, extra: &[&str]) -> Command {
     ];
     args.extend_from_slice(extra);
     job(dir, &args)
-}
-
-fn run_to_end(mut c: Command) -> (std::process::ExitStatus, String) {
-    let mut child = c.spawn().unwrap();
-    let rx = lines(&mut child);
-    let mut seen = Vec::new();
-    let status = finish(child, rx, &mut seen);
-    (status, seen.join("\n"))
 }
 
 /// Runs a small job with `flags` in a directory of its own; it must fail.
@@ -511,7 +503,8 @@ fn a_second_coordinator_on_another_host_sharing_the_store_is_refused_by_the_leas
     let secret = a.path().join("job.secret");
     let secret = secret.to_str().unwrap();
     let shared = ["--store", url.as_str(), "--job", "leased"];
-    let first_flags = [&shared[..], &["--epochs", "50", "--step-delay-ms", "20", "--secret-file", secret]].concat();
+    let first_flags =
+        [&shared[..], &["--epochs", "50", "--step-delay-ms", "20", "--secret-file", secret]].concat();
     let mut first = small(a.path(), &first_flags).spawn().unwrap();
     let rx = lines(&mut first);
     let mut seen = Vec::new();
@@ -568,7 +561,8 @@ fn a_coordinator_whose_lease_is_taken_stops_instead_of_running_on() {
     rt.block_on(store.put(&key, other, Some(Duration::from_secs(60)))).unwrap();
     wait_for(&rx, "epoch     2 done", &mut seen, Duration::from_secs(120));
     // Another coordinator of the job (it knows the secret) takes the lease.
-    let secret = edl_runtime::worker::session::read_secret_file(&dir.path().join(".edl/taken/secret")).unwrap();
+    let secret =
+        edl_runtime::worker::session::read_secret_file(&dir.path().join(".edl/taken/secret")).unwrap();
     let sealed = edl_runtime::leader::seal::RecordKey::job_records(&secret).seal(&key, other);
     rt.block_on(store.put(&key, &sealed, Some(Duration::from_secs(60)))).unwrap();
     let status = finish(first, rx, &mut seen);

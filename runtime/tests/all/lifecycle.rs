@@ -3,26 +3,31 @@
 //! checkpoints first, and a job whose accounting fails is not marked finished.
 
 use crate::support::{
-    job::{assert_exactly_once, finish, job, lines, report},
+    job::{assert_exactly_once, finish, job, lines, report, run_to_end},
+    process::runs,
     servers::RedisServer,
     wait::wait_for,
 };
 use edl_plugin_artifacts as art;
-use std::{path::Path, process::Command, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command},
+    sync::mpsc::Receiver,
+    time::Duration,
+};
 
 fn small(dir: &Path, extra: &[&str]) -> Command {
-    let mut args =
-        vec!["--policy", art::AUTOSCALE_WASM, "--no-distill", "--train-samples", "400", "--decide-every-steps", "2"];
+    let mut args = vec![
+        "--policy",
+        art::AUTOSCALE_WASM,
+        "--no-distill",
+        "--train-samples",
+        "400",
+        "--decide-every-steps",
+        "2",
+    ];
     args.extend_from_slice(extra);
     job(dir, &args)
-}
-
-fn run_to_end(mut c: Command) -> (std::process::ExitStatus, String) {
-    let mut child = c.spawn().unwrap();
-    let rx = lines(&mut child);
-    let mut seen = Vec::new();
-    let status = finish(child, rx, &mut seen);
-    (status, seen.join("\n"))
 }
 
 /// The checkpoint directories' names, sorted.
@@ -60,14 +65,18 @@ fn a_finished_job_stays_finished_and_restart_trains_it_again_keeping_its_checkpo
 
     // --restart trains it again from step 0; the finished run's checkpoints
     // are set aside until the new run has finished, then removed.
-    let mut c = small(dir.path(), &[&flags[..], &["--restart", "--step-delay-ms", "30"]].concat()).spawn().unwrap();
+    let mut c =
+        small(dir.path(), &[&flags[..], &["--restart", "--step-delay-ms", "30"]].concat()).spawn().unwrap();
     let rx = lines(&mut c);
     let mut seen = Vec::new();
     wait_for(&rx, "training it again from step 0", &mut seen, Duration::from_secs(120));
     wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
     let during = names(&ckpt);
     for n in &finished {
-        assert!(during.contains(&format!("finished-{n}")), "{n} set aside while the new run trains: {during:?}");
+        assert!(
+            during.contains(&format!("finished-{n}")),
+            "{n} set aside while the new run trains: {during:?}"
+        );
     }
     let status = finish(c, rx, &mut seen);
     let out = seen.join("\n");
@@ -81,35 +90,47 @@ fn a_finished_job_stays_finished_and_restart_trains_it_again_keeping_its_checkpo
     assert!(ckpt.join("complete.json").exists());
 }
 
+/// An active coordinator (in `a`) past its first epoch, and a standby (in
+/// `b`) waiting for its lease, on the store at `url`, their checkpoints
+/// shared.
+struct Pair {
+    dir: tempfile::TempDir,
+    b: PathBuf,
+    checkpoints: PathBuf,
+    active: Child,
+    rx: Receiver<String>,
+    seen: Vec<String>,
+    standby: Child,
+    rx_b: Receiver<String>,
+    seen_b: Vec<String>,
+}
+
+impl Pair {
+    fn start(url: &str, job_name: &str, extra: &[&str]) -> Pair {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        std::fs::create_dir_all(&a).unwrap();
+        std::fs::create_dir_all(&b).unwrap();
+        let checkpoints = dir.path().join("checkpoints");
+        let shared = ["--store", url, "--job", job_name, "--step-delay-ms", "40", "--checkpoint-dir"];
+        let args = [&shared[..], &[checkpoints.to_str().unwrap()], extra].concat();
+        let mut active = small(&a, &args).spawn().unwrap();
+        let rx = lines(&mut active);
+        let mut seen = Vec::new();
+        wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+        let mut standby = small(&b, &[&args[..], &["--standby"]].concat()).spawn().unwrap();
+        let rx_b = lines(&mut standby);
+        let mut seen_b = Vec::new();
+        wait_for(&rx_b, "waiting to take it over", &mut seen_b, Duration::from_secs(120));
+        Pair { dir, b, checkpoints, active, rx, seen, standby, rx_b, seen_b }
+    }
+}
+
 #[test]
 fn a_standby_that_takes_the_lease_of_a_finished_job_says_so_and_exits_0_without_training() {
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
-    std::fs::create_dir_all(&a).unwrap();
-    std::fs::create_dir_all(&b).unwrap();
-    let checkpoints = dir.path().join("checkpoints");
-    let url = redis.url();
-    let args = [
-        "--store",
-        url.as_str(),
-        "--job",
-        "fin",
-        "--epochs",
-        "12",
-        "--step-delay-ms",
-        "40",
-        "--checkpoint-dir",
-        checkpoints.to_str().unwrap(),
-    ];
-    let mut active = small(&a, &args).spawn().unwrap();
-    let rx = lines(&mut active);
-    let mut seen = Vec::new();
-    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
-    let mut standby = small(&b, &[&args[..], &["--standby"]].concat()).spawn().unwrap();
-    let rx_b = lines(&mut standby);
-    let mut seen_b = Vec::new();
-    wait_for(&rx_b, "waiting to take it over", &mut seen_b, Duration::from_secs(120));
+    let Pair { dir: _dir, b, checkpoints, active, rx, mut seen, standby, rx_b, mut seen_b } =
+        Pair::start(&redis.url(), "fin", &["--epochs", "12"]);
     let status = finish(active, rx, &mut seen);
     assert!(status.success(), "{}", seen.join("\n"));
     let finished = names(&checkpoints);
@@ -122,12 +143,6 @@ fn a_standby_that_takes_the_lease_of_a_finished_job_says_so_and_exits_0_without_
     assert_eq!(names(&checkpoints), finished, "the finished job's checkpoints are as they were");
 }
 
-/// Whether process `pid` runs (a zombie left to a parent that is gone does not).
-fn runs(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .is_ok_and(|s| s.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
-}
-
 #[test]
 fn sigterm_stops_the_job_with_a_checkpoint_of_its_committed_state_a_report_and_status_143() {
     let dir = tempfile::tempdir().unwrap();
@@ -138,7 +153,9 @@ fn sigterm_stops_the_job_with_a_checkpoint_of_its_committed_state_a_report_and_s
     wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
     let workers: Vec<u32> = crate::support::process::children(c.id()).into_iter().map(|(p, _)| p).collect();
     assert!(workers.len() >= 2, "{workers:?}");
-    assert!(std::process::Command::new("kill").args(["-TERM", &c.id().to_string()]).status().unwrap().success());
+    assert!(
+        std::process::Command::new("kill").args(["-TERM", &c.id().to_string()]).status().unwrap().success()
+    );
     let status = finish(c, rx, &mut seen);
     let out = seen.join("\n");
     assert_eq!(status.code(), Some(143), "{out}");
@@ -151,7 +168,8 @@ fn sigterm_stops_the_job_with_a_checkpoint_of_its_committed_state_a_report_and_s
     // The rerun goes on from that checkpoint: nothing committed was lost.
     let said = out.split("stopped by SIGTERM: its state at step ").nth(1).unwrap();
     let step: u64 = said.split_whitespace().next().unwrap().parse().unwrap();
-    let (status, out) = run_to_end(small(dir.path(), &["--epochs", "30", "--workers", "2", "--min-workers", "2"]));
+    let (status, out) =
+        run_to_end(small(dir.path(), &["--epochs", "30", "--workers", "2", "--min-workers", "2"]));
     assert!(status.success(), "{out}");
     let r = report(dir.path());
     assert_eq!(r["resumed_from_step"].as_u64(), Some(step), "{out}");
@@ -168,39 +186,21 @@ fn a_standby_rides_out_a_store_that_lost_its_data_and_fences_above_the_checkpoin
     let url = redis.url();
     // Tokens well above where the restarted store's sequence will be.
     let port = url.trim_end_matches('/').rsplit(':').next().unwrap().to_string();
-    let set = Command::new("redis-cli").args(["-p", &port, "set", "edl-token-sequence", "1000"]).output().unwrap();
+    let set =
+        Command::new("redis-cli").args(["-p", &port, "set", "edl-token-sequence", "1000"]).output().unwrap();
     assert!(set.status.success(), "{set:?}");
-    let dir = tempfile::tempdir().unwrap();
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
-    std::fs::create_dir_all(&a).unwrap();
-    std::fs::create_dir_all(&b).unwrap();
-    let checkpoints = dir.path().join("checkpoints");
-    let args = [
-        "--store",
-        url.as_str(),
-        "--job",
-        "restarted",
-        "--epochs",
-        "8",
-        "--step-delay-ms",
-        "40",
-        "--checkpoint-every-steps",
-        "5",
-        "--checkpoint-dir",
-        checkpoints.to_str().unwrap(),
-    ];
-    let mut active = small(&a, &args).spawn().unwrap();
-    let rx = lines(&mut active);
-    let mut seen = Vec::new();
-    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
-    let mut standby = small(&b, &[&args[..], &["--standby"]].concat()).spawn().unwrap();
-    let rx_b = lines(&mut standby);
-    let mut seen_b = Vec::new();
-    wait_for(&rx_b, "waiting to take it over", &mut seen_b, Duration::from_secs(120));
+    let Pair { dir: _dir, b, mut active, rx, mut seen, standby, rx_b, mut seen_b, .. } =
+        Pair::start(&url, "restarted", &["--epochs", "8", "--checkpoint-every-steps", "5"]);
     redis.restart();
     // The active one goes on (it takes its lease again) past another epoch.
     wait_for(&rx, "epoch     2 done", &mut seen, Duration::from_secs(120));
-    assert!(std::process::Command::new("kill").args(["-KILL", &active.id().to_string()]).status().unwrap().success());
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-KILL", &active.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
     let _ = active.wait();
     let status = finish(standby, rx_b, &mut seen_b);
     let out = seen_b.join("\n");
@@ -216,7 +216,10 @@ fn restart_and_standby_are_refused_together() {
     let out = small(dir.path(), &["--restart", "--standby"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("--restart") && err.contains("cannot be used with") && err.contains("--standby"), "{err}");
+    assert!(
+        err.contains("--restart") && err.contains("cannot be used with") && err.contains("--standby"),
+        "{err}"
+    );
 }
 
 /// Ctrl-C in a terminal signals the job's whole process group: the workers

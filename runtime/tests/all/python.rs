@@ -341,7 +341,16 @@ fn a_standby_does_not_restart_a_job_that_failed_the_same_way_again_and_again() {
         let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
         c.current_dir(dir.path())
             .args(["launch", "--samples", "400", "--epochs", "2", "--batch", "40", "--no-distill"])
-            .args(["--workers", "2", "--min-workers", "1", "--max-workers", "2", "--checkpoint-every-steps", "2"])
+            .args([
+                "--workers",
+                "2",
+                "--min-workers",
+                "1",
+                "--max-workers",
+                "2",
+                "--checkpoint-every-steps",
+                "2",
+            ])
             .args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold", "--job", "crashes"])
             .args(["--store", &url, "--report", if standby { "standby.json" } else { "active.json" }])
             .arg("--plugin-cache")
@@ -349,7 +358,11 @@ fn a_standby_does_not_restart_a_job_that_failed_the_same_way_again_and_again() {
         if standby {
             c.arg("--standby");
         }
-        c.args(["--", "python"]).arg(&program).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        c.args(["--", "python"])
+            .arg(&program)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         py.env(&mut c);
         c
     };

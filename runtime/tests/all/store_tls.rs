@@ -129,7 +129,8 @@ fn an_etcd_member_with_client_certificates_and_auth_is_reached_over_etcds_and_a_
                 .ca_certificate(Certificate::from_pem(read(&c.ca)))
                 .identity(Identity::from_pem(read(&c.client.0), read(&c.client.1))),
         );
-        let mut admin = Client::connect([format!("https://127.0.0.1:{client}")], Some(options)).await.unwrap();
+        let mut admin =
+            Client::connect([format!("https://127.0.0.1:{client}")], Some(options)).await.unwrap();
         admin.user_add("root", "s3cret-pw", None).await.unwrap();
         admin.user_grant_role("root", "root").await.unwrap();
         admin.auth_enable().await.unwrap();
@@ -171,7 +172,8 @@ fn a_redis_that_serves_only_tls_is_reached_over_rediss_and_a_job_runs_on_it() {
     let dir = tempfile::tempdir().unwrap();
     let c = certs(dir.path());
     let port = free_port();
-    let bin = std::env::var_os("EDL_REDIS_SERVER").map(PathBuf::from).unwrap_or_else(|| "redis-server".into());
+    let bin =
+        std::env::var_os("EDL_REDIS_SERVER").map(PathBuf::from).unwrap_or_else(|| "redis-server".into());
     let _redis = Killed(
         Command::new(&bin)
             .args(["--bind", "127.0.0.1", "--port", "0", "--tls-port", &port.to_string()])

@@ -202,12 +202,6 @@ fn when_the_restarts_are_spent_the_failing_rank_is_reported_with_its_exit_code()
     assert_eq!(r["outcome"]["failure"]["exit"], "exit code 3", "{r}");
 }
 
-/// Whether process `pid` runs (a zombie does not).
-fn runs(pid: i64) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .is_ok_and(|s| s.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
-}
-
 #[test]
 fn sigterm_stops_the_group_with_notice_writes_the_report_and_exits_143() {
     let dir = tempfile::tempdir().unwrap();
@@ -221,7 +215,7 @@ fn sigterm_stops_the_group_with_notice_writes_the_report_and_exits_143() {
     let out = output(d);
     assert_eq!(status.code(), Some(143), "{out}");
     assert!(out.contains("stopped by SIGTERM: the group's ranks were stopped with notice"), "{out}");
-    let left: Vec<i64> = ranks.into_iter().filter(|&p| runs(p)).collect();
+    let left: Vec<i64> = ranks.into_iter().filter(|&p| crate::support::process::runs(p as u32)).collect();
     assert!(left.is_empty(), "ranks left running: {left:?}\n{out}");
     let r = report(d);
     assert_eq!(r["status"], "stopped", "{r}");

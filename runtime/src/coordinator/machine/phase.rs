@@ -227,7 +227,10 @@ mod tests {
         for _ in 0..3 {
             three.all_lost(crash(0, 1, "RuntimeError")).unwrap();
         }
-        assert!(matches!(three.all_lost(crash(0, 1, "RuntimeError")), Err(JobEnds::SameCrash { times: 4, .. })));
+        assert!(matches!(
+            three.all_lost(crash(0, 1, "RuntimeError")),
+            Err(JobEnds::SameCrash { times: 4, .. })
+        ));
     }
 
     #[test]

@@ -87,6 +87,15 @@ pub(crate) fn finish(
     }
 }
 
+/// Runs a job to its end (bounded); its status and all it said.
+pub(crate) fn run_to_end(mut c: Command) -> (std::process::ExitStatus, String) {
+    let mut child = c.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    (status, seen.join("\n"))
+}
+
 /// The report a job (or a launcher) wrote to `report.json` in `dir`.
 pub(crate) fn report(dir: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(dir.join("report.json")).expect("the job wrote its report"))

@@ -57,3 +57,9 @@ pub(crate) fn sigkill(pid: u32) {
     // the tests signal only processes of the job they started.
     unsafe { libc::kill(pid, libc::SIGKILL) };
 }
+
+/// Whether process `pid` runs (a zombie left to a parent that is gone does not).
+pub(crate) fn runs(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| s.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
+}
