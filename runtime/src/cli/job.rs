@@ -57,6 +57,12 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     let starts_teachers = teachers.start.is_some();
     let mut job = Job::prepare(cfg, &dirs, secret_file, job_plugins, scaler, starts_teachers)?;
     println!("{header}");
+    if !args.state.restart
+        && let Some(done) = coordinator::finished_here(&checkpoint_dir, &name)?
+    {
+        println!("done      {done}");
+        return Ok(ExitCode::SUCCESS);
+    }
     if let Some(start) = teachers.start {
         job = job.start_teachers(&dirs, start, &mut |i, addr| println!("teacher   {i} serving on {addr}"))?;
     }

@@ -25,7 +25,7 @@ mod steps;
 
 use crate::job::{JobConfig, assembly::Job};
 pub use records::{JobOutcome, Progress, StepRecord, StoreEvent};
-pub use resume::{AlreadyFinished, mark_complete};
+pub use resume::{AlreadyFinished, finished_here, mark_complete};
 
 use crate::checkpoint::Checkpoints;
 use crate::control::inbox::Inbound;

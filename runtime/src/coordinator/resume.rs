@@ -37,12 +37,26 @@ struct Bookkeeping {
     plugins: PluginMemory,
 }
 
-/// Marks a job finished (after its report is written): a rerun starts
-/// it again from step 0. Until then a rerun resumes from the final
-/// checkpoint and only writes the report.
+/// Marks a job finished (after its report is written): a rerun says so
+/// and does nothing ([`AlreadyFinished`]; `--restart` trains it again).
+/// Until then a rerun resumes from the final checkpoint and only writes
+/// the report.
 pub fn mark_complete(checkpoint_dir: &std::path::Path, epochs: &[EpochRecord]) -> Result<()> {
     Checkpoints::open(checkpoint_dir, 1)?.put_file(COMPLETE, &serde_json::to_vec_pretty(epochs)?)?;
     Ok(())
+}
+
+/// Whether job `job` finished before, as the marker beside its checkpoints
+/// says: what a rerun tells before it starts anything (its teachers
+/// included). The store's mark is the coordinator's to read.
+pub fn finished_here(checkpoint_dir: &std::path::Path, job: &str) -> Result<Option<AlreadyFinished>> {
+    let cps = Checkpoints::open(checkpoint_dir, 1)?;
+    if !cps.has_file(COMPLETE).context("looking for the finished job's marker")? {
+        return Ok(None);
+    }
+    let final_checkpoint =
+        cps.list().context("listing the finished job's checkpoints")?.last().map(|(_, p)| p.clone());
+    Ok(Some(AlreadyFinished { job: job.to_string(), final_checkpoint }))
 }
 
 /// A job found finished (by a rerun, or a standby once the coordinator

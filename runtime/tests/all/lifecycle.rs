@@ -62,6 +62,11 @@ fn a_finished_job_stays_finished_and_restart_trains_it_again_keeping_its_checkpo
     assert!(!out.contains("epoch     0 done"), "it trained again:\n{out}");
     assert_eq!(names(&ckpt), finished);
     assert_eq!(std::fs::read(dir.path().join("report.json")).unwrap(), first_report);
+    // Nor does it start teachers first (a rerun with distillation on).
+    let with_teachers = ["--policy", art::AUTOSCALE_WASM, "--train-samples", "400", "--epochs", "2"];
+    let (status, out) = run_to_end(job(dir.path(), &with_teachers));
+    assert!(status.success() && out.contains("finished before"), "{out}");
+    assert!(!out.contains("serving on"), "teachers were started for a finished job:\n{out}");
 
     // --restart trains it again from step 0; the finished run's checkpoints
     // are set aside until the new run has finished, then removed.
