@@ -54,9 +54,15 @@ pub fn finished_here(checkpoint_dir: &std::path::Path, job: &str) -> Result<Opti
     if !cps.has_file(COMPLETE).context("looking for the finished job's marker")? {
         return Ok(None);
     }
-    let final_checkpoint =
-        cps.list().context("listing the finished job's checkpoints")?.last().map(|(_, p)| p.clone());
-    Ok(Some(AlreadyFinished { job: job.to_string(), final_checkpoint }))
+    AlreadyFinished::at(&cps, job).map(Some)
+}
+
+impl AlreadyFinished {
+    /// Job `job`, finished, its final checkpoint the newest in `cps`.
+    fn at(cps: &Checkpoints, job: &str) -> Result<AlreadyFinished> {
+        let listed = cps.list().context("listing the finished job's checkpoints")?;
+        Ok(AlreadyFinished { job: job.to_string(), final_checkpoint: listed.last().map(|(_, p)| p.clone()) })
+    }
 }
 
 /// A job found finished (by a rerun, or a standby once the coordinator
@@ -144,10 +150,8 @@ impl Coordinator<'_> {
     /// starts again from step 0.
     fn finished_before(&mut self) -> Result<()> {
         let job = &self.cfg.spec.job;
-        let listed = self.ckpt.list().context("listing the finished job's checkpoints")?;
         if !self.cfg.restart {
-            let final_checkpoint = listed.last().map(|(_, p)| p.clone());
-            return Err(AlreadyFinished { job: job.clone(), final_checkpoint }.into());
+            return Err(AlreadyFinished::at(&self.ckpt, job)?.into());
         }
         let n = self.ckpt.set_aside_finished().context("setting the finished job's checkpoints aside")?;
         self.ckpt.remove_file(COMPLETE);

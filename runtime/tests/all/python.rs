@@ -285,6 +285,27 @@ for step in job.steps():
     step.commit(loss=1.0)
 "#;
 
+/// `launch` of [`RAISES`] (written to `dir`), two workers held by the
+/// policy, a checkpoint every 2 steps, with `flags`.
+fn launch_raises(py: &PyEnv, dir: &Path, flags: &[&str]) -> Command {
+    let program = dir.join("raises.py");
+    std::fs::write(&program, RAISES).unwrap();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    c.current_dir(dir)
+        .args(["launch", "--samples", "400", "--epochs", "2", "--batch", "40", "--no-distill"])
+        .args(["--workers", "2", "--min-workers", "1", "--max-workers", "2", "--checkpoint-every-steps", "2"])
+        .args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold", "--plugin-cache"])
+        .arg(dir.join("plugin-cache"))
+        .args(flags)
+        .args(["--", "python"])
+        .arg(&program)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    py.env(&mut c);
+    c
+}
+
 /// Every worker raising the same error from the same checkpoint: the job
 /// goes back once (`--max-restarts` 1 by default), then ends with exit
 /// status 1, the traceback in its error and its report.
@@ -292,22 +313,7 @@ for step in job.steps():
 fn a_program_error_that_repeats_from_the_same_checkpoint_ends_the_job_with_its_traceback() {
     let py = py();
     let dir = tempfile::tempdir().unwrap();
-    let program = dir.path().join("raises.py");
-    std::fs::write(&program, RAISES).unwrap();
-    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
-    c.current_dir(dir.path())
-        .args(["launch", "--samples", "400", "--epochs", "2", "--batch", "40", "--no-distill"])
-        .args(["--workers", "2", "--min-workers", "1", "--max-workers", "2", "--checkpoint-every-steps", "2"])
-        .args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold"])
-        .args(["--report", "report.json", "--plugin-cache"])
-        .arg(dir.path().join("plugin-cache"))
-        .args(["--", "python"])
-        .arg(&program)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    py.env(&mut c);
-    let mut child = c.spawn().unwrap();
+    let mut child = launch_raises(&py, dir.path(), &["--report", "report.json"]).spawn().unwrap();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
     let status = finish(child, rx, &mut seen);
@@ -334,37 +340,11 @@ fn a_standby_does_not_restart_a_job_that_failed_the_same_way_again_and_again() {
     let py = py();
     let redis = RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let program = dir.path().join("raises.py");
-    std::fs::write(&program, RAISES).unwrap();
     let url = redis.url();
+    let shared = ["--job", "crashes", "--store", url.as_str(), "--report"];
     let launch = |standby: bool| {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
-        c.current_dir(dir.path())
-            .args(["launch", "--samples", "400", "--epochs", "2", "--batch", "40", "--no-distill"])
-            .args([
-                "--workers",
-                "2",
-                "--min-workers",
-                "1",
-                "--max-workers",
-                "2",
-                "--checkpoint-every-steps",
-                "2",
-            ])
-            .args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold", "--job", "crashes"])
-            .args(["--store", &url, "--report", if standby { "standby.json" } else { "active.json" }])
-            .arg("--plugin-cache")
-            .arg(dir.path().join("plugin-cache"));
-        if standby {
-            c.arg("--standby");
-        }
-        c.args(["--", "python"])
-            .arg(&program)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        py.env(&mut c);
-        c
+        let role: &[&str] = if standby { &["standby.json", "--standby"] } else { &["active.json"] };
+        launch_raises(&py, dir.path(), &[&shared[..], role].concat())
     };
     let mut active = launch(false).spawn().unwrap();
     let rx = lines(&mut active);
