@@ -48,7 +48,11 @@ mod op {
     pub const WAIT: u8 = 6;
     pub const DELETE: u8 = 7;
     pub const NUM_KEYS: u8 = 8;
+    pub const APPEND: u8 = 9;
 }
+
+/// How a wait that ran out of time is refused (see [`KvClient::wait_within`]).
+const TIMED_OUT: &str = "timed out after";
 
 /// The server side: one store, emptied when the generation moves on.
 #[derive(Default)]
@@ -144,11 +148,16 @@ impl KvStore {
             op::SET => {
                 let (k, v) = (key(conn)?, read_frame(conn)?);
                 self.with(generation, |s| {
-                    let held: usize = s.map.iter().map(|(k, v)| k.len() + v.len()).sum();
-                    if held + k.len() + v.len() > MAX_STORED {
-                        return Err(format!("the store is full ({held} bytes held, at most {MAX_STORED})"));
-                    }
+                    Self::room_for(s, k.len() + v.len())?;
                     s.map.insert(k, v);
+                    Ok(Vec::new())
+                })
+            }
+            op::APPEND => {
+                let (k, v) = (key(conn)?, read_frame(conn)?);
+                self.with(generation, |s| {
+                    Self::room_for(s, k.len() + v.len())?;
+                    s.map.entry(k).or_default().extend_from_slice(&v);
                     Ok(Vec::new())
                 })
             }
@@ -205,6 +214,15 @@ impl KvStore {
         })
     }
 
+    /// Refuses a write of `more` bytes that would overfill the store.
+    fn room_for(s: &State, more: usize) -> Result<(), String> {
+        let held: usize = s.map.iter().map(|(k, v)| k.len() + v.len()).sum();
+        if held + more > MAX_STORED {
+            return Err(format!("the store is full ({held} bytes held, at most {MAX_STORED})"));
+        }
+        Ok(())
+    }
+
     /// Runs `f` on the keys of `generation`, if it is still the current one.
     fn with(&self, generation: u64, f: impl FnOnce(&mut State) -> Answer) -> Answer {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -248,7 +266,7 @@ impl KvStore {
             if left.is_zero() {
                 let missing: Vec<&str> =
                     keys.iter().filter(|k| !s.map.contains_key(*k)).map(String::as_str).collect();
-                return Err(format!("timed out after {wait_ms} ms waiting for {missing:?}"));
+                return Err(format!("{TIMED_OUT} {wait_ms} ms waiting for {missing:?}"));
             }
             s = self.changed.wait_timeout(s, left).unwrap_or_else(|e| e.into_inner()).0;
         }
@@ -370,6 +388,26 @@ impl KvClient {
         self.call(op::WAIT, &refs, Some(wait)).map(drop)
     }
 
+    /// Waits up to `wait` until every one of `keys` is set: whether they
+    /// all were (false: the wait ran out, the connection still sound).
+    pub fn wait_within(&mut self, keys: &[&str], wait: Duration) -> Result<bool, CommError> {
+        match self.wait(keys, wait) {
+            Ok(()) => Ok(true),
+            Err(CommError::Rendezvous(e))
+                if self.broken.is_none()
+                    && e.starts_with(&format!("store at {}: {TIMED_OUT} ", self.server)) =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Appends `value` to what `key` holds (sets it when unset).
+    pub fn append(&mut self, key: &str, value: &[u8]) -> Result<(), CommError> {
+        self.call(op::APPEND, &[key.as_bytes(), value], None).map(drop)
+    }
+
     /// Removes `key`; whether it was set.
     pub fn delete(&mut self, key: &str) -> Result<bool, CommError> {
         Ok(self.call(op::DELETE, &[key.as_bytes()], None)? == [1])
@@ -422,6 +460,14 @@ mod tests {
         assert!(!a.delete("leader").unwrap());
         let e = a.wait(&["never"], Duration::from_millis(50)).unwrap_err().to_string();
         assert!(e.contains("timed out") && e.contains("never"), "{e}");
+        assert!(
+            !a.wait_within(&["never"], Duration::from_millis(20)).unwrap(),
+            "ran out, the connection sound"
+        );
+        assert!(a.wait_within(&["addr/1"], Duration::from_millis(20)).unwrap());
+        a.append("log", b"ab").unwrap();
+        a.append("log", b"cd").unwrap();
+        assert_eq!(a.get("log", Duration::ZERO).unwrap(), b"abcd");
         // A request of a wrong shape is an error naming it, not a hang.
         assert!(a.get("arrived", Duration::ZERO).is_ok());
     }

@@ -6,9 +6,10 @@
 //! whose launcher goes away keeps its ranks for a while and follows the
 //! launcher that takes the job over (a higher lease token, never a lower).
 
+use super::c10d::GroupStore;
 use super::follow::{Found, Lookup};
 use super::hosts::{FromAgent, ToAgent};
-use super::ranks::{Line, Placement, Ranks, free_port};
+use super::ranks::{Line, Placement, Ranks};
 use crate::control::proto::{self, Receiver, Sender};
 use crate::job::spec::{Follow, Leader};
 use anyhow::{Context, Result, anyhow, bail};
@@ -173,6 +174,9 @@ struct Here {
     /// Exits of ranks that the launcher could not be told (it was lost):
     /// told to the launcher that takes the job over.
     untold: Vec<FromAgent>,
+    /// The c10d store of the groups whose rank 0 this host holds, served
+    /// once asked for.
+    store: Option<GroupStore>,
 }
 
 impl Here {
@@ -209,7 +213,7 @@ pub fn run_agent(a: AgentArgs) -> Result<String> {
         job.id, job.job, a.coordinator, job.nproc, l.here
     );
     let (lines_tx, lines) = mpsc::channel::<Line>();
-    let mut h = Here { ranks: None, lines, lines_tx, untold: Vec::new() };
+    let mut h = Here { ranks: None, lines, lines_tx, untold: Vec::new(), store: None };
     loop {
         h.report(&l.to, l.here);
         let told = match l.hear(Duration::from_millis(20), job.lease) {
@@ -238,7 +242,14 @@ fn obey(told: ToAgent, l: &Launcher, job: &Job, a: &AgentArgs, h: &mut Here) -> 
                 old.stop(job.grace);
             }
             let (master_addr, master_port) = if master_port == 0 {
-                (here.to_string(), free_port(here)?)
+                let store = match h.store.take() {
+                    Some(s) => s,
+                    None => GroupStore::serve(here, a.auth.clone())?,
+                };
+                store.open(group);
+                let port = store.port();
+                h.store = Some(store);
+                (here.to_string(), port)
             } else {
                 (master_addr, master_port)
             };
@@ -255,7 +266,7 @@ fn obey(told: ToAgent, l: &Launcher, job: &Job, a: &AgentArgs, h: &mut Here) -> 
                 log_dir: a.log_dir.join(format!("group-{group}")),
                 extra_env: collectives_env(here),
             };
-            match Ranks::start(&job.command, &place, &h.lines_tx) {
+            match Ranks::start(&job.command, &place, &a.auth, &h.lines_tx) {
                 Ok(r) => {
                     h.ranks = Some(r);
                     to.send(&FromAgent::Started { group, master_port })?;

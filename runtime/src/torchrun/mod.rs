@@ -17,6 +17,7 @@
 //! clock and the logs around it.
 
 mod agent;
+mod c10d;
 mod follow;
 mod hosts;
 mod ranks;
@@ -28,8 +29,10 @@ pub use ranks::{Exit, Placement, RankFailure};
 use crate::plugin::PolicyPlugin;
 use crate::plugin::replay::{Decision, asked};
 use anyhow::{Result, bail};
+use c10d::GroupStore;
+use edl_host_gpu::comm::auth::{JobAuth, Secret};
 use edl_plugin_sdk::{Action, ClusterView};
-use ranks::{Line, Ranks, free_port};
+use ranks::{Line, Ranks};
 use std::{
     collections::BTreeSet,
     net::{IpAddr, Ipv4Addr},
@@ -184,8 +187,6 @@ pub struct TorchrunConfig {
     /// Time a stopped rank gets to exit after SIGTERM before SIGKILL.
     pub grace: Duration,
     pub price_per_worker_hour: f64,
-    /// `MASTER_ADDR`, where rank 0 hosts the c10d store.
-    pub master_addr: IpAddr,
 }
 
 impl TorchrunConfig {
@@ -202,7 +203,6 @@ impl TorchrunConfig {
             decide_every: Duration::from_secs(30),
             grace: Duration::from_secs(15),
             price_per_worker_hour: 0.0,
-            master_addr: IpAddr::V4(Ipv4Addr::LOCALHOST),
         }
     }
 }
@@ -280,7 +280,7 @@ pub fn run(
     if cfg.command.is_empty() {
         bail!("no program to launch");
     }
-    let mut job = OneHost::new(cfg);
+    let mut job = OneHost::new(cfg)?;
     loop {
         let mut group = job.start_group(on)?;
         let next = job.watch(&mut group, policy, on);
@@ -308,12 +308,21 @@ struct OneHost<'a> {
     /// What the ranks write: their group's number, the rank, the line.
     tx: mpsc::Sender<Line>,
     rx: mpsc::Receiver<Line>,
+    /// The groups' c10d store, and the secret its bridge proves (this
+    /// launcher's alone: nothing outside it reaches the store).
+    store: GroupStore,
+    store_auth: JobAuth,
 }
 
 impl<'a> OneHost<'a> {
-    fn new(cfg: &'a TorchrunConfig) -> Self {
+    fn new(cfg: &'a TorchrunConfig) -> Result<Self> {
         let (tx, rx) = mpsc::channel();
-        OneHost {
+        let secret =
+            Secret::generate().map_err(|e| anyhow::anyhow!("a secret for the group's store: {e}"))?;
+        let store_auth = JobAuth { job: cfg.job.clone(), secret };
+        // Every rank is on this host: the store is served on its loopback.
+        let store = GroupStore::serve(IpAddr::V4(Ipv4Addr::LOCALHOST), store_auth.clone())?;
+        Ok(OneHost {
             cfg,
             decider: RestartDecider::of(cfg),
             groups: Vec::new(),
@@ -322,7 +331,9 @@ impl<'a> OneHost<'a> {
             t0: Instant::now(),
             tx,
             rx,
-        }
+            store,
+            store_auth,
+        })
     }
 
     /// The running group's number.
@@ -333,7 +344,8 @@ impl<'a> OneHost<'a> {
     /// Starts the next group with the decider's world.
     fn start_group(&mut self, on: &mut dyn FnMut(GroupEvent)) -> Result<Ranks> {
         let (cfg, n) = (self.cfg, self.groups.len() as u32);
-        self.groups.push(GroupRecord::next(n, cfg, &self.decider, self.t0)?);
+        self.store.open(n);
+        self.groups.push(GroupRecord::next(n, cfg, &self.decider, self.t0, self.store.port()));
         let record = &self.groups[n as usize];
         let place = Placement {
             group: n,
@@ -348,7 +360,7 @@ impl<'a> OneHost<'a> {
             log_dir: record.log_dir.clone(),
             extra_env: Vec::new(),
         };
-        let group = Ranks::start(&cfg.command, &place, &self.tx)?;
+        let group = Ranks::start(&cfg.command, &place, &self.store_auth, &self.tx)?;
         self.decider.started();
         on(GroupEvent::Started(record));
         Ok(group)
@@ -483,21 +495,22 @@ impl TorchrunOutcome {
 }
 
 impl GroupRecord {
-    /// The record of group `n`, starting now with the decider's world.
-    fn next(n: u32, cfg: &TorchrunConfig, decider: &RestartDecider, t0: Instant) -> Result<Self> {
-        Ok(GroupRecord {
+    /// The record of group `n`, starting now with the decider's world, its
+    /// store on this host's `store_port`.
+    fn next(n: u32, cfg: &TorchrunConfig, decider: &RestartDecider, t0: Instant, store_port: u16) -> Self {
+        GroupRecord {
             group: n,
             world: decider.world(),
             hosts: Vec::new(),
             restart_count: decider.restarts(),
-            master_addr: cfg.master_addr.to_string(),
-            master_port: free_port(cfg.master_addr)?,
+            master_addr: Ipv4Addr::LOCALHOST.to_string(),
+            master_port: store_port,
             log_dir: cfg.log_dir.join(format!("group-{n}")),
             started_secs: t0.elapsed().as_secs_f64(),
             ended_secs: 0.0,
             ended: String::new(),
             taken_over: false,
-        })
+        }
     }
 }
 

@@ -4,13 +4,15 @@
 //! host; an agent (`edl-runtime agent`) runs them for its host's share of a
 //! group across hosts.
 
+use super::c10d::Bridge;
 use crate::process::{die_with_parent, log_tail};
 use anyhow::{Context, Result};
+use edl_host_gpu::comm::auth::JobAuth;
 use serde::{Deserialize, Serialize};
 use std::{
     fmt,
     io::{BufRead, BufReader, Write},
-    net::{IpAddr, TcpListener},
+    net::ToSocketAddrs,
     os::unix::process::ExitStatusExt,
     path::{Path, PathBuf},
     process::{Child, Command, ExitStatus, Stdio},
@@ -136,7 +138,8 @@ pub struct Placement {
     /// `TORCHELASTIC_RESTART_COUNT` and `TORCHELASTIC_MAX_RESTARTS`.
     pub restart_count: u32,
     pub max_restarts: u32,
-    /// Where rank 0 hosts the c10d store.
+    /// Where the group's c10d store is served (on group rank 0's host,
+    /// sealed; the ranks reach it through this host's [`Bridge`]).
     pub master_addr: String,
     pub master_port: u16,
     /// This host's index among the group's hosts (`GROUP_RANK`), and their number.
@@ -162,7 +165,8 @@ impl Placement {
     }
 
     /// torchrun's environment for local rank `local`.
-    fn env(&self, local: u32) -> Vec<(&'static str, String)> {
+    /// `bridge`: the port of this host's loopback endpoint to the store.
+    fn env(&self, local: u32, bridge: u16) -> Vec<(&'static str, String)> {
         let (rank, world) = (self.rank(local).to_string(), self.world().to_string());
         vec![
             ("RANK", rank.clone()),
@@ -174,12 +178,13 @@ impl Placement {
             ("LOCAL_WORLD_SIZE", self.nproc.to_string()),
             ("ROLE_WORLD_SIZE", world),
             ("GROUP_WORLD_SIZE", self.group_world.to_string()),
-            ("MASTER_ADDR", self.master_addr.clone()),
-            ("MASTER_PORT", self.master_port.to_string()),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+            ("MASTER_PORT", bridge.to_string()),
             ("TORCHELASTIC_RESTART_COUNT", self.restart_count.to_string()),
             ("TORCHELASTIC_MAX_RESTARTS", self.max_restarts.to_string()),
             ("TORCHELASTIC_RUN_ID", self.job.clone()),
-            ("TORCHELASTIC_USE_AGENT_STORE", "False".into()),
+            // The store is the agent's (the bridge): no rank starts one of its own.
+            ("TORCHELASTIC_USE_AGENT_STORE", "True".into()),
             ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1".into()),
             ("PYTHONUNBUFFERED", "1".into()),
         ]
@@ -201,22 +206,30 @@ struct Rank {
 pub struct Ranks {
     place: Placement,
     ranks: Vec<Rank>,
-}
-
-/// A port nothing listens on now, for rank 0's c10d store (torchrun picks
-/// its `MASTER_PORT` the same way).
-pub fn free_port(addr: IpAddr) -> Result<u16> {
-    let l = TcpListener::bind((addr, 0)).with_context(|| format!("finding a free port on {addr}"))?;
-    Ok(l.local_addr()?.port())
+    /// The ranks' way to the group's store, open while they run.
+    _bridge: Bridge,
 }
 
 impl Ranks {
-    /// Starts this host's `place.nproc` ranks of `command`; their lines go to `lines`.
-    pub fn start(command: &[String], place: &Placement, lines: &mpsc::Sender<Line>) -> Result<Ranks> {
+    /// Starts this host's `place.nproc` ranks of `command`; their lines go
+    /// to `lines`; they reach the group's store proving `store`'s secret.
+    pub fn start(
+        command: &[String],
+        place: &Placement,
+        store: &JobAuth,
+        lines: &mpsc::Sender<Line>,
+    ) -> Result<Ranks> {
         std::fs::create_dir_all(&place.log_dir).with_context(|| {
             format!("{}: cannot create the group's log directory", place.log_dir.display())
         })?;
         let (exe, args) = command.split_first().context("no program to launch")?;
+        let at = format!("{}:{}", place.master_addr, place.master_port);
+        let store_addr = at
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .with_context(|| format!("the group's store address {at} does not resolve"))?;
+        let bridge = Bridge::start(store_addr, store.clone(), place.group)?;
         let mut ranks = Vec::new();
         for local in 0..place.nproc {
             let rank = place.rank(local);
@@ -225,7 +238,7 @@ impl Ranks {
             let (reader, writer) = std::io::pipe().context("creating a pipe for a rank's output")?;
             let mut cmd = Command::new(exe);
             cmd.args(args)
-                .envs(place.env(local))
+                .envs(place.env(local, bridge.port()))
                 .envs(place.extra_env.iter().map(|(k, v)| (k, v)))
                 .env("TORCHELASTIC_ERROR_FILE", &error_file)
                 .stdin(Stdio::null())
@@ -244,7 +257,7 @@ impl Ranks {
             copy_lines(place.group, rank, reader, file, lines.clone());
             ranks.push(Rank { child, log, error_file, exit: None });
         }
-        Ok(Ranks { place: place.clone(), ranks })
+        Ok(Ranks { place: place.clone(), ranks, _bridge: bridge })
     }
 
     pub fn place(&self) -> &Placement {
@@ -378,7 +391,7 @@ mod tests {
             log_dir: "/tmp".into(),
             extra_env: Vec::new(),
         };
-        let env: std::collections::HashMap<_, _> = p.env(1).into_iter().collect();
+        let env: std::collections::HashMap<_, _> = p.env(1, 41000).into_iter().collect();
         for (k, v) in [
             ("RANK", "3"),
             ("LOCAL_RANK", "1"),
@@ -386,7 +399,10 @@ mod tests {
             ("WORLD_SIZE", "6"),
             ("LOCAL_WORLD_SIZE", "2"),
             ("GROUP_WORLD_SIZE", "3"),
-            ("MASTER_ADDR", "10.0.0.1"),
+            // The store is reached through this host's loopback bridge.
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "41000"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
             ("TORCHELASTIC_RESTART_COUNT", "1"),
         ] {
             assert_eq!(env[k], v, "{k}");

@@ -4,55 +4,12 @@
 //! reader transform's bytes, not the control messages, not the gradients.
 
 use crate::support::{
+    capture::{Capture, contains, tcpdump_or_skip},
     hosts::Hosts,
     job::{finish, job, lines, report},
-    wait::wait_for,
 };
 use edl_plugin_artifacts as art;
-use std::{
-    collections::HashMap,
-    io::{BufRead, BufReader},
-    path::Path,
-    process::{Command, Stdio},
-    time::Duration,
-};
-
-/// TCP payloads of a capture file, by flow (source, destination), in order.
-/// The file is pcap (microsecond or nanosecond) over Ethernet, as tcpdump
-/// writes for a veth interface.
-fn tcp_payloads(pcap: &[u8]) -> HashMap<(String, String), Vec<u8>> {
-    assert!(pcap.len() >= 24, "a capture file with its header");
-    let magic = u32::from_le_bytes(pcap[0..4].try_into().unwrap());
-    assert!(magic == 0xa1b2_c3d4 || magic == 0xa1b2_3c4d, "a little-endian pcap file: {magic:#x}");
-    let link = u32::from_le_bytes(pcap[20..24].try_into().unwrap());
-    assert_eq!(link, 1, "Ethernet frames");
-    let mut flows: HashMap<(String, String), Vec<u8>> = HashMap::new();
-    let mut at = 24;
-    while at + 16 <= pcap.len() {
-        let caught = u32::from_le_bytes(pcap[at + 8..at + 12].try_into().unwrap()) as usize;
-        let frame = &pcap[at + 16..(at + 16 + caught).min(pcap.len())];
-        at += 16 + caught;
-        // Ethernet, IPv4, TCP.
-        if frame.len() < 14 + 20 || frame[12..14] != [0x08, 0x00] {
-            continue;
-        }
-        let ip = &frame[14..];
-        let (ihl, total) = (((ip[0] & 0x0f) as usize) * 4, u16::from_be_bytes([ip[2], ip[3]]) as usize);
-        if ip[9] != 6 || ip.len() < total.min(ip.len()) || total < ihl + 20 {
-            continue;
-        }
-        let ip = &ip[..total.min(ip.len())];
-        let tcp = &ip[ihl..];
-        let data = ((tcp[12] >> 4) as usize) * 4;
-        let port = |i: usize| u16::from_be_bytes([tcp[i], tcp[i + 1]]);
-        let end = |a: &[u8], p: u16| format!("{}.{}.{}.{}:{p}", a[0], a[1], a[2], a[3]);
-        let key = (end(&ip[12..16], port(0)), end(&ip[16..20], port(2)));
-        if tcp.len() > data {
-            flows.entry(key).or_default().extend_from_slice(&tcp[data..]);
-        }
-    }
-    flows
-}
+use std::process::Stdio;
 
 /// Pearson's chi-square of `bytes`' histogram against the uniform one: about
 /// 255 (within a few times 22.6) for random bytes, thousands and more for
@@ -66,10 +23,6 @@ fn chi_square(bytes: &[u8]) -> f64 {
     counts.iter().map(|&c| (c as f64 - expected).powi(2) / expected).sum()
 }
 
-fn contains(hay: &[u8], needle: &[u8]) -> bool {
-    hay.windows(needle.len()).any(|w| w == needle)
-}
-
 #[test]
 fn a_capture_of_a_job_across_hosts_shows_no_token_no_plugin_bytes_no_control_message_and_no_gradient() {
     // The check on gradients can fail: values a model's gradients look
@@ -78,12 +31,7 @@ fn a_capture_of_a_job_across_hosts_shows_no_token_no_plugin_bytes_no_control_mes
     let plain: Vec<u8> = plain.iter().flat_map(|v| v.to_le_bytes()).collect();
     assert!(chi_square(&plain) > 10_000.0);
 
-    let tcpdump = ["/usr/sbin/tcpdump", "/usr/bin/tcpdump"].into_iter().find(|p| Path::new(p).exists());
-    let Some(tcpdump) = tcpdump else {
-        assert!(std::env::var("CI").is_err(), "tcpdump is missing (.ci/run installs it)");
-        eprintln!("skipped: tcpdump is missing (apt-get install tcpdump)");
-        return;
-    };
+    let Some(tcpdump) = tcpdump_or_skip() else { return };
     let Some(hosts) = Hosts::build_or_skip(&["coord", "w1", "w2"]) else { return };
     let (control, ring, everything, token) = capture_a_job(&hosts, tcpdump, &[]);
     // The capture holds the job: the plugin shipped to w1 alone is larger.
@@ -133,15 +81,7 @@ fn capture_a_job(hosts: &Hosts, tcpdump: &str, extra: &[&str]) -> (Vec<u8>, Vec<
 
     // Everything w1 sends and receives: its control connection, the
     // rendezvous and store, and its ring links to w2.
-    let capture = d.join("w1.pcap");
-    let mut dump = hosts.on("w1", tcpdump);
-    dump.args(["-i", "eth0", "-U", "-s", "0", "-n", "-w"]).arg(&capture).arg("tcp");
-    let mut dump = dump.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-    let (tx, said) = std::sync::mpsc::channel();
-    let stderr = BufReader::new(dump.stderr.take().unwrap());
-    std::thread::spawn(move || stderr.lines().map_while(Result::ok).for_each(|l| drop(tx.send(l))));
-    let mut seen = Vec::new();
-    wait_for(&said, "listening on eth0", &mut seen, Duration::from_secs(30));
+    let dump = Capture::start(hosts, "w1", tcpdump, d);
 
     let secret = d.join("job.secret");
     let template = format!("ip netns exec {}-{{host}} {{program}}", hosts.prefix);
@@ -161,10 +101,7 @@ fn capture_a_job(hosts: &Hosts, tcpdump: &str, extra: &[&str]) -> (Vec<u8>, Vec<
     assert!(status.success(), "{}", seen.join("\n"));
     assert_eq!(report(d)["final_world_size"], 2);
 
-    // tcpdump writes out what it holds when it is told to stop.
-    let _ = Command::new("kill").args(["-INT", &dump.id().to_string()]).status();
-    let _ = dump.wait();
-    let flows = tcp_payloads(&std::fs::read(&capture).unwrap());
+    let flows = dump.stop();
     let (w1, w2) = (hosts.ip("w1"), hosts.ip("w2"));
     let between = |a: &str, b: &str| -> Vec<u8> {
         let mut all = Vec::new();

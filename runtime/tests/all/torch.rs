@@ -5,6 +5,7 @@
 //! generation on the job's authenticated store.
 
 use crate::support::{
+    capture::{Capture, contains, tcpdump_or_skip},
     hosts::Hosts,
     job::{assert_exactly_once, committed_checkpoint, finish, lines, report},
     process::{sigkill, sigkill_worker},
@@ -266,10 +267,13 @@ fn rank_envs(lines: &[String]) -> Vec<std::collections::HashMap<String, String>>
 
 #[test]
 fn a_torchrun_ddp_script_runs_across_hosts_and_a_dead_host_restarts_the_group_on_the_survivor() {
-    let Some(hosts) = Hosts::build_or_skip(&["launcher", "b", "c"]) else { return };
+    let Some(tcpdump) = tcpdump_or_skip() else { return };
+    let Some(hosts) = Hosts::build_or_skip(&["launcher", "b", "c", "stranger"]) else { return };
     let py = torch_py();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
+    // What host c's ranks say to the group's store on b crosses c's eth0.
+    let capture = Capture::start(&hosts, "c", tcpdump, d);
     let (launcher, b, c) = (hosts.ip("launcher"), hosts.ip("b"), hosts.ip("c"));
     let program = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/programs/ddp_hosts.py");
     let mut cmd = hosts.on("launcher", env!("CARGO_BIN_EXE_edl-runtime"));
@@ -299,6 +303,22 @@ fn a_torchrun_ddp_script_runs_across_hosts_and_a_dead_host_restarts_the_group_on
     while seen.iter().filter(|l| l.contains("holding with 4 ranks")).count() < 4 {
         wait_for(&rx, "holding with 4 ranks", &mut seen, Duration::from_secs(240));
     }
+    // A stranger on another host who knows where the group's store is
+    // gets nothing from it with torch's own client.
+    let started = seen.iter().find(|l| l.starts_with("group     0:")).cloned().unwrap_or_default();
+    let master = started.split("master ").nth(1).and_then(|m| m.split(',').next()).unwrap_or_default();
+    let (host, port) = master.rsplit_once(':').expect("the group's line names its store");
+    assert_eq!(host, b, "the store is on group rank 0's host: {started}");
+    let stranger = "import datetime, sys, torch.distributed as dist\n\
+        try:\n    s = dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, \
+        timeout=datetime.timedelta(seconds=5), wait_for_workers=False)\n    \
+        print('stranger read', s.num_keys(), s.get('/worker/attempt_0/init/'))\n\
+        except Exception as e:\n    print('stranger refused:', e)\n";
+    let mut probe = hosts.on("stranger", py.bin().join("python").to_str().unwrap());
+    py.env(&mut probe);
+    let out = probe.args(["-c", stranger, host, port]).output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("stranger refused"), "{said}{}", String::from_utf8_lossy(&out.stderr));
     // Host c dies: its agent and both its ranks.
     assert!(hosts.kill_all("c") >= 3, "an agent and two ranks on c");
     wait_for(&rx, &format!("host {c} lost"), &mut seen, Duration::from_secs(60));
@@ -317,17 +337,30 @@ fn a_torchrun_ddp_script_runs_across_hosts_and_a_dead_host_restarts_the_group_on
         let local: u32 = e["LOCAL_RANK"].parse().unwrap();
         assert_eq!(rank, group_rank * 2 + local, "{e:?}");
         assert_eq!((e["GROUP_WORLD_SIZE"].as_str(), e["LOCAL_WORLD_SIZE"].as_str()), ("2", "2"), "{e:?}");
-        assert_eq!(e["MASTER_ADDR"], b, "{e:?}");
+        // The ranks reach the store through their host's loopback bridge.
+        assert_eq!(e["MASTER_ADDR"], "127.0.0.1", "{e:?}");
     }
     // Then the group on the host left: 2 ranks, one host, from the snapshot.
     let last: Vec<_> = envs.iter().filter(|e| e["WORLD_SIZE"] == "2").collect();
     assert_eq!(last.len(), 2, "{text}");
-    assert!(last.iter().all(|e| e["GROUP_WORLD_SIZE"] == "1" && e["MASTER_ADDR"] == b), "{last:?}");
+    assert!(last.iter().all(|e| e["GROUP_WORLD_SIZE"] == "1" && e["MASTER_ADDR"] == "127.0.0.1"), "{last:?}");
     assert!(seen.iter().any(|l| l.contains("rank 0: trained 3 epochs")), "{text}");
+
+    // c's ranks used the store on b, sealed: none of torch's c10d keys
+    // crossed c's interface in clear.
+    let flows = capture.stop();
+    let to_store: usize =
+        flows.iter().filter(|((_, to), _)| *to == format!("{b}:{port}")).map(|(_, bytes)| bytes.len()).sum();
+    assert!(to_store > 0, "c's ranks said nothing to the store on {b}:{port}: {:?}", flows.keys());
+    let everything: Vec<u8> = flows.values().flatten().copied().collect();
+    for key in ["/worker/attempt_", "default_pg", "init/"] {
+        assert!(!contains(&everything, key.as_bytes()), "{key:?} crossed c's interface in clear");
+    }
 
     let r = report(d);
     let groups = r["outcome"]["groups"].as_array().unwrap();
     assert_eq!(groups[0]["hosts"], serde_json::json!([b, c]), "{r}");
+    assert_eq!(groups[0]["master_addr"], b, "{r}");
     let last = groups.last().unwrap();
     assert_eq!((last["hosts"].clone(), last["world"].as_u64()), (serde_json::json!([b]), Some(2)), "{r}");
     assert_eq!(last["ended"], "succeeded", "{r}");

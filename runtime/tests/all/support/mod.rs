@@ -2,6 +2,7 @@
 //! reports, waits, processes, stores, namespace hosts and Python
 //! environments.
 
+pub(crate) mod capture;
 pub(crate) mod hosts;
 pub(crate) mod job;
 pub(crate) mod process;
