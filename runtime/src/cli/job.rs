@@ -307,9 +307,9 @@ fn scaler(
         (ScalerKind::Slurm, Some(command)) => {
             Box::new(SlurmScaler::for_program(args.slurm.options(), log_dir.to_path_buf(), command))
         }
-        (ScalerKind::Kubernetes, None) => Box::new(KubernetesScaler::new(args.kube.options())?),
+        (ScalerKind::Kubernetes, None) => Box::new(KubernetesScaler::new(args.kube.options(), log_dir)?),
         (ScalerKind::Kubernetes, Some(command)) => {
-            Box::new(KubernetesScaler::for_program(args.kube.options(), command)?)
+            Box::new(KubernetesScaler::for_program(args.kube.options(), log_dir, command)?)
         }
         (ScalerKind::External, _) => Box::new(ExternalWorkers),
     })

@@ -16,10 +16,11 @@
 //! What happens to the Pods is judged by [`judge`] from what the API says
 //! (a pure function, tested without a cluster): a Pod the scheduler has not
 //! started within the pending bound is deleted and reported, one that
-//! failed or was evicted is reported with its reason. Never run here
-//! against an API server (none can run on the development machine): the
-//! Pods it makes are checked against the API's schema types, and its
-//! decisions as a state machine.
+//! failed or was evicted is reported with its reason, its log kept in the
+//! job's log directory and the Pod then deleted. Never run here against a
+//! real API server (none can run on the development machine): the Pods it
+//! makes are checked against the API's schema types, its decisions as a
+//! state machine, and its calls against a stand-in on loopback.
 
 use crate::scalers::Scaler;
 use crate::worker::session::JobAuth;
@@ -30,9 +31,10 @@ use k8s_openapi::{
     },
     apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::OwnerReference},
 };
-use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, ListParams, LogParams, ObjectMeta, PostParams, Preconditions};
 use std::{
     collections::BTreeMap,
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
@@ -270,6 +272,17 @@ pub fn judge(name: &str, seen: &Seen, age: Duration, pending_bound: Duration) ->
     }
 }
 
+/// What becomes of a worker's Pod once it is judged.
+#[derive(Debug)]
+enum Then {
+    /// Nothing: it is gone, or not this job's.
+    Nothing,
+    /// Deleted: it never started.
+    Delete(ObjectMeta),
+    /// Its log kept in the job's log directory, then deleted: it ended.
+    KeepLogAndDelete(ObjectMeta),
+}
+
 /// Workers as Pods.
 pub struct KubernetesScaler {
     opts: KubeOptions,
@@ -282,25 +295,30 @@ pub struct KubernetesScaler {
     /// Every worker's Pod, for the report (kept after the Pod is gone).
     handles: BTreeMap<u64, String>,
     exited: Vec<(u64, String)>,
+    /// Where ended workers' logs are kept (`worker-<id>.log`), and those kept.
+    log_dir: PathBuf,
+    logs: BTreeMap<u64, PathBuf>,
     polled: Option<Instant>,
     /// The API server did not answer: asked again after a pause.
     quiet: crate::process::Backoff,
 }
 
 impl KubernetesScaler {
-    /// Workers running `edl-runtime worker` from the image.
-    pub fn new(opts: KubeOptions) -> Result<Self> {
+    /// Workers running `edl-runtime worker` from the image; the logs of
+    /// those that ended are kept in `log_dir`.
+    pub fn new(opts: KubeOptions, log_dir: &Path) -> Result<Self> {
         let program =
             ["edl-runtime", "worker", "--coordinator", "{coordinator}", "--id", "{id}", "--job", "{job}"];
-        Self::with_program(opts, program.iter().map(|w| w.to_string()).collect())
+        Self::with_program(opts, log_dir, program.iter().map(|w| w.to_string()).collect())
     }
 
     /// Workers running the user's `command` (under `launch`).
-    pub fn for_program(opts: KubeOptions, command: &[String]) -> Result<Self> {
-        Self::with_program(opts, command.iter().map(|w| w.replace('{', "{{").replace('}', "}}")).collect())
+    pub fn for_program(opts: KubeOptions, log_dir: &Path, command: &[String]) -> Result<Self> {
+        let program = command.iter().map(|w| w.replace('{', "{{").replace('}', "}}")).collect();
+        Self::with_program(opts, log_dir, program)
     }
 
-    fn with_program(opts: KubeOptions, program: Vec<String>) -> Result<Self> {
+    fn with_program(opts: KubeOptions, log_dir: &Path, program: Vec<String>) -> Result<Self> {
         if opts.image.is_empty() || opts.secret.is_empty() {
             bail!("--scaler kubernetes needs --kube-image and --kube-secret");
         }
@@ -314,6 +332,8 @@ impl KubernetesScaler {
             pods: BTreeMap::new(),
             handles: BTreeMap::new(),
             exited: Vec::new(),
+            log_dir: log_dir.to_path_buf(),
+            logs: BTreeMap::new(),
             polled: None,
             quiet: Default::default(),
         })
@@ -382,21 +402,47 @@ impl KubernetesScaler {
                 return;
             }
         };
-        for (id, why, give_up) in self.judge_listed(listed.items) {
-            if let Some((name, _)) = self.pods.remove(&id)
-                && let Some(meta) = give_up
-            {
-                self.delete_checked(&api, &name, &meta, DeleteParams::default());
+        for (id, why, then) in self.judge_listed(listed.items) {
+            if let Some((name, _)) = self.pods.remove(&id) {
+                match then {
+                    Then::Nothing => {}
+                    Then::Delete(meta) => self.delete_checked(&api, &name, &meta, DeleteParams::default()),
+                    Then::KeepLogAndDelete(meta) => self.keep_log_and_delete(&api, id, &name, &meta),
+                }
             }
             self.exited.push((id, why));
         }
     }
 
+    /// Keeps the log of worker `id`'s ended Pod in the job's log directory,
+    /// then deletes the Pod. A Pod whose log cannot be kept stays, for a
+    /// person to read, and the log message says so.
+    fn keep_log_and_delete(&mut self, api: &Api<Pod>, id: u64, name: &str, meta: &ObjectMeta) {
+        let path = self.log_dir.join(format!("worker-{id}.log"));
+        let text = call(
+            &self.rt,
+            &format!("reading the log of the Pod {name}"),
+            api.logs(name, &LogParams::default()),
+        );
+        let kept = text.and_then(|t| {
+            std::fs::create_dir_all(&self.log_dir)
+                .and_then(|()| std::fs::write(&path, t))
+                .with_context(|| format!("keeping the log of the Pod {name} in {}", path.display()))
+        });
+        match kept {
+            Ok(()) => {
+                self.logs.insert(id, path);
+                self.delete_checked(api, name, meta, DeleteParams::default());
+            }
+            Err(e) => tracing::warn!("kubernetes: {e:#}; the Pod is left for its log"),
+        }
+    }
+
     /// Judges the Pods this scaler keeps by the listing: what ended, with
-    /// why, and the Pod as listed where it is to be deleted. A listed Pod of
-    /// a worker's name that is not this job's is not taken for the worker's:
+    /// why, and what to do with its Pod as listed. A listed Pod of a
+    /// worker's name that is not this job's is not taken for the worker's:
     /// the worker's own is gone.
-    fn judge_listed(&self, listed: Vec<Pod>) -> Vec<(u64, String, Option<ObjectMeta>)> {
+    fn judge_listed(&self, listed: Vec<Pod>) -> Vec<(u64, String, Then)> {
         let by_name: BTreeMap<String, (ObjectMeta, Seen)> = listed
             .into_iter()
             .filter_map(|p| {
@@ -417,10 +463,12 @@ impl KubernetesScaler {
                 },
                 None => (None, Seen::Gone),
             };
-            match judge(name, &seen, made.elapsed(), self.opts.pending_bound) {
-                Verdict::Wait => {}
-                Verdict::Ended(why) => gone.push((id, why, None)),
-                Verdict::GiveUp(why) => gone.push((id, why, meta.cloned())),
+            match (judge(name, &seen, made.elapsed(), self.opts.pending_bound), meta) {
+                (Verdict::Wait, _) => {}
+                (Verdict::Ended(why), None) => gone.push((id, why, Then::Nothing)),
+                (Verdict::Ended(why), Some(m)) => gone.push((id, why, Then::KeepLogAndDelete(m.clone()))),
+                (Verdict::GiveUp(why), Some(m)) => gone.push((id, why, Then::Delete(m.clone()))),
+                (Verdict::GiveUp(why), None) => gone.push((id, why, Then::Nothing)),
             }
         }
         gone
@@ -512,6 +560,10 @@ impl Scaler for KubernetesScaler {
 
     fn handle(&self, id: u64) -> Option<String> {
         self.handles.get(&id).cloned()
+    }
+
+    fn log_of(&self, id: u64) -> Option<PathBuf> {
+        self.logs.get(&id).cloned()
     }
 
     fn release(&mut self) {
@@ -674,7 +726,7 @@ mod tests {
 
     #[test]
     fn a_coordinator_that_took_the_job_over_takes_its_workers_pods_as_its_own() {
-        let mut s = KubernetesScaler::new(opts()).unwrap();
+        let mut s = KubernetesScaler::new(opts(), Path::new("/nonexistent")).unwrap();
         let name = pod_name("mnist", 3);
         let handle = format!("pod:{name}");
         let ours = listed("mnist", 3, "Running").metadata;
@@ -737,7 +789,11 @@ mod tests {
         // A Pod that bears worker 3's name but is another job's is refused,
         // and is not taken for the worker's own when the Pods are listed.
         // Any Pod still pending is overdue.
-        let mut s = KubernetesScaler::new(KubeOptions { pending_bound: Duration::ZERO, ..opts() }).unwrap();
+        let mut s = KubernetesScaler::new(
+            KubeOptions { pending_bound: Duration::ZERO, ..opts() },
+            Path::new("/nonexistent"),
+        )
+        .unwrap();
         let mut stranger = listed("mnist-a", 3, "Pending");
         stranger.metadata.name = Some(pod_name("mnist_a", 3));
         let handle = format!("pod:{}", pod_name("mnist_a", 3));
@@ -745,10 +801,139 @@ mod tests {
         assert!(s.pods.is_empty());
         assert!(s.adopt_seen(3, &handle, "mnist_a", None), "gone already: the next poll reports it");
         let judged = s.judge_listed(vec![stranger]);
-        assert!(matches!(&judged[..], [(3, why, None)] if why.contains("is gone")), "{judged:?}");
+        assert!(matches!(&judged[..], [(3, why, Then::Nothing)] if why.contains("is gone")), "{judged:?}");
         // Its own Pod, stuck in Pending, is given up on and deleted.
         let judged = s.judge_listed(vec![listed("mnist_a", 3, "Pending")]);
-        assert!(matches!(&judged[..], [(3, _, Some(m))] if m.uid.as_deref() == Some("uid-mnist_a-3")));
+        assert!(
+            matches!(&judged[..], [(3, _, Then::Delete(m))] if m.uid.as_deref() == Some("uid-mnist_a-3"))
+        );
         s.release();
+    }
+
+    /// An API server's stand-in on loopback, for the paths the scaler uses:
+    /// it creates Pods, lists them with the phase the test sets, serves a
+    /// log, and records every request's method, path and body.
+    struct StandIn {
+        url: String,
+        phase: Arc<Mutex<String>>,
+        heard: Arc<Mutex<Vec<String>>>,
+        _rt: tokio::runtime::Runtime,
+    }
+
+    use std::sync::{Arc, Mutex};
+
+    impl StandIn {
+        fn start(log: &'static str) -> StandIn {
+            use axum::{Router, extract::Request, response::IntoResponse, routing::any};
+            let (phase, heard) =
+                (Arc::new(Mutex::new("Running".to_string())), Arc::new(Mutex::new(Vec::new())));
+            let (p, h) = (phase.clone(), heard.clone());
+            let made: Arc<Mutex<Option<serde_json::Value>>> = Arc::default();
+            let serve = move |req: Request| {
+                let (p, h, made) = (p.clone(), h.clone(), made.clone());
+                async move {
+                    let (method, path) = (req.method().to_string(), req.uri().path().to_string());
+                    let body = axum::body::to_bytes(req.into_body(), 1 << 20).await.unwrap_or_default();
+                    h.lock().unwrap().push(format!("{method} {path} {}", String::from_utf8_lossy(&body)));
+                    let with_phase = |mut pod: serde_json::Value| {
+                        pod["metadata"]["uid"] = "uid-7".into();
+                        pod["status"] = serde_json::json!({ "phase": p.lock().unwrap().clone() });
+                        pod
+                    };
+                    match (method.as_str(), path.ends_with("/log")) {
+                        ("POST", _) => {
+                            let pod: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                            *made.lock().unwrap() = Some(pod.clone());
+                            axum::Json(with_phase(pod)).into_response()
+                        }
+                        ("GET", true) => log.into_response(),
+                        ("GET", false) if path.ends_with("/pods") => {
+                            let items: Vec<_> =
+                                made.lock().unwrap().clone().into_iter().map(with_phase).collect();
+                            axum::Json(serde_json::json!({
+                                "apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items
+                            }))
+                            .into_response()
+                        }
+                        _ => match made.lock().unwrap().clone() {
+                            Some(pod) => axum::Json(with_phase(pod)).into_response(),
+                            None => axum::http::StatusCode::NOT_FOUND.into_response(),
+                        },
+                    }
+                }
+            };
+            let rt =
+                tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+            let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+            let url = format!("http://{}", listener.local_addr().unwrap());
+            rt.spawn(async move { axum::serve(listener, Router::new().fallback(any(serve))).await });
+            StandIn { url, phase, heard, _rt: rt }
+        }
+
+        /// A scaler whose API is this stand-in's, its logs kept in `dir`.
+        fn scaler(&self, dir: &Path) -> KubernetesScaler {
+            let mut s = KubernetesScaler::new(opts(), dir).unwrap();
+            let config = kube::Config::new(self.url.parse().unwrap());
+            let client = s.rt.block_on(async { kube::Client::try_from(config) }).unwrap();
+            s.api = Some((Api::namespaced(client, "ml"), None));
+            s
+        }
+
+        fn heard(&self, what: &str) -> Vec<String> {
+            self.heard.lock().unwrap().iter().filter(|l| l.starts_with(what)).cloned().collect()
+        }
+    }
+
+    #[test]
+    fn an_ended_worker_s_pod_is_deleted_once_its_log_is_kept_and_the_log_is_there_to_read() {
+        let api = StandIn::start("step 3\nValueError: boom\n");
+        let dir = tempfile::tempdir().unwrap();
+        let logs = dir.path().join("logs");
+        let mut s = api.scaler(&logs);
+        let auth =
+            JobAuth { job: "mnist".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
+        s.spawn(7, "10.0.0.5:7070", &auth).unwrap();
+        assert!(s.exited().is_empty(), "running");
+        assert!(api.heard("DELETE").is_empty());
+
+        *api.phase.lock().unwrap() = "Failed".into();
+        s.polled = None;
+        let exited = s.exited();
+        assert!(matches!(&exited[..], [(7, why)] if why.contains("ended: Failed")), "{exited:?}");
+        let kept = s.log_of(7).expect("the log is kept");
+        assert_eq!(kept, logs.join("worker-7.log"));
+        assert_eq!(std::fs::read_to_string(&kept).unwrap(), "step 3\nValueError: boom\n");
+        // Read before it was deleted, and deleted as that very Pod.
+        let name = pod_name("mnist", 7);
+        let (log_at, deletes) = (api.heard("GET"), api.heard("DELETE"));
+        assert!(log_at.iter().any(|l| l.contains(&format!("/pods/{name}/log"))), "{log_at:?}");
+        assert_eq!(deletes.len(), 1, "{deletes:?}");
+        assert!(
+            deletes[0].contains(&format!("/pods/{name} ")) && deletes[0].contains("uid-7"),
+            "{deletes:?}"
+        );
+        let order: Vec<String> = api.heard.lock().unwrap().clone();
+        let (read, deleted) = (
+            order.iter().position(|l| l.contains("/log")).unwrap(),
+            order.iter().position(|l| l.starts_with("DELETE")).unwrap(),
+        );
+        assert!(read < deleted, "{order:?}");
+    }
+
+    #[test]
+    fn an_ended_pod_whose_log_cannot_be_kept_is_left_for_a_person_to_read() {
+        let api = StandIn::start("lost if the Pod went");
+        let dir = tempfile::tempdir().unwrap();
+        // The log directory cannot be made: a file is in its way.
+        let blocked = dir.path().join("logs");
+        std::fs::write(&blocked, "").unwrap();
+        let mut s = api.scaler(&blocked);
+        let auth =
+            JobAuth { job: "mnist".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
+        s.spawn(2, "10.0.0.5:7070", &auth).unwrap();
+        *api.phase.lock().unwrap() = "Succeeded".into();
+        assert_eq!(s.exited().len(), 1);
+        assert!(api.heard("DELETE").is_empty(), "deleted with its log lost");
+        assert_eq!(s.log_of(2), None);
     }
 }

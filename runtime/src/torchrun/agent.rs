@@ -242,14 +242,12 @@ fn obey(told: ToAgent, l: &Launcher, job: &Job, a: &AgentArgs, h: &mut Here) -> 
                 old.stop(job.grace);
             }
             let (master_addr, master_port) = if master_port == 0 {
-                let store = match h.store.take() {
-                    Some(s) => s,
-                    None => GroupStore::serve(here, a.auth.clone())?,
-                };
+                if h.store.is_none() {
+                    h.store = Some(GroupStore::serve(here, a.auth.clone())?);
+                }
+                let store = h.store.as_ref().expect("served just above");
                 store.open(group);
-                let port = store.port();
-                h.store = Some(store);
-                (here.to_string(), port)
+                (here.to_string(), store.port())
             } else {
                 (master_addr, master_port)
             };

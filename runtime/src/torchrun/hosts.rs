@@ -6,17 +6,18 @@
 //! the job's secret on the launcher's port, says which address its host is
 //! reached at, and runs its host's `--nproc-per-node` ranks of each group
 //! it is given, with the environment torchrun gives them across hosts
-//! (`GROUP_RANK`, `GROUP_WORLD_SIZE`, `LOCAL_WORLD_SIZE`, global `RANK`,
-//! `MASTER_ADDR` of the host of group rank 0). The launcher decides as on
+//! (`GROUP_RANK`, `GROUP_WORLD_SIZE`, `LOCAL_WORLD_SIZE`, global `RANK`;
+//! `MASTER_ADDR` is the host's own loopback bridge to the group's c10d
+//! store, see [`c10d`](super::c10d)). The launcher decides as on
 //! one host ([`RestartDecider`]): the policy sizes the number of hosts, a failed rank
 //! restarts the group while restarts are left, and a host that is lost (its
 //! agent's connection closed, or silent for the lease) restarts the group
 //! on the hosts that are left: a change of membership, as in torchrun, not
 //! counted against `--max-restarts`.
 //!
-//! A group starts in two moves: group rank 0's host first, which picks a
-//! free port for the c10d store on its own address and says which, then
-//! every other host with that port.
+//! A group starts in two moves: group rank 0's host first, which serves
+//! the group's c10d store (sealed) on its own address and says on which
+//! port, then every other host with that port.
 
 use super::follow::{Adopt, Hold, adopt};
 use super::ranks::{Exit, RankFailure};
@@ -123,7 +124,7 @@ pub enum ToAgent {
     /// The launcher is alive (a few times per lease).
     Heartbeat,
     /// Start this host's ranks of `group`. `master_port` 0: this host holds
-    /// group rank 0 and picks the store's port on its own address.
+    /// group rank 0 and serves the group's store on its own address.
     Start {
         group: u32,
         group_rank: u32,

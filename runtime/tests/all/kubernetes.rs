@@ -53,6 +53,12 @@ fn the_kubernetes_example_is_made_of_valid_api_objects_that_run_the_kubernetes_s
     for verb in ["create", "delete", "get", "list"] {
         assert!(pods.verbs.contains(&verb.to_string()), "{verb}");
     }
+    // And read an ended worker's log before its Pod is deleted.
+    let logs = rules
+        .iter()
+        .find(|r| r.resources.as_ref().is_some_and(|r| r.contains(&"pods/log".to_string())))
+        .expect("a rule for pods/log");
+    assert!(logs.verbs.contains(&"get".to_string()), "{logs:?}");
     // Two coordinators, one a standby at any time, running the scaler with
     // the flags this edl-runtime takes.
     let d = coordinator.unwrap();
