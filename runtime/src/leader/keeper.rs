@@ -15,7 +15,7 @@
 //! on any host that shares the store is refused, naming the holder; a
 //! coordinator whose lease was taken is fenced.
 
-use crate::clock::BootInstant;
+use crate::clock::{BootInstant, WallWatch};
 use crate::leader::record::JobState;
 use crate::leader::seal::RecordKey;
 use crate::store::{AnyStore, Cas, Store, StoreError, redact};
@@ -218,6 +218,7 @@ impl StoreKeeper {
             lease,
             leader: None,
             seal,
+            wall: WallWatch::new(),
             shared: shared.clone(),
         };
         std::thread::Builder::new()
@@ -302,6 +303,8 @@ struct Keeper {
     /// What seals the job's state.
     seal: RecordKey,
     shared: Shared,
+    /// Steps of the wall clock, said at the renewal that sees them.
+    wall: WallWatch,
 }
 
 impl Keeper {
@@ -362,6 +365,11 @@ impl Keeper {
     /// renew may have lapsed and been taken; it stops acting once the lease
     /// is over by its own clock, whether or not the store answers.
     async fn renew(&mut self) {
+        if let Some(step) = self.wall.look() {
+            tracing::warn!(
+                "the wall clock stepped {step:+.0} s; the job's lease and timers count on the boot clock and are not moved"
+            );
+        }
         let Some(l) = self.lease.as_mut() else { return };
         match l.renew(&self.store).await {
             Ok(()) => {

@@ -23,7 +23,10 @@ const SAMPLES: u64 = 400;
 
 /// The job every fault strikes: two workers held by the policy (one may
 /// go), checkpoints every 5 steps, on `store`; its errors go to `err.log`.
+/// A step delay in `extra` replaces the usual one.
 fn chaos_job(dir: &Path, store: &str, extra: &[&str]) -> Command {
+    let delay =
+        if extra.contains(&"--step-delay-ms") { [].as_slice() } else { ["--step-delay-ms", "40"].as_slice() };
     let mut args = vec![
         "--policy",
         art::HOSTILE_POLICY_WASM,
@@ -39,8 +42,6 @@ fn chaos_job(dir: &Path, store: &str, extra: &[&str]) -> Command {
         "1",
         "--max-workers",
         "2",
-        "--step-delay-ms",
-        "40",
         "--checkpoint-every-steps",
         "5",
         "--worker-lease-secs",
@@ -50,6 +51,7 @@ fn chaos_job(dir: &Path, store: &str, extra: &[&str]) -> Command {
         "--job",
         "chaos",
     ];
+    args.extend_from_slice(delay);
     if !extra.contains(&"--teachers") {
         args.push("--no-distill");
     }
@@ -76,9 +78,22 @@ impl Running {
     }
 
     fn spawn(dir: &Path, store: &str, extra: &[&str]) -> Running {
-        let mut child = chaos_job(dir, store, extra).spawn().unwrap();
+        Self::of(chaos_job(dir, store, extra), dir)
+    }
+
+    /// The job `cmd` (a [`chaos_job`] in `dir`), started.
+    fn of(mut cmd: Command, dir: &Path) -> Running {
+        let mut child = cmd.spawn().unwrap();
         let rx = lines(&mut child);
         Running { dir: dir.to_path_buf(), child, rx, seen: Vec::new() }
+    }
+
+    /// Waits until the job's errors (`err.log`) say `needle`.
+    fn wait_err(&self, needle: &str) {
+        let log = self.dir.join("err.log");
+        until(&format!("{needle:?} in {}", log.display()), Duration::from_secs(60), || {
+            std::fs::read_to_string(&log).unwrap_or_default().contains(needle)
+        });
     }
 
     fn wait(&mut self, needle: &str) {
@@ -206,6 +221,63 @@ fn the_coordinator_killed_under_a_standby() {
 #[test]
 fn the_coordinator_stopped_under_a_standby() {
     coordinator_under_standby("-STOP");
+}
+
+/// libfaketime (Debian's `libfaketime`), which moves a process's wall
+/// clock; None (the test skips, saying so) where it is missing outside CI.
+fn faketime_or_skip() -> Option<&'static str> {
+    let lib = [
+        "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+        "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+    ]
+    .into_iter()
+    .find(|p| Path::new(p).exists());
+    if lib.is_none() {
+        assert!(std::env::var("CI").is_err(), "libfaketime is missing (.ci/run installs it)");
+        eprintln!("skipped: libfaketime is missing (apt-get install libfaketime)");
+    }
+    lib
+}
+
+#[test]
+fn the_wall_clock_stepped_under_a_standby() {
+    let Some(faketime) = faketime_or_skip() else { return };
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    let ckpt = dir.path().join("checkpoints");
+    let shared = ["--checkpoint-dir", ckpt.to_str().unwrap()];
+    let url = redis.url();
+    // The coordinator and its workers (one host) read the wall clock
+    // through libfaketime, moved by writing an offset into a file; the
+    // standby (another host) reads the real one.
+    let offset = dir.path().join("clock-offset");
+    std::fs::write(&offset, "+0").unwrap();
+    let mut cmd = chaos_job(&a, &url, &[&shared[..], &["--step-delay-ms", "250"]].concat());
+    cmd.env("LD_PRELOAD", faketime)
+        .env("FAKETIME_TIMESTAMP_FILE", &offset)
+        .env("FAKETIME_CACHE_DURATION", "1")
+        .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+    let mut active = Running::of(cmd, &a);
+    active.wait("epoch     0 done");
+    let mut standby = Running::spawn(&b, &url, &[&shared[..], &["--standby"]].concat());
+    standby.wait("waiting to take it over");
+    // Two hours ahead, then three back: as NTP stepping a clock that was
+    // wrong, or a person with `date -s`.
+    std::fs::write(&offset, "+2h").unwrap();
+    active.wait_err("the wall clock stepped +7200 s");
+    std::fs::write(&offset, "-1h").unwrap();
+    active.wait_err("the wall clock stepped -10800 s");
+    let (status, said) = active.end();
+    held(&[&a], &a, status, &said, &["the wall clock stepped +7200 s", "the wall clock stepped -10800 s"]);
+    assert!(!said.contains("fenced") && !said.contains("restarting from"), "{said}");
+    // The standby never took the job: it finds it finished and says so.
+    let (status, said) = standby.end();
+    assert!(status.success() && said.contains("finished before"), "{said}");
+    assert!(!said.contains("resuming job"), "{said}");
+    until("the job's processes to be gone", Duration::from_secs(30), || processes_in(&b).is_empty());
 }
 
 #[test]
