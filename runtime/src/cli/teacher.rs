@@ -61,6 +61,11 @@ pub struct TeacherArgs {
     /// only hold more before reading them.
     #[arg(long, value_name = "ROWS", default_value_t = 4096, help_heading = "Batching")]
     max_request_rows: usize,
+    /// Emulate an accelerator: each batch also takes this many microseconds
+    /// per row, one batch at a time (a sleep, not compute: for measuring
+    /// pools of teachers on a machine without their devices).
+    #[arg(long, value_name = "US", default_value_t = 0, help_heading = "Batching")]
+    emulate_row_us: u64,
     /// A file holding the bearer token every call must carry
     /// (`authorization: Bearer TOKEN`); without it any client may call.
     #[arg(long, value_name = "FILE", help_heading = "Access")]
@@ -139,6 +144,7 @@ async fn serve(
         max_batch: args.max_batch,
         max_delay: Duration::from_millis(args.max_delay_ms),
         max_request_rows: args.max_request_rows,
+        emulate_row: Duration::from_micros(args.emulate_row_us),
         ..Default::default()
     };
     let (inputs, outputs) = (model.input_dim(), model.output_dim());

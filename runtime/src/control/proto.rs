@@ -119,6 +119,9 @@ pub struct StepDone {
     pub loss: f64,
     /// Forward, backward and teacher wait on this rank, ms.
     pub compute_ms: f64,
+    /// The part of `compute_ms` this rank waited for its soft labels.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub teacher_wait_ms: f64,
     /// The program's own metrics of the step (accuracy, ...), each this
     /// rank's value weighted by its share of the step's samples, as `loss`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -298,4 +301,8 @@ impl Receiver {
             Err(e) => Err(ProtoError::Io { peer: self.peer.clone(), detail: e.to_string() }),
         }
     }
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }

@@ -17,6 +17,7 @@
 pub mod machine;
 mod members;
 mod memory;
+pub mod pool;
 mod records;
 pub mod report;
 mod resume;

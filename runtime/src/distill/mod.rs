@@ -7,6 +7,7 @@
 //! - [`teacher`]: the teacher service (KServe v2 gRPC) and its registration.
 //! - [`rest`]: the teacher's KServe v2 HTTP/REST endpoint, next to gRPC.
 //! - [`rest_client`]: the reader's calls to teachers that speak REST.
+//! - [`stats`]: what a teacher has been doing, from its own statistics.
 //! - [`oip`]: the Open Inference Protocol messages and tensor conversions
 //!   that both ends share.
 //!
@@ -17,6 +18,7 @@ pub mod oip;
 pub mod reader;
 pub mod rest;
 pub mod rest_client;
+pub mod stats;
 pub mod teacher;
 
 pub use reader::{

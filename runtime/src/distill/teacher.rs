@@ -24,6 +24,9 @@ pub struct TeacherConfig {
     /// Added to every request's service time, to stand in for a heavier
     /// model in benchmarks and tests.
     pub extra_latency: Duration,
+    /// An accelerator emulated: each model execution also takes this long
+    /// per row, one execution at a time (zero: the model's compute only).
+    pub emulate_row: Duration,
 }
 
 impl Default for TeacherConfig {
@@ -34,6 +37,7 @@ impl Default for TeacherConfig {
             max_delay: Duration::from_millis(2),
             max_request_rows: 4096,
             extra_latency: Duration::ZERO,
+            emulate_row: Duration::ZERO,
         }
     }
 }
@@ -195,6 +199,10 @@ async fn batcher(
             Ok(out) => out,
             Err(_) => continue, // the forward pass panicked: the callers see their channel closed
         };
+        if !config.emulate_row.is_zero() {
+            // The device is busy for the whole batch: the next one waits.
+            tokio::time::sleep(config.emulate_row * rows as u32).await;
+        }
         let took = started.elapsed();
         {
             let mut st = lock_stats(&stats);

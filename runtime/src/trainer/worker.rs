@@ -240,6 +240,8 @@ struct BuiltinWorker {
     train: Arc<Dataset>,
     loss: SoftLabelLoss,
     read_ahead: Option<ReadAhead>,
+    /// What the step being computed waited for its soft labels, ms.
+    waited_ms: f64,
     /// The reader transform applied by the worker itself (no teachers).
     transform: Option<Box<dyn TransformPlugin>>,
     /// The transform's copy here, and the name the user gave it.
@@ -310,6 +312,7 @@ pub fn run(join: Join) -> Result<()> {
         train: Arc::new(train),
         loss: SoftLabelLoss { temperature: spec.temperature, alpha: spec.alpha },
         read_ahead: None,
+        waited_ms: 0.0,
         transform,
         transform_path,
         transform_config: spec.transform_config.clone(),
@@ -399,6 +402,7 @@ impl BuiltinWorker {
                 }
             };
             let compute_ms = start.elapsed().as_secs_f64() * 1e3;
+            session.waited_for_teachers(std::mem::take(&mut self.waited_ms));
             if session.all_reduce(state.trainer.grad_mut()).is_err() {
                 // Reported by the session; the next step is the redone one.
                 self.read_ahead = None;
@@ -417,7 +421,11 @@ impl BuiltinWorker {
     fn compute(&mut self, session: &Session, step: &Step, trainer: &mut Trainer) -> Result<f64> {
         let mut loss = 0.0;
         if !step.indices.is_empty() {
+            let asked = Instant::now();
             let (x, y, soft) = self.read(session, step)?;
+            if self.teachers.is_some() {
+                self.waited_ms = asked.elapsed().as_secs_f64() * 1e3;
+            }
             loss = trainer.compute_gradient(&x, &y, soft.as_deref(), &self.loss, step.global_rows)?
                 / step.global_rows as f64;
         } else {

@@ -242,6 +242,8 @@ pub struct Session {
     /// Steps of the current window done so far, and the generation's set-up time.
     window: Vec<StepDone>,
     setup_ms: f64,
+    /// What the current step waited for soft labels, ms.
+    teacher_wait_ms: f64,
     ring: Option<(u64, TcpRing)>,
     /// A checkpoint being written in the background: its step and thread.
     writing: Option<(u64, std::thread::JoinHandle<Result<std::path::PathBuf>>)>,
@@ -362,6 +364,7 @@ impl Session {
             current: None,
             window: Vec::new(),
             setup_ms: 0.0,
+            teacher_wait_ms: 0.0,
             ring: None,
             writing: None,
             written: Vec::new(),
@@ -812,6 +815,12 @@ impl Session {
         Ok(())
     }
 
+    /// The current step waited `ms` for its soft labels (told with it when
+    /// it is done: what the teacher pool is sized by).
+    pub fn waited_for_teachers(&mut self, ms: f64) {
+        self.teacher_wait_ms += ms;
+    }
+
     /// The current step is done on this rank: its state has the update.
     /// `loss`: this rank's summed loss divided by the step's global rows.
     pub fn finish(&mut self, loss: f64, compute_ms: f64) -> Result<()> {
@@ -832,6 +841,7 @@ impl Session {
             end: s.end,
             loss,
             compute_ms,
+            teacher_wait_ms: std::mem::take(&mut self.teacher_wait_ms),
             metrics,
         });
         if s.closes {

@@ -305,6 +305,7 @@ mod tests {
                 end: (s.cursor + 2 * rank + 2) as u32,
                 loss: 0.5,
                 compute_ms: 1.0,
+                teacher_wait_ms: 0.0,
                 metrics: Vec::new(),
             })
             .collect()

@@ -58,6 +58,9 @@ pub struct Tally {
     worker_rate: HashMap<u64, (f64, f64)>,
     /// When the last decision was and the samples committed then.
     decision_window: (Instant, u64),
+    /// The ranks' time waiting for soft labels and their compute time
+    /// (which holds it), ms, since the teacher pool last asked.
+    teacher_wait: (f64, f64),
 }
 
 /// The permutation of `epoch` (of `len` samples under `seed`), kept in `cache`.
@@ -83,6 +86,7 @@ impl Tally {
             recent: VecDeque::new(),
             worker_rate: HashMap::new(),
             decision_window: (now, 0),
+            teacher_wait: (0.0, 0.0),
         }
     }
 
@@ -144,6 +148,8 @@ impl Tally {
             for (name, v) in &d.metrics {
                 *totals.metrics.entry(name.clone()).or_default() += v;
             }
+            self.teacher_wait.0 += d.teacher_wait_ms;
+            self.teacher_wait.1 += d.compute_ms;
             if d.compute_ms > 0.0 && !ids.is_empty() && !first {
                 let rate = self.worker_rate.entry(worker).or_insert((0.0, 0.0));
                 rate.0 += ids.len() as f64;
@@ -201,6 +207,13 @@ impl Tally {
         (throughput, workers)
     }
 
+    /// The share of the ranks' compute time spent waiting for soft labels
+    /// since the last call (None: nothing was computed); starts over.
+    pub fn teacher_wait_share(&mut self) -> Option<f64> {
+        let (waited, computed) = std::mem::take(&mut self.teacher_wait);
+        (computed > 0.0).then(|| (waited / computed).clamp(0.0, 1.0))
+    }
+
     /// Samples left to train, up to the end of epoch `epochs - 1`.
     pub fn remaining(&self, epochs: u64) -> u64 {
         (epochs.saturating_sub(self.epoch) as usize * self.train_len).saturating_sub(self.cursor) as u64
@@ -223,7 +236,16 @@ mod tests {
     }
 
     fn done(step: u64, start: u32, end: u32, loss: f64) -> StepDone {
-        StepDone { step, epoch: 0, start, end, loss, compute_ms: 10.0, metrics: Vec::new() }
+        StepDone {
+            step,
+            epoch: 0,
+            start,
+            end,
+            loss,
+            compute_ms: 10.0,
+            teacher_wait_ms: 0.0,
+            metrics: Vec::new(),
+        }
     }
 
     #[test]
@@ -244,6 +266,23 @@ mod tests {
         assert_eq!((rec.epoch, rec.samples_committed, rec.duplicates, rec.missing), (0, 6, 0, 0));
         assert_eq!((tally.epoch, tally.cursor), (1, 0));
         assert_eq!(tally.remaining(2), 6);
+    }
+
+    #[test]
+    fn the_share_of_compute_spent_waiting_for_teachers_is_summed_over_ranks_and_steps() {
+        let t0 = Instant::now();
+        let mut tally = Tally::new(8, 7, t0);
+        assert_eq!(tally.teacher_wait_share(), None, "nothing computed yet");
+        let waited = |step, start, end, ms| StepDone { teacher_wait_ms: ms, ..done(step, start, end, 0.0) };
+        // Each rank computes 10 ms a step: 4 + 0 of 20, then 6 + 6 of 20.
+        tally
+            .commit(t0, &plan(0, 0, 0, 4), &[waited(0, 0, 2, 4.0), waited(0, 2, 4, 0.0)], &[1, 2], true)
+            .unwrap();
+        tally
+            .commit(t0, &plan(1, 0, 4, 4), &[waited(1, 4, 6, 6.0), waited(1, 6, 8, 6.0)], &[1, 2], false)
+            .unwrap();
+        assert!((tally.teacher_wait_share().unwrap() - 0.4).abs() < 1e-12);
+        assert_eq!(tally.teacher_wait_share(), None, "it starts over");
     }
 
     #[test]

@@ -1,0 +1,483 @@
+//! The job's teacher pool, sized as the students need it.
+//!
+//! At each look (every `--teacher-decide-secs`) the pool reads each
+//! teacher's own statistics over the window (utilisation, queue, rows per
+//! second, latencies, errors: [`crate::distill::stats`]), takes the share
+//! of the students' compute spent waiting for soft labels, and asks the
+//! teacher policy ([`PoolPolicy`]) how many teachers there should be. The
+//! answer is clamped to `--min-teachers..=--max-teachers`; teachers are
+//! started or stopped (with notice: a teacher told to go deregisters and
+//! finishes what it holds) through a [`TeacherLauncher`]. Students find the
+//! teachers as they come and go through the job's store (their
+//! registrations), so a pool that changes size needs a shared store.
+//! Each change is a [`TeacherEvent`] in the report, with its reason.
+
+use crate::distill::oip::GrpcInferenceServiceClient;
+use crate::distill::stats::{self, Reading};
+use anyhow::Result;
+use edl_plugin_sdk::{TeacherPlan, TeacherStats, TeacherView};
+use serde::Serialize;
+use std::time::{Duration, Instant};
+use tonic::transport::Channel;
+
+/// A change of the pool's size.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TeacherEvent {
+    /// The committed step and the seconds since the job started.
+    pub step: u64,
+    pub secs: f64,
+    pub from: u32,
+    pub to: u32,
+    pub reason: String,
+}
+
+/// What sizes the pool: the job's teacher policy plugin.
+pub trait PoolPolicy: Send {
+    /// How many teachers, and requests in flight at each; an error leaves
+    /// the pool as it is, and is said.
+    fn decide(&mut self, view: &TeacherView) -> Result<TeacherPlan, String>;
+}
+
+/// Starts and stops the job's teachers.
+pub trait TeacherLauncher: Send {
+    /// Starts a teacher; returns the address it serves on once it does.
+    fn start(&mut self) -> Result<String>;
+    /// Tells the teacher at `addr` to go (it deregisters first).
+    fn stop(&mut self, addr: &str);
+}
+
+/// The pool's bounds and cadence.
+#[derive(Clone, Debug)]
+pub struct PoolBounds {
+    pub min: u32,
+    pub max: u32,
+    /// Time between two looks.
+    pub every: Duration,
+    pub price_per_teacher_hour: f64,
+    /// Requests each student keeps in flight at each teacher at the start.
+    pub in_flight: u32,
+}
+
+/// One teacher of the pool.
+struct Pooled {
+    id: u64,
+    addr: String,
+    client: Option<GrpcInferenceServiceClient<Channel>>,
+    last: Option<Reading>,
+}
+
+/// What the students did over the window, as the coordinator measured it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Students {
+    pub step: u64,
+    /// Share of their compute spent waiting for soft labels (None: no step
+    /// was committed in the window).
+    pub wait_share: Option<f64>,
+    pub throughput: f64,
+    pub world: u32,
+    /// The world size the scaling policy last asked for.
+    pub planned: u32,
+}
+
+/// The teacher pool of a job.
+pub struct TeacherPool {
+    policy: Box<dyn PoolPolicy>,
+    launcher: Box<dyn TeacherLauncher>,
+    bounds: PoolBounds,
+    teachers: Vec<Pooled>,
+    next_id: u64,
+    in_flight: u32,
+    changed: Instant,
+    looked: Instant,
+    t0: Instant,
+    access: StatsAccess,
+    events: Vec<TeacherEvent>,
+    /// Where the statistics are read.
+    rt: tokio::runtime::Runtime,
+}
+
+/// How the pool reaches its teachers' statistics: their token, and the
+/// certificate (PEM) they serve TLS with, if they do.
+#[derive(Clone, Debug, Default)]
+pub struct StatsAccess {
+    pub token: Option<String>,
+    pub ca_pem: Option<String>,
+}
+
+/// How long reading one teacher's statistics may take.
+const STATS_WITHIN: Duration = Duration::from_secs(2);
+
+impl TeacherPool {
+    /// A pool of the teachers serving at `addrs` (started by `launcher`),
+    /// sized from now on by `policy` within `bounds`.
+    pub fn new(
+        policy: Box<dyn PoolPolicy>,
+        launcher: Box<dyn TeacherLauncher>,
+        bounds: PoolBounds,
+        addrs: Vec<String>,
+        access: StatsAccess,
+    ) -> Result<Self> {
+        let now = Instant::now();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let mut pool = TeacherPool {
+            policy,
+            launcher,
+            in_flight: bounds.in_flight.max(1),
+            bounds,
+            teachers: Vec::new(),
+            next_id: 0,
+            changed: now,
+            looked: now,
+            t0: now,
+            access,
+            events: Vec::new(),
+            rt,
+        };
+        for addr in addrs {
+            pool.adopt(addr);
+        }
+        Ok(pool)
+    }
+
+    fn adopt(&mut self, addr: String) {
+        let client = self.client(&addr);
+        if let Err(e) = &client {
+            tracing::warn!("teacher {addr}: its statistics cannot be read: {e}");
+        }
+        self.teachers.push(Pooled { id: self.next_id, addr, client: client.ok(), last: None });
+        self.next_id += 1;
+    }
+
+    /// A gRPC client of the teacher at `addr` (TLS when the pool's teachers serve it).
+    fn client(&self, addr: &str) -> Result<GrpcInferenceServiceClient<Channel>, tonic::transport::Error> {
+        use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+        let scheme = if self.access.ca_pem.is_some() { "https" } else { "http" };
+        let _in = self.rt.enter();
+        let mut ep = Endpoint::from_shared(format!("{scheme}://{addr}"))?;
+        if let Some(ca) = &self.access.ca_pem {
+            ep = ep.tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)))?;
+        }
+        Ok(GrpcInferenceServiceClient::new(ep.connect_timeout(STATS_WITHIN).connect_lazy()))
+    }
+
+    /// The teachers serving now.
+    pub fn addrs(&self) -> Vec<String> {
+        self.teachers.iter().map(|t| t.addr.clone()).collect()
+    }
+
+    pub fn events(&self) -> &[TeacherEvent] {
+        &self.events
+    }
+
+    /// Requests each student keeps in flight at each teacher.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight
+    }
+
+    /// A teacher that exited on its own leaves the pool (the next look may
+    /// start another).
+    pub fn lost(&mut self, addr: &str) {
+        self.teachers.retain(|t| t.addr != addr);
+    }
+
+    /// Looks at the pool when its time has come: reads the teachers'
+    /// statistics, asks the policy, and starts or stops teachers. Returns
+    /// the change made, and what went wrong on the way (said, not fatal).
+    pub fn look(&mut self, students: Students) -> (Option<TeacherEvent>, Vec<String>) {
+        if self.looked.elapsed() < self.bounds.every {
+            return (None, Vec::new());
+        }
+        self.looked = Instant::now();
+        let stats = self.read_stats();
+        let view = self.view(&students, stats);
+        let plan = match self.policy.decide(&view) {
+            Ok(p) => p,
+            Err(e) => {
+                return (
+                    None,
+                    vec![format!("the teacher policy failed; the pool stays at {}: {e}", view.teacher_count)],
+                );
+            }
+        };
+        self.in_flight = plan.in_flight_per_teacher.clamp(1, 64);
+        let to = plan.teachers.clamp(self.bounds.min, self.bounds.max);
+        let from = self.teachers.len() as u32;
+        if to == from {
+            return (None, Vec::new());
+        }
+        let mut said = Vec::new();
+        let reason = reason_of(&view, from, to);
+        while (self.teachers.len() as u32) < to {
+            match self.launcher.start() {
+                Ok(addr) => self.adopt(addr),
+                Err(e) => {
+                    said.push(format!("a teacher did not start: {e:#}"));
+                    break;
+                }
+            }
+        }
+        while (self.teachers.len() as u32) > to {
+            // The newest goes first: the oldest have warm caches and clients.
+            let t = self.teachers.pop().expect("more than `to`");
+            self.launcher.stop(&t.addr);
+        }
+        let now = self.teachers.len() as u32;
+        if now == from {
+            return (None, said);
+        }
+        self.changed = Instant::now();
+        let event = TeacherEvent {
+            step: students.step,
+            secs: self.t0.elapsed().as_secs_f64(),
+            from,
+            to: now,
+            reason,
+        };
+        self.events.push(event.clone());
+        (Some(event), said)
+    }
+
+    /// Each teacher's statistics over the window since the last look (a
+    /// teacher that cannot be read, or was read for the first time, gives none).
+    fn read_stats(&mut self) -> Vec<TeacherStats> {
+        let token = self.access.token.clone();
+        let mut out = Vec::new();
+        for t in &mut self.teachers {
+            let Some(client) = t.client.as_mut() else { continue };
+            let Ok(now) = self.rt.block_on(stats::read(client, token.as_deref(), STATS_WITHIN)) else {
+                continue;
+            };
+            if let Some(w) = t.last.as_ref().and_then(|before| now.since(before, t.id)) {
+                out.push(w);
+            }
+            t.last = Some(now);
+        }
+        out
+    }
+
+    fn view(&self, students: &Students, teachers: Vec<TeacherStats>) -> TeacherView {
+        TeacherView {
+            step: students.step,
+            wait_share: students.wait_share.unwrap_or(0.0),
+            student_throughput: students.throughput,
+            student_world_size: students.world,
+            student_world_planned: students.planned,
+            teacher_count: self.teachers.len() as u32,
+            min_teachers: self.bounds.min,
+            max_teachers: self.bounds.max,
+            in_flight_per_teacher: self.in_flight,
+            teachers,
+            secs_since_change: self.changed.elapsed().as_secs_f64(),
+            price_per_teacher_hour: self.bounds.price_per_teacher_hour,
+        }
+    }
+}
+
+impl PoolPolicy for Box<dyn crate::plugin::TeacherPolicyPlugin> {
+    fn decide(&mut self, view: &TeacherView) -> Result<TeacherPlan, String> {
+        crate::plugin::TeacherPolicyPlugin::decide(self.as_mut(), view).map_err(|e| e.to_string())
+    }
+}
+
+/// What the pool's thread reports: a change, and what it had to say.
+pub type PoolNews = (Option<TeacherEvent>, Vec<String>);
+
+/// A pool run on a thread of its own: reading statistics and starting a
+/// teacher take seconds, which the coordinator's loop cannot wait.
+pub struct PoolThread {
+    tx: Option<std::sync::mpsc::Sender<Students>>,
+    news: std::sync::mpsc::Receiver<PoolNews>,
+    thread: Option<std::thread::JoinHandle<Vec<TeacherEvent>>>,
+}
+
+impl PoolThread {
+    pub fn start(mut pool: TeacherPool) -> Result<PoolThread> {
+        let (tx, rx) = std::sync::mpsc::channel::<Students>();
+        let (news_tx, news) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new().name("edl-teacher-pool".into()).spawn(move || {
+            while let Ok(mut students) = rx.recv() {
+                // Only the newest view counts.
+                while let Ok(newer) = rx.try_recv() {
+                    students = newer;
+                }
+                let (event, said) = pool.look(students);
+                if (event.is_some() || !said.is_empty()) && news_tx.send((event, said)).is_err() {
+                    break;
+                }
+            }
+            pool.events
+        })?;
+        Ok(PoolThread { tx: Some(tx), news, thread: Some(thread) })
+    }
+
+    /// Tells the pool what the students did (it looks when its time has come).
+    pub fn tell(&self, students: Students) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(students);
+        }
+    }
+
+    /// What the pool did since the last call.
+    pub fn news(&self) -> Vec<PoolNews> {
+        self.news.try_iter().collect()
+    }
+
+    /// Stops the pool's thread (its teachers stay, for the job to stop);
+    /// returns every change it made.
+    pub fn stop(&mut self) -> Vec<TeacherEvent> {
+        drop(self.tx.take());
+        self.thread.take().and_then(|t| t.join().ok()).unwrap_or_default()
+    }
+}
+
+impl Drop for PoolThread {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Why the pool goes from `from` to `to` teachers, as the view showed it.
+fn reason_of(view: &TeacherView, from: u32, to: u32) -> String {
+    let busy = if view.teachers.is_empty() {
+        String::from("teachers' use unknown")
+    } else {
+        let mean = view.teachers.iter().map(|t| t.utilisation).sum::<f64>() / view.teachers.len() as f64;
+        format!("teachers {:.0}% busy", mean * 100.0)
+    };
+    let students = if view.student_world_planned != view.student_world_size {
+        format!(", students {} -> {}", view.student_world_size, view.student_world_planned)
+    } else {
+        String::new()
+    };
+    let way = if to > from { "grows" } else { "shrinks" };
+    format!(
+        "the teacher policy {way} the pool: students waited {:.0}% of their compute, {busy}{students}",
+        view.wait_share * 100.0
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// A policy that answers from a script and remembers what it saw.
+    struct Scripted {
+        answers: Vec<Result<TeacherPlan, String>>,
+        seen: Arc<Mutex<Vec<TeacherView>>>,
+    }
+
+    impl PoolPolicy for Scripted {
+        fn decide(&mut self, view: &TeacherView) -> Result<TeacherPlan, String> {
+            self.seen.lock().unwrap().push(view.clone());
+            self.answers.remove(0)
+        }
+    }
+
+    /// Teachers that are addresses only; `fail_after` starts succeed.
+    #[derive(Clone, Default)]
+    struct Fake {
+        started: Arc<Mutex<Vec<String>>>,
+        stopped: Arc<Mutex<Vec<String>>>,
+        fail_after: Option<usize>,
+    }
+
+    impl TeacherLauncher for Fake {
+        fn start(&mut self) -> Result<String> {
+            let mut s = self.started.lock().unwrap();
+            if self.fail_after.is_some_and(|n| s.len() >= n) {
+                anyhow::bail!("no room for another teacher");
+            }
+            let addr = format!("127.0.0.1:{}", 9000 + s.len());
+            s.push(addr.clone());
+            Ok(addr)
+        }
+        fn stop(&mut self, addr: &str) {
+            self.stopped.lock().unwrap().push(addr.to_string());
+        }
+    }
+
+    fn plan(teachers: u32, in_flight: u32) -> Result<TeacherPlan, String> {
+        Ok(TeacherPlan { teachers, in_flight_per_teacher: in_flight })
+    }
+
+    fn pool(
+        answers: Vec<Result<TeacherPlan, String>>,
+        fake: Fake,
+    ) -> (TeacherPool, Arc<Mutex<Vec<TeacherView>>>) {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let bounds =
+            PoolBounds { min: 1, max: 3, every: Duration::ZERO, price_per_teacher_hour: 0.5, in_flight: 2 };
+        let policy = Box::new(Scripted { answers, seen: seen.clone() });
+        (
+            TeacherPool::new(
+                policy,
+                Box::new(fake),
+                bounds,
+                vec!["127.0.0.1:1".into()],
+                StatsAccess::default(),
+            )
+            .unwrap(),
+            seen,
+        )
+    }
+
+    fn students(step: u64, wait: f64, world: u32, planned: u32) -> Students {
+        Students { step, wait_share: Some(wait), throughput: 100.0, world, planned }
+    }
+
+    #[test]
+    fn the_pool_follows_the_policy_within_its_bounds_and_says_why() {
+        let fake = Fake::default();
+        let (mut p, seen) = pool(vec![plan(5, 4), plan(3, 4), plan(1, 99), Err("boom".into())], fake.clone());
+        // Asked for 5, given the bound: 3.
+        let (e, said) = p.look(students(10, 0.4, 2, 4));
+        let e = e.unwrap();
+        assert_eq!((e.from, e.to, e.step), (1, 3, 10));
+        assert!(e.reason.contains("grows") && e.reason.contains("students waited 40%"), "{}", e.reason);
+        assert!(e.reason.contains("students 2 -> 4"), "{}", e.reason);
+        assert!(said.is_empty());
+        assert_eq!(p.addrs().len(), 3);
+        assert_eq!(p.in_flight(), 4);
+        // The same size: no event.
+        assert_eq!(p.look(students(20, 0.1, 4, 4)).0, None);
+        // Down to one; in flight clamped to 64; the newest teachers go first.
+        let e = p.look(students(30, 0.0, 1, 1)).0.unwrap();
+        assert_eq!((e.from, e.to), (3, 1));
+        assert!(e.reason.contains("shrinks"), "{}", e.reason);
+        assert_eq!(
+            *fake.stopped.lock().unwrap(),
+            vec!["127.0.0.1:9001".to_string(), "127.0.0.1:9000".to_string()]
+        );
+        assert_eq!(p.addrs(), vec!["127.0.0.1:1".to_string()]);
+        assert_eq!(p.in_flight(), 64);
+        // A failing policy leaves the pool as it is, and is said.
+        let (e, said) = p.look(students(40, 0.9, 1, 1));
+        assert!(e.is_none() && said[0].contains("the pool stays at 1: boom"), "{said:?}");
+        assert_eq!(p.events().len(), 2);
+        // The policy saw the students and the pool as they were.
+        let seen = seen.lock().unwrap();
+        assert_eq!((seen[0].teacher_count, seen[0].min_teachers, seen[0].max_teachers), (1, 1, 3));
+        assert_eq!((seen[0].student_world_size, seen[0].student_world_planned), (2, 4));
+        assert_eq!(seen[0].in_flight_per_teacher, 2);
+        assert_eq!(seen[1].teacher_count, 3);
+        assert!((seen[0].price_per_teacher_hour - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_teacher_that_does_not_start_is_said_and_the_pool_takes_what_started() {
+        let fake = Fake { fail_after: Some(1), ..Default::default() };
+        let (mut p, _) = pool(vec![plan(3, 2)], fake);
+        let (e, said) = p.look(students(5, 0.5, 2, 2));
+        assert_eq!(e.map(|e| (e.from, e.to)), Some((1, 2)));
+        assert!(said[0].contains("no room for another teacher"), "{said:?}");
+    }
+
+    #[test]
+    fn the_pool_looks_only_when_its_time_has_come() {
+        let (mut p, seen) = pool(vec![plan(2, 2)], Fake::default());
+        p.bounds.every = Duration::from_secs(3600);
+        assert_eq!(p.look(students(1, 0.9, 1, 1)).0, None);
+        assert!(seen.lock().unwrap().is_empty(), "the policy was not asked");
+    }
+}
