@@ -11,8 +11,8 @@
 //! criterion_main!(benches);
 //! ```
 
-use crate::testing::{self, standard_batch, standard_trace};
-use crate::{BatchAdapter, Hyperparams, ReaderTransform, ResizeEvent, ScalingPolicy};
+use crate::testing::{self, standard_batch, standard_teacher_trace, standard_trace};
+use crate::{BatchAdapter, Hyperparams, ReaderTransform, ResizeEvent, ScalingPolicy, TeacherPolicy};
 use criterion::{Criterion, Throughput};
 use std::hint::black_box;
 
@@ -61,6 +61,23 @@ pub fn transform<T: ReaderTransform>(c: &mut Criterion, name: &str, config: &[(&
     g.throughput(Throughput::Elements(batch.len() as u64));
     g.bench_function("apply/standard-batch", |b| {
         b.iter(|| black_box(t.apply(black_box(batch.clone())).expect("apply succeeds")))
+    });
+    g.finish();
+}
+
+/// Benchmarks a teacher policy's `decide` over the standard teacher trace
+/// (time per decision).
+pub fn teacher_policy<P: TeacherPolicy>(c: &mut Criterion, name: &str, config: &[(&str, &str)]) {
+    let views = standard_teacher_trace();
+    let mut p = testing::teacher_policy::<P>(config).expect("the plugin accepts this configuration");
+    let mut g = c.benchmark_group(name);
+    g.throughput(Throughput::Elements(views.len() as u64));
+    g.bench_function("decide/standard-teacher-trace", |b| {
+        b.iter(|| {
+            for v in &views {
+                black_box(p.decide(black_box(v)));
+            }
+        })
     });
     g.finish();
 }

@@ -1,6 +1,6 @@
 //! Write edl plugins as plain Rust.
 //!
-//! A plugin is a struct that implements one of three traits and one export
+//! A plugin is a struct that implements one of four traits and one export
 //! macro call; the same crate builds to a sandboxed WebAssembly component
 //! (`--target wasm32-wasip2`) or to a trusted native `cdylib` (`.so`), and its
 //! logic is unit-tested on the host with [`testing`].
@@ -42,9 +42,10 @@ pub mod testing;
 pub mod types;
 
 pub use config::Config;
-pub use plugin::{BatchAdapter, ReaderTransform, ScalingPolicy};
+pub use plugin::{BatchAdapter, ReaderTransform, ScalingPolicy, TeacherPolicy};
 pub use types::{
-    Action, Batch, ClusterView, Dtype, Hyperparams, PluginError, PluginInfo, ResizeEvent, WorkerStats,
+    Action, Batch, ClusterView, Dtype, Hyperparams, PluginError, PluginInfo, ResizeEvent, TeacherPlan,
+    TeacherStats, TeacherView, WorkerStats,
 };
 
 include!(concat!(env!("OUT_DIR"), "/wit.rs"));
@@ -223,6 +224,98 @@ macro_rules! export_reader_transform {
             ) -> i32 {
                 unsafe { $crate::native::transform_apply::<$ty>(handle, input, out) }
             }
+        });
+    };
+}
+
+/// Exports a [`TeacherPolicy`] implementation as this crate's plugin.
+///
+/// Built for `wasm32-wasip2` it becomes a component of world
+/// `teacher-pool-policy` (with its `state`); built as a native `cdylib` it
+/// exports the C ABI of [`native`].
+#[macro_export]
+macro_rules! export_teacher_policy {
+    ($ty:ty) => {
+        #[cfg(target_arch = "wasm32")]
+        #[doc(hidden)]
+        mod __edl_wasm_export {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::__edl_generate_world!("stateful-teacher-pool-policy");
+            use exports::edl::plugins::teacher_policy as wit;
+            static SLOT: $crate::__private::Slot<$ty> = $crate::__private::Slot::new();
+            struct Export;
+            // The teacher records belong to the exported interface, so the
+            // bindings declare their own; they are copied field by field.
+            fn view_from_wit(v: wit::TeacherView) -> $crate::TeacherView {
+                $crate::TeacherView {
+                    step: v.step,
+                    wait_share: v.wait_share,
+                    student_throughput: v.student_throughput,
+                    student_world_size: v.student_world_size,
+                    student_world_planned: v.student_world_planned,
+                    teacher_count: v.teacher_count,
+                    min_teachers: v.min_teachers,
+                    max_teachers: v.max_teachers,
+                    in_flight_per_teacher: v.in_flight_per_teacher,
+                    teachers: v
+                        .teachers
+                        .into_iter()
+                        .map(|t| $crate::TeacherStats {
+                            id: t.id,
+                            utilisation: t.utilisation,
+                            queue_depth: t.queue_depth,
+                            rows_per_sec: t.rows_per_sec,
+                            latency_ms: t.latency_ms,
+                            queue_ms: t.queue_ms,
+                            errors: t.errors,
+                        })
+                        .collect(),
+                    secs_since_change: v.secs_since_change,
+                    price_per_teacher_hour: v.price_per_teacher_hour,
+                }
+            }
+            impl wit::Guest for Export {
+                fn info() -> $crate::PluginInfo {
+                    $crate::plugin_info!()
+                }
+                fn init(
+                    config: ::std::vec::Vec<(::std::string::String, ::std::string::String)>,
+                ) -> ::std::result::Result<(), $crate::PluginError> {
+                    let mut plugin = <$ty as ::std::default::Default>::default();
+                    $crate::TeacherPolicy::init(&mut plugin, &$crate::Config::new(config))?;
+                    SLOT.set(plugin);
+                    Ok(())
+                }
+                fn decide(view: wit::TeacherView) -> wit::TeacherPlan {
+                    let view = view_from_wit(view);
+                    let plan = SLOT.with(|p| $crate::TeacherPolicy::decide(p, &view));
+                    wit::TeacherPlan {
+                        teachers: plan.teachers,
+                        in_flight_per_teacher: plan.in_flight_per_teacher,
+                    }
+                }
+            }
+            impl exports::edl::plugins::state::Guest for Export {
+                fn save() -> ::std::vec::Vec<u8> {
+                    SLOT.with(|p| $crate::TeacherPolicy::save_state(p))
+                }
+                fn load(state: ::std::vec::Vec<u8>) -> ::std::result::Result<(), $crate::PluginError> {
+                    SLOT.with(|p| $crate::TeacherPolicy::load_state(p, &state))
+                }
+            }
+            export!(Export);
+        }
+        $crate::__native_exports!("teacher-pool-policy", $ty, $crate::TeacherPolicy, {
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn edl_teacher_policy_decide(
+                handle: *mut ::std::ffi::c_void,
+                view: *const $crate::native::RawTeacherView,
+                out: *mut $crate::TeacherPlan,
+            ) -> i32 {
+                unsafe { $crate::native::teacher_policy_decide::<$ty>(handle, view, out) }
+            }
+            $crate::__native_state_exports!($ty, $crate::TeacherPolicy);
         });
     };
 }

@@ -8,8 +8,9 @@
 //! Every plugin exports `edl_plugin_abi_version`, `edl_plugin_world`,
 //! `edl_plugin_info`, `edl_plugin_new`, `edl_plugin_free`, `edl_plugin_init`
 //! and `edl_plugin_last_error`, plus its world's calls (`edl_policy_decide`,
-//! `edl_adapter_on_resize` / `edl_adapter_on_step`, `edl_transform_apply`).
-//! Policies and adapters also export `edl_plugin_save_state` and
+//! `edl_adapter_on_resize` / `edl_adapter_on_step`, `edl_transform_apply`,
+//! `edl_teacher_policy_decide`). Policies (of workers and of teachers) and
+//! adapters also export `edl_plugin_save_state` and
 //! `edl_plugin_load_state` (their memory between calls, as the WIT `state`
 //! interface); a library without them is taken for a plugin without memory.
 //! Calls return a [`status`] code; panics are caught and reported as
@@ -18,7 +19,7 @@
 
 use crate::{
     Action, Batch, BatchAdapter, ClusterView, Config, Dtype, Hyperparams, PluginError, ReaderTransform,
-    ResizeEvent, ScalingPolicy, WorkerStats,
+    ResizeEvent, ScalingPolicy, TeacherPlan, TeacherPolicy, TeacherStats, TeacherView, WorkerStats,
 };
 use std::{ffi::c_void, panic::AssertUnwindSafe};
 
@@ -161,6 +162,64 @@ impl RawClusterView {
     }
 }
 
+/// [`TeacherView`] with its teachers' statistics borrowed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RawTeacherView {
+    pub step: u64,
+    pub wait_share: f64,
+    pub student_throughput: f64,
+    pub student_world_size: u32,
+    pub student_world_planned: u32,
+    pub teacher_count: u32,
+    pub min_teachers: u32,
+    pub max_teachers: u32,
+    pub in_flight_per_teacher: u32,
+    pub teachers: RawSlice<TeacherStats>,
+    pub secs_since_change: f64,
+    pub price_per_teacher_hour: f64,
+}
+
+impl RawTeacherView {
+    /// Borrows a view; `view` must outlive the result.
+    pub fn borrow(view: &TeacherView) -> Self {
+        RawTeacherView {
+            step: view.step,
+            wait_share: view.wait_share,
+            student_throughput: view.student_throughput,
+            student_world_size: view.student_world_size,
+            student_world_planned: view.student_world_planned,
+            teacher_count: view.teacher_count,
+            min_teachers: view.min_teachers,
+            max_teachers: view.max_teachers,
+            in_flight_per_teacher: view.in_flight_per_teacher,
+            teachers: RawSlice::borrow(&view.teachers),
+            secs_since_change: view.secs_since_change,
+            price_per_teacher_hour: view.price_per_teacher_hour,
+        }
+    }
+
+    /// Overwrites `out` with this view, reusing `out`'s teacher list.
+    ///
+    /// # Safety
+    /// `teachers` must be valid for its length.
+    pub unsafe fn fill(&self, out: &mut TeacherView) {
+        out.step = self.step;
+        out.wait_share = self.wait_share;
+        out.student_throughput = self.student_throughput;
+        out.student_world_size = self.student_world_size;
+        out.student_world_planned = self.student_world_planned;
+        out.teacher_count = self.teacher_count;
+        out.min_teachers = self.min_teachers;
+        out.max_teachers = self.max_teachers;
+        out.in_flight_per_teacher = self.in_flight_per_teacher;
+        out.teachers.clear();
+        out.teachers.extend_from_slice(unsafe { self.teachers.as_slice() });
+        out.secs_since_change = self.secs_since_change;
+        out.price_per_teacher_hour = self.price_per_teacher_hour;
+    }
+}
+
 /// An [`Action`] as a tagged struct: tag 0 hold, 1 scale-out(count),
 /// 2 scale-in(count), 3 replace(worker).
 #[repr(C)]
@@ -245,6 +304,7 @@ pub struct Instance<T> {
     plugin: T,
     last_error: String,
     view: ClusterView,
+    teacher_view: TeacherView,
     actions: Vec<RawAction>,
     batch_out: Batch,
     state_out: Vec<u8>,
@@ -297,6 +357,7 @@ pub fn plugin_new<T: Default>() -> *mut c_void {
             plugin,
             last_error: String::new(),
             view: ClusterView::default(),
+            teacher_view: TeacherView::default(),
             actions: Vec::new(),
             batch_out: Batch::default(),
             state_out: Vec::new(),
@@ -369,6 +430,24 @@ pub unsafe fn policy_decide<T: ScalingPolicy>(
             inst.actions.clear();
             inst.actions.extend(actions.into_iter().map(RawAction::from));
             *out = RawSlice::borrow(&inst.actions);
+            Ok(())
+        })
+    }
+}
+
+#[doc(hidden)]
+pub unsafe fn teacher_policy_decide<T: TeacherPolicy>(
+    handle: *mut c_void,
+    view: *const RawTeacherView,
+    out: *mut TeacherPlan,
+) -> i32 {
+    unsafe {
+        with_instance::<T>(handle, |inst| {
+            let raw = view.as_ref().ok_or_else(|| PluginError::InvalidInput("null view".into()))?;
+            let out = out.as_mut().ok_or_else(|| PluginError::InvalidInput("null output".into()))?;
+            // As for worker policies, the view is rebuilt in place.
+            raw.fill(&mut inst.teacher_view);
+            *out = inst.plugin.decide(&inst.teacher_view);
             Ok(())
         })
     }

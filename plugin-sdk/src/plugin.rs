@@ -1,8 +1,10 @@
-//! The three kinds of plugin, one trait per WIT world. They sit apart from
+//! The four kinds of plugin, one trait per WIT world. They sit apart from
 //! the export macros of the crate root so that the C ABI of [`crate::native`]
 //! can call them while the macros call that ABI.
 
-use crate::{Action, Batch, ClusterView, Config, Hyperparams, PluginError, ResizeEvent};
+use crate::{
+    Action, Batch, ClusterView, Config, Hyperparams, PluginError, ResizeEvent, TeacherPlan, TeacherView,
+};
 
 /// Decides how many workers the job should have (WIT world `scaling-policy`).
 pub trait ScalingPolicy: Default + 'static {
@@ -68,4 +70,30 @@ pub trait ReaderTransform: Default + 'static {
 
     /// Returns the transformed batch (same samples, same order).
     fn apply(&mut self, batch: Batch) -> Result<Batch, PluginError>;
+}
+
+/// Sizes the job's teacher pool (WIT world `teacher-pool-policy`): how many
+/// teachers serve the students and how many requests each student keeps in
+/// flight at each.
+pub trait TeacherPolicy: Default + 'static {
+    /// Reads the configuration; the default accepts none.
+    fn init(&mut self, config: &Config) -> Result<(), PluginError> {
+        config.expect_only(&[])
+    }
+
+    /// Called on a fixed cadence with the pool's and the students' state.
+    /// The host clamps the plan's `teachers` to the view's bounds and its
+    /// `in_flight_per_teacher` to 1..=64.
+    fn decide(&mut self, view: &TeacherView) -> TeacherPlan;
+
+    /// The policy's memory between decisions; see [`ScalingPolicy::save_state`].
+    fn save_state(&self) -> Vec<u8> {
+        Vec::new()
+    }
+
+    /// Restores what `save_state` gave; see [`ScalingPolicy::load_state`].
+    fn load_state(&mut self, state: &[u8]) -> Result<(), PluginError> {
+        let _ = state;
+        Ok(())
+    }
 }

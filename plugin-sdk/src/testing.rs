@@ -18,7 +18,8 @@
 //! ```
 
 use crate::{
-    Action, BatchAdapter, ClusterView, Config, PluginError, ReaderTransform, ScalingPolicy, WorkerStats,
+    Action, BatchAdapter, ClusterView, Config, PluginError, ReaderTransform, ScalingPolicy, TeacherPlan,
+    TeacherPolicy, TeacherStats, TeacherView, WorkerStats,
 };
 use serde::{Deserialize, Serialize};
 
@@ -44,6 +45,11 @@ pub fn adapter<A: BatchAdapter>(config: &[(&str, &str)]) -> Result<A, PluginErro
 /// A reader transform created and initialised as the runtime would.
 pub fn transform<T: ReaderTransform>(config: &[(&str, &str)]) -> Result<T, PluginError> {
     configured(config, T::init)
+}
+
+/// A teacher policy created and initialised as the runtime would.
+pub fn teacher_policy<P: TeacherPolicy>(config: &[(&str, &str)]) -> Result<P, PluginError> {
+    configured(config, P::init)
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -296,9 +302,323 @@ pub fn standard_batch() -> crate::Batch {
     }
 }
 
+/// A teacher view to start a test from: `teachers` teachers (each at 50%
+/// utilisation, no queue), bounds `min..=max`, four students with no change
+/// planned, students that do not wait, 4 requests in flight per teacher and a
+/// minute since the pool last changed. Change what a test is about with the
+/// builder methods:
+///
+/// ```
+/// use edl_plugin_sdk::testing::teacher_view;
+/// let v = teacher_view(2, 1, 8).wait_share(0.3).utilisation(0.9).students(4, 8).build();
+/// assert_eq!((v.teacher_count, v.teachers.len(), v.student_world_planned), (2, 2, 8));
+/// assert_eq!(v.teachers[1].utilisation, 0.9);
+/// ```
+pub fn teacher_view(teachers: u32, min: u32, max: u32) -> TeacherViewBuilder {
+    let mut view = TeacherView {
+        step: 1000,
+        wait_share: 0.0,
+        student_throughput: 4000.0,
+        student_world_size: 4,
+        student_world_planned: 4,
+        teacher_count: 0,
+        min_teachers: min,
+        max_teachers: max,
+        in_flight_per_teacher: 4,
+        teachers: Vec::new(),
+        secs_since_change: 60.0,
+        price_per_teacher_hour: 0.0,
+    };
+    set_teachers(&mut view, teachers, 0.5);
+    TeacherViewBuilder(view)
+}
+
+fn set_teachers(view: &mut TeacherView, count: u32, utilisation: f64) {
+    view.teacher_count = count;
+    view.teachers = (0..count as u64)
+        .map(|id| TeacherStats {
+            id,
+            utilisation,
+            rows_per_sec: 4000.0 * utilisation,
+            latency_ms: 20.0,
+            ..TeacherStats::default()
+        })
+        .collect();
+}
+
+/// Builds a [`TeacherView`]; see [`teacher_view`].
+#[derive(Clone, Debug)]
+pub struct TeacherViewBuilder(TeacherView);
+
+impl TeacherViewBuilder {
+    /// The share of the students' step time spent waiting for soft labels.
+    pub fn wait_share(mut self, share: f64) -> Self {
+        self.0.wait_share = share;
+        self
+    }
+
+    /// Every teacher's utilisation (and rows answered in proportion).
+    pub fn utilisation(mut self, utilisation: f64) -> Self {
+        let count = self.0.teacher_count;
+        set_teachers(&mut self.0, count, utilisation);
+        self
+    }
+
+    /// The teachers serving now, keeping their utilisation.
+    pub fn teachers(mut self, count: u32) -> Self {
+        let utilisation = self.0.mean_utilisation();
+        set_teachers(&mut self.0, count, utilisation);
+        self
+    }
+
+    /// Students now and the number the scaling policy asked for.
+    pub fn students(mut self, size: u32, planned: u32) -> Self {
+        self.0.student_world_size = size;
+        self.0.student_world_planned = planned;
+        self
+    }
+
+    /// Requests each student keeps in flight at each teacher.
+    pub fn in_flight(mut self, n: u32) -> Self {
+        self.0.in_flight_per_teacher = n;
+        self
+    }
+
+    /// Seconds since the pool last changed size.
+    pub fn secs_since_change(mut self, secs: f64) -> Self {
+        self.0.secs_since_change = secs;
+        self
+    }
+
+    /// The training step of the decision.
+    pub fn step(mut self, step: u64) -> Self {
+        self.0.step = step;
+        self
+    }
+
+    /// The view.
+    pub fn build(self) -> TeacherView {
+        self.0
+    }
+}
+
+/// A synthetic teacher pool that reacts to a teacher policy's plans.
+///
+/// Each student needs `demand_per_student` rows of soft labels per second.
+/// A teacher answers at most `capacity` rows per second when kept busy; with
+/// few requests in flight it is latency-bound: it answers at most
+/// `students x in-flight x rows_per_request` rows per `latency_ms`. What
+/// the pool cannot answer, the students wait for.
+#[derive(Clone, Debug)]
+pub struct SimTeacherPool {
+    pub demand_per_student: f64,
+    pub capacity: f64,
+    pub latency_ms: f64,
+    pub rows_per_request: f64,
+    pub students: u32,
+    pub planned_students: u32,
+    pub min_teachers: u32,
+    pub max_teachers: u32,
+    /// Seconds between two decisions.
+    pub secs_per_decision: f64,
+    /// Training steps between two decisions.
+    pub steps_per_decision: u64,
+    teachers: u32,
+    in_flight: u32,
+    step: u64,
+    secs_since_change: f64,
+}
+
+/// One decision of a simulated teacher pool.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SimTeacherRecord {
+    pub step: u64,
+    pub wait_share: f64,
+    pub plan: TeacherPlan,
+    /// The pool after the plan (clamped as the host clamps it).
+    pub teachers: u32,
+    pub in_flight_per_teacher: u32,
+}
+
+impl SimTeacherPool {
+    /// `students` students of 1000 rows/s each, `teachers` teachers of
+    /// 2000 rows/s each (20 ms a request of 32 rows), 4 requests in flight.
+    pub fn new(students: u32, teachers: u32, min_teachers: u32, max_teachers: u32) -> Self {
+        SimTeacherPool {
+            demand_per_student: 1000.0,
+            capacity: 2000.0,
+            latency_ms: 20.0,
+            rows_per_request: 32.0,
+            students,
+            planned_students: students,
+            min_teachers,
+            max_teachers,
+            secs_per_decision: 5.0,
+            steps_per_decision: 20,
+            teachers,
+            in_flight: 4,
+            step: 0,
+            secs_since_change: 0.0,
+        }
+    }
+
+    /// Teachers serving now.
+    pub fn teachers(&self) -> u32 {
+        self.teachers
+    }
+
+    /// Requests each student keeps in flight at each teacher now.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight
+    }
+
+    /// Rows per second one teacher answers now (busy- or latency-bound).
+    fn per_teacher(&self) -> f64 {
+        let offered = self.students as f64 * self.in_flight as f64 * self.rows_per_request * 1000.0
+            / self.latency_ms.max(1e-9);
+        self.capacity.min(offered)
+    }
+
+    /// The view a teacher policy would get now.
+    pub fn view(&self) -> TeacherView {
+        let demand = self.students as f64 * self.demand_per_student;
+        let served = demand.min(self.teachers as f64 * self.per_teacher());
+        let wait_share = if demand > 0.0 { 1.0 - served / demand } else { 0.0 };
+        let each = served / self.teachers.max(1) as f64;
+        let utilisation = (each / self.capacity).min(1.0);
+        // A teacher kept busy queues what it cannot start at once.
+        let queue_ms = if utilisation >= 0.999 { self.latency_ms * wait_share * 10.0 } else { 0.0 };
+        TeacherView {
+            step: self.step,
+            wait_share,
+            // 250 samples/s per student that gets all its soft labels.
+            student_throughput: served / self.demand_per_student.max(1e-9) * 250.0,
+            student_world_size: self.students,
+            student_world_planned: self.planned_students,
+            teacher_count: self.teachers,
+            min_teachers: self.min_teachers,
+            max_teachers: self.max_teachers,
+            in_flight_per_teacher: self.in_flight,
+            teachers: (0..self.teachers as u64)
+                .map(|id| TeacherStats {
+                    id,
+                    utilisation,
+                    queue_depth: queue_ms / self.latency_ms.max(1e-9),
+                    rows_per_sec: each,
+                    latency_ms: self.latency_ms + queue_ms,
+                    queue_ms,
+                    errors: 0,
+                })
+                .collect(),
+            secs_since_change: self.secs_since_change,
+            price_per_teacher_hour: 0.0,
+        }
+    }
+
+    /// Applies a plan, clamped as the host clamps it.
+    pub fn apply(&mut self, plan: &TeacherPlan) {
+        let lo = self.min_teachers.min(self.max_teachers);
+        let teachers = plan.teachers.clamp(lo, self.max_teachers);
+        if teachers != self.teachers {
+            self.secs_since_change = 0.0;
+        }
+        self.teachers = teachers;
+        self.in_flight = plan.in_flight_per_teacher.clamp(1, 64);
+    }
+
+    /// Students now and the number planned; the plan comes true at the next
+    /// call with `size == planned`.
+    pub fn set_students(&mut self, size: u32, planned: u32) {
+        self.students = size;
+        self.planned_students = planned;
+    }
+
+    /// Trains for one decision period.
+    pub fn advance(&mut self) {
+        self.step += self.steps_per_decision;
+        self.secs_since_change += self.secs_per_decision;
+    }
+
+    /// Runs `decisions` rounds of view -> decide -> apply -> advance.
+    pub fn run(
+        &mut self,
+        decisions: usize,
+        mut decide: impl FnMut(&TeacherView) -> TeacherPlan,
+    ) -> Vec<SimTeacherRecord> {
+        (0..decisions)
+            .map(|_| {
+                let view = self.view();
+                let plan = decide(&view);
+                self.apply(&plan);
+                self.advance();
+                SimTeacherRecord {
+                    step: view.step,
+                    wait_share: view.wait_share,
+                    plan,
+                    teachers: self.teachers,
+                    in_flight_per_teacher: self.in_flight,
+                }
+            })
+            .collect()
+    }
+}
+
+/// The standard teacher-policy input of benchmarks: the views of a pool of
+/// 1 to 8 teachers serving 2 students that become 8 (announced ten
+/// decisions ahead) and later 3, the pool grown and shrunk one teacher at a
+/// time, in-flight requests between 1 and 8 (120 views).
+pub fn standard_teacher_trace() -> Vec<TeacherView> {
+    let mut pool = SimTeacherPool::new(2, 1, 1, 8);
+    let mut views = Vec::with_capacity(120);
+    for i in 0..120u32 {
+        match i {
+            30 => pool.set_students(2, 8),
+            40 => pool.set_students(8, 8),
+            90 => pool.set_students(3, 3),
+            _ => {}
+        }
+        let view = pool.view();
+        let grow = (i / 10) % 2 == 0;
+        let teachers = if grow { view.teacher_count + 1 } else { view.teacher_count.saturating_sub(1) };
+        let in_flight = 1 << (i % 4);
+        views.push(view);
+        if i % 5 == 4 {
+            pool.apply(&TeacherPlan { teachers, in_flight_per_teacher: in_flight });
+        }
+        pool.advance();
+    }
+    views
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pool_too_small_makes_students_wait_and_a_latency_bound_one_idles() {
+        let mut pool = SimTeacherPool::new(4, 1, 1, 8);
+        let v = pool.view();
+        assert!(v.wait_share > 0.4, "{v:?}");
+        assert_eq!(v.teachers[0].utilisation, 1.0);
+        pool.apply(&TeacherPlan { teachers: 2, in_flight_per_teacher: 4 });
+        assert_eq!(pool.view().wait_share, 0.0);
+        // One request in flight of one student: the teachers idle, the student waits.
+        let mut slow = SimTeacherPool::new(1, 2, 1, 8);
+        slow.apply(&TeacherPlan { teachers: 2, in_flight_per_teacher: 1 });
+        (slow.latency_ms, slow.rows_per_request) = (80.0, 16.0);
+        let v = slow.view();
+        assert!(v.wait_share > 0.4 && v.mean_utilisation() < 0.2, "{v:?}");
+    }
+
+    #[test]
+    fn plans_are_clamped_as_the_host_clamps_them() {
+        let mut pool = SimTeacherPool::new(4, 2, 1, 3);
+        pool.apply(&TeacherPlan { teachers: 10, in_flight_per_teacher: 100 });
+        assert_eq!((pool.teachers(), pool.in_flight()), (3, 64));
+        pool.apply(&TeacherPlan { teachers: 0, in_flight_per_teacher: 0 });
+        assert_eq!((pool.teachers(), pool.in_flight()), (1, 1));
+        assert_eq!(standard_teacher_trace().len(), 120);
+    }
 
     #[test]
     fn saturating_curve_is_flat_past_the_knee() {

@@ -1,8 +1,12 @@
-//! The Rust form of the `edl:plugins/types` WIT interface.
+//! The Rust form of the `edl:plugins/types` WIT interface (and of the
+//! teacher policy's own records).
 //!
 //! The guest bindings are generated against these very types (wit-bindgen's
 //! `with` remapping), so a plugin works with plain Rust values and nothing is
-//! converted at the boundary. Field names and order follow the WIT file; the
+//! converted at the boundary. The teacher policy's records are declared in
+//! its own exported interface, which wit-bindgen cannot remap, so
+//! `export_teacher_policy!` copies them field by field (a few numbers and the
+//! teacher list per decision). Field names and order follow the WIT file; the
 //! `#[repr(C)]` types are also the native (`.so`) ABI's.
 
 use serde::{Deserialize, Serialize};
@@ -209,5 +213,79 @@ impl Batch {
         (self.dtype == Dtype::Float32).then(|| {
             self.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
         })
+    }
+}
+
+/// One teacher of the pool over the last window, from its own statistics
+/// (KServe v2's statistics extension, as Triton reports it).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TeacherStats {
+    pub id: u64,
+    /// Share of the window its model was computing (0 to 1).
+    pub utilisation: f64,
+    /// Requests waiting in its queue, on average over the window.
+    pub queue_depth: f64,
+    /// Rows of soft labels answered per second.
+    pub rows_per_sec: f64,
+    /// Mean time a request took, queue included, ms.
+    pub latency_ms: f64,
+    /// Mean time a request waited in its queue, ms.
+    pub queue_ms: f64,
+    /// Requests that failed in the window.
+    pub errors: u64,
+}
+
+/// What a teacher policy sees at each decision.
+#[derive(Clone, Debug, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TeacherView {
+    pub step: u64,
+    /// Share of the students' step time spent waiting for soft labels (0 to 1).
+    pub wait_share: f64,
+    /// The students' samples per second over the window.
+    pub student_throughput: f64,
+    /// Students now.
+    pub student_world_size: u32,
+    /// Students the scaling policy last asked for (`student_world_size` when
+    /// no change is planned).
+    pub student_world_planned: u32,
+    /// Teachers serving now (with `teachers`' statistics).
+    pub teacher_count: u32,
+    pub min_teachers: u32,
+    pub max_teachers: u32,
+    /// Requests each student keeps in flight at each teacher now.
+    pub in_flight_per_teacher: u32,
+    pub teachers: Vec<TeacherStats>,
+    /// Seconds since the pool last changed size.
+    pub secs_since_change: f64,
+    pub price_per_teacher_hour: f64,
+}
+
+impl TeacherView {
+    /// Mean utilisation of the teachers with statistics (0 when none has any).
+    pub fn mean_utilisation(&self) -> f64 {
+        if self.teachers.is_empty() {
+            return 0.0;
+        }
+        self.teachers.iter().map(|t| t.utilisation).sum::<f64>() / self.teachers.len() as f64
+    }
+}
+
+/// What a teacher policy asks for: the pool's size and the requests each
+/// student keeps in flight at each teacher. The host clamps `teachers` to
+/// the view's bounds and `in_flight_per_teacher` to 1..=64.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub struct TeacherPlan {
+    pub teachers: u32,
+    pub in_flight_per_teacher: u32,
+}
+
+impl TeacherPlan {
+    /// The plan that changes nothing in `view`.
+    pub fn keep(view: &TeacherView) -> Self {
+        TeacherPlan { teachers: view.teacher_count, in_flight_per_teacher: view.in_flight_per_teacher }
     }
 }
