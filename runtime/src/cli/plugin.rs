@@ -74,6 +74,9 @@ pub enum WorldArg {
     BatchAdapter,
     /// Changes every batch the reader hands out.
     ReaderTransform,
+    /// Sizes the teacher pool and the requests in flight at each teacher.
+    #[value(alias = "teacher-pool-policy")]
+    TeacherPolicy,
 }
 
 impl From<WorldArg> for World {
@@ -82,6 +85,7 @@ impl From<WorldArg> for World {
             WorldArg::ScalingPolicy => World::ScalingPolicy,
             WorldArg::BatchAdapter => World::BatchAdapter,
             WorldArg::ReaderTransform => World::ReaderTransform,
+            WorldArg::TeacherPolicy => World::TeacherPolicy,
         }
     }
 }

@@ -1,4 +1,4 @@
-//! Host bindings of the three worlds, generated from `plugin-sdk/wit`, and the
+//! Host bindings of the four worlds, generated from `plugin-sdk/wit`, and the
 //! conversions between their types and the SDK's.
 
 pub mod policy {
@@ -24,6 +24,14 @@ pub mod transform {
     });
 }
 
+pub mod teacher_policy {
+    wasmtime::component::bindgen!({
+        path: "../plugin-sdk/wit",
+        world: "teacher-pool-policy",
+        with: { "edl:plugins/types": super::policy::edl::plugins::types },
+    });
+}
+
 /// A plugin's optional `state` export, looked up beside its world's.
 pub mod state {
     wasmtime::component::bindgen!({
@@ -35,6 +43,7 @@ pub mod state {
 
 use edl_plugin_sdk as sdk;
 use policy::edl::plugins::types as wit;
+use teacher_policy::exports::edl::plugins::teacher_policy as wit_teacher;
 
 impl From<wit::PluginInfo> for sdk::PluginInfo {
     fn from(i: wit::PluginInfo) -> Self {
@@ -166,5 +175,55 @@ impl From<wit::Batch> for sdk::Batch {
             ids: b.ids,
             seed: b.seed,
         }
+    }
+}
+
+impl Default for wit_teacher::TeacherView {
+    fn default() -> Self {
+        wit_teacher::TeacherView {
+            step: 0,
+            wait_share: 0.0,
+            student_throughput: 0.0,
+            student_world_size: 0,
+            student_world_planned: 0,
+            teacher_count: 0,
+            min_teachers: 0,
+            max_teachers: 0,
+            in_flight_per_teacher: 0,
+            teachers: Vec::new(),
+            secs_since_change: 0.0,
+            price_per_teacher_hour: 0.0,
+        }
+    }
+}
+
+/// Overwrites `out` with `v`, reusing `out`'s teacher list.
+pub fn fill_teacher_view(out: &mut wit_teacher::TeacherView, v: &sdk::TeacherView) {
+    out.step = v.step;
+    out.wait_share = v.wait_share;
+    out.student_throughput = v.student_throughput;
+    out.student_world_size = v.student_world_size;
+    out.student_world_planned = v.student_world_planned;
+    out.teacher_count = v.teacher_count;
+    out.min_teachers = v.min_teachers;
+    out.max_teachers = v.max_teachers;
+    out.in_flight_per_teacher = v.in_flight_per_teacher;
+    out.teachers.clear();
+    out.teachers.extend(v.teachers.iter().map(|t| wit_teacher::TeacherStats {
+        id: t.id,
+        utilisation: t.utilisation,
+        queue_depth: t.queue_depth,
+        rows_per_sec: t.rows_per_sec,
+        latency_ms: t.latency_ms,
+        queue_ms: t.queue_ms,
+        errors: t.errors,
+    }));
+    out.secs_since_change = v.secs_since_change;
+    out.price_per_teacher_hour = v.price_per_teacher_hour;
+}
+
+impl From<wit_teacher::TeacherPlan> for sdk::TeacherPlan {
+    fn from(p: wit_teacher::TeacherPlan) -> Self {
+        sdk::TeacherPlan { teachers: p.teachers, in_flight_per_teacher: p.in_flight_per_teacher }
     }
 }

@@ -12,9 +12,17 @@
 //!   local batch not above the global one.
 //! - `decide` (scaling policy): any list of actions; the coordinator reduces
 //!   it to one target size within its bounds (see `docs/plugins.md`).
+//! - `decide` (teacher policy): any plan; the host clamps its teacher count
+//!   to the view's `min_teachers..=max_teachers` and its requests in flight
+//!   to 1..=64, and logs what it changed ([`clamp_teacher_plan`]).
 
-use super::{AdapterPlugin, Backend, Error, Loaded, Plugin, PolicyPlugin, TransformPlugin};
-use edl_plugin_sdk::{Action, Batch, ClusterView, Dtype, Hyperparams, PluginInfo, ResizeEvent};
+use super::{
+    AdapterPlugin, Backend, Error, Loaded, Plugin, PolicyPlugin, TeacherPolicyPlugin, TransformPlugin,
+};
+use edl_plugin_sdk::{
+    Action, Batch, ClusterView, Dtype, Hyperparams, PluginInfo, ResizeEvent, TeacherPlan, TeacherView,
+};
+use std::fmt;
 
 /// A plugin whose answers are checked against the contract.
 pub struct Checked<T: ?Sized> {
@@ -29,7 +37,61 @@ pub fn checked(loaded: Loaded, path: &str) -> Loaded {
         Loaded::Policy(inner) => Loaded::Policy(Box::new(Checked { path, inner })),
         Loaded::Adapter(inner) => Loaded::Adapter(Box::new(Checked { path, inner })),
         Loaded::Transform(inner) => Loaded::Transform(Box::new(Checked { path, inner })),
+        Loaded::TeacherPolicy(inner) => Loaded::TeacherPolicy(Box::new(Checked { path, inner })),
     }
+}
+
+/// The most requests a student may keep in flight at one teacher.
+pub const MAX_IN_FLIGHT_PER_TEACHER: u32 = 64;
+
+/// What the host changed in a teacher plan to bring it within bounds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TeacherPlanClamp {
+    /// The plan as the policy gave it.
+    pub asked: TeacherPlan,
+    /// The plan the pool gets.
+    pub used: TeacherPlan,
+    /// The teacher bounds of the view it answered.
+    pub min_teachers: u32,
+    pub max_teachers: u32,
+}
+
+impl fmt::Display for TeacherPlanClamp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut parts = Vec::new();
+        if self.asked.teachers != self.used.teachers {
+            parts.push(format!(
+                "{} teachers, outside {}..={}; {} used",
+                self.asked.teachers, self.min_teachers, self.max_teachers, self.used.teachers
+            ));
+        }
+        if self.asked.in_flight_per_teacher != self.used.in_flight_per_teacher {
+            parts.push(format!(
+                "{} requests in flight per teacher, outside 1..={MAX_IN_FLIGHT_PER_TEACHER}; {} used",
+                self.asked.in_flight_per_teacher, self.used.in_flight_per_teacher
+            ));
+        }
+        write!(f, "asked for {}", parts.join(" and "))
+    }
+}
+
+/// Brings a teacher plan within the view's bounds: `teachers` to
+/// `min_teachers..=max_teachers` (bounds given the wrong way round count as
+/// `max_teachers..=max_teachers`), `in_flight_per_teacher` to 1..=64.
+/// Returns the plan to use and, when it differs from `plan`, what changed.
+pub fn clamp_teacher_plan(view: &TeacherView, plan: TeacherPlan) -> (TeacherPlan, Option<TeacherPlanClamp>) {
+    let (max, min) = (view.max_teachers, view.min_teachers.min(view.max_teachers));
+    let used = TeacherPlan {
+        teachers: plan.teachers.clamp(min, max),
+        in_flight_per_teacher: plan.in_flight_per_teacher.clamp(1, MAX_IN_FLIGHT_PER_TEACHER),
+    };
+    let clamp = (used != plan).then_some(TeacherPlanClamp {
+        asked: plan,
+        used,
+        min_teachers: view.min_teachers,
+        max_teachers: view.max_teachers,
+    });
+    (used, clamp)
 }
 
 /// The most memory a plugin may hand over: it is stored at every commit.
@@ -100,6 +162,16 @@ impl<T: ?Sized + Plugin> Plugin for Checked<T> {
 impl<T: ?Sized + PolicyPlugin> PolicyPlugin for Checked<T> {
     fn decide(&mut self, view: &ClusterView) -> Result<Vec<Action>, Error> {
         self.inner.decide(view)
+    }
+}
+
+impl<T: ?Sized + TeacherPolicyPlugin> TeacherPolicyPlugin for Checked<T> {
+    fn decide(&mut self, view: &TeacherView) -> Result<TeacherPlan, Error> {
+        let (plan, clamp) = clamp_teacher_plan(view, self.inner.decide(view)?);
+        if let Some(clamp) = clamp {
+            tracing::warn!(target: "edl::plugin", "{}: decide {clamp}", self.path);
+        }
+        Ok(plan)
     }
 }
 
@@ -250,6 +322,29 @@ mod tests {
             let e = check_batch(&b, &o).unwrap_err().to_string();
             assert!(e.contains(want), "{e:?} should say {want:?}");
         }
+    }
+
+    #[test]
+    fn a_teacher_plan_is_clamped_to_the_bounds_and_the_change_is_described() {
+        let view = TeacherView { min_teachers: 2, max_teachers: 6, ..Default::default() };
+        let ok = TeacherPlan { teachers: 4, in_flight_per_teacher: 8 };
+        assert_eq!(clamp_teacher_plan(&view, ok), (ok, None));
+        for (asked, used, want) in [
+            ((9, 8), (6, 8), "asked for 9 teachers, outside 2..=6; 6 used"),
+            ((0, 8), (2, 8), "asked for 0 teachers, outside 2..=6; 2 used"),
+            ((4, 0), (4, 1), "asked for 0 requests in flight per teacher, outside 1..=64; 1 used"),
+            ((4, 500), (4, 64), "500 requests in flight per teacher, outside 1..=64; 64 used"),
+            ((1, 99), (2, 64), "1 teachers, outside 2..=6; 2 used and 99 requests"),
+        ] {
+            let asked = TeacherPlan { teachers: asked.0, in_flight_per_teacher: asked.1 };
+            let (plan, clamp) = clamp_teacher_plan(&view, asked);
+            assert_eq!(plan, TeacherPlan { teachers: used.0, in_flight_per_teacher: used.1 });
+            let said = clamp.expect("a change is described").to_string();
+            assert!(said.contains(want), "{said:?} should say {want:?}");
+        }
+        // Bounds the wrong way round: the maximum wins.
+        let odd = TeacherView { min_teachers: 5, max_teachers: 3, ..Default::default() };
+        assert_eq!(clamp_teacher_plan(&odd, ok).0.teachers, 3);
     }
 
     #[test]

@@ -2,8 +2,8 @@
 //! the one place that decides how a plugin file is loaded.
 
 use super::{
-    AdapterPlugin, ArtifactCache, CacheStatus, Error, Loaded, PolicyPlugin, STATE_INTERFACE, TransformPlugin,
-    World, contract,
+    AdapterPlugin, ArtifactCache, CacheStatus, Error, Loaded, PolicyPlugin, STATE_INTERFACE,
+    TeacherPolicyPlugin, TransformPlugin, World, contract,
     limits::{EPOCH_TICK, Limits},
     native, wasm,
 };
@@ -149,6 +149,19 @@ impl PluginHost {
     ) -> Result<Box<dyn TransformPlugin>, Error> {
         match self.load(path, config, Some(World::ReaderTransform))? {
             Loaded::Transform(p) => Ok(p),
+            _ => unreachable!("load checks the world"),
+        }
+    }
+
+    /// Loads a teacher policy (`.wasm` component or native `.so`). Its
+    /// plans come back clamped to the view's bounds (see `contract`).
+    pub fn load_teacher_policy(
+        &self,
+        path: &Path,
+        config: &[(String, String)],
+    ) -> Result<Box<dyn TeacherPolicyPlugin>, Error> {
+        match self.load(path, config, Some(World::TeacherPolicy))? {
+            Loaded::TeacherPolicy(p) => Ok(p),
             _ => unreachable!("load checks the world"),
         }
     }

@@ -1,11 +1,12 @@
-//! The plugin host: loads scaling policies, batch adapters and reader
-//! transforms as sandboxed WebAssembly components (wasmtime) or as trusted
+//! The plugin host: loads scaling policies, batch adapters, reader
+//! transforms and teacher policies as sandboxed WebAssembly components (wasmtime) or as trusted
 //! native libraries (`.so`), behind one trait per world.
 //!
 //! - [`PluginHost`] owns the engine, the precompiled-artifact cache and the
 //!   sandbox limits, and loads plugins.
-//! - [`PolicyPlugin`], [`AdapterPlugin`], [`TransformPlugin`]: what the rest of
-//!   the runtime calls, whichever way the plugin was built.
+//! - [`PolicyPlugin`], [`AdapterPlugin`], [`TransformPlugin`],
+//!   [`TeacherPolicyPlugin`]: what the rest of the runtime calls, whichever
+//!   way the plugin was built.
 //! - [`Reloading`]: a plugin that follows its file on disk (hot reload).
 //! - [`replay`]: drives a scaling policy over a recorded trace or a simulated cluster.
 //! - [`scaffold`]: `plugin new`, a plugin crate to start from.
@@ -24,13 +25,15 @@ mod stderr;
 mod wasm;
 
 pub use cache::{ArtifactCache, CacheStatus};
-pub use contract::{ContractBreach, check_batch, check_hyperparams};
+pub use contract::{ContractBreach, TeacherPlanClamp, check_batch, check_hyperparams, clamp_teacher_plan};
 pub use error::Error;
 pub use host::{HostOptions, Inspection, PluginHost};
 pub use limits::Limits;
 pub use reload::Reloading;
 
-use edl_plugin_sdk::{Action, Batch, ClusterView, Hyperparams, PluginInfo, ResizeEvent};
+use edl_plugin_sdk::{
+    Action, Batch, ClusterView, Hyperparams, PluginInfo, ResizeEvent, TeacherPlan, TeacherView,
+};
 use std::fmt;
 
 /// A loaded plugin of any world.
@@ -38,6 +41,7 @@ pub enum Loaded {
     Policy(Box<dyn PolicyPlugin>),
     Adapter(Box<dyn AdapterPlugin>),
     Transform(Box<dyn TransformPlugin>),
+    TeacherPolicy(Box<dyn TeacherPolicyPlugin>),
 }
 
 impl Loaded {
@@ -46,6 +50,7 @@ impl Loaded {
             Loaded::Policy(_) => World::ScalingPolicy,
             Loaded::Adapter(_) => World::BatchAdapter,
             Loaded::Transform(_) => World::ReaderTransform,
+            Loaded::TeacherPolicy(_) => World::TeacherPolicy,
         }
     }
 
@@ -54,25 +59,33 @@ impl Loaded {
             Loaded::Policy(p) => p.info(),
             Loaded::Adapter(p) => p.info(),
             Loaded::Transform(p) => p.info(),
+            Loaded::TeacherPolicy(p) => p.info(),
         }
     }
 }
 
-/// The three kinds of plugin (the WIT worlds).
+/// The four kinds of plugin (the WIT worlds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum World {
     ScalingPolicy,
     BatchAdapter,
     ReaderTransform,
+    /// Sizes the teacher pool (WIT world `teacher-pool-policy`).
+    TeacherPolicy,
 }
 
 impl World {
+    /// Every world.
+    pub const ALL: [World; 4] =
+        [World::ScalingPolicy, World::BatchAdapter, World::ReaderTransform, World::TeacherPolicy];
+
     /// The WIT world name.
     pub fn name(self) -> &'static str {
         match self {
             World::ScalingPolicy => "scaling-policy",
             World::BatchAdapter => "batch-adapter",
             World::ReaderTransform => "reader-transform",
+            World::TeacherPolicy => "teacher-pool-policy",
         }
     }
 
@@ -82,20 +95,28 @@ impl World {
             World::ScalingPolicy => "policy",
             World::BatchAdapter => "adapter",
             World::ReaderTransform => "transform",
+            World::TeacherPolicy => "teacher-policy",
+        }
+    }
+
+    /// The runtime's command-line flag that loads a plugin of this world
+    /// into a job; `None` for a teacher policy, which no job runs yet.
+    pub fn run_flag(self) -> Option<&'static str> {
+        match self {
+            World::ScalingPolicy => Some("--policy"),
+            World::BatchAdapter => Some("--adapter"),
+            World::ReaderTransform => Some("--transform"),
+            World::TeacherPolicy => None,
         }
     }
 
     /// The world with this name.
     pub fn from_name(name: &str) -> Option<World> {
-        [World::ScalingPolicy, World::BatchAdapter, World::ReaderTransform]
-            .into_iter()
-            .find(|w| w.name() == name)
+        World::ALL.into_iter().find(|w| w.name() == name)
     }
 
     fn from_interface(interface: &str) -> Option<World> {
-        [World::ScalingPolicy, World::BatchAdapter, World::ReaderTransform]
-            .into_iter()
-            .find(|w| w.interface() == interface)
+        World::ALL.into_iter().find(|w| w.interface() == interface)
     }
 }
 
@@ -164,4 +185,10 @@ pub trait AdapterPlugin: Plugin {
 /// A loaded reader transform.
 pub trait TransformPlugin: Plugin {
     fn apply(&mut self, batch: &Batch) -> Result<Batch, Error>;
+}
+
+/// A loaded teacher policy. Its plan comes back clamped to the view's
+/// bounds (`min_teachers..=max_teachers`, 1..=64 requests in flight).
+pub trait TeacherPolicyPlugin: Plugin {
+    fn decide(&mut self, view: &TeacherView) -> Result<TeacherPlan, Error>;
 }

@@ -4,11 +4,16 @@
 //! the baseline the sandbox is measured against. A caught panic recreates
 //! the plugin instance, as a trap does for a component.
 
-use super::{AdapterPlugin, Backend, Error, Loaded, Plugin, PolicyPlugin, TransformPlugin, World};
-use edl_plugin_sdk::native::{
-    ABI_VERSION, RawAction, RawBatch, RawClusterView, RawInfo, RawPair, RawSlice, RawStr, status,
+use super::{
+    AdapterPlugin, Backend, Error, Loaded, Plugin, PolicyPlugin, TeacherPolicyPlugin, TransformPlugin, World,
 };
-use edl_plugin_sdk::{Action, Batch, ClusterView, Hyperparams, PluginError, PluginInfo, ResizeEvent};
+use edl_plugin_sdk::native::{
+    ABI_VERSION, RawAction, RawBatch, RawClusterView, RawInfo, RawPair, RawSlice, RawStr, RawTeacherView,
+    status,
+};
+use edl_plugin_sdk::{
+    Action, Batch, ClusterView, Hyperparams, PluginError, PluginInfo, ResizeEvent, TeacherPlan, TeacherView,
+};
 use libloading::Library;
 use std::{ffi::c_void, path::Path, sync::Arc};
 
@@ -149,6 +154,7 @@ fn world_symbols(world: World) -> &'static [&'static str] {
         World::ScalingPolicy => &["edl_policy_decide"],
         World::BatchAdapter => &["edl_adapter_on_resize", "edl_adapter_on_step"],
         World::ReaderTransform => &["edl_transform_apply"],
+        World::TeacherPolicy => &["edl_teacher_policy_decide"],
     }
 }
 
@@ -179,7 +185,7 @@ pub fn read_symbols(path: &str, bytes: &[u8]) -> Result<(World, Vec<String>), Er
             detail: "a native library without `edl_plugin_abi_version`, so not an edl plugin".into(),
         });
     }
-    let world = [World::ScalingPolicy, World::BatchAdapter, World::ReaderTransform]
+    let world = World::ALL
         .into_iter()
         .find(|w| world_symbols(*w).iter().all(|s| names.contains(*s)))
         .ok_or_else(|| native_err(path, "exports the edl ABI but no world's functions"))?;
@@ -247,18 +253,33 @@ pub fn load(path: &Path, config: &[(String, String)], expected: Option<World>) -
             info,
         };
         common.create()?;
+        world_plugin(world, &lib, common)
+    }
+}
+
+/// The world's own calls, looked up beside the common ones.
+///
+/// # Safety
+/// As for [`load`]: `lib` is a trusted edl plugin of `world`.
+unsafe fn world_plugin(world: World, lib: &Library, common: Common) -> Result<Loaded, Error> {
+    let shown = common.path.clone();
+    unsafe {
         Ok(match world {
             World::ScalingPolicy => Loaded::Policy(Box::new(NativePolicy {
-                decide: symbol(&lib, &shown, "edl_policy_decide")?,
+                decide: symbol(lib, &shown, "edl_policy_decide")?,
                 common,
             })),
             World::BatchAdapter => Loaded::Adapter(Box::new(NativeAdapter {
-                on_resize: symbol(&lib, &shown, "edl_adapter_on_resize")?,
-                on_step: symbol(&lib, &shown, "edl_adapter_on_step")?,
+                on_resize: symbol(lib, &shown, "edl_adapter_on_resize")?,
+                on_step: symbol(lib, &shown, "edl_adapter_on_step")?,
                 common,
             })),
             World::ReaderTransform => Loaded::Transform(Box::new(NativeTransform {
-                apply: symbol(&lib, &shown, "edl_transform_apply")?,
+                apply: symbol(lib, &shown, "edl_transform_apply")?,
+                common,
+            })),
+            World::TeacherPolicy => Loaded::TeacherPolicy(Box::new(NativeTeacherPolicy {
+                decide: symbol(lib, &shown, "edl_teacher_policy_decide")?,
                 common,
             })),
         })
@@ -342,5 +363,22 @@ impl TransformPlugin for NativeTransform {
         self.common.check("apply", code)?;
         unsafe { out.to_batch() }
             .map_err(|e| native_err(&self.common.path, format!("apply returned a bad batch: {e}")))
+    }
+}
+
+struct NativeTeacherPolicy {
+    common: Common,
+    decide: unsafe extern "C" fn(Handle, *const RawTeacherView, *mut TeacherPlan) -> i32,
+}
+native_plugin!(NativeTeacherPolicy);
+
+impl TeacherPolicyPlugin for NativeTeacherPolicy {
+    fn decide(&mut self, view: &TeacherView) -> Result<TeacherPlan, Error> {
+        let raw = RawTeacherView::borrow(view);
+        let mut out = TeacherPlan::keep(view);
+        // SAFETY: the handle is this instance's own; `raw` borrows `view`,
+        // which outlives the call; `out` is a live local.
+        let code = unsafe { (self.decide)(self.common.handle, &raw, &mut out) };
+        self.common.check("decide", code).map(|()| out)
     }
 }

@@ -3,8 +3,12 @@
 //! loaded and replaces the running plugin. A new version that fails to load
 //! is logged and the running one is kept (the next change is tried again).
 
-use super::{AdapterPlugin, Backend, Error, Plugin, PluginHost, PolicyPlugin, TransformPlugin};
-use edl_plugin_sdk::{Action, Batch, ClusterView, Hyperparams, PluginInfo, ResizeEvent};
+use super::{
+    AdapterPlugin, Backend, Error, Plugin, PluginHost, PolicyPlugin, TeacherPolicyPlugin, TransformPlugin,
+};
+use edl_plugin_sdk::{
+    Action, Batch, ClusterView, Hyperparams, PluginInfo, ResizeEvent, TeacherPlan, TeacherView,
+};
 use std::{
     path::{Path, PathBuf},
     sync::Arc,
@@ -167,6 +171,24 @@ impl Reloading<dyn TransformPlugin> {
     /// A reader transform that follows `path`.
     pub fn transform(host: Arc<PluginHost>, path: &Path, config: &[(String, String)]) -> Result<Self, Error> {
         Reloading::new(host, path, config, |h, p, c| h.load_transform(p, c))
+    }
+}
+
+impl Reloading<dyn TeacherPolicyPlugin> {
+    /// A teacher policy that follows `path`.
+    pub fn teacher_policy(
+        host: Arc<PluginHost>,
+        path: &Path,
+        config: &[(String, String)],
+    ) -> Result<Self, Error> {
+        Reloading::new(host, path, config, |h, p, c| h.load_teacher_policy(p, c))
+    }
+}
+
+impl TeacherPolicyPlugin for Reloading<dyn TeacherPolicyPlugin> {
+    fn decide(&mut self, view: &TeacherView) -> Result<TeacherPlan, Error> {
+        self.refresh();
+        self.current.decide(view)
     }
 }
 

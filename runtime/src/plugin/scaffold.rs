@@ -59,6 +59,33 @@ fn camel(name: &str) -> String {
         .collect()
 }
 
+/// The example body, the `edl_plugin_sdk::bench` function and the crate
+/// description of a world's plugin crate.
+fn template(world: World) -> (&'static str, &'static str, &'static str) {
+    match world {
+        World::ScalingPolicy => (
+            include_str!("../../templates/scaling-policy.rs.tmpl"),
+            "policy",
+            "A scaling policy that grows the job while each worker still pays",
+        ),
+        World::BatchAdapter => (
+            include_str!("../../templates/batch-adapter.rs.tmpl"),
+            "adapter",
+            "A batch adapter that applies the linear scaling rule",
+        ),
+        World::ReaderTransform => (
+            include_str!("../../templates/reader-transform.rs.tmpl"),
+            "transform",
+            "A reader transform that turns pixels into floats in [0, 1]",
+        ),
+        World::TeacherPolicy => (
+            include_str!("../../templates/teacher-policy.rs.tmpl"),
+            "teacher_policy",
+            "A teacher policy that adds teachers while the students wait for soft labels",
+        ),
+    }
+}
+
 /// Creates `<parent>/<name>`, a plugin crate of `world`; returns its directory.
 pub fn new_plugin(
     world: World,
@@ -86,25 +113,15 @@ pub fn new_plugin(
         }
     };
     let lib = name.replace('-', "_");
-    let (body, bench_fn, run_flag, description) = match world {
-        World::ScalingPolicy => (
-            include_str!("../../templates/scaling-policy.rs.tmpl"),
-            "policy",
-            "--policy",
-            "A scaling policy that grows the job while each worker still pays",
+    let (body, bench_fn, description) = template(world);
+    let run = match world.run_flag() {
+        Some(flag) => format!(
+            "Run it with the runtime, without rebuilding the runtime:\n\n    edl-runtime {flag} \
+             target/wasm32-wasip2/release/{lib}.wasm\n"
         ),
-        World::BatchAdapter => (
-            include_str!("../../templates/batch-adapter.rs.tmpl"),
-            "adapter",
-            "--adapter",
-            "A batch adapter that applies the linear scaling rule",
-        ),
-        World::ReaderTransform => (
-            include_str!("../../templates/reader-transform.rs.tmpl"),
-            "transform",
-            "--transform",
-            "A reader transform that turns pixels into floats in [0, 1]",
-        ),
+        None => "The runtime does not run teacher policies in a job yet (the teacher pool's \
+                 controller that will call them is being built); `plugin inspect` below loads it.\n"
+            .to_string(),
     };
     let fill = |t: &str| {
         t.replace("{{crate}}", name)
@@ -114,7 +131,7 @@ pub fn new_plugin(
             .replace("{{sdk}}", &dep)
             .replace("{{world}}", world.name())
             .replace("{{bench_fn}}", bench_fn)
-            .replace("{{run_flag}}", run_flag)
+            .replace("{{run}}", &run)
             .replace("{{description}}", description)
     };
     let toolchain =

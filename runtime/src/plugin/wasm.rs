@@ -4,12 +4,18 @@
 //! `InstancePre` and runs `init` again with the same configuration.
 
 use super::{
-    AdapterPlugin, Backend, CacheStatus, Error, Loaded, Plugin, PolicyPlugin, TransformPlugin, World,
-    bindings::{self, adapter, policy, policy::edl::plugins::types as wit, state, transform},
+    AdapterPlugin, Backend, CacheStatus, Error, Loaded, Plugin, PolicyPlugin, TeacherPolicyPlugin,
+    TransformPlugin, World,
+    bindings::{
+        self, adapter, policy, policy::edl::plugins::types as wit, state, teacher_policy,
+        teacher_policy::exports::edl::plugins::teacher_policy as wit_teacher, transform,
+    },
     limits::{EPOCH_TICK, Limits},
     stderr::CapturedStderr,
 };
-use edl_plugin_sdk::{Action, Batch, ClusterView, Hyperparams, PluginInfo, ResizeEvent};
+use edl_plugin_sdk::{
+    Action, Batch, ClusterView, Hyperparams, PluginInfo, ResizeEvent, TeacherPlan, TeacherView,
+};
 use std::{
     future::Future,
     pin::Pin,
@@ -196,6 +202,11 @@ macro_rules! world_bindings {
 world_bindings!(policy::ScalingPolicy, policy::ScalingPolicyIndices, edl_plugins_policy);
 world_bindings!(adapter::BatchAdapter, adapter::BatchAdapterIndices, edl_plugins_adapter);
 world_bindings!(transform::ReaderTransform, transform::ReaderTransformIndices, edl_plugins_transform);
+world_bindings!(
+    teacher_policy::TeacherPoolPolicy,
+    teacher_policy::TeacherPoolPolicyIndices,
+    edl_plugins_teacher_policy
+);
 
 struct Live<B> {
     store: Store<HostState>,
@@ -221,6 +232,7 @@ pub struct Sandboxed<B: WorldBindings> {
     live: Option<Live<B>>,
     scratch_view: Option<wit::ClusterView>,
     scratch_batch: Option<wit::Batch>,
+    scratch_teacher_view: Option<wit_teacher::TeacherView>,
 }
 
 impl<B: WorldBindings> Sandboxed<B> {
@@ -253,6 +265,7 @@ impl<B: WorldBindings> Sandboxed<B> {
             live: None,
             scratch_view: None,
             scratch_batch: None,
+            scratch_teacher_view: None,
         };
         me.info = me.call("info", |b: &B, s| b.info(s))?.into();
         Ok(me)
@@ -446,6 +459,17 @@ impl TransformPlugin for Sandboxed<transform::ReaderTransform> {
     }
 }
 
+impl TeacherPolicyPlugin for Sandboxed<teacher_policy::TeacherPoolPolicy> {
+    fn decide(&mut self, view: &TeacherView) -> Result<TeacherPlan, Error> {
+        // As for scaling policies, the converted view keeps its teacher list.
+        let mut wit_view = std::mem::take(&mut self.scratch_teacher_view).unwrap_or_default();
+        bindings::fill_teacher_view(&mut wit_view, view);
+        let result = self.call("decide", |b, s| b.edl_plugins_teacher_policy().call_decide(s, &wit_view));
+        self.scratch_teacher_view = Some(wit_view);
+        Ok(result?.into())
+    }
+}
+
 /// Instantiates `component` as a plugin of `world`.
 pub fn load(
     ctx: Ctx<'_>,
@@ -464,6 +488,11 @@ pub fn load(
         World::ReaderTransform => Loaded::Transform(Box::new(Sandboxed::<transform::ReaderTransform>::new(
             ctx, component, config, cache,
         )?)),
+        World::TeacherPolicy => {
+            Loaded::TeacherPolicy(Box::new(Sandboxed::<teacher_policy::TeacherPoolPolicy>::new(
+                ctx, component, config, cache,
+            )?))
+        }
     })
 }
 

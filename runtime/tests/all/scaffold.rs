@@ -5,7 +5,7 @@
 //! directories, so what the workspace build compiled is reused.
 
 use crate::support::{process::output_of, root};
-use edl_plugin_sdk::{Action, ClusterView, Hyperparams, ResizeEvent, testing};
+use edl_plugin_sdk::{Action, ClusterView, Hyperparams, ResizeEvent, TeacherView, testing};
 use edl_runtime::plugin::{ArtifactCache, HostOptions, PluginHost};
 use std::{path::Path, process::Command};
 
@@ -35,15 +35,17 @@ fn scaffolded_plugins_build_pass_their_tests_and_load() {
     let host = PluginHost::new(HostOptions { cache: ArtifactCache::at(cache.path()), ..Default::default() })
         .unwrap();
 
-    for (world, name) in [
-        ("scaling-policy", "my-policy"),
-        ("batch-adapter", "my-adapter"),
-        ("reader-transform", "my-transform"),
+    // (what `plugin new` takes, the WIT world, the crate)
+    for (kind, world, name) in [
+        ("scaling-policy", "scaling-policy", "my-policy"),
+        ("batch-adapter", "batch-adapter", "my-adapter"),
+        ("reader-transform", "reader-transform", "my-transform"),
+        ("teacher-policy", "teacher-pool-policy", "my-teachers"),
     ] {
         let out = run(Command::new(env!("CARGO_BIN_EXE_edl-runtime")).args([
             "plugin",
             "new",
-            world,
+            kind,
             name,
             "--dir",
             base.to_str().unwrap(),
@@ -87,6 +89,12 @@ fn scaffolded_plugins_build_pass_their_tests_and_load() {
                 sim.run(30, |v: &ClusterView| p.decide(v).unwrap());
                 assert_eq!(sim.world_size(), 4);
                 assert_eq!(p.decide(&sim.view()).unwrap(), vec![Action::Hold]);
+            }
+            "teacher-pool-policy" => {
+                let mut p = host.load_teacher_policy(&wasm, &[]).unwrap();
+                let mut pool = testing::SimTeacherPool::new(4, 1, 1, 8);
+                pool.run(4, |v: &TeacherView| p.decide(v).unwrap());
+                assert_eq!(pool.teachers(), 2);
             }
             "batch-adapter" => {
                 let mut a = host.load_adapter(&wasm, &[]).unwrap();

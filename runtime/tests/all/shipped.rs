@@ -3,7 +3,10 @@
 
 use crate::support::{host, pairs, path};
 use edl_plugin_artifacts as art;
-use edl_plugin_sdk::{Action, Batch, Dtype, Hyperparams, ResizeEvent, testing::SimCluster};
+use edl_plugin_sdk::{
+    Action, Batch, Dtype, Hyperparams, ResizeEvent, TeacherPlan,
+    testing::{SimCluster, SimTeacherPool, standard_teacher_trace},
+};
 use edl_runtime::plugin::{Backend, PolicyPlugin};
 
 fn run(policy: &mut dyn PolicyPlugin, sim: &mut SimCluster, rounds: usize) -> Vec<(u32, Vec<Action>)> {
@@ -85,6 +88,46 @@ fn dynamic_batch_ramps_lr_when_going_from_two_to_four_workers() {
         }
         assert!((lrs[4 + 8] - 0.2).abs() < 1e-6);
     }
+}
+
+#[test]
+fn teacher_autoscale_decides_alike_in_the_sandbox_and_natively() {
+    let (host, _d) = host();
+    let mut runs = Vec::new();
+    for file in [art::TEACHER_AUTOSCALE_WASM, art::TEACHER_AUTOSCALE_SO] {
+        let mut p = host.load_teacher_policy(path(file), &[]).unwrap();
+        // Six students need three teachers.
+        let mut pool = SimTeacherPool::new(6, 1, 1, 8);
+        let sizes: Vec<u32> = pool.run(20, |v| p.decide(v).unwrap()).iter().map(|r| r.teachers).collect();
+        assert_eq!(sizes[..3], [2, 3, 3], "{file}: {sizes:?}");
+        assert!(sizes.iter().skip(2).all(|&s| s == 3), "{file}: {sizes:?}");
+        let plans: Vec<TeacherPlan> = standard_teacher_trace().iter().map(|v| p.decide(v).unwrap()).collect();
+        // Its memory goes over to a new instance, whichever way it was built.
+        let saved = p.save_state().unwrap().expect("teacher-autoscale keeps a memory");
+        let mut q = host.load_teacher_policy(path(file), &[]).unwrap();
+        assert!(q.load_state(&saved).unwrap());
+        runs.push((plans, saved));
+    }
+    assert_eq!(runs[0], runs[1], "the component and the library answer alike");
+}
+
+#[test]
+fn a_teacher_plan_out_of_bounds_is_clamped_by_the_host() {
+    let (host, _d) = host();
+    for file in [art::TEACHER_AUTOSCALE_WASM, art::TEACHER_AUTOSCALE_SO] {
+        let mut p = host.load_teacher_policy(path(file), &[]).unwrap();
+        // Planned students far past the pool's maximum: the answer stops at it.
+        let mut view = SimTeacherPool::new(2, 2, 1, 3).view();
+        view.student_world_planned = 40;
+        assert_eq!(p.decide(&view).unwrap().teachers, 3, "{file}");
+        // The policy keeps the in-flight count it is shown (100, no student
+        // waits); the host brings it within 1..=64.
+        view.in_flight_per_teacher = 100;
+        assert_eq!(p.decide(&view).unwrap().in_flight_per_teacher, 64, "{file}");
+    }
+    // A wrong world is refused by name.
+    let e = host.load_policy(path(art::TEACHER_AUTOSCALE_WASM), &[]).err().unwrap().to_string();
+    assert!(e.contains("teacher-pool-policy"), "{e}");
 }
 
 fn mnist_like_batch(n: usize, seed: u64) -> Batch {
