@@ -1,13 +1,16 @@
 //! Benchmarks any plugin files side by side with the shipped plugin of the
 //! same world: load time (compile, and from the artifact cache) and call
-//! latency on the standard input (the SDK's `testing::standard_trace` and
-//! `standard_batch`).
+//! latency on the standard input (the SDK's `testing::standard_trace`,
+//! `standard_batch` and `standard_teacher_trace`).
 //!
 //!     EDL_BENCH_PLUGINS=path/a.wasm,path/libb.so cargo bench -p edl-benches --bench any_plugin
 //!
 //! Without `EDL_BENCH_PLUGINS`, the shipped plugins alone are measured.
 
-use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{
+    BatchSize, BenchmarkGroup, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main,
+    measurement::WallTime,
+};
 use edl_plugin_artifacts as art;
 use edl_plugin_sdk::{Hyperparams, ResizeEvent, testing};
 use edl_runtime::plugin::{ArtifactCache, HostOptions, PluginHost, World};
@@ -21,6 +24,7 @@ fn shipped_for(world: World) -> (&'static str, &'static str) {
         World::ScalingPolicy => ("autoscale", art::AUTOSCALE_WASM),
         World::BatchAdapter => ("dynamic-batch", art::DYNAMIC_BATCH_WASM),
         World::ReaderTransform => ("augment", art::AUGMENT_WASM),
+        World::TeacherPolicy => ("teacher-autoscale", art::TEACHER_AUTOSCALE_WASM),
     }
 }
 
@@ -62,9 +66,7 @@ fn any_plugin(c: &mut Criterion) {
         }
     }
     if worlds.is_empty() {
-        worlds = [World::ScalingPolicy, World::BatchAdapter, World::ReaderTransform]
-            .map(|w| (w, Vec::new()))
-            .to_vec();
+        worlds = World::ALL.map(|w| (w, Vec::new())).to_vec();
     }
 
     for (world, mut plugins) in worlds {
@@ -87,45 +89,62 @@ fn any_plugin(c: &mut Criterion) {
                 b.iter(|| host.load(path, &[], Some(world)).unwrap())
             });
             g.sample_size(50);
-            match world {
-                World::ScalingPolicy => {
-                    let views = testing::standard_trace();
-                    let mut p = host.load_policy(path, &[]).unwrap();
-                    g.throughput(Throughput::Elements(views.len() as u64));
-                    g.bench_function(BenchmarkId::new("decide-standard-trace", label), |b| {
-                        b.iter(|| {
-                            for v in &views {
-                                black_box(p.decide(black_box(v)).unwrap());
-                            }
-                        })
-                    });
-                }
-                World::BatchAdapter => {
-                    let mut a = host.load_adapter(path, &[]).unwrap();
-                    let start = Hyperparams { global_batch: 256, local_batch: 64, lr: 0.1, momentum: 0.9 };
-                    g.throughput(Throughput::Elements(17));
-                    g.bench_function(BenchmarkId::new("resize+16-steps", label), |b| {
-                        b.iter(|| {
-                            let ev = ResizeEvent { step: 100, old_world_size: 4, new_world_size: 6 };
-                            let mut h = a.on_resize(&ev, &start).unwrap();
-                            for s in 100..116 {
-                                h = a.on_step(s, &h).unwrap();
-                            }
-                            black_box(h)
-                        })
-                    });
-                }
-                World::ReaderTransform => {
-                    let batch = testing::standard_batch();
-                    let mut t = host.load_transform(path, &[]).unwrap();
-                    g.throughput(Throughput::Elements(batch.len() as u64));
-                    g.bench_function(BenchmarkId::new("apply-standard-batch", label), |b| {
-                        b.iter(|| black_box(t.apply(black_box(&batch)).unwrap()))
-                    });
-                }
-            }
+            calls(&mut g, &host, world, path, label);
         }
         g.finish();
+    }
+}
+
+/// Call latency of one plugin of `world` on its world's standard input.
+fn calls(g: &mut BenchmarkGroup<'_, WallTime>, host: &PluginHost, world: World, path: &Path, label: &str) {
+    match world {
+        World::ScalingPolicy => {
+            let views = testing::standard_trace();
+            let mut p = host.load_policy(path, &[]).unwrap();
+            g.throughput(Throughput::Elements(views.len() as u64));
+            g.bench_function(BenchmarkId::new("decide-standard-trace", label), |b| {
+                b.iter(|| {
+                    for v in &views {
+                        black_box(p.decide(black_box(v)).unwrap());
+                    }
+                })
+            });
+        }
+        World::BatchAdapter => {
+            let mut a = host.load_adapter(path, &[]).unwrap();
+            let start = Hyperparams { global_batch: 256, local_batch: 64, lr: 0.1, momentum: 0.9 };
+            g.throughput(Throughput::Elements(17));
+            g.bench_function(BenchmarkId::new("resize+16-steps", label), |b| {
+                b.iter(|| {
+                    let ev = ResizeEvent { step: 100, old_world_size: 4, new_world_size: 6 };
+                    let mut h = a.on_resize(&ev, &start).unwrap();
+                    for s in 100..116 {
+                        h = a.on_step(s, &h).unwrap();
+                    }
+                    black_box(h)
+                })
+            });
+        }
+        World::TeacherPolicy => {
+            let views = testing::standard_teacher_trace();
+            let mut p = host.load_teacher_policy(path, &[]).unwrap();
+            g.throughput(Throughput::Elements(views.len() as u64));
+            g.bench_function(BenchmarkId::new("decide-standard-teacher-trace", label), |b| {
+                b.iter(|| {
+                    for v in &views {
+                        black_box(p.decide(black_box(v)).unwrap());
+                    }
+                })
+            });
+        }
+        World::ReaderTransform => {
+            let batch = testing::standard_batch();
+            let mut t = host.load_transform(path, &[]).unwrap();
+            g.throughput(Throughput::Elements(batch.len() as u64));
+            g.bench_function(BenchmarkId::new("apply-standard-batch", label), |b| {
+                b.iter(|| black_box(t.apply(black_box(&batch)).unwrap()))
+            });
+        }
     }
 }
 

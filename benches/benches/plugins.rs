@@ -93,6 +93,27 @@ fn augment_transform(c: &mut Criterion) {
     g.finish();
 }
 
+/// A teacher policy's decision on a pool of four busy teachers whose
+/// students wait (the view a pool controller sees when it must grow), in the
+/// sandbox and natively.
+fn teacher_decision(c: &mut Criterion) {
+    let cache = tempfile::tempdir().unwrap();
+    let host = PluginHost::new(HostOptions {
+        cache: ArtifactCache::at(cache.path()),
+        allow_native: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let view = testing::teacher_view(4, 1, 8).wait_share(0.2).utilisation(0.9).build();
+    let mut wasm = host.load_teacher_policy(Path::new(art::TEACHER_AUTOSCALE_WASM), &[]).unwrap();
+    let mut native = host.load_teacher_policy(Path::new(art::TEACHER_AUTOSCALE_SO), &[]).unwrap();
+
+    let mut g = c.benchmark_group("teacher-policy-decision");
+    g.bench_function("wasm", |b| b.iter(|| wasm.decide(black_box(&view)).unwrap()));
+    g.bench_function("native-so", |b| b.iter(|| native.decide(black_box(&view)).unwrap()));
+    g.finish();
+}
+
 fn plugin_load(c: &mut Criterion) {
     let cold =
         PluginHost::new(HostOptions { cache: ArtifactCache::disabled(), ..Default::default() }).unwrap();
@@ -111,5 +132,5 @@ fn plugin_load(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, policy_decision, augment_transform, plugin_load);
+criterion_group!(benches, policy_decision, augment_transform, teacher_decision, plugin_load);
 criterion_main!(benches);
