@@ -107,6 +107,7 @@ fn sim_worker(addr: SocketAddr, id: u64, auth: JobAuth, sim: Sim) -> anyhow::Res
                         end: share.end,
                         loss: 0.0,
                         compute_ms: sim.compute.as_secs_f64() * 1e3,
+                        teacher_wait_ms: 0.0,
                         metrics: Vec::new(),
                     });
                 }

@@ -45,7 +45,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     let work = Prepared::new(work)?;
     work.check_device(args.training.seed)?;
     let distill = work.distills(&args.distillation);
-    let teachers = TeacherPlan::new(&args, &name, &work, distill, &dirs)?;
+    let teachers = TeacherPlan::new(host, &args, &name, &work, distill, &dirs)?;
     let spec = job_spec(host, &name, &args, &work, &dirs, plugins.transform.as_deref(), teachers.source)?;
     let cfg = job_config(&args, spec, &dirs)?;
     let checkpoint_dir = cfg.spec.checkpoint_dir.clone();

@@ -92,6 +92,8 @@ impl ProgressDisplay {
                 tracing::debug!("checkpoint at step {step}: {}", path.display())
             }
             Progress::Note(n) => self.say(format!("note      {n}")),
+            Progress::Teachers(e) => self
+                .say(format!("teachers  step {:>5}: {} -> {} teachers: {}", e.step, e.from, e.to, e.reason)),
         }
     }
 

@@ -4,18 +4,23 @@
 
 use super::{
     flags::TeachersArg,
+    plugin_path,
     workload::{JobArgs, Prepared, StudentArgs, sizes},
 };
 use anyhow::{Context, Result, bail};
+use edl_runtime::plugin::PluginHost;
 use edl_runtime::{
     job::{
-        JobDirs, TeacherSource, TeacherStart,
+        JobDirs, PoolStart, TeacherSource, TeacherStart,
         teacher_pool::{TeacherTraining, teacher_model},
     },
     trainer::data::Dataset,
 };
 use indicatif::{ProgressBar, ProgressStyle};
-use std::path::{Path, PathBuf};
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+};
 
 /// Where the job's students get soft labels: the endpoints given, those
 /// registered in the store, and teacher processes the job starts serving a
@@ -30,6 +35,7 @@ pub(super) struct TeacherPlan {
 
 impl TeacherPlan {
     pub(super) fn new(
+        host: &Arc<PluginHost>,
         args: &JobArgs,
         name: &str,
         work: &Prepared,
@@ -55,6 +61,11 @@ impl TeacherPlan {
                 Some(TeachersArg::Count(n)) => n,
                 _ => student.teacher_processes,
             };
+            let pool = teacher_pool(host, student, args, store)?;
+            let count = match &pool {
+                Some(p) => count.clamp(p.min, p.max),
+                None => count,
+            };
             if count > 0 {
                 let training = teacher_training(student, train)?;
                 let dataset = student.dataset.clone();
@@ -68,6 +79,8 @@ impl TeacherPlan {
                     exe: std::env::current_exe().context("locating edl-runtime")?,
                     service: service.clone(),
                     token_file: d.teacher_access.teacher_token_file.clone(),
+                    emulate_row_us: student.pool.teacher_emulate_row_us,
+                    pool,
                 });
             }
         }
@@ -81,6 +94,42 @@ impl TeacherPlan {
         }
         Ok(plan)
     }
+}
+
+/// The pool that sizes the job's teachers, when `--max-teachers` asks for one.
+fn teacher_pool(
+    host: &Arc<PluginHost>,
+    student: &StudentArgs,
+    args: &JobArgs,
+    store: &str,
+) -> Result<Option<PoolStart>> {
+    let p = &student.pool;
+    let Some(max) = p.max_teachers else { return Ok(None) };
+    if p.min_teachers == 0 || max < p.min_teachers {
+        bail!("--min-teachers {} --max-teachers {max}: the pool needs 1 <= min <= max", p.min_teachers);
+    }
+    if store == "memory" {
+        bail!(
+            "--max-teachers needs a shared --store (redis://..., etcd://...): students find the pool's \
+             teachers there as they come and go"
+        );
+    }
+    let every = super::flags::secs(p.teacher_decide_secs, "teacher-decide-secs")?;
+    if every.is_zero() {
+        bail!("--teacher-decide-secs must be above 0");
+    }
+    let path = plugin_path::resolve("--teacher-policy", &p.teacher_policy)?;
+    let policy = host
+        .load_teacher_policy(&path, &p.teacher_policy_config)
+        .with_context(|| format!("--teacher-policy {}", p.teacher_policy.display()))?;
+    Ok(Some(PoolStart {
+        policy: Box::new(policy),
+        min: p.min_teachers,
+        max,
+        every,
+        price_per_teacher_hour: p.price_per_teacher_hour,
+        in_flight: args.distillation.teacher_calls.teacher_in_flight.min(64) as u32,
+    }))
 }
 
 /// How the built-in student's teacher is trained: a wider model on hard labels.

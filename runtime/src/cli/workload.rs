@@ -22,6 +22,7 @@ use edl_runtime::{
     },
 };
 use std::path::Path;
+use std::path::PathBuf;
 
 /// Flags of every job of steps: the built-in one and `launch`'s.
 #[derive(Args)]
@@ -89,12 +90,56 @@ pub struct StudentArgs {
     /// the same settings take it from .edl/teachers/).
     #[arg(long, value_name = "N", default_value_t = 10, help_heading = "Distillation")]
     pub teacher_epochs: u64,
+    #[command(flatten)]
+    pub pool: TeacherPoolArgs,
     /// Distillation temperature.
     #[arg(long, value_name = "T", default_value_t = TEMPERATURE, help_heading = "Distillation")]
     pub temperature: f32,
     /// Weight of the soft-label term (1 - alpha goes to the hard labels).
     #[arg(long, value_name = "A", default_value_t = ALPHA, help_heading = "Distillation")]
     pub alpha: f32,
+}
+
+/// The teacher pool of the built-in job: sized while it runs by a teacher
+/// policy plugin, between bounds.
+#[derive(Args)]
+pub struct TeacherPoolArgs {
+    /// Most teachers the pool may grow to; turns the pool on (its size is
+    /// then --teacher-processes at the start, within the bounds). Needs a
+    /// shared --store: students find the teachers there as they come and go.
+    #[arg(long, value_name = "N", help_heading = "Teacher pool")]
+    pub max_teachers: Option<u32>,
+    /// Fewest teachers the pool keeps.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 1,
+        requires = "max_teachers",
+        help_heading = "Teacher pool"
+    )]
+    pub min_teachers: u32,
+    /// Teacher-policy plugin (`.wasm` component or native `.so`) that sizes the pool.
+    #[arg(
+        long,
+        value_name = "FILE",
+        default_value = "plugins/teacher-autoscale.wasm",
+        help_heading = "Teacher pool"
+    )]
+    pub teacher_policy: PathBuf,
+    /// A configuration key of the teacher policy (repeat for more).
+    #[arg(long = "teacher-policy-config", value_name = "KEY=VALUE", value_parser = super::flags::parse_pair, help_heading = "Teacher pool")]
+    pub teacher_policy_config: Vec<(String, String)>,
+    /// Seconds between two decisions of the teacher policy.
+    #[arg(long, value_name = "S", default_value_t = 5.0, help_heading = "Teacher pool")]
+    pub teacher_decide_secs: f64,
+    /// Price of a teacher-hour, shown to the teacher policy.
+    #[arg(long, value_name = "P", default_value_t = 0.0, help_heading = "Teacher pool")]
+    pub price_per_teacher_hour: f64,
+    /// Each teacher the job starts emulates an accelerator: every batch also
+    /// takes US microseconds per row, one batch at a time (a sleep, not
+    /// compute: `teacher --emulate-row-us`).
+    #[arg(long, value_name = "US", default_value_t = 0, help_heading = "Teacher pool")]
+    pub teacher_emulate_row_us: u64,
 }
 
 /// What the job's workers run.

@@ -60,6 +60,10 @@ struct Coordinator<'a> {
     told: Told,
     /// The teacher processes this job started, when it started them.
     teacher_watch: Option<Box<dyn crate::job::teacher_pool::TeacherWatch>>,
+    /// The pool that sizes them.
+    pool: Option<pool::PoolThread>,
+    /// When the pool was last told what the students did.
+    pool_told: Instant,
     policy: Box<dyn PolicyPlugin>,
     adapter: Option<Box<dyn AdapterPlugin>>,
     scaler: crate::scalers::fenced::FencedScaler,
@@ -212,7 +216,7 @@ fn ms(d: Duration) -> f64 {
 /// Runs a job put together by [`Job::assemble`] to its end; the job's
 /// lock is held until then.
 pub fn run(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobOutcome> {
-    let Job { cfg, lock, plugins, scaler, teachers } = job;
+    let Job { cfg, lock, plugins, scaler, mut teachers } = job;
     cfg.validate()?;
     let cfg = Arc::new(cfg);
     let io = Io::open(&cfg)?;
@@ -224,8 +228,14 @@ pub fn run(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobOutcome> {
         }),
         teacher_access: crate::job::assembly::with_ca(&cfg.spec.teacher_access, teachers.ca_pem()),
     };
-    let plugins =
-        Plugins { policy: plugins.policy, adapter: plugins.adapter, scaler, teacher_watch: teachers.watch() };
+    let pool = teachers.take_pool().map(pool::PoolThread::start).transpose()?;
+    let plugins = Plugins {
+        policy: plugins.policy,
+        adapter: plugins.adapter,
+        scaler,
+        teacher_watch: if pool.is_some() { None } else { teachers.watch() },
+        pool,
+    };
     let mut c = Coordinator::new(cfg, io, plugins, told, progress)?;
     let result = c.job();
     if let Some(e @ crate::coordinator::machine::phase::JobEnds::SameCrash { .. }) =
@@ -254,6 +264,8 @@ struct Plugins {
     adapter: Option<Box<dyn AdapterPlugin>>,
     scaler: Box<dyn Scaler>,
     teacher_watch: Option<Box<dyn crate::job::teacher_pool::TeacherWatch>>,
+    /// The pool that sizes the job's teachers, when it has one.
+    pool: Option<pool::PoolThread>,
 }
 
 /// The coordinator's sockets and store, opened before anything is decided.
@@ -310,6 +322,8 @@ impl<'a> Coordinator<'a> {
         Ok(Coordinator {
             told,
             teacher_watch: plugins.teacher_watch,
+            pool: plugins.pool,
+            pool_told: now,
             policy: plugins.policy,
             adapter: plugins.adapter,
             scaler: crate::scalers::fenced::FencedScaler::new(plugins.scaler),
@@ -406,6 +420,31 @@ impl Coordinator<'_> {
         (self.progress)(Progress::Note(s));
     }
 
+    /// Tells the teacher pool what the students did, once a window, and
+    /// says what it changed.
+    fn tend_pool(&mut self) {
+        let Some(pool) = self.pool.as_ref() else { return };
+        if self.pool_told.elapsed() >= pool.every() {
+            self.pool_told = Instant::now();
+            let world = self.membership.world();
+            pool.tell(pool::Students {
+                step: self.tally.committed,
+                wait_share: self.tally.teacher_wait_share(),
+                throughput: self.tally.samples_per_sec(),
+                world,
+                planned: world + self.membership.coming(),
+            });
+        }
+        for (event, said) in pool.news() {
+            for s in said {
+                self.note(s);
+            }
+            if let Some(e) = event {
+                (self.progress)(Progress::Teachers(&e));
+            }
+        }
+    }
+
     fn checkpoints(&self) -> &Checkpoints {
         &self.ckpt
     }
@@ -418,6 +457,7 @@ impl Coordinator<'_> {
     /// Checks the teachers this job started: a dead one is no longer handed
     /// to new workers; with none left the job cannot go on.
     fn check_teachers(&mut self) -> Result<()> {
+        self.tend_pool();
         let Some(watch) = self.teacher_watch.as_mut() else { return Ok(()) };
         let dead = watch.dead();
         let Some(crate::job::spec::TeacherSource::Fixed(list)) = self.told.teachers.as_mut() else {
@@ -630,6 +670,7 @@ impl Coordinator<'_> {
             hyper: self.hyper,
             workers_started: self.membership.started().to_vec(),
             store_events: std::mem::take(&mut self.store_events),
+            teacher_events: self.pool.as_mut().map(|p| p.stop()).unwrap_or_default(),
             worker_handles: self
                 .membership
                 .started()

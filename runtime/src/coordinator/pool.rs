@@ -13,6 +13,7 @@
 //! Each change is a [`TeacherEvent`] in the report, with its reason.
 
 use crate::distill::oip::GrpcInferenceServiceClient;
+pub use crate::distill::reader::PoolSettings;
 use crate::distill::stats::{self, Reading};
 use anyhow::Result;
 use edl_plugin_sdk::{TeacherPlan, TeacherStats, TeacherView};
@@ -21,7 +22,7 @@ use std::time::{Duration, Instant};
 use tonic::transport::Channel;
 
 /// A change of the pool's size.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
 pub struct TeacherEvent {
     /// The committed step and the seconds since the job started.
     pub step: u64,
@@ -44,6 +45,11 @@ pub trait TeacherLauncher: Send {
     fn start(&mut self) -> Result<String>;
     /// Tells the teacher at `addr` to go (it deregisters first).
     fn stop(&mut self, addr: &str);
+    /// Teachers that exited on their own since the last call: (address,
+    /// how). They are no longer the launcher's.
+    fn exited(&mut self) -> Vec<(String, String)>;
+    /// Tells the students the pool's settings (through the job's store).
+    fn publish(&mut self, settings: PoolSettings) -> Result<()>;
 }
 
 /// The pool's bounds and cadence.
@@ -88,7 +94,6 @@ pub struct TeacherPool {
     next_id: u64,
     in_flight: u32,
     changed: Instant,
-    looked: Instant,
     t0: Instant,
     access: StatsAccess,
     events: Vec<TeacherEvent>,
@@ -127,7 +132,6 @@ impl TeacherPool {
             teachers: Vec::new(),
             next_id: 0,
             changed: now,
-            looked: now,
             t0: now,
             access,
             events: Vec::new(),
@@ -180,14 +184,16 @@ impl TeacherPool {
         self.teachers.retain(|t| t.addr != addr);
     }
 
-    /// Looks at the pool when its time has come: reads the teachers'
-    /// statistics, asks the policy, and starts or stops teachers. Returns
-    /// the change made, and what went wrong on the way (said, not fatal).
-    pub fn look(&mut self, students: Students) -> (Option<TeacherEvent>, Vec<String>) {
-        if self.looked.elapsed() < self.bounds.every {
-            return (None, Vec::new());
+    /// Replaces teachers that exited; then, given what the students did
+    /// over a window (`students`: the coordinator tells it every
+    /// `bounds.every`), reads the teachers' statistics, asks the policy,
+    /// and starts or stops teachers. Returns the change made, and what went
+    /// wrong on the way (said, not fatal).
+    pub fn look(&mut self, at: u64, students: Option<Students>) -> (Option<TeacherEvent>, Vec<String>) {
+        if let Some(replaced) = self.replace_exited(at) {
+            return replaced;
         }
-        self.looked = Instant::now();
+        let Some(students) = students else { return (None, Vec::new()) };
         let stats = self.read_stats();
         let view = self.view(&students, stats);
         let plan = match self.policy.decide(&view) {
@@ -199,13 +205,25 @@ impl TeacherPool {
                 );
             }
         };
-        self.in_flight = plan.in_flight_per_teacher.clamp(1, 64);
+        let mut said = Vec::new();
+        let in_flight = plan.in_flight_per_teacher.clamp(1, 64);
+        if in_flight != self.in_flight {
+            match self.launcher.publish(PoolSettings { in_flight_per_teacher: in_flight }) {
+                Ok(()) => {
+                    said.push(format!(
+                        "students keep {in_flight} requests in flight at each teacher (were {})",
+                        self.in_flight
+                    ));
+                    self.in_flight = in_flight;
+                }
+                Err(e) => said.push(format!("the students could not be told the pool's settings: {e:#}")),
+            }
+        }
         let to = plan.teachers.clamp(self.bounds.min, self.bounds.max);
         let from = self.teachers.len() as u32;
         if to == from {
-            return (None, Vec::new());
+            return (None, said);
         }
-        let mut said = Vec::new();
         let reason = reason_of(&view, from, to);
         while (self.teachers.len() as u32) < to {
             match self.launcher.start() {
@@ -235,6 +253,36 @@ impl TeacherPool {
         };
         self.events.push(event.clone());
         (Some(event), said)
+    }
+
+    /// Teachers that exited on their own leave the pool, and as many are
+    /// started in their place: a replacement, not the policy's decision.
+    fn replace_exited(&mut self, step: u64) -> Option<PoolNews> {
+        let exited = self.launcher.exited();
+        if exited.is_empty() {
+            return None;
+        }
+        let from = self.teachers.len() as u32;
+        let mut said = Vec::new();
+        for (addr, how) in &exited {
+            self.teachers.retain(|t| t.addr != *addr);
+            said.push(format!("{how}; the pool starts another in its place"));
+        }
+        while (self.teachers.len() as u32) < from.max(self.bounds.min) {
+            match self.launcher.start() {
+                Ok(addr) => self.adopt(addr),
+                Err(e) => {
+                    said.push(format!("a teacher did not start: {e:#}"));
+                    break;
+                }
+            }
+        }
+        let to = self.teachers.len() as u32;
+        let lost: Vec<&str> = exited.iter().map(|(a, _)| a.as_str()).collect();
+        let reason = format!("teacher {} exited; replaced", lost.join(", "));
+        let event = TeacherEvent { step, secs: self.t0.elapsed().as_secs_f64(), from, to, reason };
+        self.events.push(event.clone());
+        Some((Some(event), said))
     }
 
     /// Each teacher's statistics over the window since the last look (a
@@ -288,26 +336,38 @@ pub struct PoolThread {
     tx: Option<std::sync::mpsc::Sender<Students>>,
     news: std::sync::mpsc::Receiver<PoolNews>,
     thread: Option<std::thread::JoinHandle<Vec<TeacherEvent>>>,
+    every: Duration,
 }
 
 impl PoolThread {
     pub fn start(mut pool: TeacherPool) -> Result<PoolThread> {
+        let every = pool.bounds.every;
         let (tx, rx) = std::sync::mpsc::channel::<Students>();
         let (news_tx, news) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new().name("edl-teacher-pool".into()).spawn(move || {
-            while let Ok(mut students) = rx.recv() {
-                // Only the newest view counts.
-                while let Ok(newer) = rx.try_recv() {
-                    students = newer;
-                }
-                let (event, said) = pool.look(students);
+            let mut step = 0;
+            loop {
+                // Told what the students did, or a second passed: teachers
+                // that exited are replaced either way.
+                let students = match rx.recv_timeout(Duration::from_secs(1)) {
+                    Ok(s) => Some(rx.try_iter().last().unwrap_or(s)),
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+                };
+                step = students.map_or(step, |s| s.step);
+                let (event, said) = pool.look(step, students);
                 if (event.is_some() || !said.is_empty()) && news_tx.send((event, said)).is_err() {
                     break;
                 }
             }
             pool.events
         })?;
-        Ok(PoolThread { tx: Some(tx), news, thread: Some(thread) })
+        Ok(PoolThread { tx: Some(tx), news, thread: Some(thread), every })
+    }
+
+    /// How often the coordinator tells it what the students did.
+    pub fn every(&self) -> Duration {
+        self.every
     }
 
     /// Tells the pool what the students did (it looks when its time has come).
@@ -379,6 +439,8 @@ mod tests {
     struct Fake {
         started: Arc<Mutex<Vec<String>>>,
         stopped: Arc<Mutex<Vec<String>>>,
+        died: Arc<Mutex<Vec<(String, String)>>>,
+        published: Arc<Mutex<Vec<u32>>>,
         fail_after: Option<usize>,
     }
 
@@ -394,6 +456,13 @@ mod tests {
         }
         fn stop(&mut self, addr: &str) {
             self.stopped.lock().unwrap().push(addr.to_string());
+        }
+        fn exited(&mut self) -> Vec<(String, String)> {
+            std::mem::take(&mut self.died.lock().unwrap())
+        }
+        fn publish(&mut self, settings: PoolSettings) -> Result<()> {
+            self.published.lock().unwrap().push(settings.in_flight_per_teacher);
+            Ok(())
         }
     }
 
@@ -431,18 +500,19 @@ mod tests {
         let fake = Fake::default();
         let (mut p, seen) = pool(vec![plan(5, 4), plan(3, 4), plan(1, 99), Err("boom".into())], fake.clone());
         // Asked for 5, given the bound: 3.
-        let (e, said) = p.look(students(10, 0.4, 2, 4));
+        let (e, said) = p.look(0, Some(students(10, 0.4, 2, 4)));
         let e = e.unwrap();
         assert_eq!((e.from, e.to, e.step), (1, 3, 10));
         assert!(e.reason.contains("grows") && e.reason.contains("students waited 40%"), "{}", e.reason);
         assert!(e.reason.contains("students 2 -> 4"), "{}", e.reason);
-        assert!(said.is_empty());
+        assert_eq!(said, vec!["students keep 4 requests in flight at each teacher (were 2)".to_string()]);
         assert_eq!(p.addrs().len(), 3);
         assert_eq!(p.in_flight(), 4);
-        // The same size: no event.
-        assert_eq!(p.look(students(20, 0.1, 4, 4)).0, None);
+        // The same size: no event; the students were told the new in-flight once.
+        assert_eq!(p.look(0, Some(students(20, 0.1, 4, 4))).0, None);
+        assert_eq!(*fake.published.lock().unwrap(), vec![4]);
         // Down to one; in flight clamped to 64; the newest teachers go first.
-        let e = p.look(students(30, 0.0, 1, 1)).0.unwrap();
+        let e = p.look(0, Some(students(30, 0.0, 1, 1))).0.unwrap();
         assert_eq!((e.from, e.to), (3, 1));
         assert!(e.reason.contains("shrinks"), "{}", e.reason);
         assert_eq!(
@@ -451,8 +521,9 @@ mod tests {
         );
         assert_eq!(p.addrs(), vec!["127.0.0.1:1".to_string()]);
         assert_eq!(p.in_flight(), 64);
+        assert_eq!(*fake.published.lock().unwrap(), vec![4, 64]);
         // A failing policy leaves the pool as it is, and is said.
-        let (e, said) = p.look(students(40, 0.9, 1, 1));
+        let (e, said) = p.look(0, Some(students(40, 0.9, 1, 1)));
         assert!(e.is_none() && said[0].contains("the pool stays at 1: boom"), "{said:?}");
         assert_eq!(p.events().len(), 2);
         // The policy saw the students and the pool as they were.
@@ -468,16 +539,34 @@ mod tests {
     fn a_teacher_that_does_not_start_is_said_and_the_pool_takes_what_started() {
         let fake = Fake { fail_after: Some(1), ..Default::default() };
         let (mut p, _) = pool(vec![plan(3, 2)], fake);
-        let (e, said) = p.look(students(5, 0.5, 2, 2));
+        let (e, said) = p.look(0, Some(students(5, 0.5, 2, 2)));
         assert_eq!(e.map(|e| (e.from, e.to)), Some((1, 2)));
         assert!(said[0].contains("no room for another teacher"), "{said:?}");
     }
 
     #[test]
-    fn the_pool_looks_only_when_its_time_has_come() {
+    fn a_teacher_that_exits_is_replaced_without_the_policy_being_asked() {
+        let fake = Fake::default();
+        let (mut p, seen) = pool(vec![], fake.clone());
+        fake.died
+            .lock()
+            .unwrap()
+            .push(("127.0.0.1:1".into(), "teacher 127.0.0.1:1 exited (signal: 9)".into()));
+        let (e, said) = p.look(7, None);
+        let e = e.unwrap();
+        assert_eq!(
+            (e.step, e.from, e.to, e.reason.as_str()),
+            (7, 1, 1, "teacher 127.0.0.1:1 exited; replaced")
+        );
+        assert!(said[0].contains("signal: 9") && said[0].contains("starts another"), "{said:?}");
+        assert_eq!(p.addrs(), vec!["127.0.0.1:9000".to_string()]);
+        assert!(seen.lock().unwrap().is_empty(), "no policy decision");
+    }
+
+    #[test]
+    fn without_news_of_the_students_the_policy_is_not_asked() {
         let (mut p, seen) = pool(vec![plan(2, 2)], Fake::default());
-        p.bounds.every = Duration::from_secs(3600);
-        assert_eq!(p.look(students(1, 0.9, 1, 1)).0, None);
+        assert_eq!(p.look(1, None), (None, Vec::new()));
         assert!(seen.lock().unwrap().is_empty(), "the policy was not asked");
     }
 }

@@ -30,8 +30,13 @@ pub enum Progress<'a> {
     Step(&'a StepRecord),
     Scale(&'a ScaleEvent),
     Epoch(&'a EpochRecord),
-    Checkpoint { step: u64, path: &'a std::path::Path },
+    Checkpoint {
+        step: u64,
+        path: &'a std::path::Path,
+    },
     Note(String),
+    /// The teacher pool changed size.
+    Teachers(&'a super::pool::TeacherEvent),
 }
 
 /// The end of a job.
@@ -55,6 +60,9 @@ pub struct JobOutcome {
     pub workers_started: Vec<u64>,
     /// What happened to the store that the job went on through.
     pub store_events: Vec<StoreEvent>,
+    /// How the teacher pool changed, and why.
+    #[serde(default)]
+    pub teacher_events: Vec<super::pool::TeacherEvent>,
     /// How the scheduler knows each worker it started (`slurm:123`).
     pub worker_handles: std::collections::BTreeMap<u64, String>,
 }

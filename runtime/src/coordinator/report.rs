@@ -38,6 +38,10 @@ pub struct Report {
     /// replicated store's leader changed).
     #[serde(default)]
     pub store_events: Vec<StoreEvent>,
+    /// How the teacher pool changed, each with its reason and its size
+    /// before and after (as `scale_events`).
+    #[serde(default)]
+    pub teacher_events: Vec<crate::coordinator::pool::TeacherEvent>,
     /// How the scheduler knows each worker (`slurm:123`), by worker id.
     #[serde(default)]
     pub worker_handles: std::collections::BTreeMap<u64, String>,
@@ -92,6 +96,7 @@ impl Report {
             seed,
             workers_started: outcome.workers_started,
             store_events: outcome.store_events,
+            teacher_events: outcome.teacher_events,
             worker_handles: outcome.worker_handles,
             timeline: outcome.timeline,
         }

@@ -156,7 +156,7 @@ impl Coordinator<'_> {
         let total = self.cfg.spec.epochs;
         loop {
             let Some(pipe) = self.pipe.as_ref() else { return Ok(()) };
-            if pipe.failed() || pipe.windows() >= AHEAD || self.plan_at.epoch >= total {
+            if pipe.failed() || pipe.windows() >= self.windows_ahead() || self.plan_at.epoch >= total {
                 return Ok(());
             }
             if pipe.started() && self.change_waiting() {
@@ -200,6 +200,14 @@ impl Coordinator<'_> {
                 pipe.lost(rank, &e);
             }
         }
+    }
+
+    /// Windows kept ahead of the ranks. Students that ask teachers for
+    /// soft labels get one more: a window reaches a rank just after it
+    /// starts the step before, too late to ask for it then; with one more
+    /// queued, the next step's soft labels are asked for a whole step ahead.
+    pub(super) fn windows_ahead(&self) -> usize {
+        if self.told.teachers.is_some() { AHEAD + 1 } else { AHEAD }
     }
 
     pub(super) fn window_len(&self) -> u64 {

@@ -970,8 +970,9 @@ impl Pipeline {
                 }
                 None
             }
+            // The teachers' registrations and the pool's settings.
             Teachers::Discovered { store, service, .. } => {
-                Some(watch(store.clone(), keys::teachers(service), Duration::from_millis(200)))
+                Some(watch(store.clone(), keys::service(service), Duration::from_millis(200)))
             }
         }
     }
@@ -1036,22 +1037,54 @@ impl Pipeline {
         }
     }
 
-    /// A teacher registered, re-registered or left the store.
+    /// A teacher registered, re-registered or left the store, or the
+    /// pool's settings changed.
     fn teacher_changed(&mut self, change: Change) {
+        let Teachers::Discovered { key: seal, service, .. } = &self.teachers else { return };
+        let (teachers, pool) = (keys::teachers(service), keys::teacher_pool(service));
         match change {
-            Change::Added(e) | Change::Updated(e) => {
-                let Teachers::Discovered { key, .. } = &self.teachers else { return };
-                match key.open(&e.key, &e.value) {
+            Change::Added(e) | Change::Updated(e) if e.key == pool => match seal.open(&e.key, &e.value) {
+                Ok(settings) => self.pool_settings(settings),
+                Err(why) => tracing::warn!("the teacher pool's settings ignored: {why}"),
+            },
+            Change::Added(e) | Change::Updated(e) if e.key.starts_with(&teachers) => {
+                match seal.open(&e.key, &e.value) {
                     Ok(addr) => self.add_teacher(&String::from_utf8_lossy(addr)),
                     Err(why) => tracing::warn!("teacher registration ignored: {why}"),
                 }
             }
-            Change::Removed(key) => {
+            Change::Removed(key) if key.starts_with(&teachers) => {
                 let addr = key.rsplit('/').next().unwrap_or_default().to_string();
                 self.remove_teacher(&addr);
             }
+            _ => {}
         }
     }
+
+    /// The pool's settings, as its coordinator wrote them: the requests
+    /// kept in flight at each teacher.
+    fn pool_settings(&mut self, settings: &[u8]) {
+        match serde_json::from_slice::<PoolSettings>(settings) {
+            Ok(s) => {
+                let n = (s.in_flight_per_teacher as usize).clamp(1, 64);
+                if n != self.cfg.in_flight_per_teacher {
+                    tracing::debug!(
+                        "requests in flight per teacher: {} -> {n}",
+                        self.cfg.in_flight_per_teacher
+                    );
+                    self.cfg.in_flight_per_teacher = n;
+                }
+            }
+            Err(e) => tracing::warn!("the teacher pool's settings ignored: {e}"),
+        }
+    }
+}
+
+/// What a job's teacher pool tells its students through the store
+/// ([`keys::teacher_pool`], sealed with the registration key).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PoolSettings {
+    pub in_flight_per_teacher: u32,
 }
 
 /// The next change to the teachers followed (never, when none are).

@@ -72,6 +72,22 @@ pub struct TeacherStart {
     /// The token students present. They serve TLS, with a certificate the
     /// job makes, wherever a token is or they are reached from other hosts.
     pub token_file: Option<PathBuf>,
+    /// An accelerator each emulates: µs a row of each batch (0: none).
+    pub emulate_row_us: u64,
+    /// The pool that sizes them while the job runs (None: `count` for the
+    /// whole job).
+    pub pool: Option<PoolStart>,
+}
+
+/// How a job's teacher pool is sized: its policy, bounds and cadence.
+pub struct PoolStart {
+    pub policy: Box<dyn crate::coordinator::pool::PoolPolicy>,
+    pub min: u32,
+    pub max: u32,
+    pub every: std::time::Duration,
+    pub price_per_teacher_hour: f64,
+    /// Requests each student keeps in flight at each teacher at the start.
+    pub in_flight: u32,
 }
 
 /// The teacher processes a job started, which stop when it is dropped.
@@ -82,9 +98,16 @@ pub struct StartedTeachers {
     /// beside any `--teacher-ca`.
     ca_pem: Option<String>,
     accuracy: Option<f64>,
+    /// The pool that sizes them, until the coordinator takes it.
+    pool: Option<crate::coordinator::pool::TeacherPool>,
 }
 
 impl StartedTeachers {
+    /// The pool that sizes the teachers, if the job has one (taken once).
+    pub(crate) fn take_pool(&mut self) -> Option<crate::coordinator::pool::TeacherPool> {
+        self.pool.take()
+    }
+
     /// The addresses they serve on, as students reach them.
     pub fn addrs(&self) -> Vec<String> {
         self.processes.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|p| p.addr.clone()).collect()
@@ -252,17 +275,125 @@ fn start_teachers(
     };
     let ca_pem = tls.as_ref().map(|t| t.pem.clone());
     let registration = crate::leader::seal::RecordKey::teacher_registrations(&cfg.secret);
+    let token = cfg.spec.teacher_access.token.clone();
     let guard = TeacherGuard { token_file: start.token_file, tls, registration };
-    let mut processes = Vec::new();
+    let processes = Arc::new(Mutex::new(Vec::new()));
+    let mut launcher = LocalTeachers {
+        exe: start.exe,
+        model,
+        at: (listen, advertised),
+        store: (cfg.store.clone(), start.service),
+        guard,
+        emulate_row_us: start.emulate_row_us,
+        log_dir: dirs.log_dir.clone(),
+        next: 0,
+        processes: processes.clone(),
+    };
     for i in 0..start.count {
-        let log = dirs.log_dir.join(format!("teacher-{i}.log"));
-        let at = (listen, advertised.as_str());
-        let store = (cfg.store.as_str(), start.service.as_str());
-        let teacher = TeacherProcess::start(&start.exe, &model, at, store, &guard, &log)?;
-        serving(i, &teacher.addr);
-        processes.push(teacher);
+        let addr = crate::coordinator::pool::TeacherLauncher::start(&mut launcher)?;
+        serving(i, &addr);
     }
-    Ok(StartedTeachers { processes: Arc::new(Mutex::new(processes)), ca_pem, accuracy })
+    let pool = match start.pool {
+        Some(p) => {
+            let bounds = crate::coordinator::pool::PoolBounds {
+                min: p.min,
+                max: p.max,
+                every: p.every,
+                price_per_teacher_hour: p.price_per_teacher_hour,
+                in_flight: p.in_flight,
+            };
+            let addrs = launcher.addrs();
+            // A pool of this service before (another run) may have left other settings.
+            let settings = crate::coordinator::pool::PoolSettings { in_flight_per_teacher: p.in_flight };
+            crate::coordinator::pool::TeacherLauncher::publish(&mut launcher, settings)?;
+            let access = crate::coordinator::pool::StatsAccess { token, ca_pem: ca_pem.clone() };
+            Some(crate::coordinator::pool::TeacherPool::new(
+                p.policy,
+                Box::new(launcher),
+                bounds,
+                addrs,
+                access,
+            )?)
+        }
+        None => None,
+    };
+    Ok(StartedTeachers { processes, ca_pem, accuracy, pool })
+}
+
+/// Teacher processes beside the coordinator, reached at the same host:
+/// how the job's teachers start, at the job's start and as its pool grows.
+struct LocalTeachers {
+    exe: PathBuf,
+    model: PathBuf,
+    at: (std::net::IpAddr, String),
+    store: (String, String),
+    guard: TeacherGuard,
+    emulate_row_us: u64,
+    log_dir: PathBuf,
+    /// The number the next one's log carries.
+    next: u32,
+    processes: Arc<Mutex<Vec<TeacherProcess>>>,
+}
+
+impl LocalTeachers {
+    fn addrs(&self) -> Vec<String> {
+        self.processes.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|p| p.addr.clone()).collect()
+    }
+}
+
+impl crate::coordinator::pool::TeacherLauncher for LocalTeachers {
+    fn start(&mut self) -> Result<String> {
+        let log = self.log_dir.join(format!("teacher-{}.log", self.next));
+        self.next += 1;
+        let at = (self.at.0, self.at.1.as_str());
+        let store = (self.store.0.as_str(), self.store.1.as_str());
+        let t =
+            TeacherProcess::start(&self.exe, &self.model, at, store, &self.guard, self.emulate_row_us, &log)?;
+        let addr = t.addr.clone();
+        self.processes.lock().unwrap_or_else(|e| e.into_inner()).push(t);
+        Ok(addr)
+    }
+
+    fn stop(&mut self, addr: &str) {
+        let gone = {
+            let mut all = self.processes.lock().unwrap_or_else(|e| e.into_inner());
+            all.iter().position(|t| t.addr == addr).map(|i| all.remove(i))
+        };
+        // Dropped: told to go (it deregisters first), killed after a grace.
+        drop(gone);
+    }
+
+    fn publish(&mut self, settings: crate::coordinator::pool::PoolSettings) -> Result<()> {
+        let key = crate::store::keys::teacher_pool(&self.store.1);
+        let value = self.guard.registration.seal(&key, &serde_json::to_vec(&settings)?);
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let url = self.store.0.clone();
+        rt.block_on(async move {
+            let store = crate::store::AnyStore::open(&url)?;
+            tokio::time::timeout(
+                std::time::Duration::from_secs(5),
+                crate::store::Store::put(&store, &key, &value, None),
+            )
+            .await
+            .map_err(|_| {
+                anyhow::anyhow!("the store {} did not answer within 5 s", crate::store::redact(&url))
+            })??;
+            anyhow::Ok(())
+        })
+    }
+
+    fn exited(&mut self) -> Vec<(String, String)> {
+        let mut all = self.processes.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = Vec::new();
+        all.retain_mut(|t| match t.exited() {
+            Some(how) => {
+                out.push((t.addr.clone(), how));
+                false
+            }
+            None => true,
+        });
+        out
+    }
 }
 
 /// A token never goes to a teacher reached in clear.

@@ -19,7 +19,7 @@ pub mod preflight;
 pub mod spec;
 pub mod teacher_pool;
 
-pub use assembly::{Job, JobDirs, JobPlugins, TeacherStart};
+pub use assembly::{Job, JobDirs, JobPlugins, PoolStart, TeacherStart};
 pub use config::JobConfig;
 pub use preflight::{JobLock, preflight};
 pub use spec::{BuiltinModel, JobSpec, Program, TeacherSource};

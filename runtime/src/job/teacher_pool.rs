@@ -170,6 +170,7 @@ impl TeacherProcess {
         (listen, advertise): (std::net::IpAddr, &str),
         (store, service): (&str, &str),
         guard: &TeacherGuard,
+        emulate_row_us: u64,
         log: &Path,
     ) -> Result<Self> {
         let log_file = std::fs::File::create(log).with_context(|| format!("{}", log.display()))?;
@@ -182,6 +183,9 @@ impl TeacherProcess {
             .arg(model);
         if let Some(token) = &guard.token_file {
             cmd.arg("--token-file").arg(token);
+        }
+        if emulate_row_us > 0 {
+            cmd.arg("--emulate-row-us").arg(emulate_row_us.to_string());
         }
         if let Some(tls) = &guard.tls {
             cmd.arg("--tls-cert").arg(&tls.cert).arg("--tls-key").arg(&tls.key);

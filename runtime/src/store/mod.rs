@@ -195,6 +195,17 @@ pub mod keys {
         format!("{ROOT}/services/{service}/teachers/")
     }
 
+    /// Everything of `service`: its teachers and its pool's settings.
+    pub fn service(service: &str) -> String {
+        format!("{ROOT}/services/{service}/")
+    }
+
+    /// The settings the pool of `service` gives its students (sealed with
+    /// the registration key): the requests each keeps in flight at each teacher.
+    pub fn teacher_pool(service: &str) -> String {
+        format!("{ROOT}/services/{service}/pool")
+    }
+
     /// One teacher endpoint of `service`.
     pub fn teacher(service: &str, id: &str) -> String {
         format!("{}{id}", teachers(service))

@@ -147,6 +147,8 @@ struct ReadAhead {
     /// Steps fed and not taken yet, in order.
     fed: VecDeque<Key>,
     source: Ahead,
+    /// How long the last step taken waited for its soft labels.
+    waited: Duration,
 }
 
 enum Ahead {
@@ -168,7 +170,7 @@ impl ReadAhead {
                 }
             }
         })?;
-        Ok(ReadAhead { feed, fed: VecDeque::new(), source: Ahead::Rows(ready) })
+        Ok(ReadAhead { feed, fed: VecDeque::new(), source: Ahead::Rows(ready), waited: Duration::ZERO })
     }
 
     fn teachers(
@@ -183,7 +185,7 @@ impl ReadAhead {
             std::iter::from_fn(move || asks.recv().ok().map(|(ids, e)| batch_of(&train, &ids, seed, e)));
         let _guard = w.rt.enter();
         let reader = DistillReader::start(batches, transform, teachers, config);
-        ReadAhead { feed, fed: VecDeque::new(), source: Ahead::Teachers(reader) }
+        ReadAhead { feed, fed: VecDeque::new(), source: Ahead::Teachers(reader), waited: Duration::ZERO }
     }
 
     /// Feeds a step's samples (unless fed already).
@@ -208,8 +210,11 @@ impl ReadAhead {
                 Ok((x, y, None))
             }
             Ahead::Teachers(reader) => {
+                let asked = Instant::now();
                 let got = rt
-                    .block_on(async { tokio::time::timeout(Duration::from_secs(120), reader.next()).await })
+                    .block_on(async { tokio::time::timeout(Duration::from_secs(120), reader.next()).await });
+                self.waited = asked.elapsed();
+                let got = got
                     .map_err(|_| anyhow!("no soft labels within 120 s"))?
                     .ok_or_else(|| anyhow!("the distill reader ended early"))?
                     .context("distill reader")?;
@@ -402,6 +407,14 @@ impl BuiltinWorker {
                 }
             };
             let compute_ms = start.elapsed().as_secs_f64() * 1e3;
+            // The coordinator sent the next window while this step computed
+            // (at the step's start it was often not here yet): asking the
+            // teachers for its soft labels now hides their latency behind
+            // the all-reduce and the next step's start.
+            session.take_in_windows();
+            if let Some(r) = self.read_ahead.as_mut() {
+                session.planned().for_each(|s| r.feed(s));
+            }
             session.waited_for_teachers(std::mem::take(&mut self.waited_ms));
             if session.all_reduce(state.trainer.grad_mut()).is_err() {
                 // Reported by the session; the next step is the redone one.
@@ -421,10 +434,9 @@ impl BuiltinWorker {
     fn compute(&mut self, session: &Session, step: &Step, trainer: &mut Trainer) -> Result<f64> {
         let mut loss = 0.0;
         if !step.indices.is_empty() {
-            let asked = Instant::now();
             let (x, y, soft) = self.read(session, step)?;
-            if self.teachers.is_some() {
-                self.waited_ms = asked.elapsed().as_secs_f64() * 1e3;
+            if let Some(r) = &self.read_ahead {
+                self.waited_ms = r.waited.as_secs_f64() * 1e3;
             }
             loss = trainer.compute_gradient(&x, &y, soft.as_deref(), &self.loss, step.global_rows)?
                 / step.global_rows as f64;

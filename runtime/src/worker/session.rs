@@ -212,6 +212,9 @@ pub struct Session {
     /// Sends heartbeats while the session lives.
     _heartbeat: Heartbeat,
     inbox: mpsc::Receiver<Result<ToWorker, crate::control::proto::ProtoError>>,
+    /// Messages taken from the inbox between steps and not handled yet (in
+    /// order; handled first by the next [`Session::next`]).
+    held: VecDeque<Result<ToWorker, crate::control::proto::ProtoError>>,
     /// The control connection, to close when this worker follows another coordinator.
     control: TcpStream,
     /// When the coordinator last said something, and when the store was
@@ -347,6 +350,7 @@ impl Session {
             ring_advertise: None,
             _heartbeat: heartbeat,
             inbox,
+            held: VecDeque::new(),
             control,
             heard: Instant::now(),
             looked: Instant::now(),
@@ -473,6 +477,28 @@ impl Session {
         self.rendezvous.as_ref()
     }
 
+    /// Takes in the windows that arrived during the current step, so that
+    /// [`Session::planned`] shows them (for reading ahead): a window is
+    /// queued at once when only commits arrived before it; anything else,
+    /// and all after it, waits for [`Session::next`], in order.
+    pub fn take_in_windows(&mut self) {
+        while let Ok(m) = self.inbox.try_recv() {
+            self.heard = Instant::now();
+            // Commits waiting before it change nothing a window is queued
+            // by (the generation and the rank); anything else might.
+            let only_commits = self.held.iter().all(|h| matches!(h, Ok(ToWorker::Commit { .. })));
+            match m {
+                Ok(ToWorker::Steps { generation, steps, shares })
+                    if only_commits && shares.len() == steps.len() =>
+                {
+                    // Only a window whose shares do not match its steps is refused.
+                    let _ = self.enqueue(generation, steps, shares);
+                }
+                other => self.held.push_back(other),
+            }
+        }
+    }
+
     /// Steps planned after the current one, in order (for reading ahead).
     pub fn planned(&self) -> impl Iterator<Item = &Step> {
         self.queue.iter()
@@ -510,7 +536,9 @@ impl Session {
                 let checkpoints = std::mem::take(&mut self.written);
                 self.tell(&FromWorker::Saved { checkpoints })?;
             }
-            let msg = if self.queue.is_empty() {
+            let msg = if let Some(m) = self.held.pop_front() {
+                Some(m)
+            } else if self.queue.is_empty() {
                 match self.inbox.recv_timeout(Duration::from_millis(100)) {
                     Ok(m) => Some(m),
                     Err(mpsc::RecvTimeoutError::Timeout) => {
@@ -768,6 +796,8 @@ impl Session {
         }
         (self.coordinator, self.control, self.out, self._heartbeat, self.inbox) =
             (addr, control, out, heartbeat, inbox);
+        // What the old connection said and was not handled is its past.
+        self.held.clear();
         self.heard = Instant::now();
         // A notice told to the coordinator that is gone is told again to
         // this one (the notice itself stays set).

@@ -22,6 +22,7 @@ mod storage;
 mod store;
 mod store_tls;
 mod support;
+mod teacher_pool;
 mod torch;
 mod torchrun;
 mod train;

@@ -207,6 +207,17 @@ impl Tally {
         (throughput, workers)
     }
 
+    /// Committed samples per second over the last few steps.
+    pub fn samples_per_sec(&self) -> f64 {
+        match (self.recent.front(), self.recent.back(), self.recent.len()) {
+            (Some((t0, _)), Some((t1, _)), n) if n > 1 => {
+                let s: u64 = self.recent.iter().skip(1).map(|r| r.1).sum();
+                s as f64 / t1.duration_since(*t0).as_secs_f64().max(1e-9)
+            }
+            _ => 0.0,
+        }
+    }
+
     /// The share of the ranks' compute time spent waiting for soft labels
     /// since the last call (None: nothing was computed); starts over.
     pub fn teacher_wait_share(&mut self) -> Option<f64> {

@@ -1,0 +1,94 @@
+//! The elastic teacher pool, with real processes: students on Redis, the
+//! job's teachers emulating an accelerator (a sleep per row, so that the
+//! pool's size and not the two cores sets their pace), and the shipped
+//! `teacher-autoscale` policy sizing the pool as the students come and go.
+
+use crate::support::{
+    job::{assert_exactly_once, finish, job, lines, report},
+    servers::RedisServer,
+};
+use edl_plugin_artifacts as art;
+use serde_json::Value;
+use std::process::Stdio;
+
+/// The teacher events of a report: (step, from, to, reason).
+fn teacher_events(r: &Value) -> Vec<(u64, u64, u64, String)> {
+    r["teacher_events"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no teacher_events: {r}"))
+        .iter()
+        .map(|e| {
+            let n = |k: &str| e[k].as_u64().unwrap();
+            (n("step"), n("from"), n("to"), e["reason"].as_str().unwrap().to_string())
+        })
+        .collect()
+}
+
+/// A job of the built-in student on Redis whose teachers emulate `row_us`
+/// µs a row, sized by the shipped teacher policy (deciding every second,
+/// settling for a second, shrinking after two idle decisions in a row).
+fn pooled_job(
+    d: &std::path::Path,
+    redis: &RedisServer,
+    row_us: &str,
+    extra: &[&str],
+) -> std::process::Command {
+    let mut cmd = job(d, extra);
+    cmd.args(["--store", &redis.url(), "--job", "pool", "--train-samples", "4000"])
+        .args(["--max-teachers", "3", "--teacher-emulate-row-us", row_us])
+        .args(["--teacher-policy", art::TEACHER_AUTOSCALE_WASM, "--teacher-decide-secs", "1"])
+        .args(["--teacher-policy-config", "settle-secs=1", "--teacher-policy-config", "shrink-after=2"])
+        .stdout(Stdio::piped());
+    cmd
+}
+
+/// Runs `cmd` to its end; returns its report and all it said.
+fn run(cmd: &mut std::process::Command, d: &std::path::Path) -> (Value, String) {
+    let mut child = cmd.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    let said = seen.join("\n");
+    assert!(status.success(), "{said}");
+    (report(d), said)
+}
+
+#[test]
+fn the_pool_grows_while_students_wait_on_busy_teachers() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // Four students, 64 rows a step of 50 ms, for teachers that take 1.5 ms
+    // a row: one teacher is busy all the time, and the students wait.
+    let mut cmd = pooled_job(d, &redis, "1500", &["--teachers", "1", "--epochs", "2", "--batch", "64"]);
+    cmd.args(["--workers", "4", "--min-workers", "4", "--max-workers", "4", "--step-delay-ms", "50"]);
+    let (r, said) = run(&mut cmd, d);
+    assert_exactly_once(&r, 2, 4000);
+    let events = teacher_events(&r);
+    assert!(events.iter().all(|e| e.2 == e.1 + 1 && e.3.contains("grows")), "one at a time: {events:?}");
+    assert_eq!(events.last().map(|e| e.2), Some(3), "grown to the bound: {events:?}\n{said}");
+    assert!(events[0].3.contains("students waited") && events[0].3.contains("busy"), "{events:?}");
+    assert!(said.contains("teachers  step"), "the pool's changes are said as they happen: {said}");
+    // Every teacher the pool started served: each one's log is there.
+    let logs = std::fs::read_dir(d.join(".edl/pool/logs")).unwrap();
+    let teachers = logs.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("teacher-")).count();
+    assert_eq!(teachers, 3, "teacher logs");
+}
+
+#[test]
+fn the_pool_shrinks_to_what_few_students_need_and_no_further() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // One student of 16 rows a step of 100 ms, three teachers of 0.1 ms a
+    // row: the teachers idle, the student does not wait.
+    let mut cmd = pooled_job(d, &redis, "100", &["--teachers", "3", "--epochs", "2", "--batch", "16"]);
+    cmd.args(["--workers", "1", "--min-workers", "1", "--max-workers", "1", "--step-delay-ms", "100"]);
+    cmd.args(["--train-samples", "1200"]);
+    let (r, said) = run(&mut cmd, d);
+    assert_exactly_once(&r, 2, 1200);
+    let events = teacher_events(&r);
+    let sizes: Vec<(u64, u64)> = events.iter().map(|e| (e.1, e.2)).collect();
+    assert_eq!(sizes, vec![(3, 2), (2, 1)], "{events:?}\n{said}");
+    assert!(events.iter().all(|e| e.3.contains("shrinks")), "{events:?}");
+}
