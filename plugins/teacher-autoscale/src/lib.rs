@@ -139,7 +139,10 @@ impl TeacherAutoscale {
             raised = in_flight.saturating_mul(2).min(MAX_IN_FLIGHT);
         }
 
-        let idle = !waiting && !scale_out && utilisation < self.idle;
+        // Teachers whose use is unknown (no statistics this window) are not
+        // taken for idle: the pool is not shrunk on a guess.
+        let known = !view.teachers.is_empty();
+        let idle = known && !waiting && !scale_out && utilisation < self.idle;
         self.mem.idle_streak = if idle { self.mem.idle_streak.saturating_add(1) } else { 0 };
         let settled = view.secs_since_change >= self.settle_secs;
         let above_min = count > view.min_teachers.max(1);

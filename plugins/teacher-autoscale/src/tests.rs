@@ -187,3 +187,23 @@ fn the_configuration_is_validated() {
         }
     }
 }
+
+#[test]
+fn teachers_whose_use_is_unknown_are_not_shrunk() {
+    let mut p = policy(&[("shrink-after", "1"), ("settle-secs", "0")]);
+    let mut view = TeacherView {
+        teacher_count: 3,
+        min_teachers: 1,
+        max_teachers: 4,
+        in_flight_per_teacher: 4,
+        student_world_size: 1,
+        student_world_planned: 1,
+        secs_since_change: 100.0,
+        ..Default::default()
+    };
+    for _ in 0..5 {
+        assert_eq!(p.decide(&view).teachers, 3, "no statistics: no shrink");
+    }
+    view.teachers = vec![edl_plugin_sdk::TeacherStats { id: 0, utilisation: 0.01, ..Default::default() }];
+    assert_eq!(p.decide(&view).teachers, 2, "idle teachers, known so: shrink");
+}

@@ -194,7 +194,7 @@ fn print_torchrun_event(e: TorchrunEvent, max_restarts: u32) {
             let hosts =
                 if g.hosts.is_empty() { String::new() } else { format!(" on {}", g.hosts.join(", ")) };
             println!(
-                "group     {}: {} ranks{hosts}, restart {}/{}, master {}:{}, logs {}",
+                "group     {}: {} ranks{hosts}, restart {}/{}, store {}:{} (sealed), logs {}",
                 g.group,
                 g.world,
                 g.restart_count,

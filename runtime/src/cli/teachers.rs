@@ -44,6 +44,18 @@ impl TeacherPlan {
     ) -> Result<Self> {
         let d = &args.distillation;
         let mut plan = TeacherPlan { source: None, start: None };
+        if let Prepared::Builtin { student, .. } = work
+            && student.pool.max_teachers.is_some()
+        {
+            if !distill {
+                bail!("--max-teachers sizes the job's teachers; with --no-distill there are none");
+            }
+            if matches!(d.teachers, Some(TeachersArg::Endpoints(_))) {
+                bail!(
+                    "--max-teachers sizes the teachers the job starts; --teachers host:port,... names others"
+                );
+            }
+        }
         // A launched program may ask the teachers it is given, even with --no-distill.
         if let Some(TeachersArg::Endpoints(list)) = &d.teachers
             && (distill || matches!(work, Prepared::Program { .. }))

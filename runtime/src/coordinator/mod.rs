@@ -423,7 +423,7 @@ impl Coordinator<'_> {
     /// Tells the teacher pool what the students did, once a window, and
     /// says what it changed.
     fn tend_pool(&mut self) {
-        let Some(pool) = self.pool.as_ref() else { return };
+        let Some(pool) = self.pool.as_mut() else { return };
         if self.pool_told.elapsed() >= pool.every() {
             self.pool_told = Instant::now();
             let world = self.membership.world();

@@ -6,8 +6,8 @@
 //! of the students' compute spent waiting for soft labels, and asks the
 //! teacher policy ([`PoolPolicy`]) how many teachers there should be. The
 //! answer is clamped to `--min-teachers..=--max-teachers`; teachers are
-//! started or stopped (with notice: a teacher told to go deregisters and
-//! finishes what it holds) through a [`TeacherLauncher`]. Students find the
+//! started or stopped (a teacher told to go gets SIGTERM and deregisters;
+//! it is killed after a grace) through a [`TeacherLauncher`]. Students find the
 //! teachers as they come and go through the job's store (their
 //! registrations), so a pool that changes size needs a shared store.
 //! Each change is a [`TeacherEvent`] in the report, with its reason.
@@ -70,6 +70,8 @@ struct Pooled {
     addr: String,
     client: Option<GrpcInferenceServiceClient<Channel>>,
     last: Option<Reading>,
+    /// Its statistics could not be read, and that was said.
+    warned: bool,
 }
 
 /// What the students did over the window, as the coordinator measured it.
@@ -99,6 +101,53 @@ pub struct TeacherPool {
     events: Vec<TeacherEvent>,
     /// Where the statistics are read.
     rt: tokio::runtime::Runtime,
+    /// The size the pool keeps (the policy's last, within the bounds):
+    /// teachers that exit are replaced up to it.
+    target: u32,
+    /// Starts held back after teachers kept exiting or failing to start.
+    starts: Starts,
+}
+
+/// When teachers may be started: not while they keep exiting or failing
+/// to start (then after a pause that doubles each time, up to 5 minutes).
+#[derive(Debug)]
+struct Starts {
+    /// Exits and failed starts of the last minute.
+    troubles: std::collections::VecDeque<Instant>,
+    held_until: Option<Instant>,
+    pause: Duration,
+}
+
+/// Troubles within a minute that hold starts back.
+const TROUBLES: usize = 3;
+
+impl Starts {
+    fn new() -> Self {
+        Starts { troubles: Default::default(), held_until: None, pause: Duration::from_secs(5) }
+    }
+
+    /// Whether a teacher may be started now.
+    fn open(&self) -> bool {
+        self.held_until.is_none_or(|t| Instant::now() >= t)
+    }
+
+    /// A teacher exited or failed to start; returns the pause starts are
+    /// held back for, when that made too many.
+    fn trouble(&mut self) -> Option<Duration> {
+        let now = Instant::now();
+        self.troubles.push_back(now);
+        while self.troubles.front().is_some_and(|t| now.duration_since(*t) > Duration::from_secs(60)) {
+            self.troubles.pop_front();
+        }
+        if self.troubles.len() < TROUBLES {
+            return None;
+        }
+        self.troubles.clear();
+        let pause = self.pause;
+        self.held_until = Some(now + pause);
+        self.pause = (pause * 2).min(Duration::from_secs(300));
+        Some(pause)
+    }
 }
 
 /// How the pool reaches its teachers' statistics: their token, and the
@@ -136,10 +185,13 @@ impl TeacherPool {
             access,
             events: Vec::new(),
             rt,
+            target: 0,
+            starts: Starts::new(),
         };
         for addr in addrs {
             pool.adopt(addr);
         }
+        pool.target = pool.teachers.len() as u32;
         Ok(pool)
     }
 
@@ -148,7 +200,7 @@ impl TeacherPool {
         if let Err(e) = &client {
             tracing::warn!("teacher {addr}: its statistics cannot be read: {e}");
         }
-        self.teachers.push(Pooled { id: self.next_id, addr, client: client.ok(), last: None });
+        self.teachers.push(Pooled { id: self.next_id, addr, client: client.ok(), last: None, warned: false });
         self.next_id += 1;
     }
 
@@ -176,12 +228,6 @@ impl TeacherPool {
     /// Requests each student keeps in flight at each teacher.
     pub fn in_flight(&self) -> u32 {
         self.in_flight
-    }
-
-    /// A teacher that exited on its own leaves the pool (the next look may
-    /// start another).
-    pub fn lost(&mut self, addr: &str) {
-        self.teachers.retain(|t| t.addr != addr);
     }
 
     /// Replaces teachers that exited; then, given what the students did
@@ -220,20 +266,13 @@ impl TeacherPool {
             }
         }
         let to = plan.teachers.clamp(self.bounds.min, self.bounds.max);
+        self.target = to;
         let from = self.teachers.len() as u32;
         if to == from {
             return (None, said);
         }
         let reason = reason_of(&view, from, to);
-        while (self.teachers.len() as u32) < to {
-            match self.launcher.start() {
-                Ok(addr) => self.adopt(addr),
-                Err(e) => {
-                    said.push(format!("a teacher did not start: {e:#}"));
-                    break;
-                }
-            }
-        }
+        said.extend(self.start_up_to(to));
         while (self.teachers.len() as u32) > to {
             // The newest goes first: the oldest have warm caches and clients.
             let t = self.teachers.pop().expect("more than `to`");
@@ -255,31 +294,55 @@ impl TeacherPool {
         (Some(event), said)
     }
 
-    /// Teachers that exited on their own leave the pool, and as many are
-    /// started in their place: a replacement, not the policy's decision.
-    fn replace_exited(&mut self, step: u64) -> Option<PoolNews> {
-        let exited = self.launcher.exited();
-        if exited.is_empty() {
-            return None;
-        }
-        let from = self.teachers.len() as u32;
+    /// Starts teachers up to `to`, while starts are not held back; says
+    /// what did not start.
+    fn start_up_to(&mut self, to: u32) -> Vec<String> {
         let mut said = Vec::new();
-        for (addr, how) in &exited {
-            self.teachers.retain(|t| t.addr != *addr);
-            said.push(format!("{how}; the pool starts another in its place"));
-        }
-        while (self.teachers.len() as u32) < from.max(self.bounds.min) {
+        while (self.teachers.len() as u32) < to && self.starts.open() {
             match self.launcher.start() {
                 Ok(addr) => self.adopt(addr),
                 Err(e) => {
                     said.push(format!("a teacher did not start: {e:#}"));
+                    if let Some(pause) = self.starts.trouble() {
+                        said.push(format!("teachers keep failing: none is started for {pause:?}"));
+                    }
                     break;
                 }
             }
         }
+        said
+    }
+
+    /// Teachers that exited on their own leave the pool, and others are
+    /// started in their place, up to the pool's size: a replacement, not the
+    /// policy's decision. Teachers that keep exiting hold starts back.
+    fn replace_exited(&mut self, step: u64) -> Option<PoolNews> {
+        let exited = self.launcher.exited();
+        let from = self.teachers.len() as u32;
+        let wanted = self.target.max(self.bounds.min);
+        if exited.is_empty() && (from >= wanted || !self.starts.open()) {
+            return None;
+        }
+        let mut said = Vec::new();
+        for (addr, how) in &exited {
+            self.teachers.retain(|t| t.addr != *addr);
+            said.push(format!("{how}; the pool starts another in its place"));
+            if let Some(pause) = self.starts.trouble() {
+                said.push(format!("teachers keep exiting: none is started for {pause:?}"));
+            }
+        }
+        let left = self.teachers.len() as u32;
+        said.extend(self.start_up_to(wanted));
         let to = self.teachers.len() as u32;
+        if to == from && exited.is_empty() {
+            return Some((None, said));
+        }
         let lost: Vec<&str> = exited.iter().map(|(a, _)| a.as_str()).collect();
-        let reason = format!("teacher {} exited; replaced", lost.join(", "));
+        let reason = match (lost.is_empty(), to > left) {
+            (false, true) => format!("teacher {} exited; replaced", lost.join(", ")),
+            (false, false) => format!("teacher {} exited; none started in its place yet", lost.join(", ")),
+            (true, _) => "teachers started again, up to the pool's size".to_string(),
+        };
         let event = TeacherEvent { step, secs: self.t0.elapsed().as_secs_f64(), from, to, reason };
         self.events.push(event.clone());
         Some((Some(event), said))
@@ -292,8 +355,18 @@ impl TeacherPool {
         let mut out = Vec::new();
         for t in &mut self.teachers {
             let Some(client) = t.client.as_mut() else { continue };
-            let Ok(now) = self.rt.block_on(stats::read(client, token.as_deref(), STATS_WITHIN)) else {
-                continue;
+            let now = match self.rt.block_on(stats::read(client, token.as_deref(), STATS_WITHIN)) {
+                Ok(now) => now,
+                Err(e) => {
+                    if !t.warned {
+                        t.warned = true;
+                        tracing::warn!(
+                            "teacher {}: its statistics cannot be read ({e}); the policy sees it without",
+                            t.addr
+                        );
+                    }
+                    continue;
+                }
             };
             if let Some(w) = t.last.as_ref().and_then(|before| now.since(before, t.id)) {
                 out.push(w);
@@ -337,6 +410,8 @@ pub struct PoolThread {
     news: std::sync::mpsc::Receiver<PoolNews>,
     thread: Option<std::thread::JoinHandle<Vec<TeacherEvent>>>,
     every: Duration,
+    /// The changes told through [`PoolThread::news`] so far.
+    told: Vec<TeacherEvent>,
 }
 
 impl PoolThread {
@@ -362,7 +437,7 @@ impl PoolThread {
             }
             pool.events
         })?;
-        Ok(PoolThread { tx: Some(tx), news, thread: Some(thread), every })
+        Ok(PoolThread { tx: Some(tx), news, thread: Some(thread), every, told: Vec::new() })
     }
 
     /// How often the coordinator tells it what the students did.
@@ -378,15 +453,29 @@ impl PoolThread {
     }
 
     /// What the pool did since the last call.
-    pub fn news(&self) -> Vec<PoolNews> {
-        self.news.try_iter().collect()
+    pub fn news(&mut self) -> Vec<PoolNews> {
+        let news: Vec<PoolNews> = self.news.try_iter().collect();
+        self.told.extend(news.iter().filter_map(|(e, _)| e.clone()));
+        news
     }
 
     /// Stops the pool's thread (its teachers stay, for the job to stop);
-    /// returns every change it made.
+    /// returns every change it made. A thread still busy after 10 s (a
+    /// policy that does not return, a teacher that does not start) is left
+    /// behind, and the changes it told are returned.
     pub fn stop(&mut self) -> Vec<TeacherEvent> {
         drop(self.tx.take());
-        self.thread.take().and_then(|t| t.join().ok()).unwrap_or_default()
+        let Some(thread) = self.thread.take() else { return std::mem::take(&mut self.told) };
+        let until = Instant::now() + Duration::from_secs(10);
+        while !thread.is_finished() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if thread.is_finished() {
+            return thread.join().unwrap_or_else(|_| std::mem::take(&mut self.told));
+        }
+        tracing::warn!("the teacher pool's thread is still busy after 10 s; the job ends without it");
+        self.news();
+        std::mem::take(&mut self.told)
     }
 }
 
@@ -558,9 +647,37 @@ mod tests {
             (e.step, e.from, e.to, e.reason.as_str()),
             (7, 1, 1, "teacher 127.0.0.1:1 exited; replaced")
         );
+        assert_eq!(p.look(8, None), (None, Vec::new()), "nothing more to do");
         assert!(said[0].contains("signal: 9") && said[0].contains("starts another"), "{said:?}");
         assert_eq!(p.addrs(), vec!["127.0.0.1:9000".to_string()]);
         assert!(seen.lock().unwrap().is_empty(), "no policy decision");
+    }
+
+    #[test]
+    fn teachers_that_keep_exiting_hold_starts_back_and_it_is_said() {
+        let fake = Fake::default();
+        let (mut p, _) = pool(vec![], fake.clone());
+        for i in 0..3 {
+            let addr = p.addrs()[0].clone();
+            fake.died.lock().unwrap().push((addr.clone(), format!("teacher {addr} exited (exit status: 1)")));
+            let (e, said) = p.look(i, None);
+            let e = e.unwrap();
+            if i < 2 {
+                assert_eq!((e.from, e.to), (1, 1), "replaced: {said:?}");
+            } else {
+                // The third exit within a minute: nothing started for a while.
+                assert_eq!((e.from, e.to), (1, 0), "{e:?}");
+                assert!(e.reason.contains("none started in its place yet"), "{e:?}");
+                assert!(
+                    said.iter().any(|s| s.contains("teachers keep exiting: none is started for 5s")),
+                    "{said:?}"
+                );
+            }
+        }
+        assert_eq!(fake.started.lock().unwrap().len(), 2);
+        // Held back: later looks start nothing until the pause is over.
+        assert_eq!(p.look(9, None), (None, Vec::new()));
+        assert!(p.addrs().is_empty());
     }
 
     #[test]

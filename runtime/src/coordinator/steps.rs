@@ -202,12 +202,14 @@ impl Coordinator<'_> {
         }
     }
 
-    /// Windows kept ahead of the ranks. Students that ask teachers for
-    /// soft labels get one more: a window reaches a rank just after it
-    /// starts the step before, too late to ask for it then; with one more
-    /// queued, the next step's soft labels are asked for a whole step ahead.
+    /// Windows kept ahead of the ranks. The built-in students that ask
+    /// teachers for soft labels get one more: a window reaches a rank just
+    /// after it starts the step before, too late to ask for it then; with
+    /// one more queued, the next step's soft labels are asked for a whole
+    /// step ahead. (A launched program asks its teachers itself.)
     pub(super) fn windows_ahead(&self) -> usize {
-        if self.told.teachers.is_some() { AHEAD + 1 } else { AHEAD }
+        let builtin = matches!(self.cfg.spec.program, crate::job::spec::Program::Builtin(_));
+        if builtin && self.told.teachers.is_some() { AHEAD + 1 } else { AHEAD }
     }
 
     pub(super) fn window_len(&self) -> u64 {

@@ -1111,6 +1111,36 @@ mod tests {
     use super::*;
 
     #[test]
+    fn students_take_the_pool_s_sealed_settings_and_ignore_forged_ones() {
+        let secret = edl_host_gpu::comm::auth::Secret::generate().unwrap();
+        let seal = crate::leader::seal::RecordKey::teacher_registrations(&secret);
+        let store = Arc::new(AnyStore::open("memory").unwrap());
+        let teachers = Teachers::Discovered { store, service: "svc".into(), key: seal.clone() };
+        let mut p =
+            Pipeline::new(DistillConfig { in_flight_per_teacher: 4, ..DistillConfig::default() }, teachers);
+        let key = keys::teacher_pool("svc");
+        let settings = |n: u32| serde_json::to_vec(&PoolSettings { in_flight_per_teacher: n }).unwrap();
+        let entry = |value: Vec<u8>| crate::store::Entry { key: key.clone(), value, token: 1 };
+        p.teacher_changed(Change::Added(entry(seal.seal(&key, &settings(12)))));
+        assert_eq!(p.cfg.in_flight_per_teacher, 12, "the pool's setting is taken");
+        // Written without the job's key, or under another key's seal: ignored.
+        p.teacher_changed(Change::Updated(entry(settings(1))));
+        let other = crate::leader::seal::RecordKey::teacher_registrations(
+            &edl_host_gpu::comm::auth::Secret::generate().unwrap(),
+        );
+        p.teacher_changed(Change::Updated(entry(other.seal(&key, &settings(2)))));
+        p.teacher_changed(Change::Updated(entry(seal.seal(&keys::teacher("svc", "x"), &settings(3)))));
+        assert_eq!(p.cfg.in_flight_per_teacher, 12, "forged settings are ignored");
+        // Out of range: clamped.
+        p.teacher_changed(Change::Updated(entry(seal.seal(&key, &settings(1000)))));
+        assert_eq!(p.cfg.in_flight_per_teacher, 64);
+        // The settings are not taken for a teacher, nor their removal for one leaving.
+        assert!(p.pool.is_empty());
+        p.teacher_changed(Change::Removed(key.clone()));
+        assert_eq!(p.cfg.in_flight_per_teacher, 64);
+    }
+
+    #[test]
     fn a_failing_teacher_rests_longer_after_each_failure_up_to_a_cap() {
         let ms = |v: u64| Duration::from_millis(v);
         let got: Vec<Duration> = (1..=7).map(|n| backoff(ms(2000), n)).collect();

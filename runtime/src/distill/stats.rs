@@ -57,18 +57,19 @@ impl Reading {
             busy_ns: 0,
         };
         for m in stats {
-            r.rows += m.inference_count;
+            r.rows = r.rows.saturating_add(m.inference_count);
             if let Some(s) = &m.inference_stats {
                 let add = |t: &mut Tally, d: Option<&pb::StatisticDuration>| {
                     let d = Tally::of(d);
-                    t.count += d.count;
-                    t.ns += d.ns;
+                    t.count = t.count.saturating_add(d.count);
+                    t.ns = t.ns.saturating_add(d.ns);
                 };
                 add(&mut r.success, s.success.as_ref());
                 add(&mut r.fail, s.fail.as_ref());
                 add(&mut r.queue, s.queue.as_ref());
             }
-            r.busy_ns += m.batch_stats.iter().map(|b| Tally::of(b.compute_infer.as_ref()).ns).sum::<u64>();
+            let busy = m.batch_stats.iter().map(|b| Tally::of(b.compute_infer.as_ref()).ns);
+            r.busy_ns = busy.fold(r.busy_ns, u64::saturating_add);
         }
         r
     }

@@ -100,13 +100,13 @@ impl World {
     }
 
     /// The runtime's command-line flag that loads a plugin of this world
-    /// into a job; `None` for a teacher policy, which no job runs yet.
+    /// into a job.
     pub fn run_flag(self) -> Option<&'static str> {
         match self {
             World::ScalingPolicy => Some("--policy"),
             World::BatchAdapter => Some("--adapter"),
             World::ReaderTransform => Some("--transform"),
-            World::TeacherPolicy => None,
+            World::TeacherPolicy => Some("--teacher-policy"),
         }
     }
 

@@ -114,14 +114,15 @@ pub fn new_plugin(
     };
     let lib = name.replace('-', "_");
     let (body, bench_fn, description) = template(world);
+    // A teacher pool needs its bounds and a shared store beside the policy.
+    let pool =
+        if world == World::TeacherPolicy { "--store redis://127.0.0.1:6379 --max-teachers 4 " } else { "" };
     let run = match world.run_flag() {
         Some(flag) => format!(
-            "Run it with the runtime, without rebuilding the runtime:\n\n    edl-runtime {flag} \
+            "Run it with the runtime, without rebuilding the runtime:\n\n    edl-runtime {pool}{flag} \
              target/wasm32-wasip2/release/{lib}.wasm\n"
         ),
-        None => "The runtime does not run teacher policies in a job yet (the teacher pool's \
-                 controller that will call them is being built); `plugin inspect` below loads it.\n"
-            .to_string(),
+        None => "`plugin inspect` below loads it.\n".to_string(),
     };
     let fill = |t: &str| {
         t.replace("{{crate}}", name)

@@ -53,6 +53,12 @@ fn call<T>(
         .map_err(|e| anyhow!("{what}: {e}"))
 }
 
+/// Most of an ended worker's log kept: its last lines, at most so many bytes.
+const LOG_LINES: i64 = 20_000;
+const LOG_KEPT: i64 = 16 << 20;
+/// Times an ended worker's log is asked for before its Pod is left as it is.
+const LOG_TRIES: u32 = 3;
+
 /// Where the secret is mounted in a worker's Pod.
 const SECRET_DIR: &str = "/run/edl";
 /// The label every worker Pod of a job carries (its value: the job).
@@ -298,6 +304,8 @@ pub struct KubernetesScaler {
     /// Where ended workers' logs are kept (`worker-<id>.log`), and those kept.
     log_dir: PathBuf,
     logs: BTreeMap<u64, PathBuf>,
+    /// Ended workers whose log could not be kept yet: their Pod, and tries.
+    log_retries: BTreeMap<u64, (String, ObjectMeta, u32)>,
     polled: Option<Instant>,
     /// The API server did not answer: asked again after a pause.
     quiet: crate::process::Backoff,
@@ -334,6 +342,7 @@ impl KubernetesScaler {
             exited: Vec::new(),
             log_dir: log_dir.to_path_buf(),
             logs: BTreeMap::new(),
+            log_retries: BTreeMap::new(),
             polled: None,
             quiet: Default::default(),
         })
@@ -379,7 +388,7 @@ impl KubernetesScaler {
 
     /// Asks the API where the workers' Pods stand (at most once a second).
     fn poll(&mut self) {
-        if self.pods.is_empty()
+        if self.pods.is_empty() && self.log_retries.is_empty()
             || self.polled.is_some_and(|t| t.elapsed() < Duration::from_secs(1))
             || !self.quiet.open()
         {
@@ -387,6 +396,10 @@ impl KubernetesScaler {
         }
         self.polled = Some(Instant::now());
         let Ok((api, _)) = self.api() else { return };
+        self.retry_logs(&api);
+        if self.pods.is_empty() {
+            return;
+        }
         let selector = format!("{JOB_LABEL}={}", job_label(&self.job));
         let listed = match call(
             &self.rt,
@@ -419,11 +432,10 @@ impl KubernetesScaler {
     /// person to read, and the log message says so.
     fn keep_log_and_delete(&mut self, api: &Api<Pod>, id: u64, name: &str, meta: &ObjectMeta) {
         let path = self.log_dir.join(format!("worker-{id}.log"));
-        let text = call(
-            &self.rt,
-            &format!("reading the log of the Pod {name}"),
-            api.logs(name, &LogParams::default()),
-        );
+        // Its last lines, bounded: what a person reads after a crash.
+        let params =
+            LogParams { tail_lines: Some(LOG_LINES), limit_bytes: Some(LOG_KEPT), ..LogParams::default() };
+        let text = call(&self.rt, &format!("reading the log of the Pod {name}"), api.logs(name, &params));
         let kept = text.and_then(|t| {
             std::fs::create_dir_all(&self.log_dir)
                 .and_then(|()| std::fs::write(&path, t))
@@ -434,7 +446,30 @@ impl KubernetesScaler {
                 self.logs.insert(id, path);
                 self.delete_checked(api, name, meta, DeleteParams::default());
             }
-            Err(e) => tracing::warn!("kubernetes: {e:#}; the Pod is left for its log"),
+            Err(e) => {
+                let tries = self.log_retries.get(&id).map_or(1, |r| r.2 + 1);
+                if tries < LOG_TRIES {
+                    tracing::warn!("kubernetes: {e:#}; tried again at the next look");
+                    self.log_retries.insert(id, (name.to_string(), meta.clone(), tries));
+                } else {
+                    self.log_retries.remove(&id);
+                    tracing::warn!("kubernetes: {e:#}; the Pod is left for its log");
+                }
+            }
+        }
+    }
+
+    /// Ended workers' Pods whose log could not be kept at the last look:
+    /// tried again.
+    fn retry_logs(&mut self, api: &Api<Pod>) {
+        let again: Vec<(u64, (String, ObjectMeta, u32))> =
+            std::mem::take(&mut self.log_retries).into_iter().collect();
+        for (id, (name, meta, tries)) in again {
+            self.log_retries.insert(id, (name.clone(), meta.clone(), tries));
+            self.keep_log_and_delete(api, id, &name, &meta);
+            if self.logs.contains_key(&id) {
+                self.log_retries.remove(&id);
+            }
         }
     }
 
@@ -935,5 +970,13 @@ mod tests {
         assert_eq!(s.exited().len(), 1);
         assert!(api.heard("DELETE").is_empty(), "deleted with its log lost");
         assert_eq!(s.log_of(2), None);
+        // Asked again at the next looks, then left for good.
+        for _ in 0..4 {
+            s.polled = None;
+            assert!(s.exited().is_empty());
+        }
+        let reads = api.heard("GET").iter().filter(|l| l.contains("/log")).count();
+        assert_eq!(reads, LOG_TRIES as usize, "the log is asked for {LOG_TRIES} times");
+        assert!(api.heard("DELETE").is_empty() && s.log_retries.is_empty());
     }
 }

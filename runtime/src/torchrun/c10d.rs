@@ -9,9 +9,11 @@
 //! it through a [`Bridge`]: an endpoint on the host's loopback speaking
 //! torch's TCPStore protocol, which it forwards over the sealed channel.
 //! The ranks are told `MASTER_ADDR=127.0.0.1` and the bridge's port, and
-//! `TORCHELASTIC_USE_AGENT_STORE=True`, so no rank starts a store of its own.
-//! Nothing for the store listens beyond loopback; the bridge serves only
-//! connections of the job's own user.
+//! `TORCHELASTIC_USE_AGENT_STORE=True`, so no rank starts a store of its own
+//! (a program that starts one itself at `MASTER_PORT` finds it taken).
+//! What listens beyond loopback is edl's sealed store alone; the bridge
+//! serves only connections of the job's own user in the host's network
+//! namespace (the kernel's socket tables name each connection's owner).
 //!
 //! The protocol is torch's (`TCPStoreBackend`): a one-byte request code,
 //! keys and values as a u64 length and their bytes, numbers in the host's
@@ -98,6 +100,8 @@ const WAIT_CANCELED: u8 = 1;
 const MAX_VALUE: u64 = 16 << 20;
 /// Most keys one request may name (the store's own bound).
 const MAX_KEYS: u64 = 4096;
+/// Most bytes one answer may hold (a MULTI_GET of many large values).
+const MAX_ANSWER: usize = 64 << 20;
 /// How long the store may take to answer a request that waits for nothing.
 const STORE_TIMEOUT: Duration = Duration::from_secs(60);
 /// A wait is asked of the store in slices this long, so that a rank's
@@ -121,13 +125,25 @@ impl Bridge {
         let still = open.clone();
         let connections = Arc::new(AtomicU64::new(0));
         std::thread::Builder::new().name("edl-c10d-bridge".into()).spawn(move || {
+            let mut refused = 0u64;
             for conn in listener.incoming() {
                 if !still.load(Ordering::SeqCst) {
                     return;
                 }
-                let Ok(conn) = conn else { continue };
+                let conn = match conn {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Out of descriptors and the like: wait for some to close.
+                        eprintln!("c10d store of group {group}: accept: {e}");
+                        std::thread::sleep(Duration::from_millis(100));
+                        continue;
+                    }
+                };
                 if let Err(e) = only_our_user(&conn, addr) {
-                    eprintln!("c10d store of group {group}: {e}");
+                    refused += 1;
+                    if refused.is_power_of_two() {
+                        eprintln!("c10d store of group {group}: {e} ({refused} refused so far)");
+                    }
                     continue;
                 }
                 let who = connections.fetch_add(1, Ordering::SeqCst);
@@ -161,7 +177,17 @@ fn only_our_user(conn: &TcpStream, ours: SocketAddr) -> Result<()> {
     let peer = conn.peer_addr()?;
     // SAFETY: geteuid has no preconditions and cannot fail.
     let me = unsafe { libc::geteuid() };
-    match socket_owner(peer, ours) {
+    // The tables are read in pieces while sockets come and go: a row can be
+    // missed once, so it is looked for again before the connection is refused.
+    let mut owner = socket_owner(peer, ours);
+    for _ in 0..2 {
+        if owner.is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        owner = socket_owner(peer, ours);
+    }
+    match owner {
         Some(uid) if uid == me => Ok(()),
         Some(uid) => bail!(
             "refused a connection from {peer} of uid {uid}: only uid {me}, the job's, may use its store"
@@ -191,8 +217,12 @@ fn socket_owner(local: SocketAddr, remote: SocketAddr) -> Option<u32> {
         .find_map(|(table, local, remote)| {
             let table = std::fs::read_to_string(table).ok()?;
             table.lines().skip(1).find_map(|line| {
+                // Established connections only (state 01): a closing socket's
+                // row may name another owner.
                 let f: Vec<&str> = line.split_whitespace().collect();
-                (f.len() > 7 && f[1] == local && f[2] == remote).then(|| f[7].parse().ok()).flatten()
+                (f.len() > 7 && f[1] == local && f[2] == remote && f[3] == "01")
+                    .then(|| f[7].parse().ok())
+                    .flatten()
             })
         })
 }
@@ -263,6 +293,9 @@ impl Forward {
             query::MULTI_GET => {
                 for k in self.keys()? {
                     put_bytes(&mut out, &self.get(&k)?);
+                    if out.len() > MAX_ANSWER {
+                        bail!("a rank's MULTI_GET asked for more than {MAX_ANSWER} bytes");
+                    }
                 }
             }
             query::MULTI_SET => {

@@ -223,12 +223,19 @@ impl Ranks {
             format!("{}: cannot create the group's log directory", place.log_dir.display())
         })?;
         let (exe, args) = command.split_first().context("no program to launch")?;
-        let at = format!("{}:{}", place.master_addr, place.master_port);
-        let store_addr = at
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut a| a.next())
-            .with_context(|| format!("the group's store address {at} does not resolve"))?;
+        let store_addr = match place.master_addr.parse::<std::net::IpAddr>() {
+            Ok(ip) => std::net::SocketAddr::new(ip, place.master_port),
+            Err(_) => (place.master_addr.as_str(), place.master_port)
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut a| a.next())
+                .with_context(|| {
+                    format!(
+                        "the group's store address {}:{} does not resolve",
+                        place.master_addr, place.master_port
+                    )
+                })?,
+        };
         let bridge = Bridge::start(store_addr, store.clone(), place.group)?;
         let mut ranks = Vec::new();
         for local in 0..place.nproc {

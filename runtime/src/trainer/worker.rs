@@ -433,6 +433,7 @@ impl BuiltinWorker {
     /// loss summed and divided by the step's global rows.
     fn compute(&mut self, session: &Session, step: &Step, trainer: &mut Trainer) -> Result<f64> {
         let mut loss = 0.0;
+        self.waited_ms = 0.0;
         if !step.indices.is_empty() {
             let (x, y, soft) = self.read(session, step)?;
             if let Some(r) = &self.read_ahead {

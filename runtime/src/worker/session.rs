@@ -572,6 +572,8 @@ impl Session {
                 self.snapshot(state)?;
             }
             self.current = Some(s.clone());
+            // A wait told of a step that failed is not this one's.
+            self.teacher_wait_ms = 0.0;
             return Ok(Event::Step(s));
         }
     }

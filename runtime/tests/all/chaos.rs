@@ -180,15 +180,22 @@ fn a_worker_stopped() {
     assert!(!said.contains("restarting from the newest checkpoint"), "no committed step lost: {said}");
 }
 
-/// A coordinator struck (`strike`) under a standby on Redis: the standby
-/// finishes the job from the store and the checkpoints.
-fn coordinator_under_standby(strike: &str) -> (tempfile::TempDir, String) {
-    let redis = RedisServer::start();
+/// Where two coordinators of one job run (`a`, `b`) and the checkpoint
+/// directory they share, in a new temporary directory.
+fn two_coordinators() -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let (a, b) = (dir.path().join("a"), dir.path().join("b"));
     std::fs::create_dir_all(&a).unwrap();
     std::fs::create_dir_all(&b).unwrap();
     let ckpt = dir.path().join("checkpoints");
+    (dir, a, b, ckpt)
+}
+
+/// A coordinator struck (`strike`) under a standby on Redis: the standby
+/// finishes the job from the store and the checkpoints.
+fn coordinator_under_standby(strike: &str) -> (tempfile::TempDir, String) {
+    let redis = RedisServer::start();
+    let (dir, a, b, ckpt) = two_coordinators();
     let shared = ["--checkpoint-dir", ckpt.to_str().unwrap()];
     let url = redis.url();
     let active = Running::start(&a, &url, &shared);
@@ -243,11 +250,7 @@ fn faketime_or_skip() -> Option<&'static str> {
 fn the_wall_clock_stepped_under_a_standby() {
     let Some(faketime) = faketime_or_skip() else { return };
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
-    std::fs::create_dir_all(&a).unwrap();
-    std::fs::create_dir_all(&b).unwrap();
-    let ckpt = dir.path().join("checkpoints");
+    let (dir, a, b, ckpt) = two_coordinators();
     let shared = ["--checkpoint-dir", ckpt.to_str().unwrap()];
     let url = redis.url();
     // The coordinator and its workers (one host) read the wall clock

@@ -306,7 +306,7 @@ fn a_torchrun_ddp_script_runs_across_hosts_and_a_dead_host_restarts_the_group_on
     // A stranger on another host who knows where the group's store is
     // gets nothing from it with torch's own client.
     let started = seen.iter().find(|l| l.starts_with("group     0:")).cloned().unwrap_or_default();
-    let master = started.split("master ").nth(1).and_then(|m| m.split(',').next()).unwrap_or_default();
+    let master = started.split("store ").nth(1).and_then(|m| m.split([',', ' ']).next()).unwrap_or_default();
     let (host, port) = master.rsplit_once(':').expect("the group's line names its store");
     assert_eq!(host, b, "the store is on group rank 0's host: {started}");
     let stranger = "import datetime, sys, torch.distributed as dist\n\
