@@ -30,7 +30,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use edl_benches::{median, release_runtime as runtime};
+use edl_benches::{RedisServer, median, release_runtime as runtime};
 
 /// Lines of a child's stdout and stderr as they come, each with when it was read.
 fn lines(child: &mut Child) -> mpsc::Receiver<(Instant, String)> {
@@ -82,32 +82,6 @@ fn last_commit(seen: &[String]) -> u64 {
         .rev()
         .find_map(|l| l.split("committed step ").nth(1).and_then(|n| n.trim().parse().ok()))
         .expect("the killed coordinator logged its commits")
-}
-
-struct RedisServer(Child);
-
-impl RedisServer {
-    fn start() -> (RedisServer, String) {
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server (apt-get install redis-server)");
-        let until = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < until, "redis-server did not listen");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        (RedisServer(child), format!("redis://127.0.0.1:{port}/"))
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// A coordinator of job `job` in `dir` (its checkpoints in `dir/checkpoints`).

@@ -1,7 +1,12 @@
 //! Criterion benchmarks across the edl crates live in `benches/`; this
 //! library holds what several of them share.
 
-use std::path::{Path, PathBuf};
+use std::{
+    net::TcpListener,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
 
 /// The median of `v` (the upper one of an even count).
 pub fn median(mut v: Vec<f64>) -> f64 {
@@ -30,4 +35,33 @@ pub fn steady_step_secs(report: &Path) -> f64 {
     assert!(secs.len() >= 3, "{}: too few steps to measure", report.display());
     let k0 = secs.len() / 5;
     (secs[secs.len() - 1] - secs[k0]) / (secs.len() - 1 - k0) as f64
+}
+
+/// A `redis-server` of a bench's own on a free loopback port, stopped when
+/// dropped.
+pub struct RedisServer(Child);
+
+impl RedisServer {
+    /// Starts one; returns it and its URL.
+    pub fn start() -> (RedisServer, String) {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server (apt-get install redis-server)");
+        let until = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < until, "redis-server did not listen");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        (RedisServer(child), format!("redis://127.0.0.1:{port}/"))
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

@@ -132,10 +132,14 @@ impl TeacherAutoscale {
         if scale_out {
             teachers = teachers.max(ceil(count as f64 * planned as f64 / now as f64));
         }
-        if waiting && utilisation > self.busy {
+        // A teacher without a whole window of statistics started since the
+        // last look: the window does not show what it adds yet, so the pool
+        // waits for it before growing again (no overshoot after a growth).
+        let complete = view.teachers.len() as u32 >= count;
+        if waiting && complete && utilisation > self.busy {
             let grown = ceil(count as f64 * (1.0 + view.wait_share.min(1.0))).max(count.saturating_add(1));
             teachers = teachers.max(grown);
-        } else if waiting && in_flight < MAX_IN_FLIGHT {
+        } else if waiting && complete && in_flight < MAX_IN_FLIGHT {
             raised = in_flight.saturating_mul(2).min(MAX_IN_FLIGHT);
         }
 

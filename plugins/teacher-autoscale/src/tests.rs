@@ -207,3 +207,16 @@ fn teachers_whose_use_is_unknown_are_not_shrunk() {
     view.teachers = vec![edl_plugin_sdk::TeacherStats { id: 0, utilisation: 0.01, ..Default::default() }];
     assert_eq!(p.decide(&view).teachers, 2, "idle teachers, known so: shrink");
 }
+
+#[test]
+fn a_teacher_without_a_whole_window_yet_is_waited_for_before_growing_again() {
+    let mut p = policy(&[]);
+    // Three teachers, one just started (no statistics yet), students waiting
+    // on the two that are busy: no growth, no more in flight.
+    let mut v = teacher_view(3, 1, 8).wait_share(0.4).utilisation(0.95).build();
+    v.teachers.truncate(2);
+    assert_eq!(p.decide(&v), plan(3, 4));
+    // A look later, all three have a window: busy and waited on, it grows.
+    let v = teacher_view(3, 1, 8).wait_share(0.4).utilisation(0.95).build();
+    assert_eq!(p.decide(&v).teachers, 5);
+}

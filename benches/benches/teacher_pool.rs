@@ -1,0 +1,117 @@
+//! The seeds' table on this machine: the students' throughput with no
+//! teachers, with fixed pools of 1, 2 and 4 teachers, and with the pool the
+//! shipped teacher policy sizes (starting from 1), in one run, each against
+//! the first. Teachers emulate an accelerator (`--teacher-emulate-row-us`:
+//! a sleep per row, one batch at a time), so that the pool's size and not
+//! the two cores sets their pace; the students' steps take a fixed
+//! `--step-delay-ms` for the same reason.
+//!
+//!     cargo build --release -p edl-runtime && cargo bench -p edl-benches --bench teacher_pool
+//!
+//! For each row: committed samples per second over the steady part of the
+//! job (from the report's timeline), its ratio to pure training, the
+//! teacher-seconds it used (the pool's size over the job's training time,
+//! from the report's teacher events), and for the policy's pool its
+//! changes. Needs `redis-server` (the pool's students find teachers there).
+
+use edl_benches::{RedisServer, release_runtime as runtime, steady_step_secs};
+use std::{path::Path, process::Command};
+
+/// Rows of each student's share a step, and the students.
+const LOCAL_BATCH: u32 = 64;
+const STUDENTS: u32 = 2;
+/// Emulated time a teacher takes a row, and a student's step.
+const ROW_US: &str = "250";
+const STEP_MS: &str = "20";
+
+/// One job of the table: its flags beyond the common ones.
+struct Row {
+    name: &'static str,
+    flags: Vec<String>,
+}
+
+fn rows() -> Vec<Row> {
+    let fixed = |n: u32| Row { name: "", flags: vec!["--teachers".into(), n.to_string()] };
+    let mut out = vec![Row { name: "pure training (no teachers)", flags: vec!["--no-distill".into()] }];
+    for (n, name) in [(1, "service, 1 teacher"), (2, "service, 2 teachers"), (4, "service, 4 teachers")] {
+        out.push(Row { name, ..fixed(n) });
+    }
+    let policy = edl_plugin_artifacts::TEACHER_AUTOSCALE_WASM;
+    out.push(Row {
+        name: "service, the policy's pool (from 1, up to 4)",
+        flags: [
+            "--teachers",
+            "1",
+            "--max-teachers",
+            "4",
+            "--teacher-decide-secs",
+            "1",
+            "--teacher-policy",
+            policy,
+            "--teacher-policy-config",
+            "busy=0.75",
+        ]
+        .map(String::from)
+        .to_vec(),
+    });
+    out
+}
+
+/// Runs one job; returns (samples/s, teacher-seconds, the pool's changes).
+fn run(dir: &Path, store: &str, row: &Row, job: &str) -> (f64, f64, Vec<String>) {
+    let report = dir.join(format!("{job}.json"));
+    let global = (LOCAL_BATCH * STUDENTS).to_string();
+    let w = STUDENTS.to_string();
+    let status = Command::new(runtime())
+        .current_dir(dir)
+        .args(["--store", store, "--job", job, "--epochs", "12", "--batch", &global])
+        .args(["--workers", &w, "--min-workers", &w, "--max-workers", &w, "--step-delay-ms", STEP_MS])
+        .args(["--teacher-emulate-row-us", ROW_US, "--teacher-hidden", "256", "--teacher-epochs", "3"])
+        .args(&row.flags)
+        .arg("--report")
+        .arg(&report)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("edl-runtime");
+    assert!(status.success(), "{}: the job failed", row.name);
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let per_sec = (LOCAL_BATCH * STUDENTS) as f64 / steady_step_secs(&report);
+    let secs = r["train_secs"].as_f64().unwrap_or(0.0);
+    let events = r["teacher_events"].as_array().cloned().unwrap_or_default();
+    let start: f64 = match row.flags.iter().position(|f| f == "--teachers") {
+        Some(i) => row.flags[i + 1].parse().unwrap(),
+        None => 0.0,
+    };
+    // The pool's size over time, from its changes (seconds since its start,
+    // which is within a second of training's).
+    let (mut size, mut at, mut used) = (start, 0.0, 0.0);
+    let mut changes = Vec::new();
+    for e in &events {
+        let t = e["secs"].as_f64().unwrap_or(0.0).min(secs);
+        used += size * (t - at);
+        (size, at) = (e["to"].as_f64().unwrap_or(size), t);
+        changes.push(format!("{} -> {} at {:.1} s", e["from"], e["to"], t));
+    }
+    used += size * (secs - at).max(0.0);
+    (per_sec, used, changes)
+}
+
+fn main() {
+    let (_redis, store) = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    println!(
+        "{STUDENTS} students of {LOCAL_BATCH} rows a step of {STEP_MS} ms; teachers emulating {ROW_US} us a row"
+    );
+    println!("{:<46} {:>10} {:>8} {:>16}  pool", "", "samples/s", "ratio", "teacher-seconds");
+    let mut base = None;
+    for (i, row) in rows().iter().enumerate() {
+        let (per_sec, used, changes) = run(dir.path(), &store, row, &format!("bench-{i}"));
+        let b = *base.get_or_insert(per_sec);
+        println!(
+            "{:<46} {per_sec:>10.0} {:>7.2}x {used:>16.1}  {}",
+            row.name,
+            per_sec / b,
+            changes.join(", ")
+        );
+    }
+}
