@@ -61,6 +61,11 @@ pub struct TeacherArgs {
     /// only hold more before reading them.
     #[arg(long, value_name = "ROWS", default_value_t = 4096, help_heading = "Batching")]
     max_request_rows: usize,
+    /// When told to stop (SIGTERM, Ctrl-C): seconds it goes on serving once
+    /// deregistered, for students to stop sending to it (they look at the
+    /// store every 200 ms), before it finishes what it holds and exits.
+    #[arg(long, value_name = "SECS", default_value_t = 1.0, help_heading = "Registration")]
+    drain_secs: f64,
     /// Emulate an accelerator: each batch also takes this many microseconds
     /// per row, one batch at a time (a sleep, not compute: for measuring
     /// pools of teachers on a machine without their devices).
@@ -192,12 +197,13 @@ async fn serve(
         };
         println!("teacher {:?} serving KServe v2 REST on {scheme}://{at}", args.model_name);
     }
+    let drain = super::flags::secs(args.drain_secs, "drain-secs")?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
     }
-    tracing::info!("teacher on {}: stopping, deregistering", t.addr);
-    t.shutdown().await;
+    tracing::info!("teacher on {}: stopping: deregistered, serving for {:?} more", t.addr, drain);
+    t.drain_and_shutdown(drain).await;
     Ok(ExitCode::SUCCESS)
 }

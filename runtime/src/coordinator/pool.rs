@@ -6,8 +6,9 @@
 //! of the students' compute spent waiting for soft labels, and asks the
 //! teacher policy ([`PoolPolicy`]) how many teachers there should be. The
 //! answer is clamped to `--min-teachers..=--max-teachers`; teachers are
-//! started or stopped (a teacher told to go gets SIGTERM and deregisters;
-//! it is killed after a grace) through a [`TeacherLauncher`]. Students find the
+//! started or stopped (a teacher told to go gets SIGTERM, deregisters,
+//! serves on while students stop sending to it, then finishes what it holds)
+//! through a [`TeacherLauncher`]. Students find the
 //! teachers as they come and go through the job's store (their
 //! registrations), so a pool that changes size needs a shared store.
 //! Each change is a [`TeacherEvent`] in the report, with its reason.

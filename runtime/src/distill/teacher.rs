@@ -632,11 +632,21 @@ impl Teacher {
     }
 
     /// Deregisters, then stops serving (in-flight requests are finished).
-    pub async fn shutdown(mut self) {
+    pub async fn shutdown(self) {
+        self.drain_and_shutdown(Duration::ZERO).await
+    }
+
+    /// Deregisters, goes on serving for `drain` (students following the
+    /// store stop sending to it meanwhile, so none of their requests is
+    /// refused), then stops serving (in-flight requests are finished).
+    pub async fn drain_and_shutdown(mut self, drain: Duration) {
         if let Some(lease) = self.lease.take()
             && let Err(e) = lease.release().await
         {
             tracing::warn!("teacher {}: could not deregister: {e}", self.addr);
+        }
+        if !drain.is_zero() {
+            tokio::time::sleep(drain).await;
         }
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());

@@ -244,6 +244,7 @@ impl TeacherProcess {
 
 impl Drop for TeacherProcess {
     fn drop(&mut self) {
-        terminate(&mut self.child, Duration::from_secs(3));
+        // Longer than its drain (1 s) and the requests it then finishes.
+        terminate(&mut self.child, Duration::from_secs(5));
     }
 }

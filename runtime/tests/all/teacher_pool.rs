@@ -91,4 +91,15 @@ fn the_pool_shrinks_to_what_few_students_need_and_no_further() {
     let sizes: Vec<(u64, u64)> = events.iter().map(|e| (e.1, e.2)).collect();
     assert_eq!(sizes, vec![(3, 2), (2, 1)], "{events:?}\n{said}");
     assert!(events.iter().all(|e| e.3.contains("shrinks")), "{events:?}");
+    // The teachers that went drained first: no student's request to them failed.
+    let logs = d.join(".edl/pool/logs");
+    for e in std::fs::read_dir(&logs).unwrap().flatten() {
+        if e.file_name().to_string_lossy().starts_with("worker-") {
+            let log = std::fs::read_to_string(e.path()).unwrap();
+            assert!(log.contains("left; draining its"), "the student saw the teachers leave: {log}");
+            for failed in ["its requests go elsewhere", "no more requests go to it", "request task failed"] {
+                assert!(!log.contains(failed), "a request failed ({failed}): {log}");
+            }
+        }
+    }
 }
