@@ -102,6 +102,16 @@ pub struct StartedTeachers {
     pool: Option<crate::coordinator::pool::TeacherPool>,
 }
 
+impl Drop for StartedTeachers {
+    fn drop(&mut self) {
+        // Every teacher is told at once, so that they drain together; then
+        // each is waited for as it is dropped.
+        let mut all = self.processes.lock().unwrap_or_else(|e| e.into_inner());
+        all.iter_mut().for_each(TeacherProcess::ask_to_stop);
+        all.clear();
+    }
+}
+
 impl StartedTeachers {
     /// The pool that sizes the teachers, if the job has one (taken once).
     pub(crate) fn take_pool(&mut self) -> Option<crate::coordinator::pool::TeacherPool> {

@@ -235,6 +235,15 @@ impl TeacherProcess {
         Some(format!("teacher {} exited ({status}){}", self.addr, log_tail(&self.log, 3)))
     }
 
+    /// Tells the process to stop (SIGTERM: it deregisters and drains);
+    /// dropping it then waits for its exit.
+    pub fn ask_to_stop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            // SAFETY: signalling our own child by pid; it is not reaped yet.
+            unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        }
+    }
+
     /// Kills the process at once (as a crash would).
     pub fn kill(mut self) {
         let _ = self.child.kill();
