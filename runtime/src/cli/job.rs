@@ -57,6 +57,9 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     let starts_teachers = teachers.start.is_some();
     let mut job = Job::prepare(cfg, &dirs, secret_file, job_plugins, scaler, starts_teachers)?;
     println!("{header}");
+    if let Some(line) = &teachers.pool_line {
+        println!("{line}");
+    }
     if !args.state.restart
         && let Some(done) = coordinator::finished_here(&checkpoint_dir, &name)?
     {

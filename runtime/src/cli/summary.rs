@@ -59,6 +59,16 @@ pub(super) fn summarize(
         report.generations.0,
         report.generations.1
     );
+    if let (Some(first), Some(last)) = (report.teacher_events.first(), report.teacher_events.last()) {
+        let n = report.teacher_events.len();
+        let most = report.teacher_events.iter().map(|e| e.to).max().unwrap_or(last.to).max(first.from);
+        println!(
+            "          teacher pool: {} -> {} teachers in {n} change{} (at most {most})",
+            first.from,
+            last.to,
+            if n == 1 { "" } else { "s" }
+        );
+    }
     let bad: u64 = report.epochs.iter().map(|e| e.duplicates + e.missing).sum();
     println!(
         "          {} epochs, every sample exactly once: {}",

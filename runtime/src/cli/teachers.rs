@@ -31,6 +31,8 @@ pub(super) struct TeacherPlan {
     pub(super) source: Option<TeacherSource>,
     /// Teacher processes the job starts.
     pub(super) start: Option<TeacherStart>,
+    /// What sizes them, for the job's header (a pool's policy).
+    pub(super) pool_line: Option<String>,
 }
 
 impl TeacherPlan {
@@ -43,7 +45,7 @@ impl TeacherPlan {
         dirs: &JobDirs,
     ) -> Result<Self> {
         let d = &args.distillation;
-        let mut plan = TeacherPlan { source: None, start: None };
+        let mut plan = TeacherPlan { source: None, start: None, pool_line: None };
         if let Prepared::Builtin { student, .. } = work
             && student.pool.max_teachers.is_some()
         {
@@ -74,6 +76,8 @@ impl TeacherPlan {
                 _ => student.teacher_processes,
             };
             let pool = teacher_pool(host, student, args, store)?;
+            plan.pool_line = pool.as_ref().map(|(_, line)| line.clone());
+            let pool = pool.map(|(p, _)| p);
             let count = match &pool {
                 Some(p) => count.clamp(p.min, p.max),
                 None => count,
@@ -114,7 +118,7 @@ fn teacher_pool(
     student: &StudentArgs,
     args: &JobArgs,
     store: &str,
-) -> Result<Option<PoolStart>> {
+) -> Result<Option<(PoolStart, String)>> {
     let p = &student.pool;
     let Some(max) = p.max_teachers else { return Ok(None) };
     if p.min_teachers == 0 || max < p.min_teachers {
@@ -134,14 +138,24 @@ fn teacher_pool(
     let policy = host
         .load_teacher_policy(&path, &p.teacher_policy_config)
         .with_context(|| format!("--teacher-policy {}", p.teacher_policy.display()))?;
-    Ok(Some(PoolStart {
+    let info = policy.info();
+    let line = format!(
+        "teachers  a pool of {}..{max}, sized by {} {} ({}, {}) every {every:?}",
+        p.min_teachers,
+        info.name,
+        info.version,
+        path.display(),
+        policy.backend()
+    );
+    let start = PoolStart {
         policy: Box::new(policy),
         min: p.min_teachers,
         max,
         every,
         price_per_teacher_hour: p.price_per_teacher_hour,
         in_flight: args.distillation.teacher_calls.teacher_in_flight.min(64) as u32,
-    }))
+    };
+    Ok(Some((start, line)))
 }
 
 /// How the built-in student's teacher is trained: a wider model on hard labels.

@@ -69,6 +69,8 @@ fn the_pool_grows_while_students_wait_on_busy_teachers() {
     assert_eq!(events.last().map(|e| e.2), Some(3), "grown to the bound: {events:?}\n{said}");
     assert!(events[0].3.contains("students waited") && events[0].3.contains("busy"), "{events:?}");
     assert!(said.contains("teachers  step"), "the pool's changes are said as they happen: {said}");
+    assert!(said.contains("teachers  a pool of 1..3, sized by edl-plugin-teacher-autoscale"), "{said}");
+    assert!(said.contains("teacher pool: 1 -> 3 teachers in 2 changes (at most 3)"), "the summary: {said}");
     // Every teacher the pool started served: each one's log is there.
     let logs = std::fs::read_dir(d.join(".edl/pool/logs")).unwrap();
     let teachers = logs.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("teacher-")).count();
