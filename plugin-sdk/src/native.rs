@@ -94,14 +94,21 @@ impl<T> RawSlice<T> {
         RawSlice { ptr: std::ptr::null(), len: 0 }
     }
 
-    /// Views the slice.
+    /// Views the slice. A null, misaligned or impossibly long one (more
+    /// than `isize::MAX` bytes) is checked here and read as empty, whatever
+    /// the other side of the ABI sent.
     ///
     /// # Safety
-    /// `ptr` must point at `len` valid elements (or `len` must be 0).
+    /// A non-null, aligned `ptr` must point at `len` initialised elements
+    /// that outlive `'a` (what cannot be checked from here).
     pub unsafe fn as_slice<'a>(&self) -> &'a [T] {
-        if self.len == 0 || self.ptr.is_null() {
+        let aligned = (self.ptr as usize).is_multiple_of(std::mem::align_of::<T>());
+        let fits = self.len.checked_mul(std::mem::size_of::<T>()).is_some_and(|b| b <= isize::MAX as usize);
+        if self.len == 0 || self.ptr.is_null() || !aligned || !fits {
             &[]
         } else {
+            // SAFETY: non-null, aligned and of a size a slice may have (checked
+            // above); the elements' validity and lifetime are the caller's.
             unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
         }
     }
@@ -202,7 +209,8 @@ impl RawTeacherView {
     /// Overwrites `out` with this view, reusing `out`'s teacher list.
     ///
     /// # Safety
-    /// `teachers` must be valid for its length.
+    /// `teachers` must point at that many initialised statistics (its
+    /// null, alignment and size are checked by [`RawSlice::as_slice`]).
     pub unsafe fn fill(&self, out: &mut TeacherView) {
         out.step = self.step;
         out.wait_share = self.wait_share;
@@ -530,4 +538,23 @@ pub unsafe fn plugin_load_state<T>(
     // null pointer or 0 reads as empty, and a null handle is refused.
     let bytes = unsafe { RawSlice { ptr, len }.as_slice() };
     unsafe { with_instance::<T>(handle, |inst| load(&mut inst.plugin, bytes)) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_raw_slice_that_cannot_be_one_reads_as_empty() {
+        let v: Vec<u64> = vec![1, 2, 3];
+        // SAFETY: borrowed from a live Vec.
+        assert_eq!(unsafe { RawSlice::borrow(&v).as_slice() }, &[1, 2, 3]);
+        let misaligned = RawSlice::<u64> { ptr: (v.as_ptr() as usize + 1) as *const u64, len: 2 };
+        let huge = RawSlice::<u64> { ptr: v.as_ptr(), len: usize::MAX / 4 };
+        let null = RawSlice::<u64> { ptr: std::ptr::null(), len: 3 };
+        for s in [misaligned, huge, null] {
+            // SAFETY: each is refused by the checks before anything is read.
+            assert!(unsafe { s.as_slice() }.is_empty());
+        }
+    }
 }
