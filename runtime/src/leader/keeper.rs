@@ -349,8 +349,9 @@ impl Keeper {
                 Cmd::Flush(done) => {
                     // The state written, one more look at the store's
                     // leader: a change during the last renewal period is
-                    // news too.
-                    self.ask_leader().await;
+                    // news too, given longer to answer than a renewal's
+                    // look (a member may still be electing a leader).
+                    self.ask_leader(self.renew_every * 2).await;
                     let _ = done.send(());
                 }
             }
@@ -374,7 +375,7 @@ impl Keeper {
         match l.renew(&self.store).await {
             Ok(()) => {
                 *lock(&self.shared.term) = Some((l.confirmed, l.ttl));
-                self.ask_leader().await;
+                self.ask_leader(self.renew_every / 2).await;
             }
             Err(e) => {
                 let why = match &e {
@@ -394,9 +395,10 @@ impl Keeper {
         }
     }
 
-    /// Notes a change of the replicated store's leader, as an event.
-    async fn ask_leader(&mut self) {
-        let now = tokio::time::timeout(self.renew_every / 2, self.store.leader()).await.ok().flatten();
+    /// Notes a change of the replicated store's leader, as an event; a
+    /// store that does not answer `within` leaves what is known as it is.
+    async fn ask_leader(&mut self, within: Duration) {
+        let now = tokio::time::timeout(within, self.store.leader()).await.ok().flatten();
         if let (Some(was), Some(is)) = (&self.leader, &now)
             && was != is
         {

@@ -455,6 +455,12 @@ fn workers_follow_a_standby_that_takes_over_from_a_killed_coordinator_on_etcd_th
             let leader = etcd.leader().expect("an etcd leader");
             etcd.kill(leader);
             lost_leader = Some(leader);
+            // The two members left elect another before the job ends.
+            let elected = (0..600).any(|_| {
+                std::thread::sleep(Duration::from_millis(100));
+                etcd.leader().is_some_and(|l| l != leader)
+            });
+            assert!(elected, "the two etcd members left elected no leader in a minute");
         },
     );
     let _ = out.first.wait();
