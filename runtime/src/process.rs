@@ -109,7 +109,9 @@ impl Backoff {
 }
 
 /// Makes a child die with its parent (Linux); elsewhere a child notices the
-/// closed control connection and exits.
+/// closed control connection and exits. Linux sends the signal when the
+/// *thread* that spawned the child ends: a thread that may end before the
+/// process spawns through [`spawn_lasting`].
 pub fn die_with_parent(cmd: &mut Command) {
     #[cfg(target_os = "linux")]
     {
@@ -126,6 +128,34 @@ pub fn die_with_parent(cmd: &mut Command) {
     }
     #[cfg(not(target_os = "linux"))]
     let _ = cmd;
+}
+
+/// Spawns `cmd` from a thread that lasts as long as the process, so that a
+/// child made to [`die_with_parent`] outlives the thread asking for it
+/// (a pool's thread that ends first, say) and dies only with the process.
+pub fn spawn_lasting(cmd: Command) -> std::io::Result<Child> {
+    type Ask = (Command, std::sync::mpsc::Sender<std::io::Result<Child>>);
+    static SPAWNER: std::sync::OnceLock<std::sync::Mutex<std::sync::mpsc::Sender<Ask>>> =
+        std::sync::OnceLock::new();
+    let spawner = SPAWNER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Ask>();
+        let started = std::thread::Builder::new().name("edl-spawner".into()).spawn(move || {
+            for (mut cmd, reply) in rx {
+                let _ = reply.send(cmd.spawn());
+            }
+        });
+        if let Err(e) = started {
+            tracing::warn!("no spawner thread ({e}); children are spawned by the threads asking");
+        }
+        std::sync::Mutex::new(tx)
+    });
+    let (reply, answer) = std::sync::mpsc::channel();
+    let sent = spawner.lock().unwrap_or_else(|p| p.into_inner()).send((cmd, reply));
+    match sent {
+        Ok(()) => answer.recv().unwrap_or_else(|_| Err(std::io::Error::other("the spawner thread is gone"))),
+        // No spawner thread: this thread spawns it.
+        Err(std::sync::mpsc::SendError((mut cmd, _))) => cmd.spawn(),
+    }
 }
 
 /// Sends SIGTERM, waits up to `grace`, then SIGKILL.
@@ -358,6 +388,28 @@ pub fn signal_name(sig: i32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_child_spawned_lasting_outlives_the_thread_that_asked_for_it() {
+        let spawn = |lasting: bool| {
+            std::thread::spawn(move || {
+                let mut cmd = Command::new("sleep");
+                cmd.arg("30");
+                die_with_parent(&mut cmd);
+                if lasting { spawn_lasting(cmd) } else { cmd.spawn() }.unwrap()
+            })
+            .join()
+            .unwrap()
+        };
+        let (mut kept, mut lost) = (spawn(true), spawn(false));
+        // The asking threads are gone: the one spawned by its own thread is
+        // killed with it, the other lives on.
+        let died = lost.wait().unwrap();
+        assert_eq!(std::os::unix::process::ExitStatusExt::signal(&died), Some(libc::SIGKILL));
+        assert!(kept.try_wait().unwrap().is_none(), "the lasting child lives");
+        kept.kill().unwrap();
+        kept.wait().unwrap();
+    }
 
     #[test]
     fn a_program_that_answers_is_read_whole_with_its_input() {

@@ -171,6 +171,7 @@ async fn serve(
         teacher::Serving { advertise: args.advertise.clone(), access, ..teacher::Serving::on(args.listen) }
             .max_rows(args.max_request_rows, inputs);
     let rest = args.http_listen.map(|a| (a, service.clone(), token));
+    let counted = service.clone();
     let t = teacher::Teacher::serve(serving, service, registration).await?;
     println!(
         "teacher {:?} ({inputs} -> {outputs}) serving on {} as service {:?} (store {})",
@@ -204,6 +205,9 @@ async fn serve(
         _ = term.recv() => {}
     }
     tracing::info!("teacher on {}: stopping: deregistered, serving for {:?} more", t.addr, drain);
+    let at = t.advertised.clone();
     t.drain_and_shutdown(drain).await;
+    let (rows, requests, failed) = counted.served();
+    println!("teacher on {at}: served {rows} rows in {requests} requests ({failed} failed)");
     Ok(ExitCode::SUCCESS)
 }

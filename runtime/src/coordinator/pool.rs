@@ -19,6 +19,7 @@ use crate::distill::stats::{self, Reading};
 use anyhow::Result;
 use edl_plugin_sdk::{TeacherPlan, TeacherStats, TeacherView};
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use tonic::transport::Channel;
 
@@ -107,6 +108,10 @@ pub struct TeacherPool {
     target: u32,
     /// Starts held back after teachers kept exiting or failing to start.
     starts: Starts,
+    /// Each teacher's capacity (rows/s at full use, by `host:port`), as
+    /// measured, and as the students were last told it.
+    capacity: BTreeMap<String, f64>,
+    told_capacity: BTreeMap<String, f64>,
 }
 
 /// When teachers may be started: not while they keep exiting or failing
@@ -188,6 +193,8 @@ impl TeacherPool {
             rt,
             target: 0,
             starts: Starts::new(),
+            capacity: BTreeMap::new(),
+            told_capacity: BTreeMap::new(),
         };
         for addr in addrs {
             pool.adopt(addr);
@@ -242,6 +249,7 @@ impl TeacherPool {
         }
         let Some(students) = students else { return (None, Vec::new()) };
         let stats = self.read_stats();
+        self.measure_capacity(&stats);
         let view = self.view(&students, stats);
         let plan = match self.policy.decide(&view) {
             Ok(p) => p,
@@ -254,14 +262,19 @@ impl TeacherPool {
         };
         let mut said = Vec::new();
         let in_flight = plan.in_flight_per_teacher.clamp(1, 64);
-        if in_flight != self.in_flight {
-            match self.launcher.publish(PoolSettings { in_flight_per_teacher: in_flight }) {
+        let moved = capacity_moved(&self.told_capacity, &self.capacity);
+        if in_flight != self.in_flight || moved {
+            let settings = PoolSettings { in_flight_per_teacher: in_flight, capacity: self.capacity.clone() };
+            match self.launcher.publish(settings) {
                 Ok(()) => {
-                    said.push(format!(
-                        "students keep {in_flight} requests in flight at each teacher (were {})",
-                        self.in_flight
-                    ));
+                    if in_flight != self.in_flight {
+                        said.push(format!(
+                            "students keep {in_flight} requests in flight at each teacher (were {})",
+                            self.in_flight
+                        ));
+                    }
                     self.in_flight = in_flight;
+                    self.told_capacity = self.capacity.clone();
                 }
                 Err(e) => said.push(format!("the students could not be told the pool's settings: {e:#}")),
             }
@@ -377,6 +390,21 @@ impl TeacherPool {
         out
     }
 
+    /// Each teacher's capacity from its window: the rows it answered per
+    /// second of its model's compute. Measured only where it computed a
+    /// fifth of the window or more (an idle teacher's rate says little);
+    /// teachers gone are forgotten.
+    fn measure_capacity(&mut self, stats: &[TeacherStats]) {
+        let live: BTreeMap<u64, String> =
+            self.teachers.iter().map(|t| (t.id, crate::distill::reader::host_port(&t.addr))).collect();
+        self.capacity.retain(|at, _| live.values().any(|l| l == at));
+        for s in stats.iter().filter(|s| s.utilisation >= 0.2 && s.rows_per_sec > 0.0) {
+            if let Some(at) = live.get(&s.id) {
+                self.capacity.insert(at.clone(), s.rows_per_sec / s.utilisation.min(1.0));
+            }
+        }
+    }
+
     fn view(&self, students: &Students, teachers: Vec<TeacherStats>) -> TeacherView {
         TeacherView {
             step: students.step,
@@ -399,6 +427,13 @@ impl PoolPolicy for Box<dyn crate::plugin::TeacherPolicyPlugin> {
     fn decide(&mut self, view: &TeacherView) -> Result<TeacherPlan, String> {
         crate::plugin::TeacherPolicyPlugin::decide(self.as_mut(), view).map_err(|e| e.to_string())
     }
+}
+
+/// Whether the students' weights are worth changing: a teacher's capacity
+/// appeared, went, or moved by a quarter or more.
+fn capacity_moved(told: &BTreeMap<String, f64>, now: &BTreeMap<String, f64>) -> bool {
+    told.keys().ne(now.keys())
+        || told.iter().zip(now.values()).any(|((_, a), b)| (a - b).abs() >= 0.25 * a.abs().max(f64::EPSILON))
 }
 
 /// What the pool's thread reports: a change, and what it had to say.
@@ -679,6 +714,34 @@ mod tests {
         // Held back: later looks start nothing until the pause is over.
         assert_eq!(p.look(9, None), (None, Vec::new()));
         assert!(p.addrs().is_empty());
+    }
+
+    #[test]
+    fn capacities_are_measured_where_teachers_worked_and_told_when_they_move() {
+        let (mut p, _) = pool(vec![], Fake::default());
+        p.adopt("https://127.0.0.1:2".into());
+        let ids: Vec<u64> = p.teachers.iter().map(|t| t.id).collect();
+        let window = |id: u64, utilisation: f64, rows_per_sec: f64| TeacherStats {
+            id,
+            utilisation,
+            rows_per_sec,
+            ..Default::default()
+        };
+        // Half busy at 500 rows/s: 1000 rows/s at full use. The second
+        // teacher idled: its rate says nothing yet.
+        p.measure_capacity(&[window(ids[0], 0.5, 500.0), window(ids[1], 0.05, 10.0)]);
+        let want: BTreeMap<String, f64> = [("127.0.0.1:1".to_string(), 1000.0)].into();
+        assert_eq!(p.capacity, want);
+        assert!(capacity_moved(&BTreeMap::new(), &p.capacity), "a capacity appeared");
+        let mut moved = want.clone();
+        moved.insert("127.0.0.1:1".into(), 1200.0);
+        assert!(!capacity_moved(&want, &moved), "20% is not worth telling");
+        moved.insert("127.0.0.1:1".into(), 1300.0);
+        assert!(capacity_moved(&want, &moved), "30% is");
+        // A teacher that leaves the pool leaves the capacities.
+        p.teachers.retain(|t| t.id != ids[0]);
+        p.measure_capacity(&[]);
+        assert!(p.capacity.is_empty());
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //!
 //! - [`reader`]: the [`DistillReader`], the student's side: batches out to
 //!   the teachers alive, soft labels back, failures retried elsewhere.
+//! - [`assign`]: which teachers each student calls, weighted by capacity.
 //! - [`teacher`]: the teacher service (KServe v2 gRPC) and its registration.
 //! - [`rest`]: the teacher's KServe v2 HTTP/REST endpoint, next to gRPC.
 //! - [`rest_client`]: the reader's calls to teachers that speak REST.
@@ -11,9 +12,10 @@
 //! - [`oip`]: the Open Inference Protocol messages and tensor conversions
 //!   that both ends share.
 //!
-//! The dependencies run one way: `reader` uses `rest_client` and `oip`;
+//! The dependencies run one way: `reader` uses `assign`, `rest_client` and `oip`;
 //! `rest` uses `teacher` and `oip`; nothing here uses `reader`.
 
+pub mod assign;
 pub mod oip;
 pub mod reader;
 pub mod rest;

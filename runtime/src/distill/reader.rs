@@ -248,6 +248,8 @@ pub enum DistillError {
 /// The reader's handle: call [`DistillReader::next`] for each batch.
 pub struct DistillReader {
     rx: mpsc::Receiver<Result<Distilled, DistillError>>,
+    /// The student's rank and world size, for its share of the teachers.
+    place: tokio::sync::watch::Sender<Option<(usize, usize)>>,
 }
 
 impl DistillReader {
@@ -277,8 +279,23 @@ impl DistillReader {
             })
             .expect("spawn the source thread");
         let (tx, rx) = mpsc::channel(config.read_ahead.max(1));
-        tokio::spawn(Pipeline::new(config, teachers).run(batches_rx, tx));
-        DistillReader { rx }
+        let (place, placed) = tokio::sync::watch::channel(None);
+        let mut pipeline = Pipeline::new(config, teachers);
+        pipeline.placed = Some(placed);
+        tokio::spawn(pipeline.run(batches_rx, tx));
+        DistillReader { rx, place }
+    }
+
+    /// Tells the reader this student is `rank` of `world`: from then on it
+    /// calls its share of the teachers ([`super::assign::share`]), and the
+    /// others only while none of its own can take requests. A reader never
+    /// placed calls every teacher.
+    pub fn place(&self, rank: usize, world: usize) {
+        self.place.send_if_modified(|p| {
+            let changed = *p != Some((rank, world));
+            *p = Some((rank, world));
+            changed
+        });
     }
 
     /// The next batch with soft labels, in source order; None at the end.
@@ -294,6 +311,8 @@ struct Teacher {
     version: String,
     wire: Wire,
     outstanding: usize,
+    /// Requests this student sent it since its share last changed.
+    sent: u64,
     cool_until: Option<Instant>,
     /// Transient failures in a row (each doubles the cool-down, up to a cap).
     failures: u32,
@@ -394,6 +413,14 @@ struct Pipeline {
     source_done: bool,
     /// Since when work has waited without any teacher answering.
     stalled_since: Option<Instant>,
+    /// Where the student's rank and world size come from, and the last told.
+    placed: Option<tokio::sync::watch::Receiver<Option<(usize, usize)>>>,
+    place: Option<(usize, usize)>,
+    /// Each teacher's capacity (rows/s, by `host:port`), as the pool measured it.
+    capacity: BTreeMap<String, f64>,
+    /// This student's share of the teachers (by pool key) and their
+    /// weights; empty: every teacher.
+    assigned: BTreeMap<String, f64>,
 }
 
 type Outcome = (String, Piece, Result<Vec<f32>, (Failure, String)>);
@@ -685,6 +712,49 @@ impl Pipeline {
             next_out: 0,
             source_done: false,
             stalled_since: None,
+            placed: None,
+            place: None,
+            capacity: BTreeMap::new(),
+            assigned: BTreeMap::new(),
+        }
+    }
+
+    /// Works out this student's share of the teachers again (after the
+    /// pool, the capacities or the student's place changed); says a change.
+    fn reassign(&mut self) {
+        let Some((rank, world)) = self.place else { return };
+        let live: Vec<(String, f64)> = self
+            .pool
+            .values()
+            .filter(|t| !t.draining && t.refused.is_none())
+            .map(|t| {
+                let at = host_port(&t.addr);
+                let capacity = self.capacity.get(&at).copied().unwrap_or(0.0);
+                (t.addr.clone(), capacity)
+            })
+            .collect();
+        let assigned: BTreeMap<String, f64> =
+            super::assign::share(rank, world, &live).into_iter().map(|a| (a.addr, a.weight)).collect();
+        if assigned != self.assigned {
+            let list: Vec<String> = assigned.iter().map(|(a, w)| format!("{a} ({w:.2})")).collect();
+            tracing::info!(
+                "student {rank} of {world} calls {} of {} teachers: {}",
+                assigned.len(),
+                live.len(),
+                list.join(", ")
+            );
+            self.assigned = assigned;
+            self.pool.values_mut().for_each(|t| t.sent = 0);
+        }
+    }
+
+    /// Takes a new place told by the student, if there is one.
+    fn follow_place(&mut self) {
+        let Some(rx) = self.placed.as_ref() else { return };
+        let now = *rx.borrow();
+        if now != self.place {
+            self.place = now;
+            self.reassign();
         }
     }
 
@@ -711,6 +781,7 @@ impl Pipeline {
                         version: version.unwrap_or_default(),
                         wire,
                         outstanding: 0,
+                        sent: 0,
                         cool_until: None,
                         failures: 0,
                         draining: false,
@@ -720,6 +791,7 @@ impl Pipeline {
                         kind,
                     },
                 );
+                self.reassign();
             }
             Err(e) => tracing::warn!("teacher endpoint {spec:?} is not usable: {e}"),
         }
@@ -773,29 +845,37 @@ impl Pipeline {
 
     /// The teacher at `host:port` left (its registration is gone).
     fn remove_teacher(&mut self, host_port: &str) {
-        let at = |spec: &str| {
-            let (addr, _, _) = parse_endpoint(spec);
-            addr.split_once("://").map_or(addr.clone(), |(_, a)| a.to_string()) == host_port
-        };
-        for t in self.pool.values_mut().filter(|t| at(&t.addr)) {
+        for t in self.pool.values_mut().filter(|t| self::host_port(&t.addr) == host_port) {
             tracing::info!("teacher {} left; draining its {} requests", t.addr, t.outstanding);
             t.draining = true;
         }
+        self.reassign();
     }
 
-    /// The least-loaded teacher that may take a request now.
+    /// The teacher that takes the next request: of this student's share
+    /// while one of it is healthy, the one furthest behind its weight (so
+    /// each gets its part of the requests, however few are in flight);
+    /// else the least loaded of every teacher.
     fn pick(&mut self) -> Option<String> {
         let now = Instant::now();
         let limit = self.cfg.in_flight_per_teacher;
+        let healthy =
+            |t: &&Teacher| !t.draining && t.refused.is_none() && t.cool_until.is_none_or(|c| c <= now);
+        let own = |t: &&Teacher| self.assigned.contains_key(&t.addr);
+        let mine = !self.assigned.is_empty() && self.pool.values().filter(healthy).any(|t| own(&t));
+        let weight =
+            |t: &Teacher| if mine { self.assigned.get(&t.addr).copied().unwrap_or(1.0) } else { 1.0 };
         self.pool
             .values()
-            .filter(|t| {
-                !t.draining
-                    && t.refused.is_none()
-                    && t.outstanding < limit
-                    && t.cool_until.is_none_or(|c| c <= now)
+            .filter(healthy)
+            .filter(|t| !mine || own(t))
+            .filter(|t| t.outstanding < limit)
+            .min_by(|a, b| {
+                let load = |t: &Teacher| {
+                    if mine { (t.sent as f64 + 1.0) / weight(t) } else { t.outstanding as f64 }
+                };
+                load(a).total_cmp(&load(b))
             })
-            .min_by_key(|t| t.outstanding)
             .map(|t| t.addr.clone())
     }
 
@@ -823,6 +903,7 @@ impl Pipeline {
             let wanted = (self.cfg.io.input_name.clone(), self.cfg.io.output_name.clone());
             let t = self.pool.get_mut(&addr).expect("picked from the pool");
             t.outstanding += 1;
+            t.sent += 1;
             let ask = Ask {
                 wire: t.wire.clone(),
                 model: t.model.clone(),
@@ -884,12 +965,14 @@ impl Pipeline {
                 p.missing -= 1;
             }
             Err((kind, why)) => {
+                let mut reassign = false;
                 if let Some(t) = self.pool.get_mut(&addr) {
                     let what = format!("{addr} (model {:?}): {why}", t.model);
                     match kind {
                         Failure::Permanent if t.refused.is_none() => {
                             tracing::error!("teacher {what}; no more requests go to it");
                             t.refused = Some(what.clone());
+                            reassign = true;
                         }
                         Failure::Permanent => {}
                         Failure::Transient => {
@@ -909,6 +992,9 @@ impl Pipeline {
                         }
                     }
                     t.last_error = Some(what);
+                }
+                if reassign {
+                    self.reassign();
                 }
                 self.queue.push_front(piece);
             }
@@ -930,6 +1016,7 @@ impl Pipeline {
             if self.emit_finished(&out).await.is_break() {
                 return;
             }
+            self.follow_place();
             self.dispatch(&mut running);
             if let Err(e) = self.check_progress(running.is_empty()) {
                 let _ = out.send(Err(e)).await;
@@ -1066,6 +1153,10 @@ impl Pipeline {
     fn pool_settings(&mut self, settings: &[u8]) {
         match serde_json::from_slice::<PoolSettings>(settings) {
             Ok(s) => {
+                if s.capacity != self.capacity {
+                    self.capacity = s.capacity;
+                    self.reassign();
+                }
                 let n = (s.in_flight_per_teacher as usize).clamp(1, 64);
                 if n != self.cfg.in_flight_per_teacher {
                     tracing::debug!(
@@ -1082,9 +1173,23 @@ impl Pipeline {
 
 /// What a job's teacher pool tells its students through the store
 /// ([`keys::teacher_pool`], sealed with the registration key).
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+/// What the job's teacher pool tells its students.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PoolSettings {
     pub in_flight_per_teacher: u32,
+    /// Each teacher's capacity in rows per second (by `host:port`), as
+    /// measured: the weights of the students' shares.
+    #[serde(default)]
+    pub capacity: BTreeMap<String, f64>,
+}
+
+/// The `host:port` of a teacher endpoint (its scheme, model and output
+/// kind dropped).
+pub fn host_port(spec: &str) -> String {
+    let spec =
+        spec.rsplit_once('@').filter(|(_, k)| k.parse::<OutputKind>().is_ok()).map_or(spec, |(s, _)| s);
+    let (addr, _, _) = parse_endpoint(spec);
+    addr.split_once("://").map_or(addr.clone(), |(_, a)| a.to_string())
 }
 
 /// The next change to the teachers followed (never, when none are).
@@ -1119,7 +1224,9 @@ mod tests {
         let mut p =
             Pipeline::new(DistillConfig { in_flight_per_teacher: 4, ..DistillConfig::default() }, teachers);
         let key = keys::teacher_pool("svc");
-        let settings = |n: u32| serde_json::to_vec(&PoolSettings { in_flight_per_teacher: n }).unwrap();
+        let settings = |n: u32| {
+            serde_json::to_vec(&PoolSettings { in_flight_per_teacher: n, capacity: BTreeMap::new() }).unwrap()
+        };
         let entry = |value: Vec<u8>| crate::store::Entry { key: key.clone(), value, token: 1 };
         p.teacher_changed(Change::Added(entry(seal.seal(&key, &settings(12)))));
         assert_eq!(p.cfg.in_flight_per_teacher, 12, "the pool's setting is taken");
@@ -1138,6 +1245,75 @@ mod tests {
         assert!(p.pool.is_empty());
         p.teacher_changed(Change::Removed(key.clone()));
         assert_eq!(p.cfg.in_flight_per_teacher, 64);
+    }
+
+    #[tokio::test]
+    async fn a_placed_student_calls_its_share_and_others_only_while_its_own_are_unhealthy() {
+        let cfg = DistillConfig { in_flight_per_teacher: 2, ..DistillConfig::default() };
+        let mut p = Pipeline::new(cfg, Teachers::Fixed(Vec::new()));
+        for t in ["10.0.0.1:9000", "10.0.0.2:9000"] {
+            p.add_teacher(t);
+        }
+        // Unplaced: every teacher, least loaded first.
+        p.pool.get_mut("10.0.0.1:9000").unwrap().outstanding = 1;
+        assert_eq!(p.pick().as_deref(), Some("10.0.0.2:9000"));
+        // Student 0 of 4 calls the first teacher only, busier or not.
+        let (tx, rx) = tokio::sync::watch::channel(Some((0, 4)));
+        p.placed = Some(rx);
+        p.follow_place();
+        assert_eq!(p.assigned.keys().collect::<Vec<_>>(), ["10.0.0.1:9000"]);
+        assert_eq!(p.pick().as_deref(), Some("10.0.0.1:9000"));
+        // Its own teacher full: it waits rather than open another connection.
+        p.pool.get_mut("10.0.0.1:9000").unwrap().outstanding = 2;
+        assert_eq!(p.pick(), None);
+        // Its own teacher cooling down after a failure: the other takes over.
+        p.pool.get_mut("10.0.0.1:9000").unwrap().cool_until = Some(Instant::now() + Duration::from_secs(60));
+        assert_eq!(p.pick().as_deref(), Some("10.0.0.2:9000"));
+        // Moved to rank 3: the second teacher is its own.
+        tx.send(Some((3, 4))).unwrap();
+        p.follow_place();
+        assert_eq!(p.assigned.keys().collect::<Vec<_>>(), ["10.0.0.2:9000"]);
+        // The pool's capacities weigh the shares: the first teacher three
+        // times the second takes three of the four students.
+        let settings = PoolSettings {
+            in_flight_per_teacher: 2,
+            capacity: [("10.0.0.1:9000".to_string(), 300.0), ("10.0.0.2:9000".to_string(), 100.0)].into(),
+        };
+        p.pool_settings(&serde_json::to_vec(&settings).unwrap());
+        assert_eq!(p.assigned.keys().collect::<Vec<_>>(), ["10.0.0.2:9000"], "rank 3 of 4");
+        tx.send(Some((2, 4))).unwrap();
+        p.follow_place();
+        assert_eq!(p.assigned.keys().collect::<Vec<_>>(), ["10.0.0.1:9000"], "rank 2 of 4");
+        // Weights are kept with one request in flight at a time: a student
+        // with a third of one teacher and two thirds of another sends them
+        // a third and two thirds of its requests.
+        let mut p = Pipeline::new(DistillConfig::default(), Teachers::Fixed(Vec::new()));
+        p.add_teacher("10.0.0.1:9000");
+        p.add_teacher("10.0.0.2:9000");
+        p.add_teacher("10.0.0.3:9000");
+        let (_tx, rx) = tokio::sync::watch::channel(Some((1, 4)));
+        p.placed = Some(rx);
+        p.follow_place();
+        let mut to = BTreeMap::<String, u32>::new();
+        for _ in 0..300 {
+            let t = p.pick().unwrap();
+            p.pool.get_mut(&t).unwrap().sent += 1;
+            *to.entry(t).or_default() += 1;
+        }
+        assert_eq!(to.values().copied().collect::<Vec<_>>(), [100, 200], "{to:?}");
+        let mut p = {
+            let mut p = Pipeline::new(DistillConfig::default(), Teachers::Fixed(Vec::new()));
+            p.add_teacher("10.0.0.1:9000");
+            p.add_teacher("10.0.0.2:9000");
+            p.placed = Some(tokio::sync::watch::channel(Some((2, 4))).1);
+            p.follow_place();
+            p.capacity = [("10.0.0.1:9000".to_string(), 300.0), ("10.0.0.2:9000".to_string(), 100.0)].into();
+            p
+        };
+        p.reassign();
+        // A teacher that leaves is out of every share at once.
+        p.remove_teacher("10.0.0.1:9000");
+        assert_eq!(p.assigned.keys().collect::<Vec<_>>(), ["10.0.0.2:9000"]);
     }
 
     #[test]

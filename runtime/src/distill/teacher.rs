@@ -117,6 +117,12 @@ impl TeacherService {
         rx.await.map_err(|_| Status::internal("the batch failed"))
     }
 
+    /// What it served so far: rows, successful requests, failed requests.
+    pub fn served(&self) -> (u64, u64, u64) {
+        let st = lock_stats(&self.stats);
+        (st.rows, st.success.count, st.fail.count)
+    }
+
     fn check_model(&self, name: &str) -> Result<(), Status> {
         if name == self.config.model_name {
             Ok(())

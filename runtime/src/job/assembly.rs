@@ -314,7 +314,10 @@ fn start_teachers(
             };
             let addrs = launcher.addrs();
             // A pool of this service before (another run) may have left other settings.
-            let settings = crate::coordinator::pool::PoolSettings { in_flight_per_teacher: p.in_flight };
+            let settings = crate::coordinator::pool::PoolSettings {
+                in_flight_per_teacher: p.in_flight,
+                capacity: Default::default(),
+            };
             crate::coordinator::pool::TeacherLauncher::publish(&mut launcher, settings)?;
             let access = crate::coordinator::pool::StatsAccess { token, ca_pem: ca_pem.clone() };
             Some(crate::coordinator::pool::TeacherPool::new(

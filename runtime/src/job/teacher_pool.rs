@@ -190,6 +190,8 @@ impl TeacherProcess {
         if let Some(tls) = &guard.tls {
             cmd.arg("--tls-cert").arg(&tls.cert).arg("--tls-key").arg(&tls.key);
         }
+        // What it prints goes to its log too, after the first line is read.
+        let mut said = log_file.try_clone().with_context(|| format!("{}", log.display()))?;
         cmd.env("EDL_STORE", store)
             .env(REGISTRATION_KEY_ENV, guard.registration.to_hex())
             .stdin(Stdio::null())
@@ -198,15 +200,21 @@ impl TeacherProcess {
         die_with_parent(&mut cmd);
         // As the workers: Ctrl-C is the coordinator's to act on.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        let mut child = cmd.spawn().with_context(|| format!("starting a teacher ({})", exe.display()))?;
+        // Started from the pool's thread too, which ends before the teachers do.
+        let mut child = crate::process::spawn_lasting(cmd)
+            .with_context(|| format!("starting a teacher ({})", exe.display()))?;
         let stdout = child.stdout.take().expect("piped");
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
+            use std::io::Write;
             let mut lines = BufReader::new(stdout).lines();
             if let Some(Ok(first)) = lines.next() {
+                let _ = writeln!(said, "{first}");
                 let _ = tx.send(first);
             }
-            for _ in lines {} // keep the pipe drained
+            for line in lines.map_while(Result::ok) {
+                let _ = writeln!(said, "{line}");
+            }
         });
         let line = match rx.recv_timeout(Duration::from_secs(30)) {
             Ok(l) => l,

@@ -190,6 +190,10 @@ impl ReadAhead {
 
     /// Feeds a step's samples (unless fed already).
     fn feed(&mut self, s: &Step) {
+        if let Ahead::Teachers(reader) = &self.source {
+            // This student's share of the teachers follows its place.
+            reader.place(s.rank, s.world);
+        }
         let key = (s.generation, s.step);
         if s.indices.is_empty() || self.fed.back().is_some_and(|&b| b >= key) {
             return;

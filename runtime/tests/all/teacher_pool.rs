@@ -58,9 +58,10 @@ fn the_pool_grows_while_students_wait_on_busy_teachers() {
     let redis = RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    // Four students, 64 rows a step of 50 ms, for teachers that take 1.5 ms
-    // a row: one teacher is busy all the time, and the students wait.
-    let mut cmd = pooled_job(d, &redis, "1500", &["--teachers", "1", "--epochs", "2", "--batch", "64"]);
+    // Four students, 64 rows a step of 50 ms, for teachers that take 3 ms
+    // a row: one teacher is busy all the time, and the students wait; two
+    // keep them waiting still.
+    let mut cmd = pooled_job(d, &redis, "3000", &["--teachers", "1", "--epochs", "2", "--batch", "64"]);
     cmd.args(["--workers", "4", "--min-workers", "4", "--max-workers", "4", "--step-delay-ms", "50"]);
     let (r, said) = run(&mut cmd, d);
     assert_exactly_once(&r, 2, 4000);
@@ -104,4 +105,54 @@ fn the_pool_shrinks_to_what_few_students_need_and_no_further() {
             }
         }
     }
+}
+
+/// Rows each teacher of a job served, from the line each prints as it stops.
+fn rows_served(logs: &std::path::Path) -> Vec<u64> {
+    let mut rows = Vec::new();
+    for e in std::fs::read_dir(logs).unwrap().flatten() {
+        if !e.file_name().to_string_lossy().starts_with("teacher-") {
+            continue;
+        }
+        let log = std::fs::read_to_string(e.path()).unwrap();
+        let line =
+            log.lines().find(|l| l.contains(": served ")).unwrap_or_else(|| panic!("no summary: {log}"));
+        let n = line.split(": served ").nth(1).and_then(|r| r.split(' ').next()).unwrap();
+        rows.push(n.parse().unwrap());
+    }
+    rows
+}
+
+#[test]
+fn four_students_share_two_teachers_one_each_and_evenly() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let mut cmd = job(d, &["--teachers", "2", "--epochs", "1", "--batch", "64", "--job", "bal"]);
+    cmd.args(["--workers", "4", "--min-workers", "4", "--max-workers", "4", "--train-samples", "4000"]);
+    cmd.args(["--teacher-emulate-row-us", "200", "--step-delay-ms", "20"]).stdout(Stdio::piped());
+    let (r, said) = run(&mut cmd, d);
+    assert_exactly_once(&r, 1, 4000);
+    let logs = d.join(".edl/bal/logs");
+    let mut told = Vec::new();
+    for e in std::fs::read_dir(&logs).unwrap().flatten() {
+        if e.file_name().to_string_lossy().starts_with("worker-") {
+            let log = std::fs::read_to_string(e.path()).unwrap();
+            // Each student calls its own one of the two, not both.
+            let share =
+                log.lines().rev().find(|l| l.contains(" of 4 calls ")).unwrap_or_else(|| panic!("{log}"));
+            assert!(share.contains("calls 1 of 2 teachers"), "{share}");
+            told.push(share.rsplit(": ").next().unwrap().to_string());
+            for failed in ["its requests go elsewhere", "no more requests go to it"] {
+                assert!(!log.contains(failed), "a request failed ({failed}): {log}");
+            }
+        }
+    }
+    told.sort();
+    assert_eq!(told.len(), 4, "{said}");
+    assert!(told[0] == told[1] && told[2] == told[3] && told[1] != told[2], "two students each: {told:?}");
+    let rows = rows_served(&logs);
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert!(rows.iter().sum::<u64>() >= 4000, "every sample got soft labels: {rows:?}");
+    let (lo, hi) = (*rows.iter().min().unwrap() as f64, *rows.iter().max().unwrap() as f64);
+    assert!(hi <= 1.5 * lo, "each teacher within 1.5x of the other's rows: {rows:?}");
 }
