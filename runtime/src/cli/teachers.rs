@@ -47,6 +47,19 @@ impl TeacherPlan {
         let d = &args.distillation;
         let mut plan = TeacherPlan { source: None, start: None, pool_line: None };
         if let Prepared::Builtin { student, .. } = work
+            && student.pool.teacher_command.is_some()
+            && (!distill || matches!(d.teachers, Some(TeachersArg::Endpoints(_))))
+        {
+            bail!(
+                "--teacher-command starts the job's own teachers; {}",
+                if distill {
+                    "--teachers host:port,... names others"
+                } else {
+                    "with --no-distill there are none"
+                }
+            );
+        }
+        if let Prepared::Builtin { student, .. } = work
             && student.pool.max_teachers.is_some()
         {
             if !distill {
@@ -96,6 +109,7 @@ impl TeacherPlan {
                     service: service.clone(),
                     token_file: d.teacher_access.teacher_token_file.clone(),
                     emulate_row_us: student.pool.teacher_emulate_row_us,
+                    command: student.pool.command(),
                     pool,
                 });
             }

@@ -140,6 +140,71 @@ pub struct TeacherPoolArgs {
     /// compute: `teacher --emulate-row-us`).
     #[arg(long, value_name = "US", default_value_t = 0, help_heading = "Teacher pool")]
     pub teacher_emulate_row_us: u64,
+    /// Start the job's teachers with this command instead of as processes
+    /// here, run with `sh -c` on --teacher-hosts: any KServe v2 server
+    /// (Triton, MLServer, `{exe} teacher`). Placeholders {id} {host} {port}
+    /// {port2} {slot} {job} {service} {model} (the job's teacher model file)
+    /// {exe}. It joins once its server and model answer ready.
+    #[arg(long, value_name = "CMD", help_heading = "Teacher pool")]
+    pub teacher_command: Option<String>,
+    /// With --teacher-command: run when a teacher is told to go, before its
+    /// command's process group is sent SIGTERM.
+    #[arg(long, value_name = "CMD", requires = "teacher_command", help_heading = "Teacher pool")]
+    pub teacher_stop_command: Option<String>,
+    /// With --teacher-command: hosts teachers run on, `host` or `host:slots`,
+    /// comma separated.
+    #[arg(
+        long,
+        value_name = "HOSTS",
+        value_delimiter = ',',
+        default_value = "127.0.0.1:16",
+        requires = "teacher_command",
+        help_heading = "Teacher pool"
+    )]
+    pub teacher_hosts: Vec<String>,
+    /// With --teacher-command: the port of each host's first slot ({port});
+    /// slot i serves on PORT + 2i ({port2} is the one above it).
+    #[arg(
+        long,
+        value_name = "PORT",
+        default_value_t = 8001,
+        requires = "teacher_command",
+        help_heading = "Teacher pool"
+    )]
+    pub teacher_port: u16,
+    /// With --teacher-command: what students reach, e.g. `{host}:{port}`
+    /// (gRPC), `http://{host}:{port}/MODEL@probs` (REST).
+    #[arg(
+        long,
+        value_name = "TEMPLATE",
+        default_value = "{host}:{port}",
+        requires = "teacher_command",
+        help_heading = "Teacher pool"
+    )]
+    pub teacher_endpoint: String,
+    /// With --teacher-command: seconds a teacher may take to answer ready.
+    #[arg(
+        long,
+        value_name = "S",
+        default_value_t = 120,
+        requires = "teacher_command",
+        help_heading = "Teacher pool"
+    )]
+    pub teacher_ready_secs: u64,
+}
+
+impl TeacherPoolArgs {
+    /// How teachers are started by command, if they are.
+    pub fn command(&self) -> Option<edl_runtime::job::teacher_command::TeacherCommand> {
+        Some(edl_runtime::job::teacher_command::TeacherCommand {
+            start: self.teacher_command.clone()?,
+            stop: self.teacher_stop_command.clone(),
+            endpoint: self.teacher_endpoint.clone(),
+            hosts: self.teacher_hosts.clone(),
+            port: self.teacher_port,
+            ready_within: std::time::Duration::from_secs(self.teacher_ready_secs.max(1)),
+        })
+    }
 }
 
 /// What the job's workers run.

@@ -215,9 +215,12 @@ impl TeacherPool {
     /// A gRPC client of the teacher at `addr` (TLS when the pool's teachers serve it).
     fn client(&self, addr: &str) -> Result<GrpcInferenceServiceClient<Channel>, tonic::transport::Error> {
         use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
-        let scheme = if self.access.ca_pem.is_some() { "https" } else { "http" };
+        // An endpoint may carry its scheme, model and output kind.
+        let tls = self.access.ca_pem.is_some() || addr.starts_with("grpcs://");
+        let scheme = if tls { "https" } else { "http" };
         let _in = self.rt.enter();
-        let mut ep = Endpoint::from_shared(format!("{scheme}://{addr}"))?;
+        let mut ep =
+            Endpoint::from_shared(format!("{scheme}://{}", crate::distill::reader::host_port(addr)))?;
         if let Some(ca) = &self.access.ca_pem {
             ep = ep.tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)))?;
         }

@@ -74,6 +74,8 @@ pub struct TeacherStart {
     pub token_file: Option<PathBuf>,
     /// An accelerator each emulates: µs a row of each batch (0: none).
     pub emulate_row_us: u64,
+    /// Started by this command on its hosts instead of here.
+    pub command: Option<super::teacher_command::TeacherCommand>,
     /// The pool that sizes them while the job runs (None: `count` for the
     /// whole job).
     pub pool: Option<PoolStart>,
@@ -278,7 +280,8 @@ fn start_teachers(
     let advertised = cfg.addresses.advertised_host()?;
     let listen = cfg.addresses.listen.ip();
     let (model, accuracy) = (start.model)()?;
-    let tls = if start.token_file.is_some() || !listen.is_loopback() {
+    // Teachers started by command are the operator's servers: their TLS is theirs.
+    let tls = if start.command.is_none() && (start.token_file.is_some() || !listen.is_loopback()) {
         Some(TeacherTls::make(&dirs.job_dir.join("teacher-tls"), &advertised)?)
     } else {
         None
@@ -286,18 +289,22 @@ fn start_teachers(
     let ca_pem = tls.as_ref().map(|t| t.pem.clone());
     let registration = crate::leader::seal::RecordKey::teacher_registrations(&cfg.secret);
     let token = cfg.spec.teacher_access.token.clone();
-    let guard = TeacherGuard { token_file: start.token_file, tls, registration };
+    let guard = TeacherGuard { token_file: start.token_file, tls, registration: registration.clone() };
     let processes = Arc::new(Mutex::new(Vec::new()));
     let mut launcher = LocalTeachers {
         exe: start.exe,
         model,
         at: (listen, advertised),
-        store: (cfg.store.clone(), start.service),
+        store: (cfg.store.clone(), start.service.clone()),
         guard,
         emulate_row_us: start.emulate_row_us,
         log_dir: dirs.log_dir.clone(),
         next: 0,
         processes: processes.clone(),
+        command: match start.command {
+            Some(c) => Some(ByCommand::new(c, cfg, &start.service, &registration)?),
+            None => None,
+        },
     };
     for i in 0..start.count {
         let addr = crate::coordinator::pool::TeacherLauncher::start(&mut launcher)?;
@@ -346,16 +353,96 @@ struct LocalTeachers {
     /// The number the next one's log carries.
     next: u32,
     processes: Arc<Mutex<Vec<TeacherProcess>>>,
+    /// Started by `--teacher-command` instead.
+    command: Option<ByCommand>,
+}
+
+/// How long students following the store take to stop sending to a
+/// teacher taken out of it (they look every 200 ms).
+const DRAIN: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Teachers a job starts by command: the template, its slots, where their
+/// endpoints are registered, and how readiness is asked.
+struct ByCommand {
+    cmd: super::teacher_command::TeacherCommand,
+    slots: Vec<super::teacher_command::Slot>,
+    /// None with the in-process store: students get the endpoints as a list.
+    registry: Option<super::teacher_command::Registry>,
+    job: String,
+    access: crate::distill::TeacherAccess,
+    model_name: String,
+}
+
+impl ByCommand {
+    fn new(
+        cmd: super::teacher_command::TeacherCommand,
+        cfg: &JobConfig,
+        service: &str,
+        registration: &crate::leader::seal::RecordKey,
+    ) -> Result<ByCommand> {
+        let slots = cmd.slots()?;
+        let registry = match cfg.store.as_str() {
+            "memory" => None,
+            url => Some(super::teacher_command::Registry::open(url, service, registration.clone())?),
+        };
+        Ok(ByCommand {
+            cmd,
+            slots,
+            registry,
+            job: cfg.spec.job.clone(),
+            access: cfg.spec.teacher_access.clone(),
+            model_name: cfg.spec.teacher_model_name.clone(),
+        })
+    }
 }
 
 impl LocalTeachers {
     fn addrs(&self) -> Vec<String> {
         self.processes.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|p| p.addr.clone()).collect()
     }
+
+    /// Starts a teacher by `--teacher-command` on a free slot; returns its
+    /// endpoint once it answers ready (and is registered).
+    fn start_by_command(&mut self) -> Result<String> {
+        let c = self.command.as_ref().expect("started by command");
+        let taken: Vec<usize> = self
+            .processes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter_map(|t| t.slot())
+            .collect();
+        let Some(slot) = (0..c.slots.len()).find(|i| !taken.contains(i)) else {
+            bail!("every slot of --teacher-hosts has a teacher ({} in all)", c.slots.len());
+        };
+        let id = self.next;
+        self.next += 1;
+        let f = super::teacher_command::Filling {
+            id,
+            slot: &c.slots[slot],
+            job: &c.job,
+            service: &self.store.1,
+            model: &self.model,
+            exe: &self.exe,
+        };
+        let line = c.cmd.fill(&c.cmd.start, &f, true)?;
+        let endpoint = c.cmd.fill(&c.cmd.endpoint, &f, false)?;
+        let stop = c.cmd.stop.as_ref().map(|t| c.cmd.fill(t, &f, true)).transpose()?;
+        let log = super::teacher_command::log_path(&self.log_dir, id);
+        let ready = |gone: &mut dyn FnMut() -> Option<String>| {
+            super::teacher_command::wait_ready(&endpoint, &c.model_name, &c.access, c.cmd.ready_within, gone)
+        };
+        let t = TeacherProcess::by_command(&line, &endpoint, (slot, stop), &log, ready, c.registry.as_ref())?;
+        self.processes.lock().unwrap_or_else(|e| e.into_inner()).push(t);
+        Ok(endpoint)
+    }
 }
 
 impl crate::coordinator::pool::TeacherLauncher for LocalTeachers {
     fn start(&mut self) -> Result<String> {
+        if self.command.is_some() {
+            return self.start_by_command();
+        }
         let log = self.log_dir.join(format!("teacher-{}.log", self.next));
         self.next += 1;
         let at = (self.at.0, self.at.1.as_str());
@@ -372,8 +459,15 @@ impl crate::coordinator::pool::TeacherLauncher for LocalTeachers {
             let mut all = self.processes.lock().unwrap_or_else(|e| e.into_inner());
             all.iter().position(|t| t.addr == addr).map(|i| all.remove(i))
         };
+        // One started by command is taken out of the store here, and
+        // served on while the students stop sending to it.
+        if let Some(mut t) = gone
+            && t.deregister()
+        {
+            std::thread::sleep(DRAIN);
+            drop(t);
+        }
         // Dropped: told to go (it deregisters first), killed after a grace.
-        drop(gone);
     }
 
     fn publish(&mut self, settings: crate::coordinator::pool::PoolSettings) -> Result<()> {

@@ -17,6 +17,7 @@ pub mod assembly;
 pub mod config;
 pub mod preflight;
 pub mod spec;
+pub mod teacher_command;
 pub mod teacher_pool;
 
 pub use assembly::{Job, JobDirs, JobPlugins, PoolStart, TeacherStart};

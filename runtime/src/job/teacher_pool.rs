@@ -94,6 +94,17 @@ pub struct TeacherProcess {
     pub addr: String,
     child: Child,
     log: PathBuf,
+    /// Started by `--teacher-command` (None: `edl-runtime teacher` here).
+    by_command: Option<ByCommand>,
+}
+
+/// What the job keeps of a teacher it started by command.
+struct ByCommand {
+    slot: usize,
+    /// The stop command, filled in; run once, when it is told to go.
+    stop: Option<String>,
+    /// Its endpoint's registration for the students (shared stores only).
+    registered: Option<super::teacher_command::Registered>,
 }
 
 /// The teacher processes a job started, watched by its coordinator: a dead
@@ -234,7 +245,65 @@ impl TeacherProcess {
             .and_then(|rest| rest.split_whitespace().next())
             .map(str::to_string)
             .ok_or_else(|| anyhow!("unexpected teacher output {line:?} (log: {})", log.display()))?;
-        Ok(TeacherProcess { addr, child, log: log.to_path_buf() })
+        Ok(TeacherProcess { addr, child, log: log.to_path_buf(), by_command: None })
+    }
+
+    /// Runs `line` (a filled `--teacher-command`) with `sh -c` in a process
+    /// group of its own, logging to `log`; once `ready` says its server
+    /// answers, registers `endpoint` in `registry` (if any). A teacher that
+    /// does not get ready is stopped, and the error says why, with its log.
+    pub fn by_command(
+        line: &str,
+        endpoint: &str,
+        (slot, stop): (usize, Option<String>),
+        log: &Path,
+        ready: impl FnOnce(&mut dyn FnMut() -> Option<String>) -> Result<()>,
+        registry: Option<&super::teacher_command::Registry>,
+    ) -> Result<Self> {
+        use std::os::unix::process::CommandExt;
+        let log_file = std::fs::File::create(log).with_context(|| format!("{}", log.display()))?;
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c").arg(line).stdin(Stdio::null()).stdout(log_file.try_clone()?).stderr(log_file);
+        cmd.process_group(0);
+        die_with_parent(&mut cmd);
+        let child = crate::process::spawn_lasting(cmd).context("cannot run sh")?;
+        let mut t = TeacherProcess {
+            addr: endpoint.to_string(),
+            child,
+            log: log.to_path_buf(),
+            by_command: Some(ByCommand { slot, stop, registered: None }),
+        };
+        let child = &mut t.child;
+        let mut gone = || child.try_wait().ok().flatten().map(|s| s.to_string());
+        if let Err(e) = ready(&mut gone) {
+            // Dropped: stopped with its group.
+            return Err(e.context(format!("teacher {endpoint}{}", log_tail(log, 5))));
+        }
+        if let Some(r) = registry {
+            let held = r.hold(endpoint)?;
+            if let Some(c) = t.by_command.as_mut() {
+                c.registered = Some(held);
+            }
+        }
+        Ok(t)
+    }
+
+    /// The slot of `--teacher-hosts` it runs on, if started by command.
+    pub fn slot(&self) -> Option<usize> {
+        self.by_command.as_ref().map(|c| c.slot)
+    }
+
+    /// Takes its endpoint out of the store (a teacher started by command;
+    /// `edl-runtime teacher` deregisters itself on SIGTERM). Whether there
+    /// was one to take out.
+    pub fn deregister(&mut self) -> bool {
+        match self.by_command.as_mut().and_then(|c| c.registered.as_mut()) {
+            Some(r) => {
+                r.release();
+                true
+            }
+            None => false,
+        }
     }
 
     /// How it ended, with the end of its log, once it has exited.
@@ -244,11 +313,31 @@ impl TeacherProcess {
     }
 
     /// Tells the process to stop (SIGTERM: it deregisters and drains);
-    /// dropping it then waits for its exit.
+    /// dropping it then waits for its exit. A teacher started by command
+    /// is deregistered, given its stop command, and its group SIGTERM.
     pub fn ask_to_stop(&mut self) {
+        self.deregister();
+        if let Some(line) = self.by_command.as_mut().and_then(|c| c.stop.take()) {
+            let mut cmd = Command::new("sh");
+            cmd.arg("-c").arg(&line);
+            match crate::process::output("the teacher stop command", &mut cmd, b"", Duration::from_secs(30)) {
+                Ok(out) if out.status.success() => {}
+                Ok(out) => tracing::warn!(
+                    "teacher {}: the stop command {line:?} failed ({}): {}",
+                    self.addr,
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+                Err(e) => tracing::warn!("teacher {}: the stop command {line:?}: {e:#}", self.addr),
+            }
+        }
         if let Ok(None) = self.child.try_wait() {
-            // SAFETY: signalling our own child by pid; it is not reaped yet.
-            unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+            let pid = self.child.id() as libc::pid_t;
+            // By command: its whole group (the shell and what it started).
+            let whom = if self.by_command.is_some() { -pid } else { pid };
+            // SAFETY: signalling our own child (or the group it leads) by
+            // pid; it is not reaped yet.
+            unsafe { libc::kill(whom, libc::SIGTERM) };
         }
     }
 
@@ -261,6 +350,11 @@ impl TeacherProcess {
 
 impl Drop for TeacherProcess {
     fn drop(&mut self) {
+        if self.by_command.is_some() {
+            self.ask_to_stop();
+            crate::process::terminate_group(&mut self.child, Duration::from_secs(5));
+            return;
+        }
         // Longer than its drain (1 s) and the requests it then finishes.
         terminate(&mut self.child, Duration::from_secs(5));
     }

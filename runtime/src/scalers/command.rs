@@ -126,28 +126,7 @@ impl CommandScaler {
                 check_template(t).map_err(|e| anyhow::anyhow!("{flag} {t:?}: {e}"))?;
             }
         }
-        let mut per_host = Vec::new();
-        for h in hosts {
-            let (host, n) = match h.rsplit_once(':') {
-                Some((host, n)) if !host.is_empty() => {
-                    let n: usize = n
-                        .parse()
-                        .ok()
-                        .filter(|n| *n > 0)
-                        .ok_or_else(|| anyhow::anyhow!("--hosts {h:?}: expected host or host:slots"))?;
-                    (host.to_string(), n)
-                }
-                _ => (h.clone(), 1),
-            };
-            if host.is_empty() {
-                anyhow::bail!("--hosts: an empty host name");
-            }
-            per_host.push((host, n));
-        }
-        let most = per_host.iter().map(|(_, n)| *n).max().unwrap_or(0);
-        let slots = (0..most)
-            .flat_map(|i| per_host.iter().filter(move |(_, n)| i < *n).map(move |(h, _)| (h.clone(), i)))
-            .collect();
+        let slots = host_slots(hosts, "--hosts")?;
         Ok(CommandScaler {
             start: start.to_string(),
             stop: stop.map(str::to_string),
@@ -251,6 +230,34 @@ impl CommandScaler {
     }
 }
 
+/// The slots of `hosts` (`host` or `host:slots` entries, given with
+/// `flag`), in the order they are handed out: across the hosts in turn,
+/// `(host, index on it)`.
+pub(crate) fn host_slots(hosts: &[String], flag: &str) -> anyhow::Result<Vec<(String, usize)>> {
+    let mut per_host = Vec::new();
+    for h in hosts {
+        let (host, n) = match h.rsplit_once(':') {
+            Some((host, n)) if !host.is_empty() => {
+                let n: usize = n
+                    .parse()
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| anyhow::anyhow!("{flag} {h:?}: expected host or host:slots"))?;
+                (host.to_string(), n)
+            }
+            _ => (h.clone(), 1),
+        };
+        if host.is_empty() {
+            anyhow::bail!("{flag}: an empty host name");
+        }
+        per_host.push((host, n));
+    }
+    let most = per_host.iter().map(|(_, n)| *n).max().unwrap_or(0);
+    Ok((0..most)
+        .flat_map(|i| per_host.iter().filter(move |(_, n)| i < *n).map(move |(h, _)| (h.clone(), i)))
+        .collect())
+}
+
 /// Checks that every `{name}` of a template is a known placeholder.
 fn check_template(t: &str) -> Result<(), String> {
     fill_template(t, |_| (String::new(), false)).map(|_| ()).map_err(|e| e.to_string())
@@ -267,7 +274,7 @@ fn runs_remote_shell(template: &str) -> bool {
     words.iter().any(|w| w == "ssh" || w.ends_with("/ssh"))
 }
 
-fn quote(word: &str) -> anyhow::Result<String> {
+pub(crate) fn quote(word: &str) -> anyhow::Result<String> {
     if word.is_empty() {
         return Ok("''".into());
     }
@@ -277,6 +284,15 @@ fn quote(word: &str) -> anyhow::Result<String> {
 /// Replaces each `{name}` by `value(name)`: `(text, quote it for the
 /// shell)`; `{{` and `}}` stand for braces.
 fn fill_template(t: &str, value: impl Fn(&str) -> (String, bool)) -> anyhow::Result<String> {
+    fill_known(t, &PLACEHOLDERS, value)
+}
+
+/// [`fill_template`] with its own placeholders: `known` (another is an error).
+pub(crate) fn fill_known(
+    t: &str,
+    known: &[&str],
+    value: impl Fn(&str) -> (String, bool),
+) -> anyhow::Result<String> {
     let mut out = String::with_capacity(t.len());
     let mut rest = t;
     while let Some(i) = rest.find(['{', '}']) {
@@ -299,10 +315,10 @@ fn fill_template(t: &str, value: impl Fn(&str) -> (String, bool)) -> anyhow::Res
         }
         let end = end.ok_or_else(|| anyhow::anyhow!("a '{{' without its '}}'"))?;
         let name = &tail[1..end];
-        if !PLACEHOLDERS.contains(&name) {
+        if !known.contains(&name) {
             anyhow::bail!(
                 "unknown placeholder {{{name}}}; known: {}",
-                PLACEHOLDERS.map(|p| format!("{{{p}}}")).join(" ")
+                known.iter().map(|p| format!("{{{p}}}")).collect::<Vec<_>>().join(" ")
             );
         }
         let (v, quoted) = value(name);

@@ -1223,7 +1223,7 @@ fn the_teachers_a_job_starts_get_its_token_and_serve_tls_with_a_certificate_it_m
 /// A model for MLServer (the KServe v2 reference server, from the package
 /// registry): soft labels softmax(x W) with a W the test knows, declaring
 /// no input or output (as custom MLServer models often do).
-const MLSERVER_MODEL: &str = r#"
+pub(crate) const MLSERVER_MODEL: &str = r#"
 import numpy as np
 from mlserver import MLModel
 from mlserver.codecs import NumpyCodec

@@ -156,3 +156,108 @@ fn four_students_share_two_teachers_one_each_and_evenly() {
     let (lo, hi) = (*rows.iter().min().unwrap() as f64, *rows.iter().max().unwrap() as f64);
     assert!(hi <= 1.5 * lo, "each teacher within 1.5x of the other's rows: {rows:?}");
 }
+
+/// A command that starts an `edl-runtime teacher` on `{host}:{port}` with
+/// the job's model, emulating `row_us` a row; it registers nowhere (the
+/// job registers its endpoint).
+fn edl_teacher_command(row_us: &str) -> String {
+    format!(
+        "exec {{exe}} teacher --listen {{host}}:{{port}} --model {{model}} --store memory --emulate-row-us {row_us}"
+    )
+}
+
+/// A free block of `n` ports on loopback, two apart from `first`.
+fn free_ports(n: u16) -> u16 {
+    loop {
+        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        if first < 60000 && (0..2 * n).all(|i| std::net::TcpListener::bind(("127.0.0.1", first + i)).is_ok())
+        {
+            return first;
+        }
+    }
+}
+
+#[test]
+fn teachers_started_by_command_join_the_pool_and_leave_it_drained() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let stopped = d.join("stopped");
+    let port = free_ports(3).to_string();
+    let stop = format!("echo {{id}} {{port}} >> {}", stopped.display());
+    // The shrink test's job, its teachers started by command on three slots.
+    let mut cmd = pooled_job(d, &redis, "100", &["--teachers", "3", "--epochs", "2", "--batch", "16"]);
+    cmd.args(["--workers", "1", "--min-workers", "1", "--max-workers", "1", "--step-delay-ms", "100"]);
+    cmd.args(["--train-samples", "1200", "--teacher-command", &edl_teacher_command("100")]);
+    cmd.args(["--teacher-hosts", "127.0.0.1:3", "--teacher-port", &port, "--teacher-stop-command", &stop]);
+    let (r, said) = run(&mut cmd, d);
+    assert_exactly_once(&r, 2, 1200);
+    for i in 0..3u16 {
+        let at = format!("teacher   {i} serving on 127.0.0.1:{}", port.parse::<u16>().unwrap() + 2 * i);
+        assert!(said.contains(&at), "{at}: {said}");
+    }
+    let sizes: Vec<(u64, u64)> = teacher_events(&r).iter().map(|e| (e.1, e.2)).collect();
+    assert_eq!(sizes, vec![(3, 2), (2, 1)], "{said}");
+    // Each got its stop command once: two as the pool shrank, the last at the end.
+    let mut ran: Vec<String> = std::fs::read_to_string(&stopped).unwrap().lines().map(String::from).collect();
+    ran.sort();
+    assert_eq!(ran.len(), 3, "{ran:?}");
+    let logs = d.join(".edl/pool/logs");
+    for e in std::fs::read_dir(&logs).unwrap().flatten() {
+        if e.file_name().to_string_lossy().starts_with("worker-") {
+            let log = std::fs::read_to_string(e.path()).unwrap();
+            assert!(log.contains("left; draining its"), "the student saw the teachers leave: {log}");
+            for failed in ["its requests go elsewhere", "no more requests go to it", "request task failed"] {
+                assert!(!log.contains(failed), "a request failed ({failed}): {log}");
+            }
+        }
+    }
+    // Nothing serves on the slots once the job is over.
+    for i in 0..3u16 {
+        let p = port.parse::<u16>().unwrap() + 2 * i;
+        assert!(std::net::TcpStream::connect(("127.0.0.1", p)).is_err(), "port {p} still open");
+    }
+}
+
+#[test]
+fn an_mlserver_started_by_command_serves_the_students_once_its_model_is_ready() {
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    let venv = exe.parent().unwrap().parent().unwrap().join("mlserver/venv");
+    let bin = crate::support::python::venv_with(&venv, "import mlserver", &["mlserver>=1.7,<2"])
+        .unwrap_or_else(|e| panic!("MLServer from the package registry: {e}"));
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let repo = d.join("models");
+    std::fs::create_dir_all(repo.join("digits")).unwrap();
+    std::fs::write(repo.join("digits/model.py"), crate::distill::MLSERVER_MODEL).unwrap();
+    std::fs::write(
+        repo.join("digits/model-settings.json"),
+        r#"{"name": "digits", "implementation": "model.Probs"}"#,
+    )
+    .unwrap();
+    // Its ports from the command's environment, the rest from its settings.
+    std::fs::write(
+        repo.join("settings.json"),
+        r#"{"host": "127.0.0.1", "metrics_endpoint": null, "parallel_workers": 0}"#,
+    )
+    .unwrap();
+    let start = format!(
+        "MLSERVER_HTTP_PORT={{port}} MLSERVER_GRPC_PORT={{port2}} exec {} start {}",
+        bin.join("mlserver").display(),
+        repo.display()
+    );
+    let port = free_ports(1);
+    let mut cmd = job(d, &["--teachers", "1", "--epochs", "1", "--job", "mls", "--teacher-command", &start]);
+    cmd.args(["--teacher-hosts", "127.0.0.1", "--teacher-port", &port.to_string()]);
+    cmd.args(["--teacher-endpoint", "http://{host}:{port}/digits@probs"]).stdout(Stdio::piped());
+    let (r, said) = run(&mut cmd, d);
+    assert_exactly_once(&r, 1, 1200);
+    assert!(said.contains(&format!("teacher   0 serving on http://127.0.0.1:{port}/digits@probs")), "{said}");
+    // The students' requests reached it (it was asked ready first, then to infer).
+    let log = std::fs::read_to_string(d.join(".edl/mls/logs/teacher-0.log")).unwrap();
+    assert!(log.contains("GET /v2/models/digits/ready"), "{log}");
+    let infers = log.matches("POST /v2/models/digits/infer").count();
+    assert!(infers >= 1200 / 64, "{infers} requests: {log}");
+    // It left with the job: stopped, its ports closed.
+    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err(), "still serving: {log}");
+}
