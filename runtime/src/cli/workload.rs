@@ -208,6 +208,7 @@ impl TeacherPoolArgs {
 }
 
 /// What the job's workers run.
+#[allow(clippy::large_enum_variant, reason = "one value per run, never moved in a loop")]
 pub enum Workload {
     /// The built-in student on its data set.
     Builtin(StudentArgs),
