@@ -14,6 +14,7 @@ use edl_runtime::{
     },
 };
 use std::{
+    io::Write,
     path::{Path, PathBuf},
     process::ExitCode,
 };
@@ -37,16 +38,24 @@ pub enum PluginCommand {
         file: PathBuf,
     },
     /// Run a policy over a trace (JSON lines of cluster views) or a scenario
-    /// (a simulated cluster, see examples/traces/) and print its decisions.
+    /// (a simulated cluster, see examples/traces/) and print its decisions;
+    /// or a teacher policy over a job's report (its `teacher_decisions`) or
+    /// JSON lines of teacher views.
     Replay(ReplayArgs),
 }
 
 #[derive(clap::Args)]
+#[group(skip)]
+#[command(group(clap::ArgGroup::new("replayed").required(true).args(["policy", "teacher_policy"])))]
 pub struct ReplayArgs {
     /// Scaling-policy plugin to replay; a relative path not found here is
     /// also looked for beside the executable.
     #[arg(long, value_name = "FILE")]
-    policy: PathBuf,
+    policy: Option<PathBuf>,
+    /// Teacher-policy plugin to replay instead, over a job's report or
+    /// JSON lines of teacher views.
+    #[arg(long, value_name = "FILE")]
+    teacher_policy: Option<PathBuf>,
     /// Policy configuration, `key=value` (repeatable), as for the main command.
     #[arg(long = "policy-config", alias = "config", value_name = "KEY=VALUE", value_parser = parse_pair)]
     config: Vec<(String, String)>,
@@ -130,12 +139,13 @@ fn inspect(host: &PluginHost, file: &Path) -> Result<ExitCode> {
 }
 
 fn replay(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
-    let mut p = host.load_policy(&plugin_path::resolve("--policy", &args.policy)?, &args.config)?;
     if let Some(price) = args.price
         && !(price.is_finite() && price >= 0.0)
     {
         bail!("--price {price}: need a finite price of 0 or more");
     }
+    let Some(policy) = &args.policy else { return replay_teachers(host, args) };
+    let mut p = host.load_policy(&plugin_path::resolve("--policy", policy)?, &args.config)?;
     let (decisions, recorded) = match replay::read_trace(&args.trace)?.priced(args.price) {
         Trace::Recorded(views) => (replay::replay(p.as_mut(), &views)?, true),
         Trace::Scenario(sc) => {
@@ -168,6 +178,64 @@ fn replay(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
         plot::policy_run(&out, &title, &decisions, recorded)?;
         eprintln!("plot written to {}", out.display());
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Replays a teacher policy over the views of a trace: each decision as a
+/// line (or JSON), then how many changed the pool's size.
+fn replay_teachers(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
+    let path = args.teacher_policy.as_ref().expect("one of the group is given");
+    if args.plot.is_some() {
+        bail!("--plot draws a scaling policy's run; a teacher policy's replay is printed only");
+    }
+    let mut p = host.load_teacher_policy(&plugin_path::resolve("--teacher-policy", path)?, &args.config)?;
+    let mut views = replay::read_teacher_trace(&args.trace)?;
+    let mut out = std::io::stdout().lock();
+    let mut changes = 0;
+    for v in &mut views {
+        if let Some(price) = args.price {
+            v.price_per_teacher_hour = price;
+        }
+        let answer = p.decide(v);
+        if answer.as_ref().is_ok_and(|a| a.teachers != v.teacher_count) {
+            changes += 1;
+        }
+        let line = match (&answer, args.json) {
+            (_, true) => serde_json::json!({
+                "step": v.step,
+                "teachers": v.teacher_count,
+                "plan": answer.as_ref().ok(),
+                "error": answer.as_ref().err().map(|e| e.to_string()),
+            })
+            .to_string(),
+            (Ok(a), false) => format!(
+                "step {:>7}  teachers {:>3} -> {:>3}  in flight {:>2}  students waited {:>3.0}%, teachers {:>3.0}% busy",
+                v.step,
+                v.teacher_count,
+                a.teachers,
+                a.in_flight_per_teacher,
+                v.wait_share * 100.0,
+                v.mean_utilisation() * 100.0
+            ),
+            (Err(e), false) => {
+                format!("step {:>7}  teachers {:>3}  the policy failed: {e}", v.step, v.teacher_count)
+            }
+        };
+        if let Err(e) = writeln!(out, "{line}") {
+            // A closed pipe (`| head`) has read enough.
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                return Ok(ExitCode::SUCCESS);
+            }
+            return Err(e.into());
+        }
+    }
+    drop(out);
+    eprintln!(
+        "{} decisions of {} over {}: {changes} would change the pool's size",
+        views.len(),
+        p.info().name,
+        args.trace.display()
+    );
     Ok(ExitCode::SUCCESS)
 }
 

@@ -655,6 +655,7 @@ impl Coordinator<'_> {
         for p in self.ckpt.remove_set_aside() {
             self.note(format!("removed {} (the run before --restart)", p.display()));
         }
+        let pool = self.pool.as_mut().map(|p| p.stop()).unwrap_or_default();
         let outcome = JobOutcome {
             final_checkpoint,
             steps: self.tally.committed,
@@ -670,7 +671,8 @@ impl Coordinator<'_> {
             hyper: self.hyper,
             workers_started: self.membership.started().to_vec(),
             store_events: std::mem::take(&mut self.store_events),
-            teacher_events: self.pool.as_mut().map(|p| p.stop()).unwrap_or_default(),
+            teacher_events: pool.events,
+            teacher_decisions: pool.decisions,
             worker_handles: self
                 .membership
                 .started()

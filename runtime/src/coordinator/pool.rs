@@ -34,6 +34,30 @@ pub struct TeacherEvent {
     pub reason: String,
 }
 
+/// One decision of the teacher policy: what it saw and what it answered
+/// (or why it failed), and the size the pool then kept (within its
+/// bounds). A job's decisions, in its report, are a trace `plugin replay
+/// --teacher-policy` replays.
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct TeacherDecision {
+    pub secs: f64,
+    pub view: TeacherView,
+    pub plan: Option<TeacherPlan>,
+    pub error: Option<String>,
+    /// The size kept: the plan's within the bounds (the view's count after an error).
+    pub teachers: u32,
+}
+
+/// The decisions a report keeps at most (the newest).
+const DECISIONS_KEPT: usize = 20_000;
+
+/// What the pool did over a job: its changes and its policy's decisions.
+#[derive(Clone, Debug, Default)]
+pub struct PoolRecord {
+    pub events: Vec<TeacherEvent>,
+    pub decisions: Vec<TeacherDecision>,
+}
+
 /// What sizes the pool: the job's teacher policy plugin.
 pub trait PoolPolicy: Send {
     /// How many teachers, and requests in flight at each; an error leaves
@@ -108,6 +132,7 @@ pub struct TeacherPool {
     target: u32,
     /// Starts held back after teachers kept exiting or failing to start.
     starts: Starts,
+    decisions: std::collections::VecDeque<TeacherDecision>,
     /// Each teacher's capacity (rows/s at full use, by `host:port`), as
     /// measured, and as the students were last told it.
     capacity: BTreeMap<String, f64>,
@@ -193,6 +218,7 @@ impl TeacherPool {
             rt,
             target: 0,
             starts: Starts::new(),
+            decisions: Default::default(),
             capacity: BTreeMap::new(),
             told_capacity: BTreeMap::new(),
         };
@@ -254,7 +280,22 @@ impl TeacherPool {
         let stats = self.read_stats();
         self.measure_capacity(&stats);
         let view = self.view(&students, stats);
-        let plan = match self.policy.decide(&view) {
+        let answer = self.policy.decide(&view);
+        let kept = match &answer {
+            Ok(p) => p.teachers.clamp(self.bounds.min, self.bounds.max),
+            Err(_) => view.teacher_count,
+        };
+        if self.decisions.len() >= DECISIONS_KEPT {
+            self.decisions.pop_front();
+        }
+        self.decisions.push_back(TeacherDecision {
+            secs: self.t0.elapsed().as_secs_f64(),
+            view: view.clone(),
+            plan: answer.as_ref().ok().copied(),
+            error: answer.as_ref().err().cloned(),
+            teachers: kept,
+        });
+        let plan = match answer {
             Ok(p) => p,
             Err(e) => {
                 return (
@@ -447,7 +488,7 @@ pub type PoolNews = (Option<TeacherEvent>, Vec<String>);
 pub struct PoolThread {
     tx: Option<std::sync::mpsc::Sender<Students>>,
     news: std::sync::mpsc::Receiver<PoolNews>,
-    thread: Option<std::thread::JoinHandle<Vec<TeacherEvent>>>,
+    thread: Option<std::thread::JoinHandle<PoolRecord>>,
     every: Duration,
     /// The changes told through [`PoolThread::news`] so far.
     told: Vec<TeacherEvent>,
@@ -474,7 +515,7 @@ impl PoolThread {
                     break;
                 }
             }
-            pool.events
+            PoolRecord { events: pool.events, decisions: pool.decisions.into() }
         })?;
         Ok(PoolThread { tx: Some(tx), news, thread: Some(thread), every, told: Vec::new() })
     }
@@ -499,22 +540,24 @@ impl PoolThread {
     }
 
     /// Stops the pool's thread (its teachers stay, for the job to stop);
-    /// returns every change it made. A thread still busy after 10 s (a
-    /// policy that does not return, a teacher that does not start) is left
-    /// behind, and the changes it told are returned.
-    pub fn stop(&mut self) -> Vec<TeacherEvent> {
+    /// returns every change it made and its policy's decisions. A thread
+    /// still busy after 10 s (a policy that does not return, a teacher that
+    /// does not start) is left behind, and the changes it told are returned
+    /// (without the decisions).
+    pub fn stop(&mut self) -> PoolRecord {
         drop(self.tx.take());
-        let Some(thread) = self.thread.take() else { return std::mem::take(&mut self.told) };
+        let told = |me: &mut Self| PoolRecord { events: std::mem::take(&mut me.told), decisions: Vec::new() };
+        let Some(thread) = self.thread.take() else { return told(self) };
         let until = Instant::now() + Duration::from_secs(10);
         while !thread.is_finished() && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(20));
         }
         if thread.is_finished() {
-            return thread.join().unwrap_or_else(|_| std::mem::take(&mut self.told));
+            return thread.join().unwrap_or_else(|_| told(self));
         }
         tracing::warn!("the teacher pool's thread is still busy after 10 s; the job ends without it");
         self.news();
-        std::mem::take(&mut self.told)
+        told(self)
     }
 }
 

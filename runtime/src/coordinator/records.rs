@@ -63,6 +63,9 @@ pub struct JobOutcome {
     /// How the teacher pool changed, and why.
     #[serde(default)]
     pub teacher_events: Vec<super::pool::TeacherEvent>,
+    /// The teacher policy's decisions, what it saw and answered.
+    #[serde(default)]
+    pub teacher_decisions: Vec<super::pool::TeacherDecision>,
     /// How the scheduler knows each worker it started (`slurm:123`).
     pub worker_handles: std::collections::BTreeMap<u64, String>,
 }

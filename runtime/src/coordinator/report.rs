@@ -42,6 +42,11 @@ pub struct Report {
     /// before and after (as `scale_events`).
     #[serde(default)]
     pub teacher_events: Vec<crate::coordinator::pool::TeacherEvent>,
+    /// Each decision of the teacher policy: the view it was given, its
+    /// answer (or error) and the size kept; a trace for `plugin replay
+    /// --teacher-policy`.
+    #[serde(default)]
+    pub teacher_decisions: Vec<crate::coordinator::pool::TeacherDecision>,
     /// How the scheduler knows each worker (`slurm:123`), by worker id.
     #[serde(default)]
     pub worker_handles: std::collections::BTreeMap<u64, String>,
@@ -97,6 +102,7 @@ impl Report {
             workers_started: outcome.workers_started,
             store_events: outcome.store_events,
             teacher_events: outcome.teacher_events,
+            teacher_decisions: outcome.teacher_decisions,
             worker_handles: outcome.worker_handles,
             timeline: outcome.timeline,
         }

@@ -163,6 +163,69 @@ pub fn read_trace(path: &Path) -> Result<Trace, TraceError> {
     Ok(Trace::Recorded(views))
 }
 
+/// The teacher views of a trace: a job's report (the views of its
+/// `teacher_decisions`), or JSON lines each a teacher view or a decision
+/// (`#` lines are comments). An unknown field is refused, naming it.
+pub fn read_teacher_trace(path: &Path) -> Result<Vec<edl_plugin_sdk::TeacherView>, TraceError> {
+    let shown = path.display().to_string();
+    let text =
+        std::fs::read_to_string(path).map_err(|source| TraceError::Read { path: shown.clone(), source })?;
+    let mut views = Vec::new();
+    if let Ok(report) = serde_json::from_str::<serde_json::Value>(&text)
+        && let Some(decisions) = report.get("teacher_decisions").and_then(|d| d.as_array())
+    {
+        for (i, d) in decisions.iter().enumerate() {
+            let view = serde_json::from_value(d.get("view").cloned().unwrap_or_default())
+                .map_err(|source| TraceError::Parse { path: shown.clone(), line: i + 1, source })?;
+            views.push(view);
+        }
+    } else {
+        for (i, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let parse = |s: &str| serde_json::from_str::<serde_json::Value>(s);
+            let value = parse(line).map_err(|source| TraceError::Parse {
+                path: shown.clone(),
+                line: i + 1,
+                source,
+            })?;
+            let view = value.get("view").cloned().unwrap_or(value);
+            let checked: StrictView = serde_json::from_value(view).map_err(|source| TraceError::Parse {
+                path: shown.clone(),
+                line: i + 1,
+                source,
+            })?;
+            views.push(checked.0);
+        }
+    }
+    if views.is_empty() {
+        return Err(TraceError::Empty { path: shown });
+    }
+    Ok(views)
+}
+
+/// A teacher view read strictly: every field known.
+struct StrictView(edl_plugin_sdk::TeacherView);
+
+impl<'de> serde::Deserialize<'de> for StrictView {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let value = serde_json::Value::deserialize(d)?;
+        let known =
+            serde_json::to_value(edl_plugin_sdk::TeacherView::default()).map_err(serde::de::Error::custom)?;
+        if let (Some(given), Some(known)) = (value.as_object(), known.as_object())
+            && let Some(unknown) = given.keys().find(|k| !known.contains_key(*k))
+        {
+            let names: Vec<&String> = known.keys().collect();
+            return Err(serde::de::Error::custom(format!(
+                "unknown field `{unknown}` of a teacher view (known: {names:?})"
+            )));
+        }
+        serde_json::from_value(value).map(StrictView).map_err(serde::de::Error::custom)
+    }
+}
+
 /// One decision of a replay or a simulation.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Decision {

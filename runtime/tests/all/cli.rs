@@ -99,6 +99,41 @@ fn replay_prints_a_policys_decisions_over_a_trace() {
 }
 
 #[test]
+fn replay_reads_teacher_views_and_refuses_a_field_it_does_not_know() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("teachers.jsonl");
+    // Students waiting on one busy teacher, twice.
+    let view = r#"{"step": 10, "wait_share": 0.5, "student_world_size": 4, "student_world_planned": 4, "teacher_count": 1, "min_teachers": 1, "max_teachers": 4, "in_flight_per_teacher": 4, "secs_since_change": 30.0, "teachers": [{"id": 0, "utilisation": 0.95, "rows_per_sec": 600.0}]}"#;
+    std::fs::write(&trace, format!("# two looks\n{view}\n{view}\n")).unwrap();
+    let args = [
+        "plugin",
+        "replay",
+        "--teacher-policy",
+        art::TEACHER_AUTOSCALE_WASM,
+        "--trace",
+        trace.to_str().unwrap(),
+    ];
+    let (ok, out, err) = edl(&args, cache.path());
+    assert!(ok, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    assert!(lines[0].contains("teachers   1 ->   2") && lines[0].contains("students waited  50%"), "{out}");
+    assert!(
+        err.contains("2 decisions of edl-plugin-teacher-autoscale") && err.contains("2 would change"),
+        "{err}"
+    );
+    // A misspelt field is named, not read as 0.
+    std::fs::write(&trace, view.replace("wait_share", "wait_shar")).unwrap();
+    let (ok, _, err) = edl(&args, cache.path());
+    assert!(!ok);
+    assert!(err.contains("teachers.jsonl:1") && err.contains("unknown field `wait_shar`"), "{err}");
+    // Both kinds at once, or neither: refused by the command line.
+    let (ok, _, err) = edl(&["plugin", "replay", "--trace", trace.to_str().unwrap()], cache.path());
+    assert!(!ok && err.contains("--policy"), "{err}");
+}
+
+#[test]
 fn the_main_command_runs_a_policy_against_the_simulated_cluster() {
     let cache = tempfile::tempdir().unwrap();
     let (ok, out, err) = edl(

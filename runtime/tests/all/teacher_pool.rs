@@ -76,6 +76,29 @@ fn the_pool_grows_while_students_wait_on_busy_teachers() {
     let logs = std::fs::read_dir(d.join(".edl/pool/logs")).unwrap();
     let teachers = logs.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("teacher-")).count();
     assert_eq!(teachers, 3, "teacher logs");
+    replays_to_the_same_decisions(d, &r);
+}
+
+/// The report's teacher decisions, replayed by `plugin replay
+/// --teacher-policy` with the job's policy and configuration, come out as
+/// the job's policy answered them.
+fn replays_to_the_same_decisions(d: &std::path::Path, r: &Value) {
+    let recorded = r["teacher_decisions"].as_array().unwrap();
+    assert!(recorded.len() >= 3, "{recorded:?}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+        .current_dir(d)
+        .args(["plugin", "replay", "--teacher-policy", art::TEACHER_AUTOSCALE_WASM, "--trace", "report.json"])
+        .args(["--config", "settle-secs=1", "--config", "shrink-after=2", "--json"])
+        .output()
+        .unwrap();
+    let (said, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{err}");
+    let replayed: Vec<Value> = said.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(replayed.len(), recorded.len(), "{said}");
+    for (a, b) in replayed.iter().zip(recorded) {
+        assert_eq!(a["plan"], b["plan"], "replayed {a} against recorded {b}");
+    }
+    assert!(err.contains(&format!("{} decisions of edl-plugin-teacher-autoscale", recorded.len())), "{err}");
 }
 
 #[test]
@@ -260,4 +283,74 @@ fn an_mlserver_started_by_command_serves_the_students_once_its_model_is_ready() 
     assert!(infers >= 1200 / 64, "{infers} requests: {log}");
     // It left with the job: stopped, its ports closed.
     assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err(), "still serving: {log}");
+}
+
+/// The teacher processes a coordinator started: its children running
+/// `edl-runtime teacher`.
+fn teacher_pids(coordinator: u32) -> Vec<i32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+        // The parent is the fourth field, after the command in parentheses.
+        let ppid = stat.rsplit_once(") ").and_then(|(_, r)| r.split(' ').nth(1)).and_then(|p| p.parse().ok());
+        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        if ppid == Some(coordinator) && String::from_utf8_lossy(&cmdline).contains("teacher\0--listen") {
+            out.push(pid);
+        }
+    }
+    out.sort();
+    out
+}
+
+/// What the students' logs say of failed requests (none is the goal).
+fn failed_requests(logs: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(logs).unwrap().flatten() {
+        if e.file_name().to_string_lossy().starts_with("worker-") {
+            let log = std::fs::read_to_string(e.path()).unwrap();
+            let bad = ["its requests go elsewhere", "no more requests go to it", "request task failed"];
+            out.extend(log.lines().filter(|l| bad.iter().any(|b| l.contains(b))).map(String::from));
+        }
+    }
+    out
+}
+
+#[test]
+fn a_teacher_sigtermed_mid_epoch_drains_losing_nothing_and_one_sigkilled_is_replaced() {
+    use crate::support::wait::wait_for;
+    use std::time::Duration;
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // Two students, two teachers the pool keeps (a size the policy cannot change).
+    let mut cmd = pooled_job(d, &redis, "200", &["--teachers", "2", "--epochs", "4", "--batch", "32"]);
+    cmd.args(["--min-teachers", "2", "--max-teachers", "2", "--train-samples", "1200"]);
+    cmd.args(["--workers", "2", "--min-workers", "2", "--max-workers", "2", "--step-delay-ms", "100"]);
+    let mut child = cmd.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    // Training, the students calling both teachers.
+    wait_for(&rx, "0 -> 2 workers", &mut seen, Duration::from_secs(120));
+    std::thread::sleep(Duration::from_secs(1));
+    let first = teacher_pids(child.id());
+    assert_eq!(first.len(), 2, "{first:?}\n{}", seen.join("\n"));
+    // SIGTERM, as Slurm or Kubernetes give notice: it deregisters, drains, exits.
+    unsafe { libc::kill(first[0], libc::SIGTERM) };
+    wait_for(&rx, "exited; replaced", &mut seen, Duration::from_secs(60));
+    let logs = d.join(".edl/pool/logs");
+    assert_eq!(failed_requests(&logs), Vec::<String>::new(), "no request failed with notice");
+    // SIGKILL, without notice: its requests go elsewhere, and it is replaced.
+    let now = teacher_pids(child.id());
+    let other = *now.iter().find(|p| **p != first[0]).unwrap();
+    unsafe { libc::kill(other, libc::SIGKILL) };
+    let status = finish(child, rx, &mut seen);
+    let said = seen.join("\n");
+    assert!(status.success(), "{said}");
+    let r = report(d);
+    assert_exactly_once(&r, 4, 1200);
+    let replaced: Vec<_> =
+        teacher_events(&r).into_iter().filter(|e| e.3.contains("exited; replaced")).collect();
+    assert_eq!(replaced.len(), 2, "both replaced: {replaced:?}\n{said}");
+    assert!(replaced.iter().all(|e| (e.1, e.2) == (2, 2)), "{replaced:?}");
 }
