@@ -160,15 +160,18 @@ fn size_steps(
 /// Draws a training run to `path` (SVG): world size, throughput and loss over
 /// wall-clock time, one panel each, with a dashed line at each scale event;
 /// the program's own metrics (`step.commit(loss=..., accuracy=...)`) are
-/// drawn with the loss, each with its name in the legend.
+/// drawn with the loss, each with its name in the legend; the teacher
+/// pool's size (from its changes) is drawn with the workers.
 pub fn training_run(
     path: &Path,
     title: &str,
     steps: &[crate::coordinator::StepRecord],
     events: &[crate::leader::record::ScaleEvent],
+    teachers: &[crate::coordinator::pool::TeacherEvent],
 ) -> Result<(), PlotError> {
     let root = titled_canvas(path, (960, 820), title)?;
-    let run = TrainingRun::new(steps, events);
+    let mut run = TrainingRun::new(steps, events);
+    run.teachers = teacher_sizes(teachers, run.t0, run.t_end);
     for (area, panel) in root.split_evenly((3, 1)).iter().zip(Panel::all()) {
         run.draw(area, &panel).map_err(failed(path))?;
     }
@@ -205,6 +208,24 @@ struct TrainingRun<'a> {
     /// The names of the program's own metrics, and their largest finite value.
     metrics: std::collections::BTreeSet<&'a str>,
     metric_max: f64,
+    /// The teacher pool's size as a staircase (empty: no pool changes).
+    teachers: Vec<(f64, f64)>,
+}
+
+/// The teacher pool's size over `t0..t_end` as a staircase, from its
+/// changes (the size before the first holds from `t0`).
+fn teacher_sizes(events: &[crate::coordinator::pool::TeacherEvent], t0: f64, t_end: f64) -> Vec<(f64, f64)> {
+    let Some(first) = events.first() else { return Vec::new() };
+    let mut pts = vec![(t0, first.from as f64)];
+    for e in events {
+        let at = e.secs.clamp(t0, t_end);
+        let was = pts.last().map_or(0.0, |p| p.1);
+        pts.push((at, was));
+        pts.push((at, e.to as f64));
+    }
+    let last = pts.last().map_or(0.0, |p| p.1);
+    pts.push((t_end, last));
+    pts
 }
 
 impl<'a> TrainingRun<'a> {
@@ -220,7 +241,7 @@ impl<'a> TrainingRun<'a> {
             .flat_map(|s| s.metrics.values().copied())
             .filter(|v| v.is_finite())
             .fold(0.0, f64::max);
-        TrainingRun { steps, events, t0, t_end, metrics, metric_max }
+        TrainingRun { steps, events, t0, t_end, metrics, metric_max, teachers: Vec::new() }
     }
 
     /// Whether `panel` also holds the program's metrics (the loss's does).
@@ -248,6 +269,22 @@ impl<'a> TrainingRun<'a> {
             self.points(panel),
             ShapeStyle::from(&panel.color).stroke_width(2),
         ))?;
+        if panel.name == "workers" && !self.teachers.is_empty() {
+            line.label("workers").legend(legend_line(panel.color, 16));
+            let orange = RGBColor(230, 120, 0);
+            chart
+                .draw_series(LineSeries::new(
+                    self.teachers.clone(),
+                    ShapeStyle::from(&orange).stroke_width(2),
+                ))?
+                .label("teachers")
+                .legend(legend_line(orange, 16));
+            return chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .draw();
+        }
         if !self.holds_metrics(panel) {
             return Ok(());
         }
@@ -271,7 +308,13 @@ impl<'a> TrainingRun<'a> {
     /// The top of `panel`'s value axis: above its largest finite value
     /// (and the metrics' where it holds them).
     fn top_of(&self, panel: &Panel) -> f64 {
-        let floor = if self.holds_metrics(panel) { self.metric_max } else { 0.0 };
+        let floor = if self.holds_metrics(panel) {
+            self.metric_max
+        } else if panel.name == "workers" {
+            self.teachers.iter().map(|p| p.1).fold(0.0, f64::max)
+        } else {
+            0.0
+        };
         let max = self.steps.iter().map(panel.pick).filter(|v| v.is_finite()).fold(floor, f64::max).max(1e-6);
         if panel.integer { max + 1.0 } else { max * 1.1 }
     }
@@ -299,6 +342,36 @@ mod tests {
 
     fn decision(step: u64, world_size: u32, chosen: u32) -> Decision {
         Decision { step, world_size, chosen, throughput: 1.0, capacity: 8, actions: vec![Action::Hold] }
+    }
+
+    #[test]
+    fn the_teacher_pool_is_drawn_with_the_workers_as_a_staircase() {
+        let event = |secs: f64, from: u32, to: u32| crate::coordinator::pool::TeacherEvent {
+            step: 0,
+            secs,
+            from,
+            to,
+            reason: String::new(),
+        };
+        let sizes = teacher_sizes(&[event(2.0, 1, 2), event(5.0, 2, 3)], 0.5, 9.0);
+        assert_eq!(sizes, [(0.5, 1.0), (2.0, 1.0), (2.0, 2.0), (5.0, 2.0), (5.0, 3.0), (9.0, 3.0)]);
+        let step = |secs: f64| crate::coordinator::StepRecord {
+            step: 0,
+            epoch: 0,
+            world: 2,
+            secs,
+            loss: 1.0,
+            samples_per_sec: 10.0,
+            cursor: 0,
+            metrics: Default::default(),
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (with, without) = (dir.path().join("with.svg"), dir.path().join("without.svg"));
+        let steps = [step(0.5), step(9.0)];
+        training_run(&with, "t", &steps, &[], &[event(2.0, 1, 2)]).unwrap();
+        training_run(&without, "t", &steps, &[], &[]).unwrap();
+        assert!(std::fs::read_to_string(&with).unwrap().contains("teachers"));
+        assert!(!std::fs::read_to_string(&without).unwrap().contains("teachers"));
     }
 
     #[test]

@@ -83,7 +83,7 @@ pub(super) fn summarize(
     }
     if let Some(out) = &output.plot {
         let title = format!("{} with {}", report.job, report.policy);
-        plot::training_run(out, &title, &report.timeline, &report.scale_events)?;
+        plot::training_run(out, &title, &report.timeline, &report.scale_events, &report.teacher_events)?;
         println!("          plot written to {}", out.display());
     }
     coordinator::mark_complete(spec_checkpoint_dir, &report.epochs)?;
