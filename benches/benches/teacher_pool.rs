@@ -24,21 +24,26 @@ const STUDENTS: u32 = 2;
 const ROW_US: &str = "250";
 const STEP_MS: &str = "20";
 
-/// One job of the table: its flags beyond the common ones.
+/// One job of the table: its flags beyond the common ones, and the
+/// teachers' emulated time a row ("0": the model's real compute, on the
+/// same two cores as the students).
 struct Row {
     name: &'static str,
     flags: Vec<String>,
+    row_us: &'static str,
 }
 
 fn rows() -> Vec<Row> {
-    let fixed = |n: u32| Row { name: "", flags: vec!["--teachers".into(), n.to_string()] };
-    let mut out = vec![Row { name: "pure training (no teachers)", flags: vec!["--no-distill".into()] }];
+    let fixed = |n: u32| Row { name: "", flags: vec!["--teachers".into(), n.to_string()], row_us: ROW_US };
+    let mut out =
+        vec![Row { name: "pure training (no teachers)", flags: vec!["--no-distill".into()], row_us: ROW_US }];
     for (n, name) in [(1, "service, 1 teacher"), (2, "service, 2 teachers"), (4, "service, 4 teachers")] {
         out.push(Row { name, ..fixed(n) });
     }
     let policy = edl_plugin_artifacts::TEACHER_AUTOSCALE_WASM;
-    out.push(Row {
-        name: "service, the policy's pool (from 1, up to 4)",
+    let pooled = |name: &'static str, row_us: &'static str| Row {
+        name,
+        row_us,
         flags: [
             "--teachers",
             "1",
@@ -53,7 +58,11 @@ fn rows() -> Vec<Row> {
         ]
         .map(String::from)
         .to_vec(),
-    });
+    };
+    out.push(pooled("service, the policy's pool (from 1, up to 4)", ROW_US));
+    // The teachers' real compute, without the emulated accelerator.
+    out.push(Row { name: "real compute: service, 1 teacher", row_us: "0", ..fixed(1) });
+    out.push(pooled("real compute: the policy's pool (1 to 4)", "0"));
     out
 }
 
@@ -66,7 +75,7 @@ fn run(dir: &Path, store: &str, row: &Row, job: &str) -> (f64, f64, Vec<String>)
         .current_dir(dir)
         .args(["--store", store, "--job", job, "--epochs", "12", "--batch", &global])
         .args(["--workers", &w, "--min-workers", &w, "--max-workers", &w, "--step-delay-ms", STEP_MS])
-        .args(["--teacher-emulate-row-us", ROW_US, "--teacher-hidden", "256", "--teacher-epochs", "3"])
+        .args(["--teacher-emulate-row-us", row.row_us, "--teacher-hidden", "256", "--teacher-epochs", "3"])
         .args(&row.flags)
         .arg("--report")
         .arg(&report)
