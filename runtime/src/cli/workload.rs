@@ -142,17 +142,18 @@ pub struct TeacherPoolArgs {
     pub teacher_emulate_row_us: u64,
     /// Start the job's teachers with this command instead of as processes
     /// here, run with `sh -c` on --teacher-hosts: any KServe v2 server
-    /// (Triton, MLServer, `{exe} teacher`). Placeholders {id} {host} {port}
-    /// {port2} {slot} {job} {service} {model} (the job's teacher model file)
-    /// {exe}. It joins once its server and model answer ready.
+    /// (Triton, MLServer, `{exe} teacher`). Placeholders {id} {host} {addr}
+    /// {port} {port2} {slot} {job} {service} {model} (the job's teacher
+    /// model file) {exe}. It joins once its server and model answer ready.
     #[arg(long, value_name = "CMD", help_heading = "Teacher pool")]
     pub teacher_command: Option<String>,
     /// With --teacher-command: run when a teacher is told to go, before its
     /// command's process group is sent SIGTERM.
     #[arg(long, value_name = "CMD", requires = "teacher_command", help_heading = "Teacher pool")]
     pub teacher_stop_command: Option<String>,
-    /// With --teacher-command: hosts teachers run on, `host` or `host:slots`,
-    /// comma separated.
+    /// With --teacher-command: hosts teachers run on, `host[:slots]` or
+    /// `name=addr[:slots]` (a node's name for the command, {host}, and the
+    /// address students reach, {addr}), comma separated.
     #[arg(
         long,
         value_name = "HOSTS",
@@ -172,12 +173,12 @@ pub struct TeacherPoolArgs {
         help_heading = "Teacher pool"
     )]
     pub teacher_port: u16,
-    /// With --teacher-command: what students reach, e.g. `{host}:{port}`
-    /// (gRPC), `http://{host}:{port}/MODEL@probs` (REST).
+    /// With --teacher-command: what students reach, e.g. `{addr}:{port}`
+    /// (gRPC), `http://{addr}:{port}/MODEL@probs` (REST).
     #[arg(
         long,
         value_name = "TEMPLATE",
-        default_value = "{host}:{port}",
+        default_value = "{addr}:{port}",
         requires = "teacher_command",
         help_heading = "Teacher pool"
     )]

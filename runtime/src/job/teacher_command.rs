@@ -22,7 +22,8 @@ use anyhow::{Context, Result, bail};
 use std::{path::PathBuf, sync::Arc, time::Duration};
 
 /// What a template may name.
-pub const PLACEHOLDERS: [&str; 9] = ["id", "host", "port", "port2", "slot", "job", "service", "model", "exe"];
+pub const PLACEHOLDERS: [&str; 10] =
+    ["id", "host", "addr", "port", "port2", "slot", "job", "service", "model", "exe"];
 
 /// How the job's teachers are started by command.
 #[derive(Clone, Debug)]
@@ -31,10 +32,12 @@ pub struct TeacherCommand {
     pub start: String,
     /// Run before its group is signalled, when a teacher is told to go.
     pub stop: Option<String>,
-    /// What the students reach: `{host}:{port}` (gRPC), `grpcs://...`,
-    /// `http://{host}:{port}/MODEL@probs` (REST), ...
+    /// What the students reach: `{addr}:{port}` (gRPC), `grpcs://...`,
+    /// `http://{addr}:{port}/MODEL@probs` (REST), ...
     pub endpoint: String,
-    /// `host` or `host:slots` entries.
+    /// `host`, `host:slots`, `name=addr` or `name=addr:slots` entries: a
+    /// host's name for its command (`srun -w {host}`) and the address
+    /// students reach it at (`{addr}`; the name when none is given).
     pub hosts: Vec<String>,
     /// The first slot's port on each host.
     pub port: u16,
@@ -46,6 +49,7 @@ pub struct TeacherCommand {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Slot {
     pub host: String,
+    pub addr: String,
     pub index: usize,
     pub port: u16,
 }
@@ -72,12 +76,31 @@ impl TeacherCommand {
                     .with_context(|| format!("{flag} {t:?}"))?;
             }
         }
+        // `name=addr[:slots]`: the name is the host's, the address apart.
+        let mut addrs = std::collections::BTreeMap::new();
+        let mut names = Vec::new();
+        for h in &self.hosts {
+            let Some((name, rest)) = h.split_once('=') else {
+                names.push(h.clone());
+                continue;
+            };
+            let (addr, n) = match rest.rsplit_once(':') {
+                Some((a, n)) if n.parse::<usize>().is_ok() => (a, Some(n)),
+                _ => (rest, None),
+            };
+            if name.is_empty() || addr.is_empty() {
+                bail!("--teacher-hosts {h:?}: expected host[:slots] or name=addr[:slots]");
+            }
+            addrs.insert(name.to_string(), addr.to_string());
+            names.push(n.map_or(name.to_string(), |n| format!("{name}:{n}")));
+        }
         let mut slots = Vec::new();
-        for (host, index) in host_slots(&self.hosts, "--teacher-hosts")? {
+        for (host, index) in host_slots(&names, "--teacher-hosts")? {
             let port = u16::try_from(self.port as usize + 2 * index + 1).map(|p2| p2 - 1).map_err(|_| {
                 anyhow::anyhow!("--teacher-port {}: slot {index} on {host} has no port", self.port)
             })?;
-            slots.push(Slot { host, index, port });
+            let addr = addrs.get(&host).cloned().unwrap_or_else(|| host.clone());
+            slots.push(Slot { host, addr, index, port });
         }
         if slots.is_empty() {
             bail!("--teacher-command needs --teacher-hosts (the hosts and slots teachers run on)");
@@ -91,6 +114,7 @@ impl TeacherCommand {
             let v = match name {
                 "id" => f.id.to_string(),
                 "host" => f.slot.host.clone(),
+                "addr" => f.slot.addr.clone(),
                 "port" => f.slot.port.to_string(),
                 "port2" => (f.slot.port + 1).to_string(),
                 "slot" => f.slot.index.to_string(),
@@ -308,7 +332,7 @@ mod tests {
         TeacherCommand {
             start: start.into(),
             stop: None,
-            endpoint: "{host}:{port}".into(),
+            endpoint: "{addr}:{port}".into(),
             hosts: vec!["a:2".into(), "b".into()],
             port: 8001,
             ready_within: Duration::from_secs(1),
@@ -333,7 +357,16 @@ mod tests {
             c.fill(&c.start, &f, true).unwrap(),
             "ssh a serve --id 7 --ports 8003,8004 --job 'my job' --model /m/t.safetensors"
         );
-        assert_eq!(c.fill("http://{host}:{port}/m@probs", &f, false).unwrap(), "http://a:8003/m@probs");
+        assert_eq!(c.fill("http://{addr}:{port}/m@probs", &f, false).unwrap(), "http://a:8003/m@probs");
+        // A node's name for the command, its address for the students.
+        let named =
+            TeacherCommand { hosts: vec!["n1=10.0.0.5:2".into(), "n2=10.0.0.6".into()], ..command("x") };
+        let slots = named.slots().unwrap();
+        let got: Vec<(&str, &str, u16)> =
+            slots.iter().map(|s| (s.host.as_str(), s.addr.as_str(), s.port)).collect();
+        assert_eq!(got, [("n1", "10.0.0.5", 8001), ("n2", "10.0.0.6", 8001), ("n1", "10.0.0.5", 8003)]);
+        let e = TeacherCommand { hosts: vec!["=10.0.0.5".into()], ..command("x") }.slots().unwrap_err();
+        assert!(e.to_string().contains("name=addr"), "{e}");
         let e = command("serve {coordinator}").slots().unwrap_err();
         assert!(
             format!("{e:#}").contains("--teacher-command")

@@ -103,6 +103,9 @@ struct ByCommand {
     slot: usize,
     /// The stop command, filled in; run once, when it is told to go.
     stop: Option<String>,
+    /// It was told to go by its stop command: its command is given the
+    /// grace to end on its own before its group is signalled.
+    told: bool,
     /// Its endpoint's registration for the students (shared stores only).
     registered: Option<super::teacher_command::Registered>,
 }
@@ -271,7 +274,7 @@ impl TeacherProcess {
             addr: endpoint.to_string(),
             child,
             log: log.to_path_buf(),
-            by_command: Some(ByCommand { slot, stop, registered: None }),
+            by_command: Some(ByCommand { slot, stop, told: false, registered: None }),
         };
         let child = &mut t.child;
         let mut gone = || child.try_wait().ok().flatten().map(|s| s.to_string());
@@ -314,10 +317,15 @@ impl TeacherProcess {
 
     /// Tells the process to stop (SIGTERM: it deregisters and drains);
     /// dropping it then waits for its exit. A teacher started by command
-    /// is deregistered, given its stop command, and its group SIGTERM.
+    /// is deregistered and given its stop command (`scancel --signal=TERM`,
+    /// ...), and dropping it waits for its command to end, then signals its
+    /// group; without a stop command its group gets SIGTERM now.
     pub fn ask_to_stop(&mut self) {
         self.deregister();
-        if let Some(line) = self.by_command.as_mut().and_then(|c| c.stop.take()) {
+        if let Some(c) = self.by_command.as_mut()
+            && let Some(line) = c.stop.take()
+        {
+            c.told = true;
             let mut cmd = Command::new("sh");
             cmd.arg("-c").arg(&line);
             match crate::process::output("the teacher stop command", &mut cmd, b"", Duration::from_secs(30)) {
@@ -330,6 +338,10 @@ impl TeacherProcess {
                 ),
                 Err(e) => tracing::warn!("teacher {}: the stop command {line:?}: {e:#}", self.addr),
             }
+            return;
+        }
+        if self.by_command.as_ref().is_some_and(|c| c.told) {
+            return;
         }
         if let Ok(None) = self.child.try_wait() {
             let pid = self.child.id() as libc::pid_t;
@@ -352,6 +364,13 @@ impl Drop for TeacherProcess {
     fn drop(&mut self) {
         if self.by_command.is_some() {
             self.ask_to_stop();
+            if self.by_command.as_ref().is_some_and(|c| c.told) {
+                // Told by its stop command: a grace to end on its own.
+                let until = std::time::Instant::now() + Duration::from_secs(5);
+                while matches!(self.child.try_wait(), Ok(None)) && std::time::Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
             crate::process::terminate_group(&mut self.child, Duration::from_secs(5));
             return;
         }

@@ -399,3 +399,49 @@ impl Drop for KillOnDrop {
         let _ = self.0.wait();
     }
 }
+
+#[test]
+fn the_job_s_teachers_run_as_slurm_steps_on_their_node_and_leave_nothing_queued() {
+    let Some(hosts) = Hosts::build_or_skip(&["ctl", "n1"]) else { return };
+    let Some(slurm) = Slurm::start(&hosts, &["n1"]) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let cmd = job(d, &["--epochs", "2", "--job", "st"]);
+    let mut c = slurm.command(cmd.get_program().to_str().unwrap());
+    c.args(cmd.get_args()).current_dir(d).env("SLURM_CONF", &slurm.conf);
+    // The teacher: a step on n1 (by its Slurm name), reached at n1's address.
+    c.args([
+        "--teacher-command",
+        "srun -p edl -w {host} -N1 -n1 -J edl-teacher-{id} {exe} teacher --listen {addr}:{port} --model {model} --store memory",
+        "--teacher-hosts",
+        &format!("n1={}", hosts.ip("n1")),
+        "--teacher-port",
+        "8101",
+        // Notice to the step itself (srun told to stop would kill it).
+        "--teacher-stop-command",
+        "scancel --signal=TERM --name edl-teacher-{id}",
+    ]);
+    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let at = format!("teacher   0 serving on {}:8101", hosts.ip("n1"));
+    wait_for(&rx, &at, &mut seen, Duration::from_secs(180));
+    let running = slurm.queue();
+    assert!(
+        running
+            .iter()
+            .any(|(_, state, node, name)| name == "edl-teacher-0" && state == "RUNNING" && node == "n1"),
+        "{running:?}"
+    );
+    let status = finish(child, rx, &mut seen);
+    let said = seen.join("\n");
+    assert!(status.success(), "{said}");
+    assert_exactly_once(&report(d), 2, 1200);
+    // It served the students' soft labels, and said so as it stopped.
+    let log = std::fs::read_to_string(d.join(".edl/st/logs/teacher-0.log")).unwrap();
+    let served =
+        log.lines().find_map(|l| l.split(": served ").nth(1)?.split(' ').next()?.parse::<u64>().ok());
+    assert!(served.is_some_and(|n| n >= 2 * 1200), "{log}");
+    until("the teacher's step to leave the queue", Duration::from_secs(60), || slurm.queue().is_empty());
+}

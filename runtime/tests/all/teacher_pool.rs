@@ -180,12 +180,12 @@ fn four_students_share_two_teachers_one_each_and_evenly() {
     assert!(hi <= 1.5 * lo, "each teacher within 1.5x of the other's rows: {rows:?}");
 }
 
-/// A command that starts an `edl-runtime teacher` on `{host}:{port}` with
+/// A command that starts an `edl-runtime teacher` on `{addr}:{port}` with
 /// the job's model, emulating `row_us` a row; it registers nowhere (the
 /// job registers its endpoint).
 fn edl_teacher_command(row_us: &str) -> String {
     format!(
-        "exec {{exe}} teacher --listen {{host}}:{{port}} --model {{model}} --store memory --emulate-row-us {row_us}"
+        "exec {{exe}} teacher --listen {{addr}}:{{port}} --model {{model}} --store memory --emulate-row-us {row_us}"
     )
 }
 
@@ -207,7 +207,8 @@ fn teachers_started_by_command_join_the_pool_and_leave_it_drained() {
     let d = dir.path();
     let stopped = d.join("stopped");
     let port = free_ports(3).to_string();
-    let stop = format!("echo {{id}} {{port}} >> {}", stopped.display());
+    // Notes it, and gives the teacher notice (SIGTERM: it drains and exits).
+    let stop = format!("echo {{id}} {{port}} >> {}; pkill -TERM -f 'liste[n] 127.0.0.1:'{{port}}", stopped.display());
     // The shrink test's job, its teachers started by command on three slots.
     let mut cmd = pooled_job(d, &redis, "100", &["--teachers", "3", "--epochs", "2", "--batch", "16"]);
     cmd.args(["--workers", "1", "--min-workers", "1", "--max-workers", "1", "--step-delay-ms", "100"]);
@@ -272,7 +273,7 @@ fn an_mlserver_started_by_command_serves_the_students_once_its_model_is_ready() 
     let port = free_ports(1);
     let mut cmd = job(d, &["--teachers", "1", "--epochs", "1", "--job", "mls", "--teacher-command", &start]);
     cmd.args(["--teacher-hosts", "127.0.0.1", "--teacher-port", &port.to_string()]);
-    cmd.args(["--teacher-endpoint", "http://{host}:{port}/digits@probs"]).stdout(Stdio::piped());
+    cmd.args(["--teacher-endpoint", "http://{addr}:{port}/digits@probs"]).stdout(Stdio::piped());
     let (r, said) = run(&mut cmd, d);
     assert_exactly_once(&r, 1, 1200);
     assert!(said.contains(&format!("teacher   0 serving on http://127.0.0.1:{port}/digits@probs")), "{said}");
