@@ -770,7 +770,13 @@ impl StepView {
             inner.teach = None;
             return Err(err(format!("teacher read-ahead is not at step {}", self.info.step)));
         }
-        match teach.next_soft_labels(py, &inner.rt) {
+        // This student calls its share of the teachers.
+        teach.reader.place(self.info.rank, self.info.world);
+        let asked = std::time::Instant::now();
+        let got = teach.next_soft_labels(py, &inner.rt);
+        // What the job's teacher pool is sized by, as for the built-in student.
+        inner.session.waited_for_teachers(asked.elapsed().as_secs_f64() * 1e3);
+        match got {
             Ok(d) => Ok(Some(float_array(py, &d.soft, (d.batch.ids.len(), d.classes))?)),
             Err(e) => {
                 inner.teach = None;

@@ -363,3 +363,96 @@ fn a_standby_does_not_restart_a_job_that_failed_the_same_way_again_and_again() {
     assert!(text.contains("ValueError: bad batch at step 5") || text.contains("same error"), "{text}");
     assert!(!text.contains("restarting from the newest checkpoint"), "the standby trained it again:\n{text}");
 }
+
+/// A program that distils: each step asks the teachers for its samples'
+/// logits (features made from the sample ids) and checks their shape.
+const DISTILS: &str = r#"
+import numpy as np
+import edl
+
+job = edl.Job.from_env()
+w = np.zeros(4, dtype=np.float32)
+job.register("w", w)
+for step in job.steps():
+    ids = np.asarray(step.indices, dtype=np.float32)
+    x = np.sin(ids[:, None] * np.arange(1, 9, dtype=np.float32)[None, :] / 97.0)
+    soft = step.teacher_logits(x)
+    assert soft is not None and soft.shape == (len(ids), 3), soft
+    if not step.all_reduce([np.zeros(4, dtype=np.float32)]):
+        continue
+    step.commit(loss=float(np.abs(soft).mean()))
+"#;
+
+/// An `edl-runtime teacher` of `model` on loopback: the process and its address.
+fn loopback_teacher(model: &Path) -> (std::process::Child, String) {
+    use std::io::BufRead;
+    let mut t = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+        .args(["teacher", "--listen", "127.0.0.1:0", "--store", "memory", "--model"])
+        .arg(model)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(t.stdout.as_mut().unwrap()).read_line(&mut first).unwrap();
+    let addr = first.split("serving on ").nth(1).and_then(|r| r.split_whitespace().next()).unwrap();
+    (t, addr.to_string())
+}
+
+#[test]
+fn a_launched_program_distils_from_its_share_of_the_teachers() {
+    let py = py();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = d.join("teacher.safetensors");
+    edl_runtime::trainer::model::Mlp::random(&[8, 16, 3], 5).save(&model).unwrap();
+    let (mut a, at_a) = loopback_teacher(&model);
+    let (mut b, at_b) = loopback_teacher(&model);
+    std::fs::write(d.join("distils.py"), DISTILS).unwrap();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    c.current_dir(d)
+        .args(["launch", "--samples", "400", "--epochs", "2", "--batch", "40", "--job", "dl"])
+        .args(["--teachers", &format!("{at_a},{at_b}"), "--report", "report.json"])
+        .args(["--workers", "2", "--min-workers", "2", "--max-workers", "2"])
+        .args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold", "--plugin-cache"])
+        .arg(d.join("plugin-cache"))
+        .args(["--", "python"])
+        .arg(d.join("distils.py"))
+        .env("EDL_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    py.env(&mut c);
+    let mut child = c.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    let said = seen.join("\n");
+    assert!(status.success(), "{said}");
+    assert_exactly_once(&report(d), 2, 400);
+    // Each student called one teacher, a different one each.
+    let mut shares = Vec::new();
+    for e in std::fs::read_dir(d.join(".edl/dl/logs")).unwrap().flatten() {
+        let log = std::fs::read_to_string(e.path()).unwrap();
+        if let Some(l) = log.lines().rev().find(|l| l.contains(" of 2 calls ")) {
+            assert!(l.contains("calls 1 of 2 teachers"), "{l}");
+            shares.push(l.rsplit(": ").next().unwrap().to_string());
+        }
+    }
+    shares.sort();
+    assert_eq!(shares.len(), 2, "{said}");
+    assert_ne!(shares[0], shares[1], "{shares:?}");
+    // Both served, and said what as they stopped.
+    for t in [&mut a, &mut b] {
+        unsafe { libc::kill(t.id() as i32, libc::SIGTERM) };
+        let mut out = String::new();
+        std::io::Read::read_to_string(t.stdout.as_mut().unwrap(), &mut out).unwrap();
+        t.wait().unwrap();
+        let rows = out
+            .split(": served ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .and_then(|n| n.parse::<u64>().ok());
+        assert!(rows.is_some_and(|n| n > 0), "{out}");
+    }
+}

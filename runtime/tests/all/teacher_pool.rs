@@ -208,7 +208,10 @@ fn teachers_started_by_command_join_the_pool_and_leave_it_drained() {
     let stopped = d.join("stopped");
     let port = free_ports(3).to_string();
     // Notes it, and gives the teacher notice (SIGTERM: it drains and exits).
-    let stop = format!("echo {{id}} {{port}} >> {}; pkill -TERM -f 'liste[n] 127.0.0.1:'{{port}}", stopped.display());
+    let stop = format!(
+        "echo {{id}} {{port}} >> {}; pkill -TERM -f 'liste[n] 127.0.0.1:'{{port}}",
+        stopped.display()
+    );
     // The shrink test's job, its teachers started by command on three slots.
     let mut cmd = pooled_job(d, &redis, "100", &["--teachers", "3", "--epochs", "2", "--batch", "16"]);
     cmd.args(["--workers", "1", "--min-workers", "1", "--max-workers", "1", "--step-delay-ms", "100"]);
