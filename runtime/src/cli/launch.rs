@@ -101,6 +101,8 @@ pub struct LaunchArgs {
     pub nproc_per_node: Option<u32>,
     #[command(flatten)]
     pub run: JobArgs,
+    #[command(flatten)]
+    pub pool: super::workload::TeacherPoolArgs,
     /// The program and its arguments, run as each worker.
     #[arg(last = true, required = true, value_name = "CMD", help_heading = "Your program")]
     pub command: Vec<String>,
@@ -113,10 +115,14 @@ pub fn run(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
     }
     // 0: the program's first worker declares them.
     let samples = l.samples.unwrap_or(0) as usize;
-    if let Some(t) = &l.run.distillation.teachers {
+    // A number of teachers is the job's to start, by --teacher-command.
+    if let Some(t) = &l.run.distillation.teachers
+        && l.pool.teacher_command.is_none()
+    {
         t.endpoints("launch")?;
     }
-    job::run(host, l.job, l.run, Workload::Program { samples, command: l.command })
+    let pool = Box::new(l.pool);
+    job::run(host, l.job, l.run, Workload::Program { samples, command: l.command, pool })
 }
 
 /// `launch --torchrun`: an unmodified torchrun script, restarted as a group.

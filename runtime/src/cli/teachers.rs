@@ -3,9 +3,9 @@
 //! the cache), or those registered in its store.
 
 use super::{
-    flags::TeachersArg,
+    flags::{DistillationArgs, TeachersArg},
     plugin_path,
-    workload::{JobArgs, Prepared, StudentArgs, sizes},
+    workload::{JobArgs, Prepared, StudentArgs, TeacherPoolArgs, sizes},
 };
 use anyhow::{Context, Result, bail};
 use edl_runtime::plugin::PluginHost;
@@ -46,31 +46,7 @@ impl TeacherPlan {
     ) -> Result<Self> {
         let d = &args.distillation;
         let mut plan = TeacherPlan { source: None, start: None, pool_line: None };
-        if let Prepared::Builtin { student, .. } = work
-            && student.pool.teacher_command.is_some()
-            && (!distill || matches!(d.teachers, Some(TeachersArg::Endpoints(_))))
-        {
-            bail!(
-                "--teacher-command starts the job's own teachers; {}",
-                if distill {
-                    "--teachers host:port,... names others"
-                } else {
-                    "with --no-distill there are none"
-                }
-            );
-        }
-        if let Prepared::Builtin { student, .. } = work
-            && student.pool.max_teachers.is_some()
-        {
-            if !distill {
-                bail!("--max-teachers sizes the job's teachers; with --no-distill there are none");
-            }
-            if matches!(d.teachers, Some(TeachersArg::Endpoints(_))) {
-                bail!(
-                    "--max-teachers sizes the teachers the job starts; --teachers host:port,... names others"
-                );
-            }
-        }
+        refuse_pool_flags(work, d, distill)?;
         // A launched program may ask the teachers it is given, even with --no-distill.
         if let Some(TeachersArg::Endpoints(list)) = &d.teachers
             && (distill || matches!(work, Prepared::Program { .. }))
@@ -83,36 +59,29 @@ impl TeacherPlan {
         }
         let store = &args.state.store;
         let service = d.service.clone().unwrap_or_else(|| format!("{name}-teachers"));
-        if let Prepared::Builtin { student, train, test, .. } = work {
-            let count = match d.teachers {
-                Some(TeachersArg::Count(n)) => n,
-                _ => student.teacher_processes,
-            };
-            let pool = teacher_pool(host, student, args, store)?;
-            plan.pool_line = pool.as_ref().map(|(_, line)| line.clone());
-            let pool = pool.map(|(p, _)| p);
-            let count = match &pool {
-                Some(p) => count.clamp(p.min, p.max),
-                None => count,
-            };
-            if count > 0 {
-                let training = teacher_training(student, train)?;
-                let dataset = student.dataset.clone();
-                let (train, test, root) = (train.clone(), test.clone(), dirs.root.clone());
-                plan.start = Some(TeacherStart {
-                    count,
-                    model: Box::new(move || {
-                        let (path, accuracy) = train_teacher(&training, &dataset, &train, &test, &root)?;
-                        Ok((path, Some(accuracy)))
-                    }),
-                    exe: std::env::current_exe().context("locating edl-runtime")?,
-                    service: service.clone(),
-                    token_file: d.teacher_access.teacher_token_file.clone(),
-                    emulate_row_us: student.pool.teacher_emulate_row_us,
-                    command: student.pool.command(),
-                    pool,
-                });
-            }
+        let p = TeacherPoolArgs::of(work);
+        let pool = teacher_pool(host, p, args, store)?;
+        plan.pool_line = pool.as_ref().map(|(_, line)| line.clone());
+        let pool = pool.map(|(p, _)| p);
+        let count = match (d.teachers.as_ref(), work) {
+            (Some(TeachersArg::Count(n)), _) => *n,
+            (_, Prepared::Builtin { student, .. }) => student.teacher_processes,
+            // A launched program's teachers, by command: one unless told.
+            (_, Prepared::Program { .. }) => u32::from(p.teacher_command.is_some()),
+        };
+        let count = pool.as_ref().map_or(count, |pool| count.clamp(pool.min, pool.max));
+        if count > 0 {
+            let model = teacher_model_of(work, dirs)?;
+            plan.start = Some(TeacherStart {
+                count,
+                model,
+                exe: std::env::current_exe().context("locating edl-runtime")?,
+                service: service.clone(),
+                token_file: d.teacher_access.teacher_token_file.clone(),
+                emulate_row_us: p.teacher_emulate_row_us,
+                command: p.command(),
+                pool,
+            });
         }
         if store != "memory" {
             plan.source = Some(TeacherSource::Discovered { store: store.clone(), service });
@@ -126,14 +95,72 @@ impl TeacherPlan {
     }
 }
 
+/// Refuses pool and command flags where there is nothing for them to start.
+fn refuse_pool_flags(work: &Prepared, d: &DistillationArgs, distill: bool) -> Result<()> {
+    let p = TeacherPoolArgs::of(work);
+    let named = matches!(d.teachers, Some(TeachersArg::Endpoints(_)));
+    if let Prepared::Program { .. } = work {
+        if (p.max_teachers.is_some() || matches!(d.teachers, Some(TeachersArg::Count(_))))
+            && p.teacher_command.is_none()
+        {
+            bail!(
+                "a launched program's teachers are started by --teacher-command (the job has no model of \
+                 its own to serve them); or give --teachers host:port,..."
+            );
+        }
+        if p.teacher_command.as_deref().is_some_and(|c| c.contains("{model}")) {
+            bail!(
+                "--teacher-command: {{model}} is the built-in job's teacher model; a launched program's \
+                 teachers serve models of their own (name the file in the command)"
+            );
+        }
+    }
+    if p.teacher_command.is_some() && (!distill || named) {
+        bail!(
+            "--teacher-command starts the job's own teachers; {}",
+            if distill {
+                "--teachers host:port,... names others"
+            } else {
+                "with --no-distill there are none"
+            }
+        );
+    }
+    if p.max_teachers.is_some() {
+        if !distill {
+            bail!("--max-teachers sizes the job's teachers; with --no-distill there are none");
+        }
+        if named {
+            bail!("--max-teachers sizes the teachers the job starts; --teachers host:port,... names others");
+        }
+    }
+    Ok(())
+}
+
+/// The model the job's own teachers serve: the built-in student's teacher,
+/// trained here (or cached); none for a launched program's (its command
+/// names its model).
+fn teacher_model_of(work: &Prepared, dirs: &JobDirs) -> Result<edl_runtime::job::assembly::TeacherModel> {
+    match work {
+        Prepared::Builtin { student, train, test, .. } => {
+            let training = teacher_training(student, train)?;
+            let dataset = student.dataset.clone();
+            let (train, test, root) = (train.clone(), test.clone(), dirs.root.clone());
+            Ok(Box::new(move || {
+                let (path, accuracy) = train_teacher(&training, &dataset, &train, &test, &root)?;
+                Ok((path, Some(accuracy)))
+            }))
+        }
+        Prepared::Program { .. } => Ok(Box::new(|| Ok((PathBuf::new(), None)))),
+    }
+}
+
 /// The pool that sizes the job's teachers, when `--max-teachers` asks for one.
 fn teacher_pool(
     host: &Arc<PluginHost>,
-    student: &StudentArgs,
+    p: &TeacherPoolArgs,
     args: &JobArgs,
     store: &str,
 ) -> Result<Option<(PoolStart, String)>> {
-    let p = &student.pool;
     let Some(max) = p.max_teachers else { return Ok(None) };
     if p.min_teachers == 0 || max < p.min_teachers {
         bail!("--min-teachers {} --max-teachers {max}: the pool needs 1 <= min <= max", p.min_teachers);

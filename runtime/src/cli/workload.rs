@@ -195,6 +195,14 @@ pub struct TeacherPoolArgs {
 }
 
 impl TeacherPoolArgs {
+    /// The pool and command flags of `work`, where it takes them.
+    pub(super) fn of(work: &Prepared) -> &TeacherPoolArgs {
+        match work {
+            Prepared::Builtin { student, .. } => &student.pool,
+            Prepared::Program { pool, .. } => pool,
+        }
+    }
+
     /// How teachers are started by command, if they are.
     pub fn command(&self) -> Option<edl_runtime::job::teacher_command::TeacherCommand> {
         Some(edl_runtime::job::teacher_command::TeacherCommand {
@@ -214,14 +222,14 @@ pub enum Workload {
     /// The built-in student on its data set.
     Builtin(StudentArgs),
     /// The user's program (`launch`), on the samples `0..samples`.
-    Program { samples: usize, command: Vec<String> },
+    Program { samples: usize, command: Vec<String>, pool: Box<TeacherPoolArgs> },
 }
 
 /// The workload, ready: the built-in student with its data, or the program.
 #[allow(clippy::large_enum_variant, reason = "one value per run, never moved in a loop")]
 pub(super) enum Prepared {
     Builtin { student: StudentArgs, model: BuiltinModel, train: Dataset, test: Dataset },
-    Program { samples: usize, command: Vec<String> },
+    Program { samples: usize, command: Vec<String>, pool: Box<TeacherPoolArgs> },
 }
 
 impl Prepared {
@@ -240,7 +248,7 @@ impl Prepared {
                 model.layers = std::iter::once(train.dim).chain(hidden).chain([train.classes]).collect();
                 Prepared::Builtin { student, model, train, test }
             }
-            Workload::Program { samples, command } => Prepared::Program { samples, command },
+            Workload::Program { samples, command, pool } => Prepared::Program { samples, command, pool },
         })
     }
 
@@ -282,7 +290,10 @@ impl Prepared {
     pub(super) fn distills(&self, d: &DistillationArgs) -> bool {
         match self {
             Prepared::Builtin { .. } => !d.no_distill,
-            Prepared::Program { .. } => !d.no_distill && (d.teachers.is_some() || d.service.is_some()),
+            Prepared::Program { pool, .. } => {
+                !d.no_distill
+                    && (d.teachers.is_some() || d.service.is_some() || pool.teacher_command.is_some())
+            }
         }
     }
 
@@ -308,10 +319,10 @@ impl Prepared {
                 test.len(),
                 model.layers
             ),
-            Prepared::Program { command, samples: 0 } => {
+            Prepared::Program { command, samples: 0, .. } => {
                 format!("{:?} on the samples its data set holds", command.join(" "))
             }
-            Prepared::Program { command, samples } => {
+            Prepared::Program { command, samples, .. } => {
                 format!("{:?} on samples 0..{samples}", command.join(" "))
             }
         }

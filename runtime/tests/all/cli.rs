@@ -578,3 +578,20 @@ fn a_job_name_a_shell_or_a_path_would_read_is_refused_before_anything_starts() {
     let (code, _, err) = edl_in(dir.path(), &["worker", "--coordinator", "127.0.0.1:9", "--job", "a;b"]);
     assert_eq!(code, Some(2), "{err}");
 }
+
+#[test]
+fn a_launched_program_s_teacher_pool_needs_a_teacher_command_of_its_own_model() {
+    let cache = tempfile::tempdir().unwrap();
+    let launch = |extra: &[&str]| {
+        let mut args = vec!["launch", "--samples", "10", "--store", "redis://127.0.0.1:1/"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--", "true"]);
+        edl(&args, cache.path())
+    };
+    let (ok, _, err) = launch(&["--max-teachers", "2"]);
+    assert!(!ok && err.contains("started by --teacher-command"), "{err}");
+    let (ok, _, err) = launch(&["--teacher-command", "serve {model} {port}"]);
+    assert!(!ok && err.contains("{model} is the built-in job's teacher model"), "{err}");
+    let (ok, _, err) = launch(&["--teacher-command", "serve {port}", "--teachers", "a:1"]);
+    assert!(!ok && err.contains("--teachers host:port,... names others"), "{err}");
+}

@@ -456,3 +456,54 @@ fn a_launched_program_distils_from_its_share_of_the_teachers() {
         assert!(rows.is_some_and(|n| n > 0), "{out}");
     }
 }
+
+#[test]
+fn a_launched_program_s_teacher_pool_grows_while_its_students_wait() {
+    let py = py();
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = d.join("teacher.safetensors");
+    edl_runtime::trainer::model::Mlp::random(&[8, 16, 3], 5).save(&model).unwrap();
+    std::fs::write(d.join("distils.py"), DISTILS).unwrap();
+    // Teachers of 2 ms a row, started by the job; a free block of ports.
+    let port = loop {
+        let p = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        if p < 60000 && (0..6).all(|i| std::net::TcpListener::bind(("127.0.0.1", p + i)).is_ok()) {
+            break p;
+        }
+    };
+    let teacher = format!(
+        "exec {{exe}} teacher --listen {{addr}}:{{port}} --store memory --emulate-row-us 2000 --model {}",
+        model.display()
+    );
+    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    c.current_dir(d)
+        .args(["launch", "--samples", "800", "--epochs", "6", "--batch", "80", "--job", "lp"])
+        .args(["--store", &redis.url(), "--report", "report.json", "--teacher-command", &teacher])
+        .args(["--teacher-hosts", "127.0.0.1:3", "--teacher-port", &port.to_string(), "--max-teachers", "3"])
+        .args(["--teacher-policy", art::TEACHER_AUTOSCALE_WASM, "--teacher-decide-secs", "1"])
+        .args(["--teacher-policy-config", "settle-secs=1"])
+        .args(["--workers", "2", "--min-workers", "2", "--max-workers", "2"])
+        .args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold", "--plugin-cache"])
+        .arg(d.join("plugin-cache"))
+        .args(["--", "python"])
+        .arg(d.join("distils.py"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    py.env(&mut c);
+    let mut child = c.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    let said = seen.join("\n");
+    assert!(status.success(), "{said}");
+    let r = report(d);
+    assert_exactly_once(&r, 6, 800);
+    assert!(said.contains("teachers  a pool of 1..3"), "{said}");
+    let events = r["teacher_events"].as_array().unwrap();
+    let first = events.first().unwrap_or_else(|| panic!("the pool never changed:\n{said}"));
+    assert_eq!((first["from"].as_u64(), first["to"].as_u64()), (Some(1), Some(2)), "{events:?}");
+    assert!(first["reason"].as_str().unwrap().contains("students waited"), "{events:?}");
+}
