@@ -358,3 +358,50 @@ fn a_teacher_sigtermed_mid_epoch_drains_losing_nothing_and_one_sigkilled_is_repl
     assert_eq!(replaced.len(), 2, "both replaced: {replaced:?}\n{said}");
     assert!(replaced.iter().all(|e| (e.1, e.2) == (2, 2)), "{replaced:?}");
 }
+
+#[test]
+fn a_standby_serves_the_job_with_its_own_teachers_and_sizes_them_once_it_takes_over() {
+    use crate::support::wait::wait_for;
+    use std::time::Duration;
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    let checkpoints = dir.path().join("checkpoints");
+    let coordinator = |d: &std::path::Path, extra: &[&str]| {
+        let mut cmd = pooled_job(d, &redis, "100", &["--teachers", "1", "--epochs", "20", "--batch", "16"]);
+        cmd.args(["--workers", "1", "--min-workers", "1", "--max-workers", "1", "--step-delay-ms", "40"]);
+        cmd.args(["--train-samples", "400", "--checkpoint-every-steps", "5", "--checkpoint-dir"]);
+        cmd.arg(&checkpoints).args(extra);
+        cmd
+    };
+    let mut active = coordinator(&a, &[]).spawn().unwrap();
+    let rx = lines(&mut active);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    let old_teachers = teacher_pids(active.id());
+    assert_eq!(old_teachers.len(), 1, "{}", seen.join("\n"));
+    let mut standby = coordinator(&b, &["--standby"]).spawn().unwrap();
+    let rx_b = lines(&mut standby);
+    let mut seen_b = Vec::new();
+    // Its teacher serves (the active job's students too) while it waits.
+    wait_for(&rx_b, "teacher   0 serving on", &mut seen_b, Duration::from_secs(120));
+    wait_for(&rx_b, "waiting to take the job over", &mut seen_b, Duration::from_secs(120));
+    unsafe { libc::kill(active.id() as i32, libc::SIGKILL) };
+    let _ = active.wait();
+    let status = finish(standby, rx_b, &mut seen_b);
+    let said = seen_b.join("\n");
+    assert!(status.success(), "{said}");
+    assert!(said.contains("resuming job \"pool\" from"), "{said}");
+    let r = report(&b);
+    assert_exactly_once(&r, 20, 400);
+    // Its pool was its own from the takeover: it decided, on what it saw.
+    assert!(!r["teacher_decisions"].as_array().unwrap().is_empty(), "{r}");
+    // The dead coordinator's teacher died with it.
+    let gone = |pid: i32| {
+        !std::path::Path::new(&format!("/proc/{pid}")).exists()
+            || std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.contains(") Z "))
+    };
+    assert!(old_teachers.iter().all(|&p| gone(p)), "{old_teachers:?}");
+}
