@@ -5,6 +5,7 @@ use super::flags::{listen_on, read_token};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use edl_runtime::{distill::teacher, leader::seal::RecordKey, store::AnyStore, trainer::model::Mlp};
+use std::io::Write;
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
 
 #[derive(Args)]
@@ -208,6 +209,8 @@ async fn serve(
     let at = t.advertised.clone();
     t.drain_and_shutdown(drain).await;
     let (rows, requests, failed) = counted.served();
-    println!("teacher on {at}: served {rows} rows in {requests} requests ({failed} failed)");
+    // Whoever started it may have stopped reading its output: not an error.
+    let said = format!("teacher on {at}: served {rows} rows in {requests} requests ({failed} failed)");
+    let _ = writeln!(std::io::stdout().lock(), "{said}");
     Ok(ExitCode::SUCCESS)
 }

@@ -49,7 +49,7 @@ pub struct TeacherDecision {
 }
 
 /// The decisions a report keeps at most (the newest).
-const DECISIONS_KEPT: usize = 20_000;
+const DECISIONS_KEPT: usize = 5_000;
 
 /// What the pool did over a job: its changes and its policy's decisions.
 #[derive(Clone, Debug, Default)]
@@ -247,8 +247,11 @@ impl TeacherPool {
         let _in = self.rt.enter();
         let mut ep =
             Endpoint::from_shared(format!("{scheme}://{}", crate::distill::reader::host_port(addr)))?;
-        if let Some(ca) = &self.access.ca_pem {
-            ep = ep.tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)))?;
+        if tls {
+            ep = ep.tls_config(match &self.access.ca_pem {
+                Some(ca) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)),
+                None => ClientTlsConfig::new().with_webpki_roots(),
+            })?;
         }
         Ok(GrpcInferenceServiceClient::new(ep.connect_timeout(STATS_WITHIN).connect_lazy()))
     }
@@ -612,6 +615,7 @@ mod tests {
         stopped: Arc<Mutex<Vec<String>>>,
         died: Arc<Mutex<Vec<(String, String)>>>,
         published: Arc<Mutex<Vec<u32>>>,
+        capacities: Arc<Mutex<Vec<BTreeMap<String, f64>>>>,
         fail_after: Option<usize>,
     }
 
@@ -633,6 +637,7 @@ mod tests {
         }
         fn publish(&mut self, settings: PoolSettings) -> Result<()> {
             self.published.lock().unwrap().push(settings.in_flight_per_teacher);
+            self.capacities.lock().unwrap().push(settings.capacity);
             Ok(())
         }
     }
@@ -788,6 +793,25 @@ mod tests {
         p.teachers.retain(|t| t.id != ids[0]);
         p.measure_capacity(&[]);
         assert!(p.capacity.is_empty());
+    }
+
+    #[test]
+    fn the_students_are_told_capacities_that_moved_and_not_those_that_did_not() {
+        let fake = Fake::default();
+        let (mut p, _) = pool(vec![plan(1, 2), plan(1, 2), plan(1, 2)], fake.clone());
+        let at = |c: f64| -> BTreeMap<String, f64> { [("127.0.0.1:1".to_string(), c)].into() };
+        // Measured (as a window would): told with the pool's settings.
+        p.capacity = at(1000.0);
+        assert_eq!(p.look(0, Some(students(10, 0.0, 1, 1))).0, None);
+        assert_eq!(*fake.capacities.lock().unwrap(), vec![at(1000.0)]);
+        // 10% more: not worth telling.
+        p.capacity = at(1100.0);
+        p.look(0, Some(students(20, 0.0, 1, 1)));
+        assert_eq!(fake.capacities.lock().unwrap().len(), 1);
+        // Half: told.
+        p.capacity = at(500.0);
+        p.look(0, Some(students(30, 0.0, 1, 1)));
+        assert_eq!(fake.capacities.lock().unwrap().last(), Some(&at(500.0)));
     }
 
     #[test]

@@ -760,7 +760,10 @@ impl Pipeline {
 
     fn add_teacher(&mut self, spec: &str) {
         if let Some(t) = self.pool.get_mut(spec) {
-            t.draining = false;
+            // Registered again while it drained: back in the shares.
+            if std::mem::replace(&mut t.draining, false) {
+                self.reassign();
+            }
             return;
         }
         let (spec_only, kind) = match spec.rsplit_once('@') {
@@ -1311,9 +1314,12 @@ mod tests {
             p
         };
         p.reassign();
-        // A teacher that leaves is out of every share at once.
+        // A teacher that leaves is out of every share at once, and back in
+        // when it registers again (while still draining).
         p.remove_teacher("10.0.0.1:9000");
         assert_eq!(p.assigned.keys().collect::<Vec<_>>(), ["10.0.0.2:9000"]);
+        p.add_teacher("10.0.0.1:9000");
+        assert_eq!(p.assigned.keys().collect::<Vec<_>>(), ["10.0.0.1:9000"]);
     }
 
     #[test]

@@ -326,7 +326,9 @@ fn start_teachers(
                 capacity: Default::default(),
             };
             crate::coordinator::pool::TeacherLauncher::publish(&mut launcher, settings)?;
-            let access = crate::coordinator::pool::StatsAccess { token, ca_pem: ca_pem.clone() };
+            // The job's teachers' certificate, and any --teacher-ca (for those started by command).
+            let trusted = with_ca(&cfg.spec.teacher_access, ca_pem.as_deref()).ca_pem;
+            let access = crate::coordinator::pool::StatsAccess { token, ca_pem: trusted };
             Some(crate::coordinator::pool::TeacherPool::new(
                 p.policy,
                 Box::new(launcher),
@@ -402,7 +404,8 @@ impl LocalTeachers {
     }
 
     /// Starts a teacher by `--teacher-command` on a free slot; returns its
-    /// endpoint once it answers ready (and is registered).
+    /// endpoint once it answers ready (and is registered). A slot where a
+    /// server answers already (not this job's) is passed over, and said.
     fn start_by_command(&mut self) -> Result<String> {
         let c = self.command.as_ref().expect("started by command");
         let taken: Vec<usize> = self
@@ -412,12 +415,8 @@ impl LocalTeachers {
             .iter()
             .filter_map(|t| t.slot())
             .collect();
-        let Some(slot) = (0..c.slots.len()).find(|i| !taken.contains(i)) else {
-            bail!("every slot of --teacher-hosts has a teacher ({} in all)", c.slots.len());
-        };
         let id = self.next;
-        self.next += 1;
-        let f = super::teacher_command::Filling {
+        let filling = |slot: usize| super::teacher_command::Filling {
             id,
             slot: &c.slots[slot],
             job: &c.job,
@@ -425,8 +424,28 @@ impl LocalTeachers {
             model: &self.model,
             exe: &self.exe,
         };
+        let mut found = None;
+        for slot in (0..c.slots.len()).filter(|i| !taken.contains(i)) {
+            let endpoint = c.cmd.fill(&c.cmd.endpoint, &filling(slot), false)?;
+            // The token goes only where the students would send it.
+            if let Some(why) = c.access.refusal(&endpoint) {
+                bail!("--teacher-endpoint: {why}");
+            }
+            if super::teacher_command::answers_ready(&endpoint, &c.model_name, &c.access) {
+                tracing::warn!(
+                    "teacher slot {endpoint}: a server answers there already, not this job's; passed over"
+                );
+                continue;
+            }
+            found = Some((slot, endpoint));
+            break;
+        }
+        let Some((slot, endpoint)) = found else {
+            bail!("no free slot of --teacher-hosts ({} in all)", c.slots.len());
+        };
+        self.next += 1;
+        let f = filling(slot);
         let line = c.cmd.fill(&c.cmd.start, &f, true)?;
-        let endpoint = c.cmd.fill(&c.cmd.endpoint, &f, false)?;
         let stop = c.cmd.stop.as_ref().map(|t| c.cmd.fill(t, &f, true)).transpose()?;
         let log = super::teacher_command::log_path(&self.log_dir, id);
         let ready = |gone: &mut dyn FnMut() -> Option<String>| {

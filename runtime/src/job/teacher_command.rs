@@ -108,8 +108,11 @@ impl TeacherCommand {
         Ok(slots)
     }
 
-    /// `template` filled for one teacher: quoted for the shell when `shell`.
+    /// `template` filled for one teacher: quoted for the shell when
+    /// `shell` (twice where the template runs through `ssh`, whose far
+    /// side's shell parses the line again).
     pub fn fill(&self, template: &str, f: &Filling, shell: bool) -> Result<String> {
+        let twice = shell && crate::scalers::command::runs_remote_shell(template);
         let value = |name: &str| {
             let v = match name {
                 "id" => f.id.to_string(),
@@ -123,7 +126,10 @@ impl TeacherCommand {
                 "model" => f.model.to_string_lossy().into_owned(),
                 _ => f.exe.to_string_lossy().into_owned(),
             };
-            (v, shell)
+            match twice {
+                true => (crate::scalers::command::quote(&v).unwrap_or(v), true),
+                false => (v, shell),
+            }
         };
         fill_known(template, &PLACEHOLDERS, value)
     }
@@ -158,6 +164,11 @@ pub fn wait_ready(
         }
         std::thread::sleep(Duration::from_millis(200));
     }
+}
+
+/// Whether a server answers ready at `endpoint` now (one look).
+pub fn answers_ready(endpoint: &str, default_model: &str, access: &TeacherAccess) -> bool {
+    wait_ready(endpoint, default_model, access, Duration::ZERO, || None).is_ok()
 }
 
 /// One look: the server is ready and so is `model`.
@@ -352,11 +363,18 @@ mod tests {
             model: std::path::Path::new("/m/t.safetensors"),
             exe: std::path::Path::new("/bin/edl-runtime"),
         };
-        let c = command("ssh {host} serve --id {id} --ports {port},{port2} --job {job} --model {model}");
+        let c = command("serve --id {id} --ports {port},{port2} --job {job} --model {model}");
         assert_eq!(
             c.fill(&c.start, &f, true).unwrap(),
-            "ssh a serve --id 7 --ports 8003,8004 --job 'my job' --model /m/t.safetensors"
+            "serve --id 7 --ports 8003,8004 --job 'my job' --model /m/t.safetensors"
         );
+        // Through ssh, the far side's shell parses the line again: each
+        // value arrives there whole.
+        let c = command("ssh {host} serve --job {job}");
+        let here = shlex::split(&c.fill(&c.start, &f, true).unwrap()).unwrap();
+        assert_eq!(here[..3], ["ssh", "a", "serve"]);
+        let there = shlex::split(&here[2..].join(" ")).unwrap();
+        assert_eq!(there, ["serve", "--job", "my job"]);
         assert_eq!(c.fill("http://{addr}:{port}/m@probs", &f, false).unwrap(), "http://a:8003/m@probs");
         // A node's name for the command, its address for the students.
         let named =

@@ -96,6 +96,9 @@ pub struct TeacherProcess {
     log: PathBuf,
     /// Started by `--teacher-command` (None: `edl-runtime teacher` here).
     by_command: Option<ByCommand>,
+    /// Copies what it prints to its log (its last line, what it served,
+    /// comes as it exits).
+    copier: Option<std::thread::JoinHandle<()>>,
 }
 
 /// What the job keeps of a teacher it started by command.
@@ -106,6 +109,8 @@ struct ByCommand {
     /// It was told to go by its stop command: its command is given the
     /// grace to end on its own before its group is signalled.
     told: bool,
+    /// Its group was sent SIGTERM already.
+    signalled: bool,
     /// Its endpoint's registration for the students (shared stores only).
     registered: Option<super::teacher_command::Registered>,
 }
@@ -219,15 +224,21 @@ impl TeacherProcess {
             .with_context(|| format!("starting a teacher ({})", exe.display()))?;
         let stdout = child.stdout.take().expect("piped");
         let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
+        let copier = std::thread::spawn(move || {
             use std::io::Write;
-            let mut lines = BufReader::new(stdout).lines();
-            if let Some(Ok(first)) = lines.next() {
-                let _ = writeln!(said, "{first}");
-                let _ = tx.send(first);
-            }
-            for line in lines.map_while(Result::ok) {
+            let mut out = BufReader::new(stdout);
+            let mut first = true;
+            loop {
+                let mut line = Vec::new();
+                match out.read_until(b'\n', &mut line) {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+                let line = String::from_utf8_lossy(&line).trim_end().to_string();
                 let _ = writeln!(said, "{line}");
+                if std::mem::take(&mut first) {
+                    let _ = tx.send(line);
+                }
             }
         });
         let line = match rx.recv_timeout(Duration::from_secs(30)) {
@@ -248,7 +259,7 @@ impl TeacherProcess {
             .and_then(|rest| rest.split_whitespace().next())
             .map(str::to_string)
             .ok_or_else(|| anyhow!("unexpected teacher output {line:?} (log: {})", log.display()))?;
-        Ok(TeacherProcess { addr, child, log: log.to_path_buf(), by_command: None })
+        Ok(TeacherProcess { addr, child, log: log.to_path_buf(), by_command: None, copier: Some(copier) })
     }
 
     /// Runs `line` (a filled `--teacher-command`) with `sh -c` in a process
@@ -267,6 +278,9 @@ impl TeacherProcess {
         let log_file = std::fs::File::create(log).with_context(|| format!("{}", log.display()))?;
         let mut cmd = Command::new("sh");
         cmd.arg("-c").arg(line).stdin(Stdio::null()).stdout(log_file.try_clone()?).stderr(log_file);
+        // The store's URL (and password) and the job's secret are not the
+        // command's to see (srun, say, would carry them to the node).
+        cmd.env_remove("EDL_STORE").env_remove("EDL_JOB_SECRET");
         cmd.process_group(0);
         die_with_parent(&mut cmd);
         let child = crate::process::spawn_lasting(cmd).context("cannot run sh")?;
@@ -274,13 +288,22 @@ impl TeacherProcess {
             addr: endpoint.to_string(),
             child,
             log: log.to_path_buf(),
-            by_command: Some(ByCommand { slot, stop, told: false, registered: None }),
+            by_command: Some(ByCommand { slot, stop, told: false, signalled: false, registered: None }),
+            copier: None,
         };
         let child = &mut t.child;
         let mut gone = || child.try_wait().ok().flatten().map(|s| s.to_string());
         if let Err(e) = ready(&mut gone) {
             // Dropped: stopped with its group.
             return Err(e.context(format!("teacher {endpoint}{}", log_tail(log, 5))));
+        }
+        // Ready, and its command still runs: the answer was its own.
+        if let Some(how) = gone() {
+            bail!(
+                "teacher {endpoint}: its command exited ({how}) though a server answers there: another \
+                 server holds the slot{}",
+                log_tail(log, 5)
+            );
         }
         if let Some(r) = registry {
             let held = r.hold(endpoint)?;
@@ -309,9 +332,11 @@ impl TeacherProcess {
         }
     }
 
-    /// How it ended, with the end of its log, once it has exited.
+    /// How it ended, with the end of its log, once it has exited (one
+    /// started by command is taken out of the store then).
     pub fn exited(&mut self) -> Option<String> {
         let status = self.child.try_wait().ok()??;
+        self.deregister();
         Some(format!("teacher {} exited ({status}){}", self.addr, log_tail(&self.log, 3)))
     }
 
@@ -340,16 +365,15 @@ impl TeacherProcess {
             }
             return;
         }
-        if self.by_command.as_ref().is_some_and(|c| c.told) {
+        if let Some(c) = self.by_command.as_mut() {
+            if !c.told && !std::mem::replace(&mut c.signalled, true) {
+                signal_group(&self.child, libc::SIGTERM);
+            }
             return;
         }
         if let Ok(None) = self.child.try_wait() {
-            let pid = self.child.id() as libc::pid_t;
-            // By command: its whole group (the shell and what it started).
-            let whom = if self.by_command.is_some() { -pid } else { pid };
-            // SAFETY: signalling our own child (or the group it leads) by
-            // pid; it is not reaped yet.
-            unsafe { libc::kill(whom, libc::SIGTERM) };
+            // SAFETY: signalling our own child by pid; it is not reaped yet.
+            unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
         }
     }
 
@@ -363,18 +387,56 @@ impl TeacherProcess {
 impl Drop for TeacherProcess {
     fn drop(&mut self) {
         if self.by_command.is_some() {
-            self.ask_to_stop();
-            if self.by_command.as_ref().is_some_and(|c| c.told) {
-                // Told by its stop command: a grace to end on its own.
-                let until = std::time::Instant::now() + Duration::from_secs(5);
-                while matches!(self.child.try_wait(), Ok(None)) && std::time::Instant::now() < until {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
-            crate::process::terminate_group(&mut self.child, Duration::from_secs(5));
+            self.stop_group();
             return;
         }
         // Longer than its drain (1 s) and the requests it then finishes.
         terminate(&mut self.child, Duration::from_secs(5));
+        // Its last words (what it served) reach its log.
+        if let Some(copier) = self.copier.take() {
+            let until = std::time::Instant::now() + Duration::from_secs(1);
+            while !copier.is_finished() && std::time::Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if copier.is_finished() {
+                let _ = copier.join();
+            }
+        }
+    }
+}
+
+/// Sends `sig` to the process group `child` leads (whether or not the
+/// leader is still there: what it started may be).
+fn signal_group(child: &Child, sig: libc::c_int) {
+    // SAFETY: the child was started as the leader of its own group; its id
+    // names that group while any of the group lives (and a group left empty
+    // gives ESRCH, ignored).
+    unsafe {
+        libc::kill(-(child.id() as libc::pid_t), sig);
+    }
+}
+
+impl TeacherProcess {
+    /// Stops a teacher started by command: told (its stop command, or
+    /// SIGTERM on its group), 5 s to end, then SIGTERM if it was told by its
+    /// stop command only, 5 s more, then SIGKILL for whatever is left of
+    /// its group.
+    fn stop_group(&mut self) {
+        self.ask_to_stop();
+        let wait = |child: &mut Child, secs: u64| {
+            let until = std::time::Instant::now() + Duration::from_secs(secs);
+            while matches!(child.try_wait(), Ok(None)) && std::time::Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        };
+        wait(&mut self.child, 5);
+        if let Some(c) = self.by_command.as_mut()
+            && !std::mem::replace(&mut c.signalled, true)
+        {
+            signal_group(&self.child, libc::SIGTERM);
+            wait(&mut self.child, 5);
+        }
+        signal_group(&self.child, libc::SIGKILL);
+        let _ = self.child.wait();
     }
 }

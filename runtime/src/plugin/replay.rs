@@ -20,6 +20,10 @@ pub enum TraceError {
     Scenario { path: String, source: serde_json::Error },
     #[error("{path}: the trace holds no cluster view")]
     Empty { path: String },
+    #[error("{path}:{line}: not a teacher view: {source}")]
+    TeacherParse { path: String, line: usize, source: serde_json::Error },
+    #[error("{path}: a report without teacher decisions (its job had no teacher pool)")]
+    NoTeacherDecisions { path: String },
 }
 
 /// A trace: recorded views, or a scenario to simulate.
@@ -171,12 +175,16 @@ pub fn read_teacher_trace(path: &Path) -> Result<Vec<edl_plugin_sdk::TeacherView
     let text =
         std::fs::read_to_string(path).map_err(|source| TraceError::Read { path: shown.clone(), source })?;
     let mut views = Vec::new();
-    if let Ok(report) = serde_json::from_str::<serde_json::Value>(&text)
+    let whole = serde_json::from_str::<serde_json::Value>(&text).ok().filter(|v| v.is_object());
+    if whole.as_ref().is_some_and(|r| r.get("teacher_decisions").is_none() && r.get("timeline").is_some()) {
+        return Err(TraceError::NoTeacherDecisions { path: shown });
+    }
+    if let Some(report) = whole
         && let Some(decisions) = report.get("teacher_decisions").and_then(|d| d.as_array())
     {
         for (i, d) in decisions.iter().enumerate() {
             let view = serde_json::from_value(d.get("view").cloned().unwrap_or_default())
-                .map_err(|source| TraceError::Parse { path: shown.clone(), line: i + 1, source })?;
+                .map_err(|source| TraceError::TeacherParse { path: shown.clone(), line: i + 1, source })?;
             views.push(view);
         }
     } else {
@@ -186,17 +194,14 @@ pub fn read_teacher_trace(path: &Path) -> Result<Vec<edl_plugin_sdk::TeacherView
                 continue;
             }
             let parse = |s: &str| serde_json::from_str::<serde_json::Value>(s);
-            let value = parse(line).map_err(|source| TraceError::Parse {
+            let value = parse(line).map_err(|source| TraceError::TeacherParse {
                 path: shown.clone(),
                 line: i + 1,
                 source,
             })?;
             let view = value.get("view").cloned().unwrap_or(value);
-            let checked: StrictView = serde_json::from_value(view).map_err(|source| TraceError::Parse {
-                path: shown.clone(),
-                line: i + 1,
-                source,
-            })?;
+            let checked: StrictView = serde_json::from_value(view)
+                .map_err(|source| TraceError::TeacherParse { path: shown.clone(), line: i + 1, source })?;
             views.push(checked.0);
         }
     }

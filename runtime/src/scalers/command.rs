@@ -268,7 +268,7 @@ fn check_template(t: &str) -> Result<(), String> {
 /// any path) among its words, which joins what follows and has the remote
 /// host's shell parse it. `srun`, `ip netns exec`, `kubectl exec -- ...`
 /// start the command's words as they are.
-fn runs_remote_shell(template: &str) -> bool {
+pub(crate) fn runs_remote_shell(template: &str) -> bool {
     let words =
         shlex::split(template).unwrap_or_else(|| template.split_whitespace().map(String::from).collect());
     words.iter().any(|w| w == "ssh" || w.ends_with("/ssh"))

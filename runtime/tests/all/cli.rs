@@ -128,6 +128,10 @@ fn replay_reads_teacher_views_and_refuses_a_field_it_does_not_know() {
     let (ok, _, err) = edl(&args, cache.path());
     assert!(!ok);
     assert!(err.contains("teachers.jsonl:1") && err.contains("unknown field `wait_shar`"), "{err}");
+    // A report of a job without a teacher pool: said so.
+    std::fs::write(&trace, r#"{"job": "j", "timeline": []}"#).unwrap();
+    let (ok, _, err) = edl(&args, cache.path());
+    assert!(!ok && err.contains("a report without teacher decisions"), "{err}");
     // Both kinds at once, or neither: refused by the command line.
     let (ok, _, err) = edl(&["plugin", "replay", "--trace", trace.to_str().unwrap()], cache.path());
     assert!(!ok && err.contains("--policy"), "{err}");

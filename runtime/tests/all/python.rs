@@ -383,6 +383,35 @@ for step in job.steps():
     step.commit(loss=float(np.abs(soft).mean()))
 "#;
 
+/// Runs [`DISTILS`] under `launch` with `flags` (samples, epochs, batch,
+/// job), two workers the policy holds, and what `more` adds; returns how it
+/// ended and what it said.
+fn run_distils(
+    py: &PyEnv,
+    d: &Path,
+    flags: &[&str],
+    more: impl FnOnce(&mut Command),
+) -> (std::process::ExitStatus, String) {
+    std::fs::write(d.join("distils.py"), DISTILS).unwrap();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    c.current_dir(d).arg("launch").args(flags);
+    more(&mut c);
+    c.args(["--workers", "2", "--min-workers", "2", "--max-workers", "2"])
+        .args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold", "--plugin-cache"])
+        .arg(d.join("plugin-cache"))
+        .args(["--", "python"])
+        .arg(d.join("distils.py"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    py.env(&mut c);
+    let mut child = c.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    (status, seen.join("\n"))
+}
+
 /// An `edl-runtime teacher` of `model` on loopback: the process and its address.
 fn loopback_teacher(model: &Path) -> (std::process::Child, String) {
     use std::io::BufRead;
@@ -408,26 +437,10 @@ fn a_launched_program_distils_from_its_share_of_the_teachers() {
     edl_runtime::trainer::model::Mlp::random(&[8, 16, 3], 5).save(&model).unwrap();
     let (mut a, at_a) = loopback_teacher(&model);
     let (mut b, at_b) = loopback_teacher(&model);
-    std::fs::write(d.join("distils.py"), DISTILS).unwrap();
-    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
-    c.current_dir(d)
-        .args(["launch", "--samples", "400", "--epochs", "2", "--batch", "40", "--job", "dl"])
-        .args(["--teachers", &format!("{at_a},{at_b}"), "--report", "report.json"])
-        .args(["--workers", "2", "--min-workers", "2", "--max-workers", "2"])
-        .args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold", "--plugin-cache"])
-        .arg(d.join("plugin-cache"))
-        .args(["--", "python"])
-        .arg(d.join("distils.py"))
-        .env("EDL_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    py.env(&mut c);
-    let mut child = c.spawn().unwrap();
-    let rx = lines(&mut child);
-    let mut seen = Vec::new();
-    let status = finish(child, rx, &mut seen);
-    let said = seen.join("\n");
+    let flags = ["--samples", "400", "--epochs", "2", "--batch", "40", "--job", "dl"];
+    let (status, said) = run_distils(&py, d, &flags, |c| {
+        c.args(["--teachers", &format!("{at_a},{at_b}"), "--report", "report.json"]).env("EDL_LOG", "info");
+    });
     assert!(status.success(), "{said}");
     assert_exactly_once(&report(d), 2, 400);
     // Each student called one teacher, a different one each.
@@ -465,39 +478,26 @@ fn a_launched_program_s_teacher_pool_grows_while_its_students_wait() {
     let d = dir.path();
     let model = d.join("teacher.safetensors");
     edl_runtime::trainer::model::Mlp::random(&[8, 16, 3], 5).save(&model).unwrap();
-    std::fs::write(d.join("distils.py"), DISTILS).unwrap();
     // Teachers of 2 ms a row, started by the job; a free block of ports.
-    let port = loop {
-        let p = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        if p < 60000 && (0..6).all(|i| std::net::TcpListener::bind(("127.0.0.1", p + i)).is_ok()) {
-            break p;
-        }
-    };
+    let port = crate::support::free_ports(3);
     let teacher = format!(
         "exec {{exe}} teacher --listen {{addr}}:{{port}} --store memory --emulate-row-us 2000 --model {}",
         model.display()
     );
-    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
-    c.current_dir(d)
-        .args(["launch", "--samples", "800", "--epochs", "6", "--batch", "80", "--job", "lp"])
-        .args(["--store", &redis.url(), "--report", "report.json", "--teacher-command", &teacher])
-        .args(["--teacher-hosts", "127.0.0.1:3", "--teacher-port", &port.to_string(), "--max-teachers", "3"])
-        .args(["--teacher-policy", art::TEACHER_AUTOSCALE_WASM, "--teacher-decide-secs", "1"])
-        .args(["--teacher-policy-config", "settle-secs=1"])
-        .args(["--workers", "2", "--min-workers", "2", "--max-workers", "2"])
-        .args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold", "--plugin-cache"])
-        .arg(d.join("plugin-cache"))
-        .args(["--", "python"])
-        .arg(d.join("distils.py"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    py.env(&mut c);
-    let mut child = c.spawn().unwrap();
-    let rx = lines(&mut child);
-    let mut seen = Vec::new();
-    let status = finish(child, rx, &mut seen);
-    let said = seen.join("\n");
+    let flags = ["--samples", "800", "--epochs", "6", "--batch", "80", "--job", "lp"];
+    let (status, said) = run_distils(&py, d, &flags, |c| {
+        c.args(["--store", &redis.url(), "--report", "report.json", "--teacher-command", &teacher])
+            .args([
+                "--teacher-hosts",
+                "127.0.0.1:3",
+                "--teacher-port",
+                &port.to_string(),
+                "--max-teachers",
+                "3",
+            ])
+            .args(["--teacher-policy", art::TEACHER_AUTOSCALE_WASM, "--teacher-decide-secs", "1"])
+            .args(["--teacher-policy-config", "settle-secs=1"]);
+    });
     assert!(status.success(), "{said}");
     let r = report(d);
     assert_exactly_once(&r, 6, 800);

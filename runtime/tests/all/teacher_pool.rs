@@ -4,6 +4,7 @@
 //! `teacher-autoscale` policy sizing the pool as the students come and go.
 
 use crate::support::{
+    free_ports,
     job::{assert_exactly_once, finish, job, lines, report},
     servers::RedisServer,
 };
@@ -187,17 +188,6 @@ fn edl_teacher_command(row_us: &str) -> String {
     format!(
         "exec {{exe}} teacher --listen {{addr}}:{{port}} --model {{model}} --store memory --emulate-row-us {row_us}"
     )
-}
-
-/// A free block of `n` ports on loopback, two apart from `first`.
-fn free_ports(n: u16) -> u16 {
-    loop {
-        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        if first < 60000 && (0..2 * n).all(|i| std::net::TcpListener::bind(("127.0.0.1", first + i)).is_ok())
-        {
-            return first;
-        }
-    }
 }
 
 #[test]

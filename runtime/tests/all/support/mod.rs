@@ -52,3 +52,15 @@ pub(crate) fn view(step: u64) -> ClusterView {
 pub(crate) fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
 }
+
+/// The first of `n` free ports on loopback, two apart (a teacher slot's
+/// port and the one above it), below 60000.
+pub(crate) fn free_ports(n: u16) -> u16 {
+    loop {
+        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        if first < 60000 && (0..2 * n).all(|i| std::net::TcpListener::bind(("127.0.0.1", first + i)).is_ok())
+        {
+            return first;
+        }
+    }
+}
