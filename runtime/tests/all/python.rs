@@ -438,7 +438,7 @@ fn a_launched_program_distils_from_its_share_of_the_teachers() {
     let (mut a, at_a) = loopback_teacher(&model);
     let (mut b, at_b) = loopback_teacher(&model);
     let flags = ["--samples", "400", "--epochs", "2", "--batch", "40", "--job", "dl"];
-    let (status, said) = run_distils(&py, d, &flags, |c| {
+    let (status, said) = run_distils(py, d, &flags, |c| {
         c.args(["--teachers", &format!("{at_a},{at_b}"), "--report", "report.json"]).env("EDL_LOG", "info");
     });
     assert!(status.success(), "{said}");
@@ -485,7 +485,7 @@ fn a_launched_program_s_teacher_pool_grows_while_its_students_wait() {
         model.display()
     );
     let flags = ["--samples", "800", "--epochs", "6", "--batch", "80", "--job", "lp"];
-    let (status, said) = run_distils(&py, d, &flags, |c| {
+    let (status, said) = run_distils(py, d, &flags, |c| {
         c.args(["--store", &redis.url(), "--report", "report.json", "--teacher-command", &teacher])
             .args([
                 "--teacher-hosts",
