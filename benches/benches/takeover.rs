@@ -23,7 +23,6 @@
 
 use std::{
     io::{BufRead, BufReader},
-    net::TcpListener,
     path::Path,
     process::{Child, Command, Stdio},
     sync::mpsc,

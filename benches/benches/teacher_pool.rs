@@ -85,12 +85,19 @@ fn run(dir: &Path, store: &str, row: &Row, job: &str) -> (f64, f64, Vec<String>)
     assert!(status.success(), "{}: the job failed", row.name);
     let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     let per_sec = (LOCAL_BATCH * STUDENTS) as f64 / steady_step_secs(&report);
-    let secs = r["train_secs"].as_f64().unwrap_or(0.0);
-    let events = r["teacher_events"].as_array().cloned().unwrap_or_default();
     let start: f64 = match row.flags.iter().position(|f| f == "--teachers") {
         Some(i) => row.flags[i + 1].parse().unwrap(),
         None => 0.0,
     };
+    let (used, changes) = teacher_seconds(&r, start);
+    (per_sec, used, changes)
+}
+
+/// The teacher-seconds a job's pool used (from `start` teachers and the
+/// report's teacher events), and its changes in words.
+fn teacher_seconds(r: &serde_json::Value, start: f64) -> (f64, Vec<String>) {
+    let secs = r["train_secs"].as_f64().unwrap_or(0.0);
+    let events = r["teacher_events"].as_array().cloned().unwrap_or_default();
     // The pool's size over time, from its changes (seconds since its start,
     // which is within a second of training's).
     let (mut size, mut at, mut used) = (start, 0.0, 0.0);
@@ -102,7 +109,106 @@ fn run(dir: &Path, store: &str, row: &Row, job: &str) -> (f64, f64, Vec<String>)
         changes.push(format!("{} -> {} at {:.1} s", e["from"], e["to"], t));
     }
     used += size * (secs - at).max(0.0);
-    (per_sec, used, changes)
+    (used, changes)
+}
+
+/// A change of demand in the middle of a job: the students grow 2 -> 4
+/// at step 100 (the `schedule` policy) keeping 64 rows each (the
+/// `dynamic-batch` adapter), so the rows asked of the teachers double, and
+/// shrink back at step 200. Returns the report.
+fn demand_change(dir: &Path, store: &str, job: &str, flags: &[&str]) -> serde_json::Value {
+    let report = dir.join(format!("{job}.json"));
+    let global = (LOCAL_BATCH * STUDENTS).to_string();
+    let status = Command::new(runtime())
+        .current_dir(dir)
+        .args(["--store", store, "--job", job, "--epochs", "16", "--batch", &global])
+        .args(["--workers", "2", "--min-workers", "2", "--max-workers", "4", "--step-delay-ms", STEP_MS])
+        .args(["--policy", edl_plugin_artifacts::SCHEDULE_WASM, "--policy-config", "every=100"])
+        .args(["--policy-config", "by=2", "--decide-every-steps", "10"])
+        .args(["--adapter", edl_plugin_artifacts::DYNAMIC_BATCH_WASM])
+        .args(["--teacher-emulate-row-us", ROW_US, "--teacher-hidden", "256", "--teacher-epochs", "3"])
+        .args(flags)
+        .arg("--report")
+        .arg(&report)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("edl-runtime");
+    assert!(status.success(), "{job}: the job failed");
+    serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap()
+}
+
+/// The first scale-out of a report: (seconds, from, to).
+fn scale_out(r: &serde_json::Value) -> (f64, u64, u64) {
+    let events = r["scale_events"].as_array().expect("scale events");
+    let e = events
+        .iter()
+        .find(|e| e["to"].as_u64() > e["from"].as_u64() && e["from"].as_u64() > Some(0))
+        .expect("a scale-out in the middle of the job");
+    (e["at_secs"].as_f64().unwrap(), e["from"].as_u64().unwrap(), e["to"].as_u64().unwrap())
+}
+
+/// Samples per second of the steps committed from `t0` on, until the next
+/// scale event after it (each step's own rate, from the timeline).
+fn rates_after(r: &serde_json::Value, t0: f64) -> Vec<(f64, f64)> {
+    let until = r["scale_events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["at_secs"].as_f64())
+        .find(|&t| t > t0 + 1e-6)
+        .unwrap_or(f64::MAX);
+    let steps: Vec<(f64, f64)> = r["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["secs"].as_f64().unwrap(), s["samples_per_sec"].as_f64().unwrap_or(0.0)))
+        .filter(|&(t, _)| t > t0 && t < until)
+        .collect();
+    steps
+}
+
+/// The median of `v`.
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// The second table: how fast the policy's pool follows a doubling of the
+/// students' demand, against pure training through the same change.
+fn the_demand_doubles(dir: &Path, store: &str) {
+    println!();
+    println!(
+        "the students' demand doubles mid-job: 2 -> 4 students of {LOCAL_BATCH} rows at step 100, back at 200"
+    );
+    let pure = demand_change(dir, store, "demand-pure", &["--no-distill"]);
+    let policy = edl_plugin_artifacts::TEACHER_AUTOSCALE_WASM;
+    let pooled = demand_change(
+        dir,
+        store,
+        "demand-pool",
+        &["--teachers", "2", "--max-teachers", "6", "--teacher-decide-secs", "1", "--teacher-policy", policy],
+    );
+    let (t_pure, _, _) = scale_out(&pure);
+    // Pure training's rate with four students, past the first second.
+    let target = median(rates_after(&pure, t_pure + 1.0).into_iter().map(|p| p.1).collect());
+    let (t0, from, to) = scale_out(&pooled);
+    let after = rates_after(&pooled, t0);
+    // The first step from which the next five run at 0.95 of it or better.
+    let reached = (0..after.len().saturating_sub(5))
+        .find(|&i| median(after[i..i + 5].iter().map(|p| p.1).collect()) >= 0.95 * target)
+        .map(|i| after[i].0 - t0);
+    let steady = median(after.iter().filter(|p| p.0 > t0 + 3.0).map(|p| p.1).collect());
+    let (used, changes) = teacher_seconds(&pooled, 2.0);
+    println!("pure training, {to} students: {target:.0} samples/s");
+    println!(
+        "the policy's pool: students {from} -> {to} at {t0:.1} s; {} ; {:.2}x of pure training from 3 s after; {used:.1} teacher-seconds; {}",
+        match reached {
+            Some(s) => format!("0.95x of pure training {s:.1} s after the change"),
+            None => "never at 0.95x of pure training".to_string(),
+        },
+        steady / target,
+        changes.join(", ")
+    );
 }
 
 fn main() {
@@ -123,4 +229,5 @@ fn main() {
             changes.join(", ")
         );
     }
+    the_demand_doubles(dir.path(), &store);
 }
