@@ -6,7 +6,7 @@
 //! the two cores sets their pace; the students' steps take a fixed
 //! `--step-delay-ms` for the same reason.
 //!
-//!     cargo build --release -p edl-runtime && cargo bench -p edl-benches --bench teacher_pool
+//!     cargo build --release -p edl-runtime && cargo bench -p edl-benches --bench teacher_pool [-- demand]
 //!
 //! For each row: committed samples per second over the steady part of the
 //! job (from the report's timeline), its ratio to pure training, the
@@ -23,6 +23,12 @@ const STUDENTS: u32 = 2;
 /// Emulated time a teacher takes a row, and a student's step.
 const ROW_US: &str = "250";
 const STEP_MS: &str = "20";
+/// The same for the change of demand: steps long enough that four students
+/// on two cores still run at their emulated pace (so the rows asked of the
+/// teachers do double), and teachers slow enough that four students need
+/// about three.
+const DEMAND_ROW_US: &str = "750";
+const DEMAND_STEP_MS: &str = "60";
 
 /// One job of the table: its flags beyond the common ones, and the
 /// teachers' emulated time a row ("0": the model's real compute, on the
@@ -122,11 +128,20 @@ fn demand_change(dir: &Path, store: &str, job: &str, flags: &[&str]) -> serde_js
     let status = Command::new(runtime())
         .current_dir(dir)
         .args(["--store", store, "--job", job, "--epochs", "16", "--batch", &global])
-        .args(["--workers", "2", "--min-workers", "2", "--max-workers", "4", "--step-delay-ms", STEP_MS])
+        .args([
+            "--workers",
+            "2",
+            "--min-workers",
+            "2",
+            "--max-workers",
+            "4",
+            "--step-delay-ms",
+            DEMAND_STEP_MS,
+        ])
         .args(["--policy", edl_plugin_artifacts::SCHEDULE_WASM, "--policy-config", "every=100"])
         .args(["--policy-config", "by=2", "--decide-every-steps", "10"])
         .args(["--adapter", edl_plugin_artifacts::DYNAMIC_BATCH_WASM])
-        .args(["--teacher-emulate-row-us", ROW_US, "--teacher-hidden", "256", "--teacher-epochs", "3"])
+        .args(["--teacher-emulate-row-us", DEMAND_ROW_US, "--teacher-hidden", "256", "--teacher-epochs", "3"])
         .args(flags)
         .arg("--report")
         .arg(&report)
@@ -178,7 +193,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn the_demand_doubles(dir: &Path, store: &str) {
     println!();
     println!(
-        "the students' demand doubles mid-job: 2 -> 4 students of {LOCAL_BATCH} rows at step 100, back at 200"
+        "the students' demand doubles mid-job: 2 -> 4 students of {LOCAL_BATCH} rows a step of {DEMAND_STEP_MS} ms \
+         at step 100, back at 200; teachers emulating {DEMAND_ROW_US} us a row"
     );
     let pure = demand_change(dir, store, "demand-pure", &["--no-distill"]);
     let policy = edl_plugin_artifacts::TEACHER_AUTOSCALE_WASM;
@@ -188,20 +204,30 @@ fn the_demand_doubles(dir: &Path, store: &str) {
         "demand-pool",
         &["--teachers", "2", "--max-teachers", "6", "--teacher-decide-secs", "1", "--teacher-policy", policy],
     );
-    let (t_pure, _, _) = scale_out(&pure);
-    // Pure training's rate with four students, past the first second.
+    let (t_pure, from_pure, _) = scale_out(&pure);
+    // Pure training's rate with four students, past the first second, and with two before.
     let target = median(rates_after(&pure, t_pure + 1.0).into_iter().map(|p| p.1).collect());
+    let before = median(
+        pure["timeline"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|s| s["secs"].as_f64().is_some_and(|t| t > 1.0 && t < t_pure))
+            .filter_map(|s| s["samples_per_sec"].as_f64())
+            .collect(),
+    );
     let (t0, from, to) = scale_out(&pooled);
     let after = rates_after(&pooled, t0);
     // The first step from which the next five run at 0.95 of it or better.
     let reached = (0..after.len().saturating_sub(5))
         .find(|&i| median(after[i..i + 5].iter().map(|p| p.1).collect()) >= 0.95 * target)
         .map(|i| after[i].0 - t0);
-    let steady = median(after.iter().filter(|p| p.0 > t0 + 3.0).map(|p| p.1).collect());
+    let steady = median(after.iter().filter(|p| p.0 > t0 + 1.0).map(|p| p.1).collect());
     let (used, changes) = teacher_seconds(&pooled, 2.0);
-    println!("pure training, {to} students: {target:.0} samples/s");
+    println!("pure training: {before:.0} samples/s with {from_pure} students, {target:.0} with {to}");
     println!(
-        "the policy's pool: students {from} -> {to} at {t0:.1} s; {} ; {:.2}x of pure training from 3 s after; {used:.1} teacher-seconds; {}",
+        "the policy's pool: students {from} -> {to} at {t0:.1} s; {}; {:.2}x of pure training from 1 s after; \
+         {used:.1} teacher-seconds; {}",
         match reached {
             Some(s) => format!("0.95x of pure training {s:.1} s after the change"),
             None => "never at 0.95x of pure training".to_string(),
@@ -214,6 +240,11 @@ fn the_demand_doubles(dir: &Path, store: &str) {
 fn main() {
     let (_redis, store) = RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
+    // `cargo bench ... -- demand`: the second table only.
+    if std::env::args().any(|a| a == "demand") {
+        the_demand_doubles(dir.path(), &store);
+        return;
+    }
     println!(
         "{STUDENTS} students of {LOCAL_BATCH} rows a step of {STEP_MS} ms; teachers emulating {ROW_US} us a row"
     );
