@@ -56,8 +56,11 @@ impl Coordinator<'_> {
         }
         pending.generation = Some(self.generation);
         self.pending = Some(pending);
-        let local = (self.hyper.global_batch / to.max(1)).max(1);
-        self.hyper.local_batch = local;
+        // The adapter is shown the hyperparameters in force: each worker's
+        // batch in the world before (a policy keeping it grows the global
+        // batch with the world).
+        let before = if from > 0 { from } else { to };
+        self.hyper.local_batch = (self.hyper.global_batch / before.max(1)).max(1);
         if let Some(a) = self.adapter.as_mut() {
             let ev = ResizeEvent { step: self.tally.committed, old_world_size: from, new_world_size: to };
             let answer = a.on_resize(&ev, &self.hyper);
@@ -65,6 +68,8 @@ impl Coordinator<'_> {
                 self.hyper = h;
             }
         }
+        // Each worker's share of the global batch in the new world.
+        self.hyper.local_batch = (self.hyper.global_batch / to.max(1)).max(1);
         self.last_change = Instant::now();
         self.save_state(false);
         Ok(())

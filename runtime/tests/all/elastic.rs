@@ -317,3 +317,37 @@ fn losing_the_only_worker_as_the_job_ends_still_ends_it_exactly_once() {
     assert!(status.success(), "{text}");
     assert_exactly_once(&report(dir.path()), 2, 1200);
 }
+
+#[test]
+fn an_adapter_that_keeps_each_worker_s_batch_grows_the_global_batch_with_the_world() {
+    let dir = tempfile::tempdir().unwrap();
+    // 2 -> 4 workers at step 20 (and back at 40); dynamic-batch keeps 20 rows each.
+    let flags = ["--no-distill", "--epochs", "3", "--batch", "40", "--workers", "2", "--min-workers", "2"];
+    let mut cmd = job(dir.path(), &flags);
+    cmd.args(["--max-workers", "4", "--policy", art::SCHEDULE_WASM, "--policy-config", "every=20"]).args([
+        "--policy-config",
+        "by=2",
+        "--decide-every-steps",
+        "5",
+        "--adapter",
+        art::DYNAMIC_BATCH_WASM,
+    ]);
+    let mut child = cmd.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    assert!(status.success(), "{}", seen.join("\n"));
+    let r = report(dir.path());
+    assert_exactly_once(&r, 3, 1200);
+    // Samples a step, by the world it ran in (within an epoch).
+    let steps = r["timeline"].as_array().unwrap();
+    let mut per_step = std::collections::BTreeSet::new();
+    for w in steps.windows(2) {
+        let (a, b) = (&w[0], &w[1]);
+        if a["epoch"] == b["epoch"] && a["world"] == b["world"] {
+            let rows = b["cursor"].as_u64().unwrap() - a["cursor"].as_u64().unwrap();
+            per_step.insert((b["world"].as_u64().unwrap(), rows));
+        }
+    }
+    assert!(per_step.contains(&(2, 40)) && per_step.contains(&(4, 80)), "{per_step:?}");
+}
