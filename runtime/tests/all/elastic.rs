@@ -321,24 +321,21 @@ fn losing_the_only_worker_as_the_job_ends_still_ends_it_exactly_once() {
 #[test]
 fn an_adapter_that_keeps_each_worker_s_batch_grows_the_global_batch_with_the_world() {
     let dir = tempfile::tempdir().unwrap();
-    // 2 -> 4 workers at step 20 (and back at 40); dynamic-batch keeps 20 rows each.
-    let flags = ["--no-distill", "--epochs", "3", "--batch", "40", "--workers", "2", "--min-workers", "2"];
+    // 2 -> 4 workers at step 20 (and back 20 steps after they joined);
+    // dynamic-batch keeps 20 rows each. Steps of 30 ms: the job outlasts a
+    // slow start of the new workers.
+    let flags = ["--no-distill", "--epochs", "10", "--batch", "40", "--workers", "2", "--min-workers", "2"];
     let mut cmd = job(dir.path(), &flags);
-    cmd.args(["--max-workers", "4", "--policy", art::SCHEDULE_WASM, "--policy-config", "every=20"]).args([
-        "--policy-config",
-        "by=2",
-        "--decide-every-steps",
-        "5",
-        "--adapter",
-        art::DYNAMIC_BATCH_WASM,
-    ]);
+    cmd.args(["--max-workers", "4", "--policy", art::SCHEDULE_WASM, "--policy-config", "every=20"]);
+    cmd.args(["--policy-config", "by=2", "--decide-every-steps", "5", "--step-delay-ms", "30"]);
+    cmd.args(["--adapter", art::DYNAMIC_BATCH_WASM]);
     let mut child = cmd.spawn().unwrap();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
     let status = finish(child, rx, &mut seen);
     assert!(status.success(), "{}", seen.join("\n"));
     let r = report(dir.path());
-    assert_exactly_once(&r, 3, 1200);
+    assert_exactly_once(&r, 10, 1200);
     // Samples a step, by the world it ran in (within an epoch).
     let steps = r["timeline"].as_array().unwrap();
     let mut per_step = std::collections::BTreeSet::new();

@@ -213,9 +213,10 @@ fn teachers_started_by_command_join_the_pool_and_leave_it_drained() {
         let at = format!("teacher   {i} serving on 127.0.0.1:{}", port.parse::<u16>().unwrap() + 2 * i);
         assert!(said.contains(&at), "{at}: {said}");
     }
+    // The pool shrank, one at a time (how far depends on the machine's pace).
     let sizes: Vec<(u64, u64)> = teacher_events(&r).iter().map(|e| (e.1, e.2)).collect();
-    assert_eq!(sizes, vec![(3, 2), (2, 1)], "{said}");
-    // Each got its stop command once: two as the pool shrank, the last at the end.
+    assert!(!sizes.is_empty() && sizes.iter().all(|&(a, b)| b + 1 == a), "{sizes:?}\n{said}");
+    // Each got its stop command once: as the pool shrank, or at the end.
     let mut ran: Vec<String> = std::fs::read_to_string(&stopped).unwrap().lines().map(String::from).collect();
     ran.sort();
     assert_eq!(ran.len(), 3, "{ran:?}");
