@@ -413,7 +413,7 @@ fn run_distils(
 }
 
 /// An `edl-runtime teacher` of `model` on loopback: the process and its address.
-fn loopback_teacher(model: &Path) -> (std::process::Child, String) {
+fn loopback_teacher(model: &Path) -> (crate::support::KillOnDrop, String) {
     use std::io::BufRead;
     let mut t = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
         .args(["teacher", "--listen", "127.0.0.1:0", "--store", "memory", "--model"])
@@ -425,7 +425,7 @@ fn loopback_teacher(model: &Path) -> (std::process::Child, String) {
     let mut first = String::new();
     std::io::BufReader::new(t.stdout.as_mut().unwrap()).read_line(&mut first).unwrap();
     let addr = first.split("serving on ").nth(1).and_then(|r| r.split_whitespace().next()).unwrap();
-    (t, addr.to_string())
+    (crate::support::KillOnDrop(t), addr.to_string())
 }
 
 #[test]
@@ -456,7 +456,7 @@ fn a_launched_program_distils_from_its_share_of_the_teachers() {
     assert_eq!(shares.len(), 2, "{said}");
     assert_ne!(shares[0], shares[1], "{shares:?}");
     // Both served, and said what as they stopped.
-    for t in [&mut a, &mut b] {
+    for t in [&mut a.0, &mut b.0] {
         unsafe { libc::kill(t.id() as i32, libc::SIGTERM) };
         let mut out = String::new();
         std::io::Read::read_to_string(t.stdout.as_mut().unwrap(), &mut out).unwrap();

@@ -4,6 +4,7 @@
 //! script and `.ci/run` when missing; as root).
 
 use crate::support::{
+    KillOnDrop,
     hosts::Hosts,
     job::{assert_exactly_once, finish, job, lines, report},
     wait::{until, wait_for},
@@ -388,16 +389,6 @@ fn a_standby_coordinator_takes_a_slurm_job_over_with_its_workers_batch_jobs() {
     assert_eq!(handles, running, "{r}");
     assert!(!said.contains("which this coordinator's scaler does not know"), "{said}");
     until("the queue to empty", Duration::from_secs(30), || slurm.queue().is_empty());
-}
-
-/// A server the test started, killed when the test ends however it ends.
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 #[test]

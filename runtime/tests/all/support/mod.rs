@@ -64,3 +64,13 @@ pub(crate) fn free_ports(n: u16) -> u16 {
         }
     }
 }
+
+/// A process the test started, killed when the test ends however it ends.
+pub(crate) struct KillOnDrop(pub(crate) std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
