@@ -269,6 +269,8 @@ macro_rules! export_teacher_policy {
                             latency_ms: t.latency_ms,
                             queue_ms: t.queue_ms,
                             errors: t.errors,
+                            p50_ms: t.p50_ms,
+                            p99_ms: t.p99_ms,
                         })
                         .collect(),
                     secs_since_change: v.secs_since_change,

@@ -341,6 +341,8 @@ fn set_teachers(view: &mut TeacherView, count: u32, utilisation: f64) {
             utilisation,
             rows_per_sec: 4000.0 * utilisation,
             latency_ms: 20.0,
+            p50_ms: 18.0,
+            p99_ms: 40.0,
             ..TeacherStats::default()
         })
         .collect();
@@ -508,6 +510,9 @@ impl SimTeacherPool {
                     latency_ms: self.latency_ms + queue_ms,
                     queue_ms,
                     errors: 0,
+                    // The tail waits twice the mean queue.
+                    p50_ms: self.latency_ms + queue_ms,
+                    p99_ms: self.latency_ms + 2.0 * queue_ms,
                 })
                 .collect(),
             secs_since_change: self.secs_since_change,

@@ -235,6 +235,11 @@ pub struct TeacherStats {
     pub queue_ms: f64,
     /// Requests that failed in the window.
     pub errors: u64,
+    /// Median and 99th percentile of the time the students' requests to it
+    /// took over the window, as the students measured them (network and
+    /// queue included), ms; 0 where none was answered.
+    pub p50_ms: f64,
+    pub p99_ms: f64,
 }
 
 /// What a teacher policy sees at each decision.

@@ -776,6 +776,7 @@ impl StepView {
         let got = teach.next_soft_labels(py, &inner.rt);
         // What the job's teacher pool is sized by, as for the built-in student.
         inner.session.waited_for_teachers(asked.elapsed().as_secs_f64() * 1e3);
+        inner.session.called_teachers(teach.reader.take_calls());
         match got {
             Ok(d) => Ok(Some(float_array(py, &d.soft, (d.batch.ids.len(), d.classes))?)),
             Err(e) => {

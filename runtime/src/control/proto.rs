@@ -126,6 +126,9 @@ pub struct StepDone {
     /// rank's value weighted by its share of the step's samples, as `loss`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub metrics: Vec<(String, f64)>,
+    /// What this rank's requests to each teacher did since its last step.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub teacher_calls: Vec<crate::distill::stats::TeacherRequests>,
 }
 
 /// What a worker tells the coordinator.

@@ -433,6 +433,7 @@ impl Coordinator<'_> {
                 throughput: self.tally.samples_per_sec(),
                 world,
                 planned: world + self.membership.coming(),
+                calls: self.tally.teacher_calls(),
             });
         }
         for (event, said) in pool.news() {

@@ -15,7 +15,8 @@
 
 use crate::distill::oip::GrpcInferenceServiceClient;
 pub use crate::distill::reader::PoolSettings;
-use crate::distill::stats::{self, Reading};
+use crate::distill::reader::host_port;
+use crate::distill::stats::{self, Reading, TeacherRequests, quantile_ms};
 use anyhow::Result;
 use edl_plugin_sdk::{TeacherPlan, TeacherStats, TeacherView};
 use serde::Serialize;
@@ -101,7 +102,7 @@ struct Pooled {
 }
 
 /// What the students did over the window, as the coordinator measured it.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Students {
     pub step: u64,
     /// Share of their compute spent waiting for soft labels (None: no step
@@ -111,6 +112,19 @@ pub struct Students {
     pub world: u32,
     /// The world size the scaling policy last asked for.
     pub planned: u32,
+    /// What their requests to each teacher did (by `host:port`).
+    pub calls: BTreeMap<String, TeacherRequests>,
+}
+
+impl Students {
+    /// The later of two tellings, with the requests of both.
+    fn then(mut self, later: Students) -> Students {
+        let mut calls = std::mem::take(&mut self.calls);
+        for (at, c) in later.calls {
+            calls.entry(at).or_default().merge(c);
+        }
+        Students { calls, ..later }
+    }
 }
 
 /// The teacher pool of a job.
@@ -280,6 +294,9 @@ impl TeacherPool {
             return replaced;
         }
         let Some(students) = students else { return (None, Vec::new()) };
+        if let Some(refused) = self.take_out_refused(&students) {
+            return refused;
+        }
         let stats = self.read_stats();
         self.measure_capacity(&stats);
         let view = self.view(&students, stats);
@@ -409,6 +426,44 @@ impl TeacherPool {
         Some((Some(event), said))
     }
 
+    /// Teachers of the pool that students refused (a wrong shape, class
+    /// count or model: nothing a retry fixes) are stopped and leave the
+    /// pool, named; another is started in their place at the next look,
+    /// held back as teachers that keep exiting are.
+    fn take_out_refused(&mut self, students: &Students) -> Option<PoolNews> {
+        let refused: Vec<(String, String)> = self
+            .teachers
+            .iter()
+            .filter_map(|t| {
+                let why = students.calls.get(&host_port(&t.addr))?.refused.as_ref()?;
+                Some((t.addr.clone(), why.clone()))
+            })
+            .collect();
+        if refused.is_empty() {
+            return None;
+        }
+        let from = self.teachers.len() as u32;
+        let mut said = Vec::new();
+        for (addr, why) in &refused {
+            self.teachers.retain(|t| t.addr != *addr);
+            self.launcher.stop(addr);
+            said.push(format!("teacher {addr} is taken out of the pool: the students refused it: {why}"));
+            if let Some(pause) = self.starts.trouble() {
+                said.push(format!("teachers keep being refused: none is started for {pause:?}"));
+            }
+        }
+        let names: Vec<&str> = refused.iter().map(|(a, _)| a.as_str()).collect();
+        let event = TeacherEvent {
+            step: students.step,
+            secs: self.t0.elapsed().as_secs_f64(),
+            from,
+            to: self.teachers.len() as u32,
+            reason: format!("teacher {} refused by the students; taken out", names.join(", ")),
+        };
+        self.events.push(event.clone());
+        Some((Some(event), said))
+    }
+
     /// Each teacher's statistics over the window since the last look (a
     /// teacher that cannot be read, or was read for the first time, gives none).
     fn read_stats(&mut self) -> Vec<TeacherStats> {
@@ -452,7 +507,16 @@ impl TeacherPool {
         }
     }
 
-    fn view(&self, students: &Students, teachers: Vec<TeacherStats>) -> TeacherView {
+    fn view(&self, students: &Students, mut teachers: Vec<TeacherStats>) -> TeacherView {
+        // The students' times of their requests to each teacher.
+        for t in &mut teachers {
+            let Some(p) = self.teachers.iter().find(|p| p.id == t.id) else { continue };
+            if let Some(c) = students.calls.get(&host_port(&p.addr)) {
+                let mut us = c.latency_us.clone();
+                t.p50_ms = quantile_ms(&mut us, 0.50);
+                t.p99_ms = quantile_ms(&mut us, 0.99);
+            }
+        }
         TeacherView {
             step: students.step,
             wait_share: students.wait_share.unwrap_or(0.0),
@@ -508,11 +572,11 @@ impl PoolThread {
                 // Told what the students did, or a second passed: teachers
                 // that exited are replaced either way.
                 let students = match rx.recv_timeout(Duration::from_secs(1)) {
-                    Ok(s) => Some(rx.try_iter().last().unwrap_or(s)),
+                    Ok(s) => Some(rx.try_iter().fold(s, Students::then)),
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
                     Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
                 };
-                step = students.map_or(step, |s| s.step);
+                step = students.as_ref().map_or(step, |s| s.step);
                 let (event, said) = pool.look(step, students);
                 if (event.is_some() || !said.is_empty()) && news_tx.send((event, said)).is_err() {
                     break;
@@ -668,7 +732,7 @@ mod tests {
     }
 
     fn students(step: u64, wait: f64, world: u32, planned: u32) -> Students {
-        Students { step, wait_share: Some(wait), throughput: 100.0, world, planned }
+        Students { step, wait_share: Some(wait), throughput: 100.0, world, planned, calls: BTreeMap::new() }
     }
 
     #[test]
@@ -709,6 +773,42 @@ mod tests {
         assert_eq!(seen[0].in_flight_per_teacher, 2);
         assert_eq!(seen[1].teacher_count, 3);
         assert!((seen[0].price_per_teacher_hour - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_teacher_the_students_refused_is_stopped_named_and_replaced() {
+        let fake = Fake::default();
+        let (mut p, seen) = pool(vec![plan(2, 2), plan(2, 2)], fake.clone());
+        assert_eq!(p.look(0, Some(students(5, 0.5, 2, 2))).0.map(|e| e.to), Some(2));
+        // A student's requests to 127.0.0.1:9000 were answered with the wrong shape.
+        let mut told = students(10, 0.5, 2, 2);
+        let refused = TeacherRequests {
+            addr: "127.0.0.1:9000".into(),
+            latency_us: vec![900],
+            refused: Some("answered 7 classes; the student has 10".into()),
+        };
+        told.calls.insert(refused.addr.clone(), refused);
+        let (e, said) = p.look(0, Some(told));
+        let e = e.unwrap();
+        assert_eq!((e.from, e.to, e.step), (2, 1, 10));
+        assert!(e.reason.contains("127.0.0.1:9000 refused by the students"), "{}", e.reason);
+        assert!(said[0].contains("answered 7 classes; the student has 10"), "{said:?}");
+        assert_eq!(*fake.stopped.lock().unwrap(), vec!["127.0.0.1:9000".to_string()]);
+        assert_eq!(p.addrs(), vec!["127.0.0.1:1".to_string()]);
+        assert_eq!(seen.lock().unwrap().len(), 1, "the policy is not asked on a refusal");
+        // Another takes its place, up to the pool's size.
+        let e = p.look(0, None).0.unwrap();
+        assert_eq!((e.from, e.to), (1, 2));
+        assert_eq!(p.addrs(), vec!["127.0.0.1:1".to_string(), "127.0.0.1:9001".to_string()]);
+        // Refusals of a teacher not in the pool (one registered by others) change nothing.
+        let mut told = students(20, 0.5, 2, 2);
+        let other = TeacherRequests {
+            addr: "10.1.1.1:8001".into(),
+            refused: Some("wrong".into()),
+            ..Default::default()
+        };
+        told.calls.insert(other.addr.clone(), other);
+        assert_eq!(p.look(0, Some(told)).0, None);
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //! - [`oip`]: the Open Inference Protocol messages and tensor conversions
 //!   that both ends share.
 //!
-//! The dependencies run one way: `reader` uses `assign`, `rest_client` and `oip`;
+//! The dependencies run one way: `reader` uses `assign`, `rest_client`, `stats` and `oip`;
 //! `rest` uses `teacher` and `oip`; nothing here uses `reader`.
 
 pub mod assign;

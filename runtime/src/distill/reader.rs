@@ -8,6 +8,7 @@
 //! fixed list or from the store, followed live.
 
 use crate::distill::oip::{self, GrpcInferenceServiceClient, pb};
+use crate::distill::stats::TeacherRequests;
 use crate::plugin::TransformPlugin;
 use crate::store::{AnyStore, Change, keys, watch};
 use edl_plugin_sdk::{Batch, Dtype};
@@ -248,6 +249,7 @@ pub enum DistillError {
 /// The reader's handle: call [`DistillReader::next`] for each batch.
 pub struct DistillReader {
     rx: mpsc::Receiver<Result<Distilled, DistillError>>,
+    calls: CallLog,
     /// The student's rank and world size, for its share of the teachers.
     place: tokio::sync::watch::Sender<Option<(usize, usize)>>,
 }
@@ -282,8 +284,17 @@ impl DistillReader {
         let (place, placed) = tokio::sync::watch::channel(None);
         let mut pipeline = Pipeline::new(config, teachers);
         pipeline.placed = Some(placed);
+        let calls = pipeline.calls.clone();
         tokio::spawn(pipeline.run(batches_rx, tx));
-        DistillReader { rx, place }
+        DistillReader { rx, calls, place }
+    }
+
+    /// What this student's requests did at each teacher since the last
+    /// call: the pool sizes itself by their times and takes out a teacher
+    /// students refused.
+    pub fn take_calls(&self) -> Vec<TeacherRequests> {
+        let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        std::mem::take(&mut *calls).into_values().collect()
     }
 
     /// Tells the reader this student is `rank` of `world`: from then on it
@@ -421,9 +432,15 @@ struct Pipeline {
     /// This student's share of the teachers (by pool key) and their
     /// weights; empty: every teacher.
     assigned: BTreeMap<String, f64>,
+    calls: CallLog,
 }
 
-type Outcome = (String, Piece, Result<Vec<f32>, (Failure, String)>);
+/// A request's teacher, piece, answer and time taken.
+type Outcome = (String, Piece, Result<Vec<f32>, (Failure, String)>, Duration);
+
+/// What the student's requests did at each teacher (by `host:port`),
+/// until [`DistillReader::take_calls`] takes it.
+type CallLog = Arc<std::sync::Mutex<BTreeMap<String, TeacherRequests>>>;
 
 /// Why a teacher endpoint cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -716,7 +733,15 @@ impl Pipeline {
             place: None,
             capacity: BTreeMap::new(),
             assigned: BTreeMap::new(),
+            calls: CallLog::default(),
         }
+    }
+
+    /// Notes what a request to `addr` did, for the teacher pool.
+    fn log_call(&self, addr: &str, note: impl FnOnce(&mut TeacherRequests)) {
+        let at = host_port(addr);
+        let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        note(calls.entry(at.clone()).or_insert_with(|| TeacherRequests { addr: at, ..Default::default() }));
     }
 
     /// Works out this student's share of the teachers again (after the
@@ -917,13 +942,14 @@ impl Pipeline {
                 timeout: self.cfg.request_timeout,
             };
             running.spawn(async move {
+                let sent = Instant::now();
                 let result = ask.infer(&piece, rows, dim, wanted).await;
-                (addr, piece, result)
+                (addr, piece, result, sent.elapsed())
             });
         }
     }
 
-    fn complete(&mut self, (addr, piece, result): Outcome) {
+    fn complete(&mut self, (addr, piece, result, took): Outcome) {
         let cooldown = self.cfg.cooldown;
         if let Some(t) = self.pool.get_mut(&addr) {
             t.outstanding -= 1;
@@ -957,6 +983,7 @@ impl Pipeline {
                 }
                 self.classes = Some(cols);
                 self.stalled_since = None;
+                self.log_call(&addr, |c| c.answered(took));
                 if let Some(t) = self.pool.get_mut(&addr) {
                     t.failures = 0;
                 }
@@ -997,6 +1024,7 @@ impl Pipeline {
                     t.last_error = Some(what);
                 }
                 if reassign {
+                    self.log_call(&addr, |c| c.refused = Some(why));
                     self.reassign();
                 }
                 self.queue.push_front(piece);

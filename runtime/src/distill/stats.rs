@@ -10,6 +10,54 @@ use edl_plugin_sdk::TeacherStats;
 use std::time::{Duration, Instant};
 use tonic::transport::Channel;
 
+/// What one student's requests to one teacher did since they were last
+/// told: each answered request's time, and why the student stopped asking
+/// it, if it did (a wrong shape, class count or model: nothing retrying
+/// fixes).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TeacherRequests {
+    /// The teacher, as `host:port`.
+    pub addr: String,
+    /// Each answered request's time from sent to answered, µs (at most
+    /// [`CALLS_KEPT`] of them: the newest).
+    pub latency_us: Vec<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
+}
+
+/// Request times kept per teacher between two tellings.
+pub const CALLS_KEPT: usize = 4096;
+
+impl TeacherRequests {
+    /// Adds one answered request's time.
+    pub fn answered(&mut self, took: Duration) {
+        if self.latency_us.len() >= CALLS_KEPT {
+            self.latency_us.remove(0);
+        }
+        self.latency_us.push(took.as_micros().min(u32::MAX as u128) as u32);
+    }
+
+    /// Takes in what another telling of the same teacher says.
+    pub fn merge(&mut self, other: TeacherRequests) {
+        for us in other.latency_us {
+            self.answered(Duration::from_micros(us as u64));
+        }
+        if self.refused.is_none() {
+            self.refused = other.refused;
+        }
+    }
+}
+
+/// The `q` quantile (0 to 1) of `us`, ms, by the nearest rank; 0 when empty.
+pub fn quantile_ms(us: &mut [u32], q: f64) -> f64 {
+    if us.is_empty() {
+        return 0.0;
+    }
+    us.sort_unstable();
+    let rank = ((q.clamp(0.0, 1.0) * us.len() as f64).ceil() as usize).clamp(1, us.len());
+    us[rank - 1] as f64 / 1e3
+}
+
 /// A count and the nanoseconds it took in all.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 struct Tally {
@@ -92,6 +140,9 @@ impl Reading {
             latency_ms: success.mean_ms(),
             queue_ms: queue.mean_ms(),
             errors: self.fail.since(before.fail).count,
+            // The students measure these; the pool adds them.
+            p50_ms: 0.0,
+            p99_ms: 0.0,
         })
     }
 }
@@ -122,6 +173,33 @@ mod tests {
     use super::*;
     use crate::distill::teacher::{TeacherConfig, TeacherService};
     use crate::trainer::model::Mlp;
+
+    #[test]
+    fn request_times_give_nearest_rank_quantiles_and_keep_the_newest() {
+        assert_eq!(quantile_ms(&mut [], 0.5), 0.0);
+        let mut us: Vec<u32> = (1..=100).rev().map(|i| i * 1000).collect();
+        assert_eq!(quantile_ms(&mut us, 0.50), 50.0);
+        assert_eq!(quantile_ms(&mut us, 0.99), 99.0);
+        assert_eq!(quantile_ms(&mut us, 1.0), 100.0);
+        assert_eq!(quantile_ms(&mut [7000], 0.99), 7.0);
+        let mut a = TeacherRequests { addr: "t:1".into(), ..Default::default() };
+        for i in 0..CALLS_KEPT as u64 {
+            a.answered(Duration::from_micros(i));
+        }
+        let b = TeacherRequests {
+            addr: "t:1".into(),
+            latency_us: vec![u32::MAX, 5],
+            refused: Some("answered 3 classes".into()),
+        };
+        a.merge(b);
+        assert_eq!(a.latency_us.len(), CALLS_KEPT, "bounded");
+        assert_eq!(&a.latency_us[CALLS_KEPT - 2..], &[u32::MAX, 5], "the newest kept");
+        assert_eq!(a.latency_us[0], 2, "the oldest dropped");
+        assert_eq!(a.refused.as_deref(), Some("answered 3 classes"));
+        let mut long = TeacherRequests::default();
+        long.answered(Duration::from_secs(10_000));
+        assert_eq!(long.latency_us, vec![u32::MAX], "clamped, not wrapped");
+    }
 
     fn duration(count: u64, ns: u64) -> Option<pb::StatisticDuration> {
         Some(pb::StatisticDuration { count, ns })

@@ -217,6 +217,8 @@ pub fn fill_teacher_view(out: &mut wit_teacher::TeacherView, v: &sdk::TeacherVie
         latency_ms: t.latency_ms,
         queue_ms: t.queue_ms,
         errors: t.errors,
+        p50_ms: t.p50_ms,
+        p99_ms: t.p99_ms,
     }));
     out.secs_since_change = v.secs_since_change;
     out.price_per_teacher_hour = v.price_per_teacher_hour;

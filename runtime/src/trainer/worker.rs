@@ -420,6 +420,9 @@ impl BuiltinWorker {
                 session.planned().for_each(|s| r.feed(s));
             }
             session.waited_for_teachers(std::mem::take(&mut self.waited_ms));
+            if let Some(ReadAhead { source: Ahead::Teachers(reader), .. }) = &self.read_ahead {
+                session.called_teachers(reader.take_calls());
+            }
             if session.all_reduce(state.trainer.grad_mut()).is_err() {
                 // Reported by the session; the next step is the redone one.
                 self.read_ahead = None;

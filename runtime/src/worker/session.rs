@@ -245,8 +245,10 @@ pub struct Session {
     /// Steps of the current window done so far, and the generation's set-up time.
     window: Vec<StepDone>,
     setup_ms: f64,
-    /// What the current step waited for soft labels, ms.
+    /// What the current step waited for soft labels, ms, and what its
+    /// requests to the teachers did.
     teacher_wait_ms: f64,
+    teacher_calls: Vec<crate::distill::stats::TeacherRequests>,
     ring: Option<(u64, TcpRing)>,
     /// A checkpoint being written in the background: its step and thread.
     writing: Option<(u64, std::thread::JoinHandle<Result<std::path::PathBuf>>)>,
@@ -369,6 +371,7 @@ impl Session {
             window: Vec::new(),
             setup_ms: 0.0,
             teacher_wait_ms: 0.0,
+            teacher_calls: Vec::new(),
             ring: None,
             writing: None,
             written: Vec::new(),
@@ -853,6 +856,17 @@ impl Session {
         self.teacher_wait_ms += ms;
     }
 
+    /// What this rank's requests to the teachers did (from
+    /// [`crate::distill::DistillReader::take_calls`]), told with the step.
+    pub fn called_teachers(&mut self, calls: Vec<crate::distill::stats::TeacherRequests>) {
+        for c in calls {
+            match self.teacher_calls.iter_mut().find(|t| t.addr == c.addr) {
+                Some(t) => t.merge(c),
+                None => self.teacher_calls.push(c),
+            }
+        }
+    }
+
     /// The current step is done on this rank: its state has the update.
     /// `loss`: this rank's summed loss divided by the step's global rows.
     pub fn finish(&mut self, loss: f64, compute_ms: f64) -> Result<()> {
@@ -875,6 +889,7 @@ impl Session {
             compute_ms,
             teacher_wait_ms: std::mem::take(&mut self.teacher_wait_ms),
             metrics,
+            teacher_calls: std::mem::take(&mut self.teacher_calls),
         });
         if s.closes {
             let steps = std::mem::take(&mut self.window);

@@ -58,7 +58,13 @@ fn batches(n: usize, rows: usize) -> Vec<Batch> {
 
 /// Reads everything, checking order, completeness and soft labels; `between`
 /// runs after each batch with its index.
-async fn drain_and_check(mut reader: DistillReader, expected: &[Batch], mut between: impl FnMut(usize)) {
+/// Reads every batch of `expected` from `reader`, checking each; returns
+/// the reader, drained.
+async fn drain_and_check(
+    mut reader: DistillReader,
+    expected: &[Batch],
+    mut between: impl FnMut(usize),
+) -> DistillReader {
     let m = model();
     let mut next_id = 0u64;
     for (i, want) in expected.iter().enumerate() {
@@ -78,6 +84,7 @@ async fn drain_and_check(mut reader: DistillReader, expected: &[Batch], mut betw
         between(i);
     }
     assert!(reader.next().await.is_none(), "nothing after the last batch");
+    reader
 }
 
 #[test]
@@ -355,7 +362,22 @@ fn stalled_wrong_shape_and_nan_teachers_are_worked_around() {
         let teachers =
             Teachers::Fixed([&stalled, &wrong, &nan, &good].iter().map(|t| t.addr.to_string()).collect());
         let reader = DistillReader::start(data.clone().into_iter(), None, teachers, cfg);
-        drain_and_check(reader, &data, |_| {}).await;
+        let reader = drain_and_check(reader, &data, |_| {}).await;
+        // What the teacher pool is told: each answered request's time, at
+        // the teacher that answered it, and the teacher refused for good.
+        let calls: std::collections::BTreeMap<String, _> =
+            reader.take_calls().into_iter().map(|c| (c.addr.clone(), c)).collect();
+        let of = |t: &Teacher| calls.get(&t.addr.to_string());
+        let answered: usize = calls.values().map(|c| c.latency_us.len()).sum();
+        assert_eq!(answered, 20 * 48 / 16, "one time for each piece, at the teacher that answered it");
+        assert_eq!(of(&good).unwrap().latency_us.len(), answered, "only the good teacher answered");
+        assert!(of(&good).unwrap().refused.is_none());
+        let why =
+            of(&wrong).and_then(|c| c.refused.clone()).expect("the wrong-shape teacher is told refused");
+        assert!(why.contains(&format!("answered {} classes", CLASSES + 1)), "{why}");
+        assert!(of(&nan).is_none_or(|c| c.refused.is_none()), "a NaN is worth a retry, not a refusal");
+        assert!(of(&stalled).is_none_or(|c| c.latency_us.is_empty() && c.refused.is_none()));
+        assert!(reader.take_calls().is_empty(), "taken once");
     });
 }
 

@@ -77,6 +77,19 @@ fn the_pool_grows_while_students_wait_on_busy_teachers() {
     let logs = std::fs::read_dir(d.join(".edl/pool/logs")).unwrap();
     let teachers = logs.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("teacher-")).count();
     assert_eq!(teachers, 3, "teacher logs");
+    // The policy saw the students' request times at each teacher: every
+    // request carries a row or more at 3 ms a row.
+    let seen: Vec<(f64, f64)> = r["teacher_decisions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|d| d["view"]["teachers"].as_array().unwrap().clone())
+        .map(|t| (t["p50_ms"].as_f64().unwrap(), t["p99_ms"].as_f64().unwrap()))
+        .collect();
+    assert!(!seen.is_empty() && seen.iter().any(|&(p50, _)| p50 > 0.0), "{seen:?}");
+    for &(p50, p99) in seen.iter().filter(|t| t.0 > 0.0) {
+        assert!(p50 >= 3.0 && p99 >= p50, "p50 {p50} ms, p99 {p99} ms");
+    }
     replays_to_the_same_decisions(d, &r);
 }
 

@@ -307,6 +307,7 @@ mod tests {
                 compute_ms: 1.0,
                 teacher_wait_ms: 0.0,
                 metrics: Vec::new(),
+                teacher_calls: Vec::new(),
             })
             .collect()
     }

@@ -5,6 +5,7 @@
 
 use super::ledger::{EpochRecord, Ledger, LedgerError};
 use crate::control::proto::{StepDone, StepPlan};
+use crate::distill::stats::TeacherRequests;
 use std::{
     collections::{BTreeMap, HashMap, VecDeque},
     time::Instant,
@@ -61,6 +62,8 @@ pub struct Tally {
     /// The ranks' time waiting for soft labels and their compute time
     /// (which holds it), ms, since the teacher pool last asked.
     teacher_wait: (f64, f64),
+    /// What the ranks' requests to each teacher did since then (by `host:port`).
+    teacher_calls: BTreeMap<String, TeacherRequests>,
 }
 
 /// The permutation of `epoch` (of `len` samples under `seed`), kept in `cache`.
@@ -87,6 +90,7 @@ impl Tally {
             worker_rate: HashMap::new(),
             decision_window: (now, 0),
             teacher_wait: (0.0, 0.0),
+            teacher_calls: BTreeMap::new(),
         }
     }
 
@@ -150,6 +154,12 @@ impl Tally {
             }
             self.teacher_wait.0 += d.teacher_wait_ms;
             self.teacher_wait.1 += d.compute_ms;
+            for c in &d.teacher_calls {
+                let calls = self.teacher_calls.entry(c.addr.clone());
+                calls
+                    .or_insert_with(|| TeacherRequests { addr: c.addr.clone(), ..Default::default() })
+                    .merge(c.clone());
+            }
             if d.compute_ms > 0.0 && !ids.is_empty() && !first {
                 let rate = self.worker_rate.entry(worker).or_insert((0.0, 0.0));
                 rate.0 += ids.len() as f64;
@@ -225,6 +235,12 @@ impl Tally {
         (computed > 0.0).then(|| (waited / computed).clamp(0.0, 1.0))
     }
 
+    /// What the ranks' requests to each teacher did since the last call
+    /// (by `host:port`); starts over.
+    pub fn teacher_calls(&mut self) -> BTreeMap<String, TeacherRequests> {
+        std::mem::take(&mut self.teacher_calls)
+    }
+
     /// Samples left to train, up to the end of epoch `epochs - 1`.
     pub fn remaining(&self, epochs: u64) -> u64 {
         (epochs.saturating_sub(self.epoch) as usize * self.train_len).saturating_sub(self.cursor) as u64
@@ -256,6 +272,7 @@ mod tests {
             compute_ms: 10.0,
             teacher_wait_ms: 0.0,
             metrics: Vec::new(),
+            teacher_calls: Vec::new(),
         }
     }
 
