@@ -25,6 +25,7 @@ mod scaling;
 mod steps;
 
 use crate::job::{JobConfig, assembly::Job};
+use crate::leader::record::TeacherHandle;
 pub use records::{JobOutcome, Progress, StepRecord, StoreEvent};
 pub use resume::{AlreadyFinished, finished_here, mark_complete};
 
@@ -64,6 +65,11 @@ struct Coordinator<'a> {
     pool: Option<pool::PoolThread>,
     /// When the pool was last told what the students did.
     pool_told: Instant,
+    /// The pool's teachers that outlive this coordinator (kept in the
+    /// store for the one that takes the job over), and those the one before
+    /// left, until the pool has taken them over.
+    teacher_handles: Box<dyn Fn() -> Vec<TeacherHandle> + Send>,
+    teachers_left: Vec<TeacherHandle>,
     policy: Box<dyn PolicyPlugin>,
     adapter: Option<Box<dyn AdapterPlugin>>,
     scaler: crate::scalers::fenced::FencedScaler,
@@ -230,6 +236,7 @@ pub fn run(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobOutcome> {
     };
     let pool = teachers.take_pool().map(pool::PoolThread::start).transpose()?;
     let plugins = Plugins {
+        teacher_handles: Box::new(teachers.handles()),
         policy: plugins.policy,
         adapter: plugins.adapter,
         scaler,
@@ -266,6 +273,7 @@ struct Plugins {
     teacher_watch: Option<Box<dyn crate::job::teacher_pool::TeacherWatch>>,
     /// The pool that sizes the job's teachers, when it has one.
     pool: Option<pool::PoolThread>,
+    teacher_handles: Box<dyn Fn() -> Vec<TeacherHandle> + Send>,
 }
 
 /// The coordinator's sockets and store, opened before anything is decided.
@@ -324,6 +332,8 @@ impl<'a> Coordinator<'a> {
             teacher_watch: plugins.teacher_watch,
             pool: plugins.pool,
             pool_told: now,
+            teacher_handles: plugins.teacher_handles,
+            teachers_left: Vec::new(),
             policy: plugins.policy,
             adapter: plugins.adapter,
             scaler: crate::scalers::fenced::FencedScaler::new(plugins.scaler),
@@ -534,6 +544,7 @@ impl Coordinator<'_> {
             self.save_state(false);
         }
         self.first_generation = self.generation + 1;
+        self.take_teachers_over();
         self.note(format!(
             "coordinator at {} (rendezvous {}); workers join with `edl-runtime worker --coordinator {}`",
             self.io.addr, self.io.rendezvous_at, self.io.addr
@@ -751,6 +762,20 @@ impl Coordinator<'_> {
         }
     }
 
+    /// This coordinator leads the job: its pool takes over the teachers the
+    /// coordinator before left running (and a standby's pool starts sizing).
+    fn take_teachers_over(&mut self) {
+        let Some(pool) = self.pool.as_ref() else { return };
+        let left = self.teachers_left.clone();
+        let said = pool.take_over(left);
+        self.teachers_left.clear();
+        // Their handles are the pool's now: stored with the state from here on.
+        self.save_state(false);
+        for s in said {
+            self.note(s);
+        }
+    }
+
     /// Hands the job's state to the store keeper (written off the step's path).
     fn save_state(&mut self, finished: bool) {
         let plugins = if self.told.follow.is_some() { self.plugin_memory() } else { PluginMemory::default() };
@@ -789,6 +814,17 @@ impl Coordinator<'_> {
                 }
             }),
             torchrun: None,
+            teachers: {
+                let mut all = (self.teacher_handles)();
+                let left: Vec<TeacherHandle> = self
+                    .teachers_left
+                    .iter()
+                    .filter(|l| all.iter().all(|t| t.addr != l.addr))
+                    .cloned()
+                    .collect();
+                all.extend(left);
+                all
+            },
         };
         if let Some(k) = &self.keeper {
             k.state(s);

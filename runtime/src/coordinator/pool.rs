@@ -17,6 +17,7 @@ use crate::distill::oip::GrpcInferenceServiceClient;
 pub use crate::distill::reader::PoolSettings;
 use crate::distill::reader::host_port;
 use crate::distill::stats::{self, Reading, TeacherRequests, quantile_ms};
+use crate::leader::record::TeacherHandle;
 use anyhow::Result;
 use edl_plugin_sdk::{TeacherPlan, TeacherStats, TeacherView};
 use serde::Serialize;
@@ -77,6 +78,11 @@ pub trait TeacherLauncher: Send {
     fn exited(&mut self) -> Vec<(String, String)>;
     /// Tells the students the pool's settings (through the job's store).
     fn publish(&mut self, settings: PoolSettings) -> Result<()>;
+    /// Takes over a teacher the coordinator before started (it runs on);
+    /// returns its address once it answers.
+    fn adopt(&mut self, teacher: &TeacherHandle) -> Result<String> {
+        anyhow::bail!("teachers of {} cannot be taken over", teacher.addr)
+    }
 }
 
 /// The pool's bounds and cadence.
@@ -147,6 +153,9 @@ pub struct TeacherPool {
     /// Starts held back after teachers kept exiting or failing to start.
     starts: Starts,
     decisions: std::collections::VecDeque<TeacherDecision>,
+    /// A standby's pool: it starts nothing until its coordinator leads
+    /// the job and takes over the teachers of the one before.
+    held: bool,
     /// Each teacher's capacity (rows/s at full use, by `host:port`), as
     /// measured, and as the students were last told it.
     capacity: BTreeMap<String, f64>,
@@ -233,6 +242,7 @@ impl TeacherPool {
             target: 0,
             starts: Starts::new(),
             decisions: Default::default(),
+            held: false,
             capacity: BTreeMap::new(),
             told_capacity: BTreeMap::new(),
         };
@@ -270,6 +280,48 @@ impl TeacherPool {
         Ok(GrpcInferenceServiceClient::new(ep.connect_timeout(STATS_WITHIN).connect_lazy()))
     }
 
+    /// Starts and stops nothing until [`TeacherPool::take_over`]: the pool
+    /// of a standby, whose coordinator takes the teachers of the active one
+    /// over when it takes the job over.
+    pub fn hold(&mut self) {
+        self.held = true;
+    }
+
+    /// The coordinator leads the job: the teachers of the coordinator
+    /// before (`left`) are taken over where they still answer, and the pool
+    /// goes on from them. Returns what could not be taken over.
+    pub fn take_over(&mut self, left: Vec<TeacherHandle>) -> (Option<TeacherEvent>, Vec<String>) {
+        let was_held = std::mem::replace(&mut self.held, false);
+        let from = self.teachers.len() as u32;
+        let mut said = Vec::new();
+        for h in &left {
+            match self.launcher.adopt(h) {
+                Ok(addr) => self.adopt(addr),
+                Err(e) => said
+                    .push(format!("teacher {} of the coordinator before is not taken over: {e:#}", h.addr)),
+            }
+        }
+        let to = self.teachers.len() as u32;
+        if was_held {
+            self.target = to;
+        } else {
+            self.target = self.target.max(to);
+        }
+        if to == from {
+            return (None, said);
+        }
+        self.changed = Instant::now();
+        let event = TeacherEvent {
+            step: 0,
+            secs: self.t0.elapsed().as_secs_f64(),
+            from,
+            to,
+            reason: format!("{} teacher(s) of the coordinator before taken over", to - from),
+        };
+        self.events.push(event.clone());
+        (Some(event), said)
+    }
+
     /// The teachers serving now.
     pub fn addrs(&self) -> Vec<String> {
         self.teachers.iter().map(|t| t.addr.clone()).collect()
@@ -290,6 +342,9 @@ impl TeacherPool {
     /// and starts or stops teachers. Returns the change made, and what went
     /// wrong on the way (said, not fatal).
     pub fn look(&mut self, at: u64, students: Option<Students>) -> (Option<TeacherEvent>, Vec<String>) {
+        if self.held {
+            return (None, Vec::new());
+        }
         if let Some(replaced) = self.replace_exited(at) {
             return replaced;
         }
@@ -553,7 +608,7 @@ pub type PoolNews = (Option<TeacherEvent>, Vec<String>);
 /// A pool run on a thread of its own: reading statistics and starting a
 /// teacher take seconds, which the coordinator's loop cannot wait.
 pub struct PoolThread {
-    tx: Option<std::sync::mpsc::Sender<Students>>,
+    tx: Option<std::sync::mpsc::Sender<ToPool>>,
     news: std::sync::mpsc::Receiver<PoolNews>,
     thread: Option<std::thread::JoinHandle<PoolRecord>>,
     every: Duration,
@@ -561,10 +616,17 @@ pub struct PoolThread {
     told: Vec<TeacherEvent>,
 }
 
+/// What the coordinator tells the pool's thread.
+enum ToPool {
+    Students(Students),
+    /// Take these teachers over, then answer.
+    TakeOver(Vec<TeacherHandle>, std::sync::mpsc::Sender<Vec<String>>),
+}
+
 impl PoolThread {
     pub fn start(mut pool: TeacherPool) -> Result<PoolThread> {
         let every = pool.bounds.every;
-        let (tx, rx) = std::sync::mpsc::channel::<Students>();
+        let (tx, rx) = std::sync::mpsc::channel::<ToPool>();
         let (news_tx, news) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new().name("edl-teacher-pool".into()).spawn(move || {
             let mut step = 0;
@@ -572,7 +634,27 @@ impl PoolThread {
                 // Told what the students did, or a second passed: teachers
                 // that exited are replaced either way.
                 let students = match rx.recv_timeout(Duration::from_secs(1)) {
-                    Ok(s) => Some(rx.try_iter().fold(s, Students::then)),
+                    Ok(first) => {
+                        let mut students: Option<Students> = None;
+                        for m in std::iter::once(first).chain(rx.try_iter()) {
+                            match m {
+                                ToPool::Students(s) => {
+                                    students = Some(match students {
+                                        Some(before) => before.then(s),
+                                        None => s,
+                                    })
+                                }
+                                ToPool::TakeOver(left, reply) => {
+                                    let (event, said) = pool.take_over(left);
+                                    let _ = reply.send(said);
+                                    if event.is_some() {
+                                        let _ = news_tx.send((event, Vec::new()));
+                                    }
+                                }
+                            }
+                        }
+                        students
+                    }
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
                     Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
                 };
@@ -595,8 +677,23 @@ impl PoolThread {
     /// Tells the pool what the students did (it looks when its time has come).
     pub fn tell(&self, students: Students) {
         if let Some(tx) = &self.tx {
-            let _ = tx.send(students);
+            let _ = tx.send(ToPool::Students(students));
         }
+    }
+
+    /// The coordinator leads the job: the pool takes over the teachers of
+    /// the coordinator before (`left`) and, if it was held, starts sizing
+    /// from them. Waits for it (each teacher is asked whether it answers),
+    /// at most a minute; returns what could not be taken over.
+    pub fn take_over(&self, left: Vec<TeacherHandle>) -> Vec<String> {
+        let Some(tx) = &self.tx else { return Vec::new() };
+        let (reply, answer) = std::sync::mpsc::channel();
+        if tx.send(ToPool::TakeOver(left, reply)).is_err() {
+            return vec!["the teacher pool's thread is gone".into()];
+        }
+        answer.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| {
+            vec!["the teacher pool did not take the teachers before over within a minute".into()]
+        })
     }
 
     /// What the pool did since the last call.
@@ -704,6 +801,12 @@ mod tests {
             self.capacities.lock().unwrap().push(settings.capacity);
             Ok(())
         }
+        fn adopt(&mut self, teacher: &TeacherHandle) -> Result<String> {
+            if teacher.addr.ends_with(":1") {
+                anyhow::bail!("it does not answer ready");
+            }
+            Ok(teacher.addr.clone())
+        }
     }
 
     fn plan(teachers: u32, in_flight: u32) -> Result<TeacherPlan, String> {
@@ -809,6 +912,38 @@ mod tests {
         };
         told.calls.insert(other.addr.clone(), other);
         assert_eq!(p.look(0, Some(told)).0, None);
+    }
+
+    #[test]
+    fn a_held_pool_starts_nothing_until_it_takes_the_teachers_before_over() {
+        let fake = Fake::default();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let bounds =
+            PoolBounds { min: 2, max: 3, every: Duration::ZERO, price_per_teacher_hour: 0.0, in_flight: 2 };
+        let policy = Box::new(Scripted { answers: vec![plan(2, 2)], seen: seen.clone() });
+        let mut p =
+            TeacherPool::new(policy, Box::new(fake.clone()), bounds, Vec::new(), StatsAccess::default())
+                .unwrap();
+        p.hold();
+        // Below its minimum, and told of students: a standby's pool waits.
+        assert_eq!(p.look(0, None), (None, Vec::new()));
+        assert_eq!(p.look(0, Some(students(5, 0.9, 1, 1))), (None, Vec::new()));
+        assert!(fake.started.lock().unwrap().is_empty() && seen.lock().unwrap().is_empty());
+        // Its coordinator leads: the teacher that answers is taken over, the other is named.
+        let handle = |addr: &str, slot| TeacherHandle { addr: addr.into(), slot, id: slot as u32 };
+        let (e, said) = p.take_over(vec![handle("10.0.0.7:8001", 0), handle("10.0.0.7:1", 1)]);
+        let e = e.unwrap();
+        assert_eq!((e.from, e.to), (0, 1));
+        assert!(e.reason.contains("1 teacher(s) of the coordinator before taken over"), "{}", e.reason);
+        assert_eq!(said.len(), 1);
+        assert!(
+            said[0].contains("10.0.0.7:1 of the coordinator before is not taken over: it does not answer")
+        );
+        assert_eq!(p.addrs(), vec!["10.0.0.7:8001".to_string()]);
+        // From there it sizes as any pool: up to its minimum first.
+        let e = p.look(0, None).0.unwrap();
+        assert_eq!((e.from, e.to), (1, 2));
+        assert_eq!(*fake.started.lock().unwrap(), vec!["127.0.0.1:9000".to_string()]);
     }
 
     #[test]

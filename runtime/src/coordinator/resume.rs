@@ -108,6 +108,8 @@ impl Coordinator<'_> {
         if complete || stored.as_ref().is_some_and(|s| s.finished) {
             return self.finished_before().map(|()| None);
         }
+        // Teachers the coordinator before left running: the pool takes them over.
+        self.teachers_left = stored.as_ref().map(|s| s.teachers.clone()).unwrap_or_default();
         for p in self.checkpoints().clean_leftovers() {
             self.note(format!("removed {} (left by an interrupted checkpoint write)", p.display()));
         }

@@ -135,6 +135,20 @@ impl StartedTeachers {
         self.ca_pem.as_deref()
     }
 
+    /// The handles of those that outlive the coordinator, as they are when
+    /// called (see [`TeacherProcess::handle`]).
+    pub(crate) fn handles(&self) -> impl Fn() -> Vec<crate::leader::record::TeacherHandle> + Send + 'static {
+        let processes = self.processes.clone();
+        move || {
+            processes
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .filter_map(TeacherProcess::handle)
+                .collect()
+        }
+    }
+
     /// What watches them while the job runs, if any were started.
     pub(crate) fn watch(&self) -> Option<Box<dyn super::teacher_pool::TeacherWatch>> {
         (!self.addrs().is_empty()).then(|| Box::new(self.processes.clone()) as Box<_>)
@@ -302,11 +316,15 @@ fn start_teachers(
         next: 0,
         processes: processes.clone(),
         command: match start.command {
-            Some(c) => Some(ByCommand::new(c, cfg, &start.service, &registration)?),
+            Some(c) => Some(ByCommand::new(c, cfg, &start.service, &registration, start.pool.is_some())?),
             None => None,
         },
     };
-    for i in 0..start.count {
+    // A standby whose pool's teachers outlive their coordinator starts none:
+    // it takes over the active coordinator's when it takes the job over.
+    let held = cfg.standby && launcher.command.as_ref().is_some_and(|c| c.lasting());
+    let count = if held { 0 } else { start.count };
+    for i in 0..count {
         let addr = crate::coordinator::pool::TeacherLauncher::start(&mut launcher)?;
         serving(i, &addr);
     }
@@ -329,13 +347,17 @@ fn start_teachers(
             // The job's teachers' certificate, and any --teacher-ca (for those started by command).
             let trusted = with_ca(&cfg.spec.teacher_access, ca_pem.as_deref()).ca_pem;
             let access = crate::coordinator::pool::StatsAccess { token, ca_pem: trusted };
-            Some(crate::coordinator::pool::TeacherPool::new(
+            let mut pool = crate::coordinator::pool::TeacherPool::new(
                 p.policy,
                 Box::new(launcher),
                 bounds,
                 addrs,
                 access,
-            )?)
+            )?;
+            if held {
+                pool.hold();
+            }
+            Some(pool)
         }
         None => None,
     };
@@ -373,6 +395,8 @@ struct ByCommand {
     job: String,
     access: crate::distill::TeacherAccess,
     model_name: String,
+    /// A pool sizes them.
+    pooled: bool,
 }
 
 impl ByCommand {
@@ -381,6 +405,7 @@ impl ByCommand {
         cfg: &JobConfig,
         service: &str,
         registration: &crate::leader::seal::RecordKey,
+        pooled: bool,
     ) -> Result<ByCommand> {
         let slots = cmd.slots()?;
         let registry = match cfg.store.as_str() {
@@ -394,7 +419,27 @@ impl ByCommand {
             job: cfg.spec.job.clone(),
             access: cfg.spec.teacher_access.clone(),
             model_name: cfg.spec.teacher_model_name.clone(),
+            pooled,
         })
+    }
+
+    /// Its teachers outlive a coordinator killed without notice, for the
+    /// one that takes the job over: pooled ones with a stop command, on a
+    /// shared store.
+    fn lasting(&self) -> bool {
+        self.pooled && self.cmd.stop.is_some() && self.registry.is_some()
+    }
+
+    /// What `{...}` are filled with for teacher `id` on `slot`.
+    /// (`service`, `model` and `exe`: the job's, as [`LocalTeachers`] keeps them.)
+    fn filling<'a>(
+        &'a self,
+        (id, slot): (u32, usize),
+        service: &'a str,
+        model: &'a std::path::Path,
+        exe: &'a std::path::Path,
+    ) -> super::teacher_command::Filling<'a> {
+        super::teacher_command::Filling { id, slot: &self.slots[slot], job: &self.job, service, model, exe }
     }
 }
 
@@ -416,14 +461,8 @@ impl LocalTeachers {
             .filter_map(|t| t.slot())
             .collect();
         let id = self.next;
-        let filling = |slot: usize| super::teacher_command::Filling {
-            id,
-            slot: &c.slots[slot],
-            job: &c.job,
-            service: &self.store.1,
-            model: &self.model,
-            exe: &self.exe,
-        };
+        let (service, model, exe) = (&self.store.1, &self.model, &self.exe);
+        let filling = |slot: usize| c.filling((id, slot), service, model, exe);
         let mut found = None;
         for slot in (0..c.slots.len()).filter(|i| !taken.contains(i)) {
             let endpoint = c.cmd.fill(&c.cmd.endpoint, &filling(slot), false)?;
@@ -451,7 +490,16 @@ impl LocalTeachers {
         let ready = |gone: &mut dyn FnMut() -> Option<String>| {
             super::teacher_command::wait_ready(&endpoint, &c.model_name, &c.access, c.cmd.ready_within, gone)
         };
-        let t = TeacherProcess::by_command(&line, &endpoint, (slot, stop), &log, ready, c.registry.as_ref())?;
+        // Only a lasting one's stop command is kept for a coordinator taking over.
+        let registry = c.registry.as_ref();
+        let t = TeacherProcess::by_command(
+            &line,
+            &endpoint,
+            (slot, id, stop, c.lasting()),
+            &log,
+            ready,
+            registry,
+        )?;
         self.processes.lock().unwrap_or_else(|e| e.into_inner()).push(t);
         Ok(endpoint)
     }
@@ -506,6 +554,34 @@ impl crate::coordinator::pool::TeacherLauncher for LocalTeachers {
             })??;
             anyhow::Ok(())
         })
+    }
+
+    fn adopt(&mut self, h: &crate::leader::record::TeacherHandle) -> Result<String> {
+        let Some(c) = self.command.as_ref().filter(|c| c.lasting()) else {
+            bail!("this job's teachers are not started by a command with a stop command on a shared store")
+        };
+        if h.slot >= c.slots.len() {
+            bail!("its slot {} is not one of --teacher-hosts' {}", h.slot, c.slots.len());
+        }
+        let f = c.filling((h.id, h.slot), &self.store.1, &self.model, &self.exe);
+        let endpoint = c.cmd.fill(&c.cmd.endpoint, &f, false)?;
+        if endpoint != h.addr {
+            bail!("its slot is {endpoint} with this coordinator's flags");
+        }
+        let taken =
+            self.processes.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|t| t.slot() == Some(h.slot));
+        if taken {
+            bail!("its slot is this coordinator's own teacher's");
+        }
+        if !super::teacher_command::answers_ready(&endpoint, &c.model_name, &c.access) {
+            bail!("it does not answer ready");
+        }
+        let stop = c.cmd.fill(c.cmd.stop.as_deref().expect("lasting"), &f, true)?;
+        let log = super::teacher_command::log_path(&self.log_dir, h.id);
+        let t = TeacherProcess::adopted(&endpoint, (h.slot, h.id, stop), &log, c.registry.as_ref())?;
+        self.next = self.next.max(h.id + 1);
+        self.processes.lock().unwrap_or_else(|e| e.into_inner()).push(t);
+        Ok(endpoint)
     }
 
     fn exited(&mut self) -> Vec<(String, String)> {

@@ -92,7 +92,9 @@ pub fn teacher_model(
 pub struct TeacherProcess {
     /// `host:port` it serves on, as students reach it.
     pub addr: String,
-    child: Child,
+    /// None: taken over from a coordinator before (it runs on, not ours
+    /// to wait for; its stop command stops it).
+    child: Option<Child>,
     log: PathBuf,
     /// Started by `--teacher-command` (None: `edl-runtime teacher` here).
     by_command: Option<ByCommand>,
@@ -104,6 +106,10 @@ pub struct TeacherProcess {
 /// What the job keeps of a teacher it started by command.
 struct ByCommand {
     slot: usize,
+    /// The number its command was filled with (`{id}`).
+    id: u32,
+    /// It outlives a coordinator killed without notice, for the next to take over.
+    lasting: bool,
     /// The stop command, filled in; run once, when it is told to go.
     stop: Option<String>,
     /// It was told to go by its stop command: its command is given the
@@ -259,7 +265,13 @@ impl TeacherProcess {
             .and_then(|rest| rest.split_whitespace().next())
             .map(str::to_string)
             .ok_or_else(|| anyhow!("unexpected teacher output {line:?} (log: {})", log.display()))?;
-        Ok(TeacherProcess { addr, child, log: log.to_path_buf(), by_command: None, copier: Some(copier) })
+        Ok(TeacherProcess {
+            addr,
+            child: Some(child),
+            log: log.to_path_buf(),
+            by_command: None,
+            copier: Some(copier),
+        })
     }
 
     /// Runs `line` (a filled `--teacher-command`) with `sh -c` in a process
@@ -269,7 +281,7 @@ impl TeacherProcess {
     pub fn by_command(
         line: &str,
         endpoint: &str,
-        (slot, stop): (usize, Option<String>),
+        (slot, id, stop, lasting): (usize, u32, Option<String>, bool),
         log: &Path,
         ready: impl FnOnce(&mut dyn FnMut() -> Option<String>) -> Result<()>,
         registry: Option<&super::teacher_command::Registry>,
@@ -282,16 +294,30 @@ impl TeacherProcess {
         // command's to see (srun, say, would carry them to the node).
         cmd.env_remove("EDL_STORE").env_remove("EDL_JOB_SECRET");
         cmd.process_group(0);
-        die_with_parent(&mut cmd);
+        // A lasting one (pooled, with a stop command, on a shared store)
+        // outlives a coordinator killed without notice: the coordinator that
+        // takes the job over takes it over (`adopted`). Others die with the
+        // coordinator.
+        if !lasting {
+            die_with_parent(&mut cmd);
+        }
         let child = crate::process::spawn_lasting(cmd).context("cannot run sh")?;
         let mut t = TeacherProcess {
             addr: endpoint.to_string(),
-            child,
+            child: Some(child),
             log: log.to_path_buf(),
-            by_command: Some(ByCommand { slot, stop, told: false, signalled: false, registered: None }),
+            by_command: Some(ByCommand {
+                slot,
+                id,
+                stop,
+                lasting,
+                told: false,
+                signalled: false,
+                registered: None,
+            }),
             copier: None,
         };
-        let child = &mut t.child;
+        let child = t.child.as_mut().expect("just started");
         let mut gone = || child.try_wait().ok().flatten().map(|s| s.to_string());
         if let Err(e) = ready(&mut gone) {
             // Dropped: stopped with its group.
@@ -314,9 +340,50 @@ impl TeacherProcess {
         Ok(t)
     }
 
+    /// A teacher started by command by the coordinator this one took the
+    /// job over from, serving at `endpoint` on `slot`: this coordinator
+    /// registers it for the students (where `registry` is given) and
+    /// stops it with `stop`.
+    pub fn adopted(
+        endpoint: &str,
+        (slot, id, stop): (usize, u32, String),
+        log: &Path,
+        registry: Option<&super::teacher_command::Registry>,
+    ) -> Result<Self> {
+        let registered = registry.map(|r| r.hold(endpoint)).transpose()?;
+        Ok(TeacherProcess {
+            addr: endpoint.to_string(),
+            child: None,
+            log: log.to_path_buf(),
+            by_command: Some(ByCommand {
+                slot,
+                id,
+                stop: Some(stop),
+                lasting: true,
+                told: false,
+                signalled: false,
+                registered,
+            }),
+            copier: None,
+        })
+    }
+
     /// The slot of `--teacher-hosts` it runs on, if started by command.
     pub fn slot(&self) -> Option<usize> {
         self.by_command.as_ref().map(|c| c.slot)
+    }
+
+    /// What a coordinator taking the job over needs to take it over: one
+    /// started by command that outlives this coordinator (it has a stop
+    /// command and a registration in a shared store).
+    pub fn handle(&self) -> Option<crate::leader::record::TeacherHandle> {
+        let c = self.by_command.as_ref()?;
+        // Not once told to go (its stop command taken).
+        (c.lasting && c.stop.is_some()).then(|| crate::leader::record::TeacherHandle {
+            addr: self.addr.clone(),
+            slot: c.slot,
+            id: c.id,
+        })
     }
 
     /// Takes its endpoint out of the store (a teacher started by command;
@@ -335,7 +402,7 @@ impl TeacherProcess {
     /// How it ended, with the end of its log, once it has exited (one
     /// started by command is taken out of the store then).
     pub fn exited(&mut self) -> Option<String> {
-        let status = self.child.try_wait().ok()??;
+        let status = self.child.as_mut()?.try_wait().ok()??;
         self.deregister();
         Some(format!("teacher {} exited ({status}){}", self.addr, log_tail(&self.log, 3)))
     }
@@ -365,22 +432,25 @@ impl TeacherProcess {
             }
             return;
         }
+        let Some(child) = self.child.as_mut() else { return };
         if let Some(c) = self.by_command.as_mut() {
             if !c.told && !std::mem::replace(&mut c.signalled, true) {
-                signal_group(&self.child, libc::SIGTERM);
+                signal_group(child, libc::SIGTERM);
             }
             return;
         }
-        if let Ok(None) = self.child.try_wait() {
+        if let Ok(None) = child.try_wait() {
             // SAFETY: signalling our own child by pid; it is not reaped yet.
-            unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+            unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
         }
     }
 
     /// Kills the process at once (as a crash would).
     pub fn kill(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }
 
@@ -391,7 +461,9 @@ impl Drop for TeacherProcess {
             return;
         }
         // Longer than its drain (1 s) and the requests it then finishes.
-        terminate(&mut self.child, Duration::from_secs(5));
+        if let Some(child) = self.child.as_mut() {
+            terminate(child, Duration::from_secs(5));
+        }
         // Its last words (what it served) reach its log.
         if let Some(copier) = self.copier.take() {
             let until = std::time::Instant::now() + Duration::from_secs(1);
@@ -423,20 +495,22 @@ impl TeacherProcess {
     /// its group.
     fn stop_group(&mut self) {
         self.ask_to_stop();
+        // One taken over is its stop command's to end.
+        let Some(child) = self.child.as_mut() else { return };
         let wait = |child: &mut Child, secs: u64| {
             let until = std::time::Instant::now() + Duration::from_secs(secs);
             while matches!(child.try_wait(), Ok(None)) && std::time::Instant::now() < until {
                 std::thread::sleep(Duration::from_millis(20));
             }
         };
-        wait(&mut self.child, 5);
+        wait(child, 5);
         if let Some(c) = self.by_command.as_mut()
             && !std::mem::replace(&mut c.signalled, true)
         {
-            signal_group(&self.child, libc::SIGTERM);
-            wait(&mut self.child, 5);
+            signal_group(child, libc::SIGTERM);
+            wait(child, 5);
         }
-        signal_group(&self.child, libc::SIGKILL);
-        let _ = self.child.wait();
+        signal_group(child, libc::SIGKILL);
+        let _ = child.wait();
     }
 }

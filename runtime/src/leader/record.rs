@@ -38,6 +38,10 @@ pub struct JobState {
     /// leads it, for a launcher that takes the job over.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub torchrun: Option<GroupHandover>,
+    /// The teacher pool's teachers that outlive their coordinator: the
+    /// coordinator that takes the job over takes them over (and stops them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub teachers: Vec<TeacherHandle>,
 }
 
 impl JobState {
@@ -70,6 +74,16 @@ pub struct Handover {
     /// places around them as its own.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub handles: std::collections::BTreeMap<u64, String>,
+}
+
+/// A teacher started by `--teacher-command` on a slot of `--teacher-hosts`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TeacherHandle {
+    /// Its endpoint, as the students reach it.
+    pub addr: String,
+    /// Its slot of `--teacher-hosts`, and the `{id}` its command was filled with.
+    pub slot: usize,
+    pub id: u32,
 }
 
 /// A change of world size, as the report shows it.

@@ -409,3 +409,88 @@ fn a_standby_serves_the_job_with_its_own_teachers_and_sizes_them_once_it_takes_o
     };
     assert!(old_teachers.iter().all(|&p| gone(p)), "{old_teachers:?}");
 }
+
+#[test]
+fn a_standby_takes_over_the_teachers_started_by_command_and_stops_them_at_the_end() {
+    use crate::support::wait::wait_for;
+    use std::time::Duration;
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    let checkpoints = dir.path().join("checkpoints");
+    let stopped = dir.path().join("stopped");
+    let port = free_ports(2).to_string();
+    let stop = format!(
+        "echo {{id}} {{port}} >> {}; pkill -TERM -f 'liste[n] 127.0.0.1:'{{port}}",
+        stopped.display()
+    );
+    // The same flags for both: a teacher by command on one of two slots.
+    let coordinator = |d: &std::path::Path, extra: &[&str]| {
+        let mut cmd = pooled_job(d, &redis, "100", &["--teachers", "1", "--epochs", "20", "--batch", "16"]);
+        cmd.args(["--workers", "1", "--min-workers", "1", "--max-workers", "1", "--step-delay-ms", "40"]);
+        cmd.args(["--train-samples", "400", "--checkpoint-every-steps", "5", "--checkpoint-dir"]);
+        cmd.arg(&checkpoints).args(["--teacher-command", &edl_teacher_command("100")]);
+        cmd.args([
+            "--teacher-hosts",
+            "127.0.0.1:2",
+            "--teacher-port",
+            &port,
+            "--teacher-stop-command",
+            &stop,
+        ]);
+        cmd.args(extra);
+        cmd
+    };
+    let mut active = coordinator(&a, &[]).spawn().unwrap();
+    let _kill_active = crate::support::KillPid(active.id() as i32);
+    let rx = lines(&mut active);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    let old = teacher_pids(active.id());
+    assert_eq!(old.len(), 1, "{}", seen.join("\n"));
+    let _kill_teacher = crate::support::KillPid(old[0]);
+    let mut standby = coordinator(&b, &["--standby"]).spawn().unwrap();
+    let rx_b = lines(&mut standby);
+    let mut seen_b = Vec::new();
+    wait_for(&rx_b, "waiting to take the job over", &mut seen_b, Duration::from_secs(120));
+    unsafe { libc::kill(active.id() as i32, libc::SIGKILL) };
+    let _ = active.wait();
+    let alive =
+        |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "));
+    assert!(alive(old[0]), "the teacher outlives the coordinator killed without notice");
+    let status = finish(standby, rx_b, &mut seen_b);
+    let said = seen_b.join("\n");
+    assert!(status.success(), "{said}");
+    // The standby started no teacher of its own while it waited.
+    assert!(!said.contains("serving on"), "{said}");
+    let r = report(&b);
+    assert_exactly_once(&r, 20, 400);
+    let events = teacher_events(&r);
+    assert!(
+        events.iter().any(
+            |e| (e.1, e.2) == (0, 1) && e.3.contains("1 teacher(s) of the coordinator before taken over")
+        ),
+        "{events:?}\n{said}"
+    );
+    // It served the standby's students: the teacher's log (opened by the
+    // coordinator before) says what it served when it was stopped.
+    let ran = std::fs::read_to_string(&stopped).unwrap();
+    assert_eq!(ran.trim(), format!("0 {port}"), "stopped once, by its stop command, as teacher 0: {ran}");
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    while alive(old[0]) && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!alive(old[0]), "stopped at the job's end");
+    // Both coordinators keep their logs beside the checkpoints.
+    let log = std::fs::read_to_string(dir.path().join("logs/teacher-0.log")).unwrap();
+    let served: u64 = log
+        .lines()
+        .find_map(|l| l.split("served ").nth(1)?.split(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{log}"));
+    // Every epoch's soft labels came from it while it was the only teacher.
+    let alone = events.iter().all(|e| e.2 <= 1);
+    let least = if alone { 20 * 400 } else { 2 * 400 };
+    assert!(served >= least, "it served the old coordinator's students and the standby's: {log}\n{events:?}");
+}

@@ -74,3 +74,14 @@ impl Drop for KillOnDrop {
         let _ = self.0.wait();
     }
 }
+
+/// A process the test did not start itself (a teacher a coordinator left
+/// running), killed when the test ends however it ends.
+pub(crate) struct KillPid(pub(crate) i32);
+
+impl Drop for KillPid {
+    fn drop(&mut self) {
+        // SAFETY: signalling a pid; one already gone gives ESRCH, ignored.
+        unsafe { libc::kill(self.0, libc::SIGKILL) };
+    }
+}
