@@ -1,5 +1,6 @@
 //! The seeds' table on this machine: the students' throughput with no
-//! teachers, with fixed pools of 1, 2 and 4 teachers, and with the pool the
+//! teachers, with the teacher computed in each student's own process (the
+//! seeds' "same GPUs"), with fixed pools of 1, 2 and 4 teachers, and with the pool the
 //! shipped teacher policy sizes (starting from 1), in one run, each against
 //! the first. Teachers emulate an accelerator (`--teacher-emulate-row-us`:
 //! a sleep per row, one batch at a time), so that the pool's size and not
@@ -43,6 +44,10 @@ fn rows() -> Vec<Row> {
     let fixed = |n: u32| Row { name: "", flags: vec!["--teachers".into(), n.to_string()], row_us: ROW_US };
     let mut out =
         vec![Row { name: "pure training (no teachers)", flags: vec!["--no-distill".into()], row_us: ROW_US }];
+    // The seeds' "teacher and student on the same GPUs": the teacher on each
+    // student's step path, on its (emulated) device.
+    let same = |row_us| Row { name: "", flags: vec!["--teacher-in-process".into()], row_us };
+    out.push(Row { name: "teacher in the student's process", ..same(ROW_US) });
     for (n, name) in [(1, "service, 1 teacher"), (2, "service, 2 teachers"), (4, "service, 4 teachers")] {
         out.push(Row { name, ..fixed(n) });
     }
@@ -67,6 +72,7 @@ fn rows() -> Vec<Row> {
     };
     out.push(pooled("service, the policy's pool (from 1, up to 4)", ROW_US));
     // The teachers' real compute, without the emulated accelerator.
+    out.push(Row { name: "real compute: teacher in the student's process", ..same("0") });
     out.push(Row { name: "real compute: service, 1 teacher", row_us: "0", ..fixed(1) });
     out.push(pooled("real compute: the policy's pool (1 to 4)", "0"));
     out

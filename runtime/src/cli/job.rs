@@ -70,7 +70,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
         job = job.start_teachers(&dirs, start, &mut |i, addr| println!("teacher   {i} serving on {addr}"))?;
     }
     let mut display = ProgressDisplay::new(work.rows() as u64, args.training.epochs)?;
-    let teacher_accuracy = job.teachers().accuracy();
+    let teacher_accuracy = job.teachers().accuracy().or(teachers.accuracy);
     // SIGTERM or SIGINT stops the job with notice: a checkpoint, its
     // workers stopped, its report written, exit status 143 or 130.
     edl_runtime::process::hear_stop_signals();

@@ -31,8 +31,12 @@ pub(super) struct TeacherPlan {
     pub(super) source: Option<TeacherSource>,
     /// Teacher processes the job starts.
     pub(super) start: Option<TeacherStart>,
-    /// What sizes them, for the job's header (a pool's policy).
+    /// A line of the job's header on them (a pool's policy, teachers in
+    /// the students' processes).
     pub(super) pool_line: Option<String>,
+    /// The test accuracy of the teacher trained here, when it is computed
+    /// in the students' processes (teachers the job starts tell theirs).
+    pub(super) accuracy: Option<f64>,
 }
 
 impl TeacherPlan {
@@ -45,7 +49,7 @@ impl TeacherPlan {
         dirs: &JobDirs,
     ) -> Result<Self> {
         let d = &args.distillation;
-        let mut plan = TeacherPlan { source: None, start: None, pool_line: None };
+        let mut plan = TeacherPlan { source: None, start: None, pool_line: None, accuracy: None };
         refuse_pool_flags(work, d, distill)?;
         // A launched program may ask the teachers it is given, even with --no-distill.
         if let Some(TeachersArg::Endpoints(list)) = &d.teachers
@@ -57,9 +61,23 @@ impl TeacherPlan {
         if !distill {
             return Ok(plan);
         }
+        let p = TeacherPoolArgs::of(work);
+        if let Prepared::Builtin { student, .. } = work
+            && student.teacher_in_process
+        {
+            let (model, accuracy) = teacher_model_of(work, dirs)?()?;
+            let emulated = match p.teacher_emulate_row_us {
+                0 => String::new(),
+                us => format!(", emulating {us} us a row"),
+            };
+            plan.pool_line =
+                Some(format!("teachers  computed in each student's process, on its step's path{emulated}"));
+            plan.accuracy = accuracy;
+            plan.source = Some(TeacherSource::InProcess { model, emulate_row_us: p.teacher_emulate_row_us });
+            return Ok(plan);
+        }
         let store = &args.state.store;
         let service = d.service.clone().unwrap_or_else(|| format!("{name}-teachers"));
-        let p = TeacherPoolArgs::of(work);
         let pool = teacher_pool(host, p, args, store)?;
         plan.pool_line = pool.as_ref().map(|(_, line)| line.clone());
         let pool = pool.map(|(p, _)| p);

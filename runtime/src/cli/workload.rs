@@ -83,6 +83,17 @@ pub struct StudentArgs {
         help_heading = "Distillation"
     )]
     pub teacher_processes: u32,
+    /// Compute the teacher in each student's own process, on its step's
+    /// path, instead of as a service (the seeds' "teacher and student on the
+    /// same GPUs", to compare with): no teacher processes start; with
+    /// --teacher-emulate-row-us each student sleeps that long a row instead
+    /// of computing the teacher.
+    #[arg(
+        long,
+        conflicts_with_all = ["teachers", "max_teachers", "teacher_command"],
+        help_heading = "Distillation"
+    )]
+    pub teacher_in_process: bool,
     /// Teacher hidden layer sizes, comma separated.
     #[arg(long, value_name = "SIZES", default_value = "512", help_heading = "Distillation")]
     pub teacher_hidden: String,

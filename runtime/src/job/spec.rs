@@ -13,6 +13,10 @@ pub enum TeacherSource {
     Fixed(Vec<String>),
     /// Teachers registered in a store under a service name.
     Discovered { store: String, service: String },
+    /// The teacher computed in each student's own process on its step's
+    /// path (the seeds' "same GPUs"): the model at `model`, or with
+    /// `emulate_row_us` > 0 a sleep that long a row instead.
+    InProcess { model: std::path::PathBuf, emulate_row_us: u64 },
 }
 
 /// What the workers train.

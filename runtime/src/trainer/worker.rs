@@ -154,6 +154,12 @@ struct ReadAhead {
 enum Ahead {
     Rows(mpsc::Receiver<(Vec<f32>, Vec<u32>)>),
     Teachers(DistillReader),
+    /// The rows, and the teacher computed here on the step's path.
+    InProcess {
+        rows: mpsc::Receiver<(Vec<f32>, Vec<u32>)>,
+        teacher: Box<Mlp>,
+        row_us: u64,
+    },
 }
 
 /// Batches gathered ahead at most on the plain path.
@@ -171,6 +177,19 @@ impl ReadAhead {
             }
         })?;
         Ok(ReadAhead { feed, fed: VecDeque::new(), source: Ahead::Rows(ready), waited: Duration::ZERO })
+    }
+
+    /// The plain path, and the teacher computed here on each step's rows
+    /// as the step takes them (with an accelerator emulated as a teacher
+    /// service emulates it: `row_us` more a row).
+    fn in_process(train: Arc<Dataset>, model: &std::path::Path, row_us: u64) -> Result<Self> {
+        let teacher = Mlp::load(model).with_context(|| format!("the teacher model {}", model.display()))?;
+        let mut r = Self::rows(train)?;
+        let Ahead::Rows(rows) = std::mem::replace(&mut r.source, Ahead::Rows(mpsc::sync_channel(0).1)) else {
+            unreachable!("the plain path reads rows")
+        };
+        r.source = Ahead::InProcess { rows, teacher: Box::new(teacher), row_us };
+        Ok(r)
     }
 
     fn teachers(
@@ -212,6 +231,15 @@ impl ReadAhead {
             Ahead::Rows(ready) => {
                 let (x, y) = ready.recv().map_err(|_| anyhow!("the loader thread ended"))?;
                 Ok((x, y, None))
+            }
+            Ahead::InProcess { rows, teacher, row_us } => {
+                let (x, y) = rows.recv().map_err(|_| anyhow!("the loader thread ended"))?;
+                let asked = Instant::now();
+                let soft = teacher.forward(&x, y.len());
+                // The accelerator the student shares with its teacher is busy that long.
+                std::thread::sleep(Duration::from_micros(row_us.saturating_mul(y.len() as u64)));
+                self.waited = asked.elapsed();
+                Ok((x, y, Some(soft)))
             }
             Ahead::Teachers(reader) => {
                 let asked = Instant::now();
@@ -489,6 +517,9 @@ impl BuiltinWorker {
     fn start_read_ahead(&mut self) -> Result<ReadAhead> {
         let Some(source) = self.teachers.clone() else { return ReadAhead::rows(self.train.clone()) };
         let teachers = match source {
+            TeacherSource::InProcess { model, emulate_row_us } => {
+                return ReadAhead::in_process(self.train.clone(), &model, emulate_row_us);
+            }
             TeacherSource::Fixed(list) => Teachers::Fixed(list),
             TeacherSource::Discovered { store, service } => {
                 let _guard = self.rt.enter();

@@ -494,3 +494,47 @@ fn a_standby_takes_over_the_teachers_started_by_command_and_stops_them_at_the_en
     let least = if alone { 20 * 400 } else { 2 * 400 };
     assert!(served >= least, "it served the old coordinator's students and the standby's: {log}\n{events:?}");
 }
+
+#[test]
+fn a_teacher_computed_in_the_students_processes_gives_them_its_soft_labels_without_a_service() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // The same job (seed, data, model) with its teacher in the students'
+    // processes, and without a teacher.
+    let first_loss = |job: &str, extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+            .current_dir(d)
+            .args(["--job", job])
+            .args([
+                "--train-samples",
+                "600",
+                "--batch",
+                "40",
+                "--teacher-hidden",
+                "64",
+                "--teacher-epochs",
+                "2",
+            ])
+            .args(["--epochs", "1", "--workers", "2", "--max-workers", "2", "--report", "report.json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
+        let r = report(d);
+        assert_exactly_once(&r, 1, 600);
+        (r["timeline"][0]["loss"].as_f64().unwrap(), r, said)
+    };
+    let (with, r, said) =
+        first_loss("in-process", &["--teacher-in-process", "--teacher-emulate-row-us", "50"]);
+    assert!(
+        said.contains(
+            "teachers  computed in each student's process, on its step's path, emulating 50 us a row"
+        )
+    );
+    assert!(!said.contains("serving on"), "no teacher service starts: {said}");
+    assert!(r["teacher_test_accuracy"].as_f64().is_some_and(|a| a > 0.5), "{r}");
+    let (without, ..) = first_loss("plain", &["--no-distill"]);
+    // The first step's loss has the soft-label term only with the teacher.
+    assert!((with - without).abs() > 1e-3, "with the teacher {with}, without {without}");
+}
