@@ -85,7 +85,9 @@ impl TeacherPlan {
             (Some(TeachersArg::Count(n)), _) => *n,
             (_, Prepared::Builtin { student, .. }) => student.teacher_processes,
             // A launched program's teachers, by command: one unless told.
-            (_, Prepared::Program { .. }) => u32::from(p.teacher_command.is_some()),
+            (_, Prepared::Program { .. }) => {
+                u32::from(p.teacher_command.is_some() || p.teacher_kube_image.is_some())
+            }
         };
         let count = pool.as_ref().map_or(count, |pool| count.clamp(pool.min, pool.max));
         if count > 0 {
@@ -98,6 +100,7 @@ impl TeacherPlan {
                 token_file: d.teacher_access.teacher_token_file.clone(),
                 emulate_row_us: p.teacher_emulate_row_us,
                 command: p.command(),
+                kube: p.kube(&args.cluster.kube.options()),
                 pool,
             });
         }
@@ -120,10 +123,11 @@ fn refuse_pool_flags(work: &Prepared, d: &DistillationArgs, distill: bool) -> Re
     if let Prepared::Program { .. } = work {
         if (p.max_teachers.is_some() || matches!(d.teachers, Some(TeachersArg::Count(_))))
             && p.teacher_command.is_none()
+            && p.teacher_kube_image.is_none()
         {
             bail!(
-                "a launched program's teachers are started by --teacher-command (the job has no model of \
-                 its own to serve them); or give --teachers host:port,..."
+                "a launched program's teachers are started by --teacher-command or --teacher-kube-image (the \
+                 job has no model of its own to serve them); or give --teachers host:port,..."
             );
         }
         if p.teacher_command.as_deref().is_some_and(|c| c.contains("{model}")) {
@@ -133,9 +137,10 @@ fn refuse_pool_flags(work: &Prepared, d: &DistillationArgs, distill: bool) -> Re
             );
         }
     }
-    if p.teacher_command.is_some() && (!distill || named) {
+    if (p.teacher_command.is_some() || p.teacher_kube_image.is_some()) && (!distill || named) {
+        let flag = if p.teacher_command.is_some() { "--teacher-command" } else { "--teacher-kube-image" };
         bail!(
-            "--teacher-command starts the job's own teachers; {}",
+            "{flag} starts the job's own teachers; {}",
             if distill {
                 "--teachers host:port,... names others"
             } else {

@@ -175,14 +175,9 @@ pub struct TeacherPoolArgs {
     )]
     pub teacher_hosts: Vec<String>,
     /// With --teacher-command: the port of each host's first slot ({port});
-    /// slot i serves on PORT + 2i ({port2} is the one above it).
-    #[arg(
-        long,
-        value_name = "PORT",
-        default_value_t = 8001,
-        requires = "teacher_command",
-        help_heading = "Teacher pool"
-    )]
+    /// slot i serves on PORT + 2i ({port2} is the one above it). With
+    /// --teacher-kube-image: the port each teacher Pod serves on.
+    #[arg(long, value_name = "PORT", default_value_t = 8001, help_heading = "Teacher pool")]
     pub teacher_port: u16,
     /// With --teacher-command: what students reach, e.g. `{addr}:{port}`
     /// (gRPC), `http://{addr}:{port}/MODEL@probs` (REST).
@@ -194,15 +189,34 @@ pub struct TeacherPoolArgs {
         help_heading = "Teacher pool"
     )]
     pub teacher_endpoint: String,
-    /// With --teacher-command: seconds a teacher may take to answer ready.
+    /// With --teacher-command or --teacher-kube-image: seconds a teacher
+    /// may take to answer ready.
+    #[arg(long, value_name = "S", default_value_t = 120, help_heading = "Teacher pool")]
+    pub teacher_ready_secs: u64,
+    /// Start each teacher of the pool as a Kubernetes Pod of this image
+    /// (Triton, MLServer, one with `edl-runtime`), in --kube-namespace,
+    /// owned as --kube-owner says; it joins once it runs and answers ready
+    /// at its Pod's address and --teacher-port. Needs --max-teachers.
     #[arg(
         long,
-        value_name = "S",
-        default_value_t = 120,
-        requires = "teacher_command",
+        value_name = "IMAGE",
+        requires_all = ["teacher_kube_command", "max_teachers"],
+        conflicts_with = "teacher_command",
         help_heading = "Teacher pool"
     )]
-    pub teacher_ready_secs: u64,
+    pub teacher_kube_image: Option<String>,
+    /// With --teacher-kube-image: the teacher container's command, split as
+    /// sh would; placeholders {port} {id} {job} {service}.
+    #[arg(long, value_name = "CMD", requires = "teacher_kube_image", help_heading = "Teacher pool")]
+    pub teacher_kube_command: Option<String>,
+    /// With --teacher-kube-image: a resource each teacher Pod asks for and
+    /// is limited to, e.g. `nvidia.com/gpu=1`, `memory=8Gi` (repeat for more).
+    #[arg(long, value_name = "NAME=QUANTITY", value_parser = super::flags::parse_pair, requires = "teacher_kube_image", help_heading = "Teacher pool")]
+    pub teacher_kube_resource: Vec<(String, String)>,
+    /// With --teacher-kube-image: a node label the teacher Pods must match,
+    /// e.g. `cloud.google.com/gke-accelerator=nvidia-tesla-t4` (repeat for more).
+    #[arg(long, value_name = "LABEL=VALUE", value_parser = super::flags::parse_pair, requires = "teacher_kube_image", help_heading = "Teacher pool")]
+    pub teacher_kube_node_selector: Vec<(String, String)>,
 }
 
 impl TeacherPoolArgs {
@@ -212,6 +226,25 @@ impl TeacherPoolArgs {
             Prepared::Builtin { student, .. } => &student.pool,
             Prepared::Program { pool, .. } => pool,
         }
+    }
+
+    /// How teachers are started as Kubernetes Pods, if they are (`kube`:
+    /// the job's namespace, owner and own Pod).
+    pub fn kube(
+        &self,
+        kube: &edl_runtime::scalers::kubernetes::KubeOptions,
+    ) -> Option<edl_runtime::job::teacher_kube::KubeTeacherSpec> {
+        Some(edl_runtime::job::teacher_kube::KubeTeacherSpec {
+            image: self.teacher_kube_image.clone()?,
+            command: self.teacher_kube_command.clone().unwrap_or_default(),
+            port: self.teacher_port,
+            resources: self.teacher_kube_resource.clone(),
+            node_selector: self.teacher_kube_node_selector.clone(),
+            namespace: kube.namespace.clone(),
+            owner: kube.owner,
+            pod_name: kube.pod_name.clone(),
+            ready_within: std::time::Duration::from_secs(self.teacher_ready_secs.max(1)),
+        })
     }
 
     /// How teachers are started by command, if they are.

@@ -76,6 +76,8 @@ pub struct TeacherStart {
     pub emulate_row_us: u64,
     /// Started by this command on its hosts instead of here.
     pub command: Option<super::teacher_command::TeacherCommand>,
+    /// Started as Kubernetes Pods of their own image instead of here.
+    pub kube: Option<super::teacher_kube::KubeTeacherSpec>,
     /// The pool that sizes them while the job runs (None: `count` for the
     /// whole job).
     pub pool: Option<PoolStart>,
@@ -295,7 +297,8 @@ fn start_teachers(
     let listen = cfg.addresses.listen.ip();
     let (model, accuracy) = (start.model)()?;
     // Teachers started by command are the operator's servers: their TLS is theirs.
-    let tls = if start.command.is_none() && (start.token_file.is_some() || !listen.is_loopback()) {
+    let own = start.command.is_none() && start.kube.is_none();
+    let tls = if own && (start.token_file.is_some() || !listen.is_loopback()) {
         Some(TeacherTls::make(&dirs.job_dir.join("teacher-tls"), &advertised)?)
     } else {
         None
@@ -317,6 +320,22 @@ fn start_teachers(
         processes: processes.clone(),
         command: match start.command {
             Some(c) => Some(ByCommand::new(c, cfg, &start.service, &registration, start.pool.is_some())?),
+            None => None,
+        },
+        kube: match start.kube {
+            Some(spec) => {
+                let registry = match cfg.store.as_str() {
+                    "memory" => None,
+                    url => Some(super::teacher_command::Registry::open(
+                        url,
+                        &start.service,
+                        registration.clone(),
+                    )?),
+                };
+                let (access, model_name) = (cfg.spec.teacher_access.clone(), &cfg.spec.teacher_model_name);
+                let at = (cfg.spec.job.as_str(), start.service.as_str());
+                Some(super::teacher_kube::KubeTeachers::new(spec, at, registry, access, model_name)?)
+            }
             None => None,
         },
     };
@@ -379,6 +398,8 @@ struct LocalTeachers {
     processes: Arc<Mutex<Vec<TeacherProcess>>>,
     /// Started by `--teacher-command` instead.
     command: Option<ByCommand>,
+    /// Started as Kubernetes Pods instead.
+    kube: Option<super::teacher_kube::KubeTeachers>,
 }
 
 /// How long students following the store take to stop sending to a
@@ -445,7 +466,10 @@ impl ByCommand {
 
 impl LocalTeachers {
     fn addrs(&self) -> Vec<String> {
-        self.processes.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|p| p.addr.clone()).collect()
+        let mut all: Vec<String> =
+            self.processes.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|p| p.addr.clone()).collect();
+        all.extend(self.kube.iter().flat_map(|k| k.addrs()));
+        all
     }
 
     /// Starts a teacher by `--teacher-command` on a free slot; returns its
@@ -507,6 +531,9 @@ impl LocalTeachers {
 
 impl crate::coordinator::pool::TeacherLauncher for LocalTeachers {
     fn start(&mut self) -> Result<String> {
+        if let Some(k) = self.kube.as_mut() {
+            return k.start();
+        }
         if self.command.is_some() {
             return self.start_by_command();
         }
@@ -522,6 +549,10 @@ impl crate::coordinator::pool::TeacherLauncher for LocalTeachers {
     }
 
     fn stop(&mut self, addr: &str) {
+        if let Some(k) = self.kube.as_mut() {
+            k.stop(addr);
+            return;
+        }
         let gone = {
             let mut all = self.processes.lock().unwrap_or_else(|e| e.into_inner());
             all.iter().position(|t| t.addr == addr).map(|i| all.remove(i))
@@ -585,8 +616,8 @@ impl crate::coordinator::pool::TeacherLauncher for LocalTeachers {
     }
 
     fn exited(&mut self) -> Vec<(String, String)> {
+        let mut out = self.kube.as_mut().map(|k| k.exited()).unwrap_or_default();
         let mut all = self.processes.lock().unwrap_or_else(|e| e.into_inner());
-        let mut out = Vec::new();
         all.retain_mut(|t| match t.exited() {
             Some(how) => {
                 out.push((t.addr.clone(), how));

@@ -10,6 +10,9 @@
 //!   written, no other coordinator runs the job.
 //! - [`teacher_pool`]: the teacher model (trained and cached) and the
 //!   teacher processes that serve it.
+//! - [`teacher_command`]: teachers started by `--teacher-command` on slots
+//!   of `--teacher-hosts`, and their registrations.
+//! - [`teacher_kube`]: teachers in Kubernetes Pods of their own image.
 //!
 //! The job runs in [`crate::coordinator`]; its workers in [`crate::worker`].
 
@@ -18,6 +21,7 @@ pub mod config;
 pub mod preflight;
 pub mod spec;
 pub mod teacher_command;
+pub mod teacher_kube;
 pub mod teacher_pool;
 
 pub use assembly::{Job, JobDirs, JobPlugins, PoolStart, TeacherStart};

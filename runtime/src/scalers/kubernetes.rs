@@ -43,7 +43,7 @@ use std::{
 const CALL_WITHIN: Duration = Duration::from_secs(10);
 
 /// Runs one call to the API server on `rt`, bounded by [`CALL_WITHIN`].
-fn call<T>(
+pub(crate) fn call<T>(
     rt: &tokio::runtime::Runtime,
     what: &str,
     f: impl std::future::Future<Output = Result<T, kube::Error>>,
@@ -62,11 +62,11 @@ const LOG_TRIES: u32 = 3;
 /// Where the secret is mounted in a worker's Pod.
 const SECRET_DIR: &str = "/run/edl";
 /// The label every worker Pod of a job carries (its value: the job).
-const JOB_LABEL: &str = "edl.dev/job";
+pub(crate) const JOB_LABEL: &str = "edl.dev/job";
 const WORKER_LABEL: &str = "edl.dev/worker";
 /// The annotation that names a worker Pod's job exactly (the label may be
 /// cut short): a Pod is deleted or taken over only where it matches.
-const JOB_ANNOTATION: &str = "edl.dev/job-name";
+pub(crate) const JOB_ANNOTATION: &str = "edl.dev/job-name";
 /// The longest Pod name: a DNS label.
 const NAME_MAX: usize = 63;
 
@@ -169,17 +169,54 @@ pub fn worker_pod(
     }
 }
 
+/// The Pods' API in `namespace` (default: the client's) and the owner of
+/// the Pods a coordinator makes, from its own Pod `pod_name` (in the
+/// cluster: its service account; outside: the kubeconfig).
+pub(crate) fn connect(
+    rt: &tokio::runtime::Runtime,
+    namespace: Option<String>,
+    pod_name: Option<String>,
+    owner: Owner,
+) -> Result<(Api<Pod>, Option<OwnerReference>)> {
+    rt.block_on(async move {
+        let client = tokio::time::timeout(CALL_WITHIN, kube::Client::try_default())
+            .await
+            .map_err(|_| anyhow!("the Kubernetes API server did not answer within {CALL_WITHIN:?}"))?
+            .context("reaching the Kubernetes API server")?;
+        let namespace = namespace.unwrap_or_else(|| client.default_namespace().to_string());
+        let api: Api<Pod> = Api::namespaced(client, &namespace);
+        let me = match &pod_name {
+            Some(name) => Some(
+                tokio::time::timeout(CALL_WITHIN, api.get(name))
+                    .await
+                    .map_err(|_| {
+                        anyhow!("reading this coordinator's Pod {name}: no answer within {CALL_WITHIN:?}")
+                    })?
+                    .with_context(|| format!("reading this coordinator's Pod {name}"))?,
+            ),
+            None => None,
+        };
+        let owned = me.as_ref().and_then(|p| owner_of(p, owner));
+        if me.is_some() && owned.is_none() {
+            tracing::warn!(
+                "the Pods edl makes get no owner: this coordinator's Pod has no {owner:?} to name"
+            );
+        }
+        anyhow::Ok((api, owned))
+    })
+}
+
 /// The job's name as a label value (at most 63 characters, ending with a
 /// letter or digit; job names start with one). Two jobs whose names differ
 /// past that share the label, and each still finds its Pods by name.
-fn job_label(job: &str) -> String {
+pub(crate) fn job_label(job: &str) -> String {
     let head: String = job.chars().take(63).collect();
     head.trim_end_matches(|c: char| !c.is_ascii_alphanumeric()).to_string()
 }
 
 /// A short hash of the exact job name (8 hex digits of its SHA-256): it
 /// tells apart jobs whose names make the same DNS label.
-fn job_hash(job: &str) -> String {
+pub(crate) fn job_hash(job: &str) -> String {
     use sha2::Digest;
     hex::encode(&sha2::Sha256::digest(job.as_bytes())[..4])
 }
@@ -190,7 +227,13 @@ fn job_hash(job: &str) -> String {
 /// punctuation (`Mnist`, `mnist`, `mnist_a`, `mnist-a`) get different Pods,
 /// and a job gets the same ones on every coordinator.
 fn pod_name(job: &str, id: u64) -> String {
-    let tail = format!("{}-w{id}", job_hash(job));
+    pod_name_of(job, 'w', id)
+}
+
+/// The name of `job`'s Pod `<kind><id>` (`w`: a worker, `t`: a teacher),
+/// made as [`pod_name`] says.
+pub(crate) fn pod_name_of(job: &str, kind: char, id: u64) -> String {
+    let tail = format!("{}-{kind}{id}", job_hash(job));
     // At most 30 characters of tail (a u64 has 20 digits): 28 are left.
     let room = NAME_MAX - "edl-".len() - "-".len() - tail.len();
     let clean: String = job
@@ -354,34 +397,8 @@ impl KubernetesScaler {
         if let Some(a) = &self.api {
             return Ok(a.clone());
         }
-        let opts = self.opts.clone();
-        let found = self.rt.block_on(async move {
-            let client = tokio::time::timeout(CALL_WITHIN, kube::Client::try_default())
-                .await
-                .map_err(|_| anyhow!("the Kubernetes API server did not answer within {CALL_WITHIN:?}"))?
-                .context("reaching the Kubernetes API server")?;
-            let namespace = opts.namespace.clone().unwrap_or_else(|| client.default_namespace().to_string());
-            let api: Api<Pod> = Api::namespaced(client, &namespace);
-            let me = match &opts.pod_name {
-                Some(name) => Some(
-                    tokio::time::timeout(CALL_WITHIN, api.get(name))
-                        .await
-                        .map_err(|_| {
-                            anyhow!("reading this coordinator's Pod {name}: no answer within {CALL_WITHIN:?}")
-                        })?
-                        .with_context(|| format!("reading this coordinator's Pod {name}"))?,
-                ),
-                None => None,
-            };
-            let owner = me.as_ref().and_then(|p| owner_of(p, opts.owner));
-            if me.is_some() && owner.is_none() {
-                tracing::warn!(
-                    "the worker Pods get no owner: this coordinator's Pod has no {:?} to name",
-                    opts.owner
-                );
-            }
-            anyhow::Ok((api, owner))
-        })?;
+        let found =
+            connect(&self.rt, self.opts.namespace.clone(), self.opts.pod_name.clone(), self.opts.owner)?;
         self.api = Some(found.clone());
         Ok(found)
     }
@@ -635,7 +652,7 @@ impl Drop for KubernetesScaler {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn opts() -> KubeOptions {
@@ -848,9 +865,9 @@ mod tests {
     /// An API server's stand-in on loopback, for the paths the scaler uses:
     /// it creates Pods, lists them with the phase the test sets, serves a
     /// log, and records every request's method, path and body.
-    struct StandIn {
+    pub(crate) struct StandIn {
         url: String,
-        phase: Arc<Mutex<String>>,
+        pub(crate) phase: Arc<Mutex<String>>,
         heard: Arc<Mutex<Vec<String>>>,
         _rt: tokio::runtime::Runtime,
     }
@@ -858,7 +875,7 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     impl StandIn {
-        fn start(log: &'static str) -> StandIn {
+        pub(crate) fn start(log: &'static str) -> StandIn {
             use axum::{Router, extract::Request, response::IntoResponse, routing::any};
             let (phase, heard) =
                 (Arc::new(Mutex::new("Running".to_string())), Arc::new(Mutex::new(Vec::new())));
@@ -872,7 +889,9 @@ mod tests {
                     h.lock().unwrap().push(format!("{method} {path} {}", String::from_utf8_lossy(&body)));
                     let with_phase = |mut pod: serde_json::Value| {
                         pod["metadata"]["uid"] = "uid-7".into();
-                        pod["status"] = serde_json::json!({ "phase": p.lock().unwrap().clone() });
+                        // Every Pod runs on this host.
+                        let phase = p.lock().unwrap().clone();
+                        pod["status"] = serde_json::json!({ "phase": phase, "podIP": "127.0.0.1" });
                         pod
                     };
                     match (method.as_str(), path.ends_with("/log")) {
@@ -908,13 +927,19 @@ mod tests {
         /// A scaler whose API is this stand-in's, its logs kept in `dir`.
         fn scaler(&self, dir: &Path) -> KubernetesScaler {
             let mut s = KubernetesScaler::new(opts(), dir).unwrap();
-            let config = kube::Config::new(self.url.parse().unwrap());
-            let client = s.rt.block_on(async { kube::Client::try_from(config) }).unwrap();
-            s.api = Some((Api::namespaced(client, "ml"), None));
+            s.api = Some((self.pods(&s.rt), None));
             s
         }
 
-        fn heard(&self, what: &str) -> Vec<String> {
+        /// The Pods' API in namespace `ml` of this stand-in, for calls on `rt`.
+        pub(crate) fn pods(&self, rt: &tokio::runtime::Runtime) -> Api<Pod> {
+            let config = kube::Config::new(self.url.parse().unwrap());
+            let client = rt.block_on(async { kube::Client::try_from(config) }).unwrap();
+            Api::namespaced(client, "ml")
+        }
+
+        /// The requests it heard that start with `what` (a method).
+        pub(crate) fn heard(&self, what: &str) -> Vec<String> {
             self.heard.lock().unwrap().iter().filter(|l| l.starts_with(what)).cloned().collect()
         }
     }

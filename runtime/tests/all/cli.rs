@@ -598,4 +598,14 @@ fn a_launched_program_s_teacher_pool_needs_a_teacher_command_of_its_own_model() 
     assert!(!ok && err.contains("{model} is the built-in job's teacher model"), "{err}");
     let (ok, _, err) = launch(&["--teacher-command", "serve {port}", "--teachers", "a:1"]);
     assert!(!ok && err.contains("--teachers host:port,... names others"), "{err}");
+    // Teachers in Kubernetes Pods: a pool's, with their command; not beside --teacher-command.
+    let (ok, _, err) = launch(&["--teacher-kube-image", "triton", "--teacher-kube-command", "serve"]);
+    assert!(!ok && err.contains("--max-teachers"), "{err}");
+    let (ok, _, err) = launch(&["--teacher-kube-image", "triton", "--max-teachers", "2"]);
+    assert!(!ok && err.contains("--teacher-kube-command"), "{err}");
+    let both = ["--teacher-kube-image", "t", "--teacher-kube-command", "s", "--max-teachers", "2"];
+    let (ok, _, err) = launch(&[&both[..], &["--teacher-command", "serve {port}"]].concat());
+    assert!(!ok && err.contains("cannot be used with"), "{err}");
+    let (ok, _, err) = launch(&["--teacher-kube-resource", "memory=1Gi"]);
+    assert!(!ok && err.contains("--teacher-kube-image"), "{err}");
 }
