@@ -104,6 +104,8 @@ pub struct StartedTeachers {
     accuracy: Option<f64>,
     /// The pool that sizes them, until the coordinator takes it.
     pool: Option<crate::coordinator::pool::TeacherPool>,
+    /// The handles of its teachers in Kubernetes Pods that outlive the coordinator.
+    kube_handles: Option<Arc<Mutex<Vec<crate::leader::record::TeacherHandle>>>>,
 }
 
 impl Drop for StartedTeachers {
@@ -140,14 +142,18 @@ impl StartedTeachers {
     /// The handles of those that outlive the coordinator, as they are when
     /// called (see [`TeacherProcess::handle`]).
     pub(crate) fn handles(&self) -> impl Fn() -> Vec<crate::leader::record::TeacherHandle> + Send + 'static {
-        let processes = self.processes.clone();
+        let (processes, kube) = (self.processes.clone(), self.kube_handles.clone());
         move || {
-            processes
+            let mut all: Vec<_> = processes
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .iter()
                 .filter_map(TeacherProcess::handle)
-                .collect()
+                .collect();
+            if let Some(k) = &kube {
+                all.extend(k.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned());
+            }
+            all
         }
     }
 
@@ -341,7 +347,10 @@ fn start_teachers(
     };
     // A standby whose pool's teachers outlive their coordinator starts none:
     // it takes over the active coordinator's when it takes the job over.
-    let held = cfg.standby && launcher.command.as_ref().is_some_and(|c| c.lasting());
+    let lasting = launcher.command.as_ref().is_some_and(|c| c.lasting())
+        || launcher.kube.as_ref().is_some_and(|k| k.lasting());
+    let held = cfg.standby && lasting;
+    let kube_handles = launcher.kube.as_ref().map(|k| k.handles());
     let count = if held { 0 } else { start.count };
     for i in 0..count {
         let addr = crate::coordinator::pool::TeacherLauncher::start(&mut launcher)?;
@@ -380,7 +389,7 @@ fn start_teachers(
         }
         None => None,
     };
-    Ok(StartedTeachers { processes, ca_pem, accuracy, pool })
+    Ok(StartedTeachers { processes, ca_pem, accuracy, pool, kube_handles })
 }
 
 /// Teacher processes beside the coordinator, reached at the same host:
@@ -588,8 +597,14 @@ impl crate::coordinator::pool::TeacherLauncher for LocalTeachers {
     }
 
     fn adopt(&mut self, h: &crate::leader::record::TeacherHandle) -> Result<String> {
+        if let Some(k) = self.kube.as_mut().filter(|k| k.lasting()) {
+            return k.adopt(h);
+        }
         let Some(c) = self.command.as_ref().filter(|c| c.lasting()) else {
-            bail!("this job's teachers are not started by a command with a stop command on a shared store")
+            bail!(
+                "this job's teachers are neither started by a command with a stop command on a shared store \
+                 nor Pods owned by the coordinator's controller"
+            )
         };
         if h.slot >= c.slots.len() {
             bail!("its slot {} is not one of --teacher-hosts' {}", h.slot, c.slots.len());

@@ -17,7 +17,10 @@
 
 use super::teacher_command::{Registered, Registry, wait_ready};
 use crate::distill::TeacherAccess;
-use crate::scalers::kubernetes::{JOB_ANNOTATION, JOB_LABEL, Owner, call, connect, job_label, pod_name_of};
+use crate::leader::record::TeacherHandle;
+use crate::scalers::kubernetes::{
+    JOB_ANNOTATION, JOB_LABEL, Owner, call, connect, job_label, of_job, pod_name_of,
+};
 use anyhow::{Result, bail};
 use k8s_openapi::{
     api::core::v1::{Container, ContainerPort, Pod, PodSpec, ResourceRequirements},
@@ -26,6 +29,7 @@ use k8s_openapi::{
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
 use std::{
     collections::BTreeMap,
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -131,6 +135,7 @@ pub fn teacher_pod(
 
 /// One teacher's Pod, as the job keeps it.
 struct KubeTeacher {
+    id: u32,
     name: String,
     registered: Option<Registered>,
 }
@@ -150,6 +155,9 @@ pub struct KubeTeachers {
     pods: BTreeMap<String, KubeTeacher>,
     next: u32,
     polled: Option<Instant>,
+    /// The handles of the teachers serving, for the job's state, where
+    /// their Pods outlive the coordinator's (owned by its controller).
+    handles: Arc<Mutex<Vec<TeacherHandle>>>,
 }
 
 impl KubeTeachers {
@@ -176,7 +184,33 @@ impl KubeTeachers {
             pods: BTreeMap::new(),
             next: 0,
             polled: None,
+            handles: Arc::default(),
         })
+    }
+
+    /// Its teachers' Pods outlive a coordinator killed without notice (they
+    /// are its controller's, not its own Pod's), for the one that takes the
+    /// job over.
+    pub fn lasting(&self) -> bool {
+        self.spec.owner == Owner::Controller
+    }
+
+    /// The handles of its teachers as they are when read (none unless
+    /// [`lasting`](Self::lasting)).
+    pub fn handles(&self) -> Arc<Mutex<Vec<TeacherHandle>>> {
+        self.handles.clone()
+    }
+
+    fn note_handles(&self) {
+        let now = match self.lasting() {
+            true => self
+                .pods
+                .iter()
+                .map(|(addr, t)| TeacherHandle { addr: addr.clone(), slot: 0, id: t.id })
+                .collect(),
+            false => Vec::new(),
+        };
+        *self.handles.lock().unwrap_or_else(|e| e.into_inner()) = now;
     }
 
     fn api(&mut self) -> Result<(Api<Pod>, Option<OwnerReference>)> {
@@ -216,7 +250,8 @@ impl KubeTeachers {
         });
         match ready {
             Ok((endpoint, registered)) => {
-                self.pods.insert(endpoint.clone(), KubeTeacher { name, registered });
+                self.pods.insert(endpoint.clone(), KubeTeacher { id, name, registered });
+                self.note_handles();
                 Ok(endpoint)
             }
             Err(e) => {
@@ -267,6 +302,7 @@ impl KubeTeachers {
     /// students to stop sending, then its Pod deleted (SIGTERM: it drains).
     pub fn stop(&mut self, addr: &str) {
         let Some(mut t) = self.pods.remove(addr) else { return };
+        self.note_handles();
         if let Some(mut r) = t.registered.take() {
             r.release();
             std::thread::sleep(DRAIN);
@@ -321,7 +357,50 @@ impl KubeTeachers {
             }
             out.push((addr, how));
         }
+        self.note_handles();
         out
+    }
+
+    /// Takes over the teacher a coordinator before this one started
+    /// (`h`, from the job's state): only the Pod this job would have made
+    /// for that teacher, that says it is this job's, runs at `h`'s
+    /// endpoint and answers ready. It is registered again and is this
+    /// coordinator's to stop.
+    pub fn adopt(&mut self, h: &TeacherHandle) -> Result<String> {
+        let (api, _) = self.api()?;
+        let name = pod_name_of(&self.job, 't', h.id as u64);
+        let Some(pod) = call(&self.rt, &format!("reading the Pod {name}"), api.get_opt(&name))? else {
+            bail!("its Pod {name} is gone");
+        };
+        let meta = &pod.metadata;
+        if meta.name.as_deref() != Some(name.as_str()) {
+            bail!("the API answered for {:?}, not its Pod {name}", meta.name);
+        }
+        of_job(meta, &self.job).map_err(|why| anyhow::anyhow!("its Pod {name} is not this job's: {why}"))?;
+        let numbered = meta.labels.as_ref().and_then(|l| l.get(TEACHER_LABEL));
+        if numbered != Some(&h.id.to_string()) {
+            bail!("its Pod {name} is not teacher {}'s: {TEACHER_LABEL} is {numbered:?}", h.id);
+        }
+        let status = pod.status.clone().unwrap_or_default();
+        let ip = match (status.phase.as_deref(), status.pod_ip) {
+            (Some("Running"), Some(ip)) if !ip.is_empty() => ip,
+            (phase, _) => bail!("its Pod {name} is not running (phase {phase:?})"),
+        };
+        let endpoint = crate::net::host_port(&ip, self.spec.port);
+        if endpoint != h.addr {
+            bail!("its Pod {name} serves at {endpoint}, not {}", h.addr);
+        }
+        if self.pods.contains_key(&endpoint) {
+            bail!("{endpoint} is this coordinator's own teacher's");
+        }
+        if !super::teacher_command::answers_ready(&endpoint, &self.model_name, &self.access) {
+            bail!("its Pod {name} does not answer ready at {endpoint}");
+        }
+        let registered = self.registry.as_ref().map(|r| r.hold(&endpoint)).transpose()?;
+        self.pods.insert(endpoint.clone(), KubeTeacher { id: h.id, name, registered });
+        self.next = self.next.max(h.id + 1);
+        self.note_handles();
+        Ok(endpoint)
     }
 }
 
@@ -435,6 +514,54 @@ mod tests {
         assert_eq!(api.heard("DELETE").len(), 2);
         k.polled = None;
         assert!(k.exited().is_empty(), "reported once");
+    }
+
+    #[test]
+    fn a_coordinator_that_takes_the_job_over_takes_its_teacher_pods_and_no_other() {
+        let api = StandIn::start("");
+        let (mut before, server, _rt) = teachers(&api);
+        // Owned by the coordinator's own Pod, the teachers go with it: no handle.
+        let at = before.start().unwrap();
+        assert!(before.handles().lock().unwrap().is_empty());
+        before.stop(&at);
+        before.spec.owner = Owner::Controller;
+        let at = before.start().unwrap();
+        let handles = before.handles().lock().unwrap().clone();
+        assert_eq!(handles, [TeacherHandle { addr: at.clone(), slot: 0, id: 1 }]);
+        // The coordinator is killed: its teacher Pods stay.
+        before.pods.clear();
+        drop(before);
+        let deleted = api.heard("DELETE").len();
+
+        let (mut after, _other, _rt2) = teachers(&api);
+        after.spec = KubeTeacherSpec { owner: Owner::Controller, ..spec(server.addr.port()) };
+        // Handles that do not name this job's Pod for that teacher, at its address, are refused.
+        let wrong_id = TeacherHandle { id: 4, ..handles[0].clone() };
+        let e = format!("{:#}", after.adopt(&wrong_id).unwrap_err());
+        assert!(
+            e.contains("not this job's") || e.contains("not its Pod") || e.contains("answered for"),
+            "{e}"
+        );
+        let elsewhere = TeacherHandle { addr: "127.0.0.1:9".into(), ..handles[0].clone() };
+        let e = format!("{:#}", after.adopt(&elsewhere).unwrap_err());
+        assert!(e.contains("serves at") && e.contains("not 127.0.0.1:9"), "{e}");
+        let mut stranger = teachers(&api).0;
+        stranger.job = "another".into();
+        let e = format!("{:#}", stranger.adopt(&handles[0]).unwrap_err());
+        assert!(e.contains("answered for") || e.contains("not this job's"), "{e}");
+        stranger.pods.clear();
+        // Its own: taken over, serving, with its handle, and its to stop.
+        assert_eq!(after.adopt(&handles[0]).unwrap(), at);
+        assert_eq!(after.addrs(), [at.clone()]);
+        assert_eq!(*after.handles().lock().unwrap(), handles);
+        assert!(after.adopt(&handles[0]).is_err(), "taken once");
+        assert_eq!(api.heard("DELETE").len(), deleted, "nothing deleted on the way");
+        after.stop(&at);
+        let heard = api.heard("DELETE");
+        assert_eq!(heard.len(), deleted + 1);
+        assert!(heard.last().unwrap().contains("-t1"), "{heard:?}");
+        // A teacher numbered after it gets the next number.
+        assert_eq!(after.next, 2);
     }
 
     #[test]
