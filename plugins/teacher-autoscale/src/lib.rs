@@ -8,7 +8,10 @@
 //!   not short of compute; each student keeps twice as many requests in
 //!   flight at each teacher (up to 16) instead of adding teachers.
 //! - The scaling policy has planned more students: the pool grows ahead of
-//!   them, in proportion, `ceil(count x planned / now)`.
+//!   them, in proportion, `ceil(count x planned / now)`. Students that
+//!   joined without the policy having seen them planned (between two of its
+//!   decisions) are grown for in the same proportion, to the world the pool
+//!   was last sized for.
 //! - Teachers idle (mean utilisation below `idle`) and students do not wait
 //!   for `shrink-after` decisions in a row, and the pool has not changed for
 //!   `settle-secs`: one teacher goes. A single busy or waiting decision starts
@@ -45,6 +48,9 @@ pub struct TeacherAutoscale {
 struct Memory {
     /// Decisions in a row with idle teachers and students that did not wait.
     idle_streak: u32,
+    /// The student world the pool was last sized for (0: none yet).
+    #[serde(default)]
+    sized_for: u32,
 }
 
 impl Default for TeacherAutoscale {
@@ -104,7 +110,7 @@ impl TeacherPolicy for TeacherAutoscale {
     }
 
     fn save_state(&self) -> Vec<u8> {
-        // One number: serialising it cannot fail.
+        // Two numbers: serialising them cannot fail.
         serde_json::to_vec(&self.mem).unwrap_or_default()
     }
 
@@ -132,6 +138,11 @@ impl TeacherAutoscale {
         if scale_out {
             teachers = teachers.max(ceil(count as f64 * planned as f64 / now as f64));
         }
+        let sized_for = self.mem.sized_for;
+        if !scale_out && sized_for > 0 && now > sized_for {
+            teachers = teachers.max(ceil(count as f64 * now as f64 / sized_for as f64));
+        }
+        self.mem.sized_for = if scale_out { planned } else { now };
         // A teacher without a whole window of statistics started since the
         // last look: the window does not show what it adds yet, so the pool
         // waits for it before growing again (no overshoot after a growth).

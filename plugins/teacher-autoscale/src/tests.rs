@@ -64,6 +64,30 @@ fn the_pool_grows_ahead_of_a_planned_student_scale_out() {
 }
 
 #[test]
+fn students_that_joined_unseen_are_grown_for_once_in_proportion() {
+    let mut p = policy(&[]);
+    // Sized for 2 students; the next decision sees 4, never told they were planned.
+    assert_eq!(p.decide(&teacher_view(2, 1, 16).students(2, 2).build()).teachers, 2);
+    assert_eq!(p.decide(&teacher_view(2, 1, 16).students(4, 4).build()).teachers, 4);
+    // Once: the pool is sized for 4 now.
+    assert_eq!(p.decide(&teacher_view(4, 1, 16).students(4, 4).build()).teachers, 4);
+    // Grown ahead of a planned scale-out, the join itself adds nothing more.
+    assert_eq!(p.decide(&teacher_view(4, 1, 16).students(4, 6).build()).teachers, 6);
+    assert_eq!(p.decide(&teacher_view(6, 1, 16).students(6, 6).build()).teachers, 6);
+    // A scale-in grows nothing, and a rejoin is grown for from the smaller world.
+    assert_eq!(p.decide(&teacher_view(6, 1, 16).students(3, 3).build()).teachers, 6);
+    assert_eq!(p.decide(&teacher_view(3, 1, 16).students(6, 6).build()).teachers, 6);
+    // What it was sized for is part of its memory.
+    let mut q = policy(&[]);
+    q.load_state(&p.save_state()).unwrap();
+    assert_eq!(q.decide(&teacher_view(6, 1, 16).students(6, 6).build()).teachers, 6);
+    // A memory from before the field existed reads as none yet.
+    let mut old = policy(&[]);
+    old.load_state(br#"{"idle_streak":1}"#).unwrap();
+    assert_eq!(old.decide(&teacher_view(2, 1, 16).students(8, 8).build()).teachers, 2);
+}
+
+#[test]
 fn an_idle_pool_shrinks_by_one_after_the_streak_and_the_settling_time() {
     let mut p = policy(&[]);
     let idle = teacher_view(4, 1, 8).utilisation(0.1).secs_since_change(60.0).build();

@@ -65,6 +65,8 @@ struct Coordinator<'a> {
     pool: Option<pool::PoolThread>,
     /// When the pool was last told what the students did.
     pool_told: Instant,
+    /// The student world the pool was last told was planned.
+    pool_planned: u32,
     /// The pool's teachers that outlive this coordinator (kept in the
     /// store for the one that takes the job over), and those the one before
     /// left, until the pool has taken them over.
@@ -332,6 +334,7 @@ impl<'a> Coordinator<'a> {
             teacher_watch: plugins.teacher_watch,
             pool: plugins.pool,
             pool_told: now,
+            pool_planned: 0,
             teacher_handles: plugins.teacher_handles,
             teachers_left: Vec::new(),
             policy: plugins.policy,
@@ -431,18 +434,22 @@ impl Coordinator<'_> {
     }
 
     /// Tells the teacher pool what the students did, once a window, and
-    /// says what it changed.
+    /// at once when more students are planned (for it to grow ahead of
+    /// them); says what it changed.
     fn tend_pool(&mut self) {
         let Some(pool) = self.pool.as_mut() else { return };
-        if self.pool_told.elapsed() >= pool.every() {
+        let world = self.membership.world();
+        let planned = world + self.membership.coming();
+        let more_planned = planned > world && planned != self.pool_planned;
+        if self.pool_told.elapsed() >= pool.every() || more_planned {
             self.pool_told = Instant::now();
-            let world = self.membership.world();
+            self.pool_planned = planned;
             pool.tell(pool::Students {
                 step: self.tally.committed,
                 wait_share: self.tally.teacher_wait_share(),
                 throughput: self.tally.samples_per_sec(),
                 world,
-                planned: world + self.membership.coming(),
+                planned,
                 calls: self.tally.teacher_calls(),
             });
         }

@@ -93,6 +93,36 @@ fn the_pool_grows_while_students_wait_on_busy_teachers() {
     replays_to_the_same_decisions(d, &r);
 }
 
+#[test]
+fn the_pool_grows_ahead_of_the_students_the_scaling_policy_adds() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // Two students, four from step 40 (the `schedule` policy), of steps of
+    // 50 ms; teachers of 0.1 ms a row never keep them waiting: only the
+    // planned scale-out can grow the pool.
+    let mut cmd = pooled_job(d, &redis, "100", &["--teachers", "1", "--epochs", "1", "--batch", "32"]);
+    cmd.args(["--workers", "2", "--min-workers", "2", "--max-workers", "4", "--step-delay-ms", "50"]);
+    cmd.args(["--policy", art::SCHEDULE_WASM, "--policy-config", "every=40", "--policy-config", "by=2"]);
+    cmd.args(["--decide-every-steps", "10"]);
+    let (r, said) = run(&mut cmd, d);
+    assert_exactly_once(&r, 1, 4000);
+    let out = r["scale_events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["from"].as_u64() == Some(2) && e["to"].as_u64() == Some(4))
+        .unwrap_or_else(|| panic!("no scale-out 2 -> 4: {}", r["scale_events"]))
+        .clone();
+    let events = teacher_events(&r);
+    let first = events.first().unwrap_or_else(|| panic!("the pool never changed\n{said}"));
+    // Told at once that two more students were planned, the pool doubled
+    // before they joined, with that as its reason.
+    assert_eq!((first.1, first.2), (1, 2), "{events:?}");
+    assert!(first.3.contains("grows") && first.3.contains("students 2 -> 4"), "{events:?}");
+    assert!(first.0 <= out["step"].as_u64().unwrap(), "grown at step {}, students joined at {out}", first.0);
+}
+
 /// The report's teacher decisions, replayed by `plugin replay
 /// --teacher-policy` with the job's policy and configuration, come out as
 /// the job's policy answered them.
