@@ -876,6 +876,11 @@ fn start_teach(inner: &mut Inner) -> anyhow::Result<Teach> {
                 edl_runtime::leader::seal::RecordKey::teacher_registrations(&inner.session.auth().secret);
             Teachers::Discovered { store, service, key }
         }
+        Some(TeacherSource::InProcess { .. }) => {
+            anyhow::bail!(
+                "the job's teacher is computed in the built-in students' processes, not served to a program"
+            )
+        }
         None => anyhow::bail!("the job has no teachers"),
     };
     let config = spec.teacher_calls.apply(DistillConfig {

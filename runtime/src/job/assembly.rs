@@ -414,6 +414,8 @@ struct LocalTeachers {
 /// How long students following the store take to stop sending to a
 /// teacher taken out of it (they look every 200 ms).
 const DRAIN: std::time::Duration = std::time::Duration::from_secs(1);
+/// How often a teacher taken over is asked whether it still answers.
+const ADOPTED_LOOK: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Teachers a job starts by command: the template, its slots, where their
 /// endpoints are registered, and how readiness is asked.
@@ -633,7 +635,12 @@ impl crate::coordinator::pool::TeacherLauncher for LocalTeachers {
     fn exited(&mut self) -> Vec<(String, String)> {
         let mut out = self.kube.as_mut().map(|k| k.exited()).unwrap_or_default();
         let mut all = self.processes.lock().unwrap_or_else(|e| e.into_inner());
-        all.retain_mut(|t| match t.exited() {
+        // Those taken over have no process here: whether they answer tells.
+        let command = self.command.as_ref();
+        let answers = |at: &str| {
+            command.is_some_and(|c| super::teacher_command::answers_ready(at, &c.model_name, &c.access))
+        };
+        all.retain_mut(|t| match t.exited().or_else(|| t.unanswered(ADOPTED_LOOK, answers)) {
             Some(how) => {
                 out.push((t.addr.clone(), how));
                 false

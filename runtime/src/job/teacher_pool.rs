@@ -119,7 +119,15 @@ struct ByCommand {
     signalled: bool,
     /// Its endpoint's registration for the students (shared stores only).
     registered: Option<super::teacher_command::Registered>,
+    /// Taken over (no process here to watch): when it was last asked
+    /// whether it answers, and how many times in a row it did not.
+    looked: Option<std::time::Instant>,
+    misses: u32,
 }
+
+/// Looks in a row without an answer after which a teacher taken over is
+/// taken for gone.
+pub const ADOPTED_MISSES: u32 = 3;
 
 /// The teacher processes a job started, watched by its coordinator: a dead
 /// one is left out of the list new workers get, and the job stops, saying
@@ -314,6 +322,8 @@ impl TeacherProcess {
                 told: false,
                 signalled: false,
                 registered: None,
+                looked: None,
+                misses: 0,
             }),
             copier: None,
         };
@@ -363,6 +373,8 @@ impl TeacherProcess {
                 told: false,
                 signalled: false,
                 registered,
+                looked: None,
+                misses: 0,
             }),
             copier: None,
         })
@@ -405,6 +417,31 @@ impl TeacherProcess {
         let status = self.child.as_mut()?.try_wait().ok()??;
         self.deregister();
         Some(format!("teacher {} exited ({status}){}", self.addr, log_tail(&self.log, 3)))
+    }
+
+    /// For a teacher taken over (no process here to watch its exit): asks
+    /// whether it still answers (`answers`, given its endpoint), at most
+    /// once an `every`; after [`ADOPTED_MISSES`] looks in a row without an
+    /// answer it is taken for gone: deregistered, and how is returned.
+    /// Nothing for a teacher whose process is this coordinator's.
+    pub fn unanswered(&mut self, every: Duration, answers: impl FnOnce(&str) -> bool) -> Option<String> {
+        if self.child.is_some() {
+            return None;
+        }
+        let c = self.by_command.as_mut()?;
+        if c.looked.is_some_and(|t| t.elapsed() < every) {
+            return None;
+        }
+        c.looked = Some(std::time::Instant::now());
+        c.misses = if answers(&self.addr) { 0 } else { c.misses + 1 };
+        if c.misses < ADOPTED_MISSES {
+            return None;
+        }
+        self.deregister();
+        Some(format!(
+            "teacher {} (taken over) did not answer ready {ADOPTED_MISSES} times in a row",
+            self.addr
+        ))
     }
 
     /// Tells the process to stop (SIGTERM: it deregisters and drains);
@@ -512,5 +549,28 @@ impl TeacherProcess {
         }
         signal_group(child, libc::SIGKILL);
         let _ = child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_teacher_taken_over_is_gone_after_looks_in_a_row_without_an_answer() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("teacher-0.log");
+        let mut t = TeacherProcess::adopted("127.0.0.1:9", (0, 0, "true".into()), &log, None).unwrap();
+        let no = |_: &str| false;
+        assert_eq!(t.unanswered(Duration::ZERO, no), None);
+        assert_eq!(t.unanswered(Duration::ZERO, no), None);
+        // An answer starts the count again.
+        assert_eq!(t.unanswered(Duration::ZERO, |at| at == "127.0.0.1:9"), None);
+        assert_eq!(t.unanswered(Duration::ZERO, no), None);
+        assert_eq!(t.unanswered(Duration::ZERO, no), None);
+        // Not asked again within `every`.
+        assert_eq!(t.unanswered(Duration::from_secs(3600), |_| panic!("asked too soon")), None);
+        let gone = t.unanswered(Duration::ZERO, no).unwrap();
+        assert!(gone.contains("127.0.0.1:9") && gone.contains("3 times in a row"), "{gone}");
     }
 }
