@@ -10,8 +10,9 @@
 //! - The scaling policy has planned more students: the pool grows ahead of
 //!   them, in proportion, `ceil(count x planned / now)`. Students that
 //!   joined without the policy having seen them planned (between two of its
-//!   decisions) are grown for in the same proportion, to the world the pool
-//!   was last sized for.
+//!   decisions) are grown for in the same proportion, from the largest
+//!   world the pool was sized for since it last shrank (students that left
+//!   and came back are not grown for twice).
 //! - Teachers idle (mean utilisation below `idle`) and students do not wait
 //!   for `shrink-after` decisions in a row, and the pool has not changed for
 //!   `settle-secs`: one teacher goes. A single busy or waiting decision starts
@@ -48,7 +49,8 @@ pub struct TeacherAutoscale {
 struct Memory {
     /// Decisions in a row with idle teachers and students that did not wait.
     idle_streak: u32,
-    /// The student world the pool was last sized for (0: none yet).
+    /// The largest student world the pool was sized for since it last
+    /// shrank (0: none yet).
     #[serde(default)]
     sized_for: u32,
 }
@@ -142,7 +144,9 @@ impl TeacherAutoscale {
         if !scale_out && sized_for > 0 && now > sized_for {
             teachers = teachers.max(ceil(count as f64 * now as f64 / sized_for as f64));
         }
-        self.mem.sized_for = if scale_out { planned } else { now };
+        // Students that left do not lower it until the pool shrinks: their
+        // return is not a growth to grow for.
+        self.mem.sized_for = if scale_out { planned } else { now.max(sized_for) };
         // A teacher without a whole window of statistics started since the
         // last look: the window does not show what it adds yet, so the pool
         // waits for it before growing again (no overshoot after a growth).
@@ -164,6 +168,7 @@ impl TeacherAutoscale {
         if teachers == count && above_min && self.mem.idle_streak >= self.shrink_after && settled {
             teachers = count - 1;
             self.mem.idle_streak = 0;
+            self.mem.sized_for = now;
         }
         TeacherPlan { teachers, in_flight_per_teacher: raised }
     }

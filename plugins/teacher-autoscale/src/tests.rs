@@ -74,9 +74,16 @@ fn students_that_joined_unseen_are_grown_for_once_in_proportion() {
     // Grown ahead of a planned scale-out, the join itself adds nothing more.
     assert_eq!(p.decide(&teacher_view(4, 1, 16).students(4, 6).build()).teachers, 6);
     assert_eq!(p.decide(&teacher_view(6, 1, 16).students(6, 6).build()).teachers, 6);
-    // A scale-in grows nothing, and a rejoin is grown for from the smaller world.
-    assert_eq!(p.decide(&teacher_view(6, 1, 16).students(3, 3).build()).teachers, 6);
-    assert_eq!(p.decide(&teacher_view(3, 1, 16).students(6, 6).build()).teachers, 6);
+    // Students that leave and come back are not grown for: 6 -> 3 -> 6 -> 3 -> 6 keeps 6.
+    for world in [3, 6, 3, 6] {
+        assert_eq!(p.decide(&teacher_view(6, 1, 16).students(world, world).build()).teachers, 6);
+    }
+    // Once the pool has shrunk for fewer students, their return is grown for.
+    let mut s = policy(&[("settle-secs", "0"), ("shrink-after", "1")]);
+    assert_eq!(s.decide(&teacher_view(4, 1, 16).students(4, 4).build()).teachers, 4);
+    let idle = teacher_view(4, 1, 16).students(2, 2).utilisation(0.1).build();
+    assert_eq!(s.decide(&idle).teachers, 3);
+    assert_eq!(s.decide(&teacher_view(3, 1, 16).students(4, 4).build()).teachers, 6);
     // What it was sized for is part of its memory.
     let mut q = policy(&[]);
     q.load_state(&p.save_state()).unwrap();

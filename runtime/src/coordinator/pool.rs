@@ -379,25 +379,7 @@ impl TeacherPool {
                 );
             }
         };
-        let mut said = Vec::new();
-        let in_flight = plan.in_flight_per_teacher.clamp(1, 64);
-        let moved = capacity_moved(&self.told_capacity, &self.capacity);
-        if in_flight != self.in_flight || moved {
-            let settings = PoolSettings { in_flight_per_teacher: in_flight, capacity: self.capacity.clone() };
-            match self.launcher.publish(settings) {
-                Ok(()) => {
-                    if in_flight != self.in_flight {
-                        said.push(format!(
-                            "students keep {in_flight} requests in flight at each teacher (were {})",
-                            self.in_flight
-                        ));
-                    }
-                    self.in_flight = in_flight;
-                    self.told_capacity = self.capacity.clone();
-                }
-                Err(e) => said.push(format!("the students could not be told the pool's settings: {e:#}")),
-            }
-        }
+        let mut said = self.tell_settings(plan.in_flight_per_teacher.clamp(1, 64));
         let to = plan.teachers.clamp(self.bounds.min, self.bounds.max);
         self.target = to;
         let from = self.teachers.len() as u32;
@@ -545,6 +527,29 @@ impl TeacherPool {
             t.last = Some(now);
         }
         out
+    }
+
+    /// Tells the students the requests to keep in flight at each teacher
+    /// and the teachers' capacities, where either changed; says what.
+    fn tell_settings(&mut self, in_flight: u32) -> Vec<String> {
+        let moved = capacity_moved(&self.told_capacity, &self.capacity);
+        if in_flight == self.in_flight && !moved {
+            return Vec::new();
+        }
+        let settings = PoolSettings { in_flight_per_teacher: in_flight, capacity: self.capacity.clone() };
+        if let Err(e) = self.launcher.publish(settings) {
+            return vec![format!("the students could not be told the pool's settings: {e:#}")];
+        }
+        let mut said = Vec::new();
+        if in_flight != self.in_flight {
+            said.push(format!(
+                "students keep {in_flight} requests in flight at each teacher (were {})",
+                self.in_flight
+            ));
+        }
+        self.in_flight = in_flight;
+        self.told_capacity = self.capacity.clone();
+        said
     }
 
     /// Each teacher's capacity from its window: the rows it answered per

@@ -344,17 +344,23 @@ enum Failure {
     /// It may work later (unavailable, a timeout, overloaded): the teacher
     /// cools down, longer after each failure in a row.
     Transient,
-    /// Retrying cannot help (NOT_FOUND, INVALID_ARGUMENT, UNAUTHENTICATED, an
-    /// answer of the wrong kind): the teacher is dropped from the pool.
+    /// Retrying cannot help (NOT_FOUND, INVALID_ARGUMENT, an answer of the
+    /// wrong kind): the teacher is dropped from the pool.
     Permanent,
+    /// This student's credentials are refused (UNAUTHENTICATED,
+    /// PERMISSION_DENIED): the student asks the teacher no more, but the
+    /// teacher is not at fault.
+    Denied,
 }
 
 impl Failure {
     fn of(code: tonic::Code) -> Self {
         use tonic::Code::*;
         match code {
-            NotFound | InvalidArgument | Unimplemented | Unauthenticated | PermissionDenied
-            | FailedPrecondition | OutOfRange | AlreadyExists => Failure::Permanent,
+            Unauthenticated | PermissionDenied => Failure::Denied,
+            NotFound | InvalidArgument | Unimplemented | FailedPrecondition | OutOfRange | AlreadyExists => {
+                Failure::Permanent
+            }
             _ => Failure::Transient,
         }
     }
@@ -693,7 +699,8 @@ impl Ask {
 /// the server's troubles and the network's pass.
 fn rest_failure(e: &crate::distill::rest_client::CallError) -> Failure {
     match e.status {
-        Some(400 | 401 | 403 | 404 | 405 | 413 | 501) => Failure::Permanent,
+        Some(401 | 403) => Failure::Denied,
+        Some(400 | 404 | 405 | 413 | 501) => Failure::Permanent,
         _ => Failure::Transient,
     }
 }
@@ -785,8 +792,12 @@ impl Pipeline {
 
     fn add_teacher(&mut self, spec: &str) {
         if let Some(t) = self.pool.get_mut(spec) {
-            // Registered again while it drained: back in the shares.
+            // Registered again while it drained: back in the shares, and a
+            // server that left and came back at the same endpoint (the pool
+            // replaced a refused teacher on its slot) is asked afresh.
             if std::mem::replace(&mut t.draining, false) {
+                t.refused = None;
+                t.failures = 0;
                 self.reassign();
             }
             return;
@@ -950,7 +961,6 @@ impl Pipeline {
     }
 
     fn complete(&mut self, (addr, piece, result, took): Outcome) {
-        let cooldown = self.cfg.cooldown;
         if let Some(t) = self.pool.get_mut(&addr) {
             t.outstanding -= 1;
         }
@@ -994,41 +1004,42 @@ impl Pipeline {
                 p.soft[piece.start * cols..(piece.start + piece.rows) * cols].copy_from_slice(&v);
                 p.missing -= 1;
             }
-            Err((kind, why)) => {
-                let mut reassign = false;
-                if let Some(t) = self.pool.get_mut(&addr) {
-                    let what = format!("{addr} (model {:?}): {why}", t.model);
-                    match kind {
-                        Failure::Permanent if t.refused.is_none() => {
-                            tracing::error!("teacher {what}; no more requests go to it");
-                            t.refused = Some(what.clone());
-                            reassign = true;
-                        }
-                        Failure::Permanent => {}
-                        Failure::Transient => {
-                            t.failures += 1;
-                            let wait = backoff(cooldown, t.failures);
-                            t.cool_until = Some(Instant::now() + wait);
-                            if t.failures == 1 {
-                                tracing::warn!(
-                                    "teacher {what}; its requests go elsewhere, retrying it in {wait:?}"
-                                );
-                            } else {
-                                tracing::debug!(
-                                    "teacher {what} (failure {} in a row); next try in {wait:?}",
-                                    t.failures
-                                );
-                            }
-                        }
-                    }
-                    t.last_error = Some(what);
+            Err((kind, why)) => self.failed(&addr, piece, kind, why),
+        }
+    }
+
+    /// A request of `piece` to the teacher at `addr` failed: the piece goes
+    /// back to the queue; the teacher is cooled down (`Transient`) or
+    /// asked no more (`Permanent`: named, and this student's share of the
+    /// teachers worked out again).
+    fn failed(&mut self, addr: &str, piece: Piece, kind: Failure, why: String) {
+        self.queue.push_front(piece);
+        let cooldown = self.cfg.cooldown;
+        let Some(t) = self.pool.get_mut(addr) else { return };
+        let what = format!("{addr} (model {:?}): {why}", t.model);
+        t.last_error = Some(what.clone());
+        match kind {
+            Failure::Transient => {
+                t.failures += 1;
+                let wait = backoff(cooldown, t.failures);
+                t.cool_until = Some(Instant::now() + wait);
+                if t.failures == 1 {
+                    tracing::warn!("teacher {what}; its requests go elsewhere, retrying it in {wait:?}");
+                } else {
+                    tracing::debug!("teacher {what} (failure {} in a row); next try in {wait:?}", t.failures);
                 }
-                if reassign {
-                    self.log_call(&addr, |c| c.refused = Some(why));
-                    self.reassign();
-                }
-                self.queue.push_front(piece);
             }
+            Failure::Permanent | Failure::Denied if t.refused.is_none() => {
+                tracing::error!("teacher {what}; no more requests go to it");
+                t.refused = Some(what);
+                // The pool hears of a teacher that answers what no student
+                // can use, not of this student's credentials refused.
+                if kind == Failure::Permanent {
+                    self.log_call(addr, |c| c.refused = Some(why));
+                }
+                self.reassign();
+            }
+            Failure::Permanent | Failure::Denied => {}
         }
     }
 

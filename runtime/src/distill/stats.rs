@@ -18,11 +18,22 @@ use tonic::transport::Channel;
 pub struct TeacherRequests {
     /// The teacher, as `host:port`.
     pub addr: String,
-    /// Each answered request's time from sent to answered, µs (at most
-    /// [`CALLS_KEPT`] of them: the newest).
+    /// Each answered request's time from sent to answered, µs (the newest:
+    /// at most twice [`CALLS_KEPT`] of them).
     pub latency_us: Vec<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub refused: Option<String>,
+}
+
+impl TeacherRequests {
+    /// Past twice [`CALLS_KEPT`] times, drops all but the newest
+    /// `CALLS_KEPT` in one move (not one at a time: that is quadratic).
+    fn keep_newest(&mut self) {
+        let n = self.latency_us.len();
+        if n > 2 * CALLS_KEPT {
+            self.latency_us.drain(..n - CALLS_KEPT);
+        }
+    }
 }
 
 /// Request times kept per teacher between two tellings.
@@ -31,17 +42,14 @@ pub const CALLS_KEPT: usize = 4096;
 impl TeacherRequests {
     /// Adds one answered request's time.
     pub fn answered(&mut self, took: Duration) {
-        if self.latency_us.len() >= CALLS_KEPT {
-            self.latency_us.remove(0);
-        }
         self.latency_us.push(took.as_micros().min(u32::MAX as u128) as u32);
+        self.keep_newest();
     }
 
     /// Takes in what another telling of the same teacher says.
     pub fn merge(&mut self, other: TeacherRequests) {
-        for us in other.latency_us {
-            self.answered(Duration::from_micros(us as u64));
-        }
+        self.latency_us.extend(other.latency_us);
+        self.keep_newest();
         if self.refused.is_none() {
             self.refused = other.refused;
         }
@@ -183,18 +191,19 @@ mod tests {
         assert_eq!(quantile_ms(&mut us, 1.0), 100.0);
         assert_eq!(quantile_ms(&mut [7000], 0.99), 7.0);
         let mut a = TeacherRequests { addr: "t:1".into(), ..Default::default() };
-        for i in 0..CALLS_KEPT as u64 {
+        for i in 0..2 * CALLS_KEPT as u64 {
             a.answered(Duration::from_micros(i));
         }
+        assert_eq!(a.latency_us.len(), 2 * CALLS_KEPT, "kept up to twice the bound");
         let b = TeacherRequests {
             addr: "t:1".into(),
             latency_us: vec![u32::MAX, 5],
             refused: Some("answered 3 classes".into()),
         };
         a.merge(b);
-        assert_eq!(a.latency_us.len(), CALLS_KEPT, "bounded");
+        assert_eq!(a.latency_us.len(), CALLS_KEPT, "then cut to the bound");
         assert_eq!(&a.latency_us[CALLS_KEPT - 2..], &[u32::MAX, 5], "the newest kept");
-        assert_eq!(a.latency_us[0], 2, "the oldest dropped");
+        assert_eq!(a.latency_us[0], CALLS_KEPT as u32 + 2, "the oldest dropped");
         assert_eq!(a.refused.as_deref(), Some("answered 3 classes"));
         let mut long = TeacherRequests::default();
         long.answered(Duration::from_secs(10_000));

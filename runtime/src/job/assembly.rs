@@ -94,6 +94,18 @@ pub struct PoolStart {
     pub in_flight: u32,
 }
 
+impl PoolStart {
+    fn bounds(&self) -> crate::coordinator::pool::PoolBounds {
+        crate::coordinator::pool::PoolBounds {
+            min: self.min,
+            max: self.max,
+            every: self.every,
+            price_per_teacher_hour: self.price_per_teacher_hour,
+            in_flight: self.in_flight,
+        }
+    }
+}
+
 /// The teacher processes a job started, which stop when it is dropped.
 #[derive(Default)]
 pub struct StartedTeachers {
@@ -304,11 +316,9 @@ fn start_teachers(
     let (model, accuracy) = (start.model)()?;
     // Teachers started by command are the operator's servers: their TLS is theirs.
     let own = start.command.is_none() && start.kube.is_none();
-    let tls = if own && (start.token_file.is_some() || !listen.is_loopback()) {
-        Some(TeacherTls::make(&dirs.job_dir.join("teacher-tls"), &advertised)?)
-    } else {
-        None
-    };
+    let tls = (own && (start.token_file.is_some() || !listen.is_loopback()))
+        .then(|| TeacherTls::make(&dirs.job_dir.join("teacher-tls"), &advertised))
+        .transpose()?;
     let ca_pem = tls.as_ref().map(|t| t.pem.clone());
     let registration = crate::leader::seal::RecordKey::teacher_registrations(&cfg.secret);
     let token = cfg.spec.teacher_access.token.clone();
@@ -328,22 +338,7 @@ fn start_teachers(
             Some(c) => Some(ByCommand::new(c, cfg, &start.service, &registration, start.pool.is_some())?),
             None => None,
         },
-        kube: match start.kube {
-            Some(spec) => {
-                let registry = match cfg.store.as_str() {
-                    "memory" => None,
-                    url => Some(super::teacher_command::Registry::open(
-                        url,
-                        &start.service,
-                        registration.clone(),
-                    )?),
-                };
-                let (access, model_name) = (cfg.spec.teacher_access.clone(), &cfg.spec.teacher_model_name);
-                let at = (cfg.spec.job.as_str(), start.service.as_str());
-                Some(super::teacher_kube::KubeTeachers::new(spec, at, registry, access, model_name)?)
-            }
-            None => None,
-        },
+        kube: start.kube.map(|spec| kube_teachers(cfg, spec, &start.service, &registration)).transpose()?,
     };
     // A standby whose pool's teachers outlive their coordinator starts none:
     // it takes over the active coordinator's when it takes the job over.
@@ -358,13 +353,7 @@ fn start_teachers(
     }
     let pool = match start.pool {
         Some(p) => {
-            let bounds = crate::coordinator::pool::PoolBounds {
-                min: p.min,
-                max: p.max,
-                every: p.every,
-                price_per_teacher_hour: p.price_per_teacher_hour,
-                in_flight: p.in_flight,
-            };
+            let bounds = p.bounds();
             let addrs = launcher.addrs();
             // A pool of this service before (another run) may have left other settings.
             let settings = crate::coordinator::pool::PoolSettings {
@@ -390,6 +379,22 @@ fn start_teachers(
         None => None,
     };
     Ok(StartedTeachers { processes, ca_pem, accuracy, pool, kube_handles })
+}
+
+/// The job's teachers in Kubernetes Pods, registered under `service`.
+fn kube_teachers(
+    cfg: &JobConfig,
+    spec: super::teacher_kube::KubeTeacherSpec,
+    service: &str,
+    registration: &crate::leader::seal::RecordKey,
+) -> Result<super::teacher_kube::KubeTeachers> {
+    let registry = match cfg.store.as_str() {
+        "memory" => None,
+        url => Some(super::teacher_command::Registry::open(url, service, registration.clone())?),
+    };
+    let (access, model_name) = (cfg.spec.teacher_access.clone(), &cfg.spec.teacher_model_name);
+    let at = (cfg.spec.job.as_str(), service);
+    super::teacher_kube::KubeTeachers::new(spec, at, registry, access, model_name)
 }
 
 /// Teacher processes beside the coordinator, reached at the same host:

@@ -233,6 +233,13 @@ impl KubeTeachers {
     /// is deleted, and the error says why.
     pub fn start(&mut self) -> Result<String> {
         let (api, owner) = self.api()?;
+        if self.next == 0 {
+            self.next = self.first_free(&api)?;
+        }
+        // A token goes only where the students would send it.
+        if let Some(why) = self.access.refusal(&format!("<Pod IP>:{}", self.spec.port)) {
+            bail!("--teacher-kube-image: {why}");
+        }
         let id = self.next;
         self.next += 1;
         let words = self.spec.words(id, &self.job, &self.service)?;
@@ -259,6 +266,19 @@ impl KubeTeachers {
                 Err(e.context(format!("teacher {id} (Pod {name})")))
             }
         }
+    }
+
+    /// The first teacher number no Pod of this job has (Pods a coordinator
+    /// before left keep theirs, for the one that takes them over).
+    fn first_free(&self, api: &Api<Pod>) -> Result<u32> {
+        let selector = format!("{JOB_LABEL}={},{TEACHER_LABEL}", job_label(&self.job));
+        let listed =
+            call(&self.rt, "listing the teacher Pods", api.list(&ListParams::default().labels(&selector)))?;
+        let taken = listed
+            .items
+            .iter()
+            .filter_map(|p| p.metadata.labels.as_ref()?.get(TEACHER_LABEL)?.parse::<u32>().ok());
+        Ok(taken.map(|id| id + 1).max().unwrap_or(0))
     }
 
     /// Waits, within the ready bound, for the Pod `name` to run with an
@@ -406,10 +426,23 @@ impl KubeTeachers {
 
 impl Drop for KubeTeachers {
     fn drop(&mut self) {
-        // What is left when the job ends goes with it.
-        let addrs = self.addrs();
-        for a in addrs {
-            self.stop(&a);
+        // What is left when the job ends goes with it: all taken out of the
+        // store at once, one moment for the students, then every Pod deleted.
+        let mut pods = std::mem::take(&mut self.pods);
+        let mut released = false;
+        for t in pods.values_mut() {
+            if let Some(mut r) = t.registered.take() {
+                r.release();
+                released = true;
+            }
+        }
+        if released {
+            std::thread::sleep(DRAIN);
+        }
+        if let Ok((api, _)) = self.api() {
+            for t in pods.values() {
+                self.delete(&api, &t.name);
+            }
         }
     }
 }
@@ -538,17 +571,14 @@ mod tests {
         // Handles that do not name this job's Pod for that teacher, at its address, are refused.
         let wrong_id = TeacherHandle { id: 4, ..handles[0].clone() };
         let e = format!("{:#}", after.adopt(&wrong_id).unwrap_err());
-        assert!(
-            e.contains("not this job's") || e.contains("not its Pod") || e.contains("answered for"),
-            "{e}"
-        );
+        assert!(e.contains("-t4 is gone"), "{e}");
         let elsewhere = TeacherHandle { addr: "127.0.0.1:9".into(), ..handles[0].clone() };
         let e = format!("{:#}", after.adopt(&elsewhere).unwrap_err());
         assert!(e.contains("serves at") && e.contains("not 127.0.0.1:9"), "{e}");
         let mut stranger = teachers(&api).0;
         stranger.job = "another".into();
         let e = format!("{:#}", stranger.adopt(&handles[0]).unwrap_err());
-        assert!(e.contains("answered for") || e.contains("not this job's"), "{e}");
+        assert!(e.contains("is gone"), "another job's Pod is not looked for: {e}");
         stranger.pods.clear();
         // Its own: taken over, serving, with its handle, and its to stop.
         assert_eq!(after.adopt(&handles[0]).unwrap(), at);

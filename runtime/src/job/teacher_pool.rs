@@ -238,23 +238,7 @@ impl TeacherProcess {
             .with_context(|| format!("starting a teacher ({})", exe.display()))?;
         let stdout = child.stdout.take().expect("piped");
         let (tx, rx) = mpsc::channel();
-        let copier = std::thread::spawn(move || {
-            use std::io::Write;
-            let mut out = BufReader::new(stdout);
-            let mut first = true;
-            loop {
-                let mut line = Vec::new();
-                match out.read_until(b'\n', &mut line) {
-                    Ok(0) | Err(_) => return,
-                    Ok(_) => {}
-                }
-                let line = String::from_utf8_lossy(&line).trim_end().to_string();
-                let _ = writeln!(said, "{line}");
-                if std::mem::take(&mut first) {
-                    let _ = tx.send(line);
-                }
-            }
-        });
+        let copier = std::thread::spawn(move || copy_output(stdout, &mut said, tx));
         let line = match rx.recv_timeout(Duration::from_secs(30)) {
             Ok(l) => l,
             Err(mpsc::RecvTimeoutError::Disconnected) => {
@@ -487,6 +471,26 @@ impl TeacherProcess {
         if let Some(child) = self.child.as_mut() {
             let _ = child.kill();
             let _ = child.wait();
+        }
+    }
+}
+
+/// Copies a teacher's output to its log (`said`), sending its first line
+/// (where it says where it serves) to `first`.
+fn copy_output(stdout: std::process::ChildStdout, said: &mut std::fs::File, first: mpsc::Sender<String>) {
+    use std::io::Write;
+    let mut out = BufReader::new(stdout);
+    let mut first = Some(first);
+    loop {
+        let mut line = Vec::new();
+        match out.read_until(b'\n', &mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let line = String::from_utf8_lossy(&line).trim_end().to_string();
+        let _ = writeln!(said, "{line}");
+        if let Some(tx) = first.take() {
+            let _ = tx.send(line);
         }
     }
 }

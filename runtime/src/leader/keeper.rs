@@ -114,6 +114,8 @@ struct LeaseHeld {
     job: String,
     holder: String,
     ttl: Duration,
+    /// The lease's token as found (each renewal writes a new one).
+    token: Option<u64>,
 }
 
 enum Cmd {
@@ -634,7 +636,18 @@ pub async fn take_lease(
     let mut said = false;
     let mut unreachable: Option<Duration> = None;
     let mut said_unreachable: Option<std::time::Instant> = None;
+    // The lease's token a standby last saw, and when it first saw it: its
+    // holder renewed it no earlier.
+    let mut renewed: Option<(Option<u64>, std::time::Instant)> = None;
     loop {
+        if renewed.is_some_and(|(_, t)| t.elapsed() < ttl) && !lease_there(store, job).await {
+            // Gone (or the store not answering) within a term of a renewal:
+            // the store lost it (restarted without its data), not its
+            // holder, who takes it again at its next renewal. It is taken
+            // once a whole term has passed.
+            tokio::time::sleep((ttl / 10).clamp(Duration::from_millis(100), Duration::from_secs(1))).await;
+            continue;
+        }
         match try_take_lease(store, job, ttl, seal).await {
             // A standby rides out a store that is away (restarting, cut
             // off): it tries again, backing off up to a lease's length.
@@ -655,6 +668,10 @@ pub async fn take_lease(
                 tokio::time::sleep(wait).await;
             }
             Err(e) if standby && e.is::<LeaseHeld>() => {
+                let token = e.downcast_ref::<LeaseHeld>().and_then(|h| h.token);
+                if renewed.is_none_or(|(seen, _)| seen != token) {
+                    renewed = Some((token, std::time::Instant::now()));
+                }
                 if unreachable.take().is_some() {
                     said_unreachable = None;
                     println!("standby   the store answers again");
@@ -673,6 +690,11 @@ pub async fn take_lease(
             other => return other,
         }
     }
+}
+
+/// Whether the store answers that the job's lease is there.
+async fn lease_there(store: &AnyStore, job: &str) -> bool {
+    matches!(store.get(&crate::store::keys::coordinator(job)).await, Ok(Some(_)))
 }
 
 /// One attempt at [`take_lease`].
@@ -733,7 +755,7 @@ async fn try_take_lease(
                 (Some(_), None) => "an unreadable holder".into(),
                 (None, _) => "a coordinator whose lease just ended (try again)".into(),
             };
-            Err(LeaseHeld { job: job.into(), holder, ttl }.into())
+            Err(LeaseHeld { job: job.into(), holder, ttl, token: entry.map(|e| e.token) }.into())
         }
     }
 }

@@ -909,9 +909,19 @@ pub(crate) mod tests {
                             }))
                             .into_response()
                         }
-                        _ => match made.lock().unwrap().clone() {
+                        // One Pod by its name: the one made, under its own name only.
+                        _ => match made.lock().unwrap().clone().filter(|pod| {
+                            pod["metadata"]["name"].as_str().is_some_and(|n| path.ends_with(&format!("/{n}")))
+                        }) {
                             Some(pod) => axum::Json(with_phase(pod)).into_response(),
-                            None => axum::http::StatusCode::NOT_FOUND.into_response(),
+                            None => (
+                                axum::http::StatusCode::NOT_FOUND,
+                                axum::Json(serde_json::json!({
+                                    "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                                    "message": format!("{path} not found"), "reason": "NotFound", "code": 404
+                                })),
+                            )
+                                .into_response(),
                         },
                     }
                 }

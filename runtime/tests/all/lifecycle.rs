@@ -196,6 +196,8 @@ fn a_standby_rides_out_a_store_that_lost_its_data_and_fences_above_the_checkpoin
     assert!(set.status.success(), "{set:?}");
     let Pair { dir: _dir, b, mut active, rx, mut seen, standby, rx_b, mut seen_b, .. } =
         Pair::start(&url, "restarted", &["--epochs", "8", "--checkpoint-every-steps", "5"]);
+    // The standby has seen the active one's lease in the store.
+    wait_for(&rx_b, "when that lease lapses", &mut seen_b, Duration::from_secs(120));
     redis.restart();
     // The active one goes on (it takes its lease again) past another epoch.
     wait_for(&rx, "epoch     2 done", &mut seen, Duration::from_secs(120));
@@ -209,7 +211,7 @@ fn a_standby_rides_out_a_store_that_lost_its_data_and_fences_above_the_checkpoin
     let _ = active.wait();
     let status = finish(standby, rx_b, &mut seen_b);
     let out = seen_b.join("\n");
-    assert!(status.success(), "{out}");
+    assert!(status.success(), "{out}\nACTIVE:\n{}", seen.join("\n"));
     assert!(out.contains("the checkpoints' fence (token 1001)"), "{out}");
     assert!(out.contains("the store lost its data; this coordinator fences with token 1002"), "{out}");
     assert_exactly_once(&report(&b), 8, 400);
