@@ -948,7 +948,7 @@ fn builtin_data<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDict>
 #[pyfunction]
 fn read_checkpoint<'py>(py: Python<'py>, path: &str) -> PyResult<Bound<'py, PyDict>> {
     let r = py
-        .detach(|| edl_runtime::checkpoint::Checkpoints::read(std::path::Path::new(path)))
+        .detach(|| edl_runtime::checkpoint::Checkpoints::read_newest(std::path::Path::new(path)))
         .map_err(|e| err(format!("checkpoint {path}: {e}")))?;
     let tensors = PyDict::new(py);
     let np = py.import("numpy")?;

@@ -96,6 +96,8 @@ pub const STATE_FILE: &str = "state.safetensors";
 /// The checkpoint's commit marker: the manifest's sha256 (in object storage
 /// followed by the manifest's name); until it is there, readers skip it.
 const SUM_FILE: &str = "manifest.sha256";
+/// The file in a local checkpoint directory that names its newest complete checkpoint.
+pub const LATEST: &str = "latest";
 
 /// Why checkpoints could not be written or read.
 #[derive(Debug, thiserror::Error)]
@@ -615,6 +617,13 @@ impl Checkpoints {
         write_checkpoint_files(&tmp, layout, values, manifest)?;
         let dest = self.dir.join(name);
         self.move_into_place(&tmp, &dest, name)?;
+        // `latest` names the newest complete checkpoint, for people and tools.
+        let (pointer, next) = (self.dir.join(LATEST), self.dir.join(format!("{LATEST}.tmp")));
+        let written = write_durably(&next, format!("{name}\n").as_bytes())
+            .and_then(|()| std::fs::rename(&next, &pointer).map_err(|e| io(&pointer, e)));
+        if let Err(e) = written {
+            tracing::warn!("{}: {e}", pointer.display());
+        }
         Ok(dest)
     }
 
@@ -758,6 +767,38 @@ impl Checkpoints {
             }
         }
         removed
+    }
+
+    /// Reads and verifies the checkpoint `path` names: a checkpoint's own
+    /// directory, or a directory of checkpoints, whose newest complete one
+    /// is read (the one its `latest` file names, else the newest `step-*`
+    /// that verifies).
+    pub fn read_newest(path: &Path) -> Result<Restored, CheckpointError> {
+        if path.join(SUM_FILE).exists() {
+            return Self::read(path);
+        }
+        let named = std::fs::read_to_string(path.join(LATEST)).ok().map(|n| path.join(n.trim()));
+        let mut steps: Vec<PathBuf> = std::fs::read_dir(path)
+            .map_err(|e| io(path, e))?
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("step-") && e.path().is_dir())
+            .map(|e| e.path())
+            .collect();
+        steps.sort();
+        let mut why = Vec::new();
+        for p in named.into_iter().chain(steps.into_iter().rev()) {
+            match Self::read(&p) {
+                Ok(r) => return Ok(r),
+                Err(e) => why.push(e.to_string()),
+            }
+        }
+        Err(corrupt(
+            path,
+            match why.is_empty() {
+                true => "neither a checkpoint nor a directory of checkpoints (no step-* in it)".to_string(),
+                false => format!("no complete checkpoint in it: {}", why.join("; ")),
+            },
+        ))
     }
 
     /// Reads and verifies the checkpoint in the local directory `path`.
@@ -1045,6 +1086,32 @@ mod tests {
         assert_eq!(removed.len(), 2);
         assert!(!aside.exists());
         assert_eq!(cps.latest().unwrap().0.unwrap().manifest.step, 30);
+    }
+
+    #[test]
+    fn latest_names_the_newest_and_the_directory_reads_as_its_newest_complete_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let cps = Checkpoints::new(dir.path(), 3);
+        let none = Checkpoints::read_newest(dir.path()).err().unwrap().to_string();
+        assert!(none.contains("no step-*"), "{none}");
+        for step in [10, 20] {
+            cps.save(&layout(), &state(step as f32), manifest(step)).unwrap();
+        }
+        assert_eq!(std::fs::read_to_string(dir.path().join(LATEST)).unwrap(), "step-0000000020\n");
+        assert_eq!(Checkpoints::read_newest(dir.path()).unwrap().manifest.step, 20);
+        // A checkpoint's own directory is read as it is.
+        assert_eq!(Checkpoints::read_newest(&dir.path().join("step-0000000010")).unwrap().manifest.step, 10);
+        // The newest broken: the one before it; `latest` gone: the newest that verifies.
+        std::fs::remove_file(dir.path().join("step-0000000020/manifest.sha256")).unwrap();
+        assert_eq!(Checkpoints::read_newest(dir.path()).unwrap().manifest.step, 10);
+        std::fs::remove_file(dir.path().join(LATEST)).unwrap();
+        assert_eq!(Checkpoints::read_newest(dir.path()).unwrap().manifest.step, 10);
+        // Nothing usable: each is named with why.
+        std::fs::remove_file(dir.path().join("step-0000000010/manifest.sha256")).unwrap();
+        let e = Checkpoints::read_newest(dir.path()).err().unwrap().to_string();
+        assert!(e.contains("no complete checkpoint") && e.contains("step-0000000010"), "{e}");
+        // The pointer is no checkpoint to the job's own listing.
+        assert_eq!(cps.list().unwrap().len(), 2);
     }
 
     #[test]

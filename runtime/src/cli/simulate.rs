@@ -15,7 +15,7 @@ use edl_runtime::{
         replay::{self, Scenario, ScenarioEvent, SlowWorker},
     },
 };
-use std::{path::PathBuf, process::ExitCode, sync::Arc};
+use std::{path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
 
 #[derive(Args)]
 pub struct SimArgs {
@@ -23,9 +23,15 @@ pub struct SimArgs {
     plugins: PluginArgs,
     #[command(flatten)]
     transform: TransformArgs,
-    /// Reload the plugins when their files change.
+    /// Reload the plugins when their files change, and run the scenario
+    /// again and again, a decision every `--decide-every-secs`, until
+    /// interrupted (Ctrl-C).
     #[arg(long, help_heading = "Plugins")]
     watch: bool,
+    /// Seconds between two decisions (default: 1 with --watch, else none:
+    /// the decisions run at once).
+    #[arg(long, value_name = "SECS", help_heading = "Simulation")]
+    decide_every_secs: Option<f64>,
     #[command(flatten)]
     bounds: WorkerBounds,
     /// Price of a worker-hour the simulated cluster shows the policy
@@ -72,11 +78,21 @@ impl SimPlugins {
     }
 }
 
-/// Runs the simulation and prints each scale event.
+/// Runs the simulation and prints each scale event; with `--watch`, runs
+/// it round after round until interrupted, the plugins reloaded as their
+/// files change.
 pub fn run(host: &Arc<PluginHost>, args: SimArgs) -> Result<ExitCode> {
     if !(args.price.is_finite() && args.price >= 0.0) {
         bail!("--price {}: need a finite price of 0 or more", args.price);
     }
+    let pace = match (args.decide_every_secs, args.watch) {
+        (Some(s), _) if !(s.is_finite() && s >= 0.0) => {
+            bail!("--decide-every-secs {s}: need a finite number of seconds, 0 or more")
+        }
+        (Some(s), _) => Duration::from_secs_f64(s),
+        (None, true) => Duration::from_secs(1),
+        (None, false) => Duration::ZERO,
+    };
     let SimPlugins { mut policy, policy_path, mut adapter } = SimPlugins::load(host, &args)?;
     let info = policy.info().clone();
     println!("policy    {} {} ({}, {})", info.name, info.version, policy_path.display(), policy.backend());
@@ -86,7 +102,45 @@ pub fn run(host: &Arc<PluginHost>, args: SimArgs) -> Result<ExitCode> {
     if let Some(path) = &args.transform.transform {
         try_transform(host, &plugin_path::resolve("--transform", path)?, &args.transform.transform_config)?;
     }
-    let scenario = demo_scenario(&args);
+    if args.watch {
+        println!(
+            "watching  {}{}: a changed file is loaded at the next decision; a decision every {:?}; Ctrl-C ends it",
+            policy_path.display(),
+            if adapter.is_some() { " and the adapter" } else { "" },
+            pace
+        );
+    }
+    for round in 1.. {
+        if args.watch {
+            println!("round {round}");
+        }
+        let adapter = adapter.as_mut().map(|a| a.as_mut() as &mut dyn AdapterPlugin);
+        let done = simulate_once(&args, policy.as_mut(), adapter, pace);
+        if !args.watch {
+            done?;
+            break;
+        }
+        // Watching, a failing version is said and the next round waits for a better one.
+        if let Err(e) = done {
+            println!(
+                "round {round} failed: {e:#}; the next starts in {:?}",
+                pace.max(Duration::from_secs(1))
+            );
+            std::thread::sleep(pace.max(Duration::from_secs(1)));
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One run of the scenario: its decisions, paced `pace` apart; says each
+/// scale event and, at the end, the outcome (and writes the plot).
+fn simulate_once(
+    args: &SimArgs,
+    policy: &mut dyn PolicyPlugin,
+    adapter: Option<&mut dyn AdapterPlugin>,
+    pace: Duration,
+) -> Result<()> {
+    let scenario = demo_scenario(args);
     let mut sim = scenario.cluster();
     println!(
         "simulated cluster: {}..{} workers at {} per worker-hour, throughput saturates at 4, \
@@ -101,12 +155,15 @@ pub fn run(host: &Arc<PluginHost>, args: SimArgs) -> Result<ExitCode> {
     );
     let hyper = Hyperparams { global_batch: 64 * sim.world_size(), local_batch: 64, lr: 0.1, momentum: 0.9 };
     let run = replay::simulate(
-        policy.as_mut(),
-        adapter.as_mut().map(|a| a.as_mut() as &mut dyn AdapterPlugin),
+        policy,
+        adapter,
         &mut sim,
         scenario.decisions,
         hyper,
         |r, s| {
+            if r > 0 && !pace.is_zero() {
+                std::thread::sleep(pace);
+            }
             for e in scenario.events.iter().filter(|e| e.at == r) {
                 if let Some(c) = e.capacity {
                     println!(
@@ -128,10 +185,11 @@ pub fn run(host: &Arc<PluginHost>, args: SimArgs) -> Result<ExitCode> {
         sim.throughput()
     );
     if let Some(out) = &args.plot {
-        plot::policy_run(out, &format!("{} on the simulated cluster", info.name), &run.decisions, false)?;
+        let title = format!("{} on the simulated cluster", policy.info().name);
+        plot::policy_run(out, &title, &run.decisions, false)?;
         println!("plot written to {}", out.display());
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
 /// Runs the transform once on a standard batch and says what it did.

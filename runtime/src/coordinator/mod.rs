@@ -398,8 +398,12 @@ impl<'a> Coordinator<'a> {
     /// written one last time.
     fn close(&mut self, reason: &str) {
         if self.keeper.as_ref().and_then(|k| k.fenced()).is_some() {
-            // Deposed: the workers follow the coordinator that leads now.
+            // Deposed: the workers follow the coordinator that leads now,
+            // and so do the teachers that outlive this one.
             self.scaler.release();
+            if let Some(p) = &self.pool {
+                p.release();
+            }
         } else {
             self.membership.stop_all(reason);
             self.execute();

@@ -83,6 +83,9 @@ pub trait TeacherLauncher: Send {
     fn adopt(&mut self, teacher: &TeacherHandle) -> Result<String> {
         anyhow::bail!("teachers of {} cannot be taken over", teacher.addr)
     }
+    /// The coordinator was deposed: the teachers that outlive it are the
+    /// new leader's; they are let go, not stopped.
+    fn release(&mut self) {}
 }
 
 /// The pool's bounds and cadence.
@@ -626,6 +629,41 @@ enum ToPool {
     Students(Students),
     /// Take these teachers over, then answer.
     TakeOver(Vec<TeacherHandle>, std::sync::mpsc::Sender<Vec<String>>),
+    /// The coordinator was deposed: let the lasting teachers go, and end.
+    Release,
+}
+
+/// What the pool thread was told at once: the students' windows merged
+/// into one, teachers taken over as asked. None: told to let the teachers
+/// go (the coordinator was deposed), and to end.
+fn take_in(
+    pool: &mut TeacherPool,
+    told: impl Iterator<Item = ToPool>,
+    news: &std::sync::mpsc::Sender<PoolNews>,
+) -> Option<Option<Students>> {
+    let mut students: Option<Students> = None;
+    for m in told {
+        match m {
+            ToPool::Students(s) => {
+                students = Some(match students {
+                    Some(before) => before.then(s),
+                    None => s,
+                })
+            }
+            ToPool::TakeOver(left, reply) => {
+                let (event, said) = pool.take_over(left);
+                let _ = reply.send(said);
+                if event.is_some() {
+                    let _ = news.send((event, Vec::new()));
+                }
+            }
+            ToPool::Release => {
+                pool.launcher.release();
+                return None;
+            }
+        }
+    }
+    Some(students)
 }
 
 impl PoolThread {
@@ -640,25 +678,11 @@ impl PoolThread {
                 // that exited are replaced either way.
                 let students = match rx.recv_timeout(Duration::from_secs(1)) {
                     Ok(first) => {
-                        let mut students: Option<Students> = None;
-                        for m in std::iter::once(first).chain(rx.try_iter()) {
-                            match m {
-                                ToPool::Students(s) => {
-                                    students = Some(match students {
-                                        Some(before) => before.then(s),
-                                        None => s,
-                                    })
-                                }
-                                ToPool::TakeOver(left, reply) => {
-                                    let (event, said) = pool.take_over(left);
-                                    let _ = reply.send(said);
-                                    if event.is_some() {
-                                        let _ = news_tx.send((event, Vec::new()));
-                                    }
-                                }
-                            }
+                        let all = std::iter::once(first).chain(rx.try_iter());
+                        match take_in(&mut pool, all, &news_tx) {
+                            Some(students) => students,
+                            None => break,
                         }
-                        students
                     }
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
                     Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
@@ -672,6 +696,14 @@ impl PoolThread {
             PoolRecord { events: pool.events, decisions: pool.decisions.into() }
         })?;
         Ok(PoolThread { tx: Some(tx), news, thread: Some(thread), every, told: Vec::new() })
+    }
+
+    /// The coordinator was deposed: the teachers that outlive it are let
+    /// go for the coordinator that leads now (see [`TeacherLauncher::release`]).
+    pub fn release(&self) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(ToPool::Release);
+        }
     }
 
     /// How often the coordinator tells it what the students did.

@@ -603,6 +603,13 @@ impl crate::coordinator::pool::TeacherLauncher for LocalTeachers {
         })
     }
 
+    fn release(&mut self) {
+        if let Some(k) = self.kube.as_mut() {
+            k.release();
+        }
+        self.processes.lock().unwrap_or_else(|e| e.into_inner()).retain_mut(|t| !t.release());
+    }
+
     fn adopt(&mut self, h: &crate::leader::record::TeacherHandle) -> Result<String> {
         if let Some(k) = self.kube.as_mut().filter(|k| k.lasting()) {
             return k.adopt(h);
@@ -626,11 +633,14 @@ impl crate::coordinator::pool::TeacherLauncher for LocalTeachers {
         if taken {
             bail!("its slot is this coordinator's own teacher's");
         }
-        if !super::teacher_command::answers_ready(&endpoint, &c.model_name, &c.access) {
-            bail!("it does not answer ready");
-        }
         let stop = c.cmd.fill(c.cmd.stop.as_deref().expect("lasting"), &f, true)?;
         let log = super::teacher_command::log_path(&self.log_dir, h.id);
+        if !super::teacher_command::answers_ready(&endpoint, &c.model_name, &c.access) {
+            // This job's teacher by its handle, gone quiet: its stop command
+            // ends whatever is left of it (dropped, it runs).
+            drop(TeacherProcess::adopted(&endpoint, (h.slot, h.id, stop), &log, None)?);
+            bail!("it does not answer ready; its stop command was run");
+        }
         let t = TeacherProcess::adopted(&endpoint, (h.slot, h.id, stop), &log, c.registry.as_ref())?;
         self.next = self.next.max(h.id + 1);
         self.processes.lock().unwrap_or_else(|e| e.into_inner()).push(t);
@@ -639,13 +649,24 @@ impl crate::coordinator::pool::TeacherLauncher for LocalTeachers {
 
     fn exited(&mut self) -> Vec<(String, String)> {
         let mut out = self.kube.as_mut().map(|k| k.exited()).unwrap_or_default();
-        let mut all = self.processes.lock().unwrap_or_else(|e| e.into_inner());
         // Those taken over have no process here: whether they answer tells.
-        let command = self.command.as_ref();
-        let answers = |at: &str| {
-            command.is_some_and(|c| super::teacher_command::answers_ready(at, &c.model_name, &c.access))
+        // They are asked outside the lock (the job's state reads their handles under it).
+        let due: Vec<String> = {
+            let mut all = self.processes.lock().unwrap_or_else(|e| e.into_inner());
+            all.iter_mut().filter_map(|t| t.look_due(ADOPTED_LOOK).then(|| t.addr.clone())).collect()
         };
-        all.retain_mut(|t| match t.exited().or_else(|| t.unanswered(ADOPTED_LOOK, answers)) {
+        let command = self.command.as_ref();
+        let answered: std::collections::BTreeMap<String, bool> = due
+            .into_iter()
+            .map(|at| {
+                let up = command
+                    .is_some_and(|c| super::teacher_command::answers_ready(&at, &c.model_name, &c.access));
+                (at, up)
+            })
+            .collect();
+        let mut all = self.processes.lock().unwrap_or_else(|e| e.into_inner());
+        let asked = |t: &mut TeacherProcess| answered.get(&t.addr).and_then(|&up| t.looked(up));
+        all.retain_mut(|t| match t.exited().or_else(|| asked(t)) {
             Some(how) => {
                 out.push((t.addr.clone(), how));
                 false

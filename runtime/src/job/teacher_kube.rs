@@ -402,9 +402,14 @@ impl KubeTeachers {
             bail!("its Pod {name} is not teacher {}'s: {TEACHER_LABEL} is {numbered:?}", h.id);
         }
         let status = pod.status.clone().unwrap_or_default();
+        // This job's teacher's Pod, not running or gone quiet, is deleted:
+        // nothing else would.
         let ip = match (status.phase.as_deref(), status.pod_ip) {
             (Some("Running"), Some(ip)) if !ip.is_empty() => ip,
-            (phase, _) => bail!("its Pod {name} is not running (phase {phase:?})"),
+            (phase, _) => {
+                self.delete(&api, &name);
+                bail!("its Pod {name} is not running (phase {phase:?}); deleted")
+            }
         };
         let endpoint = crate::net::host_port(&ip, self.spec.port);
         if endpoint != h.addr {
@@ -414,13 +419,27 @@ impl KubeTeachers {
             bail!("{endpoint} is this coordinator's own teacher's");
         }
         if !super::teacher_command::answers_ready(&endpoint, &self.model_name, &self.access) {
-            bail!("its Pod {name} does not answer ready at {endpoint}");
+            self.delete(&api, &name);
+            bail!("its Pod {name} does not answer ready at {endpoint}; deleted");
         }
         let registered = self.registry.as_ref().map(|r| r.hold(&endpoint)).transpose()?;
         self.pods.insert(endpoint.clone(), KubeTeacher { id: h.id, name, registered });
         self.next = self.next.max(h.id + 1);
         self.note_handles();
         Ok(endpoint)
+    }
+}
+
+impl KubeTeachers {
+    /// The coordinator was deposed: Pods that outlive it are the new
+    /// leader's, and are let go (not deleted, not deregistered).
+    pub fn release(&mut self) {
+        if self.lasting() {
+            for (_, mut t) in std::mem::take(&mut self.pods) {
+                drop(t.registered.take());
+            }
+            self.note_handles();
+        }
     }
 }
 

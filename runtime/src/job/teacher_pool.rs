@@ -123,6 +123,9 @@ struct ByCommand {
     /// whether it answers, and how many times in a row it did not.
     looked: Option<std::time::Instant>,
     misses: u32,
+    /// The coordinator was deposed: the teacher is the new leader's, and
+    /// nothing here stops or deregisters it.
+    released: bool,
 }
 
 /// Looks in a row without an answer after which a teacher taken over is
@@ -308,6 +311,7 @@ impl TeacherProcess {
                 registered: None,
                 looked: None,
                 misses: 0,
+                released: false,
             }),
             copier: None,
         };
@@ -359,6 +363,7 @@ impl TeacherProcess {
                 registered,
                 looked: None,
                 misses: 0,
+                released: false,
             }),
             copier: None,
         })
@@ -382,6 +387,24 @@ impl TeacherProcess {
         })
     }
 
+    /// The coordinator was deposed: a teacher that outlives it (see
+    /// [`handle`](Self::handle)) is the coordinator's that leads now, and is
+    /// let go: not stopped, not signalled, not deregistered (its
+    /// registration lapses unless the new leader holds it). Whether it was.
+    pub fn release(&mut self) -> bool {
+        if self.handle().is_none() {
+            return false;
+        }
+        if let Some(c) = self.by_command.as_mut() {
+            c.released = true;
+            // Dropped without a word: no longer renewed by this process.
+            drop(c.registered.take());
+        }
+        // A `Child` dropped is not killed.
+        drop(self.child.take());
+        true
+    }
+
     /// Takes its endpoint out of the store (a teacher started by command;
     /// `edl-runtime teacher` deregisters itself on SIGTERM). Whether there
     /// was one to take out.
@@ -403,21 +426,28 @@ impl TeacherProcess {
         Some(format!("teacher {} exited ({status}){}", self.addr, log_tail(&self.log, 3)))
     }
 
-    /// For a teacher taken over (no process here to watch its exit): asks
-    /// whether it still answers (`answers`, given its endpoint), at most
-    /// once an `every`; after [`ADOPTED_MISSES`] looks in a row without an
-    /// answer it is taken for gone: deregistered, and how is returned.
-    /// Nothing for a teacher whose process is this coordinator's.
-    pub fn unanswered(&mut self, every: Duration, answers: impl FnOnce(&str) -> bool) -> Option<String> {
+    /// For a teacher taken over (no process here to watch its exit):
+    /// whether it is time to ask it whether it still answers (at most once
+    /// an `every`); the time is noted. Never for a teacher whose process is
+    /// this coordinator's.
+    pub fn look_due(&mut self, every: Duration) -> bool {
         if self.child.is_some() {
-            return None;
+            return false;
         }
-        let c = self.by_command.as_mut()?;
+        let Some(c) = self.by_command.as_mut() else { return false };
         if c.looked.is_some_and(|t| t.elapsed() < every) {
-            return None;
+            return false;
         }
         c.looked = Some(std::time::Instant::now());
-        c.misses = if answers(&self.addr) { 0 } else { c.misses + 1 };
+        true
+    }
+
+    /// What asking it (as [`look_due`](Self::look_due) said to) found:
+    /// after [`ADOPTED_MISSES`] looks in a row without an answer it is taken
+    /// for gone: deregistered, and how is returned.
+    pub fn looked(&mut self, answered: bool) -> Option<String> {
+        let c = self.by_command.as_mut()?;
+        c.misses = if answered { 0 } else { c.misses + 1 };
         if c.misses < ADOPTED_MISSES {
             return None;
         }
@@ -497,6 +527,9 @@ fn copy_output(stdout: std::process::ChildStdout, said: &mut std::fs::File, firs
 
 impl Drop for TeacherProcess {
     fn drop(&mut self) {
+        if self.by_command.as_ref().is_some_and(|c| c.released) {
+            return;
+        }
         if self.by_command.is_some() {
             self.stop_group();
             return;
@@ -565,16 +598,19 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("teacher-0.log");
         let mut t = TeacherProcess::adopted("127.0.0.1:9", (0, 0, "true".into()), &log, None).unwrap();
-        let no = |_: &str| false;
-        assert_eq!(t.unanswered(Duration::ZERO, no), None);
-        assert_eq!(t.unanswered(Duration::ZERO, no), None);
+        let mut ask = |answered: bool| {
+            assert!(t.look_due(Duration::ZERO), "due when every look is");
+            t.looked(answered)
+        };
+        assert_eq!(ask(false), None);
+        assert_eq!(ask(false), None);
         // An answer starts the count again.
-        assert_eq!(t.unanswered(Duration::ZERO, |at| at == "127.0.0.1:9"), None);
-        assert_eq!(t.unanswered(Duration::ZERO, no), None);
-        assert_eq!(t.unanswered(Duration::ZERO, no), None);
-        // Not asked again within `every`.
-        assert_eq!(t.unanswered(Duration::from_secs(3600), |_| panic!("asked too soon")), None);
-        let gone = t.unanswered(Duration::ZERO, no).unwrap();
+        assert_eq!(ask(true), None);
+        assert_eq!(ask(false), None);
+        assert_eq!(ask(false), None);
+        let gone = ask(false).unwrap();
         assert!(gone.contains("127.0.0.1:9") && gone.contains("3 times in a row"), "{gone}");
+        // Not asked again within `every`.
+        assert!(t.look_due(Duration::ZERO) && !t.look_due(Duration::from_secs(3600)));
     }
 }

@@ -108,3 +108,37 @@ fn a_reloaded_policy_goes_on_with_the_running_version_s_memory() {
     let b = twin.run(60, |v| kept.decide(v).unwrap());
     assert_eq!(a, b, "the reloaded policy did not go on from the running one's memory");
 }
+
+/// `simulate --watch`, as the plugin author's workflow uses it: it runs
+/// round after round until interrupted, and a rebuilt plugin written over
+/// the file is loaded at its next decision, saying so.
+#[test]
+fn simulate_watch_runs_until_interrupted_and_takes_up_a_rebuilt_policy() {
+    use crate::support::{job::lines, wait::wait_for};
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policy.wasm");
+    std::fs::copy(art::SCHEDULE_WASM, &file).unwrap();
+    let mut child = std::process::Command::new("sh")
+        .args(["-c", "exec \"$0\" \"$@\" 2>&1", env!("CARGO_BIN_EXE_edl-runtime"), "simulate", "--policy"])
+        .arg(&file)
+        .args(["--watch", "--decide-every-secs", "0.02", "--decisions", "20"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let within = Duration::from_secs(120);
+    wait_for(&rx, "watching", &mut seen, within);
+    // It does not end after one run of the scenario.
+    wait_for(&rx, "round 2", &mut seen, within);
+    assert!(child.try_wait().unwrap().is_none(), "it ended: {seen:?}");
+    replace_file(art::AUTOSCALE_WASM, &file);
+    wait_for(&rx, "reloaded plugin edl-plugin-autoscale", &mut seen, within);
+    wait_for(&rx, "round", &mut seen, within);
+    assert!(child.try_wait().unwrap().is_none(), "it ended: {seen:?}");
+    // Ctrl-C ends it.
+    let int = std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(int.success());
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "{status:?}");
+}

@@ -198,11 +198,16 @@ fn a_cnn_with_batchnorm_adamw_and_a_schedule_trains_whole_through_resizes_and_a_
     // and scheduler: the same parameters, the same accuracy (within a
     // point: BatchNorm's running statistics are rank 0's), and an optimizer
     // and a schedule that stepped once per committed step.
-    let ckpt = r["final_checkpoint"].as_str().unwrap();
+    // Given the job's checkpoint directory, it loads the newest complete
+    // checkpoint: the final one, which `latest` names.
+    let ckpt = std::path::Path::new(r["final_checkpoint"].as_str().unwrap());
+    let folder = ckpt.parent().unwrap();
+    let latest = std::fs::read_to_string(folder.join("latest")).unwrap();
+    assert_eq!(latest.trim(), ckpt.file_name().unwrap().to_str().unwrap());
     let mut check = Command::new(py.bin().join("python"));
     py.env(&mut check);
     let out =
-        check.arg(program()).args(["--check", ckpt]).env("EPOCHS", epochs.to_string()).output().unwrap();
+        check.arg(program()).arg("--check").arg(folder).env("EPOCHS", epochs.to_string()).output().unwrap();
     let said = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{said}");
     assert_eq!(field(&said, "params"), Some(done[0].0.as_str()), "{said}");

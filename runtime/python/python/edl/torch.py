@@ -728,7 +728,9 @@ class ElasticState:
 
 def load_checkpoint(path, model, optimizer=None, scheduler=None):
     """Puts an edl checkpoint (a ``step-...`` directory an ``ElasticState``
-    job wrote) back into a plain PyTorch ``model`` (and ``optimizer``,
+    job wrote, or the job's checkpoint directory: its newest complete
+    checkpoint, which its ``latest`` file names) back into a plain PyTorch
+    ``model`` (and ``optimizer``,
     ``scheduler``). Returns the named scalars and the checkpoint's step and
     epoch: ``{"scalars": {...}, "step": N, "epoch": E}``."""
     import numpy as np
