@@ -10,6 +10,8 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only for a person at a terminal, not a pipe or a log file.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
         .without_time()
         .init();
@@ -17,7 +19,11 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            // A setting refused before anything started: as clap's refusals.
+            match e.chain().any(|c| c.is::<edl_runtime::job::config::Refused>()) {
+                true => ExitCode::from(2),
+                false => ExitCode::FAILURE,
+            }
         }
     }
 }

@@ -915,7 +915,11 @@ fn init_logging() {
     ONCE.call_once(|| {
         let filter = tracing_subscriber::EnvFilter::try_from_env("EDL_LOG")
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .try_init();
     });
 }
 

@@ -353,6 +353,12 @@ mod tests {
         );
         let e = parse("--hidden 64 launch --samples 4 -- true").err().unwrap().to_string();
         assert!(e.contains("`--hidden` is a flag of the built-in job"), "{e}");
+        // A program without `--` before it.
+        let e = parse("launch --samples 4 python train.py").err().unwrap().to_string();
+        assert!(
+            e.contains("the program to run goes after `--`: `edl-runtime launch [FLAGS] -- python ...`"),
+            "{e}"
+        );
         // A value that names a subcommand is a value, and the sandbox flags go either side.
         let cli = parse("--job launch --plugin-cache /a").unwrap();
         assert!(cli.command.is_none() && cli.job == "launch");

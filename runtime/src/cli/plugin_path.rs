@@ -22,11 +22,34 @@ pub fn resolve(flag: &str, given: &Path) -> Result<PathBuf> {
         return Ok(found.clone());
     }
     let places: Vec<String> = tried.iter().map(|p| p.display().to_string()).collect();
-    bail!(
-        "{flag} {}: no such plugin; looked in {}. `cargo build --release` builds the shipped plugins into plugins/",
-        given.display(),
-        places.join(", ")
-    )
+    bail!("{flag} {}: no such plugin; looked in {}.{}", given.display(), places.join(", "), hint(given))
+}
+
+/// The plugins the project ships (`plugins/<name>.wasm`).
+const SHIPPED: [&str; 5] = ["autoscale", "dynamic-batch", "schedule", "augment", "teacher-autoscale"];
+
+/// What to do about a plugin not found: build the shipped ones, where it
+/// names one; else the plugins beside where it was looked for (a typo).
+fn hint(given: &Path) -> String {
+    let stem = given.file_stem().and_then(|s| s.to_str()).unwrap_or("");
+    if SHIPPED.contains(&stem) {
+        return " `cargo build --release` builds the shipped plugins into plugins/".into();
+    }
+    let dir = match given.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else { return String::new() };
+    let mut near: Vec<String> = entries
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".wasm") || n.ends_with(".so"))
+        .collect();
+    near.sort();
+    match near.is_empty() {
+        true => String::new(),
+        false => format!(" Plugins in {}: {}", dir.display(), near.join(", ")),
+    }
 }
 
 /// Where a plugin named `given` may be, in order: as given (from the
@@ -82,5 +105,14 @@ mod tests {
         let e = resolve("--policy", Path::new("no/such/plugin.wasm")).unwrap_err().to_string();
         assert!(e.starts_with("--policy no/such/plugin.wasm: no such plugin; looked in "), "{e}");
         assert!(e.contains("share/edl/no/such/plugin.wasm"), "{e}");
+        assert!(!e.contains("cargo build"), "not a shipped plugin: {e}");
+        // A shipped plugin's name: how to build them.
+        let e = resolve("--policy", Path::new("nowhere/autoscale.wasm")).unwrap_err().to_string();
+        assert!(e.contains("`cargo build --release` builds the shipped plugins"), "{e}");
+        // A typo beside plugins that are there: they are named.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("my_policy.wasm"), b"").unwrap();
+        let e = resolve("--policy", &dir.path().join("my_polcy.wasm")).unwrap_err().to_string();
+        assert!(e.ends_with(&format!("Plugins in {}: my_policy.wasm", dir.path().display())), "{e}");
     }
 }

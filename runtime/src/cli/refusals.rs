@@ -30,12 +30,18 @@ pub fn explain(root: &Command, mut err: clap::Error, args: &[OsString]) -> clap:
         return err;
     }
     let Some(ContextValue::String(given)) = err.get(ContextKind::InvalidArg) else { return err };
+    // `launch python train.py`: the program goes after `--`.
+    let here = command_path(root, args);
+    if !given.starts_with('-') && here.last().is_some_and(|c| c == "launch") {
+        let tip = format!("the program to run goes after `--`: `edl-runtime launch [FLAGS] -- {given} ...`");
+        err.insert(ContextKind::Suggested, ContextValue::StyledStrs(vec![tip.into()]));
+        return err;
+    }
     let Some(long) = given.strip_prefix("--").and_then(|l| l.split('=').next()) else { return err };
     let takers = takers(root, long);
     if takers.is_empty() {
         return err;
     }
-    let here = command_path(root, args);
     let tip = format!("`--{long}` is a flag of {}, not of {}", names(&takers), name(&here));
     err.insert(ContextKind::Suggested, ContextValue::StyledStrs(vec![tip.into()]));
     err

@@ -258,9 +258,10 @@ impl Job {
 
 /// Everything a flag can get wrong, before anything starts.
 fn check(cfg: &JobConfig, starts_teachers: bool) -> Result<()> {
-    cfg.validate()?;
+    let refused = |e: anyhow::Error| super::config::Refused(format!("{e:#}"));
+    cfg.validate().map_err(refused)?;
     if starts_teachers {
-        cfg.validate_teacher_wait()?;
+        cfg.validate_teacher_wait().map_err(refused)?;
     }
     preflight(cfg)
 }

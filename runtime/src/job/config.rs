@@ -42,6 +42,13 @@ pub struct JobConfig {
     pub addresses: crate::net::Addresses,
 }
 
+/// A setting of the command line a job cannot run with, refused before
+/// anything starts: the command exits with status 2, as for every refusal
+/// of its command line.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Refused(pub String);
+
 impl JobConfig {
     /// Refuses settings a job cannot run with, naming the flag, before
     /// anything starts.

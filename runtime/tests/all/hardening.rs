@@ -322,24 +322,27 @@ fn replacing_the_only_worker_hands_its_state_over() {
 fn nonsensical_flags_are_one_line_errors_before_anything_starts() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("a-file"), b"").unwrap();
-    for (flags, want) in [
-        (&["--epochs", "0"][..], "--epochs 0"),
-        (&["--batch", "0"], "--batch 0"),
-        (&["--batch", "5000"], "--batch 5000: need 1 <= batch <= 400"),
-        (&["--min-workers", "3", "--max-workers", "2"], "--min-workers 3 and --max-workers 2"),
-        (&["--lr", "NaN"], "--lr NaN"),
-        (&["--momentum", "1"], "--momentum 1"),
-        (&["--train-samples", "0"], "the job has no samples"),
-        (&["--dataset", "nope"], "unknown data set \"nope\""),
-        (&["--store", "bogus://x"], "invalid store address"),
-        (&["--store", "redis://:hunter2@127.0.0.1:1"], "--store redis://:***@127.0.0.1:1"),
-        (&["--checkpoint-dir", "a-file/ckpt"], "a-file/ckpt: cannot create it"),
-        (&["--decide-every-steps", "0"], "--decide-every-steps 0"),
-        (&["--teacher-batch", "0"], "--teacher-batch 0: need at least 1"),
+    // Settings the job cannot run with are refusals of its command line
+    // (status 2, as clap's); what the machine refuses (a store, a
+    // directory, a data set) is an error (status 1).
+    for (flags, want, code) in [
+        (&["--epochs", "0"][..], "--epochs 0", 2),
+        (&["--batch", "0"], "--batch 0", 2),
+        (&["--batch", "5000"], "--batch 5000: need 1 <= batch <= 400", 2),
+        (&["--min-workers", "3", "--max-workers", "2"], "--min-workers 3 and --max-workers 2", 2),
+        (&["--lr", "NaN"], "--lr NaN", 2),
+        (&["--momentum", "1"], "--momentum 1", 2),
+        (&["--train-samples", "0"], "the job has no samples", 2),
+        (&["--dataset", "nope"], "unknown data set \"nope\"", 1),
+        (&["--store", "bogus://x"], "invalid store address", 1),
+        (&["--store", "redis://:hunter2@127.0.0.1:1"], "--store redis://:***@127.0.0.1:1", 1),
+        (&["--checkpoint-dir", "a-file/ckpt"], "a-file/ckpt: cannot create it", 1),
+        (&["--decide-every-steps", "0"], "--decide-every-steps 0", 2),
+        (&["--teacher-batch", "0"], "--teacher-batch 0: need at least 1", 2),
     ] {
         let out = small(dir.path(), flags).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{flags:?}: {err}");
+        assert_eq!(out.status.code(), Some(code), "{flags:?}: {err}");
         assert!(err.contains(want), "{flags:?}: {err}");
         assert!(!err.contains("hunter2") && !err.contains("panicked"), "{flags:?}: {err}");
         assert!(!dir.path().join(".edl/mnist/logs/worker-1.log").exists(), "{flags:?} started a worker");
@@ -348,7 +351,7 @@ fn nonsensical_flags_are_one_line_errors_before_anything_starts() {
     let out =
         job(dir.path(), &["--policy", art::AUTOSCALE_WASM, "--teacher-wait-secs", "90"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--teacher-wait-secs 90 must be below --step-timeout-secs 60"), "{err}");
     assert!(!dir.path().join(".edl/mnist/logs/teacher-0.log").exists(), "a teacher started");
 }

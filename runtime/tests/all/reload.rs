@@ -134,6 +134,8 @@ fn simulate_watch_runs_until_interrupted_and_takes_up_a_rebuilt_policy() {
     assert!(child.try_wait().unwrap().is_none(), "it ended: {seen:?}");
     replace_file(art::AUTOSCALE_WASM, &file);
     wait_for(&rx, "reloaded plugin edl-plugin-autoscale", &mut seen, within);
+    // Its log, piped, carries no terminal colour codes.
+    assert!(seen.iter().all(|l| !l.contains('\u{1b}')), "{seen:?}");
     wait_for(&rx, "round", &mut seen, within);
     assert!(child.try_wait().unwrap().is_none(), "it ended: {seen:?}");
     // Ctrl-C ends it.
