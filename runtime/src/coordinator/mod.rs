@@ -405,13 +405,22 @@ impl<'a> Coordinator<'a> {
                 p.release();
             }
         } else {
-            self.membership.stop_all(reason);
-            self.execute();
+            self.stop_everyone(reason);
         }
         if let Some(k) = &self.keeper {
             k.release();
             let _ = k.flush(Duration::from_secs(5));
         }
+    }
+
+    /// Every worker, in whatever state, is told to stop; those asked for
+    /// that never joined are said, each with where it stood.
+    fn stop_everyone(&mut self, reason: &str) {
+        for (id, stage) in self.membership.on_the_way() {
+            self.note(format!("worker {id} was {stage} when the job ended; stopped unused"));
+        }
+        self.membership.stop_all(reason);
+        self.execute();
     }
 
     /// What the data order and the state depend on, now.
@@ -662,8 +671,7 @@ impl Coordinator<'_> {
     fn finish(&mut self, final_checkpoint: PathBuf, resumed: Option<u64>) -> Result<JobOutcome> {
         let total = self.cfg.spec.epochs;
         let final_world = self.membership.world();
-        self.membership.stop_all("the job is done");
-        self.execute();
+        self.stop_everyone("the job is done");
         // The store says "finished" only once every epoch is accounted for:
         // a job that is not stays resumable from its checkpoints.
         let accounted = self.accounted_for(total);

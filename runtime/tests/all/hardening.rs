@@ -743,6 +743,28 @@ fn a_worker_told_to_go_by_sigterm_leaves_at_a_boundary_without_a_redone_step() {
     assert_eq!(r["workers_started"].as_array().unwrap().len(), 3, "{r}");
 }
 
+/// Workers asked for that never join before the job ends are said, each
+/// with where it stood, not lost in a "0 resizes" summary.
+#[test]
+fn a_job_that_ends_before_its_new_workers_join_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    // Worker 1 runs; any later one never gets as far as connecting.
+    let template = "if [ {id} -ge 2 ]; then exec sleep 600; fi; exec {program}";
+    let args = ["--scaler", "command", "--worker-command", template, "--hosts", "here:3"];
+    let bounds = ["--workers", "1", "--min-workers", "1", "--max-workers", "2", "--step-delay-ms", "20"];
+    let mut c = small(dir.path(), &[&args[..], &bounds[..], &["--report", "report.json"]].concat());
+    let mut child = c.stdout(std::process::Stdio::piped()).spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    let out = seen.join("\n");
+    assert!(status.success(), "{out}");
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("report.json")).unwrap()).unwrap();
+    assert!(r["workers_started"].as_array().unwrap().len() >= 2, "the policy asked for a second worker: {r}");
+    assert!(out.contains("worker 2 was still starting when the job ended; stopped unused"), "{out}");
+}
+
 /// A small job whose policy holds its size, its workers started by the
 /// command `template` on `slots` slots of this host, with `extra` flags.
 fn held_by_command(dir: &Path, template: &str, slots: u32, extra: &[&str]) -> Command {

@@ -213,6 +213,17 @@ impl Membership {
         self.joiners.len()
     }
 
+    /// The workers on their way, each with where it is: started and not
+    /// connected yet, loading the job, or ready for the next boundary.
+    pub fn on_the_way(&self) -> Vec<(WorkerId, &'static str)> {
+        let mut out: Vec<(WorkerId, &'static str)> =
+            self.spawning.keys().map(|&id| (id, "still starting")).collect();
+        out.extend(self.welcomed.iter().map(|w| (w.id, "still loading the job")));
+        out.extend(self.joiners.iter().map(|w| (w.id, "ready, waiting for the next step boundary")));
+        out.sort_by_key(|w| w.0);
+        out
+    }
+
     /// Nothing is starting or loading: waiting for more joiners is pointless.
     pub fn nothing_loading(&self) -> bool {
         self.spawning.is_empty() && self.welcomed.is_empty()
