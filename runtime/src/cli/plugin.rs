@@ -173,12 +173,28 @@ fn replay(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
         }
     }
     drop(out);
+    eprintln!("{}", replay_summary(&p.info().name, &args.trace, &decisions));
     if let Some(out) = args.plot {
         let title = format!("{} on {}", p.info().name, args.trace.display());
         plot::policy_run(&out, &title, &decisions, recorded)?;
         eprintln!("plot written to {}", out.display());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// What a scaling policy's replay came to, in one line: its decisions,
+/// how many would resize (grow, shrink) and the world size the last one
+/// leaves (a recorded trace does not react: each is against its own view).
+fn replay_summary(name: &str, trace: &std::path::Path, decisions: &[replay::Decision]) -> String {
+    let grow = decisions.iter().filter(|d| d.chosen > d.world_size).count();
+    let shrink = decisions.iter().filter(|d| d.chosen < d.world_size).count();
+    let last = decisions.last().map_or(String::from("-"), |d| d.chosen.to_string());
+    format!(
+        "{} decisions of {name} over {}: {} would resize ({grow} grow, {shrink} shrink); the last leaves {last} workers",
+        decisions.len(),
+        trace.display(),
+        grow + shrink
+    )
 }
 
 /// Replays a teacher policy over the views of a trace: each decision as a

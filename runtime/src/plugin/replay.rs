@@ -136,7 +136,7 @@ impl Scenario {
 
 /// Reads a trace: a scenario (one JSON document with a `scenario` key), or
 /// one JSON cluster view per line (blank lines and `#` lines skipped; missing
-/// fields default to zero).
+/// fields default to zero; a field a view does not have is refused, naming it).
 pub fn read_trace(path: &Path) -> Result<Trace, TraceError> {
     let shown = path.display().to_string();
     let text =
@@ -154,12 +154,12 @@ pub fn read_trace(path: &Path) -> Result<Trace, TraceError> {
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        let view = serde_json::from_str(line).map_err(|source| TraceError::Parse {
+        let view: Strict<ClusterView> = serde_json::from_str(line).map_err(|source| TraceError::Parse {
             path: shown.clone(),
             line: i + 1,
             source,
         })?;
-        views.push(view);
+        views.push(view.0);
     }
     if views.is_empty() {
         return Err(TraceError::Empty { path: shown });
@@ -211,23 +211,27 @@ pub fn read_teacher_trace(path: &Path) -> Result<Vec<edl_plugin_sdk::TeacherView
     Ok(views)
 }
 
-/// A teacher view read strictly: every field known.
-struct StrictView(edl_plugin_sdk::TeacherView);
+/// A view read strictly: a field the view does not have (a typo,
+/// `thruput`) is refused, naming it, rather than read as a zero.
+struct Strict<T>(T);
 
-impl<'de> serde::Deserialize<'de> for StrictView {
+/// A teacher view read strictly.
+type StrictView = Strict<edl_plugin_sdk::TeacherView>;
+
+impl<'de, T: Default + Serialize + serde::de::DeserializeOwned> serde::Deserialize<'de> for Strict<T> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let value = serde_json::Value::deserialize(d)?;
-        let known =
-            serde_json::to_value(edl_plugin_sdk::TeacherView::default()).map_err(serde::de::Error::custom)?;
+        let known = serde_json::to_value(T::default()).map_err(serde::de::Error::custom)?;
         if let (Some(given), Some(known)) = (value.as_object(), known.as_object())
             && let Some(unknown) = given.keys().find(|k| !known.contains_key(*k))
         {
+            let what = std::any::type_name::<T>().rsplit("::").next().unwrap_or("view");
             let names: Vec<&String> = known.keys().collect();
             return Err(serde::de::Error::custom(format!(
-                "unknown field `{unknown}` of a teacher view (known: {names:?})"
+                "unknown field `{unknown}` of a {what} (known: {names:?})"
             )));
         }
-        serde_json::from_value(value).map(StrictView).map_err(serde::de::Error::custom)
+        serde_json::from_value(value).map(Strict).map_err(serde::de::Error::custom)
     }
 }
 

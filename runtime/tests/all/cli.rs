@@ -88,6 +88,23 @@ fn replay_prints_a_policys_decisions_over_a_trace() {
     assert_eq!(actions.len(), 6);
     assert_eq!(actions[2]["actions"], serde_json::json!([{"scale-out": 1}]), "{out}");
     assert_eq!(actions[1]["actions"], serde_json::json!(["hold"]), "{out}");
+    // What it came to, as `simulate` says it.
+    assert!(
+        err.contains("6 decisions of edl-plugin-schedule over")
+            && err.contains(": 2 would resize (2 grow, 0 shrink); the last leaves 2 workers"),
+        "{err}"
+    );
+    // A misspelt field is named, not read as 0.
+    std::fs::write(&trace, "{\"step\": 1, \"world_size\": 2, \"thruput\": 1900.0}\n").unwrap();
+    let (ok, _, err) = edl(
+        &["plugin", "replay", "--policy", art::SCHEDULE_WASM, "--trace", trace.to_str().unwrap()],
+        cache.path(),
+    );
+    assert!(!ok);
+    assert!(
+        err.contains("trace.jsonl:1") && err.contains("unknown field `thruput` of a ClusterView"),
+        "{err}"
+    );
 
     std::fs::write(&trace, "{\"step\": 1}\nnot json\n").unwrap();
     let (ok, _, err) = edl(
