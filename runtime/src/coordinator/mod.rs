@@ -26,7 +26,7 @@ mod steps;
 
 use crate::job::{JobConfig, assembly::Job};
 use crate::leader::record::TeacherHandle;
-pub use records::{JobOutcome, Progress, StepRecord, StoreEvent};
+pub use records::{JobOutcome, PolicyDecision, Progress, StepRecord, StoreEvent};
 pub use resume::{AlreadyFinished, finished_here, mark_complete};
 
 use crate::checkpoint::Checkpoints;
@@ -65,6 +65,8 @@ struct Coordinator<'a> {
     pool: Option<pool::PoolThread>,
     /// When the pool was last told what the students did.
     pool_told: Instant,
+    /// The scaling policy's decisions (the newest), for the report.
+    policy_decisions: std::collections::VecDeque<records::PolicyDecision>,
     /// The student world the pool was last told was planned.
     pool_planned: u32,
     /// The pool's teachers that outlive this coordinator (kept in the
@@ -335,6 +337,7 @@ impl<'a> Coordinator<'a> {
             pool: plugins.pool,
             pool_told: now,
             pool_planned: 0,
+            policy_decisions: Default::default(),
             teacher_handles: plugins.teacher_handles,
             teachers_left: Vec::new(),
             policy: plugins.policy,
@@ -704,6 +707,7 @@ impl Coordinator<'_> {
             store_events: std::mem::take(&mut self.store_events),
             teacher_events: pool.events,
             teacher_decisions: pool.decisions,
+            policy_decisions: std::mem::take(&mut self.policy_decisions).into(),
             worker_handles: self
                 .membership
                 .started()

@@ -66,9 +66,27 @@ pub struct JobOutcome {
     /// The teacher policy's decisions, what it saw and answered.
     #[serde(default)]
     pub teacher_decisions: Vec<super::pool::TeacherDecision>,
+    /// The scaling policy's decisions, holds too: what it saw and answered.
+    #[serde(default)]
+    pub policy_decisions: Vec<PolicyDecision>,
     /// How the scheduler knows each worker it started (`slurm:123`).
     pub worker_handles: std::collections::BTreeMap<u64, String>,
 }
+
+/// One decision of the scaling policy, as the report keeps it: when, the
+/// view it was given, and its actions (or why it failed: the job held).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PolicyDecision {
+    /// Seconds since the coordinator started.
+    pub secs: f64,
+    pub view: edl_plugin_sdk::ClusterView,
+    pub actions: Vec<edl_plugin_sdk::Action>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// The policy decisions a report keeps at most (the newest).
+pub const POLICY_DECISIONS_KEPT: usize = 20_000;
 
 /// Something that happened to the job's store (a replicated store's
 /// leader changed), as the report shows it.

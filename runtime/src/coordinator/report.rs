@@ -47,6 +47,11 @@ pub struct Report {
     /// --teacher-policy`.
     #[serde(default)]
     pub teacher_decisions: Vec<crate::coordinator::pool::TeacherDecision>,
+    /// Each decision of the scaling policy, holds too: the view it was
+    /// given and its actions (or its error); a trace for `plugin replay
+    /// --policy`.
+    #[serde(default)]
+    pub policy_decisions: Vec<crate::coordinator::PolicyDecision>,
     /// How the scheduler knows each worker (`slurm:123`), by worker id.
     #[serde(default)]
     pub worker_handles: std::collections::BTreeMap<u64, String>,
@@ -103,6 +108,7 @@ impl Report {
             store_events: outcome.store_events,
             teacher_events: outcome.teacher_events,
             teacher_decisions: outcome.teacher_decisions,
+            policy_decisions: outcome.policy_decisions,
             worker_handles: outcome.worker_handles,
             timeline: outcome.timeline,
         }

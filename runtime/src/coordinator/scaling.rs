@@ -142,6 +142,19 @@ impl Coordinator<'_> {
         Some(first)
     }
 
+    /// Keeps a decision of the policy for the report (the newest ones).
+    fn record_decision<E: std::fmt::Display>(&mut self, view: ClusterView, answer: &Result<Vec<Action>, E>) {
+        if self.policy_decisions.len() >= super::records::POLICY_DECISIONS_KEPT {
+            self.policy_decisions.pop_front();
+        }
+        self.policy_decisions.push_back(super::records::PolicyDecision {
+            secs: self.started.elapsed().as_secs_f64(),
+            view,
+            actions: answer.as_ref().map(|a| a.clone()).unwrap_or_default(),
+            error: answer.as_ref().err().map(|e| e.to_string()),
+        });
+    }
+
     /// Asks the policy what to do.
     pub(super) fn decide(&mut self) {
         if self.membership.handing_over() {
@@ -178,7 +191,9 @@ impl Coordinator<'_> {
             price_per_worker_hour: self.cfg.price_per_worker_hour,
             samples_remaining: remaining,
         };
-        let actions = match self.policy.decide(&view) {
+        let answer = self.policy.decide(&view);
+        self.record_decision(view, &answer);
+        let actions = match answer {
             Ok(a) => a,
             Err(e) => {
                 self.note(format!("scaling policy failed, holding: {e}"));

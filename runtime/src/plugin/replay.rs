@@ -24,6 +24,8 @@ pub enum TraceError {
     TeacherParse { path: String, line: usize, source: serde_json::Error },
     #[error("{path}: a report without teacher decisions (its job had no teacher pool)")]
     NoTeacherDecisions { path: String },
+    #[error("{path}: a report without policy decisions (written before reports kept them)")]
+    NoPolicyDecisions { path: String },
 }
 
 /// A trace: recorded views, or a scenario to simulate.
@@ -134,8 +136,9 @@ impl Scenario {
     }
 }
 
-/// Reads a trace: a scenario (one JSON document with a `scenario` key), or
-/// one JSON cluster view per line (blank lines and `#` lines skipped; missing
+/// Reads a trace: a scenario (one JSON document with a `scenario` key), a
+/// job's report (the views of its `policy_decisions`), or one JSON cluster
+/// view per line (blank lines and `#` lines skipped; missing
 /// fields default to zero; a field a view does not have is refused, naming it).
 pub fn read_trace(path: &Path) -> Result<Trace, TraceError> {
     let shown = path.display().to_string();
@@ -143,10 +146,15 @@ pub fn read_trace(path: &Path) -> Result<Trace, TraceError> {
         std::fs::read_to_string(path).map_err(|source| TraceError::Read { path: shown.clone(), source })?;
     let body: String =
         text.lines().filter(|l| !l.trim_start().starts_with('#')).collect::<Vec<_>>().join("\n");
-    if serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|v| v.get("scenario").is_some()) {
+    let whole = serde_json::from_str::<serde_json::Value>(&body).ok().filter(|v| v.is_object());
+    if whole.as_ref().is_some_and(|v| v.get("scenario").is_some()) {
         let file: ScenarioFile =
             serde_json::from_str(&body).map_err(|source| TraceError::Scenario { path: shown, source })?;
         return Ok(Trace::Scenario(file.scenario));
+    }
+    if let Some(report) = whole.filter(|v| v.get("timeline").is_some() || v.get("policy_decisions").is_some())
+    {
+        return report_views(report, shown).map(Trace::Recorded);
     }
     let mut views = Vec::new();
     for (i, line) in text.lines().enumerate() {
@@ -165,6 +173,28 @@ pub fn read_trace(path: &Path) -> Result<Trace, TraceError> {
         return Err(TraceError::Empty { path: shown });
     }
     Ok(Trace::Recorded(views))
+}
+
+/// The views a job's report recorded its scaling policy deciding on
+/// (its `policy_decisions`, holds too), in order.
+fn report_views(report: serde_json::Value, shown: String) -> Result<Vec<ClusterView>, TraceError> {
+    let Some(decisions) = report.get("policy_decisions").and_then(|d| d.as_array()) else {
+        return Err(TraceError::NoPolicyDecisions { path: shown });
+    };
+    let mut views = Vec::with_capacity(decisions.len());
+    for (i, d) in decisions.iter().enumerate() {
+        let view = d.get("view").cloned().unwrap_or_default();
+        let view: Strict<ClusterView> = serde_json::from_value(view).map_err(|source| TraceError::Parse {
+            path: shown.clone(),
+            line: i + 1,
+            source,
+        })?;
+        views.push(view.0);
+    }
+    if views.is_empty() {
+        return Err(TraceError::Empty { path: shown });
+    }
+    Ok(views)
 }
 
 /// The teacher views of a trace: a job's report (the views of its

@@ -626,3 +626,56 @@ fn a_launched_program_s_teacher_pool_needs_a_teacher_command_of_its_own_model() 
     let (ok, _, err) = launch(&["--teacher-kube-resource", "memory=1Gi"]);
     assert!(!ok && err.contains("--teacher-kube-image"), "{err}");
 }
+
+/// A job's report keeps every decision of its scaling policy, holds too,
+/// with the view it was given; replayed as a trace, the same policy
+/// answers each as it did in the job.
+#[test]
+fn a_job_s_report_keeps_every_policy_decision_and_replays_to_the_same_answers() {
+    use crate::support::job::{GROWING, job, report};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let out = job(d, &[&GROWING[..], &["--no-distill"]].concat()).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r = report(d);
+    let decisions = r["policy_decisions"].as_array().unwrap();
+    let actions: Vec<serde_json::Value> = decisions.iter().map(|d| d["actions"].clone()).collect();
+    assert!(actions.iter().any(|a| *a == serde_json::json!(["hold"])), "holds are kept: {actions:?}");
+    assert!(actions.iter().any(|a| a.to_string().contains("scale-out")), "{actions:?}");
+    assert!(decisions.iter().all(|d| d["view"]["max_workers"] == 3), "the views: {decisions:?}");
+    let (ok, replayed, err) = edl(
+        &[
+            "plugin",
+            "replay",
+            "--policy",
+            art::SCHEDULE_WASM,
+            "--config",
+            "every=8",
+            "--trace",
+            d.join("report.json").to_str().unwrap(),
+            "--json",
+        ],
+        &d.join("plugin-cache"),
+    );
+    assert!(ok, "{err}");
+    let again: Vec<serde_json::Value> = replayed
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["actions"].clone())
+        .collect();
+    assert_eq!(again, actions, "{replayed}");
+    assert!(err.contains(&format!("{} decisions of edl-plugin-schedule", actions.len())), "{err}");
+    // A report from before reports kept them is named as such.
+    std::fs::write(d.join("old.json"), r#"{"job": "j", "timeline": []}"#).unwrap();
+    let (ok, _, err) = edl(
+        &[
+            "plugin",
+            "replay",
+            "--policy",
+            art::SCHEDULE_WASM,
+            "--trace",
+            d.join("old.json").to_str().unwrap(),
+        ],
+        &d.join("plugin-cache"),
+    );
+    assert!(!ok && err.contains("a report without policy decisions"), "{err}");
+}
