@@ -281,6 +281,27 @@ pub fn terminate_group(child: &mut Child, grace: Duration) {
 
 /// The signal (SIGTERM or SIGINT) that asked this process to stop, 0 until
 /// one came; the count of them.
+/// Where lines for the person at the terminal go (workers' output), when
+/// the command shows more than lines (a progress bar they must not break).
+static LINES: std::sync::OnceLock<Box<dyn Fn(&str) + Send + Sync>> = std::sync::OnceLock::new();
+
+/// Sends the lines [`say_line`] is given to `sink` from now on (once a
+/// process: the command that draws the terminal sets it).
+pub fn lines_to(sink: impl Fn(&str) + Send + Sync + 'static) {
+    let _ = LINES.set(Box::new(sink));
+}
+
+/// A line for the person at the terminal: standard output, or where
+/// [`lines_to`] sent them.
+pub fn say_line(line: &str) {
+    match LINES.get() {
+        Some(sink) => sink(line),
+        None => {
+            let _ = writeln!(std::io::stdout().lock(), "{line}");
+        }
+    }
+}
+
 static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
 static STOP_SIGNALS: AtomicU32 = AtomicU32::new(0);
 /// Whether a loop that stops the job with notice looks at [`STOP_SIGNAL`].

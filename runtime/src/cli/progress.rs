@@ -29,9 +29,17 @@ impl ProgressDisplay {
     pub fn new(rows: u64, epochs: u64) -> anyhow::Result<Self> {
         let bar = ProgressBar::new(epochs * rows);
         bar.set_style(
-            ProgressStyle::with_template("[{elapsed_precise}] [{bar:30}] {percent:>3}% {msg}")?
+            ProgressStyle::with_template("[{elapsed_precise}] [{bar:30}] {percent:>3}% {eta} left {msg}")?
                 .progress_chars("=> "),
         );
+        // Workers' lines go above the bar, not through it.
+        let lines = bar.clone();
+        edl_runtime::process::lines_to(move |l| match lines.is_hidden() {
+            true => {
+                let _ = writeln!(std::io::stdout().lock(), "{l}");
+            }
+            false => lines.println(l),
+        });
         Ok(ProgressDisplay { bar, rows, epochs, last_plain: None, pending: None })
     }
 

@@ -90,8 +90,7 @@ fn stream_lines(id: u64, from: std::io::PipeReader, mut log: std::fs::File) -> s
             }
             let _ = log.write_all(&line);
             let text = String::from_utf8_lossy(&line);
-            let _ =
-                writeln!(std::io::stdout().lock(), "[worker {id}] {}", text.trim_end_matches(['\n', '\r']));
+            crate::process::say_line(&format!("[worker {id}] {}", text.trim_end_matches(['\n', '\r'])));
         }
     })
 }

@@ -679,3 +679,21 @@ fn a_job_s_report_keeps_every_policy_decision_and_replays_to_the_same_answers() 
     );
     assert!(!ok && err.contains("a report without policy decisions"), "{err}");
 }
+
+/// At a terminal (a pseudo-terminal `script` gives it) the job draws its
+/// progress bar with the time left.
+#[test]
+fn at_a_terminal_the_progress_bar_shows_the_time_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let line = format!(
+        "cd '{}' && exec '{}' --no-distill --train-samples 400 --epochs 4 --step-delay-ms 30",
+        dir.path().display(),
+        env!("CARGO_BIN_EXE_edl-runtime")
+    );
+    let out = Command::new("script").args(["-qfec", &line, "/dev/null"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("%") && text.contains(" left "), "no bar with the time left: {text}");
+    // And the lines above it whole, after the bar is gone.
+    assert!(text.contains("epoch     3 done: 400 samples committed"), "{text}");
+}
