@@ -80,19 +80,71 @@ fn stream_lines(id: u64, from: std::io::PipeReader, mut log: std::fs::File) -> s
     std::thread::spawn(move || {
         let mut from = std::io::BufReader::new(from);
         let mut line = Vec::new();
+        let mut tracebacks = Tracebacks::default();
         loop {
             line.clear();
             match from.read_until(b'\n', &mut line) {
-                Ok(0) => return,
+                Ok(0) => break,
                 Ok(_) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(_) => return,
+                Err(_) => break,
             }
             let _ = log.write_all(&line);
             let text = String::from_utf8_lossy(&line);
-            crate::process::say_line(&format!("[worker {id}] {}", text.trim_end_matches(['\n', '\r'])));
+            for shown in tracebacks.take(text.trim_end_matches(['\n', '\r'])) {
+                crate::process::say_line(&format!("[worker {id}] {shown}"));
+            }
+        }
+        for shown in tracebacks.end() {
+            crate::process::say_line(&format!("[worker {id}] {shown}"));
         }
     })
+}
+
+/// Python tracebacks the workers of this process printed: one that
+/// another worker printed already (every worker failing the same way) is
+/// shown as one line naming it, not again whole; the log keeps it all.
+static TRACEBACKS_SHOWN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// One worker's output, line by line, holding a traceback back until it
+/// is whole.
+#[derive(Default)]
+struct Tracebacks {
+    block: Vec<String>,
+}
+
+impl Tracebacks {
+    /// The lines to show now, given the next one.
+    fn take(&mut self, line: &str) -> Vec<String> {
+        if line.trim_start() == "Traceback (most recent call last):" && self.block.is_empty() {
+            self.block.push(line.to_string());
+            return Vec::new();
+        }
+        if self.block.is_empty() {
+            return vec![line.to_string()];
+        }
+        self.block.push(line.to_string());
+        // The exception's line (not indented) ends it.
+        if line.starts_with([' ', '\t']) || line.is_empty() { Vec::new() } else { self.end() }
+    }
+
+    /// The traceback held back, as it is to be shown (the output ended).
+    fn end(&mut self) -> Vec<String> {
+        let block = std::mem::take(&mut self.block);
+        if block.is_empty() {
+            return block;
+        }
+        let whole = block.join("\n");
+        let mut shown = TRACEBACKS_SHOWN.lock().unwrap_or_else(|e| e.into_inner());
+        if shown.contains(&whole) {
+            let last = block.last().cloned().unwrap_or_default();
+            return vec![format!("{last} (the same traceback as shown above; whole in this worker's log)")];
+        }
+        if shown.len() < 64 {
+            shown.push(whole);
+        }
+        block
+    }
 }
 
 impl Scaler for LocalProcesses {
@@ -190,5 +242,39 @@ impl Drop for LocalProcesses {
         for t in self.stopping.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod traceback_tests {
+    use super::Tracebacks;
+
+    fn show(t: &mut Tracebacks, lines: &[&str]) -> Vec<String> {
+        let mut out: Vec<String> = lines.iter().flat_map(|l| t.take(l)).collect();
+        out.extend(t.end());
+        out
+    }
+
+    #[test]
+    fn a_traceback_every_worker_prints_alike_is_shown_whole_once() {
+        let tb = [
+            "Traceback (most recent call last):",
+            "  File \"/x/unique_to_this_test.py\", line 3, in <module>",
+            "    raise ValueError(\"bad batch 7f3\")",
+            "ValueError: bad batch 7f3",
+        ];
+        let first = show(&mut Tracebacks::default(), &[&["step 1"][..], &tb[..], &["after"][..]].concat());
+        assert_eq!(first, [&["step 1"][..], &tb[..], &["after"][..]].concat(), "whole, in order");
+        let second = show(&mut Tracebacks::default(), &tb);
+        assert_eq!(second.len(), 1, "{second:?}");
+        assert!(
+            second[0].starts_with("ValueError: bad batch 7f3 (the same traceback as shown above"),
+            "{second:?}"
+        );
+        // Another error is shown whole; one cut off by the worker's end too.
+        let other = [tb[0], tb[1], "    raise KeyError(1)", "KeyError: 1"];
+        assert_eq!(show(&mut Tracebacks::default(), &other), other);
+        let cut = [tb[0], "  File \"/x/cut_7f3.py\", line 1"];
+        assert_eq!(show(&mut Tracebacks::default(), &cut), cut);
     }
 }
