@@ -26,7 +26,7 @@ mod steps;
 
 use crate::job::{JobConfig, assembly::Job};
 use crate::leader::record::TeacherHandle;
-pub use records::{JobOutcome, PolicyDecision, Progress, StepRecord, StoreEvent};
+pub use records::{JobOutcome, PolicyDecision, Progress, StepRecord, StoreEvent, UnusedWorker};
 pub use resume::{AlreadyFinished, finished_here, mark_complete};
 
 use crate::checkpoint::Checkpoints;
@@ -67,6 +67,8 @@ struct Coordinator<'a> {
     pool_told: Instant,
     /// The scaling policy's decisions (the newest), for the report.
     policy_decisions: std::collections::VecDeque<records::PolicyDecision>,
+    /// Workers the job ended before they joined.
+    unused: Vec<UnusedWorker>,
     /// The student world the pool was last told was planned.
     pool_planned: u32,
     /// The pool's teachers that outlive this coordinator (kept in the
@@ -338,6 +340,7 @@ impl<'a> Coordinator<'a> {
             pool_told: now,
             pool_planned: 0,
             policy_decisions: Default::default(),
+            unused: Vec::new(),
             teacher_handles: plugins.teacher_handles,
             teachers_left: Vec::new(),
             policy: plugins.policy,
@@ -421,6 +424,7 @@ impl<'a> Coordinator<'a> {
     fn stop_everyone(&mut self, reason: &str) {
         for (id, stage) in self.membership.on_the_way() {
             self.note(format!("worker {id} was {stage} when the job ended; stopped unused"));
+            self.unused.push(UnusedWorker { id, stage: stage.to_string() });
         }
         self.membership.stop_all(reason);
         self.execute();
@@ -708,6 +712,7 @@ impl Coordinator<'_> {
             teacher_events: pool.events,
             teacher_decisions: pool.decisions,
             policy_decisions: std::mem::take(&mut self.policy_decisions).into(),
+            workers_unused: std::mem::take(&mut self.unused),
             worker_handles: self
                 .membership
                 .started()

@@ -69,6 +69,10 @@ pub struct JobOutcome {
     /// The scaling policy's decisions, holds too: what it saw and answered.
     #[serde(default)]
     pub policy_decisions: Vec<PolicyDecision>,
+    /// Workers asked for that the job ended before they joined, each with
+    /// where it stood (`still starting`, `still loading the job`, ...).
+    #[serde(default)]
+    pub workers_unused: Vec<UnusedWorker>,
     /// How the scheduler knows each worker it started (`slurm:123`).
     pub worker_handles: std::collections::BTreeMap<u64, String>,
 }
@@ -83,6 +87,13 @@ pub struct PolicyDecision {
     pub actions: Vec<edl_plugin_sdk::Action>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+}
+
+/// A worker the job ended before it joined.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct UnusedWorker {
+    pub id: u64,
+    pub stage: String,
 }
 
 /// The policy decisions a report keeps at most (the newest).

@@ -52,6 +52,10 @@ pub struct Report {
     /// --policy`.
     #[serde(default)]
     pub policy_decisions: Vec<crate::coordinator::PolicyDecision>,
+    /// Workers asked for that the job ended before they joined, each with
+    /// where it stood then (stopped unused).
+    #[serde(default)]
+    pub workers_unused: Vec<crate::coordinator::UnusedWorker>,
     /// How the scheduler knows each worker (`slurm:123`), by worker id.
     #[serde(default)]
     pub worker_handles: std::collections::BTreeMap<u64, String>,
@@ -109,6 +113,7 @@ impl Report {
             teacher_events: outcome.teacher_events,
             teacher_decisions: outcome.teacher_decisions,
             policy_decisions: outcome.policy_decisions,
+            workers_unused: outcome.workers_unused,
             worker_handles: outcome.worker_handles,
             timeline: outcome.timeline,
         }

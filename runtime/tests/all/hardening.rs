@@ -763,6 +763,7 @@ fn a_job_that_ends_before_its_new_workers_join_says_so() {
         serde_json::from_slice(&std::fs::read(dir.path().join("report.json")).unwrap()).unwrap();
     assert!(r["workers_started"].as_array().unwrap().len() >= 2, "the policy asked for a second worker: {r}");
     assert!(out.contains("worker 2 was still starting when the job ended; stopped unused"), "{out}");
+    assert_eq!(r["workers_unused"], serde_json::json!([{"id": 2, "stage": "still starting"}]), "{r}");
 }
 
 /// A small job whose policy holds its size, its workers started by the
