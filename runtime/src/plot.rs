@@ -18,6 +18,12 @@ pub struct PlotError {
 type DrawError = DrawingAreaErrorKind<<SVGBackend<'static> as DrawingBackend>::ErrorType>;
 /// A part of an SVG picture.
 type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
+/// A chart of values over seconds.
+type TimeChart<'a, 'b> = ChartContext<
+    'a,
+    SVGBackend<'b>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
 
 /// Turns a drawing call's failure into the error of the plot at `path`.
 fn failed<E: std::fmt::Display>(path: &Path) -> impl FnOnce(E) -> PlotError {
@@ -157,11 +163,14 @@ fn size_steps(
     pts
 }
 
-/// Draws a training run to `path` (SVG): world size, throughput and loss over
-/// wall-clock time, one panel each, with a dashed line at each scale event;
-/// the program's own metrics (`step.commit(loss=..., accuracy=...)`) are
-/// drawn with the loss, each with its name in the legend; the teacher
-/// pool's size (from its changes) is drawn with the workers.
+/// Draws a training run to `path` (SVG): world size, throughput, loss and
+/// each of the program's own metrics (`step.commit(loss=..., accuracy=...)`)
+/// over wall-clock time, one panel and one axis each. A dashed line marks
+/// each scale event, labelled with its sizes and its cause in the workers'
+/// panel (a lost worker's in red); a stretch without a committed step is a
+/// gap, not a line across it; the throughput is drawn smoothed, its raw
+/// points faint; the teacher pool's size (from its changes) is drawn with
+/// the workers.
 pub fn training_run(
     path: &Path,
     title: &str,
@@ -169,32 +178,50 @@ pub fn training_run(
     events: &[crate::leader::record::ScaleEvent],
     teachers: &[crate::coordinator::pool::TeacherEvent],
 ) -> Result<(), PlotError> {
-    let root = titled_canvas(path, (960, 820), title)?;
     let mut run = TrainingRun::new(steps, events);
     run.teachers = teacher_sizes(teachers, run.t0, run.t_end);
-    for (area, panel) in root.split_evenly((3, 1)).iter().zip(Panel::all()) {
-        run.draw(area, &panel).map_err(failed(path))?;
+    let panels = run.panels();
+    let root = titled_canvas(path, (960, 60 + 250 * panels.len() as u32), title)?;
+    for (area, panel) in root.split_evenly((panels.len(), 1)).iter().zip(&panels) {
+        run.draw(area, panel).map_err(failed(path))?;
     }
     root.present().map_err(failed(path))
 }
 
+/// What a panel of a training run draws.
+#[derive(Clone, Debug, PartialEq)]
+enum Quantity {
+    Workers,
+    Throughput,
+    Loss,
+    Metric(String),
+}
+
 /// One panel of a training run's picture: a value of each step over time.
 struct Panel {
-    name: &'static str,
-    pick: fn(&crate::coordinator::StepRecord) -> f64,
+    quantity: Quantity,
     color: RGBColor,
-    /// A count, drawn as a staircase (it holds until the next step).
-    integer: bool,
 }
 
 impl Panel {
-    /// The panels, top to bottom.
-    fn all() -> [Panel; 3] {
-        [
-            Panel { name: "workers", pick: |s| s.world as f64, color: BLUE, integer: true },
-            Panel { name: "samples/s", pick: |s| s.samples_per_sec, color: RED, integer: false },
-            Panel { name: "loss", pick: |s| s.loss, color: RGBColor(0, 130, 0), integer: false },
-        ]
+    fn name(&self) -> &str {
+        match &self.quantity {
+            Quantity::Workers => "workers",
+            Quantity::Throughput => "samples/s",
+            Quantity::Loss => "loss",
+            Quantity::Metric(m) => m,
+        }
+    }
+
+    /// The panel's value at step `s`, if it has one.
+    fn pick(&self, s: &crate::coordinator::StepRecord) -> Option<f64> {
+        let v = match &self.quantity {
+            Quantity::Workers => s.world as f64,
+            Quantity::Throughput => s.samples_per_sec,
+            Quantity::Loss => s.loss,
+            Quantity::Metric(m) => *s.metrics.get(m)?,
+        };
+        v.is_finite().then_some(v)
     }
 }
 
@@ -205,9 +232,10 @@ struct TrainingRun<'a> {
     /// The time axis, in seconds.
     t0: f64,
     t_end: f64,
-    /// The names of the program's own metrics, and their largest finite value.
+    /// The names of the program's own metrics.
     metrics: std::collections::BTreeSet<&'a str>,
-    metric_max: f64,
+    /// Longer than this between two committed steps is a gap in the lines.
+    gap: f64,
     /// The teacher pool's size as a staircase (empty: no pool changes).
     teachers: Vec<(f64, f64)>,
 }
@@ -228,6 +256,56 @@ fn teacher_sizes(events: &[crate::coordinator::pool::TeacherEvent], t0: f64, t_e
     pts
 }
 
+/// A tick label of a count's axis: whole numbers only, each once.
+fn integer_label(v: &f64) -> String {
+    if (v - v.round()).abs() < 1e-6 { format!("{}", v.round() as i64) } else { String::new() }
+}
+
+/// A tick label of a large quantity, short (`12k`, `1.5M`).
+fn short_label(v: &f64) -> String {
+    match v.abs() {
+        a if a >= 1e6 => format!("{:.1}M", v / 1e6),
+        a if a >= 1e4 => format!("{:.0}k", v / 1e3),
+        a if a >= 1e3 => format!("{:.1}k", v / 1e3),
+        a if a >= 10.0 => format!("{v:.0}"),
+        _ => format!("{v:.2}"),
+    }
+}
+
+/// Splits `pts` (in time order) where two points are more than `gap` apart.
+fn segments(pts: Vec<(f64, f64)>, gap: f64) -> Vec<Vec<(f64, f64)>> {
+    let mut out: Vec<Vec<(f64, f64)>> = Vec::new();
+    for p in pts {
+        match out.last_mut() {
+            Some(seg) if seg.last().is_some_and(|q| p.0 - q.0 <= gap) => seg.push(p),
+            _ => out.push(vec![p]),
+        }
+    }
+    out
+}
+
+/// Each point's value as the mean over the `k` points around it.
+fn smoothed(pts: &[(f64, f64)], k: usize) -> Vec<(f64, f64)> {
+    let half = k / 2;
+    (0..pts.len())
+        .map(|i| {
+            let w = &pts[i.saturating_sub(half)..(i + half + 1).min(pts.len())];
+            (pts[i].0, w.iter().map(|p| p.1).sum::<f64>() / w.len() as f64)
+        })
+        .collect()
+}
+
+/// A scale event's label: its sizes and the first part of its reason.
+fn event_label(e: &crate::leader::record::ScaleEvent) -> String {
+    let cause: String = e.reason.split([';', ',']).next().unwrap_or("").chars().take(28).collect();
+    format!("{}→{} {}", e.from, e.to, cause.trim())
+}
+
+/// Whether a scale event came from a failure (a worker lost), not a plan.
+fn is_loss(e: &crate::leader::record::ScaleEvent) -> bool {
+    e.reason.contains("lost") || e.reason.contains("failed")
+}
+
 impl<'a> TrainingRun<'a> {
     fn new(
         steps: &'a [crate::coordinator::StepRecord],
@@ -236,17 +314,28 @@ impl<'a> TrainingRun<'a> {
         let t_end = steps.last().map_or(1.0, |s| s.secs).max(1e-3);
         let t0 = steps.first().map_or(0.0, |s| s.secs).min(t_end - 1e-3);
         let metrics = steps.iter().flat_map(|s| s.metrics.keys().map(String::as_str)).collect();
-        let metric_max = steps
-            .iter()
-            .flat_map(|s| s.metrics.values().copied())
-            .filter(|v| v.is_finite())
-            .fold(0.0, f64::max);
-        TrainingRun { steps, events, t0, t_end, metrics, metric_max, teachers: Vec::new() }
+        let mut dt: Vec<f64> = steps.windows(2).map(|w| w[1].secs - w[0].secs).collect();
+        dt.sort_by(f64::total_cmp);
+        let median = dt.get(dt.len() / 2).copied().unwrap_or(0.0);
+        let gap = (median * 10.0).max(2.0);
+        TrainingRun { steps, events, t0, t_end, metrics, gap, teachers: Vec::new() }
     }
 
-    /// Whether `panel` also holds the program's metrics (the loss's does).
-    fn holds_metrics(&self, panel: &Panel) -> bool {
-        panel.name == "loss" && !self.metrics.is_empty()
+    /// The panels, top to bottom: one per quantity.
+    fn panels(&self) -> Vec<Panel> {
+        let mut out = vec![
+            Panel { quantity: Quantity::Workers, color: BLUE },
+            Panel { quantity: Quantity::Throughput, color: RED },
+            Panel { quantity: Quantity::Loss, color: RGBColor(0, 130, 0) },
+        ];
+        for (i, m) in self.metrics.iter().enumerate() {
+            let color = Palette99::pick(i + 1).to_rgba();
+            out.push(Panel {
+                quantity: Quantity::Metric(m.to_string()),
+                color: RGBColor(color.0, color.1, color.2),
+            });
+        }
+        out
     }
 
     fn draw(&self, area: &Area<'_>, panel: &Panel) -> Result<(), DrawError> {
@@ -254,84 +343,94 @@ impl<'a> TrainingRun<'a> {
         let mut chart = ChartBuilder::on(area)
             .margin(10)
             .x_label_area_size(28)
-            .y_label_area_size(56)
+            .y_label_area_size(64)
             .build_cartesian_2d(self.t0..self.t_end, 0f64..ymax)?;
-        chart.configure_mesh().y_desc(panel.name).x_desc("seconds").draw()?;
-        for e in self.events {
+        let counts = panel.quantity == Quantity::Workers;
+        let mut mesh = chart.configure_mesh();
+        mesh.y_desc(panel.name()).x_desc("seconds");
+        if counts {
+            mesh.y_labels(ymax as usize + 1).y_label_formatter(&integer_label);
+        } else {
+            mesh.y_label_formatter(&short_label);
+        }
+        mesh.draw()?;
+        for (i, e) in self.events.iter().enumerate() {
+            let color = if is_loss(e) { RGBColor(220, 0, 0) } else { RGBColor(150, 150, 150) };
             chart.draw_series(DashedLineSeries::new(
                 [(e.at_secs, 0.0), (e.at_secs, ymax)],
                 4,
                 4,
-                ShapeStyle::from(&RGBColor(150, 150, 150)).stroke_width(1),
+                ShapeStyle::from(&color).stroke_width(if is_loss(e) { 2 } else { 1 }),
             ))?;
+            if counts {
+                // Staggered, so labels of close events do not overlap.
+                let y = ymax * (0.95 - 0.12 * (i % 3) as f64);
+                let style = ("sans-serif", 12).into_font().color(&color);
+                chart.draw_series(std::iter::once(Text::new(event_label(e), (e.at_secs, y), style)))?;
+            }
         }
-        let line = chart.draw_series(LineSeries::new(
-            self.points(panel),
-            ShapeStyle::from(&panel.color).stroke_width(2),
-        ))?;
-        if panel.name == "workers" && !self.teachers.is_empty() {
-            line.label("workers").legend(legend_line(panel.color, 16));
-            let orange = RGBColor(230, 120, 0);
-            chart
-                .draw_series(LineSeries::new(
-                    self.teachers.clone(),
-                    ShapeStyle::from(&orange).stroke_width(2),
-                ))?
-                .label("teachers")
-                .legend(legend_line(orange, 16));
-            return chart
-                .configure_series_labels()
-                .background_style(WHITE.mix(0.8))
-                .border_style(BLACK)
-                .draw();
+        match &panel.quantity {
+            Quantity::Workers => self.draw_counts(&mut chart, panel),
+            Quantity::Throughput => self.draw_smoothed(&mut chart, panel),
+            _ => {
+                for seg in segments(self.values(panel), self.gap) {
+                    chart
+                        .draw_series(LineSeries::new(seg, ShapeStyle::from(&panel.color).stroke_width(2)))?;
+                }
+                Ok(())
+            }
         }
-        if !self.holds_metrics(panel) {
+    }
+
+    /// The workers as a staircase, and the teacher pool's size beside them.
+    fn draw_counts<'c>(&self, chart: &mut TimeChart<'c, 'c>, panel: &Panel) -> Result<(), DrawError> {
+        let mut v = Vec::new();
+        for (i, s) in self.steps.iter().enumerate() {
+            v.push((s.secs, s.world as f64));
+            let next = self.steps.get(i + 1).map_or(self.t_end, |n| n.secs);
+            v.push((next, s.world as f64));
+        }
+        let line = chart.draw_series(LineSeries::new(v, ShapeStyle::from(&panel.color).stroke_width(2)))?;
+        if self.teachers.is_empty() {
             return Ok(());
         }
-        line.label(panel.name).legend(legend_line(panel.color, 16));
-        for (i, metric) in self.metrics.iter().enumerate() {
-            let c = Palette99::pick(i + 1).to_rgba();
-            let pts: Vec<(f64, f64)> = self
-                .steps
-                .iter()
-                .filter_map(|s| Some((s.secs, *s.metrics.get(*metric)?)))
-                .filter(|p| p.1.is_finite())
-                .collect();
-            chart
-                .draw_series(LineSeries::new(pts, ShapeStyle::from(&c).stroke_width(2)))?
-                .label(*metric)
-                .legend(legend_line(c, 16));
-        }
+        line.label("workers").legend(legend_line(panel.color, 16));
+        let orange = RGBColor(230, 120, 0);
+        chart
+            .draw_series(LineSeries::new(self.teachers.clone(), ShapeStyle::from(&orange).stroke_width(2)))?
+            .label("teachers")
+            .legend(legend_line(orange, 16));
         chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()
     }
 
-    /// The top of `panel`'s value axis: above its largest finite value
-    /// (and the metrics' where it holds them).
-    fn top_of(&self, panel: &Panel) -> f64 {
-        let floor = if self.holds_metrics(panel) {
-            self.metric_max
-        } else if panel.name == "workers" {
-            self.teachers.iter().map(|p| p.1).fold(0.0, f64::max)
-        } else {
-            0.0
-        };
-        let max = self.steps.iter().map(panel.pick).filter(|v| v.is_finite()).fold(floor, f64::max).max(1e-6);
-        if panel.integer { max + 1.0 } else { max * 1.1 }
+    /// The raw values faint, and their mean over a window (a fiftieth of
+    /// the run, at least 5 steps) bold; both with gaps where no step committed.
+    fn draw_smoothed(&self, chart: &mut TimeChart<'_, '_>, panel: &Panel) -> Result<(), DrawError> {
+        let k = (self.steps.len() / 50).max(5);
+        for seg in segments(self.values(panel), self.gap) {
+            let faint = ShapeStyle::from(&panel.color.mix(0.25)).stroke_width(1);
+            chart.draw_series(LineSeries::new(seg.clone(), faint))?;
+            chart.draw_series(LineSeries::new(
+                smoothed(&seg, k),
+                ShapeStyle::from(&panel.color).stroke_width(2),
+            ))?;
+        }
+        Ok(())
     }
 
-    /// `panel`'s line: a staircase for a count, else its finite values.
-    fn points(&self, panel: &Panel) -> Vec<(f64, f64)> {
-        let pick = panel.pick;
-        if !panel.integer {
-            return self.steps.iter().map(|s| (s.secs, pick(s))).filter(|p| p.1.is_finite()).collect();
-        }
-        let mut v = Vec::new();
-        for (i, s) in self.steps.iter().enumerate() {
-            v.push((s.secs, pick(s)));
-            let next = self.steps.get(i + 1).map_or(self.t_end, |n| n.secs);
-            v.push((next, pick(s)));
-        }
-        v
+    /// `panel`'s finite values over time.
+    fn values(&self, panel: &Panel) -> Vec<(f64, f64)> {
+        self.steps.iter().filter_map(|s| Some((s.secs, panel.pick(s)?))).collect()
+    }
+
+    /// The top of `panel`'s value axis: above its largest finite value.
+    fn top_of(&self, panel: &Panel) -> f64 {
+        let floor = match panel.quantity {
+            Quantity::Workers => self.teachers.iter().map(|p| p.1).fold(0.0, f64::max),
+            _ => 0.0,
+        };
+        let max = self.steps.iter().filter_map(|s| panel.pick(s)).fold(floor, f64::max).max(1e-6);
+        if panel.quantity == Quantity::Workers { max + 1.0 } else { max * 1.1 }
     }
 }
 
@@ -372,6 +471,69 @@ mod tests {
         training_run(&without, "t", &steps, &[], &[]).unwrap();
         assert!(std::fs::read_to_string(&with).unwrap().contains("teachers"));
         assert!(!std::fs::read_to_string(&without).unwrap().contains("teachers"));
+    }
+
+    #[test]
+    fn a_stall_is_a_gap_each_resize_is_labelled_and_each_quantity_has_its_own_axis() {
+        let step = |secs: f64, world: u32, accuracy: f64| crate::coordinator::StepRecord {
+            step: 0,
+            epoch: 0,
+            world,
+            secs,
+            loss: 1.0 / (1.0 + secs),
+            samples_per_sec: 58_000.0 + 1000.0 * (secs * 7.0).sin(),
+            cursor: 0,
+            metrics: [("accuracy".to_string(), accuracy)].into(),
+        };
+        // Twenty steps, 30 s without a committed one, twenty more.
+        let mut steps: Vec<_> = (0..20).map(|i| step(i as f64 * 0.1, 2, 0.5)).collect();
+        steps.extend((0..20).map(|i| step(32.0 + i as f64 * 0.1, 1, 0.6)));
+        let event = |at_secs: f64, from: u32, to: u32, reason: &str| crate::leader::record::ScaleEvent {
+            step: 0,
+            from,
+            to,
+            pause_ms: 40.0,
+            reason: reason.into(),
+            generation: 1,
+            setup_ms: 1.0,
+            join_ms: None,
+            at_secs,
+        };
+        let events = [event(0.5, 1, 2, "policy: add 1 worker"), event(32.0, 2, 1, "worker 2 lost")];
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.svg");
+        training_run(&path, "t", &steps, &events, &[]).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        // The loss in two pieces: no line across the stall.
+        assert_eq!(svg.matches("stroke=\"#008200\"").count(), 2, "{svg}");
+        // Each resize labelled with its cause; the lost worker's line red.
+        let texts: Vec<&str> =
+            svg.split("</text>").filter_map(|t| Some(t.rsplit_once('>')?.1.trim())).collect();
+        assert!(
+            texts.contains(&"1→2 policy: add 1 worker") && texts.contains(&"2→1 worker 2 lost"),
+            "{texts:?}"
+        );
+        assert!(svg.contains("stroke=\"#DC0000\""), "{svg}");
+        // The program's accuracy on an axis of its own, not the loss's.
+        assert!(texts.contains(&"accuracy") && texts.contains(&"loss"), "{texts:?}");
+        // The throughput faint and smoothed, in two pieces each; its ticks short.
+        assert_eq!(svg.matches("stroke=\"#FF0000\"").count(), 4, "{svg}");
+        assert!(texts.iter().any(|t| t.ends_with('k')), "{texts:?}");
+        assert!(!texts.iter().any(|t| t.len() >= 5 && t.chars().all(|c| c.is_ascii_digit())), "{texts:?}");
+        // The workers' axis labels each whole number once.
+        assert!(!texts.contains(&"1.5"), "{texts:?}");
+    }
+
+    #[test]
+    fn count_axes_label_whole_numbers_once_and_large_ones_short() {
+        assert_eq!(integer_label(&2.0), "2");
+        assert_eq!(integer_label(&2.5), "");
+        assert_eq!(short_label(&58_000.0), "58k");
+        assert_eq!(short_label(&1_500_000.0), "1.5M");
+        assert_eq!(short_label(&0.25), "0.25");
+        let pts = [(0.0, 1.0), (1.0, 3.0), (2.0, 5.0)];
+        assert_eq!(smoothed(&pts, 3), [(0.0, 2.0), (1.0, 3.0), (2.0, 4.0)]);
+        assert_eq!(segments(vec![(0.0, 1.0), (0.5, 1.0), (9.0, 1.0)], 2.0).len(), 2);
     }
 
     #[test]
