@@ -188,6 +188,56 @@ pub fn training_run(
     root.present().map_err(failed(path))
 }
 
+/// Draws a `launch --torchrun` job to `path` (SVG): each group's size over
+/// wall-clock time (the launcher sees no steps or throughput), a dashed
+/// line where each group ended, labelled with how (a failure in red).
+pub fn torchrun_run(
+    path: &Path,
+    title: &str,
+    groups: &[crate::torchrun::GroupRecord],
+) -> Result<(), PlotError> {
+    let root = titled_canvas(path, (960, 360), title)?;
+    draw_groups(&root, groups).map_err(failed(path))?;
+    root.present().map_err(failed(path))
+}
+
+fn draw_groups(area: &Area<'_>, groups: &[crate::torchrun::GroupRecord]) -> Result<(), DrawError> {
+    let t_end = groups.iter().map(|g| g.ended_secs).fold(1e-3, f64::max);
+    let ymax = groups.iter().map(|g| g.world).max().unwrap_or(1) as f64 + 1.0;
+    let mut chart = ChartBuilder::on(area)
+        .margin(10)
+        .x_label_area_size(28)
+        .y_label_area_size(64)
+        .build_cartesian_2d(0f64..t_end, 0f64..ymax)?;
+    chart
+        .configure_mesh()
+        .y_desc("ranks")
+        .x_desc("seconds")
+        .y_labels(ymax as usize + 1)
+        .y_label_formatter(&integer_label)
+        .draw()?;
+    let pts: Vec<(f64, f64)> = groups
+        .iter()
+        .flat_map(|g| [(g.started_secs, g.world as f64), (g.ended_secs, g.world as f64)])
+        .collect();
+    chart.draw_series(LineSeries::new(pts, ShapeStyle::from(&BLUE).stroke_width(2)))?;
+    for (i, g) in groups.iter().enumerate() {
+        let failed = g.ended.contains("failed");
+        let color = if failed { RGBColor(220, 0, 0) } else { RGBColor(150, 150, 150) };
+        chart.draw_series(DashedLineSeries::new(
+            [(g.ended_secs, 0.0), (g.ended_secs, ymax)],
+            4,
+            4,
+            ShapeStyle::from(&color).stroke_width(if failed { 2 } else { 1 }),
+        ))?;
+        let label: String = format!("group {}: {}", g.group, g.ended).chars().take(40).collect();
+        let y = ymax * (0.95 - 0.12 * (i % 3) as f64);
+        let style = ("sans-serif", 12).into_font().color(&color);
+        chart.draw_series(std::iter::once(Text::new(label, (g.ended_secs, y), style)))?;
+    }
+    Ok(())
+}
+
 /// What a panel of a training run draws.
 #[derive(Clone, Debug, PartialEq)]
 enum Quantity {
@@ -522,6 +572,48 @@ mod tests {
         assert!(!texts.iter().any(|t| t.len() >= 5 && t.chars().all(|c| c.is_ascii_digit())), "{texts:?}");
         // The workers' axis labels each whole number once.
         assert!(!texts.contains(&"1.5"), "{texts:?}");
+    }
+
+    #[test]
+    fn a_torchrun_job_is_drawn_over_time_with_its_groups_sizes_and_ends() {
+        let group = |group: u32, world: u32, from: f64, to: f64, ended: &str| crate::torchrun::GroupRecord {
+            group,
+            world,
+            hosts: Vec::new(),
+            restart_count: group,
+            master_addr: "127.0.0.1".into(),
+            master_port: 29500,
+            log_dir: "/tmp".into(),
+            started_secs: from,
+            ended_secs: to,
+            ended: ended.into(),
+            taken_over: false,
+        };
+        let groups = [
+            group(0, 2, 0.0, 5.0, "resized to 3"),
+            group(1, 3, 5.5, 9.0, "rank 1 failed (exit status 1)"),
+            group(2, 3, 9.4, 12.0, "succeeded"),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("torchrun.svg");
+        torchrun_run(&path, "t", &groups).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        let texts: Vec<&str> =
+            svg.split("</text>").filter_map(|t| Some(t.rsplit_once('>')?.1.trim())).collect();
+        assert!(texts.contains(&"seconds") && texts.contains(&"ranks"), "{texts:?}");
+        assert!(
+            !texts.contains(&"samples/s") && !texts.contains(&"step"),
+            "no throughput nor steps it cannot know"
+        );
+        assert!(
+            texts.contains(&"group 0: resized to 3") && texts.contains(&"group 2: succeeded"),
+            "{texts:?}"
+        );
+        assert!(svg.contains("stroke=\"#DC0000\""), "the failure in red");
+        // Each whole number of ranks labelled once.
+        for n in ["1", "2", "3"] {
+            assert_eq!(texts.iter().filter(|t| **t == n).count(), 1, "{n}: {texts:?}");
+        }
     }
 
     #[test]

@@ -174,7 +174,7 @@ fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
     }
     if let Some(out) = &args.output.plot {
         let title = format!("{} (torchrun) with {policy_name}", l.job);
-        plot::policy_run(out, &title, &outcome.decisions, false)?;
+        plot::torchrun_run(out, &title, &outcome.groups)?;
     }
     Ok(torchrun_exit(outcome, resizes))
 }
