@@ -571,3 +571,34 @@ fn a_frozen_torchrun_launcher_is_taken_over_and_acts_on_nobody_when_it_wakes() {
     assert_eq!((groups.len(), groups[0]["ended"].as_str()), (1, Some("succeeded")), "{}", out.report);
     assert!(out.said.contains("rank 0: trained 3 epochs"), "{}", out.said);
 }
+
+/// The program docs/your-own-program.md shows first, taken from the page
+/// as it is and run under `launch` with two workers: it trains, as written.
+#[test]
+fn the_docs_ddp_program_runs_as_written() {
+    let py = torch_py();
+    let page = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/your-own-program.md"),
+    )
+    .unwrap();
+    let section = page.split("## 2. Make the training loop elastic").nth(1).unwrap();
+    let code = section.split("```python\n").nth(1).unwrap().split("```").next().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("train.py"), code).unwrap();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    c.current_dir(dir.path())
+        .args(["launch", "--batch", "64", "--epochs", "2", "--workers", "2", "--min-workers", "2"])
+        .args(["--max-workers", "2", "--no-distill", "--report", "report.json", "--plugin-cache"])
+        .arg(dir.path().join("plugin-cache"))
+        .args(["--", "python", "train.py"])
+        .stdin(Stdio::null());
+    py.env(&mut c);
+    let out = c.output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("report.json")).unwrap()).unwrap();
+    assert_eq!(r["epochs"].as_array().unwrap().len(), 2, "{r}");
+    let last = r["timeline"].as_array().unwrap().last().unwrap().clone();
+    assert!(last["metrics"]["accuracy"].as_f64().unwrap() > 0.5, "it learns: {last}");
+}
