@@ -279,8 +279,6 @@ pub fn terminate_group(child: &mut Child, grace: Duration) {
     let _ = child.wait();
 }
 
-/// The signal (SIGTERM or SIGINT) that asked this process to stop, 0 until
-/// one came; the count of them.
 /// Where lines for the person at the terminal go (workers' output), when
 /// the command shows more than lines (a progress bar they must not break).
 static LINES: std::sync::OnceLock<Box<dyn Fn(&str) + Send + Sync>> = std::sync::OnceLock::new();
@@ -302,6 +300,8 @@ pub fn say_line(line: &str) {
     }
 }
 
+/// The signal (SIGTERM or SIGINT) that asked this process to stop, 0 until
+/// one came; the count of them.
 static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
 static STOP_SIGNALS: AtomicU32 = AtomicU32::new(0);
 /// Whether a loop that stops the job with notice looks at [`STOP_SIGNAL`].

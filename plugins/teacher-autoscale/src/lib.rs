@@ -137,16 +137,16 @@ impl TeacherAutoscale {
 
         let (now, planned) = (view.student_world_size, view.student_world_planned);
         let scale_out = planned > now && now > 0;
-        if scale_out {
-            teachers = teachers.max(ceil(count as f64 * planned as f64 / now as f64));
-        }
+        // The pool is sized for the largest world since it last shrank:
+        // students that left do not lower it, and their return (planned or
+        // seen) is grown for only beyond it.
         let sized_for = self.mem.sized_for;
-        if !scale_out && sized_for > 0 && now > sized_for {
-            teachers = teachers.max(ceil(count as f64 * now as f64 / sized_for as f64));
+        let base = if sized_for > 0 { sized_for } else { now };
+        let want = if scale_out { planned } else { now };
+        if base > 0 && want > base {
+            teachers = teachers.max(ceil(count as f64 * want as f64 / base as f64));
         }
-        // Students that left do not lower it until the pool shrinks: their
-        // return is not a growth to grow for.
-        self.mem.sized_for = if scale_out { planned } else { now.max(sized_for) };
+        self.mem.sized_for = want.max(sized_for);
         // A teacher without a whole window of statistics started since the
         // last look: the window does not show what it adds yet, so the pool
         // waits for it before growing again (no overshoot after a growth).

@@ -54,10 +54,10 @@ fn the_pool_grows_ahead_of_a_planned_student_scale_out() {
     let v = teacher_view(3, 1, 16).students(4, 6).build();
     assert_eq!(p.decide(&v), plan(5, 4));
     let v = teacher_view(2, 1, 16).students(4, 8).build();
-    assert_eq!(p.decide(&v).teachers, 4);
+    assert_eq!(policy(&[]).decide(&v).teachers, 4);
     // A planned scale-in changes nothing by itself.
     let v = teacher_view(3, 1, 16).students(4, 2).build();
-    assert_eq!(p.decide(&v).teachers, 3);
+    assert_eq!(policy(&[]).decide(&v).teachers, 3);
     // Ahead and waiting on busy teachers: the larger of the two.
     let v = teacher_view(4, 1, 16).students(4, 5).wait_share(0.5).utilisation(0.9).build();
     assert_eq!(p.decide(&v).teachers, 6);
@@ -78,6 +78,13 @@ fn students_that_joined_unseen_are_grown_for_once_in_proportion() {
     for world in [3, 6, 3, 6] {
         assert_eq!(p.decide(&teacher_view(6, 1, 16).students(world, world).build()).teachers, 6);
     }
+    // Nor when their return is planned: 6 teachers for 6 students, 3 left, 5 planned.
+    let mut q = policy(&[]);
+    assert_eq!(q.decide(&teacher_view(6, 1, 16).students(6, 6).build()).teachers, 6);
+    assert_eq!(q.decide(&teacher_view(6, 1, 16).students(3, 3).build()).teachers, 6);
+    assert_eq!(q.decide(&teacher_view(6, 1, 16).students(3, 5).build()).teachers, 6);
+    // Planned beyond it: grown for what is beyond, 6 x 8 / 6.
+    assert_eq!(q.decide(&teacher_view(6, 1, 16).students(3, 8).build()).teachers, 8);
     // Once the pool has shrunk for fewer students, their return is grown for.
     let mut s = policy(&[("settle-secs", "0"), ("shrink-after", "1")]);
     assert_eq!(s.decide(&teacher_view(4, 1, 16).students(4, 4).build()).teachers, 4);

@@ -618,12 +618,17 @@ impl Checkpoints {
         let dest = self.dir.join(name);
         self.move_into_place(&tmp, &dest, name)?;
         // `latest` names the newest complete checkpoint, for people and tools.
-        let (pointer, next) = (self.dir.join(LATEST), self.dir.join(format!("{LATEST}.tmp")));
-        let written = write_durably(&next, format!("{name}\n").as_bytes())
-            .and_then(|()| std::fs::rename(&next, &pointer).map_err(|e| io(&pointer, e)));
-        if let Err(e) = written {
-            tracing::warn!("{}: {e}", pointer.display());
-        }
+        // Only ever forward (names sort by step): an older step written late
+        // does not take it back.
+        let pointer = self.dir.join(LATEST);
+        let newer = std::fs::read_to_string(&pointer).is_ok_and(|was| was.trim() > name);
+        let next = self.dir.join(format!("{LATEST}.tmp-{}", std::process::id()));
+        let written = newer
+            || write_durably(&next, format!("{name}\n").as_bytes())
+                .and_then(|()| std::fs::rename(&next, &pointer).map_err(|e| io(&pointer, e)))
+                .inspect_err(|e| tracing::warn!("{}: {e}", pointer.display()))
+                .is_ok();
+        let _ = written;
         Ok(dest)
     }
 
@@ -774,10 +779,12 @@ impl Checkpoints {
     /// is read (the one its `latest` file names, else the newest `step-*`
     /// that verifies).
     pub fn read_newest(path: &Path) -> Result<Restored, CheckpointError> {
-        if path.join(SUM_FILE).exists() {
+        let own = path.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-"));
+        if own || path.join(SUM_FILE).exists() {
             return Self::read(path);
         }
-        let named = std::fs::read_to_string(path.join(LATEST)).ok().map(|n| path.join(n.trim()));
+        // The newest that verifies: `latest` names it when all went well,
+        // and a pointer left behind by a failed write is never trusted over it.
         let mut steps: Vec<PathBuf> = std::fs::read_dir(path)
             .map_err(|e| io(path, e))?
             .flatten()
@@ -786,9 +793,18 @@ impl Checkpoints {
             .collect();
         steps.sort();
         let mut why = Vec::new();
-        for p in named.into_iter().chain(steps.into_iter().rev()) {
+        for p in steps.into_iter().rev() {
             match Self::read(&p) {
-                Ok(r) => return Ok(r),
+                Ok(r) => {
+                    if !why.is_empty() {
+                        tracing::warn!(
+                            "{}: newer checkpoints unusable ({}); read this one",
+                            p.display(),
+                            why.join("; ")
+                        );
+                    }
+                    return Ok(r);
+                }
                 Err(e) => why.push(e.to_string()),
             }
         }
@@ -1101,11 +1117,16 @@ mod tests {
         assert_eq!(Checkpoints::read_newest(dir.path()).unwrap().manifest.step, 20);
         // A checkpoint's own directory is read as it is.
         assert_eq!(Checkpoints::read_newest(&dir.path().join("step-0000000010")).unwrap().manifest.step, 10);
-        // The newest broken: the one before it; `latest` gone: the newest that verifies.
+        // An older step written late does not take the pointer back.
+        cps.save(&layout(), &state(5.0), manifest(5)).unwrap();
+        assert_eq!(std::fs::read_to_string(dir.path().join(LATEST)).unwrap(), "step-0000000020\n");
+        std::fs::remove_dir_all(dir.path().join("step-0000000005")).unwrap();
+        // The newest broken: the one before it, whatever `latest` says.
         std::fs::remove_file(dir.path().join("step-0000000020/manifest.sha256")).unwrap();
         assert_eq!(Checkpoints::read_newest(dir.path()).unwrap().manifest.step, 10);
-        std::fs::remove_file(dir.path().join(LATEST)).unwrap();
-        assert_eq!(Checkpoints::read_newest(dir.path()).unwrap().manifest.step, 10);
+        // A checkpoint's own directory, incomplete, is refused as such.
+        let e = Checkpoints::read_newest(&dir.path().join("step-0000000020")).err().unwrap().to_string();
+        assert!(e.contains("not a complete checkpoint"), "{e}");
         // Nothing usable: each is named with why.
         std::fs::remove_file(dir.path().join("step-0000000010/manifest.sha256")).unwrap();
         let e = Checkpoints::read_newest(dir.path()).err().unwrap().to_string();

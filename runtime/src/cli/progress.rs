@@ -32,13 +32,13 @@ impl ProgressDisplay {
             ProgressStyle::with_template("[{elapsed_precise}] [{bar:30}] {percent:>3}% {eta} left {msg}")?
                 .progress_chars("=> "),
         );
-        // Workers' lines go above the bar, not through it.
+        // Workers' lines go to standard output as ever, above the bar (which
+        // is cleared while one is written), not through it.
         let lines = bar.clone();
-        edl_runtime::process::lines_to(move |l| match lines.is_hidden() {
-            true => {
+        edl_runtime::process::lines_to(move |l| {
+            lines.suspend(|| {
                 let _ = writeln!(std::io::stdout().lock(), "{l}");
-            }
-            false => lines.println(l),
+            })
         });
         Ok(ProgressDisplay { bar, rows, epochs, last_plain: None, pending: None })
     }

@@ -86,10 +86,9 @@ pub fn run(host: &Arc<PluginHost>, args: SimArgs) -> Result<ExitCode> {
         bail!("--price {}: need a finite price of 0 or more", args.price);
     }
     let pace = match (args.decide_every_secs, args.watch) {
-        (Some(s), _) if !(s.is_finite() && s >= 0.0) => {
-            bail!("--decide-every-secs {s}: need a finite number of seconds, 0 or more")
-        }
-        (Some(s), _) => Duration::from_secs_f64(s),
+        (Some(s), _) => Duration::try_from_secs_f64(s).map_err(|_| {
+            anyhow::anyhow!("--decide-every-secs {s}: need a finite number of seconds, 0 or more")
+        })?,
         (None, true) => Duration::from_secs(1),
         (None, false) => Duration::ZERO,
     };

@@ -97,7 +97,7 @@ pub struct UnusedWorker {
 }
 
 /// The policy decisions a report keeps at most (the newest).
-pub const POLICY_DECISIONS_KEPT: usize = 20_000;
+pub const POLICY_DECISIONS_KEPT: usize = 5_000;
 
 /// Something that happened to the job's store (a replicated store's
 /// leader changed), as the report shows it.

@@ -168,7 +168,13 @@ pub fn wait_ready(
 
 /// Whether a server answers ready at `endpoint` now (one look).
 pub fn answers_ready(endpoint: &str, default_model: &str, access: &TeacherAccess) -> bool {
-    wait_ready(endpoint, default_model, access, Duration::ZERO, || None).is_ok()
+    ready_within(endpoint, default_model, access, Duration::ZERO)
+}
+
+/// Whether a server answers ready at `endpoint` within `within` (asked
+/// again and again until then).
+pub fn ready_within(endpoint: &str, default_model: &str, access: &TeacherAccess, within: Duration) -> bool {
+    wait_ready(endpoint, default_model, access, within, || None).is_ok()
 }
 
 /// One look: the server is ready and so is `model`.

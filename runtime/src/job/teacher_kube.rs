@@ -154,6 +154,9 @@ pub struct KubeTeachers {
     /// By endpoint.
     pods: BTreeMap<String, KubeTeacher>,
     next: u32,
+    /// Numbers are past those of the job's Pods already there (looked up
+    /// once, before the first Pod this coordinator makes).
+    numbered: bool,
     polled: Option<Instant>,
     /// The handles of the teachers serving, for the job's state, where
     /// their Pods outlive the coordinator's (owned by its controller).
@@ -172,6 +175,10 @@ impl KubeTeachers {
             bail!("--teacher-kube-image is empty");
         }
         spec.words(0, job, service)?;
+        // A token goes only where the students would send it.
+        if let Some(why) = access.refusal(&format!("<Pod IP>:{}", spec.port)) {
+            bail!("--teacher-kube-image: {why}");
+        }
         Ok(KubeTeachers {
             spec,
             rt: tokio::runtime::Builder::new_current_thread().enable_all().build()?,
@@ -183,6 +190,7 @@ impl KubeTeachers {
             model_name: model_name.to_string(),
             pods: BTreeMap::new(),
             next: 0,
+            numbered: false,
             polled: None,
             handles: Arc::default(),
         })
@@ -233,12 +241,9 @@ impl KubeTeachers {
     /// is deleted, and the error says why.
     pub fn start(&mut self) -> Result<String> {
         let (api, owner) = self.api()?;
-        if self.next == 0 {
-            self.next = self.first_free(&api)?;
-        }
-        // A token goes only where the students would send it.
-        if let Some(why) = self.access.refusal(&format!("<Pod IP>:{}", self.spec.port)) {
-            bail!("--teacher-kube-image: {why}");
+        if !self.numbered {
+            self.next = self.next.max(self.first_free(&api)?);
+            self.numbered = true;
         }
         let id = self.next;
         self.next += 1;
@@ -418,7 +423,8 @@ impl KubeTeachers {
         if self.pods.contains_key(&endpoint) {
             bail!("{endpoint} is this coordinator's own teacher's");
         }
-        if !super::teacher_command::answers_ready(&endpoint, &self.model_name, &self.access) {
+        let within = super::assembly::TAKEOVER_READY;
+        if !super::teacher_command::ready_within(&endpoint, &self.model_name, &self.access, within) {
             self.delete(&api, &name);
             bail!("its Pod {name} does not answer ready at {endpoint}; deleted");
         }

@@ -668,8 +668,10 @@ pub async fn take_lease(
                 tokio::time::sleep(wait).await;
             }
             Err(e) if standby && e.is::<LeaseHeld>() => {
+                // A lease seen anew (a renewal) restarts the wait; one that
+                // lapsed between the write and the read (no token) does not.
                 let token = e.downcast_ref::<LeaseHeld>().and_then(|h| h.token);
-                if renewed.is_none_or(|(seen, _)| seen != token) {
+                if token.is_some() && renewed.is_none_or(|(seen, _)| seen != token) {
                     renewed = Some((token, std::time::Instant::now()));
                 }
                 if unreachable.take().is_some() {
