@@ -420,10 +420,6 @@ struct LocalTeachers {
 /// How long students following the store take to stop sending to a
 /// teacher taken out of it (they look every 200 ms).
 const DRAIN: std::time::Duration = std::time::Duration::from_secs(1);
-/// How long a teacher the coordinator before left may take to answer
-/// ready when it is taken over (a network still settling) before it is
-/// taken for gone.
-pub(crate) const TAKEOVER_READY: std::time::Duration = std::time::Duration::from_secs(10);
 /// How often a teacher taken over is asked whether it still answers.
 const ADOPTED_LOOK: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -640,7 +636,12 @@ impl crate::coordinator::pool::TeacherLauncher for LocalTeachers {
         }
         let stop = c.cmd.fill(c.cmd.stop.as_deref().expect("lasting"), &f, true)?;
         let log = super::teacher_command::log_path(&self.log_dir, h.id);
-        if !super::teacher_command::ready_within(&endpoint, &c.model_name, &c.access, TAKEOVER_READY) {
+        if !super::teacher_command::ready_within(
+            &endpoint,
+            &c.model_name,
+            &c.access,
+            super::teacher_command::TAKEOVER_READY,
+        ) {
             // This job's teacher by its handle, gone quiet: its stop command
             // ends whatever is left of it (dropped, it runs).
             drop(TeacherProcess::adopted(&endpoint, (h.slot, h.id, stop), &log, None)?);

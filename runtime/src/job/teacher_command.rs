@@ -166,6 +166,11 @@ pub fn wait_ready(
     }
 }
 
+/// How long a teacher the coordinator before left may take to answer
+/// ready when it is taken over (a network still settling) before it is
+/// taken for gone.
+pub const TAKEOVER_READY: Duration = Duration::from_secs(10);
+
 /// Whether a server answers ready at `endpoint` now (one look).
 pub fn answers_ready(endpoint: &str, default_model: &str, access: &TeacherAccess) -> bool {
     ready_within(endpoint, default_model, access, Duration::ZERO)

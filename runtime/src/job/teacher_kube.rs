@@ -423,7 +423,7 @@ impl KubeTeachers {
         if self.pods.contains_key(&endpoint) {
             bail!("{endpoint} is this coordinator's own teacher's");
         }
-        let within = super::assembly::TAKEOVER_READY;
+        let within = super::teacher_command::TAKEOVER_READY;
         if !super::teacher_command::ready_within(&endpoint, &self.model_name, &self.access, within) {
             self.delete(&api, &name);
             bail!("its Pod {name} does not answer ready at {endpoint}; deleted");
