@@ -41,7 +41,7 @@ mod plugin;
 pub mod testing;
 pub mod types;
 
-pub use config::Config;
+pub use config::{Config, ConfigKey, DESCRIBE, DESCRIBED};
 pub use plugin::{BatchAdapter, ReaderTransform, ScalingPolicy, TeacherPolicy};
 pub use types::{
     Action, Batch, ClusterView, Dtype, Hyperparams, PluginError, PluginInfo, ResizeEvent, TeacherPlan,
@@ -85,7 +85,9 @@ macro_rules! export_scaling_policy {
                     config: ::std::vec::Vec<(::std::string::String, ::std::string::String)>,
                 ) -> ::std::result::Result<(), $crate::PluginError> {
                     let mut plugin = <$ty as ::std::default::Default>::default();
-                    $crate::ScalingPolicy::init(&mut plugin, &$crate::Config::new(config))?;
+                    let config = $crate::Config::new(config);
+                    $crate::ScalingPolicy::init(&mut plugin, &config)?;
+                    config.described()?;
                     SLOT.set(plugin);
                     Ok(())
                 }
@@ -137,7 +139,9 @@ macro_rules! export_batch_adapter {
                     config: ::std::vec::Vec<(::std::string::String, ::std::string::String)>,
                 ) -> ::std::result::Result<(), $crate::PluginError> {
                     let mut plugin = <$ty as ::std::default::Default>::default();
-                    $crate::BatchAdapter::init(&mut plugin, &$crate::Config::new(config))?;
+                    let config = $crate::Config::new(config);
+                    $crate::BatchAdapter::init(&mut plugin, &config)?;
+                    config.described()?;
                     SLOT.set(plugin);
                     Ok(())
                 }
@@ -205,7 +209,9 @@ macro_rules! export_reader_transform {
                     config: ::std::vec::Vec<(::std::string::String, ::std::string::String)>,
                 ) -> ::std::result::Result<(), $crate::PluginError> {
                     let mut plugin = <$ty as ::std::default::Default>::default();
-                    $crate::ReaderTransform::init(&mut plugin, &$crate::Config::new(config))?;
+                    let config = $crate::Config::new(config);
+                    $crate::ReaderTransform::init(&mut plugin, &config)?;
+                    config.described()?;
                     SLOT.set(plugin);
                     Ok(())
                 }
@@ -285,7 +291,9 @@ macro_rules! export_teacher_policy {
                     config: ::std::vec::Vec<(::std::string::String, ::std::string::String)>,
                 ) -> ::std::result::Result<(), $crate::PluginError> {
                     let mut plugin = <$ty as ::std::default::Default>::default();
-                    $crate::TeacherPolicy::init(&mut plugin, &$crate::Config::new(config))?;
+                    let config = $crate::Config::new(config);
+                    $crate::TeacherPolicy::init(&mut plugin, &config)?;
+                    config.described()?;
                     SLOT.set(plugin);
                     Ok(())
                 }

@@ -396,6 +396,7 @@ pub unsafe fn plugin_init<T: Default>(
         with_instance::<T>(handle, |inst| {
             let mut fresh = T::default();
             init(&mut fresh, &config)?;
+            config.described()?;
             inst.plugin = fresh;
             Ok(())
         })

@@ -128,6 +128,30 @@ fn inspect(host: &PluginHost, file: &Path) -> Result<ExitCode> {
     println!("plugin:      {} {}", i.info.name, i.info.version);
     println!("description: {}", i.info.description);
     println!("exports:     {}", i.exports.join(", "));
+    match host.describe_config(file) {
+        Ok(Some(keys)) if keys.is_empty() => println!("config:      none"),
+        Ok(Some(keys)) => {
+            let flag = match i.world {
+                edl_runtime::plugin::World::BatchAdapter => "--adapter-config",
+                edl_runtime::plugin::World::ReaderTransform => "--transform-config",
+                edl_runtime::plugin::World::TeacherPolicy => "--teacher-policy-config",
+                edl_runtime::plugin::World::ScalingPolicy => "--policy-config",
+            };
+            println!("config:      {flag} KEY=VALUE, for");
+            for k in keys {
+                let kind =
+                    k.kind.map(|t| format!(" ({})", t.rsplit("::").next().unwrap_or(&t))).unwrap_or_default();
+                match k.default {
+                    Some(d) => println!("  {} = {d}{kind}", k.key),
+                    None => println!("  {}{kind}", k.key),
+                }
+            }
+        }
+        Ok(None) => {
+            println!("config:      not described (a plugin built with an older SDK, or not with the SDK)")
+        }
+        Err(e) => println!("config:      not described: {e}"),
+    }
     match (i.cached, &i.cache_entry) {
         (Some(c), Some(entry)) => {
             println!("cached:      {} ({})", if c { "yes" } else { "no, compiled now" }, entry.display())

@@ -117,6 +117,20 @@ impl PluginHost {
         self.cache.entry(&self.engine, wasm)
     }
 
+    /// The configuration keys the plugin at `path` takes, each with its
+    /// default and type, as its `init` looks them up when asked to describe
+    /// them (plugins built with this SDK); None for one that does not say.
+    pub fn describe_config(&self, path: &Path) -> Result<Option<Vec<edl_plugin_sdk::ConfigKey>>, Error> {
+        let ask = [(edl_plugin_sdk::DESCRIBE.to_string(), "1".to_string())];
+        let said = match self.load(path, &ask, None) {
+            Ok(_) => return Ok(None),
+            Err(e) => e.to_string(),
+        };
+        let Some((_, json)) = said.split_once(edl_plugin_sdk::DESCRIBED) else { return Ok(None) };
+        let mut de = serde_json::Deserializer::from_str(json);
+        Ok(serde::Deserialize::deserialize(&mut de).ok())
+    }
+
     /// Loads a scaling policy (`.wasm` component or native `.so`).
     pub fn load_policy(
         &self,

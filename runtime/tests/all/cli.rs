@@ -28,9 +28,16 @@ fn inspect_describes_a_plugin_and_its_cache_state() {
         "edl-plugin-autoscale 0.1.0",
         "edl:plugins/policy@0.1.0",
         "cached:      no",
+        // The keys its configuration takes, with their defaults, as its init reads them.
+        "config:      --policy-config KEY=VALUE, for",
+        "  threshold = 0.1 (f64)",
+        "  window = 3 (usize)",
     ] {
         assert!(out.contains(want), "missing {want:?} in\n{out}");
     }
+    let (ok, out, err) = edl(&["plugin", "inspect", art::TEACHER_AUTOSCALE_WASM], cache.path());
+    assert!(ok && out.contains("config:      --teacher-policy-config KEY=VALUE, for"), "{out}{err}");
+    assert!(out.contains("  settle-secs = 10 (f64)") && out.contains("  shrink-after = 3 (u32)"), "{out}");
     let (_, again, _) = edl(&["plugin", "inspect", art::AUTOSCALE_WASM], cache.path());
     assert!(again.contains("cached:      yes"), "{again}");
     let (ok, out, err) = edl(&["plugin", "inspect", art::AUGMENT_SO], cache.path());
