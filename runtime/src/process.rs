@@ -195,7 +195,40 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
     if tail.is_empty() {
         return String::new();
     }
+    // A traceback the workers' output showed already is not quoted again.
+    if traceback_at(&all).is_some() && was_shown(tail) {
+        return format!("; its traceback is shown above (whole in {})", path.display());
+    }
     format!("; last lines of {}:\n    {}", path.display(), tail.join("\n    "))
+}
+
+/// Python tracebacks workers of this process printed to its terminal, by
+/// their lines without blank ones or trailing spaces (a few dozen at most).
+static TRACEBACKS_SHOWN: std::sync::Mutex<Vec<Vec<String>>> = std::sync::Mutex::new(Vec::new());
+
+/// The lines of a traceback as it is compared: no blank lines, no trailing spaces.
+fn traceback_key<S: AsRef<str>>(lines: &[S]) -> Vec<String> {
+    lines.iter().map(|l| l.as_ref().trim_end().to_string()).filter(|l| !l.is_empty()).collect()
+}
+
+/// Whether the traceback `lines` was shown on this process's output
+/// before; it counts as shown from now on either way.
+pub fn traceback_shown<S: AsRef<str>>(lines: &[S]) -> bool {
+    let key = traceback_key(lines);
+    let mut shown = TRACEBACKS_SHOWN.lock().unwrap_or_else(|e| e.into_inner());
+    if shown.contains(&key) {
+        return true;
+    }
+    if shown.len() < 64 {
+        shown.push(key);
+    }
+    false
+}
+
+/// Whether the traceback `lines` was shown on this process's output (it
+/// is not counted as shown by asking).
+fn was_shown(lines: &[&str]) -> bool {
+    TRACEBACKS_SHOWN.lock().unwrap_or_else(|e| e.into_inner()).contains(&traceback_key(lines))
 }
 
 /// Where the Python traceback the log's lines end with starts. A traceback
@@ -465,6 +498,21 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
         }
         assert!(!alive(), "sleep {pid} outlived the bound");
+    }
+
+    #[test]
+    fn a_traceback_shown_on_the_output_is_not_quoted_again_in_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("worker-9.log");
+        let tb = ["Traceback (most recent call last):", "  File \"x_c9e1.py\", line 2", "KeyError: 'c9e1'"];
+        std::fs::write(&log, format!("step 1\n{}\n", tb.join("\n"))).unwrap();
+        let quoted = log_tail(&log, 3);
+        assert!(quoted.contains("last lines of") && quoted.contains("KeyError: 'c9e1'"), "{quoted}");
+        // Shown by a worker's output (trailing spaces and blank lines aside): named, not quoted.
+        assert!(!traceback_shown(&[tb[0], "", &format!("{}  ", tb[1]), tb[2]]));
+        assert!(traceback_shown(&tb), "counted as shown");
+        let named = log_tail(&log, 3);
+        assert_eq!(named, format!("; its traceback is shown above (whole in {})", log.display()));
     }
 
     #[test]

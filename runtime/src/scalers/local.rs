@@ -101,11 +101,6 @@ fn stream_lines(id: u64, from: std::io::PipeReader, mut log: std::fs::File) -> s
     })
 }
 
-/// Python tracebacks the workers of this process printed: one that
-/// another worker printed already (every worker failing the same way) is
-/// shown as one line naming it, not again whole; the log keeps it all.
-static TRACEBACKS_SHOWN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
-
 /// One worker's output, line by line, holding a traceback back until it
 /// is whole.
 #[derive(Default)]
@@ -134,16 +129,13 @@ impl Tracebacks {
         if block.is_empty() {
             return block;
         }
-        let whole = block.join("\n");
-        let mut shown = TRACEBACKS_SHOWN.lock().unwrap_or_else(|e| e.into_inner());
-        if shown.contains(&whole) {
-            let last = block.last().cloned().unwrap_or_default();
-            return vec![format!("{last} (the same traceback as shown above; whole in this worker's log)")];
+        // One another worker printed already (every worker failing the
+        // same way) is shown as one line naming it; the log keeps it all.
+        if !crate::process::traceback_shown(&block) {
+            return block;
         }
-        if shown.len() < 64 {
-            shown.push(whole);
-        }
-        block
+        let last = block.last().cloned().unwrap_or_default();
+        vec![format!("{last} (the same traceback as shown above; whole in this worker's log)")]
     }
 }
 
