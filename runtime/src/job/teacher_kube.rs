@@ -19,14 +19,14 @@ use super::teacher_command::{Registered, Registry, wait_ready};
 use crate::distill::TeacherAccess;
 use crate::leader::record::TeacherHandle;
 use crate::scalers::kubernetes::{
-    JOB_ANNOTATION, JOB_LABEL, Owner, call, connect, job_label, of_job, pod_name_of,
+    JOB_LABEL, Owner, call, connect, job_label, job_pod_meta, of_job, pod_name_of,
 };
 use anyhow::{Result, bail};
 use k8s_openapi::{
     api::core::v1::{Container, ContainerPort, Pod, PodSpec, ResourceRequirements},
     apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::OwnerReference},
 };
-use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use std::{
     collections::BTreeMap,
     sync::{Arc, Mutex},
@@ -89,11 +89,6 @@ pub fn teacher_pod(
     command: Vec<String>,
     owner: Option<OwnerReference>,
 ) -> Pod {
-    let labels = BTreeMap::from([
-        ("app.kubernetes.io/name".to_string(), "edl".to_string()),
-        (JOB_LABEL.to_string(), job_label(job)),
-        (TEACHER_LABEL.to_string(), id.to_string()),
-    ]);
     let quantities: BTreeMap<String, Quantity> =
         spec.resources.iter().map(|(k, v)| (k.clone(), Quantity(v.clone()))).collect();
     let resources = (!quantities.is_empty()).then(|| ResourceRequirements {
@@ -103,14 +98,13 @@ pub fn teacher_pod(
     });
     let selector: BTreeMap<String, String> = spec.node_selector.iter().cloned().collect();
     Pod {
-        metadata: ObjectMeta {
-            name: Some(pod_name_of(job, 't', id as u64)),
-            namespace: spec.namespace.clone(),
-            labels: Some(labels),
-            annotations: Some(BTreeMap::from([(JOB_ANNOTATION.to_string(), job.to_string())])),
-            owner_references: owner.map(|o| vec![o]),
-            ..Default::default()
-        },
+        metadata: job_pod_meta(
+            job,
+            pod_name_of(job, 't', id as u64),
+            spec.namespace.clone(),
+            (TEACHER_LABEL, id as u64),
+            owner,
+        ),
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
             termination_grace_period_seconds: Some(GRACE_SECS.into()),
@@ -476,7 +470,7 @@ impl Drop for KubeTeachers {
 mod tests {
     use super::*;
     use crate::distill::teacher::{Teacher, TeacherConfig, TeacherService};
-    use crate::scalers::kubernetes::tests::StandIn;
+    use crate::scalers::kubernetes::{JOB_ANNOTATION, tests::StandIn};
 
     fn spec(port: u16) -> KubeTeacherSpec {
         KubeTeacherSpec {

@@ -162,17 +162,22 @@ pub fn read_trace(path: &Path) -> Result<Trace, TraceError> {
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        let view: Strict<ClusterView> = serde_json::from_str(line).map_err(|source| TraceError::Parse {
-            path: shown.clone(),
-            line: i + 1,
-            source,
-        })?;
-        views.push(view.0);
+        views.push(cluster_view(serde_json::from_str(line), &shown, i + 1)?);
     }
     if views.is_empty() {
         return Err(TraceError::Empty { path: shown });
     }
     Ok(Trace::Recorded(views))
+}
+
+/// A cluster view read strictly, or the error naming where (`line` of
+/// `path`: a trace's line, or a report's decision).
+fn cluster_view(
+    parsed: Result<Strict<ClusterView>, serde_json::Error>,
+    path: &str,
+    line: usize,
+) -> Result<ClusterView, TraceError> {
+    parsed.map(|v| v.0).map_err(|source| TraceError::Parse { path: path.to_string(), line, source })
 }
 
 /// The views a job's report recorded its scaling policy deciding on
@@ -184,12 +189,7 @@ fn report_views(report: serde_json::Value, shown: String) -> Result<Vec<ClusterV
     let mut views = Vec::with_capacity(decisions.len());
     for (i, d) in decisions.iter().enumerate() {
         let view = d.get("view").cloned().unwrap_or_default();
-        let view: Strict<ClusterView> = serde_json::from_value(view).map_err(|source| TraceError::Parse {
-            path: shown.clone(),
-            line: i + 1,
-            source,
-        })?;
-        views.push(view.0);
+        views.push(cluster_view(serde_json::from_value(view), &shown, i + 1)?);
     }
     if views.is_empty() {
         return Err(TraceError::Empty { path: shown });

@@ -99,6 +99,31 @@ pub struct KubeOptions {
     pub pod_name: Option<String>,
 }
 
+/// The metadata of a Pod `name` of `job`: labelled with edl, the job and
+/// its role (`role`: the label and the worker's or teacher's number),
+/// annotated with the job's exact name, owned by `owner`.
+pub(crate) fn job_pod_meta(
+    job: &str,
+    name: String,
+    namespace: Option<String>,
+    (role, id): (&str, u64),
+    owner: Option<OwnerReference>,
+) -> ObjectMeta {
+    let labels = BTreeMap::from([
+        ("app.kubernetes.io/name".to_string(), "edl".to_string()),
+        (JOB_LABEL.to_string(), job_label(job)),
+        (role.to_string(), id.to_string()),
+    ]);
+    ObjectMeta {
+        name: Some(name),
+        namespace,
+        labels: Some(labels),
+        annotations: Some(BTreeMap::from([(JOB_ANNOTATION.to_string(), job.to_string())])),
+        owner_references: owner.map(|o| vec![o]),
+        ..Default::default()
+    }
+}
+
 /// The Pod of worker `id` of `job`: `program` is its command (the words,
 /// `{coordinator}` `{id}` `{job}` filled in already), `owner` the object it
 /// belongs to.
@@ -110,11 +135,6 @@ pub fn worker_pod(
     program: Vec<String>,
     owner: Option<OwnerReference>,
 ) -> Pod {
-    let labels = BTreeMap::from([
-        ("app.kubernetes.io/name".to_string(), "edl".to_string()),
-        (JOB_LABEL.to_string(), job_label(job)),
-        (WORKER_LABEL.to_string(), id.to_string()),
-    ]);
     let env =
         |name: &str, value: String| EnvVar { name: name.into(), value: Some(value), ..Default::default() };
     let resources = opts.gpus.map(|n| ResourceRequirements {
@@ -122,14 +142,7 @@ pub fn worker_pod(
         ..Default::default()
     });
     Pod {
-        metadata: ObjectMeta {
-            name: Some(pod_name(job, id)),
-            namespace: opts.namespace.clone(),
-            labels: Some(labels),
-            annotations: Some(BTreeMap::from([(JOB_ANNOTATION.to_string(), job.to_string())])),
-            owner_references: owner.map(|o| vec![o]),
-            ..Default::default()
-        },
+        metadata: job_pod_meta(job, pod_name(job, id), opts.namespace.clone(), (WORKER_LABEL, id), owner),
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
             // The notice a deleted worker gets: it leaves at a step boundary.
