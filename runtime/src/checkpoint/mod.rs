@@ -622,13 +622,14 @@ impl Checkpoints {
         // does not take it back.
         let pointer = self.dir.join(LATEST);
         let newer = std::fs::read_to_string(&pointer).is_ok_and(|was| was.trim() > name);
-        let next = self.dir.join(format!("{LATEST}.tmp-{}", std::process::id()));
-        let written = newer
-            || write_durably(&next, format!("{name}\n").as_bytes())
-                .and_then(|()| std::fs::rename(&next, &pointer).map_err(|e| io(&pointer, e)))
-                .inspect_err(|e| tracing::warn!("{}: {e}", pointer.display()))
-                .is_ok();
-        let _ = written;
+        if !newer {
+            let next = self.dir.join(format!("{LATEST}.tmp-{}", std::process::id()));
+            let written = write_durably(&next, format!("{name}\n").as_bytes())
+                .and_then(|()| std::fs::rename(&next, &pointer).map_err(|e| io(&pointer, e)));
+            if let Err(e) = written {
+                tracing::warn!("{}: {e}", pointer.display());
+            }
+        }
         Ok(dest)
     }
 
