@@ -63,7 +63,7 @@ pub struct DistillArgs {
 /// The teachers' registration key, from `--registration-key-file`.
 fn registration_key(file: Option<&std::path::Path>) -> Result<edl_runtime::leader::seal::RecordKey> {
     let Some(f) = file else {
-        bail!("--store needs --registration-key-file: the key the teachers registered with")
+        edl_runtime::refuse!("--store needs --registration-key-file: the key the teachers registered with")
     };
     let text = std::fs::read_to_string(f)
         .map_err(|e| anyhow::anyhow!("--registration-key-file {}: {e}", f.display()))?;

@@ -188,7 +188,9 @@ fn lock_torchrun_job(l: &LaunchArgs, job_dir: &Path, across: bool) -> Result<Job
     // were refused there; $EDL_STORE is not its).
     let shared = across && state.store != "memory";
     if state.standby && !shared {
-        bail!("--standby needs a shared --store (redis://..., etcd://...): the launchers meet there");
+        edl_runtime::refuse!(
+            "--standby needs a shared --store (redis://..., etcd://...): the launchers meet there"
+        );
     }
     JobLock::acquire(&lock_dir, &l.job, state.standby, shared)
 }

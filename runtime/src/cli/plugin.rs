@@ -2,7 +2,7 @@
 //! replay a policy over a trace or a scenario.
 
 use super::{flags::parse_pair, plugin_path};
-use anyhow::{Result, bail};
+use anyhow::Result;
 use clap::{Subcommand, ValueEnum};
 use edl_plugin_sdk::Hyperparams;
 use edl_runtime::{
@@ -166,7 +166,7 @@ fn replay(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
     if let Some(price) = args.price
         && !(price.is_finite() && price >= 0.0)
     {
-        bail!("--price {price}: need a finite price of 0 or more");
+        edl_runtime::refuse!("--price {price}: need a finite price of 0 or more");
     }
     let Some(policy) = &args.policy else { return replay_teachers(host, args) };
     let mut p = host.load_policy(&plugin_path::resolve("--policy", policy)?, &args.config)?;
@@ -226,7 +226,9 @@ fn replay_summary(name: &str, trace: &std::path::Path, decisions: &[replay::Deci
 fn replay_teachers(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
     let path = args.teacher_policy.as_ref().expect("one of the group is given");
     if args.plot.is_some() {
-        bail!("--plot draws a scaling policy's run; a teacher policy's replay is printed only");
+        edl_runtime::refuse!(
+            "--plot draws a scaling policy's run; a teacher policy's replay is printed only"
+        );
     }
     let mut p = host.load_teacher_policy(&plugin_path::resolve("--teacher-policy", path)?, &args.config)?;
     let mut views = replay::read_teacher_trace(&args.trace)?;

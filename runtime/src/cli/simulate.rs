@@ -5,7 +5,7 @@ use super::{
     flags::{PluginArgs, TransformArgs, WorkerBounds},
     plugin_path,
 };
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::Args;
 use edl_plugin_sdk::{Hyperparams, testing::standard_batch};
 use edl_runtime::{
@@ -83,7 +83,7 @@ impl SimPlugins {
 /// files change.
 pub fn run(host: &Arc<PluginHost>, args: SimArgs) -> Result<ExitCode> {
     if !(args.price.is_finite() && args.price >= 0.0) {
-        bail!("--price {}: need a finite price of 0 or more", args.price);
+        edl_runtime::refuse!("--price {}: need a finite price of 0 or more", args.price);
     }
     let pace = match (args.decide_every_secs, args.watch) {
         (Some(s), _) => Duration::try_from_secs_f64(s).map_err(|_| {

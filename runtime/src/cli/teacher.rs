@@ -103,7 +103,7 @@ pub fn run(args: TeacherArgs) -> Result<ExitCode> {
                 std::fs::read(k).with_context(|| format!("--tls-key {}", k.display()))?,
             )),
             (None, None) => None,
-            _ => bail!("--tls-cert and --tls-key go together"),
+            _ => edl_runtime::refuse!("--tls-cert and --tls-key go together"),
         },
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

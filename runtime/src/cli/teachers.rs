@@ -7,7 +7,7 @@ use super::{
     plugin_path,
     workload::{JobArgs, Prepared, StudentArgs, TeacherPoolArgs, sizes},
 };
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use edl_runtime::plugin::PluginHost;
 use edl_runtime::{
     job::{
@@ -107,7 +107,7 @@ impl TeacherPlan {
         if store != "memory" {
             plan.source = Some(TeacherSource::Discovered { store: store.clone(), service });
         } else if plan.start.is_none() {
-            bail!(
+            edl_runtime::refuse!(
                 "no teachers: give --teacher-processes N, --teachers host:port,..., or --store redis://... \
                  where teachers are registered, or --no-distill"
             );
@@ -125,13 +125,13 @@ fn refuse_pool_flags(work: &Prepared, d: &DistillationArgs, distill: bool) -> Re
             && p.teacher_command.is_none()
             && p.teacher_kube_image.is_none()
         {
-            bail!(
+            edl_runtime::refuse!(
                 "a launched program's teachers are started by --teacher-command or --teacher-kube-image (the \
                  job has no model of its own to serve them); or give --teachers host:port,..."
             );
         }
         if p.teacher_command.as_deref().is_some_and(|c| c.contains("{model}")) {
-            bail!(
+            edl_runtime::refuse!(
                 "--teacher-command: {{model}} is the built-in job's teacher model; a launched program's \
                  teachers serve models of their own (name the file in the command)"
             );
@@ -139,7 +139,7 @@ fn refuse_pool_flags(work: &Prepared, d: &DistillationArgs, distill: bool) -> Re
     }
     if (p.teacher_command.is_some() || p.teacher_kube_image.is_some()) && (!distill || named) {
         let flag = if p.teacher_command.is_some() { "--teacher-command" } else { "--teacher-kube-image" };
-        bail!(
+        edl_runtime::refuse!(
             "{flag} starts the job's own teachers; {}",
             if distill {
                 "--teachers host:port,... names others"
@@ -150,10 +150,12 @@ fn refuse_pool_flags(work: &Prepared, d: &DistillationArgs, distill: bool) -> Re
     }
     if p.max_teachers.is_some() {
         if !distill {
-            bail!("--max-teachers sizes the job's teachers; with --no-distill there are none");
+            edl_runtime::refuse!("--max-teachers sizes the job's teachers; with --no-distill there are none");
         }
         if named {
-            bail!("--max-teachers sizes the teachers the job starts; --teachers host:port,... names others");
+            edl_runtime::refuse!(
+                "--max-teachers sizes the teachers the job starts; --teachers host:port,... names others"
+            );
         }
     }
     Ok(())
@@ -186,17 +188,20 @@ fn teacher_pool(
 ) -> Result<Option<(PoolStart, String)>> {
     let Some(max) = p.max_teachers else { return Ok(None) };
     if p.min_teachers == 0 || max < p.min_teachers {
-        bail!("--min-teachers {} --max-teachers {max}: the pool needs 1 <= min <= max", p.min_teachers);
+        edl_runtime::refuse!(
+            "--min-teachers {} --max-teachers {max}: the pool needs 1 <= min <= max",
+            p.min_teachers
+        );
     }
     if store == "memory" {
-        bail!(
+        edl_runtime::refuse!(
             "--max-teachers needs a shared --store (redis://..., etcd://...): students find the pool's \
              teachers there as they come and go"
         );
     }
     let every = super::flags::secs(p.teacher_decide_secs, "teacher-decide-secs")?;
     if every.is_zero() {
-        bail!("--teacher-decide-secs must be above 0");
+        edl_runtime::refuse!("--teacher-decide-secs must be above 0");
     }
     let path = plugin_path::resolve("--teacher-policy", &p.teacher_policy)?;
     let policy = host

@@ -49,6 +49,15 @@ pub struct JobConfig {
 #[error("{0}")]
 pub struct Refused(pub String);
 
+/// Returns a [`Refused`] error: a setting of the command line refused
+/// before anything starts (exit status 2), written as `bail!`.
+#[macro_export]
+macro_rules! refuse {
+    ($($arg:tt)*) => {
+        return Err($crate::job::config::Refused(format!($($arg)*)).into())
+    };
+}
+
 impl JobConfig {
     /// Refuses settings a job cannot run with, naming the flag, before
     /// anything starts.

@@ -89,7 +89,7 @@ impl TeacherCommand {
                 _ => (rest, None),
             };
             if name.is_empty() || addr.is_empty() {
-                bail!("--teacher-hosts {h:?}: expected host[:slots] or name=addr[:slots]");
+                crate::refuse!("--teacher-hosts {h:?}: expected host[:slots] or name=addr[:slots]");
             }
             addrs.insert(name.to_string(), addr.to_string());
             names.push(n.map_or(name.to_string(), |n| format!("{name}:{n}")));
@@ -103,7 +103,7 @@ impl TeacherCommand {
             slots.push(Slot { host, addr, index, port });
         }
         if slots.is_empty() {
-            bail!("--teacher-command needs --teacher-hosts (the hosts and slots teachers run on)");
+            crate::refuse!("--teacher-command needs --teacher-hosts (the hosts and slots teachers run on)");
         }
         Ok(slots)
     }

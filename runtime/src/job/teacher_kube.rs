@@ -166,12 +166,12 @@ impl KubeTeachers {
         model_name: &str,
     ) -> Result<KubeTeachers> {
         if spec.image.is_empty() {
-            bail!("--teacher-kube-image is empty");
+            crate::refuse!("--teacher-kube-image is empty");
         }
         spec.words(0, job, service)?;
         // A token goes only where the students would send it.
         if let Some(why) = access.refusal(&format!("<Pod IP>:{}", spec.port)) {
-            bail!("--teacher-kube-image: {why}");
+            crate::refuse!("--teacher-kube-image: {why}");
         }
         Ok(KubeTeachers {
             spec,

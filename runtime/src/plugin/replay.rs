@@ -26,6 +26,16 @@ pub enum TraceError {
     NoTeacherDecisions { path: String },
     #[error("{path}: a report without policy decisions (written before reports kept them)")]
     NoPolicyDecisions { path: String },
+    /// A report's recorded decision (`list`: `policy_decisions` or
+    /// `teacher_decisions`; `index` counts from 1) whose view cannot be read.
+    #[error("{path}: {list}[{index}]: its view is not a {what}: {source}")]
+    ReportParse {
+        path: String,
+        list: &'static str,
+        index: usize,
+        what: &'static str,
+        source: serde_json::Error,
+    },
 }
 
 /// A trace: recorded views, or a scenario to simulate.
@@ -170,8 +180,7 @@ pub fn read_trace(path: &Path) -> Result<Trace, TraceError> {
     Ok(Trace::Recorded(views))
 }
 
-/// A cluster view read strictly, or the error naming where (`line` of
-/// `path`: a trace's line, or a report's decision).
+/// A cluster view read strictly, or the error naming the trace's line.
 fn cluster_view(
     parsed: Result<Strict<ClusterView>, serde_json::Error>,
     path: &str,
@@ -188,8 +197,14 @@ fn report_views(report: serde_json::Value, shown: String) -> Result<Vec<ClusterV
     };
     let mut views = Vec::with_capacity(decisions.len());
     for (i, d) in decisions.iter().enumerate() {
-        let view = d.get("view").cloned().unwrap_or_default();
-        views.push(cluster_view(serde_json::from_value(view), &shown, i + 1)?);
+        let view = serde_json::from_value::<Strict<ClusterView>>(d.get("view").cloned().unwrap_or_default());
+        views.push(view.map(|v| v.0).map_err(|source| TraceError::ReportParse {
+            path: shown.clone(),
+            list: "policy_decisions",
+            index: i + 1,
+            what: "cluster view",
+            source,
+        })?);
     }
     if views.is_empty() {
         return Err(TraceError::Empty { path: shown });
@@ -213,9 +228,15 @@ pub fn read_teacher_trace(path: &Path) -> Result<Vec<edl_plugin_sdk::TeacherView
         && let Some(decisions) = report.get("teacher_decisions").and_then(|d| d.as_array())
     {
         for (i, d) in decisions.iter().enumerate() {
-            let view = serde_json::from_value(d.get("view").cloned().unwrap_or_default())
-                .map_err(|source| TraceError::TeacherParse { path: shown.clone(), line: i + 1, source })?;
-            views.push(view);
+            let view = serde_json::from_value::<StrictView>(d.get("view").cloned().unwrap_or_default())
+                .map_err(|source| TraceError::ReportParse {
+                    path: shown.clone(),
+                    list: "teacher_decisions",
+                    index: i + 1,
+                    what: "teacher view",
+                    source,
+                })?;
+            views.push(view.0);
         }
     } else {
         for (i, line) in text.lines().enumerate() {

@@ -24,7 +24,7 @@
 
 use crate::scalers::Scaler;
 use crate::worker::session::JobAuth;
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow};
 use k8s_openapi::{
     api::core::v1::{
         Container, EnvVar, Pod, PodSpec, ResourceRequirements, SecretVolumeSource, Volume, VolumeMount,
@@ -384,7 +384,7 @@ impl KubernetesScaler {
 
     fn with_program(opts: KubeOptions, log_dir: &Path, program: Vec<String>) -> Result<Self> {
         if opts.image.is_empty() || opts.secret.is_empty() {
-            bail!("--scaler kubernetes needs --kube-image and --kube-secret");
+            crate::refuse!("--scaler kubernetes needs --kube-image and --kube-secret");
         }
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         Ok(KubernetesScaler {

@@ -521,7 +521,7 @@ pub fn run_hosts(
         bail!("no program to launch");
     }
     if hc.nproc == 0 {
-        bail!("--nproc-per-node 0: a host runs at least one rank");
+        crate::refuse!("--nproc-per-node 0: a host runs at least one rank");
     }
     let mut l = Launcher::open(cfg, hc, scaler, policy, on)?;
     let (base, mut kept) = match l.hold.as_ref().and_then(|h| h.found.clone()) {

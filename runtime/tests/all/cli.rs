@@ -685,6 +685,27 @@ fn a_job_s_report_keeps_every_policy_decision_and_replays_to_the_same_answers() 
         &d.join("plugin-cache"),
     );
     assert!(!ok && err.contains("a report without policy decisions"), "{err}");
+    // A report's view that cannot be read is named by its decision, not a line.
+    let mut edited = r.clone();
+    edited["policy_decisions"][1]["view"]["thruput"] = serde_json::json!(1.0);
+    std::fs::write(d.join("edited.json"), serde_json::to_string_pretty(&edited).unwrap()).unwrap();
+    let (ok, _, err) = edl(
+        &[
+            "plugin",
+            "replay",
+            "--policy",
+            art::SCHEDULE_WASM,
+            "--trace",
+            d.join("edited.json").to_str().unwrap(),
+        ],
+        &d.join("plugin-cache"),
+    );
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains("edited.json: policy_decisions[2]: its view is not a cluster view")
+            && err.contains("unknown field `thruput`"),
+        "{err}"
+    );
 }
 
 /// At a terminal (a pseudo-terminal `script` gives it) the job draws its

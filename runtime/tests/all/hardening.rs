@@ -339,6 +339,7 @@ fn nonsensical_flags_are_one_line_errors_before_anything_starts() {
         (&["--checkpoint-dir", "a-file/ckpt"], "a-file/ckpt: cannot create it", 1),
         (&["--decide-every-steps", "0"], "--decide-every-steps 0", 2),
         (&["--teacher-batch", "0"], "--teacher-batch 0: need at least 1", 2),
+        (&["--max-teachers", "2"], "with --no-distill there are none", 2),
     ] {
         let out = small(dir.path(), flags).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
@@ -354,6 +355,18 @@ fn nonsensical_flags_are_one_line_errors_before_anything_starts() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--teacher-wait-secs 90 must be below --step-timeout-secs 60"), "{err}");
     assert!(!dir.path().join(".edl/mnist/logs/teacher-0.log").exists(), "a teacher started");
+    // The teacher pool's bounds, and a pool without a store to be found in.
+    for (flags, want) in [
+        (&["--min-teachers", "3", "--max-teachers", "2"][..], "the pool needs 1 <= min <= max"),
+        (&["--max-teachers", "2"], "--max-teachers needs a shared --store"),
+    ] {
+        let args = [&["--policy", art::AUTOSCALE_WASM][..], flags].concat();
+        let out = job(dir.path(), &args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
+        assert!(err.contains(want), "{flags:?}: {err}");
+        assert!(!dir.path().join(".edl/mnist/logs/teacher-0.log").exists(), "{flags:?}: a teacher started");
+    }
 }
 
 #[test]

@@ -510,3 +510,98 @@ fn a_launched_program_s_teacher_pool_grows_while_its_students_wait() {
     assert_eq!((first["from"].as_u64(), first["to"].as_u64()), (Some(1), Some(2)), "{events:?}");
     assert!(first["reason"].as_str().unwrap().contains("students waited"), "{events:?}");
 }
+
+/// A program that prints a line at every step, slowly enough for the bar
+/// to be drawn between them.
+const CHATTY: &str = r#"
+import time
+import numpy as np
+import edl
+
+job = edl.Job.from_env()
+if job is None:
+    raise SystemExit(0)
+w = np.zeros(4, dtype=np.float32)
+job.register("w", w)
+for step in job.steps():
+    print(f"chatty line of step {step.step}", flush=True)
+    time.sleep(0.03)
+    g = np.ones(4, dtype=np.float32)
+    if not step.all_reduce([g]):
+        continue
+    step.commit(loss=1.0)
+"#;
+
+/// What a terminal shows on each row of `raw`: carriage returns go back to
+/// the row's start, `ESC[2K` clears it, `ESC[K` clears from the cursor on,
+/// other escape sequences draw nothing, and text overwrites what is there.
+fn terminal_rows(raw: &str) -> Vec<String> {
+    let mut rows = Vec::new();
+    for line in raw.split('\n') {
+        let (mut row, mut at) = (Vec::<char>::new(), 0usize);
+        let mut chars = line.chars().peekable();
+        while let Some(c) = chars.next() {
+            match c {
+                '\r' => at = 0,
+                '\x1b' if chars.peek() == Some(&'[') => {
+                    chars.next();
+                    let mut params = String::new();
+                    while let Some(&p) = chars.peek() {
+                        chars.next();
+                        if p.is_ascii_alphabetic() {
+                            match (p, params.as_str()) {
+                                ('K', "2") => row.clear(),
+                                ('K', "" | "0") => row.truncate(at),
+                                _ => {}
+                            }
+                            break;
+                        }
+                        params.push(p);
+                    }
+                }
+                c => {
+                    if at < row.len() {
+                        row[at] = c;
+                    } else {
+                        row.push(c);
+                    }
+                    at += 1;
+                }
+            }
+        }
+        rows.push(row.into_iter().collect());
+    }
+    rows
+}
+
+/// At a terminal, a launched program's lines are written above the job's
+/// progress bar: each on a row of its own, never over or after the bar.
+#[test]
+fn at_a_terminal_a_program_s_lines_go_above_the_progress_bar() {
+    let py = py();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("chatty.py"), CHATTY).unwrap();
+    let line = format!(
+        "cd '{}' && exec '{}' launch --samples 400 --epochs 2 --batch 40 --no-distill --workers 1 \
+         --max-workers 1 --plugin-cache plugin-cache -- python chatty.py",
+        dir.path().display(),
+        env!("CARGO_BIN_EXE_edl-runtime")
+    );
+    let mut c = Command::new("script");
+    c.args(["-qfec", &line, "/dev/null"]);
+    py.env(&mut c);
+    let out = c.output().unwrap();
+    let raw = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{raw}");
+    assert!(raw.contains(" left "), "no progress bar was drawn: {raw}");
+    let rows = terminal_rows(&raw);
+    let printed: Vec<&String> = rows.iter().filter(|r| r.contains("chatty line of step")).collect();
+    assert!(printed.len() >= 10, "the program's lines: {printed:?}\n{raw}");
+    for row in printed {
+        let shown = row.trim_end();
+        assert!(
+            shown.starts_with("[worker 1] chatty line of step") && !shown.contains('%'),
+            "a program's line drawn over or beside the bar: {shown:?}"
+        );
+    }
+}
