@@ -35,6 +35,7 @@ pub mod distill;
 pub mod job;
 pub mod leader;
 pub mod net;
+pub mod observe;
 pub mod plot;
 pub mod plugin;
 pub mod process;

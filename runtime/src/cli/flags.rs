@@ -522,6 +522,29 @@ pub struct OutputArgs {
     pub plot: Option<PathBuf>,
 }
 
+/// Watching a job while it runs: its live page and its metrics.
+#[derive(Args)]
+#[command(next_help_heading = "Watching")]
+pub struct WatchArgs {
+    /// Serve the job's live page (`/`) and its Prometheus metrics
+    /// (`/metrics`) on ADDR[:PORT] (port 9464 when none is given; 0 picks a
+    /// free one). Beyond loopback only with --metrics-tls-cert/--metrics-tls-key
+    /// and --metrics-token-file.
+    #[arg(long, value_name = "ADDR[:PORT]", value_parser = listen_on(9464))]
+    pub metrics_listen: Option<SocketAddr>,
+    /// A file holding the token every request to the page and the metrics
+    /// must carry (`Authorization: Bearer TOKEN`, or `?token=TOKEN` in a browser).
+    #[arg(long, value_name = "FILE", requires = "metrics_listen")]
+    pub metrics_token_file: Option<PathBuf>,
+    /// Serve the page and the metrics over HTTPS with this certificate (PEM,
+    /// with its chain).
+    #[arg(long, value_name = "FILE", requires_all = ["metrics_listen", "metrics_tls_key"])]
+    pub metrics_tls_cert: Option<PathBuf>,
+    /// The key of --metrics-tls-cert (PEM).
+    #[arg(long, value_name = "FILE", requires = "metrics_tls_cert")]
+    pub metrics_tls_key: Option<PathBuf>,
+}
+
 /// The plugin sandbox: flags of every subcommand, before or after it.
 #[derive(Args)]
 #[command(next_help_heading = "Plugin sandbox")]

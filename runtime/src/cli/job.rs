@@ -6,7 +6,7 @@
 //! run with its progress (`progress.rs`), and the summary (`summary.rs`).
 
 use super::{
-    flags::{ClusterArgs, PluginArgs, ScalerKind, TransformArgs},
+    flags::{ClusterArgs, PluginArgs, ScalerKind, TransformArgs, WatchArgs},
     plugin_path,
     progress::ProgressDisplay,
     summary::{summarize, write_failed_report},
@@ -20,6 +20,7 @@ use edl_runtime::{
     coordinator::{self, report::Report},
     job::{Job, JobConfig, JobDirs, JobPlugins, JobSpec, TeacherSource},
     net,
+    observe::{self, Watch, WatchAccess},
     plugin::{AdapterPlugin, PluginHost, PolicyPlugin},
     scalers::{
         CommandScaler, ExternalWorkers, LocalProcesses, Scaler, kubernetes::KubernetesScaler,
@@ -51,12 +52,17 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     let checkpoint_dir = cfg.spec.checkpoint_dir.clone();
     let scaler = scaler(&args.cluster, &exe, &dirs.log_dir, work.command())?;
     let header = header(&name, &args, &work, &plugins);
+    let watch = watch(&args.watch, &name, &plugins.policy_name, args.training.epochs, work.rows() as u64)?;
     let Plugins { policy, policy_name, adapter, adapter_name, .. } = plugins;
     let job_plugins = JobPlugins { policy, adapter };
     let secret_file = args.cluster.secret_file.as_deref();
     let starts_teachers = teachers.start.is_some();
     let mut job = Job::prepare(cfg, &dirs, secret_file, job_plugins, scaler, starts_teachers)?;
     println!("{header}");
+    if let Some((_, line)) = &watch {
+        println!("{line}");
+    }
+    let watch = watch.map(|(w, _)| w);
     if let Some(line) = &teachers.pool_line {
         println!("{line}");
     }
@@ -75,7 +81,21 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     // workers stopped, its report written, exit status 143 or 130.
     edl_runtime::process::hear_stop_signals();
     let _stops = edl_runtime::process::StopsWithNotice::begin(edl_runtime::process::STOP_WITHIN);
-    let outcome = match coordinator::run(job, &mut |p| display.show(p)) {
+    let outcome = coordinator::run(job, &mut |p| {
+        if let Some(w) = &watch {
+            w.record(&p);
+        }
+        display.show(p)
+    });
+    if let Some(w) = &watch {
+        w.end(match &outcome {
+            Ok(_) => "finished",
+            Err(e) if e.is::<coordinator::AlreadyFinished>() => "finished",
+            Err(e) if e.is::<edl_runtime::process::StopSignalled>() => "stopped",
+            Err(_) => "failed",
+        });
+    }
+    let outcome = match outcome {
         Ok(o) => o,
         Err(e) if e.is::<coordinator::AlreadyFinished>() => {
             display.finish();
@@ -111,6 +131,34 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
         args.training.seed,
     );
     summarize(&report, &args.output, &dirs.checkpoint_dir, &checkpoint_dir)
+}
+
+/// The job's live page and metrics, served when `--metrics-listen` asks
+/// for them, and the line that says where.
+fn watch(
+    args: &WatchArgs,
+    job: &str,
+    policy: &str,
+    epochs: u64,
+    rows: u64,
+) -> Result<Option<(Watch, String)>> {
+    let Some(addr) = args.metrics_listen else { return Ok(None) };
+    let token = super::flags::read_token(args.metrics_token_file.as_deref(), "--metrics-token-file")?;
+    let tls = match (&args.metrics_tls_cert, &args.metrics_tls_key) {
+        (Some(c), Some(k)) => Some((
+            std::fs::read(c).with_context(|| format!("--metrics-tls-cert {}", c.display()))?,
+            std::fs::read(k).with_context(|| format!("--metrics-tls-key {}", k.display()))?,
+        )),
+        _ => None,
+    };
+    let w = Watch::new(job, policy, epochs, rows);
+    let at = observe::serve(addr, w.clone(), WatchAccess { token, tls }).map_err(|e| match e {
+        observe::ServeError::InClear(_) => {
+            anyhow::Error::new(edl_runtime::job::config::Refused(e.to_string()))
+        }
+        e => e.into(),
+    })?;
+    Ok(Some((w, format!("watch     {} (Prometheus metrics at {}metrics)", at.url(), at.url()))))
 }
 
 /// The plugins the coordinator runs, loaded (and the transform tried)

@@ -189,11 +189,16 @@ async fn serve(
         let router = edl_runtime::distill::rest::router(service, token, max_body);
         let scheme = match rest_tls {
             Some(config) => {
-                tokio::spawn(edl_runtime::distill::rest::serve_tls(listener, router, config));
+                tokio::spawn(edl_runtime::distill::rest::serve_tls(
+                    listener,
+                    router,
+                    config,
+                    "teacher REST endpoint",
+                ));
                 "https"
             }
             None => {
-                tokio::spawn(edl_runtime::distill::rest::serve(listener, router));
+                tokio::spawn(edl_runtime::distill::rest::serve(listener, router, "teacher REST endpoint"));
                 "http"
             }
         };

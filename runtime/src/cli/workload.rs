@@ -5,7 +5,7 @@
 
 use super::flags::{
     ClusterArgs, DistillationArgs, LivenessArgs, OutputArgs, PluginArgs, ScalingArgs, StateArgs,
-    TrainingArgs, TransformArgs,
+    TrainingArgs, TransformArgs, WatchArgs,
 };
 use anyhow::{Context, Result};
 use clap::Args;
@@ -43,6 +43,8 @@ pub struct JobArgs {
     pub liveness: LivenessArgs,
     #[command(flatten)]
     pub output: OutputArgs,
+    #[command(flatten)]
+    pub watch: WatchArgs,
 }
 
 /// The built-in student's distillation temperature, by default; a

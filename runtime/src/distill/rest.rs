@@ -74,10 +74,11 @@ pub fn max_body(rows: usize, features: usize) -> usize {
     rows.saturating_mul(features).saturating_mul(24).saturating_add(64 << 10)
 }
 
-/// Serves `router` on `listener` until the process ends.
-pub async fn serve(listener: tokio::net::TcpListener, router: Router) {
+/// Serves `router` on `listener` until the process ends (`what` names
+/// the endpoint in its warnings).
+pub async fn serve(listener: tokio::net::TcpListener, router: Router, what: &'static str) {
     if let Err(e) = axum::serve(listener, router).await {
-        tracing::warn!("teacher REST endpoint: {e}");
+        tracing::warn!("{what}: {e}");
     }
 }
 
@@ -158,11 +159,12 @@ pub async fn serve_tls(
     listener: tokio::net::TcpListener,
     router: Router,
     config: Arc<tokio_rustls::rustls::ServerConfig>,
+    what: &'static str,
 ) {
     let local = match listener.local_addr() {
         Ok(a) => a,
         Err(e) => {
-            tracing::warn!("teacher REST endpoint: {e}");
+            tracing::warn!("{what}: {e}");
             return;
         }
     };
@@ -174,7 +176,7 @@ pub async fn serve_tls(
             let (tcp, peer) = match listener.accept().await {
                 Ok(c) => c,
                 Err(e) => {
-                    tracing::warn!("teacher REST endpoint: accept: {e}");
+                    tracing::warn!("{what}: accept: {e}");
                     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                     continue;
                 }
@@ -188,14 +190,14 @@ pub async fn serve_tls(
                     Ok(Ok(tls)) => {
                         let _ = tx.send((tls, peer)).await;
                     }
-                    Ok(Err(e)) => tracing::debug!("teacher REST endpoint: TLS handshake with {peer}: {e}"),
-                    Err(_) => tracing::debug!("teacher REST endpoint: {peer} took too long to shake hands"),
+                    Ok(Err(e)) => tracing::debug!("{what}: TLS handshake with {peer}: {e}"),
+                    Err(_) => tracing::debug!("{what}: {peer} took too long to shake hands"),
                 }
             });
         }
     });
     if let Err(e) = axum::serve(TlsListener { ready, local }, router).await {
-        tracing::warn!("teacher REST endpoint: {e}");
+        tracing::warn!("{what}: {e}");
     }
 }
 

@@ -1160,6 +1160,7 @@ fn the_reader_reads_teachers_that_speak_rest() {
                     token,
                     edl_runtime::distill::rest::max_body(4096, DIM),
                 ),
+                "teacher REST endpoint",
             ));
             format!("http://{addr}")
         };
@@ -1364,7 +1365,7 @@ fn a_rest_request_without_the_token_is_refused_before_its_body_is_read() {
         let service = TeacherService::new(model(), TeacherConfig::default());
         let router =
             edl_runtime::distill::rest::router(service, Some("tok".into()), edl_runtime::distill::rest::max_body(4096, DIM));
-        tokio::spawn(edl_runtime::distill::rest::serve(listener, router));
+        tokio::spawn(edl_runtime::distill::rest::serve(listener, router, "teacher REST endpoint"));
         let answer = tokio::task::spawn_blocking(move || {
             // A body of 50 MB announced and never sent: the teacher answers
             // at once, without waiting for it.

@@ -26,3 +26,4 @@ mod teacher_pool;
 mod torch;
 mod torchrun;
 mod train;
+mod watch;

@@ -80,11 +80,12 @@ fn setup() -> Result<PyEnv, String> {
     output_of(&mut build, "building the edl package (cargo build -p edl-python)")?;
     let base = target.join("edl-python");
     // noiseprotocol: an independent Noise implementation, which the
-    // package's tests speak the job channel's handshake with.
+    // package's tests speak the job channel's handshake with;
+    // prometheus_client: the reference parser of a job's metrics.
     let bin = venv_with(
         &base.join("venv"),
-        "import numpy, pytest, noise",
-        &["numpy>=1.22", "pytest>=7", "noiseprotocol>=0.3"],
+        "import numpy, pytest, noise, prometheus_client",
+        &["numpy>=1.22", "pytest>=7", "noiseprotocol>=0.3", "prometheus_client>=0.17"],
     )?;
     let site = base.join("site");
     let pkg = site.join("edl");

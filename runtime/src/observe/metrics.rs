@@ -1,0 +1,309 @@
+//! A job's metrics in the Prometheus and OpenMetrics text format
+//! (`prometheus-client`), kept from the coordinator's progress events:
+//! names carry the `edl_` prefix, seconds end in `_seconds` and counters in
+//! `_total`, as Prometheus' conventions ask.
+
+use crate::{
+    coordinator::{StepRecord, machine::ledger::EpochRecord, pool::TeacherEvent},
+    leader::record::ScaleEvent,
+};
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram, info::Info},
+    registry::{Registry, Unit},
+};
+use std::sync::atomic::AtomicU64;
+
+/// A gauge of a real number.
+type Real = Gauge<f64, AtomicU64>;
+
+/// A program's own metric (`step.commit(accuracy=...)`), by its name.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NameLabel {
+    name: String,
+}
+
+/// Which way a resize went.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirectionLabel {
+    direction: &'static str,
+}
+
+/// The job's metrics, registered once and moved by [`JobMetrics::step`]
+/// and its siblings.
+pub struct JobMetrics {
+    registry: Registry,
+    committed_step: Gauge,
+    epoch: Gauge,
+    steps: Counter,
+    samples: Counter,
+    samples_per_second: Real,
+    loss: Real,
+    program: Family<NameLabel, Real>,
+    world: Gauge,
+    generation: Gauge,
+    resizes: Family<DirectionLabel, Counter>,
+    pause: Histogram,
+    setup: Histogram,
+    join: Histogram,
+    checkpoints: Counter,
+    checkpoint_step: Gauge,
+    teachers: Gauge,
+    teacher_changes: Counter,
+    epochs: Counter,
+    duplicates: Counter,
+    missing: Counter,
+    notes: Counter,
+    /// Samples in an epoch, and the (epoch, cursor) of the last step seen:
+    /// what the next step's samples are counted from.
+    rows: u64,
+    last: Option<(u64, usize)>,
+}
+
+/// Buckets from 10 ms to about 80 s: a resize's pause is tens of
+/// milliseconds, a worker's start seconds.
+fn seconds_buckets() -> Histogram {
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(0.01, 2.0, 14))
+}
+
+impl JobMetrics {
+    /// The metrics of job `job` (scaling policy `policy`), whose epochs
+    /// have `rows` samples.
+    pub fn new(job: &str, policy: &str, rows: u64) -> JobMetrics {
+        let mut registry = Registry::with_prefix("edl");
+        let info = Info::new(vec![("job", job.to_string()), ("policy", policy.to_string())]);
+        registry.register("job", "The job this process coordinates", info);
+        let m = JobMetrics {
+            committed_step: Gauge::default(),
+            epoch: Gauge::default(),
+            steps: Counter::default(),
+            samples: Counter::default(),
+            samples_per_second: Real::default(),
+            loss: Real::default(),
+            program: Family::default(),
+            world: Gauge::default(),
+            generation: Gauge::default(),
+            resizes: Family::default(),
+            pause: seconds_buckets(),
+            setup: seconds_buckets(),
+            join: seconds_buckets(),
+            checkpoints: Counter::default(),
+            checkpoint_step: Gauge::default(),
+            teachers: Gauge::default(),
+            teacher_changes: Counter::default(),
+            epochs: Counter::default(),
+            duplicates: Counter::default(),
+            missing: Counter::default(),
+            notes: Counter::default(),
+            rows,
+            last: None,
+            registry,
+        };
+        m.register()
+    }
+
+    fn register(mut self) -> JobMetrics {
+        let r = &mut self.registry;
+        r.register("committed_step", "The job's newest committed step", self.committed_step.clone());
+        r.register("epoch", "The epoch the job trains (from 0)", self.epoch.clone());
+        r.register("steps", "Steps committed by this run", self.steps.clone());
+        r.register("samples", "Samples committed by this run", self.samples.clone());
+        r.register(
+            "samples_per_second",
+            "Committed samples per second over the last few steps",
+            self.samples_per_second.clone(),
+        );
+        r.register("loss", "The loss of the newest committed step", self.loss.clone());
+        r.register(
+            "program_metric",
+            "A metric the program committed with its step (its name in `name`)",
+            self.program.clone(),
+        );
+        r.register("world_size", "Workers in the current generation", self.world.clone());
+        r.register("generation", "The current generation of the job's ring", self.generation.clone());
+        r.register("resizes", "Resizes of the job, by direction", self.resizes.clone());
+        r.register_with_unit(
+            "resize_pause",
+            "From a resize at a step boundary to the new generation's first committed step",
+            Unit::Seconds,
+            self.pause.clone(),
+        );
+        r.register_with_unit(
+            "resize_setup",
+            "The slowest rank's ring set-up and state broadcast, within a resize's pause",
+            Unit::Seconds,
+            self.setup.clone(),
+        );
+        r.register_with_unit(
+            "worker_join",
+            "From the policy's decision to grow to the new worker being ready",
+            Unit::Seconds,
+            self.join.clone(),
+        );
+        r.register("checkpoints", "Checkpoints written", self.checkpoints.clone());
+        r.register("checkpoint_step", "The step of the newest checkpoint", self.checkpoint_step.clone());
+        r.register("teachers", "Teachers in the job's pool", self.teachers.clone());
+        r.register(
+            "teacher_pool_changes",
+            "Changes of the teacher pool's size",
+            self.teacher_changes.clone(),
+        );
+        r.register("epochs", "Epochs finished", self.epochs.clone());
+        r.register(
+            "duplicate_samples",
+            "Samples read by more than one committed step of a finished epoch",
+            self.duplicates.clone(),
+        );
+        r.register(
+            "missing_samples",
+            "Samples no committed step of a finished epoch read",
+            self.missing.clone(),
+        );
+        r.register("notes", "Notes the coordinator printed (failures, hand-overs)", self.notes.clone());
+        self
+    }
+
+    /// A committed step.
+    pub fn step(&mut self, s: &StepRecord) {
+        self.committed_step.set(s.step as i64);
+        self.epoch.set(s.epoch as i64);
+        self.steps.inc();
+        self.samples.inc_by(samples_between(self.last, (s.epoch, s.cursor), self.rows));
+        self.last = Some((s.epoch, s.cursor));
+        self.samples_per_second.set(s.samples_per_sec);
+        self.loss.set(s.loss);
+        self.world.set(s.world as i64);
+        for (name, v) in &s.metrics {
+            self.program.get_or_create(&NameLabel { name: name.clone() }).set(*v);
+        }
+    }
+
+    /// A resize, at its new generation's first committed step.
+    pub fn scale(&mut self, e: &ScaleEvent) {
+        let direction = match e.to.cmp(&e.from) {
+            std::cmp::Ordering::Greater => "grow",
+            std::cmp::Ordering::Less => "shrink",
+            std::cmp::Ordering::Equal => "replace",
+        };
+        self.resizes.get_or_create(&DirectionLabel { direction }).inc();
+        self.world.set(e.to as i64);
+        self.generation.set(e.generation as i64);
+        self.pause.observe(e.pause_ms / 1e3);
+        self.setup.observe(e.setup_ms / 1e3);
+        if let Some(j) = e.join_ms {
+            self.join.observe(j / 1e3);
+        }
+    }
+
+    pub fn epoch_done(&mut self, r: &EpochRecord) {
+        self.epochs.inc();
+        self.duplicates.inc_by(r.duplicates);
+        self.missing.inc_by(r.missing);
+    }
+
+    pub fn checkpoint(&mut self, step: u64) {
+        self.checkpoints.inc();
+        self.checkpoint_step.set(step as i64);
+    }
+
+    pub fn teachers(&mut self, e: &TeacherEvent) {
+        self.teacher_changes.inc();
+        self.teachers.set(e.to as i64);
+    }
+
+    pub fn note(&mut self) {
+        self.notes.inc();
+    }
+
+    /// The metrics in the OpenMetrics text format (which Prometheus reads).
+    pub fn encode(&self) -> String {
+        let mut text = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
+        text
+    }
+}
+
+/// The content type of [`JobMetrics::encode`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Samples committed from position `last` (epoch, samples of it consumed)
+/// to `now`, in epochs of `rows` samples. A position that went back (a
+/// job that returned to a checkpoint) counts nothing: those samples are
+/// counted again as they are committed again.
+fn samples_between(last: Option<(u64, usize)>, now: (u64, usize), rows: u64) -> u64 {
+    let (e1, c1) = (now.0, now.1 as u64);
+    let Some((e0, c0)) = last else { return c1 };
+    let c0 = c0 as u64;
+    match e1.cmp(&e0) {
+        std::cmp::Ordering::Equal => c1.saturating_sub(c0),
+        std::cmp::Ordering::Greater => rows.saturating_sub(c0) + (e1 - e0 - 1).saturating_mul(rows) + c1,
+        std::cmp::Ordering::Less => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_are_counted_across_epochs_and_not_again_after_a_return() {
+        assert_eq!(samples_between(None, (0, 64), 400), 64);
+        assert_eq!(samples_between(Some((0, 64)), (0, 128), 400), 64);
+        // 400 - 384 of epoch 0, then 32 of epoch 1.
+        assert_eq!(samples_between(Some((0, 384)), (1, 32), 400), 48);
+        assert_eq!(samples_between(Some((0, 384)), (2, 32), 400), 448);
+        assert_eq!(samples_between(Some((1, 32)), (0, 384), 400), 0);
+        assert_eq!(samples_between(Some((1, 64)), (1, 32), 400), 0);
+    }
+
+    fn step(step: u64, epoch: u64, cursor: usize) -> StepRecord {
+        StepRecord {
+            step,
+            epoch,
+            world: 2,
+            secs: step as f64,
+            loss: 0.5,
+            samples_per_sec: 1000.0,
+            cursor,
+            metrics: [("accuracy".to_string(), 0.75)].into(),
+        }
+    }
+
+    #[test]
+    fn the_text_names_every_metric_with_its_prefix_unit_and_value() {
+        let mut m = JobMetrics::new("mnist", "autoscale 0.1.0", 400);
+        m.step(&step(1, 0, 64));
+        m.step(&step(2, 0, 128));
+        m.scale(&ScaleEvent {
+            step: 2,
+            from: 1,
+            to: 2,
+            pause_ms: 50.0,
+            reason: "grow".into(),
+            generation: 2,
+            setup_ms: 20.0,
+            join_ms: Some(3000.0),
+            at_secs: 1.0,
+        });
+        let text = m.encode();
+        for line in [
+            "edl_job_info{job=\"mnist\",policy=\"autoscale 0.1.0\"} 1",
+            "edl_committed_step 2",
+            "edl_steps_total 2",
+            "edl_samples_total 128",
+            "edl_loss 0.5",
+            "edl_program_metric{name=\"accuracy\"} 0.75",
+            "edl_world_size 2",
+            "edl_generation 2",
+            "edl_resizes_total{direction=\"grow\"} 1",
+            "edl_resize_pause_seconds_count 1",
+            "edl_resize_pause_seconds_sum 0.05",
+            "edl_worker_join_seconds_sum 3.0",
+            "# UNIT edl_resize_pause_seconds seconds",
+            "# EOF",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line:?} missing from\n{text}");
+        }
+    }
+}

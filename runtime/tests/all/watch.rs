@@ -1,0 +1,176 @@
+//! Watching a job as it runs (`--metrics-listen`): its Prometheus metrics
+//! read by the reference client's OpenMetrics parser, its live page drawn
+//! by a real headless browser (Debian's chromium), its token.
+
+use crate::support::{
+    KillOnDrop,
+    job::{job, lines},
+    python::py,
+    wait::wait_for,
+};
+use edl_plugin_artifacts as art;
+use std::{collections::BTreeMap, io::Write, path::Path, process::Stdio, sync::mpsc, time::Duration};
+
+/// A long built-in job under the schedule policy (1 -> 2 workers after
+/// a few steps), served on a free loopback port; its process, output and
+/// page address.
+fn watched(dir: &Path, extra: &[&str]) -> (KillOnDrop, mpsc::Receiver<String>, String, Vec<String>) {
+    let flags = [
+        &[
+            "--no-distill",
+            "--policy",
+            art::SCHEDULE_WASM,
+            "--policy-config",
+            "every=4",
+            "--decide-every-steps",
+            "4",
+            "--max-workers",
+            "2",
+            "--epochs",
+            "400",
+            "--step-delay-ms",
+            "20",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ][..],
+        extra,
+    ]
+    .concat();
+    let mut child = job(dir, &flags).spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "watch     http://", &mut seen, Duration::from_secs(120));
+    let line = seen.iter().find(|l| l.starts_with("watch     http://")).unwrap();
+    let url = line["watch     ".len()..].split_whitespace().next().unwrap().to_string();
+    (KillOnDrop(child), rx, url, seen)
+}
+
+/// A GET of `url`: its status and body.
+fn get(url: &str, bearer: Option<&str>) -> (u16, String) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let mut req = reqwest::Client::new().get(url).timeout(Duration::from_secs(30));
+        if let Some(t) = bearer {
+            req = req.bearer_auth(t);
+        }
+        let resp = req.send().await.unwrap();
+        (resp.status().as_u16(), resp.text().await.unwrap())
+    })
+}
+
+/// The samples of an OpenMetrics text, as read by the reference Python
+/// client's parser (which refuses text that breaks the format): each
+/// sample's name with its labels, and its value.
+fn parsed(text: &str) -> BTreeMap<String, f64> {
+    const PARSE: &str = r#"
+import json, sys
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+out = {}
+for family in text_string_to_metric_families(sys.stdin.read()):
+    for s in family.samples:
+        labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+        out[s.name + ("{" + labels + "}" if labels else "")] = s.value
+print(json.dumps(out))
+"#;
+    let mut c =
+        py().python().args(["-c", PARSE]).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    c.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = c.wait_with_output().unwrap();
+    assert!(out.status.success(), "the parser refused the metrics:\n{text}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn the_metrics_parse_as_openmetrics_and_move_while_the_job_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_job, rx, url, mut seen) = watched(dir.path(), &[]);
+    let (status, first) = get(&format!("{url}metrics"), None);
+    assert_eq!(status, 200, "{first}");
+    let first = parsed(&first);
+    wait_for(&rx, "1 -> 2 workers", &mut seen, Duration::from_secs(120));
+    wait_for(&rx, "progress", &mut seen, Duration::from_secs(60));
+    let (_, second) = get(&format!("{url}metrics"), None);
+    let second = parsed(&second);
+    let at = |m: &BTreeMap<String, f64>, k: &str| *m.get(k).unwrap_or_else(|| panic!("no {k} in {m:?}"));
+    assert_eq!(at(&second, "edl_job_info{job=\"mnist\",policy=\"edl-plugin-schedule 0.1.0\"}"), 1.0);
+    for counter in ["edl_steps_total", "edl_samples_total"] {
+        assert!(at(&second, counter) > first.get(counter).copied().unwrap_or(0.0), "{counter}: {second:?}");
+    }
+    assert!(at(&second, "edl_committed_step") >= at(&second, "edl_steps_total"), "{second:?}");
+    assert!(at(&second, "edl_resizes_total{direction=\"grow\"}") >= 2.0, "0 -> 1 and 1 -> 2: {second:?}");
+    assert!(at(&second, "edl_resize_pause_seconds_count") >= 2.0, "{second:?}");
+    assert!(at(&second, "edl_resize_pause_seconds_sum") > 0.0, "{second:?}");
+    assert!(at(&second, "edl_samples_per_second") > 0.0, "{second:?}");
+    assert!(at(&second, "edl_generation") >= 2.0, "{second:?}");
+}
+
+/// What headless chromium shows of `url` once its scripts ran.
+fn browser_dom(url: &str) -> String {
+    let out = std::process::Command::new("chromium")
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--virtual-time-budget=3000",
+            "--dump-dom",
+            url,
+        ])
+        .stderr(Stdio::null())
+        .output()
+        .expect("chromium (Debian's package; .ci/run installs it)");
+    assert!(out.status.success(), "chromium failed on {url}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The points the page's chart `id` draws.
+fn drawn_points(dom: &str, id: &str) -> usize {
+    let at = dom.find(&format!("id=\"{id}\"")).unwrap_or_else(|| panic!("no chart {id} in\n{dom}"));
+    let rest = &dom[at..];
+    let n = rest.find("data-points=\"").unwrap() + "data-points=\"".len();
+    rest[n..].split('"').next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn the_live_page_draws_the_job_as_it_runs_in_a_real_browser() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_job, rx, url, mut seen) = watched(dir.path(), &[]);
+    wait_for(&rx, "progress", &mut seen, Duration::from_secs(60));
+    let before = browser_dom(&url);
+    let loss_before = drawn_points(&before, "chart-loss");
+    assert!(loss_before > 0, "{before}");
+    wait_for(&rx, "1 -> 2 workers", &mut seen, Duration::from_secs(120));
+    wait_for(&rx, "progress", &mut seen, Duration::from_secs(60));
+    let after = browser_dom(&url);
+    assert!(drawn_points(&after, "chart-loss") > loss_before, "the curve did not grow:\n{after}");
+    assert!(drawn_points(&after, "chart-world") > 0, "{after}");
+    assert!(after.contains("<td>1 -&gt; 2</td>"), "no scale event 1 -> 2 on the page:\n{after}");
+    assert!(after.contains("policy: add 1 worker") || after.contains("schedule"), "{after}");
+    assert!(after.contains("running"), "{after}");
+}
+
+#[test]
+fn the_watch_takes_its_token_and_beyond_loopback_only_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("watch.token");
+    std::fs::write(&token_file, "s3cret-watch-token\n").unwrap();
+    let (_job, _rx, url, _) = watched(dir.path(), &["--metrics-token-file", token_file.to_str().unwrap()]);
+    let (status, body) = get(&format!("{url}metrics"), None);
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("needs its token"), "{body}");
+    assert_eq!(get(&format!("{url}metrics"), Some("wrong")).0, 401);
+    let (status, body) = get(&format!("{url}metrics"), Some("s3cret-watch-token"));
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("edl_steps_total"), "{body}");
+    // A browser carries it in the address; the page sends it on.
+    let (status, body) = get(&format!("{url}api/state?token=s3cret-watch-token&since=0"), None);
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"job\":\"mnist\""), "{body}");
+    assert_eq!(get(&format!("{url}healthz"), None).0, 200, "probes need no token");
+
+    // Beyond loopback, in clear: refused before anything starts.
+    let other = tempfile::tempdir().unwrap();
+    let out = job(other.path(), &["--no-distill", "--metrics-listen", "0.0.0.0:0"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("beyond loopback the page and metrics are served only over TLS"), "{err}");
+}
