@@ -71,7 +71,9 @@ impl JobMetrics {
     /// have `rows` samples.
     pub fn new(job: &str, policy: &str, rows: u64) -> JobMetrics {
         let mut registry = Registry::with_prefix("edl");
-        let info = Info::new(vec![("job", job.to_string()), ("policy", policy.to_string())]);
+        // `name`, not `job`: Prometheus gives every scraped series a `job`
+        // label of its own (the scrape job's).
+        let info = Info::new(vec![("name", job.to_string()), ("policy", policy.to_string())]);
         registry.register("job", "The job this process coordinates", info);
         let m = JobMetrics {
             committed_step: Gauge::default(),
@@ -270,12 +272,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_text_names_every_metric_with_its_prefix_unit_and_value() {
-        let mut m = JobMetrics::new("mnist", "autoscale 0.1.0", 400);
-        m.step(&step(1, 0, 64));
-        m.step(&step(2, 0, 128));
-        m.scale(&ScaleEvent {
+    fn grew() -> ScaleEvent {
+        ScaleEvent {
             step: 2,
             from: 1,
             to: 2,
@@ -285,10 +283,18 @@ mod tests {
             setup_ms: 20.0,
             join_ms: Some(3000.0),
             at_secs: 1.0,
-        });
+        }
+    }
+
+    #[test]
+    fn the_text_names_every_metric_with_its_prefix_unit_and_value() {
+        let mut m = JobMetrics::new("mnist", "autoscale 0.1.0", 400);
+        m.step(&step(1, 0, 64));
+        m.step(&step(2, 0, 128));
+        m.scale(&grew());
         let text = m.encode();
         for line in [
-            "edl_job_info{job=\"mnist\",policy=\"autoscale 0.1.0\"} 1",
+            "edl_job_info{name=\"mnist\",policy=\"autoscale 0.1.0\"} 1",
             "edl_committed_step 2",
             "edl_steps_total 2",
             "edl_samples_total 128",
@@ -305,5 +311,40 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "{line:?} missing from\n{text}");
         }
+    }
+
+    /// The names `edl_...` in `text`.
+    fn edl_names(text: &str) -> std::collections::BTreeSet<String> {
+        let mut names = std::collections::BTreeSet::new();
+        let mut rest = text;
+        while let Some(at) = rest.find("edl_") {
+            let name: String =
+                rest[at..].chars().take_while(|c| c.is_ascii_lowercase() || *c == '_').collect();
+            rest = &rest[at + name.len()..];
+            names.insert(name);
+        }
+        names
+    }
+
+    #[test]
+    fn the_example_grafana_dashboard_asks_only_for_series_the_job_serves() {
+        let dashboard: serde_json::Value =
+            serde_json::from_str(include_str!("../../../examples/grafana/edl-job.json")).unwrap();
+        let mut m = JobMetrics::new("j", "p", 400);
+        m.step(&step(1, 0, 64));
+        m.teachers(&TeacherEvent { step: 1, secs: 0.5, from: 1, to: 2, reason: "r".into() });
+        m.checkpoint(1);
+        m.scale(&grew());
+        m.epoch_done(&EpochRecord { epoch: 0, samples_committed: 400, duplicates: 0, missing: 0 });
+        let served: std::collections::BTreeSet<String> = m
+            .encode()
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| l.split(['{', ' ']).next().unwrap().to_string())
+            .collect();
+        let asked = edl_names(&dashboard.to_string());
+        assert!(asked.len() >= 10, "{asked:?}");
+        let unknown: Vec<&String> = asked.iter().filter(|n| !served.contains(*n)).collect();
+        assert!(unknown.is_empty(), "the dashboard asks for {unknown:?}, not among {served:?}");
     }
 }

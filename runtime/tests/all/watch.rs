@@ -92,7 +92,7 @@ fn the_metrics_parse_as_openmetrics_and_move_while_the_job_runs() {
     let (_, second) = get(&format!("{url}metrics"), None);
     let second = parsed(&second);
     let at = |m: &BTreeMap<String, f64>, k: &str| *m.get(k).unwrap_or_else(|| panic!("no {k} in {m:?}"));
-    assert_eq!(at(&second, "edl_job_info{job=\"mnist\",policy=\"edl-plugin-schedule 0.1.0\"}"), 1.0);
+    assert_eq!(at(&second, "edl_job_info{name=\"mnist\",policy=\"edl-plugin-schedule 0.1.0\"}"), 1.0);
     for counter in ["edl_steps_total", "edl_samples_total"] {
         assert!(at(&second, counter) > first.get(counter).copied().unwrap_or(0.0), "{counter}: {second:?}");
     }
