@@ -512,6 +512,8 @@ mod tests {
             loss: 1.0,
             samples_per_sec: 10.0,
             cursor: 0,
+            batch: 64,
+            lr: 0.05,
             metrics: Default::default(),
         };
         let dir = tempfile::tempdir().unwrap();
@@ -533,6 +535,8 @@ mod tests {
             loss: 1.0 / (1.0 + secs),
             samples_per_sec: 58_000.0 + 1000.0 * (secs * 7.0).sin(),
             cursor: 0,
+            batch: 64,
+            lr: 0.05,
             metrics: [("accuracy".to_string(), accuracy)].into(),
         };
         // Twenty steps, 30 s without a committed one, twenty more.

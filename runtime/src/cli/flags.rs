@@ -543,6 +543,11 @@ pub struct WatchArgs {
     /// The key of --metrics-tls-cert (PEM).
     #[arg(long, value_name = "FILE", requires = "metrics_tls_cert")]
     pub metrics_tls_key: Option<PathBuf>,
+    /// Write the job's curves (loss, the program's metrics, samples/s,
+    /// workers, batch, learning rate, teachers) as TensorBoard event files
+    /// into DIR (`tensorboard --logdir DIR`).
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
 }
 
 /// The plugin sandbox: flags of every subcommand, before or after it.

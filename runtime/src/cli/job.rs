@@ -81,12 +81,17 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     // workers stopped, its report written, exit status 143 or 130.
     edl_runtime::process::hear_stop_signals();
     let _stops = edl_runtime::process::StopsWithNotice::begin(edl_runtime::process::STOP_WITHIN);
+    let mut board = tensorboard(args.watch.tensorboard.as_deref())?;
     let outcome = coordinator::run(job, &mut |p| {
         if let Some(w) = &watch {
             w.record(&p);
         }
+        if let Some(b) = board.as_mut() {
+            b.record(&p);
+        }
         display.show(p)
     });
+    drop(board);
     if let Some(w) = &watch {
         w.end(match &outcome {
             Ok(_) => "finished",
@@ -159,6 +164,15 @@ fn watch(
         e => e.into(),
     })?;
     Ok(Some((w, format!("watch     {} (Prometheus metrics at {}metrics)", at.url(), at.url()))))
+}
+
+/// The job's TensorBoard event file, when `--tensorboard DIR` asks for one.
+fn tensorboard(dir: Option<&Path>) -> Result<Option<observe::tensorboard::TensorBoard>> {
+    let Some(dir) = dir else { return Ok(None) };
+    let board = observe::tensorboard::TensorBoard::create(dir)
+        .with_context(|| format!("--tensorboard {}: cannot write an event file there", dir.display()))?;
+    println!("tensorboard {} (tensorboard --logdir {})", board.path().display(), dir.display());
+    Ok(Some(board))
 }
 
 /// The plugins the coordinator runs, loaded (and the transform tried)

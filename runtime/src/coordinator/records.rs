@@ -19,6 +19,12 @@ pub struct StepRecord {
     pub samples_per_sec: f64,
     /// Samples of the epoch consumed after this step.
     pub cursor: usize,
+    /// The step's global batch and learning rate (0 in reports written
+    /// before they were kept).
+    #[serde(default)]
+    pub batch: u32,
+    #[serde(default)]
+    pub lr: f32,
     /// The program's own metrics (`step.commit(loss=..., accuracy=...)`),
     /// averaged over the step's samples.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]

@@ -327,6 +327,8 @@ impl Coordinator<'_> {
             loss: totals.loss,
             samples_per_sec: totals.samples_per_sec,
             cursor: self.tally.cursor.min(self.tally.train_len()),
+            batch: plan.hyper.global_batch,
+            lr: plan.hyper.lr,
             metrics: totals.metrics,
         };
         (self.progress)(Progress::Step(&rec));

@@ -39,6 +39,8 @@ pub struct JobMetrics {
     samples: Counter,
     samples_per_second: Real,
     loss: Real,
+    batch: Gauge,
+    lr: Real,
     program: Family<NameLabel, Real>,
     world: Gauge,
     generation: Gauge,
@@ -82,6 +84,8 @@ impl JobMetrics {
             samples: Counter::default(),
             samples_per_second: Real::default(),
             loss: Real::default(),
+            batch: Gauge::default(),
+            lr: Real::default(),
             program: Family::default(),
             world: Gauge::default(),
             generation: Gauge::default(),
@@ -116,6 +120,8 @@ impl JobMetrics {
             self.samples_per_second.clone(),
         );
         r.register("loss", "The loss of the newest committed step", self.loss.clone());
+        r.register("global_batch", "The newest committed step's global batch", self.batch.clone());
+        r.register("learning_rate", "The newest committed step's learning rate", self.lr.clone());
         r.register(
             "program_metric",
             "A metric the program committed with its step (its name in `name`)",
@@ -174,6 +180,8 @@ impl JobMetrics {
         self.last = Some((s.epoch, s.cursor));
         self.samples_per_second.set(s.samples_per_sec);
         self.loss.set(s.loss);
+        self.batch.set(s.batch as i64);
+        self.lr.set(s.lr as f64);
         self.world.set(s.world as i64);
         for (name, v) in &s.metrics {
             self.program.get_or_create(&NameLabel { name: name.clone() }).set(*v);
@@ -268,6 +276,8 @@ mod tests {
             loss: 0.5,
             samples_per_sec: 1000.0,
             cursor,
+            batch: 64,
+            lr: 0.05,
             metrics: [("accuracy".to_string(), 0.75)].into(),
         }
     }
@@ -299,6 +309,8 @@ mod tests {
             "edl_steps_total 2",
             "edl_samples_total 128",
             "edl_loss 0.5",
+            "edl_global_batch 64",
+            "edl_learning_rate 0.05000000074505806",
             "edl_program_metric{name=\"accuracy\"} 0.75",
             "edl_world_size 2",
             "edl_generation 2",

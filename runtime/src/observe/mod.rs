@@ -1,10 +1,12 @@
 //! A job as it runs, for the people and tools that watch it: Prometheus
-//! metrics (`/metrics`), a live page (`/`, its data at `/api/state`), all
+//! metrics (`/metrics`), a live page (`/`, its data at `/api/state`), both
 //! kept from the coordinator's progress events by a [`Watch`] and served
-//! by [`serve`] on `--metrics-listen`.
+//! by [`serve`] on `--metrics-listen`; and TensorBoard event files
+//! ([`tensorboard`], `--tensorboard DIR`).
 
 pub mod metrics;
 mod serve;
+pub mod tensorboard;
 
 pub use serve::{Listening, ServeError, WatchAccess, serve};
 
@@ -73,6 +75,8 @@ pub struct Point {
     pub world: u32,
     pub loss: f64,
     pub samples_per_sec: f64,
+    pub batch: u32,
+    pub lr: f32,
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub metrics: BTreeMap<String, f64>,
 }
@@ -183,6 +187,8 @@ impl Live {
             world: s.world,
             loss: s.loss,
             samples_per_sec: s.samples_per_sec,
+            batch: s.batch,
+            lr: s.lr,
             metrics: s.metrics.clone(),
         });
         if self.points.len() > MAX_POINTS {
@@ -233,6 +239,8 @@ mod tests {
             loss: 1.0 / step as f64,
             samples_per_sec: 100.0,
             cursor: (step as usize * 8) % 400,
+            batch: 8,
+            lr: 0.1,
             metrics: BTreeMap::new(),
         }
     }

@@ -174,3 +174,53 @@ fn the_watch_takes_its_token_and_beyond_loopback_only_tls() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("beyond loopback the page and metrics are served only over TLS"), "{err}");
 }
+
+/// The job's curves in TensorBoard event files, read back by TensorBoard's
+/// own `EventAccumulator` (from PyPI, in the PyTorch environment).
+#[test]
+fn tensorboard_reads_the_job_s_curves_from_its_event_files() {
+    const READ: &str = r#"
+import json, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+acc = EventAccumulator(sys.argv[1], size_guidance={"scalars": 0})
+acc.Reload()
+print(json.dumps({tag: [[e.step, e.value] for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}))
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let flags = [&crate::support::job::GROWING[..], &["--no-distill", "--tensorboard", "tb"]].concat();
+    let out = job(d, &flags).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("tensorboard "),
+        "no line says where the events go"
+    );
+    let read =
+        crate::support::python::torch_py().python().args(["-c", READ]).arg(d.join("tb")).output().unwrap();
+    assert!(read.status.success(), "{}", String::from_utf8_lossy(&read.stderr));
+    let scalars: BTreeMap<String, Vec<(u64, f64)>> = serde_json::from_slice(&read.stdout).unwrap();
+    for tag in [
+        "train/loss",
+        "train/samples_per_sec",
+        "train/global_batch",
+        "train/learning_rate",
+        "cluster/workers",
+    ] {
+        assert!(scalars.contains_key(tag), "{tag} missing from {:?}", scalars.keys());
+    }
+    // Every committed step's loss, as the report has it.
+    let r = crate::support::job::report(d);
+    let timeline = r["timeline"].as_array().unwrap();
+    let loss = &scalars["train/loss"];
+    assert_eq!(loss.len(), timeline.len());
+    for (got, want) in loss.iter().zip(timeline) {
+        assert_eq!(got.0, want["step"].as_u64().unwrap());
+        let l = want["loss"].as_f64().unwrap();
+        assert!((got.1 - l).abs() <= 1e-6 * l.abs().max(1.0), "step {}: {} != {l}", got.0, got.1);
+    }
+    // The workers at every step, as the report has them.
+    let workers: Vec<f64> = scalars["cluster/workers"].iter().map(|w| w.1).collect();
+    let world: Vec<f64> = timeline.iter().map(|s| s["world"].as_f64().unwrap()).collect();
+    assert_eq!(workers, world);
+    assert_eq!(scalars["cluster/resize_pause_ms"].len(), r["scale_events"].as_array().unwrap().len());
+}

@@ -22,7 +22,7 @@ pub(crate) fn py() -> &'static PyEnv {
 }
 
 /// The package in an environment with PyTorch (CPU use of the PyPI
-/// wheel), made once per machine and reused by every later run: at
+/// wheel) and TensorBoard, made once per machine and reused by every later run: at
 /// `$EDL_TORCH_VENV`, else `~/.cache/edl/venv-torch`.
 pub(crate) fn torch_py() -> &'static PyEnv {
     static ENV: OnceLock<Result<PyEnv, String>> = OnceLock::new();
@@ -35,8 +35,12 @@ pub(crate) fn torch_py() -> &'static PyEnv {
                 Path::new(&home).join(".cache/edl/venv-torch")
             }
         };
-        let bin =
-            venv_with(&venv, "import torch, numpy, pytest", &["torch>=2.4", "numpy>=1.22", "pytest>=7"])?;
+        // tensorboard: its EventAccumulator reads a job's event files back.
+        let bin = venv_with(
+            &venv,
+            "import torch, numpy, pytest, tensorboard",
+            &["torch>=2.4", "numpy>=1.22", "pytest>=7", "tensorboard>=2.14"],
+        )?;
         Ok(PyEnv { bin, site })
     })
     .as_ref()
