@@ -109,6 +109,8 @@ fn sim_worker(addr: SocketAddr, id: u64, auth: JobAuth, sim: Sim) -> anyhow::Res
                         compute_ms: sim.compute.as_secs_f64() * 1e3,
                         teacher_wait_ms: 0.0,
                         metrics: Vec::new(),
+                        teacher_calls: Vec::new(),
+                        grad_sq: None,
                     });
                 }
                 send(&mut out, &FromWorker::Done { generation, steps: done, setup_ms: 0.0 })?;

@@ -244,6 +244,7 @@ enum Quantity {
     Workers,
     Throughput,
     Loss,
+    NoiseScale,
     Metric(String),
 }
 
@@ -259,6 +260,7 @@ impl Panel {
             Quantity::Workers => "workers",
             Quantity::Throughput => "samples/s",
             Quantity::Loss => "loss",
+            Quantity::NoiseScale => "gradient noise scale",
             Quantity::Metric(m) => m,
         }
     }
@@ -269,6 +271,7 @@ impl Panel {
             Quantity::Workers => s.world as f64,
             Quantity::Throughput => s.samples_per_sec,
             Quantity::Loss => s.loss,
+            Quantity::NoiseScale => s.noise_scale?,
             Quantity::Metric(m) => *s.metrics.get(m)?,
         };
         v.is_finite().then_some(v)
@@ -378,6 +381,9 @@ impl<'a> TrainingRun<'a> {
             Panel { quantity: Quantity::Throughput, color: RED },
             Panel { quantity: Quantity::Loss, color: RGBColor(0, 130, 0) },
         ];
+        if self.steps.iter().any(|s| s.noise_scale.is_some()) {
+            out.push(Panel { quantity: Quantity::NoiseScale, color: RGBColor(140, 80, 0) });
+        }
         for (i, m) in self.metrics.iter().enumerate() {
             let color = Palette99::pick(i + 1).to_rgba();
             out.push(Panel {
@@ -514,6 +520,7 @@ mod tests {
             cursor: 0,
             batch: 64,
             lr: 0.05,
+            noise_scale: None,
             metrics: Default::default(),
         };
         let dir = tempfile::tempdir().unwrap();
@@ -537,6 +544,7 @@ mod tests {
             cursor: 0,
             batch: 64,
             lr: 0.05,
+            noise_scale: None,
             metrics: [("accuracy".to_string(), accuracy)].into(),
         };
         // Twenty steps, 30 s without a committed one, twenty more.

@@ -129,6 +129,10 @@ pub struct StepDone {
     /// What this rank's requests to each teacher did since its last step.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub teacher_calls: Vec<crate::distill::stats::TeacherRequests>,
+    /// The squared norms of what this rank's all-reduces of the step gave
+    /// and got back: the gradient noise scale's measure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_sq: Option<crate::coordinator::machine::noise::GradSq>,
 }
 
 /// What a worker tells the coordinator.

@@ -25,6 +25,10 @@ pub struct StepRecord {
     pub batch: u32,
     #[serde(default)]
     pub lr: f32,
+    /// The gradient noise scale so far (smoothed), once a step with two or
+    /// more ranks measured it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub noise_scale: Option<f64>,
     /// The program's own metrics (`step.commit(loss=..., accuracy=...)`),
     /// averaged over the step's samples.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]

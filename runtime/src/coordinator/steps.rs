@@ -329,6 +329,7 @@ impl Coordinator<'_> {
             cursor: self.tally.cursor.min(self.tally.train_len()),
             batch: plan.hyper.global_batch,
             lr: plan.hyper.lr,
+            noise_scale: totals.noise_scale,
             metrics: totals.metrics,
         };
         (self.progress)(Progress::Step(&rec));

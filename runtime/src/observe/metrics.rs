@@ -41,6 +41,7 @@ pub struct JobMetrics {
     loss: Real,
     batch: Gauge,
     lr: Real,
+    noise_scale: Real,
     program: Family<NameLabel, Real>,
     world: Gauge,
     generation: Gauge,
@@ -86,6 +87,7 @@ impl JobMetrics {
             loss: Real::default(),
             batch: Gauge::default(),
             lr: Real::default(),
+            noise_scale: Real::default(),
             program: Family::default(),
             world: Gauge::default(),
             generation: Gauge::default(),
@@ -122,6 +124,11 @@ impl JobMetrics {
         r.register("loss", "The loss of the newest committed step", self.loss.clone());
         r.register("global_batch", "The newest committed step's global batch", self.batch.clone());
         r.register("learning_rate", "The newest committed step's learning rate", self.lr.clone());
+        r.register(
+            "gradient_noise_scale",
+            "The gradient noise scale (McCandlish et al.), smoothed; NaN until two ranks measured a step",
+            self.noise_scale.clone(),
+        );
         r.register(
             "program_metric",
             "A metric the program committed with its step (its name in `name`)",
@@ -182,6 +189,7 @@ impl JobMetrics {
         self.loss.set(s.loss);
         self.batch.set(s.batch as i64);
         self.lr.set(s.lr as f64);
+        self.noise_scale.set(s.noise_scale.unwrap_or(f64::NAN));
         self.world.set(s.world as i64);
         for (name, v) in &s.metrics {
             self.program.get_or_create(&NameLabel { name: name.clone() }).set(*v);
@@ -278,6 +286,7 @@ mod tests {
             cursor,
             batch: 64,
             lr: 0.05,
+            noise_scale: None,
             metrics: [("accuracy".to_string(), 0.75)].into(),
         }
     }

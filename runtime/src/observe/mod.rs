@@ -77,6 +77,8 @@ pub struct Point {
     pub samples_per_sec: f64,
     pub batch: u32,
     pub lr: f32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub noise_scale: Option<f64>,
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub metrics: BTreeMap<String, f64>,
 }
@@ -189,6 +191,7 @@ impl Live {
             samples_per_sec: s.samples_per_sec,
             batch: s.batch,
             lr: s.lr,
+            noise_scale: s.noise_scale,
             metrics: s.metrics.clone(),
         });
         if self.points.len() > MAX_POINTS {
@@ -241,6 +244,7 @@ mod tests {
             cursor: (step as usize * 8) % 400,
             batch: 8,
             lr: 0.1,
+            noise_scale: None,
             metrics: BTreeMap::new(),
         }
     }

@@ -100,6 +100,9 @@ impl TensorBoard {
                     ("train/learning_rate".to_string(), s.lr),
                     ("cluster/workers".to_string(), s.world as f32),
                 ];
+                if let Some(b) = s.noise_scale {
+                    values.push(("train/gradient_noise_scale".to_string(), b as f32));
+                }
                 values.extend(s.metrics.iter().map(|(k, v)| (format!("program/{k}"), *v as f32)));
                 self.scalars(s.step, values);
             }
@@ -198,6 +201,7 @@ mod tests {
             cursor: 64,
             batch: 64,
             lr: 0.05,
+            noise_scale: None,
             metrics: [("accuracy".to_string(), 0.5)].into(),
         };
         board.record(&Progress::Step(&rec));

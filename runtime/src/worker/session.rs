@@ -249,6 +249,8 @@ pub struct Session {
     /// requests to the teachers did.
     teacher_wait_ms: f64,
     teacher_calls: Vec<crate::distill::stats::TeacherRequests>,
+    /// What the current step's all-reduces gave and got back (squared norms).
+    grad_sq: Option<crate::coordinator::machine::noise::GradSq>,
     ring: Option<(u64, TcpRing)>,
     /// A checkpoint being written in the background: its step and thread.
     writing: Option<(u64, std::thread::JoinHandle<Result<std::path::PathBuf>>)>,
@@ -372,6 +374,7 @@ impl Session {
             setup_ms: 0.0,
             teacher_wait_ms: 0.0,
             teacher_calls: Vec::new(),
+            grad_sq: None,
             ring: None,
             writing: None,
             written: Vec::new(),
@@ -835,6 +838,7 @@ impl Session {
     pub fn all_reduce(&mut self, values: &mut [f32]) -> Result<()> {
         let Some(s) = self.current.as_ref() else { bail!("all_reduce outside a step") };
         let (generation, step) = (s.generation, s.step);
+        let local = squared_norm(values);
         let r = match self.ring.as_mut() {
             Some((g, r)) if *g == generation => {
                 r.all_reduce(values, ReduceOp::Sum).with_context(|| format!("all-reduce of step {step}"))
@@ -844,9 +848,13 @@ impl Session {
         if let Err(e) = r {
             let text = format!("{e:#}");
             self.current = None;
+            self.grad_sq = None;
             self.report_failure(generation, step, e);
             bail!(text);
         }
+        let sq = self.grad_sq.get_or_insert_default();
+        sq.local += local;
+        sq.reduced += squared_norm(values);
         Ok(())
     }
 
@@ -890,6 +898,7 @@ impl Session {
             teacher_wait_ms: std::mem::take(&mut self.teacher_wait_ms),
             metrics,
             teacher_calls: std::mem::take(&mut self.teacher_calls),
+            grad_sq: self.grad_sq.take(),
         });
         if s.closes {
             let steps = std::mem::take(&mut self.window);
@@ -903,6 +912,7 @@ impl Session {
     /// the generation's remaining steps are dropped.
     pub fn fail(&mut self, e: anyhow::Error, cause: Option<FailCause>) -> Result<()> {
         let Some(s) = self.current.take() else { bail!("fail outside a step: {e:#}") };
+        self.grad_sq = None;
         self.report(s.generation, s.step, e, cause)
     }
 
@@ -1203,4 +1213,10 @@ pub struct NoState(String);
 pub struct StateMismatch {
     what: String,
     why: String,
+}
+
+/// The squared norm of `values`, summed in f64 (a gradient of millions of
+/// small values loses nothing to rounding).
+fn squared_norm(values: &[f32]) -> f64 {
+    values.iter().map(|&v| f64::from(v) * f64::from(v)).sum()
 }

@@ -4,7 +4,10 @@
 //! that gets NumPy and pytest from the package registry once.
 
 use crate::support::{
-    job::{GROWING, assert_exactly_once, committed_checkpoint, finish, lines, report},
+    job::{
+        GROWING, assert_exactly_once, assert_noise_scale_measured, committed_checkpoint, finish, lines,
+        report,
+    },
     process::{children, sigkill, sigkill_worker},
     python::{PyEnv, py},
     root,
@@ -106,6 +109,8 @@ fn the_numpy_student_under_launch_trains_every_sample_once_through_resizes_kills
     let events = r["scale_events"].as_array().unwrap();
     let policy = events.iter().filter(|e| e["reason"].as_str().unwrap().starts_with("policy")).count();
     assert!(policy >= 2, "at least two policy-driven resizes: {events:?}");
+    // `step.all_reduce` measured the gradient noise scale, as the built-in trainer does.
+    assert_noise_scale_measured(&r);
 
     // The program's final state is the built-in student's layout: its
     // accuracy against the built-in trainer's, same flags.
@@ -128,7 +133,9 @@ fn the_numpy_student_under_launch_trains_every_sample_once_through_resizes_kills
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let builtin_acc = report(builtin_dir.path())["student_test_accuracy"].as_f64().unwrap();
+    let builtin = report(builtin_dir.path());
+    assert_noise_scale_measured(&builtin);
+    let builtin_acc = builtin["student_test_accuracy"].as_f64().unwrap();
     assert!(
         (numpy_acc - builtin_acc).abs() <= 0.01,
         "NumPy student {numpy_acc:.4}, built-in {builtin_acc:.4}: more than a point apart"

@@ -102,6 +102,9 @@ fn the_metrics_parse_as_openmetrics_and_move_while_the_job_runs() {
     assert!(at(&second, "edl_resize_pause_seconds_sum") > 0.0, "{second:?}");
     assert!(at(&second, "edl_samples_per_second") > 0.0, "{second:?}");
     assert!(at(&second, "edl_generation") >= 2.0, "{second:?}");
+    // Served from the start (NaN until two workers share a step and the
+    // smoothed estimate is positive; its values are checked with the report's).
+    assert!(second.contains_key("edl_gradient_noise_scale"), "{second:?}");
 }
 
 /// What headless chromium shows of `url` once its scripts ran.
@@ -223,4 +226,7 @@ print(json.dumps({tag: [[e.step, e.value] for e in acc.Scalars(tag)] for tag in 
     let world: Vec<f64> = timeline.iter().map(|s| s["world"].as_f64().unwrap()).collect();
     assert_eq!(workers, world);
     assert_eq!(scalars["cluster/resize_pause_ms"].len(), r["scale_events"].as_array().unwrap().len());
+    // The noise scale of every step that measured it.
+    let measured = timeline.iter().filter(|s| s.get("noise_scale").is_some()).count();
+    assert_eq!(scalars.get("train/gradient_noise_scale").map_or(0, |v| v.len()), measured);
 }

@@ -12,6 +12,7 @@
 
 pub mod ledger;
 pub mod membership;
+pub mod noise;
 pub mod phase;
 pub mod pipeline;
 pub mod tally;

@@ -308,6 +308,7 @@ mod tests {
                 teacher_wait_ms: 0.0,
                 metrics: Vec::new(),
                 teacher_calls: Vec::new(),
+                grad_sq: None,
             })
             .collect()
     }

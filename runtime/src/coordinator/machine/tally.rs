@@ -36,6 +36,8 @@ pub struct StepTotals {
     pub metrics: BTreeMap<String, f64>,
     /// Committed samples per second over the last few steps.
     pub samples_per_sec: f64,
+    /// The gradient noise scale, smoothed over the steps measured so far.
+    pub noise_scale: Option<f64>,
 }
 
 /// The job's committed position and what it has trained on.
@@ -64,6 +66,8 @@ pub struct Tally {
     teacher_wait: (f64, f64),
     /// What the ranks' requests to each teacher did since then (by `host:port`).
     teacher_calls: BTreeMap<String, TeacherRequests>,
+    /// The gradient noise scale, from the ranks' all-reduces.
+    noise: super::noise::NoiseScale,
 }
 
 /// The permutation of `epoch` (of `len` samples under `seed`), kept in `cache`.
@@ -91,6 +95,7 @@ impl Tally {
             decision_window: (now, 0),
             teacher_wait: (0.0, 0.0),
             teacher_calls: BTreeMap::new(),
+            noise: Default::default(),
         }
     }
 
@@ -138,7 +143,14 @@ impl Tally {
         let gb = plan.hyper.global_batch.max(1) as usize;
         let expected = (plan.cursor + gb).min(self.train_len) - plan.cursor;
         let perm = permutation_of(&mut self.perm, self.train_len, self.seed, plan.epoch);
-        let mut totals = StepTotals { rows: 0, loss: 0.0, metrics: BTreeMap::new(), samples_per_sec: 0.0 };
+        let mut totals = StepTotals {
+            rows: 0,
+            loss: 0.0,
+            metrics: BTreeMap::new(),
+            samples_per_sec: 0.0,
+            noise_scale: None,
+        };
+        let mut norms = Vec::with_capacity(reports.len());
         for (d, &worker) in reports.iter().zip(members) {
             let ids = perm.get(d.start as usize..d.end as usize).ok_or(CommitError::OutsideEpoch {
                 worker,
@@ -149,6 +161,9 @@ impl Tally {
             self.ledger.commit(ids).map_err(|source| CommitError::Ledger { worker, source })?;
             totals.rows += ids.len();
             totals.loss += d.loss;
+            if let Some(sq) = d.grad_sq {
+                norms.push((ids.len(), sq));
+            }
             for (name, v) in &d.metrics {
                 *totals.metrics.entry(name.clone()).or_default() += v;
             }
@@ -174,6 +189,11 @@ impl Tally {
         self.epoch = plan.epoch;
         self.cursor = plan.cursor + gb;
         totals.samples_per_sec = self.moving_throughput(now, totals.rows as u64);
+        // Every rank must have told its norms for the step to be measured.
+        totals.noise_scale = match norms.len() == reports.len() {
+            true => self.noise.step(&norms),
+            false => self.noise.value(),
+        };
         Ok(totals)
     }
 
@@ -273,6 +293,7 @@ mod tests {
             teacher_wait_ms: 0.0,
             metrics: Vec::new(),
             teacher_calls: Vec::new(),
+            grad_sq: None,
         }
     }
 

@@ -137,3 +137,18 @@ pub(crate) fn committed_checkpoint(dir: &Path, job: &mut Child) -> u64 {
     let context = || format!("checkpoints in {}", dir.display());
     poll_while_running(job, "a checkpoint", Duration::from_secs(120), check, context)
 }
+
+/// The gradient noise scale in a report's timeline: none before the
+/// first step two workers shared (one rank has nothing to compare), and
+/// a finite positive value on some step from then on.
+pub(crate) fn assert_noise_scale_measured(r: &Value) {
+    let timeline = r["timeline"].as_array().unwrap();
+    let shared = timeline.iter().position(|s| s["world"].as_u64().unwrap() >= 2);
+    let shared = shared.unwrap_or_else(|| panic!("no step with two workers: {timeline:?}"));
+    for s in &timeline[..shared] {
+        assert!(s.get("noise_scale").is_none(), "measured on one worker: {s}");
+    }
+    let measured: Vec<f64> = timeline[shared..].iter().filter_map(|s| s["noise_scale"].as_f64()).collect();
+    assert!(!measured.is_empty(), "never measured: {:?}", &timeline[shared..]);
+    assert!(measured.iter().all(|b| b.is_finite() && *b > 0.0), "{measured:?}");
+}

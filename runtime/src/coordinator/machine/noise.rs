@@ -1,0 +1,174 @@
+//! The gradient noise scale (McCandlish et al., "An Empirical Model of
+//! Large-Batch Training", 2018), measured every step without a collective
+//! of its own: each rank tells the squared norm of its gradient before the
+//! all-reduce and of the reduced one after it; the coordinator, which hears
+//! every rank, compares them.
+//!
+//! A rank with `b` of the step's `B` samples holds `g_i = (b/B) G_i`, where
+//! `G_i` is the mean gradient over its own samples; the reduced gradient is
+//! `G_B`, the mean over all `B`. With `G` the true gradient and `S` the
+//! trace of the per-sample gradients' covariance,
+//! `E|G_i|^2 = |G|^2 + S/b` and `E|G_B|^2 = |G|^2 + S/B`, so with `A` the
+//! ranks' mean of `|G_i|^2` and `H` their mean of `1/b`:
+//!
+//! ```text
+//! S     = (A - |G_B|^2) / (H - 1/B)
+//! |G|^2 = |G_B|^2 - S/B
+//! ```
+//!
+//! both unbiased (equal batches give the paper's two-batch estimators).
+//! Each is noisy from one step, so each is smoothed (an exponential moving
+//! average) before their ratio, the noise scale `B_noise = S / |G|^2`, is
+//! taken: the batch size at which a step's noise equals its signal.
+
+use serde::{Deserialize, Serialize};
+
+/// What a rank tells of its step's all-reduce: the squared norm of what it
+/// gave (its share of the mean gradient) and of what came back (the mean).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GradSq {
+    pub local: f64,
+    pub reduced: f64,
+}
+
+/// One step's unbiased estimates, from the ranks' `(rows, GradSq)`;
+/// `None` when fewer than two ranks had samples (nothing to compare) or a
+/// value is not finite.
+pub fn estimate(ranks: &[(usize, GradSq)]) -> Option<(f64, f64)> {
+    let with_rows: Vec<&(usize, GradSq)> = ranks.iter().filter(|(b, _)| *b > 0).collect();
+    let big: usize = with_rows.iter().map(|(b, _)| b).sum();
+    if with_rows.len() < 2 {
+        return None;
+    }
+    let n = with_rows.len() as f64;
+    let big = big as f64;
+    // |G_i|^2 = |g_i|^2 (B/b)^2.
+    let a = with_rows.iter().map(|(b, g)| g.local * (big / *b as f64).powi(2)).sum::<f64>() / n;
+    let h = with_rows.iter().map(|(b, _)| 1.0 / *b as f64).sum::<f64>() / n;
+    let g_big = with_rows[0].1.reduced;
+    let s = (a - g_big) / (h - 1.0 / big);
+    let g2 = g_big - s / big;
+    (s.is_finite() && g2.is_finite()).then_some((s, g2))
+}
+
+/// The smoothed estimates and the noise scale from them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NoiseScale {
+    /// Moving averages of `S` and `|G|^2`, and the steps they have seen.
+    s: f64,
+    g2: f64,
+    seen: u64,
+}
+
+/// The weight of a new step in the moving averages: about the last 20 steps.
+const SMOOTHING: f64 = 0.05;
+
+impl NoiseScale {
+    /// Takes one step's ranks; returns the noise scale so far (`None`
+    /// until a step could be measured, or while `|G|^2` is not above 0).
+    pub fn step(&mut self, ranks: &[(usize, GradSq)]) -> Option<f64> {
+        if let Some((s, g2)) = estimate(ranks) {
+            // Bias-corrected as Adam's moments are, so the first steps count fully.
+            self.seen += 1;
+            self.s = (1.0 - SMOOTHING) * self.s + SMOOTHING * s;
+            self.g2 = (1.0 - SMOOTHING) * self.g2 + SMOOTHING * g2;
+        }
+        self.value()
+    }
+
+    /// The noise scale from the steps seen so far.
+    pub fn value(&self) -> Option<f64> {
+        if self.seen == 0 {
+            return None;
+        }
+        let correction = 1.0 - (1.0 - SMOOTHING).powi(self.seen.min(10_000) as i32);
+        let (s, g2) = (self.s / correction, self.g2 / correction);
+        (g2 > 0.0 && s >= 0.0).then(|| s / g2)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A deterministic normal sample (Box-Muller over a small LCG).
+    struct Normal(u64);
+    impl Normal {
+        fn uniform(&mut self) -> f64 {
+            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((self.0 >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        }
+        fn next(&mut self) -> f64 {
+            let (u, v) = (self.uniform(), self.uniform());
+            (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
+        }
+    }
+
+    /// Per-sample gradients `G + noise` in `dim` dimensions, the noise of
+    /// variance `var` in each: `S = dim * var`, and the noise scale is
+    /// `S / |G|^2`. The ranks' batches as `sizes`; each rank's share as the
+    /// runtime gives it (its rows' sum over the global batch).
+    fn step_of(rng: &mut Normal, g: &[f64], var: f64, sizes: &[usize]) -> Vec<(usize, GradSq)> {
+        let big: usize = sizes.iter().sum();
+        let shares: Vec<Vec<f64>> = sizes
+            .iter()
+            .map(|&b| {
+                let mut sum = vec![0.0; g.len()];
+                for _ in 0..b {
+                    for (s, gi) in sum.iter_mut().zip(g) {
+                        *s += gi + var.sqrt() * rng.next();
+                    }
+                }
+                sum.iter().map(|v| v / big as f64).collect()
+            })
+            .collect();
+        let reduced: Vec<f64> = (0..g.len()).map(|k| shares.iter().map(|s| s[k]).sum()).collect();
+        let sq = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>();
+        let reduced = sq(&reduced);
+        sizes.iter().zip(&shares).map(|(&b, s)| (b, GradSq { local: sq(s), reduced })).collect()
+    }
+
+    fn measured(sizes: &[usize], steps: usize) -> (f64, f64) {
+        let dim = 64;
+        let g: Vec<f64> = (0..dim).map(|k| if k % 2 == 0 { 0.05 } else { -0.05 }).collect();
+        let var = 0.01;
+        let truth = dim as f64 * var / g.iter().map(|x| x * x).sum::<f64>();
+        let mut rng = Normal(7);
+        let mut noise = NoiseScale::default();
+        let mut last = None;
+        for _ in 0..steps {
+            last = noise.step(&step_of(&mut rng, &g, var, sizes));
+        }
+        (last.unwrap(), truth)
+    }
+
+    #[test]
+    fn the_noise_scale_of_a_synthetic_gradient_is_found_within_ten_percent() {
+        // The truth is 4: the noise of one sample is four times the signal.
+        for sizes in [&[16, 16][..], &[8, 8, 8, 8], &[32, 16, 8]] {
+            let (got, truth) = measured(sizes, 400);
+            assert!((got / truth - 1.0).abs() < 0.10, "{sizes:?}: {got} against {truth}");
+        }
+    }
+
+    #[test]
+    fn one_rank_or_a_rank_without_rows_measures_nothing() {
+        let g = GradSq { local: 1.0, reduced: 1.0 };
+        assert_eq!(estimate(&[(16, g)]), None);
+        assert_eq!(estimate(&[(16, g), (0, GradSq::default())]), None);
+        let mut n = NoiseScale::default();
+        assert_eq!(n.step(&[(16, g)]), None);
+    }
+
+    #[test]
+    fn equal_batches_give_the_papers_two_batch_estimators() {
+        // B_small = 8, B_big = 16: |G_small|^2 = 3, |G_big|^2 = 2.
+        let (b, big) = (8.0, 16.0);
+        let local = 3.0 * (b / big) * (b / big);
+        let r = |_| (8, GradSq { local, reduced: 2.0 });
+        let (s, g2) = estimate(&[r(0), r(1)]).unwrap();
+        let s_paper = (3.0 - 2.0) / (1.0 / b - 1.0 / big);
+        let g2_paper = (big * 2.0 - b * 3.0) / (big - b);
+        assert!((s - s_paper).abs() < 1e-9 && (g2 - g2_paper).abs() < 1e-9, "{s} {g2}");
+    }
+}
