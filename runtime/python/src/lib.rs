@@ -491,7 +491,12 @@ impl Steps {
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<StepView>> {
         let job = self.job.bind(py).borrow();
-        Ok(job.next_step(py)?.map(|info| StepView { job: self.job.clone_ref(py), info, done: false }))
+        Ok(job.next_step(py)?.map(|info| StepView {
+            job: self.job.clone_ref(py),
+            info,
+            done: false,
+            norms: Vec::new(),
+        }))
     }
 }
 
@@ -534,6 +539,9 @@ struct StepView {
     info: StepInfo,
     /// Committed or abandoned.
     done: bool,
+    /// Squared norms a communication hook told (`gradient_norms`), read
+    /// at the commit: numbers, or 0-d tensors still being computed.
+    norms: Vec<(Py<PyAny>, Py<PyAny>)>,
 }
 
 #[pymethods]
@@ -644,6 +652,18 @@ impl StepView {
         Ok(())
     }
 
+    /// Tells the squared norms of what a collective of this step gave
+    /// (`local`: this rank's share of the mean gradient) and got back
+    /// (`reduced`: the mean), numbers or 0-d tensors, read at the commit:
+    /// how a DDP communication hook measures the gradient noise scale
+    /// (`edl.torch.ElasticDDP` installs one). `step.all_reduce` measures
+    /// its arrays itself.
+    fn gradient_norms(&mut self, local: Py<PyAny>, reduced: Py<PyAny>) {
+        if !self.done {
+            self.norms.push((local, reduced));
+        }
+    }
+
     /// Sums `arrays` (float32, writable, C-contiguous) over the generation's
     /// ring, in place. False when the ring broke: the step is abandoned and
     /// will be redone; the arrays are then left as they were.
@@ -700,6 +720,11 @@ impl StepView {
         if self.done {
             return Ok(());
         }
+        let (mut local, mut reduced) = (0.0, 0.0);
+        for (l, r) in std::mem::take(&mut self.norms) {
+            local += l.bind(py).extract::<f64>()?;
+            reduced += r.bind(py).extract::<f64>()?;
+        }
         if !loss.is_finite() {
             return Err(PyValueError::new_err(format!("step {}: loss {loss} is not finite", self.info.step)));
         }
@@ -727,6 +752,9 @@ impl StepView {
         let share = self.info.indices.len() as f64 / self.info.global_rows.max(1) as f64;
         let compute_ms = started.elapsed().as_secs_f64() * 1e3;
         let session = &mut inner.session;
+        if local.is_finite() && reduced.is_finite() && (local > 0.0 || reduced > 0.0) {
+            session.reduced_norms(local, reduced);
+        }
         let weighted = named.into_iter().map(|(k, v)| (k, v * share)).collect();
         py.detach(|| session.finish_with(loss * share, compute_ms, weighted)).map_err(anyhow_err)?;
         self.done = true;

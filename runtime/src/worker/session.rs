@@ -858,6 +858,15 @@ impl Session {
         Ok(())
     }
 
+    /// What collectives other than [`Session::all_reduce`] gave and got back
+    /// in the current step, as squared norms (a DDP communication hook's
+    /// buckets): the gradient noise scale's measure, told with the step.
+    pub fn reduced_norms(&mut self, local: f64, reduced: f64) {
+        let sq = self.grad_sq.get_or_insert_default();
+        sq.local += local;
+        sq.reduced += reduced;
+    }
+
     /// The current step waited `ms` for its soft labels (told with it when
     /// it is done: what the teacher pool is sized by).
     pub fn waited_for_teachers(&mut self, ms: f64) {

@@ -7,7 +7,7 @@
 use crate::support::{
     capture::{Capture, contains, tcpdump_or_skip},
     hosts::Hosts,
-    job::{assert_exactly_once, committed_checkpoint, finish, lines, report},
+    job::{assert_exactly_once, assert_noise_scale_measured, committed_checkpoint, finish, lines, report},
     process::{sigkill, sigkill_worker},
     python::{PyEnv, torch_py},
     root,
@@ -173,6 +173,9 @@ fn a_cnn_with_batchnorm_adamw_and_a_schedule_trains_whole_through_resizes_and_a_
     assert!(last > 0.8 && last <= 1.0, "the last step's training accuracy {last}");
     let svg = std::fs::read_to_string(dir.path().join("run.svg")).unwrap();
     assert!(svg.contains("accuracy"), "the plot names the metric");
+    // ElasticDDP's communication hook measured the gradient noise scale.
+    assert_noise_scale_measured(&r);
+    assert!(svg.contains("gradient noise scale"), "the plot draws the noise scale");
 
     // Every rank starts a step with the same parameters, and so does every
     // attempt of a redone step: the reductions agreed in every generation.

@@ -158,6 +158,35 @@ class ProcessGroups:
             pass
 
 
+class _Measured:
+    """The step a DDP module's communication hook tells its norms to."""
+
+    def __init__(self, group):
+        self.group = group
+        self.step = None
+
+
+def _measuring_allreduce(measured, bucket):
+    """DDP's own reduction (the mean over the ranks of each gradient
+    bucket), telling the step the squared norms of what this rank gave and
+    of the mean that came back: the gradient noise scale's measure, without
+    a collective of its own. The norms stay 0-d tensors (no device sync)
+    until the step's commit reads them."""
+    tensor = bucket.buffer()
+    tensor.div_(measured.group.size())
+    local = tensor.pow(2).sum(dtype=torch.float64)
+    step = measured.step
+    future = dist.all_reduce(tensor, group=measured.group, async_op=True).get_future()
+
+    def reduced(f):
+        out = f.value()[0]
+        if step is not None:
+            step.gradient_norms(local, out.pow(2).sum(dtype=torch.float64))
+        return out
+
+    return future.then(reduced)
+
+
 class ElasticDDP:
     """``DistributedDataParallel`` over ``module`` on each generation's group.
 
@@ -165,16 +194,26 @@ class ElasticDDP:
     same ``module`` (its parameters are the ones registered with the job)
     again when the generation changed. ``ddp_options`` go to
     ``DistributedDataParallel`` (``find_unused_parameters``, ...).
+
+    Its gradients are reduced as DDP's default does (the mean over the
+    ranks) by a communication hook that also tells the step their norms,
+    from which the runtime measures the gradient noise scale. A program with
+    a hook of its own passes ``noise_scale=False`` and registers it on the
+    module ``on(step)`` gives.
     """
 
-    def __init__(self, module, backend=None, timeout=30.0, **ddp_options):
+    def __init__(self, module, backend=None, timeout=30.0, noise_scale=True, **ddp_options):
         self.module = module
         self.groups = ProcessGroups(backend, timeout)
         self.options = ddp_options
+        self.noise_scale = noise_scale
         self._ddp = None
         self._generation = None
+        self._measured = None
 
     def on(self, step):
+        if self._measured is not None:
+            self._measured.step = step
         if self._generation != step.generation or self._ddp is None:
             # The old wrapper (and its gradient hooks) goes before the new one comes.
             self._ddp = None
@@ -185,11 +224,17 @@ class ElasticDDP:
             self._ddp = DistributedDataParallel(
                 self.module, process_group=group, device_ids=device_ids, **self.options
             )
+            self._measured = None
+            if self.noise_scale:
+                self._measured = _Measured(group)
+                self._measured.step = step
+                self._ddp.register_comm_hook(self._measured, _measuring_allreduce)
             self._generation = step.generation
         return self._ddp
 
     def close(self):
         self._ddp = None
+        self._measured = None
         self._generation = None
         self.groups.close()
 
