@@ -117,7 +117,7 @@ fn sim_worker(addr: SocketAddr, id: u64, auth: JobAuth, sim: Sim) -> anyhow::Res
             }
             ToWorker::Steps { .. } => {}
             ToWorker::Commit { step, wait: true, .. } => {
-                let written = Written { step, result: Ok(PathBuf::from("(simulated)")) };
+                let written = Written { step, result: Ok(PathBuf::from("(simulated)")), secs: 0.0, bytes: 0 };
                 send(&mut out, &FromWorker::Saved { checkpoints: vec![written] })?;
             }
             ToWorker::Commit { .. } => {}

@@ -96,9 +96,14 @@ impl ProgressDisplay {
                     r.epoch, r.samples_committed, r.duplicates, r.missing
                 ))
             }
-            Progress::Checkpoint { step, path } => {
-                tracing::debug!("checkpoint at step {step}: {}", path.display())
+            Progress::Checkpoint { step, path, secs, bytes } => {
+                tracing::debug!(
+                    "checkpoint at step {step}: {} ({bytes} bytes in {secs:.3} s)",
+                    path.display()
+                )
             }
+            // Said by the coordinator's note; counted by the watch.
+            Progress::Redone { .. } | Progress::Decision { .. } => {}
             Progress::Note(n) => self.say(format!("note      {n}")),
             Progress::Teachers(e) => self
                 .say(format!("teachers  step {:>5}: {} -> {} teachers: {}", e.step, e.from, e.to, e.reason)),

@@ -193,6 +193,11 @@ pub struct Written {
     /// The committed step it holds.
     pub step: u64,
     pub result: Result<PathBuf, String>,
+    /// How long the write took, and the state's bytes it wrote.
+    #[serde(default)]
+    pub secs: f64,
+    #[serde(default)]
+    pub bytes: u64,
 }
 
 /// Why a message could not be sent or read.

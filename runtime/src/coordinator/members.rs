@@ -230,6 +230,9 @@ impl Coordinator<'_> {
                 "step {} not committed (generation {}{ahead}): {why}; redoing it with {world} worker(s)",
                 f.step, self.generation
             ));
+            let redone = f.dropped.max(1) as u64;
+            self.redone_steps += redone;
+            (self.progress)(Progress::Redone { step: f.step, redone });
         }
         let lost: Vec<String> = dead.iter().map(|d| format!("worker {d} lost")).collect();
         let reason = if lost.is_empty() { "collective failed".to_string() } else { lost.join(", ") };

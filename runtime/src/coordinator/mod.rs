@@ -69,6 +69,8 @@ struct Coordinator<'a> {
     policy_decisions: std::collections::VecDeque<records::PolicyDecision>,
     /// Workers the job ended before they joined.
     unused: Vec<UnusedWorker>,
+    /// Steps computed again (after failures, or a resume past the checkpoint).
+    redone_steps: u64,
     /// The student world the pool was last told was planned.
     pool_planned: u32,
     /// The pool's teachers that outlive this coordinator (kept in the
@@ -341,6 +343,7 @@ impl<'a> Coordinator<'a> {
             pool_planned: 0,
             policy_decisions: Default::default(),
             unused: Vec::new(),
+            redone_steps: 0,
             teacher_handles: plugins.teacher_handles,
             teachers_left: Vec::new(),
             policy: plugins.policy,
@@ -713,6 +716,7 @@ impl Coordinator<'_> {
             teacher_decisions: pool.decisions,
             policy_decisions: std::mem::take(&mut self.policy_decisions).into(),
             workers_unused: std::mem::take(&mut self.unused),
+            redone_steps: self.redone_steps,
             worker_handles: self
                 .membership
                 .started()

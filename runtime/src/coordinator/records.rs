@@ -43,8 +43,22 @@ pub enum Progress<'a> {
     Checkpoint {
         step: u64,
         path: &'a std::path::Path,
+        /// How long its writer took, and the state's bytes.
+        secs: f64,
+        bytes: u64,
     },
     Note(String),
+    /// Steps are done again: `step` was not committed (a rank failed) and
+    /// `redone` steps from it on will be computed again.
+    Redone {
+        step: u64,
+        redone: u64,
+    },
+    /// The scaling policy decided (holds too); its call took `call_secs`.
+    Decision {
+        decision: &'a PolicyDecision,
+        call_secs: f64,
+    },
     /// The teacher pool changed size.
     Teachers(&'a super::pool::TeacherEvent),
 }
@@ -83,6 +97,10 @@ pub struct JobOutcome {
     /// where it stood (`still starting`, `still loading the job`, ...).
     #[serde(default)]
     pub workers_unused: Vec<UnusedWorker>,
+    /// Steps computed again: after each failure, the step and those sent
+    /// ahead of it; after a resume, the steps committed after the checkpoint.
+    #[serde(default)]
+    pub redone_steps: u64,
     /// How the scheduler knows each worker it started (`slurm:123`).
     pub worker_handles: std::collections::BTreeMap<u64, String>,
 }

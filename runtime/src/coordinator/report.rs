@@ -56,6 +56,9 @@ pub struct Report {
     /// where it stood then (stopped unused).
     #[serde(default)]
     pub workers_unused: Vec<crate::coordinator::UnusedWorker>,
+    /// Steps computed again (after failures, or a resume past the checkpoint).
+    #[serde(default)]
+    pub redone_steps: u64,
     /// How the scheduler knows each worker (`slurm:123`), by worker id.
     #[serde(default)]
     pub worker_handles: std::collections::BTreeMap<u64, String>,
@@ -114,6 +117,7 @@ impl Report {
             teacher_decisions: outcome.teacher_decisions,
             policy_decisions: outcome.policy_decisions,
             workers_unused: outcome.workers_unused,
+            redone_steps: outcome.redone_steps,
             worker_handles: outcome.worker_handles,
             timeline: outcome.timeline,
         }

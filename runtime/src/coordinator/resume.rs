@@ -352,6 +352,10 @@ impl Coordinator<'_> {
             m.cursor,
             if lost > 0 { format!("; redoing the {lost} steps committed after it") } else { String::new() }
         ));
+        if lost > 0 {
+            self.redone_steps += lost;
+            (self.progress)(Progress::Redone { step: m.step, redone: lost });
+        }
         self.restore_plugin_memory(&book.plugins, m.step);
         Ok(Some(m.step))
     }
@@ -571,7 +575,12 @@ impl Coordinator<'_> {
         for w in written {
             match &w.result {
                 Ok(p) => {
-                    (self.progress)(Progress::Checkpoint { step: w.step, path: p });
+                    (self.progress)(Progress::Checkpoint {
+                        step: w.step,
+                        path: p,
+                        secs: w.secs,
+                        bytes: w.bytes,
+                    });
                     if let Some(s) = self.stopping.as_mut().filter(|s| s.asked == Some(w.step)) {
                         s.written = Some(p.clone());
                     }

@@ -143,16 +143,24 @@ impl Coordinator<'_> {
     }
 
     /// Keeps a decision of the policy for the report (the newest ones).
-    fn record_decision<E: std::fmt::Display>(&mut self, view: ClusterView, answer: &Result<Vec<Action>, E>) {
+    /// and tells the watchers (with the call's seconds).
+    fn record_decision<E: std::fmt::Display>(
+        &mut self,
+        view: ClusterView,
+        answer: &Result<Vec<Action>, E>,
+        call_secs: f64,
+    ) {
         if self.policy_decisions.len() >= super::records::POLICY_DECISIONS_KEPT {
             self.policy_decisions.pop_front();
         }
-        self.policy_decisions.push_back(super::records::PolicyDecision {
+        let decision = super::records::PolicyDecision {
             secs: self.started.elapsed().as_secs_f64(),
             view,
             actions: answer.as_ref().map(|a| a.clone()).unwrap_or_default(),
             error: answer.as_ref().err().map(|e| e.to_string()),
-        });
+        };
+        (self.progress)(Progress::Decision { decision: &decision, call_secs });
+        self.policy_decisions.push_back(decision);
     }
 
     /// Asks the policy what to do.
@@ -191,8 +199,9 @@ impl Coordinator<'_> {
             price_per_worker_hour: self.cfg.price_per_worker_hour,
             samples_remaining: remaining,
         };
+        let asked = Instant::now();
         let answer = self.policy.decide(&view);
-        self.record_decision(view, &answer);
+        self.record_decision(view, &answer, asked.elapsed().as_secs_f64());
         let actions = match answer {
             Ok(a) => a,
             Err(e) => {

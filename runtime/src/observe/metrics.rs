@@ -23,6 +23,18 @@ struct NameLabel {
     name: String,
 }
 
+/// What a scaling policy's decision was.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ActionLabel {
+    action: &'static str,
+}
+
+/// Which plugin a call went to.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PluginLabel {
+    plugin: &'static str,
+}
+
 /// Which way a resize went.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DirectionLabel {
@@ -51,6 +63,12 @@ pub struct JobMetrics {
     join: Histogram,
     checkpoints: Counter,
     checkpoint_step: Gauge,
+    checkpoint_write: Histogram,
+    checkpoint_bytes: Gauge,
+    redone: Counter,
+    failures: Counter,
+    decisions: Family<ActionLabel, Counter>,
+    plugin_calls: Family<PluginLabel, Histogram>,
     teachers: Gauge,
     teacher_changes: Counter,
     epochs: Counter,
@@ -97,6 +115,15 @@ impl JobMetrics {
             join: seconds_buckets(),
             checkpoints: Counter::default(),
             checkpoint_step: Gauge::default(),
+            checkpoint_write: seconds_buckets(),
+            checkpoint_bytes: Gauge::default(),
+            redone: Counter::default(),
+            failures: Counter::default(),
+            decisions: Family::default(),
+            plugin_calls: Family::new_with_constructor(|| {
+                // From 10 us to about 2.6 s: a policy's call is well under a millisecond.
+                Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(1e-5, 4.0, 10))
+            }),
             teachers: Gauge::default(),
             teacher_changes: Counter::default(),
             epochs: Counter::default(),
@@ -157,6 +184,31 @@ impl JobMetrics {
         );
         r.register("checkpoints", "Checkpoints written", self.checkpoints.clone());
         r.register("checkpoint_step", "The step of the newest checkpoint", self.checkpoint_step.clone());
+        r.register_with_unit(
+            "checkpoint_write",
+            "How long rank 0's writer took to write a checkpoint (in the background of the steps)",
+            Unit::Seconds,
+            self.checkpoint_write.clone(),
+        );
+        r.register_with_unit(
+            "checkpoint_size",
+            "The state's bytes in the newest checkpoint",
+            Unit::Bytes,
+            self.checkpoint_bytes.clone(),
+        );
+        r.register(
+            "redone_steps",
+            "Steps computed again after a failure or a return to a checkpoint",
+            self.redone.clone(),
+        );
+        r.register("step_failures", "Steps not committed because a rank failed", self.failures.clone());
+        r.register("policy_decisions", "The scaling policy's decisions, by action", self.decisions.clone());
+        r.register_with_unit(
+            "plugin_call",
+            "How long a plugin's call took, by plugin",
+            Unit::Seconds,
+            self.plugin_calls.clone(),
+        );
         r.register("teachers", "Teachers in the job's pool", self.teachers.clone());
         r.register(
             "teacher_pool_changes",
@@ -219,9 +271,39 @@ impl JobMetrics {
         self.missing.inc_by(r.missing);
     }
 
-    pub fn checkpoint(&mut self, step: u64) {
+    /// A checkpoint written: its step, the writer's seconds and bytes.
+    pub fn checkpoint(&mut self, step: u64, secs: f64, bytes: u64) {
         self.checkpoints.inc();
         self.checkpoint_step.set(step as i64);
+        self.checkpoint_write.observe(secs);
+        self.checkpoint_bytes.set(bytes as i64);
+    }
+
+    /// Steps done again: `redone` from a failed step (or a checkpoint) on.
+    pub fn redone(&mut self, redone: u64) {
+        self.failures.inc();
+        self.redone.inc_by(redone);
+    }
+
+    /// A decision of the scaling policy, and how long its call took.
+    pub fn decision(&mut self, d: &crate::coordinator::PolicyDecision, call_secs: f64) {
+        self.plugin_calls.get_or_create(&PluginLabel { plugin: "scaling-policy" }).observe(call_secs);
+        let actions: Vec<&'static str> = match &d.error {
+            Some(_) => vec!["error"],
+            None => d
+                .actions
+                .iter()
+                .map(|a| match a {
+                    edl_plugin_sdk::Action::Hold => "hold",
+                    edl_plugin_sdk::Action::ScaleOut(_) => "scale-out",
+                    edl_plugin_sdk::Action::ScaleIn(_) => "scale-in",
+                    edl_plugin_sdk::Action::Replace(_) => "replace",
+                })
+                .collect(),
+        };
+        for action in if actions.is_empty() { vec!["hold"] } else { actions } {
+            self.decisions.get_or_create(&ActionLabel { action }).inc();
+        }
     }
 
     pub fn teachers(&mut self, e: &TeacherEvent) {
@@ -311,6 +393,16 @@ mod tests {
         m.step(&step(1, 0, 64));
         m.step(&step(2, 0, 128));
         m.scale(&grew());
+        m.checkpoint(2, 0.25, 407_080);
+        m.redone(3);
+        let hold = crate::coordinator::PolicyDecision {
+            secs: 1.0,
+            view: Default::default(),
+            actions: vec![edl_plugin_sdk::Action::Hold],
+            error: None,
+        };
+        m.decision(&hold, 0.0003);
+        m.decision(&crate::coordinator::PolicyDecision { error: Some("trap".into()), ..hold }, 0.1);
         let text = m.encode();
         for line in [
             "edl_job_info{name=\"mnist\",policy=\"autoscale 0.1.0\"} 1",
@@ -328,6 +420,13 @@ mod tests {
             "edl_resize_pause_seconds_sum 0.05",
             "edl_worker_join_seconds_sum 3.0",
             "# UNIT edl_resize_pause_seconds seconds",
+            "edl_checkpoint_write_seconds_sum 0.25",
+            "edl_checkpoint_size_bytes 407080",
+            "edl_redone_steps_total 3",
+            "edl_step_failures_total 1",
+            "edl_policy_decisions_total{action=\"hold\"} 1",
+            "edl_policy_decisions_total{action=\"error\"} 1",
+            "edl_plugin_call_seconds_count{plugin=\"scaling-policy\"} 2",
             "# EOF",
         ] {
             assert!(text.lines().any(|l| l == line), "{line:?} missing from\n{text}");
@@ -354,8 +453,18 @@ mod tests {
         let mut m = JobMetrics::new("j", "p", 400);
         m.step(&step(1, 0, 64));
         m.teachers(&TeacherEvent { step: 1, secs: 0.5, from: 1, to: 2, reason: "r".into() });
-        m.checkpoint(1);
+        m.checkpoint(1, 0.02, 407_080);
         m.scale(&grew());
+        m.redone(2);
+        m.decision(
+            &crate::coordinator::PolicyDecision {
+                secs: 1.0,
+                view: Default::default(),
+                actions: vec![edl_plugin_sdk::Action::ScaleOut(1)],
+                error: None,
+            },
+            0.0002,
+        );
         m.epoch_done(&EpochRecord { epoch: 0, samples_committed: 400, duplicates: 0, missing: 0 });
         let served: std::collections::BTreeSet<String> = m
             .encode()

@@ -53,6 +53,8 @@ pub struct Live {
     /// The teacher pool's size, once it changed (a job without a pool: none).
     pub teachers: Option<u32>,
     pub checkpoint_step: Option<u64>,
+    /// Steps computed again after failures.
+    pub redone_steps: u64,
     /// Seconds since the watch began.
     pub secs: f64,
     pub points: Vec<Point>,
@@ -105,6 +107,7 @@ impl Watch {
             generation: 0,
             teachers: None,
             checkpoint_step: None,
+            redone_steps: 0,
             secs: 0.0,
             points: Vec::new(),
             scale_events: Vec::new(),
@@ -140,10 +143,15 @@ impl Watch {
                 w.metrics.epoch_done(r);
                 w.live.epochs_done.push((*r).clone());
             }
-            Progress::Checkpoint { step, .. } => {
-                w.metrics.checkpoint(*step);
+            Progress::Checkpoint { step, secs, bytes, .. } => {
+                w.metrics.checkpoint(*step, *secs, *bytes);
                 w.live.checkpoint_step = Some(*step);
             }
+            Progress::Redone { redone, .. } => {
+                w.metrics.redone(*redone);
+                w.live.redone_steps += redone;
+            }
+            Progress::Decision { decision, call_secs } => w.metrics.decision(decision, *call_secs),
             Progress::Note(n) => {
                 w.metrics.note();
                 w.live.note(n);

@@ -111,7 +111,10 @@ impl TensorBoard {
             }
             Progress::Teachers(e) => self.scalars(e.step, vec![("cluster/teachers".into(), e.to as f32)]),
             Progress::Epoch(_) => self.flush(),
-            Progress::Checkpoint { .. } | Progress::Note(_) => {}
+            Progress::Checkpoint { step, secs, .. } => {
+                self.scalars(*step, vec![("cluster/checkpoint_write_secs".into(), *secs as f32)])
+            }
+            Progress::Note(_) | Progress::Redone { .. } | Progress::Decision { .. } => {}
         }
         if self.flushed.elapsed() >= FLUSH_EVERY {
             self.flush();

@@ -253,7 +253,7 @@ pub struct Session {
     grad_sq: Option<crate::coordinator::machine::noise::GradSq>,
     ring: Option<(u64, TcpRing)>,
     /// A checkpoint being written in the background: its step and thread.
-    writing: Option<(u64, std::thread::JoinHandle<Result<std::path::PathBuf>>)>,
+    writing: Option<(u64, WriteThread)>,
     /// Checkpoint writes that ended, not reported yet.
     written: Vec<Written>,
     /// Set when the coordinator said stop.
@@ -1013,7 +1013,7 @@ impl Session {
         }
         let Some(manifest) = checkpoint else { return Ok(()) };
         if let Err(e) = self.start_write(manifest) {
-            self.written.push(Written { step, result: Err(format!("{e:#}")) });
+            self.written.push(Written { step, result: Err(format!("{e:#}")), secs: 0.0, bytes: 0 });
         }
         if wait {
             self.reap_write(true);
@@ -1186,9 +1186,12 @@ impl Session {
         })?;
         let layout = self.layout.clone();
         let store = self.checkpoints.clone();
-        let handle = std::thread::Builder::new()
-            .name("edl-checkpoint".into())
-            .spawn(move || Ok(store.save(&layout, &values, manifest)?))?;
+        let handle = std::thread::Builder::new().name("edl-checkpoint".into()).spawn(move || {
+            let started = std::time::Instant::now();
+            let bytes = std::mem::size_of_val(&values[..]) as u64;
+            let path = store.save(&layout, &values, manifest)?;
+            Ok((path, started.elapsed().as_secs_f64(), bytes))
+        })?;
         self.writing = Some((n, handle));
         Ok(())
     }
@@ -1200,14 +1203,15 @@ impl Session {
             return;
         }
         let Some((step, handle)) = self.writing.take() else { return };
-        let result = match handle.join() {
-            Ok(r) => r.map_err(|e| format!("{e:#}")),
-            Err(_) => Err("the checkpoint writer panicked".to_string()),
+        let (result, secs, bytes) = match handle.join() {
+            Ok(Ok((path, secs, bytes))) => (Ok(path), secs, bytes),
+            Ok(Err(e)) => (Err(format!("{e:#}")), 0.0, 0),
+            Err(_) => (Err("the checkpoint writer panicked".to_string()), 0.0, 0),
         };
         if let Err(e) = &result {
             tracing::warn!("worker {}: checkpoint of step {step}: {e}", self.id);
         }
-        self.written.push(Written { step, result });
+        self.written.push(Written { step, result, secs, bytes });
     }
 }
 
@@ -1229,3 +1233,7 @@ pub struct StateMismatch {
 fn squared_norm(values: &[f32]) -> f64 {
     values.iter().map(|&v| f64::from(v) * f64::from(v)).sum()
 }
+
+/// A checkpoint being written in the background: its path, seconds and
+/// bytes once done.
+type WriteThread = std::thread::JoinHandle<Result<(std::path::PathBuf, f64, u64)>>;

@@ -268,6 +268,11 @@ fn a_worker_killed_while_later_windows_are_out_loses_no_sample() {
     let note = text.lines().find(|l| l.contains("not committed")).unwrap_or_else(|| panic!("{text}"));
     assert!(note.contains("worker 2 (pid") && note.contains("lost"), "{note}");
     assert!(note.contains("later step(s) sent ahead dropped"), "windows were out when it died: {note}");
+    // The report counts them: the step and those sent ahead, all redone.
+    let at = note.find(" later step(s) sent ahead dropped").unwrap();
+    let dropped: u64 = note[..at].rsplit(' ').next().unwrap().parse().unwrap();
+    let redone = report(dir.path())["redone_steps"].as_u64().unwrap();
+    assert!(redone > dropped, "{redone} redone, {dropped} dropped: {note}");
 }
 
 /// A job without teachers whose policy never acts, with `extra` flags.

@@ -102,6 +102,10 @@ fn the_metrics_parse_as_openmetrics_and_move_while_the_job_runs() {
     assert!(at(&second, "edl_resize_pause_seconds_sum") > 0.0, "{second:?}");
     assert!(at(&second, "edl_samples_per_second") > 0.0, "{second:?}");
     assert!(at(&second, "edl_generation") >= 2.0, "{second:?}");
+    // The policy's decisions, holds and growth, and its calls' times.
+    assert!(at(&second, "edl_policy_decisions_total{action=\"scale-out\"}") >= 1.0, "{second:?}");
+    let calls = at(&second, "edl_plugin_call_seconds_count{plugin=\"scaling-policy\"}");
+    assert!(calls >= at(&second, "edl_policy_decisions_total{action=\"scale-out\"}"), "{second:?}");
     // Served from the start (NaN until two workers share a step and the
     // smoothed estimate is positive; its values are checked with the report's).
     assert!(second.contains_key("edl_gradient_noise_scale"), "{second:?}");
