@@ -58,14 +58,9 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     let secret_file = args.cluster.secret_file.as_deref();
     let starts_teachers = teachers.start.is_some();
     let mut job = Job::prepare(cfg, &dirs, secret_file, job_plugins, scaler, starts_teachers)?;
-    println!("{header}");
-    if let Some((_, line)) = &watch {
-        println!("{line}");
-    }
+    let said = [Some(&header), watch.as_ref().map(|w| &w.1), teachers.pool_line.as_ref()];
+    said.into_iter().flatten().for_each(|line| println!("{line}"));
     let watch = watch.map(|(w, _)| w);
-    if let Some(line) = &teachers.pool_line {
-        println!("{line}");
-    }
     if !args.state.restart
         && let Some(done) = coordinator::finished_here(&checkpoint_dir, &name)?
     {
@@ -81,26 +76,8 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     // workers stopped, its report written, exit status 143 or 130.
     edl_runtime::process::hear_stop_signals();
     let _stops = edl_runtime::process::StopsWithNotice::begin(edl_runtime::process::STOP_WITHIN);
-    let mut board = tensorboard(args.watch.tensorboard.as_deref())?;
-    let outcome = coordinator::run(job, &mut |p| {
-        if let Some(w) = &watch {
-            w.record(&p);
-        }
-        if let Some(b) = board.as_mut() {
-            b.record(&p);
-        }
-        display.show(p)
-    });
-    drop(board);
-    if let Some(w) = &watch {
-        w.end(match &outcome {
-            Ok(_) => "finished",
-            Err(e) if e.is::<coordinator::AlreadyFinished>() => "finished",
-            Err(e) if e.is::<edl_runtime::process::StopSignalled>() => "stopped",
-            Err(_) => "failed",
-        });
-    }
-    let outcome = match outcome {
+    let board = tensorboard(args.watch.tensorboard.as_deref())?;
+    let outcome = match watched_run(job, &mut display, watch, board) {
         Ok(o) => o,
         Err(e) if e.is::<coordinator::AlreadyFinished>() => {
             display.finish();
@@ -121,19 +98,20 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
         }
     };
     display.finish();
-
-    let student_accuracy = work.student_accuracy(&checkpoint_dir, &outcome)?;
+    let student = work.student_accuracy(&checkpoint_dir, &outcome)?;
+    let (store, device, seed) =
+        (edl_runtime::store::redact(&args.state.store), work.device().to_string(), args.training.seed);
     let report = Report::new(
         &name,
         outcome,
-        student_accuracy,
+        student,
         teacher_accuracy,
         distill,
         policy_name,
         adapter_name,
-        &edl_runtime::store::redact(&args.state.store),
-        work.device().to_string(),
-        args.training.seed,
+        &store,
+        device,
+        seed,
     );
     summarize(&report, &args.output, &dirs.checkpoint_dir, &checkpoint_dir)
 }
@@ -164,6 +142,34 @@ fn watch(
         e => e.into(),
     })?;
     Ok(Some((w, format!("watch     {} (Prometheus metrics at {}metrics)", at.url(), at.url()))))
+}
+
+/// Runs the job, its progress shown by `display` and recorded by the
+/// watch and the event file where there are.
+fn watched_run(
+    job: Job,
+    display: &mut ProgressDisplay,
+    watch: Option<Watch>,
+    mut board: Option<observe::tensorboard::TensorBoard>,
+) -> Result<coordinator::JobOutcome> {
+    let outcome = coordinator::run(job, &mut |p| {
+        if let Some(w) = &watch {
+            w.record(&p);
+        }
+        if let Some(b) = board.as_mut() {
+            b.record(&p);
+        }
+        display.show(p)
+    });
+    if let Some(w) = &watch {
+        w.end(match &outcome {
+            Ok(_) => "finished",
+            Err(e) if e.is::<coordinator::AlreadyFinished>() => "finished",
+            Err(e) if e.is::<edl_runtime::process::StopSignalled>() => "stopped",
+            Err(_) => "failed",
+        });
+    }
+    outcome
 }
 
 /// The job's TensorBoard event file, when `--tensorboard DIR` asks for one.

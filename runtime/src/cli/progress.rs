@@ -103,7 +103,10 @@ impl ProgressDisplay {
                 )
             }
             // Said by the coordinator's note; counted by the watch.
-            Progress::Redone { .. } | Progress::Decision { .. } => {}
+            Progress::Redone { .. }
+            | Progress::Decision { .. }
+            | Progress::Workers(_)
+            | Progress::TeacherView(_) => {}
             Progress::Note(n) => self.say(format!("note      {n}")),
             Progress::Teachers(e) => self
                 .say(format!("teachers  step {:>5}: {} -> {} teachers: {}", e.step, e.from, e.to, e.reason)),

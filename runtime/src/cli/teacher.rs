@@ -187,20 +187,12 @@ async fn serve(
         let at = listener.local_addr()?;
         let max_body = edl_runtime::distill::rest::max_body(args.max_request_rows, inputs);
         let router = edl_runtime::distill::rest::router(service, token, max_body);
-        let scheme = match rest_tls {
-            Some(config) => {
-                tokio::spawn(edl_runtime::distill::rest::serve_tls(
-                    listener,
-                    router,
-                    config,
-                    "teacher REST endpoint",
-                ));
-                "https"
-            }
-            None => {
-                tokio::spawn(edl_runtime::distill::rest::serve(listener, router, "teacher REST endpoint"));
-                "http"
-            }
+        use edl_runtime::distill::rest::{serve, serve_tls};
+        const WHAT: &str = "teacher REST endpoint";
+        let scheme = if rest_tls.is_some() { "https" } else { "http" };
+        match rest_tls {
+            Some(config) => tokio::spawn(serve_tls(listener, router, config, WHAT)),
+            None => tokio::spawn(serve(listener, router, WHAT)),
         };
         println!("teacher {:?} serving KServe v2 REST on {scheme}://{at}", args.model_name);
     }

@@ -246,6 +246,31 @@ impl Coordinator<'_> {
         }
     }
 
+    /// Tells the watchers the workers and where each stands, when that changed.
+    fn tell_workers(&mut self) {
+        let members = self.membership.members().iter().enumerate();
+        let mut now: Vec<WorkerState> = members
+            .map(|(rank, m)| WorkerState {
+                id: m.id,
+                rank: Some(rank),
+                stage: "training".into(),
+                handle: self.scaler.handle(m.id),
+            })
+            .collect();
+        for (id, stage) in self.membership.on_the_way() {
+            let stage = match stage {
+                "still starting" => "starting",
+                "still loading the job" => "loading",
+                _ => "ready",
+            };
+            now.push(WorkerState { id, rank: None, stage: stage.into(), handle: self.scaler.handle(id) });
+        }
+        if now != self.told_workers {
+            (self.progress)(Progress::Workers(&now));
+            self.told_workers = now;
+        }
+    }
+
     /// Keeps the members' leases in the store fresh (once a second).
     pub(super) fn lease_members(&mut self, now: Instant) {
         let due = self.timers.fire(Timer::WorkerLeases, now, SECOND);
@@ -253,6 +278,7 @@ impl Coordinator<'_> {
             return;
         }
         self.timers.set(Timer::WorkerLeases, now + SECOND);
+        self.tell_workers();
         let Some(k) = &self.keeper else { return };
         let prefix = keys::workers(&self.cfg.spec.job);
         for m in self.membership.members() {

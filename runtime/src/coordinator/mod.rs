@@ -26,7 +26,7 @@ mod steps;
 
 use crate::job::{JobConfig, assembly::Job};
 use crate::leader::record::TeacherHandle;
-pub use records::{JobOutcome, PolicyDecision, Progress, StepRecord, StoreEvent, UnusedWorker};
+pub use records::{JobOutcome, PolicyDecision, Progress, StepRecord, StoreEvent, UnusedWorker, WorkerState};
 pub use resume::{AlreadyFinished, finished_here, mark_complete};
 
 use crate::checkpoint::Checkpoints;
@@ -71,6 +71,8 @@ struct Coordinator<'a> {
     unused: Vec<UnusedWorker>,
     /// Steps computed again (after failures, or a resume past the checkpoint).
     redone_steps: u64,
+    /// The workers' states last told to the watchers.
+    told_workers: Vec<WorkerState>,
     /// The student world the pool was last told was planned.
     pool_planned: u32,
     /// The pool's teachers that outlive this coordinator (kept in the
@@ -344,6 +346,7 @@ impl<'a> Coordinator<'a> {
             policy_decisions: Default::default(),
             unused: Vec::new(),
             redone_steps: 0,
+            told_workers: Vec::new(),
             teacher_handles: plugins.teacher_handles,
             teachers_left: Vec::new(),
             policy: plugins.policy,
@@ -475,6 +478,9 @@ impl Coordinator<'_> {
                 planned,
                 calls: self.tally.teacher_calls(),
             });
+        }
+        if let Some(view) = pool.latest_view() {
+            (self.progress)(Progress::TeacherView(&view));
         }
         for (event, said) in pool.news() {
             for s in said {

@@ -22,6 +22,7 @@ use anyhow::Result;
 use edl_plugin_sdk::{TeacherPlan, TeacherStats, TeacherView};
 use serde::Serialize;
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tonic::transport::Channel;
 
@@ -156,6 +157,8 @@ pub struct TeacherPool {
     /// Starts held back after teachers kept exiting or failing to start.
     starts: Starts,
     decisions: std::collections::VecDeque<TeacherDecision>,
+    /// The view of the newest decision, for the watchers (taken once told).
+    last_view: Option<TeacherView>,
     /// A standby's pool: it starts nothing until its coordinator leads
     /// the job and takes over the teachers of the one before.
     held: bool,
@@ -245,6 +248,7 @@ impl TeacherPool {
             target: 0,
             starts: Starts::new(),
             decisions: Default::default(),
+            last_view: None,
             held: false,
             capacity: BTreeMap::new(),
             told_capacity: BTreeMap::new(),
@@ -358,6 +362,7 @@ impl TeacherPool {
         let stats = self.read_stats();
         self.measure_capacity(&stats);
         let view = self.view(&students, stats);
+        self.last_view = Some(view.clone());
         let answer = self.policy.decide(&view);
         let kept = match &answer {
             Ok(p) => p.teachers.clamp(self.bounds.min, self.bounds.max),
@@ -622,6 +627,8 @@ pub struct PoolThread {
     every: Duration,
     /// The changes told through [`PoolThread::news`] so far.
     told: Vec<TeacherEvent>,
+    /// The view of the pool's newest decision, not yet taken.
+    latest: Arc<Mutex<Option<TeacherView>>>,
 }
 
 /// What the coordinator tells the pool's thread.
@@ -671,6 +678,8 @@ impl PoolThread {
         let every = pool.bounds.every;
         let (tx, rx) = std::sync::mpsc::channel::<ToPool>();
         let (news_tx, news) = std::sync::mpsc::channel();
+        let latest = Arc::new(Mutex::new(None));
+        let newest = latest.clone();
         let thread = std::thread::Builder::new().name("edl-teacher-pool".into()).spawn(move || {
             let mut step = 0;
             loop {
@@ -689,13 +698,16 @@ impl PoolThread {
                 };
                 step = students.as_ref().map_or(step, |s| s.step);
                 let (event, said) = pool.look(step, students);
+                if let Some(view) = pool.last_view.take() {
+                    *newest.lock().unwrap_or_else(|e| e.into_inner()) = Some(view);
+                }
                 if (event.is_some() || !said.is_empty()) && news_tx.send((event, said)).is_err() {
                     break;
                 }
             }
             PoolRecord { events: pool.events, decisions: pool.decisions.into() }
         })?;
-        Ok(PoolThread { tx: Some(tx), news, thread: Some(thread), every, told: Vec::new() })
+        Ok(PoolThread { tx: Some(tx), news, thread: Some(thread), every, told: Vec::new(), latest })
     }
 
     /// The coordinator was deposed: the teachers that outlive it are let
@@ -731,6 +743,12 @@ impl PoolThread {
         answer.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| {
             vec!["the teacher pool did not take the teachers before over within a minute".into()]
         })
+    }
+
+    /// The view the pool's policy decided on last, once (None until a
+    /// new decision).
+    pub fn latest_view(&self) -> Option<TeacherView> {
+        self.latest.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 
     /// What the pool did since the last call.

@@ -59,6 +59,12 @@ pub enum Progress<'a> {
         decision: &'a PolicyDecision,
         call_secs: f64,
     },
+    /// The job's workers and where each stands, when that changed (looked
+    /// at once a second).
+    Workers(&'a [WorkerState]),
+    /// What the teacher pool's policy saw at its newest decision: the
+    /// students' wait and each teacher's statistics.
+    TeacherView(&'a edl_plugin_sdk::TeacherView),
     /// The teacher pool changed size.
     Teachers(&'a super::pool::TeacherEvent),
 }
@@ -115,6 +121,19 @@ pub struct PolicyDecision {
     pub actions: Vec<edl_plugin_sdk::Action>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+}
+
+/// One of the job's workers and where it stands.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkerState {
+    pub id: u64,
+    /// Its rank in the current generation, for a member.
+    pub rank: Option<usize>,
+    /// `training` (a member), `starting`, `loading` (the job) or `ready`
+    /// (waiting for the next step boundary).
+    pub stage: String,
+    /// How the scheduler knows it (`slurm:123`, `pid 4242`), where it says.
+    pub handle: Option<String>,
 }
 
 /// A worker the job ended before it joined.

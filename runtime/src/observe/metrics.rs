@@ -29,6 +29,18 @@ struct ActionLabel {
     action: &'static str,
 }
 
+/// Where a worker stands.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StageLabel {
+    stage: String,
+}
+
+/// A teacher of the pool, and a quantile of its students' request times.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TeacherLabel {
+    teacher: String,
+}
+
 /// Which plugin a call went to.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PluginLabel {
@@ -69,6 +81,12 @@ pub struct JobMetrics {
     failures: Counter,
     decisions: Family<ActionLabel, Counter>,
     plugin_calls: Family<PluginLabel, Histogram>,
+    workers: Family<StageLabel, Gauge>,
+    wait_share: Real,
+    teacher_use: Family<TeacherLabel, Real>,
+    teacher_rows: Family<TeacherLabel, Real>,
+    teacher_p50: Family<TeacherLabel, Real>,
+    teacher_p99: Family<TeacherLabel, Real>,
     teachers: Gauge,
     teacher_changes: Counter,
     epochs: Counter,
@@ -120,6 +138,12 @@ impl JobMetrics {
             redone: Counter::default(),
             failures: Counter::default(),
             decisions: Family::default(),
+            workers: Family::default(),
+            wait_share: Real::default(),
+            teacher_use: Family::default(),
+            teacher_rows: Family::default(),
+            teacher_p50: Family::default(),
+            teacher_p99: Family::default(),
             plugin_calls: Family::new_with_constructor(|| {
                 // From 10 us to about 2.6 s: a policy's call is well under a millisecond.
                 Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(1e-5, 4.0, 10))
@@ -138,6 +162,14 @@ impl JobMetrics {
     }
 
     fn register(mut self) -> JobMetrics {
+        self.register_steps();
+        self.register_cluster();
+        self.register_teachers();
+        self
+    }
+
+    /// The training's own series: steps, samples, loss, batch, epochs.
+    fn register_steps(&mut self) {
         let r = &mut self.registry;
         r.register("committed_step", "The job's newest committed step", self.committed_step.clone());
         r.register("epoch", "The epoch the job trains (from 0)", self.epoch.clone());
@@ -161,7 +193,29 @@ impl JobMetrics {
             "A metric the program committed with its step (its name in `name`)",
             self.program.clone(),
         );
+        r.register("epochs", "Epochs finished", self.epochs.clone());
+        r.register(
+            "duplicate_samples",
+            "Samples read by more than one committed step of a finished epoch",
+            self.duplicates.clone(),
+        );
+        r.register(
+            "missing_samples",
+            "Samples no committed step of a finished epoch read",
+            self.missing.clone(),
+        );
+        r.register("notes", "Notes the coordinator printed (failures, hand-overs)", self.notes.clone());
+    }
+
+    /// The job's workers, resizes, checkpoints, failures and policy.
+    fn register_cluster(&mut self) {
+        let r = &mut self.registry;
         r.register("world_size", "Workers in the current generation", self.world.clone());
+        r.register(
+            "workers",
+            "The job's workers by stage: training, starting, loading (the job), ready (for the next boundary)",
+            self.workers.clone(),
+        );
         r.register("generation", "The current generation of the job's ring", self.generation.clone());
         r.register("resizes", "Resizes of the job, by direction", self.resizes.clone());
         r.register_with_unit(
@@ -209,25 +263,44 @@ impl JobMetrics {
             Unit::Seconds,
             self.plugin_calls.clone(),
         );
+    }
+
+    /// The teacher pool's series.
+    fn register_teachers(&mut self) {
+        let r = &mut self.registry;
         r.register("teachers", "Teachers in the job's pool", self.teachers.clone());
         r.register(
             "teacher_pool_changes",
             "Changes of the teacher pool's size",
             self.teacher_changes.clone(),
         );
-        r.register("epochs", "Epochs finished", self.epochs.clone());
         r.register(
-            "duplicate_samples",
-            "Samples read by more than one committed step of a finished epoch",
-            self.duplicates.clone(),
+            "teacher_wait_share",
+            "Share of the students' compute spent waiting for soft labels (teacher pool)",
+            self.wait_share.clone(),
         );
         r.register(
-            "missing_samples",
-            "Samples no committed step of a finished epoch read",
-            self.missing.clone(),
+            "teacher_utilisation",
+            "Share of the window a teacher's model computed",
+            self.teacher_use.clone(),
         );
-        r.register("notes", "Notes the coordinator printed (failures, hand-overs)", self.notes.clone());
-        self
+        r.register(
+            "teacher_rows_per_second",
+            "Rows of soft labels a teacher answered per second",
+            self.teacher_rows.clone(),
+        );
+        r.register_with_unit(
+            "teacher_request_p50",
+            "The median of the students' request times to a teacher over the pool's window (network and queue included)",
+            Unit::Seconds,
+            self.teacher_p50.clone(),
+        );
+        r.register_with_unit(
+            "teacher_request_p99",
+            "The 99th percentile of the students' request times to a teacher over the pool's window",
+            Unit::Seconds,
+            self.teacher_p99.clone(),
+        );
     }
 
     /// A committed step.
@@ -283,6 +356,32 @@ impl JobMetrics {
     pub fn redone(&mut self, redone: u64) {
         self.failures.inc();
         self.redone.inc_by(redone);
+    }
+
+    /// What the teacher pool's policy saw: teachers no longer in the pool
+    /// leave the teacher series.
+    pub fn teacher_view(&mut self, v: &edl_plugin_sdk::TeacherView) {
+        self.wait_share.set(v.wait_share);
+        self.teachers.set(v.teacher_count as i64);
+        self.teacher_use.clear();
+        self.teacher_rows.clear();
+        self.teacher_p50.clear();
+        self.teacher_p99.clear();
+        for t in &v.teachers {
+            let label = TeacherLabel { teacher: t.id.to_string() };
+            self.teacher_use.get_or_create(&label).set(t.utilisation);
+            self.teacher_rows.get_or_create(&label).set(t.rows_per_sec);
+            self.teacher_p50.get_or_create(&label).set(t.p50_ms / 1e3);
+            self.teacher_p99.get_or_create(&label).set(t.p99_ms / 1e3);
+        }
+    }
+
+    /// The workers and where each stands.
+    pub fn workers(&mut self, workers: &[crate::coordinator::WorkerState]) {
+        for stage in ["training", "starting", "loading", "ready"] {
+            let n = workers.iter().filter(|w| w.stage == stage).count();
+            self.workers.get_or_create(&StageLabel { stage: stage.to_string() }).set(n as i64);
+        }
     }
 
     /// A decision of the scaling policy, and how long its call took.
@@ -403,7 +502,34 @@ mod tests {
         };
         m.decision(&hold, 0.0003);
         m.decision(&crate::coordinator::PolicyDecision { error: Some("trap".into()), ..hold }, 0.1);
+        let worker = |id, stage: &str| crate::coordinator::WorkerState {
+            id,
+            rank: None,
+            stage: stage.into(),
+            handle: None,
+        };
+        m.workers(&[worker(1, "training"), worker(2, "training"), worker(3, "loading")]);
+        let teacher = |id, utilisation| edl_plugin_sdk::TeacherStats {
+            id,
+            utilisation,
+            rows_per_sec: 900.0,
+            p50_ms: 4.0,
+            p99_ms: 12.5,
+            ..Default::default()
+        };
+        let mut view = edl_plugin_sdk::TeacherView {
+            wait_share: 0.25,
+            teacher_count: 2,
+            teachers: vec![teacher(0, 0.5), teacher(7, 0.75)],
+            ..Default::default()
+        };
+        m.teacher_view(&view);
+        // Teacher 0 left the pool: its series go.
+        view.teachers.remove(0);
+        view.teacher_count = 1;
+        m.teacher_view(&view);
         let text = m.encode();
+        assert!(!text.contains("teacher=\"0\""), "{text}");
         for line in [
             "edl_job_info{name=\"mnist\",policy=\"autoscale 0.1.0\"} 1",
             "edl_committed_step 2",
@@ -427,6 +553,15 @@ mod tests {
             "edl_policy_decisions_total{action=\"hold\"} 1",
             "edl_policy_decisions_total{action=\"error\"} 1",
             "edl_plugin_call_seconds_count{plugin=\"scaling-policy\"} 2",
+            "edl_workers{stage=\"training\"} 2",
+            "edl_workers{stage=\"loading\"} 1",
+            "edl_workers{stage=\"starting\"} 0",
+            "edl_teacher_wait_share 0.25",
+            "edl_teachers 1",
+            "edl_teacher_utilisation{teacher=\"7\"} 0.75",
+            "edl_teacher_rows_per_second{teacher=\"7\"} 900.0",
+            "edl_teacher_request_p99_seconds{teacher=\"7\"} 0.0125",
+            "edl_teacher_request_p50_seconds{teacher=\"7\"} 0.004",
             "# EOF",
         ] {
             assert!(text.lines().any(|l| l == line), "{line:?} missing from\n{text}");

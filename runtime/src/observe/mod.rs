@@ -55,6 +55,10 @@ pub struct Live {
     pub checkpoint_step: Option<u64>,
     /// Steps computed again after failures.
     pub redone_steps: u64,
+    /// The workers and where each stands.
+    pub workers: Vec<crate::coordinator::WorkerState>,
+    /// What the teacher pool's policy saw last (a job with a pool).
+    pub teacher_view: Option<edl_plugin_sdk::TeacherView>,
     /// Seconds since the watch began.
     pub secs: f64,
     pub points: Vec<Point>,
@@ -108,6 +112,8 @@ impl Watch {
             teachers: None,
             checkpoint_step: None,
             redone_steps: 0,
+            workers: Vec::new(),
+            teacher_view: None,
             secs: 0.0,
             points: Vec::new(),
             scale_events: Vec::new(),
@@ -152,6 +158,14 @@ impl Watch {
                 w.live.redone_steps += redone;
             }
             Progress::Decision { decision, call_secs } => w.metrics.decision(decision, *call_secs),
+            Progress::TeacherView(v) => {
+                w.metrics.teacher_view(v);
+                w.live.teacher_view = Some((*v).clone());
+            }
+            Progress::Workers(workers) => {
+                w.metrics.workers(workers);
+                w.live.workers = workers.to_vec();
+            }
             Progress::Note(n) => {
                 w.metrics.note();
                 w.live.note(n);
@@ -230,6 +244,8 @@ impl Live {
             teacher_events: self.teacher_events.clone(),
             epochs_done: self.epochs_done.clone(),
             notes: self.notes.clone(),
+            workers: self.workers.clone(),
+            teacher_view: self.teacher_view.clone(),
             teachers: self.teachers,
             checkpoint_step: self.checkpoint_step,
             ..*self

@@ -114,7 +114,13 @@ impl TensorBoard {
             Progress::Checkpoint { step, secs, .. } => {
                 self.scalars(*step, vec![("cluster/checkpoint_write_secs".into(), *secs as f32)])
             }
-            Progress::Note(_) | Progress::Redone { .. } | Progress::Decision { .. } => {}
+            Progress::TeacherView(v) => {
+                self.scalars(v.step, vec![("teachers/wait_share".into(), v.wait_share as f32)])
+            }
+            Progress::Note(_)
+            | Progress::Redone { .. }
+            | Progress::Decision { .. }
+            | Progress::Workers(_) => {}
         }
         if self.flushed.elapsed() >= FLUSH_EVERY {
             self.flush();

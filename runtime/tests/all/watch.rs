@@ -102,6 +102,7 @@ fn the_metrics_parse_as_openmetrics_and_move_while_the_job_runs() {
     assert!(at(&second, "edl_resize_pause_seconds_sum") > 0.0, "{second:?}");
     assert!(at(&second, "edl_samples_per_second") > 0.0, "{second:?}");
     assert!(at(&second, "edl_generation") >= 2.0, "{second:?}");
+    assert!(at(&second, "edl_workers{stage=\"training\"}") >= 1.0, "{second:?}");
     // The policy's decisions, holds and growth, and its calls' times.
     assert!(at(&second, "edl_policy_decisions_total{action=\"scale-out\"}") >= 1.0, "{second:?}");
     let calls = at(&second, "edl_plugin_call_seconds_count{plugin=\"scaling-policy\"}");
@@ -153,6 +154,8 @@ fn the_live_page_draws_the_job_as_it_runs_in_a_real_browser() {
     assert!(after.contains("<td>1 -&gt; 2</td>"), "no scale event 1 -> 2 on the page:\n{after}");
     assert!(after.contains("policy: add 1 worker") || after.contains("schedule"), "{after}");
     assert!(after.contains("running"), "{after}");
+    // The workers, each with its stage.
+    assert!(after.contains("<tr class=\"worker\"><td>1</td><td>0</td><td>training</td>"), "{after}");
 }
 
 #[test]
