@@ -245,6 +245,8 @@ enum Quantity {
     Throughput,
     Loss,
     NoiseScale,
+    Goodput,
+    Efficiency,
     Metric(String),
 }
 
@@ -261,6 +263,8 @@ impl Panel {
             Quantity::Throughput => "samples/s",
             Quantity::Loss => "loss",
             Quantity::NoiseScale => "gradient noise scale",
+            Quantity::Goodput => "goodput",
+            Quantity::Efficiency => "statistical efficiency",
             Quantity::Metric(m) => m,
         }
     }
@@ -272,6 +276,8 @@ impl Panel {
             Quantity::Throughput => s.samples_per_sec,
             Quantity::Loss => s.loss,
             Quantity::NoiseScale => s.noise_scale?,
+            Quantity::Goodput => s.goodput?,
+            Quantity::Efficiency => s.efficiency?,
             Quantity::Metric(m) => *s.metrics.get(m)?,
         };
         v.is_finite().then_some(v)
@@ -383,6 +389,8 @@ impl<'a> TrainingRun<'a> {
         ];
         if self.steps.iter().any(|s| s.noise_scale.is_some()) {
             out.push(Panel { quantity: Quantity::NoiseScale, color: RGBColor(140, 80, 0) });
+            out.push(Panel { quantity: Quantity::Goodput, color: RGBColor(120, 0, 140) });
+            out.push(Panel { quantity: Quantity::Efficiency, color: RGBColor(0, 110, 140) });
         }
         for (i, m) in self.metrics.iter().enumerate() {
             let color = Palette99::pick(i + 1).to_rgba();
@@ -427,7 +435,7 @@ impl<'a> TrainingRun<'a> {
         }
         match &panel.quantity {
             Quantity::Workers => self.draw_counts(&mut chart, panel),
-            Quantity::Throughput => self.draw_smoothed(&mut chart, panel),
+            Quantity::Throughput | Quantity::Goodput => self.draw_smoothed(&mut chart, panel),
             _ => {
                 for seg in segments(self.values(panel), self.gap) {
                     chart
@@ -521,6 +529,8 @@ mod tests {
             batch: 64,
             lr: 0.05,
             noise_scale: None,
+            efficiency: None,
+            goodput: None,
             metrics: Default::default(),
         };
         let dir = tempfile::tempdir().unwrap();
@@ -545,6 +555,8 @@ mod tests {
             batch: 64,
             lr: 0.05,
             noise_scale: None,
+            efficiency: None,
+            goodput: None,
             metrics: [("accuracy".to_string(), accuracy)].into(),
         };
         // Twenty steps, 30 s without a committed one, twenty more.

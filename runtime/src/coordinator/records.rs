@@ -29,6 +29,14 @@ pub struct StepRecord {
     /// more ranks measured it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub noise_scale: Option<f64>,
+    /// With the noise scale: the statistical efficiency of the step's
+    /// batch against the job's base batch (`--batch`), and the goodput,
+    /// `samples_per_sec * efficiency` (samples per second, each worth one
+    /// in the base batch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub efficiency: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub goodput: Option<f64>,
     /// The program's own metrics (`step.commit(loss=..., accuracy=...)`),
     /// averaged over the step's samples.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]

@@ -319,6 +319,9 @@ impl Coordinator<'_> {
         let members: Vec<u64> = self.membership.members().iter().map(|m| m.id).collect();
         let totals = self.tally.commit(Instant::now(), plan, reports, &members, first)?;
         self.hyper = next_hyper;
+        let base = self.cfg.hyper.global_batch;
+        let efficiency =
+            totals.noise_scale.map(|b| super::machine::noise::efficiency(b, base, plan.hyper.global_batch));
         let rec = StepRecord {
             step: self.tally.committed,
             epoch: self.tally.epoch,
@@ -330,6 +333,8 @@ impl Coordinator<'_> {
             batch: plan.hyper.global_batch,
             lr: plan.hyper.lr,
             noise_scale: totals.noise_scale,
+            efficiency,
+            goodput: efficiency.map(|e| e * totals.samples_per_sec),
             metrics: totals.metrics,
         };
         (self.progress)(Progress::Step(&rec));

@@ -66,6 +66,8 @@ pub struct JobMetrics {
     batch: Gauge,
     lr: Real,
     noise_scale: Real,
+    efficiency: Real,
+    goodput: Real,
     program: Family<NameLabel, Real>,
     world: Gauge,
     generation: Gauge,
@@ -124,6 +126,8 @@ impl JobMetrics {
             batch: Gauge::default(),
             lr: Real::default(),
             noise_scale: Real::default(),
+            efficiency: Real::default(),
+            goodput: Real::default(),
             program: Family::default(),
             world: Gauge::default(),
             generation: Gauge::default(),
@@ -187,6 +191,16 @@ impl JobMetrics {
             "gradient_noise_scale",
             "The gradient noise scale (McCandlish et al.), smoothed; NaN until two ranks measured a step",
             self.noise_scale.clone(),
+        );
+        r.register(
+            "statistical_efficiency",
+            "The step's batch's progress per sample against the base batch's, from the noise scale (Pollux); NaN until measured",
+            self.efficiency.clone(),
+        );
+        r.register(
+            "goodput",
+            "Samples per second times statistical efficiency: samples/s each worth one of the base batch; NaN until measured",
+            self.goodput.clone(),
         );
         r.register(
             "program_metric",
@@ -315,6 +329,8 @@ impl JobMetrics {
         self.batch.set(s.batch as i64);
         self.lr.set(s.lr as f64);
         self.noise_scale.set(s.noise_scale.unwrap_or(f64::NAN));
+        self.efficiency.set(s.efficiency.unwrap_or(f64::NAN));
+        self.goodput.set(s.goodput.unwrap_or(f64::NAN));
         self.world.set(s.world as i64);
         for (name, v) in &s.metrics {
             self.program.get_or_create(&NameLabel { name: name.clone() }).set(*v);
@@ -468,6 +484,8 @@ mod tests {
             batch: 64,
             lr: 0.05,
             noise_scale: None,
+            efficiency: None,
+            goodput: None,
             metrics: [("accuracy".to_string(), 0.75)].into(),
         }
     }

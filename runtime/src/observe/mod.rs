@@ -85,6 +85,10 @@ pub struct Point {
     pub lr: f32,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub noise_scale: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub goodput: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub efficiency: Option<f64>,
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub metrics: BTreeMap<String, f64>,
 }
@@ -214,6 +218,8 @@ impl Live {
             batch: s.batch,
             lr: s.lr,
             noise_scale: s.noise_scale,
+            goodput: s.goodput,
+            efficiency: s.efficiency,
             metrics: s.metrics.clone(),
         });
         if self.points.len() > MAX_POINTS {
@@ -269,6 +275,8 @@ mod tests {
             batch: 8,
             lr: 0.1,
             noise_scale: None,
+            efficiency: None,
+            goodput: None,
             metrics: BTreeMap::new(),
         }
     }

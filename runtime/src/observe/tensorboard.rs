@@ -100,8 +100,13 @@ impl TensorBoard {
                     ("train/learning_rate".to_string(), s.lr),
                     ("cluster/workers".to_string(), s.world as f32),
                 ];
-                if let Some(b) = s.noise_scale {
-                    values.push(("train/gradient_noise_scale".to_string(), b as f32));
+                let measured = [
+                    ("train/gradient_noise_scale", s.noise_scale),
+                    ("train/statistical_efficiency", s.efficiency),
+                    ("train/goodput", s.goodput),
+                ];
+                for (tag, v) in measured {
+                    values.extend(v.map(|v| (tag.to_string(), v as f32)));
                 }
                 values.extend(s.metrics.iter().map(|(k, v)| (format!("program/{k}"), *v as f32)));
                 self.scalars(s.step, values);
@@ -211,6 +216,8 @@ mod tests {
             batch: 64,
             lr: 0.05,
             noise_scale: None,
+            efficiency: None,
+            goodput: None,
             metrics: [("accuracy".to_string(), 0.5)].into(),
         };
         board.record(&Progress::Step(&rec));

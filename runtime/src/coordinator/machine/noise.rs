@@ -51,6 +51,15 @@ pub fn estimate(ranks: &[(usize, GradSq)]) -> Option<(f64, f64)> {
     (s.is_finite() && g2.is_finite()).then_some((s, g2))
 }
 
+/// Statistical efficiency (Pollux, OSDI'21): the progress a sample makes in
+/// a global batch of `batch`, against one in the base batch `base`, at
+/// noise scale `noise`: `(noise + base) / (noise + batch)`. At 1 for the
+/// base batch, lower for larger ones (each sample adds less once the batch
+/// is well past the noise scale).
+pub fn efficiency(noise: f64, base: u32, batch: u32) -> f64 {
+    (noise + f64::from(base)) / (noise + f64::from(batch.max(1)))
+}
+
 /// The smoothed estimates and the noise scale from them.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct NoiseScale {
@@ -158,6 +167,15 @@ mod tests {
         assert_eq!(estimate(&[(16, g), (0, GradSq::default())]), None);
         let mut n = NoiseScale::default();
         assert_eq!(n.step(&[(16, g)]), None);
+    }
+
+    #[test]
+    fn efficiency_is_one_at_the_base_batch_and_falls_past_the_noise_scale() {
+        assert_eq!(efficiency(100.0, 64, 64), 1.0);
+        // Far below the noise scale a larger batch costs little efficiency;
+        // far above it, efficiency falls as 1/batch.
+        assert!((efficiency(10_000.0, 64, 128) - 0.9937).abs() < 1e-3);
+        assert!((efficiency(10.0, 64, 640) - 74.0 / 650.0).abs() < 1e-12);
     }
 
     #[test]
