@@ -151,4 +151,11 @@ pub(crate) fn assert_noise_scale_measured(r: &Value) {
     let measured: Vec<f64> = timeline[shared..].iter().filter_map(|s| s["noise_scale"].as_f64()).collect();
     assert!(!measured.is_empty(), "never measured: {:?}", &timeline[shared..]);
     assert!(measured.iter().all(|b| b.is_finite() && *b > 0.0), "{measured:?}");
+    // With it, each such step's efficiency against the base batch and its goodput.
+    for s in timeline.iter().filter(|s| s.get("noise_scale").is_some()) {
+        let (e, g) = (s["efficiency"].as_f64().unwrap(), s["goodput"].as_f64().unwrap());
+        let rate = s["samples_per_sec"].as_f64().unwrap();
+        assert!(e > 0.0 && e <= 1.0 + 1e-9, "{s}");
+        assert!((g - rate * e).abs() <= 1e-6 * rate.max(1.0), "{s}");
+    }
 }
