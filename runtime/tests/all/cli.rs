@@ -672,34 +672,18 @@ fn a_job_s_report_keeps_every_policy_decision_and_replays_to_the_same_answers() 
     assert_eq!(again, actions, "{replayed}");
     assert!(err.contains(&format!("{} decisions of edl-plugin-schedule", actions.len())), "{err}");
     // A report from before reports kept them is named as such.
-    std::fs::write(d.join("old.json"), r#"{"job": "j", "timeline": []}"#).unwrap();
-    let (ok, _, err) = edl(
-        &[
-            "plugin",
-            "replay",
-            "--policy",
-            art::SCHEDULE_WASM,
-            "--trace",
-            d.join("old.json").to_str().unwrap(),
-        ],
-        &d.join("plugin-cache"),
-    );
+    let replay = |name: &str, text: String| {
+        std::fs::write(d.join(name), text).unwrap();
+        let trace = d.join(name);
+        let args = ["plugin", "replay", "--policy", art::SCHEDULE_WASM, "--trace", trace.to_str().unwrap()];
+        edl(&args, &d.join("plugin-cache"))
+    };
+    let (ok, _, err) = replay("old.json", r#"{"job": "j", "timeline": []}"#.into());
     assert!(!ok && err.contains("a report without policy decisions"), "{err}");
     // A report's view that cannot be read is named by its decision, not a line.
     let mut edited = r.clone();
     edited["policy_decisions"][1]["view"]["thruput"] = serde_json::json!(1.0);
-    std::fs::write(d.join("edited.json"), serde_json::to_string_pretty(&edited).unwrap()).unwrap();
-    let (ok, _, err) = edl(
-        &[
-            "plugin",
-            "replay",
-            "--policy",
-            art::SCHEDULE_WASM,
-            "--trace",
-            d.join("edited.json").to_str().unwrap(),
-        ],
-        &d.join("plugin-cache"),
-    );
+    let (ok, _, err) = replay("edited.json", serde_json::to_string_pretty(&edited).unwrap());
     assert!(!ok, "{err}");
     assert!(
         err.contains("edited.json: policy_decisions[2]: its view is not a cluster view")
