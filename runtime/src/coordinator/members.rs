@@ -232,7 +232,7 @@ impl Coordinator<'_> {
             ));
             let redone = f.dropped.max(1) as u64;
             self.redone_steps += redone;
-            (self.progress)(Progress::Redone { step: f.step, redone });
+            (self.progress)(Progress::Redone { step: f.step, redone, failed: true });
         }
         let lost: Vec<String> = dead.iter().map(|d| format!("worker {d} lost")).collect();
         let reason = if lost.is_empty() { "collective failed".to_string() } else { lost.join(", ") };

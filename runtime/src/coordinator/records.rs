@@ -56,11 +56,13 @@ pub enum Progress<'a> {
         bytes: u64,
     },
     Note(String),
-    /// Steps are done again: `step` was not committed (a rank failed) and
-    /// `redone` steps from it on will be computed again.
+    /// Steps are done again from `step` on, `redone` of them: a step not
+    /// committed because a rank failed (`failed`), or a return to a
+    /// checkpoint (a resume, or a job left without workers).
     Redone {
         step: u64,
         redone: u64,
+        failed: bool,
     },
     /// The scaling policy decided (holds too); its call took `call_secs`.
     Decision {

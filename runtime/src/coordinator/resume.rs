@@ -354,7 +354,7 @@ impl Coordinator<'_> {
         ));
         if lost > 0 {
             self.redone_steps += lost;
-            (self.progress)(Progress::Redone { step: m.step, redone: lost });
+            (self.progress)(Progress::Redone { step: m.step, redone: lost, failed: false });
         }
         self.restore_plugin_memory(&book.plugins, m.step);
         Ok(Some(m.step))
@@ -426,7 +426,14 @@ impl Coordinator<'_> {
     pub(super) fn restore_newest(&mut self, why: String) -> Result<()> {
         self.notice_checkpoint = None;
         self.note(format!("{why}; restarting from the newest checkpoint"));
-        match self.checkpoints().latest().context("listing the checkpoints to restart from")?.0 {
+        let committed = self.tally.committed;
+        let newest = self.checkpoints().latest().context("listing the checkpoints to restart from")?.0;
+        let back_to = newest.as_ref().map_or(0, |r| r.manifest.step);
+        if committed > back_to {
+            self.redone_steps += committed - back_to;
+            (self.progress)(Progress::Redone { step: back_to, redone: committed - back_to, failed: false });
+        }
+        match newest {
             Some(r) => {
                 self.note(format!("restarting from step {} ({})", r.manifest.step, r.path.display()));
                 let book: Bookkeeping = serde_json::from_value(r.manifest.plugin_state.clone())

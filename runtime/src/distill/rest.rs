@@ -74,17 +74,63 @@ pub fn max_body(rows: usize, features: usize) -> usize {
     rows.saturating_mul(features).saturating_mul(24).saturating_add(64 << 10)
 }
 
+/// Most connections served at once: past it new ones wait in the
+/// listener's backlog, so clients that connect and stay can neither take
+/// the process's file descriptors nor its memory.
+const MAX_CONNECTIONS: usize = 256;
+/// How long a client may take to finish its TLS handshake, and to send a
+/// request's headers (the first, and each next one on a kept connection).
+const HANDSHAKE_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+const HEADER_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Serves `router` on `listener` until the process ends (`what` names
 /// the endpoint in its warnings).
 pub async fn serve(listener: tokio::net::TcpListener, router: Router, what: &'static str) {
-    if let Err(e) = axum::serve(listener, router).await {
-        tracing::warn!("{what}: {e}");
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let Some((tcp, _, slot)) = accept(&listener, &slots, what).await else { return };
+        let router = router.clone();
+        tokio::spawn(async move {
+            serve_connection(tcp, router, what).await;
+            drop(slot);
+        });
     }
 }
 
-/// Most TLS handshakes under way at once, and how long each may take.
-const MAX_HANDSHAKES: usize = 256;
-const HANDSHAKE_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+/// The next connection, once a slot is free for it (None: the listener is
+/// gone). An error accepting (out of descriptors, say) is said and waited out.
+async fn accept(
+    listener: &tokio::net::TcpListener,
+    slots: &Arc<tokio::sync::Semaphore>,
+    what: &'static str,
+) -> Option<(tokio::net::TcpStream, SocketAddr, tokio::sync::OwnedSemaphorePermit)> {
+    let slot = slots.clone().acquire_owned().await.ok()?;
+    loop {
+        match listener.accept().await {
+            Ok((tcp, peer)) => return Some((tcp, peer, slot)),
+            Err(e) => {
+                tracing::warn!("{what}: accept: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// Serves HTTP/1.1 or HTTP/2 on one connection, whose client must send each
+/// request's headers within [`HEADER_TIME`].
+async fn serve_connection<I>(io: I, router: Router, what: &'static str)
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_TIME);
+    builder.http2().timer(TokioTimer::new());
+    let service = hyper_util::service::TowerToHyperService::new(router);
+    if let Err(e) = builder.serve_connection_with_upgrades(TokioIo::new(io), service).await {
+        tracing::debug!("{what}: a connection ended: {e}");
+    }
+}
 
 /// Why a certificate chain and key make no TLS server configuration.
 #[derive(Debug, thiserror::Error)]
@@ -129,75 +175,29 @@ pub fn tls_config(
     Ok(Arc::new(config))
 }
 
-/// Connections that finished their TLS handshake, for axum to serve.
-struct TlsListener {
-    ready: tokio::sync::mpsc::Receiver<(tokio_rustls::server::TlsStream<tokio::net::TcpStream>, SocketAddr)>,
-    local: SocketAddr,
-}
-
-impl axum::serve::Listener for TlsListener {
-    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        match self.ready.recv().await {
-            Some(conn) => conn,
-            // The accepting task ended (the listener failed): serve no more.
-            None => std::future::pending().await,
-        }
-    }
-
-    fn local_addr(&self) -> std::io::Result<SocketAddr> {
-        Ok(self.local)
-    }
-}
-
 /// Serves `router` over TLS on `listener` until the process ends. Each
-/// handshake runs on a task of its own, bounded in time and in number, so a
-/// client that stalls in it holds up no one.
+/// connection, its handshake (bounded by [`HANDSHAKE_TIME`]) included, runs
+/// on a task of its own and holds one of [`MAX_CONNECTIONS`] slots, so a
+/// client that stalls holds up no one else.
 pub async fn serve_tls(
     listener: tokio::net::TcpListener,
     router: Router,
     config: Arc<tokio_rustls::rustls::ServerConfig>,
     what: &'static str,
 ) {
-    let local = match listener.local_addr() {
-        Ok(a) => a,
-        Err(e) => {
-            tracing::warn!("{what}: {e}");
-            return;
-        }
-    };
-    let (tx, ready) = tokio::sync::mpsc::channel(MAX_HANDSHAKES);
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
-    tokio::spawn(async move {
-        loop {
-            let (tcp, peer) = match listener.accept().await {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!("{what}: accept: {e}");
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            let Ok(slot) = slots.clone().try_acquire_owned() else { continue };
-            let (acceptor, tx) = (acceptor.clone(), tx.clone());
-            tokio::spawn(async move {
-                let shaken = tokio::time::timeout(HANDSHAKE_TIME, acceptor.accept(tcp)).await;
-                drop(slot);
-                match shaken {
-                    Ok(Ok(tls)) => {
-                        let _ = tx.send((tls, peer)).await;
-                    }
-                    Ok(Err(e)) => tracing::debug!("{what}: TLS handshake with {peer}: {e}"),
-                    Err(_) => tracing::debug!("{what}: {peer} took too long to shake hands"),
-                }
-            });
-        }
-    });
-    if let Err(e) = axum::serve(TlsListener { ready, local }, router).await {
-        tracing::warn!("{what}: {e}");
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let Some((tcp, peer, slot)) = accept(&listener, &slots, what).await else { return };
+        let (acceptor, router) = (acceptor.clone(), router.clone());
+        tokio::spawn(async move {
+            match tokio::time::timeout(HANDSHAKE_TIME, acceptor.accept(tcp)).await {
+                Ok(Ok(tls)) => serve_connection(tls, router, what).await,
+                Ok(Err(e)) => tracing::debug!("{what}: TLS handshake with {peer}: {e}"),
+                Err(_) => tracing::debug!("{what}: {peer} took too long to shake hands"),
+            }
+            drop(slot);
+        });
     }
 }
 

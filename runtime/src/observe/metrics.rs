@@ -95,10 +95,10 @@ pub struct JobMetrics {
     duplicates: Counter,
     missing: Counter,
     notes: Counter,
-    /// Samples in an epoch, and the (epoch, cursor) of the last step seen:
+    /// Samples in an epoch, and the furthest (epoch, cursor) a step reached:
     /// what the next step's samples are counted from.
     rows: u64,
-    last: Option<(u64, usize)>,
+    furthest: Option<(u64, usize)>,
 }
 
 /// Buckets from 10 ms to about 80 s: a resize's pause is tens of
@@ -159,7 +159,7 @@ impl JobMetrics {
             missing: Counter::default(),
             notes: Counter::default(),
             rows,
-            last: None,
+            furthest: None,
             registry,
         };
         m.register()
@@ -322,8 +322,13 @@ impl JobMetrics {
         self.committed_step.set(s.step as i64);
         self.epoch.set(s.epoch as i64);
         self.steps.inc();
-        self.samples.inc_by(samples_between(self.last, (s.epoch, s.cursor), self.rows));
-        self.last = Some((s.epoch, s.cursor));
+        // Counted past the furthest position reached only: a step redone
+        // after a return to a checkpoint adds nothing until it gets there.
+        let n = samples_between(self.furthest, (s.epoch, s.cursor), self.rows);
+        if n > 0 || self.furthest.is_none() {
+            self.furthest = Some((s.epoch, s.cursor));
+        }
+        self.samples.inc_by(n);
         self.samples_per_second.set(s.samples_per_sec);
         self.loss.set(s.loss);
         self.batch.set(s.batch as i64);
@@ -368,9 +373,12 @@ impl JobMetrics {
         self.checkpoint_bytes.set(bytes as i64);
     }
 
-    /// Steps done again: `redone` from a failed step (or a checkpoint) on.
-    pub fn redone(&mut self, redone: u64) {
-        self.failures.inc();
+    /// Steps done again: `redone` from a failed step (`failed`) or a
+    /// checkpoint on.
+    pub fn redone(&mut self, redone: u64, failed: bool) {
+        if failed {
+            self.failures.inc();
+        }
         self.redone.inc_by(redone);
     }
 
@@ -443,9 +451,8 @@ impl JobMetrics {
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Samples committed from position `last` (epoch, samples of it consumed)
-/// to `now`, in epochs of `rows` samples. A position that went back (a
-/// job that returned to a checkpoint) counts nothing: those samples are
-/// counted again as they are committed again.
+/// to `now`, in epochs of `rows` samples; nothing for a position at or
+/// before `last` (a job that returned to a checkpoint).
 fn samples_between(last: Option<(u64, usize)>, now: (u64, usize), rows: u64) -> u64 {
     let (e1, c1) = (now.0, now.1 as u64);
     let Some((e0, c0)) = last else { return c1 };
@@ -472,7 +479,20 @@ mod tests {
         assert_eq!(samples_between(Some((1, 64)), (1, 32), 400), 0);
     }
 
-    fn step(step: u64, epoch: u64, cursor: usize) -> StepRecord {
+    #[test]
+    fn samples_redone_after_a_return_to_a_checkpoint_are_not_counted_twice() {
+        let mut m = JobMetrics::new("j", "p", 400);
+        for (step, cursor) in [(1, 64), (2, 128), (3, 192)] {
+            m.step(&step_at(step, 0, cursor));
+        }
+        // Back to step 1's checkpoint: steps 2 and 3 again, then step 4.
+        for (step, cursor) in [(2, 128), (3, 192), (4, 256)] {
+            m.step(&step_at(step, 0, cursor));
+        }
+        assert!(m.encode().lines().any(|l| l == "edl_samples_total 256"), "{}", m.encode());
+    }
+
+    fn step_at(step: u64, epoch: u64, cursor: usize) -> StepRecord {
         StepRecord {
             step,
             epoch,
@@ -507,11 +527,12 @@ mod tests {
     #[test]
     fn the_text_names_every_metric_with_its_prefix_unit_and_value() {
         let mut m = JobMetrics::new("mnist", "autoscale 0.1.0", 400);
-        m.step(&step(1, 0, 64));
-        m.step(&step(2, 0, 128));
+        m.step(&step_at(1, 0, 64));
+        m.step(&step_at(2, 0, 128));
         m.scale(&grew());
         m.checkpoint(2, 0.25, 407_080);
-        m.redone(3);
+        m.redone(3, true);
+        m.redone(4, false);
         let hold = crate::coordinator::PolicyDecision {
             secs: 1.0,
             view: Default::default(),
@@ -566,7 +587,7 @@ mod tests {
             "# UNIT edl_resize_pause_seconds seconds",
             "edl_checkpoint_write_seconds_sum 0.25",
             "edl_checkpoint_size_bytes 407080",
-            "edl_redone_steps_total 3",
+            "edl_redone_steps_total 7",
             "edl_step_failures_total 1",
             "edl_policy_decisions_total{action=\"hold\"} 1",
             "edl_policy_decisions_total{action=\"error\"} 1",
@@ -604,11 +625,11 @@ mod tests {
         let dashboard: serde_json::Value =
             serde_json::from_str(include_str!("../../../examples/grafana/edl-job.json")).unwrap();
         let mut m = JobMetrics::new("j", "p", 400);
-        m.step(&step(1, 0, 64));
+        m.step(&step_at(1, 0, 64));
         m.teachers(&TeacherEvent { step: 1, secs: 0.5, from: 1, to: 2, reason: "r".into() });
         m.checkpoint(1, 0.02, 407_080);
         m.scale(&grew());
-        m.redone(2);
+        m.redone(2, true);
         m.decision(
             &crate::coordinator::PolicyDecision {
                 secs: 1.0,

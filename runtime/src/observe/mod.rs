@@ -22,8 +22,17 @@ use std::{
 /// Most points of the curves kept: past it, every other one is dropped
 /// (the oldest first thinned), so a long job's page stays light.
 const MAX_POINTS: usize = 4_000;
-/// Most notes kept (the newest).
+/// Most notes, scale events, teacher changes and epochs kept (the newest):
+/// the page shows the newest 30, the report has them all.
 const MAX_NOTES: usize = 200;
+const MAX_EVENTS: usize = 500;
+
+/// Drops the oldest of `list` past `max`.
+fn keep_newest<T>(list: &mut Vec<T>, max: usize) {
+    if list.len() > max {
+        list.drain(..list.len() - max);
+    }
+}
 
 /// What the watchers of one job see, shared by the coordinator's thread
 /// (which records) and the server's (which reads).
@@ -42,7 +51,10 @@ struct Watched {
 pub struct Live {
     pub job: String,
     pub policy: String,
-    /// `running`, `finished` or `failed`.
+    /// When this process began watching (UNIX seconds): a page that sees
+    /// it change (another coordinator, a rerun) starts its curves over.
+    pub started_unix: f64,
+    /// `running`, then `finished`, `stopped` (SIGTERM or Ctrl-C) or `failed`.
     pub status: String,
     pub epochs: u64,
     pub rows: u64,
@@ -106,6 +118,10 @@ impl Watch {
         let live = Live {
             job: job.to_string(),
             policy: policy.to_string(),
+            started_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs_f64(),
             status: "running".into(),
             epochs,
             rows,
@@ -148,17 +164,19 @@ impl Watch {
                 w.live.world = e.to;
                 w.live.generation = e.generation;
                 w.live.scale_events.push((*e).clone());
+                keep_newest(&mut w.live.scale_events, MAX_EVENTS);
             }
             Progress::Epoch(r) => {
                 w.metrics.epoch_done(r);
                 w.live.epochs_done.push((*r).clone());
+                keep_newest(&mut w.live.epochs_done, MAX_EVENTS);
             }
             Progress::Checkpoint { step, secs, bytes, .. } => {
                 w.metrics.checkpoint(*step, *secs, *bytes);
                 w.live.checkpoint_step = Some(*step);
             }
-            Progress::Redone { redone, .. } => {
-                w.metrics.redone(*redone);
+            Progress::Redone { redone, failed, .. } => {
+                w.metrics.redone(*redone, *failed);
                 w.live.redone_steps += redone;
             }
             Progress::Decision { decision, call_secs } => w.metrics.decision(decision, *call_secs),
@@ -178,6 +196,7 @@ impl Watch {
                 w.metrics.teachers(e);
                 w.live.teachers = Some(e.to);
                 w.live.teacher_events.push((*e).clone());
+                keep_newest(&mut w.live.teacher_events, MAX_EVENTS);
             }
         }
     }
@@ -234,9 +253,7 @@ impl Live {
     fn note(&mut self, text: &str) {
         let secs = self.points.last().map_or(0.0, |p| p.secs);
         self.notes.push(Note { secs, text: text.to_string() });
-        if self.notes.len() > MAX_NOTES {
-            self.notes.remove(0);
-        }
+        keep_newest(&mut self.notes, MAX_NOTES);
     }
 
     /// Everything but the points (which are filtered by the caller).

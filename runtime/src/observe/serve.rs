@@ -56,6 +56,9 @@ struct Served {
     watch: Watch,
     token: Option<Arc<str>>,
     started: Instant,
+    /// Where it listens: without a token, the only `Host` it answers (as
+    /// `127.0.0.1:9464`, `localhost:9464` or `[::1]:9464`).
+    port: u16,
 }
 
 /// Serves `watch` on `addr` from a thread of its own, for as long as the
@@ -71,7 +74,8 @@ pub fn serve(addr: SocketAddr, watch: Watch, access: WatchAccess) -> Result<List
     let listener = std::net::TcpListener::bind(addr).map_err(|e| ServeError::Bind(addr, e))?;
     listener.set_nonblocking(true).map_err(|e| ServeError::Bind(addr, e))?;
     let bound = listener.local_addr().map_err(|e| ServeError::Bind(addr, e))?;
-    let served = Served { watch, token: access.token.map(Arc::from), started: Instant::now() };
+    let served =
+        Served { watch, token: access.token.map(Arc::from), started: Instant::now(), port: bound.port() };
     let rt =
         tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(ServeError::Runtime)?;
     std::thread::Builder::new()
@@ -112,28 +116,48 @@ const PAGE: &str = include_str!("page.html");
 #[derive(serde::Deserialize)]
 struct Asked {
     since: Option<u64>,
-    token: Option<String>,
 }
 
-/// Refuses a request without the token (health checks excepted).
+/// Refuses a request without the token (health checks excepted); without
+/// a token, one whose `Host` is not this loopback listener's (a web page
+/// whose name was rebound to 127.0.0.1 must not read the job).
 async fn admit(
     State(s): State<Served>,
-    Query(asked): Query<Asked>,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if let Some(token) = &s.token
-        && req.uri().path() != "/healthz"
-        && !carries(req.headers(), asked.token.as_deref(), token)
-    {
-        return (
+    if req.uri().path() == "/healthz" {
+        return next.run(req).await;
+    }
+    match &s.token {
+        Some(token) if !carries(req.headers(), query_token(req.uri().query()).as_deref(), token) => (
             StatusCode::UNAUTHORIZED,
             [(header::WWW_AUTHENTICATE, "Bearer")],
             "this job's watch needs its token: Authorization: Bearer TOKEN, or ?token=TOKEN\n",
         )
-            .into_response();
+            .into_response(),
+        None if !loopback_host(req.headers(), s.port) => (
+            StatusCode::FORBIDDEN,
+            "this job's watch answers only loopback names (127.0.0.1, localhost, [::1]) at its port\n",
+        )
+            .into_response(),
+        _ => next.run(req).await,
     }
-    next.run(req).await
+}
+
+/// The `token` of a query string, if it has one (the rest of it is not
+/// this check's business: a malformed `since` is the page's to refuse).
+fn query_token(query: Option<&str>) -> Option<String> {
+    url::form_urlencoded::parse(query?.as_bytes()).find(|(k, _)| k == "token").map(|(_, v)| v.into_owned())
+}
+
+/// Whether a request's `Host` names this loopback listener.
+fn loopback_host(headers: &HeaderMap, port: u16) -> bool {
+    let Some(host) = headers.get(header::HOST).and_then(|h| h.to_str().ok()) else { return false };
+    let port = format!(":{port}");
+    let name = host.strip_suffix(port.as_str()).unwrap_or(host).to_ascii_lowercase();
+    let literal = name.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>();
+    name == "localhost" || literal.is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Whether a request carries `token`, in its header or its query.
@@ -141,8 +165,9 @@ fn carries(headers: &HeaderMap, query: Option<&str>, token: &str) -> bool {
     let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("Bearer"))
+        .map(|(_, t)| t.trim());
     let same = |given: &str| crate::distill::teacher::same_secret(given.as_bytes(), token.as_bytes());
     bearer.is_some_and(same) || query.is_some_and(same)
 }

@@ -20,7 +20,7 @@ struct Event {
     wall_time: f64,
     #[prost(int64, tag = "2")]
     step: i64,
-    #[prost(oneof = "What", tags = "3, 5")]
+    #[prost(oneof = "What", tags = "3, 5, 6")]
     what: Option<What>,
 }
 
@@ -30,6 +30,17 @@ enum What {
     FileVersion(String),
     #[prost(message, tag = "5")]
     Summary(Summary),
+    #[prost(message, tag = "6")]
+    SessionLog(SessionLog),
+}
+
+/// TensorFlow's `SessionLog`: a `START` at a step tells TensorBoard that
+/// the run went back there (its later points are dropped from the curves).
+#[derive(Clone, PartialEq, prost::Message)]
+struct SessionLog {
+    /// `SessionLog.SessionStatus`: 1 is `START`.
+    #[prost(int32, tag = "1")]
+    status: i32,
 }
 
 /// TensorFlow's `Summary` (tensorflow/core/framework/summary.proto).
@@ -122,10 +133,14 @@ impl TensorBoard {
             Progress::TeacherView(v) => {
                 self.scalars(v.step, vec![("teachers/wait_share".into(), v.wait_share as f32)])
             }
-            Progress::Note(_)
-            | Progress::Redone { .. }
-            | Progress::Decision { .. }
-            | Progress::Workers(_) => {}
+            Progress::Redone { step, .. } => {
+                // The curves go back to `step`: their later points are dropped.
+                let wall_time =
+                    SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64();
+                let start = What::SessionLog(SessionLog { status: 1 });
+                self.write(Event { wall_time, step: *step as i64, what: Some(start) });
+            }
+            Progress::Note(_) | Progress::Decision { .. } | Progress::Workers(_) => {}
         }
         if self.flushed.elapsed() >= FLUSH_EVERY {
             self.flush();
@@ -222,17 +237,7 @@ mod tests {
         };
         board.record(&Progress::Step(&rec));
         board.flush();
-        let bytes = std::fs::read(board.path()).unwrap();
-        let mut events = Vec::new();
-        let mut at = 0;
-        while at < bytes.len() {
-            let len = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
-            let data = &bytes[at + 12..at + 12 + len];
-            let sum = u32::from_le_bytes(bytes[at + 12 + len..at + 16 + len].try_into().unwrap());
-            assert_eq!(sum, masked_crc(data));
-            events.push(<Event as prost::Message>::decode(data).unwrap());
-            at += 16 + len;
-        }
+        let events = events_of(board.path());
         assert_eq!(events.len(), 2);
         assert_eq!(events[0].what, Some(What::FileVersion("brain.Event:2".into())));
         assert_eq!(events[1].step, 7);
@@ -242,5 +247,38 @@ mod tests {
         assert!(tags.contains(&("train/loss", 0.25)), "{tags:?}");
         assert!(tags.contains(&("cluster/workers", 3.0)), "{tags:?}");
         assert!(tags.contains(&("program/accuracy", 0.5)), "{tags:?}");
+    }
+
+    /// The events of an event file, each record's sums checked.
+    fn events_of(path: &Path) -> Vec<Event> {
+        let bytes = std::fs::read(path).unwrap();
+        let (mut events, mut at) = (Vec::new(), 0);
+        while at < bytes.len() {
+            let len = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
+            assert_eq!(
+                u32::from_le_bytes(bytes[at + 8..at + 12].try_into().unwrap()),
+                masked_crc(&bytes[at..at + 8])
+            );
+            let data = &bytes[at + 12..at + 12 + len];
+            assert_eq!(
+                u32::from_le_bytes(bytes[at + 12 + len..at + 16 + len].try_into().unwrap()),
+                masked_crc(data)
+            );
+            events.push(<Event as prost::Message>::decode(data).unwrap());
+            at += 16 + len;
+        }
+        events
+    }
+
+    #[test]
+    fn steps_done_again_start_the_curves_over_from_where_the_job_went_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut board = TensorBoard::create(dir.path()).unwrap();
+        board.record(&Progress::Redone { step: 40, redone: 3, failed: true });
+        board.flush();
+        let events = events_of(board.path());
+        assert_eq!(events.len(), 2);
+        assert_eq!(events[1].step, 40);
+        assert_eq!(events[1].what, Some(What::SessionLog(SessionLog { status: 1 })));
     }
 }

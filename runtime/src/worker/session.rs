@@ -250,7 +250,9 @@ pub struct Session {
     teacher_wait_ms: f64,
     teacher_calls: Vec<crate::distill::stats::TeacherRequests>,
     /// What the current step's all-reduces gave and got back (squared norms).
-    grad_sq: Option<crate::coordinator::machine::noise::GradSq>,
+    /// Tagged with the (generation, step) they were measured in: norms of
+    /// a step left without a commit are not told with the next one.
+    grad_sq: Option<((u64, u64), crate::coordinator::machine::noise::GradSq)>,
     ring: Option<(u64, TcpRing)>,
     /// A checkpoint being written in the background: its step and thread.
     writing: Option<(u64, WriteThread)>,
@@ -852,9 +854,7 @@ impl Session {
             self.report_failure(generation, step, e);
             bail!(text);
         }
-        let sq = self.grad_sq.get_or_insert_default();
-        sq.local += local;
-        sq.reduced += squared_norm(values);
+        self.add_norms((generation, step), local, squared_norm(values));
         Ok(())
     }
 
@@ -862,7 +862,17 @@ impl Session {
     /// in the current step, as squared norms (a DDP communication hook's
     /// buckets): the gradient noise scale's measure, told with the step.
     pub fn reduced_norms(&mut self, local: f64, reduced: f64) {
-        let sq = self.grad_sq.get_or_insert_default();
+        if let Some(s) = self.current.as_ref() {
+            self.add_norms((s.generation, s.step), local, reduced);
+        }
+    }
+
+    /// Adds to the norms of step `at` (those of an earlier step are dropped).
+    fn add_norms(&mut self, at: (u64, u64), local: f64, reduced: f64) {
+        let (tag, sq) = self.grad_sq.get_or_insert_with(|| (at, Default::default()));
+        if *tag != at {
+            (*tag, *sq) = (at, Default::default());
+        }
         sq.local += local;
         sq.reduced += reduced;
     }
@@ -907,7 +917,7 @@ impl Session {
             teacher_wait_ms: std::mem::take(&mut self.teacher_wait_ms),
             metrics,
             teacher_calls: std::mem::take(&mut self.teacher_calls),
-            grad_sq: self.grad_sq.take(),
+            grad_sq: self.grad_sq.take().filter(|(at, _)| *at == (s.generation, s.step)).map(|(_, sq)| sq),
         });
         if s.closes {
             let steps = std::mem::take(&mut self.window);

@@ -646,7 +646,7 @@ fn the_distill_command_reads_from_fixed_teachers_and_from_discovery() {
 
 /// A CA and a certificate it signed for `127.0.0.1` and `localhost`: (CA
 /// PEM, server certificate PEM, server key PEM).
-fn certificates() -> (String, String, String) {
+pub(crate) fn certificates() -> (String, String, String) {
     use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
     let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);

@@ -11,31 +11,29 @@ use crate::support::{
 use edl_plugin_artifacts as art;
 use std::{collections::BTreeMap, io::Write, path::Path, process::Stdio, sync::mpsc, time::Duration};
 
-/// A long built-in job under the schedule policy (1 -> 2 workers after
-/// a few steps), served on a free loopback port; its process, output and
-/// page address.
+/// A long built-in job under the schedule policy (1 -> 2 workers after a
+/// few steps), watched on a free loopback port.
+const WATCHED: [&str; 15] = [
+    "--no-distill",
+    "--policy",
+    art::SCHEDULE_WASM,
+    "--policy-config",
+    "every=4",
+    "--decide-every-steps",
+    "4",
+    "--max-workers",
+    "2",
+    "--epochs",
+    "400",
+    "--step-delay-ms",
+    "20",
+    "--metrics-listen",
+    "127.0.0.1:0",
+];
+
+/// A [`WATCHED`] job with `extra` flags: its process, output and page address.
 fn watched(dir: &Path, extra: &[&str]) -> (KillOnDrop, mpsc::Receiver<String>, String, Vec<String>) {
-    let flags = [
-        &[
-            "--no-distill",
-            "--policy",
-            art::SCHEDULE_WASM,
-            "--policy-config",
-            "every=4",
-            "--decide-every-steps",
-            "4",
-            "--max-workers",
-            "2",
-            "--epochs",
-            "400",
-            "--step-delay-ms",
-            "20",
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ][..],
-        extra,
-    ]
-    .concat();
+    let flags = [&WATCHED[..], extra].concat();
     let mut child = job(dir, &flags).spawn().unwrap();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
@@ -47,11 +45,19 @@ fn watched(dir: &Path, extra: &[&str]) -> (KillOnDrop, mpsc::Receiver<String>, S
 
 /// A GET of `url`: its status and body.
 fn get(url: &str, bearer: Option<&str>) -> (u16, String) {
+    get_with(reqwest::Client::new(), url, bearer, None)
+}
+
+/// A GET of `url` by `client`, with a bearer token and a `Host` of its own.
+fn get_with(client: reqwest::Client, url: &str, bearer: Option<&str>, host: Option<&str>) -> (u16, String) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
-        let mut req = reqwest::Client::new().get(url).timeout(Duration::from_secs(30));
+        let mut req = client.get(url).timeout(Duration::from_secs(30));
         if let Some(t) = bearer {
             req = req.bearer_auth(t);
+        }
+        if let Some(h) = host {
+            req = req.header(reqwest::header::HOST, h);
         }
         let resp = req.send().await.unwrap();
         (resp.status().as_u16(), resp.text().await.unwrap())
@@ -176,6 +182,9 @@ fn the_watch_takes_its_token_and_beyond_loopback_only_tls() {
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("\"job\":\"mnist\""), "{body}");
     assert_eq!(get(&format!("{url}healthz"), None).0, 200, "probes need no token");
+    // A query the page does not make is not a reason to refuse the token.
+    let (status, _) = get(&format!("{url}metrics?token=s3cret-watch-token&since=x"), None);
+    assert_eq!(status, 200);
 
     // Beyond loopback, in clear: refused before anything starts.
     let other = tempfile::tempdir().unwrap();
@@ -183,6 +192,61 @@ fn the_watch_takes_its_token_and_beyond_loopback_only_tls() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("beyond loopback the page and metrics are served only over TLS"), "{err}");
+}
+
+#[test]
+fn without_a_token_the_watch_answers_only_loopback_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_job, _rx, url, _) = watched(dir.path(), &[]);
+    let port = url.trim_end_matches('/').rsplit(':').next().unwrap().to_string();
+    for host in [format!("localhost:{port}"), format!("127.0.0.1:{port}"), format!("[::1]:{port}")] {
+        let (status, body) = get_with(reqwest::Client::new(), &format!("{url}api/state"), None, Some(&host));
+        assert_eq!(status, 200, "{host}: {body}");
+    }
+    // A page of another site whose name now points at 127.0.0.1 (DNS
+    // rebinding) reads nothing.
+    let rebound = format!("evil.example:{port}");
+    let (status, body) = get_with(reqwest::Client::new(), &format!("{url}api/state"), None, Some(&rebound));
+    assert_eq!(status, 403, "{body}");
+    assert!(!body.contains("mnist"), "{body}");
+}
+
+#[test]
+fn over_tls_the_watch_serves_clients_that_trust_its_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (ca, cert, key) = crate::distill::certificates();
+    std::fs::write(d.join("cert.pem"), cert).unwrap();
+    std::fs::write(d.join("key.pem"), key).unwrap();
+    std::fs::write(d.join("token"), "tls-watch-token\n").unwrap();
+    let (c, k, t) = (d.join("cert.pem"), d.join("key.pem"), d.join("token"));
+    let flags = [
+        "--metrics-tls-cert",
+        c.to_str().unwrap(),
+        "--metrics-tls-key",
+        k.to_str().unwrap(),
+        "--metrics-token-file",
+        t.to_str().unwrap(),
+    ];
+    let mut child = job(d, &[&WATCHED[..], &flags].concat()).spawn().unwrap();
+    let rx = lines(&mut child);
+    let _job = KillOnDrop(child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "watch     https://", &mut seen, Duration::from_secs(120));
+    let line = seen.iter().find(|l| l.starts_with("watch     https://")).unwrap();
+    let url = line["watch     ".len()..].split_whitespace().next().unwrap().to_string();
+    let trusting = || {
+        let ca = reqwest::Certificate::from_pem(ca.as_bytes()).unwrap();
+        reqwest::Client::builder().add_root_certificate(ca).build().unwrap()
+    };
+    let (status, body) = get_with(trusting(), &format!("{url}metrics"), Some("tls-watch-token"), None);
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("edl_steps_total"), "{body}");
+    assert_eq!(get_with(trusting(), &format!("{url}metrics"), None, None).0, 401);
+    // A client that does not trust the certificate gets nothing.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let refused = rt.block_on(reqwest::Client::new().get(format!("{url}metrics")).send());
+    assert!(refused.is_err(), "{refused:?}");
 }
 
 /// The job's curves in TensorBoard event files, read back by TensorBoard's

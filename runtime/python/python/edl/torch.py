@@ -174,14 +174,15 @@ def _measuring_allreduce(measured, bucket):
     until the step's commit reads them."""
     tensor = bucket.buffer()
     tensor.div_(measured.group.size())
-    local = tensor.pow(2).sum(dtype=torch.float64)
+    # Squared in float64: a half-precision gradient's squares would underflow.
+    local = torch.linalg.vector_norm(tensor, dtype=torch.float64).square()
     step = measured.step
     future = dist.all_reduce(tensor, group=measured.group, async_op=True).get_future()
 
     def reduced(f):
         out = f.value()[0]
         if step is not None:
-            step.gradient_norms(local, out.pow(2).sum(dtype=torch.float64))
+            step.gradient_norms(local, torch.linalg.vector_norm(out, dtype=torch.float64).square())
         return out
 
     return future.then(reduced)

@@ -77,22 +77,20 @@ impl NoiseScale {
     /// until a step could be measured, or while `|G|^2` is not above 0).
     pub fn step(&mut self, ranks: &[(usize, GradSq)]) -> Option<f64> {
         if let Some((s, g2)) = estimate(ranks) {
-            // Bias-corrected as Adam's moments are, so the first steps count fully.
+            // The first measure starts the averages (rather than a zero
+            // they would have to climb from).
+            let w = if self.seen == 0 { 1.0 } else { SMOOTHING };
             self.seen += 1;
-            self.s = (1.0 - SMOOTHING) * self.s + SMOOTHING * s;
-            self.g2 = (1.0 - SMOOTHING) * self.g2 + SMOOTHING * g2;
+            self.s = (1.0 - w) * self.s + w * s;
+            self.g2 = (1.0 - w) * self.g2 + w * g2;
         }
         self.value()
     }
 
     /// The noise scale from the steps seen so far.
     pub fn value(&self) -> Option<f64> {
-        if self.seen == 0 {
-            return None;
-        }
-        let correction = 1.0 - (1.0 - SMOOTHING).powi(self.seen.min(10_000) as i32);
-        let (s, g2) = (self.s / correction, self.g2 / correction);
-        (g2 > 0.0 && s >= 0.0).then(|| s / g2)
+        let (s, g2) = (self.s, self.g2);
+        (self.seen > 0 && g2 > 0.0 && s >= 0.0).then(|| s / g2)
     }
 }
 
