@@ -106,7 +106,8 @@ impl ProgressDisplay {
             Progress::Redone { .. }
             | Progress::Decision { .. }
             | Progress::Workers(_)
-            | Progress::TeacherView(_) => {}
+            | Progress::TeacherView(_)
+            | Progress::WorkerReady { .. } => {}
             Progress::Note(n) => self.say(format!("note      {n}")),
             Progress::Teachers(e) => self
                 .say(format!("teachers  step {:>5}: {} -> {} teachers: {}", e.step, e.from, e.to, e.reason)),

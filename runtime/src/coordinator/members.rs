@@ -88,6 +88,7 @@ impl Coordinator<'_> {
             Inbound::Msg(n, FromWorker::Ready { samples }) => match self.take_samples(samples) {
                 Ok(()) => {
                     self.membership.handle(now, MemberEvent::Ready { conn: n });
+                    self.tell_readied();
                 }
                 Err(why) => {
                     self.fatal.get_or_insert(why);
@@ -243,6 +244,14 @@ impl Coordinator<'_> {
     pub(super) fn forget(&mut self, id: u64) {
         if let Some(k) = &self.keeper {
             k.delete(format!("{}{id}", keys::workers(&self.cfg.spec.job)));
+        }
+    }
+
+    /// Tells the watchers how long the workers that became ready took.
+    fn tell_readied(&mut self) {
+        for r in self.membership.take_readied() {
+            let (start_secs, load_secs) = (r.start.as_secs_f64(), r.load.as_secs_f64());
+            (self.progress)(Progress::WorkerReady { id: r.id, start_secs, load_secs });
         }
     }
 

@@ -72,6 +72,13 @@ pub enum Progress<'a> {
     /// The job's workers and where each stands, when that changed (looked
     /// at once a second).
     Workers(&'a [WorkerState]),
+    /// A worker became ready: from being started to saying hello
+    /// (`start_secs`), and from then to being ready (`load_secs`).
+    WorkerReady {
+        id: u64,
+        start_secs: f64,
+        load_secs: f64,
+    },
     /// What the teacher pool's policy saw at its newest decision: the
     /// students' wait and each teacher's statistics.
     TeacherView(&'a edl_plugin_sdk::TeacherView),

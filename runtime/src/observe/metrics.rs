@@ -75,6 +75,8 @@ pub struct JobMetrics {
     pause: Histogram,
     setup: Histogram,
     join: Histogram,
+    start: Histogram,
+    load: Histogram,
     checkpoints: Counter,
     checkpoint_step: Gauge,
     checkpoint_write: Histogram,
@@ -135,6 +137,8 @@ impl JobMetrics {
             pause: seconds_buckets(),
             setup: seconds_buckets(),
             join: seconds_buckets(),
+            start: seconds_buckets(),
+            load: seconds_buckets(),
             checkpoints: Counter::default(),
             checkpoint_step: Gauge::default(),
             checkpoint_write: seconds_buckets(),
@@ -249,6 +253,18 @@ impl JobMetrics {
             "From the policy's decision to grow to the new worker being ready",
             Unit::Seconds,
             self.join.clone(),
+        );
+        r.register_with_unit(
+            "worker_start",
+            "From a worker being started to its hello (its process start and connection)",
+            Unit::Seconds,
+            self.start.clone(),
+        );
+        r.register_with_unit(
+            "worker_load",
+            "From a worker's hello to its being ready (loading the job: data, model, teachers)",
+            Unit::Seconds,
+            self.load.clone(),
         );
         r.register("checkpoints", "Checkpoints written", self.checkpoints.clone());
         r.register("checkpoint_step", "The step of the newest checkpoint", self.checkpoint_step.clone());
@@ -398,6 +414,12 @@ impl JobMetrics {
             self.teacher_p50.get_or_create(&label).set(t.p50_ms / 1e3);
             self.teacher_p99.get_or_create(&label).set(t.p99_ms / 1e3);
         }
+    }
+
+    /// A worker became ready: how long it took to start and to load.
+    pub fn worker_ready(&mut self, start_secs: f64, load_secs: f64) {
+        self.start.observe(start_secs);
+        self.load.observe(load_secs);
     }
 
     /// The workers and where each stands.

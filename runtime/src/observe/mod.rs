@@ -184,6 +184,9 @@ impl Watch {
                 w.metrics.teacher_view(v);
                 w.live.teacher_view = Some((*v).clone());
             }
+            Progress::WorkerReady { start_secs, load_secs, .. } => {
+                w.metrics.worker_ready(*start_secs, *load_secs)
+            }
             Progress::Workers(workers) => {
                 w.metrics.workers(workers);
                 w.live.workers = workers.to_vec();

@@ -140,7 +140,10 @@ impl TensorBoard {
                 let start = What::SessionLog(SessionLog { status: 1 });
                 self.write(Event { wall_time, step: *step as i64, what: Some(start) });
             }
-            Progress::Note(_) | Progress::Decision { .. } | Progress::Workers(_) => {}
+            Progress::Note(_)
+            | Progress::Decision { .. }
+            | Progress::Workers(_)
+            | Progress::WorkerReady { .. } => {}
         }
         if self.flushed.elapsed() >= FLUSH_EVERY {
             self.flush();

@@ -109,6 +109,11 @@ fn the_metrics_parse_as_openmetrics_and_move_while_the_job_runs() {
     assert!(at(&second, "edl_samples_per_second") > 0.0, "{second:?}");
     assert!(at(&second, "edl_generation") >= 2.0, "{second:?}");
     assert!(at(&second, "edl_workers{stage=\"training\"}") >= 1.0, "{second:?}");
+    // Two workers started, connected and loaded the job: each phase timed.
+    for phase in ["edl_worker_start_seconds", "edl_worker_load_seconds"] {
+        assert!(at(&second, &format!("{phase}_count")) >= 2.0, "{phase}: {second:?}");
+        assert!(at(&second, &format!("{phase}_sum")) > 0.0, "{phase}: {second:?}");
+    }
     // The policy's decisions, holds and growth, and its calls' times.
     assert!(at(&second, "edl_policy_decisions_total{action=\"scale-out\"}") >= 1.0, "{second:?}");
     let calls = at(&second, "edl_plugin_call_seconds_count{plugin=\"scaling-policy\"}");

@@ -88,6 +88,16 @@ pub enum Leave {
     AfterHandover(String),
 }
 
+/// How long a worker took to become ready: from being started to saying
+/// hello (its process start and connection), and from then to being ready
+/// (loading the job: data, model, teachers).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Readied {
+    pub id: WorkerId,
+    pub start: Duration,
+    pub load: Duration,
+}
+
 /// The job's workers in every state, and the bounds it keeps them in.
 #[derive(Debug)]
 pub struct Membership {
@@ -97,6 +107,10 @@ pub struct Membership {
     next_id: WorkerId,
     /// Started, not connected: id -> when.
     spawning: BTreeMap<WorkerId, Instant>,
+    /// Connected and loading: id -> when it was started.
+    started_at: BTreeMap<WorkerId, Instant>,
+    /// How long each worker that became ready since the last look took.
+    readied: Vec<Readied>,
     welcomed: Vec<Worker>,
     joiners: Vec<Worker>,
     members: Vec<Worker>,
@@ -146,6 +160,8 @@ impl Membership {
             join_timeout,
             next_id: next_id.max(1),
             spawning: BTreeMap::new(),
+            started_at: BTreeMap::new(),
+            readied: Vec::new(),
             welcomed: Vec::new(),
             joiners: Vec::new(),
             members: Vec::new(),
@@ -222,6 +238,11 @@ impl Membership {
         out.extend(self.joiners.iter().map(|w| (w.id, "ready, waiting for the next step boundary")));
         out.sort_by_key(|w| w.0);
         out
+    }
+
+    /// The workers that became ready since the last call, with their times.
+    pub fn take_readied(&mut self) -> Vec<Readied> {
+        std::mem::take(&mut self.readied)
     }
 
     /// Nothing is starting or loading: waiting for more joiners is pointless.
@@ -306,6 +327,10 @@ impl Membership {
             MemberEvent::Ready { conn } => {
                 if let Some(i) = self.welcomed.iter().position(|w| w.conn == conn) {
                     let w = self.welcomed.remove(i);
+                    if let Some(started) = self.started_at.remove(&w.id) {
+                        let (start, load) = (w.since.saturating_duration_since(started), now - w.since);
+                        self.readied.push(Readied { id: w.id, start, load });
+                    }
                     self.joiners.push(w);
                 }
             }
@@ -329,7 +354,8 @@ impl Membership {
     /// A worker said hello: one this job started, one another engine
     /// started (where they may join uninvited), or one refused.
     fn hello(&mut self, now: Instant, conn: Conn, worker: WorkerId, pid: u32) {
-        if self.spawning.remove(&worker).is_some() {
+        if let Some(started) = self.spawning.remove(&worker) {
+            self.started_at.insert(worker, started);
             self.welcome(now, conn, worker, pid, None);
         } else if let Some(&asked) = self.spawning.keys().next().filter(|_| self.uninvited && worker == 0) {
             // A worker without an id, where another engine starts them: it
@@ -368,6 +394,7 @@ impl Membership {
             self.note(format!("worker {} left before it was given a rank ({why})", w.id), None);
         } else if let Some(i) = self.welcomed.iter().position(|w| w.conn == conn) {
             let w = self.welcomed.remove(i);
+            self.started_at.remove(&w.id);
             self.replacement_lost(now, w.id);
             self.note(format!("worker {} failed while starting ({why})", w.id), Some(w.id));
         } else if let Some(m) = self.members.iter().find(|m| m.conn == conn) {
@@ -803,6 +830,25 @@ mod tests {
         cmds.iter()
             .filter_map(|c| if let Command::Stop { worker, .. } = c { Some(*worker) } else { None })
             .collect()
+    }
+
+    #[test]
+    fn a_ready_worker_tells_how_long_it_took_to_start_and_to_load() {
+        let t = Instant::now();
+        let mut m = Membership::new(1, 4, JOIN, 1);
+        m.spawn(t, 2);
+        m.handle(t + Duration::from_millis(1500), MemberEvent::Hello { conn: 7, worker: 1, pid: 42 });
+        m.handle(t + Duration::from_millis(1600), MemberEvent::Hello { conn: 8, worker: 2, pid: 43 });
+        assert!(m.take_readied().is_empty(), "not ready yet");
+        m.handle(t + Duration::from_millis(2000), MemberEvent::Ready { conn: 7 });
+        // Worker 2 fails while loading: nothing to tell of it.
+        m.handle(t + Duration::from_millis(2100), MemberEvent::Closed { conn: 8, why: "gone".into() });
+        let r = m.take_readied();
+        assert_eq!(
+            r,
+            [Readied { id: 1, start: Duration::from_millis(1500), load: Duration::from_millis(500) }]
+        );
+        assert!(m.take_readied().is_empty(), "told once");
     }
 
     #[test]
