@@ -189,14 +189,47 @@ def median_ms(values):
     return f"{statistics.median(values):.0f} ms" if values else "-"
 
 
+def noise_hook_cost(args, env, scratch):
+    """edl + DDP with ElasticDDP's communication hook (the gradient noise
+    scale measured) against DDP's own reduction, alternating, `--runs` each."""
+    off = dict(env, EDL_BENCH_NOISE_SCALE="0")
+    print("| data | without the hook | with it | with / without | each pair | median step, without / with |")
+    print("|---|---|---|---|---|---|")
+    others = []
+    for data in args.data.split(","):
+        without, with_ = [], []
+        for _ in range(args.runs):
+            for e, out in ((off, without), (env, with_)):
+                r, busy = quiet(lambda: throughput_edl(data, e, scratch))
+                out.append(r)
+                others.append(busy)
+        a = statistics.median(r["samples_per_sec"] for r in without)
+        b = statistics.median(r["samples_per_sec"] for r in with_)
+        each = ", ".join(f"{y['samples_per_sec'] / x['samples_per_sec']:.3f}" for x, y in zip(without, with_))
+        steps = [statistics.median(r["step_ms_median"] for r in side) for side in (without, with_)]
+        print(
+            f"| {data} | {a:.0f} samples/s | {b:.0f} samples/s | {b / a:.3f} | {each} "
+            f"| {steps[0]:.2f} ms / {steps[1]:.2f} ms |",
+            flush=True,
+        )
+    print(f"other work on the machine during these runs: at most {max(others):.2f} cores")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default="digits,mnist", help="digits, mnist or both (comma separated)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--no-resize", action="store_true", help="throughput only")
+    ap.add_argument(
+        "--noise-hook",
+        action="store_true",
+        help="instead: edl + DDP with ElasticDDP's noise-scale hook against without it, side by side",
+    )
     args = ap.parse_args()
     env = environment(site())
     scratch = ROOT / "target" / "edl-python"
+    if args.noise_hook:
+        return noise_hook_cost(args, env, scratch)
 
     print(
         "| data | torchrun + DDP | edl + DDP | edl / torchrun | each run's edl / torchrun "

@@ -236,6 +236,7 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
         checkpoint_every: None,
         checkpoint_interval: Duration::from_secs(30),
         hyper: Hyperparams { global_batch: 64, local_batch: 64, lr: 0.05, momentum: 0.9 },
+        batch_max: None,
         store: "memory".into(),
         step_timeout: Duration::from_secs(120),
         join_timeout: Duration::from_secs(120),

@@ -120,7 +120,10 @@ def run_edl(job, args):
     x, y = dataset(args.data)
     model, opt, sched = build(args.data, args.epochs * math.ceil(len(y) / args.batch))
     state = edl.torch.ElasticState(job, model, opt, sched)
-    ddp = edl.torch.ElasticDDP(model, backend="gloo", timeout=30.0)
+    # EDL_BENCH_NOISE_SCALE=0: DDP's own reduction, without the hook that
+    # measures the gradient noise scale (what it costs, side by side).
+    noise = os.environ.get("EDL_BENCH_NOISE_SCALE", "1") != "0"
+    ddp = edl.torch.ElasticDDP(model, backend="gloo", timeout=30.0, noise_scale=noise)
     timing, rank = None, 0
     for step in state.steps():
         if timing is None:

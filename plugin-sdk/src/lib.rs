@@ -44,8 +44,8 @@ pub mod types;
 pub use config::{Config, ConfigKey, DESCRIBE, DESCRIBED};
 pub use plugin::{BatchAdapter, ReaderTransform, ScalingPolicy, TeacherPolicy};
 pub use types::{
-    Action, Batch, ClusterView, Dtype, Hyperparams, PluginError, PluginInfo, ResizeEvent, TeacherPlan,
-    TeacherStats, TeacherView, WorkerStats,
+    Action, Batch, ClusterView, Dtype, Hyperparams, PluginError, PluginInfo, ResizeEvent, StepTime,
+    TeacherPlan, TeacherStats, TeacherView, TrainingStats, WorkerStats,
 };
 
 include!(concat!(env!("OUT_DIR"), "/wit.rs"));
@@ -128,7 +128,7 @@ macro_rules! export_batch_adapter {
         mod __edl_wasm_export {
             #[allow(unused_imports)]
             use super::*;
-            $crate::__edl_generate_world!("stateful-batch-adapter");
+            $crate::__edl_generate_world!("training-batch-adapter");
             static SLOT: $crate::__private::Slot<$ty> = $crate::__private::Slot::new();
             struct Export;
             impl exports::edl::plugins::adapter::Guest for Export {
@@ -161,6 +161,30 @@ macro_rules! export_batch_adapter {
                 }
                 fn load(state: ::std::vec::Vec<u8>) -> ::std::result::Result<(), $crate::PluginError> {
                     SLOT.with(|p| $crate::BatchAdapter::load_state(p, &state))
+                }
+            }
+            impl exports::edl::plugins::training_observer::Guest for Export {
+                fn on_training(stats: exports::edl::plugins::training_observer::TrainingStats) {
+                    let stats = $crate::TrainingStats {
+                        step: stats.step,
+                        world_size: stats.world_size,
+                        noise_scale: stats.noise_scale,
+                        base_batch: stats.base_batch,
+                        base_lr: stats.base_lr,
+                        max_batch: stats.max_batch,
+                        throughput: stats.throughput,
+                        step_times: stats
+                            .step_times
+                            .into_iter()
+                            .map(|t| $crate::StepTime {
+                                world_size: t.world_size,
+                                global_batch: t.global_batch,
+                                secs: t.secs,
+                                steps: t.steps,
+                            })
+                            .collect(),
+                    };
+                    SLOT.with(|p| $crate::BatchAdapter::on_training(p, &stats))
                 }
             }
             export!(Export);

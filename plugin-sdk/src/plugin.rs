@@ -4,6 +4,7 @@
 
 use crate::{
     Action, Batch, ClusterView, Config, Hyperparams, PluginError, ResizeEvent, TeacherPlan, TeacherView,
+    TrainingStats,
 };
 
 /// Decides how many workers the job should have (WIT world `scaling-policy`).
@@ -47,6 +48,14 @@ pub trait BatchAdapter: Default + 'static {
     fn on_step(&mut self, step: u64, current: &Hyperparams) -> Hyperparams {
         let _ = step;
         *current
+    }
+
+    /// What the host measured of the training (the gradient noise scale,
+    /// step times by world size and batch), after each decision of the
+    /// scaling policy; the default ignores it. Components only: a native
+    /// adapter is not told.
+    fn on_training(&mut self, stats: &TrainingStats) {
+        let _ = stats;
     }
 
     /// The adapter's memory between calls; see [`ScalingPolicy::save_state`].

@@ -294,3 +294,33 @@ impl TeacherPlan {
         TeacherPlan { teachers: view.teacher_count, in_flight_per_teacher: view.in_flight_per_teacher }
     }
 }
+
+/// The mean time of a committed step at one world size and global batch.
+#[derive(Clone, Copy, Debug, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StepTime {
+    pub world_size: u32,
+    pub global_batch: u32,
+    pub secs: f64,
+    /// Steps the mean is over.
+    pub steps: u32,
+}
+
+/// What the host measured of the training, told to a batch adapter after
+/// each decision of the scaling policy ([`crate::BatchAdapter::on_training`]).
+#[derive(Clone, Debug, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TrainingStats {
+    pub step: u64,
+    pub world_size: u32,
+    /// The gradient noise scale (smoothed); 0 until two ranks measured a step.
+    pub noise_scale: f64,
+    /// The job's own global batch and learning rate (`--batch`, `--lr`).
+    pub base_batch: u32,
+    pub base_lr: f32,
+    /// The largest global batch the adapter may ask for (`--batch-max`).
+    pub max_batch: u32,
+    /// Committed samples per second over the last window.
+    pub throughput: f64,
+    pub step_times: Vec<StepTime>,
+}

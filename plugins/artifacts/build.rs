@@ -19,6 +19,7 @@ const PLUGINS: &[(&str, &str, bool, bool)] = &[
     ("edl-plugin-dynamic-batch", "dynamic_batch", true, true),
     ("edl-plugin-augment", "augment", true, true),
     ("edl-plugin-teacher-autoscale", "teacher_autoscale", true, true),
+    ("edl-plugin-goodput", "goodput", true, true),
     ("edl-test-plugin-spin", "spin", false, false),
     ("edl-test-plugin-membomb", "membomb", false, false),
     ("edl-test-plugin-panicky", "panicky", false, true),

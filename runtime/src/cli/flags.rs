@@ -98,6 +98,10 @@ pub struct TrainingArgs {
     /// Learning rate at the start (the adapter may change it).
     #[arg(long, value_name = "LR", default_value_t = 0.05)]
     pub lr: f32,
+    /// The largest global batch a batch adapter may choose (`goodput`'s
+    /// bound); default 16 times --batch, at most the training samples.
+    #[arg(long, value_name = "N")]
+    pub batch_max: Option<u32>,
     /// SGD momentum, in [0, 1).
     #[arg(long, value_name = "M", default_value_t = 0.9)]
     pub momentum: f32,

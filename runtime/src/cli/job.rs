@@ -295,6 +295,7 @@ fn job_config(args: &JobArgs, spec: JobSpec, dirs: &JobDirs) -> Result<JobConfig
         checkpoint_every: args.state.checkpoint_every_steps,
         checkpoint_interval: Duration::from_secs(args.state.checkpoint_secs),
         hyper: Hyperparams { global_batch: t.batch, local_batch: t.batch, lr: t.lr, momentum: t.momentum },
+        batch_max: t.batch_max,
         store: args.state.store.clone(),
         standby: args.state.standby,
         restart: args.state.restart,

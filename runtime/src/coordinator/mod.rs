@@ -73,6 +73,11 @@ struct Coordinator<'a> {
     redone_steps: u64,
     /// The workers' states last told to the watchers.
     told_workers: Vec<WorkerState>,
+    /// Step times measured at each (world size, global batch), for the
+    /// adapter, and the key of the window since the last decision.
+    step_times: machine::steptimes::StepTimes,
+    /// When the current decision window started.
+    window_started: Instant,
     /// The student world the pool was last told was planned.
     pool_planned: u32,
     /// The pool's teachers that outlive this coordinator (kept in the
@@ -347,6 +352,8 @@ impl<'a> Coordinator<'a> {
             unused: Vec::new(),
             redone_steps: 0,
             told_workers: Vec::new(),
+            step_times: Default::default(),
+            window_started: Instant::now(),
             teacher_handles: plugins.teacher_handles,
             teachers_left: Vec::new(),
             policy: plugins.policy,

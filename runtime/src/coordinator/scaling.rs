@@ -163,6 +163,33 @@ impl Coordinator<'_> {
         self.policy_decisions.push_back(decision);
     }
 
+    /// Tells the adapter what was measured of the training over the
+    /// decision window that just ended (the noise scale, step times).
+    fn tell_training(&mut self, world: u32, throughput: f64) {
+        let resized = self.last_change >= self.window_started;
+        self.window_started = Instant::now();
+        self.step_times.window_ended(throughput, resized);
+        let Some(adapter) = self.adapter.as_mut() else { return };
+        let base = self.cfg.hyper;
+        let samples = self.tally.train_len().max(1) as u32;
+        let stats = edl_plugin_sdk::TrainingStats {
+            step: self.tally.committed,
+            world_size: world,
+            noise_scale: self.tally.noise_scale().unwrap_or(0.0),
+            base_batch: base.global_batch,
+            base_lr: base.lr,
+            max_batch: self.cfg.batch_max.unwrap_or(base.global_batch.saturating_mul(16)).min(samples),
+            throughput,
+            step_times: self.step_times.table(),
+        };
+        if let Err(e) = adapter.on_training(&stats) {
+            let name = adapter.info().name.clone();
+            self.note(format!(
+                "batch adapter {name}: on-training failed, it decides without this window: {e}"
+            ));
+        }
+    }
+
     /// Asks the policy what to do.
     pub(super) fn decide(&mut self) {
         if self.membership.handing_over() {
@@ -171,6 +198,7 @@ impl Coordinator<'_> {
         }
         let (throughput, rates) = self.tally.since_decision(Instant::now());
         let world = self.membership.world();
+        self.tell_training(world, throughput);
         let coming = self.membership.coming();
         let remaining = self.tally.remaining(self.cfg.spec.epochs);
         let capacity = self.scaler.capacity();

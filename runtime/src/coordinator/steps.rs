@@ -319,6 +319,7 @@ impl Coordinator<'_> {
         let members: Vec<u64> = self.membership.members().iter().map(|m| m.id).collect();
         let totals = self.tally.commit(Instant::now(), plan, reports, &members, first)?;
         self.hyper = next_hyper;
+        self.step_times.committed(self.membership.world(), plan.hyper.global_batch);
         let base = self.cfg.hyper.global_batch;
         let efficiency =
             totals.noise_scale.map(|b| super::machine::noise::efficiency(b, base, plan.hyper.global_batch));

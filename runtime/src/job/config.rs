@@ -21,6 +21,9 @@ pub struct JobConfig {
     pub checkpoint_interval: Duration,
     /// Hyperparameters at the start (the adapter changes them).
     pub hyper: Hyperparams,
+    /// The largest global batch an adapter is told it may ask for
+    /// (`--batch-max`; None: 16 times the starting batch, at most the samples).
+    pub batch_max: Option<u32>,
     /// `memory` or `redis://...`.
     pub store: String,
     /// Wait for the job's lease as a standby instead of refusing to start.
@@ -86,6 +89,9 @@ impl JobConfig {
         }
         if h.global_batch == 0 || (!from_program && h.global_batch as usize > train_len) {
             bail!("--batch {}: need 1 <= batch <= {train_len} (the training samples)", h.global_batch);
+        }
+        if let Some(max) = self.batch_max.filter(|&m| m < h.global_batch) {
+            bail!("--batch-max {max} is below --batch {}", h.global_batch);
         }
         if !(h.lr.is_finite() && h.lr > 0.0) {
             bail!("--lr {}: need a finite learning rate above 0", h.lr);

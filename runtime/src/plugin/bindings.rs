@@ -41,6 +41,14 @@ pub mod state {
     });
 }
 
+/// A batch adapter's optional `training-observer` export.
+pub mod training {
+    wasmtime::component::bindgen!({
+        path: "../plugin-sdk/wit",
+        world: "plugin-training-observer",
+    });
+}
+
 use edl_plugin_sdk as sdk;
 use policy::edl::plugins::types as wit;
 use teacher_policy::exports::edl::plugins::teacher_policy as wit_teacher;
@@ -227,5 +235,31 @@ pub fn fill_teacher_view(out: &mut wit_teacher::TeacherView, v: &sdk::TeacherVie
 impl From<wit_teacher::TeacherPlan> for sdk::TeacherPlan {
     fn from(p: wit_teacher::TeacherPlan) -> Self {
         sdk::TeacherPlan { teachers: p.teachers, in_flight_per_teacher: p.in_flight_per_teacher }
+    }
+}
+
+/// The training statistics as the `training-observer` export takes them.
+pub fn training_stats(
+    s: &sdk::TrainingStats,
+) -> training::exports::edl::plugins::training_observer::TrainingStats {
+    use training::exports::edl::plugins::training_observer as wit_training;
+    wit_training::TrainingStats {
+        step: s.step,
+        world_size: s.world_size,
+        noise_scale: s.noise_scale,
+        base_batch: s.base_batch,
+        base_lr: s.base_lr,
+        max_batch: s.max_batch,
+        throughput: s.throughput,
+        step_times: s
+            .step_times
+            .iter()
+            .map(|t| wit_training::StepTime {
+                world_size: t.world_size,
+                global_batch: t.global_batch,
+                secs: t.secs,
+                steps: t.steps,
+            })
+            .collect(),
     }
 }

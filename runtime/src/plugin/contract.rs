@@ -187,6 +187,10 @@ impl<T: ?Sized + AdapterPlugin> AdapterPlugin for Checked<T> {
         check_hyperparams(&h).map_err(|detail| self.broken("on-step", detail))?;
         Ok(h)
     }
+
+    fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<(), Error> {
+        self.inner.on_training(stats)
+    }
 }
 
 impl<T: ?Sized + TransformPlugin> TransformPlugin for Checked<T> {

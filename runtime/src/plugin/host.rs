@@ -3,7 +3,7 @@
 
 use super::{
     AdapterPlugin, ArtifactCache, CacheStatus, Error, Loaded, PolicyPlugin, STATE_INTERFACE,
-    TeacherPolicyPlugin, TransformPlugin, World, contract,
+    TRAINING_INTERFACE, TeacherPolicyPlugin, TransformPlugin, World, contract,
     limits::{EPOCH_TICK, Limits},
     native, wasm,
 };
@@ -312,11 +312,13 @@ impl PluginHost {
     ) -> Result<(World, Vec<String>), Error> {
         let ty = component.component_type();
         let exports: Vec<String> = ty.exports(&self.engine).map(|(name, _)| name.to_string()).collect();
-        // The world's own interface; `state` rides beside it in any world.
+        // The world's own interface; `state` rides beside it in any world,
+        // `training-observer` beside an adapter's.
         let ours = exports.iter().find_map(|name| {
             let rest = name.strip_prefix("edl:plugins/")?;
             let (iface, version) = rest.split_once('@').unwrap_or((rest, ""));
-            (iface != STATE_INTERFACE).then(|| (iface.to_string(), version.to_string()))
+            (iface != STATE_INTERFACE && iface != TRAINING_INTERFACE)
+                .then(|| (iface.to_string(), version.to_string()))
         });
         let Some((iface, version)) = ours else {
             return Err(Error::InvalidComponent {

@@ -151,6 +151,8 @@ impl fmt::Display for Backend {
 /// The WIT interface through which a plugin hands its memory over
 /// (`edl:plugins/state`), exported beside its world's own.
 pub(crate) const STATE_INTERFACE: &str = "state";
+/// The interface a batch adapter is told the training's measures through.
+pub(crate) const TRAINING_INTERFACE: &str = "training-observer";
 
 /// What every loaded plugin can tell about itself.
 pub trait Plugin: Send {
@@ -180,6 +182,13 @@ pub trait PolicyPlugin: Plugin {
 pub trait AdapterPlugin: Plugin {
     fn on_resize(&mut self, event: &ResizeEvent, current: &Hyperparams) -> Result<Hyperparams, Error>;
     fn on_step(&mut self, step: u64, current: &Hyperparams) -> Result<Hyperparams, Error>;
+    /// Tells it what the host measured of the training; an adapter that
+    /// does not observe it (a native one, or a component built before) is
+    /// not told.
+    fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<(), Error> {
+        let _ = stats;
+        Ok(())
+    }
 }
 
 /// A loaded reader transform.

@@ -209,6 +209,11 @@ impl AdapterPlugin for Reloading<dyn AdapterPlugin> {
         self.refresh();
         self.current.on_step(step, current)
     }
+
+    fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<(), Error> {
+        self.refresh();
+        self.current.on_training(stats)
+    }
 }
 
 impl TransformPlugin for Reloading<dyn TransformPlugin> {

@@ -213,6 +213,8 @@ struct Live<B> {
     bindings: B,
     /// The `state` export, where the component has one.
     state: Option<state::PluginState>,
+    /// The `training-observer` export, where the component has one.
+    training: Option<bindings::training::PluginTrainingObserver>,
     stderr: CapturedStderr,
 }
 
@@ -224,6 +226,8 @@ pub struct Sandboxed<B: WorldBindings> {
     indices: B::Indices,
     /// Where the component's `state` export is, if it has one.
     state_indices: Option<state::PluginStateIndices>,
+    /// Where its `training-observer` export is, if it has one.
+    training_indices: Option<bindings::training::PluginTrainingObserverIndices>,
     limits: Limits,
     deadline_ticks: u64,
     config: Vec<(String, String)>,
@@ -249,6 +253,7 @@ impl<B: WorldBindings> Sandboxed<B> {
         let indices = B::indices(&instance_pre)
             .map_err(|e| Error::Instantiate { path: ctx.path.clone(), detail: format!("{e:#}") })?;
         let state_indices = state::PluginStateIndices::new(&instance_pre).ok();
+        let training_indices = bindings::training::PluginTrainingObserverIndices::new(&instance_pre).ok();
         let tick = EPOCH_TICK.as_nanos().max(1);
         let deadline_ticks = (ctx.limits.deadline.as_nanos().div_ceil(tick) as u64).max(1) + 1;
         let mut me = Sandboxed {
@@ -257,6 +262,7 @@ impl<B: WorldBindings> Sandboxed<B> {
             pre: instance_pre,
             indices,
             state_indices,
+            training_indices,
             limits: ctx.limits,
             deadline_ticks,
             config: config.to_vec(),
@@ -295,16 +301,18 @@ impl<B: WorldBindings> Sandboxed<B> {
         let loaded = self.pre.instantiate(&mut store).and_then(|instance| {
             let bindings = B::load(&self.indices, &mut store, &instance)?;
             let state = self.state_indices.as_ref().map(|ix| ix.load(&mut store, &instance)).transpose()?;
-            Ok((bindings, state))
+            let training =
+                self.training_indices.as_ref().map(|ix| ix.load(&mut store, &instance)).transpose()?;
+            Ok((bindings, state, training))
         });
-        let (bindings, state) = match loaded {
+        let (bindings, state, training) = match loaded {
             Ok(b) => b,
             Err(e) => return Err(self.classify("instantiate", e, &store, &stderr)),
         };
         store.set_epoch_deadline(self.deadline_ticks);
         store.data_mut().deadline = Instant::now() + self.limits.deadline;
         match bindings.init(&mut store, &self.config) {
-            Ok(Ok(())) => Ok(Live { store, bindings, state, stderr }),
+            Ok(Ok(())) => Ok(Live { store, bindings, state, training, stderr }),
             Ok(Err(e)) => Err(Error::Init { path: self.path.clone(), error: e.into() }),
             Err(e) => Err(self.classify("init", e, &store, &stderr)),
         }
@@ -442,6 +450,17 @@ impl AdapterPlugin for Sandboxed<adapter::BatchAdapter> {
     fn on_step(&mut self, step: u64, current: &Hyperparams) -> Result<Hyperparams, Error> {
         let h = bindings::hyperparams(current);
         Ok(self.call("on-step", |b, s| b.edl_plugins_adapter().call_on_step(s, step, h))?.into())
+    }
+
+    fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<(), Error> {
+        if self.training_indices.is_none() {
+            return Ok(());
+        }
+        let stats = bindings::training_stats(stats);
+        self.call_live("on-training", |live| match &live.training {
+            Some(t) => t.edl_plugins_training_observer().call_on_training(&mut live.store, &stats),
+            None => Ok(()),
+        })
     }
 }
 

@@ -353,3 +353,39 @@ fn an_adapter_that_keeps_each_worker_s_batch_grows_the_global_batch_with_the_wor
     }
     assert!(per_step.contains(&(2, 40)) && per_step.contains(&(4, 80)), "{per_step:?}");
 }
+
+/// The goodput adapter on two workers whose steps are mostly fixed cost
+/// (40 ms each, whatever the batch): once the noise scale is measured, a
+/// larger batch gives more goodput, and the adapter takes one, within
+/// `--batch-max`, with the learning rate raised by AdaScale's gain.
+#[test]
+fn the_goodput_adapter_grows_the_batch_when_steps_are_mostly_fixed_cost() {
+    let dir = tempfile::tempdir().unwrap();
+    let flags = ["--no-distill", "--epochs", "4", "--batch", "16", "--batch-max", "160", "--lr", "0.02"];
+    let mut cmd = job(dir.path(), &flags);
+    cmd.args(["--workers", "2", "--min-workers", "2", "--max-workers", "2"]);
+    cmd.args(["--policy", art::SCHEDULE_WASM, "--decide-every-steps", "4", "--step-delay-ms", "40"]);
+    cmd.args(["--adapter", art::GOODPUT_WASM]);
+    let mut child = cmd.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    assert!(status.success(), "{}", seen.join("\n"));
+    let r = report(dir.path());
+    assert_exactly_once(&r, 4, 1200);
+    let steps = r["timeline"].as_array().unwrap();
+    let batches: Vec<u64> = steps.iter().map(|s| s["batch"].as_u64().unwrap()).collect();
+    assert_eq!(batches[0], 16, "it starts at --batch");
+    let grown =
+        steps.iter().find(|s| s["batch"].as_u64().unwrap() > 16).unwrap_or_else(|| panic!("{batches:?}"));
+    assert!(
+        batches.iter().all(|&b| b <= 160 && b % 2 == 0),
+        "within --batch-max, a multiple of the workers: {batches:?}"
+    );
+    // Only once the noise scale is measured, and with a larger rate.
+    let first_measured = steps.iter().position(|s| s.get("noise_scale").is_some()).unwrap();
+    let first_grown = steps.iter().position(|s| s["batch"].as_u64().unwrap() > 16).unwrap();
+    assert!(first_grown > first_measured, "grown at {first_grown}, measured from {first_measured}");
+    let lr = grown["lr"].as_f64().unwrap();
+    assert!(lr > 0.02 && lr < 0.02 * grown["batch"].as_f64().unwrap() / 16.0, "{grown}");
+}

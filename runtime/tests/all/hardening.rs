@@ -331,6 +331,7 @@ fn nonsensical_flags_are_one_line_errors_before_anything_starts() {
         (&["--batch", "5000"], "--batch 5000: need 1 <= batch <= 400", 2),
         (&["--min-workers", "3", "--max-workers", "2"], "--min-workers 3 and --max-workers 2", 2),
         (&["--lr", "NaN"], "--lr NaN", 2),
+        (&["--batch", "64", "--batch-max", "32"], "--batch-max 32 is below --batch 64", 2),
         (&["--momentum", "1"], "--momentum 1", 2),
         (&["--train-samples", "0"], "the job has no samples", 2),
         (&["--dataset", "nope"], "unknown data set \"nope\"", 1),

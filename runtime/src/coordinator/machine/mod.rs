@@ -15,5 +15,6 @@ pub mod membership;
 pub mod noise;
 pub mod phase;
 pub mod pipeline;
+pub mod steptimes;
 pub mod tally;
 pub mod timers;

@@ -99,6 +99,11 @@ impl Tally {
         }
     }
 
+    /// The gradient noise scale so far (None until measured).
+    pub fn noise_scale(&self) -> Option<f64> {
+        self.noise.value()
+    }
+
     /// Samples in the training set (0: not known yet).
     pub fn train_len(&self) -> usize {
         self.train_len
