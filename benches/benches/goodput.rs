@@ -1,0 +1,156 @@
+//! Time to a target test accuracy of the built-in job (MNIST 5k, the
+//! 784-128-10 student, no distillation) for four batch settings, in one
+//! run: a fixed global batch of 64; a fixed 512 with the learning rate
+//! scaled linearly (0.05 x 8); `dynamic-batch` (each worker's batch kept,
+//! the rate ramped, on every resize); and `goodput` (batch and rate from the
+//! noise scale and the measured step times, up to `--batch-max 1024`; the
+//! rate by AdaScale's gain, and again by the linear rule). Each
+//! job runs under the schedule policy (1 -> 2 -> 3 -> 4 workers and back,
+//! a decision every 4 steps) and writes a checkpoint every few steps; the
+//! bench then reads every checkpoint, measures its test accuracy on the
+//! 1000 held-out images, and takes the training time of the first that
+//! reaches the target (the job's own clock, from its report).
+//!
+//!     cargo build --release -p edl-runtime && cargo bench -p edl-benches --bench goodput [-- STEP_MS]
+//!
+//! `STEP_MS` (default 0) adds a fixed time to every step, whatever its
+//! batch: steps bound by communication or a fixed launch cost, as on
+//! accelerators, where larger batches pay off; 0 is this CPU as it is.
+
+use edl_benches::release_runtime as runtime;
+use edl_runtime::{checkpoint::Checkpoints, job::BuiltinModel, trainer::worker};
+use std::{path::Path, process::Command};
+
+const TARGET: f64 = 0.92;
+const EPOCHS: &str = "12";
+const RUNS: usize = 2;
+
+struct Setting {
+    name: &'static str,
+    flags: Vec<String>,
+    /// Steps between checkpoints.
+    every: u32,
+}
+
+fn settings() -> Vec<Setting> {
+    let s = |v: &[&str]| v.iter().map(|f| f.to_string()).collect::<Vec<_>>();
+    let art = |name: &str| {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins").join(name).display().to_string()
+    };
+    vec![
+        Setting { name: "fixed 64", flags: s(&["--batch", "64", "--lr", "0.05"]), every: 8 },
+        Setting { name: "fixed 512, lr x 8", flags: s(&["--batch", "512", "--lr", "0.4"]), every: 1 },
+        Setting {
+            name: "dynamic-batch",
+            flags: [s(&["--batch", "64", "--lr", "0.05", "--adapter"]), vec![art("dynamic-batch.wasm")]]
+                .concat(),
+            every: 4,
+        },
+        Setting {
+            name: "goodput",
+            flags: [
+                s(&["--batch", "64", "--lr", "0.05", "--batch-max", "1024", "--adapter"]),
+                vec![art("goodput.wasm")],
+            ]
+            .concat(),
+            every: 2,
+        },
+        Setting {
+            name: "goodput, lr-rule=linear",
+            flags: [
+                s(&[
+                    "--batch",
+                    "64",
+                    "--lr",
+                    "0.05",
+                    "--batch-max",
+                    "1024",
+                    "--adapter-config",
+                    "lr-rule=linear",
+                ]),
+                s(&["--adapter"]),
+                vec![art("goodput.wasm")],
+            ]
+            .concat(),
+            every: 2,
+        },
+    ]
+}
+
+/// Runs one setting; returns (seconds to the target or None, the best
+/// accuracy, its seconds, steps, final batch).
+fn run(s: &Setting, step_ms: &str) -> (Option<f64>, f64, f64, u64, u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let schedule = Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/schedule.wasm");
+    let out = Command::new(runtime())
+        .current_dir(dir.path())
+        .args(["--no-distill", "--epochs", EPOCHS, "--max-workers", "4", "--decide-every-steps", "4"])
+        .arg("--policy")
+        .arg(&schedule)
+        .args(["--policy-config", "every=8", "--step-delay-ms", step_ms, "--keep-checkpoints", "100000"])
+        .args(["--checkpoint-every-steps", &s.every.to_string(), "--report", "r.json"])
+        .args(&s.flags)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}: {}", s.name, String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("r.json")).unwrap()).unwrap();
+    let timeline = r["timeline"].as_array().unwrap();
+    let secs_at = |step: u64| {
+        timeline.iter().find(|t| t["step"].as_u64() == Some(step)).and_then(|t| t["secs"].as_f64())
+    };
+    let model = BuiltinModel {
+        dataset: "mnist5k".into(),
+        test_rows: 1000,
+        split_seed: 1,
+        train_samples: None,
+        layers: vec![784, 128, 10],
+    };
+    let (_, test) = worker::load_data(&model).unwrap();
+    let mut points: Vec<(f64, f64)> = Vec::new();
+    for entry in std::fs::read_dir(dir.path().join(".edl/mnist/checkpoints")).unwrap().flatten() {
+        let Ok(c) = Checkpoints::read(&entry.path()) else { continue };
+        let Some(secs) = secs_at(c.manifest.step) else { continue };
+        let acc = worker::mlp_of(&c).unwrap().accuracy(&test) as f64;
+        points.push((secs, acc));
+    }
+    points.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let reached = points.iter().find(|p| p.1 >= TARGET).map(|p| p.0);
+    let best = points.iter().copied().fold((0.0, 0.0), |b, p| if p.1 > b.1 { p } else { b });
+    let last = timeline.last().unwrap();
+    (reached, best.1, best.0, last["step"].as_u64().unwrap(), last["batch"].as_u64().unwrap())
+}
+
+fn main() {
+    let step_ms = std::env::args().skip(1).find(|a| !a.starts_with('-')).unwrap_or_else(|| "0".into());
+    println!("time to {:.0}% test accuracy, {RUNS} runs each, --step-delay-ms {step_ms}", TARGET * 100.0);
+    println!("| setting | seconds to the target (each run) | best accuracy (at s) | steps | last batch |");
+    println!("|---|---|---|---|---|");
+    let mut fastest: Vec<(String, f64)> = Vec::new();
+    for s in settings() {
+        let runs: Vec<_> = (0..RUNS).map(|_| run(&s, &step_ms)).collect();
+        let each: Vec<String> =
+            runs.iter().map(|r| r.0.map_or("not reached".into(), |t| format!("{t:.2}"))).collect();
+        let (best, at) =
+            runs.iter().map(|r| (r.1, r.2)).fold((0.0, 0.0), |b, p| if p.0 > b.0 { p } else { b });
+        let r = &runs[0];
+        println!(
+            "| {} | {} | {:.2}% ({at:.1} s) | {} | {} |",
+            s.name,
+            each.join(", "),
+            best * 100.0,
+            r.3,
+            r.4
+        );
+        // A setting's time: the mean of its runs, when every run got there.
+        let reached: Vec<f64> = runs.iter().filter_map(|r| r.0).collect();
+        if reached.len() == RUNS {
+            fastest.push((s.name.to_string(), reached.iter().sum::<f64>() / RUNS as f64));
+        }
+    }
+    let fixed =
+        fastest.iter().filter(|f| f.0.starts_with("fixed")).map(|f| f.1).fold(f64::INFINITY, f64::min);
+    for g in fastest.iter().filter(|f| f.0.starts_with("goodput") && fixed.is_finite()) {
+        println!("{} against the best fixed setting: {:.2}x sooner", g.0, fixed / g.1);
+    }
+}
