@@ -46,7 +46,7 @@ pub enum PluginCommand {
 
 #[derive(clap::Args)]
 #[group(skip)]
-#[command(group(clap::ArgGroup::new("replayed").required(true).args(["policy", "teacher_policy"])))]
+#[command(group(clap::ArgGroup::new("replayed").required(true).args(["policy", "teacher_policy", "adapter"])))]
 pub struct ReplayArgs {
     /// Scaling-policy plugin to replay; a relative path not found here is
     /// also looked for beside the executable.
@@ -56,6 +56,13 @@ pub struct ReplayArgs {
     /// JSON lines of teacher views.
     #[arg(long, value_name = "FILE")]
     teacher_policy: Option<PathBuf>,
+    /// Batch adapter to replay instead, over a job's report (its
+    /// `adapter_decisions`: what the adapter was told of the training).
+    #[arg(long, value_name = "FILE")]
+    adapter: Option<PathBuf>,
+    /// Adapter configuration, `key=value` (repeatable), as for the main command.
+    #[arg(long = "adapter-config", value_name = "KEY=VALUE", value_parser = parse_pair)]
+    adapter_config: Vec<(String, String)>,
     /// Policy configuration, `key=value` (repeatable), as for the main command.
     #[arg(long = "policy-config", alias = "config", value_name = "KEY=VALUE", value_parser = parse_pair)]
     config: Vec<(String, String)>,
@@ -168,6 +175,9 @@ fn replay(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
     {
         edl_runtime::refuse!("--price {price}: need a finite price of 0 or more");
     }
+    if args.adapter.is_some() {
+        return replay_adapter(host, args);
+    }
     let Some(policy) = &args.policy else { return replay_teachers(host, args) };
     let mut p = host.load_policy(&plugin_path::resolve("--policy", policy)?, &args.config)?;
     let (decisions, recorded) = match replay::read_trace(&args.trace)?.priced(args.price) {
@@ -219,6 +229,56 @@ fn replay_summary(name: &str, trace: &std::path::Path, decisions: &[replay::Deci
         trace.display(),
         grow + shrink
     )
+}
+
+/// Replays a batch adapter over what a job's report says it was told of
+/// the training: each answer as a line (or JSON) beside the job's, then
+/// how many changed the batch and how many the job's answer matched.
+fn replay_adapter(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
+    let path = args.adapter.as_ref().expect("one of the group is given");
+    if args.plot.is_some() || args.price.is_some() {
+        edl_runtime::refuse!("--plot and --price are for a scaling policy's replay");
+    }
+    let mut p = host.load_adapter(&plugin_path::resolve("--adapter", path)?, &args.adapter_config)?;
+    let decisions = replay::read_adapter_trace(&args.trace)?;
+    let (mut out, mut changed, mut same) = (std::io::stdout().lock(), 0, 0);
+    for d in &decisions {
+        p.on_training(&d.stats)?;
+        let answer = p.on_step(d.step, &d.current);
+        let h = answer.as_ref().ok();
+        changed += usize::from(h.is_some_and(|h| h.global_batch != d.current.global_batch));
+        same += usize::from(h.is_some() && h == d.answer.as_ref());
+        let line = match (&answer, args.json) {
+            (_, true) => serde_json::json!({
+                "step": d.step,
+                "noise_scale": d.stats.noise_scale,
+                "current": d.current,
+                "answer": h,
+                "in_the_job": d.answer,
+                "error": answer.as_ref().err().map(|e| e.to_string()),
+            })
+            .to_string(),
+            (Ok(h), false) => format!(
+                "step {:>7}  noise scale {:>8.1}  batch {:>5} -> {:>5}  lr {:.4} -> {:.4}",
+                d.step, d.stats.noise_scale, d.current.global_batch, h.global_batch, d.current.lr, h.lr
+            ),
+            (Err(e), false) => format!("step {:>7}  error: {e}", d.step),
+        };
+        if let Err(e) = writeln!(out, "{line}") {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                break;
+            }
+            return Err(e.into());
+        }
+    }
+    drop(out);
+    eprintln!(
+        "{} decisions of {} over {}: {changed} changed the batch; {same} answered as in the job",
+        decisions.len(),
+        p.info().name,
+        args.trace.display()
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Replays a teacher policy over the views of a trace: each decision as a

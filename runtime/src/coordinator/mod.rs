@@ -26,7 +26,9 @@ mod steps;
 
 use crate::job::{JobConfig, assembly::Job};
 use crate::leader::record::TeacherHandle;
-pub use records::{JobOutcome, PolicyDecision, Progress, StepRecord, StoreEvent, UnusedWorker, WorkerState};
+pub use records::{
+    AdapterDecision, JobOutcome, PolicyDecision, Progress, StepRecord, StoreEvent, UnusedWorker, WorkerState,
+};
 pub use resume::{AlreadyFinished, finished_here, mark_complete};
 
 use crate::checkpoint::Checkpoints;
@@ -67,6 +69,7 @@ struct Coordinator<'a> {
     pool_told: Instant,
     /// The scaling policy's decisions (the newest), for the report.
     policy_decisions: std::collections::VecDeque<records::PolicyDecision>,
+    adapter_decisions: std::collections::VecDeque<records::AdapterDecision>,
     /// Workers the job ended before they joined.
     unused: Vec<UnusedWorker>,
     /// Steps computed again (after failures, or a resume past the checkpoint).
@@ -349,6 +352,7 @@ impl<'a> Coordinator<'a> {
             pool_told: now,
             pool_planned: 0,
             policy_decisions: Default::default(),
+            adapter_decisions: Default::default(),
             unused: Vec::new(),
             redone_steps: 0,
             told_workers: Vec::new(),
@@ -728,6 +732,7 @@ impl Coordinator<'_> {
             teacher_events: pool.events,
             teacher_decisions: pool.decisions,
             policy_decisions: std::mem::take(&mut self.policy_decisions).into(),
+            adapter_decisions: std::mem::take(&mut self.adapter_decisions).into(),
             workers_unused: std::mem::take(&mut self.unused),
             redone_steps: self.redone_steps,
             worker_handles: self

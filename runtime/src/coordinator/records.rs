@@ -116,6 +116,9 @@ pub struct JobOutcome {
     /// The scaling policy's decisions, holds too: what it saw and answered.
     #[serde(default)]
     pub policy_decisions: Vec<PolicyDecision>,
+    /// What the batch adapter was told of the training, and answered.
+    #[serde(default)]
+    pub adapter_decisions: Vec<AdapterDecision>,
     /// Workers asked for that the job ended before they joined, each with
     /// where it stood (`still starting`, `still loading the job`, ...).
     #[serde(default)]
@@ -151,6 +154,20 @@ pub struct WorkerState {
     pub stage: String,
     /// How the scheduler knows it (`slurm:123`, `pid 4242`), where it says.
     pub handle: Option<String>,
+}
+
+/// What a batch adapter was told of the training, the hyperparameters in
+/// force then, and what it answered at the next step (None: the job ended
+/// first): a trace `plugin replay --adapter` replays.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdapterDecision {
+    /// Seconds since the coordinator started.
+    pub secs: f64,
+    pub stats: edl_plugin_sdk::TrainingStats,
+    /// The step whose `on-step` answered, and the hyperparameters it was given.
+    pub step: u64,
+    pub current: Hyperparams,
+    pub answer: Option<Hyperparams>,
 }
 
 /// A worker the job ended before it joined.

@@ -52,6 +52,10 @@ pub struct Report {
     /// --policy`.
     #[serde(default)]
     pub policy_decisions: Vec<crate::coordinator::PolicyDecision>,
+    /// What the batch adapter was told of the training (the noise scale,
+    /// step times) and answered; a trace for `plugin replay --adapter`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub adapter_decisions: Vec<crate::coordinator::AdapterDecision>,
     /// Workers asked for that the job ended before they joined, each with
     /// where it stood then (stopped unused).
     #[serde(default)]
@@ -116,6 +120,7 @@ impl Report {
             teacher_events: outcome.teacher_events,
             teacher_decisions: outcome.teacher_decisions,
             policy_decisions: outcome.policy_decisions,
+            adapter_decisions: outcome.adapter_decisions,
             workers_unused: outcome.workers_unused,
             redone_steps: outcome.redone_steps,
             worker_handles: outcome.worker_handles,

@@ -187,7 +187,15 @@ impl Coordinator<'_> {
             self.note(format!(
                 "batch adapter {name}: on-training failed, it decides without this window: {e}"
             ));
+            return;
         }
+        if self.adapter_decisions.len() >= POLICY_DECISIONS_KEPT {
+            self.adapter_decisions.pop_front();
+        }
+        let secs = self.started.elapsed().as_secs_f64();
+        let current = self.plan_at.hyper;
+        let step = self.plan_at.step;
+        self.adapter_decisions.push_back(AdapterDecision { secs, stats, step, current, answer: None });
     }
 
     /// Asks the policy what to do.

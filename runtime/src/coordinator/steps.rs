@@ -234,9 +234,14 @@ impl Coordinator<'_> {
         cut |= self.cfg.checkpoint_every.is_some_and(|n| p.step.is_multiple_of(n.max(1)))
             || p.step.is_multiple_of(self.cfg.decide_every.max(1));
         if let Some(a) = self.adapter.as_mut() {
+            let before = p.hyper;
             let answer = a.on_step(p.step, &p.hyper);
             if let Some(h) = self.adapter_answer("on-step", answer)? {
                 p.hyper = h;
+            }
+            // The first answer after it was told of the training, for the report.
+            if let Some(d) = self.adapter_decisions.back_mut().filter(|d| d.answer.is_none()) {
+                (d.step, d.current, d.answer) = (p.step, before, Some(p.hyper));
             }
         }
         self.plan_at = p;

@@ -26,6 +26,10 @@ pub enum TraceError {
     NoTeacherDecisions { path: String },
     #[error("{path}: a report without policy decisions (written before reports kept them)")]
     NoPolicyDecisions { path: String },
+    #[error("{path}: not a job's report (JSON): {source}")]
+    NotAReport { path: String, source: serde_json::Error },
+    #[error("{path}: a report without adapter decisions (its job had no batch adapter told of the training)")]
+    NoAdapterDecisions { path: String },
     /// A report's recorded decision (`list`: `policy_decisions` or
     /// `teacher_decisions`; `index` counts from 1) whose view cannot be read.
     #[error("{path}: {list}[{index}]: its view is not a {what}: {source}")]
@@ -210,6 +214,33 @@ fn report_views(report: serde_json::Value, shown: String) -> Result<Vec<ClusterV
         return Err(TraceError::Empty { path: shown });
     }
     Ok(views)
+}
+
+/// What a job's report says its batch adapter was told of the training
+/// (its `adapter_decisions`), in order.
+pub fn read_adapter_trace(path: &Path) -> Result<Vec<crate::coordinator::AdapterDecision>, TraceError> {
+    let shown = path.display().to_string();
+    let text =
+        std::fs::read_to_string(path).map_err(|source| TraceError::Read { path: shown.clone(), source })?;
+    let report: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|source| TraceError::NotAReport { path: shown.clone(), source })?;
+    let Some(list) = report.get("adapter_decisions").and_then(|d| d.as_array()) else {
+        return Err(TraceError::NoAdapterDecisions { path: shown });
+    };
+    let mut out = Vec::with_capacity(list.len());
+    for (i, d) in list.iter().enumerate() {
+        out.push(serde_json::from_value(d.clone()).map_err(|source| TraceError::ReportParse {
+            path: shown.clone(),
+            list: "adapter_decisions",
+            index: i + 1,
+            what: "record of what the adapter was told",
+            source,
+        })?);
+    }
+    if out.is_empty() {
+        return Err(TraceError::NoAdapterDecisions { path: shown });
+    }
+    Ok(out)
 }
 
 /// The teacher views of a trace: a job's report (the views of its

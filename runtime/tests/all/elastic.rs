@@ -388,4 +388,34 @@ fn the_goodput_adapter_grows_the_batch_when_steps_are_mostly_fixed_cost() {
     assert!(first_grown > first_measured, "grown at {first_grown}, measured from {first_measured}");
     let lr = grown["lr"].as_f64().unwrap();
     assert!(lr > 0.02 && lr < 0.02 * grown["batch"].as_f64().unwrap() / 16.0, "{grown}");
+    // What it was told and answered is in the report; replayed, the adapter
+    // answers the same.
+    let told = r["adapter_decisions"].as_array().unwrap();
+    assert!(told.iter().any(|d| d["stats"]["noise_scale"].as_f64().unwrap() > 0.0), "{told:?}");
+    let out = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+        .args(["plugin", "replay", "--adapter", art::GOODPUT_WASM, "--json", "--trace"])
+        .arg(dir.path().join("report.json"))
+        .arg("--plugin-cache")
+        .arg(dir.path().join("plugin-cache"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), told.len());
+    for (replayed, d) in lines.iter().zip(told) {
+        if !d["answer"].is_null() {
+            let (a, b) = (&replayed["answer"], &d["answer"]);
+            let lr = |h: &serde_json::Value| h["lr"].as_f64().unwrap() as f32;
+            assert_eq!(
+                (&a["global_batch"], &a["local_batch"]),
+                (&b["global_batch"], &b["local_batch"]),
+                "{d}"
+            );
+            assert_eq!(lr(a), lr(b), "{replayed} against {d}");
+        }
+    }
+    let answered = told.iter().filter(|d| !d["answer"].is_null()).count();
+    assert!(err.contains(&format!("{answered} answered as in the job")), "{err}");
 }
