@@ -39,8 +39,10 @@ pub struct Goodput {
     overhead: f64,
     /// Smallest relative gain in goodput worth a change of batch.
     min_gain: f64,
-    /// Measure twice the batch once where only one batch was measured.
+    /// Measure twice the batch once where only one batch was measured, and
+    /// the (world size, batch) probed.
     probe: bool,
+    probed: Option<(u32, u32)>,
     /// What the host told last, and whether the next step should act on it.
     stats: Option<TrainingStats>,
     fresh: bool,
@@ -53,6 +55,7 @@ impl Default for Goodput {
             overhead: 0.3,
             min_gain: 0.05,
             probe: true,
+            probed: None,
             stats: None,
             fresh: false,
         }
@@ -122,10 +125,15 @@ pub fn candidates(base: u32, max: u32, world: u32) -> Vec<u32> {
     let world = world.max(1);
     let lowest = base.max(world);
     let mut out = Vec::new();
+    if lowest > max {
+        // More workers than the largest batch has rows, or a bound below
+        // the base: nothing to choose.
+        return out;
+    }
     for k in 0..64 {
         let m = (f64::from(lowest) * 2f64.powf(f64::from(k) / 4.0)).round() as u32;
         let m = (m / world).max(1) * world;
-        if m > max.max(lowest) {
+        if m > max {
             break;
         }
         if out.last() != Some(&m) {
@@ -150,19 +158,37 @@ impl Goodput {
 
     /// The hyperparameters for `world` workers now at `current`: the
     /// batch of the largest goodput (None: keep `current`).
-    pub fn choose(&self, stats: &TrainingStats, world: u32, current: &Hyperparams) -> Option<Hyperparams> {
+    pub fn choose(
+        &mut self,
+        stats: &TrainingStats,
+        world: u32,
+        current: &Hyperparams,
+    ) -> Option<Hyperparams> {
         let phi = stats.noise_scale;
-        if !(phi > 0.0) || stats.base_batch == 0 {
+        if !(phi.is_finite() && phi > 0.0) || stats.base_batch == 0 {
             return None;
         }
         let base = stats.base_batch;
         let now = current.global_batch;
         if self.probe && measured_batches(stats, world) < 2 {
             // One batch measured here: how much of a step is fixed cost is a
-            // guess until another is. Measure twice the batch once.
-            let probe =
-                candidates(base, stats.max_batch, world).into_iter().find(|&m| m >= now.saturating_mul(2))?;
-            return Some(self.hyper(stats, probe, world, current));
+            // guess until another is. Measure twice the batch, once a world
+            // size: until it is measured, wait for it.
+            let measured =
+                |b: u32| stats.step_times.iter().any(|t| (t.world_size, t.global_batch) == (world, b));
+            match self.probed {
+                Some((w, b)) if w == world && !measured(b) => return None,
+                Some((w, _)) if w == world => {}
+                _ => {
+                    let higher = candidates(base, stats.max_batch, world)
+                        .into_iter()
+                        .find(|&m| m >= now.saturating_mul(2));
+                    if let Some(probe) = higher {
+                        self.probed = Some((world, probe));
+                        return Some(self.hyper(stats, probe, world, current));
+                    }
+                }
+            }
         }
         let model = StepModel::fit(stats, world, self.overhead)?;
         let of = |m: u32| goodput(&model, phi, base, m, world);
@@ -219,17 +245,25 @@ impl BatchAdapter for Goodput {
 
     fn on_resize(&mut self, event: &ResizeEvent, current: &Hyperparams) -> Hyperparams {
         let world = event.new_world_size.max(1);
-        let chosen = self.stats.as_ref().and_then(|s| self.choose(s, world, current));
+        // Chosen for the new world now; the next step does not choose again
+        // for the world the measures were taken in.
+        self.fresh = false;
+        let stats = self.stats.take();
+        let chosen = stats.as_ref().and_then(|s| self.choose(s, world, current));
+        self.stats = stats.map(|s| TrainingStats { world_size: world, ..s });
         let mut h = chosen.unwrap_or(*current);
         h.local_batch = h.global_batch.div_ceil(world);
         h
     }
 
     fn on_step(&mut self, _step: u64, current: &Hyperparams) -> Hyperparams {
-        let Some(stats) = self.stats.as_ref().filter(|_| std::mem::take(&mut self.fresh)) else {
+        if !std::mem::take(&mut self.fresh) {
             return *current;
-        };
-        self.choose(stats, stats.world_size.max(1), current).unwrap_or(*current)
+        }
+        let Some(stats) = self.stats.take() else { return *current };
+        let chosen = self.choose(&stats, stats.world_size.max(1), current);
+        self.stats = Some(stats);
+        chosen.unwrap_or(*current)
     }
 }
 
@@ -267,7 +301,7 @@ mod tests {
     fn a_noisy_gradient_and_a_step_of_fixed_costs_take_a_larger_batch_and_scale_the_rate() {
         // 20 ms a step, 16 of them fixed (two batches measured); noise scale 2000.
         let s = stats(2000.0, &[(2, 64, 0.020), (2, 128, 0.024)]);
-        let g = Goodput::default();
+        let mut g = Goodput::default();
         let h = g.choose(&s, 2, &NOW).expect("a larger batch");
         assert!(h.global_batch >= 256, "{h:?}");
         assert_eq!(h.local_batch, h.global_batch / 2);
@@ -297,8 +331,37 @@ mod tests {
         assert_eq!((h.global_batch, h.local_batch), (128, 64));
         // Without probing: the one time split by `overhead` (0.3): a
         // batch of 128 takes 1.7 times as long, for 0.78 of the progress a sample.
-        let no_probe = Goodput { probe: false, ..Goodput::default() };
+        let mut no_probe = Goodput { probe: false, ..Goodput::default() };
         assert_eq!(no_probe.choose(&s, 2, &NOW), None);
+    }
+
+    #[test]
+    fn a_probe_is_waited_for_not_repeated_and_a_bound_below_the_workers_chooses_nothing() {
+        let mut g = Goodput::default();
+        let s = stats(100.0, &[(2, 64, 0.020)]);
+        assert_eq!(g.choose(&s, 2, &NOW).map(|h| h.global_batch), Some(128));
+        // Told again before the probe's batch was measured: it waits.
+        let at_probe = Hyperparams { global_batch: 128, local_batch: 64, ..NOW };
+        assert_eq!(g.choose(&s, 2, &at_probe), None);
+        // Measured: the model decides (here: 256 beats 128 by far).
+        let both = stats(100.0, &[(2, 64, 0.020), (2, 128, 0.021)]);
+        assert!(g.choose(&both, 2, &at_probe).is_some_and(|h| h.global_batch > 128));
+        // 16 workers, a bound of 8 rows: no batch fits.
+        let mut few = stats(100.0, &[(16, 8, 0.02)]);
+        (few.base_batch, few.max_batch) = (8, 8);
+        assert!(candidates(8, 8, 16).is_empty());
+        assert_eq!(Goodput::default().choose(&few, 16, &Hyperparams { global_batch: 8, ..NOW }), None);
+        // An infinite noise scale is not a measure.
+        assert_eq!(Goodput::default().choose(&stats(f64::INFINITY, &[(2, 64, 0.02)]), 2, &NOW), None);
+    }
+
+    #[test]
+    fn after_a_resize_the_next_step_keeps_what_the_resize_chose() {
+        let mut g = Goodput::default();
+        g.on_training(&stats(2000.0, &[(2, 64, 0.020), (2, 128, 0.024)]));
+        let ev = ResizeEvent { step: 100, old_world_size: 2, new_world_size: 1 };
+        let h = g.on_resize(&ev, &NOW);
+        assert_eq!(g.on_step(101, &h), h, "the step does not choose again for two workers");
     }
 
     #[test]

@@ -243,8 +243,13 @@ fn replay_adapter(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
     let decisions = replay::read_adapter_trace(&args.trace)?;
     let (mut out, mut changed, mut same) = (std::io::stdout().lock(), 0, 0);
     for d in &decisions {
-        p.on_training(&d.stats)?;
-        let answer = p.on_step(d.step, &d.current);
+        // As in the job: told, then asked at the next step (if one came
+        // before the job ended or the adapter was told again).
+        let told = p.on_training(&d.stats);
+        if d.step == u64::MAX && told.is_ok() {
+            continue;
+        }
+        let answer = told.and_then(|_| p.on_step(d.step, &d.current));
         let h = answer.as_ref().ok();
         changed += usize::from(h.is_some_and(|h| h.global_batch != d.current.global_batch));
         same += usize::from(h.is_some() && h == d.answer.as_ref());

@@ -164,7 +164,9 @@ pub struct AdapterDecision {
     /// Seconds since the coordinator started.
     pub secs: f64,
     pub stats: edl_plugin_sdk::TrainingStats,
-    /// The step whose `on-step` answered, and the hyperparameters it was given.
+    /// The step whose `on-step` answered (u64::MAX: none did before the
+    /// job ended or the adapter was told again), and the hyperparameters
+    /// it was given.
     pub step: u64,
     pub current: Hyperparams,
     pub answer: Option<Hyperparams>,

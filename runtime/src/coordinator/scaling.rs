@@ -175,27 +175,38 @@ impl Coordinator<'_> {
         let stats = edl_plugin_sdk::TrainingStats {
             step: self.tally.committed,
             world_size: world,
-            noise_scale: self.tally.noise_scale().unwrap_or(0.0),
+            noise_scale: self.tally.noise_scale().filter(|b| b.is_finite()).unwrap_or(0.0),
             base_batch: base.global_batch,
             base_lr: base.lr,
             max_batch: self.cfg.batch_max.unwrap_or(base.global_batch.saturating_mul(16)).min(samples),
             throughput,
             step_times: self.step_times.table(),
         };
-        if let Err(e) = adapter.on_training(&stats) {
-            let name = adapter.info().name.clone();
-            self.note(format!(
-                "batch adapter {name}: on-training failed, it decides without this window: {e}"
-            ));
-            return;
+        match adapter.on_training(&stats) {
+            Ok(true) => {}
+            // Not an observer: nothing to keep for a replay.
+            Ok(false) => return,
+            Err(e) => {
+                let name = adapter.info().name.clone();
+                self.note(format!(
+                    "batch adapter {name}: on-training failed, it decides without this window: {e}"
+                ));
+                return;
+            }
         }
         if self.adapter_decisions.len() >= POLICY_DECISIONS_KEPT {
             self.adapter_decisions.pop_front();
         }
         let secs = self.started.elapsed().as_secs_f64();
         let current = self.plan_at.hyper;
-        let step = self.plan_at.step;
-        self.adapter_decisions.push_back(AdapterDecision { secs, stats, step, current, answer: None });
+        // `step` is set by the next `on-step` (u64::MAX until then).
+        self.adapter_decisions.push_back(AdapterDecision {
+            secs,
+            stats,
+            step: u64::MAX,
+            current,
+            answer: None,
+        });
     }
 
     /// Asks the policy what to do.

@@ -236,12 +236,14 @@ impl Coordinator<'_> {
         if let Some(a) = self.adapter.as_mut() {
             let before = p.hyper;
             let answer = a.on_step(p.step, &p.hyper);
-            if let Some(h) = self.adapter_answer("on-step", answer)? {
+            let kept = self.adapter_answer("on-step", answer)?;
+            if let Some(h) = kept {
                 p.hyper = h;
             }
-            // The first answer after it was told of the training, for the report.
-            if let Some(d) = self.adapter_decisions.back_mut().filter(|d| d.answer.is_none()) {
-                (d.step, d.current, d.answer) = (p.step, before, Some(p.hyper));
+            // The first answer after it was told of the training, for the
+            // report (none where the call failed and the settings were kept).
+            if let Some(d) = self.adapter_decisions.back_mut().filter(|d| d.step == u64::MAX) {
+                (d.step, d.current, d.answer) = (p.step, before, kept);
             }
         }
         self.plan_at = p;

@@ -188,7 +188,7 @@ impl<T: ?Sized + AdapterPlugin> AdapterPlugin for Checked<T> {
         Ok(h)
     }
 
-    fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<(), Error> {
+    fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<bool, Error> {
         self.inner.on_training(stats)
     }
 }

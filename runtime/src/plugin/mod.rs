@@ -182,12 +182,12 @@ pub trait PolicyPlugin: Plugin {
 pub trait AdapterPlugin: Plugin {
     fn on_resize(&mut self, event: &ResizeEvent, current: &Hyperparams) -> Result<Hyperparams, Error>;
     fn on_step(&mut self, step: u64, current: &Hyperparams) -> Result<Hyperparams, Error>;
-    /// Tells it what the host measured of the training; an adapter that
-    /// does not observe it (a native one, or a component built before) is
-    /// not told.
-    fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<(), Error> {
+    /// Tells it what the host measured of the training; true when it was
+    /// told (an adapter that does not observe it, a native one or a
+    /// component built before, is not).
+    fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<bool, Error> {
         let _ = stats;
-        Ok(())
+        Ok(false)
     }
 }
 

@@ -210,7 +210,7 @@ impl AdapterPlugin for Reloading<dyn AdapterPlugin> {
         self.current.on_step(step, current)
     }
 
-    fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<(), Error> {
+    fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<bool, Error> {
         self.refresh();
         self.current.on_training(stats)
     }

@@ -452,14 +452,16 @@ impl AdapterPlugin for Sandboxed<adapter::BatchAdapter> {
         Ok(self.call("on-step", |b, s| b.edl_plugins_adapter().call_on_step(s, step, h))?.into())
     }
 
-    fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<(), Error> {
+    fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<bool, Error> {
         if self.training_indices.is_none() {
-            return Ok(());
+            return Ok(false);
         }
         let stats = bindings::training_stats(stats);
         self.call_live("on-training", |live| match &live.training {
-            Some(t) => t.edl_plugins_training_observer().call_on_training(&mut live.store, &stats),
-            None => Ok(()),
+            Some(t) => {
+                t.edl_plugins_training_observer().call_on_training(&mut live.store, &stats).map(|()| true)
+            }
+            None => Ok(false),
         })
     }
 }

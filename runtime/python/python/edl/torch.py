@@ -159,10 +159,12 @@ class ProcessGroups:
 
 
 class _Measured:
-    """The step a DDP module's communication hook tells its norms to."""
+    """The step a DDP module's communication hook tells its norms to, and
+    how often it measures."""
 
-    def __init__(self, group):
+    def __init__(self, group, every):
         self.group = group
+        self.every = max(1, int(every))
         self.step = None
 
 
@@ -171,18 +173,20 @@ def _measuring_allreduce(measured, bucket):
     bucket), telling the step the squared norms of what this rank gave and
     of the mean that came back: the gradient noise scale's measure, without
     a collective of its own. The norms stay 0-d tensors (no device sync)
-    until the step's commit reads them."""
+    until the step's commit reads them. Steps between measured ones (every
+    `measured.every`-th is) are reduced alone."""
     tensor = bucket.buffer()
     tensor.div_(measured.group.size())
+    step = measured.step
+    if step is None or step.step % measured.every:
+        return dist.all_reduce(tensor, group=measured.group, async_op=True).get_future().then(lambda f: f.value()[0])
     # Squared in float64: a half-precision gradient's squares would underflow.
     local = torch.linalg.vector_norm(tensor, dtype=torch.float64).square()
-    step = measured.step
     future = dist.all_reduce(tensor, group=measured.group, async_op=True).get_future()
 
     def reduced(f):
         out = f.value()[0]
-        if step is not None:
-            step.gradient_norms(local, torch.linalg.vector_norm(out, dtype=torch.float64).square())
+        step.gradient_norms(local, torch.linalg.vector_norm(out, dtype=torch.float64).square())
         return out
 
     return future.then(reduced)
@@ -197,17 +201,18 @@ class ElasticDDP:
     ``DistributedDataParallel`` (``find_unused_parameters``, ...).
 
     Its gradients are reduced as DDP's default does (the mean over the
-    ranks) by a communication hook that also tells the step their norms,
-    from which the runtime measures the gradient noise scale. A program with
-    a hook of its own passes ``noise_scale=False`` and registers it on the
-    module ``on(step)`` gives.
+    ranks) by a communication hook that also tells the step their norms, on
+    every ``noise_every``-th step (4), from which the runtime measures the
+    gradient noise scale. A program with a hook of its own passes
+    ``noise_scale=False`` and registers it on the module ``on(step)`` gives.
     """
 
-    def __init__(self, module, backend=None, timeout=30.0, noise_scale=True, **ddp_options):
+    def __init__(self, module, backend=None, timeout=30.0, noise_scale=True, noise_every=4, **ddp_options):
         self.module = module
         self.groups = ProcessGroups(backend, timeout)
         self.options = ddp_options
         self.noise_scale = noise_scale
+        self.noise_every = noise_every
         self._ddp = None
         self._generation = None
         self._measured = None
@@ -227,7 +232,7 @@ class ElasticDDP:
             )
             self._measured = None
             if self.noise_scale:
-                self._measured = _Measured(group)
+                self._measured = _Measured(group, self.noise_every)
                 self._measured.step = step
                 self._ddp.register_comm_hook(self._measured, _measuring_allreduce)
             self._generation = step.generation
