@@ -189,29 +189,42 @@ def median_ms(values):
     return f"{statistics.median(values):.0f} ms" if values else "-"
 
 
+def side_by_side(datas, runs, first, second):
+    """`first(data)` and `second(data)` alternating, `runs` times each, per
+    data set: a table row each (medians, their ratio, each pair's ratio,
+    the median steps); returns the cores other work kept busy meanwhile."""
+    others = []
+    for data in datas:
+        a, b = [], []
+        for _ in range(runs):
+            for side, out in ((first, a), (second, b)):
+                r, busy = quiet(lambda: side(data))
+                out.append(r)
+                others.append(busy)
+        am = statistics.median(r["samples_per_sec"] for r in a)
+        bm = statistics.median(r["samples_per_sec"] for r in b)
+        each = ", ".join(f"{y['samples_per_sec'] / x['samples_per_sec']:.3f}" for x, y in zip(a, b))
+        steps = [statistics.median(r["step_ms_median"] for r in side) for side in (a, b)]
+        print(
+            f"| {data} | {am:.0f} samples/s | {bm:.0f} samples/s | {bm / am:.3f} | {each} "
+            f"| {steps[0]:.2f} ms / {steps[1]:.2f} ms |",
+            flush=True,
+        )
+    return others
+
+
 def noise_hook_cost(args, env, scratch):
     """edl + DDP with ElasticDDP's communication hook (the gradient noise
     scale measured) against DDP's own reduction, alternating, `--runs` each."""
     off = dict(env, EDL_BENCH_NOISE_SCALE="0")
     print("| data | without the hook | with it | with / without | each pair | median step, without / with |")
     print("|---|---|---|---|---|---|")
-    others = []
-    for data in args.data.split(","):
-        without, with_ = [], []
-        for _ in range(args.runs):
-            for e, out in ((off, without), (env, with_)):
-                r, busy = quiet(lambda: throughput_edl(data, e, scratch))
-                out.append(r)
-                others.append(busy)
-        a = statistics.median(r["samples_per_sec"] for r in without)
-        b = statistics.median(r["samples_per_sec"] for r in with_)
-        each = ", ".join(f"{y['samples_per_sec'] / x['samples_per_sec']:.3f}" for x, y in zip(without, with_))
-        steps = [statistics.median(r["step_ms_median"] for r in side) for side in (without, with_)]
-        print(
-            f"| {data} | {a:.0f} samples/s | {b:.0f} samples/s | {b / a:.3f} | {each} "
-            f"| {steps[0]:.2f} ms / {steps[1]:.2f} ms |",
-            flush=True,
-        )
+    others = side_by_side(
+        args.data.split(","),
+        args.runs,
+        lambda data: throughput_edl(data, off, scratch),
+        lambda data: throughput_edl(data, env, scratch),
+    )
     print(f"other work on the machine during these runs: at most {max(others):.2f} cores")
 
 
@@ -236,23 +249,12 @@ def main():
         "| median step, torchrun / edl |"
     )
     print("|---|---|---|---|---|---|")
-    others = []
-    for data in args.data.split(","):
-        t, e = [], []
-        for _ in range(args.runs):
-            for side, out in ((throughput_torchrun, t), (throughput_edl, e)):
-                r, busy = quiet(lambda: side(data, env, scratch))
-                out.append(r)
-                others.append(busy)
-        tm = statistics.median(r["samples_per_sec"] for r in t)
-        em = statistics.median(r["samples_per_sec"] for r in e)
-        each = ", ".join(f"{a['samples_per_sec'] / b['samples_per_sec']:.3f}" for a, b in zip(e, t))
-        steps = [statistics.median(r["step_ms_median"] for r in side) for side in (t, e)]
-        print(
-            f"| {data} | {tm:.0f} samples/s | {em:.0f} samples/s | {em / tm:.3f} | {each} "
-            f"| {steps[0]:.2f} ms / {steps[1]:.2f} ms |",
-            flush=True,
-        )
+    others = side_by_side(
+        args.data.split(","),
+        args.runs,
+        lambda data: throughput_torchrun(data, env, scratch),
+        lambda data: throughput_edl(data, env, scratch),
+    )
     print(f"other work on the machine during these runs: at most {max(others):.2f} cores")
 
     if args.no_resize:

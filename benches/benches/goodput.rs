@@ -99,13 +99,7 @@ fn run(s: &Setting, step_ms: &str) -> (Option<f64>, f64, f64, u64, u64) {
     let secs_at = |step: u64| {
         timeline.iter().find(|t| t["step"].as_u64() == Some(step)).and_then(|t| t["secs"].as_f64())
     };
-    let model = BuiltinModel {
-        dataset: "mnist5k".into(),
-        test_rows: 1000,
-        split_seed: 1,
-        train_samples: None,
-        layers: vec![784, 128, 10],
-    };
+    let model = BuiltinModel::mnist5k();
     let (_, test) = worker::load_data(&model).unwrap();
     let mut points: Vec<(f64, f64)> = Vec::new();
     for entry in std::fs::read_dir(dir.path().join(".edl/mnist/checkpoints")).unwrap().flatten() {

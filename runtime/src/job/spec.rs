@@ -58,6 +58,20 @@ pub struct BuiltinModel {
     pub layers: Vec<usize>,
 }
 
+impl BuiltinModel {
+    /// The default job's student: the 784-128-10 MLP on MNIST 5k (4000
+    /// training and 1000 test images, split with seed 1).
+    pub fn mnist5k() -> BuiltinModel {
+        BuiltinModel {
+            dataset: "mnist5k".into(),
+            test_rows: 1000,
+            split_seed: 1,
+            train_samples: None,
+            layers: vec![784, 128, 10],
+        }
+    }
+}
+
 /// Everything a worker needs to know about the job, sent when it joins.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct JobSpec {

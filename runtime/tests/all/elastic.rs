@@ -275,6 +275,16 @@ fn a_worker_killed_while_later_windows_are_out_loses_no_sample() {
     assert!(redone > dropped, "{redone} redone, {dropped} dropped: {note}");
 }
 
+/// Runs a job in `dir` to its end, successfully; its report.
+fn run_to_its_report(mut cmd: Command, dir: &Path) -> serde_json::Value {
+    let mut child = cmd.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    assert!(status.success(), "{}", seen.join("\n"));
+    report(dir)
+}
+
 /// A job without teachers whose policy never acts, with `extra` flags.
 fn steady(dir: &Path, extra: &[&str]) -> Command {
     let mut args = vec!["--policy", art::AUTOSCALE_WASM, "--decide-every", "100000", "--no-distill"];
@@ -334,12 +344,7 @@ fn an_adapter_that_keeps_each_worker_s_batch_grows_the_global_batch_with_the_wor
     cmd.args(["--max-workers", "4", "--policy", art::SCHEDULE_WASM, "--policy-config", "every=20"]);
     cmd.args(["--policy-config", "by=2", "--decide-every-steps", "5", "--step-delay-ms", "30"]);
     cmd.args(["--adapter", art::DYNAMIC_BATCH_WASM]);
-    let mut child = cmd.spawn().unwrap();
-    let rx = lines(&mut child);
-    let mut seen = Vec::new();
-    let status = finish(child, rx, &mut seen);
-    assert!(status.success(), "{}", seen.join("\n"));
-    let r = report(dir.path());
+    let r = run_to_its_report(cmd, dir.path());
     assert_exactly_once(&r, 10, 1200);
     // Samples a step, by the world it ran in (within an epoch).
     let steps = r["timeline"].as_array().unwrap();
@@ -366,12 +371,7 @@ fn the_goodput_adapter_grows_the_batch_when_steps_are_mostly_fixed_cost() {
     cmd.args(["--workers", "2", "--min-workers", "2", "--max-workers", "2"]);
     cmd.args(["--policy", art::SCHEDULE_WASM, "--decide-every-steps", "4", "--step-delay-ms", "40"]);
     cmd.args(["--adapter", art::GOODPUT_WASM]);
-    let mut child = cmd.spawn().unwrap();
-    let rx = lines(&mut child);
-    let mut seen = Vec::new();
-    let status = finish(child, rx, &mut seen);
-    assert!(status.success(), "{}", seen.join("\n"));
-    let r = report(dir.path());
+    let r = run_to_its_report(cmd, dir.path());
     assert_exactly_once(&r, 4, 1200);
     let steps = r["timeline"].as_array().unwrap();
     let batches: Vec<u64> = steps.iter().map(|s| s["batch"].as_u64().unwrap()).collect();

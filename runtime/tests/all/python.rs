@@ -114,13 +114,7 @@ fn the_numpy_student_under_launch_trains_every_sample_once_through_resizes_kills
 
     // The program's final state is the built-in student's layout: its
     // accuracy against the built-in trainer's, same flags.
-    let model = BuiltinModel {
-        dataset: "mnist5k".into(),
-        test_rows: 1000,
-        split_seed: 1,
-        train_samples: None,
-        layers: vec![784, 128, 10],
-    };
+    let model = BuiltinModel::mnist5k();
     let (_, test) = worker::load_data(&model).unwrap();
     let final_state = Checkpoints::read(Path::new(r["final_checkpoint"].as_str().unwrap())).unwrap();
     let numpy_acc = worker::mlp_of(&final_state).unwrap().accuracy(&test) as f64;
