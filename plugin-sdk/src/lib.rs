@@ -62,6 +62,39 @@ macro_rules! plugin_info {
     };
 }
 
+/// Implements the `training-observer` export of a component's generated
+/// world for the plugin in `SLOT`, through its trait's `on_training`.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __edl_training_observer {
+    ($trait:path) => {
+        impl exports::edl::plugins::training_observer::Guest for Export {
+            fn on_training(stats: exports::edl::plugins::training_observer::TrainingStats) {
+                let stats = $crate::TrainingStats {
+                    step: stats.step,
+                    world_size: stats.world_size,
+                    noise_scale: stats.noise_scale,
+                    base_batch: stats.base_batch,
+                    base_lr: stats.base_lr,
+                    max_batch: stats.max_batch,
+                    throughput: stats.throughput,
+                    step_times: stats
+                        .step_times
+                        .into_iter()
+                        .map(|t| $crate::StepTime {
+                            world_size: t.world_size,
+                            global_batch: t.global_batch,
+                            secs: t.secs,
+                            steps: t.steps,
+                        })
+                        .collect(),
+                };
+                SLOT.with(|p| <_ as $trait>::on_training(p, &stats))
+            }
+        }
+    };
+}
+
 /// Exports a [`ScalingPolicy`] implementation as this crate's plugin.
 ///
 /// Built for `wasm32-wasip2` it becomes a component of world `scaling-policy`;
@@ -74,7 +107,7 @@ macro_rules! export_scaling_policy {
         mod __edl_wasm_export {
             #[allow(unused_imports)]
             use super::*;
-            $crate::__edl_generate_world!("stateful-scaling-policy");
+            $crate::__edl_generate_world!("training-scaling-policy");
             static SLOT: $crate::__private::Slot<$ty> = $crate::__private::Slot::new();
             struct Export;
             impl exports::edl::plugins::policy::Guest for Export {
@@ -103,6 +136,7 @@ macro_rules! export_scaling_policy {
                     SLOT.with(|p| $crate::ScalingPolicy::load_state(p, &state))
                 }
             }
+            $crate::__edl_training_observer!($crate::ScalingPolicy);
             export!(Export);
         }
         $crate::__native_exports!("scaling-policy", $ty, $crate::ScalingPolicy, {
@@ -163,30 +197,7 @@ macro_rules! export_batch_adapter {
                     SLOT.with(|p| $crate::BatchAdapter::load_state(p, &state))
                 }
             }
-            impl exports::edl::plugins::training_observer::Guest for Export {
-                fn on_training(stats: exports::edl::plugins::training_observer::TrainingStats) {
-                    let stats = $crate::TrainingStats {
-                        step: stats.step,
-                        world_size: stats.world_size,
-                        noise_scale: stats.noise_scale,
-                        base_batch: stats.base_batch,
-                        base_lr: stats.base_lr,
-                        max_batch: stats.max_batch,
-                        throughput: stats.throughput,
-                        step_times: stats
-                            .step_times
-                            .into_iter()
-                            .map(|t| $crate::StepTime {
-                                world_size: t.world_size,
-                                global_batch: t.global_batch,
-                                secs: t.secs,
-                                steps: t.steps,
-                            })
-                            .collect(),
-                    };
-                    SLOT.with(|p| $crate::BatchAdapter::on_training(p, &stats))
-                }
-            }
+            $crate::__edl_training_observer!($crate::BatchAdapter);
             export!(Export);
         }
         $crate::__native_exports!("batch-adapter", $ty, $crate::BatchAdapter, {

@@ -17,6 +17,13 @@ pub trait ScalingPolicy: Default + 'static {
     /// Called on a fixed cadence with the job's current state.
     fn decide(&mut self, view: &ClusterView) -> Vec<Action>;
 
+    /// What the host measured of the training, just before each
+    /// `decide` (see [`BatchAdapter::on_training`]); the default ignores
+    /// it. Components only: a native policy is not told.
+    fn on_training(&mut self, stats: &TrainingStats) {
+        let _ = stats;
+    }
+
     /// The policy's memory between decisions, as bytes [`load_state`](Self::load_state)
     /// reads back. The host stores it at every commit, so that a standby
     /// coordinator taking the job over, a resume from a checkpoint and a hot

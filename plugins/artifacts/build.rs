@@ -21,6 +21,7 @@ const PLUGINS: &[(&str, &str, bool, bool)] = &[
     ("edl-plugin-teacher-autoscale", "teacher_autoscale", true, true),
     // Native adapters are not told the training's measures: goodput is a component only.
     ("edl-plugin-goodput", "goodput", true, false),
+    ("edl-plugin-goodput-policy", "goodput_policy", true, false),
     ("edl-test-plugin-spin", "spin", false, false),
     ("edl-test-plugin-membomb", "membomb", false, false),
     ("edl-test-plugin-panicky", "panicky", false, true),

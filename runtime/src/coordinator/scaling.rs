@@ -163,25 +163,20 @@ impl Coordinator<'_> {
         self.policy_decisions.push_back(decision);
     }
 
-    /// Tells the adapter what was measured of the training over the
-    /// decision window that just ended (the noise scale, step times).
+    /// Tells the policy and the adapter what was measured of the training
+    /// over the decision window that just ended (the noise scale, step times).
     fn tell_training(&mut self, world: u32, throughput: f64) {
         let resized = self.last_change >= self.window_started;
         self.window_started = Instant::now();
         self.step_times.window_ended(throughput, resized);
+        let stats = self.training_stats(world, throughput);
+        if let Err(e) = self.policy.on_training(&stats) {
+            let name = self.policy.info().name.clone();
+            self.note(format!(
+                "scaling policy {name}: on-training failed, it decides without this window: {e}"
+            ));
+        }
         let Some(adapter) = self.adapter.as_mut() else { return };
-        let base = self.cfg.hyper;
-        let samples = self.tally.train_len().max(1) as u32;
-        let stats = edl_plugin_sdk::TrainingStats {
-            step: self.tally.committed,
-            world_size: world,
-            noise_scale: self.tally.noise_scale().filter(|b| b.is_finite()).unwrap_or(0.0),
-            base_batch: base.global_batch,
-            base_lr: base.lr,
-            max_batch: self.cfg.batch_max.unwrap_or(base.global_batch.saturating_mul(16)).min(samples),
-            throughput,
-            step_times: self.step_times.table(),
-        };
         match adapter.on_training(&stats) {
             Ok(true) => {}
             // Not an observer: nothing to keep for a replay.
@@ -207,6 +202,22 @@ impl Coordinator<'_> {
             current,
             answer: None,
         });
+    }
+
+    /// What was measured of the training, as plugins are told it.
+    fn training_stats(&self, world: u32, throughput: f64) -> edl_plugin_sdk::TrainingStats {
+        let base = self.cfg.hyper;
+        let samples = self.tally.train_len().max(1) as u32;
+        edl_plugin_sdk::TrainingStats {
+            step: self.tally.committed,
+            world_size: world,
+            noise_scale: self.tally.noise_scale().filter(|b| b.is_finite()).unwrap_or(0.0),
+            base_batch: base.global_batch,
+            base_lr: base.lr,
+            max_batch: self.cfg.batch_max.unwrap_or(base.global_batch.saturating_mul(16)).min(samples),
+            throughput,
+            step_times: self.step_times.table(),
+        }
     }
 
     /// Asks the policy what to do.

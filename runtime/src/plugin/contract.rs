@@ -163,6 +163,10 @@ impl<T: ?Sized + PolicyPlugin> PolicyPlugin for Checked<T> {
     fn decide(&mut self, view: &ClusterView) -> Result<Vec<Action>, Error> {
         self.inner.decide(view)
     }
+
+    fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<bool, Error> {
+        self.inner.on_training(stats)
+    }
 }
 
 impl<T: ?Sized + TeacherPolicyPlugin> TeacherPolicyPlugin for Checked<T> {

@@ -176,6 +176,12 @@ pub trait Plugin: Send {
 /// A loaded scaling policy.
 pub trait PolicyPlugin: Plugin {
     fn decide(&mut self, view: &ClusterView) -> Result<Vec<Action>, Error>;
+    /// Tells it what the host measured of the training before a decision;
+    /// true when it was told (see [`AdapterPlugin::on_training`]).
+    fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<bool, Error> {
+        let _ = stats;
+        Ok(false)
+    }
 }
 
 /// A loaded batch adapter.

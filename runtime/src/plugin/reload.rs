@@ -197,6 +197,11 @@ impl PolicyPlugin for Reloading<dyn PolicyPlugin> {
         self.refresh();
         self.current.decide(view)
     }
+
+    fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<bool, Error> {
+        self.refresh();
+        self.current.on_training(stats)
+    }
 }
 
 impl AdapterPlugin for Reloading<dyn AdapterPlugin> {

@@ -362,6 +362,20 @@ impl<B: WorldBindings> Sandboxed<B> {
         self.call_live(call, |live| f(&live.bindings, &mut live.store))
     }
 
+    /// Calls the `training-observer` export; false when there is none.
+    fn tell_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<bool, Error> {
+        if self.training_indices.is_none() {
+            return Ok(false);
+        }
+        let stats = bindings::training_stats(stats);
+        self.call_live("on-training", |live| match &live.training {
+            Some(t) => {
+                t.edl_plugins_training_observer().call_on_training(&mut live.store, &stats).map(|()| true)
+            }
+            None => Ok(false),
+        })
+    }
+
     /// Runs one call of the `state` export; `None` when there is none.
     fn call_state<R>(
         &mut self,
@@ -438,6 +452,10 @@ impl PolicyPlugin for Sandboxed<policy::ScalingPolicy> {
         let result = self.call("decide", |b, s| b.edl_plugins_policy().call_decide(s, &wit_view));
         self.scratch_view = Some(wit_view);
         Ok(result?.into_iter().map(Action::from).collect())
+    }
+
+    fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<bool, Error> {
+        self.tell_training(stats)
     }
 }
 

@@ -419,3 +419,42 @@ fn the_goodput_adapter_grows_the_batch_when_steps_are_mostly_fixed_cost() {
     let answered = told.iter().filter(|d| !d["answer"].is_null()).count();
     assert!(err.contains(&format!("{answered} answered as in the job")), "{err}");
 }
+
+/// The goodput policy, from one worker, on steps of fixed cost (40 ms
+/// whatever the rows) and a batch that cannot grow (`--batch-max` is the
+/// batch): it grows to two workers to measure the noise scale, tries each
+/// next count while its model (one batch measured: a guessed fixed share)
+/// says it pays, and once measured finds the workers past the first add
+/// next to no goodput (the step's time does not fall with fewer rows each):
+/// it settles back at one.
+#[test]
+fn the_goodput_policy_measures_with_two_workers_and_keeps_one_that_pays() {
+    let dir = tempfile::tempdir().unwrap();
+    let flags = ["--no-distill", "--epochs", "6", "--batch", "16", "--batch-max", "16", "--lr", "0.02"];
+    let mut cmd = job(dir.path(), &flags);
+    cmd.args(["--workers", "1", "--min-workers", "1", "--max-workers", "3", "--decide-every-steps", "4"]);
+    cmd.args(["--step-delay-ms", "40", "--policy", art::GOODPUT_POLICY_WASM, "--adapter", art::GOODPUT_WASM]);
+    let r = run_to_its_report(cmd, dir.path());
+    assert_exactly_once(&r, 6, 1200);
+    let sizes: Vec<(u64, u64, String)> = r["scale_events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["from"].as_u64().unwrap(),
+                e["to"].as_u64().unwrap(),
+                e["reason"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let first = &sizes[1];
+    assert!((first.0, first.1) == (1, 2) && first.2.starts_with("policy"), "grew to two first: {sizes:?}");
+    let last = sizes.last().unwrap();
+    assert!((last.0, last.1) == (2, 1) && last.2.starts_with("policy"), "settled at one: {sizes:?}");
+    assert_eq!(r["final_world_size"], 1, "{sizes:?}");
+    // One worker a decision, up or down.
+    assert!(sizes.iter().all(|e| e.0.abs_diff(e.1) == 1), "{sizes:?}");
+    let timeline = r["timeline"].as_array().unwrap();
+    assert!(timeline.iter().any(|s| s.get("noise_scale").is_some()), "measured with two workers");
+}
