@@ -4,9 +4,10 @@
 //! scaled linearly (0.05 x 8); `dynamic-batch` (each worker's batch kept,
 //! the rate ramped, on every resize); and `goodput` (batch and rate from the
 //! noise scale and the measured step times, up to `--batch-max 1024`; the
-//! rate by AdaScale's gain, and again by the linear rule). Each
-//! job runs under the schedule policy (1 -> 2 -> 3 -> 4 workers and back,
-//! a decision every 4 steps) and writes a checkpoint every few steps; the
+//! rate by AdaScale's gain, and again by the linear rule; and once with the
+//! goodput policy choosing the workers too). Each
+//! job but the last runs under the schedule policy (1 -> 2 -> 3 -> 4
+//! workers and back, a decision every 4 steps) and writes a checkpoint every few steps; the
 //! bench then reads every checkpoint, measures its test accuracy on the
 //! 1000 held-out images, and takes the training time of the first that
 //! reaches the target (the job's own clock, from its report).
@@ -74,6 +75,15 @@ fn settings() -> Vec<Setting> {
             .concat(),
             every: 2,
         },
+        Setting {
+            name: "goodput, with the goodput policy",
+            flags: [
+                s(&["--batch", "64", "--lr", "0.05", "--batch-max", "1024", "--adapter"]),
+                vec![art("goodput.wasm"), "--policy".into(), art("goodput-policy.wasm")],
+            ]
+            .concat(),
+            every: 2,
+        },
     ]
 }
 
@@ -81,13 +91,18 @@ fn settings() -> Vec<Setting> {
 /// accuracy, its seconds, steps, final batch).
 fn run(s: &Setting, step_ms: &str) -> (Option<f64>, f64, f64, u64, u64) {
     let dir = tempfile::tempdir().unwrap();
-    let schedule = Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/schedule.wasm");
+    // The schedule policy, unless the setting names its own.
+    let schedule =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/schedule.wasm").display().to_string();
+    let policy: Vec<String> = match s.flags.iter().any(|f| f == "--policy") {
+        true => Vec::new(),
+        false => vec!["--policy".into(), schedule, "--policy-config".into(), "every=8".into()],
+    };
     let out = Command::new(runtime())
         .current_dir(dir.path())
         .args(["--no-distill", "--epochs", EPOCHS, "--max-workers", "4", "--decide-every-steps", "4"])
-        .arg("--policy")
-        .arg(&schedule)
-        .args(["--policy-config", "every=8", "--step-delay-ms", step_ms, "--keep-checkpoints", "100000"])
+        .args(&policy)
+        .args(["--step-delay-ms", step_ms, "--keep-checkpoints", "100000"])
         .args(["--checkpoint-every-steps", &s.every.to_string(), "--report", "r.json"])
         .args(&s.flags)
         .output()
