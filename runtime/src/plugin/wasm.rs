@@ -471,16 +471,7 @@ impl AdapterPlugin for Sandboxed<adapter::BatchAdapter> {
     }
 
     fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<bool, Error> {
-        if self.training_indices.is_none() {
-            return Ok(false);
-        }
-        let stats = bindings::training_stats(stats);
-        self.call_live("on-training", |live| match &live.training {
-            Some(t) => {
-                t.edl_plugins_training_observer().call_on_training(&mut live.store, &stats).map(|()| true)
-            }
-            None => Ok(false),
-        })
+        self.tell_training(stats)
     }
 }
 
