@@ -3,6 +3,7 @@
 mod comm;
 mod loss;
 mod mlp;
+mod nccl;
 mod nvrtc;
 
 pub use edl_host_gpu::testing::cuda_or_skip;

@@ -242,7 +242,11 @@ fn a_job_on_cuda_resizes_and_trains_every_sample_once() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut child = job(dir.path(), &[&GROWING[..], &["--device", "cuda:0"]].concat()).spawn().unwrap();
+    // Steps slow enough for joiners to arrive: a CUDA worker's start (its
+    // context, the kernels compiled by NVRTC, cuBLAS) takes a second or two,
+    // and on a GPU the job's own steps take well under one millisecond.
+    let args = [&GROWING[..], &["--device", "cuda:0", "--step-delay-ms", "60"]].concat();
+    let mut child = job(dir.path(), &args).spawn().unwrap();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
     let status = finish(child, rx, &mut seen);
