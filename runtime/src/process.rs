@@ -267,8 +267,16 @@ pub const MAX_TRACEBACK_LINES: usize = 200;
 
 /// Removes the children that exited, and says how each ended.
 pub fn reap<T>(children: &mut BTreeMap<u64, T>, child: impl Fn(&mut T) -> &mut Child) -> Vec<(u64, String)> {
+    reap_by(children, child, Child::try_wait)
+}
+
+fn reap_by<T>(
+    children: &mut BTreeMap<u64, T>,
+    child: impl Fn(&mut T) -> &mut Child,
+    try_reap: impl Fn(&mut Child) -> std::io::Result<Option<std::process::ExitStatus>>,
+) -> Vec<(u64, String)> {
     let mut gone = Vec::new();
-    children.retain(|id, c| match child(c).try_wait() {
+    children.retain(|id, c| match try_reap(child(c)) {
         Ok(Some(status)) => {
             gone.push((*id, status.to_string()));
             false
@@ -284,31 +292,84 @@ pub fn ensure_dir(p: &Path) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("{}: cannot create log directory: {e}", p.display()))
 }
 
-/// Sends SIGTERM to a child's process group, waits up to `grace`, then SIGKILL.
-pub fn terminate_group(child: &mut Child, grace: Duration) {
-    let group = -(child.id() as libc::pid_t);
-    let signal_group = |sig| {
-        // SAFETY: the child was started as the leader of its own process
-        // group (process_group(0)), and it has not been reaped (try_wait
-        // said it runs, just before), so its pid still names that group.
-        unsafe {
-            libc::kill(group, sig);
-        }
+/// Where a child stands, seen without reaping it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Standing {
+    Running,
+    /// Ended, not reaped: its pid (and the id of the group it led) cannot
+    /// be given to another process until it is.
+    Ended,
+    /// Reaped already (or not a child of this process): its pid may name
+    /// another process by now.
+    Gone,
+}
+
+fn standing(child: &Child) -> Standing {
+    // SAFETY: waitid writes only `info`, a plain C struct; WNOWAIT leaves
+    // an ended child waitable, so std's own wait still sees it.
+    let (ret, pid) = unsafe {
+        let mut info: libc::siginfo_t = std::mem::zeroed();
+        let flags = libc::WEXITED | libc::WNOHANG | libc::WNOWAIT;
+        let ret = libc::waitid(libc::P_PID, child.id(), &mut info, flags);
+        (ret, info.si_pid())
     };
-    if !matches!(child.try_wait(), Ok(None)) {
-        return;
+    match (ret, pid) {
+        (0, 0) => Standing::Running,
+        (0, _) => Standing::Ended,
+        _ => Standing::Gone,
     }
-    signal_group(libc::SIGTERM);
-    let until = Instant::now() + grace;
-    while Instant::now() < until {
-        if !matches!(child.try_wait(), Ok(None)) {
-            return;
+}
+
+/// Whether `child` still runs (an ended child is left unreaped).
+pub fn runs(child: &Child) -> bool {
+    standing(child) == Standing::Running
+}
+
+/// Signals the process group `child` leads (it was started with
+/// `process_group(0)`), while its pid still names it.
+pub fn signal_group(child: &Child, sig: libc::c_int) {
+    if standing(child) != Standing::Gone {
+        // SAFETY: kill(2) takes plain integers. The child is running or an
+        // unreaped zombie, so its pid is still the id of the group it leads.
+        unsafe {
+            libc::kill(-(child.id() as libc::pid_t), sig);
         }
-        std::thread::sleep(Duration::from_millis(10));
     }
-    if matches!(child.try_wait(), Ok(None)) {
-        signal_group(libc::SIGKILL);
+}
+
+/// Removes the children that exited, and says how each ended. Each led a
+/// process group of its own, and what is left of it is killed before the
+/// leader is reaped: a program's own children (a data loader's processes)
+/// hold its sockets open, and its peers, waiting on those sockets in a
+/// collective, would wait for their timeout instead of failing at once.
+pub fn reap_groups<T>(
+    children: &mut BTreeMap<u64, T>,
+    child: impl Fn(&mut T) -> &mut Child,
+) -> Vec<(u64, String)> {
+    reap_by(children, child, reap_one)
+}
+
+/// Reaps `child` if it ended, having killed what is left of the process
+/// group it led first; `Ok(None)` while it runs.
+pub fn reap_one(child: &mut Child) -> std::io::Result<Option<std::process::ExitStatus>> {
+    if standing(child) == Standing::Ended {
+        signal_group(child, libc::SIGKILL);
     }
+    child.try_wait()
+}
+
+/// Sends SIGTERM to a child's process group, waits up to `grace` for the
+/// child, then SIGKILL to what is left of the group (the child's own
+/// children too, had the child itself ended in time).
+pub fn terminate_group(child: &mut Child, grace: Duration) {
+    if standing(child) == Standing::Running {
+        signal_group(child, libc::SIGTERM);
+        let until = Instant::now() + grace;
+        while Instant::now() < until && standing(child) == Standing::Running {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    signal_group(child, libc::SIGKILL);
     let _ = child.wait();
 }
 

@@ -2,7 +2,7 @@
 //! logging to its own file and killed by the kernel if the coordinator dies.
 
 use super::Scaler;
-use crate::process::{die_with_parent, ensure_dir, reap, terminate};
+use crate::process::{die_with_parent, ensure_dir, reap_groups, terminate_group};
 use edl_host_gpu::comm::auth::JobAuth;
 use std::{
     collections::BTreeMap,
@@ -188,10 +188,11 @@ impl Scaler for LocalProcesses {
             // off the coordinator's thread, which goes on with the job.
             let stopping = std::thread::Builder::new().name(format!("edl-stop-{id}")).spawn(move || {
                 let until = Instant::now() + grace;
-                while Instant::now() < until && matches!(c.try_wait(), Ok(None)) {
+                while Instant::now() < until && crate::process::runs(&c) {
                     std::thread::sleep(Duration::from_millis(10));
                 }
-                terminate(&mut c, Duration::from_secs(1));
+                // Its own children (a data loader's processes) with it.
+                terminate_group(&mut c, Duration::from_secs(1));
             });
             match stopping {
                 Ok(t) => self.stopping.push(t),
@@ -203,7 +204,7 @@ impl Scaler for LocalProcesses {
     }
 
     fn exited(&mut self) -> Vec<(u64, String)> {
-        let gone = reap(&mut self.children, |c| c);
+        let gone = reap_groups(&mut self.children, |c| c);
         for (id, _) in &gone {
             // The output's last lines (a traceback) reach the log before it is quoted.
             if let Some(copy) = self.streams.remove(id) {
@@ -228,7 +229,7 @@ impl Scaler for LocalProcesses {
 impl Drop for LocalProcesses {
     fn drop(&mut self) {
         for c in self.children.values_mut() {
-            terminate(c, Duration::from_secs(2));
+            terminate_group(c, Duration::from_secs(2));
         }
         // Each ends within its worker's grace and a second.
         for t in self.stopping.drain(..) {
@@ -268,5 +269,71 @@ mod traceback_tests {
         assert_eq!(show(&mut Tracebacks::default(), &other), other);
         let cut = [tb[0], "  File \"/x/cut_7f3.py\", line 1"];
         assert_eq!(show(&mut Tracebacks::default(), &cut), cut);
+    }
+}
+
+#[cfg(test)]
+mod group_tests {
+    use super::{LocalProcesses, Scaler};
+    use edl_host_gpu::comm::auth::{JobAuth, Secret};
+    use std::time::{Duration, Instant};
+
+    /// Whether `pid` runs (a zombie does not).
+    fn runs(pid: i32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| s.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
+    }
+
+    /// Polls `done` every 10 ms for up to 30 s; whether it came true.
+    fn within_30s(mut done: impl FnMut() -> bool) -> bool {
+        let until = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < until {
+            if done() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        done()
+    }
+
+    /// A worker whose program started a child of its own (a data loader's
+    /// process, here `sleep`) that would outlive it: the child's pid.
+    fn worker_with_a_child(dir: &std::path::Path) -> (LocalProcesses, i32) {
+        let pidfile = dir.join("loader.pid");
+        let script = format!("sleep 600 & echo $! > {}.tmp && mv {0}.tmp {0}; wait", pidfile.display());
+        let mut s = LocalProcesses::program(&["sh".into(), "-c".into(), script], dir.join("logs")).unwrap();
+        let auth = JobAuth { job: "j".into(), secret: Secret::generate().unwrap() };
+        s.spawn(1, "127.0.0.1:9", &auth).unwrap();
+        assert!(within_30s(|| pidfile.exists()), "the program started its child");
+        let loader: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+        assert!(runs(loader));
+        (s, loader)
+    }
+
+    #[test]
+    fn a_killed_worker_s_own_children_die_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut s, loader) = worker_with_a_child(dir.path());
+        let main = s.pid(1).unwrap() as i32;
+        // SAFETY: kill(2) on the worker this test started.
+        unsafe { libc::kill(main, libc::SIGKILL) };
+        let mut gone = Vec::new();
+        assert!(within_30s(|| {
+            gone.extend(s.exited());
+            !gone.is_empty()
+        }));
+        assert_eq!(gone[0].0, 1);
+        assert!(gone[0].1.contains("signal: 9"), "{gone:?}");
+        assert!(within_30s(|| !runs(loader)), "the worker's child {loader} outlived it");
+    }
+
+    #[test]
+    fn a_worker_told_to_stop_takes_its_own_children_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut s, loader) = worker_with_a_child(dir.path());
+        s.stop(1, Duration::ZERO);
+        // Dropping the scaler waits for the stops under way.
+        drop(s);
+        assert!(within_30s(|| !runs(loader)), "the worker's child {loader} outlived it");
     }
 }

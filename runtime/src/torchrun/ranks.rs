@@ -256,6 +256,11 @@ impl Ranks {
                 cmd.env("OMP_NUM_THREADS", "1");
             }
             die_with_parent(&mut cmd);
+            // A process group of its own (as torchrun's ranks): when the
+            // rank ends, what it started (its data loader's processes, which
+            // hold its sockets) is stopped with it, so that the other ranks'
+            // collectives fail at once instead of at their timeout.
+            std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
             let child = cmd.spawn().with_context(|| format!("cannot start rank {rank} ({exe})"))?;
             // `cmd` holds the pipe's write end until it is dropped: the
             // reader sees the end of the output when the rank's are closed.
@@ -275,7 +280,7 @@ impl Ranks {
     pub fn poll(&mut self) -> Option<(u32, Exit)> {
         for (i, r) in self.ranks.iter_mut().enumerate() {
             if r.exit.is_none()
-                && let Ok(Some(status)) = r.child.try_wait()
+                && let Ok(Some(status)) = crate::process::reap_one(&mut r.child)
             {
                 let exit = Exit::of(status);
                 r.exit = Some(exit);
@@ -287,19 +292,15 @@ impl Ranks {
 
     /// SIGTERM to every rank still running, SIGKILL to those left after `grace`.
     pub fn stop(&mut self, grace: Duration) {
-        let running = |r: &mut Rank| matches!(r.child.try_wait(), Ok(None));
-        for r in &mut self.ranks {
-            if running(r) {
-                // SAFETY: signalling our own child by pid; it is not reaped yet.
-                unsafe { libc::kill(r.child.id() as libc::pid_t, libc::SIGTERM) };
-            }
+        for r in &self.ranks {
+            crate::process::signal_group(&r.child, libc::SIGTERM);
         }
         let until = Instant::now() + grace;
-        while Instant::now() < until && self.ranks.iter_mut().any(running) {
+        while Instant::now() < until && self.ranks.iter().any(|r| crate::process::runs(&r.child)) {
             std::thread::sleep(Duration::from_millis(20));
         }
         for r in &mut self.ranks {
-            let _ = r.child.kill();
+            crate::process::signal_group(&r.child, libc::SIGKILL);
             let _ = r.child.wait();
         }
     }
