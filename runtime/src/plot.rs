@@ -572,6 +572,7 @@ mod tests {
             setup_ms: 1.0,
             join_ms: None,
             at_secs,
+            recovery: None,
         };
         let events = [event(0.5, 1, 2, "policy: add 1 worker"), event(32.0, 2, 1, "worker 2 lost")];
         let dir = tempfile::tempdir().unwrap();

@@ -495,6 +495,7 @@ impl Steps {
             job: self.job.clone_ref(py),
             info,
             done: false,
+            given_up: false,
             norms: Vec::new(),
         }))
     }
@@ -539,6 +540,8 @@ struct StepView {
     info: StepInfo,
     /// Committed or abandoned.
     done: bool,
+    /// Abandoned: by the program, or by its failed `all_reduce`.
+    given_up: bool,
     /// Squared norms a communication hook told (`gradient_norms`), read
     /// at the commit: numbers, or 0-d tensors still being computed.
     norms: Vec<(Py<PyAny>, Py<PyAny>)>,
@@ -589,11 +592,12 @@ impl StepView {
     fn momentum(&self) -> f32 {
         self.info.momentum
     }
-    /// Whether the step was abandoned (its all-reduce failed): the runtime
-    /// redoes it in the next generation, from the state before it.
+    /// Whether the step was abandoned (`abandon`, or its `all_reduce`
+    /// failed): the runtime redoes it in the next generation, from the
+    /// state before it. False for a step committed or still under way.
     #[getter]
-    fn abandoned(&self, py: Python<'_>) -> bool {
-        self.done && !lock(&self.job.bind(py).borrow().inner).session.in_step()
+    fn abandoned(&self) -> bool {
+        self.given_up
     }
 
     /// Where the generation's ring meets, for `torch.distributed`-style
@@ -644,6 +648,7 @@ impl StepView {
         let mut inner = lock(&job.inner);
         inner.current = None;
         self.done = true;
+        self.given_up = true;
         let e = anyhow!("step {}: {reason}", self.info.step);
         if inner.session.in_step() {
             let session = &mut inner.session;
@@ -698,6 +703,7 @@ impl StepView {
         let session = &mut inner.session;
         if py.detach(|| session.all_reduce(&mut flat)).is_err() {
             self.done = true;
+            self.given_up = true;
             inner.current = None;
             return Ok(false);
         }

@@ -84,6 +84,27 @@ def test_two_workers_split_every_step_and_keep_one_state(tmp_path):
         assert r["stopped"] == "the job is done"
 
 
+def test_a_step_says_whether_it_was_abandoned(tmp_path):
+    code, out, report = launch(tmp_path, """
+        import edl, numpy as np
+        job = edl.Job.from_env()
+        job.register("w", np.zeros(2, dtype=np.float32))
+        given_up = False
+        for step in job.steps():
+            assert not step.abandoned, "a step under way"
+            if step.step == 3 and not given_up:
+                given_up = True
+                step.abandon("a collective of the program's own failed")
+                assert step.abandoned
+                continue
+            step.commit(loss=1.0)
+            assert not step.abandoned, "a committed step"
+    """, "--samples", "40", "--batch", "10", "--epochs", "2",
+        "--workers", "1", "--min-workers", "1", "--max-workers", "1")
+    assert code == 0, out
+    assert report["redone_steps"] >= 1, report["redone_steps"]
+
+
 def test_a_program_that_registers_nothing_is_told_so(tmp_path):
     code, out, _ = launch(tmp_path, """
         import edl

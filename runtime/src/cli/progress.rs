@@ -80,9 +80,14 @@ impl ProgressDisplay {
                 e.to,
                 e.generation,
                 e.pause_ms,
-                e.join_ms
-                    .map(|j| format!(", new worker ready {j:.0} ms after the decision"))
-                    .unwrap_or_default(),
+                match (e.join_ms, e.recovery) {
+                    (_, Some(r)) => format!(
+                        " (seen after {:.0} ms, survivors out in {:.0} ms, formed in {:.0} ms, first step in {:.0} ms)",
+                        r.detect_ms, r.abort_ms, r.form_ms, r.first_step_ms
+                    ),
+                    (Some(j), None) => format!(", new worker ready {j:.0} ms after the decision"),
+                    (None, None) => String::new(),
+                },
                 e.reason
             )),
             Progress::Epoch(r) => {

@@ -111,7 +111,7 @@ impl Coordinator<'_> {
                 if let (Some(&rank), Some(p)) = (self.ranks.get(&n), self.pipe.as_mut())
                     && p.generation == generation
                 {
-                    p.fail(rank, error, cause);
+                    p.fail(now, rank, error, cause);
                 }
             }
             Inbound::Closed(n, why) => {
@@ -120,7 +120,7 @@ impl Coordinator<'_> {
                 if self.membership.handle(now, MemberEvent::Closed { conn: n, why: why.clone() }).is_some()
                     && let (Some(rank), Some(p)) = (rank, self.pipe.as_mut())
                 {
-                    p.lost(rank, &why);
+                    p.lost(now, rank, &why);
                 }
             }
         }
@@ -237,7 +237,16 @@ impl Coordinator<'_> {
         }
         let lost: Vec<String> = dead.iter().map(|d| format!("worker {d} lost")).collect();
         let reason = if lost.is_empty() { "collective failed".to_string() } else { lost.join(", ") };
-        self.pending = Some(Pending { failure: true, ..Pending::new(from, reason) });
+        let mut pending = Pending { failure: true, ..Pending::new(from, reason) };
+        if let (Some(quiet), Some(sign)) = (f.quiet_since, f.first_sign) {
+            // The pause is the whole time without a commit: from the last
+            // window every rank finished, through detecting the failure and
+            // the survivors' collectives ending, to the next commit.
+            pending.boundary = quiet;
+            pending.first_sign = Some(sign);
+            pending.settled = Some(Instant::now());
+        }
+        self.pending = Some(pending);
     }
 
     /// Removes a worker's lease from the store.

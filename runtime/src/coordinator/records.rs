@@ -1,8 +1,9 @@
 //! What a job reports: its scale events, committed steps and outcome, and
 //! the resize under way that becomes a scale event.
 
+use super::ms;
 use crate::coordinator::machine::ledger::EpochRecord;
-use crate::leader::record::ScaleEvent;
+use crate::leader::record::{Recovery, ScaleEvent};
 use edl_plugin_sdk::Hyperparams;
 use serde::{Deserialize, Serialize};
 use std::{path::PathBuf, time::Instant};
@@ -203,11 +204,40 @@ pub(super) struct Pending {
     pub(super) generation: Option<u64>,
     /// It follows a failure (workers lost), not a decision.
     pub(super) failure: bool,
+    /// For a failure: when its first sign came and when it settled (every
+    /// survivor out of its collective); the boundary is then when the last
+    /// window was complete.
+    pub(super) first_sign: Option<Instant>,
+    pub(super) settled: Option<Instant>,
+    /// When the new generation was formed (its members told).
+    pub(super) formed: Option<Instant>,
 }
 
 impl Pending {
     /// A resize decided now, from a world of `from`.
     pub(super) fn new(from: u32, reason: String) -> Self {
-        Pending { from, reason, boundary: Instant::now(), join_ms: None, generation: None, failure: false }
+        Pending {
+            from,
+            reason,
+            boundary: Instant::now(),
+            join_ms: None,
+            generation: None,
+            failure: false,
+            first_sign: None,
+            settled: None,
+            formed: None,
+        }
+    }
+
+    /// A failure's pause in its phases, its first step committed `now`.
+    pub(super) fn recovery(&self, now: Instant) -> Option<Recovery> {
+        let (sign, settled, formed) = (self.first_sign?, self.settled?, self.formed?);
+        let between = |a: Instant, b: Instant| ms(b.saturating_duration_since(a));
+        Some(Recovery {
+            detect_ms: between(self.boundary, sign),
+            abort_ms: between(sign, settled),
+            form_ms: between(settled, formed),
+            first_step_ms: between(formed, now),
+        })
     }
 }

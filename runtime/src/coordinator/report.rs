@@ -144,6 +144,7 @@ mod tests {
             setup_ms: 0.0,
             join_ms: None,
             at_secs: 0.0,
+            recovery: None,
         }
     }
 

@@ -542,6 +542,8 @@ impl Coordinator<'_> {
             step,
             dropped: 0,
             no_teachers: BTreeSet::new(),
+            quiet_since: None,
+            first_sign: None,
         };
         self.saved = None;
         let msg = ToWorker::Commit { step, checkpoint: Some(self.manifest()), wait: true, stored: None };

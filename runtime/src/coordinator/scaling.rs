@@ -43,7 +43,7 @@ impl Coordinator<'_> {
                 _ => String::new(),
             };
         }
-        if decided && admitted > 0 && pending.join_ms.is_none() && from > 0 {
+        if decided && admitted > 0 && pending.join_ms.is_none() && from > 0 && !pending.failure {
             // The policy decided earlier; the others trained while the new worker started.
             pending.join_ms = Some(ms(pending.boundary.elapsed()));
             pending.boundary = Instant::now();
@@ -55,6 +55,7 @@ impl Coordinator<'_> {
             };
         }
         pending.generation = Some(self.generation);
+        pending.formed = Some(Instant::now());
         self.pending = Some(pending);
         // The adapter is shown the hyperparameters in force: each worker's
         // batch in the world before (a policy keeping it grows the global

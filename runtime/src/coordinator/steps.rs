@@ -131,11 +131,11 @@ impl Coordinator<'_> {
             };
             let Some(stream) = self.conns.get_mut(&m.conn).filter(|_| !self.membership.is_closed(m.conn))
             else {
-                pipe.lost(rank, "connection closed");
+                pipe.lost(Instant::now(), rank, "connection closed");
                 continue;
             };
             if let Err(e) = send(stream, &ToWorker::Generation(Box::new(g))) {
-                pipe.lost(rank, &e.to_string());
+                pipe.lost(Instant::now(), rank, &e.to_string());
             }
         }
         self.pipe = Some(pipe);
@@ -195,9 +195,10 @@ impl Coordinator<'_> {
                 }
             }
             let pipe = self.pipe.as_mut().expect("checked above");
-            pipe.issue(Instant::now(), steps);
+            let now = Instant::now();
+            pipe.issue(now, steps);
             for (rank, e) in lost {
-                pipe.lost(rank, &e);
+                pipe.lost(now, rank, &e);
             }
         }
     }
@@ -360,12 +361,14 @@ impl Coordinator<'_> {
     /// it becomes a scale event.
     fn complete_resize(&mut self, setup_ms: f64) {
         let Some(p) = self.pending.take() else { return };
+        let now = Instant::now();
         let ev = ScaleEvent {
+            recovery: p.recovery(now),
             setup_ms,
             step: self.tally.committed - 1,
             from: p.from,
             to: self.membership.world(),
-            pause_ms: ms(p.boundary.elapsed()),
+            pause_ms: ms(now.saturating_duration_since(p.boundary)),
             reason: p.reason,
             generation: self.generation,
             join_ms: p.join_ms,

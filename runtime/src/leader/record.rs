@@ -105,6 +105,27 @@ pub struct ScaleEvent {
     pub join_ms: Option<f64>,
     /// Seconds since the job (this run) started.
     pub at_secs: f64,
+    /// For a resize that a failure forced: its pause in phases.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovery: Option<Recovery>,
+}
+
+/// A failure's pause, phase by phase; together they are the whole time
+/// without a commit, `pause_ms`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Recovery {
+    /// From the last window every rank finished to the first sign of the
+    /// failure (a connection closed, a process exited, a rank's error, a
+    /// rank silent past the step timeout).
+    pub detect_ms: f64,
+    /// From then until every survivor answered: their collectives of the
+    /// failed generation ended (the dead rank's sockets closed) or failed.
+    pub abort_ms: f64,
+    /// From then until the new generation was formed and its members told.
+    pub form_ms: f64,
+    /// From then until its first step was committed (ring set-up, state
+    /// broadcast and the redone step).
+    pub first_step_ms: f64,
 }
 
 /// What decides which samples a (step, cursor) names, and what the state is.

@@ -47,6 +47,11 @@ struct PluginLabel {
     plugin: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabel {
+    phase: &'static str,
+}
+
 /// Which way a resize went.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DirectionLabel {
@@ -73,6 +78,7 @@ pub struct JobMetrics {
     generation: Gauge,
     resizes: Family<DirectionLabel, Counter>,
     pause: Histogram,
+    recovery: Family<PhaseLabel, Histogram>,
     setup: Histogram,
     join: Histogram,
     start: Histogram,
@@ -135,6 +141,7 @@ impl JobMetrics {
             generation: Gauge::default(),
             resizes: Family::default(),
             pause: seconds_buckets(),
+            recovery: Family::new_with_constructor(seconds_buckets),
             setup: seconds_buckets(),
             join: seconds_buckets(),
             start: seconds_buckets(),
@@ -241,6 +248,13 @@ impl JobMetrics {
             "From a resize at a step boundary to the new generation's first committed step",
             Unit::Seconds,
             self.pause.clone(),
+        );
+        r.register_with_unit(
+            "failure_recovery",
+            "A failure's pause by phase: detect (last commit to the first sign), abort (to every survivor out of \
+             its collective), form (to the new generation), first_step (to its first commit)",
+            Unit::Seconds,
+            self.recovery.clone(),
         );
         r.register_with_unit(
             "resize_setup",
@@ -369,6 +383,17 @@ impl JobMetrics {
         self.world.set(e.to as i64);
         self.generation.set(e.generation as i64);
         self.pause.observe(e.pause_ms / 1e3);
+        if let Some(r) = e.recovery {
+            let phases = [
+                ("detect", r.detect_ms),
+                ("abort", r.abort_ms),
+                ("form", r.form_ms),
+                ("first_step", r.first_step_ms),
+            ];
+            for (phase, ms) in phases {
+                self.recovery.get_or_create(&PhaseLabel { phase }).observe(ms / 1e3);
+            }
+        }
         self.setup.observe(e.setup_ms / 1e3);
         if let Some(j) = e.join_ms {
             self.join.observe(j / 1e3);
@@ -543,6 +568,7 @@ mod tests {
             setup_ms: 20.0,
             join_ms: Some(3000.0),
             at_secs: 1.0,
+            recovery: None,
         }
     }
 
@@ -552,6 +578,13 @@ mod tests {
         m.step(&step_at(1, 0, 64));
         m.step(&step_at(2, 0, 128));
         m.scale(&grew());
+        let recovery = crate::leader::record::Recovery {
+            detect_ms: 20.0,
+            abort_ms: 70.0,
+            form_ms: 1.0,
+            first_step_ms: 100.0,
+        };
+        m.scale(&ScaleEvent { from: 3, to: 2, join_ms: None, recovery: Some(recovery), ..grew() });
         m.checkpoint(2, 0.25, 407_080);
         m.redone(3, true);
         m.redone(4, false);
@@ -603,8 +636,11 @@ mod tests {
             "edl_world_size 2",
             "edl_generation 2",
             "edl_resizes_total{direction=\"grow\"} 1",
-            "edl_resize_pause_seconds_count 1",
-            "edl_resize_pause_seconds_sum 0.05",
+            "edl_resize_pause_seconds_count 2",
+            "edl_resize_pause_seconds_sum 0.1",
+            "edl_failure_recovery_seconds_sum{phase=\"abort\"} 0.07",
+            "edl_failure_recovery_seconds_count{phase=\"first_step\"} 1",
+            "edl_resizes_total{direction=\"shrink\"} 1",
             "edl_worker_join_seconds_sum 3.0",
             "# UNIT edl_resize_pause_seconds seconds",
             "edl_checkpoint_write_seconds_sum 0.25",

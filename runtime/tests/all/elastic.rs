@@ -59,7 +59,9 @@ fn exactly_once_across_policy_resizes_and_a_killed_worker() {
     assert!(lost["from"].as_u64().unwrap() >= 2, "{lost}");
     assert!(lost["reason"].as_str().unwrap().contains("worker 1 lost"), "{lost}");
     assert!(lost["pause_ms"].as_f64().unwrap() < 5000.0, "survivors went on within seconds: {lost}");
+    assert_recovery_adds_up(lost);
     assert!(text.contains("not committed"), "the interrupted step is redone: {text}");
+    assert!(text.contains("survivors out"), "the pause's phases are shown: {text}");
     assert!(!alive(victim));
     assert_eq!(r["distill"], true);
     assert!(r["student_test_accuracy"].as_f64().unwrap() > 0.8, "{}", r["student_test_accuracy"]);
@@ -461,4 +463,15 @@ fn the_goodput_policy_measures_with_two_workers_and_keeps_one_that_pays() {
     assert!(sizes.iter().all(|e| e.0.abs_diff(e.1) == 1), "{sizes:?}");
     let timeline = r["timeline"].as_array().unwrap();
     assert!(timeline.iter().any(|s| s.get("noise_scale").is_some()), "measured with two workers");
+}
+
+/// A failure's scale event splits its pause into phases that add up to it.
+fn assert_recovery_adds_up(event: &serde_json::Value) {
+    let r = &event["recovery"];
+    let phases = ["detect_ms", "abort_ms", "form_ms", "first_step_ms"]
+        .map(|k| r[k].as_f64().unwrap_or_else(|| panic!("{k} in a failure's event: {event}")));
+    assert!(phases.iter().all(|&p| p >= 0.0), "{event}");
+    let sum: f64 = phases.iter().sum();
+    let pause = event["pause_ms"].as_f64().unwrap();
+    assert!((sum - pause).abs() < 1.0, "phases {phases:?} add up to {sum}, the pause is {pause}: {event}");
 }

@@ -130,13 +130,18 @@ fn a_cnn_with_batchnorm_adamw_and_a_schedule_trains_whole_through_resizes_and_a_
     let mut child = job(py, dir.path(), "adamw", 1, epochs, Some(samples), batch)
         .env("HOLD_UNTIL_WORLD", "3")
         .env("DIGEST_EVERY", "3")
+        // Far longer than a recovery may take: the kill must end the
+        // survivors' collectives, not their timeout.
+        .env("COLLECTIVE_TIMEOUT_S", "120")
         .spawn()
         .unwrap();
     let coordinator = child.id();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
-    // Grown 1 -> 2 -> 3 workers: kill one with SIGKILL, mid-collective as
-    // likely as not; the others' collectives fail and the step is redone.
+    // Grown 1 -> 2 -> 3 workers: kill one's main process with SIGKILL (its
+    // data loader's two processes, holding its sockets, are left to the
+    // runtime), mid-collective as likely as not; the others' collectives
+    // fail at once and the step is redone.
     wait_for(&rx, " -> 3 workers", &mut seen, Duration::from_secs(180));
     let id = 2;
     sigkill_worker(coordinator, id);
@@ -160,10 +165,16 @@ fn a_cnn_with_batchnorm_adamw_and_a_schedule_trains_whole_through_resizes_and_a_
     // The kill shrank the group of 3 (to 2, or to 1 when the schedule's
     // own scale-in fell at the same step boundary).
     let lost = format!("worker {id} lost");
-    assert!(
-        events.iter().any(|e| e["from"] == 3 && e["reason"].as_str().is_some_and(|r| r.contains(&lost))),
-        "{events:?}"
-    );
+    let lost = events
+        .iter()
+        .find(|e| e["from"] == 3 && e["reason"].as_str().is_some_and(|r| r.contains(&lost)))
+        .unwrap_or_else(|| panic!("{events:?}"));
+    // The whole time without a commit, in phases; the survivors were out
+    // of their collectives long before the collectives' 120 s timeout.
+    let phase = |k: &str| lost["recovery"][k].as_f64().unwrap_or_else(|| panic!("{k}: {lost}"));
+    let sum: f64 = ["detect_ms", "abort_ms", "form_ms", "first_step_ms"].iter().map(|k| phase(k)).sum();
+    assert!((sum - lost["pause_ms"].as_f64().unwrap()).abs() < 1.0, "{lost}");
+    assert!(phase("abort_ms") < 30_000.0, "the survivors waited for their timeout: {lost}");
     // The program's own metric (`step.commit(loss=..., accuracy=...)`): in
     // the live progress, in every step of the report, in the plot.
     assert!(seen.iter().any(|l| l.starts_with("progress") && l.contains("| accuracy 0.")), "{text}");

@@ -130,7 +130,9 @@ def main():
         return 0
     model, opt, sched = build()
     state = edl.torch.ElasticState(job, model, opt, sched, epochs_done=0)
-    ddp = edl.torch.ElasticDDP(model, backend="gloo", timeout=10.0)
+    # The collectives' timeout: a lost rank must fail them long before it.
+    timeout = float(os.environ.get("COLLECTIVE_TIMEOUT_S", "10"))
+    ddp = edl.torch.ElasticDDP(model, backend="gloo", timeout=timeout)
     loader = edl.torch.ElasticLoader(Digits(X, Y), state, num_workers=2)
     delay = float(os.environ.get("STEP_DELAY_MS", "0")) / 1000
     # Steps slow down until the job has grown to this many workers, so that a

@@ -24,12 +24,21 @@ The group (``torch.distributed``'s default one, so ``dist.all_reduce`` and
 any library that uses it work too) has the job's own store (``step.store()``): it answers only
 processes that proved the job's secret for the current generation, and a
 new generation starts with an empty one. A membership change drops the old
-group (``abort`` on NCCL) and the next step builds the next one.
+group (aborted first) and the next step builds the next one.
+
+A step given up (``step.abandon``) ends its generation's group at once, as
+the loop goes on to the next step: the survivors still in a collective with
+this rank see its connections close and fail too, instead of waiting for
+the timeout (a ring's rank waits only on its neighbours, which may both be
+alive).
 """
 
 import datetime
 import io
+import os
 import pickle
+import socket
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -102,6 +111,78 @@ class EdlStore(dist.Store):
         self._timeout = _seconds(timeout)
 
 
+# What holds a generation's group: ended when a step of it is abandoned.
+_HOLDERS = weakref.WeakSet()
+
+
+def _end_if_abandoned(step):
+    """After a step's body: if it gave the step up, end the groups of its
+    generation now (their sockets closed), not when the next one comes."""
+    if step.abandoned:
+        for holder in list(_HOLDERS):
+            if holder._generation == step.generation:
+                holder.close(failed=True)
+
+
+def _sockets():
+    """This process's sockets: {fd: inode}, or {} where /proc is not there."""
+    found = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found[int(name)] = target
+    return found
+
+
+def _connections_made(before, store_addr):
+    """The TCP connections opened since ``before`` (a ``_sockets()``), but
+    the one to the group's store: a gloo group's pairs to its peers (not its
+    listener, which gloo's thread must go on accepting on). (fd, inode)
+    each, to shut down when the group fails."""
+    made = []
+    for fd, inode in _sockets().items():
+        if before.get(fd) == inode:
+            continue
+        try:
+            s = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        with s:
+            try:
+                if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
+                    continue
+                if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue
+                if s.getpeername()[:2] == store_addr:
+                    continue
+            except OSError:
+                continue
+        made.append((fd, inode))
+    return made
+
+
+def _shut_down(connections):
+    """Shuts down each connection still open under its fd: the peers reading
+    from it see it end now, whoever still holds the group. The fds are left
+    for their owner to close."""
+    now = _sockets()
+    for fd, inode in connections:
+        if now.get(fd) != inode:
+            continue
+        try:
+            with socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
 def _default_backend():
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
@@ -123,6 +204,8 @@ class ProcessGroups:
             raise ValueError(f"backend {self.backend!r}: edl builds gloo or nccl process groups")
         self.timeout = float(timeout)
         self._generation = None
+        self._connections = []
+        _HOLDERS.add(self)
 
     def of(self, step):
         """The process group of ``step``'s generation, built at its first step."""
@@ -130,6 +213,7 @@ class ProcessGroups:
             return dist.group.WORLD
         self.close()
         store = EdlStore(step.store(timeout=self.timeout), timeout=self.timeout)
+        before = _sockets() if self.backend == "gloo" else {}
         dist.init_process_group(
             backend=self.backend,
             store=store,
@@ -137,21 +221,30 @@ class ProcessGroups:
             world_size=step.world,
             timeout=datetime.timedelta(seconds=self.timeout),
         )
+        if self.backend == "gloo":
+            at = step.rendezvous
+            self._connections = _connections_made(before, (at["host"], at["port"]))
         self._generation = step.generation
         return dist.group.WORLD
 
-    def close(self):
-        """Drops the current group; NCCL's is aborted first, so that no
-        kernel waits on a peer that is gone."""
+    def close(self, failed=False):
+        """Drops the current group, aborted first (NCCL's, so that no kernel
+        waits on a peer that is gone). ``failed``: a step of it was given
+        up, and its connections are shut down too, so that the peers still
+        in a collective with this rank fail now: gloo's abort leaves them
+        open while anything (a DDP module the program still names) holds
+        the group."""
         self._generation = None
+        if failed:
+            _shut_down(self._connections)
+        self._connections = []
         if not dist.is_initialized():
             return
-        if self.backend == "nccl":
-            try:
-                backend = dist.group.WORLD._get_backend(torch.device("cuda"))
-                backend.abort()
-            except (AttributeError, RuntimeError):
-                pass
+        device = torch.device("cuda" if self.backend == "nccl" else "cpu")
+        try:
+            dist.group.WORLD._get_backend(device).abort()
+        except (AttributeError, RuntimeError):
+            pass
         try:
             dist.destroy_process_group()
         except RuntimeError:
@@ -216,6 +309,7 @@ class ElasticDDP:
         self._ddp = None
         self._generation = None
         self._measured = None
+        _HOLDERS.add(self)
 
     def on(self, step):
         if self._measured is not None:
@@ -238,11 +332,11 @@ class ElasticDDP:
             self._generation = step.generation
         return self._ddp
 
-    def close(self):
+    def close(self, failed=False):
         self._ddp = None
         self._measured = None
         self._generation = None
-        self.groups.close()
+        self.groups.close(failed)
 
 
 class _PlannedBatches:
@@ -347,6 +441,7 @@ class ElasticLoader:
                     sampler.fed.discard(given)
                 sampler.fed.discard(key)
                 yield step, batch
+                _end_if_abandoned(step)
         finally:
             del loader
 
@@ -763,6 +858,7 @@ class ElasticState:
                 self.unpack()
                 generation = step.generation
             yield step
+            _end_if_abandoned(step)
 
     def __getattr__(self, name):
         scalars = object.__getattribute__(self, "_scalars")

@@ -46,6 +46,11 @@ pub struct Failure {
     pub dropped: usize,
     /// Ranks that failed because no teacher answered them.
     pub no_teachers: BTreeSet<Rank>,
+    /// When the last window before it was complete (or the generation
+    /// began), and when the first sign of it came: the time without a
+    /// commit starts at the one; detection took the time between.
+    pub quiet_since: Option<Instant>,
+    pub first_sign: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -78,6 +83,9 @@ pub struct Pipeline {
     /// The first step not issued yet.
     next_step: u64,
     committed_any: bool,
+    /// When the last window was complete (every rank reported it), or the
+    /// generation began.
+    last_complete: Instant,
 }
 
 impl Pipeline {
@@ -99,6 +107,7 @@ impl Pipeline {
             settled: BTreeSet::new(),
             next_step: step,
             committed_any: false,
+            last_complete: now,
         }
     }
 
@@ -151,33 +160,41 @@ impl Pipeline {
         self.heard[rank] = now;
         self.setup_ms = self.setup_ms.max(setup_ms);
         let Some(w) = self.windows.iter_mut().find(|w| w.reported[rank].is_none()) else {
-            self.fail(rank, "reported steps that were not issued".into(), None);
+            self.fail(now, rank, "reported steps that were not issued".into(), None);
             return;
         };
         let matches = w.steps.len() == steps.len()
             && w.steps.iter().zip(&steps).all(|(p, d)| p.step == d.step && p.epoch == d.epoch);
         if !matches {
             let want = (w.steps[0].step, w.steps.len());
-            self.fail(rank, format!("reported other steps than window {} (+{})", want.0, want.1), None);
+            self.fail(now, rank, format!("reported other steps than window {} (+{})", want.0, want.1), None);
             return;
         }
         w.reported[rank] = Some(steps);
         w.missing -= 1;
+        if w.missing == 0 {
+            self.last_complete = now;
+        }
         self.owed[rank] -= 1;
     }
 
     /// A rank failed a step (its error), or broke the protocol.
-    pub fn fail(&mut self, rank: Rank, error: String, cause: Option<FailCause>) {
+    pub fn fail(&mut self, now: Instant, rank: Rank, error: String, cause: Option<FailCause>) {
         let text = format!("{}: {error}", self.name(rank));
-        self.record(rank, text, cause);
+        self.record(now, rank, text, cause);
     }
 
     fn name(&self, rank: Rank) -> String {
         self.names.get(rank).cloned().unwrap_or_else(|| format!("rank {rank}"))
     }
 
-    fn record(&mut self, rank: Rank, text: String, cause: Option<FailCause>) {
-        let f = self.failure.get_or_insert_with(Failure::default);
+    fn record(&mut self, now: Instant, rank: Rank, text: String, cause: Option<FailCause>) {
+        let quiet_since = self.last_complete;
+        let f = self.failure.get_or_insert_with(|| Failure {
+            quiet_since: Some(quiet_since),
+            first_sign: Some(now),
+            ..Failure::default()
+        });
         f.errors.push(text);
         f.cause = f.cause.or(cause);
         if cause == Some(FailCause::NoTeachers) {
@@ -187,9 +204,9 @@ impl Pipeline {
     }
 
     /// A rank is gone (its connection closed: `why`).
-    pub fn lost(&mut self, rank: Rank, why: &str) {
+    pub fn lost(&mut self, now: Instant, rank: Rank, why: &str) {
         let text = format!("{} lost: {why}", self.name(rank));
-        self.record(rank, text, None);
+        self.record(now, rank, text, None);
         if let Some(f) = self.failure.as_mut() {
             f.dead.insert(rank);
         }
@@ -216,7 +233,7 @@ impl Pipeline {
             (0..self.world).filter(|&r| self.waiting_on(r) && now >= self.heard[r] + self.timeout).collect();
         for &r in &late {
             let text = format!("{} answered nothing within {:?}; stopping it", self.name(r), self.timeout);
-            self.record(r, text, None);
+            self.record(now, r, text, None);
             if let Some(f) = self.failure.as_mut() {
                 f.dead.insert(r);
             }
@@ -349,21 +366,42 @@ mod tests {
         }
         p.report(t0, 0, done(0, &b), 0.0);
         // Rank 2 dies during window b; rank 1 then fails in its all-reduce.
-        p.lost(2, "connection closed");
+        p.lost(t0, 2, "connection closed");
         assert_eq!(p.poll_commit().unwrap().steps, a, "finished before the failure");
         assert_eq!(p.settled_failure(), None, "rank 1 owes an answer");
         p.report(t0, 1, done(1, &b), 0.0);
         assert_eq!(p.poll_commit(), None, "rank 2 never reported b");
-        p.fail(1, "ring broke".into(), None);
+        p.fail(t0, 1, "ring broke".into(), None);
         // Rank 0 reported b but still owes c: it must answer too.
         assert_eq!(p.settled_failure(), None);
-        p.fail(0, "ring broke".into(), None);
+        p.fail(t0, 0, "ring broke".into(), None);
         let f = p.settled_failure().expect("every rank answered");
         assert_eq!((f.step, f.dropped), (11, 8), "the survivors go back to step 11");
         assert_eq!(f.dead, BTreeSet::from([2]));
         assert_eq!(f.errors[0], "worker 3 lost: connection closed");
         assert_eq!(f.errors.len(), 3);
         assert_eq!(f.cause, None);
+    }
+
+    #[test]
+    fn a_failure_says_when_the_last_window_was_complete_and_when_it_was_first_seen() {
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let mut p = Pipeline::new(1, names(2), 0, t0, T);
+        let (a, b) = (plan(0, 2), plan(2, 2));
+        p.issue(t0, a.clone());
+        p.issue(t0, b.clone());
+        p.report(at(5), 0, done(0, &a), 0.0);
+        p.report(at(7), 1, done(1, &a), 0.0);
+        p.report(at(9), 0, done(0, &b), 0.0);
+        // Rank 1 dies in window b; rank 0 stays in its collective until
+        // the dead rank's sockets close.
+        p.lost(at(12), 1, "connection closed");
+        p.fail(at(30), 0, "ring broke".into(), None);
+        assert_eq!(p.poll_commit().unwrap().steps, a);
+        let f = p.settled_failure().unwrap();
+        assert_eq!(f.quiet_since, Some(at(7)), "window a was complete when rank 1 reported it");
+        assert_eq!(f.first_sign, Some(at(12)), "the first sign, not the last answer");
     }
 
     #[test]
@@ -408,13 +446,13 @@ mod tests {
         let t0 = Instant::now();
         let mut p = Pipeline::new(1, names(1), 0, t0, T);
         p.issue(t0, plan(0, 1));
-        p.fail(0, "no teacher answered".into(), Some(FailCause::NoTeachers));
+        p.fail(t0, 0, "no teacher answered".into(), Some(FailCause::NoTeachers));
         assert_eq!(p.settled_failure().unwrap().cause, Some(FailCause::NoTeachers));
         // Every rank of a generation without teachers: the job's end.
         let mut p = Pipeline::new(2, names(2), 0, t0, T);
         p.issue(t0, plan(0, 2));
-        p.fail(0, "no teacher answered".into(), Some(FailCause::NoTeachers));
-        p.fail(1, "no teacher answered".into(), Some(FailCause::NoTeachers));
+        p.fail(t0, 0, "no teacher answered".into(), Some(FailCause::NoTeachers));
+        p.fail(t0, 1, "no teacher answered".into(), Some(FailCause::NoTeachers));
         assert_eq!(p.settled_failure().unwrap().cause, Some(FailCause::NoTeachers));
     }
 
@@ -425,8 +463,8 @@ mod tests {
         let a = plan(0, 3);
         p.issue(t0, a.clone());
         p.report(t0, 0, done(0, &a), 0.0);
-        p.fail(1, "no teacher answered within 20s".into(), Some(FailCause::NoTeachers));
-        p.fail(2, "ring broke".into(), None);
+        p.fail(t0, 1, "no teacher answered within 20s".into(), Some(FailCause::NoTeachers));
+        p.fail(t0, 2, "ring broke".into(), None);
         let f = p.settled_failure().unwrap();
         assert_eq!(f.cause, None, "the teachers answered rank 0");
         assert_eq!(f.dead, BTreeSet::from([1]), "the rank that reached none goes");
