@@ -1,7 +1,6 @@
 //! What a job reports: its scale events, committed steps and outcome, and
 //! the resize under way that becomes a scale event.
 
-use super::ms;
 use crate::coordinator::machine::ledger::EpochRecord;
 use crate::leader::record::{Recovery, ScaleEvent};
 use edl_plugin_sdk::Hyperparams;
@@ -232,7 +231,7 @@ impl Pending {
     /// A failure's pause in its phases, its first step committed `now`.
     pub(super) fn recovery(&self, now: Instant) -> Option<Recovery> {
         let (sign, settled, formed) = (self.first_sign?, self.settled?, self.formed?);
-        let between = |a: Instant, b: Instant| ms(b.saturating_duration_since(a));
+        let between = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
         Some(Recovery {
             detect_ms: between(self.boundary, sign),
             abort_ms: between(sign, settled),
