@@ -28,6 +28,13 @@ finished (stop, start of 3 processes, torch import, rendezvous, snapshot
 load, DDP set-up, one step); and a cold `torchrun --nproc-per-node 3` from
 the snapshot: from the command's start to its first finished step.
 
+A lost rank (`--lost-rank`): three workers of the digits CNN, each reading
+through a DataLoader of two processes (which hold the rank's sockets), and
+one rank's main process killed with SIGKILL (as the OOM killer does); the
+time from the kill to the new generation's first commit, on the job's
+output, and the report's pause in its phases; side by side with the
+built-in trainer's worker killed the same way.
+
 The `edl` package is put together here from the release build
 (target/release/lib_edl.so and runtime/python/python/edl/*.py, into
 target/edl-python/torch-site). Needs torch (CPU wheels are enough).
@@ -228,6 +235,109 @@ def noise_hook_cost(args, env, scratch):
     print(f"other work on the machine during these runs: at most {max(others):.2f} cores")
 
 
+def worker_pid(launcher, worker):
+    """The pid of `worker`'s main process, a child of `launcher`, or None."""
+    for p in pathlib.Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher:
+                continue
+            env = (p / "environ").read_bytes().split(b"\0")
+            argv = (p / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        ours = f"EDL_WORKER_ID={worker}".encode() in env
+        builtin = b"worker" in argv and argv[argv.index(b"--id") + 1 :][:1] == [str(worker).encode()]
+        if ours or builtin:
+            return int(p.name)
+    return None
+
+
+def lost_rank(cmd, env, cwd, victim=2):
+    """Runs a job of 3 workers, SIGKILLs worker `victim`'s main process
+    once the job has trained 2 s at 3, and returns (seconds from the kill
+    to the new generation's first commit as the job's output says it, the
+    report's event for the loss)."""
+    import queue
+    import threading
+
+    p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = queue.Queue()
+
+    def read():
+        for line in p.stdout:
+            lines.put((time.monotonic(), line.rstrip("\n")))
+        lines.put((time.monotonic(), None))
+
+    threading.Thread(target=read, daemon=True).start()
+    grown_at = killed_at = seen_at = None
+    out = []
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                at, line = lines.get(timeout=0.005)
+            except queue.Empty:
+                at, line = None, ""
+            if line is None:
+                break
+            if at is not None:
+                out.append(line)
+                if grown_at is None and "-> 3 workers" in line:
+                    grown_at = at
+                if killed_at and seen_at is None and line.startswith("scale") and f"worker {victim} lost" in line:
+                    seen_at = at
+            if grown_at and killed_at is None and time.monotonic() - grown_at > 2.0:
+                pid = worker_pid(p.pid, victim)
+                if pid is None:
+                    sys.exit(f"worker {victim} not found under {p.pid}")
+                killed_at = time.monotonic()
+                os.kill(pid, 9)
+    finally:
+        if p.poll() is None and seen_at is None:
+            p.kill()
+        p.wait(timeout=600)
+    if p.returncode != 0 or seen_at is None:
+        sys.exit(f"{cmd[:3]} ended {p.returncode}, loss seen: {seen_at is not None}:\n" + "\n".join(out[-40:]))
+    report = json.loads((pathlib.Path(cwd) / "report.json").read_text())
+    (event,) = [e for e in report["scale_events"] if f"worker {victim} lost" in e["reason"]]
+    return seen_at - killed_at, event
+
+
+def lost_rank_cost(args, env, scratch):
+    """A DDP rank's main process killed (its two loader processes alive)
+    against the built-in trainer's worker killed, alternating, `--runs` each."""
+    flags = ["--workers", "3", "--min-workers", "2", "--max-workers", "3", "--no-distill"]
+    flags += ["--policy", str(SCHEDULE), "--policy-config", "every=1000000", "--report", "report.json"]
+    sides = {
+        "PyTorch DDP (gloo), 2 loader processes a rank": lambda: launch(
+            [*flags, "--samples", "1397", "--epochs", "30", "--batch", "64"],
+            ["--data", "digits", "--epochs", "30", "--loader-workers", "2"],
+        ),
+        "built-in trainer": lambda: [
+            str(RELEASE / "edl-runtime"), *flags, "--epochs", "40", "--step-delay-ms", "2",
+        ],
+    }
+    results = {name: [] for name in sides}
+    for _ in range(args.runs):
+        for name, cmd in sides.items():
+            with tempfile.TemporaryDirectory(dir=scratch) as d:
+                results[name].append(lost_rank(cmd(), env, d))
+    print("| a worker killed (SIGKILL), medians | kill to next commit | pause (report) | seen after | survivors out | formed | first step |")
+    print("|---|---|---|---|---|---|---|")
+    for name, runs in results.items():
+        rec = lambda k: median_ms([e["recovery"][k] for _, e in runs])
+        print(
+            f"| {name} ({len(runs)} runs) | {median_ms([s * 1e3 for s, _ in runs])} | "
+            f"{median_ms([e['pause_ms'] for _, e in runs])} | {rec('detect_ms')} | {rec('abort_ms')} | "
+            f"{rec('form_ms')} | {rec('first_step_ms')} |"
+        )
+    for name, runs in results.items():
+        print(f"each, {name}: kill to commit " + ", ".join(f"{s * 1e3:.0f}" for s, _ in runs) + " ms")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default="digits,mnist", help="digits, mnist or both (comma separated)")
@@ -238,11 +348,19 @@ def main():
         action="store_true",
         help="instead: edl + DDP with ElasticDDP's noise-scale hook against without it, side by side",
     )
+    ap.add_argument(
+        "--lost-rank",
+        action="store_true",
+        help="instead: a DDP rank's main process killed, its loader processes alive, to the next commit; "
+        "and the built-in trainer's worker killed",
+    )
     args = ap.parse_args()
     env = environment(site())
     scratch = ROOT / "target" / "edl-python"
     if args.noise_hook:
         return noise_hook_cost(args, env, scratch)
+    if args.lost_rank:
+        return lost_rank_cost(args, env, scratch)
 
     print(
         "| data | torchrun + DDP | edl + DDP | edl / torchrun | each run's edl / torchrun "

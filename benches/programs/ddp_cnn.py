@@ -124,8 +124,15 @@ def run_edl(job, args):
     # measures the gradient noise scale (what it costs, side by side).
     noise = os.environ.get("EDL_BENCH_NOISE_SCALE", "1") != "0"
     ddp = edl.torch.ElasticDDP(model, backend="gloo", timeout=30.0, noise_scale=noise)
+    if args.loader_workers:
+        # A DataLoader's worker processes: forked from this one, they hold
+        # its sockets as long as they live.
+        data = torch.utils.data.TensorDataset(x, y)
+        batches = edl.torch.ElasticLoader(data, state, num_workers=args.loader_workers)
+    else:
+        batches = ((s, (x[torch.from_numpy(s.indices)], y[torch.from_numpy(s.indices)])) for s in state.steps())
     timing, rank = None, 0
-    for step in state.steps():
+    for step, (xb, yb) in batches:
         if timing is None:
             timing = Timing(args.log_steps, step.world, False)
         idx = torch.from_numpy(step.indices)
@@ -133,7 +140,7 @@ def run_edl(job, args):
             net = ddp.on(step)
             opt.zero_grad()
             if len(idx):
-                mean = F.cross_entropy(net(x[idx]), y[idx])
+                mean = F.cross_entropy(net(xb), yb)
                 loss = edl.torch.scaled(step, mean)
             else:
                 mean = torch.zeros(())
@@ -215,6 +222,7 @@ def main():
     p.add_argument("--snapshot", default="", help="torchrun: the snapshot file (none: no snapshot)")
     p.add_argument("--log-steps", action="store_true")
     p.add_argument("--steps-after-resume", type=int, default=0)
+    p.add_argument("--loader-workers", type=int, default=0, help="edl: read batches through a DataLoader with this many processes")
     args = p.parse_args()
     torch.set_num_threads(1)
     if "EDL_COORDINATOR" in os.environ:
