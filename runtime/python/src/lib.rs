@@ -34,6 +34,21 @@ fn anyhow_err(e: anyhow::Error) -> PyErr {
 struct Arrays {
     layout: Layout,
     buffers: Vec<PyBuffer<f32>>,
+    /// The program's own steps around the runtime's reads and writes of
+    /// the arrays (`Job._state_hooks`): `pack` brings copies it keeps in
+    /// the arrays up to date just before they are read (a rollback point,
+    /// a checkpoint, a broadcast), `unpack` reads them back just after they
+    /// were written; never on the step's path otherwise.
+    pack: Option<Py<PyAny>>,
+    unpack: Option<Py<PyAny>>,
+}
+
+/// Calls a program's state hook, naming it in the error.
+fn call_hook(py: Python<'_>, hook: &Option<Py<PyAny>>, what: &str) -> anyhow::Result<()> {
+    match hook {
+        Some(f) => f.call0(py).map(drop).map_err(|e| anyhow!("the program's {what} of its state: {e}")),
+        None => Ok(()),
+    }
 }
 
 impl State for Arrays {
@@ -45,6 +60,7 @@ impl State for Arrays {
         out.clear();
         out.resize(self.layout.numel(), 0.0);
         Python::attach(|py| {
+            call_hook(py, &self.pack, "copy")?;
             for (b, (t, r)) in self.buffers.iter().zip(self.layout.ranges()) {
                 b.copy_to_slice(py, &mut out[r])
                     .map_err(|e| anyhow!("reading state tensor {:?}: {e}", t.name))?;
@@ -62,7 +78,7 @@ impl State for Arrays {
                 b.copy_from_slice(py, &values[r])
                     .map_err(|e| anyhow!("writing state tensor {:?}: {e}", t.name))?;
             }
-            Ok(())
+            call_hook(py, &self.unpack, "reading back")
         })
     }
 
@@ -242,6 +258,22 @@ impl Job {
         Ok(())
     }
 
+    /// `pack()` is called just before the runtime reads the registered
+    /// arrays (a window's rollback point, a checkpoint, a joiner's
+    /// broadcast), `unpack()` just after it wrote them (a rollback, rank
+    /// 0's state, a checkpoint loaded): for a program that keeps copies of
+    /// its state in them (`edl.torch.ElasticState`), so the copies cost
+    /// nothing on the steps between. Set before the first step.
+    fn _state_hooks(&self, pack: Py<PyAny>, unpack: Py<PyAny>) -> PyResult<()> {
+        let mut inner = lock(&self.inner);
+        if inner.ready {
+            return Err(err("state hooks: set them before the first step"));
+        }
+        inner.state.pack = Some(pack);
+        inner.state.unpack = Some(unpack);
+        Ok(())
+    }
+
     /// The registered state's names and shapes.
     #[getter]
     fn state_layout(&self) -> Vec<(String, Vec<usize>)> {
@@ -347,7 +379,7 @@ impl Job {
             distill: spec.teachers.is_some(),
             inner: Mutex::new(Inner {
                 session,
-                state: Arrays { layout: Layout::default(), buffers: Vec::new() },
+                state: Arrays { layout: Layout::default(), buffers: Vec::new(), pack: None, unpack: None },
                 ready: false,
                 stopped: None,
                 features,

@@ -564,7 +564,7 @@ def _materialize(optimizer):
 def _int_pack(t, out):
     mask = (1 << _INT_BITS) - 1
     if t.numel() == 1:
-        # A BatchNorm's counter and the like, packed before every step: one
+        # A BatchNorm's counter and the like, packed at every window: one
         # Python integer costs a fraction of the array operations below.
         bits = int(t.item()) & 0xFFFF_FFFF_FFFF_FFFF
         out[0] = (bits & mask, (bits >> _INT_BITS) & mask, bits >> (2 * _INT_BITS))
@@ -680,7 +680,7 @@ def _dumps(value):
     """The Python part of the state as bytes: a pickle of plain values with
     tensors as raw bytes (tens of microseconds for a schedule and an
     optimizer's settings, where ``torch.save`` takes a third of a
-    millisecond: it runs before every step)."""
+    millisecond: it runs at every window's start)."""
     out = io.BytesIO()
     _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     return out.getvalue()
@@ -765,13 +765,15 @@ class ElasticState:
                         self._add(f"optimizer.{i}.{key}", value)
                     keys.append(key)
                 self._optimizer_keys[i] = keys
-            optimizer.register_step_post_hook(self._check_optimizer)
         data = self._python()
         self._blob = _Blob(data, python_bytes)
         self._blob.pack(data)
         job.register("python@torch", self._blob.mirror)
         for m in self._mirrored:
             m.pack()
+        # The copies are written when the runtime reads them and read back
+        # when it wrote them, not around every step.
+        job._state_hooks(self.pack, self.unpack)
 
     def _params(self):
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -786,7 +788,8 @@ class ElasticState:
             self.job.register(m.name, m.mirror)
             self._mirrored.append(m)
 
-    def _check_optimizer(self, optimizer, args, kwargs):
+    def _check_optimizer(self):
+        optimizer = self.optimizer
         for i, p in enumerate(self._params()):
             keys = sorted(optimizer.state[p].keys())
             if keys != self._optimizer_keys.get(i, []):
@@ -826,7 +829,11 @@ class ElasticState:
             torch.set_rng_state(value["rng"])
 
     def pack(self):
-        """Writes the copies the runtime holds (before it may read them)."""
+        """Writes the copies the runtime holds; the runtime calls it just
+        before it reads them. An optimizer state entry that appeared since
+        the state was registered is an error here."""
+        if self.optimizer is not None:
+            self._check_optimizer()
         for m in self._mirrored:
             m.pack()
         self._blob.pack(self._python())
@@ -840,23 +847,12 @@ class ElasticState:
             self._restore_python(_loads(data))
 
     def steps(self):
-        """The job's steps, with the state brought up to date around the
-        runtime's work between them (rollbacks, broadcasts, checkpoints).
-
-        The copies are written before every step (the runtime may read the
-        state at any of them) and read back at a generation's first step
-        only: the runtime writes the state only as a generation starts (a
-        checkpoint loaded, a rollback, rank 0's state broadcast)."""
-        steps = iter(self.job.steps())
-        generation = None
-        while True:
-            self.pack()
-            step = next(steps, None)
-            if step is None:
-                return
-            if step.generation != generation:
-                self.unpack()
-                generation = step.generation
+        """The job's steps. The state's copies are written just before the
+        runtime reads them (a window's rollback point, a checkpoint, a
+        joiner's broadcast) and read back just after it wrote them (a
+        rollback, rank 0's state, a checkpoint loaded), not around every
+        step."""
+        for step in self.job.steps():
             yield step
             _end_if_abandoned(step)
 
