@@ -232,6 +232,7 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
         min_workers: n.saturating_sub(1).max(1),
         max_workers: n,
         initial_workers: n,
+        warm_spares: 0,
         decide_every: 8,
         checkpoint_every: None,
         checkpoint_interval: Duration::from_secs(30),

@@ -83,6 +83,11 @@ pub struct ScalingArgs {
     /// Price of a worker-hour, shown to the policy.
     #[arg(long, value_name = "PRICE", default_value_t = 0.0)]
     pub price: f64,
+    /// Workers kept started and ready outside the ring, within
+    /// --max-workers: a growth or a lost worker's place takes one at the
+    /// next step boundary, and another is started behind it.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub warm_spares: u32,
 }
 
 /// What a job trains with: epochs and the starting hyperparameters.

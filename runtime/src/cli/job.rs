@@ -291,6 +291,7 @@ fn job_config(args: &JobArgs, spec: JobSpec, dirs: &JobDirs) -> Result<JobConfig
         min_workers: s.bounds.min_workers,
         max_workers: s.bounds.max_workers,
         initial_workers: s.bounds.initial(),
+        warm_spares: s.warm_spares,
         decide_every: s.decide_every_steps,
         checkpoint_every: args.state.checkpoint_every_steps,
         checkpoint_interval: Duration::from_secs(args.state.checkpoint_secs),

@@ -617,6 +617,10 @@ impl Coordinator<'_> {
         // its end goes straight to the final checkpoint, which admits no
         // newcomer.
         self.boundary()?;
+        if self.cfg.warm_spares > 0 {
+            self.membership.set_spares(Instant::now(), self.cfg.warm_spares);
+            self.execute();
+        }
         Ok(resumed)
     }
 

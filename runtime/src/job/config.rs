@@ -13,6 +13,8 @@ pub struct JobConfig {
     pub max_workers: u32,
     /// Workers at the start.
     pub initial_workers: u32,
+    /// Warm spares kept ready outside the ring (`--warm-spares`).
+    pub warm_spares: u32,
     /// Steps between two policy decisions.
     pub decide_every: u64,
     /// Steps between two checkpoints (and one at each epoch's end).
@@ -86,6 +88,13 @@ impl JobConfig {
         }
         if self.initial_workers > self.max_workers {
             bail!("--workers {} is above --max-workers {}", self.initial_workers, self.max_workers);
+        }
+        if self.warm_spares > 0 && self.warm_spares >= self.max_workers {
+            bail!(
+                "--warm-spares {} leaves no worker of --max-workers {} to train: spares count toward it",
+                self.warm_spares,
+                self.max_workers
+            );
         }
         if h.global_batch == 0 || (!from_program && h.global_batch as usize > train_len) {
             bail!("--batch {}: need 1 <= batch <= {train_len} (the training samples)", h.global_batch);

@@ -322,6 +322,45 @@ fn kill_worker_after(mut cmd: Command, after: &str, id: u64) -> (std::process::E
 }
 
 #[test]
+fn a_warm_spare_takes_a_lost_worker_s_place_and_the_job_goes_on_exactly_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "--workers",
+        "2",
+        "--min-workers",
+        "1",
+        "--max-workers",
+        "3",
+        "--warm-spares",
+        "1",
+        "--step-delay-ms",
+        "5",
+        "--epochs",
+        "6",
+    ];
+    let (status, text) = kill_worker_after(steady(dir.path(), &args), "warm spare 3 ready", 2);
+    assert!(status.success(), "{text}");
+    let r = report(dir.path());
+    assert_exactly_once(&r, 6, 1200);
+    let events = r["scale_events"].as_array().unwrap();
+    let lost = events
+        .iter()
+        .find(|e| e["reason"].as_str().unwrap().contains("worker 2 lost"))
+        .unwrap_or_else(|| panic!("{events:?}\n{text}"));
+    // The spare took the place in the generation the failure formed: the
+    // job stayed at two workers, and no worker was started for it.
+    assert_eq!((lost["from"].as_u64(), lost["to"].as_u64()), (Some(2), Some(2)), "{lost}");
+    assert!(text.contains("1 warm spare(s) take the place of the 1 lost"), "{text}");
+    assert_recovery_adds_up(lost);
+    // Another spare was started behind it: worker 4 (without spares, a
+    // job above its minimum starts nobody for a lost worker).
+    let logs = dir.path().join(".edl/mnist/logs");
+    assert!(logs.join("worker-4.log").exists(), "{:?}", std::fs::read_dir(&logs).map(|d| d.count()));
+    let timeline = r["timeline"].as_array().unwrap();
+    assert!(timeline.iter().all(|s| s["world"].as_u64() <= Some(2)), "a spare never trained beside two");
+}
+
+#[test]
 fn losing_the_only_worker_restarts_from_the_newest_checkpoint_and_trains_every_sample_once() {
     let dir = tempfile::tempdir().unwrap();
     let (status, text) = kill_worker_after(sole_worker(dir.path(), "3"), "epoch     0 done", 1);

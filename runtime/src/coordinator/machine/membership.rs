@@ -12,6 +12,12 @@
 //! join timeout are given up. At a boundary joiners become members (up to
 //! the maximum), replacements take their old worker's place, and a one-worker
 //! handover keeps the old worker one more step so its state reaches the new.
+//!
+//! **Warm spares** (`set_spares`) are workers started ahead and kept ready
+//! outside the ring: a growth the policy decides, or a lost member's place,
+//! takes one at the next boundary (as a joiner) instead of starting a
+//! worker then, and another spare is started behind it. They count toward
+//! the maximum.
 
 use edl_plugin_sdk::Action;
 use std::{
@@ -136,6 +142,11 @@ pub struct Membership {
     /// Members of the coordinator this one took the job over from, who
     /// may still come back.
     returning: BTreeSet<WorkerId>,
+    /// Warm spares the job keeps, and the workers started as spares
+    /// (starting, loading or held); the held ones, ready.
+    spares_wanted: u32,
+    spare_ids: BTreeSet<WorkerId>,
+    held: Vec<Worker>,
 }
 
 /// A sole member told to go: why, and how many replacements were started for it.
@@ -175,7 +186,67 @@ impl Membership {
             started: Vec::new(),
             uninvited: false,
             returning: BTreeSet::new(),
+            spares_wanted: 0,
+            spare_ids: BTreeSet::new(),
+            held: Vec::new(),
         }
+    }
+
+    /// Keeps `n` warm spares from now on (within the maximum).
+    pub fn set_spares(&mut self, now: Instant, n: u32) {
+        self.spares_wanted = n;
+        self.keep_spares(now);
+    }
+
+    /// Warm spares: started, loading or ready.
+    pub fn spares(&self) -> u32 {
+        self.spare_ids.len() as u32
+    }
+
+    /// Warm spares ready to join.
+    pub fn spares_ready(&self) -> u32 {
+        self.held.len() as u32
+    }
+
+    /// Starts spares up to the number wanted, within the maximum.
+    fn keep_spares(&mut self, now: Instant) {
+        let used = self.world() + self.coming() + self.spares();
+        let room = self.max.saturating_sub(used);
+        let short = self.spares_wanted.saturating_sub(self.spares()).min(room);
+        for _ in 0..short {
+            let id = self.next_id;
+            self.spare_ids.insert(id);
+            self.spawn(now, 1);
+        }
+    }
+
+    /// Makes up to `n` spares joiners (ready ones first; those still
+    /// loading join when ready); returns how many.
+    fn take_spares(&mut self, n: u32) -> u32 {
+        let mut taken = 0;
+        while taken < n && !self.held.is_empty() {
+            let w = self.held.remove(0);
+            self.spare_ids.remove(&w.id);
+            self.joiners.push(w);
+            taken += 1;
+        }
+        while taken < n {
+            let Some(&id) = self.spare_ids.iter().next() else { break };
+            self.spare_ids.remove(&id);
+            taken += 1;
+        }
+        taken
+    }
+
+    /// A spare that was starting, loading or held is gone: another is started.
+    fn spare_lost(&mut self, now: Instant, id: WorkerId, why: &str) -> bool {
+        if !self.spare_ids.remove(&id) {
+            return false;
+        }
+        self.held.retain(|w| w.id != id);
+        self.note(format!("warm spare {id} was lost while waiting ({why}); another is started"), Some(id));
+        self.keep_spares(now);
+        true
     }
 
     /// The job was taken over from another coordinator: its members
@@ -203,7 +274,7 @@ impl Membership {
 
     /// Whether worker `id` is connected, in any state.
     fn connected(&self, id: WorkerId) -> bool {
-        self.welcomed.iter().chain(&self.joiners).chain(&self.members).any(|w| w.id == id)
+        self.welcomed.iter().chain(&self.joiners).chain(&self.members).chain(&self.held).any(|w| w.id == id)
     }
 
     /// The next command to carry out.
@@ -220,9 +291,13 @@ impl Membership {
         self.members.len() as u32
     }
 
-    /// Workers on their way: started, loading, or ready for the next boundary.
+    /// Workers on their way: started, loading, or ready for the next
+    /// boundary (warm spares not counted).
     pub fn coming(&self) -> u32 {
-        (self.spawning.len() + self.welcomed.len() + self.joiners.len()) as u32
+        let spare = |id: &WorkerId| self.spare_ids.contains(id);
+        let starting = self.spawning.keys().filter(|id| !spare(id)).count();
+        let loading = self.welcomed.iter().filter(|w| !spare(&w.id)).count();
+        (starting + loading + self.joiners.len()) as u32
     }
 
     pub fn joiners(&self) -> usize {
@@ -232,10 +307,17 @@ impl Membership {
     /// The workers on their way, each with where it is: started and not
     /// connected yet, loading the job, or ready for the next boundary.
     pub fn on_the_way(&self) -> Vec<(WorkerId, &'static str)> {
-        let mut out: Vec<(WorkerId, &'static str)> =
-            self.spawning.keys().map(|&id| (id, "still starting")).collect();
-        out.extend(self.welcomed.iter().map(|w| (w.id, "still loading the job")));
+        let spare = |id: &WorkerId| self.spare_ids.contains(id);
+        let mut out: Vec<(WorkerId, &'static str)> = self
+            .spawning
+            .keys()
+            .map(|&id| (id, if spare(&id) { "a warm spare, still starting" } else { "still starting" }))
+            .collect();
+        out.extend(self.welcomed.iter().map(|w| {
+            (w.id, if spare(&w.id) { "a warm spare, still loading the job" } else { "still loading the job" })
+        }));
         out.extend(self.joiners.iter().map(|w| (w.id, "ready, waiting for the next step boundary")));
+        out.extend(self.held.iter().map(|w| (w.id, "a warm spare, ready")));
         out.sort_by_key(|w| w.0);
         out
     }
@@ -247,7 +329,8 @@ impl Membership {
 
     /// Nothing is starting or loading: waiting for more joiners is pointless.
     pub fn nothing_loading(&self) -> bool {
-        self.spawning.is_empty() && self.welcomed.is_empty()
+        let spare = |id: &WorkerId| self.spare_ids.contains(id);
+        self.spawning.keys().all(spare) && self.welcomed.iter().all(|w| spare(&w.id))
     }
 
     /// Worker ids go on from `next` (those of an earlier run of the job).
@@ -331,7 +414,12 @@ impl Membership {
                         let (start, load) = (w.since.saturating_duration_since(started), now - w.since);
                         self.readied.push(Readied { id: w.id, start, load });
                     }
-                    self.joiners.push(w);
+                    if self.spare_ids.contains(&w.id) {
+                        self.note(format!("warm spare {} ready", w.id), None);
+                        self.held.push(w);
+                    } else {
+                        self.joiners.push(w);
+                    }
                 }
             }
             MemberEvent::Closed { conn, why } => return self.closed(now, conn, &why),
@@ -340,6 +428,9 @@ impl Membership {
             }
             MemberEvent::Exited { worker, status } => {
                 if self.spawning.remove(&worker).is_some() {
+                    if self.spare_lost(now, worker, &status) {
+                        return None;
+                    }
                     self.replacement_lost(now, worker);
                     self.note(format!("worker {worker} exited before joining: {status}"), Some(worker));
                 } else {
@@ -388,7 +479,13 @@ impl Membership {
     /// caller to fail its generation.
     fn closed(&mut self, now: Instant, conn: Conn, why: &str) -> Option<WorkerId> {
         self.closed.insert(conn);
-        if let Some(i) = self.joiners.iter().position(|w| w.conn == conn) {
+        if let Some(id) = self.held.iter().chain(&self.welcomed).find(|w| w.conn == conn).map(|w| w.id)
+            && self.spare_ids.contains(&id)
+        {
+            self.welcomed.retain(|w| w.id != id);
+            self.started_at.remove(&id);
+            self.spare_lost(now, id, why);
+        } else if let Some(i) = self.joiners.iter().position(|w| w.conn == conn) {
             let w = self.joiners.remove(i);
             self.replacement_lost(now, w.id);
             self.note(format!("worker {} left before it was given a rank ({why})", w.id), None);
@@ -428,6 +525,7 @@ impl Membership {
             self.spawning.iter().filter(|(_, t)| now >= **t + timeout).map(|(id, _)| *id).collect();
         for worker in late {
             self.spawning.remove(&worker);
+            self.spare_ids.remove(&worker);
             self.replacement_lost(now, worker);
             self.commands.push_back(Command::Stop {
                 worker,
@@ -441,6 +539,7 @@ impl Membership {
             std::mem::take(&mut self.welcomed).into_iter().partition(|w| now >= w.since + timeout);
         self.welcomed = loading;
         for w in late {
+            self.spare_ids.remove(&w.id);
             self.replacement_lost(now, w.id);
             self.stop(&w, format!("not ready within {timeout:?}"), Duration::from_secs(1));
             self.note(
@@ -448,6 +547,7 @@ impl Membership {
                 Some(w.id),
             );
         }
+        self.keep_spares(now);
     }
 
     /// At a step boundary: workers that handed over their state leave,
@@ -604,7 +704,15 @@ impl Membership {
                 grace: Duration::from_millis(500),
             });
         }
+        let before = self.members.len();
         self.members.retain(|m| !dead.contains(&m.id));
+        // Warm spares take the lost members' places at the boundary that
+        // forms the next generation.
+        let lost = (before - self.members.len()) as u32;
+        let taken = self.take_spares(lost);
+        if taken > 0 {
+            self.note(format!("{taken} warm spare(s) take the place of the {lost} lost"), None);
+        }
         self.retiring.retain(|r| !dead.contains(r));
         for &r in self.retiring.iter().rev() {
             if let Some(i) = self.members.iter().position(|m| m.id == r) {
@@ -622,6 +730,7 @@ impl Membership {
         if have < self.min {
             self.spawn(now, self.min - have);
         }
+        self.keep_spares(now);
     }
 
     /// Every member is gone: starts workers up to the minimum, counting
@@ -659,7 +768,11 @@ impl Membership {
         let described = in_words(actions);
         let mut resize = None;
         if target > have {
-            self.spawn(now, (target - have) as u32);
+            // Warm spares first, ready ones at the next boundary; workers
+            // are started for the rest.
+            let more = (target - have) as u32;
+            let taken = self.take_spares(more);
+            self.spawn(now, more - taken);
             resize = Some(described);
         } else if target < world as i64 {
             let keep = (target as usize).max(min as usize);
@@ -690,6 +803,7 @@ impl Membership {
             self.replacing.insert(new, id);
             resize = Some(format!("policy: replace worker {id}, slower than the others, by worker {new}"));
         }
+        self.keep_spares(now);
         resize
     }
 
@@ -727,7 +841,12 @@ impl Membership {
             self.stop(&w, why.clone(), STOP_GRACE);
         } else if let Some(i) = self.welcomed.iter().position(|w| w.id == worker) {
             let w = self.welcomed.remove(i);
+            self.spare_ids.remove(&w.id);
             self.replacement_lost(now, w.id);
+            self.stop(&w, why.clone(), STOP_GRACE);
+        } else if let Some(i) = self.held.iter().position(|w| w.id == worker) {
+            let w = self.held.remove(i);
+            self.spare_ids.remove(&w.id);
             self.stop(&w, why.clone(), STOP_GRACE);
         } else {
             return None;
@@ -736,6 +855,7 @@ impl Membership {
         if have < self.min {
             self.spawn(now, self.min - have);
         }
+        self.keep_spares(now);
         Some(Leave::Now(format!("worker {worker} {why}")))
     }
 
@@ -746,16 +866,20 @@ impl Membership {
 
     /// The id of the worker on `conn`, in any state.
     pub fn worker_on(&self, conn: Conn) -> Option<WorkerId> {
-        self.welcomed.iter().chain(&self.joiners).chain(&self.members).find(|w| w.conn == conn).map(|w| w.id)
+        let all = self.welcomed.iter().chain(&self.joiners).chain(&self.members).chain(&self.held);
+        all.into_iter().find(|w| w.conn == conn).map(|w| w.id)
     }
 
     /// The job is done, or failed: every worker, in whatever state, is
     /// told to stop.
     pub fn stop_all(&mut self, reason: &str) {
+        self.spares_wanted = 0;
+        self.spare_ids.clear();
         let all: Vec<Worker> = std::mem::take(&mut self.members)
             .into_iter()
             .chain(std::mem::take(&mut self.joiners))
             .chain(std::mem::take(&mut self.welcomed))
+            .chain(std::mem::take(&mut self.held))
             .collect();
         for w in all {
             self.stop(&w, reason.to_string(), STOP_GRACE);
@@ -772,8 +896,13 @@ impl Membership {
 
     /// No more workers will be admitted: those waiting or loading are stopped.
     pub fn stop_newcomers(&mut self, reason: &str) {
-        let waiting: Vec<Worker> =
-            std::mem::take(&mut self.joiners).into_iter().chain(std::mem::take(&mut self.welcomed)).collect();
+        self.spares_wanted = 0;
+        self.spare_ids.clear();
+        let waiting: Vec<Worker> = std::mem::take(&mut self.joiners)
+            .into_iter()
+            .chain(std::mem::take(&mut self.welcomed))
+            .chain(std::mem::take(&mut self.held))
+            .collect();
         for w in waiting {
             self.stop(&w, reason.to_string(), STOP_GRACE);
         }
@@ -1163,6 +1292,89 @@ mod tests {
         assert!(cmds.contains(&Command::Spawn { worker: 4 }));
         assert_eq!(m.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![1, 3]);
         assert!(m.boundary(true, false).changed);
+    }
+
+    fn spawned(cmds: &[Command]) -> Vec<WorkerId> {
+        cmds.iter()
+            .filter_map(|c| if let Command::Spawn { worker } = c { Some(*worker) } else { None })
+            .collect()
+    }
+
+    /// Worker `id` connects (on 100 + id) and becomes ready.
+    fn ready(m: &mut Membership, t: Instant, id: WorkerId) {
+        m.handle(t, MemberEvent::Hello { conn: 100 + id, worker: id, pid: 1000 + id as u32 });
+        m.handle(t, MemberEvent::Ready { conn: 100 + id });
+    }
+
+    #[test]
+    fn warm_spares_wait_outside_the_ring_and_a_growth_takes_one_at_once() {
+        let t = Instant::now();
+        let mut m = formed(2, 1, 5, t);
+        m.set_spares(t, 2);
+        assert_eq!(spawned(&drain(&mut m)), vec![3, 4]);
+        assert_eq!((m.spares(), m.coming()), (2, 0), "spares are not workers on their way");
+        ready(&mut m, t, 3);
+        ready(&mut m, t, 4);
+        assert_eq!(m.spares_ready(), 2);
+        assert!(!m.boundary(true, false).changed, "a ready spare does not join by itself");
+        assert_eq!(m.world(), 2);
+        assert!(m.on_the_way().contains(&(3, "a warm spare, ready")));
+        // The policy grows by one: spare 3 joins at the next boundary,
+        // and one more spare is started, within the maximum of 5.
+        assert!(m.apply_decision(t, &[Action::ScaleOut(1)]).is_some());
+        assert_eq!(spawned(&drain(&mut m)), vec![5], "no worker started for the growth, one spare behind");
+        let b = m.boundary(true, false);
+        assert_eq!((b.changed, b.admitted), (true, 1));
+        assert_eq!(m.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![1, 2, 3]);
+        // At the maximum: 3 members and 2 spares; growing by two takes both
+        // and starts no spare (no room).
+        ready(&mut m, t, 5);
+        assert!(m.apply_decision(t, &[Action::ScaleOut(2)]).is_some());
+        assert!(spawned(&drain(&mut m)).is_empty());
+        assert_eq!(m.boundary(true, false).admitted, 2);
+        assert_eq!((m.world(), m.spares()), (5, 0));
+    }
+
+    #[test]
+    fn a_lost_member_s_place_is_taken_by_a_spare_and_a_new_spare_is_started() {
+        let t = Instant::now();
+        let mut m = formed(3, 1, 5, t);
+        m.set_spares(t, 1);
+        assert_eq!(spawned(&drain(&mut m)), vec![4]);
+        ready(&mut m, t, 4);
+        assert_eq!(m.handle(t, MemberEvent::Closed { conn: 102, why: "eof".into() }), Some(2));
+        m.fail(t, &BTreeSet::from([2]));
+        let cmds = drain(&mut m);
+        assert_eq!(stops(&cmds), vec![2]);
+        assert_eq!(spawned(&cmds), vec![5], "a spare behind the one taken");
+        let b = m.boundary(true, false);
+        assert_eq!(b.admitted, 1, "the spare joins the generation the failure forms");
+        assert_eq!(m.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![1, 3, 4]);
+    }
+
+    #[test]
+    fn a_spare_that_dies_while_waiting_is_replaced_and_never_joins() {
+        let t = Instant::now();
+        let mut m = formed(1, 1, 4, t);
+        m.set_spares(t, 1);
+        assert_eq!(spawned(&drain(&mut m)), vec![2]);
+        ready(&mut m, t, 2);
+        assert_eq!(m.handle(t, MemberEvent::Closed { conn: 102, why: "killed".into() }), None);
+        let cmds = drain(&mut m);
+        assert_eq!(spawned(&cmds), vec![3]);
+        assert!(
+            cmds.iter()
+                .any(|c| matches!(c, Command::Note { text, .. } if text.contains("warm spare 2 was lost")))
+        );
+        // One that dies before it connects, likewise.
+        m.handle(t, MemberEvent::Exited { worker: 3, status: "exit status: 1".into() });
+        assert_eq!(spawned(&drain(&mut m)), vec![4]);
+        assert_eq!((m.spares(), m.world()), (1, 1));
+        assert!(!m.boundary(true, false).changed);
+        // The job's end stops the spares too.
+        ready(&mut m, t, 4);
+        m.stop_all("done");
+        assert_eq!(stops(&drain(&mut m)), vec![1, 4]);
     }
 
     #[test]
