@@ -144,15 +144,17 @@ def throughput_edl(data, env, scratch):
     return r, others
 
 
-def resize_edl(env, scratch):
+def resize_edl(env, scratch, spares=0, every=250, epochs=60):
     """The report's scale events of a 2 -> 3 -> 2 job: [(from, to, join_ms, pause_ms)]."""
     with tempfile.TemporaryDirectory(dir=scratch) as d:
         report = pathlib.Path(d) / "report.json"
-        flags = ["--samples", "1397", "--epochs", "60", "--batch", "64", "--no-distill"]
+        flags = ["--samples", "1397", "--epochs", str(epochs), "--batch", "64", "--no-distill"]
         flags += ["--min-workers", "2", "--max-workers", "3", "--workers", "2"]
-        flags += ["--policy", str(SCHEDULE), "--policy-config", "every=250", "--decide-every-steps", "10"]
+        flags += ["--warm-spares", str(spares)]
+        flags += ["--policy", str(SCHEDULE), "--policy-config", f"every={every}", "--decide-every-steps", "10"]
         flags += ["--job", "torch-ddp-resize", "--report", str(report)]
-        run(launch(flags, ["--data", "digits", "--epochs", "60"]), env, d, "edl-runtime launch (resizes)")
+        program = ["--data", "digits", "--epochs", str(epochs)]
+        run(launch(flags, program), env, d, "edl-runtime launch (resizes)")
         events = json.loads(report.read_text())["scale_events"]
     return [(e["from"], e["to"], e["join_ms"], e["pause_ms"]) for e in events if e["from"] > 0]
 
@@ -255,7 +257,44 @@ def worker_pid(launcher, worker):
     return None
 
 
-def lost_rank(cmd, env, cwd, victim=2):
+def warm_spares_cost(args, env, scratch):
+    """Growing 2 -> 3 (the schedule's 2 -> 3 -> 2 job) with one warm spare
+    against without; and a lost rank's place taken by a spare."""
+    rows = {0: ([], []), 1: ([], [])}
+    for _ in range(args.runs):
+        for spares in (0, 1):
+            # Changes 1000 steps apart (a few seconds): time for a spare
+            # started behind a taken one to be ready for the next growth.
+            for src, dst, join, pause in resize_edl(env, scratch, spares, every=1000, epochs=120):
+                if dst > src:
+                    rows[spares][0].append(join)
+                    rows[spares][1].append(pause)
+    print("| growing 2 -> 3 (medians) | decision to the new worker ready | pause | decision to first commit |")
+    print("|---|---|---|---|")
+    for spares, (joins, pauses) in rows.items():
+        total = [j + p for j, p in zip(joins, pauses) if j is not None]
+        label = "one warm spare" if spares else "no spare"
+        print(f"| {label} ({len(pauses)} resizes) | {median_ms([j for j in joins if j is not None])} "
+              f"| {median_ms(pauses)} | {median_ms(total)} |")
+    for spares, (joins, pauses) in rows.items():
+        each = ", ".join(f"({j or 0:.0f}, {p:.0f})" for j, p in zip(joins, pauses))
+        print(f"each, {'one warm spare' if spares else 'no spare'}: (join, pause) {each}")
+    flags = ["--workers", "3", "--min-workers", "2", "--max-workers", "4", "--warm-spares", "1", "--no-distill"]
+    flags += ["--policy", str(SCHEDULE), "--policy-config", "every=1000000", "--report", "report.json"]
+    flags += ["--samples", "1397", "--epochs", "30", "--batch", "64"]
+    kills = []
+    for _ in range(args.runs):
+        with tempfile.TemporaryDirectory(dir=scratch) as d:
+            cmd = launch(flags, ["--data", "digits", "--epochs", "30", "--loader-workers", "2"])
+            kills.append(lost_rank(cmd, env, d, wait_for="warm spare 4 ready"))
+    assert all(e["to"] == 3 for _, e in kills), [e for _, e in kills]
+    print()
+    print(f"a rank killed, its place taken by the spare (3 -> 3 workers, {len(kills)} kills): "
+          f"kill to next commit {median_ms([s * 1e3 for s, _ in kills])}, "
+          f"pause {median_ms([e['pause_ms'] for _, e in kills])}")
+
+
+def lost_rank(cmd, env, cwd, victim=2, wait_for="-> 3 workers"):
     """Runs a job of 3 workers, SIGKILLs worker `victim`'s main process
     once the job has trained 2 s at 3, and returns (seconds from the kill
     to the new generation's first commit as the job's output says it, the
@@ -285,7 +324,7 @@ def lost_rank(cmd, env, cwd, victim=2):
                 break
             if at is not None:
                 out.append(line)
-                if grown_at is None and "-> 3 workers" in line:
+                if grown_at is None and wait_for in line:
                     grown_at = at
                 if killed_at and seen_at is None and line.startswith("scale") and f"worker {victim} lost" in line:
                     seen_at = at
@@ -354,6 +393,11 @@ def main():
         help="instead: a DDP rank's main process killed, its loader processes alive, to the next commit; "
         "and the built-in trainer's worker killed",
     )
+    ap.add_argument(
+        "--warm-spares",
+        action="store_true",
+        help="instead: growing 2 -> 3 with a warm spare against without, and a lost rank's place taken by one",
+    )
     args = ap.parse_args()
     env = environment(site())
     scratch = ROOT / "target" / "edl-python"
@@ -361,6 +405,8 @@ def main():
         return noise_hook_cost(args, env, scratch)
     if args.lost_rank:
         return lost_rank_cost(args, env, scratch)
+    if args.warm_spares:
+        return warm_spares_cost(args, env, scratch)
 
     print(
         "| data | torchrun + DDP | edl + DDP | edl / torchrun | each run's edl / torchrun "

@@ -263,7 +263,9 @@ impl Job {
     /// broadcast), `unpack()` just after it wrote them (a rollback, rank
     /// 0's state, a checkpoint loaded): for a program that keeps copies of
     /// its state in them (`edl.torch.ElasticState`), so the copies cost
-    /// nothing on the steps between. Set before the first step.
+    /// nothing on the steps between. Set before the first step. They run
+    /// inside the job's own calls (its lock held): they copy arrays and
+    /// must not call the job or its steps.
     fn _state_hooks(&self, pack: Py<PyAny>, unpack: Py<PyAny>) -> PyResult<()> {
         let mut inner = lock(&self.inner);
         if inner.ready {

@@ -512,6 +512,15 @@ impl Coordinator<'_> {
         self.execute();
     }
 
+    /// Starts the warm spares the job keeps (`--warm-spares`), once its
+    /// first generation is formed.
+    fn keep_spares(&mut self) {
+        if self.cfg.warm_spares > 0 {
+            self.membership.set_spares(Instant::now(), self.cfg.warm_spares);
+            self.execute();
+        }
+    }
+
     /// Checks the teachers this job started: a dead one is no longer handed
     /// to new workers; with none left the job cannot go on.
     fn check_teachers(&mut self) -> Result<()> {
@@ -607,6 +616,7 @@ impl Coordinator<'_> {
                 if short > 0 {
                     self.spawn(short);
                 }
+                self.keep_spares();
                 return Ok(resumed);
             }
         }
@@ -617,10 +627,7 @@ impl Coordinator<'_> {
         // its end goes straight to the final checkpoint, which admits no
         // newcomer.
         self.boundary()?;
-        if self.cfg.warm_spares > 0 {
-            self.membership.set_spares(Instant::now(), self.cfg.warm_spares);
-            self.execute();
-        }
+        self.keep_spares();
         Ok(resumed)
     }
 

@@ -251,8 +251,9 @@ impl JobMetrics {
         );
         r.register_with_unit(
             "failure_recovery",
-            "A failure's pause by phase: detect (last commit to the first sign), abort (to every survivor out of \
-             its collective), form (to the new generation), first_step (to its first commit)",
+            "A failure's pause by phase: detect (the last window every rank finished to the first sign), abort \
+             (to every survivor out of its collective), form (to the new generation), first_step (to its first \
+             commit)",
             Unit::Seconds,
             self.recovery.clone(),
         );

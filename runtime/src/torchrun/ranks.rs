@@ -292,14 +292,19 @@ impl Ranks {
 
     /// SIGTERM to every rank still running, SIGKILL to those left after `grace`.
     pub fn stop(&mut self, grace: Duration) {
-        for r in &self.ranks {
+        // Ranks `poll` reaped already are not signalled: their pids may be
+        // another process's by now.
+        let live = |r: &&mut Rank| r.exit.is_none();
+        for r in self.ranks.iter_mut().filter(live) {
             crate::process::signal_group(&r.child, libc::SIGTERM);
         }
         let until = Instant::now() + grace;
-        while Instant::now() < until && self.ranks.iter().any(|r| crate::process::runs(&r.child)) {
+        while Instant::now() < until
+            && self.ranks.iter().any(|r| r.exit.is_none() && crate::process::runs(&r.child))
+        {
             std::thread::sleep(Duration::from_millis(20));
         }
-        for r in &mut self.ranks {
+        for r in self.ranks.iter_mut().filter(live) {
             crate::process::signal_group(&r.child, libc::SIGKILL);
             let _ = r.child.wait();
         }

@@ -1134,6 +1134,13 @@ impl Session {
         let rendezvous = self.rendezvous.as_ref().map(|r| r.addr).ok_or_else(|| anyhow!("no rendezvous"))?;
         let rdv = TcpRendezvous::new(rendezvous, g.rendezvous_key.clone())
             .with_auth(self.auth.clone(), g.generation);
+        // The state to broadcast is taken before the ring is built: a
+        // program that copies its state on demand (a model on a GPU) does
+        // not keep its peers waiting inside the collective's bound.
+        let mut values = self.spare.take().unwrap_or_default();
+        if g.world > 1 && self.applied.is_some() {
+            state.save_into(&mut values).context("saving the state")?;
+        }
         let mut ring = TcpRing::connect(g.rank, g.world, &rdv, opts)
             .with_context(|| format!("building the ring of generation {}", g.generation))?;
         if g.world > 1 && g.rank == 0 && self.applied.is_none() {
@@ -1142,10 +1149,7 @@ impl Session {
             return Err(NoState(format!("rank 0 of a world of {}", g.world)).into());
         }
         if g.world > 1 {
-            let mut values = self.spare.take().unwrap_or_default();
-            if self.applied.is_some() {
-                state.save_into(&mut values).context("saving the state")?;
-            } else {
+            if self.applied.is_none() {
                 values.clear();
                 values.resize(self.layout.numel(), 0.0);
             }
@@ -1175,8 +1179,11 @@ impl Session {
             // Rank 0's state is everyone's rollback point now.
             self.snapshots.clear();
             self.snapshots.insert(g.committed_steps, Arc::new(values));
-        } else if self.applied.is_none() {
-            return Err(NoState("a world of one".into()).into());
+        } else {
+            self.spare = Some(values);
+            if self.applied.is_none() {
+                return Err(NoState("a world of one".into()).into());
+            }
         }
         self.ring = Some((g.generation, ring));
         Ok(start.elapsed().as_secs_f64() * 1e3)

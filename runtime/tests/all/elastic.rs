@@ -4,7 +4,7 @@
 
 use crate::support::{
     job::{GROWING, assert_exactly_once, finish, job, lines, report},
-    process::children,
+    process::{children, sigkill_worker},
     servers::RedisServer,
     wait::wait_for,
 };
@@ -361,6 +361,41 @@ fn a_warm_spare_takes_a_lost_worker_s_place_and_the_job_goes_on_exactly_once() {
 }
 
 #[test]
+fn a_warm_spare_killed_while_it_waits_is_replaced_and_the_job_never_notices() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "--workers",
+        "1",
+        "--min-workers",
+        "1",
+        "--max-workers",
+        "2",
+        "--warm-spares",
+        "1",
+        "--step-delay-ms",
+        "10",
+        "--epochs",
+        "20",
+    ];
+    let mut child = steady(dir.path(), &args).spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "warm spare 2 ready", &mut seen, Duration::from_secs(120));
+    sigkill_worker(child.id(), 2);
+    wait_for(&rx, "warm spare 2 was lost while waiting", &mut seen, Duration::from_secs(60));
+    wait_for(&rx, "warm spare 3 ready", &mut seen, Duration::from_secs(120));
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    let r = report(dir.path());
+    assert_exactly_once(&r, 20, 1200);
+    // Its loss was no failure of the job: no step redone, one worker throughout.
+    assert_eq!(r["redone_steps"], 0, "{text}");
+    let timeline = r["timeline"].as_array().unwrap();
+    assert!(timeline.iter().all(|s| s["world"] == 1), "the spare never trained");
+}
+
+#[test]
 fn losing_the_only_worker_restarts_from_the_newest_checkpoint_and_trains_every_sample_once() {
     let dir = tempfile::tempdir().unwrap();
     let (status, text) = kill_worker_after(sole_worker(dir.path(), "3"), "epoch     0 done", 1);
@@ -504,7 +539,9 @@ fn the_goodput_policy_measures_with_two_workers_and_keeps_one_that_pays() {
     assert!(timeline.iter().any(|s| s.get("noise_scale").is_some()), "measured with two workers");
 }
 
-/// A failure's scale event splits its pause into phases that add up to it.
+/// A failure's scale event splits its pause into phases that add up to it,
+/// and the survivors were out of their collectives well before the
+/// collectives' 5 s bound (the dead worker's sockets closed with it).
 fn assert_recovery_adds_up(event: &serde_json::Value) {
     let r = &event["recovery"];
     let phases = ["detect_ms", "abort_ms", "form_ms", "first_step_ms"]
@@ -513,4 +550,5 @@ fn assert_recovery_adds_up(event: &serde_json::Value) {
     let sum: f64 = phases.iter().sum();
     let pause = event["pause_ms"].as_f64().unwrap();
     assert!((sum - pause).abs() < 1.0, "phases {phases:?} add up to {sum}, the pause is {pause}: {event}");
+    assert!(phases[1] < 4000.0, "the survivors waited for the collective's bound: {event}");
 }

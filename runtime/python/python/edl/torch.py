@@ -141,18 +141,36 @@ def _sockets():
     return found
 
 
+def _same_socket(fd, inode):
+    """A socket object over a duplicate of ``fd`` (its family and type read
+    from the descriptor itself), if ``fd`` still names the socket ``inode``
+    (``socket:[N]``); None otherwise. The caller closes it."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        if f"socket:[{os.fstat(dup).st_ino}]" != inode:
+            os.close(dup)
+            return None
+        return socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+
+
 def _connections_made(before, store_addr):
-    """The TCP connections opened since ``before`` (a ``_sockets()``), but
-    the one to the group's store: a gloo group's pairs to its peers (not its
-    listener, which gloo's thread must go on accepting on). (fd, inode)
-    each, to shut down when the group fails."""
+    """The TCP connections this process opened since ``before`` (a
+    ``_sockets()``), but the one to the group's store: a gloo group's pairs
+    to its peers (not its listener, which gloo's thread must go on accepting
+    on), and any TCP connection another thread opened meanwhile. (fd,
+    inode) each, to shut down when the group fails."""
     made = []
     for fd, inode in _sockets().items():
         if before.get(fd) == inode:
             continue
-        try:
-            s = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)
-        except OSError:
+        s = _same_socket(fd, inode)
+        if s is None:
             continue
         with s:
             try:
@@ -169,18 +187,26 @@ def _connections_made(before, store_addr):
 
 
 def _shut_down(connections):
-    """Shuts down each connection still open under its fd: the peers reading
-    from it see it end now, whoever still holds the group. The fds are left
-    for their owner to close."""
-    now = _sockets()
+    """Shuts down each connection still open under its fd (checked on a
+    duplicate, so a number given since to another socket is left alone):
+    the peers reading from it see it end now, whoever still holds the
+    group. The fds are left for their owner to close."""
     for fd, inode in connections:
-        if now.get(fd) != inode:
+        s = _same_socket(fd, inode)
+        if s is None:
             continue
-        try:
-            with socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM) as s:
+        with s:
+            try:
                 s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+            except OSError:
+                pass
+
+
+def _call_weak(method):
+    """Calls a weakly held method, if its object is still there."""
+    m = method()
+    if m is not None:
+        m()
 
 
 def _default_backend():
@@ -772,8 +798,10 @@ class ElasticState:
         for m in self._mirrored:
             m.pack()
         # The copies are written when the runtime reads them and read back
-        # when it wrote them, not around every step.
-        job._state_hooks(self.pack, self.unpack)
+        # when it wrote them, not around every step. Held weakly: the job
+        # does not keep this state alive.
+        pack, unpack = weakref.WeakMethod(self.pack), weakref.WeakMethod(self.unpack)
+        job._state_hooks(lambda: _call_weak(pack), lambda: _call_weak(unpack))
 
     def _params(self):
         return [p for g in self.optimizer.param_groups for p in g["params"]]

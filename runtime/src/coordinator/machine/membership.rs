@@ -147,6 +147,9 @@ pub struct Membership {
     spares_wanted: u32,
     spare_ids: BTreeSet<WorkerId>,
     held: Vec<Worker>,
+    /// Spares lost before they were ready, in a row: past
+    /// [`SPARE_TRIES`] the job stops keeping spares.
+    spares_lost: u32,
 }
 
 /// A sole member told to go: why, and how many replacements were started for it.
@@ -159,6 +162,11 @@ struct Told {
 /// Replacements started for a sole member told to go before it waits for
 /// any worker to join instead.
 const REPLACEMENT_TRIES: u32 = 3;
+
+/// Warm spares lost before they were ready, in a row, before the job
+/// stops keeping spares (a program that cannot start is not started again
+/// and again).
+const SPARE_TRIES: u32 = 3;
 
 /// How long a worker told to stop gets before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(3);
@@ -189,6 +197,7 @@ impl Membership {
             spares_wanted: 0,
             spare_ids: BTreeSet::new(),
             held: Vec::new(),
+            spares_lost: 0,
         }
     }
 
@@ -243,7 +252,22 @@ impl Membership {
         if !self.spare_ids.remove(&id) {
             return false;
         }
+        let was_ready = self.held.iter().any(|w| w.id == id);
         self.held.retain(|w| w.id != id);
+        if !was_ready {
+            self.spares_lost += 1;
+        }
+        if self.spares_lost >= SPARE_TRIES {
+            self.spares_wanted = 0;
+            self.note(
+                format!(
+                    "warm spare {id} was lost before it was ready ({why}), the {SPARE_TRIES}th in a row: \
+                     the job keeps no spares from now on"
+                ),
+                Some(id),
+            );
+            return true;
+        }
         self.note(format!("warm spare {id} was lost while waiting ({why}); another is started"), Some(id));
         self.keep_spares(now);
         true
@@ -390,6 +414,11 @@ impl Membership {
     pub fn spawn_failed(&mut self, worker: WorkerId, why: String) {
         self.spawning.remove(&worker);
         self.started.retain(|w| *w != worker);
+        if self.spare_ids.remove(&worker) {
+            // Not started again from here: the scaler refuses now, and would
+            // refuse the next one alike. The next change of the job tries.
+            self.spares_lost += 1;
+        }
         self.replacement_lost(Instant::now(), worker);
         self.note(format!("could not start worker {worker}: {why}"), None);
     }
@@ -416,6 +445,7 @@ impl Membership {
                     }
                     if self.spare_ids.contains(&w.id) {
                         self.note(format!("warm spare {} ready", w.id), None);
+                        self.spares_lost = 0;
                         self.held.push(w);
                     } else {
                         self.joiners.push(w);
@@ -835,6 +865,8 @@ impl Membership {
             self.retiring.retain(|r| *r != worker);
             self.told.remove(&worker);
             self.changed = true;
+            // A warm spare takes its place at the next boundary.
+            self.take_spares(1);
         } else if let Some(i) = self.joiners.iter().position(|w| w.id == worker) {
             let w = self.joiners.remove(i);
             self.replacement_lost(now, w.id);
@@ -897,7 +929,16 @@ impl Membership {
     /// No more workers will be admitted: those waiting or loading are stopped.
     pub fn stop_newcomers(&mut self, reason: &str) {
         self.spares_wanted = 0;
-        self.spare_ids.clear();
+        for worker in std::mem::take(&mut self.spare_ids) {
+            if self.spawning.remove(&worker).is_some() {
+                self.commands.push_back(Command::Stop {
+                    worker,
+                    conn: None,
+                    reason: reason.to_string(),
+                    grace: Duration::from_secs(1),
+                });
+            }
+        }
         let waiting: Vec<Worker> = std::mem::take(&mut self.joiners)
             .into_iter()
             .chain(std::mem::take(&mut self.welcomed))
@@ -1375,6 +1416,47 @@ mod tests {
         ready(&mut m, t, 4);
         m.stop_all("done");
         assert_eq!(stops(&drain(&mut m)), vec![1, 4]);
+    }
+
+    #[test]
+    fn spares_that_cannot_start_are_not_counted_nor_started_again_and_again() {
+        let t = Instant::now();
+        let mut m = formed(1, 1, 4, t);
+        m.set_spares(t, 1);
+        assert_eq!(spawned(&drain(&mut m)), vec![2]);
+        // The scaler refuses it: no phantom spare left to take.
+        m.spawn_failed(2, "no slot".into());
+        drain(&mut m);
+        assert_eq!(m.spares(), 0);
+        assert!(m.apply_decision(t, &[Action::ScaleOut(1)]).is_some());
+        let cmds = drain(&mut m);
+        assert_eq!(spawned(&cmds).len(), 2, "a worker for the growth and a spare: {cmds:?}");
+        // Spares whose program dies before it is ready: the third in a row
+        // ends the keeping of spares.
+        let spare = *spawned(&cmds).last().unwrap();
+        m.handle(t, MemberEvent::Exited { worker: spare, status: "exit status: 1".into() });
+        let again = spawned(&drain(&mut m));
+        assert_eq!(again.len(), 1);
+        m.handle(t, MemberEvent::Exited { worker: again[0], status: "exit status: 1".into() });
+        let cmds = drain(&mut m);
+        assert!(spawned(&cmds).is_empty(), "{cmds:?}");
+        assert!(cmds.iter().any(|c| matches!(c, Command::Note { text, .. } if text.contains("keeps no spares"))));
+        assert_eq!(m.spares(), 0);
+    }
+
+    #[test]
+    fn a_member_leaving_with_notice_is_replaced_by_a_ready_spare() {
+        let t = Instant::now();
+        let mut m = formed(2, 1, 4, t);
+        m.set_spares(t, 1);
+        drain(&mut m);
+        ready(&mut m, t, 3);
+        assert!(matches!(m.leave(t, 2, "spot notice"), Some(Leave::Now(_))));
+        let cmds = drain(&mut m);
+        assert_eq!(stops(&cmds), vec![2]);
+        assert_eq!(spawned(&cmds), vec![4], "a spare behind the one taken");
+        m.boundary(true, false);
+        assert_eq!(m.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![1, 3]);
     }
 
     #[test]

@@ -34,9 +34,21 @@ pub(crate) fn children(pid: u32) -> Vec<(u32, String)> {
 /// The worker id a launched program was given.
 fn worker_id(pid: u32) -> Option<u64> {
     let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    env.split(|&b| b == 0)
+    let launched = env
+        .split(|&b| b == 0)
         .find_map(|kv| kv.strip_prefix(b"EDL_WORKER_ID="))
-        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
+        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok());
+    // The built-in job's workers: `edl-runtime worker ... --id N`.
+    let builtin = || {
+        let argv = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let argv: Vec<&[u8]> = argv.split(|&b| b == 0).collect();
+        if !argv.contains(&&b"worker"[..]) {
+            return None;
+        }
+        let at = argv.iter().position(|a| *a == b"--id")?;
+        std::str::from_utf8(argv.get(at + 1)?).ok()?.parse().ok()
+    };
+    launched.or_else(builtin)
 }
 
 /// Sends SIGKILL to worker `id`, a child of the job `coordinator`
