@@ -279,6 +279,8 @@ impl Coordinator<'_> {
             let stage = match stage {
                 "still starting" => "starting",
                 "still loading the job" => "loading",
+                "a warm spare, ready" => "spare",
+                s if s.starts_with("a warm spare") => "spare starting",
                 _ => "ready",
             };
             now.push(WorkerState { id, rank: None, stage: stage.into(), handle: self.scaler.handle(id) });

@@ -238,7 +238,7 @@ impl JobMetrics {
         r.register("world_size", "Workers in the current generation", self.world.clone());
         r.register(
             "workers",
-            "The job's workers by stage: training, starting, loading (the job), ready (for the next boundary)",
+            "The job's workers by stage: training, starting, loading (the job), ready (for the next boundary), spare, spare starting",
             self.workers.clone(),
         );
         r.register("generation", "The current generation of the job's ring", self.generation.clone());
@@ -450,7 +450,7 @@ impl JobMetrics {
 
     /// The workers and where each stands.
     pub fn workers(&mut self, workers: &[crate::coordinator::WorkerState]) {
-        for stage in ["training", "starting", "loading", "ready"] {
+        for stage in ["training", "starting", "loading", "ready", "spare", "spare starting"] {
             let n = workers.iter().filter(|w| w.stage == stage).count();
             self.workers.get_or_create(&StageLabel { stage: stage.to_string() }).set(n as i64);
         }
@@ -603,7 +603,7 @@ mod tests {
             stage: stage.into(),
             handle: None,
         };
-        m.workers(&[worker(1, "training"), worker(2, "training"), worker(3, "loading")]);
+        m.workers(&[worker(1, "training"), worker(2, "training"), worker(3, "loading"), worker(4, "spare")]);
         let teacher = |id, utilisation| edl_plugin_sdk::TeacherStats {
             id,
             utilisation,
@@ -653,6 +653,7 @@ mod tests {
             "edl_plugin_call_seconds_count{plugin=\"scaling-policy\"} 2",
             "edl_workers{stage=\"training\"} 2",
             "edl_workers{stage=\"loading\"} 1",
+            "edl_workers{stage=\"spare\"} 1",
             "edl_workers{stage=\"starting\"} 0",
             "edl_teacher_wait_share 0.25",
             "edl_teachers 1",

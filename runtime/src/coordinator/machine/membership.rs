@@ -1440,7 +1440,9 @@ mod tests {
         m.handle(t, MemberEvent::Exited { worker: again[0], status: "exit status: 1".into() });
         let cmds = drain(&mut m);
         assert!(spawned(&cmds).is_empty(), "{cmds:?}");
-        assert!(cmds.iter().any(|c| matches!(c, Command::Note { text, .. } if text.contains("keeps no spares"))));
+        assert!(
+            cmds.iter().any(|c| matches!(c, Command::Note { text, .. } if text.contains("keeps no spares")))
+        );
         assert_eq!(m.spares(), 0);
     }
 
