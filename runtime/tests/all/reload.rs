@@ -118,13 +118,21 @@ fn simulate_watch_runs_until_interrupted_and_takes_up_a_rebuilt_policy() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("policy.wasm");
     std::fs::copy(art::SCHEDULE_WASM, &file).unwrap();
-    let mut child = std::process::Command::new("sh")
-        .args(["-c", "exec \"$0\" \"$@\" 2>&1", env!("CARGO_BIN_EXE_edl-runtime"), "simulate", "--policy"])
+    let mut cmd = std::process::Command::new("sh");
+    cmd.args(["-c", "exec \"$0\" \"$@\" 2>&1", env!("CARGO_BIN_EXE_edl-runtime"), "simulate", "--policy"])
         .arg(&file)
         .args(["--watch", "--decide-every-secs", "0.02", "--decisions", "20"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+        .stdout(std::process::Stdio::piped());
+    // Ctrl-C as at a terminal: a test run in the background (a shell's
+    // `&`) has SIGINT ignored, and its children would inherit that.
+    // SAFETY: signal(2) is async-signal-safe and touches only the child.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
     let within = Duration::from_secs(120);
@@ -141,6 +149,16 @@ fn simulate_watch_runs_until_interrupted_and_takes_up_a_rebuilt_policy() {
     // Ctrl-C ends it.
     let int = std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
     assert!(int.success());
-    let status = child.wait().unwrap();
+    let until = std::time::Instant::now() + within;
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if std::time::Instant::now() > until {
+            let _ = child.kill();
+            panic!("SIGINT did not end it within {within:?}: {seen:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     assert!(!status.success(), "{status:?}");
 }
