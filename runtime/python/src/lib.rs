@@ -588,6 +588,12 @@ impl StepView {
     fn indices<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         indices_array(py, &self.info.indices)
     }
+    /// How many samples this rank has in the step (`len(step.indices)`,
+    /// without making the array).
+    #[getter]
+    fn rows(&self) -> usize {
+        self.info.indices.len()
+    }
     #[getter]
     fn step(&self) -> u64 {
         self.info.step

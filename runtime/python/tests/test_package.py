@@ -55,7 +55,8 @@ def test_two_workers_split_every_step_and_keep_one_state(tmp_path):
         job.register("w", w)
         seen = []
         for step in job.steps():
-            g = np.full(4, len(step.indices) / step.global_rows, dtype=np.float32)
+            assert step.rows == len(step.indices)
+            g = np.full(4, step.rows / step.global_rows, dtype=np.float32)
             assert step.all_reduce([g])
             assert np.allclose(g, 1.0), g          # the shares add up to the step
             w -= step.lr * g

@@ -501,8 +501,7 @@ def scaled(step, loss):
     A rank with no samples in a step (fewer rows than ranks) still runs the
     DDP module forward and backward, on stand-in samples (``ElasticLoader``
     gives it some), so that it takes part in the reduction: its weight is 0."""
-    rows = len(step.indices)
-    return loss * (rows * step.world / max(step.global_rows, 1))
+    return loss * (step.rows * step.world / max(step.global_rows, 1))
 
 
 # ---------------------------------------------------------------------------
