@@ -236,7 +236,10 @@ fn a_cnn_with_batchnorm_adamw_and_a_schedule_trains_whole_through_resizes_and_a_
 fn a_killed_rmsprop_job_resumes_with_its_optimizer_and_schedule_where_they_were() {
     let py = torch_py();
     let dir = tempfile::tempdir().unwrap();
-    let mut child = job(py, dir.path(), "rmsprop", 2, 4, None, 64).spawn().unwrap();
+    // Gloo's connections made at the first collective, as NCCL makes its
+    // communicator: the group's store must outlive `init_process_group`.
+    let mut child =
+        job(py, dir.path(), "rmsprop", 2, 4, None, 64).env("TORCH_GLOO_LAZY_INIT", "1").spawn().unwrap();
     let coordinator = child.id();
     let _rx = lines(&mut child);
     let written = committed_checkpoint(&dir.path().join(".edl/launch/checkpoints"), &mut child);

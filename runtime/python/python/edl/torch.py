@@ -231,6 +231,11 @@ class ProcessGroups:
         self.timeout = float(timeout)
         self._generation = None
         self._connections = []
+        # The group's store, held as long as the group: a backend that
+        # reaches it after `init_process_group` returned (NCCL makes its
+        # communicator at the first collective) finds a Python store whose
+        # object is gone unable to answer ("Not implemented").
+        self._store = None
         _HOLDERS.add(self)
 
     def of(self, step):
@@ -251,6 +256,7 @@ class ProcessGroups:
             at = step.rendezvous
             self._connections = _connections_made(before, (at["host"], at["port"]))
         self._generation = step.generation
+        self._store = store
         return dist.group.WORLD
 
     def close(self, failed=False):
@@ -264,17 +270,18 @@ class ProcessGroups:
         if failed:
             _shut_down(self._connections)
         self._connections = []
-        if not dist.is_initialized():
-            return
-        device = torch.device("cuda" if self.backend == "nccl" else "cpu")
-        try:
-            dist.group.WORLD._get_backend(device).abort()
-        except (AttributeError, RuntimeError):
-            pass
-        try:
-            dist.destroy_process_group()
-        except RuntimeError:
-            pass
+        if dist.is_initialized():
+            device = torch.device("cuda" if self.backend == "nccl" else "cpu")
+            try:
+                dist.group.WORLD._get_backend(device).abort()
+            except (AttributeError, RuntimeError):
+                pass
+            try:
+                dist.destroy_process_group()
+            except RuntimeError:
+                pass
+        # Let go of the store only once the group is gone.
+        self._store = None
 
 
 class _Measured:
