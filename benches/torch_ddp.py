@@ -198,10 +198,13 @@ def median_ms(values):
     return f"{statistics.median(values):.0f} ms" if values else "-"
 
 
-def side_by_side(datas, runs, first, second):
+def side_by_side(header, datas, runs, first, second):
     """`first(data)` and `second(data)` alternating, `runs` times each, per
-    data set: a table row each (medians, their ratio, each pair's ratio,
-    the median steps); returns the cores other work kept busy meanwhile."""
+    data set: a table under `header` (its columns' names), a row each
+    (medians, their ratio, each pair's ratio, the median steps), then the
+    cores other work kept busy meanwhile."""
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
     others = []
     for data in datas:
         a, b = [], []
@@ -219,22 +222,20 @@ def side_by_side(datas, runs, first, second):
             f"| {steps[0]:.2f} ms / {steps[1]:.2f} ms |",
             flush=True,
         )
-    return others
+    print(f"other work on the machine during these runs: at most {max(others):.2f} cores")
 
 
 def noise_hook_cost(args, env, scratch):
     """edl + DDP with ElasticDDP's communication hook (the gradient noise
     scale measured) against DDP's own reduction, alternating, `--runs` each."""
     off = dict(env, EDL_BENCH_NOISE_SCALE="0")
-    print("| data | without the hook | with it | with / without | each pair | median step, without / with |")
-    print("|---|---|---|---|---|---|")
-    others = side_by_side(
+    side_by_side(
+        ["data", "without the hook", "with it", "with / without", "each pair", "median step, without / with"],
         args.data.split(","),
         args.runs,
         lambda data: throughput_edl(data, off, scratch),
         lambda data: throughput_edl(data, env, scratch),
     )
-    print(f"other work on the machine during these runs: at most {max(others):.2f} cores")
 
 
 def worker_pid(launcher, worker):
@@ -408,18 +409,14 @@ def main():
     if args.warm_spares:
         return warm_spares_cost(args, env, scratch)
 
-    print(
-        "| data | torchrun + DDP | edl + DDP | edl / torchrun | each run's edl / torchrun "
-        "| median step, torchrun / edl |"
-    )
-    print("|---|---|---|---|---|---|")
-    others = side_by_side(
+    side_by_side(
+        ["data", "torchrun + DDP", "edl + DDP", "edl / torchrun", "each run's edl / torchrun",
+         "median step, torchrun / edl"],
         args.data.split(","),
         args.runs,
         lambda data: throughput_torchrun(data, env, scratch),
         lambda data: throughput_edl(data, env, scratch),
     )
-    print(f"other work on the machine during these runs: at most {max(others):.2f} cores")
 
     if args.no_resize:
         return
