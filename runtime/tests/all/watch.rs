@@ -75,7 +75,7 @@ out = {}
 for family in text_string_to_metric_families(sys.stdin.read()):
     for s in family.samples:
         labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-        out[s.name + ("{" + labels + "}" if labels else "")] = s.value
+        out[s.name + ("{" + labels + "}" if labels else "")] = repr(float(s.value))
 print(json.dumps(out))
 "#;
     let mut c =
@@ -83,7 +83,16 @@ print(json.dumps(out))
     c.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
     let out = c.wait_with_output().unwrap();
     assert!(out.status.success(), "the parser refused the metrics:\n{text}");
-    serde_json::from_slice(&out.stdout).unwrap()
+    // Values travel as Python's repr: JSON has no NaN, and a gauge not yet
+    // measured is NaN.
+    let values: BTreeMap<String, String> = serde_json::from_slice(&out.stdout).unwrap();
+    values
+        .into_iter()
+        .map(|(k, v)| {
+            let x = v.parse().unwrap_or_else(|e| panic!("{k} = {v}: {e}"));
+            (k, x)
+        })
+        .collect()
 }
 
 #[test]
