@@ -18,6 +18,8 @@
 //!   gRPC and REST) and the student's `DistillReader`.
 //! - [`checkpoint`]: checkpoints in a local directory or object storage.
 //! - [`state`]: a training program's state as named tensors.
+//! - [`ps`]: parameter servers for sparse models: sharded tables, per-row
+//!   optimisers on the servers, a step's pushes applied exactly once.
 //! - [`plugin`]: the plugin host (wasmtime components and native libraries),
 //!   policy replay and plugin scaffolding.
 //! - [`store`]: the discovery and job-state store (embedded, Redis, etcd).
@@ -39,6 +41,7 @@ pub mod observe;
 pub mod plot;
 pub mod plugin;
 pub mod process;
+pub mod ps;
 pub mod scalers;
 pub mod state;
 pub mod store;

@@ -1,0 +1,20 @@
+//! Parameter servers for sparse models (Fleet's PS): tables too large to
+//! replicate on every worker, split into shards that servers own by
+//! rendezvous hashing, rows made on first touch and updated on the server
+//! by a per-row optimiser, each step's pushes applied exactly once.
+//!
+//! - `table.rs`: a table's spec, its rows, initialisers and optimisers;
+//! - `placement.rs`: which server owns which shard;
+//! - `server.rs`: a server's state and the exactly-once rule, without I/O;
+//! - `wire.rs`: the frames on a connection;
+//! - `service.rs`: the server on the network, and the workers' client.
+
+pub mod placement;
+pub mod server;
+pub mod service;
+pub mod table;
+pub mod wire;
+
+pub use server::{PsError, PushTag, Pushed, Server, Stats};
+pub use service::{Client, Service};
+pub use table::{Init, Optimizer, SHARDS, TableSpec};

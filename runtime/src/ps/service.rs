@@ -1,0 +1,333 @@
+//! Parameter servers on the network: the server's listener (a thread per
+//! client connection, the tables behind one lock, pulls that wait for
+//! their step's pushes on a condition variable) and the client that
+//! splits a worker's pulls and pushes by shard owner.
+//!
+//! Connections prove the job's secret on the `ps` channel and are sealed,
+//! as the job's other channels are.
+
+use super::placement;
+use super::server::{PushTag, Pushed, Server, Stats};
+use super::table::{SHARDS, TableSpec};
+use super::wire::{self, Request, Response};
+use anyhow::{Context, Result, bail};
+use edl_host_gpu::comm::auth::{self, JobAuth};
+use edl_host_gpu::comm::sealed::SealedStream;
+use std::{
+    collections::HashMap,
+    net::{SocketAddr, TcpListener, TcpStream},
+    sync::{Arc, Condvar, Mutex},
+    time::{Duration, Instant},
+};
+
+/// The channel name parameter-server connections claim.
+pub const CHANNEL: &str = "ps";
+const HANDSHAKE: Duration = Duration::from_secs(10);
+
+/// A server's tables, shared by its connections.
+struct Shared {
+    server: Mutex<Server>,
+    /// Signalled whenever a push was staged (a step may have been applied).
+    pushed: Condvar,
+    /// Longest a pull waits for the pushes of the steps before it.
+    pull_timeout: Duration,
+}
+
+/// A running parameter server.
+pub struct Service {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+}
+
+impl Service {
+    /// Serves `server` on `listener` to processes of the job `auth` names.
+    pub fn start(
+        listener: TcpListener,
+        auth: JobAuth,
+        server: Server,
+        pull_timeout: Duration,
+    ) -> Result<Service> {
+        let addr = listener.local_addr()?;
+        let shared = Arc::new(Shared { server: Mutex::new(server), pushed: Condvar::new(), pull_timeout });
+        let s = shared.clone();
+        std::thread::Builder::new().name("ps-accept".into()).spawn(move || {
+            for conn in listener.incoming() {
+                match conn {
+                    Ok(c) => {
+                        let (s, auth) = (s.clone(), auth.clone());
+                        let spawned = std::thread::Builder::new()
+                            .name("ps-conn".into())
+                            .spawn(move || serve(c, &auth, &s));
+                        if let Err(e) = spawned {
+                            tracing::warn!("parameter server: no thread for a connection: {e}");
+                        }
+                    }
+                    Err(e) => tracing::warn!("parameter server: accept failed: {e}"),
+                }
+            }
+        })?;
+        Ok(Service { addr, shared })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.shared.server.lock().expect("ps state").stats()
+    }
+
+    /// Every row of `table` this server holds, by id.
+    pub fn rows(&self, table: &str) -> std::collections::BTreeMap<u64, Vec<f32>> {
+        self.shared.server.lock().expect("ps state").rows(table)
+    }
+}
+
+/// One client connection: the handshake, then requests until it closes.
+fn serve(mut conn: TcpStream, job: &JobAuth, shared: &Shared) {
+    let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
+    let checked = auth::accept(&mut auth::Deadline::new(&mut conn, HANDSHAKE), &job.secret, |c| {
+        job.check(c, CHANNEL, None)
+    });
+    let (claim, keys) = match checked {
+        Ok(k) => k,
+        Err(e) => return tracing::warn!("parameter server: refused {peer}: {e}"),
+    };
+    let _ = conn.set_nodelay(true);
+    let mut stream = match SealedStream::new(conn, Some(keys)) {
+        Ok(s) => s,
+        Err(e) => return tracing::warn!("parameter server: {peer}: {e}"),
+    };
+    let worker = claim.who;
+    loop {
+        let (req, body) = match wire::read::<Request>(&mut stream) {
+            Ok(Some(r)) => r,
+            Ok(None) => return,
+            Err(e) => return tracing::warn!("parameter server: worker {worker} at {peer}: {e}"),
+        };
+        let (resp, out) = answer(shared, worker, req, &body);
+        if let Err(e) = wire::write(&mut stream, &resp, &out) {
+            return tracing::warn!("parameter server: worker {worker} at {peer}: {e}");
+        }
+    }
+}
+
+/// A request's response and body.
+fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response, Vec<u8>) {
+    let refused = |error: String| (Response::Refused { error }, Vec::new());
+    let mut server = shared.server.lock().expect("ps state");
+    match req {
+        Request::Declare { table, from_step } => match server.declare(worker, table, from_step) {
+            Ok(()) => (Response::ok(), Vec::new()),
+            Err(e) => refused(e.to_string()),
+        },
+        Request::Stats => (Response::Ok { pushed: None, stats: Some(server.stats()) }, Vec::new()),
+        Request::Push { table, tag, ids } => {
+            let Some((ids, grads)) = wire::decode(body, ids) else {
+                return refused(format!(
+                    "table {table:?}: worker {worker} sent a push whose body is not its ids and floats"
+                ));
+            };
+            let pushed = server.push(&table, worker, tag, ids, grads);
+            shared.pushed.notify_all();
+            match pushed {
+                Ok(p) => (Response::Ok { pushed: Some(p), stats: None }, Vec::new()),
+                Err(e) => refused(e.to_string()),
+            }
+        }
+        Request::Pull { table, need } => {
+            let Some((ids, _)) = wire::decode(body, body.len() / 8).filter(|(_, r)| r.is_empty()) else {
+                return refused(format!(
+                    "table {table:?}: worker {worker} sent a pull whose body is not ids"
+                ));
+            };
+            let deadline = Instant::now() + shared.pull_timeout;
+            loop {
+                match server.pull(&table, worker, need, &ids) {
+                    Ok(Some(rows)) => return (Response::ok(), wire::encode(&[], &rows)),
+                    Err(e) => return refused(e.to_string()),
+                    Ok(None) => {}
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    let (applied, next) = server.waiting(&table).unwrap_or_default();
+                    return refused(format!(
+                        "table {table:?}: worker {worker} waited {:?} for step {} (steps before it applied: {applied}; {next})",
+                        shared.pull_timeout,
+                        need.saturating_sub(1)
+                    ));
+                }
+                server = shared.pushed.wait_timeout(server, left).expect("ps state").0;
+            }
+        }
+    }
+}
+
+/// A worker's connections to every parameter server of the job.
+pub struct Client {
+    worker: u64,
+    servers: Vec<Conn>,
+    /// Per shard, the index in `servers` of its owner.
+    owners: Vec<usize>,
+    dims: HashMap<String, TableSpec>,
+}
+
+struct Conn {
+    id: u64,
+    addr: SocketAddr,
+    stream: SealedStream,
+}
+
+impl Conn {
+    fn send(&mut self, req: &Request, body: &[u8]) -> Result<()> {
+        wire::write(&mut self.stream, req, body)
+            .with_context(|| format!("parameter server {} at {}", self.id, self.addr))
+    }
+
+    fn receive(&mut self) -> Result<(Response, Vec<u8>)> {
+        let got = wire::read::<Response>(&mut self.stream)
+            .with_context(|| format!("parameter server {} at {}", self.id, self.addr))?;
+        let Some((resp, body)) = got else {
+            bail!("parameter server {} at {} closed the connection", self.id, self.addr)
+        };
+        match resp {
+            Response::Refused { error } => bail!("parameter server {} at {}: {error}", self.id, self.addr),
+            ok => Ok((ok, body)),
+        }
+    }
+}
+
+impl Client {
+    /// Connects to `servers` (their ids and addresses) as `worker`.
+    pub fn connect(servers: &[(u64, SocketAddr)], job: &JobAuth, worker: u64) -> Result<Client> {
+        if servers.is_empty() {
+            bail!("no parameter servers to connect to");
+        }
+        let mut conns = Vec::new();
+        for &(id, addr) in servers {
+            let conn = (|| -> Result<Conn> {
+                let mut s = TcpStream::connect_timeout(&addr, HANDSHAKE)?;
+                s.set_nodelay(true)?;
+                s.set_read_timeout(Some(HANDSHAKE))?;
+                let keys = auth::connect(&mut s, &job.secret, &job.claim(CHANNEL, 0, worker))?;
+                s.set_read_timeout(None)?;
+                Ok(Conn { id, addr, stream: SealedStream::new(s, Some(keys))? })
+            })()
+            .with_context(|| format!("connecting to parameter server {id} at {addr}"))?;
+            conns.push(conn);
+        }
+        let ids: Vec<u64> = conns.iter().map(|c| c.id).collect();
+        let owners = (0..SHARDS)
+            .map(|shard| {
+                let o = placement::owner(&ids, shard);
+                ids.iter().position(|&i| i == o).expect("an owner among them")
+            })
+            .collect();
+        Ok(Client { worker, servers: conns, owners, dims: HashMap::new() })
+    }
+
+    /// Declares `spec` on every server (the same spec again is a no-op).
+    pub fn declare(&mut self, spec: TableSpec, from_step: u64) -> Result<()> {
+        let req = Request::Declare { table: spec.clone(), from_step };
+        self.servers.iter_mut().try_for_each(|c| c.send(&req, &[]))?;
+        self.servers.iter_mut().try_for_each(|c| c.receive().map(drop))?;
+        self.dims.insert(spec.name.clone(), spec);
+        Ok(())
+    }
+
+    fn spec(&self, table: &str) -> Result<&TableSpec> {
+        self.dims
+            .get(table)
+            .with_context(|| format!("table {table:?} was not declared by worker {}", self.worker))
+    }
+
+    /// Rows `ids` of `table` (in order, repeats allowed), once the steps
+    /// before `need` are applied; each server is asked once for its unique ids.
+    pub fn pull(&mut self, table: &str, need: u64, ids: &[u64]) -> Result<Vec<f32>> {
+        let spec = self.spec(table)?.clone();
+        let mut unique: Vec<Vec<u64>> = vec![Vec::new(); self.servers.len()];
+        let mut place: HashMap<u64, (usize, usize)> = HashMap::with_capacity(ids.len());
+        for &id in ids {
+            place.entry(id).or_insert_with(|| {
+                let s = self.owners[spec.shard_of(id) as usize];
+                unique[s].push(id);
+                (s, unique[s].len() - 1)
+            });
+        }
+        let req = Request::Pull { table: table.into(), need };
+        let asked: Vec<usize> = (0..self.servers.len()).filter(|&s| !unique[s].is_empty()).collect();
+        for &s in &asked {
+            self.servers[s].send(&req, &wire::encode(&unique[s], &[]))?;
+        }
+        let mut rows: Vec<Vec<f32>> = vec![Vec::new(); self.servers.len()];
+        for &s in &asked {
+            let (_, body) = self.servers[s].receive()?;
+            let (_, r) = wire::decode(&body, 0)
+                .filter(|(_, r)| r.len() == unique[s].len() * spec.dim)
+                .with_context(|| {
+                    format!(
+                        "parameter server {}: a pull of {:?} answered with the wrong size",
+                        self.servers[s].id, table
+                    )
+                })?;
+            rows[s] = r;
+        }
+        let d = spec.dim;
+        let mut out = Vec::with_capacity(ids.len() * d);
+        for id in ids {
+            let (s, i) = place[id];
+            out.extend_from_slice(&rows[s][i * d..(i + 1) * d]);
+        }
+        Ok(out)
+    }
+
+    /// Pushes `grads` (`ids.len() * dim` floats) of a step to every server:
+    /// a row's repeats summed, each server sent its rows (or none, so that
+    /// it counts this rank's push). Returns the steps applied on the
+    /// slowest server.
+    pub fn push(&mut self, table: &str, tag: PushTag, ids: &[u64], grads: &[f32]) -> Result<u64> {
+        let spec = self.spec(table)?.clone();
+        let d = spec.dim;
+        if grads.len() != ids.len() * d {
+            bail!("table {table:?}: {} gradient floats for {} ids of dimension {d}", grads.len(), ids.len());
+        }
+        let mut per: Vec<(Vec<u64>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); self.servers.len()];
+        let mut at: HashMap<u64, (usize, usize)> = HashMap::with_capacity(ids.len());
+        for (&id, g) in ids.iter().zip(grads.chunks_exact(d)) {
+            let &mut (s, i) = at.entry(id).or_insert_with(|| {
+                let s = self.owners[spec.shard_of(id) as usize];
+                per[s].0.push(id);
+                per[s].1.extend(std::iter::repeat_n(0.0, d));
+                (s, per[s].0.len() - 1)
+            });
+            per[s].1[i * d..(i + 1) * d].iter_mut().zip(g).for_each(|(a, b)| *a += b);
+        }
+        for (c, (ids, grads)) in self.servers.iter_mut().zip(&per) {
+            c.send(&Request::Push { table: table.into(), tag, ids: ids.len() }, &wire::encode(ids, grads))?;
+        }
+        let mut applied = u64::MAX;
+        for c in &mut self.servers {
+            let (resp, _) = c.receive()?;
+            if let Response::Ok {
+                pushed: Some(Pushed::Staged { applied: a } | Pushed::AlreadyApplied { applied: a }),
+                ..
+            } = resp
+            {
+                applied = applied.min(a);
+            }
+        }
+        Ok(applied)
+    }
+
+    /// Every server's tables and memory.
+    pub fn stats(&mut self) -> Result<Vec<Stats>> {
+        self.servers.iter_mut().try_for_each(|c| c.send(&Request::Stats, &[]))?;
+        self.servers
+            .iter_mut()
+            .map(|c| match c.receive()? {
+                (Response::Ok { stats: Some(s), .. }, _) => Ok(s),
+                _ => bail!("parameter server {}: no stats in its answer", c.id),
+            })
+            .collect()
+    }
+}
