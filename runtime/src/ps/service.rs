@@ -331,3 +331,131 @@ impl Client {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ps::table::{Init, Optimizer};
+    use auth::Secret;
+
+    fn job() -> JobAuth {
+        JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() }
+    }
+
+    fn start(job: &JobAuth, id: u64, timeout: Duration) -> Service {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        Service::start(l, job.clone(), Server::new(id, None), timeout).unwrap()
+    }
+
+    fn spec() -> TableSpec {
+        TableSpec { name: "emb".into(), dim: 3, optimizer: Optimizer::sgd(0.5), init: Init::Uniform { scale: 0.1 }, seed: 1 }
+    }
+
+    /// The ids rank `rank` touches at `step` (repeats and a shared hot id).
+    fn batch(step: u64, rank: u64) -> Vec<u64> {
+        let mut ids: Vec<u64> = (0..6).map(|i| crate::ps::table::mix(step * 31 + rank * 7 + i) % 40).collect();
+        ids.push(7);
+        ids.push(ids[0]);
+        ids
+    }
+
+    /// A gradient that depends on the rows a step read, so a pull that did
+    /// not wait for the step before it shows in the result.
+    fn grads(rows: &[f32], step: u64) -> Vec<f32> {
+        rows.iter().enumerate().map(|(i, w)| 0.3 * w + 0.01 * ((step as usize + i) % 5) as f32).collect()
+    }
+
+    #[test]
+    fn two_ranks_on_two_servers_train_as_one_process_would() {
+        let job = job();
+        let services = [start(&job, 1, Duration::from_secs(60)), start(&job, 2, Duration::from_secs(60))];
+        let addrs: Vec<(u64, SocketAddr)> = vec![(1, services[0].addr()), (2, services[1].addr())];
+        let steps = 25;
+        let ranks: Vec<_> = (0..2u64)
+            .map(|rank| {
+                let (job, addrs) = (job.clone(), addrs.clone());
+                std::thread::spawn(move || {
+                    let mut c = Client::connect(&addrs, &job, 10 + rank).unwrap();
+                    c.declare(spec(), 0).unwrap();
+                    for step in 0..steps {
+                        if rank == 1 && step % 3 == 0 {
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                        let ids = batch(step, rank);
+                        let rows = c.pull("emb", step, &ids).unwrap();
+                        let tag = PushTag { generation: 1, step, rank: rank as u32, world: 2 };
+                        c.push("emb", tag, &ids, &grads(&rows, step)).unwrap();
+                    }
+                    c.stats().unwrap()
+                })
+            })
+            .collect();
+        let stats: Vec<Vec<Stats>> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
+        // One process, step by step: both ranks read the rows of the step
+        // before, and the sum of their gradients is applied.
+        let s = spec();
+        let mut shadow: HashMap<u64, Vec<f32>> = HashMap::new();
+        for step in 0..steps {
+            let mut sum: HashMap<u64, Vec<f32>> = HashMap::new();
+            for rank in 0..2 {
+                let ids = batch(step, rank);
+                let rows: Vec<f32> = ids
+                    .iter()
+                    .flat_map(|id| {
+                        shadow
+                            .entry(*id)
+                            .or_insert_with(|| {
+                                let mut r = vec![0.0; 3];
+                                s.init_row(*id, &mut r);
+                                r
+                            })
+                            .clone()
+                    })
+                    .collect();
+                for (id, g) in ids.iter().zip(grads(&rows, step).chunks(3)) {
+                    let acc = sum.entry(*id).or_insert_with(|| vec![0.0; 3]);
+                    acc.iter_mut().zip(g).for_each(|(a, b)| *a += b);
+                }
+            }
+            for (id, g) in sum {
+                shadow.get_mut(&id).unwrap().iter_mut().zip(g).for_each(|(w, g)| *w -= 0.5 * g);
+            }
+        }
+        let mut held: HashMap<u64, Vec<f32>> = HashMap::new();
+        for svc in &services {
+            for (id, row) in svc.rows("emb") {
+                assert!(held.insert(id, row).is_none(), "row {id} on two servers");
+            }
+        }
+        assert_eq!(held.len(), shadow.len());
+        for (id, want) in &shadow {
+            let got = &held[id];
+            assert!(got.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-5), "row {id}: {got:?} != {want:?}");
+        }
+        let last = &stats[0];
+        assert!(last.iter().all(|s| s.tables[0].applied >= steps - 1), "{last:?}");
+        assert!(services.iter().all(|s| s.stats().tables[0].applied == steps));
+        assert!(services.iter().all(|s| s.stats().tables[0].rows > 5), "both servers hold rows");
+    }
+
+    #[test]
+    fn a_pull_whose_step_never_comes_ends_with_what_it_waited_for_and_strangers_are_refused() {
+        let job = job();
+        let svc = start(&job, 4, Duration::from_millis(100));
+        let mut c = Client::connect(&[(4, svc.addr())], &job, 3).unwrap();
+        c.declare(spec(), 0).unwrap();
+        let tag = PushTag { generation: 1, step: 0, rank: 0, world: 2 };
+        c.push("emb", tag, &[1], &[0.0; 3]).unwrap();
+        let e = c.pull("emb", 1, &[1]).unwrap_err().to_string();
+        assert!(e.contains("waited") && e.contains("step 0 has pushes from 1 of 2 ranks"), "{e}");
+        let e = c.pull("nope", 0, &[1]).unwrap_err().to_string();
+        assert!(e.contains("\"nope\" was not declared by worker 3"), "{e}");
+        let e = c.push("emb", tag, &[1, 2], &[0.0; 3]).unwrap_err().to_string();
+        assert!(e.contains("3 gradient floats for 2 ids"), "{e}");
+        // Still serving after the refusals, on the same connection.
+        assert_eq!(c.pull("emb", 0, &[1]).unwrap().len(), 3);
+        let other = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
+        let e = Client::connect(&[(4, svc.addr())], &other, 3).err().unwrap();
+        assert!(format!("{e:#}").contains("parameter server 4"), "{e:#}");
+    }
+}
