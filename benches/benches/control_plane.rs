@@ -217,6 +217,7 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
         teacher_io: Default::default(),
         teacher_calls: Default::default(),
         follow: None,
+        ps: None,
     };
     let sim = Sim {
         compute,

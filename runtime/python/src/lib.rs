@@ -20,6 +20,8 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
+mod sparse;
+
 pyo3::create_exception!(_edl, EdlError, PyRuntimeError, "An error of the elastic runtime, with its message.");
 
 fn err(e: impl std::fmt::Display) -> PyErr {
@@ -174,6 +176,8 @@ struct Inner {
     rt: tokio::runtime::Runtime,
     /// The step being run, when it started, and whether it was abandoned.
     current: Option<(Step, Instant)>,
+    /// Sparse tables on the job's parameter servers.
+    tables: sparse::Tables,
 }
 
 /// An elastic job, joined as one of its workers.
@@ -276,6 +280,42 @@ impl Job {
         Ok(())
     }
 
+    /// Defines a sparse table on the job's parameter servers (`--ps-servers
+    /// N`): rows of `dim` float32 values, made on first touch by `init`
+    /// (`"uniform"` in [-scale, scale], `"normal"` with std `scale`, or
+    /// `"zeros"`; the same values on any server, from `seed`), updated on
+    /// the servers by `optimizer` (`"sgd"`, `"adagrad"` or `"adam"`, at
+    /// `lr`). Every worker defines the same tables; `step.pull` and
+    /// `step.push` use them.
+    #[pyo3(signature = (name, dim, optimizer="adagrad", lr=0.05, init="uniform", scale=0.05, seed=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn table(
+        &self,
+        name: &str,
+        dim: usize,
+        optimizer: &str,
+        lr: f32,
+        init: &str,
+        scale: f32,
+        seed: u64,
+    ) -> PyResult<()> {
+        use edl_runtime::ps::{Init, Optimizer, TableSpec};
+        let optimizer = match optimizer {
+            "sgd" => Optimizer::sgd(lr),
+            "adagrad" => Optimizer::adagrad(lr),
+            "adam" => Optimizer::adam(lr),
+            o => return Err(PyValueError::new_err(format!("table {name:?}: optimizer {o:?} is not sgd, adagrad or adam"))),
+        };
+        let init = match init {
+            "uniform" => Init::Uniform { scale },
+            "normal" => Init::Normal { std: scale },
+            "zeros" => Init::Zeros,
+            i => return Err(PyValueError::new_err(format!("table {name:?}: init {i:?} is not uniform, normal or zeros"))),
+        };
+        let spec = TableSpec { name: name.to_string(), dim, optimizer, init, seed };
+        lock(&self.inner).tables.define(spec).map_err(|e| PyValueError::new_err(format!("{e:#}")))
+    }
+
     /// The registered state's names and shapes.
     #[getter]
     fn state_layout(&self) -> Vec<(String, Vec<usize>)> {
@@ -366,6 +406,7 @@ impl Job {
             }
         };
         let spec = session.spec().clone();
+        let tables = sparse::Tables::new(spec.ps.clone(), session.auth().clone(), session.id());
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -388,6 +429,7 @@ impl Job {
                 teach: None,
                 rt,
                 current: None,
+                tables,
             }),
         }))
     }
@@ -567,6 +609,32 @@ impl StepInfo {
     }
 }
 
+/// Sparse-table ids from Python: integers >= 0, as u64.
+fn ids_of(py: Python<'_>, table: &str, ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    let np = py.import("numpy")?;
+    let a = np.call_method1("ascontiguousarray", (ids, "int64")).map_err(|e| {
+        PyValueError::new_err(format!("table {table:?}: ids must be integers ({e})"))
+    })?;
+    let buf = PyBuffer::<i64>::get(&a)?;
+    let v = buf.to_vec(py)?;
+    if let Some(bad) = v.iter().find(|&&i| i < 0) {
+        return Err(PyValueError::new_err(format!("table {table:?}: id {bad} is negative")));
+    }
+    Ok(v.into_iter().map(|i| i as u64).collect())
+}
+
+impl StepView {
+    /// Where this rank's pushes of the step belong.
+    fn tag(&self) -> edl_runtime::ps::PushTag {
+        edl_runtime::ps::PushTag {
+            generation: self.info.generation,
+            step: self.info.step,
+            rank: self.info.rank as u32,
+            world: self.info.world as u32,
+        }
+    }
+}
+
 /// One step of this worker.
 #[pyclass(module = "edl", name = "Step")]
 struct StepView {
@@ -697,6 +765,51 @@ impl StepView {
         Ok(())
     }
 
+    /// Rows `ids` (integers >= 0; repeats allowed) of sparse table `table`
+    /// as they are after the steps before this one (or within the job's
+    /// `--ps-staleness`): a float32 array `[len(ids), dim]`.
+    fn pull<'py>(&self, py: Python<'py>, table: &str, ids: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        if self.done {
+            return Err(err(format!("step {} is over", self.info.step)));
+        }
+        let ids = ids_of(py, table, ids)?;
+        let job = self.job.bind(py).borrow();
+        let mut inner = lock(&job.inner);
+        let tables = &mut inner.tables;
+        let dim = tables.dim(table).map_err(anyhow_err)?;
+        let step = self.info.step;
+        let rows = py.detach(|| tables.pull(table, step, &ids)).map_err(anyhow_err)?;
+        float_array(py, &rows, (ids.len(), dim))
+    }
+
+    /// This rank's gradients of sparse table `table`'s rows `ids` (float32
+    /// `[len(ids), dim]`; a repeated id's rows are summed): applied on the
+    /// servers, summed over the ranks, once every rank's push of the step
+    /// is in. Each table at most once a step; a table not pushed is pushed
+    /// empty at the commit.
+    fn push(&self, py: Python<'_>, table: &str, ids: &Bound<'_, PyAny>, grads: &Bound<'_, PyAny>) -> PyResult<()> {
+        if self.done {
+            return Err(err(format!("step {} is over", self.info.step)));
+        }
+        let ids = ids_of(py, table, ids)?;
+        let g = as_float32(py, grads)?;
+        let buf = PyBuffer::<f32>::get(&g)?;
+        let grads = buf.to_vec(py)?;
+        let job = self.job.bind(py).borrow();
+        let mut inner = lock(&job.inner);
+        let tables = &mut inner.tables;
+        let dim = tables.dim(table).map_err(anyhow_err)?;
+        if grads.len() != ids.len() * dim {
+            return Err(PyValueError::new_err(format!(
+                "table {table:?}: gradients of shape {:?} for {} ids of dimension {dim}",
+                buf.shape(),
+                ids.len()
+            )));
+        }
+        let tag = self.tag();
+        py.detach(|| tables.push(table, tag, &ids, &grads)).map_err(anyhow_err)
+    }
+
     /// Tells the squared norms of what a collective of this step gave
     /// (`local`: this rank's share of the mean gradient) and got back
     /// (`reduced`: the mean), numbers or 0-d tensors, read at the commit:
@@ -802,6 +915,8 @@ impl StepView {
             session.reduced_norms(local, reduced);
         }
         let weighted = named.into_iter().map(|(k, v)| (k, v * share)).collect();
+        let (tag, tables) = (self.tag(), &mut inner.tables);
+        py.detach(|| tables.finish(tag)).map_err(anyhow_err)?;
         py.detach(|| session.finish_with(loss * share, compute_ms, weighted)).map_err(anyhow_err)?;
         self.done = true;
         Ok(())

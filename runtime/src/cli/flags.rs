@@ -90,6 +90,24 @@ pub struct ScalingArgs {
     pub warm_spares: u32,
 }
 
+/// The job's parameter servers, for programs with sparse tables.
+#[derive(Args)]
+#[command(next_help_heading = "Parameter servers")]
+pub struct PsArgs {
+    /// Parameter servers the job starts beside the coordinator (0: none):
+    /// they hold the tables programs declare with `job.table(...)`.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub ps_servers: u32,
+    /// Most memory each server's rows may take, MiB (0: no bound); new rows
+    /// past it are refused, naming the table.
+    #[arg(long, value_name = "MIB", default_value_t = 0)]
+    pub ps_memory_mib: u64,
+    /// Steps a pull may run ahead of the pushes applied (0: every step sees
+    /// every update before it).
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    pub ps_staleness: u64,
+}
+
 /// What a job trains with: epochs and the starting hyperparameters.
 #[derive(Args)]
 #[command(next_help_heading = "Training")]

@@ -18,7 +18,7 @@ use edl_host_gpu::comm::auth::Secret;
 use edl_plugin_sdk::Hyperparams;
 use edl_runtime::{
     coordinator::{self, report::Report},
-    job::{Job, JobConfig, JobDirs, JobPlugins, JobSpec, TeacherSource},
+    job::{Job, JobConfig, JobDirs, JobPlugins, JobSpec, TeacherSource, ps_servers::PsStart},
     net,
     observe::{self, Watch, WatchAccess},
     plugin::{AdapterPlugin, PluginHost, PolicyPlugin},
@@ -33,6 +33,33 @@ use std::{
     sync::Arc,
     time::Duration,
 };
+
+/// Starts the job's parameter servers, if it asks for any.
+fn start_ps(job: Job, args: &JobArgs, dirs: &JobDirs, exe: &Path) -> Result<Job> {
+    let p = &args.ps;
+    if p.ps_servers == 0 {
+        return Ok(job);
+    }
+    let c = &args.cluster;
+    let at = net::Addresses { listen: c.listen, advertise: c.advertise.clone(), ..Default::default() };
+    let start = PsStart {
+        count: p.ps_servers,
+        memory_mib: p.ps_memory_mib,
+        staleness: p.ps_staleness,
+        exe: exe.to_path_buf(),
+        listen: c.listen.ip(),
+        advertise: at.advertised_host()?,
+    };
+    let job = job.start_ps(dirs, &start)?;
+    let bound = match p.ps_memory_mib {
+        0 => String::new(),
+        m => format!(", at most {m} MiB of rows"),
+    };
+    for s in &job.ps_servers().servers {
+        println!("ps        {} serving on {}{bound}", s.id, s.addr);
+    }
+    Ok(job)
+}
 
 /// Runs a job to its end and prints its summary.
 pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) -> Result<ExitCode> {
@@ -70,6 +97,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     if let Some(start) = teachers.start {
         job = job.start_teachers(&dirs, start, &mut |i, addr| println!("teacher   {i} serving on {addr}"))?;
     }
+    job = start_ps(job, &args, &dirs, &exe)?;
     let mut display = ProgressDisplay::new(work.rows() as u64, args.training.epochs)?;
     let teacher_accuracy = job.teachers().accuracy().or(teachers.accuracy);
     // SIGTERM or SIGINT stops the job with notice: a checkpoint, its
@@ -280,6 +308,7 @@ fn job_spec(
         teacher_io: d.teacher_io.io(),
         teacher_calls: d.teacher_calls.calls(),
         follow: None,
+        ps: None,
     })
 }
 

@@ -22,6 +22,7 @@ mod launch;
 mod plugin;
 mod plugin_path;
 mod progress;
+mod ps;
 mod refusals;
 mod simulate;
 mod summary;
@@ -99,6 +100,8 @@ enum Command {
         #[command(subcommand)]
         command: plugin::PluginCommand,
     },
+    /// Serve a job's sparse tables as one of its parameter servers.
+    Ps(ps::PsArgs),
     /// Print the devices and CUDA libraries this machine offers.
     Devices,
 }
@@ -205,6 +208,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Distill(args)) => distill::run(args),
         Some(Command::Simulate(args)) => simulate::run(&host(&cli.sandbox)?, args),
         Some(Command::Plugin { command }) => plugin::run(&*host(&cli.sandbox)?, command),
+        Some(Command::Ps(args)) => ps::run(args),
         Some(Command::Devices) => Ok(devices::run()),
     }
 }

@@ -5,7 +5,7 @@
 
 use super::flags::{
     ClusterArgs, DistillationArgs, LivenessArgs, OutputArgs, PluginArgs, ScalingArgs, StateArgs,
-    TrainingArgs, TransformArgs, WatchArgs,
+    PsArgs, TrainingArgs, TransformArgs, WatchArgs,
 };
 use anyhow::{Context, Result};
 use clap::Args;
@@ -45,6 +45,8 @@ pub struct JobArgs {
     pub output: OutputArgs,
     #[command(flatten)]
     pub watch: WatchArgs,
+    #[command(flatten)]
+    pub ps: PsArgs,
 }
 
 /// The built-in student's distillation temperature, by default; a

@@ -240,7 +240,7 @@ fn ms(d: Duration) -> f64 {
 /// Runs a job put together by [`Job::assemble`] to its end; the job's
 /// lock is held until then.
 pub fn run(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobOutcome> {
-    let Job { cfg, lock, plugins, scaler, mut teachers } = job;
+    let Job { cfg, lock, plugins, scaler, mut teachers, ps } = job;
     cfg.validate()?;
     let cfg = Arc::new(cfg);
     let io = Io::open(&cfg)?;
@@ -280,6 +280,7 @@ pub fn run(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobOutcome> {
     c.close(&reason);
     drop(lock);
     drop(teachers);
+    drop(ps);
     result
 }
 

@@ -188,6 +188,8 @@ pub struct Job {
     pub(crate) plugins: JobPlugins,
     pub(crate) scaler: Box<dyn Scaler>,
     pub(crate) teachers: StartedTeachers,
+    /// The parameter servers it started, stopped when the job ends.
+    pub(crate) ps: super::ps_servers::PsServers,
 }
 
 impl Job {
@@ -228,7 +230,8 @@ impl Job {
         if matches!(cfg.spec.teachers, Some(crate::job::spec::TeacherSource::Discovered { .. })) {
             keep_registration_key(&cfg, dirs)?;
         }
-        Ok(Job { cfg, lock, plugins, scaler, teachers: StartedTeachers::default() })
+        let (teachers, ps) = Default::default();
+        Ok(Job { cfg, lock, plugins, scaler, teachers, ps })
     }
 
     /// The second half of [`Job::assemble`]: the teacher processes start
@@ -245,6 +248,20 @@ impl Job {
         self.teachers = start_teachers(&self.cfg, dirs, start, serving)?;
         refuse_tokens_in_clear(&self.cfg, &self.teachers)?;
         Ok(self)
+    }
+
+    /// Starts the job's parameter servers beside the coordinator; workers
+    /// are told where they serve.
+    pub fn start_ps(mut self, dirs: &JobDirs, start: &super::ps_servers::PsStart) -> Result<Job> {
+        let auth = crate::worker::session::JobAuth { job: self.cfg.spec.job.clone(), secret: self.cfg.secret.clone() };
+        self.ps = super::ps_servers::PsServers::start(start, &auth, &dirs.log_dir)?;
+        self.cfg.spec.ps =
+            Some(super::spec::PsTopology { servers: self.ps.addrs(), staleness: start.staleness });
+        Ok(self)
+    }
+
+    pub fn ps_servers(&self) -> &super::ps_servers::PsServers {
+        &self.ps
     }
 
     pub fn config(&self) -> &JobConfig {

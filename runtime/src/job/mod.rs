@@ -19,6 +19,7 @@
 pub mod assembly;
 pub mod config;
 pub mod preflight;
+pub mod ps_servers;
 pub mod spec;
 pub mod teacher_command;
 pub mod teacher_kube;

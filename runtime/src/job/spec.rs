@@ -135,6 +135,19 @@ pub struct JobSpec {
     /// (None: the job's store is the coordinator's own, nobody takes over).
     #[serde(default)]
     pub follow: Option<Follow>,
+    /// The job's parameter servers (None: it has none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ps: Option<PsTopology>,
+}
+
+/// Where a job's parameter servers serve, and how far pulls may run ahead.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PsTopology {
+    /// Each server's id (shards are placed by it) and `host:port`.
+    pub servers: Vec<(u64, String)>,
+    /// Steps a pull may run ahead of the pushes applied (0: a step sees
+    /// every update before it).
+    pub staleness: u64,
 }
 
 /// How a worker follows the job's leader from one coordinator to the next.

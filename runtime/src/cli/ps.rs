@@ -1,0 +1,62 @@
+//! `edl-runtime ps`: one parameter server of a job's sparse tables. The job
+//! starts its servers itself (`--ps-servers N`); another engine (ssh, srun)
+//! may run this on other hosts.
+
+use super::flags::listen_on;
+use anyhow::{Context, Result};
+use clap::Args;
+use edl_runtime::{
+    ps::{Server, Service},
+    worker::session::{self, JobAuth},
+};
+use std::{io::Write, net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
+
+#[derive(Args)]
+pub struct PsArgs {
+    /// This server's id: the job places shards by it, so ids are unique in a job.
+    #[arg(long, value_name = "N")]
+    id: u64,
+    /// Address to serve on, with or without a port (without: 8300; port 0
+    /// picks a free one).
+    #[arg(long, value_name = "ADDR[:PORT]", default_value = "127.0.0.1:8300", value_parser = listen_on(8300))]
+    listen: SocketAddr,
+    /// The job's name (default: $EDL_JOB).
+    #[arg(long, value_name = "NAME", value_parser = super::flags::job_name)]
+    job: Option<String>,
+    /// A file holding the job's secret, or `-` for standard input (default:
+    /// $EDL_JOB_SECRET). Never give the secret itself on a command line.
+    #[arg(long, value_name = "FILE")]
+    secret_file: Option<PathBuf>,
+    /// Most memory the rows of all tables may take, MiB (0: no bound). New
+    /// rows past it are refused, naming the table; old ones keep being served.
+    #[arg(long, value_name = "MIB", default_value_t = 0)]
+    memory_mib: u64,
+    /// Longest a pull waits for the pushes of the steps before it, seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 300)]
+    pull_timeout_secs: u64,
+}
+
+/// Serves until the process is stopped.
+pub fn run(a: PsArgs) -> Result<ExitCode> {
+    let auth = match (&a.secret_file, a.job.clone()) {
+        (Some(p), job) => {
+            let job = job.or_else(|| std::env::var("EDL_JOB").ok()).context("--job or $EDL_JOB names the job")?;
+            JobAuth { job, secret: session::read_secret(p).context("--secret-file")? }
+        }
+        (None, Some(job)) => JobAuth { job, secret: session::auth_from_env()?.secret },
+        (None, None) => session::auth_from_env()?,
+    };
+    let listener = std::net::TcpListener::bind(a.listen).with_context(|| format!("listening on {}", a.listen))?;
+    let bound = (a.memory_mib > 0).then_some(a.memory_mib << 20);
+    let service = Service::start(listener, auth, Server::new(a.id, bound), Duration::from_secs(a.pull_timeout_secs))?;
+    let bound = match a.memory_mib {
+        0 => "no memory bound".to_string(),
+        m => format!("at most {m} MiB of rows"),
+    };
+    // The job reads this line for the address (a port of 0 is chosen here).
+    println!("ps {} serving on {} ({bound})", a.id, service.addr());
+    std::io::stdout().flush()?;
+    loop {
+        std::thread::park();
+    }
+}
