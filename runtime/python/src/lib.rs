@@ -304,16 +304,26 @@ impl Job {
             "sgd" => Optimizer::sgd(lr),
             "adagrad" => Optimizer::adagrad(lr),
             "adam" => Optimizer::adam(lr),
-            o => return Err(PyValueError::new_err(format!("table {name:?}: optimizer {o:?} is not sgd, adagrad or adam"))),
+            o => {
+                return Err(PyValueError::new_err(format!(
+                    "table {name:?}: optimizer {o:?} is not sgd, adagrad or adam"
+                )));
+            }
         };
         let init = match init {
             "uniform" => Init::Uniform { scale },
             "normal" => Init::Normal { std: scale },
             "zeros" => Init::Zeros,
-            i => return Err(PyValueError::new_err(format!("table {name:?}: init {i:?} is not uniform, normal or zeros"))),
+            i => {
+                return Err(PyValueError::new_err(format!(
+                    "table {name:?}: init {i:?} is not uniform, normal or zeros"
+                )));
+            }
         };
         let spec = TableSpec { name: name.to_string(), dim, optimizer, init, seed };
-        lock(&self.inner).tables.define(spec).map_err(|e| PyValueError::new_err(format!("{e:#}")))
+        let mut inner = lock(&self.inner);
+        let started = inner.ready;
+        inner.tables.define(spec, started).map_err(|e| PyValueError::new_err(format!("{e:#}")))
     }
 
     /// The registered state's names and shapes.
@@ -590,6 +600,7 @@ struct StepInfo {
     momentum: f32,
     indices: Vec<u32>,
     global_rows: usize,
+    base: u64,
 }
 
 impl StepInfo {
@@ -605,6 +616,7 @@ impl StepInfo {
             momentum: s.hyper.momentum,
             indices: s.indices.clone(),
             global_rows: s.global_rows,
+            base: s.base,
         }
     }
 }
@@ -612,9 +624,9 @@ impl StepInfo {
 /// Sparse-table ids from Python: integers >= 0, as u64.
 fn ids_of(py: Python<'_>, table: &str, ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     let np = py.import("numpy")?;
-    let a = np.call_method1("ascontiguousarray", (ids, "int64")).map_err(|e| {
-        PyValueError::new_err(format!("table {table:?}: ids must be integers ({e})"))
-    })?;
+    let a = np
+        .call_method1("ascontiguousarray", (ids, "int64"))
+        .map_err(|e| PyValueError::new_err(format!("table {table:?}: ids must be integers ({e})")))?;
     let buf = PyBuffer::<i64>::get(&a)?;
     let v = buf.to_vec(py)?;
     if let Some(bad) = v.iter().find(|&&i| i < 0) {
@@ -624,10 +636,15 @@ fn ids_of(py: Python<'_>, table: &str, ids: &Bound<'_, PyAny>) -> PyResult<Vec<u
 }
 
 impl StepView {
+    /// Where this step's requests to the parameter servers stand.
+    fn mark(&self, committed: u64) -> edl_runtime::ps::Mark {
+        edl_runtime::ps::Mark { generation: self.info.generation, base: self.info.base, committed }
+    }
+
     /// Where this rank's pushes of the step belong.
-    fn tag(&self) -> edl_runtime::ps::PushTag {
+    fn tag(&self, committed: u64) -> edl_runtime::ps::PushTag {
         edl_runtime::ps::PushTag {
-            generation: self.info.generation,
+            mark: self.mark(committed),
             step: self.info.step,
             rank: self.info.rank as u32,
             world: self.info.world as u32,
@@ -768,17 +785,23 @@ impl StepView {
     /// Rows `ids` (integers >= 0; repeats allowed) of sparse table `table`
     /// as they are after the steps before this one (or within the job's
     /// `--ps-staleness`): a float32 array `[len(ids), dim]`.
-    fn pull<'py>(&self, py: Python<'py>, table: &str, ids: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn pull<'py>(
+        &self,
+        py: Python<'py>,
+        table: &str,
+        ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         if self.done {
             return Err(err(format!("step {} is over", self.info.step)));
         }
         let ids = ids_of(py, table, ids)?;
         let job = self.job.bind(py).borrow();
         let mut inner = lock(&job.inner);
+        let mark = self.mark(inner.session.committed());
         let tables = &mut inner.tables;
         let dim = tables.dim(table).map_err(anyhow_err)?;
         let step = self.info.step;
-        let rows = py.detach(|| tables.pull(table, step, &ids)).map_err(anyhow_err)?;
+        let rows = py.detach(|| tables.pull(table, mark, step, &ids)).map_err(anyhow_err)?;
         float_array(py, &rows, (ids.len(), dim))
     }
 
@@ -787,7 +810,13 @@ impl StepView {
     /// servers, summed over the ranks, once every rank's push of the step
     /// is in. Each table at most once a step; a table not pushed is pushed
     /// empty at the commit.
-    fn push(&self, py: Python<'_>, table: &str, ids: &Bound<'_, PyAny>, grads: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn push(
+        &self,
+        py: Python<'_>,
+        table: &str,
+        ids: &Bound<'_, PyAny>,
+        grads: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         if self.done {
             return Err(err(format!("step {} is over", self.info.step)));
         }
@@ -797,6 +826,7 @@ impl StepView {
         let grads = buf.to_vec(py)?;
         let job = self.job.bind(py).borrow();
         let mut inner = lock(&job.inner);
+        let tag = self.tag(inner.session.committed());
         let tables = &mut inner.tables;
         let dim = tables.dim(table).map_err(anyhow_err)?;
         if grads.len() != ids.len() * dim {
@@ -806,7 +836,6 @@ impl StepView {
                 ids.len()
             )));
         }
-        let tag = self.tag();
         py.detach(|| tables.push(table, tag, &ids, &grads)).map_err(anyhow_err)
     }
 
@@ -915,7 +944,7 @@ impl StepView {
             session.reduced_norms(local, reduced);
         }
         let weighted = named.into_iter().map(|(k, v)| (k, v * share)).collect();
-        let (tag, tables) = (self.tag(), &mut inner.tables);
+        let (tag, tables) = (self.tag(session.committed()), &mut inner.tables);
         py.detach(|| tables.finish(tag)).map_err(anyhow_err)?;
         py.detach(|| session.finish_with(loss * share, compute_ms, weighted)).map_err(anyhow_err)?;
         self.done = true;

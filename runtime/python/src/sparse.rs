@@ -1,12 +1,13 @@
 //! A worker's sparse tables on the job's parameter servers: tables the
-//! program defines (`job.table(...)`), declared on the servers at their
-//! first use (from that step on), pulls and pushes tagged with the step,
-//! and the empty pushes a step owes every table it did not push, so that
-//! the servers can count every rank's push of every step.
+//! program defines (`job.table(...)`, before its first step), declared on
+//! the servers at the first step that uses them (as of that step's
+//! generation), pulls and pushes marked with the step's generation, and the
+//! empty pushes a step owes every table it did not push, so that the
+//! servers can count every rank's push of every step.
 
 use anyhow::{Context, Result, bail};
 use edl_runtime::job::spec::PsTopology;
-use edl_runtime::ps::{Client, PushTag, TableSpec};
+use edl_runtime::ps::{Client, Mark, PushTag, TableSpec};
 use edl_runtime::worker::session::JobAuth;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -15,10 +16,9 @@ pub struct Tables {
     topology: Option<PsTopology>,
     auth: JobAuth,
     worker: u64,
+    /// Connected, with every table declared, at the first step that uses one.
     client: Option<Client>,
     specs: BTreeMap<String, TableSpec>,
-    /// Declared on the servers.
-    declared: BTreeSet<String>,
     /// The step (generation, step) the pushes in `pushed` belong to.
     pushing: (u64, u64),
     pushed: BTreeSet<String>,
@@ -32,21 +32,24 @@ impl Tables {
             worker,
             client: None,
             specs: BTreeMap::new(),
-            declared: BTreeSet::new(),
             pushing: (u64::MAX, u64::MAX),
             pushed: BTreeSet::new(),
         }
     }
 
-    /// Defines a table (again with the same spec: a no-op).
-    pub fn define(&mut self, spec: TableSpec) -> Result<()> {
+    /// Defines a table (again with the same spec: a no-op); `started`: the
+    /// program's steps have begun, when tables can no longer be added.
+    pub fn define(&mut self, spec: TableSpec, started: bool) -> Result<()> {
         if self.topology.is_none() {
+            bail!("table {:?}: the job has no parameter servers (start it with --ps-servers N)", spec.name);
+        }
+        spec.check().map_err(anyhow::Error::msg)?;
+        if started && !self.specs.contains_key(&spec.name) {
             bail!(
-                "table {:?}: the job has no parameter servers (start it with --ps-servers N)",
+                "table {:?}: define the tables before the first step (every rank pushes every table every step)",
                 spec.name
             );
         }
-        spec.check().map_err(anyhow::Error::msg)?;
         match self.specs.get(&spec.name) {
             Some(had) if *had != spec => bail!("table {:?} is already defined otherwise: {had:?}", spec.name),
             _ => {
@@ -62,8 +65,8 @@ impl Tables {
         })
     }
 
-    /// The client, connected at first use, with `table` declared from `step` on.
-    fn client(&mut self, table: &str, step: u64) -> Result<&mut Client> {
+    /// The client, connected (and every table declared, as of `mark`) at first use.
+    fn client(&mut self, table: &str, mark: Mark) -> Result<&mut Client> {
         self.dim(table)?;
         if self.client.is_none() {
             let t = self.topology.as_ref().expect("checked at define");
@@ -72,46 +75,45 @@ impl Tables {
                 .iter()
                 .map(|(id, a)| Ok((*id, edl_runtime::net::resolve(a)?)))
                 .collect::<Result<Vec<_>>>()?;
-            self.client = Some(Client::connect(&servers, &self.auth, self.worker)?);
+            let mut client = Client::connect(&servers, &self.auth, self.worker)?;
+            for spec in self.specs.values() {
+                client.declare(spec.clone(), mark)?;
+            }
+            self.client = Some(client);
         }
-        let client = self.client.as_mut().expect("just made");
-        if !self.declared.contains(table) {
-            client.declare(self.specs[table].clone(), step)?;
-            self.declared.insert(table.to_string());
-        }
-        Ok(client)
+        Ok(self.client.as_mut().expect("just made"))
     }
 
     /// Rows `ids` of `table` for step `step` (`ids.len() * dim` floats).
-    pub fn pull(&mut self, table: &str, step: u64, ids: &[u64]) -> Result<Vec<f32>> {
+    pub fn pull(&mut self, table: &str, mark: Mark, step: u64, ids: &[u64]) -> Result<Vec<f32>> {
         let staleness = self.topology.as_ref().map_or(0, |t| t.staleness);
-        self.client(table, step)?.pull(table, step.saturating_sub(staleness), ids)
+        self.client(table, mark)?.pull(table, mark, step.saturating_sub(staleness), ids)
     }
 
     /// This rank's gradients of `table`'s rows `ids` in the step `tag` names.
     pub fn push(&mut self, table: &str, tag: PushTag, ids: &[u64], grads: &[f32]) -> Result<()> {
-        if self.pushing != (tag.generation, tag.step) {
-            self.pushing = (tag.generation, tag.step);
+        if self.pushing != (tag.mark.generation, tag.step) {
+            self.pushing = (tag.mark.generation, tag.step);
             self.pushed.clear();
         }
         if !self.pushed.insert(table.to_string()) {
             bail!("table {table:?}: step {} pushed it already (push each table once a step)", tag.step);
         }
-        self.client(table, tag.step)?.push(table, tag, ids, grads)?;
+        self.client(table, tag.mark)?.push(table, tag, ids, grads)?;
         Ok(())
     }
 
     /// The step is done: every table it did not push is pushed empty (the
     /// servers count every rank's push of a step).
     pub fn finish(&mut self, tag: PushTag) -> Result<()> {
-        if self.pushing != (tag.generation, tag.step) {
+        if self.pushing != (tag.mark.generation, tag.step) {
             self.pushed.clear();
         }
         // Every table this program defines, touched or not: another rank
         // may have touched it, and its step waits for this rank's push.
         let owed: Vec<String> = self.specs.keys().filter(|t| !self.pushed.contains(*t)).cloned().collect();
         for table in owed {
-            self.client(&table, tag.step)?.push(&table, tag, &[], &[])?;
+            self.client(&table, tag.mark)?.push(&table, tag, &[], &[])?;
         }
         self.pushed.clear();
         self.pushing = (u64::MAX, u64::MAX);

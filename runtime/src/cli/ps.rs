@@ -40,15 +40,18 @@ pub struct PsArgs {
 pub fn run(a: PsArgs) -> Result<ExitCode> {
     let auth = match (&a.secret_file, a.job.clone()) {
         (Some(p), job) => {
-            let job = job.or_else(|| std::env::var("EDL_JOB").ok()).context("--job or $EDL_JOB names the job")?;
+            let job =
+                job.or_else(|| std::env::var("EDL_JOB").ok()).context("--job or $EDL_JOB names the job")?;
             JobAuth { job, secret: session::read_secret(p).context("--secret-file")? }
         }
         (None, Some(job)) => JobAuth { job, secret: session::auth_from_env()?.secret },
         (None, None) => session::auth_from_env()?,
     };
-    let listener = std::net::TcpListener::bind(a.listen).with_context(|| format!("listening on {}", a.listen))?;
+    let listener =
+        std::net::TcpListener::bind(a.listen).with_context(|| format!("listening on {}", a.listen))?;
     let bound = (a.memory_mib > 0).then_some(a.memory_mib << 20);
-    let service = Service::start(listener, auth, Server::new(a.id, bound), Duration::from_secs(a.pull_timeout_secs))?;
+    let service =
+        Service::start(listener, auth, Server::new(a.id, bound), Duration::from_secs(a.pull_timeout_secs))?;
     let bound = match a.memory_mib {
         0 => "no memory bound".to_string(),
         m => format!("at most {m} MiB of rows"),

@@ -4,8 +4,8 @@
 //! `job.rs` runs the job from these, and `teachers.rs` starts its teachers.
 
 use super::flags::{
-    ClusterArgs, DistillationArgs, LivenessArgs, OutputArgs, PluginArgs, ScalingArgs, StateArgs,
-    PsArgs, TrainingArgs, TransformArgs, WatchArgs,
+    ClusterArgs, DistillationArgs, LivenessArgs, OutputArgs, PluginArgs, PsArgs, ScalingArgs, StateArgs,
+    TrainingArgs, TransformArgs, WatchArgs,
 };
 use anyhow::{Context, Result};
 use clap::Args;

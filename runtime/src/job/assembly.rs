@@ -253,7 +253,10 @@ impl Job {
     /// Starts the job's parameter servers beside the coordinator; workers
     /// are told where they serve.
     pub fn start_ps(mut self, dirs: &JobDirs, start: &super::ps_servers::PsStart) -> Result<Job> {
-        let auth = crate::worker::session::JobAuth { job: self.cfg.spec.job.clone(), secret: self.cfg.secret.clone() };
+        let auth = crate::worker::session::JobAuth {
+            job: self.cfg.spec.job.clone(),
+            secret: self.cfg.secret.clone(),
+        };
         self.ps = super::ps_servers::PsServers::start(start, &auth, &dirs.log_dir)?;
         self.cfg.spec.ps =
             Some(super::spec::PsTopology { servers: self.ps.addrs(), staleness: start.staleness });

@@ -70,14 +70,20 @@ impl PsProcess {
         let log_file = std::fs::File::create(log).with_context(|| format!("{}", log.display()))?;
         let mut said = log_file.try_clone()?;
         let mut cmd = Command::new(&s.exe);
-        cmd.args(["ps", "--id", &id.to_string(), "--listen", &std::net::SocketAddr::new(s.listen, 0).to_string()])
-            .args(["--memory-mib", &s.memory_mib.to_string()])
-            .env("EDL_JOB", &auth.job)
-            .env("EDL_JOB_SECRET", auth.secret.to_hex())
-            .env_remove("EDL_JOB_SECRET_FILE")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(log_file);
+        cmd.args([
+            "ps",
+            "--id",
+            &id.to_string(),
+            "--listen",
+            &std::net::SocketAddr::new(s.listen, 0).to_string(),
+        ])
+        .args(["--memory-mib", &s.memory_mib.to_string()])
+        .env("EDL_JOB", &auth.job)
+        .env("EDL_JOB_SECRET", auth.secret.to_hex())
+        .env_remove("EDL_JOB_SECRET_FILE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(log_file);
         die_with_parent(&mut cmd);
         // Ctrl-C is the coordinator's to act on, as for workers and teachers.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);

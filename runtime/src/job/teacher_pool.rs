@@ -507,7 +507,11 @@ impl TeacherProcess {
 
 /// Copies a teacher's output to its log (`said`), sending its first line
 /// (where it says where it serves) to `first`.
-pub(crate) fn copy_output(stdout: std::process::ChildStdout, said: &mut std::fs::File, first: mpsc::Sender<String>) {
+pub(crate) fn copy_output(
+    stdout: std::process::ChildStdout,
+    said: &mut std::fs::File,
+    first: mpsc::Sender<String>,
+) {
     use std::io::Write;
     let mut out = BufReader::new(stdout);
     let mut first = Some(first);

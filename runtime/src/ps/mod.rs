@@ -15,6 +15,6 @@ pub mod service;
 pub mod table;
 pub mod wire;
 
-pub use server::{PsError, PushTag, Pushed, Server, Stats};
+pub use server::{Mark, PsError, PushTag, Pushed, Server, Stats};
 pub use service::{Client, Service};
 pub use table::{Init, Optimizer, SHARDS, TableSpec};

@@ -5,15 +5,19 @@
 //! Every rank of a generation pushes every step to every server, for every
 //! table, even when it has no rows there: a server counts the step's pushes
 //! and applies their sum once all `world` ranks' are in, in step order, so
-//! a step is applied whole or not at all. A push is tagged with its
-//! generation, step and rank:
-//! - the same push again (a retry) replaces the first: nothing counts twice;
-//! - a push of a step already applied is acknowledged and dropped: a step
-//!   redone after a rank died (its dense part rolled back to the last
-//!   commit) finds its sparse update in place, computed from the same rows;
-//! - a push of a newer generation drops what the older one staged: the
-//!   dead generation's partial steps are redone by the new one, with its
-//!   own world size; a push of an older generation is refused.
+//! a step is applied whole or not at all. Requests carry a [`Mark`]: the
+//! generation, the committed step it started from (its base) and the newest
+//! commit the worker heard of.
+//! - A push names its step and rank: the same push again (a retry)
+//!   replaces the first, and one of a step already applied in the same
+//!   generation is acknowledged and dropped: nothing counts twice.
+//! - The first request of a newer generation rolls the table back to that
+//!   generation's base: what the dead generation staged is dropped, and the
+//!   steps it applied after the base are undone (each applied step keeps
+//!   the rows it changed as they were, until a commit covers it). The
+//!   steps the job redoes are then applied again, as if the failure had
+//!   never been: the tables stay the state of the committed steps, as the
+//!   dense parameters do. A request of an older generation is refused.
 //!
 //! A pull for step `s` is answered once the steps before `s - staleness`
 //! are applied: with no staleness, a step sees every update before it.
@@ -44,12 +48,26 @@ pub enum PsError {
     Stale { table: String, worker: u64, step: u64, generation: u64, current: u64 },
     #[error("table {table:?}: worker {worker} says it is rank {rank} of {world}{more}")]
     Rank { table: String, worker: u64, rank: u32, world: u32, more: String },
+    #[error(
+        "table {table:?} on parameter server {server} holds steps 0..{applied}, but generation {generation} starts after step {base}{why}"
+    )]
+    Behind { table: String, server: u64, applied: u64, generation: u64, base: u64, why: String },
+}
+
+/// Where a request stands in the job.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Mark {
+    pub generation: u64,
+    /// Steps committed when the generation formed: the state it started from.
+    pub base: u64,
+    /// Every step before this one is committed (as the worker last heard).
+    pub committed: u64,
 }
 
 /// Where a push belongs: its generation, step, and rank among `world`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PushTag {
-    pub generation: u64,
+    pub mark: Mark,
     pub step: u64,
     pub rank: u32,
     pub world: u32,
@@ -73,9 +91,12 @@ struct Served {
     rows: u64,
     /// Steps `0..applied` are applied.
     applied: u64,
-    /// The newest generation that pushed.
+    /// The newest generation that asked.
     generation: u64,
     staged: BTreeMap<u64, Staged>,
+    /// Per applied step not known to be committed: the rows it changed, as
+    /// they were before (values and optimiser state, update count).
+    undo: BTreeMap<u64, Vec<(u64, (Vec<f32>, u32))>>,
 }
 
 /// The pushes of one step so far.
@@ -122,9 +143,10 @@ impl Server {
         self.id
     }
 
-    /// Makes `spec` a table here, its steps before `from_step` counted as
-    /// applied (a job resumed at that step); the same spec again is a no-op.
-    pub fn declare(&mut self, worker: u64, spec: TableSpec, from_step: u64) -> Result<(), PsError> {
+    /// Makes `spec` a table here, as of the generation and base of `mark`
+    /// (its steps before the base counted as applied: a job resumed at that
+    /// step); the same spec again is a no-op.
+    pub fn declare(&mut self, worker: u64, spec: TableSpec, mark: Mark) -> Result<(), PsError> {
         spec.check().map_err(|reason| PsError::BadSpec { worker, reason })?;
         if let Some(t) = self.tables.get(&spec.name) {
             if t.spec != spec {
@@ -142,9 +164,10 @@ impl Server {
             spec: spec.clone(),
             shards: HashMap::new(),
             rows: 0,
-            applied: from_step,
-            generation: 0,
+            applied: mark.base,
+            generation: mark.generation,
             staged: BTreeMap::new(),
+            undo: BTreeMap::new(),
         };
         self.tables.insert(spec.name, served);
         Ok(())
@@ -188,10 +211,13 @@ impl Server {
         &mut self,
         table: &str,
         worker: u64,
+        mark: Mark,
         need: u64,
         ids: &[u64],
     ) -> Result<Option<Vec<f32>>, PsError> {
+        let server = self.id;
         let t = self.table(table, worker)?;
+        enter(t, server, worker, mark)?;
         if t.applied < need {
             return Ok(None);
         }
@@ -227,14 +253,12 @@ impl Server {
         ids: Vec<u64>,
         grads: Vec<f32>,
     ) -> Result<Pushed, PsError> {
+        let server = self.id;
         let t = self.table(table, worker)?;
         check_push(t, worker, tag, &ids, &grads)?;
+        enter(t, server, worker, tag.mark)?;
         if tag.step < t.applied {
             return Ok(Pushed::AlreadyApplied { applied: t.applied });
-        }
-        if tag.generation > t.generation {
-            t.generation = tag.generation;
-            t.staged.clear();
         }
         let new = count_new(t, &ids);
         self.room(table, worker, new)?;
@@ -242,7 +266,7 @@ impl Server {
         let staged =
             t.staged.entry(tag.step).or_insert_with(|| Staged { world: tag.world, pushes: BTreeMap::new() });
         if staged.world != tag.world {
-            let more = format!(", where generation {} has {} ranks", tag.generation, staged.world);
+            let more = format!(", where generation {} has {} ranks", tag.mark.generation, staged.world);
             return Err(PsError::Rank {
                 table: table.into(),
                 worker,
@@ -304,15 +328,57 @@ fn check_push(t: &Served, worker: u64, tag: PushTag, ids: &[u64], grads: &[f32])
         let (ids, dim, got) = (ids.len(), t.spec.dim, grads.len());
         return Err(PsError::Dimension { table: table.clone(), worker, ids, dim, got });
     }
-    if tag.generation < t.generation && tag.step >= t.applied {
+    if tag.mark.generation < t.generation {
         return Err(PsError::Stale {
             table: table.clone(),
             worker,
             step: tag.step,
-            generation: tag.generation,
+            generation: tag.mark.generation,
             current: t.generation,
         });
     }
+    Ok(())
+}
+
+/// Takes a request's mark: a newer generation rolls the table back to
+/// its base; a commit lets go of the undo records it covers.
+fn enter(t: &mut Served, server: u64, worker: u64, mark: Mark) -> Result<(), PsError> {
+    let table = &t.spec.name;
+    if mark.generation < t.generation {
+        let current = t.generation;
+        return Err(PsError::Stale {
+            table: table.clone(),
+            worker,
+            step: mark.base,
+            generation: mark.generation,
+            current,
+        });
+    }
+    if mark.generation > t.generation {
+        let behind = |why: &str| PsError::Behind {
+            table: table.clone(),
+            server,
+            applied: t.applied,
+            generation: mark.generation,
+            base: mark.base,
+            why: why.into(),
+        };
+        if mark.base > t.applied {
+            return Err(behind(": the steps between were never pushed here (a server that lost its tables)"));
+        }
+        if (mark.base..t.applied).any(|s| !t.undo.contains_key(&s)) {
+            return Err(behind(": steps after it were committed and cannot be undone"));
+        }
+        while t.applied > mark.base {
+            t.applied -= 1;
+            for (id, before) in t.undo.remove(&t.applied).expect("checked").into_iter().rev() {
+                t.shards.entry(t.spec.shard_of(id)).or_default().restore(&t.spec, id, before);
+            }
+        }
+        t.generation = mark.generation;
+        t.staged.clear();
+    }
+    t.undo.retain(|&step, _| step >= mark.committed);
     Ok(())
 }
 
@@ -332,13 +398,16 @@ fn apply_ready(t: &mut Served) {
                 acc.iter_mut().zip(g).for_each(|(a, b)| *a += b);
             }
         }
+        let mut undo = Vec::with_capacity(sum.len());
         for (id, g) in sum {
             let rows = t.shards.entry(t.spec.shard_of(id)).or_default();
             if !rows.contains(id) {
                 t.rows += 1;
             }
+            undo.push((id, rows.snapshot(&t.spec, id)));
             rows.update(&t.spec, id, &g);
         }
+        t.undo.insert(t.applied, undo);
         t.applied += 1;
     }
 }
@@ -352,88 +421,128 @@ mod tests {
         TableSpec { name: "item".into(), dim: 2, optimizer: Optimizer::sgd(1.0), init: Init::Zeros, seed: 0 }
     }
 
+    fn mark(generation: u64, base: u64) -> Mark {
+        Mark { generation, base, committed: base }
+    }
+
     fn server() -> Server {
         let mut s = Server::new(1, None);
-        s.declare(9, spec(), 0).unwrap();
+        s.declare(9, spec(), mark(1, 0)).unwrap();
         s
     }
 
-    fn tag(generation: u64, step: u64, rank: u32, world: u32) -> PushTag {
-        PushTag { generation, step, rank, world }
+    /// A push of generation `g` (which started at step `base`).
+    fn tag((g, base): (u64, u64), step: u64, rank: u32, world: u32) -> PushTag {
+        PushTag { mark: mark(g, base), step, rank, world }
     }
 
-    fn row(s: &mut Server, id: u64) -> Vec<f32> {
-        s.pull("item", 9, 0, &[id]).unwrap().unwrap()
+    const G1: (u64, u64) = (1, 0);
+
+    fn row(s: &mut Server, g: (u64, u64), id: u64) -> Vec<f32> {
+        s.pull("item", 9, mark(g.0, g.1), 0, &[id]).unwrap().unwrap()
     }
 
     #[test]
     fn a_step_is_applied_once_all_its_ranks_pushed_and_a_retry_counts_once() {
         let mut s = server();
-        let pushed = s.push("item", 1, tag(1, 0, 0, 2), vec![5, 5], vec![1.0, 0.0, 1.0, 0.0]).unwrap();
+        let pushed = s.push("item", 1, tag(G1, 0, 0, 2), vec![5, 5], vec![1.0, 0.0, 1.0, 0.0]).unwrap();
         assert_eq!(pushed, Pushed::Staged { applied: 0 });
-        assert_eq!(row(&mut s, 5), [0.0, 0.0], "half a step is not applied");
-        assert_eq!(s.pull("item", 1, 1, &[5]).unwrap(), None, "step 1 waits for step 0");
+        assert_eq!(row(&mut s, G1, 5), [0.0, 0.0], "half a step is not applied");
+        assert_eq!(s.pull("item", 1, mark(1, 0), 1, &[5]).unwrap(), None, "step 1 waits for step 0");
         assert!(s.waiting("item").unwrap().1.contains("1 of 2 ranks"));
         // Rank 0 again (a retry): replaces its first push.
-        s.push("item", 1, tag(1, 0, 0, 2), vec![5], vec![2.0, 0.0]).unwrap();
-        let done = s.push("item", 2, tag(1, 0, 1, 2), vec![5, 6], vec![0.5, 1.0, 0.0, 3.0]).unwrap();
+        s.push("item", 1, tag(G1, 0, 0, 2), vec![5], vec![2.0, 0.0]).unwrap();
+        let done = s.push("item", 2, tag(G1, 0, 1, 2), vec![5, 6], vec![0.5, 1.0, 0.0, 3.0]).unwrap();
         assert_eq!(done, Pushed::Staged { applied: 1 });
-        assert_eq!(row(&mut s, 5), [-2.5, -1.0]);
-        assert_eq!(row(&mut s, 6), [0.0, -3.0]);
+        assert_eq!(row(&mut s, G1, 5), [-2.5, -1.0]);
+        assert_eq!(row(&mut s, G1, 6), [0.0, -3.0]);
         // The same step pushed again after it was applied: dropped.
-        let again = s.push("item", 2, tag(2, 0, 0, 1), vec![5], vec![9.0, 9.0]).unwrap();
+        let again = s.push("item", 2, tag(G1, 0, 1, 2), vec![5], vec![9.0, 9.0]).unwrap();
         assert_eq!(again, Pushed::AlreadyApplied { applied: 1 });
-        assert_eq!(row(&mut s, 5), [-2.5, -1.0]);
+        assert_eq!(row(&mut s, G1, 5), [-2.5, -1.0]);
     }
 
     #[test]
-    fn a_new_generation_drops_what_the_dead_one_staged_and_redoes_it_with_its_own_world() {
+    fn a_new_generation_undoes_what_the_dead_one_did_after_its_base_and_redoes_it_with_its_own_world() {
         let mut s = server();
-        // Generation 1 of three ranks: step 0 whole, step 1 from two ranks
-        // (the third died mid-step).
-        for r in 0..3 {
-            s.push("item", r as u64, tag(1, 0, r, 3), vec![1], vec![1.0, 1.0]).unwrap();
+        // Generation 1 of three ranks: steps 0 and 1 whole, step 2 from two
+        // ranks (the third died mid-step); only step 0 was committed.
+        for step in 0..2 {
+            for r in 0..3 {
+                s.push("item", r as u64, tag(G1, step, r, 3), vec![1, 2], vec![1.0; 4]).unwrap();
+            }
         }
-        s.push("item", 0, tag(1, 1, 0, 3), vec![1], vec![10.0, 10.0]).unwrap();
-        s.push("item", 1, tag(1, 1, 1, 3), vec![1], vec![10.0, 10.0]).unwrap();
-        assert_eq!(row(&mut s, 1), [-3.0, -3.0]);
-        // Generation 2 of two ranks redoes step 1.
-        s.push("item", 0, tag(2, 1, 0, 2), vec![1], vec![0.25, 0.0]).unwrap();
-        let late = s.push("item", 2, tag(1, 1, 2, 3), vec![1], vec![10.0, 10.0]).unwrap_err();
+        s.push("item", 0, tag(G1, 2, 0, 3), vec![1], vec![10.0, 10.0]).unwrap();
+        s.push("item", 1, tag(G1, 2, 1, 3), vec![1], vec![10.0, 10.0]).unwrap();
+        assert_eq!(row(&mut s, G1, 1), [-6.0, -6.0]);
+        // Generation 2 of two ranks starts from the commit of step 0: its
+        // first request rolls the table back there.
+        let g2 = (2, 1);
+        assert_eq!(row(&mut s, g2, 1), [-3.0, -3.0]);
+        assert_eq!(row(&mut s, g2, 2), [-3.0, -3.0]);
+        assert_eq!(s.stats().tables[0].applied, 1);
+        let late = s.push("item", 2, tag(G1, 2, 2, 3), vec![1], vec![10.0, 10.0]).unwrap_err();
         assert!(matches!(late, PsError::Stale { current: 2, .. }), "{late}");
         assert!(late.to_string().contains("\"item\"") && late.to_string().contains("worker 2"), "{late}");
-        s.push("item", 1, tag(2, 1, 1, 2), vec![1], vec![0.25, 0.0]).unwrap();
-        assert_eq!(row(&mut s, 1), [-3.5, -3.0], "generation 1's half step is gone");
+        let e = s.pull("item", 2, mark(1, 0), 0, &[1]).unwrap_err();
+        assert!(matches!(e, PsError::Stale { .. }), "a pull of the dead generation: {e}");
+        // It redoes step 1 its own way.
+        s.push("item", 0, tag(g2, 1, 0, 2), vec![1], vec![0.25, 0.0]).unwrap();
+        s.push("item", 1, tag(g2, 1, 1, 2), vec![], vec![]).unwrap();
+        assert_eq!(row(&mut s, g2, 1), [-3.25, -3.0]);
+        assert_eq!(row(&mut s, g2, 2), [-3.0, -3.0], "generation 1's step 1 is gone");
+    }
+
+    #[test]
+    fn committed_steps_cannot_be_undone_and_a_server_that_missed_steps_says_so() {
+        let mut s = server();
+        for step in 0..3 {
+            let t =
+                PushTag { mark: Mark { generation: 1, base: 0, committed: step }, step, rank: 0, world: 1 };
+            s.push("item", 0, t, vec![4], vec![1.0, 1.0]).unwrap();
+        }
+        // Steps 0 and 1 are committed (as the last push said): a generation
+        // claiming to start at step 1 asks for an undo that is gone.
+        let e = s.pull("item", 0, mark(2, 1), 0, &[4]).unwrap_err();
+        assert!(matches!(e, PsError::Behind { base: 1, applied: 3, .. }), "{e}");
+        assert!(e.to_string().contains("cannot be undone"), "{e}");
+        let e = s.pull("item", 0, mark(2, 7), 0, &[4]).unwrap_err();
+        assert!(e.to_string().contains("never pushed here"), "{e}");
+        assert_eq!(row(&mut s, (2, 2), 4), [-2.0, -2.0], "back to the commit of step 2");
     }
 
     #[test]
     fn steps_pushed_ahead_wait_their_turn_and_staleness_lets_a_pull_run_ahead() {
         let mut s = server();
-        s.push("item", 0, tag(1, 1, 0, 1), vec![3], vec![1.0, 0.0]).unwrap();
+        s.push("item", 0, tag(G1, 1, 0, 1), vec![3], vec![1.0, 0.0]).unwrap();
         assert_eq!(s.stats().tables[0].applied, 0, "step 1 waits for step 0");
-        assert_eq!(s.pull("item", 0, 2, &[3]).unwrap(), None);
-        assert_eq!(s.pull("item", 0, 0, &[3]).unwrap(), Some(vec![0.0, 0.0]), "staleness 2 at step 2");
-        s.push("item", 0, tag(1, 0, 0, 1), vec![], vec![]).unwrap();
+        assert_eq!(s.pull("item", 0, mark(1, 0), 2, &[3]).unwrap(), None);
+        assert_eq!(
+            s.pull("item", 0, mark(1, 0), 0, &[3]).unwrap(),
+            Some(vec![0.0, 0.0]),
+            "staleness 2 at step 2"
+        );
+        s.push("item", 0, tag(G1, 0, 0, 1), vec![], vec![]).unwrap();
         assert_eq!(s.stats().tables[0].applied, 2);
-        assert_eq!(s.pull("item", 0, 2, &[3]).unwrap(), Some(vec![-1.0, 0.0]));
+        assert_eq!(s.pull("item", 0, mark(1, 0), 2, &[3]).unwrap(), Some(vec![-1.0, 0.0]));
     }
 
     #[test]
     fn bad_requests_name_the_table_and_the_worker_and_change_nothing() {
         let mut s = server();
-        let e = s.pull("user", 4, 0, &[1]).unwrap_err();
+        let e = s.pull("user", 4, mark(1, 0), 0, &[1]).unwrap_err();
         assert!(e.to_string().contains("no table \"user\"") && e.to_string().contains("worker 4"), "{e}");
-        let e = s.push("item", 4, tag(1, 0, 0, 1), vec![1, 2], vec![1.0; 3]).unwrap_err();
+        let e = s.push("item", 4, tag(G1, 0, 0, 1), vec![1, 2], vec![1.0; 3]).unwrap_err();
         assert!(e.to_string().contains("3 gradient floats for 2 ids of dimension 2"), "{e}");
-        let e = s.push("item", 4, tag(1, 0, 2, 2), vec![], vec![]).unwrap_err();
+        let e = s.push("item", 4, tag(G1, 0, 2, 2), vec![], vec![]).unwrap_err();
         assert!(e.to_string().contains("rank 2 of 2"), "{e}");
-        s.push("item", 4, tag(1, 0, 0, 2), vec![], vec![]).unwrap();
-        let e = s.push("item", 5, tag(1, 0, 1, 3), vec![], vec![]).unwrap_err();
+        s.push("item", 4, tag(G1, 0, 0, 2), vec![], vec![]).unwrap();
+        let e = s.push("item", 5, tag(G1, 0, 1, 3), vec![], vec![]).unwrap_err();
         assert!(e.to_string().contains("generation 1 has 2 ranks"), "{e}");
         let other = TableSpec { dim: 3, ..spec() };
-        let e = s.declare(6, other, 0).unwrap_err();
+        let e = s.declare(6, other, mark(1, 0)).unwrap_err();
         assert!(matches!(e, PsError::Conflict { .. }) && e.to_string().contains("worker 6"), "{e}");
-        s.declare(6, spec(), 0).unwrap();
+        s.declare(6, spec(), mark(1, 0)).unwrap();
         assert_eq!(s.stats().tables[0].rows, 0, "nothing was made");
     }
 
@@ -441,14 +550,14 @@ mod tests {
     fn a_server_at_its_bound_refuses_new_rows_and_keeps_serving_old_ones() {
         let per_row = spec().row_bytes();
         let mut s = Server::new(3, Some(per_row * 10));
-        s.declare(1, spec(), 0).unwrap();
+        s.declare(1, spec(), mark(1, 0)).unwrap();
         let ids: Vec<u64> = (0..10).collect();
-        s.pull("item", 1, 0, &ids).unwrap().unwrap();
-        let e = s.pull("item", 7, 0, &[10, 11]).unwrap_err();
+        s.pull("item", 1, mark(1, 0), 0, &ids).unwrap().unwrap();
+        let e = s.pull("item", 7, mark(1, 0), 0, &[10, 11]).unwrap_err();
         assert!(matches!(e, PsError::AtBound { server: 3, worker: 7, new: 2, .. }), "{e}");
         assert!(e.to_string().contains("\"item\""), "{e}");
-        assert_eq!(s.pull("item", 7, 0, &[3, 4]).unwrap().unwrap().len(), 4);
-        let e = s.push("item", 7, tag(1, 0, 0, 1), vec![1, 12], vec![1.0; 4]).unwrap_err();
+        assert_eq!(s.pull("item", 7, mark(1, 0), 0, &[3, 4]).unwrap().unwrap().len(), 4);
+        let e = s.push("item", 7, tag(G1, 0, 0, 1), vec![1, 12], vec![1.0; 4]).unwrap_err();
         assert!(matches!(e, PsError::AtBound { new: 1, .. }), "{e}");
         assert_eq!(s.stats().tables[0].applied, 0, "nothing half applied");
         assert_eq!(s.stats().bytes, per_row * 10);

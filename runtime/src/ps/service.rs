@@ -7,7 +7,7 @@
 //! as the job's other channels are.
 
 use super::placement;
-use super::server::{PushTag, Pushed, Server, Stats};
+use super::server::{Mark, PushTag, Pushed, Server, Stats};
 use super::table::{SHARDS, TableSpec};
 use super::wire::{self, Request, Response};
 use anyhow::{Context, Result, bail};
@@ -117,7 +117,7 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response,
     let refused = |error: String| (Response::Refused { error }, Vec::new());
     let mut server = shared.server.lock().expect("ps state");
     match req {
-        Request::Declare { table, from_step } => match server.declare(worker, table, from_step) {
+        Request::Declare { table, mark } => match server.declare(worker, table, mark) {
             Ok(()) => (Response::ok(), Vec::new()),
             Err(e) => refused(e.to_string()),
         },
@@ -135,7 +135,7 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response,
                 Err(e) => refused(e.to_string()),
             }
         }
-        Request::Pull { table, need } => {
+        Request::Pull { table, mark, need } => {
             let Some((ids, _)) = wire::decode(body, body.len() / 8).filter(|(_, r)| r.is_empty()) else {
                 return refused(format!(
                     "table {table:?}: worker {worker} sent a pull whose body is not ids"
@@ -143,7 +143,7 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response,
             };
             let deadline = Instant::now() + shared.pull_timeout;
             loop {
-                match server.pull(&table, worker, need, &ids) {
+                match server.pull(&table, worker, mark, need, &ids) {
                     Ok(Some(rows)) => return (Response::ok(), wire::encode(&[], &rows)),
                     Err(e) => return refused(e.to_string()),
                     Ok(None) => {}
@@ -226,9 +226,10 @@ impl Client {
         Ok(Client { worker, servers: conns, owners, dims: HashMap::new() })
     }
 
-    /// Declares `spec` on every server (the same spec again is a no-op).
-    pub fn declare(&mut self, spec: TableSpec, from_step: u64) -> Result<()> {
-        let req = Request::Declare { table: spec.clone(), from_step };
+    /// Declares `spec` on every server as of `mark` (the same spec again
+    /// is a no-op).
+    pub fn declare(&mut self, spec: TableSpec, mark: Mark) -> Result<()> {
+        let req = Request::Declare { table: spec.clone(), mark };
         self.servers.iter_mut().try_for_each(|c| c.send(&req, &[]))?;
         self.servers.iter_mut().try_for_each(|c| c.receive().map(drop))?;
         self.dims.insert(spec.name.clone(), spec);
@@ -243,7 +244,7 @@ impl Client {
 
     /// Rows `ids` of `table` (in order, repeats allowed), once the steps
     /// before `need` are applied; each server is asked once for its unique ids.
-    pub fn pull(&mut self, table: &str, need: u64, ids: &[u64]) -> Result<Vec<f32>> {
+    pub fn pull(&mut self, table: &str, mark: Mark, need: u64, ids: &[u64]) -> Result<Vec<f32>> {
         let spec = self.spec(table)?.clone();
         let mut unique: Vec<Vec<u64>> = vec![Vec::new(); self.servers.len()];
         let mut place: HashMap<u64, (usize, usize)> = HashMap::with_capacity(ids.len());
@@ -254,7 +255,7 @@ impl Client {
                 (s, unique[s].len() - 1)
             });
         }
-        let req = Request::Pull { table: table.into(), need };
+        let req = Request::Pull { table: table.into(), mark, need };
         let asked: Vec<usize> = (0..self.servers.len()).filter(|&s| !unique[s].is_empty()).collect();
         for &s in &asked {
             self.servers[s].send(&req, &wire::encode(&unique[s], &[]))?;
@@ -348,12 +349,19 @@ mod tests {
     }
 
     fn spec() -> TableSpec {
-        TableSpec { name: "emb".into(), dim: 3, optimizer: Optimizer::sgd(0.5), init: Init::Uniform { scale: 0.1 }, seed: 1 }
+        TableSpec {
+            name: "emb".into(),
+            dim: 3,
+            optimizer: Optimizer::sgd(0.5),
+            init: Init::Uniform { scale: 0.1 },
+            seed: 1,
+        }
     }
 
     /// The ids rank `rank` touches at `step` (repeats and a shared hot id).
     fn batch(step: u64, rank: u64) -> Vec<u64> {
-        let mut ids: Vec<u64> = (0..6).map(|i| crate::ps::table::mix(step * 31 + rank * 7 + i) % 40).collect();
+        let mut ids: Vec<u64> =
+            (0..6).map(|i| crate::ps::table::mix(step * 31 + rank * 7 + i) % 40).collect();
         ids.push(7);
         ids.push(ids[0]);
         ids
@@ -376,14 +384,15 @@ mod tests {
                 let (job, addrs) = (job.clone(), addrs.clone());
                 std::thread::spawn(move || {
                     let mut c = Client::connect(&addrs, &job, 10 + rank).unwrap();
-                    c.declare(spec(), 0).unwrap();
+                    let mark = Mark { generation: 1, base: 0, committed: 0 };
+                    c.declare(spec(), mark).unwrap();
                     for step in 0..steps {
                         if rank == 1 && step % 3 == 0 {
                             std::thread::sleep(Duration::from_millis(5));
                         }
                         let ids = batch(step, rank);
-                        let rows = c.pull("emb", step, &ids).unwrap();
-                        let tag = PushTag { generation: 1, step, rank: rank as u32, world: 2 };
+                        let rows = c.pull("emb", mark, step, &ids).unwrap();
+                        let tag = PushTag { mark, step, rank: rank as u32, world: 2 };
                         c.push("emb", tag, &ids, &grads(&rows, step)).unwrap();
                     }
                     c.stats().unwrap()
@@ -443,17 +452,18 @@ mod tests {
         let job = job();
         let svc = start(&job, 4, Duration::from_millis(100));
         let mut c = Client::connect(&[(4, svc.addr())], &job, 3).unwrap();
-        c.declare(spec(), 0).unwrap();
-        let tag = PushTag { generation: 1, step: 0, rank: 0, world: 2 };
+        let mark = Mark { generation: 1, base: 0, committed: 0 };
+        c.declare(spec(), mark).unwrap();
+        let tag = PushTag { mark, step: 0, rank: 0, world: 2 };
         c.push("emb", tag, &[1], &[0.0; 3]).unwrap();
-        let e = c.pull("emb", 1, &[1]).unwrap_err().to_string();
+        let e = c.pull("emb", mark, 1, &[1]).unwrap_err().to_string();
         assert!(e.contains("waited") && e.contains("step 0 has pushes from 1 of 2 ranks"), "{e}");
-        let e = c.pull("nope", 0, &[1]).unwrap_err().to_string();
+        let e = c.pull("nope", mark, 0, &[1]).unwrap_err().to_string();
         assert!(e.contains("\"nope\" was not declared by worker 3"), "{e}");
         let e = c.push("emb", tag, &[1, 2], &[0.0; 3]).unwrap_err().to_string();
         assert!(e.contains("3 gradient floats for 2 ids"), "{e}");
         // Still serving after the refusals, on the same connection.
-        assert_eq!(c.pull("emb", 0, &[1]).unwrap().len(), 3);
+        assert_eq!(c.pull("emb", mark, 0, &[1]).unwrap().len(), 3);
         let other = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
         let e = Client::connect(&[(4, svc.addr())], &other, 3).err().unwrap();
         assert!(format!("{e:#}").contains("parameter server 4"), "{e:#}");

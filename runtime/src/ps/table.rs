@@ -284,6 +284,22 @@ impl Rows {
         spec.optimizer.apply(values, state, self.updates[at], grad);
     }
 
+    /// Row `id` whole (values, then optimiser state) and its update count,
+    /// made if new: what an update is about to change.
+    pub fn snapshot(&mut self, spec: &TableSpec, id: u64) -> (Vec<f32>, u32) {
+        let at = self.slot(spec, id);
+        let w = spec.width();
+        (self.data[at * w..(at + 1) * w].to_vec(), self.updates[at])
+    }
+
+    /// Puts back what [`Rows::snapshot`] took.
+    pub fn restore(&mut self, spec: &TableSpec, id: u64, (row, updates): (Vec<f32>, u32)) {
+        let at = self.slot(spec, id);
+        let w = spec.width();
+        self.data[at * w..(at + 1) * w].copy_from_slice(&row);
+        self.updates[at] = updates;
+    }
+
     /// Every row: its id, values, optimiser state and update count, by id.
     pub fn export(&self, spec: &TableSpec) -> BTreeMap<u64, (Vec<f32>, Vec<f32>, u32)> {
         let w = spec.width();

@@ -7,7 +7,7 @@
 //! where a body is little-endian `u64` ids followed by `f32` values: rows
 //! and gradients travel as raw floats, not as JSON numbers.
 
-use super::server::{PushTag, Pushed, Stats};
+use super::server::{Mark, PushTag, Pushed, Stats};
 use super::table::TableSpec;
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
@@ -22,11 +22,12 @@ pub const MAX_BODY: usize = 64 << 20;
 pub enum Request {
     Declare {
         table: TableSpec,
-        from_step: u64,
+        mark: Mark,
     },
     /// Rows of the body's ids, once the steps before `need` are applied.
     Pull {
         table: String,
+        mark: Mark,
         need: u64,
     },
     /// The body: `ids` ids, then their gradients.
@@ -126,7 +127,7 @@ mod tests {
     #[test]
     fn frames_round_trip_and_bad_ones_are_errors() {
         let mut buf = Vec::new();
-        let req = Request::Pull { table: "t".into(), need: 3 };
+        let req = Request::Pull { table: "t".into(), mark: Mark::default(), need: 3 };
         write(&mut buf, &req, &encode(&[1, u64::MAX], &[0.5])).unwrap();
         let (back, body): (Request, Vec<u8>) = read(&mut buf.as_slice()).unwrap().unwrap();
         assert!(matches!(back, Request::Pull { need: 3, .. }));

@@ -164,6 +164,9 @@ pub struct Step {
     pub indices: Vec<u32>,
     /// Samples of the whole step, over every rank: a mean loss divides by it.
     pub global_rows: usize,
+    /// Steps committed when this step's generation formed: the state it
+    /// started from (a parameter server rolls its tables back to it).
+    pub base: u64,
     start: u32,
     end: u32,
     opens: bool,
@@ -192,6 +195,7 @@ struct Place {
     generation: u64,
     rank: usize,
     world: usize,
+    base: u64,
 }
 
 /// The worker side of a job.
@@ -229,6 +233,8 @@ pub struct Session {
     notice_looked: Option<Instant>,
     /// Steps applied to the current state (None: nothing yet, a joiner).
     applied: Option<u64>,
+    /// The newest commit heard of: every step before it is committed.
+    committed: u64,
     /// Rollback points: the state at the start of each window not known
     /// to be committed, and at the last committed step.
     snapshots: BTreeMap<u64, Arc<Vec<f32>>>,
@@ -364,6 +370,7 @@ impl Session {
             leaving: false,
             notice_looked: None,
             applied: None,
+            committed: 0,
             snapshots: BTreeMap::new(),
             spare: None,
             layout: Layout::default(),
@@ -453,6 +460,11 @@ impl Session {
     pub fn set_ring_address(&mut self, bind: std::net::IpAddr, advertise: Option<std::net::IpAddr>) {
         self.ring_ip = bind;
         self.ring_advertise = advertise;
+    }
+
+    /// Every step before this one is committed (as this worker last heard).
+    pub fn committed(&self) -> u64 {
+        self.committed
     }
 
     pub fn spec(&self) -> &JobSpec {
@@ -990,6 +1002,7 @@ impl Session {
                 hyper: plan.hyper,
                 indices: share.indices,
                 global_rows: (plan.cursor + gb).min(len).saturating_sub(plan.cursor),
+                base: p.base,
                 start: share.start,
                 end: share.end,
                 opens: i == 0,
@@ -1011,6 +1024,7 @@ impl Session {
         stored: Option<u64>,
         state: &mut dyn State,
     ) -> Result<()> {
+        self.committed = self.committed.max(step);
         if self.applied == Some(step) && self.current.is_none() && !self.snapshots.contains_key(&step) {
             self.snapshot(state)?;
         }
@@ -1064,7 +1078,8 @@ impl Session {
         self.window.clear();
         self.current = None;
         self.ring = None;
-        self.place = Some(Place { generation: g.generation, rank: g.rank, world: g.world });
+        self.place =
+            Some(Place { generation: g.generation, rank: g.rank, world: g.world, base: g.committed_steps });
         self.rendezvous = Some(Rendezvous {
             generation: g.generation,
             rank: g.rank,

@@ -11,6 +11,7 @@ mod hardening;
 mod house;
 mod kubernetes;
 mod lifecycle;
+mod ps;
 mod python;
 mod reload;
 mod sandbox;
