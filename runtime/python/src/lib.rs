@@ -323,7 +323,11 @@ impl Job {
         let spec = TableSpec { name: name.to_string(), dim, optimizer, init, seed };
         let mut inner = lock(&self.inner);
         let started = inner.ready;
-        inner.tables.define(spec, started).map_err(|e| PyValueError::new_err(format!("{e:#}")))
+        inner.tables.define(spec, started).map_err(|e| PyValueError::new_err(format!("{e:#}")))?;
+        if let Some(export) = inner.tables.exporter() {
+            inner.session.set_table_export(export);
+        }
+        Ok(())
     }
 
     /// The registered state's names and shapes.
@@ -471,6 +475,10 @@ impl Job {
             }
             Event::Step(s) => {
                 let info = StepInfo::of(&s);
+                inner.tables.restore = inner
+                    .session
+                    .restored_from()
+                    .map(|p| (inner.session.spec().checkpoint_dir.clone(), p.to_path_buf()));
                 inner.current = Some((s, Instant::now()));
                 Ok(Some(info))
             }
@@ -636,8 +644,12 @@ fn ids_of(py: Python<'_>, table: &str, ids: &Bound<'_, PyAny>) -> PyResult<Vec<u
 }
 
 impl StepView {
-    /// Where this step's requests to the parameter servers stand.
+    /// Where this step's requests to the parameter servers stand. Only
+    /// rank 0 tells the commits it heard of (which let the servers forget
+    /// how to undo the steps before them): it writes the checkpoints, and
+    /// takes the tables at a checkpoint's step before it tells that commit.
     fn mark(&self, committed: u64) -> edl_runtime::ps::Mark {
+        let committed = if self.info.rank == 0 { committed } else { 0 };
         edl_runtime::ps::Mark { generation: self.info.generation, base: self.info.base, committed }
     }
 

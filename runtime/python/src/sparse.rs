@@ -10,6 +10,7 @@ use edl_runtime::job::spec::PsTopology;
 use edl_runtime::ps::{Client, Mark, PushTag, TableSpec};
 use edl_runtime::worker::session::JobAuth;
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
 
 /// The tables of one worker.
 pub struct Tables {
@@ -22,6 +23,10 @@ pub struct Tables {
     /// The step (generation, step) the pushes in `pushed` belong to.
     pushing: (u64, u64),
     pushed: BTreeSet<String>,
+    /// The job's checkpoint location and the checkpoint the current
+    /// generation started from: where a server that makes a table takes
+    /// its rows.
+    pub restore: Option<(PathBuf, PathBuf)>,
 }
 
 impl Tables {
@@ -34,6 +39,7 @@ impl Tables {
             specs: BTreeMap::new(),
             pushing: (u64::MAX, u64::MAX),
             pushed: BTreeSet::new(),
+            restore: None,
         }
     }
 
@@ -76,12 +82,40 @@ impl Tables {
                 .map(|(id, a)| Ok((*id, edl_runtime::net::resolve(a)?)))
                 .collect::<Result<Vec<_>>>()?;
             let mut client = Client::connect(&servers, &self.auth, self.worker)?;
+            let restore = self.restore.as_ref().map(|(l, p)| (l.as_path(), p.as_path()));
             for spec in self.specs.values() {
-                client.declare(spec.clone(), mark)?;
+                client.declare(spec.clone(), mark, restore)?;
             }
             self.client = Some(client);
         }
         Ok(self.client.as_mut().expect("just made"))
+    }
+
+    /// What gives the checkpoints rank 0 writes the tables at their step:
+    /// a connection of its own to every server, made at the first one.
+    pub fn exporter(&self) -> Option<edl_runtime::worker::session::TableExport> {
+        let topology = self.topology.clone()?;
+        let (auth, worker, specs) = (self.auth.clone(), self.worker, self.specs.clone());
+        let mut client: Option<Client> = None;
+        Some(Box::new(move |step| {
+            if client.is_none() {
+                let servers = topology
+                    .servers
+                    .iter()
+                    .map(|(id, a)| Ok((*id, edl_runtime::net::resolve(a)?)))
+                    .collect::<Result<Vec<_>>>()?;
+                let mut c = Client::connect(&servers, &auth, worker)?;
+                specs.values().for_each(|s| c.know(s.clone()));
+                client = Some(c);
+            }
+            let c = client.as_mut().expect("just made");
+            let tables = specs.keys().map(|name| c.export(name, step)).collect::<Result<Vec<_>>>();
+            if tables.is_err() {
+                // A connection left mid-answer is not used again.
+                client = None;
+            }
+            tables
+        }))
     }
 
     /// Rows `ids` of `table` for step `step` (`ids.len() * dim` floats).

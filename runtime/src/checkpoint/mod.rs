@@ -82,6 +82,8 @@ pub struct Restored {
     pub manifest: Manifest,
     pub layout: Layout,
     pub values: Vec<f32>,
+    /// The job's sparse tables at the checkpoint's step (parameter servers).
+    pub tables: Vec<crate::ps::SavedTable>,
 }
 
 impl Restored {
@@ -173,24 +175,103 @@ fn step_name(step: u64) -> String {
     format!("step-{step:010}")
 }
 
-/// The state as a safetensors file's bytes, with the tensors' order.
-fn encode_state(layout: &Layout, values: &[f32], at: &Path) -> Result<Vec<u8>, CheckpointError> {
+/// The metadata key listing a checkpoint's sparse tables (their specs);
+/// each table's rows are the tensors `ps/<name>/ids` (U64 `[n]`),
+/// `ps/<name>/rows` (F32 `[n, dim * (1 + optimizer slots)]`: the values,
+/// then the optimiser's state) and `ps/<name>/updates` (U32 `[n]`).
+const TABLES_META: &str = "edl.tables";
+
+/// The state as a safetensors file's bytes, with the tensors' order, and
+/// the sparse tables beside it.
+fn encode_state(
+    layout: &Layout,
+    values: &[f32],
+    tables: &[crate::ps::SavedTable],
+    at: &Path,
+) -> Result<Vec<u8>, CheckpointError> {
     if values.len() != layout.numel() {
         return Err(io(at, format!("{} values for a state of {}", values.len(), layout.numel())));
     }
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = layout
+    let mut bytes: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = layout
         .ranges()
-        .map(|(t, r)| (t.name.clone(), t.shape.clone(), crate::distill::oip::f32_bytes(&values[r])))
+        .map(|(t, r)| {
+            (t.name.clone(), Dtype::F32, t.shape.clone(), crate::distill::oip::f32_bytes(&values[r]))
+        })
         .collect();
+    for t in tables {
+        let (n, name) = (t.ids.len(), &t.spec.name);
+        let width = if n == 0 { 0 } else { t.rows.len() / n };
+        let ids = t.ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+        let updates = t.updates.iter().flat_map(|u| u.to_le_bytes()).collect();
+        bytes.push((format!("ps/{name}/ids"), Dtype::U64, vec![n], ids));
+        bytes.push((
+            format!("ps/{name}/rows"),
+            Dtype::F32,
+            vec![n, width],
+            crate::distill::oip::f32_bytes(&t.rows),
+        ));
+        bytes.push((format!("ps/{name}/updates"), Dtype::U32, vec![n], updates));
+    }
     let views = bytes
         .iter()
-        .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
+        .map(|(n, d, s, b)| Ok((n.clone(), TensorView::new(*d, s.clone(), b)?)))
         .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()
         .map_err(|e| io(at, e))?;
     // The order of the tensors, which safetensors does not keep.
     let order = serde_json::to_string(layout).map_err(|e| io(at, e))?;
-    let meta = std::collections::HashMap::from([("edl.layout".to_string(), order)]);
+    let mut meta = std::collections::HashMap::from([("edl.layout".to_string(), order)]);
+    if !tables.is_empty() {
+        let specs: Vec<&crate::ps::TableSpec> = tables.iter().map(|t| &t.spec).collect();
+        meta.insert(TABLES_META.to_string(), serde_json::to_string(&specs).map_err(|e| io(at, e))?);
+    }
     safetensors::serialize(views, Some(meta)).map_err(|e| io(at, e))
+}
+
+/// The sparse tables `specs` (the metadata's JSON) names, read from `st`.
+fn read_tables(st: &SafeTensors, specs: &str) -> Result<Vec<crate::ps::SavedTable>, String> {
+    let specs: Vec<crate::ps::TableSpec> = serde_json::from_str(specs).map_err(|e| format!("tables: {e}"))?;
+    let tensor = |name: String, dtype: Dtype| {
+        let v = st.tensor(&name).map_err(|e| format!("tensor {name:?}: {e}"))?;
+        if v.dtype() != dtype {
+            return Err(format!("tensor {name:?} is {:?}, expected {dtype:?}", v.dtype()));
+        }
+        Ok(v)
+    };
+    let mut out = Vec::new();
+    for spec in specs {
+        spec.check()?;
+        let name = spec.name.clone();
+        let ids: Vec<u64> = tensor(format!("ps/{name}/ids"), Dtype::U64)?
+            .data()
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect();
+        let rows = tensor(format!("ps/{name}/rows"), Dtype::F32)?;
+        let width = spec.dim * (1 + spec.optimizer.slots());
+        if ids.is_empty() {
+            out.push(crate::ps::SavedTable { spec, ids, rows: Vec::new(), updates: Vec::new() });
+            continue;
+        }
+        if rows.shape() != [ids.len(), width] {
+            return Err(format!(
+                "table {name:?}: rows of shape {:?}, expected [{}, {width}]",
+                rows.shape(),
+                ids.len()
+            ));
+        }
+        let rows =
+            rows.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
+        let updates: Vec<u32> = tensor(format!("ps/{name}/updates"), Dtype::U32)?
+            .data()
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect();
+        if updates.len() != ids.len() {
+            return Err(format!("table {name:?}: {} update counts for {} rows", updates.len(), ids.len()));
+        }
+        out.push(crate::ps::SavedTable { spec, ids, rows, updates });
+    }
+    Ok(out)
 }
 
 /// Writes a checkpoint's files into the local directory `dir` (which exists):
@@ -198,11 +279,10 @@ fn encode_state(layout: &Layout, values: &[f32], at: &Path) -> Result<Vec<u8>, C
 /// sha256, each forced to disk.
 fn write_checkpoint_files(
     dir: &Path,
-    layout: &Layout,
-    values: &[f32],
+    (layout, values, tables): (&Layout, &[f32], &[crate::ps::SavedTable]),
     mut manifest: Manifest,
 ) -> Result<(), CheckpointError> {
-    let state = encode_state(layout, values, dir)?;
+    let state = encode_state(layout, values, tables, dir)?;
     write_durably(&dir.join(STATE_FILE), &state)?;
     manifest.files = BTreeMap::from([(STATE_FILE.to_string(), hex::encode(Sha256::digest(&state)))]);
     let json = serde_json::to_vec_pretty(&manifest).map_err(|e| io(dir, e))?;
@@ -531,16 +611,28 @@ impl Checkpoints {
         values: &[f32],
         manifest: Manifest,
     ) -> Result<PathBuf, CheckpointError> {
+        self.save_with_tables(layout, values, &[], manifest)
+    }
+
+    /// [`Checkpoints::save`], with the job's sparse tables at the same step
+    /// in the same state file.
+    pub fn save_with_tables(
+        &self,
+        layout: &Layout,
+        values: &[f32],
+        tables: &[crate::ps::SavedTable],
+        manifest: Manifest,
+    ) -> Result<PathBuf, CheckpointError> {
+        let state = (layout, values, tables);
         if manifest.fence.is_none() {
-            return self.save_unfenced(layout, values, manifest);
+            return self.save_unfenced(state, manifest);
         }
-        self.locked(|| self.save_unfenced(layout, values, manifest))
+        self.locked(|| self.save_unfenced(state, manifest))
     }
 
     fn save_unfenced(
         &self,
-        layout: &Layout,
-        values: &[f32],
+        (layout, values, tables): (&Layout, &[f32], &[crate::ps::SavedTable]),
         manifest: Manifest,
     ) -> Result<PathBuf, CheckpointError> {
         if let Some(token) = manifest.fence {
@@ -549,8 +641,8 @@ impl Checkpoints {
         let name = step_name(manifest.step);
         let fence = manifest.fence;
         let at = match &self.remote {
-            Some(r) => self.save_to_objects(r, &name, layout, values, manifest)?,
-            None => self.save_to_directory(&name, layout, values, manifest)?,
+            Some(r) => self.save_to_objects(r, &name, (layout, values, tables), manifest)?,
+            None => self.save_to_directory(&name, (layout, values, tables), manifest)?,
         };
         self.known_good(&at);
         self.prune(fence);
@@ -565,15 +657,14 @@ impl Checkpoints {
         &self,
         r: &ObjectDir,
         name: &str,
-        layout: &Layout,
-        values: &[f32],
+        (layout, values, tables): (&Layout, &[f32], &[crate::ps::SavedTable]),
         mut manifest: Manifest,
     ) -> Result<PathBuf, CheckpointError> {
         let at = PathBuf::from(r.url_of(name));
         let upload = ObjectUpload::new(r, name, &at)?;
         let sum_rel = format!("{name}/{SUM_FILE}");
         let before = r.get_versioned(&sum_rel)?;
-        let state = encode_state(layout, values, &at)?;
+        let state = encode_state(layout, values, tables, &at)?;
         manifest.files = BTreeMap::from([(upload.state_name.clone(), hex::encode(Sha256::digest(&state)))]);
         let json = serde_json::to_vec_pretty(&manifest).map_err(|e| io(&at, e))?;
         let sum = format!("{} {}", hex::encode(Sha256::digest(&json)), upload.manifest_name).into_bytes();
@@ -606,15 +697,14 @@ impl Checkpoints {
     fn save_to_directory(
         &self,
         name: &str,
-        layout: &Layout,
-        values: &[f32],
+        state: (&Layout, &[f32], &[crate::ps::SavedTable]),
         manifest: Manifest,
     ) -> Result<PathBuf, CheckpointError> {
         std::fs::create_dir_all(&self.dir).map_err(|e| io(&self.dir, e))?;
         let tmp = self.dir.join(format!(".tmp-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-        write_checkpoint_files(&tmp, layout, values, manifest)?;
+        write_checkpoint_files(&tmp, state, manifest)?;
         let dest = self.dir.join(name);
         self.move_into_place(&tmp, &dest, name)?;
         // `latest` names the newest complete checkpoint, for people and tools.
@@ -941,7 +1031,11 @@ impl Checkpoints {
             }
             values.extend(v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
         }
-        Ok(Restored { path: path.to_path_buf(), manifest, layout, values })
+        let tables = match meta.metadata().as_ref().and_then(|m| m.get(TABLES_META)) {
+            Some(specs) => read_tables(&st, specs).map_err(|e| corrupt(&file, e))?,
+            None => Vec::new(),
+        };
+        Ok(Restored { path: path.to_path_buf(), manifest, layout, values, tables })
     }
 
     /// The newest checkpoint that verifies, and the unusable ones skipped

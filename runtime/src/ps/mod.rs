@@ -17,4 +17,4 @@ pub mod wire;
 
 pub use server::{Mark, PsError, PushTag, Pushed, Server, Stats};
 pub use service::{Client, Service};
-pub use table::{Init, Optimizer, SHARDS, TableSpec};
+pub use table::{Init, Optimizer, SHARDS, SavedTable, TableSpec};

@@ -22,7 +22,7 @@
 //! A pull for step `s` is answered once the steps before `s - staleness`
 //! are applied: with no staleness, a step sees every update before it.
 
-use super::table::{Rows, TableSpec};
+use super::table::{Rows, SavedTable, TableSpec};
 use std::collections::{BTreeMap, HashMap};
 
 /// Why a request was refused; each names the table and who asked.
@@ -141,6 +141,10 @@ impl Server {
 
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    pub fn has(&self, table: &str) -> bool {
+        self.tables.contains_key(table)
     }
 
     /// Makes `spec` a table here, as of the generation and base of `mark`
@@ -293,6 +297,88 @@ impl Server {
             })
             .collect();
         Stats { server: self.id, tables, bytes: self.bytes(), bound: self.bound }
+    }
+
+    /// `table` as it was after its steps before `step` (the newest steps
+    /// undone on a copy): what a checkpoint of that step keeps (the rows
+    /// updated by then; the others are their seeded initial values).
+    pub fn export(&self, table: &str, worker: u64, step: u64) -> Result<SavedTable, PsError> {
+        let server = self.id;
+        let t = self.tables.get(table).ok_or_else(|| PsError::UnknownTable {
+            server,
+            table: table.into(),
+            worker,
+        })?;
+        if step > t.applied || (step..t.applied).any(|s| !t.undo.contains_key(&s)) {
+            return Err(PsError::Behind {
+                table: table.into(),
+                server,
+                applied: t.applied,
+                generation: t.generation,
+                base: step,
+                why: ": a checkpoint of that step cannot be made here".into(),
+            });
+        }
+        let mut rows: BTreeMap<u64, (Vec<f32>, u32)> = BTreeMap::new();
+        for shard in t.shards.values() {
+            for (id, (mut values, state, updates)) in shard.export(&t.spec) {
+                values.extend(state);
+                rows.insert(id, (values, updates));
+            }
+        }
+        for s in (step..t.applied).rev() {
+            for (id, before) in t.undo[&s].iter().rev() {
+                rows.insert(*id, before.clone());
+            }
+        }
+        let mut saved =
+            SavedTable { spec: t.spec.clone(), ids: Vec::new(), rows: Vec::new(), updates: Vec::new() };
+        // A row never updated is its initial values: made again alike where needed.
+        for (id, (row, updates)) in rows.into_iter().filter(|(_, (_, u))| *u > 0) {
+            saved.ids.push(id);
+            saved.rows.extend(row);
+            saved.updates.push(updates);
+        }
+        Ok(saved)
+    }
+
+    /// Declares `spec` (as [`Server::declare`]) with the rows of `saved`
+    /// that `keep` says are this server's (by shard).
+    pub fn restore(
+        &mut self,
+        worker: u64,
+        spec: TableSpec,
+        mark: Mark,
+        saved: &SavedTable,
+        keep: impl Fn(u32) -> bool,
+    ) -> Result<(), PsError> {
+        if self.tables.contains_key(&spec.name) {
+            return self.declare(worker, spec, mark);
+        }
+        if saved.spec.dim != spec.dim || saved.spec.optimizer.slots() != spec.optimizer.slots() {
+            return Err(PsError::Conflict {
+                table: spec.name.clone(),
+                worker,
+                have: format!("{:?} in the checkpoint", saved.spec),
+                want: format!("{spec:?}"),
+            });
+        }
+        self.declare(worker, spec.clone(), mark)?;
+        let t = self.tables.get_mut(&spec.name).expect("just declared");
+        let w = spec.width();
+        for (i, &id) in saved.ids.iter().enumerate() {
+            let shard = spec.shard_of(id);
+            if keep(shard) {
+                t.shards.entry(shard).or_default().put(
+                    &spec,
+                    id,
+                    &saved.rows[i * w..(i + 1) * w],
+                    saved.updates[i],
+                );
+                t.rows += 1;
+            }
+        }
+        Ok(())
     }
 
     /// Every row of `table` here, by id (for checks and exports).
@@ -561,5 +647,39 @@ mod tests {
         assert!(matches!(e, PsError::AtBound { new: 1, .. }), "{e}");
         assert_eq!(s.stats().tables[0].applied, 0, "nothing half applied");
         assert_eq!(s.stats().bytes, per_row * 10);
+    }
+
+    #[test]
+    fn an_export_is_the_table_at_its_step_and_a_restore_keeps_the_shards_asked_for() {
+        let mut s = Server::new(1, None);
+        let adam = TableSpec { optimizer: Optimizer::adam(0.1), ..spec() };
+        s.declare(9, adam.clone(), mark(1, 0)).unwrap();
+        for step in 0..3 {
+            let t = PushTag { mark: Mark { generation: 1, base: 0, committed: 1 }, step, rank: 0, world: 1 };
+            s.push("item", 0, t, vec![step, 10], vec![1.0; 4]).unwrap();
+        }
+        let at1 = s.export("item", 0, 1).unwrap();
+        assert_eq!(at1.ids, [0, 10], "row 1 was first updated by step 1, after the export's step");
+        assert_eq!(at1.updates, [1, 1]);
+        assert_eq!(at1.rows.len(), 2 * adam.width());
+        let now = s.export("item", 0, 3).unwrap();
+        assert_eq!(now.ids, [0, 1, 2, 10]);
+        assert_eq!(now.updates, [1, 1, 1, 3]);
+        let e = s.export("item", 0, 0).unwrap_err();
+        assert!(e.to_string().contains("cannot be made"), "step 0 is before the commit: {e}");
+        // Restored on a server that keeps even shards only.
+        let mut r = Server::new(2, None);
+        r.restore(4, adam.clone(), mark(2, 1), &at1, |shard| shard % 2 == 0).unwrap();
+        let kept = r.export("item", 4, 1).unwrap();
+        let want: Vec<u64> = at1.ids.iter().copied().filter(|&id| adam.shard_of(id) % 2 == 0).collect();
+        assert_eq!(kept.ids, want);
+        for (i, id) in kept.ids.iter().enumerate() {
+            let j = at1.ids.iter().position(|x| x == id).unwrap();
+            let w = adam.width();
+            assert_eq!(kept.rows[i * w..(i + 1) * w], at1.rows[j * w..(j + 1) * w]);
+        }
+        let other = TableSpec { dim: 3, ..adam };
+        let e = Server::new(3, None).restore(4, other, mark(2, 1), &at1, |_| true).unwrap_err();
+        assert!(matches!(e, PsError::Conflict { .. }), "{e}");
     }
 }

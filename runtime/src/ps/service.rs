@@ -8,7 +8,7 @@
 
 use super::placement;
 use super::server::{Mark, PushTag, Pushed, Server, Stats};
-use super::table::{SHARDS, TableSpec};
+use super::table::{SHARDS, SavedTable, TableSpec};
 use super::wire::{self, Request, Response};
 use anyhow::{Context, Result, bail};
 use edl_host_gpu::comm::auth::{self, JobAuth};
@@ -16,6 +16,7 @@ use edl_host_gpu::comm::sealed::SealedStream;
 use std::{
     collections::HashMap,
     net::{SocketAddr, TcpListener, TcpStream},
+    path::Path,
     sync::{Arc, Condvar, Mutex},
     time::{Duration, Instant},
 };
@@ -117,11 +118,40 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response,
     let refused = |error: String| (Response::Refused { error }, Vec::new());
     let mut server = shared.server.lock().expect("ps state");
     match req {
-        Request::Declare { table, mark } => match server.declare(worker, table, mark) {
-            Ok(()) => (Response::ok(), Vec::new()),
+        Request::Declare { table, mark, restore } => {
+            let made = match restore {
+                Some(r) if !server.has(&table.name) => {
+                    drop(server);
+                    // Read without the lock: the other tables go on being served.
+                    let saved = match restored(&r, &table.name) {
+                        Ok(s) => s,
+                        Err(e) => return refused(e),
+                    };
+                    let owner = |shard| placement::owner(&r.servers, shard);
+                    let mut server = shared.server.lock().expect("ps state");
+                    let me = server.id();
+                    server.restore(worker, table, mark, &saved, |shard| owner(shard) == me)
+                }
+                _ => server.declare(worker, table, mark),
+            };
+            match made {
+                Ok(()) => (Response::ok(), Vec::new()),
+                Err(e) => refused(e.to_string()),
+            }
+        }
+        Request::Export { table, step } => match server.export(&table, worker, step) {
+            Ok(t) => {
+                let updates: Vec<u64> = t.updates.iter().map(|&u| u as u64).collect();
+                let mut body = wire::encode(&t.ids, &[]);
+                body.extend(wire::encode(&updates, &t.rows));
+                let n = t.ids.len();
+                (Response::Ok { pushed: None, stats: None, exported: Some((t.spec, n)) }, body)
+            }
             Err(e) => refused(e.to_string()),
         },
-        Request::Stats => (Response::Ok { pushed: None, stats: Some(server.stats()) }, Vec::new()),
+        Request::Stats => {
+            (Response::Ok { pushed: None, stats: Some(server.stats()), exported: None }, Vec::new())
+        }
         Request::Push { table, tag, ids } => {
             let Some((ids, grads)) = wire::decode(body, ids) else {
                 return refused(format!(
@@ -131,7 +161,7 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response,
             let pushed = server.push(&table, worker, tag, ids, grads);
             shared.pushed.notify_all();
             match pushed {
-                Ok(p) => (Response::Ok { pushed: Some(p), stats: None }, Vec::new()),
+                Ok(p) => (Response::Ok { pushed: Some(p), stats: None, exported: None }, Vec::new()),
                 Err(e) => refused(e.to_string()),
             }
         }
@@ -161,6 +191,17 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response,
             }
         }
     }
+}
+
+/// Table `name` of the checkpoint `r` names.
+fn restored(r: &wire::Restore, name: &str) -> Result<SavedTable, String> {
+    let shown = r.path.display();
+    let checkpoints = crate::checkpoint::Checkpoints::open(&r.location, 1).map_err(|e| e.to_string())?;
+    let cp = checkpoints.read_at(&r.path).map_err(|e| format!("restoring table {name:?}: {e}"))?;
+    cp.tables
+        .into_iter()
+        .find(|t| t.spec.name == name)
+        .ok_or_else(|| format!("checkpoint {shown} holds no table {name:?} (it was written without it)"))
 }
 
 /// A worker's connections to every parameter server of the job.
@@ -227,13 +268,25 @@ impl Client {
     }
 
     /// Declares `spec` on every server as of `mark` (the same spec again
-    /// is a no-op).
-    pub fn declare(&mut self, spec: TableSpec, mark: Mark) -> Result<()> {
-        let req = Request::Declare { table: spec.clone(), mark };
+    /// is a no-op); a server that makes it takes its rows from the
+    /// checkpoint at `restore` (in the job's checkpoint `location`), if any.
+    pub fn declare(&mut self, spec: TableSpec, mark: Mark, restore: Option<(&Path, &Path)>) -> Result<()> {
+        let servers = self.servers.iter().map(|c| c.id).collect();
+        let restore = restore.map(|(location, path)| wire::Restore {
+            location: location.to_path_buf(),
+            path: path.to_path_buf(),
+            servers,
+        });
+        let req = Request::Declare { table: spec.clone(), mark, restore };
         self.servers.iter_mut().try_for_each(|c| c.send(&req, &[]))?;
         self.servers.iter_mut().try_for_each(|c| c.receive().map(drop))?;
         self.dims.insert(spec.name.clone(), spec);
         Ok(())
+    }
+
+    /// Knows `spec` without declaring it (a client that only exports).
+    pub fn know(&mut self, spec: TableSpec) {
+        self.dims.insert(spec.name.clone(), spec);
     }
 
     fn spec(&self, table: &str) -> Result<&TableSpec> {
@@ -320,6 +373,30 @@ impl Client {
         Ok(applied)
     }
 
+    /// `table` as it was after its steps before `step`, from every server.
+    pub fn export(&mut self, table: &str, step: u64) -> Result<SavedTable> {
+        let spec = self.spec(table)?.clone();
+        let req = Request::Export { table: table.into(), step };
+        self.servers.iter_mut().try_for_each(|c| c.send(&req, &[]))?;
+        let mut all =
+            SavedTable { spec: spec.clone(), ids: Vec::new(), rows: Vec::new(), updates: Vec::new() };
+        for c in &mut self.servers {
+            let (resp, body) = c.receive()?;
+            let n = match resp {
+                Response::Ok { exported: Some((_, n)), .. } => n,
+                _ => bail!("parameter server {}: no rows in its export of {table:?}", c.id),
+            };
+            let (head, rows) =
+                wire::decode(&body, 2 * n).filter(|(_, r)| r.len() == n * spec.width()).with_context(
+                    || format!("parameter server {}: an export of {table:?} of the wrong size", c.id),
+                )?;
+            all.ids.extend(&head[..n]);
+            all.updates.extend(head[n..].iter().map(|&u| u as u32));
+            all.rows.extend(rows);
+        }
+        Ok(all)
+    }
+
     /// Every server's tables and memory.
     pub fn stats(&mut self) -> Result<Vec<Stats>> {
         self.servers.iter_mut().try_for_each(|c| c.send(&Request::Stats, &[]))?;
@@ -385,7 +462,7 @@ mod tests {
                 std::thread::spawn(move || {
                     let mut c = Client::connect(&addrs, &job, 10 + rank).unwrap();
                     let mark = Mark { generation: 1, base: 0, committed: 0 };
-                    c.declare(spec(), mark).unwrap();
+                    c.declare(spec(), mark, None).unwrap();
                     for step in 0..steps {
                         if rank == 1 && step % 3 == 0 {
                             std::thread::sleep(Duration::from_millis(5));
@@ -453,7 +530,7 @@ mod tests {
         let svc = start(&job, 4, Duration::from_millis(100));
         let mut c = Client::connect(&[(4, svc.addr())], &job, 3).unwrap();
         let mark = Mark { generation: 1, base: 0, committed: 0 };
-        c.declare(spec(), mark).unwrap();
+        c.declare(spec(), mark, None).unwrap();
         let tag = PushTag { mark, step: 0, rank: 0, world: 2 };
         c.push("emb", tag, &[1], &[0.0; 3]).unwrap();
         let e = c.pull("emb", mark, 1, &[1]).unwrap_err().to_string();

@@ -218,7 +218,7 @@ impl TableSpec {
     }
 
     /// Floats kept per row: the row and its optimiser's state.
-    fn width(&self) -> usize {
+    pub fn width(&self) -> usize {
         self.dim * (1 + self.optimizer.slots())
     }
 
@@ -227,6 +227,16 @@ impl TableSpec {
     pub fn row_bytes(&self) -> u64 {
         (self.width() * 4 + 4 + 24) as u64
     }
+}
+
+/// A table's rows as a checkpoint keeps them: per row its id, its values
+/// and optimiser state (`dim * (1 + slots)` floats), and its update count.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SavedTable {
+    pub spec: TableSpec,
+    pub ids: Vec<u64>,
+    pub rows: Vec<f32>,
+    pub updates: Vec<u32>,
 }
 
 /// The rows of one shard of a table.
@@ -298,6 +308,11 @@ impl Rows {
         let w = spec.width();
         self.data[at * w..(at + 1) * w].copy_from_slice(&row);
         self.updates[at] = updates;
+    }
+
+    /// Puts row `id` (values then optimiser state) with its update count.
+    pub fn put(&mut self, spec: &TableSpec, id: u64, row: &[f32], updates: u32) {
+        self.restore(spec, id, (row.to_vec(), updates));
     }
 
     /// Every row: its id, values, optimiser state and update count, by id.

@@ -20,9 +20,19 @@ pub const MAX_BODY: usize = 64 << 20;
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "kebab-case")]
 pub enum Request {
+    /// Makes the table if it is new here: empty, or with this server's
+    /// shards of it from a checkpoint (`restore`).
     Declare {
         table: TableSpec,
         mark: Mark,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        restore: Option<Restore>,
+    },
+    /// The table as it was after its steps before `step`: the body is its
+    /// ids, their update counts (as u64) and its rows.
+    Export {
+        table: String,
+        step: u64,
     },
     /// Rows of the body's ids, once the steps before `need` are applied.
     Pull {
@@ -39,6 +49,16 @@ pub enum Request {
     Stats,
 }
 
+/// Where a table's rows come from when a server makes it: the checkpoint
+/// at `path` in the job's checkpoint `location`, of which the server keeps
+/// the shards it owns among `servers`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Restore {
+    pub location: std::path::PathBuf,
+    pub path: std::path::PathBuf,
+    pub servers: Vec<u64>,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Response {
@@ -48,6 +68,9 @@ pub enum Response {
         pushed: Option<Pushed>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         stats: Option<Stats>,
+        /// An export's table and its rows in the body.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        exported: Option<(TableSpec, usize)>,
     },
     Refused {
         error: String,
@@ -56,7 +79,7 @@ pub enum Response {
 
 impl Response {
     pub fn ok() -> Self {
-        Response::Ok { pushed: None, stats: None }
+        Response::Ok { pushed: None, stats: None, exported: None }
     }
 }
 

@@ -150,6 +150,9 @@ pub trait State {
     }
 }
 
+/// The job's sparse tables at a step, from its parameter servers.
+pub type TableExport = Box<dyn FnMut(u64) -> Result<Vec<crate::ps::SavedTable>> + Send>;
+
 /// One step of this rank.
 #[derive(Clone, Debug)]
 pub struct Step {
@@ -235,6 +238,11 @@ pub struct Session {
     applied: Option<u64>,
     /// The newest commit heard of: every step before it is committed.
     committed: u64,
+    /// The checkpoint the current generation started from, if it did.
+    restored_from: Option<std::path::PathBuf>,
+    /// The job's sparse tables at a step, for the checkpoints this worker
+    /// writes (a program with parameter servers sets it).
+    table_export: Option<TableExport>,
     /// Rollback points: the state at the start of each window not known
     /// to be committed, and at the last committed step.
     snapshots: BTreeMap<u64, Arc<Vec<f32>>>,
@@ -371,6 +379,8 @@ impl Session {
             notice_looked: None,
             applied: None,
             committed: 0,
+            restored_from: None,
+            table_export: None,
             snapshots: BTreeMap::new(),
             spare: None,
             layout: Layout::default(),
@@ -465,6 +475,18 @@ impl Session {
     /// Every step before this one is committed (as this worker last heard).
     pub fn committed(&self) -> u64 {
         self.committed
+    }
+
+    /// The checkpoint the current generation started from (the first
+    /// generation of a resumed job), if it did.
+    pub fn restored_from(&self) -> Option<&std::path::Path> {
+        self.restored_from.as_deref()
+    }
+
+    /// Gives the checkpoints this worker writes the job's sparse tables,
+    /// as `export(step)` returns them at the checkpoint's step.
+    pub fn set_table_export(&mut self, export: TableExport) {
+        self.table_export = Some(export);
     }
 
     pub fn spec(&self) -> &JobSpec {
@@ -1089,6 +1111,7 @@ impl Session {
         });
         self.failed = None;
         let n = g.committed_steps;
+        self.restored_from = None;
         if let Some(path) = &g.init {
             let (restored, skipped) = self.checkpoints.latest().context("listing the checkpoints")?;
             for e in skipped {
@@ -1105,6 +1128,7 @@ impl Session {
             state.load(&values).context("loading the checkpoint into the state")?;
             self.applied = Some(n);
             self.snapshots.clear();
+            self.restored_from = Some(r.path.clone());
         }
         if self.applied.is_none() && n == 0 && g.init.is_none() {
             // Every worker starts from the same initial state (the program's, seeded).
@@ -1218,10 +1242,17 @@ impl Session {
         })?;
         let layout = self.layout.clone();
         let store = self.checkpoints.clone();
+        // The tables now, before a later commit lets their servers forget
+        // how to undo the steps after this one.
+        let started = std::time::Instant::now();
+        let tables = match self.table_export.as_mut() {
+            Some(export) => export(n).with_context(|| format!("the sparse tables at step {n}"))?,
+            None => Vec::new(),
+        };
         let handle = std::thread::Builder::new().name("edl-checkpoint".into()).spawn(move || {
-            let started = std::time::Instant::now();
-            let bytes = std::mem::size_of_val(&values[..]) as u64;
-            let path = store.save(&layout, &values, manifest)?;
+            let rows: usize = tables.iter().map(|t| t.rows.len()).sum();
+            let bytes = (std::mem::size_of_val(&values[..]) + rows * 4) as u64;
+            let path = store.save_with_tables(&layout, &values, &tables, manifest)?;
             Ok((path, started.elapsed().as_secs_f64(), bytes))
         })?;
         self.writing = Some((n, handle));
