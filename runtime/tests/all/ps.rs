@@ -167,3 +167,70 @@ fn a_killed_job_resumes_its_tables_from_the_checkpoint_on_three_servers_as_if_ne
     assert!(resumed > 0 && resumed >= written, "{r}");
     assert_as_calm(dir.path(), &text);
 }
+
+/// A program that asks the servers for what it should not, each refusal
+/// checked for the words that name what was wrong.
+const MISUSE: &str = r#"
+import numpy as np, edl
+job = edl.Job.from_env()
+w = np.zeros(2, np.float32)
+job.register("w", w)
+def expect(fn, *words):
+    try:
+        fn()
+    except Exception as e:
+        m = str(e)
+        assert all(x in m for x in words), f"{words} not in {m}"
+        print("refused:", m, flush=True)
+    else:
+        raise SystemExit(f"accepted what should be refused: {words}")
+if job.name == "without":
+    expect(lambda: job.table("emb", 4), "no parameter servers", "--ps-servers")
+    raise SystemExit(0)
+job.table("emb", 4)
+job.table("big", 1024)
+expect(lambda: job.table("emb", 5), "already defined")
+expect(lambda: job.table("x", 4, optimizer="rmsprop"), "rmsprop")
+expect(lambda: job.table("y", 0), "dimension 0")
+for step in job.steps():
+    expect(lambda: step.pull("nope", [1]), "no table", "nope")
+    expect(lambda: step.pull("emb", [-1]), "negative")
+    expect(lambda: step.pull("emb", ["a"]), "integers")
+    expect(lambda: step.push("emb", [1, 2], np.zeros((2, 3), np.float32)), "dimension 4")
+    expect(lambda: job.table("late", 4), "before the first step")
+    expect(lambda: step.pull("big", np.arange(1000, 1300)), "memory bound", '"big"', f"worker {job.worker_id}")
+    rows = step.pull("emb", [1, 2, 1])
+    assert rows.shape == (3, 4) and (rows[0] == rows[2]).all(), rows
+    step.push("emb", [1], np.ones((1, 4), np.float32))
+    expect(lambda: step.push("emb", [1], np.ones((1, 4), np.float32)), "pushed it already")
+    if step.all_reduce([w]):
+        step.commit(loss=0.0)
+print("every misuse refused", flush=True)
+"#;
+
+#[test]
+fn misuse_of_the_tables_is_refused_naming_the_table_and_nothing_half_applied() {
+    let py = py();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("misuse.py"), MISUSE).unwrap();
+    let run = |job: &str, ps: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+        c.current_dir(dir.path())
+            .args(["launch", "--job", job, "--samples", "64", "--batch", "32", "--epochs", "1", "--no-distill"])
+            .args(ps)
+            .args(["--", "python", "misuse.py"]);
+        py.env(&mut c);
+        let out = c.output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        (out.status.success(), text)
+    };
+    // 1 MiB of rows: about 120 rows of 1,024 floats and their Adagrad state.
+    let (ok, text) = run("misuse", &["--ps-servers", "1", "--ps-memory-mib", "1"]);
+    assert!(ok, "{text}");
+    assert!(text.contains("every misuse refused"), "{text}");
+    assert!(text.contains("at most 1 MiB of rows"), "{text}");
+    // A job without servers: the program is told so (and, ending before it
+    // joined, the job ends with it).
+    let (_, text) = run("without", &[]);
+    assert!(text.contains("refused: table \"emb\": the job has no parameter servers"), "{text}");
+}
