@@ -590,7 +590,7 @@ impl Steps {
             info,
             done: false,
             given_up: false,
-            norms: Vec::new(),
+            norms: Mutex::new(Vec::new()),
         }))
     }
 }
@@ -675,7 +675,9 @@ struct StepView {
     given_up: bool,
     /// Squared norms a communication hook told (`gradient_norms`), read
     /// at the commit: numbers, or 0-d tensors still being computed.
-    norms: Vec<(Py<PyAny>, Py<PyAny>)>,
+    /// Behind a lock of its own: a hook tells them from gloo's thread while
+    /// the step is borrowed elsewhere (a table's push from backward).
+    norms: Mutex<Vec<(Py<PyAny>, Py<PyAny>)>>,
 }
 
 #[pymethods]
@@ -857,9 +859,9 @@ impl StepView {
     /// how a DDP communication hook measures the gradient noise scale
     /// (`edl.torch.ElasticDDP` installs one). `step.all_reduce` measures
     /// its arrays itself.
-    fn gradient_norms(&mut self, local: Py<PyAny>, reduced: Py<PyAny>) {
+    fn gradient_norms(&self, local: Py<PyAny>, reduced: Py<PyAny>) {
         if !self.done {
-            self.norms.push((local, reduced));
+            self.norms.lock().unwrap_or_else(|e| e.into_inner()).push((local, reduced));
         }
     }
 
@@ -921,7 +923,8 @@ impl StepView {
             return Ok(());
         }
         let (mut local, mut reduced) = (0.0, 0.0);
-        for (l, r) in std::mem::take(&mut self.norms) {
+        let told = std::mem::take(&mut *self.norms.lock().unwrap_or_else(|e| e.into_inner()));
+        for (l, r) in told {
             local += l.bind(py).extract::<f64>()?;
             reduced += r.bind(py).extract::<f64>()?;
         }

@@ -213,3 +213,48 @@ def test_a_python_state_that_names_code_is_refused_without_running_it():
     buf = io.BytesIO()
     torch.save({"scalars": {"epoch": 3}}, buf)
     assert et._loads(buf.getvalue()) == {"scalars": {"epoch": 3}}
+
+
+class _Tables:
+    """A job and a step with tables in memory: rows id * 0.1 + column,
+    and the pushes recorded."""
+
+    world = 2
+
+    def __init__(self):
+        self.defined, self.pushed = {}, []
+
+    def table(self, name, dim, **options):
+        self.defined[name] = dim
+
+    def pull(self, name, ids):
+        import numpy as np
+
+        dim = self.defined[name]
+        return (np.asarray(ids, dtype=np.float32)[:, None] * 0.1 + np.arange(dim, dtype=np.float32)).astype(np.float32)
+
+    def push(self, name, ids, grads):
+        self.pushed.append((name, list(ids), grads.copy()))
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_sparse_bags_reduce_their_rows_and_push_each_rows_gradient_averaged_over_the_ranks(mode):
+    tables = _Tables()
+    bag = et.SparseEmbeddingBag(tables, "t", 2, mode=mode)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    out = bag(ids, tables)
+    rows = torch.tensor([[i * 0.1, i * 0.1 + 1] for i in range(1, 7)]).reshape(2, 3, 2)
+    want = rows.sum(1) if mode == "sum" else rows.mean(1)
+    assert torch.allclose(out, want)
+    # The same bags as flat ids and offsets, one of them empty.
+    flat = bag(torch.tensor([1, 2, 3, 4, 5, 6]), tables, offsets=torch.tensor([0, 3, 6]))
+    assert torch.allclose(flat[:2], want) and (flat[2] == 0).all()
+    weights = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    (out * weights).sum().backward()
+    name, pushed_ids, grads = tables.pushed[0]
+    assert name == "t" and pushed_ids == [1, 2, 3, 4, 5, 6]
+    per = 1.0 if mode == "sum" else 1.0 / 3
+    want_grads = weights.repeat_interleave(3, dim=0) * per / tables.world
+    assert torch.allclose(torch.from_numpy(grads), want_grads)
+    with pytest.raises(ValueError, match="give the step"):
+        et.SparseEmbedding(tables, "u", 2)(ids)

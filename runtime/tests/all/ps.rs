@@ -216,12 +216,24 @@ fn misuse_of_the_tables_is_refused_naming_the_table_and_nothing_half_applied() {
     let run = |job: &str, ps: &[&str]| {
         let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
         c.current_dir(dir.path())
-            .args(["launch", "--job", job, "--samples", "64", "--batch", "32", "--epochs", "1", "--no-distill"])
+            .args([
+                "launch",
+                "--job",
+                job,
+                "--samples",
+                "64",
+                "--batch",
+                "32",
+                "--epochs",
+                "1",
+                "--no-distill",
+            ])
             .args(ps)
             .args(["--", "python", "misuse.py"]);
         py.env(&mut c);
         let out = c.output().unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let text =
+            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         (out.status.success(), text)
     };
     // 1 MiB of rows: about 120 rows of 1,024 floats and their Adagrad state.
@@ -233,4 +245,31 @@ fn misuse_of_the_tables_is_refused_naming_the_table_and_nothing_half_applied() {
     // joined, the job ends with it).
     let (_, text) = run("without", &[]);
     assert!(text.contains("refused: table \"emb\": the job has no parameter servers"), "{text}");
+}
+
+#[test]
+fn the_torch_wide_and_deep_trains_its_tables_through_resizes() {
+    let py = crate::support::python::torch_py();
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    c.current_dir(dir.path())
+        .args(["launch", "--samples", "6000", "--ps-servers", "2", "--batch", "128"])
+        .args(crate::support::job::GROWING)
+        .args(["--no-distill", "--report", "report.json", "--", "python"])
+        .arg(root().join("examples/ctr/wide_deep_torch.py"))
+        // Slow enough that workers join before the job ends.
+        .env("STEP_DELAY_MS", "60")
+        .env("CTR_ROWS", "6000")
+        .env("CTR_VOCAB", "1000")
+        .stdin(Stdio::null());
+    py.env(&mut c);
+    let out = c.output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    let r = report(dir.path());
+    assert_exactly_once(&r, 3, 6000);
+    let events = r["scale_events"].as_array().unwrap();
+    assert!(events.iter().any(|e| e["to"].as_u64() == Some(3)), "grown to three workers: {events:?}");
+    let auc = aucs(&text);
+    assert!(!auc.is_empty() && auc.iter().all(|a| *a > 0.65), "{auc:?}\n{text}");
 }

@@ -50,6 +50,8 @@ __all__ = [
     "ElasticDDP",
     "ElasticLoader",
     "ElasticState",
+    "SparseEmbedding",
+    "SparseEmbeddingBag",
     "all_reduce_grads",
     "load_checkpoint",
     "scaled",
@@ -509,6 +511,96 @@ def scaled(step, loss):
     DDP module forward and backward, on stand-in samples (``ElasticLoader``
     gives it some), so that it takes part in the reduction: its weight is 0."""
     return loss * (step.rows * step.world / max(step.global_rows, 1))
+
+
+# ---------------------------------------------------------------------------
+# Sparse tables on the job's parameter servers, as modules.
+
+
+class _Lookup(torch.autograd.Function):
+    """Rows of a table for ``ids``; backward pushes their gradients."""
+
+    @staticmethod
+    def forward(ctx, anchor, table, step, ids):
+        flat = ids.reshape(-1).to("cpu", torch.int64).numpy()
+        rows = torch.from_numpy(step.pull(table.name, flat)).to(anchor.device)
+        ctx.table, ctx.step, ctx.ids = table, step, flat
+        return rows.reshape(*ids.shape, table.dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # As DDP reduces the dense gradients: the mean over the ranks (the
+        # servers sum the ranks' pushes).
+        g = grad.reshape(-1, ctx.table.dim).detach().to("cpu", torch.float32) / ctx.step.world
+        ctx.step.push(ctx.table.name, ctx.ids, g.contiguous().numpy())
+        return None, None, None, None
+
+
+class SparseEmbedding(torch.nn.Module):
+    """An embedding table on the job's parameter servers (``edl-runtime
+    launch --ps-servers N``), for tables too large to replicate: rows made
+    on first touch (``init``: ``"uniform"`` in [-scale, scale], ``"normal"``,
+    ``"zeros"``), updated on the servers by ``optimizer`` (``"sgd"``,
+    ``"adagrad"``, ``"adam"``) at ``lr``; not a parameter of the module, so
+    DDP and the dense optimiser leave it alone. Define every table before
+    the first step, on every worker alike.
+
+    ``emb(ids, step)`` (or ``emb.on(step)`` then ``emb(ids)``) gives the rows
+    of ``ids`` (int64, any shape) as of the steps before this one, shape
+    ``ids.shape + (dim,)``; ``backward`` pushes their gradients, averaged
+    over the ranks as DDP averages the dense ones, applied once every
+    rank's push of the step is in. One lookup a step that trains (put a
+    step's features in one ``ids`` tensor); lookups under ``torch.no_grad()``
+    (evaluation) are free to repeat. A table a step did not push is pushed
+    empty at ``step.commit()``.
+    """
+
+    def __init__(self, job, name, dim, optimizer="adagrad", lr=0.05, init="uniform", scale=0.05, seed=0):
+        super().__init__()
+        job.table(name, dim, optimizer=optimizer, lr=lr, init=init, scale=scale, seed=seed)
+        self.name, self.dim = name, dim
+        self._step = None
+        # What makes autograd call backward; not a parameter.
+        self._anchor = torch.zeros(0, requires_grad=True)
+
+    def on(self, step):
+        self._step = step
+        return self
+
+    def forward(self, ids, step=None):
+        step = step if step is not None else self._step
+        if step is None:
+            raise ValueError(f"table {self.name!r}: give the step (emb(ids, step) or emb.on(step))")
+        return _Lookup.apply(self._anchor, self, step, ids)
+
+    def extra_repr(self):
+        return f"{self.name!r}, dim={self.dim}"
+
+
+class SparseEmbeddingBag(SparseEmbedding):
+    """``SparseEmbedding`` whose rows are summed (``mode="sum"``) or averaged
+    (``"mean"``) per bag, as ``nn.EmbeddingBag``: ``bag(ids, step)`` with
+    ``ids`` of shape ``[bags, n]``, or flat ids and ``offsets`` (each bag's
+    first position), gives ``[bags, dim]``."""
+
+    def __init__(self, job, name, dim, mode="sum", **table):
+        super().__init__(job, name, dim, **table)
+        if mode not in ("sum", "mean"):
+            raise ValueError(f"table {name!r}: mode {mode!r} is not sum or mean")
+        self.mode = mode
+
+    def forward(self, ids, step=None, offsets=None):
+        rows = super().forward(ids, step)
+        if offsets is None:
+            if ids.dim() != 2:
+                raise ValueError(f"table {self.name!r}: ids of shape {tuple(ids.shape)}: give [bags, n], or offsets")
+            return rows.sum(1) if self.mode == "sum" else rows.mean(1)
+        lengths = torch.diff(offsets, append=torch.tensor([ids.numel()], device=offsets.device))
+        bag = torch.repeat_interleave(torch.arange(len(offsets), device=offsets.device), lengths)
+        out = torch.zeros(len(offsets), self.dim, dtype=rows.dtype, device=rows.device).index_add(0, bag, rows)
+        if self.mode == "mean":
+            out = out / lengths.clamp(min=1).unsqueeze(1).to(out.dtype)
+        return out
 
 
 # ---------------------------------------------------------------------------
