@@ -49,12 +49,16 @@ def data():
 
 
 def forward(step, params, dense, ids):
-    """The logits of rows `dense`, `ids`, and what backward needs."""
+    """The logits of rows `dense`, `ids`, and what backward needs; None when
+    the step was abandoned (a parameter server gone: it is redone)."""
     w1, b1, w2, b2 = params
     n = len(ids)
     flat = ids.reshape(-1)
-    wide = step.pull("wide", flat).reshape(n, criteo.FIELDS)
-    emb = step.pull("deep", flat).reshape(n, criteo.FIELDS * EMBED)
+    wide, emb = step.pull("wide", flat), step.pull("deep", flat)
+    if wide is None or emb is None:
+        return None
+    wide = wide.reshape(n, criteo.FIELDS)
+    emb = emb.reshape(n, criteo.FIELDS * EMBED)
     x = np.concatenate([emb, dense], axis=1)
     h = np.maximum(x @ w1 + b1, 0.0)
     logit = wide.sum(axis=1) + (h @ w2)[:, 0] + b2[0]
@@ -62,14 +66,18 @@ def forward(step, params, dense, ids):
 
 
 def train_step(step, params, grads, dense, ids, labels):
-    """Pushes the sparse gradients, fills `grads`; returns the rows' mean loss."""
+    """Pushes the sparse gradients, fills `grads`; returns the rows' mean
+    loss, or None when the step was abandoned."""
     w1, b1, w2, b2 = params
     for g in grads:
         g.fill(0.0)
     n = len(labels)
     if n == 0:
         return 0.0
-    logit, (x, h) = forward(step, params, dense, ids)
+    out = forward(step, params, dense, ids)
+    if out is None:
+        return None
+    logit, (x, h) = out
     p = 1.0 / (1.0 + np.exp(-logit))
     loss = float(np.mean(np.logaddexp(0.0, logit) - labels * logit))
     # This rank's rows over the step's global rows: the ranks' sum is the mean.
@@ -81,8 +89,10 @@ def train_step(step, params, grads, dense, ids, labels):
     grads[1][...] = dh.sum(axis=0)
     dx = dh @ w1.T
     flat = ids.reshape(-1)
-    step.push("wide", flat, np.repeat(d, criteo.FIELDS)[:, None])
-    step.push("deep", flat, dx[:, : criteo.FIELDS * EMBED].reshape(-1, EMBED))
+    if not step.push("wide", flat, np.repeat(d, criteo.FIELDS)[:, None]):
+        return None
+    if not step.push("deep", flat, dx[:, : criteo.FIELDS * EMBED].reshape(-1, EMBED)):
+        return None
     return loss
 
 
@@ -115,12 +125,16 @@ def main():
     for step in job.steps():
         metrics = {}
         if step.epoch != epoch:
+            out = forward(step, params, t_dense, t_ids)
+            if out is None:
+                continue  # abandoned: redone by the next generation
             epoch = step.epoch
-            logit, _ = forward(step, params, t_dense, t_ids)
-            auc = criteo.auc(logit, t_labels)
+            auc = criteo.auc(out[0], t_labels)
             metrics["auc"] = auc
         idx = step.indices
         loss = train_step(step, params, grads, dense[idx], ids[idx], labels[idx])
+        if loss is None:
+            continue
         if delay:
             time.sleep(delay)
         if not step.all_reduce(grads):

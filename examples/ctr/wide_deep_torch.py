@@ -64,14 +64,14 @@ def main():
 
     for step in state.steps():
         metrics = {}
-        if step.epoch != epoch:
-            epoch = step.epoch
-            with torch.no_grad():
-                logit = model(wide(t_ids, step), deep(t_ids, step), t_dense)
-            auc = criteo.auc(logit.numpy(), t_labels)
-            metrics["auc"] = auc
         idx = torch.from_numpy(step.indices)
         try:
+            if step.epoch != epoch:
+                with torch.no_grad():
+                    logit = model(wide(t_ids, step), deep(t_ids, step), t_dense)
+                epoch = step.epoch
+                auc = criteo.auc(logit.numpy(), t_labels)
+                metrics["auc"] = auc
             net = ddp.on(step)
             opt.zero_grad()
             x, i, y = dense[idx], ids[idx], labels[idx]

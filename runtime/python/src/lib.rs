@@ -475,6 +475,7 @@ impl Job {
             }
             Event::Step(s) => {
                 let info = StepInfo::of(&s);
+                inner.tables.follow(inner.session.ps_topology().cloned());
                 inner.tables.restore = inner
                     .session
                     .restored_from()
@@ -627,6 +628,23 @@ impl StepInfo {
             base: s.base,
         }
     }
+}
+
+/// A parameter-server request failed: when the step is to be redone (a
+/// server gone, the generation over), the step is abandoned and the
+/// connections dropped; any other error is raised.
+fn abandon_for(py: Python<'_>, inner: &mut Inner, e: anyhow::Error) -> PyResult<()> {
+    if !edl_runtime::ps::service::redo(&e) {
+        return Err(anyhow_err(e));
+    }
+    tracing::warn!("worker {}: {e:#}; the step is redone", inner.session.id());
+    inner.tables.disconnect();
+    inner.current = None;
+    if inner.session.in_step() {
+        let session = &mut inner.session;
+        py.detach(|| session.fail(e, None)).map_err(anyhow_err)?;
+    }
+    Ok(())
 }
 
 /// Sparse-table ids from Python: integers >= 0, as u64.
@@ -798,13 +816,15 @@ impl StepView {
 
     /// Rows `ids` (integers >= 0; repeats allowed) of sparse table `table`
     /// as they are after the steps before this one (or within the job's
-    /// `--ps-staleness`): a float32 array `[len(ids), dim]`.
+    /// `--ps-staleness`): a float32 array `[len(ids), dim]`. None when a
+    /// server is gone or the step's generation is over: the step is
+    /// abandoned and redone by the next generation.
     fn pull<'py>(
         &self,
         py: Python<'py>,
         table: &str,
         ids: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         if self.done {
             return Err(err(format!("step {} is over", self.info.step)));
         }
@@ -815,22 +835,25 @@ impl StepView {
         let tables = &mut inner.tables;
         let dim = tables.dim(table).map_err(anyhow_err)?;
         let step = self.info.step;
-        let rows = py.detach(|| tables.pull(table, mark, step, &ids)).map_err(anyhow_err)?;
-        float_array(py, &rows, (ids.len(), dim))
+        match py.detach(|| tables.pull(table, mark, step, &ids)) {
+            Ok(rows) => float_array(py, &rows, (ids.len(), dim)).map(Some),
+            Err(e) => abandon_for(py, &mut inner, e).map(|()| None),
+        }
     }
 
     /// This rank's gradients of sparse table `table`'s rows `ids` (float32
     /// `[len(ids), dim]`; a repeated id's rows are summed): applied on the
     /// servers, summed over the ranks, once every rank's push of the step
     /// is in. Each table at most once a step; a table not pushed is pushed
-    /// empty at the commit.
+    /// empty at the commit. False when a server is gone or the step's
+    /// generation is over: the step is abandoned and redone.
     fn push(
         &self,
         py: Python<'_>,
         table: &str,
         ids: &Bound<'_, PyAny>,
         grads: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+    ) -> PyResult<bool> {
         if self.done {
             return Err(err(format!("step {} is over", self.info.step)));
         }
@@ -850,7 +873,10 @@ impl StepView {
                 ids.len()
             )));
         }
-        py.detach(|| tables.push(table, tag, &ids, &grads)).map_err(anyhow_err)
+        match py.detach(|| tables.push(table, tag, &ids, &grads)) {
+            Ok(()) => Ok(true),
+            Err(e) => abandon_for(py, &mut inner, e).map(|()| false),
+        }
     }
 
     /// Tells the squared norms of what a collective of this step gave
@@ -960,7 +986,13 @@ impl StepView {
         }
         let weighted = named.into_iter().map(|(k, v)| (k, v * share)).collect();
         let (tag, tables) = (self.tag(session.committed()), &mut inner.tables);
-        py.detach(|| tables.finish(tag)).map_err(anyhow_err)?;
+        if let Err(e) = py.detach(|| tables.finish(tag)) {
+            // Not committed: redone by the next generation.
+            self.done = true;
+            self.given_up = true;
+            return abandon_for(py, inner, e);
+        }
+        let session = &mut inner.session;
         py.detach(|| session.finish_with(loss * share, compute_ms, weighted)).map_err(anyhow_err)?;
         self.done = true;
         Ok(())

@@ -11,10 +11,31 @@ use edl_runtime::ps::{Client, Mark, PushTag, TableSpec};
 use edl_runtime::worker::session::JobAuth;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+/// The job's servers as of the current generation, shared with the
+/// checkpoints' exporter.
+type Shared = Arc<Mutex<Option<PsTopology>>>;
+
+fn current(t: &Shared) -> Option<PsTopology> {
+    t.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// Connects to the servers of `t` as `worker`.
+fn connect(t: &PsTopology, auth: &JobAuth, worker: u64) -> Result<Client> {
+    let servers = t
+        .servers
+        .iter()
+        .map(|(id, a)| Ok((*id, edl_runtime::net::resolve(a)?)))
+        .collect::<Result<Vec<_>>>()?;
+    Client::connect(&servers, t.replicas, auth, worker)
+}
 
 /// The tables of one worker.
 pub struct Tables {
-    topology: Option<PsTopology>,
+    topology: Shared,
+    /// The servers `client` is connected to.
+    connected: Option<PsTopology>,
     auth: JobAuth,
     worker: u64,
     /// Connected, with every table declared, at the first step that uses one.
@@ -32,7 +53,8 @@ pub struct Tables {
 impl Tables {
     pub fn new(topology: Option<PsTopology>, auth: JobAuth, worker: u64) -> Tables {
         Tables {
-            topology,
+            topology: Arc::new(Mutex::new(topology)),
+            connected: None,
             auth,
             worker,
             client: None,
@@ -46,7 +68,7 @@ impl Tables {
     /// Defines a table (again with the same spec: a no-op); `started`: the
     /// program's steps have begun, when tables can no longer be added.
     pub fn define(&mut self, spec: TableSpec, started: bool) -> Result<()> {
-        if self.topology.is_none() {
+        if current(&self.topology).is_none() {
             bail!("table {:?}: the job has no parameter servers (start it with --ps-servers N)", spec.name);
         }
         spec.check().map_err(anyhow::Error::msg)?;
@@ -71,22 +93,35 @@ impl Tables {
         })
     }
 
-    /// The client, connected (and every table declared, as of `mark`) at first use.
+    /// The servers as the current generation knows them (a new set: the
+    /// next request connects to it).
+    pub fn follow(&mut self, topology: Option<PsTopology>) {
+        if topology.is_some() {
+            *self.topology.lock().unwrap_or_else(|e| e.into_inner()) = topology;
+        }
+    }
+
+    /// Forgets the connections (one broke): the next request makes new ones.
+    pub fn disconnect(&mut self) {
+        self.client = None;
+        self.connected = None;
+    }
+
+    /// The client, connected (and every table declared, as of `mark`) at
+    /// first use and again when the servers changed.
     fn client(&mut self, table: &str, mark: Mark) -> Result<&mut Client> {
         self.dim(table)?;
-        if self.client.is_none() {
-            let t = self.topology.as_ref().expect("checked at define");
-            let servers = t
-                .servers
-                .iter()
-                .map(|(id, a)| Ok((*id, edl_runtime::net::resolve(a)?)))
-                .collect::<Result<Vec<_>>>()?;
-            let mut client = Client::connect(&servers, &self.auth, self.worker)?;
+        let now = current(&self.topology);
+        if self.client.is_none() || self.connected != now {
+            self.client = None;
+            let t = now.as_ref().expect("checked at define");
+            let mut client = connect(t, &self.auth, self.worker)?;
             let restore = self.restore.as_ref().map(|(l, p)| (l.as_path(), p.as_path()));
             for spec in self.specs.values() {
                 client.declare(spec.clone(), mark, restore)?;
             }
             self.client = Some(client);
+            self.connected = now;
         }
         Ok(self.client.as_mut().expect("just made"))
     }
@@ -94,21 +129,18 @@ impl Tables {
     /// What gives the checkpoints rank 0 writes the tables at their step:
     /// a connection of its own to every server, made at the first one.
     pub fn exporter(&self) -> Option<edl_runtime::worker::session::TableExport> {
-        let topology = self.topology.clone()?;
-        let (auth, worker, specs) = (self.auth.clone(), self.worker, self.specs.clone());
-        let mut client: Option<Client> = None;
+        current(&self.topology)?;
+        let (shared, auth, worker, specs) =
+            (self.topology.clone(), self.auth.clone(), self.worker, self.specs.clone());
+        let mut client: Option<(Client, PsTopology)> = None;
         Some(Box::new(move |step| {
-            if client.is_none() {
-                let servers = topology
-                    .servers
-                    .iter()
-                    .map(|(id, a)| Ok((*id, edl_runtime::net::resolve(a)?)))
-                    .collect::<Result<Vec<_>>>()?;
-                let mut c = Client::connect(&servers, &auth, worker)?;
+            let now = current(&shared).expect("a job with servers");
+            if client.as_ref().is_none_or(|(_, t)| *t != now) {
+                let mut c = connect(&now, &auth, worker)?;
                 specs.values().for_each(|s| c.know(s.clone()));
-                client = Some(c);
+                client = Some((c, now));
             }
-            let c = client.as_mut().expect("just made");
+            let c = &mut client.as_mut().expect("just made").0;
             let tables = specs.keys().map(|name| c.export(name, step)).collect::<Result<Vec<_>>>();
             if tables.is_err() {
                 // A connection left mid-answer is not used again.
@@ -120,7 +152,7 @@ impl Tables {
 
     /// Rows `ids` of `table` for step `step` (`ids.len() * dim` floats).
     pub fn pull(&mut self, table: &str, mark: Mark, step: u64, ids: &[u64]) -> Result<Vec<f32>> {
-        let staleness = self.topology.as_ref().map_or(0, |t| t.staleness);
+        let staleness = current(&self.topology).map_or(0, |t| t.staleness);
         self.client(table, mark)?.pull(table, mark, step.saturating_sub(staleness), ids)
     }
 

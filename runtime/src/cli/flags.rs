@@ -106,6 +106,11 @@ pub struct PsArgs {
     /// every update before it).
     #[arg(long, value_name = "K", default_value_t = 0)]
     pub ps_staleness: u64,
+    /// Servers holding each shard (1 or 2): with 2, every push is applied on
+    /// a shard's owner and its replica, and a server lost loses nothing;
+    /// with 1, the job goes back to its newest checkpoint.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub ps_replicas: usize,
 }
 
 /// What a job trains with: epochs and the starting hyperparameters.

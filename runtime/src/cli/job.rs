@@ -38,7 +38,19 @@ use std::{
 fn start_ps(job: Job, args: &JobArgs, dirs: &JobDirs, exe: &Path) -> Result<Job> {
     let p = &args.ps;
     if p.ps_servers == 0 {
+        if p.ps_replicas != 1 || p.ps_memory_mib != 0 || p.ps_staleness != 0 {
+            edl_runtime::refuse!(
+                "--ps-replicas, --ps-memory-mib and --ps-staleness are for the servers --ps-servers N starts"
+            );
+        }
         return Ok(job);
+    }
+    if !(1..=2).contains(&p.ps_replicas) || p.ps_replicas as u32 > p.ps_servers {
+        edl_runtime::refuse!(
+            "--ps-replicas {}: 1 or 2, and at most --ps-servers ({})",
+            p.ps_replicas,
+            p.ps_servers
+        );
     }
     let c = &args.cluster;
     let at = net::Addresses { listen: c.listen, advertise: c.advertise.clone(), ..Default::default() };
@@ -46,6 +58,7 @@ fn start_ps(job: Job, args: &JobArgs, dirs: &JobDirs, exe: &Path) -> Result<Job>
         count: p.ps_servers,
         memory_mib: p.ps_memory_mib,
         staleness: p.ps_staleness,
+        replicas: p.ps_replicas,
         exe: exe.to_path_buf(),
         listen: c.listen.ip(),
         advertise: at.advertised_host()?,

@@ -85,6 +85,10 @@ pub struct Generation {
     pub committed_steps: u64,
     /// Start from this checkpoint (first generation of a resumed job).
     pub init: Option<PathBuf>,
+    /// The job's parameter servers in this generation, when it has them
+    /// (they change when one is lost).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ps: Option<crate::job::spec::PsTopology>,
 }
 
 /// One step of a window.

@@ -100,6 +100,9 @@ struct Coordinator<'a> {
     conns: HashMap<u64, crate::control::proto::Link>,
     /// Who is in the job (the decisions; this struct does the I/O).
     membership: Membership,
+    /// The job's parameter servers: where its tables are, and the
+    /// processes it started for them.
+    ps: Option<(crate::ps::control::PsControl, crate::job::ps_servers::PsServers)>,
     generation: u64,
     first_generation: u64,
     /// Steps committed, the epoch and cursor, the ledger, throughput.
@@ -261,7 +264,12 @@ pub fn run(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobOutcome> {
         teacher_watch: if pool.is_some() { None } else { teachers.watch() },
         pool,
     };
+    let ps_control = cfg.spec.ps.clone().map(|t| {
+        let auth = crate::worker::session::JobAuth { job: cfg.spec.job.clone(), secret: cfg.secret.clone() };
+        (crate::ps::control::PsControl::new(auth, t), ps)
+    });
     let mut c = Coordinator::new(cfg, io, plugins, told, progress)?;
+    c.ps = ps_control;
     let result = c.job();
     if let Some(e @ crate::coordinator::machine::phase::JobEnds::SameCrash { .. }) =
         result.as_ref().err().and_then(|e| e.downcast_ref())
@@ -280,7 +288,7 @@ pub fn run(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobOutcome> {
     c.close(&reason);
     drop(lock);
     drop(teachers);
-    drop(ps);
+    drop(c.ps.take());
     result
 }
 
@@ -369,6 +377,7 @@ impl<'a> Coordinator<'a> {
             ckpt: Checkpoints::open(&cfg.spec.checkpoint_dir, cfg.spec.keep_checkpoints)?,
             conns: HashMap::new(),
             membership,
+            ps: None,
             generation: 0,
             first_generation: 0,
             tally: Tally::new(cfg.spec.samples, cfg.spec.seed, now),
@@ -690,7 +699,7 @@ impl Coordinator<'_> {
                     self.boundary()?;
                     // Workers that have not joined a generation yet (a job
                     // resumed at its end) load the state first.
-                    self.ensure_generation();
+                    self.ensure_generation()?;
                     match self.write_final()? {
                         Ok(p) => return Ok(p),
                         Err(f) => {

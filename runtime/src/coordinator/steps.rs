@@ -22,7 +22,7 @@ impl Coordinator<'_> {
     /// new, until it drains for a membership change or the job's end
     /// (`None`), or fails.
     pub(super) fn run_generation(&mut self) -> Result<Option<Failure>> {
-        self.ensure_generation();
+        self.ensure_generation()?;
         self.timers.set(Timer::Chores, Instant::now() + CHORES_EVERY);
         loop {
             self.fill_windows()?;
@@ -94,16 +94,47 @@ impl Coordinator<'_> {
     }
 
     /// Forms the current generation unless it is formed already.
-    pub(super) fn ensure_generation(&mut self) {
+    pub(super) fn ensure_generation(&mut self) -> Result<()> {
         if self.pipe.as_ref().map(|p| p.generation) != Some(self.generation) {
-            self.start_generation();
+            self.start_generation()?;
         }
+        Ok(())
+    }
+
+    /// The parameter servers for a new generation: every table rolled back
+    /// to the committed step (pulls of the generation before released), a
+    /// server lost dropped, its shards served by their replicas and copied
+    /// to new ones. Returns the servers the generation is told.
+    fn reform_ps(&mut self) -> Result<Option<crate::job::spec::PsTopology>> {
+        let Some((control, processes)) = self.ps.as_mut() else { return Ok(None) };
+        let gone = processes.exited();
+        let mark = crate::ps::Mark {
+            generation: self.generation,
+            base: self.tally.committed,
+            committed: self.tally.committed,
+        };
+        let ids: Vec<u64> = gone.iter().map(|(id, _)| *id).collect();
+        let moved = control.reform(mark, &ids, &[]);
+        let topology = control.topology().clone();
+        for (id, how) in gone {
+            self.note(format!("parameter server {id} lost ({how})"));
+        }
+        let moved = anyhow::Context::context(moved, "the parameter servers")?;
+        if moved.rows > 0 {
+            let left = topology.servers.len();
+            self.note(format!(
+                "parameter servers: {} rows copied to new replicas ({left} server(s) now)",
+                moved.rows
+            ));
+        }
+        Ok(Some(topology))
     }
 
     /// Tells every member its place in the new generation; planning starts
     /// again from the committed step.
-    pub(super) fn start_generation(&mut self) {
+    pub(super) fn start_generation(&mut self) -> Result<()> {
         self.training_since.get_or_insert_with(Instant::now);
+        let ps = self.reform_ps()?;
         let key = format!("{}/generation-{}", self.cfg.spec.job, self.generation);
         self.io.rendezvous.set_generation(self.generation);
         self.io.gate.set_generation(self.generation);
@@ -128,6 +159,7 @@ impl Coordinator<'_> {
                 rendezvous_key: key.clone(),
                 committed_steps: self.tally.committed,
                 init: self.init.clone(),
+                ps: ps.clone(),
             };
             let Some(stream) = self.conns.get_mut(&m.conn).filter(|_| !self.membership.is_closed(m.conn))
             else {
@@ -146,6 +178,7 @@ impl Coordinator<'_> {
             cursor: self.tally.cursor,
             hyper: self.hyper,
         };
+        Ok(())
     }
 
     /// Sends windows ahead while membership is stable: the first window of

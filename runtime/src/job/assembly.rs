@@ -258,8 +258,11 @@ impl Job {
             secret: self.cfg.secret.clone(),
         };
         self.ps = super::ps_servers::PsServers::start(start, &auth, &dirs.log_dir)?;
-        self.cfg.spec.ps =
-            Some(super::spec::PsTopology { servers: self.ps.addrs(), staleness: start.staleness });
+        self.cfg.spec.ps = Some(super::spec::PsTopology {
+            servers: self.ps.addrs(),
+            staleness: start.staleness,
+            replicas: start.replicas,
+        });
         Ok(self)
     }
 

@@ -23,6 +23,8 @@ pub struct PsStart {
     /// Steps a pull may run ahead of the pushes applied (0: every step sees
     /// the one before it).
     pub staleness: u64,
+    /// Servers holding each shard.
+    pub replicas: usize,
     pub exe: PathBuf,
     /// Where they listen (port 0: each takes a free one), and the host
     /// workers reach them at.
@@ -62,6 +64,20 @@ impl PsServers {
     /// Each server's id and address, as workers are told them.
     pub fn addrs(&self) -> Vec<(u64, String)> {
         self.servers.iter().map(|p| (p.id, p.addr.clone())).collect()
+    }
+
+    /// The servers whose process ended since last asked: their ids, and
+    /// how they ended with the end of their log.
+    pub fn exited(&mut self) -> Vec<(u64, String)> {
+        let mut gone = Vec::new();
+        self.servers.retain_mut(|p| match p.child.try_wait() {
+            Ok(Some(status)) => {
+                gone.push((p.id, format!("{status}{}", log_tail(&p.log, 3))));
+                false
+            }
+            _ => true,
+        });
+        gone
     }
 }
 

@@ -148,6 +148,14 @@ pub struct PsTopology {
     /// Steps a pull may run ahead of the pushes applied (0: a step sees
     /// every update before it).
     pub staleness: u64,
+    /// Servers holding each shard: its owner and the next in its
+    /// rendezvous order (2: a server lost loses nothing).
+    #[serde(default = "one")]
+    pub replicas: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// How a worker follows the job's leader from one coordinator to the next.

@@ -7,8 +7,11 @@
 //! - `placement.rs`: which server owns which shard;
 //! - `server.rs`: a server's state and the exactly-once rule, without I/O;
 //! - `wire.rs`: the frames on a connection;
-//! - `service.rs`: the server on the network, and the workers' client.
+//! - `service.rs`: the server on the network, and the workers' client;
+//! - `control.rs`: the job's side: which servers hold which shards, and
+//!   what a generation boundary changes (servers lost or added).
 
+pub mod control;
 pub mod placement;
 pub mod server;
 pub mod service;

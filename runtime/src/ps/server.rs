@@ -303,6 +303,17 @@ impl Server {
     /// undone on a copy): what a checkpoint of that step keeps (the rows
     /// updated by then; the others are their seeded initial values).
     pub fn export(&self, table: &str, worker: u64, step: u64) -> Result<SavedTable, PsError> {
+        self.export_shards(table, worker, step, |_| true)
+    }
+
+    /// [`Server::export`] of the shards `keep` names.
+    pub fn export_shards(
+        &self,
+        table: &str,
+        worker: u64,
+        step: u64,
+        keep: impl Fn(u32) -> bool,
+    ) -> Result<SavedTable, PsError> {
         let server = self.id;
         let t = self.tables.get(table).ok_or_else(|| PsError::UnknownTable {
             server,
@@ -320,14 +331,14 @@ impl Server {
             });
         }
         let mut rows: BTreeMap<u64, (Vec<f32>, u32)> = BTreeMap::new();
-        for shard in t.shards.values() {
+        for (_, shard) in t.shards.iter().filter(|(s, _)| keep(**s)) {
             for (id, (mut values, state, updates)) in shard.export(&t.spec) {
                 values.extend(state);
                 rows.insert(id, (values, updates));
             }
         }
         for s in (step..t.applied).rev() {
-            for (id, before) in t.undo[&s].iter().rev() {
+            for (id, before) in t.undo[&s].iter().rev().filter(|(id, _)| keep(t.spec.shard_of(*id))) {
                 rows.insert(*id, before.clone());
             }
         }
@@ -379,6 +390,49 @@ impl Server {
             }
         }
         Ok(())
+    }
+
+    /// Takes `mark` for every table: a newer generation rolls them all back
+    /// to its base (and releases pulls of the generation before).
+    pub fn enter_all(&mut self, mark: Mark) -> Result<(), PsError> {
+        let server = self.id;
+        self.tables.values_mut().try_for_each(|t| enter(t, server, 0, mark))
+    }
+
+    /// Puts the rows of `saved` here (shards copied from another server),
+    /// the table made as of `mark` if it is new; rows already here are
+    /// replaced.
+    pub fn import(&mut self, saved: &SavedTable, mark: Mark) -> Result<(), PsError> {
+        let spec = saved.spec.clone();
+        if !self.tables.contains_key(&spec.name) {
+            self.declare(0, spec.clone(), mark)?;
+        }
+        let t = self.tables.get_mut(&spec.name).expect("declared");
+        enter(t, self.id, 0, mark)?;
+        let w = spec.width();
+        for (i, &id) in saved.ids.iter().enumerate() {
+            let rows = t.shards.entry(spec.shard_of(id)).or_default();
+            if !rows.contains(id) {
+                t.rows += 1;
+            }
+            rows.put(&spec, id, &saved.rows[i * w..(i + 1) * w], saved.updates[i]);
+        }
+        Ok(())
+    }
+
+    /// Forgets the shards `gone` of every table (moved to other servers).
+    pub fn drop_shards(&mut self, gone: impl Fn(u32) -> bool) {
+        for t in self.tables.values_mut() {
+            let before: usize = t.shards.values().map(Rows::len).sum();
+            t.shards.retain(|s, _| !gone(*s));
+            let after: usize = t.shards.values().map(Rows::len).sum();
+            t.rows -= (before - after) as u64;
+        }
+    }
+
+    /// The names of the tables here.
+    pub fn table_names(&self) -> Vec<String> {
+        self.tables.keys().cloned().collect()
     }
 
     /// Every row of `table` here, by id (for checks and exports).
@@ -463,6 +517,8 @@ fn enter(t: &mut Served, server: u64, worker: u64, mark: Mark) -> Result<(), PsE
         }
         t.generation = mark.generation;
         t.staged.clear();
+        // Steps before the base are committed: never undone again.
+        t.undo.retain(|&step, _| step >= mark.base);
     }
     t.undo.retain(|&step, _| step >= mark.committed);
     Ok(())

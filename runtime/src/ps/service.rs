@@ -115,7 +115,11 @@ fn serve(mut conn: TcpStream, job: &JobAuth, shared: &Shared) {
 
 /// A request's response and body.
 fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response, Vec<u8>) {
-    let refused = |error: String| (Response::Refused { error }, Vec::new());
+    let refused = |error: String| (Response::Refused { error, over: false }, Vec::new());
+    let ps_refused = |e: super::PsError| {
+        let over = matches!(e, super::PsError::Stale { .. });
+        (Response::Refused { error: e.to_string(), over }, Vec::new())
+    };
     let mut server = shared.server.lock().expect("ps state");
     match req {
         Request::Declare { table, mark, restore } => {
@@ -139,16 +143,38 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response,
                 Err(e) => refused(e.to_string()),
             }
         }
-        Request::Export { table, step } => match server.export(&table, worker, step) {
-            Ok(t) => {
-                let updates: Vec<u64> = t.updates.iter().map(|&u| u as u64).collect();
-                let mut body = wire::encode(&t.ids, &[]);
-                body.extend(wire::encode(&updates, &t.rows));
-                let n = t.ids.len();
-                (Response::Ok { pushed: None, stats: None, exported: Some((t.spec, n)) }, body)
+        Request::Export { table, step, shards } => {
+            let keep = |s: u32| shards.as_ref().is_none_or(|v| v.binary_search(&s).is_ok());
+            match server.export_shards(&table, worker, step, keep) {
+                Ok(t) => {
+                    let n = t.ids.len();
+                    let body = saved_body(&t);
+                    (Response::Ok { pushed: None, stats: None, exported: Some((t.spec, n)) }, body)
+                }
+                Err(e) => refused(e.to_string()),
+            }
+        }
+        Request::Import { table, mark, rows } => {
+            let Some(saved) = saved_of(table, rows, body) else {
+                return refused(format!("worker {worker}: an import whose body is not its rows"));
+            };
+            match server.import(&saved, mark) {
+                Ok(()) => (Response::ok(), Vec::new()),
+                Err(e) => refused(e.to_string()),
+            }
+        }
+        Request::Enter { mark } => match server.enter_all(mark) {
+            Ok(()) => {
+                // Pulls of the generation before give up now.
+                shared.pushed.notify_all();
+                (Response::ok(), Vec::new())
             }
             Err(e) => refused(e.to_string()),
         },
+        Request::Drop { shards } => {
+            server.drop_shards(|s| shards.binary_search(&s).is_ok());
+            (Response::ok(), Vec::new())
+        }
         Request::Stats => {
             (Response::Ok { pushed: None, stats: Some(server.stats()), exported: None }, Vec::new())
         }
@@ -162,7 +188,7 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response,
             shared.pushed.notify_all();
             match pushed {
                 Ok(p) => (Response::Ok { pushed: Some(p), stats: None, exported: None }, Vec::new()),
-                Err(e) => refused(e.to_string()),
+                Err(e) => ps_refused(e),
             }
         }
         Request::Pull { table, mark, need } => {
@@ -175,7 +201,7 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response,
             loop {
                 match server.pull(&table, worker, mark, need, &ids) {
                     Ok(Some(rows)) => return (Response::ok(), wire::encode(&[], &rows)),
-                    Err(e) => return refused(e.to_string()),
+                    Err(e) => return ps_refused(e),
                     Ok(None) => {}
                 }
                 let left = deadline.saturating_duration_since(Instant::now());
@@ -193,6 +219,21 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response,
     }
 }
 
+/// An export's body: ids, update counts (as u64), rows.
+fn saved_body(t: &SavedTable) -> Vec<u8> {
+    let updates: Vec<u64> = t.updates.iter().map(|&u| u as u64).collect();
+    let mut body = wire::encode(&t.ids, &[]);
+    body.extend(wire::encode(&updates, &t.rows));
+    body
+}
+
+/// The rows of table `spec` in an export's body of `n` rows.
+fn saved_of(spec: TableSpec, n: usize, body: &[u8]) -> Option<SavedTable> {
+    let (head, rows) = wire::decode(body, n.checked_mul(2)?).filter(|(_, r)| r.len() == n * spec.width())?;
+    let updates = head[n..].iter().map(|&u| u as u32).collect();
+    Some(SavedTable { spec, ids: head[..n].to_vec(), rows, updates })
+}
+
 /// Table `name` of the checkpoint `r` names.
 fn restored(r: &wire::Restore, name: &str) -> Result<SavedTable, String> {
     let shown = r.path.display();
@@ -204,12 +245,41 @@ fn restored(r: &wire::Restore, name: &str) -> Result<SavedTable, String> {
         .ok_or_else(|| format!("checkpoint {shown} holds no table {name:?} (it was written without it)"))
 }
 
+/// A server that cannot be reached (gone, or its connection broke): the
+/// step is redone once the job has its servers in order again, unlike a
+/// request the server refused.
+#[derive(Debug, thiserror::Error)]
+#[error("parameter server {server} at {addr} is unreachable: {detail}")]
+pub struct Unreachable {
+    pub server: u64,
+    pub addr: SocketAddr,
+    pub detail: String,
+}
+
+/// A request of a generation that is over (the job formed a newer one):
+/// the step is redone there.
+#[derive(Debug, thiserror::Error)]
+#[error("parameter server {server}: {detail}")]
+pub struct Superseded {
+    pub server: u64,
+    pub detail: String,
+}
+
+/// Whether `e` means the step cannot go on but will be redone once the
+/// job's next generation has its servers in order (a server gone, or the
+/// step's generation over), rather than a request the servers refused.
+pub fn redo(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<Unreachable>() || c.is::<Superseded>())
+}
+
 /// A worker's connections to every parameter server of the job.
 pub struct Client {
     worker: u64,
     servers: Vec<Conn>,
     /// Per shard, the index in `servers` of its owner.
     owners: Vec<usize>,
+    /// Per shard, the servers holding it (its owner first, then its replicas).
+    holders: Vec<Vec<usize>>,
     dims: HashMap<String, TableSpec>,
 }
 
@@ -220,51 +290,67 @@ struct Conn {
 }
 
 impl Conn {
+    fn unreachable(&self, detail: impl std::fmt::Display) -> anyhow::Error {
+        Unreachable { server: self.id, addr: self.addr, detail: detail.to_string() }.into()
+    }
+
     fn send(&mut self, req: &Request, body: &[u8]) -> Result<()> {
-        wire::write(&mut self.stream, req, body)
-            .with_context(|| format!("parameter server {} at {}", self.id, self.addr))
+        wire::write(&mut self.stream, req, body).map_err(|e| self.unreachable(e))
     }
 
     fn receive(&mut self) -> Result<(Response, Vec<u8>)> {
-        let got = wire::read::<Response>(&mut self.stream)
-            .with_context(|| format!("parameter server {} at {}", self.id, self.addr))?;
-        let Some((resp, body)) = got else {
-            bail!("parameter server {} at {} closed the connection", self.id, self.addr)
-        };
+        let got = wire::read::<Response>(&mut self.stream).map_err(|e| self.unreachable(e))?;
+        let Some((resp, body)) = got else { return Err(self.unreachable("it closed the connection")) };
         match resp {
-            Response::Refused { error } => bail!("parameter server {} at {}: {error}", self.id, self.addr),
+            Response::Refused { error, over: true } => {
+                Err(Superseded { server: self.id, detail: error }.into())
+            }
+            Response::Refused { error, .. } => {
+                bail!("parameter server {} at {}: {error}", self.id, self.addr)
+            }
             ok => Ok((ok, body)),
         }
     }
 }
 
 impl Client {
-    /// Connects to `servers` (their ids and addresses) as `worker`.
-    pub fn connect(servers: &[(u64, SocketAddr)], job: &JobAuth, worker: u64) -> Result<Client> {
+    /// Connects to `servers` (their ids and addresses) as `worker`; each
+    /// shard is held by `replicas` of them (its owner and the next ones in
+    /// its rendezvous order).
+    pub fn connect(
+        servers: &[(u64, SocketAddr)],
+        replicas: usize,
+        job: &JobAuth,
+        worker: u64,
+    ) -> Result<Client> {
         if servers.is_empty() {
             bail!("no parameter servers to connect to");
         }
         let mut conns = Vec::new();
         for &(id, addr) in servers {
-            let conn = (|| -> Result<Conn> {
+            let conn = (|| -> std::io::Result<Conn> {
                 let mut s = TcpStream::connect_timeout(&addr, HANDSHAKE)?;
                 s.set_nodelay(true)?;
                 s.set_read_timeout(Some(HANDSHAKE))?;
-                let keys = auth::connect(&mut s, &job.secret, &job.claim(CHANNEL, 0, worker))?;
+                let keys = auth::connect(&mut s, &job.secret, &job.claim(CHANNEL, 0, worker))
+                    .map_err(std::io::Error::other)?;
                 s.set_read_timeout(None)?;
                 Ok(Conn { id, addr, stream: SealedStream::new(s, Some(keys))? })
             })()
-            .with_context(|| format!("connecting to parameter server {id} at {addr}"))?;
+            .map_err(|e| Unreachable {
+                server: id,
+                addr,
+                detail: format!("connecting: {e}"),
+            })?;
             conns.push(conn);
         }
         let ids: Vec<u64> = conns.iter().map(|c| c.id).collect();
-        let owners = (0..SHARDS)
-            .map(|shard| {
-                let o = placement::owner(&ids, shard);
-                ids.iter().position(|&i| i == o).expect("an owner among them")
-            })
+        let at = |o: u64| ids.iter().position(|&i| i == o).expect("a server among them");
+        let holders: Vec<Vec<usize>> = (0..SHARDS)
+            .map(|shard| placement::ranked(&ids, shard).into_iter().take(replicas.max(1)).map(at).collect())
             .collect();
-        Ok(Client { worker, servers: conns, owners, dims: HashMap::new() })
+        let owners = holders.iter().map(|h| h[0]).collect();
+        Ok(Client { worker, servers: conns, owners, holders, dims: HashMap::new() })
     }
 
     /// Declares `spec` on every server as of `mark` (the same spec again
@@ -345,16 +431,24 @@ impl Client {
         if grads.len() != ids.len() * d {
             bail!("table {table:?}: {} gradient floats for {} ids of dimension {d}", grads.len(), ids.len());
         }
-        let mut per: Vec<(Vec<u64>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); self.servers.len()];
-        let mut at: HashMap<u64, (usize, usize)> = HashMap::with_capacity(ids.len());
+        // A row's repeats summed, in the order rows first appear.
+        let (mut unique, mut summed) = (Vec::new(), Vec::new());
+        let mut at: HashMap<u64, usize> = HashMap::with_capacity(ids.len());
         for (&id, g) in ids.iter().zip(grads.chunks_exact(d)) {
-            let &mut (s, i) = at.entry(id).or_insert_with(|| {
-                let s = self.owners[spec.shard_of(id) as usize];
-                per[s].0.push(id);
-                per[s].1.extend(std::iter::repeat_n(0.0, d));
-                (s, per[s].0.len() - 1)
+            let i = *at.entry(id).or_insert_with(|| {
+                unique.push(id);
+                summed.extend(std::iter::repeat_n(0.0, d));
+                unique.len() - 1
             });
-            per[s].1[i * d..(i + 1) * d].iter_mut().zip(g).for_each(|(a, b)| *a += b);
+            summed[i * d..(i + 1) * d].iter_mut().zip(g).for_each(|(a, b)| *a += b);
+        }
+        // Each server its rows: those of the shards it holds, owner or replica.
+        let mut per: Vec<(Vec<u64>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); self.servers.len()];
+        for (i, &id) in unique.iter().enumerate() {
+            for &s in &self.holders[spec.shard_of(id) as usize] {
+                per[s].0.push(id);
+                per[s].1.extend_from_slice(&summed[i * d..(i + 1) * d]);
+            }
         }
         for (c, (ids, grads)) in self.servers.iter_mut().zip(&per) {
             c.send(&Request::Push { table: table.into(), tag, ids: ids.len() }, &wire::encode(ids, grads))?;
@@ -376,25 +470,80 @@ impl Client {
     /// `table` as it was after its steps before `step`, from every server.
     pub fn export(&mut self, table: &str, step: u64) -> Result<SavedTable> {
         let spec = self.spec(table)?.clone();
-        let req = Request::Export { table: table.into(), step };
+        let req = Request::Export { table: table.into(), step, shards: None };
         self.servers.iter_mut().try_for_each(|c| c.send(&req, &[]))?;
-        let mut all =
-            SavedTable { spec: spec.clone(), ids: Vec::new(), rows: Vec::new(), updates: Vec::new() };
+        // By id: a shard held by two servers (replicas) is kept once.
+        let mut rows: std::collections::BTreeMap<u64, (Vec<f32>, u32)> = Default::default();
+        let w = spec.width();
         for c in &mut self.servers {
             let (resp, body) = c.receive()?;
             let n = match resp {
                 Response::Ok { exported: Some((_, n)), .. } => n,
                 _ => bail!("parameter server {}: no rows in its export of {table:?}", c.id),
             };
-            let (head, rows) =
-                wire::decode(&body, 2 * n).filter(|(_, r)| r.len() == n * spec.width()).with_context(
-                    || format!("parameter server {}: an export of {table:?} of the wrong size", c.id),
-                )?;
-            all.ids.extend(&head[..n]);
-            all.updates.extend(head[n..].iter().map(|&u| u as u32));
-            all.rows.extend(rows);
+            let t = saved_of(spec.clone(), n, &body).with_context(|| {
+                format!("parameter server {}: an export of {table:?} of the wrong size", c.id)
+            })?;
+            for (i, id) in t.ids.iter().enumerate() {
+                rows.entry(*id).or_insert_with(|| (t.rows[i * w..(i + 1) * w].to_vec(), t.updates[i]));
+            }
+        }
+        let mut all = SavedTable { spec, ids: Vec::new(), rows: Vec::new(), updates: Vec::new() };
+        for (id, (row, updates)) in rows {
+            all.ids.push(id);
+            all.rows.extend(row);
+            all.updates.push(updates);
         }
         Ok(all)
+    }
+
+    /// The ids of the servers, in the order connected.
+    pub fn server_ids(&self) -> Vec<u64> {
+        self.servers.iter().map(|c| c.id).collect()
+    }
+
+    fn conn(&mut self, server: u64) -> Result<&mut Conn> {
+        self.servers
+            .iter_mut()
+            .find(|c| c.id == server)
+            .with_context(|| format!("no parameter server {server}"))
+    }
+
+    /// A new generation on every server: each table rolled back to `mark`'s base.
+    pub fn enter_all(&mut self, mark: Mark) -> Result<()> {
+        self.servers.iter_mut().try_for_each(|c| c.send(&Request::Enter { mark }, &[]))?;
+        self.servers.iter_mut().try_for_each(|c| c.receive().map(drop))
+    }
+
+    /// Copies the rows of `shards` of `table` as of `step` from server
+    /// `from` to server `to` (which makes the table as of `mark` if new).
+    /// Returns the rows copied.
+    pub fn copy_shards(
+        &mut self,
+        table: &str,
+        shards: &[u32],
+        step: u64,
+        (from, to): (u64, u64),
+        mark: Mark,
+    ) -> Result<usize> {
+        let req = Request::Export { table: table.into(), step, shards: Some(shards.to_vec()) };
+        let src = self.conn(from)?;
+        src.send(&req, &[])?;
+        let (resp, body) = src.receive()?;
+        let Response::Ok { exported: Some((spec, n)), .. } = resp else {
+            bail!("parameter server {from}: no rows in its export of {table:?}")
+        };
+        let dst = self.conn(to)?;
+        dst.send(&Request::Import { table: spec, mark, rows: n }, &body)?;
+        dst.receive()?;
+        Ok(n)
+    }
+
+    /// Tells `server` to forget `shards` of every table.
+    pub fn drop_shards(&mut self, server: u64, shards: &[u32]) -> Result<()> {
+        let c = self.conn(server)?;
+        c.send(&Request::Drop { shards: shards.to_vec() }, &[])?;
+        c.receive().map(drop)
     }
 
     /// Every server's tables and memory.
@@ -460,7 +609,7 @@ mod tests {
             .map(|rank| {
                 let (job, addrs) = (job.clone(), addrs.clone());
                 std::thread::spawn(move || {
-                    let mut c = Client::connect(&addrs, &job, 10 + rank).unwrap();
+                    let mut c = Client::connect(&addrs, 1, &job, 10 + rank).unwrap();
                     let mark = Mark { generation: 1, base: 0, committed: 0 };
                     c.declare(spec(), mark, None).unwrap();
                     for step in 0..steps {
@@ -528,7 +677,7 @@ mod tests {
     fn a_pull_whose_step_never_comes_ends_with_what_it_waited_for_and_strangers_are_refused() {
         let job = job();
         let svc = start(&job, 4, Duration::from_millis(100));
-        let mut c = Client::connect(&[(4, svc.addr())], &job, 3).unwrap();
+        let mut c = Client::connect(&[(4, svc.addr())], 1, &job, 3).unwrap();
         let mark = Mark { generation: 1, base: 0, committed: 0 };
         c.declare(spec(), mark, None).unwrap();
         let tag = PushTag { mark, step: 0, rank: 0, world: 2 };
@@ -542,7 +691,7 @@ mod tests {
         // Still serving after the refusals, on the same connection.
         assert_eq!(c.pull("emb", mark, 0, &[1]).unwrap().len(), 3);
         let other = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
-        let e = Client::connect(&[(4, svc.addr())], &other, 3).err().unwrap();
+        let e = Client::connect(&[(4, svc.addr())], 1, &other, 3).err().unwrap();
         assert!(format!("{e:#}").contains("parameter server 4"), "{e:#}");
     }
 }

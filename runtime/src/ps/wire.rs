@@ -33,6 +33,24 @@ pub enum Request {
     Export {
         table: String,
         step: u64,
+        /// Only these shards (None: all).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shards: Option<Vec<u32>>,
+    },
+    /// Rows copied from another server (the body as an export's), the
+    /// table made as of `mark` if it is new.
+    Import {
+        table: TableSpec,
+        mark: Mark,
+        rows: usize,
+    },
+    /// A new generation for every table (rolled back to its base).
+    Enter {
+        mark: Mark,
+    },
+    /// Forget these shards of every table: they moved.
+    Drop {
+        shards: Vec<u32>,
     },
     /// Rows of the body's ids, once the steps before `need` are applied.
     Pull {
@@ -74,6 +92,10 @@ pub enum Response {
     },
     Refused {
         error: String,
+        /// The request's generation is over (a newer one asked): the step
+        /// is redone in the next generation.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        over: bool,
     },
 }
 

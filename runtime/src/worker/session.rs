@@ -240,6 +240,9 @@ pub struct Session {
     committed: u64,
     /// The checkpoint the current generation started from, if it did.
     restored_from: Option<std::path::PathBuf>,
+    /// The parameter servers of the current generation (they change when
+    /// one is lost).
+    ps: Option<crate::job::spec::PsTopology>,
     /// The job's sparse tables at a step, for the checkpoints this worker
     /// writes (a program with parameter servers sets it).
     table_export: Option<TableExport>,
@@ -380,6 +383,7 @@ impl Session {
             applied: None,
             committed: 0,
             restored_from: None,
+            ps: None,
             table_export: None,
             snapshots: BTreeMap::new(),
             spare: None,
@@ -475,6 +479,11 @@ impl Session {
     /// Every step before this one is committed (as this worker last heard).
     pub fn committed(&self) -> u64 {
         self.committed
+    }
+
+    /// The job's parameter servers as of the current generation.
+    pub fn ps_topology(&self) -> Option<&crate::job::spec::PsTopology> {
+        self.ps.as_ref().or(self.spec.ps.as_ref())
     }
 
     /// The checkpoint the current generation started from (the first
@@ -1112,6 +1121,9 @@ impl Session {
         self.failed = None;
         let n = g.committed_steps;
         self.restored_from = None;
+        if g.ps.is_some() {
+            self.ps = g.ps.clone();
+        }
         if let Some(path) = &g.init {
             let (restored, skipped) = self.checkpoints.latest().context("listing the checkpoints")?;
             for e in skipped {

@@ -38,7 +38,7 @@ sys.exit(wide_deep.main())
 /// The wide-and-deep example on 6,000 synthetic rows (a vocabulary of 1,000
 /// values per field), two servers, two workers and a warm spare, three
 /// epochs, the policy holding the size.
-fn ctr(py: &PyEnv, dir: &Path, servers: &str) -> Command {
+fn ctr(py: &PyEnv, dir: &Path, servers: &str, flags: &[&str]) -> Command {
     std::fs::write(dir.join("dying.py"), DYING).unwrap();
     let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
     c.current_dir(dir)
@@ -47,6 +47,7 @@ fn ctr(py: &PyEnv, dir: &Path, servers: &str) -> Command {
         .args(["--warm-spares", "1", "--policy", art::AUTOSCALE_WASM, "--decide-every", "100000"])
         .args(["--report", "report.json", "--plugin-cache"])
         .arg(dir.join("plugin-cache"))
+        .args(flags)
         .args(["--", "python"])
         .arg(dir.join("dying.py"))
         .arg(root().join("examples/ctr"))
@@ -82,7 +83,7 @@ fn calm() -> &'static (Vec<(String, Vec<f32>)>, Vec<f64>) {
     static CALM: OnceLock<(Vec<(String, Vec<f32>)>, Vec<f64>)> = OnceLock::new();
     CALM.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
-        let mut child = ctr(py(), dir.path(), "2").spawn().unwrap();
+        let mut child = ctr(py(), dir.path(), "2", &[]).spawn().unwrap();
         let rx = lines(&mut child);
         let mut seen = Vec::new();
         let status = finish(child, rx, &mut seen);
@@ -118,7 +119,7 @@ fn a_rank_killed_mid_job_costs_a_redone_step_and_the_model_ends_as_without_the_k
     // are redone, and the servers undo what that generation applied after
     // its last commit.
     let hit = tempfile::tempdir().unwrap();
-    let mut child = ctr(py, hit.path(), "2").spawn().unwrap();
+    let mut child = ctr(py, hit.path(), "2", &[]).spawn().unwrap();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
     wait_for(&rx, "warm spare 3 ready", &mut seen, Duration::from_secs(120));
@@ -141,7 +142,7 @@ fn a_rank_killed_mid_job_costs_a_redone_step_and_the_model_ends_as_without_the_k
 fn a_killed_job_resumes_its_tables_from_the_checkpoint_on_three_servers_as_if_never_stopped() {
     let py = py();
     let dir = tempfile::tempdir().unwrap();
-    let mut child = ctr(py, dir.path(), "2").spawn().unwrap();
+    let mut child = ctr(py, dir.path(), "2", &[]).spawn().unwrap();
     let coordinator = child.id();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
@@ -155,7 +156,7 @@ fn a_killed_job_resumes_its_tables_from_the_checkpoint_on_three_servers_as_if_ne
     assert_eq!(names, ["deep", "wide"], "the checkpoint holds the tables");
     assert!(saved.tables.iter().all(|t| t.ids.len() > 100), "rows updated by then");
 
-    let mut child = ctr(py, dir.path(), "3").spawn().unwrap();
+    let mut child = ctr(py, dir.path(), "3", &[]).spawn().unwrap();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
     let status = finish(child, rx, &mut seen);
@@ -272,4 +273,29 @@ fn the_torch_wide_and_deep_trains_its_tables_through_resizes() {
     assert!(events.iter().any(|e| e["to"].as_u64() == Some(3)), "grown to three workers: {events:?}");
     let auc = aucs(&text);
     assert!(!auc.is_empty() && auc.iter().all(|a| *a > 0.65), "{auc:?}\n{text}");
+}
+
+#[test]
+fn a_server_killed_with_two_replicas_loses_no_update_and_the_model_ends_as_without_the_kill() {
+    let py = py();
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = ctr(py, dir.path(), "3", &["--ps-replicas", "2"]).spawn().unwrap();
+    let coordinator = child.id();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    let (server, _) = crate::support::process::children(coordinator)
+        .into_iter()
+        .find(|(_, c)| c.contains(" ps --id 2 "))
+        .unwrap_or_else(|| panic!("server 2 among {:?}", crate::support::process::children(coordinator)));
+    sigkill(server);
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    assert!(text.contains("parameter server 2 lost"), "{text}");
+    assert!(text.contains("rows copied to new replicas (2 server(s) now)"), "{text}");
+    assert_exactly_once(&report(dir.path()), 3, 6000);
+    // The same model as two servers of one replica trained undisturbed:
+    // every push of every step applied once, on whichever servers held it.
+    assert_as_calm(dir.path(), &text);
 }

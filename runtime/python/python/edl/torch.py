@@ -523,7 +523,12 @@ class _Lookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, table, step, ids):
         flat = ids.reshape(-1).to("cpu", torch.int64).numpy()
-        rows = torch.from_numpy(step.pull(table.name, flat)).to(anchor.device)
+        pulled = step.pull(table.name, flat)
+        if pulled is None:
+            # The runtime abandoned the step (a parameter server gone, or
+            # the generation over): the loop's `except RuntimeError` goes on.
+            raise RuntimeError(f"table {table.name!r}: the step was abandoned; it is redone")
+        rows = torch.from_numpy(pulled).to(anchor.device)
         ctx.table, ctx.step, ctx.ids = table, step, flat
         return rows.reshape(*ids.shape, table.dim)
 

@@ -1,0 +1,214 @@
+//! The job's side of its parameter servers: which servers hold which
+//! shards, and what changes at a generation boundary. A new generation
+//! first rolls every server's tables back to the step it starts from; then,
+//! when servers were lost or added, shards are copied to the servers that
+//! hold them from now on (from a surviving holder, as of that step) and
+//! forgotten where they no longer belong, before any worker of the new
+//! generation asks for a row.
+
+use super::placement;
+use super::server::Mark;
+use super::service::Client;
+use super::table::SHARDS;
+use crate::job::spec::PsTopology;
+use crate::worker::session::JobAuth;
+use anyhow::{Context, Result, bail};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Who connects for the job (not a worker id).
+const JOB_CLIENT: u64 = u64::MAX;
+
+/// The servers a job's tables are on, and how many hold each shard.
+pub struct PsControl {
+    auth: JobAuth,
+    topology: PsTopology,
+}
+
+/// What a change of servers did.
+#[derive(Debug, Default, PartialEq)]
+pub struct Moved {
+    /// Rows copied, and the (from, to) pairs they went between.
+    pub rows: usize,
+    pub copies: Vec<(u64, u64)>,
+}
+
+/// The holders of `shard` among `servers`: its owner, then its replicas.
+fn holders(servers: &[u64], replicas: usize, shard: u32) -> Vec<u64> {
+    placement::ranked(servers, shard).into_iter().take(replicas.max(1)).collect()
+}
+
+impl PsControl {
+    pub fn new(auth: JobAuth, topology: PsTopology) -> Self {
+        PsControl { auth, topology }
+    }
+
+    pub fn topology(&self) -> &PsTopology {
+        &self.topology
+    }
+
+    fn ids(&self) -> Vec<u64> {
+        self.topology.servers.iter().map(|(id, _)| *id).collect()
+    }
+
+    /// A new generation as of `mark`, on the servers there are now: those
+    /// of `gone` leave (lost, or told to go after their shards were
+    /// copied), those of `added` join. Fails, naming them, when a shard
+    /// had no holder left.
+    pub fn reform(&mut self, mark: Mark, gone: &[u64], added: &[(u64, String)]) -> Result<Moved> {
+        let before = self.ids();
+        let mut after: Vec<(u64, String)> =
+            self.topology.servers.iter().filter(|(id, _)| !gone.contains(id)).cloned().collect();
+        after.extend(added.iter().cloned());
+        if after.is_empty() {
+            bail!("no parameter server left");
+        }
+        let now: Vec<u64> = after.iter().map(|(id, _)| *id).collect();
+        let r = self.topology.replicas;
+        // Per (from, to): the shards to copy; per server: shards it gives up.
+        let mut copies: BTreeMap<(u64, u64), Vec<u32>> = BTreeMap::new();
+        let mut drops: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+        let mut lost = BTreeSet::new();
+        for shard in 0..SHARDS {
+            let had: Vec<u64> =
+                holders(&before, r, shard).into_iter().filter(|s| !gone.contains(s)).collect();
+            let has = holders(&now, r, shard);
+            let Some(&source) = had.first() else {
+                lost.insert(shard);
+                continue;
+            };
+            for to in has.iter().filter(|s| !had.contains(s)) {
+                copies.entry((source, *to)).or_default().push(shard);
+            }
+            for from in had.iter().filter(|s| !has.contains(s)) {
+                drops.entry(*from).or_default().push(shard);
+            }
+        }
+        if !lost.is_empty() {
+            bail!(
+                "{} of {SHARDS} shards had all their holders among the servers lost ({gone:?}, {r} replica(s)): their rows are gone",
+                lost.len()
+            );
+        }
+        let addrs = after
+            .iter()
+            .map(|(id, a)| {
+                Ok((*id, crate::net::resolve(a).with_context(|| format!("parameter server {id}"))?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut c = Client::connect(&addrs, r, &self.auth, JOB_CLIENT)?;
+        c.enter_all(mark)?;
+        let tables: BTreeSet<String> =
+            c.stats()?.into_iter().flat_map(|s| s.tables).map(|t| t.name).collect();
+        let mut moved = Moved::default();
+        for ((from, to), shards) in &copies {
+            for table in &tables {
+                moved.rows += c.copy_shards(table, shards, mark.base, (*from, *to), mark)?;
+            }
+            moved.copies.push((*from, *to));
+        }
+        for (server, shards) in &drops {
+            c.drop_shards(*server, shards)?;
+        }
+        self.topology.servers = after;
+        Ok(moved)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ps::{Init, Optimizer, PushTag, Server, Service, TableSpec};
+    use edl_host_gpu::comm::auth::Secret;
+    use std::{net::TcpListener, time::Duration};
+
+    fn start(job: &JobAuth, id: u64) -> Service {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        Service::start(l, job.clone(), Server::new(id, None), Duration::from_secs(10)).unwrap()
+    }
+
+    #[test]
+    fn a_lost_server_s_shards_are_served_by_their_replicas_and_copied_to_new_ones() {
+        let job = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
+        let services: Vec<Service> = (1..=3).map(|id| start(&job, id)).collect();
+        let servers: Vec<(u64, String)> =
+            services.iter().zip(1..).map(|(s, id)| (id, s.addr().to_string())).collect();
+        let topology = PsTopology { servers: servers.clone(), staleness: 0, replicas: 2 };
+        let addrs: Vec<_> = services.iter().zip(1..).map(|(s, id)| (id, s.addr())).collect();
+        let spec = TableSpec {
+            name: "t".into(),
+            dim: 2,
+            optimizer: Optimizer::sgd(1.0),
+            init: Init::Zeros,
+            seed: 0,
+        };
+        let mark = Mark { generation: 1, base: 0, committed: 0 };
+        let mut w = Client::connect(&addrs, 2, &job, 1).unwrap();
+        w.declare(spec.clone(), mark, None).unwrap();
+        let ids: Vec<u64> = (0..300).collect();
+        let grads: Vec<f32> = ids.iter().flat_map(|&i| [i as f32, 1.0]).collect();
+        w.push("t", PushTag { mark, step: 0, rank: 0, world: 1 }, &ids, &grads).unwrap();
+        let want = w.pull("t", mark, 1, &ids).unwrap();
+        // Every row is on two servers.
+        let held: usize = services.iter().map(|s| s.rows("t").len()).sum();
+        assert_eq!(held, 600);
+        drop(w);
+
+        // Server 2 is gone: its shards' replicas take over, and each gets a
+        // second holder again.
+        let mut control = PsControl::new(job.clone(), topology);
+        let next = Mark { generation: 2, base: 1, committed: 1 };
+        let moved = control.reform(next, &[2], &[]).unwrap();
+        assert!(moved.rows > 0 && moved.copies.iter().all(|(f, t)| *f != 2 && *t != 2), "{moved:?}");
+        assert_eq!(control.topology().servers.len(), 2);
+        let left: Vec<_> = addrs.iter().filter(|(id, _)| *id != 2).cloned().collect();
+        let mut w = Client::connect(&left, 2, &job, 1).unwrap();
+        w.declare(spec, next, None).unwrap();
+        assert_eq!(w.pull("t", next, 1, &ids).unwrap(), want, "every row as it was");
+        for s in [&services[0], &services[2]] {
+            assert_eq!(s.rows("t").len(), 300, "two servers, two replicas: every row on both");
+        }
+        // Server 3 too: with one server left and two replicas a shard has
+        // one holder; none is lost.
+        control.reform(Mark { generation: 3, base: 1, committed: 1 }, &[3], &[]).unwrap();
+        assert_eq!(services[0].rows("t").len(), 300);
+        // And the last one: nothing is left to hold the rows.
+        let e = control.reform(Mark { generation: 4, base: 1, committed: 1 }, &[1], &[]).unwrap_err();
+        assert!(e.to_string().contains("no parameter server left"), "{e}");
+    }
+
+    #[test]
+    fn a_server_added_takes_its_share_and_the_others_forget_it() {
+        let job = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
+        let services: Vec<Service> = (1..=3).map(|id| start(&job, id)).collect();
+        let addrs: Vec<_> = services.iter().zip(1..).map(|(s, id)| (id, s.addr())).collect();
+        let spec = TableSpec {
+            name: "t".into(),
+            dim: 1,
+            optimizer: Optimizer::sgd(1.0),
+            init: Init::Zeros,
+            seed: 0,
+        };
+        let mark = Mark { generation: 1, base: 0, committed: 0 };
+        let mut w = Client::connect(&addrs[..2], 1, &job, 1).unwrap();
+        w.declare(spec.clone(), mark, None).unwrap();
+        let ids: Vec<u64> = (0..400).collect();
+        w.push("t", PushTag { mark, step: 0, rank: 0, world: 1 }, &ids, &vec![1.0; 400]).unwrap();
+        let want = w.pull("t", mark, 1, &ids).unwrap();
+        drop(w);
+        let two = PsTopology {
+            servers: addrs[..2].iter().map(|(i, a)| (*i, a.to_string())).collect(),
+            staleness: 0,
+            replicas: 1,
+        };
+        let mut control = PsControl::new(job.clone(), two);
+        let next = Mark { generation: 2, base: 1, committed: 1 };
+        let moved = control.reform(next, &[], &[(3, addrs[2].1.to_string())]).unwrap();
+        assert!(moved.copies.iter().all(|(_, to)| *to == 3), "{moved:?}");
+        let on: Vec<usize> = services.iter().map(|s| s.rows("t").len()).collect();
+        assert_eq!(on.iter().sum::<usize>(), 400, "each row on one server: {on:?}");
+        assert!(on[2] > 80, "the new server took about a third: {on:?}");
+        let mut w = Client::connect(&addrs, 1, &job, 1).unwrap();
+        w.declare(spec, next, None).unwrap();
+        assert_eq!(w.pull("t", next, 1, &ids).unwrap(), want);
+    }
+}
