@@ -115,11 +115,23 @@ impl Coordinator<'_> {
         };
         let ids: Vec<u64> = gone.iter().map(|(id, _)| *id).collect();
         let moved = control.reform(mark, &ids, &[]);
-        let topology = control.topology().clone();
-        for (id, how) in gone {
+        for (id, how) in &gone {
             self.note(format!("parameter server {id} lost ({how})"));
         }
-        let moved = anyhow::Context::context(moved, "the parameter servers")?;
+        let moved = match moved {
+            Err(e) if e.is::<crate::ps::control::ShardsLost>() => {
+                // Their rows are gone: as many servers again, the tables
+                // made again from the newest checkpoint with the rest.
+                let (control, processes) = self.ps.as_mut().expect("above");
+                let added = processes.more(ids.len() as u32)?;
+                control.reset(&ids, &added)?;
+                let topology = control.topology().clone();
+                self.restore_newest(format!("{e}"))?;
+                return Ok(Some(topology));
+            }
+            other => anyhow::Context::context(other, "the parameter servers")?,
+        };
+        let topology = self.ps.as_ref().expect("above").0.topology().clone();
         if moved.rows > 0 {
             let left = topology.servers.len();
             self.note(format!(

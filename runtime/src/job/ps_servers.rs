@@ -45,6 +45,9 @@ pub struct PsProcess {
 pub struct PsServers {
     pub servers: Vec<PsProcess>,
     pub staleness: u64,
+    /// How they were started (for more of them), and where they log.
+    start: Option<(PsStart, JobAuth, PathBuf)>,
+    next: u64,
 }
 
 impl PsServers {
@@ -52,13 +55,30 @@ impl PsServers {
     /// `log_dir/ps-<id>.log`, and waits for each to say where it serves.
     pub fn start(start: &PsStart, auth: &JobAuth, log_dir: &Path) -> Result<PsServers> {
         std::fs::create_dir_all(log_dir).with_context(|| format!("{}", log_dir.display()))?;
-        let mut servers = PsServers { servers: Vec::new(), staleness: start.staleness };
-        for id in 1..=start.count as u64 {
-            let p = PsProcess::start(start, id, auth, &log_dir.join(format!("ps-{id}.log")))
-                .with_context(|| format!("starting parameter server {id}"))?;
-            servers.servers.push(p);
-        }
+        let mut servers = PsServers {
+            servers: Vec::new(),
+            staleness: start.staleness,
+            start: Some((start.clone(), auth.clone(), log_dir.to_path_buf())),
+            next: 1,
+        };
+        servers.more(start.count)?;
         Ok(servers)
+    }
+
+    /// Starts `n` more servers (with ids after every one started before);
+    /// returns their ids and addresses.
+    pub fn more(&mut self, n: u32) -> Result<Vec<(u64, String)>> {
+        let (start, auth, log_dir) = self.start.clone().context("no servers were started")?;
+        let mut added = Vec::new();
+        for _ in 0..n {
+            let id = self.next;
+            self.next += 1;
+            let p = PsProcess::start(&start, id, &auth, &log_dir.join(format!("ps-{id}.log")))
+                .with_context(|| format!("starting parameter server {id}"))?;
+            added.push((p.id, p.addr.clone()));
+            self.servers.push(p);
+        }
+        Ok(added)
     }
 
     /// Each server's id and address, as workers are told them.

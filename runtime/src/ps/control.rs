@@ -24,6 +24,18 @@ pub struct PsControl {
     topology: PsTopology,
 }
 
+/// Shards whose every holder was lost: their rows are gone (the job goes
+/// back to its newest checkpoint).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{shards} of {SHARDS} shards had all their holders among the servers lost ({lost:?}, {replicas} replica(s)): their rows are gone"
+)]
+pub struct ShardsLost {
+    pub shards: usize,
+    pub lost: Vec<u64>,
+    pub replicas: usize,
+}
+
 /// What a change of servers did.
 #[derive(Debug, Default, PartialEq)]
 pub struct Moved {
@@ -84,10 +96,7 @@ impl PsControl {
             }
         }
         if !lost.is_empty() {
-            bail!(
-                "{} of {SHARDS} shards had all their holders among the servers lost ({gone:?}, {r} replica(s)): their rows are gone",
-                lost.len()
-            );
+            return Err(ShardsLost { shards: lost.len(), lost: gone.to_vec(), replicas: r }.into());
         }
         let addrs = after
             .iter()
@@ -111,6 +120,24 @@ impl PsControl {
         }
         self.topology.servers = after;
         Ok(moved)
+    }
+
+    /// Starts the tables over on the servers there are now (those of
+    /// `gone` leave, those of `added` join): every table forgotten, to be
+    /// made again from the checkpoint the job goes back to.
+    pub fn reset(&mut self, gone: &[u64], added: &[(u64, String)]) -> Result<()> {
+        let mut after: Vec<(u64, String)> =
+            self.topology.servers.iter().filter(|(id, _)| !gone.contains(id)).cloned().collect();
+        after.extend(added.iter().cloned());
+        let addrs = after
+            .iter()
+            .map(|(id, a)| {
+                Ok((*id, crate::net::resolve(a).with_context(|| format!("parameter server {id}"))?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Client::connect(&addrs, self.topology.replicas, &self.auth, JOB_CLIENT)?.reset_all()?;
+        self.topology.servers = after;
+        Ok(())
     }
 }
 

@@ -430,6 +430,11 @@ impl Server {
         }
     }
 
+    /// Forgets every table.
+    pub fn reset(&mut self) {
+        self.tables.clear();
+    }
+
     /// The names of the tables here.
     pub fn table_names(&self) -> Vec<String> {
         self.tables.keys().cloned().collect()

@@ -175,6 +175,12 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response,
             server.drop_shards(|s| shards.binary_search(&s).is_ok());
             (Response::ok(), Vec::new())
         }
+        Request::Reset => {
+            server.reset();
+            // Pulls waiting for a table that is gone give up now.
+            shared.pushed.notify_all();
+            (Response::ok(), Vec::new())
+        }
         Request::Stats => {
             (Response::Ok { pushed: None, stats: Some(server.stats()), exported: None }, Vec::new())
         }
@@ -537,6 +543,12 @@ impl Client {
         dst.send(&Request::Import { table: spec, mark, rows: n }, &body)?;
         dst.receive()?;
         Ok(n)
+    }
+
+    /// Tells every server to forget every table.
+    pub fn reset_all(&mut self) -> Result<()> {
+        self.servers.iter_mut().try_for_each(|c| c.send(&Request::Reset, &[]))?;
+        self.servers.iter_mut().try_for_each(|c| c.receive().map(drop))
     }
 
     /// Tells `server` to forget `shards` of every table.

@@ -52,6 +52,9 @@ pub enum Request {
     Drop {
         shards: Vec<u32>,
     },
+    /// Forget every table: the job goes back to a checkpoint, from which
+    /// the tables are made again.
+    Reset,
     /// Rows of the body's ids, once the steps before `need` are applied.
     Pull {
         table: String,

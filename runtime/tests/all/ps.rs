@@ -299,3 +299,30 @@ fn a_server_killed_with_two_replicas_loses_no_update_and_the_model_ends_as_witho
     // every push of every step applied once, on whichever servers held it.
     assert_as_calm(dir.path(), &text);
 }
+
+#[test]
+fn a_server_killed_with_one_replica_sends_the_job_back_to_its_checkpoint_saying_so() {
+    let py = py();
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = ctr(py, dir.path(), "2", &[]).spawn().unwrap();
+    let coordinator = child.id();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    committed_checkpoint(&dir.path().join(".edl/launch/checkpoints"), &mut child);
+    let (server, _) = crate::support::process::children(coordinator)
+        .into_iter()
+        .find(|(_, c)| c.contains(" ps --id 2 "))
+        .unwrap_or_else(|| panic!("server 2 among {:?}", crate::support::process::children(coordinator)));
+    sigkill(server);
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    assert!(text.contains("parameter server 2 lost"), "{text}");
+    assert!(text.contains("their rows are gone; restarting from the newest checkpoint"), "{text}");
+    assert_exactly_once(&report(dir.path()), 3, 6000);
+    // Server 3 took its place; the tables came from the checkpoint, and
+    // the steps after it were trained again as they were the first time.
+    assert!(dir.path().join(".edl/launch/logs/ps-3.log").exists());
+    assert_as_calm(dir.path(), &text);
+}
