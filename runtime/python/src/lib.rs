@@ -634,7 +634,7 @@ impl StepInfo {
 /// server gone, the generation over), the step is abandoned and the
 /// connections dropped; any other error is raised.
 fn abandon_for(py: Python<'_>, inner: &mut Inner, e: anyhow::Error) -> PyResult<()> {
-    if !edl_runtime::ps::service::redo(&e) {
+    if !edl_runtime::ps::service::redo(&e, inner.tables.room()) {
         return Err(anyhow_err(e));
     }
     tracing::warn!("worker {}: {e:#}; the step is redone", inner.session.id());
@@ -662,19 +662,17 @@ fn ids_of(py: Python<'_>, table: &str, ids: &Bound<'_, PyAny>) -> PyResult<Vec<u
 }
 
 impl StepView {
-    /// Where this step's requests to the parameter servers stand. Only
-    /// rank 0 tells the commits it heard of (which let the servers forget
-    /// how to undo the steps before them): it writes the checkpoints, and
-    /// takes the tables at a checkpoint's step before it tells that commit.
-    fn mark(&self, committed: u64) -> edl_runtime::ps::Mark {
-        let committed = if self.info.rank == 0 { committed } else { 0 };
-        edl_runtime::ps::Mark { generation: self.info.generation, base: self.info.base, committed }
+    /// Where this step's requests to the parameter servers stand. The job,
+    /// not a worker, tells the servers which steps are past undoing (it
+    /// knows the checkpoints still to be taken).
+    fn mark(&self) -> edl_runtime::ps::Mark {
+        edl_runtime::ps::Mark { generation: self.info.generation, base: self.info.base, committed: 0 }
     }
 
     /// Where this rank's pushes of the step belong.
-    fn tag(&self, committed: u64) -> edl_runtime::ps::PushTag {
+    fn tag(&self) -> edl_runtime::ps::PushTag {
         edl_runtime::ps::PushTag {
-            mark: self.mark(committed),
+            mark: self.mark(),
             step: self.info.step,
             rank: self.info.rank as u32,
             world: self.info.world as u32,
@@ -831,7 +829,7 @@ impl StepView {
         let ids = ids_of(py, table, ids)?;
         let job = self.job.bind(py).borrow();
         let mut inner = lock(&job.inner);
-        let mark = self.mark(inner.session.committed());
+        let mark = self.mark();
         let tables = &mut inner.tables;
         let dim = tables.dim(table).map_err(anyhow_err)?;
         let step = self.info.step;
@@ -863,7 +861,7 @@ impl StepView {
         let grads = buf.to_vec(py)?;
         let job = self.job.bind(py).borrow();
         let mut inner = lock(&job.inner);
-        let tag = self.tag(inner.session.committed());
+        let tag = self.tag();
         let tables = &mut inner.tables;
         let dim = tables.dim(table).map_err(anyhow_err)?;
         if grads.len() != ids.len() * dim {
@@ -985,7 +983,7 @@ impl StepView {
             session.reduced_norms(local, reduced);
         }
         let weighted = named.into_iter().map(|(k, v)| (k, v * share)).collect();
-        let (tag, tables) = (self.tag(session.committed()), &mut inner.tables);
+        let (tag, tables) = (self.tag(), &mut inner.tables);
         if let Err(e) = py.detach(|| tables.finish(tag)) {
             // Not committed: redone by the next generation.
             self.done = true;

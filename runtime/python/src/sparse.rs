@@ -101,6 +101,11 @@ impl Tables {
         }
     }
 
+    /// Whether the job may add servers (a full one then makes a step wait).
+    pub fn room(&self) -> bool {
+        current(&self.topology).is_some_and(|t| t.room)
+    }
+
     /// Forgets the connections (one broke): the next request makes new ones.
     pub fn disconnect(&mut self) {
         self.client = None;

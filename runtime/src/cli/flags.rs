@@ -111,6 +111,11 @@ pub struct PsArgs {
     /// with 1, the job goes back to its newest checkpoint.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub ps_replicas: usize,
+    /// Most parameter servers (default: --ps-servers): another is started
+    /// when a server's rows pass 80% of --ps-memory-mib, and takes its
+    /// share of the shards at the next step boundary.
+    #[arg(long, value_name = "N")]
+    pub max_ps: Option<u32>,
 }
 
 /// What a job trains with: epochs and the starting hyperparameters.

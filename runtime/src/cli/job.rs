@@ -38,19 +38,7 @@ use std::{
 fn start_ps(job: Job, args: &JobArgs, dirs: &JobDirs, exe: &Path) -> Result<Job> {
     let p = &args.ps;
     if p.ps_servers == 0 {
-        if p.ps_replicas != 1 || p.ps_memory_mib != 0 || p.ps_staleness != 0 {
-            edl_runtime::refuse!(
-                "--ps-replicas, --ps-memory-mib and --ps-staleness are for the servers --ps-servers N starts"
-            );
-        }
         return Ok(job);
-    }
-    if !(1..=2).contains(&p.ps_replicas) || p.ps_replicas as u32 > p.ps_servers {
-        edl_runtime::refuse!(
-            "--ps-replicas {}: 1 or 2, and at most --ps-servers ({})",
-            p.ps_replicas,
-            p.ps_servers
-        );
     }
     let c = &args.cluster;
     let at = net::Addresses { listen: c.listen, advertise: c.advertise.clone(), ..Default::default() };
@@ -59,6 +47,7 @@ fn start_ps(job: Job, args: &JobArgs, dirs: &JobDirs, exe: &Path) -> Result<Job>
         memory_mib: p.ps_memory_mib,
         staleness: p.ps_staleness,
         replicas: p.ps_replicas,
+        max: p.max_ps.unwrap_or(p.ps_servers),
         exe: exe.to_path_buf(),
         listen: c.listen.ip(),
         advertise: at.advertised_host()?,
@@ -74,12 +63,41 @@ fn start_ps(job: Job, args: &JobArgs, dirs: &JobDirs, exe: &Path) -> Result<Job>
     Ok(job)
 }
 
+/// Refuses parameter-server flags that do not fit together, before anything starts.
+fn check_ps(p: &super::flags::PsArgs) -> Result<()> {
+    if p.ps_servers == 0 {
+        if p.ps_replicas != 1 || p.ps_memory_mib != 0 || p.ps_staleness != 0 || p.max_ps.is_some() {
+            edl_runtime::refuse!(
+                "--ps-replicas, --ps-memory-mib, --ps-staleness and --max-ps are for the servers --ps-servers N starts"
+            );
+        }
+        return Ok(());
+    }
+    if !(1..=2).contains(&p.ps_replicas) || p.ps_replicas as u32 > p.ps_servers {
+        edl_runtime::refuse!(
+            "--ps-replicas {}: 1 or 2, and at most --ps-servers ({})",
+            p.ps_replicas,
+            p.ps_servers
+        );
+    }
+    if let Some(max) = p.max_ps
+        && max < p.ps_servers
+    {
+        edl_runtime::refuse!("--max-ps {max} is below --ps-servers {}", p.ps_servers);
+    }
+    if p.max_ps.is_some_and(|m| m > p.ps_servers) && p.ps_memory_mib == 0 {
+        edl_runtime::refuse!("--max-ps: servers are added when one nears --ps-memory-mib; give it");
+    }
+    Ok(())
+}
+
 /// Runs a job to its end and prints its summary.
 pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) -> Result<ExitCode> {
     let transform = match &work {
         Workload::Builtin(s) => Some(&s.transform),
         Workload::Program { .. } => None,
     };
+    check_ps(&args.ps)?;
     let plugins = Plugins::load(host, &args.plugins, transform)?;
     let dirs = JobDirs::new(&name, args.state.checkpoint_dir.clone());
     let exe = std::env::current_exe().context("locating edl-runtime")?;

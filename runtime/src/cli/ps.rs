@@ -9,7 +9,17 @@ use edl_runtime::{
     ps::{Server, Service},
     worker::session::{self, JobAuth},
 };
-use std::{io::Write, net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
+use std::{
+    io::Write,
+    net::SocketAddr,
+    path::PathBuf,
+    process::ExitCode,
+    sync::{
+        Arc,
+        atomic::{AtomicU32, Ordering},
+    },
+    time::{Duration, Instant},
+};
 
 #[derive(Args)]
 pub struct PsArgs {
@@ -59,7 +69,34 @@ pub fn run(a: PsArgs) -> Result<ExitCode> {
     // The job reads this line for the address (a port of 0 is chosen here).
     println!("ps {} serving on {} ({bound})", a.id, service.addr());
     std::io::stdout().flush()?;
+    // SIGTERM is notice: the server says so in its stats and serves on
+    // while the job moves its shards elsewhere (the job then stops it); a
+    // second SIGTERM, or the grace passing, ends it.
+    let told = Arc::new(AtomicU32::new(0));
+    let t = told.clone();
+    // SAFETY: the handler only adds to an atomic (async-signal-safe).
+    unsafe { signal_hook_registry::register(libc::SIGTERM, move || _ = t.fetch_add(1, Ordering::SeqCst)) }
+        .context("hearing SIGTERM")?;
+    let mut since: Option<Instant> = None;
     loop {
-        std::thread::park();
+        std::thread::sleep(Duration::from_millis(50));
+        match told.load(Ordering::SeqCst) {
+            0 => {}
+            1 => {
+                let at = *since.get_or_insert_with(|| {
+                    service.leave();
+                    eprintln!("ps {}: told to go; serving on while the job moves its shards", a.id);
+                    Instant::now()
+                });
+                if at.elapsed() >= LEAVE_GRACE {
+                    eprintln!("ps {}: gone after {LEAVE_GRACE:?} of notice", a.id);
+                    return Ok(ExitCode::from(143));
+                }
+            }
+            _ => return Ok(ExitCode::from(143)),
+        }
     }
 }
+
+/// Longest a server told to go serves on for its shards to move.
+const LEAVE_GRACE: Duration = Duration::from_secs(60);

@@ -95,6 +95,7 @@ impl Coordinator<'_> {
                 }
             },
             Inbound::Msg(_, FromWorker::Saved { checkpoints }) => {
+                self.unpin_ps(&checkpoints);
                 self.take_written(&checkpoints);
                 if let Some(w) = checkpoints.into_iter().rfind(|w| w.step == self.tally.committed) {
                     self.saved = Some(w.result);

@@ -18,6 +18,7 @@ pub mod machine;
 mod members;
 mod memory;
 pub mod pool;
+mod ps;
 mod records;
 pub mod report;
 mod resume;
@@ -103,6 +104,13 @@ struct Coordinator<'a> {
     /// The job's parameter servers: where its tables are, and the
     /// processes it started for them.
     ps: Option<(crate::ps::control::PsControl, crate::job::ps_servers::PsServers)>,
+    /// Server changes for the next boundary.
+    ps_pending: ps::PsPending,
+    /// A checkpoint asked of a worker and not written yet: its step and
+    /// the worker, which takes the tables as of that step.
+    ps_pin: Option<(u64, u64)>,
+    /// New rows the servers refused at their bound, as last seen.
+    ps_refused: u64,
     generation: u64,
     first_generation: u64,
     /// Steps committed, the epoch and cursor, the ledger, throughput.
@@ -285,6 +293,7 @@ pub fn run(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobOutcome> {
             None => "the job failed".to_string(),
         },
     };
+    c.say_ps();
     c.close(&reason);
     drop(lock);
     drop(teachers);
@@ -378,6 +387,9 @@ impl<'a> Coordinator<'a> {
             conns: HashMap::new(),
             membership,
             ps: None,
+            ps_pending: Default::default(),
+            ps_pin: None,
+            ps_refused: 0,
             generation: 0,
             first_generation: 0,
             tally: Tally::new(cfg.spec.samples, cfg.spec.seed, now),
@@ -804,7 +816,10 @@ impl Coordinator<'_> {
 
     /// A membership change waits for the windows already sent to commit.
     fn change_waiting(&self) -> bool {
-        self.decision.is_some() || !self.leaving.is_empty() || self.membership.change_waiting()
+        self.decision.is_some()
+            || !self.leaving.is_empty()
+            || self.membership.change_waiting()
+            || self.ps_change_waiting()
     }
 
     /// Workers told to go leave now (the windows sent before are committed):

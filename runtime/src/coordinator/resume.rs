@@ -547,6 +547,7 @@ impl Coordinator<'_> {
         };
         self.saved = None;
         let msg = ToWorker::Commit { step, checkpoint: Some(self.manifest()), wait: true, stored: None };
+        self.pin_ps(step, m0.id);
         let sent = match self.conns.get_mut(&m0.conn).filter(|_| !self.membership.is_closed(m0.conn)) {
             Some(stream) => send(stream, &msg).map_err(|e| e.to_string()),
             None => Err("connection closed".into()),

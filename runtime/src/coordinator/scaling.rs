@@ -16,9 +16,13 @@ impl Coordinator<'_> {
         let from = self.membership.world();
         let b = self.membership.boundary(true, self.init.is_some());
         self.execute();
-        let (reasons, admitted) = (b.reasons, b.admitted);
-        if !b.changed {
+        let (mut reasons, admitted) = (b.reasons, b.admitted);
+        let servers = self.ps_change_waiting();
+        if !b.changed && !servers {
             return Ok(());
+        }
+        if servers {
+            reasons.push("parameter servers changed".into());
         }
         self.generation += 1;
         self.pipe = None;

@@ -86,6 +86,7 @@ impl Coordinator<'_> {
         self.lease_members(now);
         if self.timers.fire(Timer::TeacherCheck, now, SECOND) {
             self.check_teachers()?;
+            self.watch_ps();
         }
         if self.timers.is_due(Timer::SaveState, now) {
             self.save_state(false);
@@ -99,47 +100,6 @@ impl Coordinator<'_> {
             self.start_generation()?;
         }
         Ok(())
-    }
-
-    /// The parameter servers for a new generation: every table rolled back
-    /// to the committed step (pulls of the generation before released), a
-    /// server lost dropped, its shards served by their replicas and copied
-    /// to new ones. Returns the servers the generation is told.
-    fn reform_ps(&mut self) -> Result<Option<crate::job::spec::PsTopology>> {
-        let Some((control, processes)) = self.ps.as_mut() else { return Ok(None) };
-        let gone = processes.exited();
-        let mark = crate::ps::Mark {
-            generation: self.generation,
-            base: self.tally.committed,
-            committed: self.tally.committed,
-        };
-        let ids: Vec<u64> = gone.iter().map(|(id, _)| *id).collect();
-        let moved = control.reform(mark, &ids, &[]);
-        for (id, how) in &gone {
-            self.note(format!("parameter server {id} lost ({how})"));
-        }
-        let moved = match moved {
-            Err(e) if e.is::<crate::ps::control::ShardsLost>() => {
-                // Their rows are gone: as many servers again, the tables
-                // made again from the newest checkpoint with the rest.
-                let (control, processes) = self.ps.as_mut().expect("above");
-                let added = processes.more(ids.len() as u32)?;
-                control.reset(&ids, &added)?;
-                let topology = control.topology().clone();
-                self.restore_newest(format!("{e}"))?;
-                return Ok(Some(topology));
-            }
-            other => anyhow::Context::context(other, "the parameter servers")?,
-        };
-        let topology = self.ps.as_ref().expect("above").0.topology().clone();
-        if moved.rows > 0 {
-            let left = topology.servers.len();
-            self.note(format!(
-                "parameter servers: {} rows copied to new replicas ({left} server(s) now)",
-                moved.rows
-            ));
-        }
-        Ok(Some(topology))
     }
 
     /// Tells every member its place in the new generation; planning starts
@@ -324,6 +284,10 @@ impl Coordinator<'_> {
         let checkpoint = if self.tally.epoch < self.cfg.spec.epochs { self.checkpoint_due() } else { None };
         let step = self.tally.committed;
         let wrote = checkpoint.is_some();
+        if let (true, Some(m0)) = (wrote, self.membership.members().first()) {
+            let id = m0.id;
+            self.pin_ps(step, id);
+        }
         // A job that can be taken over stores its progress at every commit;
         // the workers keep the rollback point of the newest stored step.
         let follow = self.told.follow.is_some();

@@ -262,6 +262,7 @@ impl Job {
             servers: self.ps.addrs(),
             staleness: start.staleness,
             replicas: start.replicas,
+            room: start.count < start.max,
         });
         Ok(self)
     }

@@ -25,6 +25,9 @@ pub struct PsStart {
     pub staleness: u64,
     /// Servers holding each shard.
     pub replicas: usize,
+    /// Most servers: one more is started when a server's rows pass 80% of
+    /// its memory bound.
+    pub max: u32,
     pub exe: PathBuf,
     /// Where they listen (port 0: each takes a free one), and the host
     /// workers reach them at.
@@ -84,6 +87,27 @@ impl PsServers {
     /// Each server's id and address, as workers are told them.
     pub fn addrs(&self) -> Vec<(u64, String)> {
         self.servers.iter().map(|p| (p.id, p.addr.clone())).collect()
+    }
+
+    /// Stops server `id` (its shards were moved).
+    pub fn stop(&mut self, id: u64) {
+        self.servers.retain(|p| p.id != id);
+    }
+
+    /// How many servers run.
+    pub fn len(&self) -> usize {
+        self.servers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.servers.is_empty()
+    }
+
+    /// The most memory a server's rows may take, bytes (None: no bound),
+    /// and the most servers there may be.
+    pub fn limits(&self) -> (Option<u64>, u32) {
+        let Some((s, _, _)) = self.start.as_ref() else { return (None, 0) };
+        (Some(s.memory_mib << 20).filter(|b| *b > 0), s.max)
     }
 
     /// The servers whose process ended since last asked: their ids, and
@@ -153,6 +177,8 @@ impl PsProcess {
 
 impl Drop for PsProcess {
     fn drop(&mut self) {
-        terminate_group(&mut self.child, Duration::from_secs(2));
+        // Its tables are in the job's checkpoints: nothing to wait for (and
+        // SIGTERM alone would be notice, on which it serves on).
+        terminate_group(&mut self.child, Duration::ZERO);
     }
 }

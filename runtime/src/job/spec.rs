@@ -152,6 +152,10 @@ pub struct PsTopology {
     /// rendezvous order (2: a server lost loses nothing).
     #[serde(default = "one")]
     pub replicas: usize,
+    /// Whether the job may add servers (a server full makes a step wait
+    /// for one, rather than fail).
+    #[serde(default)]
+    pub room: bool,
 }
 
 fn one() -> usize {

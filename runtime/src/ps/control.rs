@@ -44,6 +44,14 @@ pub struct Moved {
     pub copies: Vec<(u64, u64)>,
 }
 
+/// The servers' addresses, resolved.
+fn resolve_all(servers: &[(u64, String)]) -> Result<Vec<(u64, std::net::SocketAddr)>> {
+    servers
+        .iter()
+        .map(|(id, a)| Ok((*id, crate::net::resolve(a).with_context(|| format!("parameter server {id}"))?)))
+        .collect()
+}
+
 /// The holders of `shard` among `servers`: its owner, then its replicas.
 fn holders(servers: &[u64], replicas: usize, shard: u32) -> Vec<u64> {
     placement::ranked(servers, shard).into_iter().take(replicas.max(1)).collect()
@@ -58,18 +66,31 @@ impl PsControl {
         &self.topology
     }
 
+    /// Says whether servers may still be added.
+    pub fn set_room(&mut self, room: bool) {
+        self.topology.room = room;
+    }
+
     fn ids(&self) -> Vec<u64> {
         self.topology.servers.iter().map(|(id, _)| *id).collect()
     }
 
     /// A new generation as of `mark`, on the servers there are now: those
-    /// of `gone` leave (lost, or told to go after their shards were
-    /// copied), those of `added` join. Fails, naming them, when a shard
-    /// had no holder left.
-    pub fn reform(&mut self, mark: Mark, gone: &[u64], added: &[(u64, String)]) -> Result<Moved> {
+    /// of `lost` are gone, those of `leaving` give their shards up (copied
+    /// from them) and go, those of `added` join. Fails, naming them, when a
+    /// shard had no holder left ([`ShardsLost`]).
+    pub fn reform(
+        &mut self,
+        mark: Mark,
+        lost: &[u64],
+        leaving: &[u64],
+        added: &[(u64, String)],
+    ) -> Result<Moved> {
         let before = self.ids();
+        let gone = lost;
+        let staying = |id: &u64| !lost.contains(id) && !leaving.contains(id);
         let mut after: Vec<(u64, String)> =
-            self.topology.servers.iter().filter(|(id, _)| !gone.contains(id)).cloned().collect();
+            self.topology.servers.iter().filter(|(id, _)| staying(id)).cloned().collect();
         after.extend(added.iter().cloned());
         if after.is_empty() {
             bail!("no parameter server left");
@@ -91,20 +112,20 @@ impl PsControl {
             for to in has.iter().filter(|s| !had.contains(s)) {
                 copies.entry((source, *to)).or_default().push(shard);
             }
-            for from in had.iter().filter(|s| !has.contains(s)) {
+            for from in had.iter().filter(|s| !has.contains(s) && !leaving.contains(s)) {
                 drops.entry(*from).or_default().push(shard);
             }
         }
         if !lost.is_empty() {
             return Err(ShardsLost { shards: lost.len(), lost: gone.to_vec(), replicas: r }.into());
         }
-        let addrs = after
+        // The servers that go on, and those leaving (their shards are copied from them).
+        let reached: Vec<(u64, String)> = after
             .iter()
-            .map(|(id, a)| {
-                Ok((*id, crate::net::resolve(a).with_context(|| format!("parameter server {id}"))?))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let mut c = Client::connect(&addrs, r, &self.auth, JOB_CLIENT)?;
+            .cloned()
+            .chain(self.topology.servers.iter().filter(|(id, _)| leaving.contains(id)).cloned())
+            .collect();
+        let mut c = Client::connect(&resolve_all(&reached)?, r, &self.auth, JOB_CLIENT)?;
         c.enter_all(mark)?;
         let tables: BTreeSet<String> =
             c.stats()?.into_iter().flat_map(|s| s.tables).map(|t| t.name).collect();
@@ -122,6 +143,15 @@ impl PsControl {
         Ok(moved)
     }
 
+    /// Every server's tables and memory, and whether it was told to go;
+    /// each forgets how to undo the steps before `trim`.
+    pub fn stats(&mut self, trim: u64) -> Result<Vec<crate::ps::Stats>> {
+        let addrs = resolve_all(&self.topology.servers)?;
+        let mut c = Client::connect(&addrs, self.topology.replicas, &self.auth, JOB_CLIENT)?;
+        c.trim_all(trim)?;
+        c.stats()
+    }
+
     /// Starts the tables over on the servers there are now (those of
     /// `gone` leave, those of `added` join): every table forgotten, to be
     /// made again from the checkpoint the job goes back to.
@@ -129,13 +159,8 @@ impl PsControl {
         let mut after: Vec<(u64, String)> =
             self.topology.servers.iter().filter(|(id, _)| !gone.contains(id)).cloned().collect();
         after.extend(added.iter().cloned());
-        let addrs = after
-            .iter()
-            .map(|(id, a)| {
-                Ok((*id, crate::net::resolve(a).with_context(|| format!("parameter server {id}"))?))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Client::connect(&addrs, self.topology.replicas, &self.auth, JOB_CLIENT)?.reset_all()?;
+        Client::connect(&resolve_all(&after)?, self.topology.replicas, &self.auth, JOB_CLIENT)?
+            .reset_all()?;
         self.topology.servers = after;
         Ok(())
     }
@@ -159,7 +184,7 @@ mod tests {
         let services: Vec<Service> = (1..=3).map(|id| start(&job, id)).collect();
         let servers: Vec<(u64, String)> =
             services.iter().zip(1..).map(|(s, id)| (id, s.addr().to_string())).collect();
-        let topology = PsTopology { servers: servers.clone(), staleness: 0, replicas: 2 };
+        let topology = PsTopology { servers: servers.clone(), staleness: 0, replicas: 2, room: false };
         let addrs: Vec<_> = services.iter().zip(1..).map(|(s, id)| (id, s.addr())).collect();
         let spec = TableSpec {
             name: "t".into(),
@@ -184,7 +209,7 @@ mod tests {
         // second holder again.
         let mut control = PsControl::new(job.clone(), topology);
         let next = Mark { generation: 2, base: 1, committed: 1 };
-        let moved = control.reform(next, &[2], &[]).unwrap();
+        let moved = control.reform(next, &[2], &[], &[]).unwrap();
         assert!(moved.rows > 0 && moved.copies.iter().all(|(f, t)| *f != 2 && *t != 2), "{moved:?}");
         assert_eq!(control.topology().servers.len(), 2);
         let left: Vec<_> = addrs.iter().filter(|(id, _)| *id != 2).cloned().collect();
@@ -196,10 +221,10 @@ mod tests {
         }
         // Server 3 too: with one server left and two replicas a shard has
         // one holder; none is lost.
-        control.reform(Mark { generation: 3, base: 1, committed: 1 }, &[3], &[]).unwrap();
+        control.reform(Mark { generation: 3, base: 1, committed: 1 }, &[3], &[], &[]).unwrap();
         assert_eq!(services[0].rows("t").len(), 300);
         // And the last one: nothing is left to hold the rows.
-        let e = control.reform(Mark { generation: 4, base: 1, committed: 1 }, &[1], &[]).unwrap_err();
+        let e = control.reform(Mark { generation: 4, base: 1, committed: 1 }, &[1], &[], &[]).unwrap_err();
         assert!(e.to_string().contains("no parameter server left"), "{e}");
     }
 
@@ -226,10 +251,11 @@ mod tests {
             servers: addrs[..2].iter().map(|(i, a)| (*i, a.to_string())).collect(),
             staleness: 0,
             replicas: 1,
+            room: false,
         };
         let mut control = PsControl::new(job.clone(), two);
         let next = Mark { generation: 2, base: 1, committed: 1 };
-        let moved = control.reform(next, &[], &[(3, addrs[2].1.to_string())]).unwrap();
+        let moved = control.reform(next, &[], &[], &[(3, addrs[2].1.to_string())]).unwrap();
         assert!(moved.copies.iter().all(|(_, to)| *to == 3), "{moved:?}");
         let on: Vec<usize> = services.iter().map(|s| s.rows("t").len()).collect();
         assert_eq!(on.iter().sum::<usize>(), 400, "each row on one server: {on:?}");

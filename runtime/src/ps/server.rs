@@ -60,7 +60,9 @@ pub struct Mark {
     pub generation: u64,
     /// Steps committed when the generation formed: the state it started from.
     pub base: u64,
-    /// Every step before this one is committed (as the worker last heard).
+    /// The steps before this one will never be undone or taken for a
+    /// checkpoint again: their undo records can go (0 from workers; the
+    /// job tells it, knowing its commits and the checkpoints still due).
     pub committed: u64,
 }
 
@@ -123,6 +125,13 @@ pub struct Stats {
     pub tables: Vec<TableStats>,
     pub bytes: u64,
     pub bound: Option<u64>,
+    /// Told to go (SIGTERM): it serves on until the job has moved its
+    /// shards elsewhere.
+    #[serde(default)]
+    pub leaving: bool,
+    /// New rows it refused at its memory bound, all told.
+    #[serde(default)]
+    pub refused: u64,
 }
 
 /// A parameter server's state.
@@ -296,7 +305,7 @@ impl Server {
                 applied: t.applied,
             })
             .collect();
-        Stats { server: self.id, tables, bytes: self.bytes(), bound: self.bound }
+        Stats { server: self.id, tables, bytes: self.bytes(), bound: self.bound, leaving: false, refused: 0 }
     }
 
     /// `table` as it was after its steps before `step` (the newest steps
@@ -430,6 +439,14 @@ impl Server {
         }
     }
 
+    /// Forgets how to undo the steps before `step` (committed, and no
+    /// checkpoint of an earlier step still to be taken).
+    pub fn trim(&mut self, step: u64) {
+        for t in self.tables.values_mut() {
+            t.undo.retain(|&s, _| s >= step);
+        }
+    }
+
     /// Forgets every table.
     pub fn reset(&mut self) {
         self.tables.clear();
@@ -522,8 +539,6 @@ fn enter(t: &mut Served, server: u64, worker: u64, mark: Mark) -> Result<(), PsE
         }
         t.generation = mark.generation;
         t.staged.clear();
-        // Steps before the base are committed: never undone again.
-        t.undo.retain(|&step, _| step >= mark.base);
     }
     t.undo.retain(|&step, _| step >= mark.committed);
     Ok(())

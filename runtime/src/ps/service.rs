@@ -32,6 +32,10 @@ struct Shared {
     pushed: Condvar,
     /// Longest a pull waits for the pushes of the steps before it.
     pull_timeout: Duration,
+    /// Told to go: said in its stats, for the job to move its shards.
+    leaving: std::sync::atomic::AtomicBool,
+    /// New rows refused at the memory bound, all told.
+    refused: std::sync::atomic::AtomicU64,
 }
 
 /// A running parameter server.
@@ -49,7 +53,13 @@ impl Service {
         pull_timeout: Duration,
     ) -> Result<Service> {
         let addr = listener.local_addr()?;
-        let shared = Arc::new(Shared { server: Mutex::new(server), pushed: Condvar::new(), pull_timeout });
+        let shared = Arc::new(Shared {
+            server: Mutex::new(server),
+            pushed: Condvar::new(),
+            pull_timeout,
+            leaving: Default::default(),
+            refused: Default::default(),
+        });
         let s = shared.clone();
         std::thread::Builder::new().name("ps-accept".into()).spawn(move || {
             for conn in listener.incoming() {
@@ -72,6 +82,12 @@ impl Service {
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Says in the stats that this server was told to go: the job moves
+    /// its shards to the others at its next step boundary, then stops it.
+    pub fn leave(&self) {
+        self.shared.leaving.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     pub fn stats(&self) -> Stats {
@@ -115,10 +131,14 @@ fn serve(mut conn: TcpStream, job: &JobAuth, shared: &Shared) {
 
 /// A request's response and body.
 fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response, Vec<u8>) {
-    let refused = |error: String| (Response::Refused { error, over: false }, Vec::new());
+    let refused = |error: String| (Response::Refused { error, over: false, full: false }, Vec::new());
     let ps_refused = |e: super::PsError| {
         let over = matches!(e, super::PsError::Stale { .. });
-        (Response::Refused { error: e.to_string(), over }, Vec::new())
+        let full = matches!(e, super::PsError::AtBound { .. });
+        if let super::PsError::AtBound { new, .. } = e {
+            shared.refused.fetch_add(new as u64, std::sync::atomic::Ordering::SeqCst);
+        }
+        (Response::Refused { error: e.to_string(), over, full }, Vec::new())
     };
     let mut server = shared.server.lock().expect("ps state");
     match req {
@@ -175,6 +195,10 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response,
             server.drop_shards(|s| shards.binary_search(&s).is_ok());
             (Response::ok(), Vec::new())
         }
+        Request::Trim { step } => {
+            server.trim(step);
+            (Response::ok(), Vec::new())
+        }
         Request::Reset => {
             server.reset();
             // Pulls waiting for a table that is gone give up now.
@@ -182,7 +206,10 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response,
             (Response::ok(), Vec::new())
         }
         Request::Stats => {
-            (Response::Ok { pushed: None, stats: Some(server.stats()), exported: None }, Vec::new())
+            let mut stats = server.stats();
+            stats.leaving = shared.leaving.load(std::sync::atomic::Ordering::SeqCst);
+            stats.refused = shared.refused.load(std::sync::atomic::Ordering::SeqCst);
+            (Response::Ok { pushed: None, stats: Some(stats), exported: None }, Vec::new())
         }
         Request::Push { table, tag, ids } => {
             let Some((ids, grads)) = wire::decode(body, ids) else {
@@ -271,11 +298,20 @@ pub struct Superseded {
     pub detail: String,
 }
 
+/// A server at its memory bound refused new rows.
+#[derive(Debug, thiserror::Error)]
+#[error("parameter server {server}: {detail}")]
+pub struct Full {
+    pub server: u64,
+    pub detail: String,
+}
+
 /// Whether `e` means the step cannot go on but will be redone once the
-/// job's next generation has its servers in order (a server gone, or the
-/// step's generation over), rather than a request the servers refused.
-pub fn redo(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| c.is::<Unreachable>() || c.is::<Superseded>())
+/// job's next generation has its servers in order (a server gone, the
+/// step's generation over, or a server full while the job may add one:
+/// `room`), rather than a request the servers refused.
+pub fn redo(e: &anyhow::Error, room: bool) -> bool {
+    e.chain().any(|c| c.is::<Unreachable>() || c.is::<Superseded>() || (room && c.is::<Full>()))
 }
 
 /// A worker's connections to every parameter server of the job.
@@ -308,8 +344,11 @@ impl Conn {
         let got = wire::read::<Response>(&mut self.stream).map_err(|e| self.unreachable(e))?;
         let Some((resp, body)) = got else { return Err(self.unreachable("it closed the connection")) };
         match resp {
-            Response::Refused { error, over: true } => {
+            Response::Refused { error, over: true, .. } => {
                 Err(Superseded { server: self.id, detail: error }.into())
+            }
+            Response::Refused { error, full: true, .. } => {
+                Err(Full { server: self.id, detail: error }.into())
             }
             Response::Refused { error, .. } => {
                 bail!("parameter server {} at {}: {error}", self.id, self.addr)
@@ -543,6 +582,12 @@ impl Client {
         dst.send(&Request::Import { table: spec, mark, rows: n }, &body)?;
         dst.receive()?;
         Ok(n)
+    }
+
+    /// Tells every server to forget how to undo the steps before `step`.
+    pub fn trim_all(&mut self, step: u64) -> Result<()> {
+        self.servers.iter_mut().try_for_each(|c| c.send(&Request::Trim { step }, &[]))?;
+        self.servers.iter_mut().try_for_each(|c| c.receive().map(drop))
     }
 
     /// Tells every server to forget every table.

@@ -55,6 +55,10 @@ pub enum Request {
     /// Forget every table: the job goes back to a checkpoint, from which
     /// the tables are made again.
     Reset,
+    /// Forget how to undo the steps before `step`.
+    Trim {
+        step: u64,
+    },
     /// Rows of the body's ids, once the steps before `need` are applied.
     Pull {
         table: String,
@@ -99,6 +103,9 @@ pub enum Response {
         /// is redone in the next generation.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         over: bool,
+        /// The server is at its memory bound: new rows wait for more servers.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        full: bool,
     },
 }
 

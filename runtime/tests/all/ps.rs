@@ -11,9 +11,10 @@ use crate::support::{
 use edl_plugin_artifacts as art;
 use edl_runtime::checkpoint::Checkpoints;
 use std::{
+    collections::BTreeMap,
     path::Path,
     process::{Command, Stdio},
-    sync::OnceLock,
+    sync::Mutex,
     time::Duration,
 };
 
@@ -39,6 +40,11 @@ sys.exit(wide_deep.main())
 /// values per field), two servers, two workers and a warm spare, three
 /// epochs, the policy holding the size.
 fn ctr(py: &PyEnv, dir: &Path, servers: &str, flags: &[&str]) -> Command {
+    ctr_of(py, dir, servers, flags, "1000")
+}
+
+/// [`ctr`] with `vocab` values per field.
+fn ctr_of(py: &PyEnv, dir: &Path, servers: &str, flags: &[&str], vocab: &str) -> Command {
     std::fs::write(dir.join("dying.py"), DYING).unwrap();
     let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
     c.current_dir(dir)
@@ -52,7 +58,7 @@ fn ctr(py: &PyEnv, dir: &Path, servers: &str, flags: &[&str]) -> Command {
         .arg(dir.join("dying.py"))
         .arg(root().join("examples/ctr"))
         .env("CTR_ROWS", "6000")
-        .env("CTR_VOCAB", "1000")
+        .env("CTR_VOCAB", vocab)
         // Slow enough that the kill below lands mid-job.
         .env("STEP_DELAY_MS", "15")
         .stdin(Stdio::null())
@@ -77,24 +83,35 @@ fn aucs(text: &str) -> Vec<f64> {
         .collect()
 }
 
-/// The job run undisturbed, once per test run: its final arrays and the
-/// AUCs its workers printed.
-fn calm() -> &'static (Vec<(String, Vec<f32>)>, Vec<f64>) {
-    static CALM: OnceLock<(Vec<(String, Vec<f32>)>, Vec<f64>)> = OnceLock::new();
-    CALM.get_or_init(|| {
-        let dir = tempfile::tempdir().unwrap();
-        let mut child = ctr(py(), dir.path(), "2", &[]).spawn().unwrap();
-        let rx = lines(&mut child);
-        let mut seen = Vec::new();
-        let status = finish(child, rx, &mut seen);
-        let text = seen.join("\n");
-        assert!(status.success(), "{text}");
-        assert!(text.contains("ps        1 serving on 127.0.0.1:"), "{text}");
-        assert_exactly_once(&report(dir.path()), 3, 6000);
-        let auc = aucs(&text);
-        assert!(auc.len() >= 2 && auc.iter().all(|a| *a > 0.65), "{auc:?}\n{text}");
-        (final_state(dir.path()), auc)
-    })
+type Calm = (Vec<(String, Vec<f32>)>, Vec<f64>);
+
+/// The job run undisturbed (on the data of `vocab` values per field), once
+/// per test run: its final arrays and the AUCs its workers printed.
+fn calm_of(vocab: &str) -> Calm {
+    static CALM: Mutex<BTreeMap<String, Calm>> = Mutex::new(BTreeMap::new());
+    let mut runs = CALM.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = runs.get(vocab) {
+        return c.clone();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = ctr_of(py(), dir.path(), "2", &[], vocab).spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    assert!(text.contains("ps        1 serving on 127.0.0.1:"), "{text}");
+    assert_no_checkpoint_failed(&text);
+    assert_exactly_once(&report(dir.path()), 3, 6000);
+    let auc = aucs(&text);
+    assert!(auc.len() >= 2 && auc.iter().all(|a| *a > 0.65), "{auc:?}\n{text}");
+    runs.insert(vocab.to_string(), (final_state(dir.path()), auc));
+    runs[vocab].clone()
+}
+
+fn assert_no_checkpoint_failed(text: &str) {
+    let failed = text.lines().find(|l| l.contains("checkpoint of step") && l.contains("failed"));
+    assert!(failed.is_none(), "{failed:?}\n{text}");
 }
 
 /// Every dense array the same to the bit as the undisturbed run's: each
@@ -102,13 +119,18 @@ fn calm() -> &'static (Vec<(String, Vec<f32>)>, Vec<f64>) {
 /// kept (an update lost, doubled or computed from rows of a dead
 /// generation would show in the gradients of every step after it).
 fn assert_as_calm(dir: &Path, text: &str) {
-    let (a, b) = (&calm().0, final_state(dir));
+    assert_as_calm_of("1000", dir, text);
+}
+
+fn assert_as_calm_of(vocab: &str, dir: &Path, text: &str) {
+    let calm = calm_of(vocab);
+    let (a, b) = (&calm.0, final_state(dir));
     assert_eq!(a.len(), b.len());
     for ((name, x), (_, y)) in a.iter().zip(&b) {
         assert!(x == y, "{name} differs from the undisturbed run's");
     }
     let auc = aucs(text);
-    assert!(!auc.is_empty() && auc[..] == calm().1[..auc.len()], "{auc:?} {:?}\n{text}", calm().1);
+    assert!(!auc.is_empty() && auc[..] == calm.1[..auc.len()], "{auc:?} {:?}\n{text}", calm.1);
 }
 
 #[test]
@@ -135,6 +157,7 @@ fn a_rank_killed_mid_job_costs_a_redone_step_and_the_model_ends_as_without_the_k
         .find(|e| e["reason"].as_str().unwrap().contains("worker 2 lost"))
         .unwrap_or_else(|| panic!("{events:?}\n{text}"));
     assert_eq!((lost["from"].as_u64(), lost["to"].as_u64()), (Some(2), Some(2)), "{lost}");
+    assert_no_checkpoint_failed(&text);
     assert_as_calm(hit.path(), &text);
 }
 
@@ -284,16 +307,12 @@ fn a_server_killed_with_two_replicas_loses_no_update_and_the_model_ends_as_witho
     let rx = lines(&mut child);
     let mut seen = Vec::new();
     wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
-    let (server, _) = crate::support::process::children(coordinator)
-        .into_iter()
-        .find(|(_, c)| c.contains(" ps --id 2 "))
-        .unwrap_or_else(|| panic!("server 2 among {:?}", crate::support::process::children(coordinator)));
-    sigkill(server);
+    sigkill(server_pid(coordinator, 2));
     let status = finish(child, rx, &mut seen);
     let text = seen.join("\n");
     assert!(status.success(), "{text}");
     assert!(text.contains("parameter server 2 lost"), "{text}");
-    assert!(text.contains("rows copied to new replicas (2 server(s) now)"), "{text}");
+    assert!(text.contains("parameter servers 3 -> 2: "), "{text}");
     assert_exactly_once(&report(dir.path()), 3, 6000);
     // The same model as two servers of one replica trained undisturbed:
     // every push of every step applied once, on whichever servers held it.
@@ -310,11 +329,7 @@ fn a_server_killed_with_one_replica_sends_the_job_back_to_its_checkpoint_saying_
     let mut seen = Vec::new();
     wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
     committed_checkpoint(&dir.path().join(".edl/launch/checkpoints"), &mut child);
-    let (server, _) = crate::support::process::children(coordinator)
-        .into_iter()
-        .find(|(_, c)| c.contains(" ps --id 2 "))
-        .unwrap_or_else(|| panic!("server 2 among {:?}", crate::support::process::children(coordinator)));
-    sigkill(server);
+    sigkill(server_pid(coordinator, 2));
     let status = finish(child, rx, &mut seen);
     let text = seen.join("\n");
     assert!(status.success(), "{text}");
@@ -324,5 +339,55 @@ fn a_server_killed_with_one_replica_sends_the_job_back_to_its_checkpoint_saying_
     // Server 3 took its place; the tables came from the checkpoint, and
     // the steps after it were trained again as they were the first time.
     assert!(dir.path().join(".edl/launch/logs/ps-3.log").exists());
+    assert_as_calm(dir.path(), &text);
+}
+
+/// The pid of parameter server `id` among the job's processes.
+fn server_pid(coordinator: u32, id: u64) -> u32 {
+    let kids = crate::support::process::children(coordinator);
+    let flag = format!(" ps --id {id} ");
+    kids.iter().find(|(_, c)| c.contains(&flag)).unwrap_or_else(|| panic!("server {id} among {kids:?}")).0
+}
+
+#[test]
+fn tables_over_one_server_s_memory_bound_grow_onto_three_servers_mid_job() {
+    let py = py();
+    let dir = tempfile::tempdir().unwrap();
+    // About 4 MiB of rows by the end: one server of 2 MiB cannot hold
+    // them; one more starts as a server passes 80% of its bound (and a step
+    // that finds a server full is redone once one more has joined).
+    let flags = ["--max-ps", "3", "--ps-memory-mib", "2"];
+    let mut child = ctr_of(py, dir.path(), "1", &flags, "1500").spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    for (from, to) in [(1, 2), (2, 3)] {
+        assert!(text.contains(&format!("parameter servers {from} -> {to}: ")), "{text}");
+    }
+    assert!(text.contains("server 3 started, to join at the next step boundary"), "{text}");
+    assert_exactly_once(&report(dir.path()), 3, 6000);
+    assert_as_calm_of("1500", dir.path(), &text);
+}
+
+#[test]
+fn a_server_told_to_go_hands_its_shards_over_and_the_job_goes_on_on_the_others() {
+    let py = py();
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = ctr(py, dir.path(), "3", &[]).spawn().unwrap();
+    let coordinator = child.id();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    // SAFETY: signalling a child of the job under test.
+    unsafe { libc::kill(server_pid(coordinator, 2) as i32, libc::SIGTERM) };
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    assert!(text.contains("parameter server 2 was told to go"), "{text}");
+    assert!(text.contains("parameter servers 3 -> 2: "), "{text}");
+    assert!(!text.contains("parameter server 2 lost"), "it was not lost: {text}");
+    assert_exactly_once(&report(dir.path()), 3, 6000);
     assert_as_calm(dir.path(), &text);
 }

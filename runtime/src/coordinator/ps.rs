@@ -1,0 +1,191 @@
+//! The job's parameter servers as the coordinator tends them: watched
+//! once a second (a server lost, one told to go, one near its memory
+//! bound), and changed at a generation boundary, where every table is
+//! rolled back to the committed step and shards move to the servers that
+//! hold them from then on.
+
+use super::Coordinator;
+use crate::job::spec::PsTopology;
+use anyhow::Result;
+
+/// Server changes waiting for the next generation boundary.
+#[derive(Debug, Default)]
+pub(super) struct PsPending {
+    /// Started, to join.
+    pub added: Vec<(u64, String)>,
+    /// Told to go: their shards are copied from them, then they stop.
+    pub leaving: Vec<u64>,
+}
+
+impl PsPending {
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty() && self.leaving.is_empty()
+    }
+}
+
+/// A server's rows past this share of its memory bound: one more server.
+const GROW_AT: f64 = 0.8;
+
+impl Coordinator<'_> {
+    /// Once a second: the servers' stats; one told to go is moved away
+    /// from, and one near its memory bound gets a new server beside it
+    /// (within the job's most), both at the next boundary.
+    pub(super) fn watch_ps(&mut self) {
+        let safe = self.ps_safe();
+        let Some((control, processes)) = self.ps.as_mut() else { return };
+        let stats = match control.stats(safe) {
+            Ok(s) => s,
+            // A server gone: the next generation finds out and says so.
+            Err(_) => return,
+        };
+        let (bound, max) = processes.limits();
+        let mut said = Vec::new();
+        for s in &stats {
+            // The last one stays (until its notice runs out: then it is lost).
+            let others = stats.len() - self.ps_pending.leaving.len() > 1 || !self.ps_pending.added.is_empty();
+            if s.leaving && !self.ps_pending.leaving.contains(&s.server) && others {
+                self.ps_pending.leaving.push(s.server);
+                said.push(format!(
+                    "parameter server {} was told to go; its shards move at the next step boundary",
+                    s.server
+                ));
+            }
+        }
+        let refused: u64 = stats.iter().map(|s| s.refused).sum();
+        let newly_refused = refused > self.ps_refused;
+        self.ps_refused = refused;
+        let full = bound.and_then(|b| stats.iter().find(|s| s.bytes as f64 > GROW_AT * b as f64));
+        let planned = processes.len() as u32;
+        let why = match (full, newly_refused) {
+            (Some(s), _) => Some(format!(
+                "parameter server {} holds {:.1} MiB of rows, over {:.0}% of its bound",
+                s.server,
+                s.bytes as f64 / (1 << 20) as f64,
+                GROW_AT * 100.0
+            )),
+            (None, true) => Some("a parameter server refused new rows at its memory bound".to_string()),
+            (None, false) => None,
+        };
+        if let Some(why) = why
+            && self.ps_pending.added.is_empty()
+            && planned < max
+        {
+            match processes.more(1) {
+                Ok(added) => {
+                    said.push(format!(
+                        "{why}: server {} started, to join at the next step boundary",
+                        added[0].0
+                    ));
+                    self.ps_pending.added.extend(added);
+                }
+                Err(e) => said.push(format!("{why}; no server started: {e:#}")),
+            }
+        }
+        for s in said {
+            self.note(s);
+        }
+    }
+
+    /// Says what each server holds (at the job's end).
+    pub(super) fn say_ps(&mut self) {
+        let safe = self.ps_safe();
+        let Some((control, _)) = self.ps.as_mut() else { return };
+        let Ok(stats) = control.stats(safe) else { return };
+        for s in stats {
+            let rows: u64 = s.tables.iter().map(|t| t.rows).sum();
+            let bound = s.bound.map(|b| format!(" of {} MiB", b >> 20)).unwrap_or_default();
+            self.note(format!(
+                "parameter server {}: {} table(s), {rows} rows, {:.2} MiB{bound}",
+                s.server,
+                s.tables.len(),
+                s.bytes as f64 / (1 << 20) as f64
+            ));
+        }
+    }
+
+    /// A checkpoint of `step` was asked of worker `id`: until it is written
+    /// (or the worker gone), the servers keep what undoes the steps after it.
+    pub(super) fn pin_ps(&mut self, step: u64, id: u64) {
+        if self.ps.is_some() && self.ps_pin.is_none_or(|(s, _)| s > step) {
+            self.ps_pin = Some((step, id));
+        }
+    }
+
+    /// Checkpoint writes that ended release the pin they held.
+    pub(super) fn unpin_ps(&mut self, written: &[crate::control::proto::Written]) {
+        if let Some((step, _)) = self.ps_pin
+            && written.iter().any(|w| w.step >= step)
+        {
+            self.ps_pin = None;
+        }
+    }
+
+    /// The steps before this one are past undoing: committed, and no
+    /// checkpoint of an earlier one still to be taken.
+    fn ps_safe(&mut self) -> u64 {
+        if let Some((_, id)) = self.ps_pin
+            && !self.membership.members().iter().any(|m| m.id == id)
+        {
+            self.ps_pin = None;
+        }
+        self.ps_pin.map_or(self.tally.committed, |(step, _)| step.min(self.tally.committed))
+    }
+
+    /// Whether the servers change at the next boundary.
+    pub(super) fn ps_change_waiting(&self) -> bool {
+        !self.ps_pending.is_empty()
+    }
+
+    /// The parameter servers for a new generation: every table rolled back
+    /// to the committed step (pulls of the generation before released), the
+    /// servers lost dropped (their shards served by their replicas and
+    /// copied to new ones, or with one replica, the job back to its newest
+    /// checkpoint), those told to go moved away from and stopped, those
+    /// started joined. Returns the servers the generation is told.
+    pub(super) fn reform_ps(&mut self) -> Result<Option<PsTopology>> {
+        // A step that failed for want of room asks for a server now, before
+        // it is redone.
+        self.watch_ps();
+        let safe = self.ps_safe();
+        let Some((control, processes)) = self.ps.as_mut() else { return Ok(None) };
+        let gone = processes.exited();
+        let pending = std::mem::take(&mut self.ps_pending);
+        let mark =
+            crate::ps::Mark { generation: self.generation, base: self.tally.committed, committed: safe };
+        let lost: Vec<u64> = gone.iter().map(|(id, _)| *id).collect();
+        let leaving: Vec<u64> = pending.leaving.iter().copied().filter(|id| !lost.contains(id)).collect();
+        let before = control.topology().servers.len();
+        let moved = control.reform(mark, &lost, &leaving, &pending.added);
+        for (id, how) in &gone {
+            self.note(format!("parameter server {id} lost ({how})"));
+        }
+        let moved = match moved {
+            Err(e) if e.is::<crate::ps::control::ShardsLost>() => {
+                // Their rows are gone: as many servers again, the tables
+                // made again from the newest checkpoint with the rest.
+                let (control, processes) = self.ps.as_mut().expect("above");
+                let mut added = pending.added;
+                added.extend(processes.more(lost.len() as u32)?);
+                control.reset(&lost, &added)?;
+                let topology = control.topology().clone();
+                self.restore_newest(format!("{e}"))?;
+                return Ok(Some(topology));
+            }
+            other => anyhow::Context::context(other, "the parameter servers")?,
+        };
+        let (control, processes) = self.ps.as_mut().expect("above");
+        for id in &leaving {
+            processes.stop(*id);
+        }
+        control.set_room((processes.len() as u32) < processes.limits().1);
+        let topology = control.topology().clone();
+        let now = topology.servers.len();
+        if moved.rows > 0 || now != before {
+            self.note(format!(
+                "parameter servers {before} -> {now}: {} rows moved at step {}",
+                moved.rows, self.tally.committed
+            ));
+        }
+        Ok(Some(topology))
+    }
+}
