@@ -1224,8 +1224,36 @@ fn read_checkpoint<'py>(py: Python<'py>, path: &str) -> PyResult<Bound<'py, PyDi
         let shaped = np.getattr("reshape")?.call1((flat, t.shape.clone()))?;
         tensors.set_item(&t.name, shaped)?;
     }
+    // The sparse tables: per table its ids (uint64), values [n, dim] and
+    // optimiser state [n, slots * dim] (float32), update counts (uint32).
+    let tables = PyDict::new(py);
+    for t in &r.tables {
+        let (n, dim) = (t.ids.len(), t.spec.dim);
+        let width = t.spec.width();
+        let (mut values, mut state) = (Vec::with_capacity(n * dim), Vec::with_capacity(n * (width - dim)));
+        for row in t.rows.chunks_exact(width) {
+            values.extend_from_slice(&row[..dim]);
+            state.extend_from_slice(&row[dim..]);
+        }
+        let ids: Vec<u8> = t.ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+        let updates: Vec<u8> = t.updates.iter().flat_map(|u| u.to_le_bytes()).collect();
+        let one = PyDict::new(py);
+        one.set_item(
+            "ids",
+            np.call_method1("frombuffer", (PyBytes::new(py, &ids), "uint64"))?.call_method0("copy")?,
+        )?;
+        one.set_item("values", float_array(py, &values, (n, dim))?)?;
+        one.set_item("state", float_array(py, &state, (n, width - dim))?)?;
+        one.set_item(
+            "updates",
+            np.call_method1("frombuffer", (PyBytes::new(py, &updates), "uint32"))?.call_method0("copy")?,
+        )?;
+        one.set_item("spec", serde_json::to_string(&t.spec).map_err(err)?)?;
+        tables.set_item(&t.spec.name, one)?;
+    }
     let d = PyDict::new(py);
     d.set_item("tensors", tensors)?;
+    d.set_item("tables", tables)?;
     d.set_item("step", r.manifest.step)?;
     d.set_item("epoch", r.manifest.epoch)?;
     Ok(d)

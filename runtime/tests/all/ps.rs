@@ -178,6 +178,19 @@ fn a_killed_job_resumes_its_tables_from_the_checkpoint_on_three_servers_as_if_ne
     let names: Vec<&str> = saved.tables.iter().map(|t| t.spec.name.as_str()).collect();
     assert_eq!(names, ["deep", "wide"], "the checkpoint holds the tables");
     assert!(saved.tables.iter().all(|t| t.ids.len() > 100), "rows updated by then");
+    // The same tables from Python, to take elsewhere.
+    let read = r#"
+import sys, edl
+t = edl.read_checkpoint(sys.argv[1])["tables"]["deep"]
+assert t["values"].shape == (len(t["ids"]), 8) and t["state"].shape == (len(t["ids"]), 8), t
+assert (t["updates"] > 0).all() and '"adagrad"' in t["spec"], t["spec"]
+print("rows", len(t["ids"]))
+"#;
+    let out =
+        py.python().arg("-c").arg(read).arg(dir.path().join(".edl/launch/checkpoints")).output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    let deep = saved.tables.iter().find(|t| t.spec.name == "deep").unwrap();
+    assert_eq!(said.trim(), format!("rows {}", deep.ids.len()), "{}", String::from_utf8_lossy(&out.stderr));
 
     let mut child = ctr(py, dir.path(), "3", &[]).spawn().unwrap();
     let rx = lines(&mut child);
