@@ -13,8 +13,8 @@ in NumPy against the `edl` package:
 Each step pulls the rows of its ids (made on first touch on the server),
 computes the loss and its gradients, pushes the rows' gradients (summed
 over the ranks and applied on the servers by Adagrad) and all-reduces the
-dense ones. Every epoch's first step measures the test AUC, reported as the
-step's `auc` metric.
+dense ones. Every epoch's first step, and the job's last, measures the test
+AUC, reported as the step's `auc` metric.
 
 Data: synthetic (`criteo.synthetic`, CTR_ROWS rows + a fifth for the test,
 CTR_VOCAB values per field), or a real Criteo TSV file with CTR_DATA=path
@@ -124,7 +124,8 @@ def main():
 
     for step in job.steps():
         metrics = {}
-        if step.epoch != epoch:
+        # At each epoch's start, and before the job's last step.
+        if step.epoch != epoch or (step.ends_epoch and step.epoch + 1 == job.epochs):
             out = forward(step, params, t_dense, t_ids)
             if out is None:
                 continue  # abandoned: redone by the next generation
@@ -145,7 +146,7 @@ def main():
             p -= step.lr * v
         step.commit(loss=loss, **metrics)
 
-    measured = "never trained" if auc is None else f"test AUC at the last epoch's start {auc:.4f}"
+    measured = "never trained" if auc is None else f"test AUC before the last step {auc:.4f}"
     print(f"worker {job.worker_id}: {job.stopped}; {measured}", flush=True)
     return 0
 

@@ -8,8 +8,8 @@ job (`edl.torch.ElasticState`):
         --policy plugins/autoscale.wasm -- python examples/ctr/wide_deep_torch.py
 
 The same data as `wide_deep.py` (synthetic Criteo-shaped rows, or a real
-Criteo TSV file with CTR_DATA=path). Every epoch's first step measures the
-test AUC (the step's `auc` metric).
+Criteo TSV file with CTR_DATA=path). Every epoch's first step, and the job's
+last, measures the test AUC (the step's `auc` metric).
 """
 
 import os
@@ -52,8 +52,11 @@ def main():
         return 0
     torch.manual_seed(job.seed)
     torch.set_num_threads(1)
-    wide = edl.torch.SparseEmbedding(job, "wide", 1, optimizer="adagrad", lr=0.05, init="zeros")
-    deep = edl.torch.SparseEmbedding(job, "deep", EMBED, optimizer="adagrad", lr=0.05, seed=job.seed)
+    # The tables' optimiser (CTR_SPARSE_OPT, CTR_SPARSE_LR): Adagrad by default.
+    sparse = os.environ.get("CTR_SPARSE_OPT", "adagrad")
+    lr = float(os.environ.get("CTR_SPARSE_LR", "0.05"))
+    wide = edl.torch.SparseEmbedding(job, "wide", 1, optimizer=sparse, lr=lr, init="zeros")
+    deep = edl.torch.SparseEmbedding(job, "deep", EMBED, optimizer=sparse, lr=lr, seed=job.seed)
     model = WideDeep()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     state = edl.torch.ElasticState(job, model, opt)
@@ -66,7 +69,8 @@ def main():
         metrics = {}
         idx = torch.from_numpy(step.indices)
         try:
-            if step.epoch != epoch:
+            # At each epoch's start, and before the job's last step.
+            if step.epoch != epoch or (step.ends_epoch and step.epoch + 1 == job.epochs):
                 with torch.no_grad():
                     logit = model(wide(t_ids, step), deep(t_ids, step), t_dense)
                 epoch = step.epoch
@@ -86,7 +90,7 @@ def main():
         opt.step()
         step.commit(loss=mean.item(), **metrics)
 
-    measured = "never trained" if auc is None else f"test AUC at the last epoch's start {auc:.4f}"
+    measured = "never trained" if auc is None else f"test AUC before the last step {auc:.4f}"
     print(f"worker {job.worker_id}: {job.stopped}; {measured}", flush=True)
     return 0
 

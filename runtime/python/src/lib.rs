@@ -610,6 +610,7 @@ struct StepInfo {
     indices: Vec<u32>,
     global_rows: usize,
     base: u64,
+    ends_epoch: bool,
 }
 
 impl StepInfo {
@@ -626,6 +627,7 @@ impl StepInfo {
             indices: s.indices.clone(),
             global_rows: s.global_rows,
             base: s.base,
+            ends_epoch: s.ends_epoch,
         }
     }
 }
@@ -712,6 +714,12 @@ impl StepView {
     #[getter]
     fn step(&self) -> u64 {
         self.info.step
+    }
+    /// Whether this is the last step of its epoch (for an evaluation at
+    /// the epoch's end).
+    #[getter]
+    fn ends_epoch(&self) -> bool {
+        self.info.ends_epoch
     }
     #[getter]
     fn epoch(&self) -> u64 {

@@ -170,6 +170,8 @@ pub struct Step {
     /// Steps committed when this step's generation formed: the state it
     /// started from (a parameter server rolls its tables back to it).
     pub base: u64,
+    /// The last step of its epoch.
+    pub ends_epoch: bool,
     start: u32,
     end: u32,
     opens: bool,
@@ -1034,6 +1036,7 @@ impl Session {
                 indices: share.indices,
                 global_rows: (plan.cursor + gb).min(len).saturating_sub(plan.cursor),
                 base: p.base,
+                ends_epoch: plan.cursor + gb >= len,
                 start: share.start,
                 end: share.end,
                 opens: i == 0,

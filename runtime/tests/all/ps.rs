@@ -78,7 +78,7 @@ fn final_state(dir: &Path) -> Vec<(String, Vec<f32>)> {
 /// The test AUCs the workers printed as they ended.
 fn aucs(text: &str) -> Vec<f64> {
     text.lines()
-        .filter_map(|l| l.split("test AUC at the last epoch's start ").nth(1))
+        .filter_map(|l| l.split("test AUC before the last step ").nth(1))
         .map(|v| v.trim().parse().unwrap_or_else(|e| panic!("{v:?}: {e}")))
         .collect()
 }
