@@ -98,7 +98,23 @@ struct Served {
     staged: BTreeMap<u64, Staged>,
     /// Per applied step not known to be committed: the rows it changed, as
     /// they were before (values and optimiser state, update count).
-    undo: BTreeMap<u64, Vec<(u64, (Vec<f32>, u32))>>,
+    undo: BTreeMap<u64, Undo>,
+}
+
+/// The rows an applied step changed, as they were before it: per row its
+/// id, update count and `width` floats (values, then optimiser state).
+#[derive(Debug, Default)]
+struct Undo {
+    ids: Vec<u64>,
+    updates: Vec<u32>,
+    rows: Vec<f32>,
+}
+
+impl Undo {
+    /// Each row, newest first (the order that undoes them).
+    fn rows_back(&self, w: usize) -> impl Iterator<Item = (u64, &[f32], u32)> {
+        (0..self.ids.len()).rev().map(move |k| (self.ids[k], &self.rows[k * w..(k + 1) * w], self.updates[k]))
+    }
 }
 
 /// The pushes of one step so far.
@@ -347,8 +363,10 @@ impl Server {
             }
         }
         for s in (step..t.applied).rev() {
-            for (id, before) in t.undo[&s].iter().rev().filter(|(id, _)| keep(t.spec.shard_of(*id))) {
-                rows.insert(*id, before.clone());
+            for (id, row, updates) in t.undo[&s].rows_back(t.spec.width()) {
+                if keep(t.spec.shard_of(id)) {
+                    rows.insert(id, (row.to_vec(), updates));
+                }
             }
         }
         let mut saved =
@@ -533,8 +551,9 @@ fn enter(t: &mut Served, server: u64, worker: u64, mark: Mark) -> Result<(), PsE
         }
         while t.applied > mark.base {
             t.applied -= 1;
-            for (id, before) in t.undo.remove(&t.applied).expect("checked").into_iter().rev() {
-                t.shards.entry(t.spec.shard_of(id)).or_default().restore(&t.spec, id, before);
+            let undo = t.undo.remove(&t.applied).expect("checked");
+            for (id, row, updates) in undo.rows_back(t.spec.width()) {
+                t.shards.entry(t.spec.shard_of(id)).or_default().put(&t.spec, id, row, updates);
             }
         }
         t.generation = mark.generation;
@@ -553,21 +572,37 @@ fn apply_ready(t: &mut Served) {
         }
         let s = t.staged.remove(&t.applied).expect("just seen");
         let dim = t.spec.dim;
-        let mut sum: BTreeMap<u64, Vec<f32>> = BTreeMap::new();
-        for (ids, grads) in s.pushes.values() {
-            for (id, g) in ids.iter().zip(grads.chunks_exact(dim)) {
-                let acc = sum.entry(*id).or_insert_with(|| vec![0.0; dim]);
-                acc.iter_mut().zip(g).for_each(|(a, b)| *a += b);
+        // The ranks' gradients summed per row, in rank order.
+        let mut at: rustc_hash::FxHashMap<u64, usize> = Default::default();
+        let (mut ids, mut sum) = (Vec::new(), Vec::new());
+        for (rows, grads) in s.pushes.values() {
+            for (id, g) in rows.iter().zip(grads.chunks_exact(dim)) {
+                let i = *at.entry(*id).or_insert_with(|| {
+                    ids.push(*id);
+                    sum.extend(std::iter::repeat_n(0.0f32, dim));
+                    ids.len() - 1
+                });
+                sum[i * dim..(i + 1) * dim].iter_mut().zip(g).for_each(|(a, b)| *a += b);
             }
         }
-        let mut undo = Vec::with_capacity(sum.len());
-        for (id, g) in sum {
+        // Each row updated once, by id: the same order on every server.
+        let mut order: Vec<usize> = (0..ids.len()).collect();
+        order.sort_unstable_by_key(|&i| ids[i]);
+        let w = t.spec.width();
+        let mut undo = Undo {
+            ids: Vec::with_capacity(ids.len()),
+            updates: Vec::with_capacity(ids.len()),
+            rows: Vec::with_capacity(ids.len() * w),
+        };
+        for i in order {
+            let id = ids[i];
             let rows = t.shards.entry(t.spec.shard_of(id)).or_default();
             if !rows.contains(id) {
                 t.rows += 1;
             }
-            undo.push((id, rows.snapshot(&t.spec, id)));
-            rows.update(&t.spec, id, &g);
+            undo.updates.push(rows.snapshot_into(&t.spec, id, &mut undo.rows));
+            undo.ids.push(id);
+            rows.update(&t.spec, id, &sum[i * dim..(i + 1) * dim]);
         }
         t.undo.insert(t.applied, undo);
         t.applied += 1;

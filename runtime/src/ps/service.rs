@@ -431,7 +431,7 @@ impl Client {
     pub fn pull(&mut self, table: &str, mark: Mark, need: u64, ids: &[u64]) -> Result<Vec<f32>> {
         let spec = self.spec(table)?.clone();
         let mut unique: Vec<Vec<u64>> = vec![Vec::new(); self.servers.len()];
-        let mut place: HashMap<u64, (usize, usize)> = HashMap::with_capacity(ids.len());
+        let mut place: rustc_hash::FxHashMap<u64, (usize, usize)> = Default::default();
         for &id in ids {
             place.entry(id).or_insert_with(|| {
                 let s = self.owners[spec.shard_of(id) as usize];
@@ -478,7 +478,7 @@ impl Client {
         }
         // A row's repeats summed, in the order rows first appear.
         let (mut unique, mut summed) = (Vec::new(), Vec::new());
-        let mut at: HashMap<u64, usize> = HashMap::with_capacity(ids.len());
+        let mut at: rustc_hash::FxHashMap<u64, usize> = Default::default();
         for (&id, g) in ids.iter().zip(grads.chunks_exact(d)) {
             let i = *at.entry(id).or_insert_with(|| {
                 unique.push(id);

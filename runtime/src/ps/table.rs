@@ -4,7 +4,7 @@
 //! without changing the model), each with its optimiser's state beside it.
 
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 /// How many shards every table is split into. Fixed for the life of a
 /// job (and its checkpoints): servers own shards, not ids, so adding a
@@ -242,7 +242,7 @@ pub struct SavedTable {
 /// The rows of one shard of a table.
 #[derive(Default, Debug)]
 pub struct Rows {
-    index: HashMap<u64, u32>,
+    index: rustc_hash::FxHashMap<u64, u32>,
     /// Per row: its values, then its optimiser's state.
     data: Vec<f32>,
     /// Per row: how many updates it had.
@@ -294,25 +294,21 @@ impl Rows {
         spec.optimizer.apply(values, state, self.updates[at], grad);
     }
 
-    /// Row `id` whole (values, then optimiser state) and its update count,
-    /// made if new: what an update is about to change.
-    pub fn snapshot(&mut self, spec: &TableSpec, id: u64) -> (Vec<f32>, u32) {
+    /// Appends row `id` whole (values, then optimiser state) to `out` and
+    /// returns its update count, made if new: what an update is about to change.
+    pub fn snapshot_into(&mut self, spec: &TableSpec, id: u64, out: &mut Vec<f32>) -> u32 {
         let at = self.slot(spec, id);
         let w = spec.width();
-        (self.data[at * w..(at + 1) * w].to_vec(), self.updates[at])
-    }
-
-    /// Puts back what [`Rows::snapshot`] took.
-    pub fn restore(&mut self, spec: &TableSpec, id: u64, (row, updates): (Vec<f32>, u32)) {
-        let at = self.slot(spec, id);
-        let w = spec.width();
-        self.data[at * w..(at + 1) * w].copy_from_slice(&row);
-        self.updates[at] = updates;
+        out.extend_from_slice(&self.data[at * w..(at + 1) * w]);
+        self.updates[at]
     }
 
     /// Puts row `id` (values then optimiser state) with its update count.
     pub fn put(&mut self, spec: &TableSpec, id: u64, row: &[f32], updates: u32) {
-        self.restore(spec, id, (row.to_vec(), updates));
+        let at = self.slot(spec, id);
+        let w = spec.width();
+        self.data[at * w..(at + 1) * w].copy_from_slice(row);
+        self.updates[at] = updates;
     }
 
     /// Every row: its id, values, optimiser state and update count, by id.
