@@ -34,8 +34,17 @@ use std::{
     time::Duration,
 };
 
-/// Starts the job's parameter servers, if it asks for any.
-fn start_ps(job: Job, args: &JobArgs, dirs: &JobDirs, exe: &Path) -> Result<Job> {
+/// Starts the teachers and the parameter servers the job serves itself.
+fn start_servers(
+    mut job: Job,
+    teachers: Option<edl_runtime::job::TeacherStart>,
+    args: &JobArgs,
+    dirs: &JobDirs,
+    exe: &Path,
+) -> Result<Job> {
+    if let Some(start) = teachers {
+        job = job.start_teachers(dirs, start, &mut |i, addr| println!("teacher   {i} serving on {addr}"))?;
+    }
     let p = &args.ps;
     if p.ps_servers == 0 {
         return Ok(job);
@@ -125,10 +134,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
         println!("done      {done}");
         return Ok(ExitCode::SUCCESS);
     }
-    if let Some(start) = teachers.start {
-        job = job.start_teachers(&dirs, start, &mut |i, addr| println!("teacher   {i} serving on {addr}"))?;
-    }
-    job = start_ps(job, &args, &dirs, &exe)?;
+    job = start_servers(job, teachers.start, &args, &dirs, &exe)?;
     let mut display = ProgressDisplay::new(work.rows() as u64, args.training.epochs)?;
     let teacher_accuracy = job.teachers().accuracy().or(teachers.accuracy);
     // SIGTERM or SIGINT stops the job with notice: a checkpoint, its

@@ -101,16 +101,8 @@ struct Coordinator<'a> {
     conns: HashMap<u64, crate::control::proto::Link>,
     /// Who is in the job (the decisions; this struct does the I/O).
     membership: Membership,
-    /// The job's parameter servers: where its tables are, and the
-    /// processes it started for them.
-    ps: Option<(crate::ps::control::PsControl, crate::job::ps_servers::PsServers)>,
-    /// Server changes for the next boundary.
-    ps_pending: ps::PsPending,
-    /// A checkpoint asked of a worker and not written yet: its step and
-    /// the worker, which takes the tables as of that step.
-    ps_pin: Option<(u64, u64)>,
-    /// New rows the servers refused at their bound, as last seen.
-    ps_refused: u64,
+    /// The job's parameter servers, and what it follows of them.
+    ps: PsState,
     generation: u64,
     first_generation: u64,
     /// Steps committed, the epoch and cursor, the ledger, throughput.
@@ -277,7 +269,7 @@ pub fn run(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobOutcome> {
         (crate::ps::control::PsControl::new(auth, t), ps)
     });
     let mut c = Coordinator::new(cfg, io, plugins, told, progress)?;
-    c.ps = ps_control;
+    c.ps.servers = ps_control;
     let result = c.job();
     if let Some(e @ crate::coordinator::machine::phase::JobEnds::SameCrash { .. }) =
         result.as_ref().err().and_then(|e| e.downcast_ref())
@@ -297,8 +289,32 @@ pub fn run(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobOutcome> {
     c.close(&reason);
     drop(lock);
     drop(teachers);
-    drop(c.ps.take());
+    drop(c.ps.servers.take());
     result
+}
+
+/// Who may be in the job, as the configuration and the scaler say.
+fn membership_of(cfg: &JobConfig, scaler: &dyn crate::scalers::Scaler) -> Membership {
+    let mut membership = Membership::new(cfg.min_workers, cfg.max_workers, cfg.join_timeout, 1);
+    membership.admit_uninvited(scaler.admits_uninvited());
+    membership
+}
+
+/// The job's parameter servers, and what the coordinator follows of them
+/// between boundaries.
+#[derive(Default)]
+struct PsState {
+    /// Where its tables are, and the processes it started for them.
+    servers: Option<(crate::ps::control::PsControl, crate::job::ps_servers::PsServers)>,
+    /// Servers started, to join at the next boundary.
+    added: Vec<(u64, String)>,
+    /// Servers told to go: their shards are copied from them, then they stop.
+    leaving: Vec<u64>,
+    /// A checkpoint asked of a worker and not written yet: its step and
+    /// the worker, which takes the tables as of that step.
+    pin: Option<(u64, u64)>,
+    /// New rows the servers refused at their bound, as last seen.
+    refused: u64,
 }
 
 /// The plugins and processes a coordinator drives.
@@ -360,8 +376,7 @@ impl<'a> Coordinator<'a> {
         told: Told,
         progress: &'a mut dyn FnMut(Progress),
     ) -> Result<Self> {
-        let mut membership = Membership::new(cfg.min_workers, cfg.max_workers, cfg.join_timeout, 1);
-        membership.admit_uninvited(plugins.scaler.admits_uninvited());
+        let membership = membership_of(&cfg, &*plugins.scaler);
         let now = Instant::now();
         Ok(Coordinator {
             told,
@@ -386,10 +401,7 @@ impl<'a> Coordinator<'a> {
             ckpt: Checkpoints::open(&cfg.spec.checkpoint_dir, cfg.spec.keep_checkpoints)?,
             conns: HashMap::new(),
             membership,
-            ps: None,
-            ps_pending: Default::default(),
-            ps_pin: None,
-            ps_refused: 0,
+            ps: Default::default(),
             generation: 0,
             first_generation: 0,
             tally: Tally::new(cfg.spec.samples, cfg.spec.seed, now),

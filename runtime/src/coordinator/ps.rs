@@ -8,21 +8,6 @@ use super::Coordinator;
 use crate::job::spec::PsTopology;
 use anyhow::Result;
 
-/// Server changes waiting for the next generation boundary.
-#[derive(Debug, Default)]
-pub(super) struct PsPending {
-    /// Started, to join.
-    pub added: Vec<(u64, String)>,
-    /// Told to go: their shards are copied from them, then they stop.
-    pub leaving: Vec<u64>,
-}
-
-impl PsPending {
-    pub fn is_empty(&self) -> bool {
-        self.added.is_empty() && self.leaving.is_empty()
-    }
-}
-
 /// A server's rows past this share of its memory bound: one more server.
 const GROW_AT: f64 = 0.8;
 
@@ -32,7 +17,7 @@ impl Coordinator<'_> {
     /// (within the job's most), both at the next boundary.
     pub(super) fn watch_ps(&mut self) {
         let safe = self.ps_safe();
-        let Some((control, processes)) = self.ps.as_mut() else { return };
+        let Some((control, processes)) = self.ps.servers.as_mut() else { return };
         let stats = match control.stats(safe) {
             Ok(s) => s,
             // A server gone: the next generation finds out and says so.
@@ -42,9 +27,9 @@ impl Coordinator<'_> {
         let mut said = Vec::new();
         for s in &stats {
             // The last one stays (until its notice runs out: then it is lost).
-            let others = stats.len() - self.ps_pending.leaving.len() > 1 || !self.ps_pending.added.is_empty();
-            if s.leaving && !self.ps_pending.leaving.contains(&s.server) && others {
-                self.ps_pending.leaving.push(s.server);
+            let others = stats.len() - self.ps.leaving.len() > 1 || !self.ps.added.is_empty();
+            if s.leaving && !self.ps.leaving.contains(&s.server) && others {
+                self.ps.leaving.push(s.server);
                 said.push(format!(
                     "parameter server {} was told to go; its shards move at the next step boundary",
                     s.server
@@ -52,8 +37,8 @@ impl Coordinator<'_> {
             }
         }
         let refused: u64 = stats.iter().map(|s| s.refused).sum();
-        let newly_refused = refused > self.ps_refused;
-        self.ps_refused = refused;
+        let newly_refused = refused > self.ps.refused;
+        self.ps.refused = refused;
         let full = bound.and_then(|b| stats.iter().find(|s| s.bytes as f64 > GROW_AT * b as f64));
         let planned = processes.len() as u32;
         let why = match (full, newly_refused) {
@@ -67,7 +52,7 @@ impl Coordinator<'_> {
             (None, false) => None,
         };
         if let Some(why) = why
-            && self.ps_pending.added.is_empty()
+            && self.ps.added.is_empty()
             && planned < max
         {
             match processes.more(1) {
@@ -76,7 +61,7 @@ impl Coordinator<'_> {
                         "{why}: server {} started, to join at the next step boundary",
                         added[0].0
                     ));
-                    self.ps_pending.added.extend(added);
+                    self.ps.added.extend(added);
                 }
                 Err(e) => said.push(format!("{why}; no server started: {e:#}")),
             }
@@ -89,7 +74,7 @@ impl Coordinator<'_> {
     /// Says what each server holds (at the job's end).
     pub(super) fn say_ps(&mut self) {
         let safe = self.ps_safe();
-        let Some((control, _)) = self.ps.as_mut() else { return };
+        let Some((control, _)) = self.ps.servers.as_mut() else { return };
         let Ok(stats) = control.stats(safe) else { return };
         for s in stats {
             let rows: u64 = s.tables.iter().map(|t| t.rows).sum();
@@ -106,34 +91,34 @@ impl Coordinator<'_> {
     /// A checkpoint of `step` was asked of worker `id`: until it is written
     /// (or the worker gone), the servers keep what undoes the steps after it.
     pub(super) fn pin_ps(&mut self, step: u64, id: u64) {
-        if self.ps.is_some() && self.ps_pin.is_none_or(|(s, _)| s > step) {
-            self.ps_pin = Some((step, id));
+        if self.ps.servers.is_some() && self.ps.pin.is_none_or(|(s, _)| s > step) {
+            self.ps.pin = Some((step, id));
         }
     }
 
     /// Checkpoint writes that ended release the pin they held.
     pub(super) fn unpin_ps(&mut self, written: &[crate::control::proto::Written]) {
-        if let Some((step, _)) = self.ps_pin
+        if let Some((step, _)) = self.ps.pin
             && written.iter().any(|w| w.step >= step)
         {
-            self.ps_pin = None;
+            self.ps.pin = None;
         }
     }
 
     /// The steps before this one are past undoing: committed, and no
     /// checkpoint of an earlier one still to be taken.
     fn ps_safe(&mut self) -> u64 {
-        if let Some((_, id)) = self.ps_pin
+        if let Some((_, id)) = self.ps.pin
             && !self.membership.members().iter().any(|m| m.id == id)
         {
-            self.ps_pin = None;
+            self.ps.pin = None;
         }
-        self.ps_pin.map_or(self.tally.committed, |(step, _)| step.min(self.tally.committed))
+        self.ps.pin.map_or(self.tally.committed, |(step, _)| step.min(self.tally.committed))
     }
 
     /// Whether the servers change at the next boundary.
     pub(super) fn ps_change_waiting(&self) -> bool {
-        !self.ps_pending.is_empty()
+        !self.ps.added.is_empty() || !self.ps.leaving.is_empty()
     }
 
     /// The parameter servers for a new generation: every table rolled back
@@ -147,15 +132,15 @@ impl Coordinator<'_> {
         // it is redone.
         self.watch_ps();
         let safe = self.ps_safe();
-        let Some((control, processes)) = self.ps.as_mut() else { return Ok(None) };
+        let Some((control, processes)) = self.ps.servers.as_mut() else { return Ok(None) };
         let gone = processes.exited();
-        let pending = std::mem::take(&mut self.ps_pending);
+        let (added, leaving) = (std::mem::take(&mut self.ps.added), std::mem::take(&mut self.ps.leaving));
         let mark =
             crate::ps::Mark { generation: self.generation, base: self.tally.committed, committed: safe };
         let lost: Vec<u64> = gone.iter().map(|(id, _)| *id).collect();
-        let leaving: Vec<u64> = pending.leaving.iter().copied().filter(|id| !lost.contains(id)).collect();
+        let leaving: Vec<u64> = leaving.into_iter().filter(|id| !lost.contains(id)).collect();
         let before = control.topology().servers.len();
-        let moved = control.reform(mark, &lost, &leaving, &pending.added);
+        let moved = control.reform(mark, &lost, &leaving, &added);
         for (id, how) in &gone {
             self.note(format!("parameter server {id} lost ({how})"));
         }
@@ -163,8 +148,8 @@ impl Coordinator<'_> {
             Err(e) if e.is::<crate::ps::control::ShardsLost>() => {
                 // Their rows are gone: as many servers again, the tables
                 // made again from the newest checkpoint with the rest.
-                let (control, processes) = self.ps.as_mut().expect("above");
-                let mut added = pending.added;
+                let (control, processes) = self.ps.servers.as_mut().expect("above");
+                let mut added = added;
                 added.extend(processes.more(lost.len() as u32)?);
                 control.reset(&lost, &added)?;
                 let topology = control.topology().clone();
@@ -173,7 +158,7 @@ impl Coordinator<'_> {
             }
             other => anyhow::Context::context(other, "the parameter servers")?,
         };
-        let (control, processes) = self.ps.as_mut().expect("above");
+        let (control, processes) = self.ps.servers.as_mut().expect("above");
         for id in &leaving {
             processes.stop(*id);
         }

@@ -129,81 +129,73 @@ fn serve(mut conn: TcpStream, job: &JobAuth, shared: &Shared) {
     }
 }
 
+type Answer = (Response, Vec<u8>);
+
+fn refused(error: String) -> Answer {
+    (Response::Refused { error, over: false, full: false }, Vec::new())
+}
+
+fn done() -> Answer {
+    (Response::ok(), Vec::new())
+}
+
+/// A refusal of the server's, marked for the client: a generation over, or
+/// a server full (counted for the job's stats).
+fn ps_refused(shared: &Shared, e: super::PsError) -> Answer {
+    let over = matches!(e, super::PsError::Stale { .. });
+    let full = matches!(e, super::PsError::AtBound { .. });
+    if let super::PsError::AtBound { new, .. } = e {
+        shared.refused.fetch_add(new as u64, std::sync::atomic::Ordering::SeqCst);
+    }
+    (Response::Refused { error: e.to_string(), over, full }, Vec::new())
+}
+
+fn or_refused(r: Result<(), super::PsError>) -> Answer {
+    r.map_or_else(|e| refused(e.to_string()), |()| done())
+}
+
 /// A request's response and body.
-fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response, Vec<u8>) {
-    let refused = |error: String| (Response::Refused { error, over: false, full: false }, Vec::new());
-    let ps_refused = |e: super::PsError| {
-        let over = matches!(e, super::PsError::Stale { .. });
-        let full = matches!(e, super::PsError::AtBound { .. });
-        if let super::PsError::AtBound { new, .. } = e {
-            shared.refused.fetch_add(new as u64, std::sync::atomic::Ordering::SeqCst);
-        }
-        (Response::Refused { error: e.to_string(), over, full }, Vec::new())
-    };
+fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> Answer {
     let mut server = shared.server.lock().expect("ps state");
     match req {
-        Request::Declare { table, mark, restore } => {
-            let made = match restore {
-                Some(r) if !server.has(&table.name) => {
-                    drop(server);
-                    // Read without the lock: the other tables go on being served.
-                    let saved = match restored(&r, &table.name) {
-                        Ok(s) => s,
-                        Err(e) => return refused(e),
-                    };
-                    let owner = |shard| placement::owner(&r.servers, shard);
-                    let mut server = shared.server.lock().expect("ps state");
-                    let me = server.id();
-                    server.restore(worker, table, mark, &saved, |shard| owner(shard) == me)
-                }
-                _ => server.declare(worker, table, mark),
-            };
-            match made {
-                Ok(()) => (Response::ok(), Vec::new()),
-                Err(e) => refused(e.to_string()),
-            }
+        Request::Declare { table, mark, restore: Some(r) } if !server.has(&table.name) => {
+            drop(server);
+            declare_restored(shared, worker, table, mark, &r)
         }
+        Request::Declare { table, mark, .. } => or_refused(server.declare(worker, table, mark)),
         Request::Export { table, step, shards } => {
             let keep = |s: u32| shards.as_ref().is_none_or(|v| v.binary_search(&s).is_ok());
             match server.export_shards(&table, worker, step, keep) {
                 Ok(t) => {
-                    let n = t.ids.len();
-                    let body = saved_body(&t);
+                    let (n, body) = (t.ids.len(), saved_body(&t));
                     (Response::Ok { pushed: None, stats: None, exported: Some((t.spec, n)) }, body)
                 }
                 Err(e) => refused(e.to_string()),
             }
         }
-        Request::Import { table, mark, rows } => {
-            let Some(saved) = saved_of(table, rows, body) else {
-                return refused(format!("worker {worker}: an import whose body is not its rows"));
-            };
-            match server.import(&saved, mark) {
-                Ok(()) => (Response::ok(), Vec::new()),
-                Err(e) => refused(e.to_string()),
-            }
-        }
-        Request::Enter { mark } => match server.enter_all(mark) {
-            Ok(()) => {
-                // Pulls of the generation before give up now.
-                shared.pushed.notify_all();
-                (Response::ok(), Vec::new())
-            }
-            Err(e) => refused(e.to_string()),
+        Request::Import { table, mark, rows } => match saved_of(table, rows, body) {
+            Some(saved) => or_refused(server.import(&saved, mark)),
+            None => refused(format!("worker {worker}: an import whose body is not its rows")),
         },
+        Request::Enter { mark } => {
+            let entered = server.enter_all(mark);
+            // Pulls of the generation before give up now.
+            shared.pushed.notify_all();
+            or_refused(entered)
+        }
         Request::Drop { shards } => {
             server.drop_shards(|s| shards.binary_search(&s).is_ok());
-            (Response::ok(), Vec::new())
+            done()
         }
         Request::Trim { step } => {
             server.trim(step);
-            (Response::ok(), Vec::new())
+            done()
         }
         Request::Reset => {
             server.reset();
             // Pulls waiting for a table that is gone give up now.
             shared.pushed.notify_all();
-            (Response::ok(), Vec::new())
+            done()
         }
         Request::Stats => {
             let mut stats = server.stats();
@@ -221,34 +213,54 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> (Response,
             shared.pushed.notify_all();
             match pushed {
                 Ok(p) => (Response::Ok { pushed: Some(p), stats: None, exported: None }, Vec::new()),
-                Err(e) => ps_refused(e),
+                Err(e) => ps_refused(shared, e),
             }
         }
-        Request::Pull { table, mark, need } => {
-            let Some((ids, _)) = wire::decode(body, body.len() / 8).filter(|(_, r)| r.is_empty()) else {
-                return refused(format!(
-                    "table {table:?}: worker {worker} sent a pull whose body is not ids"
-                ));
-            };
-            let deadline = Instant::now() + shared.pull_timeout;
-            loop {
-                match server.pull(&table, worker, mark, need, &ids) {
-                    Ok(Some(rows)) => return (Response::ok(), wire::encode(&[], &rows)),
-                    Err(e) => return ps_refused(e),
-                    Ok(None) => {}
-                }
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    let (applied, next) = server.waiting(&table).unwrap_or_default();
-                    return refused(format!(
-                        "table {table:?}: worker {worker} waited {:?} for step {} (steps before it applied: {applied}; {next})",
-                        shared.pull_timeout,
-                        need.saturating_sub(1)
-                    ));
-                }
-                server = shared.pushed.wait_timeout(server, left).expect("ps state").0;
-            }
+        Request::Pull { table, mark, need } => pull(shared, server, worker, (&table, mark, need), body),
+    }
+}
+
+/// Makes a table from its rows in a checkpoint: read without the lock, so
+/// the other tables go on being served.
+fn declare_restored(shared: &Shared, worker: u64, table: TableSpec, mark: Mark, r: &wire::Restore) -> Answer {
+    let saved = match restored(r, &table.name) {
+        Ok(s) => s,
+        Err(e) => return refused(e),
+    };
+    let mut server = shared.server.lock().expect("ps state");
+    let me = server.id();
+    or_refused(server.restore(worker, table, mark, &saved, |shard| placement::owner(&r.servers, shard) == me))
+}
+
+/// A pull: the rows, once the steps before `need` are applied (waiting on
+/// the pushes, up to the pull timeout).
+fn pull(
+    shared: &Shared,
+    mut server: std::sync::MutexGuard<'_, Server>,
+    worker: u64,
+    (table, mark, need): (&str, Mark, u64),
+    body: &[u8],
+) -> Answer {
+    let Some((ids, _)) = wire::decode(body, body.len() / 8).filter(|(_, r)| r.is_empty()) else {
+        return refused(format!("table {table:?}: worker {worker} sent a pull whose body is not ids"));
+    };
+    let deadline = Instant::now() + shared.pull_timeout;
+    loop {
+        match server.pull(table, worker, mark, need, &ids) {
+            Ok(Some(rows)) => return (Response::ok(), wire::encode(&[], &rows)),
+            Err(e) => return ps_refused(shared, e),
+            Ok(None) => {}
         }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            let (applied, next) = server.waiting(table).unwrap_or_default();
+            return refused(format!(
+                "table {table:?}: worker {worker} waited {:?} for step {} (steps before it applied: {applied}; {next})",
+                shared.pull_timeout,
+                need.saturating_sub(1)
+            ));
+        }
+        server = shared.pushed.wait_timeout(server, left).expect("ps state").0;
     }
 }
 
