@@ -637,6 +637,8 @@ impl StepInfo {
 /// connections dropped; any other error is raised.
 fn abandon_for(py: Python<'_>, inner: &mut Inner, e: anyhow::Error) -> PyResult<()> {
     if !edl_runtime::ps::service::redo(&e, inner.tables.room()) {
+        // Connections made again at the next request, whatever was left on them.
+        inner.tables.disconnect();
         return Err(anyhow_err(e));
     }
     tracing::warn!("worker {}: {e:#}; the step is redone", inner.session.id());
@@ -652,12 +654,23 @@ fn abandon_for(py: Python<'_>, inner: &mut Inner, e: anyhow::Error) -> PyResult<
 /// Sparse-table ids from Python: integers >= 0, as u64.
 fn ids_of(py: Python<'_>, table: &str, ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     let np = py.import("numpy")?;
-    let a = np
-        .call_method1("ascontiguousarray", (ids, "int64"))
-        .map_err(|e| PyValueError::new_err(format!("table {table:?}: ids must be integers ({e})")))?;
-    let buf = PyBuffer::<i64>::get(&a)?;
-    let v = buf.to_vec(py)?;
-    if let Some(bad) = v.iter().find(|&&i| i < 0) {
+    let a = np.call_method1("asarray", (ids,))?;
+    let kind: String = a.getattr("dtype")?.getattr("kind")?.extract()?;
+    let unsigned = match kind.as_str() {
+        "u" => true,
+        "i" => false,
+        // An empty list is floats to NumPy: no ids.
+        "f" if a.getattr("size")?.extract::<usize>()? == 0 => false,
+        _ => {
+            let dtype = a.getattr("dtype")?.str()?.to_string();
+            return Err(PyValueError::new_err(format!("table {table:?}: ids must be integers, not {dtype}")));
+        }
+    };
+    // uint64 ids travel as their bits (ids of 2^63 and more, from hashing).
+    let a = np.call_method1("ascontiguousarray", (a, if unsigned { "uint64" } else { "int64" }))?;
+    let a = if unsigned { a.call_method1("view", ("int64",))? } else { a };
+    let v = PyBuffer::<i64>::get(&a)?.to_vec(py)?;
+    if !unsigned && let Some(bad) = v.iter().find(|&&i| i < 0) {
         return Err(PyValueError::new_err(format!("table {table:?}: id {bad} is negative")));
     }
     Ok(v.into_iter().map(|i| i as u64).collect())

@@ -28,7 +28,11 @@ fn connect(t: &PsTopology, auth: &JobAuth, worker: u64) -> Result<Client> {
         .iter()
         .map(|(id, a)| Ok((*id, edl_runtime::net::resolve(a)?)))
         .collect::<Result<Vec<_>>>()?;
-    Client::connect(&servers, t.replicas, auth, worker)
+    let mut client = Client::connect(&servers, t.replicas, auth, worker)?;
+    // Longer than a server waits for the pushes a pull needs (300 s): a
+    // server wedged, not gone, fails the step instead of holding it.
+    client.set_timeout(std::time::Duration::from_secs(330))?;
+    Ok(client)
 }
 
 /// The tables of one worker.

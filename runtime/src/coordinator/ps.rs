@@ -71,6 +71,12 @@ impl Coordinator<'_> {
         }
     }
 
+    fn note_lost(&mut self, gone: &[(u64, String)]) {
+        for (id, how) in gone {
+            self.note(format!("parameter server {id} lost ({how})"));
+        }
+    }
+
     /// Says what each server holds (at the job's end).
     pub(super) fn say_ps(&mut self) {
         let safe = self.ps_safe();
@@ -132,32 +138,43 @@ impl Coordinator<'_> {
         // it is redone.
         self.watch_ps();
         let safe = self.ps_safe();
-        let Some((control, processes)) = self.ps.servers.as_mut() else { return Ok(None) };
-        let gone = processes.exited();
+        if self.ps.servers.is_none() {
+            return Ok(None);
+        }
         let (added, leaving) = (std::mem::take(&mut self.ps.added), std::mem::take(&mut self.ps.leaving));
         let mark =
             crate::ps::Mark { generation: self.generation, base: self.tally.committed, committed: safe };
-        let lost: Vec<u64> = gone.iter().map(|(id, _)| *id).collect();
-        let leaving: Vec<u64> = leaving.into_iter().filter(|id| !lost.contains(id)).collect();
-        let before = control.topology().servers.len();
-        let moved = control.reform(mark, &lost, &leaving, &added);
-        for (id, how) in &gone {
-            self.note(format!("parameter server {id} lost ({how})"));
-        }
-        let moved = match moved {
-            Err(e) if e.is::<crate::ps::control::ShardsLost>() => {
-                // Their rows are gone: as many servers again, the tables
-                // made again from the newest checkpoint with the rest.
-                let (control, processes) = self.ps.servers.as_mut().expect("above");
-                let mut added = added;
-                added.extend(processes.more(lost.len() as u32)?);
-                control.reset(&lost, &added)?;
-                let topology = control.topology().clone();
-                self.restore_newest(format!("{e}"))?;
-                return Ok(Some(topology));
+        let mut gone: Vec<(u64, String)> = Vec::new();
+        let mut tries = 0;
+        let before = self.ps.servers.as_ref().expect("above").0.topology().servers.len();
+        let moved = loop {
+            let (control, processes) = self.ps.servers.as_mut().expect("above");
+            // A server that dies while the shards move is found on the next try.
+            gone.extend(processes.exited());
+            let lost: Vec<u64> = gone.iter().map(|(id, _)| *id).collect();
+            let leaving: Vec<u64> = leaving.iter().copied().filter(|id| !lost.contains(id)).collect();
+            match control.reform(mark, &lost, &leaving, &added) {
+                Ok(m) => break m,
+                Err(e) if e.is::<crate::ps::control::ShardsLost>() => {
+                    // Their rows are gone: as many servers again, the tables
+                    // made again from the newest checkpoint with the rest.
+                    let mut added = added;
+                    added.extend(processes.more(lost.len() as u32)?);
+                    control.reset(&lost, &added)?;
+                    let topology = control.topology().clone();
+                    self.note_lost(&gone);
+                    self.restore_newest(format!("{e}"))?;
+                    return Ok(Some(topology));
+                }
+                Err(e) if tries < 2 => {
+                    tries += 1;
+                    self.note(format!("parameter servers: {e:#}; trying again"));
+                    std::thread::sleep(std::time::Duration::from_secs(1));
+                }
+                Err(e) => return Err(e.context("the parameter servers")),
             }
-            other => anyhow::Context::context(other, "the parameter servers")?,
         };
+        self.note_lost(&gone);
         let (control, processes) = self.ps.servers.as_mut().expect("above");
         for id in &leaving {
             processes.stop(*id);

@@ -44,6 +44,17 @@ pub struct Moved {
     pub copies: Vec<(u64, u64)>,
 }
 
+/// Longest the job waits for a server's answer (a server wedged, not gone,
+/// fails the request instead of holding the coordinator).
+const ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The job's connections to `servers`.
+fn job_client(servers: &[(u64, std::net::SocketAddr)], replicas: usize, auth: &JobAuth) -> Result<Client> {
+    let mut c = Client::connect(servers, replicas, auth, JOB_CLIENT)?;
+    c.set_timeout(ANSWER_WITHIN)?;
+    Ok(c)
+}
+
 /// The servers' addresses, resolved.
 fn resolve_all(servers: &[(u64, String)]) -> Result<Vec<(u64, std::net::SocketAddr)>> {
     servers
@@ -125,7 +136,7 @@ impl PsControl {
             .cloned()
             .chain(self.topology.servers.iter().filter(|(id, _)| leaving.contains(id)).cloned())
             .collect();
-        let mut c = Client::connect(&resolve_all(&reached)?, r, &self.auth, JOB_CLIENT)?;
+        let mut c = job_client(&resolve_all(&reached)?, r, &self.auth)?;
         c.enter_all(mark)?;
         let tables: BTreeSet<String> =
             c.stats()?.into_iter().flat_map(|s| s.tables).map(|t| t.name).collect();
@@ -147,7 +158,7 @@ impl PsControl {
     /// each forgets how to undo the steps before `trim`.
     pub fn stats(&mut self, trim: u64) -> Result<Vec<crate::ps::Stats>> {
         let addrs = resolve_all(&self.topology.servers)?;
-        let mut c = Client::connect(&addrs, self.topology.replicas, &self.auth, JOB_CLIENT)?;
+        let mut c = job_client(&addrs, self.topology.replicas, &self.auth)?;
         c.trim_all(trim)?;
         c.stats()
     }
@@ -159,8 +170,7 @@ impl PsControl {
         let mut after: Vec<(u64, String)> =
             self.topology.servers.iter().filter(|(id, _)| !gone.contains(id)).cloned().collect();
         after.extend(added.iter().cloned());
-        Client::connect(&resolve_all(&after)?, self.topology.replicas, &self.auth, JOB_CLIENT)?
-            .reset_all()?;
+        job_client(&resolve_all(&after)?, self.topology.replicas, &self.auth)?.reset_all()?;
         self.topology.servers = after;
         Ok(())
     }
@@ -263,5 +273,54 @@ mod tests {
         let mut w = Client::connect(&addrs, 1, &job, 1).unwrap();
         w.declare(spec, next, None).unwrap();
         assert_eq!(w.pull("t", next, 1, &ids).unwrap(), want);
+    }
+
+    #[test]
+    fn a_checkpoint_s_tables_come_back_on_every_holder_of_each_shard() {
+        use crate::checkpoint::{Checkpoints, Manifest};
+        use crate::state::{Layout, TensorSpec};
+        let job = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
+        let dir = tempfile::tempdir().unwrap();
+        let spec = TableSpec {
+            name: "t".into(),
+            dim: 2,
+            optimizer: Optimizer::sgd(1.0),
+            init: Init::Zeros,
+            seed: 0,
+        };
+        let ids: Vec<u64> = (0..200).collect();
+        let saved = crate::ps::SavedTable {
+            spec: spec.clone(),
+            ids: ids.clone(),
+            rows: ids.iter().flat_map(|&i| [i as f32, -(i as f32)]).collect(),
+            updates: vec![1; 200],
+        };
+        let layout = Layout::new(vec![TensorSpec::new("w", vec![1])]).unwrap();
+        let manifest = Manifest {
+            step: 5,
+            epoch: 0,
+            cursor: 0,
+            seed: 0,
+            hyperparams: Default::default(),
+            plugin_state: serde_json::Value::Null,
+            files: Default::default(),
+            fence: None,
+        };
+        let at =
+            Checkpoints::new(dir.path(), 2).save_with_tables(&layout, &[0.5], &[saved], manifest).unwrap();
+        // Three servers, two replicas: every row on the two servers that hold its shard.
+        let services: Vec<Service> = (1..=3).map(|id| start(&job, id)).collect();
+        let addrs: Vec<_> = services.iter().zip(1..).map(|(s, id)| (id, s.addr())).collect();
+        let mut w = Client::connect(&addrs, 2, &job, 1).unwrap();
+        let mark = Mark { generation: 2, base: 5, committed: 5 };
+        w.declare(spec.clone(), mark, Some((dir.path(), &at))).unwrap();
+        let held: usize = services.iter().map(|s| s.rows("t").len()).sum();
+        assert_eq!(held, 400, "each row on two servers");
+        for s in &services {
+            for (id, row) in s.rows("t") {
+                assert_eq!(row, [id as f32, -(id as f32)], "server {}", s.stats().server);
+            }
+        }
+        assert_eq!(w.pull("t", mark, 5, &[7, 199]).unwrap(), [7.0, -7.0, 199.0, -199.0]);
     }
 }

@@ -431,9 +431,8 @@ impl Server {
     /// replaced.
     pub fn import(&mut self, saved: &SavedTable, mark: Mark) -> Result<(), PsError> {
         let spec = saved.spec.clone();
-        if !self.tables.contains_key(&spec.name) {
-            self.declare(0, spec.clone(), mark)?;
-        }
+        // A table made (or held) alike: rows of another width would not fit.
+        self.declare(0, spec.clone(), mark)?;
         let t = self.tables.get_mut(&spec.name).expect("declared");
         enter(t, self.id, 0, mark)?;
         let w = spec.width();

@@ -21,6 +21,10 @@ use std::{
     time::{Duration, Instant},
 };
 
+/// Shards an export or a copy asks for in one frame: a frame stays far
+/// below the wire's bound for tables of millions of rows a server.
+const SHARDS_A_FRAME: usize = 16;
+
 /// The channel name parameter-server connections claim.
 pub const CHANNEL: &str = "ps";
 const HANDSHAKE: Duration = Duration::from_secs(10);
@@ -142,7 +146,8 @@ fn done() -> Answer {
 /// A refusal of the server's, marked for the client: a generation over, or
 /// a server full (counted for the job's stats).
 fn ps_refused(shared: &Shared, e: super::PsError) -> Answer {
-    let over = matches!(e, super::PsError::Stale { .. });
+    // A table gone (the servers reset for a checkpoint) is a generation over too.
+    let over = matches!(e, super::PsError::Stale { .. } | super::PsError::UnknownTable { .. });
     let full = matches!(e, super::PsError::AtBound { .. });
     if let super::PsError::AtBound { new, .. } = e {
         shared.refused.fetch_add(new as u64, std::sync::atomic::Ordering::SeqCst);
@@ -229,7 +234,8 @@ fn declare_restored(shared: &Shared, worker: u64, table: TableSpec, mark: Mark, 
     };
     let mut server = shared.server.lock().expect("ps state");
     let me = server.id();
-    or_refused(server.restore(worker, table, mark, &saved, |shard| placement::owner(&r.servers, shard) == me))
+    let holds = |shard| placement::ranked(&r.servers, shard).iter().take(r.replicas.max(1)).any(|s| *s == me);
+    or_refused(server.restore(worker, table, mark, &saved, holds))
 }
 
 /// A pull: the rows, once the steps before `need` are applied (waiting on
@@ -274,7 +280,9 @@ fn saved_body(t: &SavedTable) -> Vec<u8> {
 
 /// The rows of table `spec` in an export's body of `n` rows.
 fn saved_of(spec: TableSpec, n: usize, body: &[u8]) -> Option<SavedTable> {
-    let (head, rows) = wire::decode(body, n.checked_mul(2)?).filter(|(_, r)| r.len() == n * spec.width())?;
+    spec.check().ok()?;
+    let floats = n.checked_mul(spec.width())?;
+    let (head, rows) = wire::decode(body, n.checked_mul(2)?).filter(|(_, r)| r.len() == floats)?;
     let updates = head[n..].iter().map(|&u| u as u32).collect();
     Some(SavedTable { spec, ids: head[..n].to_vec(), rows, updates })
 }
@@ -334,6 +342,7 @@ pub struct Client {
     owners: Vec<usize>,
     /// Per shard, the servers holding it (its owner first, then its replicas).
     holders: Vec<Vec<usize>>,
+    replicas: usize,
     dims: HashMap<String, TableSpec>,
 }
 
@@ -407,7 +416,14 @@ impl Client {
             .map(|shard| placement::ranked(&ids, shard).into_iter().take(replicas.max(1)).map(at).collect())
             .collect();
         let owners = holders.iter().map(|h| h[0]).collect();
-        Ok(Client { worker, servers: conns, owners, holders, dims: HashMap::new() })
+        Ok(Client {
+            worker,
+            servers: conns,
+            owners,
+            holders,
+            replicas: replicas.max(1),
+            dims: HashMap::new(),
+        })
     }
 
     /// Declares `spec` on every server as of `mark` (the same spec again
@@ -419,10 +435,10 @@ impl Client {
             location: location.to_path_buf(),
             path: path.to_path_buf(),
             servers,
+            replicas: self.replicas,
         });
         let req = Request::Declare { table: spec.clone(), mark, restore };
-        self.servers.iter_mut().try_for_each(|c| c.send(&req, &[]))?;
-        self.servers.iter_mut().try_for_each(|c| c.receive().map(drop))?;
+        self.ask(&self.all(), |_| (req.clone(), Vec::new()))?;
         self.dims.insert(spec.name.clone(), spec);
         Ok(())
     }
@@ -430,6 +446,40 @@ impl Client {
     /// Knows `spec` without declaring it (a client that only exports).
     pub fn know(&mut self, spec: TableSpec) {
         self.dims.insert(spec.name.clone(), spec);
+    }
+
+    /// Sends each of the servers `which` (indices) its request, then reads
+    /// every answer, so that a refusal leaves no answer behind on any
+    /// connection; the first error, if any, once all are read.
+    fn ask(
+        &mut self,
+        which: &[usize],
+        req: impl Fn(usize) -> (Request, Vec<u8>),
+    ) -> Result<Vec<(Response, Vec<u8>)>> {
+        let mut sent = Vec::with_capacity(which.len());
+        let mut first: Option<anyhow::Error> = None;
+        for &s in which {
+            let (r, body) = req(s);
+            match self.servers[s].send(&r, &body) {
+                Ok(()) => sent.push(s),
+                Err(e) => _ = first.get_or_insert(e),
+            }
+        }
+        let mut out = Vec::with_capacity(sent.len());
+        for s in sent {
+            match self.servers[s].receive() {
+                Ok(a) => out.push(a),
+                Err(e) => _ = first.get_or_insert(e),
+            }
+        }
+        match first {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+
+    fn all(&self) -> Vec<usize> {
+        (0..self.servers.len()).collect()
     }
 
     fn spec(&self, table: &str) -> Result<&TableSpec> {
@@ -453,12 +503,9 @@ impl Client {
         }
         let req = Request::Pull { table: table.into(), mark, need };
         let asked: Vec<usize> = (0..self.servers.len()).filter(|&s| !unique[s].is_empty()).collect();
-        for &s in &asked {
-            self.servers[s].send(&req, &wire::encode(&unique[s], &[]))?;
-        }
+        let answers = self.ask(&asked, |s| (req.clone(), wire::encode(&unique[s], &[])))?;
         let mut rows: Vec<Vec<f32>> = vec![Vec::new(); self.servers.len()];
-        for &s in &asked {
-            let (_, body) = self.servers[s].receive()?;
+        for (&s, (_, body)) in asked.iter().zip(answers) {
             let (_, r) = wire::decode(&body, 0)
                 .filter(|(_, r)| r.len() == unique[s].len() * spec.dim)
                 .with_context(|| {
@@ -507,12 +554,12 @@ impl Client {
                 per[s].1.extend_from_slice(&summed[i * d..(i + 1) * d]);
             }
         }
-        for (c, (ids, grads)) in self.servers.iter_mut().zip(&per) {
-            c.send(&Request::Push { table: table.into(), tag, ids: ids.len() }, &wire::encode(ids, grads))?;
-        }
+        let answers = self.ask(&self.all(), |s| {
+            let (ids, grads) = &per[s];
+            (Request::Push { table: table.into(), tag, ids: ids.len() }, wire::encode(ids, grads))
+        })?;
         let mut applied = u64::MAX;
-        for c in &mut self.servers {
-            let (resp, _) = c.receive()?;
+        for (resp, _) in answers {
             if let Response::Ok {
                 pushed: Some(Pushed::Staged { applied: a } | Pushed::AlreadyApplied { applied: a }),
                 ..
@@ -527,22 +574,28 @@ impl Client {
     /// `table` as it was after its steps before `step`, from every server.
     pub fn export(&mut self, table: &str, step: u64) -> Result<SavedTable> {
         let spec = self.spec(table)?.clone();
-        let req = Request::Export { table: table.into(), step, shards: None };
-        self.servers.iter_mut().try_for_each(|c| c.send(&req, &[]))?;
-        // By id: a shard held by two servers (replicas) is kept once.
+        // Each shard from its owner (a replica holds the same rows), a few
+        // shards a frame.
         let mut rows: std::collections::BTreeMap<u64, (Vec<f32>, u32)> = Default::default();
         let w = spec.width();
-        for c in &mut self.servers {
-            let (resp, body) = c.receive()?;
-            let n = match resp {
-                Response::Ok { exported: Some((_, n)), .. } => n,
-                _ => bail!("parameter server {}: no rows in its export of {table:?}", c.id),
+        for chunk in (0..SHARDS).collect::<Vec<_>>().chunks(SHARDS_A_FRAME) {
+            let mut owned: Vec<Vec<u32>> = vec![Vec::new(); self.servers.len()];
+            chunk.iter().for_each(|&shard| owned[self.owners[shard as usize]].push(shard));
+            let asked: Vec<usize> = (0..self.servers.len()).filter(|&s| !owned[s].is_empty()).collect();
+            let req = |s: usize| {
+                (Request::Export { table: table.into(), step, shards: Some(owned[s].clone()) }, Vec::new())
             };
-            let t = saved_of(spec.clone(), n, &body).with_context(|| {
-                format!("parameter server {}: an export of {table:?} of the wrong size", c.id)
-            })?;
-            for (i, id) in t.ids.iter().enumerate() {
-                rows.entry(*id).or_insert_with(|| (t.rows[i * w..(i + 1) * w].to_vec(), t.updates[i]));
+            for (&s, (resp, body)) in asked.iter().zip(self.ask(&asked, req)?) {
+                let id = self.servers[s].id;
+                let Response::Ok { exported: Some((_, n)), .. } = resp else {
+                    bail!("parameter server {id}: no rows in its export of {table:?}")
+                };
+                let t = saved_of(spec.clone(), n, &body).with_context(|| {
+                    format!("parameter server {id}: an export of {table:?} of the wrong size")
+                })?;
+                for (i, id) in t.ids.iter().enumerate() {
+                    rows.insert(*id, (t.rows[i * w..(i + 1) * w].to_vec(), t.updates[i]));
+                }
             }
         }
         let mut all = SavedTable { spec, ids: Vec::new(), rows: Vec::new(), updates: Vec::new() };
@@ -568,8 +621,7 @@ impl Client {
 
     /// A new generation on every server: each table rolled back to `mark`'s base.
     pub fn enter_all(&mut self, mark: Mark) -> Result<()> {
-        self.servers.iter_mut().try_for_each(|c| c.send(&Request::Enter { mark }, &[]))?;
-        self.servers.iter_mut().try_for_each(|c| c.receive().map(drop))
+        self.ask(&self.all(), |_| (Request::Enter { mark }, Vec::new())).map(drop)
     }
 
     /// Copies the rows of `shards` of `table` as of `step` from server
@@ -583,29 +635,32 @@ impl Client {
         (from, to): (u64, u64),
         mark: Mark,
     ) -> Result<usize> {
-        let req = Request::Export { table: table.into(), step, shards: Some(shards.to_vec()) };
-        let src = self.conn(from)?;
-        src.send(&req, &[])?;
-        let (resp, body) = src.receive()?;
-        let Response::Ok { exported: Some((spec, n)), .. } = resp else {
-            bail!("parameter server {from}: no rows in its export of {table:?}")
-        };
-        let dst = self.conn(to)?;
-        dst.send(&Request::Import { table: spec, mark, rows: n }, &body)?;
-        dst.receive()?;
-        Ok(n)
+        let mut copied = 0;
+        // A few shards a frame.
+        for chunk in shards.chunks(SHARDS_A_FRAME) {
+            let req = Request::Export { table: table.into(), step, shards: Some(chunk.to_vec()) };
+            let src = self.conn(from)?;
+            src.send(&req, &[])?;
+            let (resp, body) = src.receive()?;
+            let Response::Ok { exported: Some((spec, n)), .. } = resp else {
+                bail!("parameter server {from}: no rows in its export of {table:?}")
+            };
+            let dst = self.conn(to)?;
+            dst.send(&Request::Import { table: spec, mark, rows: n }, &body)?;
+            dst.receive()?;
+            copied += n;
+        }
+        Ok(copied)
     }
 
     /// Tells every server to forget how to undo the steps before `step`.
     pub fn trim_all(&mut self, step: u64) -> Result<()> {
-        self.servers.iter_mut().try_for_each(|c| c.send(&Request::Trim { step }, &[]))?;
-        self.servers.iter_mut().try_for_each(|c| c.receive().map(drop))
+        self.ask(&self.all(), |_| (Request::Trim { step }, Vec::new())).map(drop)
     }
 
     /// Tells every server to forget every table.
     pub fn reset_all(&mut self) -> Result<()> {
-        self.servers.iter_mut().try_for_each(|c| c.send(&Request::Reset, &[]))?;
-        self.servers.iter_mut().try_for_each(|c| c.receive().map(drop))
+        self.ask(&self.all(), |_| (Request::Reset, Vec::new())).map(drop)
     }
 
     /// Tells `server` to forget `shards` of every table.
@@ -617,14 +672,24 @@ impl Client {
 
     /// Every server's tables and memory.
     pub fn stats(&mut self) -> Result<Vec<Stats>> {
-        self.servers.iter_mut().try_for_each(|c| c.send(&Request::Stats, &[]))?;
-        self.servers
-            .iter_mut()
-            .map(|c| match c.receive()? {
+        let answers = self.ask(&self.all(), |_| (Request::Stats, Vec::new()))?;
+        answers
+            .into_iter()
+            .zip(&self.servers)
+            .map(|(a, c)| match a {
                 (Response::Ok { stats: Some(s), .. }, _) => Ok(s),
                 _ => bail!("parameter server {}: no stats in its answer", c.id),
             })
             .collect()
+    }
+
+    /// Bounds every read of an answer (a server wedged ends a request
+    /// instead of holding its caller).
+    pub fn set_timeout(&mut self, within: Duration) -> Result<()> {
+        for c in &self.servers {
+            c.stream.get_ref().set_read_timeout(Some(within))?;
+        }
+        Ok(())
     }
 }
 

@@ -2,7 +2,9 @@
 //! after the job's handshake on the `ps` channel): each message a frame of
 //! a JSON header and a binary body,
 //!
-//!     u32 LE header length | header (JSON) | u32 LE body length | body
+//! ```text
+//! u32 LE header length | header (JSON) | u32 LE body length | body
+//! ```
 //!
 //! where a body is little-endian `u64` ids followed by `f32` values: rows
 //! and gradients travel as raw floats, not as JSON numbers.
@@ -14,8 +16,8 @@ use std::io::{self, Read, Write};
 
 /// Largest header: a table spec or an error is far smaller.
 const MAX_HEADER: usize = 1 << 20;
-/// Largest body: a pull or push of 16M floats (64 MiB) per server.
-pub const MAX_BODY: usize = 64 << 20;
+/// Largest body: 256 MiB (exports and copies go a few shards at a time).
+pub const MAX_BODY: usize = 256 << 20;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "kebab-case")]
@@ -82,6 +84,14 @@ pub struct Restore {
     pub location: std::path::PathBuf,
     pub path: std::path::PathBuf,
     pub servers: Vec<u64>,
+    /// Servers holding each shard: a server keeps the shards it owns or
+    /// is a replica of.
+    #[serde(default = "one")]
+    pub replicas: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -117,6 +127,12 @@ impl Response {
 
 /// Writes one frame.
 pub fn write(w: &mut impl Write, header: &impl Serialize, body: &[u8]) -> io::Result<()> {
+    if body.len() > MAX_BODY {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("a body of {} bytes (at most {MAX_BODY}): ask for fewer rows at a time", body.len()),
+        ));
+    }
     let head = serde_json::to_vec(header).map_err(io::Error::other)?;
     let mut frame = Vec::with_capacity(8 + head.len() + body.len());
     frame.extend_from_slice(&(head.len() as u32).to_le_bytes());

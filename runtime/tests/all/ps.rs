@@ -68,6 +68,27 @@ fn ctr_of(py: &PyEnv, dir: &Path, servers: &str, flags: &[&str], vocab: &str) ->
     c
 }
 
+/// The job started, and run until it prints a line with `line`: the job,
+/// its lines to come, and those printed so far.
+fn started_until(
+    mut cmd: Command,
+    line: &str,
+) -> (std::process::Child, std::sync::mpsc::Receiver<String>, Vec<String>) {
+    let mut child = cmd.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, line, &mut seen, Duration::from_secs(120));
+    (child, rx, seen)
+}
+
+/// The job run to its end, which it reached successfully: all it printed.
+fn ended(child: std::process::Child, rx: std::sync::mpsc::Receiver<String>, mut seen: Vec<String>) -> String {
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    text
+}
+
 /// The final checkpoint's arrays, by name.
 fn final_state(dir: &Path) -> Vec<(String, Vec<f32>)> {
     let r = report(dir);
@@ -96,10 +117,8 @@ fn calm_of(vocab: &str) -> Calm {
     let dir = tempfile::tempdir().unwrap();
     let mut child = ctr_of(py(), dir.path(), "2", &[], vocab).spawn().unwrap();
     let rx = lines(&mut child);
-    let mut seen = Vec::new();
-    let status = finish(child, rx, &mut seen);
-    let text = seen.join("\n");
-    assert!(status.success(), "{text}");
+    let seen = Vec::new();
+    let text = ended(child, rx, seen);
     assert!(text.contains("ps        1 serving on 127.0.0.1:"), "{text}");
     assert_no_checkpoint_failed(&text);
     assert_exactly_once(&report(dir.path()), 3, 6000);
@@ -141,14 +160,9 @@ fn a_rank_killed_mid_job_costs_a_redone_step_and_the_model_ends_as_without_the_k
     // are redone, and the servers undo what that generation applied after
     // its last commit.
     let hit = tempfile::tempdir().unwrap();
-    let mut child = ctr(py, hit.path(), "2", &[]).spawn().unwrap();
-    let rx = lines(&mut child);
-    let mut seen = Vec::new();
-    wait_for(&rx, "warm spare 3 ready", &mut seen, Duration::from_secs(120));
+    let (child, rx, seen) = started_until(ctr(py, hit.path(), "2", &[]), "warm spare 3 ready");
     std::fs::write(hit.path().join("die"), b"").unwrap();
-    let status = finish(child, rx, &mut seen);
-    let text = seen.join("\n");
-    assert!(status.success(), "{text}");
+    let text = ended(child, rx, seen);
     let r = report(hit.path());
     assert_exactly_once(&r, 3, 6000);
     let events = r["scale_events"].as_array().unwrap();
@@ -165,11 +179,8 @@ fn a_rank_killed_mid_job_costs_a_redone_step_and_the_model_ends_as_without_the_k
 fn a_killed_job_resumes_its_tables_from_the_checkpoint_on_three_servers_as_if_never_stopped() {
     let py = py();
     let dir = tempfile::tempdir().unwrap();
-    let mut child = ctr(py, dir.path(), "2", &[]).spawn().unwrap();
+    let (mut child, _rx, _seen) = started_until(ctr(py, dir.path(), "2", &[]), "epoch     0 done");
     let coordinator = child.id();
-    let rx = lines(&mut child);
-    let mut seen = Vec::new();
-    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
     let written = committed_checkpoint(&dir.path().join(".edl/launch/checkpoints"), &mut child);
     // The coordinator, its servers (they die with it) and its workers.
     sigkill(coordinator);
@@ -194,10 +205,8 @@ print("rows", len(t["ids"]))
 
     let mut child = ctr(py, dir.path(), "3", &[]).spawn().unwrap();
     let rx = lines(&mut child);
-    let mut seen = Vec::new();
-    let status = finish(child, rx, &mut seen);
-    let text = seen.join("\n");
-    assert!(status.success(), "{text}");
+    let seen = Vec::new();
+    let text = ended(child, rx, seen);
     assert!(text.contains("resuming job \"launch\"") && text.contains("ps        3 serving on"), "{text}");
     let r = report(dir.path());
     let resumed = r["resumed_from_step"].as_u64().unwrap();
@@ -233,6 +242,7 @@ for step in job.steps():
     expect(lambda: step.pull("nope", [1]), "no table", "nope")
     expect(lambda: step.pull("emb", [-1]), "negative")
     expect(lambda: step.pull("emb", ["a"]), "integers")
+    expect(lambda: step.pull("emb", [1.5]), "integers")
     expect(lambda: step.push("emb", [1, 2], np.zeros((2, 3), np.float32)), "dimension 4")
     expect(lambda: job.table("late", 4), "before the first step")
     expect(lambda: step.pull("big", np.arange(1000, 1300)), "memory bound", '"big"', f"worker {job.worker_id}")
@@ -315,15 +325,11 @@ fn the_torch_wide_and_deep_trains_its_tables_through_resizes() {
 fn a_server_killed_with_two_replicas_loses_no_update_and_the_model_ends_as_without_the_kill() {
     let py = py();
     let dir = tempfile::tempdir().unwrap();
-    let mut child = ctr(py, dir.path(), "3", &["--ps-replicas", "2"]).spawn().unwrap();
+    let (child, rx, seen) =
+        started_until(ctr(py, dir.path(), "3", &["--ps-replicas", "2"]), "epoch     0 done");
     let coordinator = child.id();
-    let rx = lines(&mut child);
-    let mut seen = Vec::new();
-    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
     sigkill(server_pid(coordinator, 2));
-    let status = finish(child, rx, &mut seen);
-    let text = seen.join("\n");
-    assert!(status.success(), "{text}");
+    let text = ended(child, rx, seen);
     assert!(text.contains("parameter server 2 lost"), "{text}");
     assert!(text.contains("parameter servers 3 -> 2: "), "{text}");
     assert_exactly_once(&report(dir.path()), 3, 6000);
@@ -336,16 +342,11 @@ fn a_server_killed_with_two_replicas_loses_no_update_and_the_model_ends_as_witho
 fn a_server_killed_with_one_replica_sends_the_job_back_to_its_checkpoint_saying_so() {
     let py = py();
     let dir = tempfile::tempdir().unwrap();
-    let mut child = ctr(py, dir.path(), "2", &[]).spawn().unwrap();
+    let (mut child, rx, seen) = started_until(ctr(py, dir.path(), "2", &[]), "epoch     0 done");
     let coordinator = child.id();
-    let rx = lines(&mut child);
-    let mut seen = Vec::new();
-    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
     committed_checkpoint(&dir.path().join(".edl/launch/checkpoints"), &mut child);
     sigkill(server_pid(coordinator, 2));
-    let status = finish(child, rx, &mut seen);
-    let text = seen.join("\n");
-    assert!(status.success(), "{text}");
+    let text = ended(child, rx, seen);
     assert!(text.contains("parameter server 2 lost"), "{text}");
     assert!(text.contains("their rows are gone; restarting from the newest checkpoint"), "{text}");
     assert_exactly_once(&report(dir.path()), 3, 6000);
@@ -372,10 +373,8 @@ fn tables_over_one_server_s_memory_bound_grow_onto_three_servers_mid_job() {
     let flags = ["--max-ps", "3", "--ps-memory-mib", "2"];
     let mut child = ctr_of(py, dir.path(), "1", &flags, "1500").spawn().unwrap();
     let rx = lines(&mut child);
-    let mut seen = Vec::new();
-    let status = finish(child, rx, &mut seen);
-    let text = seen.join("\n");
-    assert!(status.success(), "{text}");
+    let seen = Vec::new();
+    let text = ended(child, rx, seen);
     for (from, to) in [(1, 2), (2, 3)] {
         assert!(text.contains(&format!("parameter servers {from} -> {to}: ")), "{text}");
     }
@@ -388,16 +387,11 @@ fn tables_over_one_server_s_memory_bound_grow_onto_three_servers_mid_job() {
 fn a_server_told_to_go_hands_its_shards_over_and_the_job_goes_on_on_the_others() {
     let py = py();
     let dir = tempfile::tempdir().unwrap();
-    let mut child = ctr(py, dir.path(), "3", &[]).spawn().unwrap();
+    let (child, rx, seen) = started_until(ctr(py, dir.path(), "3", &[]), "epoch     0 done");
     let coordinator = child.id();
-    let rx = lines(&mut child);
-    let mut seen = Vec::new();
-    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
     // SAFETY: signalling a child of the job under test.
     unsafe { libc::kill(server_pid(coordinator, 2) as i32, libc::SIGTERM) };
-    let status = finish(child, rx, &mut seen);
-    let text = seen.join("\n");
-    assert!(status.success(), "{text}");
+    let text = ended(child, rx, seen);
     assert!(text.contains("parameter server 2 was told to go"), "{text}");
     assert!(text.contains("parameter servers 3 -> 2: "), "{text}");
     assert!(!text.contains("parameter server 2 lost"), "it was not lost: {text}");

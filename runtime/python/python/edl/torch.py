@@ -537,7 +537,9 @@ class _Lookup(torch.autograd.Function):
         # As DDP reduces the dense gradients: the mean over the ranks (the
         # servers sum the ranks' pushes).
         g = grad.reshape(-1, ctx.table.dim).detach().to("cpu", torch.float32) / ctx.step.world
-        ctx.step.push(ctx.table.name, ctx.ids, g.contiguous().numpy())
+        if not ctx.step.push(ctx.table.name, ctx.ids, g.contiguous().numpy()):
+            # Abandoned (a server gone, the generation over): `backward()` raises.
+            raise RuntimeError(f"table {ctx.table.name!r}: the step was abandoned; it is redone")
         return None, None, None, None
 
 
