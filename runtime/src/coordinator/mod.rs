@@ -786,6 +786,7 @@ impl Coordinator<'_> {
                 .iter()
                 .filter_map(|&id| Some((id, self.scaler.handle(id)?)))
                 .collect(),
+            parameter_servers: self.ps_stats(),
         };
         Ok(outcome)
     }

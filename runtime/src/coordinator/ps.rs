@@ -77,12 +77,16 @@ impl Coordinator<'_> {
         }
     }
 
+    /// Each server's tables, rows and memory now (none when they cannot be asked).
+    pub(super) fn ps_stats(&mut self) -> Vec<crate::ps::Stats> {
+        let safe = self.ps_safe();
+        let Some((control, _)) = self.ps.servers.as_mut() else { return Vec::new() };
+        control.stats(safe).unwrap_or_default()
+    }
+
     /// Says what each server holds (at the job's end).
     pub(super) fn say_ps(&mut self) {
-        let safe = self.ps_safe();
-        let Some((control, _)) = self.ps.servers.as_mut() else { return };
-        let Ok(stats) = control.stats(safe) else { return };
-        for s in stats {
+        for s in self.ps_stats() {
             let rows: u64 = s.tables.iter().map(|t| t.rows).sum();
             let bound = s.bound.map(|b| format!(" of {} MiB", b >> 20)).unwrap_or_default();
             self.note(format!(

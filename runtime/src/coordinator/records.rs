@@ -129,6 +129,9 @@ pub struct JobOutcome {
     pub redone_steps: u64,
     /// How the scheduler knows each worker it started (`slurm:123`).
     pub worker_handles: std::collections::BTreeMap<u64, String>,
+    /// The parameter servers at the end: each one's tables, rows and memory.
+    #[serde(default)]
+    pub parameter_servers: Vec<crate::ps::Stats>,
 }
 
 /// One decision of the scaling policy, as the report keeps it: when, the

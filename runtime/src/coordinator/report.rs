@@ -66,6 +66,10 @@ pub struct Report {
     /// How the scheduler knows each worker (`slurm:123`), by worker id.
     #[serde(default)]
     pub worker_handles: std::collections::BTreeMap<u64, String>,
+    /// The parameter servers at the job's end: each one's tables (rows,
+    /// bytes, steps applied), its memory and bound.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parameter_servers: Vec<crate::ps::Stats>,
     pub timeline: Vec<StepRecord>,
 }
 
@@ -124,6 +128,7 @@ impl Report {
             workers_unused: outcome.workers_unused,
             redone_steps: outcome.redone_steps,
             worker_handles: outcome.worker_handles,
+            parameter_servers: outcome.parameter_servers,
             timeline: outcome.timeline,
         }
     }

@@ -121,7 +121,17 @@ fn calm_of(vocab: &str) -> Calm {
     let text = ended(child, rx, seen);
     assert!(text.contains("ps        1 serving on 127.0.0.1:"), "{text}");
     assert_no_checkpoint_failed(&text);
-    assert_exactly_once(&report(dir.path()), 3, 6000);
+    let r = report(dir.path());
+    assert_exactly_once(&r, 3, 6000);
+    // The servers at the end, in the report: both tables on both servers,
+    // every step applied.
+    let servers = r["parameter_servers"].as_array().unwrap();
+    assert_eq!(servers.len(), 2, "{servers:?}");
+    for s in servers {
+        let tables = s["tables"].as_array().unwrap();
+        assert_eq!(tables.len(), 2, "{s}");
+        assert!(tables.iter().all(|t| t["rows"].as_u64() > Some(1000) && t["applied"] == 141), "{s}");
+    }
     let auc = aucs(&text);
     assert!(auc.len() >= 2 && auc.iter().all(|a| *a > 0.65), "{auc:?}\n{text}");
     runs.insert(vocab.to_string(), (final_state(dir.path()), auc));
