@@ -23,6 +23,8 @@ pub struct ProgressDisplay {
     last_plain: Option<Instant>,
     /// The newest step's line when it was not printed, for the epoch's end.
     pending: Option<String>,
+    /// The parameter servers, as last looked at: how many, and their rows' MiB.
+    servers: Option<(usize, f64)>,
 }
 
 impl ProgressDisplay {
@@ -40,25 +42,14 @@ impl ProgressDisplay {
                 let _ = writeln!(std::io::stdout().lock(), "{l}");
             })
         });
-        Ok(ProgressDisplay { bar, rows, epochs, last_plain: None, pending: None })
+        Ok(ProgressDisplay { bar, rows, epochs, last_plain: None, pending: None, servers: None })
     }
 
     /// Shows one event of the job.
     pub fn show(&mut self, p: Progress) {
         match p {
             Progress::Step(s) => {
-                let mut line = format!(
-                    "epoch {}/{} step {} | {} workers | {:.0} samples/s | loss {:.4}",
-                    (s.epoch + 1).min(self.epochs),
-                    self.epochs,
-                    s.step,
-                    s.world,
-                    s.samples_per_sec,
-                    s.loss
-                );
-                for (name, v) in &s.metrics {
-                    line.push_str(&format!(" | {name} {v:.4}"));
-                }
+                let line = self.step_line(s);
                 if self.bar.is_hidden() {
                     if self.last_plain.is_none_or(|t| t.elapsed() >= PLAIN_EVERY) {
                         self.last_plain = Some(Instant::now());
@@ -113,10 +104,35 @@ impl ProgressDisplay {
             | Progress::Workers(_)
             | Progress::TeacherView(_)
             | Progress::WorkerReady { .. } => {}
+            Progress::ParameterServers(s) => {
+                let bytes: u64 = s.iter().map(|s| s.bytes).sum();
+                self.servers = Some((s.len(), bytes as f64 / (1 << 20) as f64));
+            }
             Progress::Note(n) => self.say(format!("note      {n}")),
             Progress::Teachers(e) => self
                 .say(format!("teachers  step {:>5}: {} -> {} teachers: {}", e.step, e.from, e.to, e.reason)),
         }
+    }
+
+    /// A step's progress line: where the job is, its workers, speed, loss,
+    /// the program's metrics and the parameter servers.
+    fn step_line(&self, s: &edl_runtime::coordinator::StepRecord) -> String {
+        let mut line = format!(
+            "epoch {}/{} step {} | {} workers | {:.0} samples/s | loss {:.4}",
+            (s.epoch + 1).min(self.epochs),
+            self.epochs,
+            s.step,
+            s.world,
+            s.samples_per_sec,
+            s.loss
+        );
+        for (name, v) in &s.metrics {
+            line.push_str(&format!(" | {name} {v:.4}"));
+        }
+        if let Some((n, mib)) = self.servers {
+            line.push_str(&format!(" | {n} parameter servers, {mib:.1} MiB of rows"));
+        }
+        line
     }
 
     /// Prints above the bar, or plainly when there is no terminal.

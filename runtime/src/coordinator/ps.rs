@@ -17,12 +17,14 @@ impl Coordinator<'_> {
     /// (within the job's most), both at the next boundary.
     pub(super) fn watch_ps(&mut self) {
         let safe = self.ps_safe();
-        let Some((control, processes)) = self.ps.servers.as_mut() else { return };
+        let Some((control, _)) = self.ps.servers.as_mut() else { return };
         let stats = match control.stats(safe) {
             Ok(s) => s,
             // A server gone: the next generation finds out and says so.
             Err(_) => return,
         };
+        (self.progress)(super::Progress::ParameterServers(&stats));
+        let Some((_, processes)) = self.ps.servers.as_mut() else { return };
         let (bound, max) = processes.limits();
         let mut said = Vec::new();
         for s in &stats {

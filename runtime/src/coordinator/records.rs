@@ -84,6 +84,8 @@ pub enum Progress<'a> {
     TeacherView(&'a edl_plugin_sdk::TeacherView),
     /// The teacher pool changed size.
     Teachers(&'a super::pool::TeacherEvent),
+    /// The parameter servers' tables and memory (looked at once a second).
+    ParameterServers(&'a [crate::ps::Stats]),
 }
 
 /// The end of a job.

@@ -35,6 +35,12 @@ struct StageLabel {
     stage: String,
 }
 
+/// A parameter server, by its id.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ServerLabel {
+    server: String,
+}
+
 /// A teacher of the pool, and a quantile of its students' request times.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TeacherLabel {
@@ -99,6 +105,9 @@ pub struct JobMetrics {
     teacher_p99: Family<TeacherLabel, Real>,
     teachers: Gauge,
     teacher_changes: Counter,
+    ps_servers: Gauge,
+    ps_rows: Family<ServerLabel, Gauge>,
+    ps_bytes: Family<ServerLabel, Gauge>,
     epochs: Counter,
     duplicates: Counter,
     missing: Counter,
@@ -169,6 +178,9 @@ impl JobMetrics {
             duplicates: Counter::default(),
             missing: Counter::default(),
             notes: Counter::default(),
+            ps_servers: Gauge::default(),
+            ps_rows: Family::default(),
+            ps_bytes: Family::default(),
             rows,
             furthest: None,
             registry,
@@ -180,6 +192,19 @@ impl JobMetrics {
         self.register_steps();
         self.register_cluster();
         self.register_teachers();
+        let r = &mut self.registry;
+        r.register("parameter_servers", "The job's parameter servers", self.ps_servers.clone());
+        r.register(
+            "parameter_server_rows",
+            "Rows a parameter server holds, all tables",
+            self.ps_rows.clone(),
+        );
+        r.register_with_unit(
+            "parameter_server_memory",
+            "Memory a parameter server's rows take",
+            Unit::Bytes,
+            self.ps_bytes.clone(),
+        );
         self
     }
 
@@ -442,6 +467,18 @@ impl JobMetrics {
         }
     }
 
+    /// The parameter servers now: servers gone leave the series.
+    pub fn parameter_servers(&mut self, stats: &[crate::ps::Stats]) {
+        self.ps_servers.set(stats.len() as i64);
+        self.ps_rows.clear();
+        self.ps_bytes.clear();
+        for s in stats {
+            let label = ServerLabel { server: s.server.to_string() };
+            self.ps_rows.get_or_create(&label).set(s.tables.iter().map(|t| t.rows as i64).sum());
+            self.ps_bytes.get_or_create(&label).set(s.bytes as i64);
+        }
+    }
+
     /// A worker became ready: how long it took to start and to load.
     pub fn worker_ready(&mut self, start_secs: f64, load_secs: f64) {
         self.start.observe(start_secs);
@@ -525,6 +562,30 @@ mod tests {
         assert_eq!(samples_between(Some((0, 384)), (2, 32), 400), 448);
         assert_eq!(samples_between(Some((1, 32)), (0, 384), 400), 0);
         assert_eq!(samples_between(Some((1, 64)), (1, 32), 400), 0);
+    }
+
+    #[test]
+    fn the_parameter_servers_are_counted_and_a_server_gone_leaves_the_series() {
+        let mut m = JobMetrics::new("ctr", "p", 400);
+        let server = |id: u64, rows: u64, bytes: u64| crate::ps::Stats {
+            server: id,
+            tables: vec![crate::ps::server::TableStats { name: "t".into(), dim: 8, rows, bytes, applied: 3 }],
+            bytes,
+            bound: None,
+            leaving: false,
+            refused: 0,
+        };
+        m.parameter_servers(&[server(1, 10, 1024), server(2, 20, 2048)]);
+        let text = m.encode();
+        for line in [
+            "edl_parameter_servers 2",
+            "edl_parameter_server_rows{server=\"2\"} 20",
+            "edl_parameter_server_memory_bytes{server=\"1\"} 1024",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in {text}");
+        }
+        m.parameter_servers(&[server(1, 10, 1024)]);
+        assert!(!m.encode().contains("server=\"2\""), "{}", m.encode());
     }
 
     #[test]

@@ -195,6 +195,7 @@ impl Watch {
                 w.metrics.note();
                 w.live.note(n);
             }
+            Progress::ParameterServers(s) => w.metrics.parameter_servers(s),
             Progress::Teachers(e) => {
                 w.metrics.teachers(e);
                 w.live.teachers = Some(e.to);

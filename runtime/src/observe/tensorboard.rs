@@ -143,6 +143,7 @@ impl TensorBoard {
             Progress::Note(_)
             | Progress::Decision { .. }
             | Progress::Workers(_)
+            | Progress::ParameterServers(_)
             | Progress::WorkerReady { .. } => {}
         }
         if self.flushed.elapsed() >= FLUSH_EVERY {

@@ -123,6 +123,11 @@ fn calm_of(vocab: &str) -> Calm {
     assert_no_checkpoint_failed(&text);
     let r = report(dir.path());
     assert_exactly_once(&r, 3, 6000);
+    // The servers in the progress lines, as they fill.
+    assert!(
+        text.lines().any(|l| l.starts_with("progress") && l.contains("| 2 parameter servers, ")),
+        "{text}"
+    );
     // The servers at the end, in the report: both tables on both servers,
     // every step applied.
     let servers = r["parameter_servers"].as_array().unwrap();
