@@ -47,7 +47,6 @@ pub struct PsProcess {
 #[derive(Default)]
 pub struct PsServers {
     pub servers: Vec<PsProcess>,
-    pub staleness: u64,
     /// How they were started (for more of them), and where they log.
     start: Option<(PsStart, JobAuth, PathBuf)>,
     next: u64,
@@ -60,7 +59,6 @@ impl PsServers {
         std::fs::create_dir_all(log_dir).with_context(|| format!("{}", log_dir.display()))?;
         let mut servers = PsServers {
             servers: Vec::new(),
-            staleness: start.staleness,
             start: Some((start.clone(), auth.clone(), log_dir.to_path_buf())),
             next: 1,
         };

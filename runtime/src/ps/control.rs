@@ -183,6 +183,11 @@ mod tests {
     use edl_host_gpu::comm::auth::Secret;
     use std::{net::TcpListener, time::Duration};
 
+    /// Table `t` of dimension `dim`, zeros and SGD at 1 (an update is minus its gradient).
+    fn sgd_table(dim: usize) -> TableSpec {
+        TableSpec { name: "t".into(), dim, optimizer: Optimizer::sgd(1.0), init: Init::Zeros, seed: 0 }
+    }
+
     fn start(job: &JobAuth, id: u64) -> Service {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         Service::start(l, job.clone(), Server::new(id, None), Duration::from_secs(10)).unwrap()
@@ -196,13 +201,7 @@ mod tests {
             services.iter().zip(1..).map(|(s, id)| (id, s.addr().to_string())).collect();
         let topology = PsTopology { servers: servers.clone(), staleness: 0, replicas: 2, room: false };
         let addrs: Vec<_> = services.iter().zip(1..).map(|(s, id)| (id, s.addr())).collect();
-        let spec = TableSpec {
-            name: "t".into(),
-            dim: 2,
-            optimizer: Optimizer::sgd(1.0),
-            init: Init::Zeros,
-            seed: 0,
-        };
+        let spec = sgd_table(2);
         let mark = Mark { generation: 1, base: 0, committed: 0 };
         let mut w = Client::connect(&addrs, 2, &job, 1).unwrap();
         w.declare(spec.clone(), mark, None).unwrap();
@@ -243,13 +242,7 @@ mod tests {
         let job = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
         let services: Vec<Service> = (1..=3).map(|id| start(&job, id)).collect();
         let addrs: Vec<_> = services.iter().zip(1..).map(|(s, id)| (id, s.addr())).collect();
-        let spec = TableSpec {
-            name: "t".into(),
-            dim: 1,
-            optimizer: Optimizer::sgd(1.0),
-            init: Init::Zeros,
-            seed: 0,
-        };
+        let spec = sgd_table(1);
         let mark = Mark { generation: 1, base: 0, committed: 0 };
         let mut w = Client::connect(&addrs[..2], 1, &job, 1).unwrap();
         w.declare(spec.clone(), mark, None).unwrap();
@@ -281,13 +274,7 @@ mod tests {
         use crate::state::{Layout, TensorSpec};
         let job = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
         let dir = tempfile::tempdir().unwrap();
-        let spec = TableSpec {
-            name: "t".into(),
-            dim: 2,
-            optimizer: Optimizer::sgd(1.0),
-            init: Init::Zeros,
-            seed: 0,
-        };
+        let spec = sgd_table(2);
         let ids: Vec<u64> = (0..200).collect();
         let saved = crate::ps::SavedTable {
             spec: spec.clone(),

@@ -469,11 +469,6 @@ impl Server {
         self.tables.clear();
     }
 
-    /// The names of the tables here.
-    pub fn table_names(&self) -> Vec<String> {
-        self.tables.keys().cloned().collect()
-    }
-
     /// Every row of `table` here, by id (for checks and exports).
     pub fn rows(&self, table: &str) -> BTreeMap<u64, Vec<f32>> {
         let Some(t) = self.tables.get(table) else { return BTreeMap::new() };

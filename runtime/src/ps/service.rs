@@ -338,8 +338,6 @@ pub fn redo(e: &anyhow::Error, room: bool) -> bool {
 pub struct Client {
     worker: u64,
     servers: Vec<Conn>,
-    /// Per shard, the index in `servers` of its owner.
-    owners: Vec<usize>,
     /// Per shard, the servers holding it (its owner first, then its replicas).
     holders: Vec<Vec<usize>>,
     replicas: usize,
@@ -415,15 +413,7 @@ impl Client {
         let holders: Vec<Vec<usize>> = (0..SHARDS)
             .map(|shard| placement::ranked(&ids, shard).into_iter().take(replicas.max(1)).map(at).collect())
             .collect();
-        let owners = holders.iter().map(|h| h[0]).collect();
-        Ok(Client {
-            worker,
-            servers: conns,
-            owners,
-            holders,
-            replicas: replicas.max(1),
-            dims: HashMap::new(),
-        })
+        Ok(Client { worker, servers: conns, holders, replicas: replicas.max(1), dims: HashMap::new() })
     }
 
     /// Declares `spec` on every server as of `mark` (the same spec again
@@ -496,7 +486,7 @@ impl Client {
         let mut place: rustc_hash::FxHashMap<u64, (usize, usize)> = Default::default();
         for &id in ids {
             place.entry(id).or_insert_with(|| {
-                let s = self.owners[spec.shard_of(id) as usize];
+                let s = self.holders[spec.shard_of(id) as usize][0];
                 unique[s].push(id);
                 (s, unique[s].len() - 1)
             });
@@ -580,7 +570,7 @@ impl Client {
         let w = spec.width();
         for chunk in (0..SHARDS).collect::<Vec<_>>().chunks(SHARDS_A_FRAME) {
             let mut owned: Vec<Vec<u32>> = vec![Vec::new(); self.servers.len()];
-            chunk.iter().for_each(|&shard| owned[self.owners[shard as usize]].push(shard));
+            chunk.iter().for_each(|&shard| owned[self.holders[shard as usize][0]].push(shard));
             let asked: Vec<usize> = (0..self.servers.len()).filter(|&s| !owned[s].is_empty()).collect();
             let req = |s: usize| {
                 (Request::Export { table: table.into(), step, shards: Some(owned[s].clone()) }, Vec::new())
@@ -605,11 +595,6 @@ impl Client {
             all.updates.push(updates);
         }
         Ok(all)
-    }
-
-    /// The ids of the servers, in the order connected.
-    pub fn server_ids(&self) -> Vec<u64> {
-        self.servers.iter().map(|c| c.id).collect()
     }
 
     fn conn(&mut self, server: u64) -> Result<&mut Conn> {
