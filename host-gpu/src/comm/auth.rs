@@ -222,15 +222,25 @@ fn nonce() -> Result<[u8; 32], AuthError> {
 
 /// A stream whose reads all end by one deadline: a handshake that a peer
 /// trickles a byte at a time ends when the deadline passes, not later (a
-/// per-read timeout alone would be reset by every byte).
+/// per-read timeout alone would be reset by every byte). The stream's own
+/// read timeout is back as it was once the deadline is dropped: a
+/// connection that stays idle after its handshake is not cut.
 pub struct Deadline<'a> {
     stream: &'a mut std::net::TcpStream,
     until: std::time::Instant,
+    before: Option<std::time::Duration>,
 }
 
 impl<'a> Deadline<'a> {
     pub fn new(stream: &'a mut std::net::TcpStream, within: std::time::Duration) -> Self {
-        Deadline { stream, until: std::time::Instant::now() + within }
+        let before = stream.read_timeout().ok().flatten();
+        Deadline { stream, until: std::time::Instant::now() + within, before }
+    }
+}
+
+impl Drop for Deadline<'_> {
+    fn drop(&mut self) {
+        let _ = self.stream.set_read_timeout(self.before);
     }
 }
 
@@ -404,6 +414,22 @@ mod tests {
         let mut s = TcpStream::connect(addr).unwrap();
         let mine = connect(&mut s, &connector, &c);
         (t.join().unwrap(), mine)
+    }
+
+    #[test]
+    fn a_connection_idle_after_its_handshake_is_not_cut_by_the_handshake_s_deadline() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut s, _) = l.accept().unwrap();
+        peer.write_all(b"hi").unwrap();
+        let mut buf = [0u8; 2];
+        Deadline::new(&mut s, std::time::Duration::from_millis(50)).read_exact(&mut buf).unwrap();
+        assert_eq!(s.read_timeout().unwrap(), None, "no read timeout left behind");
+        let wanted = Some(std::time::Duration::from_secs(7));
+        s.set_read_timeout(wanted).unwrap();
+        peer.write_all(b"hi").unwrap();
+        Deadline::new(&mut s, std::time::Duration::from_millis(50)).read_exact(&mut buf).unwrap();
+        assert_eq!(s.read_timeout().unwrap(), wanted, "the stream's own timeout kept");
     }
 
     #[test]

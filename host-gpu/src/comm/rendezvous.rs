@@ -321,12 +321,12 @@ impl RendezvousServer {
             let channel = if c.channel == kv::CHANNEL { kv::CHANNEL } else { "rendezvous" };
             auth.check(c, channel, Some(g))
         });
+        drop(within);
         proved();
         let admitted = accepted.map_err(|e| {
             std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("refused {peer}: {e}"))
         })?;
-        // The handshake's deadline set the socket's last timeout; a proven
-        // client's requests get the usual one.
+        // A proven client's requests get the usual timeout.
         conn.set_read_timeout(Some(CLIENT_TIMEOUT))?;
         Ok(admitted)
     }

@@ -20,8 +20,6 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-mod sparse;
-
 pyo3::create_exception!(_edl, EdlError, PyRuntimeError, "An error of the elastic runtime, with its message.");
 
 fn err(e: impl std::fmt::Display) -> PyErr {
@@ -177,7 +175,7 @@ struct Inner {
     /// The step being run, when it started, and whether it was abandoned.
     current: Option<(Step, Instant)>,
     /// Sparse tables on the job's parameter servers.
-    tables: sparse::Tables,
+    tables: edl_runtime::ps::Tables,
 }
 
 /// An elastic job, joined as one of its workers.
@@ -420,7 +418,7 @@ impl Job {
             }
         };
         let spec = session.spec().clone();
-        let tables = sparse::Tables::new(spec.ps.clone(), session.auth().clone(), session.id());
+        let tables = edl_runtime::ps::Tables::new(spec.ps.clone(), session.auth().clone(), session.id());
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -636,13 +634,10 @@ impl StepInfo {
 /// server gone, the generation over), the step is abandoned and the
 /// connections dropped; any other error is raised.
 fn abandon_for(py: Python<'_>, inner: &mut Inner, e: anyhow::Error) -> PyResult<()> {
-    if !edl_runtime::ps::service::redo(&e, inner.tables.room()) {
-        // Connections made again at the next request, whatever was left on them.
-        inner.tables.disconnect();
+    if !inner.tables.failed(&e) {
         return Err(anyhow_err(e));
     }
     tracing::warn!("worker {}: {e:#}; the step is redone", inner.session.id());
-    inner.tables.disconnect();
     inner.current = None;
     if inner.session.in_step() {
         let session = &mut inner.session;
@@ -677,21 +672,15 @@ fn ids_of(py: Python<'_>, table: &str, ids: &Bound<'_, PyAny>) -> PyResult<Vec<u
 }
 
 impl StepView {
-    /// Where this step's requests to the parameter servers stand. The job,
-    /// not a worker, tells the servers which steps are past undoing (it
-    /// knows the checkpoints still to be taken).
+    /// Where this step's requests to the parameter servers stand.
     fn mark(&self) -> edl_runtime::ps::Mark {
-        edl_runtime::ps::Mark { generation: self.info.generation, base: self.info.base, committed: 0 }
+        edl_runtime::ps::Mark::of_worker(self.info.generation, self.info.base)
     }
 
     /// Where this rank's pushes of the step belong.
     fn tag(&self) -> edl_runtime::ps::PushTag {
-        edl_runtime::ps::PushTag {
-            mark: self.mark(),
-            step: self.info.step,
-            rank: self.info.rank as u32,
-            world: self.info.world as u32,
-        }
+        let (step, rank, world) = (self.info.step, self.info.rank as u32, self.info.world as u32);
+        edl_runtime::ps::PushTag { mark: self.mark(), step, rank, world }
     }
 }
 

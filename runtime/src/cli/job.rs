@@ -111,6 +111,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     let dirs = JobDirs::new(&name, args.state.checkpoint_dir.clone());
     let exe = std::env::current_exe().context("locating edl-runtime")?;
     let work = Prepared::new(work)?;
+    work.check_ctr(args.ps.ps_servers)?;
     work.check_device(args.training.seed)?;
     let distill = work.distills(&args.distillation);
     let teachers = TeacherPlan::new(host, &args, &name, &work, distill, &dirs)?;
@@ -163,13 +164,13 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
         }
     };
     display.finish();
-    let student = work.student_accuracy(&checkpoint_dir, &outcome)?;
+    let student = work.student_scores(&checkpoint_dir, &outcome)?;
     let (store, device, seed) =
         (edl_runtime::store::redact(&args.state.store), work.device().to_string(), args.training.seed);
-    let report = Report::new(
+    let mut report = Report::new(
         &name,
         outcome,
-        student,
+        student.accuracy,
         teacher_accuracy,
         distill,
         policy_name,
@@ -178,6 +179,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
         device,
         seed,
     );
+    (report.student_test_auc, report.student_test_log_loss) = (student.auc, student.log_loss);
     summarize(&report, &args.output, &dirs.checkpoint_dir, &checkpoint_dir)
 }
 

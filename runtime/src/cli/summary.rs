@@ -52,6 +52,9 @@ pub(super) fn summarize(
                 .unwrap_or_else(|| if report.distill { String::new() } else { " (no distillation)".into() })
         );
     }
+    if let (Some(auc), Some(loss)) = (report.student_test_auc, report.student_test_log_loss) {
+        println!("          test AUC {auc:.4}, log loss {loss:.4}");
+    }
     let resizes = report.scale_events.iter().filter(|e| e.from > 0).count();
     println!(
         "          {resizes} resizes, median pause {}; generations {}..{}",

@@ -15,6 +15,7 @@ use edl_runtime::{
     coordinator::JobOutcome,
     job::{BuiltinModel, Program},
     trainer::{
+        ctr,
         data::Dataset,
         model::Mlp,
         train::Trainer,
@@ -59,7 +60,10 @@ pub const ALPHA: f32 = 0.7;
 #[derive(Args)]
 #[command(next_help_heading = "Built-in student")]
 pub struct StudentArgs {
-    /// `mnist5k` (4000 train / 1000 test) or `digits` (1397 / 400).
+    /// `mnist5k` (4000 train / 1000 test), `digits` (1397 / 400), or `ctr`
+    /// (20000 / 5000 click-through rows of Criteo's shape: a wide-and-deep
+    /// model with its embeddings on the parameter servers; needs
+    /// --ps-servers).
     #[arg(long, value_name = "NAME", default_value = "mnist5k")]
     pub dataset: String,
     /// Train the student on the first N training samples only (a small transfer set).
@@ -286,14 +290,21 @@ impl Prepared {
             Workload::Builtin(student) => {
                 let mut model = BuiltinModel {
                     dataset: student.dataset.clone(),
-                    test_rows: if student.dataset == "digits" { 400 } else { 1000 },
+                    test_rows: match student.dataset.as_str() {
+                        "digits" => 400,
+                        "ctr" => ctr::TEST_ROWS,
+                        _ => 1000,
+                    },
                     split_seed: 1,
                     train_samples: student.train_samples,
                     layers: Vec::new(),
                 };
                 let (train, test) = load_data(&BuiltinModel { train_samples: None, ..model.clone() })?;
                 let hidden = sizes(&student.hidden, "hidden")?;
-                model.layers = std::iter::once(train.dim).chain(hidden).chain([train.classes]).collect();
+                model.layers = match student.dataset.as_str() {
+                    "ctr" => ctr::layers(&hidden),
+                    _ => std::iter::once(train.dim).chain(hidden).chain([train.classes]).collect(),
+                };
                 Prepared::Builtin { student, model, train, test }
             }
             Workload::Program { samples, command, pool } => Prepared::Program { samples, command, pool },
@@ -333,10 +344,42 @@ impl Prepared {
         }
     }
 
-    /// Whether the job distils: the built-in student unless --no-distill; a
-    /// launched program only from the teachers it is given.
+    /// The built-in click-through model (its tables on parameter servers).
+    fn is_ctr(&self) -> bool {
+        matches!(self, Prepared::Builtin { model, .. } if model.dataset == "ctr")
+    }
+
+    /// Refuses what the click-through model cannot run with, before
+    /// anything starts: it needs parameter servers, trains on the CPU, and
+    /// has no teachers or reader transform.
+    pub(super) fn check_ctr(&self, ps_servers: u32) -> Result<()> {
+        let Prepared::Builtin { student, .. } = self else { return Ok(()) };
+        if !self.is_ctr() {
+            return Ok(());
+        }
+        if ps_servers == 0 {
+            edl_runtime::refuse!(
+                "--dataset ctr keeps its embedding tables on parameter servers: add --ps-servers N (e.g. --ps-servers 2)"
+            );
+        }
+        if student.device != Device::Cpu {
+            edl_runtime::refuse!(
+                "--dataset ctr trains on the CPU; --device {} is for mnist5k and digits",
+                student.device
+            );
+        }
+        if student.transform.transform.is_some() {
+            edl_runtime::refuse!("--transform: reader transforms take image batches; --dataset ctr has none");
+        }
+        Ok(())
+    }
+
+    /// Whether the job distils: the built-in student unless --no-distill
+    /// (the click-through model never: it has no teachers); a launched
+    /// program only from the teachers it is given.
     pub(super) fn distills(&self, d: &DistillationArgs) -> bool {
         match self {
+            Prepared::Builtin { .. } if self.is_ctr() => false,
             Prepared::Builtin { .. } => !d.no_distill,
             Prepared::Program { pool, .. } => {
                 !d.no_distill
@@ -360,6 +403,14 @@ impl Prepared {
     /// What the job trains, for its first line.
     pub(super) fn describe(&self) -> String {
         match self {
+            Prepared::Builtin { model, test, .. } if self.is_ctr() => format!(
+                "ctr ({} training samples, {} test), wide and deep: {} embeddings of {} ids a row on the parameter servers, MLP {:?}",
+                self.rows(),
+                test.len(),
+                ctr::EMBED,
+                ctr::FIELDS,
+                model.layers
+            ),
             Prepared::Builtin { student, model, test, .. } => format!(
                 "{} ({} training samples, {} test), student {:?}",
                 student.dataset,
@@ -376,21 +427,31 @@ impl Prepared {
         }
     }
 
-    /// The built-in student's test accuracy, from the final checkpoint.
-    pub(super) fn student_accuracy(
+    /// The built-in student's test scores, from the final checkpoint: its
+    /// accuracy, or the click-through model's AUC and logistic loss.
+    pub(super) fn student_scores(
         &self,
         checkpoint_dir: &Path,
         outcome: &JobOutcome,
-    ) -> Result<Option<f64>> {
-        match self {
-            Prepared::Builtin { test, .. } => {
-                let store = Checkpoints::open(checkpoint_dir, 1)?;
-                let restored = mlp_of(&store.read_at(&outcome.final_checkpoint)?)?;
-                Ok(Some(restored.accuracy(test) as f64))
-            }
-            Prepared::Program { .. } => Ok(None),
+    ) -> Result<StudentScores> {
+        let Prepared::Builtin { test, .. } = self else { return Ok(StudentScores::default()) };
+        let store = Checkpoints::open(checkpoint_dir, 1)?;
+        let restored = store.read_at(&outcome.final_checkpoint)?;
+        if self.is_ctr() {
+            let (auc, log_loss) = ctr::evaluate_checkpoint(&restored, test)?;
+            return Ok(StudentScores { auc: Some(auc), log_loss: Some(log_loss), ..Default::default() });
         }
+        let accuracy = mlp_of(&restored)?.accuracy(test) as f64;
+        Ok(StudentScores { accuracy: Some(accuracy), ..Default::default() })
     }
+}
+
+/// The built-in student's scores on its test set.
+#[derive(Default)]
+pub(super) struct StudentScores {
+    pub accuracy: Option<f64>,
+    pub auc: Option<f64>,
+    pub log_loss: Option<f64>,
 }
 
 /// Layer sizes from a comma-separated list (`--hidden 128,64`).

@@ -11,6 +11,11 @@ pub struct Report {
     pub job: String,
     /// The built-in student's test accuracy (None for a program of one's own).
     pub student_test_accuracy: Option<f64>,
+    /// The click-through model's test AUC and mean logistic loss (`--dataset ctr`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub student_test_auc: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub student_test_log_loss: Option<f64>,
     /// None when the teachers were not trained by this job (or not used).
     pub teacher_test_accuracy: Option<f64>,
     /// Samples committed per second of training, this run.
@@ -101,6 +106,8 @@ impl Report {
         Report {
             job: job.to_string(),
             student_test_accuracy: student,
+            student_test_auc: None,
+            student_test_log_loss: None,
             teacher_test_accuracy: teacher,
             samples_per_sec: outcome.samples as f64 / outcome.train_secs.max(1e-9),
             rescale_pause_ms_median: median_pause(&outcome.scale_events),

@@ -66,6 +66,15 @@ pub struct Mark {
     pub committed: u64,
 }
 
+impl Mark {
+    /// A worker's mark: its step's generation and that generation's base.
+    /// The job, not a worker, tells the servers which steps are past
+    /// undoing (it knows the checkpoints still to be taken).
+    pub fn of_worker(generation: u64, base: u64) -> Mark {
+        Mark { generation, base, committed: 0 }
+    }
+}
+
 /// Where a push belongs: its generation, step, and rank among `world`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PushTag {

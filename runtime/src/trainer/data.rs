@@ -39,13 +39,17 @@ impl Source {
     }
 }
 
-/// Samples with features scaled to [0, 1] and labels 0..10.
+/// Samples: `dim` float features a row, a label below `classes`, and
+/// (click-through data) `fields` categorical ids a row.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Dataset {
     pub features: Vec<f32>,
     pub labels: Vec<u32>,
     pub dim: usize,
     pub classes: usize,
+    /// `fields` ids a row, unique across fields (empty without fields).
+    pub categorical: Vec<u64>,
+    pub fields: usize,
 }
 
 /// Why a data set could not be loaded.
@@ -85,7 +89,14 @@ impl Dataset {
         GzDecoder::new(gz.as_slice())
             .read_to_string(&mut text)
             .map_err(|source| DataError::Read { path: shown.clone(), source })?;
-        let mut ds = Dataset { features: Vec::new(), labels: Vec::new(), dim, classes: 10 };
+        let mut ds = Dataset {
+            features: Vec::new(),
+            labels: Vec::new(),
+            dim,
+            classes: 10,
+            categorical: Vec::new(),
+            fields: 0,
+        };
         for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
             let values: Vec<&str> = line.split(',').collect();
             let bad = |detail: String| DataError::Parse { path: shown.clone(), line: i + 1, detail };
@@ -106,6 +117,20 @@ impl Dataset {
         Ok(ds)
     }
 
+    /// The categorical ids of the rows at `idx`, in that order.
+    pub fn gather_ids(&self, idx: &[u32]) -> Vec<u64> {
+        let f = self.fields;
+        idx.iter().flat_map(|&i| &self.categorical[i as usize * f..(i as usize + 1) * f]).copied().collect()
+    }
+
+    /// Keeps the first `n` samples.
+    pub fn truncate(&mut self, n: usize) {
+        let n = n.min(self.len());
+        self.features.truncate(n * self.dim);
+        self.labels.truncate(n);
+        self.categorical.truncate(n * self.fields);
+    }
+
     /// The rows at `idx`, in that order.
     pub fn gather(&self, idx: &[u32]) -> (Vec<f32>, Vec<u32>) {
         let mut x = Vec::with_capacity(idx.len() * self.dim);
@@ -124,13 +149,14 @@ impl Dataset {
         let (test_idx, train_idx) = order.split_at(test_rows.min(self.len()));
         let part = |idx: &[u32]| {
             let (features, labels) = self.gather(idx);
-            Dataset { features, labels, dim: self.dim, classes: self.classes }
+            let categorical = self.gather_ids(idx);
+            Dataset { features, labels, categorical, ..*self }
         };
         (part(train_idx), part(test_idx))
     }
 }
 
-fn splitmix(mut x: u64) -> u64 {
+pub(crate) fn splitmix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);

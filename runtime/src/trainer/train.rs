@@ -190,8 +190,46 @@ impl Trainer {
         let mut acts = forward(&self.model, x, rows)?;
         let logits = acts.pop().expect("at least one layer");
         let (mean, g) = logits_gradient(&logits, labels, teacher, loss, global_rows)?;
-        backward(&self.model, x, rows, &acts, g, &mut self.grad)?;
+        backward(&self.model, x, rows, &acts, g, &mut self.grad, None)?;
         Ok(mean as f64 * rows as f64)
+    }
+
+    /// On the CPU, the gradient of a loss of the logits into the gradient
+    /// buffer, and the loss's gradient with respect to the inputs into
+    /// `input_grad` (`rows x input` values): `loss_of(logits)` gives the
+    /// loss and its gradient with respect to the logits, which this returns
+    /// with the logits' gradient applied.
+    pub fn compute_gradient_of(
+        &mut self,
+        x: &[f32],
+        rows: usize,
+        loss_of: impl FnOnce(&[f32]) -> (f64, Vec<f32>),
+        input_grad: &mut Vec<f32>,
+    ) -> Result<f64, TrainError> {
+        let input = self.model.input_dim();
+        if self.cuda.is_some() {
+            return Err(TrainError::Batch { rows, detail: "this model trains on the CPU only".into() });
+        }
+        if Some(x.len()) != rows.checked_mul(input) {
+            return Err(TrainError::Batch {
+                rows,
+                detail: format!("{} input values, the model takes {input} per row", x.len()),
+            });
+        }
+        self.grad.iter_mut().for_each(|g| *g = 0.0);
+        input_grad.clear();
+        input_grad.resize(rows * input, 0.0);
+        if rows == 0 {
+            return Ok(0.0);
+        }
+        let mut acts = forward(&self.model, x, rows)?;
+        let logits = acts.pop().expect("at least one layer");
+        let (loss, g) = loss_of(&logits);
+        if g.len() != logits.len() {
+            return Err(TrainError::Batch { rows, detail: format!("{} logit gradients", g.len()) });
+        }
+        backward(&self.model, x, rows, &acts, g, &mut self.grad, Some(input_grad))?;
+        Ok(loss)
     }
 
     /// SGD with momentum (v = momentum v + g; w -= lr v) with the gradient buffer.
@@ -285,6 +323,7 @@ fn logits_gradient(
 /// first, from `g`, the gradient with respect to the logits: adds each
 /// layer's weight and bias gradients into `grad` (laid out per layer, weight
 /// then bias). `acts` are the hidden layers' outputs from [`forward`].
+/// With `input_grad`, the gradient with respect to `x` too.
 fn backward(
     model: &Mlp,
     x: &[f32],
@@ -292,6 +331,7 @@ fn backward(
     acts: &[Vec<f32>],
     mut g: Vec<f32>,
     grad: &mut [f32],
+    mut input_grad: Option<&mut [f32]>,
 ) -> Result<(), TrainError> {
     let mut offsets = Vec::new();
     let mut at = 0;
@@ -318,25 +358,34 @@ fn backward(
                 *db += gv;
             }
         }
-        if li > 0 {
-            // G_prev = G W^T, through the ReLU.
-            let mut prev = vec![0f32; rows * l.inputs];
-            gemm(
-                rows,
-                l.outputs,
-                l.inputs,
-                View::row_major(&g, l.outputs),
-                View::transposed(&l.weight, l.outputs),
-                &mut prev,
-                false,
-            )?;
-            for (p, act) in prev.iter_mut().zip(a) {
-                if *act <= 0.0 {
-                    *p = 0.0;
-                }
-            }
-            g = prev;
+        if li == 0 && input_grad.is_none() {
+            break;
         }
+        // G_prev = G W^T: the gradient of this layer's input.
+        let mut prev = vec![0f32; rows * l.inputs];
+        gemm(
+            rows,
+            l.outputs,
+            l.inputs,
+            View::row_major(&g, l.outputs),
+            View::transposed(&l.weight, l.outputs),
+            &mut prev,
+            false,
+        )?;
+        if li == 0 {
+            // The model's inputs (no ReLU before them).
+            if let Some(dx) = input_grad.as_deref_mut() {
+                dx.copy_from_slice(&prev);
+            }
+            break;
+        }
+        // Through the ReLU of the layer below.
+        for (p, act) in prev.iter_mut().zip(a) {
+            if *act <= 0.0 {
+                *p = 0.0;
+            }
+        }
+        g = prev;
     }
     Ok(())
 }

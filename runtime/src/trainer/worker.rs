@@ -27,16 +27,15 @@ use std::{
 
 /// The training set and test set of the built-in model's data.
 pub fn load_data(m: &BuiltinModel) -> Result<(Dataset, Dataset)> {
-    let source = match m.dataset.as_str() {
-        "mnist5k" => Source::Mnist5k,
-        "digits" => Source::Digits,
-        other => bail!("unknown data set {other:?} (expected mnist5k or digits)"),
+    let all = match m.dataset.as_str() {
+        "mnist5k" => Dataset::load(Source::Mnist5k)?,
+        "digits" => Dataset::load(Source::Digits)?,
+        "ctr" => crate::trainer::ctr::synthetic(crate::trainer::ctr::ROWS, m.split_seed),
+        other => bail!("unknown data set {other:?} (expected mnist5k, digits or ctr)"),
     };
-    let (mut train, test) = Dataset::load(source)?.split(m.test_rows, m.split_seed);
+    let (mut train, test) = all.split(m.test_rows, m.split_seed);
     if let Some(n) = m.train_samples {
-        let n = n.min(train.len());
-        train.features.truncate(n * train.dim);
-        train.labels.truncate(n);
+        train.truncate(n);
     }
     Ok((train, test))
 }
@@ -81,12 +80,18 @@ pub fn mlp_of(r: &Restored) -> Result<Mlp> {
 }
 
 /// The trainer as a session's state.
-struct MlpState {
-    trainer: Trainer,
-    layout: Layout,
+pub(crate) struct MlpState {
+    pub(crate) trainer: Trainer,
+    pub(crate) layout: Layout,
     /// Buffers of the split into parameters and momentum.
     params: Vec<f32>,
     velocity: Vec<f32>,
+}
+
+impl MlpState {
+    pub(crate) fn new(trainer: Trainer, layout: Layout) -> Self {
+        MlpState { trainer, layout, params: Vec::new(), velocity: Vec::new() }
+    }
 }
 
 impl State for MlpState {
@@ -332,12 +337,14 @@ pub fn run(join: Join) -> Result<()> {
     if train.len() != spec.samples {
         bail!("worker {id}: {} training samples here, the job has {}", train.len(), spec.samples);
     }
+    if model.dataset == "ctr" {
+        return crate::trainer::ctr::run(&mut session, &model, train);
+    }
     let device: Device = spec.device.parse().map_err(|e: String| anyhow!("worker {id}: {e}"))?;
     let (host, transform_path, transform) = transform_of(id, &spec)?;
     let trainer =
         Trainer::on(device, Mlp::random(&model.layers, spec.seed)).with_context(|| format!("worker {id}"))?;
-    let mut state =
-        MlpState { trainer, layout: mlp_layout(&model.layers), params: Vec::new(), velocity: Vec::new() };
+    let mut state = MlpState::new(trainer, mlp_layout(&model.layers));
     let mut w = BuiltinWorker {
         id,
         seed: spec.seed,

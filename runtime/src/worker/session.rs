@@ -178,6 +178,19 @@ pub struct Step {
     closes: bool,
 }
 
+impl Step {
+    /// Where this step's requests to the parameter servers stand.
+    pub fn ps_mark(&self) -> crate::ps::Mark {
+        crate::ps::Mark::of_worker(self.generation, self.base)
+    }
+
+    /// Where this rank's pushes of the step belong.
+    pub fn ps_tag(&self) -> crate::ps::PushTag {
+        let (step, rank, world) = (self.step, self.rank as u32, self.world as u32);
+        crate::ps::PushTag { mark: self.ps_mark(), step, rank, world }
+    }
+}
+
 /// What the program does next.
 pub enum Event {
     Step(Step),

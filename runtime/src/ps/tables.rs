@@ -5,10 +5,10 @@
 //! empty pushes a step owes every table it did not push, so that the
 //! servers can count every rank's push of every step.
 
+use crate::job::spec::PsTopology;
+use crate::ps::{Client, Mark, PushTag, TableSpec};
+use crate::worker::session::JobAuth;
 use anyhow::{Context, Result, bail};
-use edl_runtime::job::spec::PsTopology;
-use edl_runtime::ps::{Client, Mark, PushTag, TableSpec};
-use edl_runtime::worker::session::JobAuth;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -23,11 +23,8 @@ fn current(t: &Shared) -> Option<PsTopology> {
 
 /// Connects to the servers of `t` as `worker`.
 fn connect(t: &PsTopology, auth: &JobAuth, worker: u64) -> Result<Client> {
-    let servers = t
-        .servers
-        .iter()
-        .map(|(id, a)| Ok((*id, edl_runtime::net::resolve(a)?)))
-        .collect::<Result<Vec<_>>>()?;
+    let servers =
+        t.servers.iter().map(|(id, a)| Ok((*id, crate::net::resolve(a)?))).collect::<Result<Vec<_>>>()?;
     let mut client = Client::connect(&servers, t.replicas, auth, worker)?;
     // Longer than a server waits for the pushes a pull needs (300 s): a
     // server wedged, not gone, fails the step instead of holding it.
@@ -110,6 +107,15 @@ impl Tables {
         current(&self.topology).is_some_and(|t| t.room)
     }
 
+    /// A request failed: the connections are dropped (the next request
+    /// makes new ones, whatever was left on these); true when the step is
+    /// to be redone (a server gone, the generation over, a server full
+    /// while the job may add one), false for an error of the program's.
+    pub fn failed(&mut self, e: &anyhow::Error) -> bool {
+        self.disconnect();
+        crate::ps::service::redo(e, self.room())
+    }
+
     /// Forgets the connections (one broke): the next request makes new ones.
     pub fn disconnect(&mut self) {
         self.client = None;
@@ -137,7 +143,7 @@ impl Tables {
 
     /// What gives the checkpoints rank 0 writes the tables at their step:
     /// a connection of its own to every server, made at the first one.
-    pub fn exporter(&self) -> Option<edl_runtime::worker::session::TableExport> {
+    pub fn exporter(&self) -> Option<crate::worker::session::TableExport> {
         current(&self.topology)?;
         let (shared, auth, worker, specs) =
             (self.topology.clone(), self.auth.clone(), self.worker, self.specs.clone());
