@@ -111,8 +111,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     let dirs = JobDirs::new(&name, args.state.checkpoint_dir.clone());
     let exe = std::env::current_exe().context("locating edl-runtime")?;
     let work = Prepared::new(work)?;
-    work.check_ctr(args.ps.ps_servers)?;
-    work.check_device(args.training.seed)?;
+    work.check(args.training.seed, args.ps.ps_servers)?;
     let distill = work.distills(&args.distillation);
     let teachers = TeacherPlan::new(host, &args, &name, &work, distill, &dirs)?;
     let spec = job_spec(host, &name, &args, &work, &dirs, plugins.transform.as_deref(), teachers.source)?;

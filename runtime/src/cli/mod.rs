@@ -43,6 +43,8 @@ Examples:
   edl-runtime --policy plugins/autoscale.wasm
       the built-in job on this machine: teachers, a coordinator, 1..4 workers
   edl-runtime --max-workers 8 --adapter plugins/dynamic-batch.wasm --report run.json
+  edl-runtime --dataset ctr --ps-servers 2 --ps-replicas 2
+      a wide-and-deep click-through model, its embeddings on parameter servers
   edl-runtime launch --samples 60000 --max-workers 8 -- python train.py
       your own program as the job's workers
   edl-runtime launch --torchrun -- python train_ddp.py
@@ -67,11 +69,21 @@ pub struct Cli {
     run: JobArgs,
     #[command(flatten)]
     student: StudentArgs,
-    /// Job name: its keys in the store and its directories under .edl/.
-    #[arg(long, value_name = "NAME", default_value = "mnist", value_parser = flags::job_name, help_heading = "Checkpoints and state")]
-    job: String,
+    /// Job name: its keys in the store and its directories under .edl/
+    /// [default: mnist; ctr for --dataset ctr].
+    #[arg(long, value_name = "NAME", value_parser = flags::job_name, help_heading = "Checkpoints and state")]
+    job: Option<String>,
     #[command(flatten)]
     sandbox: SandboxArgs,
+}
+
+impl Cli {
+    /// The built-in job's name: as given, else its data set's (`mnist` for
+    /// the image data sets).
+    fn builtin_job_name(&self) -> String {
+        let default = if self.student.dataset == "ctr" { "ctr" } else { "mnist" };
+        self.job.clone().unwrap_or_else(|| default.into())
+    }
 }
 
 #[derive(Subcommand)]
@@ -200,7 +212,10 @@ fn host(args: &SandboxArgs) -> Result<Arc<PluginHost>> {
 /// Runs the command the line names.
 pub fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        None => job::run(&host(&cli.sandbox)?, cli.job, cli.run, Workload::Builtin(cli.student)),
+        None => {
+            let name = cli.builtin_job_name();
+            job::run(&host(&cli.sandbox)?, name, cli.run, Workload::Builtin(cli.student))
+        }
         Some(Command::Launch(l)) => launch::run(&host(&cli.sandbox)?, *l),
         Some(Command::Worker(w)) => worker::run(w),
         Some(Command::Agent(a)) => agent::run(a),
@@ -365,7 +380,7 @@ mod tests {
         );
         // A value that names a subcommand is a value, and the sandbox flags go either side.
         let cli = parse("--job launch --plugin-cache /a").unwrap();
-        assert!(cli.command.is_none() && cli.job == "launch");
+        assert!(cli.command.is_none() && cli.job.as_deref() == Some("launch"));
         let cli = parse("--allow-native launch --plugin-deadline-ms 7 --samples 4 -- true").unwrap();
         assert!(cli.sandbox.allow_native && cli.sandbox.plugin_deadline_ms == 7);
     }
@@ -374,10 +389,13 @@ mod tests {
     fn each_subcommand_has_its_own_default_job_name() {
         let job = |line: &str| match parse(line).unwrap() {
             Cli { command: Some(Command::Launch(l)), .. } => l.job,
-            Cli { command: None, job, .. } => job,
+            c @ Cli { command: None, .. } => c.builtin_job_name(),
             _ => unreachable!(),
         };
         assert_eq!(job(""), "mnist");
+        assert_eq!(job("--dataset digits"), "mnist");
+        assert_eq!(job("--dataset ctr --ps-servers 2"), "ctr");
+        assert_eq!(job("--dataset ctr --job clicks"), "clicks");
         assert_eq!(job("launch --samples 4 -- true"), "launch");
         assert_eq!(job("launch --job mnist --samples 4 -- true"), "mnist");
     }

@@ -15,7 +15,7 @@ use edl_runtime::{
     coordinator::JobOutcome,
     job::{BuiltinModel, Program},
     trainer::{
-        ctr,
+        clicks, ctr,
         data::Dataset,
         model::Mlp,
         train::Trainer,
@@ -292,7 +292,7 @@ impl Prepared {
                     dataset: student.dataset.clone(),
                     test_rows: match student.dataset.as_str() {
                         "digits" => 400,
-                        "ctr" => ctr::TEST_ROWS,
+                        "ctr" => clicks::TEST_ROWS,
                         _ => 1000,
                     },
                     split_seed: 1,
@@ -352,7 +352,7 @@ impl Prepared {
     /// Refuses what the click-through model cannot run with, before
     /// anything starts: it needs parameter servers, trains on the CPU, and
     /// has no teachers or reader transform.
-    pub(super) fn check_ctr(&self, ps_servers: u32) -> Result<()> {
+    fn check_ctr(&self, ps_servers: u32) -> Result<()> {
         let Prepared::Builtin { student, .. } = self else { return Ok(()) };
         if !self.is_ctr() {
             return Ok(());
@@ -388,9 +388,11 @@ impl Prepared {
         }
     }
 
-    /// A missing driver, GPU, cuBLAS or NVRTC stops the job here, before
-    /// any process starts.
-    pub(super) fn check_device(&self, seed: u64) -> Result<()> {
+    /// Refuses what the built-in model cannot run with, before any process
+    /// starts: the click-through model's needs, and a missing driver, GPU,
+    /// cuBLAS or NVRTC.
+    pub(super) fn check(&self, seed: u64, ps_servers: u32) -> Result<()> {
+        self.check_ctr(ps_servers)?;
         if let Prepared::Builtin { student, model, .. } = self
             && student.device != Device::Cpu
         {
@@ -408,7 +410,7 @@ impl Prepared {
                 self.rows(),
                 test.len(),
                 ctr::EMBED,
-                ctr::FIELDS,
+                clicks::FIELDS,
                 model.layers
             ),
             Prepared::Builtin { student, model, test, .. } => format!(

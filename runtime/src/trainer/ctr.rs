@@ -9,40 +9,23 @@
 //! MLP to one logit; the wide part adds each id's weight from table `wide`
 //! (1 float). The loss is the logistic loss of the click label. Each step
 //! pulls the rows its batch touches, pushes their gradients (summed per
-//! id; the servers apply Adagrad), and all-reduces the MLP's.
-//!
-//! The data is synthetic, of a known structure: each field's values are
-//! Zipf-distributed, and the label is drawn from a hidden logistic model
-//! of per-id weights and the dense features, so that a model that learns
-//! the ids reaches a test AUC well above 0.5.
+//! id; the servers apply Adagrad), and all-reduces the MLP's. The data:
+//! [`clicks`](crate::trainer::clicks).
 
 use crate::checkpoint::Restored;
 use crate::job::spec::BuiltinModel;
 use crate::ps::{Init, Optimizer, TableSpec, Tables};
+use crate::trainer::builtin::{MlpState, mlp_layout};
+use crate::trainer::clicks::{DENSE, FIELDS};
 use crate::trainer::data::Dataset;
 use crate::trainer::train::Trainer;
-use crate::trainer::worker::{MlpState, mlp_layout};
 use crate::worker::session::{Event, Session, Step};
 use anyhow::{Context, Result, bail};
-use rand::{RngExt, SeedableRng};
-use rand_distr::{Distribution, LogNormal, Normal, Zipf};
 use std::collections::HashMap;
 use std::time::Instant;
 
-/// Dense features a row.
-pub const DENSE: usize = 13;
-/// Categorical features a row.
-pub const FIELDS: usize = 26;
 /// Floats of an id's embedding.
 pub const EMBED: usize = 8;
-/// Rows the data set holds (test and training).
-pub const ROWS: usize = 100_000;
-/// Rows held out for the test.
-pub const TEST_ROWS: usize = 10_000;
-/// Distinct values a field may take.
-const VOCAB: u64 = 10_000;
-/// The exponent of each field's Zipf distribution.
-const ZIPF: f64 = 1.2;
 /// The table of embeddings, and the table of the wide part's weights.
 pub const DEEP: &str = "deep";
 pub const WIDE: &str = "wide";
@@ -67,52 +50,6 @@ pub fn table_specs(seed: u64) -> [TableSpec; 2] {
         TableSpec { name: DEEP.into(), dim: EMBED, optimizer, init: Init::Uniform { scale: 0.05 }, seed },
         TableSpec { name: WIDE.into(), dim: 1, optimizer, init: Init::Zeros, seed },
     ]
-}
-
-/// The hidden model's weight of an id: a hash of it, spread as N(0, 0.8).
-fn hidden_weight(id: u64) -> f64 {
-    let x = crate::trainer::data::splitmix(id ^ 0x5eed_c11c);
-    let u1 = ((x >> 40) as f64 + 0.5) / (1u64 << 24) as f64;
-    let u2 = (((x >> 16) & 0xFF_FFFF) as f64 + 0.5) / (1u64 << 24) as f64;
-    0.8 * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-}
-
-/// `rows` rows of click-through data from `seed`: features `ln(1 + count)`
-/// of log-normal counts, ids of Zipf-distributed values, labels 0 or 1.
-pub fn synthetic(rows: usize, seed: u64) -> Dataset {
-    generate(rows, seed).0
-}
-
-/// [`synthetic`]'s rows, and the hidden model's logit of each.
-fn generate(rows: usize, seed: u64) -> (Dataset, Vec<f64>) {
-    let mut rng = rand_pcg::Pcg64Mcg::seed_from_u64(seed);
-    let counts = LogNormal::new(1.0, 1.2).expect("valid parameters");
-    let values = Zipf::new(VOCAB as f64, ZIPF).expect("valid parameters");
-    let dense_weights = Normal::new(0.0, 0.3).expect("valid parameters");
-    let features: Vec<f32> = (0..rows * DENSE).map(|_| (counts.sample(&mut rng) as f32).ln_1p()).collect();
-    let categorical: Vec<u64> = (0..rows * FIELDS)
-        .map(|i| ((i % FIELDS) as u64) << 40 | (values.sample(&mut rng) as u64 - 1))
-        .collect();
-    let hidden: Vec<f64> = (0..DENSE).map(|_| dense_weights.sample(&mut rng)).collect();
-    let mut mean = [0f64; DENSE];
-    for row in features.chunks_exact(DENSE) {
-        row.iter().zip(&mut mean).for_each(|(v, m)| *m += *v as f64 / rows.max(1) as f64);
-    }
-    let logits: Vec<f64> = (0..rows)
-        .map(|r| {
-            let ids = &categorical[r * FIELDS..(r + 1) * FIELDS];
-            let wide: f64 = ids.iter().map(|&id| hidden_weight(id)).sum::<f64>() / (FIELDS as f64).sqrt();
-            let dense: f64 = features[r * DENSE..(r + 1) * DENSE]
-                .iter()
-                .zip(&mean)
-                .zip(&hidden)
-                .map(|((v, m), w)| (*v as f64 - m) * w)
-                .sum();
-            1.6 * wide + dense - 1.0
-        })
-        .collect();
-    let labels = logits.iter().map(|z| u32::from(rng.random::<f64>() < 1.0 / (1.0 + (-z).exp()))).collect();
-    (Dataset { features, labels, dim: DENSE, classes: 2, categorical, fields: FIELDS }, logits)
 }
 
 /// The logistic loss of logit `z` for label `y`, without overflow.
@@ -201,7 +138,7 @@ pub fn evaluate(trainer: &Trainer, test: &Dataset, lookup: &mut Lookup<'_>) -> R
 /// Test AUC and logistic loss of a checkpoint of the model: its MLP, and
 /// its tables' rows (an id it does not hold has its initial values).
 pub fn evaluate_checkpoint(r: &Restored, test: &Dataset) -> Result<(f64, f64)> {
-    let trainer = Trainer::new(crate::trainer::worker::mlp_of(r)?);
+    let trainer = Trainer::new(crate::trainer::builtin::mlp_of(r)?);
     let mut held: HashMap<&str, (&crate::ps::SavedTable, HashMap<u64, usize>)> = HashMap::new();
     for t in &r.tables {
         held.insert(&t.spec.name, (t, t.ids.iter().enumerate().map(|(i, &id)| (id, i)).collect()));
@@ -324,7 +261,7 @@ pub fn run(session: &mut Session, model: &BuiltinModel, train: Dataset) -> Resul
     let id = session.id();
     let spec = session.spec().clone();
     let (_, test) =
-        crate::trainer::worker::load_data(&BuiltinModel { train_samples: None, ..model.clone() })?;
+        crate::trainer::builtin::load_data(&BuiltinModel { train_samples: None, ..model.clone() })?;
     let mut tables = Tables::new(spec.ps.clone(), session.auth().clone(), id);
     for t in table_specs(spec.seed) {
         tables.define(t, false).with_context(|| format!("worker {id}"))?;
@@ -386,6 +323,7 @@ pub fn run(session: &mut Session, model: &BuiltinModel, train: Dataset) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::trainer::clicks::{VOCAB, generate, synthetic};
     use crate::trainer::model::Mlp;
 
     #[test]

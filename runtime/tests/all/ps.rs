@@ -413,3 +413,124 @@ fn a_server_told_to_go_hands_its_shards_over_and_the_job_goes_on_on_the_others()
     assert_exactly_once(&report(dir.path()), 3, 6000);
     assert_as_calm(dir.path(), &text);
 }
+
+/// The built-in job's wide-and-deep model (`--dataset ctr`) on 20,000
+/// rows, two workers held by the policy, two epochs, servers of
+/// `servers` (and `flags`), each step a little slow so that a kill lands
+/// mid-job.
+fn builtin_ctr(dir: &Path, servers: &str, flags: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    c.current_dir(dir)
+        .args(["--dataset", "ctr", "--train-samples", "20000", "--ps-servers", servers, "--epochs", "2"])
+        .args(["--workers", "2", "--min-workers", "1", "--max-workers", "3", "--step-delay-ms", "4"])
+        .args(["--policy", art::AUTOSCALE_WASM, "--decide-every", "100000", "--report", "report.json"])
+        .arg("--plugin-cache")
+        .arg(dir.join("plugin-cache"))
+        .args(flags)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+/// Each epoch's test AUC and log loss, as the progress lines said them.
+fn epoch_scores(text: &str) -> Vec<(f64, f64)> {
+    let value = |l: &str, name: &str| -> Option<f64> {
+        l.split(&format!("| {name} ")).nth(1)?.split_whitespace().next()?.parse().ok()
+    };
+    text.lines()
+        .filter(|l| l.starts_with("progress"))
+        .filter_map(|l| Some((value(l, "test_auc")?, value(l, "test_log_loss")?)))
+        .collect()
+}
+
+/// The built-in model trained undisturbed on two servers of two replicas
+/// (the command the docs give), once per test run: its final dense arrays
+/// and each epoch's scores.
+fn builtin_calm() -> (Vec<(String, Vec<f32>)>, Vec<(f64, f64)>) {
+    static CALM: Mutex<Option<(Vec<(String, Vec<f32>)>, Vec<(f64, f64)>)>> = Mutex::new(None);
+    let mut calm = CALM.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = calm.as_ref() {
+        return c.clone();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = builtin_ctr(dir.path(), "2", &["--ps-replicas", "2"]).spawn().unwrap();
+    let rx = lines(&mut child);
+    let text = ended(child, rx, Vec::new());
+    assert!(
+        text.starts_with("job \"ctr\": ctr (20000 training samples, 10000 test), wide and deep"),
+        "{text}"
+    );
+    assert_no_checkpoint_failed(&text);
+    let r = report(dir.path());
+    assert_exactly_once(&r, 2, 20000);
+    // Every epoch scored on the test set, and the model learns the ids:
+    // the hidden model's own AUC is about 0.8, a coin's 0.5.
+    let scores = epoch_scores(&text);
+    assert_eq!(scores.len(), 2, "{text}");
+    assert!(scores.iter().all(|(auc, loss)| *auc > 0.7 && *loss < 0.6), "{scores:?}");
+    let auc = r["student_test_auc"].as_f64().unwrap();
+    assert!(auc > 0.7 && r["student_test_log_loss"].as_f64().unwrap() < 0.6, "{r}");
+    assert!(text.contains(&format!("test AUC {auc:.4}, log loss ")), "{text}");
+    assert!(r["student_test_accuracy"].is_null(), "an AUC, not an accuracy: {r}");
+    // The servers in the progress lines and the report: both tables on
+    // both, every step applied on each (each holds every shard, as
+    // owner or replica).
+    assert!(
+        text.lines().any(|l| l.starts_with("progress") && l.contains("| 2 parameter servers, ")),
+        "{text}"
+    );
+    let servers = r["parameter_servers"].as_array().unwrap();
+    assert_eq!(servers.len(), 2, "{servers:?}");
+    for s in servers {
+        let tables = s["tables"].as_array().unwrap();
+        assert_eq!(tables.len(), 2, "{s}");
+        assert!(tables.iter().all(|t| t["rows"].as_u64() > Some(10_000) && t["applied"] == 626), "{s}");
+    }
+    // The tables are in the final checkpoint.
+    let state = Checkpoints::read(Path::new(r["final_checkpoint"].as_str().unwrap())).unwrap();
+    let names: Vec<&str> = state.tables.iter().map(|t| t.spec.name.as_str()).collect();
+    assert_eq!(names, ["deep", "wide"]);
+    *calm = Some((final_state(dir.path()), scores));
+    calm.clone().unwrap()
+}
+
+#[test]
+fn the_built_in_job_trains_wide_and_deep_on_parameter_servers_and_scores_each_epoch() {
+    builtin_calm();
+}
+
+#[test]
+fn a_server_killed_under_the_built_in_model_loses_no_update_and_the_model_ends_as_without_the_kill() {
+    let dir = tempfile::tempdir().unwrap();
+    let (child, rx, seen) =
+        started_until(builtin_ctr(dir.path(), "3", &["--ps-replicas", "2"]), "epoch     0 done");
+    let coordinator = child.id();
+    sigkill(server_pid(coordinator, 2));
+    let text = ended(child, rx, seen);
+    assert!(text.contains("parameter server 2 lost"), "{text}");
+    assert!(text.contains("parameter servers 3 -> 2: "), "{text}");
+    assert_exactly_once(&report(dir.path()), 2, 20000);
+    let (state, scores) = builtin_calm();
+    for ((name, x), (_, y)) in state.iter().zip(&final_state(dir.path())) {
+        assert!(x == y, "{name} differs from the undisturbed run's");
+    }
+    assert_eq!(epoch_scores(&text), scores);
+}
+
+#[test]
+fn the_built_in_ctr_model_without_servers_is_refused_before_anything_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+        .current_dir(dir.path())
+        .args(["--dataset", "ctr", "--epochs", "1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--dataset ctr keeps its embedding tables on parameter servers: add --ps-servers N"),
+        "{err}"
+    );
+    assert!(!dir.path().join(".edl").exists(), "nothing started");
+}
