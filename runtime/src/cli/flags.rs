@@ -116,6 +116,22 @@ pub struct PsArgs {
     /// share of the shards at the next step boundary.
     #[arg(long, value_name = "N")]
     pub max_ps: Option<u32>,
+    /// Start each parameter server by this command on a host of --ps-hosts
+    /// (`sh -c`), instead of beside the coordinator: `ssh {host} {program}`,
+    /// `srun -w {host} {program}`, `ip netns exec {host} {program}`.
+    /// {program} is the server's command line; also {id}, {host}, {addr},
+    /// {port}, {job}, {exe}. It stays in the foreground while the server serves.
+    #[arg(long, value_name = "TEMPLATE")]
+    pub ps_command: Option<String>,
+    /// With --ps-command: hosts servers run on, `host[:slots]` or
+    /// `name=addr[:slots]` (a node's name for the command, {host}, and the
+    /// address the job reaches, {addr}), comma separated.
+    #[arg(long, value_name = "HOSTS", value_delimiter = ',', requires = "ps_command")]
+    pub ps_hosts: Vec<String>,
+    /// With --ps-command: the port of each host's first server; its next
+    /// ones serve on the ports after it.
+    #[arg(long, value_name = "PORT", default_value_t = 8300)]
+    pub ps_port: u16,
 }
 
 /// What a job trains with: epochs and the starting hyperparameters.

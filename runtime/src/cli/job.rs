@@ -60,6 +60,8 @@ fn start_servers(
         exe: exe.to_path_buf(),
         listen: c.listen.ip(),
         advertise: at.advertised_host()?,
+        command: ps_command(p),
+        secret_file: c.secret_file.clone(),
     };
     let job = job.start_ps(dirs, &start)?;
     let bound = match p.ps_memory_mib {
@@ -72,8 +74,24 @@ fn start_servers(
     Ok(job)
 }
 
+/// The servers' command, when the operator starts them.
+fn ps_command(p: &super::flags::PsArgs) -> Option<edl_runtime::job::ps_servers::PsCommand> {
+    let start = p.ps_command.clone()?;
+    Some(edl_runtime::job::ps_servers::PsCommand { start, hosts: p.ps_hosts.clone(), port: p.ps_port })
+}
+
 /// Refuses parameter-server flags that do not fit together, before anything starts.
 fn check_ps(p: &super::flags::PsArgs) -> Result<()> {
+    if let Some(c) = ps_command(p) {
+        let slots = c.slots()?.len();
+        let most = p.max_ps.unwrap_or(p.ps_servers);
+        if p.ps_servers == 0 {
+            edl_runtime::refuse!("--ps-command starts the servers --ps-servers N asks for; give it");
+        }
+        if most as usize > slots {
+            edl_runtime::refuse!("--ps-hosts has {slots} slot(s) for servers; the job may start {most}");
+        }
+    }
     if p.ps_servers == 0 {
         if p.ps_replicas != 1 || p.ps_memory_mib != 0 || p.ps_staleness != 0 || p.max_ps.is_some() {
             edl_runtime::refuse!(

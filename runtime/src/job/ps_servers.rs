@@ -1,7 +1,9 @@
 //! The parameter servers a job starts for itself (`--ps-servers N`):
-//! `edl-runtime ps` processes on the coordinator's host, each in a process
-//! group of its own, told the job's secret through the environment, stopped
-//! with the job.
+//! `edl-runtime ps` processes on the coordinator's host, or started by a
+//! command the operator gives on hosts of theirs (`--ps-command`, e.g.
+//! `ssh {host} {program}` or `srun -w {host} {program}`), each in a
+//! process group of its own, told the job's secret through the
+//! environment (or the job's `--secret-file`), stopped with the job.
 
 use crate::process::{die_with_parent, log_tail, terminate_group};
 use crate::worker::session::JobAuth;
@@ -33,6 +35,82 @@ pub struct PsStart {
     /// workers reach them at.
     pub listen: IpAddr,
     pub advertise: String,
+    /// Started by the operator's command on hosts of theirs instead.
+    pub command: Option<PsCommand>,
+    /// The job's secret in a file servers started by command may read (a
+    /// shared path), else the environment carries it.
+    pub secret_file: Option<PathBuf>,
+}
+
+/// Servers started by a command on the operator's hosts (`--ps-command`).
+#[derive(Clone, Debug)]
+pub struct PsCommand {
+    /// Starts server `{id}` on `{host}`; `{program}` is its command line.
+    pub start: String,
+    /// `host[:slots]` or `name=addr[:slots]` entries.
+    pub hosts: Vec<String>,
+    /// The port of each host's first server; its next ones take the ports after it.
+    pub port: u16,
+}
+
+/// What a `--ps-command` template may name.
+pub const PLACEHOLDERS: [&str; 7] = ["program", "id", "host", "addr", "port", "job", "exe"];
+
+/// A place a server runs by command: a host's name, the address the job
+/// reaches it at, and its port there.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PsSlot {
+    pub host: String,
+    pub addr: String,
+    pub port: u16,
+}
+
+impl PsCommand {
+    /// Checks the template; the slots in the order they are handed out
+    /// (across the hosts in turn).
+    pub fn slots(&self) -> Result<Vec<PsSlot>> {
+        if let Err(e) =
+            crate::scalers::command::fill_known(&self.start, &PLACEHOLDERS, |_| (String::new(), false))
+        {
+            crate::refuse!("--ps-command {:?}: {e}", self.start);
+        }
+        let mut slots = Vec::new();
+        for (host, addr, index) in crate::scalers::command::named_host_slots(&self.hosts, "--ps-hosts")? {
+            let Some(port) = u16::try_from(self.port as usize + index).ok().filter(|p| *p > 0) else {
+                crate::refuse!("--ps-port {}: server {index} on {host} has no port", self.port);
+            };
+            slots.push(PsSlot { host, addr, port });
+        }
+        if slots.is_empty() {
+            crate::refuse!("--ps-command needs --ps-hosts (the hosts and slots servers run on)");
+        }
+        Ok(slots)
+    }
+
+    /// The shell line that starts server `id` on `slot` running `program`
+    /// (quoted twice where the template goes through `ssh`, whose far
+    /// side's shell parses the line again).
+    fn line(&self, program: &[String], id: u64, slot: &PsSlot, job: &str) -> Result<String> {
+        use crate::scalers::command::{quote, runs_remote_shell};
+        let twice = runs_remote_shell(&self.start);
+        let once = |w: &str| quote(w).unwrap_or_else(|_| w.to_string());
+        let exe = program.first().cloned().unwrap_or_default();
+        let program: Vec<String> = program.iter().map(|w| once(w)).collect();
+        let program = program.join(" ");
+        let value = |name: &str| {
+            let v = match name {
+                "program" => return (if twice { once(&program) } else { program.clone() }, false),
+                "id" => id.to_string(),
+                "host" => slot.host.clone(),
+                "addr" => slot.addr.clone(),
+                "port" => slot.port.to_string(),
+                "job" => job.to_string(),
+                _ => exe.clone(),
+            };
+            (if twice { once(&v) } else { v }, true)
+        };
+        crate::scalers::command::fill_known(&self.start, &PLACEHOLDERS, value)
+    }
 }
 
 /// One running server.
@@ -40,6 +118,8 @@ pub struct PsProcess {
     pub id: u64,
     pub addr: String,
     pub log: PathBuf,
+    /// Its slot among the command's (None: started here).
+    slot: Option<usize>,
     child: Child,
 }
 
@@ -71,10 +151,25 @@ impl PsServers {
     pub fn more(&mut self, n: u32) -> Result<Vec<(u64, String)>> {
         let (start, auth, log_dir) = self.start.clone().context("no servers were started")?;
         let mut added = Vec::new();
+        let slots = match &start.command {
+            Some(c) => c.slots()?,
+            None => Vec::new(),
+        };
         for _ in 0..n {
             let id = self.next;
             self.next += 1;
-            let p = PsProcess::start(&start, id, &auth, &log_dir.join(format!("ps-{id}.log")))
+            let slot = match &start.command {
+                None => None,
+                Some(_) => {
+                    let taken: Vec<usize> = self.servers.iter().filter_map(|p| p.slot).collect();
+                    let free = (0..slots.len()).find(|i| !taken.contains(i));
+                    let free = free.with_context(|| {
+                        format!("parameter server {id}: every slot of --ps-hosts ({}) is taken", slots.len())
+                    })?;
+                    Some((free, &slots[free]))
+                }
+            };
+            let p = PsProcess::start(&start, id, &auth, &log_dir.join(format!("ps-{id}.log")), slot)
                 .with_context(|| format!("starting parameter server {id}"))?;
             added.push((p.id, p.addr.clone()));
             self.servers.push(p);
@@ -124,24 +219,55 @@ impl PsServers {
 }
 
 impl PsProcess {
-    fn start(s: &PsStart, id: u64, auth: &JobAuth, log: &Path) -> Result<PsProcess> {
+    /// Server `id`'s command line: on `slot` by the operator's command, or here.
+    fn command(s: &PsStart, id: u64, auth: &JobAuth, slot: Option<&PsSlot>) -> Result<Command> {
+        let listen = match slot {
+            // Every address of the host: the slot's may be a name only the others know.
+            Some(slot) => std::net::SocketAddr::from(([0, 0, 0, 0], slot.port)),
+            None => std::net::SocketAddr::new(s.listen, 0),
+        };
+        let mut program =
+            vec![s.exe.to_string_lossy().into_owned(), "ps".into(), "--id".into(), id.to_string()];
+        program.extend([
+            "--listen".into(),
+            listen.to_string(),
+            "--memory-mib".into(),
+            s.memory_mib.to_string(),
+        ]);
+        if let Some(file) = &s.secret_file {
+            let file = file.to_string_lossy().into_owned();
+            program.extend(["--job".into(), auth.job.clone(), "--secret-file".into(), file]);
+        }
+        Ok(match (&s.command, slot) {
+            (Some(c), Some(slot)) => {
+                let mut sh = Command::new("sh");
+                sh.arg("-c").arg(c.line(&program, id, slot, &auth.job)?);
+                sh
+            }
+            _ => {
+                let mut cmd = Command::new(&program[0]);
+                cmd.args(&program[1..]);
+                cmd
+            }
+        })
+    }
+
+    fn start(
+        s: &PsStart,
+        id: u64,
+        auth: &JobAuth,
+        log: &Path,
+        slot: Option<(usize, &PsSlot)>,
+    ) -> Result<PsProcess> {
         let log_file = std::fs::File::create(log).with_context(|| format!("{}", log.display()))?;
         let mut said = log_file.try_clone()?;
-        let mut cmd = Command::new(&s.exe);
-        cmd.args([
-            "ps",
-            "--id",
-            &id.to_string(),
-            "--listen",
-            &std::net::SocketAddr::new(s.listen, 0).to_string(),
-        ])
-        .args(["--memory-mib", &s.memory_mib.to_string()])
-        .env("EDL_JOB", &auth.job)
-        .env("EDL_JOB_SECRET", auth.secret.to_hex())
-        .env_remove("EDL_JOB_SECRET_FILE")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(log_file);
+        let mut cmd = Self::command(s, id, auth, slot.map(|(_, p)| p))?;
+        cmd.env("EDL_JOB", &auth.job)
+            .env("EDL_JOB_SECRET", auth.secret.to_hex())
+            .env_remove("EDL_JOB_SECRET_FILE")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log_file);
         die_with_parent(&mut cmd);
         // Ctrl-C is the coordinator's to act on, as for workers and teachers.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
@@ -168,8 +294,11 @@ impl PsProcess {
             .and_then(|a| a.parse::<std::net::SocketAddr>().ok())
             .map(|a| a.port())
             .ok_or_else(|| anyhow!("unexpected output {line:?} (log: {})", log.display()))?;
-        let addr = crate::net::host_port(&s.advertise, port);
-        Ok(PsProcess { id, addr, log: log.to_path_buf(), child })
+        let addr = match slot {
+            Some((_, slot)) => crate::net::host_port(&slot.addr, port),
+            None => crate::net::host_port(&s.advertise, port),
+        };
+        Ok(PsProcess { id, addr, log: log.to_path_buf(), slot: slot.map(|(i, _)| i), child })
     }
 }
 

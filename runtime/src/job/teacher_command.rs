@@ -16,7 +16,7 @@
 //! the stop command (if any) and SIGTERM on its group.
 
 use crate::distill::{TeacherAccess, oip::pb, parse_endpoint, reader::host_port};
-use crate::scalers::command::{fill_known, host_slots};
+use crate::scalers::command::{fill_known, named_host_slots};
 use crate::store::{AnyStore, Lease, keys};
 use anyhow::{Context, Result, bail};
 use std::{path::PathBuf, sync::Arc, time::Duration};
@@ -76,30 +76,11 @@ impl TeacherCommand {
                     .with_context(|| format!("{flag} {t:?}"))?;
             }
         }
-        // `name=addr[:slots]`: the name is the host's, the address apart.
-        let mut addrs = std::collections::BTreeMap::new();
-        let mut names = Vec::new();
-        for h in &self.hosts {
-            let Some((name, rest)) = h.split_once('=') else {
-                names.push(h.clone());
-                continue;
-            };
-            let (addr, n) = match rest.rsplit_once(':') {
-                Some((a, n)) if n.parse::<usize>().is_ok() => (a, Some(n)),
-                _ => (rest, None),
-            };
-            if name.is_empty() || addr.is_empty() {
-                crate::refuse!("--teacher-hosts {h:?}: expected host[:slots] or name=addr[:slots]");
-            }
-            addrs.insert(name.to_string(), addr.to_string());
-            names.push(n.map_or(name.to_string(), |n| format!("{name}:{n}")));
-        }
         let mut slots = Vec::new();
-        for (host, index) in host_slots(&names, "--teacher-hosts")? {
+        for (host, addr, index) in named_host_slots(&self.hosts, "--teacher-hosts")? {
             let port = u16::try_from(self.port as usize + 2 * index + 1).map(|p2| p2 - 1).map_err(|_| {
                 anyhow::anyhow!("--teacher-port {}: slot {index} on {host} has no port", self.port)
             })?;
-            let addr = addrs.get(&host).cloned().unwrap_or_else(|| host.clone());
             slots.push(Slot { host, addr, index, port });
         }
         if slots.is_empty() {

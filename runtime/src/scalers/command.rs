@@ -258,6 +258,37 @@ pub(crate) fn host_slots(hosts: &[String], flag: &str) -> anyhow::Result<Vec<(St
         .collect())
 }
 
+/// The slots of `hosts` whose entries may also name an address apart,
+/// `name=addr[:slots]` (`host[:slots]` otherwise: its name is its
+/// address), in the order [`host_slots`] hands them out: `(name, addr,
+/// index on the host)`.
+pub(crate) fn named_host_slots(hosts: &[String], flag: &str) -> anyhow::Result<Vec<(String, String, usize)>> {
+    let mut addrs = std::collections::BTreeMap::new();
+    let mut names = Vec::new();
+    for h in hosts {
+        let Some((name, rest)) = h.split_once('=') else {
+            names.push(h.clone());
+            continue;
+        };
+        let (addr, n) = match rest.rsplit_once(':') {
+            Some((a, n)) if n.parse::<usize>().is_ok() => (a, Some(n)),
+            _ => (rest, None),
+        };
+        if name.is_empty() || addr.is_empty() {
+            crate::refuse!("{flag} {h:?}: expected host[:slots] or name=addr[:slots]");
+        }
+        addrs.insert(name.to_string(), addr.to_string());
+        names.push(n.map_or(name.to_string(), |n| format!("{name}:{n}")));
+    }
+    Ok(host_slots(&names, flag)?
+        .into_iter()
+        .map(|(host, index)| {
+            let addr = addrs.get(&host).cloned().unwrap_or_else(|| host.clone());
+            (host, addr, index)
+        })
+        .collect())
+}
+
 /// Checks that every `{name}` of a template is a known placeholder.
 fn check_template(t: &str) -> Result<(), String> {
     fill_template(t, |_| (String::new(), false)).map(|_| ()).map_err(|e| e.to_string())

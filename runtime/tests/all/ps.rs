@@ -2,6 +2,7 @@
 //! on the servers a job starts (`--ps-servers`), through a lost worker.
 
 use crate::support::{
+    hosts::Hosts,
     job::{assert_exactly_once, committed_checkpoint, finish, lines, report},
     process::sigkill,
     python::{PyEnv, py},
@@ -532,5 +533,70 @@ fn the_built_in_ctr_model_without_servers_is_refused_before_anything_starts() {
         err.contains("--dataset ctr keeps its embedding tables on parameter servers: add --ps-servers N"),
         "{err}"
     );
+    assert!(!dir.path().join(".edl").exists(), "nothing started");
+}
+
+#[test]
+fn servers_started_by_command_on_two_other_hosts_serve_the_built_in_model_and_stop_with_it() {
+    let Some(hosts) = Hosts::build_or_skip(&["coord", "ps1", "ps2"]) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    // The job (coordinator and workers) on one host, a server on each of
+    // two others, started there by the operator's command.
+    let template = format!("ip netns exec {}-{{host}} {{program}}", hosts.prefix);
+    let (ip1, ip2) = (hosts.ip("ps1"), hosts.ip("ps2"));
+    let servers = format!("ps1={ip1},ps2={ip2}");
+    let flags = ["--ps-replicas", "2", "--ps-command", &template, "--ps-hosts", &servers];
+    let job = builtin_ctr(dir.path(), "2", &flags);
+    let mut cmd = hosts.on("coord", env!("CARGO_BIN_EXE_edl-runtime"));
+    cmd.args(job.get_args()).current_dir(dir.path());
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let (child, rx, seen) = started_until(cmd, "epoch     0 done");
+    for host in ["ps1", "ps2"] {
+        assert!(!hosts.pids(host).is_empty(), "a server runs on {host}");
+    }
+    let text = ended(child, rx, seen);
+    assert!(text.contains(&format!("ps        1 serving on {ip1}:8300")), "{text}");
+    assert!(text.contains(&format!("ps        2 serving on {ip2}:8300")), "{text}");
+    assert_exactly_once(&report(dir.path()), 2, 20000);
+    // The same model as the servers beside the coordinator trained.
+    let (state, scores) = builtin_calm();
+    for ((name, x), (_, y)) in state.iter().zip(&final_state(dir.path())) {
+        assert!(x == y, "{name} differs from the run with servers beside the coordinator");
+    }
+    assert_eq!(epoch_scores(&text), scores);
+    // Stopped with the job: nothing left on their hosts.
+    let gone = || hosts.pids("ps1").is_empty() && hosts.pids("ps2").is_empty();
+    crate::support::wait::until("the servers stopped with the job", Duration::from_secs(30), gone);
+}
+
+#[test]
+fn servers_by_command_need_their_hosts_and_enough_slots() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |flags: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+            .current_dir(dir.path())
+            .args(["--dataset", "ctr", "--epochs", "1"])
+            .args(flags)
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let cases: [(&[&str], &str); 4] = [
+        (&["--ps-servers", "2", "--ps-command", "ssh {host} {program}"], "--ps-command needs --ps-hosts"),
+        (
+            &["--ps-servers", "3", "--ps-command", "ssh {host} {program}", "--ps-hosts", "a,b"],
+            "--ps-hosts has 2 slot(s) for servers; the job may start 3",
+        ),
+        (&["--ps-servers", "1", "--ps-command", "ssh {host} {progam}", "--ps-hosts", "a"], "{progam}"),
+        (
+            &["--ps-command", "ssh {host} {program}", "--ps-hosts", "a"],
+            "--ps-command starts the servers --ps-servers N asks for",
+        ),
+    ];
+    for (flags, want) in cases {
+        let (code, err) = run(flags);
+        assert_eq!(code, Some(2), "{flags:?}: {err}");
+        assert!(err.contains(want), "{flags:?}: {err}");
+    }
     assert!(!dir.path().join(".edl").exists(), "nothing started");
 }
