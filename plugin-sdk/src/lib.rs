@@ -44,8 +44,8 @@ pub mod types;
 pub use config::{Config, ConfigKey, DESCRIBE, DESCRIBED};
 pub use plugin::{BatchAdapter, ReaderTransform, ScalingPolicy, TeacherPolicy};
 pub use types::{
-    Action, Batch, ClusterView, Dtype, Hyperparams, PluginError, PluginInfo, ResizeEvent, StepTime,
-    TeacherPlan, TeacherStats, TeacherView, TrainingStats, WorkerStats,
+    Action, Batch, ClusterView, Dtype, Hyperparams, PluginError, PluginInfo, ResizeEvent, ServerStats,
+    ServerView, StepTime, TeacherPlan, TeacherStats, TeacherView, TrainingStats, WorkerStats,
 };
 
 include!(concat!(env!("OUT_DIR"), "/wit.rs"));
@@ -97,7 +97,9 @@ macro_rules! __edl_training_observer {
 
 /// Exports a [`ScalingPolicy`] implementation as this crate's plugin.
 ///
-/// Built for `wasm32-wasip2` it becomes a component of world `scaling-policy`;
+/// Built for `wasm32-wasip2` it becomes a component of world
+/// `server-scaling-policy` (a `scaling-policy` told the training's measures
+/// and asked about the parameter servers);
 /// built as a native `cdylib` it exports the C ABI of [`native`].
 #[macro_export]
 macro_rules! export_scaling_policy {
@@ -107,7 +109,7 @@ macro_rules! export_scaling_policy {
         mod __edl_wasm_export {
             #[allow(unused_imports)]
             use super::*;
-            $crate::__edl_generate_world!("training-scaling-policy");
+            $crate::__edl_generate_world!("server-scaling-policy");
             static SLOT: $crate::__private::Slot<$ty> = $crate::__private::Slot::new();
             struct Export;
             impl exports::edl::plugins::policy::Guest for Export {
@@ -137,6 +139,30 @@ macro_rules! export_scaling_policy {
                 }
             }
             $crate::__edl_training_observer!($crate::ScalingPolicy);
+            impl exports::edl::plugins::server_policy::Guest for Export {
+                fn decide_servers(view: exports::edl::plugins::server_policy::ServerView) -> Option<u32> {
+                    let view = $crate::ServerView {
+                        step: view.step,
+                        servers: view
+                            .servers
+                            .into_iter()
+                            .map(|s| $crate::ServerStats {
+                                id: s.id,
+                                rows: s.rows,
+                                bytes: s.bytes,
+                                bound_bytes: s.bound_bytes,
+                                requests_per_sec: s.requests_per_sec,
+                                refused: s.refused,
+                            })
+                            .collect(),
+                        min_servers: view.min_servers,
+                        max_servers: view.max_servers,
+                        replicas: view.replicas,
+                        secs_since_change: view.secs_since_change,
+                    };
+                    SLOT.with(|p| $crate::ScalingPolicy::decide_servers(p, &view))
+                }
+            }
             export!(Export);
         }
         $crate::__native_exports!("scaling-policy", $ty, $crate::ScalingPolicy, {

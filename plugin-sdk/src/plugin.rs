@@ -3,8 +3,8 @@
 //! can call them while the macros call that ABI.
 
 use crate::{
-    Action, Batch, ClusterView, Config, Hyperparams, PluginError, ResizeEvent, TeacherPlan, TeacherView,
-    TrainingStats,
+    Action, Batch, ClusterView, Config, Hyperparams, PluginError, ResizeEvent, ServerView, TeacherPlan,
+    TeacherView, TrainingStats,
 };
 
 /// Decides how many workers the job should have (WIT world `scaling-policy`).
@@ -22,6 +22,16 @@ pub trait ScalingPolicy: Default + 'static {
     /// it. Components only: a native policy is not told.
     fn on_training(&mut self, stats: &TrainingStats) {
         let _ = stats;
+    }
+
+    /// The parameter servers the job should have, asked just after each
+    /// `decide` in jobs with servers, or None to leave them to the job's own
+    /// rule (one more when a server passes 80% of its memory bound). The
+    /// host keeps the answer within `min_servers..=max_servers`. The
+    /// default: None. Components only: a native policy is not asked.
+    fn decide_servers(&mut self, view: &ServerView) -> Option<u32> {
+        let _ = view;
+        None
     }
 
     /// The policy's memory between decisions, as bytes [`load_state`](Self::load_state)

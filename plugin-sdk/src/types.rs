@@ -324,3 +324,35 @@ pub struct TrainingStats {
     pub throughput: f64,
     pub step_times: Vec<StepTime>,
 }
+
+/// One parameter server as a scaling policy that sizes them sees it
+/// ([`crate::ScalingPolicy::decide_servers`]).
+#[derive(Clone, Debug, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ServerStats {
+    pub id: u64,
+    /// Rows of every table it holds (as a shard's owner or replica), and their bytes.
+    pub rows: u64,
+    pub bytes: u64,
+    /// Its memory bound, bytes (0: none).
+    pub bound_bytes: u64,
+    /// Pulls and pushes it answered per second since the job's look before.
+    pub requests_per_sec: f64,
+    /// New rows it refused at its bound, all told.
+    pub refused: u64,
+}
+
+/// What a scaling policy that sizes the parameter servers sees.
+#[derive(Clone, Debug, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ServerView {
+    pub step: u64,
+    pub servers: Vec<ServerStats>,
+    /// The bounds of the servers' number (`--min-ps`, `--max-ps`).
+    pub min_servers: u32,
+    pub max_servers: u32,
+    /// Servers holding each shard (`--ps-replicas`).
+    pub replicas: u32,
+    /// Seconds since the servers last changed.
+    pub secs_since_change: f64,
+}

@@ -1,7 +1,9 @@
 //! The EDL demo job server's heuristic: every `every` steps, scale out by
 //! `by` workers until the maximum, then in by `by` until the minimum, and so on.
+//! With `servers` (`STEP:N,STEP:N,...`), the job's parameter servers follow
+//! a schedule too: N servers from each STEP on.
 
-use edl_plugin_sdk::{Action, ClusterView, Config, PluginError, ScalingPolicy};
+use edl_plugin_sdk::{Action, ClusterView, Config, PluginError, ScalingPolicy, ServerView};
 
 #[derive(Debug)]
 pub struct Schedule {
@@ -9,17 +11,37 @@ pub struct Schedule {
     by: u32,
     growing: bool,
     next_step: Option<u64>,
+    /// From each step on, this many parameter servers (in step order).
+    servers: Vec<(u64, u32)>,
 }
 
 impl Default for Schedule {
     fn default() -> Self {
-        Schedule { every: 100, by: 1, growing: true, next_step: None }
+        Schedule { every: 100, by: 1, growing: true, next_step: None, servers: Vec::new() }
     }
+}
+
+/// `STEP:N,STEP:N,...`, in step order.
+fn server_schedule(text: &str) -> Result<Vec<(u64, u32)>, PluginError> {
+    let bad = |what: &str| PluginError::InvalidConfig(format!("`servers` = {text:?}: {what}"));
+    let mut out: Vec<(u64, u32)> = Vec::new();
+    for entry in text.split(',').filter(|e| !e.trim().is_empty()) {
+        let (step, n) = entry.split_once(':').ok_or_else(|| bad("expected STEP:N entries"))?;
+        let step: u64 = step.trim().parse().map_err(|_| bad("a step is not a whole number"))?;
+        let n: u32 =
+            n.trim().parse().ok().filter(|n| *n > 0).ok_or_else(|| bad("N is not a positive number"))?;
+        if out.last().is_some_and(|(s, _)| *s >= step) {
+            return Err(bad("the steps must increase"));
+        }
+        out.push((step, n));
+    }
+    Ok(out)
 }
 
 impl ScalingPolicy for Schedule {
     fn init(&mut self, config: &Config) -> Result<(), PluginError> {
-        config.expect_only(&["every", "by", "start"])?;
+        config.expect_only(&["every", "by", "start", "servers"])?;
+        self.servers = server_schedule(config.raw("servers").unwrap_or(""))?;
         self.every = config.get_or("every", 100)?;
         self.by = config.get_or("by", 1)?;
         self.growing = match config.raw("start").unwrap_or("out") {
@@ -61,6 +83,10 @@ impl ScalingPolicy for Schedule {
             (n, false) => vec![Action::ScaleIn(n)],
         }
     }
+
+    fn decide_servers(&mut self, view: &ServerView) -> Option<u32> {
+        self.servers.iter().rev().find(|(step, _)| *step <= view.step).map(|(_, n)| *n)
+    }
 }
 
 edl_plugin_sdk::export_scaling_policy!(Schedule);
@@ -77,6 +103,19 @@ mod tests {
         let sizes: Vec<u32> = sim.run(16, |v| p.decide(v)).iter().map(|r| r.world_size).collect();
         // One decision every 20 steps, a change every 40 steps.
         assert_eq!(sizes, vec![1, 1, 3, 3, 5, 5, 6, 6, 4, 4, 2, 2, 1, 1, 3, 3]);
+    }
+
+    #[test]
+    fn the_servers_follow_their_schedule_and_are_left_be_before_it() {
+        let mut p = testing::policy::<Schedule>(&[("servers", "100:3,200:2")]).unwrap();
+        let at = |step| ServerView { step, ..ServerView::default() };
+        let asked: Vec<Option<u32>> = [0, 99, 100, 150, 200, 900].map(|s| p.decide_servers(&at(s))).to_vec();
+        assert_eq!(asked, [None, None, Some(3), Some(3), Some(2), Some(2)]);
+        let mut quiet = testing::policy::<Schedule>(&[]).unwrap();
+        assert_eq!(quiet.decide_servers(&at(500)), None, "no schedule: the job's own rule");
+        for bad in ["100", "100:0", "x:2", "200:2,100:3"] {
+            assert!(testing::policy::<Schedule>(&[("servers", bad)]).is_err(), "{bad}");
+        }
     }
 
     #[test]

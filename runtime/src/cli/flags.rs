@@ -112,10 +112,15 @@ pub struct PsArgs {
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub ps_replicas: usize,
     /// Most parameter servers (default: --ps-servers): another is started
-    /// when a server's rows pass 80% of --ps-memory-mib, and takes its
-    /// share of the shards at the next step boundary.
+    /// when a server's rows pass 80% of --ps-memory-mib (or a scaling
+    /// policy that sizes them asks), and takes its share of the shards at
+    /// the next step boundary.
     #[arg(long, value_name = "N")]
     pub max_ps: Option<u32>,
+    /// Fewest parameter servers a scaling policy that sizes them may ask
+    /// for (default 1, and at least --ps-replicas).
+    #[arg(long, value_name = "N")]
+    pub min_ps: Option<u32>,
     /// Start each parameter server by this command on a host of --ps-hosts
     /// (`sh -c`), instead of beside the coordinator: `ssh {host} {program}`,
     /// `srun -w {host} {program}`, `ip netns exec {host} {program}`.

@@ -56,6 +56,7 @@ fn start_servers(
         memory_mib: p.ps_memory_mib,
         staleness: p.ps_staleness,
         replicas: p.ps_replicas,
+        min: p.min_ps.unwrap_or(1).max(p.ps_replicas as u32),
         max: p.max_ps.unwrap_or(p.ps_servers),
         exe: exe.to_path_buf(),
         listen: c.listen.ip(),
@@ -93,9 +94,14 @@ fn check_ps(p: &super::flags::PsArgs) -> Result<()> {
         }
     }
     if p.ps_servers == 0 {
-        if p.ps_replicas != 1 || p.ps_memory_mib != 0 || p.ps_staleness != 0 || p.max_ps.is_some() {
+        if p.ps_replicas != 1
+            || p.ps_memory_mib != 0
+            || p.ps_staleness != 0
+            || p.max_ps.is_some()
+            || p.min_ps.is_some()
+        {
             edl_runtime::refuse!(
-                "--ps-replicas, --ps-memory-mib, --ps-staleness and --max-ps are for the servers --ps-servers N starts"
+                "--ps-replicas, --ps-memory-mib, --ps-staleness, --min-ps and --max-ps are for the servers --ps-servers N starts"
             );
         }
         return Ok(());
@@ -112,8 +118,10 @@ fn check_ps(p: &super::flags::PsArgs) -> Result<()> {
     {
         edl_runtime::refuse!("--max-ps {max} is below --ps-servers {}", p.ps_servers);
     }
-    if p.max_ps.is_some_and(|m| m > p.ps_servers) && p.ps_memory_mib == 0 {
-        edl_runtime::refuse!("--max-ps: servers are added when one nears --ps-memory-mib; give it");
+    if let Some(min) = p.min_ps
+        && !(1..=p.ps_servers).contains(&min)
+    {
+        edl_runtime::refuse!("--min-ps {min}: at least 1, and at most --ps-servers ({})", p.ps_servers);
     }
     Ok(())
 }

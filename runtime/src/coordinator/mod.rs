@@ -315,6 +315,13 @@ struct PsState {
     pin: Option<(u64, u64)>,
     /// New rows the servers refused at their bound, as last seen.
     refused: u64,
+    /// The servers as last seen, each one's requests per second since the
+    /// look before, and when that look was (with each one's requests then).
+    seen: Vec<crate::ps::Stats>,
+    rates: std::collections::BTreeMap<u64, f64>,
+    looked: Option<(std::time::Instant, std::collections::BTreeMap<u64, u64>)>,
+    /// When the servers last changed (None: not since the job started).
+    changed: Option<std::time::Instant>,
 }
 
 /// The plugins and processes a coordinator drives.

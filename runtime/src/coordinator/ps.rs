@@ -24,6 +24,7 @@ impl Coordinator<'_> {
             Err(_) => return,
         };
         (self.progress)(super::Progress::ParameterServers(&stats));
+        self.ps_looked(&stats);
         let Some((_, processes)) = self.ps.servers.as_mut() else { return };
         let (bound, max) = processes.limits();
         let mut said = Vec::new();
@@ -71,6 +72,104 @@ impl Coordinator<'_> {
         for s in said {
             self.note(s);
         }
+    }
+
+    /// Keeps what the servers said, and each one's requests per second
+    /// since the look before.
+    fn ps_looked(&mut self, stats: &[crate::ps::Stats]) {
+        let now = std::time::Instant::now();
+        let counts: std::collections::BTreeMap<u64, u64> =
+            stats.iter().map(|s| (s.server, s.requests)).collect();
+        if let Some((then, before)) = self.ps.looked.take() {
+            let secs = now.duration_since(then).as_secs_f64().max(1e-3);
+            self.ps.rates = counts
+                .iter()
+                .filter_map(|(id, n)| Some((*id, n.saturating_sub(*before.get(id)?) as f64 / secs)))
+                .collect();
+        }
+        self.ps.looked = Some((now, counts));
+        self.ps.seen = stats.to_vec();
+    }
+
+    /// Asks the scaling policy how many parameter servers the job should
+    /// have (a policy that sizes them; just after its `decide`): more are
+    /// started, to join at the next step boundary; fewer leave there, newest
+    /// first, their shards handed over first. One change at a time.
+    pub(super) fn decide_servers(&mut self) {
+        let Some((control, processes)) = self.ps.servers.as_ref() else { return };
+        if self.ps_change_waiting() || self.ps.seen.is_empty() {
+            return;
+        }
+        let (bound, _) = processes.limits();
+        let (min, max) = processes.bounds();
+        let replicas = control.topology().replicas as u32;
+        let servers = self
+            .ps
+            .seen
+            .iter()
+            .map(|s| edl_plugin_sdk::ServerStats {
+                id: s.server,
+                rows: s.tables.iter().map(|t| t.rows).sum(),
+                bytes: s.bytes,
+                bound_bytes: bound.unwrap_or(0),
+                requests_per_sec: self.ps.rates.get(&s.server).copied().unwrap_or(0.0),
+                refused: s.refused,
+            })
+            .collect();
+        let view = edl_plugin_sdk::ServerView {
+            step: self.tally.committed,
+            servers,
+            min_servers: min,
+            max_servers: max,
+            replicas,
+            secs_since_change: self.ps.changed.unwrap_or(self.started).elapsed().as_secs_f64(),
+        };
+        let asked = match self.policy.decide_servers(&view) {
+            Ok(Some(n)) => n,
+            Ok(None) => return,
+            Err(e) => {
+                return self.note(format!("scaling policy: decide-servers failed, servers as they are: {e}"));
+            }
+        };
+        let want = asked.clamp(min.max(replicas), max);
+        if want != asked {
+            self.note(format!(
+                "scaling policy asked for {asked} parameter servers; {want} (within {min}..={max})"
+            ));
+        }
+        self.resize_ps(want);
+    }
+
+    /// Starts servers, or tells the newest to go, towards `want` servers.
+    fn resize_ps(&mut self, want: u32) {
+        let Some((_, processes)) = self.ps.servers.as_mut() else { return };
+        let now = processes.len() as u32;
+        let said = if want > now {
+            match processes.more(want - now) {
+                Ok(added) => {
+                    let ids: Vec<String> = added.iter().map(|(id, _)| id.to_string()).collect();
+                    self.ps.added.extend(added);
+                    format!(
+                        "scaling policy: parameter servers {now} -> {want}: server(s) {} started, to join at the next step boundary",
+                        ids.join(", ")
+                    )
+                }
+                Err(e) => format!("scaling policy: parameter servers {now} -> {want}: none started: {e:#}"),
+            }
+        } else if want < now {
+            let mut ids: Vec<u64> = processes.addrs().iter().map(|(id, _)| *id).collect();
+            ids.sort_unstable_by(|a, b| b.cmp(a));
+            ids.truncate((now - want) as usize);
+            self.ps.leaving.extend(&ids);
+            let ids: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
+            format!(
+                "scaling policy: parameter servers {now} -> {want}: server(s) {} leave at the next step boundary, their shards handed over first",
+                ids.join(", ")
+            )
+        } else {
+            return;
+        };
+        self.note(said);
     }
 
     fn note_lost(&mut self, gone: &[(u64, String)]) {
@@ -188,6 +287,9 @@ impl Coordinator<'_> {
         control.set_room((processes.len() as u32) < processes.limits().1);
         let topology = control.topology().clone();
         let now = topology.servers.len();
+        if now != before {
+            self.ps.changed = Some(std::time::Instant::now());
+        }
         if moved.rows > 0 || now != before {
             self.note(format!(
                 "parameter servers {before} -> {now}: {} rows moved at step {}",

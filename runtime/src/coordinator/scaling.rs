@@ -281,5 +281,6 @@ impl Coordinator<'_> {
             // join at one once ready.
             self.apply_decision(&actions);
         }
+        self.decide_servers();
     }
 }

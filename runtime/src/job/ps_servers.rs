@@ -27,8 +27,10 @@ pub struct PsStart {
     pub staleness: u64,
     /// Servers holding each shard.
     pub replicas: usize,
-    /// Most servers: one more is started when a server's rows pass 80% of
-    /// its memory bound.
+    /// Fewest and most servers: one more is started when a server's rows
+    /// pass 80% of its memory bound; a scaling policy may ask for any
+    /// number between.
+    pub min: u32,
     pub max: u32,
     pub exe: PathBuf,
     /// Where they listen (port 0: each takes a free one), and the host
@@ -201,6 +203,11 @@ impl PsServers {
     pub fn limits(&self) -> (Option<u64>, u32) {
         let Some((s, _, _)) = self.start.as_ref() else { return (None, 0) };
         (Some(s.memory_mib << 20).filter(|b| *b > 0), s.max)
+    }
+
+    /// The fewest and the most servers there may be.
+    pub fn bounds(&self) -> (u32, u32) {
+        self.start.as_ref().map_or((0, 0), |(s, _, _)| (s.min, s.max))
     }
 
     /// The servers whose process ended since last asked: their ids, and

@@ -574,6 +574,7 @@ mod tests {
             bound: None,
             leaving: false,
             refused: 0,
+            requests: 0,
         };
         m.parameter_servers(&[server(1, 10, 1024), server(2, 20, 2048)]);
         let text = m.encode();

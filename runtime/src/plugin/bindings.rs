@@ -49,6 +49,14 @@ pub mod training {
     });
 }
 
+/// A scaling policy's optional `server-policy` export.
+pub mod servers {
+    wasmtime::component::bindgen!({
+        path: "../plugin-sdk/wit",
+        world: "plugin-server-policy",
+    });
+}
+
 use edl_plugin_sdk as sdk;
 use policy::edl::plugins::types as wit;
 use teacher_policy::exports::edl::plugins::teacher_policy as wit_teacher;
@@ -261,5 +269,29 @@ pub fn training_stats(
                 steps: t.steps,
             })
             .collect(),
+    }
+}
+
+/// The parameter servers' view as the `server-policy` export takes it.
+pub fn server_view(v: &sdk::ServerView) -> servers::exports::edl::plugins::server_policy::ServerView {
+    use servers::exports::edl::plugins::server_policy as wit_servers;
+    wit_servers::ServerView {
+        step: v.step,
+        servers: v
+            .servers
+            .iter()
+            .map(|s| wit_servers::ServerStats {
+                id: s.id,
+                rows: s.rows,
+                bytes: s.bytes,
+                bound_bytes: s.bound_bytes,
+                requests_per_sec: s.requests_per_sec,
+                refused: s.refused,
+            })
+            .collect(),
+        min_servers: v.min_servers,
+        max_servers: v.max_servers,
+        replicas: v.replicas,
+        secs_since_change: v.secs_since_change,
     }
 }

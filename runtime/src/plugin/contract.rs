@@ -167,6 +167,10 @@ impl<T: ?Sized + PolicyPlugin> PolicyPlugin for Checked<T> {
     fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<bool, Error> {
         self.inner.on_training(stats)
     }
+
+    fn decide_servers(&mut self, view: &edl_plugin_sdk::ServerView) -> Result<Option<u32>, Error> {
+        self.inner.decide_servers(view)
+    }
 }
 
 impl<T: ?Sized + TeacherPolicyPlugin> TeacherPolicyPlugin for Checked<T> {

@@ -2,8 +2,8 @@
 //! the one place that decides how a plugin file is loaded.
 
 use super::{
-    AdapterPlugin, ArtifactCache, CacheStatus, Error, Loaded, PolicyPlugin, STATE_INTERFACE,
-    TRAINING_INTERFACE, TeacherPolicyPlugin, TransformPlugin, World, contract,
+    AdapterPlugin, ArtifactCache, CacheStatus, Error, Loaded, PolicyPlugin, SERVER_INTERFACE,
+    STATE_INTERFACE, TRAINING_INTERFACE, TeacherPolicyPlugin, TransformPlugin, World, contract,
     limits::{EPOCH_TICK, Limits},
     native, wasm,
 };
@@ -313,11 +313,12 @@ impl PluginHost {
         let ty = component.component_type();
         let exports: Vec<String> = ty.exports(&self.engine).map(|(name, _)| name.to_string()).collect();
         // The world's own interface; `state` rides beside it in any world,
-        // `training-observer` beside an adapter's.
+        // `training-observer` beside an adapter's or a policy's,
+        // `server-policy` beside a policy's.
         let ours = exports.iter().find_map(|name| {
             let rest = name.strip_prefix("edl:plugins/")?;
             let (iface, version) = rest.split_once('@').unwrap_or((rest, ""));
-            (iface != STATE_INTERFACE && iface != TRAINING_INTERFACE)
+            (iface != STATE_INTERFACE && iface != TRAINING_INTERFACE && iface != SERVER_INTERFACE)
                 .then(|| (iface.to_string(), version.to_string()))
         });
         let Some((iface, version)) = ours else {

@@ -153,6 +153,8 @@ impl fmt::Display for Backend {
 pub(crate) const STATE_INTERFACE: &str = "state";
 /// The interface a batch adapter is told the training's measures through.
 pub(crate) const TRAINING_INTERFACE: &str = "training-observer";
+/// The interface a scaling policy sizes the parameter servers through.
+pub(crate) const SERVER_INTERFACE: &str = "server-policy";
 
 /// What every loaded plugin can tell about itself.
 pub trait Plugin: Send {
@@ -181,6 +183,13 @@ pub trait PolicyPlugin: Plugin {
     fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<bool, Error> {
         let _ = stats;
         Ok(false)
+    }
+    /// How many parameter servers the job should have; None from a policy
+    /// that leaves them be (or cannot be asked: a native one, a component
+    /// built before).
+    fn decide_servers(&mut self, view: &edl_plugin_sdk::ServerView) -> Result<Option<u32>, Error> {
+        let _ = view;
+        Ok(None)
     }
 }
 

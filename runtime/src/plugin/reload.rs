@@ -202,6 +202,11 @@ impl PolicyPlugin for Reloading<dyn PolicyPlugin> {
         self.refresh();
         self.current.on_training(stats)
     }
+
+    fn decide_servers(&mut self, view: &edl_plugin_sdk::ServerView) -> Result<Option<u32>, Error> {
+        self.refresh();
+        self.current.decide_servers(view)
+    }
 }
 
 impl AdapterPlugin for Reloading<dyn AdapterPlugin> {

@@ -215,6 +215,8 @@ struct Live<B> {
     state: Option<state::PluginState>,
     /// The `training-observer` export, where the component has one.
     training: Option<bindings::training::PluginTrainingObserver>,
+    /// The `server-policy` export, where the component has one.
+    servers: Option<bindings::servers::PluginServerPolicy>,
     stderr: CapturedStderr,
 }
 
@@ -228,6 +230,8 @@ pub struct Sandboxed<B: WorldBindings> {
     state_indices: Option<state::PluginStateIndices>,
     /// Where its `training-observer` export is, if it has one.
     training_indices: Option<bindings::training::PluginTrainingObserverIndices>,
+    /// Where its `server-policy` export is, if it has one.
+    server_indices: Option<bindings::servers::PluginServerPolicyIndices>,
     limits: Limits,
     deadline_ticks: u64,
     config: Vec<(String, String)>,
@@ -254,6 +258,7 @@ impl<B: WorldBindings> Sandboxed<B> {
             .map_err(|e| Error::Instantiate { path: ctx.path.clone(), detail: format!("{e:#}") })?;
         let state_indices = state::PluginStateIndices::new(&instance_pre).ok();
         let training_indices = bindings::training::PluginTrainingObserverIndices::new(&instance_pre).ok();
+        let server_indices = bindings::servers::PluginServerPolicyIndices::new(&instance_pre).ok();
         let tick = EPOCH_TICK.as_nanos().max(1);
         let deadline_ticks = (ctx.limits.deadline.as_nanos().div_ceil(tick) as u64).max(1) + 1;
         let mut me = Sandboxed {
@@ -263,6 +268,7 @@ impl<B: WorldBindings> Sandboxed<B> {
             indices,
             state_indices,
             training_indices,
+            server_indices,
             limits: ctx.limits,
             deadline_ticks,
             config: config.to_vec(),
@@ -303,16 +309,18 @@ impl<B: WorldBindings> Sandboxed<B> {
             let state = self.state_indices.as_ref().map(|ix| ix.load(&mut store, &instance)).transpose()?;
             let training =
                 self.training_indices.as_ref().map(|ix| ix.load(&mut store, &instance)).transpose()?;
-            Ok((bindings, state, training))
+            let servers =
+                self.server_indices.as_ref().map(|ix| ix.load(&mut store, &instance)).transpose()?;
+            Ok((bindings, state, training, servers))
         });
-        let (bindings, state, training) = match loaded {
+        let (bindings, state, training, servers) = match loaded {
             Ok(b) => b,
             Err(e) => return Err(self.classify("instantiate", e, &store, &stderr)),
         };
         store.set_epoch_deadline(self.deadline_ticks);
         store.data_mut().deadline = Instant::now() + self.limits.deadline;
         match bindings.init(&mut store, &self.config) {
-            Ok(Ok(())) => Ok(Live { store, bindings, state, training, stderr }),
+            Ok(Ok(())) => Ok(Live { store, bindings, state, training, servers, stderr }),
             Ok(Err(e)) => Err(Error::Init { path: self.path.clone(), error: e.into() }),
             Err(e) => Err(self.classify("init", e, &store, &stderr)),
         }
@@ -373,6 +381,18 @@ impl<B: WorldBindings> Sandboxed<B> {
                 t.edl_plugins_training_observer().call_on_training(&mut live.store, &stats).map(|()| true)
             }
             None => Ok(false),
+        })
+    }
+
+    /// Calls the `server-policy` export; None when there is none.
+    fn ask_servers(&mut self, view: &edl_plugin_sdk::ServerView) -> Result<Option<u32>, Error> {
+        if self.server_indices.is_none() {
+            return Ok(None);
+        }
+        let view = bindings::server_view(view);
+        self.call_live("decide-servers", |live| match &live.servers {
+            Some(p) => p.edl_plugins_server_policy().call_decide_servers(&mut live.store, &view),
+            None => Ok(None),
         })
     }
 
@@ -456,6 +476,10 @@ impl PolicyPlugin for Sandboxed<policy::ScalingPolicy> {
 
     fn on_training(&mut self, stats: &edl_plugin_sdk::TrainingStats) -> Result<bool, Error> {
         self.tell_training(stats)
+    }
+
+    fn decide_servers(&mut self, view: &edl_plugin_sdk::ServerView) -> Result<Option<u32>, Error> {
+        self.ask_servers(view)
     }
 }
 

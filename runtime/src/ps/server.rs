@@ -157,6 +157,9 @@ pub struct Stats {
     /// New rows it refused at its memory bound, all told.
     #[serde(default)]
     pub refused: u64,
+    /// Pulls and pushes it answered, all told.
+    #[serde(default)]
+    pub requests: u64,
 }
 
 /// A parameter server's state.
@@ -330,7 +333,8 @@ impl Server {
                 applied: t.applied,
             })
             .collect();
-        Stats { server: self.id, tables, bytes: self.bytes(), bound: self.bound, leaving: false, refused: 0 }
+        let (leaving, refused, requests) = (false, 0, 0);
+        Stats { server: self.id, tables, bytes: self.bytes(), bound: self.bound, leaving, refused, requests }
     }
 
     /// `table` as it was after its steps before `step` (the newest steps

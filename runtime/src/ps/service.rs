@@ -40,6 +40,8 @@ struct Shared {
     leaving: std::sync::atomic::AtomicBool,
     /// New rows refused at the memory bound, all told.
     refused: std::sync::atomic::AtomicU64,
+    /// Pulls and pushes answered, all told.
+    requests: std::sync::atomic::AtomicU64,
 }
 
 /// A running parameter server.
@@ -63,6 +65,7 @@ impl Service {
             pull_timeout,
             leaving: Default::default(),
             refused: Default::default(),
+            requests: Default::default(),
         });
         let s = shared.clone();
         std::thread::Builder::new().name("ps-accept".into()).spawn(move || {
@@ -161,6 +164,9 @@ fn or_refused(r: Result<(), super::PsError>) -> Answer {
 
 /// A request's response and body.
 fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> Answer {
+    if matches!(req, Request::Pull { .. } | Request::Push { .. }) {
+        shared.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
     let mut server = shared.server.lock().expect("ps state");
     match req {
         Request::Declare { table, mark, restore: Some(r) } if !server.has(&table.name) => {
@@ -206,6 +212,7 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> Answer {
             let mut stats = server.stats();
             stats.leaving = shared.leaving.load(std::sync::atomic::Ordering::SeqCst);
             stats.refused = shared.refused.load(std::sync::atomic::Ordering::SeqCst);
+            stats.requests = shared.requests.load(std::sync::atomic::Ordering::SeqCst);
             (Response::Ok { pushed: None, stats: Some(stats), exported: None }, Vec::new())
         }
         Request::Push { table, tag, ids } => {

@@ -600,3 +600,54 @@ fn servers_by_command_need_their_hosts_and_enough_slots() {
     }
     assert!(!dir.path().join(".edl").exists(), "nothing started");
 }
+
+#[test]
+fn a_policy_grows_the_servers_2_to_3_and_back_to_2_mid_job_and_the_model_ends_as_without_it() {
+    let dir = tempfile::tempdir().unwrap();
+    // The schedule policy holds the workers and asks for a third server
+    // at step 150, and for two again at step 400.
+    let flags = [
+        "--ps-replicas",
+        "2",
+        "--max-ps",
+        "3",
+        "--policy",
+        art::SCHEDULE_WASM,
+        "--policy-config",
+        "every=100000",
+        "--policy-config",
+        "servers=150:3,400:2",
+        "--decide-every",
+        "50",
+    ];
+    let mut child = builtin_ctr(dir.path(), "2", &flags).spawn().unwrap();
+    let rx = lines(&mut child);
+    let text = ended(child, rx, Vec::new());
+    assert!(text.contains("scaling policy: parameter servers 2 -> 3: server(s) 3 started"), "{text}");
+    assert!(
+        text.contains(
+            "scaling policy: parameter servers 3 -> 2: server(s) 3 leave at the next step boundary"
+        ),
+        "{text}"
+    );
+    // Rows copied to the new server, and away from it again.
+    for (from, to) in [(2, 3), (3, 2)] {
+        let line = text.lines().find(|l| {
+            l.contains(&format!("parameter servers {from} -> {to}: ")) && l.contains(" rows moved")
+        });
+        let moved: u64 = line
+            .and_then(|l| l.split(&format!("{from} -> {to}: ")).nth(1)?.split(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("{from} -> {to}:\n{text}"));
+        assert!(moved > 1000, "{from} -> {to}: {moved} rows\n{text}");
+    }
+    let r = report(dir.path());
+    assert_exactly_once(&r, 2, 20000);
+    assert_eq!(r["parameter_servers"].as_array().unwrap().len(), 2, "{r}");
+    assert!(dir.path().join(".edl/ctr/logs/ps-3.log").exists());
+    // Each step's updates applied once, whichever servers held the rows.
+    let (state, scores) = builtin_calm();
+    for ((name, x), (_, y)) in state.iter().zip(&final_state(dir.path())) {
+        assert!(x == y, "{name} differs from the undisturbed run's");
+    }
+    assert_eq!(epoch_scores(&text), scores);
+}
