@@ -322,6 +322,8 @@ struct PsState {
     looked: Option<(std::time::Instant, std::collections::BTreeMap<u64, u64>)>,
     /// When the servers last changed (None: not since the job started).
     changed: Option<std::time::Instant>,
+    /// The servers forgot how to undo the steps before this one.
+    trimmed: u64,
 }
 
 /// The plugins and processes a coordinator drives.

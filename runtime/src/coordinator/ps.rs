@@ -42,13 +42,15 @@ impl Coordinator<'_> {
         let refused: u64 = stats.iter().map(|s| s.refused).sum();
         let newly_refused = refused > self.ps.refused;
         self.ps.refused = refused;
-        let full = bound.and_then(|b| stats.iter().find(|s| s.bytes as f64 > GROW_AT * b as f64));
+        let full = bound
+            .and_then(|b| stats.iter().find(|s| (s.bytes + s.working_bytes) as f64 > GROW_AT * b as f64));
         let planned = processes.len() as u32;
         let why = match (full, newly_refused) {
             (Some(s), _) => Some(format!(
-                "parameter server {} holds {:.1} MiB of rows, over {:.0}% of its bound",
+                "parameter server {} holds {:.1} MiB of rows and {:.1} MiB of undo records and staged pushes, over {:.0}% of its bound",
                 s.server,
                 s.bytes as f64 / (1 << 20) as f64,
+                s.working_bytes as f64 / (1 << 20) as f64,
                 GROW_AT * 100.0
             )),
             (None, true) => Some("a parameter server refused new rows at its memory bound".to_string()),
@@ -204,6 +206,17 @@ impl Coordinator<'_> {
     pub(super) fn pin_ps(&mut self, step: u64, id: u64) {
         if self.ps.servers.is_some() && self.ps.pin.is_none_or(|(s, _)| s > step) {
             self.ps.pin = Some((step, id));
+        }
+    }
+
+    /// After a commit: the servers forget how to undo the steps now past
+    /// undoing, so that their undo records take one window's steps or so,
+    /// not a second's.
+    pub(super) fn trim_ps(&mut self) {
+        let safe = self.ps_safe();
+        let Some((control, _)) = self.ps.servers.as_mut() else { return };
+        if safe != self.ps.trimmed && control.trim(safe).is_ok() {
+            self.ps.trimmed = safe;
         }
     }
 

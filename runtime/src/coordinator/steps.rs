@@ -288,6 +288,7 @@ impl Coordinator<'_> {
             let id = m0.id;
             self.pin_ps(step, id);
         }
+        self.trim_ps();
         // A job that can be taken over stores its progress at every commit;
         // the workers keep the rollback point of the newest stored step.
         let follow = self.told.follow.is_some();

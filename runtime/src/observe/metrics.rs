@@ -575,6 +575,7 @@ mod tests {
             leaving: false,
             refused: 0,
             requests: 0,
+            working_bytes: 0,
         };
         m.parameter_servers(&[server(1, 10, 1024), server(2, 20, 2048)]);
         let text = m.encode();

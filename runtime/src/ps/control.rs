@@ -22,6 +22,9 @@ const JOB_CLIENT: u64 = u64::MAX;
 pub struct PsControl {
     auth: JobAuth,
     topology: PsTopology,
+    /// Connections to the servers of `topology`, kept between the job's
+    /// looks and trims (made again when the servers change or one fails).
+    kept: Option<(Vec<(u64, String)>, Client)>,
 }
 
 /// Shards whose every holder was lost: their rows are gone (the job goes
@@ -70,7 +73,7 @@ fn holders(servers: &[u64], replicas: usize, shard: u32) -> Vec<u64> {
 
 impl PsControl {
     pub fn new(auth: JobAuth, topology: PsTopology) -> Self {
-        PsControl { auth, topology }
+        PsControl { auth, topology, kept: None }
     }
 
     pub fn topology(&self) -> &PsTopology {
@@ -157,10 +160,33 @@ impl PsControl {
     /// Every server's tables and memory, and whether it was told to go;
     /// each forgets how to undo the steps before `trim`.
     pub fn stats(&mut self, trim: u64) -> Result<Vec<crate::ps::Stats>> {
-        let addrs = resolve_all(&self.topology.servers)?;
-        let mut c = job_client(&addrs, self.topology.replicas, &self.auth)?;
-        c.trim_all(trim)?;
-        c.stats()
+        self.with_kept(|c| {
+            c.trim_all(trim)?;
+            c.stats()
+        })
+    }
+
+    /// Every server forgets how to undo the steps before `step` (they are
+    /// committed, and no checkpoint of an earlier step is still to come).
+    pub fn trim(&mut self, step: u64) -> Result<()> {
+        self.with_kept(|c| c.trim_all(step))
+    }
+
+    /// Runs `f` on the kept connections (made first where the servers
+    /// changed); a failure drops them.
+    fn with_kept<R>(&mut self, f: impl FnOnce(&mut Client) -> Result<R>) -> Result<R> {
+        if self.kept.as_ref().is_none_or(|(servers, _)| *servers != self.topology.servers) {
+            self.kept = None;
+            let addrs = resolve_all(&self.topology.servers)?;
+            let c = job_client(&addrs, self.topology.replicas, &self.auth)?;
+            self.kept = Some((self.topology.servers.clone(), c));
+        }
+        let (_, c) = self.kept.as_mut().expect("just made");
+        let r = f(c);
+        if r.is_err() {
+            self.kept = None;
+        }
+        r
     }
 
     /// Starts the tables over on the servers there are now (those of

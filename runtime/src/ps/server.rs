@@ -120,6 +120,11 @@ struct Undo {
 }
 
 impl Undo {
+    /// Bytes it takes.
+    fn bytes(&self) -> u64 {
+        (self.ids.len() * 12 + self.rows.len() * 4) as u64
+    }
+
     /// Each row, newest first (the order that undoes them).
     fn rows_back(&self, w: usize) -> impl Iterator<Item = (u64, &[f32], u32)> {
         (0..self.ids.len()).rev().map(move |k| (self.ids[k], &self.rows[k * w..(k + 1) * w], self.updates[k]))
@@ -160,6 +165,10 @@ pub struct Stats {
     /// Pulls and pushes it answered, all told.
     #[serde(default)]
     pub requests: u64,
+    /// Bytes besides the rows (undo records, staged pushes); the memory
+    /// bound counts them with the rows.
+    #[serde(default)]
+    pub working_bytes: u64,
 }
 
 /// A parameter server's state.
@@ -228,10 +237,24 @@ impl Server {
         self.tables.values().map(|t| t.rows * t.spec.row_bytes()).sum()
     }
 
+    /// Bytes besides the rows: the undo records of the steps not yet past
+    /// undoing, and the pushes staged for steps not yet applied.
+    pub fn working_bytes(&self) -> u64 {
+        let staged =
+            |s: &Staged| s.pushes.values().map(|(ids, g)| (ids.len() * 8 + g.len() * 4) as u64).sum::<u64>();
+        self.tables
+            .values()
+            .map(|t| {
+                t.undo.values().map(Undo::bytes).sum::<u64>() + t.staged.values().map(staged).sum::<u64>()
+            })
+            .sum()
+    }
+
     /// Refuses `new` rows of `table` that would take the server past its bound.
     fn room(&self, table: &str, worker: u64, new: usize) -> Result<(), PsError> {
         let (Some(bound), Some(t)) = (self.bound, self.tables.get(table)) else { return Ok(()) };
-        let used = self.bytes();
+        // The rows, and what undoes the recent steps and stages the next.
+        let used = self.bytes() + self.working_bytes();
         if new > 0 && used + new as u64 * t.spec.row_bytes() > bound {
             return Err(PsError::AtBound {
                 table: table.into(),
@@ -333,8 +356,9 @@ impl Server {
                 applied: t.applied,
             })
             .collect();
-        let (leaving, refused, requests) = (false, 0, 0);
-        Stats { server: self.id, tables, bytes: self.bytes(), bound: self.bound, leaving, refused, requests }
+        let (leaving, refused, requests, working_bytes) = (false, 0, 0, self.working_bytes());
+        let (bytes, bound) = (self.bytes(), self.bound);
+        Stats { server: self.id, tables, bytes, bound, leaving, refused, requests, working_bytes }
     }
 
     /// `table` as it was after its steps before `step` (the newest steps
@@ -765,6 +789,34 @@ mod tests {
         assert!(matches!(e, PsError::AtBound { new: 1, .. }), "{e}");
         assert_eq!(s.stats().tables[0].applied, 0, "nothing half applied");
         assert_eq!(s.stats().bytes, per_row * 10);
+    }
+
+    #[test]
+    fn the_bound_counts_the_undo_records_and_staged_pushes_until_the_steps_are_past_undoing() {
+        let per_row = spec().row_bytes();
+        // Room for 12 rows, and nothing besides.
+        let mut s = Server::new(3, Some(per_row * 12));
+        s.declare(1, spec(), mark(1, 0)).unwrap();
+        let ids: Vec<u64> = (0..10).collect();
+        s.pull("item", 1, mark(1, 0), 0, &ids).unwrap().unwrap();
+        assert_eq!(s.working_bytes(), 0);
+        // Step 0 changes all 10 rows: their undo records take more than two rows' room.
+        s.push("item", 1, tag(G1, 0, 0, 1), ids.clone(), vec![1.0; 20]).unwrap();
+        assert!(s.working_bytes() > 2 * per_row, "{}", s.working_bytes());
+        assert_eq!(s.stats().working_bytes, s.working_bytes());
+        let e = s.pull("item", 7, mark(1, 0), 1, &[10]).unwrap_err();
+        assert!(matches!(e, PsError::AtBound { new: 1, .. }), "{e}");
+        // A half-pushed step's staged gradients count too.
+        let mut t = Server::new(4, Some(per_row * 11));
+        t.declare(1, spec(), mark(1, 0)).unwrap();
+        t.pull("item", 1, mark(1, 0), 0, &ids).unwrap().unwrap();
+        t.push("item", 1, tag(G1, 0, 0, 2), ids.clone(), vec![1.0; 20]).unwrap();
+        assert!(t.working_bytes() >= 10 * 16, "{}", t.working_bytes());
+        assert!(matches!(t.pull("item", 7, mark(1, 0), 0, &[10]), Err(PsError::AtBound { .. })));
+        // Step 0 past undoing: its records go, and the room is back.
+        s.trim(1);
+        assert_eq!(s.working_bytes(), 0);
+        assert_eq!(s.pull("item", 7, mark(1, 0), 1, &[10, 11]).unwrap().unwrap().len(), 4);
     }
 
     #[test]

@@ -362,6 +362,8 @@ struct Takeover<'h> {
     hosts: &'h Hosts,
     dir: std::path::PathBuf,
     store: String,
+    /// The job's epochs (about 0.9 s each).
+    epochs: u32,
 }
 
 /// What a takeover left: the standby's report and what it said, the worker
@@ -380,8 +382,9 @@ impl Takeover<'_> {
         let cwd = self.dir.join(host);
         std::fs::create_dir_all(&cwd).unwrap();
         let template = format!("ip netns exec {}-{{host}} {{program}}", self.hosts.prefix);
+        let epochs = self.epochs.to_string();
         let args =
-            ["--no-distill", "--teachers", "0", "--store", &self.store, "--job", "led", "--epochs", "10"];
+            ["--no-distill", "--teachers", "0", "--store", &self.store, "--job", "led", "--epochs", &epochs];
         let cmd = job(&cwd, &args);
         let mut c = self.hosts.on(host, cmd.get_program().to_str().unwrap());
         c.args(cmd.get_args()).current_dir(&cwd);
@@ -445,7 +448,10 @@ fn workers_follow_a_standby_that_takes_over_from_a_killed_coordinator_on_etcd_th
     let Some(hosts) = Hosts::build_or_skip(&["etcd", "a", "b", "w1", "w2"]) else { return };
     let mut etcd = EtcdCluster::start_on(&hosts, "etcd", 3);
     let dir = tempfile::tempdir().unwrap();
-    let t = Takeover { hosts: &hosts, dir: dir.path().to_path_buf(), store: etcd.url() };
+    // Long enough that the standby sees the store's new leader well before
+    // the job ends (the election takes a few seconds, renewals fail
+    // meanwhile, and the job goes on).
+    let t = Takeover { hosts: &hosts, dir: dir.path().to_path_buf(), store: etcd.url(), epochs: 24 };
     let mut lost_leader = None;
     let mut out = t.run(
         // The active coordinator dies at once.
@@ -467,7 +473,7 @@ fn workers_follow_a_standby_that_takes_over_from_a_killed_coordinator_on_etcd_th
     let r = &out.report;
     assert_eq!(out.before, out.after, "the workers kept their processes:\n{}", out.said);
     // Every sample exactly once over the whole job, both coordinators' steps.
-    assert_exactly_once(r, 10, 1200);
+    assert_exactly_once(r, 24, 1200);
     let taken = takeovers(r);
     assert_eq!(taken.len(), 1, "{r}");
     assert!(taken[0].contains("2 of its 2 workers came back with their state"), "{taken:?}");
@@ -498,7 +504,7 @@ fn a_frozen_coordinator_is_taken_over_on_redis_and_writes_nothing_when_it_wakes(
     let dir = tempfile::tempdir().unwrap();
     let mut redis = hosts.redis("store", dir.path());
     let store = format!("redis://{}:6379/", hosts.ip("store"));
-    let t = Takeover { hosts: &hosts, dir: dir.path().to_path_buf(), store };
+    let t = Takeover { hosts: &hosts, dir: dir.path().to_path_buf(), store, epochs: 10 };
     let frozen = std::cell::Cell::new(0u32);
     let mut out = t.run(
         // SIGSTOP: its connections stay open, its lease lapses.
