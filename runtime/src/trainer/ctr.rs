@@ -379,6 +379,17 @@ mod tests {
         logits.iter().zip(&wide).zip(b.labels).map(|((z, w), y)| logistic_loss(z + w, *y)).sum()
     }
 
+    /// The central difference of `loss` in `values[i]`, the values left as they were.
+    fn central(values: &mut [f32], i: usize, h: f32, loss: impl Fn(&[f32]) -> f64) -> f64 {
+        let v = values[i];
+        values[i] = v + h;
+        let up = loss(values);
+        values[i] = v - h;
+        let down = loss(values);
+        values[i] = v;
+        (up - down) / (2.0 * h as f64)
+    }
+
     #[test]
     fn the_gradients_of_the_rows_and_the_mlp_match_finite_differences() {
         let data = synthetic(3, 11);
@@ -396,53 +407,27 @@ mod tests {
         let mlp_grad = trainer.grad_mut().to_vec();
         let model = trainer.model().clone();
         let h = 1e-2f32;
-        let numeric = |up: f64, down: f64| ((up - down) / (2.0 * h as f64) / global as f64) as f32;
-        let close = |a: f32, n: f32, what: String| {
+        let close = |a: f32, n: f64, what: String| {
+            let n = (n / global as f64) as f32;
             assert!((a - n).abs() < 2e-3 + 0.02 * n.abs(), "{what}: {a} vs {n}")
         };
+        let base = Batch { dense: &dense, labels: &labels, pos: &pos, deep: &[], wide: &[] };
         for i in 0..deep.len() {
-            let v = deep[i];
-            deep[i] = v + h;
-            let up = loss_at(
-                &model,
-                &Batch { dense: &dense, labels: &labels, pos: &pos, deep: &deep, wide: &wide },
-            );
-            deep[i] = v - h;
-            let down = loss_at(
-                &model,
-                &Batch { dense: &dense, labels: &labels, pos: &pos, deep: &deep, wide: &wide },
-            );
-            deep[i] = v;
-            close(g.deep[i], numeric(up, down), format!("deep value {i}"));
+            let n = central(&mut deep, i, h, |d| loss_at(&model, &Batch { deep: d, wide: &wide, ..base }));
+            close(g.deep[i], n, format!("deep value {i}"));
         }
         for i in 0..wide.len() {
-            let v = wide[i];
-            wide[i] = v + h;
-            let up = loss_at(
-                &model,
-                &Batch { dense: &dense, labels: &labels, pos: &pos, deep: &deep, wide: &wide },
-            );
-            wide[i] = v - h;
-            let down = loss_at(
-                &model,
-                &Batch { dense: &dense, labels: &labels, pos: &pos, deep: &deep, wide: &wide },
-            );
-            wide[i] = v;
-            close(g.wide[i], numeric(up, down), format!("wide weight {i}"));
+            let n = central(&mut wide, i, h, |w| loss_at(&model, &Batch { deep: &deep, wide: w, ..base }));
+            close(g.wide[i], n, format!("wide weight {i}"));
         }
-        let flat = model.params_flat();
+        let mut flat = model.params_flat();
         for i in (0..flat.len()).step_by(7) {
-            let mut m = model.clone();
-            let mut p = flat.clone();
-            p[i] += h;
-            m.load_params_flat(&p);
-            let up =
-                loss_at(&m, &Batch { dense: &dense, labels: &labels, pos: &pos, deep: &deep, wide: &wide });
-            p[i] -= 2.0 * h;
-            m.load_params_flat(&p);
-            let down =
-                loss_at(&m, &Batch { dense: &dense, labels: &labels, pos: &pos, deep: &deep, wide: &wide });
-            close(mlp_grad[i], numeric(up, down), format!("MLP parameter {i}"));
+            let n = central(&mut flat, i, h, |p| {
+                let mut m = model.clone();
+                m.load_params_flat(p);
+                loss_at(&m, &Batch { deep: &deep, wide: &wide, ..base })
+            });
+            close(mlp_grad[i], n, format!("MLP parameter {i}"));
         }
         assert!(g.deep.iter().any(|v| v.abs() > 1e-4) && g.wide.iter().any(|v| v.abs() > 1e-4));
     }

@@ -124,24 +124,28 @@ fn calm_of(vocab: &str) -> Calm {
     assert_no_checkpoint_failed(&text);
     let r = report(dir.path());
     assert_exactly_once(&r, 3, 6000);
-    // The servers in the progress lines, as they fill.
+    assert_two_servers_said(&text, &r, 1000, 141);
+    let auc = aucs(&text);
+    assert!(auc.len() >= 2 && auc.iter().all(|a| *a > 0.65), "{auc:?}\n{text}");
+    runs.insert(vocab.to_string(), (final_state(dir.path()), auc));
+    runs[vocab].clone()
+}
+
+/// The job's two servers in its progress lines, as they fill, and in its
+/// report at the end: both tables on each, with more than `rows` rows and
+/// every one of the job's `steps` applied.
+fn assert_two_servers_said(text: &str, r: &serde_json::Value, rows: u64, steps: u64) {
     assert!(
         text.lines().any(|l| l.starts_with("progress") && l.contains("| 2 parameter servers, ")),
         "{text}"
     );
-    // The servers at the end, in the report: both tables on both servers,
-    // every step applied.
     let servers = r["parameter_servers"].as_array().unwrap();
     assert_eq!(servers.len(), 2, "{servers:?}");
     for s in servers {
         let tables = s["tables"].as_array().unwrap();
         assert_eq!(tables.len(), 2, "{s}");
-        assert!(tables.iter().all(|t| t["rows"].as_u64() > Some(1000) && t["applied"] == 141), "{s}");
+        assert!(tables.iter().all(|t| t["rows"].as_u64() > Some(rows) && t["applied"] == steps), "{s}");
     }
-    let auc = aucs(&text);
-    assert!(auc.len() >= 2 && auc.iter().all(|a| *a > 0.65), "{auc:?}\n{text}");
-    runs.insert(vocab.to_string(), (final_state(dir.path()), auc));
-    runs[vocab].clone()
 }
 
 fn assert_no_checkpoint_failed(text: &str) {
@@ -474,20 +478,7 @@ fn builtin_calm() -> (Vec<(String, Vec<f32>)>, Vec<(f64, f64)>) {
     assert!(auc > 0.7 && r["student_test_log_loss"].as_f64().unwrap() < 0.6, "{r}");
     assert!(text.contains(&format!("test AUC {auc:.4}, log loss ")), "{text}");
     assert!(r["student_test_accuracy"].is_null(), "an AUC, not an accuracy: {r}");
-    // The servers in the progress lines and the report: both tables on
-    // both, every step applied on each (each holds every shard, as
-    // owner or replica).
-    assert!(
-        text.lines().any(|l| l.starts_with("progress") && l.contains("| 2 parameter servers, ")),
-        "{text}"
-    );
-    let servers = r["parameter_servers"].as_array().unwrap();
-    assert_eq!(servers.len(), 2, "{servers:?}");
-    for s in servers {
-        let tables = s["tables"].as_array().unwrap();
-        assert_eq!(tables.len(), 2, "{s}");
-        assert!(tables.iter().all(|t| t["rows"].as_u64() > Some(10_000) && t["applied"] == 626), "{s}");
-    }
+    assert_two_servers_said(&text, &r, 10_000, 626);
     // The tables are in the final checkpoint.
     let state = Checkpoints::read(Path::new(r["final_checkpoint"].as_str().unwrap())).unwrap();
     let names: Vec<&str> = state.tables.iter().map(|t| t.spec.name.as_str()).collect();
