@@ -446,24 +446,39 @@ impl<'a> TrainingRun<'a> {
         }
     }
 
-    /// The workers as a staircase, and the teacher pool's size beside them.
-    fn draw_counts<'c>(&self, chart: &mut TimeChart<'c, 'c>, panel: &Panel) -> Result<(), DrawError> {
+    /// A count of each step as a staircase over time.
+    fn staircase(&self, count: impl Fn(&crate::coordinator::StepRecord) -> Option<u32>) -> Vec<(f64, f64)> {
         let mut v = Vec::new();
         for (i, s) in self.steps.iter().enumerate() {
-            v.push((s.secs, s.world as f64));
+            let Some(n) = count(s) else { continue };
+            v.push((s.secs, n as f64));
             let next = self.steps.get(i + 1).map_or(self.t_end, |n| n.secs);
-            v.push((next, s.world as f64));
+            v.push((next, n as f64));
         }
+        v
+    }
+
+    /// The workers as a staircase, and the teacher pool's size and the
+    /// parameter servers beside them.
+    fn draw_counts<'c>(&self, chart: &mut TimeChart<'c, 'c>, panel: &Panel) -> Result<(), DrawError> {
+        let v = self.staircase(|s| Some(s.world));
         let line = chart.draw_series(LineSeries::new(v, ShapeStyle::from(&panel.color).stroke_width(2)))?;
-        if self.teachers.is_empty() {
+        let servers = self.staircase(|s| s.ps_servers);
+        if self.teachers.is_empty() && servers.is_empty() {
             return Ok(());
         }
         line.label("workers").legend(legend_line(panel.color, 16));
-        let orange = RGBColor(230, 120, 0);
-        chart
-            .draw_series(LineSeries::new(self.teachers.clone(), ShapeStyle::from(&orange).stroke_width(2)))?
-            .label("teachers")
-            .legend(legend_line(orange, 16));
+        for (name, pts, color) in [
+            ("teachers", &self.teachers, RGBColor(230, 120, 0)),
+            ("parameter servers", &servers, RGBColor(0, 150, 90)),
+        ] {
+            if !pts.is_empty() {
+                chart
+                    .draw_series(LineSeries::new(pts.clone(), ShapeStyle::from(&color).stroke_width(2)))?
+                    .label(name)
+                    .legend(legend_line(color, 16));
+            }
+        }
         chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()
     }
 
@@ -490,7 +505,10 @@ impl<'a> TrainingRun<'a> {
     /// The top of `panel`'s value axis: above its largest finite value.
     fn top_of(&self, panel: &Panel) -> f64 {
         let floor = match panel.quantity {
-            Quantity::Workers => self.teachers.iter().map(|p| p.1).fold(0.0, f64::max),
+            Quantity::Workers => {
+                let servers = self.steps.iter().filter_map(|s| s.ps_servers).max().unwrap_or(0) as f64;
+                self.teachers.iter().map(|p| p.1).fold(servers, f64::max)
+            }
             _ => 0.0,
         };
         let max = self.steps.iter().filter_map(|s| panel.pick(s)).fold(floor, f64::max).max(1e-6);
@@ -532,6 +550,7 @@ mod tests {
             efficiency: None,
             goodput: None,
             metrics: Default::default(),
+            ps_servers: None,
         };
         let dir = tempfile::tempdir().unwrap();
         let (with, without) = (dir.path().join("with.svg"), dir.path().join("without.svg"));
@@ -540,6 +559,13 @@ mod tests {
         training_run(&without, "t", &steps, &[], &[]).unwrap();
         assert!(std::fs::read_to_string(&with).unwrap().contains("teachers"));
         assert!(!std::fs::read_to_string(&without).unwrap().contains("teachers"));
+        // The parameter servers, where the job had them.
+        let served = [step(0.5), crate::coordinator::StepRecord { ps_servers: Some(3), ..step(4.0) }];
+        let served =
+            [crate::coordinator::StepRecord { ps_servers: Some(2), ..served[0].clone() }, served[1].clone()];
+        training_run(&with, "t", &served, &[], &[]).unwrap();
+        assert!(std::fs::read_to_string(&with).unwrap().contains("parameter servers"));
+        assert!(!std::fs::read_to_string(&without).unwrap().contains("parameter servers"));
     }
 
     #[test]
@@ -558,6 +584,7 @@ mod tests {
             efficiency: None,
             goodput: None,
             metrics: [("accuracy".to_string(), accuracy)].into(),
+            ps_servers: None,
         };
         // Twenty steps, 30 s without a committed one, twenty more.
         let mut steps: Vec<_> = (0..20).map(|i| step(i as f64 * 0.1, 2, 0.5)).collect();

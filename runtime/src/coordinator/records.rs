@@ -41,6 +41,9 @@ pub struct StepRecord {
     /// averaged over the step's samples.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub metrics: std::collections::BTreeMap<String, f64>,
+    /// The parameter servers the step's generation had (jobs with servers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ps_servers: Option<u32>,
 }
 
 /// What the coordinator reports while it runs.

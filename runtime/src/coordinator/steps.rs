@@ -355,6 +355,7 @@ impl Coordinator<'_> {
             efficiency,
             goodput: efficiency.map(|e| e * totals.samples_per_sec),
             metrics: totals.metrics,
+            ps_servers: self.ps.servers.as_ref().map(|(c, _)| c.topology().servers.len() as u32),
         };
         (self.progress)(Progress::Step(&rec));
         self.timeline.push(rec);

@@ -618,6 +618,7 @@ mod tests {
             efficiency: None,
             goodput: None,
             metrics: [("accuracy".to_string(), 0.75)].into(),
+            ps_servers: None,
         }
     }
 

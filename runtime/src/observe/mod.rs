@@ -299,6 +299,7 @@ mod tests {
             efficiency: None,
             goodput: None,
             metrics: BTreeMap::new(),
+            ps_servers: None,
         }
     }
 

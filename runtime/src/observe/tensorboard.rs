@@ -238,6 +238,7 @@ mod tests {
             efficiency: None,
             goodput: None,
             metrics: [("accuracy".to_string(), 0.5)].into(),
+            ps_servers: None,
         };
         board.record(&Progress::Step(&rec));
         board.flush();

@@ -479,6 +479,8 @@ fn builtin_calm() -> (Vec<(String, Vec<f32>)>, Vec<(f64, f64)>) {
     assert!(text.contains(&format!("test AUC {auc:.4}, log loss ")), "{text}");
     assert!(r["student_test_accuracy"].is_null(), "an AUC, not an accuracy: {r}");
     assert_two_servers_said(&text, &r, 10_000, 626);
+    // Each step's servers in the report's timeline (what the plot draws).
+    assert!(r["timeline"].as_array().unwrap().iter().all(|s| s["ps_servers"] == 2), "{r}");
     // The tables are in the final checkpoint.
     let state = Checkpoints::read(Path::new(r["final_checkpoint"].as_str().unwrap())).unwrap();
     let names: Vec<&str> = state.tables.iter().map(|t| t.spec.name.as_str()).collect();
@@ -635,6 +637,11 @@ fn a_policy_grows_the_servers_2_to_3_and_back_to_2_mid_job_and_the_model_ends_as
     assert_exactly_once(&r, 2, 20000);
     assert_eq!(r["parameter_servers"].as_array().unwrap().len(), 2, "{r}");
     assert!(dir.path().join(".edl/ctr/logs/ps-3.log").exists());
+    let counts: Vec<u64> =
+        r["timeline"].as_array().unwrap().iter().map(|s| s["ps_servers"].as_u64().unwrap()).collect();
+    let mut changes = counts.clone();
+    changes.dedup();
+    assert_eq!(changes, [2, 3, 2], "the servers each step had");
     // Each step's updates applied once, whichever servers held the rows.
     let (state, scores) = builtin_calm();
     for ((name, x), (_, y)) in state.iter().zip(&final_state(dir.path())) {
