@@ -150,6 +150,7 @@ macro_rules! export_scaling_policy {
                                 id: s.id,
                                 rows: s.rows,
                                 bytes: s.bytes,
+                                working_bytes: s.working_bytes,
                                 bound_bytes: s.bound_bytes,
                                 requests_per_sec: s.requests_per_sec,
                                 refused: s.refused,

@@ -334,6 +334,9 @@ pub struct ServerStats {
     /// Rows of every table it holds (as a shard's owner or replica), and their bytes.
     pub rows: u64,
     pub bytes: u64,
+    /// Bytes besides the rows (undo records, staged pushes); the memory
+    /// bound counts them with the rows.
+    pub working_bytes: u64,
     /// Its memory bound, bytes (0: none).
     pub bound_bytes: u64,
     /// Pulls and pushes it answered per second since the job's look before.

@@ -135,7 +135,7 @@ pub struct PsArgs {
     pub ps_hosts: Vec<String>,
     /// With --ps-command: the port of each host's first server; its next
     /// ones serve on the ports after it.
-    #[arg(long, value_name = "PORT", default_value_t = 8300)]
+    #[arg(long, value_name = "PORT", default_value_t = 8300, requires = "ps_command")]
     pub ps_port: u16,
 }
 

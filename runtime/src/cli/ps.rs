@@ -34,7 +34,8 @@ pub struct PsArgs {
     #[arg(long, value_name = "NAME", value_parser = super::flags::job_name)]
     job: Option<String>,
     /// A file holding the job's secret, or `-` for standard input (default:
-    /// $EDL_JOB_SECRET). Never give the secret itself on a command line.
+    /// $EDL_JOB_SECRET): its first line; the server then stops when its
+    /// standard input closes. Never give the secret itself on a command line.
     #[arg(long, value_name = "FILE")]
     secret_file: Option<PathBuf>,
     /// Most memory the rows of all tables may take, MiB (0: no bound). New
@@ -57,6 +58,17 @@ pub fn run(a: PsArgs) -> Result<ExitCode> {
         (None, Some(job)) => JobAuth { job, secret: session::auth_from_env()?.secret },
         (None, None) => session::auth_from_env()?,
     };
+    if a.secret_file.as_deref() == Some(std::path::Path::new("-")) {
+        // Started by a command (ssh, srun) that holds standard input open
+        // while the job wants this server: its end is the job's stop (a
+        // signal to the local ssh reaches no process here).
+        let id = a.id;
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+            eprintln!("ps {id}: standard input closed: the job let go of this server; stopping");
+            std::process::exit(0);
+        });
+    }
     let listener =
         std::net::TcpListener::bind(a.listen).with_context(|| format!("listening on {}", a.listen))?;
     let bound = (a.memory_mib > 0).then_some(a.memory_mib << 20);

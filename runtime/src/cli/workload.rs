@@ -61,7 +61,7 @@ pub const ALPHA: f32 = 0.7;
 #[command(next_help_heading = "Built-in student")]
 pub struct StudentArgs {
     /// `mnist5k` (4000 train / 1000 test), `digits` (1397 / 400), or `ctr`
-    /// (20000 / 5000 click-through rows of Criteo's shape: a wide-and-deep
+    /// (90000 / 10000 click-through rows of Criteo's shape: a wide-and-deep
     /// model with its embeddings on the parameter servers; needs
     /// --ps-servers).
     #[arg(long, value_name = "NAME", default_value = "mnist5k")]
@@ -427,6 +427,15 @@ impl Prepared {
                 format!("{:?} on samples 0..{samples}", command.join(" "))
             }
         }
+    }
+
+    /// [`Prepared::student_scores`], or none where they cannot be had
+    /// (said): the run and its report stand.
+    pub(super) fn scores_or_none(&self, checkpoint_dir: &Path, outcome: &JobOutcome) -> StudentScores {
+        self.student_scores(checkpoint_dir, outcome).unwrap_or_else(|e| {
+            eprintln!("note      the final checkpoint could not be scored on the test set: {e:#}");
+            StudentScores::default()
+        })
     }
 
     /// The built-in student's test scores, from the final checkpoint: its

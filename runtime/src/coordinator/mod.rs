@@ -322,8 +322,13 @@ struct PsState {
     looked: Option<(std::time::Instant, std::collections::BTreeMap<u64, u64>)>,
     /// When the servers last changed (None: not since the job started).
     changed: Option<std::time::Instant>,
-    /// The servers forgot how to undo the steps before this one.
+    /// The servers forgot how to undo the steps before this one; when a
+    /// trim last failed.
     trimmed: u64,
+    trim_failed: Option<std::time::Instant>,
+    /// The scaling policy decides the servers' number (it answered one
+    /// last): the memory rule does not add servers.
+    sized_by_policy: bool,
 }
 
 /// The plugins and processes a coordinator drives.

@@ -58,6 +58,7 @@ impl Coordinator<'_> {
         };
         if let Some(why) = why
             && self.ps.added.is_empty()
+            && !self.ps.sized_by_policy
             && planned < max
         {
             match processes.more(1) {
@@ -113,6 +114,7 @@ impl Coordinator<'_> {
                 id: s.server,
                 rows: s.tables.iter().map(|t| t.rows).sum(),
                 bytes: s.bytes,
+                working_bytes: s.working_bytes,
                 bound_bytes: bound.unwrap_or(0),
                 requests_per_sec: self.ps.rates.get(&s.server).copied().unwrap_or(0.0),
                 refused: s.refused,
@@ -128,12 +130,17 @@ impl Coordinator<'_> {
         };
         let asked = match self.policy.decide_servers(&view) {
             Ok(Some(n)) => n,
-            Ok(None) => return,
+            Ok(None) => {
+                self.ps.sized_by_policy = false;
+                return;
+            }
             Err(e) => {
                 return self.note(format!("scaling policy: decide-servers failed, servers as they are: {e}"));
             }
         };
-        let want = asked.clamp(min.max(replicas), max);
+        // The policy sizes them: the memory rule stands aside.
+        self.ps.sized_by_policy = true;
+        let want = asked.max(min.max(replicas)).min(max);
         if want != asked {
             self.note(format!(
                 "scaling policy asked for {asked} parameter servers; {want} (within {min}..={max})"
@@ -214,9 +221,17 @@ impl Coordinator<'_> {
     /// not a second's.
     pub(super) fn trim_ps(&mut self) {
         let safe = self.ps_safe();
+        // After a failure, trims wait for the once-a-second look (a server
+        // wedged or gone must not hold every commit).
+        if self.ps.trim_failed.is_some_and(|t| t.elapsed() < std::time::Duration::from_secs(1)) {
+            return;
+        }
         let Some((control, _)) = self.ps.servers.as_mut() else { return };
-        if safe != self.ps.trimmed && control.trim(safe).is_ok() {
-            self.ps.trimmed = safe;
+        if safe != self.ps.trimmed {
+            match control.trim(safe) {
+                Ok(()) => (self.ps.trimmed, self.ps.trim_failed) = (safe, None),
+                Err(_) => self.ps.trim_failed = Some(std::time::Instant::now()),
+            }
         }
     }
 

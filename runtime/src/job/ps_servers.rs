@@ -7,7 +7,7 @@
 
 use crate::process::{die_with_parent, log_tail, terminate_group};
 use crate::worker::session::JobAuth;
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use std::{
     net::IpAddr,
     path::{Path, PathBuf},
@@ -39,9 +39,6 @@ pub struct PsStart {
     pub advertise: String,
     /// Started by the operator's command on hosts of theirs instead.
     pub command: Option<PsCommand>,
-    /// The job's secret in a file servers started by command may read (a
-    /// shared path), else the environment carries it.
-    pub secret_file: Option<PathBuf>,
 }
 
 /// Servers started by a command on the operator's hosts (`--ps-command`).
@@ -123,6 +120,10 @@ pub struct PsProcess {
     /// Its slot among the command's (None: started here).
     slot: Option<usize>,
     child: Child,
+    /// A server started by command: its standard input, held open while
+    /// the job wants it (it read the job's secret there, and stops when
+    /// it closes, wherever it runs).
+    _held: Option<std::process::ChildStdin>,
 }
 
 /// The job's servers; dropping them stops them.
@@ -171,8 +172,14 @@ impl PsServers {
                     Some((free, &slots[free]))
                 }
             };
-            let p = PsProcess::start(&start, id, &auth, &log_dir.join(format!("ps-{id}.log")), slot)
-                .with_context(|| format!("starting parameter server {id}"))?;
+            let p = match PsProcess::start(&start, id, &auth, &log_dir.join(format!("ps-{id}.log")), slot) {
+                Ok(p) => p,
+                Err(e) => {
+                    // All or none: those this call started are stopped.
+                    self.servers.retain(|p| !added.iter().any(|(id, _)| *id == p.id));
+                    return Err(e.context(format!("starting parameter server {id}")));
+                }
+            };
             added.push((p.id, p.addr.clone()));
             self.servers.push(p);
         }
@@ -241,9 +248,9 @@ impl PsProcess {
             "--memory-mib".into(),
             s.memory_mib.to_string(),
         ]);
-        if let Some(file) = &s.secret_file {
-            let file = file.to_string_lossy().into_owned();
-            program.extend(["--job".into(), auth.job.clone(), "--secret-file".into(), file]);
+        if slot.is_some() {
+            // The secret on standard input: it crosses ssh, and is on no command line.
+            program.extend(["--job".into(), auth.job.clone(), "--secret-file".into(), "-".into()]);
         }
         Ok(match (&s.command, slot) {
             (Some(c), Some(slot)) => {
@@ -272,7 +279,7 @@ impl PsProcess {
         cmd.env("EDL_JOB", &auth.job)
             .env("EDL_JOB_SECRET", auth.secret.to_hex())
             .env_remove("EDL_JOB_SECRET_FILE")
-            .stdin(Stdio::null())
+            .stdin(if slot.is_some() { Stdio::piped() } else { Stdio::null() })
             .stdout(Stdio::piped())
             .stderr(log_file);
         die_with_parent(&mut cmd);
@@ -280,32 +287,63 @@ impl PsProcess {
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let mut child =
             crate::process::spawn_lasting(cmd).with_context(|| format!("running {}", s.exe.display()))?;
+        let held = child.stdin.take().and_then(|mut stdin| {
+            use std::io::Write;
+            // A command that exits at once closed it: found below.
+            writeln!(stdin, "{}", auth.secret.to_hex()).ok().map(|()| stdin)
+        });
         let stdout = child.stdout.take().expect("piped");
         let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || super::teacher_pool::copy_output(stdout, &mut said, tx));
-        let line = match rx.recv_timeout(Duration::from_secs(30)) {
-            Ok(l) => l,
-            Err(e) => {
-                terminate_group(&mut child, Duration::from_secs(1));
-                let why = match e {
-                    mpsc::RecvTimeoutError::Disconnected => "it exited before serving",
-                    mpsc::RecvTimeoutError::Timeout => "it did not serve within 30 s",
-                };
-                bail!("{why}{}", log_tail(log, 5));
-            }
+        std::thread::spawn(move || copy_until_serving(stdout, &mut said, tx));
+        // What the command prints before the server (a banner, srun's
+        // notes) is logged and passed over.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let port = loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let why = match rx.recv_timeout(left) {
+                Ok(line) => match serving_port(&line) {
+                    Some(port) => break port,
+                    None => continue,
+                },
+                Err(mpsc::RecvTimeoutError::Disconnected) => "it exited before serving",
+                Err(mpsc::RecvTimeoutError::Timeout) => "it did not serve within 30 s",
+            };
+            terminate_group(&mut child, Duration::from_secs(1));
+            bail!("{why}{}", log_tail(log, 5));
         };
-        let port = line
-            .split("serving on ")
-            .nth(1)
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|a| a.parse::<std::net::SocketAddr>().ok())
-            .map(|a| a.port())
-            .ok_or_else(|| anyhow!("unexpected output {line:?} (log: {})", log.display()))?;
         let addr = match slot {
             Some((_, slot)) => crate::net::host_port(&slot.addr, port),
             None => crate::net::host_port(&s.advertise, port),
         };
-        Ok(PsProcess { id, addr, log: log.to_path_buf(), slot: slot.map(|(i, _)| i), child })
+        Ok(PsProcess { id, addr, log: log.to_path_buf(), slot: slot.map(|(i, _)| i), child, _held: held })
+    }
+}
+
+/// The port of a server's `ps N serving on ADDR:PORT (...)` line.
+fn serving_port(line: &str) -> Option<u16> {
+    let addr = line.split("serving on ").nth(1)?.split_whitespace().next()?;
+    addr.parse::<std::net::SocketAddr>().ok().map(|a| a.port())
+}
+
+/// Copies a server's output to its log, and its lines to `lines` until it
+/// says where it serves.
+fn copy_until_serving(
+    stdout: std::process::ChildStdout,
+    said: &mut std::fs::File,
+    lines: mpsc::Sender<String>,
+) {
+    use std::io::{BufRead, Write};
+    let mut tell = Some(lines);
+    for line in std::io::BufReader::new(stdout).lines() {
+        let Ok(line) = line else { return };
+        let _ = writeln!(said, "{line}");
+        if let Some(tx) = &tell {
+            let serving = serving_port(&line).is_some();
+            let _ = tx.send(line);
+            if serving {
+                tell = None;
+            }
+        }
     }
 }
 

@@ -284,6 +284,7 @@ pub fn server_view(v: &sdk::ServerView) -> servers::exports::edl::plugins::serve
                 id: s.id,
                 rows: s.rows,
                 bytes: s.bytes,
+                working_bytes: s.working_bytes,
                 bound_bytes: s.bound_bytes,
                 requests_per_sec: s.requests_per_sec,
                 refused: s.refused,

@@ -148,6 +148,14 @@ pub fn evaluate_checkpoint(r: &Restored, test: &Dataset) -> Result<(f64, f64)> {
             bail!("{}: holds no table {table:?} (not a checkpoint of the ctr model)", r.path.display())
         };
         let (dim, width) = (saved.spec.dim, saved.spec.width());
+        if saved.rows.len() != saved.ids.len() * width {
+            bail!(
+                "{}: table {table:?} holds {} values for {} rows of {width}",
+                r.path.display(),
+                saved.rows.len(),
+                saved.ids.len()
+            );
+        }
         let mut out = vec![0f32; ids.len() * dim];
         for (row, id) in out.chunks_exact_mut(dim).zip(ids) {
             match at.get(id) {

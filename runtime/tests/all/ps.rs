@@ -535,7 +535,9 @@ fn servers_started_by_command_on_two_other_hosts_serve_the_built_in_model_and_st
     let dir = tempfile::tempdir().unwrap();
     // The job (coordinator and workers) on one host, a server on each of
     // two others, started there by the operator's command.
-    let template = format!("ip netns exec {}-{{host}} {{program}}", hosts.prefix);
+    // A line before the server's own (as srun or a login script may print).
+    let template =
+        format!("echo starting {{id}} on {{host}}; ip netns exec {}-{{host}} {{program}}", hosts.prefix);
     let (ip1, ip2) = (hosts.ip("ps1"), hosts.ip("ps2"));
     let servers = format!("ps1={ip1},ps2={ip2}");
     let flags = ["--ps-replicas", "2", "--ps-command", &template, "--ps-hosts", &servers];
@@ -648,4 +650,32 @@ fn a_policy_grows_the_servers_2_to_3_and_back_to_2_mid_job_and_the_model_ends_as
         assert!(x == y, "{name} differs from the undisturbed run's");
     }
     assert_eq!(epoch_scores(&text), scores);
+}
+
+#[test]
+fn a_server_given_its_secret_on_standard_input_stops_when_that_input_closes() {
+    use std::io::{BufRead, Write};
+    let secret = edl_runtime::worker::session::Secret::generate().unwrap();
+    let mut server = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+        .args(["ps", "--id", "4", "--listen", "127.0.0.1:0", "--job", "j", "--secret-file", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = server.stdin.take().unwrap();
+    writeln!(stdin, "{}", secret.to_hex()).unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(server.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert!(line.starts_with("ps 4 serving on 127.0.0.1:"), "{line:?}");
+    // Still serving while the input is held.
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(server.try_wait().unwrap().is_none(), "it serves while its input is open");
+    drop(stdin);
+    let status =
+        crate::support::wait::wait_exit(&mut server, "the server", Duration::from_secs(30), String::new);
+    assert!(status.success(), "{status}");
+    let mut said = String::new();
+    std::io::Read::read_to_string(server.stderr.as_mut().unwrap(), &mut said).unwrap();
+    assert!(said.contains("ps 4: standard input closed: the job let go of this server; stopping"), "{said}");
 }
