@@ -297,6 +297,31 @@ impl Server {
         Ok(Some(out))
     }
 
+    /// [`Server::pull`] that makes no row: one not held comes back with its
+    /// initial values (what an evaluation reads).
+    pub fn peek(
+        &mut self,
+        table: &str,
+        worker: u64,
+        mark: Mark,
+        need: u64,
+        ids: &[u64],
+    ) -> Result<Option<Vec<f32>>, PsError> {
+        let server = self.id;
+        let t = self.table(table, worker)?;
+        enter(t, server, worker, mark)?;
+        if t.applied < need {
+            return Ok(None);
+        }
+        let dim = t.spec.dim;
+        let mut out = vec![0f32; ids.len() * dim];
+        let empty = crate::ps::table::Rows::default();
+        for (id, row) in ids.iter().zip(out.chunks_exact_mut(dim)) {
+            t.shards.get(&t.spec.shard_of(*id)).unwrap_or(&empty).peek(&t.spec, *id, row);
+        }
+        Ok(Some(out))
+    }
+
     /// Steps of `table` applied so far, and what the next one waits for.
     pub fn waiting(&self, table: &str) -> Option<(u64, String)> {
         let t = self.tables.get(table)?;
@@ -789,6 +814,24 @@ mod tests {
         assert!(matches!(e, PsError::AtBound { new: 1, .. }), "{e}");
         assert_eq!(s.stats().tables[0].applied, 0, "nothing half applied");
         assert_eq!(s.stats().bytes, per_row * 10);
+    }
+
+    #[test]
+    fn a_peek_reads_held_rows_and_the_initial_values_of_others_and_makes_none() {
+        let uniform = TableSpec { init: Init::Uniform { scale: 0.5 }, ..spec() };
+        let mut s = Server::new(1, None);
+        s.declare(9, uniform.clone(), mark(1, 0)).unwrap();
+        s.push("item", 1, tag(G1, 0, 0, 1), vec![5], vec![1.0, 2.0]).unwrap();
+        let rows_before = s.stats().tables[0].rows;
+        assert_eq!(s.peek("item", 1, mark(1, 0), 2, &[5]).unwrap(), None, "step 1 is not applied yet");
+        let peeked = s.peek("item", 1, mark(1, 0), 1, &[5, 77]).unwrap().unwrap();
+        let mut fresh = vec![0f32; 2];
+        uniform.init_row(77, &mut fresh);
+        assert!(fresh.iter().any(|v| *v != 0.0));
+        assert_eq!(peeked[..2], row(&mut s, G1, 5)[..], "a held row as a pull reads it");
+        assert_eq!(peeked[2..], fresh[..], "an id not held: its initial values");
+        assert_eq!(s.stats().tables[0].rows, rows_before, "no row made");
+        assert_eq!(row(&mut s, G1, 77), fresh, "and a pull then makes it with the same values");
     }
 
     #[test]

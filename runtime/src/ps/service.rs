@@ -228,7 +228,9 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> Answer {
                 Err(e) => ps_refused(shared, e),
             }
         }
-        Request::Pull { table, mark, need } => pull(shared, server, worker, (&table, mark, need), body),
+        Request::Pull { table, mark, need, peek } => {
+            pull(shared, server, worker, (&table, mark, need, peek), body)
+        }
     }
 }
 
@@ -251,7 +253,7 @@ fn pull(
     shared: &Shared,
     mut server: std::sync::MutexGuard<'_, Server>,
     worker: u64,
-    (table, mark, need): (&str, Mark, u64),
+    (table, mark, need, peek): (&str, Mark, u64, bool),
     body: &[u8],
 ) -> Answer {
     let Some((ids, _)) = wire::decode(body, body.len() / 8).filter(|(_, r)| r.is_empty()) else {
@@ -259,7 +261,12 @@ fn pull(
     };
     let deadline = Instant::now() + shared.pull_timeout;
     loop {
-        match server.pull(table, worker, mark, need, &ids) {
+        let rows = if peek {
+            server.peek(table, worker, mark, need, &ids)
+        } else {
+            server.pull(table, worker, mark, need, &ids)
+        };
+        match rows {
             Ok(Some(rows)) => return (Response::ok(), wire::encode(&[], &rows)),
             Err(e) => return ps_refused(shared, e),
             Ok(None) => {}
@@ -488,6 +495,16 @@ impl Client {
     /// Rows `ids` of `table` (in order, repeats allowed), once the steps
     /// before `need` are applied; each server is asked once for its unique ids.
     pub fn pull(&mut self, table: &str, mark: Mark, need: u64, ids: &[u64]) -> Result<Vec<f32>> {
+        self.read(table, mark, need, ids, false)
+    }
+
+    /// [`Client::pull`] that makes no row on the servers: one not held
+    /// comes back with its initial values (an evaluation's read).
+    pub fn peek(&mut self, table: &str, mark: Mark, need: u64, ids: &[u64]) -> Result<Vec<f32>> {
+        self.read(table, mark, need, ids, true)
+    }
+
+    fn read(&mut self, table: &str, mark: Mark, need: u64, ids: &[u64], peek: bool) -> Result<Vec<f32>> {
         let spec = self.spec(table)?.clone();
         let mut unique: Vec<Vec<u64>> = vec![Vec::new(); self.servers.len()];
         let mut place: rustc_hash::FxHashMap<u64, (usize, usize)> = Default::default();
@@ -498,7 +515,7 @@ impl Client {
                 (s, unique[s].len() - 1)
             });
         }
-        let req = Request::Pull { table: table.into(), mark, need };
+        let req = Request::Pull { table: table.into(), mark, need, peek };
         let asked: Vec<usize> = (0..self.servers.len()).filter(|&s| !unique[s].is_empty()).collect();
         let answers = self.ask(&asked, |s| (req.clone(), wire::encode(&unique[s], &[])))?;
         let mut rows: Vec<Vec<f32>> = vec![Vec::new(); self.servers.len()];

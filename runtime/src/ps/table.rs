@@ -285,6 +285,18 @@ impl Rows {
         out.copy_from_slice(&self.data[at * w..at * w + spec.dim]);
     }
 
+    /// Copies row `id` into `out`, or its initial values where it is not
+    /// held (nothing is made).
+    pub fn peek(&self, spec: &TableSpec, id: u64, out: &mut [f32]) {
+        match self.index.get(&id) {
+            Some(&at) => {
+                let (at, w) = (at as usize, spec.width());
+                out.copy_from_slice(&self.data[at * w..at * w + spec.dim]);
+            }
+            None => spec.init_row(id, out),
+        }
+    }
+
     /// Applies a gradient to row `id` (created if new).
     pub fn update(&mut self, spec: &TableSpec, id: u64, grad: &[f32]) {
         let at = self.slot(spec, id);

@@ -171,6 +171,13 @@ impl Tables {
         self.client(table, mark)?.pull(table, mark, step.saturating_sub(staleness), ids)
     }
 
+    /// [`Tables::pull`] that makes no row on the servers (an evaluation's
+    /// read: an id not held comes back with its initial values).
+    pub fn peek(&mut self, table: &str, mark: Mark, step: u64, ids: &[u64]) -> Result<Vec<f32>> {
+        let staleness = current(&self.topology).map_or(0, |t| t.staleness);
+        self.client(table, mark)?.peek(table, mark, step.saturating_sub(staleness), ids)
+    }
+
     /// This rank's gradients of `table`'s rows `ids` in the step `tag` names.
     pub fn push(&mut self, table: &str, tag: PushTag, ids: &[u64], grads: &[f32]) -> Result<()> {
         if self.pushing != (tag.mark.generation, tag.step) {

@@ -61,11 +61,14 @@ pub enum Request {
     Trim {
         step: u64,
     },
-    /// Rows of the body's ids, once the steps before `need` are applied.
+    /// Rows of the body's ids, once the steps before `need` are applied;
+    /// with `peek`, rows not held are not made (their initial values).
     Pull {
         table: String,
         mark: Mark,
         need: u64,
+        #[serde(default)]
+        peek: bool,
     },
     /// The body: `ids` ids, then their gradients.
     Push {
@@ -198,7 +201,7 @@ mod tests {
     #[test]
     fn frames_round_trip_and_bad_ones_are_errors() {
         let mut buf = Vec::new();
-        let req = Request::Pull { table: "t".into(), mark: Mark::default(), need: 3 };
+        let req = Request::Pull { table: "t".into(), mark: Mark::default(), need: 3, peek: false };
         write(&mut buf, &req, &encode(&[1, u64::MAX], &[0.5])).unwrap();
         let (back, body): (Request, Vec<u8>) = read(&mut buf.as_slice()).unwrap().unwrap();
         assert!(matches!(back, Request::Pull { need: 3, .. }));

@@ -239,7 +239,8 @@ fn compute(
     let (mark, tag) = (step.ps_mark(), step.ps_tag());
     let scores = match test {
         Some(test) => {
-            let mut lookup = |table: &str, ids: &[u64]| tables.pull(table, mark, step.step, ids);
+            // Read without making rows: ids seen only in the test set stay off the servers.
+            let mut lookup = |table: &str, ids: &[u64]| tables.peek(table, mark, step.step, ids);
             Some(evaluate(trainer, test, &mut lookup)?)
         }
         None => None,
