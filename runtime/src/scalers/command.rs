@@ -236,17 +236,20 @@ impl CommandScaler {
 pub(crate) fn host_slots(hosts: &[String], flag: &str) -> anyhow::Result<Vec<(String, usize)>> {
     let mut per_host = Vec::new();
     for h in hosts {
-        let (host, n) = match h.rsplit_once(':') {
-            Some((host, n)) if !host.is_empty() => {
-                let n: usize = n
-                    .parse()
-                    .ok()
-                    .filter(|n| *n > 0)
-                    .ok_or_else(|| anyhow::anyhow!("{flag} {h:?}: expected host or host:slots"))?;
-                (host.to_string(), n)
-            }
-            _ => (h.clone(), 1),
-        };
+        // An IPv6 address's colons are not a slot count: bracketed
+        // (`[fd00::7]:2`), or without slots.
+        let (host, n) =
+            match h.rsplit_once(':').filter(|(host, _)| !host.contains(':') || host.ends_with(']')) {
+                Some((host, n)) if !host.is_empty() => {
+                    let n: usize = n
+                        .parse()
+                        .ok()
+                        .filter(|n| *n > 0)
+                        .ok_or_else(|| anyhow::anyhow!("{flag} {h:?}: expected host or host:slots"))?;
+                    (host.to_string(), n)
+                }
+                _ => (h.clone(), 1),
+            };
         if host.is_empty() {
             anyhow::bail!("{flag}: an empty host name");
         }
@@ -271,7 +274,9 @@ pub(crate) fn named_host_slots(hosts: &[String], flag: &str) -> anyhow::Result<V
             continue;
         };
         let (addr, n) = match rest.rsplit_once(':') {
-            Some((a, n)) if n.parse::<usize>().is_ok() => (a, Some(n)),
+            Some((a, n)) if n.parse::<usize>().is_ok() && (!a.contains(':') || a.ends_with(']')) => {
+                (a, Some(n))
+            }
             _ => (rest, None),
         };
         if name.is_empty() || addr.is_empty() {
@@ -501,6 +506,28 @@ impl Drop for CommandScaler {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn host_lists_take_names_addresses_and_slots_and_leave_ipv6_colons_alone() {
+        let hosts: Vec<String> = ["a:2", "b=10.0.0.2", "c=[fd00::7]:2", "d=fd00::8", "fd00::9"]
+            .iter()
+            .map(|h| h.to_string())
+            .collect();
+        let got = super::named_host_slots(&hosts, "--ps-hosts").unwrap();
+        let want = [
+            ("a", "a", 0),
+            ("b", "10.0.0.2", 0),
+            ("c", "[fd00::7]", 0),
+            ("d", "fd00::8", 0),
+            ("fd00::9", "fd00::9", 0),
+            ("a", "a", 1),
+            ("c", "[fd00::7]", 1),
+        ];
+        let want: Vec<(String, String, usize)> =
+            want.iter().map(|(h, a, i)| (h.to_string(), a.to_string(), *i)).collect();
+        assert_eq!(got, want);
+        assert!(super::named_host_slots(&["=x".to_string()], "--ps-hosts").is_err());
+    }
+
     use super::*;
 
     // A table of templates and what each must expand to or refuse.
