@@ -279,22 +279,7 @@ impl Server {
         need: u64,
         ids: &[u64],
     ) -> Result<Option<Vec<f32>>, PsError> {
-        let server = self.id;
-        let t = self.table(table, worker)?;
-        enter(t, server, worker, mark)?;
-        if t.applied < need {
-            return Ok(None);
-        }
-        let new = count_new(t, ids);
-        self.room(table, worker, new)?;
-        let t = self.table(table, worker)?;
-        let dim = t.spec.dim;
-        let mut out = vec![0f32; ids.len() * dim];
-        for (id, row) in ids.iter().zip(out.chunks_exact_mut(dim)) {
-            t.shards.entry(t.spec.shard_of(*id)).or_default().read(&t.spec, *id, row);
-        }
-        t.rows += new as u64;
-        Ok(Some(out))
+        self.read(table, worker, (mark, need), ids, true)
     }
 
     /// [`Server::pull`] that makes no row: one not held comes back with its
@@ -307,18 +292,39 @@ impl Server {
         need: u64,
         ids: &[u64],
     ) -> Result<Option<Vec<f32>>, PsError> {
+        self.read(table, worker, (mark, need), ids, false)
+    }
+
+    /// A pull (`make`: rows not held are made, within the memory bound) or
+    /// a peek (they are read as their initial values, and not kept).
+    fn read(
+        &mut self,
+        table: &str,
+        worker: u64,
+        (mark, need): (Mark, u64),
+        ids: &[u64],
+        make: bool,
+    ) -> Result<Option<Vec<f32>>, PsError> {
         let server = self.id;
         let t = self.table(table, worker)?;
         enter(t, server, worker, mark)?;
         if t.applied < need {
             return Ok(None);
         }
+        let new = if make { count_new(t, ids) } else { 0 };
+        self.room(table, worker, new)?;
+        let t = self.table(table, worker)?;
         let dim = t.spec.dim;
         let mut out = vec![0f32; ids.len() * dim];
         let empty = crate::ps::table::Rows::default();
         for (id, row) in ids.iter().zip(out.chunks_exact_mut(dim)) {
-            t.shards.get(&t.spec.shard_of(*id)).unwrap_or(&empty).peek(&t.spec, *id, row);
+            let shard = t.spec.shard_of(*id);
+            match make {
+                true => t.shards.entry(shard).or_default().read(&t.spec, *id, row),
+                false => t.shards.get(&shard).unwrap_or(&empty).peek(&t.spec, *id, row),
+            }
         }
+        t.rows += new as u64;
         Ok(Some(out))
     }
 

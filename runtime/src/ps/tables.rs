@@ -167,15 +167,21 @@ impl Tables {
 
     /// Rows `ids` of `table` for step `step` (`ids.len() * dim` floats).
     pub fn pull(&mut self, table: &str, mark: Mark, step: u64, ids: &[u64]) -> Result<Vec<f32>> {
-        let staleness = current(&self.topology).map_or(0, |t| t.staleness);
-        self.client(table, mark)?.pull(table, mark, step.saturating_sub(staleness), ids)
+        let need = self.need(step);
+        self.client(table, mark)?.pull(table, mark, need, ids)
     }
 
     /// [`Tables::pull`] that makes no row on the servers (an evaluation's
     /// read: an id not held comes back with its initial values).
     pub fn peek(&mut self, table: &str, mark: Mark, step: u64, ids: &[u64]) -> Result<Vec<f32>> {
-        let staleness = current(&self.topology).map_or(0, |t| t.staleness);
-        self.client(table, mark)?.peek(table, mark, step.saturating_sub(staleness), ids)
+        let need = self.need(step);
+        self.client(table, mark)?.peek(table, mark, need, ids)
+    }
+
+    /// The steps a read for `step` waits to be applied: those before it,
+    /// less the staleness the job allows.
+    fn need(&self, step: u64) -> u64 {
+        step.saturating_sub(current(&self.topology).map_or(0, |t| t.staleness))
     }
 
     /// This rank's gradients of `table`'s rows `ids` in the step `tag` names.

@@ -489,6 +489,23 @@ fn builtin_calm() -> (Vec<(String, Vec<f32>)>, Vec<(f64, f64)>) {
     calm.clone().unwrap()
 }
 
+/// Every dense array the same to the bit as the built-in model's
+/// undisturbed run's, and every epoch's scores the same.
+fn assert_as_builtin_calm(dir: &Path, text: &str) {
+    let (state, scores) = builtin_calm();
+    for ((name, x), (_, y)) in state.iter().zip(&final_state(dir)) {
+        assert!(x == y, "{name} differs from the undisturbed run's");
+    }
+    assert_eq!(epoch_scores(text), scores);
+}
+
+/// The built-in job run with `flags` in `dir`, which it refused: its exit
+/// code and what it said.
+fn refusal(dir: &Path, flags: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_edl-runtime")).current_dir(dir).args(flags).output().unwrap();
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
 #[test]
 fn the_built_in_job_trains_wide_and_deep_on_parameter_servers_and_scores_each_epoch() {
     builtin_calm();
@@ -505,23 +522,14 @@ fn a_server_killed_under_the_built_in_model_loses_no_update_and_the_model_ends_a
     assert!(text.contains("parameter server 2 lost"), "{text}");
     assert!(text.contains("parameter servers 3 -> 2: "), "{text}");
     assert_exactly_once(&report(dir.path()), 2, 20000);
-    let (state, scores) = builtin_calm();
-    for ((name, x), (_, y)) in state.iter().zip(&final_state(dir.path())) {
-        assert!(x == y, "{name} differs from the undisturbed run's");
-    }
-    assert_eq!(epoch_scores(&text), scores);
+    assert_as_builtin_calm(dir.path(), &text);
 }
 
 #[test]
 fn the_built_in_ctr_model_without_servers_is_refused_before_anything_starts() {
     let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
-        .current_dir(dir.path())
-        .args(["--dataset", "ctr", "--epochs", "1"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let (code, err) = refusal(dir.path(), &["--dataset", "ctr", "--epochs", "1"]);
+    assert_eq!(code, Some(2), "{err}");
     assert!(
         err.contains("--dataset ctr keeps its embedding tables on parameter servers: add --ps-servers N"),
         "{err}"
@@ -554,11 +562,7 @@ fn servers_started_by_command_on_two_other_hosts_serve_the_built_in_model_and_st
     assert!(text.contains(&format!("ps        2 serving on {ip2}:8300")), "{text}");
     assert_exactly_once(&report(dir.path()), 2, 20000);
     // The same model as the servers beside the coordinator trained.
-    let (state, scores) = builtin_calm();
-    for ((name, x), (_, y)) in state.iter().zip(&final_state(dir.path())) {
-        assert!(x == y, "{name} differs from the run with servers beside the coordinator");
-    }
-    assert_eq!(epoch_scores(&text), scores);
+    assert_as_builtin_calm(dir.path(), &text);
     // Stopped with the job: nothing left on their hosts.
     let gone = || hosts.pids("ps1").is_empty() && hosts.pids("ps2").is_empty();
     crate::support::wait::until("the servers stopped with the job", Duration::from_secs(30), gone);
@@ -567,15 +571,7 @@ fn servers_started_by_command_on_two_other_hosts_serve_the_built_in_model_and_st
 #[test]
 fn servers_by_command_need_their_hosts_and_enough_slots() {
     let dir = tempfile::tempdir().unwrap();
-    let run = |flags: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
-            .current_dir(dir.path())
-            .args(["--dataset", "ctr", "--epochs", "1"])
-            .args(flags)
-            .output()
-            .unwrap();
-        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
-    };
+    let run = |flags: &[&str]| refusal(dir.path(), &[&["--dataset", "ctr", "--epochs", "1"], flags].concat());
     let cases: [(&[&str], &str); 4] = [
         (&["--ps-servers", "2", "--ps-command", "ssh {host} {program}"], "--ps-command needs --ps-hosts"),
         (
@@ -645,11 +641,7 @@ fn a_policy_grows_the_servers_2_to_3_and_back_to_2_mid_job_and_the_model_ends_as
     changes.dedup();
     assert_eq!(changes, [2, 3, 2], "the servers each step had");
     // Each step's updates applied once, whichever servers held the rows.
-    let (state, scores) = builtin_calm();
-    for ((name, x), (_, y)) in state.iter().zip(&final_state(dir.path())) {
-        assert!(x == y, "{name} differs from the undisturbed run's");
-    }
-    assert_eq!(epoch_scores(&text), scores);
+    assert_as_builtin_calm(dir.path(), &text);
 }
 
 #[test]
