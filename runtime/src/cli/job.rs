@@ -24,7 +24,7 @@ use edl_runtime::{
     plugin::{AdapterPlugin, PluginHost, PolicyPlugin},
     scalers::{
         CommandScaler, ExternalWorkers, LocalProcesses, Scaler, kubernetes::KubernetesScaler,
-        slurm::SlurmScaler,
+        relay::HostRelay, slurm::SlurmScaler,
     },
 };
 use std::{
@@ -142,7 +142,8 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     let spec = job_spec(host, &name, &args, &work, &dirs, plugins.transform.as_deref(), teachers.source)?;
     let cfg = job_config(&args, spec, &dirs)?;
     let checkpoint_dir = cfg.spec.checkpoint_dir.clone();
-    let scaler = scaler(&args.cluster, &exe, &dirs.log_dir, work.command())?;
+    let lease = Duration::from_millis(cfg.spec.worker_lease_ms);
+    let scaler = scaler(&args.cluster, &exe, &dirs.log_dir, work.command(), lease)?;
     let header = header(&name, &args, &work, &plugins);
     let watch = watch(&args.watch, &name, &plugins.policy_name, args.training.epochs, work.rows() as u64)?;
     let Plugins { policy, policy_name, adapter, adapter_name, .. } = plugins;
@@ -454,11 +455,19 @@ fn scaler(
     exe: &Path,
     log_dir: &Path,
     program: Option<&[String]>,
+    lease: Duration,
 ) -> Result<Box<dyn Scaler>> {
     let (stop, hosts) = (args.worker_stop_command.as_deref(), &args.hosts[..]);
+    if args.relay && args.scaler != ScalerKind::Local {
+        edl_runtime::refuse!("--relay is for --scaler local (its workers on this host)");
+    }
+    let relayed = |local: LocalProcesses| match args.relay {
+        true => local.relayed(HostRelay::new(exe, log_dir, lease)),
+        false => local,
+    };
     Ok(match (args.scaler, program) {
-        (ScalerKind::Local, None) => Box::new(LocalProcesses::new(exe, log_dir)),
-        (ScalerKind::Local, Some(command)) => Box::new(LocalProcesses::program(command, log_dir)?),
+        (ScalerKind::Local, None) => Box::new(relayed(LocalProcesses::new(exe, log_dir))),
+        (ScalerKind::Local, Some(command)) => Box::new(relayed(LocalProcesses::program(command, log_dir)?)),
         (ScalerKind::Command, program) => {
             let start = args.worker_command.as_deref().context("--scaler command needs --worker-command")?;
             Box::new(match program {

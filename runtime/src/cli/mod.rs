@@ -24,6 +24,7 @@ mod plugin_path;
 mod progress;
 mod ps;
 mod refusals;
+mod relay;
 mod simulate;
 mod summary;
 mod teacher;
@@ -114,6 +115,8 @@ enum Command {
     },
     /// Serve a job's sparse tables as one of its parameter servers.
     Ps(ps::PsArgs),
+    /// Carry one host's workers to the coordinator over one connection.
+    Relay(relay::RelayArgs),
     /// Print the devices and CUDA libraries this machine offers.
     Devices,
 }
@@ -224,6 +227,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Simulate(args)) => simulate::run(&host(&cli.sandbox)?, args),
         Some(Command::Plugin { command }) => plugin::run(&*host(&cli.sandbox)?, command),
         Some(Command::Ps(args)) => ps::run(args),
+        Some(Command::Relay(args)) => relay::run(args),
         Some(Command::Devices) => Ok(devices::run()),
     }
 }

@@ -5,10 +5,7 @@
 use super::flags::listen_on;
 use anyhow::{Context, Result};
 use clap::Args;
-use edl_runtime::{
-    ps::{Server, Service},
-    worker::session::{self, JobAuth},
-};
+use edl_runtime::ps::{Server, Service};
 use std::{
     io::Write,
     net::SocketAddr,
@@ -49,25 +46,9 @@ pub struct PsArgs {
 
 /// Serves until the process is stopped.
 pub fn run(a: PsArgs) -> Result<ExitCode> {
-    let auth = match (&a.secret_file, a.job.clone()) {
-        (Some(p), job) => {
-            let job =
-                job.or_else(|| std::env::var("EDL_JOB").ok()).context("--job or $EDL_JOB names the job")?;
-            JobAuth { job, secret: session::read_secret(p).context("--secret-file")? }
-        }
-        (None, Some(job)) => JobAuth { job, secret: session::auth_from_env()?.secret },
-        (None, None) => session::auth_from_env()?,
-    };
+    let auth = super::flags::job_auth(a.secret_file.as_deref(), a.job.clone())?;
     if a.secret_file.as_deref() == Some(std::path::Path::new("-")) {
-        // Started by a command (ssh, srun) that holds standard input open
-        // while the job wants this server: its end is the job's stop (a
-        // signal to the local ssh reaches no process here).
-        let id = a.id;
-        std::thread::spawn(move || {
-            let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
-            eprintln!("ps {id}: standard input closed: the job let go of this server; stopping");
-            std::process::exit(0);
-        });
+        super::flags::stop_when_stdin_closes(format!("ps {}", a.id), "server");
     }
     let listener =
         std::net::TcpListener::bind(a.listen).with_context(|| format!("listening on {}", a.listen))?;

@@ -17,7 +17,8 @@
 //! timeout); a refused one is logged with the reason and closed, and the
 //! coordinator never hears of it.
 
-use crate::control::proto::{FromWorker, Link};
+use crate::control::proto::{FromWorker, Link, Outbox};
+use crate::control::relay::{self, Frame};
 use edl_host_gpu::comm::auth::{self, JobAuth};
 use edl_host_gpu::comm::sealed::Opener;
 use mio::{Events, Interest, Poll, Token, Waker, unix::SourceFd};
@@ -61,8 +62,9 @@ impl Message for FromWorker {
 
 /// What happens on the control connections.
 pub enum Inbound<M = FromWorker> {
-    /// A new connection, numbered; the coordinator writes to this stream.
-    Conn(u64, Link),
+    /// A new connection, numbered; the coordinator writes to it here (a
+    /// worker behind a relay is a connection of its own too).
+    Conn(u64, Outbox),
     Msg(u64, M),
     /// The connection ended, and why.
     Closed(u64, String),
@@ -112,6 +114,9 @@ impl Gate {
     /// or will be given up), so it is refused, saying why; unless it comes
     /// back from the coordinator this one took the job over from.
     fn check(&self, c: &auth::Claim) -> Result<(), String> {
+        if c.channel == relay::CHANNEL && self.channel == "control" {
+            return self.auth.check(c, relay::CHANNEL, None);
+        }
         let returning = self.returning.lock().unwrap_or_else(|p| p.into_inner());
         // A member of the last generation the store names, or of an
         // earlier one whose successor it was not told of before the loss.
@@ -132,6 +137,17 @@ impl Gate {
             ));
         }
         Ok(())
+    }
+}
+
+impl Gate {
+    /// Checks the claim of a worker a relay admitted, as if it had come
+    /// straight here (a relay behind a relay is refused).
+    fn check_relayed(&self, c: &auth::Claim) -> Result<(), String> {
+        if c.channel == relay::CHANNEL {
+            return Err("a relay is not taken through another relay".into());
+        }
+        self.check(c)
     }
 }
 
@@ -206,11 +222,11 @@ pub fn start_channel<M: Message>(
 }
 
 /// Runs the secret's exchange on a new connection and hands it on once proven.
-fn admit<M>(
+fn admit<M: Message>(
     mut conn: TcpStream,
-    gate: &Gate,
+    gate: &Arc<Gate>,
     lease: Duration,
-    next: &AtomicU64,
+    next: &Arc<AtomicU64>,
     tx: &mpsc::Sender<Inbound<M>>,
     new_tx: &mpsc::Sender<(u64, TcpStream, Opener, u64)>,
     waker: &Waker,
@@ -220,11 +236,11 @@ fn admit<M>(
     // A send to a worker that stopped reading fails instead of blocking the
     // coordinator; keepalive notices a peer whose host went away.
     let _ = conn.set_write_timeout(Some(SEND_TIMEOUT));
-    let (who, keys) =
+    let (claim, keys) =
         match auth::accept(&mut auth::Deadline::new(&mut conn, AUTH_TIMEOUT), &gate.auth.secret, |c| {
             gate.check(c)
         }) {
-            Ok((claim, keys)) => (claim.who, keys),
+            Ok(proven) => proven,
             Err(e) => {
                 tracing::warn!("refused a control connection from {peer}: {e}");
                 return;
@@ -236,11 +252,165 @@ fn admit<M>(
     crate::control::proto::give_up_unacked(&conn, lease);
     let Ok(reader) = conn.try_clone() else { return };
     let (sealer, opener) = keys.split();
+    if claim.channel == relay::CHANNEL {
+        let carried =
+            Carried { gate: gate.clone(), next: next.clone(), tx: tx.clone(), peer, relay: claim.who };
+        let started = std::thread::Builder::new()
+            .name("edl-relay-in".into())
+            .spawn(move || carried.run(conn, reader, sealer, opener, lease));
+        if let Err(e) = started {
+            tracing::warn!("control connections: cannot start a thread for a relay: {e}");
+        }
+        return;
+    }
     let n = next.fetch_add(1, Ordering::Relaxed);
-    if tx.send(Inbound::Conn(n, Link::new(conn, Some(sealer)))).is_ok()
-        && new_tx.send((n, reader, opener, who)).is_ok()
+    if tx.send(Inbound::Conn(n, Outbox::Direct(Link::new(conn, Some(sealer))))).is_ok()
+        && new_tx.send((n, reader, opener, claim.who)).is_ok()
     {
         let _ = waker.wake();
+    }
+}
+
+/// The workers a relay carries, as the coordinator sees them: each a
+/// connection of its own, numbered as direct ones are.
+struct Carried<M> {
+    gate: Arc<Gate>,
+    next: Arc<AtomicU64>,
+    tx: mpsc::Sender<Inbound<M>>,
+    peer: String,
+    /// The relay's number.
+    relay: u64,
+}
+
+impl<M: Message> Carried<M> {
+    /// Reads the relay's frames until its connection ends, then closes
+    /// every worker it carried.
+    fn run(
+        self,
+        conn: TcpStream,
+        reader: TcpStream,
+        sealer: edl_host_gpu::comm::sealed::Sealer,
+        opener: Opener,
+        lease: Duration,
+    ) {
+        let (down, queued) = mpsc::channel::<Frame>();
+        let mut writer = Link::new(conn, Some(sealer));
+        let writing = std::thread::Builder::new().name("edl-relay-out".into()).spawn(move || {
+            if let Err(e) = relay::write_batches(queued, &mut writer, None) {
+                tracing::warn!("a relay's connection: {e}");
+                let _ = writer.get_ref().shutdown(std::net::Shutdown::Both);
+            }
+        });
+        if let Err(e) = writing {
+            tracing::warn!("control connections: cannot start a thread for a relay: {e}");
+            return;
+        }
+        let _ = reader.set_read_timeout(Some(lease));
+        let shut = reader.try_clone();
+        let mut r = io::BufReader::with_capacity(
+            256 << 10,
+            edl_host_gpu::comm::sealed::SealedReader::new(reader, Some(opener)),
+        );
+        // The relay's numbers of its workers, and theirs here with who they proved to be.
+        let mut carried: HashMap<u64, (u64, u64)> = HashMap::new();
+        let why = loop {
+            let frame = match Frame::read(&mut r) {
+                Ok(Some(f)) => f,
+                Ok(None) => break "it closed the connection".to_string(),
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                    break format!(
+                        "nothing from it for {:.1} s (its host or network went silent)",
+                        lease.as_secs_f64()
+                    );
+                }
+                Err(e) => break e.to_string(),
+            };
+            if self.take(frame, &mut carried, &down).is_err() {
+                return; // The coordinator stopped listening.
+            }
+        };
+        if let Ok(s) = shut {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        if carried.is_empty() {
+            tracing::debug!("relay {} at {} gone: {why}", self.relay, self.peer);
+        } else {
+            tracing::warn!(
+                "relay {} at {} lost with {} workers: {why}",
+                self.relay,
+                self.peer,
+                carried.len()
+            );
+        }
+        for (n, who) in carried.into_values() {
+            let lost = format!("worker {who}'s relay at {} was lost: {why}", self.peer);
+            if self.tx.send(Inbound::Closed(n, lost)).is_err() {
+                return;
+            }
+        }
+    }
+
+    /// One frame from the relay; `Err` when the coordinator stopped listening.
+    fn take(
+        &self,
+        frame: Frame,
+        carried: &mut HashMap<u64, (u64, u64)>,
+        down: &mpsc::Sender<Frame>,
+    ) -> Result<(), Gone> {
+        match frame {
+            Frame::Open { conn, claim } => match self.gate.check_relayed(&claim) {
+                Err(reason) => {
+                    tracing::warn!(
+                        "refused a control connection through the relay at {}: {reason}",
+                        self.peer
+                    );
+                    if let Ok(line) = crate::control::proto::encode(&crate::control::proto::ToWorker::Stop {
+                        reason: reason.clone(),
+                    }) {
+                        let _ = down.send(Frame::Line { conn, line });
+                    }
+                    let _ = down.send(Frame::Closed { conn, why: reason });
+                }
+                Ok(()) => {
+                    let n = self.next.fetch_add(1, Ordering::Relaxed);
+                    carried.insert(conn, (n, claim.who));
+                    let name = format!("worker {} through the relay at {}", claim.who, self.peer);
+                    let out = Outbox::Relayed { conn, relay: down.clone(), name };
+                    self.tx.send(Inbound::Conn(n, out)).map_err(|_| Gone)?;
+                }
+            },
+            Frame::Line { conn, line } => {
+                // Lines of a worker already dropped are dropped too.
+                let Some(&(n, who)) = carried.get(&conn) else { return Ok(()) };
+                let msg = serde_json::from_slice::<M>(line.trim_ascii_end())
+                    .map_err(|e| format!("malformed message: {e}"))
+                    .and_then(|m| match m.names_worker() {
+                        Some(named) if named != who => {
+                            Err(format!("says it is worker {named}, but proved the secret as worker {who}"))
+                        }
+                        _ => Ok(m),
+                    });
+                match msg {
+                    Ok(m) if m.is_heartbeat() => {}
+                    Ok(m) => self.tx.send(Inbound::Msg(n, m)).map_err(|_| Gone)?,
+                    Err(why) => {
+                        carried.remove(&conn);
+                        let _ = down.send(Frame::Closed { conn, why: why.clone() });
+                        let why = format!("worker {who} through the relay at {}: {why}", self.peer);
+                        self.tx.send(Inbound::Closed(n, why)).map_err(|_| Gone)?;
+                    }
+                }
+            }
+            Frame::Closed { conn, why } => {
+                if let Some((n, _)) = carried.remove(&conn) {
+                    self.tx
+                        .send(Inbound::Closed(n, format!("{why} (through the relay at {})", self.peer)))
+                        .map_err(|_| Gone)?;
+                }
+            }
+            Frame::Beat => {}
+        }
+        Ok(())
     }
 }
 

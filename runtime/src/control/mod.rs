@@ -3,3 +3,4 @@
 
 pub mod inbox;
 pub mod proto;
+pub mod relay;

@@ -8,7 +8,7 @@ use crate::control::inbox::Inbound;
 use crate::coordinator::machine::timers::Timer;
 use crate::scalers::Scaler;
 
-use crate::control::proto::{FromWorker, ToWorker, send};
+use crate::control::proto::{FromWorker, ToWorker};
 use crate::coordinator::machine::membership::{Command, MemberEvent};
 use crate::coordinator::machine::pipeline::Failure;
 use crate::store::keys;
@@ -36,19 +36,19 @@ impl Coordinator<'_> {
                     let welcome = ToWorker::Welcome(Box::new(self.told_spec()));
                     if let Some(stream) = self.conns.get_mut(&conn) {
                         if let Some(worker) = assigned {
-                            let _ = send(stream, &ToWorker::Assigned { worker });
+                            let _ = stream.send(&ToWorker::Assigned { worker });
                         }
-                        let _ = send(stream, &welcome);
+                        let _ = stream.send(&welcome);
                     }
                 }
                 Command::Refuse { conn, reason } => {
                     if let Some(mut stream) = self.conns.remove(&conn) {
-                        let _ = send(&mut stream, &ToWorker::Stop { reason });
+                        let _ = stream.send(&ToWorker::Stop { reason });
                     }
                 }
                 Command::Stop { worker, conn, reason, grace } => {
                     if let Some(mut stream) = conn.and_then(|c| self.conns.remove(&c)) {
-                        let _ = send(&mut stream, &ToWorker::Stop { reason });
+                        let _ = stream.send(&ToWorker::Stop { reason });
                     }
                     self.scaler.stop(worker, grace);
                     self.forget(worker);

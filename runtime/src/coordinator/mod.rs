@@ -98,7 +98,7 @@ struct Coordinator<'a> {
     /// Where the job's checkpoints are (read here, written by rank 0).
     ckpt: Checkpoints,
     /// Open control connections.
-    conns: HashMap<u64, crate::control::proto::Link>,
+    conns: HashMap<u64, crate::control::proto::Outbox>,
     /// Who is in the job (the decisions; this struct does the I/O).
     membership: Membership,
     /// The job's parameter servers, and what it follows of them.

@@ -5,7 +5,7 @@
 use super::records::*;
 use super::{CHORES_EVERY, Coordinator, NoticeCheckpoint, ms};
 use crate::checkpoint::{Checkpoints, Manifest, Restored};
-use crate::control::proto::{ToWorker, send};
+use crate::control::proto::ToWorker;
 use crate::coordinator::machine::ledger::{EpochRecord, Ledger};
 use crate::coordinator::machine::phase::Crash;
 use crate::coordinator::machine::pipeline::Failure;
@@ -549,7 +549,7 @@ impl Coordinator<'_> {
         let msg = ToWorker::Commit { step, checkpoint: Some(self.manifest()), wait: true, stored: None };
         self.pin_ps(step, m0.id);
         let sent = match self.conns.get_mut(&m0.conn).filter(|_| !self.membership.is_closed(m0.conn)) {
-            Some(stream) => send(stream, &msg).map_err(|e| e.to_string()),
+            Some(stream) => stream.send(&msg).map_err(|e| e.to_string()),
             None => Err("connection closed".into()),
         };
         if let Err(e) = sent {

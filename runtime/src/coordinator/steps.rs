@@ -4,7 +4,7 @@
 
 use super::records::*;
 use super::{AHEAD, CHORES_EVERY, Coordinator, MAX_WINDOW, SECOND, WINDOW_WORK_MS, ms};
-use crate::control::proto::{Generation, Share, StepDone, StepPlan, ToWorker, encode, send, send_encoded};
+use crate::control::proto::{Generation, Share, StepDone, StepPlan, ToWorker, encode};
 use crate::coordinator::machine::pipeline::{Committed, Failure, Pipeline};
 use crate::coordinator::machine::tally::permutation_of;
 use crate::coordinator::machine::timers::Timer;
@@ -138,7 +138,7 @@ impl Coordinator<'_> {
                 pipe.lost(Instant::now(), rank, "connection closed");
                 continue;
             };
-            if let Err(e) = send(stream, &ToWorker::Generation(Box::new(g))) {
+            if let Err(e) = stream.send(&ToWorker::Generation(Box::new(g))) {
                 pipe.lost(Instant::now(), rank, &e.to_string());
             }
         }
@@ -194,7 +194,7 @@ impl Coordinator<'_> {
                 let line = encode(&ToWorker::Steps { generation, steps: steps.clone(), shares })
                     .map_err(|e| anyhow!("encoding a window: {e}"))?;
                 if let Some(stream) = self.conns.get_mut(&m.conn)
-                    && let Err(e) = send_encoded(stream, &line)
+                    && let Err(e) = stream.send_encoded(&line)
                 {
                     lost.push((rank, e.to_string()));
                 }
@@ -307,7 +307,7 @@ impl Coordinator<'_> {
             if let Some(stream) = self.conns.get_mut(&m.conn) {
                 let line = rank0.as_ref().filter(|_| rank == 0).unwrap_or(&rest);
                 // A failed send closes the connection; its reader reports that.
-                let _ = send_encoded(stream, line);
+                let _ = stream.send_encoded(line);
             }
         }
         if !follow && (wrote || self.timers.is_due(Timer::SaveState, Instant::now())) {

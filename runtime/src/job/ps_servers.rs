@@ -7,12 +7,11 @@
 
 use crate::process::{die_with_parent, log_tail, terminate_group};
 use crate::worker::session::JobAuth;
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use std::{
     net::IpAddr,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    sync::mpsc,
     time::Duration,
 };
 
@@ -274,7 +273,7 @@ impl PsProcess {
         slot: Option<(usize, &PsSlot)>,
     ) -> Result<PsProcess> {
         let log_file = std::fs::File::create(log).with_context(|| format!("{}", log.display()))?;
-        let mut said = log_file.try_clone()?;
+        let said = log_file.try_clone()?;
         let mut cmd = Self::command(s, id, auth, slot.map(|(_, p)| p))?;
         cmd.env("EDL_JOB", &auth.job)
             .env("EDL_JOB_SECRET", auth.secret.to_hex())
@@ -292,25 +291,10 @@ impl PsProcess {
             // A command that exits at once closed it: found below.
             writeln!(stdin, "{}", auth.secret.to_hex()).ok().map(|()| stdin)
         });
-        let stdout = child.stdout.take().expect("piped");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || copy_until_serving(stdout, &mut said, tx));
         // What the command prints before the server (a banner, srun's
         // notes) is logged and passed over.
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        let port = loop {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            let why = match rx.recv_timeout(left) {
-                Ok(line) => match serving_port(&line) {
-                    Some(port) => break port,
-                    None => continue,
-                },
-                Err(mpsc::RecvTimeoutError::Disconnected) => "it exited before serving",
-                Err(mpsc::RecvTimeoutError::Timeout) => "it did not serve within 30 s",
-            };
-            terminate_group(&mut child, Duration::from_secs(1));
-            bail!("{why}{}", log_tail(log, 5));
-        };
+        let port = crate::process::await_line(&mut child, log, said, Duration::from_secs(30), serving_port)
+            .map_err(|why| anyhow::anyhow!("{why}"))?;
         let addr = match slot {
             Some((_, slot)) => crate::net::host_port(&slot.addr, port),
             None => crate::net::host_port(&s.advertise, port),
@@ -323,28 +307,6 @@ impl PsProcess {
 fn serving_port(line: &str) -> Option<u16> {
     let addr = line.split("serving on ").nth(1)?.split_whitespace().next()?;
     addr.parse::<std::net::SocketAddr>().ok().map(|a| a.port())
-}
-
-/// Copies a server's output to its log, and its lines to `lines` until it
-/// says where it serves.
-fn copy_until_serving(
-    stdout: std::process::ChildStdout,
-    said: &mut std::fs::File,
-    lines: mpsc::Sender<String>,
-) {
-    use std::io::{BufRead, Write};
-    let mut tell = Some(lines);
-    for line in std::io::BufReader::new(stdout).lines() {
-        let Ok(line) = line else { return };
-        let _ = writeln!(said, "{line}");
-        if let Some(tx) = &tell {
-            let serving = serving_port(&line).is_some();
-            let _ = tx.send(line);
-            if serving {
-                tell = None;
-            }
-        }
-    }
 }
 
 impl Drop for PsProcess {

@@ -25,6 +25,8 @@ pub struct LocalProcesses {
     /// the job goes on meanwhile (a scale-in does not wait for a program's
     /// exit), and dropping the scaler waits for them.
     stopping: Vec<std::thread::JoinHandle<()>>,
+    /// The relay the workers reach the coordinator through (`--relay`).
+    relay: Option<super::relay::HostRelay>,
 }
 
 impl LocalProcesses {
@@ -37,6 +39,7 @@ impl LocalProcesses {
             children: BTreeMap::new(),
             streams: BTreeMap::new(),
             stopping: Vec::new(),
+            relay: None,
         }
     }
 
@@ -51,7 +54,15 @@ impl LocalProcesses {
             children: BTreeMap::new(),
             streams: BTreeMap::new(),
             stopping: Vec::new(),
+            relay: None,
         })
+    }
+
+    /// The workers reach the coordinator through `relay`, one connection
+    /// for all of them.
+    pub fn relayed(mut self, relay: super::relay::HostRelay) -> Self {
+        self.relay = Some(relay);
+        self
     }
 
     fn log_path(&self, id: u64) -> PathBuf {
@@ -149,6 +160,14 @@ impl Scaler for LocalProcesses {
         ensure_dir(&self.log_dir)?;
         let log = std::fs::File::create(self.log_path(id))
             .map_err(|e| anyhow::anyhow!("{}: {e}", self.log_path(id).display()))?;
+        let relayed;
+        let coordinator = match &mut self.relay {
+            Some(r) => {
+                relayed = r.addr(coordinator, auth).map_err(|e| anyhow::anyhow!("worker {id}: {e:#}"))?;
+                relayed.as_str()
+            }
+            None => coordinator,
+        };
         let mut cmd = Command::new(&self.exe);
         match &self.args {
             None => cmd.args(["worker", "--coordinator", coordinator, "--id", &id.to_string()]),

@@ -19,6 +19,7 @@ pub mod command;
 pub mod fenced;
 pub mod kubernetes;
 pub mod local;
+pub mod relay;
 pub mod slurm;
 
 mod external;

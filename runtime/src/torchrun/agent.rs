@@ -10,7 +10,7 @@ use super::c10d::GroupStore;
 use super::follow::{Found, Lookup};
 use super::hosts::{FromAgent, ToAgent};
 use super::ranks::{Line, Placement, Ranks};
-use crate::control::proto::{self, Receiver, Sender};
+use crate::control::proto::{self, Outbox, Receiver, Sender};
 use crate::job::spec::{Follow, Leader};
 use anyhow::{Context, Result, anyhow, bail};
 use edl_host_gpu::comm::auth::{self, JobAuth};
@@ -86,7 +86,7 @@ impl Launcher {
         // hosts reach it at (the store of group rank 0 listens there).
         let here = stream.local_addr()?.ip();
         let (to, from) = proto::seal(&stream, keys)?;
-        let (to, mut from) = (Sender::new(to), Receiver::new(from));
+        let (to, mut from) = (Sender::new(Outbox::Direct(to)), Receiver::new(from));
         to.send(&FromAgent::Hello { agent: id, host: here.to_string(), pid: std::process::id(), running })?;
         let job = match from.recv::<ToAgent>()? {
             ToAgent::Welcome {

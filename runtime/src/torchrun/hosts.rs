@@ -183,7 +183,7 @@ struct Launcher<'a> {
     scaler: &'a mut dyn Scaler,
     rx: mpsc::Receiver<Inbound<FromAgent>>,
     /// Connections that proved the secret and have not said hello yet.
-    fresh: HashMap<u64, proto::Link>,
+    fresh: HashMap<u64, proto::Outbox>,
     /// Joined agents, by id (group ranks are given in id order).
     agents: BTreeMap<u64, Joined>,
     /// Agents asked for and not joined yet: id -> when asked.

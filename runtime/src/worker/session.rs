@@ -16,7 +16,7 @@
 
 use crate::checkpoint::{Checkpoints, Manifest};
 use crate::control::proto::{
-    FailCause, FromWorker, Generation, Receiver, Sender, Share, StepDone, StepPlan, ToWorker, Written,
+    FailCause, FromWorker, Generation, Outbox, Receiver, Sender, Share, StepDone, StepPlan, ToWorker, Written,
 };
 use crate::job::spec::{JobSpec, Leader};
 use crate::state::Layout;
@@ -446,7 +446,7 @@ impl Session {
         stream.set_write_timeout(Some(Duration::from_secs(10)))?;
         crate::control::proto::keepalive(&stream);
         let (out, rx) = crate::control::proto::seal(&stream, keys)?;
-        let (out, rx) = (Sender::new(out), Receiver::new(rx));
+        let (out, rx) = (Sender::new(Outbox::Direct(out)), Receiver::new(rx));
         out.send(first)?;
         Ok((stream, out, rx))
     }

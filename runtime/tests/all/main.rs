@@ -13,6 +13,7 @@ mod kubernetes;
 mod lifecycle;
 mod ps;
 mod python;
+mod relay;
 mod reload;
 mod sandbox;
 mod scaffold;

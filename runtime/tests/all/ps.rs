@@ -3,7 +3,7 @@
 
 use crate::support::{
     hosts::Hosts,
-    job::{assert_exactly_once, committed_checkpoint, finish, lines, report},
+    job::{assert_exactly_once, committed_checkpoint, final_state, finish, lines, report},
     process::sigkill,
     python::{PyEnv, py},
     root,
@@ -88,13 +88,6 @@ fn ended(child: std::process::Child, rx: std::sync::mpsc::Receiver<String>, mut 
     let text = seen.join("\n");
     assert!(status.success(), "{text}");
     text
-}
-
-/// The final checkpoint's arrays, by name.
-fn final_state(dir: &Path) -> Vec<(String, Vec<f32>)> {
-    let r = report(dir);
-    let state = Checkpoints::read(Path::new(r["final_checkpoint"].as_str().unwrap())).unwrap();
-    state.layout.ranges().map(|(t, at)| (t.name.clone(), state.values[at].to_vec())).collect()
 }
 
 /// The test AUCs the workers printed as they ended.

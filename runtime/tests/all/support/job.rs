@@ -159,3 +159,10 @@ pub(crate) fn assert_noise_scale_measured(r: &Value) {
         assert!((g - rate * e).abs() <= 1e-6 * rate.max(1.0), "{s}");
     }
 }
+
+/// The final checkpoint's arrays of the job in `dir`, by name.
+pub(crate) fn final_state(dir: &Path) -> Vec<(String, Vec<f32>)> {
+    let r = report(dir);
+    let state = Checkpoints::read(Path::new(r["final_checkpoint"].as_str().unwrap())).unwrap();
+    state.layout.ranges().map(|(t, at)| (t.name.clone(), state.values[at].to_vec())).collect()
+}

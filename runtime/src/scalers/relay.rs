@@ -1,0 +1,117 @@
+//! [`HostRelay`]: the relay of this host's workers (`edl-runtime relay`, see
+//! [`crate::control::relay`]), started by the scaler when its first worker
+//! is, and again after it is lost, when the next worker starts.
+
+use crate::process::{await_line, die_with_parent, terminate_group};
+use edl_host_gpu::comm::auth::JobAuth;
+use std::{
+    io::Write,
+    path::PathBuf,
+    process::{Child, ChildStdin, Command, Stdio},
+    time::Duration,
+};
+
+/// The relay this host's workers reach the coordinator through.
+pub struct HostRelay {
+    /// `edl-runtime`, which runs it.
+    exe: PathBuf,
+    log_dir: PathBuf,
+    /// The job's worker lease, which the relay keeps for the coordinator.
+    lease: Duration,
+    running: Option<Running>,
+    /// Relays started so far (each one's number, and its log's).
+    started: u64,
+}
+
+struct Running {
+    child: Child,
+    /// Where workers reach it.
+    addr: String,
+    /// Held open while the job wants it: it stops when this closes.
+    _stdin: Option<ChildStdin>,
+}
+
+impl HostRelay {
+    pub fn new(exe: impl Into<PathBuf>, log_dir: impl Into<PathBuf>, lease: Duration) -> Self {
+        HostRelay { exe: exe.into(), log_dir: log_dir.into(), lease, running: None, started: 0 }
+    }
+
+    /// Where a new worker is to connect: the running relay, or one started
+    /// now (the one before was lost: its workers with it) for the
+    /// coordinator at `coordinator`.
+    pub fn addr(&mut self, coordinator: &str, auth: &JobAuth) -> anyhow::Result<String> {
+        if let Some(r) = &mut self.running {
+            match r.child.try_wait() {
+                Ok(None) => return Ok(r.addr.clone()),
+                Ok(Some(status)) => {
+                    tracing::warn!("relay {} ended ({status}); starting another", self.started)
+                }
+                Err(e) => tracing::warn!("relay {}: {e}; starting another", self.started),
+            }
+        }
+        self.running = None;
+        self.started += 1;
+        let id = self.started;
+        crate::process::ensure_dir(&self.log_dir)?;
+        let path = self.log_dir.join(format!("relay-{id}.log"));
+        let log = std::fs::File::create(&path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let mut cmd = Command::new(&self.exe);
+        cmd.args(["relay", "--coordinator", coordinator, "--listen", "127.0.0.1:0", "--id", &id.to_string()])
+            .args([
+                "--job",
+                &auth.job,
+                "--secret-file",
+                "-",
+                "--lease-ms",
+                &self.lease.as_millis().to_string(),
+            ])
+            .env_remove("EDL_JOB_SECRET")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(log.try_clone()?);
+        die_with_parent(&mut cmd);
+        // Ctrl-C is the coordinator's to act on, as for the workers.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let mut child = crate::process::spawn_lasting(cmd)
+            .map_err(|e| anyhow::anyhow!("cannot start relay {id} ({}): {e}", self.exe.display()))?;
+        let stdin =
+            child.stdin.take().and_then(|mut s| writeln!(s, "{}", auth.secret.to_hex()).ok().map(|()| s));
+        let addr = await_line(&mut child, &path, log, Duration::from_secs(30), relaying_on)
+            .map_err(|why| anyhow::anyhow!("relay {id}: {why}"))?;
+        tracing::info!("relay {id} carries this host's workers from {addr}");
+        self.running = Some(Running { child, addr: addr.clone(), _stdin: stdin });
+        Ok(addr)
+    }
+
+    /// The running relay's process id.
+    pub fn pid(&self) -> Option<u32> {
+        self.running.as_ref().map(|r| r.child.id())
+    }
+}
+
+/// The address of a relay's `relay N relaying on ADDR:PORT ...` line.
+fn relaying_on(line: &str) -> Option<String> {
+    let addr = line.split("relaying on ").nth(1)?.split_whitespace().next()?;
+    addr.parse::<std::net::SocketAddr>().ok().map(|a| a.to_string())
+}
+
+impl Drop for HostRelay {
+    fn drop(&mut self) {
+        if let Some(mut r) = self.running.take() {
+            terminate_group(&mut r.child, Duration::from_secs(1));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_relay_s_address_is_read_from_its_line() {
+        assert_eq!(
+            super::relaying_on("relay 2 relaying on 127.0.0.1:4100 for 127.0.0.1:7000").as_deref(),
+            Some("127.0.0.1:4100")
+        );
+        assert_eq!(super::relaying_on("starting up"), None);
+        assert_eq!(super::relaying_on("relay 2 relaying on nowhere"), None);
+    }
+}

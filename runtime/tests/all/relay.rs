@@ -1,0 +1,143 @@
+//! A host's workers through one relay (`--relay`): the coordinator holds one
+//! connection for all of them; training is the same to the bit; a worker
+//! lost behind the relay is lost as before, and the relay lost is its
+//! host's workers lost, recovered as such.
+
+use crate::support::{
+    job::{assert_exactly_once, final_state, finish, job, lines, report},
+    process::{children, sigkill, sigkill_worker},
+    wait::wait_for,
+};
+use edl_plugin_artifacts as art;
+use std::{path::Path, process::Command, time::Duration};
+
+/// A job of three workers whose policy never acts, for `epochs` epochs.
+fn three_workers(dir: &Path, epochs: &str, extra: &[&str]) -> Command {
+    let mut args = vec!["--policy", art::AUTOSCALE_WASM, "--decide-every", "100000", "--no-distill"];
+    args.extend_from_slice(&["--workers", "3", "--min-workers", "1", "--max-workers", "3"]);
+    args.extend_from_slice(&["--step-delay-ms", "5", "--epochs", epochs]);
+    args.extend_from_slice(extra);
+    job(dir, &args)
+}
+
+/// Established TCP connections whose local port is `port` (the accepted
+/// ones of a listener on it), from /proc/net/tcp.
+fn accepted_on(port: u16) -> usize {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    table
+        .lines()
+        .skip(1)
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let local_port = f[1].rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok());
+            local_port == Some(port) && f[3] == "01"
+        })
+        .count()
+}
+
+/// The control port the job's note names.
+fn control_port(seen: &[String]) -> u16 {
+    let note = seen.iter().find(|l| l.contains("coordinator at ")).expect("the coordinator's note");
+    let addr = note.split("coordinator at ").nth(1).unwrap().split_whitespace().next().unwrap();
+    addr.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn workers_through_a_relay_hold_one_connection_and_train_to_the_bit_as_without_it() {
+    let direct = tempfile::tempdir().unwrap();
+    let mut child = three_workers(direct.path(), "4", &[]).spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    let port = control_port(&seen);
+    assert_eq!(accepted_on(port), 3, "one connection a worker without a relay");
+    assert!(finish(child, rx, &mut seen).success(), "{}", seen.join("\n"));
+
+    let relayed = tempfile::tempdir().unwrap();
+    let mut child = three_workers(relayed.path(), "4", &["--relay"]).spawn().unwrap();
+    let coordinator = child.id();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    let port = control_port(&seen);
+    assert_eq!(accepted_on(port), 1, "the relay's connection alone");
+    let procs = children(coordinator);
+    let relay = procs.iter().find(|(_, c)| c.contains(" relay ")).unwrap_or_else(|| panic!("{procs:?}"));
+    let workers: Vec<_> = procs.iter().filter(|(_, c)| c.contains(" worker ")).collect();
+    assert_eq!(workers.len(), 3, "{procs:?}");
+    for (_, w) in &workers {
+        assert!(!w.contains(&format!(":{port} ")), "a worker sent to the relay, not the coordinator: {w}");
+    }
+    assert!(relay.1.contains(&format!(":{port} ")), "the relay reaches the coordinator: {}", relay.1);
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    assert_exactly_once(&report(relayed.path()), 4, 1200);
+    let (a, b) = (final_state(direct.path()), final_state(relayed.path()));
+    assert_eq!(a.len(), b.len());
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        assert!(x == y, "{name} differs from the run without a relay");
+    }
+    let log = std::fs::read_to_string(relayed.path().join(".edl/mnist/logs/relay-1.log")).unwrap();
+    assert!(log.contains("relaying on 127.0.0.1:"), "{log}");
+}
+
+#[test]
+fn a_worker_killed_behind_the_relay_is_lost_and_its_step_redone_exactly_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = three_workers(dir.path(), "6", &["--relay"]).spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     1 done", &mut seen, Duration::from_secs(120));
+    sigkill_worker(child.id(), 2);
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    let r = report(dir.path());
+    assert_exactly_once(&r, 6, 1200);
+    let events = r["scale_events"].as_array().unwrap();
+    let lost = events
+        .iter()
+        .find(|e| e["reason"].as_str().unwrap().contains("worker 2 lost"))
+        .unwrap_or_else(|| panic!("{events:?}\n{text}"));
+    assert_eq!((lost["from"].as_u64(), lost["to"].as_u64()), (Some(3), Some(2)), "{lost}");
+    assert!(text.contains("through the relay at"), "the loss names the relay: {text}");
+    assert!(!dir.path().join(".edl/mnist/logs/relay-2.log").exists(), "the relay itself lived on");
+}
+
+#[test]
+fn the_relay_killed_loses_its_host_s_workers_and_the_job_recovers_through_a_new_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child =
+        three_workers(dir.path(), "6", &["--relay", "--checkpoint-every-steps", "10"]).spawn().unwrap();
+    let coordinator = child.id();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     1 done", &mut seen, Duration::from_secs(120));
+    let procs = children(coordinator);
+    let relay = procs.iter().find(|(_, c)| c.contains(" relay ")).unwrap_or_else(|| panic!("{procs:?}"));
+    sigkill(relay.0);
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    let r = report(dir.path());
+    assert_exactly_once(&r, 6, 1200);
+    assert!(
+        text.contains("relay at") && text.contains("was lost"),
+        "the workers' loss names their relay: {text}"
+    );
+    // Every worker went with it; those started after reached the job
+    // through a second relay.
+    let log = std::fs::read_to_string(dir.path().join(".edl/mnist/logs/relay-2.log")).unwrap();
+    assert!(log.contains("relaying on"), "{log}");
+    assert!(r["final_world_size"].as_u64().unwrap() >= 1, "{r}");
+}
+
+#[test]
+fn a_relay_is_refused_for_workers_on_other_hosts() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["--relay", "--scaler", "command", "--worker-command", "true", "--hosts", "a"];
+    let out = job(dir.path(), &args).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--relay is for --scaler local"));
+}
