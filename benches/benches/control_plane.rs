@@ -1,19 +1,24 @@
-//! The control plane at scale: N simulated workers against the real
-//! coordinator.
+//! The control plane at scale: N simulated workers on H simulated hosts
+//! against the real coordinator.
 //!
 //!     cargo bench -p edl-benches --bench control_plane
-//!     cargo bench -p edl-benches --bench control_plane -- --bench --sizes 16,256 --compute-ms 2
+//!     cargo bench -p edl-benches --bench control_plane -- --bench --sizes 64:8,1024:32 --compute-ms 2
 //!
-//! Each simulated worker is a thread speaking the real protocol over a real
-//! loopback socket (hello, ready, generations, windows of steps, commits);
-//! its compute is a sleep of `--compute-ms` per step and it builds no ring
-//! (the all-reduce is the data plane, not the control plane). The
-//! coordinator is the job's own (`edl_runtime::job::Job`, run by `edl_runtime::coordinator::run`) with
-//! its membership, step pipeline, ledger, store and checkpoint cadence; the
-//! policy is a fixed one so every run sees the same events. Per N:
+//! Each simulated host is a process of its own (this program again, with
+//! `--sim-host`); its workers are threads speaking the real protocol over
+//! real loopback sockets (hello, ready, generations, windows of steps,
+//! commits), either each on its own connection to the coordinator or all
+//! through the host's relay (`edl_runtime::control::relay`, in the host's
+//! process), the two side by side at each size. A worker's compute is a
+//! sleep of `--compute-ms` per step and it builds no ring (the all-reduce is
+//! the data plane, not the control plane). The coordinator is the job's own
+//! (`edl_runtime::job::Job`, run by `edl_runtime::coordinator::run`) with its
+//! membership, step pipeline, ledger, store and checkpoint cadence, alone in
+//! this process; the policy is a fixed one so every run sees the same events.
+//! Per N:
 //!
-//! - coordinator CPU per step: the process's CPU less the simulated workers'
-//!   (each measures its own thread), over 64 steady-state steps;
+//! - coordinator CPU per step: this process's CPU (getrusage, user and
+//!   system) over 64 steady-state steps;
 //! - control-plane time per step: wall time per committed step less the
 //!   simulated compute, over the same steps;
 //! - failure recovery: one worker's connection drops mid-window; from the
@@ -25,7 +30,10 @@
 
 use edl_plugin_sdk::{Action, ClusterView, Hyperparams, PluginInfo};
 use edl_runtime::{
-    control::proto::{FromWorker, Receiver, StepDone, ToWorker, Written, send},
+    control::{
+        proto::{FromWorker, Receiver, StepDone, ToWorker, Written, send},
+        relay::{Relay, RelayConfig},
+    },
     coordinator::{self, Progress},
     job::{Job, JobConfig, JobDirs, JobPlugins, JobSpec, Program},
     plugin::{Backend, Error, Plugin, PolicyPlugin},
@@ -36,47 +44,29 @@ use std::{
     collections::HashMap,
     net::{SocketAddr, TcpStream},
     path::PathBuf,
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
     time::{Duration, Instant},
 };
 
-/// CPU seconds of `clock` (the calling thread's or the process's).
-fn cpu(clock: libc::clockid_t) -> f64 {
-    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `t` is a live timespec the call fills; nothing else is read.
-    let rc = unsafe { libc::clock_gettime(clock, &mut t) };
-    assert_eq!(rc, 0, "clock_gettime({clock}): {}", std::io::Error::last_os_error());
-    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
-}
-
-fn thread_cpu() -> f64 {
-    cpu(libc::CLOCK_THREAD_CPUTIME_ID)
-}
-
+/// CPU seconds this process used, user and system (getrusage).
 fn process_cpu() -> f64 {
-    cpu(libc::CLOCK_PROCESS_CPUTIME_ID)
+    // SAFETY: an all-zero rusage is a valid value of the plain C struct the call fills.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `u` is a live rusage the call fills; nothing else is read.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    assert_eq!(rc, 0, "getrusage: {}", std::io::Error::last_os_error());
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    secs(u.ru_utime) + secs(u.ru_stime)
 }
 
-/// What the simulated workers share with the harness.
-#[derive(Clone)]
+/// What a simulated host's workers share.
+#[derive(Clone, Copy)]
 struct Sim {
     compute: Duration,
-    /// CPU nanoseconds the simulated workers used.
-    cpu_ns: Arc<AtomicU64>,
     /// Worker id that drops its connection when it is sent this step.
     victim: Option<(u64, u64)>,
 }
 
 fn sim_worker(addr: SocketAddr, id: u64, auth: JobAuth, sim: Sim) -> anyhow::Result<()> {
-    let mut cpu_mark = thread_cpu();
-    let account = |mark: &mut f64| {
-        let now = thread_cpu();
-        sim.cpu_ns.fetch_add(((now - *mark) * 1e9) as u64, Ordering::Relaxed);
-        *mark = now;
-    };
     let mut stream = TcpStream::connect(addr)?;
     let keys = edl_host_gpu::comm::auth::connect(&mut stream, &auth.secret, &auth.claim("control", 0, id))?;
     stream.set_nodelay(true)?;
@@ -90,7 +80,6 @@ fn sim_worker(addr: SocketAddr, id: u64, auth: JobAuth, sim: Sim) -> anyhow::Res
     send(&mut out, &FromWorker::Ready { samples: None })?;
     let mut place = 0u64;
     loop {
-        account(&mut cpu_mark);
         match rx.recv::<ToWorker>()? {
             ToWorker::Generation(g) => place = g.generation,
             ToWorker::Steps { generation, steps, shares } if generation == place => {
@@ -111,6 +100,7 @@ fn sim_worker(addr: SocketAddr, id: u64, auth: JobAuth, sim: Sim) -> anyhow::Res
                         metrics: Vec::new(),
                         teacher_calls: Vec::new(),
                         grad_sq: None,
+                        noise_terms: None,
                     });
                 }
                 send(&mut out, &FromWorker::Done { generation, steps: done, setup_ms: 0.0 })?;
@@ -127,22 +117,92 @@ fn sim_worker(addr: SocketAddr, id: u64, auth: JobAuth, sim: Sim) -> anyhow::Res
     }
 }
 
-/// Starts simulated workers as threads.
+/// A simulated host: this program with `--sim-host`, its workers threads
+/// started as it reads their ids on its standard input.
+fn sim_host() -> anyhow::Result<()> {
+    use std::io::BufRead;
+    let auth = edl_runtime::worker::session::auth_from_env()?;
+    let coordinator: SocketAddr = arg("--coordinator").expect("--coordinator").parse()?;
+    let compute = Duration::from_micros(arg("--compute-us").expect("--compute-us").parse()?);
+    let victim = arg("--victim").and_then(|v| {
+        let (id, step) = v.split_once(':')?;
+        Some((id.parse().ok()?, step.parse().ok()?))
+    });
+    let sim = Sim { compute, victim };
+    let to = match arg("--relay").as_deref() {
+        Some("1") => {
+            let lease = Duration::from_secs(600);
+            let cfg =
+                RelayConfig { coordinator, listen: "127.0.0.1:0".parse()?, auth: auth.clone(), lease, id: 1 };
+            let relay = Relay::connect(cfg)?;
+            let addr = relay.addr()?;
+            std::thread::spawn(move || relay.serve());
+            addr
+        }
+        _ => coordinator,
+    };
+    for line in std::io::stdin().lock().lines() {
+        let id: u64 = line?.trim().parse()?;
+        let auth = auth.clone();
+        std::thread::Builder::new().name("sim-worker".into()).stack_size(256 << 10).spawn(move || {
+            if let Err(e) = sim_worker(to, id, auth, sim) {
+                eprintln!("simulated worker {id}: {e:#}");
+            }
+        })?;
+    }
+    Ok(())
+}
+
+/// Starts simulated workers on `hosts` host processes, round robin.
 struct SimScaler {
     sim: Sim,
+    hosts: usize,
+    relay: bool,
+    started: Vec<(std::process::Child, std::process::ChildStdin)>,
+}
+
+impl SimScaler {
+    fn start_hosts(&mut self, coordinator: &str, auth: &JobAuth) -> anyhow::Result<()> {
+        for _ in 0..self.hosts {
+            let mut cmd = std::process::Command::new(std::env::current_exe()?);
+            cmd.args(["--sim-host", "--coordinator", coordinator])
+                .args(["--compute-us", &self.sim.compute.as_micros().to_string()])
+                .args(["--relay", if self.relay { "1" } else { "0" }])
+                .env("EDL_JOB", &auth.job)
+                .env("EDL_JOB_SECRET", auth.secret.to_hex())
+                .stdin(std::process::Stdio::piped());
+            if let Some((id, step)) = self.sim.victim {
+                cmd.args(["--victim", &format!("{id}:{step}")]);
+            }
+            let mut child = cmd.spawn()?;
+            let stdin = child.stdin.take().expect("piped");
+            self.started.push((child, stdin));
+        }
+        Ok(())
+    }
 }
 
 impl Scaler for SimScaler {
     fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> anyhow::Result<()> {
-        let coordinator: SocketAddr = coordinator.parse()?;
-        let sim = self.sim.clone();
-        let auth = auth.clone();
-        std::thread::Builder::new().name("sim-worker".into()).stack_size(256 << 10).spawn(move || {
-            let _ = sim_worker(coordinator, id, auth, sim);
-        })?;
+        use std::io::Write;
+        if self.started.is_empty() {
+            self.start_hosts(coordinator, auth)?;
+        }
+        let host = (id as usize - 1) % self.hosts;
+        writeln!(self.started[host].1, "{id}")?;
         Ok(())
     }
     fn stop(&mut self, _id: u64, _grace: Duration) {}
+}
+
+impl Drop for SimScaler {
+    fn drop(&mut self) {
+        for (mut child, stdin) in self.started.drain(..) {
+            drop(stdin);
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 /// Adds one worker at the first decision from `at` on; holds otherwise.
@@ -173,6 +233,8 @@ impl PolicyPlugin for AddOne {
 
 struct Figures {
     n: u32,
+    hosts: usize,
+    relay: bool,
     cpu_per_step_ms: f64,
     control_ms: f64,
     recovery_ms: f64,
@@ -185,7 +247,7 @@ const TO: u64 = FROM + 64;
 const KILL_AT: u64 = TO + 10;
 const ADD_AT: u64 = KILL_AT + 24;
 
-fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
+fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<Figures> {
     let dir = tempfile::tempdir()?;
     let spec = JobSpec {
         job: format!("scale-{n}"),
@@ -219,12 +281,8 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
         follow: None,
         ps: None,
     };
-    let sim = Sim {
-        compute,
-        cpu_ns: Arc::new(AtomicU64::new(0)),
-        // The highest id: the last rank.
-        victim: Some((n as u64, KILL_AT)),
-    };
+    // The highest id: the last rank.
+    let sim = Sim { compute, victim: Some((n as u64, KILL_AT)) };
     let cfg = JobConfig {
         standby: false,
         restart: false,
@@ -249,18 +307,23 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
     let info = PluginInfo { name: "add-one".into(), version: "0".into(), description: String::new() };
     let policy = Box::new(AddOne { info, at: ADD_AT, done: false });
     let mut marks: HashMap<u64, (Instant, f64)> = HashMap::new();
-    let cpu_ns = sim.cpu_ns.clone();
     let mut progress = |p: Progress| {
         if let Progress::Step(r) = p
             && (r.step == FROM || r.step == TO)
         {
-            let sim_cpu = cpu_ns.load(Ordering::Relaxed) as f64 * 1e-9;
-            marks.insert(r.step, (Instant::now(), process_cpu() - sim_cpu));
+            marks.insert(r.step, (Instant::now(), process_cpu()));
         }
     };
     let dirs = JobDirs::new(&spec.job, Some(spec.checkpoint_dir.clone()));
     let plugins = JobPlugins { policy, adapter: None };
-    let job = Job::assemble(cfg, &dirs, None, plugins, Box::new(SimScaler { sim }), None)?;
+    let job = Job::assemble(
+        cfg,
+        &dirs,
+        None,
+        plugins,
+        Box::new(SimScaler { sim, hosts, relay, started: Vec::new() }),
+        None,
+    )?;
     let outcome = coordinator::run(job, &mut progress)?;
     let ((t0, c0), (t1, c1)) = (marks[&FROM], marks[&TO]);
     let steps = (TO - FROM) as f64;
@@ -275,6 +338,8 @@ fn run(n: u32, compute: Duration) -> anyhow::Result<Figures> {
     };
     Ok(Figures {
         n,
+        hosts,
+        relay,
         cpu_per_step_ms: (c1 - c0) / steps * 1e3,
         control_ms: (wall - compute.as_secs_f64()) * 1e3,
         recovery_ms: event("lost")?,
@@ -338,40 +403,68 @@ fn plot(figures: &[Figures], path: &std::path::Path) -> std::io::Result<()> {
         );
     }
     for (i, (name, color, get)) in series.iter().enumerate() {
-        let pts: Vec<String> =
-            figures.iter().map(|f| format!("{:.1},{:.1}", x(f.n as f64), y(get(f)))).collect();
-        svg +=
-            &format!("<polyline fill='none' stroke='{color}' stroke-width='2' points='{}'/>", pts.join(" "));
+        // Solid: through a relay per host; dashed: each worker directly.
+        for relay in [false, true] {
+            let pts: Vec<String> = figures
+                .iter()
+                .filter(|f| f.relay == relay)
+                .map(|f| format!("{:.1},{:.1}", x(f.n as f64), y(get(f))))
+                .collect();
+            let dash = if relay { "" } else { " stroke-dasharray='5 4'" };
+            svg += &format!(
+                "<polyline fill='none' stroke='{color}' stroke-width='2'{dash} points='{}'/>",
+                pts.join(" ")
+            );
+        }
         svg += &format!("<text x='{}' y='{}' fill='{color}'>{name}</text>", m + 10.0, 16.0 + 13.0 * i as f64);
     }
+    svg += &format!(
+        "<text x='{}' y='{}' fill='#555'>solid: a relay per host; dashed: each worker directly</text>",
+        m + 10.0,
+        16.0 + 13.0 * series.len() as f64
+    );
     svg += "</svg>";
     std::fs::write(path, svg)
 }
 
 fn main() -> anyhow::Result<()> {
+    if std::env::args().any(|a| a == "--sim-host") {
+        return sim_host();
+    }
     // `cargo bench` passes --bench; `cargo test --benches` does not: nothing to measure then.
     if !std::env::args().any(|a| a == "--bench") {
         return Ok(());
     }
-    let sizes: Vec<u32> = arg("--sizes")
-        .unwrap_or_else(|| "16,64,256,1024".into())
+    let sizes: Vec<(u32, usize)> = arg("--sizes")
+        .unwrap_or_else(|| "64:8,256:16,1024:32,4096:64".into())
         .split(',')
-        .map(|s| s.trim().parse())
+        .map(|s| {
+            let (n, h) = s.trim().split_once(':').unwrap_or((s.trim(), "8"));
+            Ok::<_, anyhow::Error>((n.parse()?, h.parse()?))
+        })
         .collect::<Result<_, _>>()?;
     let compute = Duration::from_secs_f64(arg("--compute-ms").map_or(Ok(2.0), |s| s.parse())? / 1e3);
     println!("simulated compute {:?} per step, global batch 64, policy decisions every 8 steps", compute);
     println!(
-        "| N | coordinator CPU per step | control-plane time per step | failure recovery | resize pause |"
+        "| N | hosts | workers reach the coordinator | coordinator CPU per step | control-plane time per step | failure recovery | resize pause |"
     );
-    println!("|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     let mut figures = Vec::new();
-    for n in sizes {
-        let f = run(n, compute)?;
-        println!(
-            "| {} | {:.3} ms | {:.3} ms | {:.0} ms | {:.0} ms |",
-            f.n, f.cpu_per_step_ms, f.control_ms, f.recovery_ms, f.resize_ms
-        );
-        figures.push(f);
+    for (n, hosts) in sizes {
+        for relay in [false, true] {
+            let f = run(n, hosts, relay, compute)?;
+            println!(
+                "| {} | {} | {} | {:.3} ms | {:.3} ms | {:.0} ms | {:.0} ms |",
+                f.n,
+                f.hosts,
+                if f.relay { "through a relay per host" } else { "each directly" },
+                f.cpu_per_step_ms,
+                f.control_ms,
+                f.recovery_ms,
+                f.resize_ms
+            );
+            figures.push(f);
+        }
     }
     let svg = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/control-plane.svg");
     plot(&figures, &svg)?;

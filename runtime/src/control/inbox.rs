@@ -66,6 +66,12 @@ pub enum Inbound<M = FromWorker> {
     /// worker behind a relay is a connection of its own too).
     Conn(u64, Outbox),
     Msg(u64, M),
+    /// Workers of one host reported a window as one, through their relay:
+    /// their connections, in rank order, and the report.
+    Host(Vec<u64>, FromWorker),
+    /// The connection of the relay that claimed this number ended while it
+    /// carried workers (said before their connections' ends).
+    RelayLost(u64),
     /// The connection ended, and why.
     Closed(u64, String),
 }
@@ -253,8 +259,9 @@ fn admit<M: Message>(
     let Ok(reader) = conn.try_clone() else { return };
     let (sealer, opener) = keys.split();
     if claim.channel == relay::CHANNEL {
+        let host = next.fetch_add(1, Ordering::Relaxed);
         let carried =
-            Carried { gate: gate.clone(), next: next.clone(), tx: tx.clone(), peer, relay: claim.who };
+            Carried { gate: gate.clone(), next: next.clone(), tx: tx.clone(), peer, relay: claim.who, host };
         let started = std::thread::Builder::new()
             .name("edl-relay-in".into())
             .spawn(move || carried.run(conn, reader, sealer, opener, lease));
@@ -278,8 +285,10 @@ struct Carried<M> {
     next: Arc<AtomicU64>,
     tx: mpsc::Sender<Inbound<M>>,
     peer: String,
-    /// The relay's number.
+    /// The relay's number (as it claims).
     relay: u64,
+    /// This connection's number here: the host's, unique in the job.
+    host: u64,
 }
 
 impl<M: Message> Carried<M> {
@@ -342,6 +351,9 @@ impl<M: Message> Carried<M> {
                 carried.len()
             );
         }
+        if !carried.is_empty() && self.tx.send(Inbound::RelayLost(self.relay)).is_err() {
+            return;
+        }
         for (n, who) in carried.into_values() {
             let lost = format!("worker {who}'s relay at {} was lost: {why}", self.peer);
             if self.tx.send(Inbound::Closed(n, lost)).is_err() {
@@ -375,7 +387,7 @@ impl<M: Message> Carried<M> {
                     let n = self.next.fetch_add(1, Ordering::Relaxed);
                     carried.insert(conn, (n, claim.who));
                     let name = format!("worker {} through the relay at {}", claim.who, self.peer);
-                    let out = Outbox::Relayed { conn, relay: down.clone(), name };
+                    let out = Outbox::Relayed { conn, host: self.host, relay: down.clone(), name };
                     self.tx.send(Inbound::Conn(n, out)).map_err(|_| Gone)?;
                 }
             },
@@ -407,6 +419,20 @@ impl<M: Message> Carried<M> {
                         .send(Inbound::Closed(n, format!("{why} (through the relay at {})", self.peer)))
                         .map_err(|_| Gone)?;
                 }
+            }
+            Frame::Done(h) => {
+                let ns: Option<Vec<u64>> = h.conns.iter().map(|c| carried.get(c).map(|(n, _)| *n)).collect();
+                match ns {
+                    Some(ns) => self.tx.send(Inbound::Host(ns, h.done)).map_err(|_| Gone)?,
+                    // A worker of it closed meanwhile: its report went up alone, and so do the others'.
+                    None => tracing::warn!(
+                        "the relay at {} reported for a worker it no longer carries",
+                        self.peer
+                    ),
+                }
+            }
+            Frame::Window(_) => {
+                tracing::warn!("the relay at {} sent a frame only the coordinator sends; ignored", self.peer);
             }
             Frame::Beat => {}
         }

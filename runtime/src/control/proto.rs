@@ -137,10 +137,14 @@ pub struct StepDone {
     /// and got back: the gradient noise scale's measure.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grad_sq: Option<crate::coordinator::machine::noise::GradSq>,
+    /// A host's ranks' report as one (from their relay): their noise
+    /// measures summed, in place of one rank's `grad_sq`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub noise_terms: Option<crate::coordinator::machine::noise::NoiseTerms>,
 }
 
 /// What a worker tells the coordinator.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum FromWorker {
     Hello {
@@ -192,7 +196,7 @@ pub enum FromWorker {
 }
 
 /// A checkpoint write that ended: where it is, or why it failed.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Written {
     /// The committed step it holds.
     pub step: u64,
@@ -266,6 +270,8 @@ pub enum Outbox {
     /// that sends what is queued in bursts).
     Relayed {
         conn: u64,
+        /// The relay's connection here (its host's number, unique in the job).
+        host: u64,
         relay: std::sync::mpsc::Sender<crate::control::relay::Frame>,
         name: String,
     },
@@ -283,9 +289,18 @@ impl Outbox {
     pub fn send_encoded(&mut self, line: &[u8]) -> Result<(), ProtoError> {
         match self {
             Outbox::Direct(stream) => send_encoded(stream, line),
-            Outbox::Relayed { conn, relay, name } => relay
+            Outbox::Relayed { conn, relay, name, .. } => relay
                 .send(crate::control::relay::Frame::Line { conn: *conn, line: line.to_vec() })
                 .map_err(|_| ProtoError::Closed { peer: name.clone() }),
+        }
+    }
+
+    /// Through a relay: its host's number, the worker's number on the
+    /// relay, and the relay's writer.
+    pub fn relay(&self) -> Option<(u64, u64, &std::sync::mpsc::Sender<crate::control::relay::Frame>)> {
+        match self {
+            Outbox::Direct(_) => None,
+            Outbox::Relayed { conn, host, relay, .. } => Some((*host, *conn, relay)),
         }
     }
 

@@ -23,6 +23,8 @@
 //! byte, the connection's number on the relay (u64, little-endian), the
 //! payload's length (u32) and the payload.
 
+use crate::control::hostwindow::{Gatherings, HostDone, HostWindow, Up};
+use crate::control::proto::{FromWorker, encode};
 use edl_host_gpu::comm::auth::{self, Claim, JobAuth};
 use edl_host_gpu::comm::sealed::{SealedReader, SealedWriter};
 use std::{
@@ -49,6 +51,10 @@ const LINE: u8 = 2;
 const CLOSED: u8 = 3;
 /// The relay to the coordinator: it is alive.
 const BEAT: u8 = 4;
+/// The coordinator to the relay: a window for consecutive ranks of its host.
+const WINDOW: u8 = 5;
+/// The relay to the coordinator: such a window, reported by all its ranks as one.
+const DONE: u8 = 6;
 
 /// A frame's payload may not exceed this (a control line's own bound).
 const MAX_PAYLOAD: usize = 64 << 20;
@@ -64,6 +70,8 @@ pub enum Frame {
     Line { conn: u64, line: Vec<u8> },
     Closed { conn: u64, why: String },
     Beat,
+    Window(Box<HostWindow>),
+    Done(Box<HostDone>),
 }
 
 impl Frame {
@@ -75,6 +83,8 @@ impl Frame {
             Frame::Line { conn, line } => (LINE, *conn, line.as_slice().into()),
             Frame::Closed { conn, why } => (CLOSED, *conn, why.as_bytes().into()),
             Frame::Beat => (BEAT, 0, (&[][..]).into()),
+            Frame::Window(w) => (WINDOW, 0, serde_json::to_vec(w).expect("a window always encodes").into()),
+            Frame::Done(d) => (DONE, 0, serde_json::to_vec(d).expect("a report always encodes").into()),
         };
         out.push(kind);
         out.extend_from_slice(&conn.to_le_bytes());
@@ -105,6 +115,12 @@ impl Frame {
             LINE => Frame::Line { conn, line: payload },
             CLOSED => Frame::Closed { conn, why: text(payload)? },
             BEAT => Frame::Beat,
+            WINDOW => Frame::Window(
+                serde_json::from_slice(&payload).map_err(|e| bad(format!("a host's window: {e}")))?,
+            ),
+            DONE => Frame::Done(
+                serde_json::from_slice(&payload).map_err(|e| bad(format!("a host's report: {e}")))?,
+            ),
             k => return Err(bad(format!("a frame of unknown kind {k}"))),
         }))
     }
@@ -195,6 +211,7 @@ impl Relay {
         let Relay { cfg, listener, up, keys } = self;
         let (sealer, opener) = keys.split();
         let workers: Workers = Arc::new(Mutex::new(HashMap::new()));
+        let gatherings = Arc::new(Mutex::new(Gatherings::default()));
         let (tx, rx) = mpsc::channel::<Frame>();
         let mut upward = SealedWriter::new(up.try_clone()?, Some(sealer));
         let beat = (cfg.lease / 4).max(Duration::from_millis(10));
@@ -205,9 +222,15 @@ impl Relay {
             }
             let _ = shut.shutdown(std::net::Shutdown::Both);
         })?;
-        let accepting = Accepting { auth: cfg.auth.clone(), lease: cfg.lease, workers: workers.clone(), tx };
+        let accepting = Accepting {
+            auth: cfg.auth.clone(),
+            lease: cfg.lease,
+            workers: workers.clone(),
+            gatherings: gatherings.clone(),
+            tx,
+        };
         std::thread::Builder::new().name("edl-relay-accept".into()).spawn(move || accepting.run(listener))?;
-        let why = downward(SealedReader::new(up, Some(opener)), &workers);
+        let why = downward(SealedReader::new(up, Some(opener)), &workers, &gatherings);
         for (_, w) in workers.lock().unwrap_or_else(|p| p.into_inner()).drain() {
             let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
         }
@@ -218,8 +241,9 @@ impl Relay {
 /// The host's workers' connections by number, for writing to them.
 type Workers = Arc<Mutex<HashMap<u64, SealedWriter<TcpStream>>>>;
 
-/// Writes the coordinator's lines to the workers; returns why it ended.
-fn downward(down: SealedReader<TcpStream>, workers: &Workers) -> String {
+/// Writes the coordinator's lines to the workers, and a host window's to
+/// each of its ranks; returns why it ended.
+fn downward(down: SealedReader<TcpStream>, workers: &Workers, gatherings: &Mutex<Gatherings>) -> String {
     let mut down = BufReader::with_capacity(256 << 10, down);
     loop {
         let frame = match Frame::read(&mut down) {
@@ -228,14 +252,21 @@ fn downward(down: SealedReader<TcpStream>, workers: &Workers) -> String {
             Err(e) => return format!("the coordinator's connection: {e}"),
         };
         match frame {
-            Frame::Line { conn, line } => {
-                let mut map = workers.lock().unwrap_or_else(|p| p.into_inner());
-                // A worker that cannot take it is closed; its reader says so.
-                if let Some(w) = map.get_mut(&conn)
-                    && w.write_all(&line).is_err()
-                {
-                    let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
-                    map.remove(&conn);
+            Frame::Line { conn, line } => write_to(workers, conn, &line),
+            Frame::Window(w) => {
+                let split = match w.split() {
+                    Ok(s) => s,
+                    Err(e) => {
+                        return format!("the coordinator sent a window this relay cannot share out: {e}");
+                    }
+                };
+                // Gathered before any rank can answer it.
+                gatherings.lock().unwrap_or_else(|p| p.into_inner()).expect(&w);
+                for (conn, msg) in split {
+                    match encode(&msg) {
+                        Ok(line) => write_to(workers, conn, &line),
+                        Err(e) => return format!("a window for worker {conn}: {e}"),
+                    }
                 }
             }
             Frame::Closed { conn, .. } => {
@@ -243,10 +274,22 @@ fn downward(down: SealedReader<TcpStream>, workers: &Workers) -> String {
                     let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
                 }
             }
-            Frame::Open { .. } | Frame::Beat => {
+            Frame::Open { .. } | Frame::Beat | Frame::Done(_) => {
                 return "the coordinator sent a frame only a relay sends".into();
             }
         }
+    }
+}
+
+/// Writes one line to worker `conn`; one that cannot take it is closed
+/// (its reader says so).
+fn write_to(workers: &Workers, conn: u64, line: &[u8]) {
+    let mut map = workers.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(w) = map.get_mut(&conn)
+        && w.write_all(line).is_err()
+    {
+        let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
+        map.remove(&conn);
     }
 }
 
@@ -255,6 +298,7 @@ struct Accepting {
     auth: JobAuth,
     lease: Duration,
     workers: Workers,
+    gatherings: Arc<Mutex<Gatherings>>,
     tx: mpsc::Sender<Frame>,
 }
 
@@ -311,6 +355,9 @@ impl Accepting {
         if let Some(w) = self.workers.lock().unwrap_or_else(|p| p.into_inner()).remove(&n) {
             let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
         }
+        // What its host's other ranks reported with it goes up as theirs.
+        let held = self.gatherings.lock().unwrap_or_else(|p| p.into_inner()).release(n);
+        self.send_each(held);
         let _ = self.tx.send(Frame::Closed { conn: n, why });
     }
 
@@ -338,8 +385,32 @@ impl Accepting {
             if is_heartbeat(&line) {
                 continue;
             }
-            if self.tx.send(Frame::Line { conn: n, line: std::mem::take(&mut line) }).is_err() {
+            // A line that does not read goes up as it came: the
+            // coordinator closes the worker, naming why.
+            let up = match serde_json::from_slice::<FromWorker>(line.trim_ascii_end()) {
+                Ok(msg) => self.gatherings.lock().unwrap_or_else(|p| p.into_inner()).take(n, msg),
+                Err(_) => Up::Line,
+            };
+            let sent = match up {
+                Up::Held => Ok(()),
+                Up::Summed(done) => self.tx.send(Frame::Done(Box::new(done))),
+                Up::Line => self.tx.send(Frame::Line { conn: n, line: std::mem::take(&mut line) }),
+                Up::Release(held) => {
+                    self.send_each(held);
+                    self.tx.send(Frame::Line { conn: n, line: std::mem::take(&mut line) })
+                }
+            };
+            if sent.is_err() {
                 return "the relay stopped".into();
+            }
+        }
+    }
+
+    /// Reports held for a host's sum, sent up one by one, each its worker's.
+    fn send_each(&self, held: Vec<(u64, FromWorker)>) {
+        for (conn, msg) in held {
+            if let Ok(line) = encode(&msg) {
+                let _ = self.tx.send(Frame::Line { conn, line });
             }
         }
     }

@@ -108,6 +108,18 @@ impl Coordinator<'_> {
                     p.report(now, rank, steps, setup_ms);
                 }
             }
+            Inbound::Host(ns, FromWorker::Done { generation, steps, setup_ms }) => {
+                let ranks: Option<Vec<usize>> = ns.iter().map(|n| self.ranks.get(n).copied()).collect();
+                if let (Some(ranks), Some(p)) = (ranks, self.pipe.as_mut())
+                    && p.generation == generation
+                {
+                    p.report_group(now, &ranks, steps, setup_ms);
+                }
+            }
+            // A relay sums reports only.
+            Inbound::Host(..) => {}
+            // Before its workers' ends: the scaler starts another for those that follow.
+            Inbound::RelayLost(id) => self.scaler.relay_lost(id),
             Inbound::Msg(n, FromWorker::Failed { generation, error, cause, .. }) => {
                 if let (Some(&rank), Some(p)) = (self.ranks.get(&n), self.pipe.as_mut())
                     && p.generation == generation

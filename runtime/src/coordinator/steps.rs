@@ -4,7 +4,10 @@
 
 use super::records::*;
 use super::{AHEAD, CHORES_EVERY, Coordinator, MAX_WINDOW, SECOND, WINDOW_WORK_MS, ms};
-use crate::control::proto::{Generation, Share, StepDone, StepPlan, ToWorker, encode};
+use crate::control::hostwindow::HostWindow;
+use crate::control::proto::{Generation, Outbox, Share, StepDone, StepPlan, ToWorker, encode};
+use crate::control::relay::Frame;
+use crate::coordinator::machine::membership::Worker;
 use crate::coordinator::machine::pipeline::{Committed, Failure, Pipeline};
 use crate::coordinator::machine::tally::permutation_of;
 use crate::coordinator::machine::timers::Timer;
@@ -13,6 +16,7 @@ use crate::scalers::Scaler;
 use anyhow::{Result, anyhow, bail};
 use edl_plugin_sdk::Hyperparams;
 use std::{
+    collections::HashMap,
     sync::mpsc,
     time::{Duration, Instant},
 };
@@ -110,6 +114,9 @@ impl Coordinator<'_> {
         let key = format!("{}/generation-{}", self.cfg.spec.job, self.generation);
         self.io.rendezvous.set_generation(self.generation);
         self.io.gate.set_generation(self.generation);
+        // A host's ranks behind one relay are consecutive: they report as one.
+        let conns = &self.conns;
+        self.membership.group_by(|m| conns.get(&m.conn).and_then(Outbox::relay).map(|(host, ..)| host));
         let names: Vec<String> =
             self.membership.members().iter().map(|m| format!("worker {} (pid {})", m.id, m.pid)).collect();
         let world = names.len();
@@ -176,29 +183,10 @@ impl Coordinator<'_> {
                     break;
                 }
             }
-            let generation = self.generation;
-            let world = self.membership.members().len();
             let (len, seed) = (self.tally.train_len(), self.cfg.spec.seed);
             let perm = permutation_of(&mut self.plan_perm, len, seed, steps[0].epoch);
-            let mut lost = Vec::new();
-            for (rank, m) in self.membership.members().iter().enumerate() {
-                // Each rank gets its own samples of every step of the window.
-                let shares = steps
-                    .iter()
-                    .map(|p| {
-                        let gb = p.hyper.global_batch.max(1) as usize;
-                        let r = crate::trainer::data::shard(p.cursor, gb, rank, world, len);
-                        Share { start: r.start as u32, end: r.end as u32, indices: perm[r].to_vec() }
-                    })
-                    .collect();
-                let line = encode(&ToWorker::Steps { generation, steps: steps.clone(), shares })
-                    .map_err(|e| anyhow!("encoding a window: {e}"))?;
-                if let Some(stream) = self.conns.get_mut(&m.conn)
-                    && let Err(e) = stream.send_encoded(&line)
-                {
-                    lost.push((rank, e.to_string()));
-                }
-            }
+            let to = Window { generation: self.generation, steps: &steps, perm, samples: len };
+            let lost = to.send(self.membership.members(), &mut self.conns)?;
             let pipe = self.pipe.as_mut().expect("checked above");
             let now = Instant::now();
             pipe.issue(now, steps);
@@ -267,16 +255,19 @@ impl Coordinator<'_> {
             let per = c
                 .reports
                 .iter()
-                .map(|r| r.iter().map(|d| d.compute_ms).sum::<f64>() / c.steps.len() as f64)
+                .map(|(_, r)| r.iter().map(|d| d.compute_ms).sum::<f64>() / c.steps.len() as f64)
                 .fold(0.0, f64::max);
             self.step_ms = Some(self.step_ms.map_or(per, |m| 0.7 * m + 0.3 * per));
         }
         // The step after the window: the next one sent, or the next to plan.
         let after = self.pipe.as_ref().and_then(Pipeline::next_planned).unwrap_or(self.plan_at);
+        // The worker of each report (a host's: the first of its ranks).
+        let members = self.membership.members();
+        let by: Vec<u64> = c.reports.iter().map(|(rank, _)| members.get(*rank).map_or(0, |m| m.id)).collect();
         for (i, plan) in c.steps.iter().enumerate() {
-            let reports: Vec<StepDone> = c.reports.iter().map(|r| r[i].clone()).collect();
+            let reports: Vec<StepDone> = c.reports.iter().map(|(_, r)| r[i].clone()).collect();
             let next = c.steps.get(i + 1).copied().unwrap_or(after);
-            self.commit_step(plan, &reports, first_of_generation && i == 0, c.setup_ms, next.hyper)?;
+            self.commit_step(plan, &reports, &by, first_of_generation && i == 0, c.setup_ms, next.hyper)?;
         }
         self.init = None;
         tracing::debug!("committed step {}", self.tally.committed);
@@ -330,12 +321,12 @@ impl Coordinator<'_> {
         &mut self,
         plan: &StepPlan,
         reports: &[StepDone],
+        by: &[u64],
         first: bool,
         setup_ms: f64,
         next_hyper: Hyperparams,
     ) -> Result<()> {
-        let members: Vec<u64> = self.membership.members().iter().map(|m| m.id).collect();
-        let totals = self.tally.commit(Instant::now(), plan, reports, &members, first)?;
+        let totals = self.tally.commit(Instant::now(), plan, reports, by, first)?;
         self.hyper = next_hyper;
         self.step_times.committed(self.membership.world(), plan.hyper.global_batch);
         let base = self.cfg.hyper.global_batch;
@@ -387,5 +378,75 @@ impl Coordinator<'_> {
         };
         (self.progress)(Progress::Scale(&ev));
         self.events.push(ev);
+    }
+}
+
+/// One window of steps on its way to the ranks.
+struct Window<'a> {
+    generation: u64,
+    steps: &'a [StepPlan],
+    /// The epoch's permutation, and its samples.
+    perm: &'a [u32],
+    samples: usize,
+}
+
+impl Window<'_> {
+    /// Sends each rank its own samples of every step: consecutive ranks
+    /// behind one relay get one window for them all (the relay shares it
+    /// out), every other rank its own. Returns the ranks it could not reach.
+    fn send(&self, members: &[Worker], conns: &mut HashMap<u64, Outbox>) -> Result<Vec<(usize, String)>> {
+        let world = members.len();
+        let host_of = |r: usize| conns.get(&members[r].conn).and_then(Outbox::relay).map(|(host, ..)| host);
+        let mut runs: Vec<(usize, usize, Option<u64>)> = Vec::new();
+        for rank in 0..world {
+            let host = host_of(rank);
+            match runs.last_mut() {
+                Some((_, end, h)) if host.is_some() && *h == host => *end = rank + 1,
+                _ => runs.push((rank, rank + 1, host)),
+            }
+        }
+        let mut lost = Vec::new();
+        for (first, end, host) in runs {
+            if host.is_none() {
+                let m = &members[first];
+                let shares = self.steps.iter().map(|p| self.share(p, first, first, world)).collect();
+                let line = encode(&ToWorker::Steps {
+                    generation: self.generation,
+                    steps: self.steps.to_vec(),
+                    shares,
+                })
+                .map_err(|e| anyhow!("encoding a window: {e}"))?;
+                if let Some(stream) = conns.get_mut(&m.conn)
+                    && let Err(e) = stream.send_encoded(&line)
+                {
+                    lost.push((first, e.to_string()));
+                }
+                continue;
+            }
+            let relayed: Vec<(u64, &std::sync::mpsc::Sender<Frame>)> = (first..end)
+                .filter_map(|r| conns.get(&members[r].conn).and_then(Outbox::relay).map(|(_, c, tx)| (c, tx)))
+                .collect();
+            let w = HostWindow {
+                generation: self.generation,
+                world,
+                samples: self.samples,
+                steps: self.steps.to_vec(),
+                conns: relayed.iter().map(|(c, _)| *c).collect(),
+                first,
+                shares: self.steps.iter().map(|p| self.share(p, first, end - 1, world)).collect(),
+            };
+            if relayed[0].1.send(Frame::Window(Box::new(w))).is_err() {
+                lost.extend((first..end).map(|r| (r, "its relay is gone".to_string())));
+            }
+        }
+        Ok(lost)
+    }
+
+    /// The positions of ranks `first..=last` in step `p` together, and the samples there.
+    fn share(&self, p: &StepPlan, first: usize, last: usize, world: usize) -> Share {
+        let gb = p.hyper.global_batch.max(1) as usize;
+        let lo = crate::trainer::data::shard(p.cursor, gb, first, world, self.samples).start;
+        let hi = crate::trainer::data::shard(p.cursor, gb, last, world, self.samples).end;
+        Share { start: lo as u32, end: hi as u32, indices: self.perm[lo..hi].to_vec() }
     }
 }

@@ -79,6 +79,10 @@ impl Scaler for FencedScaler {
         self.inner.handle(id)
     }
 
+    fn relay_lost(&mut self, id: u64) {
+        self.inner.relay_lost(id)
+    }
+
     fn adopt(&mut self, id: u64, handle: &str, job: &str) -> bool {
         if let Some(why) = self.fenced() {
             tracing::warn!("worker {id} ({handle}) not adopted: {why}");

@@ -151,6 +151,12 @@ impl Tracebacks {
 }
 
 impl Scaler for LocalProcesses {
+    fn relay_lost(&mut self, id: u64) {
+        if let Some(r) = &mut self.relay {
+            r.lost(id);
+        }
+    }
+
     fn workers_outlive(&self) -> bool {
         // Children that die with their parent.
         false

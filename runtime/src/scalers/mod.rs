@@ -82,4 +82,7 @@ pub trait Scaler: Send {
     fn adopt(&mut self, _id: u64, _handle: &str, _job: &str) -> bool {
         false
     }
+    /// The coordinator lost the connection of relay `id` (one this scaler
+    /// started for its workers): its workers are lost with it.
+    fn relay_lost(&mut self, _id: u64) {}
 }

@@ -49,7 +49,9 @@ impl HostRelay {
                 Err(e) => tracing::warn!("relay {}: {e}; starting another", self.started),
             }
         }
-        self.running = None;
+        if let Some(mut r) = self.running.take() {
+            terminate_group(&mut r.child, Duration::ZERO);
+        }
         self.started += 1;
         let id = self.started;
         crate::process::ensure_dir(&self.log_dir)?;
@@ -81,6 +83,17 @@ impl HostRelay {
         tracing::info!("relay {id} carries this host's workers from {addr}");
         self.running = Some(Running { child, addr: addr.clone(), _stdin: stdin });
         Ok(addr)
+    }
+
+    /// The coordinator lost relay `id`'s connection: its workers are lost,
+    /// and the next worker starts another relay (a relay killed may still
+    /// listen for a moment while its process ends).
+    pub fn lost(&mut self, id: u64) {
+        if id == self.started
+            && let Some(mut r) = self.running.take()
+        {
+            terminate_group(&mut r.child, Duration::ZERO);
+        }
     }
 
     /// The running relay's process id.

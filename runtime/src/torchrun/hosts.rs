@@ -269,6 +269,8 @@ impl Launcher<'_> {
                 Some(id) => Happened::Msg(id, msg),
                 None => Happened::Nothing,
             },
+            // Agents come through no relay.
+            Inbound::Host(..) | Inbound::RelayLost(_) => Happened::Nothing,
             Inbound::Closed(n, why) => {
                 self.fresh.remove(&n);
                 let Some(id) = self.id_of(n) else { return Happened::Nothing };

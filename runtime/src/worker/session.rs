@@ -976,6 +976,7 @@ impl Session {
             metrics,
             teacher_calls: std::mem::take(&mut self.teacher_calls),
             grad_sq: self.grad_sq.take().filter(|(at, _)| *at == (s.generation, s.step)).map(|(_, sq)| sq),
+            noise_terms: None,
         });
         if s.closes {
             let steps = std::mem::take(&mut self.window);

@@ -119,7 +119,8 @@ fn the_relay_killed_loses_its_host_s_workers_and_the_job_recovers_through_a_new_
     sigkill(relay.0);
     let status = finish(child, rx, &mut seen);
     let text = seen.join("\n");
-    assert!(status.success(), "{text}");
+    let first = std::fs::read_to_string(dir.path().join(".edl/mnist/logs/relay-1.log")).unwrap_or_default();
+    assert!(status.success(), "{text}\nrelay 1's log:\n{first}");
     let r = report(dir.path());
     assert_exactly_once(&r, 6, 1200);
     assert!(

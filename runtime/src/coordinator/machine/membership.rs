@@ -311,6 +311,22 @@ impl Membership {
         &self.members
     }
 
+    /// Orders the members after the first so that those of one key (the
+    /// relay of their host) are consecutive ranks, keys in the order they
+    /// first appear; the first member stays first (it holds the state, or
+    /// hands it over). A host's ranks then report as one.
+    pub fn group_by(&mut self, key: impl Fn(&Worker) -> Option<u64>) {
+        if self.members.len() < 3 {
+            return;
+        }
+        let mut order: std::collections::HashMap<Option<u64>, usize> = Default::default();
+        for m in &self.members {
+            let next = order.len();
+            order.entry(key(m)).or_insert(next);
+        }
+        self.members[1..].sort_by_key(|m| order[&key(m)]);
+    }
+
     pub fn world(&self) -> u32 {
         self.members.len() as u32
     }
@@ -994,6 +1010,21 @@ mod tests {
         assert!(b.changed && b.admitted == n as usize);
         drain(&mut m);
         m
+    }
+
+    #[test]
+    fn members_of_one_host_become_consecutive_ranks_and_the_first_stays_first() {
+        let t = Instant::now();
+        let mut m = formed(6, 1, 6, t);
+        // Workers 1..=6 alternate between two hosts' relays; worker 1 holds the state.
+        let host = |w: &Worker| Some(w.id % 2);
+        m.group_by(host);
+        let ids: Vec<WorkerId> = m.members().iter().map(|w| w.id).collect();
+        assert_eq!(ids, vec![1, 3, 5, 2, 4, 6]);
+        // Workers on their own connections (no relay) stay together too.
+        m.group_by(|w| (w.id > 3).then_some(7));
+        let ids: Vec<WorkerId> = m.members().iter().map(|w| w.id).collect();
+        assert_eq!(ids, vec![1, 3, 2, 5, 4, 6]);
     }
 
     fn stops(cmds: &[Command]) -> Vec<WorkerId> {

@@ -31,24 +31,76 @@ pub struct GradSq {
     pub reduced: f64,
 }
 
+/// The ranks' part of one step's estimate, summed over them: a host's
+/// relay sums its ranks' and sends one for them all. With `b_i` a rank's
+/// rows, `|G_i|^2 = |g_i|^2 (B/b_i)^2`, so the sums below give `A` and `H`
+/// once `B` (the step's rows) is known.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NoiseTerms {
+    /// Ranks that had rows.
+    pub ranks: u32,
+    /// The sum of `|g_i|^2 / b_i^2`.
+    pub a: f64,
+    /// The sum of `1 / b_i`.
+    pub h: f64,
+    /// `|G_B|^2`, which every rank got alike.
+    pub reduced: f64,
+}
+
+impl NoiseTerms {
+    /// One rank's part: `rows` of the step and its norms (nothing for a
+    /// rank without rows).
+    pub fn of(rows: usize, sq: GradSq) -> NoiseTerms {
+        if rows == 0 {
+            return NoiseTerms::default();
+        }
+        let b = rows as f64;
+        NoiseTerms { ranks: 1, a: sq.local / (b * b), h: 1.0 / b, reduced: sq.reduced }
+    }
+
+    /// Adds another's ranks.
+    pub fn add(&mut self, other: NoiseTerms) {
+        if other.ranks == 0 {
+            return;
+        }
+        if self.ranks == 0 {
+            self.reduced = other.reduced;
+        }
+        self.ranks += other.ranks;
+        self.a += other.a;
+        self.h += other.h;
+    }
+
+    /// The step's unbiased estimates `(S, |G|^2)` given its `rows` (`B`);
+    /// `None` when fewer than two ranks had rows (nothing to compare) or a
+    /// value is not finite.
+    pub fn estimate(&self, rows: usize) -> Option<(f64, f64)> {
+        if self.ranks < 2 || rows == 0 {
+            return None;
+        }
+        let (n, big) = (f64::from(self.ranks), rows as f64);
+        let a = big * big * self.a / n;
+        let h = self.h / n;
+        let s = (a - self.reduced) / (h - 1.0 / big);
+        let g2 = self.reduced - s / big;
+        (s.is_finite() && g2.is_finite()).then_some((s, g2))
+    }
+}
+
 /// One step's unbiased estimates, from the ranks' `(rows, GradSq)`;
 /// `None` when fewer than two ranks had samples (nothing to compare) or a
 /// value is not finite.
 pub fn estimate(ranks: &[(usize, GradSq)]) -> Option<(f64, f64)> {
-    let with_rows: Vec<&(usize, GradSq)> = ranks.iter().filter(|(b, _)| *b > 0).collect();
-    let big: usize = with_rows.iter().map(|(b, _)| b).sum();
-    if with_rows.len() < 2 {
-        return None;
+    let (terms, rows) = terms_of(ranks);
+    terms.estimate(rows)
+}
+
+fn terms_of(ranks: &[(usize, GradSq)]) -> (NoiseTerms, usize) {
+    let mut terms = NoiseTerms::default();
+    for &(b, sq) in ranks {
+        terms.add(NoiseTerms::of(b, sq));
     }
-    let n = with_rows.len() as f64;
-    let big = big as f64;
-    // |G_i|^2 = |g_i|^2 (B/b)^2.
-    let a = with_rows.iter().map(|(b, g)| g.local * (big / *b as f64).powi(2)).sum::<f64>() / n;
-    let h = with_rows.iter().map(|(b, _)| 1.0 / *b as f64).sum::<f64>() / n;
-    let g_big = with_rows[0].1.reduced;
-    let s = (a - g_big) / (h - 1.0 / big);
-    let g2 = g_big - s / big;
-    (s.is_finite() && g2.is_finite()).then_some((s, g2))
+    (terms, ranks.iter().map(|(b, _)| b).sum())
 }
 
 /// Statistical efficiency (Pollux, OSDI'21): the progress a sample makes in
@@ -76,7 +128,13 @@ impl NoiseScale {
     /// Takes one step's ranks; returns the noise scale so far (`None`
     /// until a step could be measured, or while `|G|^2` is not above 0).
     pub fn step(&mut self, ranks: &[(usize, GradSq)]) -> Option<f64> {
-        if let Some((s, g2)) = estimate(ranks) {
+        let (terms, rows) = terms_of(ranks);
+        self.step_terms(terms, rows)
+    }
+
+    /// As [`NoiseScale::step`], from the ranks' parts summed and the step's rows.
+    pub fn step_terms(&mut self, terms: NoiseTerms, rows: usize) -> Option<f64> {
+        if let Some((s, g2)) = terms.estimate(rows) {
             // The first measure starts the averages (rather than a zero
             // they would have to climb from).
             let w = if self.seen == 0 { 1.0 } else { SMOOTHING };
@@ -156,6 +214,26 @@ mod tests {
             let (got, truth) = measured(sizes, 400);
             assert!((got / truth - 1.0).abs() < 0.10, "{sizes:?}: {got} against {truth}");
         }
+    }
+
+    #[test]
+    fn hosts_summing_their_ranks_terms_estimate_as_the_ranks_one_by_one() {
+        let mut rng = Normal(11);
+        let g: Vec<f64> = (0..16).map(|k| 0.1 + 0.01 * k as f64).collect();
+        let sizes = [8, 8, 4, 12, 0, 4];
+        let ranks = step_of(&mut rng, &g, 0.02, &sizes);
+        let one_by_one = estimate(&ranks).unwrap();
+        // Two hosts: ranks 0..2 and 2..6, each summed, then the hosts.
+        let mut hosts = [NoiseTerms::default(); 2];
+        for (i, &(b, sq)) in ranks.iter().enumerate() {
+            hosts[usize::from(i >= 2)].add(NoiseTerms::of(b, sq));
+        }
+        let mut all = NoiseTerms::default();
+        hosts.iter().for_each(|h| all.add(*h));
+        assert_eq!(all.ranks, 5, "the rank without rows is not counted");
+        let summed = all.estimate(sizes.iter().sum()).unwrap();
+        assert!((summed.0 / one_by_one.0 - 1.0).abs() < 1e-12, "{summed:?} {one_by_one:?}");
+        assert!((summed.1 / one_by_one.1 - 1.0).abs() < 1e-12, "{summed:?} {one_by_one:?}");
     }
 
     #[test]

@@ -24,8 +24,10 @@ pub type Rank = usize;
 #[derive(Debug, PartialEq)]
 pub struct Committed {
     pub steps: Vec<StepPlan>,
-    /// Per rank, its account of each step, in step order.
-    pub reports: Vec<Vec<StepDone>>,
+    /// Each report's rank and its account of each step, in step order: one
+    /// a rank, or one for a host's ranks that reported together (their
+    /// relay summed their accounts), under the first of them.
+    pub reports: Vec<(Rank, Vec<StepDone>)>,
     /// The slowest rank's set-up (first window of a generation), ms.
     pub setup_ms: f64,
 }
@@ -154,28 +156,44 @@ impl Pipeline {
     /// Reports still count after a failure: a window every rank finished
     /// commits whatever happened later.
     pub fn report(&mut self, now: Instant, rank: Rank, steps: Vec<StepDone>, setup_ms: f64) {
-        if rank >= self.world {
+        self.report_group(now, &[rank], steps, setup_ms);
+    }
+
+    /// A host's ranks reported a window together, their accounts summed
+    /// into `steps` by their relay: as if each reported it (the account is
+    /// kept once, under the first).
+    pub fn report_group(&mut self, now: Instant, ranks: &[Rank], steps: Vec<StepDone>, setup_ms: f64) {
+        if ranks.iter().any(|&r| r >= self.world) {
             return;
         }
-        self.heard[rank] = now;
         self.setup_ms = self.setup_ms.max(setup_ms);
-        let Some(w) = self.windows.iter_mut().find(|w| w.reported[rank].is_none()) else {
-            self.fail(now, rank, "reported steps that were not issued".into(), None);
-            return;
-        };
-        let matches = w.steps.len() == steps.len()
-            && w.steps.iter().zip(&steps).all(|(p, d)| p.step == d.step && p.epoch == d.epoch);
-        if !matches {
-            let want = (w.steps[0].step, w.steps.len());
-            self.fail(now, rank, format!("reported other steps than window {} (+{})", want.0, want.1), None);
-            return;
+        let shape: Vec<(u64, u64)> = steps.iter().map(|d| (d.step, d.epoch)).collect();
+        let mut steps = Some(steps);
+        for &rank in ranks {
+            self.heard[rank] = now;
+            let Some(w) = self.windows.iter_mut().find(|w| w.reported[rank].is_none()) else {
+                self.fail(now, rank, "reported steps that were not issued".into(), None);
+                continue;
+            };
+            let matches = w.steps.len() == shape.len()
+                && w.steps.iter().zip(&shape).all(|(p, &(step, epoch))| p.step == step && p.epoch == epoch);
+            if !matches {
+                let want = (w.steps[0].step, w.steps.len());
+                self.fail(
+                    now,
+                    rank,
+                    format!("reported other steps than window {} (+{})", want.0, want.1),
+                    None,
+                );
+                continue;
+            }
+            w.reported[rank] = Some(steps.take().unwrap_or_default());
+            w.missing -= 1;
+            if w.missing == 0 {
+                self.last_complete = now;
+            }
+            self.owed[rank] -= 1;
         }
-        w.reported[rank] = Some(steps);
-        w.missing -= 1;
-        if w.missing == 0 {
-            self.last_complete = now;
-        }
-        self.owed[rank] -= 1;
     }
 
     /// A rank failed a step (its error), or broke the protocol.
@@ -251,7 +269,13 @@ impl Pipeline {
         self.committed_any = true;
         Some(Committed {
             steps: w.steps,
-            reports: w.reported.into_iter().flatten().collect(),
+            // The ranks whose account a host's report holds are left out.
+            reports: w
+                .reported
+                .into_iter()
+                .enumerate()
+                .filter_map(|(rank, got)| got.filter(|g| !g.is_empty()).map(|g| (rank, g)))
+                .collect(),
             setup_ms: std::mem::take(&mut self.setup_ms),
         })
     }
@@ -326,6 +350,7 @@ mod tests {
                 metrics: Vec::new(),
                 teacher_calls: Vec::new(),
                 grad_sq: None,
+                noise_terms: None,
             })
             .collect()
     }
@@ -345,12 +370,32 @@ mod tests {
         p.report(t0, 1, done(1, &a), 5.0);
         let c = p.poll_commit().expect("window 0 commits");
         assert_eq!((c.steps, c.setup_ms), (a.clone(), 5.0));
-        assert_eq!(c.reports, vec![done(0, &a), done(1, &a)]);
+        assert_eq!(c.reports, vec![(0, done(0, &a)), (1, done(1, &a))]);
         assert_eq!(p.poll_commit(), None, "window 1 waits for rank 1");
         p.report(t0, 1, done(1, &b), 0.0);
         assert_eq!(p.poll_commit().unwrap().steps, b);
         assert!(p.drained() && p.committed_any());
         assert_eq!(p.settled_failure(), None);
+    }
+
+    #[test]
+    fn a_host_s_ranks_reporting_together_count_as_each_reporting() {
+        let t0 = Instant::now();
+        let mut p = Pipeline::new(1, names(4), 0, t0, T);
+        let a = plan(0, 3);
+        p.issue(t0, a.clone());
+        // Ranks 1..4 on one host, their accounts summed by its relay.
+        p.report_group(t0, &[1, 2, 3], done(1, &a), 2.0);
+        assert_eq!(p.poll_commit(), None, "rank 0 has not reported");
+        p.report(t0, 0, done(0, &a), 1.0);
+        let c = p.poll_commit().expect("every rank counted");
+        assert_eq!(c.reports, vec![(0, done(0, &a)), (1, done(1, &a))], "the host's account once");
+        assert_eq!(c.setup_ms, 2.0);
+        // A host reporting steps it was not given fails each of its ranks.
+        let b = plan(3, 2);
+        p.issue(t0, b.clone());
+        p.report_group(t0, &[2, 3], done(2, &plan(3, 1)), 0.0);
+        assert!(p.failed());
     }
 
     #[test]

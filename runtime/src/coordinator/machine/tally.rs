@@ -4,6 +4,7 @@
 //! argument, so the bookkeeping of a commit is tested without a job.
 
 use super::ledger::{EpochRecord, Ledger, LedgerError};
+use super::noise::NoiseTerms;
 use crate::control::proto::{StepDone, StepPlan};
 use crate::distill::stats::TeacherRequests;
 use std::{
@@ -155,7 +156,8 @@ impl Tally {
             samples_per_sec: 0.0,
             noise_scale: None,
         };
-        let mut norms = Vec::with_capacity(reports.len());
+        let mut terms = NoiseTerms::default();
+        let mut measured = 0;
         for (d, &worker) in reports.iter().zip(members) {
             let ids = perm.get(d.start as usize..d.end as usize).ok_or(CommitError::OutsideEpoch {
                 worker,
@@ -166,8 +168,14 @@ impl Tally {
             self.ledger.commit(ids).map_err(|source| CommitError::Ledger { worker, source })?;
             totals.rows += ids.len();
             totals.loss += d.loss;
-            if let Some(sq) = d.grad_sq {
-                norms.push((ids.len(), sq));
+            let told = match (d.noise_terms, d.grad_sq) {
+                (Some(t), _) => Some(t),
+                (None, Some(sq)) => Some(NoiseTerms::of(ids.len(), sq)),
+                (None, None) => None,
+            };
+            if let Some(t) = told {
+                terms.add(t);
+                measured += 1;
             }
             for (name, v) in &d.metrics {
                 *totals.metrics.entry(name.clone()).or_default() += v;
@@ -195,8 +203,8 @@ impl Tally {
         self.cursor = plan.cursor + gb;
         totals.samples_per_sec = self.moving_throughput(now, totals.rows as u64);
         // Every rank must have told its norms for the step to be measured.
-        totals.noise_scale = match norms.len() == reports.len() {
-            true => self.noise.step(&norms),
+        totals.noise_scale = match measured == reports.len() {
+            true => self.noise.step_terms(terms, totals.rows),
             false => self.noise.value(),
         };
         Ok(totals)
@@ -299,6 +307,7 @@ mod tests {
             metrics: Vec::new(),
             teacher_calls: Vec::new(),
             grad_sq: None,
+            noise_terms: None,
         }
     }
 
