@@ -2,7 +2,7 @@
 //! against the real coordinator.
 //!
 //!     cargo bench -p edl-benches --bench control_plane
-//!     cargo bench -p edl-benches --bench control_plane -- --bench --sizes 64:8,1024:32 --compute-ms 2
+//!     cargo bench -p edl-benches --bench control_plane -- --bench --sizes 64:8,1024:32 --compute-ms 2 --modes relay
 //!
 //! Each simulated host is a process of its own (this program again, with
 //! `--sim-host`); its workers are threads speaking the real protocol over
@@ -444,6 +444,13 @@ fn main() -> anyhow::Result<()> {
         })
         .collect::<Result<_, _>>()?;
     let compute = Duration::from_secs_f64(arg("--compute-ms").map_or(Ok(2.0), |s| s.parse())? / 1e3);
+    // `--modes relay` (or `direct`) runs one side only.
+    let modes = arg("--modes").unwrap_or_else(|| "direct,relay".into());
+    let modes: Vec<bool> = [("direct", false), ("relay", true)]
+        .into_iter()
+        .filter(|(name, _)| modes.split(',').any(|m| m.trim() == *name))
+        .map(|(_, relay)| relay)
+        .collect();
     println!("simulated compute {:?} per step, global batch 64, policy decisions every 8 steps", compute);
     println!(
         "| N | hosts | workers reach the coordinator | coordinator CPU per step | control-plane time per step | failure recovery | resize pause |"
@@ -451,7 +458,7 @@ fn main() -> anyhow::Result<()> {
     println!("|---|---|---|---|---|---|---|");
     let mut figures = Vec::new();
     for (n, hosts) in sizes {
-        for relay in [false, true] {
+        for &relay in &modes {
             let f = run(n, hosts, relay, compute)?;
             println!(
                 "| {} | {} | {} | {:.3} ms | {:.3} ms | {:.0} ms | {:.0} ms |",

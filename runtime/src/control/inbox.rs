@@ -431,7 +431,7 @@ impl<M: Message> Carried<M> {
                     ),
                 }
             }
-            Frame::Window(_) => {
+            Frame::Window(_) | Frame::Fan { .. } => {
                 tracing::warn!("the relay at {} sent a frame only the coordinator sends; ignored", self.peer);
             }
             Frame::Beat => {}

@@ -55,6 +55,8 @@ const BEAT: u8 = 4;
 const WINDOW: u8 = 5;
 /// The relay to the coordinator: such a window, reported by all its ranks as one.
 const DONE: u8 = 6;
+/// The coordinator to the relay: one line for several of its workers.
+const FAN: u8 = 7;
 
 /// A frame's payload may not exceed this (a control line's own bound).
 const MAX_PAYLOAD: usize = 64 << 20;
@@ -72,6 +74,7 @@ pub enum Frame {
     Beat,
     Window(Box<HostWindow>),
     Done(Box<HostDone>),
+    Fan { conns: Vec<u64>, line: Vec<u8> },
 }
 
 impl Frame {
@@ -85,6 +88,13 @@ impl Frame {
             Frame::Beat => (BEAT, 0, (&[][..]).into()),
             Frame::Window(w) => (WINDOW, 0, serde_json::to_vec(w).expect("a window always encodes").into()),
             Frame::Done(d) => (DONE, 0, serde_json::to_vec(d).expect("a report always encodes").into()),
+            Frame::Fan { conns, line } => {
+                let mut p = Vec::with_capacity(4 + 8 * conns.len() + line.len());
+                p.extend_from_slice(&(conns.len() as u32).to_le_bytes());
+                conns.iter().for_each(|c| p.extend_from_slice(&c.to_le_bytes()));
+                p.extend_from_slice(line);
+                (FAN, 0, p.into())
+            }
         };
         out.push(kind);
         out.extend_from_slice(&conn.to_le_bytes());
@@ -121,6 +131,15 @@ impl Frame {
             DONE => Frame::Done(
                 serde_json::from_slice(&payload).map_err(|e| bad(format!("a host's report: {e}")))?,
             ),
+            FAN => {
+                let n = payload.get(..4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize);
+                let at = n.and_then(|n| n.checked_mul(8)).map(|b| b + 4).filter(|&at| at <= payload.len());
+                let (Some(n), Some(at)) = (n, at) else { return Err(bad("a fan frame cut short".into())) };
+                let conns = (0..n)
+                    .map(|i| u64::from_le_bytes(payload[4 + 8 * i..12 + 8 * i].try_into().expect("8 bytes")))
+                    .collect();
+                Frame::Fan { conns, line: payload[at..].to_vec() }
+            }
             k => return Err(bad(format!("a frame of unknown kind {k}"))),
         }))
     }
@@ -253,6 +272,7 @@ fn downward(down: SealedReader<TcpStream>, workers: &Workers, gatherings: &Mutex
         };
         match frame {
             Frame::Line { conn, line } => write_to(workers, conn, &line),
+            Frame::Fan { conns, line } => conns.iter().for_each(|&conn| write_to(workers, conn, &line)),
             Frame::Window(w) => {
                 let split = match w.split() {
                     Ok(s) => s,
@@ -433,6 +453,8 @@ mod tests {
             Frame::Line { conn: 1, line: b"{\"ready\":{}}\n".to_vec() },
             Frame::Beat,
             Frame::Closed { conn: 9, why: "gone".into() },
+            Frame::Fan { conns: vec![3, 5, 8], line: b"{\"commit\":{}}\n".to_vec() },
+            Frame::Fan { conns: vec![], line: Vec::new() },
         ];
         let mut bytes = Vec::new();
         for f in &frames {
@@ -464,6 +486,14 @@ mod tests {
         unknown.extend_from_slice(&[0; 12]);
         let e = Frame::read(&mut unknown.as_slice()).unwrap_err();
         assert!(e.to_string().contains("unknown kind 77"), "{e}");
+
+        let mut fan = vec![FAN];
+        fan.extend_from_slice(&0u64.to_le_bytes());
+        fan.extend_from_slice(&8u32.to_le_bytes());
+        fan.extend_from_slice(&5u32.to_le_bytes());
+        fan.extend_from_slice(&[0; 4]);
+        let e = Frame::read(&mut fan.as_slice()).unwrap_err();
+        assert!(e.to_string().contains("cut short"), "{e}");
 
         let mut huge = vec![LINE];
         huge.extend_from_slice(&1u64.to_le_bytes());

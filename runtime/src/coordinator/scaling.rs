@@ -226,6 +226,27 @@ impl Coordinator<'_> {
     }
 
     /// Asks the policy what to do.
+    /// Each member's throughput since the last decision, where measured: a
+    /// host's ranks that reported as one share their host's evenly.
+    fn worker_rates(&self, rates: &std::collections::HashMap<u64, f64>) -> Vec<WorkerStats> {
+        let members = self.membership.members();
+        let own = |m: &crate::coordinator::machine::membership::Worker| {
+            Some(WorkerStats { id: m.id, throughput: *rates.get(&m.id)? })
+        };
+        let mut out = Vec::with_capacity(members.len());
+        for (first, end, _) in super::steps::host_runs(members, &self.conns) {
+            let run = &members[first..end];
+            match rates.get(&run[0].id) {
+                Some(&rate) if run[1..].iter().all(|m| !rates.contains_key(&m.id)) => {
+                    let each = rate / run.len() as f64;
+                    out.extend(run.iter().map(|m| WorkerStats { id: m.id, throughput: each }));
+                }
+                _ => out.extend(run.iter().filter_map(own)),
+            }
+        }
+        out
+    }
+
     pub(super) fn decide(&mut self) {
         if self.membership.handing_over() {
             // A handover is under way; the policy sees the job after it.
@@ -252,12 +273,7 @@ impl Coordinator<'_> {
             free_slots: self.cfg.max_workers.saturating_sub(world + coming).min(capacity.unwrap_or(u32::MAX)),
             global_batch: self.hyper.global_batch,
             throughput,
-            workers: self
-                .membership
-                .members()
-                .iter()
-                .filter_map(|m| Some(WorkerStats { id: m.id, throughput: *rates.get(&m.id)? }))
-                .collect(),
+            workers: self.worker_rates(&rates),
             secs_since_change: self.last_change.elapsed().as_secs_f64(),
             price_per_worker_hour: self.cfg.price_per_worker_hour,
             samples_remaining: remaining,

@@ -294,11 +294,32 @@ impl Coordinator<'_> {
         // Rank 0's message differs only when it carries a checkpoint.
         let rank0 = checkpoint.map(|c| commit(Some(c))).transpose()?;
         let rest = commit(None)?;
-        for (rank, m) in self.membership.members().iter().enumerate() {
-            if let Some(stream) = self.conns.get_mut(&m.conn) {
-                let line = rank0.as_ref().filter(|_| rank == 0).unwrap_or(&rest);
-                // A failed send closes the connection; its reader reports that.
-                let _ = stream.send_encoded(line);
+        let members = self.membership.members();
+        for (first, end, host) in host_runs(members, &self.conns) {
+            // Rank 0's own, then the rest: one message to each relay for all its ranks.
+            let mut from = first;
+            if let (0, Some(line)) = (first, &rank0) {
+                if let Some(stream) = self.conns.get_mut(&members[0].conn) {
+                    let _ = stream.send_encoded(line);
+                }
+                from = 1;
+            }
+            if host.is_some() && end - from > 1 {
+                let relayed: Vec<(u64, &mpsc::Sender<Frame>)> = (from..end)
+                    .filter_map(|r| {
+                        self.conns.get(&members[r].conn).and_then(Outbox::relay).map(|(_, c, tx)| (c, tx))
+                    })
+                    .collect();
+                let conns = relayed.iter().map(|(c, _)| *c).collect();
+                // A relay gone closes its workers' connections; their readers report that.
+                let _ = relayed[0].1.send(Frame::Fan { conns, line: rest.clone() });
+                continue;
+            }
+            for m in &members[from..end] {
+                if let Some(stream) = self.conns.get_mut(&m.conn) {
+                    // A failed send closes the connection; its reader reports that.
+                    let _ = stream.send_encoded(&rest);
+                }
             }
         }
         if !follow && (wrote || self.timers.is_due(Timer::SaveState, Instant::now())) {
@@ -396,17 +417,8 @@ impl Window<'_> {
     /// out), every other rank its own. Returns the ranks it could not reach.
     fn send(&self, members: &[Worker], conns: &mut HashMap<u64, Outbox>) -> Result<Vec<(usize, String)>> {
         let world = members.len();
-        let host_of = |r: usize| conns.get(&members[r].conn).and_then(Outbox::relay).map(|(host, ..)| host);
-        let mut runs: Vec<(usize, usize, Option<u64>)> = Vec::new();
-        for rank in 0..world {
-            let host = host_of(rank);
-            match runs.last_mut() {
-                Some((_, end, h)) if host.is_some() && *h == host => *end = rank + 1,
-                _ => runs.push((rank, rank + 1, host)),
-            }
-        }
         let mut lost = Vec::new();
-        for (first, end, host) in runs {
+        for (first, end, host) in host_runs(members, conns) {
             if host.is_none() {
                 let m = &members[first];
                 let shares = self.steps.iter().map(|p| self.share(p, first, first, world)).collect();
@@ -449,4 +461,21 @@ impl Window<'_> {
         let hi = crate::trainer::data::shard(p.cursor, gb, last, world, self.samples).end;
         Share { start: lo as u32, end: hi as u32, indices: self.perm[lo..hi].to_vec() }
     }
+}
+
+/// The ranks as runs `first..end` of consecutive ranks behind one relay
+/// (its host's number), each other rank a run of its own (`None`).
+pub(super) fn host_runs(
+    members: &[Worker],
+    conns: &HashMap<u64, Outbox>,
+) -> Vec<(usize, usize, Option<u64>)> {
+    let mut runs: Vec<(usize, usize, Option<u64>)> = Vec::new();
+    for (rank, m) in members.iter().enumerate() {
+        let host = conns.get(&m.conn).and_then(Outbox::relay).map(|(host, ..)| host);
+        match runs.last_mut() {
+            Some((_, end, h)) if host.is_some() && *h == host => *end = rank + 1,
+            _ => runs.push((rank, rank + 1, host)),
+        }
+    }
+    runs
 }

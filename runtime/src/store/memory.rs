@@ -26,12 +26,34 @@ struct Keys {
     map: BTreeMap<String, Slot>,
     /// The last token given.
     sequence: u64,
+    /// No key expires before this (None: none expires): keys are swept
+    /// only once it passed, not at every access (a job's thousands of
+    /// worker leases would make each access a sweep of them all).
+    soonest: Option<Instant>,
 }
 
 impl Keys {
     fn next_token(&mut self) -> u64 {
         self.sequence += 1;
         self.sequence
+    }
+
+    /// When a key given `ttl` now expires.
+    fn expiry(&mut self, ttl: Option<Duration>) -> Option<Instant> {
+        let at = ttl.map(|t| Instant::now() + t);
+        if let Some(t) = at {
+            self.soonest = Some(self.soonest.map_or(t, |s| s.min(t)));
+        }
+        at
+    }
+
+    /// Drops the keys expired by `now`.
+    fn sweep(&mut self, now: Instant) {
+        if self.soonest.is_none_or(|t| t > now) {
+            return;
+        }
+        self.map.retain(|_, s| s.expires.is_none_or(|t| t > now));
+        self.soonest = self.map.values().filter_map(|s| s.expires).min();
     }
 }
 
@@ -43,31 +65,31 @@ impl MemoryStore {
     fn with<R>(&self, f: impl FnOnce(&mut Keys) -> R) -> R {
         let mut keys = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
-        keys.map.retain(|_, s| s.expires.is_none_or(|t| t > now));
+        keys.sweep(now);
         f(&mut keys)
     }
-}
-
-fn expiry(ttl: Option<Duration>) -> Option<Instant> {
-    ttl.map(|t| Instant::now() + t)
 }
 
 impl Store for MemoryStore {
     async fn put(&self, key: &str, value: &[u8], ttl: Option<Duration>) -> Result<u64, StoreError> {
         Ok(self.with(|k| {
             let token = k.next_token();
-            k.map.insert(key.to_string(), Slot { value: value.to_vec(), token, expires: expiry(ttl) });
+            let expires = k.expiry(ttl);
+            k.map.insert(key.to_string(), Slot { value: value.to_vec(), token, expires });
             token
         }))
     }
 
     async fn refresh(&self, key: &str, ttl: Duration) -> Result<bool, StoreError> {
-        Ok(self.with(|k| match k.map.get_mut(key) {
-            Some(s) => {
-                s.expires = expiry(Some(ttl));
-                true
+        Ok(self.with(|k| {
+            let expires = k.expiry(Some(ttl));
+            match k.map.get_mut(key) {
+                Some(s) => {
+                    s.expires = expires;
+                    true
+                }
+                None => false,
             }
-            None => false,
         }))
     }
 
@@ -114,7 +136,8 @@ impl Store for MemoryStore {
                 return Cas::Conflict { current };
             }
             let token = k.next_token();
-            k.map.insert(key.to_string(), Slot { value: value.to_vec(), token, expires: expiry(ttl) });
+            let expires = k.expiry(ttl);
+            k.map.insert(key.to_string(), Slot { value: value.to_vec(), token, expires });
             Cas::Written(token)
         }))
     }
