@@ -90,6 +90,12 @@ struct Gathering {
 #[derive(Default)]
 pub struct Gatherings {
     open: BTreeMap<(u64, u64), Gathering>,
+    /// Workers gone (numbers are not reused), and workers that failed a
+    /// step of a generation: a window of theirs cannot be summed, and
+    /// their host's reports of it go up one by one, including those of
+    /// windows sent ahead that the others finish later.
+    gone: std::collections::BTreeSet<u64>,
+    failed: std::collections::BTreeSet<(u64, u64)>,
 }
 
 /// What a relay sends up for a worker's message.
@@ -112,6 +118,9 @@ impl Gatherings {
     pub fn expect(&mut self, w: &HostWindow) {
         let Some(first) = w.steps.first() else { return };
         self.open.retain(|(g, _), _| *g >= w.generation);
+        self.failed.retain(|(_, g)| *g >= w.generation);
+        // Gone workers are in no window from now on.
+        self.gone.retain(|c| w.conns.contains(c));
         self.open
             .insert((w.generation, first.step), Gathering { conns: w.conns.clone(), got: BTreeMap::new() });
     }
@@ -124,6 +133,11 @@ impl Gatherings {
                 let Some(g) = self.open.get_mut(&key).filter(|g| g.conns.contains(&conn)) else {
                     return Up::Line;
                 };
+                let broken = |c: &u64| self.gone.contains(c) || self.failed.contains(&(*c, generation));
+                if g.conns.iter().any(broken) {
+                    let g = self.open.remove(&key).expect("found above");
+                    return Up::Release(one_by_one(generation, g));
+                }
                 g.got.insert(conn, (steps, setup_ms));
                 if g.got.len() < g.conns.len() {
                     return Up::Held;
@@ -136,14 +150,22 @@ impl Gatherings {
             }
             // A worker that failed ends its host's sums: what the others
             // reported goes up as theirs, before the failure.
-            FromWorker::Failed { .. } => Up::Release(self.release(conn)),
+            FromWorker::Failed { generation, .. } => {
+                self.failed.insert((conn, generation));
+                Up::Release(self.release(conn))
+            }
             _ => Up::Line,
         }
     }
 
-    /// Worker `conn` is gone (or failed): the reports held with its, one by
-    /// one, in window order.
-    pub fn release(&mut self, conn: u64) -> Vec<(u64, FromWorker)> {
+    /// Worker `conn` is gone: the reports held with its, one by one, in
+    /// window order (and so are its host's later ones).
+    pub fn gone(&mut self, conn: u64) -> Vec<(u64, FromWorker)> {
+        self.gone.insert(conn);
+        self.release(conn)
+    }
+
+    fn release(&mut self, conn: u64) -> Vec<(u64, FromWorker)> {
         let keys: Vec<(u64, u64)> =
             self.open.iter().filter(|(_, g)| g.conns.contains(&conn)).map(|(k, _)| *k).collect();
         let mut out = Vec::new();
@@ -331,15 +353,25 @@ mod tests {
         assert_eq!(held.iter().map(|(c, _)| *c).collect::<Vec<_>>(), vec![7, 8]);
         assert_eq!(held[0].1, done(7, &w, 0.1));
 
+        // Later windows of the failed generation go up one by one too.
+        let later = HostWindow { steps: plans(4)[2..].to_vec(), ..w.clone() };
+        g.expect(&later);
+        assert_eq!(g.take(7, done(7, &later, 0.1)), Up::Release(Vec::new()));
+
+        let mut g = Gatherings::default();
         g.expect(&w);
         g.take(8, done(8, &w, 0.2));
-        assert_eq!(g.release(9).len(), 1, "the one report held goes up");
-        assert!(g.release(9).is_empty());
+        assert_eq!(g.gone(9).len(), 1, "the one report held goes up");
+        assert!(g.gone(9).is_empty());
+        // A window sent ahead that the others finish after the loss.
+        let ahead = HostWindow { steps: plans(6)[4..].to_vec(), ..w.clone() };
+        g.expect(&ahead);
+        assert_eq!(g.take(8, done(8, &ahead, 0.2)), Up::Release(Vec::new()));
 
         // A newer generation's window drops the older's gatherings.
         g.expect(&w);
         g.take(8, done(8, &w, 0.2));
         g.expect(&HostWindow { generation: 3, ..w.clone() });
-        assert_eq!(g.release(8), Vec::new());
+        assert_eq!(g.gone(8), Vec::new());
     }
 }

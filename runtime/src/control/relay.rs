@@ -376,7 +376,7 @@ impl Accepting {
             let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
         }
         // What its host's other ranks reported with it goes up as theirs.
-        let held = self.gatherings.lock().unwrap_or_else(|p| p.into_inner()).release(n);
+        let held = self.gatherings.lock().unwrap_or_else(|p| p.into_inner()).gone(n);
         self.send_each(held);
         let _ = self.tx.send(Frame::Closed { conn: n, why });
     }

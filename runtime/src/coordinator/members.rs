@@ -20,6 +20,11 @@ use std::{
     time::{Duration, Instant},
 };
 
+/// A worker's lease in the store lasts this long, refreshed every
+/// [`LEASE_ROUNDS`] seconds.
+const WORKER_LEASE: Duration = Duration::from_secs(30);
+const LEASE_ROUNDS: u64 = 10;
+
 impl Coordinator<'_> {
     /// Carries out what membership decided.
     pub(super) fn execute(&mut self) {
@@ -304,19 +309,25 @@ impl Coordinator<'_> {
         }
     }
 
-    /// Keeps the members' leases in the store fresh (once a second).
+    /// Keeps the members' leases in the store fresh: every member's when a
+    /// generation forms, and a tenth of them each second after (each lease
+    /// lasts [`WORKER_LEASE`], so a job of thousands of workers writes
+    /// hundreds a second, not thousands).
     pub(super) fn lease_members(&mut self, now: Instant) {
         let due = self.timers.fire(Timer::WorkerLeases, now, SECOND);
-        if !due && !std::mem::take(&mut self.lease_now) {
+        let all = std::mem::take(&mut self.lease_now);
+        if !due && !all {
             return;
         }
         self.timers.set(Timer::WorkerLeases, now + SECOND);
+        self.lease_round = self.lease_round.wrapping_add(1);
         self.tell_workers();
         let Some(k) = &self.keeper else { return };
         let prefix = keys::workers(&self.cfg.spec.job);
-        for m in self.membership.members() {
+        let round = self.lease_round % LEASE_ROUNDS;
+        for m in self.membership.members().iter().filter(|m| all || m.id % LEASE_ROUNDS == round) {
             let v = serde_json::json!({"pid": m.pid, "generation": self.generation}).to_string();
-            k.lease(format!("{prefix}{}", m.id), v.into_bytes(), Duration::from_secs(5));
+            k.lease(format!("{prefix}{}", m.id), v.into_bytes(), WORKER_LEASE);
         }
     }
 }

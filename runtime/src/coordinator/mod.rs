@@ -115,6 +115,8 @@ struct Coordinator<'a> {
     init: Option<PathBuf>,
     /// A generation was just formed: leases are written at once.
     lease_now: bool,
+    /// Seconds of worker leases so far (which tenth is refreshed next).
+    lease_round: u64,
     last_change: Instant,
     started: Instant,
     /// The periodic work's deadlines.
@@ -425,6 +427,7 @@ impl<'a> Coordinator<'a> {
             decided: Default::default(),
             init: None,
             lease_now: true,
+            lease_round: 0,
             last_change: now,
             started: now,
             timers: TimerTable::every(
