@@ -142,8 +142,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     let spec = job_spec(host, &name, &args, &work, &dirs, plugins.transform.as_deref(), teachers.source)?;
     let cfg = job_config(&args, spec, &dirs)?;
     let checkpoint_dir = cfg.spec.checkpoint_dir.clone();
-    let lease = Duration::from_millis(cfg.spec.worker_lease_ms);
-    let scaler = scaler(&args.cluster, &exe, &dirs.log_dir, work.command(), lease)?;
+    let scaler = scaler(&args.cluster, &exe, &dirs.log_dir, work.command(), cfg.spec.worker_lease_ms)?;
     let header = header(&name, &args, &work, &plugins);
     let watch = watch(&args.watch, &name, &plugins.policy_name, args.training.epochs, work.rows() as u64)?;
     let Plugins { policy, policy_name, adapter, adapter_name, .. } = plugins;
@@ -455,14 +454,14 @@ fn scaler(
     exe: &Path,
     log_dir: &Path,
     program: Option<&[String]>,
-    lease: Duration,
+    lease_ms: u64,
 ) -> Result<Box<dyn Scaler>> {
     let (stop, hosts) = (args.worker_stop_command.as_deref(), &args.hosts[..]);
     if args.relay && args.scaler != ScalerKind::Local {
         edl_runtime::refuse!("--relay is for --scaler local (its workers on this host)");
     }
     let relayed = |local: LocalProcesses| match args.relay {
-        true => local.relayed(HostRelay::new(exe, log_dir, lease)),
+        true => local.relayed(HostRelay::new(exe, log_dir, Duration::from_millis(lease_ms))),
         false => local,
     };
     Ok(match (args.scaler, program) {

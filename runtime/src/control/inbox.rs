@@ -17,7 +17,8 @@
 //! timeout); a refused one is logged with the reason and closed, and the
 //! coordinator never hears of it.
 
-use crate::control::proto::{FromWorker, Link, Outbox};
+use crate::control::outbox::Outbox;
+use crate::control::proto::{FromWorker, Link};
 use crate::control::relay::{self, Frame};
 use edl_host_gpu::comm::auth::{self, JobAuth};
 use edl_host_gpu::comm::sealed::Opener;

@@ -3,5 +3,6 @@
 
 pub mod hostwindow;
 pub mod inbox;
+pub mod outbox;
 pub mod proto;
 pub mod relay;

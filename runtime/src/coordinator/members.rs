@@ -320,11 +320,12 @@ impl Coordinator<'_> {
             return;
         }
         self.timers.set(Timer::WorkerLeases, now + SECOND);
-        self.lease_round = self.lease_round.wrapping_add(1);
         self.tell_workers();
         let Some(k) = &self.keeper else { return };
         let prefix = keys::workers(&self.cfg.spec.job);
-        let round = self.lease_round % LEASE_ROUNDS;
+        // A second that comes twice or is skipped leaves a lease 20 s
+        // unrefreshed, within its 30.
+        let round = self.started.elapsed().as_secs() % LEASE_ROUNDS;
         for m in self.membership.members().iter().filter(|m| all || m.id % LEASE_ROUNDS == round) {
             let v = serde_json::json!({"pid": m.pid, "generation": self.generation}).to_string();
             k.lease(format!("{prefix}{}", m.id), v.into_bytes(), WORKER_LEASE);

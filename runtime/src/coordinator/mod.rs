@@ -98,7 +98,7 @@ struct Coordinator<'a> {
     /// Where the job's checkpoints are (read here, written by rank 0).
     ckpt: Checkpoints,
     /// Open control connections.
-    conns: HashMap<u64, crate::control::proto::Outbox>,
+    conns: HashMap<u64, crate::control::outbox::Outbox>,
     /// Who is in the job (the decisions; this struct does the I/O).
     membership: Membership,
     /// The job's parameter servers, and what it follows of them.
@@ -115,8 +115,6 @@ struct Coordinator<'a> {
     init: Option<PathBuf>,
     /// A generation was just formed: leases are written at once.
     lease_now: bool,
-    /// Seconds of worker leases so far (which tenth is refreshed next).
-    lease_round: u64,
     last_change: Instant,
     started: Instant,
     /// The periodic work's deadlines.
@@ -427,7 +425,6 @@ impl<'a> Coordinator<'a> {
             decided: Default::default(),
             init: None,
             lease_now: true,
-            lease_round: 0,
             last_change: now,
             started: now,
             timers: TimerTable::every(

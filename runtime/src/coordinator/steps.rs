@@ -5,7 +5,8 @@
 use super::records::*;
 use super::{AHEAD, CHORES_EVERY, Coordinator, MAX_WINDOW, SECOND, WINDOW_WORK_MS, ms};
 use crate::control::hostwindow::HostWindow;
-use crate::control::proto::{Generation, Outbox, Share, StepDone, StepPlan, ToWorker, encode};
+use crate::control::outbox::Outbox;
+use crate::control::proto::{Generation, Share, StepDone, StepPlan, ToWorker, encode};
 use crate::control::relay::Frame;
 use crate::coordinator::machine::membership::Worker;
 use crate::coordinator::machine::pipeline::{Committed, Failure, Pipeline};
@@ -294,11 +295,25 @@ impl Coordinator<'_> {
         // Rank 0's message differs only when it carries a checkpoint.
         let rank0 = checkpoint.map(|c| commit(Some(c))).transpose()?;
         let rest = commit(None)?;
+        self.send_commits(rank0.as_deref(), &rest);
+        if !follow && (wrote || self.timers.is_due(Timer::SaveState, Instant::now())) {
+            self.save_state(false);
+        }
+        if self.tally.committed.is_multiple_of(self.cfg.decide_every.max(1))
+            && self.tally.epoch < self.cfg.spec.epochs
+        {
+            self.decide();
+        }
+        Ok(())
+    }
+
+    /// Tells every rank the commit (`rank0`: rank 0's own, when it carries
+    /// a checkpoint): one message to each relay for all its ranks.
+    fn send_commits(&mut self, rank0: Option<&[u8]>, rest: &[u8]) {
         let members = self.membership.members();
         for (first, end, host) in host_runs(members, &self.conns) {
-            // Rank 0's own, then the rest: one message to each relay for all its ranks.
             let mut from = first;
-            if let (0, Some(line)) = (first, &rank0) {
+            if let (0, Some(line)) = (first, rank0) {
                 if let Some(stream) = self.conns.get_mut(&members[0].conn) {
                     let _ = stream.send_encoded(line);
                 }
@@ -312,25 +327,16 @@ impl Coordinator<'_> {
                     .collect();
                 let conns = relayed.iter().map(|(c, _)| *c).collect();
                 // A relay gone closes its workers' connections; their readers report that.
-                let _ = relayed[0].1.send(Frame::Fan { conns, line: rest.clone() });
+                let _ = relayed[0].1.send(Frame::Fan { conns, line: rest.to_vec() });
                 continue;
             }
             for m in &members[from..end] {
                 if let Some(stream) = self.conns.get_mut(&m.conn) {
                     // A failed send closes the connection; its reader reports that.
-                    let _ = stream.send_encoded(&rest);
+                    let _ = stream.send_encoded(rest);
                 }
             }
         }
-        if !follow && (wrote || self.timers.is_due(Timer::SaveState, Instant::now())) {
-            self.save_state(false);
-        }
-        if self.tally.committed.is_multiple_of(self.cfg.decide_every.max(1))
-            && self.tally.epoch < self.cfg.spec.epochs
-        {
-            self.decide();
-        }
-        Ok(())
     }
 
     /// Commits one step every rank finished: its samples enter the ledger

@@ -172,7 +172,7 @@ pub struct Lead {
 struct Joined {
     conn: u64,
     host: String,
-    to: proto::Sender,
+    to: crate::control::outbox::Sender,
 }
 
 /// The launcher's side: the agents, the scaler that starts them, the
@@ -183,7 +183,7 @@ struct Launcher<'a> {
     scaler: &'a mut dyn Scaler,
     rx: mpsc::Receiver<Inbound<FromAgent>>,
     /// Connections that proved the secret and have not said hello yet.
-    fresh: HashMap<u64, proto::Outbox>,
+    fresh: HashMap<u64, crate::control::outbox::Outbox>,
     /// Joined agents, by id (group ranks are given in id order).
     agents: BTreeMap<u64, Joined>,
     /// Agents asked for and not joined yet: id -> when asked.
@@ -306,7 +306,7 @@ impl Launcher<'_> {
             (0, None) => self.fresh_id(),
             (id, _) => id,
         };
-        let to = proto::Sender::new(stream);
+        let to = crate::control::outbox::Sender::new(stream);
         if self.agents.contains_key(&id) {
             let _ = to.send(&ToAgent::Exit { reason: format!("agent {id} has already joined") });
             return Happened::Nothing;
@@ -375,7 +375,7 @@ impl Launcher<'_> {
     /// per lease, from a thread of its own: the launcher's loop may wait on
     /// a stopping agent's command for longer than a lease, and an agent
     /// that hears nothing for a lease looks for another launcher.
-    fn beat(&self, to: &proto::Sender) {
+    fn beat(&self, to: &crate::control::outbox::Sender) {
         let (to, leading) = (to.clone(), self.leading.clone());
         // The lease's own end is checked too: the launcher's loop that
         // would notice it may be waiting on an agent's stop.

@@ -15,8 +15,9 @@
 //! at the next generation), and the next step it gets is the redone one.
 
 use crate::checkpoint::{Checkpoints, Manifest};
+use crate::control::outbox::{Outbox, Sender};
 use crate::control::proto::{
-    FailCause, FromWorker, Generation, Outbox, Receiver, Sender, Share, StepDone, StepPlan, ToWorker, Written,
+    FailCause, FromWorker, Generation, Receiver, Share, StepDone, StepPlan, ToWorker, Written,
 };
 use crate::job::spec::{JobSpec, Leader};
 use crate::state::Layout;
