@@ -29,8 +29,8 @@ pub struct RelayArgs {
     /// standard input closes. Never give the secret itself on a command line.
     #[arg(long, value_name = "FILE")]
     secret_file: Option<PathBuf>,
-    /// A worker silent for this long is closed as dead (the job's
-    /// `--worker-lease-ms`).
+    /// A worker silent for this long is closed as dead: the job's
+    /// `--worker-lease-secs`, in milliseconds.
     #[arg(long, value_name = "MS", default_value_t = 10_000)]
     lease_ms: u64,
 }

@@ -86,10 +86,13 @@ struct Gathering {
     got: BTreeMap<u64, (Vec<StepDone>, f64)>,
 }
 
-/// The windows a relay's host ranks are working on, by (generation, first step).
+/// The windows a relay's host ranks are working on, by generation, first
+/// step and first worker (a host's ranks may be split in two runs).
 #[derive(Default)]
 pub struct Gatherings {
-    open: BTreeMap<(u64, u64), Gathering>,
+    open: BTreeMap<(u64, u64, u64), Gathering>,
+    /// The newest generation a window came for.
+    generation: u64,
     /// Workers gone (numbers are not reused), and workers that failed a
     /// step of a generation: a window of theirs cannot be summed, and
     /// their host's reports of it go up one by one, including those of
@@ -116,21 +119,29 @@ impl Gatherings {
     /// A host window was sent: its ranks' reports are gathered. Windows of
     /// earlier generations are dropped (none of theirs can commit now).
     pub fn expect(&mut self, w: &HostWindow) {
-        let Some(first) = w.steps.first() else { return };
-        self.open.retain(|(g, _), _| *g >= w.generation);
-        self.failed.retain(|(_, g)| *g >= w.generation);
-        // Gone workers are in no window from now on.
-        self.gone.retain(|c| w.conns.contains(c));
-        self.open
-            .insert((w.generation, first.step), Gathering { conns: w.conns.clone(), got: BTreeMap::new() });
+        let (Some(first), Some(&lead)) = (w.steps.first(), w.conns.first()) else { return };
+        if w.generation > self.generation {
+            self.generation = w.generation;
+            self.open.retain(|(g, ..), _| *g >= w.generation);
+            self.failed.retain(|(_, g)| *g >= w.generation);
+            // Gone workers are in no window of a newer generation.
+            self.gone.clear();
+        }
+        let g = Gathering { conns: w.conns.clone(), got: BTreeMap::new() };
+        self.open.insert((w.generation, first.step, lead), g);
     }
 
     /// Worker `conn` said `msg`.
     pub fn take(&mut self, conn: u64, msg: FromWorker) -> Up {
         match msg {
             FromWorker::Done { generation, steps, setup_ms } => {
-                let key = (generation, steps.first().map_or(u64::MAX, |s| s.step));
-                let Some(g) = self.open.get_mut(&key).filter(|g| g.conns.contains(&conn)) else {
+                let step = steps.first().map_or(u64::MAX, |s| s.step);
+                let found = self
+                    .open
+                    .range((generation, step, 0)..=(generation, step, u64::MAX))
+                    .find(|(_, g)| g.conns.contains(&conn))
+                    .map(|(k, _)| *k);
+                let Some((key, g)) = found.and_then(|k| Some((k, self.open.get_mut(&k)?))) else {
                     return Up::Line;
                 };
                 let broken = |c: &u64| self.gone.contains(c) || self.failed.contains(&(*c, generation));
@@ -142,10 +153,14 @@ impl Gatherings {
                 if g.got.len() < g.conns.len() {
                     return Up::Held;
                 }
-                let g = self.open.remove(&key).expect("found above");
+                let mut g = self.open.remove(&key).expect("found above");
                 match sum(generation, &g) {
                     Some(done) => Up::Summed(HostDone { conns: g.conns, done }),
-                    None => Up::Release(one_by_one(generation, g)),
+                    // Its own goes up as it came, after the others'.
+                    None => {
+                        g.got.remove(&conn);
+                        Up::Release(one_by_one(generation, g))
+                    }
                 }
             }
             // A worker that failed ends its host's sums: what the others
@@ -166,7 +181,7 @@ impl Gatherings {
     }
 
     fn release(&mut self, conn: u64) -> Vec<(u64, FromWorker)> {
-        let keys: Vec<(u64, u64)> =
+        let keys: Vec<(u64, u64, u64)> =
             self.open.iter().filter(|(_, g)| g.conns.contains(&conn)).map(|(k, _)| *k).collect();
         let mut out = Vec::new();
         for key in keys {
@@ -190,6 +205,9 @@ fn one_by_one(generation: u64, g: Gathering) -> Vec<(u64, FromWorker)> {
 fn sum(generation: u64, g: &Gathering) -> Option<FromWorker> {
     let reports: Vec<&(Vec<StepDone>, f64)> = g.conns.iter().map(|c| g.got.get(c)).collect::<Option<_>>()?;
     let (first, _) = reports.first()?;
+    if reports.iter().any(|(s, _)| s.len() != first.len()) {
+        return None;
+    }
     let mut steps = Vec::with_capacity(first.len());
     for i in 0..first.len() {
         let each: Vec<&StepDone> = reports.iter().map(|(s, _)| s.get(i)).collect::<Option<_>>()?;
@@ -337,6 +355,15 @@ mod tests {
             want.add(NoiseTerms::of(rows, GradSq { local: conn as f64, reduced: 1.0 }));
         }
         assert_eq!((s.grad_sq, s.noise_terms), (None, Some(want)));
+        // Accounts that do not sum (a rank with other positions): the
+        // others' go up one by one, the last one's as it came.
+        g.expect(&w);
+        g.take(7, done(7, &w, 0.1));
+        g.take(8, done(8, &w, 0.2));
+        let FromWorker::Done { generation, mut steps, setup_ms } = done(9, &w, 0.3) else { unreachable!() };
+        steps[0].start += 1;
+        let Up::Release(held) = g.take(9, FromWorker::Done { generation, steps, setup_ms }) else { panic!() };
+        assert_eq!(held.iter().map(|(c, _)| *c).collect::<Vec<_>>(), vec![7, 8]);
         // A report for a window nobody gathers goes up as it came.
         assert_eq!(g.take(7, done(7, &w, 0.1)), Up::Line);
     }

@@ -322,7 +322,7 @@ impl<M: Message> Carried<M> {
             edl_host_gpu::comm::sealed::SealedReader::new(reader, Some(opener)),
         );
         // The relay's numbers of its workers, and theirs here with who they proved to be.
-        let mut carried: HashMap<u64, (u64, u64)> = HashMap::new();
+        let mut carried = Carrying::default();
         let why = loop {
             let frame = match Frame::read(&mut r) {
                 Ok(Some(f)) => f,
@@ -342,20 +342,16 @@ impl<M: Message> Carried<M> {
         if let Ok(s) = shut {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
-        if carried.is_empty() {
+        let open: Vec<(u64, u64)> = carried.open.drain().map(|(_, v)| v).collect();
+        if open.is_empty() {
             tracing::debug!("relay {} at {} gone: {why}", self.relay, self.peer);
         } else {
-            tracing::warn!(
-                "relay {} at {} lost with {} workers: {why}",
-                self.relay,
-                self.peer,
-                carried.len()
-            );
+            tracing::warn!("relay {} at {} lost with {} workers: {why}", self.relay, self.peer, open.len());
         }
-        if !carried.is_empty() && self.tx.send(Inbound::RelayLost(self.relay)).is_err() {
+        if !open.is_empty() && self.tx.send(Inbound::RelayLost(self.relay)).is_err() {
             return;
         }
-        for (n, who) in carried.into_values() {
+        for (n, who) in open {
             let lost = format!("worker {who}'s relay at {} was lost: {why}", self.peer);
             if self.tx.send(Inbound::Closed(n, lost)).is_err() {
                 return;
@@ -364,13 +360,13 @@ impl<M: Message> Carried<M> {
     }
 
     /// One frame from the relay; `Err` when the coordinator stopped listening.
-    fn take(
-        &self,
-        frame: Frame,
-        carried: &mut HashMap<u64, (u64, u64)>,
-        down: &mpsc::Sender<Frame>,
-    ) -> Result<(), Gone> {
+    fn take(&self, frame: Frame, carried: &mut Carrying, down: &mpsc::Sender<Frame>) -> Result<(), Gone> {
         match frame {
+            Frame::Open { conn, .. }
+                if carried.open.contains_key(&conn) || carried.ended.contains_key(&conn) =>
+            {
+                tracing::warn!("the relay at {} opened its worker {conn} twice; ignored", self.peer);
+            }
             Frame::Open { conn, claim } => match self.gate.check_relayed(&claim) {
                 Err(reason) => {
                     tracing::warn!(
@@ -386,7 +382,7 @@ impl<M: Message> Carried<M> {
                 }
                 Ok(()) => {
                     let n = self.next.fetch_add(1, Ordering::Relaxed);
-                    carried.insert(conn, (n, claim.who));
+                    carried.open.insert(conn, (n, claim.who));
                     let name = format!("worker {} through the relay at {}", claim.who, self.peer);
                     let out = Outbox::Relayed { conn, host: self.host, relay: down.clone(), name };
                     self.tx.send(Inbound::Conn(n, out)).map_err(|_| Gone)?;
@@ -394,7 +390,7 @@ impl<M: Message> Carried<M> {
             },
             Frame::Line { conn, line } => {
                 // Lines of a worker already dropped are dropped too.
-                let Some(&(n, who)) = carried.get(&conn) else { return Ok(()) };
+                let Some(&(n, who)) = carried.open.get(&conn) else { return Ok(()) };
                 let msg = serde_json::from_slice::<M>(line.trim_ascii_end())
                     .map_err(|e| format!("malformed message: {e}"))
                     .and_then(|m| match m.names_worker() {
@@ -407,7 +403,7 @@ impl<M: Message> Carried<M> {
                     Ok(m) if m.is_heartbeat() => {}
                     Ok(m) => self.tx.send(Inbound::Msg(n, m)).map_err(|_| Gone)?,
                     Err(why) => {
-                        carried.remove(&conn);
+                        carried.close(conn);
                         let _ = down.send(Frame::Closed { conn, why: why.clone() });
                         let why = format!("worker {who} through the relay at {}: {why}", self.peer);
                         self.tx.send(Inbound::Closed(n, why)).map_err(|_| Gone)?;
@@ -415,19 +411,19 @@ impl<M: Message> Carried<M> {
                 }
             }
             Frame::Closed { conn, why } => {
-                if let Some((n, _)) = carried.remove(&conn) {
+                if let Some(n) = carried.close(conn) {
                     self.tx
                         .send(Inbound::Closed(n, format!("{why} (through the relay at {})", self.peer)))
                         .map_err(|_| Gone)?;
                 }
             }
             Frame::Done(h) => {
-                let ns: Option<Vec<u64>> = h.conns.iter().map(|c| carried.get(c).map(|(n, _)| *n)).collect();
+                let ns: Option<Vec<u64>> = h.conns.iter().map(|c| carried.number(*c)).collect();
                 match ns {
                     Some(ns) => self.tx.send(Inbound::Host(ns, h.done)).map_err(|_| Gone)?,
-                    // A worker of it closed meanwhile: its report went up alone, and so do the others'.
+                    // Only a relay at fault names a worker it never opened.
                     None => tracing::warn!(
-                        "the relay at {} reported for a worker it no longer carries",
+                        "the relay at {} reported for a worker it never opened; ignored",
                         self.peer
                     ),
                 }
@@ -438,6 +434,30 @@ impl<M: Message> Carried<M> {
             Frame::Beat => {}
         }
         Ok(())
+    }
+}
+
+/// A relay's workers: their numbers on the relay, their numbers here and
+/// who they proved to be.
+#[derive(Default)]
+struct Carrying {
+    open: HashMap<u64, (u64, u64)>,
+    /// Those whose connection ended, numbers only: a host's report that
+    /// names one (summed just before its end) still counts for the others.
+    ended: HashMap<u64, u64>,
+}
+
+impl Carrying {
+    /// Worker `conn`'s connection ended: its number here, if it was open.
+    fn close(&mut self, conn: u64) -> Option<u64> {
+        let (n, _) = self.open.remove(&conn)?;
+        self.ended.insert(conn, n);
+        Some(n)
+    }
+
+    /// Worker `conn`'s number here, open or ended.
+    fn number(&self, conn: u64) -> Option<u64> {
+        self.open.get(&conn).map(|(n, _)| *n).or_else(|| self.ended.get(&conn).copied())
     }
 }
 

@@ -216,6 +216,9 @@ impl Relay {
         let _ = up.set_nodelay(true);
         let _ = up.set_write_timeout(Some(SEND_TIMEOUT));
         crate::control::proto::keepalive(&up);
+        // A coordinator whose host vanished is noticed within the lease
+        // while the relay has lines waiting to go.
+        crate::control::proto::give_up_unacked(&up, cfg.lease);
         let listener = TcpListener::bind(cfg.listen).with_context(|| format!("--listen {}", cfg.listen))?;
         Ok(Relay { cfg, listener, up, keys })
     }
@@ -375,9 +378,10 @@ impl Accepting {
         if let Some(w) = self.workers.lock().unwrap_or_else(|p| p.into_inner()).remove(&n) {
             let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
         }
-        // What its host's other ranks reported with it goes up as theirs.
-        let held = self.gatherings.lock().unwrap_or_else(|p| p.into_inner()).gone(n);
-        self.send_each(held);
+        // What its host's other ranks reported with it goes up as theirs,
+        // before its end (under the lock: no other worker's line between).
+        let mut gatherings = self.gatherings.lock().unwrap_or_else(|p| p.into_inner());
+        self.send_each(gatherings.gone(n));
         let _ = self.tx.send(Frame::Closed { conn: n, why });
     }
 
@@ -388,7 +392,8 @@ impl Accepting {
         let mut heard = Instant::now();
         loop {
             line.clear();
-            match r.by_ref().take(MAX_PAYLOAD as u64 + 1).read_until(b'\n', &mut line) {
+            // A line fits a frame, its end included.
+            match r.by_ref().take(MAX_PAYLOAD as u64).read_until(b'\n', &mut line) {
                 Ok(0) => return format!("{peer}: connection closed"),
                 Ok(_) if line.last() != Some(&b'\n') => {
                     return format!("{peer}: a message longer than {} MiB", MAX_PAYLOAD >> 20);
@@ -405,10 +410,13 @@ impl Accepting {
             if is_heartbeat(&line) {
                 continue;
             }
+            // Under the lock until sent: reports released by another
+            // worker's thread never fall behind this one's later lines.
+            let mut gatherings = self.gatherings.lock().unwrap_or_else(|p| p.into_inner());
             // A line that does not read goes up as it came: the
             // coordinator closes the worker, naming why.
             let up = match serde_json::from_slice::<FromWorker>(line.trim_ascii_end()) {
-                Ok(msg) => self.gatherings.lock().unwrap_or_else(|p| p.into_inner()).take(n, msg),
+                Ok(msg) => gatherings.take(n, msg),
                 Err(_) => Up::Line,
             };
             let sent = match up {
@@ -420,6 +428,7 @@ impl Accepting {
                     self.tx.send(Frame::Line { conn: n, line: std::mem::take(&mut line) })
                 }
             };
+            drop(gatherings);
             if sent.is_err() {
                 return "the relay stopped".into();
             }
