@@ -13,7 +13,9 @@
 //! one's is at least `threshold` [0.5], and removes the last while its own
 //! is below it, one worker a decision, each count measured before it is
 //! judged. Without a noise scale yet (it needs two workers sharing steps),
-//! a job of one worker grows to two to measure it.
+//! a job of one worker grows to two to measure it. A worker it asked for
+//! is waited for (up to [`WAIT_DECISIONS`] decisions) before it decides
+//! again: a worker slow to start is not asked for twice.
 
 use edl_plugin_sdk::{Action, ClusterView, Config, PluginError, ScalingPolicy, TrainingStats};
 use goodput_model::{StepModel, candidates, goodput, measured_batches};
@@ -23,13 +25,19 @@ pub struct GoodputPolicy {
     threshold: f64,
     overhead: f64,
     stats: Option<TrainingStats>,
+    /// The world it asked for by growing, and the decisions since.
+    asked: Option<(u32, u32)>,
 }
 
 impl Default for GoodputPolicy {
     fn default() -> Self {
-        GoodputPolicy { threshold: 0.5, overhead: 0.3, stats: None }
+        GoodputPolicy { threshold: 0.5, overhead: 0.3, stats: None, asked: None }
     }
 }
+
+/// Decisions a worker asked for is waited for before the policy decides
+/// again without it (one that never came).
+pub const WAIT_DECISIONS: u32 = 30;
 
 /// The best goodput of `k` workers over the adapter's batches (None: not
 /// modelled: nothing measured anywhere).
@@ -99,10 +107,20 @@ impl ScalingPolicy for GoodputPolicy {
     }
 
     fn decide(&mut self, view: &ClusterView) -> Vec<Action> {
+        if let Some((world, waited)) = self.asked {
+            if view.world_size < world && waited < WAIT_DECISIONS {
+                self.asked = Some((world, waited + 1));
+                return vec![Action::Hold];
+            }
+            self.asked = None;
+        }
         let action = match &self.stats {
             Some(stats) => self.choose(view, stats),
             None => Action::Hold,
         };
+        if let Action::ScaleOut(n) = action {
+            self.asked = Some((view.world_size + n, 0));
+        }
         vec![action]
     }
 }
@@ -141,6 +159,24 @@ mod tests {
             free_slots: 4 - world,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_worker_asked_for_is_waited_for_before_deciding_again() {
+        let mut p = GoodputPolicy::default();
+        p.on_training(&stats(0.0, &[]));
+        assert_eq!(p.decide(&view(1)), vec![Action::ScaleOut(1)]);
+        // Still one worker: the second is starting.
+        assert_eq!(p.decide(&view(1)), vec![Action::Hold]);
+        assert_eq!(p.decide(&view(2)), vec![Action::Hold], "two, and no noise scale needed more");
+        // One that never comes is asked for again after the wait.
+        let mut p = GoodputPolicy::default();
+        p.on_training(&stats(0.0, &[]));
+        p.decide(&view(1));
+        for _ in 0..WAIT_DECISIONS {
+            assert_eq!(p.decide(&view(1)), vec![Action::Hold]);
+        }
+        assert_eq!(p.decide(&view(1)), vec![Action::ScaleOut(1)]);
     }
 
     #[test]

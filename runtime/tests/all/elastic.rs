@@ -3,7 +3,7 @@
 //! Workers are killed with SIGKILL, the whole job too.
 
 use crate::support::{
-    job::{GROWING, assert_exactly_once, finish, job, lines, report},
+    job::{GROWING, assert_exactly_once, finish, job, lines, report, scale_event},
     process::{children, sigkill_worker},
     servers::RedisServer,
     wait::wait_for,
@@ -342,11 +342,7 @@ fn a_warm_spare_takes_a_lost_worker_s_place_and_the_job_goes_on_exactly_once() {
     assert!(status.success(), "{text}");
     let r = report(dir.path());
     assert_exactly_once(&r, 6, 1200);
-    let events = r["scale_events"].as_array().unwrap();
-    let lost = events
-        .iter()
-        .find(|e| e["reason"].as_str().unwrap().contains("worker 2 lost"))
-        .unwrap_or_else(|| panic!("{events:?}\n{text}"));
+    let lost = scale_event(&r, "worker 2 lost", &text);
     // The spare took the place in the generation the failure formed: the
     // job stayed at two workers, and no worker was started for it.
     assert_eq!((lost["from"].as_u64(), lost["to"].as_u64()), (Some(2), Some(2)), "{lost}");

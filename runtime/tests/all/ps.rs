@@ -3,7 +3,7 @@
 
 use crate::support::{
     hosts::Hosts,
-    job::{assert_exactly_once, committed_checkpoint, final_state, finish, lines, report},
+    job::{assert_exactly_once, committed_checkpoint, final_state, finish, lines, report, scale_event},
     process::sigkill,
     python::{PyEnv, py},
     root,
@@ -178,11 +178,7 @@ fn a_rank_killed_mid_job_costs_a_redone_step_and_the_model_ends_as_without_the_k
     let text = ended(child, rx, seen);
     let r = report(hit.path());
     assert_exactly_once(&r, 3, 6000);
-    let events = r["scale_events"].as_array().unwrap();
-    let lost = events
-        .iter()
-        .find(|e| e["reason"].as_str().unwrap().contains("worker 2 lost"))
-        .unwrap_or_else(|| panic!("{events:?}\n{text}"));
+    let lost = scale_event(&r, "worker 2 lost", &text);
     assert_eq!((lost["from"].as_u64(), lost["to"].as_u64()), (Some(2), Some(2)), "{lost}");
     assert_no_checkpoint_failed(&text);
     assert_as_calm(hit.path(), &text);

@@ -4,7 +4,7 @@
 //! host's workers lost, recovered as such.
 
 use crate::support::{
-    job::{assert_exactly_once, final_state, finish, job, lines, report},
+    job::{assert_exactly_once, final_state, finish, job, lines, report, scale_event},
     process::{children, sigkill, sigkill_worker},
     wait::wait_for,
 };
@@ -95,11 +95,7 @@ fn a_worker_killed_behind_the_relay_is_lost_and_its_step_redone_exactly_once() {
     assert!(status.success(), "{text}");
     let r = report(dir.path());
     assert_exactly_once(&r, 6, 1200);
-    let events = r["scale_events"].as_array().unwrap();
-    let lost = events
-        .iter()
-        .find(|e| e["reason"].as_str().unwrap().contains("worker 2 lost"))
-        .unwrap_or_else(|| panic!("{events:?}\n{text}"));
+    let lost = scale_event(&r, "worker 2 lost", &text);
     assert_eq!((lost["from"].as_u64(), lost["to"].as_u64()), (Some(3), Some(2)), "{lost}");
     assert!(text.contains("through the relay at"), "the loss names the relay: {text}");
     assert!(!dir.path().join(".edl/mnist/logs/relay-2.log").exists(), "the relay itself lived on");

@@ -166,3 +166,13 @@ pub(crate) fn final_state(dir: &Path) -> Vec<(String, Vec<f32>)> {
     let state = Checkpoints::read(Path::new(r["final_checkpoint"].as_str().unwrap())).unwrap();
     state.layout.ranges().map(|(t, at)| (t.name.clone(), state.values[at].to_vec())).collect()
 }
+
+/// The scale event of report `r` whose reason names `what` (a panic listing
+/// them, and the job's output `text`, when none does).
+pub(crate) fn scale_event<'a>(r: &'a Value, what: &str, text: &str) -> &'a Value {
+    let events = r["scale_events"].as_array().unwrap();
+    events
+        .iter()
+        .find(|e| e["reason"].as_str().unwrap().contains(what))
+        .unwrap_or_else(|| panic!("no scale event for {what:?}: {events:?}\n{text}"))
+}
