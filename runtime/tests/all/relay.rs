@@ -4,8 +4,13 @@
 //! host's workers lost, recovered as such.
 
 use crate::support::{
-    job::{assert_exactly_once, final_state, finish, job, lines, report, scale_event},
+    job::{
+        assert_exactly_once, assert_noise_scale_measured, final_state, finish, job, lines, report,
+        scale_event,
+    },
     process::{children, sigkill, sigkill_worker},
+    python::py,
+    root,
     wait::wait_for,
 };
 use edl_plugin_artifacts as art;
@@ -73,6 +78,8 @@ fn workers_through_a_relay_hold_one_connection_and_train_to_the_bit_as_without_i
     let text = seen.join("\n");
     assert!(status.success(), "{text}");
     assert_exactly_once(&report(relayed.path()), 4, 1200);
+    // The relay summed the ranks' noise-scale terms.
+    assert_noise_scale_measured(&report(relayed.path()));
     let (a, b) = (final_state(direct.path()), final_state(relayed.path()));
     assert_eq!(a.len(), b.len());
     for ((name, x), (_, y)) in a.iter().zip(&b) {
@@ -137,4 +144,45 @@ fn a_relay_is_refused_for_workers_on_other_hosts() {
     let out = job(dir.path(), &args).output().unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--relay is for --scaler local"));
+}
+
+#[test]
+fn a_launched_numpy_program_trains_through_a_relay_every_sample_once() {
+    let py = py();
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    cmd.current_dir(dir.path())
+        .args([
+            "launch",
+            "--relay",
+            "--samples",
+            "4000",
+            "--no-distill",
+            "--epochs",
+            "2",
+            "--report",
+            "report.json",
+        ])
+        .args(["--workers", "3", "--min-workers", "3", "--max-workers", "3", "--policy", art::AUTOSCALE_WASM])
+        .arg("--plugin-cache")
+        .arg(dir.path().join("plugin-cache"))
+        .args(["--", "python"])
+        .arg(root().join("examples/numpy-mlp/train.py"))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    py.env(&mut cmd);
+    let mut child = cmd.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    let r = report(dir.path());
+    assert_exactly_once(&r, 2, 4000);
+    assert_noise_scale_measured(&r);
+    let log = std::fs::read_to_string(dir.path().join(".edl/launch/logs/relay-1.log")).unwrap();
+    assert!(log.contains("relaying on"), "{log}");
+    let done = seen.iter().filter(|l| l.starts_with("[worker ") && l.contains("test accuracy")).count();
+    assert_eq!(done, 3, "every program ran to the end: {text}");
 }
