@@ -225,7 +225,6 @@ impl Coordinator<'_> {
         }
     }
 
-    /// Asks the policy what to do.
     /// Each member's throughput since the last decision, where measured: a
     /// host's ranks that reported as one share their host's evenly.
     fn worker_rates(&self, rates: &std::collections::HashMap<u64, f64>) -> Vec<WorkerStats> {
@@ -247,6 +246,7 @@ impl Coordinator<'_> {
         out
     }
 
+    /// Asks the policy what to do.
     pub(super) fn decide(&mut self) {
         if self.membership.handing_over() {
             // A handover is under way; the policy sees the job after it.

@@ -5,7 +5,7 @@
 
 use crate::support::{
     host, host_with,
-    job::{assert_exactly_once, finish, job, lines, report, run_to_end},
+    job::{assert_exactly_once, coordinator_note, finish, job, lines, report, run_to_end},
     pairs, path,
     process::children,
     servers::RedisServer,
@@ -625,11 +625,7 @@ fn two_thousand_idle_and_trickling_connections_do_not_stop_a_running_job() {
     let rx = lines(&mut child);
     let mut seen = Vec::new();
     wait_for(&rx, "workers join with", &mut seen, Duration::from_secs(120));
-    // "coordinator at ADDR (rendezvous ADDR); ..."
-    let line = seen.last().unwrap().clone();
-    let field =
-        |after: &str| line.split(after).nth(1).unwrap().split([' ', ')', ';']).next().unwrap().to_string();
-    let (control, rendezvous) = (field("coordinator at "), field("(rendezvous "));
+    let (control, rendezvous) = coordinator_note(&seen);
     wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
 
     // A thousand connections on each port: half say nothing, half send a

@@ -5,8 +5,8 @@
 
 use crate::support::{
     job::{
-        assert_exactly_once, assert_noise_scale_measured, final_state, finish, job, lines, report,
-        scale_event,
+        assert_exactly_once, assert_noise_scale_measured, coordinator_note, final_state, finish, job, lines,
+        report, run_to_end, scale_event,
     },
     process::{children, sigkill, sigkill_worker},
     python::py,
@@ -42,9 +42,7 @@ fn accepted_on(port: u16) -> usize {
 
 /// The control port the job's note names.
 fn control_port(seen: &[String]) -> u16 {
-    let note = seen.iter().find(|l| l.contains("coordinator at ")).expect("the coordinator's note");
-    let addr = note.split("coordinator at ").nth(1).unwrap().split_whitespace().next().unwrap();
-    addr.rsplit(':').next().unwrap().parse().unwrap()
+    coordinator_note(seen).0.rsplit(':').next().unwrap().parse().unwrap()
 }
 
 #[test]
@@ -172,17 +170,13 @@ fn a_launched_numpy_program_trains_through_a_relay_every_sample_once() {
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
     py.env(&mut cmd);
-    let mut child = cmd.spawn().unwrap();
-    let rx = lines(&mut child);
-    let mut seen = Vec::new();
-    let status = finish(child, rx, &mut seen);
-    let text = seen.join("\n");
+    let (status, text) = run_to_end(cmd);
     assert!(status.success(), "{text}");
     let r = report(dir.path());
     assert_exactly_once(&r, 2, 4000);
     assert_noise_scale_measured(&r);
     let log = std::fs::read_to_string(dir.path().join(".edl/launch/logs/relay-1.log")).unwrap();
     assert!(log.contains("relaying on"), "{log}");
-    let done = seen.iter().filter(|l| l.starts_with("[worker ") && l.contains("test accuracy")).count();
+    let done = text.lines().filter(|l| l.starts_with("[worker ") && l.contains("test accuracy")).count();
     assert_eq!(done, 3, "every program ran to the end: {text}");
 }

@@ -176,3 +176,12 @@ pub(crate) fn scale_event<'a>(r: &'a Value, what: &str, text: &str) -> &'a Value
         .find(|e| e["reason"].as_str().unwrap().contains(what))
         .unwrap_or_else(|| panic!("no scale event for {what:?}: {events:?}\n{text}"))
 }
+
+/// The control port's and the rendezvous' addresses from the job's note
+/// among the lines `seen` (`coordinator at ADDR (rendezvous ADDR); ...`).
+pub(crate) fn coordinator_note(seen: &[String]) -> (String, String) {
+    let line = seen.iter().find(|l| l.contains("coordinator at ")).expect("the coordinator's note");
+    let field =
+        |after: &str| line.split(after).nth(1).unwrap().split([' ', ')', ';']).next().unwrap().to_string();
+    (field("coordinator at "), field("(rendezvous "))
+}
