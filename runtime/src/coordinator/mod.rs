@@ -310,9 +310,8 @@ struct PsState {
     added: Vec<(u64, String)>,
     /// Servers told to go: their shards are copied from them, then they stop.
     leaving: Vec<u64>,
-    /// A checkpoint asked of a worker and not written yet: its step and
-    /// the worker, which takes the tables as of that step.
-    pin: Option<(u64, u64)>,
+    /// Checkpoints asked of workers and not written yet.
+    pins: ps::Pins,
     /// New rows the servers refused at their bound, as last seen.
     refused: u64,
     /// The servers as last seen, each one's requests per second since the

@@ -211,8 +211,8 @@ impl Coordinator<'_> {
     /// A checkpoint of `step` was asked of worker `id`: until it is written
     /// (or the worker gone), the servers keep what undoes the steps after it.
     pub(super) fn pin_ps(&mut self, step: u64, id: u64) {
-        if self.ps.servers.is_some() && self.ps.pin.is_none_or(|(s, _)| s > step) {
-            self.ps.pin = Some((step, id));
+        if self.ps.servers.is_some() {
+            self.ps.pins.ask(step, id);
         }
     }
 
@@ -235,24 +235,16 @@ impl Coordinator<'_> {
         }
     }
 
-    /// Checkpoint writes that ended release the pin they held.
+    /// Checkpoint writes that ended release the pins they held.
     pub(super) fn unpin_ps(&mut self, written: &[crate::control::proto::Written]) {
-        if let Some((step, _)) = self.ps.pin
-            && written.iter().any(|w| w.step >= step)
-        {
-            self.ps.pin = None;
-        }
+        self.ps.pins.written(written.iter().map(|w| w.step));
     }
 
     /// The steps before this one are past undoing: committed, and no
-    /// checkpoint of an earlier one still to be taken.
+    /// checkpoint of an earlier one still to be exported.
     fn ps_safe(&mut self) -> u64 {
-        if let Some((_, id)) = self.ps.pin
-            && !self.membership.members().iter().any(|m| m.id == id)
-        {
-            self.ps.pin = None;
-        }
-        self.ps.pin.map_or(self.tally.committed, |(step, _)| step.min(self.tally.committed))
+        let members: Vec<u64> = self.membership.members().iter().map(|m| m.id).collect();
+        self.ps.pins.safe(self.tally.committed, &members)
     }
 
     /// Whether the servers change at the next boundary.
@@ -325,5 +317,55 @@ impl Coordinator<'_> {
             ));
         }
         Ok(Some(topology))
+    }
+}
+
+/// The checkpoints asked of workers and not written yet, by step: each
+/// worker exports the tables as of its checkpoint's step in the background,
+/// so the servers keep what undoes the steps after the oldest of them.
+#[derive(Debug, Default)]
+pub(super) struct Pins(std::collections::BTreeMap<u64, u64>);
+
+impl Pins {
+    pub(super) fn ask(&mut self, step: u64, worker: u64) {
+        self.0.insert(step, worker);
+    }
+
+    /// Checkpoints of `steps` were written (or failed): a worker writes its
+    /// checkpoints in order, so the earlier ones are done with too.
+    pub(super) fn written(&mut self, steps: impl Iterator<Item = u64>) {
+        if let Some(last) = steps.max() {
+            self.0.retain(|&step, _| step > last);
+        }
+    }
+
+    /// The steps before this one are past undoing, given the `committed`
+    /// steps and the workers still in the job (a pin of one gone is let go).
+    pub(super) fn safe(&mut self, committed: u64, members: &[u64]) -> u64 {
+        self.0.retain(|_, worker| members.contains(worker));
+        self.0.keys().next().map_or(committed, |&step| step.min(committed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Pins;
+
+    #[test]
+    fn the_oldest_checkpoint_not_yet_written_holds_the_undo_records() {
+        let mut p = Pins::default();
+        assert_eq!(p.safe(10, &[1]), 10);
+        p.ask(10, 1);
+        p.ask(20, 1);
+        assert_eq!(p.safe(25, &[1]), 10);
+        // The first written, the second still exporting its tables.
+        p.written([10].into_iter());
+        assert_eq!(p.safe(25, &[1]), 20);
+        p.written([20].into_iter());
+        assert_eq!(p.safe(25, &[1]), 25);
+        // A pin of a worker gone is let go.
+        p.ask(30, 2);
+        assert_eq!(p.safe(35, &[1, 2]), 30);
+        assert_eq!(p.safe(35, &[1]), 35);
     }
 }

@@ -22,8 +22,8 @@
 //! A pull for step `s` is answered once the steps before `s - staleness`
 //! are applied: with no staleness, a step sees every update before it.
 
-use super::table::{Rows, SavedTable, TableSpec};
-use std::collections::{BTreeMap, HashMap};
+use super::table::{Rows, SHARDS, SavedTable, TableSpec};
+use std::collections::BTreeMap;
 
 /// Why a request was refused; each names the table and who asked.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -98,7 +98,7 @@ pub enum Pushed {
 #[derive(Debug)]
 struct Served {
     spec: TableSpec,
-    shards: HashMap<u32, Rows>,
+    shards: Shards,
     rows: u64,
     /// Steps `0..applied` are applied.
     applied: u64,
@@ -108,6 +108,41 @@ struct Served {
     /// Per applied step not known to be committed: the rows it changed, as
     /// they were before (values and optimiser state, update count).
     undo: BTreeMap<u64, Undo>,
+}
+
+/// A table's rows by shard: every shard's place, indexed directly.
+#[derive(Debug)]
+struct Shards(Vec<Rows>);
+
+impl Shards {
+    fn new() -> Shards {
+        Shards((0..SHARDS).map(|_| Rows::default()).collect())
+    }
+
+    fn get(&self, shard: u32) -> &Rows {
+        &self.0[shard as usize]
+    }
+
+    fn get_mut(&mut self, shard: u32) -> &mut Rows {
+        &mut self.0[shard as usize]
+    }
+
+    /// The shards with rows, by number.
+    fn held(&self) -> impl Iterator<Item = (u32, &Rows)> {
+        self.0.iter().enumerate().filter(|(_, r)| !r.is_empty()).map(|(s, r)| (s as u32, r))
+    }
+
+    /// Forgets the rows of the shards `gone` names; returns how many.
+    fn forget(&mut self, gone: impl Fn(u32) -> bool) -> u64 {
+        let mut n = 0;
+        for (s, rows) in self.0.iter_mut().enumerate() {
+            if !rows.is_empty() && gone(s as u32) {
+                n += rows.len() as u64;
+                *rows = Rows::default();
+            }
+        }
+        n
+    }
 }
 
 /// The rows an applied step changed, as they were before it: per row its
@@ -212,7 +247,7 @@ impl Server {
         }
         let served = Served {
             spec: spec.clone(),
-            shards: HashMap::new(),
+            shards: Shards::new(),
             rows: 0,
             applied: mark.base,
             generation: mark.generation,
@@ -250,22 +285,29 @@ impl Server {
             .sum()
     }
 
-    /// Refuses `new` rows of `table` that would take the server past its bound.
-    fn room(&self, table: &str, worker: u64, new: usize) -> Result<(), PsError> {
+    /// Refuses the rows of `ids` not yet held in `table` where they would
+    /// take the server past its bound (counted only when all of them
+    /// might not fit).
+    fn room(&self, table: &str, worker: u64, ids: &[u64]) -> Result<(), PsError> {
         let (Some(bound), Some(t)) = (self.bound, self.tables.get(table)) else { return Ok(()) };
         // The rows, and what undoes the recent steps and stages the next.
         let used = self.bytes() + self.working_bytes();
-        if new > 0 && used + new as u64 * t.spec.row_bytes() > bound {
-            return Err(PsError::AtBound {
-                table: table.into(),
-                server: self.id,
-                worker,
-                bound_mib: bound >> 20,
-                used_mib: used as f64 / (1 << 20) as f64,
-                new,
-            });
+        let fits = |new: usize| new == 0 || used + new as u64 * t.spec.row_bytes() <= bound;
+        if fits(ids.len()) {
+            return Ok(());
         }
-        Ok(())
+        let new = count_new(t, ids);
+        if fits(new) {
+            return Ok(());
+        }
+        Err(PsError::AtBound {
+            table: table.into(),
+            server: self.id,
+            worker,
+            bound_mib: bound >> 20,
+            used_mib: used as f64 / (1 << 20) as f64,
+            new,
+        })
     }
 
     /// Rows `ids` of `table` (made on first touch), `dim` floats each in
@@ -311,20 +353,19 @@ impl Server {
         if t.applied < need {
             return Ok(None);
         }
-        let new = if make { count_new(t, ids) } else { 0 };
-        self.room(table, worker, new)?;
+        if make {
+            self.room(table, worker, ids)?;
+        }
         let t = self.table(table, worker)?;
         let dim = t.spec.dim;
         let mut out = vec![0f32; ids.len() * dim];
-        let empty = crate::ps::table::Rows::default();
         for (id, row) in ids.iter().zip(out.chunks_exact_mut(dim)) {
             let shard = t.spec.shard_of(*id);
             match make {
-                true => t.shards.entry(shard).or_default().read(&t.spec, *id, row),
-                false => t.shards.get(&shard).unwrap_or(&empty).peek(&t.spec, *id, row),
+                true => t.rows += t.shards.get_mut(shard).read(&t.spec, *id, row) as u64,
+                false => t.shards.get(shard).peek(&t.spec, *id, row),
             }
         }
-        t.rows += new as u64;
         Ok(Some(out))
     }
 
@@ -348,6 +389,27 @@ impl Server {
         ids: Vec<u64>,
         grads: Vec<f32>,
     ) -> Result<Pushed, PsError> {
+        let pushed = self.stage(table, worker, tag, ids, grads)?;
+        self.apply_staged();
+        let applied = self.tables.get(table).map_or(0, |t| t.applied);
+        Ok(match pushed {
+            Pushed::Staged { .. } => Pushed::Staged { applied },
+            p => p,
+        })
+    }
+
+    /// [`Server::push`] that leaves the steps it completes to
+    /// [`Server::apply_staged`]: a server answers the push first and
+    /// applies while the worker goes on. Whatever reads or changes the
+    /// tables next applies them first.
+    pub fn stage(
+        &mut self,
+        table: &str,
+        worker: u64,
+        tag: PushTag,
+        ids: Vec<u64>,
+        grads: Vec<f32>,
+    ) -> Result<Pushed, PsError> {
         let server = self.id;
         let t = self.table(table, worker)?;
         check_push(t, worker, tag, &ids, &grads)?;
@@ -355,8 +417,7 @@ impl Server {
         if tag.step < t.applied {
             return Ok(Pushed::AlreadyApplied { applied: t.applied });
         }
-        let new = count_new(t, &ids);
-        self.room(table, worker, new)?;
+        self.room(table, worker, &ids)?;
         let t = self.table(table, worker)?;
         let staged =
             t.staged.entry(tag.step).or_insert_with(|| Staged { world: tag.world, pushes: BTreeMap::new() });
@@ -371,8 +432,13 @@ impl Server {
             });
         }
         staged.pushes.insert(tag.rank, (ids, grads));
-        apply_ready(t);
         Ok(Pushed::Staged { applied: t.applied })
+    }
+
+    /// Applies, in every table, the steps whose pushes are all in (in
+    /// order); true when one was.
+    pub fn apply_staged(&mut self) -> bool {
+        self.tables.values_mut().fold(false, |any, t| apply_ready(t) | any)
     }
 
     pub fn stats(&self) -> Stats {
@@ -423,26 +489,26 @@ impl Server {
                 why: ": a checkpoint of that step cannot be made here".into(),
             });
         }
-        let mut rows: BTreeMap<u64, (Vec<f32>, u32)> = BTreeMap::new();
-        for (_, shard) in t.shards.iter().filter(|(s, _)| keep(**s)) {
-            for (id, (mut values, state, updates)) in shard.export(&t.spec) {
-                values.extend(state);
-                rows.insert(id, (values, updates));
-            }
-        }
+        let w = t.spec.width();
+        // The rows as held, by id...
+        let mut rows: Vec<(u64, &[f32], u32)> =
+            t.shards.held().filter(|(s, _)| keep(*s)).flat_map(|(_, r)| r.each(w)).collect();
+        rows.sort_unstable_by_key(|r| r.0);
+        // ...then the steps after `step` undone, newest first: a row's
+        // oldest record is what it was before them.
         for s in (step..t.applied).rev() {
-            for (id, row, updates) in t.undo[&s].rows_back(t.spec.width()) {
-                if keep(t.spec.shard_of(id)) {
-                    rows.insert(id, (row.to_vec(), updates));
+            for (id, row, updates) in t.undo[&s].rows_back(w) {
+                if let Ok(i) = rows.binary_search_by_key(&id, |r| r.0) {
+                    rows[i] = (id, row, updates);
                 }
             }
         }
         let mut saved =
             SavedTable { spec: t.spec.clone(), ids: Vec::new(), rows: Vec::new(), updates: Vec::new() };
         // A row never updated is its initial values: made again alike where needed.
-        for (id, (row, updates)) in rows.into_iter().filter(|(_, (_, u))| *u > 0) {
+        for (id, row, updates) in rows.into_iter().filter(|r| r.2 > 0) {
             saved.ids.push(id);
-            saved.rows.extend(row);
+            saved.rows.extend_from_slice(row);
             saved.updates.push(updates);
         }
         Ok(saved)
@@ -475,12 +541,7 @@ impl Server {
         for (i, &id) in saved.ids.iter().enumerate() {
             let shard = spec.shard_of(id);
             if keep(shard) {
-                t.shards.entry(shard).or_default().put(
-                    &spec,
-                    id,
-                    &saved.rows[i * w..(i + 1) * w],
-                    saved.updates[i],
-                );
+                t.shards.get_mut(shard).put(&spec, id, &saved.rows[i * w..(i + 1) * w], saved.updates[i]);
                 t.rows += 1;
             }
         }
@@ -505,7 +566,7 @@ impl Server {
         enter(t, self.id, 0, mark)?;
         let w = spec.width();
         for (i, &id) in saved.ids.iter().enumerate() {
-            let rows = t.shards.entry(spec.shard_of(id)).or_default();
+            let rows = t.shards.get_mut(spec.shard_of(id));
             if !rows.contains(id) {
                 t.rows += 1;
             }
@@ -517,10 +578,7 @@ impl Server {
     /// Forgets the shards `gone` of every table (moved to other servers).
     pub fn drop_shards(&mut self, gone: impl Fn(u32) -> bool) {
         for t in self.tables.values_mut() {
-            let before: usize = t.shards.values().map(Rows::len).sum();
-            t.shards.retain(|s, _| !gone(*s));
-            let after: usize = t.shards.values().map(Rows::len).sum();
-            t.rows -= (before - after) as u64;
+            t.rows -= t.shards.forget(&gone);
         }
     }
 
@@ -540,16 +598,17 @@ impl Server {
     /// Every row of `table` here, by id (for checks and exports).
     pub fn rows(&self, table: &str) -> BTreeMap<u64, Vec<f32>> {
         let Some(t) = self.tables.get(table) else { return BTreeMap::new() };
-        t.shards.values().flat_map(|r| r.export(&t.spec)).map(|(id, (values, _, _))| (id, values)).collect()
+        t.shards
+            .held()
+            .flat_map(|(_, r)| r.export(&t.spec))
+            .map(|(id, (values, _, _))| (id, values))
+            .collect()
     }
 }
 
 fn count_new(t: &Served, ids: &[u64]) -> usize {
-    let mut fresh: Vec<u64> = ids
-        .iter()
-        .copied()
-        .filter(|id| !t.shards.get(&t.spec.shard_of(*id)).is_some_and(|r| r.contains(*id)))
-        .collect();
+    let mut fresh: Vec<u64> =
+        ids.iter().copied().filter(|id| !t.shards.get(t.spec.shard_of(*id)).contains(*id)).collect();
     fresh.sort_unstable();
     fresh.dedup();
     fresh.len()
@@ -615,7 +674,7 @@ fn enter(t: &mut Served, server: u64, worker: u64, mark: Mark) -> Result<(), PsE
             t.applied -= 1;
             let undo = t.undo.remove(&t.applied).expect("checked");
             for (id, row, updates) in undo.rows_back(t.spec.width()) {
-                t.shards.entry(t.spec.shard_of(id)).or_default().put(&t.spec, id, row, updates);
+                t.shards.get_mut(t.spec.shard_of(id)).put(&t.spec, id, row, updates);
             }
         }
         t.generation = mark.generation;
@@ -627,48 +686,47 @@ fn enter(t: &mut Served, server: u64, worker: u64, mark: Mark) -> Result<(), PsE
 
 /// Applies staged steps in order while the next one has all its pushes:
 /// the ranks' gradients summed per row, each row updated once, by id.
-fn apply_ready(t: &mut Served) {
+fn apply_ready(t: &mut Served) -> bool {
+    let before = t.applied;
     while let Some(s) = t.staged.get(&t.applied) {
         if s.pushes.len() < s.world as usize {
-            return;
+            break;
         }
         let s = t.staged.remove(&t.applied).expect("just seen");
-        let dim = t.spec.dim;
-        // The ranks' gradients summed per row, in rank order.
-        let mut at: rustc_hash::FxHashMap<u64, usize> = Default::default();
-        let (mut ids, mut sum) = (Vec::new(), Vec::new());
-        for (rows, grads) in s.pushes.values() {
-            for (id, g) in rows.iter().zip(grads.chunks_exact(dim)) {
-                let i = *at.entry(*id).or_insert_with(|| {
-                    ids.push(*id);
-                    sum.extend(std::iter::repeat_n(0.0f32, dim));
-                    ids.len() - 1
-                });
-                sum[i * dim..(i + 1) * dim].iter_mut().zip(g).for_each(|(a, b)| *a += b);
-            }
-        }
-        // Each row updated once, by id: the same order on every server.
-        let mut order: Vec<usize> = (0..ids.len()).collect();
-        order.sort_unstable_by_key(|&i| ids[i]);
-        let w = t.spec.width();
+        let (dim, w) = (t.spec.dim, t.spec.width());
+        // Every pushed row by id, then rank, then its place in the push:
+        // each row's gradients summed in rank order, and the rows updated
+        // by id, the same order on every server.
+        let pushes: Vec<&(Vec<u64>, Vec<f32>)> = s.pushes.values().collect();
+        let mut order: Vec<(u64, u32, u32)> = pushes
+            .iter()
+            .enumerate()
+            .flat_map(|(p, (ids, _))| ids.iter().enumerate().map(move |(i, &id)| (id, p as u32, i as u32)))
+            .collect();
+        order.sort_unstable();
         let mut undo = Undo {
-            ids: Vec::with_capacity(ids.len()),
-            updates: Vec::with_capacity(ids.len()),
-            rows: Vec::with_capacity(ids.len() * w),
+            ids: Vec::with_capacity(order.len()),
+            updates: Vec::with_capacity(order.len()),
+            rows: Vec::with_capacity(order.len() * w),
         };
-        for i in order {
-            let id = ids[i];
-            let rows = t.shards.entry(t.spec.shard_of(id)).or_default();
-            if !rows.contains(id) {
-                t.rows += 1;
+        let mut sum = vec![0f32; dim];
+        for same in order.chunk_by(|a, b| a.0 == b.0) {
+            let id = same[0].0;
+            sum.fill(0.0);
+            for &(_, p, i) in same {
+                let (p, i) = (p as usize, i as usize);
+                sum.iter_mut().zip(&pushes[p].1[i * dim..(i + 1) * dim]).for_each(|(a, b)| *a += b);
             }
-            undo.updates.push(rows.snapshot_into(&t.spec, id, &mut undo.rows));
+            let rows = t.shards.get_mut(t.spec.shard_of(id));
+            let (had, new) = rows.update_keeping(&t.spec, id, &sum, &mut undo.rows);
+            t.rows += new as u64;
             undo.ids.push(id);
-            rows.update(&t.spec, id, &sum[i * dim..(i + 1) * dim]);
+            undo.updates.push(had);
         }
         t.undo.insert(t.applied, undo);
         t.applied += 1;
     }
+    t.applied > before
 }
 
 #[cfg(test)]
@@ -699,6 +757,29 @@ mod tests {
 
     fn row(s: &mut Server, g: (u64, u64), id: u64) -> Vec<f32> {
         s.pull("item", 9, mark(g.0, g.1), 0, &[id]).unwrap().unwrap()
+    }
+
+    #[test]
+    fn a_staged_step_waits_for_apply_staged_and_is_applied_as_a_push_would() {
+        let (mut staged, mut pushed) = (server(), server());
+        let grads = vec![1.0, 2.0, 3.0, 4.0, 0.5, 0.5];
+        // Ids repeated within a push, out of order: summed, then by id.
+        let ids = vec![8, 3, 8];
+        assert_eq!(
+            staged.stage("item", 1, tag(G1, 0, 0, 1), ids.clone(), grads.clone()).unwrap(),
+            Pushed::Staged { applied: 0 }
+        );
+        assert_eq!(staged.pull("item", 1, mark(1, 0), 1, &[8]).unwrap(), None, "not applied yet");
+        assert!(staged.apply_staged());
+        assert!(!staged.apply_staged(), "nothing left to apply");
+        assert_eq!(
+            pushed.push("item", 1, tag(G1, 0, 0, 1), ids, grads).unwrap(),
+            Pushed::Staged { applied: 1 }
+        );
+        for id in [3, 8] {
+            assert_eq!(row(&mut staged, G1, id), row(&mut pushed, G1, id));
+        }
+        assert_eq!(row(&mut staged, G1, 8), [-1.5, -2.5]);
     }
 
     #[test]

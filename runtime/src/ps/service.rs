@@ -44,6 +44,18 @@ struct Shared {
     requests: std::sync::atomic::AtomicU64,
 }
 
+/// The steps applied on a server, as a push's answer says (`u64::MAX`
+/// when it says nothing).
+fn applied(resp: &Response) -> u64 {
+    match resp {
+        Response::Ok {
+            pushed: Some(Pushed::Staged { applied } | Pushed::AlreadyApplied { applied }),
+            ..
+        } => *applied,
+        _ => u64::MAX,
+    }
+}
+
 /// A running parameter server.
 pub struct Service {
     addr: SocketAddr,
@@ -103,7 +115,9 @@ impl Service {
 
     /// Every row of `table` this server holds, by id.
     pub fn rows(&self, table: &str) -> std::collections::BTreeMap<u64, Vec<f32>> {
-        self.shared.server.lock().expect("ps state").rows(table)
+        let mut server = self.shared.server.lock().expect("ps state");
+        server.apply_staged();
+        server.rows(table)
     }
 }
 
@@ -129,9 +143,15 @@ fn serve(mut conn: TcpStream, job: &JobAuth, shared: &Shared) {
             Ok(None) => return,
             Err(e) => return tracing::warn!("parameter server: worker {worker} at {peer}: {e}"),
         };
+        let pushed = matches!(req, Request::Push { .. });
         let (resp, out) = answer(shared, worker, req, &body);
         if let Err(e) = wire::write(&mut stream, &resp, &out) {
             return tracing::warn!("parameter server: worker {worker} at {peer}: {e}");
+        }
+        // A push is answered once staged; the step it completes is applied
+        // now, while the worker goes on (pulls waiting for it wake).
+        if pushed && shared.server.lock().expect("ps state").apply_staged() {
+            shared.pushed.notify_all();
         }
     }
 }
@@ -168,6 +188,11 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> Answer {
         shared.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
     let mut server = shared.server.lock().expect("ps state");
+    // Steps staged by pushes answered but not applied yet: every other
+    // request sees them applied.
+    if !matches!(req, Request::Push { .. }) && server.apply_staged() {
+        shared.pushed.notify_all();
+    }
     match req {
         Request::Declare { table, mark, restore: Some(r) } if !server.has(&table.name) => {
             drop(server);
@@ -221,8 +246,7 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> Answer {
                     "table {table:?}: worker {worker} sent a push whose body is not its ids and floats"
                 ));
             };
-            let pushed = server.push(&table, worker, tag, ids, grads);
-            shared.pushed.notify_all();
+            let pushed = server.stage(&table, worker, tag, ids, grads);
             match pushed {
                 Ok(p) => (Response::Ok { pushed: Some(p), stats: None, exported: None }, Vec::new()),
                 Err(e) => ps_refused(shared, e),
@@ -261,6 +285,8 @@ fn pull(
     };
     let deadline = Instant::now() + shared.pull_timeout;
     loop {
+        // A step staged by a push still being answered on another connection.
+        server.apply_staged();
         let rows = if peek {
             server.peek(table, worker, mark, need, &ids)
         } else {
@@ -356,6 +382,9 @@ pub struct Client {
     holders: Vec<Vec<usize>>,
     replicas: usize,
     dims: HashMap<String, TableSpec>,
+    /// Per server, the pushes sent whose answers are still to be read
+    /// ([`Client::push_later`]); read before anything else is asked.
+    unanswered: Vec<usize>,
 }
 
 struct Conn {
@@ -427,7 +456,15 @@ impl Client {
         let holders: Vec<Vec<usize>> = (0..SHARDS)
             .map(|shard| placement::ranked(&ids, shard).into_iter().take(replicas.max(1)).map(at).collect())
             .collect();
-        Ok(Client { worker, servers: conns, holders, replicas: replicas.max(1), dims: HashMap::new() })
+        let unanswered = vec![0; conns.len()];
+        Ok(Client {
+            worker,
+            servers: conns,
+            holders,
+            replicas: replicas.max(1),
+            dims: HashMap::new(),
+            unanswered,
+        })
     }
 
     /// Declares `spec` on every server as of `mark` (the same spec again
@@ -458,8 +495,9 @@ impl Client {
     fn ask(
         &mut self,
         which: &[usize],
-        req: impl Fn(usize) -> (Request, Vec<u8>),
+        mut req: impl FnMut(usize) -> (Request, Vec<u8>),
     ) -> Result<Vec<(Response, Vec<u8>)>> {
+        self.settle()?;
         let mut sent = Vec::with_capacity(which.len());
         let mut first: Option<anyhow::Error> = None;
         for &s in which {
@@ -544,7 +582,52 @@ impl Client {
     /// it counts this rank's push). Returns the steps applied on the
     /// slowest server.
     pub fn push(&mut self, table: &str, tag: PushTag, ids: &[u64], grads: &[f32]) -> Result<u64> {
-        let spec = self.spec(table)?.clone();
+        let mut per = self.pushes(table, tag, ids, grads)?;
+        let answers =
+            self.ask(&self.all(), |s| std::mem::replace(&mut per[s], (Request::Stats, Vec::new())))?;
+        Ok(answers.iter().map(|(resp, _)| applied(resp)).min().unwrap_or(u64::MAX))
+    }
+
+    /// [`Client::push`] whose answers are read later: by [`Client::settle`],
+    /// or before the next request. The servers apply the step while the
+    /// worker goes on; a refusal shows when the answers are read.
+    pub fn push_later(&mut self, table: &str, tag: PushTag, ids: &[u64], grads: &[f32]) -> Result<()> {
+        let per = self.pushes(table, tag, ids, grads)?;
+        // Answers come back in order: they may wait behind one another.
+        for (s, (req, body)) in per.iter().enumerate() {
+            self.servers[s].send(req, body)?;
+            self.unanswered[s] += 1;
+        }
+        Ok(())
+    }
+
+    /// Reads the answers of the pushes sent by [`Client::push_later`]: the
+    /// first refusal, if any, once all are read (a connection that broke
+    /// is not to be used again).
+    pub fn settle(&mut self) -> Result<()> {
+        let mut first: Option<anyhow::Error> = None;
+        for s in 0..self.servers.len() {
+            while self.unanswered[s] > 0 {
+                self.unanswered[s] -= 1;
+                if let Err(e) = self.servers[s].receive() {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Each server's push of a step's rows: a row's repeats summed, each
+    /// server its rows (those of the shards it holds, owner or replica), or
+    /// none (so that it counts this rank's push).
+    fn pushes(
+        &self,
+        table: &str,
+        tag: PushTag,
+        ids: &[u64],
+        grads: &[f32],
+    ) -> Result<Vec<(Request, Vec<u8>)>> {
+        let spec = self.spec(table)?;
         let d = spec.dim;
         if grads.len() != ids.len() * d {
             bail!("table {table:?}: {} gradient floats for {} ids of dimension {d}", grads.len(), ids.len());
@@ -560,7 +643,6 @@ impl Client {
             });
             summed[i * d..(i + 1) * d].iter_mut().zip(g).for_each(|(a, b)| *a += b);
         }
-        // Each server its rows: those of the shards it holds, owner or replica.
         let mut per: Vec<(Vec<u64>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); self.servers.len()];
         for (i, &id) in unique.iter().enumerate() {
             for &s in &self.holders[spec.shard_of(id) as usize] {
@@ -568,21 +650,12 @@ impl Client {
                 per[s].1.extend_from_slice(&summed[i * d..(i + 1) * d]);
             }
         }
-        let answers = self.ask(&self.all(), |s| {
-            let (ids, grads) = &per[s];
-            (Request::Push { table: table.into(), tag, ids: ids.len() }, wire::encode(ids, grads))
-        })?;
-        let mut applied = u64::MAX;
-        for (resp, _) in answers {
-            if let Response::Ok {
-                pushed: Some(Pushed::Staged { applied: a } | Pushed::AlreadyApplied { applied: a }),
-                ..
-            } = resp
-            {
-                applied = applied.min(a);
-            }
-        }
-        Ok(applied)
+        Ok(per
+            .into_iter()
+            .map(|(ids, grads)| {
+                (Request::Push { table: table.into(), tag, ids: ids.len() }, wire::encode(&ids, &grads))
+            })
+            .collect())
     }
 
     /// `table` as it was after its steps before `step`, from every server.
@@ -590,8 +663,7 @@ impl Client {
         let spec = self.spec(table)?.clone();
         // Each shard from its owner (a replica holds the same rows), a few
         // shards a frame.
-        let mut rows: std::collections::BTreeMap<u64, (Vec<f32>, u32)> = Default::default();
-        let w = spec.width();
+        let mut parts: Vec<SavedTable> = Vec::new();
         for chunk in (0..SHARDS).collect::<Vec<_>>().chunks(SHARDS_A_FRAME) {
             let mut owned: Vec<Vec<u32>> = vec![Vec::new(); self.servers.len()];
             chunk.iter().for_each(|&shard| owned[self.holders[shard as usize][0]].push(shard));
@@ -604,19 +676,30 @@ impl Client {
                 let Response::Ok { exported: Some((_, n)), .. } = resp else {
                     bail!("parameter server {id}: no rows in its export of {table:?}")
                 };
-                let t = saved_of(spec.clone(), n, &body).with_context(|| {
+                parts.push(saved_of(spec.clone(), n, &body).with_context(|| {
                     format!("parameter server {id}: an export of {table:?} of the wrong size")
-                })?;
-                for (i, id) in t.ids.iter().enumerate() {
-                    rows.insert(*id, (t.rows[i * w..(i + 1) * w].to_vec(), t.updates[i]));
-                }
+                })?);
             }
         }
-        let mut all = SavedTable { spec, ids: Vec::new(), rows: Vec::new(), updates: Vec::new() };
-        for (id, (row, updates)) in rows {
+        // The parts' rows by id (each shard came from one server).
+        let w = spec.width();
+        let mut order: Vec<(u64, usize, usize)> = parts
+            .iter()
+            .enumerate()
+            .flat_map(|(p, t)| t.ids.iter().enumerate().map(move |(i, &id)| (id, p, i)))
+            .collect();
+        order.sort_unstable();
+        order.dedup_by_key(|r| r.0);
+        let mut all = SavedTable {
+            spec,
+            ids: Vec::with_capacity(order.len()),
+            rows: Vec::with_capacity(order.len() * w),
+            updates: Vec::with_capacity(order.len()),
+        };
+        for (id, p, i) in order {
             all.ids.push(id);
-            all.rows.extend(row);
-            all.updates.push(updates);
+            all.rows.extend_from_slice(&parts[p].rows[i * w..(i + 1) * w]);
+            all.updates.push(parts[p].updates[i]);
         }
         Ok(all)
     }
@@ -814,6 +897,38 @@ mod tests {
         assert!(last.iter().all(|s| s.tables[0].applied >= steps - 1), "{last:?}");
         assert!(services.iter().all(|s| s.stats().tables[0].applied == steps));
         assert!(services.iter().all(|s| s.stats().tables[0].rows > 5), "both servers hold rows");
+    }
+
+    #[test]
+    fn pushes_answered_later_are_applied_before_the_next_read_and_a_refusal_shows_when_settled() {
+        let job = job();
+        let svc = start(&job, 5, Duration::from_secs(60));
+        let mut c = Client::connect(&[(5, svc.addr())], 1, &job, 3).unwrap();
+        let mut other = Client::connect(&[(5, svc.addr())], 1, &job, 4).unwrap();
+        let mark = Mark { generation: 1, base: 0, committed: 0 };
+        c.declare(spec(), mark, None).unwrap();
+        other.declare(spec(), mark, None).unwrap();
+        let before = c.pull("emb", mark, 0, &[1, 2]).unwrap();
+        // Steps 0 and 1 pushed back to back, no answer read in between.
+        for step in 0..2 {
+            let tag = PushTag { mark, step, rank: 0, world: 1 };
+            c.push_later("emb", tag, &[1, 2], &[1.0; 6]).unwrap();
+        }
+        // Another worker's read of step 2 sees both applied (sgd at 0.5).
+        let after = other.pull("emb", mark, 2, &[1, 2]).unwrap();
+        for (b, a) in before.iter().zip(&after) {
+            assert!((b - 1.0 - a).abs() < 1e-6, "{before:?} -> {after:?}");
+        }
+        c.settle().unwrap();
+        // A push of a generation the server has left is refused, at settle.
+        other.enter_all(Mark { generation: 2, base: 2, committed: 2 }).unwrap();
+        let stale = PushTag { mark, step: 2, rank: 0, world: 1 };
+        c.push_later("emb", stale, &[1], &[1.0; 3]).unwrap();
+        let e = c.settle().unwrap_err();
+        assert!(e.downcast_ref::<Superseded>().is_some(), "{e:#}");
+        // The connection still answers in step, and nothing was applied.
+        let newer = Mark { generation: 2, base: 2, committed: 2 };
+        assert_eq!(c.pull("emb", newer, 2, &[1, 2]).unwrap(), after);
     }
 
     #[test]

@@ -262,12 +262,14 @@ impl Rows {
         self.index.contains_key(&id)
     }
 
-    /// Row `id`'s place, created with its initial values if it is new.
-    fn slot(&mut self, spec: &TableSpec, id: u64) -> usize {
+    /// Row `id`'s place, created with its initial values if it is new
+    /// (then `true` beside it).
+    fn slot(&mut self, spec: &TableSpec, id: u64) -> (usize, bool) {
         let w = spec.width();
         let next = self.updates.len() as u32;
         let at = *self.index.entry(id).or_insert(next) as usize;
-        if at == self.updates.len() {
+        let new = at == self.updates.len();
+        if new {
             self.data.resize(self.data.len() + w, 0.0);
             let row = &mut self.data[at * w..(at + 1) * w];
             let (values, state) = row.split_at_mut(spec.dim);
@@ -275,14 +277,15 @@ impl Rows {
             spec.optimizer.initial_state(state);
             self.updates.push(0);
         }
-        at
+        (at, new)
     }
 
-    /// Copies row `id` (created if new) into `out`.
-    pub fn read(&mut self, spec: &TableSpec, id: u64, out: &mut [f32]) {
-        let at = self.slot(spec, id);
+    /// Copies row `id` (created if new) into `out`; true when it was made.
+    pub fn read(&mut self, spec: &TableSpec, id: u64, out: &mut [f32]) -> bool {
+        let (at, new) = self.slot(spec, id);
         let w = spec.width();
         out.copy_from_slice(&self.data[at * w..at * w + spec.dim]);
+        new
     }
 
     /// Copies row `id` into `out`, or its initial values where it is not
@@ -299,28 +302,45 @@ impl Rows {
 
     /// Applies a gradient to row `id` (created if new).
     pub fn update(&mut self, spec: &TableSpec, id: u64, grad: &[f32]) {
-        let at = self.slot(spec, id);
-        let w = spec.width();
-        self.updates[at] += 1;
-        let (values, state) = self.data[at * w..(at + 1) * w].split_at_mut(spec.dim);
-        spec.optimizer.apply(values, state, self.updates[at], grad);
+        self.update_keeping(spec, id, grad, &mut Vec::new());
     }
 
-    /// Appends row `id` whole (values, then optimiser state) to `out` and
-    /// returns its update count, made if new: what an update is about to change.
-    pub fn snapshot_into(&mut self, spec: &TableSpec, id: u64, out: &mut Vec<f32>) -> u32 {
-        let at = self.slot(spec, id);
+    /// [`Rows::update`] that first appends the row whole (values, then
+    /// optimiser state) to `before`: what undoes the update. Returns the
+    /// row's update count before it, and whether the row was made.
+    pub fn update_keeping(
+        &mut self,
+        spec: &TableSpec,
+        id: u64,
+        grad: &[f32],
+        before: &mut Vec<f32>,
+    ) -> (u32, bool) {
+        let (at, new) = self.slot(spec, id);
         let w = spec.width();
-        out.extend_from_slice(&self.data[at * w..(at + 1) * w]);
-        self.updates[at]
+        let row = &mut self.data[at * w..(at + 1) * w];
+        before.extend_from_slice(row);
+        let had = self.updates[at];
+        self.updates[at] += 1;
+        let (values, state) = row.split_at_mut(spec.dim);
+        spec.optimizer.apply(values, state, had + 1, grad);
+        (had, new)
     }
 
     /// Puts row `id` (values then optimiser state) with its update count.
     pub fn put(&mut self, spec: &TableSpec, id: u64, row: &[f32], updates: u32) {
-        let at = self.slot(spec, id);
+        let (at, _) = self.slot(spec, id);
         let w = spec.width();
         self.data[at * w..(at + 1) * w].copy_from_slice(row);
         self.updates[at] = updates;
+    }
+
+    /// Every row, in no order: its id, its `w` floats (values, then
+    /// optimiser state) and its update count.
+    pub fn each(&self, w: usize) -> impl Iterator<Item = (u64, &[f32], u32)> {
+        self.index.iter().map(move |(&id, &at)| {
+            let at = at as usize;
+            (id, &self.data[at * w..(at + 1) * w], self.updates[at])
+        })
     }
 
     /// Every row: its id, values, optimiser state and update count, by id.

@@ -128,7 +128,11 @@ impl Tables {
         self.dim(table)?;
         let now = current(&self.topology);
         if self.client.is_none() || self.connected != now {
-            self.client = None;
+            // Pushes sent on the old connections are answered first: a
+            // refusal among them fails the step.
+            if let Some(mut old) = self.client.take() {
+                old.settle()?;
+            }
             let t = now.as_ref().expect("checked at define");
             let mut client = connect(t, &self.auth, self.worker)?;
             let restore = self.restore.as_ref().map(|(l, p)| (l.as_path(), p.as_path()));
@@ -184,7 +188,9 @@ impl Tables {
         step.saturating_sub(current(&self.topology).map_or(0, |t| t.staleness))
     }
 
-    /// This rank's gradients of `table`'s rows `ids` in the step `tag` names.
+    /// This rank's gradients of `table`'s rows `ids` in the step `tag` names;
+    /// the servers' answers are read by [`Tables::finish`] (or the next
+    /// request), so that a refusal fails the step there.
     pub fn push(&mut self, table: &str, tag: PushTag, ids: &[u64], grads: &[f32]) -> Result<()> {
         if self.pushing != (tag.mark.generation, tag.step) {
             self.pushing = (tag.mark.generation, tag.step);
@@ -193,12 +199,13 @@ impl Tables {
         if !self.pushed.insert(table.to_string()) {
             bail!("table {table:?}: step {} pushed it already (push each table once a step)", tag.step);
         }
-        self.client(table, tag.mark)?.push(table, tag, ids, grads)?;
-        Ok(())
+        // Answered at the step's end (`finish`): the servers apply it meanwhile.
+        self.client(table, tag.mark)?.push_later(table, tag, ids, grads)
     }
 
     /// The step is done: every table it did not push is pushed empty (the
-    /// servers count every rank's push of a step).
+    /// servers count every rank's push of a step), and the answers to the
+    /// step's pushes are read.
     pub fn finish(&mut self, tag: PushTag) -> Result<()> {
         if self.pushing != (tag.mark.generation, tag.step) {
             self.pushed.clear();
@@ -207,10 +214,14 @@ impl Tables {
         // may have touched it, and its step waits for this rank's push.
         let owed: Vec<String> = self.specs.keys().filter(|t| !self.pushed.contains(*t)).cloned().collect();
         for table in owed {
-            self.client(&table, tag.mark)?.push(&table, tag, &[], &[])?;
+            self.client(&table, tag.mark)?.push_later(&table, tag, &[], &[])?;
         }
         self.pushed.clear();
         self.pushing = (u64::MAX, u64::MAX);
-        Ok(())
+        // Every push of the step answered: a refusal fails the step here.
+        match self.client.as_mut() {
+            Some(c) => c.settle(),
+            None => Ok(()),
+        }
     }
 }

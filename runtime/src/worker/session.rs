@@ -28,7 +28,7 @@ use edl_plugin_sdk::Hyperparams;
 use std::{
     collections::{BTreeMap, VecDeque},
     net::{SocketAddr, TcpStream},
-    sync::{Arc, mpsc},
+    sync::{Arc, Mutex, mpsc},
     time::{Duration, Instant},
 };
 
@@ -261,7 +261,8 @@ pub struct Session {
     ps: Option<crate::job::spec::PsTopology>,
     /// The job's sparse tables at a step, for the checkpoints this worker
     /// writes (a program with parameter servers sets it).
-    table_export: Option<TableExport>,
+    /// Shared with the checkpoint writer's thread, which calls it.
+    table_export: Option<Arc<Mutex<TableExport>>>,
     /// Rollback points: the state at the start of each window not known
     /// to be committed, and at the last committed step.
     snapshots: BTreeMap<u64, Arc<Vec<f32>>>,
@@ -511,7 +512,7 @@ impl Session {
     /// Gives the checkpoints this worker writes the job's sparse tables,
     /// as `export(step)` returns them at the checkpoint's step.
     pub fn set_table_export(&mut self, export: TableExport) {
-        self.table_export = Some(export);
+        self.table_export = Some(Arc::new(Mutex::new(export)));
     }
 
     pub fn spec(&self) -> &JobSpec {
@@ -1272,14 +1273,19 @@ impl Session {
         })?;
         let layout = self.layout.clone();
         let store = self.checkpoints.clone();
-        // The tables now, before a later commit lets their servers forget
-        // how to undo the steps after this one.
+        // The tables are exported by the writer too: their servers keep
+        // what undoes the steps after this one until the job hears that
+        // the checkpoint is written (or this worker is gone).
+        let export = self.table_export.clone();
         let started = std::time::Instant::now();
-        let tables = match self.table_export.as_mut() {
-            Some(export) => export(n).with_context(|| format!("the sparse tables at step {n}"))?,
-            None => Vec::new(),
-        };
         let handle = std::thread::Builder::new().name("edl-checkpoint".into()).spawn(move || {
+            let tables = match export {
+                Some(export) => {
+                    let mut export = export.lock().unwrap_or_else(|e| e.into_inner());
+                    (*export)(n).with_context(|| format!("the sparse tables at step {n}"))?
+                }
+                None => Vec::new(),
+            };
             let rows: usize = tables.iter().map(|t| t.rows.len()).sum();
             let bytes = (std::mem::size_of_val(&values[..]) + rows * 4) as u64;
             let path = store.save_with_tables(&layout, &values, &tables, manifest)?;
