@@ -22,7 +22,7 @@
 //! A pull for step `s` is answered once the steps before `s - staleness`
 //! are applied: with no staleness, a step sees every update before it.
 
-use super::table::{Rows, SHARDS, SavedTable, TableSpec};
+use super::table::{Corrections, Rows, SHARDS, SavedTable, TableSpec};
 use std::collections::BTreeMap;
 
 /// Why a request was refused; each names the table and who asked.
@@ -99,6 +99,7 @@ pub enum Pushed {
 struct Served {
     spec: TableSpec,
     shards: Shards,
+    corrections: Corrections,
     rows: u64,
     /// Steps `0..applied` are applied.
     applied: u64,
@@ -248,6 +249,7 @@ impl Server {
         let served = Served {
             spec: spec.clone(),
             shards: Shards::new(),
+            corrections: Corrections::default(),
             rows: 0,
             applied: mark.base,
             generation: mark.generation,
@@ -359,11 +361,22 @@ impl Server {
         let t = self.table(table, worker)?;
         let dim = t.spec.dim;
         let mut out = vec![0f32; ids.len() * dim];
-        for (id, row) in ids.iter().zip(out.chunks_exact_mut(dim)) {
-            let shard = t.spec.shard_of(*id);
-            match make {
-                true => t.rows += t.shards.get_mut(shard).read(&t.spec, *id, row) as u64,
-                false => t.shards.get(shard).peek(&t.spec, *id, row),
+        if make {
+            // Every row's place first, then the copies: lookups that do not
+            // wait on one another's copies overlap their cache misses.
+            let mut places = Vec::with_capacity(ids.len());
+            for &id in ids {
+                let shard = t.spec.shard_of(id);
+                let (at, new) = t.shards.get_mut(shard).place(&t.spec, id);
+                t.rows += new as u64;
+                places.push((shard, at));
+            }
+            for ((shard, at), row) in places.into_iter().zip(out.chunks_exact_mut(dim)) {
+                row.copy_from_slice(t.shards.get(shard).values(&t.spec, at));
+            }
+        } else {
+            for (id, row) in ids.iter().zip(out.chunks_exact_mut(dim)) {
+                t.shards.get(t.spec.shard_of(*id)).peek(&t.spec, *id, row);
             }
         }
         Ok(Some(out))
@@ -709,18 +722,25 @@ fn apply_ready(t: &mut Served) -> bool {
             updates: Vec::with_capacity(order.len()),
             rows: Vec::with_capacity(order.len() * w),
         };
-        let mut sum = vec![0f32; dim];
+        // Each row's place first, then the updates: lookups that do not
+        // wait on one another's updates overlap their cache misses.
+        let mut places = Vec::with_capacity(order.len());
         for same in order.chunk_by(|a, b| a.0 == b.0) {
-            let id = same[0].0;
+            let (id, shard) = (same[0].0, t.spec.shard_of(same[0].0));
+            let (at, new) = t.shards.get_mut(shard).place(&t.spec, id);
+            t.rows += new as u64;
+            places.push((shard, at));
+        }
+        let mut sum = vec![0f32; dim];
+        for (same, (shard, at)) in order.chunk_by(|a, b| a.0 == b.0).zip(places) {
             sum.fill(0.0);
             for &(_, p, i) in same {
                 let (p, i) = (p as usize, i as usize);
                 sum.iter_mut().zip(&pushes[p].1[i * dim..(i + 1) * dim]).for_each(|(a, b)| *a += b);
             }
-            let rows = t.shards.get_mut(t.spec.shard_of(id));
-            let (had, new) = rows.update_keeping(&t.spec, id, &sum, &mut undo.rows);
-            t.rows += new as u64;
-            undo.ids.push(id);
+            let had =
+                t.shards.get_mut(shard).update_at(&t.spec, at, &sum, &mut undo.rows, &mut t.corrections);
+            undo.ids.push(same[0].0);
             undo.updates.push(had);
         }
         t.undo.insert(t.applied, undo);

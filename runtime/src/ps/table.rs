@@ -94,7 +94,15 @@ impl Optimizer {
 
     /// Applies `grad` to `row` (with its `state`, `slots()` vectors of its
     /// width, and its update count `t`, already counting this update).
-    fn apply(&self, row: &mut [f32], state: &mut [f32], t: u32, grad: &[f32]) {
+    /// One update of `row` (and its `state`) by `grad`, the row's `t`-th;
+    /// Adam's bias corrections for `t` from `corrections`.
+    fn apply(
+        &self,
+        row: &mut [f32],
+        state: &mut [f32],
+        (t, corrections): (u32, &mut Corrections),
+        grad: &[f32],
+    ) {
         let d = row.len();
         match *self {
             Optimizer::Sgd { lr } => {
@@ -110,8 +118,7 @@ impl Optimizer {
             }
             Optimizer::Adam { lr, beta1, beta2, eps } => {
                 let (m, v) = state.split_at_mut(d);
-                let c1 = 1.0 - beta1.powi(t as i32);
-                let c2 = 1.0 - beta2.powi(t as i32);
+                let (c1, c2) = corrections.of(beta1, beta2, t);
                 for i in 0..d {
                     let g = grad[i];
                     m[i] = beta1 * m[i] + (1.0 - beta1) * g;
@@ -128,6 +135,34 @@ impl Optimizer {
             _ => 0.0,
         };
         state.fill(fill);
+    }
+}
+
+/// Adam's bias corrections `1 - beta^t` by `t`, each computed once (a
+/// table's rows are at many different counts); counts past the first
+/// 65,536 are computed each time.
+#[derive(Debug, Default)]
+pub struct Corrections {
+    betas: (f32, f32),
+    by_t: Vec<(f32, f32)>,
+}
+
+impl Corrections {
+    const KEPT: usize = 1 << 16;
+
+    fn of(&mut self, beta1: f32, beta2: f32, t: u32) -> (f32, f32) {
+        let at = |t: i32| (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
+        if self.betas != (beta1, beta2) {
+            *self = Corrections { betas: (beta1, beta2), by_t: Vec::new() };
+        }
+        let t = t as usize;
+        if t >= Self::KEPT {
+            return at(t as i32);
+        }
+        while self.by_t.len() <= t {
+            self.by_t.push(at(self.by_t.len() as i32));
+        }
+        self.by_t[t]
     }
 }
 
@@ -280,6 +315,19 @@ impl Rows {
         (at, new)
     }
 
+    /// Row `id`'s place (created if new), and whether it was made: its
+    /// values are then [`Rows::values`] of it.
+    pub fn place(&mut self, spec: &TableSpec, id: u64) -> (u32, bool) {
+        let (at, new) = self.slot(spec, id);
+        (at as u32, new)
+    }
+
+    /// The values of the row at `at` (a place [`Rows::place`] gave).
+    pub fn values(&self, spec: &TableSpec, at: u32) -> &[f32] {
+        let at = at as usize * spec.width();
+        &self.data[at..at + spec.dim]
+    }
+
     /// Copies row `id` (created if new) into `out`; true when it was made.
     pub fn read(&mut self, spec: &TableSpec, id: u64, out: &mut [f32]) -> bool {
         let (at, new) = self.slot(spec, id);
@@ -302,28 +350,29 @@ impl Rows {
 
     /// Applies a gradient to row `id` (created if new).
     pub fn update(&mut self, spec: &TableSpec, id: u64, grad: &[f32]) {
-        self.update_keeping(spec, id, grad, &mut Vec::new());
+        let (at, _) = self.place(spec, id);
+        self.update_at(spec, at, grad, &mut Vec::new(), &mut Corrections::default());
     }
 
-    /// [`Rows::update`] that first appends the row whole (values, then
-    /// optimiser state) to `before`: what undoes the update. Returns the
-    /// row's update count before it, and whether the row was made.
-    pub fn update_keeping(
+    /// Applies a gradient to the row at `at` (a place [`Rows::place`]
+    /// gave), first appending it whole (values, then optimiser state) to
+    /// `before`: what undoes the update. Returns its update count before.
+    pub fn update_at(
         &mut self,
         spec: &TableSpec,
-        id: u64,
+        at: u32,
         grad: &[f32],
         before: &mut Vec<f32>,
-    ) -> (u32, bool) {
-        let (at, new) = self.slot(spec, id);
-        let w = spec.width();
+        corrections: &mut Corrections,
+    ) -> u32 {
+        let (at, w) = (at as usize, spec.width());
         let row = &mut self.data[at * w..(at + 1) * w];
         before.extend_from_slice(row);
         let had = self.updates[at];
         self.updates[at] += 1;
         let (values, state) = row.split_at_mut(spec.dim);
-        spec.optimizer.apply(values, state, had + 1, grad);
-        (had, new)
+        spec.optimizer.apply(values, state, (had + 1, corrections), grad);
+        had
     }
 
     /// Puts row `id` (values then optimiser state) with its update count.
@@ -363,6 +412,17 @@ mod tests {
 
     fn spec(optimizer: Optimizer, init: Init) -> TableSpec {
         TableSpec { name: "user".into(), dim: 4, optimizer, init, seed: 7 }
+    }
+
+    #[test]
+    fn adam_s_kept_bias_corrections_are_those_computed_each_time() {
+        let mut c = Corrections::default();
+        for t in (1..300).chain([65_535, 65_536, 1_000_000]) {
+            let want = (1.0 - 0.9f32.powi(t as i32), 1.0 - 0.999f32.powi(t as i32));
+            assert_eq!(c.of(0.9, 0.999, t), want, "t = {t}");
+        }
+        // Other betas (another table's) are not answered from these.
+        assert_eq!(c.of(0.5, 0.25, 2), (0.75, 0.9375));
     }
 
     #[test]
