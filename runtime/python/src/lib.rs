@@ -853,8 +853,10 @@ impl StepView {
     /// `[len(ids), dim]`; a repeated id's rows are summed): applied on the
     /// servers, summed over the ranks, once every rank's push of the step
     /// is in. Each table at most once a step; a table not pushed is pushed
-    /// empty at the commit. False when a server is gone or the step's
-    /// generation is over: the step is abandoned and redone.
+    /// empty at the commit. Sent without waiting for the servers, whose
+    /// answers are read at the commit: a refusal there (a server gone, the
+    /// generation over) abandons the step, which is redone. False when it
+    /// could not be sent (the same): the step is abandoned and redone.
     fn push(
         &self,
         py: Python<'_>,
