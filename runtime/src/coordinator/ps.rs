@@ -266,7 +266,7 @@ impl Coordinator<'_> {
         if self.ps.servers.is_none() {
             return Ok(None);
         }
-        let (added, leaving) = (std::mem::take(&mut self.ps.added), std::mem::take(&mut self.ps.leaving));
+        let (mut added, leaving) = (std::mem::take(&mut self.ps.added), std::mem::take(&mut self.ps.leaving));
         let mark =
             crate::ps::Mark { generation: self.generation, base: self.tally.committed, committed: safe };
         let mut gone: Vec<(u64, String)> = Vec::new();
@@ -290,6 +290,15 @@ impl Coordinator<'_> {
                     self.note_lost(&gone);
                     self.restore_newest(format!("{e}"))?;
                     return Ok(Some(topology));
+                }
+                Err(e) if let Some((id, why)) = unreachable(&e).filter(|(id, _)| !lost.contains(id)) => {
+                    // A server that cannot be reached (cut off, its host
+                    // gone, wedged) is lost: its command is stopped and its
+                    // shards are served by their other holders, as if it
+                    // had died.
+                    processes.stop(id);
+                    added.retain(|(a, _)| *a != id);
+                    gone.push((id, format!("unreachable: {why}")));
                 }
                 Err(e) if tries < 2 => {
                     tries += 1;
@@ -318,6 +327,13 @@ impl Coordinator<'_> {
         }
         Ok(Some(topology))
     }
+}
+
+/// The server an error says could not be reached, and why.
+fn unreachable(e: &anyhow::Error) -> Option<(u64, String)> {
+    e.chain()
+        .find_map(|c| c.downcast_ref::<crate::ps::service::Unreachable>())
+        .map(|u| (u.server, u.detail.clone()))
 }
 
 /// The checkpoints asked of workers and not written yet, by step: each

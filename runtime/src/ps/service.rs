@@ -28,6 +28,9 @@ const SHARDS_A_FRAME: usize = 16;
 /// The channel name parameter-server connections claim.
 pub const CHANNEL: &str = "ps";
 const HANDSHAKE: Duration = Duration::from_secs(10);
+/// How long data sent to a server may stay unacknowledged before its
+/// connection fails.
+const CUT_OFF_WITHIN: Duration = Duration::from_secs(20);
 
 /// A server's tables, shared by its connections.
 struct Shared {
@@ -438,6 +441,11 @@ impl Client {
             let conn = (|| -> std::io::Result<Conn> {
                 let mut s = TcpStream::connect_timeout(&addr, HANDSHAKE)?;
                 s.set_nodelay(true)?;
+                // A server cut off (its host gone, a link down) fails the
+                // request waiting on it within about 20 s, whether it waits
+                // for an answer (keepalive) or to send (unacknowledged data).
+                crate::control::proto::keepalive(&s);
+                crate::control::proto::give_up_unacked(&s, CUT_OFF_WITHIN);
                 s.set_read_timeout(Some(HANDSHAKE))?;
                 let keys = auth::connect(&mut s, &job.secret, &job.claim(CHANNEL, 0, worker))
                     .map_err(std::io::Error::other)?;

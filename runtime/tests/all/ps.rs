@@ -558,6 +558,33 @@ fn servers_started_by_command_on_two_other_hosts_serve_the_built_in_model_and_st
 }
 
 #[test]
+fn a_server_cut_off_by_the_network_is_dropped_as_lost_and_the_model_ends_as_without_the_cut() {
+    let Some(hosts) = Hosts::build_or_skip(&["coord", "ps1", "ps2", "ps3"]) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let template = format!("ip netns exec {}-{{host}} {{program}}", hosts.prefix);
+    let servers = format!("ps1={},ps2={},ps3={}", hosts.ip("ps1"), hosts.ip("ps2"), hosts.ip("ps3"));
+    let flags = ["--ps-replicas", "2", "--ps-command", &template, "--ps-hosts", &servers];
+    let job = builtin_ctr(dir.path(), "3", &flags);
+    let mut cmd = hosts.on("coord", env!("CARGO_BIN_EXE_edl-runtime"));
+    cmd.args(job.get_args()).current_dir(dir.path());
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let (child, rx, seen) = started_until(cmd, "epoch     0 done");
+    assert!(seen.iter().any(|l| l.contains(&format!("ps        2 serving on {}:8300", hosts.ip("ps2")))));
+    // Server 2's host vanishes from the network: no process ends, no
+    // connection is closed; only silence.
+    hosts.link("ps2", false);
+    let text = ended(child, rx, seen);
+    assert!(text.contains("parameter server 2 lost (unreachable"), "{text}");
+    assert!(text.contains("parameter servers 3 -> 2: "), "{text}");
+    assert_exactly_once(&report(dir.path()), 2, 20000);
+    // Its shards served by their replicas and copied on: nothing lost.
+    assert_as_builtin_calm(dir.path(), &text);
+    // Its command was stopped, and the server with it.
+    let gone = || hosts.pids("ps2").is_empty();
+    crate::support::wait::until("the cut-off server stopped", Duration::from_secs(30), gone);
+}
+
+#[test]
 fn servers_by_command_need_their_hosts_and_enough_slots() {
     let dir = tempfile::tempdir().unwrap();
     let run = |flags: &[&str]| refusal(dir.path(), &[&["--dataset", "ctr", "--epochs", "1"], flags].concat());
