@@ -17,6 +17,7 @@
 pub mod machine;
 mod members;
 mod memory;
+mod pins;
 pub mod pool;
 mod ps;
 mod records;
@@ -311,7 +312,7 @@ struct PsState {
     /// Servers told to go: their shards are copied from them, then they stop.
     leaving: Vec<u64>,
     /// Checkpoints asked of workers and not written yet.
-    pins: ps::Pins,
+    pins: pins::Pins,
     /// New rows the servers refused at their bound, as last seen.
     refused: u64,
     /// The servers as last seen, each one's requests per second since the
