@@ -329,6 +329,9 @@ struct PsState {
     /// The scaling policy decides the servers' number (it answered one
     /// last): the memory rule does not add servers.
     sized_by_policy: bool,
+    /// The servers of `added` being given their shards while training goes
+    /// on: the step the copy is of, and the thread copying.
+    ahead: Option<(u64, std::thread::JoinHandle<Result<crate::ps::control::Ahead>>)>,
 }
 
 /// The plugins and processes a coordinator drives.

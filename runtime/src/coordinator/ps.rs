@@ -68,6 +68,7 @@ impl Coordinator<'_> {
                         added[0].0
                     ));
                     self.ps.added.extend(added);
+                    self.copy_ahead();
                 }
                 Err(e) => said.push(format!("{why}; no server started: {e:#}")),
             }
@@ -100,7 +101,7 @@ impl Coordinator<'_> {
     /// first, their shards handed over first. One change at a time.
     pub(super) fn decide_servers(&mut self) {
         let Some((control, processes)) = self.ps.servers.as_ref() else { return };
-        if self.ps_change_waiting() || self.ps.seen.is_empty() {
+        if self.ps_change_pending() || self.ps.seen.is_empty() {
             return;
         }
         let (bound, _) = processes.limits();
@@ -158,6 +159,7 @@ impl Coordinator<'_> {
                 Ok(added) => {
                     let ids: Vec<String> = added.iter().map(|(id, _)| id.to_string()).collect();
                     self.ps.added.extend(added);
+                    self.copy_ahead();
                     format!(
                         "scaling policy: parameter servers {now} -> {want}: server(s) {} started, to join at the next step boundary",
                         ids.join(", ")
@@ -244,12 +246,63 @@ impl Coordinator<'_> {
     /// checkpoint of an earlier one still to be exported.
     fn ps_safe(&mut self) -> u64 {
         let members: Vec<u64> = self.membership.members().iter().map(|m| m.id).collect();
-        self.ps.pins.safe(self.tally.committed, &members)
+        let safe = self.ps.pins.safe(self.tally.committed, &members);
+        // A copy ahead needs the rows changed since its step.
+        self.ps.ahead.as_ref().map_or(safe, |(since, _)| safe.min(*since))
     }
 
     /// Whether the servers change at the next boundary.
+    /// Whether the servers change at the next boundary: servers added
+    /// once they have their shards, servers told to go.
     pub(super) fn ps_change_waiting(&self) -> bool {
+        let copied = self.ps.ahead.as_ref().is_none_or(|(_, copying)| copying.is_finished());
+        (!self.ps.added.is_empty() && copied) || !self.ps.leaving.is_empty()
+    }
+
+    /// Whether a change of servers is under way (one at a time).
+    fn ps_change_pending(&self) -> bool {
         !self.ps.added.is_empty() || !self.ps.leaving.is_empty()
+    }
+
+    /// Starts giving the servers just added the shards they will hold,
+    /// while training goes on; they join at the boundary after it ends,
+    /// given only the rows changed meanwhile.
+    fn copy_ahead(&mut self) {
+        if self.ps.ahead.is_some() || self.ps.added.is_empty() {
+            return;
+        }
+        let safe = self.ps_safe();
+        let Some((control, _)) = self.ps.servers.as_ref() else { return };
+        let mark =
+            crate::ps::Mark { generation: self.generation, base: self.tally.committed, committed: safe };
+        let job = control.ahead_of(&self.ps.added, mark);
+        let copying = std::thread::Builder::new()
+            .name("edl-ps-copy".into())
+            .spawn(move || crate::ps::control::copy_ahead(job));
+        match copying {
+            Ok(h) => self.ps.ahead = Some((mark.base, h)),
+            Err(e) => self.note(format!(
+                "parameter servers: no thread to copy shards ahead ({e}); they move when the servers join"
+            )),
+        }
+    }
+
+    /// The copy ahead of the servers joining now, once it ended: what it
+    /// copied, or None (none ran, or it failed: saying so; every shard is
+    /// then copied whole at the boundary).
+    fn ahead_done(&mut self) -> Option<crate::ps::control::Ahead> {
+        let (_, copying) = self.ps.ahead.take()?;
+        match copying.join() {
+            Ok(Ok(a)) => Some(a),
+            Ok(Err(e)) => {
+                self.note(format!("parameter servers: the copy ahead failed ({e:#}); the shards move now"));
+                None
+            }
+            Err(_) => {
+                self.note("parameter servers: the copy ahead panicked; the shards move now".to_string());
+                None
+            }
+        }
     }
 
     /// The parameter servers for a new generation: every table rolled back
@@ -267,6 +320,8 @@ impl Coordinator<'_> {
             return Ok(None);
         }
         let (mut added, leaving) = (std::mem::take(&mut self.ps.added), std::mem::take(&mut self.ps.leaving));
+        // Those added were given their shards ahead: they get the rows changed since.
+        let ahead = self.ahead_done();
         let mark =
             crate::ps::Mark { generation: self.generation, base: self.tally.committed, committed: safe };
         let mut gone: Vec<(u64, String)> = Vec::new();
@@ -278,7 +333,7 @@ impl Coordinator<'_> {
             gone.extend(processes.exited());
             let lost: Vec<u64> = gone.iter().map(|(id, _)| *id).collect();
             let leaving: Vec<u64> = leaving.iter().copied().filter(|id| !lost.contains(id)).collect();
-            match control.reform(mark, &lost, &leaving, &added) {
+            match control.reform(mark, (&lost, &leaving), &added, ahead.as_ref()) {
                 Ok(m) => break m,
                 Err(e) if e.is::<crate::ps::control::ShardsLost>() => {
                     // Their rows are gone: as many servers again, the tables
@@ -320,8 +375,15 @@ impl Coordinator<'_> {
             self.ps.changed = Some(std::time::Instant::now());
         }
         if moved.rows > 0 || now != before {
+            let early = match &ahead {
+                Some(a) if a.rows > 0 => format!(
+                    " ({} rows copied ahead from step {} while training went on; these changed since)",
+                    a.rows, a.since
+                ),
+                _ => String::new(),
+            };
             self.note(format!(
-                "parameter servers {before} -> {now}: {} rows moved at step {}",
+                "parameter servers {before} -> {now}: {} rows moved at step {}{early}",
                 moved.rows, self.tally.committed
             ));
         }

@@ -92,16 +92,16 @@ impl PsControl {
     /// A new generation as of `mark`, on the servers there are now: those
     /// of `lost` are gone, those of `leaving` give their shards up (copied
     /// from them) and go, those of `added` join. Fails, naming them, when a
-    /// shard had no holder left ([`ShardsLost`]).
+    /// shard had no holder left ([`ShardsLost`]). `ahead`: the added
+    /// servers that were given their shards while training went on
+    /// ([`copy_ahead`]) get only the rows changed since.
     pub fn reform(
         &mut self,
         mark: Mark,
-        lost: &[u64],
-        leaving: &[u64],
+        (lost, leaving): (&[u64], &[u64]),
         added: &[(u64, String)],
+        ahead: Option<&Ahead>,
     ) -> Result<Moved> {
-        let before = self.ids();
-        let gone = lost;
         let staying = |id: &u64| !lost.contains(id) && !leaving.contains(id);
         let mut after: Vec<(u64, String)> =
             self.topology.servers.iter().filter(|(id, _)| staying(id)).cloned().collect();
@@ -111,27 +111,9 @@ impl PsControl {
         }
         let now: Vec<u64> = after.iter().map(|(id, _)| *id).collect();
         let r = self.topology.replicas;
-        // Per (from, to): the shards to copy; per server: shards it gives up.
-        let mut copies: BTreeMap<(u64, u64), Vec<u32>> = BTreeMap::new();
-        let mut drops: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
-        let mut lost = BTreeSet::new();
-        for shard in 0..SHARDS {
-            let had: Vec<u64> =
-                holders(&before, r, shard).into_iter().filter(|s| !gone.contains(s)).collect();
-            let has = holders(&now, r, shard);
-            let Some(&source) = had.first() else {
-                lost.insert(shard);
-                continue;
-            };
-            for to in has.iter().filter(|s| !had.contains(s)) {
-                copies.entry((source, *to)).or_default().push(shard);
-            }
-            for from in had.iter().filter(|s| !has.contains(s) && !leaving.contains(s)) {
-                drops.entry(*from).or_default().push(shard);
-            }
-        }
-        if !lost.is_empty() {
-            return Err(ShardsLost { shards: lost.len(), lost: gone.to_vec(), replicas: r }.into());
+        let plan = plan(&self.ids(), &now, r, (lost, leaving));
+        if !plan.lost.is_empty() {
+            return Err(ShardsLost { shards: plan.lost.len(), lost: lost.to_vec(), replicas: r }.into());
         }
         // The servers that go on, and those leaving (their shards are copied from them).
         let reached: Vec<(u64, String)> = after
@@ -144,17 +126,23 @@ impl PsControl {
         let tables: BTreeSet<String> =
             c.stats()?.into_iter().flat_map(|s| s.tables).map(|t| t.name).collect();
         let mut moved = Moved::default();
-        for ((from, to), shards) in &copies {
+        for ((from, to), shards) in &plan.copies {
+            let since = ahead.filter(|a| a.servers.contains(to)).map(|a| a.since);
             for table in &tables {
-                moved.rows += c.copy_shards(table, shards, mark.base, (*from, *to), mark)?;
+                moved.rows += c.copy_shards(table, (shards, since), mark.base, (*from, *to), mark)?;
             }
             moved.copies.push((*from, *to));
         }
-        for (server, shards) in &drops {
+        for (server, shards) in &plan.drops {
             c.drop_shards(*server, shards)?;
         }
         self.topology.servers = after;
         Ok(moved)
+    }
+
+    /// What [`copy_ahead`] needs to run on a thread of its own.
+    pub fn ahead_of(&self, added: &[(u64, String)], mark: Mark) -> AheadJob {
+        AheadJob { auth: self.auth.clone(), topology: self.topology.clone(), added: added.to_vec(), mark }
     }
 
     /// Every server's tables and memory, and whether it was told to go;
@@ -202,6 +190,80 @@ impl PsControl {
     }
 }
 
+/// The copies and drops a change of servers makes, and the shards it
+/// leaves without a holder.
+struct Plan {
+    /// Per (from, to): the shards to copy.
+    copies: BTreeMap<(u64, u64), Vec<u32>>,
+    /// Per server: the shards it gives up.
+    drops: BTreeMap<u64, Vec<u32>>,
+    lost: BTreeSet<u32>,
+}
+
+/// The change from servers `before` to `now` (`r` holders a shard), those
+/// of `gone` lost and those of `leaving` copied from before they go.
+fn plan(before: &[u64], now: &[u64], r: usize, (gone, leaving): (&[u64], &[u64])) -> Plan {
+    let mut p = Plan { copies: BTreeMap::new(), drops: BTreeMap::new(), lost: BTreeSet::new() };
+    for shard in 0..SHARDS {
+        let had: Vec<u64> = holders(before, r, shard).into_iter().filter(|s| !gone.contains(s)).collect();
+        let has = holders(now, r, shard);
+        let Some(&source) = had.first() else {
+            p.lost.insert(shard);
+            continue;
+        };
+        for to in has.iter().filter(|s| !had.contains(s)) {
+            p.copies.entry((source, *to)).or_default().push(shard);
+        }
+        for from in had.iter().filter(|s| !has.contains(s) && !leaving.contains(s)) {
+            p.drops.entry(*from).or_default().push(shard);
+        }
+    }
+    p
+}
+
+/// Servers about to join, given their shards while training goes on.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Ahead {
+    /// The step their copies are of: the rows changed from it on are
+    /// copied again when they join.
+    pub since: u64,
+    pub servers: Vec<u64>,
+    /// Rows copied.
+    pub rows: usize,
+}
+
+/// A copy ahead of servers about to join: the job's servers, those to
+/// join, and the step (the committed one) the copy is of.
+pub struct AheadJob {
+    auth: JobAuth,
+    topology: PsTopology,
+    added: Vec<(u64, String)>,
+    mark: Mark,
+}
+
+/// Gives the servers of `job.added` the shards they will hold once they
+/// join, as of the job's committed step, from their holders now; training
+/// goes on meanwhile (the holders must keep what undoes the steps after
+/// that one until the servers join). The tables are made on the new
+/// servers as of the mark; they take the generation they join as theirs.
+pub fn copy_ahead(job: AheadJob) -> Result<Ahead> {
+    let AheadJob { auth, topology, added, mark } = job;
+    let before: Vec<u64> = topology.servers.iter().map(|(id, _)| *id).collect();
+    let now: Vec<u64> = before.iter().copied().chain(added.iter().map(|(id, _)| *id)).collect();
+    let plan = plan(&before, &now, topology.replicas, (&[], &[]));
+    let servers: Vec<(u64, String)> = topology.servers.iter().chain(&added).cloned().collect();
+    let mut c = job_client(&resolve_all(&servers)?, topology.replicas, &auth)?;
+    let tables: BTreeSet<String> = c.stats()?.into_iter().flat_map(|s| s.tables).map(|t| t.name).collect();
+    let new: Vec<u64> = added.iter().map(|(id, _)| *id).collect();
+    let mut rows = 0;
+    for ((from, to), shards) in plan.copies.iter().filter(|((_, to), _)| new.contains(to)) {
+        for table in &tables {
+            rows += c.copy_shards(table, (shards, None), mark.base, (*from, *to), mark)?;
+        }
+    }
+    Ok(Ahead { since: mark.base, servers: new, rows })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,6 +279,50 @@ mod tests {
     fn start(job: &JobAuth, id: u64) -> Service {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         Service::start(l, job.clone(), Server::new(id, None), Duration::from_secs(10)).unwrap()
+    }
+
+    #[test]
+    fn a_server_given_its_shards_ahead_gets_only_the_rows_changed_since_and_holds_them_as_a_whole_copy_would()
+    {
+        let job = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
+        let services: Vec<Service> = (1..=3).map(|id| start(&job, id)).collect();
+        let all: Vec<(u64, String)> =
+            services.iter().zip(1..).map(|(s, id)| (id, s.addr().to_string())).collect();
+        let addrs: Vec<_> = services.iter().zip(1..).map(|(s, id)| (id, s.addr())).collect();
+        let spec = sgd_table(2);
+        let g1 = Mark { generation: 1, base: 0, committed: 0 };
+        let mut w = Client::connect(&addrs[..2], 1, &job, 1).unwrap();
+        w.declare(spec.clone(), g1, None).unwrap();
+        let step = |w: &mut Client, step: u64, ids: &[u64]| {
+            let grads: Vec<f32> = ids.iter().flat_map(|&i| [i as f32 + step as f32, 1.0]).collect();
+            w.push("t", PushTag { mark: g1, step, rank: 0, world: 1 }, ids, &grads).unwrap();
+        };
+        let ids: Vec<u64> = (0..400).collect();
+        step(&mut w, 0, &ids);
+        step(&mut w, 1, &ids);
+        // Server 3 is started and given its shards as of step 2 ...
+        let topology = PsTopology { servers: all[..2].to_vec(), staleness: 0, replicas: 1, room: true };
+        let mut control = PsControl::new(job.clone(), topology);
+        let ahead = copy_ahead(control.ahead_of(&all[2..], Mark { base: 2, ..g1 })).unwrap();
+        assert_eq!(ahead.since, 2);
+        assert_eq!(ahead.servers, [3]);
+        assert!(ahead.rows > 0, "{ahead:?}");
+        // ... while training goes on: some rows change, some are new.
+        let changed: Vec<u64> = (0..40).chain(400..430).collect();
+        step(&mut w, 2, &changed);
+        step(&mut w, 3, &changed[10..]);
+        let want = w.pull("t", g1, 4, &(0..430).collect::<Vec<_>>()).unwrap();
+        // A step applied and then undone by the new generation (base 4).
+        step(&mut w, 4, &ids);
+        drop(w);
+        let g2 = Mark { generation: 2, base: 4, committed: 2 };
+        let moved = control.reform(g2, (&[], &[]), &all[2..], Some(&ahead)).unwrap();
+        assert!(moved.rows > 0 && moved.rows < ahead.rows, "only what changed: {moved:?} after {ahead:?}");
+        // Every row as a worker of the new generation reads it, wherever it is now.
+        let mut w = Client::connect(&addrs, 1, &job, 1).unwrap();
+        w.declare(spec, g2, None).unwrap();
+        assert_eq!(w.pull("t", g2, 4, &(0..430).collect::<Vec<_>>()).unwrap(), want);
+        assert!(!services[2].rows("t").is_empty(), "server 3 holds its shards");
     }
 
     #[test]
@@ -244,7 +350,7 @@ mod tests {
         // second holder again.
         let mut control = PsControl::new(job.clone(), topology);
         let next = Mark { generation: 2, base: 1, committed: 1 };
-        let moved = control.reform(next, &[2], &[], &[]).unwrap();
+        let moved = control.reform(next, (&[2], &[]), &[], None).unwrap();
         assert!(moved.rows > 0 && moved.copies.iter().all(|(f, t)| *f != 2 && *t != 2), "{moved:?}");
         assert_eq!(control.topology().servers.len(), 2);
         let left: Vec<_> = addrs.iter().filter(|(id, _)| *id != 2).cloned().collect();
@@ -256,10 +362,12 @@ mod tests {
         }
         // Server 3 too: with one server left and two replicas a shard has
         // one holder; none is lost.
-        control.reform(Mark { generation: 3, base: 1, committed: 1 }, &[3], &[], &[]).unwrap();
+        control.reform(Mark { generation: 3, base: 1, committed: 1 }, (&[3], &[]), &[], None).unwrap();
         assert_eq!(services[0].rows("t").len(), 300);
         // And the last one: nothing is left to hold the rows.
-        let e = control.reform(Mark { generation: 4, base: 1, committed: 1 }, &[1], &[], &[]).unwrap_err();
+        let e = control
+            .reform(Mark { generation: 4, base: 1, committed: 1 }, (&[1], &[]), &[], None)
+            .unwrap_err();
         assert!(e.to_string().contains("no parameter server left"), "{e}");
     }
 
@@ -284,7 +392,7 @@ mod tests {
         };
         let mut control = PsControl::new(job.clone(), two);
         let next = Mark { generation: 2, base: 1, committed: 1 };
-        let moved = control.reform(next, &[], &[], &[(3, addrs[2].1.to_string())]).unwrap();
+        let moved = control.reform(next, (&[], &[]), &[(3, addrs[2].1.to_string())], None).unwrap();
         assert!(moved.copies.iter().all(|(_, to)| *to == 3), "{moved:?}");
         let on: Vec<usize> = services.iter().map(|s| s.rows("t").len()).collect();
         assert_eq!(on.iter().sum::<usize>(), 400, "each row on one server: {on:?}");

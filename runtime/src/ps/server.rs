@@ -100,6 +100,10 @@ struct Served {
     spec: TableSpec,
     shards: Shards,
     corrections: Corrections,
+    /// Made by a copy of shards from other servers and never pushed to
+    /// since: a new generation after its copy's step takes it as of its own
+    /// base, the copy of the rows changed meanwhile following.
+    copy_only: bool,
     rows: u64,
     /// Steps `0..applied` are applied.
     applied: u64,
@@ -250,6 +254,7 @@ impl Server {
             spec: spec.clone(),
             shards: Shards::new(),
             corrections: Corrections::default(),
+            copy_only: false,
             rows: 0,
             applied: mark.base,
             generation: mark.generation,
@@ -427,6 +432,7 @@ impl Server {
         let t = self.table(table, worker)?;
         check_push(t, worker, tag, &ids, &grads)?;
         enter(t, server, worker, tag.mark)?;
+        t.copy_only = false;
         if tag.step < t.applied {
             return Ok(Pushed::AlreadyApplied { applied: t.applied });
         }
@@ -475,16 +481,19 @@ impl Server {
     /// undone on a copy): what a checkpoint of that step keeps (the rows
     /// updated by then; the others are their seeded initial values).
     pub fn export(&self, table: &str, worker: u64, step: u64) -> Result<SavedTable, PsError> {
-        self.export_shards(table, worker, step, |_| true)
+        self.export_shards(table, worker, step, |_| true, None)
     }
 
-    /// [`Server::export`] of the shards `keep` names.
+    /// [`Server::export`] of the shards `keep` names; with `since`, only
+    /// the rows the steps from `since` on changed (what a copy of those
+    /// shards made as of `since` lacks).
     pub fn export_shards(
         &self,
         table: &str,
         worker: u64,
         step: u64,
         keep: impl Fn(u32) -> bool,
+        since: Option<u64>,
     ) -> Result<SavedTable, PsError> {
         let server = self.id;
         let t = self.tables.get(table).ok_or_else(|| PsError::UnknownTable {
@@ -502,10 +511,27 @@ impl Server {
                 why: ": a checkpoint of that step cannot be made here".into(),
             });
         }
+        let changed = match since {
+            Some(since) => Some(changed_since(t, since).ok_or_else(|| PsError::Behind {
+                table: table.into(),
+                server,
+                applied: t.applied,
+                generation: t.generation,
+                base: since,
+                why: ": the rows changed since that step cannot be told here".into(),
+            })?),
+            None => None,
+        };
+        let wanted = |id: &u64| changed.as_ref().is_none_or(|c| c.contains(id));
         let w = t.spec.width();
         // The rows as held, by id...
-        let mut rows: Vec<(u64, &[f32], u32)> =
-            t.shards.held().filter(|(s, _)| keep(*s)).flat_map(|(_, r)| r.each(w)).collect();
+        let mut rows: Vec<(u64, &[f32], u32)> = t
+            .shards
+            .held()
+            .filter(|(s, _)| keep(*s))
+            .flat_map(|(_, r)| r.each(w))
+            .filter(|r| wanted(&r.0))
+            .collect();
         rows.sort_unstable_by_key(|r| r.0);
         // ...then the steps after `step` undone, newest first: a row's
         // oldest record is what it was before them.
@@ -573,9 +599,11 @@ impl Server {
     /// replaced.
     pub fn import(&mut self, saved: &SavedTable, mark: Mark) -> Result<(), PsError> {
         let spec = saved.spec.clone();
+        let new = !self.tables.contains_key(&spec.name);
         // A table made (or held) alike: rows of another width would not fit.
         self.declare(0, spec.clone(), mark)?;
         let t = self.tables.get_mut(&spec.name).expect("declared");
+        t.copy_only |= new;
         enter(t, self.id, 0, mark)?;
         let w = spec.width();
         for (i, &id) in saved.ids.iter().enumerate() {
@@ -617,6 +645,21 @@ impl Server {
             .map(|(id, (values, _, _))| (id, values))
             .collect()
     }
+}
+
+/// The rows the steps from `since` on changed (or made), by their undo
+/// records; None when some of those records are gone.
+fn changed_since(t: &Served, since: u64) -> Option<rustc_hash::FxHashSet<u64>> {
+    if since > t.applied {
+        return None;
+    }
+    (since..t.applied).map(|s| t.undo.get(&s).map(|u| u.ids.iter().copied())).try_fold(
+        rustc_hash::FxHashSet::default(),
+        |mut all, ids| {
+            all.extend(ids?);
+            Some(all)
+        },
+    )
 }
 
 fn count_new(t: &Served, ids: &[u64]) -> usize {
@@ -667,6 +710,15 @@ fn enter(t: &mut Served, server: u64, worker: u64, mark: Mark) -> Result<(), PsE
             generation: mark.generation,
             current,
         });
+    }
+    if mark.generation > t.generation
+        && mark.base > t.applied
+        && t.copy_only
+        && t.staged.is_empty()
+        && t.undo.is_empty()
+    {
+        // Copied ahead: the rows the steps between changed are copied next.
+        t.applied = mark.base;
     }
     if mark.generation > t.generation {
         let behind = |why: &str| PsError::Behind {

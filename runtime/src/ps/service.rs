@@ -202,9 +202,9 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> Answer {
             declare_restored(shared, worker, table, mark, &r)
         }
         Request::Declare { table, mark, .. } => or_refused(server.declare(worker, table, mark)),
-        Request::Export { table, step, shards } => {
+        Request::Export { table, step, shards, since } => {
             let keep = |s: u32| shards.as_ref().is_none_or(|v| v.binary_search(&s).is_ok());
-            match server.export_shards(&table, worker, step, keep) {
+            match server.export_shards(&table, worker, step, keep, since) {
                 Ok(t) => {
                     let (n, body) = (t.ids.len(), saved_body(&t));
                     (Response::Ok { pushed: None, stats: None, exported: Some((t.spec, n)) }, body)
@@ -677,7 +677,15 @@ impl Client {
             chunk.iter().for_each(|&shard| owned[self.holders[shard as usize][0]].push(shard));
             let asked: Vec<usize> = (0..self.servers.len()).filter(|&s| !owned[s].is_empty()).collect();
             let req = |s: usize| {
-                (Request::Export { table: table.into(), step, shards: Some(owned[s].clone()) }, Vec::new())
+                (
+                    Request::Export {
+                        table: table.into(),
+                        step,
+                        shards: Some(owned[s].clone()),
+                        since: None,
+                    },
+                    Vec::new(),
+                )
             };
             for (&s, (resp, body)) in asked.iter().zip(self.ask(&asked, req)?) {
                 let id = self.servers[s].id;
@@ -725,12 +733,13 @@ impl Client {
     }
 
     /// Copies the rows of `shards` of `table` as of `step` from server
-    /// `from` to server `to` (which makes the table as of `mark` if new).
-    /// Returns the rows copied.
+    /// `from` to server `to` (which makes the table as of `mark` if new);
+    /// with `since`, only the rows the steps from it on changed. Returns
+    /// the rows copied.
     pub fn copy_shards(
         &mut self,
         table: &str,
-        shards: &[u32],
+        (shards, since): (&[u32], Option<u64>),
         step: u64,
         (from, to): (u64, u64),
         mark: Mark,
@@ -738,7 +747,7 @@ impl Client {
         let mut copied = 0;
         // A few shards a frame.
         for chunk in shards.chunks(SHARDS_A_FRAME) {
-            let req = Request::Export { table: table.into(), step, shards: Some(chunk.to_vec()) };
+            let req = Request::Export { table: table.into(), step, shards: Some(chunk.to_vec()), since };
             let src = self.conn(from)?;
             src.send(&req, &[])?;
             let (resp, body) = src.receive()?;

@@ -38,6 +38,9 @@ pub enum Request {
         /// Only these shards (None: all).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         shards: Option<Vec<u32>>,
+        /// Only the rows the steps from this one on changed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        since: Option<u64>,
     },
     /// Rows copied from another server (the body as an export's), the
     /// table made as of `mark` if it is new.
