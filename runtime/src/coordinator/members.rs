@@ -99,8 +99,10 @@ impl Coordinator<'_> {
                     self.fatal.get_or_insert(why);
                 }
             },
-            Inbound::Msg(_, FromWorker::Saved { checkpoints }) => {
-                self.unpin_ps(&checkpoints);
+            Inbound::Msg(n, FromWorker::Saved { checkpoints }) => {
+                if let Some(id) = self.membership.worker_on(n) {
+                    self.unpin_ps(id, &checkpoints);
+                }
                 self.take_written(&checkpoints);
                 if let Some(w) = checkpoints.into_iter().rfind(|w| w.step == self.tally.committed) {
                     self.saved = Some(w.result);

@@ -238,8 +238,8 @@ impl Coordinator<'_> {
     }
 
     /// Checkpoint writes that ended release the pins they held.
-    pub(super) fn unpin_ps(&mut self, written: &[crate::control::proto::Written]) {
-        self.ps.pins.written(written.iter().map(|w| w.step));
+    pub(super) fn unpin_ps(&mut self, worker: u64, written: &[crate::control::proto::Written]) {
+        self.ps.pins.written(worker, written.iter().map(|w| w.step));
     }
 
     /// The steps before this one are past undoing: committed, and no
@@ -251,7 +251,6 @@ impl Coordinator<'_> {
         self.ps.ahead.as_ref().map_or(safe, |(since, _)| safe.min(*since))
     }
 
-    /// Whether the servers change at the next boundary.
     /// Whether the servers change at the next boundary: servers added
     /// once they have their shards, servers told to go.
     pub(super) fn ps_change_waiting(&self) -> bool {
@@ -319,9 +318,14 @@ impl Coordinator<'_> {
         if self.ps.servers.is_none() {
             return Ok(None);
         }
-        let (mut added, leaving) = (std::mem::take(&mut self.ps.added), std::mem::take(&mut self.ps.leaving));
-        // Those added were given their shards ahead: they get the rows changed since.
+        // Servers added join with the rows changed since their copy ahead
+        // (a boundary that comes before it ended, a worker lost or a step
+        // that found a server full, waits for it: the copy the pause would
+        // have held otherwise).
+        let mut added = std::mem::take(&mut self.ps.added);
+        let leaving = std::mem::take(&mut self.ps.leaving);
         let ahead = self.ahead_done();
+        let mut suspects: Vec<u64> = Vec::new();
         let mark =
             crate::ps::Mark { generation: self.generation, base: self.tally.committed, committed: safe };
         let mut gone: Vec<(u64, String)> = Vec::new();
@@ -332,6 +336,8 @@ impl Coordinator<'_> {
             // A server that dies while the shards move is found on the next try.
             gone.extend(processes.exited());
             let lost: Vec<u64> = gone.iter().map(|(id, _)| *id).collect();
+            // One added that died before it joined is not waited for.
+            added.retain(|(id, _)| !lost.contains(id));
             let leaving: Vec<u64> = leaving.iter().copied().filter(|id| !lost.contains(id)).collect();
             match control.reform(mark, (&lost, &leaving), &added, ahead.as_ref()) {
                 Ok(m) => break m,
@@ -346,14 +352,19 @@ impl Coordinator<'_> {
                     self.restore_newest(format!("{e}"))?;
                     return Ok(Some(topology));
                 }
-                Err(e) if let Some((id, why)) = unreachable(&e).filter(|(id, _)| !lost.contains(id)) => {
-                    // A server that cannot be reached (cut off, its host
-                    // gone, wedged) is lost: its command is stopped and its
-                    // shards are served by their other holders, as if it
-                    // had died.
+                Err(e) if let Some((id, why)) = unreachable(&e).filter(|(id, _)| suspects.contains(id)) => {
+                    // A server that cannot be reached twice running (cut
+                    // off, its host gone) is lost: its command is stopped
+                    // and its shards are served by their other holders, as
+                    // if it had died.
                     processes.stop(id);
                     added.retain(|(a, _)| *a != id);
                     gone.push((id, format!("unreachable: {why}")));
+                }
+                Err(e) if let Some((id, _)) = unreachable(&e).filter(|(id, _)| !lost.contains(id)) => {
+                    suspects.push(id);
+                    self.note(format!("parameter servers: {e:#}; trying again"));
+                    std::thread::sleep(std::time::Duration::from_secs(1));
                 }
                 Err(e) if tries < 2 => {
                     tries += 1;
@@ -375,19 +386,29 @@ impl Coordinator<'_> {
             self.ps.changed = Some(std::time::Instant::now());
         }
         if moved.rows > 0 || now != before {
-            let early = match &ahead {
-                Some(a) if a.rows > 0 => format!(
-                    " ({} rows copied ahead from step {} while training went on; these changed since)",
-                    a.rows, a.since
-                ),
-                _ => String::new(),
-            };
-            self.note(format!(
-                "parameter servers {before} -> {now}: {} rows moved at step {}{early}",
-                moved.rows, self.tally.committed
-            ));
+            self.note_moved((before, now), moved.rows, ahead.as_ref());
         }
         Ok(Some(topology))
+    }
+
+    /// Says what a change of servers moved (and what was copied ahead).
+    fn note_moved(
+        &mut self,
+        (before, now): (usize, usize),
+        rows: usize,
+        ahead: Option<&crate::ps::control::Ahead>,
+    ) {
+        let early = match ahead {
+            Some(a) if a.rows > 0 => format!(
+                " ({} rows copied ahead from step {} while training went on; these changed since)",
+                a.rows, a.since
+            ),
+            _ => String::new(),
+        };
+        self.note(format!(
+            "parameter servers {before} -> {now}: {rows} rows moved at step {}{early}",
+            self.tally.committed
+        ));
     }
 }
 

@@ -92,9 +92,10 @@ impl PsControl {
     /// A new generation as of `mark`, on the servers there are now: those
     /// of `lost` are gone, those of `leaving` give their shards up (copied
     /// from them) and go, those of `added` join. Fails, naming them, when a
-    /// shard had no holder left ([`ShardsLost`]). `ahead`: the added
-    /// servers that were given their shards while training went on
-    /// ([`copy_ahead`]) get only the rows changed since.
+    /// shard had no holder left ([`ShardsLost`]). `ahead`: the shards
+    /// added servers were given while training went on ([`copy_ahead`]);
+    /// of those they hold now, they get only the rows changed since; any
+    /// other shard whole; those they do not hold after all are forgotten.
     pub fn reform(
         &mut self,
         mark: Mark,
@@ -127,14 +128,30 @@ impl PsControl {
             c.stats()?.into_iter().flat_map(|s| s.tables).map(|t| t.name).collect();
         let mut moved = Moved::default();
         for ((from, to), shards) in &plan.copies {
-            let since = ahead.filter(|a| a.servers.contains(to)).map(|a| a.since);
+            let early = ahead.and_then(|a| Some((a.since, a.shards.get(to)?)));
+            let (later, whole): (Vec<u32>, Vec<u32>) =
+                shards.iter().partition(|s| early.is_some_and(|(_, e)| e.binary_search(s).is_ok()));
+            let since = early.map(|(since, _)| since);
             for table in &tables {
-                moved.rows += c.copy_shards(table, (shards, since), mark.base, (*from, *to), mark)?;
+                for (shards, since) in [(&later, since), (&whole, None)] {
+                    if !shards.is_empty() {
+                        moved.rows += c.copy_shards(table, (shards, since), mark.base, (*from, *to), mark)?;
+                    }
+                }
             }
             moved.copies.push((*from, *to));
         }
         for (server, shards) in &plan.drops {
             c.drop_shards(*server, shards)?;
+        }
+        // Shards copied ahead to a server that does not hold them after all
+        // (the servers changed otherwise meanwhile).
+        for (to, shards) in ahead.iter().flat_map(|a| &a.shards).filter(|(to, _)| now.contains(to)) {
+            let extra: Vec<u32> =
+                shards.iter().copied().filter(|s| !holders(&now, r, *s).contains(to)).collect();
+            if !extra.is_empty() {
+                c.drop_shards(*to, &extra)?;
+            }
         }
         self.topology.servers = after;
         Ok(moved)
@@ -227,7 +244,8 @@ pub struct Ahead {
     /// The step their copies are of: the rows changed from it on are
     /// copied again when they join.
     pub since: u64,
-    pub servers: Vec<u64>,
+    /// Per server, the shards it was given (in order).
+    pub shards: BTreeMap<u64, Vec<u32>>,
     /// Rows copied.
     pub rows: usize,
 }
@@ -255,13 +273,15 @@ pub fn copy_ahead(job: AheadJob) -> Result<Ahead> {
     let mut c = job_client(&resolve_all(&servers)?, topology.replicas, &auth)?;
     let tables: BTreeSet<String> = c.stats()?.into_iter().flat_map(|s| s.tables).map(|t| t.name).collect();
     let new: Vec<u64> = added.iter().map(|(id, _)| *id).collect();
-    let mut rows = 0;
+    let (mut rows, mut given) = (0, BTreeMap::<u64, Vec<u32>>::new());
     for ((from, to), shards) in plan.copies.iter().filter(|((_, to), _)| new.contains(to)) {
         for table in &tables {
             rows += c.copy_shards(table, (shards, None), mark.base, (*from, *to), mark)?;
         }
+        given.entry(*to).or_default().extend(shards);
     }
-    Ok(Ahead { since: mark.base, servers: new, rows })
+    given.values_mut().for_each(|s| s.sort_unstable());
+    Ok(Ahead { since: mark.base, shards: given, rows })
 }
 
 #[cfg(test)]
@@ -305,7 +325,7 @@ mod tests {
         let mut control = PsControl::new(job.clone(), topology);
         let ahead = copy_ahead(control.ahead_of(&all[2..], Mark { base: 2, ..g1 })).unwrap();
         assert_eq!(ahead.since, 2);
-        assert_eq!(ahead.servers, [3]);
+        assert_eq!(ahead.shards.keys().collect::<Vec<_>>(), [&3]);
         assert!(ahead.rows > 0, "{ahead:?}");
         // ... while training goes on: some rows change, some are new.
         let changed: Vec<u64> = (0..40).chain(400..430).collect();
@@ -323,6 +343,42 @@ mod tests {
         w.declare(spec, g2, None).unwrap();
         assert_eq!(w.pull("t", g2, 4, &(0..430).collect::<Vec<_>>()).unwrap(), want);
         assert!(!services[2].rows("t").is_empty(), "server 3 holds its shards");
+    }
+
+    #[test]
+    fn a_server_given_shards_ahead_gets_the_others_whole_when_another_leaves_meanwhile() {
+        let job = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
+        let services: Vec<Service> = (1..=3).map(|id| start(&job, id)).collect();
+        let all: Vec<(u64, String)> =
+            services.iter().zip(1..).map(|(s, id)| (id, s.addr().to_string())).collect();
+        let addrs: Vec<_> = services.iter().zip(1..).map(|(s, id)| (id, s.addr())).collect();
+        let spec = sgd_table(2);
+        let g1 = Mark { generation: 1, base: 0, committed: 0 };
+        let mut w = Client::connect(&addrs[..2], 1, &job, 1).unwrap();
+        w.declare(spec.clone(), g1, None).unwrap();
+        let ids: Vec<u64> = (0..600).collect();
+        let grads: Vec<f32> = ids.iter().flat_map(|&i| [i as f32, 1.0]).collect();
+        w.push("t", PushTag { mark: g1, step: 0, rank: 0, world: 1 }, &ids, &grads).unwrap();
+        let want = w.pull("t", g1, 1, &ids).unwrap();
+        let topology = PsTopology { servers: all[..2].to_vec(), staleness: 0, replicas: 1, room: true };
+        let mut control = PsControl::new(job.clone(), topology);
+        let ahead = copy_ahead(control.ahead_of(&all[2..], Mark { base: 1, ..g1 })).unwrap();
+        // Server 1 is told to go before 3 joins: 3 takes shards of 1's it
+        // was not given ahead, whole.
+        let g2 = Mark { generation: 2, base: 1, committed: 1 };
+        control.reform(g2, (&[], &[1]), &all[2..], Some(&ahead)).unwrap();
+        let mut w2 = Client::connect(&addrs[1..], 1, &job, 1).unwrap();
+        w2.declare(spec.clone(), g2, None).unwrap();
+        assert_eq!(w2.pull("t", g2, 1, &ids).unwrap(), want, "every row as it was");
+        // An export by a client that knows generation 1's servers is refused
+        // by those that gave shards away in generation 2, instead of leaving
+        // their rows out.
+        w.know(spec);
+        let e = format!("{:#}", w.export("t", 1, Some(1)).unwrap_err());
+        assert!(
+            e.contains("shards moved away from parameter server") && e.contains("after generation 1"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -218,15 +218,24 @@ pub struct Server {
     /// Bytes of rows this server may hold.
     bound: Option<u64>,
     tables: BTreeMap<String, Served>,
+    /// The newest generation in which it forgot rows of shards moved to
+    /// other servers.
+    moved_in: u64,
 }
 
 impl Server {
     pub fn new(id: u64, bound: Option<u64>) -> Self {
-        Server { id, bound, tables: BTreeMap::new() }
+        Server { id, bound, tables: BTreeMap::new(), moved_in: 0 }
     }
 
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// The newest generation in which this server forgot rows of shards
+    /// that moved away (0: never).
+    pub fn moved_in(&self) -> u64 {
+        self.moved_in
     }
 
     pub fn has(&self, table: &str) -> bool {
@@ -619,7 +628,11 @@ impl Server {
     /// Forgets the shards `gone` of every table (moved to other servers).
     pub fn drop_shards(&mut self, gone: impl Fn(u32) -> bool) {
         for t in self.tables.values_mut() {
-            t.rows -= t.shards.forget(&gone);
+            let forgot = t.shards.forget(&gone);
+            t.rows -= forgot;
+            if forgot > 0 {
+                self.moved_in = self.moved_in.max(t.generation);
+            }
         }
     }
 

@@ -202,15 +202,8 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> Answer {
             declare_restored(shared, worker, table, mark, &r)
         }
         Request::Declare { table, mark, .. } => or_refused(server.declare(worker, table, mark)),
-        Request::Export { table, step, shards, since } => {
-            let keep = |s: u32| shards.as_ref().is_none_or(|v| v.binary_search(&s).is_ok());
-            match server.export_shards(&table, worker, step, keep, since) {
-                Ok(t) => {
-                    let (n, body) = (t.ids.len(), saved_body(&t));
-                    (Response::Ok { pushed: None, stats: None, exported: Some((t.spec, n)) }, body)
-                }
-                Err(e) => refused(e.to_string()),
-            }
+        Request::Export { table, step, shards, since, generation } => {
+            export(&server, worker, &table, (step, shards, since, generation))
         }
         Request::Import { table, mark, rows } => match saved_of(table, rows, body) {
             Some(saved) => or_refused(server.import(&saved, mark)),
@@ -261,6 +254,31 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> Answer {
     }
 }
 
+/// An export of `table` as of `step` (of `shards`, of the rows changed
+/// `since`), for a client that knows the servers of `generation`.
+fn export(
+    server: &Server,
+    worker: u64,
+    table: &str,
+    (step, shards, since, generation): (u64, Option<Vec<u32>>, Option<u64>, Option<u64>),
+) -> Answer {
+    if let Some(g) = generation.filter(|g| server.moved_in() > *g) {
+        return refused(format!(
+            "table {table:?}: shards moved away from parameter server {} after generation {g} (in generation {}): ask the servers of the newer generation",
+            server.id(),
+            server.moved_in()
+        ));
+    }
+    let keep = |s: u32| shards.as_ref().is_none_or(|v| v.binary_search(&s).is_ok());
+    match server.export_shards(table, worker, step, keep, since) {
+        Ok(t) => {
+            let (n, body) = (t.ids.len(), saved_body(&t));
+            (Response::Ok { pushed: None, stats: None, exported: Some((t.spec, n)) }, body)
+        }
+        Err(e) => refused(e.to_string()),
+    }
+}
+
 /// Makes a table from its rows in a checkpoint: read without the lock, so
 /// the other tables go on being served.
 fn declare_restored(shared: &Shared, worker: u64, table: TableSpec, mark: Mark, r: &wire::Restore) -> Answer {
@@ -289,7 +307,9 @@ fn pull(
     let deadline = Instant::now() + shared.pull_timeout;
     loop {
         // A step staged by a push still being answered on another connection.
-        server.apply_staged();
+        if server.apply_staged() {
+            shared.pushed.notify_all();
+        }
         let rows = if peek {
             server.peek(table, worker, mark, need, &ids)
         } else {
@@ -667,7 +687,9 @@ impl Client {
     }
 
     /// `table` as it was after its steps before `step`, from every server.
-    pub fn export(&mut self, table: &str, step: u64) -> Result<SavedTable> {
+    /// `generation`: the one whose servers this client knows (a server
+    /// that gave shards away since refuses).
+    pub fn export(&mut self, table: &str, step: u64, generation: Option<u64>) -> Result<SavedTable> {
         let spec = self.spec(table)?.clone();
         // Each shard from its owner (a replica holds the same rows), a few
         // shards a frame.
@@ -683,6 +705,7 @@ impl Client {
                         step,
                         shards: Some(owned[s].clone()),
                         since: None,
+                        generation,
                     },
                     Vec::new(),
                 )
@@ -747,7 +770,8 @@ impl Client {
         let mut copied = 0;
         // A few shards a frame.
         for chunk in shards.chunks(SHARDS_A_FRAME) {
-            let req = Request::Export { table: table.into(), step, shards: Some(chunk.to_vec()), since };
+            let shards = Some(chunk.to_vec());
+            let req = Request::Export { table: table.into(), step, shards, since, generation: None };
             let src = self.conn(from)?;
             src.send(&req, &[])?;
             let (resp, body) = src.receive()?;

@@ -152,7 +152,7 @@ impl Tables {
         let (shared, auth, worker, specs) =
             (self.topology.clone(), self.auth.clone(), self.worker, self.specs.clone());
         let mut client: Option<(Client, PsTopology)> = None;
-        Some(Box::new(move |step| {
+        Some(Box::new(move |step, generation| {
             let now = current(&shared).expect("a job with servers");
             if client.as_ref().is_none_or(|(_, t)| *t != now) {
                 let mut c = connect(&now, &auth, worker)?;
@@ -160,7 +160,8 @@ impl Tables {
                 client = Some((c, now));
             }
             let c = &mut client.as_mut().expect("just made").0;
-            let tables = specs.keys().map(|name| c.export(name, step)).collect::<Result<Vec<_>>>();
+            let tables =
+                specs.keys().map(|name| c.export(name, step, generation)).collect::<Result<Vec<_>>>();
             if tables.is_err() {
                 // A connection left mid-answer is not used again.
                 client = None;
@@ -171,6 +172,7 @@ impl Tables {
 
     /// Rows `ids` of `table` for step `step` (`ids.len() * dim` floats).
     pub fn pull(&mut self, table: &str, mark: Mark, step: u64, ids: &[u64]) -> Result<Vec<f32>> {
+        self.forget_abandoned((mark.generation, step));
         let need = self.need(step);
         self.client(table, mark)?.pull(table, mark, need, ids)
     }
@@ -178,8 +180,26 @@ impl Tables {
     /// [`Tables::pull`] that makes no row on the servers (an evaluation's
     /// read: an id not held comes back with its initial values).
     pub fn peek(&mut self, table: &str, mark: Mark, step: u64, ids: &[u64]) -> Result<Vec<f32>> {
+        self.forget_abandoned((mark.generation, step));
         let need = self.need(step);
         self.client(table, mark)?.peek(table, mark, need, ids)
+    }
+
+    /// The pushes of a step other than `now` (generation, step) whose
+    /// answers are still owed: that step was abandoned without its commit;
+    /// their answers are read and let go (a refusal among them was that
+    /// step's), so that they do not fail this one.
+    fn forget_abandoned(&mut self, now: (u64, u64)) {
+        if self.pushing == now || self.pushing == (u64::MAX, u64::MAX) {
+            return;
+        }
+        if let Some(c) = self.client.as_mut()
+            && c.settle().is_err()
+        {
+            self.disconnect();
+        }
+        self.pushing = (u64::MAX, u64::MAX);
+        self.pushed.clear();
     }
 
     /// The steps a read for `step` waits to be applied: those before it,
@@ -192,10 +212,8 @@ impl Tables {
     /// the servers' answers are read by [`Tables::finish`] (or the next
     /// request), so that a refusal fails the step there.
     pub fn push(&mut self, table: &str, tag: PushTag, ids: &[u64], grads: &[f32]) -> Result<()> {
-        if self.pushing != (tag.mark.generation, tag.step) {
-            self.pushing = (tag.mark.generation, tag.step);
-            self.pushed.clear();
-        }
+        self.forget_abandoned((tag.mark.generation, tag.step));
+        self.pushing = (tag.mark.generation, tag.step);
         if !self.pushed.insert(table.to_string()) {
             bail!("table {table:?}: step {} pushed it already (push each table once a step)", tag.step);
         }
@@ -207,9 +225,7 @@ impl Tables {
     /// servers count every rank's push of a step), and the answers to the
     /// step's pushes are read.
     pub fn finish(&mut self, tag: PushTag) -> Result<()> {
-        if self.pushing != (tag.mark.generation, tag.step) {
-            self.pushed.clear();
-        }
+        self.forget_abandoned((tag.mark.generation, tag.step));
         // Every table this program defines, touched or not: another rank
         // may have touched it, and its step waits for this rank's push.
         let owed: Vec<String> = self.specs.keys().filter(|t| !self.pushed.contains(*t)).cloned().collect();

@@ -41,6 +41,11 @@ pub enum Request {
         /// Only the rows the steps from this one on changed.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         since: Option<u64>,
+        /// The generation whose servers the asker knows: refused by a
+        /// server that gave shards away in a newer one (it would leave
+        /// their rows out).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        generation: Option<u64>,
     },
     /// Rows copied from another server (the body as an export's), the
     /// table made as of `mark` if it is new.

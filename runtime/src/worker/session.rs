@@ -152,7 +152,8 @@ pub trait State {
 }
 
 /// The job's sparse tables at a step, from its parameter servers.
-pub type TableExport = Box<dyn FnMut(u64) -> Result<Vec<crate::ps::SavedTable>> + Send>;
+/// Called with the step and the generation whose servers hold it.
+pub type TableExport = Box<dyn FnMut(u64, Option<u64>) -> Result<Vec<crate::ps::SavedTable>> + Send>;
 
 /// One step of this rank.
 #[derive(Clone, Debug)]
@@ -1277,12 +1278,13 @@ impl Session {
         // what undoes the steps after this one until the job hears that
         // the checkpoint is written (or this worker is gone).
         let export = self.table_export.clone();
+        let generation = self.place.map(|p| p.generation);
         let started = std::time::Instant::now();
         let handle = std::thread::Builder::new().name("edl-checkpoint".into()).spawn(move || {
             let tables = match export {
                 Some(export) => {
                     let mut export = export.lock().unwrap_or_else(|e| e.into_inner());
-                    (*export)(n).with_context(|| format!("the sparse tables at step {n}"))?
+                    (*export)(n, generation).with_context(|| format!("the sparse tables at step {n}"))?
                 }
                 None => Vec::new(),
             };
