@@ -76,6 +76,8 @@ impl Coordinator<'_> {
         for s in said {
             self.note(s);
         }
+        // Servers added or told to go get their shards moving now.
+        self.copy_ahead();
     }
 
     /// Keeps what the servers said, and each one's requests per second
@@ -172,6 +174,7 @@ impl Coordinator<'_> {
             ids.sort_unstable_by(|a, b| b.cmp(a));
             ids.truncate((now - want) as usize);
             self.ps.leaving.extend(&ids);
+            self.copy_ahead();
             let ids: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
             format!(
                 "scaling policy: parameter servers {now} -> {want}: server(s) {} leave at the next step boundary, their shards handed over first",
@@ -255,7 +258,7 @@ impl Coordinator<'_> {
     /// once they have their shards, servers told to go.
     pub(super) fn ps_change_waiting(&self) -> bool {
         let copied = self.ps.ahead.as_ref().is_none_or(|(_, copying)| copying.is_finished());
-        (!self.ps.added.is_empty() && copied) || !self.ps.leaving.is_empty()
+        self.ps_change_pending() && copied
     }
 
     /// Whether a change of servers is under way (one at a time).
@@ -263,18 +266,19 @@ impl Coordinator<'_> {
         !self.ps.added.is_empty() || !self.ps.leaving.is_empty()
     }
 
-    /// Starts giving the servers just added the shards they will hold,
-    /// while training goes on; they join at the boundary after it ends,
-    /// given only the rows changed meanwhile.
+    /// Starts giving the servers the shards they will hold once those
+    /// added have joined and those told to go have left, while training
+    /// goes on; the change is made at the boundary after it ends, with only
+    /// the rows changed meanwhile.
     fn copy_ahead(&mut self) {
-        if self.ps.ahead.is_some() || self.ps.added.is_empty() {
+        if self.ps.ahead.is_some() || !self.ps_change_pending() {
             return;
         }
         let safe = self.ps_safe();
         let Some((control, _)) = self.ps.servers.as_ref() else { return };
         let mark =
             crate::ps::Mark { generation: self.generation, base: self.tally.committed, committed: safe };
-        let job = control.ahead_of(&self.ps.added, mark);
+        let job = control.ahead_of((&self.ps.added, &self.ps.leaving), mark);
         let copying = std::thread::Builder::new()
             .name("edl-ps-copy".into())
             .spawn(move || crate::ps::control::copy_ahead(job));

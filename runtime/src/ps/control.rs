@@ -157,9 +157,11 @@ impl PsControl {
         Ok(moved)
     }
 
-    /// What [`copy_ahead`] needs to run on a thread of its own.
-    pub fn ahead_of(&self, added: &[(u64, String)], mark: Mark) -> AheadJob {
-        AheadJob { auth: self.auth.clone(), topology: self.topology.clone(), added: added.to_vec(), mark }
+    /// What [`copy_ahead`] needs to run on a thread of its own: the
+    /// servers to join and those to leave.
+    pub fn ahead_of(&self, (added, leaving): (&[(u64, String)], &[u64]), mark: Mark) -> AheadJob {
+        let (topology, added, leaving) = (self.topology.clone(), added.to_vec(), leaving.to_vec());
+        AheadJob { auth: self.auth.clone(), topology, added, leaving, mark }
     }
 
     /// Every server's tables and memory, and whether it was told to go;
@@ -238,7 +240,8 @@ fn plan(before: &[u64], now: &[u64], r: usize, (gone, leaving): (&[u64], &[u64])
     p
 }
 
-/// Servers about to join, given their shards while training goes on.
+/// Shards given ahead to the servers that will hold them after a change
+/// of servers (some joining, some leaving), while training goes on.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Ahead {
     /// The step their copies are of: the rows changed from it on are
@@ -250,31 +253,39 @@ pub struct Ahead {
     pub rows: usize,
 }
 
-/// A copy ahead of servers about to join: the job's servers, those to
-/// join, and the step (the committed one) the copy is of.
+/// A copy ahead of a change of servers: the job's servers, those to join
+/// and to leave, and the step (the committed one) the copy is of.
 pub struct AheadJob {
     auth: JobAuth,
     topology: PsTopology,
     added: Vec<(u64, String)>,
+    leaving: Vec<u64>,
     mark: Mark,
 }
 
-/// Gives the servers of `job.added` the shards they will hold once they
-/// join, as of the job's committed step, from their holders now; training
-/// goes on meanwhile (the holders must keep what undoes the steps after
-/// that one until the servers join). The tables are made on the new
-/// servers as of the mark; they take the generation they join as theirs.
+/// Gives each server the shards it will hold once the servers of
+/// `job.added` have joined and those of `job.leaving` left, as of the job's
+/// committed step, from their holders now; training goes on meanwhile (the
+/// holders must keep what undoes the steps after that one until the change).
+/// The tables are made on new servers as of the mark; they take the
+/// generation they join as theirs. A server that holds a table already
+/// keeps the rows of shards it does not hold yet beside it, untouched by
+/// the steps until the change.
 pub fn copy_ahead(job: AheadJob) -> Result<Ahead> {
-    let AheadJob { auth, topology, added, mark } = job;
+    let AheadJob { auth, topology, added, leaving, mark } = job;
     let before: Vec<u64> = topology.servers.iter().map(|(id, _)| *id).collect();
-    let now: Vec<u64> = before.iter().copied().chain(added.iter().map(|(id, _)| *id)).collect();
-    let plan = plan(&before, &now, topology.replicas, (&[], &[]));
+    let now: Vec<u64> = before
+        .iter()
+        .copied()
+        .filter(|id| !leaving.contains(id))
+        .chain(added.iter().map(|(id, _)| *id))
+        .collect();
+    let plan = plan(&before, &now, topology.replicas, (&[], &leaving));
     let servers: Vec<(u64, String)> = topology.servers.iter().chain(&added).cloned().collect();
     let mut c = job_client(&resolve_all(&servers)?, topology.replicas, &auth)?;
     let tables: BTreeSet<String> = c.stats()?.into_iter().flat_map(|s| s.tables).map(|t| t.name).collect();
-    let new: Vec<u64> = added.iter().map(|(id, _)| *id).collect();
     let (mut rows, mut given) = (0, BTreeMap::<u64, Vec<u32>>::new());
-    for ((from, to), shards) in plan.copies.iter().filter(|((_, to), _)| new.contains(to)) {
+    for ((from, to), shards) in &plan.copies {
         for table in &tables {
             rows += c.copy_shards(table, (shards, None), mark.base, (*from, *to), mark)?;
         }
@@ -323,7 +334,7 @@ mod tests {
         // Server 3 is started and given its shards as of step 2 ...
         let topology = PsTopology { servers: all[..2].to_vec(), staleness: 0, replicas: 1, room: true };
         let mut control = PsControl::new(job.clone(), topology);
-        let ahead = copy_ahead(control.ahead_of(&all[2..], Mark { base: 2, ..g1 })).unwrap();
+        let ahead = copy_ahead(control.ahead_of((&all[2..], &[]), Mark { base: 2, ..g1 })).unwrap();
         assert_eq!(ahead.since, 2);
         assert_eq!(ahead.shards.keys().collect::<Vec<_>>(), [&3]);
         assert!(ahead.rows > 0, "{ahead:?}");
@@ -362,7 +373,7 @@ mod tests {
         let want = w.pull("t", g1, 1, &ids).unwrap();
         let topology = PsTopology { servers: all[..2].to_vec(), staleness: 0, replicas: 1, room: true };
         let mut control = PsControl::new(job.clone(), topology);
-        let ahead = copy_ahead(control.ahead_of(&all[2..], Mark { base: 1, ..g1 })).unwrap();
+        let ahead = copy_ahead(control.ahead_of((&all[2..], &[]), Mark { base: 1, ..g1 })).unwrap();
         // Server 1 is told to go before 3 joins: 3 takes shards of 1's it
         // was not given ahead, whole.
         let g2 = Mark { generation: 2, base: 1, committed: 1 };

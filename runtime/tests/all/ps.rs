@@ -637,8 +637,8 @@ fn a_policy_grows_the_servers_2_to_3_and_back_to_2_mid_job_and_the_model_ends_as
         ),
         "{text}"
     );
-    // Rows copied to the new server (the bulk while training went on, the
-    // rows changed meanwhile at the boundary), and away from it again.
+    // Rows copied to the new server, and away from it again: the bulk
+    // while training went on, the rows changed meanwhile at the boundary.
     let number_after =
         |l: &str, at: &str| -> Option<u64> { l.split(at).nth(1)?.split(' ').next()?.parse().ok() };
     for (from, to) in [(2, 3), (3, 2)] {
@@ -646,14 +646,12 @@ fn a_policy_grows_the_servers_2_to_3_and_back_to_2_mid_job_and_the_model_ends_as
         let line = text.lines().find(|l| l.contains(&at) && l.contains(" rows moved"));
         let line = line.unwrap_or_else(|| panic!("{from} -> {to}:\n{text}"));
         let moved = number_after(line, &at).unwrap_or_else(|| panic!("{line}"));
-        let bulk = if to == 3 { number_after(line, "(") } else { Some(moved) };
-        assert!(bulk.is_some_and(|n| n > 1000), "{from} -> {to}: {line}\n{text}");
-        if to == 3 {
-            assert!(
-                line.contains("rows copied ahead from step") && line.contains("while training went on"),
-                "{line}"
-            );
-        }
+        let bulk = number_after(line, "(");
+        assert!(bulk.is_some_and(|n| n > 1000), "{from} -> {to}: {moved} at the boundary; {line}\n{text}");
+        assert!(
+            line.contains("rows copied ahead from step") && line.contains("while training went on"),
+            "{line}"
+        );
     }
     let r = report(dir.path());
     assert_exactly_once(&r, 2, 20000);
