@@ -393,6 +393,45 @@ mod tests {
     }
 
     #[test]
+    fn a_server_leaving_has_its_shards_copied_ahead_and_only_the_rows_changed_since_at_the_boundary() {
+        let job = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
+        let services: Vec<Service> = (1..=3).map(|id| start(&job, id)).collect();
+        let all: Vec<(u64, String)> =
+            services.iter().zip(1..).map(|(s, id)| (id, s.addr().to_string())).collect();
+        let addrs: Vec<_> = services.iter().zip(1..).map(|(s, id)| (id, s.addr())).collect();
+        let spec = sgd_table(2);
+        let g1 = Mark { generation: 1, base: 0, committed: 0 };
+        let mut w = Client::connect(&addrs, 2, &job, 1).unwrap();
+        w.declare(spec.clone(), g1, None).unwrap();
+        let push = |w: &mut Client, step: u64, ids: &[u64]| {
+            let grads: Vec<f32> = ids.iter().flat_map(|&i| [i as f32 - step as f32, 0.5]).collect();
+            w.push("t", PushTag { mark: g1, step, rank: 0, world: 1 }, ids, &grads).unwrap();
+        };
+        let ids: Vec<u64> = (0..500).collect();
+        push(&mut w, 0, &ids);
+        // Server 3 is told to go: its shards go to their next holders as of
+        // step 1, while steps 1 and 2 change some rows.
+        let topology = PsTopology { servers: all.clone(), staleness: 0, replicas: 2, room: false };
+        let mut control = PsControl::new(job.clone(), topology);
+        let ahead = copy_ahead(control.ahead_of((&[], &[3]), Mark { base: 1, ..g1 })).unwrap();
+        assert!(ahead.rows > 0 && !ahead.shards.contains_key(&3), "{ahead:?}");
+        push(&mut w, 1, &ids[..60]);
+        push(&mut w, 2, &ids[30..90]);
+        let want = w.pull("t", g1, 3, &ids).unwrap();
+        drop(w);
+        // The undo records of the steps since the copy are kept (the job
+        // pins them until the change).
+        let g2 = Mark { generation: 2, base: 3, committed: 1 };
+        let moved = control.reform(g2, (&[], &[3]), &[], Some(&ahead)).unwrap();
+        assert!(moved.rows < ahead.rows, "only what changed: {moved:?} after {ahead:?}");
+        // Server 3 gone: every row on the two left, as it was.
+        drop(services.into_iter().nth(2));
+        let mut w = Client::connect(&addrs[..2], 2, &job, 1).unwrap();
+        w.declare(spec, g2, None).unwrap();
+        assert_eq!(w.pull("t", g2, 3, &ids).unwrap(), want);
+    }
+
+    #[test]
     fn a_lost_server_s_shards_are_served_by_their_replicas_and_copied_to_new_ones() {
         let job = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
         let services: Vec<Service> = (1..=3).map(|id| start(&job, id)).collect();
