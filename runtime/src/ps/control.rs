@@ -312,14 +312,22 @@ mod tests {
         Service::start(l, job.clone(), Server::new(id, None), Duration::from_secs(10)).unwrap()
     }
 
+    /// A job's secret and three servers (ids 1..=3): the services, their
+    /// ids and addresses as a topology lists them, and as clients dial them.
+    type Three = (JobAuth, Vec<Service>, Vec<(u64, String)>, Vec<(u64, std::net::SocketAddr)>);
+
+    fn three_servers() -> Three {
+        let job = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
+        let services: Vec<Service> = (1..=3).map(|id| start(&job, id)).collect();
+        let all = services.iter().zip(1..).map(|(s, id)| (id, s.addr().to_string())).collect();
+        let addrs = services.iter().zip(1..).map(|(s, id)| (id, s.addr())).collect();
+        (job, services, all, addrs)
+    }
+
     #[test]
     fn a_server_given_its_shards_ahead_gets_only_the_rows_changed_since_and_holds_them_as_a_whole_copy_would()
     {
-        let job = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
-        let services: Vec<Service> = (1..=3).map(|id| start(&job, id)).collect();
-        let all: Vec<(u64, String)> =
-            services.iter().zip(1..).map(|(s, id)| (id, s.addr().to_string())).collect();
-        let addrs: Vec<_> = services.iter().zip(1..).map(|(s, id)| (id, s.addr())).collect();
+        let (job, services, all, addrs) = three_servers();
         let spec = sgd_table(2);
         let g1 = Mark { generation: 1, base: 0, committed: 0 };
         let mut w = Client::connect(&addrs[..2], 1, &job, 1).unwrap();
@@ -358,11 +366,7 @@ mod tests {
 
     #[test]
     fn a_server_given_shards_ahead_gets_the_others_whole_when_another_leaves_meanwhile() {
-        let job = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
-        let services: Vec<Service> = (1..=3).map(|id| start(&job, id)).collect();
-        let all: Vec<(u64, String)> =
-            services.iter().zip(1..).map(|(s, id)| (id, s.addr().to_string())).collect();
-        let addrs: Vec<_> = services.iter().zip(1..).map(|(s, id)| (id, s.addr())).collect();
+        let (job, _services, all, addrs) = three_servers();
         let spec = sgd_table(2);
         let g1 = Mark { generation: 1, base: 0, committed: 0 };
         let mut w = Client::connect(&addrs[..2], 1, &job, 1).unwrap();
@@ -394,11 +398,7 @@ mod tests {
 
     #[test]
     fn a_server_leaving_has_its_shards_copied_ahead_and_only_the_rows_changed_since_at_the_boundary() {
-        let job = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
-        let services: Vec<Service> = (1..=3).map(|id| start(&job, id)).collect();
-        let all: Vec<(u64, String)> =
-            services.iter().zip(1..).map(|(s, id)| (id, s.addr().to_string())).collect();
-        let addrs: Vec<_> = services.iter().zip(1..).map(|(s, id)| (id, s.addr())).collect();
+        let (job, services, all, addrs) = three_servers();
         let spec = sgd_table(2);
         let g1 = Mark { generation: 1, base: 0, committed: 0 };
         let mut w = Client::connect(&addrs, 2, &job, 1).unwrap();
