@@ -29,6 +29,14 @@ pub struct StepRecord {
     /// more ranks measured it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub noise_scale: Option<f64>,
+    /// Its smoothed parts once measured, whatever their signs (the noise
+    /// scale is shown only while both are positive): `grad_var`, the trace
+    /// of the per-sample gradients' covariance `S`, and `grad_sqr`, the
+    /// squared norm of the true gradient `|G|^2`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_var: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_sqr: Option<f64>,
     /// With the noise scale: the statistical efficiency of the step's
     /// batch against the job's base batch (`--batch`), and the goodput,
     /// `samples_per_sec * efficiency` (samples per second, each worth one

@@ -370,6 +370,8 @@ impl Coordinator<'_> {
             batch: plan.hyper.global_batch,
             lr: plan.hyper.lr,
             noise_scale: totals.noise_scale,
+            grad_var: totals.noise_parts.map(|p| p.0),
+            grad_sqr: totals.noise_parts.map(|p| p.1),
             efficiency,
             goodput: efficiency.map(|e| e * totals.samples_per_sec),
             metrics: totals.metrics,

@@ -296,6 +296,8 @@ mod tests {
             batch: 8,
             lr: 0.1,
             noise_scale: None,
+            grad_var: None,
+            grad_sqr: None,
             efficiency: None,
             goodput: None,
             metrics: BTreeMap::new(),

@@ -235,6 +235,8 @@ mod tests {
             batch: 64,
             lr: 0.05,
             noise_scale: None,
+            grad_var: None,
+            grad_sqr: None,
             efficiency: None,
             goodput: None,
             metrics: [("accuracy".to_string(), 0.5)].into(),

@@ -115,10 +115,15 @@ pub fn efficiency(noise: f64, base: u32, batch: u32) -> f64 {
 /// The smoothed estimates and the noise scale from them.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct NoiseScale {
-    /// Moving averages of `S` and `|G|^2`, and the steps they have seen.
+    /// Moving averages of `S` and `|G|^2` from zero, and the weight they
+    /// have gathered (`1 - (1 - SMOOTHING)^steps`), which they are divided
+    /// by: Adam's bias correction, so the first steps count as much as any
+    /// (starting the averages at the first step instead would give that
+    /// one step, often the noisiest, a weight that fades twenty times more
+    /// slowly than the others').
     s: f64,
     g2: f64,
-    seen: u64,
+    weight: f64,
 }
 
 /// The weight of a new step in the moving averages: about the last 20 steps.
@@ -135,20 +140,30 @@ impl NoiseScale {
     /// As [`NoiseScale::step`], from the ranks' parts summed and the step's rows.
     pub fn step_terms(&mut self, terms: NoiseTerms, rows: usize) -> Option<f64> {
         if let Some((s, g2)) = terms.estimate(rows) {
-            // The first measure starts the averages (rather than a zero
-            // they would have to climb from).
-            let w = if self.seen == 0 { 1.0 } else { SMOOTHING };
-            self.seen += 1;
-            self.s = (1.0 - w) * self.s + w * s;
-            self.g2 = (1.0 - w) * self.g2 + w * g2;
+            self.add(s, g2);
         }
         self.value()
     }
 
-    /// The noise scale from the steps seen so far.
+    fn add(&mut self, s: f64, g2: f64) {
+        let w = SMOOTHING;
+        self.s = (1.0 - w) * self.s + w * s;
+        self.g2 = (1.0 - w) * self.g2 + w * g2;
+        self.weight = (1.0 - w) * self.weight + w;
+    }
+
+    /// The noise scale from the steps seen so far: `None` also while the
+    /// smoothed `|G|^2` is not above 0 (the gradient all noise as far as
+    /// the steps so far can tell, late in training or on small batches).
     pub fn value(&self) -> Option<f64> {
-        let (s, g2) = (self.s, self.g2);
-        (self.seen > 0 && g2 > 0.0 && s >= 0.0).then(|| s / g2)
+        let (s, g2) = self.parts()?;
+        (g2 > 0.0 && s >= 0.0).then(|| s / g2)
+    }
+
+    /// The smoothed estimates `(S, |G|^2)` once a step was measured, the
+    /// noise scale's two parts, whatever their signs.
+    pub fn parts(&self) -> Option<(f64, f64)> {
+        (self.weight > 0.0).then(|| (self.s / self.weight, self.g2 / self.weight))
     }
 }
 
@@ -214,6 +229,27 @@ mod tests {
             let (got, truth) = measured(sizes, 400);
             assert!((got / truth - 1.0).abs() < 0.10, "{sizes:?}: {got} against {truth}");
         }
+    }
+
+    #[test]
+    fn a_wild_first_step_fades_as_fast_as_any_other() {
+        // The first step's |G|^2 far below 0 (one noisy step), then forty
+        // steps of 1: the average is theirs, and the noise scale shown.
+        let mut n = NoiseScale::default();
+        n.add(50.0, -20.0);
+        for _ in 0..40 {
+            n.add(50.0, 1.0);
+        }
+        let (s, g2) = n.parts().unwrap();
+        assert!((s - 50.0).abs() < 1e-9, "{s}");
+        assert!(g2 > 0.8 && g2 < 1.0, "{g2}");
+        assert!((n.value().unwrap() - s / g2).abs() < 1e-9);
+        // One step alone is its own average.
+        let mut one = NoiseScale::default();
+        one.add(3.0, 2.0);
+        let (s, g2) = one.parts().unwrap();
+        assert!((s - 3.0).abs() < 1e-12 && (g2 - 2.0).abs() < 1e-12, "{s} {g2}");
+        assert_eq!(NoiseScale::default().parts(), None);
     }
 
     #[test]

@@ -39,6 +39,8 @@ pub struct StepTotals {
     pub samples_per_sec: f64,
     /// The gradient noise scale, smoothed over the steps measured so far.
     pub noise_scale: Option<f64>,
+    /// Its smoothed parts `(S, |G|^2)`, once a step was measured.
+    pub noise_parts: Option<(f64, f64)>,
 }
 
 /// The job's committed position and what it has trained on.
@@ -155,6 +157,7 @@ impl Tally {
             metrics: BTreeMap::new(),
             samples_per_sec: 0.0,
             noise_scale: None,
+            noise_parts: None,
         };
         let mut terms = NoiseTerms::default();
         let mut measured = 0;
@@ -207,6 +210,7 @@ impl Tally {
             true => self.noise.step_terms(terms, totals.rows),
             false => self.noise.value(),
         };
+        totals.noise_parts = self.noise.parts();
         Ok(totals)
     }
 

@@ -140,18 +140,28 @@ pub(crate) fn committed_checkpoint(dir: &Path, job: &mut Child) -> u64 {
 
 /// The gradient noise scale in a report's timeline: none before the
 /// first step two workers shared (one rank has nothing to compare), and
-/// a finite positive value on some step from then on.
+/// its smoothed parts (`grad_var`, `grad_sqr`) finite on every step from
+/// the first measured on, which is a shared one. The noise scale itself,
+/// where given, is their ratio and positive (it is left out while the
+/// smoothed `|G|^2` is not above 0, which a short or noisy job may see
+/// throughout); with it, the step's efficiency and goodput.
 pub(crate) fn assert_noise_scale_measured(r: &Value) {
     let timeline = r["timeline"].as_array().unwrap();
     let shared = timeline.iter().position(|s| s["world"].as_u64().unwrap() >= 2);
     let shared = shared.unwrap_or_else(|| panic!("no step with two workers: {timeline:?}"));
     for s in &timeline[..shared] {
-        assert!(s.get("noise_scale").is_none(), "measured on one worker: {s}");
+        assert!(s.get("grad_var").is_none() && s.get("noise_scale").is_none(), "measured on one worker: {s}");
     }
-    let measured: Vec<f64> = timeline[shared..].iter().filter_map(|s| s["noise_scale"].as_f64()).collect();
-    assert!(!measured.is_empty(), "never measured: {:?}", &timeline[shared..]);
-    assert!(measured.iter().all(|b| b.is_finite() && *b > 0.0), "{measured:?}");
-    // With it, each such step's efficiency against the base batch and its goodput.
+    let first = timeline[shared..].iter().position(|s| s.get("grad_var").is_some());
+    let first = first.unwrap_or_else(|| panic!("never measured: {:?}", &timeline[shared..]));
+    for s in &timeline[shared + first..] {
+        let (var, sqr) = (s["grad_var"].as_f64(), s["grad_sqr"].as_f64());
+        let (var, sqr) = var.zip(sqr).unwrap_or_else(|| panic!("a measured step without its parts: {s}"));
+        assert!(var.is_finite() && sqr.is_finite(), "{s}");
+        if let Some(b) = s["noise_scale"].as_f64() {
+            assert!(b > 0.0 && sqr > 0.0 && (b - var / sqr).abs() <= 1e-9 * b, "{s}");
+        }
+    }
     for s in timeline.iter().filter(|s| s.get("noise_scale").is_some()) {
         let (e, g) = (s["efficiency"].as_f64().unwrap(), s["goodput"].as_f64().unwrap());
         let rate = s["samples_per_sec"].as_f64().unwrap();
