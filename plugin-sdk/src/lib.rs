@@ -175,6 +175,14 @@ macro_rules! export_scaling_policy {
             ) -> i32 {
                 unsafe { $crate::native::policy_decide::<$ty>(handle, view, out) }
             }
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn edl_policy_decide_servers(
+                handle: *mut ::std::ffi::c_void,
+                view: *const $crate::native::RawServerView,
+                out: *mut $crate::native::RawServerAnswer,
+            ) -> i32 {
+                unsafe { $crate::native::policy_decide_servers::<$ty>(handle, view, out) }
+            }
             $crate::__native_state_exports!($ty, $crate::ScalingPolicy);
         });
     };

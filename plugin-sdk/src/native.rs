@@ -9,7 +9,10 @@
 //! `edl_plugin_info`, `edl_plugin_new`, `edl_plugin_free`, `edl_plugin_init`
 //! and `edl_plugin_last_error`, plus its world's calls (`edl_policy_decide`,
 //! `edl_adapter_on_resize` / `edl_adapter_on_step`, `edl_transform_apply`,
-//! `edl_teacher_policy_decide`). Policies (of workers and of teachers) and
+//! `edl_teacher_policy_decide`); a scaling policy also exports
+//! `edl_policy_decide_servers` (sizing the parameter servers; a library
+//! built before it is taken for a policy that leaves them be). Policies
+//! (of workers and of teachers) and
 //! adapters also export `edl_plugin_save_state` and
 //! `edl_plugin_load_state` (their memory between calls, as the WIT `state`
 //! interface); a library without them is taken for a plugin without memory.
@@ -19,7 +22,8 @@
 
 use crate::{
     Action, Batch, BatchAdapter, ClusterView, Config, Dtype, Hyperparams, PluginError, ReaderTransform,
-    ResizeEvent, ScalingPolicy, TeacherPlan, TeacherPolicy, TeacherStats, TeacherView, WorkerStats,
+    ResizeEvent, ScalingPolicy, ServerStats, ServerView, TeacherPlan, TeacherPolicy, TeacherStats,
+    TeacherView, WorkerStats,
 };
 use std::{ffi::c_void, panic::AssertUnwindSafe};
 
@@ -228,6 +232,73 @@ impl RawTeacherView {
     }
 }
 
+/// [`ServerView`] with its servers' statistics borrowed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RawServerView {
+    pub step: u64,
+    pub servers: RawSlice<ServerStats>,
+    pub min_servers: u32,
+    pub max_servers: u32,
+    pub replicas: u32,
+    pub secs_since_change: f64,
+}
+
+impl RawServerView {
+    /// Borrows a view; `view` must outlive the result.
+    pub fn borrow(view: &ServerView) -> Self {
+        RawServerView {
+            step: view.step,
+            servers: RawSlice::borrow(&view.servers),
+            min_servers: view.min_servers,
+            max_servers: view.max_servers,
+            replicas: view.replicas,
+            secs_since_change: view.secs_since_change,
+        }
+    }
+
+    /// Overwrites `out` with this view, reusing `out`'s server list.
+    ///
+    /// # Safety
+    /// `servers` must point at that many initialised statistics (its null,
+    /// alignment and size are checked by [`RawSlice::as_slice`]).
+    pub unsafe fn fill(&self, out: &mut ServerView) {
+        out.step = self.step;
+        out.servers.clear();
+        out.servers.extend_from_slice(unsafe { self.servers.as_slice() });
+        out.min_servers = self.min_servers;
+        out.max_servers = self.max_servers;
+        out.replicas = self.replicas;
+        out.secs_since_change = self.secs_since_change;
+    }
+}
+
+/// `edl_policy_decide_servers`'s answer: `asked` 1 with the `servers` the
+/// job should have, 0 to leave them as they are.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RawServerAnswer {
+    pub asked: u32,
+    pub servers: u32,
+}
+
+impl From<Option<u32>> for RawServerAnswer {
+    fn from(a: Option<u32>) -> Self {
+        RawServerAnswer { asked: u32::from(a.is_some()), servers: a.unwrap_or(0) }
+    }
+}
+
+impl RawServerAnswer {
+    /// The answer; `None` for one that is not `asked` 0 or 1.
+    pub fn get(self) -> Option<Option<u32>> {
+        match self.asked {
+            0 => Some(None),
+            1 => Some(Some(self.servers)),
+            _ => None,
+        }
+    }
+}
+
 /// An [`Action`] as a tagged struct: tag 0 hold, 1 scale-out(count),
 /// 2 scale-in(count), 3 replace(worker).
 #[repr(C)]
@@ -313,6 +384,7 @@ pub struct Instance<T> {
     last_error: String,
     view: ClusterView,
     teacher_view: TeacherView,
+    server_view: ServerView,
     actions: Vec<RawAction>,
     batch_out: Batch,
     state_out: Vec<u8>,
@@ -366,6 +438,7 @@ pub fn plugin_new<T: Default>() -> *mut c_void {
             last_error: String::new(),
             view: ClusterView::default(),
             teacher_view: TeacherView::default(),
+            server_view: ServerView::default(),
             actions: Vec::new(),
             batch_out: Batch::default(),
             state_out: Vec::new(),
@@ -439,6 +512,23 @@ pub unsafe fn policy_decide<T: ScalingPolicy>(
             inst.actions.clear();
             inst.actions.extend(actions.into_iter().map(RawAction::from));
             *out = RawSlice::borrow(&inst.actions);
+            Ok(())
+        })
+    }
+}
+
+#[doc(hidden)]
+pub unsafe fn policy_decide_servers<T: ScalingPolicy>(
+    handle: *mut c_void,
+    view: *const RawServerView,
+    out: *mut RawServerAnswer,
+) -> i32 {
+    unsafe {
+        with_instance::<T>(handle, |inst| {
+            let raw = view.as_ref().ok_or_else(|| PluginError::InvalidInput("null view".into()))?;
+            let out = out.as_mut().ok_or_else(|| PluginError::InvalidInput("null output".into()))?;
+            raw.fill(&mut inst.server_view);
+            *out = inst.plugin.decide_servers(&inst.server_view).into();
             Ok(())
         })
     }

@@ -327,6 +327,7 @@ pub struct TrainingStats {
 
 /// One parameter server as a scaling policy that sizes them sees it
 /// ([`crate::ScalingPolicy::decide_servers`]).
+#[repr(C)]
 #[derive(Clone, Debug, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ServerStats {

@@ -40,7 +40,8 @@ pub enum PluginCommand {
     /// Run a policy over a trace (JSON lines of cluster views) or a scenario
     /// (a simulated cluster, see examples/traces/) and print its decisions;
     /// or a teacher policy over a job's report (its `teacher_decisions`) or
-    /// JSON lines of teacher views.
+    /// JSON lines of teacher views; with `--servers`, a policy's sizing of
+    /// the parameter servers over a job's report (its `server_decisions`).
     Replay(ReplayArgs),
 }
 
@@ -52,6 +53,11 @@ pub struct ReplayArgs {
     /// also looked for beside the executable.
     #[arg(long, value_name = "FILE")]
     policy: Option<PathBuf>,
+    /// Replay the policy's sizing of the parameter servers (its
+    /// `decide-servers`) instead, over a job's report (its
+    /// `server_decisions`) or JSON lines of server views.
+    #[arg(long, requires = "policy")]
+    servers: bool,
     /// Teacher-policy plugin to replay instead, over a job's report or
     /// JSON lines of teacher views.
     #[arg(long, value_name = "FILE")]
@@ -179,6 +185,9 @@ fn replay(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
         return replay_adapter(host, args);
     }
     let Some(policy) = &args.policy else { return replay_teachers(host, args) };
+    if args.servers {
+        return replay_servers(host, args);
+    }
     let mut p = host.load_policy(&plugin_path::resolve("--policy", policy)?, &args.config)?;
     let (decisions, recorded) = match replay::read_trace(&args.trace)?.priced(args.price) {
         Trace::Recorded(views) => (replay::replay(p.as_mut(), &views)?, true),
@@ -280,6 +289,68 @@ fn replay_adapter(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
     eprintln!(
         "{} decisions of {} over {}: {changed} changed the batch; {same} answered as in the job",
         decisions.len(),
+        p.info().name,
+        args.trace.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Replays a scaling policy's sizing of the parameter servers over the
+/// server views of a trace: each answer as a line (or JSON) beside the
+/// job's, then how many would change the servers and how many answered as
+/// in the job.
+fn replay_servers(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
+    let path = args.policy.as_ref().expect("--servers requires --policy");
+    if args.plot.is_some() || args.price.is_some() {
+        edl_runtime::refuse!("--plot and --price are for a scaling policy's replay of its workers");
+    }
+    let mut p = host.load_policy(&plugin_path::resolve("--policy", path)?, &args.config)?;
+    let entries = replay::read_server_trace(&args.trace)?;
+    let (mut out, mut changes, mut same, mut recorded) = (std::io::stdout().lock(), 0, 0, 0);
+    for e in &entries {
+        let v = &e.view;
+        let answer = p.decide_servers(v);
+        let asked = answer.as_ref().ok().copied().flatten();
+        changes += usize::from(asked.is_some_and(|n| n as usize != v.servers.len()));
+        if let Some(job) = e.in_the_job {
+            recorded += 1;
+            same += usize::from(answer.is_ok() && asked == job);
+        }
+        let line = match (&answer, args.json) {
+            (_, true) => serde_json::json!({
+                "step": v.step,
+                "servers": v.servers.len(),
+                "answer": asked,
+                "in_the_job": e.in_the_job,
+                "error": answer.as_ref().err().map(|e| e.to_string()),
+            })
+            .to_string(),
+            (Ok(a), false) => {
+                let to = a.map_or("left be".to_string(), |n| format!("-> {n:>3}"));
+                let job = match e.in_the_job {
+                    Some(Some(n)) => format!("  (in the job: {n})"),
+                    Some(None) => "  (in the job: left be)".to_string(),
+                    None => String::new(),
+                };
+                let rows: u64 = v.servers.iter().map(|s| s.rows).sum();
+                format!("step {:>7}  servers {:>3} {to}  rows {rows:>10}{job}", v.step, v.servers.len())
+            }
+            (Err(err), false) => {
+                format!("step {:>7}  servers {:>3}  the policy failed: {err}", v.step, v.servers.len())
+            }
+        };
+        if let Err(e) = writeln!(out, "{line}") {
+            // A closed pipe (`| head`) has read enough.
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                return Ok(ExitCode::SUCCESS);
+            }
+            return Err(e.into());
+        }
+    }
+    drop(out);
+    eprintln!(
+        "{} decisions of {} over {}: {changes} would change the servers; {same} of {recorded} answered as in the job",
+        entries.len(),
         p.info().name,
         args.trace.display()
     );

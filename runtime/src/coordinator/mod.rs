@@ -29,7 +29,8 @@ mod steps;
 use crate::job::{JobConfig, assembly::Job};
 use crate::leader::record::TeacherHandle;
 pub use records::{
-    AdapterDecision, JobOutcome, PolicyDecision, Progress, StepRecord, StoreEvent, UnusedWorker, WorkerState,
+    AdapterDecision, JobOutcome, PolicyDecision, Progress, ServerDecision, StepRecord, StoreEvent,
+    UnusedWorker, WorkerState,
 };
 pub use resume::{AlreadyFinished, finished_here, mark_complete};
 
@@ -332,6 +333,8 @@ struct PsState {
     /// The servers of `added` being given their shards while training goes
     /// on: the step the copy is of, and the thread copying.
     ahead: Option<(u64, std::thread::JoinHandle<Result<crate::ps::control::Ahead>>)>,
+    /// What the scaling policy was asked about the servers, and answered (the newest).
+    decisions: std::collections::VecDeque<ServerDecision>,
 }
 
 /// The plugins and processes a coordinator drives.
@@ -795,6 +798,7 @@ impl Coordinator<'_> {
             teacher_decisions: pool.decisions,
             policy_decisions: std::mem::take(&mut self.policy_decisions).into(),
             adapter_decisions: std::mem::take(&mut self.adapter_decisions).into(),
+            server_decisions: std::mem::take(&mut self.ps.decisions).into(),
             workers_unused: std::mem::take(&mut self.unused),
             redone_steps: self.redone_steps,
             worker_handles: self

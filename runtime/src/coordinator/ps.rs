@@ -131,13 +131,22 @@ impl Coordinator<'_> {
             replicas,
             secs_since_change: self.ps.changed.unwrap_or(self.started).elapsed().as_secs_f64(),
         };
-        let asked = match self.policy.decide_servers(&view) {
+        let answer = self.policy.decide_servers(&view);
+        let mut decision = super::ServerDecision {
+            secs: self.started.elapsed().as_secs_f64(),
+            view,
+            answer: answer.as_ref().ok().copied().flatten(),
+            error: answer.as_ref().err().map(|e| e.to_string()),
+            servers: None,
+        };
+        let asked = match answer {
             Ok(Some(n)) => n,
             Ok(None) => {
                 self.ps.sized_by_policy = false;
-                return;
+                return self.keep_server_decision(decision);
             }
             Err(e) => {
+                self.keep_server_decision(decision);
                 return self.note(format!("scaling policy: decide-servers failed, servers as they are: {e}"));
             }
         };
@@ -149,7 +158,17 @@ impl Coordinator<'_> {
                 "scaling policy asked for {asked} parameter servers; {want} (within {min}..={max})"
             ));
         }
+        decision.servers = Some(want);
+        self.keep_server_decision(decision);
         self.resize_ps(want);
+    }
+
+    /// Keeps a decision for the report (the newest of them).
+    fn keep_server_decision(&mut self, decision: super::ServerDecision) {
+        if self.ps.decisions.len() >= super::records::POLICY_DECISIONS_KEPT {
+            self.ps.decisions.pop_front();
+        }
+        self.ps.decisions.push_back(decision);
     }
 
     /// Starts servers, or tells the newest to go, towards `want` servers.

@@ -132,6 +132,9 @@ pub struct JobOutcome {
     /// What the batch adapter was told of the training, and answered.
     #[serde(default)]
     pub adapter_decisions: Vec<AdapterDecision>,
+    /// What the scaling policy was asked about the parameter servers, and answered.
+    #[serde(default)]
+    pub server_decisions: Vec<ServerDecision>,
     /// Workers asked for that the job ended before they joined, each with
     /// where it stood (`still starting`, `still loading the job`, ...).
     #[serde(default)]
@@ -186,6 +189,21 @@ pub struct AdapterDecision {
     pub step: u64,
     pub current: Hyperparams,
     pub answer: Option<Hyperparams>,
+}
+
+/// One time the scaling policy was asked about the parameter servers: the
+/// view it was given, its answer (None: leave them be) or its error, and
+/// the number the job took from it (within the bounds; None when it kept
+/// them as they were): a trace `plugin replay --servers` replays.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ServerDecision {
+    /// Seconds since the coordinator started.
+    pub secs: f64,
+    pub view: edl_plugin_sdk::ServerView,
+    pub answer: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    pub servers: Option<u32>,
 }
 
 /// A worker the job ended before it joined.

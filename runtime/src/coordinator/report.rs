@@ -61,6 +61,11 @@ pub struct Report {
     /// step times) and answered; a trace for `plugin replay --adapter`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub adapter_decisions: Vec<crate::coordinator::AdapterDecision>,
+    /// Each time the scaling policy was asked about the parameter servers:
+    /// the view, its answer (or error) and the number the job took; a
+    /// trace for `plugin replay --policy ... --servers`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub server_decisions: Vec<crate::coordinator::ServerDecision>,
     /// Workers asked for that the job ended before they joined, each with
     /// where it stood then (stopped unused).
     #[serde(default)]
@@ -132,6 +137,7 @@ impl Report {
             teacher_decisions: outcome.teacher_decisions,
             policy_decisions: outcome.policy_decisions,
             adapter_decisions: outcome.adapter_decisions,
+            server_decisions: outcome.server_decisions,
             workers_unused: outcome.workers_unused,
             redone_steps: outcome.redone_steps,
             worker_handles: outcome.worker_handles,

@@ -8,8 +8,8 @@ use super::{
     AdapterPlugin, Backend, Error, Loaded, Plugin, PolicyPlugin, TeacherPolicyPlugin, TransformPlugin, World,
 };
 use edl_plugin_sdk::native::{
-    ABI_VERSION, RawAction, RawBatch, RawClusterView, RawInfo, RawPair, RawSlice, RawStr, RawTeacherView,
-    status,
+    ABI_VERSION, RawAction, RawBatch, RawClusterView, RawInfo, RawPair, RawServerAnswer, RawServerView,
+    RawSlice, RawStr, RawTeacherView, status,
 };
 use edl_plugin_sdk::{
     Action, Batch, ClusterView, Hyperparams, PluginError, PluginInfo, ResizeEvent, TeacherPlan, TeacherView,
@@ -267,6 +267,8 @@ unsafe fn world_plugin(world: World, lib: &Library, common: Common) -> Result<Lo
         Ok(match world {
             World::ScalingPolicy => Loaded::Policy(Box::new(NativePolicy {
                 decide: symbol(lib, &shown, "edl_policy_decide")?,
+                // A library built before servers were asked about has none.
+                decide_servers: symbol(lib, &shown, "edl_policy_decide_servers").ok(),
                 common,
             })),
             World::BatchAdapter => Loaded::Adapter(Box::new(NativeAdapter {
@@ -308,6 +310,7 @@ macro_rules! native_plugin {
 struct NativePolicy {
     common: Common,
     decide: unsafe extern "C" fn(Handle, *const RawClusterView, *mut RawSlice<RawAction>) -> i32,
+    decide_servers: Option<unsafe extern "C" fn(Handle, *const RawServerView, *mut RawServerAnswer) -> i32>,
 }
 native_plugin!(NativePolicy);
 
@@ -325,6 +328,20 @@ impl PolicyPlugin for NativePolicy {
                 })
             })
             .collect()
+    }
+
+    fn decide_servers(&mut self, view: &edl_plugin_sdk::ServerView) -> Result<Option<u32>, Error> {
+        let Some(decide) = self.decide_servers else { return Ok(None) };
+        let raw = RawServerView::borrow(view);
+        let mut out = RawServerAnswer::default();
+        // SAFETY: the handle is this instance's own; `raw` borrows `view`,
+        // which outlives the call; `out` is a live local.
+        let code = unsafe { decide(self.common.handle, &raw, &mut out) };
+        self.common.check("decide-servers", code)?;
+        out.get().ok_or_else(|| {
+            let detail = format!("decide-servers answered {out:?}: `asked` is neither 0 nor 1");
+            native_err(&self.common.path, detail)
+        })
     }
 }
 

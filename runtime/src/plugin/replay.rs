@@ -20,10 +20,15 @@ pub enum TraceError {
     Scenario { path: String, source: serde_json::Error },
     #[error("{path}: the trace holds no cluster view")]
     Empty { path: String },
-    #[error("{path}:{line}: not a teacher view: {source}")]
-    TeacherParse { path: String, line: usize, source: serde_json::Error },
+    /// A line of JSON lines of views (`what`: `teacher view`, `server view`).
+    #[error("{path}:{line}: not a {what}: {source}")]
+    ViewParse { path: String, line: usize, what: &'static str, source: serde_json::Error },
     #[error("{path}: a report without teacher decisions (its job had no teacher pool)")]
     NoTeacherDecisions { path: String },
+    #[error(
+        "{path}: a report without server decisions (its job had no parameter servers, or no scaling policy was asked about them)"
+    )]
+    NoServerDecisions { path: String },
     #[error("{path}: a report without policy decisions (written before reports kept them)")]
     NoPolicyDecisions { path: String },
     #[error("{path}: not a job's report (JSON): {source}")]
@@ -247,27 +252,73 @@ pub fn read_adapter_trace(path: &Path) -> Result<Vec<crate::coordinator::Adapter
 /// `teacher_decisions`), or JSON lines each a teacher view or a decision
 /// (`#` lines are comments). An unknown field is refused, naming it.
 pub fn read_teacher_trace(path: &Path) -> Result<Vec<edl_plugin_sdk::TeacherView>, TraceError> {
+    let missing = |path| TraceError::NoTeacherDecisions { path };
+    let views =
+        read_views::<edl_plugin_sdk::TeacherView>(path, "teacher_decisions", "teacher view", missing)?;
+    Ok(views.into_iter().map(|(v, _)| v).collect())
+}
+
+/// A server view of a trace, with the answer the job had from its policy
+/// when the trace records one.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServerTraceEntry {
+    pub view: edl_plugin_sdk::ServerView,
+    /// `Some(answer)` where the trace holds the job's decision.
+    pub in_the_job: Option<Option<u32>>,
+}
+
+/// The server views of a trace: a job's report (its `server_decisions`),
+/// or JSON lines each a server view or a decision (`{"view": ..,
+/// "answer": ..}`), as for teachers.
+pub fn read_server_trace(path: &Path) -> Result<Vec<ServerTraceEntry>, TraceError> {
+    let missing = |path| TraceError::NoServerDecisions { path };
+    let views = read_views::<edl_plugin_sdk::ServerView>(path, "server_decisions", "server view", missing)?;
+    Ok(views
+        .into_iter()
+        .map(|(view, decision)| {
+            // A decision that failed had no answer to compare with.
+            let recorded = decision.filter(|d| d.get("error").is_none_or(|e| e.is_null()));
+            let in_the_job = recorded.and_then(|d| {
+                let answer = d.get("answer")?;
+                Some(answer.as_u64().and_then(|n| u32::try_from(n).ok()))
+            });
+            ServerTraceEntry { view, in_the_job }
+        })
+        .collect())
+}
+
+/// The views of a trace, each with the decision it came in (None for a
+/// bare view): a job's report (the `view`s of its list `list`; a report
+/// without the list is `missing`'s error), or JSON lines each a view or a
+/// decision holding one (`#` lines are comments). An unknown field is
+/// refused, naming it.
+fn read_views<T: Default + Serialize + serde::de::DeserializeOwned>(
+    path: &Path,
+    list: &'static str,
+    what: &'static str,
+    missing: impl Fn(String) -> TraceError,
+) -> Result<Vec<(T, Option<serde_json::Value>)>, TraceError> {
     let shown = path.display().to_string();
     let text =
         std::fs::read_to_string(path).map_err(|source| TraceError::Read { path: shown.clone(), source })?;
     let mut views = Vec::new();
     let whole = serde_json::from_str::<serde_json::Value>(&text).ok().filter(|v| v.is_object());
-    if whole.as_ref().is_some_and(|r| r.get("teacher_decisions").is_none() && r.get("timeline").is_some()) {
-        return Err(TraceError::NoTeacherDecisions { path: shown });
+    if whole.as_ref().is_some_and(|r| r.get(list).is_none() && r.get("timeline").is_some()) {
+        return Err(missing(shown));
     }
     if let Some(report) = whole
-        && let Some(decisions) = report.get("teacher_decisions").and_then(|d| d.as_array())
+        && let Some(decisions) = report.get(list).and_then(|d| d.as_array())
     {
         for (i, d) in decisions.iter().enumerate() {
-            let view = serde_json::from_value::<StrictView>(d.get("view").cloned().unwrap_or_default())
+            let view = serde_json::from_value::<Strict<T>>(d.get("view").cloned().unwrap_or_default())
                 .map_err(|source| TraceError::ReportParse {
                     path: shown.clone(),
-                    list: "teacher_decisions",
+                    list,
                     index: i + 1,
-                    what: "teacher view",
+                    what,
                     source,
                 })?;
-            views.push(view.0);
+            views.push((view.0, Some(d.clone())));
         }
     } else {
         for (i, line) in text.lines().enumerate() {
@@ -275,16 +326,14 @@ pub fn read_teacher_trace(path: &Path) -> Result<Vec<edl_plugin_sdk::TeacherView
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
-            let parse = |s: &str| serde_json::from_str::<serde_json::Value>(s);
-            let value = parse(line).map_err(|source| TraceError::TeacherParse {
-                path: shown.clone(),
-                line: i + 1,
-                source,
-            })?;
-            let view = value.get("view").cloned().unwrap_or(value);
-            let checked: StrictView = serde_json::from_value(view)
-                .map_err(|source| TraceError::TeacherParse { path: shown.clone(), line: i + 1, source })?;
-            views.push(checked.0);
+            let parse_err = |source| TraceError::ViewParse { path: shown.clone(), line: i + 1, what, source };
+            let value = serde_json::from_str::<serde_json::Value>(line).map_err(parse_err)?;
+            let (view, decision) = match value.get("view") {
+                Some(v) => (v.clone(), Some(value.clone())),
+                None => (value, None),
+            };
+            let checked: Strict<T> = serde_json::from_value(view).map_err(parse_err)?;
+            views.push((checked.0, decision));
         }
     }
     if views.is_empty() {
@@ -296,9 +345,6 @@ pub fn read_teacher_trace(path: &Path) -> Result<Vec<edl_plugin_sdk::TeacherView
 /// A view read strictly: a field the view does not have (a typo,
 /// `thruput`) is refused, naming it, rather than read as a zero.
 struct Strict<T>(T);
-
-/// A teacher view read strictly.
-type StrictView = Strict<edl_plugin_sdk::TeacherView>;
 
 impl<'de, T: Default + Serialize + serde::de::DeserializeOwned> serde::Deserialize<'de> for Strict<T> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -463,4 +509,41 @@ pub fn simulate(
     }
     out.final_world_size = sim.world_size();
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trace(text: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("trace.jsonl");
+        std::fs::write(&path, text).unwrap();
+        (dir, path)
+    }
+
+    #[test]
+    fn a_server_trace_reads_views_and_decisions_and_refuses_what_is_not_one() {
+        let (_d, path) = trace(
+            "# a comment\n\
+             {\"step\": 5, \"servers\": [{\"id\": 1, \"rows\": 7}], \"max_servers\": 4}\n\
+             {\"view\": {\"step\": 9}, \"answer\": 3, \"servers\": 3}\n\
+             {\"view\": {\"step\": 12}, \"answer\": null, \"servers\": null}\n\
+             {\"view\": {\"step\": 15}, \"answer\": null, \"error\": \"trapped\", \"servers\": null}\n",
+        );
+        let entries = read_server_trace(&path).unwrap();
+        let got: Vec<(u64, Option<Option<u32>>)> =
+            entries.iter().map(|e| (e.view.step, e.in_the_job)).collect();
+        assert_eq!(got, [(5, None), (9, Some(Some(3))), (12, Some(None)), (15, None)]);
+        assert_eq!(entries[0].view.servers[0].rows, 7);
+        assert_eq!(entries[0].view.max_servers, 4);
+        // A misspelt field is named, with the line.
+        let (_d, bad) = trace("{\"step\": 1, \"severs\": []}\n");
+        let err = read_server_trace(&bad).unwrap_err().to_string();
+        assert!(err.contains(":1: not a server view") && err.contains("severs"), "{err}");
+        // A job's report from a job without servers says so.
+        let (_d, report) = trace("{\"timeline\": [], \"policy_decisions\": []}");
+        let err = read_server_trace(&report).unwrap_err().to_string();
+        assert!(err.contains("a report without server decisions"), "{err}");
+    }
 }

@@ -664,6 +664,54 @@ fn a_policy_grows_the_servers_2_to_3_and_back_to_2_mid_job_and_the_model_ends_as
     assert_eq!(changes, [2, 3, 2], "the servers each step had");
     // Each step's updates applied once, whichever servers held the rows.
     assert_as_builtin_calm(dir.path(), &text);
+    replays_to_the_job_s_server_decisions(dir.path(), &r);
+}
+
+/// The report's server decisions, replayed by `plugin replay --servers`
+/// with the job's policy and configuration, come out as the job's policy
+/// answered them: leaving the servers be before step 150, three from
+/// there, two from step 400.
+fn replays_to_the_job_s_server_decisions(d: &Path, r: &serde_json::Value) {
+    let recorded = r["server_decisions"].as_array().unwrap();
+    let answered = |d: &serde_json::Value| d["answer"].as_u64();
+    let steps = |n: Option<u64>| {
+        recorded.iter().filter(move |d| answered(d) == n).map(|d| d["view"]["step"].as_u64().unwrap())
+    };
+    assert!(steps(None).count() > 0 && steps(None).all(|s| s < 150), "{recorded:?}");
+    assert!(steps(Some(3)).count() > 0 && steps(Some(3)).all(|s| (150..400).contains(&s)), "{recorded:?}");
+    assert!(steps(Some(2)).count() > 0 && steps(Some(2)).all(|s| s >= 400), "{recorded:?}");
+    // The view of each: the servers the job had then, and their rows.
+    let last = recorded.last().unwrap();
+    assert_eq!(last["view"]["servers"].as_array().unwrap().len(), 2, "{last}");
+    assert!(recorded.iter().any(|d| d["view"]["servers"].as_array().unwrap().len() == 3), "{recorded:?}");
+    assert!(last["view"]["servers"][0]["rows"].as_u64().unwrap() > 0, "{last}");
+    let out = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+        .current_dir(d)
+        .args([
+            "plugin",
+            "replay",
+            "--policy",
+            art::SCHEDULE_WASM,
+            "--servers",
+            "--trace",
+            "report.json",
+            "--json",
+        ])
+        .args(["--policy-config", "every=100000", "--policy-config", "servers=150:3,400:2"])
+        .output()
+        .unwrap();
+    let (said, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{err}");
+    let replayed: Vec<serde_json::Value> = said.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(replayed.len(), recorded.len(), "{said}");
+    for (a, b) in replayed.iter().zip(recorded) {
+        assert_eq!(a["step"], b["view"]["step"], "{a} {b}");
+        assert_eq!(a["answer"], b["answer"], "replayed {a} against recorded {b}");
+        assert_eq!(a["in_the_job"], b["answer"], "{a}");
+    }
+    let n = recorded.len();
+    assert!(err.contains(&format!("{n} decisions of edl-plugin-schedule")), "{err}");
+    assert!(err.contains(&format!("{n} of {n} answered as in the job")), "{err}");
 }
 
 #[test]

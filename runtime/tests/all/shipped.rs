@@ -63,6 +63,29 @@ fn schedule_steps_by_n_every_k_steps() {
 }
 
 #[test]
+fn schedule_sizes_the_servers_sandboxed_or_native_and_autoscale_leaves_them_be() {
+    let (host, _d) = host();
+    let view = |step| edl_plugin_sdk::ServerView {
+        step,
+        servers: vec![edl_plugin_sdk::ServerStats { id: 1, rows: 10, ..Default::default() }; 2],
+        min_servers: 1,
+        max_servers: 4,
+        replicas: 1,
+        secs_since_change: 1.0,
+    };
+    for file in [art::SCHEDULE_WASM, art::SCHEDULE_SO] {
+        let mut p = host.load_policy(path(file), &pairs(&[("servers", "100:3,200:2")])).unwrap();
+        let asked: Vec<Option<u32>> =
+            [50, 100, 150, 250].iter().map(|&s| p.decide_servers(&view(s)).unwrap()).collect();
+        assert_eq!(asked, [None, Some(3), Some(3), Some(2)], "{file}");
+    }
+    for file in [art::AUTOSCALE_WASM, art::AUTOSCALE_SO] {
+        let mut p = host.load_policy(path(file), &[]).unwrap();
+        assert_eq!(p.decide_servers(&view(500)).unwrap(), None, "{file}");
+    }
+}
+
+#[test]
 fn dynamic_batch_ramps_lr_when_going_from_two_to_four_workers() {
     let (host, _d) = host();
     for file in [art::DYNAMIC_BATCH_WASM, art::DYNAMIC_BATCH_SO] {
