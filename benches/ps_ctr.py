@@ -7,9 +7,14 @@ benches/programs/ctr_peer.py), side by side in one run.
     cargo build --release -p edl-runtime -p edl-python
     ~/.cache/edl/venv-torch/bin/python benches/ps_ctr.py
 
-Throughput: samples/s of the job's training (the report's
-`samples_per_sec`) with 1, 2 and 4 servers and 1 and 2 workers, against the
-peer's (its training steps alone); both tables on Adam (the servers' per-row
+Throughput: samples/s of the job's training steps with 1, 2 and 4 servers
+and 1 and 2 workers (what each worker's program measures of its own
+training steps, each from its start to the next one's, its commit included,
+the steps that also evaluate left out; the slowest worker's), against the
+peer's (its training steps alone, timed the same way); beside it the job's
+end to end (the report's `samples_per_sec`: from the job's start, its
+evaluations, first steps and final checkpoint included); each setting run
+`--repeats` times (3), round after round, the medians shown; both tables on Adam (the servers' per-row
 Adam against SparseAdam), the dense network on AdamW, batch 128, the same
 synthetic Criteo-shaped rows. Quality: the test AUC before the job's last
 step against the peer's after its last (one step of the epoch apart).
@@ -29,6 +34,7 @@ import os
 import pathlib
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +46,7 @@ from torch_ddp import RELEASE, ROOT, environment, run, site  # noqa: E402
 PROGRAM = ROOT / "examples" / "ctr" / "wide_deep_torch.py"
 PEER = ROOT / "benches" / "programs" / "ctr_peer.py"
 AUC = re.compile(r"test AUC before the last step ([0-9.]+)")
+TRAINING = re.compile(r"training steps ([0-9.]+) samples/s")
 
 
 def data_env(env, args):
@@ -69,7 +76,10 @@ def edl_run(servers, workers, args, env):
         text, _ = run(cmd, env, d, f"edl with {servers} servers, {workers} workers")
         report = json.loads(pathlib.Path(d, "report.json").read_text())
         aucs = [float(a) for a in AUC.findall(text)]
-        return report["samples_per_sec"], (aucs[-1] if aucs else float("nan"))
+        rates = [float(r) for r in TRAINING.findall(text)]
+        if len(rates) < workers:
+            sys.exit(f"{workers} worker(s), {len(rates)} measured their training steps:\n{text[-3000:]}")
+        return min(rates), report["samples_per_sec"], (aucs[-1] if aucs else float("nan"))
 
 
 def peer_run(args, env):
@@ -113,17 +123,31 @@ def main():
     ap.add_argument("--lr", type=float, default=0.01, help="the tables' Adam learning rate")
     ap.add_argument("--servers", default="1,2,4")
     ap.add_argument("--workers", default="1,2")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each setting, the peer's among them; medians shown")
     args = ap.parse_args()
     env = data_env(environment(site()), args)
     started = time.time()
-    peer_rate, peer_auc = peer_run(args, env)
-    print(f"{'setting':<26} {'samples/s':>10} {'x peer':>7} {'test AUC':>9} {'AUC - peer':>11}")
-    print(f"{'one process (peer)':<26} {peer_rate:>10.0f} {1.0:>7.2f} {peer_auc:>9.4f} {0.0:>+11.4f}")
-    for w in map(int, args.workers.split(",")):
-        for s in map(int, args.servers.split(",")):
-            rate, auc = edl_run(s, w, args, env)
-            name = f"edl {s} server(s), {w} worker(s)"
-            print(f"{name:<26} {rate:>10.0f} {rate / peer_rate:>7.2f} {auc:>9.4f} {auc - peer_auc:>+11.4f}", flush=True)
+    settings = [(s, w) for w in map(int, args.workers.split(",")) for s in map(int, args.servers.split(","))]
+    peer, runs = [], {k: [] for k in settings}
+    # Round after round, each setting once, so that the machine's drift
+    # falls on all of them alike.
+    for _ in range(max(1, args.repeats)):
+        peer.append(peer_run(args, env))
+        for s, w in settings:
+            runs[(s, w)].append(edl_run(s, w, args, env))
+    median = statistics.median
+    peer_rate, peer_auc = median(r for r, _ in peer), peer[0][1]
+    spread = f"{min(r for r, _ in peer):.0f}-{max(r for r, _ in peer):.0f}"
+    print(f"{'setting':<28} {'samples/s':>10} {'x peer':>7} {'end to end':>11} {'test AUC':>9} {'AUC - peer':>11}  runs")
+    print(f"{'one process (peer)':<28} {peer_rate:>10.0f} {1.0:>7.2f} {'':>11} {peer_auc:>9.4f} {0.0:>+11.4f}  {spread}")
+    for (s, w), rs in runs.items():
+        rate, whole, auc = median(r[0] for r in rs), median(r[1] for r in rs), rs[0][2]
+        name = f"edl {s} server(s), {w} worker(s)"
+        spread = f"{min(r[0] for r in rs):.0f}-{max(r[0] for r in rs):.0f}"
+        print(
+            f"{name:<28} {rate:>10.0f} {rate / peer_rate:>7.2f} {whole:>11.0f} {auc:>9.4f} {auc - peer_auc:>+11.4f}  {spread}",
+            flush=True,
+        )
     pause, moved = recovery(args, env)
     print(f"server killed (3 servers, 2 replicas, 2 workers): pause {pause:.0f} ms, {moved} rows moved to new replicas")
     print(f"({time.time() - started:.0f} s; {os.cpu_count()} cores)")

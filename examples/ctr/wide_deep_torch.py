@@ -1,6 +1,7 @@
 """The wide-and-deep click-through model of `wide_deep.py` in PyTorch: its
 two embedding tables on the job's parameter servers
-(`edl.torch.SparseEmbedding`), its dense network under DDP
+(`edl.torch.SparseEmbedding`, looked up together by an
+`edl.torch.SparseEmbeddingCollection`), its dense network under DDP
 (`edl.torch.ElasticDDP`, gloo) with AdamW, the whole dense state kept by the
 job (`edl.torch.ElasticState`):
 
@@ -57,6 +58,8 @@ def main():
     lr = float(os.environ.get("CTR_SPARSE_LR", "0.05"))
     wide = edl.torch.SparseEmbedding(job, "wide", 1, optimizer=sparse, lr=lr, init="zeros")
     deep = edl.torch.SparseEmbedding(job, "deep", EMBED, optimizer=sparse, lr=lr, seed=job.seed)
+    # Both looked up in one flight of requests to the servers.
+    tables = edl.torch.SparseEmbeddingCollection(wide, deep)
     model = WideDeep()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     state = edl.torch.ElasticState(job, model, opt)
@@ -64,34 +67,48 @@ def main():
     epoch, auc = None, None
     # Extra time per step (to try the runtime at other step times), ms.
     delay = float(os.environ.get("STEP_DELAY_MS", "0")) / 1e3
+    # The training steps' own time, each from its start to the next's (its
+    # commit included), steps that also evaluated left out: what a
+    # one-process loop's timer around its training steps measures.
+    trained, train_secs, last = 0, 0.0, None
 
     for step in state.steps():
+        now = time.perf_counter()
+        if last is not None:
+            trained, train_secs = trained + last[1], train_secs + now - last[0]
+        last = (now, step.global_rows)
         metrics = {}
         idx = torch.from_numpy(step.indices)
         try:
             # At each epoch's start, and before the job's last step.
             if step.epoch != epoch or (step.ends_epoch and step.epoch + 1 == job.epochs):
                 with torch.no_grad():
-                    logit = model(wide(t_ids, step), deep(t_ids, step), t_dense)
+                    logit = model(*tables(t_ids, step), t_dense)
                 epoch = step.epoch
                 auc = criteo.auc(logit.numpy(), t_labels)
                 metrics["auc"] = auc
+                last = None
             net = ddp.on(step)
             opt.zero_grad()
             x, i, y = dense[idx], ids[idx], labels[idx]
-            logit = net(wide(i, step), deep(i, step), x)
+            logit = net(*tables(i, step), x)
             mean = F.binary_cross_entropy_with_logits(logit, y) if len(idx) else logit.sum() * 0.0
             edl.torch.scaled(step, mean).backward()
             if delay:
                 time.sleep(delay)
         except RuntimeError as e:  # a peer died mid-collective
             step.abandon(str(e))
+            last = None
             continue
         opt.step()
         step.commit(loss=mean.item(), **metrics)
 
+    if last is not None:
+        trained, train_secs = trained + last[1], train_secs + time.perf_counter() - last[0]
     measured = "never trained" if auc is None else f"test AUC before the last step {auc:.4f}"
     print(f"worker {job.worker_id}: {job.stopped}; {measured}", flush=True)
+    if train_secs > 0:
+        print(f"worker {job.worker_id}: training steps {trained / train_secs:.0f} samples/s", flush=True)
     return 0
 
 

@@ -156,12 +156,10 @@ fn indices_array<'py>(py: Python<'py>, ids: &[u32]) -> PyResult<Bound<'py, PyAny
 
 /// Float32 values as a NumPy array of `shape`.
 fn float_array<'py>(py: Python<'py>, values: &[f32], shape: (usize, usize)) -> PyResult<Bound<'py, PyAny>> {
-    let np = py.import("numpy")?;
-    let a = np.call_method1(
-        "frombuffer",
-        (PyBytes::new(py, &edl_runtime::distill::oip::f32_bytes(values)), "float32"),
-    )?;
-    a.call_method1("reshape", (shape,))?.call_method0("copy")
+    // One copy: into a bytearray the array is a writable view of (and keeps alive).
+    let bytes = pyo3::types::PyByteArray::new(py, bytemuck::cast_slice(values));
+    let a = py.import("numpy")?.call_method1("frombuffer", (bytes, "float32"))?;
+    a.call_method1("reshape", (shape,))
 }
 
 struct Inner {
@@ -648,6 +646,18 @@ fn abandon_for(py: Python<'_>, inner: &mut Inner, e: anyhow::Error) -> PyResult<
 
 /// Sparse-table ids from Python: integers >= 0, as u64.
 fn ids_of(py: Python<'_>, table: &str, ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    // int64 (what torch and NumPy make) read as it is; anything else through NumPy.
+    let v = match PyBuffer::<i64>::get(ids) {
+        Ok(buf) => buf.to_vec(py)?,
+        Err(_) => return ids_through_numpy(py, table, ids),
+    };
+    if let Some(bad) = v.iter().find(|&&i| i < 0) {
+        return Err(PyValueError::new_err(format!("table {table:?}: id {bad} is negative")));
+    }
+    Ok(v.into_iter().map(|i| i as u64).collect())
+}
+
+fn ids_through_numpy(py: Python<'_>, table: &str, ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     let np = py.import("numpy")?;
     let a = np.call_method1("asarray", (ids,))?;
     let kind: String = a.getattr("dtype")?.getattr("kind")?.extract()?;
@@ -845,6 +855,39 @@ impl StepView {
         let step = self.info.step;
         match py.detach(|| tables.pull(table, mark, step, &ids)) {
             Ok(rows) => float_array(py, &rows, (ids.len(), dim)).map(Some),
+            Err(e) => abandon_for(py, &mut inner, e).map(|()| None),
+        }
+    }
+
+    /// [`StepView::pull`] of several tables at once, `reads` a list of
+    /// `(table, ids)`: every table's request is sent to the servers before
+    /// any answer is read (one flight instead of a round trip per table).
+    /// A list of float32 arrays in the order of `reads`, or None as `pull`.
+    fn pull_many<'py>(
+        &self,
+        py: Python<'py>,
+        reads: Vec<(String, Bound<'py, PyAny>)>,
+    ) -> PyResult<Option<Vec<Bound<'py, PyAny>>>> {
+        if self.done {
+            return Err(err(format!("step {} is over", self.info.step)));
+        }
+        let ids: Vec<Vec<u64>> = reads.iter().map(|(t, ids)| ids_of(py, t, ids)).collect::<PyResult<_>>()?;
+        let job = self.job.bind(py).borrow();
+        let mut inner = lock(&job.inner);
+        let mark = self.mark();
+        let tables = &mut inner.tables;
+        let dims: Vec<usize> =
+            reads.iter().map(|(t, _)| tables.dim(t)).collect::<anyhow::Result<_>>().map_err(anyhow_err)?;
+        let step = self.info.step;
+        let asked: Vec<(&str, &[u64])> =
+            reads.iter().zip(&ids).map(|((t, _), ids)| (t.as_str(), &ids[..])).collect();
+        match py.detach(|| tables.pull_many(&asked, mark, step)) {
+            Ok(rows) => rows
+                .iter()
+                .zip(ids.iter().zip(dims))
+                .map(|(r, (ids, dim))| float_array(py, r, (ids.len(), dim)))
+                .collect::<PyResult<Vec<_>>>()
+                .map(Some),
             Err(e) => abandon_for(py, &mut inner, e).map(|()| None),
         }
     }

@@ -259,3 +259,42 @@ def test_sparse_bags_reduce_their_rows_and_push_each_rows_gradient_averaged_over
     assert torch.allclose(torch.from_numpy(grads), want_grads)
     with pytest.raises(ValueError, match="give the step"):
         et.SparseEmbedding(tables, "u", 2)(ids)
+
+
+class _ManyTables(_Tables):
+    """`_Tables` whose step also reads several tables in one call."""
+
+    def __init__(self):
+        super().__init__()
+        self.flights = []
+
+    def pull_many(self, reads):
+        self.flights.append([name for name, _ in reads])
+        return [self.pull(name, ids) for name, ids in reads]
+
+
+def test_a_collection_reads_its_tables_in_one_flight_as_each_alone_and_pushes_each():
+    tables = _ManyTables()
+    deep, bag = et.SparseEmbedding(tables, "deep", 3), et.SparseEmbeddingBag(tables, "wide", 1)
+    both = et.SparseEmbeddingCollection(deep, bag)
+    ids = torch.tensor([[1, 2], [3, 1]])
+    rows, pooled = both(ids, tables)
+    assert tables.flights == [["deep", "wide"]]
+    assert torch.equal(rows, deep(ids, tables)) and torch.equal(pooled, bag(ids, tables))
+    tables.pushed.clear()
+    (rows.sum() * 2 + pooled.sum()).backward()
+    pushed = {name: (ids, grads) for name, ids, grads in tables.pushed}
+    assert set(pushed) == {"deep", "wide"}
+    assert pushed["deep"][0] == [1, 2, 3, 1] and (pushed["deep"][1] == 2.0 / tables.world).all()
+    assert (pushed["wide"][1] == 1.0 / tables.world).all()
+    # A table whose rows the loss does not use is not pushed (the commit pushes it empty).
+    tables.pushed.clear()
+    rows, _ = both([ids, torch.tensor([[5, 6]])], tables)
+    rows.sum().backward()
+    assert [name for name, _, _ in tables.pushed] == ["deep"]
+    with pytest.raises(ValueError, match="1 ids tensors for 2 tables"):
+        both([ids], tables)
+    with pytest.raises(ValueError, match="each table once"):
+        et.SparseEmbeddingCollection(deep, deep)
+    with pytest.raises(ValueError, match="give the step"):
+        et.SparseEmbeddingCollection(deep)(ids)

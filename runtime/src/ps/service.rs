@@ -410,6 +410,14 @@ pub struct Client {
     unanswered: Vec<usize>,
 }
 
+/// A read of one table: each server's unique ids, and where each id asked
+/// is found in the answers (server, position).
+struct ReadPlan {
+    dim: usize,
+    unique: Vec<Vec<u64>>,
+    at: Vec<(u32, u32)>,
+}
+
 struct Conn {
     id: u64,
     addr: SocketAddr,
@@ -525,21 +533,49 @@ impl Client {
         which: &[usize],
         mut req: impl FnMut(usize) -> (Request, Vec<u8>),
     ) -> Result<Vec<(Response, Vec<u8>)>> {
-        self.settle()?;
-        let mut sent = Vec::with_capacity(which.len());
-        let mut first: Option<anyhow::Error> = None;
-        for &s in which {
+        let flight = which.iter().map(|&s| {
             let (r, body) = req(s);
+            (s, r, body)
+        });
+        self.ask_each(flight.collect())
+    }
+
+    /// Sends every request of `flight` (server index, request, body), in
+    /// order, before reading any answer; then reads the answers in the same
+    /// order (each connection answers in the order it was asked). A server
+    /// whose connection failed is neither sent nor read from again; the
+    /// first error, if any, once every answer owed is read.
+    fn ask_each(&mut self, flight: Vec<(usize, Request, Vec<u8>)>) -> Result<Vec<(Response, Vec<u8>)>> {
+        self.settle()?;
+        let mut broken = vec![false; self.servers.len()];
+        let mut first: Option<anyhow::Error> = None;
+        let mut sent = Vec::with_capacity(flight.len());
+        for (s, r, body) in flight {
+            if broken[s] {
+                continue;
+            }
             match self.servers[s].send(&r, &body) {
                 Ok(()) => sent.push(s),
-                Err(e) => _ = first.get_or_insert(e),
+                Err(e) => {
+                    broken[s] = true;
+                    first.get_or_insert(e);
+                }
             }
         }
         let mut out = Vec::with_capacity(sent.len());
         for s in sent {
+            if broken[s] {
+                continue;
+            }
             match self.servers[s].receive() {
                 Ok(a) => out.push(a),
-                Err(e) => _ = first.get_or_insert(e),
+                Err(e) => {
+                    // A refusal leaves the connection in step; anything else does not.
+                    if e.downcast_ref::<Unreachable>().is_some() {
+                        broken[s] = true;
+                    }
+                    first.get_or_insert(e);
+                }
             }
         }
         match first {
@@ -561,48 +597,79 @@ impl Client {
     /// Rows `ids` of `table` (in order, repeats allowed), once the steps
     /// before `need` are applied; each server is asked once for its unique ids.
     pub fn pull(&mut self, table: &str, mark: Mark, need: u64, ids: &[u64]) -> Result<Vec<f32>> {
-        self.read(table, mark, need, ids, false)
+        Ok(self.read(&[(table, ids)], mark, need, false)?.remove(0))
+    }
+
+    /// [`Client::pull`] of several tables in one flight: every table's
+    /// requests are sent before any answer is read, so that the servers
+    /// read one table's rows while the answer of the one before travels.
+    pub fn pull_many(&mut self, reads: &[(&str, &[u64])], mark: Mark, need: u64) -> Result<Vec<Vec<f32>>> {
+        self.read(reads, mark, need, false)
     }
 
     /// [`Client::pull`] that makes no row on the servers: one not held
     /// comes back with its initial values (an evaluation's read).
     pub fn peek(&mut self, table: &str, mark: Mark, need: u64, ids: &[u64]) -> Result<Vec<f32>> {
-        self.read(table, mark, need, ids, true)
+        Ok(self.read(&[(table, ids)], mark, need, true)?.remove(0))
     }
 
-    fn read(&mut self, table: &str, mark: Mark, need: u64, ids: &[u64], peek: bool) -> Result<Vec<f32>> {
-        let spec = self.spec(table)?.clone();
+    fn read(&mut self, reads: &[(&str, &[u64])], mark: Mark, need: u64, peek: bool) -> Result<Vec<Vec<f32>>> {
+        let plans: Vec<ReadPlan> =
+            reads.iter().map(|&(table, ids)| self.plan_read(table, ids)).collect::<Result<_>>()?;
+        let mut flight = Vec::new();
+        let mut whose = Vec::new();
+        for (p, (plan, &(table, _))) in plans.iter().zip(reads).enumerate() {
+            let req = Request::Pull { table: table.into(), mark, need, peek };
+            for (s, unique) in plan.unique.iter().enumerate().filter(|(_, u)| !u.is_empty()) {
+                flight.push((s, req.clone(), wire::encode(unique, &[])));
+                whose.push((p, s));
+            }
+        }
+        let answers = self.ask_each(flight)?;
+        let mut rows: Vec<Vec<Vec<f32>>> =
+            plans.iter().map(|_| vec![Vec::new(); self.servers.len()]).collect();
+        for (&(p, s), (_, body)) in whose.iter().zip(answers) {
+            let want = plans[p].unique[s].len() * plans[p].dim;
+            let (_, r) = wire::decode(&body, 0).filter(|(_, r)| r.len() == want).with_context(|| {
+                format!(
+                    "parameter server {}: a pull of {:?} answered with the wrong size",
+                    self.servers[s].id, reads[p].0
+                )
+            })?;
+            rows[p][s] = r;
+        }
+        Ok(plans
+            .iter()
+            .zip(&rows)
+            .map(|(plan, rows)| {
+                let d = plan.dim;
+                let mut out = Vec::with_capacity(plan.at.len() * d);
+                for &(s, i) in &plan.at {
+                    let i = i as usize;
+                    out.extend_from_slice(&rows[s as usize][i * d..(i + 1) * d]);
+                }
+                out
+            })
+            .collect())
+    }
+
+    /// Which server each of `ids` is asked of, each once.
+    fn plan_read(&self, table: &str, ids: &[u64]) -> Result<ReadPlan> {
+        let spec = self.spec(table)?;
         let mut unique: Vec<Vec<u64>> = vec![Vec::new(); self.servers.len()];
-        let mut place: rustc_hash::FxHashMap<u64, (usize, usize)> = Default::default();
-        for &id in ids {
-            place.entry(id).or_insert_with(|| {
-                let s = self.holders[spec.shard_of(id) as usize][0];
-                unique[s].push(id);
-                (s, unique[s].len() - 1)
-            });
-        }
-        let req = Request::Pull { table: table.into(), mark, need, peek };
-        let asked: Vec<usize> = (0..self.servers.len()).filter(|&s| !unique[s].is_empty()).collect();
-        let answers = self.ask(&asked, |s| (req.clone(), wire::encode(&unique[s], &[])))?;
-        let mut rows: Vec<Vec<f32>> = vec![Vec::new(); self.servers.len()];
-        for (&s, (_, body)) in asked.iter().zip(answers) {
-            let (_, r) = wire::decode(&body, 0)
-                .filter(|(_, r)| r.len() == unique[s].len() * spec.dim)
-                .with_context(|| {
-                    format!(
-                        "parameter server {}: a pull of {:?} answered with the wrong size",
-                        self.servers[s].id, table
-                    )
-                })?;
-            rows[s] = r;
-        }
-        let d = spec.dim;
-        let mut out = Vec::with_capacity(ids.len() * d);
-        for id in ids {
-            let (s, i) = place[id];
-            out.extend_from_slice(&rows[s][i * d..(i + 1) * d]);
-        }
-        Ok(out)
+        let mut place: rustc_hash::FxHashMap<u64, (u32, u32)> =
+            rustc_hash::FxHashMap::with_capacity_and_hasher(ids.len(), Default::default());
+        let at = ids
+            .iter()
+            .map(|&id| {
+                *place.entry(id).or_insert_with(|| {
+                    let s = self.holders[spec.shard_of(id) as usize][0];
+                    unique[s].push(id);
+                    (s as u32, (unique[s].len() - 1) as u32)
+                })
+            })
+            .collect();
+        Ok(ReadPlan { dim: spec.dim, unique, at })
     }
 
     /// Pushes `grads` (`ids.len() * dim` floats) of a step to every server:
@@ -661,8 +728,9 @@ impl Client {
             bail!("table {table:?}: {} gradient floats for {} ids of dimension {d}", grads.len(), ids.len());
         }
         // A row's repeats summed, in the order rows first appear.
-        let (mut unique, mut summed) = (Vec::new(), Vec::new());
-        let mut at: rustc_hash::FxHashMap<u64, usize> = Default::default();
+        let (mut unique, mut summed) = (Vec::with_capacity(ids.len()), Vec::with_capacity(grads.len()));
+        let mut at: rustc_hash::FxHashMap<u64, usize> =
+            rustc_hash::FxHashMap::with_capacity_and_hasher(ids.len(), Default::default());
         for (&id, g) in ids.iter().zip(grads.chunks_exact(d)) {
             let i = *at.entry(id).or_insert_with(|| {
                 unique.push(id);
@@ -864,6 +932,39 @@ mod tests {
     /// not wait for the step before it shows in the result.
     fn grads(rows: &[f32], step: u64) -> Vec<f32> {
         rows.iter().enumerate().map(|(i, w)| 0.3 * w + 0.01 * ((step as usize + i) % 5) as f32).collect()
+    }
+
+    #[test]
+    fn tables_pulled_in_one_flight_read_as_each_pulled_alone_across_servers() {
+        let job = job();
+        let services = [start(&job, 1, Duration::from_secs(60)), start(&job, 2, Duration::from_secs(60))];
+        let addrs: Vec<(u64, SocketAddr)> = vec![(1, services[0].addr()), (2, services[1].addr())];
+        let mut c = Client::connect(&addrs, 1, &job, 3).unwrap();
+        let mark = Mark { generation: 1, base: 0, committed: 0 };
+        let wide = TableSpec { name: "wide".into(), dim: 1, seed: 9, ..spec() };
+        c.declare(spec(), mark, None).unwrap();
+        c.declare(wide, mark, None).unwrap();
+        // Step 0 trains both tables, so that step 1's reads see its update.
+        let ids = batch(0, 0);
+        let tag = PushTag { mark, step: 0, rank: 0, world: 1 };
+        c.push("emb", tag, &ids, &vec![1.0; ids.len() * 3]).unwrap();
+        c.push("wide", tag, &ids, &vec![2.0; ids.len()]).unwrap();
+        let (a, b) = (batch(1, 0), batch(2, 1));
+        let many = c.pull_many(&[("emb", &a), ("wide", &b), ("emb", &[])], mark, 1).unwrap();
+        let alone = [c.pull("emb", mark, 1, &a).unwrap(), c.pull("wide", mark, 1, &b).unwrap(), Vec::new()];
+        assert_eq!(many, alone);
+        assert_eq!((many[0].len(), many[1].len()), (a.len() * 3, b.len()));
+        // Rows on both servers were read, and step 0 is in them.
+        assert!(services.iter().all(|s| !s.rows("emb").is_empty()));
+        let fresh = TableSpec { name: "wide".into(), dim: 1, seed: 9, ..spec() };
+        let at = b.iter().position(|id| ids.contains(id)).expect("an id trained at step 0");
+        let mut initial = [0.0];
+        fresh.init_row(b[at], &mut initial);
+        assert_ne!(many[1][at], initial[0], "step 0's push is not in the read");
+        // A table not declared is refused before anything is sent.
+        let err = c.pull_many(&[("emb", &a), ("nope", &a)], mark, 1).unwrap_err();
+        assert!(format!("{err:#}").contains("\"nope\""), "{err:#}");
+        assert_eq!(c.pull("emb", mark, 1, &a).unwrap(), many[0], "the connection is still in step");
     }
 
     #[test]

@@ -177,6 +177,17 @@ impl Tables {
         self.client(table, mark)?.pull(table, mark, need, ids)
     }
 
+    /// [`Tables::pull`] of several tables in one flight to the servers.
+    pub fn pull_many(&mut self, reads: &[(&str, &[u64])], mark: Mark, step: u64) -> Result<Vec<Vec<f32>>> {
+        let Some(&(first, _)) = reads.first() else { return Ok(Vec::new()) };
+        for (table, _) in reads {
+            self.dim(table)?;
+        }
+        self.forget_abandoned((mark.generation, step));
+        let need = self.need(step);
+        self.client(first, mark)?.pull_many(reads, mark, need)
+    }
+
     /// [`Tables::pull`] that makes no row on the servers (an evaluation's
     /// read: an id not held comes back with its initial values).
     pub fn peek(&mut self, table: &str, mark: Mark, step: u64, ids: &[u64]) -> Result<Vec<f32>> {

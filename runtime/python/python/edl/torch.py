@@ -333,39 +333,49 @@ class ElasticDDP:
     every ``noise_every``-th step (4), from which the runtime measures the
     gradient noise scale. A program with a hook of its own passes
     ``noise_scale=False`` and registers it on the module ``on(step)`` gives.
+
+    In a generation of one rank, ``on(step)`` gives ``module`` itself: there
+    is nothing to reduce (the mean over one rank is its own gradient, to
+    the bit), and DDP's reducer would only cost time. The generation's
+    process group is built all the same. A program that calls DDP's own
+    methods (``no_sync``) on what ``on`` gives passes ``ddp_alone=True``.
     """
 
-    def __init__(self, module, backend=None, timeout=30.0, noise_scale=True, noise_every=4, **ddp_options):
+    def __init__(
+        self, module, backend=None, timeout=30.0, noise_scale=True, noise_every=4, ddp_alone=False, **ddp_options
+    ):
         self.module = module
         self.groups = ProcessGroups(backend, timeout)
         self.options = ddp_options
         self.noise_scale = noise_scale
         self.noise_every = noise_every
+        self.ddp_alone = ddp_alone
         self._ddp = None
         self._generation = None
         self._measured = None
         _HOLDERS.add(self)
 
     def on(self, step):
-        if self._measured is not None:
-            self._measured.step = step
-        if self._generation != step.generation or self._ddp is None:
+        if self._generation != step.generation:
             # The old wrapper (and its gradient hooks) goes before the new one comes.
             self._ddp = None
-            group = self.groups.of(step)
-            device_ids = None
-            if self.groups.backend == "nccl":
-                device_ids = [next(self.module.parameters()).device.index]
-            self._ddp = DistributedDataParallel(
-                self.module, process_group=group, device_ids=device_ids, **self.options
-            )
             self._measured = None
-            if self.noise_scale:
-                self._measured = _Measured(group, self.noise_every)
-                self._measured.step = step
-                self._ddp.register_comm_hook(self._measured, _measuring_allreduce)
+            group = self.groups.of(step)
+            if step.world > 1 or self.ddp_alone:
+                self._wrap(group, step)
             self._generation = step.generation
-        return self._ddp
+        if self._measured is not None:
+            self._measured.step = step
+        return self.module if self._ddp is None else self._ddp
+
+    def _wrap(self, group, step):
+        device_ids = None
+        if self.groups.backend == "nccl":
+            device_ids = [next(self.module.parameters()).device.index]
+        self._ddp = DistributedDataParallel(self.module, process_group=group, device_ids=device_ids, **self.options)
+        if self.noise_scale:
+            self._measured = _Measured(group, self.noise_every)
+            self._ddp.register_comm_hook(self._measured, _measuring_allreduce)
 
     def close(self, failed=False):
         self._ddp = None
@@ -534,13 +544,53 @@ class _Lookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # As DDP reduces the dense gradients: the mean over the ranks (the
-        # servers sum the ranks' pushes).
-        g = grad.reshape(-1, ctx.table.dim).detach().to("cpu", torch.float32) / ctx.step.world
-        if not ctx.step.push(ctx.table.name, ctx.ids, g.contiguous().numpy()):
-            # Abandoned (a server gone, the generation over): `backward()` raises.
-            raise RuntimeError(f"table {ctx.table.name!r}: the step was abandoned; it is redone")
+        _push(ctx.step, ctx.table, ctx.ids, grad)
         return None, None, None, None
+
+
+def _push(step, table, ids, grad):
+    """Pushes the gradient of ``table``'s rows ``ids`` (flat int64 NumPy)."""
+    # As DDP reduces the dense gradients: the mean over the ranks (the
+    # servers sum the ranks' pushes).
+    g = grad.reshape(-1, table.dim).detach().to("cpu", torch.float32)
+    if step.world > 1:
+        g = g / step.world
+    if not step.push(table.name, ids, g.contiguous().numpy()):
+        # Abandoned (a server gone, the generation over): `backward()` raises.
+        raise RuntimeError(f"table {table.name!r}: the step was abandoned; it is redone")
+
+
+class _LookupMany(torch.autograd.Function):
+    """Rows of several tables, one ``ids`` each, in one flight to the
+    servers; backward pushes each table's gradients."""
+
+    @staticmethod
+    def forward(ctx, anchor, tables, step, *ids):
+        flats, seen = [], {}
+        for i in ids:
+            # One tensor given for several tables is converted once.
+            if id(i) not in seen:
+                seen[id(i)] = i.reshape(-1).to("cpu", torch.int64).numpy()
+            flats.append(seen[id(i)])
+        pulled = step.pull_many([(t.name, f) for t, f in zip(tables, flats)])
+        if pulled is None:
+            names = ", ".join(repr(t.name) for t in tables)
+            raise RuntimeError(f"tables {names}: the step was abandoned; it is redone")
+        ctx.tables, ctx.step, ctx.ids = tables, step, flats
+        # An output the loss does not use gets None, not zeros: its table is
+        # not pushed (a zero gradient would still move Adam's moments).
+        ctx.set_materialize_grads(False)
+        return tuple(
+            torch.from_numpy(p).to(anchor.device).reshape(*i.shape, t.dim) for p, i, t in zip(pulled, ids, tables)
+        )
+
+    @staticmethod
+    def backward(ctx, *grads):
+        for table, ids, grad in zip(ctx.tables, ctx.ids, grads):
+            # A table whose rows the loss did not use is pushed empty at the commit.
+            if grad is not None:
+                _push(ctx.step, table, ids, grad)
+        return (None, None, None) + (None,) * len(grads)
 
 
 class SparseEmbedding(torch.nn.Module):
@@ -597,7 +647,9 @@ class SparseEmbeddingBag(SparseEmbedding):
         self.mode = mode
 
     def forward(self, ids, step=None, offsets=None):
-        rows = super().forward(ids, step)
+        return self._pool(super().forward(ids, step), ids, offsets)
+
+    def _pool(self, rows, ids, offsets=None):
         if offsets is None:
             if ids.dim() != 2:
                 raise ValueError(f"table {self.name!r}: ids of shape {tuple(ids.shape)}: give [bags, n], or offsets")
@@ -608,6 +660,47 @@ class SparseEmbeddingBag(SparseEmbedding):
         if self.mode == "mean":
             out = out / lengths.clamp(min=1).unsqueeze(1).to(out.dtype)
         return out
+
+
+class SparseEmbeddingCollection(torch.nn.Module):
+    """Several ``SparseEmbedding`` (or ``SparseEmbeddingBag``) tables looked
+    up together, as TorchRec's ``EmbeddingCollection``: ``tables(ids,
+    step)`` (or ``tables.on(step)`` then ``tables(ids)``), with ``ids`` a
+    list of one int64 tensor per table (or one tensor for all), gives the
+    list of their rows (a bag's pooled; its ids ``[bags, n]``). Every
+    table's request goes to the servers before any answer is read: one
+    flight a step instead of a round trip per table. Backward pushes each
+    table's gradients as a table alone does."""
+
+    def __init__(self, *tables):
+        super().__init__()
+        if not tables or not all(isinstance(t, SparseEmbedding) for t in tables):
+            raise ValueError("SparseEmbeddingCollection takes one or more SparseEmbedding tables")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tables {names}: each table once")
+        self.tables = torch.nn.ModuleList(tables)
+        self._step = None
+        self._anchor = torch.zeros(0, requires_grad=True)
+
+    def on(self, step):
+        self._step = step
+        return self
+
+    def forward(self, ids, step=None):
+        step = step if step is not None else self._step
+        names = [t.name for t in self.tables]
+        if step is None:
+            raise ValueError(f"tables {names}: give the step (tables(ids, step) or tables.on(step))")
+        if torch.is_tensor(ids):
+            ids = [ids] * len(self.tables)
+        ids = list(ids)
+        if len(ids) != len(self.tables):
+            raise ValueError(f"tables {names}: {len(ids)} ids tensors for {len(self.tables)} tables")
+        rows = _LookupMany.apply(self._anchor, tuple(self.tables), step, *ids)
+        return [
+            t._pool(r, i) if isinstance(t, SparseEmbeddingBag) else r for t, r, i in zip(self.tables, rows, ids)
+        ]
 
 
 # ---------------------------------------------------------------------------
