@@ -22,7 +22,7 @@
 //! A pull for step `s` is answered once the steps before `s - staleness`
 //! are applied: with no staleness, a step sees every update before it.
 
-use super::table::{Corrections, Rows, SHARDS, SavedTable, TableSpec};
+use super::table::{Rows, SHARDS, SavedTable, TableSpec};
 use std::collections::BTreeMap;
 
 /// Why a request was refused; each names the table and who asked.
@@ -99,7 +99,6 @@ pub enum Pushed {
 struct Served {
     spec: TableSpec,
     shards: Shards,
-    corrections: Corrections,
     /// Made by a copy of shards from other servers and never pushed to
     /// since: a new generation after its copy's step takes it as of its own
     /// base, the copy of the rows changed meanwhile following.
@@ -262,7 +261,6 @@ impl Server {
         let served = Served {
             spec: spec.clone(),
             shards: Shards::new(),
-            corrections: Corrections::default(),
             copy_only: false,
             rows: 0,
             applied: mark.base,
@@ -797,14 +795,14 @@ fn apply_ready(t: &mut Served) -> bool {
             places.push((shard, at));
         }
         let mut sum = vec![0f32; dim];
+        let step_size = t.spec.optimizer.step_size(t.applied);
         for (same, (shard, at)) in order.chunk_by(|a, b| a.0 == b.0).zip(places) {
             sum.fill(0.0);
             for &(_, p, i) in same {
                 let (p, i) = (p as usize, i as usize);
                 sum.iter_mut().zip(&pushes[p].1[i * dim..(i + 1) * dim]).for_each(|(a, b)| *a += b);
             }
-            let had =
-                t.shards.get_mut(shard).update_at(&t.spec, at, &sum, &mut undo.rows, &mut t.corrections);
+            let had = t.shards.get_mut(shard).update_at(&t.spec, at, &sum, &mut undo.rows, step_size);
             undo.ids.push(same[0].0);
             undo.updates.push(had);
         }

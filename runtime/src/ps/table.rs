@@ -37,8 +37,11 @@ pub enum Optimizer {
         eps: f32,
         initial: f32,
     },
-    /// Kingma and Ba, with a step count per row (a row's moments are
-    /// corrected by how often it was updated, as `torch.optim.SparseAdam` does).
+    /// Kingma and Ba as `torch.optim.SparseAdam` (and TorchRec's fused
+    /// Adam) apply it: a row's moments move only when it is updated, and
+    /// the bias corrections count the job's steps (the `t`-th step of the
+    /// job, whichever steps the row was in), the step size
+    /// `lr * sqrt(1 - beta2^t) / (1 - beta1^t)` times `m / (sqrt(v) + eps)`.
     Adam {
         lr: f32,
         beta1: f32,
@@ -92,17 +95,23 @@ impl Optimizer {
         }
     }
 
-    /// Applies `grad` to `row` (with its `state`, `slots()` vectors of its
-    /// width, and its update count `t`, already counting this update).
-    /// One update of `row` (and its `state`) by `grad`, the row's `t`-th;
-    /// Adam's bias corrections for `t` from `corrections`.
-    fn apply(
-        &self,
-        row: &mut [f32],
-        state: &mut [f32],
-        (t, corrections): (u32, &mut Corrections),
-        grad: &[f32],
-    ) {
+    /// Adam's step size at the job's step `step` (its `step + 1`-th: the
+    /// bias corrections count the job's steps); 1 for the others.
+    pub fn step_size(&self, step: u64) -> f32 {
+        match *self {
+            Optimizer::Adam { lr, beta1, beta2, .. } => {
+                let t = i32::try_from(step.saturating_add(1)).unwrap_or(i32::MAX);
+                let (c1, c2) = (1.0 - f64::from(beta1).powi(t), 1.0 - f64::from(beta2).powi(t));
+                (f64::from(lr) * c2.sqrt() / c1) as f32
+            }
+            _ => 1.0,
+        }
+    }
+
+    /// One update of `row` (and its `state`, `slots()` vectors of its
+    /// width) by `grad`; `step_size` from [`Optimizer::step_size`] for the
+    /// step the update is in.
+    fn apply(&self, row: &mut [f32], state: &mut [f32], step_size: f32, grad: &[f32]) {
         let d = row.len();
         match *self {
             Optimizer::Sgd { lr } => {
@@ -116,14 +125,13 @@ impl Optimizer {
                     *w -= lr * g / (acc.sqrt() + eps);
                 }
             }
-            Optimizer::Adam { lr, beta1, beta2, eps } => {
+            Optimizer::Adam { beta1, beta2, eps, .. } => {
                 let (m, v) = state.split_at_mut(d);
-                let (c1, c2) = corrections.of(beta1, beta2, t);
                 for i in 0..d {
                     let g = grad[i];
                     m[i] = beta1 * m[i] + (1.0 - beta1) * g;
                     v[i] = beta2 * v[i] + (1.0 - beta2) * g * g;
-                    row[i] -= lr * (m[i] / c1) / ((v[i] / c2).sqrt() + eps);
+                    row[i] -= step_size * m[i] / (v[i].sqrt() + eps);
                 }
             }
         }
@@ -135,34 +143,6 @@ impl Optimizer {
             _ => 0.0,
         };
         state.fill(fill);
-    }
-}
-
-/// Adam's bias corrections `1 - beta^t` by `t`, each computed once (a
-/// table's rows are at many different counts); counts past the first
-/// 65,536 are computed each time.
-#[derive(Debug, Default)]
-pub struct Corrections {
-    betas: (f32, f32),
-    by_t: Vec<(f32, f32)>,
-}
-
-impl Corrections {
-    const KEPT: usize = 1 << 16;
-
-    fn of(&mut self, beta1: f32, beta2: f32, t: u32) -> (f32, f32) {
-        let at = |t: i32| (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
-        if self.betas != (beta1, beta2) {
-            *self = Corrections { betas: (beta1, beta2), by_t: Vec::new() };
-        }
-        let t = t as usize;
-        if t >= Self::KEPT {
-            return at(t as i32);
-        }
-        while self.by_t.len() <= t {
-            self.by_t.push(at(self.by_t.len() as i32));
-        }
-        self.by_t[t]
     }
 }
 
@@ -348,10 +328,10 @@ impl Rows {
         }
     }
 
-    /// Applies a gradient to row `id` (created if new).
-    pub fn update(&mut self, spec: &TableSpec, id: u64, grad: &[f32]) {
+    /// Applies a gradient to row `id` (created if new) in the job's step `step`.
+    pub fn update(&mut self, spec: &TableSpec, id: u64, grad: &[f32], step: u64) {
         let (at, _) = self.place(spec, id);
-        self.update_at(spec, at, grad, &mut Vec::new(), &mut Corrections::default());
+        self.update_at(spec, at, grad, &mut Vec::new(), spec.optimizer.step_size(step));
     }
 
     /// Applies a gradient to the row at `at` (a place [`Rows::place`]
@@ -363,7 +343,7 @@ impl Rows {
         at: u32,
         grad: &[f32],
         before: &mut Vec<f32>,
-        corrections: &mut Corrections,
+        step_size: f32,
     ) -> u32 {
         let (at, w) = (at as usize, spec.width());
         let row = &mut self.data[at * w..(at + 1) * w];
@@ -371,7 +351,7 @@ impl Rows {
         let had = self.updates[at];
         self.updates[at] += 1;
         let (values, state) = row.split_at_mut(spec.dim);
-        spec.optimizer.apply(values, state, (had + 1, corrections), grad);
+        spec.optimizer.apply(values, state, step_size, grad);
         had
     }
 
@@ -415,14 +395,25 @@ mod tests {
     }
 
     #[test]
-    fn adam_s_kept_bias_corrections_are_those_computed_each_time() {
-        let mut c = Corrections::default();
-        for t in (1..300).chain([65_535, 65_536, 1_000_000]) {
-            let want = (1.0 - 0.9f32.powi(t as i32), 1.0 - 0.999f32.powi(t as i32));
-            assert_eq!(c.of(0.9, 0.999, t), want, "t = {t}");
+    fn adam_counts_the_job_s_steps_as_sparse_adam_does_not_the_row_s_updates() {
+        let s = spec(Optimizer::adam(0.01), Init::Zeros);
+        let g = [0.5f32, -1.0, 2.0, 0.0];
+        // A row first updated at the job's step 999 (its first update, the
+        // job's 1000th step): SparseAdam's step, not a first step's.
+        let mut rows = Rows::default();
+        rows.update(&s, 1, &g, 999);
+        let mut out = [0f32; 4];
+        rows.read(&s, 1, &mut out);
+        for (w, g) in out.iter().zip(g) {
+            let (g, t) = (g as f64, 1000);
+            let (m, v) = (0.1 * g, 0.001 * g * g);
+            let size = 0.01 * (1.0 - 0.999f64.powi(t)).sqrt() / (1.0 - 0.9f64.powi(t));
+            let want = -size * m / (v.sqrt() + 1e-8);
+            assert!((*w as f64 - want).abs() < 1e-6, "{w} {want}");
         }
-        // Other betas (another table's) are not answered from these.
-        assert_eq!(c.of(0.5, 0.25, 2), (0.75, 0.9375));
+        // Steps past i32 are the same as its largest (the corrections are 1 long before).
+        assert_eq!(s.optimizer.step_size(u64::MAX), s.optimizer.step_size(i32::MAX as u64));
+        assert_eq!(Optimizer::sgd(0.1).step_size(5), 1.0);
     }
 
     #[test]
@@ -471,8 +462,8 @@ mod tests {
         let run = |o: Optimizer| {
             let s = spec(o, Init::Zeros);
             let mut rows = Rows::default();
-            rows.update(&s, 1, &g);
-            rows.update(&s, 1, &g);
+            rows.update(&s, 1, &g, 0);
+            rows.update(&s, 1, &g, 1);
             let mut out = [0f32; 4];
             rows.read(&s, 1, &mut out);
             out
@@ -492,8 +483,8 @@ mod tests {
             for t in 1..=2 {
                 m = 0.9 * m + 0.1 * g;
                 v = 0.999 * v + 0.001 * g * g;
-                let (mh, vh) = (m / (1.0 - 0.9f64.powi(t)), v / (1.0 - 0.999f64.powi(t)));
-                w -= 0.01 * mh / (vh.sqrt() + 1e-8);
+                let size = 0.01 * (1.0 - 0.999f64.powi(t)).sqrt() / (1.0 - 0.9f64.powi(t));
+                w -= size * m / (v.sqrt() + 1e-8);
             }
             w
         });

@@ -330,6 +330,91 @@ fn the_torch_wide_and_deep_trains_its_tables_through_resizes() {
     assert!(!auc.is_empty() && auc.iter().all(|a| *a > 0.65), "{auc:?}\n{text}");
 }
 
+/// A table on the servers and `nn.Embedding(sparse=True)` under
+/// `torch.optim.SparseAdam` in the same program, given the same gradients
+/// step by step (rows first touched late among them): equal rows at the end.
+const AS_SPARSE_ADAM: &str = r#"
+import sys
+import torch
+import edl, edl.torch
+
+job = edl.Job.from_env()
+if job is None:
+    sys.exit(0)
+table = edl.torch.SparseEmbedding(job, "emb", 4, optimizer="adam", lr=0.05, init="zeros")
+job.register("unused", torch.zeros(1).numpy())
+peer = torch.nn.Embedding(200, 4, sparse=True)
+torch.nn.init.zeros_(peer.weight)
+adam = torch.optim.SparseAdam(peer.parameters(), lr=0.05)
+target = torch.linspace(-1.0, 1.0, 4)
+last = None
+for step in job.steps():
+    n = step.step
+    # Rows seen every step, rows of every third step, and a new row every fifth.
+    ids = torch.tensor([1, 2, 2, 3 + n % 4] + ([50 + n % 7] if n % 3 == 0 else []) + ([100 + n] if n % 5 == 0 else []))
+    ((table(ids, step) - target * (n % 3 + 1)) ** 2).sum().backward()
+    adam.zero_grad()
+    ((peer(ids) - target * (n % 3 + 1)) ** 2).sum().backward()
+    adam.step()
+    last = step
+    step.commit(loss=0.0)
+seen = torch.tensor(sorted({1, 2, 3, 4, 5, 6} | {50 + k for k in range(7)} | {100 + k for k in range(0, 40, 5)}))
+print("steps", last.step + 1 if last else 0, flush=True)
+print("peer", ",".join(f"{v:.7f}" for v in peer.weight[seen].flatten().tolist()), flush=True)
+"#;
+
+#[test]
+fn a_table_on_the_servers_trains_as_torch_s_sparse_adam() {
+    let py = crate::support::python::torch_py();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("as_sparse_adam.py"), AS_SPARSE_ADAM).unwrap();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    c.current_dir(dir.path())
+        .args([
+            "launch",
+            "--samples",
+            "40",
+            "--batch",
+            "1",
+            "--epochs",
+            "1",
+            "--ps-servers",
+            "1",
+            "--workers",
+            "1",
+        ])
+        .args(["--min-workers", "1", "--max-workers", "1", "--no-distill", "--report", "report.json"])
+        .args(["--", "python", "as_sparse_adam.py"])
+        .stdin(Stdio::null());
+    py.env(&mut c);
+    let out = c.output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("steps 40"), "{text}");
+    let peer: Vec<f32> = text
+        .lines()
+        .find_map(|l| l.split("peer ").nth(1))
+        .unwrap_or_else(|| panic!("{text}"))
+        .split(',')
+        .map(|v| v.trim().parse().unwrap())
+        .collect();
+    // The servers' rows, from the job's final checkpoint.
+    let r = report(dir.path());
+    let state = Checkpoints::read(Path::new(r["final_checkpoint"].as_str().unwrap())).unwrap();
+    let table = state.tables.iter().find(|t| t.spec.name == "emb").expect("the table in the checkpoint");
+    let w = table.spec.width();
+    let mut seen: Vec<u64> = (1..=6).chain(50..57).chain((0..40).step_by(5).map(|k| 100 + k)).collect();
+    seen.sort_unstable();
+    for (i, id) in seen.iter().enumerate() {
+        let at = table.ids.iter().position(|x| x == id).unwrap_or_else(|| panic!("row {id} missing"));
+        let ours = &table.rows[at * w..at * w + 4];
+        let theirs = &peer[i * 4..i * 4 + 4];
+        for (a, b) in ours.iter().zip(theirs) {
+            assert!((a - b).abs() < 2e-5, "row {id}: {ours:?} on the servers, {theirs:?} under SparseAdam");
+        }
+    }
+}
+
 #[test]
 fn a_server_killed_with_two_replicas_loses_no_update_and_the_model_ends_as_without_the_kill() {
     let py = py();
