@@ -73,6 +73,20 @@ pub fn routable_ip(v6: bool) -> Result<IpAddr> {
     Ok(ip)
 }
 
+/// The address of this host on its route to `host` (a name or an address):
+/// where a process of this host that `host` is to reach is found.
+pub fn routable_toward(host: &str) -> Result<IpAddr> {
+    let to = resolve(&host_port(host, 9))?;
+    let bind: SocketAddr = if to.is_ipv6() { "[::]:0".parse()? } else { "0.0.0.0:0".parse()? };
+    let s = UdpSocket::bind(bind)?;
+    s.connect(to).with_context(|| format!("this host has no route to {host}"))?;
+    let ip = s.local_addr()?.ip();
+    if ip.is_unspecified() {
+        return Err(anyhow!("this host has no address on its route to {host}"));
+    }
+    Ok(ip)
+}
+
 /// Resolves `host:port` (a name or an address) to its first address.
 pub fn resolve(addr: &str) -> Result<SocketAddr> {
     addr.to_socket_addrs()

@@ -126,6 +126,9 @@ pub struct PsArgs {
     /// `srun -w {host} {program}`, `ip netns exec {host} {program}`.
     /// {program} is the server's command line; also {id}, {host}, {addr},
     /// {port}, {job}, {exe}. It stays in the foreground while the server serves.
+    /// Without --ps-hosts the command places each server (`srun {program}`),
+    /// which says its address. Under --scaler slurm without this flag, each
+    /// server is an `srun` of its own.
     #[arg(long, value_name = "TEMPLATE")]
     pub ps_command: Option<String>,
     /// With --ps-command: hosts servers run on, `host[:slots]` or

@@ -61,7 +61,7 @@ fn start_servers(
         exe: exe.to_path_buf(),
         listen: c.listen.ip(),
         advertise: at.advertised_host()?,
-        command: ps_command(p),
+        command: ps_command(p, c),
     };
     let job = job.start_ps(dirs, &start)?;
     let bound = match p.ps_memory_mib {
@@ -74,21 +74,50 @@ fn start_servers(
     Ok(job)
 }
 
-/// The servers' command, when the operator starts them.
-fn ps_command(p: &super::flags::PsArgs) -> Option<edl_runtime::job::ps_servers::PsCommand> {
-    let start = p.ps_command.clone()?;
-    Some(edl_runtime::job::ps_servers::PsCommand { start, hosts: p.ps_hosts.clone(), port: p.ps_port })
+/// The servers' command: the operator's (`--ps-command`), or under
+/// `--scaler slurm` the job's own, `srun` placing each server as a Slurm
+/// job of its own (in the workers' partition, account and QOS).
+fn ps_command(p: &super::flags::PsArgs, c: &ClusterArgs) -> Option<edl_runtime::job::ps_servers::PsCommand> {
+    use edl_runtime::job::ps_servers::PsCommand;
+    if let Some(start) = p.ps_command.clone() {
+        return Some(PsCommand { start, hosts: p.ps_hosts.clone(), port: p.ps_port });
+    }
+    (c.scaler == ScalerKind::Slurm && p.ps_servers > 0).then(|| PsCommand {
+        start: srun_server(&c.slurm.options()),
+        hosts: Vec::new(),
+        port: 0,
+    })
+}
+
+/// The `srun` line a server runs by under `--scaler slurm`: one task, named
+/// `edl-<job>-ps-<id>` (as the workers' batch jobs are `edl-<job>-<id>`).
+fn srun_server(o: &edl_runtime::scalers::slurm::SlurmOptions) -> String {
+    let mut line = String::from("srun --ntasks=1 --nodes=1 --job-name=edl-{job}-ps-{id}");
+    let mut theirs = Vec::new();
+    for (flag, v) in [("partition", &o.partition), ("account", &o.account), ("qos", &o.qos)] {
+        if let Some(v) = v {
+            theirs.push(format!("--{flag}={v}"));
+        }
+    }
+    theirs.extend(o.extra.iter().cloned());
+    for w in theirs {
+        // Quoted for `sh`; their braces are theirs, not placeholders.
+        let w = shlex::try_quote(&w).map_or_else(|_| w.clone(), |q| q.into_owned());
+        line.push(' ');
+        line.push_str(&w.replace('{', "{{").replace('}', "}}"));
+    }
+    line + " {program}"
 }
 
 /// Refuses parameter-server flags that do not fit together, before anything starts.
-fn check_ps(p: &super::flags::PsArgs) -> Result<()> {
-    if let Some(c) = ps_command(p) {
+fn check_ps(p: &super::flags::PsArgs, cluster: &ClusterArgs) -> Result<()> {
+    if let Some(c) = ps_command(p, cluster) {
         let slots = c.slots()?.len();
         let most = p.max_ps.unwrap_or(p.ps_servers);
         if p.ps_servers == 0 {
             edl_runtime::refuse!("--ps-command starts the servers --ps-servers N asks for; give it");
         }
-        if most as usize > slots {
+        if !c.placed() && most as usize > slots {
             edl_runtime::refuse!("--ps-hosts has {slots} slot(s) for servers; the job may start {most}");
         }
     }
@@ -131,7 +160,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
         Workload::Builtin(s) => Some(&s.transform),
         Workload::Program { .. } => None,
     };
-    check_ps(&args.ps)?;
+    check_ps(&args.ps, &args.cluster)?;
     let plugins = Plugins::load(host, &args.plugins, transform)?;
     let dirs = JobDirs::new(&name, args.state.checkpoint_dir.clone());
     let exe = std::env::current_exe().context("locating edl-runtime")?;
@@ -486,4 +515,29 @@ fn scaler(
         }
         (ScalerKind::External, _) => Box::new(ExternalWorkers),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn servers_under_slurm_run_by_srun_in_the_workers_partition_their_options_quoted() {
+        let o = edl_runtime::scalers::slurm::SlurmOptions {
+            partition: Some("gpu".into()),
+            account: None,
+            qos: Some("low".into()),
+            extra: vec!["--time=1:00:00".into(), "--comment=a {b} c".into()],
+            pending_bound: Duration::from_secs(60),
+        };
+        let line = srun_server(&o);
+        assert_eq!(
+            line,
+            "srun --ntasks=1 --nodes=1 --job-name=edl-{job}-ps-{id} '--partition=gpu' '--qos=low' \
+             '--time=1:00:00' '--comment=a {{b}} c' {program}"
+        );
+        // As the job fills it: its placeholders only, the operator's braces kept.
+        let c = edl_runtime::job::ps_servers::PsCommand { start: line, hosts: Vec::new(), port: 0 };
+        assert!(c.placed() && c.slots().unwrap().is_empty());
+    }
 }

@@ -42,6 +42,11 @@ pub struct PsArgs {
     /// Longest a pull waits for the pushes of the steps before it, seconds.
     #[arg(long, value_name = "SECS", default_value_t = 300)]
     pull_timeout_secs: u64,
+    /// Say where it serves as this host's address on its route to HOST
+    /// (the job's coordinator), for a server listening on every interface
+    /// on a host the job did not choose (placed by Slurm's srun).
+    #[arg(long, value_name = "HOST")]
+    advertise_toward: Option<String>,
 }
 
 /// Serves until the process is stopped.
@@ -60,7 +65,14 @@ pub fn run(a: PsArgs) -> Result<ExitCode> {
         m => format!("at most {m} MiB of rows"),
     };
     // The job reads this line for the address (a port of 0 is chosen here).
-    println!("ps {} serving on {} ({bound})", a.id, service.addr());
+    let at = match &a.advertise_toward {
+        Some(host) if service.addr().ip().is_unspecified() => {
+            let ip = edl_runtime::net::routable_toward(host)?;
+            SocketAddr::new(ip, service.addr().port())
+        }
+        _ => service.addr(),
+    };
+    println!("ps {} serving on {at} ({bound})", a.id);
     std::io::stdout().flush()?;
     // SIGTERM is notice: the server says so in its stats and serves on
     // while the job moves its shards elsewhere (the job then stops it); a

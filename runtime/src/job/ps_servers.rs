@@ -1,9 +1,11 @@
 //! The parameter servers a job starts for itself (`--ps-servers N`):
 //! `edl-runtime ps` processes on the coordinator's host, or started by a
 //! command the operator gives on hosts of theirs (`--ps-command`, e.g.
-//! `ssh {host} {program}` or `srun -w {host} {program}`), each in a
-//! process group of its own, told the job's secret through the
-//! environment (or the job's `--secret-file`), stopped with the job.
+//! `ssh {host} {program}` or `srun -w {host} {program}`), or by a command
+//! that places each server itself (`srun {program}` without hosts: under
+//! `--scaler slurm` the job's own), each in a process group of its own,
+//! told the job's secret through the environment (or its standard input),
+//! stopped with the job.
 
 use crate::process::{die_with_parent, log_tail, terminate_group};
 use crate::worker::session::JobAuth;
@@ -45,7 +47,10 @@ pub struct PsStart {
 pub struct PsCommand {
     /// Starts server `{id}` on `{host}`; `{program}` is its command line.
     pub start: String,
-    /// `host[:slots]` or `name=addr[:slots]` entries.
+    /// `host[:slots]` or `name=addr[:slots]` entries; none: the command
+    /// places each server (a scheduler's), which listens on every interface
+    /// of wherever it runs, on a port of its choosing, and says its
+    /// address on its route to the coordinator.
     pub hosts: Vec<String>,
     /// The port of each host's first server; its next ones take the ports after it.
     pub port: u16,
@@ -53,6 +58,8 @@ pub struct PsCommand {
 
 /// What a `--ps-command` template may name.
 pub const PLACEHOLDERS: [&str; 7] = ["program", "id", "host", "addr", "port", "job", "exe"];
+/// What it may name when the command places the servers (no hosts given).
+const PLACED_PLACEHOLDERS: [&str; 4] = ["program", "id", "job", "exe"];
 
 /// A place a server runs by command: a host's name, the address the job
 /// reaches it at, and its port there.
@@ -65,12 +72,12 @@ pub struct PsSlot {
 
 impl PsCommand {
     /// Checks the template; the slots in the order they are handed out
-    /// (across the hosts in turn).
+    /// (across the hosts in turn), none when the command places the servers.
     pub fn slots(&self) -> Result<Vec<PsSlot>> {
-        if let Err(e) =
-            crate::scalers::command::fill_known(&self.start, &PLACEHOLDERS, |_| (String::new(), false))
-        {
-            crate::refuse!("--ps-command {:?}: {e}", self.start);
+        let names: &[&str] = if self.placed() { &PLACED_PLACEHOLDERS } else { &PLACEHOLDERS };
+        if let Err(e) = crate::scalers::command::fill_known(&self.start, names, |_| (String::new(), false)) {
+            let why = if self.placed() { " (without --ps-hosts the command places the servers)" } else { "" };
+            crate::refuse!("--ps-command {:?}: {e}{why}", self.start);
         }
         let mut slots = Vec::new();
         for (host, addr, index) in crate::scalers::command::named_host_slots(&self.hosts, "--ps-hosts")? {
@@ -79,16 +86,18 @@ impl PsCommand {
             };
             slots.push(PsSlot { host, addr, port });
         }
-        if slots.is_empty() {
-            crate::refuse!("--ps-command needs --ps-hosts (the hosts and slots servers run on)");
-        }
         Ok(slots)
+    }
+
+    /// Whether the command places each server itself (no hosts were given).
+    pub fn placed(&self) -> bool {
+        self.hosts.is_empty()
     }
 
     /// The shell line that starts server `id` on `slot` running `program`
     /// (quoted twice where the template goes through `ssh`, whose far
     /// side's shell parses the line again).
-    fn line(&self, program: &[String], id: u64, slot: &PsSlot, job: &str) -> Result<String> {
+    fn line(&self, program: &[String], id: u64, slot: Option<&PsSlot>, job: &str) -> Result<String> {
         use crate::scalers::command::{quote, runs_remote_shell};
         let twice = runs_remote_shell(&self.start);
         let once = |w: &str| quote(w).unwrap_or_else(|_| w.to_string());
@@ -99,9 +108,10 @@ impl PsCommand {
             let v = match name {
                 "program" => return (if twice { once(&program) } else { program.clone() }, false),
                 "id" => id.to_string(),
-                "host" => slot.host.clone(),
-                "addr" => slot.addr.clone(),
-                "port" => slot.port.to_string(),
+                // Refused in the template when no slot is given (`slots`).
+                "host" => slot.map(|s| s.host.clone()).unwrap_or_default(),
+                "addr" => slot.map(|s| s.addr.clone()).unwrap_or_default(),
+                "port" => slot.map(|s| s.port.to_string()).unwrap_or_default(),
                 "job" => job.to_string(),
                 _ => exe.clone(),
             };
@@ -123,6 +133,7 @@ pub struct PsProcess {
     /// the job wants it (it read the job's secret there, and stops when
     /// it closes, wherever it runs).
     _held: Option<std::process::ChildStdin>,
+    by_command: bool,
 }
 
 /// The job's servers; dropping them stops them.
@@ -153,15 +164,16 @@ impl PsServers {
     pub fn more(&mut self, n: u32) -> Result<Vec<(u64, String)>> {
         let (start, auth, log_dir) = self.start.clone().context("no servers were started")?;
         let mut added = Vec::new();
-        let slots = match &start.command {
-            Some(c) => c.slots()?,
-            None => Vec::new(),
+        let (slots, placed) = match &start.command {
+            Some(c) => (c.slots()?, c.placed()),
+            None => (Vec::new(), false),
         };
         for _ in 0..n {
             let id = self.next;
             self.next += 1;
             let slot = match &start.command {
                 None => None,
+                Some(_) if placed => None,
                 Some(_) => {
                     let taken: Vec<usize> = self.servers.iter().filter_map(|p| p.slot).collect();
                     let free = (0..slots.len()).find(|i| !taken.contains(i));
@@ -232,11 +244,14 @@ impl PsServers {
 }
 
 impl PsProcess {
-    /// Server `id`'s command line: on `slot` by the operator's command, or here.
+    /// Server `id`'s command line: here, or by the operator's command (on
+    /// `slot`, or where the command places it).
     fn command(s: &PsStart, id: u64, auth: &JobAuth, slot: Option<&PsSlot>) -> Result<Command> {
+        let by_command = s.command.is_some();
         let listen = match slot {
             // Every address of the host: the slot's may be a name only the others know.
             Some(slot) => std::net::SocketAddr::from(([0, 0, 0, 0], slot.port)),
+            None if by_command => std::net::SocketAddr::from(([0, 0, 0, 0], 0)),
             None => std::net::SocketAddr::new(s.listen, 0),
         };
         let mut program =
@@ -247,17 +262,21 @@ impl PsProcess {
             "--memory-mib".into(),
             s.memory_mib.to_string(),
         ]);
-        if slot.is_some() {
+        if by_command {
             // The secret on standard input: it crosses ssh, and is on no command line.
             program.extend(["--job".into(), auth.job.clone(), "--secret-file".into(), "-".into()]);
         }
-        Ok(match (&s.command, slot) {
-            (Some(c), Some(slot)) => {
+        if by_command && slot.is_none() {
+            // Placed by the command: it says where it is, as seen from here.
+            program.extend(["--advertise-toward".into(), s.advertise.clone()]);
+        }
+        Ok(match &s.command {
+            Some(c) => {
                 let mut sh = Command::new("sh");
                 sh.arg("-c").arg(c.line(&program, id, slot, &auth.job)?);
                 sh
             }
-            _ => {
+            None => {
                 let mut cmd = Command::new(&program[0]);
                 cmd.args(&program[1..]);
                 cmd
@@ -278,7 +297,7 @@ impl PsProcess {
         cmd.env("EDL_JOB", &auth.job)
             .env("EDL_JOB_SECRET", auth.secret.to_hex())
             .env_remove("EDL_JOB_SECRET_FILE")
-            .stdin(if slot.is_some() { Stdio::piped() } else { Stdio::null() })
+            .stdin(if s.command.is_some() { Stdio::piped() } else { Stdio::null() })
             .stdout(Stdio::piped())
             .stderr(log_file);
         die_with_parent(&mut cmd);
@@ -292,27 +311,62 @@ impl PsProcess {
             writeln!(stdin, "{}", auth.secret.to_hex()).ok().map(|()| stdin)
         });
         // What the command prints before the server (a banner, srun's
-        // notes) is logged and passed over.
-        let port = crate::process::await_line(&mut child, log, said, Duration::from_secs(30), serving_port)
+        // notes) is logged and passed over. A scheduler may queue it first.
+        let within = if s.command.as_ref().is_some_and(|c| c.placed()) { PLACED_START } else { LOCAL_START };
+        let at = crate::process::await_line(&mut child, log, said, within, serving_at)
             .map_err(|why| anyhow::anyhow!("{why}"))?;
-        let addr = match slot {
-            Some((_, slot)) => crate::net::host_port(&slot.addr, port),
-            None => crate::net::host_port(&s.advertise, port),
+        let addr = match (slot, &s.command) {
+            (Some((_, slot)), _) => crate::net::host_port(&slot.addr, at.port()),
+            (None, Some(_)) => at.to_string(),
+            (None, None) => crate::net::host_port(&s.advertise, at.port()),
         };
-        Ok(PsProcess { id, addr, log: log.to_path_buf(), slot: slot.map(|(i, _)| i), child, _held: held })
+        let (slot, by_command) = (slot.map(|(i, _)| i), s.command.is_some());
+        Ok(PsProcess { id, addr, log: log.to_path_buf(), slot, child, _held: held, by_command })
     }
 }
 
-/// The port of a server's `ps N serving on ADDR:PORT (...)` line.
-fn serving_port(line: &str) -> Option<u16> {
+/// How long a server may take to say where it serves: started here or on a
+/// host of the operator's, and placed by a scheduler (which may queue it).
+const LOCAL_START: Duration = Duration::from_secs(30);
+const PLACED_START: Duration = Duration::from_secs(120);
+
+/// The address of a server's `ps N serving on ADDR:PORT (...)` line.
+fn serving_at(line: &str) -> Option<std::net::SocketAddr> {
     let addr = line.split("serving on ").nth(1)?.split_whitespace().next()?;
-    addr.parse::<std::net::SocketAddr>().ok().map(|a| a.port())
+    addr.parse().ok()
+}
+
+/// How long a server started by command is given to end once its standard
+/// input is closed, before its command is killed.
+const LET_GO: Duration = Duration::from_secs(5);
+
+impl PsProcess {
+    /// Closes the standard input of a server started by command: the server
+    /// stops when it closes, wherever it runs (and its command with it: a
+    /// killed `srun` would leave its Slurm job running).
+    fn let_go(&mut self) {
+        self._held = None;
+    }
 }
 
 impl Drop for PsProcess {
     fn drop(&mut self) {
+        self.let_go();
+        if self.by_command {
+            let until = std::time::Instant::now() + LET_GO;
+            while std::time::Instant::now() < until && matches!(self.child.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
         // Its tables are in the job's checkpoints: nothing to wait for (and
         // SIGTERM alone would be notice, on which it serves on).
         terminate_group(&mut self.child, Duration::ZERO);
+    }
+}
+
+impl Drop for PsServers {
+    fn drop(&mut self) {
+        // Every server told at once, so that they end together.
+        self.servers.iter_mut().for_each(PsProcess::let_go);
     }
 }

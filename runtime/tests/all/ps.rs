@@ -674,7 +674,11 @@ fn servers_by_command_need_their_hosts_and_enough_slots() {
     let dir = tempfile::tempdir().unwrap();
     let run = |flags: &[&str]| refusal(dir.path(), &[&["--dataset", "ctr", "--epochs", "1"], flags].concat());
     let cases: [(&[&str], &str); 4] = [
-        (&["--ps-servers", "2", "--ps-command", "ssh {host} {program}"], "--ps-command needs --ps-hosts"),
+        // Without hosts the command places each server: it cannot name one.
+        (
+            &["--ps-servers", "2", "--ps-command", "ssh {host} {program}"],
+            "without --ps-hosts the command places",
+        ),
         (
             &["--ps-servers", "3", "--ps-command", "ssh {host} {program}", "--ps-hosts", "a,b"],
             "--ps-hosts has 2 slot(s) for servers; the job may start 3",

@@ -436,3 +436,60 @@ fn the_job_s_teachers_run_as_slurm_steps_on_their_node_and_leave_nothing_queued(
     assert!(served.is_some_and(|n| n >= 2 * 1200), "{log}");
     until("the teacher's step to leave the queue", Duration::from_secs(60), || slurm.queue().is_empty());
 }
+
+#[test]
+fn the_job_s_parameter_servers_run_as_slurm_jobs_hand_their_shards_over_when_cancelled_and_none_stay_queued()
+{
+    let Some(hosts) = Hosts::build_or_skip(&["ctl", "n1", "n2"]) else { return };
+    let Some(slurm) = Slurm::start(&hosts, &["n1", "n2"]) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // The built-in CTR model: its worker a Slurm batch job, its three
+    // servers (two replicas of each shard) Slurm jobs the job starts by srun.
+    let mut c = slurm.command(env!("CARGO_BIN_EXE_edl-runtime"));
+    c.current_dir(d)
+        .args(["--dataset", "ctr", "--train-samples", "6000", "--epochs", "2", "--job", "sp"])
+        .args(["--ps-servers", "3", "--ps-replicas", "2", "--teachers", "0"])
+        .args(["--workers", "1", "--min-workers", "1", "--max-workers", "1", "--step-delay-ms", "30"])
+        .args([
+            "--scaler",
+            "slurm",
+            "--slurm-partition",
+            "edl",
+            "--listen",
+            &format!("{}:7070", hosts.ip("ctl")),
+        ])
+        .args(["--report", "report.json", "--plugin-cache"])
+        .arg(d.join("plugin-cache"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "ps        3 serving on ", &mut seen, Duration::from_secs(180));
+    // Each server a Slurm job of its own on a node, reached at that node's address.
+    let nodes = [hosts.ip("n1").to_string(), hosts.ip("n2").to_string()];
+    let queue = slurm.queue();
+    for id in 1..=3 {
+        let name = format!("edl-sp-ps-{id}");
+        let job = queue.iter().find(|(_, _, _, n)| *n == name).unwrap_or_else(|| panic!("{name}: {queue:?}"));
+        assert!(job.1 == "RUNNING" && (job.2 == "n1" || job.2 == "n2"), "{job:?}");
+        let said = seen.iter().find(|l| l.starts_with(&format!("ps        {id} serving on "))).unwrap();
+        let at = said.split("serving on ").nth(1).unwrap().split(':').next().unwrap();
+        assert!(nodes.iter().any(|n| n == at), "server {id} at {at}, not a node's address: {said}");
+    }
+    wait_for(&rx, "0 -> 1 workers", &mut seen, Duration::from_secs(120));
+    // Server 2's Slurm job cancelled mid-job (as preemption does): Slurm
+    // gives it SIGTERM, its notice, and the job moves its shards to the
+    // others while training goes on, then lets it go.
+    let cancelled = slurm.run("scancel", &["--name", "edl-sp-ps-2"]);
+    wait_for(&rx, "parameter server 2 was told to go", &mut seen, Duration::from_secs(120));
+    let status = finish(child, rx, &mut seen);
+    let said = seen.join("\n");
+    assert!(status.success(), "{cancelled}\n{said}");
+    assert!(said.contains("parameter servers 3 -> 2: ") && said.contains(" rows moved at step "), "{said}");
+    assert_exactly_once(&report(d), 2, 6000);
+    // The servers' jobs end with the job: nothing stays queued.
+    until("the queue to empty", Duration::from_secs(60), || slurm.queue().is_empty());
+}
