@@ -63,7 +63,8 @@ def main():
     model = WideDeep()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     state = edl.torch.ElasticState(job, model, opt)
-    ddp = edl.torch.ElasticDDP(model)
+    # A world of one trains the model itself, without DDP's reducer.
+    ddp = edl.torch.ElasticDDP(model, bare_at_one=True)
     epoch, auc = None, None
     # Extra time per step (to try the runtime at other step times), ms.
     delay = float(os.environ.get("STEP_DELAY_MS", "0")) / 1e3

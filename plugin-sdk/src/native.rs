@@ -232,6 +232,10 @@ impl RawTeacherView {
     }
 }
 
+// `ServerStats` is an element of this ABI's slices: a field added to it
+// changes its stride, which needs a new `ABI_VERSION`.
+const _: () = assert!(std::mem::size_of::<ServerStats>() == 56);
+
 /// [`ServerView`] with its servers' statistics borrowed.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

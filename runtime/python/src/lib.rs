@@ -646,7 +646,8 @@ fn abandon_for(py: Python<'_>, inner: &mut Inner, e: anyhow::Error) -> PyResult<
 
 /// Sparse-table ids from Python: integers >= 0, as u64.
 fn ids_of(py: Python<'_>, table: &str, ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
-    // int64 (what torch and NumPy make) read as it is; anything else through NumPy.
+    // An int64 buffer (a NumPy array, as `edl.torch` passes) read as it is;
+    // anything else (lists, other dtypes, tensors) through NumPy.
     let v = match PyBuffer::<i64>::get(ids) {
         Ok(buf) => buf.to_vec(py)?,
         Err(_) => return ids_through_numpy(py, table, ids),

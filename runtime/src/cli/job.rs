@@ -76,7 +76,8 @@ fn start_servers(
 
 /// The servers' command: the operator's (`--ps-command`), or under
 /// `--scaler slurm` the job's own, `srun` placing each server as a Slurm
-/// job of its own (in the workers' partition, account and QOS).
+/// job of its own (in the workers' partition, account and QOS; not with
+/// the workers' `--slurm-arg`s, which may ask for a GPU or a whole node).
 fn ps_command(p: &super::flags::PsArgs, c: &ClusterArgs) -> Option<edl_runtime::job::ps_servers::PsCommand> {
     use edl_runtime::job::ps_servers::PsCommand;
     if let Some(start) = p.ps_command.clone() {
@@ -90,21 +91,21 @@ fn ps_command(p: &super::flags::PsArgs, c: &ClusterArgs) -> Option<edl_runtime::
 }
 
 /// The `srun` line a server runs by under `--scaler slurm`: one task, named
-/// `edl-<job>-ps-<id>` (as the workers' batch jobs are `edl-<job>-<id>`).
+/// `edl-<job>-ps-<id>` (as the workers' batch jobs are `edl-<job>-<id>`), a
+/// job of its own even from inside an allocation (whose id srun would
+/// otherwise take, making the server a step of it).
 fn srun_server(o: &edl_runtime::scalers::slurm::SlurmOptions) -> String {
-    let mut line = String::from("srun --ntasks=1 --nodes=1 --job-name=edl-{job}-ps-{id}");
-    let mut theirs = Vec::new();
+    let mut line = String::from(
+        "env -u SLURM_JOB_ID -u SLURM_JOBID srun --ntasks=1 --nodes=1 --job-name=edl-{job}-ps-{id}",
+    );
     for (flag, v) in [("partition", &o.partition), ("account", &o.account), ("qos", &o.qos)] {
         if let Some(v) = v {
-            theirs.push(format!("--{flag}={v}"));
+            // Quoted for `sh`; their braces are theirs, not placeholders.
+            let w = format!("--{flag}={v}");
+            let w = shlex::try_quote(&w).map_or_else(|_| w.clone(), |q| q.into_owned());
+            line.push(' ');
+            line.push_str(&w.replace('{', "{{").replace('}', "}}"));
         }
-    }
-    theirs.extend(o.extra.iter().cloned());
-    for w in theirs {
-        // Quoted for `sh`; their braces are theirs, not placeholders.
-        let w = shlex::try_quote(&w).map_or_else(|_| w.clone(), |q| q.into_owned());
-        line.push(' ');
-        line.push_str(&w.replace('{', "{{").replace('}', "}}"));
     }
     line + " {program}"
 }
@@ -522,19 +523,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn servers_under_slurm_run_by_srun_in_the_workers_partition_their_options_quoted() {
+    fn servers_under_slurm_run_by_srun_in_the_workers_partition_without_their_extra_options() {
         let o = edl_runtime::scalers::slurm::SlurmOptions {
-            partition: Some("gpu".into()),
+            partition: Some("gpu {a}".into()),
             account: None,
             qos: Some("low".into()),
-            extra: vec!["--time=1:00:00".into(), "--comment=a {b} c".into()],
+            extra: vec!["--gres=gpu:1".into()],
             pending_bound: Duration::from_secs(60),
         };
         let line = srun_server(&o);
         assert_eq!(
             line,
-            "srun --ntasks=1 --nodes=1 --job-name=edl-{job}-ps-{id} '--partition=gpu' '--qos=low' \
-             '--time=1:00:00' '--comment=a {{b}} c' {program}"
+            "env -u SLURM_JOB_ID -u SLURM_JOBID srun --ntasks=1 --nodes=1 --job-name=edl-{job}-ps-{id} \
+             '--partition=gpu {{a}}' '--qos=low' {program}"
         );
         // As the job fills it: its placeholders only, the operator's braces kept.
         let c = edl_runtime::job::ps_servers::PsCommand { start: line, hosts: Vec::new(), port: 0 };

@@ -30,7 +30,8 @@ pub struct StepRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub noise_scale: Option<f64>,
     /// Its smoothed parts once measured, whatever their signs (the noise
-    /// scale is shown only while both are positive): `grad_var`, the trace
+    /// scale is shown only while `grad_sqr` is above 0 and `grad_var` not
+    /// below it): `grad_var`, the trace
     /// of the per-sample gradients' covariance `S`, and `grad_sqr`, the
     /// squared norm of the true gradient `|G|^2`.
     #[serde(default, skip_serializing_if = "Option::is_none")]

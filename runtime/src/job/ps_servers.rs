@@ -202,9 +202,13 @@ impl PsServers {
         self.servers.iter().map(|p| (p.id, p.addr.clone())).collect()
     }
 
-    /// Stops server `id` (its shards were moved).
+    /// Stops server `id` (its shards were moved, or it was lost): let go
+    /// on a thread of its own, so that the job does not wait for its end.
     pub fn stop(&mut self, id: u64) {
-        self.servers.retain(|p| p.id != id);
+        if let Some(at) = self.servers.iter().position(|p| p.id == id) {
+            let p = self.servers.remove(at);
+            std::thread::spawn(move || drop(p));
+        }
     }
 
     /// How many servers run.
@@ -294,10 +298,16 @@ impl PsProcess {
         let log_file = std::fs::File::create(log).with_context(|| format!("{}", log.display()))?;
         let said = log_file.try_clone()?;
         let mut cmd = Self::command(s, id, auth, slot.map(|(_, p)| p))?;
-        cmd.env("EDL_JOB", &auth.job)
-            .env("EDL_JOB_SECRET", auth.secret.to_hex())
-            .env_remove("EDL_JOB_SECRET_FILE")
-            .stdin(if s.command.is_some() { Stdio::piped() } else { Stdio::null() })
+        cmd.env("EDL_JOB", &auth.job).env_remove("EDL_JOB_SECRET_FILE");
+        if s.command.is_some() {
+            // The secret goes on its standard input only: a command such as
+            // srun hands its whole environment to the server (and Slurm
+            // keeps a job's), so neither it nor the store's URL is in it.
+            cmd.env_remove("EDL_JOB_SECRET").env_remove("EDL_STORE");
+        } else {
+            cmd.env("EDL_JOB_SECRET", auth.secret.to_hex());
+        }
+        cmd.stdin(if s.command.is_some() { Stdio::piped() } else { Stdio::null() })
             .stdout(Stdio::piped())
             .stderr(log_file);
         die_with_parent(&mut cmd);
@@ -349,15 +359,24 @@ impl PsProcess {
     }
 }
 
+impl PsProcess {
+    /// Waits, until `until`, for a server started by command to end once
+    /// let go; after that its command is killed (by the drop).
+    fn wait_until(&mut self, until: std::time::Instant) {
+        while self.by_command
+            && std::time::Instant::now() < until
+            && matches!(self.child.try_wait(), Ok(None))
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.by_command = false;
+    }
+}
+
 impl Drop for PsProcess {
     fn drop(&mut self) {
         self.let_go();
-        if self.by_command {
-            let until = std::time::Instant::now() + LET_GO;
-            while std::time::Instant::now() < until && matches!(self.child.try_wait(), Ok(None)) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
+        self.wait_until(std::time::Instant::now() + LET_GO);
         // Its tables are in the job's checkpoints: nothing to wait for (and
         // SIGTERM alone would be notice, on which it serves on).
         terminate_group(&mut self.child, Duration::ZERO);
@@ -366,7 +385,9 @@ impl Drop for PsProcess {
 
 impl Drop for PsServers {
     fn drop(&mut self) {
-        // Every server told at once, so that they end together.
+        // Every server told at once, and given one deadline together.
         self.servers.iter_mut().for_each(PsProcess::let_go);
+        let until = std::time::Instant::now() + LET_GO;
+        self.servers.iter_mut().for_each(|p| p.wait_until(until));
     }
 }

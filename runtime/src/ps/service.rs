@@ -187,7 +187,7 @@ fn or_refused(r: Result<(), super::PsError>) -> Answer {
 
 /// A request's response and body.
 fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> Answer {
-    if matches!(req, Request::Pull { .. } | Request::Push { .. }) {
+    if matches!(req, Request::Pull { .. } | Request::PullMany { .. } | Request::Push { .. }) {
         shared.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
     let mut server = shared.server.lock().expect("ps state");
@@ -249,7 +249,21 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> Answer {
             }
         }
         Request::Pull { table, mark, need, peek } => {
-            pull(shared, server, worker, (&table, mark, need, peek), body)
+            let Some((ids, _)) = wire::decode(body, body.len() / 8).filter(|(_, r)| r.is_empty()) else {
+                return refused(format!(
+                    "table {table:?}: worker {worker} sent a pull whose body is not ids"
+                ));
+            };
+            pull(shared, server, worker, (mark, need, peek), &[(table, ids)])
+        }
+        Request::PullMany { tables, mark, need, peek } => {
+            let Some(reads) = split_ids(&tables, body) else {
+                let names: Vec<&String> = tables.iter().map(|(t, _)| t).collect();
+                return refused(format!(
+                    "tables {names:?}: worker {worker} sent a pull whose body is not their ids"
+                ));
+            };
+            pull(shared, server, worker, (mark, need, peek), &reads)
         }
     }
 }
@@ -292,45 +306,70 @@ fn declare_restored(shared: &Shared, worker: u64, table: TableSpec, mark: Mark, 
     or_refused(server.restore(worker, table, mark, &saved, holds))
 }
 
-/// A pull: the rows, once the steps before `need` are applied (waiting on
+/// Each table's ids of a [`Request::PullMany`]'s body (`None` when the
+/// body is not exactly their counts of ids).
+fn split_ids(tables: &[(String, usize)], body: &[u8]) -> Option<Vec<(String, Vec<u64>)>> {
+    let total = tables.iter().try_fold(0usize, |n, (_, k)| n.checked_add(*k))?;
+    let (ids, rest) = wire::decode(body, total)?;
+    if !rest.is_empty() {
+        return None;
+    }
+    let mut at = 0;
+    Some(
+        tables
+            .iter()
+            .map(|(t, k)| {
+                at += k;
+                (t.clone(), ids[at - k..at].to_vec())
+            })
+            .collect(),
+    )
+}
+
+/// A pull of each of `reads` (table, ids) in turn: their rows, one table
+/// after the other, once the steps before `need` are applied (waiting on
 /// the pushes, up to the pull timeout).
 fn pull(
     shared: &Shared,
     mut server: std::sync::MutexGuard<'_, Server>,
     worker: u64,
-    (table, mark, need, peek): (&str, Mark, u64, bool),
-    body: &[u8],
+    (mark, need, peek): (Mark, u64, bool),
+    reads: &[(String, Vec<u64>)],
 ) -> Answer {
-    let Some((ids, _)) = wire::decode(body, body.len() / 8).filter(|(_, r)| r.is_empty()) else {
-        return refused(format!("table {table:?}: worker {worker} sent a pull whose body is not ids"));
-    };
     let deadline = Instant::now() + shared.pull_timeout;
-    loop {
-        // A step staged by a push still being answered on another connection.
-        if server.apply_staged() {
-            shared.pushed.notify_all();
+    let mut out = Vec::new();
+    for (table, ids) in reads {
+        loop {
+            // A step staged by a push still being answered on another connection.
+            if server.apply_staged() {
+                shared.pushed.notify_all();
+            }
+            let rows = if peek {
+                server.peek(table, worker, mark, need, ids)
+            } else {
+                server.pull(table, worker, mark, need, ids)
+            };
+            match rows {
+                Ok(Some(rows)) => {
+                    out.extend(rows);
+                    break;
+                }
+                Err(e) => return ps_refused(shared, e),
+                Ok(None) => {}
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let (applied, next) = server.waiting(table).unwrap_or_default();
+                return refused(format!(
+                    "table {table:?}: worker {worker} waited {:?} for step {} (steps before it applied: {applied}; {next})",
+                    shared.pull_timeout,
+                    need.saturating_sub(1)
+                ));
+            }
+            server = shared.pushed.wait_timeout(server, left).expect("ps state").0;
         }
-        let rows = if peek {
-            server.peek(table, worker, mark, need, &ids)
-        } else {
-            server.pull(table, worker, mark, need, &ids)
-        };
-        match rows {
-            Ok(Some(rows)) => return (Response::ok(), wire::encode(&[], &rows)),
-            Err(e) => return ps_refused(shared, e),
-            Ok(None) => {}
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            let (applied, next) = server.waiting(table).unwrap_or_default();
-            return refused(format!(
-                "table {table:?}: worker {worker} waited {:?} for step {} (steps before it applied: {applied}; {next})",
-                shared.pull_timeout,
-                need.saturating_sub(1)
-            ));
-        }
-        server = shared.pushed.wait_timeout(server, left).expect("ps state").0;
     }
+    (Response::ok(), wire::encode(&[], &out))
 }
 
 /// An export's body: ids, update counts (as u64), rows.
@@ -527,55 +566,29 @@ impl Client {
 
     /// Sends each of the servers `which` (indices) its request, then reads
     /// every answer, so that a refusal leaves no answer behind on any
-    /// connection; the first error, if any, once all are read.
+    /// connection; the first error, if any, once all are read. One request
+    /// a server at a time: a server writing a long answer never waits on a
+    /// client still writing to it.
     fn ask(
         &mut self,
         which: &[usize],
         mut req: impl FnMut(usize) -> (Request, Vec<u8>),
     ) -> Result<Vec<(Response, Vec<u8>)>> {
-        let flight = which.iter().map(|&s| {
-            let (r, body) = req(s);
-            (s, r, body)
-        });
-        self.ask_each(flight.collect())
-    }
-
-    /// Sends every request of `flight` (server index, request, body), in
-    /// order, before reading any answer; then reads the answers in the same
-    /// order (each connection answers in the order it was asked). A server
-    /// whose connection failed is neither sent nor read from again; the
-    /// first error, if any, once every answer owed is read.
-    fn ask_each(&mut self, flight: Vec<(usize, Request, Vec<u8>)>) -> Result<Vec<(Response, Vec<u8>)>> {
         self.settle()?;
-        let mut broken = vec![false; self.servers.len()];
+        let mut sent = Vec::with_capacity(which.len());
         let mut first: Option<anyhow::Error> = None;
-        let mut sent = Vec::with_capacity(flight.len());
-        for (s, r, body) in flight {
-            if broken[s] {
-                continue;
-            }
+        for &s in which {
+            let (r, body) = req(s);
             match self.servers[s].send(&r, &body) {
                 Ok(()) => sent.push(s),
-                Err(e) => {
-                    broken[s] = true;
-                    first.get_or_insert(e);
-                }
+                Err(e) => _ = first.get_or_insert(e),
             }
         }
         let mut out = Vec::with_capacity(sent.len());
         for s in sent {
-            if broken[s] {
-                continue;
-            }
             match self.servers[s].receive() {
                 Ok(a) => out.push(a),
-                Err(e) => {
-                    // A refusal leaves the connection in step; anything else does not.
-                    if e.downcast_ref::<Unreachable>().is_some() {
-                        broken[s] = true;
-                    }
-                    first.get_or_insert(e);
-                }
+                Err(e) => _ = first.get_or_insert(e),
             }
         }
         match first {
@@ -600,9 +613,9 @@ impl Client {
         Ok(self.read(&[(table, ids)], mark, need, false)?.remove(0))
     }
 
-    /// [`Client::pull`] of several tables in one flight: every table's
-    /// requests are sent before any answer is read, so that the servers
-    /// read one table's rows while the answer of the one before travels.
+    /// [`Client::pull`] of several tables at once: one request to each
+    /// server for all of them, one answer back (a round trip a server, not
+    /// one a table).
     pub fn pull_many(&mut self, reads: &[(&str, &[u64])], mark: Mark, need: u64) -> Result<Vec<Vec<f32>>> {
         self.read(reads, mark, need, false)
     }
@@ -616,27 +629,41 @@ impl Client {
     fn read(&mut self, reads: &[(&str, &[u64])], mark: Mark, need: u64, peek: bool) -> Result<Vec<Vec<f32>>> {
         let plans: Vec<ReadPlan> =
             reads.iter().map(|&(table, ids)| self.plan_read(table, ids)).collect::<Result<_>>()?;
-        let mut flight = Vec::new();
-        let mut whose = Vec::new();
-        for (p, (plan, &(table, _))) in plans.iter().zip(reads).enumerate() {
-            let req = Request::Pull { table: table.into(), mark, need, peek };
-            for (s, unique) in plan.unique.iter().enumerate().filter(|(_, u)| !u.is_empty()) {
-                flight.push((s, req.clone(), wire::encode(unique, &[])));
-                whose.push((p, s));
-            }
-        }
-        let answers = self.ask_each(flight)?;
+        // Each server one request: its ids of every table that has some there.
+        let asks: Vec<Vec<usize>> = (0..self.servers.len())
+            .map(|s| (0..plans.len()).filter(|&p| !plans[p].unique[s].is_empty()).collect())
+            .collect();
+        let asked: Vec<usize> = (0..self.servers.len()).filter(|&s| !asks[s].is_empty()).collect();
+        let answers = self.ask(&asked, |s| {
+            let body: Vec<u8> =
+                asks[s].iter().flat_map(|&p| wire::encode(&plans[p].unique[s], &[])).collect();
+            let req = match asks[s][..] {
+                [p] => Request::Pull { table: reads[p].0.into(), mark, need, peek },
+                _ => {
+                    let tables =
+                        asks[s].iter().map(|&p| (reads[p].0.to_string(), plans[p].unique[s].len())).collect();
+                    Request::PullMany { tables, mark, need, peek }
+                }
+            };
+            (req, body)
+        })?;
         let mut rows: Vec<Vec<Vec<f32>>> =
             plans.iter().map(|_| vec![Vec::new(); self.servers.len()]).collect();
-        for (&(p, s), (_, body)) in whose.iter().zip(answers) {
-            let want = plans[p].unique[s].len() * plans[p].dim;
-            let (_, r) = wire::decode(&body, 0).filter(|(_, r)| r.len() == want).with_context(|| {
+        for (&s, (_, body)) in asked.iter().zip(answers) {
+            let want: usize = asks[s].iter().map(|&p| plans[p].unique[s].len() * plans[p].dim).sum();
+            let (_, all) = wire::decode(&body, 0).filter(|(_, r)| r.len() == want).with_context(|| {
+                let names: Vec<&str> = asks[s].iter().map(|&p| reads[p].0).collect();
                 format!(
-                    "parameter server {}: a pull of {:?} answered with the wrong size",
-                    self.servers[s].id, reads[p].0
+                    "parameter server {}: a pull of {names:?} answered with the wrong size",
+                    self.servers[s].id
                 )
             })?;
-            rows[p][s] = r;
+            let mut at = 0;
+            for &p in &asks[s] {
+                let n = plans[p].unique[s].len() * plans[p].dim;
+                rows[p][s] = all[at..at + n].to_vec();
+                at += n;
+            }
         }
         Ok(plans
             .iter()
@@ -935,7 +962,7 @@ mod tests {
     }
 
     #[test]
-    fn tables_pulled_in_one_flight_read_as_each_pulled_alone_across_servers() {
+    fn tables_pulled_together_read_as_each_pulled_alone_across_servers() {
         let job = job();
         let services = [start(&job, 1, Duration::from_secs(60)), start(&job, 2, Duration::from_secs(60))];
         let addrs: Vec<(u64, SocketAddr)> = vec![(1, services[0].addr()), (2, services[1].addr())];
@@ -965,6 +992,13 @@ mod tests {
         let err = c.pull_many(&[("emb", &a), ("nope", &a)], mark, 1).unwrap_err();
         assert!(format!("{err:#}").contains("\"nope\""), "{err:#}");
         assert_eq!(c.pull("emb", mark, 1, &a).unwrap(), many[0], "the connection is still in step");
+        // A request the servers refuse (a generation they left) leaves
+        // every connection in step for the next.
+        let next = Mark { generation: 2, base: 1, committed: 1 };
+        c.enter_all(next).unwrap();
+        let err = c.pull_many(&[("emb", &a), ("wide", &b)], mark, 1).unwrap_err();
+        assert!(err.downcast_ref::<Superseded>().is_some(), "{err:#}");
+        assert_eq!(c.pull_many(&[("emb", &a), ("wide", &b)], next, 1).unwrap(), many[..2]);
     }
 
     #[test]

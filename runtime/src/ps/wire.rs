@@ -78,6 +78,16 @@ pub enum Request {
         #[serde(default)]
         peek: bool,
     },
+    /// [`Request::Pull`] of several tables at once: the body is each
+    /// table's ids in turn (`tables`: each one's name and count of ids);
+    /// the answer, each table's rows in turn.
+    PullMany {
+        tables: Vec<(String, usize)>,
+        mark: Mark,
+        need: u64,
+        #[serde(default)]
+        peek: bool,
+    },
     /// The body: `ids` ids, then their gradients.
     Push {
         table: String,

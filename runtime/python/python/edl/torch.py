@@ -334,22 +334,23 @@ class ElasticDDP:
     gradient noise scale. A program with a hook of its own passes
     ``noise_scale=False`` and registers it on the module ``on(step)`` gives.
 
-    In a generation of one rank, ``on(step)`` gives ``module`` itself: there
-    is nothing to reduce (the mean over one rank is its own gradient, to
-    the bit), and DDP's reducer would only cost time. The generation's
-    process group is built all the same. A program that calls DDP's own
-    methods (``no_sync``) on what ``on`` gives passes ``ddp_alone=True``.
+    With ``bare_at_one=True``, in a generation of one rank ``on(step)``
+    gives ``module`` itself: there is nothing to reduce (the mean over one
+    rank is its own gradient, to the bit), and DDP's reducer would only
+    cost time. The generation's process group is built all the same. Off
+    by default: what ``on`` gives then has no DDP attributes (``.module``,
+    ``no_sync``) and its ``state_dict`` keys lack DDP's ``module.`` prefix.
     """
 
     def __init__(
-        self, module, backend=None, timeout=30.0, noise_scale=True, noise_every=4, ddp_alone=False, **ddp_options
+        self, module, backend=None, timeout=30.0, noise_scale=True, noise_every=4, bare_at_one=False, **ddp_options
     ):
         self.module = module
         self.groups = ProcessGroups(backend, timeout)
         self.options = ddp_options
         self.noise_scale = noise_scale
         self.noise_every = noise_every
-        self.ddp_alone = ddp_alone
+        self.bare_at_one = bare_at_one
         self._ddp = None
         self._generation = None
         self._measured = None
@@ -361,7 +362,7 @@ class ElasticDDP:
             self._ddp = None
             self._measured = None
             group = self.groups.of(step)
-            if step.world > 1 or self.ddp_alone:
+            if step.world > 1 or not self.bare_at_one:
                 self._wrap(group, step)
             self._generation = step.generation
         if self._measured is not None:
