@@ -58,21 +58,19 @@ impl Coordinator<'_> {
         };
         if let Some(why) = why
             && self.ps.added.is_empty()
+            && !processes.starting()
             && !self.ps.sized_by_policy
             && planned < max
         {
-            match processes.more(1) {
-                Ok(added) => {
-                    said.push(format!(
-                        "{why}: server {} started, to join at the next step boundary",
-                        added[0].0
-                    ));
-                    self.ps.added.extend(added);
-                    self.copy_ahead();
-                }
+            match processes.start_more(1) {
+                Ok(ids) => said.push(format!(
+                    "{why}: starting server {}, to join at the step boundary after it serves",
+                    ids[0]
+                )),
                 Err(e) => said.push(format!("{why}; no server started: {e:#}")),
             }
         }
+        said.extend(self.ps_started());
         for s in said {
             self.note(s);
         }
@@ -176,13 +174,11 @@ impl Coordinator<'_> {
         let Some((_, processes)) = self.ps.servers.as_mut() else { return };
         let now = processes.len() as u32;
         let said = if want > now {
-            match processes.more(want - now) {
-                Ok(added) => {
-                    let ids: Vec<String> = added.iter().map(|(id, _)| id.to_string()).collect();
-                    self.ps.added.extend(added);
-                    self.copy_ahead();
+            match processes.start_more(want - now) {
+                Ok(ids) => {
+                    let ids: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
                     format!(
-                        "scaling policy: parameter servers {now} -> {want}: server(s) {} started, to join at the next step boundary",
+                        "scaling policy: parameter servers {now} -> {want}: starting server(s) {}, to join at the step boundary after they serve",
                         ids.join(", ")
                     )
                 }
@@ -282,7 +278,28 @@ impl Coordinator<'_> {
 
     /// Whether a change of servers is under way (one at a time).
     fn ps_change_pending(&self) -> bool {
-        !self.ps.added.is_empty() || !self.ps.leaving.is_empty()
+        let starting = self.ps.servers.as_ref().is_some_and(|(_, p)| p.starting());
+        !self.ps.added.is_empty() || !self.ps.leaving.is_empty() || starting
+    }
+
+    /// The servers started on their own threads since the look before:
+    /// those serving join at a step boundary (their shards copied to them
+    /// first, while training goes on); what to say of each.
+    fn ps_started(&mut self) -> Vec<String> {
+        let Some((_, processes)) = self.ps.servers.as_mut() else { return Vec::new() };
+        let mut said = Vec::new();
+        for s in processes.started() {
+            match s {
+                Ok((id, addr)) => {
+                    said.push(format!(
+                        "parameter server {id} serving on {addr}; it joins at a step boundary"
+                    ));
+                    self.ps.added.push((id, addr));
+                }
+                Err((_, e)) => said.push(format!("{e:#}")),
+            }
+        }
+        said
     }
 
     /// Starts giving the servers the shards they will hold once those

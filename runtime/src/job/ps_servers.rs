@@ -121,6 +121,11 @@ impl PsCommand {
     }
 }
 
+/// The command's slots (none when there is no command, or it places the servers).
+fn slot_list(start: &PsStart) -> Result<Vec<PsSlot>> {
+    start.command.as_ref().map_or(Ok(Vec::new()), PsCommand::slots)
+}
+
 /// One running server.
 pub struct PsProcess {
     pub id: u64,
@@ -143,7 +148,13 @@ pub struct PsServers {
     /// How they were started (for more of them), and where they log.
     start: Option<(PsStart, JobAuth, PathBuf)>,
     next: u64,
+    /// Servers being started on threads of their own: id, slot, thread.
+    starting: Vec<(u64, Option<usize>, std::thread::JoinHandle<Result<PsProcess>>)>,
 }
+
+/// A server started by [`PsServers::start_more`]: its id and address, or
+/// its id and why it did not start.
+pub type Started = std::result::Result<(u64, String), (u64, anyhow::Error)>;
 
 impl PsServers {
     /// Starts `start.count` servers (ids 1..=count), each logging to
@@ -154,36 +165,22 @@ impl PsServers {
             servers: Vec::new(),
             start: Some((start.clone(), auth.clone(), log_dir.to_path_buf())),
             next: 1,
+            starting: Vec::new(),
         };
         servers.more(start.count)?;
         Ok(servers)
     }
 
-    /// Starts `n` more servers (with ids after every one started before);
-    /// returns their ids and addresses.
+    /// Starts `n` more servers (with ids after every one started before)
+    /// and waits for them; returns their ids and addresses.
     pub fn more(&mut self, n: u32) -> Result<Vec<(u64, String)>> {
         let (start, auth, log_dir) = self.start.clone().context("no servers were started")?;
         let mut added = Vec::new();
-        let (slots, placed) = match &start.command {
-            Some(c) => (c.slots()?, c.placed()),
-            None => (Vec::new(), false),
-        };
         for _ in 0..n {
-            let id = self.next;
-            self.next += 1;
-            let slot = match &start.command {
-                None => None,
-                Some(_) if placed => None,
-                Some(_) => {
-                    let taken: Vec<usize> = self.servers.iter().filter_map(|p| p.slot).collect();
-                    let free = (0..slots.len()).find(|i| !taken.contains(i));
-                    let free = free.with_context(|| {
-                        format!("parameter server {id}: every slot of --ps-hosts ({}) is taken", slots.len())
-                    })?;
-                    Some((free, &slots[free]))
-                }
-            };
-            let p = match PsProcess::start(&start, id, &auth, &log_dir.join(format!("ps-{id}.log")), slot) {
+            let (id, slot) = self.next_place(&start)?;
+            let slots = slot_list(&start)?;
+            let at = slot.map(|i| (i, &slots[i]));
+            let p = match PsProcess::start(&start, id, &auth, &log_dir.join(format!("ps-{id}.log")), at) {
                 Ok(p) => p,
                 Err(e) => {
                     // All or none: those this call started are stopped.
@@ -195,6 +192,69 @@ impl PsServers {
             self.servers.push(p);
         }
         Ok(added)
+    }
+
+    /// Starts `n` more servers, each on a thread of its own (a scheduler may
+    /// take a while to place one): the job goes on meanwhile, and
+    /// [`PsServers::started`] collects them. Returns their ids.
+    pub fn start_more(&mut self, n: u32) -> Result<Vec<u64>> {
+        let (start, auth, log_dir) = self.start.clone().context("no servers were started")?;
+        let mut ids = Vec::new();
+        for _ in 0..n {
+            let (id, slot) = self.next_place(&start)?;
+            let (start, auth, log) = (start.clone(), auth.clone(), log_dir.join(format!("ps-{id}.log")));
+            let thread = std::thread::Builder::new().name(format!("edl-ps-start-{id}")).spawn(move || {
+                let slots = slot_list(&start)?;
+                PsProcess::start(&start, id, &auth, &log, slot.map(|i| (i, &slots[i])))
+            })?;
+            self.starting.push((id, slot, thread));
+            ids.push(id);
+        }
+        Ok(ids)
+    }
+
+    /// The servers [`PsServers::start_more`] started (or failed to) since
+    /// last asked; those still starting are left.
+    pub fn started(&mut self) -> Vec<Started> {
+        let (done, left): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.starting).into_iter().partition(|s| s.2.is_finished());
+        self.starting = left;
+        done.into_iter()
+            .map(|(id, _, thread)| match thread.join() {
+                Ok(Ok(p)) => {
+                    let addr = p.addr.clone();
+                    self.servers.push(p);
+                    Ok((id, addr))
+                }
+                Ok(Err(e)) => Err((id, e.context(format!("starting parameter server {id}")))),
+                Err(_) => Err((id, anyhow::anyhow!("starting parameter server {id}: its thread panicked"))),
+            })
+            .collect()
+    }
+
+    /// The next server's id, and its slot among the command's hosts (none:
+    /// started here, or placed by the command), past those of the servers
+    /// running and starting.
+    fn next_place(&mut self, start: &PsStart) -> Result<(u64, Option<usize>)> {
+        let id = self.next;
+        let slots = slot_list(start)?;
+        let slot = match &start.command {
+            Some(c) if !c.placed() => {
+                let taken: Vec<usize> = self
+                    .servers
+                    .iter()
+                    .filter_map(|p| p.slot)
+                    .chain(self.starting.iter().filter_map(|s| s.1))
+                    .collect();
+                let free = (0..slots.len()).find(|i| !taken.contains(i)).with_context(|| {
+                    format!("parameter server {id}: every slot of --ps-hosts ({}) is taken", slots.len())
+                })?;
+                Some(free)
+            }
+            _ => None,
+        };
+        self.next += 1;
+        Ok((id, slot))
     }
 
     /// Each server's id and address, as workers are told them.
@@ -211,9 +271,14 @@ impl PsServers {
         }
     }
 
-    /// How many servers run.
+    /// How many servers run, and are being started.
     pub fn len(&self) -> usize {
-        self.servers.len()
+        self.servers.len() + self.starting.len()
+    }
+
+    /// Whether servers are being started.
+    pub fn starting(&self) -> bool {
+        !self.starting.is_empty()
     }
 
     pub fn is_empty(&self) -> bool {

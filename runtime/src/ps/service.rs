@@ -249,21 +249,11 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> Answer {
             }
         }
         Request::Pull { table, mark, need, peek } => {
-            let Some((ids, _)) = wire::decode(body, body.len() / 8).filter(|(_, r)| r.is_empty()) else {
-                return refused(format!(
-                    "table {table:?}: worker {worker} sent a pull whose body is not ids"
-                ));
-            };
-            pull(shared, server, worker, (mark, need, peek), &[(table, ids)])
+            let tables = [(table, body.len() / 8)];
+            pull(shared, server, worker, (mark, need, peek), &tables, body)
         }
         Request::PullMany { tables, mark, need, peek } => {
-            let Some(reads) = split_ids(&tables, body) else {
-                let names: Vec<&String> = tables.iter().map(|(t, _)| t).collect();
-                return refused(format!(
-                    "tables {names:?}: worker {worker} sent a pull whose body is not their ids"
-                ));
-            };
-            pull(shared, server, worker, (mark, need, peek), &reads)
+            pull(shared, server, worker, (mark, need, peek), &tables, body)
         }
     }
 }
@@ -326,19 +316,24 @@ fn split_ids(tables: &[(String, usize)], body: &[u8]) -> Option<Vec<(String, Vec
     )
 }
 
-/// A pull of each of `reads` (table, ids) in turn: their rows, one table
-/// after the other, once the steps before `need` are applied (waiting on
-/// the pushes, up to the pull timeout).
+/// A pull of each of `tables` (name, count of ids) in turn, `body` their
+/// ids: their rows, one table after the other, once the steps before
+/// `need` are applied (waiting on the pushes, up to the pull timeout).
 fn pull(
     shared: &Shared,
     mut server: std::sync::MutexGuard<'_, Server>,
     worker: u64,
     (mark, need, peek): (Mark, u64, bool),
-    reads: &[(String, Vec<u64>)],
+    tables: &[(String, usize)],
+    body: &[u8],
 ) -> Answer {
+    let Some(reads) = split_ids(tables, body) else {
+        let names: Vec<&String> = tables.iter().map(|(t, _)| t).collect();
+        return refused(format!("tables {names:?}: worker {worker} sent a pull whose body is not their ids"));
+    };
     let deadline = Instant::now() + shared.pull_timeout;
     let mut out = Vec::new();
-    for (table, ids) in reads {
+    for (table, ids) in &reads {
         loop {
             // A step staged by a push still being answered on another connection.
             if server.apply_staged() {
@@ -999,6 +994,16 @@ mod tests {
         let err = c.pull_many(&[("emb", &a), ("wide", &b)], mark, 1).unwrap_err();
         assert!(err.downcast_ref::<Superseded>().is_some(), "{err:#}");
         assert_eq!(c.pull_many(&[("emb", &a), ("wide", &b)], next, 1).unwrap(), many[..2]);
+        // A pull whose body does not hold the ids it names is refused, naming the tables.
+        let bad = Request::PullMany {
+            tables: vec![("emb".into(), 3), ("wide".into(), 2)],
+            mark: next,
+            need: 1,
+            peek: false,
+        };
+        c.servers[0].send(&bad, &wire::encode(&[1, 2, 3], &[])).unwrap();
+        let err = format!("{:#}", c.servers[0].receive().unwrap_err());
+        assert!(err.contains("[\"emb\", \"wide\"]") && err.contains("body is not their ids"), "{err}");
     }
 
     #[test]

@@ -472,7 +472,9 @@ fn tables_over_one_server_s_memory_bound_grow_onto_three_servers_mid_job() {
     for (from, to) in [(1, 2), (2, 3)] {
         assert!(text.contains(&format!("parameter servers {from} -> {to}: ")), "{text}");
     }
-    assert!(text.contains("server 3 started, to join at the next step boundary"), "{text}");
+    // Started on a thread of its own while training went on, then joined.
+    assert!(text.contains("starting server 3, to join at the step boundary after it serves"), "{text}");
+    assert!(text.contains("parameter server 3 serving on "), "{text}");
     assert_exactly_once(&report(dir.path()), 3, 6000);
     assert_as_calm_of("1500", dir.path(), &text);
 }
@@ -719,7 +721,8 @@ fn a_policy_grows_the_servers_2_to_3_and_back_to_2_mid_job_and_the_model_ends_as
     let mut child = builtin_ctr(dir.path(), "2", &flags).spawn().unwrap();
     let rx = lines(&mut child);
     let text = ended(child, rx, Vec::new());
-    assert!(text.contains("scaling policy: parameter servers 2 -> 3: server(s) 3 started"), "{text}");
+    assert!(text.contains("scaling policy: parameter servers 2 -> 3: starting server(s) 3"), "{text}");
+    assert!(text.contains("parameter server 3 serving on "), "{text}");
     assert!(
         text.contains(
             "scaling policy: parameter servers 3 -> 2: server(s) 3 leave at the next step boundary"
@@ -754,6 +757,48 @@ fn a_policy_grows_the_servers_2_to_3_and_back_to_2_mid_job_and_the_model_ends_as
     // Each step's updates applied once, whichever servers held the rows.
     assert_as_builtin_calm(dir.path(), &text);
     replays_to_the_job_s_server_decisions(dir.path(), &r);
+}
+
+#[test]
+fn a_server_slow_to_start_is_started_while_training_goes_on_placed_by_its_command() {
+    let dir = tempfile::tempdir().unwrap();
+    // A third server asked for at step 150, by a command that takes 4 s
+    // before the server runs (as a scheduler's queue would), on no host
+    // given: the server says where it serves.
+    let flags = [
+        "--max-ps",
+        "3",
+        "--policy",
+        art::SCHEDULE_WASM,
+        "--policy-config",
+        "every=100000",
+        "--policy-config",
+        "servers=150:3",
+        "--decide-every",
+        "50",
+        "--step-delay-ms",
+        "10",
+        "--ps-command",
+        "sleep 4; exec {program}",
+    ];
+    let mut child = builtin_ctr(dir.path(), "2", &flags).spawn().unwrap();
+    let rx = lines(&mut child);
+    let text = ended(child, rx, Vec::new());
+    assert!(text.contains("scaling policy: parameter servers 2 -> 3: starting server(s) 3"), "{text}");
+    assert!(text.contains("parameter server 3 serving on 127.0.0.1:"), "{text}");
+    assert!(text.contains("parameter servers 2 -> 3: "), "{text}");
+    let r = report(dir.path());
+    assert_exactly_once(&r, 2, 20000);
+    // Steps were committed while it started: the job did not wait for it.
+    let asked =
+        r["server_decisions"].as_array().unwrap().iter().find(|d| d["servers"] == 3).expect("asked for 3");
+    let at = asked["secs"].as_f64().unwrap();
+    let during = r["timeline"].as_array().unwrap().iter().filter(|s| {
+        let t = s["secs"].as_f64().unwrap();
+        t > at + 0.5 && t < at + 3.5
+    });
+    assert!(during.count() > 10, "no steps committed while server 3 started (asked at {at:.2} s)\n{text}");
+    assert_as_builtin_calm(dir.path(), &text);
 }
 
 /// The report's server decisions, replayed by `plugin replay --servers`
