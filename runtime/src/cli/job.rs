@@ -92,11 +92,14 @@ fn ps_command(p: &super::flags::PsArgs, c: &ClusterArgs) -> Option<edl_runtime::
 
 /// The `srun` line a server runs by under `--scaler slurm`: one task, named
 /// `edl-<job>-ps-<id>` (as the workers' batch jobs are `edl-<job>-<id>`), a
-/// job of its own even from inside an allocation (whose id srun would
-/// otherwise take, making the server a step of it).
+/// job of its own even from inside an allocation: srun is run with no
+/// `SLURM_*` variable but `SLURM_CONF` (an allocation's id would make the
+/// server a step of it, and its resources, GPUs or memory, srun's
+/// defaults), and the server gets no more than `PATH` and `HOME`.
 fn srun_server(o: &edl_runtime::scalers::slurm::SlurmOptions) -> String {
     let mut line = String::from(
-        "env -u SLURM_JOB_ID -u SLURM_JOBID srun --ntasks=1 --nodes=1 --job-name=edl-{job}-ps-{id}",
+        "env -i PATH=\"$PATH\" HOME=\"$HOME\" ${{SLURM_CONF:+SLURM_CONF=\"$SLURM_CONF\"}} \
+         srun --ntasks=1 --nodes=1 --job-name=edl-{job}-ps-{id}",
     );
     for (flag, v) in [("partition", &o.partition), ("account", &o.account), ("qos", &o.qos)] {
         if let Some(v) = v {
@@ -534,8 +537,8 @@ mod tests {
         let line = srun_server(&o);
         assert_eq!(
             line,
-            "env -u SLURM_JOB_ID -u SLURM_JOBID srun --ntasks=1 --nodes=1 --job-name=edl-{job}-ps-{id} \
-             '--partition=gpu {{a}}' '--qos=low' {program}"
+            "env -i PATH=\"$PATH\" HOME=\"$HOME\" ${{SLURM_CONF:+SLURM_CONF=\"$SLURM_CONF\"}} srun \
+             --ntasks=1 --nodes=1 --job-name=edl-{job}-ps-{id} '--partition=gpu {{a}}' '--qos=low' {program}"
         );
         // As the job fills it: its placeholders only, the operator's braces kept.
         let c = edl_runtime::job::ps_servers::PsCommand { start: line, hosts: Vec::new(), port: 0 };

@@ -335,6 +335,9 @@ struct PsState {
     ahead: Option<(u64, std::thread::JoinHandle<Result<crate::ps::control::Ahead>>)>,
     /// What the scaling policy was asked about the servers, and answered (the newest).
     decisions: std::collections::VecDeque<ServerDecision>,
+    /// A server refused new rows at its bound since the last boundary: the
+    /// next one waits for the servers starting.
+    want_room: bool,
 }
 
 /// The plugins and processes a coordinator drives.

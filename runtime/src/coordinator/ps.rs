@@ -16,6 +16,10 @@ impl Coordinator<'_> {
     /// from, and one near its memory bound gets a new server beside it
     /// (within the job's most), both at the next boundary.
     pub(super) fn watch_ps(&mut self) {
+        // Servers started meanwhile, whether or not the others answer now.
+        for said in self.ps_started(false) {
+            self.note(said);
+        }
         let safe = self.ps_safe();
         let Some((control, _)) = self.ps.servers.as_mut() else { return };
         let stats = match control.stats(safe) {
@@ -56,6 +60,9 @@ impl Coordinator<'_> {
             (None, true) => Some("a parameter server refused new rows at its memory bound".to_string()),
             (None, false) => None,
         };
+        // A step refused for want of room is redone once the server it
+        // asks for has joined (the boundary waits for its start).
+        self.ps.want_room |= newly_refused;
         if let Some(why) = why
             && self.ps.added.is_empty()
             && !processes.starting()
@@ -70,7 +77,6 @@ impl Coordinator<'_> {
                 Err(e) => said.push(format!("{why}; no server started: {e:#}")),
             }
         }
-        said.extend(self.ps_started());
         for s in said {
             self.note(s);
         }
@@ -273,22 +279,27 @@ impl Coordinator<'_> {
     /// once they have their shards, servers told to go.
     pub(super) fn ps_change_waiting(&self) -> bool {
         let copied = self.ps.ahead.as_ref().is_none_or(|(_, copying)| copying.is_finished());
-        self.ps_change_pending() && copied
+        self.ps_change_decided() && copied
     }
 
-    /// Whether a change of servers is under way (one at a time).
+    /// Whether servers are to join or leave at a boundary.
+    fn ps_change_decided(&self) -> bool {
+        !self.ps.added.is_empty() || !self.ps.leaving.is_empty()
+    }
+
+    /// Whether a change of servers is under way, servers still starting
+    /// included (one change at a time).
     fn ps_change_pending(&self) -> bool {
-        let starting = self.ps.servers.as_ref().is_some_and(|(_, p)| p.starting());
-        !self.ps.added.is_empty() || !self.ps.leaving.is_empty() || starting
+        self.ps_change_decided() || self.ps.servers.as_ref().is_some_and(|(_, p)| p.starting())
     }
 
     /// The servers started on their own threads since the look before:
     /// those serving join at a step boundary (their shards copied to them
     /// first, while training goes on); what to say of each.
-    fn ps_started(&mut self) -> Vec<String> {
+    fn ps_started(&mut self, wait: bool) -> Vec<String> {
         let Some((_, processes)) = self.ps.servers.as_mut() else { return Vec::new() };
         let mut said = Vec::new();
-        for s in processes.started() {
+        for s in processes.started(wait) {
             match s {
                 Ok((id, addr)) => {
                     said.push(format!(
@@ -307,7 +318,7 @@ impl Coordinator<'_> {
     /// goes on; the change is made at the boundary after it ends, with only
     /// the rows changed meanwhile.
     fn copy_ahead(&mut self) {
-        if self.ps.ahead.is_some() || !self.ps_change_pending() {
+        if self.ps.ahead.is_some() || !self.ps_change_decided() {
             return;
         }
         let safe = self.ps_safe();
@@ -351,9 +362,14 @@ impl Coordinator<'_> {
     /// checkpoint), those told to go moved away from and stopped, those
     /// started joined. Returns the servers the generation is told.
     pub(super) fn reform_ps(&mut self) -> Result<Option<PsTopology>> {
-        // A step that failed for want of room asks for a server now, before
-        // it is redone.
+        // A step that failed for want of room asks for a server now, and
+        // waits for it to start, before it is redone.
         self.watch_ps();
+        if std::mem::take(&mut self.ps.want_room) {
+            for said in self.ps_started(true) {
+                self.note(said);
+            }
+        }
         let safe = self.ps_safe();
         if self.ps.servers.is_none() {
             return Ok(None);
@@ -419,7 +435,8 @@ impl Coordinator<'_> {
         for id in &leaving {
             processes.stop(*id);
         }
-        control.set_room((processes.len() as u32) < processes.limits().1);
+        // Room while the job may still grow: servers starting count as room.
+        control.set_room((processes.running() as u32) < processes.limits().1);
         let topology = control.topology().clone();
         let now = topology.servers.len();
         if now != before {

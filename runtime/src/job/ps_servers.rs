@@ -148,8 +148,9 @@ pub struct PsServers {
     /// How they were started (for more of them), and where they log.
     start: Option<(PsStart, JobAuth, PathBuf)>,
     next: u64,
-    /// Servers being started on threads of their own: id, slot, thread.
-    starting: Vec<(u64, Option<usize>, std::thread::JoinHandle<Result<PsProcess>>)>,
+    /// Servers being started on threads of their own: id, slot, thread
+    /// (none only while places are handed out).
+    starting: Vec<(u64, Option<usize>, Option<std::thread::JoinHandle<Result<PsProcess>>>)>,
 }
 
 /// A server started by [`PsServers::start_more`]: its id and address, or
@@ -199,28 +200,45 @@ impl PsServers {
     /// [`PsServers::started`] collects them. Returns their ids.
     pub fn start_more(&mut self, n: u32) -> Result<Vec<u64>> {
         let (start, auth, log_dir) = self.start.clone().context("no servers were started")?;
-        let mut ids = Vec::new();
+        // Every place first: none is started unless all have one.
+        let mut places = Vec::new();
         for _ in 0..n {
-            let (id, slot) = self.next_place(&start)?;
+            let place = self.next_place(&start)?;
+            self.starting.push((place.0, place.1, None));
+            places.push(place);
+        }
+        self.starting.retain(|s| s.2.is_some());
+        let mut ids = Vec::new();
+        for (id, slot) in places {
             let (start, auth, log) = (start.clone(), auth.clone(), log_dir.join(format!("ps-{id}.log")));
             let thread = std::thread::Builder::new().name(format!("edl-ps-start-{id}")).spawn(move || {
                 let slots = slot_list(&start)?;
                 PsProcess::start(&start, id, &auth, &log, slot.map(|i| (i, &slots[i])))
-            })?;
-            self.starting.push((id, slot, thread));
+            });
+            match thread {
+                Ok(t) => self.starting.push((id, slot, Some(t))),
+                // Those spawned go on; the job collects them as usual.
+                Err(e) if !ids.is_empty() => {
+                    tracing::warn!("parameter server {id}: not started: {e}");
+                    break;
+                }
+                Err(e) => return Err(e.into()),
+            }
             ids.push(id);
         }
         Ok(ids)
     }
 
     /// The servers [`PsServers::start_more`] started (or failed to) since
-    /// last asked; those still starting are left.
-    pub fn started(&mut self) -> Vec<Started> {
-        let (done, left): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut self.starting).into_iter().partition(|s| s.2.is_finished());
+    /// last asked; those still starting are left, or with `wait`, waited for.
+    pub fn started(&mut self, wait: bool) -> Vec<Started> {
+        let (done, left): (Vec<_>, Vec<_>) = std::mem::take(&mut self.starting)
+            .into_iter()
+            .partition(|s| wait || s.2.as_ref().is_none_or(|t| t.is_finished()));
         self.starting = left;
         done.into_iter()
-            .map(|(id, _, thread)| match thread.join() {
+            .filter_map(|(id, _, thread)| Some((id, thread?)))
+            .map(|(id, thread)| match thread.join() {
                 Ok(Ok(p)) => {
                     let addr = p.addr.clone();
                     self.servers.push(p);
@@ -279,6 +297,11 @@ impl PsServers {
     /// Whether servers are being started.
     pub fn starting(&self) -> bool {
         !self.starting.is_empty()
+    }
+
+    /// How many servers run (those starting not counted).
+    pub fn running(&self) -> usize {
+        self.servers.len()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -444,6 +444,29 @@ pub struct Client {
     unanswered: Vec<usize>,
 }
 
+/// The requests of a read from `servers` servers, round by round: in each,
+/// each server is asked once, for its ids of some tables (indices of
+/// `plans`). One round, unless a server's request (its ids) or answer
+/// (their rows) would pass `bound` bytes: then more, one after the other.
+fn rounds(servers: usize, plans: &[ReadPlan], bound: usize) -> Vec<Vec<Vec<usize>>> {
+    let mut rounds: Vec<Vec<Vec<usize>>> = Vec::new();
+    for s in 0..servers {
+        let (mut round, mut bytes) = (0, 0);
+        for p in (0..plans.len()).filter(|&p| !plans[p].unique[s].is_empty()) {
+            let n = plans[p].unique[s].len() * 8.max(plans[p].dim * 4);
+            if bytes > 0 && bytes + n > bound {
+                (round, bytes) = (round + 1, 0);
+            }
+            bytes += n;
+            if rounds.len() <= round {
+                rounds.push(vec![Vec::new(); servers]);
+            }
+            rounds[round][s].push(p);
+        }
+    }
+    rounds
+}
+
 /// A read of one table: each server's unique ids, and where each id asked
 /// is found in the answers (server, position).
 struct ReadPlan {
@@ -624,10 +647,36 @@ impl Client {
     fn read(&mut self, reads: &[(&str, &[u64])], mark: Mark, need: u64, peek: bool) -> Result<Vec<Vec<f32>>> {
         let plans: Vec<ReadPlan> =
             reads.iter().map(|&(table, ids)| self.plan_read(table, ids)).collect::<Result<_>>()?;
-        // Each server one request: its ids of every table that has some there.
-        let asks: Vec<Vec<usize>> = (0..self.servers.len())
-            .map(|s| (0..plans.len()).filter(|&p| !plans[p].unique[s].is_empty()).collect())
-            .collect();
+        let mut rows: Vec<Vec<Vec<f32>>> =
+            plans.iter().map(|_| vec![Vec::new(); self.servers.len()]).collect();
+        for asks in rounds(self.servers.len(), &plans, wire::MAX_BODY / 2) {
+            self.read_round(reads, &plans, &asks, (mark, need, peek), &mut rows)?;
+        }
+        Ok(plans
+            .iter()
+            .zip(&rows)
+            .map(|(plan, rows)| {
+                let d = plan.dim;
+                let mut out = Vec::with_capacity(plan.at.len() * d);
+                for &(s, i) in &plan.at {
+                    let i = i as usize;
+                    out.extend_from_slice(&rows[s as usize][i * d..(i + 1) * d]);
+                }
+                out
+            })
+            .collect())
+    }
+
+    /// One request to each server of its tables `asks[server]`, their rows
+    /// put in `rows[table][server]`.
+    fn read_round(
+        &mut self,
+        reads: &[(&str, &[u64])],
+        plans: &[ReadPlan],
+        asks: &[Vec<usize>],
+        (mark, need, peek): (Mark, u64, bool),
+        rows: &mut [Vec<Vec<f32>>],
+    ) -> Result<()> {
         let asked: Vec<usize> = (0..self.servers.len()).filter(|&s| !asks[s].is_empty()).collect();
         let answers = self.ask(&asked, |s| {
             let body: Vec<u8> =
@@ -642,8 +691,6 @@ impl Client {
             };
             (req, body)
         })?;
-        let mut rows: Vec<Vec<Vec<f32>>> =
-            plans.iter().map(|_| vec![Vec::new(); self.servers.len()]).collect();
         for (&s, (_, body)) in asked.iter().zip(answers) {
             let want: usize = asks[s].iter().map(|&p| plans[p].unique[s].len() * plans[p].dim).sum();
             let (_, all) = wire::decode(&body, 0).filter(|(_, r)| r.len() == want).with_context(|| {
@@ -660,19 +707,7 @@ impl Client {
                 at += n;
             }
         }
-        Ok(plans
-            .iter()
-            .zip(&rows)
-            .map(|(plan, rows)| {
-                let d = plan.dim;
-                let mut out = Vec::with_capacity(plan.at.len() * d);
-                for &(s, i) in &plan.at {
-                    let i = i as usize;
-                    out.extend_from_slice(&rows[s as usize][i * d..(i + 1) * d]);
-                }
-                out
-            })
-            .collect())
+        Ok(())
     }
 
     /// Which server each of `ids` is asked of, each once.
@@ -954,6 +989,23 @@ mod tests {
     /// not wait for the step before it shows in the result.
     fn grads(rows: &[f32], step: u64) -> Vec<f32> {
         rows.iter().enumerate().map(|(i, w)| 0.3 * w + 0.01 * ((step as usize + i) % 5) as f32).collect()
+    }
+
+    #[test]
+    fn a_read_too_big_for_one_frame_a_server_goes_in_rounds() {
+        let plan = |dim, sizes: [usize; 2]| ReadPlan {
+            dim,
+            unique: sizes.iter().map(|&n| (0..n as u64).collect()).collect(),
+            at: Vec::new(),
+        };
+        // Server 0: three tables of 100 ids (rows of 1, 1 and 64 floats:
+        // 800, 800 and 25,600 bytes); server 1: the first two only.
+        let plans = [plan(1, [100, 10]), plan(1, [100, 10]), plan(64, [100, 0])];
+        assert_eq!(rounds(2, &plans, 1 << 20), [[vec![0, 1, 2], vec![0, 1]]]);
+        // A bound of 2,000 bytes: server 0's third table in a round of its own.
+        assert_eq!(rounds(2, &plans, 2000), [[vec![0, 1], vec![0, 1]], [vec![2], vec![]]]);
+        // Nothing asked of anyone: no round.
+        assert!(rounds(2, &[plan(3, [0, 0])], 2000).is_empty());
     }
 
     #[test]
