@@ -355,6 +355,18 @@ impl Coordinator<'_> {
         }
     }
 
+    /// A last look at the servers before a boundary: a step that failed for
+    /// want of room asks for a server now, and waits for it to start,
+    /// before it is redone.
+    fn ps_before_boundary(&mut self) {
+        self.watch_ps();
+        if std::mem::take(&mut self.ps.want_room) {
+            for said in self.ps_started(true) {
+                self.note(said);
+            }
+        }
+    }
+
     /// The parameter servers for a new generation: every table rolled back
     /// to the committed step (pulls of the generation before released), the
     /// servers lost dropped (their shards served by their replicas and
@@ -362,14 +374,7 @@ impl Coordinator<'_> {
     /// checkpoint), those told to go moved away from and stopped, those
     /// started joined. Returns the servers the generation is told.
     pub(super) fn reform_ps(&mut self) -> Result<Option<PsTopology>> {
-        // A step that failed for want of room asks for a server now, and
-        // waits for it to start, before it is redone.
-        self.watch_ps();
-        if std::mem::take(&mut self.ps.want_room) {
-            for said in self.ps_started(true) {
-                self.note(said);
-            }
-        }
+        self.ps_before_boundary();
         let safe = self.ps_safe();
         if self.ps.servers.is_none() {
             return Ok(None);
