@@ -14,7 +14,6 @@ use edl_runtime::{
     },
 };
 use std::{
-    io::Write,
     path::{Path, PathBuf},
     process::ExitCode,
 };
@@ -278,11 +277,8 @@ fn replay_adapter(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
             ),
             (Err(e), false) => format!("step {:>7}  error: {e}", d.step),
         };
-        if let Err(e) = writeln!(out, "{line}") {
-            if e.kind() == std::io::ErrorKind::BrokenPipe {
-                break;
-            }
-            return Err(e.into());
+        if !print_line(&mut out, &line)? {
+            break;
         }
     }
     drop(out);
@@ -339,12 +335,8 @@ fn replay_servers(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
                 format!("step {:>7}  servers {:>3}  the policy failed: {err}", v.step, v.servers.len())
             }
         };
-        if let Err(e) = writeln!(out, "{line}") {
-            // A closed pipe (`| head`) has read enough.
-            if e.kind() == std::io::ErrorKind::BrokenPipe {
-                return Ok(ExitCode::SUCCESS);
-            }
-            return Err(e.into());
+        if !print_line(&mut out, &line)? {
+            break;
         }
     }
     drop(out);
@@ -399,12 +391,8 @@ fn replay_teachers(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
                 format!("step {:>7}  teachers {:>3}  the policy failed: {e}", v.step, v.teacher_count)
             }
         };
-        if let Err(e) = writeln!(out, "{line}") {
-            // A closed pipe (`| head`) has read enough.
-            if e.kind() == std::io::ErrorKind::BrokenPipe {
-                return Ok(ExitCode::SUCCESS);
-            }
-            return Err(e.into());
+        if !print_line(&mut out, &line)? {
+            break;
         }
     }
     drop(out);
@@ -415,6 +403,16 @@ fn replay_teachers(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
         args.trace.display()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Writes one line of a replay; false when the reader has gone (a closed
+/// pipe, `| head`, has read enough: the replay stops printing, quietly).
+fn print_line(out: &mut impl std::io::Write, line: &str) -> Result<bool> {
+    match writeln!(out, "{line}") {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
+        Err(e) => Err(e.into()),
+    }
 }
 
 fn print_decision(out: &mut impl std::io::Write, d: &Decision, json: bool) -> std::io::Result<()> {

@@ -150,8 +150,11 @@ pub struct PsServers {
     next: u64,
     /// Servers being started on threads of their own: id, slot, thread
     /// (none only while places are handed out).
-    starting: Vec<(u64, Option<usize>, Option<std::thread::JoinHandle<Result<PsProcess>>>)>,
+    starting: Vec<(u64, Option<usize>, Option<Starting>)>,
 }
+
+/// The thread starting a server.
+type Starting = std::thread::JoinHandle<Result<PsProcess>>;
 
 /// A server started by [`PsServers::start_more`]: its id and address, or
 /// its id and why it did not start.

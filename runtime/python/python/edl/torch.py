@@ -594,7 +594,27 @@ class _LookupMany(torch.autograd.Function):
         return (None, None, None) + (None,) * len(grads)
 
 
-class SparseEmbedding(torch.nn.Module):
+class _OnStep(torch.nn.Module):
+    """A lookup module given its step at each call, or once by ``on(step)``."""
+
+    def __init__(self):
+        super().__init__()
+        self._step = None
+        # What makes autograd call backward; not a parameter.
+        self._anchor = torch.zeros(0, requires_grad=True)
+
+    def on(self, step):
+        self._step = step
+        return self
+
+    def _step_of(self, step, what):
+        step = step if step is not None else self._step
+        if step is None:
+            raise ValueError(f"{what}: give the step (module(ids, step), or module.on(step) first)")
+        return step
+
+
+class SparseEmbedding(_OnStep):
     """An embedding table on the job's parameter servers (``edl-runtime
     launch --ps-servers N``), for tables too large to replicate: rows made
     on first touch (``init``: ``"uniform"`` in [-scale, scale], ``"normal"``,
@@ -617,18 +637,9 @@ class SparseEmbedding(torch.nn.Module):
         super().__init__()
         job.table(name, dim, optimizer=optimizer, lr=lr, init=init, scale=scale, seed=seed)
         self.name, self.dim = name, dim
-        self._step = None
-        # What makes autograd call backward; not a parameter.
-        self._anchor = torch.zeros(0, requires_grad=True)
-
-    def on(self, step):
-        self._step = step
-        return self
 
     def forward(self, ids, step=None):
-        step = step if step is not None else self._step
-        if step is None:
-            raise ValueError(f"table {self.name!r}: give the step (emb(ids, step) or emb.on(step))")
+        step = self._step_of(step, f"table {self.name!r}")
         return _Lookup.apply(self._anchor, self, step, ids)
 
     def extra_repr(self):
@@ -663,7 +674,7 @@ class SparseEmbeddingBag(SparseEmbedding):
         return out
 
 
-class SparseEmbeddingCollection(torch.nn.Module):
+class SparseEmbeddingCollection(_OnStep):
     """Several ``SparseEmbedding`` (or ``SparseEmbeddingBag``) tables looked
     up together, as TorchRec's ``EmbeddingCollection``: ``tables(ids,
     step)`` (or ``tables.on(step)`` then ``tables(ids)``), with ``ids`` a
@@ -681,18 +692,10 @@ class SparseEmbeddingCollection(torch.nn.Module):
         if len(set(names)) != len(names):
             raise ValueError(f"tables {names}: each table once")
         self.tables = torch.nn.ModuleList(tables)
-        self._step = None
-        self._anchor = torch.zeros(0, requires_grad=True)
-
-    def on(self, step):
-        self._step = step
-        return self
 
     def forward(self, ids, step=None):
-        step = step if step is not None else self._step
         names = [t.name for t in self.tables]
-        if step is None:
-            raise ValueError(f"tables {names}: give the step (tables(ids, step) or tables.on(step))")
+        step = self._step_of(step, f"tables {names}")
         if torch.is_tensor(ids):
             ids = [ids] * len(self.tables)
         ids = list(ids)
