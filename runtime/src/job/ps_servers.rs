@@ -179,10 +179,10 @@ impl PsServers {
     /// and waits for them; returns their ids and addresses.
     pub fn more(&mut self, n: u32) -> Result<Vec<(u64, String)>> {
         let (start, auth, log_dir) = self.start.clone().context("no servers were started")?;
+        let slots = slot_list(&start)?;
         let mut added = Vec::new();
         for _ in 0..n {
-            let (id, slot) = self.next_place(&start)?;
-            let slots = slot_list(&start)?;
+            let (id, slot) = self.next_place(&start, &slots)?;
             let at = slot.map(|i| (i, &slots[i]));
             let p = match PsProcess::start(&start, id, &auth, &log_dir.join(format!("ps-{id}.log")), at) {
                 Ok(p) => p,
@@ -204,9 +204,10 @@ impl PsServers {
     pub fn start_more(&mut self, n: u32) -> Result<Vec<u64>> {
         let (start, auth, log_dir) = self.start.clone().context("no servers were started")?;
         // Every place first: none is started unless all have one.
+        let slots = slot_list(&start)?;
         let mut places = Vec::new();
         for _ in 0..n {
-            let place = self.next_place(&start)?;
+            let place = self.next_place(&start, &slots)?;
             self.starting.push((place.0, place.1, None));
             places.push(place);
         }
@@ -214,10 +215,10 @@ impl PsServers {
         let mut ids = Vec::new();
         for (id, slot) in places {
             let (start, auth, log) = (start.clone(), auth.clone(), log_dir.join(format!("ps-{id}.log")));
-            let thread = std::thread::Builder::new().name(format!("edl-ps-start-{id}")).spawn(move || {
-                let slots = slot_list(&start)?;
-                PsProcess::start(&start, id, &auth, &log, slot.map(|i| (i, &slots[i])))
-            });
+            let at = slot.map(|i| (i, slots[i].clone()));
+            let thread = std::thread::Builder::new()
+                .name(format!("edl-ps-start-{id}"))
+                .spawn(move || PsProcess::start(&start, id, &auth, &log, at.as_ref().map(|(i, s)| (*i, s))));
             match thread {
                 Ok(t) => self.starting.push((id, slot, Some(t))),
                 // Those spawned go on; the job collects them as usual.
@@ -256,9 +257,8 @@ impl PsServers {
     /// The next server's id, and its slot among the command's hosts (none:
     /// started here, or placed by the command), past those of the servers
     /// running and starting.
-    fn next_place(&mut self, start: &PsStart) -> Result<(u64, Option<usize>)> {
+    fn next_place(&mut self, start: &PsStart, slots: &[PsSlot]) -> Result<(u64, Option<usize>)> {
         let id = self.next;
-        let slots = slot_list(start)?;
         let slot = match &start.command {
             Some(c) if !c.placed() => {
                 let taken: Vec<usize> = self

@@ -172,9 +172,7 @@ impl Tables {
 
     /// Rows `ids` of `table` for step `step` (`ids.len() * dim` floats).
     pub fn pull(&mut self, table: &str, mark: Mark, step: u64, ids: &[u64]) -> Result<Vec<f32>> {
-        self.forget_abandoned((mark.generation, step));
-        let need = self.need(step);
-        self.client(table, mark)?.pull(table, mark, need, ids)
+        Ok(self.pull_many(&[(table, ids)], mark, step)?.remove(0))
     }
 
     /// [`Tables::pull`] of several tables in one flight to the servers.
