@@ -137,9 +137,23 @@ pub struct PsArgs {
     #[arg(long, value_name = "HOSTS", value_delimiter = ',', requires = "ps_command")]
     pub ps_hosts: Vec<String>,
     /// With --ps-command: the port of each host's first server; its next
-    /// ones serve on the ports after it.
-    #[arg(long, value_name = "PORT", default_value_t = 8300, requires = "ps_command")]
-    pub ps_port: u16,
+    /// ones serve on the ports after it. Under --scaler kubernetes: the
+    /// port each server's Pod serves on. Default 8300.
+    #[arg(long, value_name = "PORT")]
+    pub ps_port: Option<u16>,
+    /// Under --scaler kubernetes (each server a Pod of its own): the image
+    /// the server Pods run, with `edl-runtime` on its PATH (default: --kube-image).
+    #[arg(long, value_name = "IMAGE", conflicts_with = "ps_command")]
+    pub ps_kube_image: Option<String>,
+    /// Under --scaler kubernetes: a resource each server Pod asks for and is
+    /// limited to, e.g. `memory=16Gi`, `cpu=4` (repeat for more). Without
+    /// `memory`, a Pod asks for --ps-memory-mib and a quarter more, plus 256 MiB.
+    #[arg(long, value_name = "NAME=QUANTITY", value_parser = parse_pair, conflicts_with = "ps_command")]
+    pub ps_kube_resource: Vec<(String, String)>,
+    /// Under --scaler kubernetes: a node label the server Pods must match,
+    /// e.g. `node.kubernetes.io/instance-type=r6i.4xlarge` (repeat for more).
+    #[arg(long, value_name = "LABEL=VALUE", value_parser = parse_pair, conflicts_with = "ps_command")]
+    pub ps_kube_node_selector: Vec<(String, String)>,
 }
 
 /// What a job trains with: epochs and the starting hyperparameters.

@@ -62,6 +62,7 @@ fn start_servers(
         listen: c.listen.ip(),
         advertise: at.advertised_host()?,
         command: ps_command(p, c),
+        kube: ps_kube(p, c),
     };
     let job = job.start_ps(dirs, &start)?;
     let bound = match p.ps_memory_mib {
@@ -74,6 +75,32 @@ fn start_servers(
     Ok(job)
 }
 
+/// The port servers on other hosts serve on by default.
+const PS_PORT: u16 = 8300;
+
+/// Under `--scaler kubernetes` (and no `--ps-command`): each server a Pod
+/// of its own, made as the workers' are.
+pub(super) fn ps_kube(
+    p: &super::flags::PsArgs,
+    c: &ClusterArgs,
+) -> Option<edl_runtime::job::ps_kube::KubePsSpec> {
+    if c.scaler != ScalerKind::Kubernetes || p.ps_command.is_some() {
+        return None;
+    }
+    let o = c.kube.options();
+    Some(edl_runtime::job::ps_kube::KubePsSpec {
+        image: p.ps_kube_image.clone().unwrap_or(o.image),
+        secret: o.secret,
+        port: p.ps_port.unwrap_or(PS_PORT),
+        resources: p.ps_kube_resource.clone(),
+        node_selector: p.ps_kube_node_selector.clone(),
+        namespace: o.namespace,
+        owner: o.owner,
+        pod_name: o.pod_name,
+        ready_within: o.pending_bound,
+    })
+}
+
 /// The servers' command: the operator's (`--ps-command`), or under
 /// `--scaler slurm` the job's own, `srun` placing each server as a Slurm
 /// job of its own (in the workers' partition, account and QOS; not with
@@ -81,7 +108,7 @@ fn start_servers(
 fn ps_command(p: &super::flags::PsArgs, c: &ClusterArgs) -> Option<edl_runtime::job::ps_servers::PsCommand> {
     use edl_runtime::job::ps_servers::PsCommand;
     if let Some(start) = p.ps_command.clone() {
-        return Some(PsCommand { start, hosts: p.ps_hosts.clone(), port: p.ps_port });
+        return Some(PsCommand { start, hosts: p.ps_hosts.clone(), port: p.ps_port.unwrap_or(PS_PORT) });
     }
     (c.scaler == ScalerKind::Slurm && p.ps_servers > 0).then(|| PsCommand {
         start: srun_server(&c.slurm.options()),
@@ -114,7 +141,7 @@ fn srun_server(o: &edl_runtime::scalers::slurm::SlurmOptions) -> String {
 }
 
 /// Refuses parameter-server flags that do not fit together, before anything starts.
-fn check_ps(p: &super::flags::PsArgs, cluster: &ClusterArgs) -> Result<()> {
+pub(super) fn check_ps(p: &super::flags::PsArgs, cluster: &ClusterArgs) -> Result<()> {
     if let Some(c) = ps_command(p, cluster) {
         let slots = c.slots()?.len();
         let most = p.max_ps.unwrap_or(p.ps_servers);
@@ -124,6 +151,26 @@ fn check_ps(p: &super::flags::PsArgs, cluster: &ClusterArgs) -> Result<()> {
         if !c.placed() && most as usize > slots {
             edl_runtime::refuse!("--ps-hosts has {slots} slot(s) for servers; the job may start {most}");
         }
+    }
+    let for_pods =
+        p.ps_kube_image.is_some() || !p.ps_kube_resource.is_empty() || !p.ps_kube_node_selector.is_empty();
+    if for_pods && ps_kube(p, cluster).is_none() {
+        edl_runtime::refuse!(
+            "--ps-kube-image, --ps-kube-resource and --ps-kube-node-selector are for servers in Pods (--scaler kubernetes)"
+        );
+    }
+    match p.ps_port {
+        Some(_) if p.ps_command.is_none() && ps_kube(p, cluster).is_none() => {
+            edl_runtime::refuse!(
+                "--ps-port is for servers started by --ps-command or in Pods (--scaler kubernetes); those beside the coordinator take free ports"
+            )
+        }
+        Some(0) if ps_kube(p, cluster).is_some() => {
+            edl_runtime::refuse!(
+                "--ps-port 0: a server Pod serves on a port fixed ahead, where the job reaches it"
+            )
+        }
+        _ => {}
     }
     if p.ps_servers == 0 {
         if p.ps_replicas != 1

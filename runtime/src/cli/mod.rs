@@ -259,6 +259,42 @@ mod tests {
     }
 
     #[test]
+    fn servers_under_kubernetes_are_pods_whose_command_edl_runtime_ps_takes() {
+        let line = "--scaler kubernetes --kube-image reg/edl:1 --kube-secret edl-ctr --dataset ctr \
+                    --ps-servers 2 --ps-memory-mib 512 --ps-port 9100 --ps-kube-resource cpu=2";
+        let cli = parse(line).unwrap();
+        job::check_ps(&cli.run.ps, &cli.run.cluster).unwrap();
+        let spec = job::ps_kube(&cli.run.ps, &cli.run.cluster).expect("servers in Pods");
+        assert_eq!((spec.image.as_str(), spec.secret.as_str(), spec.port), ("reg/edl:1", "edl-ctr", 9100));
+        assert_eq!(spec.resources, [("cpu".to_string(), "2".to_string())]);
+        let pod = edl_runtime::job::ps_kube::server_pod(&spec, "ctr", 4, 512, None);
+        let words = pod.spec.unwrap().containers[0].command.clone().unwrap();
+        assert_eq!(words[0], "edl-runtime");
+        let Some(Command::Ps(a)) = parse(&words[1..].join(" ")).unwrap().command else { panic!("{words:?}") };
+        assert_eq!((a.id, a.listen.to_string(), a.memory_mib), (4, "0.0.0.0:9100".to_string(), 512));
+        assert_eq!((a.job.as_deref(), a.secret_file.unwrap()), (Some("ctr"), "/run/edl/secret".into()));
+        // Their own image, where given; none without Kubernetes or with a command of the operator's.
+        let own = parse(&format!("{line} --ps-kube-image reg/edl-ps:1")).unwrap();
+        assert_eq!(job::ps_kube(&own.run.ps, &own.run.cluster).unwrap().image, "reg/edl-ps:1");
+        let by_command = parse(&format!(
+            "{} --ps-command ssh_{{host}}_{{program}} --ps-hosts a",
+            line.replace("--ps-kube-resource cpu=2", "")
+        ))
+        .unwrap();
+        assert!(job::ps_kube(&by_command.run.ps, &by_command.run.cluster).is_none());
+        let refused = |line: &str| {
+            let cli = parse(line).unwrap();
+            job::check_ps(&cli.run.ps, &cli.run.cluster).unwrap_err().to_string()
+        };
+        let e = refused("--dataset ctr --ps-servers 2 --ps-kube-image reg/edl:1");
+        assert!(e.contains("servers in Pods (--scaler kubernetes)"), "{e}");
+        let e = refused("--dataset ctr --ps-servers 2 --ps-port 9100");
+        assert!(e.contains("--ps-port is for servers started by --ps-command or in Pods"), "{e}");
+        let e = refused(&line.replace("9100", "0"));
+        assert!(e.contains("--ps-port 0"), "{e}");
+    }
+
+    #[test]
     fn the_command_tree_is_consistent() {
         Cli::command().debug_assert();
     }

@@ -22,23 +22,23 @@ use std::{
 pub struct PsArgs {
     /// This server's id: the job places shards by it, so ids are unique in a job.
     #[arg(long, value_name = "N")]
-    id: u64,
+    pub(super) id: u64,
     /// Address to serve on, with or without a port (without: 8300; port 0
     /// picks a free one).
     #[arg(long, value_name = "ADDR[:PORT]", default_value = "127.0.0.1:8300", value_parser = listen_on(8300))]
-    listen: SocketAddr,
+    pub(super) listen: SocketAddr,
     /// The job's name (default: $EDL_JOB).
     #[arg(long, value_name = "NAME", value_parser = super::flags::job_name)]
-    job: Option<String>,
+    pub(super) job: Option<String>,
     /// A file holding the job's secret, or `-` for standard input (default:
     /// $EDL_JOB_SECRET): its first line; the server then stops when its
     /// standard input closes. Never give the secret itself on a command line.
     #[arg(long, value_name = "FILE")]
-    secret_file: Option<PathBuf>,
+    pub(super) secret_file: Option<PathBuf>,
     /// Most memory the rows of all tables may take, MiB (0: no bound). New
     /// rows past it are refused, naming the table; old ones keep being served.
     #[arg(long, value_name = "MIB", default_value_t = 0)]
-    memory_mib: u64,
+    pub(super) memory_mib: u64,
     /// Longest a pull waits for the pushes of the steps before it, seconds.
     #[arg(long, value_name = "SECS", default_value_t = 300)]
     pull_timeout_secs: u64,

@@ -13,12 +13,15 @@
 //! - [`teacher_command`]: teachers started by `--teacher-command` on slots
 //!   of `--teacher-hosts`, and their registrations.
 //! - [`teacher_kube`]: teachers in Kubernetes Pods of their own image.
+//! - [`ps_servers`]: the job's parameter servers, here, by command, or
+//!   in Kubernetes Pods ([`ps_kube`]).
 //!
 //! The job runs in [`crate::coordinator`]; its workers in [`crate::worker`].
 
 pub mod assembly;
 pub mod config;
 pub mod preflight;
+pub mod ps_kube;
 pub mod ps_servers;
 pub mod spec;
 pub mod teacher_command;

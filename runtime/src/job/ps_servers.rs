@@ -7,6 +7,7 @@
 //! told the job's secret through the environment (or its standard input),
 //! stopped with the job.
 
+use super::ps_kube::{PsPods, ServerPod};
 use crate::process::{die_with_parent, log_tail, terminate_group};
 use crate::worker::session::JobAuth;
 use anyhow::{Context, Result};
@@ -14,6 +15,7 @@ use std::{
     net::IpAddr,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
+    sync::Arc,
     time::Duration,
 };
 
@@ -40,6 +42,8 @@ pub struct PsStart {
     pub advertise: String,
     /// Started by the operator's command on hosts of theirs instead.
     pub command: Option<PsCommand>,
+    /// Or each in a Kubernetes Pod of its own (under `--scaler kubernetes`).
+    pub kube: Option<super::ps_kube::KubePsSpec>,
 }
 
 /// Servers started by a command on the operator's hosts (`--ps-command`).
@@ -133,12 +137,22 @@ pub struct PsProcess {
     pub log: PathBuf,
     /// Its slot among the command's (None: started here).
     slot: Option<usize>,
-    child: Child,
-    /// A server started by command: its standard input, held open while
-    /// the job wants it (it read the job's secret there, and stops when
-    /// it closes, wherever it runs).
-    _held: Option<std::process::ChildStdin>,
-    by_command: bool,
+    run: Run,
+}
+
+/// How a server runs.
+enum Run {
+    /// A process started here, or by a command.
+    Process {
+        child: Child,
+        /// A server started by command: its standard input, held open
+        /// while the job wants it (it read the job's secret there, and
+        /// stops when it closes, wherever it runs).
+        held: Option<std::process::ChildStdin>,
+        by_command: bool,
+    },
+    /// A Kubernetes Pod.
+    Pod { pod: ServerPod, pods: Arc<PsPods> },
 }
 
 /// The job's servers; dropping them stops them.
@@ -151,6 +165,8 @@ pub struct PsServers {
     /// Servers being started on threads of their own: id, slot, thread
     /// (none only while places are handed out).
     starting: Vec<(u64, Option<usize>, Option<Starting>)>,
+    /// The job's server Pods, where servers run in Pods.
+    pods: Option<Arc<PsPods>>,
 }
 
 /// The thread starting a server.
@@ -164,12 +180,33 @@ impl PsServers {
     /// Starts `start.count` servers (ids 1..=count), each logging to
     /// `log_dir/ps-<id>.log`, and waits for each to say where it serves.
     pub fn start(start: &PsStart, auth: &JobAuth, log_dir: &Path) -> Result<PsServers> {
+        let pods = start.kube.clone().map(|k| PsPods::new(k, &auth.job)).transpose()?;
+        Self::start_on(start, auth, log_dir, pods)
+    }
+
+    /// As [`PsServers::start`], with Pods made through the API `api` gives
+    /// (a stand-in's).
+    #[cfg(test)]
+    pub(crate) fn start_with_api(
+        start: &PsStart,
+        auth: &JobAuth,
+        log_dir: &Path,
+        api: impl FnOnce(&tokio::runtime::Runtime) -> kube::Api<k8s_openapi::api::core::v1::Pod>,
+    ) -> Result<PsServers> {
+        let pods = start.kube.clone().map(|k| PsPods::new(k, &auth.job)).transpose()?;
+        Self::start_on(start, auth, log_dir, pods.map(|p| p.with_api(api)))
+    }
+
+    fn start_on(start: &PsStart, auth: &JobAuth, log_dir: &Path, pods: Option<PsPods>) -> Result<PsServers> {
         std::fs::create_dir_all(log_dir).with_context(|| format!("{}", log_dir.display()))?;
+        let pods = pods.map(Arc::new);
+        let next = pods.as_ref().map_or(Ok(1), |p| p.clear_left())?;
         let mut servers = PsServers {
             servers: Vec::new(),
             start: Some((start.clone(), auth.clone(), log_dir.to_path_buf())),
-            next: 1,
+            next,
             starting: Vec::new(),
+            pods,
         };
         servers.more(start.count)?;
         Ok(servers)
@@ -184,7 +221,8 @@ impl PsServers {
         for _ in 0..n {
             let (id, slot) = self.next_place(&start, &slots)?;
             let at = slot.map(|i| (i, &slots[i]));
-            let p = match PsProcess::start(&start, id, &auth, &log_dir.join(format!("ps-{id}.log")), at) {
+            let log = log_dir.join(format!("ps-{id}.log"));
+            let p = match PsProcess::start(&start, id, &auth, &log, at, self.pods.as_ref()) {
                 Ok(p) => p,
                 Err(e) => {
                     // All or none: those this call started are stopped.
@@ -216,9 +254,10 @@ impl PsServers {
         for (id, slot) in places {
             let (start, auth, log) = (start.clone(), auth.clone(), log_dir.join(format!("ps-{id}.log")));
             let at = slot.map(|i| (i, slots[i].clone()));
-            let thread = std::thread::Builder::new()
-                .name(format!("edl-ps-start-{id}"))
-                .spawn(move || PsProcess::start(&start, id, &auth, &log, at.as_ref().map(|(i, s)| (*i, s))));
+            let pods = self.pods.clone();
+            let thread = std::thread::Builder::new().name(format!("edl-ps-start-{id}")).spawn(move || {
+                PsProcess::start(&start, id, &auth, &log, at.as_ref().map(|(i, s)| (*i, s)), pods.as_ref())
+            });
             match thread {
                 Ok(t) => self.starting.push((id, slot, Some(t))),
                 // Those spawned go on; the job collects them as usual.
@@ -326,13 +365,35 @@ impl PsServers {
     /// The servers whose process ended since last asked: their ids, and
     /// how they ended with the end of their log.
     pub fn exited(&mut self) -> Vec<(u64, String)> {
+        let names: Vec<&str> = self
+            .servers
+            .iter()
+            .filter_map(|p| match &p.run {
+                Run::Pod { pod, .. } => Some(pod.name.as_str()),
+                Run::Process { .. } => None,
+            })
+            .collect();
+        let ended = self.pods.as_ref().map_or_else(Vec::new, |pods| pods.ended(&names));
         let mut gone = Vec::new();
-        self.servers.retain_mut(|p| match p.child.try_wait() {
-            Ok(Some(status)) => {
-                gone.push((p.id, format!("{status}{}", log_tail(&p.log, 3))));
-                false
-            }
-            _ => true,
+        self.servers.retain_mut(|p| match &mut p.run {
+            Run::Process { child, .. } => match child.try_wait() {
+                Ok(Some(status)) => {
+                    gone.push((p.id, format!("{status}{}", log_tail(&p.log, 3))));
+                    false
+                }
+                _ => true,
+            },
+            Run::Pod { pod, pods } => match ended.iter().find(|(n, _)| *n == pod.name) {
+                Some((_, how)) => {
+                    // Its log is kept before its Pod goes (the drop deletes it).
+                    if how.contains(" ended: ") {
+                        pods.keep_log(&pod.name, &p.log);
+                    }
+                    gone.push((p.id, format!("{how}{}", log_tail(&p.log, 3))));
+                    false
+                }
+                None => true,
+            },
         });
         gone
     }
@@ -385,7 +446,13 @@ impl PsProcess {
         auth: &JobAuth,
         log: &Path,
         slot: Option<(usize, &PsSlot)>,
+        pods: Option<&Arc<PsPods>>,
     ) -> Result<PsProcess> {
+        if let Some(pods) = pods {
+            let (pod, addr) = pods.start(id, s.memory_mib, auth, log)?;
+            let run = Run::Pod { pod, pods: pods.clone() };
+            return Ok(PsProcess { id, addr, log: log.to_path_buf(), slot: None, run });
+        }
         let log_file = std::fs::File::create(log).with_context(|| format!("{}", log.display()))?;
         let said = log_file.try_clone()?;
         let mut cmd = Self::command(s, id, auth, slot.map(|(_, p)| p))?;
@@ -421,8 +488,8 @@ impl PsProcess {
             (None, Some(_)) => at.to_string(),
             (None, None) => crate::net::host_port(&s.advertise, at.port()),
         };
-        let (slot, by_command) = (slot.map(|(i, _)| i), s.command.is_some());
-        Ok(PsProcess { id, addr, log: log.to_path_buf(), slot, child, _held: held, by_command })
+        let run = Run::Process { child, held, by_command: s.command.is_some() };
+        Ok(PsProcess { id, addr, log: log.to_path_buf(), slot: slot.map(|(i, _)| i), run })
     }
 }
 
@@ -446,7 +513,9 @@ impl PsProcess {
     /// stops when it closes, wherever it runs (and its command with it: a
     /// killed `srun` would leave its Slurm job running).
     fn let_go(&mut self) {
-        self._held = None;
+        if let Run::Process { held, .. } = &mut self.run {
+            *held = None;
+        }
     }
 }
 
@@ -454,13 +523,11 @@ impl PsProcess {
     /// Waits, until `until`, for a server started by command to end once
     /// let go; after that its command is killed (by the drop).
     fn wait_until(&mut self, until: std::time::Instant) {
-        while self.by_command
-            && std::time::Instant::now() < until
-            && matches!(self.child.try_wait(), Ok(None))
-        {
+        let Run::Process { child, by_command, .. } = &mut self.run else { return };
+        while *by_command && std::time::Instant::now() < until && matches!(child.try_wait(), Ok(None)) {
             std::thread::sleep(Duration::from_millis(20));
         }
-        self.by_command = false;
+        *by_command = false;
     }
 }
 
@@ -470,7 +537,10 @@ impl Drop for PsProcess {
         self.wait_until(std::time::Instant::now() + LET_GO);
         // Its tables are in the job's checkpoints: nothing to wait for (and
         // SIGTERM alone would be notice, on which it serves on).
-        terminate_group(&mut self.child, Duration::ZERO);
+        match &mut self.run {
+            Run::Process { child, .. } => terminate_group(child, Duration::ZERO),
+            Run::Pod { pod, pods } => pods.delete(pod),
+        }
     }
 }
 

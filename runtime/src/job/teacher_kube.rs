@@ -19,14 +19,14 @@ use super::teacher_command::{Registered, Registry, wait_ready};
 use crate::distill::TeacherAccess;
 use crate::leader::record::TeacherHandle;
 use crate::scalers::kubernetes::{
-    JOB_LABEL, Owner, call, connect, job_label, job_pod_meta, of_job, pod_name_of,
+    JOB_LABEL, Owner, call, connect, delete_pod, job_label, job_pod_meta, of_job, pod_name_of, running_ip,
 };
 use anyhow::{Result, bail};
 use k8s_openapi::{
     api::core::v1::{Container, ContainerPort, Pod, PodSpec, ResourceRequirements},
     apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::OwnerReference},
 };
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, ListParams, PostParams};
 use std::{
     collections::BTreeMap,
     sync::{Arc, Mutex},
@@ -283,38 +283,12 @@ impl KubeTeachers {
     /// Waits, within the ready bound, for the Pod `name` to run with an
     /// address; returns it.
     fn running_at(&self, api: &Api<Pod>, name: &str) -> Result<String> {
-        let deadline = Instant::now() + self.spec.ready_within;
-        loop {
-            let pod = call(&self.rt, &format!("reading the Pod {name}"), api.get_opt(name))?;
-            let Some(pod) = pod else { bail!("its Pod is gone") };
-            let status = pod.status.unwrap_or_default();
-            let phase = status.phase.unwrap_or_default();
-            match (phase.as_str(), status.pod_ip) {
-                ("Running", Some(ip)) if !ip.is_empty() => return Ok(ip),
-                ("Succeeded" | "Failed", _) => {
-                    bail!(
-                        "its Pod ended: {phase}{}",
-                        status.reason.map(|r| format!(" ({r})")).unwrap_or_default()
-                    )
-                }
-                _ => {}
-            }
-            if Instant::now() >= deadline {
-                bail!("its Pod is not running within {:?} (phase {phase:?})", self.spec.ready_within);
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        running_ip(&self.rt, api, name, self.spec.ready_within)
     }
 
     /// Deletes the Pod `name` with its grace period (its server drains).
     fn delete(&self, api: &Api<Pod>, name: &str) {
-        let params = DeleteParams { grace_period_seconds: Some(GRACE_SECS), ..Default::default() };
-        let deleted = call(&self.rt, &format!("deleting the Pod {name}"), api.delete(name, &params));
-        if let Err(e) = deleted
-            && !e.to_string().contains("NotFound")
-        {
-            tracing::warn!("kubernetes: {e:#}");
-        }
+        delete_pod(&self.rt, api, name, None, GRACE_SECS);
     }
 
     /// Tells the teacher at `addr` to go: deregistered, a moment for the

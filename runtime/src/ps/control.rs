@@ -58,6 +58,32 @@ fn job_client(servers: &[(u64, std::net::SocketAddr)], replicas: usize, auth: &J
     Ok(c)
 }
 
+/// Waits, until `within` passes, for server `id` to answer the job at
+/// `addr`: a sealed connection made with the job's secret, and its stats
+/// naming it (not another server, nor another job's, at that address).
+pub fn await_serving(auth: &JobAuth, id: u64, addr: &str, within: std::time::Duration) -> Result<()> {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let tried = crate::net::resolve(addr).and_then(|at| {
+            let mut c = job_client(&[(id, at)], 1, auth)?;
+            let said = c.stats()?.first().map(|s| s.server);
+            match said {
+                Some(s) if s == id => Ok(()),
+                other => bail!("the server at {addr} says it is {other:?}, not parameter server {id}"),
+            }
+        });
+        match tried {
+            Ok(()) => return Ok(()),
+            Err(e) if std::time::Instant::now() >= deadline => {
+                return Err(
+                    e.context(format!("parameter server {id} does not answer at {addr} within {within:?}"))
+                );
+            }
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(200)),
+        }
+    }
+}
+
 /// The servers' addresses, resolved.
 fn resolve_all(servers: &[(u64, String)]) -> Result<Vec<(u64, std::net::SocketAddr)>> {
     servers

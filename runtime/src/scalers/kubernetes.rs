@@ -155,31 +155,107 @@ pub fn worker_pod(
                     env("EDL_COORDINATOR", coordinator.to_string()),
                     env("EDL_WORKER_ID", id.to_string()),
                     env("EDL_JOB", job.to_string()),
-                    env("EDL_JOB_SECRET_FILE", format!("{SECRET_DIR}/secret")),
+                    env("EDL_JOB_SECRET_FILE", secret_path()),
                     env("PYTHONUNBUFFERED", "1".into()),
                 ]),
-                volume_mounts: Some(vec![VolumeMount {
-                    name: "edl-secret".into(),
-                    mount_path: SECRET_DIR.into(),
-                    read_only: Some(true),
-                    ..Default::default()
-                }]),
+                volume_mounts: Some(vec![secret_mount()]),
                 resources,
                 ..Default::default()
             }],
-            volumes: Some(vec![Volume {
-                name: "edl-secret".into(),
-                secret: Some(SecretVolumeSource {
-                    secret_name: Some(opts.secret.clone()),
-                    default_mode: Some(0o400),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }]),
+            volumes: Some(vec![secret_volume(&opts.secret)]),
             ..Default::default()
         }),
         status: None,
     }
+}
+
+/// Where a Pod's container finds the job's secret (read-only).
+pub(crate) fn secret_mount() -> VolumeMount {
+    VolumeMount {
+        name: "edl-secret".into(),
+        mount_path: SECRET_DIR.into(),
+        read_only: Some(true),
+        ..Default::default()
+    }
+}
+
+/// The volume of the Kubernetes Secret `secret`, readable by its owner only.
+pub(crate) fn secret_volume(secret: &str) -> Volume {
+    Volume {
+        name: "edl-secret".into(),
+        secret: Some(SecretVolumeSource {
+            secret_name: Some(secret.to_string()),
+            default_mode: Some(0o400),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The file a Pod's container reads the job's secret from.
+pub(crate) fn secret_path() -> String {
+    format!("{SECRET_DIR}/secret")
+}
+
+/// Waits, until `deadline`, for the Pod `name` to run with an address;
+/// returns it. A Pod that ends or is gone first is an error saying so.
+pub(crate) fn running_ip(
+    rt: &tokio::runtime::Runtime,
+    api: &Api<Pod>,
+    name: &str,
+    within: Duration,
+) -> Result<String> {
+    let deadline = Instant::now() + within;
+    loop {
+        let pod = call(rt, &format!("reading the Pod {name}"), api.get_opt(name))?;
+        let Some(pod) = pod else { anyhow::bail!("its Pod is gone") };
+        let status = pod.status.unwrap_or_default();
+        let phase = status.phase.unwrap_or_default();
+        match (phase.as_str(), status.pod_ip) {
+            ("Running", Some(ip)) if !ip.is_empty() => return Ok(ip),
+            ("Succeeded" | "Failed", _) => anyhow::bail!(
+                "its Pod ended: {phase}{}",
+                status.reason.map(|r| format!(" ({r})")).unwrap_or_default()
+            ),
+            _ => {}
+        }
+        if Instant::now() >= deadline {
+            anyhow::bail!("its Pod is not running within {within:?} (phase {phase:?})");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Deletes the Pod `name` (only the Pod of that `uid`, where given: not one
+/// made under the name since) with `grace` seconds of notice; one gone
+/// already is no error.
+pub(crate) fn delete_pod(
+    rt: &tokio::runtime::Runtime,
+    api: &Api<Pod>,
+    name: &str,
+    uid: Option<&str>,
+    grace: u32,
+) {
+    let preconditions = uid.map(|u| Preconditions { uid: Some(u.to_string()), resource_version: None });
+    let params = DeleteParams { grace_period_seconds: Some(grace), preconditions, ..Default::default() };
+    let deleted = call(rt, &format!("deleting the Pod {name}"), api.delete(name, &params));
+    if let Err(e) = deleted
+        && !e.to_string().contains("NotFound")
+    {
+        tracing::warn!("kubernetes: {e:#}");
+    }
+}
+
+/// The last lines of the Pod `name`'s log (bounded), kept at `path`.
+pub(crate) fn keep_log(rt: &tokio::runtime::Runtime, api: &Api<Pod>, name: &str, path: &Path) -> Result<()> {
+    // Its last lines, bounded: what a person reads after a crash.
+    let params =
+        LogParams { tail_lines: Some(LOG_LINES), limit_bytes: Some(LOG_KEPT), ..LogParams::default() };
+    let text = call(rt, &format!("reading the log of the Pod {name}"), api.logs(name, &params))?;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(path, text))
+        .with_context(|| format!("keeping the log of the Pod {name} in {}", path.display()))
 }
 
 /// The Pods' API in `namespace` (default: the client's) and the owner of
@@ -462,16 +538,7 @@ impl KubernetesScaler {
     /// person to read, and the log message says so.
     fn keep_log_and_delete(&mut self, api: &Api<Pod>, id: u64, name: &str, meta: &ObjectMeta) {
         let path = self.log_dir.join(format!("worker-{id}.log"));
-        // Its last lines, bounded: what a person reads after a crash.
-        let params =
-            LogParams { tail_lines: Some(LOG_LINES), limit_bytes: Some(LOG_KEPT), ..LogParams::default() };
-        let text = call(&self.rt, &format!("reading the log of the Pod {name}"), api.logs(name, &params));
-        let kept = text.and_then(|t| {
-            std::fs::create_dir_all(&self.log_dir)
-                .and_then(|()| std::fs::write(&path, t))
-                .with_context(|| format!("keeping the log of the Pod {name} in {}", path.display()))
-        });
-        match kept {
+        match keep_log(&self.rt, api, name, &path) {
             Ok(()) => {
                 self.logs.insert(id, path);
                 self.delete_checked(api, name, meta, DeleteParams::default());
@@ -877,13 +944,20 @@ pub(crate) mod tests {
 
     /// An API server's stand-in on loopback, for the paths the scaler uses:
     /// it creates Pods, lists them with the phase the test sets, serves a
-    /// log, and records every request's method, path and body.
+    /// log, deletes them, and records every request's method, path and body.
     pub(crate) struct StandIn {
         url: String,
+        /// Every Pod's phase, but where `phase_of` names the Pod.
         pub(crate) phase: Arc<Mutex<String>>,
+        pub(crate) phase_of: Arc<Mutex<BTreeMap<String, String>>>,
+        /// The address of the Pods `ip_of` names (the others: 127.0.0.1).
+        pub(crate) ip_of: Arc<Mutex<BTreeMap<String, String>>>,
         heard: Arc<Mutex<Vec<String>>>,
         _rt: tokio::runtime::Runtime,
     }
+
+    /// The Pods the stand-in holds, by name.
+    type Made = Arc<Mutex<BTreeMap<String, serde_json::Value>>>;
 
     use std::sync::{Arc, Mutex};
 
@@ -892,41 +966,67 @@ pub(crate) mod tests {
             use axum::{Router, extract::Request, response::IntoResponse, routing::any};
             let (phase, heard) =
                 (Arc::new(Mutex::new("Running".to_string())), Arc::new(Mutex::new(Vec::new())));
-            let (p, h) = (phase.clone(), heard.clone());
-            let made: Arc<Mutex<Option<serde_json::Value>>> = Arc::default();
+            let (phase_of, ip_of): (
+                Arc<Mutex<BTreeMap<String, String>>>,
+                Arc<Mutex<BTreeMap<String, String>>>,
+            ) = Default::default();
+            let (p, h, pf, ipf) = (phase.clone(), heard.clone(), phase_of.clone(), ip_of.clone());
+            let made: Made = Arc::default();
             let serve = move |req: Request| {
-                let (p, h, made) = (p.clone(), h.clone(), made.clone());
+                let (p, h, pf, ipf, made) = (p.clone(), h.clone(), pf.clone(), ipf.clone(), made.clone());
                 async move {
                     let (method, path) = (req.method().to_string(), req.uri().path().to_string());
                     let body = axum::body::to_bytes(req.into_body(), 1 << 20).await.unwrap_or_default();
                     h.lock().unwrap().push(format!("{method} {path} {}", String::from_utf8_lossy(&body)));
                     let with_phase = |mut pod: serde_json::Value| {
                         pod["metadata"]["uid"] = "uid-7".into();
+                        let name = pod["metadata"]["name"].as_str().unwrap_or_default().to_string();
+                        let phase = pf
+                            .lock()
+                            .unwrap()
+                            .get(&name)
+                            .cloned()
+                            .unwrap_or_else(|| p.lock().unwrap().clone());
                         // Every Pod runs on this host.
-                        let phase = p.lock().unwrap().clone();
-                        pod["status"] = serde_json::json!({ "phase": phase, "podIP": "127.0.0.1" });
+                        let ip = ipf
+                            .lock()
+                            .unwrap()
+                            .get(&name)
+                            .cloned()
+                            .unwrap_or_else(|| "127.0.0.1".to_string());
+                        pod["status"] = serde_json::json!({ "phase": phase, "podIP": ip });
                         pod
+                    };
+                    // The Pod the path names, by its own name only.
+                    let named = || {
+                        let made = made.lock().unwrap();
+                        made.iter()
+                            .find(|(n, _)| path.ends_with(&format!("/{n}")))
+                            .map(|(n, p)| (n.clone(), p.clone()))
                     };
                     match (method.as_str(), path.ends_with("/log")) {
                         ("POST", _) => {
                             let pod: serde_json::Value = serde_json::from_slice(&body).unwrap();
-                            *made.lock().unwrap() = Some(pod.clone());
+                            let name = pod["metadata"]["name"].as_str().unwrap_or_default().to_string();
+                            made.lock().unwrap().insert(name, pod.clone());
                             axum::Json(with_phase(pod)).into_response()
                         }
                         ("GET", true) => log.into_response(),
                         ("GET", false) if path.ends_with("/pods") => {
                             let items: Vec<_> =
-                                made.lock().unwrap().clone().into_iter().map(with_phase).collect();
+                                made.lock().unwrap().values().cloned().map(with_phase).collect();
                             axum::Json(serde_json::json!({
                                 "apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items
                             }))
                             .into_response()
                         }
-                        // One Pod by its name: the one made, under its own name only.
-                        _ => match made.lock().unwrap().clone().filter(|pod| {
-                            pod["metadata"]["name"].as_str().is_some_and(|n| path.ends_with(&format!("/{n}")))
-                        }) {
-                            Some(pod) => axum::Json(with_phase(pod)).into_response(),
+                        _ => match named() {
+                            Some((name, pod)) => {
+                                if method == "DELETE" {
+                                    made.lock().unwrap().remove(&name);
+                                }
+                                axum::Json(with_phase(pod)).into_response()
+                            }
                             None => (
                                 axum::http::StatusCode::NOT_FOUND,
                                 axum::Json(serde_json::json!({
@@ -944,7 +1044,7 @@ pub(crate) mod tests {
             let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
             let url = format!("http://{}", listener.local_addr().unwrap());
             rt.spawn(async move { axum::serve(listener, Router::new().fallback(any(serve))).await });
-            StandIn { url, phase, heard, _rt: rt }
+            StandIn { url, phase, phase_of, ip_of, heard, _rt: rt }
         }
 
         /// A scaler whose API is this stand-in's, its logs kept in `dir`.
