@@ -403,13 +403,29 @@ impl Coordinator<'_> {
             match control.reform(mark, (&lost, &leaving), &added, ahead.as_ref()) {
                 Ok(m) => break m,
                 Err(e) if e.is::<crate::ps::control::ShardsLost>() => {
-                    // Their rows are gone: as many servers again, the tables
-                    // made again from the newest checkpoint with the rest.
+                    // Their rows are gone: the tables made again from the
+                    // newest checkpoint on the servers left, and as many
+                    // servers again started, to join as any added server
+                    // does; with none left, the job waits for them.
                     let mut added = added;
-                    added.extend(processes.more(lost.len() as u32)?);
+                    let left = control.topology().servers.iter().filter(|(id, _)| !lost.contains(id)).count();
+                    let again = lost.len() as u32;
+                    let starting = if left + added.len() == 0 {
+                        added.extend(processes.more(again)?);
+                        None
+                    } else {
+                        Some(processes.start_more(again))
+                    };
                     control.reset(&lost, &added)?;
                     let topology = control.topology().clone();
                     self.note_lost(&gone);
+                    match starting {
+                        Some(Ok(ids)) => self.note(format!(
+                            "parameter servers: starting {ids:?} in place of those lost, to join at the step boundary after they serve"
+                        )),
+                        Some(Err(e)) => self.note(format!("parameter servers: none started in place of those lost: {e:#}")),
+                        None => {}
+                    }
                     self.restore_newest(format!("{e}"))?;
                     return Ok(Some(topology));
                 }

@@ -550,5 +550,12 @@ impl Drop for PsServers {
         self.servers.iter_mut().for_each(PsProcess::let_go);
         let until = std::time::Instant::now() + LET_GO;
         self.servers.iter_mut().for_each(|p| p.wait_until(until));
+        // Those still starting are stopped once they started, if that
+        // comes before the deadline (a later one goes with this process,
+        // or, in a Pod, with its owner).
+        while self.starting() && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(20));
+            self.started(false);
+        }
     }
 }
