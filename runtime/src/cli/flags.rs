@@ -478,7 +478,8 @@ pub struct KubeArgs {
     /// one coordinator Pod, for standby coordinators).
     #[arg(long, value_name = "KIND", value_enum, default_value_t = KubeOwner::Pod)]
     pub kube_owner: KubeOwner,
-    /// A worker Pod not running after this many seconds is deleted and reported.
+    /// A worker Pod not running after this many seconds is deleted and
+    /// reported (a parameter server's Pod: not serving).
     #[arg(long, value_name = "SECS", default_value_t = 300)]
     pub kube_pending_secs: u64,
 }

@@ -178,9 +178,11 @@ pub(super) fn check_ps(p: &super::flags::PsArgs, cluster: &ClusterArgs) -> Resul
             || p.ps_staleness != 0
             || p.max_ps.is_some()
             || p.min_ps.is_some()
+            || p.ps_port.is_some()
+            || for_pods
         {
             edl_runtime::refuse!(
-                "--ps-replicas, --ps-memory-mib, --ps-staleness, --min-ps and --max-ps are for the servers --ps-servers N starts"
+                "--ps-replicas, --ps-memory-mib, --ps-staleness, --min-ps, --max-ps, --ps-port and --ps-kube-* are for the servers --ps-servers N starts"
             );
         }
         return Ok(());

@@ -403,31 +403,7 @@ impl Coordinator<'_> {
             match control.reform(mark, (&lost, &leaving), &added, ahead.as_ref()) {
                 Ok(m) => break m,
                 Err(e) if e.is::<crate::ps::control::ShardsLost>() => {
-                    // Their rows are gone: the tables made again from the
-                    // newest checkpoint on the servers left, and as many
-                    // servers again started, to join as any added server
-                    // does; with none left, the job waits for them.
-                    let mut added = added;
-                    let left = control.topology().servers.iter().filter(|(id, _)| !lost.contains(id)).count();
-                    let again = lost.len() as u32;
-                    let starting = if left + added.len() == 0 {
-                        added.extend(processes.more(again)?);
-                        None
-                    } else {
-                        Some(processes.start_more(again))
-                    };
-                    control.reset(&lost, &added)?;
-                    let topology = control.topology().clone();
-                    self.note_lost(&gone);
-                    match starting {
-                        Some(Ok(ids)) => self.note(format!(
-                            "parameter servers: starting {ids:?} in place of those lost, to join at the step boundary after they serve"
-                        )),
-                        Some(Err(e)) => self.note(format!("parameter servers: none started in place of those lost: {e:#}")),
-                        None => {}
-                    }
-                    self.restore_newest(format!("{e}"))?;
-                    return Ok(Some(topology));
+                    return self.ps_rows_lost(e, (&lost, &leaving), added, &gone);
                 }
                 Err(e) if let Some((id, why)) = unreachable(&e).filter(|(id, _)| suspects.contains(id)) => {
                     // A server that cannot be reached twice running (cut
@@ -466,6 +442,56 @@ impl Coordinator<'_> {
         if moved.rows > 0 || now != before {
             self.note_moved((before, now), moved.rows, ahead.as_ref());
         }
+        Ok(Some(topology))
+    }
+
+    /// Shards lost with all their holders (`e`): the tables made again from
+    /// the newest checkpoint on the servers left (those `lost` and
+    /// `leaving` out), and as many servers again started, to join as any
+    /// added server does; with none left, or where servers have a memory
+    /// bound (the rows of those lost would not fit on the rest), the job
+    /// waits for them first. Returns the servers the generation is told.
+    fn ps_rows_lost(
+        &mut self,
+        e: anyhow::Error,
+        (lost, leaving): (&[u64], &[u64]),
+        added: Vec<(u64, String)>,
+        gone: &[(u64, String)],
+    ) -> Result<Option<PsTopology>> {
+        let (control, processes) = self.ps.servers.as_mut().expect("a job with servers");
+        let mut added = added;
+        // Servers told to go leave now too (their rows are made again elsewhere).
+        let out: Vec<u64> = lost.iter().chain(leaving).copied().collect();
+        let left = control.topology().servers.iter().filter(|(id, _)| !out.contains(id)).count();
+        let again = lost.len() as u32;
+        let bounded = processes.limits().0.is_some();
+        let starting = if left + added.len() == 0 || bounded {
+            added.extend(processes.more(again)?);
+            None
+        } else {
+            Some(processes.start_more(again))
+        };
+        control.reset(&out, &added)?;
+        for id in leaving {
+            processes.stop(*id);
+        }
+        let topology = control.topology().clone();
+        self.note_lost(gone);
+        if topology.servers.len() < topology.replicas {
+            self.note(format!(
+                "parameter servers: {} left for {} replica(s) a shard until more join",
+                topology.servers.len(),
+                topology.replicas
+            ));
+        }
+        match starting {
+            Some(Ok(ids)) => self.note(format!(
+                "parameter servers: starting {ids:?} in place of those lost, to join at the step boundary after they serve"
+            )),
+            Some(Err(e)) => self.note(format!("parameter servers: none started in place of those lost: {e:#}")),
+            None => {}
+        }
+        self.restore_newest(format!("{e}"))?;
         Ok(Some(topology))
     }
 

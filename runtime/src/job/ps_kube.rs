@@ -34,7 +34,10 @@ use kube::api::{Api, ListParams, PostParams};
 use std::{
     collections::BTreeMap,
     path::Path,
-    sync::Mutex,
+    sync::{
+        Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -72,7 +75,8 @@ pub struct KubePsSpec {
 /// rows' bound, a quarter more for the optimiser's buffers and the
 /// requests in flight, and 256 MiB for the process.
 fn memory_request(memory_mib: u64) -> Option<Quantity> {
-    (memory_mib > 0).then(|| Quantity(format!("{}Mi", memory_mib + memory_mib / 4 + 256)))
+    (memory_mib > 0)
+        .then(|| Quantity(format!("{}Mi", memory_mib.saturating_add(memory_mib / 4).saturating_add(256))))
 }
 
 /// The Pod of server `id` of `job`, whose rows may take `memory_mib` MiB
@@ -118,6 +122,8 @@ pub fn server_pod(
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
             termination_grace_period_seconds: Some(EVICTION_GRACE_SECS),
+            // A server speaks to no API server: no token of the namespace's account.
+            automount_service_account_token: Some(false),
             node_selector: (!selector.is_empty()).then_some(selector),
             containers: vec![Container {
                 name: "ps".into(),
@@ -155,14 +161,18 @@ pub struct PsPods {
     rt: tokio::runtime::Runtime,
     api: Mutex<Option<(Api<Pod>, Option<OwnerReference>)>>,
     /// The last listing's phases by Pod name, and when it was made (at
-    /// most one a second).
-    looked: Mutex<(Option<Instant>, BTreeMap<String, String>)>,
+    /// most one a second; after the API did not answer, a pause first).
+    looked: Mutex<(Option<Instant>, BTreeMap<String, String>, crate::process::Backoff)>,
+    /// The job let its servers go: a Pod made from now on is deleted at once.
+    closing: AtomicBool,
 }
 
 impl PsPods {
     pub fn new(spec: KubePsSpec, job: &str) -> Result<PsPods> {
         if spec.image.is_empty() || spec.secret.is_empty() {
-            crate::refuse!("parameter servers in Pods need an image (--kube-image) and --kube-secret");
+            crate::refuse!(
+                "parameter servers in Pods need an image (--ps-kube-image or --kube-image) and --kube-secret"
+            );
         }
         // Several threads start servers at once; one runs the API's calls.
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
@@ -171,7 +181,8 @@ impl PsPods {
             job: job.to_string(),
             rt,
             api: Mutex::new(None),
-            looked: Mutex::new((None, BTreeMap::new())),
+            looked: Mutex::new((None, BTreeMap::new(), Default::default())),
+            closing: AtomicBool::new(false),
         })
     }
 
@@ -229,9 +240,22 @@ impl PsPods {
         let (api, owner) = self.api()?;
         let pod = server_pod(&self.spec, &self.job, id, memory_mib, owner);
         let name = pod.metadata.name.clone().unwrap_or_default();
-        let made =
-            call(&self.rt, &format!("creating the Pod {name}"), api.create(&PostParams::default(), &pod))?;
-        let made = ServerPod { name: name.clone(), uid: made.metadata.uid };
+        let made = match call(
+            &self.rt,
+            &format!("creating the Pod {name}"),
+            api.create(&PostParams::default(), &pod),
+        ) {
+            Ok(made) => ServerPod { name: name.clone(), uid: made.metadata.uid },
+            Err(e) => {
+                // It may have been made all the same (an answer lost on the way).
+                self.delete(&ServerPod { name: name.clone(), uid: None });
+                return Err(e);
+            }
+        };
+        if self.closing.load(Ordering::SeqCst) {
+            self.delete(&made);
+            anyhow::bail!("the job let its servers go while the Pod {name} was made; deleted");
+        }
         tracing::info!("parameter server {id}: Pod {name}");
         let started = Instant::now();
         let serving = running_ip(&self.rt, &api, &name, self.spec.ready_within).and_then(|ip| {
@@ -258,6 +282,15 @@ impl PsPods {
         }
     }
 
+    /// The job lets its servers go: the Pods of those still starting
+    /// (`ids`) are deleted, and any made from now on as soon as it is.
+    pub fn close(&self, ids: &[u64]) {
+        self.closing.store(true, Ordering::SeqCst);
+        for id in ids {
+            self.delete(&ServerPod { name: pod_name_of(&self.job, 'p', *id), uid: None });
+        }
+    }
+
     /// Lets the server in `pod` go: its Pod deleted.
     pub fn delete(&self, pod: &ServerPod) {
         match self.api() {
@@ -270,14 +303,20 @@ impl PsPods {
     /// most one look at the API a second; none while it does not answer).
     pub fn ended(&self, names: &[&str]) -> Vec<(String, String)> {
         let mut looked = self.looked.lock().unwrap_or_else(|e| e.into_inner());
-        if names.is_empty() || looked.0.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+        if names.is_empty()
+            || looked.0.is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+            || !looked.2.open()
+        {
             return Vec::new();
         }
         looked.0 = Some(Instant::now());
         let listed = match self.listed() {
-            Ok(l) => l,
+            Ok(l) => {
+                looked.2.answered();
+                l
+            }
             Err(e) => {
-                tracing::warn!("kubernetes: {e:#}");
+                looked.2.failed(&e.context("kubernetes"));
                 return Vec::new();
             }
         };
@@ -335,6 +374,7 @@ mod tests {
         let p = pod.spec.unwrap();
         assert_eq!(p.restart_policy.as_deref(), Some("Never"));
         assert_eq!(p.termination_grace_period_seconds, Some(EVICTION_GRACE_SECS));
+        assert_eq!(p.automount_service_account_token, Some(false));
         assert_eq!(p.node_selector.unwrap()["node.kubernetes.io/instance-type"], "r6i.4xlarge");
         let c = &p.containers[0];
         assert_eq!(
@@ -433,7 +473,15 @@ mod tests {
             "{exited:?}"
         );
         assert!(std::fs::read_to_string(dir.path().join("ps-7.log")).unwrap().contains("out of memory"));
-        assert!(api.heard("DELETE").iter().any(|d| d.contains(&name(7))));
+        // Deleted on a thread of its own.
+        let deleted = |id| {
+            let until = Instant::now() + Duration::from_secs(30);
+            while !api.heard("DELETE").iter().any(|d| d.contains(&name(id))) && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            api.heard("DELETE").into_iter().filter(|d| d.contains(&name(id))).collect::<Vec<String>>()
+        };
+        assert_eq!(deleted(7).len(), 1);
 
         // Another whose address answers as another server: refused, named, its Pod deleted.
         let e = format!("{:#}", servers.more(1).unwrap_err());
@@ -442,11 +490,7 @@ mod tests {
 
         // Let go: its Pod deleted with a second's notice; the job's end deletes the rest.
         servers.stop(6);
-        let until = Instant::now() + Duration::from_secs(30);
-        while !api.heard("DELETE").iter().any(|d| d.contains(&name(6))) && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let of_6: Vec<String> = api.heard("DELETE").into_iter().filter(|d| d.contains(&name(6))).collect();
+        let of_6 = deleted(6);
         assert!(
             matches!(&of_6[..], [d] if d.contains(&format!("\"gracePeriodSeconds\":{LET_GO_SECS}")) && d.contains("uid-7")),
             "{of_6:?}"
@@ -454,5 +498,26 @@ mod tests {
         assert!(servers.addrs().is_empty());
         drop(servers);
         assert_eq!(api.heard("DELETE").len(), 4);
+    }
+
+    #[test]
+    fn a_server_pod_made_once_the_job_let_its_servers_go_is_deleted_at_once() {
+        let api = StandIn::start("");
+        let auth =
+            JobAuth { job: "ctr".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
+        let pods = PsPods::new(spec(8300), "ctr").unwrap().with_api(|rt| api.pods(rt));
+        // The job ends while server 9 starts: its Pod (not made yet) is
+        // deleted by name, and the one made then is deleted at once.
+        pods.close(&[9]);
+        let dir = tempfile::tempdir().unwrap();
+        let e = format!("{:#}", pods.start(9, 0, &auth, &dir.path().join("ps-9.log")).unwrap_err());
+        assert!(e.contains("let its servers go"), "{e}");
+        let name = pod_name_of("ctr", 'p', 9);
+        assert_eq!(api.heard("POST").len(), 1);
+        let deleted = api.heard("DELETE");
+        assert!(deleted.len() == 2 && deleted.iter().all(|d| d.contains(&name)), "{deleted:?}");
+        assert!(deleted[1].contains("uid-7"), "the Pod made, by its uid: {deleted:?}");
+        // The API holds none of the job's server Pods.
+        assert!(pods.listed().unwrap().is_empty());
     }
 }

@@ -374,27 +374,37 @@ impl PsServers {
             })
             .collect();
         let ended = self.pods.as_ref().map_or_else(Vec::new, |pods| pods.ended(&names));
-        let mut gone = Vec::new();
-        self.servers.retain_mut(|p| match &mut p.run {
-            Run::Process { child, .. } => match child.try_wait() {
-                Ok(Some(status)) => {
-                    gone.push((p.id, format!("{status}{}", log_tail(&p.log, 3))));
-                    false
+        let (mut gone, mut pods_gone) = (Vec::new(), Vec::new());
+        let mut at = 0;
+        while at < self.servers.len() {
+            let p = &mut self.servers[at];
+            let how = match &mut p.run {
+                Run::Process { child, .. } => {
+                    child.try_wait().ok().flatten().map(|status| status.to_string())
                 }
-                _ => true,
-            },
-            Run::Pod { pod, pods } => match ended.iter().find(|(n, _)| *n == pod.name) {
-                Some((_, how)) => {
-                    // Its log is kept before its Pod goes (the drop deletes it).
+                Run::Pod { pod, pods } => ended.iter().find(|(n, _)| *n == pod.name).map(|(_, how)| {
+                    // Its log is kept before its Pod goes.
                     if how.contains(" ended: ") {
                         pods.keep_log(&pod.name, &p.log);
                     }
-                    gone.push((p.id, format!("{how}{}", log_tail(&p.log, 3))));
-                    false
-                }
-                None => true,
-            },
-        });
+                    how.clone()
+                }),
+            };
+            let Some(how) = how else {
+                at += 1;
+                continue;
+            };
+            let p = self.servers.remove(at);
+            gone.push((p.id, format!("{how}{}", log_tail(&p.log, 3))));
+            match p.run {
+                // Deleted on a thread of its own: the job does not wait on the API.
+                Run::Pod { .. } => pods_gone.push(p),
+                Run::Process { .. } => drop(p),
+            }
+        }
+        if !pods_gone.is_empty() {
+            std::thread::spawn(move || drop(pods_gone));
+        }
         gone
     }
 }
@@ -556,6 +566,11 @@ impl Drop for PsServers {
         while self.starting() && std::time::Instant::now() < until {
             std::thread::sleep(Duration::from_millis(20));
             self.started(false);
+        }
+        if let Some(pods) = &self.pods {
+            // Pods still starting are deleted, and any made later at once.
+            let ids: Vec<u64> = self.starting.iter().map(|s| s.0).collect();
+            pods.close(&ids);
         }
     }
 }

@@ -66,14 +66,12 @@ pub fn await_serving(auth: &JobAuth, id: u64, addr: &str, within: std::time::Dur
     loop {
         let tried = crate::net::resolve(addr).and_then(|at| {
             let mut c = job_client(&[(id, at)], 1, auth)?;
-            let said = c.stats()?.first().map(|s| s.server);
-            match said {
-                Some(s) if s == id => Ok(()),
-                other => bail!("the server at {addr} says it is {other:?}, not parameter server {id}"),
-            }
+            Ok(c.stats()?.first().map(|s| s.server))
         });
         match tried {
-            Ok(()) => return Ok(()),
+            Ok(Some(said)) if said == id => return Ok(()),
+            // Another server of the job's answers there: waiting will not change that.
+            Ok(other) => bail!("the server at {addr} says it is {other:?}, not parameter server {id}"),
             Err(e) if std::time::Instant::now() >= deadline => {
                 return Err(
                     e.context(format!("parameter server {id} does not answer at {addr} within {within:?}"))

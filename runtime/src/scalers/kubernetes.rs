@@ -207,7 +207,16 @@ pub(crate) fn running_ip(
 ) -> Result<String> {
     let deadline = Instant::now() + within;
     loop {
-        let pod = call(rt, &format!("reading the Pod {name}"), api.get_opt(name))?;
+        let pod = match call(rt, &format!("reading the Pod {name}"), api.get_opt(name)) {
+            Ok(pod) => pod,
+            // The API server may answer again before the deadline.
+            Err(e) if Instant::now() < deadline => {
+                tracing::warn!("kubernetes: {e:#}; asked again");
+                std::thread::sleep(Duration::from_secs(1));
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         let Some(pod) = pod else { anyhow::bail!("its Pod is gone") };
         let status = pod.status.unwrap_or_default();
         let phase = status.phase.unwrap_or_default();
