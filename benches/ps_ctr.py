@@ -18,6 +18,11 @@ evaluations, first steps and final checkpoint included); each setting run
 Adam against SparseAdam), the dense network on AdamW, batch 128, the same
 synthetic Criteo-shaped rows. Quality: the test AUC before the job's last
 step against the peer's after its last (one step of the epoch apart).
+Memory: the most table memory one process holds, the peer's tables with
+SparseAdam's two moments (its whole table, every id of the data numbered
+ahead) against the largest server's rows with their Adam state (the
+report's `parameter_servers`, at the job's end): what one host must have
+for the tables, and what more servers divide.
 Recovery: three servers with two replicas and two workers, one server
 killed with SIGKILL mid-job: the job's pause for it (the report's scale
 event, from the last commit before the failure to the first after) and the
@@ -79,14 +84,16 @@ def edl_run(servers, workers, args, env):
         rates = [float(r) for r in TRAINING.findall(text)]
         if len(rates) < workers:
             sys.exit(f"{workers} worker(s), {len(rates)} measured their training steps:\n{text[-3000:]}")
-        return min(rates), report["samples_per_sec"], (aucs[-1] if aucs else float("nan"))
+        # The most any one server held: what a server's host must have.
+        largest = max((s["bytes"] for s in report.get("parameter_servers", [])), default=0)
+        return min(rates), report["samples_per_sec"], (aucs[-1] if aucs else float("nan")), largest
 
 
 def peer_run(args, env):
     text, _ = run([sys.executable, str(PEER), str(args.epochs), "128"], env, ROOT, "the peer")
     line = next(l for l in text.splitlines() if l.startswith("ctr_peer "))
     r = json.loads(line[len("ctr_peer ") :])
-    return r["samples_per_sec"], r["auc"]
+    return r["samples_per_sec"], r["auc"], r["table_bytes"]
 
 
 def recovery(args, env):
@@ -136,16 +143,24 @@ def main():
         for s, w in settings:
             runs[(s, w)].append(edl_run(s, w, args, env))
     median = statistics.median
-    peer_rate, peer_auc = median(r for r, _ in peer), peer[0][1]
-    spread = f"{min(r for r, _ in peer):.0f}-{max(r for r, _ in peer):.0f}"
-    print(f"{'setting':<28} {'samples/s':>10} {'x peer':>7} {'end to end':>11} {'test AUC':>9} {'AUC - peer':>11}  runs")
-    print(f"{'one process (peer)':<28} {peer_rate:>10.0f} {1.0:>7.2f} {'':>11} {peer_auc:>9.4f} {0.0:>+11.4f}  {spread}")
+    peer_rate, peer_auc, peer_table = median(r[0] for r in peer), peer[0][1], peer[0][2]
+    spread = f"{min(r[0] for r in peer):.0f}-{max(r[0] for r in peer):.0f}"
+    mib = 1 << 20
+    print(
+        f"{'setting':<28} {'samples/s':>10} {'x peer':>7} {'end to end':>11} {'test AUC':>9} {'AUC - peer':>11} "
+        f"{'table MiB a process':>20}  runs"
+    )
+    print(
+        f"{'one process (peer)':<28} {peer_rate:>10.0f} {1.0:>7.2f} {'':>11} {peer_auc:>9.4f} {0.0:>+11.4f} "
+        f"{peer_table / mib:>20.1f}  {spread}"
+    )
     for (s, w), rs in runs.items():
-        rate, whole, auc = median(r[0] for r in rs), median(r[1] for r in rs), rs[0][2]
+        rate, whole, auc, largest = median(r[0] for r in rs), median(r[1] for r in rs), rs[0][2], rs[0][3]
         name = f"edl {s} server(s), {w} worker(s)"
         spread = f"{min(r[0] for r in rs):.0f}-{max(r[0] for r in rs):.0f}"
         print(
-            f"{name:<28} {rate:>10.0f} {rate / peer_rate:>7.2f} {whole:>11.0f} {auc:>9.4f} {auc - peer_auc:>+11.4f}  {spread}",
+            f"{name:<28} {rate:>10.0f} {rate / peer_rate:>7.2f} {whole:>11.0f} {auc:>9.4f} {auc - peer_auc:>+11.4f} "
+            f"{largest / mib:>20.1f}  {spread}",
             flush=True,
         )
     pause, moved = recovery(args, env)

@@ -2,7 +2,7 @@
 process without edl: its tables as `nn.EmbeddingBag(sparse=True)` /
 `nn.Embedding(sparse=True)` updated by `torch.optim.SparseAdam`, its dense
 network by AdamW; the same data, batch and epochs. Prints one JSON line:
-`ctr_peer {"samples_per_sec": ..., "auc": ...}`: as the job's program
+`ctr_peer {"samples_per_sec": ..., "auc": ..., "table_bytes": ...}`: as the job's program
 measures, the test AUC at each epoch's first step and before the last one
 (the last of them printed), and samples/s over the training steps that did
 not evaluate, each timed from its start to its end."""
@@ -68,7 +68,9 @@ def main():
             opt.step()
             if not evaluates:
                 trained, secs = trained + len(b), secs + time.perf_counter() - began
-    print("ctr_peer " + json.dumps({"samples_per_sec": trained / secs, "auc": auc}), flush=True)
+    # Its tables' memory: the weights and SparseAdam's two moments of each.
+    table = sum(p.numel() * p.element_size() for p in (wide.weight, deep.weight)) * 3
+    print("ctr_peer " + json.dumps({"samples_per_sec": trained / secs, "auc": auc, "table_bytes": table}), flush=True)
 
 
 if __name__ == "__main__":
