@@ -177,8 +177,9 @@ type Starting = std::thread::JoinHandle<Result<PsProcess>>;
 pub type Started = std::result::Result<(u64, String), (u64, anyhow::Error)>;
 
 impl PsServers {
-    /// Starts `start.count` servers (ids 1..=count), each logging to
-    /// `log_dir/ps-<id>.log`, and waits for each to say where it serves.
+    /// Starts `start.count` servers (ids from 1, or in Pods past those a
+    /// coordinator before left), each logging to `log_dir/ps-<id>.log`, all
+    /// at once, and waits for each to serve.
     pub fn start(start: &PsStart, auth: &JobAuth, log_dir: &Path) -> Result<PsServers> {
         let pods = start.kube.clone().map(|k| PsPods::new(k, &auth.job)).transpose()?;
         Self::start_on(start, auth, log_dir, pods)
@@ -212,28 +213,43 @@ impl PsServers {
         Ok(servers)
     }
 
-    /// Starts `n` more servers (with ids after every one started before)
-    /// and waits for them; returns their ids and addresses.
+    /// Starts `n` more servers (with ids after every one started before),
+    /// all at once, and waits for them; returns their ids and addresses.
+    /// All or none: when one does not start, those that did are stopped.
     pub fn more(&mut self, n: u32) -> Result<Vec<(u64, String)>> {
-        let (start, auth, log_dir) = self.start.clone().context("no servers were started")?;
-        let slots = slot_list(&start)?;
+        let ids = self.start_more(n)?;
+        let (mine, others): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.starting).into_iter().partition(|s| ids.contains(&s.0));
+        self.starting = others;
         let mut added = Vec::new();
-        for _ in 0..n {
-            let (id, slot) = self.next_place(&start, &slots)?;
-            let at = slot.map(|i| (i, &slots[i]));
-            let log = log_dir.join(format!("ps-{id}.log"));
-            let p = match PsProcess::start(&start, id, &auth, &log, at, self.pods.as_ref()) {
-                Ok(p) => p,
-                Err(e) => {
-                    // All or none: those this call started are stopped.
-                    self.servers.retain(|p| !added.iter().any(|(id, _)| *id == p.id));
-                    return Err(e.context(format!("starting parameter server {id}")));
-                }
-            };
-            added.push((p.id, p.addr.clone()));
-            self.servers.push(p);
+        let mut failed = (ids.len() < n as usize)
+            .then(|| anyhow::anyhow!("starting parameter servers: {} of {n} could be started", ids.len()));
+        for (id, _, thread) in mine {
+            match thread.map(|t| self.join_started(id, t)) {
+                Some(Ok(at)) => added.push(at),
+                Some(Err((_, e))) => failed = failed.or(Some(e)),
+                None => {}
+            }
+        }
+        if let Some(e) = failed {
+            self.servers.retain(|p| !added.iter().any(|(id, _)| *id == p.id));
+            return Err(e);
         }
         Ok(added)
+    }
+
+    /// Server `id`'s start on `thread`, joined: it serves (kept among the
+    /// servers), or why not.
+    fn join_started(&mut self, id: u64, thread: Starting) -> Started {
+        match thread.join() {
+            Ok(Ok(p)) => {
+                let addr = p.addr.clone();
+                self.servers.push(p);
+                Ok((id, addr))
+            }
+            Ok(Err(e)) => Err((id, e.context(format!("starting parameter server {id}")))),
+            Err(_) => Err((id, anyhow::anyhow!("starting parameter server {id}: its thread panicked"))),
+        }
     }
 
     /// Starts `n` more servers, each on a thread of its own (a scheduler may
@@ -281,15 +297,7 @@ impl PsServers {
         self.starting = left;
         done.into_iter()
             .filter_map(|(id, _, thread)| Some((id, thread?)))
-            .map(|(id, thread)| match thread.join() {
-                Ok(Ok(p)) => {
-                    let addr = p.addr.clone();
-                    self.servers.push(p);
-                    Ok((id, addr))
-                }
-                Ok(Err(e)) => Err((id, e.context(format!("starting parameter server {id}")))),
-                Err(_) => Err((id, anyhow::anyhow!("starting parameter server {id}: its thread panicked"))),
-            })
+            .map(|(id, thread)| self.join_started(id, thread))
             .collect()
     }
 
