@@ -118,7 +118,8 @@ pub struct PsArgs {
     #[arg(long, value_name = "N")]
     pub max_ps: Option<u32>,
     /// Fewest parameter servers a scaling policy that sizes them may ask
-    /// for (default 1, and at least --ps-replicas).
+    /// for (default 1, and at least --ps-replicas); below it (a lost server
+    /// not replaced), the job starts more.
     #[arg(long, value_name = "N")]
     pub min_ps: Option<u32>,
     /// Start each parameter server by this command on a host of --ps-hosts

@@ -10,6 +10,9 @@ use anyhow::Result;
 
 /// A server's rows past this share of its memory bound: one more server.
 const GROW_AT: f64 = 0.8;
+/// How long the job waits before it starts servers again to reach its
+/// fewest, when those it started for that did not start.
+const FLOOR_RETRY: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Coordinator<'_> {
     /// Once a second: the servers' stats; one told to go is moved away
@@ -20,6 +23,7 @@ impl Coordinator<'_> {
         for said in self.ps_started(false) {
             self.note(said);
         }
+        self.keep_ps_floor();
         let safe = self.ps_safe();
         let Some((control, _)) = self.ps.servers.as_mut() else { return };
         let stats = match control.stats(safe) {
@@ -203,6 +207,27 @@ impl Coordinator<'_> {
             )
         } else {
             return;
+        };
+        self.note(said);
+    }
+
+    /// Fewer servers than the job's fewest (`--min-ps`, at least its
+    /// replicas: one that was to replace a lost one did not start, say):
+    /// as many more started, to join as any added server does; tried again
+    /// after a pause while they do not start.
+    fn keep_ps_floor(&mut self) {
+        let pending = self.ps_change_pending();
+        let Some((_, processes)) = self.ps.servers.as_mut() else { return };
+        let ((min, _), have) = (processes.bounds(), processes.len() as u32);
+        if have >= min || pending || self.ps.floor_tried.is_some_and(|t| t.elapsed() < FLOOR_RETRY) {
+            return;
+        }
+        self.ps.floor_tried = Some(std::time::Instant::now());
+        let said = match processes.start_more(min - have) {
+            Ok(ids) => format!(
+                "parameter servers: {have}, fewer than the job's {min}: starting {ids:?}, to join at the step boundary after they serve"
+            ),
+            Err(e) => format!("parameter servers: {have}, fewer than the job's {min}; none started: {e:#}"),
         };
         self.note(said);
     }

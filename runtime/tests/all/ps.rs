@@ -605,6 +605,27 @@ fn a_server_killed_under_the_built_in_model_loses_no_update_and_the_model_ends_a
 }
 
 #[test]
+fn a_server_lost_whose_replacement_does_not_start_is_replaced_by_another_to_keep_the_job_s_fewest() {
+    let dir = tempfile::tempdir().unwrap();
+    // One replica, at least two servers; server 3, the first started in
+    // place of one lost, fails to start (as a host with no room would).
+    let start = "if [ {id} = 3 ]; then echo no room for server 3 >&2; exit 3; fi; exec {program}";
+    let flags =
+        ["--min-ps", "2", "--ps-command", start, "--step-delay-ms", "10", "--checkpoint-every-steps", "50"];
+    let (child, rx, seen) = started_until(builtin_ctr(dir.path(), "2", &flags), "epoch     0 done");
+    let coordinator = child.id();
+    sigkill(server_pid(coordinator, 2));
+    let text = ended(child, rx, seen);
+    assert!(text.contains("parameter server 2 lost"), "{text}");
+    assert!(text.contains("starting [3] in place of those lost"), "{text}");
+    assert!(text.contains("starting parameter server 3"), "its failure said: {text}");
+    assert!(text.contains("parameter servers: 1, fewer than the job's 2: starting [4]"), "{text}");
+    assert!(text.contains("parameter server 4 serving on "), "{text}");
+    assert!(text.contains("parameter servers 1 -> 2: "), "{text}");
+    assert_exactly_once(&report(dir.path()), 2, 20000);
+}
+
+#[test]
 fn the_built_in_ctr_model_without_servers_is_refused_before_anything_starts() {
     let dir = tempfile::tempdir().unwrap();
     let (code, err) = refusal(dir.path(), &["--dataset", "ctr", "--epochs", "1"]);
