@@ -65,6 +65,11 @@ pub enum ToWorker {
         /// kept until a later one is stored (None: none is kept back).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         stored: Option<u64>,
+        /// No checkpoint is written yet, and the job may go back to its
+        /// start while its workers live (a parameter server's rows lost):
+        /// they keep the state of step 0 until one is.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        origin: bool,
     },
     Stop {
         reason: String,

@@ -338,8 +338,9 @@ struct PsState {
     /// A server refused new rows at its bound since the last boundary: the
     /// next one waits for the servers starting.
     want_room: bool,
-    /// When servers were last started to bring the job back to its fewest.
-    floor_tried: Option<std::time::Instant>,
+    /// When servers were last started to bring the job back to its fewest,
+    /// and the pause before the next try.
+    floor_tried: Option<(std::time::Instant, std::time::Duration)>,
 }
 
 /// The plugins and processes a coordinator drives.

@@ -11,8 +11,15 @@ use anyhow::Result;
 /// A server's rows past this share of its memory bound: one more server.
 const GROW_AT: f64 = 0.8;
 /// How long the job waits before it starts servers again to reach its
-/// fewest, when those it started for that did not start.
+/// fewest, when those it started for that did not start (doubling each
+/// time, up to the most).
 const FLOOR_RETRY: std::time::Duration = std::time::Duration::from_secs(5);
+const FLOOR_RETRY_MOST: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Server ids as a person reads them: `3, 4`.
+fn id_list(ids: &[u64]) -> String {
+    ids.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
+}
 
 impl Coordinator<'_> {
     /// Once a second: the servers' stats; one told to go is moved away
@@ -185,13 +192,10 @@ impl Coordinator<'_> {
         let now = processes.len() as u32;
         let said = if want > now {
             match processes.start_more(want - now) {
-                Ok(ids) => {
-                    let ids: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
-                    format!(
-                        "scaling policy: parameter servers {now} -> {want}: starting server(s) {}, to join at the step boundary after they serve",
-                        ids.join(", ")
-                    )
-                }
+                Ok(ids) => format!(
+                    "scaling policy: parameter servers {now} -> {want}: starting server(s) {}, to join at the step boundary after they serve",
+                    id_list(&ids)
+                ),
                 Err(e) => format!("scaling policy: parameter servers {now} -> {want}: none started: {e:#}"),
             }
         } else if want < now {
@@ -200,10 +204,9 @@ impl Coordinator<'_> {
             ids.truncate((now - want) as usize);
             self.ps.leaving.extend(&ids);
             self.copy_ahead();
-            let ids: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
             format!(
                 "scaling policy: parameter servers {now} -> {want}: server(s) {} leave at the next step boundary, their shards handed over first",
-                ids.join(", ")
+                id_list(&ids)
             )
         } else {
             return;
@@ -219,13 +222,20 @@ impl Coordinator<'_> {
         let pending = self.ps_change_pending();
         let Some((_, processes)) = self.ps.servers.as_mut() else { return };
         let ((min, _), have) = (processes.bounds(), processes.len() as u32);
-        if have >= min || pending || self.ps.floor_tried.is_some_and(|t| t.elapsed() < FLOOR_RETRY) {
+        if have >= min {
+            self.ps.floor_tried = None;
             return;
         }
-        self.ps.floor_tried = Some(std::time::Instant::now());
+        if pending || self.ps.floor_tried.is_some_and(|(t, pause)| t.elapsed() < pause) {
+            return;
+        }
+        // Tried again after a pause that doubles while they do not start.
+        let pause = self.ps.floor_tried.map_or(FLOOR_RETRY, |(_, p)| (p * 2).min(FLOOR_RETRY_MOST));
+        self.ps.floor_tried = Some((std::time::Instant::now(), pause));
         let said = match processes.start_more(min - have) {
             Ok(ids) => format!(
-                "parameter servers: {have}, fewer than the job's {min}: starting {ids:?}, to join at the step boundary after they serve"
+                "parameter servers: {have}, fewer than the job's {min}: starting server(s) {}, to join at the step boundary after they serve",
+                id_list(&ids)
             ),
             Err(e) => format!("parameter servers: {have}, fewer than the job's {min}; none started: {e:#}"),
         };
@@ -491,8 +501,19 @@ impl Coordinator<'_> {
         let again = lost.len() as u32;
         let bounded = processes.limits().0.is_some();
         let starting = if left + added.len() == 0 || bounded {
-            added.extend(processes.more(again)?);
-            None
+            match processes.more(again) {
+                Ok(started) => {
+                    added.extend(started);
+                    None
+                }
+                Err(e) if left + added.len() == 0 => {
+                    return Err(
+                        e.context("no parameter server is left, and none started in place of those lost")
+                    );
+                }
+                // The rest take the rows; the job's fewest brings more later.
+                Err(e) => Some(Err(e)),
+            }
         } else {
             Some(processes.start_more(again))
         };
@@ -511,7 +532,8 @@ impl Coordinator<'_> {
         }
         match starting {
             Some(Ok(ids)) => self.note(format!(
-                "parameter servers: starting {ids:?} in place of those lost, to join at the step boundary after they serve"
+                "parameter servers: starting server(s) {} in place of those lost, to join at the step boundary after they serve",
+                id_list(&ids)
             )),
             Some(Err(e)) => self.note(format!("parameter servers: none started in place of those lost: {e:#}")),
             None => {}

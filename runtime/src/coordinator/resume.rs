@@ -546,7 +546,13 @@ impl Coordinator<'_> {
             first_sign: None,
         };
         self.saved = None;
-        let msg = ToWorker::Commit { step, checkpoint: Some(self.manifest()), wait: true, stored: None };
+        let msg = ToWorker::Commit {
+            step,
+            checkpoint: Some(self.manifest()),
+            wait: true,
+            stored: None,
+            origin: false,
+        };
         self.pin_ps(step, m0.id);
         let sent = match self.conns.get_mut(&m0.conn).filter(|_| !self.membership.is_closed(m0.conn)) {
             Some(stream) => stream.send(&msg).map_err(|e| e.to_string()),

@@ -288,8 +288,11 @@ impl Coordinator<'_> {
             self.save_state(false);
         }
         let stored = self.keeper.as_ref().filter(|_| follow).map(|k| k.stored_step());
+        // Before its first checkpoint, a job whose servers may lose rows
+        // goes back to its start with its workers: they keep step 0's state.
+        let origin = self.ps.servers.is_some() && self.checkpoints.is_empty();
         let commit = |checkpoint| {
-            encode(&ToWorker::Commit { step, checkpoint, wait: false, stored })
+            encode(&ToWorker::Commit { step, checkpoint, wait: false, stored, origin })
                 .map_err(|e| anyhow!("a commit: {e}"))
         };
         // Rank 0's message differs only when it carries a checkpoint.

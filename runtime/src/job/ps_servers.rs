@@ -222,8 +222,12 @@ impl PsServers {
             std::mem::take(&mut self.starting).into_iter().partition(|s| ids.contains(&s.0));
         self.starting = others;
         let mut added = Vec::new();
-        let mut failed = (ids.len() < n as usize)
-            .then(|| anyhow::anyhow!("starting parameter servers: {} of {n} could be started", ids.len()));
+        let mut failed = (ids.len() < n as usize).then(|| {
+            anyhow::anyhow!(
+                "starting parameter servers: no thread to start {} of {n}",
+                n as usize - ids.len()
+            )
+        });
         for (id, _, thread) in mine {
             match thread.map(|t| self.join_started(id, t)) {
                 Some(Ok(at)) => added.push(at),
@@ -261,9 +265,16 @@ impl PsServers {
         let slots = slot_list(&start)?;
         let mut places = Vec::new();
         for _ in 0..n {
-            let place = self.next_place(&start, &slots)?;
-            self.starting.push((place.0, place.1, None));
-            places.push(place);
+            match self.next_place(&start, &slots) {
+                Ok(place) => {
+                    self.starting.push((place.0, place.1, None));
+                    places.push(place);
+                }
+                Err(e) => {
+                    self.starting.retain(|s| s.2.is_some());
+                    return Err(e);
+                }
+            }
         }
         self.starting.retain(|s| s.2.is_some());
         let mut ids = Vec::new();

@@ -71,7 +71,8 @@ pub fn await_serving(auth: &JobAuth, id: u64, addr: &str, within: std::time::Dur
         match tried {
             Ok(Some(said)) if said == id => return Ok(()),
             // Another server of the job's answers there: waiting will not change that.
-            Ok(other) => bail!("the server at {addr} says it is {other:?}, not parameter server {id}"),
+            Ok(Some(other)) => bail!("the server at {addr} answers as parameter server {other}, not {id}"),
+            Ok(None) => bail!("the server at {addr} answered with no stats: not parameter server {id}"),
             Err(e) if std::time::Instant::now() >= deadline => {
                 return Err(
                     e.context(format!("parameter server {id} does not answer at {addr} within {within:?}"))

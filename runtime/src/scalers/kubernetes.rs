@@ -207,15 +207,25 @@ pub(crate) fn running_ip(
 ) -> Result<String> {
     let deadline = Instant::now() + within;
     loop {
-        let pod = match call(rt, &format!("reading the Pod {name}"), api.get_opt(name)) {
-            Ok(pod) => pod,
-            // The API server may answer again before the deadline.
-            Err(e) if Instant::now() < deadline => {
-                tracing::warn!("kubernetes: {e:#}; asked again");
+        let read = rt.block_on(async { tokio::time::timeout(CALL_WITHIN, api.get_opt(name)).await });
+        let pod = match read {
+            Ok(Ok(pod)) => pod,
+            // Refused (forbidden, invalid): asking again would not change it.
+            Ok(Err(kube::Error::Api(s))) if s.code < 500 => {
+                anyhow::bail!("reading the Pod {name}: {}", kube::Error::Api(s))
+            }
+            // Not answered, or a server error: it may answer before the deadline.
+            failed if Instant::now() < deadline => {
+                let why =
+                    failed.map_or_else(|_| format!("no answer within {CALL_WITHIN:?}"), |e| format!("{e:?}"));
+                tracing::warn!("kubernetes: reading the Pod {name}: {why}; asked again");
                 std::thread::sleep(Duration::from_secs(1));
                 continue;
             }
-            Err(e) => return Err(e),
+            Ok(Err(e)) => anyhow::bail!("reading the Pod {name}: {e}"),
+            Err(_) => anyhow::bail!(
+                "reading the Pod {name}: the Kubernetes API server did not answer within {CALL_WITHIN:?}"
+            ),
         };
         let Some(pod) = pod else { anyhow::bail!("its Pod is gone") };
         let status = pod.status.unwrap_or_default();

@@ -267,6 +267,9 @@ pub struct Session {
     /// Rollback points: the state at the start of each window not known
     /// to be committed, and at the last committed step.
     snapshots: BTreeMap<u64, Arc<Vec<f32>>>,
+    /// The state of step 0, kept while the job may go back to its start
+    /// with this worker alive (until its first checkpoint is written).
+    origin: Option<Arc<Vec<f32>>>,
     /// A released rollback point's buffer, for the next one.
     spare: Option<Vec<f32>>,
     layout: Layout,
@@ -404,6 +407,7 @@ impl Session {
             ps: None,
             table_export: None,
             snapshots: BTreeMap::new(),
+            origin: None,
             spare: None,
             layout: Layout::default(),
             place: None,
@@ -677,7 +681,11 @@ impl Session {
                 }
             }
             Ok(ToWorker::Steps { generation, steps, shares }) => self.enqueue(generation, steps, shares)?,
-            Ok(ToWorker::Commit { step, checkpoint, wait, stored }) => {
+            Ok(ToWorker::Commit { step, checkpoint, wait, stored, origin }) => {
+                if !origin {
+                    // A checkpoint is there to go back to.
+                    self.origin = None;
+                }
                 self.commit(step, checkpoint, wait, stored, state)?
             }
             Err(e) => self.lost_coordinator(&e.to_string(), state)?,
@@ -1169,7 +1177,9 @@ impl Session {
         match self.applied {
             Some(a) if a == n => {}
             Some(a) => {
-                let s = self.snapshots.get(&n).cloned().ok_or_else(|| {
+                // Back to the start without a checkpoint: step 0's state, kept.
+                let origin = self.origin.clone().filter(|_| n == 0 && g.init.is_none());
+                let s = self.snapshots.get(&n).cloned().or(origin).ok_or_else(|| {
                     anyhow!(
                         "state at step {a} (rollback points {:?}) cannot serve committed step {n}",
                         self.snapshots.keys().collect::<Vec<_>>()
@@ -1184,6 +1194,10 @@ impl Session {
         self.setup_ms = self.join_generation(g, state)?;
         if !self.snapshots.contains_key(&n) {
             self.snapshot(state)?;
+        }
+        if n == 0 && g.init.is_none() && self.origin.is_none() {
+            // Until the coordinator says a checkpoint is written.
+            self.origin = self.snapshots.get(&0).cloned();
         }
         Ok(())
     }

@@ -447,7 +447,7 @@ fn a_server_killed_with_one_replica_sends_the_job_back_to_its_checkpoint_saying_
     // The tables came from the checkpoint onto server 1, and the steps
     // after it were trained again as they were the first time; server 3,
     // started in server 2's place while training went on, then joined.
-    assert!(text.contains("starting [3] in place of those lost"), "{text}");
+    assert!(text.contains("starting server(s) 3 in place of those lost"), "{text}");
     assert!(text.contains("parameter server 3 serving on "), "{text}");
     assert!(text.contains("parameter servers 1 -> 2: "), "{text}");
     assert_as_calm(dir.path(), &text);
@@ -617,11 +617,27 @@ fn a_server_lost_whose_replacement_does_not_start_is_replaced_by_another_to_keep
     sigkill(server_pid(coordinator, 2));
     let text = ended(child, rx, seen);
     assert!(text.contains("parameter server 2 lost"), "{text}");
-    assert!(text.contains("starting [3] in place of those lost"), "{text}");
+    assert!(text.contains("starting server(s) 3 in place of those lost"), "{text}");
     assert!(text.contains("starting parameter server 3"), "its failure said: {text}");
-    assert!(text.contains("parameter servers: 1, fewer than the job's 2: starting [4]"), "{text}");
+    assert!(text.contains("parameter servers: 1, fewer than the job's 2: starting server(s) 4"), "{text}");
     assert!(text.contains("parameter server 4 serving on "), "{text}");
     assert!(text.contains("parameter servers 1 -> 2: "), "{text}");
+    assert_exactly_once(&report(dir.path()), 2, 20000);
+}
+
+#[test]
+fn a_server_lost_with_one_replica_before_any_checkpoint_sends_the_job_back_to_its_start() {
+    let dir = tempfile::tempdir().unwrap();
+    // Killed in the first epoch, before its end's checkpoint: the job goes
+    // back to step 0 with its workers, which kept step 0's state for it.
+    let flags = ["--step-delay-ms", "10", "--checkpoint-secs", "3600"];
+    let (child, rx, seen) = started_until(builtin_ctr(dir.path(), "2", &flags), "progress  epoch 1/2 step");
+    let coordinator = child.id();
+    sigkill(server_pid(coordinator, 2));
+    let text = ended(child, rx, seen);
+    assert!(text.contains("their rows are gone; restarting from the newest checkpoint"), "{text}");
+    assert!(!text.contains("cannot serve committed step"), "{text}");
+    assert!(!text.contains("restarting from step"), "there was no checkpoint to restart from: {text}");
     assert_exactly_once(&report(dir.path()), 2, 20000);
 }
 
