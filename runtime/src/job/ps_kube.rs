@@ -21,8 +21,8 @@
 //! address.
 
 use crate::scalers::kubernetes::{
-    JOB_LABEL, Owner, call, connect, delete_pod, job_label, job_pod_meta, keep_log, of_job, pod_name_of,
-    running_ip, secret_mount, secret_path, secret_volume,
+    JOB_LABEL, Owner, call, connect, delete_pod, job_label, job_pod_meta, keep_log, node_selector, of_job,
+    pod_name_of, quantities, running_ip, secret_mount, secret_path, secret_volume,
 };
 use crate::worker::session::JobAuth;
 use anyhow::{Context, Result};
@@ -103,8 +103,7 @@ pub fn server_pod(
         secret_path(),
     ]
     .into();
-    let given: BTreeMap<String, Quantity> =
-        spec.resources.iter().map(|(k, v)| (k.clone(), Quantity(v.clone()))).collect();
+    let given = quantities(&spec.resources);
     let mut requests = given.clone();
     if !requests.contains_key("memory")
         && let Some(q) = memory_request(memory_mib)
@@ -116,7 +115,6 @@ pub fn server_pod(
         requests: Some(requests),
         ..Default::default()
     });
-    let selector: BTreeMap<String, String> = spec.node_selector.iter().cloned().collect();
     Pod {
         metadata: job_pod_meta(job, pod_name_of(job, 'p', id), spec.namespace.clone(), (PS_LABEL, id), owner),
         spec: Some(PodSpec {
@@ -124,7 +122,7 @@ pub fn server_pod(
             termination_grace_period_seconds: Some(EVICTION_GRACE_SECS),
             // A server speaks to no API server: no token of the namespace's account.
             automount_service_account_token: Some(false),
-            node_selector: (!selector.is_empty()).then_some(selector),
+            node_selector: node_selector(&spec.node_selector),
             containers: vec![Container {
                 name: "ps".into(),
                 image: Some(spec.image.clone()),

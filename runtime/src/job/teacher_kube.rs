@@ -19,12 +19,13 @@ use super::teacher_command::{Registered, Registry, wait_ready};
 use crate::distill::TeacherAccess;
 use crate::leader::record::TeacherHandle;
 use crate::scalers::kubernetes::{
-    JOB_LABEL, Owner, call, connect, delete_pod, job_label, job_pod_meta, of_job, pod_name_of, running_ip,
+    JOB_LABEL, Owner, call, connect, delete_pod, job_label, job_pod_meta, node_selector, of_job, pod_name_of,
+    quantities, running_ip,
 };
 use anyhow::{Result, bail};
 use k8s_openapi::{
     api::core::v1::{Container, ContainerPort, Pod, PodSpec, ResourceRequirements},
-    apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::OwnerReference},
+    apimachinery::pkg::apis::meta::v1::OwnerReference,
 };
 use kube::api::{Api, ListParams, PostParams};
 use std::{
@@ -89,14 +90,12 @@ pub fn teacher_pod(
     command: Vec<String>,
     owner: Option<OwnerReference>,
 ) -> Pod {
-    let quantities: BTreeMap<String, Quantity> =
-        spec.resources.iter().map(|(k, v)| (k.clone(), Quantity(v.clone()))).collect();
+    let quantities = quantities(&spec.resources);
     let resources = (!quantities.is_empty()).then(|| ResourceRequirements {
         limits: Some(quantities.clone()),
         requests: Some(quantities),
         ..Default::default()
     });
-    let selector: BTreeMap<String, String> = spec.node_selector.iter().cloned().collect();
     Pod {
         metadata: job_pod_meta(
             job,
@@ -108,7 +107,7 @@ pub fn teacher_pod(
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
             termination_grace_period_seconds: Some(GRACE_SECS.into()),
-            node_selector: (!selector.is_empty()).then_some(selector),
+            node_selector: node_selector(&spec.node_selector),
             containers: vec![Container {
                 name: "teacher".into(),
                 image: Some(spec.image.clone()),
@@ -445,6 +444,7 @@ mod tests {
     use super::*;
     use crate::distill::teacher::{Teacher, TeacherConfig, TeacherService};
     use crate::scalers::kubernetes::{JOB_ANNOTATION, tests::StandIn};
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
     fn spec(port: u16) -> KubeTeacherSpec {
         KubeTeacherSpec {

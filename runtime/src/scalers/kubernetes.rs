@@ -169,6 +169,16 @@ pub fn worker_pod(
     }
 }
 
+/// Resource quantities from `name=quantity` pairs.
+pub(crate) fn quantities(pairs: &[(String, String)]) -> BTreeMap<String, Quantity> {
+    pairs.iter().map(|(k, v)| (k.clone(), Quantity(v.clone()))).collect()
+}
+
+/// A node selector from `label=value` pairs (None: no pair).
+pub(crate) fn node_selector(pairs: &[(String, String)]) -> Option<BTreeMap<String, String>> {
+    (!pairs.is_empty()).then(|| pairs.iter().cloned().collect())
+}
+
 /// Where a Pod's container finds the job's secret (read-only).
 pub(crate) fn secret_mount() -> VolumeMount {
     VolumeMount {
@@ -975,87 +985,95 @@ pub(crate) mod tests {
         _rt: tokio::runtime::Runtime,
     }
 
-    /// The Pods the stand-in holds, by name.
-    type Made = Arc<Mutex<BTreeMap<String, serde_json::Value>>>;
-
     use std::sync::{Arc, Mutex};
+
+    /// What the stand-in holds: the Pods made (by name), what the test set
+    /// of them, every request heard, and the log it serves.
+    #[derive(Clone)]
+    struct Cluster {
+        made: Arc<Mutex<BTreeMap<String, serde_json::Value>>>,
+        phase: Arc<Mutex<String>>,
+        phase_of: Arc<Mutex<BTreeMap<String, String>>>,
+        ip_of: Arc<Mutex<BTreeMap<String, String>>>,
+        heard: Arc<Mutex<Vec<String>>>,
+        log: &'static str,
+    }
+
+    impl Cluster {
+        /// `pod` as the API shows it: a uid, its phase and its address.
+        fn shown(&self, mut pod: serde_json::Value) -> serde_json::Value {
+            pod["metadata"]["uid"] = "uid-7".into();
+            let name = pod["metadata"]["name"].as_str().unwrap_or_default().to_string();
+            let given = self.phase_of.lock().unwrap().get(&name).cloned();
+            let phase = given.unwrap_or_else(|| self.phase.lock().unwrap().clone());
+            // Every Pod runs on this host.
+            let ip = self.ip_of.lock().unwrap().get(&name).cloned().unwrap_or_else(|| "127.0.0.1".into());
+            pod["status"] = serde_json::json!({ "phase": phase, "podIP": ip });
+            pod
+        }
+
+        /// The Pod `path` names, by its own name only.
+        fn named(&self, path: &str) -> Option<(String, serde_json::Value)> {
+            let made = self.made.lock().unwrap();
+            made.iter().find(|(n, _)| path.ends_with(&format!("/{n}"))).map(|(n, p)| (n.clone(), p.clone()))
+        }
+
+        /// The answer to one request.
+        fn answer(&self, method: &str, path: &str, body: &[u8]) -> axum::response::Response {
+            use axum::{Json, response::IntoResponse};
+            self.heard.lock().unwrap().push(format!("{method} {path} {}", String::from_utf8_lossy(body)));
+            match (method, path.ends_with("/log")) {
+                ("POST", _) => {
+                    let pod: serde_json::Value = serde_json::from_slice(body).unwrap();
+                    let name = pod["metadata"]["name"].as_str().unwrap_or_default().to_string();
+                    self.made.lock().unwrap().insert(name, pod.clone());
+                    Json(self.shown(pod)).into_response()
+                }
+                ("GET", true) => self.log.into_response(),
+                ("GET", false) if path.ends_with("/pods") => {
+                    let made: Vec<_> = self.made.lock().unwrap().values().cloned().collect();
+                    let items: Vec<_> = made.into_iter().map(|p| self.shown(p)).collect();
+                    Json(serde_json::json!({ "apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items }))
+                        .into_response()
+                }
+                _ => match self.named(path) {
+                    Some((name, pod)) => {
+                        if method == "DELETE" {
+                            self.made.lock().unwrap().remove(&name);
+                        }
+                        Json(self.shown(pod)).into_response()
+                    }
+                    None => (
+                        axum::http::StatusCode::NOT_FOUND,
+                        Json(serde_json::json!({
+                            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                            "message": format!("{path} not found"), "reason": "NotFound", "code": 404
+                        })),
+                    )
+                        .into_response(),
+                },
+            }
+        }
+    }
 
     impl StandIn {
         pub(crate) fn start(log: &'static str) -> StandIn {
-            use axum::{Router, extract::Request, response::IntoResponse, routing::any};
-            let (phase, heard) =
-                (Arc::new(Mutex::new("Running".to_string())), Arc::new(Mutex::new(Vec::new())));
-            let (phase_of, ip_of): (
-                Arc<Mutex<BTreeMap<String, String>>>,
-                Arc<Mutex<BTreeMap<String, String>>>,
-            ) = Default::default();
-            let (p, h, pf, ipf) = (phase.clone(), heard.clone(), phase_of.clone(), ip_of.clone());
-            let made: Made = Arc::default();
+            use axum::{Router, extract::Request, routing::any};
+            let cluster = Cluster {
+                made: Arc::default(),
+                phase: Arc::new(Mutex::new("Running".to_string())),
+                phase_of: Arc::default(),
+                ip_of: Arc::default(),
+                heard: Arc::default(),
+                log,
+            };
+            let c = cluster.clone();
             let serve = move |req: Request| {
-                let (p, h, pf, ipf, made) = (p.clone(), h.clone(), pf.clone(), ipf.clone(), made.clone());
+                let c = c.clone();
                 async move {
                     let (method, path) = (req.method().to_string(), req.uri().path().to_string());
                     let body = axum::body::to_bytes(req.into_body(), 1 << 20).await.unwrap_or_default();
-                    h.lock().unwrap().push(format!("{method} {path} {}", String::from_utf8_lossy(&body)));
-                    let with_phase = |mut pod: serde_json::Value| {
-                        pod["metadata"]["uid"] = "uid-7".into();
-                        let name = pod["metadata"]["name"].as_str().unwrap_or_default().to_string();
-                        let phase = pf
-                            .lock()
-                            .unwrap()
-                            .get(&name)
-                            .cloned()
-                            .unwrap_or_else(|| p.lock().unwrap().clone());
-                        // Every Pod runs on this host.
-                        let ip = ipf
-                            .lock()
-                            .unwrap()
-                            .get(&name)
-                            .cloned()
-                            .unwrap_or_else(|| "127.0.0.1".to_string());
-                        pod["status"] = serde_json::json!({ "phase": phase, "podIP": ip });
-                        pod
-                    };
-                    // The Pod the path names, by its own name only.
-                    let named = || {
-                        let made = made.lock().unwrap();
-                        made.iter()
-                            .find(|(n, _)| path.ends_with(&format!("/{n}")))
-                            .map(|(n, p)| (n.clone(), p.clone()))
-                    };
-                    match (method.as_str(), path.ends_with("/log")) {
-                        ("POST", _) => {
-                            let pod: serde_json::Value = serde_json::from_slice(&body).unwrap();
-                            let name = pod["metadata"]["name"].as_str().unwrap_or_default().to_string();
-                            made.lock().unwrap().insert(name, pod.clone());
-                            axum::Json(with_phase(pod)).into_response()
-                        }
-                        ("GET", true) => log.into_response(),
-                        ("GET", false) if path.ends_with("/pods") => {
-                            let items: Vec<_> =
-                                made.lock().unwrap().values().cloned().map(with_phase).collect();
-                            axum::Json(serde_json::json!({
-                                "apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items
-                            }))
-                            .into_response()
-                        }
-                        _ => match named() {
-                            Some((name, pod)) => {
-                                if method == "DELETE" {
-                                    made.lock().unwrap().remove(&name);
-                                }
-                                axum::Json(with_phase(pod)).into_response()
-                            }
-                            None => (
-                                axum::http::StatusCode::NOT_FOUND,
-                                axum::Json(serde_json::json!({
-                                    "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                                    "message": format!("{path} not found"), "reason": "NotFound", "code": 404
-                                })),
-                            )
-                                .into_response(),
-                        },
-                    }
+                    c.answer(&method, &path, &body)
                 }
             };
             let rt =
@@ -1063,6 +1081,7 @@ pub(crate) mod tests {
             let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
             let url = format!("http://{}", listener.local_addr().unwrap());
             rt.spawn(async move { axum::serve(listener, Router::new().fallback(any(serve))).await });
+            let Cluster { phase, phase_of, ip_of, heard, .. } = cluster;
             StandIn { url, phase, phase_of, ip_of, heard, _rt: rt }
         }
 
