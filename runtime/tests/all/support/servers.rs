@@ -142,10 +142,13 @@ impl EtcdCluster {
                 .args([
                     "--initial-cluster-token",
                     "edl-test",
+                    // etcd's own defaults: shorter ones let a loaded
+                    // machine's starved members lose their leader again
+                    // and again.
                     "--heartbeat-interval",
-                    "50",
+                    "100",
                     "--election-timeout",
-                    "500",
+                    "1000",
                 ])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
