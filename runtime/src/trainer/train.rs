@@ -14,6 +14,7 @@
 //! gradient of the whole batch's mean loss: two workers on B/2 each take the
 //! same step as one worker on B.
 
+use crate::coordinator::machine::noise::squared_norm;
 use crate::trainer::data::Dataset;
 use crate::trainer::gemm::{ShapeError, View, gemm};
 use crate::trainer::model::Mlp;
@@ -42,6 +43,8 @@ pub struct Trainer {
     model: Mlp,
     velocity: Vec<f32>,
     grad: Vec<f32>,
+    /// The first part's gradient while the second is computed.
+    part: Vec<f32>,
     cuda: Option<(usize, CudaMlp)>,
 }
 
@@ -49,7 +52,7 @@ impl Trainer {
     /// A trainer on the CPU.
     pub fn new(model: Mlp) -> Self {
         let n = model.param_count();
-        Trainer { model, velocity: vec![0.0; n], grad: vec![0.0; n], cuda: None }
+        Trainer { model, velocity: vec![0.0; n], grad: vec![0.0; n], part: Vec::new(), cuda: None }
     }
 
     /// A trainer on `device`: an error value when that device cannot be used
@@ -192,6 +195,51 @@ impl Trainer {
         let (mean, g) = logits_gradient(&logits, labels, teacher, loss, global_rows)?;
         backward(&self.model, x, rows, &acts, g, &mut self.grad, None)?;
         Ok(mean as f64 * rows as f64)
+    }
+
+    /// [`Trainer::compute_gradient`] in two parts, the shard's first half of
+    /// rows and then the rest, summed into the gradient buffer as one pass
+    /// would give it. Returns the summed loss and each part's rows and the
+    /// squared norm of its gradient (its share of the step's mean gradient):
+    /// two batches from one rank, which the gradient noise scale compares
+    /// as it compares ranks. Fewer than two rows: one part.
+    pub fn compute_gradient_in_parts(
+        &mut self,
+        x: &[f32],
+        labels: &[u32],
+        teacher: Option<&[f32]>,
+        loss: &SoftLabelLoss,
+        global_rows: usize,
+    ) -> Result<(f64, Vec<(usize, f64)>), TrainError> {
+        let rows = labels.len();
+        // On CUDA the gradient stays one pass (the parts would each cross the bus).
+        if rows < 2 || self.cuda.is_some() {
+            let summed = self.compute_gradient(x, labels, teacher, loss, global_rows)?;
+            return Ok((summed, vec![(rows, squared_norm(&self.grad))]));
+        }
+        self.check_batch(x, labels, teacher)?;
+        let (input, classes, half) = (self.model.input_dim(), self.model.output_dim(), rows / 2);
+        let first = self.compute_gradient(
+            &x[..half * input],
+            &labels[..half],
+            teacher.map(|t| &t[..half * classes]),
+            loss,
+            global_rows,
+        )?;
+        let mut part = std::mem::take(&mut self.part);
+        part.clear();
+        part.extend_from_slice(&self.grad);
+        let second = self.compute_gradient(
+            &x[half * input..],
+            &labels[half..],
+            teacher.map(|t| &t[half * classes..]),
+            loss,
+            global_rows,
+        )?;
+        let parts = vec![(half, squared_norm(&part)), (rows - half, squared_norm(&self.grad))];
+        self.grad.iter_mut().zip(&part).for_each(|(g, p)| *g += p);
+        self.part = part;
+        Ok((first + second, parts))
     }
 
     /// On the CPU, the gradient of a loss of the logits into the gradient
@@ -454,6 +502,38 @@ mod tests {
             assert!(e.contains(want), "{e:?} should say {want:?}");
         }
         t.compute_gradient(&x, &[0, 1, 0], Some(&soft), &p, 3).unwrap();
+    }
+
+    #[test]
+    fn a_gradient_in_two_parts_is_the_one_pass_gradient_and_tells_each_part_s_norm() {
+        let (rows, p) = (7, SoftLabelLoss { temperature: 2.0, alpha: 0.5 });
+        let x: Vec<f32> = (0..rows * 6).map(|i| ((i * 7) % 13) as f32 / 13.0 - 0.4).collect();
+        let y: Vec<u32> = (0..rows as u32).map(|r| r % 4).collect();
+        let soft: Vec<f32> = (0..rows * 4).map(|i| ((i * 5) % 9) as f32 / 9.0).collect();
+        let mut t = Trainer::new(Mlp::random(&[6, 5, 4], 2));
+        // The step's mean gradient over 10 rows (other ranks hold the rest).
+        let whole = t.compute_gradient(&x, &y, Some(&soft), &p, 10).unwrap();
+        let one_pass = t.grad.clone();
+        let (first, second) = (rows / 2, rows - rows / 2);
+        t.compute_gradient(&x[..first * 6], &y[..first], Some(&soft[..first * 4]), &p, 10).unwrap();
+        let head = squared_norm(&t.grad);
+        t.compute_gradient(&x[first * 6..], &y[first..], Some(&soft[first * 4..]), &p, 10).unwrap();
+        let tail = squared_norm(&t.grad);
+        let (summed, parts) = t.compute_gradient_in_parts(&x, &y, Some(&soft), &p, 10).unwrap();
+        assert!((summed - whole).abs() < 1e-5 * whole.abs(), "{summed} against {whole}");
+        for (a, b) in t.grad.iter().zip(&one_pass) {
+            assert!((a - b).abs() <= 1e-6 + 1e-5 * b.abs(), "{a} against {b}");
+        }
+        assert_eq!(parts.len(), 2);
+        assert_eq!((parts[0].0, parts[1].0), (first, second));
+        assert!((parts[0].1 - head).abs() < 1e-9 && (parts[1].1 - tail).abs() < 1e-9, "{parts:?}");
+        assert!(head > 0.0 && tail > 0.0 && head != tail);
+        // One row cannot be split: one part, the whole gradient's norm.
+        let (_, one) = t.compute_gradient_in_parts(&x[..6], &y[..1], None, &p, 10).unwrap();
+        assert_eq!(one, vec![(1, squared_norm(&t.grad))]);
+        // A bad batch is refused whole, before either part is computed.
+        let e = t.compute_gradient_in_parts(&x[..5], &y[..2], None, &p, 10).unwrap_err().to_string();
+        assert!(e.contains("5 feature values"), "{e}");
     }
 
     #[test]

@@ -380,7 +380,7 @@ impl BuiltinWorker {
 
     /// This rank's gradient of the step (zero without samples), and its
     /// loss summed and divided by the step's global rows.
-    fn compute(&mut self, session: &Session, step: &Step, trainer: &mut Trainer) -> Result<f64> {
+    fn compute(&mut self, session: &mut Session, step: &Step, trainer: &mut Trainer) -> Result<f64> {
         let mut loss = 0.0;
         self.waited_ms = 0.0;
         if !step.indices.is_empty() {
@@ -388,8 +388,22 @@ impl BuiltinWorker {
             if let Some(r) = &self.read_ahead {
                 self.waited_ms = r.waited.as_secs_f64() * 1e3;
             }
-            loss = trainer.compute_gradient(&x, &y, soft.as_deref(), &self.loss, step.global_rows)?
-                / step.global_rows as f64;
+            // Alone, the rank's batch in two parts: the gradient noise
+            // scale compares them where there are no other ranks to compare.
+            let summed = if step.world == 1 {
+                let (summed, parts) = trainer.compute_gradient_in_parts(
+                    &x,
+                    &y,
+                    soft.as_deref(),
+                    &self.loss,
+                    step.global_rows,
+                )?;
+                session.gradient_parts(parts);
+                summed
+            } else {
+                trainer.compute_gradient(&x, &y, soft.as_deref(), &self.loss, step.global_rows)?
+            };
+            loss = summed / step.global_rows as f64;
         } else {
             trainer.grad_mut().iter_mut().for_each(|g| *g = 0.0);
         }

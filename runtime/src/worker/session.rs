@@ -19,6 +19,7 @@ use crate::control::outbox::{Outbox, Sender};
 use crate::control::proto::{
     FailCause, FromWorker, Generation, Receiver, Share, StepDone, StepPlan, ToWorker, Written,
 };
+use crate::coordinator::machine::noise::{GradSq, NoiseTerms, squared_norm};
 use crate::job::spec::{JobSpec, Leader};
 use crate::state::Layout;
 use anyhow::{Context, Result, anyhow, bail};
@@ -290,7 +291,10 @@ pub struct Session {
     /// What the current step's all-reduces gave and got back (squared norms).
     /// Tagged with the (generation, step) they were measured in: norms of
     /// a step left without a commit are not told with the next one.
-    grad_sq: Option<((u64, u64), crate::coordinator::machine::noise::GradSq)>,
+    grad_sq: Option<((u64, u64), GradSq)>,
+    /// The current step's gradient computed in parts: each part's rows and
+    /// squared norm (see [`Session::gradient_parts`]).
+    parts: Option<((u64, u64), Vec<(usize, f64)>)>,
     ring: Option<(u64, TcpRing)>,
     /// A checkpoint being written in the background: its step and thread.
     writing: Option<(u64, WriteThread)>,
@@ -420,6 +424,7 @@ impl Session {
             teacher_wait_ms: 0.0,
             teacher_calls: Vec::new(),
             grad_sq: None,
+            parts: None,
             ring: None,
             writing: None,
             written: Vec::new(),
@@ -920,6 +925,7 @@ impl Session {
             let text = format!("{e:#}");
             self.current = None;
             self.grad_sq = None;
+            self.parts = None;
             self.report_failure(generation, step, e);
             bail!(text);
         }
@@ -933,6 +939,17 @@ impl Session {
     pub fn reduced_norms(&mut self, local: f64, reduced: f64) {
         if let Some(s) = self.current.as_ref() {
             self.add_norms((s.generation, s.step), local, reduced);
+        }
+    }
+
+    /// The current step's gradient was computed in parts, each given as its
+    /// rows and the squared norm of its share of the step's mean gradient
+    /// (what [`crate::trainer::train::Trainer::compute_gradient_in_parts`]
+    /// returns): the gradient noise scale compares the parts as it compares
+    /// ranks, so a job of one worker measures it too.
+    pub fn gradient_parts(&mut self, parts: Vec<(usize, f64)>) {
+        if let Some(s) = self.current.as_ref() {
+            self.parts = Some(((s.generation, s.step), parts));
         }
     }
 
@@ -976,6 +993,20 @@ impl Session {
             bail!("finish outside a step (or after a failed all-reduce)")
         };
         self.applied = Some(s.step + 1);
+        let at = (s.generation, s.step);
+        let grad_sq = self.grad_sq.take().filter(|(tag, _)| *tag == at).map(|(_, sq)| sq);
+        let parts = self.parts.take().filter(|(tag, p)| *tag == at && p.len() >= 2).map(|(_, p)| p);
+        // Parts stand for this rank in the estimate, each as a rank would.
+        let (grad_sq, noise_terms) = match (grad_sq, parts) {
+            (Some(sq), Some(parts)) => {
+                let mut terms = NoiseTerms::default();
+                for (rows, local) in parts {
+                    terms.add(NoiseTerms::of(rows, GradSq { local, reduced: sq.reduced }));
+                }
+                (None, Some(terms))
+            }
+            (sq, _) => (sq, None),
+        };
         self.window.push(StepDone {
             step: s.step,
             epoch: s.epoch,
@@ -986,8 +1017,8 @@ impl Session {
             teacher_wait_ms: std::mem::take(&mut self.teacher_wait_ms),
             metrics,
             teacher_calls: std::mem::take(&mut self.teacher_calls),
-            grad_sq: self.grad_sq.take().filter(|(at, _)| *at == (s.generation, s.step)).map(|(_, sq)| sq),
-            noise_terms: None,
+            grad_sq,
+            noise_terms,
         });
         if s.closes {
             let steps = std::mem::take(&mut self.window);
@@ -1002,6 +1033,7 @@ impl Session {
     pub fn fail(&mut self, e: anyhow::Error, cause: Option<FailCause>) -> Result<()> {
         let Some(s) = self.current.take() else { bail!("fail outside a step: {e:#}") };
         self.grad_sq = None;
+        self.parts = None;
         self.report(s.generation, s.step, e, cause)
     }
 
@@ -1341,12 +1373,6 @@ pub struct NoState(String);
 pub struct StateMismatch {
     what: String,
     why: String,
-}
-
-/// The squared norm of `values`, summed in f64 (a gradient of millions of
-/// small values loses nothing to rounding).
-fn squared_norm(values: &[f32]) -> f64 {
-    values.iter().map(|&v| f64::from(v) * f64::from(v)).sum()
 }
 
 /// A checkpoint being written in the background: its path, seconds and

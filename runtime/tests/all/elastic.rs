@@ -496,6 +496,25 @@ fn the_goodput_adapter_grows_the_batch_when_steps_are_mostly_fixed_cost() {
     assert!(err.contains(&format!("{answered} answered as in the job")), "{err}");
 }
 
+/// A job of one worker measures the gradient noise scale too: the built-in
+/// trainer computes its batch in two parts, which the estimate compares
+/// as it compares two ranks' shares.
+#[test]
+fn one_worker_measures_the_noise_scale_from_two_parts_of_its_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let cmd =
+        steady(dir.path(), &["--epochs", "2", "--workers", "1", "--min-workers", "1", "--max-workers", "1"]);
+    let r = run_to_its_report(cmd, dir.path());
+    assert_exactly_once(&r, 2, 1200);
+    let steps = r["timeline"].as_array().unwrap();
+    assert!(steps.iter().all(|s| s["world"] == 1), "one worker throughout");
+    let measured: Vec<f64> = steps.iter().filter_map(|s| s.get("noise_scale")?.as_f64()).collect();
+    assert!(measured.len() * 2 > steps.len(), "{} of {} steps measured", measured.len(), steps.len());
+    assert!(measured.iter().all(|b| b.is_finite() && *b > 0.0), "{measured:?}");
+    let parts = steps.iter().filter(|s| s["grad_var"].as_f64().is_some() && s["grad_sqr"].as_f64().is_some());
+    assert!(parts.count() >= measured.len(), "the estimate's parts are in the timeline");
+}
+
 /// The goodput policy, from one worker, on steps of fixed cost (40 ms
 /// whatever the rows) and a batch that cannot grow (`--batch-max` is the
 /// batch): it grows to two workers to measure the noise scale, tries each

@@ -103,6 +103,12 @@ fn terms_of(ranks: &[(usize, GradSq)]) -> (NoiseTerms, usize) {
     (terms, ranks.iter().map(|(b, _)| b).sum())
 }
 
+/// The squared norm of `values`, summed in f64 (a gradient of millions of
+/// small values loses nothing to rounding).
+pub fn squared_norm(values: &[f32]) -> f64 {
+    values.iter().map(|&v| f64::from(v) * f64::from(v)).sum()
+}
+
 /// Statistical efficiency (Pollux, OSDI'21): the progress a sample makes in
 /// a global batch of `batch`, against one in the base batch `base`, at
 /// noise scale `noise`: `(noise + base) / (noise + batch)`. At 1 for the
