@@ -5,8 +5,8 @@
 
 use crate::support::{
     job::{
-        GROWING, assert_exactly_once, assert_noise_scale_measured, committed_checkpoint, finish, lines,
-        report,
+        Alone, GROWING, assert_exactly_once, assert_noise_scale_measured, committed_checkpoint, finish,
+        lines, report,
     },
     process::{children, sigkill, sigkill_worker},
     python::{PyEnv, py},
@@ -110,7 +110,7 @@ fn the_numpy_student_under_launch_trains_every_sample_once_through_resizes_kills
     let policy = events.iter().filter(|e| e["reason"].as_str().unwrap().starts_with("policy")).count();
     assert!(policy >= 2, "at least two policy-driven resizes: {events:?}");
     // `step.all_reduce` measured the gradient noise scale, as the built-in trainer does.
-    assert_noise_scale_measured(&r);
+    assert_noise_scale_measured(&r, Alone::Unmeasured);
 
     // The program's final state is the built-in student's layout: its
     // accuracy against the built-in trainer's, same flags.
@@ -128,7 +128,7 @@ fn the_numpy_student_under_launch_trains_every_sample_once_through_resizes_kills
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let builtin = report(builtin_dir.path());
-    assert_noise_scale_measured(&builtin);
+    assert_noise_scale_measured(&builtin, Alone::Measured);
     let builtin_acc = builtin["student_test_accuracy"].as_f64().unwrap();
     assert!(
         (numpy_acc - builtin_acc).abs() <= 0.01,

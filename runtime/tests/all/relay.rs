@@ -5,8 +5,8 @@
 
 use crate::support::{
     job::{
-        assert_exactly_once, assert_noise_scale_measured, coordinator_note, final_state, finish, job, lines,
-        report, run_to_end, scale_event,
+        Alone, assert_exactly_once, assert_noise_scale_measured, coordinator_note, final_state, finish, job,
+        lines, report, run_to_end, scale_event,
     },
     process::{children, sigkill, sigkill_worker},
     python::py,
@@ -77,7 +77,7 @@ fn workers_through_a_relay_hold_one_connection_and_train_to_the_bit_as_without_i
     assert!(status.success(), "{text}");
     assert_exactly_once(&report(relayed.path()), 4, 1200);
     // The relay summed the ranks' noise-scale terms.
-    assert_noise_scale_measured(&report(relayed.path()));
+    assert_noise_scale_measured(&report(relayed.path()), Alone::Measured);
     let (a, b) = (final_state(direct.path()), final_state(relayed.path()));
     assert_eq!(a.len(), b.len());
     for ((name, x), (_, y)) in a.iter().zip(&b) {
@@ -174,7 +174,7 @@ fn a_launched_numpy_program_trains_through_a_relay_every_sample_once() {
     assert!(status.success(), "{text}");
     let r = report(dir.path());
     assert_exactly_once(&r, 2, 4000);
-    assert_noise_scale_measured(&r);
+    assert_noise_scale_measured(&r, Alone::Unmeasured);
     let log = std::fs::read_to_string(dir.path().join(".edl/launch/logs/relay-1.log")).unwrap();
     assert!(log.contains("relaying on"), "{log}");
     let done = text.lines().filter(|l| l.starts_with("[worker ") && l.contains("test accuracy")).count();

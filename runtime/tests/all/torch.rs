@@ -7,7 +7,9 @@
 use crate::support::{
     capture::{Capture, contains, tcpdump_or_skip},
     hosts::Hosts,
-    job::{assert_exactly_once, assert_noise_scale_measured, committed_checkpoint, finish, lines, report},
+    job::{
+        Alone, assert_exactly_once, assert_noise_scale_measured, committed_checkpoint, finish, lines, report,
+    },
     process::{sigkill, sigkill_worker},
     python::{PyEnv, torch_py},
     root,
@@ -185,7 +187,7 @@ fn a_cnn_with_batchnorm_adamw_and_a_schedule_trains_whole_through_resizes_and_a_
     let svg = std::fs::read_to_string(dir.path().join("run.svg")).unwrap();
     assert!(svg.contains("accuracy"), "the plot names the metric");
     // ElasticDDP's communication hook measured the gradient noise scale.
-    assert_noise_scale_measured(&r);
+    assert_noise_scale_measured(&r, Alone::Unmeasured);
     if timeline.iter().any(|s| s["noise_scale"].is_number()) {
         assert!(svg.contains("gradient noise scale"), "the plot draws the noise scale");
     }

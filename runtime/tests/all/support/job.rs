@@ -138,23 +138,45 @@ pub(crate) fn committed_checkpoint(dir: &Path, job: &mut Child) -> u64 {
     poll_while_running(job, "a checkpoint", Duration::from_secs(120), check, context)
 }
 
-/// The gradient noise scale in a report's timeline: none before the
-/// first step two workers shared (one rank has nothing to compare), and
-/// its smoothed parts (`grad_var`, `grad_sqr`) finite on every step from
-/// the first measured on, which is a shared one. The noise scale itself,
-/// where given, is their ratio and positive (it is left out while the
-/// smoothed `|G|^2` is not above 0, which a short or noisy job may see
-/// throughout); with it, the step's efficiency and goodput.
-pub(crate) fn assert_noise_scale_measured(r: &Value) {
+/// Whether a job measures the gradient noise scale on one worker: the
+/// built-in trainer does (two parts of its batch), a program only once two
+/// ranks share a step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Alone {
+    Measured,
+    Unmeasured,
+}
+
+/// The gradient noise scale in a report's timeline of a job that grows to
+/// two workers or more: on one worker measured or not as `alone` says
+/// (a program's single rank has nothing to compare), and its smoothed
+/// parts (`grad_var`, `grad_sqr`) finite on every step from the first
+/// measured on. The noise scale itself, where given, is their ratio and
+/// positive (it is left out while the smoothed `|G|^2` is not above 0,
+/// which a short or noisy job may see throughout); with it, the step's
+/// efficiency and goodput.
+pub(crate) fn assert_noise_scale_measured(r: &Value, alone: Alone) {
     let timeline = r["timeline"].as_array().unwrap();
     let shared = timeline.iter().position(|s| s["world"].as_u64().unwrap() >= 2);
     let shared = shared.unwrap_or_else(|| panic!("no step with two workers: {timeline:?}"));
-    for s in &timeline[..shared] {
-        assert!(s.get("grad_var").is_none() && s.get("noise_scale").is_none(), "measured on one worker: {s}");
+    let from = match alone {
+        Alone::Unmeasured => {
+            for s in &timeline[..shared] {
+                assert!(
+                    s.get("grad_var").is_none() && s.get("noise_scale").is_none(),
+                    "measured on one worker: {s}"
+                );
+            }
+            shared
+        }
+        Alone::Measured => 0,
+    };
+    let first = timeline[from..].iter().position(|s| s.get("grad_var").is_some());
+    let first = first.unwrap_or_else(|| panic!("never measured: {:?}", &timeline[from..]));
+    if alone == Alone::Measured && shared > 0 {
+        assert!(first < shared, "not measured on one worker: {timeline:?}");
     }
-    let first = timeline[shared..].iter().position(|s| s.get("grad_var").is_some());
-    let first = first.unwrap_or_else(|| panic!("never measured: {:?}", &timeline[shared..]));
-    for s in &timeline[shared + first..] {
+    for s in &timeline[from + first..] {
         let (var, sqr) = (s["grad_var"].as_f64(), s["grad_sqr"].as_f64());
         let (var, sqr) = var.zip(sqr).unwrap_or_else(|| panic!("a measured step without its parts: {s}"));
         assert!(var.is_finite() && sqr.is_finite(), "{s}");
