@@ -12,8 +12,9 @@
 //! `s_k = (G(k) - G(k-1)) / (G(k) / k)`: it adds a worker while the next
 //! one's is at least `threshold` [0.5], and removes the last while its own
 //! is below it, one worker a decision, each count measured before it is
-//! judged. Without a noise scale yet (it needs two workers sharing steps),
-//! a job of one worker grows to two to measure it. A worker it asked for
+//! judged. Without a noise scale yet (a program measures it only where two
+//! workers share a step; the built-in trainer on one worker too), a job of
+//! one worker grows to two to measure it. A worker it asked for
 //! is waited for (up to [`WAIT_DECISIONS`] decisions) before it decides
 //! again: a worker slow to start is not asked for twice.
 
@@ -63,7 +64,7 @@ impl GoodputPolicy {
         let k = view.world_size;
         let phi = stats.noise_scale;
         if !(phi.is_finite() && phi > 0.0) {
-            // Measured only where two workers share a step.
+            // A program measures it only where two workers share a step.
             let room = k < view.max_workers && view.free_slots > 0;
             return if k == 1 && room { Action::ScaleOut(1) } else { Action::Hold };
         }
