@@ -60,6 +60,15 @@ fn step(c: &mut Criterion) {
                 })
             });
         }
+        // One worker's step: its batch in two parts, for the noise scale.
+        let mut t = Trainer::new(Mlp::random(&sizes, 3));
+        g.bench_function(BenchmarkId::new("cpu, in two parts", name), |b| {
+            b.iter(|| {
+                let l = t.compute_gradient_in_parts(&x, &labels, Some(&teacher), &loss, rows).unwrap();
+                t.apply(0.01, 0.9).unwrap();
+                black_box(l)
+            })
+        });
     }
     g.finish();
 }
