@@ -13,7 +13,7 @@
 //! one's is at least `threshold` [0.5], and removes the last while its own
 //! is below it, one worker a decision, each count measured before it is
 //! judged. Without a noise scale yet (a program measures it only where two
-//! workers share a step; the built-in trainer on one worker too), a job of
+//! workers share a step; the built-in trainer on one CPU worker too), a job of
 //! one worker grows to two to measure it. A worker it asked for
 //! is waited for (up to [`WAIT_DECISIONS`] decisions) before it decides
 //! again: a worker slow to start is not asked for twice.

@@ -18,7 +18,7 @@
 //! `r = (phi / M0 + 1) / (phi / M + 1)` (`lr-rule=adascale`, for SGD), or the
 //! square-root rule (`sqrt`, for Adam), or the linear one (`linear`).
 //! Until the noise scale is measured (by a program, once two workers share
-//! a step; by the built-in trainer, from its first step), it keeps
+//! a step; by the built-in trainer on one CPU worker too), it keeps
 //! the batch it has; where only one batch was measured at the current world
 //! size, it measures twice that batch once (`probe=false`: it does not, and
 //! takes `overhead` of the one measured step time as fixed).

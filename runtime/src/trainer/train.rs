@@ -202,7 +202,8 @@ impl Trainer {
     /// would give it. Returns the summed loss and each part's rows and the
     /// squared norm of its gradient (its share of the step's mean gradient):
     /// two batches from one rank, which the gradient noise scale compares
-    /// as it compares ranks. Fewer than two rows: one part.
+    /// as it compares ranks. Fewer than two rows, or a CUDA trainer: one
+    /// part (the one-pass gradient).
     pub fn compute_gradient_in_parts(
         &mut self,
         x: &[f32],
@@ -531,9 +532,14 @@ mod tests {
         // One row cannot be split: one part, the whole gradient's norm.
         let (_, one) = t.compute_gradient_in_parts(&x[..6], &y[..1], None, &p, 10).unwrap();
         assert_eq!(one, vec![(1, squared_norm(&t.grad))]);
-        // A bad batch is refused whole, before either part is computed.
-        let e = t.compute_gradient_in_parts(&x[..5], &y[..2], None, &p, 10).unwrap_err().to_string();
-        assert!(e.contains("5 feature values"), "{e}");
+        // A bad batch is refused whole, before either part is computed: a
+        // bad value in the second half leaves the gradient as it was.
+        let before = t.grad.clone();
+        let mut bad = x.clone();
+        bad[rows * 6 - 1] = f32::NAN;
+        let e = t.compute_gradient_in_parts(&bad, &y, None, &p, 10).unwrap_err().to_string();
+        assert!(e.contains("feature 5 of row 6 is NaN"), "{e}");
+        assert_eq!(t.grad, before);
     }
 
     #[test]

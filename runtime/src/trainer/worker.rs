@@ -326,10 +326,10 @@ fn transform_of(
     Ok((host, transform_path, transform))
 }
 
-/// Steps between those a worker alone computes in two parts for the
-/// gradient noise scale: on this CPU, the student's step at batch 64 costs
-/// 65% more in two parts (a twelfth more for a 784-1024-1024-10 network at
-/// 512), about 16% over every four steps.
+/// Steps between those a worker alone (on the CPU) computes in two parts
+/// for the gradient noise scale: on the development machine, the student's
+/// step at batch 64 costs 65% more in two parts (an eighth more for a
+/// 784-1024-1024-10 network at 512), about 16% over every four steps.
 const PARTS_EVERY: u64 = 4;
 
 impl BuiltinWorker {
@@ -397,7 +397,8 @@ impl BuiltinWorker {
             // Alone, the rank's batch in two parts every few steps: the
             // gradient noise scale compares them where there are no other
             // ranks to compare (two smaller products cost more than one).
-            let summed = if step.world == 1 && step.step.is_multiple_of(PARTS_EVERY) {
+            let alone = step.world == 1 && trainer.device() == Device::Cpu;
+            let summed = if alone && step.step.is_multiple_of(PARTS_EVERY) {
                 let (summed, parts) = trainer.compute_gradient_in_parts(
                     &x,
                     &y,

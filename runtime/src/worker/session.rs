@@ -947,7 +947,7 @@ impl Session {
     /// (what [`crate::trainer::train::Trainer::compute_gradient_in_parts`]
     /// returns): the gradient noise scale compares the parts as it compares
     /// ranks, so a job of one worker measures it too.
-    pub fn gradient_parts(&mut self, parts: Vec<(usize, f64)>) {
+    pub(crate) fn gradient_parts(&mut self, parts: Vec<(usize, f64)>) {
         if let Some(s) = self.current.as_ref() {
             self.parts = Some(((s.generation, s.step), parts));
         }
@@ -995,16 +995,15 @@ impl Session {
         self.applied = Some(s.step + 1);
         let at = (s.generation, s.step);
         let grad_sq = self.grad_sq.take().filter(|(tag, _)| *tag == at).map(|(_, sq)| sq);
-        let parts = self.parts.take().filter(|(tag, p)| *tag == at && p.len() >= 2).map(|(_, p)| p);
-        // Parts stand for this rank in the estimate, each as a rank would.
+        // Parts stand for this rank in the estimate, each as a rank would;
+        // only two or more, and only if they are this step's rows.
+        let rows = s.end.saturating_sub(s.start) as usize;
+        let parts = self
+            .parts
+            .take()
+            .filter(|(tag, p)| *tag == at && p.len() >= 2 && p.iter().map(|(r, _)| r).sum::<usize>() == rows);
         let (grad_sq, noise_terms) = match (grad_sq, parts) {
-            (Some(sq), Some(parts)) => {
-                let mut terms = NoiseTerms::default();
-                for (rows, local) in parts {
-                    terms.add(NoiseTerms::of(rows, GradSq { local, reduced: sq.reduced }));
-                }
-                (None, Some(terms))
-            }
+            (Some(sq), Some((_, parts))) => (None, Some(NoiseTerms::of_parts(&parts, sq.reduced))),
             (sq, _) => (sq, None),
         };
         self.window.push(StepDone {
