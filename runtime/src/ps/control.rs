@@ -119,8 +119,9 @@ impl PsControl {
     /// from them) and go, those of `added` join. Fails, naming them, when a
     /// shard had no holder left ([`ShardsLost`]). `ahead`: the shards
     /// added servers were given while training went on ([`copy_ahead`]);
-    /// of those they hold now, they get only the rows changed since; any
-    /// other shard whole; those they do not hold after all are forgotten.
+    /// of those they hold now, they get only the rows changed since (of the
+    /// tables copied then); any other shard, or table, whole; those they do
+    /// not hold after all are forgotten.
     pub fn reform(
         &mut self,
         mark: Mark,
@@ -153,11 +154,13 @@ impl PsControl {
             c.stats()?.into_iter().flat_map(|s| s.tables).map(|t| t.name).collect();
         let mut moved = Moved::default();
         for ((from, to), shards) in &plan.copies {
-            let early = ahead.and_then(|a| Some((a.since, a.shards.get(to)?)));
-            let (later, whole): (Vec<u32>, Vec<u32>) =
-                shards.iter().partition(|s| early.is_some_and(|(_, e)| e.binary_search(s).is_ok()));
-            let since = early.map(|(since, _)| since);
             for table in &tables {
+                let early = ahead
+                    .filter(|a| a.tables.contains(table))
+                    .and_then(|a| Some((a.since, a.shards.get(to)?)));
+                let (later, whole): (Vec<u32>, Vec<u32>) =
+                    shards.iter().partition(|s| early.is_some_and(|(_, e)| e.binary_search(s).is_ok()));
+                let since = early.map(|(since, _)| since);
                 for (shards, since) in [(&later, since), (&whole, None)] {
                     if !shards.is_empty() {
                         moved.rows += c.copy_shards(table, (shards, since), mark.base, (*from, *to), mark)?;
@@ -274,6 +277,9 @@ pub struct Ahead {
     pub since: u64,
     /// Per server, the shards it was given (in order).
     pub shards: BTreeMap<u64, Vec<u32>>,
+    /// The tables copied: one made after the copy began (its rows restored
+    /// from a checkpoint, or a table first used since) is copied whole.
+    pub tables: BTreeSet<String>,
     /// Rows copied.
     pub rows: usize,
 }
@@ -317,7 +323,7 @@ pub fn copy_ahead(job: AheadJob) -> Result<Ahead> {
         given.entry(*to).or_default().extend(shards);
     }
     given.values_mut().for_each(|s| s.sort_unstable());
-    Ok(Ahead { since: mark.base, shards: given, rows })
+    Ok(Ahead { since: mark.base, shards: given, tables, rows })
 }
 
 #[cfg(test)]
@@ -574,5 +580,58 @@ mod tests {
             }
         }
         assert_eq!(w.pull("t", mark, 5, &[7, 199]).unwrap(), [7.0, -7.0, 199.0, -199.0]);
+    }
+
+    #[test]
+    fn a_table_restored_after_a_copy_ahead_began_is_copied_whole_to_the_server_joining() {
+        use crate::checkpoint::{Checkpoints, Manifest};
+        use crate::state::{Layout, TensorSpec};
+        let (job, services, all, addrs) = three_servers();
+        let dir = tempfile::tempdir().unwrap();
+        let spec = sgd_table(2);
+        let ids: Vec<u64> = (0..300).collect();
+        let saved = crate::ps::SavedTable {
+            spec: spec.clone(),
+            ids: ids.clone(),
+            rows: ids.iter().flat_map(|&i| [i as f32, 1.0]).collect(),
+            updates: vec![1; 300],
+        };
+        let layout = Layout::new(vec![TensorSpec::new("w", vec![1])]).unwrap();
+        let manifest = Manifest {
+            step: 4,
+            epoch: 0,
+            cursor: 0,
+            seed: 0,
+            hyperparams: Default::default(),
+            plugin_state: serde_json::Value::Null,
+            files: Default::default(),
+            fence: None,
+        };
+        let at =
+            Checkpoints::new(dir.path(), 2).save_with_tables(&layout, &[0.5], &[saved], manifest).unwrap();
+        // The job just went back to its checkpoint: servers 1 and 2 hold no
+        // table yet when server 3's copy ahead runs (as of step 4) ...
+        let topology = PsTopology { servers: all[..2].to_vec(), staleness: 0, replicas: 1, room: true };
+        let mut control = PsControl::new(job.clone(), topology);
+        let g2 = Mark { generation: 2, base: 4, committed: 4 };
+        let ahead = copy_ahead(control.ahead_of((&all[2..], &[]), g2)).unwrap();
+        assert!(ahead.tables.is_empty() && ahead.rows == 0, "{ahead:?}");
+        // ... then the workers declare the table from the checkpoint, and
+        // one step changes a few rows.
+        let mut w = Client::connect(&addrs[..2], 1, &job, 1).unwrap();
+        w.declare(spec.clone(), g2, Some((dir.path(), &at))).unwrap();
+        let grads: Vec<f32> = (0..10).flat_map(|_| [1.0, 1.0]).collect();
+        w.push("t", PushTag { mark: g2, step: 4, rank: 0, world: 1 }, &ids[..10], &grads).unwrap();
+        let want = w.pull("t", g2, 5, &ids).unwrap();
+        drop(w);
+        // Server 3 joins at step 5: its shards' rows all there, not only
+        // the ten the step changed.
+        let g3 = Mark { generation: 3, base: 5, committed: 5 };
+        let moved = control.reform(g3, (&[], &[]), &all[2..], Some(&ahead)).unwrap();
+        assert!(moved.rows > 10, "{moved:?}");
+        let mut w = Client::connect(&addrs, 1, &job, 1).unwrap();
+        w.declare(spec, g3, None).unwrap();
+        assert_eq!(w.pull("t", g3, 5, &ids).unwrap(), want);
+        assert!(!services[2].rows("t").is_empty(), "server 3 holds its shards");
     }
 }

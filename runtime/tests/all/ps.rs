@@ -159,7 +159,7 @@ fn assert_as_calm_of(vocab: &str, dir: &Path, text: &str) {
     let (a, b) = (&calm.0, final_state(dir));
     assert_eq!(a.len(), b.len());
     for ((name, x), (_, y)) in a.iter().zip(&b) {
-        assert!(x == y, "{name} differs from the undisturbed run's");
+        assert!(x == y, "{name} differs from the undisturbed run's\n{text}");
     }
     let auc = aucs(text);
     assert!(!auc.is_empty() && auc[..] == calm.1[..auc.len()], "{auc:?} {:?}\n{text}", calm.1);
@@ -573,7 +573,7 @@ fn builtin_calm() -> (Vec<(String, Vec<f32>)>, Vec<(f64, f64)>) {
 fn assert_as_builtin_calm(dir: &Path, text: &str) {
     let (state, scores) = builtin_calm();
     for ((name, x), (_, y)) in state.iter().zip(&final_state(dir)) {
-        assert!(x == y, "{name} differs from the undisturbed run's");
+        assert!(x == y, "{name} differs from the undisturbed run's\n{text}");
     }
     assert_eq!(epoch_scores(text), scores);
 }
