@@ -539,10 +539,27 @@ mod tests {
         assert_eq!(w.pull("t", next, 1, &ids).unwrap(), want);
     }
 
-    #[test]
-    fn a_checkpoint_s_tables_come_back_on_every_holder_of_each_shard() {
+    /// A checkpoint of step `step` in `dir` holding `table` (and a dense
+    /// array of one value); its path.
+    fn checkpoint_with(dir: &std::path::Path, table: crate::ps::SavedTable, step: u64) -> std::path::PathBuf {
         use crate::checkpoint::{Checkpoints, Manifest};
         use crate::state::{Layout, TensorSpec};
+        let layout = Layout::new(vec![TensorSpec::new("w", vec![1])]).unwrap();
+        let manifest = Manifest {
+            step,
+            epoch: 0,
+            cursor: 0,
+            seed: 0,
+            hyperparams: Default::default(),
+            plugin_state: serde_json::Value::Null,
+            files: Default::default(),
+            fence: None,
+        };
+        Checkpoints::new(dir, 2).save_with_tables(&layout, &[0.5], &[table], manifest).unwrap()
+    }
+
+    #[test]
+    fn a_checkpoint_s_tables_come_back_on_every_holder_of_each_shard() {
         let job = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
         let dir = tempfile::tempdir().unwrap();
         let spec = sgd_table(2);
@@ -553,19 +570,7 @@ mod tests {
             rows: ids.iter().flat_map(|&i| [i as f32, -(i as f32)]).collect(),
             updates: vec![1; 200],
         };
-        let layout = Layout::new(vec![TensorSpec::new("w", vec![1])]).unwrap();
-        let manifest = Manifest {
-            step: 5,
-            epoch: 0,
-            cursor: 0,
-            seed: 0,
-            hyperparams: Default::default(),
-            plugin_state: serde_json::Value::Null,
-            files: Default::default(),
-            fence: None,
-        };
-        let at =
-            Checkpoints::new(dir.path(), 2).save_with_tables(&layout, &[0.5], &[saved], manifest).unwrap();
+        let at = checkpoint_with(dir.path(), saved, 5);
         // Three servers, two replicas: every row on the two servers that hold its shard.
         let services: Vec<Service> = (1..=3).map(|id| start(&job, id)).collect();
         let addrs: Vec<_> = services.iter().zip(1..).map(|(s, id)| (id, s.addr())).collect();
@@ -584,8 +589,6 @@ mod tests {
 
     #[test]
     fn a_table_restored_after_a_copy_ahead_began_is_copied_whole_to_the_server_joining() {
-        use crate::checkpoint::{Checkpoints, Manifest};
-        use crate::state::{Layout, TensorSpec};
         let (job, services, all, addrs) = three_servers();
         let dir = tempfile::tempdir().unwrap();
         let spec = sgd_table(2);
@@ -596,19 +599,7 @@ mod tests {
             rows: ids.iter().flat_map(|&i| [i as f32, 1.0]).collect(),
             updates: vec![1; 300],
         };
-        let layout = Layout::new(vec![TensorSpec::new("w", vec![1])]).unwrap();
-        let manifest = Manifest {
-            step: 4,
-            epoch: 0,
-            cursor: 0,
-            seed: 0,
-            hyperparams: Default::default(),
-            plugin_state: serde_json::Value::Null,
-            files: Default::default(),
-            fence: None,
-        };
-        let at =
-            Checkpoints::new(dir.path(), 2).save_with_tables(&layout, &[0.5], &[saved], manifest).unwrap();
+        let at = checkpoint_with(dir.path(), saved, 4);
         // The job just went back to its checkpoint: servers 1 and 2 hold no
         // table yet when server 3's copy ahead runs (as of step 4) ...
         let topology = PsTopology { servers: all[..2].to_vec(), staleness: 0, replicas: 1, room: true };

@@ -294,7 +294,7 @@ pub struct Session {
     grad_sq: Option<((u64, u64), GradSq)>,
     /// The current step's gradient computed in parts: each part's rows and
     /// squared norm (see [`Session::gradient_parts`]).
-    parts: Option<((u64, u64), Vec<(usize, f64)>)>,
+    parts: Option<((u64, u64), Parts)>,
     ring: Option<(u64, TcpRing)>,
     /// A checkpoint being written in the background: its step and thread.
     writing: Option<(u64, WriteThread)>,
@@ -947,7 +947,7 @@ impl Session {
     /// (what [`crate::trainer::train::Trainer::compute_gradient_in_parts`]
     /// returns): the gradient noise scale compares the parts as it compares
     /// ranks, so a job of one worker measures it too.
-    pub(crate) fn gradient_parts(&mut self, parts: Vec<(usize, f64)>) {
+    pub(crate) fn gradient_parts(&mut self, parts: Parts) {
         if let Some(s) = self.current.as_ref() {
             self.parts = Some(((s.generation, s.step), parts));
         }
@@ -1373,6 +1373,9 @@ pub struct StateMismatch {
     what: String,
     why: String,
 }
+
+/// A step's gradient in parts: each part's rows and squared norm.
+type Parts = Vec<(usize, f64)>;
 
 /// A checkpoint being written in the background: its path, seconds and
 /// bytes once done.
