@@ -181,6 +181,18 @@ impl Trainer {
         global_rows: usize,
     ) -> Result<f64, TrainError> {
         self.check_batch(x, labels, teacher)?;
+        self.checked_gradient(x, labels, teacher, loss, global_rows)
+    }
+
+    /// [`Trainer::compute_gradient`] of a batch already checked.
+    fn checked_gradient(
+        &mut self,
+        x: &[f32],
+        labels: &[u32],
+        teacher: Option<&[f32]>,
+        loss: &SoftLabelLoss,
+        global_rows: usize,
+    ) -> Result<f64, TrainError> {
         let err = self.device_err();
         if let Some((_, mlp)) = &mut self.cuda {
             return mlp.compute_gradient(x, labels, teacher, loss, global_rows, &mut self.grad).map_err(err);
@@ -220,7 +232,7 @@ impl Trainer {
         }
         self.check_batch(x, labels, teacher)?;
         let (input, classes, half) = (self.model.input_dim(), self.model.output_dim(), rows / 2);
-        let first = self.compute_gradient(
+        let first = self.checked_gradient(
             &x[..half * input],
             &labels[..half],
             teacher.map(|t| &t[..half * classes]),
@@ -230,7 +242,7 @@ impl Trainer {
         let mut part = std::mem::take(&mut self.part);
         part.clear();
         part.extend_from_slice(&self.grad);
-        let second = self.compute_gradient(
+        let second = self.checked_gradient(
             &x[half * input..],
             &labels[half..],
             teacher.map(|t| &t[half * classes..]),
