@@ -58,6 +58,16 @@ fn process_cpu() -> f64 {
     secs(u.ru_utime) + secs(u.ru_stime)
 }
 
+/// CLOCK_MONOTONIC in seconds: the clock `perf record -k CLOCK_MONOTONIC`
+/// stamps its samples with, so that a profile can be cut to the steps measured.
+fn monotonic() -> f64 {
+    // SAFETY: an all-zero timespec is a valid value of the plain C struct the call fills.
+    let mut t: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: `t` is a live timespec the call fills; nothing else is read.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
 /// What a simulated host's workers share.
 #[derive(Clone, Copy)]
 struct Sim {
@@ -312,6 +322,10 @@ fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<F
             && (r.step == FROM || r.step == TO)
         {
             marks.insert(r.step, (Instant::now(), process_cpu()));
+            if std::env::var_os("EDL_BENCH_MARKS").is_some() {
+                // For `perf report --time FROM,TO` of a run recorded with `-k CLOCK_MONOTONIC`.
+                eprintln!("step {} at {:.6}", r.step, monotonic());
+            }
         }
     };
     let dirs = JobDirs::new(&spec.job, Some(spec.checkpoint_dir.clone()));

@@ -17,7 +17,7 @@
 //! timeout); a refused one is logged with the reason and closed, and the
 //! coordinator never hears of it.
 
-use crate::control::outbox::Outbox;
+use crate::control::outbox::{Outbox, RelayOut};
 use crate::control::proto::{FromWorker, Link};
 use crate::control::relay::{self, Frame};
 use edl_host_gpu::comm::auth::{self, JobAuth};
@@ -68,8 +68,9 @@ pub enum Inbound<M = FromWorker> {
     Conn(u64, Outbox),
     Msg(u64, M),
     /// Workers of one host reported a window as one, through their relay:
-    /// their connections, in rank order, and the report.
-    Host(Vec<u64>, FromWorker),
+    /// the relay's connection (its host's number), the workers' numbers on
+    /// the relay in rank order (as the window named them), and the report.
+    Host(u64, Vec<u64>, FromWorker),
     /// The connection of the relay that claimed this number ended while it
     /// carried workers (said before their connections' ends).
     RelayLost(u64),
@@ -179,7 +180,7 @@ pub fn start_channel<M: Message>(
 ) -> io::Result<Arc<Gate>> {
     let poll = Poll::new()?;
     let waker = Arc::new(Waker::new(poll.registry(), WAKE)?);
-    let (new_tx, new_rx) = mpsc::channel::<(u64, TcpStream, Opener, u64)>();
+    let (new_tx, new_rx) = mpsc::channel::<Proven<M>>();
     let events = tx.clone();
     std::thread::Builder::new()
         .name("edl-control-in".into())
@@ -228,6 +229,22 @@ pub fn start_channel<M: Message>(
     Ok(gate)
 }
 
+/// A proven connection, handed to the reading thread.
+struct Proven<M> {
+    n: u64,
+    stream: TcpStream,
+    opener: Opener,
+    kind: Kind<M>,
+}
+
+/// Who is at the other end of a connection being read.
+enum Kind<M> {
+    /// A worker (or agent), as it proved the secret (0: one to be given an id).
+    Worker(u64),
+    /// A host's relay, carrying workers.
+    Relay(Box<Carried<M>>),
+}
+
 /// Runs the secret's exchange on a new connection and hands it on once proven.
 fn admit<M: Message>(
     mut conn: TcpStream,
@@ -235,7 +252,7 @@ fn admit<M: Message>(
     lease: Duration,
     next: &Arc<AtomicU64>,
     tx: &mpsc::Sender<Inbound<M>>,
-    new_tx: &mpsc::Sender<(u64, TcpStream, Opener, u64)>,
+    new_tx: &mpsc::Sender<Proven<M>>,
     waker: &Waker,
 ) {
     let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a peer".into());
@@ -259,22 +276,24 @@ fn admit<M: Message>(
     crate::control::proto::give_up_unacked(&conn, lease);
     let Ok(reader) = conn.try_clone() else { return };
     let (sealer, opener) = keys.split();
-    if claim.channel == relay::CHANNEL {
-        let host = next.fetch_add(1, Ordering::Relaxed);
-        let carried =
-            Carried { gate: gate.clone(), next: next.clone(), tx: tx.clone(), peer, relay: claim.who, host };
-        let started = std::thread::Builder::new()
-            .name("edl-relay-in".into())
-            .spawn(move || carried.run(conn, reader, sealer, opener, lease));
-        if let Err(e) = started {
-            tracing::warn!("control connections: cannot start a thread for a relay: {e}");
-        }
-        return;
-    }
     let n = next.fetch_add(1, Ordering::Relaxed);
-    if tx.send(Inbound::Conn(n, Outbox::Direct(Link::new(conn, Some(sealer))))).is_ok()
-        && new_tx.send((n, reader, opener, claim.who)).is_ok()
-    {
+    let kind = if claim.channel == relay::CHANNEL {
+        Kind::Relay(Box::new(Carried {
+            gate: gate.clone(),
+            next: next.clone(),
+            tx: tx.clone(),
+            peer,
+            relay: claim.who,
+            host: n,
+            down: RelayOut::new(Link::new(conn, Some(sealer))),
+            carrying: Carrying::default(),
+        }))
+    } else if tx.send(Inbound::Conn(n, Outbox::Direct(Link::new(conn, Some(sealer))))).is_ok() {
+        Kind::Worker(claim.who)
+    } else {
+        return;
+    };
+    if new_tx.send(Proven { n, stream: reader, opener, kind }).is_ok() {
         let _ = waker.wake();
     }
 }
@@ -290,81 +309,34 @@ struct Carried<M> {
     relay: u64,
     /// This connection's number here: the host's, unique in the job.
     host: u64,
+    /// Where frames to the relay go.
+    down: RelayOut,
+    carrying: Carrying,
 }
 
 impl<M: Message> Carried<M> {
-    /// Reads the relay's frames until its connection ends, then closes
-    /// every worker it carried.
-    fn run(
-        self,
-        conn: TcpStream,
-        reader: TcpStream,
-        sealer: edl_host_gpu::comm::sealed::Sealer,
-        opener: Opener,
-        lease: Duration,
-    ) {
-        let (down, queued) = mpsc::channel::<Frame>();
-        let mut writer = Link::new(conn, Some(sealer));
-        let writing = std::thread::Builder::new().name("edl-relay-out".into()).spawn(move || {
-            if let Err(e) = relay::write_batches(queued, &mut writer, None) {
-                tracing::warn!("a relay's connection: {e}");
-                let _ = writer.get_ref().shutdown(std::net::Shutdown::Both);
-            }
-        });
-        if let Err(e) = writing {
-            tracing::warn!("control connections: cannot start a thread for a relay: {e}");
-            return;
-        }
-        let _ = reader.set_read_timeout(Some(lease));
-        let shut = reader.try_clone();
-        let mut r = io::BufReader::with_capacity(
-            256 << 10,
-            edl_host_gpu::comm::sealed::SealedReader::new(reader, Some(opener)),
-        );
-        // The relay's numbers of its workers, and theirs here with who they proved to be.
-        let mut carried = Carrying::default();
-        let why = loop {
-            let frame = match Frame::read(&mut r) {
-                Ok(Some(f)) => f,
-                Ok(None) => break "it closed the connection".to_string(),
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                    break format!(
-                        "nothing from it for {:.1} s (its host or network went silent)",
-                        lease.as_secs_f64()
-                    );
-                }
-                Err(e) => break e.to_string(),
-            };
-            if self.take(frame, &mut carried, &down).is_err() {
-                return; // The coordinator stopped listening.
-            }
-        };
-        if let Ok(s) = shut {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
-        let open: Vec<(u64, u64)> = carried.open.drain().map(|(_, v)| v).collect();
+    /// The relay's connection ended (`why`): every worker it carried is
+    /// lost, said after the relay's own loss.
+    fn lost(mut self, why: &str) -> Result<(), Gone> {
+        let open: Vec<(u64, u64)> = self.carrying.open.drain().map(|(_, v)| v).collect();
         if open.is_empty() {
             tracing::debug!("relay {} at {} gone: {why}", self.relay, self.peer);
-        } else {
-            tracing::warn!("relay {} at {} lost with {} workers: {why}", self.relay, self.peer, open.len());
+            return Ok(());
         }
-        if !open.is_empty() && self.tx.send(Inbound::RelayLost(self.relay)).is_err() {
-            return;
-        }
+        tracing::warn!("relay {} at {} lost with {} workers: {why}", self.relay, self.peer, open.len());
+        self.tx.send(Inbound::RelayLost(self.relay)).map_err(|_| Gone)?;
         for (n, who) in open {
             let lost = format!("worker {who}'s relay at {} was lost: {why}", self.peer);
-            if self.tx.send(Inbound::Closed(n, lost)).is_err() {
-                return;
-            }
+            self.tx.send(Inbound::Closed(n, lost)).map_err(|_| Gone)?;
         }
+        Ok(())
     }
 
     /// One frame from the relay; `Err` when the coordinator stopped listening.
-    fn take(&self, frame: Frame, carried: &mut Carrying, down: &mpsc::Sender<Frame>) -> Result<(), Gone> {
+    fn take(&mut self, frame: Frame) -> Result<(), Gone> {
+        let carried = &mut self.carrying;
         match frame {
-            Frame::Open { conn, .. }
-                if carried.open.contains_key(&conn) || carried.ended.contains_key(&conn) =>
-            {
+            Frame::Open { conn, .. } if carried.open.contains_key(&conn) || carried.ended.contains(&conn) => {
                 tracing::warn!("the relay at {} opened its worker {conn} twice; ignored", self.peer);
             }
             Frame::Open { conn, claim } => match self.gate.check_relayed(&claim) {
@@ -373,18 +345,20 @@ impl<M: Message> Carried<M> {
                         "refused a control connection through the relay at {}: {reason}",
                         self.peer
                     );
-                    if let Ok(line) = crate::control::proto::encode(&crate::control::proto::ToWorker::Stop {
-                        reason: reason.clone(),
-                    }) {
-                        let _ = down.send(Frame::Line { conn, line });
+                    let stop = crate::control::proto::ToWorker::Stop { reason: reason.clone() };
+                    let mut frames = Vec::new();
+                    if let Ok(line) = crate::control::proto::encode(&stop) {
+                        frames.push(Frame::Line { conn, line });
                     }
-                    let _ = down.send(Frame::Closed { conn, why: reason });
+                    frames.push(Frame::Closed { conn, why: reason });
+                    // A relay that cannot be written to is shut; its reader says so.
+                    let _ = self.down.send(&frames);
                 }
                 Ok(()) => {
                     let n = self.next.fetch_add(1, Ordering::Relaxed);
                     carried.open.insert(conn, (n, claim.who));
                     let name = format!("worker {} through the relay at {}", claim.who, self.peer);
-                    let out = Outbox::Relayed { conn, host: self.host, relay: down.clone(), name };
+                    let out = Outbox::Relayed { conn, host: self.host, relay: self.down.clone(), name };
                     self.tx.send(Inbound::Conn(n, out)).map_err(|_| Gone)?;
                 }
             },
@@ -404,7 +378,7 @@ impl<M: Message> Carried<M> {
                     Ok(m) => self.tx.send(Inbound::Msg(n, m)).map_err(|_| Gone)?,
                     Err(why) => {
                         carried.close(conn);
-                        let _ = down.send(Frame::Closed { conn, why: why.clone() });
+                        let _ = self.down.send(&[Frame::Closed { conn, why: why.clone() }]);
                         let why = format!("worker {who} through the relay at {}: {why}", self.peer);
                         self.tx.send(Inbound::Closed(n, why)).map_err(|_| Gone)?;
                     }
@@ -417,17 +391,9 @@ impl<M: Message> Carried<M> {
                         .map_err(|_| Gone)?;
                 }
             }
-            Frame::Done(h) => {
-                let ns: Option<Vec<u64>> = h.conns.iter().map(|c| carried.number(*c)).collect();
-                match ns {
-                    Some(ns) => self.tx.send(Inbound::Host(ns, h.done)).map_err(|_| Gone)?,
-                    // Only a relay at fault names a worker it never opened.
-                    None => tracing::warn!(
-                        "the relay at {} reported for a worker it never opened; ignored",
-                        self.peer
-                    ),
-                }
-            }
+            // Which ranks it names is the coordinator's to check, against
+            // the window it sent (a comparison, not a look-up per rank).
+            Frame::Done(h) => self.tx.send(Inbound::Host(self.host, h.conns, h.done)).map_err(|_| Gone)?,
             Frame::Window(_) | Frame::Fan { .. } => {
                 tracing::warn!("the relay at {} sent a frame only the coordinator sends; ignored", self.peer);
             }
@@ -442,33 +408,27 @@ impl<M: Message> Carried<M> {
 #[derive(Default)]
 struct Carrying {
     open: HashMap<u64, (u64, u64)>,
-    /// Those whose connection ended, numbers only: a host's report that
-    /// names one (summed just before its end) still counts for the others.
-    ended: HashMap<u64, u64>,
+    /// Those whose connection ended: a number is not opened twice.
+    ended: std::collections::HashSet<u64>,
 }
 
 impl Carrying {
     /// Worker `conn`'s connection ended: its number here, if it was open.
     fn close(&mut self, conn: u64) -> Option<u64> {
         let (n, _) = self.open.remove(&conn)?;
-        self.ended.insert(conn, n);
+        self.ended.insert(conn);
         Some(n)
-    }
-
-    /// Worker `conn`'s number here, open or ended.
-    fn number(&self, conn: u64) -> Option<u64> {
-        self.open.get(&conn).map(|(n, _)| *n).or_else(|| self.ended.get(&conn).copied())
     }
 }
 
-/// One connection being read: its socket, who it is, the bytes of a line not complete yet.
-struct Open {
+/// One connection being read: its socket, who it is, the bytes of a line
+/// (or a relay's frame) not complete yet.
+struct Open<M> {
     stream: TcpStream,
     /// Opens what the peer sealed.
     opener: Opener,
     peer: String,
-    /// The worker it proved the secret as (0: one to be given an id).
-    who: u64,
+    kind: Kind<M>,
     pending: Vec<u8>,
     /// How much of `pending` is known to hold no line end: a line that comes
     /// in many reads is scanned once, not from its start at each.
@@ -477,15 +437,30 @@ struct Open {
     heard: Instant,
 }
 
+impl<M: Message> Open<M> {
+    /// The connection ended (`why`): the coordinator hears of it (of a
+    /// relay's, as the loss of every worker it carried).
+    fn end(self, n: u64, why: String, tx: &mpsc::Sender<Inbound<M>>) -> Result<(), Gone> {
+        match self.kind {
+            Kind::Worker(_) => tx.send(Inbound::Closed(n, format!("{}: {why}", self.peer))).map_err(|_| Gone),
+            Kind::Relay(carried) => {
+                // Writes to it fail from now on, and the relay sees the end.
+                let _ = self.stream.shutdown(std::net::Shutdown::Both);
+                carried.lost(&why)
+            }
+        }
+    }
+}
+
 /// The thread that reads every control connection.
 struct ReadAll<M: Message> {
     poll: Poll,
-    /// Connections the acceptor hands over, with their number.
-    new: mpsc::Receiver<(u64, TcpStream, Opener, u64)>,
+    /// Connections the acceptor hands over.
+    new: mpsc::Receiver<Proven<M>>,
     tx: mpsc::Sender<Inbound<M>>,
     /// A connection silent for this long is closed.
     lease: Duration,
-    open: HashMap<u64, Open>,
+    open: HashMap<u64, Open<M>>,
     buf: Vec<u8>,
 }
 
@@ -494,7 +469,7 @@ struct Gone;
 
 fn read_all<M: Message>(
     poll: Poll,
-    new: mpsc::Receiver<(u64, TcpStream, Opener, u64)>,
+    new: mpsc::Receiver<Proven<M>>,
     tx: mpsc::Sender<Inbound<M>>,
     lease: Duration,
 ) {
@@ -521,7 +496,7 @@ impl<M: Message> ReadAll<M> {
             }
             for ev in events.iter() {
                 if ev.token() == WAKE {
-                    self.watch_new();
+                    self.watch_new()?;
                 } else {
                     self.read(ev.token().0 as u64)?;
                 }
@@ -542,47 +517,48 @@ impl<M: Message> ReadAll<M> {
             // finds the connection gone.
             let _ = c.stream.shutdown(std::net::Shutdown::Both);
             let why = format!(
-                "{}: no heartbeat for {:.1} s (the worker's host or its network went silent)",
-                c.peer,
+                "no heartbeat for {:.1} s (its host or network went silent)",
                 c.heard.elapsed().as_secs_f64()
             );
-            self.tx.send(Inbound::Closed(n, why)).map_err(|_| Gone)?;
+            c.end(n, why, &self.tx)?;
         }
         Ok(())
     }
 
     /// Watches the connections the acceptor handed over.
-    fn watch_new(&mut self) {
-        while let Ok((n, stream, opener, who)) = self.new.try_recv() {
+    fn watch_new(&mut self) -> Result<(), Gone> {
+        while let Ok(Proven { n, stream, opener, kind }) = self.new.try_recv() {
             let fd = stream.as_raw_fd();
             let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "peer".into());
+            let conn =
+                Open { stream, opener, peer, kind, pending: Vec::new(), scanned: 0, heard: Instant::now() };
             let added =
                 self.poll.registry().register(&mut SourceFd(&fd), Token(n as usize), Interest::READABLE);
             if let Err(e) = added {
-                let _ = self.tx.send(Inbound::Closed(n, format!("{peer}: cannot watch the connection: {e}")));
+                conn.end(n, format!("cannot watch the connection: {e}"), &self.tx)?;
                 continue;
             }
-            let conn =
-                Open { stream, opener, peer, who, pending: Vec::new(), scanned: 0, heard: Instant::now() };
             self.open.insert(n, conn);
         }
+        Ok(())
     }
 
     /// Reads what arrived on connection `n`; one that failed is closed.
     fn read(&mut self, n: u64) -> Result<(), Gone> {
         let Some(conn) = self.open.get_mut(&n) else { return Ok(()) };
         let Err(why) = drain(conn, &mut self.buf, n, &self.tx) else { return Ok(()) };
+        let Some(conn) = self.open.remove(&n) else { return Ok(()) };
         let fd = conn.stream.as_raw_fd();
         let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
-        self.open.remove(&n);
-        self.tx.send(Inbound::Closed(n, why)).map_err(|_| Gone)
+        conn.end(n, why, &self.tx)
     }
 }
 
 /// Reads what has arrived on `conn` (edge-triggered: until the kernel has
-/// nothing more) and sends each complete line; an error ends the connection.
+/// nothing more) and passes on each complete line or frame; an error ends
+/// the connection.
 fn drain<M: Message>(
-    conn: &mut Open,
+    conn: &mut Open<M>,
     buf: &mut [u8],
     n: u64,
     tx: &mpsc::Sender<Inbound<M>>,
@@ -597,49 +573,66 @@ fn drain<M: Message>(
             libc::recv(conn.stream.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
         };
         if got == 0 {
-            return Err(format!("{}: connection closed", conn.peer));
+            return Err("connection closed".into());
         }
         if got < 0 {
             let e = io::Error::last_os_error();
             return match e.kind() {
                 io::ErrorKind::WouldBlock => Ok(()),
                 io::ErrorKind::Interrupted => continue,
-                _ => Err(format!("{}: {e}", conn.peer)),
+                _ => Err(e.to_string()),
             };
         }
-        conn.opener
-            .open(&buf[..got as usize], &mut conn.pending)
-            .map_err(|e| format!("{}: {e}", conn.peer))?;
-        let mut start = 0;
-        while let Some(end) = conn.pending[start.max(conn.scanned)..].iter().position(|&b| b == b'\n') {
-            let end = start.max(conn.scanned) + end - start;
-            conn.scanned = 0;
-            let line = &conn.pending[start..start + end];
-            start += end + 1;
-            let msg = serde_json::from_slice::<M>(line)
-                .map_err(|e| format!("{}: malformed message: {e}", conn.peer))?;
-            if msg.is_heartbeat() {
-                // Hearing it was the point; the coordinator need not.
-                continue;
+        conn.opener.open(&buf[..got as usize], &mut conn.pending).map_err(|e| e.to_string())?;
+        match &mut conn.kind {
+            Kind::Worker(who) => take_lines(&mut conn.pending, &mut conn.scanned, *who, n, tx)?,
+            Kind::Relay(carried) => {
+                let mut at = 0;
+                while let Some((frame, len)) = Frame::first(&conn.pending[at..]).map_err(|e| e.to_string())? {
+                    at += len;
+                    carried.take(frame).map_err(|Gone| "the coordinator stopped".to_string())?;
+                }
+                conn.pending.drain(..at);
             }
-            if let Some(named) = msg.names_worker()
-                && named != conn.who
-            {
-                return Err(format!(
-                    "{}: says it is worker {named}, but proved the secret as worker {}",
-                    conn.peer, conn.who
-                ));
-            }
-            if tx.send(Inbound::Msg(n, msg)).is_err() {
-                return Err("the coordinator stopped".into());
-            }
-        }
-        conn.pending.drain(..start);
-        conn.scanned = conn.pending.len();
-        if conn.pending.len() > MAX_LINE {
-            return Err(format!("{}: a message longer than {} MiB", conn.peer, MAX_LINE >> 20));
         }
     }
+}
+
+/// Passes on each complete line of `pending` (worker `who`'s, on connection
+/// `n`) and keeps the rest.
+fn take_lines<M: Message>(
+    pending: &mut Vec<u8>,
+    scanned: &mut usize,
+    who: u64,
+    n: u64,
+    tx: &mpsc::Sender<Inbound<M>>,
+) -> Result<(), String> {
+    let mut start = 0;
+    while let Some(end) = pending[start.max(*scanned)..].iter().position(|&b| b == b'\n') {
+        let end = start.max(*scanned) + end - start;
+        *scanned = 0;
+        let line = &pending[start..start + end];
+        start += end + 1;
+        let msg = serde_json::from_slice::<M>(line).map_err(|e| format!("malformed message: {e}"))?;
+        if msg.is_heartbeat() {
+            // Hearing it was the point; the coordinator need not.
+            continue;
+        }
+        if let Some(named) = msg.names_worker()
+            && named != who
+        {
+            return Err(format!("says it is worker {named}, but proved the secret as worker {who}"));
+        }
+        if tx.send(Inbound::Msg(n, msg)).is_err() {
+            return Err("the coordinator stopped".into());
+        }
+    }
+    pending.drain(..start);
+    *scanned = pending.len();
+    if pending.len() > MAX_LINE {
+        return Err(format!("a message longer than {} MiB", MAX_LINE >> 20));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -821,6 +814,69 @@ mod tests {
             Inbound::Closed(1, why) => assert!(why.contains("says it is worker 3, but proved"), "{why}"),
             _ => panic!("the liar's connection closed"),
         }
+    }
+
+    /// The bytes of `frames` as a relay writes them.
+    fn framed(frames: &[Frame]) -> Vec<u8> {
+        let mut b = Vec::new();
+        frames.iter().for_each(|f| f.encode(&mut b));
+        b
+    }
+
+    #[test]
+    fn a_relay_s_workers_are_connections_of_their_own_and_are_lost_with_its_silence() {
+        let (addr, rx, gate, a) = serve(Duration::from_secs(3));
+        gate.set_generation(3);
+        let mut relay = {
+            let mut s = TcpStream::connect(addr).unwrap();
+            let keys = auth::connect(&mut s, &a.secret, &a.claim(relay::CHANNEL, 0, 1)).unwrap();
+            SealedStream::new(s, Some(keys)).unwrap()
+        };
+        // Two new workers, and one that lost its place in generation 3.
+        let opens = [(10, 0, 7), (11, 0, 8), (12, 3, 9)]
+            .map(|(conn, generation, who)| Frame::Open { conn, claim: a.claim("control", generation, who) });
+        relay.write_all(&framed(&opens)).unwrap();
+        let (n7, mut to7, n8) = match (next(&rx), next(&rx)) {
+            (Inbound::Conn(n7, to7), Inbound::Conn(n8, _)) => (n7, to7, n8),
+            _ => panic!("two connections"),
+        };
+        assert_ne!(n7, n8);
+        // The refused one is told why, and closed, on the relay's connection.
+        match Frame::read(&mut relay).unwrap() {
+            Some(Frame::Line { conn: 12, line }) => {
+                assert!(String::from_utf8_lossy(&line).contains("lost its connection in generation 3"))
+            }
+            f => panic!("the refused worker's stop, not {f:?}"),
+        }
+        assert!(matches!(Frame::read(&mut relay).unwrap(), Some(Frame::Closed { conn: 12, .. })));
+        // The coordinator writes to a worker as to any connection; the relay gets it for its number.
+        to7.send(&crate::control::proto::ToWorker::Stop { reason: "done".into() }).unwrap();
+        match Frame::read(&mut relay).unwrap() {
+            Some(Frame::Line { conn: 10, line }) => assert!(String::from_utf8_lossy(&line).contains("done")),
+            f => panic!("worker 7's line, not {f:?}"),
+        }
+        // A worker's line arrives as its connection's message; a heartbeat does not.
+        let lines = [(11, "\"heartbeat\"\n"), (11, "{\"ready\":{}}\n")]
+            .map(|(conn, l)| Frame::Line { conn, line: l.as_bytes().to_vec() });
+        relay.write_all(&framed(&lines)).unwrap();
+        assert!(matches!(next(&rx), Inbound::Msg(n, FromWorker::Ready { .. }) if n == n8));
+        // Then silence for the lease: the relay is lost, and both its workers.
+        assert!(matches!(next(&rx), Inbound::RelayLost(1)));
+        let mut lost = Vec::new();
+        for _ in 0..2 {
+            match next(&rx) {
+                Inbound::Closed(n, why) => {
+                    assert!(why.contains("relay at") && why.contains("no heartbeat for"), "{why}");
+                    lost.push(n);
+                }
+                _ => panic!("the relay's workers closed"),
+            }
+        }
+        lost.sort();
+        assert_eq!(lost, [n7.min(n8), n7.max(n8)]);
+        // Its connection is shut: the relay sees the end, writes to it fail.
+        assert!(!matches!(Frame::read(&mut relay), Ok(Some(_))));
+        assert!(to7.send(&crate::control::proto::ToWorker::Stop { reason: "late".into() }).is_err());
     }
 
     #[test]

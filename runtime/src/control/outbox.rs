@@ -10,13 +10,12 @@ use serde::Serialize;
 /// connection of the relay that carries it (see [`crate::control::relay`]).
 pub enum Outbox {
     Direct(Link),
-    /// The worker's number on the relay, and the relay's writer (a thread
-    /// that sends what is queued in bursts).
+    /// The worker's number on the relay, and the relay's connection.
     Relayed {
         conn: u64,
         /// The relay's connection here (its host's number, unique in the job).
         host: u64,
-        relay: std::sync::mpsc::Sender<Frame>,
+        relay: RelayOut,
         name: String,
     },
 }
@@ -28,20 +27,20 @@ impl Outbox {
         self.send_encoded(&line)
     }
 
-    /// Writes a line made by [`encode`]. Through a relay it is queued: a
-    /// relay that failed says so, and its workers' connections close.
+    /// Writes a line made by [`encode`]. Through a relay: a relay that
+    /// failed says so, and its workers' connections close.
     pub fn send_encoded(&mut self, line: &[u8]) -> Result<(), ProtoError> {
         match self {
             Outbox::Direct(stream) => send_encoded(stream, line),
             Outbox::Relayed { conn, relay, name, .. } => relay
-                .send(Frame::Line { conn: *conn, line: line.to_vec() })
-                .map_err(|_| ProtoError::Closed { peer: name.clone() }),
+                .send(&[Frame::Line { conn: *conn, line: line.to_vec() }])
+                .map_err(|detail| ProtoError::Io { peer: name.clone(), detail }),
         }
     }
 
     /// Through a relay: its host's number, the worker's number on the
-    /// relay, and the relay's writer.
-    pub fn relay(&self) -> Option<(u64, u64, &std::sync::mpsc::Sender<Frame>)> {
+    /// relay, and the relay's connection.
+    pub fn relay(&self) -> Option<(u64, u64, &RelayOut)> {
         match self {
             Outbox::Direct(_) => None,
             Outbox::Relayed { conn, host, relay, .. } => Some((*host, *conn, relay)),
@@ -53,6 +52,58 @@ impl Outbox {
             Outbox::Direct(s) => peer(s.get_ref()),
             Outbox::Relayed { name, .. } => name.clone(),
         }
+    }
+}
+
+/// The coordinator's writing side of a relay's connection, shared by the
+/// threads that write to it (the coordinator's own, and the reader's when
+/// it refuses a worker). Frames are written by the thread that sends them,
+/// each call's in one sealed write: no thread of its own to wake per
+/// window, at the price of a blocked write (bounded by the connection's
+/// write timeout) for a relay that stopped reading.
+#[derive(Clone)]
+pub struct RelayOut(std::sync::Arc<std::sync::Mutex<RelayWriter>>);
+
+struct RelayWriter {
+    link: Link,
+    buf: Vec<u8>,
+    /// Why a write failed: the connection is shut, and every later send
+    /// fails at once with this.
+    failed: Option<String>,
+}
+
+impl RelayOut {
+    pub fn new(link: Link) -> Self {
+        RelayOut(std::sync::Arc::new(std::sync::Mutex::new(RelayWriter {
+            link,
+            buf: Vec::new(),
+            failed: None,
+        })))
+    }
+
+    /// Writes `frames` in one write. A write that fails shuts the
+    /// connection down (its reader then reports the relay and its workers
+    /// lost) and fails every later send too.
+    pub fn send(&self, frames: &[Frame]) -> Result<(), String> {
+        use std::io::Write;
+        let mut w = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let RelayWriter { link, buf, failed } = &mut *w;
+        if let Some(why) = failed {
+            return Err(why.clone());
+        }
+        buf.clear();
+        frames.iter().for_each(|f| f.encode(buf));
+        let written = link.write_all(buf);
+        // A burst as large as a generation's messages is not kept around.
+        if buf.capacity() > 1 << 20 {
+            *buf = Vec::new();
+        }
+        written.map_err(|e| {
+            let why = format!("writing to the relay at {}: {e}", peer(link.get_ref()));
+            let _ = link.get_ref().shutdown(std::net::Shutdown::Both);
+            *failed = Some(why.clone());
+            why
+        })
     }
 }
 

@@ -78,7 +78,8 @@ pub enum Frame {
 }
 
 impl Frame {
-    fn encode(&self, out: &mut Vec<u8>) {
+    /// Appends the frame, as it goes on the wire, to `out`.
+    pub(crate) fn encode(&self, out: &mut Vec<u8>) {
         let (kind, conn, payload): (u8, u64, std::borrow::Cow<[u8]>) = match self {
             Frame::Open { conn, claim } => {
                 (OPEN, *conn, serde_json::to_vec(claim).expect("a claim always encodes").into())
@@ -100,6 +101,20 @@ impl Frame {
         out.extend_from_slice(&conn.to_le_bytes());
         out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
         out.extend_from_slice(&payload);
+    }
+
+    /// The first frame of `bytes` and its length on the wire, once it has
+    /// all arrived (`Ok(None)` until then); a frame announcing more than
+    /// the bound is refused at its head.
+    pub fn first(bytes: &[u8]) -> io::Result<Option<(Frame, usize)>> {
+        let Some(head) = bytes.get(..13) else { return Ok(None) };
+        let len = u32::from_le_bytes(head[9..13].try_into().expect("4 bytes")) as usize;
+        if len > MAX_PAYLOAD {
+            return Err(bad(format!("a frame of {len} bytes (at most {MAX_PAYLOAD})")));
+        }
+        let Some(whole) = bytes.get(..13 + len) else { return Ok(None) };
+        let frame = Frame::read(&mut &whole[..])?.expect("a whole frame is there");
+        Ok(Some((frame, whole.len())))
     }
 
     /// The next frame; `Ok(None)` at a clean end between frames.
@@ -475,6 +490,16 @@ mod tests {
             back.push(f);
         }
         assert_eq!(back, frames);
+        // Taken from a buffer as they arrive: nothing until a frame is whole.
+        let mut at = 0;
+        let mut taken = Vec::new();
+        for end in 0..=bytes.len() {
+            if let Some((f, len)) = Frame::first(&bytes[at..end]).unwrap() {
+                taken.push(f);
+                at += len;
+            }
+        }
+        assert_eq!((taken, at), (frames, bytes.len()));
 
         // Cut inside a frame: an error, not a clean end.
         let mut cut = &bytes[..bytes.len() - 2];
@@ -509,6 +534,8 @@ mod tests {
         huge.extend_from_slice(&u32::MAX.to_le_bytes());
         let e = Frame::read(&mut huge.as_slice()).unwrap_err();
         assert!(e.to_string().contains("at most"), "{e}");
+        let e = Frame::first(&huge).unwrap_err();
+        assert!(e.to_string().contains("at most"), "refused at its head, not waited for: {e}");
     }
 
     #[test]

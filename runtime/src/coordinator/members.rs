@@ -48,11 +48,13 @@ impl Coordinator<'_> {
                 }
                 Command::Refuse { conn, reason } => {
                     if let Some(mut stream) = self.conns.remove(&conn) {
+                        self.routes = None;
                         let _ = stream.send(&ToWorker::Stop { reason });
                     }
                 }
                 Command::Stop { worker, conn, reason, grace } => {
                     if let Some(mut stream) = conn.and_then(|c| self.conns.remove(&c)) {
+                        self.routes = None;
                         let _ = stream.send(&ToWorker::Stop { reason });
                     }
                     self.scaler.stop(worker, grace);
@@ -115,13 +117,8 @@ impl Coordinator<'_> {
                     p.report(now, rank, steps, setup_ms);
                 }
             }
-            Inbound::Host(ns, FromWorker::Done { generation, steps, setup_ms }) => {
-                let ranks: Option<Vec<usize>> = ns.iter().map(|n| self.ranks.get(n).copied()).collect();
-                if let (Some(ranks), Some(p)) = (ranks, self.pipe.as_mut())
-                    && p.generation == generation
-                {
-                    p.report_group(now, &ranks, steps, setup_ms);
-                }
+            Inbound::Host(host, carried, FromWorker::Done { generation, steps, setup_ms }) => {
+                self.host_done(now, host, &carried, generation, steps, setup_ms)
             }
             // A relay sums reports only.
             Inbound::Host(..) => {}
@@ -135,7 +132,9 @@ impl Coordinator<'_> {
                 }
             }
             Inbound::Closed(n, why) => {
-                self.conns.remove(&n);
+                if self.conns.remove(&n).is_some() {
+                    self.routes = None;
+                }
                 let rank = self.ranks.get(&n).copied();
                 if self.membership.handle(now, MemberEvent::Closed { conn: n, why: why.clone() }).is_some()
                     && let (Some(rank), Some(p)) = (rank, self.pipe.as_mut())
@@ -201,7 +200,14 @@ impl Coordinator<'_> {
     pub(super) fn wait_for_joiners(&mut self, want: usize) -> Result<()> {
         while self.membership.joiners() < want && !self.membership.nothing_loading() {
             match self.io.rx.recv_timeout(Duration::from_millis(100)) {
-                Ok(ev) => self.handle(ev),
+                Ok(ev) => {
+                    // Whatever else has arrived too: the checks below look
+                    // at every worker on its way, once per batch.
+                    self.handle(ev);
+                    while let Ok(ev) = self.io.rx.try_recv() {
+                        self.handle(ev);
+                    }
+                }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
             }
@@ -213,6 +219,44 @@ impl Coordinator<'_> {
             bail!("no worker joined the job (worker logs: {})", self.log_hint());
         }
         Ok(())
+    }
+
+    /// A host's ranks reported a window as one (`carried`: their numbers
+    /// on relay `host`).
+    fn host_done(
+        &mut self,
+        now: Instant,
+        host: u64,
+        carried: &[u64],
+        generation: u64,
+        steps: Vec<crate::control::proto::StepDone>,
+        setup_ms: f64,
+    ) {
+        let Some(ranks) = self.reported_ranks(host, carried) else {
+            // Only a relay at fault names a worker it does not carry.
+            tracing::warn!("a relay reported for a worker it does not carry; ignored");
+            return;
+        };
+        if let Some(p) = self.pipe.as_mut().filter(|p| p.generation == generation) {
+            p.report_group(now, &ranks, steps, setup_ms);
+        }
+    }
+
+    /// The ranks of a host's report: the run its relay (connection `host`)
+    /// was sent the window for, when the report names that run's workers
+    /// (`carried`, their numbers on the relay), as it does; otherwise each
+    /// looked up among the relay's workers (`None` if one is not there).
+    fn reported_ranks(&mut self, host: u64, carried: &[u64]) -> Option<Vec<usize>> {
+        let routes = super::routes::Routes::of(&mut self.routes, self.membership.members(), &self.conns);
+        if let Some(run) = routes.carried_by(host, carried) {
+            return Some((run.first..run.end).collect());
+        }
+        let on_relay: std::collections::HashMap<u64, u64> = self
+            .conns
+            .iter()
+            .filter_map(|(&n, out)| out.relay().filter(|(h, ..)| *h == host).map(|(_, c, _)| (c, n)))
+            .collect();
+        carried.iter().map(|c| on_relay.get(c).and_then(|n| self.ranks.get(n)).copied()).collect()
     }
 
     /// The end of worker `id`'s log, for a note about its failure.

@@ -23,6 +23,7 @@ mod ps;
 mod records;
 pub mod report;
 mod resume;
+mod routes;
 mod scaling;
 mod steps;
 
@@ -101,6 +102,8 @@ struct Coordinator<'a> {
     ckpt: Checkpoints,
     /// Open control connections.
     conns: HashMap<u64, crate::control::outbox::Outbox>,
+    /// How the ranks are reached (see [`routes::Routes`]).
+    routes: Option<routes::Routes>,
     /// Who is in the job (the decisions; this struct does the I/O).
     membership: Membership,
     /// The job's parameter servers, and what it follows of them.
@@ -394,6 +397,19 @@ impl Io {
     }
 }
 
+/// The coordinator's periodic work, each first due a period from `now`.
+fn timers(now: Instant) -> TimerTable {
+    TimerTable::every(
+        now,
+        &[
+            (Timer::Chores, CHORES_EVERY),
+            (Timer::WorkerLeases, SECOND),
+            (Timer::SaveState, SECOND),
+            (Timer::TeacherCheck, SECOND),
+        ],
+    )
+}
+
 impl<'a> Coordinator<'a> {
     fn new(
         cfg: Arc<JobConfig>,
@@ -426,6 +442,7 @@ impl<'a> Coordinator<'a> {
             io,
             ckpt: Checkpoints::open(&cfg.spec.checkpoint_dir, cfg.spec.keep_checkpoints)?,
             conns: HashMap::new(),
+            routes: None,
             membership,
             ps: Default::default(),
             generation: 0,
@@ -439,15 +456,7 @@ impl<'a> Coordinator<'a> {
             lease_now: true,
             last_change: now,
             started: now,
-            timers: TimerTable::every(
-                now,
-                &[
-                    (Timer::Chores, CHORES_EVERY),
-                    (Timer::WorkerLeases, SECOND),
-                    (Timer::SaveState, SECOND),
-                    (Timer::TeacherCheck, SECOND),
-                ],
-            ),
+            timers: timers(now),
             training_since: None,
             capacity: None,
             timeline: Vec::new(),

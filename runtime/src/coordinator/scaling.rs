@@ -227,13 +227,15 @@ impl Coordinator<'_> {
 
     /// Each member's throughput since the last decision, where measured: a
     /// host's ranks that reported as one share their host's evenly.
-    fn worker_rates(&self, rates: &std::collections::HashMap<u64, f64>) -> Vec<WorkerStats> {
+    fn worker_rates(&mut self, rates: &std::collections::HashMap<u64, f64>) -> Vec<WorkerStats> {
         let members = self.membership.members();
         let own = |m: &crate::coordinator::machine::membership::Worker| {
             Some(WorkerStats { id: m.id, throughput: *rates.get(&m.id)? })
         };
         let mut out = Vec::with_capacity(members.len());
-        for (first, end, _) in super::steps::host_runs(members, &self.conns) {
+        for &super::routes::Run { first, end, .. } in
+            &super::routes::Routes::of(&mut self.routes, members, &self.conns).runs
+        {
             let run = &members[first..end];
             match rates.get(&run[0].id) {
                 Some(&rate) if run[1..].iter().all(|m| !rates.contains_key(&m.id)) => {
@@ -263,6 +265,7 @@ impl Coordinator<'_> {
             self.note(format!("the scheduler has room for {n} more worker{}", if n == 1 { "" } else { "s" }));
             self.capacity = capacity;
         }
+        let workers = self.worker_rates(&rates);
         let view = ClusterView {
             step: self.tally.committed,
             epoch: self.tally.epoch as u32,
@@ -273,7 +276,7 @@ impl Coordinator<'_> {
             free_slots: self.cfg.max_workers.saturating_sub(world + coming).min(capacity.unwrap_or(u32::MAX)),
             global_batch: self.hyper.global_batch,
             throughput,
-            workers: self.worker_rates(&rates),
+            workers,
             secs_since_change: self.last_change.elapsed().as_secs_f64(),
             price_per_worker_hour: self.cfg.price_per_worker_hour,
             samples_remaining: remaining,

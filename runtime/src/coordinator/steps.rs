@@ -3,9 +3,10 @@
 //! the ledger), failures turned into the next generation.
 
 use super::records::*;
+use super::routes::{Routes, Run};
 use super::{AHEAD, CHORES_EVERY, Coordinator, MAX_WINDOW, SECOND, WINDOW_WORK_MS, ms};
 use crate::control::hostwindow::HostWindow;
-use crate::control::outbox::Outbox;
+use crate::control::outbox::{Outbox, RelayOut};
 use crate::control::proto::{Generation, Share, StepDone, StepPlan, ToWorker, encode};
 use crate::control::relay::Frame;
 use crate::coordinator::machine::membership::Worker;
@@ -118,6 +119,7 @@ impl Coordinator<'_> {
         // A host's ranks behind one relay are consecutive: they report as one.
         let conns = &self.conns;
         self.membership.group_by(|m| conns.get(&m.conn).and_then(Outbox::relay).map(|(host, ..)| host));
+        self.routes = None;
         let names: Vec<String> =
             self.membership.members().iter().map(|m| format!("worker {} (pid {})", m.id, m.pid)).collect();
         let world = names.len();
@@ -130,6 +132,8 @@ impl Coordinator<'_> {
             Instant::now(),
             self.cfg.step_timeout,
         );
+        // A host's ranks behind one relay get their messages in one write.
+        let mut relayed: Vec<(u64, RelayOut, Vec<Frame>, Vec<usize>)> = Vec::new();
         for (rank, m) in self.membership.members().iter().enumerate() {
             let g = Generation {
                 generation: self.generation,
@@ -146,8 +150,25 @@ impl Coordinator<'_> {
                 pipe.lost(Instant::now(), rank, "connection closed");
                 continue;
             };
-            if let Err(e) = stream.send(&ToWorker::Generation(Box::new(g))) {
-                pipe.lost(Instant::now(), rank, &e.to_string());
+            let msg = ToWorker::Generation(Box::new(g));
+            let Some((host, conn, relay)) = stream.relay() else {
+                if let Err(e) = stream.send(&msg) {
+                    pipe.lost(Instant::now(), rank, &e.to_string());
+                }
+                continue;
+            };
+            let frame = Frame::Line { conn, line: encode(&msg).map_err(|e| anyhow!("a generation: {e}"))? };
+            match relayed.last_mut() {
+                Some((h, _, frames, ranks)) if *h == host => {
+                    frames.push(frame);
+                    ranks.push(rank);
+                }
+                _ => relayed.push((host, relay.clone(), vec![frame], vec![rank])),
+            }
+        }
+        for (_, relay, frames, ranks) in relayed {
+            if let Err(why) = relay.send(&frames) {
+                ranks.into_iter().for_each(|rank| pipe.lost(Instant::now(), rank, &why));
             }
         }
         self.pipe = Some(pipe);
@@ -187,7 +208,9 @@ impl Coordinator<'_> {
             let (len, seed) = (self.tally.train_len(), self.cfg.spec.seed);
             let perm = permutation_of(&mut self.plan_perm, len, seed, steps[0].epoch);
             let to = Window { generation: self.generation, steps: &steps, perm, samples: len };
-            let lost = to.send(self.membership.members(), &mut self.conns)?;
+            let members = self.membership.members();
+            let routes = Routes::of(&mut self.routes, members, &self.conns);
+            let lost = to.send(members, &routes.runs, &mut self.conns)?;
             let pipe = self.pipe.as_mut().expect("checked above");
             let now = Instant::now();
             pipe.issue(now, steps);
@@ -314,7 +337,7 @@ impl Coordinator<'_> {
     /// a checkpoint): one message to each relay for all its ranks.
     fn send_commits(&mut self, rank0: Option<&[u8]>, rest: &[u8]) {
         let members = self.membership.members();
-        for (first, end, host) in host_runs(members, &self.conns) {
+        for &Run { first, end, ref relay } in &Routes::of(&mut self.routes, members, &self.conns).runs {
             let mut from = first;
             if let (0, Some(line)) = (first, rank0) {
                 if let Some(stream) = self.conns.get_mut(&members[0].conn) {
@@ -322,15 +345,10 @@ impl Coordinator<'_> {
                 }
                 from = 1;
             }
-            if host.is_some() && end - from > 1 {
-                let relayed: Vec<(u64, &mpsc::Sender<Frame>)> = (from..end)
-                    .filter_map(|r| {
-                        self.conns.get(&members[r].conn).and_then(Outbox::relay).map(|(_, c, tx)| (c, tx))
-                    })
-                    .collect();
-                let conns = relayed.iter().map(|(c, _)| *c).collect();
+            if let Some(relay) = relay.as_ref().filter(|_| end - from > 1) {
+                let conns = relay.conns[from - first..].to_vec();
                 // A relay gone closes its workers' connections; their readers report that.
-                let _ = relayed[0].1.send(Frame::Fan { conns, line: rest.to_vec() });
+                let _ = relay.out.send(&[Frame::Fan { conns, line: rest.to_vec() }]);
                 continue;
             }
             for m in &members[from..end] {
@@ -426,11 +444,16 @@ impl Window<'_> {
     /// Sends each rank its own samples of every step: consecutive ranks
     /// behind one relay get one window for them all (the relay shares it
     /// out), every other rank its own. Returns the ranks it could not reach.
-    fn send(&self, members: &[Worker], conns: &mut HashMap<u64, Outbox>) -> Result<Vec<(usize, String)>> {
+    fn send(
+        &self,
+        members: &[Worker],
+        routes: &[Run],
+        conns: &mut HashMap<u64, Outbox>,
+    ) -> Result<Vec<(usize, String)>> {
         let world = members.len();
         let mut lost = Vec::new();
-        for (first, end, host) in host_runs(members, conns) {
-            if host.is_none() {
+        for &Run { first, end, ref relay } in routes {
+            let Some(relay) = relay else {
                 let m = &members[first];
                 let shares = self.steps.iter().map(|p| self.share(p, first, first, world)).collect();
                 let line = encode(&ToWorker::Steps {
@@ -445,21 +468,18 @@ impl Window<'_> {
                     lost.push((first, e.to_string()));
                 }
                 continue;
-            }
-            let relayed: Vec<(u64, &std::sync::mpsc::Sender<Frame>)> = (first..end)
-                .filter_map(|r| conns.get(&members[r].conn).and_then(Outbox::relay).map(|(_, c, tx)| (c, tx)))
-                .collect();
+            };
             let w = HostWindow {
                 generation: self.generation,
                 world,
                 samples: self.samples,
                 steps: self.steps.to_vec(),
-                conns: relayed.iter().map(|(c, _)| *c).collect(),
+                conns: relay.conns.clone(),
                 first,
                 shares: self.steps.iter().map(|p| self.share(p, first, end - 1, world)).collect(),
             };
-            if relayed[0].1.send(Frame::Window(Box::new(w))).is_err() {
-                lost.extend((first..end).map(|r| (r, "its relay is gone".to_string())));
+            if let Err(why) = relay.out.send(&[Frame::Window(Box::new(w))]) {
+                lost.extend((first..end).map(|r| (r, why.clone())));
             }
         }
         Ok(lost)
@@ -472,21 +492,4 @@ impl Window<'_> {
         let hi = crate::trainer::data::shard(p.cursor, gb, last, world, self.samples).end;
         Share { start: lo as u32, end: hi as u32, indices: self.perm[lo..hi].to_vec() }
     }
-}
-
-/// The ranks as runs `first..end` of consecutive ranks behind one relay
-/// (its host's number), each other rank a run of its own (`None`).
-pub(super) fn host_runs(
-    members: &[Worker],
-    conns: &HashMap<u64, Outbox>,
-) -> Vec<(usize, usize, Option<u64>)> {
-    let mut runs: Vec<(usize, usize, Option<u64>)> = Vec::new();
-    for (rank, m) in members.iter().enumerate() {
-        let host = conns.get(&m.conn).and_then(Outbox::relay).map(|(host, ..)| host);
-        match runs.last_mut() {
-            Some((_, end, h)) if host.is_some() && *h == host => *end = rank + 1,
-            _ => runs.push((rank, rank + 1, host)),
-        }
-    }
-    runs
 }
