@@ -248,7 +248,12 @@ struct Figures {
     cpu_per_step_ms: f64,
     control_ms: f64,
     recovery_ms: f64,
+    /// The recovery's phases, as the job's report has them.
+    phases: Option<edl_runtime::leader::record::Recovery>,
     resize_ms: f64,
+    /// The coordinator's CPU (the bench process's) over each pause.
+    recovery_cpu_ms: f64,
+    resize_cpu_ms: f64,
 }
 
 /// Steady-state steps measured, and where the events fall.
@@ -317,16 +322,30 @@ fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<F
     let info = PluginInfo { name: "add-one".into(), version: "0".into(), description: String::new() };
     let policy = Box::new(AddOne { info, at: ADD_AT, done: false });
     let mut marks: HashMap<u64, (Instant, f64)> = HashMap::new();
-    let mut progress = |p: Progress| {
-        if let Progress::Step(r) = p
-            && (r.step == FROM || r.step == TO)
-        {
-            marks.insert(r.step, (Instant::now(), process_cpu()));
-            if std::env::var_os("EDL_BENCH_MARKS").is_some() {
-                // For `perf report --time FROM,TO` of a run recorded with `-k CLOCK_MONOTONIC`.
-                eprintln!("step {} at {:.6}", r.step, monotonic());
+    // The process's CPU at the last two commits: a scale event comes just
+    // after its generation's first commit, so their difference is the
+    // coordinator's work from the last commit before the pause to the first after.
+    let (mut before, mut last) = (0.0, 0.0);
+    let mut pause_cpu: HashMap<&'static str, f64> = HashMap::new();
+    let mut progress = |p: Progress| match p {
+        Progress::Step(r) => {
+            (before, last) = (last, process_cpu());
+            if r.step == FROM || r.step == TO {
+                marks.insert(r.step, (Instant::now(), last));
+                if std::env::var_os("EDL_BENCH_MARKS").is_some() {
+                    // For `perf report --time FROM,TO` of a run recorded with `-k CLOCK_MONOTONIC`.
+                    eprintln!("step {} at {:.6}", r.step, monotonic());
+                }
             }
         }
+        Progress::Scale(e) => {
+            for what in ["lost", "policy"] {
+                if e.reason.contains(what) {
+                    pause_cpu.entry(what).or_insert((last - before) * 1e3);
+                }
+            }
+        }
+        _ => {}
     };
     let dirs = JobDirs::new(&spec.job, Some(spec.checkpoint_dir.clone()));
     let plugins = JobPlugins { policy, adapter: None };
@@ -347,17 +366,20 @@ fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<F
             .scale_events
             .iter()
             .find(|e| e.reason.contains(what))
-            .map(|e| e.pause_ms)
             .ok_or_else(|| anyhow::anyhow!("N = {n}: no {what:?} event in {:?}", outcome.scale_events))
     };
+    let cpu = |what: &str| pause_cpu.get(what).copied().unwrap_or(f64::NAN);
     Ok(Figures {
         n,
         hosts,
         relay,
         cpu_per_step_ms: (c1 - c0) / steps * 1e3,
         control_ms: (wall - compute.as_secs_f64()) * 1e3,
-        recovery_ms: event("lost")?,
-        resize_ms: event("policy")?,
+        recovery_ms: event("lost")?.pause_ms,
+        phases: event("lost")?.recovery,
+        resize_ms: event("policy")?.pause_ms,
+        recovery_cpu_ms: cpu("lost"),
+        resize_cpu_ms: cpu("policy"),
     })
 }
 
@@ -501,6 +523,24 @@ fn main() -> anyhow::Result<()> {
             );
             figures.push(f);
         }
+    }
+    println!(
+        "\n| N | workers reach the coordinator | failure recovery: detect / survivors out / formed / first step | \
+         coordinator CPU in it | resize pause | coordinator CPU in it |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for f in &figures {
+        let phases = f.phases.map_or("-".into(), |p| {
+            format!("{:.0} / {:.0} / {:.0} / {:.0} ms", p.detect_ms, p.abort_ms, p.form_ms, p.first_step_ms)
+        });
+        println!(
+            "| {} | {} | {phases} | {:.1} ms | {:.0} ms | {:.1} ms |",
+            f.n,
+            if f.relay { "through a relay per host" } else { "each directly" },
+            f.recovery_cpu_ms,
+            f.resize_ms,
+            f.resize_cpu_ms
+        );
     }
     for relay in modes {
         let points: Vec<(f64, f64)> = figures
