@@ -247,7 +247,15 @@ impl Coordinator<'_> {
     /// (`carried`, their numbers on the relay), as it does; otherwise each
     /// looked up among the relay's workers (`None` if one is not there).
     fn reported_ranks(&mut self, host: u64, carried: &[u64]) -> Option<Vec<usize>> {
-        let routes = super::routes::Routes::of(&mut self.routes, self.membership.members(), &self.conns);
+        // The routes the window went out by, as they are: checking them
+        // against the members at each of a window's host reports would cost
+        // O(ranks) each. They changed only if a connection ended (then they
+        // are made again) or the generation is over (then the report is
+        // not counted: see `host_done`).
+        let routes = match self.routes {
+            Some(ref r) => r,
+            None => super::routes::Routes::of(&mut self.routes, self.membership.members(), &self.conns),
+        };
         if let Some(run) = routes.carried_by(host, carried) {
             return Some((run.first..run.end).collect());
         }
