@@ -363,7 +363,7 @@ impl Server {
     ) -> Result<Option<Vec<f32>>, PsError> {
         let server = self.id;
         let t = self.table(table, worker)?;
-        enter(t, server, worker, mark)?;
+        enter(t, server, worker, of_worker(mark))?;
         if t.applied < need {
             return Ok(None);
         }
@@ -438,7 +438,7 @@ impl Server {
         let server = self.id;
         let t = self.table(table, worker)?;
         check_push(t, worker, tag, &ids, &grads)?;
-        enter(t, server, worker, tag.mark)?;
+        enter(t, server, worker, of_worker(tag.mark))?;
         t.copy_only = false;
         if tag.step < t.applied {
             return Ok(Pushed::AlreadyApplied { applied: t.applied });
@@ -708,6 +708,14 @@ fn check_push(t: &Served, worker: u64, tag: PushTag, ids: &[u64], grads: &[f32])
     Ok(())
 }
 
+/// A worker's pull or push says which generation it is in, never which
+/// steps are past undoing: that is the job's to say (`enter_all`, `trim`),
+/// so a worker that names a later commit cannot make the undo records a
+/// going back needs disappear.
+fn of_worker(mark: Mark) -> Mark {
+    Mark { committed: 0, ..mark }
+}
+
 /// Takes a request's mark: a newer generation rolls the table back to
 /// its base; a commit lets go of the undo records it covers.
 fn enter(t: &mut Served, server: u64, worker: u64, mark: Mark) -> Result<(), PsError> {
@@ -917,15 +925,28 @@ mod tests {
     }
 
     #[test]
-    fn committed_steps_cannot_be_undone_and_a_server_that_missed_steps_says_so() {
-        let mut s = server();
-        for step in 0..3 {
-            let t =
-                PushTag { mark: Mark { generation: 1, base: 0, committed: step }, step, rank: 0, world: 1 };
-            s.push("item", 0, t, vec![4], vec![1.0, 1.0]).unwrap();
-        }
-        // Steps 0 and 1 are committed (as the last push said): a generation
+    fn committed_steps_cannot_be_undone_only_the_job_says_which_and_a_server_that_missed_steps_says_so() {
+        let three_steps = || {
+            let mut s = server();
+            for step in 0..3 {
+                // Each push names a later commit, as no worker should.
+                let t = PushTag {
+                    mark: Mark { generation: 1, base: 0, committed: step + 1 },
+                    step,
+                    rank: 0,
+                    world: 1,
+                };
+                s.push("item", 0, t, vec![4], vec![1.0, 1.0]).unwrap();
+            }
+            s
+        };
+        // A worker's word lets go of nothing: the job can still go back to step 1.
+        let mut s = three_steps();
+        assert_eq!(s.pull("item", 0, mark(2, 1), 0, &[4]).unwrap(), Some(vec![-1.0, -1.0]));
+        // Steps 0 and 1 are committed (as the job says): a generation
         // claiming to start at step 1 asks for an undo that is gone.
+        let mut s = three_steps();
+        s.trim(2);
         let e = s.pull("item", 0, mark(2, 1), 0, &[4]).unwrap_err();
         assert!(matches!(e, PsError::Behind { base: 1, applied: 3, .. }), "{e}");
         assert!(e.to_string().contains("cannot be undone"), "{e}");
@@ -1038,9 +1059,9 @@ mod tests {
         let adam = TableSpec { optimizer: Optimizer::adam(0.1), ..spec() };
         s.declare(9, adam.clone(), mark(1, 0)).unwrap();
         for step in 0..3 {
-            let t = PushTag { mark: Mark { generation: 1, base: 0, committed: 1 }, step, rank: 0, world: 1 };
-            s.push("item", 0, t, vec![step, 10], vec![1.0; 4]).unwrap();
+            s.push("item", 0, tag(G1, step, 0, 1), vec![step, 10], vec![1.0; 4]).unwrap();
         }
+        s.trim(1);
         let at1 = s.export("item", 0, 1).unwrap();
         assert_eq!(at1.ids, [0, 10], "row 1 was first updated by step 1, after the export's step");
         assert_eq!(at1.updates, [1, 1]);
