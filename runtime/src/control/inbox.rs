@@ -74,6 +74,10 @@ pub enum Inbound<M = FromWorker> {
     /// The connection of the relay that claimed this number ended while it
     /// carried workers (said before their connections' ends).
     RelayLost(u64),
+    /// Frames the reader has for a relay (a refused worker's stop, the
+    /// closing of a worker that sent a malformed line), for the coordinator
+    /// to write: the reader never waits on a relay.
+    ToRelay(RelayOut, Vec<Frame>),
     /// The connection ended, and why.
     Closed(u64, String),
 }
@@ -351,8 +355,7 @@ impl<M: Message> Carried<M> {
                         frames.push(Frame::Line { conn, line });
                     }
                     frames.push(Frame::Closed { conn, why: reason });
-                    // A relay that cannot be written to is shut; its reader says so.
-                    let _ = self.down.send(&frames);
+                    self.tx.send(Inbound::ToRelay(self.down.clone(), frames)).map_err(|_| Gone)?;
                 }
                 Ok(()) => {
                     let n = self.next.fetch_add(1, Ordering::Relaxed);
@@ -378,7 +381,8 @@ impl<M: Message> Carried<M> {
                     Ok(m) => self.tx.send(Inbound::Msg(n, m)).map_err(|_| Gone)?,
                     Err(why) => {
                         carried.close(conn);
-                        let _ = self.down.send(&[Frame::Closed { conn, why: why.clone() }]);
+                        let closing = vec![Frame::Closed { conn, why: why.clone() }];
+                        self.tx.send(Inbound::ToRelay(self.down.clone(), closing)).map_err(|_| Gone)?;
                         let why = format!("worker {who} through the relay at {}: {why}", self.peer);
                         self.tx.send(Inbound::Closed(n, why)).map_err(|_| Gone)?;
                     }
@@ -507,8 +511,14 @@ impl<M: Message> ReadAll<M> {
     /// Closes the connections nothing arrived on (not even a heartbeat)
     /// within the lease.
     fn close_silent(&mut self) -> Result<(), Gone> {
-        let silent: Vec<u64> =
-            self.open.iter().filter(|(_, c)| c.heard.elapsed() > self.lease).map(|(n, _)| *n).collect();
+        // One with bytes waiting spoke: this thread was late to read them
+        // (epoll says so next), it was not silent.
+        let silent: Vec<u64> = self
+            .open
+            .iter()
+            .filter(|(_, c)| c.heard.elapsed() > self.lease && !has_bytes_waiting(&c.stream))
+            .map(|(n, _)| *n)
+            .collect();
         for n in silent {
             let Some(c) = self.open.remove(&n) else { continue };
             let fd = c.stream.as_raw_fd();
@@ -552,6 +562,17 @@ impl<M: Message> ReadAll<M> {
         let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
         conn.end(n, why, &self.tx)
     }
+}
+
+/// Whether something has arrived on `stream` that is not read yet.
+fn has_bytes_waiting(stream: &TcpStream) -> bool {
+    let mut byte = 0u8;
+    // SAFETY: the kernel writes at most one byte into `byte`, a live local;
+    // MSG_PEEK leaves it in the socket, MSG_DONTWAIT returns at once.
+    let got = unsafe {
+        libc::recv(stream.as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+    };
+    got > 0
 }
 
 /// Reads what has arrived on `conn` (edge-triggered: until the kernel has
@@ -841,7 +862,12 @@ mod tests {
             _ => panic!("two connections"),
         };
         assert_ne!(n7, n8);
-        // The refused one is told why, and closed, on the relay's connection.
+        // The refused one is told why, and closed: the reader hands the
+        // frames to the coordinator, which writes them to the relay.
+        match next(&rx) {
+            Inbound::ToRelay(out, frames) => out.send(&frames).unwrap(),
+            _ => panic!("frames for the relay"),
+        }
         match Frame::read(&mut relay).unwrap() {
             Some(Frame::Line { conn: 12, line }) => {
                 assert!(String::from_utf8_lossy(&line).contains("lost its connection in generation 3"))

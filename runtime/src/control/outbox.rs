@@ -55,12 +55,13 @@ impl Outbox {
     }
 }
 
-/// The coordinator's writing side of a relay's connection, shared by the
-/// threads that write to it (the coordinator's own, and the reader's when
-/// it refuses a worker). Frames are written by the thread that sends them,
-/// each call's in one sealed write: no thread of its own to wake per
-/// window, at the price of a blocked write (bounded by the connection's
-/// write timeout) for a relay that stopped reading.
+/// The coordinator's writing side of a relay's connection, held by each
+/// worker's [`Outbox`] behind it and written by the coordinator's thread
+/// (the reader hands it what it has for a relay). Each call's frames go in
+/// one sealed write: no thread of its own to wake per window, at the price
+/// of a blocked write for a relay that stopped reading (the connection's
+/// write timeout, 10 s, bounds each write that makes no progress), as for
+/// a worker's own connection.
 #[derive(Clone)]
 pub struct RelayOut(std::sync::Arc<std::sync::Mutex<RelayWriter>>);
 
@@ -94,7 +95,7 @@ impl RelayOut {
         buf.clear();
         frames.iter().for_each(|f| f.encode(buf));
         let written = link.write_all(buf);
-        // A burst as large as a generation's messages is not kept around.
+        // A burst as large as a generation's messages is not kept here.
         if buf.capacity() > 1 << 20 {
             *buf = Vec::new();
         }

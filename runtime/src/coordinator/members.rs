@@ -48,13 +48,11 @@ impl Coordinator<'_> {
                 }
                 Command::Refuse { conn, reason } => {
                     if let Some(mut stream) = self.conns.remove(&conn) {
-                        self.routes = None;
                         let _ = stream.send(&ToWorker::Stop { reason });
                     }
                 }
                 Command::Stop { worker, conn, reason, grace } => {
                     if let Some(mut stream) = conn.and_then(|c| self.conns.remove(&c)) {
-                        self.routes = None;
                         let _ = stream.send(&ToWorker::Stop { reason });
                     }
                     self.scaler.stop(worker, grace);
@@ -124,6 +122,10 @@ impl Coordinator<'_> {
             Inbound::Host(..) => {}
             // Before its workers' ends: the scaler starts another for those that follow.
             Inbound::RelayLost(id) => self.scaler.relay_lost(id),
+            // One that cannot take them is shut; its reader says so.
+            Inbound::ToRelay(out, frames) => {
+                let _ = out.send(&frames);
+            }
             Inbound::Msg(n, FromWorker::Failed { generation, error, cause, .. }) => {
                 if let (Some(&rank), Some(p)) = (self.ranks.get(&n), self.pipe.as_mut())
                     && p.generation == generation
@@ -132,9 +134,9 @@ impl Coordinator<'_> {
                 }
             }
             Inbound::Closed(n, why) => {
-                if self.conns.remove(&n).is_some() {
-                    self.routes = None;
-                }
+                // The routes stay: the ranks' windows went out by them, and
+                // a closed one's rank fails its generation anyway.
+                self.conns.remove(&n);
                 let rank = self.ranks.get(&n).copied();
                 if self.membership.handle(now, MemberEvent::Closed { conn: n, why: why.clone() }).is_some()
                     && let (Some(rank), Some(p)) = (rank, self.pipe.as_mut())
@@ -232,12 +234,15 @@ impl Coordinator<'_> {
         steps: Vec<crate::control::proto::StepDone>,
         setup_ms: f64,
     ) {
+        if self.pipe.as_ref().is_none_or(|p| p.generation != generation) {
+            return; // A generation that is over.
+        }
         let Some(ranks) = self.reported_ranks(host, carried) else {
             // Only a relay at fault names a worker it does not carry.
             tracing::warn!("a relay reported for a worker it does not carry; ignored");
             return;
         };
-        if let Some(p) = self.pipe.as_mut().filter(|p| p.generation == generation) {
+        if let Some(p) = self.pipe.as_mut() {
             p.report_group(now, &ranks, steps, setup_ms);
         }
     }
@@ -245,13 +250,13 @@ impl Coordinator<'_> {
     /// The ranks of a host's report: the run its relay (connection `host`)
     /// was sent the window for, when the report names that run's workers
     /// (`carried`, their numbers on the relay), as it does; otherwise each
-    /// looked up among the relay's workers (`None` if one is not there).
+    /// looked up among the relay's workers (`None` if one is not there, or
+    /// they are not consecutive ranks in order).
     fn reported_ranks(&mut self, host: u64, carried: &[u64]) -> Option<Vec<usize>> {
-        // The routes the window went out by, as they are: checking them
+        // The routes the windows went out by, as they are: checking them
         // against the members at each of a window's host reports would cost
-        // O(ranks) each. They changed only if a connection ended (then they
-        // are made again) or the generation is over (then the report is
-        // not counted: see `host_done`).
+        // O(ranks) each. They are made again only when the members change,
+        // which a generation's pipeline (the report's) does not outlive.
         let routes = match self.routes {
             Some(ref r) => r,
             None => super::routes::Routes::of(&mut self.routes, self.membership.members(), &self.conns),
@@ -264,7 +269,11 @@ impl Coordinator<'_> {
             .iter()
             .filter_map(|(&n, out)| out.relay().filter(|(h, ..)| *h == host).map(|(_, c, _)| (c, n)))
             .collect();
-        carried.iter().map(|c| on_relay.get(c).and_then(|n| self.ranks.get(n)).copied()).collect()
+        let ranks: Vec<usize> = carried
+            .iter()
+            .map(|c| on_relay.get(c).and_then(|n| self.ranks.get(n)).copied())
+            .collect::<Option<_>>()?;
+        ranks.windows(2).all(|w| w[1] == w[0] + 1).then_some(ranks)
     }
 
     /// The end of worker `id`'s log, for a note about its failure.

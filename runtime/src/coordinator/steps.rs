@@ -157,7 +157,14 @@ impl Coordinator<'_> {
                 }
                 continue;
             };
-            let frame = Frame::Line { conn, line: encode(&msg).map_err(|e| anyhow!("a generation: {e}"))? };
+            let line = match encode(&msg) {
+                Ok(line) => line,
+                Err(e) => {
+                    pipe.lost(Instant::now(), rank, &format!("its generation message: {e}"));
+                    continue;
+                }
+            };
+            let frame = Frame::Line { conn, line };
             match relayed.last_mut() {
                 Some((h, _, frames, ranks)) if *h == host => {
                     frames.push(frame);

@@ -6,15 +6,16 @@
 //! table, even when it has no rows there: a server counts the step's pushes
 //! and applies their sum once all `world` ranks' are in, in step order, so
 //! a step is applied whole or not at all. Requests carry a [`Mark`]: the
-//! generation, the committed step it started from (its base) and the newest
-//! commit the worker heard of.
+//! generation and the committed step it started from (its base); the job's
+//! own requests also say which steps are past undoing (a worker's never do).
 //! - A push names its step and rank: the same push again (a retry)
 //!   replaces the first, and one of a step already applied in the same
 //!   generation is acknowledged and dropped: nothing counts twice.
 //! - The first request of a newer generation rolls the table back to that
 //!   generation's base: what the dead generation staged is dropped, and the
 //!   steps it applied after the base are undone (each applied step keeps
-//!   the rows it changed as they were, until a commit covers it). The
+//!   the rows it changed as they were, until the job says the step is
+//!   past undoing). The
 //!   steps the job redoes are then applied again, as if the failure had
 //!   never been: the tables stay the state of the committed steps, as the
 //!   dense parameters do. A request of an older generation is refused.
