@@ -886,7 +886,24 @@ mod tests {
             .map(|(conn, l)| Frame::Line { conn, line: l.as_bytes().to_vec() });
         relay.write_all(&framed(&lines)).unwrap();
         assert!(matches!(next(&rx), Inbound::Msg(n, FromWorker::Ready { .. }) if n == n8));
-        // Then silence for the lease: the relay is lost, and both its workers.
+        // A worker whose line is not a message is closed, here and (through
+        // the coordinator) on the relay.
+        relay.write_all(&framed(&[Frame::Open { conn: 13, claim: a.claim("control", 0, 10) }])).unwrap();
+        let Inbound::Conn(n10, _) = next(&rx) else { panic!("worker 10's connection") };
+        relay.write_all(&framed(&[Frame::Line { conn: 13, line: b"{not json\n".to_vec() }])).unwrap();
+        match next(&rx) {
+            Inbound::ToRelay(out, frames) => {
+                assert!(matches!(frames[..], [Frame::Closed { conn: 13, .. }]), "{frames:?}");
+                out.send(&frames).unwrap();
+            }
+            _ => panic!("its closing, for the relay"),
+        }
+        match next(&rx) {
+            Inbound::Closed(n, why) => assert!(n == n10 && why.contains("malformed message"), "{why}"),
+            _ => panic!("worker 10 closed"),
+        }
+        assert!(matches!(Frame::read(&mut relay).unwrap(), Some(Frame::Closed { conn: 13, .. })));
+        // Then silence for the lease: the relay is lost, and both its other workers.
         assert!(matches!(next(&rx), Inbound::RelayLost(1)));
         let mut lost = Vec::new();
         for _ in 0..2 {
