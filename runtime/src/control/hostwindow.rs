@@ -13,11 +13,33 @@
 //! failed or was lost mid-window) has its ranks' reports passed on one by
 //! one, in window order, as they would have come without the relay.
 
-use crate::control::proto::{FromWorker, Share, StepDone, StepPlan, ToWorker};
+use crate::control::proto::{FromWorker, Generation, Share, StepDone, StepPlan, ToWorker};
 use crate::coordinator::machine::noise::NoiseTerms;
 use crate::distill::stats::TeacherRequests;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+
+/// The coordinator to a relay: a new generation for consecutive ranks of
+/// its host, the first of them rank `first` (`generation.rank`'s value is
+/// not read: each rank is told its own).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HostGeneration {
+    pub conns: Vec<u64>,
+    pub first: usize,
+    pub generation: Generation,
+}
+
+impl HostGeneration {
+    /// Each rank's `Generation` message, as the coordinator would have sent
+    /// it; in the order of `conns`.
+    pub fn split(&self) -> Vec<(u64, ToWorker)> {
+        let each = |(i, &conn): (usize, &u64)| {
+            let g = Generation { rank: self.first + i, ..self.generation.clone() };
+            (conn, ToWorker::Generation(Box::new(g)))
+        };
+        self.conns.iter().enumerate().map(each).collect()
+    }
+}
 
 /// The coordinator to a relay: one window for consecutive ranks of its host.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -286,6 +308,33 @@ mod tests {
             })
             .collect();
         HostWindow { generation: 2, world: 4, samples, steps, conns: vec![7, 8, 9], first: 1, shares }
+    }
+
+    #[test]
+    fn each_rank_of_a_host_generation_is_told_its_own_rank_and_the_rest_as_sent() {
+        let g = Generation {
+            generation: 4,
+            rank: 0,
+            world: 9,
+            rendezvous: "10.0.0.1:7000".into(),
+            rendezvous_key: "job/generation-4".into(),
+            committed_steps: 120,
+            init: Some("ckpt/step-0000000120".into()),
+            ps: None,
+        };
+        let hg = HostGeneration { conns: vec![11, 12, 15], first: 3, generation: g.clone() };
+        let told: Vec<(u64, usize)> = hg
+            .split()
+            .into_iter()
+            .map(|(conn, msg)| match msg {
+                ToWorker::Generation(mine) => {
+                    assert_eq!(*mine, Generation { rank: mine.rank, ..g.clone() });
+                    (conn, mine.rank)
+                }
+                other => panic!("a generation, not {other:?}"),
+            })
+            .collect();
+        assert_eq!(told, [(11, 3), (12, 4), (15, 5)]);
     }
 
     #[test]

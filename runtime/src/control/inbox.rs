@@ -398,7 +398,7 @@ impl<M: Message> Carried<M> {
             // Which ranks it names is the coordinator's to check, against
             // the window it sent (a comparison, not a look-up per rank).
             Frame::Done(h) => self.tx.send(Inbound::Host(self.host, h.conns, h.done)).map_err(|_| Gone)?,
-            Frame::Window(_) | Frame::Fan { .. } => {
+            Frame::Window(_) | Frame::Fan { .. } | Frame::Generation(_) => {
                 tracing::warn!("the relay at {} sent a frame only the coordinator sends; ignored", self.peer);
             }
             Frame::Beat => {}

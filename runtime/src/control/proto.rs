@@ -77,7 +77,7 @@ pub enum ToWorker {
 }
 
 /// A generation: who is in it, where its ring meets, and the state it starts from.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Generation {
     pub generation: u64,
     pub rank: usize,

@@ -23,7 +23,7 @@
 //! byte, the connection's number on the relay (u64, little-endian), the
 //! payload's length (u32) and the payload.
 
-use crate::control::hostwindow::{Gatherings, HostDone, HostWindow, Up};
+use crate::control::hostwindow::{Gatherings, HostDone, HostGeneration, HostWindow, Up};
 use crate::control::proto::{FromWorker, encode};
 use edl_host_gpu::comm::auth::{self, Claim, JobAuth};
 use edl_host_gpu::comm::sealed::{SealedReader, SealedWriter};
@@ -57,6 +57,8 @@ const WINDOW: u8 = 5;
 const DONE: u8 = 6;
 /// The coordinator to the relay: one line for several of its workers.
 const FAN: u8 = 7;
+/// The coordinator to the relay: a new generation for consecutive ranks of its host.
+const GENERATION: u8 = 8;
 
 /// A frame's payload may not exceed this (a control line's own bound).
 const MAX_PAYLOAD: usize = 64 << 20;
@@ -75,6 +77,7 @@ pub enum Frame {
     Window(Box<HostWindow>),
     Done(Box<HostDone>),
     Fan { conns: Vec<u64>, line: Vec<u8> },
+    Generation(Box<HostGeneration>),
 }
 
 impl Frame {
@@ -88,6 +91,9 @@ impl Frame {
             Frame::Closed { conn, why } => (CLOSED, *conn, why.as_bytes().into()),
             Frame::Beat => (BEAT, 0, (&[][..]).into()),
             Frame::Window(w) => (WINDOW, 0, serde_json::to_vec(w).expect("a window always encodes").into()),
+            Frame::Generation(g) => {
+                (GENERATION, 0, serde_json::to_vec(g).expect("a generation always encodes").into())
+            }
             Frame::Done(d) => (DONE, 0, serde_json::to_vec(d).expect("a report always encodes").into()),
             Frame::Fan { conns, line } => {
                 let mut p = Vec::with_capacity(4 + 8 * conns.len() + line.len());
@@ -140,6 +146,9 @@ impl Frame {
             LINE => Frame::Line { conn, line: payload },
             CLOSED => Frame::Closed { conn, why: text(payload)? },
             BEAT => Frame::Beat,
+            GENERATION => Frame::Generation(
+                serde_json::from_slice(&payload).map_err(|e| bad(format!("a host's generation: {e}")))?,
+            ),
             WINDOW => Frame::Window(
                 serde_json::from_slice(&payload).map_err(|e| bad(format!("a host's window: {e}")))?,
             ),
@@ -291,6 +300,14 @@ fn downward(down: SealedReader<TcpStream>, workers: &Workers, gatherings: &Mutex
         match frame {
             Frame::Line { conn, line } => write_to(workers, conn, &line),
             Frame::Fan { conns, line } => conns.iter().for_each(|&conn| write_to(workers, conn, &line)),
+            Frame::Generation(g) => {
+                for (conn, msg) in g.split() {
+                    match encode(&msg) {
+                        Ok(line) => write_to(workers, conn, &line),
+                        Err(e) => return format!("a generation for worker {conn}: {e}"),
+                    }
+                }
+            }
             Frame::Window(w) => {
                 let split = match w.split() {
                     Ok(s) => s,
@@ -479,6 +496,20 @@ mod tests {
             Frame::Closed { conn: 9, why: "gone".into() },
             Frame::Fan { conns: vec![3, 5, 8], line: b"{\"commit\":{}}\n".to_vec() },
             Frame::Fan { conns: vec![], line: Vec::new() },
+            Frame::Generation(Box::new(HostGeneration {
+                conns: vec![4, 6],
+                first: 2,
+                generation: crate::control::proto::Generation {
+                    generation: 3,
+                    rank: 2,
+                    world: 5,
+                    rendezvous: "127.0.0.1:9".into(),
+                    rendezvous_key: "j/generation-3".into(),
+                    committed_steps: 40,
+                    init: None,
+                    ps: None,
+                },
+            })),
         ];
         let mut bytes = Vec::new();
         for f in &frames {

@@ -5,7 +5,7 @@
 use super::records::*;
 use super::routes::{Routes, Run};
 use super::{AHEAD, CHORES_EVERY, Coordinator, MAX_WINDOW, SECOND, WINDOW_WORK_MS, ms};
-use crate::control::hostwindow::HostWindow;
+use crate::control::hostwindow::{HostGeneration, HostWindow};
 use crate::control::outbox::{Outbox, RelayOut};
 use crate::control::proto::{Generation, Share, StepDone, StepPlan, ToWorker, encode};
 use crate::control::relay::Frame;
@@ -132,8 +132,9 @@ impl Coordinator<'_> {
             Instant::now(),
             self.cfg.step_timeout,
         );
-        // A host's ranks behind one relay get their messages in one write.
-        let mut relayed: Vec<(u64, RelayOut, Vec<Frame>, Vec<usize>)> = Vec::new();
+        // A host's ranks behind one relay get one message for them all (the
+        // relay tells each its rank), as they get their windows.
+        let mut relayed: Vec<(u64, RelayOut, HostGeneration)> = Vec::new();
         for (rank, m) in self.membership.members().iter().enumerate() {
             let g = Generation {
                 generation: self.generation,
@@ -150,32 +151,25 @@ impl Coordinator<'_> {
                 pipe.lost(Instant::now(), rank, "connection closed");
                 continue;
             };
-            let msg = ToWorker::Generation(Box::new(g));
             let Some((host, conn, relay)) = stream.relay() else {
-                if let Err(e) = stream.send(&msg) {
+                if let Err(e) = stream.send(&ToWorker::Generation(Box::new(g))) {
                     pipe.lost(Instant::now(), rank, &e.to_string());
                 }
                 continue;
             };
-            let line = match encode(&msg) {
-                Ok(line) => line,
-                Err(e) => {
-                    pipe.lost(Instant::now(), rank, &format!("its generation message: {e}"));
-                    continue;
-                }
-            };
-            let frame = Frame::Line { conn, line };
             match relayed.last_mut() {
-                Some((h, _, frames, ranks)) if *h == host => {
-                    frames.push(frame);
-                    ranks.push(rank);
-                }
-                _ => relayed.push((host, relay.clone(), vec![frame], vec![rank])),
+                Some((h, _, hg)) if *h == host && hg.first + hg.conns.len() == rank => hg.conns.push(conn),
+                _ => relayed.push((
+                    host,
+                    relay.clone(),
+                    HostGeneration { conns: vec![conn], first: rank, generation: g },
+                )),
             }
         }
-        for (_, relay, frames, ranks) in relayed {
-            if let Err(why) = relay.send(&frames) {
-                ranks.into_iter().for_each(|rank| pipe.lost(Instant::now(), rank, &why));
+        for (_, relay, hg) in relayed {
+            let ranks = hg.first..hg.first + hg.conns.len();
+            if let Err(why) = relay.send(&[Frame::Generation(Box::new(hg))]) {
+                ranks.for_each(|rank| pipe.lost(Instant::now(), rank, &why));
             }
         }
         self.pipe = Some(pipe);
