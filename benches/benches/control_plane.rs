@@ -64,7 +64,8 @@ fn monotonic() -> f64 {
     // SAFETY: an all-zero timespec is a valid value of the plain C struct the call fills.
     let mut t: libc::timespec = unsafe { std::mem::zeroed() };
     // SAFETY: `t` is a live timespec the call fills; nothing else is read.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    assert_eq!(rc, 0, "clock_gettime: {}", std::io::Error::last_os_error());
     t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
 }
 
