@@ -1184,14 +1184,7 @@ impl Session {
             self.ps = g.ps.clone();
         }
         if let Some(path) = &g.init {
-            let (restored, skipped) = self.checkpoints.latest().context("listing the checkpoints")?;
-            for e in skipped {
-                tracing::warn!("worker {}: skipped checkpoint: {e}", self.id);
-            }
-            let r = restored.ok_or_else(|| anyhow!("no usable checkpoint in {}", path.display()))?;
-            if r.manifest.step != n {
-                bail!("checkpoint {} is at step {}, the plan says {n}", r.path.display(), r.manifest.step);
-            }
+            let r = planned_checkpoint(&self.checkpoints, path, n)?;
             let values = self
                 .layout
                 .reorder(&r.layout, &r.values)
@@ -1380,3 +1373,56 @@ type Parts = Vec<(usize, f64)>;
 /// A checkpoint being written in the background: its path, seconds and
 /// bytes once done.
 type WriteThread = std::thread::JoinHandle<Result<(std::path::PathBuf, f64, u64)>>;
+
+/// The checkpoint a generation's plan names, at the plan's step: that one,
+/// not the newest (one finished after the coordinator chose may be newer).
+fn planned_checkpoint(
+    checkpoints: &Checkpoints,
+    path: &std::path::Path,
+    step: u64,
+) -> Result<crate::checkpoint::Restored> {
+    let r = checkpoints.read_at(path).with_context(|| format!("the plan's checkpoint {}", path.display()))?;
+    if r.manifest.step != step {
+        bail!("checkpoint {} is at step {}, the plan says {step}", r.path.display(), r.manifest.step);
+    }
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::TensorSpec;
+
+    fn manifest(step: u64) -> Manifest {
+        Manifest {
+            step,
+            epoch: 0,
+            cursor: 0,
+            seed: 1,
+            hyperparams: Hyperparams { global_batch: 8, local_batch: 4, lr: 0.1, momentum: 0.0 },
+            plugin_state: serde_json::json!({}),
+            files: Default::default(),
+            fence: None,
+        }
+    }
+
+    #[test]
+    fn a_generation_loads_the_checkpoint_its_plan_names_even_when_a_newer_one_was_finished_since() {
+        let dir = tempfile::tempdir().unwrap();
+        let cps = Checkpoints::new(dir.path(), 3);
+        let layout = Layout::new(vec![TensorSpec::new("w", vec![2])]).unwrap();
+        let chosen = cps.save(&layout, &[250.0, 1.0], manifest(250)).unwrap();
+        cps.save(&layout, &[300.0, 1.0], manifest(300)).unwrap();
+        let r = planned_checkpoint(&cps, &chosen, 250).unwrap();
+        assert_eq!((r.manifest.step, r.values[0]), (250, 250.0));
+        let e =
+            planned_checkpoint(&cps, &chosen, 300).err().expect("a step other than the plan's").to_string();
+        assert!(e.contains("is at step 250, the plan says 300"), "{e}");
+        std::fs::remove_dir_all(&chosen).unwrap();
+        let e = format!(
+            "{:#}",
+            planned_checkpoint(&cps, &chosen, 250).err().expect("the plan's checkpoint gone")
+        );
+        assert!(e.contains("the plan's checkpoint") && e.contains("step-0000000250"), "{e}");
+    }
+}
