@@ -10,7 +10,10 @@
 //! - `loopback`: a worker's client and a server (`ps::Service`) over a
 //!   sealed loopback connection, the pushes answered as each is sent;
 //! - `loopback-pipelined`: the same with the pushes' answers read at the
-//!   step's end (`Client::push_later` / `Client::settle`).
+//!   step's end (`Client::push_later` / `Client::settle`);
+//! - `loopback-pipelined-2-servers`, `-4-servers`: the same client with the
+//!   tables' shards over two and four servers (each its own threads), asked
+//!   at once: what more servers give a worker whose steps wait on them.
 //!
 //! The tables are warmed first (every id of 400 batches made), so a step
 //! reads and updates rows that exist, as a job past its first epoch does.
@@ -152,19 +155,29 @@ fn bench(c: &mut Criterion) {
         })
     });
 
-    for later in [false, true] {
+    for (servers, later) in [(1, false), (1, true), (2, true), (4, true)] {
         let auth = JobAuth { job: "bench".into(), secret: Secret::generate().expect("a secret") };
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a loopback port");
-        let service = Service::start(listener, auth.clone(), Server::new(1, None), Duration::from_secs(60))
-            .expect("serve");
-        let mut client = Client::connect(&[(1, service.addr())], 1, &auth, 1).expect("connect");
+        let services: Vec<Service> = (1..=servers)
+            .map(|id| {
+                let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+                Service::start(listener, auth.clone(), Server::new(id, None), Duration::from_secs(60))
+                    .expect("serve")
+            })
+            .collect();
+        let at: Vec<(u64, std::net::SocketAddr)> =
+            services.iter().zip(1..).map(|(s, id)| (id, s.addr())).collect();
+        let mut client = Client::connect(&at, 1, &auth, 1).expect("connect");
         tables().into_iter().for_each(|t| client.declare(t, mark(0), None).expect("declare"));
         let mut step = 0u64;
         for ids in &warm {
             client_step(&mut client, step, ids, later);
             step += 1;
         }
-        let name = if later { "loopback-pipelined" } else { "loopback" };
+        let name = match (servers, later) {
+            (1, false) => "loopback".to_string(),
+            (1, true) => "loopback-pipelined".to_string(),
+            (n, _) => format!("loopback-pipelined-{n}-servers"),
+        };
         g.bench_function(name, |b| {
             b.iter(|| {
                 client_step(&mut client, step, &steps[step as usize % steps.len()], later);
