@@ -10,6 +10,7 @@
 
 pub mod auth;
 pub mod kv;
+pub mod listen;
 mod nccl;
 mod rendezvous;
 mod ring;

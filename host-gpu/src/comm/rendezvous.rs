@@ -8,7 +8,7 @@ use super::sealed::SealedStream;
 use std::{
     collections::HashMap,
     io::{Read, Write},
-    net::{SocketAddr, TcpListener, TcpStream},
+    net::{SocketAddr, TcpStream},
     sync::atomic::{AtomicU64, Ordering},
     sync::{Arc, Condvar, Mutex},
     time::{Duration, Instant},
@@ -205,7 +205,7 @@ impl RendezvousServer {
     /// Serves on `addr`; with `auth`, a client registers only after proving
     /// the job's secret for the current generation ([`Self::set_generation`]).
     pub fn start_with(addr: &str, auth: Option<JobAuth>) -> std::io::Result<Self> {
-        let listener = TcpListener::bind(addr)?;
+        let listener = super::listen::listen_on(addr)?;
         let addr = listener.local_addr()?;
         let waiting: Arc<Mutex<Waiting>> = Arc::default();
         let generation = Arc::new(AtomicU64::new(0));

@@ -56,7 +56,7 @@ pub fn run(a: PsArgs) -> Result<ExitCode> {
         super::flags::stop_when_stdin_closes(format!("ps {}", a.id), "server");
     }
     let listener =
-        std::net::TcpListener::bind(a.listen).with_context(|| format!("listening on {}", a.listen))?;
+        edl_host_gpu::comm::listen::listen(a.listen).with_context(|| format!("listening on {}", a.listen))?;
     let bound = (a.memory_mib > 0).then_some(a.memory_mib << 20);
     let service =
         Service::start(listener, auth, Server::new(a.id, bound), Duration::from_secs(a.pull_timeout_secs))?;

@@ -243,7 +243,8 @@ impl Relay {
         // A coordinator whose host vanished is noticed within the lease
         // while the relay has lines waiting to go.
         crate::control::proto::give_up_unacked(&up, cfg.lease);
-        let listener = TcpListener::bind(cfg.listen).with_context(|| format!("--listen {}", cfg.listen))?;
+        let listener = edl_host_gpu::comm::listen::listen(cfg.listen)
+            .with_context(|| format!("--listen {}", cfg.listen))?;
         Ok(Relay { cfg, listener, up, keys })
     }
 

@@ -54,7 +54,7 @@ use edl_plugin_sdk::{Action, Hyperparams};
 use records::Pending;
 use std::{
     collections::HashMap,
-    net::{SocketAddr, TcpListener},
+    net::SocketAddr,
     path::PathBuf,
     sync::{Arc, mpsc},
     time::{Duration, Instant},
@@ -382,7 +382,8 @@ impl Io {
             AnyStore::open(&cfg.store)?
         };
         let net = &cfg.addresses;
-        let listener = TcpListener::bind(net.listen).with_context(|| format!("--listen {}", net.listen))?;
+        let listener = edl_host_gpu::comm::listen::listen(net.listen)
+            .with_context(|| format!("--listen {}", net.listen))?;
         let host = net.advertised_host()?;
         let addr = crate::net::host_port(&host, listener.local_addr()?.port());
         let auth = JobAuth { job: cfg.spec.job.clone(), secret: cfg.secret.clone() };

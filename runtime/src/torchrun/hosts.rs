@@ -39,7 +39,6 @@ use edl_host_gpu::comm::auth::JobAuth;
 use serde::{Deserialize, Serialize};
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
-    net::TcpListener,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -602,7 +601,8 @@ impl<'a> Launcher<'a> {
             None => None,
         };
         let listen = hc.addresses.listen;
-        let listener = TcpListener::bind(listen).with_context(|| format!("--listen {listen}"))?;
+        let listener =
+            edl_host_gpu::comm::listen::listen(listen).with_context(|| format!("--listen {listen}"))?;
         let addr = crate::net::host_port(&hc.addresses.advertised_host()?, listener.local_addr()?.port());
         let (tx, rx) = mpsc::channel();
         inbox::start_channel(listener, hc.auth.clone(), "agent", hc.lease, tx)
