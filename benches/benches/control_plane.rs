@@ -506,12 +506,6 @@ fn main() -> anyhow::Result<()> {
     let mut figures = Vec::new();
     for (n, hosts) in sizes {
         for &relay in &modes {
-            // Thousands of workers each proving the secret to the coordinator
-            // do not all join within the bench's join timeout here
-            // (`--direct-all` tries all the same).
-            if !relay && n > 1024 && !std::env::args().any(|a| a == "--direct-all") {
-                continue;
-            }
             let f = run(n, hosts, relay, compute)?;
             println!(
                 "| {} | {} | {} | {:.3} ms | {:.3} ms | {:.0} ms | {:.0} ms |",

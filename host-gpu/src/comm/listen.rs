@@ -1,0 +1,76 @@
+//! Listening sockets whose queue of connections not yet accepted is deep
+//! enough for a job's workers all connecting at once.
+//!
+//! The standard library listens with a queue of 128. When thousands of
+//! workers connect together (a job's start, every rank reaching a new
+//! generation's rendezvous), the kernel drops the connections past the
+//! queue, and each one dropped is retried after one, then three, seven...
+//! seconds: a coordinator that accepts at once still sees its workers
+//! arrive a few a second.
+
+use std::io;
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+
+/// Connections queued before they are accepted (the kernel caps it at
+/// `net.core.somaxconn`, 4096 by default since Linux 5.4).
+pub const BACKLOG: i32 = 16_384;
+
+/// A listener on `addr` with a queue of [`BACKLOG`] connections.
+pub fn listen(addr: SocketAddr) -> io::Result<TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    // As the standard library's listeners: a port in TIME_WAIT can be taken again.
+    #[cfg(unix)]
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(BACKLOG)?;
+    Ok(socket.into())
+}
+
+/// [`listen`] on the first address `addr` resolves to.
+pub fn listen_on(addr: impl ToSocketAddrs) -> io::Result<TcpListener> {
+    let mut last = None;
+    for a in addr.to_socket_addrs()? {
+        match listen(a) {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no address to listen on")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpStream;
+    use std::time::Duration;
+
+    /// A connection past a full queue is dropped by the kernel and retried
+    /// a second later; one queued completes at once. 600 connections to a
+    /// listener that accepts none of them until all are made: each would
+    /// wait out its retries behind a queue of 128.
+    #[test]
+    fn hundreds_of_connections_made_at_once_are_queued_not_dropped() {
+        let listener = listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let n = 600;
+        let mut clients = Vec::with_capacity(n);
+        for i in 0..n {
+            // A dropped connection's retry comes after a second: two seconds
+            // is one retry, the first, also dropped while nothing is accepted.
+            let c = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+                .unwrap_or_else(|e| panic!("connection {i} of {n} not queued: {e}"));
+            clients.push(c);
+        }
+        listener.set_nonblocking(true).unwrap();
+        let accepted = std::iter::from_fn(|| listener.accept().ok()).count();
+        assert_eq!(accepted, n);
+    }
+
+    #[test]
+    fn a_port_in_use_is_refused_as_the_standard_library_refuses_it() {
+        let first = listen_on("127.0.0.1:0").unwrap();
+        let e = listen_on(first.local_addr().unwrap()).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::AddrInUse);
+    }
+}
