@@ -539,11 +539,13 @@ fn scaler(
     lease_ms: u64,
 ) -> Result<Box<dyn Scaler>> {
     let (stop, hosts) = (args.worker_stop_command.as_deref(), &args.hosts[..]);
-    if args.relay && args.scaler != ScalerKind::Local {
-        edl_runtime::refuse!("--relay is for --scaler local (its workers on this host)");
+    if args.relay && !matches!(args.scaler, ScalerKind::Local | ScalerKind::Command) {
+        edl_runtime::refuse!(
+            "--relay is for --scaler local (its workers on this host) and --scaler command (a relay on each of --hosts)"
+        );
     }
     let relayed = |local: LocalProcesses| match args.relay {
-        true => local.relayed(HostRelay::new(exe, log_dir, Duration::from_millis(lease_ms))),
+        true => local.relayed(HostRelay::new(log_dir, Duration::from_millis(lease_ms)), exe),
         false => local,
     };
     Ok(match (args.scaler, program) {
@@ -551,9 +553,13 @@ fn scaler(
         (ScalerKind::Local, Some(command)) => Box::new(relayed(LocalProcesses::program(command, log_dir)?)),
         (ScalerKind::Command, program) => {
             let start = args.worker_command.as_deref().context("--scaler command needs --worker-command")?;
-            Box::new(match program {
+            let scaler = match program {
                 None => CommandScaler::new(start, stop, hosts, exe, log_dir)?,
                 Some(command) => CommandScaler::for_program(start, stop, hosts, log_dir, command)?,
+            };
+            Box::new(match args.relay {
+                true => scaler.with_relays(exe, Duration::from_millis(lease_ms))?,
+                false => scaler,
             })
         }
         (ScalerKind::Slurm, None) => {

@@ -1,7 +1,7 @@
 //! [`CommandScaler`]: workers started by a command the operator gives
 //! (`ssh {host} ...`, `srun ...`) on a list of hosts and slots.
 
-use super::Scaler;
+use super::{Scaler, relay::HostRelay};
 use crate::process::{ensure_dir, reap, terminate_group};
 use edl_host_gpu::comm::auth::JobAuth;
 use std::{
@@ -48,6 +48,19 @@ pub struct CommandScaler {
     job: String,
     /// The words `{program}` stands for (each filled in and quoted).
     program: Vec<String>,
+    /// A relay per host the workers reach the coordinator through (`--relay`).
+    relays: Option<Relays>,
+}
+
+/// The relays of [`CommandScaler::relayed`]: each started by the worker
+/// command on its host, as a worker is.
+struct Relays {
+    /// `edl-runtime` (its path on every host), which runs them.
+    exe: PathBuf,
+    lease: Duration,
+    by_host: BTreeMap<String, HostRelay>,
+    /// Relays started so far (each one's number is the next).
+    started: u64,
 }
 
 /// The placeholders a template may use.
@@ -139,6 +152,54 @@ impl CommandScaler {
             handles: BTreeMap::new(),
             job: String::new(),
             program,
+            relays: None,
+        })
+    }
+
+    /// The workers of each host reach the coordinator through a relay on
+    /// that host (`exe relay ...`, started by the worker command there when
+    /// the host's first worker is), keeping the job's worker `lease`: one
+    /// connection a host. Needs `--hosts` (a relay's host is its slots').
+    pub fn with_relays(mut self, exe: impl Into<PathBuf>, lease: Duration) -> anyhow::Result<Self> {
+        if self.slots.is_empty() {
+            crate::refuse!(
+                "--relay with --scaler command needs --hosts: the workers' hosts, a relay on each"
+            );
+        }
+        self.relays = Some(Relays { exe: exe.into(), lease, by_host: BTreeMap::new(), started: 0 });
+        Ok(self)
+    }
+
+    /// Where a worker on `slot` reaches the coordinator: `coordinator`, or
+    /// with relays its host's relay (started now if it has none running).
+    fn relayed(&mut self, slot: Option<usize>, coordinator: &str, auth: &JobAuth) -> anyhow::Result<String> {
+        let Some(mut relays) = self.relays.take() else { return Ok(coordinator.to_string()) };
+        let at = self.host_relay(&mut relays, slot, coordinator, auth);
+        self.relays = Some(relays);
+        at
+    }
+
+    fn host_relay(
+        &self,
+        relays: &mut Relays,
+        slot: Option<usize>,
+        coordinator: &str,
+        auth: &JobAuth,
+    ) -> anyhow::Result<String> {
+        let i = slot.ok_or_else(|| anyhow::anyhow!("a relay needs the worker's host (--hosts)"))?;
+        let Relays { exe, lease, by_host, started } = relays;
+        let relay =
+            by_host.entry(self.slots[i].0.clone()).or_insert_with(|| HostRelay::new(&self.log_dir, *lease));
+        let exe = exe.to_string_lossy().into_owned();
+        relay.addr(started, coordinator, auth, |id, words| {
+            // Its words as a program's: braces of their own doubled.
+            let program: Vec<String> =
+                std::iter::once(&exe).chain(words).map(|w| w.replace('{', "{{").replace('}', "}}")).collect();
+            let line = self.fill(&self.start, (&format!("relay-{id}"), Some(i)), coordinator, &program)?;
+            tracing::info!("relay {id}: started `{line}`");
+            let mut cmd = Command::new("sh");
+            cmd.arg("-c").arg(&line).env("EDL_JOB", &self.job).env_remove("EDL_JOB_SECRET");
+            Ok(cmd)
         })
     }
 
@@ -155,12 +216,14 @@ impl CommandScaler {
         self.children.values().any(|(_, s)| *s == Some(i)) || self.adopted.values().any(|s| *s == i)
     }
 
+    /// `template` filled in for worker (or relay) `id` on `slot`, whose
+    /// `{program}` is the words `program`.
     fn fill(
         &self,
         template: &str,
-        id: u64,
+        (id, slot): (&str, Option<usize>),
         coordinator: &str,
-        slot: Option<usize>,
+        program: &[String],
     ) -> anyhow::Result<String> {
         let (host, index) = match slot {
             Some(i) => (self.slots[i].0.clone(), self.slots[i].1.to_string()),
@@ -175,15 +238,15 @@ impl CommandScaler {
             "job" => self.job.clone(),
             _ => exe.to_string(),
         };
-        let mut program = Vec::new();
+        let mut words = Vec::new();
         if template.contains("{program}") {
-            for word in &self.program {
+            for word in program {
                 // Each word of the program is one shell word, whatever it holds.
                 let filled = fill_template(word, |n| (value(n), false))?;
-                program.push(quote(&filled)?);
+                words.push(quote(&filled)?);
             }
         }
-        let mut program = program.join(" ");
+        let mut program = words.join(" ");
         if runs_remote_shell(template) {
             // ssh joins its arguments and hands the line to the remote
             // host's shell, which parses it again: quoted once more, each
@@ -386,6 +449,12 @@ pub(crate) fn fill_words(words: &[String], coordinator: &str, id: u64, job: &str
 }
 
 impl Scaler for CommandScaler {
+    fn relay_lost(&mut self, id: u64) {
+        if let Some(relays) = &mut self.relays {
+            relays.by_host.values_mut().any(|r| r.lost(id));
+        }
+    }
+
     fn release(&mut self) {
         // Their process groups are their own: they run on without this one.
         self.children.clear();
@@ -397,7 +466,9 @@ impl Scaler for CommandScaler {
             0 => None,
             n => Some(self.free_slot().ok_or_else(|| anyhow::anyhow!("all {n} slots of --hosts are taken"))?),
         };
-        let line = self.fill(&self.start, id, coordinator, slot)?;
+        let coordinator =
+            self.relayed(slot, coordinator, auth).map_err(|e| anyhow::anyhow!("worker {id}: {e:#}"))?;
+        let line = self.fill(&self.start, (&id.to_string(), slot), &coordinator, &self.program)?;
         ensure_dir(&self.log_dir)?;
         let log = std::fs::File::create(self.log_path(id))
             .map_err(|e| anyhow::anyhow!("{}: {e}", self.log_path(id).display()))?;
@@ -439,7 +510,7 @@ impl Scaler for CommandScaler {
             && (slot.is_some() || !slotted)
         {
             // The engine's own way to stop it (scancel, kubectl delete, ...).
-            match self.fill(stop, id, "", slot).and_then(|line| {
+            match self.fill(stop, (&id.to_string(), slot), "", &self.program).and_then(|line| {
                 let log = std::fs::OpenOptions::new().append(true).create(true).open(self.log_path(id))?;
                 self.shell(&line, id, None, log)
             }) {

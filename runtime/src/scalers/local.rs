@@ -25,8 +25,9 @@ pub struct LocalProcesses {
     /// the job goes on meanwhile (a scale-in does not wait for a program's
     /// exit), and dropping the scaler waits for them.
     stopping: Vec<std::thread::JoinHandle<()>>,
-    /// The relay the workers reach the coordinator through (`--relay`).
-    relay: Option<super::relay::HostRelay>,
+    /// The relay the workers reach the coordinator through (`--relay`),
+    /// the `edl-runtime` that runs it, and the relays started so far.
+    relay: Option<(super::relay::HostRelay, PathBuf, u64)>,
 }
 
 impl LocalProcesses {
@@ -58,10 +59,10 @@ impl LocalProcesses {
         })
     }
 
-    /// The workers reach the coordinator through `relay`, one connection
-    /// for all of them.
-    pub fn relayed(mut self, relay: super::relay::HostRelay) -> Self {
-        self.relay = Some(relay);
+    /// The workers reach the coordinator through `relay` (run by `exe`,
+    /// this `edl-runtime`), one connection for all of them.
+    pub fn relayed(mut self, relay: super::relay::HostRelay, exe: impl Into<PathBuf>) -> Self {
+        self.relay = Some((relay, exe.into(), 0));
         self
     }
 
@@ -152,7 +153,7 @@ impl Tracebacks {
 
 impl Scaler for LocalProcesses {
     fn relay_lost(&mut self, id: u64) {
-        if let Some(r) = &mut self.relay {
+        if let Some((r, _, _)) = &mut self.relay {
             r.lost(id);
         }
     }
@@ -168,8 +169,15 @@ impl Scaler for LocalProcesses {
             .map_err(|e| anyhow::anyhow!("{}: {e}", self.log_path(id).display()))?;
         let relayed;
         let coordinator = match &mut self.relay {
-            Some(r) => {
-                relayed = r.addr(coordinator, auth).map_err(|e| anyhow::anyhow!("worker {id}: {e:#}"))?;
+            Some((r, exe, started)) => {
+                let command = |_, words: &[String]| {
+                    let mut cmd = Command::new(&*exe);
+                    cmd.args(words).env_remove("EDL_JOB_SECRET");
+                    Ok(cmd)
+                };
+                relayed = r
+                    .addr(started, coordinator, auth, command)
+                    .map_err(|e| anyhow::anyhow!("worker {id}: {e:#}"))?;
                 relayed.as_str()
             }
             None => coordinator,

@@ -1,6 +1,8 @@
-//! [`HostRelay`]: the relay of this host's workers (`edl-runtime relay`, see
-//! [`crate::control::relay`]), started by the scaler when its first worker
-//! is, and again after it is lost, when the next worker starts.
+//! [`HostRelay`]: the relay of one host's workers (`edl-runtime relay`, see
+//! [`crate::control::relay`]), started by the scaler when the first worker
+//! on that host is, and again after it is lost, when the next worker there
+//! starts. The local scaler runs it itself; the command scaler by its
+//! worker command on the host (`ssh {host} {program}`), one a host.
 
 use crate::process::{await_line, die_with_parent, terminate_group};
 use edl_host_gpu::comm::auth::JobAuth;
@@ -11,19 +13,17 @@ use std::{
     time::Duration,
 };
 
-/// The relay this host's workers reach the coordinator through.
+/// The relay one host's workers reach the coordinator through.
 pub struct HostRelay {
-    /// `edl-runtime`, which runs it.
-    exe: PathBuf,
     log_dir: PathBuf,
     /// The job's worker lease, which the relay keeps for the coordinator.
     lease: Duration,
     running: Option<Running>,
-    /// Relays started so far (each one's number, and its log's).
-    started: u64,
 }
 
 struct Running {
+    /// Its number (among the job's relays, and its log's).
+    id: u64,
     child: Child,
     /// Where workers reach it.
     addr: String,
@@ -32,68 +32,89 @@ struct Running {
 }
 
 impl HostRelay {
-    pub fn new(exe: impl Into<PathBuf>, log_dir: impl Into<PathBuf>, lease: Duration) -> Self {
-        HostRelay { exe: exe.into(), log_dir: log_dir.into(), lease, running: None, started: 0 }
+    pub fn new(log_dir: impl Into<PathBuf>, lease: Duration) -> Self {
+        HostRelay { log_dir: log_dir.into(), lease, running: None }
     }
 
     /// Where a new worker is to connect: the running relay, or one started
     /// now (the one before was lost: its workers with it) for the
-    /// coordinator at `coordinator`.
-    pub fn addr(&mut self, coordinator: &str, auth: &JobAuth) -> anyhow::Result<String> {
+    /// coordinator at `coordinator`, numbered `next` (then counted).
+    /// `command` makes the process that runs relay `id`'s command line
+    /// (`edl-runtime` left out: `relay --coordinator ...`) on this host.
+    pub fn addr(
+        &mut self,
+        next: &mut u64,
+        coordinator: &str,
+        auth: &JobAuth,
+        command: impl FnOnce(u64, &[String]) -> anyhow::Result<Command>,
+    ) -> anyhow::Result<String> {
         if let Some(r) = &mut self.running {
             match r.child.try_wait() {
                 Ok(None) => return Ok(r.addr.clone()),
-                Ok(Some(status)) => {
-                    tracing::warn!("relay {} ended ({status}); starting another", self.started)
-                }
-                Err(e) => tracing::warn!("relay {}: {e}; starting another", self.started),
+                Ok(Some(status)) => tracing::warn!("relay {} ended ({status}); starting another", r.id),
+                Err(e) => tracing::warn!("relay {}: {e}; starting another", r.id),
             }
         }
         if let Some(mut r) = self.running.take() {
             terminate_group(&mut r.child, Duration::ZERO);
         }
-        self.started += 1;
-        let id = self.started;
+        *next += 1;
+        let id = *next;
         crate::process::ensure_dir(&self.log_dir)?;
         let path = self.log_dir.join(format!("relay-{id}.log"));
         let log = std::fs::File::create(&path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        let mut cmd = Command::new(&self.exe);
-        cmd.args(["relay", "--coordinator", coordinator, "--listen", "127.0.0.1:0", "--id", &id.to_string()])
-            .args([
-                "--job",
-                &auth.job,
-                "--secret-file",
-                "-",
-                "--lease-ms",
-                &self.lease.as_millis().to_string(),
-            ])
-            .env_remove("EDL_JOB_SECRET")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(log.try_clone()?);
+        let words: Vec<String> = [
+            "relay",
+            "--coordinator",
+            coordinator,
+            "--listen",
+            "127.0.0.1:0",
+            "--id",
+            &id.to_string(),
+            "--job",
+            &auth.job,
+            "--secret-file",
+            "-",
+            "--lease-ms",
+            &self.lease.as_millis().to_string(),
+        ]
+        .iter()
+        .map(|w| w.to_string())
+        .collect();
+        let mut cmd = command(id, &words).map_err(|e| anyhow::anyhow!("relay {id}: {e:#}"))?;
+        cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(log.try_clone()?);
         die_with_parent(&mut cmd);
         // Ctrl-C is the coordinator's to act on, as for the workers.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let shown = format!("{:?}", cmd.get_program());
         let mut child = crate::process::spawn_lasting(cmd)
-            .map_err(|e| anyhow::anyhow!("cannot start relay {id} ({}): {e}", self.exe.display()))?;
+            .map_err(|e| anyhow::anyhow!("cannot start relay {id} ({shown}): {e}"))?;
         let stdin =
             child.stdin.take().and_then(|mut s| writeln!(s, "{}", auth.secret.to_hex()).ok().map(|()| s));
-        let addr = await_line(&mut child, &path, log, Duration::from_secs(30), relaying_on)
-            .map_err(|why| anyhow::anyhow!("relay {id}: {why}"))?;
-        tracing::info!("relay {id} carries this host's workers from {addr}");
-        self.running = Some(Running { child, addr: addr.clone(), _stdin: stdin });
+        let addr = match await_line(&mut child, &path, log, Duration::from_secs(30), relaying_on) {
+            Ok(addr) => addr,
+            Err(why) => {
+                terminate_group(&mut child, Duration::ZERO);
+                anyhow::bail!("relay {id}: {why}");
+            }
+        };
+        tracing::info!("relay {id} carries its host's workers from {addr}");
+        self.running = Some(Running { id, child, addr: addr.clone(), _stdin: stdin });
         Ok(addr)
     }
 
-    /// The coordinator lost relay `id`'s connection: its workers are lost,
-    /// and the next worker starts another relay (a relay killed may still
-    /// listen for a moment while its process ends).
-    pub fn lost(&mut self, id: u64) {
-        if id == self.started
-            && let Some(mut r) = self.running.take()
-        {
+    /// The coordinator lost relay `id`'s connection: if that is this
+    /// host's, its workers are lost, and the next worker here starts
+    /// another relay (a relay killed may still listen for a moment while
+    /// its process ends). Whether it was this host's.
+    pub fn lost(&mut self, id: u64) -> bool {
+        if self.running.as_ref().is_none_or(|r| r.id != id) {
+            return false;
+        }
+        if let Some(mut r) = self.running.take() {
             terminate_group(&mut r.child, Duration::ZERO);
         }
+        true
     }
 
     /// The running relay's process id.

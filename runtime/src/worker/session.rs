@@ -234,6 +234,9 @@ pub struct Session {
     /// The address of this host that the job's other hosts reach.
     ring_ip: std::net::IpAddr,
     ring_advertise: Option<std::net::IpAddr>,
+    /// Set by [`Session::set_ring_address`] (the ring's address is not
+    /// taken from the control connection's).
+    ring_chosen: bool,
     /// Sends heartbeats while the session lives.
     _heartbeat: Heartbeat,
     inbox: mpsc::Receiver<Result<ToWorker, crate::control::proto::ProtoError>>,
@@ -396,6 +399,7 @@ impl Session {
             out,
             ring_ip,
             ring_advertise: None,
+            ring_chosen: false,
             _heartbeat: heartbeat,
             inbox,
             held: VecDeque::new(),
@@ -501,6 +505,7 @@ impl Session {
     pub fn set_ring_address(&mut self, bind: std::net::IpAddr, advertise: Option<std::net::IpAddr>) {
         self.ring_ip = bind;
         self.ring_advertise = advertise;
+        self.ring_chosen = true;
     }
 
     /// Every step before this one is committed (as this worker last heard).
@@ -682,7 +687,11 @@ impl Session {
                         _ if e.downcast_ref::<NoState>().is_some() => Some(FailCause::NoState),
                         _ => None,
                     };
+                    // No step ran: the state is where the generation
+                    // found it (or where its start put it back to).
+                    let applied = self.applied;
                     self.report(g.generation, g.committed_steps, e, cause)?;
+                    self.applied = applied;
                 }
             }
             Ok(ToWorker::Steps { generation, steps, shares }) => self.enqueue(generation, steps, shares)?,
@@ -1226,21 +1235,31 @@ impl Session {
         Ok(())
     }
 
+    /// Where the ring listens: the address this host reaches the
+    /// coordinator from (loopback for a one-machine job, the interface
+    /// toward the cluster otherwise), or the one set for it. A worker that
+    /// reaches the coordinator through its host's relay leaves from
+    /// loopback: where the generation meets on another host, its ring
+    /// listens on this host's address toward that one.
+    fn ring_bind(&self, rendezvous: SocketAddr) -> std::net::IpAddr {
+        if self.ring_chosen || !self.ring_ip.is_loopback() || rendezvous.ip().is_loopback() {
+            return self.ring_ip;
+        }
+        crate::net::routable_toward(&rendezvous.ip().to_string()).unwrap_or(self.ring_ip)
+    }
+
     /// Builds the generation's ring and shares rank 0's state.
     fn join_generation(&mut self, g: &Generation, state: &mut dyn State) -> Result<f64> {
         let start = Instant::now();
+        let rendezvous = self.rendezvous.as_ref().map(|r| r.addr).ok_or_else(|| anyhow!("no rendezvous"))?;
         let opts = RingOptions {
             timeout: Duration::from_millis(self.spec.collective_timeout_ms),
-            // The ring listens on the address this host reaches the
-            // coordinator from: loopback for a one-machine job, the
-            // interface toward the cluster otherwise.
-            bind: self.ring_ip,
+            bind: self.ring_bind(rendezvous),
             advertise: self.ring_advertise,
             auth: Some((self.auth.clone(), g.generation)),
             encrypt: !self.spec.gradients_in_clear,
             ..RingOptions::default()
         };
-        let rendezvous = self.rendezvous.as_ref().map(|r| r.addr).ok_or_else(|| anyhow!("no rendezvous"))?;
         let rdv = TcpRendezvous::new(rendezvous, g.rendezvous_key.clone())
             .with_auth(self.auth.clone(), g.generation);
         // The state to broadcast is taken before the ring is built: a

@@ -108,6 +108,37 @@ fn workers_started_elsewhere_join_with_the_secret_and_only_within_the_maximum() 
 }
 
 #[test]
+fn a_first_generation_whose_ring_cannot_form_leaves_the_state_at_the_start_for_the_next() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let secret = d.join("job.secret");
+    let mut cmd = job(d, &["--scaler", "external", "--no-distill", "--teachers", "0"]);
+    cmd.args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold"]);
+    cmd.args(["--min-workers", "2", "--max-workers", "2", "--epochs", "2", "--secret-file"]).arg(&secret);
+    let mut child = cmd.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let addr = coordinator_addr(&rx, &mut seen);
+    let good = worker(&[], &addr, Some(&secret), &d.join("w1.log")).spawn().unwrap();
+    // Its ring listens on 127.0.0.1 and it tells its peers 127.0.0.2:
+    // nothing answers there, and the first generation's ring fails.
+    let mut bad = worker(&[], &addr, Some(&secret), &d.join("w2.log"));
+    let mut bad = bad.args(["--listen", "127.0.0.1", "--advertise", "127.0.0.2"]).spawn().unwrap();
+    wait_for(&rx, "step 0 not committed (generation 1", &mut seen, Duration::from_secs(120));
+    let _ = (bad.kill(), bad.wait());
+    // The next generation, with one that can be reached, starts from step 0.
+    let other = worker(&[], &addr, Some(&secret), &d.join("w3.log")).spawn().unwrap();
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    assert!(!text.contains("cannot serve committed step"), "{text}");
+    assert_exactly_once(&report(d), 2, 1200);
+    for mut w in [good, other] {
+        let _ = (w.kill(), w.wait());
+    }
+}
+
+#[test]
 fn a_job_across_hosts_survives_a_dead_host_and_a_cut_off_one_and_refuses_it_after() {
     let names = ["coord", "w1", "w2", "w3", "teacher"];
     let Some(hosts) = Hosts::build_or_skip(&names) else { return };

@@ -4,6 +4,7 @@
 //! host's workers lost, recovered as such.
 
 use crate::support::{
+    hosts::Hosts,
     job::{
         Alone, assert_exactly_once, assert_noise_scale_measured, coordinator_note, final_state, finish, job,
         lines, report, run_to_end, scale_event,
@@ -14,7 +15,11 @@ use crate::support::{
     wait::wait_for,
 };
 use edl_plugin_artifacts as art;
-use std::{path::Path, process::Command, time::Duration};
+use std::{
+    path::Path,
+    process::{Command, Stdio},
+    time::Duration,
+};
 
 /// A job of three workers whose policy never acts, for `epochs` epochs.
 fn three_workers(dir: &Path, epochs: &str, extra: &[&str]) -> Command {
@@ -136,12 +141,17 @@ fn the_relay_killed_loses_its_host_s_workers_and_the_job_recovers_through_a_new_
 }
 
 #[test]
-fn a_relay_is_refused_for_workers_on_other_hosts() {
+fn a_relay_is_refused_where_it_cannot_run_beside_the_workers() {
     let dir = tempfile::tempdir().unwrap();
-    let args = ["--relay", "--scaler", "command", "--worker-command", "true", "--hosts", "a"];
+    let args = ["--relay", "--scaler", "slurm"];
     let out = job(dir.path(), &args).output().unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--relay is for --scaler local"));
+    // By command, a relay runs on each of the workers' hosts: they must be named.
+    let args = ["--relay", "--scaler", "command", "--worker-command", "true"];
+    let out = job(dir.path(), &args).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--relay with --scaler command needs --hosts"));
 }
 
 #[test]
@@ -179,4 +189,83 @@ fn a_launched_numpy_program_trains_through_a_relay_every_sample_once() {
     assert!(log.contains("relaying on"), "{log}");
     let done = text.lines().filter(|l| l.starts_with("[worker ") && l.contains("test accuracy")).count();
     assert_eq!(done, 3, "every program ran to the end: {text}");
+}
+
+/// The command lines of host `name`'s processes.
+fn on_host(hosts: &Hosts, name: &str) -> Vec<(i32, String)> {
+    hosts
+        .pids(name)
+        .into_iter()
+        .filter_map(|p| {
+            let raw = std::fs::read(format!("/proc/{p}/cmdline")).ok()?;
+            Some((p, String::from_utf8_lossy(&raw).replace('\0', " ")))
+        })
+        .collect()
+}
+
+#[test]
+fn workers_started_by_command_on_two_hosts_reach_the_job_through_a_relay_on_each() {
+    let Some(hosts) = Hosts::build_or_skip(&["coord", "w1", "w2"]) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let coord = hosts.ip("coord");
+    let template = format!("ip netns exec {}-{{host}} {{program}}", hosts.prefix);
+    let mut args = vec!["--policy", art::AUTOSCALE_WASM, "--decide-every", "100000", "--no-distill"];
+    args.extend_from_slice(&["--workers", "4", "--min-workers", "4", "--max-workers", "4"]);
+    args.extend_from_slice(&[
+        "--step-delay-ms",
+        "5",
+        "--epochs",
+        "6",
+        "--relay",
+        "--checkpoint-every-steps",
+        "10",
+    ]);
+    let cmd = job(d, &args);
+    let mut coordinator = hosts.on("coord", cmd.get_program().to_str().unwrap());
+    coordinator.args(cmd.get_args()).current_dir(d);
+    coordinator.args(["--scaler", "command", "--worker-command", &template, "--hosts", "w1:2,w2:2"]);
+    coordinator.args(["--listen", &format!("{coord}:7070")]);
+    coordinator.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = coordinator.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(180));
+
+    // Two connections reach the coordinator: a relay's from each host.
+    let ss =
+        hosts.on("coord", "ss").args(["-tnH", "state", "established", "( sport = :7070 )"]).output().unwrap();
+    let text = String::from_utf8_lossy(&ss.stdout).into_owned();
+    let peers: Vec<&str> = text.lines().filter_map(|l| l.split_whitespace().last()).collect();
+    assert_eq!(peers.len(), 2, "one connection a host: {text}");
+    for host in ["w1", "w2"] {
+        assert!(peers.iter().any(|p| p.starts_with(&format!("{}:", hosts.ip(host)))), "{host}: {text}");
+        let procs = on_host(&hosts, host);
+        let relays: Vec<_> = procs.iter().filter(|(_, c)| c.contains(" relay ")).collect();
+        assert_eq!(relays.len(), 1, "one relay on {host}: {procs:?}");
+        assert!(relays[0].1.contains(&format!("--coordinator {coord}:7070")), "{relays:?}");
+        let workers: Vec<_> = procs.iter().filter(|(_, c)| c.contains(" worker ")).collect();
+        assert_eq!(workers.len(), 2, "{host}: {procs:?}");
+        for (_, w) in workers {
+            assert!(w.contains("--coordinator 127.0.0.1:"), "a worker of {host} goes to its relay: {w}");
+        }
+    }
+
+    // w1's relay killed: w1's workers are lost with it, and those started
+    // in their place reach the job through a new relay there.
+    let relay = on_host(&hosts, "w1").into_iter().find(|(_, c)| c.contains(" relay ")).unwrap();
+    // SAFETY: sending a signal has no memory-safety preconditions.
+    unsafe { libc::kill(relay.0, libc::SIGKILL) };
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    let r = report(d);
+    assert_exactly_once(&r, 6, 1200);
+    assert!(text.contains("relay at") && text.contains("was lost"), "the loss names the relay: {text}");
+    let logs = d.join(".edl/mnist/logs");
+    let relay_logs: Vec<String> = (1..=3)
+        .map(|n| std::fs::read_to_string(logs.join(format!("relay-{n}.log"))).unwrap_or_default())
+        .collect();
+    assert!(relay_logs.iter().all(|l| l.contains("relaying on 127.0.0.1:")), "three relays: {relay_logs:?}");
+    assert_eq!(r["final_world_size"].as_u64(), Some(4), "{r}");
 }
