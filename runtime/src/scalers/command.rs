@@ -192,15 +192,29 @@ impl CommandScaler {
             by_host.entry(self.slots[i].0.clone()).or_insert_with(|| HostRelay::new(&self.log_dir, *lease));
         let exe = exe.to_string_lossy().into_owned();
         relay.addr(started, coordinator, auth, |id, words| {
-            // Its words as a program's: braces of their own doubled.
-            let program: Vec<String> =
-                std::iter::once(&exe).chain(words).map(|w| w.replace('{', "{{").replace('}', "}}")).collect();
-            let line = self.fill(&self.start, (&format!("relay-{id}"), Some(i)), coordinator, &program)?;
+            let line = self.relay_line(&exe, (id, i), coordinator, words)?;
             tracing::info!("relay {id}: started `{line}`");
             let mut cmd = Command::new("sh");
             cmd.arg("-c").arg(&line).env("EDL_JOB", &self.job).env_remove("EDL_JOB_SECRET");
             Ok(cmd)
         })
+    }
+
+    /// The worker command's line that starts relay `id` on `slot`'s host:
+    /// `{program}` is `exe` and the relay's `words`.
+    fn relay_line(
+        &self,
+        exe: &str,
+        (id, slot): (u64, usize),
+        coordinator: &str,
+        words: &[String],
+    ) -> anyhow::Result<String> {
+        // Its words as a program's: braces of their own doubled.
+        let program: Vec<String> = std::iter::once(exe)
+            .chain(words.iter().map(String::as_str))
+            .map(|w| w.replace('{', "{{").replace('}', "}}"))
+            .collect();
+        self.fill(&self.start, (&format!("relay-{id}"), Some(slot)), coordinator, &program)
     }
 
     /// The slots, in the order they are handed out: `(host, index on it)`.
@@ -632,7 +646,7 @@ mod tests {
         )
         .unwrap();
         // Through ssh, quoted once more for the remote shell.
-        let line = s.fill(&s.start, 4, "c:7", Some(0)).unwrap();
+        let line = s.fill(&s.start, ("4", Some(0)), "c:7", &s.program).unwrap();
         let words = shlex::split(&line).unwrap();
         assert_eq!(words[..2], ["ssh", "n1"], "{line}");
         assert_eq!(words.len(), 3, "the remote command is one word: {line}");
@@ -654,12 +668,39 @@ mod tests {
         let cmd = ["python".to_string(), "train.py".into(), "--note".into(), "a {b} c".into()];
         let s = CommandScaler::for_program("srun {program}", None, &[], dir.path(), &cmd).unwrap();
         assert_eq!(
-            s.fill(&s.start, 4, "c:7", None).unwrap(),
+            s.fill(&s.start, ("4", None), "c:7", &s.program).unwrap(),
             "srun env 'EDL_COORDINATOR=c:7' 'EDL_WORKER_ID=4' 'EDL_JOB=' 'EDL_JOB_SECRET_FILE=-' 'PYTHONUNBUFFERED=1' python train.py --note 'a {b} c'"
         );
         let e = check_template("srun -w {node} edl-runtime worker").unwrap_err();
         assert!(e.contains("unknown placeholder {node}") && e.contains("{host}"), "{e}");
         assert!(check_template("echo {id").unwrap_err().contains("without its"));
+    }
+
+    #[test]
+    fn a_relay_is_started_by_the_worker_command_on_its_host_and_needs_the_hosts() {
+        let dir = tempfile::tempdir().unwrap();
+        let hosts = ["n1:2".to_string(), "n2:2".to_string()];
+        let cmd = ["python".to_string(), "train.py".into()];
+        let s = CommandScaler::for_program("ssh {host} -l {id} {program}", None, &hosts, dir.path(), &cmd)
+            .unwrap();
+        let s = s.with_relays("/opt/my edl/edl-runtime", Duration::from_secs(10)).unwrap();
+        let words: Vec<String> =
+            ["relay", "--coordinator", "c:7", "--job", "j{x}"].iter().map(|w| w.to_string()).collect();
+        // Slot 1 is n2's first.
+        let line = s.relay_line("/opt/my edl/edl-runtime", (3, 1), "c:7", &words).unwrap();
+        let parts = shlex::split(&line).unwrap();
+        assert_eq!(parts[..4], ["ssh", "n2", "-l", "relay-3"], "{line}");
+        assert_eq!(
+            shlex::split(&parts[4]).unwrap(),
+            ["/opt/my edl/edl-runtime", "relay", "--coordinator", "c:7", "--job", "j{x}"],
+            "this edl-runtime runs it, not the program, its words whole: {line}"
+        );
+        let e = CommandScaler::for_program("ssh {host} {program}", None, &[], dir.path(), &cmd)
+            .unwrap()
+            .with_relays("edl-runtime", Duration::from_secs(10))
+            .err()
+            .expect("no hosts");
+        assert!(e.to_string().contains("needs --hosts"), "{e}");
     }
 
     #[test]
