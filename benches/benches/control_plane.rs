@@ -49,13 +49,20 @@ use std::{
 
 /// CPU seconds this process used, user and system (getrusage).
 fn process_cpu() -> f64 {
+    let (user, system) = process_cpu_split();
+    user + system
+}
+
+/// CPU seconds this process used: in user space, and in the kernel (which
+/// on loopback includes delivering what it sends to the receiving socket).
+fn process_cpu_split() -> (f64, f64) {
     // SAFETY: an all-zero rusage is a valid value of the plain C struct the call fills.
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: `u` is a live rusage the call fills; nothing else is read.
     let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
     assert_eq!(rc, 0, "getrusage: {}", std::io::Error::last_os_error());
     let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    secs(u.ru_utime) + secs(u.ru_stime)
+    (secs(u.ru_utime), secs(u.ru_stime))
 }
 
 /// CLOCK_MONOTONIC in seconds: the clock `perf record -k CLOCK_MONOTONIC`
@@ -247,6 +254,8 @@ struct Figures {
     hosts: usize,
     relay: bool,
     cpu_per_step_ms: f64,
+    /// Of it, in the kernel.
+    kernel_per_step_ms: f64,
     control_ms: f64,
     recovery_ms: f64,
     /// The recovery's phases, as the job's report has them.
@@ -323,6 +332,7 @@ fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<F
     let info = PluginInfo { name: "add-one".into(), version: "0".into(), description: String::new() };
     let policy = Box::new(AddOne { info, at: ADD_AT, done: false });
     let mut marks: HashMap<u64, (Instant, f64)> = HashMap::new();
+    let mut kernel: HashMap<u64, f64> = HashMap::new();
     // The process's CPU at the last two commits: a scale event comes just
     // after its generation's first commit, so their difference is the
     // coordinator's work from the last commit before the pause to the first after.
@@ -333,6 +343,7 @@ fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<F
             (before, last) = (last, process_cpu());
             if r.step == FROM || r.step == TO {
                 marks.insert(r.step, (Instant::now(), last));
+                kernel.insert(r.step, process_cpu_split().1);
                 if std::env::var_os("EDL_BENCH_MARKS").is_some() {
                     // For `perf report --time FROM,TO` of a run recorded with `-k CLOCK_MONOTONIC`.
                     eprintln!("step {} at {:.6}", r.step, monotonic());
@@ -375,6 +386,7 @@ fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<F
         hosts,
         relay,
         cpu_per_step_ms: (c1 - c0) / steps * 1e3,
+        kernel_per_step_ms: (kernel[&TO] - kernel[&FROM]) / steps * 1e3,
         control_ms: (wall - compute.as_secs_f64()) * 1e3,
         recovery_ms: event("lost")?.pause_ms,
         phases: event("lost")?.recovery,
@@ -536,6 +548,18 @@ fn main() -> anyhow::Result<()> {
             f.recovery_cpu_ms,
             f.resize_ms,
             f.resize_cpu_ms
+        );
+    }
+    // On loopback the kernel delivers what the coordinator sends to the
+    // receiving sockets in the sender's context: part of its system time
+    // is the relays' and workers' receiving, which a cluster does on their hosts.
+    for f in &figures {
+        println!(
+            "N = {}, {}: coordinator CPU per step {:.3} ms, of it in the kernel {:.3} ms",
+            f.n,
+            if f.relay { "through a relay per host" } else { "each directly" },
+            f.cpu_per_step_ms,
+            f.kernel_per_step_ms
         );
     }
     for relay in modes {
