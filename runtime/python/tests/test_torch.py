@@ -298,3 +298,32 @@ def test_a_collection_reads_its_tables_in_one_flight_as_each_alone_and_pushes_ea
         et.SparseEmbeddingCollection(deep, deep)
     with pytest.raises(ValueError, match="give the step"):
         et.SparseEmbeddingCollection(deep)(ids)
+
+
+class _Job:
+    """Takes registrations and keeps their names."""
+
+    def __init__(self):
+        self.names = []
+
+    def register(self, name, array):
+        self.names.append(name)
+
+
+def test_ddp_skips_its_broadcast_only_for_a_module_whose_state_the_job_holds():
+    import edl
+
+    held, loose = _model(), _model()
+    job = _Job()
+    edl.register_torch(job, held)
+    assert "0.weight" in job.names
+    ddp = et.ElasticDDP(held)
+    if et._DDP_INIT_SYNC:
+        # The runtime gave every rank rank 0's parameters at the generation's start.
+        assert ddp._ddp_options() == {"init_sync": False}
+    else:
+        assert ddp._ddp_options() == {}
+    # Not the job's state: DDP's own broadcast makes the ranks agree.
+    assert et.ElasticDDP(loose)._ddp_options() == {}
+    # The program's own choice stands.
+    assert et.ElasticDDP(held, init_sync=True)._ddp_options() == {"init_sync": True}

@@ -17,7 +17,14 @@ inside it::
 See docs/your-own-program.md.
 """
 
+import weakref
+
 from ._edl import EdlError, Job, Step, Steps, builtin_data, mlp_init, read_checkpoint
+
+# Modules whose parameters and buffers are registered as a job's state
+# (`register_torch`, `edl.torch.ElasticState`): at each generation's start
+# the runtime gives every rank rank 0's.
+_job_modules = weakref.WeakSet()
 
 __all__ = ["EdlError", "Job", "Step", "Steps", "builtin_data", "mlp_init", "read_checkpoint", "register_torch"]
 
@@ -36,6 +43,7 @@ def register_torch(job, module, optimizer=None, prefix=""):
 
     for name, t in module.state_dict(keep_vars=True).items():
         _register_tensor(job, prefix + name, t)
+    _job_modules.add(module)
     if optimizer is None:
         return
     names = {id(p): n for n, p in module.named_parameters()}

@@ -40,9 +40,16 @@ import pickle
 import socket
 import weakref
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+import edl
+
+# DDP that can be built without broadcasting the parameters (torch >= 2.4).
+_DDP_INIT_SYNC = "init_sync" in inspect.signature(DistributedDataParallel.__init__).parameters
 
 __all__ = [
     "EdlStore",
@@ -373,10 +380,24 @@ class ElasticDDP:
         device_ids = None
         if self.groups.backend == "nccl":
             device_ids = [next(self.module.parameters()).device.index]
-        self._ddp = DistributedDataParallel(self.module, process_group=group, device_ids=device_ids, **self.options)
+        self._ddp = DistributedDataParallel(
+            self.module, process_group=group, device_ids=device_ids, **self._ddp_options()
+        )
         if self.noise_scale:
             self._measured = _Measured(group, self.noise_every)
             self._ddp.register_comm_hook(self._measured, _measuring_allreduce)
+
+    def _ddp_options(self):
+        """DDP's options: the program's and, where the module is the job's
+        state (``ElasticState``, ``edl.register_torch``), ``init_sync=False``:
+        every rank holds rank 0's parameters already (the runtime gave them
+        at the generation's start), so DDP's own check and broadcast of them
+        would only lengthen each resize's pause. Buffers are still synced at
+        each forward, as DDP does by default."""
+        options = dict(self.options)
+        if _DDP_INIT_SYNC and "init_sync" not in options and self.module in edl._job_modules:
+            options["init_sync"] = False
+        return options
 
     def close(self, failed=False):
         self._ddp = None
@@ -983,6 +1004,7 @@ class ElasticState:
         self._mirrored = []
         for name, t in model.state_dict(keep_vars=True).items():
             self._add(f"model.{name}", t)
+        edl._job_modules.add(model)
         self._optimizer_keys = {}
         if optimizer is not None:
             _materialize(optimizer)
