@@ -166,6 +166,14 @@ impl CommandScaler {
                 "--relay with --scaler command needs --hosts: the workers' hosts, a relay on each"
             );
         }
+        if !self.start.contains("{program}") {
+            // The relay's command line is `{program}`: a template that
+            // writes its own would start a worker in the relay's place.
+            crate::refuse!(
+                "--relay with --scaler command needs {{program}} in --worker-command (it stands for the relay's \
+                 command line too)"
+            );
+        }
         self.relays = Some(Relays { exe: exe.into(), lease, by_host: BTreeMap::new(), started: 0 });
         Ok(self)
     }
@@ -701,6 +709,13 @@ mod tests {
             .err()
             .expect("no hosts");
         assert!(e.to_string().contains("needs --hosts"), "{e}");
+        let own = "ssh {host} edl-runtime worker --coordinator {coordinator} --id {id} --secret-file -";
+        let e = CommandScaler::new(own, None, &hosts, "edl-runtime", dir.path())
+            .unwrap()
+            .with_relays("edl-runtime", Duration::from_secs(10))
+            .err()
+            .expect("a template without {program}");
+        assert!(e.to_string().contains("needs {program} in --worker-command"), "{e}");
     }
 
     #[test]

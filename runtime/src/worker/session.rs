@@ -684,14 +684,20 @@ impl Session {
                 if let Err(e) = self.start_generation(&g, state) {
                     let cause = match () {
                         _ if e.downcast_ref::<StateMismatch>().is_some() => Some(FailCause::State),
+                        // The job's newest checkpoint is chosen again.
                         _ if e.downcast_ref::<NoState>().is_some() => Some(FailCause::NoState),
+                        _ if e.downcast_ref::<PlannedCheckpoint>().is_some() => Some(FailCause::NoState),
                         _ => None,
                     };
-                    // No step ran: the state is where the generation
-                    // found it (or where its start put it back to).
+                    // No step ran: unless a load into the state failed part
+                    // way, the state is where the generation found it (or
+                    // where its start put it back to).
+                    let spoiled = e.downcast_ref::<LoadFailed>().is_some();
                     let applied = self.applied;
                     self.report(g.generation, g.committed_steps, e, cause)?;
-                    self.applied = applied;
+                    if !spoiled {
+                        self.applied = applied;
+                    }
                 }
             }
             Ok(ToWorker::Steps { generation, steps, shares }) => self.enqueue(generation, steps, shares)?,
@@ -1193,12 +1199,13 @@ impl Session {
             self.ps = g.ps.clone();
         }
         if let Some(path) = &g.init {
-            let r = planned_checkpoint(&self.checkpoints, path, n)?;
+            let r = planned_checkpoint(&self.checkpoints, path, n)
+                .map_err(|e| PlannedCheckpoint(format!("{e:#}")))?;
             let values = self
                 .layout
                 .reorder(&r.layout, &r.values)
                 .map_err(|why| StateMismatch { what: format!("checkpoint {}", r.path.display()), why })?;
-            state.load(&values).context("loading the checkpoint into the state")?;
+            load_state(state, &values, "loading the checkpoint into the state")?;
             self.applied = Some(n);
             self.snapshots.clear();
             self.restored_from = Some(r.path.clone());
@@ -1218,7 +1225,7 @@ impl Session {
                         self.snapshots.keys().collect::<Vec<_>>()
                     )
                 })?;
-                state.load(&s).context("restoring the rollback point")?;
+                load_state(state, &s, "restoring the rollback point")?;
                 self.applied = Some(n);
             }
             None => {} // a joiner: gets the state by broadcast
@@ -1245,7 +1252,18 @@ impl Session {
         if self.ring_chosen || !self.ring_ip.is_loopback() || rendezvous.ip().is_loopback() {
             return self.ring_ip;
         }
-        crate::net::routable_toward(&rendezvous.ip().to_string()).unwrap_or(self.ring_ip)
+        match crate::net::routable_toward(&rendezvous.ip().to_string()) {
+            Ok(ip) => ip,
+            Err(e) => {
+                tracing::warn!(
+                    "worker {}: no address toward the rendezvous {rendezvous} ({e:#}); the ring listens on {} \
+                     and ranks on other hosts cannot reach it",
+                    self.id,
+                    self.ring_ip
+                );
+                self.ring_ip
+            }
+        }
     }
 
     /// Builds the generation's ring and shares rank 0's state.
@@ -1302,7 +1320,7 @@ impl Session {
                 .into());
             }
             ring.broadcast(&mut values, 0).context("broadcasting the state from rank 0")?;
-            state.load(&values).context("loading rank 0's state")?;
+            load_state(state, &values, "loading rank 0's state")?;
             self.applied = Some(g.committed_steps);
             // Rank 0's state is everyone's rollback point now.
             self.snapshots.clear();
@@ -1377,6 +1395,26 @@ impl Session {
 #[derive(Debug, thiserror::Error)]
 #[error("{0} with a worker that has no state")]
 pub struct NoState(String);
+
+/// The checkpoint a generation's plan names cannot be loaded (gone, say,
+/// pruned by a newer one's write, or of another step): the job chooses its
+/// newest checkpoint again, as when no worker holds the state.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct PlannedCheckpoint(String);
+
+/// Loading values into the program's state failed part way: what the
+/// state holds is not known (the next generation puts it back).
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {why}")]
+pub struct LoadFailed {
+    what: &'static str,
+    why: String,
+}
+
+fn load_state(state: &mut dyn State, values: &[f32], what: &'static str) -> Result<()> {
+    state.load(values).map_err(|e| LoadFailed { what, why: format!("{e:#}") }.into())
+}
 
 /// The committed state cannot be loaded into this worker's.
 #[derive(Debug, thiserror::Error)]

@@ -251,6 +251,16 @@ fn workers_started_by_command_on_two_hosts_reach_the_job_through_a_relay_on_each
         }
     }
 
+    // The secret reaches relays and workers on their input, never a command line.
+    let secret = std::fs::read_to_string(d.join(".edl/mnist/secret")).unwrap();
+    let secret = secret.trim();
+    assert!(secret.len() >= 32, "{secret:?}");
+    for host in ["coord", "w1", "w2"] {
+        for (pid, line) in on_host(&hosts, host) {
+            assert!(!line.contains(secret), "the secret on the command line of {pid} on {host}");
+        }
+    }
+
     // w1's relay killed: w1's workers are lost with it, and those started
     // in their place reach the job through a new relay there.
     let relay = on_host(&hosts, "w1").into_iter().find(|(_, c)| c.contains(" relay ")).unwrap();
