@@ -167,6 +167,9 @@ pub struct PsServers {
     starting: Vec<(u64, Option<usize>, Option<Starting>)>,
     /// The job's server Pods, where servers run in Pods.
     pods: Option<Arc<PsPods>>,
+    /// Servers still starting that are no longer wanted (another of their
+    /// batch failed): each is stopped once its start ends.
+    abandoned: std::collections::BTreeSet<u64>,
 }
 
 /// The thread starting a server.
@@ -208,6 +211,7 @@ impl PsServers {
             next,
             starting: Vec::new(),
             pods,
+            abandoned: Default::default(),
         };
         servers.more(start.count)?;
         Ok(servers)
@@ -215,10 +219,12 @@ impl PsServers {
 
     /// Starts `n` more servers (with ids after every one started before),
     /// all at once, and waits for them; returns their ids and addresses.
-    /// All or none: when one does not start, those that did are stopped.
+    /// All or none: when one does not start, the wait ends there, those
+    /// that did are stopped, and those still starting are stopped once
+    /// their start ends.
     pub fn more(&mut self, n: u32) -> Result<Vec<(u64, String)>> {
         let ids = self.start_more(n)?;
-        let (mine, others): (Vec<_>, Vec<_>) =
+        let (mut mine, others): (Vec<_>, Vec<_>) =
             std::mem::take(&mut self.starting).into_iter().partition(|s| ids.contains(&s.0));
         self.starting = others;
         let mut added = Vec::new();
@@ -228,15 +234,26 @@ impl PsServers {
                 n as usize - ids.len()
             )
         });
-        for (id, _, thread) in mine {
-            match thread.map(|t| self.join_started(id, t)) {
-                Some(Ok(at)) => added.push(at),
-                Some(Err((_, e))) => failed = failed.or(Some(e)),
-                None => {}
+        // Each joined as its start ends (each start is bounded).
+        while failed.is_none() && !mine.is_empty() {
+            let (done, left): (Vec<_>, Vec<_>) =
+                mine.into_iter().partition(|s| s.2.as_ref().is_none_or(|t| t.is_finished()));
+            mine = left;
+            for (id, _, thread) in done {
+                match thread.map(|t| self.join_started(id, t)) {
+                    Some(Ok(at)) => added.push(at),
+                    Some(Err((_, e))) => failed = failed.or(Some(e)),
+                    None => {}
+                }
+            }
+            if failed.is_none() && !mine.is_empty() {
+                std::thread::sleep(Duration::from_millis(20));
             }
         }
         if let Some(e) = failed {
             self.servers.retain(|p| !added.iter().any(|(id, _)| *id == p.id));
+            self.abandoned.extend(mine.iter().map(|s| s.0));
+            self.starting.extend(mine);
             return Err(e);
         }
         Ok(added)
@@ -306,10 +323,18 @@ impl PsServers {
             .into_iter()
             .partition(|s| wait || s.2.as_ref().is_none_or(|t| t.is_finished()));
         self.starting = left;
-        done.into_iter()
-            .filter_map(|(id, _, thread)| Some((id, thread?)))
-            .map(|(id, thread)| self.join_started(id, thread))
-            .collect()
+        let mut started = Vec::new();
+        for (id, thread) in done.into_iter().filter_map(|(id, _, thread)| Some((id, thread?))) {
+            if self.abandoned.remove(&id) {
+                // Not wanted any more: stopped on a thread of its own.
+                if let Ok(Ok(p)) = thread.join() {
+                    std::thread::spawn(move || drop(p));
+                }
+                continue;
+            }
+            started.push(self.join_started(id, thread));
+        }
+        started
     }
 
     /// The next server's id, and its slot among the command's hosts (none:
@@ -350,14 +375,14 @@ impl PsServers {
         }
     }
 
-    /// How many servers run, and are being started.
+    /// How many servers run, and are being started (and wanted).
     pub fn len(&self) -> usize {
-        self.servers.len() + self.starting.len()
+        self.servers.len() + self.starting.iter().filter(|s| !self.abandoned.contains(&s.0)).count()
     }
 
-    /// Whether servers are being started.
+    /// Whether servers are being started (and wanted).
     pub fn starting(&self) -> bool {
-        !self.starting.is_empty()
+        self.starting.iter().any(|s| !self.abandoned.contains(&s.0))
     }
 
     /// How many servers run (those starting not counted).
@@ -582,7 +607,7 @@ impl Drop for PsServers {
         // Those still starting are stopped once they started, if that
         // comes before the deadline (a later one goes with this process,
         // or, in a Pod, with its owner).
-        while self.starting() && std::time::Instant::now() < until {
+        while !self.starting.is_empty() && std::time::Instant::now() < until {
             std::thread::sleep(Duration::from_millis(20));
             self.started(false);
         }
@@ -591,5 +616,48 @@ impl Drop for PsServers {
             let ids: Vec<u64> = self.starting.iter().map(|s| s.0).collect();
             pods.close(&ids);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_of_servers_whose_first_fails_is_given_up_at_once_and_the_rest_stopped_once_started() {
+        let dir = tempfile::tempdir().unwrap();
+        // Server 1 cannot start; server 2 takes long to (placed by the
+        // command: it has 120 s to say where it serves).
+        let start = "if [ {id} = 1 ]; then echo no room for server 1 >&2; exit 3; fi; sleep 30; exit 4";
+        let spec = PsStart {
+            count: 2,
+            memory_mib: 0,
+            staleness: 0,
+            replicas: 1,
+            min: 2,
+            max: 2,
+            exe: PathBuf::from("edl-runtime"),
+            listen: IpAddr::from([127, 0, 0, 1]),
+            advertise: "127.0.0.1".into(),
+            command: Some(PsCommand { start: start.into(), hosts: Vec::new(), port: 0 }),
+            kube: None,
+        };
+        let auth = JobAuth { job: "j".into(), secret: crate::worker::session::Secret::generate().unwrap() };
+        let e = match PsServers::start(&spec, &auth, dir.path()) {
+            Ok(_) => panic!("a server that cannot start"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(e.contains("parameter server 1") && e.contains("no room for server 1"), "{e}");
+
+        // The same through more(): it returns with server 2 still starting,
+        // which no longer counts and is stopped once its start ends.
+        let mut servers = PsServers::default();
+        servers.start = Some((spec, auth, dir.path().to_path_buf()));
+        servers.next = 1;
+        let e = format!("{:#}", servers.more(2).unwrap_err());
+        assert!(e.contains("parameter server 1"), "{e}");
+        assert_eq!(servers.starting.iter().map(|s| s.0).collect::<Vec<_>>(), vec![2], "not waited for");
+        assert!(!servers.starting(), "and not counted");
+        assert_eq!(servers.len(), 0, "and not counted");
     }
 }
