@@ -264,8 +264,7 @@ fn workers_started_by_command_on_two_hosts_reach_the_job_through_a_relay_on_each
     // w1's relay killed: w1's workers are lost with it, and those started
     // in their place reach the job through a new relay there.
     let relay = on_host(&hosts, "w1").into_iter().find(|(_, c)| c.contains(" relay ")).unwrap();
-    // SAFETY: sending a signal has no memory-safety preconditions.
-    unsafe { libc::kill(relay.0, libc::SIGKILL) };
+    sigkill(u32::try_from(relay.0).expect("a process id"));
     let status = finish(child, rx, &mut seen);
     let text = seen.join("\n");
     assert!(status.success(), "{text}");
