@@ -256,6 +256,9 @@ impl PsServers {
             self.starting.extend(mine);
             return Err(e);
         }
+        // In the order of their ids, whichever started first.
+        added.sort_by_key(|a| a.0);
+        self.servers.sort_by_key(|p| p.id);
         Ok(added)
     }
 
