@@ -187,6 +187,11 @@ impl CommandScaler {
         at
     }
 
+    /// The relay of `slot`'s host. Where it has none running, every host of
+    /// `--hosts` without one gets one now, all started together (each
+    /// start is an ssh, or an engine's, round trip: the job waits for the
+    /// slowest, not their sum); a host whose relay fails to start, other
+    /// than this one, is tried again by its first worker.
     fn host_relay(
         &self,
         relays: &mut Relays,
@@ -196,16 +201,74 @@ impl CommandScaler {
     ) -> anyhow::Result<String> {
         let i = slot.ok_or_else(|| anyhow::anyhow!("a relay needs the worker's host (--hosts)"))?;
         let Relays { exe, lease, by_host, started } = relays;
-        let relay =
-            by_host.entry(self.slots[i].0.clone()).or_insert_with(|| HostRelay::new(&self.log_dir, *lease));
+        let host = &self.slots[i].0;
+        if let Some(addr) = by_host.get_mut(host).and_then(HostRelay::running_addr) {
+            return Ok(addr);
+        }
         let exe = exe.to_string_lossy().into_owned();
-        relay.addr(started, coordinator, auth, |id, words| {
-            let line = self.relay_line(&exe, (id, i), coordinator, words)?;
-            tracing::info!("relay {id}: started `{line}`");
-            let mut cmd = Command::new("sh");
-            cmd.arg("-c").arg(&line).env("EDL_JOB", &self.job).env_remove("EDL_JOB_SECRET");
-            Ok(cmd)
-        })
+        // Each host once, by its first slot; this one first.
+        let mut hosts: Vec<usize> = vec![i];
+        for (j, (h, _)) in self.slots.iter().enumerate() {
+            if !hosts.iter().any(|&k| self.slots[k].0 == *h) {
+                hosts.push(j);
+            }
+        }
+        let mut mine: Option<anyhow::Error> = None;
+        let mut launched = Vec::new();
+        for j in hosts {
+            let h = self.slots[j].0.clone();
+            let relay = by_host.entry(h.clone()).or_insert_with(|| HostRelay::new(&self.log_dir, *lease));
+            if j != i && relay.running_addr().is_some() {
+                continue;
+            }
+            let start = relay.launch(started, coordinator, auth, |id, words| {
+                let line = self.relay_line(&exe, (id, j), coordinator, words)?;
+                tracing::info!("relay {id}: started `{line}`");
+                let mut cmd = Command::new("sh");
+                cmd.arg("-c").arg(&line).env("EDL_JOB", &self.job).env_remove("EDL_JOB_SECRET");
+                Ok(cmd)
+            });
+            match start {
+                Ok(s) => launched.push((h, s)),
+                Err(e) if j == i => mine = Some(e),
+                Err(e) => tracing::warn!("the relay on {h}: {e:#}; its first worker starts another"),
+            }
+        }
+        let serving: Vec<_> = std::thread::scope(|scope| {
+            let waits: Vec<_> = launched
+                .into_iter()
+                .map(|(h, s)| {
+                    let id = s.id();
+                    (h, id, scope.spawn(move || s.serving()))
+                })
+                .collect();
+            waits
+                .into_iter()
+                .map(|(h, id, wait)| {
+                    let r =
+                        wait.join().unwrap_or_else(|_| Err(anyhow::anyhow!("relay {id}: its wait panicked")));
+                    (h, r)
+                })
+                .collect()
+        });
+        let mut addr = None;
+        for (h, r) in serving {
+            match r {
+                Ok(s) => {
+                    let a = by_host.get_mut(&h).map(|relay| relay.install(s));
+                    if h == *host {
+                        addr = a;
+                    }
+                }
+                Err(e) if h == *host => mine = Some(e),
+                Err(e) => tracing::warn!("the relay on {h}: {e:#}; its first worker starts another"),
+            }
+        }
+        match (addr, mine) {
+            (Some(a), _) => Ok(a),
+            (None, Some(e)) => Err(e),
+            (None, None) => Err(anyhow::anyhow!("the relay on {host} did not start")),
+        }
     }
 
     /// The worker command's line that starts relay `id` on `slot`'s host:

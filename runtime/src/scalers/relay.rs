@@ -48,13 +48,38 @@ impl HostRelay {
         auth: &JobAuth,
         command: impl FnOnce(u64, &[String]) -> anyhow::Result<Command>,
     ) -> anyhow::Result<String> {
-        if let Some(r) = &mut self.running {
-            match r.child.try_wait() {
-                Ok(None) => return Ok(r.addr.clone()),
-                Ok(Some(status)) => tracing::warn!("relay {} ended ({status}); starting another", r.id),
-                Err(e) => tracing::warn!("relay {}: {e}; starting another", r.id),
-            }
+        if let Some(addr) = self.running_addr() {
+            return Ok(addr);
         }
+        let started = self.launch(next, coordinator, auth, command)?.serving()?;
+        Ok(self.install(started))
+    }
+
+    /// The running relay's address; None when there is none (a relay that
+    /// ended is let go).
+    pub fn running_addr(&mut self) -> Option<String> {
+        let r = self.running.as_mut()?;
+        match r.child.try_wait() {
+            Ok(None) => return Some(r.addr.clone()),
+            Ok(Some(status)) => tracing::warn!("relay {} ended ({status}); starting another", r.id),
+            Err(e) => tracing::warn!("relay {}: {e}; starting another", r.id),
+        }
+        if let Some(mut r) = self.running.take() {
+            terminate_group(&mut r.child, Duration::ZERO);
+        }
+        None
+    }
+
+    /// Starts relay `next + 1` (then counted) without waiting for it to
+    /// serve: [`Starting::serving`] waits (on any thread), [`Self::install`]
+    /// makes it this host's. A running relay is stopped first.
+    pub fn launch(
+        &mut self,
+        next: &mut u64,
+        coordinator: &str,
+        auth: &JobAuth,
+        command: impl FnOnce(u64, &[String]) -> anyhow::Result<Command>,
+    ) -> anyhow::Result<Starting> {
         if let Some(mut r) = self.running.take() {
             terminate_group(&mut r.child, Duration::ZERO);
         }
@@ -91,16 +116,19 @@ impl HostRelay {
             .map_err(|e| anyhow::anyhow!("cannot start relay {id} ({shown}): {e}"))?;
         let stdin =
             child.stdin.take().and_then(|mut s| writeln!(s, "{}", auth.secret.to_hex()).ok().map(|()| s));
-        let addr = match await_line(&mut child, &path, log, Duration::from_secs(30), relaying_on) {
-            Ok(addr) => addr,
-            Err(why) => {
-                terminate_group(&mut child, Duration::ZERO);
-                anyhow::bail!("relay {id}: {why}");
-            }
-        };
-        tracing::info!("relay {id} carries its host's workers from {addr}");
-        self.running = Some(Running { id, child, addr: addr.clone(), _stdin: stdin });
-        Ok(addr)
+        Ok(Starting { id, child, path, log, stdin })
+    }
+
+    /// Makes a relay that serves this host's (stopping one running);
+    /// where workers reach it.
+    pub fn install(&mut self, started: Started) -> String {
+        if let Some(mut r) = self.running.take() {
+            terminate_group(&mut r.child, Duration::ZERO);
+        }
+        let Started(r) = started;
+        let addr = r.addr.clone();
+        self.running = Some(r);
+        addr
     }
 
     /// The coordinator lost relay `id`'s connection: if that is this
@@ -120,6 +148,39 @@ impl HostRelay {
     /// The running relay's process id.
     pub fn pid(&self) -> Option<u32> {
         self.running.as_ref().map(|r| r.child.id())
+    }
+}
+
+/// A relay started, not yet serving.
+pub struct Starting {
+    id: u64,
+    child: Child,
+    path: PathBuf,
+    log: std::fs::File,
+    stdin: Option<ChildStdin>,
+}
+
+/// A relay that said where it serves, for [`HostRelay::install`].
+pub struct Started(Running);
+
+impl Starting {
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Waits (30 s at most) for the relay to say where it serves; a relay
+    /// that does not is stopped.
+    pub fn serving(self) -> anyhow::Result<Started> {
+        let Starting { id, mut child, path, log, stdin } = self;
+        let addr = match await_line(&mut child, &path, log, Duration::from_secs(30), relaying_on) {
+            Ok(addr) => addr,
+            Err(why) => {
+                terminate_group(&mut child, Duration::ZERO);
+                anyhow::bail!("relay {id}: {why}");
+            }
+        };
+        tracing::info!("relay {id} carries its host's workers from {addr}");
+        Ok(Started(Running { id, child, addr, _stdin: stdin }))
     }
 }
 

@@ -192,6 +192,35 @@ fn a_launched_numpy_program_trains_through_a_relay_every_sample_once() {
 }
 
 /// The command lines of host `name`'s processes.
+/// Two hosts' relays, started by a worker command that lets neither serve
+/// until both have started (each waits for the other's mark): started one
+/// after the other, the first would wait for a second that never comes.
+/// Both start together, each once, and the job runs through them.
+#[test]
+fn the_relays_of_every_host_start_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let marks = d.join("marks");
+    std::fs::create_dir(&marks).unwrap();
+    let m = marks.display();
+    let template = format!(
+        "touch {m}/{{host}}; until [ -e {m}/a ] && [ -e {m}/b ]; do sleep 0.05; done; exec {{program}}"
+    );
+    let mut args = vec!["--policy", art::AUTOSCALE_WASM, "--decide-every", "100000", "--no-distill"];
+    args.extend_from_slice(&["--workers", "2", "--min-workers", "2", "--max-workers", "2", "--epochs", "2"]);
+    args.extend_from_slice(&["--relay", "--scaler", "command", "--worker-command", &template]);
+    args.extend_from_slice(&["--hosts", "a:1,b:1"]);
+    let (status, text) = run_to_end(job(d, &args));
+    assert!(status.success(), "{text}");
+    assert_exactly_once(&report(d), 2, 1200);
+    let logs = d.join(".edl/mnist/logs");
+    for n in 1..=2 {
+        let log = std::fs::read_to_string(logs.join(format!("relay-{n}.log"))).unwrap_or_default();
+        assert!(log.contains("relaying on 127.0.0.1:"), "relay {n} serves: {log}\n{text}");
+    }
+    assert!(!logs.join("relay-3.log").exists(), "no relay started again: {text}");
+}
+
 fn on_host(hosts: &Hosts, name: &str) -> Vec<(i32, String)> {
     hosts
         .pids(name)
