@@ -623,3 +623,80 @@ fn the_docs_ddp_program_runs_as_written() {
     let last = r["timeline"].as_array().unwrap().last().unwrap().clone();
     assert!(last["metrics"]["accuracy"].as_f64().unwrap() > 0.5, "it learns: {last}");
 }
+
+/// examples/pytorch/train_cnn.py under the goodput adapter, on two workers
+/// whose steps are mostly a fixed cost: `ElasticDDP` measures the noise
+/// scale, the adapter grows the batch and the rate, the program follows,
+/// every sample is committed once, and the final checkpoint, put back into
+/// the example's model as `benches/goodput_torch.py` does, is the model
+/// rank 0 ended with (the same test accuracy, to the digit).
+#[test]
+fn the_cnn_example_trains_with_the_batch_and_rate_the_goodput_adapter_chooses() {
+    let py = torch_py();
+    let dir = tempfile::tempdir().unwrap();
+    let example = root().join("examples/pytorch/train_cnn.py");
+    let mut c = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    c.current_dir(dir.path())
+        .args(["launch", "--samples", "2000", "--epochs", "3", "--batch", "64", "--lr", "0.05"])
+        .args(["--workers", "2", "--min-workers", "2", "--max-workers", "2", "--no-distill"])
+        .args(["--policy", art::SCHEDULE_WASM, "--decide-every-steps", "4"])
+        .args(["--adapter", art::GOODPUT_WASM, "--batch-max", "512", "--report", "report.json"])
+        .args(["--plugin-cache"])
+        .arg(dir.path().join("plugin-cache"))
+        .args(["--", "python"])
+        .arg(&example)
+        .env("STEP_DELAY_MS", "30")
+        .stdin(Stdio::null());
+    py.env(&mut c);
+    let out = c.output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    let r = report(dir.path());
+    assert_exactly_once(&r, 3, 2000);
+    assert_noise_scale_measured(&r, Alone::Unmeasured);
+    let steps = r["timeline"].as_array().unwrap();
+    assert_eq!(steps[0]["batch"].as_u64(), Some(64), "it starts at --batch");
+    let measured = steps.iter().position(|s| s.get("noise_scale").is_some()).unwrap();
+    let grown = steps.iter().position(|s| s["batch"].as_u64().unwrap() > 64);
+    let grown = grown.unwrap_or_else(|| panic!("the batch never grew: {steps:?}"));
+    assert!(grown > measured, "grown at step {grown}, measured from {measured}");
+    let lr = steps[grown]["lr"].as_f64().unwrap();
+    assert!(lr > 0.05, "a larger batch, a larger rate: {}", steps[grown]);
+    assert!(steps.iter().all(|s| s["batch"].as_u64().unwrap() <= 512), "within --batch-max");
+
+    // What the workers said of their model, and what the final checkpoint holds.
+    let said_acc: Vec<&str> = said
+        .lines()
+        .filter_map(|l| l.split("test accuracy ").nth(1))
+        .map(|a| a.trim_end_matches('%'))
+        .collect();
+    assert_eq!(said_acc.len(), 2, "both workers trained to the end: {said}");
+    let check = format!(
+        "import sys, torch; sys.path.insert(0, {dir:?}); import edl.torch, train_cnn\n\
+         (_, _), (x, y) = train_cnn.data(); m = train_cnn.build()\n\
+         opt = torch.optim.SGD(m.parameters(), lr=0.0, momentum=0.0)\n\
+         edl.torch.load_checkpoint({ckpt:?}, m, opt)\n\
+         print(f'{{train_cnn.accuracy(m, x, y) * 100:.2f}} {{opt.param_groups[0][\"lr\"]!r}}')",
+        dir = example.parent().unwrap().display().to_string(),
+        ckpt = dir.path().join(".edl/launch/checkpoints").display().to_string(),
+    );
+    let out = py.python().args(["-c", &check]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let printed = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (from_checkpoint, opt_lr) = printed.trim().split_once(' ').unwrap();
+    let from_checkpoint = from_checkpoint.to_string();
+    // The optimiser took the rate of each step (its last, as checkpointed).
+    let last_lr = steps.last().unwrap()["lr"].as_f64().unwrap();
+    let opt_lr: f64 = opt_lr.parse().unwrap();
+    assert!(
+        (opt_lr - last_lr).abs() <= 1e-6 * last_lr,
+        "the optimiser's rate {opt_lr}, the step's {last_lr}"
+    );
+    // Rank 0's (each rank's BatchNorm statistics take in its own last batch).
+    assert!(
+        said_acc.contains(&from_checkpoint.as_str()),
+        "the final checkpoint is the model rank 0 ended with: {from_checkpoint} against {said_acc:?}"
+    );
+    let acc: f64 = from_checkpoint.parse().unwrap();
+    assert!(acc > 90.0, "it learns: {acc}%");
+}
