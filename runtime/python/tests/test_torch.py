@@ -327,3 +327,39 @@ def test_ddp_skips_its_broadcast_only_for_a_module_whose_state_the_job_holds():
     assert et.ElasticDDP(loose)._ddp_options() == {}
     # The program's own choice stands.
     assert et.ElasticDDP(held, init_sync=True)._ddp_options() == {"init_sync": True}
+
+
+class _Step:
+    """A generation's step as ElasticDDP reads it: one rank, a store."""
+
+    def __init__(self, generation):
+        self.generation, self.rank, self.world, self.step = generation, 0, 1, 0
+        self.rendezvous = {"host": "127.0.0.1", "port": 1}
+
+    def store(self, timeout):
+        return _Native()
+
+
+def test_an_old_generations_group_is_let_go_on_a_thread_of_its_own_once_its_ddp_module_is_gone():
+    import threading
+
+    def old_group_threads():
+        return [t for t in threading.enumerate() if t.name == "edl-old-group"]
+
+    ddp = et.ElasticDDP(_model(), backend="gloo", noise_scale=False)
+    try:
+        first = ddp.on(_Step(1))
+        assert not old_group_threads()
+        second = ddp.on(_Step(2))
+        assert second is not first
+        # The program still names the first generation's module: its group
+        # is held (a gloo group's teardown waits on its event loop, which
+        # would lengthen the resize's pause), not let go on this thread.
+        waiting = old_group_threads()
+        assert len(waiting) == 1 and waiting[0].is_alive()
+        del first
+        waiting[0].join(timeout=30)
+        assert not waiting[0].is_alive(), "the old group is let go once its module is gone"
+    finally:
+        ddp.close()
+    assert not old_group_threads()

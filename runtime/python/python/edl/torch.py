@@ -38,6 +38,8 @@ import io
 import os
 import pickle
 import socket
+import threading
+import time
 import weakref
 
 import inspect
@@ -240,6 +242,7 @@ class ProcessGroups:
         self.timeout = float(timeout)
         self._generation = None
         self._connections = []
+        self._retiring = []  # threads letting go of earlier generations' groups
         # The group's store, held as long as the group: a backend that
         # reaches it after `init_process_group` returned (NCCL makes its
         # communicator at the first collective) finds a Python store whose
@@ -247,11 +250,13 @@ class ProcessGroups:
         self._store = None
         _HOLDERS.add(self)
 
-    def of(self, step):
-        """The process group of ``step``'s generation, built at its first step."""
+    def of(self, step, users=()):
+        """The process group of ``step``'s generation, built at its first
+        step. ``users``: weak references to what used the last generation's
+        group (its DDP module), which the old group outlives."""
         if self._generation == step.generation and dist.is_initialized():
             return dist.group.WORLD
-        self.close()
+        self._drop(False, users)
         store = EdlStore(step.store(timeout=self.timeout), timeout=self.timeout)
         before = _sockets() if self.backend == "gloo" else {}
         dist.init_process_group(
@@ -274,15 +279,28 @@ class ProcessGroups:
         up, and its connections are shut down too, so that the peers still
         in a collective with this rank fail now: gloo's abort leaves them
         open while anything (a DDP module the program still names) holds
-        the group."""
+        the group. Waits for earlier generations' groups to be let go."""
+        self._drop(failed)
+        retiring, self._retiring = self._retiring, []
+        for t in retiring:
+            t.join(timeout=self.timeout)
+
+    def _drop(self, failed, users=None):
+        """Drops the current group; with ``users`` (a new generation's
+        start) its last reference is let go on a thread of its own once
+        they are gone: a gloo group's teardown waits for ticks of its event
+        loop (10 ms each), which would otherwise lengthen the resize's
+        pause, and torch lets go of a group's handle without the GIL."""
         self._generation = None
         if failed:
             _shut_down(self._connections)
         self._connections = []
+        old = None
         if dist.is_initialized():
+            old = dist.group.WORLD
             device = torch.device("cuda" if self.backend == "nccl" else "cpu")
             try:
-                dist.group.WORLD._get_backend(device).abort()
+                old._get_backend(device).abort()
             except (AttributeError, RuntimeError):
                 pass
             try:
@@ -290,7 +308,30 @@ class ProcessGroups:
             except RuntimeError:
                 pass
         # Let go of the store only once the group is gone.
-        self._store = None
+        store, self._store = self._store, None
+        if old is not None and users is not None:
+            held = [old, store]
+            del old, store  # the thread's references are to be the last
+            self._retiring = [t for t in self._retiring if t.is_alive()]
+            self._retiring.append(_let_go_later(held, users))
+
+
+def _let_go_later(held, users, within=60.0):
+    """Lets go of ``held`` (a list, emptied here) on a daemon thread, once
+    every weak reference in ``users`` is dead (``within`` seconds at most)."""
+    box = [list(held)]
+    held.clear()
+
+    def run():
+        items = box.pop()
+        deadline = time.monotonic() + within
+        while any(u() is not None for u in users) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        items.clear()
+
+    t = threading.Thread(target=run, name="edl-old-group", daemon=True)
+    t.start()
+    return t
 
 
 class _Measured:
@@ -365,10 +406,13 @@ class ElasticDDP:
 
     def on(self, step):
         if self._generation != step.generation:
-            # The old wrapper (and its gradient hooks) goes before the new one comes.
+            # The old wrapper (and its gradient hooks) goes before the new
+            # one comes; the old group outlives it (the program may still
+            # name it until this returns).
+            users = [weakref.ref(self._ddp)] if self._ddp is not None else []
             self._ddp = None
             self._measured = None
-            group = self.groups.of(step)
+            group = self.groups.of(step, users)
             if step.world > 1 or not self.bare_at_one:
                 self._wrap(group, step)
             self._generation = step.generation
