@@ -262,6 +262,7 @@ def warm_spares_cost(args, env, scratch):
     """Growing 2 -> 3 (the schedule's 2 -> 3 -> 2 job) with one warm spare
     against without; and a lost rank's place taken by a spare."""
     rows = {0: ([], []), 1: ([], [])}
+    shrinks = []
     for _ in range(args.runs):
         for spares in (0, 1):
             # Changes 1000 steps apart (a few seconds): time for a spare
@@ -270,6 +271,8 @@ def warm_spares_cost(args, env, scratch):
                 if dst > src:
                     rows[spares][0].append(join)
                     rows[spares][1].append(pause)
+                else:
+                    shrinks.append(pause)
     print("| growing 2 -> 3 (medians) | decision to the new worker ready | pause | decision to first commit |")
     print("|---|---|---|---|")
     for spares, (joins, pauses) in rows.items():
@@ -280,6 +283,7 @@ def warm_spares_cost(args, env, scratch):
     for spares, (joins, pauses) in rows.items():
         each = ", ".join(f"({j or 0:.0f}, {p:.0f})" for j, p in zip(joins, pauses))
         print(f"each, {'one warm spare' if spares else 'no spare'}: (join, pause) {each}")
+    print(f"shrinking 3 -> 2 ({len(shrinks)} resizes): pause {median_ms(shrinks)}, each {[round(p) for p in shrinks]}")
     flags = ["--workers", "3", "--min-workers", "2", "--max-workers", "4", "--warm-spares", "1", "--no-distill"]
     flags += ["--policy", str(SCHEDULE), "--policy-config", "every=1000000", "--report", "report.json"]
     flags += ["--samples", "1397", "--epochs", "30", "--batch", "64"]
