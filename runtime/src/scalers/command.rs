@@ -187,11 +187,12 @@ impl CommandScaler {
         at
     }
 
-    /// The relay of `slot`'s host. Where it has none running, every host of
-    /// `--hosts` without one gets one now, all started together (each
-    /// start is an ssh, or an engine's, round trip: the job waits for the
-    /// slowest, not their sum); a host whose relay fails to start, other
-    /// than this one, is tried again by its first worker.
+    /// The relay of `slot`'s host, started now if it has none running.
+    /// The job's first relays are every host's of `--hosts`, started
+    /// together (each start is an ssh, or an engine's, round trip): the
+    /// others run on while this one is waited for, and each host's first
+    /// worker waits only for its own (a host whose relay failed starts
+    /// another then). A relay lost later is started again alone.
     fn host_relay(
         &self,
         relays: &mut Relays,
@@ -201,74 +202,34 @@ impl CommandScaler {
     ) -> anyhow::Result<String> {
         let i = slot.ok_or_else(|| anyhow::anyhow!("a relay needs the worker's host (--hosts)"))?;
         let Relays { exe, lease, by_host, started } = relays;
-        let host = &self.slots[i].0;
-        if let Some(addr) = by_host.get_mut(host).and_then(HostRelay::running_addr) {
-            return Ok(addr);
-        }
         let exe = exe.to_string_lossy().into_owned();
-        // Each host once, by its first slot; this one first.
-        let mut hosts: Vec<usize> = vec![i];
-        for (j, (h, _)) in self.slots.iter().enumerate() {
-            if !hosts.iter().any(|&k| self.slots[k].0 == *h) {
-                hosts.push(j);
-            }
-        }
-        let mut mine: Option<anyhow::Error> = None;
-        let mut launched = Vec::new();
-        for j in hosts {
-            let h = self.slots[j].0.clone();
-            let relay = by_host.entry(h.clone()).or_insert_with(|| HostRelay::new(&self.log_dir, *lease));
-            if j != i && relay.running_addr().is_some() {
-                continue;
-            }
-            let start = relay.launch(started, coordinator, auth, |id, words| {
+        let command = |j: usize| {
+            let exe = exe.clone();
+            move |id: u64, words: &[String]| -> anyhow::Result<Command> {
                 let line = self.relay_line(&exe, (id, j), coordinator, words)?;
                 tracing::info!("relay {id}: started `{line}`");
                 let mut cmd = Command::new("sh");
                 cmd.arg("-c").arg(&line).env("EDL_JOB", &self.job).env_remove("EDL_JOB_SECRET");
                 Ok(cmd)
-            });
-            match start {
-                Ok(s) => launched.push((h, s)),
-                Err(e) if j == i => mine = Some(e),
-                Err(e) => tracing::warn!("the relay on {h}: {e:#}; its first worker starts another"),
             }
-        }
-        let serving: Vec<_> = std::thread::scope(|scope| {
-            let waits: Vec<_> = launched
-                .into_iter()
-                .map(|(h, s)| {
-                    let id = s.id();
-                    (h, id, scope.spawn(move || s.serving()))
-                })
-                .collect();
-            waits
-                .into_iter()
-                .map(|(h, id, wait)| {
-                    let r =
-                        wait.join().unwrap_or_else(|_| Err(anyhow::anyhow!("relay {id}: its wait panicked")));
-                    (h, r)
-                })
-                .collect()
-        });
-        let mut addr = None;
-        for (h, r) in serving {
-            match r {
-                Ok(s) => {
-                    let a = by_host.get_mut(&h).map(|relay| relay.install(s));
-                    if h == *host {
-                        addr = a;
-                    }
+        };
+        let first = by_host.is_empty();
+        let host = self.slots[i].0.clone();
+        let relay = by_host.entry(host.clone()).or_insert_with(|| HostRelay::new(&self.log_dir, *lease));
+        relay.start_ahead(started, coordinator, auth, command(i))?;
+        if first {
+            for (j, (h, _)) in self.slots.iter().enumerate() {
+                if by_host.contains_key(h) {
+                    continue;
                 }
-                Err(e) if h == *host => mine = Some(e),
-                Err(e) => tracing::warn!("the relay on {h}: {e:#}; its first worker starts another"),
+                let other = by_host.entry(h.clone()).or_insert_with(|| HostRelay::new(&self.log_dir, *lease));
+                if let Err(e) = other.start_ahead(started, coordinator, auth, command(j)) {
+                    tracing::warn!("the relay on {h}: {e:#}; its first worker starts another");
+                }
             }
         }
-        match (addr, mine) {
-            (Some(a), _) => Ok(a),
-            (None, Some(e)) => Err(e),
-            (None, None) => Err(anyhow::anyhow!("the relay on {host} did not start")),
-        }
+        let relay = by_host.get_mut(&host).expect("inserted above");
+        relay.addr(started, coordinator, auth, command(i))
     }
 
     /// The worker command's line that starts relay `id` on `slot`'s host:

@@ -19,6 +19,8 @@ pub struct HostRelay {
     /// The job's worker lease, which the relay keeps for the coordinator.
     lease: Duration,
     running: Option<Running>,
+    /// One started ahead ([`Self::start_ahead`]), not yet waited for.
+    pending: Option<Starting>,
 }
 
 struct Running {
@@ -33,7 +35,7 @@ struct Running {
 
 impl HostRelay {
     pub fn new(log_dir: impl Into<PathBuf>, lease: Duration) -> Self {
-        HostRelay { log_dir: log_dir.into(), lease, running: None }
+        HostRelay { log_dir: log_dir.into(), lease, running: None, pending: None }
     }
 
     /// Where a new worker is to connect: the running relay, or one started
@@ -51,8 +53,27 @@ impl HostRelay {
         if let Some(addr) = self.running_addr() {
             return Ok(addr);
         }
-        let started = self.launch(next, coordinator, auth, command)?.serving()?;
-        Ok(self.install(started))
+        let starting = match self.pending.take() {
+            Some(s) => s,
+            None => self.launch(next, coordinator, auth, command)?,
+        };
+        Ok(self.install(starting.serving()?))
+    }
+
+    /// Starts this host's relay now, without waiting for it (unless one
+    /// runs or was started so): the next [`Self::addr`] waits for it. A
+    /// relay started ahead that fails is started again there.
+    pub fn start_ahead(
+        &mut self,
+        next: &mut u64,
+        coordinator: &str,
+        auth: &JobAuth,
+        command: impl FnOnce(u64, &[String]) -> anyhow::Result<Command>,
+    ) -> anyhow::Result<()> {
+        if self.pending.is_none() && self.running_addr().is_none() {
+            self.pending = Some(self.launch(next, coordinator, auth, command)?);
+        }
+        Ok(())
     }
 
     /// The running relay's address; None when there is none (a relay that
@@ -71,9 +92,9 @@ impl HostRelay {
     }
 
     /// Starts relay `next + 1` (then counted) without waiting for it to
-    /// serve: [`Starting::serving`] waits (on any thread), [`Self::install`]
-    /// makes it this host's. A running relay is stopped first.
-    pub fn launch(
+    /// serve: [`Starting::serving`] waits, [`Self::install`] makes it this
+    /// host's. A running relay is stopped first.
+    fn launch(
         &mut self,
         next: &mut u64,
         coordinator: &str,
@@ -116,12 +137,12 @@ impl HostRelay {
             .map_err(|e| anyhow::anyhow!("cannot start relay {id} ({shown}): {e}"))?;
         let stdin =
             child.stdin.take().and_then(|mut s| writeln!(s, "{}", auth.secret.to_hex()).ok().map(|()| s));
-        Ok(Starting { id, child, path, log, stdin })
+        Ok(Starting { id, child: Some(child), path, log: Some(log), stdin })
     }
 
     /// Makes a relay that serves this host's (stopping one running);
     /// where workers reach it.
-    pub fn install(&mut self, started: Started) -> String {
+    fn install(&mut self, started: Started) -> String {
         if let Some(mut r) = self.running.take() {
             terminate_group(&mut r.child, Duration::ZERO);
         }
@@ -142,6 +163,7 @@ impl HostRelay {
         if let Some(mut r) = self.running.take() {
             terminate_group(&mut r.child, Duration::ZERO);
         }
+        self.pending = None;
         true
     }
 
@@ -151,28 +173,27 @@ impl HostRelay {
     }
 }
 
-/// A relay started, not yet serving.
-pub struct Starting {
+/// A relay started, not yet serving; stopped if dropped so.
+struct Starting {
     id: u64,
-    child: Child,
+    child: Option<Child>,
     path: PathBuf,
-    log: std::fs::File,
+    log: Option<std::fs::File>,
     stdin: Option<ChildStdin>,
 }
 
 /// A relay that said where it serves, for [`HostRelay::install`].
-pub struct Started(Running);
+struct Started(Running);
 
 impl Starting {
-    pub fn id(&self) -> u64 {
-        self.id
-    }
-
     /// Waits (30 s at most) for the relay to say where it serves; a relay
     /// that does not is stopped.
-    pub fn serving(self) -> anyhow::Result<Started> {
-        let Starting { id, mut child, path, log, stdin } = self;
-        let addr = match await_line(&mut child, &path, log, Duration::from_secs(30), relaying_on) {
+    fn serving(mut self) -> anyhow::Result<Started> {
+        let id = self.id;
+        let (Some(mut child), Some(log)) = (self.child.take(), self.log.take()) else {
+            anyhow::bail!("relay {id}: waited for twice");
+        };
+        let addr = match await_line(&mut child, &self.path, log, Duration::from_secs(30), relaying_on) {
             Ok(addr) => addr,
             Err(why) => {
                 terminate_group(&mut child, Duration::ZERO);
@@ -180,7 +201,15 @@ impl Starting {
             }
         };
         tracing::info!("relay {id} carries its host's workers from {addr}");
-        Ok(Started(Running { id, child, addr, _stdin: stdin }))
+        Ok(Started(Running { id, child, addr, _stdin: self.stdin.take() }))
+    }
+}
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            terminate_group(&mut child, Duration::ZERO);
+        }
     }
 }
 

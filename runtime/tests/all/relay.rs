@@ -191,7 +191,6 @@ fn a_launched_numpy_program_trains_through_a_relay_every_sample_once() {
     assert_eq!(done, 3, "every program ran to the end: {text}");
 }
 
-/// The command lines of host `name`'s processes.
 /// Two hosts' relays, started by a worker command that lets neither serve
 /// until both have started (each waits for the other's mark): started one
 /// after the other, the first would wait for a second that never comes.
@@ -221,6 +220,29 @@ fn the_relays_of_every_host_start_together() {
     assert!(!logs.join("relay-3.log").exists(), "no relay started again: {text}");
 }
 
+/// A host whose relay never comes up (its command hangs) holds up no other
+/// host's worker: the job's one worker, on the other host, trains through
+/// its own relay and the job ends, never having waited for the hung one.
+#[test]
+fn a_host_whose_relay_hangs_holds_up_no_other_host_s_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let template = "if [ {host} = b ]; then exec sleep 600; fi; exec {program}";
+    let mut args = vec!["--policy", art::AUTOSCALE_WASM, "--decide-every", "100000", "--no-distill"];
+    args.extend_from_slice(&["--workers", "1", "--min-workers", "1", "--max-workers", "1", "--epochs", "2"]);
+    args.extend_from_slice(&["--relay", "--scaler", "command", "--worker-command", template]);
+    args.extend_from_slice(&["--hosts", "a:1,b:1"]);
+    let (status, text) = run_to_end(job(d, &args));
+    assert!(status.success(), "{text}");
+    assert_exactly_once(&report(d), 2, 1200);
+    let logs = d.join(".edl/mnist/logs");
+    let a = std::fs::read_to_string(logs.join("relay-1.log")).unwrap_or_default();
+    assert!(a.contains("relaying on 127.0.0.1:"), "a's relay serves: {a}\n{text}");
+    assert!(logs.join("relay-2.log").exists(), "b's relay was started with a's: {text}");
+    assert!(!text.contains("did not say where it serves"), "nobody waited for b's relay: {text}");
+}
+
+/// The command lines of host `name`'s processes.
 fn on_host(hosts: &Hosts, name: &str) -> Vec<(i32, String)> {
     hosts
         .pids(name)
