@@ -360,6 +360,14 @@ def test_an_old_generations_group_is_let_go_on_a_thread_of_its_own_once_its_ddp_
         del first
         waiting[0].join(timeout=30)
         assert not waiting[0].is_alive(), "the old group is let go once its module is gone"
+        third = ddp.on(_Step(3))
+        assert third is not second
+        [held] = old_group_threads()
+        # Closing (the job's end, a failed step) lets go of it now, though
+        # the program still names the second generation's module.
+        ddp.close()
+        assert not held.is_alive()
+        del second, third
     finally:
         ddp.close()
     assert not old_group_threads()

@@ -673,6 +673,7 @@ fn the_cnn_example_trains_with_the_batch_and_rate_the_goodput_adapter_chooses() 
     assert_eq!(said_acc.len(), 2, "both workers trained to the end: {said}");
     let check = format!(
         "import sys, torch; sys.path.insert(0, {dir:?}); import edl.torch, train_cnn\n\
+         torch.set_num_threads(1)\n\
          (_, _), (x, y) = train_cnn.data(); m = train_cnn.build()\n\
          opt = torch.optim.SGD(m.parameters(), lr=0.0, momentum=0.0)\n\
          edl.torch.load_checkpoint({ckpt:?}, m, opt)\n\

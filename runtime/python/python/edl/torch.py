@@ -33,6 +33,7 @@ the timeout (a ring's rank waits only on its neighbours, which may both be
 alive).
 """
 
+import atexit
 import datetime
 import io
 import os
@@ -279,11 +280,11 @@ class ProcessGroups:
         up, and its connections are shut down too, so that the peers still
         in a collective with this rank fail now: gloo's abort leaves them
         open while anything (a DDP module the program still names) holds
-        the group. Waits for earlier generations' groups to be let go."""
+        the group. Earlier generations' groups still held for their DDP
+        modules are let go now."""
         self._drop(failed)
         retiring, self._retiring = self._retiring, []
-        for t in retiring:
-            t.join(timeout=self.timeout)
+        _release(retiring)
 
     def _drop(self, failed, users=None):
         """Drops the current group; with ``users`` (a new generation's
@@ -312,26 +313,76 @@ class ProcessGroups:
         if old is not None and users is not None:
             held = [old, store]
             del old, store  # the thread's references are to be the last
-            self._retiring = [t for t in self._retiring if t.is_alive()]
-            self._retiring.append(_let_go_later(held, users))
+            self._retiring = [r for r in self._retiring if r.thread.is_alive()]
+            self._retiring.append(_Retiring(held, users))
 
 
-def _let_go_later(held, users, within=60.0):
-    """Lets go of ``held`` (a list, emptied here) on a daemon thread, once
-    every weak reference in ``users`` is dead (``within`` seconds at most)."""
-    box = [list(held)]
-    held.clear()
+class _Retiring:
+    """Holds an old generation's group (and its store) on a daemon thread
+    until every one of ``users`` (weak references to what used it: its DDP
+    module) is gone, or ``release()``, or ``within`` seconds; then lets go
+    of the group, then of the store. Woken by the users' finalizers, not by
+    polling; a short grace lets a module's own teardown, which the weak
+    reference's death only begins, let go of the group first."""
 
-    def run():
-        items = box.pop()
-        deadline = time.monotonic() + within
-        while any(u() is not None for u in users) and time.monotonic() < deadline:
-            time.sleep(0.002)
+    GRACE = 0.05
+
+    def __init__(self, held, users, within=60.0):
+        self._held = [list(held)]
+        held.clear()
+        self._now = threading.Event()
+        self._left = 0
+        self._lock = threading.Lock()
+        self._finalizers = []
+        for u in users:
+            obj = u()
+            if obj is not None:
+                self._left += 1
+                self._finalizers.append(weakref.finalize(obj, self._gone))
+                del obj
+        if self._left == 0:
+            self._now.set()
+        self.thread = threading.Thread(target=self._run, args=(within,), name="edl-old-group", daemon=True)
+        self.thread.start()
+        _ALL_RETIRING.add(self)
+
+    def _gone(self):
+        with self._lock:
+            self._left -= 1
+            if self._left <= 0:
+                self._now.set()
+
+    def release(self):
+        self._now.set()
+
+    def _run(self, within):
+        items = self._held.pop()
+        if self._now.wait(within):
+            time.sleep(self.GRACE)
+        del items[0]  # the group, then its store
         items.clear()
+        for f in self._finalizers:
+            f.detach()
+        _ALL_RETIRING.discard(self)
 
-    t = threading.Thread(target=run, name="edl-old-group", daemon=True)
-    t.start()
-    return t
+
+_ALL_RETIRING = weakref.WeakSet()
+
+
+def _release(retiring, within=10.0):
+    """Lets go of the groups ``retiring`` holds now and waits (``within``
+    seconds at most) for it."""
+    for r in retiring:
+        r.release()
+    for r in retiring:
+        r.thread.join(timeout=within)
+
+
+@atexit.register
+def _release_all():
+    # A daemon thread still inside a group's teardown when the interpreter
+    # ends could race the process's own teardown.
+    _release(list(_ALL_RETIRING))
 
 
 class _Measured:
