@@ -228,7 +228,7 @@ impl CommandScaler {
                 }
             }
         }
-        let relay = by_host.get_mut(&host).expect("inserted above");
+        let relay = by_host.entry(host).or_insert_with(|| HostRelay::new(&self.log_dir, *lease));
         relay.addr(started, coordinator, auth, command(i))
     }
 

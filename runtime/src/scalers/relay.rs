@@ -53,11 +53,12 @@ impl HostRelay {
         if let Some(addr) = self.running_addr() {
             return Ok(addr);
         }
-        let starting = match self.pending.take() {
-            Some(s) => s,
-            None => self.launch(next, coordinator, auth, command)?,
-        };
-        Ok(self.install(starting.serving()?))
+        self.start_ahead(next, coordinator, auth, command)?;
+        let starting = self.pending.take().ok_or_else(|| anyhow::anyhow!("no relay started"))?;
+        let r = starting.serving()?;
+        let addr = r.addr.clone();
+        self.running = Some(r);
+        Ok(addr)
     }
 
     /// Starts this host's relay now, without waiting for it (unless one
@@ -78,7 +79,7 @@ impl HostRelay {
 
     /// The running relay's address; None when there is none (a relay that
     /// ended is let go).
-    pub fn running_addr(&mut self) -> Option<String> {
+    fn running_addr(&mut self) -> Option<String> {
         let r = self.running.as_mut()?;
         match r.child.try_wait() {
             Ok(None) => return Some(r.addr.clone()),
@@ -92,18 +93,14 @@ impl HostRelay {
     }
 
     /// Starts relay `next + 1` (then counted) without waiting for it to
-    /// serve: [`Starting::serving`] waits, [`Self::install`] makes it this
-    /// host's. A running relay is stopped first.
+    /// serve ([`Starting::serving`] waits).
     fn launch(
-        &mut self,
+        &self,
         next: &mut u64,
         coordinator: &str,
         auth: &JobAuth,
         command: impl FnOnce(u64, &[String]) -> anyhow::Result<Command>,
     ) -> anyhow::Result<Starting> {
-        if let Some(mut r) = self.running.take() {
-            terminate_group(&mut r.child, Duration::ZERO);
-        }
         *next += 1;
         let id = *next;
         crate::process::ensure_dir(&self.log_dir)?;
@@ -140,18 +137,6 @@ impl HostRelay {
         Ok(Starting { id, child: Some(child), path, log: Some(log), stdin })
     }
 
-    /// Makes a relay that serves this host's (stopping one running);
-    /// where workers reach it.
-    fn install(&mut self, started: Started) -> String {
-        if let Some(mut r) = self.running.take() {
-            terminate_group(&mut r.child, Duration::ZERO);
-        }
-        let Started(r) = started;
-        let addr = r.addr.clone();
-        self.running = Some(r);
-        addr
-    }
-
     /// The coordinator lost relay `id`'s connection: if that is this
     /// host's, its workers are lost, and the next worker here starts
     /// another relay (a relay killed may still listen for a moment while
@@ -182,13 +167,10 @@ struct Starting {
     stdin: Option<ChildStdin>,
 }
 
-/// A relay that said where it serves, for [`HostRelay::install`].
-struct Started(Running);
-
 impl Starting {
     /// Waits (30 s at most) for the relay to say where it serves; a relay
     /// that does not is stopped.
-    fn serving(mut self) -> anyhow::Result<Started> {
+    fn serving(mut self) -> anyhow::Result<Running> {
         let id = self.id;
         let (Some(mut child), Some(log)) = (self.child.take(), self.log.take()) else {
             anyhow::bail!("relay {id}: waited for twice");
@@ -201,7 +183,7 @@ impl Starting {
             }
         };
         tracing::info!("relay {id} carries its host's workers from {addr}");
-        Ok(Started(Running { id, child, addr, _stdin: self.stdin.take() }))
+        Ok(Running { id, child, addr, _stdin: self.stdin.take() })
     }
 }
 

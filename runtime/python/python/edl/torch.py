@@ -243,7 +243,6 @@ class ProcessGroups:
         self.timeout = float(timeout)
         self._generation = None
         self._connections = []
-        self._retiring = []  # threads letting go of earlier generations' groups
         # The group's store, held as long as the group: a backend that
         # reaches it after `init_process_group` returned (NCCL makes its
         # communicator at the first collective) finds a Python store whose
@@ -251,13 +250,13 @@ class ProcessGroups:
         self._store = None
         _HOLDERS.add(self)
 
-    def of(self, step, users=()):
+    def of(self, step, user=None):
         """The process group of ``step``'s generation, built at its first
-        step. ``users``: weak references to what used the last generation's
-        group (its DDP module), which the old group outlives."""
+        step. ``user``: what used the last generation's group (its DDP
+        module), which the old group outlives."""
         if self._generation == step.generation and dist.is_initialized():
             return dist.group.WORLD
-        self._drop(False, users)
+        self._drop(False, later=True, user=user)
         store = EdlStore(step.store(timeout=self.timeout), timeout=self.timeout)
         before = _sockets() if self.backend == "gloo" else {}
         dist.init_process_group(
@@ -283,15 +282,14 @@ class ProcessGroups:
         the group. Earlier generations' groups still held for their DDP
         modules are let go now."""
         self._drop(failed)
-        retiring, self._retiring = self._retiring, []
-        _release(retiring)
+        _release(list(_RETIRING))
 
-    def _drop(self, failed, users=None):
-        """Drops the current group; with ``users`` (a new generation's
-        start) its last reference is let go on a thread of its own once
-        they are gone: a gloo group's teardown waits for ticks of its event
-        loop (10 ms each), which would otherwise lengthen the resize's
-        pause, and torch lets go of a group's handle without the GIL."""
+    def _drop(self, failed, later=False, user=None):
+        """Drops the current group; ``later`` (a new generation's start):
+        its last reference is let go on a thread of its own, once ``user``
+        is gone: a gloo group's teardown waits for ticks of its event loop
+        (10 ms each), which would otherwise lengthen the resize's pause,
+        and torch lets go of a group's handle without the GIL."""
         self._generation = None
         if failed:
             _shut_down(self._connections)
@@ -310,47 +308,31 @@ class ProcessGroups:
                 pass
         # Let go of the store only once the group is gone.
         store, self._store = self._store, None
-        if old is not None and users is not None:
+        if old is not None and later:
             held = [old, store]
             del old, store  # the thread's references are to be the last
-            self._retiring = [r for r in self._retiring if r.thread.is_alive()]
-            self._retiring.append(_Retiring(held, users))
+            _Retiring(held, user)
 
 
 class _Retiring:
     """Holds an old generation's group (and its store) on a daemon thread
-    until every one of ``users`` (weak references to what used it: its DDP
-    module) is gone, or ``release()``, or ``within`` seconds; then lets go
-    of the group, then of the store. Woken by the users' finalizers, not by
-    polling; a short grace lets a module's own teardown, which the weak
-    reference's death only begins, let go of the group first."""
+    until ``user`` (what used it: its DDP module) is finalized, or
+    ``release()``, or ``within`` seconds; then lets go of the group, then of
+    the store. A short grace lets the module's own teardown, which its
+    finalizer only begins, let go of the group first."""
 
     GRACE = 0.05
 
-    def __init__(self, held, users, within=60.0):
+    def __init__(self, held, user=None, within=60.0):
         self._held = [list(held)]
         held.clear()
         self._now = threading.Event()
-        self._left = 0
-        self._lock = threading.Lock()
-        self._finalizers = []
-        for u in users:
-            obj = u()
-            if obj is not None:
-                self._left += 1
-                self._finalizers.append(weakref.finalize(obj, self._gone))
-                del obj
-        if self._left == 0:
+        self._finalizer = weakref.finalize(user, self._now.set) if user is not None else None
+        if self._finalizer is None:
             self._now.set()
         self.thread = threading.Thread(target=self._run, args=(within,), name="edl-old-group", daemon=True)
+        _RETIRING.add(self)
         self.thread.start()
-        _ALL_RETIRING.add(self)
-
-    def _gone(self):
-        with self._lock:
-            self._left -= 1
-            if self._left <= 0:
-                self._now.set()
 
     def release(self):
         self._now.set()
@@ -361,12 +343,13 @@ class _Retiring:
             time.sleep(self.GRACE)
         del items[0]  # the group, then its store
         items.clear()
-        for f in self._finalizers:
-            f.detach()
-        _ALL_RETIRING.discard(self)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        _RETIRING.discard(self)
 
 
-_ALL_RETIRING = weakref.WeakSet()
+# Every old group still held (a process has one default group at a time).
+_RETIRING = set()
 
 
 def _release(retiring, within=10.0):
@@ -382,7 +365,7 @@ def _release(retiring, within=10.0):
 def _release_all():
     # A daemon thread still inside a group's teardown when the interpreter
     # ends could race the process's own teardown.
-    _release(list(_ALL_RETIRING))
+    _release(list(_RETIRING))
 
 
 class _Measured:
@@ -460,10 +443,10 @@ class ElasticDDP:
             # The old wrapper (and its gradient hooks) goes before the new
             # one comes; the old group outlives it (the program may still
             # name it until this returns).
-            users = [weakref.ref(self._ddp)] if self._ddp is not None else []
-            self._ddp = None
+            user, self._ddp = self._ddp, None
             self._measured = None
-            group = self.groups.of(step, users)
+            group = self.groups.of(step, user)
+            del user
             if step.world > 1 or not self.bare_at_one:
                 self._wrap(group, step)
             self._generation = step.generation
