@@ -142,6 +142,12 @@ impl HostRelay {
     /// another relay (a relay killed may still listen for a moment while
     /// its process ends). Whether it was this host's.
     pub fn lost(&mut self, id: u64) -> bool {
+        if self.pending.as_ref().is_some_and(|s| s.id == id) {
+            // Started ahead and not yet waited for: the next worker here
+            // starts another.
+            self.pending = None;
+            return true;
+        }
         if self.running.as_ref().is_none_or(|r| r.id != id) {
             return false;
         }
@@ -211,6 +217,32 @@ impl Drop for HostRelay {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    /// A relay started ahead (not yet waited for) whose connection the
+    /// coordinator lost is its host's: it is let go (and stopped), and the
+    /// host's next worker starts another.
+    #[test]
+    fn a_relay_lost_before_it_was_waited_for_is_let_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let auth = JobAuth { job: "j".into(), secret: crate::worker::session::Secret::generate().unwrap() };
+        let mut relay = HostRelay::new(dir.path(), Duration::from_secs(10));
+        let mut next = 0;
+        let sleeper = |_: u64, _: &[String]| {
+            let mut c = Command::new("sh");
+            c.args(["-c", "exec sleep 30"]);
+            Ok(c)
+        };
+        relay.start_ahead(&mut next, "127.0.0.1:1", &auth, sleeper).unwrap();
+        assert_eq!(next, 1);
+        assert!(!relay.lost(2), "another relay's loss");
+        assert!(relay.pending.is_some());
+        assert!(relay.lost(1));
+        assert!(relay.pending.is_none(), "let go");
+        relay.start_ahead(&mut next, "127.0.0.1:1", &auth, sleeper).unwrap();
+        assert_eq!(next, 2, "the next start is another relay");
+    }
+
     #[test]
     fn the_relay_s_address_is_read_from_its_line() {
         assert_eq!(

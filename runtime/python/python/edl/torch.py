@@ -250,10 +250,11 @@ class ProcessGroups:
         self._store = None
         _HOLDERS.add(self)
 
-    def of(self, step, user=None):
+    def of(self, step, user=()):
         """The process group of ``step``'s generation, built at its first
-        step. ``user``: what used the last generation's group (its DDP
-        module), which the old group outlives."""
+        step. ``user``: a list holding what used the last generation's
+        group (its DDP module), which the old group outlives; emptied here,
+        so that no frame of this call holds it."""
         if self._generation == step.generation and dist.is_initialized():
             return dist.group.WORLD
         self._drop(False, later=True, user=user)
@@ -284,10 +285,10 @@ class ProcessGroups:
         self._drop(failed)
         _release(list(_RETIRING))
 
-    def _drop(self, failed, later=False, user=None):
+    def _drop(self, failed, later=False, user=()):
         """Drops the current group; ``later`` (a new generation's start):
-        its last reference is let go on a thread of its own, once ``user``
-        is gone: a gloo group's teardown waits for ticks of its event loop
+        its last reference is let go on a thread of its own, once what the
+        list ``user`` holds is gone: a gloo group's teardown waits for ticks of its event loop
         (10 ms each), which would otherwise lengthen the resize's pause,
         and torch lets go of a group's handle without the GIL."""
         self._generation = None
@@ -316,23 +317,31 @@ class ProcessGroups:
 
 class _Retiring:
     """Holds an old generation's group (and its store) on a daemon thread
-    until ``user`` (what used it: its DDP module) is finalized, or
+    until what the list ``user`` holds (what used it: its DDP module;
+    taken out of the list) is finalized, or
     ``release()``, or ``within`` seconds; then lets go of the group, then of
     the store. A short grace lets the module's own teardown, which its
     finalizer only begins, let go of the group first."""
 
     GRACE = 0.05
 
-    def __init__(self, held, user=None, within=60.0):
+    def __init__(self, held, user=(), within=60.0):
         self._held = [list(held)]
         held.clear()
         self._now = threading.Event()
-        self._finalizer = weakref.finalize(user, self._now.set) if user is not None else None
-        if self._finalizer is None:
+        self._finalizer = None
+        if user:
+            self._finalizer = weakref.finalize(user.pop(), self._now.set)
+        else:
             self._now.set()
         self.thread = threading.Thread(target=self._run, args=(within,), name="edl-old-group", daemon=True)
         _RETIRING.add(self)
-        self.thread.start()
+        try:
+            self.thread.start()
+        except BaseException:
+            _RETIRING.discard(self)
+            self._held.clear()
+            raise
 
     def release(self):
         self._now.set()
@@ -443,10 +452,9 @@ class ElasticDDP:
             # The old wrapper (and its gradient hooks) goes before the new
             # one comes; the old group outlives it (the program may still
             # name it until this returns).
-            user, self._ddp = self._ddp, None
+            user, self._ddp = [self._ddp] if self._ddp is not None else [], None
             self._measured = None
             group = self.groups.of(step, user)
-            del user
             if step.world > 1 or not self.bare_at_one:
                 self._wrap(group, step)
             self._generation = step.generation
