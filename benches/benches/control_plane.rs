@@ -65,6 +65,31 @@ fn process_cpu_split() -> (f64, f64) {
     (secs(u.ru_utime), secs(u.ru_stime))
 }
 
+/// CPU seconds each of this process's threads has run, by what it does
+/// (the scheduler's own count, `/proc/self/task/*/schedstat`, in ns): the
+/// coordinator's thread (the process's first), the one reading every
+/// control connection, the job's store, and the rest.
+fn thread_cpu() -> HashMap<&'static str, f64> {
+    let mut by = HashMap::new();
+    let me = std::process::id().to_string();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return by };
+    for task in tasks.flatten() {
+        let path = task.path();
+        let ns = std::fs::read_to_string(path.join("schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()));
+        let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+        let what = match comm.trim() {
+            _ if task.file_name().to_str() == Some(me.as_str()) => "the coordinator's thread",
+            "edl-control-in" => "reading the control connections",
+            "edl-store-keepe" => "the job's store",
+            _ => "other threads",
+        };
+        *by.entry(what).or_insert(0.0) += ns.unwrap_or(0.0) * 1e-9;
+    }
+    by
+}
+
 /// CLOCK_MONOTONIC in seconds: the clock `perf record -k CLOCK_MONOTONIC`
 /// stamps its samples with, so that a profile can be cut to the steps measured.
 fn monotonic() -> f64 {
@@ -256,6 +281,8 @@ struct Figures {
     cpu_per_step_ms: f64,
     /// Of it, in the kernel.
     kernel_per_step_ms: f64,
+    /// Of it, by thread (what each does), largest first.
+    threads_per_step_ms: Vec<(&'static str, f64)>,
     control_ms: f64,
     recovery_ms: f64,
     /// The recovery's phases, as the job's report has them.
@@ -333,6 +360,7 @@ fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<F
     let policy = Box::new(AddOne { info, at: ADD_AT, done: false });
     let mut marks: HashMap<u64, (Instant, f64)> = HashMap::new();
     let mut kernel: HashMap<u64, f64> = HashMap::new();
+    let mut threads: HashMap<u64, HashMap<&'static str, f64>> = HashMap::new();
     // The process's CPU at the last two commits: a scale event comes just
     // after its generation's first commit, so their difference is the
     // coordinator's work from the last commit before the pause to the first after.
@@ -344,6 +372,7 @@ fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<F
             if r.step == FROM || r.step == TO {
                 marks.insert(r.step, (Instant::now(), last));
                 kernel.insert(r.step, process_cpu_split().1);
+                threads.insert(r.step, thread_cpu());
                 if std::env::var_os("EDL_BENCH_MARKS").is_some() {
                     // For `perf report --time FROM,TO` of a run recorded with `-k CLOCK_MONOTONIC`.
                     eprintln!("step {} at {:.6}", r.step, monotonic());
@@ -387,6 +416,13 @@ fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<F
         relay,
         cpu_per_step_ms: (c1 - c0) / steps * 1e3,
         kernel_per_step_ms: (kernel[&TO] - kernel[&FROM]) / steps * 1e3,
+        threads_per_step_ms: {
+            let (from, to) = (&threads[&FROM], &threads[&TO]);
+            let mut each: Vec<(&'static str, f64)> =
+                to.iter().map(|(&k, &v)| (k, (v - from.get(k).unwrap_or(&0.0)) / steps * 1e3)).collect();
+            each.sort_by(|a, b| b.1.total_cmp(&a.1));
+            each
+        },
         control_ms: (wall - compute.as_secs_f64()) * 1e3,
         recovery_ms: event("lost")?.pause_ms,
         phases: event("lost")?.recovery,
@@ -554,12 +590,15 @@ fn main() -> anyhow::Result<()> {
     // receiving sockets in the sender's context: part of its system time
     // is the relays' and workers' receiving, which a cluster does on their hosts.
     for f in &figures {
+        let threads: Vec<String> =
+            f.threads_per_step_ms.iter().map(|(t, ms)| format!("{t} {ms:.3} ms")).collect();
         println!(
-            "N = {}, {}: coordinator CPU per step {:.3} ms, of it in the kernel {:.3} ms",
+            "N = {}, {}: coordinator CPU per step {:.3} ms, of it in the kernel {:.3} ms; by thread: {}",
             f.n,
             if f.relay { "through a relay per host" } else { "each directly" },
             f.cpu_per_step_ms,
-            f.kernel_per_step_ms
+            f.kernel_per_step_ms,
+            threads.join(", ")
         );
     }
     for relay in modes {

@@ -345,17 +345,31 @@ impl Coordinator<'_> {
         }
     }
 
-    /// Tells the watchers the workers and where each stands, when that changed.
+    /// Tells the watchers the workers and where each stands, when that
+    /// changed. The members' part, the bulk of a large job, is made again
+    /// only when the members are others than the ones last told (their
+    /// ids compared, not thousands of records made and compared each second).
     fn tell_workers(&mut self) {
-        let members = self.membership.members().iter().enumerate();
-        let mut now: Vec<WorkerState> = members
-            .map(|(rank, m)| WorkerState {
+        let members = self.membership.members();
+        let told = &self.told_workers;
+        let kept = told.len() >= members.len()
+            && told
+                .iter()
+                .zip(members)
+                .enumerate()
+                .all(|(rank, (w, m))| w.id == m.id && w.rank == Some(rank));
+        let mut now: Vec<WorkerState> = if kept {
+            Vec::new()
+        } else {
+            let each = |(rank, m): (usize, &crate::coordinator::machine::membership::Worker)| WorkerState {
                 id: m.id,
                 rank: Some(rank),
                 stage: "training".into(),
                 handle: self.scaler.handle(m.id),
-            })
-            .collect();
+            };
+            members.iter().enumerate().map(each).collect()
+        };
+        let mut rest = Vec::new();
         for (id, stage) in self.membership.on_the_way() {
             let stage = match stage {
                 "still starting" => "starting",
@@ -364,12 +378,17 @@ impl Coordinator<'_> {
                 s if s.starts_with("a warm spare") => "spare starting",
                 _ => "ready",
             };
-            now.push(WorkerState { id, rank: None, stage: stage.into(), handle: self.scaler.handle(id) });
+            rest.push(WorkerState { id, rank: None, stage: stage.into(), handle: self.scaler.handle(id) });
         }
-        if now != self.told_workers {
-            (self.progress)(Progress::Workers(&now));
-            self.told_workers = now;
+        if kept && told[members.len()..] == rest[..] {
+            return;
         }
+        if kept {
+            now.extend_from_slice(&told[..members.len()]);
+        }
+        now.extend(rest);
+        (self.progress)(Progress::Workers(&now));
+        self.told_workers = now;
     }
 
     /// Keeps the members' leases in the store fresh: every member's when a
@@ -385,13 +404,30 @@ impl Coordinator<'_> {
         self.timers.set(Timer::WorkerLeases, now + SECOND);
         self.tell_workers();
         let Some(k) = &self.keeper else { return };
-        let prefix = keys::workers(&self.cfg.spec.job);
+        // A member's pid and generation hold for the generation: its
+        // key and value are made once then, not at every refresh.
+        let generation = self.generation;
+        let members = self.membership.members();
+        let fresh = self.leases.as_ref().is_some_and(|(g, who, _)| {
+            *g == generation && who.iter().copied().eq(members.iter().map(|m| (m.id, m.pid)))
+        });
+        if !fresh {
+            let prefix = keys::workers(&self.cfg.spec.job);
+            let each = |m: &crate::coordinator::machine::membership::Worker| {
+                let v = serde_json::json!({"pid": m.pid, "generation": generation}).to_string();
+                (format!("{prefix}{}", m.id), v.into_bytes())
+            };
+            let who = members.iter().map(|m| (m.id, m.pid)).collect();
+            self.leases = Some((generation, who, members.iter().map(each).collect()));
+        }
+        let Some((_, who, leases)) = &self.leases else { return };
         // A second that comes twice or is skipped leaves a lease 20 s
         // unrefreshed, within its 30.
         let round = self.started.elapsed().as_secs() % LEASE_ROUNDS;
-        for m in self.membership.members().iter().filter(|m| all || m.id % LEASE_ROUNDS == round) {
-            let v = serde_json::json!({"pid": m.pid, "generation": self.generation}).to_string();
-            k.lease(format!("{prefix}{}", m.id), v.into_bytes(), WORKER_LEASE);
+        for ((key, value), _) in
+            leases.iter().zip(who).filter(|(_, (id, _))| all || id % LEASE_ROUNDS == round)
+        {
+            k.lease(key.clone(), value.clone(), WORKER_LEASE);
         }
     }
 }

@@ -120,6 +120,9 @@ struct Coordinator<'a> {
     init: Option<PathBuf>,
     /// A generation was just formed: leases are written at once.
     lease_now: bool,
+    /// The members' lease keys and values (made once a generation), by
+    /// the generation, and each member's id and pid, they were made for.
+    leases: Option<(u64, Vec<(u64, u32)>, Vec<(String, Vec<u8>)>)>,
     last_change: Instant,
     started: Instant,
     /// The periodic work's deadlines.
@@ -455,6 +458,7 @@ impl<'a> Coordinator<'a> {
             decided: Default::default(),
             init: None,
             lease_now: true,
+            leases: None,
             last_change: now,
             started: now,
             timers: timers(now),
