@@ -65,29 +65,52 @@ fn process_cpu_split() -> (f64, f64) {
     (secs(u.ru_utime), secs(u.ru_stime))
 }
 
-/// CPU seconds each of this process's threads has run, by what it does
-/// (the scheduler's own count, `/proc/self/task/*/schedstat`, in ns): the
-/// coordinator's thread (the process's first), the one reading every
-/// control connection, the job's store, and the rest.
-fn thread_cpu() -> HashMap<&'static str, f64> {
+/// Each thread's CPU seconds and what it does, by thread id.
+type Threads = HashMap<u64, (&'static str, f64)>;
+
+/// CPU seconds each live thread of this process has run (the scheduler's
+/// own count, `/proc/self/task/*/schedstat`, in ns), by thread id, with
+/// what it does: the coordinator's thread (the process's first), the one
+/// reading every control connection, the job's store, or another.
+fn thread_cpu() -> Threads {
     let mut by = HashMap::new();
-    let me = std::process::id().to_string();
+    let me = u64::from(std::process::id());
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return by };
     for task in tasks.flatten() {
+        let Some(tid) = task.file_name().to_str().and_then(|t| t.parse::<u64>().ok()) else { continue };
         let path = task.path();
         let ns = std::fs::read_to_string(path.join("schedstat"))
             .ok()
             .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()));
+        let Some(ns) = ns else { continue };
         let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
         let what = match comm.trim() {
-            _ if task.file_name().to_str() == Some(me.as_str()) => "the coordinator's thread",
+            _ if tid == me => "the coordinator's thread",
             "edl-control-in" => "reading the control connections",
             "edl-store-keepe" => "the job's store",
             _ => "other threads",
         };
-        *by.entry(what).or_insert(0.0) += ns.unwrap_or(0.0) * 1e-9;
+        by.insert(tid, (what, ns * 1e-9));
     }
     by
+}
+
+/// Each part's CPU per step between two readings of [`thread_cpu`] (threads
+/// alive at both, by what they do), and the rest of the process's (`total`,
+/// seconds, from getrusage at the same readings): threads that started or
+/// ended between them. Largest first, the rest last.
+fn thread_split(from: &Threads, to: &Threads, total: f64, steps: f64) -> Vec<(&'static str, f64)> {
+    let mut parts: HashMap<&'static str, f64> = HashMap::new();
+    for (tid, &(what, secs)) in to {
+        if let Some(&(_, before)) = from.get(tid) {
+            *parts.entry(what).or_insert(0.0) += secs - before;
+        }
+    }
+    let named: f64 = parts.values().sum();
+    let mut each: Vec<(&'static str, f64)> = parts.into_iter().map(|(k, v)| (k, v / steps * 1e3)).collect();
+    each.sort_by(|a, b| b.1.total_cmp(&a.1));
+    each.push(("the rest", (total - named).max(0.0) / steps * 1e3));
+    each
 }
 
 /// CLOCK_MONOTONIC in seconds: the clock `perf record -k CLOCK_MONOTONIC`
@@ -281,7 +304,7 @@ struct Figures {
     cpu_per_step_ms: f64,
     /// Of it, in the kernel.
     kernel_per_step_ms: f64,
-    /// Of it, by thread (what each does), largest first.
+    /// Of it, by thread (what each does), largest first, then the rest.
     threads_per_step_ms: Vec<(&'static str, f64)>,
     control_ms: f64,
     recovery_ms: f64,
@@ -360,7 +383,8 @@ fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<F
     let policy = Box::new(AddOne { info, at: ADD_AT, done: false });
     let mut marks: HashMap<u64, (Instant, f64)> = HashMap::new();
     let mut kernel: HashMap<u64, f64> = HashMap::new();
-    let mut threads: HashMap<u64, HashMap<&'static str, f64>> = HashMap::new();
+    // At each mark: every thread's CPU, and the process's.
+    let mut threads: HashMap<u64, (Threads, f64)> = HashMap::new();
     // The process's CPU at the last two commits: a scale event comes just
     // after its generation's first commit, so their difference is the
     // coordinator's work from the last commit before the pause to the first after.
@@ -372,7 +396,9 @@ fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<F
             if r.step == FROM || r.step == TO {
                 marks.insert(r.step, (Instant::now(), last));
                 kernel.insert(r.step, process_cpu_split().1);
-                threads.insert(r.step, thread_cpu());
+                // The threads and the process read together: their parts and the rest add up.
+                let each = thread_cpu();
+                threads.insert(r.step, (each, process_cpu()));
                 if std::env::var_os("EDL_BENCH_MARKS").is_some() {
                     // For `perf report --time FROM,TO` of a run recorded with `-k CLOCK_MONOTONIC`.
                     eprintln!("step {} at {:.6}", r.step, monotonic());
@@ -417,11 +443,8 @@ fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<F
         cpu_per_step_ms: (c1 - c0) / steps * 1e3,
         kernel_per_step_ms: (kernel[&TO] - kernel[&FROM]) / steps * 1e3,
         threads_per_step_ms: {
-            let (from, to) = (&threads[&FROM], &threads[&TO]);
-            let mut each: Vec<(&'static str, f64)> =
-                to.iter().map(|(&k, &v)| (k, (v - from.get(k).unwrap_or(&0.0)) / steps * 1e3)).collect();
-            each.sort_by(|a, b| b.1.total_cmp(&a.1));
-            each
+            let ((from, c0), (to, c1)) = (&threads[&FROM], &threads[&TO]);
+            thread_split(from, to, c1 - c0, steps)
         },
         control_ms: (wall - compute.as_secs_f64()) * 1e3,
         recovery_ms: event("lost")?.pause_ms,

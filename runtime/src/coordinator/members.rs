@@ -9,7 +9,7 @@ use crate::coordinator::machine::timers::Timer;
 use crate::scalers::Scaler;
 
 use crate::control::proto::{FromWorker, ToWorker};
-use crate::coordinator::machine::membership::{Command, MemberEvent};
+use crate::coordinator::machine::membership::{Command, MemberEvent, Worker};
 use crate::coordinator::machine::pipeline::Failure;
 use crate::store::keys;
 use anyhow::{Result, bail};
@@ -345,50 +345,16 @@ impl Coordinator<'_> {
         }
     }
 
-    /// Tells the watchers the workers and where each stands, when that
-    /// changed. The members' part, the bulk of a large job, is made again
-    /// only when the members are others than the ones last told (their
-    /// ids compared, not thousands of records made and compared each second).
+    /// Tells the watchers the workers and where each stands, when that changed.
     fn tell_workers(&mut self) {
-        let members = self.membership.members();
-        let told = &self.told_workers;
-        let kept = told.len() >= members.len()
-            && told
-                .iter()
-                .zip(members)
-                .enumerate()
-                .all(|(rank, (w, m))| w.id == m.id && w.rank == Some(rank));
-        let mut now: Vec<WorkerState> = if kept {
-            Vec::new()
-        } else {
-            let each = |(rank, m): (usize, &crate::coordinator::machine::membership::Worker)| WorkerState {
-                id: m.id,
-                rank: Some(rank),
-                stage: "training".into(),
-                handle: self.scaler.handle(m.id),
-            };
-            members.iter().enumerate().map(each).collect()
-        };
-        let mut rest = Vec::new();
-        for (id, stage) in self.membership.on_the_way() {
-            let stage = match stage {
-                "still starting" => "starting",
-                "still loading the job" => "loading",
-                "a warm spare, ready" => "spare",
-                s if s.starts_with("a warm spare") => "spare starting",
-                _ => "ready",
-            };
-            rest.push(WorkerState { id, rank: None, stage: stage.into(), handle: self.scaler.handle(id) });
+        let on_the_way = self.membership.on_the_way();
+        let scaler = &self.scaler;
+        let changed =
+            workers_now(&self.told_workers, self.membership.members(), &on_the_way, |id| scaler.handle(id));
+        if let Some(now) = changed {
+            (self.progress)(Progress::Workers(&now));
+            self.told_workers = now;
         }
-        if kept && told[members.len()..] == rest[..] {
-            return;
-        }
-        if kept {
-            now.extend_from_slice(&told[..members.len()]);
-        }
-        now.extend(rest);
-        (self.progress)(Progress::Workers(&now));
-        self.told_workers = now;
     }
 
     /// Keeps the members' leases in the store fresh: every member's when a
@@ -404,30 +370,111 @@ impl Coordinator<'_> {
         self.timers.set(Timer::WorkerLeases, now + SECOND);
         self.tell_workers();
         let Some(k) = &self.keeper else { return };
-        // A member's pid and generation hold for the generation: its
-        // key and value are made once then, not at every refresh.
-        let generation = self.generation;
-        let members = self.membership.members();
-        let fresh = self.leases.as_ref().is_some_and(|(g, who, _)| {
-            *g == generation && who.iter().copied().eq(members.iter().map(|m| (m.id, m.pid)))
-        });
-        if !fresh {
-            let prefix = keys::workers(&self.cfg.spec.job);
-            let each = |m: &crate::coordinator::machine::membership::Worker| {
-                let v = serde_json::json!({"pid": m.pid, "generation": generation}).to_string();
-                (format!("{prefix}{}", m.id), v.into_bytes())
-            };
-            let who = members.iter().map(|m| (m.id, m.pid)).collect();
-            self.leases = Some((generation, who, members.iter().map(each).collect()));
-        }
-        let Some((_, who, leases)) = &self.leases else { return };
+        let prefix = keys::workers(&self.cfg.spec.job);
+        let records = LeaseRecords::of(&mut self.leases, &prefix, self.generation, self.membership.members());
         // A second that comes twice or is skipped leaves a lease 20 s
         // unrefreshed, within its 30.
         let round = self.started.elapsed().as_secs() % LEASE_ROUNDS;
-        for ((key, value), _) in
-            leases.iter().zip(who).filter(|(_, (id, _))| all || id % LEASE_ROUNDS == round)
-        {
+        for (id, key, value) in records.each.iter().filter(|(id, ..)| all || id % LEASE_ROUNDS == round) {
+            debug_assert!(key.ends_with(&id.to_string()));
             k.lease(key.clone(), value.clone(), WORKER_LEASE);
         }
+    }
+}
+
+/// The workers and where each stands (`members` in rank order, then those
+/// on their way), when that differs from `told`; None when it does not.
+/// The members' part, the bulk of a large job, is made again only when the
+/// members are others than those told (ids and ranks compared): not
+/// thousands of records made and compared each second to find nothing new.
+fn workers_now(
+    told: &[WorkerState],
+    members: &[Worker],
+    on_the_way: &[(u64, &str)],
+    handle: impl Fn(u64) -> Option<String>,
+) -> Option<Vec<WorkerState>> {
+    let kept = told.len() >= members.len()
+        && told.iter().zip(members).enumerate().all(|(rank, (w, m))| w.id == m.id && w.rank == Some(rank));
+    let rest: Vec<WorkerState> = on_the_way
+        .iter()
+        .map(|&(id, stage)| {
+            let stage = match stage {
+                "still starting" => "starting",
+                "still loading the job" => "loading",
+                "a warm spare, ready" => "spare",
+                s if s.starts_with("a warm spare") => "spare starting",
+                _ => "ready",
+            };
+            WorkerState { id, rank: None, stage: stage.into(), handle: handle(id) }
+        })
+        .collect();
+    let mut now = if kept {
+        if told[members.len()..] == rest[..] {
+            return None;
+        }
+        told[..members.len()].to_vec()
+    } else {
+        let each = |(rank, m): (usize, &Worker)| WorkerState {
+            id: m.id,
+            rank: Some(rank),
+            stage: "training".into(),
+            handle: handle(m.id),
+        };
+        members.iter().enumerate().map(each).collect()
+    };
+    now.extend(rest);
+    Some(now)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    fn member(id: u64) -> Worker {
+        Worker { id, conn: id, pid: 100 + id as u32, since: Instant::now() }
+    }
+
+    #[test]
+    fn the_workers_are_told_again_only_when_members_or_those_on_their_way_change() {
+        let asked = Cell::new(0);
+        let handle = |id: u64| {
+            asked.set(asked.get() + 1);
+            Some(format!("pid {}", 100 + id))
+        };
+        let members: Vec<Worker> = [4, 7, 9].map(member).to_vec();
+        let first = workers_now(&[], &members, &[(11, "still starting")], handle).expect("new");
+        let shape = |l: &[WorkerState]| -> Vec<(u64, Option<usize>, String)> {
+            l.iter().map(|w| (w.id, w.rank, w.stage.clone())).collect()
+        };
+        assert_eq!(
+            shape(&first),
+            vec![
+                (4, Some(0), "training".into()),
+                (7, Some(1), "training".into()),
+                (9, Some(2), "training".into()),
+                (11, None, "starting".into())
+            ]
+        );
+        assert_eq!(first[1].handle.as_deref(), Some("pid 107"));
+        // Nothing changed: nothing told, and only the one on its way looked at again.
+        asked.set(0);
+        assert_eq!(workers_now(&first, &members, &[(11, "still starting")], handle), None);
+        assert_eq!(asked.get(), 1);
+        // Only the one on its way moved on: the members' records are kept as told.
+        asked.set(0);
+        let second = workers_now(&first, &members, &[(11, "a warm spare, ready")], handle).expect("changed");
+        assert_eq!(asked.get(), 1);
+        assert_eq!(second[..3], first[..3]);
+        assert_eq!(shape(&second[3..]), vec![(11, None, "spare".into())]);
+        // A member lost (the list is shorter, its old record follows the kept
+        // prefix): told again, without it.
+        let fewer: Vec<Worker> = [4, 7].map(member).to_vec();
+        let third = workers_now(&second, &fewer, &[], handle).expect("changed");
+        assert_eq!(shape(&third), vec![(4, Some(0), "training".into()), (7, Some(1), "training".into())]);
+        // Others in the same places, or the same ones in other ranks: made again.
+        let moved: Vec<Worker> = [7, 4].map(member).to_vec();
+        let fourth = workers_now(&third, &moved, &[], handle).expect("changed");
+        assert_eq!(shape(&fourth), vec![(7, Some(0), "training".into()), (4, Some(1), "training".into())]);
     }
 }

@@ -120,9 +120,8 @@ struct Coordinator<'a> {
     init: Option<PathBuf>,
     /// A generation was just formed: leases are written at once.
     lease_now: bool,
-    /// The members' lease keys and values (made once a generation), by
-    /// the generation, and each member's id and pid, they were made for.
-    leases: Option<(u64, Vec<(u64, u32)>, Vec<(String, Vec<u8>)>)>,
+    /// The members' lease records, made once a generation.
+    leases: Option<records::LeaseRecords>,
     last_change: Instant,
     started: Instant,
     /// The periodic work's deadlines.

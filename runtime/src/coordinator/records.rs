@@ -2,6 +2,7 @@
 //! the resize under way that becomes a scale event.
 
 use crate::coordinator::machine::ledger::EpochRecord;
+use crate::coordinator::machine::membership::Worker;
 use crate::leader::record::{Recovery, ScaleEvent};
 use edl_plugin_sdk::Hyperparams;
 use serde::{Deserialize, Serialize};
@@ -273,5 +274,82 @@ impl Pending {
             form_ms: between(settled, formed),
             first_step_ms: between(formed, now),
         })
+    }
+}
+
+/// The members' lease records in the store (key and value), made once a
+/// generation: a member's pid and generation hold for it, and a job of
+/// thousands of workers refreshes hundreds a second.
+pub struct LeaseRecords {
+    generation: u64,
+    /// Each member's id and pid, in rank order.
+    who: Vec<(u64, u32)>,
+    /// Each member's id, key and value, in rank order.
+    pub(super) each: Vec<(u64, String, Vec<u8>)>,
+}
+
+impl LeaseRecords {
+    /// The records of `members` in `generation`, made again unless `kept`
+    /// holds them (the same generation, members and pids).
+    pub(super) fn of<'a>(
+        kept: &'a mut Option<LeaseRecords>,
+        prefix: &str,
+        generation: u64,
+        members: &[Worker],
+    ) -> &'a Self {
+        let fresh = kept.as_ref().is_some_and(|r| {
+            r.generation == generation && r.who.iter().copied().eq(members.iter().map(|m| (m.id, m.pid)))
+        });
+        if !fresh {
+            let each = |m: &Worker| {
+                let v = serde_json::json!({"pid": m.pid, "generation": generation}).to_string();
+                (m.id, format!("{prefix}{}", m.id), v.into_bytes())
+            };
+            *kept = Some(LeaseRecords {
+                generation,
+                who: members.iter().map(|m| (m.id, m.pid)).collect(),
+                each: members.iter().map(each).collect(),
+            });
+        }
+        kept.as_ref().expect("made above")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(id: u64) -> Worker {
+        Worker { id, conn: id, pid: 100 + id as u32, since: Instant::now() }
+    }
+
+    #[test]
+    fn a_member_s_lease_record_is_made_once_a_generation_and_again_when_members_change() {
+        let records = |r: &LeaseRecords| -> Vec<(u64, String, String)> {
+            r.each.iter().map(|(id, k, v)| (*id, k.clone(), String::from_utf8(v.clone()).unwrap())).collect()
+        };
+        let mut kept = None;
+        let members: Vec<Worker> = [3, 5].map(member).to_vec();
+        let first = records(LeaseRecords::of(&mut kept, "edl/jobs/j/workers/", 2, &members));
+        assert_eq!(
+            first,
+            vec![
+                (3, "edl/jobs/j/workers/3".into(), r#"{"generation":2,"pid":103}"#.into()),
+                (5, "edl/jobs/j/workers/5".into(), r#"{"generation":2,"pid":105}"#.into()),
+            ]
+        );
+        // Kept while nothing changes: the same allocation, not made again.
+        let at = kept.as_ref().unwrap().each.as_ptr();
+        LeaseRecords::of(&mut kept, "edl/jobs/j/workers/", 2, &members);
+        assert_eq!(kept.as_ref().unwrap().each.as_ptr(), at);
+        // A new generation, a member whose pid changed, a member gone: made again.
+        let next = records(LeaseRecords::of(&mut kept, "edl/jobs/j/workers/", 3, &members));
+        assert_eq!(next[1].2, r#"{"generation":3,"pid":105}"#);
+        let mut restarted = members.clone();
+        restarted[1].pid = 999;
+        let again = records(LeaseRecords::of(&mut kept, "edl/jobs/j/workers/", 3, &restarted));
+        assert_eq!(again[1].2, r#"{"generation":3,"pid":999}"#);
+        let fewer = records(LeaseRecords::of(&mut kept, "edl/jobs/j/workers/", 3, &restarted[..1]));
+        assert_eq!(fewer, vec![(3, "edl/jobs/j/workers/3".into(), r#"{"generation":3,"pid":103}"#.into())]);
     }
 }

@@ -6,7 +6,7 @@ use super::records::*;
 use super::routes::{Routes, Run};
 use super::{AHEAD, CHORES_EVERY, Coordinator, MAX_WINDOW, SECOND, WINDOW_WORK_MS, ms};
 use crate::control::hostwindow::{HostGeneration, HostWindow};
-use crate::control::outbox::{Held, Outbox, RelayOut};
+use crate::control::outbox::{Outbox, RelayOut};
 use crate::control::proto::{Generation, Share, StepDone, StepPlan, ToWorker, encode};
 use crate::control::relay::Frame;
 use crate::coordinator::machine::membership::Worker;
@@ -33,8 +33,6 @@ impl Coordinator<'_> {
         loop {
             self.fill_windows()?;
             while let Some(c) = self.pipe.as_mut().and_then(Pipeline::poll_commit) {
-                // The commit and the window sent after it reach each relay in one write.
-                let _held = self.hold_relays();
                 self.commit_window(c)?;
                 self.fill_windows()?;
             }
@@ -54,13 +52,6 @@ impl Coordinator<'_> {
                 self.chores(now)?;
             }
         }
-    }
-
-    /// Holds the writes to the relays of the current members until the
-    /// returned value is dropped.
-    fn hold_relays(&mut self) -> Held {
-        let routes = Routes::of(&mut self.routes, self.membership.members(), &self.conns);
-        Held::new(routes.runs.iter().filter_map(|r| r.relay.as_ref().map(|x| x.out.clone())))
     }
 
     /// Waits for what the workers say, up to the next timeout, and handles

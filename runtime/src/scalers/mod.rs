@@ -70,7 +70,9 @@ pub trait Scaler: Send {
         None
     }
     /// How the scheduler knows worker `id` (`slurm:123`), for the report
-    /// and for a coordinator that takes the job over.
+    /// and for a coordinator that takes the job over. Known from its start
+    /// (or adoption) and unchanged after: the watchers' list of members is
+    /// made again only when the members change.
     fn handle(&self, _id: u64) -> Option<String> {
         None
     }
