@@ -51,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -142,6 +143,79 @@ def throughput_edl(data, env, scratch):
         out, others = run(launch(flags, program), env, d, "edl-runtime launch")
     (r,) = [r for r in records(out) if "samples_per_sec" in r]
     return r, others
+
+
+def process_tree(root):
+    """`root` and every process below it."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    tree = [root]
+    for pid in tree:
+        tree += children.get(pid, [])
+    return tree
+
+
+def thread_times(root):
+    """{(pid, process name, thread id, thread name): (ns on a CPU, times run)} under `root`."""
+    out = {}
+    for pid in process_tree(root):
+        try:
+            name = pathlib.Path(f"/proc/{pid}/comm").read_text().strip()
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                task = pathlib.Path(f"/proc/{pid}/task/{tid}")
+                ns, _, runs = (task / "schedstat").read_text().split()
+                out[(pid, name, int(tid), (task / "comm").read_text().strip())] = (int(ns), int(runs))
+        except OSError:
+            continue
+    return out
+
+
+def thread_costs(env, scratch, warm_up_steps=2000, seconds=5.0):
+    """A fixed world of 2 on digits, long enough to be steady: after
+    `warm_up_steps` committed steps, each thread's CPU (ms a second) and how
+    often it was put on a CPU (its wake-ups), over `seconds`, grouped by
+    process and thread name; edl's own threads are what elasticity costs
+    the ranks' cores."""
+    with tempfile.TemporaryDirectory(dir=scratch) as d:
+        flags = ["--samples", "1397", "--epochs", "1000", "--batch", "64", "--no-distill"]
+        flags += ["--min-workers", "2", "--max-workers", "2", "--workers", "2", "--policy", str(SCHEDULE)]
+        flags += ["--job", "torch-ddp-threads"]
+        cmd = launch(flags, ["--data", "digits", "--epochs", "1000"])
+        p = subprocess.Popen(cmd, env=env, cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            for line in p.stdout:
+                m = re.search(r"step (\d+) \|", line)
+                if m and int(m.group(1)) >= warm_up_steps:
+                    break
+            else:
+                sys.exit(f"the job ended before step {warm_up_steps}")
+            # The output is read on, so that the job never waits on a full pipe.
+            threading.Thread(target=lambda: [None for _ in p.stdout], daemon=True).start()
+            before, start = thread_times(p.pid), time.perf_counter()
+            time.sleep(seconds)
+            after, took = thread_times(p.pid), time.perf_counter() - start
+        finally:
+            p.kill()
+            p.wait()
+    rows = {}
+    for key, (ns, runs) in after.items():
+        if key in before:
+            pid, name, _, thread = key
+            row = rows.setdefault((pid, name, thread), [0, 0])
+            row[0] += ns - before[key][0]
+            row[1] += runs - before[key][1]
+    print(f"Each thread of a steady edl + DDP job (digits, 2 ranks), over {seconds:.0f} s:")
+    print("| process | thread | CPU, ms a second | put on a CPU, times a second |")
+    print("|---|---|---|---|")
+    for (pid, name, thread), (ns, runs) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
+        if ns > 0:
+            print(f"| {name} ({pid}) | {thread} | {ns / took / 1e6:.1f} | {runs / took:.0f} |")
 
 
 def resize_edl(env, scratch, spares=0, every=250, epochs=60):
@@ -403,6 +477,11 @@ def main():
         action="store_true",
         help="instead: growing 2 -> 3 with a warm spare against without, and a lost rank's place taken by one",
     )
+    ap.add_argument(
+        "--threads",
+        action="store_true",
+        help="instead: each thread's CPU and wake-ups a second in a steady edl + DDP job (digits)",
+    )
     args = ap.parse_args()
     env = environment(site())
     scratch = ROOT / "target" / "edl-python"
@@ -412,6 +491,8 @@ def main():
         return lost_rank_cost(args, env, scratch)
     if args.warm_spares:
         return warm_spares_cost(args, env, scratch)
+    if args.threads:
+        return thread_costs(env, scratch)
 
     side_by_side(
         ["data", "torchrun + DDP", "edl + DDP", "edl / torchrun", "each run's edl / torchrun",

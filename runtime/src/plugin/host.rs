@@ -4,8 +4,7 @@
 use super::{
     AdapterPlugin, ArtifactCache, CacheStatus, Error, Loaded, PolicyPlugin, SERVER_INTERFACE,
     STATE_INTERFACE, TRAINING_INTERFACE, TeacherPolicyPlugin, TransformPlugin, World, contract,
-    limits::{EPOCH_TICK, Limits},
-    native, wasm,
+    limits::Limits, native, wasm,
 };
 use edl_plugin_sdk::{PluginInfo, WIT_VERSION};
 use std::{path::Path, sync::Arc};
@@ -50,6 +49,8 @@ pub struct Inspection {
 /// Loads plugins. Cheap to share (`Arc`); one engine, one linker, one cache.
 pub struct PluginHost {
     engine: Engine,
+    /// Advances the engine's epoch while a guest call runs.
+    ticker: super::ticker::Ticker,
     linker: Linker<wasm::HostState>,
     cache: ArtifactCache,
     limits: Limits,
@@ -76,20 +77,12 @@ impl PluginHost {
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(engine_err)?;
         wasm::add_bounded_clocks(&mut linker).map_err(engine_err)?;
 
-        let weak = engine.weak();
-        std::thread::Builder::new()
-            .name("edl-plugin-epoch".into())
-            .spawn(move || {
-                while let Some(engine) = weak.upgrade() {
-                    engine.increment_epoch();
-                    drop(engine);
-                    std::thread::sleep(EPOCH_TICK);
-                }
-            })
+        let ticker = super::ticker::Ticker::start(&engine)
             .map_err(|e| Error::Engine { path: "<engine>".into(), detail: e.to_string() })?;
 
         Ok(Arc::new(PluginHost {
             engine,
+            ticker,
             linker,
             cache: options.cache,
             limits: options.limits,
@@ -228,6 +221,7 @@ impl PluginHost {
                     wasm::Ctx {
                         path: shown.clone(),
                         engine: &self.engine,
+                        ticker: &self.ticker,
                         linker: &self.linker,
                         limits: self.limits,
                     },
@@ -278,6 +272,7 @@ impl PluginHost {
                 let ctx = wasm::Ctx {
                     path: shown,
                     engine: &self.engine,
+                    ticker: &self.ticker,
                     linker: &self.linker,
                     limits: self.limits,
                 };

@@ -22,6 +22,7 @@ mod reload;
 pub mod replay;
 pub mod scaffold;
 mod stderr;
+mod ticker;
 mod wasm;
 
 pub use cache::{ArtifactCache, CacheStatus};

@@ -153,6 +153,7 @@ impl ResourceLimiter for MemoryCap {
 pub struct Ctx<'a> {
     pub path: String,
     pub engine: &'a Engine,
+    pub ticker: &'a super::ticker::Ticker,
     pub linker: &'a Linker<HostState>,
     pub limits: Limits,
 }
@@ -224,6 +225,7 @@ struct Live<B> {
 pub struct Sandboxed<B: WorldBindings> {
     path: String,
     engine: Engine,
+    ticker: super::ticker::Ticker,
     pre: InstancePre<HostState>,
     indices: B::Indices,
     /// Where the component's `state` export is, if it has one.
@@ -264,6 +266,7 @@ impl<B: WorldBindings> Sandboxed<B> {
         let mut me = Sandboxed {
             path: ctx.path,
             engine: ctx.engine.clone(),
+            ticker: ctx.ticker.clone(),
             pre: instance_pre,
             indices,
             state_indices,
@@ -301,6 +304,7 @@ impl<B: WorldBindings> Sandboxed<B> {
             deadline: now + self.limits.deadline,
             origin: now,
         };
+        let _ticking = self.ticker.enter();
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limiter);
         store.set_epoch_deadline(self.deadline_ticks);
@@ -422,7 +426,10 @@ impl<B: WorldBindings> Sandboxed<B> {
         let live = self.live.as_mut().expect("instantiated above");
         live.store.set_epoch_deadline(self.deadline_ticks);
         live.store.data_mut().deadline = Instant::now() + self.limits.deadline;
-        match f(live) {
+        let ticking = self.ticker.enter();
+        let done = f(live);
+        drop(ticking);
+        match done {
             Ok(r) => {
                 if let Some(text) = live.stderr.take() {
                     for line in text.lines() {
