@@ -167,12 +167,17 @@ def thread_times(root):
     for pid in process_tree(root):
         try:
             name = pathlib.Path(f"/proc/{pid}/comm").read_text().strip()
-            for tid in os.listdir(f"/proc/{pid}/task"):
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            # A thread that ended meanwhile is left out; its process's others are not.
+            try:
                 task = pathlib.Path(f"/proc/{pid}/task/{tid}")
                 ns, _, runs = (task / "schedstat").read_text().split()
                 out[(pid, name, int(tid), (task / "comm").read_text().strip())] = (int(ns), int(runs))
-        except OSError:
-            continue
+            except OSError:
+                continue
     return out
 
 
@@ -188,19 +193,23 @@ def thread_costs(env, scratch, warm_up_steps=2000, seconds=5.0):
         flags += ["--job", "torch-ddp-threads"]
         cmd = launch(flags, ["--data", "digits", "--epochs", "1000"])
         p = subprocess.Popen(cmd, env=env, cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # A job that never gets there is ended (its output then ends too).
+        deadline = threading.Timer(600, p.kill)
+        deadline.start()
         try:
             for line in p.stdout:
                 m = re.search(r"step (\d+) \|", line)
                 if m and int(m.group(1)) >= warm_up_steps:
                     break
             else:
-                sys.exit(f"the job ended before step {warm_up_steps}")
+                sys.exit(f"the job ended (or was stopped after 600 s) before step {warm_up_steps}")
             # The output is read on, so that the job never waits on a full pipe.
             threading.Thread(target=lambda: [None for _ in p.stdout], daemon=True).start()
             before, start = thread_times(p.pid), time.perf_counter()
             time.sleep(seconds)
             after, took = thread_times(p.pid), time.perf_counter() - start
         finally:
+            deadline.cancel()
             p.kill()
             p.wait()
     rows = {}

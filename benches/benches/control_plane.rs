@@ -102,14 +102,17 @@ fn thread_cpu() -> Threads {
 fn thread_split(from: &Threads, to: &Threads, total: f64, steps: f64) -> Vec<(&'static str, f64)> {
     let mut parts: HashMap<&'static str, f64> = HashMap::new();
     for (tid, &(what, secs)) in to {
-        if let Some(&(_, before)) = from.get(tid) {
+        if let Some(&(was, before)) = from.get(tid)
+            && was == what
+        {
             *parts.entry(what).or_insert(0.0) += secs - before;
         }
     }
     let named: f64 = parts.values().sum();
     let mut each: Vec<(&'static str, f64)> = parts.into_iter().map(|(k, v)| (k, v / steps * 1e3)).collect();
     each.sort_by(|a, b| b.1.total_cmp(&a.1));
-    each.push(("the rest", (total - named).max(0.0) / steps * 1e3));
+    // Off zero (either way) by the little the process ran between its threads' reading and its own.
+    each.push(("the rest", (total - named) / steps * 1e3));
     each
 }
 
@@ -394,11 +397,13 @@ fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<F
         Progress::Step(r) => {
             (before, last) = (last, process_cpu());
             if r.step == FROM || r.step == TO {
-                marks.insert(r.step, (Instant::now(), last));
-                kernel.insert(r.step, process_cpu_split().1);
-                // The threads and the process read together: their parts and the rest add up.
+                // The threads, then the process: the figure per step and its
+                // parts by thread come from the same readings.
                 let each = thread_cpu();
-                threads.insert(r.step, (each, process_cpu()));
+                let (user, system) = process_cpu_split();
+                marks.insert(r.step, (Instant::now(), user + system));
+                kernel.insert(r.step, system);
+                threads.insert(r.step, (each, user + system));
                 if std::env::var_os("EDL_BENCH_MARKS").is_some() {
                     // For `perf report --time FROM,TO` of a run recorded with `-k CLOCK_MONOTONIC`.
                     eprintln!("step {} at {:.6}", r.step, monotonic());
