@@ -15,6 +15,7 @@ use edl_runtime::worker::session::{Event, JobAuth, Joined, Secret, Session, Stat
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, mpsc};
@@ -146,12 +147,15 @@ fn as_float32<'py>(py: Python<'py>, x: &Bound<'py, PyAny>) -> PyResult<Bound<'py
     np.call_method1("ascontiguousarray", (x, "float32"))
 }
 
-/// Sample indices as a NumPy int64 array.
+/// `numpy.frombuffer`, looked up once.
+static FROMBUFFER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// Sample indices as a NumPy int64 array (writable: a view of a bytearray
+/// it keeps alive, one copy).
 fn indices_array<'py>(py: Python<'py>, ids: &[u32]) -> PyResult<Bound<'py, PyAny>> {
-    let bytes: Vec<u8> = ids.iter().flat_map(|&i| (i as i64).to_le_bytes()).collect();
-    let np = py.import("numpy")?;
-    let a = np.call_method1("frombuffer", (PyBytes::new(py, &bytes), "int64"))?;
-    a.call_method0("copy")
+    let wide: Vec<i64> = ids.iter().map(|&i| i64::from(i)).collect();
+    let bytes = pyo3::types::PyByteArray::new(py, bytemuck::cast_slice(&wide));
+    FROMBUFFER.import(py, "numpy", "frombuffer")?.call1((bytes, "int64"))
 }
 
 /// Float32 values as a NumPy array of `shape`.
@@ -588,6 +592,7 @@ impl Steps {
             done: false,
             given_up: false,
             norms: Mutex::new(Vec::new()),
+            indices: PyOnceLock::new(),
         }))
     }
 }
@@ -709,14 +714,21 @@ struct StepView {
     /// Behind a lock of its own: a hook tells them from gloo's thread while
     /// the step is borrowed elsewhere (a table's push from backward).
     norms: Mutex<Vec<(Py<PyAny>, Py<PyAny>)>>,
+    /// `indices` as a NumPy array, made at its first read.
+    indices: PyOnceLock<Py<PyAny>>,
 }
 
 #[pymethods]
 impl StepView {
     /// This rank's samples: indices into `0..job.samples` (int64 array; may be empty).
     #[getter]
+    /// The same array at every read of one step: copy it to change it.
     fn indices<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        indices_array(py, &self.info.indices)
+        if let Some(a) = self.indices.get(py) {
+            return Ok(a.bind(py).clone());
+        }
+        let a = indices_array(py, &self.info.indices)?;
+        Ok(self.indices.get_or_init(py, || a.clone().unbind()).bind(py).clone())
     }
     /// How many samples this rank has in the step (`len(step.indices)`,
     /// without making the array).

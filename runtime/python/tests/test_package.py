@@ -56,6 +56,9 @@ def test_two_workers_split_every_step_and_keep_one_state(tmp_path):
         seen = []
         for step in job.steps():
             assert step.rows == len(step.indices)
+            # One int64 array a step, made at its first read, writable (torch.from_numpy takes it).
+            assert step.indices is step.indices and step.indices.dtype == np.int64
+            assert step.indices.flags.writeable
             g = np.full(4, step.rows / step.global_rows, dtype=np.float32)
             assert step.all_reduce([g])
             assert np.allclose(g, 1.0), g          # the shares add up to the step

@@ -215,6 +215,79 @@ def test_a_python_state_that_names_code_is_refused_without_running_it():
     assert et._loads(buf.getvalue()) == {"scalars": {"epoch": 3}}
 
 
+def test_a_python_state_written_with_tensors_out_of_band_is_still_read():
+    import io
+    import pickle
+
+    class Earlier(pickle.Pickler):
+        # How earlier versions wrote it: every tensor, dtype and device a persistent id.
+        def persistent_id(self, obj):
+            if torch.is_tensor(obj):
+                raw = obj.reshape(-1).view(torch.uint8).numpy().tobytes()
+                return ("tensor", str(obj.dtype).removeprefix("torch."), tuple(obj.shape), raw)
+            if isinstance(obj, torch.dtype):
+                return ("dtype", str(obj).removeprefix("torch."))
+            return None
+
+    value = {"rng": torch.arange(5, dtype=torch.int16), "dtype": torch.float64, "lr": [0.1]}
+    buf = io.BytesIO()
+    Earlier(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    back = et._loads(buf.getvalue())
+    assert torch.equal(back["rng"], value["rng"]) and back["dtype"] is torch.float64 and back["lr"] == [0.1]
+    with pytest.raises(pickle.UnpicklingError, match="unknown stored object"):
+        et._stored("module", "os")
+
+
+class _StateJob:
+    """Takes an ElasticState's registrations: the arrays and its two hooks."""
+
+    samples = 0
+
+    def __init__(self):
+        self.arrays = {}
+
+    def register(self, name, array):
+        self.arrays[name] = array
+
+    def _state_hooks(self, pack, unpack):
+        self.pack, self.unpack = pack, unpack
+
+
+def test_the_python_copy_past_a_shorter_value_is_zero_as_on_a_fresh_rank():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    job = _StateJob()
+    state = et.ElasticState(job, model, opt, note="x" * 300)
+    blob = job.arrays["python@torch"]
+    state.note = ""
+    state.pack()
+    fresh_job = _StateJob()
+    et.ElasticState(fresh_job, _model(), torch.optim.AdamW(_model().parameters(), lr=0.01), note="")
+    assert blob.tobytes() == fresh_job.arrays["python@torch"].tobytes()
+    # What the runtime writes there (rank 0's copy, at a generation's start) is read back.
+    other = _StateJob()
+    et.ElasticState(other, _model(), torch.optim.AdamW(_model().parameters(), lr=0.01), note="rank 0's")
+    blob[:] = other.arrays["python@torch"]
+    state.unpack()
+    assert state.note == "rank 0's"
+
+
+def test_optimizer_state_that_appears_or_goes_after_registration_is_named():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = et.ElasticState(_StateJob(), model, opt)
+    state.pack()
+    first = next(iter(model.parameters()))
+    opt.state[first]["extra"] = torch.zeros(1)
+    with pytest.raises(RuntimeError, match=r"state \['extra'\] of parameter 0 appeared after"):
+        state.pack()
+    del opt.state[first]["extra"]
+    state.pack()
+    del opt.state[first]["momentum_buffer"]
+    with pytest.raises(RuntimeError, match=r"state \['momentum_buffer'\] of parameter 0 went away after"):
+        state.pack()
+
+
 class _Tables:
     """A job and a step with tables in memory: rows id * 0.1 + column,
     and the pushes recorded."""

@@ -965,49 +965,62 @@ class _Mirrored:
 
 
 class _Pickler(pickle.Pickler):
-    """Pickles plain values; tensors, dtypes and devices go out of band (as
-    raw bytes, a name, a string), so that reading needs no class at all."""
+    """Pickles plain values; a tensor, a dtype or a device is written as a
+    call of ``_stored`` (raw bytes, a name, a string), the one callable a
+    stored state may name. ``reducer_override`` is asked only about objects
+    that are not of a built-in type (a tensor, a dtype, an ``OrderedDict``),
+    so the numbers, strings and dicts of a schedule cost no Python call."""
 
-    def persistent_id(self, obj):
+    def reducer_override(self, obj):
         if torch.is_tensor(obj):
             t = obj.detach().contiguous().cpu()
             raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            return ("tensor", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
+            return _stored, ("tensor", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
         if isinstance(obj, torch.dtype):
-            return ("dtype", str(obj).removeprefix("torch."))
+            return _stored, ("dtype", str(obj).removeprefix("torch."))
         if isinstance(obj, torch.device):
-            return ("device", str(obj))
-        return None
+            return _stored, ("device", str(obj))
+        return NotImplemented
+
+
+def _stored(kind, *payload):
+    """A tensor, a dtype or a device from what ``_Pickler`` wrote."""
+    if kind == "tensor" and len(payload) == 3:
+        dtype, shape, raw = payload
+        dt = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+        if not isinstance(dt, torch.dtype):
+            raise pickle.UnpicklingError(f"edl state: unknown tensor dtype {dtype!r}")
+        if not raw:
+            return torch.empty(shape, dtype=dt)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
+    if kind == "dtype" and len(payload) == 1:
+        dt = getattr(torch, payload[0], None) if isinstance(payload[0], str) else None
+        if isinstance(dt, torch.dtype):
+            return dt
+    if kind == "device" and len(payload) == 1 and isinstance(payload[0], str):
+        return torch.device(payload[0])
+    raise pickle.UnpicklingError(f"edl state: unknown stored object {(kind, *payload)!r:.80}")
 
 
 class _Unpickler(pickle.Unpickler):
     """Reads what ``_Pickler`` wrote and nothing that could run code: no
-    class or function can be named but ``OrderedDict`` (what
-    ``torch.load(weights_only=True)`` guards, at a fraction of its cost)."""
+    class or function can be named but ``OrderedDict`` and ``_stored``
+    (what ``torch.load(weights_only=True)`` guards, at a fraction of its
+    cost). Tensors written out of band (persistent ids), as earlier
+    versions did, are read too."""
 
     def find_class(self, module, name):
         if (module, name) == ("collections", "OrderedDict"):
             import collections
 
             return collections.OrderedDict
+        if (module, name) == (__name__, "_stored"):
+            return _stored
         raise pickle.UnpicklingError(f"edl state: {module}.{name} is not a plain value")
 
     def persistent_load(self, pid):
-        kind = pid[0] if isinstance(pid, tuple) and pid else None
-        if kind == "tensor":
-            _, dtype, shape, raw = pid
-            dt = getattr(torch, dtype, None)
-            if not isinstance(dt, torch.dtype):
-                raise pickle.UnpicklingError(f"edl state: unknown tensor dtype {dtype!r}")
-            if not raw:
-                return torch.empty(shape, dtype=dt)
-            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
-        if kind == "dtype":
-            dt = getattr(torch, pid[1], None)
-            if isinstance(dt, torch.dtype):
-                return dt
-        if kind == "device":
-            return torch.device(pid[1])
+        if isinstance(pid, tuple) and pid and isinstance(pid[0], str):
+            return _stored(*pid)
         raise pickle.UnpicklingError(f"edl state: unknown stored object {pid!r:.80}")
 
 
@@ -1054,9 +1067,13 @@ class _Blob:
                 "reserved when it was registered (ElasticState(..., python_bytes=N) reserves more)"
             )
         n = len(data)
+        # What is past the data is zero (every rank's copy alike): only
+        # what a longer value before left there is cleared.
+        before = int(self.mirror[0]) | (int(self.mirror[1]) << 16)
         self.mirror[0], self.mirror[1] = n & 0xFFFF, n >> 16
         self.mirror[2 : 2 + n] = np.frombuffer(data, dtype=np.uint8)
-        self.mirror[2 + n :] = 0
+        if before > n:
+            self.mirror[2 + n : 2 + before] = 0
         self.last = data
 
     def unpack(self):
@@ -1091,7 +1108,7 @@ class ElasticState:
         for name, t in model.state_dict(keep_vars=True).items():
             self._add(f"model.{name}", t)
         edl._job_modules.add(model)
-        self._optimizer_keys = {}
+        self._optimizer_sets = {}
         if optimizer is not None:
             _materialize(optimizer)
             for i, p in enumerate(self._params()):
@@ -1100,7 +1117,7 @@ class ElasticState:
                     if torch.is_tensor(value):
                         self._add(f"optimizer.{i}.{key}", value)
                     keys.append(key)
-                self._optimizer_keys[i] = keys
+                self._optimizer_sets[i] = frozenset(keys)
         data = self._python()
         self._blob = _Blob(data, python_bytes)
         self._blob.pack(data)
@@ -1129,13 +1146,16 @@ class ElasticState:
     def _check_optimizer(self):
         optimizer = self.optimizer
         for i, p in enumerate(self._params()):
-            keys = sorted(optimizer.state[p].keys())
-            if keys != self._optimizer_keys.get(i, []):
-                new = sorted(set(keys) - set(self._optimizer_keys.get(i, [])))
-                raise RuntimeError(
-                    f"optimizer {type(optimizer).__name__}: state {new} of parameter {i} appeared after "
-                    "the state was registered; edl cannot keep it consistent across workers"
-                )
+            state = optimizer.state[p]
+            known = self._optimizer_sets.get(i, frozenset())
+            if state.keys() == known:
+                continue
+            new, gone = sorted(set(state) - known), sorted(known - set(state))
+            change = f"state {new} of parameter {i} appeared" if new else f"state {gone} of parameter {i} went away"
+            raise RuntimeError(
+                f"optimizer {type(optimizer).__name__}: {change} after the state was registered; "
+                "edl cannot keep it consistent across workers"
+            )
 
     def _python(self):
         """The Python part of the state, as bytes."""
