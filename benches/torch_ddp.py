@@ -321,6 +321,30 @@ def noise_hook_cost(args, env, scratch):
     )
 
 
+def step_cost(args, env, scratch):
+    """edl's own CPU a step on a rank's main thread (`ddp_cnn.py
+    --step-cost`: the steps of a one-worker digits job without the
+    training), `--runs` jobs; medians of each part."""
+    runs = []
+    for _ in range(args.runs):
+        with tempfile.TemporaryDirectory(dir=scratch) as d:
+            # Batches of 8: 175 steps an epoch, so that an epoch's end (its
+            # checkpoint, a window cut there) weighs as little as it does in a
+            # longer data set; windows are cut every 8 steps by the decisions.
+            flags = ["--samples", "1397", "--epochs", "40", "--batch", "8", "--no-distill"]
+            flags += ["--workers", "1", "--min-workers", "1", "--max-workers", "1", "--policy", str(SCHEDULE)]
+            flags += ["--job", "torch-step-cost", "--report", str(pathlib.Path(d) / "report.json")]
+            out, _ = run(launch(flags, ["--data", "digits", "--step-cost"]), env, d, "edl-runtime launch")
+        (r,) = [r for r in records(out) if r.get("step_cost")]
+        runs.append(r)
+    parts = [k for k in runs[0] if k.endswith(" us")]
+    print(f"| edl's CPU a step, main thread (medians of {len(runs)} jobs) | " + " | ".join(parts) + " |")
+    print("|---|" + "---|" * len(parts))
+    cells = [f"{statistics.median(r[p] for r in runs):.1f}" for p in parts]
+    print(f"| {runs[0]['steps']} steps a job | " + " | ".join(cells) + " |")
+    print("each job, all: " + ", ".join(f"{r['all us']:.1f}" for r in runs) + " us")
+
+
 def worker_pid(launcher, worker):
     """The pid of `worker`'s main process, a child of `launcher`, or None."""
     for p in pathlib.Path("/proc").iterdir():
@@ -491,6 +515,11 @@ def main():
         action="store_true",
         help="instead: each thread's CPU and wake-ups a second in a steady edl + DDP job (digits)",
     )
+    ap.add_argument(
+        "--step-cost",
+        action="store_true",
+        help="instead: edl's own CPU a step on a rank's main thread, the steps run without the training",
+    )
     args = ap.parse_args()
     env = environment(site())
     scratch = ROOT / "target" / "edl-python"
@@ -502,6 +531,8 @@ def main():
         return warm_spares_cost(args, env, scratch)
     if args.threads:
         return thread_costs(env, scratch)
+    if args.step_cost:
+        return step_cost(args, env, scratch)
 
     side_by_side(
         ["data", "torchrun + DDP", "edl + DDP", "edl / torchrun", "each run's edl / torchrun",

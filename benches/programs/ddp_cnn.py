@@ -26,7 +26,10 @@ What it prints, one JSON object a line after `ddp_cnn `:
 - `--log-steps`: `{"step_done": unix time, "world", "resumed"}` after each
   step (the resize benchmark reads the gap a restart leaves);
 - `--steps-after-resume N`: a torchrun run that resumed from a snapshot
-  ends after N steps (the restart is what is measured, not the rest).
+  ends after N steps (the restart is what is measured, not the rest);
+- `--step-cost` (edl): the steps without the training, each step's CPU on
+  the main thread in edl's parts: `{"step_cost": true, "next step us",
+  "indices us", "commit us", "all us", "steps"}`.
 """
 
 import argparse
@@ -159,6 +162,36 @@ def run_edl(job, args):
         say(timing.summary(world=timing.world, side="edl"))
 
 
+def run_step_cost(job, args):
+    """What edl itself costs a step on the rank's main thread, without the
+    training: the same `ElasticState` (the model, AdamW, the cosine
+    schedule), each step's indices read as `run_edl` reads them (three
+    times) and its commit. CPU time of the thread (`time.thread_time`), so
+    that waiting for the coordinator's windows does not count; the state's
+    copies written at each window's start (its rollback point) fall in the
+    step that opens it."""
+    model, opt, sched = build(args.data, 1000)
+    state = edl.torch.ElasticState(job, model, opt, sched)
+    steps = state.steps()
+    parts = {"next step": [], "indices": [], "commit": []}
+    while True:
+        t0 = time.thread_time()
+        step = next(steps, None)
+        if step is None:
+            break
+        t1 = time.thread_time()
+        for _ in range(3):
+            step.indices
+        t2 = time.thread_time()
+        step.commit(loss=0.0)
+        t3 = time.thread_time()
+        for part, took in zip(parts.values(), (t1 - t0, t2 - t1, t3 - t2)):
+            part.append(took)
+    k0 = len(parts["commit"]) // 5
+    us = {f"{name} us": sum(v[k0:]) / max(len(v) - k0, 1) * 1e6 for name, v in parts.items()}
+    say({"step_cost": True, **us, "all us": sum(us.values()), "steps": len(parts["commit"]) - k0})
+
+
 def run_torchrun(args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -223,9 +256,14 @@ def main():
     p.add_argument("--log-steps", action="store_true")
     p.add_argument("--steps-after-resume", type=int, default=0)
     p.add_argument("--loader-workers", type=int, default=0, help="edl: read batches through a DataLoader with this many processes")
+    p.add_argument("--step-cost", action="store_true", help="edl: the steps without the training, timed")
     args = p.parse_args()
     torch.set_num_threads(1)
-    if "EDL_COORDINATOR" in os.environ:
+    if "EDL_COORDINATOR" in os.environ and args.step_cost:
+        import edl.torch
+
+        run_step_cost(edl.Job.from_env(), args)
+    elif "EDL_COORDINATOR" in os.environ:
         run_edl(edl.Job.from_env(), args)
     elif "RANK" in os.environ:
         run_torchrun(args)
