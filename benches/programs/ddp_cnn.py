@@ -170,6 +170,8 @@ def run_step_cost(job, args):
     that waiting for the coordinator's windows does not count; the state's
     copies written at each window's start (its rollback point) fall in the
     step that opens it."""
+    import edl.torch
+
     model, opt, sched = build(args.data, 1000)
     state = edl.torch.ElasticState(job, model, opt, sched)
     steps = state.steps()
@@ -260,8 +262,6 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(1)
     if "EDL_COORDINATOR" in os.environ and args.step_cost:
-        import edl.torch
-
         run_step_cost(edl.Job.from_env(), args)
     elif "EDL_COORDINATOR" in os.environ:
         run_edl(edl.Job.from_env(), args)
