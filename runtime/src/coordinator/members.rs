@@ -375,9 +375,8 @@ impl Coordinator<'_> {
         // A second that comes twice or is skipped leaves a lease 20 s
         // unrefreshed, within its 30.
         let round = self.started.elapsed().as_secs() % LEASE_ROUNDS;
-        for (id, key, value) in records.each.iter().filter(|(id, ..)| all || id % LEASE_ROUNDS == round) {
-            debug_assert!(key.ends_with(&id.to_string()));
-            k.lease(key.clone(), value.clone(), WORKER_LEASE);
+        for r in records.each.iter().filter(|r| all || r.id % LEASE_ROUNDS == round) {
+            k.lease(r.key.clone(), r.value.clone(), WORKER_LEASE);
         }
     }
 }
@@ -431,10 +430,6 @@ mod tests {
     use super::*;
     use std::cell::Cell;
 
-    fn member(id: u64) -> Worker {
-        Worker { id, conn: id, pid: 100 + id as u32, since: Instant::now() }
-    }
-
     #[test]
     fn the_workers_are_told_again_only_when_members_or_those_on_their_way_change() {
         let asked = Cell::new(0);
@@ -442,7 +437,7 @@ mod tests {
             asked.set(asked.get() + 1);
             Some(format!("pid {}", 100 + id))
         };
-        let members: Vec<Worker> = [4, 7, 9].map(member).to_vec();
+        let members: Vec<Worker> = [4, 7, 9].map(Worker::numbered).to_vec();
         let first = workers_now(&[], &members, &[(11, "still starting")], handle).expect("new");
         let shape = |l: &[WorkerState]| -> Vec<(u64, Option<usize>, String)> {
             l.iter().map(|w| (w.id, w.rank, w.stage.clone())).collect()
@@ -469,11 +464,11 @@ mod tests {
         assert_eq!(shape(&second[3..]), vec![(11, None, "spare".into())]);
         // A member lost (the list is shorter, its old record follows the kept
         // prefix): told again, without it.
-        let fewer: Vec<Worker> = [4, 7].map(member).to_vec();
+        let fewer: Vec<Worker> = [4, 7].map(Worker::numbered).to_vec();
         let third = workers_now(&second, &fewer, &[], handle).expect("changed");
         assert_eq!(shape(&third), vec![(4, Some(0), "training".into()), (7, Some(1), "training".into())]);
         // Others in the same places, or the same ones in other ranks: made again.
-        let moved: Vec<Worker> = [7, 4].map(member).to_vec();
+        let moved: Vec<Worker> = [7, 4].map(Worker::numbered).to_vec();
         let fourth = workers_now(&third, &moved, &[], handle).expect("changed");
         assert_eq!(shape(&fourth), vec![(7, Some(0), "training".into()), (4, Some(1), "training".into())]);
     }

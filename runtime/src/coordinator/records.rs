@@ -282,10 +282,16 @@ impl Pending {
 /// thousands of workers refreshes hundreds a second.
 pub struct LeaseRecords {
     generation: u64,
-    /// Each member's id and pid, in rank order.
-    who: Vec<(u64, u32)>,
-    /// Each member's id, key and value, in rank order.
-    pub(super) each: Vec<(u64, String, Vec<u8>)>,
+    /// Each member's, in rank order.
+    pub(super) each: Vec<LeaseRecord>,
+}
+
+/// A member's lease record, and who it is for.
+pub(super) struct LeaseRecord {
+    pub id: u64,
+    pid: u32,
+    pub key: String,
+    pub value: Vec<u8>,
 }
 
 impl LeaseRecords {
@@ -298,18 +304,17 @@ impl LeaseRecords {
         members: &[Worker],
     ) -> &'a Self {
         let fresh = kept.as_ref().is_some_and(|r| {
-            r.generation == generation && r.who.iter().copied().eq(members.iter().map(|m| (m.id, m.pid)))
+            r.generation == generation
+                && r.each.iter().map(|r| (r.id, r.pid)).eq(members.iter().map(|m| (m.id, m.pid)))
         });
         if !fresh {
-            let each = |m: &Worker| {
-                let v = serde_json::json!({"pid": m.pid, "generation": generation}).to_string();
-                (m.id, format!("{prefix}{}", m.id), v.into_bytes())
+            let record = |m: &Worker| LeaseRecord {
+                id: m.id,
+                pid: m.pid,
+                key: format!("{prefix}{}", m.id),
+                value: serde_json::json!({"pid": m.pid, "generation": generation}).to_string().into_bytes(),
             };
-            *kept = Some(LeaseRecords {
-                generation,
-                who: members.iter().map(|m| (m.id, m.pid)).collect(),
-                each: members.iter().map(each).collect(),
-            });
+            *kept = Some(LeaseRecords { generation, each: members.iter().map(record).collect() });
         }
         kept.as_ref().expect("made above")
     }
@@ -319,17 +324,16 @@ impl LeaseRecords {
 mod tests {
     use super::*;
 
-    fn member(id: u64) -> Worker {
-        Worker { id, conn: id, pid: 100 + id as u32, since: Instant::now() }
-    }
-
     #[test]
     fn a_member_s_lease_record_is_made_once_a_generation_and_again_when_members_change() {
         let records = |r: &LeaseRecords| -> Vec<(u64, String, String)> {
-            r.each.iter().map(|(id, k, v)| (*id, k.clone(), String::from_utf8(v.clone()).unwrap())).collect()
+            r.each
+                .iter()
+                .map(|r| (r.id, r.key.clone(), String::from_utf8(r.value.clone()).unwrap()))
+                .collect()
         };
         let mut kept = None;
-        let members: Vec<Worker> = [3, 5].map(member).to_vec();
+        let members: Vec<Worker> = [3, 5].map(Worker::numbered).to_vec();
         let first = records(LeaseRecords::of(&mut kept, "edl/jobs/j/workers/", 2, &members));
         assert_eq!(
             first,

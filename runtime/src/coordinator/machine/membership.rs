@@ -75,6 +75,14 @@ pub struct Worker {
     pub since: Instant,
 }
 
+#[cfg(test)]
+impl Worker {
+    /// Worker `id` on connection `id`, pid `100 + id`.
+    pub(crate) fn numbered(id: WorkerId) -> Worker {
+        Worker { id, conn: id, pid: 100 + id as u32, since: Instant::now() }
+    }
+}
+
 /// What a step boundary changed.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Boundary {
