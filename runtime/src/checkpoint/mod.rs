@@ -42,7 +42,7 @@ pub struct Manifest {
     pub hyperparams: Hyperparams,
     /// Whatever the plugins need to resume (opaque to the runtime).
     #[serde(default)]
-    pub plugin_state: serde_json::Value,
+    pub plugin_state: PluginState,
     /// File name -> sha256, filled in by [`Checkpoints::save`].
     #[serde(default)]
     pub files: BTreeMap<String, String>,
@@ -50,6 +50,45 @@ pub struct Manifest {
     /// (see [`Fence`]); None where checkpoints are not fenced.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fence: Option<u64>,
+}
+
+/// What the coordinator and its plugins keep in a checkpoint to resume
+/// from, as the JSON it was written as: made once when the checkpoint is
+/// asked for, it goes to the worker that writes it and into the manifest
+/// without being parsed into a tree on the way (it holds a count for each
+/// sample and a record for each epoch done).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct PluginState(Box<serde_json::value::RawValue>);
+
+impl PluginState {
+    /// `value` as JSON.
+    pub fn of<T: Serialize>(value: &T) -> serde_json::Result<Self> {
+        serde_json::value::to_raw_value(value).map(PluginState)
+    }
+
+    /// What it holds, read as a `T`.
+    pub fn read<T: serde::de::DeserializeOwned>(&self) -> serde_json::Result<T> {
+        serde_json::from_str(self.0.get())
+    }
+
+    /// Its JSON text.
+    pub fn json(&self) -> &str {
+        self.0.get()
+    }
+}
+
+impl Default for PluginState {
+    /// Nothing kept: `null`.
+    fn default() -> Self {
+        PluginState::of(&()).expect("null is JSON")
+    }
+}
+
+impl PartialEq for PluginState {
+    fn eq(&self, other: &Self) -> bool {
+        self.json() == other.json()
+    }
 }
 
 /// Who may write a checkpoint location: the highest lease token a
@@ -1079,7 +1118,7 @@ mod tests {
             cursor: (step % 10) as usize * 32,
             seed: 7,
             hyperparams: Hyperparams { global_batch: 64, local_batch: 32, lr: 0.1, momentum: 0.9 },
-            plugin_state: serde_json::json!({"autoscale": {"ceiling": 5}}),
+            plugin_state: PluginState::of(&serde_json::json!({"autoscale": {"ceiling": 5}})).unwrap(),
             files: BTreeMap::new(),
             fence: None,
         }
@@ -1110,7 +1149,8 @@ mod tests {
         let r = r.unwrap();
         assert!(skipped.is_empty());
         assert_eq!((r.manifest.step, r.tensor("b").unwrap()[0]), (30, 30.0));
-        assert_eq!(r.manifest.plugin_state["autoscale"]["ceiling"], 5);
+        let kept: serde_json::Value = r.manifest.plugin_state.read().unwrap();
+        assert_eq!(kept["autoscale"]["ceiling"], 5);
         assert_eq!((r.layout.clone(), r.values.clone()), (layout(), state(30.0)), "order and values kept");
 
         // Truncate the newest state file: reported by name, the previous one is used.
@@ -1128,6 +1168,49 @@ mod tests {
         assert!(r.is_none());
         assert_eq!(skipped.len(), 2);
         assert!(skipped[1].to_string().contains("does not match manifest.sha256"), "{}", skipped[1]);
+    }
+
+    #[test]
+    fn the_plugin_state_goes_through_a_manifest_as_written_and_an_earlier_manifest_still_reads() {
+        #[derive(Debug, PartialEq, Serialize, Deserialize)]
+        struct Kept {
+            counts: Vec<u8>,
+            name: String,
+        }
+        let kept = Kept { counts: vec![0, 1, 2, 1], name: "autoscale".into() };
+        let manifest = Manifest {
+            step: 7,
+            epoch: 1,
+            cursor: 3,
+            seed: 9,
+            hyperparams: Hyperparams::default(),
+            plugin_state: PluginState::of(&kept).unwrap(),
+            files: BTreeMap::new(),
+            fence: None,
+        };
+        assert_eq!(manifest.plugin_state.json(), r#"{"counts":[0,1,2,1],"name":"autoscale"}"#);
+        // Inside a message and in a manifest file, pretty or not: the same text, read back.
+        for json in [serde_json::to_vec(&manifest).unwrap(), serde_json::to_vec_pretty(&manifest).unwrap()] {
+            let back: Manifest = serde_json::from_slice(&json).unwrap();
+            assert_eq!(back, manifest);
+            assert_eq!(back.plugin_state.read::<Kept>().unwrap(), kept);
+        }
+        // Written by an earlier version: an indented object; or none at all.
+        let earlier = r#"{"step": 7, "epoch": 1, "cursor": 3, "seed": 9,
+            "hyperparams": {"global_batch": 64, "local_batch": 32, "lr": 0.1, "momentum": 0.9},
+            "plugin_state": {
+                "counts": [0, 1, 2, 1],
+                "name": "autoscale"
+            }}"#;
+        let back: Manifest = serde_json::from_str(earlier).unwrap();
+        assert_eq!(back.plugin_state.read::<Kept>().unwrap(), kept);
+        let none: Manifest = serde_json::from_str(
+            r#"{"step": 7, "epoch": 1, "cursor": 3, "seed": 9,
+            "hyperparams": {"global_batch": 64, "local_batch": 32, "lr": 0.1, "momentum": 0.9}}"#,
+        )
+        .unwrap();
+        assert_eq!(none.plugin_state, PluginState::default());
+        assert!(none.plugin_state.read::<Kept>().is_err(), "null is not the state");
     }
 
     #[test]

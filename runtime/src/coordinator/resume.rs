@@ -4,7 +4,7 @@
 
 use super::records::*;
 use super::{CHORES_EVERY, Coordinator, NoticeCheckpoint, ms};
-use crate::checkpoint::{Checkpoints, Manifest, Restored};
+use crate::checkpoint::{Checkpoints, Manifest, PluginState, Restored};
 use crate::control::proto::ToWorker;
 use crate::coordinator::machine::ledger::{EpochRecord, Ledger};
 use crate::coordinator::machine::phase::Crash;
@@ -313,7 +313,9 @@ impl Coordinator<'_> {
         }
         let Some(r) = restored else { return Ok(None) };
         let m = &r.manifest;
-        let book: Bookkeeping = serde_json::from_value(m.plugin_state.clone())
+        let book: Bookkeeping = m
+            .plugin_state
+            .read()
             .with_context(|| format!("{}: manifest has no coordinator state", r.path.display()))?;
         if self.tally.train_len() == 0 {
             // Launched without --samples: the checkpoint's, which the
@@ -436,8 +438,10 @@ impl Coordinator<'_> {
         match newest {
             Some(r) => {
                 self.note(format!("restarting from step {} ({})", r.manifest.step, r.path.display()));
-                let book: Bookkeeping = serde_json::from_value(r.manifest.plugin_state.clone())
-                    .with_context(|| format!("{}: manifest has no coordinator state", r.path.display()))?;
+                let book: Bookkeeping =
+                    r.manifest.plugin_state.read().with_context(|| {
+                        format!("{}: manifest has no coordinator state", r.path.display())
+                    })?;
                 self.restore(&r, book.ledger);
             }
             None => {
@@ -521,7 +525,7 @@ impl Coordinator<'_> {
             cursor: self.tally.cursor,
             seed: self.cfg.spec.seed,
             hyperparams: self.hyper,
-            plugin_state: serde_json::to_value(book).unwrap_or_default(),
+            plugin_state: PluginState::of(&book).unwrap_or_default(),
             files: Default::default(),
             fence: self.fence,
         }

@@ -553,7 +553,7 @@ mod tests {
             cursor: 0,
             seed: 0,
             hyperparams: Default::default(),
-            plugin_state: serde_json::Value::Null,
+            plugin_state: Default::default(),
             files: Default::default(),
             fence: None,
         };

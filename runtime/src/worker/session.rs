@@ -1457,7 +1457,7 @@ mod tests {
             cursor: 0,
             seed: 1,
             hyperparams: Hyperparams { global_batch: 8, local_batch: 4, lr: 0.1, momentum: 0.0 },
-            plugin_state: serde_json::json!({}),
+            plugin_state: Default::default(),
             files: Default::default(),
             fence: None,
         }
