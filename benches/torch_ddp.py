@@ -333,7 +333,8 @@ def step_cost(args, env, scratch):
             # longer data set; windows are cut every 8 steps by the decisions.
             flags = ["--samples", "1397", "--epochs", "40", "--batch", "8", "--no-distill"]
             flags += ["--workers", "1", "--min-workers", "1", "--max-workers", "1", "--policy", str(SCHEDULE)]
-            flags += ["--job", "torch-step-cost", "--report", str(pathlib.Path(d) / "report.json")]
+            flags += ["--decide-every-steps", "8", "--job", "torch-step-cost"]
+            flags += ["--report", str(pathlib.Path(d) / "report.json")]
             out, _ = run(launch(flags, ["--data", "digits", "--step-cost"]), env, d, "edl-runtime launch")
         (r,) = [r for r in records(out) if r.get("step_cost")]
         runs.append(r)

@@ -1,6 +1,10 @@
 """edl.torch's pieces that need no job: optimiser state made up front, the
 float32 copies of other tensors, gradients read as they are."""
 
+import io
+import pickle
+import re
+
 import pytest
 
 # Run with PyTorch by the runtime's test suite (tests/all/torch.rs); an
@@ -215,27 +219,72 @@ def test_a_python_state_that_names_code_is_refused_without_running_it():
     assert et._loads(buf.getvalue()) == {"scalars": {"epoch": 3}}
 
 
-def test_a_python_state_written_with_tensors_out_of_band_is_still_read():
-    import io
-    import pickle
+class _Earlier(pickle.Pickler):
+    """How earlier versions pickled the Python state: every tensor, dtype
+    and device a persistent id."""
 
-    class Earlier(pickle.Pickler):
-        # How earlier versions wrote it: every tensor, dtype and device a persistent id.
-        def persistent_id(self, obj):
-            if torch.is_tensor(obj):
-                raw = obj.reshape(-1).view(torch.uint8).numpy().tobytes()
-                return ("tensor", str(obj.dtype).removeprefix("torch."), tuple(obj.shape), raw)
-            if isinstance(obj, torch.dtype):
-                return ("dtype", str(obj).removeprefix("torch."))
-            return None
+    def persistent_id(self, obj):
+        if torch.is_tensor(obj):
+            raw = obj.reshape(-1).view(torch.uint8).numpy().tobytes() if obj.numel() else b""
+            return ("tensor", str(obj.dtype).removeprefix("torch."), tuple(obj.shape), raw)
+        if isinstance(obj, torch.dtype):
+            return ("dtype", str(obj).removeprefix("torch."))
+        if isinstance(obj, torch.device):
+            return ("device", str(obj))
+        return None
 
-    value = {"rng": torch.arange(5, dtype=torch.int16), "dtype": torch.float64, "lr": [0.1]}
+
+def _earlier(value):
     buf = io.BytesIO()
-    Earlier(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    back = et._loads(buf.getvalue())
-    assert torch.equal(back["rng"], value["rng"]) and back["dtype"] is torch.float64 and back["lr"] == [0.1]
-    with pytest.raises(pickle.UnpicklingError, match="unknown stored object"):
-        et._stored("module", "os")
+    _Earlier(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buf.getvalue()
+
+
+def test_a_python_state_written_with_tensors_out_of_band_is_still_read():
+    value = {"rng": torch.arange(5, dtype=torch.int16), "dtype": torch.float64, "at": torch.device("cpu")}
+    back = et._loads(_earlier(value))
+    assert torch.equal(back["rng"], value["rng"]) and back["dtype"] is torch.float64 and back["at"] == value["at"]
+    # What is written now names `edl.torch._stored`, under the package's own name.
+    assert b"edl.torch" in et._dumps(value) and b"_stored" in et._dumps(value)
+
+
+@pytest.mark.parametrize(
+    "pid,why",
+    [
+        (("module", "os"), "unknown stored object 'module'"),
+        (("dtype", "_dynamo"), "unknown stored object 'dtype'"),
+        (("tensor", "_inductor", (1,), b"x"), "unknown tensor dtype '_inductor'"),
+        (("tensor", "float32", (2, 2), b"\0" * 4), "holds 4 bytes, not 16"),
+        (("tensor", "float32", (10**12,), 10**12), "data is int, not bytes"),
+        (("tensor", "float32", (-1,), b""), "not a tuple of sizes"),
+        (("tensor", "float32", [4], b"\0" * 16), "not a tuple of sizes"),
+        (("device", "warp-drive"), "device 'warp-drive'"),
+        ("tensor", "unknown stored object of type str"),
+    ],
+)
+def test_a_stored_object_that_is_not_what_edl_writes_is_refused_by_name(pid, why):
+    class Crafted(pickle.Pickler):
+        def persistent_id(self, obj):
+            return pid if obj == "here" else None
+
+    buf = io.BytesIO()
+    Crafted(buf, protocol=pickle.HIGHEST_PROTOCOL).dump({"x": "here"})
+    with pytest.raises(pickle.UnpicklingError, match=re.escape(why)):
+        et._loads(buf.getvalue())
+
+
+def test_a_state_that_changes_what_it_names_changes_nothing_for_the_next_read():
+    # BUILD with slot state sets attributes on the callable the pickle named.
+    crafted = (
+        b"\x80\x04" + b"\x8c\x09edl.torch\x8c\x07_stored\x93"
+        + b"N}\x8c\x0a__module__\x8c\x02oss\x86b" + b"."
+    )
+    named = et._loads(crafted)
+    assert named.__module__ == "os"
+    value = {"t": torch.ones(2)}
+    assert torch.equal(et._loads(et._dumps(value))["t"], value["t"])
+    with pytest.raises(pickle.UnpicklingError, match="edl.torch.load_checkpoint is not a plain value"):
+        et._loads(b"\x80\x04\x8c\x09edl.torch\x8c\x0fload_checkpoint\x93.")
 
 
 class _StateJob:
@@ -270,6 +319,20 @@ def test_the_python_copy_past_a_shorter_value_is_zero_as_on_a_fresh_rank():
     blob[:] = other.arrays["python@torch"]
     state.unpack()
     assert state.note == "rank 0's"
+
+
+def test_the_python_copy_keeps_the_size_earlier_versions_gave_it():
+    # With the RNG state (5 KiB) the capacity follows the pickle's length:
+    # sized from the earlier pickle, checkpoints written before still fit.
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+    job = _StateJob()
+    state = et.ElasticState(job, model, opt, sched, rng=True)
+    earlier = len(_earlier(state._python_value()))
+    assert earlier > 4 * 1024
+    assert len(job.arrays["python@torch"]) == 4 * earlier + 2
+    assert len(state._python()) != earlier, "the pickle itself differs from the earlier one"
 
 
 def test_optimizer_state_that_appears_or_goes_after_registration_is_named():

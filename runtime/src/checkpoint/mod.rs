@@ -1195,6 +1195,22 @@ mod tests {
             assert_eq!(back, manifest);
             assert_eq!(back.plugin_state.read::<Kept>().unwrap(), kept);
         }
+        // As the commit that asks rank 0 for the checkpoint carries it, and as the worker reads it.
+        use crate::control::proto::{ToWorker, encode};
+        let commit = ToWorker::Commit {
+            step: 7,
+            checkpoint: Some(manifest.clone()),
+            wait: false,
+            stored: None,
+            origin: false,
+        };
+        let line = encode(&commit).unwrap();
+        match serde_json::from_slice::<ToWorker>(line.trim_ascii_end()).unwrap() {
+            ToWorker::Commit { checkpoint: Some(m), .. } => {
+                assert_eq!(m.plugin_state.read::<Kept>().unwrap(), kept)
+            }
+            _ => panic!("not the commit sent"),
+        }
         // Written by an earlier version: an indented object; or none at all.
         let earlier = r#"{"step": 7, "epoch": 1, "cursor": 3, "seed": 9,
             "hyperparams": {"global_batch": 64, "local_batch": 32, "lr": 0.1, "momentum": 0.9},

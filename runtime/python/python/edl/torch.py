@@ -983,23 +983,68 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
+# Every dtype, by the name `_Pickler` writes (a fixed table: a name is never
+# looked up on the torch module, whose lazy attributes import code).
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
 def _stored(kind, *payload):
-    """A tensor, a dtype or a device from what ``_Pickler`` wrote."""
+    """A tensor, a dtype or a device from what ``_Pickler`` wrote; anything
+    else, or a tensor whose bytes do not fill its shape, is refused."""
+
+    def refused(why):
+        return pickle.UnpicklingError(f"edl state: {why}")
+
     if kind == "tensor" and len(payload) == 3:
         dtype, shape, raw = payload
-        dt = getattr(torch, dtype, None) if isinstance(dtype, str) else None
-        if not isinstance(dt, torch.dtype):
-            raise pickle.UnpicklingError(f"edl state: unknown tensor dtype {dtype!r}")
+        dt = _DTYPES.get(dtype) if isinstance(dtype, str) else None
+        if dt is None:
+            raise refused(f"unknown tensor dtype {dtype!r:.40}")
+        if not isinstance(shape, tuple) or not all(type(n) is int and n >= 0 for n in shape):
+            raise refused(f"a tensor's shape is not a tuple of sizes: {shape!r:.80}")
+        if not isinstance(raw, bytes):
+            raise refused(f"a tensor's data is {type(raw).__name__}, not bytes")
+        numel = 1
+        for n in shape:
+            numel *= n
+        if len(raw) != numel * dt.itemsize:
+            raise refused(f"a {dtype} tensor of shape {shape} holds {len(raw)} bytes, not {numel * dt.itemsize}")
         if not raw:
             return torch.empty(shape, dtype=dt)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
-    if kind == "dtype" and len(payload) == 1:
-        dt = getattr(torch, payload[0], None) if isinstance(payload[0], str) else None
-        if isinstance(dt, torch.dtype):
-            return dt
+        try:
+            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
+        except RuntimeError as e:
+            raise refused(f"a {dtype} tensor of shape {shape}: {e}") from None
+    if kind == "dtype" and len(payload) == 1 and isinstance(payload[0], str) and payload[0] in _DTYPES:
+        return _DTYPES[payload[0]]
     if kind == "device" and len(payload) == 1 and isinstance(payload[0], str):
-        return torch.device(payload[0])
-    raise pickle.UnpicklingError(f"edl state: unknown stored object {(kind, *payload)!r:.80}")
+        try:
+            return torch.device(payload[0])
+        except RuntimeError as e:
+            raise refused(f"device {payload[0]!r:.40}: {e}") from None
+    raise refused(f"unknown stored object {kind!r:.40}")
+
+
+def _earlier_size(value):
+    """The length of the pickle of ``value`` that earlier versions wrote
+    (each tensor, dtype and device a persistent id), which the state's copy
+    is sized from."""
+
+    class Earlier(pickle.Pickler):
+        def persistent_id(self, obj):
+            if torch.is_tensor(obj):
+                t = obj.detach().contiguous().cpu()
+                raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+                return ("tensor", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
+            if isinstance(obj, torch.dtype):
+                return ("dtype", str(obj).removeprefix("torch."))
+            if isinstance(obj, torch.device):
+                return ("device", str(obj))
+            return None
+
+    out = io.BytesIO()
+    Earlier(out, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return len(out.getvalue())
 
 
 class _Unpickler(pickle.Unpickler):
@@ -1014,14 +1059,16 @@ class _Unpickler(pickle.Unpickler):
             import collections
 
             return collections.OrderedDict
-        if (module, name) == (__name__, "_stored"):
-            return _stored
+        if name == "_stored" and module in ("edl.torch", __name__):
+            # A call of its own for each read: a state that sets attributes
+            # on what it names changes nothing beyond itself.
+            return lambda *args: _stored(*args)
         raise pickle.UnpicklingError(f"edl state: {module}.{name} is not a plain value")
 
     def persistent_load(self, pid):
-        if isinstance(pid, tuple) and pid and isinstance(pid[0], str):
+        if isinstance(pid, tuple) and pid:
             return _stored(*pid)
-        raise pickle.UnpicklingError(f"edl state: unknown stored object {pid!r:.80}")
+        raise pickle.UnpicklingError(f"edl state: unknown stored object of type {type(pid).__name__}")
 
 
 def _dumps(value):
@@ -1046,14 +1093,14 @@ def _loads(data):
 
 class _Blob:
     """Python values (scalars, the scheduler's and the optimizer's settings,
-    RNG states), saved as ``torch.save`` does and read back with
-    ``weights_only`` (plain values and tensors, never code), in a float32
-    array of bytes of a fixed capacity, with its length in front."""
+    RNG states), pickled by ``_dumps`` and read back by ``_loads`` (plain
+    values and tensors, never code), in a float32 array of bytes of a fixed
+    capacity, with its length in front. ``size``: what the capacity is
+    sized from (four times it, 16 KiB at least)."""
 
-    def __init__(self, data, capacity=None):
+    def __init__(self, size, capacity=None):
         import numpy as np
 
-        size = len(data)
         self.capacity = capacity or max(16 * 1024, 4 * size)
         self.mirror = np.zeros(self.capacity + 2, dtype=np.float32)
         self.last = None
@@ -1118,9 +1165,12 @@ class ElasticState:
                         self._add(f"optimizer.{i}.{key}", value)
                     keys.append(key)
                 self._optimizer_sets[i] = frozenset(keys)
-        data = self._python()
-        self._blob = _Blob(data, python_bytes)
-        self._blob.pack(data)
+        value = self._python_value()
+        # Sized as earlier versions sized it (from their pickle's length),
+        # so that the copy's shape, which checkpoints and joiners check,
+        # stays the same.
+        self._blob = _Blob(_earlier_size(value), python_bytes)
+        self._blob.pack(_dumps(value))
         job.register("python@torch", self._blob.mirror)
         for m in self._mirrored:
             m.pack()
@@ -1159,6 +1209,9 @@ class ElasticState:
 
     def _python(self):
         """The Python part of the state, as bytes."""
+        return _dumps(self._python_value())
+
+    def _python_value(self):
         value = {"scalars": self._scalars}
         if self.optimizer is not None:
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -1171,7 +1224,7 @@ class ElasticState:
             value["scheduler"] = self.scheduler.state_dict()
         if self.rng:
             value["rng"] = torch.get_rng_state()
-        return _dumps(value)
+        return value
 
     def _restore_python(self, value):
         self._scalars.clear()
