@@ -254,10 +254,14 @@ def test_a_python_state_written_with_tensors_out_of_band_is_still_read():
         (("module", "os"), "unknown stored object 'module'"),
         (("dtype", "_dynamo"), "unknown stored object 'dtype'"),
         (("tensor", "_inductor", (1,), b"x"), "unknown tensor dtype '_inductor'"),
-        (("tensor", "float32", (2, 2), b"\0" * 4), "holds 4 bytes, not 16"),
-        (("tensor", "float32", (10**12,), 10**12), "data is int, not bytes"),
+        (("tensor", "float32", (2, 2), b"\0" * 4), "4 bytes do not fill its shape"),
+        (("tensor", "float32", (3,), 12), "data is int, not bytes"),
         (("tensor", "float32", (-1,), b""), "not a tuple of sizes"),
         (("tensor", "float32", [4], b"\0" * 16), "not a tuple of sizes"),
+        (("tensor", "float32", (0, 2**63), b""), "not a tuple of sizes"),
+        (("tensor", "float32", (2**62, 2**62, 3), b"\0" * 8), "8 bytes do not fill its shape"),
+        (("tensor", [10**5000], (1,), b""), "dtype is list, not a name"),
+        ((), "unknown stored object of type tuple"),
         (("device", "warp-drive"), "device 'warp-drive'"),
         ("tensor", "unknown stored object of type str"),
     ],
@@ -271,6 +275,21 @@ def test_a_stored_object_that_is_not_what_edl_writes_is_refused_by_name(pid, why
     Crafted(buf, protocol=pickle.HIGHEST_PROTOCOL).dump({"x": "here"})
     with pytest.raises(pickle.UnpicklingError, match=re.escape(why)):
         et._loads(buf.getvalue())
+
+
+def test_a_dtype_is_read_from_a_fixed_table_never_looked_up_on_torch(monkeypatch):
+    # A name torch answers (its lazy attributes import modules) is not a dtype edl wrote.
+    monkeypatch.setattr(torch, "edl_alias", torch.float32, raising=False)
+    with pytest.raises(pickle.UnpicklingError, match="unknown stored object 'dtype'"):
+        et._stored("dtype", "edl_alias")
+    assert et._stored("dtype", "bfloat16") is torch.bfloat16
+
+
+def test_a_state_reads_under_the_name_the_package_was_imported_as(monkeypatch):
+    value = {"t": torch.ones(2)}
+    written = et._dumps(value)
+    monkeypatch.setattr(et, "__name__", "vendored.edl.torch")
+    assert torch.equal(et._loads(written)["t"], value["t"])
 
 
 def test_a_state_that_changes_what_it_names_changes_nothing_for_the_next_read():

@@ -983,46 +983,74 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-# Every dtype, by the name `_Pickler` writes (a fixed table: a name is never
-# looked up on the torch module, whose lazy attributes import code).
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+def _item_size(dtype):
+    size = getattr(dtype, "itemsize", None)  # torch >= 2.1
+    if size is not None:
+        return size
+    import warnings
+
+    with warnings.catch_warnings():
+        # Experimental dtypes warn when a tensor of them is made.
+        warnings.simplefilter("ignore")
+        try:
+            return torch.empty(0, dtype=dtype).element_size()
+        except (RuntimeError, TypeError):
+            return None
 
 
-def _stored(kind, *payload):
+# Every dtype a tensor can be made of, by the name `_Pickler` writes, with
+# its size in bytes (a fixed table: a name is never looked up on the torch
+# module, whose lazy attributes import code).
+_DTYPES = {
+    str(d).removeprefix("torch."): (d, _item_size(d))
+    for d in list(vars(torch).values())
+    if isinstance(d, torch.dtype)
+}
+_DTYPES = {name: kept for name, kept in _DTYPES.items() if kept[1]}
+
+
+def _stored(*args):
     """A tensor, a dtype or a device from what ``_Pickler`` wrote; anything
-    else, or a tensor whose bytes do not fill its shape, is refused."""
+    else, or a tensor whose bytes do not fill its shape, is refused. What
+    is refused is named by its type and size, never printed whole."""
 
     def refused(why):
         return pickle.UnpicklingError(f"edl state: {why}")
 
+    kind, payload = (args[0], args[1:]) if args else (None, ())
     if kind == "tensor" and len(payload) == 3:
         dtype, shape, raw = payload
-        dt = _DTYPES.get(dtype) if isinstance(dtype, str) else None
+        if not isinstance(dtype, str):
+            raise refused(f"a tensor's dtype is {type(dtype).__name__}, not a name")
+        dt, size = _DTYPES.get(dtype, (None, None))
         if dt is None:
-            raise refused(f"unknown tensor dtype {dtype!r:.40}")
-        if not isinstance(shape, tuple) or not all(type(n) is int and n >= 0 for n in shape):
-            raise refused(f"a tensor's shape is not a tuple of sizes: {shape!r:.80}")
+            raise refused(f"unknown tensor dtype {dtype[:40]!r}")
+        if not isinstance(shape, tuple) or not all(type(n) is int and 0 <= n < 2**63 for n in shape):
+            raise refused(f"a tensor's shape ({type(shape).__name__}) is not a tuple of sizes")
         if not isinstance(raw, bytes):
             raise refused(f"a tensor's data is {type(raw).__name__}, not bytes")
-        numel = 1
-        for n in shape:
+        numel = 0 if 0 in shape else 1
+        for n in shape if numel else ():
             numel *= n
-        if len(raw) != numel * dt.itemsize:
-            raise refused(f"a {dtype} tensor of shape {shape} holds {len(raw)} bytes, not {numel * dt.itemsize}")
-        if not raw:
-            return torch.empty(shape, dtype=dt)
+            if numel * size > len(raw):
+                break
+        if numel * size != len(raw):
+            raise refused(f"a {dtype} tensor of {len(shape)} dimensions: {len(raw)} bytes do not fill its shape")
         try:
+            if not raw:
+                return torch.empty(shape, dtype=dt)
             return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
-        except RuntimeError as e:
-            raise refused(f"a {dtype} tensor of shape {shape}: {e}") from None
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise refused(f"a {dtype} tensor of {len(shape)} dimensions: {str(e)[:200]}") from None
     if kind == "dtype" and len(payload) == 1 and isinstance(payload[0], str) and payload[0] in _DTYPES:
-        return _DTYPES[payload[0]]
+        return _DTYPES[payload[0]][0]
     if kind == "device" and len(payload) == 1 and isinstance(payload[0], str):
         try:
             return torch.device(payload[0])
         except RuntimeError as e:
-            raise refused(f"device {payload[0]!r:.40}: {e}") from None
-    raise refused(f"unknown stored object {kind!r:.40}")
+            raise refused(f"device {payload[0][:40]!r}: {str(e)[:200]}") from None
+    name = repr(kind[:40]) if isinstance(kind, str) else f"of type {type(kind).__name__}"
+    raise refused(f"unknown stored object {name}")
 
 
 def _earlier_size(value):
