@@ -964,6 +964,20 @@ class _Mirrored:
             t.copy_(src.reshape(t.shape).to(t.device, t.dtype))
 
 
+def _written(obj):
+    """What a tensor, a dtype or a device is stored as (a tuple whose first
+    item names its kind); None for anything else."""
+    if torch.is_tensor(obj):
+        t = obj.detach().contiguous().cpu()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return ("tensor", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
+    if isinstance(obj, torch.dtype):
+        return ("dtype", str(obj).removeprefix("torch."))
+    if isinstance(obj, torch.device):
+        return ("device", str(obj))
+    return None
+
+
 class _Pickler(pickle.Pickler):
     """Pickles plain values; a tensor, a dtype or a device is written as a
     call of ``_stored`` (raw bytes, a name, a string), the one callable a
@@ -972,15 +986,8 @@ class _Pickler(pickle.Pickler):
     so the numbers, strings and dicts of a schedule cost no Python call."""
 
     def reducer_override(self, obj):
-        if torch.is_tensor(obj):
-            t = obj.detach().contiguous().cpu()
-            raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            return _stored, ("tensor", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
-        if isinstance(obj, torch.dtype):
-            return _stored, ("dtype", str(obj).removeprefix("torch."))
-        if isinstance(obj, torch.device):
-            return _stored, ("device", str(obj))
-        return NotImplemented
+        stored = _written(obj)
+        return NotImplemented if stored is None else (_stored, stored)
 
 
 def _item_size(dtype):
@@ -1002,11 +1009,10 @@ def _item_size(dtype):
 # its size in bytes (a fixed table: a name is never looked up on the torch
 # module, whose lazy attributes import code).
 _DTYPES = {
-    str(d).removeprefix("torch."): (d, _item_size(d))
+    str(d).removeprefix("torch."): (d, size)
     for d in list(vars(torch).values())
-    if isinstance(d, torch.dtype)
+    if isinstance(d, torch.dtype) and (size := _item_size(d))
 }
-_DTYPES = {name: kept for name, kept in _DTYPES.items() if kept[1]}
 
 
 def _stored(*args):
@@ -1060,15 +1066,7 @@ def _earlier_size(value):
 
     class Earlier(pickle.Pickler):
         def persistent_id(self, obj):
-            if torch.is_tensor(obj):
-                t = obj.detach().contiguous().cpu()
-                raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-                return ("tensor", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
-            if isinstance(obj, torch.dtype):
-                return ("dtype", str(obj).removeprefix("torch."))
-            if isinstance(obj, torch.device):
-                return ("device", str(obj))
-            return None
+            return _written(obj)
 
     out = io.BytesIO()
     Earlier(out, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
@@ -1187,12 +1185,10 @@ class ElasticState:
         if optimizer is not None:
             _materialize(optimizer)
             for i, p in enumerate(self._params()):
-                keys = []
                 for key, value in sorted(optimizer.state[p].items()):
                     if torch.is_tensor(value):
                         self._add(f"optimizer.{i}.{key}", value)
-                    keys.append(key)
-                self._optimizer_sets[i] = frozenset(keys)
+                self._optimizer_sets[i] = frozenset(optimizer.state[p])
         value = self._python_value()
         # Sized as earlier versions sized it (from their pickle's length),
         # so that the copy's shape, which checkpoints and joiners check,
