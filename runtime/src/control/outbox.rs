@@ -67,7 +67,10 @@ pub struct RelayOut(std::sync::Arc<std::sync::Mutex<RelayWriter>>);
 
 struct RelayWriter {
     link: Link,
+    /// Frames encoded and not written yet (while held, more than one call's).
     buf: Vec<u8>,
+    /// Frames are kept until [`RelayOut::release`].
+    held: bool,
     /// Why a write failed: the connection is shut, and every later send
     /// fails at once with this.
     failed: Option<String>,
@@ -78,23 +81,53 @@ impl RelayOut {
         RelayOut(std::sync::Arc::new(std::sync::Mutex::new(RelayWriter {
             link,
             buf: Vec::new(),
+            held: false,
             failed: None,
         })))
+    }
+
+    /// Keeps the frames of later sends until [`RelayOut::release`], which
+    /// writes them in one write: the commit of a window and the window
+    /// after it reach the relay together, one write and one wake-up for
+    /// both.
+    pub fn hold(&self) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).held = true;
+    }
+
+    /// Writes what was kept since [`RelayOut::hold`]; later sends are
+    /// written at once again. Fails as [`RelayOut::send`] does.
+    pub fn release(&self) -> Result<(), String> {
+        let mut w = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        w.held = false;
+        w.write()
     }
 
     /// Writes `frames` in one write. A write that fails shuts the
     /// connection down (its reader then reports the relay and its workers
     /// lost) and fails every later send too.
     pub fn send(&self, frames: &[Frame]) -> Result<(), String> {
-        use std::io::Write;
         let mut w = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let RelayWriter { link, buf, failed } = &mut *w;
+        if let Some(why) = &w.failed {
+            return Err(why.clone());
+        }
+        frames.iter().for_each(|f| f.encode(&mut w.buf));
+        if w.held { Ok(()) } else { w.write() }
+    }
+}
+
+impl RelayWriter {
+    /// Writes the frames kept in `buf`, if any.
+    fn write(&mut self) -> Result<(), String> {
+        use std::io::Write;
+        let RelayWriter { link, buf, failed, .. } = self;
         if let Some(why) = failed {
             return Err(why.clone());
         }
-        buf.clear();
-        frames.iter().for_each(|f| f.encode(buf));
+        if buf.is_empty() {
+            return Ok(());
+        }
         let written = link.write_all(buf);
+        buf.clear();
         // A burst as large as a generation's messages is not kept here.
         if buf.capacity() > 1 << 20 {
             *buf = Vec::new();
@@ -121,5 +154,88 @@ impl Sender {
     /// Writes one message as a JSON line.
     pub fn send<T: Serialize>(&self, msg: &T) -> Result<(), ProtoError> {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).send(msg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{TcpListener, TcpStream};
+
+    /// A relay's connection here and the relay's end of it.
+    fn pair() -> (RelayOut, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let out = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (relay, _) = l.accept().unwrap();
+        relay.set_nonblocking(true).unwrap();
+        (RelayOut::new(Link::new(out, None)), relay)
+    }
+
+    /// What has arrived at the relay so far, waiting up to `for_bytes` of it.
+    fn arrived(relay: &mut TcpStream, for_bytes: usize) -> Vec<u8> {
+        use std::io::Read;
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        for _ in 0..200 {
+            match relay.read(&mut buf) {
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if got.len() >= for_bytes {
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                Err(e) => panic!("reading the relay's end: {e}"),
+            }
+        }
+        got
+    }
+
+    #[test]
+    fn frames_sent_while_held_go_out_together_in_order_at_release() {
+        let (out, mut relay) = pair();
+        let fan = Frame::Fan { conns: vec![3, 4], line: b"{\"commit\":1}\n".to_vec() };
+        let beat = Frame::Beat;
+        let mut both = Vec::new();
+        fan.encode(&mut both);
+        beat.encode(&mut both);
+
+        out.hold();
+        out.send(std::slice::from_ref(&fan)).unwrap();
+        out.send(std::slice::from_ref(&beat)).unwrap();
+        // Nothing is written while held (a held send that was written
+        // would have arrived by now: the next write's arrives after it).
+        assert!(arrived(&mut relay, 0).is_empty(), "a held frame was written");
+        out.release().unwrap();
+        assert_eq!(arrived(&mut relay, both.len()), both, "the held frames, in order, once");
+
+        // Released: a send is written at once again.
+        out.send(std::slice::from_ref(&beat)).unwrap();
+        let mut one = Vec::new();
+        beat.encode(&mut one);
+        assert_eq!(arrived(&mut relay, one.len()), one);
+        // Releasing with nothing held writes nothing.
+        out.release().unwrap();
+        assert!(arrived(&mut relay, 0).is_empty());
+    }
+
+    #[test]
+    fn a_relay_whose_write_failed_fails_every_send_and_release_after() {
+        let (out, relay) = pair();
+        drop(relay);
+        // Writes to a closed peer fail once the peer's reset has come back.
+        let mut failed = None;
+        for _ in 0..200 {
+            if let Err(why) = out.send(&[Frame::Beat]) {
+                failed = Some(why);
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let why = failed.expect("a write to a closed relay failed");
+        assert!(why.contains("writing to the relay at"), "{why}");
+        out.hold();
+        assert_eq!(out.send(&[Frame::Beat]), Err(why.clone()));
+        assert_eq!(out.release(), Err(why));
     }
 }

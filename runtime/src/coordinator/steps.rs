@@ -33,8 +33,12 @@ impl Coordinator<'_> {
         loop {
             self.fill_windows()?;
             while let Some(c) = self.pipe.as_mut().and_then(Pipeline::poll_commit) {
-                self.commit_window(c)?;
-                self.fill_windows()?;
+                // A relay gets the commit and the window after it in one write.
+                let relays = self.hold_relays();
+                let done = self.commit_window(c).and_then(|()| self.fill_windows());
+                // A relay whose write fails is shut; its reader reports its ranks lost.
+                relays.iter().for_each(|r| drop(r.release()));
+                done?;
             }
             let pipe = self.pipe.as_mut().expect("formed above");
             if let Some(f) = pipe.settled_failure() {
@@ -52,6 +56,16 @@ impl Coordinator<'_> {
                 self.chores(now)?;
             }
         }
+    }
+
+    /// Holds what is sent to the generation's relays until each is
+    /// released (see [`RelayOut::hold`]).
+    fn hold_relays(&mut self) -> Vec<RelayOut> {
+        let routes = Routes::of(&mut self.routes, self.membership.members(), &self.conns);
+        let relays: Vec<RelayOut> =
+            routes.runs.iter().filter_map(|r| Some(r.relay.as_ref()?.out.clone())).collect();
+        relays.iter().for_each(RelayOut::hold);
+        relays
     }
 
     /// Waits for what the workers say, up to the next timeout, and handles
