@@ -340,6 +340,29 @@ def test_the_python_copy_past_a_shorter_value_is_zero_as_on_a_fresh_rank():
     assert state.note == "rank 0's"
 
 
+def test_a_python_copy_that_could_not_be_read_back_is_read_again_not_taken_as_read():
+    model = _model()
+    job = _StateJob()
+    state = et.ElasticState(job, model, torch.optim.AdamW(model.parameters(), lr=0.01), note="mine")
+    blob = job.arrays["python@torch"]
+    # Bytes that are not a state the package wrote (a pickle naming a
+    # function): refused, and refused again at the next read (not skipped
+    # as already read back).
+    bad = pickle.dumps(print)
+    blob[0], blob[1] = len(bad) & 0xFFFF, len(bad) >> 16
+    blob[2 : 2 + len(bad)] = list(bad)
+    for _ in range(2):
+        with pytest.raises(pickle.UnpicklingError, match="print"):
+            state.unpack()
+        assert state.note == "mine"
+    # Rank 0's copy written there afterwards is read back.
+    other = _StateJob()
+    et.ElasticState(other, _model(), torch.optim.AdamW(_model().parameters(), lr=0.01), note="rank 0's")
+    blob[:] = other.arrays["python@torch"]
+    state.unpack()
+    assert state.note == "rank 0's"
+
+
 def test_the_python_copy_keeps_the_size_earlier_versions_gave_it():
     # With the RNG state (5 KiB) the capacity follows the pickle's length:
     # sized from the earlier pickle, checkpoints written before still fit.

@@ -1150,11 +1150,15 @@ class _Blob:
         self.last = data
 
     def unpack(self):
+        """The bytes there, and whether they differ from the last taken
+        (``took``): bytes whose restore failed are read again next time."""
         n = int(self.mirror[0]) | (int(self.mirror[1]) << 16)
         data = self.mirror[2 : 2 + n].astype("uint8").tobytes()
-        changed = data != self.last
+        return data, data != self.last
+
+    def took(self, data):
+        """``data`` was read back into the program."""
         self.last = data
-        return data, changed
 
 
 class ElasticState:
@@ -1280,6 +1284,7 @@ class ElasticState:
         data, changed = self._blob.unpack()
         if changed:
             self._restore_python(_loads(data))
+            self._blob.took(data)
 
     def steps(self):
         """The job's steps. The state's copies are written just before the
