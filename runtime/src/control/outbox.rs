@@ -157,6 +157,23 @@ impl Sender {
     }
 }
 
+/// A relay's connection whose write failed (its peer closed), and why.
+#[cfg(test)]
+pub(crate) fn failed_relay() -> (RelayOut, String) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let stream = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    drop(l.accept().unwrap());
+    let out = RelayOut::new(Link::new(stream, None));
+    // Writes to a closed peer fail once its reset has come back.
+    for _ in 0..2000 {
+        if let Err(why) = out.send(&[Frame::Beat]) {
+            return (out, why);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    panic!("writes to a closed relay never failed");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,28 +184,27 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let out = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (relay, _) = l.accept().unwrap();
-        relay.set_nonblocking(true).unwrap();
+        relay.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
         (RelayOut::new(Link::new(out, None)), relay)
     }
 
-    /// What has arrived at the relay so far, waiting up to `for_bytes` of it.
-    fn arrived(relay: &mut TcpStream, for_bytes: usize) -> Vec<u8> {
+    /// The next `n` bytes at the relay's end (waiting up to 10 s for them).
+    fn arrived(relay: &mut TcpStream, n: usize) -> Vec<u8> {
         use std::io::Read;
-        let mut got = Vec::new();
-        let mut buf = [0u8; 4096];
-        for _ in 0..200 {
-            match relay.read(&mut buf) {
-                Ok(n) => got.extend_from_slice(&buf[..n]),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if got.len() >= for_bytes {
-                        break;
-                    }
-                    std::thread::sleep(std::time::Duration::from_millis(5));
-                }
-                Err(e) => panic!("reading the relay's end: {e}"),
-            }
-        }
+        let mut got = vec![0u8; n];
+        relay.read_exact(&mut got).expect("the bytes written reach the relay");
         got
+    }
+
+    /// Nothing is waiting at the relay's end (after a moment for what a
+    /// write would have sent to arrive).
+    fn nothing_arrived(relay: &mut TcpStream) -> bool {
+        use std::io::Read;
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        relay.set_nonblocking(true).unwrap();
+        let none = matches!(relay.read(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+        relay.set_nonblocking(false).unwrap();
+        none
     }
 
     #[test]
@@ -203,11 +219,10 @@ mod tests {
         out.hold();
         out.send(std::slice::from_ref(&fan)).unwrap();
         out.send(std::slice::from_ref(&beat)).unwrap();
-        // Nothing is written while held (a held send that was written
-        // would have arrived by now: the next write's arrives after it).
-        assert!(arrived(&mut relay, 0).is_empty(), "a held frame was written");
+        assert!(nothing_arrived(&mut relay), "a held frame was written");
         out.release().unwrap();
-        assert_eq!(arrived(&mut relay, both.len()), both, "the held frames, in order, once");
+        assert_eq!(arrived(&mut relay, both.len()), both, "the held frames, in order");
+        assert!(nothing_arrived(&mut relay), "the held frames were written once");
 
         // Released: a send is written at once again.
         out.send(std::slice::from_ref(&beat)).unwrap();
@@ -216,23 +231,12 @@ mod tests {
         assert_eq!(arrived(&mut relay, one.len()), one);
         // Releasing with nothing held writes nothing.
         out.release().unwrap();
-        assert!(arrived(&mut relay, 0).is_empty());
+        assert!(nothing_arrived(&mut relay));
     }
 
     #[test]
     fn a_relay_whose_write_failed_fails_every_send_and_release_after() {
-        let (out, relay) = pair();
-        drop(relay);
-        // Writes to a closed peer fail once the peer's reset has come back.
-        let mut failed = None;
-        for _ in 0..200 {
-            if let Err(why) = out.send(&[Frame::Beat]) {
-                failed = Some(why);
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        let why = failed.expect("a write to a closed relay failed");
+        let (out, why) = failed_relay();
         assert!(why.contains("writing to the relay at"), "{why}");
         out.hold();
         assert_eq!(out.send(&[Frame::Beat]), Err(why.clone()));

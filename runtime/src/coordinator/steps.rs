@@ -19,6 +19,7 @@ use anyhow::{Result, anyhow, bail};
 use edl_plugin_sdk::Hyperparams;
 use std::{
     collections::HashMap,
+    ops::Range,
     sync::mpsc,
     time::{Duration, Instant},
 };
@@ -34,10 +35,13 @@ impl Coordinator<'_> {
             self.fill_windows()?;
             while let Some(c) = self.pipe.as_mut().and_then(Pipeline::poll_commit) {
                 // A relay gets the commit and the window after it in one write.
-                let relays = self.hold_relays();
+                let held = self.hold_relays();
                 let done = self.commit_window(c).and_then(|()| self.fill_windows());
-                // A relay whose write fails is shut; its reader reports its ranks lost.
-                relays.iter().for_each(|r| drop(r.release()));
+                let lost = held.release();
+                if let Some(pipe) = self.pipe.as_mut() {
+                    let now = Instant::now();
+                    lost.iter().for_each(|(rank, why)| pipe.lost(now, *rank, why));
+                }
                 done?;
             }
             let pipe = self.pipe.as_mut().expect("formed above");
@@ -60,12 +64,15 @@ impl Coordinator<'_> {
 
     /// Holds what is sent to the generation's relays until each is
     /// released (see [`RelayOut::hold`]).
-    fn hold_relays(&mut self) -> Vec<RelayOut> {
+    fn hold_relays(&mut self) -> HeldRelays {
         let routes = Routes::of(&mut self.routes, self.membership.members(), &self.conns);
-        let relays: Vec<RelayOut> =
-            routes.runs.iter().filter_map(|r| Some(r.relay.as_ref()?.out.clone())).collect();
-        relays.iter().for_each(RelayOut::hold);
-        relays
+        let held: Vec<(RelayOut, Range<usize>)> = routes
+            .runs
+            .iter()
+            .filter_map(|r| Some((r.relay.as_ref()?.out.clone(), r.first..r.end)))
+            .collect();
+        held.iter().for_each(|(out, _)| out.hold());
+        HeldRelays(held)
     }
 
     /// Waits for what the workers say, up to the next timeout, and handles
@@ -446,6 +453,31 @@ impl Coordinator<'_> {
     }
 }
 
+/// Relays held (see [`RelayOut::hold`]), each with its run's ranks; each
+/// is released when this is, or dropped on any path.
+struct HeldRelays(Vec<(RelayOut, Range<usize>)>);
+
+impl HeldRelays {
+    /// Writes what each relay was sent meanwhile; returns the ranks behind
+    /// those whose write failed (the relay is shut: they are lost).
+    fn release(mut self) -> Vec<(usize, String)> {
+        let mut lost = Vec::new();
+        for (out, ranks) in self.0.drain(..) {
+            if let Err(why) = out.release() {
+                lost.extend(ranks.map(|rank| (rank, why.clone())));
+            }
+        }
+        lost
+    }
+}
+
+impl Drop for HeldRelays {
+    fn drop(&mut self) {
+        // A failed write shuts the relay's connection: its reader reports it.
+        self.0.drain(..).for_each(|(out, _)| drop(out.release()));
+    }
+}
+
 /// One window of steps on its way to the ranks.
 struct Window<'a> {
     generation: u64,
@@ -506,5 +538,37 @@ impl Window<'_> {
         let lo = crate::trainer::data::shard(p.cursor, gb, first, world, self.samples).start;
         let hi = crate::trainer::data::shard(p.cursor, gb, last, world, self.samples).end;
         Share { start: lo as u32, end: hi as u32, indices: self.perm[lo..hi].to_vec() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::outbox::failed_relay;
+
+    #[test]
+    fn a_relay_whose_held_write_fails_loses_its_run_s_ranks_and_no_other() {
+        let (failed, why) = failed_relay();
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let good = RelayOut::new(crate::control::proto::Link::new(
+            std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap(),
+            None,
+        ));
+        let (mut peer, _) = l.accept().unwrap();
+        peer.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let held = HeldRelays(vec![(good.clone(), 0..2), (failed, 2..5)]);
+        held.0.iter().for_each(|(out, _)| out.hold());
+        let lost = held.release();
+        assert_eq!(lost, [(2, why.clone()), (3, why.clone()), (4, why)]);
+        // Dropped unreleased (an error on the way), a relay is released too:
+        // what it is sent next is written at once.
+        good.hold();
+        drop(HeldRelays(vec![(good.clone(), 0..2)]));
+        good.send(&[Frame::Beat]).unwrap();
+        let mut beat = Vec::new();
+        Frame::Beat.encode(&mut beat);
+        let mut got = vec![0u8; beat.len()];
+        std::io::Read::read_exact(&mut peer, &mut got).expect("the relay's send was written");
+        assert_eq!(got, beat);
     }
 }
