@@ -157,13 +157,21 @@ impl Sender {
     }
 }
 
+/// A relay's connection here, and the relay's end of it (reads wait up to 10 s).
+#[cfg(test)]
+pub(crate) fn relay_pair() -> (RelayOut, std::net::TcpStream) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let out = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (relay, _) = l.accept().unwrap();
+    relay.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+    (RelayOut::new(Link::new(out, None)), relay)
+}
+
 /// A relay's connection whose write failed (its peer closed), and why.
 #[cfg(test)]
 pub(crate) fn failed_relay() -> (RelayOut, String) {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let stream = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
-    drop(l.accept().unwrap());
-    let out = RelayOut::new(Link::new(stream, None));
+    let (out, relay) = relay_pair();
+    drop(relay);
     // Writes to a closed peer fail once its reset has come back.
     for _ in 0..2000 {
         if let Err(why) = out.send(&[Frame::Beat]) {
@@ -177,16 +185,7 @@ pub(crate) fn failed_relay() -> (RelayOut, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::net::{TcpListener, TcpStream};
-
-    /// A relay's connection here and the relay's end of it.
-    fn pair() -> (RelayOut, TcpStream) {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let out = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (relay, _) = l.accept().unwrap();
-        relay.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
-        (RelayOut::new(Link::new(out, None)), relay)
-    }
+    use std::net::TcpStream;
 
     /// The next `n` bytes at the relay's end (waiting up to 10 s for them).
     fn arrived(relay: &mut TcpStream, n: usize) -> Vec<u8> {
@@ -209,7 +208,7 @@ mod tests {
 
     #[test]
     fn frames_sent_while_held_go_out_together_in_order_at_release() {
-        let (out, mut relay) = pair();
+        let (out, mut relay) = relay_pair();
         let fan = Frame::Fan { conns: vec![3, 4], line: b"{\"commit\":1}\n".to_vec() };
         let beat = Frame::Beat;
         let mut both = Vec::new();

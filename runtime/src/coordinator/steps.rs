@@ -66,13 +66,13 @@ impl Coordinator<'_> {
     /// released (see [`RelayOut::hold`]).
     fn hold_relays(&mut self) -> HeldRelays {
         let routes = Routes::of(&mut self.routes, self.membership.members(), &self.conns);
-        let held: Vec<(RelayOut, Range<usize>)> = routes
-            .runs
-            .iter()
-            .filter_map(|r| Some((r.relay.as_ref()?.out.clone(), r.first..r.end)))
-            .collect();
-        held.iter().for_each(|(out, _)| out.hold());
-        HeldRelays(held)
+        HeldRelays::hold(
+            routes
+                .runs
+                .iter()
+                .filter_map(|r| Some((r.relay.as_ref()?.out.clone(), r.first..r.end)))
+                .collect(),
+        )
     }
 
     /// Waits for what the workers say, up to the next timeout, and handles
@@ -458,9 +458,18 @@ impl Coordinator<'_> {
 struct HeldRelays(Vec<(RelayOut, Range<usize>)>);
 
 impl HeldRelays {
+    fn hold(relays: Vec<(RelayOut, Range<usize>)>) -> Self {
+        relays.iter().for_each(|(out, _)| out.hold());
+        HeldRelays(relays)
+    }
+
     /// Writes what each relay was sent meanwhile; returns the ranks behind
     /// those whose write failed (the relay is shut: they are lost).
     fn release(mut self) -> Vec<(usize, String)> {
+        self.release_each()
+    }
+
+    fn release_each(&mut self) -> Vec<(usize, String)> {
         let mut lost = Vec::new();
         for (out, ranks) in self.0.drain(..) {
             if let Err(why) = out.release() {
@@ -474,7 +483,7 @@ impl HeldRelays {
 impl Drop for HeldRelays {
     fn drop(&mut self) {
         // A failed write shuts the relay's connection: its reader reports it.
-        self.0.drain(..).for_each(|(out, _)| drop(out.release()));
+        self.release_each();
     }
 }
 
@@ -544,26 +553,17 @@ impl Window<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::control::outbox::failed_relay;
+    use crate::control::outbox::{failed_relay, relay_pair};
 
     #[test]
     fn a_relay_whose_held_write_fails_loses_its_run_s_ranks_and_no_other() {
         let (failed, why) = failed_relay();
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let good = RelayOut::new(crate::control::proto::Link::new(
-            std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap(),
-            None,
-        ));
-        let (mut peer, _) = l.accept().unwrap();
-        peer.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let held = HeldRelays(vec![(good.clone(), 0..2), (failed, 2..5)]);
-        held.0.iter().for_each(|(out, _)| out.hold());
-        let lost = held.release();
+        let (good, mut peer) = relay_pair();
+        let lost = HeldRelays::hold(vec![(good.clone(), 0..2), (failed, 2..5)]).release();
         assert_eq!(lost, [(2, why.clone()), (3, why.clone()), (4, why)]);
         // Dropped unreleased (an error on the way), a relay is released too:
         // what it is sent next is written at once.
-        good.hold();
-        drop(HeldRelays(vec![(good.clone(), 0..2)]));
+        drop(HeldRelays::hold(vec![(good.clone(), 0..2)]));
         good.send(&[Frame::Beat]).unwrap();
         let mut beat = Vec::new();
         Frame::Beat.encode(&mut beat);
