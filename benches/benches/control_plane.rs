@@ -5,13 +5,17 @@
 //!     cargo bench -p edl-benches --bench control_plane -- --bench --sizes 64:8,1024:32 --compute-ms 2 --modes relay
 //!
 //! Each simulated host is a process of its own (this program again, with
-//! `--sim-host`); its workers are threads speaking the real protocol over
-//! real loopback sockets (hello, ready, generations, windows of steps,
-//! commits), either each on its own connection to the coordinator or all
-//! through the host's relay (`edl_runtime::control::relay`, in the host's
-//! process), the two side by side at each size. A worker's compute is a
-//! sleep of `--compute-ms` per step and it builds no ring (the all-reduce is
-//! the data plane, not the control plane). The coordinator is the job's own
+//! `--sim-host`); its workers speak the real protocol over real loopback
+//! sockets (hello, ready, generations, windows of steps, commits), each on
+//! a connection of its own, sealed, either to the coordinator or to the
+//! host's relay (`edl_runtime::control::relay`, in the host's process), the
+//! two side by side at each size. A host's workers run on one thread, an
+//! event loop over their connections: a worker's compute is `--compute-ms`
+//! per step of a window, a timer after which its report goes (a window's
+//! compute starting when the one before it is done), and it builds no ring
+//! (the all-reduce is the data plane, not the control plane). So what the
+//! simulated workers cost the shared cores is the protocol's own work, not
+//! a thread per worker waking for every step. The coordinator is the job's own
 //! (`edl_runtime::job::Job`, run by `edl_runtime::coordinator::run`) with its
 //! membership, step pipeline, ledger, store and checkpoint cadence, alone in
 //! this process; the policy is a fixed one so every run sees the same events.
@@ -28,10 +32,11 @@
 //!
 //! Prints a table and writes `target/control-plane.svg` (the figures against N).
 
+use edl_host_gpu::comm::sealed::Opener;
 use edl_plugin_sdk::{Action, ClusterView, Hyperparams, PluginInfo};
 use edl_runtime::{
     control::{
-        proto::{FromWorker, Receiver, StepDone, ToWorker, Written, send},
+        proto::{FromWorker, Link, StepDone, ToWorker, Written, send},
         relay::{Relay, RelayConfig},
     },
     coordinator::{self, Progress},
@@ -135,30 +140,104 @@ struct Sim {
     victim: Option<(u64, u64)>,
 }
 
-fn sim_worker(addr: SocketAddr, id: u64, auth: JobAuth, sim: Sim) -> anyhow::Result<()> {
+/// One simulated worker: its connection, read by its host's event loop.
+struct SimRank {
+    id: u64,
+    stream: TcpStream,
+    out: Link,
+    opener: Opener,
+    /// Opened bytes short of a whole line.
+    pending: Vec<u8>,
+    welcomed: bool,
+    /// The generation it was last given.
+    place: u64,
+    /// When the compute of the windows it was given is over.
+    busy_until: Instant,
+}
+
+/// What a simulated worker does once its compute is over.
+enum Then {
+    Report(FromWorker),
+    /// The victim drops its connection.
+    Drop,
+}
+
+/// Connects worker `id` to `addr` (its relay or the coordinator) and
+/// proves the job's secret.
+fn sim_connect(addr: SocketAddr, id: u64, auth: &JobAuth) -> anyhow::Result<SimRank> {
     let mut stream = TcpStream::connect(addr)?;
     let keys = edl_host_gpu::comm::auth::connect(&mut stream, &auth.secret, &auth.claim("control", 0, id))?;
     stream.set_nodelay(true)?;
-    let (mut out, rx) = edl_runtime::control::proto::seal(&stream, keys)?;
-    let mut rx = Receiver::new(rx);
-    send(&mut out, &FromWorker::Hello { worker: id, pid: std::process::id() })?;
-    match rx.recv::<ToWorker>()? {
-        ToWorker::Welcome(_) => {}
-        _ => return Ok(()),
+    let (sealer, opener) = keys.split();
+    let out = Link::new(stream.try_clone()?, Some(sealer));
+    Ok(SimRank {
+        id,
+        stream,
+        out,
+        opener,
+        pending: Vec::new(),
+        welcomed: false,
+        place: 0,
+        busy_until: Instant::now(),
+    })
+}
+
+impl SimRank {
+    /// Reads what has arrived (until the socket has nothing more) and acts
+    /// on each whole message; `Err` when the connection is to end.
+    fn drain(&mut self, buf: &mut [u8], sim: Sim, due: &mut Vec<(Instant, Then)>) -> anyhow::Result<()> {
+        use std::os::fd::AsRawFd;
+        loop {
+            // SAFETY: the kernel writes at most `buf.len()` bytes into the
+            // live buffer `buf`; the descriptor is `self.stream`'s, open
+            // while `self` is borrowed; MSG_DONTWAIT returns at once when
+            // nothing is there.
+            let got = unsafe {
+                libc::recv(self.stream.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
+            };
+            if got == 0 {
+                anyhow::bail!("connection closed");
+            }
+            if got < 0 {
+                let e = std::io::Error::last_os_error();
+                match e.kind() {
+                    std::io::ErrorKind::WouldBlock => return Ok(()),
+                    std::io::ErrorKind::Interrupted => continue,
+                    _ => return Err(e.into()),
+                }
+            }
+            self.opener.open(&buf[..got as usize], &mut self.pending)?;
+            let mut at = 0;
+            while let Some(end) = self.pending[at..].iter().position(|&b| b == b'\n') {
+                let msg: ToWorker = serde_json::from_slice(&self.pending[at..at + end])?;
+                at += end + 1;
+                self.on(msg, sim, due)?;
+            }
+            self.pending.drain(..at);
+        }
     }
-    send(&mut out, &FromWorker::Ready { samples: None })?;
-    let mut place = 0u64;
-    loop {
-        match rx.recv::<ToWorker>()? {
-            ToWorker::Generation(g) => place = g.generation,
-            ToWorker::Steps { generation, steps, shares } if generation == place => {
-                let mut done = Vec::with_capacity(steps.len());
-                for (s, share) in steps.into_iter().zip(shares) {
-                    if sim.victim == Some((id, s.step)) {
-                        return Ok(());
-                    }
-                    std::thread::sleep(sim.compute);
-                    done.push(StepDone {
+
+    /// Acts on one message from the coordinator. A window's compute starts
+    /// when the windows before it are done, as on a real worker.
+    fn on(&mut self, msg: ToWorker, sim: Sim, due: &mut Vec<(Instant, Then)>) -> anyhow::Result<()> {
+        match msg {
+            ToWorker::Welcome(_) if !self.welcomed => {
+                self.welcomed = true;
+                send(&mut self.out, &FromWorker::Ready { samples: None })?
+            }
+            ToWorker::Generation(g) => self.place = g.generation,
+            ToWorker::Steps { generation, steps, shares } if generation == self.place => {
+                let start = self.busy_until.max(Instant::now());
+                if let Some(k) = steps.iter().position(|s| sim.victim == Some((self.id, s.step))) {
+                    due.push((start + sim.compute * k as u32, Then::Drop));
+                    self.busy_until = Instant::now() + Duration::from_secs(3600);
+                    return Ok(());
+                }
+                self.busy_until = start + sim.compute * steps.len() as u32;
+                let done = steps
+                    .into_iter()
+                    .zip(shares)
+                    .map(|(s, share)| StepDone {
                         step: s.step,
                         epoch: s.epoch,
                         start: share.start,
@@ -170,26 +249,33 @@ fn sim_worker(addr: SocketAddr, id: u64, auth: JobAuth, sim: Sim) -> anyhow::Res
                         teacher_calls: Vec::new(),
                         grad_sq: None,
                         noise_terms: None,
-                    });
-                }
-                send(&mut out, &FromWorker::Done { generation, steps: done, setup_ms: 0.0 })?;
+                    })
+                    .collect();
+                let report = FromWorker::Done { generation, steps: done, setup_ms: 0.0 };
+                due.push((self.busy_until, Then::Report(report)));
             }
-            ToWorker::Steps { .. } => {}
+            ToWorker::Steps { .. } | ToWorker::Commit { wait: false, .. } => {}
             ToWorker::Commit { step, wait: true, .. } => {
                 let written = Written { step, result: Ok(PathBuf::from("(simulated)")), secs: 0.0, bytes: 0 };
-                send(&mut out, &FromWorker::Saved { checkpoints: vec![written] })?;
+                send(&mut self.out, &FromWorker::Saved { checkpoints: vec![written] })?;
             }
-            ToWorker::Commit { .. } => {}
-            ToWorker::Stop { .. } => return Ok(()),
+            ToWorker::Stop { .. } => anyhow::bail!("stopped"),
             ToWorker::Welcome(_) | ToWorker::Assigned { .. } => anyhow::bail!("a second welcome"),
         }
+        Ok(())
     }
 }
 
-/// A simulated host: this program with `--sim-host`, its workers threads
-/// started as it reads their ids on its standard input.
+/// A simulated host: this program with `--sim-host`. Its workers are
+/// connected (their secret proven) as it reads their ids on its standard
+/// input, and then all run on one thread, an event loop over their
+/// connections: each window's compute a timer, its report sent when the
+/// timer is due. So the simulated workers cost the shared cores only the
+/// protocol's own work, not a thread's wake-ups and switches each.
 fn sim_host() -> anyhow::Result<()> {
+    use mio::{Events, Interest, Poll, Token, Waker, unix::SourceFd};
     use std::io::BufRead;
+    use std::os::fd::AsRawFd;
     let auth = edl_runtime::worker::session::auth_from_env()?;
     let coordinator: SocketAddr = arg("--coordinator").expect("--coordinator").parse()?;
     let compute = Duration::from_micros(arg("--compute-us").expect("--compute-us").parse()?);
@@ -210,16 +296,89 @@ fn sim_host() -> anyhow::Result<()> {
         }
         _ => coordinator,
     };
-    for line in std::io::stdin().lock().lines() {
-        let id: u64 = line?.trim().parse()?;
-        let auth = auth.clone();
-        std::thread::Builder::new().name("sim-worker".into()).stack_size(256 << 10).spawn(move || {
-            if let Err(e) = sim_worker(to, id, auth, sim) {
-                eprintln!("simulated worker {id}: {e:#}");
+    const WAKE: Token = Token(usize::MAX);
+    let mut poll = Poll::new()?;
+    let waker = std::sync::Arc::new(Waker::new(poll.registry(), WAKE)?);
+    let (tx, rx) = std::sync::mpsc::channel::<SimRank>();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            let Ok(Ok(id)) = line.map(|l| l.trim().parse::<u64>()) else { return };
+            match sim_connect(to, id, &auth) {
+                Ok(r) => {
+                    if tx.send(r).is_err() || waker.wake().is_err() {
+                        return;
+                    }
+                }
+                Err(e) => eprintln!("simulated worker {id}: {e:#}"),
             }
-        })?;
+        }
+    });
+    let mut ranks: Vec<Option<SimRank>> = Vec::new();
+    // Reports and drops by when they are due (and a number, to keep each).
+    let mut timers: std::collections::BTreeMap<(Instant, u64), (usize, Then)> = Default::default();
+    let mut timed = 0u64;
+    let mut due = Vec::new();
+    let mut events = Events::with_capacity(1024);
+    let mut buf = vec![0u8; 256 << 10];
+    let close = |ranks: &mut Vec<Option<SimRank>>, poll: &Poll, i: usize, why: &str| {
+        if let Some(r) = ranks[i].take() {
+            let _ = poll.registry().deregister(&mut SourceFd(&r.stream.as_raw_fd()));
+            if why != "stopped" {
+                eprintln!("simulated worker {}: {why}", r.id);
+            }
+        }
+    };
+    loop {
+        let wait = timers.first_key_value().map(|((at, _), _)| at.saturating_duration_since(Instant::now()));
+        if let Err(e) = poll.poll(&mut events, wait) {
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e.into());
+        }
+        for ev in events.iter() {
+            if ev.token() == WAKE {
+                while let Ok(mut r) = rx.try_recv() {
+                    let i = ranks.len();
+                    poll.registry().register(
+                        &mut SourceFd(&r.stream.as_raw_fd()),
+                        Token(i),
+                        Interest::READABLE,
+                    )?;
+                    let hello = FromWorker::Hello { worker: r.id, pid: std::process::id() };
+                    let said = send(&mut r.out, &hello);
+                    ranks.push(Some(r));
+                    if let Err(e) = said {
+                        close(&mut ranks, &poll, i, &e.to_string());
+                    }
+                }
+                continue;
+            }
+            let i = ev.token().0;
+            let Some(r) = ranks.get_mut(i).and_then(Option::as_mut) else { continue };
+            let read = r.drain(&mut buf, sim, &mut due);
+            for (at, then) in due.drain(..) {
+                timers.insert((at, timed), (i, then));
+                timed += 1;
+            }
+            if let Err(e) = read {
+                close(&mut ranks, &poll, i, &format!("{e:#}"));
+            }
+        }
+        let now = Instant::now();
+        while let Some(entry) = timers.first_entry().filter(|e| e.key().0 <= now) {
+            let (i, then) = entry.remove();
+            let Some(r) = ranks.get_mut(i).and_then(Option::as_mut) else { continue };
+            match then {
+                Then::Drop => close(&mut ranks, &poll, i, "stopped"),
+                Then::Report(msg) => {
+                    if let Err(e) = send(&mut r.out, &msg) {
+                        close(&mut ranks, &poll, i, &e.to_string());
+                    }
+                }
+            }
+        }
     }
-    Ok(())
 }
 
 /// Starts simulated workers on `hosts` host processes, round robin.
