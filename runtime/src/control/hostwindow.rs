@@ -126,15 +126,15 @@ pub struct Gatherings {
 /// What a relay sends up for a worker's message.
 #[derive(Debug, PartialEq)]
 pub enum Up {
-    /// The worker's line as it came.
-    Line,
+    /// The worker's message, to go up as it is.
+    Line(FromWorker),
     /// Held until the host's other ranks report the same window.
     Held,
     /// The host's window, every rank's account summed.
     Summed(HostDone),
     /// Reports held before, to go up one by one (each its worker's), ahead
-    /// of the worker's line as it came.
-    Release(Vec<(u64, FromWorker)>),
+    /// of the worker's message as it is.
+    Release(Vec<(u64, FromWorker)>, FromWorker),
 }
 
 impl Gatherings {
@@ -163,13 +163,14 @@ impl Gatherings {
                     .range((generation, step, 0)..=(generation, step, u64::MAX))
                     .find(|(_, g)| g.conns.contains(&conn))
                     .map(|(k, _)| *k);
+                let as_it_is = |steps, setup_ms| FromWorker::Done { generation, steps, setup_ms };
                 let Some((key, g)) = found.and_then(|k| Some((k, self.open.get_mut(&k)?))) else {
-                    return Up::Line;
+                    return Up::Line(as_it_is(steps, setup_ms));
                 };
                 let broken = |c: &u64| self.gone.contains(c) || self.failed.contains(&(*c, generation));
                 if g.conns.iter().any(broken) {
                     let g = self.open.remove(&key).expect("found above");
-                    return Up::Release(one_by_one(generation, g));
+                    return Up::Release(one_by_one(generation, g), as_it_is(steps, setup_ms));
                 }
                 g.got.insert(conn, (steps, setup_ms));
                 if g.got.len() < g.conns.len() {
@@ -180,18 +181,18 @@ impl Gatherings {
                     Some(done) => Up::Summed(HostDone { conns: g.conns, done }),
                     // Its own goes up as it came, after the others'.
                     None => {
-                        g.got.remove(&conn);
-                        Up::Release(one_by_one(generation, g))
+                        let (steps, setup_ms) = g.got.remove(&conn).expect("put in above");
+                        Up::Release(one_by_one(generation, g), as_it_is(steps, setup_ms))
                     }
                 }
             }
             // A worker that failed ends its host's sums: what the others
             // reported goes up as theirs, before the failure.
-            FromWorker::Failed { generation, .. } => {
+            msg @ FromWorker::Failed { generation, .. } => {
                 self.failed.insert((conn, generation));
-                Up::Release(self.release(conn))
+                Up::Release(self.release(conn), msg)
             }
-            _ => Up::Line,
+            msg => Up::Line(msg),
         }
     }
 
@@ -411,10 +412,12 @@ mod tests {
         g.take(8, done(8, &w, 0.2));
         let FromWorker::Done { generation, mut steps, setup_ms } = done(9, &w, 0.3) else { unreachable!() };
         steps[0].start += 1;
-        let Up::Release(held) = g.take(9, FromWorker::Done { generation, steps, setup_ms }) else { panic!() };
+        let mine = FromWorker::Done { generation, steps, setup_ms };
+        let Up::Release(held, own) = g.take(9, mine.clone()) else { panic!() };
         assert_eq!(held.iter().map(|(c, _)| *c).collect::<Vec<_>>(), vec![7, 8]);
+        assert_eq!(own, mine, "its own after the others', as it came");
         // A report for a window nobody gathers goes up as it came.
-        assert_eq!(g.take(7, done(7, &w, 0.1)), Up::Line);
+        assert_eq!(g.take(7, done(7, &w, 0.1)), Up::Line(done(7, &w, 0.1)));
     }
 
     #[test]
@@ -425,14 +428,15 @@ mod tests {
         g.take(7, done(7, &w, 0.1));
         g.take(8, done(8, &w, 0.2));
         let failed = FromWorker::Failed { generation: 2, step: 0, error: "boom".into(), cause: None };
-        let Up::Release(held) = g.take(9, failed) else { panic!() };
+        let Up::Release(held, own) = g.take(9, failed.clone()) else { panic!() };
+        assert_eq!(own, failed);
         assert_eq!(held.iter().map(|(c, _)| *c).collect::<Vec<_>>(), vec![7, 8]);
         assert_eq!(held[0].1, done(7, &w, 0.1));
 
         // Later windows of the failed generation go up one by one too.
         let later = HostWindow { steps: plans(4)[2..].to_vec(), ..w.clone() };
         g.expect(&later);
-        assert_eq!(g.take(7, done(7, &later, 0.1)), Up::Release(Vec::new()));
+        assert_eq!(g.take(7, done(7, &later, 0.1)), Up::Release(Vec::new(), done(7, &later, 0.1)));
 
         let mut g = Gatherings::default();
         g.expect(&w);
@@ -442,7 +446,7 @@ mod tests {
         // A window sent ahead that the others finish after the loss.
         let ahead = HostWindow { steps: plans(6)[4..].to_vec(), ..w.clone() };
         g.expect(&ahead);
-        assert_eq!(g.take(8, done(8, &ahead, 0.2)), Up::Release(Vec::new()));
+        assert_eq!(g.take(8, done(8, &ahead, 0.2)), Up::Release(Vec::new(), done(8, &ahead, 0.2)));
 
         // A newer generation's window drops the older's gatherings.
         g.expect(&w);

@@ -63,9 +63,10 @@ impl Message for FromWorker {
 
 /// What happens on the control connections.
 pub enum Inbound<M = FromWorker> {
-    /// A new connection, numbered; the coordinator writes to it here (a
-    /// worker behind a relay is a connection of its own too).
-    Conn(u64, Outbox),
+    /// A new connection, numbered, and what its peer proved to be; the
+    /// coordinator writes to it here (a worker behind a relay is a
+    /// connection of its own too).
+    Conn(u64, Outbox, auth::Claim),
     Msg(u64, M),
     /// Workers of one host reported a window as one, through their relay:
     /// the relay's connection (its host's number), the workers' numbers on
@@ -108,6 +109,9 @@ pub struct Gate {
     /// Workers of the generation an earlier coordinator of the job ran,
     /// who may come back to this one (it took the job over).
     returning: std::sync::Mutex<Option<(u64, std::collections::BTreeSet<u64>)>>,
+    /// A relay's gate: the job's secret is checked here, who may join is
+    /// the coordinator's to say (the relay passes the claim on).
+    relay_side: bool,
 }
 
 impl Gate {
@@ -126,6 +130,12 @@ impl Gate {
     /// or will be given up), so it is refused, saying why; unless it comes
     /// back from the coordinator this one took the job over from.
     fn check(&self, c: &auth::Claim) -> Result<(), String> {
+        if self.relay_side {
+            if c.channel == relay::CHANNEL {
+                return Err("a relay is not taken through another relay".into());
+            }
+            return self.auth.check(c, self.channel, None);
+        }
         if c.channel == relay::CHANNEL && self.channel == "control" {
             return self.auth.check(c, relay::CHANNEL, None);
         }
@@ -182,6 +192,42 @@ pub fn start_channel<M: Message>(
     lease: Duration,
     tx: mpsc::Sender<Inbound<M>>,
 ) -> io::Result<Arc<Gate>> {
+    let gate = Gate {
+        auth,
+        channel,
+        generation: AtomicU64::new(0),
+        returning: Default::default(),
+        relay_side: false,
+    };
+    serve(listener, Arc::new(gate), lease, tx)
+}
+
+/// A host's relay's side of its workers' connections: the same two threads
+/// for all of them; a worker's claim is checked for the job's secret only
+/// and goes on with the connection (`Inbound::Conn`), for the coordinator
+/// to admit or refuse.
+pub fn start_for_relay(
+    listener: TcpListener,
+    auth: JobAuth,
+    lease: Duration,
+    tx: mpsc::Sender<Inbound>,
+) -> io::Result<()> {
+    let gate = Gate {
+        auth,
+        channel: "control",
+        generation: AtomicU64::new(0),
+        returning: Default::default(),
+        relay_side: true,
+    };
+    serve(listener, Arc::new(gate), lease, tx).map(drop)
+}
+
+fn serve<M: Message>(
+    listener: TcpListener,
+    gate: Arc<Gate>,
+    lease: Duration,
+    tx: mpsc::Sender<Inbound<M>>,
+) -> io::Result<Arc<Gate>> {
     let poll = Poll::new()?;
     let waker = Arc::new(Waker::new(poll.registry(), WAKE)?);
     let (new_tx, new_rx) = mpsc::channel::<Proven<M>>();
@@ -189,7 +235,6 @@ pub fn start_channel<M: Message>(
     std::thread::Builder::new()
         .name("edl-control-in".into())
         .spawn(move || read_all(poll, new_rx, events, lease))?;
-    let gate = Arc::new(Gate { auth, channel, generation: AtomicU64::new(0), returning: Default::default() });
     let next = Arc::new(AtomicU64::new(0));
     let accepting = gate.clone();
     let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -292,7 +337,8 @@ fn admit<M: Message>(
             down: RelayOut::new(Link::new(conn, Some(sealer))),
             carrying: Carrying::default(),
         }))
-    } else if tx.send(Inbound::Conn(n, Outbox::Direct(Link::new(conn, Some(sealer))))).is_ok() {
+    } else if tx.send(Inbound::Conn(n, Outbox::Direct(Link::new(conn, Some(sealer))), claim.clone())).is_ok()
+    {
         Kind::Worker(claim.who)
     } else {
         return;
@@ -362,7 +408,7 @@ impl<M: Message> Carried<M> {
                     carried.open.insert(conn, (n, claim.who));
                     let name = format!("worker {} through the relay at {}", claim.who, self.peer);
                     let out = Outbox::Relayed { conn, host: self.host, relay: self.down.clone(), name };
-                    self.tx.send(Inbound::Conn(n, out)).map_err(|_| Gone)?;
+                    self.tx.send(Inbound::Conn(n, out, claim)).map_err(|_| Gone)?;
                 }
             },
             Frame::Line { conn, line } => {
@@ -701,7 +747,7 @@ mod tests {
         silent.write_all(b"{\"hello\":{\"worker\":7,\"pid\":42}}\n").unwrap();
         let _ok = connect(addr, &a, 2).unwrap();
         match next(&rx) {
-            Inbound::Conn(0, _) => {}
+            Inbound::Conn(0, ..) => {}
             _ => panic!("the proven connection, and it alone"),
         }
         assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "nothing else was admitted");
@@ -722,7 +768,7 @@ mod tests {
         assert!(e.contains("worker 3 lost its connection in generation 7"), "{e}");
         // A new worker (generation 0) comes in, and it alone.
         let _ok = back(0).unwrap();
-        assert!(matches!(next(&rx), Inbound::Conn(0, _)));
+        assert!(matches!(next(&rx), Inbound::Conn(0, ..)));
         assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "nothing else was admitted");
     }
 
@@ -732,7 +778,7 @@ mod tests {
         // beating thread for a while does not make it look silent.
         let (addr, rx, _, a) = serve(Duration::from_secs(4));
         let mut beating = connect(addr, &a, 1).unwrap();
-        assert!(matches!(next(&rx), Inbound::Conn(0, _)));
+        assert!(matches!(next(&rx), Inbound::Conn(0, ..)));
         // Beating from the start, before the silent one connects.
         let (stop, stopped) = mpsc::channel::<()>();
         let beats = std::thread::spawn(move || {
@@ -747,7 +793,7 @@ mod tests {
             }
         });
         let mut silent = connect(addr, &a, 2).unwrap();
-        assert!(matches!(next(&rx), Inbound::Conn(1, _)));
+        assert!(matches!(next(&rx), Inbound::Conn(1, ..)));
         // The first event is the silent one's end: heartbeats are not passed
         // on, and the connection that sends them stays.
         match next(&rx) {
@@ -769,7 +815,7 @@ mod tests {
         for i in 0..50 {
             conns.push(connect(addr, &a, i).unwrap());
             match next(&rx) {
-                Inbound::Conn(n, _) => assert_eq!(n, i),
+                Inbound::Conn(n, ..) => assert_eq!(n, i),
                 _ => panic!("a connection first"),
             };
         }
@@ -829,7 +875,7 @@ mod tests {
             line
         };
         let mut honest = back(3);
-        assert!(matches!(next(&rx), Inbound::Conn(0, _)));
+        assert!(matches!(next(&rx), Inbound::Conn(0, ..)));
         honest.write_all(&says(3)).unwrap();
         match next(&rx) {
             Inbound::Msg(0, FromWorker::Return { worker: 3, .. }) => {}
@@ -837,7 +883,7 @@ mod tests {
         }
         // Worker 4 proved the secret as itself and claims to be worker 3.
         let mut liar = back(4);
-        assert!(matches!(next(&rx), Inbound::Conn(1, _)));
+        assert!(matches!(next(&rx), Inbound::Conn(1, ..)));
         liar.write_all(&says(3)).unwrap();
         match next(&rx) {
             Inbound::Closed(1, why) => assert!(why.contains("says it is worker 3, but proved"), "{why}"),
@@ -866,7 +912,7 @@ mod tests {
             .map(|(conn, generation, who)| Frame::Open { conn, claim: a.claim("control", generation, who) });
         relay.write_all(&framed(&opens)).unwrap();
         let (n7, mut to7, n8) = match (next(&rx), next(&rx)) {
-            (Inbound::Conn(n7, to7), Inbound::Conn(n8, _)) => (n7, to7, n8),
+            (Inbound::Conn(n7, to7, _), Inbound::Conn(n8, ..)) => (n7, to7, n8),
             _ => panic!("two connections"),
         };
         assert_ne!(n7, n8);
@@ -897,7 +943,7 @@ mod tests {
         // A worker whose line is not a message is closed, here and (through
         // the coordinator) on the relay.
         relay.write_all(&framed(&[Frame::Open { conn: 13, claim: a.claim("control", 0, 10) }])).unwrap();
-        let Inbound::Conn(n10, _) = next(&rx) else { panic!("worker 10's connection") };
+        let Inbound::Conn(n10, ..) = next(&rx) else { panic!("worker 10's connection") };
         relay.write_all(&framed(&[Frame::Line { conn: 13, line: b"{not json\n".to_vec() }])).unwrap();
         match next(&rx) {
             Inbound::ToRelay(out, frames) => {
@@ -962,6 +1008,6 @@ mod tests {
         assert!(cut, "a trickling peer held its handshake for {:?}", started.elapsed());
         // It never became a connection; a real worker still gets in.
         let _ok = connect(addr, &a, 1).unwrap();
-        assert!(matches!(next(&rx), Inbound::Conn(0, _)));
+        assert!(matches!(next(&rx), Inbound::Conn(0, ..)));
     }
 }

@@ -5,14 +5,17 @@
 //! The relay proves the job's secret to the coordinator on the `relay`
 //! channel, and accepts its host's workers exactly as the coordinator would
 //! (the secret's exchange on the `control` channel, each connection sealed
-//! with keys of its own). It passes each worker's claim on, so the
-//! coordinator's gate decides who is admitted (a worker that lost its place
-//! is refused as before); it passes the workers' lines on whole, unread
-//! except for heartbeats, which it keeps: it closes a worker silent for the
-//! lease itself, and the coordinator hears of the closing. Lines that arrive
-//! together go in one sealed write, and the coordinator's lines to the host
-//! come the same way; each is written to its worker as it would have been
-//! directly. A worker cannot tell a relay from the coordinator.
+//! with keys of its own), through the same inbox: one thread reads every
+//! worker's connection (epoll), however many the host has. It passes each
+//! worker's claim on, so the coordinator's gate decides who is admitted (a
+//! worker that lost its place is refused as before); it keeps heartbeats to
+//! itself, closes a worker silent for the lease, and the coordinator hears
+//! of the closing. A host window's reports are summed into one (see
+//! [`crate::control::hostwindow`]); other messages go up as they are, and
+//! those that arrive together go in one sealed write. The coordinator's
+//! lines to the host come the same way; each is written to its worker as
+//! it would have been directly. A worker cannot tell a relay from the
+//! coordinator.
 //!
 //! The relay is a host's single point of failure, as the host is: when its
 //! connection to the coordinator ends, every worker it carried is lost (the
@@ -24,18 +27,16 @@
 //! payload's length (u32) and the payload.
 
 use crate::control::hostwindow::{Gatherings, HostDone, HostGeneration, HostWindow, Up};
+use crate::control::inbox::Inbound;
+use crate::control::outbox::Outbox;
 use crate::control::proto::{FromWorker, encode};
 use edl_host_gpu::comm::auth::{self, Claim, JobAuth};
 use edl_host_gpu::comm::sealed::{SealedReader, SealedWriter};
 use std::{
     collections::HashMap,
-    io::{self, BufRead, BufReader, Read, Write},
+    io::{self, BufReader, Read, Write},
     net::{SocketAddr, TcpListener, TcpStream},
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
-        mpsc,
-    },
+    sync::{Arc, Mutex, mpsc},
     time::{Duration, Instant},
 };
 
@@ -173,35 +174,46 @@ fn bad(detail: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, detail)
 }
 
-/// Writes every frame queued on `rx` to `out`, each burst in one write,
-/// until every sender is gone or a write fails; a frame waited for longer
-/// than `beat` is replaced by a heartbeat when `beat` is given.
-pub fn write_batches(
-    rx: mpsc::Receiver<Frame>,
+/// Writes what is queued on `rx`, made into frames by `encode`, to `out`:
+/// each burst in one write, until every sender is gone or a write fails.
+/// Where `beat` is given, a heartbeat goes when nothing was written for
+/// that long.
+pub fn write_batches<T>(
+    rx: mpsc::Receiver<T>,
     out: &mut impl Write,
     beat: Option<Duration>,
+    mut encode: impl FnMut(T, &mut Vec<u8>),
 ) -> io::Result<()> {
     let mut buf = Vec::new();
+    let mut wrote = Instant::now();
     loop {
+        buf.clear();
         let first = match beat {
-            Some(every) => match rx.recv_timeout(every) {
-                Ok(f) => f,
-                Err(mpsc::RecvTimeoutError::Timeout) => Frame::Beat,
+            Some(every) => match rx.recv_timeout(every.saturating_sub(wrote.elapsed())) {
+                Ok(x) => Some(x),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
                 Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
             },
             None => match rx.recv() {
-                Ok(f) => f,
+                Ok(x) => Some(x),
                 Err(_) => return Ok(()),
             },
         };
-        buf.clear();
-        first.encode(&mut buf);
-        while buf.len() < MAX_PAYLOAD
-            && let Ok(f) = rx.try_recv()
-        {
-            f.encode(&mut buf);
+        if let Some(x) = first {
+            encode(x, &mut buf);
         }
-        out.write_all(&buf)?;
+        while buf.len() < MAX_PAYLOAD
+            && let Ok(x) = rx.try_recv()
+        {
+            encode(x, &mut buf);
+        }
+        if buf.is_empty() && beat.is_some_and(|every| wrote.elapsed() >= every) {
+            Frame::Beat.encode(&mut buf);
+        }
+        if !buf.is_empty() {
+            out.write_all(&buf)?;
+            wrote = Instant::now();
+        }
     }
 }
 
@@ -257,32 +269,29 @@ impl Relay {
     pub fn serve(self) -> io::Result<String> {
         let Relay { cfg, listener, up, keys } = self;
         let (sealer, opener) = keys.split();
-        let workers: Workers = Arc::new(Mutex::new(HashMap::new()));
-        let gatherings = Arc::new(Mutex::new(Gatherings::default()));
-        let (tx, rx) = mpsc::channel::<Frame>();
-        let mut upward = SealedWriter::new(up.try_clone()?, Some(sealer));
+        let upward = Upward { workers: Default::default(), gatherings: Default::default() };
+        let (workers, gatherings) = (upward.workers.clone(), upward.gatherings.clone());
+        let (tx, rx) = mpsc::channel::<Inbound>();
+        let mut out = SealedWriter::new(up.try_clone()?, Some(sealer));
         let beat = (cfg.lease / 4).max(Duration::from_millis(10));
         let shut = up.try_clone()?;
         std::thread::Builder::new().name("edl-relay-up".into()).spawn(move || {
-            if let Err(e) = write_batches(rx, &mut upward, Some(beat)) {
+            if let Err(e) = write_batches(rx, &mut out, Some(beat), |ev, buf| upward.encode(ev, buf)) {
                 tracing::warn!("relay: writing to the coordinator: {e}");
             }
             let _ = shut.shutdown(std::net::Shutdown::Both);
         })?;
-        let accepting = Accepting {
-            auth: cfg.auth.clone(),
-            lease: cfg.lease,
-            workers: workers.clone(),
-            gatherings: gatherings.clone(),
-            tx,
-        };
-        std::thread::Builder::new().name("edl-relay-accept".into()).spawn(move || accepting.run(listener))?;
+        crate::control::inbox::start_for_relay(listener, cfg.auth.clone(), cfg.lease, tx)?;
         let why = downward(SealedReader::new(up, Some(opener)), &workers, &gatherings);
-        for (_, w) in workers.lock().unwrap_or_else(|p| p.into_inner()).drain() {
+        for (_, w) in lock(&workers).drain() {
             let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
         }
         Ok(why)
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The host's workers' connections by number, for writing to them.
@@ -317,7 +326,7 @@ fn downward(down: SealedReader<TcpStream>, workers: &Workers, gatherings: &Mutex
                     }
                 };
                 // Gathered before any rank can answer it.
-                gatherings.lock().unwrap_or_else(|p| p.into_inner()).expect(&w);
+                lock(gatherings).expect(&w);
                 for (conn, msg) in split {
                     match encode(&msg) {
                         Ok(line) => write_to(workers, conn, &line),
@@ -326,7 +335,7 @@ fn downward(down: SealedReader<TcpStream>, workers: &Workers, gatherings: &Mutex
                 }
             }
             Frame::Closed { conn, .. } => {
-                if let Some(w) = workers.lock().unwrap_or_else(|p| p.into_inner()).remove(&conn) {
+                if let Some(w) = lock(workers).remove(&conn) {
                     let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
                 }
             }
@@ -340,7 +349,7 @@ fn downward(down: SealedReader<TcpStream>, workers: &Workers, gatherings: &Mutex
 /// Writes one line to worker `conn`; one that cannot take it is closed
 /// (its reader says so).
 fn write_to(workers: &Workers, conn: u64, line: &[u8]) {
-    let mut map = workers.lock().unwrap_or_else(|p| p.into_inner());
+    let mut map = lock(workers);
     if let Some(w) = map.get_mut(&conn)
         && w.write_all(line).is_err()
     {
@@ -349,143 +358,64 @@ fn write_to(workers: &Workers, conn: u64, line: &[u8]) {
     }
 }
 
-/// The relay's side of its workers' connections.
-struct Accepting {
-    auth: JobAuth,
-    lease: Duration,
+/// The relay's way up: what the inbox reading its workers' connections
+/// hears (one thread for all of them, as the coordinator's), made into
+/// frames for the coordinator. A host window's reports are held until
+/// every rank of it reported, and go up as one.
+struct Upward {
     workers: Workers,
     gatherings: Arc<Mutex<Gatherings>>,
-    tx: mpsc::Sender<Frame>,
 }
 
-impl Accepting {
-    fn run(self, listener: TcpListener) {
-        let next = Arc::new(AtomicU64::new(1));
-        let me = Arc::new(self);
-        for conn in listener.incoming() {
-            let conn = match conn {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!("relay: accept: {e}");
-                    std::thread::sleep(Duration::from_millis(100));
-                    continue;
+impl Upward {
+    /// Appends the frames for `ev` to `buf` (none while a report is held).
+    fn encode(&self, ev: Inbound, buf: &mut Vec<u8>) {
+        match ev {
+            Inbound::Conn(conn, Outbox::Direct(link), claim) => {
+                lock(&self.workers).insert(conn, link);
+                Frame::Open { conn, claim }.encode(buf);
+            }
+            Inbound::Msg(conn, msg) => {
+                let up = lock(&self.gatherings).take(conn, msg);
+                match up {
+                    Up::Held => {}
+                    Up::Summed(done) => Frame::Done(Box::new(done)).encode(buf),
+                    Up::Line(msg) => line(conn, &msg, buf),
+                    Up::Release(held, msg) => {
+                        held.iter().for_each(|(c, m)| line(*c, m, buf));
+                        line(conn, &msg, buf);
+                    }
                 }
-            };
-            let (me, n) = (me.clone(), next.fetch_add(1, Ordering::Relaxed));
-            let started =
-                std::thread::Builder::new().name("edl-relay-worker".into()).spawn(move || me.worker(conn, n));
-            if let Err(e) = started {
-                tracing::warn!("relay: cannot start a thread for a worker: {e}");
             }
-        }
-    }
-
-    /// Admits one worker and passes its lines on until its connection ends.
-    fn worker(&self, mut conn: TcpStream, n: u64) {
-        let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a worker".into());
-        let proven =
-            auth::accept(&mut auth::Deadline::new(&mut conn, AUTH_TIMEOUT), &self.auth.secret, |c| {
-                self.auth.check(c, "control", None)
-            });
-        let (claim, keys) = match proven {
-            Ok(p) => p,
-            Err(e) => {
-                tracing::warn!("relay: refused a connection from {peer}: {e}");
-                return;
-            }
-        };
-        let _ = conn.set_nodelay(true);
-        let _ = conn.set_write_timeout(Some(SEND_TIMEOUT));
-        let _ = conn.set_read_timeout(Some(self.lease));
-        crate::control::proto::keepalive(&conn);
-        let Ok(reader) = conn.try_clone() else { return };
-        let (sealer, opener) = keys.split();
-        self.workers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(n, SealedWriter::new(conn, Some(sealer)));
-        if self.tx.send(Frame::Open { conn: n, claim }).is_err() {
-            return;
-        }
-        let why = self.pass_lines(SealedReader::new(reader, Some(opener)), n, &peer);
-        if let Some(w) = self.workers.lock().unwrap_or_else(|p| p.into_inner()).remove(&n) {
-            let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
-        }
-        // What its host's other ranks reported with it goes up as theirs,
-        // before its end (under the lock: no other worker's line between).
-        let mut gatherings = self.gatherings.lock().unwrap_or_else(|p| p.into_inner());
-        self.send_each(gatherings.gone(n));
-        let _ = self.tx.send(Frame::Closed { conn: n, why });
-    }
-
-    /// Passes a worker's lines on (heartbeats kept); returns why it ended.
-    fn pass_lines(&self, r: SealedReader<TcpStream>, n: u64, peer: &str) -> String {
-        let mut r = BufReader::new(r);
-        let mut line = Vec::new();
-        let mut heard = Instant::now();
-        loop {
-            line.clear();
-            // A line fits a frame, its end included.
-            match r.by_ref().take(MAX_PAYLOAD as u64).read_until(b'\n', &mut line) {
-                Ok(0) => return format!("{peer}: connection closed"),
-                Ok(_) if line.last() != Some(&b'\n') => {
-                    return format!("{peer}: a message longer than {} MiB", MAX_PAYLOAD >> 20);
+            Inbound::Closed(conn, why) => {
+                if let Some(w) = lock(&self.workers).remove(&conn) {
+                    let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
                 }
-                Ok(_) => heard = Instant::now(),
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                    return format!(
-                        "{peer}: no heartbeat for {:.1} s (the worker's host or its network went silent)",
-                        heard.elapsed().as_secs_f64()
-                    );
-                }
-                Err(e) => return format!("{peer}: {e}"),
+                // What its host's other ranks reported with it goes up as
+                // theirs, before its end.
+                let held = lock(&self.gatherings).gone(conn);
+                held.iter().for_each(|(c, m)| line(*c, m, buf));
+                Frame::Closed { conn, why }.encode(buf);
             }
-            if is_heartbeat(&line) {
-                continue;
-            }
-            // Under the lock until sent: reports released by another
-            // worker's thread never fall behind this one's later lines.
-            let mut gatherings = self.gatherings.lock().unwrap_or_else(|p| p.into_inner());
-            // A line that does not read goes up as it came: the
-            // coordinator closes the worker, naming why.
-            let up = match serde_json::from_slice::<FromWorker>(line.trim_ascii_end()) {
-                Ok(msg) => gatherings.take(n, msg),
-                Err(_) => Up::Line,
-            };
-            let sent = match up {
-                Up::Held => Ok(()),
-                Up::Summed(done) => self.tx.send(Frame::Done(Box::new(done))),
-                Up::Line => self.tx.send(Frame::Line { conn: n, line: std::mem::take(&mut line) }),
-                Up::Release(held) => {
-                    self.send_each(held);
-                    self.tx.send(Frame::Line { conn: n, line: std::mem::take(&mut line) })
-                }
-            };
-            drop(gatherings);
-            if sent.is_err() {
-                return "the relay stopped".into();
-            }
-        }
-    }
-
-    /// Reports held for a host's sum, sent up one by one, each its worker's.
-    fn send_each(&self, held: Vec<(u64, FromWorker)>) {
-        for (conn, msg) in held {
-            if let Ok(line) = encode(&msg) {
-                let _ = self.tx.send(Frame::Line { conn, line });
-            }
+            // The relay's inbox admits workers only: no relay, so no
+            // host's reports and nothing for a relay.
+            Inbound::Conn(..) | Inbound::Host(..) | Inbound::RelayLost(_) | Inbound::ToRelay(..) => {}
         }
     }
 }
 
-/// Whether a worker's line is a heartbeat (`"heartbeat"`, as it encodes).
-fn is_heartbeat(line: &[u8]) -> bool {
-    line.trim_ascii() == b"\"heartbeat\""
+/// Appends worker `conn`'s message `msg`, as its line, to `buf`.
+fn line(conn: u64, msg: &FromWorker, buf: &mut Vec<u8>) {
+    match encode(msg) {
+        Ok(line) => Frame::Line { conn, line }.encode(buf),
+        Err(e) => tracing::warn!("relay: worker {conn}'s message: {e}"),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::control::proto::Link;
 
     #[test]
     fn frames_read_back_as_written_and_bad_ones_are_refused() {
@@ -588,7 +518,7 @@ mod tests {
         }
         drop(tx);
         let mut out = Writes(Vec::new());
-        write_batches(rx, &mut out, None).unwrap();
+        write_batches(rx, &mut out, None, |f: Frame, buf| f.encode(buf)).unwrap();
         assert_eq!(out.0.len(), 1, "fifty queued frames, one write");
         let mut r = out.0[0].as_slice();
         let mut n = 0;
@@ -600,10 +530,113 @@ mod tests {
     }
 
     #[test]
-    fn only_a_heartbeat_line_is_kept_back() {
-        assert!(is_heartbeat(b"\"heartbeat\"\n"));
-        assert!(!is_heartbeat(b"{\"ready\":{}}\n"));
-        let encoded = crate::control::proto::encode(&crate::control::proto::FromWorker::Heartbeat).unwrap();
-        assert!(is_heartbeat(&encoded), "the worker's heartbeat as it encodes");
+    fn a_burst_that_makes_no_frame_still_keeps_the_heartbeat() {
+        let (tx, rx) = mpsc::channel();
+        for _ in 0..3 {
+            tx.send(()).unwrap();
+        }
+        drop(tx);
+        let mut out = Vec::new();
+        write_batches(rx, &mut out, Some(Duration::ZERO), |(), _| {}).unwrap();
+        let mut r = out.as_slice();
+        let mut beats = 0;
+        while let Some(f) = Frame::read(&mut r).unwrap() {
+            assert_eq!(f, Frame::Beat, "nothing but heartbeats");
+            beats += 1;
+        }
+        assert!(beats >= 1, "a heartbeat though the burst made no frame");
+    }
+
+    /// Two loopback ends: a worker's connection as the relay writes to it,
+    /// and the worker's side.
+    fn worker_link() -> (Link, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let worker = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (relay_side, _) = l.accept().unwrap();
+        (Link::new(relay_side, None), worker)
+    }
+
+    fn frames_of(bytes: &[u8]) -> Vec<Frame> {
+        let mut r = bytes;
+        std::iter::from_fn(|| Frame::read(&mut r).unwrap()).collect()
+    }
+
+    #[test]
+    fn the_workers_messages_go_up_as_frames_and_a_host_window_as_one_report() {
+        use crate::control::proto::{Share, StepDone, StepPlan};
+        let up = Upward { workers: Default::default(), gatherings: Default::default() };
+        let claim = |who| Claim { job: "j".into(), channel: "control".into(), generation: 0, who };
+        let (a, _a) = worker_link();
+        let (b, _b) = worker_link();
+        let mut buf = Vec::new();
+        up.encode(Inbound::Conn(3, Outbox::Direct(a), claim(30)), &mut buf);
+        up.encode(Inbound::Conn(4, Outbox::Direct(b), claim(40)), &mut buf);
+        up.encode(Inbound::Msg(3, FromWorker::Ready { samples: None }), &mut buf);
+        let ready = encode(&FromWorker::Ready { samples: None }).unwrap();
+        assert_eq!(
+            frames_of(&buf),
+            vec![
+                Frame::Open { conn: 3, claim: claim(30) },
+                Frame::Open { conn: 4, claim: claim(40) },
+                Frame::Line { conn: 3, line: ready },
+            ]
+        );
+        assert_eq!(lock(&up.workers).len(), 2, "both written to from now on");
+
+        // Ranks 0 and 1 of two, one step of 4 samples: each rank 2.
+        let hyper = edl_plugin_sdk::Hyperparams { global_batch: 4, local_batch: 2, lr: 0.1, momentum: 0.0 };
+        let window = |step: u64| HostWindow {
+            generation: 1,
+            world: 2,
+            samples: 8,
+            steps: vec![StepPlan { step, epoch: 0, cursor: 4 * step as usize, hyper }],
+            conns: vec![3, 4],
+            first: 0,
+            shares: vec![Share {
+                start: 4 * step as u32,
+                end: 4 * step as u32 + 4,
+                indices: vec![0, 1, 2, 3],
+            }],
+        };
+        let done = |step: u64, rank: u32| FromWorker::Done {
+            generation: 1,
+            steps: vec![StepDone {
+                step,
+                epoch: 0,
+                start: 4 * step as u32 + 2 * rank,
+                end: 4 * step as u32 + 2 * rank + 2,
+                loss: 0.25,
+                compute_ms: 1.0,
+                teacher_wait_ms: 0.0,
+                metrics: Vec::new(),
+                teacher_calls: Vec::new(),
+                grad_sq: None,
+                noise_terms: None,
+            }],
+            setup_ms: 0.0,
+        };
+        lock(&up.gatherings).expect(&window(0));
+        buf.clear();
+        up.encode(Inbound::Msg(3, done(0, 0)), &mut buf);
+        assert!(buf.is_empty(), "held for the host's other rank");
+        up.encode(Inbound::Msg(4, done(0, 1)), &mut buf);
+        let mut up_frames = frames_of(&buf);
+        assert_eq!(up_frames.len(), 1, "one report: {up_frames:?}");
+        let Some(Frame::Done(h)) = up_frames.pop() else { panic!("a report") };
+        let FromWorker::Done { steps, .. } = &h.done else { panic!("{h:?}") };
+        assert_eq!((h.conns.clone(), steps[0].start, steps[0].end, steps[0].loss), (vec![3, 4], 0, 4, 0.5));
+
+        // A rank lost with the other's report held: that goes up as its
+        // own, before the loss; the lost one is written to no more.
+        lock(&up.gatherings).expect(&window(1));
+        buf.clear();
+        up.encode(Inbound::Msg(3, done(1, 0)), &mut buf);
+        up.encode(Inbound::Closed(4, "gone".into()), &mut buf);
+        let held = encode(&done(1, 0)).unwrap();
+        assert_eq!(
+            frames_of(&buf),
+            vec![Frame::Line { conn: 3, line: held }, Frame::Closed { conn: 4, why: "gone".into() }]
+        );
+        assert!(!lock(&up.workers).contains_key(&4));
     }
 }

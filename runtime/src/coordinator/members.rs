@@ -70,7 +70,7 @@ impl Coordinator<'_> {
     pub(super) fn handle(&mut self, ev: Inbound) {
         let now = Instant::now();
         match ev {
-            Inbound::Conn(n, s) => {
+            Inbound::Conn(n, s, _) => {
                 self.conns.insert(n, s);
             }
             Inbound::Msg(n, FromWorker::Hello { worker, pid }) => {

@@ -257,7 +257,7 @@ impl Launcher<'_> {
             return Happened::Nothing;
         }
         match ev {
-            Inbound::Conn(n, stream) => {
+            Inbound::Conn(n, stream, _) => {
                 self.fresh.insert(n, stream);
                 Happened::Nothing
             }
