@@ -17,9 +17,9 @@
 //! timeout); a refused one is logged with the reason and closed, and the
 //! coordinator never hears of it.
 
+use crate::control::frame::{self, Frame};
 use crate::control::outbox::{Outbox, RelayOut};
 use crate::control::proto::{FromWorker, Link};
-use crate::control::relay::{self, Frame};
 use edl_host_gpu::comm::auth::{self, JobAuth};
 use edl_host_gpu::comm::sealed::Opener;
 use mio::{Events, Interest, Poll, Token, Waker, unix::SourceFd};
@@ -131,13 +131,13 @@ impl Gate {
     /// back from the coordinator this one took the job over from.
     fn check(&self, c: &auth::Claim) -> Result<(), String> {
         if self.relay_side {
-            if c.channel == relay::CHANNEL {
+            if c.channel == frame::CHANNEL {
                 return Err("a relay is not taken through another relay".into());
             }
             return self.auth.check(c, self.channel, None);
         }
-        if c.channel == relay::CHANNEL && self.channel == "control" {
-            return self.auth.check(c, relay::CHANNEL, None);
+        if c.channel == frame::CHANNEL && self.channel == "control" {
+            return self.auth.check(c, frame::CHANNEL, None);
         }
         let returning = self.returning.lock().unwrap_or_else(|p| p.into_inner());
         // A member of the last generation the store names, or of an
@@ -166,7 +166,7 @@ impl Gate {
     /// Checks the claim of a worker a relay admitted, as if it had come
     /// straight here (a relay behind a relay is refused).
     fn check_relayed(&self, c: &auth::Claim) -> Result<(), String> {
-        if c.channel == relay::CHANNEL {
+        if c.channel == frame::CHANNEL {
             return Err("a relay is not taken through another relay".into());
         }
         self.check(c)
@@ -326,7 +326,7 @@ fn admit<M: Message>(
     let Ok(reader) = conn.try_clone() else { return };
     let (sealer, opener) = keys.split();
     let n = next.fetch_add(1, Ordering::Relaxed);
-    let kind = if claim.channel == relay::CHANNEL {
+    let kind = if claim.channel == frame::CHANNEL {
         Kind::Relay(Box::new(Carried {
             gate: gate.clone(),
             next: next.clone(),
@@ -904,7 +904,7 @@ mod tests {
         gate.set_generation(3);
         let mut relay = {
             let mut s = TcpStream::connect(addr).unwrap();
-            let keys = auth::connect(&mut s, &a.secret, &a.claim(relay::CHANNEL, 0, 1)).unwrap();
+            let keys = auth::connect(&mut s, &a.secret, &a.claim(frame::CHANNEL, 0, 1)).unwrap();
             SealedStream::new(s, Some(keys)).unwrap()
         };
         // Two new workers, and one that lost its place in generation 3.

@@ -2,8 +2,8 @@
 //! or the relay that carries it ([`crate::control::relay`]); and a sending
 //! side shared by threads.
 
+use crate::control::frame::Frame;
 use crate::control::proto::{Link, ProtoError, encode, peer, send_encoded};
-use crate::control::relay::Frame;
 use serde::Serialize;
 
 /// Where the coordinator writes to one worker: its own connection, or the

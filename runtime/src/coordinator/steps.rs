@@ -5,10 +5,10 @@
 use super::records::*;
 use super::routes::{Routes, Run};
 use super::{AHEAD, CHORES_EVERY, Coordinator, MAX_WINDOW, SECOND, WINDOW_WORK_MS, ms};
+use crate::control::frame::Frame;
 use crate::control::hostwindow::{HostGeneration, HostWindow};
 use crate::control::outbox::{Outbox, RelayOut};
 use crate::control::proto::{Generation, Share, StepDone, StepPlan, ToWorker, encode};
-use crate::control::relay::Frame;
 use crate::coordinator::machine::membership::Worker;
 use crate::coordinator::machine::pipeline::{Committed, Failure, Pipeline};
 use crate::coordinator::machine::tally::permutation_of;
