@@ -772,6 +772,33 @@ mod tests {
         assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "nothing else was admitted");
     }
 
+    /// A relay's inbox admits any worker that proves the secret, a worker
+    /// coming back from a generation among them, and passes its claim on
+    /// for the coordinator to judge; it refuses a relay behind it.
+    #[test]
+    fn a_relay_s_inbox_checks_the_secret_and_passes_the_claim_on() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = mpsc::channel();
+        let a = job();
+        start_for_relay(listener, a.clone(), Duration::from_secs(3600), tx).unwrap();
+        let claim = |channel: &str, generation, who| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            auth::connect(&mut s, &a.secret, &a.claim(channel, generation, who)).map(|_| s)
+        };
+        let e = claim(frame::CHANNEL, 0, 9).unwrap_err().to_string();
+        assert!(e.contains("a relay is not taken through another relay"), "{e}");
+        assert!(matches!(claim("agent", 0, 9).unwrap_err(), auth::AuthError::Refused(_)));
+        let stranger = job();
+        let mut s = TcpStream::connect(addr).unwrap();
+        let e = auth::connect(&mut s, &stranger.secret, &stranger.claim("control", 0, 9)).unwrap_err();
+        assert_eq!(e, auth::AuthError::WrongSecret);
+        let _back = claim("control", 5, 3).unwrap();
+        let Inbound::Conn(0, Outbox::Direct(_), c) = next(&rx) else { panic!("the worker's connection") };
+        assert_eq!((c.generation, c.who), (5, 3), "its claim, as it proved it");
+        assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "nothing else was admitted");
+    }
+
     #[test]
     fn a_connection_silent_for_a_lease_is_closed_and_heartbeats_keep_another_open() {
         // A lease of 40 heartbeats: a loaded machine that starves the
