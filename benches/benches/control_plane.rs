@@ -165,8 +165,11 @@ enum Then {
 /// Connects worker `id` to `addr` (its relay or the coordinator) and
 /// proves the job's secret.
 fn sim_connect(addr: SocketAddr, id: u64, auth: &JobAuth) -> anyhow::Result<SimRank> {
+    use edl_host_gpu::comm::auth;
     let mut stream = TcpStream::connect(addr)?;
-    let keys = edl_host_gpu::comm::auth::connect(&mut stream, &auth.secret, &auth.claim("control", 0, id))?;
+    let mut within = auth::Deadline::new(&mut stream, Duration::from_secs(10));
+    let keys = auth::connect(&mut within, &auth.secret, &auth.claim("control", 0, id))?;
+    drop(within);
     stream.set_nodelay(true)?;
     let (sealer, opener) = keys.split();
     let out = Link::new(stream.try_clone()?, Some(sealer));
@@ -300,9 +303,18 @@ fn sim_host() -> anyhow::Result<()> {
     let mut poll = Poll::new()?;
     let waker = std::sync::Arc::new(Waker::new(poll.registry(), WAKE)?);
     let (tx, rx) = std::sync::mpsc::channel::<SimRank>();
+    // The bench ends its hosts by closing their standard input: the host
+    // ends then, its event loop with it.
     std::thread::spawn(move || {
         for line in std::io::stdin().lock().lines() {
-            let Ok(Ok(id)) = line.map(|l| l.trim().parse::<u64>()) else { return };
+            let id = match line.map(|l| l.trim().parse::<u64>()) {
+                Ok(Ok(id)) => id,
+                Ok(Err(e)) => {
+                    eprintln!("simulated host: a worker id that is not one: {e}");
+                    std::process::exit(1);
+                }
+                Err(_) => break,
+            };
             match sim_connect(to, id, &auth) {
                 Ok(r) => {
                     if tx.send(r).is_err() || waker.wake().is_err() {
@@ -312,6 +324,7 @@ fn sim_host() -> anyhow::Result<()> {
                 Err(e) => eprintln!("simulated worker {id}: {e:#}"),
             }
         }
+        std::process::exit(0);
     });
     let mut ranks: Vec<Option<SimRank>> = Vec::new();
     // Reports and drops by when they are due (and a number, to keep each).

@@ -34,7 +34,7 @@ const FAN: u8 = 7;
 const GENERATION: u8 = 8;
 
 /// A frame's payload may not exceed this (a control line's own bound).
-const MAX_PAYLOAD: usize = 64 << 20;
+pub(crate) const MAX_PAYLOAD: usize = 64 << 20;
 
 /// One frame between relay and coordinator.
 #[derive(Debug, PartialEq)]

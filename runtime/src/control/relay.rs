@@ -24,7 +24,7 @@
 //!
 //! Frames between relay and coordinator are [`crate::control::frame`]'s.
 
-use crate::control::frame::{CHANNEL, Frame, write_batches};
+use crate::control::frame::{CHANNEL, Frame, MAX_PAYLOAD, write_batches};
 use crate::control::hostwindow::{Gatherings, Up};
 use crate::control::inbox::Inbound;
 use crate::control::outbox::Outbox;
@@ -111,7 +111,7 @@ impl Relay {
         crate::control::inbox::start_for_relay(listener, cfg.auth.clone(), cfg.lease, tx)?;
         let why = downward(SealedReader::new(up, Some(opener)), &workers, &gatherings);
         for (_, w) in lock(&workers).drain() {
-            let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
+            w.shut();
         }
         Ok(why)
     }
@@ -121,8 +121,24 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The host's workers' connections by number, for writing to them.
-type Workers = Arc<Mutex<HashMap<u64, SealedWriter<TcpStream>>>>;
+/// The host's workers by number, for writing to them.
+type Workers = Arc<Mutex<HashMap<u64, Carried>>>;
+
+/// One of the host's workers.
+struct Carried {
+    /// Who it proved to be.
+    who: u64,
+    /// Where its lines are written; locked for a write, never with the map.
+    link: Arc<Mutex<SealedWriter<TcpStream>>>,
+    /// Its socket, to shut without waiting for a write under way.
+    socket: TcpStream,
+}
+
+impl Carried {
+    fn shut(&self) {
+        let _ = self.socket.shutdown(std::net::Shutdown::Both);
+    }
+}
 
 /// Writes the coordinator's lines to the workers, and a host window's to
 /// each of its ranks; returns why it ended.
@@ -163,7 +179,7 @@ fn downward(down: SealedReader<TcpStream>, workers: &Workers, gatherings: &Mutex
             }
             Frame::Closed { conn, .. } => {
                 if let Some(w) = lock(workers).remove(&conn) {
-                    let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
+                    w.shut();
                 }
             }
             Frame::Open { .. } | Frame::Beat | Frame::Done(_) => {
@@ -174,14 +190,15 @@ fn downward(down: SealedReader<TcpStream>, workers: &Workers, gatherings: &Mutex
 }
 
 /// Writes one line to worker `conn`; one that cannot take it is closed
-/// (its reader says so).
+/// (its reader says so). The map of workers is not held while writing: a
+/// worker slow to read holds up no worker's joining or leaving, and
+/// nothing that goes up.
 fn write_to(workers: &Workers, conn: u64, line: &[u8]) {
-    let mut map = lock(workers);
-    if let Some(w) = map.get_mut(&conn)
-        && w.write_all(line).is_err()
+    let Some(link) = lock(workers).get(&conn).map(|w| w.link.clone()) else { return };
+    if lock(&link).write_all(line).is_err()
+        && let Some(w) = lock(workers).remove(&conn)
     {
-        let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
-        map.remove(&conn);
+        w.shut();
     }
 }
 
@@ -199,7 +216,12 @@ impl Upward {
     fn encode(&self, ev: Inbound, buf: &mut Vec<u8>) {
         match ev {
             Inbound::Conn(conn, Outbox::Direct(link), claim) => {
-                lock(&self.workers).insert(conn, link);
+                let Ok(socket) = link.get_ref().try_clone() else {
+                    let _ = link.get_ref().shutdown(std::net::Shutdown::Both);
+                    return;
+                };
+                let w = Carried { who: claim.who, link: Arc::new(Mutex::new(link)), socket };
+                lock(&self.workers).insert(conn, w);
                 Frame::Open { conn, claim }.encode(buf);
             }
             Inbound::Msg(conn, msg) => {
@@ -207,35 +229,46 @@ impl Upward {
                 match up {
                     Up::Held => {}
                     Up::Summed(done) => Frame::Done(Box::new(done)).encode(buf),
-                    Up::Line(msg) => line(conn, &msg, buf),
+                    Up::Line(msg) => self.line(conn, &msg, buf),
                     Up::Release(held, msg) => {
-                        held.iter().for_each(|(c, m)| line(*c, m, buf));
-                        line(conn, &msg, buf);
+                        held.iter().for_each(|(c, m)| self.line(*c, m, buf));
+                        self.line(conn, &msg, buf);
                     }
                 }
             }
-            Inbound::Closed(conn, why) => {
-                if let Some(w) = lock(&self.workers).remove(&conn) {
-                    let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
-                }
-                // What its host's other ranks reported with it goes up as
-                // theirs, before its end.
-                let held = lock(&self.gatherings).gone(conn);
-                held.iter().for_each(|(c, m)| line(*c, m, buf));
-                Frame::Closed { conn, why }.encode(buf);
-            }
+            Inbound::Closed(conn, why) => self.close(conn, why, buf),
             // The relay's inbox admits workers only: no relay, so no
             // host's reports and nothing for a relay.
             Inbound::Conn(..) | Inbound::Host(..) | Inbound::RelayLost(_) | Inbound::ToRelay(..) => {}
         }
     }
-}
 
-/// Appends worker `conn`'s message `msg`, as its line, to `buf`.
-fn line(conn: u64, msg: &FromWorker, buf: &mut Vec<u8>) {
-    match encode(msg) {
-        Ok(line) => Frame::Line { conn, line }.encode(buf),
-        Err(e) => tracing::warn!("relay: worker {conn}'s message: {e}"),
+    /// Appends worker `conn`'s message `msg`, as its line, to `buf`; a
+    /// message that cannot go up (larger than a frame holds) closes its
+    /// worker, not the relay.
+    fn line(&self, conn: u64, msg: &FromWorker, buf: &mut Vec<u8>) {
+        let why = match encode(msg) {
+            Ok(line) if line.len() <= MAX_PAYLOAD => return Frame::Line { conn, line }.encode(buf),
+            Ok(line) => format!("a message of {} MiB, more than the relay passes on", line.len() >> 20),
+            Err(e) => format!("a message the relay cannot pass on: {e}"),
+        };
+        self.close(conn, why, buf);
+    }
+
+    /// Worker `conn`'s connection ended (or is ended here), and why: what
+    /// its host's other ranks reported with it goes up as theirs, then its
+    /// end, naming it.
+    fn close(&self, conn: u64, why: String, buf: &mut Vec<u8>) {
+        let why = match lock(&self.workers).remove(&conn) {
+            Some(w) => {
+                w.shut();
+                format!("worker {}: {why}", w.who)
+            }
+            None => why,
+        };
+        let held = lock(&self.gatherings).gone(conn);
+        held.iter().for_each(|(c, m)| self.line(*c, m, buf));
+        Frame::Closed { conn, why }.encode(buf);
     }
 }
 
@@ -334,8 +367,20 @@ mod tests {
         let held = encode(&done(1, 0)).unwrap();
         assert_eq!(
             frames_of(&buf),
-            vec![Frame::Line { conn: 3, line: held }, Frame::Closed { conn: 4, why: "gone".into() }]
+            vec![
+                Frame::Line { conn: 3, line: held },
+                Frame::Closed { conn: 4, why: "worker 40: gone".into() }
+            ]
         );
         assert!(!lock(&up.workers).contains_key(&4));
+
+        // A message larger than a frame holds closes its worker, not the
+        // relay: the worker's end goes up, naming why.
+        buf.clear();
+        let huge = FromWorker::Failed { generation: 1, step: 2, error: "x".repeat(MAX_PAYLOAD), cause: None };
+        up.encode(Inbound::Msg(3, huge), &mut buf);
+        let [Frame::Closed { conn: 3, why }] = &frames_of(&buf)[..] else { panic!("its end, alone") };
+        assert!(why.starts_with("worker 30: a message of 64 MiB"), "{why}");
+        assert!(lock(&up.workers).is_empty());
     }
 }
