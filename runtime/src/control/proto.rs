@@ -148,6 +148,27 @@ pub struct StepDone {
     pub noise_terms: Option<crate::coordinator::machine::noise::NoiseTerms>,
 }
 
+#[cfg(test)]
+impl StepDone {
+    /// An account with positions `start..end`, a loss and a compute time,
+    /// and nothing else.
+    pub(crate) fn plain(step: u64, epoch: u64, start: u32, end: u32, loss: f64, compute_ms: f64) -> Self {
+        StepDone {
+            step,
+            epoch,
+            start,
+            end,
+            loss,
+            compute_ms,
+            teacher_wait_ms: 0.0,
+            metrics: Vec::new(),
+            teacher_calls: Vec::new(),
+            grad_sq: None,
+            noise_terms: None,
+        }
+    }
+}
+
 /// What a worker tells the coordinator.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

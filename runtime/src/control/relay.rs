@@ -216,9 +216,14 @@ impl Upward {
     fn encode(&self, ev: Inbound, buf: &mut Vec<u8>) {
         match ev {
             Inbound::Conn(conn, Outbox::Direct(link), claim) => {
-                let Ok(socket) = link.get_ref().try_clone() else {
-                    let _ = link.get_ref().shutdown(std::net::Shutdown::Both);
-                    return;
+                let socket = match link.get_ref().try_clone() {
+                    Ok(s) => s,
+                    Err(e) => {
+                        // Its end goes up, for a connection never opened: ignored there.
+                        tracing::warn!("relay: worker {}'s connection: {e}; closed", claim.who);
+                        let _ = link.get_ref().shutdown(std::net::Shutdown::Both);
+                        return;
+                    }
                 };
                 let w = Carried { who: claim.who, link: Arc::new(Mutex::new(link)), socket };
                 lock(&self.workers).insert(conn, w);
@@ -249,7 +254,7 @@ impl Upward {
     fn line(&self, conn: u64, msg: &FromWorker, buf: &mut Vec<u8>) {
         let why = match encode(msg) {
             Ok(line) if line.len() <= MAX_PAYLOAD => return Frame::Line { conn, line }.encode(buf),
-            Ok(line) => format!("a message of {} MiB, more than the relay passes on", line.len() >> 20),
+            Ok(line) => format!("a message of {} bytes, more than a frame holds ({MAX_PAYLOAD})", line.len()),
             Err(e) => format!("a message the relay cannot pass on: {e}"),
         };
         self.close(conn, why, buf);
@@ -257,7 +262,10 @@ impl Upward {
 
     /// Worker `conn`'s connection ended (or is ended here), and why: what
     /// its host's other ranks reported with it goes up as theirs, then its
-    /// end, naming it.
+    /// end, naming it. One ended here is ended again when its reader sees
+    /// the shut socket: that second end, and any line the reader had
+    /// already passed on, go up for a connection the coordinator has
+    /// closed, which it ignores (numbers are not reused).
     fn close(&self, conn: u64, why: String, buf: &mut Vec<u8>) {
         let why = match lock(&self.workers).remove(&conn) {
             Some(w) => {
@@ -332,18 +340,9 @@ mod tests {
         };
         let done = |step: u64, rank: u32| FromWorker::Done {
             generation: 1,
-            steps: vec![StepDone {
-                step,
-                epoch: 0,
-                start: 4 * step as u32 + 2 * rank,
-                end: 4 * step as u32 + 2 * rank + 2,
-                loss: 0.25,
-                compute_ms: 1.0,
-                teacher_wait_ms: 0.0,
-                metrics: Vec::new(),
-                teacher_calls: Vec::new(),
-                grad_sq: None,
-                noise_terms: None,
+            steps: vec![{
+                let start = 4 * step as u32 + 2 * rank;
+                StepDone::plain(step, 0, start, start + 2, 0.25, 1.0)
             }],
             setup_ms: 0.0,
         };
@@ -380,7 +379,10 @@ mod tests {
         let huge = FromWorker::Failed { generation: 1, step: 2, error: "x".repeat(MAX_PAYLOAD), cause: None };
         up.encode(Inbound::Msg(3, huge), &mut buf);
         let [Frame::Closed { conn: 3, why }] = &frames_of(&buf)[..] else { panic!("its end, alone") };
-        assert!(why.starts_with("worker 30: a message of 64 MiB"), "{why}");
+        assert!(
+            why.starts_with("worker 30: a message of") && why.contains("more than a frame holds"),
+            "{why}"
+        );
         assert!(lock(&up.workers).is_empty());
     }
 }

@@ -339,18 +339,9 @@ mod tests {
     fn done(rank: usize, steps: &[StepPlan]) -> Vec<StepDone> {
         steps
             .iter()
-            .map(|s| StepDone {
-                step: s.step,
-                epoch: s.epoch,
-                start: (s.cursor + 2 * rank) as u32,
-                end: (s.cursor + 2 * rank + 2) as u32,
-                loss: 0.5,
-                compute_ms: 1.0,
-                teacher_wait_ms: 0.0,
-                metrics: Vec::new(),
-                teacher_calls: Vec::new(),
-                grad_sq: None,
-                noise_terms: None,
+            .map(|s| {
+                let start = (s.cursor + 2 * rank) as u32;
+                StepDone::plain(s.step, s.epoch, start, start + 2, 0.5, 1.0)
             })
             .collect()
     }

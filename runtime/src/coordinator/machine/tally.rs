@@ -300,19 +300,7 @@ mod tests {
     }
 
     fn done(step: u64, start: u32, end: u32, loss: f64) -> StepDone {
-        StepDone {
-            step,
-            epoch: 0,
-            start,
-            end,
-            loss,
-            compute_ms: 10.0,
-            teacher_wait_ms: 0.0,
-            metrics: Vec::new(),
-            teacher_calls: Vec::new(),
-            grad_sq: None,
-            noise_terms: None,
-        }
+        StepDone::plain(step, 0, start, end, loss, 10.0)
     }
 
     #[test]
