@@ -1,6 +1,8 @@
 //! The coordinator's side of its workers' control connections: one thread
 //! accepts them, one thread reads all of them (epoll, through mio), so a
-//! job of a thousand workers costs two threads, not a thousand.
+//! job of a thousand workers costs two threads, not a thousand. A host's
+//! relay reads its workers' connections through the same
+//! ([`start_for_relay`]).
 //!
 //! Connections stay blocking sockets, because the coordinator writes to them
 //! with a write timeout; the reader only ever asks the kernel for what has

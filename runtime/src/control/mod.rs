@@ -1,5 +1,6 @@
 //! The control channel between a coordinator and its workers: the messages
-//! ([`proto`]) and the coordinator's side of the connections ([`inbox`]).
+//! ([`proto`]), the coordinator's side of the connections ([`inbox`],
+//! [`outbox`]), and a host's relay ([`relay`], its wire in [`frame`]).
 
 pub mod frame;
 pub mod hostwindow;
