@@ -189,27 +189,14 @@ impl SimRank {
     /// Reads what has arrived (until the socket has nothing more) and acts
     /// on each whole message; `Err` when the connection is to end.
     fn drain(&mut self, buf: &mut [u8], sim: Sim, due: &mut Vec<(Instant, Then)>) -> anyhow::Result<()> {
-        use std::os::fd::AsRawFd;
         loop {
-            // SAFETY: the kernel writes at most `buf.len()` bytes into the
-            // live buffer `buf`; the descriptor is `self.stream`'s, open
-            // while `self` is borrowed; MSG_DONTWAIT returns at once when
-            // nothing is there.
-            let got = unsafe {
-                libc::recv(self.stream.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
+            let got = match edl_runtime::control::inbox::recv_arrived(&self.stream, buf) {
+                Ok(0) => anyhow::bail!("connection closed"),
+                Ok(got) => got,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) => return Err(e.into()),
             };
-            if got == 0 {
-                anyhow::bail!("connection closed");
-            }
-            if got < 0 {
-                let e = std::io::Error::last_os_error();
-                match e.kind() {
-                    std::io::ErrorKind::WouldBlock => return Ok(()),
-                    std::io::ErrorKind::Interrupted => continue,
-                    _ => return Err(e.into()),
-                }
-            }
-            self.opener.open(&buf[..got as usize], &mut self.pending)?;
+            self.opener.open(&buf[..got], &mut self.pending)?;
             let mut at = 0;
             while let Some(end) = self.pending[at..].iter().position(|&b| b == b'\n') {
                 let msg: ToWorker = serde_json::from_slice(&self.pending[at..at + end])?;

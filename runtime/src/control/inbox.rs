@@ -623,6 +623,28 @@ fn has_bytes_waiting(stream: &TcpStream) -> bool {
     got > 0
 }
 
+/// Takes what has already arrived on `stream` into `buf`, without waiting
+/// (the socket stays blocking for its writers): the bytes taken, 0 when the
+/// peer closed the connection, `WouldBlock` when nothing is there.
+pub fn recv_arrived(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+    loop {
+        // SAFETY: the pointer and length are those of `buf`, one live slice
+        // borrowed mutably for the call, so the kernel writes only inside
+        // it; the descriptor is `stream`'s, open while it is borrowed.
+        let got =
+            unsafe { libc::recv(stream.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        match usize::try_from(got) {
+            Ok(got) => return Ok(got.min(buf.len())),
+            Err(_) => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
 /// Reads what has arrived on `conn` (edge-triggered: until the kernel has
 /// nothing more) and passes on each complete line or frame; an error ends
 /// the connection.
@@ -634,25 +656,13 @@ fn drain<M: Message>(
 ) -> Result<(), String> {
     conn.heard = Instant::now();
     loop {
-        // SAFETY: the kernel writes at most `buf.len()` bytes into `buf`, a
-        // live buffer borrowed mutably for the call; the descriptor belongs
-        // to `conn.stream`, which is open while `conn` is borrowed.
-        // MSG_DONTWAIT makes the call return at once when nothing is there.
-        let got = unsafe {
-            libc::recv(conn.stream.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
+        let got = match recv_arrived(&conn.stream, buf) {
+            Ok(0) => return Err("connection closed".into()),
+            Ok(got) => got,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+            Err(e) => return Err(e.to_string()),
         };
-        if got == 0 {
-            return Err("connection closed".into());
-        }
-        if got < 0 {
-            let e = io::Error::last_os_error();
-            return match e.kind() {
-                io::ErrorKind::WouldBlock => Ok(()),
-                io::ErrorKind::Interrupted => continue,
-                _ => Err(e.to_string()),
-            };
-        }
-        conn.opener.open(&buf[..got as usize], &mut conn.pending).map_err(|e| e.to_string())?;
+        conn.opener.open(&buf[..got], &mut conn.pending).map_err(|e| e.to_string())?;
         match &mut conn.kind {
             Kind::Worker(who) => take_lines(&mut conn.pending, &mut conn.scanned, *who, n, tx)?,
             Kind::Relay(carried) => {
