@@ -432,10 +432,11 @@ pub struct ClusterArgs {
     /// `host:slots`, comma separated ({host} in the command).
     #[arg(long, value_name = "HOSTS", value_delimiter = ',', requires = "worker_command")]
     pub hosts: Vec<String>,
-    /// With --scaler local: the workers reach the coordinator through one
-    /// relay process (`edl-runtime relay`), one connection for all of them
+    /// The workers of each host reach the coordinator through one relay
+    /// process there (`edl-runtime relay`), one connection for all of them
     /// instead of one each; lost, it is a host's loss, and the next worker
-    /// started starts another.
+    /// started there starts another. With --scaler local (this host),
+    /// command (each of --hosts) and slurm (each node, a batch job).
     #[arg(long)]
     pub relay: bool,
     /// The job's secret (64 hex digits), which every worker proves on its

@@ -539,9 +539,10 @@ fn scaler(
     lease_ms: u64,
 ) -> Result<Box<dyn Scaler>> {
     let (stop, hosts) = (args.worker_stop_command.as_deref(), &args.hosts[..]);
-    if args.relay && !matches!(args.scaler, ScalerKind::Local | ScalerKind::Command) {
+    if args.relay && !matches!(args.scaler, ScalerKind::Local | ScalerKind::Command | ScalerKind::Slurm) {
         edl_runtime::refuse!(
-            "--relay is for --scaler local (its workers on this host) and --scaler command (a relay on each of --hosts)"
+            "--relay is for --scaler local (its workers on this host), --scaler command (a relay on each of \
+             --hosts) and --scaler slurm (a relay on each node the workers run on)"
         );
     }
     let relayed = |local: LocalProcesses| match args.relay {
@@ -562,11 +563,17 @@ fn scaler(
                 false => scaler,
             })
         }
-        (ScalerKind::Slurm, None) => {
-            Box::new(SlurmScaler::new(args.slurm.options(), exe.to_path_buf(), log_dir.to_path_buf()))
-        }
-        (ScalerKind::Slurm, Some(command)) => {
-            Box::new(SlurmScaler::for_program(args.slurm.options(), log_dir.to_path_buf(), command))
+        (ScalerKind::Slurm, program) => {
+            let scaler = match program {
+                None => SlurmScaler::new(args.slurm.options(), exe.to_path_buf(), log_dir.to_path_buf()),
+                Some(command) => {
+                    SlurmScaler::for_program(args.slurm.options(), log_dir.to_path_buf(), command)
+                }
+            };
+            Box::new(match args.relay {
+                true => scaler.with_relays(exe.to_path_buf(), Duration::from_millis(lease_ms)),
+                false => scaler,
+            })
         }
         (ScalerKind::Kubernetes, None) => Box::new(KubernetesScaler::new(args.kube.options(), log_dir)?),
         (ScalerKind::Kubernetes, Some(command)) => {

@@ -138,10 +138,17 @@ impl Coordinator<'_> {
                 // a closed one's rank fails its generation anyway.
                 self.conns.remove(&n);
                 let rank = self.ranks.get(&n).copied();
-                if self.membership.handle(now, MemberEvent::Closed { conn: n, why: why.clone() }).is_some()
-                    && let (Some(rank), Some(p)) = (rank, self.pipe.as_mut())
+                if let Some(id) =
+                    self.membership.handle(now, MemberEvent::Closed { conn: n, why: why.clone() })
                 {
-                    p.lost(now, rank, &why);
+                    // A member's connection ended, its process perhaps not
+                    // (its relay or its network failed): stopped now, so
+                    // that its sockets close and the survivors' collectives
+                    // end at once, not at their timeout.
+                    self.scaler.stop(id, Duration::ZERO);
+                    if let (Some(rank), Some(p)) = (rank, self.pipe.as_mut()) {
+                        p.lost(now, rank, &why);
+                    }
                 }
             }
         }

@@ -202,7 +202,7 @@ impl Drop for Starting {
 }
 
 /// The address of a relay's `relay N relaying on ADDR:PORT ...` line.
-fn relaying_on(line: &str) -> Option<String> {
+pub(crate) fn relaying_on(line: &str) -> Option<String> {
     let addr = line.split("relaying on ").nth(1)?.split_whitespace().next()?;
     addr.parse::<std::net::SocketAddr>().ok().map(|a| a.to_string())
 }

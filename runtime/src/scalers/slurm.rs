@@ -15,12 +15,16 @@
 //! within the pending bound is cancelled and reported, one that ended is
 //! reported with Slurm's state and reason (`NODE_FAIL` on a node set down),
 //! and the partition's idle nodes are the capacity the policy is told of.
+//!
+//! With `--relay`, each node the workers run on gets a relay of its own,
+//! another batch job (see [`crate::scalers::slurm_relays`]).
 
 use crate::scalers::Scaler;
+use crate::scalers::slurm_relays::SlurmRelays;
 use crate::worker::session::JobAuth;
 use anyhow::{Context, Result, anyhow, bail};
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     path::PathBuf,
     process::Command,
     time::{Duration, Instant},
@@ -36,6 +40,16 @@ pub struct SlurmOptions {
     pub extra: Vec<String>,
     /// A worker Slurm has not started after this long is cancelled and reported.
     pub pending_bound: Duration,
+}
+
+impl SlurmOptions {
+    /// The partition, account and QOS options (not the extra ones).
+    pub(crate) fn placement(&self) -> Vec<String> {
+        [("partition", &self.partition), ("account", &self.account), ("qos", &self.qos)]
+            .into_iter()
+            .filter_map(|(flag, v)| v.as_ref().map(|v| format!("--{flag}={v}")))
+            .collect()
+    }
 }
 
 /// A worker's batch job.
@@ -63,6 +77,8 @@ pub struct SlurmScaler {
     quiet: crate::process::Backoff,
     /// Stops under way: a worker told to stop gets its grace, then `scancel`.
     stopping: Vec<std::thread::JoinHandle<()>>,
+    /// A relay per node (`--relay`).
+    relays: Option<SlurmRelays>,
 }
 
 /// How often `squeue` and `sinfo` are asked.
@@ -107,19 +123,34 @@ impl SlurmScaler {
             idle: None,
             quiet: Default::default(),
             stopping: Vec::new(),
+            relays: None,
         }
     }
 
+    /// Each node's workers reach the coordinator through a relay there
+    /// (`exe relay ...`, a batch job of its own), keeping `lease`.
+    pub fn with_relays(mut self, exe: PathBuf, lease: Duration) -> Self {
+        self.relays = Some(SlurmRelays::new(exe, lease, &self.log_dir));
+        self
+    }
+
     /// The batch script of worker `id`: the secret in its environment, the
-    /// worker exec'd (so that Slurm's signals reach it).
+    /// worker exec'd (so that Slurm's signals reach it). With relays, the
+    /// script first finds its node's relay (`$EDL_VIA`) and the worker
+    /// connects there.
     fn script(&self, id: u64, coordinator: &str, auth: &JobAuth) -> String {
-        let words: Vec<String> =
-            crate::scalers::command::fill_words(&self.program, coordinator, id, &auth.job)
-                .iter()
-                .map(|w| quote(w))
-                .collect();
+        // A mark no word holds, for the address the script chooses.
+        const VIA: &str = "\u{1}via\u{1}";
+        let (at, find) = match &self.relays {
+            Some(r) => (VIA, r.script_lines(coordinator)),
+            None => (coordinator, String::new()),
+        };
+        let words: Vec<String> = crate::scalers::command::fill_words(&self.program, at, id, &auth.job)
+            .iter()
+            .map(|w| quote(w).replace(VIA, "'\"$EDL_VIA\"'"))
+            .collect();
         format!(
-            "#!/bin/sh\nexport EDL_JOB_SECRET={}\nexport EDL_JOB={}\nexec {}\n",
+            "#!/bin/sh\nexport EDL_JOB_SECRET={}\nexport EDL_JOB={}\n{find}exec {}\n",
             auth.secret.to_hex(),
             quote(&auth.job),
             words.join(" ")
@@ -139,13 +170,7 @@ impl SlurmScaler {
             // replace: Slurm does not start it again on its own.
             "--no-requeue".to_string(),
         ];
-        for (flag, v) in
-            [("partition", &self.opts.partition), ("account", &self.opts.account), ("qos", &self.opts.qos)]
-        {
-            if let Some(v) = v {
-                a.push(format!("--{flag}={v}"));
-            }
-        }
+        a.extend(self.opts.placement());
         a.extend(self.opts.extra.iter().cloned());
         a
     }
@@ -202,6 +227,15 @@ impl SlurmScaler {
             self.jobs.remove(&id);
             self.exited.push((id, why));
         }
+        if let Some(relays) = &mut self.relays {
+            let nodes: BTreeSet<String> = self
+                .jobs
+                .values()
+                .filter(|j| j.running && !j.node.is_empty())
+                .map(|j| j.node.clone())
+                .collect();
+            relays.tend(&listed, &nodes, &self.opts);
+        }
     }
 }
 
@@ -225,7 +259,7 @@ fn ended(slurm: &str, node: &str) -> String {
 const CLIENT_BOUND: Duration = Duration::from_secs(10);
 
 /// Runs a Slurm command; its standard output, or an error naming it.
-fn run(program: &str, args: &[&str]) -> Result<String> {
+pub(super) fn run(program: &str, args: &[&str]) -> Result<String> {
     let mut cmd = Command::new(program);
     cmd.args(args);
     let out = crate::process::output(program, &mut cmd, b"", CLIENT_BOUND)
@@ -236,8 +270,28 @@ fn run(program: &str, args: &[&str]) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// Submits a batch job (`sbatch args`, `script` on its standard input);
+/// its Slurm job id. `--export=ALL` hands the job this environment, and
+/// Slurm keeps a job's environment: the store's URL (its password) stays
+/// out of it, and the secret goes only in the script.
+pub(super) fn submit(args: &[String], script: &str) -> Result<String> {
+    let mut cmd = Command::new("sbatch");
+    cmd.args(args).env_remove("EDL_STORE").env_remove("EDL_JOB_SECRET");
+    let out = crate::process::output("sbatch", &mut cmd, script.as_bytes(), CLIENT_BOUND)
+        .map_err(|e| anyhow!("{e:#} (is Slurm's client installed and its controller up?)"))?;
+    if !out.status.success() {
+        bail!("sbatch {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let slurm = text.trim().split(';').next().unwrap_or("").to_string();
+    if slurm.is_empty() || !slurm.chars().all(|c| c.is_ascii_digit()) {
+        return Err(anyhow!("sbatch answered {text:?}, not a job id"));
+    }
+    Ok(slurm)
+}
+
 /// One word for `sh`, single-quoted.
-fn quote(w: &str) -> String {
+pub(super) fn quote(w: &str) -> String {
     format!("'{}'", w.replace('\'', r"'\''"))
 }
 
@@ -245,23 +299,10 @@ impl Scaler for SlurmScaler {
     fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> Result<()> {
         self.job = auth.job.clone();
         std::fs::create_dir_all(&self.log_dir).with_context(|| format!("{}", self.log_dir.display()))?;
-        let args = self.sbatch_args(id, &auth.job);
-        let script = self.script(id, coordinator, auth);
-        let mut cmd = Command::new("sbatch");
-        // `--export=ALL` hands the worker this environment, and Slurm keeps
-        // a job's environment: the store's URL (its password) stays out of
-        // it, and the secret goes only in the script.
-        cmd.args(&args).env_remove("EDL_STORE").env_remove("EDL_JOB_SECRET");
-        let out = crate::process::output("sbatch", &mut cmd, script.as_bytes(), CLIENT_BOUND)
-            .map_err(|e| anyhow!("{e:#} (is Slurm's client installed and its controller up?)"))?;
-        if !out.status.success() {
-            bail!("sbatch {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+        if let Some(relays) = &mut self.relays {
+            relays.connect_to(coordinator, auth)?;
         }
-        let text = String::from_utf8_lossy(&out.stdout);
-        let slurm = text.trim().split(';').next().unwrap_or("").to_string();
-        if slurm.is_empty() || !slurm.chars().all(|c| c.is_ascii_digit()) {
-            return Err(anyhow!("sbatch answered {text:?}, not a job id"));
-        }
+        let slurm = submit(&self.sbatch_args(id, &auth.job), &self.script(id, coordinator, auth))?;
         tracing::info!("worker {id}: Slurm job {slurm}");
         self.handles.insert(id, format!("slurm:{slurm}"));
         self.jobs.insert(id, Submitted { slurm, at: Instant::now(), running: false, node: String::new() });
@@ -273,6 +314,15 @@ impl Scaler for SlurmScaler {
         if !j.running {
             // Nothing runs to hear a stop: out of the queue at once.
             let _ = run("scancel", &[&j.slurm]);
+            return;
+        }
+        if grace.is_zero() {
+            // Lost: nothing to hand over, and its sockets must close now
+            // (Slurm's own cancel gives SIGTERM its KillWait first).
+            self.stopping.push(std::thread::spawn(move || {
+                let _ = run("scancel", &["--signal=KILL", "--full", &j.slurm]);
+                let _ = run("scancel", &[&j.slurm]);
+            }));
             return;
         }
         // Told to stop over its connection: it ends its Slurm job by
@@ -335,8 +385,18 @@ impl Scaler for SlurmScaler {
 
     fn release(&mut self) {
         // The workers follow the coordinator that leads now: their batch
-        // jobs are its, and nothing here cancels them.
+        // jobs are its, and nothing here cancels them. Relays serve this
+        // coordinator only: the one that leads now starts its own.
         self.jobs.clear();
+        if let Some(relays) = &mut self.relays {
+            relays.end();
+        }
+    }
+
+    fn relay_lost(&mut self, id: u64) {
+        if let Some(relays) = &mut self.relays {
+            relays.lost(id);
+        }
     }
 
     fn adopt(&mut self, id: u64, handle: &str, job_name: &str) -> bool {
@@ -382,6 +442,9 @@ impl Drop for SlurmScaler {
         for j in self.jobs.values() {
             let _ = run("scancel", &[&j.slurm]);
         }
+        if let Some(relays) = &mut self.relays {
+            relays.end();
+        }
     }
 }
 
@@ -424,6 +487,51 @@ mod tests {
         assert_eq!(args.last().unwrap(), "--time=10");
         // The secret is in the script, on no command line.
         assert!(!args.iter().any(|a| a.contains(&auth.secret.to_hex())));
+    }
+
+    /// Runs a worker's batch script with `sh`, on node `node`; what it
+    /// printed.
+    fn run_script(script: &str, node: Option<&str>) -> String {
+        use std::io::Write;
+        let mut sh = Command::new("sh");
+        sh.arg("-s").env_remove("SLURMD_NODENAME");
+        if let Some(n) = node {
+            sh.env("SLURMD_NODENAME", n);
+        }
+        let mut child =
+            sh.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).spawn().unwrap();
+        child.stdin.take().unwrap().write_all(script.as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{script}");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    #[test]
+    fn with_relays_a_worker_connects_to_its_node_s_relay_and_else_to_the_coordinator() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = SlurmOptions { pending_bound: Duration::from_secs(60), ..Default::default() };
+        // The worker prints where it would connect, and its words after.
+        let program = ["sh".into(), "-c".into(), "echo \"$EDL_COORDINATOR $0\"".into(), "it's".into()];
+        let s = SlurmScaler::for_program(opts, dir.path().to_path_buf(), &program)
+            .with_relays("/opt/edl-runtime".into(), Duration::from_secs(10));
+        let auth = JobAuth { job: "mnist".into(), secret: Secret::generate().unwrap() };
+        let script = s.script(7, "10.0.0.1:7070", &auth);
+        let relays = dir.path().join("relays");
+        std::fs::create_dir_all(&relays).unwrap();
+        std::fs::write(relays.join("n1"), "127.0.0.1:4100\n").unwrap();
+        std::fs::write(relays.join("n2"), "direct\n").unwrap();
+        assert_eq!(run_script(&script, Some("n1")), "127.0.0.1:4100 it's", "n1's relay");
+        assert_eq!(run_script(&script, Some("n2")), "10.0.0.1:7070 it's", "n2's relay did not start");
+        assert_eq!(run_script(&script, None), "10.0.0.1:7070 it's", "not in a Slurm job");
+        // Without relays, the script is as before: the coordinator, no search.
+        let plain = SlurmScaler::for_program(
+            SlurmOptions { pending_bound: Duration::from_secs(60), ..Default::default() },
+            dir.path().to_path_buf(),
+            &program,
+        );
+        let script = plain.script(7, "10.0.0.1:7070", &auth);
+        assert!(!script.contains("EDL_VIA"), "{script}");
+        assert_eq!(run_script(&script, Some("n1")), "10.0.0.1:7070 it's");
     }
 
     #[test]

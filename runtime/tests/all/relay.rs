@@ -143,7 +143,7 @@ fn the_relay_killed_loses_its_host_s_workers_and_the_job_recovers_through_a_new_
 #[test]
 fn a_relay_is_refused_where_it_cannot_run_beside_the_workers() {
     let dir = tempfile::tempdir().unwrap();
-    let args = ["--relay", "--scaler", "slurm"];
+    let args = ["--relay", "--scaler", "external"];
     let out = job(dir.path(), &args).output().unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--relay is for --scaler local"));

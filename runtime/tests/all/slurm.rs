@@ -493,3 +493,110 @@ fn the_job_s_parameter_servers_run_as_slurm_jobs_hand_their_shards_over_when_can
     // The servers' jobs end with the job: nothing stays queued.
     until("the queue to empty", Duration::from_secs(60), || slurm.queue().is_empty());
 }
+
+/// Checks that each node running the job's (`rl`) workers runs one relay,
+/// a batch job of the job's on that node; that the coordinator holds one
+/// connection a node, the relay's; and that every worker there goes to its
+/// relay. The relays' nodes.
+fn through_relays(slurm: &Slurm, hosts: &Hosts) -> Vec<String> {
+    let queue = slurm.queue();
+    // The nodes of the running jobs whose name, past `edl-rl-`, `is` says.
+    let nodes_of = |is: fn(&str) -> bool| -> Vec<String> {
+        let mut on: Vec<String> = queue
+            .iter()
+            .filter(|(_, s, _, name)| s == "RUNNING" && name.strip_prefix("edl-rl-").is_some_and(is))
+            .map(|(_, _, node, _)| node.clone())
+            .collect();
+        on.sort();
+        on
+    };
+    let mut worker_nodes = nodes_of(|n| n.bytes().all(|b| b.is_ascii_digit()));
+    let relays = nodes_of(|n| n.starts_with("relay-"));
+    assert_eq!(worker_nodes.len(), 4, "{queue:?}");
+    worker_nodes.dedup();
+    assert_eq!(relays, worker_nodes, "one relay on each node with workers: {queue:?}");
+    let ss =
+        hosts.on("ctl", "ss").args(["-tnH", "state", "established", "( sport = :7070 )"]).output().unwrap();
+    let text = String::from_utf8_lossy(&ss.stdout).into_owned();
+    let peers: Vec<&str> = text.lines().filter_map(|l| l.split_whitespace().last()).collect();
+    assert_eq!(peers.len(), relays.len(), "one connection a node: {text}\n{queue:?}");
+    for node in &relays {
+        assert!(peers.iter().any(|p| p.starts_with(&format!("{}:", hosts.ip(node)))), "{node}: {text}");
+        let procs = on_host(hosts, node);
+        let workers: Vec<_> = procs.iter().filter(|(_, c)| c.contains(" worker ")).collect();
+        assert!(!workers.is_empty(), "{node}: {procs:?}");
+        for (_, w) in workers {
+            assert!(w.contains("--coordinator 127.0.0.1:"), "a worker on {node} goes to its relay: {w}");
+        }
+    }
+    relays
+}
+
+/// Command lines of the processes in host `name`'s network.
+fn on_host(hosts: &Hosts, name: &str) -> Vec<(i32, String)> {
+    hosts
+        .pids(name)
+        .into_iter()
+        .filter_map(|p| {
+            let raw = std::fs::read(format!("/proc/{p}/cmdline")).ok()?;
+            Some((p, String::from_utf8_lossy(&raw).replace('\0', " ")))
+        })
+        .collect()
+}
+
+#[test]
+fn with_relay_each_node_s_workers_reach_the_job_through_a_relay_job_there_whose_loss_is_the_node_s() {
+    let nodes = ["n1", "n2"];
+    let Some(hosts) = Hosts::build_or_skip(&["ctl", "n1", "n2"]) else { return };
+    let Some(slurm) = Slurm::start(&hosts, &nodes) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let cmd = job(d, &["--no-distill", "--teachers", "0", "--epochs", "8", "--job", "rl"]);
+    let mut c = slurm.command(cmd.get_program().to_str().unwrap());
+    c.args(cmd.get_args()).current_dir(d);
+    c.args(["--scaler", "slurm", "--slurm-partition", "edl", "--relay"]);
+    c.args(["--listen", &format!("{}:7070", hosts.ip("ctl"))]);
+    c.args(["--policy", art::AUTOSCALE_WASM, "--decide-every", "100000"]);
+    c.args(["--workers", "4", "--min-workers", "4", "--max-workers", "4", "--step-delay-ms", "20"]);
+    c.args(["--checkpoint-every-steps", "10", "--collective-timeout-ms", "60000"]);
+    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(180));
+
+    let relays = through_relays(&slurm, &hosts);
+
+    // A relay killed: its node's workers are lost with it, and those
+    // started in their place reach the job through a relay as well (a new
+    // one where they run on that node again).
+    let node = &relays[0];
+    let relay = on_host(&hosts, node).into_iter().find(|(_, c)| c.contains(" relay ")).expect("a relay");
+    let lost = on_host(&hosts, node).iter().filter(|(_, c)| c.contains(" worker ")).count();
+    crate::support::process::sigkill(u32::try_from(relay.0).expect("a process id"));
+    wait_for(&rx, &format!("{} -> 4 workers", 4 - lost), &mut seen, Duration::from_secs(180));
+    through_relays(&slurm, &hosts);
+    let status = finish(child, rx, &mut seen);
+    let said = seen.join("\n");
+    assert!(status.success(), "{said}");
+    let r = report(d);
+    assert_exactly_once(&r, 8, 1200);
+    // The node's workers were lost together, the loss naming the relay.
+    let events = r["scale_events"].as_array().unwrap();
+    assert!(
+        events.iter().any(|e| {
+            let reason = e["reason"].as_str().unwrap_or("");
+            e["from"].as_u64() == Some(4)
+                && e["to"].as_u64() == Some(4 - lost as u64)
+                && reason.matches(" lost").count() == lost
+        }),
+        "{lost} workers lost with the relay: {events:?}"
+    );
+    let failed = seen.iter().find(|l| l.contains("relay at") && l.contains("was lost: ")).expect("the loss");
+    // Their processes were stopped as they were lost, so the survivors'
+    // collectives ended then, not at their timeout (a minute here).
+    assert!(!failed.contains("timed out"), "{failed}");
+    assert_eq!(r["final_world_size"].as_u64(), Some(4), "{r}");
+    // Relays and workers alike leave nothing queued.
+    until("the queue to empty", Duration::from_secs(30), || slurm.queue().is_empty());
+}
