@@ -144,7 +144,9 @@ impl Coordinator<'_> {
                     // A member's connection ended, its process perhaps not
                     // (its relay or its network failed): stopped now, so
                     // that its sockets close and the survivors' collectives
-                    // end at once, not at their timeout.
+                    // end then, not at their timeout. No grace: a scaler's
+                    // stop is a SIGTERM first (a worker's session takes it
+                    // as notice; one exiting still says why), then a kill.
                     self.scaler.stop(id, Duration::ZERO);
                     if let (Some(rank), Some(p)) = (rank, self.pipe.as_mut()) {
                         p.lost(now, rank, &why);

@@ -316,15 +316,6 @@ impl Scaler for SlurmScaler {
             let _ = run("scancel", &[&j.slurm]);
             return;
         }
-        if grace.is_zero() {
-            // Lost: nothing to hand over, and its sockets must close now
-            // (Slurm's own cancel gives SIGTERM its KillWait first).
-            self.stopping.push(std::thread::spawn(move || {
-                let _ = run("scancel", &["--signal=KILL", "--full", &j.slurm]);
-                let _ = run("scancel", &[&j.slurm]);
-            }));
-            return;
-        }
         // Told to stop over its connection: it ends its Slurm job by
         // exiting; one still there after its grace is cancelled.
         self.stopping.push(std::thread::spawn(move || {
