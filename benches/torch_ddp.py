@@ -368,29 +368,36 @@ def worker_pid(launcher, worker):
 
 def warm_spares_cost(args, env, scratch):
     """Growing 2 -> 3 (the schedule's 2 -> 3 -> 2 job) with one warm spare
-    against without; and a lost rank's place taken by a spare."""
-    rows = {0: ([], []), 1: ([], [])}
+    against without, and with one warm spare whose program gives
+    `ElasticDDP` no example to warm up on; and a lost rank's place taken
+    by a spare."""
+    settings = {
+        "no spare": (0, "1"),
+        "one warm spare": (1, "1"),
+        "one warm spare, no example": (1, "0"),
+    }
+    rows = {label: ([], []) for label in settings}
     shrinks = []
     for _ in range(args.runs):
-        for spares in (0, 1):
+        for label, (spares, example) in settings.items():
             # Changes 1000 steps apart (a few seconds): time for a spare
             # started behind a taken one to be ready for the next growth.
-            for src, dst, join, pause in resize_edl(env, scratch, spares, every=1000, epochs=120):
+            run_env = dict(env, EDL_BENCH_EXAMPLE=example)
+            for src, dst, join, pause in resize_edl(run_env, scratch, spares, every=1000, epochs=120):
                 if dst > src:
-                    rows[spares][0].append(join)
-                    rows[spares][1].append(pause)
-                else:
+                    rows[label][0].append(join)
+                    rows[label][1].append(pause)
+                elif example == "1":
                     shrinks.append(pause)
     print("| growing 2 -> 3 (medians) | decision to the new worker ready | pause | decision to first commit |")
     print("|---|---|---|---|")
-    for spares, (joins, pauses) in rows.items():
+    for label, (joins, pauses) in rows.items():
         total = [j + p for j, p in zip(joins, pauses) if j is not None]
-        label = "one warm spare" if spares else "no spare"
         print(f"| {label} ({len(pauses)} resizes) | {median_ms([j for j in joins if j is not None])} "
               f"| {median_ms(pauses)} | {median_ms(total)} |")
-    for spares, (joins, pauses) in rows.items():
+    for label, (joins, pauses) in rows.items():
         each = ", ".join(f"({j or 0:.0f}, {p:.0f})" for j, p in zip(joins, pauses))
-        print(f"each, {'one warm spare' if spares else 'no spare'}: (join, pause) {each}")
+        print(f"each, {label}: (join, pause) {each}")
     print(f"shrinking 3 -> 2 ({len(shrinks)} resizes): pause {median_ms(shrinks)}, each {[round(p) for p in shrinks]}")
     flags = ["--workers", "3", "--min-workers", "2", "--max-workers", "4", "--warm-spares", "1", "--no-distill"]
     flags += ["--policy", str(SCHEDULE), "--policy-config", "every=1000000", "--report", "report.json"]

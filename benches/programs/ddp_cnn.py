@@ -126,7 +126,10 @@ def run_edl(job, args):
     # EDL_BENCH_NOISE_SCALE=0: DDP's own reduction, without the hook that
     # measures the gradient noise scale (what it costs, side by side).
     noise = os.environ.get("EDL_BENCH_NOISE_SCALE", "1") != "0"
-    ddp = edl.torch.ElasticDDP(model, backend="gloo", timeout=30.0, noise_scale=noise)
+    # EDL_BENCH_EXAMPLE=0: no warm-up on an example batch (what it saves
+    # a joining rank's first step, side by side).
+    example = x[: args.batch // 2] if os.environ.get("EDL_BENCH_EXAMPLE", "1") != "0" else None
+    ddp = edl.torch.ElasticDDP(model, backend="gloo", timeout=30.0, noise_scale=noise, example=example)
     if args.loader_workers:
         # A DataLoader's worker processes: forked from this one, they hold
         # its sockets as long as they live.

@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import edl.torch as et  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 
 def _model():
@@ -549,3 +550,37 @@ def test_an_old_generations_group_is_let_go_on_a_thread_of_its_own_once_its_ddp_
     finally:
         ddp.close()
     assert not old_group_threads()
+
+
+def test_an_example_warms_a_copy_up_and_leaves_the_module_and_the_random_state_as_they_were():
+    # Dropout draws from the random state as it runs.
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.Dropout(0.5), torch.nn.Flatten()
+    )
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    example = torch.randn(5, 1, 6, 6)
+    torch.manual_seed(7)
+    rng = torch.get_rng_state()
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    ddp = et.ElasticDDP(model, example=example)
+    # Run on a copy (the hook came with it), forward and backward, twice.
+    assert len(calls) == 2
+    assert ddp.module is model
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "parameters and running statistics untouched"
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    # No group is left behind: the job's first generation builds the default one.
+    assert not dist.is_initialized()
+
+
+def test_an_example_the_module_cannot_take_is_refused_by_name_and_leaves_no_group():
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=r"ElasticDDP\(example=\.\.\.\): the module cannot be run on the example"):
+        et.ElasticDDP(model, example=torch.randn(4, 5))
+    assert not dist.is_initialized()
+    # A tuple is the module's positional arguments.
+    bilinear = torch.nn.Bilinear(2, 3, 1)
+    et.ElasticDDP(bilinear, example=(torch.randn(4, 2), torch.randn(4, 3)))
+    assert all(p.grad is None for p in bilinear.parameters())

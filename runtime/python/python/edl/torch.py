@@ -34,6 +34,7 @@ alive).
 """
 
 import atexit
+import copy
 import datetime
 import io
 import os
@@ -425,6 +426,17 @@ class ElasticDDP:
     gradient noise scale. A program with a hook of its own passes
     ``noise_scale=False`` and registers it on the module ``on(step)`` gives.
 
+    ``example``: an input of the module (a tensor, or a tuple of its
+    positional arguments, as a batch of the program's): this process runs
+    the module on it twice, as it is built, forward and backward, on a copy
+    (the module's parameters, buffers and gradients, and the random state,
+    are left as they were) wrapped in DDP over a group of this process
+    alone (gloo; the module alone with NCCL). A rank that joins a running
+    job then takes its first step as fast as the others take theirs (the
+    kernels' and DDP's set-up of a fresh process are done before it is
+    ready), and the others do not wait for it at the resize. The copy
+    lasts as long as the warm-up.
+
     With ``bare_at_one=True``, in a generation of one rank ``on(step)``
     gives ``module`` itself: there is nothing to reduce (the mean over one
     rank is its own gradient, to the bit), and DDP's reducer would only
@@ -434,10 +446,20 @@ class ElasticDDP:
     """
 
     def __init__(
-        self, module, backend=None, timeout=30.0, noise_scale=True, noise_every=4, bare_at_one=False, **ddp_options
+        self,
+        module,
+        backend=None,
+        timeout=30.0,
+        noise_scale=True,
+        noise_every=4,
+        bare_at_one=False,
+        example=None,
+        **ddp_options,
     ):
         self.module = module
         self.groups = ProcessGroups(backend, timeout)
+        if example is not None:
+            _warm_up(module, example, self.groups.backend, ddp_options)
         self.options = ddp_options
         self.noise_scale = noise_scale
         self.noise_every = noise_every
@@ -490,6 +512,58 @@ class ElasticDDP:
         self._measured = None
         self._generation = None
         self.groups.close(failed)
+
+
+def _warm_up(module, example, backend, options):
+    """``ElasticDDP``'s ``example``: ``module`` run on it twice, forward
+    and backward, on a copy under DDP over a group of this process alone
+    (gloo), before any generation's group exists; the random state is put
+    back after."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "ElasticDDP(example=...) warms up before the job's first process group: "
+            "build it before anything else initialises torch.distributed"
+        )
+    args = example if isinstance(example, tuple) else (example,)
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    twin = copy.deepcopy(module)
+    grouped = backend == "gloo"
+    try:
+        if grouped:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            kept = {k: v for k, v in options.items() if k in ("find_unused_parameters", "static_graph")}
+            if _DDP_INIT_SYNC:
+                kept["init_sync"] = False
+            twin = DistributedDataParallel(twin, **kept)
+        for _ in range(2):
+            try:
+                out = twin(*args)
+            except Exception as e:
+                raise ValueError(f"ElasticDDP(example=...): the module cannot be run on the example: {e}") from e
+            leaves = [t for t in _tensors(out) if t.requires_grad]
+            if leaves:
+                torch.autograd.backward([t.float().sum() for t in leaves])
+    finally:
+        del twin
+        if grouped and dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _tensors(out):
+    """The tensors in a module's output (a tensor, or tuples, lists and
+    dicts of them)."""
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)
 
 
 class _PlannedBatches:
