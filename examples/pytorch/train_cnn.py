@@ -78,7 +78,8 @@ def main():
     model = build(job.seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = edl.torch.ElasticState(job, model, opt)
-    ddp = edl.torch.ElasticDDP(model, backend="gloo")
+    # A batch to warm up on: a worker that joins later is as quick as the others at its first step.
+    ddp = edl.torch.ElasticDDP(model, backend="gloo", example=x[:32])
     delay = float(os.environ.get("STEP_DELAY_MS", "0")) / 1e3
     trained = False
     for step in state.steps():

@@ -35,6 +35,8 @@ const GENERATION: u8 = 8;
 
 /// A frame's payload may not exceed this (a control line's own bound).
 pub(crate) const MAX_PAYLOAD: usize = 64 << 20;
+/// A frame's head: its kind, its connection's number, its payload's length.
+pub(crate) const FRAME_HEADER: usize = 1 + 8 + 4;
 
 /// One frame between relay and coordinator.
 #[derive(Debug, PartialEq)]
@@ -82,19 +84,19 @@ impl Frame {
     /// all arrived (`Ok(None)` until then); a frame announcing more than
     /// the bound is refused at its head.
     pub fn first(bytes: &[u8]) -> io::Result<Option<(Frame, usize)>> {
-        let Some(head) = bytes.get(..13) else { return Ok(None) };
+        let Some(head) = bytes.get(..FRAME_HEADER) else { return Ok(None) };
         let len = u32::from_le_bytes(head[9..13].try_into().expect("4 bytes")) as usize;
         if len > MAX_PAYLOAD {
             return Err(bad(format!("a frame of {len} bytes (at most {MAX_PAYLOAD})")));
         }
-        let Some(whole) = bytes.get(..13 + len) else { return Ok(None) };
+        let Some(whole) = bytes.get(..FRAME_HEADER + len) else { return Ok(None) };
         let frame = Frame::read(&mut &whole[..])?.expect("a whole frame is there");
         Ok(Some((frame, whole.len())))
     }
 
     /// The next frame; `Ok(None)` at a clean end between frames.
     pub fn read(r: &mut impl Read) -> io::Result<Option<Frame>> {
-        let mut head = [0u8; 13];
+        let mut head = [0u8; FRAME_HEADER];
         match r.read(&mut head[..1])? {
             0 => return Ok(None),
             _ => r.read_exact(&mut head[1..])?,

@@ -130,8 +130,10 @@ pub enum Up {
     Line(FromWorker),
     /// Held until the host's other ranks report the same window.
     Held,
-    /// The host's window, every rank's account summed.
-    Summed(HostDone),
+    /// The host's window, every rank's account summed; and the accounts
+    /// one by one, to go up instead where the sum is larger than a frame
+    /// holds.
+    Summed(HostDone, Vec<(u64, FromWorker)>),
     /// Reports held before, to go up one by one (each its worker's), ahead
     /// of the worker's message as it is.
     Release(Vec<(u64, FromWorker)>, FromWorker),
@@ -178,7 +180,9 @@ impl Gatherings {
                 }
                 let mut g = self.open.remove(&key).expect("found above");
                 match sum(generation, &g) {
-                    Some(done) => Up::Summed(HostDone { conns: g.conns, done }),
+                    Some(done) => {
+                        Up::Summed(HostDone { conns: g.conns.clone(), done }, one_by_one(generation, g))
+                    }
                     // Its own goes up as it came, after the others'.
                     None => {
                         let (steps, setup_ms) = g.got.remove(&conn).expect("put in above");
@@ -392,7 +396,7 @@ mod tests {
         g.expect(&w);
         assert_eq!(g.take(7, done(7, &w, 0.1)), Up::Held);
         assert_eq!(g.take(9, done(9, &w, 0.3)), Up::Held);
-        let Up::Summed(h) = g.take(8, done(8, &w, 0.2)) else { panic!("summed") };
+        let Up::Summed(h, _) = g.take(8, done(8, &w, 0.2)) else { panic!("summed") };
         assert_eq!(h.conns, vec![7, 8, 9]);
         let FromWorker::Done { generation, steps, setup_ms } = h.done else { panic!() };
         assert_eq!((generation, setup_ms), (2, 9.0));

@@ -24,7 +24,7 @@
 //!
 //! Frames between relay and coordinator are [`crate::control::frame`]'s.
 
-use crate::control::frame::{CHANNEL, Frame, MAX_PAYLOAD, write_batches};
+use crate::control::frame::{CHANNEL, FRAME_HEADER, Frame, MAX_PAYLOAD, write_batches};
 use crate::control::hostwindow::{Gatherings, Up};
 use crate::control::inbox::Inbound;
 use crate::control::outbox::Outbox;
@@ -233,7 +233,16 @@ impl Upward {
                 let up = lock(&self.gatherings).take(conn, msg);
                 match up {
                     Up::Held => {}
-                    Up::Summed(done) => Frame::Done(Box::new(done)).encode(buf),
+                    Up::Summed(done, parts) => {
+                        let at = buf.len();
+                        Frame::Done(Box::new(done)).encode(buf);
+                        if buf.len() - at > FRAME_HEADER + MAX_PAYLOAD {
+                            // Too large as one: each rank's account goes up
+                            // as its own (each checked as any message).
+                            buf.truncate(at);
+                            parts.iter().for_each(|(c, m)| self.line(*c, m, buf));
+                        }
+                    }
                     Up::Line(msg) => self.line(conn, &msg, buf),
                     Up::Release(held, msg) => {
                         held.iter().for_each(|(c, m)| self.line(*c, m, buf));
@@ -384,5 +393,43 @@ mod tests {
             "{why}"
         );
         assert!(lock(&up.workers).is_empty());
+    }
+
+    #[test]
+    fn a_host_s_sum_larger_than_a_frame_goes_up_as_each_rank_s_own_report() {
+        use crate::control::proto::{Share, StepDone, StepPlan};
+        let up = Upward { workers: Default::default(), gatherings: Default::default() };
+        let claim = |who| Claim { job: "j".into(), channel: "control".into(), generation: 0, who };
+        let (a, _a) = worker_link();
+        let (b, _b) = worker_link();
+        let mut buf = Vec::new();
+        up.encode(Inbound::Conn(3, Outbox::Direct(a), claim(30)), &mut buf);
+        up.encode(Inbound::Conn(4, Outbox::Direct(b), claim(40)), &mut buf);
+        let hyper = edl_plugin_sdk::Hyperparams { global_batch: 4, local_batch: 2, lr: 0.1, momentum: 0.0 };
+        lock(&up.gatherings).expect(&HostWindow {
+            generation: 1,
+            world: 2,
+            samples: 8,
+            steps: vec![StepPlan { step: 0, epoch: 0, cursor: 0, hyper }],
+            conns: vec![3, 4],
+            first: 0,
+            shares: vec![Share { start: 0, end: 4, indices: vec![0, 1, 2, 3] }],
+        });
+        // Each rank's report fits a frame; the two metrics' names together do not.
+        let done = |rank: u32, name: char| {
+            let mut d = StepDone::plain(0, 0, 2 * rank, 2 * rank + 2, 0.25, 1.0);
+            d.metrics = vec![(name.to_string().repeat(MAX_PAYLOAD / 2 + 16), 1.0)];
+            FromWorker::Done { generation: 1, steps: vec![d], setup_ms: 0.0 }
+        };
+        buf.clear();
+        up.encode(Inbound::Msg(3, done(0, 'a')), &mut buf);
+        up.encode(Inbound::Msg(4, done(1, 'b')), &mut buf);
+        let frames = frames_of(&buf);
+        assert_eq!(frames.len(), 2, "two reports, no end");
+        for (f, (conn, rank, name)) in frames.iter().zip([(3, 0, 'a'), (4, 1, 'b')]) {
+            let Frame::Line { conn: c, line } = f else { panic!("a worker's own line") };
+            assert_eq!((*c, line), (conn, &encode(&done(rank, name)).unwrap()));
+        }
+        assert_eq!(lock(&up.workers).len(), 2, "no worker closed");
     }
 }

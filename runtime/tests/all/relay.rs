@@ -271,6 +271,9 @@ fn workers_started_by_command_on_two_hosts_reach_the_job_through_a_relay_on_each
         "--relay",
         "--checkpoint-every-steps",
         "10",
+        // A minute: survivors that waited for it would show.
+        "--collective-timeout-ms",
+        "60000",
     ]);
     let cmd = job(d, &args);
     let mut coordinator = hosts.on("coord", cmd.get_program().to_str().unwrap());
@@ -322,6 +325,10 @@ fn workers_started_by_command_on_two_hosts_reach_the_job_through_a_relay_on_each
     let r = report(d);
     assert_exactly_once(&r, 6, 1200);
     assert!(text.contains("relay at") && text.contains("was lost"), "the loss names the relay: {text}");
+    // w1's workers were stopped as they were lost (alive, their relay
+    // gone), so w2's ended their collectives then, not at the timeout.
+    let failed = seen.iter().find(|l| l.contains("relay at") && l.contains("was lost: ")).unwrap();
+    assert!(!failed.contains("timed out"), "{failed}");
     let logs = d.join(".edl/mnist/logs");
     let relay_logs: Vec<String> = (1..=3)
         .map(|n| std::fs::read_to_string(logs.join(format!("relay-{n}.log"))).unwrap_or_default())
