@@ -75,8 +75,9 @@ pub enum Inbound<M = FromWorker> {
     /// the relay in rank order (as the window named them), and the report.
     Host(u64, Vec<u64>, FromWorker),
     /// The connection of the relay that claimed this number ended while it
-    /// carried workers (said before their connections' ends).
-    RelayLost(u64),
+    /// carried workers, whose connections here are these (said before
+    /// their ends): their processes may live on, cut off.
+    RelayLost(u64, Vec<u64>),
     /// Frames the reader has for a relay (a refused worker's stop, the
     /// closing of a worker that sent a malformed line), for the coordinator
     /// to write: the reader never waits on a relay.
@@ -376,7 +377,8 @@ impl<M: Message> Carried<M> {
             return Ok(());
         }
         tracing::warn!("relay {} at {} lost with {} workers: {why}", self.relay, self.peer, open.len());
-        self.tx.send(Inbound::RelayLost(self.relay)).map_err(|_| Gone)?;
+        let conns = open.iter().map(|&(n, _)| n).collect();
+        self.tx.send(Inbound::RelayLost(self.relay, conns)).map_err(|_| Gone)?;
         for (n, who) in open {
             let lost = format!("worker {who}'s relay at {} was lost: {why}", self.peer);
             self.tx.send(Inbound::Closed(n, lost)).map_err(|_| Gone)?;
@@ -997,7 +999,7 @@ mod tests {
         }
         assert!(matches!(Frame::read(&mut relay).unwrap(), Some(Frame::Closed { conn: 13, .. })));
         // Then silence for the lease: the relay is lost, and both its other workers.
-        assert!(matches!(next(&rx), Inbound::RelayLost(1)));
+        assert!(matches!(next(&rx), Inbound::RelayLost(1, _)));
         let mut lost = Vec::new();
         for _ in 0..2 {
             match next(&rx) {

@@ -253,7 +253,7 @@ impl Upward {
             Inbound::Closed(conn, why) => self.close(conn, why, buf),
             // The relay's inbox admits workers only: no relay, so no
             // host's reports and nothing for a relay.
-            Inbound::Conn(..) | Inbound::Host(..) | Inbound::RelayLost(_) | Inbound::ToRelay(..) => {}
+            Inbound::Conn(..) | Inbound::Host(..) | Inbound::RelayLost(..) | Inbound::ToRelay(..) => {}
         }
     }
 

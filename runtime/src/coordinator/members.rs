@@ -120,8 +120,8 @@ impl Coordinator<'_> {
             }
             // A relay sums reports only.
             Inbound::Host(..) => {}
-            // Before its workers' ends: the scaler starts another for those that follow.
-            Inbound::RelayLost(id) => self.scaler.relay_lost(id),
+            // Before its workers' ends.
+            Inbound::RelayLost(id, conns) => self.relay_lost(id, &conns),
             // One that cannot take them is shut; its reader says so.
             Inbound::ToRelay(out, frames) => {
                 let _ = out.send(&frames);
@@ -138,23 +138,27 @@ impl Coordinator<'_> {
                 // a closed one's rank fails its generation anyway.
                 self.conns.remove(&n);
                 let rank = self.ranks.get(&n).copied();
-                if let Some(id) =
-                    self.membership.handle(now, MemberEvent::Closed { conn: n, why: why.clone() })
+                if self.membership.handle(now, MemberEvent::Closed { conn: n, why: why.clone() }).is_some()
+                    && let (Some(rank), Some(p)) = (rank, self.pipe.as_mut())
                 {
-                    // A member's connection ended, its process perhaps not
-                    // (its relay or its network failed): stopped now, so
-                    // that its sockets close and the survivors' collectives
-                    // end then, not at their timeout. No grace: a scaler's
-                    // stop is a SIGTERM first (a worker's session takes it
-                    // as notice; one exiting still says why), then a kill.
-                    self.scaler.stop(id, Duration::ZERO);
-                    if let (Some(rank), Some(p)) = (rank, self.pipe.as_mut()) {
-                        p.lost(now, rank, &why);
-                    }
+                    p.lost(now, rank, &why);
                 }
             }
         }
         self.execute();
+    }
+
+    /// Relay `id` was lost with the workers on its connections `conns`:
+    /// the scaler starts another for those that follow. Their processes
+    /// live on, cut off: stopped now, so that their sockets close and the
+    /// others' collectives end then, not at their timeout. No grace: a
+    /// scaler's stop is a SIGTERM first (a worker's session takes it as
+    /// notice), then a kill.
+    fn relay_lost(&mut self, id: u64, conns: &[u64]) {
+        self.scaler.relay_lost(id);
+        for worker in conns.iter().filter_map(|&n| self.membership.worker_on(n)) {
+            self.scaler.stop(worker, Duration::ZERO);
+        }
     }
 
     /// A worker's program said how many samples its data set holds: the

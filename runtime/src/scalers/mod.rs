@@ -21,6 +21,7 @@ pub mod kubernetes;
 pub mod local;
 pub mod relay;
 pub mod slurm;
+pub mod slurm_client;
 pub mod slurm_relays;
 
 mod external;

@@ -106,24 +106,10 @@ impl HostRelay {
         crate::process::ensure_dir(&self.log_dir)?;
         let path = self.log_dir.join(format!("relay-{id}.log"));
         let log = std::fs::File::create(&path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        let words: Vec<String> = [
-            "relay",
-            "--coordinator",
-            coordinator,
-            "--listen",
-            "127.0.0.1:0",
-            "--id",
-            &id.to_string(),
-            "--job",
-            &auth.job,
-            "--secret-file",
-            "-",
-            "--lease-ms",
-            &self.lease.as_millis().to_string(),
-        ]
-        .iter()
-        .map(|w| w.to_string())
-        .collect();
+        let words: Vec<String> = relay_words(coordinator, id, &auth.job, self.lease)
+            .into_iter()
+            .chain(["--secret-file".to_string(), "-".to_string()])
+            .collect();
         let mut cmd = command(id, &words).map_err(|e| anyhow::anyhow!("relay {id}: {e:#}"))?;
         cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(log.try_clone()?);
         die_with_parent(&mut cmd);
@@ -199,6 +185,29 @@ impl Drop for Starting {
             terminate_group(&mut child, Duration::ZERO);
         }
     }
+}
+
+/// The words of relay `id`'s command line after the executable: for the
+/// coordinator at `coordinator`, listening on the host's loopback, keeping
+/// the job's worker `lease` (its secret given as the caller chooses).
+pub(crate) fn relay_words(coordinator: &str, id: u64, job: &str, lease: Duration) -> Vec<String> {
+    let (id, lease) = (id.to_string(), lease.as_millis().to_string());
+    [
+        "relay",
+        "--coordinator",
+        coordinator,
+        "--listen",
+        "127.0.0.1:0",
+        "--id",
+        &id,
+        "--job",
+        job,
+        "--lease-ms",
+        &lease,
+    ]
+    .iter()
+    .map(|w| w.to_string())
+    .collect()
 }
 
 /// The address of a relay's `relay N relaying on ADDR:PORT ...` line.

@@ -20,37 +20,16 @@
 //! another batch job (see [`crate::scalers::slurm_relays`]).
 
 use crate::scalers::Scaler;
+pub use crate::scalers::slurm_client::SlurmOptions;
+use crate::scalers::slurm_client::{batch_script, quote, run, submit};
 use crate::scalers::slurm_relays::SlurmRelays;
 use crate::worker::session::JobAuth;
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result};
 use std::{
     collections::{BTreeMap, BTreeSet},
     path::PathBuf,
-    process::Command,
     time::{Duration, Instant},
 };
-
-/// Where and how the workers are submitted.
-#[derive(Clone, Debug, Default)]
-pub struct SlurmOptions {
-    pub partition: Option<String>,
-    pub account: Option<String>,
-    pub qos: Option<String>,
-    /// More `sbatch` options, passed as they are (`--time=1:00:00`, `--gres=gpu:1`).
-    pub extra: Vec<String>,
-    /// A worker Slurm has not started after this long is cancelled and reported.
-    pub pending_bound: Duration,
-}
-
-impl SlurmOptions {
-    /// The partition, account and QOS options (not the extra ones).
-    pub(crate) fn placement(&self) -> Vec<String> {
-        [("partition", &self.partition), ("account", &self.account), ("qos", &self.qos)]
-            .into_iter()
-            .filter_map(|(flag, v)| v.as_ref().map(|v| format!("--{flag}={v}")))
-            .collect()
-    }
-}
 
 /// A worker's batch job.
 struct Submitted {
@@ -149,12 +128,7 @@ impl SlurmScaler {
             .iter()
             .map(|w| quote(w).replace(VIA, "'\"$EDL_VIA\"'"))
             .collect();
-        format!(
-            "#!/bin/sh\nexport EDL_JOB_SECRET={}\nexport EDL_JOB={}\n{find}exec {}\n",
-            auth.secret.to_hex(),
-            quote(&auth.job),
-            words.join(" ")
-        )
+        batch_script(auth, &find, &words.join(" "))
     }
 
     /// The `sbatch` options of worker `id`.
@@ -252,47 +226,6 @@ fn ended(slurm: &str, node: &str) -> String {
         (s, "None" | "") => format!("its Slurm job {slurm}{on} ended: {s}"),
         (s, r) => format!("its Slurm job {slurm}{on} ended: {s} ({r})"),
     }
-}
-
-/// How long a Slurm client may take to answer: a controller that stopped
-/// answering costs the job this, not a stall.
-const CLIENT_BOUND: Duration = Duration::from_secs(10);
-
-/// Runs a Slurm command; its standard output, or an error naming it.
-pub(super) fn run(program: &str, args: &[&str]) -> Result<String> {
-    let mut cmd = Command::new(program);
-    cmd.args(args);
-    let out = crate::process::output(program, &mut cmd, b"", CLIENT_BOUND)
-        .map_err(|e| anyhow!("{e:#} (is Slurm's client installed and its controller up?)"))?;
-    if !out.status.success() {
-        bail!("{program} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-/// Submits a batch job (`sbatch args`, `script` on its standard input);
-/// its Slurm job id. `--export=ALL` hands the job this environment, and
-/// Slurm keeps a job's environment: the store's URL (its password) stays
-/// out of it, and the secret goes only in the script.
-pub(super) fn submit(args: &[String], script: &str) -> Result<String> {
-    let mut cmd = Command::new("sbatch");
-    cmd.args(args).env_remove("EDL_STORE").env_remove("EDL_JOB_SECRET");
-    let out = crate::process::output("sbatch", &mut cmd, script.as_bytes(), CLIENT_BOUND)
-        .map_err(|e| anyhow!("{e:#} (is Slurm's client installed and its controller up?)"))?;
-    if !out.status.success() {
-        bail!("sbatch {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let slurm = text.trim().split(';').next().unwrap_or("").to_string();
-    if slurm.is_empty() || !slurm.chars().all(|c| c.is_ascii_digit()) {
-        return Err(anyhow!("sbatch answered {text:?}, not a job id"));
-    }
-    Ok(slurm)
-}
-
-/// One word for `sh`, single-quoted.
-pub(super) fn quote(w: &str) -> String {
-    format!("'{}'", w.replace('\'', r"'\''"))
 }
 
 impl Scaler for SlurmScaler {
@@ -417,6 +350,10 @@ impl Drop for SlurmScaler {
     fn drop(&mut self) {
         // Whatever the pause, the queue is asked once more before cancelling.
         self.quiet = Default::default();
+        // Relays end as the workers do: none is started again meanwhile.
+        if let Some(relays) = &mut self.relays {
+            relays.hold_back();
+        }
         for t in self.stopping.drain(..) {
             let _ = t.join();
         }
@@ -484,7 +421,7 @@ mod tests {
     /// printed.
     fn run_script(script: &str, node: Option<&str>) -> String {
         use std::io::Write;
-        let mut sh = Command::new("sh");
+        let mut sh = std::process::Command::new("sh");
         sh.arg("-s").env_remove("SLURMD_NODENAME");
         if let Some(n) = node {
             sh.env("SLURMD_NODENAME", n);

@@ -269,7 +269,7 @@ impl Launcher<'_> {
                 None => Happened::Nothing,
             },
             // Agents come through no relay.
-            Inbound::Host(..) | Inbound::RelayLost(_) | Inbound::ToRelay(..) => Happened::Nothing,
+            Inbound::Host(..) | Inbound::RelayLost(..) | Inbound::ToRelay(..) => Happened::Nothing,
             Inbound::Closed(n, why) => {
                 self.fresh.remove(&n);
                 let Some(id) = self.id_of(n) else { return Happened::Nothing };

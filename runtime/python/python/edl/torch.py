@@ -527,7 +527,10 @@ def _warm_up(module, example, backend, options):
     args = example if isinstance(example, tuple) else (example,)
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    twin = copy.deepcopy(module)
+    try:
+        twin = copy.deepcopy(module)
+    except Exception as e:
+        raise ValueError(f"ElasticDDP(example=...): the module cannot be copied to warm up on: {e}") from e
     grouped = backend == "gloo"
     try:
         if grouped:
