@@ -310,16 +310,46 @@ mod tests {
         std::iter::from_fn(|| Frame::read(&mut r).unwrap()).collect()
     }
 
+    fn claim(who: u64) -> Claim {
+        Claim { job: "j".into(), channel: "control".into(), generation: 0, who }
+    }
+
+    /// A relay's way up with workers 30 and 40 on its connections 3 and 4
+    /// (their frames in `buf`), and the workers' ends of them.
+    fn two_workers(buf: &mut Vec<u8>) -> (Upward, [TcpStream; 2]) {
+        let up = Upward { workers: Default::default(), gatherings: Default::default() };
+        let (a, a_end) = worker_link();
+        let (b, b_end) = worker_link();
+        up.encode(Inbound::Conn(3, Outbox::Direct(a), claim(30)), buf);
+        up.encode(Inbound::Conn(4, Outbox::Direct(b), claim(40)), buf);
+        (up, [a_end, b_end])
+    }
+
+    /// Step `step` (4 samples) for connections 3 and 4, ranks 0 and 1 of
+    /// two: each rank 2 samples.
+    fn window(step: u64) -> HostWindow {
+        use crate::control::proto::{Share, StepPlan};
+        let hyper = edl_plugin_sdk::Hyperparams { global_batch: 4, local_batch: 2, lr: 0.1, momentum: 0.0 };
+        HostWindow {
+            generation: 1,
+            world: 2,
+            samples: 8,
+            steps: vec![StepPlan { step, epoch: 0, cursor: 4 * step as usize, hyper }],
+            conns: vec![3, 4],
+            first: 0,
+            shares: vec![Share {
+                start: 4 * step as u32,
+                end: 4 * step as u32 + 4,
+                indices: vec![0, 1, 2, 3],
+            }],
+        }
+    }
+
     #[test]
     fn the_workers_messages_go_up_as_frames_and_a_host_window_as_one_report() {
-        use crate::control::proto::{Share, StepDone, StepPlan};
-        let up = Upward { workers: Default::default(), gatherings: Default::default() };
-        let claim = |who| Claim { job: "j".into(), channel: "control".into(), generation: 0, who };
-        let (a, _a) = worker_link();
-        let (b, _b) = worker_link();
+        use crate::control::proto::StepDone;
         let mut buf = Vec::new();
-        up.encode(Inbound::Conn(3, Outbox::Direct(a), claim(30)), &mut buf);
-        up.encode(Inbound::Conn(4, Outbox::Direct(b), claim(40)), &mut buf);
+        let (up, _ends) = two_workers(&mut buf);
         up.encode(Inbound::Msg(3, FromWorker::Ready { samples: None }), &mut buf);
         let ready = encode(&FromWorker::Ready { samples: None }).unwrap();
         assert_eq!(
@@ -332,21 +362,6 @@ mod tests {
         );
         assert_eq!(lock(&up.workers).len(), 2, "both written to from now on");
 
-        // Ranks 0 and 1 of two, one step of 4 samples: each rank 2.
-        let hyper = edl_plugin_sdk::Hyperparams { global_batch: 4, local_batch: 2, lr: 0.1, momentum: 0.0 };
-        let window = |step: u64| HostWindow {
-            generation: 1,
-            world: 2,
-            samples: 8,
-            steps: vec![StepPlan { step, epoch: 0, cursor: 4 * step as usize, hyper }],
-            conns: vec![3, 4],
-            first: 0,
-            shares: vec![Share {
-                start: 4 * step as u32,
-                end: 4 * step as u32 + 4,
-                indices: vec![0, 1, 2, 3],
-            }],
-        };
         let done = |step: u64, rank: u32| FromWorker::Done {
             generation: 1,
             steps: vec![{
@@ -397,24 +412,10 @@ mod tests {
 
     #[test]
     fn a_host_s_sum_larger_than_a_frame_goes_up_as_each_rank_s_own_report() {
-        use crate::control::proto::{Share, StepDone, StepPlan};
-        let up = Upward { workers: Default::default(), gatherings: Default::default() };
-        let claim = |who| Claim { job: "j".into(), channel: "control".into(), generation: 0, who };
-        let (a, _a) = worker_link();
-        let (b, _b) = worker_link();
+        use crate::control::proto::StepDone;
         let mut buf = Vec::new();
-        up.encode(Inbound::Conn(3, Outbox::Direct(a), claim(30)), &mut buf);
-        up.encode(Inbound::Conn(4, Outbox::Direct(b), claim(40)), &mut buf);
-        let hyper = edl_plugin_sdk::Hyperparams { global_batch: 4, local_batch: 2, lr: 0.1, momentum: 0.0 };
-        lock(&up.gatherings).expect(&HostWindow {
-            generation: 1,
-            world: 2,
-            samples: 8,
-            steps: vec![StepPlan { step: 0, epoch: 0, cursor: 0, hyper }],
-            conns: vec![3, 4],
-            first: 0,
-            shares: vec![Share { start: 0, end: 4, indices: vec![0, 1, 2, 3] }],
-        });
+        let (up, _ends) = two_workers(&mut buf);
+        lock(&up.gatherings).expect(&window(0));
         // Each rank's report fits a frame; the two metrics' names together do not.
         let done = |rank: u32, name: char| {
             let mut d = StepDone::plain(0, 0, 2 * rank, 2 * rank + 2, 0.25, 1.0);

@@ -243,17 +243,6 @@ fn a_host_whose_relay_hangs_holds_up_no_other_host_s_workers() {
 }
 
 /// The command lines of host `name`'s processes.
-fn on_host(hosts: &Hosts, name: &str) -> Vec<(i32, String)> {
-    hosts
-        .pids(name)
-        .into_iter()
-        .filter_map(|p| {
-            let raw = std::fs::read(format!("/proc/{p}/cmdline")).ok()?;
-            Some((p, String::from_utf8_lossy(&raw).replace('\0', " ")))
-        })
-        .collect()
-}
-
 #[test]
 fn workers_started_by_command_on_two_hosts_reach_the_job_through_a_relay_on_each() {
     let Some(hosts) = Hosts::build_or_skip(&["coord", "w1", "w2"]) else { return };
@@ -294,7 +283,7 @@ fn workers_started_by_command_on_two_hosts_reach_the_job_through_a_relay_on_each
     assert_eq!(peers.len(), 2, "one connection a host: {text}");
     for host in ["w1", "w2"] {
         assert!(peers.iter().any(|p| p.starts_with(&format!("{}:", hosts.ip(host)))), "{host}: {text}");
-        let procs = on_host(&hosts, host);
+        let procs = hosts.command_lines(host);
         let relays: Vec<_> = procs.iter().filter(|(_, c)| c.contains(" relay ")).collect();
         assert_eq!(relays.len(), 1, "one relay on {host}: {procs:?}");
         assert!(relays[0].1.contains(&format!("--coordinator {coord}:7070")), "{relays:?}");
@@ -310,14 +299,14 @@ fn workers_started_by_command_on_two_hosts_reach_the_job_through_a_relay_on_each
     let secret = secret.trim();
     assert!(secret.len() >= 32, "{secret:?}");
     for host in ["coord", "w1", "w2"] {
-        for (pid, line) in on_host(&hosts, host) {
+        for (pid, line) in hosts.command_lines(host) {
             assert!(!line.contains(secret), "the secret on the command line of {pid} on {host}");
         }
     }
 
     // w1's relay killed: w1's workers are lost with it, and those started
     // in their place reach the job through a new relay there.
-    let relay = on_host(&hosts, "w1").into_iter().find(|(_, c)| c.contains(" relay ")).unwrap();
+    let relay = hosts.command_lines("w1").into_iter().find(|(_, c)| c.contains(" relay ")).unwrap();
     sigkill(u32::try_from(relay.0).expect("a process id"));
     let status = finish(child, rx, &mut seen);
     let text = seen.join("\n");

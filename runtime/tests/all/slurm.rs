@@ -522,7 +522,7 @@ fn through_relays(slurm: &Slurm, hosts: &Hosts) -> Vec<String> {
     assert_eq!(peers.len(), relays.len(), "one connection a node: {text}\n{queue:?}");
     for node in &relays {
         assert!(peers.iter().any(|p| p.starts_with(&format!("{}:", hosts.ip(node)))), "{node}: {text}");
-        let procs = on_host(hosts, node);
+        let procs = hosts.command_lines(node);
         let workers: Vec<_> = procs.iter().filter(|(_, c)| c.contains(" worker ")).collect();
         assert!(!workers.is_empty(), "{node}: {procs:?}");
         for (_, w) in workers {
@@ -530,18 +530,6 @@ fn through_relays(slurm: &Slurm, hosts: &Hosts) -> Vec<String> {
         }
     }
     relays
-}
-
-/// Command lines of the processes in host `name`'s network.
-fn on_host(hosts: &Hosts, name: &str) -> Vec<(i32, String)> {
-    hosts
-        .pids(name)
-        .into_iter()
-        .filter_map(|p| {
-            let raw = std::fs::read(format!("/proc/{p}/cmdline")).ok()?;
-            Some((p, String::from_utf8_lossy(&raw).replace('\0', " ")))
-        })
-        .collect()
 }
 
 #[test]
@@ -571,8 +559,8 @@ fn with_relay_each_node_s_workers_reach_the_job_through_a_relay_job_there_whose_
     // started in their place reach the job through a relay as well (a new
     // one where they run on that node again).
     let node = &relays[0];
-    let relay = on_host(&hosts, node).into_iter().find(|(_, c)| c.contains(" relay ")).expect("a relay");
-    let lost = on_host(&hosts, node).iter().filter(|(_, c)| c.contains(" worker ")).count();
+    let relay = hosts.command_lines(node).into_iter().find(|(_, c)| c.contains(" relay ")).expect("a relay");
+    let lost = hosts.command_lines(node).iter().filter(|(_, c)| c.contains(" worker ")).count();
     crate::support::process::sigkill(u32::try_from(relay.0).expect("a process id"));
     wait_for(&rx, &format!("{} -> 4 workers", 4 - lost), &mut seen, Duration::from_secs(180));
     through_relays(&slurm, &hosts);

@@ -135,6 +135,18 @@ impl Hosts {
         String::from_utf8_lossy(&out.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect()
     }
 
+    /// Every process on host `name`, with its command line (words joined
+    /// by spaces).
+    pub(crate) fn command_lines(&self, name: &str) -> Vec<(i32, String)> {
+        self.pids(name)
+            .into_iter()
+            .filter_map(|p| {
+                let raw = std::fs::read(format!("/proc/{p}/cmdline")).ok()?;
+                Some((p, String::from_utf8_lossy(&raw).replace('\0', " ")))
+            })
+            .collect()
+    }
+
     /// Kills every process on host `name` (SIGKILL); returns how many.
     pub(crate) fn kill_all(&self, name: &str) -> usize {
         let pids = self.pids(name);
