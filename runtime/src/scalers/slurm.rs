@@ -152,8 +152,8 @@ impl SlurmScaler {
     /// Asks `squeue` where the workers' jobs stand (at most once a second):
     /// ended ones and ones pending past the bound become exits.
     fn poll(&mut self) {
-        if self.jobs.is_empty() || self.polled.is_some_and(|t| t.elapsed() < POLL_EVERY) || !self.quiet.open()
-        {
+        let nothing = self.jobs.is_empty() && self.relays.as_ref().is_none_or(SlurmRelays::idle);
+        if nothing || self.polled.is_some_and(|t| t.elapsed() < POLL_EVERY) || !self.quiet.open() {
             return;
         }
         self.polled = Some(Instant::now());
@@ -446,10 +446,13 @@ mod tests {
         let script = s.script(7, "10.0.0.1:7070", &auth);
         let relays = dir.path().join("relays");
         std::fs::create_dir_all(&relays).unwrap();
-        std::fs::write(relays.join("n1"), "127.0.0.1:4100\n").unwrap();
-        std::fs::write(relays.join("n2"), "direct\n").unwrap();
+        std::fs::write(relays.join("n1"), "127.0.0.1:4100 10.0.0.1:7070\n").unwrap();
+        std::fs::write(relays.join("n2"), "direct 10.0.0.1:7070\n").unwrap();
+        // Written for another coordinator (a deposed one): not this worker's.
+        std::fs::write(relays.join("n3"), "127.0.0.1:4300 10.0.0.2:7070\n").unwrap();
         assert_eq!(run_script(&script, Some("n1")), "127.0.0.1:4100 it's", "n1's relay");
         assert_eq!(run_script(&script, Some("n2")), "10.0.0.1:7070 it's", "n2's relay did not start");
+        assert_eq!(run_script(&script, Some("n3")), "10.0.0.1:7070 it's", "another coordinator's relay");
         assert_eq!(run_script(&script, None), "10.0.0.1:7070 it's", "not in a Slurm job");
         // Without relays, the script is as before: the coordinator, no search.
         let plain = SlurmScaler::for_program(

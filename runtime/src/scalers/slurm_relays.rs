@@ -74,6 +74,13 @@ impl NodeRelay {
         opts: &SlurmOptions,
     ) -> Step {
         match self {
+            NodeRelay::Starting { .. } if !busy => Step::Idle,
+            NodeRelay::Starting { id, at, .. } if at.elapsed() > opts.pending_bound + SERVE_BOUND => {
+                Step::Direct(format!(
+                    "it was not serving {:?} after it was submitted (see relay-{id}.log)",
+                    opts.pending_bound + SERVE_BOUND
+                ))
+            }
             NodeRelay::Starting { id, slurm, at, ran } => match listed.get(slurm.as_str()) {
                 Some(("RUNNING", _, _)) => {
                     let since = *ran.get_or_insert_with(Instant::now);
@@ -134,6 +141,13 @@ pub struct SlurmRelays {
     started: u64,
     /// Relays lost on each node.
     losses: BTreeMap<String, u32>,
+    /// What an earlier run left in the directory was removed.
+    cleared: bool,
+    /// The coordinator the nodes' files name (kept as the job ends, so
+    /// that its own files are known to remove).
+    writes_for: Option<String>,
+    /// Cancels under way, off the coordinator's thread.
+    cancels: Vec<std::thread::JoinHandle<()>>,
     /// The coordinator's address and the job's secret, once a worker was
     /// started (a relay proves the same secret); None once the job ends.
     to: Option<(String, JobAuth)>,
@@ -150,12 +164,17 @@ impl SlurmRelays {
             by_node: BTreeMap::new(),
             started: 0,
             losses: BTreeMap::new(),
+            cleared: false,
+            writes_for: None,
+            cancels: Vec::new(),
             to: None,
         }
     }
 
     /// The lines of a worker's batch script that set `$EDL_VIA` to where
-    /// it connects: its node's relay, or `coordinator`.
+    /// it connects: its node's relay, or `coordinator`. A node's file says
+    /// `<relay's address or direct> <coordinator>`: one written for another
+    /// coordinator (one deposed, or an earlier run's) is not this worker's.
     pub fn script_lines(&self, coordinator: &str) -> String {
         let polls = RELAY_WAIT.as_millis() / 200;
         format!(
@@ -163,7 +182,8 @@ impl SlurmRelays {
              f={dir}/\"$SLURMD_NODENAME\"\n\
              n=0\n\
              while [ -n \"$SLURMD_NODENAME\" ] && [ ! -s \"$f\" ] && [ $n -lt {polls} ]; do sleep 0.2; n=$((n+1)); done\n\
-             if [ -n \"$SLURMD_NODENAME\" ] && [ -s \"$f\" ]; then a=$(cat \"$f\"); [ \"$a\" = {DIRECT} ] || EDL_VIA=$a; fi\n",
+             if [ -n \"$SLURMD_NODENAME\" ] && [ -s \"$f\" ] && read -r a c < \"$f\" && [ \"$c\" = \"$EDL_VIA\" ] \
+             && [ \"$a\" != {DIRECT} ]; then EDL_VIA=$a; fi\n",
             coordinator = quote(coordinator),
             dir = quote(&self.dir.display().to_string()),
         )
@@ -173,7 +193,8 @@ impl SlurmRelays {
     /// first time, what an earlier run left in the nodes' files (relays
     /// of another coordinator) is removed.
     pub fn connect_to(&mut self, coordinator: &str, auth: &JobAuth) -> Result<()> {
-        if self.to.is_none() && self.started == 0 {
+        if !self.cleared {
+            self.cleared = true;
             use std::os::unix::fs::DirBuilderExt;
             let shown = || format!("{}", self.dir.display());
             std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&self.dir).with_context(shown)?;
@@ -182,12 +203,43 @@ impl SlurmRelays {
             }
         }
         self.to = Some((coordinator.to_string(), auth.clone()));
+        self.writes_for = Some(coordinator.to_string());
         Ok(())
     }
 
     /// No relay is started from now on (the job is ending).
     pub fn hold_back(&mut self) {
         self.to = None;
+    }
+
+    /// Whether no relay is started or running (nothing to tend).
+    pub fn idle(&self) -> bool {
+        self.by_node.values().all(|r| r.job().is_none())
+    }
+
+    /// What goes in a node's file: `text` (an address, or `direct`) for
+    /// the coordinator its workers are started for.
+    fn file_text(&self, text: &str) -> Option<String> {
+        self.writes_for.as_ref().map(|coordinator| format!("{text} {coordinator}"))
+    }
+
+    /// Writes `node`'s file (none before a worker was started).
+    fn write(&self, node: &str, text: &str) -> Result<()> {
+        match self.file_text(text) {
+            Some(t) => write_file(&self.dir, node, &t),
+            None => Ok(()),
+        }
+    }
+
+    /// Cancels a relay's job off the coordinator's thread: SIGKILL (it
+    /// ignores SIGTERM), then the job.
+    fn cancel(&mut self, slurm: &str) {
+        self.cancels.retain(|t| !t.is_finished());
+        let slurm = slurm.to_string();
+        self.cancels.push(std::thread::spawn(move || {
+            let _ = run("scancel", &["--signal=KILL", "--full", &slurm]);
+            let _ = run("scancel", &[&slurm]);
+        }));
     }
 
     /// Tends the relays, given the queue (`job id -> (state, node,
@@ -203,48 +255,28 @@ impl SlurmRelays {
         nodes: &BTreeSet<String>,
         opts: &SlurmOptions,
     ) {
-        let mut ended = Vec::new();
-        for (node, relay) in &mut self.by_node {
-            let step = relay.step(&self.log_dir, listed, nodes.contains(node), opts);
+        let log_dir = &self.log_dir;
+        let steps: Vec<(String, Step)> = (self.by_node.iter_mut())
+            .map(|(node, relay)| (node.clone(), relay.step(log_dir, listed, nodes.contains(node), opts)))
+            .collect();
+        for (node, step) in steps {
             match step {
                 Step::Wait => {}
-                Step::Serve(addr) => {
-                    let NodeRelay::Starting { id, slurm, .. } = relay else { continue };
-                    match write_file(&self.dir, node, &addr) {
-                        Ok(()) => {
-                            tracing::info!(
-                                "relay {id} carries {node}'s workers from {addr} (Slurm job {slurm})"
-                            );
-                            *relay = NodeRelay::Serving { id: *id, slurm: std::mem::take(slurm), addr };
-                        }
-                        Err(e) => {
-                            tracing::warn!("relay {id} on {node}: {e:#}; its workers connect directly");
-                            cancel(slurm);
-                            *relay = NodeRelay::Direct;
-                        }
-                    }
-                }
+                Step::Serve(addr) => self.serve(&node, addr),
                 Step::Direct(why) => {
-                    if let Some((id, slurm)) = relay.job() {
+                    if let Some((id, slurm)) = self.by_node.get(&node).and_then(NodeRelay::job) {
                         tracing::warn!("relay {id} on {node}: {why}; {node}'s workers connect directly");
-                        cancel(slurm);
+                        let slurm = slurm.to_string();
+                        self.cancel(&slurm);
                     }
-                    if let Err(e) = write_file(&self.dir, node, DIRECT) {
-                        tracing::warn!("{e:#}");
-                    }
-                    *relay = NodeRelay::Direct;
+                    self.direct(&node);
                 }
                 Step::Ended(why) => {
                     tracing::warn!("{why}: its workers on {node} are lost with it");
-                    ended.push((node.clone(), true));
+                    self.forget(&node);
+                    self.lost_on(&node);
                 }
-                Step::Idle => ended.push((node.clone(), false)),
-            }
-        }
-        for (node, lost) in ended {
-            self.forget(&node);
-            if lost {
-                self.lost_on(&node);
+                Step::Idle => self.forget(&node),
             }
         }
         for node in nodes {
@@ -254,8 +286,25 @@ impl SlurmRelays {
         }
     }
 
-    /// Submits `node`'s relay; one that cannot be submitted leaves the
-    /// node's workers connecting directly.
+    /// `node`'s relay serves at `addr`: its workers are told.
+    fn serve(&mut self, node: &str, addr: String) {
+        let Some(NodeRelay::Starting { id, slurm, .. }) = self.by_node.get(node) else { return };
+        let (id, slurm) = (*id, slurm.clone());
+        match self.write(node, &addr) {
+            Ok(()) => {
+                tracing::info!("relay {id} carries {node}'s workers from {addr} (Slurm job {slurm})");
+                self.by_node.insert(node.to_string(), NodeRelay::Serving { id, slurm, addr });
+            }
+            Err(e) => {
+                tracing::warn!("relay {id} on {node}: {e:#}; its workers connect directly");
+                self.cancel(&slurm);
+                self.by_node.insert(node.to_string(), NodeRelay::Direct);
+            }
+        }
+    }
+
+    /// Submits `node`'s relay; one that cannot be submitted counts as lost
+    /// there.
     fn start(&mut self, node: &str, opts: &SlurmOptions) {
         let Some((coordinator, auth)) = &self.to else { return };
         if let Err(e) = file_name(node) {
@@ -275,8 +324,8 @@ impl SlurmRelays {
                 self.by_node.insert(node.to_string(), relay);
             }
             Err(e) => {
-                tracing::warn!("relay {id} on {node}: {e:#}; {node}'s workers connect directly");
-                self.direct(node);
+                tracing::warn!("relay {id} on {node}: {e:#}");
+                self.lost_on(node);
             }
         }
     }
@@ -305,7 +354,7 @@ impl SlurmRelays {
 
     /// `node`'s workers connect directly from now on.
     fn direct(&mut self, node: &str) {
-        if let Err(e) = write_file(&self.dir, node, DIRECT) {
+        if let Err(e) = self.write(node, DIRECT) {
             tracing::warn!("{e:#}");
         }
         self.by_node.insert(node.to_string(), NodeRelay::Direct);
@@ -317,10 +366,11 @@ impl SlurmRelays {
     fn forget(&mut self, node: &str) {
         let Some(relay) = self.by_node.remove(node) else { return };
         if let Some((_, slurm)) = relay.job() {
-            cancel(slurm);
+            self.cancel(slurm);
         }
         let path = self.dir.join(node);
-        if relay.written().is_some_and(|w| std::fs::read_to_string(&path).is_ok_and(|t| t.trim() == w)) {
+        let ours = relay.written().and_then(|w| self.file_text(w));
+        if ours.is_some_and(|w| std::fs::read_to_string(&path).is_ok_and(|t| t.trim() == w)) {
             let _ = std::fs::remove_file(path);
         }
     }
@@ -331,6 +381,9 @@ impl SlurmRelays {
         self.to = None;
         let nodes: Vec<String> = self.by_node.keys().cloned().collect();
         nodes.iter().for_each(|n| self.forget(n));
+        for t in self.cancels.drain(..) {
+            let _ = t.join();
+        }
     }
 
     /// Relay `id`'s batch script: the secret in its environment, SIGTERM
@@ -363,17 +416,16 @@ impl SlurmRelays {
         a.extend(opts.placement());
         // The workers' time limit: a partition's default would end the
         // relay, and its node's workers with it, before them.
-        a.extend(
-            opts.extra.iter().filter(|o| o.starts_with("--time=") || o.starts_with("--time-min=")).cloned(),
-        );
+        let mut extra = opts.extra.iter();
+        while let Some(o) = extra.next() {
+            if ["--time", "--time-min", "-t"].contains(&o.as_str()) {
+                a.extend([Some(o), extra.next()].into_iter().flatten().cloned());
+            } else if o.starts_with("--time=") || o.starts_with("--time-min=") || o.starts_with("-t") {
+                a.push(o.clone());
+            }
+        }
         a
     }
-}
-
-/// Cancels a relay's job: SIGKILL (it ignores SIGTERM), then the job.
-fn cancel(slurm: &str) {
-    let _ = run("scancel", &["--signal=KILL", "--full", slurm]);
-    let _ = run("scancel", &[slurm]);
 }
 
 /// The address relay `id`'s log says it serves on, once it does.
@@ -418,7 +470,12 @@ mod tests {
             partition: Some("gpu".into()),
             account: None,
             qos: Some("low".into()),
-            extra: vec!["--gres=gpu:1".into(), "--time=2:00:00".into()],
+            extra: vec![
+                "--gres=gpu:1".into(),
+                "--time=2:00:00".into(),
+                "--time-min".into(),
+                "1:00:00".into(),
+            ],
             pending_bound: Duration::from_secs(60),
         }
     }
@@ -439,6 +496,8 @@ mod tests {
             "--partition=gpu",
             "--qos=low",
             "--time=2:00:00",
+            "--time-min",
+            "1:00:00",
         ] {
             assert!(args.iter().any(|a| a == want), "{want} in {args:?}");
         }
@@ -504,13 +563,13 @@ mod tests {
         for _ in 0..RELAY_TRIES {
             r.lost_on("n2");
         }
-        assert_eq!(std::fs::read_to_string(relays.join("n2")).unwrap(), "direct\n");
+        assert_eq!(std::fs::read_to_string(relays.join("n2")).unwrap(), "direct 10.0.0.1:7070\n");
         // A file another coordinator wrote since is left to it.
         r.direct("n3");
-        std::fs::write(relays.join("n3"), "127.0.0.1:4200\n").unwrap();
+        std::fs::write(relays.join("n3"), "127.0.0.1:4200 10.0.0.2:7070\n").unwrap();
         r.end();
         assert!(!relays.join("n2").exists(), "its own removed");
-        assert_eq!(std::fs::read_to_string(relays.join("n3")).unwrap(), "127.0.0.1:4200\n");
+        assert_eq!(std::fs::read_to_string(relays.join("n3")).unwrap(), "127.0.0.1:4200 10.0.0.2:7070\n");
         // Nothing is started once the job ends.
         let listed = BTreeMap::new();
         r.tend(&listed, &BTreeSet::from(["n4".to_string()]), &opts());
