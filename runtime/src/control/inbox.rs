@@ -25,6 +25,7 @@ use crate::control::proto::{FromWorker, Link};
 use edl_host_gpu::comm::auth::{self, JobAuth};
 use edl_host_gpu::comm::sealed::Opener;
 use mio::{Events, Interest, Poll, Token, Waker, unix::SourceFd};
+use nix::sys::socket::{self, MsgFlags};
 use std::{
     collections::HashMap,
     io,
@@ -616,13 +617,10 @@ impl<M: Message> ReadAll<M> {
 
 /// Whether something has arrived on `stream` that is not read yet.
 fn has_bytes_waiting(stream: &TcpStream) -> bool {
-    let mut byte = 0u8;
-    // SAFETY: the kernel writes at most one byte into `byte`, a live local;
+    let mut byte = [0u8; 1];
     // MSG_PEEK leaves it in the socket, MSG_DONTWAIT returns at once.
-    let got = unsafe {
-        libc::recv(stream.as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
-    };
-    got > 0
+    let flags = MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT;
+    socket::recv(stream.as_raw_fd(), &mut byte, flags).is_ok_and(|got| got > 0)
 }
 
 /// Takes what has already arrived on `stream` into `buf`, without waiting
@@ -630,19 +628,10 @@ fn has_bytes_waiting(stream: &TcpStream) -> bool {
 /// peer closed the connection, `WouldBlock` when nothing is there.
 pub fn recv_arrived(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
     loop {
-        // SAFETY: the pointer and length are those of `buf`, one live slice
-        // borrowed mutably for the call, so the kernel writes only inside
-        // it; the descriptor is `stream`'s, open while it is borrowed.
-        let got =
-            unsafe { libc::recv(stream.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
-        match usize::try_from(got) {
+        match socket::recv(stream.as_raw_fd(), buf, MsgFlags::MSG_DONTWAIT) {
             Ok(got) => return Ok(got.min(buf.len())),
-            Err(_) => {
-                let e = io::Error::last_os_error();
-                if e.kind() != io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            }
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(e.into()),
         }
     }
 }

@@ -141,16 +141,13 @@ pub struct SlurmRelays {
     started: u64,
     /// Relays lost on each node.
     losses: BTreeMap<String, u32>,
-    /// What an earlier run left in the directory was removed.
-    cleared: bool,
-    /// The coordinator the nodes' files name (kept as the job ends, so
-    /// that its own files are known to remove).
-    writes_for: Option<String>,
     /// Cancels under way, off the coordinator's thread.
     cancels: Vec<std::thread::JoinHandle<()>>,
-    /// The coordinator's address and the job's secret, once a worker was
-    /// started (a relay proves the same secret); None once the job ends.
+    /// The coordinator's address (which the nodes' files name) and the
+    /// job's secret (a relay proves it too), once a worker was started.
     to: Option<(String, JobAuth)>,
+    /// The job is ending: no relay is started.
+    held_back: bool,
 }
 
 impl SlurmRelays {
@@ -164,10 +161,9 @@ impl SlurmRelays {
             by_node: BTreeMap::new(),
             started: 0,
             losses: BTreeMap::new(),
-            cleared: false,
-            writes_for: None,
             cancels: Vec::new(),
             to: None,
+            held_back: false,
         }
     }
 
@@ -193,8 +189,7 @@ impl SlurmRelays {
     /// first time, what an earlier run left in the nodes' files (relays
     /// of another coordinator) is removed.
     pub fn connect_to(&mut self, coordinator: &str, auth: &JobAuth) -> Result<()> {
-        if !self.cleared {
-            self.cleared = true;
+        if self.to.is_none() {
             use std::os::unix::fs::DirBuilderExt;
             let shown = || format!("{}", self.dir.display());
             std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&self.dir).with_context(shown)?;
@@ -203,13 +198,12 @@ impl SlurmRelays {
             }
         }
         self.to = Some((coordinator.to_string(), auth.clone()));
-        self.writes_for = Some(coordinator.to_string());
         Ok(())
     }
 
     /// No relay is started from now on (the job is ending).
     pub fn hold_back(&mut self) {
-        self.to = None;
+        self.held_back = true;
     }
 
     /// Whether no relay is started or running (nothing to tend).
@@ -220,7 +214,7 @@ impl SlurmRelays {
     /// What goes in a node's file: `text` (an address, or `direct`) for
     /// the coordinator its workers are started for.
     fn file_text(&self, text: &str) -> Option<String> {
-        self.writes_for.as_ref().map(|coordinator| format!("{text} {coordinator}"))
+        self.to.as_ref().map(|(coordinator, _)| format!("{text} {coordinator}"))
     }
 
     /// Writes `node`'s file (none before a worker was started).
@@ -306,7 +300,7 @@ impl SlurmRelays {
     /// Submits `node`'s relay; one that cannot be submitted counts as lost
     /// there.
     fn start(&mut self, node: &str, opts: &SlurmOptions) {
-        let Some((coordinator, auth)) = &self.to else { return };
+        let Some((coordinator, auth)) = self.to.as_ref().filter(|_| !self.held_back) else { return };
         if let Err(e) = file_name(node) {
             // Its workers find no file there, and connect directly after the wait.
             tracing::warn!("{e:#}; its workers connect directly");
@@ -378,7 +372,7 @@ impl SlurmRelays {
     /// Cancels every relay and removes the nodes' files (those still this
     /// coordinator's); none is started after.
     pub fn end(&mut self) {
-        self.to = None;
+        self.held_back = true;
         let nodes: Vec<String> = self.by_node.keys().cloned().collect();
         nodes.iter().for_each(|n| self.forget(n));
         for t in self.cancels.drain(..) {
