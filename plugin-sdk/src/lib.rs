@@ -45,7 +45,7 @@ pub use config::{Config, ConfigKey, DESCRIBE, DESCRIBED};
 pub use plugin::{BatchAdapter, ReaderTransform, ScalingPolicy, TeacherPolicy};
 pub use types::{
     Action, Batch, ClusterView, Dtype, Hyperparams, PluginError, PluginInfo, ResizeEvent, ServerStats,
-    ServerView, StepTime, TeacherPlan, TeacherStats, TeacherView, TrainingStats, WorkerStats,
+    ServerView, SpareView, StepTime, TeacherPlan, TeacherStats, TeacherView, TrainingStats, WorkerStats,
 };
 
 include!(concat!(env!("OUT_DIR"), "/wit.rs"));
@@ -98,8 +98,8 @@ macro_rules! __edl_training_observer {
 /// Exports a [`ScalingPolicy`] implementation as this crate's plugin.
 ///
 /// Built for `wasm32-wasip2` it becomes a component of world
-/// `server-scaling-policy` (a `scaling-policy` told the training's measures
-/// and asked about the parameter servers);
+/// `spare-scaling-policy` (a `scaling-policy` told the training's measures
+/// and asked about the parameter servers and the warm spares);
 /// built as a native `cdylib` it exports the C ABI of [`native`].
 #[macro_export]
 macro_rules! export_scaling_policy {
@@ -109,7 +109,7 @@ macro_rules! export_scaling_policy {
         mod __edl_wasm_export {
             #[allow(unused_imports)]
             use super::*;
-            $crate::__edl_generate_world!("server-scaling-policy");
+            $crate::__edl_generate_world!("spare-scaling-policy");
             static SLOT: $crate::__private::Slot<$ty> = $crate::__private::Slot::new();
             struct Export;
             impl exports::edl::plugins::policy::Guest for Export {
@@ -164,6 +164,28 @@ macro_rules! export_scaling_policy {
                     SLOT.with(|p| $crate::ScalingPolicy::decide_servers(p, &view))
                 }
             }
+            impl exports::edl::plugins::spare_policy::Guest for Export {
+                fn decide_spares(v: exports::edl::plugins::spare_policy::SpareView) -> Option<u32> {
+                    let view = $crate::SpareView {
+                        step: v.step,
+                        world_size: v.world_size,
+                        min_workers: v.min_workers,
+                        max_workers: v.max_workers,
+                        spares_wanted: v.spares_wanted,
+                        spares_ready: v.spares_ready,
+                        spares_starting: v.spares_starting,
+                        price_per_spare_hour: v.price_per_spare_hour,
+                        spare_hours: v.spare_hours,
+                        from_spares: v.from_spares,
+                        started_cold: v.started_cold,
+                        members_lost: v.members_lost,
+                        ready_secs: v.ready_secs,
+                        hours: v.hours,
+                        secs_since_change: v.secs_since_change,
+                    };
+                    SLOT.with(|p| $crate::ScalingPolicy::decide_spares(p, &view))
+                }
+            }
             export!(Export);
         }
         $crate::__native_exports!("scaling-policy", $ty, $crate::ScalingPolicy, {
@@ -182,6 +204,14 @@ macro_rules! export_scaling_policy {
                 out: *mut $crate::native::RawServerAnswer,
             ) -> i32 {
                 unsafe { $crate::native::policy_decide_servers::<$ty>(handle, view, out) }
+            }
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn edl_policy_decide_spares(
+                handle: *mut ::std::ffi::c_void,
+                view: *const $crate::SpareView,
+                out: *mut $crate::native::RawServerAnswer,
+            ) -> i32 {
+                unsafe { $crate::native::policy_decide_spares::<$ty>(handle, view, out) }
             }
             $crate::__native_state_exports!($ty, $crate::ScalingPolicy);
         });

@@ -10,8 +10,10 @@
 //! and `edl_plugin_last_error`, plus its world's calls (`edl_policy_decide`,
 //! `edl_adapter_on_resize` / `edl_adapter_on_step`, `edl_transform_apply`,
 //! `edl_teacher_policy_decide`); a scaling policy also exports
-//! `edl_policy_decide_servers` (sizing the parameter servers; a library
-//! built before it is taken for a policy that leaves them be). Policies
+//! `edl_policy_decide_servers` (sizing the parameter servers) and
+//! `edl_policy_decide_spares` (sizing the warm spares; the view is
+//! [`SpareView`] as it is); a library built before either is taken for a
+//! policy that leaves them be. Policies
 //! (of workers and of teachers) and
 //! adapters also export `edl_plugin_save_state` and
 //! `edl_plugin_load_state` (their memory between calls, as the WIT `state`
@@ -22,7 +24,7 @@
 
 use crate::{
     Action, Batch, BatchAdapter, ClusterView, Config, Dtype, Hyperparams, PluginError, ReaderTransform,
-    ResizeEvent, ScalingPolicy, ServerStats, ServerView, TeacherPlan, TeacherPolicy, TeacherStats,
+    ResizeEvent, ScalingPolicy, ServerStats, ServerView, SpareView, TeacherPlan, TeacherPolicy, TeacherStats,
     TeacherView, WorkerStats,
 };
 use std::{ffi::c_void, panic::AssertUnwindSafe};
@@ -232,6 +234,10 @@ impl RawTeacherView {
     }
 }
 
+// `SpareView` crosses this ABI as it is: a field added to it changes its
+// layout, which needs a new `ABI_VERSION`.
+const _: () = assert!(std::mem::size_of::<SpareView>() == 96);
+
 // `ServerStats` is an element of this ABI's slices: a field added to it
 // changes its stride, which needs a new `ABI_VERSION`.
 const _: () = assert!(std::mem::size_of::<ServerStats>() == 56);
@@ -277,8 +283,9 @@ impl RawServerView {
     }
 }
 
-/// `edl_policy_decide_servers`'s answer: `asked` 1 with the `servers` the
-/// job should have, 0 to leave them as they are.
+/// `edl_policy_decide_servers`'s and `edl_policy_decide_spares`'s answer:
+/// `asked` 1 with the number (`servers`) of servers or spares the job
+/// should have, 0 to leave them as they are.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RawServerAnswer {
@@ -533,6 +540,22 @@ pub unsafe fn policy_decide_servers<T: ScalingPolicy>(
             let out = out.as_mut().ok_or_else(|| PluginError::InvalidInput("null output".into()))?;
             raw.fill(&mut inst.server_view);
             *out = inst.plugin.decide_servers(&inst.server_view).into();
+            Ok(())
+        })
+    }
+}
+
+#[doc(hidden)]
+pub unsafe fn policy_decide_spares<T: ScalingPolicy>(
+    handle: *mut c_void,
+    view: *const SpareView,
+    out: *mut RawServerAnswer,
+) -> i32 {
+    unsafe {
+        with_instance::<T>(handle, |inst| {
+            let view = view.as_ref().ok_or_else(|| PluginError::InvalidInput("null view".into()))?;
+            let out = out.as_mut().ok_or_else(|| PluginError::InvalidInput("null output".into()))?;
+            *out = inst.plugin.decide_spares(view).into();
             Ok(())
         })
     }

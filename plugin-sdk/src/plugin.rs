@@ -3,8 +3,8 @@
 //! can call them while the macros call that ABI.
 
 use crate::{
-    Action, Batch, ClusterView, Config, Hyperparams, PluginError, ResizeEvent, ServerView, TeacherPlan,
-    TeacherView, TrainingStats,
+    Action, Batch, ClusterView, Config, Hyperparams, PluginError, ResizeEvent, ServerView, SpareView,
+    TeacherPlan, TeacherView, TrainingStats,
 };
 
 /// Decides how many workers the job should have (WIT world `scaling-policy`).
@@ -30,6 +30,17 @@ pub trait ScalingPolicy: Default + 'static {
     /// host keeps the answer within `min_servers..=max_servers`. The
     /// default: None. Components only: a native policy is not asked.
     fn decide_servers(&mut self, view: &ServerView) -> Option<u32> {
+        let _ = view;
+        None
+    }
+
+    /// The warm spares the job should keep, asked just after each `decide`
+    /// (after [`decide_servers`](Self::decide_servers)), or None to keep
+    /// them as they are (`--warm-spares`). The view says what the spares
+    /// cost and what they were used for. The host keeps the answer within
+    /// `max_workers - min_workers`; surplus spares are stopped. The
+    /// default: None.
+    fn decide_spares(&mut self, view: &SpareView) -> Option<u32> {
         let _ = view;
         None
     }

@@ -360,3 +360,37 @@ pub struct ServerView {
     /// Seconds since the servers last changed.
     pub secs_since_change: f64,
 }
+
+/// What a scaling policy that sizes the warm spares sees
+/// ([`crate::ScalingPolicy::decide_spares`]). Plain data, passed as it is
+/// through the native C ABI: a field added changes that ABI.
+#[repr(C)]
+#[derive(Clone, Debug, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SpareView {
+    pub step: u64,
+    pub world_size: u32,
+    pub min_workers: u32,
+    pub max_workers: u32,
+    /// Spares the job keeps now (`--warm-spares` until the policy answers otherwise).
+    pub spares_wanted: u32,
+    /// Spares ready to join now, and those still starting or loading the job.
+    pub spares_ready: u32,
+    pub spares_starting: u32,
+    /// What a spare costs an hour: a worker's price (`--price`).
+    pub price_per_spare_hour: f64,
+    /// Hours of spares the job has held so far; times the price, what they cost.
+    pub spare_hours: f64,
+    /// Growths and lost members' places a spare took, and those for which
+    /// a worker had to be started (no spare was there), all told.
+    pub from_spares: u64,
+    pub started_cold: u64,
+    /// Members lost without being asked to go, all told.
+    pub members_lost: u64,
+    /// Mean seconds a worker took from its start to ready; 0 until one was.
+    pub ready_secs: f64,
+    /// Hours the job has trained (since its first generation formed).
+    pub hours: f64,
+    /// Seconds since the spares wanted last changed.
+    pub secs_since_change: f64,
+}

@@ -56,8 +56,21 @@
 //! in [0, 1); 0 never replaces], `straggler-persist` consecutive decisions
 //! [3, at least 1], `straggler-cooldown` decisions between two replacements
 //! [10], `straggler-min-obs` [3], `ewma-alpha` [0.1, in (0, 1]].
+//!
+//! Warm spares, with `spare-losses-per-hour` (the members the job expects
+//! to lose an hour; unset, the job keeps `--warm-spares`): one spare is
+//! kept while what it saves is worth its price. A spare saves each loss
+//! the time a worker takes from its start to ready (`ready-secs`, measured
+//! in the job), at the value of what that loss stops: the whole job's
+//! time (`value-per-hour`) when it takes the job below its minimum (the
+//! job waits for a worker), one worker's share of it otherwise (the job
+//! goes on one short). With the loss rate the larger of the expected one
+//! and the job's own (members lost / hours trained), a spare is kept when
+//! rate x ready hours x value lost per hour >= its price per hour. Until a
+//! worker was ready nothing is known of the time saved, and the spares are
+//! left as they are.
 
-use edl_plugin_sdk::{Action, ClusterView, Config, PluginError, ScalingPolicy};
+use edl_plugin_sdk::{Action, ClusterView, Config, PluginError, ScalingPolicy, SpareView};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug)]
@@ -72,6 +85,8 @@ pub struct Autoscale {
     straggler_min_obs: u32,
     straggler_persist: u32,
     straggler_cooldown: u32,
+    /// Members expected lost an hour: the spare rule is on when set.
+    spare_losses_per_hour: Option<f64>,
     /// What it learned of the job so far: handed over to a new instance.
     mem: Memory,
     scratch: Vec<f64>,
@@ -118,6 +133,7 @@ impl Default for Autoscale {
             straggler_min_obs: 3,
             straggler_persist: 3,
             straggler_cooldown: 10,
+            spare_losses_per_hour: None,
             mem: Memory::default(),
             scratch: Vec::new(),
         }
@@ -125,6 +141,7 @@ impl Default for Autoscale {
 }
 
 const KEYS: &[&str] = &[
+    "spare-losses-per-hour",
     "threshold",
     "warmup",
     "window",
@@ -328,6 +345,16 @@ impl ScalingPolicy for Autoscale {
         self.straggler_min_obs = config.get_or("straggler-min-obs", d.straggler_min_obs)?;
         self.straggler_persist = config.get_or("straggler-persist", d.straggler_persist)?;
         self.straggler_cooldown = config.get_or("straggler-cooldown", d.straggler_cooldown)?;
+        self.spare_losses_per_hour = match config.raw("spare-losses-per-hour") {
+            None => None,
+            Some(v) => Some(v.trim().parse::<f64>().ok().filter(|r| r.is_finite() && *r >= 0.0).ok_or_else(
+                || {
+                    PluginError::InvalidConfig(format!(
+                        "`spare-losses-per-hour` = {v:?}: expected a number >= 0"
+                    ))
+                },
+            )?),
+        };
         if self.window == 0 {
             return Err(PluginError::InvalidConfig("`window` must be at least 1".into()));
         }
@@ -345,6 +372,22 @@ impl ScalingPolicy for Autoscale {
             return Err(PluginError::InvalidConfig("`straggler-persist` must be at least 1".into()));
         }
         Ok(())
+    }
+
+    fn decide_spares(&mut self, view: &SpareView) -> Option<u32> {
+        let expected = self.spare_losses_per_hour?;
+        if view.ready_secs <= 0.0 {
+            return None;
+        }
+        // The job's own rate, once it has trained a while (an early loss
+        // over a few seconds is no rate).
+        let seen = if view.hours > 0.1 { view.members_lost as f64 / view.hours } else { 0.0 };
+        let rate = expected.max(seen);
+        let halts = view.world_size <= view.min_workers;
+        let lost_per_hour =
+            if halts { self.value_per_hour } else { self.value_per_hour / f64::from(view.world_size.max(1)) };
+        let saved_per_hour = rate * view.ready_secs / 3600.0 * lost_per_hour;
+        Some(u32::from(saved_per_hour >= view.price_per_spare_hour))
     }
 
     fn decide(&mut self, view: &ClusterView) -> Vec<Action> {
@@ -483,6 +526,41 @@ mod tests {
         assert!(
             matches!(second.load_state(b"{"), Err(PluginError::InvalidInput(m)) if m.contains("autoscale"))
         );
+    }
+
+    #[test]
+    fn a_spare_is_kept_while_what_it_saves_is_worth_its_price() {
+        let p = |rate: &str| testing::policy::<Autoscale>(&[("spare-losses-per-hour", rate)]).unwrap();
+        // 8 workers above a minimum of 2; a worker takes 60 s to be ready;
+        // the job's hour is worth 1e6, a spare costs 3 an hour.
+        let view = SpareView {
+            world_size: 8,
+            min_workers: 2,
+            max_workers: 12,
+            price_per_spare_hour: 3.0,
+            ready_secs: 60.0,
+            hours: 2.0,
+            ..SpareView::default()
+        };
+        // One worker's share of an hour lost is 125,000: a loss saves
+        // 2083 for 60 s, so one loss in ~694 hours pays for the spare.
+        assert_eq!(p("0.01").decide_spares(&view), Some(1));
+        assert_eq!(p("0.001").decide_spares(&view), Some(0));
+        // At its minimum a loss stops the whole job: worth 8x as much.
+        let at_min = SpareView { world_size: 2, ..view.clone() };
+        assert_eq!(p("0.0003").decide_spares(&at_min), Some(1));
+        assert_eq!(p("0.0003").decide_spares(&view), Some(0));
+        // The job's own losses count once it has trained a while.
+        let lossy = SpareView { members_lost: 1, hours: 200.0, ..view.clone() };
+        assert_eq!(p("0").decide_spares(&lossy), Some(1));
+        assert_eq!(p("0").decide_spares(&SpareView { hours: 0.05, ..lossy }), Some(0));
+        // Nothing known of the time a spare saves yet, or the rule off.
+        assert_eq!(p("1").decide_spares(&SpareView { ready_secs: 0.0, ..view.clone() }), None);
+        assert_eq!(testing::policy::<Autoscale>(&[]).unwrap().decide_spares(&view), None);
+        for bad in ["-1", "x", "inf"] {
+            let e = testing::policy::<Autoscale>(&[("spare-losses-per-hour", bad)]).unwrap_err();
+            assert!(e.to_string().contains("spare-losses-per-hour"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -25,6 +25,7 @@ pub mod report;
 mod resume;
 mod routes;
 mod scaling;
+mod spares;
 mod steps;
 
 use crate::job::{JobConfig, assembly::Job};
@@ -108,6 +109,8 @@ struct Coordinator<'a> {
     membership: Membership,
     /// The job's parameter servers, and what it follows of them.
     ps: PsState,
+    /// What a policy sizing the warm spares is told of them.
+    spare_book: spares::SpareBook,
     generation: u64,
     first_generation: u64,
     /// Steps committed, the epoch and cursor, the ledger, throughput.
@@ -448,6 +451,7 @@ impl<'a> Coordinator<'a> {
             routes: None,
             membership,
             ps: Default::default(),
+            spare_book: spares::SpareBook::new(now),
             generation: 0,
             first_generation: 0,
             tally: Tally::new(cfg.spec.samples, cfg.spec.seed, now),

@@ -301,5 +301,6 @@ impl Coordinator<'_> {
             self.apply_decision(&actions);
         }
         self.decide_servers();
+        self.decide_spares();
     }
 }

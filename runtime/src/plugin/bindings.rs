@@ -57,6 +57,14 @@ pub mod servers {
     });
 }
 
+/// A scaling policy's optional `spare-policy` export.
+pub mod spares {
+    wasmtime::component::bindgen!({
+        path: "../plugin-sdk/wit",
+        world: "plugin-spare-policy",
+    });
+}
+
 use edl_plugin_sdk as sdk;
 use policy::edl::plugins::types as wit;
 use teacher_policy::exports::edl::plugins::teacher_policy as wit_teacher;
@@ -293,6 +301,27 @@ pub fn server_view(v: &sdk::ServerView) -> servers::exports::edl::plugins::serve
         min_servers: v.min_servers,
         max_servers: v.max_servers,
         replicas: v.replicas,
+        secs_since_change: v.secs_since_change,
+    }
+}
+
+/// The warm spares' view as the `spare-policy` export takes it.
+pub fn spare_view(v: &sdk::SpareView) -> spares::exports::edl::plugins::spare_policy::SpareView {
+    spares::exports::edl::plugins::spare_policy::SpareView {
+        step: v.step,
+        world_size: v.world_size,
+        min_workers: v.min_workers,
+        max_workers: v.max_workers,
+        spares_wanted: v.spares_wanted,
+        spares_ready: v.spares_ready,
+        spares_starting: v.spares_starting,
+        price_per_spare_hour: v.price_per_spare_hour,
+        spare_hours: v.spare_hours,
+        from_spares: v.from_spares,
+        started_cold: v.started_cold,
+        members_lost: v.members_lost,
+        ready_secs: v.ready_secs,
+        hours: v.hours,
         secs_since_change: v.secs_since_change,
     }
 }

@@ -171,6 +171,10 @@ impl<T: ?Sized + PolicyPlugin> PolicyPlugin for Checked<T> {
     fn decide_servers(&mut self, view: &edl_plugin_sdk::ServerView) -> Result<Option<u32>, Error> {
         self.inner.decide_servers(view)
     }
+
+    fn decide_spares(&mut self, view: &edl_plugin_sdk::SpareView) -> Result<Option<u32>, Error> {
+        self.inner.decide_spares(view)
+    }
 }
 
 impl<T: ?Sized + TeacherPolicyPlugin> TeacherPolicyPlugin for Checked<T> {

@@ -3,8 +3,8 @@
 
 use super::{
     AdapterPlugin, ArtifactCache, CacheStatus, Error, Loaded, PolicyPlugin, SERVER_INTERFACE,
-    STATE_INTERFACE, TRAINING_INTERFACE, TeacherPolicyPlugin, TransformPlugin, World, contract,
-    limits::Limits, native, wasm,
+    SPARE_INTERFACE, STATE_INTERFACE, TRAINING_INTERFACE, TeacherPolicyPlugin, TransformPlugin, World,
+    contract, limits::Limits, native, wasm,
 };
 use edl_plugin_sdk::{PluginInfo, WIT_VERSION};
 use std::{path::Path, sync::Arc};
@@ -309,11 +309,11 @@ impl PluginHost {
         let exports: Vec<String> = ty.exports(&self.engine).map(|(name, _)| name.to_string()).collect();
         // The world's own interface; `state` rides beside it in any world,
         // `training-observer` beside an adapter's or a policy's,
-        // `server-policy` beside a policy's.
+        // `server-policy` and `spare-policy` beside a policy's.
         let ours = exports.iter().find_map(|name| {
             let rest = name.strip_prefix("edl:plugins/")?;
             let (iface, version) = rest.split_once('@').unwrap_or((rest, ""));
-            (iface != STATE_INTERFACE && iface != TRAINING_INTERFACE && iface != SERVER_INTERFACE)
+            (![STATE_INTERFACE, TRAINING_INTERFACE, SERVER_INTERFACE, SPARE_INTERFACE].contains(&iface))
                 .then(|| (iface.to_string(), version.to_string()))
         });
         let Some((iface, version)) = ours else {

@@ -156,6 +156,8 @@ pub(crate) const STATE_INTERFACE: &str = "state";
 pub(crate) const TRAINING_INTERFACE: &str = "training-observer";
 /// The interface a scaling policy sizes the parameter servers through.
 pub(crate) const SERVER_INTERFACE: &str = "server-policy";
+/// The interface a scaling policy sizes the warm spares through.
+pub(crate) const SPARE_INTERFACE: &str = "spare-policy";
 
 /// What every loaded plugin can tell about itself.
 pub trait Plugin: Send {
@@ -189,6 +191,12 @@ pub trait PolicyPlugin: Plugin {
     /// that leaves them be (or cannot be asked: a native one, a component
     /// built before).
     fn decide_servers(&mut self, view: &edl_plugin_sdk::ServerView) -> Result<Option<u32>, Error> {
+        let _ = view;
+        Ok(None)
+    }
+    /// How many warm spares the job should keep; None from a policy that
+    /// keeps them as they are (or cannot be asked: a plugin built before).
+    fn decide_spares(&mut self, view: &edl_plugin_sdk::SpareView) -> Result<Option<u32>, Error> {
         let _ = view;
         Ok(None)
     }

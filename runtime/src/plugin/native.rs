@@ -269,6 +269,7 @@ unsafe fn world_plugin(world: World, lib: &Library, common: Common) -> Result<Lo
                 decide: symbol(lib, &shown, "edl_policy_decide")?,
                 // A library built before servers were asked about has none.
                 decide_servers: symbol(lib, &shown, "edl_policy_decide_servers").ok(),
+                decide_spares: symbol(lib, &shown, "edl_policy_decide_spares").ok(),
                 common,
             })),
             World::BatchAdapter => Loaded::Adapter(Box::new(NativeAdapter {
@@ -311,8 +312,20 @@ struct NativePolicy {
     common: Common,
     decide: unsafe extern "C" fn(Handle, *const RawClusterView, *mut RawSlice<RawAction>) -> i32,
     decide_servers: Option<unsafe extern "C" fn(Handle, *const RawServerView, *mut RawServerAnswer) -> i32>,
+    /// The view crosses as it is; the answer is the servers' kind.
+    decide_spares:
+        Option<unsafe extern "C" fn(Handle, *const edl_plugin_sdk::SpareView, *mut RawServerAnswer) -> i32>,
 }
 native_plugin!(NativePolicy);
+
+impl NativePolicy {
+    /// A count the policy answered (`asked` 0 or 1), or an error naming the call.
+    fn count_answer(&self, call: &str, out: RawServerAnswer) -> Result<Option<u32>, Error> {
+        out.get().ok_or_else(|| {
+            native_err(&self.common.path, format!("{call} answered {out:?}: `asked` is neither 0 nor 1"))
+        })
+    }
+}
 
 impl PolicyPlugin for NativePolicy {
     fn decide(&mut self, view: &ClusterView) -> Result<Vec<Action>, Error> {
@@ -338,10 +351,17 @@ impl PolicyPlugin for NativePolicy {
         // which outlives the call; `out` is a live local.
         let code = unsafe { decide(self.common.handle, &raw, &mut out) };
         self.common.check("decide-servers", code)?;
-        out.get().ok_or_else(|| {
-            let detail = format!("decide-servers answered {out:?}: `asked` is neither 0 nor 1");
-            native_err(&self.common.path, detail)
-        })
+        self.count_answer("decide-servers", out)
+    }
+
+    fn decide_spares(&mut self, view: &edl_plugin_sdk::SpareView) -> Result<Option<u32>, Error> {
+        let Some(decide) = self.decide_spares else { return Ok(None) };
+        let mut out = RawServerAnswer::default();
+        // SAFETY: the handle is this instance's own; `view` outlives the
+        // call; `out` is a live local.
+        let code = unsafe { decide(self.common.handle, view, &mut out) };
+        self.common.check("decide-spares", code)?;
+        self.count_answer("decide-spares", out)
     }
 }
 

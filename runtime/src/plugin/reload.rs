@@ -207,6 +207,11 @@ impl PolicyPlugin for Reloading<dyn PolicyPlugin> {
         self.refresh();
         self.current.decide_servers(view)
     }
+
+    fn decide_spares(&mut self, view: &edl_plugin_sdk::SpareView) -> Result<Option<u32>, Error> {
+        self.refresh();
+        self.current.decide_spares(view)
+    }
 }
 
 impl AdapterPlugin for Reloading<dyn AdapterPlugin> {

@@ -218,6 +218,8 @@ struct Live<B> {
     training: Option<bindings::training::PluginTrainingObserver>,
     /// The `server-policy` export, where the component has one.
     servers: Option<bindings::servers::PluginServerPolicy>,
+    /// The `spare-policy` export, where the component has one.
+    spares: Option<bindings::spares::PluginSparePolicy>,
     stderr: CapturedStderr,
 }
 
@@ -234,6 +236,8 @@ pub struct Sandboxed<B: WorldBindings> {
     training_indices: Option<bindings::training::PluginTrainingObserverIndices>,
     /// Where its `server-policy` export is, if it has one.
     server_indices: Option<bindings::servers::PluginServerPolicyIndices>,
+    /// Where its `spare-policy` export is, if it has one.
+    spare_indices: Option<bindings::spares::PluginSparePolicyIndices>,
     limits: Limits,
     deadline_ticks: u64,
     config: Vec<(String, String)>,
@@ -261,6 +265,7 @@ impl<B: WorldBindings> Sandboxed<B> {
         let state_indices = state::PluginStateIndices::new(&instance_pre).ok();
         let training_indices = bindings::training::PluginTrainingObserverIndices::new(&instance_pre).ok();
         let server_indices = bindings::servers::PluginServerPolicyIndices::new(&instance_pre).ok();
+        let spare_indices = bindings::spares::PluginSparePolicyIndices::new(&instance_pre).ok();
         let tick = EPOCH_TICK.as_nanos().max(1);
         let deadline_ticks = (ctx.limits.deadline.as_nanos().div_ceil(tick) as u64).max(1) + 1;
         let mut me = Sandboxed {
@@ -272,6 +277,7 @@ impl<B: WorldBindings> Sandboxed<B> {
             state_indices,
             training_indices,
             server_indices,
+            spare_indices,
             limits: ctx.limits,
             deadline_ticks,
             config: config.to_vec(),
@@ -315,16 +321,17 @@ impl<B: WorldBindings> Sandboxed<B> {
                 self.training_indices.as_ref().map(|ix| ix.load(&mut store, &instance)).transpose()?;
             let servers =
                 self.server_indices.as_ref().map(|ix| ix.load(&mut store, &instance)).transpose()?;
-            Ok((bindings, state, training, servers))
+            let spares = self.spare_indices.as_ref().map(|ix| ix.load(&mut store, &instance)).transpose()?;
+            Ok((bindings, state, training, servers, spares))
         });
-        let (bindings, state, training, servers) = match loaded {
+        let (bindings, state, training, servers, spares) = match loaded {
             Ok(b) => b,
             Err(e) => return Err(self.classify("instantiate", e, &store, &stderr)),
         };
         store.set_epoch_deadline(self.deadline_ticks);
         store.data_mut().deadline = Instant::now() + self.limits.deadline;
         match bindings.init(&mut store, &self.config) {
-            Ok(Ok(())) => Ok(Live { store, bindings, state, training, servers, stderr }),
+            Ok(Ok(())) => Ok(Live { store, bindings, state, training, servers, spares, stderr }),
             Ok(Err(e)) => Err(Error::Init { path: self.path.clone(), error: e.into() }),
             Err(e) => Err(self.classify("init", e, &store, &stderr)),
         }
@@ -396,6 +403,18 @@ impl<B: WorldBindings> Sandboxed<B> {
         let view = bindings::server_view(view);
         self.call_live("decide-servers", |live| match &live.servers {
             Some(p) => p.edl_plugins_server_policy().call_decide_servers(&mut live.store, &view),
+            None => Ok(None),
+        })
+    }
+
+    /// Calls the `spare-policy` export; None when there is none.
+    fn ask_spares(&mut self, view: &edl_plugin_sdk::SpareView) -> Result<Option<u32>, Error> {
+        if self.spare_indices.is_none() {
+            return Ok(None);
+        }
+        let view = bindings::spare_view(view);
+        self.call_live("decide-spares", |live| match &live.spares {
+            Some(p) => p.edl_plugins_spare_policy().call_decide_spares(&mut live.store, view),
             None => Ok(None),
         })
     }
@@ -487,6 +506,10 @@ impl PolicyPlugin for Sandboxed<policy::ScalingPolicy> {
 
     fn decide_servers(&mut self, view: &edl_plugin_sdk::ServerView) -> Result<Option<u32>, Error> {
         self.ask_servers(view)
+    }
+
+    fn decide_spares(&mut self, view: &edl_plugin_sdk::SpareView) -> Result<Option<u32>, Error> {
+        self.ask_spares(view)
     }
 }
 

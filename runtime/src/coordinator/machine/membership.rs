@@ -158,6 +158,23 @@ pub struct Membership {
     /// Spares lost before they were ready, in a row: past
     /// [`SPARE_TRIES`] the job stops keeping spares.
     spares_lost: u32,
+    /// What the spares were for, as a policy sizing them sees it.
+    spare_counts: SpareCounts,
+}
+
+/// What a job's warm spares were used for, all told.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SpareCounts {
+    /// Growths and lost members' places a spare took.
+    pub from_spares: u64,
+    /// Growths and places for which a worker had to be started (no spare
+    /// was there).
+    pub started_cold: u64,
+    /// Members lost with a failed generation.
+    pub members_lost: u64,
+    /// Workers that became ready, and their time from start to ready.
+    pub readied: u64,
+    pub ready_time: Duration,
 }
 
 /// A sole member told to go: why, and how many replacements were started for it.
@@ -206,13 +223,74 @@ impl Membership {
             spare_ids: BTreeSet::new(),
             held: Vec::new(),
             spares_lost: 0,
+            spare_counts: SpareCounts::default(),
         }
     }
 
-    /// Keeps `n` warm spares from now on (within the maximum).
-    pub fn set_spares(&mut self, now: Instant, n: u32) {
+    /// Keeps `n` warm spares from now on (within the maximum): more are
+    /// started, and surplus ones stopped (those still starting first, then
+    /// those loading, then the ready ones, newest first). False, and
+    /// nothing done, once the job gave spares up ([`SPARE_TRIES`] lost
+    /// before they were ready).
+    pub fn set_spares(&mut self, now: Instant, n: u32) -> bool {
+        if self.spares_gave_up() && n > 0 {
+            return false;
+        }
         self.spares_wanted = n;
+        self.shed_spares(n);
         self.keep_spares(now);
+        true
+    }
+
+    /// Spares the job keeps.
+    pub fn spares_wanted(&self) -> u32 {
+        self.spares_wanted
+    }
+
+    /// Whether the job stopped keeping spares, after [`SPARE_TRIES`] in a
+    /// row were lost before they were ready.
+    pub fn spares_gave_up(&self) -> bool {
+        self.spares_lost >= SPARE_TRIES
+    }
+
+    /// What the spares were used for, all told.
+    pub fn spare_counts(&self) -> SpareCounts {
+        self.spare_counts
+    }
+
+    /// Stops spares beyond `n`: the least ready first.
+    fn shed_spares(&mut self, n: u32) {
+        let reason = "fewer warm spares wanted";
+        let mut surplus = self.spares().saturating_sub(n);
+        let starting: Vec<WorkerId> =
+            self.spawning.keys().rev().filter(|id| self.spare_ids.contains(id)).copied().collect();
+        for worker in starting.into_iter().take(surplus as usize) {
+            self.spawning.remove(&worker);
+            self.spare_ids.remove(&worker);
+            let grace = Duration::from_secs(1);
+            self.commands.push_back(Command::Stop { worker, conn: None, reason: reason.into(), grace });
+            surplus -= 1;
+        }
+        while surplus > 0 {
+            let spare = |w: &Worker| self.spare_ids.contains(&w.id);
+            let w = match self.welcomed.iter().rposition(spare) {
+                Some(i) => self.welcomed.remove(i),
+                None => match self.held.pop() {
+                    Some(w) => w,
+                    None => break,
+                },
+            };
+            self.spare_ids.remove(&w.id);
+            self.started_at.remove(&w.id);
+            self.stop(&w, reason.into(), STOP_GRACE);
+            surplus -= 1;
+        }
+    }
+
+    /// Starts `n` workers for the ring, none being a spare.
+    fn spawn_cold(&mut self, now: Instant, n: u32) {
+        self.spare_counts.started_cold += u64::from(n);
+        self.spawn(now, n);
     }
 
     /// Warm spares: started, loading or ready.
@@ -252,6 +330,7 @@ impl Membership {
             self.spare_ids.remove(&id);
             taken += 1;
         }
+        self.spare_counts.from_spares += u64::from(taken);
         taken
     }
 
@@ -466,6 +545,8 @@ impl Membership {
                     if let Some(started) = self.started_at.remove(&w.id) {
                         let (start, load) = (w.since.saturating_duration_since(started), now - w.since);
                         self.readied.push(Readied { id: w.id, start, load });
+                        self.spare_counts.readied += 1;
+                        self.spare_counts.ready_time += start + load;
                     }
                     if self.spare_ids.contains(&w.id) {
                         self.note(format!("warm spare {} ready", w.id), None);
@@ -763,6 +844,7 @@ impl Membership {
         // Warm spares take the lost members' places at the boundary that
         // forms the next generation.
         let lost = (before - self.members.len()) as u32;
+        self.spare_counts.members_lost += u64::from(lost);
         let taken = self.take_spares(lost);
         if taken > 0 {
             self.note(format!("{taken} warm spare(s) take the place of the {lost} lost"), None);
@@ -782,7 +864,7 @@ impl Membership {
         self.changed = true;
         let have = self.world() + self.coming();
         if have < self.min {
-            self.spawn(now, self.min - have);
+            self.spawn_cold(now, self.min - have);
         }
         self.keep_spares(now);
     }
@@ -826,7 +908,7 @@ impl Membership {
             // are started for the rest.
             let more = (target - have) as u32;
             let taken = self.take_spares(more);
-            self.spawn(now, more - taken);
+            self.spawn_cold(now, more - taken);
             resize = Some(described);
         } else if target < world as i64 {
             let keep = (target as usize).max(min as usize);
@@ -853,7 +935,7 @@ impl Membership {
                 continue;
             }
             let new = self.next_id;
-            self.spawn(now, 1);
+            self.spawn_cold(now, 1);
             self.replacing.insert(new, id);
             resize = Some(format!("policy: replace worker {id}, slower than the others, by worker {new}"));
         }

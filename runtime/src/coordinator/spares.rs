@@ -1,0 +1,86 @@
+//! The warm spares a scaling policy sizes (its optional `spare-policy`):
+//! what they cost and what they were used for, asked just after each
+//! `decide`; the answer kept within the job's bounds.
+
+use super::Coordinator;
+use std::time::Instant;
+
+/// What the coordinator follows of its spares for a policy sizing them.
+pub(super) struct SpareBook {
+    /// When the spares wanted last changed.
+    changed: Instant,
+    /// Spare-seconds held so far, summed at each look, and when the last was.
+    held_secs: f64,
+    looked: Instant,
+    /// The policy was told the job gave spares up (said once).
+    told_gave_up: bool,
+}
+
+impl SpareBook {
+    pub(super) fn new(now: Instant) -> Self {
+        SpareBook { changed: now, held_secs: 0.0, looked: now, told_gave_up: false }
+    }
+}
+
+impl Coordinator<'_> {
+    /// Asks the scaling policy how many warm spares the job should keep
+    /// (a policy that sizes them; just after its `decide`), and keeps the
+    /// answer within `max-workers - min-workers`.
+    pub(super) fn decide_spares(&mut self) {
+        let now = Instant::now();
+        let holding = self.membership.spares();
+        let book = &mut self.spare_book;
+        book.held_secs += f64::from(holding) * now.duration_since(book.looked).as_secs_f64();
+        book.looked = now;
+        let counts = self.membership.spare_counts();
+        let view = edl_plugin_sdk::SpareView {
+            step: self.tally.committed,
+            world_size: self.membership.world(),
+            min_workers: self.cfg.min_workers,
+            max_workers: self.cfg.max_workers,
+            spares_wanted: self.membership.spares_wanted(),
+            spares_ready: self.membership.spares_ready(),
+            spares_starting: holding - self.membership.spares_ready(),
+            price_per_spare_hour: self.cfg.price_per_worker_hour,
+            spare_hours: book.held_secs / 3600.0,
+            from_spares: counts.from_spares,
+            started_cold: counts.started_cold,
+            members_lost: counts.members_lost,
+            ready_secs: if counts.readied == 0 {
+                0.0
+            } else {
+                counts.ready_time.as_secs_f64() / counts.readied as f64
+            },
+            hours: self.training_since.map_or(0.0, |t| now.duration_since(t).as_secs_f64() / 3600.0),
+            secs_since_change: now.duration_since(book.changed).as_secs_f64(),
+        };
+        let asked = match self.policy.decide_spares(&view) {
+            Ok(Some(n)) => n,
+            Ok(None) => return,
+            Err(e) => {
+                return self.note(format!("scaling policy: decide-spares failed, spares as they are: {e}"));
+            }
+        };
+        let most = self.cfg.max_workers.saturating_sub(self.cfg.min_workers);
+        let want = asked.min(most);
+        if want != asked {
+            self.note(format!(
+                "scaling policy asked for {asked} warm spares; {want} (at most max-workers - min-workers)"
+            ));
+        }
+        if want == view.spares_wanted {
+            return;
+        }
+        if !self.membership.set_spares(now, want) {
+            if !std::mem::replace(&mut self.spare_book.told_gave_up, true) {
+                self.note(format!(
+                    "scaling policy asked for {want} warm spares; the job keeps none, having lost spares before they were ready"
+                ));
+            }
+            return;
+        }
+        self.spare_book.changed = now;
+        self.note(format!("scaling policy: warm spares {} -> {want}", view.spares_wanted));
+        self.execute();
+    }
+}
