@@ -3,7 +3,7 @@
 //! Workers are killed with SIGKILL, the whole job too.
 
 use crate::support::{
-    job::{GROWING, assert_exactly_once, finish, job, lines, report, scale_event},
+    job::{GROWING, assert_exactly_once, finish, job, lines, report, run_to_end, scale_event},
     process::{children, sigkill_worker},
     servers::RedisServer,
     wait::wait_for,
@@ -389,6 +389,58 @@ fn a_warm_spare_killed_while_it_waits_is_replaced_and_the_job_never_notices() {
     assert_eq!(r["redone_steps"], 0, "{text}");
     let timeline = r["timeline"].as_array().unwrap();
     assert!(timeline.iter().all(|s| s["world"] == 1), "the spare never trained");
+}
+
+/// A steady job of 2 workers (1 to 4) whose schedule policy sizes the
+/// warm spares (`--warm-spares` 0) by `spares`, deciding every 4 steps.
+fn spares_by_policy(dir: &Path, spares: &str, epochs: &str) -> Command {
+    let schedule = format!("spares={spares}");
+    let args = ["--policy", art::SCHEDULE_WASM, "--policy-config", "every=100000", "--policy-config"];
+    let mut cmd = job(dir, &args);
+    cmd.args([schedule.as_str(), "--decide-every-steps", "4", "--no-distill", "--workers", "2"]).args([
+        "--min-workers",
+        "1",
+        "--max-workers",
+        "4",
+        "--step-delay-ms",
+        "10",
+        "--epochs",
+        epochs,
+    ]);
+    cmd
+}
+
+#[test]
+fn a_spare_the_policy_asked_for_takes_a_lost_worker_s_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let cmd = spares_by_policy(dir.path(), "0:1", "12");
+    let (status, text) = kill_worker_after(cmd, "warm spare 3 ready", 2);
+    assert!(status.success(), "{text}");
+    assert!(text.contains("scaling policy: warm spares 0 -> 1"), "{text}");
+    assert!(text.contains("1 warm spare(s) take the place of the 1 lost"), "{text}");
+    let r = report(dir.path());
+    assert_exactly_once(&r, 12, 1200);
+    let lost = scale_event(&r, "worker 2 lost", &text);
+    assert_eq!((lost["from"].as_u64(), lost["to"].as_u64()), (Some(2), Some(2)), "{lost}");
+    // The policy keeps asking for one: another is started behind it.
+    assert!(dir.path().join(".edl/mnist/logs/worker-4.log").exists(), "{text}");
+}
+
+#[test]
+fn a_policy_asking_for_fewer_spares_has_the_surplus_stopped_and_none_ever_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let (status, text) = run_to_end(spares_by_policy(dir.path(), "0:2,40:0", "4"));
+    assert!(status.success(), "{text}");
+    let (up, down) = ("scaling policy: warm spares 0 -> 2", "scaling policy: warm spares 2 -> 0");
+    let at = |line: &str| text.find(line).unwrap_or_else(|| panic!("no {line:?} in:\n{text}"));
+    assert!(at(up) < at(down), "{text}");
+    // Stopped as asked, neither counts as lost nor is started again.
+    assert!(!text.contains("was lost"), "{text}");
+    let logs = dir.path().join(".edl/mnist/logs");
+    assert!(!logs.join("worker-5.log").exists(), "{text}");
+    let r = report(dir.path());
+    assert_exactly_once(&r, 4, 1200);
+    assert!(r["timeline"].as_array().unwrap().iter().all(|s| s["world"] == 2), "no spare trained");
 }
 
 #[test]

@@ -86,6 +86,38 @@ fn schedule_sizes_the_servers_sandboxed_or_native_and_autoscale_leaves_them_be()
 }
 
 #[test]
+fn the_spares_are_sized_by_schedule_or_by_autoscale_s_price_rule_sandboxed_or_native() {
+    let (host, _d) = host();
+    let view = |step, ready_secs| edl_plugin_sdk::SpareView {
+        step,
+        world_size: 4,
+        min_workers: 4,
+        max_workers: 6,
+        price_per_spare_hour: 2.0,
+        ready_secs,
+        hours: 1.0,
+        ..Default::default()
+    };
+    for file in [art::SCHEDULE_WASM, art::SCHEDULE_SO] {
+        let mut p = host.load_policy(path(file), &pairs(&[("spares", "10:2,20:0")])).unwrap();
+        let asked: Vec<Option<u32>> =
+            [5, 10, 19, 20].iter().map(|&s| p.decide_spares(&view(s, 1.0)).unwrap()).collect();
+        assert_eq!(asked, [None, Some(2), Some(2), Some(0)], "{file}");
+    }
+    for file in [art::AUTOSCALE_WASM, art::AUTOSCALE_SO] {
+        let mut off = host.load_policy(path(file), &[]).unwrap();
+        assert_eq!(off.decide_spares(&view(5, 30.0)).unwrap(), None, "{file}: off unless configured");
+        // At its minimum a loss stops the job (worth 1e6 an hour): one a
+        // day, at 30 s to ready, saves ~347 an hour; one a year ~0.95.
+        let mut daily = host.load_policy(path(file), &pairs(&[("spare-losses-per-hour", "0.0417")])).unwrap();
+        assert_eq!(daily.decide_spares(&view(5, 30.0)).unwrap(), Some(1), "{file}");
+        let mut yearly =
+            host.load_policy(path(file), &pairs(&[("spare-losses-per-hour", "0.000114")])).unwrap();
+        assert_eq!(yearly.decide_spares(&view(5, 30.0)).unwrap(), Some(0), "{file}");
+    }
+}
+
+#[test]
 fn dynamic_batch_ramps_lr_when_going_from_two_to_four_workers() {
     let (host, _d) = host();
     for file in [art::DYNAMIC_BATCH_WASM, art::DYNAMIC_BATCH_SO] {

@@ -1568,6 +1568,74 @@ mod tests {
     }
 
     #[test]
+    fn fewer_spares_wanted_stops_the_least_ready_first_and_starts_none_behind() {
+        let t = Instant::now();
+        let mut m = formed(1, 1, 6, t);
+        assert!(m.set_spares(t, 3));
+        assert_eq!(spawned(&drain(&mut m)), vec![2, 3, 4]);
+        ready(&mut m, t, 2);
+        m.handle(t, MemberEvent::Hello { conn: 103, worker: 3, pid: 1003 });
+        drain(&mut m);
+        // 2 ready, 3 loading, 4 not yet connected: 4 goes first, then 3.
+        assert!(m.set_spares(t, 1));
+        let cmds = drain(&mut m);
+        assert_eq!(stops(&cmds), vec![4, 3]);
+        assert!(spawned(&cmds).is_empty());
+        assert!(matches!(&cmds[0], Command::Stop { worker: 4, conn: None, .. }), "{cmds:?}");
+        assert!(matches!(&cmds[1], Command::Stop { worker: 3, conn: Some(103), .. }), "{cmds:?}");
+        assert_eq!((m.spares(), m.spares_ready(), m.spares_wanted()), (1, 1, 1));
+        // The stopped ones going is no loss: nothing is started for them.
+        m.handle(t, MemberEvent::Closed { conn: 103, why: "stopped".into() });
+        m.handle(t, MemberEvent::Exited { worker: 4, status: "signal: 15".into() });
+        assert!(spawned(&drain(&mut m)).is_empty());
+        assert!(m.set_spares(t, 0));
+        assert_eq!(stops(&drain(&mut m)), vec![2]);
+        assert_eq!((m.spares(), m.world()), (0, 1));
+        // A growth now starts a worker: none is there to take.
+        m.apply_decision(t, &[Action::ScaleOut(1)]);
+        assert_eq!(spawned(&drain(&mut m)), vec![5]);
+        assert_eq!(m.spare_counts().started_cold, 1);
+    }
+
+    #[test]
+    fn what_the_spares_were_used_for_is_counted() {
+        let t = Instant::now();
+        let mut m = formed(2, 2, 6, t);
+        m.set_spares(t, 1);
+        drain(&mut m);
+        let later = t + Duration::from_secs(3);
+        ready(&mut m, later, 3);
+        // A growth by two: one from the spare, one started cold.
+        m.apply_decision(later, &[Action::ScaleOut(2)]);
+        drain(&mut m);
+        m.boundary(true, false);
+        // A member lost: the spare started behind, still starting, takes
+        // its place (it joins once ready).
+        m.fail(later, &BTreeSet::from([1]));
+        drain(&mut m);
+        let c = m.spare_counts();
+        assert_eq!((c.from_spares, c.started_cold, c.members_lost), (2, 1, 1), "{c:?}");
+        // The formed members became ready at once, spare 3 after 3 s.
+        assert_eq!((c.readied, c.ready_time), (3, Duration::from_secs(3)));
+    }
+
+    #[test]
+    fn once_spares_were_given_up_a_policy_cannot_start_them_again() {
+        let t = Instant::now();
+        let mut m = formed(1, 1, 4, t);
+        m.set_spares(t, 1);
+        for _ in 0..SPARE_TRIES {
+            let id = *spawned(&drain(&mut m)).last().unwrap();
+            m.handle(t, MemberEvent::Exited { worker: id, status: "exit status: 1".into() });
+        }
+        drain(&mut m);
+        assert!(m.spares_gave_up());
+        assert!(!m.set_spares(t, 1));
+        assert!(spawned(&drain(&mut m)).is_empty());
+        assert!(m.set_spares(t, 0), "asking for none is no start");
+    }
+
+    #[test]
     fn a_member_leaving_with_notice_is_replaced_by_a_ready_spare() {
         let t = Instant::now();
         let mut m = formed(2, 1, 4, t);
