@@ -110,7 +110,7 @@ struct Coordinator<'a> {
     /// The job's parameter servers, and what it follows of them.
     ps: PsState,
     /// What a policy sizing the warm spares is told of them.
-    spare_book: spares::SpareBook,
+    spare_book: SpareBook,
     generation: u64,
     first_generation: u64,
     /// Steps committed, the epoch and cursor, the ledger, throughput.
@@ -310,6 +310,23 @@ fn membership_of(cfg: &JobConfig, scaler: &dyn crate::scalers::Scaler) -> Member
     membership
 }
 
+/// What the coordinator follows of its spares for a policy sizing them.
+struct SpareBook {
+    /// When the spares wanted last changed.
+    changed: Instant,
+    /// Spare-seconds held so far, summed at each look, and when the last was.
+    held_secs: f64,
+    looked: Instant,
+    /// The policy was told the job gave spares up (said once).
+    told_gave_up: bool,
+}
+
+impl SpareBook {
+    fn new(now: Instant) -> Self {
+        SpareBook { changed: now, held_secs: 0.0, looked: now, told_gave_up: false }
+    }
+}
+
 /// The job's parameter servers, and what the coordinator follows of them
 /// between boundaries.
 #[derive(Default)]
@@ -451,7 +468,7 @@ impl<'a> Coordinator<'a> {
             routes: None,
             membership,
             ps: Default::default(),
-            spare_book: spares::SpareBook::new(now),
+            spare_book: SpareBook::new(now),
             generation: 0,
             first_generation: 0,
             tally: Tally::new(cfg.spec.samples, cfg.spec.seed, now),

@@ -5,23 +5,6 @@
 use super::Coordinator;
 use std::time::Instant;
 
-/// What the coordinator follows of its spares for a policy sizing them.
-pub(super) struct SpareBook {
-    /// When the spares wanted last changed.
-    changed: Instant,
-    /// Spare-seconds held so far, summed at each look, and when the last was.
-    held_secs: f64,
-    looked: Instant,
-    /// The policy was told the job gave spares up (said once).
-    told_gave_up: bool,
-}
-
-impl SpareBook {
-    pub(super) fn new(now: Instant) -> Self {
-        SpareBook { changed: now, held_secs: 0.0, looked: now, told_gave_up: false }
-    }
-}
-
 impl Coordinator<'_> {
     /// Asks the scaling policy how many warm spares the job should keep
     /// (a policy that sizes them; just after its `decide`), and keeps the
