@@ -56,6 +56,9 @@ pub struct SlurmScaler {
     quiet: crate::process::Backoff,
     /// Stops under way: a worker told to stop gets its grace, then `scancel`.
     stopping: Vec<std::thread::JoinHandle<()>>,
+    /// The nodes of workers told to stop, until their grace ends: a node's
+    /// relay stays while its workers may still hand their state over.
+    draining: Vec<(String, Instant)>,
     /// A relay per node (`--relay`).
     relays: Option<SlurmRelays>,
 }
@@ -102,6 +105,7 @@ impl SlurmScaler {
             idle: None,
             quiet: Default::default(),
             stopping: Vec::new(),
+            draining: Vec::new(),
             relays: None,
         }
     }
@@ -202,15 +206,23 @@ impl SlurmScaler {
             self.exited.push((id, why));
         }
         if let Some(relays) = &mut self.relays {
-            let nodes: BTreeSet<String> = self
-                .jobs
-                .values()
-                .filter(|j| j.running && !j.node.is_empty())
-                .map(|j| j.node.clone())
-                .collect();
+            let nodes = busy_nodes(&self.jobs, &mut self.draining, Instant::now());
             relays.tend(&listed, &nodes, &self.opts);
         }
     }
+}
+
+/// The nodes that run workers: those of running workers, and those of
+/// workers told to stop whose grace has not ended (`draining`, pruned of
+/// the ended).
+fn busy_nodes(
+    jobs: &BTreeMap<u64, Submitted>,
+    draining: &mut Vec<(String, Instant)>,
+    now: Instant,
+) -> BTreeSet<String> {
+    draining.retain(|(_, until)| *until > now);
+    let running = jobs.values().filter(|j| j.running && !j.node.is_empty()).map(|j| j.node.clone());
+    running.chain(draining.iter().map(|(node, _)| node.clone())).collect()
 }
 
 /// How Slurm says job `slurm` ended (`scontrol show job` keeps it for a
@@ -251,6 +263,9 @@ impl Scaler for SlurmScaler {
         }
         // Told to stop over its connection: it ends its Slurm job by
         // exiting; one still there after its grace is cancelled.
+        if self.relays.is_some() && !j.node.is_empty() {
+            self.draining.push((j.node.clone(), Instant::now() + grace));
+        }
         self.stopping.push(std::thread::spawn(move || {
             let until = Instant::now() + grace;
             while Instant::now() < until {
@@ -380,6 +395,20 @@ impl Drop for SlurmScaler {
 mod tests {
     use super::*;
     use crate::worker::session::Secret;
+
+    #[test]
+    fn a_node_stays_busy_while_a_worker_told_to_stop_there_has_its_grace() {
+        let t = Instant::now();
+        let job = |node: &str, running| Submitted { slurm: "1".into(), at: t, running, node: node.into() };
+        let jobs = BTreeMap::from([(1, job("n1", true)), (2, job("n2", false)), (3, job("", true))]);
+        let mut draining = vec![("n3".to_string(), t + Duration::from_secs(3))];
+        let nodes = busy_nodes(&jobs, &mut draining, t);
+        assert_eq!(nodes, BTreeSet::from(["n1".to_string(), "n3".to_string()]));
+        // Its grace over, the node is idle (and forgotten).
+        let nodes = busy_nodes(&jobs, &mut draining, t + Duration::from_secs(3));
+        assert_eq!(nodes, BTreeSet::from(["n1".to_string()]));
+        assert!(draining.is_empty());
+    }
 
     #[test]
     fn a_worker_s_script_carries_the_secret_in_its_environment_and_execs_the_worker_quoted() {
