@@ -234,9 +234,36 @@ impl RawTeacherView {
     }
 }
 
-// `SpareView` crosses this ABI as it is: a field added to it changes its
-// layout, which needs a new `ABI_VERSION`.
-const _: () = assert!(std::mem::size_of::<SpareView>() == 96);
+// `SpareView` crosses this ABI as it is: a field added, moved or retyped
+// changes its layout, which needs a new `ABI_VERSION`. Its size and every
+// field's offset are pinned here.
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(size_of::<SpareView>() == 96);
+    let offsets = [
+        offset_of!(SpareView, step),
+        offset_of!(SpareView, world_size),
+        offset_of!(SpareView, min_workers),
+        offset_of!(SpareView, max_workers),
+        offset_of!(SpareView, spares_wanted),
+        offset_of!(SpareView, spares_ready),
+        offset_of!(SpareView, spares_starting),
+        offset_of!(SpareView, price_per_spare_hour),
+        offset_of!(SpareView, spare_hours),
+        offset_of!(SpareView, from_spares),
+        offset_of!(SpareView, started_cold),
+        offset_of!(SpareView, members_lost),
+        offset_of!(SpareView, ready_secs),
+        offset_of!(SpareView, hours),
+        offset_of!(SpareView, secs_since_change),
+    ];
+    let expected = [0, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 72, 80, 88];
+    let mut i = 0;
+    while i < offsets.len() {
+        assert!(offsets[i] == expected[i]);
+        i += 1;
+    }
+};
 
 // `ServerStats` is an element of this ABI's slices: a field added to it
 // changes its stride, which needs a new `ABI_VERSION`.

@@ -37,9 +37,8 @@ pub trait ScalingPolicy: Default + 'static {
     /// The warm spares the job should keep, asked just after each `decide`
     /// (after [`decide_servers`](Self::decide_servers)), or None to keep
     /// them as they are (`--warm-spares`). The view says what the spares
-    /// cost and what they were used for. The host keeps the answer within
-    /// `max_workers - min_workers`; surplus spares are stopped. The
-    /// default: None.
+    /// cost and what they were used for. The host keeps the answer below
+    /// `max_workers`; surplus spares are stopped. The default: None.
     fn decide_spares(&mut self, view: &SpareView) -> Option<u32> {
         let _ = view;
         None

@@ -385,7 +385,8 @@ pub struct SpareView {
     /// a worker had to be started (no spare was there), all told.
     pub from_spares: u64,
     pub started_cold: u64,
-    /// Members lost without being asked to go, all told.
+    /// Members lost with a failed generation or told to go by their
+    /// scheduler, all told (not those the policy or the job stopped).
     pub members_lost: u64,
     /// Mean seconds a worker took from its start to ready; 0 until one was.
     pub ready_secs: f64,

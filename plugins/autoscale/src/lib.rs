@@ -66,9 +66,12 @@
 //! job waits for a worker), one worker's share of it otherwise (the job
 //! goes on one short). With the loss rate the larger of the expected one
 //! and the job's own (members lost / hours trained), a spare is kept when
-//! rate x ready hours x value lost per hour >= its price per hour. Until a
-//! worker was ready nothing is known of the time saved, and the spares are
-//! left as they are.
+//! rate x ready hours x value lost per hour >= its price per hour. Spares
+//! kept (by the rule or `--warm-spares`) stay, as many as they are, until
+//! they save less than half their price and ten minutes have passed since
+//! the spares last changed, so that a world moving about its minimum does
+//! not start and stop them. Until a worker was ready nothing is known of
+//! the time saved, and the spares are left as they are.
 
 use edl_plugin_sdk::{Action, ClusterView, Config, PluginError, ScalingPolicy, SpareView};
 use serde::{Deserialize, Serialize};
@@ -139,6 +142,9 @@ impl Default for Autoscale {
         }
     }
 }
+
+/// Seconds after a change of the spares before the rule lets them go.
+const SPARE_SETTLE_SECS: f64 = 600.0;
 
 const KEYS: &[&str] = &[
     "spare-losses-per-hour",
@@ -387,7 +393,16 @@ impl ScalingPolicy for Autoscale {
         let lost_per_hour =
             if halts { self.value_per_hour } else { self.value_per_hour / f64::from(view.world_size.max(1)) };
         let saved_per_hour = rate * view.ready_secs / 3600.0 * lost_per_hour;
-        Some(u32::from(saved_per_hour >= view.price_per_spare_hour))
+        let price = view.price_per_spare_hour;
+        if view.spares_wanted > 0 {
+            // Kept spares go only once clearly not worth it, and not soon
+            // after the last change: a world moving about its minimum
+            // does not start and stop them.
+            let settled = view.secs_since_change >= SPARE_SETTLE_SECS;
+            let keep = saved_per_hour >= price / 2.0 || !settled;
+            return Some(if keep { view.spares_wanted } else { 0 });
+        }
+        Some(u32::from(saved_per_hour >= price))
     }
 
     fn decide(&mut self, view: &ClusterView) -> Vec<Action> {
@@ -554,6 +569,16 @@ mod tests {
         let lossy = SpareView { members_lost: 1, hours: 200.0, ..view.clone() };
         assert_eq!(p("0").decide_spares(&lossy), Some(1));
         assert_eq!(p("0").decide_spares(&SpareView { hours: 0.05, ..lossy }), Some(0));
+        // Kept spares stay until they save less than half their price,
+        // ten minutes after the last change; then they go.
+        let kept = |saved_rate: &str, secs| {
+            let v = SpareView { spares_wanted: 2, secs_since_change: secs, ..view.clone() };
+            p(saved_rate).decide_spares(&v)
+        };
+        assert_eq!(kept("0.002", 900.0), Some(2), "4.2 saved: kept, all of them");
+        assert_eq!(kept("0.001", 900.0), Some(2), "2.1 saved: below the price, above half of it");
+        assert_eq!(kept("0.0005", 900.0), Some(0), "1.04 saved: under half the price");
+        assert_eq!(kept("0.0005", 60.0), Some(2), "too soon after the last change");
         // Nothing known of the time a spare saves yet, or the rule off.
         assert_eq!(p("1").decide_spares(&SpareView { ready_secs: 0.0, ..view.clone() }), None);
         assert_eq!(testing::policy::<Autoscale>(&[]).unwrap().decide_spares(&view), None);

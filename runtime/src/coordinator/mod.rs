@@ -319,11 +319,13 @@ struct SpareBook {
     looked: Instant,
     /// The policy was told the job gave spares up (said once).
     told_gave_up: bool,
+    /// The last answer kept within the bound (said once while it lasts).
+    clamped: Option<u32>,
 }
 
 impl SpareBook {
     fn new(now: Instant) -> Self {
-        SpareBook { changed: now, held_secs: 0.0, looked: now, told_gave_up: false }
+        SpareBook { changed: now, held_secs: 0.0, looked: now, told_gave_up: false, clamped: None }
     }
 }
 

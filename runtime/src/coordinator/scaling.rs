@@ -284,22 +284,19 @@ impl Coordinator<'_> {
         let asked = Instant::now();
         let answer = self.policy.decide(&view);
         self.record_decision(view, &answer, asked.elapsed().as_secs_f64());
-        let actions = match answer {
-            Ok(a) => a,
-            Err(e) => {
-                self.note(format!("scaling policy failed, holding: {e}"));
-                return;
+        match answer {
+            Err(e) => self.note(format!("scaling policy failed, holding: {e}")),
+            Ok(actions) if actions.iter().any(|a| matches!(a, Action::ScaleIn(_))) => {
+                // Workers leave at a step boundary: once the windows already
+                // sent are committed.
+                self.decision = Some(actions);
             }
-        };
-        if actions.iter().any(|a| matches!(a, Action::ScaleIn(_))) {
-            // Workers leave at a step boundary: once the windows already
-            // sent are committed.
-            self.decision = Some(actions);
-        } else {
             // Starting workers (and replacements) needs no boundary: they
             // join at one once ready.
-            self.apply_decision(&actions);
+            Ok(actions) => self.apply_decision(&actions),
         }
+        // Asked whether or not the workers' decision failed: each is a
+        // call of its own.
         self.decide_servers();
         self.decide_spares();
     }

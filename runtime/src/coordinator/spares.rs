@@ -8,7 +8,7 @@ use std::time::Instant;
 impl Coordinator<'_> {
     /// Asks the scaling policy how many warm spares the job should keep
     /// (a policy that sizes them; just after its `decide`), and keeps the
-    /// answer within `max-workers - min-workers`.
+    /// answer below `max-workers` (as `--warm-spares`).
     pub(super) fn decide_spares(&mut self) {
         let now = Instant::now();
         let holding = self.membership.spares();
@@ -44,13 +44,12 @@ impl Coordinator<'_> {
                 return self.note(format!("scaling policy: decide-spares failed, spares as they are: {e}"));
             }
         };
-        let most = self.cfg.max_workers.saturating_sub(self.cfg.min_workers);
-        let want = asked.min(most);
-        if want != asked {
-            self.note(format!(
-                "scaling policy asked for {asked} warm spares; {want} (at most max-workers - min-workers)"
-            ));
+        // The bound `--warm-spares` has: below the maximum.
+        let want = asked.min(self.cfg.max_workers.saturating_sub(1));
+        if want != asked && self.spare_book.clamped != Some(asked) {
+            self.note(format!("scaling policy asked for {asked} warm spares; {want} (below --max-workers)"));
         }
+        self.spare_book.clamped = (want != asked).then_some(asked);
         if want == view.spares_wanted {
             return;
         }

@@ -441,6 +441,9 @@ fn a_policy_asking_for_fewer_spares_has_the_surplus_stopped_and_none_ever_trains
     let r = report(dir.path());
     assert_exactly_once(&r, 4, 1200);
     assert!(r["timeline"].as_array().unwrap().iter().all(|s| s["world"] == 2), "no spare trained");
+    // Stopped when the policy asked, not kept to the job's end (where the
+    // job would have stopped them as unused).
+    assert_eq!(r["workers_unused"], serde_json::json!([]), "{text}");
 }
 
 #[test]

@@ -158,6 +158,8 @@ pub struct Membership {
     /// Spares lost before they were ready, in a row: past
     /// [`SPARE_TRIES`] the job stops keeping spares.
     spares_lost: u32,
+    /// The job stopped keeping spares (after [`SPARE_TRIES`] lost): for good.
+    spares_given_up: bool,
     /// What the spares were for, as a policy sizing them sees it.
     spare_counts: SpareCounts,
 }
@@ -223,6 +225,7 @@ impl Membership {
             spare_ids: BTreeSet::new(),
             held: Vec::new(),
             spares_lost: 0,
+            spares_given_up: false,
             spare_counts: SpareCounts::default(),
         }
     }
@@ -233,7 +236,7 @@ impl Membership {
     /// nothing done, once the job gave spares up ([`SPARE_TRIES`] lost
     /// before they were ready).
     pub fn set_spares(&mut self, now: Instant, n: u32) -> bool {
-        if self.spares_gave_up() && n > 0 {
+        if self.spares_given_up && n > self.spares_wanted {
             return false;
         }
         self.spares_wanted = n;
@@ -250,7 +253,19 @@ impl Membership {
     /// Whether the job stopped keeping spares, after [`SPARE_TRIES`] in a
     /// row were lost before they were ready.
     pub fn spares_gave_up(&self) -> bool {
-        self.spares_lost >= SPARE_TRIES
+        self.spares_given_up
+    }
+
+    /// Counts a spare lost before it was ready; the [`SPARE_TRIES`]th in a
+    /// row ends the keeping of spares for good (true then).
+    fn spare_failed(&mut self) -> bool {
+        self.spares_lost += 1;
+        if self.spares_lost < SPARE_TRIES || self.spares_given_up {
+            return false;
+        }
+        self.spares_given_up = true;
+        self.spares_wanted = 0;
+        true
     }
 
     /// What the spares were used for, all told.
@@ -305,6 +320,9 @@ impl Membership {
 
     /// Starts spares up to the number wanted, within the maximum.
     fn keep_spares(&mut self, now: Instant) {
+        if self.spares_given_up {
+            return;
+        }
         let used = self.world() + self.coming() + self.spares();
         let room = self.max.saturating_sub(used);
         let short = self.spares_wanted.saturating_sub(self.spares()).min(room);
@@ -318,20 +336,24 @@ impl Membership {
     /// Makes up to `n` spares joiners (ready ones first; those still
     /// loading join when ready); returns how many.
     fn take_spares(&mut self, n: u32) -> u32 {
-        let mut taken = 0;
-        while taken < n && !self.held.is_empty() {
-            let w = self.held.remove(0);
-            self.spare_ids.remove(&w.id);
-            self.joiners.push(w);
-            taken += 1;
-        }
-        while taken < n {
-            let Some(&id) = self.spare_ids.iter().next() else { break };
-            self.spare_ids.remove(&id);
-            taken += 1;
-        }
-        self.spare_counts.from_spares += u64::from(taken);
-        taken
+        (0..n).take_while(|_| self.take_spare().is_some()).count() as u32
+    }
+
+    /// Makes one spare a joiner (a ready one first; one still loading
+    /// joins when ready); returns its id.
+    fn take_spare(&mut self) -> Option<WorkerId> {
+        let id = match self.held.first() {
+            Some(_) => {
+                let w = self.held.remove(0);
+                let id = w.id;
+                self.joiners.push(w);
+                id
+            }
+            None => *self.spare_ids.iter().next()?,
+        };
+        self.spare_ids.remove(&id);
+        self.spare_counts.from_spares += 1;
+        Some(id)
     }
 
     /// A spare that was starting, loading or held is gone: another is started.
@@ -341,11 +363,7 @@ impl Membership {
         }
         let was_ready = self.held.iter().any(|w| w.id == id);
         self.held.retain(|w| w.id != id);
-        if !was_ready {
-            self.spares_lost += 1;
-        }
-        if self.spares_lost >= SPARE_TRIES {
-            self.spares_wanted = 0;
+        if !was_ready && self.spare_failed() {
             self.note(
                 format!(
                     "warm spare {id} was lost before it was ready ({why}), the {SPARE_TRIES}th in a row: \
@@ -355,7 +373,8 @@ impl Membership {
             );
             return true;
         }
-        self.note(format!("warm spare {id} was lost while waiting ({why}); another is started"), Some(id));
+        let behind = if self.spares_given_up { "" } else { "; another is started" };
+        self.note(format!("warm spare {id} was lost while waiting ({why}){behind}"), Some(id));
         self.keep_spares(now);
         true
     }
@@ -517,13 +536,17 @@ impl Membership {
     pub fn spawn_failed(&mut self, worker: WorkerId, why: String) {
         self.spawning.remove(&worker);
         self.started.retain(|w| *w != worker);
-        if self.spare_ids.remove(&worker) {
-            // Not started again from here: the scaler refuses now, and would
-            // refuse the next one alike. The next change of the job tries.
-            self.spares_lost += 1;
-        }
+        let spare = self.spare_ids.remove(&worker);
         self.replacement_lost(Instant::now(), worker);
         self.note(format!("could not start worker {worker}: {why}"), None);
+        // Not started again from here: the scaler refuses now, and would
+        // refuse the next one alike. The next change of the job tries.
+        if spare && self.spare_failed() {
+            self.note(
+                format!("the scaler refused {SPARE_TRIES} warm spares in a row: the job keeps no spares from now on"),
+                None,
+            );
+        }
     }
 
     fn note(&mut self, text: String, log_of: Option<WorkerId>) {
@@ -873,7 +896,7 @@ impl Membership {
     /// those already on their way.
     pub fn refill(&mut self, now: Instant) {
         let missing = self.min.saturating_sub(self.coming());
-        self.spawn(now, missing);
+        self.spawn_cold(now, missing);
         self.changed = true;
     }
 
@@ -935,7 +958,7 @@ impl Membership {
                 continue;
             }
             let new = self.next_id;
-            self.spawn_cold(now, 1);
+            self.spawn(now, 1);
             self.replacing.insert(new, id);
             resize = Some(format!("policy: replace worker {id}, slower than the others, by worker {new}"));
         }
@@ -951,14 +974,27 @@ impl Membership {
     pub fn leave(&mut self, now: Instant, worker: WorkerId, reason: &str) -> Option<Leave> {
         let why = format!("left with notice ({reason})");
         if let Some(i) = self.members.iter().position(|m| m.id == worker) {
+            if !self.told.contains_key(&worker) {
+                // Its scheduler took it: a loss the job did not choose.
+                self.spare_counts.members_lost += 1;
+            }
             if self.members.len() == 1 {
                 self.told.entry(worker).or_insert_with(|| Told { why: reason.to_string(), tries: 1 });
                 let new = match self.replacing.iter().find(|(_, o)| **o == worker) {
                     Some((new, _)) => *new,
                     None => {
-                        let new = self.next_id;
-                        self.spawn(now, 1);
+                        // A warm spare takes the state over where there is
+                        // one; a worker is started where there is none.
+                        let new = match self.take_spare() {
+                            Some(spare) => spare,
+                            None => {
+                                let new = self.next_id;
+                                self.spawn_cold(now, 1);
+                                new
+                            }
+                        };
                         self.replacing.insert(new, worker);
+                        self.keep_spares(now);
                         new
                     }
                 };
@@ -991,7 +1027,7 @@ impl Membership {
         }
         let have = self.world() + self.coming();
         if have < self.min {
-            self.spawn(now, self.min - have);
+            self.spawn_cold(now, self.min - have);
         }
         self.keep_spares(now);
         Some(Leave::Now(format!("worker {worker} {why}")))
@@ -1633,6 +1669,42 @@ mod tests {
         assert!(!m.set_spares(t, 1));
         assert!(spawned(&drain(&mut m)).is_empty());
         assert!(m.set_spares(t, 0), "asking for none is no start");
+        // Spares the scaler refuses, three in a row, likewise: no more
+        // are started at the job's next changes.
+        let mut m = formed(1, 1, 4, t);
+        m.set_spares(t, 1);
+        for _ in 0..SPARE_TRIES {
+            let id = *spawned(&drain(&mut m)).last().unwrap();
+            m.spawn_failed(id, "no slot".into());
+            m.apply_decision(t, &[Action::Hold]);
+        }
+        let cmds = drain(&mut m);
+        assert!(spawned(&cmds).is_empty(), "{cmds:?}");
+        assert!(
+            cmds.iter().any(|c| matches!(c, Command::Note { text, .. } if text.contains("keeps no spares")))
+        );
+        assert!(m.spares_gave_up() && !m.set_spares(t, 2));
+    }
+
+    #[test]
+    fn a_sole_member_told_to_go_hands_its_state_to_a_ready_spare() {
+        let t = Instant::now();
+        let mut m = formed(1, 1, 3, t);
+        m.set_spares(t, 1);
+        assert_eq!(spawned(&drain(&mut m)), vec![2]);
+        ready(&mut m, t, 2);
+        assert!(
+            matches!(m.leave(t, 1, "spot notice"), Some(Leave::AfterHandover(s)) if s.contains("worker 2"))
+        );
+        assert_eq!(spawned(&drain(&mut m)), vec![3], "no worker started for it, a spare behind");
+        // The spare joins beside it, takes the state, and it leaves.
+        assert!(m.boundary(true, false).changed);
+        assert_eq!(m.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![1, 2]);
+        m.boundary(true, false);
+        assert_eq!(stops(&drain(&mut m)), vec![1]);
+        assert_eq!(m.members().iter().map(|w| w.id).collect::<Vec<_>>(), vec![2]);
+        let c = m.spare_counts();
+        assert_eq!((c.from_spares, c.started_cold, c.members_lost), (1, 0, 1), "{c:?}");
     }
 
     #[test]
