@@ -31,8 +31,8 @@ mod steps;
 use crate::job::{JobConfig, assembly::Job};
 use crate::leader::record::TeacherHandle;
 pub use records::{
-    AdapterDecision, JobOutcome, PolicyDecision, Progress, ServerDecision, StepRecord, StoreEvent,
-    UnusedWorker, WorkerState,
+    AdapterDecision, JobOutcome, PolicyDecision, Progress, ServerDecision, SpareDecision, StepRecord,
+    StoreEvent, UnusedWorker, WorkerState,
 };
 pub use resume::{AlreadyFinished, finished_here, mark_complete};
 
@@ -321,11 +321,20 @@ struct SpareBook {
     told_gave_up: bool,
     /// The last answer kept within the bound (said once while it lasts).
     clamped: Option<u32>,
+    /// The policy's answers, for the report (the newest of them).
+    decisions: std::collections::VecDeque<records::SpareDecision>,
 }
 
 impl SpareBook {
     fn new(now: Instant) -> Self {
-        SpareBook { changed: now, held_secs: 0.0, looked: now, told_gave_up: false, clamped: None }
+        SpareBook {
+            changed: now,
+            held_secs: 0.0,
+            looked: now,
+            told_gave_up: false,
+            clamped: None,
+            decisions: Default::default(),
+        }
     }
 }
 
@@ -841,6 +850,9 @@ impl Coordinator<'_> {
             policy_decisions: std::mem::take(&mut self.policy_decisions).into(),
             adapter_decisions: std::mem::take(&mut self.adapter_decisions).into(),
             server_decisions: std::mem::take(&mut self.ps.decisions).into(),
+            spares: (self.cfg.warm_spares > 0 || !self.spare_book.decisions.is_empty())
+                .then(|| self.spare_view(Instant::now())),
+            spare_decisions: std::mem::take(&mut self.spare_book.decisions).into(),
             workers_unused: std::mem::take(&mut self.unused),
             redone_steps: self.redone_steps,
             worker_handles: self

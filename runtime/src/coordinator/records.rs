@@ -137,6 +137,13 @@ pub struct JobOutcome {
     /// What the scaling policy was asked about the parameter servers, and answered.
     #[serde(default)]
     pub server_decisions: Vec<ServerDecision>,
+    /// The scaling policy's answers about the warm spares.
+    #[serde(default)]
+    pub spare_decisions: Vec<SpareDecision>,
+    /// The warm spares at the job's end: what they cost and what they were
+    /// used for (in a job that kept or was asked for any).
+    #[serde(default)]
+    pub spares: Option<edl_plugin_sdk::SpareView>,
     /// Workers asked for that the job ended before they joined, each with
     /// where it stood (`still starting`, `still loading the job`, ...).
     #[serde(default)]
@@ -206,6 +213,20 @@ pub struct ServerDecision {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     pub servers: Option<u32>,
+}
+
+/// Each time the scaling policy answered how many warm spares the job
+/// should keep: the view it was given, its answer or its error, and the
+/// number the job took from it when that changed the spares.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SpareDecision {
+    /// Seconds since the coordinator started.
+    pub secs: f64,
+    pub view: edl_plugin_sdk::SpareView,
+    pub answer: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    pub spares: Option<u32>,
 }
 
 /// A worker the job ended before it joined.

@@ -66,6 +66,16 @@ pub struct Report {
     /// trace for `plugin replay --policy ... --servers`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub server_decisions: Vec<crate::coordinator::ServerDecision>,
+    /// Each answer (or error) of the scaling policy about the warm spares:
+    /// the view (what they cost, what they were used for), the answer and
+    /// the number the job took when it changed them (the newest 5,000).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub spare_decisions: Vec<crate::coordinator::SpareDecision>,
+    /// The warm spares at the job's end, as a policy sizing them would see
+    /// them: spare-hours held, their price, the growths and places they
+    /// took and those started cold, members lost, the time to ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spares: Option<edl_plugin_sdk::SpareView>,
     /// Workers asked for that the job ended before they joined, each with
     /// where it stood then (stopped unused).
     #[serde(default)]
@@ -138,6 +148,8 @@ impl Report {
             policy_decisions: outcome.policy_decisions,
             adapter_decisions: outcome.adapter_decisions,
             server_decisions: outcome.server_decisions,
+            spare_decisions: outcome.spare_decisions,
+            spares: outcome.spares,
             workers_unused: outcome.workers_unused,
             redone_steps: outcome.redone_steps,
             worker_handles: outcome.worker_handles,

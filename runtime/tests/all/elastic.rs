@@ -424,6 +424,14 @@ fn a_spare_the_policy_asked_for_takes_a_lost_worker_s_place() {
     assert_eq!((lost["from"].as_u64(), lost["to"].as_u64()), (Some(2), Some(2)), "{lost}");
     // The policy keeps asking for one: another is started behind it.
     assert!(dir.path().join(".edl/mnist/logs/worker-4.log").exists(), "{text}");
+    // The report says what the spares cost and what they were used for.
+    let s = &r["spares"];
+    assert_eq!((s["from_spares"].as_u64(), s["members_lost"].as_u64()), (Some(1), Some(1)), "{s}");
+    assert_eq!(s["started_cold"], 0, "{s}");
+    assert!(s["spare_hours"].as_f64() > Some(0.0) && s["ready_secs"].as_f64() > Some(0.0), "{s}");
+    let decisions = r["spare_decisions"].as_array().unwrap();
+    assert_eq!(decisions[0]["spares"], 1, "the first answer started one: {decisions:?}");
+    assert!(decisions[1..].iter().all(|d| d["answer"] == 1 && d["spares"].is_null()), "{decisions:?}");
 }
 
 #[test]
@@ -444,6 +452,10 @@ fn a_policy_asking_for_fewer_spares_has_the_surplus_stopped_and_none_ever_trains
     // Stopped when the policy asked, not kept to the job's end (where the
     // job would have stopped them as unused).
     assert_eq!(r["workers_unused"], serde_json::json!([]), "{text}");
+    let taken: Vec<&Value> = r["spare_decisions"].as_array().unwrap().iter().map(|d| &d["spares"]).collect();
+    let changes: Vec<&&Value> = taken.iter().filter(|s| !s.is_null()).collect();
+    assert_eq!(changes, [&&serde_json::json!(2), &&serde_json::json!(0)], "{taken:?}");
+    assert_eq!(r["spares"]["spares_wanted"], 0);
 }
 
 #[test]
