@@ -2,7 +2,8 @@
 //! `libloading` and called through the C ABI of `edl_plugin_sdk::native`.
 //! Trusted and unsandboxed (no deadline, no memory cap): the fast path, and
 //! the baseline the sandbox is measured against. A caught panic recreates
-//! the plugin instance, as a trap does for a component.
+//! the plugin instance, as a trap does for a component, with the memory it
+//! last saved.
 
 use super::{
     AdapterPlugin, Backend, Error, Loaded, Plugin, PolicyPlugin, TeacherPolicyPlugin, TransformPlugin, World,
@@ -34,6 +35,9 @@ struct Common {
     handle: Handle,
     config: Vec<(String, String)>,
     info: PluginInfo,
+    /// The memory last saved or given: what an instance recreated after a
+    /// panic starts from.
+    kept: Option<Vec<u8>>,
 }
 
 #[derive(Clone, Copy)]
@@ -112,7 +116,9 @@ impl Common {
         // SAFETY: the SDK's export hands out its own buffer of `len` bytes,
         // valid until the instance's next call (null or 0: none); `len` is
         // bounded above. The bytes are copied now.
-        Ok(Some(unsafe { out.as_slice() }.to_vec()))
+        let bytes = unsafe { out.as_slice() }.to_vec();
+        self.kept = Some(bytes.clone());
+        Ok(Some(bytes))
     }
 
     fn load_state(&mut self, bytes: &[u8]) -> Result<bool, Error> {
@@ -120,7 +126,27 @@ impl Common {
         // SAFETY: `bytes` is a live slice; the plugin reads `len` bytes of it
         // during the call only.
         let code = unsafe { (f.load)(self.handle, bytes.as_ptr(), bytes.len()) };
-        self.check("load", code).map(|()| true)
+        self.check("load", code)?;
+        self.kept = Some(bytes.to_vec());
+        Ok(true)
+    }
+
+    /// A fresh instance after a panic, given the memory last saved (what it
+    /// learned since is lost); one that cannot take it starts from `init`.
+    fn recreate(&mut self) -> Result<(), Error> {
+        self.create()?;
+        let (Some(f), Some(bytes)) = (self.state, self.kept.as_ref()) else { return Ok(()) };
+        // SAFETY: as in `load_state`.
+        let code = unsafe { (f.load)(self.handle, bytes.as_ptr(), bytes.len()) };
+        if code != status::OK {
+            let why = self.error_text();
+            self.create()?;
+            tracing::warn!(
+                "{}: the recreated instance could not take its memory back ({why}); it starts afresh",
+                self.path
+            );
+        }
+        Ok(())
     }
 
     /// Turns a status code into a result; a panic recreates the instance.
@@ -138,7 +164,7 @@ impl Common {
             status::PANIC => {
                 let err = Error::NativePanic { path: self.path.clone(), call, message: self.error_text() };
                 if call != "init"
-                    && let Err(e) = self.create()
+                    && let Err(e) = self.recreate()
                 {
                     tracing::warn!("{e}");
                 }
@@ -251,6 +277,7 @@ pub fn load(path: &Path, config: &[(String, String)], expected: Option<World>) -
             handle: std::ptr::null_mut(),
             config: config.to_vec(),
             info,
+            kept: None,
         };
         common.create()?;
         world_plugin(world, &lib, common)

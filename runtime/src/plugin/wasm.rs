@@ -244,6 +244,10 @@ pub struct Sandboxed<B: WorldBindings> {
     info: PluginInfo,
     cache: CacheStatus,
     live: Option<Live<B>>,
+    /// The memory the plugin last saved or was given, and whether the next
+    /// instance (one rebuilt after a trap) is to be given it.
+    kept: Option<Vec<u8>>,
+    restore: bool,
     scratch_view: Option<wit::ClusterView>,
     scratch_batch: Option<wit::Batch>,
     scratch_teacher_view: Option<wit_teacher::TeacherView>,
@@ -284,6 +288,8 @@ impl<B: WorldBindings> Sandboxed<B> {
             info: PluginInfo { name: String::new(), version: String::new(), description: String::new() },
             cache,
             live: None,
+            kept: None,
+            restore: false,
             scratch_view: None,
             scratch_batch: None,
             scratch_teacher_view: None,
@@ -434,13 +440,45 @@ impl<B: WorldBindings> Sandboxed<B> {
         })
     }
 
+    /// An instance; after a trap, given the memory last saved (what the
+    /// plugin learned since is lost); one that cannot take it back (a trap,
+    /// an error) is made again from `init`.
+    fn rebuild(&mut self) -> Result<Live<B>, Error> {
+        let mut live = self.instantiate()?;
+        if !std::mem::take(&mut self.restore) {
+            return Ok(live);
+        }
+        let (Some(bytes), Some(st)) = (self.kept.as_ref(), live.state.as_ref()) else { return Ok(live) };
+        live.store.set_epoch_deadline(self.deadline_ticks);
+        live.store.data_mut().deadline = Instant::now() + self.limits.deadline;
+        let ticking = self.ticker.enter();
+        let loaded = st.edl_plugins_state().call_load(&mut live.store, bytes);
+        drop(ticking);
+        match loaded {
+            Ok(Ok(())) => Ok(live),
+            Ok(Err(e)) => {
+                let e: edl_plugin_sdk::PluginError = e.into();
+                tracing::warn!(
+                    "{}: the rebuilt instance could not take its memory back ({e}); it starts afresh",
+                    self.path
+                );
+                self.instantiate()
+            }
+            Err(e) => {
+                let err = self.classify("load", e, &live.store, &live.stderr);
+                tracing::warn!("{err}; the rebuilt instance starts afresh");
+                self.instantiate()
+            }
+        }
+    }
+
     fn call_live<R>(
         &mut self,
         call: &'static str,
         f: impl FnOnce(&mut Live<B>) -> wasmtime::Result<R>,
     ) -> Result<R, Error> {
         if self.live.is_none() {
-            self.live = Some(self.instantiate()?);
+            self.live = Some(self.rebuild()?);
         }
         let live = self.live.as_mut().expect("instantiated above");
         live.store.set_epoch_deadline(self.deadline_ticks);
@@ -461,6 +499,7 @@ impl<B: WorldBindings> Sandboxed<B> {
                 let live = self.live.take().expect("instantiated above");
                 let err = self.classify(call, e, &live.store, &live.stderr);
                 tracing::warn!("{err}; the instance will be rebuilt");
+                self.restore = true;
                 Err(err)
             }
         }
@@ -477,13 +516,20 @@ impl<B: WorldBindings> Plugin for Sandboxed<B> {
     }
 
     fn save_state(&mut self) -> Result<Option<Vec<u8>>, Error> {
-        self.call_state("save", |st, s| st.edl_plugins_state().call_save(s))
+        let saved = self.call_state("save", |st, s| st.edl_plugins_state().call_save(s))?;
+        if let Some(bytes) = &saved {
+            self.kept = Some(bytes.clone());
+        }
+        Ok(saved)
     }
 
     fn load_state(&mut self, bytes: &[u8]) -> Result<bool, Error> {
         match self.call_state("load", |st, s| st.edl_plugins_state().call_load(s, bytes))? {
             None => Ok(false),
-            Some(Ok(())) => Ok(true),
+            Some(Ok(())) => {
+                self.kept = Some(bytes.to_vec());
+                Ok(true)
+            }
             Some(Err(e)) => Err(Error::Guest { path: self.path.clone(), call: "load", error: e.into() }),
         }
     }

@@ -48,6 +48,22 @@ fn a_panic_surfaces_its_message_and_the_instance_is_rebuilt() {
     assert!(text.contains("about to fail on step 13"), "{text}");
     // A fresh instance: its call counter starts again.
     assert_eq!(p.decide(&view(3)).unwrap(), vec![Action::ScaleOut(1)]);
+    rebuilt_with_the_memory_last_saved(p.as_mut());
+}
+
+/// `p` (the panicky policy, having counted one call) saved at its second
+/// call, counts a third, traps: the instance made again goes on from the
+/// second (what it counted since the save is lost, the rest is back).
+fn rebuilt_with_the_memory_last_saved(p: &mut dyn edl_runtime::plugin::PolicyPlugin) {
+    assert_eq!(p.decide(&view(4)).unwrap(), vec![Action::ScaleOut(2)]);
+    assert_eq!(p.save_state().unwrap(), Some(2u32.to_le_bytes().to_vec()));
+    assert_eq!(p.decide(&view(5)).unwrap(), vec![Action::ScaleOut(3)]);
+    assert!(p.decide(&view(13)).is_err());
+    assert_eq!(p.decide(&view(6)).unwrap(), vec![Action::ScaleOut(3)]);
+    // Memory given from outside (a resume) is what a rebuild goes back to too.
+    assert!(p.load_state(&7u32.to_le_bytes()).unwrap());
+    assert!(p.decide(&view(13)).is_err());
+    assert_eq!(p.decide(&view(7)).unwrap(), vec![Action::ScaleOut(8)]);
 }
 
 #[test]
@@ -61,6 +77,7 @@ fn a_native_panic_is_caught_and_the_instance_recreated() {
         "{err}"
     );
     assert_eq!(p.decide(&view(2)).unwrap(), vec![Action::ScaleOut(1)]);
+    rebuilt_with_the_memory_last_saved(p.as_mut());
 }
 
 #[test]
