@@ -323,6 +323,9 @@ struct SpareBook {
     clamped: Option<u32>,
     /// The policy's answers, for the report (the newest of them).
     decisions: std::collections::VecDeque<records::SpareDecision>,
+    /// The spares as the job's final phase found them (before it stopped
+    /// them).
+    at_end: Option<edl_plugin_sdk::SpareView>,
 }
 
 impl SpareBook {
@@ -334,6 +337,7 @@ impl SpareBook {
             told_gave_up: false,
             clamped: None,
             decisions: Default::default(),
+            at_end: None,
         }
     }
 }
@@ -787,7 +791,10 @@ impl Coordinator<'_> {
                 }
                 Phase::Finish { entering } => {
                     if entering {
-                        // The final state: no new workers any more.
+                        // The spares as they stood, for the report, then
+                        // the final state: no new workers any more.
+                        let now = Instant::now();
+                        self.spare_book.at_end = Some(self.spare_view(now));
                         self.membership.stop_newcomers("the job is done");
                         self.execute();
                     }
@@ -850,8 +857,10 @@ impl Coordinator<'_> {
             policy_decisions: std::mem::take(&mut self.policy_decisions).into(),
             adapter_decisions: std::mem::take(&mut self.adapter_decisions).into(),
             server_decisions: std::mem::take(&mut self.ps.decisions).into(),
-            spares: (self.cfg.warm_spares > 0 || !self.spare_book.decisions.is_empty())
-                .then(|| self.spare_view(Instant::now())),
+            spares: (self.cfg.warm_spares > 0 || !self.spare_book.decisions.is_empty()).then(|| {
+                let at_end = self.spare_book.at_end.take();
+                at_end.unwrap_or_else(|| self.spare_view(Instant::now()))
+            }),
             spare_decisions: std::mem::take(&mut self.spare_book.decisions).into(),
             workers_unused: std::mem::take(&mut self.unused),
             redone_steps: self.redone_steps,

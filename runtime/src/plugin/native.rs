@@ -36,8 +36,10 @@ struct Common {
     config: Vec<(String, String)>,
     info: PluginInfo,
     /// The memory last saved or given: what an instance recreated after a
-    /// panic starts from.
+    /// panic starts from; and whether the live instance was given it and
+    /// has not answered a call since.
     kept: Option<Vec<u8>>,
+    restored: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -117,7 +119,9 @@ impl Common {
         // valid until the instance's next call (null or 0: none); `len` is
         // bounded above. The bytes are copied now.
         let bytes = unsafe { out.as_slice() }.to_vec();
-        self.kept = Some(bytes.clone());
+        if !bytes.is_empty() {
+            self.kept = Some(bytes.clone());
+        }
         Ok(Some(bytes))
     }
 
@@ -127,7 +131,9 @@ impl Common {
         // during the call only.
         let code = unsafe { (f.load)(self.handle, bytes.as_ptr(), bytes.len()) };
         self.check("load", code)?;
-        self.kept = Some(bytes.to_vec());
+        if !bytes.is_empty() && bytes.len() <= super::contract::MAX_STATE_BYTES {
+            self.kept = Some(bytes.to_vec());
+        }
         Ok(true)
     }
 
@@ -138,14 +144,18 @@ impl Common {
         let (Some(f), Some(bytes)) = (self.state, self.kept.as_ref()) else { return Ok(()) };
         // SAFETY: as in `load_state`.
         let code = unsafe { (f.load)(self.handle, bytes.as_ptr(), bytes.len()) };
-        if code != status::OK {
-            let why = self.error_text();
-            self.create()?;
-            tracing::warn!(
-                "{}: the recreated instance could not take its memory back ({why}); it starts afresh",
-                self.path
-            );
+        if code == status::OK {
+            self.restored = true;
+            return Ok(());
         }
+        let why = self.error_text();
+        // Not offered again: this memory will not go back in.
+        self.kept = None;
+        self.create()?;
+        tracing::warn!(
+            "{}: the recreated instance could not take its memory back ({why}); it starts afresh",
+            self.path
+        );
         Ok(())
     }
 
@@ -156,6 +166,10 @@ impl Common {
             call,
             error: e(me.error_text()),
         };
+        if code != status::PANIC {
+            // It answered (or chose its error) with the memory it holds.
+            self.restored = false;
+        }
         match code {
             status::OK => Ok(()),
             status::INVALID_CONFIG => Err(guest(PluginError::InvalidConfig, self)),
@@ -163,6 +177,15 @@ impl Common {
             status::FAILED => Err(guest(PluginError::Failed, self)),
             status::PANIC => {
                 let err = Error::NativePanic { path: self.path.clone(), call, message: self.error_text() };
+                if std::mem::take(&mut self.restored) {
+                    // The memory it was given back may be what panics:
+                    // the next instance starts from `init`.
+                    self.kept = None;
+                    tracing::warn!(
+                        "{}: it panicked on the memory it was given back; the next instance starts afresh",
+                        self.path
+                    );
+                }
                 if call != "init"
                     && let Err(e) = self.recreate()
                 {
@@ -278,6 +301,7 @@ pub fn load(path: &Path, config: &[(String, String)], expected: Option<World>) -
             config: config.to_vec(),
             info,
             kept: None,
+            restored: false,
         };
         common.create()?;
         world_plugin(world, &lib, common)

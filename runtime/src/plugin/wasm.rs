@@ -244,10 +244,12 @@ pub struct Sandboxed<B: WorldBindings> {
     info: PluginInfo,
     cache: CacheStatus,
     live: Option<Live<B>>,
-    /// The memory the plugin last saved or was given, and whether the next
-    /// instance (one rebuilt after a trap) is to be given it.
+    /// The memory the plugin last saved or was given, whether the next
+    /// instance (one rebuilt after a trap) is to be given it, and whether
+    /// the live one was and has not yet answered a call since.
     kept: Option<Vec<u8>>,
     restore: bool,
+    restored: bool,
     scratch_view: Option<wit::ClusterView>,
     scratch_batch: Option<wit::Batch>,
     scratch_teacher_view: Option<wit_teacher::TeacherView>,
@@ -290,6 +292,7 @@ impl<B: WorldBindings> Sandboxed<B> {
             live: None,
             kept: None,
             restore: false,
+            restored: false,
             scratch_view: None,
             scratch_batch: None,
             scratch_teacher_view: None,
@@ -454,22 +457,21 @@ impl<B: WorldBindings> Sandboxed<B> {
         let ticking = self.ticker.enter();
         let loaded = st.edl_plugins_state().call_load(&mut live.store, bytes);
         drop(ticking);
-        match loaded {
-            Ok(Ok(())) => Ok(live),
-            Ok(Err(e)) => {
-                let e: edl_plugin_sdk::PluginError = e.into();
-                tracing::warn!(
-                    "{}: the rebuilt instance could not take its memory back ({e}); it starts afresh",
-                    self.path
-                );
-                self.instantiate()
+        let why = match loaded {
+            Ok(Ok(())) => {
+                self.restored = true;
+                return Ok(live);
             }
-            Err(e) => {
-                let err = self.classify("load", e, &live.store, &live.stderr);
-                tracing::warn!("{err}; the rebuilt instance starts afresh");
-                self.instantiate()
-            }
-        }
+            Ok(Err(e)) => edl_plugin_sdk::PluginError::from(e).to_string(),
+            Err(e) => self.classify("load", e, &live.store, &live.stderr).to_string(),
+        };
+        // Not offered again: this memory will not go back in.
+        self.kept = None;
+        tracing::warn!(
+            "{}: the rebuilt instance could not take its memory back ({why}); it starts afresh",
+            self.path
+        );
+        self.instantiate()
     }
 
     fn call_live<R>(
@@ -488,6 +490,7 @@ impl<B: WorldBindings> Sandboxed<B> {
         drop(ticking);
         match done {
             Ok(r) => {
+                self.restored = false;
                 if let Some(text) = live.stderr.take() {
                     for line in text.lines() {
                         tracing::info!(target: "edl::plugin", plugin = %self.info.name, "{line}");
@@ -499,11 +502,27 @@ impl<B: WorldBindings> Sandboxed<B> {
                 let live = self.live.take().expect("instantiated above");
                 let err = self.classify(call, e, &live.store, &live.stderr);
                 tracing::warn!("{err}; the instance will be rebuilt");
+                if std::mem::take(&mut self.restored) {
+                    // The memory it was given back may be what traps: the
+                    // next instance starts from `init`.
+                    self.kept = None;
+                    tracing::warn!(
+                        "{}: it trapped on the memory it was given back; the next instance starts afresh",
+                        self.path
+                    );
+                }
                 self.restore = true;
                 Err(err)
             }
         }
     }
+}
+
+/// Memory a rebuilt instance is given back: none from a plugin that keeps
+/// none (the SDK saves nothing then), and none the contract refuses to
+/// store (past its cap).
+fn worth_keeping(bytes: &[u8]) -> bool {
+    !bytes.is_empty() && bytes.len() <= super::contract::MAX_STATE_BYTES
 }
 
 impl<B: WorldBindings> Plugin for Sandboxed<B> {
@@ -517,7 +536,7 @@ impl<B: WorldBindings> Plugin for Sandboxed<B> {
 
     fn save_state(&mut self) -> Result<Option<Vec<u8>>, Error> {
         let saved = self.call_state("save", |st, s| st.edl_plugins_state().call_save(s))?;
-        if let Some(bytes) = &saved {
+        if let Some(bytes) = saved.as_ref().filter(|b| worth_keeping(b)) {
             self.kept = Some(bytes.clone());
         }
         Ok(saved)
@@ -527,7 +546,9 @@ impl<B: WorldBindings> Plugin for Sandboxed<B> {
         match self.call_state("load", |st, s| st.edl_plugins_state().call_load(s, bytes))? {
             None => Ok(false),
             Some(Ok(())) => {
-                self.kept = Some(bytes.to_vec());
+                if worth_keeping(bytes) {
+                    self.kept = Some(bytes.to_vec());
+                }
                 Ok(true)
             }
             Some(Err(e)) => Err(Error::Guest { path: self.path.clone(), call: "load", error: e.into() }),

@@ -428,6 +428,8 @@ fn a_spare_the_policy_asked_for_takes_a_lost_worker_s_place() {
     let s = &r["spares"];
     assert_eq!((s["from_spares"].as_u64(), s["members_lost"].as_u64()), (Some(1), Some(1)), "{s}");
     assert_eq!(s["started_cold"], 0, "{s}");
+    // As the job's end found them, before it stopped them.
+    assert_eq!((s["spares_wanted"].as_u64(), s["world_size"].as_u64()), (Some(1), Some(2)), "{s}");
     assert!(s["spare_hours"].as_f64() > Some(0.0) && s["ready_secs"].as_f64() > Some(0.0), "{s}");
     let decisions = r["spare_decisions"].as_array().unwrap();
     assert_eq!(decisions[0]["spares"], 1, "the first answer started one: {decisions:?}");
@@ -449,13 +451,15 @@ fn a_policy_asking_for_fewer_spares_has_the_surplus_stopped_and_none_ever_trains
     let r = report(dir.path());
     assert_exactly_once(&r, 4, 1200);
     assert!(r["timeline"].as_array().unwrap().iter().all(|s| s["world"] == 2), "no spare trained");
-    // Stopped when the policy asked, not kept to the job's end (where the
-    // job would have stopped them as unused).
-    assert_eq!(r["workers_unused"], serde_json::json!([]), "{text}");
+    // Stopped when the policy asked, not kept to the job's end.
+    assert!(text.contains("warm spare(s) 3, 4 stopped: fewer warm spares wanted"), "{text}");
     let taken: Vec<&Value> = r["spare_decisions"].as_array().unwrap().iter().map(|d| &d["spares"]).collect();
     let changes: Vec<&&Value> = taken.iter().filter(|s| !s.is_null()).collect();
     assert_eq!(changes, [&&serde_json::json!(2), &&serde_json::json!(0)], "{taken:?}");
-    assert_eq!(r["spares"]["spares_wanted"], 0);
+    assert_eq!(
+        (r["spares"]["spares_wanted"].as_u64(), r["spares"]["world_size"].as_u64()),
+        (Some(0), Some(2))
+    );
 }
 
 #[test]

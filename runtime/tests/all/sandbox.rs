@@ -64,6 +64,12 @@ fn rebuilt_with_the_memory_last_saved(p: &mut dyn edl_runtime::plugin::PolicyPlu
     assert!(p.load_state(&7u32.to_le_bytes()).unwrap());
     assert!(p.decide(&view(13)).is_err());
     assert_eq!(p.decide(&view(7)).unwrap(), vec![Action::ScaleOut(8)]);
+    // An instance that traps on the memory it was given back, before any
+    // call of its own went through, is not given it again: the next one
+    // starts from `init`, not trap after trap.
+    assert!(p.decide(&view(13)).is_err());
+    assert!(p.decide(&view(13)).is_err(), "the rebuilt instance, given its memory, traps too");
+    assert_eq!(p.decide(&view(8)).unwrap(), vec![Action::ScaleOut(1)]);
 }
 
 #[test]

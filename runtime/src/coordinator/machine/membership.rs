@@ -276,6 +276,7 @@ impl Membership {
     /// Stops spares beyond `n`: the least ready first.
     fn shed_spares(&mut self, n: u32) {
         let reason = "fewer warm spares wanted";
+        let before = self.spare_ids.clone();
         let mut surplus = self.spares().saturating_sub(n);
         let starting: Vec<WorkerId> =
             self.spawning.keys().rev().filter(|id| self.spare_ids.contains(id)).copied().collect();
@@ -299,6 +300,10 @@ impl Membership {
             self.started_at.remove(&w.id);
             self.stop(&w, reason.into(), STOP_GRACE);
             surplus -= 1;
+        }
+        let stopped: Vec<String> = before.difference(&self.spare_ids).map(|id| id.to_string()).collect();
+        if !stopped.is_empty() {
+            self.note(format!("warm spare(s) {} stopped: {reason}", stopped.join(", ")), None);
         }
     }
 
@@ -1619,6 +1624,10 @@ mod tests {
         assert!(spawned(&cmds).is_empty());
         assert!(matches!(&cmds[0], Command::Stop { worker: 4, conn: None, .. }), "{cmds:?}");
         assert!(matches!(&cmds[1], Command::Stop { worker: 3, conn: Some(103), .. }), "{cmds:?}");
+        assert!(
+            matches!(&cmds[2], Command::Note { text, .. } if text == "warm spare(s) 3, 4 stopped: fewer warm spares wanted"),
+            "{cmds:?}"
+        );
         assert_eq!((m.spares(), m.spares_ready(), m.spares_wanted()), (1, 1, 1));
         // The stopped ones going is no loss: nothing is started for them.
         m.handle(t, MemberEvent::Closed { conn: 103, why: "stopped".into() });
