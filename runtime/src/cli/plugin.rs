@@ -8,7 +8,7 @@ use edl_plugin_sdk::Hyperparams;
 use edl_runtime::{
     plot,
     plugin::{
-        PluginHost, World,
+        PluginHost, PolicyPlugin, World,
         replay::{self, Decision, Trace},
         scaffold,
     },
@@ -40,7 +40,8 @@ pub enum PluginCommand {
     /// (a simulated cluster, see examples/traces/) and print its decisions;
     /// or a teacher policy over a job's report (its `teacher_decisions`) or
     /// JSON lines of teacher views; with `--servers`, a policy's sizing of
-    /// the parameter servers over a job's report (its `server_decisions`).
+    /// the parameter servers over a job's report (its `server_decisions`);
+    /// with `--spares`, of the warm spares (its `spare_decisions`).
     Replay(ReplayArgs),
 }
 
@@ -57,6 +58,11 @@ pub struct ReplayArgs {
     /// `server_decisions`) or JSON lines of server views.
     #[arg(long, requires = "policy")]
     servers: bool,
+    /// Replay the policy's sizing of the warm spares (its `decide-spares`)
+    /// instead, over a job's report (its `spare_decisions`) or JSON lines
+    /// of spare views.
+    #[arg(long, requires = "policy", conflicts_with = "servers")]
+    spares: bool,
     /// Teacher-policy plugin to replay instead, over a job's report or
     /// JSON lines of teacher views.
     #[arg(long, value_name = "FILE")]
@@ -185,7 +191,10 @@ fn replay(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
     }
     let Some(policy) = &args.policy else { return replay_teachers(host, args) };
     if args.servers {
-        return replay_servers(host, args);
+        return replay_sizing(host, args, &SERVERS);
+    }
+    if args.spares {
+        return replay_sizing(host, args, &SPARES);
     }
     let mut p = host.load_policy(&plugin_path::resolve("--policy", policy)?, &args.config)?;
     let (decisions, recorded) = match replay::read_trace(&args.trace)?.priced(args.price) {
@@ -291,31 +300,71 @@ fn replay_adapter(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Replays a scaling policy's sizing of the parameter servers over the
-/// server views of a trace: each answer as a line (or JSON) beside the
-/// job's, then how many would change the servers and how many answered as
-/// in the job.
-fn replay_servers(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
-    let path = args.policy.as_ref().expect("--servers requires --policy");
+/// What a replay of a policy's sizing of something (the parameter
+/// servers, the warm spares) needs of it.
+struct Sizing<V> {
+    /// What is sized, in the output: `servers`, `spares`.
+    what: &'static str,
+    read: fn(&Path) -> Result<Vec<replay::SizingTraceEntry<V>>, replay::TraceError>,
+    ask: fn(&mut dyn PolicyPlugin, &V) -> Result<Option<u32>, edl_runtime::plugin::Error>,
+    /// The view's step and how many there were then.
+    now: fn(&V) -> (u64, u32),
+    /// The view's other figures worth a line.
+    more: fn(&V) -> String,
+}
+
+const SERVERS: Sizing<edl_plugin_sdk::ServerView> = Sizing {
+    what: "servers",
+    read: replay::read_server_trace,
+    ask: |p, v| p.decide_servers(v),
+    now: |v| (v.step, v.servers.len() as u32),
+    more: |v| format!("rows {:>10}", v.servers.iter().map(|s| s.rows).sum::<u64>()),
+};
+
+const SPARES: Sizing<edl_plugin_sdk::SpareView> = Sizing {
+    what: "spares",
+    read: replay::read_spare_trace,
+    ask: |p, v| p.decide_spares(v),
+    now: |v| (v.step, v.spares_wanted),
+    more: |v| {
+        format!(
+            "ready {}  spare-hours {:.3} at {}/h  from spares {}  cold {}  lost {}",
+            v.spares_ready,
+            v.spare_hours,
+            v.price_per_spare_hour,
+            v.from_spares,
+            v.started_cold,
+            v.members_lost
+        )
+    },
+};
+
+/// Replays a scaling policy's sizing of the servers or the spares over the
+/// views of a trace: each answer as a line (or JSON) beside the job's,
+/// then how many would change the number and how many answered as in the
+/// job.
+fn replay_sizing<V>(host: &PluginHost, args: ReplayArgs, kind: &Sizing<V>) -> Result<ExitCode> {
+    let path = args.policy.as_ref().expect("--servers and --spares require --policy");
     if args.plot.is_some() || args.price.is_some() {
         edl_runtime::refuse!("--plot and --price are for a scaling policy's replay of its workers");
     }
     let mut p = host.load_policy(&plugin_path::resolve("--policy", path)?, &args.config)?;
-    let entries = replay::read_server_trace(&args.trace)?;
+    let entries = (kind.read)(&args.trace)?;
     let (mut out, mut changes, mut same, mut recorded) = (std::io::stdout().lock(), 0, 0, 0);
+    let what = kind.what;
     for e in &entries {
-        let v = &e.view;
-        let answer = p.decide_servers(v);
+        let answer = (kind.ask)(p.as_mut(), &e.view);
         let asked = answer.as_ref().ok().copied().flatten();
-        changes += usize::from(asked.is_some_and(|n| n as usize != v.servers.len()));
+        let (step, had) = (kind.now)(&e.view);
+        changes += usize::from(asked.is_some_and(|n| n != had));
         if let Some(job) = e.in_the_job {
             recorded += 1;
             same += usize::from(answer.is_ok() && asked == job);
         }
         let line = match (&answer, args.json) {
             (_, true) => serde_json::json!({
-                "step": v.step,
-                "servers": v.servers.len(),
+                "step": step,
+                what: had,
                 "answer": asked,
                 "in_the_job": e.in_the_job,
                 "error": answer.as_ref().err().map(|e| e.to_string()),
@@ -328,12 +377,9 @@ fn replay_servers(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
                     Some(None) => "  (in the job: left be)".to_string(),
                     None => String::new(),
                 };
-                let rows: u64 = v.servers.iter().map(|s| s.rows).sum();
-                format!("step {:>7}  servers {:>3} {to}  rows {rows:>10}{job}", v.step, v.servers.len())
+                format!("step {step:>7}  {what} {had:>3} {to}  {}{job}", (kind.more)(&e.view))
             }
-            (Err(err), false) => {
-                format!("step {:>7}  servers {:>3}  the policy failed: {err}", v.step, v.servers.len())
-            }
+            (Err(err), false) => format!("step {step:>7}  {what} {had:>3}  the policy failed: {err}"),
         };
         if !print_line(&mut out, &line)? {
             break;
@@ -341,7 +387,7 @@ fn replay_servers(host: &PluginHost, args: ReplayArgs) -> Result<ExitCode> {
     }
     drop(out);
     eprintln!(
-        "{} decisions of {} over {}: {changes} would change the servers; {same} of {recorded} answered as in the job",
+        "{} decisions of {} over {}: {changes} would change the {what}; {same} of {recorded} answered as in the job",
         entries.len(),
         p.info().name,
         args.trace.display()

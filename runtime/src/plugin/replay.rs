@@ -29,6 +29,10 @@ pub enum TraceError {
         "{path}: a report without server decisions (its job had no parameter servers, or no scaling policy was asked about them)"
     )]
     NoServerDecisions { path: String },
+    #[error(
+        "{path}: a report without spare decisions (no scaling policy of its job answered about the warm spares)"
+    )]
+    NoSpareDecisions { path: String },
     #[error("{path}: a report without policy decisions (written before reports kept them)")]
     NoPolicyDecisions { path: String },
     #[error("{path}: not a job's report (JSON): {source}")]
@@ -258,21 +262,43 @@ pub fn read_teacher_trace(path: &Path) -> Result<Vec<edl_plugin_sdk::TeacherView
     Ok(views.into_iter().map(|(v, _)| v).collect())
 }
 
-/// A server view of a trace, with the answer the job had from its policy
-/// when the trace records one.
+/// A view of a trace of a policy's sizing (of the parameter servers, of
+/// the warm spares), with the answer the job had from its policy when the
+/// trace records one.
 #[derive(Clone, Debug, PartialEq)]
-pub struct ServerTraceEntry {
-    pub view: edl_plugin_sdk::ServerView,
+pub struct SizingTraceEntry<V> {
+    pub view: V,
     /// `Some(answer)` where the trace holds the job's decision.
     pub in_the_job: Option<Option<u32>>,
 }
+
+/// A server view of a trace.
+pub type ServerTraceEntry = SizingTraceEntry<edl_plugin_sdk::ServerView>;
+/// A spare view of a trace.
+pub type SpareTraceEntry = SizingTraceEntry<edl_plugin_sdk::SpareView>;
 
 /// The server views of a trace: a job's report (its `server_decisions`),
 /// or JSON lines each a server view or a decision (`{"view": ..,
 /// "answer": ..}`), as for teachers.
 pub fn read_server_trace(path: &Path) -> Result<Vec<ServerTraceEntry>, TraceError> {
     let missing = |path| TraceError::NoServerDecisions { path };
-    let views = read_views::<edl_plugin_sdk::ServerView>(path, "server_decisions", "server view", missing)?;
+    read_sizing_trace(path, "server_decisions", "server view", missing)
+}
+
+/// The spare views of a trace: a job's report (its `spare_decisions`), or
+/// JSON lines each a spare view or a decision, as for servers.
+pub fn read_spare_trace(path: &Path) -> Result<Vec<SpareTraceEntry>, TraceError> {
+    let missing = |path| TraceError::NoSpareDecisions { path };
+    read_sizing_trace(path, "spare_decisions", "spare view", missing)
+}
+
+fn read_sizing_trace<V: Default + Serialize + serde::de::DeserializeOwned>(
+    path: &Path,
+    list: &'static str,
+    what: &'static str,
+    missing: impl Fn(String) -> TraceError,
+) -> Result<Vec<SizingTraceEntry<V>>, TraceError> {
+    let views = read_views::<V>(path, list, what, missing)?;
     Ok(views
         .into_iter()
         .map(|(view, decision)| {
@@ -282,7 +308,7 @@ pub fn read_server_trace(path: &Path) -> Result<Vec<ServerTraceEntry>, TraceErro
                 let answer = d.get("answer")?;
                 Some(answer.as_u64().and_then(|n| u32::try_from(n).ok()))
             });
-            ServerTraceEntry { view, in_the_job }
+            SizingTraceEntry { view, in_the_job }
         })
         .collect())
 }
@@ -545,5 +571,22 @@ mod tests {
         let (_d, report) = trace("{\"timeline\": [], \"policy_decisions\": []}");
         let err = read_server_trace(&report).unwrap_err().to_string();
         assert!(err.contains("a report without server decisions"), "{err}");
+    }
+
+    #[test]
+    fn a_spare_trace_reads_a_report_s_decisions_and_says_when_it_has_none() {
+        let (_d, path) = trace(
+            "{\"spare_decisions\": [\
+             {\"secs\": 1.0, \"view\": {\"step\": 4, \"price_per_spare_hour\": 2.5}, \"answer\": 1, \"spares\": 1},\
+             {\"secs\": 2.0, \"view\": {\"step\": 8, \"spares_wanted\": 1}, \"answer\": null, \"error\": \"trapped\", \"spares\": null}]}",
+        );
+        let entries = read_spare_trace(&path).unwrap();
+        let got: Vec<(u64, Option<Option<u32>>)> =
+            entries.iter().map(|e| (e.view.step, e.in_the_job)).collect();
+        assert_eq!(got, [(4, Some(Some(1))), (8, None)]);
+        assert_eq!(entries[0].view.price_per_spare_hour, 2.5);
+        let (_d, report) = trace("{\"timeline\": [], \"policy_decisions\": []}");
+        let err = read_spare_trace(&report).unwrap_err().to_string();
+        assert!(err.contains("a report without spare decisions"), "{err}");
     }
 }

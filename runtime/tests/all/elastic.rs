@@ -460,6 +460,21 @@ fn a_policy_asking_for_fewer_spares_has_the_surplus_stopped_and_none_ever_trains
         (r["spares"]["spares_wanted"].as_u64(), r["spares"]["world_size"].as_u64()),
         (Some(0), Some(2))
     );
+    // `plugin replay --spares` over the report, with the job's policy and
+    // configuration, answers every decision as the job's policy did.
+    let out = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+        .current_dir(dir.path())
+        .args(["plugin", "replay", "--policy", art::SCHEDULE_WASM, "--spares", "--trace", "report.json"])
+        .args(["--policy-config", "spares=0:2,40:0"])
+        .output()
+        .unwrap();
+    let (said, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{err}");
+    let n = taken.len();
+    assert_eq!(said.lines().count(), n, "{said}");
+    assert!(said.lines().next().unwrap().contains("spares   0 ->   2"), "{said}");
+    assert!(err.contains(&format!("{n} of {n} answered as in the job")), "{err}");
+    assert!(err.contains("2 would change the spares"), "{err}");
 }
 
 #[test]
