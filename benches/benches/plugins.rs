@@ -114,6 +114,47 @@ fn teacher_decision(c: &mut Criterion) {
     g.finish();
 }
 
+/// A scaling policy's sizing of the warm spares (`decide-spares`, a flat
+/// record each way): `autoscale`'s price rule, in the sandbox, natively and
+/// as a plain Rust call.
+fn spare_decision(c: &mut Criterion) {
+    let cache = tempfile::tempdir().unwrap();
+    let host = PluginHost::new(HostOptions {
+        cache: ArtifactCache::at(cache.path()),
+        allow_native: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let view = edl_plugin_sdk::SpareView {
+        step: 1000,
+        world_size: 8,
+        min_workers: 2,
+        max_workers: 12,
+        spares_wanted: 1,
+        spares_ready: 1,
+        price_per_spare_hour: 3.0,
+        spare_hours: 0.5,
+        from_spares: 2,
+        members_lost: 2,
+        ready_secs: 60.0,
+        hours: 2.0,
+        secs_since_change: 900.0,
+        ..Default::default()
+    };
+    let config = [("spare-losses-per-hour", "0.01")];
+    let owned: Vec<(String, String)> = config.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let mut wasm = host.load_policy(Path::new(art::AUTOSCALE_WASM), &owned).unwrap();
+    let mut native = host.load_policy(Path::new(art::AUTOSCALE_SO), &owned).unwrap();
+    let mut rust = testing::policy::<Autoscale>(&config).unwrap();
+    assert_eq!(wasm.decide_spares(&view).unwrap(), rust.decide_spares(&view), "the same rule");
+
+    let mut g = c.benchmark_group("spare-decision");
+    g.bench_function("wasm", |b| b.iter(|| wasm.decide_spares(black_box(&view)).unwrap()));
+    g.bench_function("native-so", |b| b.iter(|| native.decide_spares(black_box(&view)).unwrap()));
+    g.bench_function("rust-call", |b| b.iter(|| rust.decide_spares(black_box(&view))));
+    g.finish();
+}
+
 fn plugin_load(c: &mut Criterion) {
     let cold =
         PluginHost::new(HostOptions { cache: ArtifactCache::disabled(), ..Default::default() }).unwrap();
@@ -132,5 +173,5 @@ fn plugin_load(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, policy_decision, augment_transform, teacher_decision, plugin_load);
+criterion_group!(benches, policy_decision, augment_transform, teacher_decision, spare_decision, plugin_load);
 criterion_main!(benches);
