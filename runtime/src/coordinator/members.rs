@@ -20,6 +20,11 @@ use std::{
     time::{Duration, Instant},
 };
 
+/// How long a member whose connection was lost may live on before its
+/// process tree is killed: time for one that is exiting anyway (an error's
+/// traceback, its loaders' teardown) to end by itself and report why.
+const LINGER: Duration = Duration::from_secs(1);
+
 /// A worker's lease in the store lasts this long, refreshed every
 /// [`LEASE_ROUNDS`] seconds.
 const WORKER_LEASE: Duration = Duration::from_secs(30);
@@ -133,19 +138,28 @@ impl Coordinator<'_> {
                     p.fail(now, rank, error, cause);
                 }
             }
-            Inbound::Closed(n, why) => {
-                // The routes stay: the ranks' windows went out by them, and
-                // a closed one's rank fails its generation anyway.
-                self.conns.remove(&n);
-                let rank = self.ranks.get(&n).copied();
-                if self.membership.handle(now, MemberEvent::Closed { conn: n, why: why.clone() }).is_some()
-                    && let (Some(rank), Some(p)) = (rank, self.pipe.as_mut())
-                {
-                    p.lost(now, rank, &why);
-                }
-            }
+            Inbound::Closed(n, why) => self.closed(now, n, &why),
         }
         self.execute();
+    }
+
+    /// Connection `n` closed: a member's rank is lost to its generation.
+    fn closed(&mut self, now: Instant, n: u64, why: &str) {
+        // The routes stay: the ranks' windows went out by them, and a
+        // closed one's rank fails its generation anyway.
+        self.conns.remove(&n);
+        let rank = self.ranks.get(&n).copied();
+        let Some(worker) = self.membership.handle(now, MemberEvent::Closed { conn: n, why: why.to_string() })
+        else {
+            return;
+        };
+        // A process that lives on without its connection (hung, frozen)
+        // would hold its peers' collectives to their timeout: killed if
+        // still there shortly.
+        self.scaler.kill_if_lingering(worker, LINGER);
+        if let (Some(rank), Some(p)) = (rank, self.pipe.as_mut()) {
+            p.lost(now, rank, why);
+        }
     }
 
     /// Relay `id` was lost with the workers on its connections `conns`:

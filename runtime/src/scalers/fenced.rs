@@ -83,6 +83,13 @@ impl Scaler for FencedScaler {
         self.inner.relay_lost(id)
     }
 
+    fn kill_if_lingering(&mut self, id: u64, after: Duration) {
+        match self.fenced() {
+            Some(why) => tracing::warn!("worker {id} not killed: {why}"),
+            None => self.inner.kill_if_lingering(id, after),
+        }
+    }
+
     fn adopt(&mut self, id: u64, handle: &str, job: &str) -> bool {
         if let Some(why) = self.fenced() {
             tracing::warn!("worker {id} ({handle}) not adopted: {why}");

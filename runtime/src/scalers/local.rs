@@ -25,6 +25,9 @@ pub struct LocalProcesses {
     /// the job goes on meanwhile (a scale-in does not wait for a program's
     /// exit), and dropping the scaler waits for them.
     stopping: Vec<std::thread::JoinHandle<()>>,
+    /// Members whose connection was lost, each with when its process tree
+    /// is killed if it still runs (see [`Scaler::kill_if_lingering`]).
+    lingering: BTreeMap<u64, Instant>,
     /// The relay the workers reach the coordinator through (`--relay`),
     /// the `edl-runtime` that runs it, and the relays started so far.
     relay: Option<(super::relay::HostRelay, PathBuf, u64)>,
@@ -40,6 +43,7 @@ impl LocalProcesses {
             children: BTreeMap::new(),
             streams: BTreeMap::new(),
             stopping: Vec::new(),
+            lingering: BTreeMap::new(),
             relay: None,
         }
     }
@@ -55,6 +59,7 @@ impl LocalProcesses {
             children: BTreeMap::new(),
             streams: BTreeMap::new(),
             stopping: Vec::new(),
+            lingering: BTreeMap::new(),
             relay: None,
         })
     }
@@ -151,6 +156,26 @@ impl Tracebacks {
     }
 }
 
+impl LocalProcesses {
+    /// Kills the process trees of lost members still running past their
+    /// time (SIGKILL to the group: a hung or frozen program hears nothing
+    /// else). Their exits are reaped and reported as any.
+    fn kill_lingering(&mut self, now: Instant) {
+        let due: Vec<u64> = self.lingering.iter().filter(|(_, at)| **at <= now).map(|(id, _)| *id).collect();
+        for id in due {
+            self.lingering.remove(&id);
+            if let Some(c) = self.children.get(&id)
+                && crate::process::runs(c)
+            {
+                tracing::warn!("worker {id}: its connection was lost and it still runs; killed");
+                crate::process::signal_group(c, libc::SIGKILL);
+            }
+        }
+        let children = &self.children;
+        self.lingering.retain(|id, _| children.contains_key(id));
+    }
+}
+
 impl Scaler for LocalProcesses {
     fn relay_lost(&mut self, id: u64) {
         if let Some((r, _, _)) = &mut self.relay {
@@ -237,6 +262,7 @@ impl Scaler for LocalProcesses {
     }
 
     fn exited(&mut self) -> Vec<(u64, String)> {
+        self.kill_lingering(Instant::now());
         let gone = reap_groups(&mut self.children, |c| c);
         for (id, _) in &gone {
             // The output's last lines (a traceback) reach the log before it is quoted.
@@ -252,6 +278,12 @@ impl Scaler for LocalProcesses {
 
     fn pid(&self, id: u64) -> Option<u32> {
         self.children.get(&id).map(Child::id)
+    }
+
+    fn kill_if_lingering(&mut self, id: u64, after: Duration) {
+        if self.children.contains_key(&id) {
+            self.lingering.insert(id, Instant::now() + after);
+        }
     }
 
     fn log_of(&self, id: u64) -> Option<PathBuf> {

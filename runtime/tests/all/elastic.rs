@@ -4,7 +4,7 @@
 
 use crate::support::{
     job::{GROWING, assert_exactly_once, finish, job, lines, report, run_to_end, scale_event},
-    process::{children, sigkill_worker},
+    process::{children, sigkill_worker, signal_worker},
     servers::RedisServer,
     wait::wait_for,
 };
@@ -475,6 +475,35 @@ fn a_policy_asking_for_fewer_spares_has_the_surplus_stopped_and_none_ever_trains
     assert!(said.lines().next().unwrap().contains("spares   0 ->   2"), "{said}");
     assert!(err.contains(&format!("{n} of {n} answered as in the job")), "{err}");
     assert!(err.contains("2 would change the spares"), "{err}");
+}
+
+#[test]
+fn a_frozen_worker_is_killed_once_its_lease_lapses_and_the_others_do_not_wait_out_their_collective() {
+    let dir = tempfile::tempdir().unwrap();
+    // The collectives' bound (60 s) far past the lease (2 s): the others
+    // would wait it out on the frozen worker's open sockets.
+    let args = ["--workers", "3", "--min-workers", "1", "--max-workers", "3", "--step-delay-ms", "10"];
+    let mut cmd = steady(dir.path(), &args);
+    cmd.args(["--epochs", "8", "--collective-timeout-ms", "60000", "--worker-lease-secs", "2"]);
+    let mut child = cmd.spawn().unwrap();
+    let coordinator = child.id();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     1 done", &mut seen, Duration::from_secs(120));
+    // Frozen: its connections stay open, it says nothing.
+    signal_worker(coordinator, 2, libc::SIGSTOP);
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    let r = report(dir.path());
+    assert_exactly_once(&r, 8, 1200);
+    let lost = scale_event(&r, "worker 2 lost", &text);
+    assert_eq!((lost["from"].as_u64(), lost["to"].as_u64()), (Some(3), Some(2)), "{lost}");
+    assert!(text.contains("lost: ") && text.contains("no heartbeat for"), "its lease lapsed: {text}");
+    // Its process killed a second after, the others' collectives failed
+    // on its closed sockets: none waited for the 60 s bound.
+    assert!(!text.contains("timed out"), "{text}");
+    assert!(text.contains("closed the connection (dead or failed)"), "{text}");
 }
 
 #[test]

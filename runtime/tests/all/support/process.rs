@@ -54,12 +54,21 @@ fn worker_id(pid: u32) -> Option<u64> {
 /// Sends SIGKILL to worker `id`, a child of the job `coordinator`
 /// (panics, naming the children, when it has none of that id).
 pub(crate) fn sigkill_worker(coordinator: u32, id: u64) {
+    signal_worker(coordinator, id, libc::SIGKILL);
+}
+
+/// Sends `sig` to worker `id`, a child of the job `coordinator` (panics,
+/// naming the children, when it has none of that id).
+pub(crate) fn signal_worker(coordinator: u32, id: u64, sig: libc::c_int) {
     let victim = children(coordinator)
         .into_iter()
         .find(|(p, _)| worker_id(*p) == Some(id))
         .unwrap_or_else(|| panic!("worker {id} among {:?}", children(coordinator)))
         .0;
-    sigkill(victim);
+    let pid = libc::pid_t::try_from(victim).expect("a process id fits pid_t");
+    // SAFETY: kill(2) takes plain integers and touches no memory of ours;
+    // `victim` was just read as a running child of the job.
+    unsafe { libc::kill(pid, sig) };
 }
 
 /// Sends SIGKILL to process `pid`.
