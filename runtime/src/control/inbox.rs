@@ -507,6 +507,10 @@ impl<M: Message> Open<M> {
     }
 }
 
+/// How the end of a connection silent for its lease begins: the peer may
+/// live on (hung, frozen), unlike one that hung up.
+pub const SILENT: &str = "no heartbeat for";
+
 /// The thread that reads every control connection.
 struct ReadAll<M: Message> {
     poll: Poll,
@@ -578,7 +582,7 @@ impl<M: Message> ReadAll<M> {
             // finds the connection gone.
             let _ = c.stream.shutdown(std::net::Shutdown::Both);
             let why = format!(
-                "no heartbeat for {:.1} s (its host or network went silent)",
+                "{SILENT} {:.1} s (its host or network went silent)",
                 c.heard.elapsed().as_secs_f64()
             );
             c.end(n, why, &self.tx)?;

@@ -153,10 +153,12 @@ impl Coordinator<'_> {
         else {
             return;
         };
-        // A process that lives on without its connection (hung, frozen)
-        // would hold its peers' collectives to their timeout: killed if
-        // still there shortly.
-        self.scaler.kill_if_lingering(worker, LINGER);
+        // A process that went silent for its lease (hung, frozen) lives on
+        // and would hold its peers' collectives to their timeout: killed if
+        // still there shortly. One that hung up is ending by itself.
+        if why.contains(crate::control::inbox::SILENT) {
+            self.scaler.kill_if_lingering(worker, LINGER);
+        }
         if let (Some(rank), Some(p)) = (rank, self.pipe.as_mut()) {
             p.lost(now, rank, why);
         }
@@ -217,6 +219,11 @@ impl Coordinator<'_> {
     /// Notices started workers that died before joining, and gives up those
     /// past the join timeout.
     pub(super) fn check_spawning(&mut self) {
+        for worker in self.scaler.kill_lingering() {
+            self.note(format!(
+                "worker {worker} went silent for its lease and still ran a second later: killed with its process group"
+            ));
+        }
         let now = Instant::now();
         for (worker, status) in self.scaler.exited() {
             self.membership.handle(now, MemberEvent::Exited { worker, status });

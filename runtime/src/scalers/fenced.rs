@@ -90,6 +90,16 @@ impl Scaler for FencedScaler {
         }
     }
 
+    fn kill_lingering(&mut self) -> Vec<u64> {
+        match self.fenced() {
+            Some(why) => {
+                tracing::warn!("no lingering worker killed: {why}");
+                Vec::new()
+            }
+            None => self.inner.kill_lingering(),
+        }
+    }
+
     fn adopt(&mut self, id: u64, handle: &str, job: &str) -> bool {
         if let Some(why) = self.fenced() {
             tracing::warn!("worker {id} ({handle}) not adopted: {why}");

@@ -156,26 +156,6 @@ impl Tracebacks {
     }
 }
 
-impl LocalProcesses {
-    /// Kills the process trees of lost members still running past their
-    /// time (SIGKILL to the group: a hung or frozen program hears nothing
-    /// else). Their exits are reaped and reported as any.
-    fn kill_lingering(&mut self, now: Instant) {
-        let due: Vec<u64> = self.lingering.iter().filter(|(_, at)| **at <= now).map(|(id, _)| *id).collect();
-        for id in due {
-            self.lingering.remove(&id);
-            if let Some(c) = self.children.get(&id)
-                && crate::process::runs(c)
-            {
-                tracing::warn!("worker {id}: its connection was lost and it still runs; killed");
-                crate::process::signal_group(c, libc::SIGKILL);
-            }
-        }
-        let children = &self.children;
-        self.lingering.retain(|id, _| children.contains_key(id));
-    }
-}
-
 impl Scaler for LocalProcesses {
     fn relay_lost(&mut self, id: u64) {
         if let Some((r, _, _)) = &mut self.relay {
@@ -262,7 +242,6 @@ impl Scaler for LocalProcesses {
     }
 
     fn exited(&mut self) -> Vec<(u64, String)> {
-        self.kill_lingering(Instant::now());
         let gone = reap_groups(&mut self.children, |c| c);
         for (id, _) in &gone {
             // The output's last lines (a traceback) reach the log before it is quoted.
@@ -284,6 +263,26 @@ impl Scaler for LocalProcesses {
         if self.children.contains_key(&id) {
             self.lingering.insert(id, Instant::now() + after);
         }
+    }
+
+    /// SIGKILL to the group (a hung or frozen program hears nothing else);
+    /// the child stays to be reaped, so its pid cannot name another.
+    fn kill_lingering(&mut self) -> Vec<u64> {
+        let now = Instant::now();
+        let due: Vec<u64> = self.lingering.iter().filter(|(_, at)| **at <= now).map(|(id, _)| *id).collect();
+        let mut killed = Vec::new();
+        for id in due {
+            self.lingering.remove(&id);
+            if let Some(c) = self.children.get(&id)
+                && crate::process::runs(c)
+            {
+                crate::process::signal_group(c, libc::SIGKILL);
+                killed.push(id);
+            }
+        }
+        let children = &self.children;
+        self.lingering.retain(|id, _| children.contains_key(id));
+        killed
     }
 
     fn log_of(&self, id: u64) -> Option<PathBuf> {

@@ -90,10 +90,16 @@ pub trait Scaler: Send {
     /// started for its workers): its workers are lost with it.
     fn relay_lost(&mut self, _id: u64) {}
     /// The coordinator lost member `id`'s connection while its process may
-    /// live on (hung, frozen, cut off): its process tree is killed if it is
-    /// still there after `after`, so that its sockets close and the other
-    /// ranks' collectives fail then rather than at their timeout; its exit
-    /// is reported as any. A scaler that cannot do so without losing the
-    /// exit's reason leaves it to the generation's failure.
+    /// live on (hung, frozen: its lease lapsed): its process tree is to be
+    /// killed if it is still there after `after` (by
+    /// [`Scaler::kill_lingering`]), so that its sockets close and the other
+    /// ranks' collectives fail then rather than at their timeout. A scaler
+    /// that cannot do so without losing the exit's reason leaves it to the
+    /// generation's failure.
     fn kill_if_lingering(&mut self, _id: u64, _after: Duration) {}
+    /// Kills the process trees of such members past their time; returns
+    /// their ids. Their exits are reported as any.
+    fn kill_lingering(&mut self) -> Vec<u64> {
+        Vec::new()
+    }
 }

@@ -504,6 +504,10 @@ fn a_frozen_worker_is_killed_once_its_lease_lapses_and_the_others_do_not_wait_ou
     // on its closed sockets: none waited for the 60 s bound.
     assert!(!text.contains("timed out"), "{text}");
     assert!(text.contains("closed the connection (dead or failed)"), "{text}");
+    assert!(
+        text.contains("worker 2 went silent for its lease and still ran a second later: killed"),
+        "{text}"
+    );
 }
 
 #[test]
