@@ -144,6 +144,10 @@ async fn serve(
     access: teacher::Access,
     token: Option<String>,
 ) -> Result<ExitCode> {
+    // Heard from before the teacher says where it serves: whoever reads
+    // that and stops it at once (SIGTERM) gets a clean stop, not a kill.
+    use tokio::signal::unix::{SignalKind, signal};
+    let (mut term, mut int) = (signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?);
     let store = Arc::new(AnyStore::open(&args.store)?);
     let config = teacher::TeacherConfig {
         model_name: args.model_name.clone(),
@@ -197,9 +201,8 @@ async fn serve(
         println!("teacher {:?} serving KServe v2 REST on {scheme}://{at}", args.model_name);
     }
     let drain = super::flags::secs(args.drain_secs, "drain-secs")?;
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
+        _ = int.recv() => {}
         _ = term.recv() => {}
     }
     tracing::info!("teacher on {}: stopping: deregistered, serving for {:?} more", t.addr, drain);
