@@ -111,8 +111,10 @@ fn the_pool_grows_ahead_of_the_students_the_scaling_policy_adds() {
         .as_array()
         .unwrap()
         .iter()
-        .find(|e| e["from"].as_u64() == Some(2) && e["to"].as_u64() == Some(4))
-        .unwrap_or_else(|| panic!("no scale-out 2 -> 4: {}", r["scale_events"]))
+        // The two new students may join in one generation or in two (a
+        // loaded machine readies them apart): the first growth is theirs.
+        .find(|e| e["from"].as_u64() == Some(2) && e["to"].as_u64() > Some(2))
+        .unwrap_or_else(|| panic!("no scale-out from 2: {}", r["scale_events"]))
         .clone();
     let events = teacher_events(&r);
     let first = events.first().unwrap_or_else(|| panic!("the pool never changed\n{said}"));
