@@ -578,8 +578,18 @@ pub unsafe fn policy_decide_spares<T: ScalingPolicy>(
     view: *const SpareView,
     out: *mut RawServerAnswer,
 ) -> i32 {
+    // Null and misaligned pointers are refused here, not trusted: a
+    // reference is made only from one that is neither.
+    let aligned = |p: usize, align: usize| p.is_multiple_of(align);
     unsafe {
         with_instance::<T>(handle, |inst| {
+            if !aligned(view as usize, std::mem::align_of::<SpareView>())
+                || !aligned(out as usize, std::mem::align_of::<RawServerAnswer>())
+            {
+                return Err(PluginError::InvalidInput("misaligned view or output".into()));
+            }
+            // SAFETY: non-null (checked by `as_ref`/`as_mut`) and aligned
+            // (above); the host's view and answer live through the call.
             let view = view.as_ref().ok_or_else(|| PluginError::InvalidInput("null view".into()))?;
             let out = out.as_mut().ok_or_else(|| PluginError::InvalidInput("null output".into()))?;
             *out = inst.plugin.decide_spares(view).into();
