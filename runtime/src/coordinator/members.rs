@@ -221,7 +221,7 @@ impl Coordinator<'_> {
     pub(super) fn check_spawning(&mut self) {
         for worker in self.scaler.kill_lingering() {
             self.note(format!(
-                "worker {worker} went silent for its lease and still ran a second later: killed with its process group"
+                "worker {worker} went silent for its lease and still ran a second later: killed with what it started"
             ));
         }
         let now = Instant::now();

@@ -1,7 +1,7 @@
 //! [`CommandScaler`]: workers started by a command the operator gives
 //! (`ssh {host} ...`, `srun ...`) on a list of hosts and slots.
 
-use super::{Scaler, relay::HostRelay};
+use super::{Lingering, Scaler, kill_running_groups, relay::HostRelay};
 use crate::process::{ensure_dir, reap, terminate_group};
 use edl_host_gpu::comm::auth::JobAuth;
 use std::{
@@ -50,6 +50,9 @@ pub struct CommandScaler {
     program: Vec<String>,
     /// A relay per host the workers reach the coordinator through (`--relay`).
     relays: Option<Relays>,
+    /// Workers silent for their lease whose commands are killed if they
+    /// still run (see [`Scaler::kill_if_lingering`]).
+    lingering: Lingering,
 }
 
 /// The relays of [`CommandScaler::relayed`]: each started by the worker
@@ -153,6 +156,7 @@ impl CommandScaler {
             job: String::new(),
             program,
             relays: None,
+            lingering: Lingering::default(),
         })
     }
 
@@ -577,6 +581,24 @@ impl Scaler for CommandScaler {
 
     fn exited(&mut self) -> Vec<(u64, String)> {
         reap(&mut self.children, |(c, _)| c)
+    }
+
+    fn kill_if_lingering(&mut self, id: u64, after: Duration) {
+        if self.children.contains_key(&id) {
+            self.lingering.mark(id, after);
+        }
+    }
+
+    /// SIGKILL to the start command's process group, while the command
+    /// runs: a local command's worker, or what an `ssh` or `srun` holds
+    /// open (ssh ends the remote side with its session where it has a
+    /// terminal, `ssh -tt`). A command that handed its worker to an engine
+    /// and ended has nothing here to kill: the generation's failure stops
+    /// that worker, by the stop template.
+    fn kill_lingering(&mut self) -> Vec<u64> {
+        let children = &self.children;
+        let due = self.lingering.due(|id| children.contains_key(&id));
+        kill_running_groups(due, |id| children.get(&id).map(|(c, _)| c))
     }
 
     fn pid(&self, id: u64) -> Option<u32> {

@@ -22,7 +22,7 @@
 //! makes are checked against the API's schema types, its decisions as a
 //! state machine, and its calls against a stand-in on loopback.
 
-use crate::scalers::Scaler;
+use crate::scalers::{Lingering, Scaler};
 use crate::worker::session::JobAuth;
 use anyhow::{Context, Result, anyhow};
 use k8s_openapi::{
@@ -470,7 +470,15 @@ pub struct KubernetesScaler {
     polled: Option<Instant>,
     /// The API server did not answer: asked again after a pause.
     quiet: crate::process::Backoff,
+    /// Workers silent for their lease whose Pods are deleted at once if
+    /// they still run (see [`Scaler::kill_if_lingering`]).
+    lingering: Lingering,
 }
+
+/// The notice a lingering worker's Pod is deleted with: its container
+/// killed a second after SIGTERM (a hung or frozen program heeds nothing
+/// else), the Pod kept until it ends.
+const LINGER_GRACE_SECS: u32 = 1;
 
 impl KubernetesScaler {
     /// Workers running `edl-runtime worker` from the image; the logs of
@@ -506,6 +514,7 @@ impl KubernetesScaler {
             log_retries: BTreeMap::new(),
             polled: None,
             quiet: Default::default(),
+            lingering: Lingering::default(),
         })
     }
 
@@ -731,6 +740,47 @@ impl Scaler for KubernetesScaler {
         // The workers follow the coordinator that leads now: their Pods
         // are its, and nothing here deletes them.
         self.pods.clear();
+    }
+
+    fn kill_if_lingering(&mut self, id: u64, after: Duration) {
+        if self.pods.contains_key(&id) {
+            self.lingering.mark(id, after);
+        }
+    }
+
+    /// Deletes each such worker's Pod with a second's notice, its log so
+    /// far kept first (where it can be). The Pod stays the worker's until
+    /// the listing no longer shows it: its end is reported as any.
+    fn kill_lingering(&mut self) -> Vec<u64> {
+        let pods = &self.pods;
+        let due = self.lingering.due(|id| pods.contains_key(&id));
+        let mut killed = Vec::new();
+        for id in due {
+            let name = self.pods[&id].0.clone();
+            let Ok((api, _)) = self.api() else { continue };
+            let meta = match self.read_pod(&name) {
+                Ok(Some(pod)) if pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running") => {
+                    pod.metadata
+                }
+                Ok(_) => continue,
+                Err(e) => {
+                    tracing::warn!("kubernetes: worker {id} not killed: {e:#}");
+                    continue;
+                }
+            };
+            if of_job(&meta, &self.job).is_err() {
+                continue;
+            }
+            let path = self.log_dir.join(format!("worker-{id}.log"));
+            match keep_log(&self.rt, &api, &name, &path) {
+                Ok(()) => drop(self.logs.insert(id, path)),
+                Err(e) => tracing::warn!("kubernetes: worker {id}'s log before it is killed: {e:#}"),
+            }
+            let params = DeleteParams { grace_period_seconds: Some(LINGER_GRACE_SECS), ..Default::default() };
+            self.delete_checked(&api, &name, &meta, params);
+            killed.push(id);
+        }
+        killed
     }
 
     fn adopt(&mut self, id: u64, handle: &str, job: &str) -> bool {
@@ -1139,6 +1189,40 @@ pub(crate) mod tests {
             order.iter().position(|l| l.starts_with("DELETE")).unwrap(),
         );
         assert!(read < deleted, "{order:?}");
+    }
+
+    #[test]
+    fn a_lingering_worker_s_pod_is_deleted_with_a_second_s_notice_its_log_kept_and_its_end_reported() {
+        let api = StandIn::start("step 9\n");
+        let dir = tempfile::tempdir().unwrap();
+        let logs = dir.path().join("logs");
+        let mut s = api.scaler(&logs);
+        let auth =
+            JobAuth { job: "mnist".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
+        s.spawn(4, "10.0.0.5:7070", &auth).unwrap();
+        s.spawn(5, "10.0.0.5:7070", &auth).unwrap();
+        // Not due yet: nothing is deleted.
+        s.kill_if_lingering(4, Duration::from_secs(3600));
+        assert!(s.kill_lingering().is_empty());
+        s.kill_if_lingering(4, Duration::ZERO);
+        assert_eq!(s.kill_lingering(), [4]);
+        assert!(s.kill_lingering().is_empty(), "killed once");
+        let name = pod_name("mnist", 4);
+        let deletes = api.heard("DELETE");
+        assert_eq!(deletes.len(), 1, "{deletes:?}");
+        assert!(deletes[0].contains(&format!("/pods/{name} ")), "{deletes:?}");
+        assert!(deletes[0].contains("\"gracePeriodSeconds\":1") && deletes[0].contains("uid-7"), "{deletes:?}");
+        assert_eq!(std::fs::read_to_string(logs.join("worker-4.log")).unwrap(), "step 9\n");
+        // Gone from the listing: its end reported, its log the one kept.
+        s.polled = None;
+        let exited = s.exited();
+        assert!(matches!(&exited[..], [(4, why)] if why.contains("is gone")), "{exited:?}");
+        assert_eq!(s.log_of(4), Some(logs.join("worker-4.log")));
+        // A worker that ended before its time is not killed.
+        s.kill_if_lingering(5, Duration::ZERO);
+        *api.phase.lock().unwrap() = "Failed".into();
+        assert!(s.kill_lingering().is_empty());
+        assert_eq!(api.heard("DELETE").len(), 1);
     }
 
     #[test]

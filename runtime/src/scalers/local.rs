@@ -1,7 +1,7 @@
 //! [`LocalProcesses`]: workers as child processes of this machine, each
 //! logging to its own file and killed by the kernel if the coordinator dies.
 
-use super::Scaler;
+use super::{Lingering, Scaler, kill_running_groups};
 use crate::process::{die_with_parent, ensure_dir, reap_groups, terminate_group};
 use edl_host_gpu::comm::auth::JobAuth;
 use std::{
@@ -27,7 +27,7 @@ pub struct LocalProcesses {
     stopping: Vec<std::thread::JoinHandle<()>>,
     /// Members whose connection was lost, each with when its process tree
     /// is killed if it still runs (see [`Scaler::kill_if_lingering`]).
-    lingering: BTreeMap<u64, Instant>,
+    lingering: Lingering,
     /// The relay the workers reach the coordinator through (`--relay`),
     /// the `edl-runtime` that runs it, and the relays started so far.
     relay: Option<(super::relay::HostRelay, PathBuf, u64)>,
@@ -43,7 +43,7 @@ impl LocalProcesses {
             children: BTreeMap::new(),
             streams: BTreeMap::new(),
             stopping: Vec::new(),
-            lingering: BTreeMap::new(),
+            lingering: Lingering::default(),
             relay: None,
         }
     }
@@ -59,7 +59,7 @@ impl LocalProcesses {
             children: BTreeMap::new(),
             streams: BTreeMap::new(),
             stopping: Vec::new(),
-            lingering: BTreeMap::new(),
+            lingering: Lingering::default(),
             relay: None,
         })
     }
@@ -261,28 +261,16 @@ impl Scaler for LocalProcesses {
 
     fn kill_if_lingering(&mut self, id: u64, after: Duration) {
         if self.children.contains_key(&id) {
-            self.lingering.insert(id, Instant::now() + after);
+            self.lingering.mark(id, after);
         }
     }
 
     /// SIGKILL to the group (a hung or frozen program hears nothing else);
     /// the child stays to be reaped, so its pid cannot name another.
     fn kill_lingering(&mut self) -> Vec<u64> {
-        let now = Instant::now();
-        let due: Vec<u64> = self.lingering.iter().filter(|(_, at)| **at <= now).map(|(id, _)| *id).collect();
-        let mut killed = Vec::new();
-        for id in due {
-            self.lingering.remove(&id);
-            if let Some(c) = self.children.get(&id)
-                && crate::process::runs(c)
-            {
-                crate::process::signal_group(c, libc::SIGKILL);
-                killed.push(id);
-            }
-        }
         let children = &self.children;
-        self.lingering.retain(|id, _| children.contains_key(id));
-        killed
+        let due = self.lingering.due(|id| children.contains_key(&id));
+        kill_running_groups(due, |id| children.get(&id))
     }
 
     fn log_of(&self, id: u64) -> Option<PathBuf> {

@@ -31,7 +31,11 @@ pub use external::ExternalWorkers;
 pub use local::LocalProcesses;
 
 use edl_host_gpu::comm::auth::JobAuth;
-use std::{path::PathBuf, time::Duration};
+use std::{
+    collections::BTreeMap,
+    path::PathBuf,
+    time::{Duration, Instant},
+};
 
 /// Starts and stops workers.
 pub trait Scaler: Send {
@@ -101,5 +105,61 @@ pub trait Scaler: Send {
     /// their ids. Their exits are reported as any.
     fn kill_lingering(&mut self) -> Vec<u64> {
         Vec::new()
+    }
+}
+
+/// Workers a scaler is to kill if they still run at a set time (see
+/// [`Scaler::kill_if_lingering`]).
+#[derive(Default)]
+pub(crate) struct Lingering(BTreeMap<u64, Instant>);
+
+impl Lingering {
+    /// Worker `id` is to be killed if it still runs `after` from now.
+    pub(crate) fn mark(&mut self, id: u64, after: Duration) {
+        self.0.insert(id, Instant::now() + after);
+    }
+
+    /// The workers whose time came, each taken once; those the scaler no
+    /// longer holds (`held` says which it does) are forgotten.
+    pub(crate) fn due(&mut self, held: impl Fn(u64) -> bool) -> Vec<u64> {
+        let now = Instant::now();
+        self.0.retain(|id, _| held(*id));
+        let due: Vec<u64> = self.0.iter().filter(|(_, at)| **at <= now).map(|(id, _)| *id).collect();
+        for id in &due {
+            self.0.remove(id);
+        }
+        due
+    }
+}
+
+/// SIGKILL to the process group of each worker of `ids` whose process
+/// (`child` finds it) still runs; the workers killed.
+pub(crate) fn kill_running_groups<'a>(
+    ids: Vec<u64>,
+    child: impl Fn(u64) -> Option<&'a std::process::Child>,
+) -> Vec<u64> {
+    ids.into_iter()
+        .filter(|&id| {
+            let Some(c) = child(id).filter(|c| crate::process::runs(c)) else { return false };
+            crate::process::signal_group(c, libc::SIGKILL);
+            true
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lingering_worker_is_due_once_at_its_time_and_one_gone_meanwhile_is_forgotten() {
+        let mut l = Lingering::default();
+        l.mark(1, Duration::ZERO);
+        l.mark(2, Duration::ZERO);
+        l.mark(3, Duration::from_secs(3600));
+        assert_eq!(l.due(|id| id != 2), [1]);
+        // Taken once; 2 was forgotten, 3 is not due.
+        assert!(l.due(|_| true).is_empty());
+        assert_eq!(l.0.keys().copied().collect::<Vec<_>>(), [3]);
     }
 }

@@ -19,7 +19,7 @@
 //! With `--relay`, each node the workers run on gets a relay of its own,
 //! another batch job (see [`crate::scalers::slurm_relays`]).
 
-use crate::scalers::Scaler;
+use crate::scalers::{Lingering, Scaler};
 pub use crate::scalers::slurm_client::SlurmOptions;
 use crate::scalers::slurm_client::{batch_script, quote, run, submit};
 use crate::scalers::slurm_relays::SlurmRelays;
@@ -61,6 +61,9 @@ pub struct SlurmScaler {
     draining: Vec<(String, Instant)>,
     /// A relay per node (`--relay`).
     relays: Option<SlurmRelays>,
+    /// Workers silent for their lease, and when their jobs' processes are
+    /// killed if Slurm still runs them (see [`Scaler::kill_if_lingering`]).
+    lingering: Lingering,
 }
 
 /// How often `squeue` and `sinfo` are asked.
@@ -107,6 +110,7 @@ impl SlurmScaler {
             stopping: Vec::new(),
             draining: Vec::new(),
             relays: None,
+            lingering: Lingering::default(),
         }
     }
 
@@ -336,6 +340,31 @@ impl Scaler for SlurmScaler {
         if let Some(relays) = &mut self.relays {
             relays.lost(id);
         }
+    }
+
+    fn kill_if_lingering(&mut self, id: u64, after: Duration) {
+        if self.jobs.get(&id).is_some_and(|j| j.running) {
+            self.lingering.mark(id, after);
+        }
+    }
+
+    /// SIGKILL to every process of the worker's batch job (`scancel
+    /// --full`: the batch step, which is the worker, and what it started; a
+    /// hung or frozen program hears nothing else, and a cancel would give
+    /// it Slurm's KillWait first). The job stays listed until the queue
+    /// says it ended, so its end is reported as any, with Slurm's state.
+    fn kill_lingering(&mut self) -> Vec<u64> {
+        let jobs = &self.jobs;
+        let due = self.lingering.due(|id| jobs.contains_key(&id));
+        due.into_iter()
+            .filter(|id| match run("scancel", &["--full", "--signal=KILL", &jobs[id].slurm]) {
+                Ok(_) => true,
+                Err(e) => {
+                    tracing::warn!("worker {id}: cannot kill its Slurm job {}: {e:#}", jobs[id].slurm);
+                    false
+                }
+            })
+            .collect()
     }
 
     fn adopt(&mut self, id: u64, handle: &str, job_name: &str) -> bool {

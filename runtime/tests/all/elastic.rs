@@ -479,12 +479,26 @@ fn a_policy_asking_for_fewer_spares_has_the_surplus_stopped_and_none_ever_trains
 
 #[test]
 fn a_frozen_worker_is_killed_once_its_lease_lapses_and_the_others_do_not_wait_out_their_collective() {
+    frozen_worker_killed(&[]);
+}
+
+#[test]
+fn a_frozen_worker_started_by_a_command_is_killed_once_its_lease_lapses() {
+    // The worker is the command's child (`sh -c ...`): its process group goes.
+    frozen_worker_killed(&["--scaler", "command", "--worker-command", "{program}"]);
+}
+
+/// A job of 3 under `scaler` whose worker 2 is stopped (SIGSTOP) after an
+/// epoch: it is killed once its lease lapses, the others go on without
+/// waiting for their collective's bound.
+fn frozen_worker_killed(scaler: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     // The collectives' bound (60 s) far past the lease (2 s): the others
     // would wait it out on the frozen worker's open sockets.
     let args = ["--workers", "3", "--min-workers", "1", "--max-workers", "3", "--step-delay-ms", "10"];
     let mut cmd = steady(dir.path(), &args);
     cmd.args(["--epochs", "8", "--collective-timeout-ms", "60000", "--worker-lease-secs", "2"]);
+    cmd.args(scaler);
     let mut child = cmd.spawn().unwrap();
     let coordinator = child.id();
     let rx = lines(&mut child);

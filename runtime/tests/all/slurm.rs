@@ -588,3 +588,48 @@ fn with_relay_each_node_s_workers_reach_the_job_through_a_relay_job_there_whose_
     // Relays and workers alike leave nothing queued.
     until("the queue to empty", Duration::from_secs(30), || slurm.queue().is_empty());
 }
+
+#[test]
+fn a_frozen_worker_s_slurm_job_is_killed_once_its_lease_lapses_and_the_other_does_not_wait_out_its_collective() {
+    let nodes = ["n1", "n2"];
+    let Some(hosts) = Hosts::build_or_skip(&["ctl", "n1", "n2"]) else { return };
+    let Some(slurm) = Slurm::start(&hosts, &nodes) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let cmd = job(d, &["--no-distill", "--teachers", "0", "--epochs", "8"]);
+    let mut c = slurm.command(cmd.get_program().to_str().unwrap());
+    c.args(cmd.get_args()).current_dir(d).env("SLURM_CONF", &slurm.conf);
+    c.args(["--scaler", "slurm", "--slurm-partition", "edl", "--listen", &format!("{}:7070", hosts.ip("ctl"))]);
+    c.args(["--policy", art::AUTOSCALE_WASM, "--decide-every", "100000"]);
+    c.args(["--workers", "2", "--min-workers", "1", "--max-workers", "2", "--step-delay-ms", "20"]);
+    // The collectives' bound (60 s) far past the lease (2 s).
+    c.args(["--collective-timeout-ms", "60000", "--worker-lease-secs", "2"]);
+    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     1 done", &mut seen, Duration::from_secs(180));
+    // Frozen: SIGSTOP to a worker's batch step (the worker itself).
+    let running = slurm.queue();
+    let (victim, id) = running
+        .iter()
+        .find(|(_, s, _, name)| s == "RUNNING" && name.starts_with("edl-"))
+        .map(|(j, _, _, name)| (j.clone(), name.rsplit('-').next().unwrap_or_default().to_string()))
+        .unwrap_or_else(|| panic!("a running worker: {running:?}"));
+    slurm.run("scancel", &["--batch", "--signal=STOP", &victim]);
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    let r = report(d);
+    assert_exactly_once(&r, 8, 1200);
+    assert!(text.contains("no heartbeat for"), "its lease lapsed: {text}");
+    let killed = format!("worker {id} went silent for its lease and still ran a second later: killed");
+    assert!(text.contains(&killed), "{text}");
+    // Its processes gone, the other's collective failed on its closed
+    // sockets: none waited for the 60 s bound.
+    assert!(!text.contains("timed out"), "{text}");
+    let reasons: Vec<&str> =
+        r["scale_events"].as_array().unwrap().iter().filter_map(|e| e["reason"].as_str()).collect();
+    assert!(reasons.iter().any(|r| r.contains(&format!("worker {id} lost"))), "{reasons:?}");
+    until("the queue to empty", Duration::from_secs(30), || slurm.queue().is_empty());
+}

@@ -31,6 +31,18 @@ pub(crate) fn children(pid: u32) -> Vec<(u32, String)> {
     out
 }
 
+/// Processes below `pid`: its children, theirs, and so on.
+pub(crate) fn descendants(pid: u32) -> Vec<(u32, String)> {
+    let mut found = children(pid);
+    let mut i = 0;
+    while i < found.len() {
+        let below = children(found[i].0);
+        found.extend(below);
+        i += 1;
+    }
+    found
+}
+
 /// The worker id a launched program was given.
 fn worker_id(pid: u32) -> Option<u64> {
     let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
@@ -60,10 +72,13 @@ pub(crate) fn sigkill_worker(coordinator: u32, id: u64) {
 /// Sends `sig` to worker `id`, a child of the job `coordinator` (panics,
 /// naming the children, when it has none of that id).
 pub(crate) fn signal_worker(coordinator: u32, id: u64, sig: libc::c_int) {
-    let victim = children(coordinator)
+    // A child, or a command's child (`sh -c` under `--scaler command`,
+    // whose shell has the worker's environment too).
+    let shell = |cmd: &str| cmd.starts_with("sh -c ") || cmd.starts_with("/bin/sh -c ");
+    let victim = descendants(coordinator)
         .into_iter()
-        .find(|(p, _)| worker_id(*p) == Some(id))
-        .unwrap_or_else(|| panic!("worker {id} among {:?}", children(coordinator)))
+        .find(|(p, cmd)| worker_id(*p) == Some(id) && !shell(cmd))
+        .unwrap_or_else(|| panic!("worker {id} among {:?}", descendants(coordinator)))
         .0;
     let pid = libc::pid_t::try_from(victim).expect("a process id fits pid_t");
     // SAFETY: kill(2) takes plain integers and touches no memory of ours;
