@@ -39,13 +39,7 @@ fn resolve(p: &str) -> PathBuf {
 }
 
 fn any_plugin(c: &mut Criterion) {
-    let cache = tempfile::tempdir().unwrap();
-    let host = PluginHost::new(HostOptions {
-        cache: ArtifactCache::at(cache.path()),
-        allow_native: true,
-        ..Default::default()
-    })
-    .unwrap();
+    let (_cache, host) = edl_benches::plugin_host();
     let cold =
         PluginHost::new(HostOptions { cache: ArtifactCache::disabled(), ..Default::default() }).unwrap();
 

@@ -28,13 +28,7 @@ fn steady_view() -> ClusterView {
 }
 
 fn policy_decision(c: &mut Criterion) {
-    let cache = tempfile::tempdir().unwrap();
-    let host = PluginHost::new(HostOptions {
-        cache: ArtifactCache::at(cache.path()),
-        allow_native: true,
-        ..Default::default()
-    })
-    .unwrap();
+    let (_cache, host) = edl_benches::plugin_host();
     let view = steady_view();
     let mut wasm = host.load_policy(Path::new(art::AUTOSCALE_WASM), &[]).unwrap();
     let mut native = host.load_policy(Path::new(art::AUTOSCALE_SO), &[]).unwrap();
@@ -75,13 +69,7 @@ fn policy_decision(c: &mut Criterion) {
 }
 
 fn augment_transform(c: &mut Criterion) {
-    let cache = tempfile::tempdir().unwrap();
-    let host = PluginHost::new(HostOptions {
-        cache: ArtifactCache::at(cache.path()),
-        allow_native: true,
-        ..Default::default()
-    })
-    .unwrap();
+    let (_cache, host) = edl_benches::plugin_host();
     let batch = testing::standard_batch();
     let mut wasm = host.load_transform(Path::new(art::AUGMENT_WASM), &[]).unwrap();
     let mut native = host.load_transform(Path::new(art::AUGMENT_SO), &[]).unwrap();
@@ -97,13 +85,7 @@ fn augment_transform(c: &mut Criterion) {
 /// students wait (the view a pool controller sees when it must grow), in the
 /// sandbox and natively.
 fn teacher_decision(c: &mut Criterion) {
-    let cache = tempfile::tempdir().unwrap();
-    let host = PluginHost::new(HostOptions {
-        cache: ArtifactCache::at(cache.path()),
-        allow_native: true,
-        ..Default::default()
-    })
-    .unwrap();
+    let (_cache, host) = edl_benches::plugin_host();
     let view = testing::teacher_view(4, 1, 8).wait_share(0.2).utilisation(0.9).build();
     let mut wasm = host.load_teacher_policy(Path::new(art::TEACHER_AUTOSCALE_WASM), &[]).unwrap();
     let mut native = host.load_teacher_policy(Path::new(art::TEACHER_AUTOSCALE_SO), &[]).unwrap();
@@ -118,13 +100,7 @@ fn teacher_decision(c: &mut Criterion) {
 /// record each way): `autoscale`'s price rule, in the sandbox, natively and
 /// as a plain Rust call.
 fn spare_decision(c: &mut Criterion) {
-    let cache = tempfile::tempdir().unwrap();
-    let host = PluginHost::new(HostOptions {
-        cache: ArtifactCache::at(cache.path()),
-        allow_native: true,
-        ..Default::default()
-    })
-    .unwrap();
+    let (_cache, host) = edl_benches::plugin_host();
     let view = edl_plugin_sdk::SpareView {
         step: 1000,
         world_size: 8,

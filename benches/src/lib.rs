@@ -14,6 +14,18 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// A plugin host as the job has one: compiled components cached (in a
+/// directory of its own, which lives as long as the returned guard) and
+/// native libraries allowed.
+pub fn plugin_host() -> (tempfile::TempDir, std::sync::Arc<edl_runtime::plugin::PluginHost>) {
+    use edl_runtime::plugin::{ArtifactCache, HostOptions, PluginHost};
+    let cache = tempfile::tempdir().expect("a directory for the bench's compiled plugins");
+    let options =
+        HostOptions { cache: ArtifactCache::at(cache.path()), allow_native: true, ..Default::default() };
+    let host = PluginHost::new(options).expect("a plugin host");
+    (cache, host)
+}
+
 /// The release build of `edl-runtime` beside the running bench
 /// (target/release), which the bench's doc says to build first.
 pub fn release_runtime() -> PathBuf {

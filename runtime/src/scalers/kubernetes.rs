@@ -1211,7 +1211,10 @@ pub(crate) mod tests {
         let deletes = api.heard("DELETE");
         assert_eq!(deletes.len(), 1, "{deletes:?}");
         assert!(deletes[0].contains(&format!("/pods/{name} ")), "{deletes:?}");
-        assert!(deletes[0].contains("\"gracePeriodSeconds\":1") && deletes[0].contains("uid-7"), "{deletes:?}");
+        assert!(
+            deletes[0].contains("\"gracePeriodSeconds\":1") && deletes[0].contains("uid-7"),
+            "{deletes:?}"
+        );
         assert_eq!(std::fs::read_to_string(logs.join("worker-4.log")).unwrap(), "step 9\n");
         // Gone from the listing: its end reported, its log the one kept.
         s.polled = None;

@@ -19,10 +19,10 @@
 //! With `--relay`, each node the workers run on gets a relay of its own,
 //! another batch job (see [`crate::scalers::slurm_relays`]).
 
-use crate::scalers::{Lingering, Scaler};
 pub use crate::scalers::slurm_client::SlurmOptions;
 use crate::scalers::slurm_client::{batch_script, quote, run, submit};
 use crate::scalers::slurm_relays::SlurmRelays;
+use crate::scalers::{Lingering, Scaler};
 use crate::worker::session::JobAuth;
 use anyhow::{Context, Result};
 use std::{

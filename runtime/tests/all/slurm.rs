@@ -590,7 +590,8 @@ fn with_relay_each_node_s_workers_reach_the_job_through_a_relay_job_there_whose_
 }
 
 #[test]
-fn a_frozen_worker_s_slurm_job_is_killed_once_its_lease_lapses_and_the_other_does_not_wait_out_its_collective() {
+fn a_frozen_worker_s_slurm_job_is_killed_once_its_lease_lapses_and_the_other_does_not_wait_out_its_collective()
+ {
     let nodes = ["n1", "n2"];
     let Some(hosts) = Hosts::build_or_skip(&["ctl", "n1", "n2"]) else { return };
     let Some(slurm) = Slurm::start(&hosts, &nodes) else { return };
@@ -599,7 +600,14 @@ fn a_frozen_worker_s_slurm_job_is_killed_once_its_lease_lapses_and_the_other_doe
     let cmd = job(d, &["--no-distill", "--teachers", "0", "--epochs", "8"]);
     let mut c = slurm.command(cmd.get_program().to_str().unwrap());
     c.args(cmd.get_args()).current_dir(d).env("SLURM_CONF", &slurm.conf);
-    c.args(["--scaler", "slurm", "--slurm-partition", "edl", "--listen", &format!("{}:7070", hosts.ip("ctl"))]);
+    c.args([
+        "--scaler",
+        "slurm",
+        "--slurm-partition",
+        "edl",
+        "--listen",
+        &format!("{}:7070", hosts.ip("ctl")),
+    ]);
     c.args(["--policy", art::AUTOSCALE_WASM, "--decide-every", "100000"]);
     c.args(["--workers", "2", "--min-workers", "1", "--max-workers", "2", "--step-delay-ms", "20"]);
     // The collectives' bound (60 s) far past the lease (2 s).
