@@ -26,7 +26,9 @@ use std::{
 /// it, and ssh and srun forward it) and in `EDL_JOB_SECRET` for a local
 /// command, never on its command line. It runs in a process group of its
 /// own, logging to `log_dir/worker-N.log`; stopping a worker signals the
-/// group, after the `stop` template when there is one.
+/// group, after the `stop` template when there is one, on a thread of its
+/// own (the coordinator goes on meanwhile; the worker's slot stays taken
+/// until it is done).
 pub struct CommandScaler {
     start: String,
     stop: Option<String>,
@@ -53,6 +55,15 @@ pub struct CommandScaler {
     /// Workers silent for their lease whose commands are killed if they
     /// still run (see [`Scaler::kill_if_lingering`]).
     lingering: Lingering,
+    /// Workers being stopped, each on a thread of its own.
+    stopping: Vec<Stopping>,
+}
+
+/// A worker being stopped, and the slot it keeps meanwhile: a stop
+/// template by `{host}` or `{slot}` must reach it alone.
+struct Stopping {
+    thread: std::thread::JoinHandle<()>,
+    slot: Option<usize>,
 }
 
 /// The relays of [`CommandScaler::relayed`]: each started by the worker
@@ -157,6 +168,7 @@ impl CommandScaler {
             program,
             relays: None,
             lingering: Lingering::default(),
+            stopping: Vec::new(),
         })
     }
 
@@ -263,7 +275,9 @@ impl CommandScaler {
     }
 
     fn slot_taken(&self, i: usize) -> bool {
-        self.children.values().any(|(_, s)| *s == Some(i)) || self.adopted.values().any(|s| *s == i)
+        self.children.values().any(|(_, s)| *s == Some(i))
+            || self.adopted.values().any(|s| *s == i)
+            || self.stopping.iter().any(|s| s.slot == Some(i) && !s.thread.is_finished())
     }
 
     /// `template` filled in for worker (or relay) `id` on `slot`, whose
@@ -312,15 +326,15 @@ impl CommandScaler {
         self.log_dir.join(format!("worker-{id}.log"))
     }
 
-    /// Runs `line` with `sh -c` in a process group of its own; with the
-    /// job's secret on its input and in its environment when `auth` is given.
-    fn shell(
+    /// `line` to run with `sh -c` in a process group of its own, logging to
+    /// `log`; the job's secret in its environment when `auth` is given.
+    fn shell_command(
         &self,
         line: &str,
         id: u64,
         auth: Option<&JobAuth>,
         log: std::fs::File,
-    ) -> anyhow::Result<Child> {
+    ) -> anyhow::Result<Command> {
         use std::os::unix::process::CommandExt;
         let mut cmd = Command::new("sh");
         cmd.arg("-c")
@@ -334,6 +348,19 @@ impl CommandScaler {
         if let Some(a) = auth {
             cmd.env("EDL_JOB_SECRET", a.secret.to_hex());
         }
+        Ok(cmd)
+    }
+
+    /// Runs `line` as [`CommandScaler::shell_command`] makes it, with the
+    /// job's secret also on its input when `auth` is given.
+    fn shell(
+        &self,
+        line: &str,
+        id: u64,
+        auth: Option<&JobAuth>,
+        log: std::fs::File,
+    ) -> anyhow::Result<Child> {
+        let mut cmd = self.shell_command(line, id, auth, log)?;
         let mut child = cmd.spawn().map_err(|e| anyhow::anyhow!("cannot run sh: {e}"))?;
         if let (Some(mut stdin), Some(a)) = (child.stdin.take(), auth) {
             // A command that does not read its input may have closed it: fine.
@@ -512,6 +539,10 @@ impl Scaler for CommandScaler {
 
     fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> anyhow::Result<()> {
         self.job = auth.job.clone();
+        if !self.slots.is_empty() && self.free_slot().is_none() {
+            // A slot whose worker is being stopped is free once it is gone.
+            self.settle();
+        }
         let slot = match self.slots.len() {
             0 => None,
             n => Some(self.free_slot().ok_or_else(|| anyhow::anyhow!("all {n} slots of --hosts are taken"))?),
@@ -534,48 +565,35 @@ impl Scaler for CommandScaler {
     }
 
     fn stop(&mut self, id: u64, grace: Duration) {
+        self.stopping.retain(|s| !s.thread.is_finished());
         let Some(slot) = self.started.remove(&id) else { return };
         self.adopted.remove(&id);
-        let mut child = self.children.remove(&id).map(|(c, _)| c);
-        let running = |c: &mut Option<Child>| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)));
-        let was_running = running(&mut child);
-        let until = Instant::now() + grace;
-        while Instant::now() < until && running(&mut child) {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        // The engine's stop command runs when the start command outlived
-        // the grace, and when it had ended before the stop: it handed the
-        // worker to an engine (sbatch, kubectl run), which holds it still
-        // (for a worker that finished, the command is harmless). A start
-        // command that ended within the grace took its worker with it.
-        let needs_stop = running(&mut child) || !was_running;
+        let child = self.children.remove(&id).map(|(c, _)| c);
         // A slot that another worker holds now is not this one's to name:
         // a stop command by {host} or {slot} would reach that worker.
-        let slotted = slot.is_some();
-        let slot = slot.filter(|s| !self.slot_taken(*s));
         // Without its slot a worker that had one cannot be named to a stop
         // command that goes by {host} or {slot}: its process group is all.
-        if let Some(stop) = &self.stop
-            && needs_stop
-            && (slot.is_some() || !slotted)
-        {
-            // The engine's own way to stop it (scancel, kubectl delete, ...).
-            match self.fill(stop, (&id.to_string(), slot), "", &self.program).and_then(|line| {
-                let log = std::fs::OpenOptions::new().append(true).create(true).open(self.log_path(id))?;
-                self.shell(&line, id, None, log)
-            }) {
-                Ok(mut c) => {
-                    let until = Instant::now() + Duration::from_secs(10);
-                    while Instant::now() < until && matches!(c.try_wait(), Ok(None)) {
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
-                    terminate_group(&mut c, Duration::from_secs(1));
-                }
-                Err(e) => tracing::warn!("worker {id}: --worker-stop-command: {e:#}"),
+        let named = slot.filter(|s| !self.slot_taken(*s));
+        let engine_stop = match &self.stop {
+            Some(stop) if named.is_some() || slot.is_none() => self
+                .fill(stop, (&id.to_string(), named), "", &self.program)
+                .and_then(|line| {
+                    let log =
+                        std::fs::OpenOptions::new().append(true).create(true).open(self.log_path(id))?;
+                    self.shell_command(&line, id, None, log)
+                })
+                .map_err(|e| tracing::warn!("worker {id}: --worker-stop-command: {e:#}"))
+                .ok(),
+            _ => None,
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("edl-stop-{id}"))
+            .spawn(move || stop_worker(id, child, grace, engine_stop));
+        match thread {
+            Ok(thread) => self.stopping.push(Stopping { thread, slot }),
+            Err(e) => {
+                tracing::warn!("worker {id}: cannot stop it in the background ({e}); it is left to exit")
             }
-        }
-        if let Some(c) = child.as_mut() {
-            terminate_group(c, Duration::from_secs(1));
         }
     }
 
@@ -635,11 +653,57 @@ impl Scaler for CommandScaler {
     }
 }
 
+/// Stops worker `id`: its start command (`child`, where it still runs
+/// here) gets `grace` to end, then the engine's stop command
+/// (`engine_stop`) runs where it is needed, then what is left of the
+/// command's process group is ended.
+fn stop_worker(id: u64, mut child: Option<Child>, grace: Duration, engine_stop: Option<Command>) {
+    let running = |c: &mut Option<Child>| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)));
+    let was_running = running(&mut child);
+    let until = Instant::now() + grace;
+    while Instant::now() < until && running(&mut child) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The engine's stop command runs when the start command outlived the
+    // grace, and when it had ended before the stop: it handed the worker
+    // to an engine (sbatch, kubectl run), which holds it still (for a
+    // worker that finished, the command is harmless). A start command
+    // that ended within the grace took its worker with it.
+    let needs_stop = running(&mut child) || !was_running;
+    if let Some(mut cmd) = engine_stop.filter(|_| needs_stop) {
+        // The engine's own way to stop it (scancel, kubectl delete, ...).
+        match cmd.spawn() {
+            Ok(mut c) => {
+                let until = Instant::now() + Duration::from_secs(10);
+                while Instant::now() < until && matches!(c.try_wait(), Ok(None)) {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                terminate_group(&mut c, Duration::from_secs(1));
+            }
+            Err(e) => tracing::warn!("worker {id}: --worker-stop-command: cannot run sh: {e}"),
+        }
+    }
+    if let Some(c) = child.as_mut() {
+        terminate_group(c, Duration::from_secs(1));
+    }
+}
+
+impl CommandScaler {
+    /// Waits for the stops under way to end.
+    fn settle(&mut self) {
+        for s in self.stopping.drain(..) {
+            let _ = s.thread.join();
+        }
+    }
+}
+
 impl Drop for CommandScaler {
     fn drop(&mut self) {
         for (c, _) in self.children.values_mut() {
             terminate_group(c, Duration::from_secs(2));
         }
+        // Each ends within its worker's grace and 12 seconds.
+        self.settle();
     }
 }
 
@@ -851,9 +915,11 @@ mod tests {
         let e = after.spawn(4, "c:1", &auth).unwrap_err();
         assert!(e.to_string().contains("all 3 slots of --hosts are taken"), "{e}");
         // Stopping one taken over runs the stop command on its host and frees its slot.
+        // The next worker, with no other slot free, waits for that stop to
+        // be done and takes the slot after it.
         after.stop(2, Duration::from_millis(10));
-        assert_eq!(std::fs::read_to_string(&stopped).unwrap().trim(), "2 h2");
         after.spawn(4, "c:1", &auth).unwrap();
+        assert_eq!(std::fs::read_to_string(&stopped).unwrap().trim(), "2 h2");
         assert_eq!(after.handle(4).as_deref(), Some("slot:h2/0"));
         after.stop(3, Duration::from_millis(10));
         after.stop(4, Duration::from_millis(10));
@@ -873,17 +939,52 @@ mod tests {
             std::thread::sleep(Duration::from_millis(10));
         }
         s.stop(4, Duration::ZERO);
+        s.settle();
         assert_eq!(std::fs::read_to_string(&stopped).unwrap(), "4\n");
         // A worker stopped twice, or never started, is not stopped again.
         s.stop(4, Duration::ZERO);
         s.stop(9, Duration::ZERO);
+        s.settle();
         assert_eq!(std::fs::read_to_string(&stopped).unwrap(), "4\n");
         // A start command that runs the worker in the foreground and ends
         // within the grace took its worker with it: no stop command.
         let mut s = CommandScaler::new("read s; sleep 0.2", Some(&stop), &[], "x", dir.path()).unwrap();
         s.spawn(5, "c:1", &auth).unwrap();
         s.stop(5, Duration::from_secs(30));
+        s.settle();
         assert_eq!(std::fs::read_to_string(&stopped).unwrap(), "4\n");
+    }
+
+    #[test]
+    fn a_stop_returns_at_once_and_the_engine_s_stop_command_runs_on_a_thread_of_its_own() {
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let (go, done) = (dir.path().join("go"), dir.path().join("done"));
+        assert!(Command::new("mkfifo").arg(&go).status().unwrap().success());
+        // The engine's stop command waits until the test says go.
+        let stop = format!("read x < {}; echo {{id}} $x >> {}", go.display(), done.display());
+        let mut s = CommandScaler::new("true", Some(&stop), &[], "x", dir.path()).unwrap();
+        let auth = JobAuth { job: "j".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
+        s.spawn(3, "c:1", &auth).unwrap();
+        while s.exited().is_empty() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        s.stop(3, Duration::ZERO);
+        // Back from the stop while its stop command still reads: the test
+        // can be its writer (a stop that waited for the command would have
+        // ended it after its 10 s bound, and nothing would read).
+        let until = Instant::now() + Duration::from_secs(60);
+        let mut w = loop {
+            match std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(&go) {
+                Ok(w) => break w,
+                Err(e) => assert!(Instant::now() < until, "no stop command reads: {e}"),
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        writeln!(w, "go").unwrap();
+        drop(w);
+        s.settle();
+        assert_eq!(std::fs::read_to_string(&done).unwrap(), "3 go\n");
     }
 
     #[test]
