@@ -219,9 +219,9 @@ impl Coordinator<'_> {
     /// Notices started workers that died before joining, and gives up those
     /// past the join timeout.
     pub(super) fn check_spawning(&mut self) {
-        for worker in self.scaler.kill_lingering() {
+        for (worker, how) in self.scaler.kill_lingering() {
             self.note(format!(
-                "worker {worker} went silent for its lease and still ran a second later: killed with what it started"
+                "worker {worker} went silent for its lease and still ran a second later: {how}"
             ));
         }
         let now = Instant::now();

@@ -608,15 +608,16 @@ impl Scaler for CommandScaler {
     }
 
     /// SIGKILL to the start command's process group, while the command
-    /// runs: a local command's worker, or what an `ssh` or `srun` holds
-    /// open (ssh ends the remote side with its session where it has a
-    /// terminal, `ssh -tt`). A command that handed its worker to an engine
-    /// and ended has nothing here to kill: the generation's failure stops
-    /// that worker, by the stop template.
-    fn kill_lingering(&mut self) -> Vec<u64> {
+    /// runs: a local command's worker dies with it; a remote one (`ssh`,
+    /// `srun`) only as far as its command ends it when killed, which is
+    /// the command's (a frozen process heeds no hang-up). A command that
+    /// handed its worker to an engine and ended has nothing here to kill:
+    /// the generation's failure stops that worker, by the stop template.
+    fn kill_lingering(&mut self) -> Vec<(u64, String)> {
         let children = &self.children;
         let due = self.lingering.due(|id| children.contains_key(&id));
-        kill_running_groups(due, |id| children.get(&id).map(|(c, _)| c))
+        let how = "its start command's process group killed";
+        kill_running_groups(due, |id| children.get(&id).map(|(c, _)| c), how)
     }
 
     fn pid(&self, id: u64) -> Option<u32> {

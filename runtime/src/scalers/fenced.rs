@@ -90,7 +90,7 @@ impl Scaler for FencedScaler {
         }
     }
 
-    fn kill_lingering(&mut self) -> Vec<u64> {
+    fn kill_lingering(&mut self) -> Vec<(u64, String)> {
         match self.fenced() {
             Some(why) => {
                 tracing::warn!("no lingering worker killed: {why}");

@@ -48,8 +48,18 @@ pub(crate) fn call<T>(
     what: &str,
     f: impl std::future::Future<Output = Result<T, kube::Error>>,
 ) -> Result<T> {
-    rt.block_on(async { tokio::time::timeout(CALL_WITHIN, f).await })
-        .map_err(|_| anyhow!("{what}: the Kubernetes API server did not answer within {CALL_WITHIN:?}"))?
+    call_within(rt, what, CALL_WITHIN, f)
+}
+
+/// Runs one call to the API server on `rt`, bounded by `within`.
+fn call_within<T>(
+    rt: &tokio::runtime::Runtime,
+    what: &str,
+    within: Duration,
+    f: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> Result<T> {
+    rt.block_on(async { tokio::time::timeout(within, f).await })
+        .map_err(|_| anyhow!("{what}: the Kubernetes API server did not answer within {within:?}"))?
         .map_err(|e| anyhow!("{what}: {e}"))
 }
 
@@ -277,10 +287,22 @@ pub(crate) fn delete_pod(
 
 /// The last lines of the Pod `name`'s log (bounded), kept at `path`.
 pub(crate) fn keep_log(rt: &tokio::runtime::Runtime, api: &Api<Pod>, name: &str, path: &Path) -> Result<()> {
+    keep_log_within(rt, api, name, path, CALL_WITHIN)
+}
+
+/// [`keep_log`], the API's answer waited for `within`.
+fn keep_log_within(
+    rt: &tokio::runtime::Runtime,
+    api: &Api<Pod>,
+    name: &str,
+    path: &Path,
+    within: Duration,
+) -> Result<()> {
     // Its last lines, bounded: what a person reads after a crash.
     let params =
         LogParams { tail_lines: Some(LOG_LINES), limit_bytes: Some(LOG_KEPT), ..LogParams::default() };
-    let text = call(rt, &format!("reading the log of the Pod {name}"), api.logs(name, &params))?;
+    let text =
+        call_within(rt, &format!("reading the log of the Pod {name}"), within, api.logs(name, &params))?;
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)
         .and_then(|()| std::fs::write(path, text))
@@ -479,6 +501,8 @@ pub struct KubernetesScaler {
 /// killed a second after SIGTERM (a hung or frozen program heeds nothing
 /// else), the Pod kept until it ends.
 const LINGER_GRACE_SECS: u32 = 1;
+/// How long a lingering worker's log is waited for before its Pod goes.
+const LINGER_LOG_WITHIN: Duration = Duration::from_secs(2);
 
 impl KubernetesScaler {
     /// Workers running `edl-runtime worker` from the image; the logs of
@@ -563,7 +587,9 @@ impl KubernetesScaler {
             if let Some((name, _)) = self.pods.remove(&id) {
                 match then {
                     Then::Nothing => {}
-                    Then::Delete(meta) => self.delete_checked(&api, &name, &meta, DeleteParams::default()),
+                    Then::Delete(meta) => {
+                        self.delete_checked(&api, &name, &meta, DeleteParams::default());
+                    }
                     Then::KeepLogAndDelete(meta) => self.keep_log_and_delete(&api, id, &name, &meta),
                 }
             }
@@ -648,17 +674,28 @@ impl KubernetesScaler {
     /// of this job's; only that very Pod (its uid a precondition), not one
     /// made under the name since. A Pod of another job is left alone, with a
     /// warning naming it.
-    fn delete_checked(&self, api: &Api<Pod>, name: &str, meta: &ObjectMeta, mut params: DeleteParams) {
+    /// Whether it was deleted.
+    fn delete_checked(
+        &self,
+        api: &Api<Pod>,
+        name: &str,
+        meta: &ObjectMeta,
+        mut params: DeleteParams,
+    ) -> bool {
         if let Err(why) = of_job(meta, &self.job) {
             tracing::warn!(
                 "kubernetes: not deleting the Pod {name}, which is not job {:?}'s: {why}",
                 self.job
             );
-            return;
+            return false;
         }
         params.preconditions = Some(Preconditions { uid: meta.uid.clone(), resource_version: None });
-        if let Err(e) = call(&self.rt, &format!("deleting the Pod {name}"), api.delete(name, &params)) {
-            tracing::warn!("kubernetes: {e:#}");
+        match call(&self.rt, &format!("deleting the Pod {name}"), api.delete(name, &params)) {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::warn!("kubernetes: {e:#}");
+                false
+            }
         }
     }
 
@@ -749,36 +786,47 @@ impl Scaler for KubernetesScaler {
     }
 
     /// Deletes each such worker's Pod with a second's notice, its log so
-    /// far kept first (where it can be). The Pod stays the worker's until
-    /// the listing no longer shows it: its end is reported as any.
-    fn kill_lingering(&mut self) -> Vec<u64> {
+    /// far kept first where the API gives it within [`LINGER_LOG_WITHIN`]
+    /// (the others wait on this worker: a log that cannot be read is not
+    /// waited for, and a warning says so). The Pod stays the worker's until
+    /// the listing no longer shows it: its end is reported as any. An API
+    /// server that does not answer is asked once more a second later.
+    fn kill_lingering(&mut self) -> Vec<(u64, String)> {
         let pods = &self.pods;
         let due = self.lingering.due(|id| pods.contains_key(&id));
         let mut killed = Vec::new();
         for id in due {
             let name = self.pods[&id].0.clone();
-            let Ok((api, _)) = self.api() else { continue };
-            let meta = match self.read_pod(&name) {
+            let read =
+                if self.quiet.open() { self.read_pod(&name) } else { Err(anyhow!("it does not answer")) };
+            let meta = match read {
                 Ok(Some(pod)) if pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running") => {
-                    pod.metadata
+                    Some(pod.metadata)
                 }
+                // Ended or gone: the next look reports it.
                 Ok(_) => continue,
                 Err(e) => {
-                    tracing::warn!("kubernetes: worker {id} not killed: {e:#}");
-                    continue;
+                    tracing::warn!("kubernetes: worker {id} not killed yet: {e:#}");
+                    None
                 }
             };
-            if of_job(&meta, &self.job).is_err() {
+            let (Some(meta), Ok((api, _))) = (meta, self.api()) else {
+                self.lingering.again(id, Duration::from_secs(1));
                 continue;
-            }
+            };
             let path = self.log_dir.join(format!("worker-{id}.log"));
-            match keep_log(&self.rt, &api, &name, &path) {
+            match keep_log_within(&self.rt, &api, &name, &path, LINGER_LOG_WITHIN) {
                 Ok(()) => drop(self.logs.insert(id, path)),
-                Err(e) => tracing::warn!("kubernetes: worker {id}'s log before it is killed: {e:#}"),
+                Err(e) => {
+                    tracing::warn!("kubernetes: worker {id}'s log is not kept before it is killed: {e:#}")
+                }
             }
             let params = DeleteParams { grace_period_seconds: Some(LINGER_GRACE_SECS), ..Default::default() };
-            self.delete_checked(&api, &name, &meta, params);
-            killed.push(id);
+            if self.delete_checked(&api, &name, &meta, params) {
+                killed.push((id, format!("its Pod {name} deleted with {LINGER_GRACE_SECS} s of notice")));
+            } else {
+                self.lingering.again(id, Duration::from_secs(1));
+            }
         }
         killed
     }
@@ -1205,7 +1253,11 @@ pub(crate) mod tests {
         s.kill_if_lingering(4, Duration::from_secs(3600));
         assert!(s.kill_lingering().is_empty());
         s.kill_if_lingering(4, Duration::ZERO);
-        assert_eq!(s.kill_lingering(), [4]);
+        let killed = s.kill_lingering();
+        assert!(
+            matches!(&killed[..], [(4, how)] if how.contains("deleted with 1 s of notice")),
+            "{killed:?}"
+        );
         assert!(s.kill_lingering().is_empty(), "killed once");
         let name = pod_name("mnist", 4);
         let deletes = api.heard("DELETE");
@@ -1216,6 +1268,11 @@ pub(crate) mod tests {
             "{deletes:?}"
         );
         assert_eq!(std::fs::read_to_string(logs.join("worker-4.log")).unwrap(), "step 9\n");
+        // Its log read before its Pod was deleted.
+        let order: Vec<String> = api.heard.lock().unwrap().clone();
+        let read = order.iter().position(|l| l.contains(&format!("/pods/{name}/log"))).unwrap();
+        let deleted = order.iter().position(|l| l.starts_with("DELETE")).unwrap();
+        assert!(read < deleted, "{order:?}");
         // Gone from the listing: its end reported, its log the one kept.
         s.polled = None;
         let exited = s.exited();

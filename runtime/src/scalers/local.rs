@@ -267,10 +267,10 @@ impl Scaler for LocalProcesses {
 
     /// SIGKILL to the group (a hung or frozen program hears nothing else);
     /// the child stays to be reaped, so its pid cannot name another.
-    fn kill_lingering(&mut self) -> Vec<u64> {
+    fn kill_lingering(&mut self) -> Vec<(u64, String)> {
         let children = &self.children;
         let due = self.lingering.due(|id| children.contains_key(&id));
-        kill_running_groups(due, |id| children.get(&id))
+        kill_running_groups(due, |id| children.get(&id), "killed with its process group")
     }
 
     fn log_of(&self, id: u64) -> Option<PathBuf> {

@@ -98,12 +98,12 @@ pub trait Scaler: Send {
     /// killed if it is still there after `after` (by
     /// [`Scaler::kill_lingering`]), so that its sockets close and the other
     /// ranks' collectives fail then rather than at their timeout. A scaler
-    /// that cannot do so without losing the exit's reason leaves it to the
+    /// that has no way to (workers it did not start) leaves it to the
     /// generation's failure.
     fn kill_if_lingering(&mut self, _id: u64, _after: Duration) {}
     /// Kills the process trees of such members past their time; returns
-    /// their ids. Their exits are reported as any.
-    fn kill_lingering(&mut self) -> Vec<u64> {
+    /// their ids, each with what was done. Their exits are reported as any.
+    fn kill_lingering(&mut self) -> Vec<(u64, String)> {
         Vec::new()
     }
 }
@@ -111,12 +111,20 @@ pub trait Scaler: Send {
 /// Workers a scaler is to kill if they still run at a set time (see
 /// [`Scaler::kill_if_lingering`]).
 #[derive(Default)]
-pub(crate) struct Lingering(BTreeMap<u64, Instant>);
+pub(crate) struct Lingering(BTreeMap<u64, Instant>, std::collections::BTreeSet<u64>);
 
 impl Lingering {
     /// Worker `id` is to be killed if it still runs `after` from now.
     pub(crate) fn mark(&mut self, id: u64, after: Duration) {
         self.0.insert(id, Instant::now() + after);
+    }
+
+    /// Worker `id` could not be killed (its scheduler did not answer):
+    /// tried once more `after` from now, not again after that.
+    pub(crate) fn again(&mut self, id: u64, after: Duration) {
+        if self.1.insert(id) {
+            self.mark(id, after);
+        }
     }
 
     /// The workers whose time came, each taken once; those the scaler no
@@ -133,16 +141,17 @@ impl Lingering {
 }
 
 /// SIGKILL to the process group of each worker of `ids` whose process
-/// (`child` finds it) still runs; the workers killed.
+/// (`child` finds it) still runs; the workers killed, each with `how`.
 pub(crate) fn kill_running_groups<'a>(
     ids: Vec<u64>,
     child: impl Fn(u64) -> Option<&'a std::process::Child>,
-) -> Vec<u64> {
+    how: &str,
+) -> Vec<(u64, String)> {
     ids.into_iter()
-        .filter(|&id| {
-            let Some(c) = child(id).filter(|c| crate::process::runs(c)) else { return false };
+        .filter_map(|id| {
+            let c = child(id).filter(|c| crate::process::runs(c))?;
             crate::process::signal_group(c, libc::SIGKILL);
-            true
+            Some((id, how.to_string()))
         })
         .collect()
 }
@@ -161,5 +170,10 @@ mod tests {
         // Taken once; 2 was forgotten, 3 is not due.
         assert!(l.due(|_| true).is_empty());
         assert_eq!(l.0.keys().copied().collect::<Vec<_>>(), [3]);
+        // Tried once more after a failure, not twice.
+        l.again(1, Duration::ZERO);
+        assert_eq!(l.due(|_| true), [1]);
+        l.again(1, Duration::ZERO);
+        assert!(l.due(|_| true).is_empty());
     }
 }

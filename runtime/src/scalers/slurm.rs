@@ -353,18 +353,29 @@ impl Scaler for SlurmScaler {
     /// hung or frozen program hears nothing else, and a cancel would give
     /// it Slurm's KillWait first). The job stays listed until the queue
     /// says it ended, so its end is reported as any, with Slurm's state.
-    fn kill_lingering(&mut self) -> Vec<u64> {
+    fn kill_lingering(&mut self) -> Vec<(u64, String)> {
+        // What ended meanwhile is seen first (and reported as it ended).
+        self.poll();
         let jobs = &self.jobs;
         let due = self.lingering.due(|id| jobs.contains_key(&id));
-        due.into_iter()
-            .filter(|id| match run("scancel", &["--full", "--signal=KILL", &jobs[id].slurm]) {
-                Ok(_) => true,
-                Err(e) => {
-                    tracing::warn!("worker {id}: cannot kill its Slurm job {}: {e:#}", jobs[id].slurm);
-                    false
+        let mut killed = Vec::new();
+        for id in due {
+            let slurm = jobs[&id].slurm.clone();
+            if !self.quiet.open() {
+                self.lingering.again(id, POLL_EVERY);
+                continue;
+            }
+            match run("scancel", &["--full", "--signal=KILL", &slurm]) {
+                Ok(_) => {
+                    killed.push((id, format!("its Slurm job {slurm} killed (scancel --full --signal=KILL)")))
                 }
-            })
-            .collect()
+                Err(e) => {
+                    tracing::warn!("worker {id}: cannot kill its Slurm job {slurm}: {e:#}");
+                    self.lingering.again(id, POLL_EVERY);
+                }
+            }
+        }
+        killed
     }
 
     fn adopt(&mut self, id: u64, handle: &str, job_name: &str) -> bool {

@@ -479,25 +479,26 @@ fn a_policy_asking_for_fewer_spares_has_the_surplus_stopped_and_none_ever_trains
 
 #[test]
 fn a_frozen_worker_is_killed_once_its_lease_lapses_and_the_others_do_not_wait_out_their_collective() {
-    frozen_worker_killed(&[]);
+    frozen_worker_killed(&[], "killed with its process group");
 }
 
 #[test]
 fn a_frozen_worker_started_by_a_command_is_killed_once_its_lease_lapses() {
     // The worker is the command's child (`sh -c ...`): its process group goes.
-    frozen_worker_killed(&["--scaler", "command", "--worker-command", "{program}"]);
+    let scaler = ["--scaler", "command", "--worker-command", "{program}"];
+    frozen_worker_killed(&scaler, "its start command's process group killed");
 }
 
 /// A job of 3 under `scaler` whose worker 2 is stopped (SIGSTOP) after an
-/// epoch: it is killed once its lease lapses, the others go on without
-/// waiting for their collective's bound.
-fn frozen_worker_killed(scaler: &[&str]) {
+/// epoch: it is killed once its lease lapses (the note says `how`), the
+/// others go on without waiting for their collective's bound.
+fn frozen_worker_killed(scaler: &[&str], how: &str) {
     let dir = tempfile::tempdir().unwrap();
-    // The collectives' bound (60 s) far past the lease (2 s): the others
+    // The collectives' bound (60 s) far past the lease (3 s): the others
     // would wait it out on the frozen worker's open sockets.
     let args = ["--workers", "3", "--min-workers", "1", "--max-workers", "3", "--step-delay-ms", "10"];
     let mut cmd = steady(dir.path(), &args);
-    cmd.args(["--epochs", "8", "--collective-timeout-ms", "60000", "--worker-lease-secs", "2"]);
+    cmd.args(["--epochs", "8", "--collective-timeout-ms", "60000", "--worker-lease-secs", "3"]);
     cmd.args(scaler);
     let mut child = cmd.spawn().unwrap();
     let coordinator = child.id();
@@ -518,10 +519,8 @@ fn frozen_worker_killed(scaler: &[&str]) {
     // on its closed sockets: none waited for the 60 s bound.
     assert!(!text.contains("timed out"), "{text}");
     assert!(text.contains("closed the connection (dead or failed)"), "{text}");
-    assert!(
-        text.contains("worker 2 went silent for its lease and still ran a second later: killed"),
-        "{text}"
-    );
+    let killed = format!("worker 2 went silent for its lease and still ran a second later: {how}");
+    assert!(text.contains(&killed), "{text}");
 }
 
 #[test]

@@ -610,8 +610,8 @@ fn a_frozen_worker_s_slurm_job_is_killed_once_its_lease_lapses_and_the_other_doe
     ]);
     c.args(["--policy", art::AUTOSCALE_WASM, "--decide-every", "100000"]);
     c.args(["--workers", "2", "--min-workers", "1", "--max-workers", "2", "--step-delay-ms", "20"]);
-    // The collectives' bound (60 s) far past the lease (2 s).
-    c.args(["--collective-timeout-ms", "60000", "--worker-lease-secs", "2"]);
+    // The collectives' bound (60 s) far past the lease (3 s).
+    c.args(["--collective-timeout-ms", "60000", "--worker-lease-secs", "3"]);
     c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = c.spawn().unwrap();
     let rx = lines(&mut child);
@@ -631,7 +631,9 @@ fn a_frozen_worker_s_slurm_job_is_killed_once_its_lease_lapses_and_the_other_doe
     let r = report(d);
     assert_exactly_once(&r, 8, 1200);
     assert!(text.contains("no heartbeat for"), "its lease lapsed: {text}");
-    let killed = format!("worker {id} went silent for its lease and still ran a second later: killed");
+    let killed = format!(
+        "worker {id} went silent for its lease and still ran a second later: its Slurm job {victim} killed"
+    );
     assert!(text.contains(&killed), "{text}");
     // Its processes gone, the other's collective failed on its closed
     // sockets: none waited for the 60 s bound.
