@@ -147,6 +147,19 @@ impl<'h> Slurm<'h> {
         c
     }
 
+    /// The test job (`job(dir, flags)`) run from the controller's host in
+    /// `dir`, its workers Slurm jobs of the partition, its coordinator
+    /// listening there on `port`; its output piped.
+    fn job(&self, dir: &Path, flags: &[&str], port: u16) -> Command {
+        let cmd = job(dir, flags);
+        let mut c = self.command(cmd.get_program().to_str().unwrap());
+        c.args(cmd.get_args()).current_dir(dir);
+        c.args(["--scaler", "slurm", "--slurm-partition", "edl"]);
+        c.args(["--listen", &format!("{}:{port}", self.hosts.ip("ctl"))]);
+        c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        c
+    }
+
     /// Runs a Slurm client command; its output (stdout and stderr).
     fn run(&self, program: &str, args: &[&str]) -> String {
         let out = self.command(program).args(args).output().unwrap();
@@ -186,22 +199,11 @@ fn a_job_runs_on_slurm_grows_loses_a_node_has_a_worker_preempted_with_notice_and
     let Some(slurm) = Slurm::start(&hosts, &nodes) else { return };
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let cmd = job(d, &["--no-distill", "--teachers", "0", "--epochs", "20"]);
-    let mut c = slurm.command(cmd.get_program().to_str().unwrap());
-    c.args(cmd.get_args()).current_dir(d).env("SLURM_CONF", &slurm.conf);
-    c.args([
-        "--scaler",
-        "slurm",
-        "--slurm-partition",
-        "edl",
-        "--listen",
-        &format!("{}:7070", hosts.ip("ctl")),
-    ]);
+    let mut c = slurm.job(d, &["--no-distill", "--teachers", "0", "--epochs", "20"], 7070);
     // The policy grows the job one worker every 8 steps to 3, then shrinks it.
     c.args(["--policy", art::SCHEDULE_WASM, "--policy-config", "every=8", "--decide-every-steps", "4"]);
     c.args(["--workers", "1", "--min-workers", "1", "--max-workers", "3", "--step-delay-ms", "40"]);
     c.args(["--slurm-pending-secs", "4"]);
-    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = c.spawn().unwrap();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
@@ -339,17 +341,12 @@ fn a_standby_coordinator_takes_a_slurm_job_over_with_its_workers_batch_jobs() {
         let cwd = d.join(name);
         std::fs::create_dir_all(&cwd).unwrap();
         let args = ["--no-distill", "--teachers", "0", "--store", &store, "--job", "sl", "--epochs", "12"];
-        let cmd = job(&cwd, &args);
-        let mut c = slurm.command(cmd.get_program().to_str().unwrap());
-        c.args(cmd.get_args()).current_dir(&cwd);
-        c.args(["--scaler", "slurm", "--slurm-partition", "edl"]);
-        c.args(["--listen", &format!("{}:{port}", hosts.ip("ctl"))]);
+        let mut c = slurm.job(&cwd, &args, port);
         c.args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold"]);
         c.args(["--workers", "2", "--min-workers", "2", "--max-workers", "2", "--step-delay-ms", "40"]);
         c.args(["--checkpoint-every-steps", "20", "--checkpoint-dir"]).arg(d.join("checkpoints"));
         c.arg("--secret-file").arg(d.join("job.secret"));
         c.args(extra);
-        c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
         c.spawn().unwrap()
     };
     let mut first = coordinator("a", 7070, &[]);
@@ -539,15 +536,10 @@ fn with_relay_each_node_s_workers_reach_the_job_through_a_relay_job_there_whose_
     let Some(slurm) = Slurm::start(&hosts, &nodes) else { return };
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let cmd = job(d, &["--no-distill", "--teachers", "0", "--epochs", "8", "--job", "rl"]);
-    let mut c = slurm.command(cmd.get_program().to_str().unwrap());
-    c.args(cmd.get_args()).current_dir(d);
-    c.args(["--scaler", "slurm", "--slurm-partition", "edl", "--relay"]);
-    c.args(["--listen", &format!("{}:7070", hosts.ip("ctl"))]);
-    c.args(["--policy", art::AUTOSCALE_WASM, "--decide-every", "100000"]);
+    let mut c = slurm.job(d, &["--no-distill", "--teachers", "0", "--epochs", "8", "--job", "rl"], 7070);
+    c.args(["--relay", "--policy", art::AUTOSCALE_WASM, "--decide-every", "100000"]);
     c.args(["--workers", "4", "--min-workers", "4", "--max-workers", "4", "--step-delay-ms", "20"]);
     c.args(["--checkpoint-every-steps", "10", "--collective-timeout-ms", "60000"]);
-    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = c.spawn().unwrap();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
@@ -597,22 +589,11 @@ fn a_frozen_worker_s_slurm_job_is_killed_once_its_lease_lapses_and_the_other_doe
     let Some(slurm) = Slurm::start(&hosts, &nodes) else { return };
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let cmd = job(d, &["--no-distill", "--teachers", "0", "--epochs", "8"]);
-    let mut c = slurm.command(cmd.get_program().to_str().unwrap());
-    c.args(cmd.get_args()).current_dir(d).env("SLURM_CONF", &slurm.conf);
-    c.args([
-        "--scaler",
-        "slurm",
-        "--slurm-partition",
-        "edl",
-        "--listen",
-        &format!("{}:7070", hosts.ip("ctl")),
-    ]);
+    let mut c = slurm.job(d, &["--no-distill", "--teachers", "0", "--epochs", "8"], 7070);
     c.args(["--policy", art::AUTOSCALE_WASM, "--decide-every", "100000"]);
     c.args(["--workers", "2", "--min-workers", "1", "--max-workers", "2", "--step-delay-ms", "20"]);
     // The collectives' bound (60 s) far past the lease (3 s).
     c.args(["--collective-timeout-ms", "60000", "--worker-lease-secs", "3"]);
-    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = c.spawn().unwrap();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
