@@ -539,6 +539,9 @@ impl<'a> Coordinator<'a> {
         } else {
             self.stop_everyone(reason);
         }
+        // Every stop done before the lease goes: a stop command run after
+        // it could reach the workers of a coordinator that leads then.
+        self.scaler.settle();
         if let Some(k) = &self.keeper {
             k.release();
             let _ = k.flush(Duration::from_secs(5));

@@ -539,10 +539,7 @@ impl Scaler for CommandScaler {
 
     fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> anyhow::Result<()> {
         self.job = auth.job.clone();
-        if !self.slots.is_empty() && self.free_slot().is_none() {
-            // A slot whose worker is being stopped is free once it is gone.
-            self.settle();
-        }
+        self.make_room();
         let slot = match self.slots.len() {
             0 => None,
             n => Some(self.free_slot().ok_or_else(|| anyhow::anyhow!("all {n} slots of --hosts are taken"))?),
@@ -586,13 +583,21 @@ impl Scaler for CommandScaler {
                 .ok(),
             _ => None,
         };
-        let thread = std::thread::Builder::new()
-            .name(format!("edl-stop-{id}"))
-            .spawn(move || stop_worker(id, child, grace, engine_stop));
+        // The work goes to the thread once it runs; without one it is done here.
+        let (give, take) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new().name(format!("edl-stop-{id}")).spawn(move || {
+            if let Ok((child, engine_stop)) = take.recv() {
+                stop_worker(id, child, grace, engine_stop)
+            }
+        });
         match thread {
-            Ok(thread) => self.stopping.push(Stopping { thread, slot }),
+            Ok(thread) => {
+                let _ = give.send((child, engine_stop));
+                self.stopping.push(Stopping { thread, slot });
+            }
             Err(e) => {
-                tracing::warn!("worker {id}: cannot stop it in the background ({e}); it is left to exit")
+                tracing::warn!("worker {id}: no thread to stop it on ({e}); stopped on the coordinator's");
+                stop_worker(id, child, grace, engine_stop);
             }
         }
     }
@@ -622,6 +627,19 @@ impl Scaler for CommandScaler {
 
     fn pid(&self, id: u64) -> Option<u32> {
         self.children.get(&id).map(|(c, _)| c.id())
+    }
+
+    fn settle(&mut self) {
+        for s in self.stopping.drain(..) {
+            let _ = s.thread.join();
+        }
+    }
+
+    /// A slot whose worker is being stopped is free once it is gone.
+    fn make_room(&mut self) {
+        if !self.slots.is_empty() && self.free_slot().is_none() {
+            self.settle();
+        }
     }
 
     fn log_of(&self, id: u64) -> Option<PathBuf> {
@@ -686,15 +704,6 @@ fn stop_worker(id: u64, mut child: Option<Child>, grace: Duration, engine_stop: 
     }
     if let Some(c) = child.as_mut() {
         terminate_group(c, Duration::from_secs(1));
-    }
-}
-
-impl CommandScaler {
-    /// Waits for the stops under way to end.
-    fn settle(&mut self) {
-        for s in self.stopping.drain(..) {
-            let _ = s.thread.join();
-        }
     }
 }
 
@@ -895,7 +904,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let hosts = ["h1".to_string(), "h2".to_string(), "h3".to_string()];
         let stopped = dir.path().join("stopped");
-        let stop = format!("echo {{id}} {{host}} >> {}", stopped.display());
+        // Slow, as an engine's stop can be: the slot stays the stopped
+        // worker's until it is done.
+        let stop = format!("sleep 0.3; echo {{id}} {{host}} >> {}", stopped.display());
         let auth = JobAuth { job: "j".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
         // The coordinator before: workers 1 and 2 on h1 and h2.
         let mut before = CommandScaler::new("sleep 5", Some(&stop), &hosts, "x", dir.path()).unwrap();

@@ -34,6 +34,7 @@ impl FencedScaler {
 
 impl Scaler for FencedScaler {
     fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> anyhow::Result<()> {
+        self.inner.make_room();
         if let Some(why) = self.fenced() {
             anyhow::bail!("worker {id} not started: {why}");
         }
@@ -98,6 +99,14 @@ impl Scaler for FencedScaler {
             }
             None => self.inner.kill_lingering(),
         }
+    }
+
+    fn settle(&mut self) {
+        self.inner.settle()
+    }
+
+    fn make_room(&mut self) {
+        self.inner.make_room()
     }
 
     fn adopt(&mut self, id: u64, handle: &str, job: &str) -> bool {

@@ -276,6 +276,12 @@ impl Scaler for LocalProcesses {
     fn log_of(&self, id: u64) -> Option<PathBuf> {
         Some(self.log_path(id))
     }
+
+    fn settle(&mut self) {
+        for t in self.stopping.drain(..) {
+            let _ = t.join();
+        }
+    }
 }
 
 impl Drop for LocalProcesses {

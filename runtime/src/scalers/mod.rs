@@ -106,6 +106,14 @@ pub trait Scaler: Send {
     fn kill_lingering(&mut self) -> Vec<(u64, String)> {
         Vec::new()
     }
+    /// Waits for the stops under way (each bounded by its grace and a few
+    /// seconds): the coordinator settles them before it lets the job's
+    /// lease go, so that nothing of this one acts after another leads.
+    fn settle(&mut self) {}
+    /// Waits, where a start would have to, for a stop in flight that holds
+    /// the place the start needs (a slot): asked before the lease is
+    /// checked for the start, so that the check is the last word.
+    fn make_room(&mut self) {}
 }
 
 /// Workers a scaler is to kill if they still run at a set time (see

@@ -342,6 +342,12 @@ impl Scaler for SlurmScaler {
         }
     }
 
+    fn settle(&mut self) {
+        for t in self.stopping.drain(..) {
+            let _ = t.join();
+        }
+    }
+
     fn kill_if_lingering(&mut self, id: u64, after: Duration) {
         if self.jobs.get(&id).is_some_and(|j| j.running) {
             self.lingering.mark(id, after);
