@@ -74,15 +74,20 @@ struct RelayWriter {
     /// Why a write failed: the connection is shut, and every later send
     /// fails at once with this.
     failed: Option<String>,
+    /// The relay's address, as it was while connected (a reset connection
+    /// no longer says it).
+    peer: String,
 }
 
 impl RelayOut {
     pub fn new(link: Link) -> Self {
+        let peer = peer(link.get_ref());
         RelayOut(std::sync::Arc::new(std::sync::Mutex::new(RelayWriter {
             link,
             buf: Vec::new(),
             held: false,
             failed: None,
+            peer,
         })))
     }
 
@@ -119,7 +124,7 @@ impl RelayWriter {
     /// Writes the frames kept in `buf`, if any.
     fn write(&mut self) -> Result<(), String> {
         use std::io::Write;
-        let RelayWriter { link, buf, failed, .. } = self;
+        let RelayWriter { link, buf, failed, peer, .. } = self;
         if let Some(why) = failed {
             return Err(why.clone());
         }
@@ -133,7 +138,7 @@ impl RelayWriter {
             *buf = Vec::new();
         }
         written.map_err(|e| {
-            let why = format!("writing to the relay at {}: {e}", peer(link.get_ref()));
+            let why = format!("the relay at {peer} was lost: writing to it: {e}");
             let _ = link.get_ref().shutdown(std::net::Shutdown::Both);
             *failed = Some(why.clone());
             why
@@ -236,7 +241,7 @@ mod tests {
     #[test]
     fn a_relay_whose_write_failed_fails_every_send_and_release_after() {
         let (out, why) = failed_relay();
-        assert!(why.contains("writing to the relay at"), "{why}");
+        assert!(why.contains("the relay at 127.0.0.1:") && why.contains("was lost: writing to it"), "{why}");
         out.hold();
         assert_eq!(out.send(&[Frame::Beat]), Err(why.clone()));
         assert_eq!(out.release(), Err(why));
