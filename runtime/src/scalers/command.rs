@@ -1,7 +1,7 @@
 //! [`CommandScaler`]: workers started by a command the operator gives
 //! (`ssh {host} ...`, `srun ...`) on a list of hosts and slots.
 
-use super::{Lingering, Scaler, kill_running_groups, relay::HostRelay};
+use super::{Lingering, Scaler, kill_running_groups, relay::HostRelay, stop_fenced, stop_on_a_thread};
 use crate::process::{ensure_dir, reap, terminate_group};
 use edl_host_gpu::comm::auth::JobAuth;
 use std::{
@@ -57,6 +57,8 @@ pub struct CommandScaler {
     lingering: Lingering,
     /// Workers being stopped, each on a thread of its own.
     stopping: Vec<Stopping>,
+    /// The coordinator's lease, checked by a stop before its stop command.
+    fence: Option<crate::leader::keeper::LeaseFence>,
 }
 
 /// A worker being stopped, and the slot it keeps meanwhile: a stop
@@ -169,6 +171,7 @@ impl CommandScaler {
             relays: None,
             lingering: Lingering::default(),
             stopping: Vec::new(),
+            fence: None,
         })
     }
 
@@ -583,22 +586,10 @@ impl Scaler for CommandScaler {
                 .ok(),
             _ => None,
         };
-        // The work goes to the thread once it runs; without one it is done here.
-        let (give, take) = std::sync::mpsc::channel();
-        let thread = std::thread::Builder::new().name(format!("edl-stop-{id}")).spawn(move || {
-            if let Ok((child, engine_stop)) = take.recv() {
-                stop_worker(id, child, grace, engine_stop)
-            }
-        });
-        match thread {
-            Ok(thread) => {
-                let _ = give.send((child, engine_stop));
-                self.stopping.push(Stopping { thread, slot });
-            }
-            Err(e) => {
-                tracing::warn!("worker {id}: no thread to stop it on ({e}); stopped on the coordinator's");
-                stop_worker(id, child, grace, engine_stop);
-            }
+        let fence = self.fence.clone();
+        if let Some(thread) = stop_on_a_thread(id, move || stop_worker(id, child, grace, engine_stop, fence))
+        {
+            self.stopping.push(Stopping { thread, slot });
         }
     }
 
@@ -633,6 +624,10 @@ impl Scaler for CommandScaler {
         for s in self.stopping.drain(..) {
             let _ = s.thread.join();
         }
+    }
+
+    fn fence_stops(&mut self, fence: crate::leader::keeper::LeaseFence) {
+        self.fence = Some(fence);
     }
 
     /// A slot whose worker is being stopped is free once it is gone.
@@ -674,9 +669,16 @@ impl Scaler for CommandScaler {
 
 /// Stops worker `id`: its start command (`child`, where it still runs
 /// here) gets `grace` to end, then the engine's stop command
-/// (`engine_stop`) runs where it is needed, then what is left of the
-/// command's process group is ended.
-fn stop_worker(id: u64, mut child: Option<Child>, grace: Duration, engine_stop: Option<Command>) {
+/// (`engine_stop`) runs where it is needed and the coordinator still holds
+/// the job (`fence`), then what is left of the command's process group is
+/// ended.
+fn stop_worker(
+    id: u64,
+    mut child: Option<Child>,
+    grace: Duration,
+    engine_stop: Option<Command>,
+    fence: Option<crate::leader::keeper::LeaseFence>,
+) {
     let running = |c: &mut Option<Child>| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)));
     let was_running = running(&mut child);
     let until = Instant::now() + grace;
@@ -689,7 +691,11 @@ fn stop_worker(id: u64, mut child: Option<Child>, grace: Duration, engine_stop: 
     // worker that finished, the command is harmless). A start command
     // that ended within the grace took its worker with it.
     let needs_stop = running(&mut child) || !was_running;
-    if let Some(mut cmd) = engine_stop.filter(|_| needs_stop) {
+    let fenced = stop_fenced(&fence);
+    if let (Some(why), Some(_)) = (&fenced, &engine_stop) {
+        tracing::warn!("worker {id}: --worker-stop-command not run: {why}");
+    }
+    if let Some(mut cmd) = engine_stop.filter(|_| needs_stop && fenced.is_none()) {
         // The engine's own way to stop it (scancel, kubectl delete, ...).
         match cmd.spawn() {
             Ok(mut c) => {
@@ -997,6 +1003,25 @@ mod tests {
         drop(w);
         s.settle();
         assert_eq!(std::fs::read_to_string(&done).unwrap(), "3 go\n");
+    }
+
+    #[test]
+    fn a_coordinator_deposed_while_a_worker_is_stopped_runs_no_stop_command() {
+        let dir = tempfile::tempdir().unwrap();
+        let stopped = dir.path().join("stopped");
+        let stop = format!("echo {{id}} >> {}", stopped.display());
+        let mut s = CommandScaler::new("true", Some(&stop), &[], "x", dir.path()).unwrap();
+        // A lease confirmed longer ago than its term: over.
+        let lapsed = crate::clock::BootInstant::now().earlier(Duration::from_secs(10));
+        s.fence_stops(crate::leader::keeper::LeaseFence::confirmed_at(lapsed, Duration::from_secs(5)));
+        let auth = JobAuth { job: "j".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
+        s.spawn(6, "c:1", &auth).unwrap();
+        while s.exited().is_empty() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        s.stop(6, Duration::ZERO);
+        s.settle();
+        assert!(!stopped.exists(), "the stop command ran for a deposed coordinator");
     }
 
     #[test]

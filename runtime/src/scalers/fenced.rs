@@ -23,6 +23,7 @@ impl FencedScaler {
 
     /// From now on every action checks `fence` first.
     pub fn guard(&mut self, fence: LeaseFence) {
+        self.inner.fence_stops(fence.clone());
         self.fence = Some(fence);
     }
 
@@ -107,6 +108,10 @@ impl Scaler for FencedScaler {
 
     fn make_room(&mut self) {
         self.inner.make_room()
+    }
+
+    fn fence_stops(&mut self, fence: LeaseFence) {
+        self.inner.fence_stops(fence)
     }
 
     fn adopt(&mut self, id: u64, handle: &str, job: &str) -> bool {

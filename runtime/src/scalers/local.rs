@@ -1,7 +1,7 @@
 //! [`LocalProcesses`]: workers as child processes of this machine, each
 //! logging to its own file and killed by the kernel if the coordinator dies.
 
-use super::{Lingering, Scaler, kill_running_groups};
+use super::{Lingering, Scaler, kill_running_groups, stop_on_a_thread};
 use crate::process::{die_with_parent, ensure_dir, reap_groups, terminate_group};
 use edl_host_gpu::comm::auth::JobAuth;
 use std::{
@@ -224,7 +224,7 @@ impl Scaler for LocalProcesses {
             // A worker told to stop gets the grace to exit by itself (a
             // program may have work after its last step), then a signal;
             // off the coordinator's thread, which goes on with the job.
-            let stopping = std::thread::Builder::new().name(format!("edl-stop-{id}")).spawn(move || {
+            let stopping = stop_on_a_thread(id, move || {
                 let until = Instant::now() + grace;
                 while Instant::now() < until && crate::process::runs(&c) {
                     std::thread::sleep(Duration::from_millis(10));
@@ -232,12 +232,7 @@ impl Scaler for LocalProcesses {
                 // Its own children (a data loader's processes) with it.
                 terminate_group(&mut c, Duration::from_secs(1));
             });
-            match stopping {
-                Ok(t) => self.stopping.push(t),
-                Err(e) => {
-                    tracing::warn!("worker {id}: cannot stop it in the background ({e}); it is left to exit")
-                }
-            }
+            self.stopping.extend(stopping);
         }
     }
 

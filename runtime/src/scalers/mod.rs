@@ -114,6 +114,43 @@ pub trait Scaler: Send {
     /// the place the start needs (a slot): asked before the lease is
     /// checked for the start, so that the check is the last word.
     fn make_room(&mut self) {}
+    /// From now on the stops that go on after [`Scaler::stop`] returned
+    /// (a stop command, a cancel after the grace) check `fence` before they
+    /// act, so that a coordinator deposed meanwhile reaches no worker that
+    /// may be another's by then.
+    fn fence_stops(&mut self, _fence: crate::leader::keeper::LeaseFence) {}
+}
+
+/// Runs `work`, which stops worker `id`, on a thread of its own, or here
+/// where no thread can be made (said in the log); the thread, if any.
+pub(crate) fn stop_on_a_thread(
+    id: u64,
+    work: impl FnOnce() + Send + 'static,
+) -> Option<std::thread::JoinHandle<()>> {
+    let (give, take) = std::sync::mpsc::channel::<Box<dyn FnOnce() + Send>>();
+    let thread = std::thread::Builder::new().name(format!("edl-stop-{id}")).spawn(move || {
+        if let Ok(work) = take.recv() {
+            work()
+        }
+    });
+    match thread {
+        Ok(t) => {
+            if let Err(std::sync::mpsc::SendError(work)) = give.send(Box::new(work)) {
+                work();
+            }
+            Some(t)
+        }
+        Err(e) => {
+            tracing::warn!("worker {id}: no thread to stop it on ({e}); stopped on the coordinator's");
+            work();
+            None
+        }
+    }
+}
+
+/// Why a stop may no longer act (`fence`: the coordinator's, where it has one).
+pub(crate) fn stop_fenced(fence: &Option<crate::leader::keeper::LeaseFence>) -> Option<String> {
+    fence.as_ref().and_then(crate::leader::keeper::LeaseFence::fenced).map(|why| why.to_string())
 }
 
 /// Workers a scaler is to kill if they still run at a set time (see

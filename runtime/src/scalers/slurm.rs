@@ -22,7 +22,7 @@
 pub use crate::scalers::slurm_client::SlurmOptions;
 use crate::scalers::slurm_client::{batch_script, quote, run, submit};
 use crate::scalers::slurm_relays::SlurmRelays;
-use crate::scalers::{Lingering, Scaler};
+use crate::scalers::{Lingering, Scaler, stop_fenced, stop_on_a_thread};
 use crate::worker::session::JobAuth;
 use anyhow::{Context, Result};
 use std::{
@@ -61,6 +61,8 @@ pub struct SlurmScaler {
     draining: Vec<(String, Instant)>,
     /// A relay per node (`--relay`).
     relays: Option<SlurmRelays>,
+    /// The coordinator's lease, checked by a stop before its late cancel.
+    fence: Option<crate::leader::keeper::LeaseFence>,
     /// Workers silent for their lease, and when their jobs' processes are
     /// killed if Slurm still runs them (see [`Scaler::kill_if_lingering`]).
     lingering: Lingering,
@@ -110,6 +112,7 @@ impl SlurmScaler {
             stopping: Vec::new(),
             draining: Vec::new(),
             relays: None,
+            fence: None,
             lingering: Lingering::default(),
         }
     }
@@ -270,18 +273,23 @@ impl Scaler for SlurmScaler {
         if self.relays.is_some() && !j.node.is_empty() {
             self.draining.push((j.node.clone(), Instant::now() + grace));
         }
-        self.stopping.push(std::thread::spawn(move || {
+        let fence = self.fence.clone();
+        let stopping = stop_on_a_thread(id, move || {
             let until = Instant::now() + grace;
             while Instant::now() < until {
-                let listed =
-                    run("squeue", &["--noheader", "--format=%i", "--jobs", &j.slurm]).unwrap_or_default();
-                if !listed.lines().any(|l| l.trim() == j.slurm) {
+                // Gone from the queue; a queue that does not answer is asked again.
+                let listed = run("squeue", &["--noheader", "--format=%i", "--jobs", &j.slurm]);
+                if listed.is_ok_and(|l| !l.lines().any(|l| l.trim() == j.slurm)) {
                     return;
                 }
                 std::thread::sleep(Duration::from_millis(200));
             }
-            let _ = run("scancel", &[&j.slurm]);
-        }));
+            match stop_fenced(&fence) {
+                Some(why) => tracing::warn!("worker {id}: its Slurm job {} not cancelled: {why}", j.slurm),
+                None => drop(run("scancel", &[&j.slurm])),
+            }
+        });
+        self.stopping.extend(stopping);
     }
 
     fn exited(&mut self) -> Vec<(u64, String)> {
@@ -346,6 +354,10 @@ impl Scaler for SlurmScaler {
         for t in self.stopping.drain(..) {
             let _ = t.join();
         }
+    }
+
+    fn fence_stops(&mut self, fence: crate::leader::keeper::LeaseFence) {
+        self.fence = Some(fence);
     }
 
     fn kill_if_lingering(&mut self, id: u64, after: Duration) {
