@@ -14,8 +14,9 @@ pub(crate) fn output_of(cmd: &mut Command, what: &str) -> Result<String, String>
     Ok(text)
 }
 
-/// Processes whose parent is `pid`, with their command lines.
-pub(crate) fn children(pid: u32) -> Vec<(u32, String)> {
+/// Every process: its id, its parent's and its command line (one reading
+/// of /proc).
+fn processes() -> Vec<(u32, u32, String)> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
@@ -23,22 +24,31 @@ pub(crate) fn children(pid: u32) -> Vec<(u32, String)> {
         // Fields after the command name (which is in parentheses): state, ppid, ...
         let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r.to_string()) else { continue };
         let ppid: u32 = rest.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
-        if ppid == pid {
-            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
-            out.push((p, String::from_utf8_lossy(&cmd).replace('\0', " ")));
-        }
+        let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+        out.push((p, ppid, String::from_utf8_lossy(&cmd).replace('\0', " ")));
     }
     out
 }
 
-/// Processes below `pid`: its children, theirs, and so on.
+/// Processes whose parent is `pid`, with their command lines.
+pub(crate) fn children(pid: u32) -> Vec<(u32, String)> {
+    processes().into_iter().filter(|(_, ppid, _)| *ppid == pid).map(|(p, _, cmd)| (p, cmd)).collect()
+}
+
+/// Processes below `pid` (its children first, then theirs, and so on),
+/// from one reading of /proc.
 pub(crate) fn descendants(pid: u32) -> Vec<(u32, String)> {
-    let mut found = children(pid);
-    let mut i = 0;
-    while i < found.len() {
-        let below = children(found[i].0);
+    let all = processes();
+    let mut found: Vec<(u32, String)> = Vec::new();
+    let mut parents = vec![pid];
+    while !parents.is_empty() {
+        let below: Vec<(u32, String)> = all
+            .iter()
+            .filter(|(_, ppid, _)| parents.contains(ppid))
+            .map(|(p, _, cmd)| (*p, cmd.clone()))
+            .collect();
+        parents = below.iter().map(|(p, _)| *p).collect();
         found.extend(below);
-        i += 1;
     }
     found
 }
