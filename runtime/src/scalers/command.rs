@@ -1,7 +1,9 @@
 //! [`CommandScaler`]: workers started by a command the operator gives
 //! (`ssh {host} ...`, `srun ...`) on a list of hosts and slots.
 
-use super::{Lingering, Scaler, kill_running_groups, relay::HostRelay, stop_fenced, stop_on_a_thread};
+use super::{
+    Lingering, Scaler, join_stops, kill_running_groups, relay::HostRelay, stop_fenced, stop_on_a_thread,
+};
 use crate::process::{ensure_dir, reap, terminate_group};
 use edl_host_gpu::comm::auth::JobAuth;
 use std::{
@@ -621,9 +623,7 @@ impl Scaler for CommandScaler {
     }
 
     fn settle(&mut self) {
-        for s in self.stopping.drain(..) {
-            let _ = s.thread.join();
-        }
+        join_stops(self.stopping.drain(..).map(|s| s.thread));
     }
 
     fn fence_stops(&mut self, fence: crate::leader::keeper::LeaseFence) {

@@ -1,7 +1,7 @@
 //! [`LocalProcesses`]: workers as child processes of this machine, each
 //! logging to its own file and killed by the kernel if the coordinator dies.
 
-use super::{Lingering, Scaler, kill_running_groups, stop_on_a_thread};
+use super::{Lingering, Scaler, join_stops, kill_running_groups, stop_on_a_thread};
 use crate::process::{die_with_parent, ensure_dir, reap_groups, terminate_group};
 use edl_host_gpu::comm::auth::JobAuth;
 use std::{
@@ -273,9 +273,7 @@ impl Scaler for LocalProcesses {
     }
 
     fn settle(&mut self) {
-        for t in self.stopping.drain(..) {
-            let _ = t.join();
-        }
+        join_stops(self.stopping.drain(..));
     }
 }
 
@@ -285,9 +283,7 @@ impl Drop for LocalProcesses {
             terminate_group(c, Duration::from_secs(2));
         }
         // Each ends within its worker's grace and a second.
-        for t in self.stopping.drain(..) {
-            let _ = t.join();
-        }
+        self.settle();
     }
 }
 

@@ -148,6 +148,13 @@ pub(crate) fn stop_on_a_thread(
     }
 }
 
+/// Waits for the stops under way on `threads` (see [`stop_on_a_thread`]).
+pub(crate) fn join_stops(threads: impl IntoIterator<Item = std::thread::JoinHandle<()>>) {
+    for t in threads {
+        let _ = t.join();
+    }
+}
+
 /// Why a stop may no longer act (`fence`: the coordinator's, where it has one).
 pub(crate) fn stop_fenced(fence: &Option<crate::leader::keeper::LeaseFence>) -> Option<String> {
     fence.as_ref().and_then(crate::leader::keeper::LeaseFence::fenced).map(|why| why.to_string())
@@ -156,18 +163,23 @@ pub(crate) fn stop_fenced(fence: &Option<crate::leader::keeper::LeaseFence>) -> 
 /// Workers a scaler is to kill if they still run at a set time (see
 /// [`Scaler::kill_if_lingering`]).
 #[derive(Default)]
-pub(crate) struct Lingering(BTreeMap<u64, Instant>, std::collections::BTreeSet<u64>);
+pub(crate) struct Lingering {
+    /// Each worker to kill, and when.
+    at: BTreeMap<u64, Instant>,
+    /// Workers whose kill was tried once more already.
+    retried: std::collections::BTreeSet<u64>,
+}
 
 impl Lingering {
     /// Worker `id` is to be killed if it still runs `after` from now.
     pub(crate) fn mark(&mut self, id: u64, after: Duration) {
-        self.0.insert(id, Instant::now() + after);
+        self.at.insert(id, Instant::now() + after);
     }
 
     /// Worker `id` could not be killed (its scheduler did not answer):
     /// tried once more `after` from now, not again after that.
     pub(crate) fn again(&mut self, id: u64, after: Duration) {
-        if self.1.insert(id) {
+        if self.retried.insert(id) {
             self.mark(id, after);
         }
     }
@@ -176,10 +188,11 @@ impl Lingering {
     /// longer holds (`held` says which it does) are forgotten.
     pub(crate) fn due(&mut self, held: impl Fn(u64) -> bool) -> Vec<u64> {
         let now = Instant::now();
-        self.0.retain(|id, _| held(*id));
-        let due: Vec<u64> = self.0.iter().filter(|(_, at)| **at <= now).map(|(id, _)| *id).collect();
+        self.at.retain(|id, _| held(*id));
+        self.retried.retain(|id| held(*id));
+        let due: Vec<u64> = self.at.iter().filter(|(_, at)| **at <= now).map(|(id, _)| *id).collect();
         for id in &due {
-            self.0.remove(id);
+            self.at.remove(id);
         }
         due
     }
@@ -214,7 +227,7 @@ mod tests {
         assert_eq!(l.due(|id| id != 2), [1]);
         // Taken once; 2 was forgotten, 3 is not due.
         assert!(l.due(|_| true).is_empty());
-        assert_eq!(l.0.keys().copied().collect::<Vec<_>>(), [3]);
+        assert_eq!(l.at.keys().copied().collect::<Vec<_>>(), [3]);
         // Tried once more after a failure, not twice.
         l.again(1, Duration::ZERO);
         assert_eq!(l.due(|_| true), [1]);

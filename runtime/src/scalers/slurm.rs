@@ -22,7 +22,7 @@
 pub use crate::scalers::slurm_client::SlurmOptions;
 use crate::scalers::slurm_client::{batch_script, quote, run, submit};
 use crate::scalers::slurm_relays::SlurmRelays;
-use crate::scalers::{Lingering, Scaler, stop_fenced, stop_on_a_thread};
+use crate::scalers::{Lingering, Scaler, join_stops, stop_fenced, stop_on_a_thread};
 use crate::worker::session::JobAuth;
 use anyhow::{Context, Result};
 use std::{
@@ -351,9 +351,7 @@ impl Scaler for SlurmScaler {
     }
 
     fn settle(&mut self) {
-        for t in self.stopping.drain(..) {
-            let _ = t.join();
-        }
+        join_stops(self.stopping.drain(..));
     }
 
     fn fence_stops(&mut self, fence: crate::leader::keeper::LeaseFence) {
@@ -427,9 +425,7 @@ impl Drop for SlurmScaler {
         if let Some(relays) = &mut self.relays {
             relays.hold_back();
         }
-        for t in self.stopping.drain(..) {
-            let _ = t.join();
-        }
+        self.settle();
         // Told to stop (the job ended): their jobs end as they exit; what
         // is left after a few seconds is cancelled, so nothing stays queued.
         let until = Instant::now() + Duration::from_secs(5);
