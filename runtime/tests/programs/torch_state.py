@@ -7,8 +7,9 @@ gloo groups:
 
 When a worker stops it prints a digest of its model's parameters and its
 test accuracy; at its first step it prints where the optimizer and the
-scheduler stand; at the start of every `DIGEST_EVERY`th step, a digest of
-the parameters (the same on every rank and every attempt of the step).
+scheduler stand; at the start of every `DIGEST_EVERY`th step and of each
+generation's first, a digest of the parameters (the same on every rank of a
+generation, and on every attempt of a step that a generation starts at).
 `python torch_state.py --check CKPT` loads a checkpoint into a plain model
 with `edl.torch.load_checkpoint` and prints the same digest and accuracy.
 `python torch_state.py --plain SAMPLES BATCH` trains the same model the
@@ -148,8 +149,15 @@ def main():
                 flush=True,
             )
             first = False
-        if every and step.step % every == 0:
-            print(f"worker {job.worker_id}: step {step.step} starts at params {digest(model)}", flush=True)
+        # Every `every`th step, and the first this process takes in each
+        # generation: where a generation starts (a rollback point, or the
+        # boundary a resize fell on), every attempt of the step agrees.
+        if every and (step.step % every == 0 or step.generation not in generations):
+            print(
+                f"worker {job.worker_id}: step {step.step} of generation {step.generation} "
+                f"starts at params {digest(model)}",
+                flush=True,
+            )
         idx = torch.from_numpy(step.indices).long()
         xb, yb, ib = batch
         if len(idx):
