@@ -22,6 +22,7 @@
 //! makes are checked against the API's schema types, its decisions as a
 //! state machine, and its calls against a stand-in on loopback.
 
+use crate::leader::keeper::LeaseFence;
 use crate::scalers::{Lingering, Scaler};
 use crate::worker::session::JobAuth;
 use anyhow::{Context, Result, anyhow};
@@ -33,13 +34,13 @@ use k8s_openapi::{
 };
 use kube::api::{Api, DeleteParams, ListParams, LogParams, ObjectMeta, PostParams, Preconditions};
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     path::{Path, PathBuf},
+    sync::mpsc,
     time::{Duration, Instant},
 };
 
-/// The longest the coordinator waits for one call to the API server (it
-/// is made on the coordinator's own thread).
+/// The longest one call to the API server is waited for.
 const CALL_WITHIN: Duration = Duration::from_secs(10);
 
 /// Runs one call to the API server on `rt`, bounded by [`CALL_WITHIN`].
@@ -48,17 +49,17 @@ pub(crate) fn call<T>(
     what: &str,
     f: impl std::future::Future<Output = Result<T, kube::Error>>,
 ) -> Result<T> {
-    call_within(rt, what, CALL_WITHIN, f)
+    rt.block_on(bounded(what, CALL_WITHIN, f))
 }
 
-/// Runs one call to the API server on `rt`, bounded by `within`.
-fn call_within<T>(
-    rt: &tokio::runtime::Runtime,
+/// One call to the API server, bounded by `within`.
+async fn bounded<T>(
     what: &str,
     within: Duration,
     f: impl std::future::Future<Output = Result<T, kube::Error>>,
 ) -> Result<T> {
-    rt.block_on(async { tokio::time::timeout(within, f).await })
+    tokio::time::timeout(within, f)
+        .await
         .map_err(|_| anyhow!("{what}: the Kubernetes API server did not answer within {within:?}"))?
         .map_err(|e| anyhow!("{what}: {e}"))
 }
@@ -287,22 +288,16 @@ pub(crate) fn delete_pod(
 
 /// The last lines of the Pod `name`'s log (bounded), kept at `path`.
 pub(crate) fn keep_log(rt: &tokio::runtime::Runtime, api: &Api<Pod>, name: &str, path: &Path) -> Result<()> {
-    keep_log_within(rt, api, name, path, CALL_WITHIN)
+    rt.block_on(save_log(api, name, path, CALL_WITHIN))
 }
 
 /// [`keep_log`], the API's answer waited for `within`.
-fn keep_log_within(
-    rt: &tokio::runtime::Runtime,
-    api: &Api<Pod>,
-    name: &str,
-    path: &Path,
-    within: Duration,
-) -> Result<()> {
+async fn save_log(api: &Api<Pod>, name: &str, path: &Path, within: Duration) -> Result<()> {
     // Its last lines, bounded: what a person reads after a crash.
     let params =
         LogParams { tail_lines: Some(LOG_LINES), limit_bytes: Some(LOG_KEPT), ..LogParams::default() };
     let text =
-        call_within(rt, &format!("reading the log of the Pod {name}"), within, api.logs(name, &params))?;
+        bounded(&format!("reading the log of the Pod {name}"), within, api.logs(name, &params)).await?;
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)
         .and_then(|()| std::fs::write(path, text))
@@ -473,6 +468,15 @@ enum Then {
 }
 
 /// Workers as Pods.
+///
+/// The calls a running job makes to the API server (listing the Pods,
+/// keeping an ended worker's log, deleting a Pod, killing a lingering
+/// worker's) run on a thread of the scaler's own, each bounded, and what
+/// they found is taken in at the coordinator's next look: an API server
+/// that is slow or does not answer never holds up the coordinator's loop
+/// (the steps, the other workers' failures). A worker's start stays on the
+/// coordinator's thread, bounded: the membership needs to know at once
+/// whether its Pod was made.
 pub struct KubernetesScaler {
     opts: KubeOptions,
     program: Vec<String>,
@@ -495,6 +499,46 @@ pub struct KubernetesScaler {
     /// Workers silent for their lease whose Pods are deleted at once if
     /// they still run (see [`Scaler::kill_if_lingering`]).
     lingering: Lingering,
+    /// Lingering workers killed since [`Scaler::kill_lingering`] last said so.
+    killed: Vec<(u64, String)>,
+    /// The calls under way, and what those done came back with.
+    calls: Vec<tokio::task::JoinHandle<()>>,
+    done: (mpsc::Sender<Done>, mpsc::Receiver<Done>),
+    /// A listing under way; the workers whose log is being kept, or whose
+    /// Pod is being killed.
+    listing: bool,
+    keeping: BTreeSet<u64>,
+    killing: BTreeSet<u64>,
+    /// The coordinator's lease: a deletion made after it lapsed is not sent.
+    fence: Option<LeaseFence>,
+}
+
+/// What a call made off the coordinator's thread came back with.
+enum Done {
+    /// The job's Pods as listed by a call sent at `at`.
+    Listed { at: Instant, pods: Result<Vec<Pod>> },
+    /// Worker `id`'s log, asked for the `tries`th time: kept (its Pod then
+    /// deleted) or not. `report`: why it ended, not yet reported.
+    LogKept {
+        id: u64,
+        name: String,
+        meta: ObjectMeta,
+        tries: u32,
+        report: Option<String>,
+        kept: Result<PathBuf>,
+    },
+    /// Lingering worker `id`: its log kept (where it was), and its Pod killed.
+    Killed { id: u64, log: Option<PathBuf>, outcome: Killing },
+}
+
+/// How a lingering worker's kill went.
+enum Killing {
+    /// Its Pod was deleted: `how`.
+    Done(String),
+    /// It no longer runs (ended or gone): the next look reports it.
+    NotRunning,
+    /// The API server did not answer, or refused the deletion.
+    Failed,
 }
 
 /// The notice a lingering worker's Pod is deleted with: its container
@@ -503,6 +547,42 @@ pub struct KubernetesScaler {
 const LINGER_GRACE_SECS: u32 = 1;
 /// How long a lingering worker's log is waited for before its Pod goes.
 const LINGER_LOG_WITHIN: Duration = Duration::from_secs(2);
+
+/// Deletes the Pod `name`, as the API showed it (`meta`), if it is one of
+/// job `job`'s: only that very Pod (its uid a precondition), not one made
+/// under the name since. A Pod of another job is left alone, and nothing is
+/// deleted once `fence` says the coordinator's lease lapsed; each with a
+/// warning naming it. Whether it was deleted.
+async fn delete_of_job(
+    api: &Api<Pod>,
+    job: &str,
+    fence: &Option<LeaseFence>,
+    name: &str,
+    meta: &ObjectMeta,
+    mut params: DeleteParams,
+) -> bool {
+    if let Err(why) = of_job(meta, job) {
+        tracing::warn!("kubernetes: not deleting the Pod {name}, which is not job {job:?}'s: {why}");
+        return false;
+    }
+    if let Some(why) = crate::scalers::stop_fenced(fence) {
+        tracing::warn!("kubernetes: not deleting the Pod {name}: {why}");
+        return false;
+    }
+    params.preconditions = Some(Preconditions { uid: meta.uid.clone(), resource_version: None });
+    match bounded(&format!("deleting the Pod {name}"), CALL_WITHIN, api.delete(name, &params)).await {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::warn!("kubernetes: {e:#}");
+            false
+        }
+    }
+}
+
+/// The Pod `name` as the API shows it now (None: there is none).
+async fn read_pod(api: &Api<Pod>, name: &str) -> Result<Option<Pod>> {
+    bounded(&format!("reading the Pod {name}"), CALL_WITHIN, api.get_opt(name)).await
+}
 
 impl KubernetesScaler {
     /// Workers running `edl-runtime worker` from the image; the logs of
@@ -523,7 +603,13 @@ impl KubernetesScaler {
         if opts.image.is_empty() || opts.secret.is_empty() {
             crate::refuse!("--scaler kubernetes needs --kube-image and --kube-secret");
         }
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        // One thread of its own: the calls made while the job runs.
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("edl-kube")
+            .enable_all()
+            .build()
+            .context("starting the Kubernetes scaler's thread")?;
         Ok(KubernetesScaler {
             opts,
             program,
@@ -539,6 +625,13 @@ impl KubernetesScaler {
             polled: None,
             quiet: Default::default(),
             lingering: Lingering::default(),
+            killed: Vec::new(),
+            calls: Vec::new(),
+            done: mpsc::channel(),
+            listing: false,
+            keeping: BTreeSet::new(),
+            killing: BTreeSet::new(),
+            fence: None,
         })
     }
 
@@ -554,9 +647,18 @@ impl KubernetesScaler {
         Ok(found)
     }
 
-    /// Asks the API where the workers' Pods stand (at most once a second).
+    /// Runs `call` on the scaler's thread; what it sends back is taken in
+    /// by [`KubernetesScaler::take_done`].
+    fn start(&mut self, call: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.calls.retain(|c| !c.is_finished());
+        self.calls.push(self.rt.spawn(call));
+    }
+
+    /// Asks the API where the workers' Pods stand (at most once a second,
+    /// one listing at a time), and again for the logs not kept yet.
     fn poll(&mut self) {
         if self.pods.is_empty() && self.log_retries.is_empty()
+            || self.listing
             || self.polled.is_some_and(|t| t.elapsed() < Duration::from_secs(1))
             || !self.quiet.open()
         {
@@ -564,81 +666,139 @@ impl KubernetesScaler {
         }
         self.polled = Some(Instant::now());
         let Ok((api, _)) = self.api() else { return };
-        self.retry_logs(&api);
+        let again: Vec<(u64, (String, ObjectMeta, u32))> = self
+            .log_retries
+            .iter()
+            .filter(|(id, _)| !self.keeping.contains(id))
+            .map(|(i, r)| (*i, r.clone()))
+            .collect();
+        for (id, (name, meta, tries)) in again {
+            self.keep_log_and_delete(&api, id, name, meta, tries + 1, None);
+        }
         if self.pods.is_empty() {
             return;
         }
+        self.listing = true;
         let selector = format!("{JOB_LABEL}={}", job_label(&self.job));
-        let listed = match call(
-            &self.rt,
-            "listing the worker Pods",
-            api.list(&ListParams::default().labels(&selector)),
-        ) {
-            Ok(l) => {
-                self.quiet.answered();
-                l
-            }
-            Err(e) => {
-                self.quiet.failed(&e.context("kubernetes"));
-                return;
-            }
-        };
-        for (id, why, then) in self.judge_listed(listed.items) {
-            if let Some((name, _)) = self.pods.remove(&id) {
-                match then {
-                    Then::Nothing => {}
-                    Then::Delete(meta) => {
-                        self.delete_checked(&api, &name, &meta, DeleteParams::default());
-                    }
-                    Then::KeepLogAndDelete(meta) => self.keep_log_and_delete(&api, id, &name, &meta),
-                }
-            }
-            self.exited.push((id, why));
-        }
+        let (tx, at) = (self.done.0.clone(), Instant::now());
+        self.start(async move {
+            let listed = bounded(
+                "listing the worker Pods",
+                CALL_WITHIN,
+                api.list(&ListParams::default().labels(&selector)),
+            )
+            .await;
+            let _ = tx.send(Done::Listed { at, pods: listed.map(|l| l.items) });
+        });
     }
 
-    /// Keeps the log of worker `id`'s ended Pod in the job's log directory,
-    /// then deletes the Pod. A Pod whose log cannot be kept stays, for a
-    /// person to read, and the log message says so.
-    fn keep_log_and_delete(&mut self, api: &Api<Pod>, id: u64, name: &str, meta: &ObjectMeta) {
+    /// Keeps the log of worker `id`'s ended Pod in the job's log directory
+    /// (the `tries`th time it is asked for), then deletes the Pod. A Pod
+    /// whose log cannot be kept stays, for a person to read, and the log
+    /// message says so. `report`: why the worker ended, reported once this
+    /// first try is done (with its log, where it was kept).
+    fn keep_log_and_delete(
+        &mut self,
+        api: &Api<Pod>,
+        id: u64,
+        name: String,
+        meta: ObjectMeta,
+        tries: u32,
+        report: Option<String>,
+    ) {
+        self.keeping.insert(id);
+        let (api, job, fence, tx) = (api.clone(), self.job.clone(), self.fence.clone(), self.done.0.clone());
         let path = self.log_dir.join(format!("worker-{id}.log"));
-        match keep_log(&self.rt, api, name, &path) {
-            Ok(()) => {
-                self.logs.insert(id, path);
-                self.delete_checked(api, name, meta, DeleteParams::default());
+        self.start(async move {
+            let kept = save_log(&api, &name, &path, CALL_WITHIN).await.map(|()| path);
+            if kept.is_ok() {
+                delete_of_job(&api, &job, &fence, &name, &meta, DeleteParams::default()).await;
             }
-            Err(e) => {
-                let tries = self.log_retries.get(&id).map_or(1, |r| r.2 + 1);
-                if tries < LOG_TRIES {
-                    tracing::warn!("kubernetes: {e:#}; tried again at the next look");
-                    self.log_retries.insert(id, (name.to_string(), meta.clone(), tries));
-                } else {
-                    self.log_retries.remove(&id);
-                    tracing::warn!("kubernetes: {e:#}; the Pod is left for its log");
+            let _ = tx.send(Done::LogKept { id, name, meta, tries, report, kept });
+        });
+    }
+
+    /// Deletes the Pod `name`, as the API showed it (`meta`), on the
+    /// scaler's thread (see [`delete_of_job`]).
+    fn delete(&mut self, api: &Api<Pod>, name: String, meta: ObjectMeta) {
+        let (api, job, fence) = (api.clone(), self.job.clone(), self.fence.clone());
+        self.start(async move {
+            delete_of_job(&api, &job, &fence, &name, &meta, DeleteParams::default()).await;
+        });
+    }
+
+    /// Takes in what the calls that came back found.
+    fn take_done(&mut self) {
+        while let Ok(done) = self.done.1.try_recv() {
+            match done {
+                Done::Listed { at, pods } => {
+                    self.listing = false;
+                    match pods {
+                        Ok(pods) => {
+                            self.quiet.answered();
+                            self.take_listing(at, pods);
+                        }
+                        Err(e) => self.quiet.failed(&e.context("kubernetes")),
+                    }
+                }
+                Done::LogKept { id, name, meta, tries, report, kept } => {
+                    self.keeping.remove(&id);
+                    match kept {
+                        Ok(path) => {
+                            self.logs.insert(id, path);
+                            self.log_retries.remove(&id);
+                        }
+                        Err(e) if tries < LOG_TRIES => {
+                            tracing::warn!("kubernetes: {e:#}; tried again at the next look");
+                            self.log_retries.insert(id, (name, meta, tries));
+                        }
+                        Err(e) => {
+                            self.log_retries.remove(&id);
+                            tracing::warn!("kubernetes: {e:#}; the Pod is left for its log");
+                        }
+                    }
+                    if let Some(why) = report {
+                        self.exited.push((id, why));
+                    }
+                }
+                Done::Killed { id, log, outcome } => {
+                    self.killing.remove(&id);
+                    if let Some(path) = log {
+                        self.logs.insert(id, path);
+                    }
+                    match outcome {
+                        Killing::Done(how) => self.killed.push((id, how)),
+                        Killing::NotRunning => {}
+                        Killing::Failed => self.lingering.again(id, Duration::from_secs(1)),
+                    }
                 }
             }
         }
     }
 
-    /// Ended workers' Pods whose log could not be kept at the last look:
-    /// tried again.
-    fn retry_logs(&mut self, api: &Api<Pod>) {
-        let again: Vec<(u64, (String, ObjectMeta, u32))> =
-            std::mem::take(&mut self.log_retries).into_iter().collect();
-        for (id, (name, meta, tries)) in again {
-            self.log_retries.insert(id, (name.clone(), meta.clone(), tries));
-            self.keep_log_and_delete(api, id, &name, &meta);
-            if self.logs.contains_key(&id) {
-                self.log_retries.remove(&id);
+    /// Judges the Pods made before a listing sent at `at` by what it
+    /// found, and acts on what ended.
+    fn take_listing(&mut self, at: Instant, listed: Vec<Pod>) {
+        let Ok((api, _)) = self.api() else { return };
+        for (id, why, then) in self.judge_listed(at, listed) {
+            let Some((name, _)) = self.pods.remove(&id) else { continue };
+            match then {
+                Then::Nothing => self.exited.push((id, why)),
+                Then::Delete(meta) => {
+                    self.delete(&api, name, meta);
+                    self.exited.push((id, why));
+                }
+                Then::KeepLogAndDelete(meta) => self.keep_log_and_delete(&api, id, name, meta, 1, Some(why)),
             }
         }
     }
 
-    /// Judges the Pods this scaler keeps by the listing: what ended, with
-    /// why, and what to do with its Pod as listed. A listed Pod of a
-    /// worker's name that is not this job's is not taken for the worker's:
-    /// the worker's own is gone.
-    fn judge_listed(&self, listed: Vec<Pod>) -> Vec<(u64, String, Then)> {
+    /// Judges the Pods this scaler keeps that were made before `at` (a
+    /// later one may not be in the listing yet) by the listing: what
+    /// ended, with why, and what to do with its Pod as listed. A listed
+    /// Pod of a worker's name that is not this job's is not taken for the
+    /// worker's: the worker's own is gone.
+    fn judge_listed(&self, at: Instant, listed: Vec<Pod>) -> Vec<(u64, String, Then)> {
         let by_name: BTreeMap<String, (ObjectMeta, Seen)> = listed
             .into_iter()
             .filter_map(|p| {
@@ -648,7 +808,7 @@ impl KubernetesScaler {
             })
             .collect();
         let mut gone = Vec::new();
-        for (&id, (name, made)) in &self.pods {
+        for (&id, (name, made)) in self.pods.iter().filter(|(_, (_, made))| *made <= at) {
             let (meta, seen) = match by_name.get(name) {
                 Some((meta, seen)) => match of_job(meta, &self.job) {
                     Ok(()) => (Some(meta), seen.clone()),
@@ -668,41 +828,6 @@ impl KubernetesScaler {
             }
         }
         gone
-    }
-
-    /// Deletes the Pod `name`, as the API showed it (`meta`), if it is one
-    /// of this job's; only that very Pod (its uid a precondition), not one
-    /// made under the name since. A Pod of another job is left alone, with a
-    /// warning naming it.
-    /// Whether it was deleted.
-    fn delete_checked(
-        &self,
-        api: &Api<Pod>,
-        name: &str,
-        meta: &ObjectMeta,
-        mut params: DeleteParams,
-    ) -> bool {
-        if let Err(why) = of_job(meta, &self.job) {
-            tracing::warn!(
-                "kubernetes: not deleting the Pod {name}, which is not job {:?}'s: {why}",
-                self.job
-            );
-            return false;
-        }
-        params.preconditions = Some(Preconditions { uid: meta.uid.clone(), resource_version: None });
-        match call(&self.rt, &format!("deleting the Pod {name}"), api.delete(name, &params)) {
-            Ok(_) => true,
-            Err(e) => {
-                tracing::warn!("kubernetes: {e:#}");
-                false
-            }
-        }
-    }
-
-    /// The Pod `name` as the API shows it now (None: there is none).
-    fn read_pod(&mut self, name: &str) -> Result<Option<Pod>> {
-        let (api, _) = self.api()?;
-        call(&self.rt, &format!("reading the Pod {name}"), api.get_opt(name))
     }
 
     /// Takes worker `id`'s Pod, as the API showed it (`seen`; None: gone
@@ -725,6 +850,45 @@ impl KubernetesScaler {
         self.handles.insert(id, handle.to_string());
         true
     }
+
+    /// Kills lingering worker `id`'s Pod `name` on the scaler's thread: if
+    /// it still runs, its log so far kept (where the API gives it within
+    /// [`LINGER_LOG_WITHIN`]), then the Pod deleted with a second's notice.
+    fn kill_pod(&mut self, api: &Api<Pod>, id: u64, name: String) {
+        self.killing.insert(id);
+        let (api, job, fence, tx) = (api.clone(), self.job.clone(), self.fence.clone(), self.done.0.clone());
+        let path = self.log_dir.join(format!("worker-{id}.log"));
+        self.start(async move {
+            let meta = match read_pod(&api, &name).await {
+                Ok(Some(pod)) if pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running") => {
+                    pod.metadata
+                }
+                Ok(_) => {
+                    let _ = tx.send(Done::Killed { id, log: None, outcome: Killing::NotRunning });
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!("kubernetes: worker {id} not killed yet: {e:#}");
+                    let _ = tx.send(Done::Killed { id, log: None, outcome: Killing::Failed });
+                    return;
+                }
+            };
+            let log = match save_log(&api, &name, &path, LINGER_LOG_WITHIN).await {
+                Ok(()) => Some(path),
+                Err(e) => {
+                    tracing::warn!("kubernetes: worker {id}'s log is not kept before it is killed: {e:#}");
+                    None
+                }
+            };
+            let params = DeleteParams { grace_period_seconds: Some(LINGER_GRACE_SECS), ..Default::default() };
+            let outcome = if delete_of_job(&api, &job, &fence, &name, &meta, params).await {
+                Killing::Done(format!("its Pod {name} deleted with {LINGER_GRACE_SECS} s of notice"))
+            } else {
+                Killing::Failed
+            };
+            let _ = tx.send(Done::Killed { id, log, outcome });
+        });
+    }
 }
 
 impl Scaler for KubernetesScaler {
@@ -741,26 +905,28 @@ impl Scaler for KubernetesScaler {
         Ok(())
     }
 
+    /// Deletes the worker's Pod with `grace` of notice, on the scaler's
+    /// thread: read first, so that only a Pod that says it is this job's
+    /// is deleted.
     fn stop(&mut self, id: u64, grace: Duration) {
         let Some((name, _)) = self.pods.remove(&id) else { return };
         let Ok((api, _)) = self.api() else { return };
-        // Read first: only a Pod that says it is this job's is deleted.
-        let meta = match self.read_pod(&name) {
-            Ok(Some(pod)) => pod.metadata,
-            Ok(None) => return,
-            Err(e) => {
-                tracing::warn!("kubernetes: {e:#}");
-                return;
-            }
-        };
         // Told to stop over its connection already: the deletion's SIGTERM
         // and grace end one that did not exit.
         let params =
             DeleteParams { grace_period_seconds: Some(grace.as_secs().max(1) as u32), ..Default::default() };
-        self.delete_checked(&api, &name, &meta, params);
+        let (job, fence) = (self.job.clone(), self.fence.clone());
+        self.start(async move {
+            match read_pod(&api, &name).await {
+                Ok(Some(pod)) => drop(delete_of_job(&api, &job, &fence, &name, &pod.metadata, params).await),
+                Ok(None) => {}
+                Err(e) => tracing::warn!("kubernetes: worker {id} not stopped: {e:#}"),
+            }
+        });
     }
 
     fn exited(&mut self) -> Vec<(u64, String)> {
+        self.take_done();
         self.poll();
         std::mem::take(&mut self.exited)
     }
@@ -788,47 +954,28 @@ impl Scaler for KubernetesScaler {
     /// Deletes each such worker's Pod with a second's notice, its log so
     /// far kept first where the API gives it within [`LINGER_LOG_WITHIN`]
     /// (the others wait on this worker: a log that cannot be read is not
-    /// waited for, and a warning says so). The Pod stays the worker's until
-    /// the listing no longer shows it: its end is reported as any. An API
-    /// server that does not answer is asked once more a second later.
+    /// waited for, and a warning says so), on the scaler's thread; the
+    /// kills done are said at the next call. The Pod stays the worker's
+    /// until the listing no longer shows it: its end is reported as any. An
+    /// API server that does not answer is asked once more a second later.
     fn kill_lingering(&mut self) -> Vec<(u64, String)> {
-        let pods = &self.pods;
-        let due = self.lingering.due(|id| pods.contains_key(&id));
-        let mut killed = Vec::new();
+        self.take_done();
+        let (pods, killing) = (&self.pods, &self.killing);
+        let due = self.lingering.due(|id| pods.contains_key(&id) || killing.contains(&id));
         for id in due {
-            let name = self.pods[&id].0.clone();
-            let read =
-                if self.quiet.open() { self.read_pod(&name) } else { Err(anyhow!("it does not answer")) };
-            let meta = match read {
-                Ok(Some(pod)) if pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running") => {
-                    Some(pod.metadata)
+            let Some((name, _)) = self.pods.get(&id).cloned() else { continue };
+            match self.api() {
+                Ok((api, _)) if self.quiet.open() && !self.killing.contains(&id) => {
+                    self.kill_pod(&api, id, name)
                 }
-                // Ended or gone: the next look reports it.
-                Ok(_) => continue,
-                Err(e) => {
-                    tracing::warn!("kubernetes: worker {id} not killed yet: {e:#}");
-                    None
+                Ok(_) if self.killing.contains(&id) => {}
+                _ => {
+                    tracing::warn!("kubernetes: worker {id} not killed yet: the API server does not answer");
+                    self.lingering.again(id, Duration::from_secs(1));
                 }
-            };
-            let (Some(meta), Ok((api, _))) = (meta, self.api()) else {
-                self.lingering.again(id, Duration::from_secs(1));
-                continue;
-            };
-            let path = self.log_dir.join(format!("worker-{id}.log"));
-            match keep_log_within(&self.rt, &api, &name, &path, LINGER_LOG_WITHIN) {
-                Ok(()) => drop(self.logs.insert(id, path)),
-                Err(e) => {
-                    tracing::warn!("kubernetes: worker {id}'s log is not kept before it is killed: {e:#}")
-                }
-            }
-            let params = DeleteParams { grace_period_seconds: Some(LINGER_GRACE_SECS), ..Default::default() };
-            if self.delete_checked(&api, &name, &meta, params) {
-                killed.push((id, format!("its Pod {name} deleted with {LINGER_GRACE_SECS} s of notice")));
-            } else {
-                self.lingering.again(id, Duration::from_secs(1));
             }
         }
-        killed
+        std::mem::take(&mut self.killed)
     }
 
     fn adopt(&mut self, id: u64, handle: &str, job: &str) -> bool {
@@ -838,13 +985,29 @@ impl Scaler for KubernetesScaler {
         if handle.strip_prefix("pod:") != Some(name.as_str()) {
             return false;
         }
-        match self.read_pod(&name) {
+        let read = self.api().and_then(|(api, _)| self.rt.block_on(read_pod(&api, &name)));
+        match read {
             Ok(pod) => self.adopt_seen(id, handle, job, pod.as_ref().map(|p| &p.metadata)),
             Err(e) => {
                 tracing::warn!("kubernetes: worker {id}'s Pod {name} is not taken over: {e:#}");
                 false
             }
         }
+    }
+
+    /// Waits for the calls under way (each bounded), so that no deletion
+    /// of this coordinator's is sent after it let the job go.
+    fn settle(&mut self) {
+        let calls = std::mem::take(&mut self.calls);
+        self.rt.block_on(async {
+            for c in calls {
+                let _ = c.await;
+            }
+        });
+    }
+
+    fn fence_stops(&mut self, fence: LeaseFence) {
+        self.fence = Some(fence);
     }
 }
 
@@ -855,6 +1018,7 @@ impl Drop for KubernetesScaler {
         for id in ids {
             self.stop(id, Duration::from_secs(5));
         }
+        self.settle();
     }
 }
 
@@ -1059,10 +1223,10 @@ pub(crate) mod tests {
         assert!(!s.adopt_seen(3, &handle, "mnist_a", Some(&stranger.metadata)));
         assert!(s.pods.is_empty());
         assert!(s.adopt_seen(3, &handle, "mnist_a", None), "gone already: the next poll reports it");
-        let judged = s.judge_listed(vec![stranger]);
+        let judged = s.judge_listed(Instant::now(), vec![stranger]);
         assert!(matches!(&judged[..], [(3, why, Then::Nothing)] if why.contains("is gone")), "{judged:?}");
         // Its own Pod, stuck in Pending, is given up on and deleted.
-        let judged = s.judge_listed(vec![listed("mnist_a", 3, "Pending")]);
+        let judged = s.judge_listed(Instant::now(), vec![listed("mnist_a", 3, "Pending")]);
         assert!(
             matches!(&judged[..], [(3, _, Then::Delete(m))] if m.uid.as_deref() == Some("uid-mnist_a-3"))
         );
@@ -1079,6 +1243,8 @@ pub(crate) mod tests {
         pub(crate) phase_of: Arc<Mutex<BTreeMap<String, String>>>,
         /// The address of the Pods `ip_of` names (the others: 127.0.0.1).
         pub(crate) ip_of: Arc<Mutex<BTreeMap<String, String>>>,
+        /// While set, no request is answered (nor heard).
+        pub(crate) stalled: Arc<std::sync::atomic::AtomicBool>,
         heard: Arc<Mutex<Vec<String>>>,
         _rt: tokio::runtime::Runtime,
     }
@@ -1166,9 +1332,14 @@ pub(crate) mod tests {
                 log,
             };
             let c = cluster.clone();
+            let stalled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let stall = stalled.clone();
             let serve = move |req: Request| {
-                let c = c.clone();
+                let (c, stall) = (c.clone(), stall.clone());
                 async move {
+                    while stall.load(std::sync::atomic::Ordering::SeqCst) {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
                     let (method, path) = (req.method().to_string(), req.uri().path().to_string());
                     let body = axum::body::to_bytes(req.into_body(), 1 << 20).await.unwrap_or_default();
                     c.answer(&method, &path, &body)
@@ -1180,7 +1351,7 @@ pub(crate) mod tests {
             let url = format!("http://{}", listener.local_addr().unwrap());
             rt.spawn(async move { axum::serve(listener, Router::new().fallback(any(serve))).await });
             let Cluster { phase, phase_of, ip_of, heard, .. } = cluster;
-            StandIn { url, phase, phase_of, ip_of, heard, _rt: rt }
+            StandIn { url, phase, phase_of, ip_of, stalled, heard, _rt: rt }
         }
 
         /// A scaler whose API is this stand-in's, its logs kept in `dir`.
@@ -1203,6 +1374,79 @@ pub(crate) mod tests {
         }
     }
 
+    impl KubernetesScaler {
+        /// What [`Scaler::exited`] says once every call it started came back.
+        fn exited_settled(&mut self) -> Vec<(u64, String)> {
+            let mut said = Vec::new();
+            for _ in 0..10 {
+                said.extend(self.exited());
+                if self.calls.is_empty() {
+                    break;
+                }
+                self.settle();
+            }
+            said
+        }
+
+        /// What [`Scaler::kill_lingering`] says once the kills it started came back.
+        fn kill_lingering_settled(&mut self) -> Vec<(u64, String)> {
+            let mut said = self.kill_lingering();
+            self.settle();
+            said.extend(self.kill_lingering());
+            said
+        }
+    }
+
+    #[test]
+    fn a_pod_made_after_a_listing_was_sent_is_not_judged_by_it() {
+        let mut s = KubernetesScaler::new(opts(), Path::new("/nonexistent")).unwrap();
+        s.job = "mnist".into();
+        let sent = Instant::now();
+        std::thread::sleep(Duration::from_millis(5));
+        let handle = format!("pod:{}", pod_name("mnist", 4));
+        assert!(s.adopt_seen(4, &handle, "mnist", None));
+        // Not in a listing sent before it was made: not taken for gone.
+        assert!(s.judge_listed(sent, vec![]).is_empty());
+        let judged = s.judge_listed(Instant::now(), vec![]);
+        assert!(matches!(&judged[..], [(4, why, Then::Nothing)] if why.contains("is gone")), "{judged:?}");
+        s.release();
+    }
+
+    #[test]
+    fn a_stop_a_look_and_a_kill_return_at_once_while_the_api_server_does_not_answer() {
+        let api = StandIn::start("step 1\n");
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = api.scaler(dir.path());
+        let auth =
+            JobAuth { job: "mnist".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
+        for id in [1, 2] {
+            s.spawn(id, "10.0.0.5:7070", &auth).unwrap();
+        }
+        api.stalled.store(true, std::sync::atomic::Ordering::SeqCst);
+        // Each returns with its call under way (on the coordinator's thread,
+        // each would wait for the answer or its bound, and then give up).
+        s.stop(1, Duration::from_secs(5));
+        s.polled = None;
+        assert!(s.exited().is_empty());
+        s.kill_if_lingering(2, Duration::ZERO);
+        assert!(s.kill_lingering().is_empty());
+        assert!(s.listing && s.killing.contains(&2), "under way");
+        assert!(api.heard("GET").is_empty() && api.heard("DELETE").is_empty(), "nothing answered yet");
+        // Answered: worker 1's Pod deleted with its grace, worker 2's killed.
+        api.stalled.store(false, std::sync::atomic::Ordering::SeqCst);
+        let killed = s.kill_lingering_settled();
+        assert!(matches!(&killed[..], [(2, how)] if how.contains("1 s of notice")), "{killed:?}");
+        let deletes = api.heard("DELETE");
+        assert_eq!(deletes.len(), 2, "{deletes:?}");
+        let stopped =
+            deletes.iter().find(|d| d.contains(&format!("/pods/{} ", pod_name("mnist", 1)))).unwrap();
+        assert!(stopped.contains("\"gracePeriodSeconds\":5") && stopped.contains("uid-7"), "{stopped}");
+        // The listing sent while it was stalled came back: it judged worker 2
+        // (running then) and not worker 1, stopped meanwhile.
+        assert!(s.exited_settled().iter().all(|(id, _)| *id == 2));
+        assert!(!s.listing);
+    }
+
     #[test]
     fn an_ended_worker_s_pod_is_deleted_once_its_log_is_kept_and_the_log_is_there_to_read() {
         let api = StandIn::start("step 3\nValueError: boom\n");
@@ -1212,12 +1456,12 @@ pub(crate) mod tests {
         let auth =
             JobAuth { job: "mnist".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
         s.spawn(7, "10.0.0.5:7070", &auth).unwrap();
-        assert!(s.exited().is_empty(), "running");
+        assert!(s.exited_settled().is_empty(), "running");
         assert!(api.heard("DELETE").is_empty());
 
         *api.phase.lock().unwrap() = "Failed".into();
         s.polled = None;
-        let exited = s.exited();
+        let exited = s.exited_settled();
         assert!(matches!(&exited[..], [(7, why)] if why.contains("ended: Failed")), "{exited:?}");
         let kept = s.log_of(7).expect("the log is kept");
         assert_eq!(kept, logs.join("worker-7.log"));
@@ -1251,14 +1495,14 @@ pub(crate) mod tests {
         s.spawn(5, "10.0.0.5:7070", &auth).unwrap();
         // Not due yet: nothing is deleted.
         s.kill_if_lingering(4, Duration::from_secs(3600));
-        assert!(s.kill_lingering().is_empty());
+        assert!(s.kill_lingering_settled().is_empty());
         s.kill_if_lingering(4, Duration::ZERO);
-        let killed = s.kill_lingering();
+        let killed = s.kill_lingering_settled();
         assert!(
             matches!(&killed[..], [(4, how)] if how.contains("deleted with 1 s of notice")),
             "{killed:?}"
         );
-        assert!(s.kill_lingering().is_empty(), "killed once");
+        assert!(s.kill_lingering_settled().is_empty(), "killed once");
         let name = pod_name("mnist", 4);
         let deletes = api.heard("DELETE");
         assert_eq!(deletes.len(), 1, "{deletes:?}");
@@ -1275,13 +1519,13 @@ pub(crate) mod tests {
         assert!(read < deleted, "{order:?}");
         // Gone from the listing: its end reported, its log the one kept.
         s.polled = None;
-        let exited = s.exited();
+        let exited = s.exited_settled();
         assert!(matches!(&exited[..], [(4, why)] if why.contains("is gone")), "{exited:?}");
         assert_eq!(s.log_of(4), Some(logs.join("worker-4.log")));
         // A worker that ended before its time is not killed.
         s.kill_if_lingering(5, Duration::ZERO);
         *api.phase.lock().unwrap() = "Failed".into();
-        assert!(s.kill_lingering().is_empty());
+        assert!(s.kill_lingering_settled().is_empty());
         assert_eq!(api.heard("DELETE").len(), 1);
     }
 
@@ -1297,13 +1541,13 @@ pub(crate) mod tests {
             JobAuth { job: "mnist".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
         s.spawn(2, "10.0.0.5:7070", &auth).unwrap();
         *api.phase.lock().unwrap() = "Succeeded".into();
-        assert_eq!(s.exited().len(), 1);
+        assert_eq!(s.exited_settled().len(), 1);
         assert!(api.heard("DELETE").is_empty(), "deleted with its log lost");
         assert_eq!(s.log_of(2), None);
         // Asked again at the next looks, then left for good.
         for _ in 0..4 {
             s.polled = None;
-            assert!(s.exited().is_empty());
+            assert!(s.exited_settled().is_empty());
         }
         let reads = api.heard("GET").iter().filter(|l| l.contains("/log")).count();
         assert_eq!(reads, LOG_TRIES as usize, "the log is asked for {LOG_TRIES} times");
