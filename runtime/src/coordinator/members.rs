@@ -225,6 +225,9 @@ impl Coordinator<'_> {
             ));
         }
         let now = Instant::now();
+        for (worker, why) in self.scaler.failed_spawns() {
+            self.membership.spawn_failed(worker, why);
+        }
         for (worker, status) in self.scaler.exited() {
             self.membership.handle(now, MemberEvent::Exited { worker, status });
         }

@@ -53,6 +53,10 @@ impl Scaler for FencedScaler {
         self.inner.exited()
     }
 
+    fn failed_spawns(&mut self) -> Vec<(u64, String)> {
+        self.inner.failed_spawns()
+    }
+
     fn pid(&self, id: u64) -> Option<u32> {
         self.inner.pid(id)
     }

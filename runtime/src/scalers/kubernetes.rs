@@ -474,9 +474,9 @@ enum Then {
 /// worker's) run on a thread of the scaler's own, each bounded, and what
 /// they found is taken in at the coordinator's next look: an API server
 /// that is slow or does not answer never holds up the coordinator's loop
-/// (the steps, the other workers' failures). A worker's start stays on the
-/// coordinator's thread, bounded: the membership needs to know at once
-/// whether its Pod was made.
+/// (the steps, the other workers' failures). A worker's Pod is made there
+/// too: [`Scaler::spawn`] returns once the Pod is asked for, and a Pod the
+/// API refused is said by [`Scaler::failed_spawns`].
 pub struct KubernetesScaler {
     opts: KubeOptions,
     program: Vec<String>,
@@ -501,6 +501,11 @@ pub struct KubernetesScaler {
     lingering: Lingering,
     /// Lingering workers killed since [`Scaler::kill_lingering`] last said so.
     killed: Vec<(u64, String)>,
+    /// Pods being made: worker id -> its Pod's name, and the grace it is to
+    /// be stopped with once made, where a stop came first.
+    creating: BTreeMap<u64, (String, Option<Duration>)>,
+    /// Workers whose Pod the API refused, since the last call.
+    refused: Vec<(u64, String)>,
     /// The calls under way, and what those done came back with.
     calls: Vec<tokio::task::JoinHandle<()>>,
     done: (mpsc::Sender<Done>, mpsc::Receiver<Done>),
@@ -522,13 +527,15 @@ enum Done {
     LogKept {
         id: u64,
         name: String,
-        meta: ObjectMeta,
+        meta: Box<ObjectMeta>,
         tries: u32,
         report: Option<String>,
         kept: Result<PathBuf>,
     },
     /// Lingering worker `id`: its log kept (where it was), and its Pod killed.
     Killed { id: u64, log: Option<PathBuf>, outcome: Killing },
+    /// Worker `id`'s Pod was made (Ok), or not (why).
+    Created { id: u64, made: Result<()> },
 }
 
 /// How a lingering worker's kill went.
@@ -626,6 +633,8 @@ impl KubernetesScaler {
             quiet: Default::default(),
             lingering: Lingering::default(),
             killed: Vec::new(),
+            creating: BTreeMap::new(),
+            refused: Vec::new(),
             calls: Vec::new(),
             done: mpsc::channel(),
             listing: false,
@@ -714,7 +723,7 @@ impl KubernetesScaler {
             if kept.is_ok() {
                 delete_of_job(&api, &job, &fence, &name, &meta, DeleteParams::default()).await;
             }
-            let _ = tx.send(Done::LogKept { id, name, meta, tries, report, kept });
+            let _ = tx.send(Done::LogKept { id, name, meta: Box::new(meta), tries, report, kept });
         });
     }
 
@@ -750,7 +759,7 @@ impl KubernetesScaler {
                         }
                         Err(e) if tries < LOG_TRIES => {
                             tracing::warn!("kubernetes: {e:#}; tried again at the next look");
-                            self.log_retries.insert(id, (name, meta, tries));
+                            self.log_retries.insert(id, (name, *meta, tries));
                         }
                         Err(e) => {
                             self.log_retries.remove(&id);
@@ -759,6 +768,19 @@ impl KubernetesScaler {
                     }
                     if let Some(why) = report {
                         self.exited.push((id, why));
+                    }
+                }
+                Done::Created { id, made } => {
+                    let Some((name, stop)) = self.creating.remove(&id) else { continue };
+                    match made {
+                        Ok(()) => {
+                            tracing::info!("worker {id}: Pod {name}");
+                            self.pods.insert(id, (name, Instant::now()));
+                            if let Some(grace) = stop {
+                                self.stop(id, grace);
+                            }
+                        }
+                        Err(e) => self.refused.push((id, format!("{e:#}"))),
                     }
                 }
                 Done::Killed { id, log, outcome } => {
@@ -892,23 +914,48 @@ impl KubernetesScaler {
 }
 
 impl Scaler for KubernetesScaler {
+    /// Asks for worker `id`'s Pod on the scaler's thread: the Pod is the
+    /// worker's once made (a listing sent before then does not judge it),
+    /// and one the API refuses is said by [`Scaler::failed_spawns`].
     fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> Result<()> {
         self.job = auth.job.clone();
         let (api, owner) = self.api()?;
         let program = crate::scalers::command::fill_words(&self.program, coordinator, id, &auth.job);
         let pod = worker_pod(&self.opts, &auth.job, id, coordinator, program, owner);
         let name = pod.metadata.name.clone().unwrap_or_default();
-        call(&self.rt, &format!("creating the Pod {name}"), api.create(&PostParams::default(), &pod))?;
-        tracing::info!("worker {id}: Pod {name}");
         self.handles.insert(id, format!("pod:{name}"));
-        self.pods.insert(id, (name, Instant::now()));
+        self.creating.insert(id, (name.clone(), None));
+        let (fence, tx) = (self.fence.clone(), self.done.0.clone());
+        self.start(async move {
+            let made = match crate::scalers::stop_fenced(&fence) {
+                Some(why) => Err(anyhow!("its Pod {name} is not made: {why}")),
+                None => bounded(
+                    &format!("creating the Pod {name}"),
+                    CALL_WITHIN,
+                    api.create(&PostParams::default(), &pod),
+                )
+                .await
+                .map(drop),
+            };
+            let _ = tx.send(Done::Created { id, made });
+        });
         Ok(())
+    }
+
+    fn failed_spawns(&mut self) -> Vec<(u64, String)> {
+        self.take_done();
+        std::mem::take(&mut self.refused)
     }
 
     /// Deletes the worker's Pod with `grace` of notice, on the scaler's
     /// thread: read first, so that only a Pod that says it is this job's
     /// is deleted.
     fn stop(&mut self, id: u64, grace: Duration) {
+        if let Some((_, stop)) = self.creating.get_mut(&id) {
+            // Stopped once it is made.
+            *stop = Some(grace);
+            return;
+        }
         let Some((name, _)) = self.pods.remove(&id) else { return };
         let Ok((api, _)) = self.api() else { return };
         // Told to stop over its connection already: the deletion's SIGTERM
@@ -941,8 +988,9 @@ impl Scaler for KubernetesScaler {
 
     fn release(&mut self) {
         // The workers follow the coordinator that leads now: their Pods
-        // are its, and nothing here deletes them.
+        // are its (those being made too), and nothing here deletes them.
         self.pods.clear();
+        self.creating.clear();
     }
 
     fn kill_if_lingering(&mut self, id: u64, after: Duration) {
@@ -995,15 +1043,22 @@ impl Scaler for KubernetesScaler {
         }
     }
 
-    /// Waits for the calls under way (each bounded), so that no deletion
-    /// of this coordinator's is sent after it let the job go.
+    /// Waits for the calls under way (each bounded), and for those their
+    /// answers start (a Pod made after its stop was asked for, deleted), so
+    /// that no call of this coordinator's is sent after it let the job go.
     fn settle(&mut self) {
-        let calls = std::mem::take(&mut self.calls);
-        self.rt.block_on(async {
-            for c in calls {
-                let _ = c.await;
+        loop {
+            let calls = std::mem::take(&mut self.calls);
+            if calls.is_empty() {
+                return;
             }
-        });
+            self.rt.block_on(async {
+                for c in calls {
+                    let _ = c.await;
+                }
+            });
+            self.take_done();
+        }
     }
 
     fn fence_stops(&mut self, fence: LeaseFence) {
@@ -1013,10 +1068,15 @@ impl Scaler for KubernetesScaler {
 
 impl Drop for KubernetesScaler {
     fn drop(&mut self) {
-        // What is left when the job ends goes with it.
+        // What is left when the job ends goes with it, the Pods being made too.
+        let grace = Duration::from_secs(5);
+        for (_, stop) in self.creating.values_mut() {
+            *stop = Some(grace);
+        }
+        self.settle();
         let ids: Vec<u64> = self.pods.keys().copied().collect();
         for id in ids {
-            self.stop(id, Duration::from_secs(5));
+            self.stop(id, grace);
         }
         self.settle();
     }
@@ -1290,6 +1350,9 @@ pub(crate) mod tests {
                 ("POST", _) => {
                     let pod: serde_json::Value = serde_json::from_slice(body).unwrap();
                     let name = pod["metadata"]["name"].as_str().unwrap_or_default().to_string();
+                    if self.made.lock().unwrap().contains_key(&name) {
+                        return status(409, "AlreadyExists", &format!("pods \"{name}\" already exists"));
+                    }
                     self.made.lock().unwrap().insert(name, pod.clone());
                     Json(self.shown(pod)).into_response()
                 }
@@ -1307,17 +1370,20 @@ pub(crate) mod tests {
                         }
                         Json(self.shown(pod)).into_response()
                     }
-                    None => (
-                        axum::http::StatusCode::NOT_FOUND,
-                        Json(serde_json::json!({
-                            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                            "message": format!("{path} not found"), "reason": "NotFound", "code": 404
-                        })),
-                    )
-                        .into_response(),
+                    None => status(404, "NotFound", &format!("{path} not found")),
                 },
             }
         }
+    }
+
+    /// A refusal, as the API server words it.
+    fn status(code: u16, reason: &str, message: &str) -> axum::response::Response {
+        use axum::{Json, response::IntoResponse};
+        let body = serde_json::json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason, "code": code
+        });
+        (axum::http::StatusCode::from_u16(code).unwrap(), Json(body)).into_response()
     }
 
     impl StandIn {
@@ -1422,6 +1488,7 @@ pub(crate) mod tests {
         for id in [1, 2] {
             s.spawn(id, "10.0.0.5:7070", &auth).unwrap();
         }
+        s.settle();
         api.stalled.store(true, std::sync::atomic::Ordering::SeqCst);
         // Each returns with its call under way (on the coordinator's thread,
         // each would wait for the answer or its bound, and then give up).
@@ -1445,6 +1512,37 @@ pub(crate) mod tests {
         // (running then) and not worker 1, stopped meanwhile.
         assert!(s.exited_settled().iter().all(|(id, _)| *id == 2));
         assert!(!s.listing);
+    }
+
+    #[test]
+    fn a_pod_is_made_off_the_coordinator_s_thread_stopped_once_made_and_a_refused_one_is_said() {
+        let api = StandIn::start("");
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = api.scaler(dir.path());
+        let auth =
+            JobAuth { job: "mnist".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
+        // Asked for while the API server does not answer: spawn returns,
+        // and a stop asked meanwhile waits for the Pod to be made.
+        api.stalled.store(true, std::sync::atomic::Ordering::SeqCst);
+        s.spawn(1, "10.0.0.5:7070", &auth).unwrap();
+        s.spawn(2, "10.0.0.5:7070", &auth).unwrap();
+        assert_eq!(s.handle(1), Some(format!("pod:{}", pod_name("mnist", 1))));
+        s.stop(1, Duration::from_secs(3));
+        assert!(api.heard("POST").is_empty() && s.failed_spawns().is_empty());
+        api.stalled.store(false, std::sync::atomic::Ordering::SeqCst);
+        s.settle();
+        assert_eq!(api.heard("POST").len(), 2);
+        let deletes = api.heard("DELETE");
+        assert_eq!(deletes.len(), 1, "worker 1's Pod, stopped once made: {deletes:?}");
+        assert!(deletes[0].contains(&format!("/pods/{} ", pod_name("mnist", 1))), "{deletes:?}");
+        assert!(s.pods.contains_key(&2) && !s.pods.contains_key(&1));
+        // A Pod the API refuses (one of that name is there already) is said
+        // once, as a start that failed; it is not the worker's.
+        s.spawn(2, "10.0.0.5:7070", &auth).unwrap();
+        s.settle();
+        let refused = s.failed_spawns();
+        assert!(matches!(&refused[..], [(2, why)] if why.contains("already exists")), "{refused:?}");
+        assert!(s.failed_spawns().is_empty());
     }
 
     #[test]
@@ -1493,6 +1591,7 @@ pub(crate) mod tests {
             JobAuth { job: "mnist".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
         s.spawn(4, "10.0.0.5:7070", &auth).unwrap();
         s.spawn(5, "10.0.0.5:7070", &auth).unwrap();
+        s.settle();
         // Not due yet: nothing is deleted.
         s.kill_if_lingering(4, Duration::from_secs(3600));
         assert!(s.kill_lingering_settled().is_empty());

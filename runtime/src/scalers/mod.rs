@@ -44,6 +44,12 @@ pub trait Scaler: Send {
     fn spawn(&mut self, id: u64, coordinator: &str, auth: &JobAuth) -> anyhow::Result<()>;
     /// Asks worker `id` to stop and makes sure it is gone within `grace`.
     fn stop(&mut self, id: u64, grace: Duration);
+    /// Workers whose start, accepted by [`Scaler::spawn`] and carried on
+    /// off the coordinator's thread, failed since the last call, with why:
+    /// as if `spawn` had refused them.
+    fn failed_spawns(&mut self) -> Vec<(u64, String)> {
+        Vec::new()
+    }
     /// Workers that exited since the last call, with how (none, for a
     /// scaler that runs no processes of its own).
     fn exited(&mut self) -> Vec<(u64, String)> {

@@ -428,6 +428,11 @@ impl Launcher<'_> {
     /// Agents asked for that will not come: their command ended, or the
     /// join timeout passed.
     fn give_up_on_late(&mut self, on: &mut dyn FnMut(GroupEvent)) {
+        for (id, why) in self.scaler.failed_spawns() {
+            if self.asked.remove(&id).is_some() {
+                on(GroupEvent::Host(format!("cannot start agent {id}: {why}")));
+            }
+        }
         for (id, how) in self.scaler.exited() {
             if self.asked.remove(&id).is_some() {
                 on(GroupEvent::Host(format!("agent {id} ended before it joined: {how}")));
