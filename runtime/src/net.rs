@@ -87,6 +87,43 @@ pub fn routable_toward(host: &str) -> Result<IpAddr> {
     Ok(ip)
 }
 
+/// The variable that names a relay a worker tries before its coordinator
+/// (`host:port`; under `--scaler kubernetes --relay`, the job's relay
+/// Service, which reaches only the relay on the worker's own node).
+pub const RELAY_VAR: &str = "EDL_RELAY";
+
+/// How long a worker tries the relay [`RELAY_VAR`] names before it reaches
+/// its coordinator directly: time for its node's relay, started once the
+/// node's first worker runs, to come up.
+pub const RELAY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Where a worker reaches its job: the relay `relay` names where a
+/// connection to it opens within `within` (tried every 200 ms), else
+/// `coordinator` (said in the log). The connection tried is closed before
+/// a word is sent: the relay takes it for a probe.
+pub fn through_relay(relay: Option<&str>, coordinator: &str, within: std::time::Duration) -> String {
+    use std::time::{Duration, Instant};
+    let Some(relay) = relay.filter(|r| !r.is_empty()) else { return coordinator.to_string() };
+    let until = Instant::now() + within;
+    let why = loop {
+        let tried = resolve(relay).and_then(|a| {
+            let left = until
+                .saturating_duration_since(Instant::now())
+                .clamp(Duration::from_millis(50), Duration::from_secs(1));
+            std::net::TcpStream::connect_timeout(&a, left).with_context(|| format!("connecting to {a}"))
+        });
+        match tried {
+            Ok(_) => return relay.to_string(),
+            Err(e) if Instant::now() >= until => break e,
+            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+        }
+    };
+    tracing::info!(
+        "no relay at {relay} within {within:?} ({why:#}); reaching the coordinator at {coordinator} directly"
+    );
+    coordinator.to_string()
+}
+
 /// Resolves `host:port` (a name or an address) to its first address.
 pub fn resolve(addr: &str) -> Result<SocketAddr> {
     addr.to_socket_addrs()
@@ -98,6 +135,36 @@ pub fn resolve(addr: &str) -> Result<SocketAddr> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_worker_reaches_the_relay_that_answers_and_else_its_coordinator() {
+        use std::time::Duration;
+        let relay = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = relay.local_addr().unwrap().to_string();
+        assert_eq!(through_relay(Some(&at), "10.0.0.1:7070", Duration::from_secs(30)), at);
+        // A relay that came up while the worker tried it.
+        let later = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let later_at = later.local_addr().unwrap().to_string();
+        drop(later);
+        let up = std::thread::spawn({
+            let at = later_at.clone();
+            move || {
+                std::thread::sleep(Duration::from_millis(300));
+                std::net::TcpListener::bind(&at)
+            }
+        });
+        let chosen = through_relay(Some(&later_at), "10.0.0.1:7070", Duration::from_secs(30));
+        let held = up.join().unwrap();
+        // (Where the port was taken meanwhile by another, the coordinator.)
+        if held.is_ok() {
+            assert_eq!(chosen, later_at);
+        }
+        // None there: the coordinator, once the wait is over.
+        drop(relay);
+        assert_eq!(through_relay(Some(&at), "10.0.0.1:7070", Duration::from_millis(300)), "10.0.0.1:7070");
+        assert_eq!(through_relay(None, "10.0.0.1:7070", Duration::from_secs(30)), "10.0.0.1:7070");
+        assert_eq!(through_relay(Some(""), "10.0.0.1:7070", Duration::from_secs(30)), "10.0.0.1:7070");
+    }
 
     #[test]
     fn the_advertised_host_is_given_or_the_listen_address_or_a_routable_one() {

@@ -188,17 +188,30 @@ pub enum AuthError {
     Malformed(String),
     #[error("{0}")]
     Io(String),
+    /// The peer closed the connection before its part of the exchange (a
+    /// probe of the port, a readiness check).
+    #[error("the peer closed the connection during the secret's exchange")]
+    Closed,
+}
+
+/// A read of the exchange that failed: the peer's closing it, or another error.
+fn read_failed(e: std::io::Error) -> AuthError {
+    use std::io::ErrorKind::{ConnectionReset, UnexpectedEof};
+    match e.kind() {
+        UnexpectedEof | ConnectionReset => AuthError::Closed,
+        _ => AuthError::Io(format!("during the secret's exchange: {e}")),
+    }
 }
 
 fn read_frame(s: &mut impl Read) -> Result<Vec<u8>, AuthError> {
     let mut len = [0u8; 4];
-    s.read_exact(&mut len).map_err(|e| AuthError::Io(format!("during the secret's exchange: {e}")))?;
+    s.read_exact(&mut len).map_err(read_failed)?;
     let len = u32::from_le_bytes(len) as usize;
     if len > MAX_FRAME {
         return Err(AuthError::Malformed(format!("a frame of {len} bytes")));
     }
     let mut buf = vec![0u8; len];
-    s.read_exact(&mut buf).map_err(|e| AuthError::Io(format!("during the secret's exchange: {e}")))?;
+    s.read_exact(&mut buf).map_err(read_failed)?;
     Ok(buf)
 }
 
@@ -430,6 +443,17 @@ mod tests {
         peer.write_all(b"hi").unwrap();
         Deadline::new(&mut s, std::time::Duration::from_millis(50)).read_exact(&mut buf).unwrap();
         assert_eq!(s.read_timeout().unwrap(), wanted, "the stream's own timeout kept");
+    }
+
+    #[test]
+    fn a_peer_that_closes_without_a_word_is_told_apart_from_one_that_fails_the_exchange() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        drop(TcpStream::connect(l.local_addr().unwrap()).unwrap());
+        let (mut s, _) = l.accept().unwrap();
+        let secret = Secret::generate().unwrap();
+        assert_eq!(accept(&mut s, &secret, |_| Ok(())).unwrap_err(), AuthError::Closed);
+        let (theirs, _) = exchange(secret, Secret::generate().unwrap(), claim("j", 1), |_| Ok(()));
+        assert_eq!(theirs.unwrap_err(), AuthError::WrongSecret);
     }
 
     #[test]

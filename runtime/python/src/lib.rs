@@ -211,8 +211,13 @@ impl Job {
             std::env::var(k)
                 .map_err(|_| err(format!("{k} is not set: run the program under `edl-runtime launch`")))
         };
-        let addr = edl_runtime::net::resolve(&var("EDL_COORDINATOR")?)
-            .map_err(|e| err(format!("EDL_COORDINATOR: {e:#}")))?;
+        // Through the relay `EDL_RELAY` names, where one answers (a
+        // Kubernetes job's relay on this node).
+        use edl_runtime::net::{RELAY_VAR, RELAY_WAIT, through_relay};
+        let coordinator = var("EDL_COORDINATOR")?;
+        let relay = std::env::var(RELAY_VAR).ok();
+        let at = py.detach(|| through_relay(relay.as_deref(), &coordinator, RELAY_WAIT));
+        let addr = edl_runtime::net::resolve(&at).map_err(|e| err(format!("{at}: {e:#}")))?;
         // Without an id (a worker started by another engine) the coordinator gives one.
         let id: u64 = match std::env::var("EDL_WORKER_ID") {
             Ok(v) => v.parse().map_err(|e| err(format!("EDL_WORKER_ID: {e}")))?,

@@ -45,7 +45,14 @@ pub fn run(w: WorkerArgs) -> Result<ExitCode> {
 /// Who a worker is and how it proves it: the job's name and secret from
 /// the flags, or from the environment the coordinator's scaler set.
 fn join(w: WorkerArgs) -> Result<Join> {
-    let coordinator = edl_runtime::net::resolve(&w.coordinator).context("--coordinator")?;
+    use edl_runtime::net::{RELAY_VAR, RELAY_WAIT, through_relay};
+    let relay = std::env::var(RELAY_VAR).ok();
+    let at = through_relay(relay.as_deref(), &w.coordinator, RELAY_WAIT);
+    let coordinator = edl_runtime::net::resolve(&at).context(if at == w.coordinator {
+        "--coordinator"
+    } else {
+        RELAY_VAR
+    })?;
     let job = w.job.or_else(|| std::env::var("EDL_JOB").ok()).unwrap_or_else(|| "mnist".into());
     edl_runtime::job::check_job_name(&job).map_err(|e| anyhow::anyhow!("{e} (--job or $EDL_JOB)"))?;
     let secret = match &w.secret_file {

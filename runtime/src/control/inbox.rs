@@ -318,6 +318,12 @@ fn admit<M: Message>(
             gate.check(c)
         }) {
             Ok(proven) => proven,
+            // Closed by its peer without a word: a probe (a worker finding
+            // its relay, a readiness check), nothing to warn of.
+            Err(e @ auth::AuthError::Closed) => {
+                tracing::debug!("a control connection from {peer} closed during the handshake: {e}");
+                return;
+            }
             Err(e) => {
                 tracing::warn!("refused a control connection from {peer}: {e}");
                 return;

@@ -298,10 +298,15 @@ async fn save_log(api: &Api<Pod>, name: &str, path: &Path, within: Duration) -> 
         LogParams { tail_lines: Some(LOG_LINES), limit_bytes: Some(LOG_KEPT), ..LogParams::default() };
     let text =
         bounded(&format!("reading the log of the Pod {name}"), within, api.logs(name, &params)).await?;
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)
-        .and_then(|()| std::fs::write(path, text))
-        .with_context(|| format!("keeping the log of the Pod {name} in {}", path.display()))
+    // Written on a thread for blocking work: a slow disk holds up no call's bound.
+    let at = path.to_path_buf();
+    let written = tokio::task::spawn_blocking(move || {
+        let dir = at.parent().unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&at, text))
+    })
+    .await
+    .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+    written.with_context(|| format!("keeping the log of the Pod {name} in {}", path.display()))
 }
 
 /// The Pods' API in `namespace` (default: the client's) and the owner of
@@ -509,9 +514,9 @@ pub struct KubernetesScaler {
     /// The calls under way, and what those done came back with.
     calls: Vec<tokio::task::JoinHandle<()>>,
     done: (mpsc::Sender<Done>, mpsc::Receiver<Done>),
-    /// A listing under way; the workers whose log is being kept, or whose
-    /// Pod is being killed.
-    listing: bool,
+    /// A listing under way (since when); the workers whose log is being
+    /// kept, or whose Pod is being killed.
+    listing: Option<Instant>,
     keeping: BTreeSet<u64>,
     killing: BTreeSet<u64>,
     /// The coordinator's lease: a deletion made after it lapsed is not sent.
@@ -547,6 +552,10 @@ enum Killing {
     /// The API server did not answer, or refused the deletion.
     Failed,
 }
+
+/// A listing not back after this long (each call is bounded, so it never
+/// is) is taken for lost: the next look sends another.
+const LISTING_LOST: Duration = Duration::from_secs(30);
 
 /// The notice a lingering worker's Pod is deleted with: its container
 /// killed a second after SIGTERM (a hung or frozen program heeds nothing
@@ -637,7 +646,7 @@ impl KubernetesScaler {
             refused: Vec::new(),
             calls: Vec::new(),
             done: mpsc::channel(),
-            listing: false,
+            listing: None,
             keeping: BTreeSet::new(),
             killing: BTreeSet::new(),
             fence: None,
@@ -667,7 +676,7 @@ impl KubernetesScaler {
     /// one listing at a time), and again for the logs not kept yet.
     fn poll(&mut self) {
         if self.pods.is_empty() && self.log_retries.is_empty()
-            || self.listing
+            || self.listing.is_some_and(|t| t.elapsed() < LISTING_LOST)
             || self.polled.is_some_and(|t| t.elapsed() < Duration::from_secs(1))
             || !self.quiet.open()
         {
@@ -687,7 +696,7 @@ impl KubernetesScaler {
         if self.pods.is_empty() {
             return;
         }
-        self.listing = true;
+        self.listing = Some(Instant::now());
         let selector = format!("{JOB_LABEL}={}", job_label(&self.job));
         let (tx, at) = (self.done.0.clone(), Instant::now());
         self.start(async move {
@@ -720,10 +729,12 @@ impl KubernetesScaler {
         let path = self.log_dir.join(format!("worker-{id}.log"));
         self.start(async move {
             let kept = save_log(&api, &name, &path, CALL_WITHIN).await.map(|()| path);
-            if kept.is_ok() {
+            let delete = kept.is_ok().then(|| (name.clone(), meta.clone()));
+            // Its end is said with its log; the Pod goes after.
+            let _ = tx.send(Done::LogKept { id, name, meta: Box::new(meta), tries, report, kept });
+            if let Some((name, meta)) = delete {
                 delete_of_job(&api, &job, &fence, &name, &meta, DeleteParams::default()).await;
             }
-            let _ = tx.send(Done::LogKept { id, name, meta: Box::new(meta), tries, report, kept });
         });
     }
 
@@ -741,7 +752,7 @@ impl KubernetesScaler {
         while let Ok(done) = self.done.1.try_recv() {
             match done {
                 Done::Listed { at, pods } => {
-                    self.listing = false;
+                    self.listing = None;
                     match pods {
                         Ok(pods) => {
                             self.quiet.answered();
@@ -1485,33 +1496,76 @@ pub(crate) mod tests {
         let mut s = api.scaler(dir.path());
         let auth =
             JobAuth { job: "mnist".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
-        for id in [1, 2] {
+        for id in [1, 2, 3] {
             s.spawn(id, "10.0.0.5:7070", &auth).unwrap();
         }
         s.settle();
         api.stalled.store(true, std::sync::atomic::Ordering::SeqCst);
         // Each returns with its call under way (on the coordinator's thread,
         // each would wait for the answer or its bound, and then give up).
-        s.stop(1, Duration::from_secs(5));
+        // The listing goes first: worker 1 is stopped while it is out.
         s.polled = None;
         assert!(s.exited().is_empty());
+        s.stop(1, Duration::from_secs(5));
         s.kill_if_lingering(2, Duration::ZERO);
         assert!(s.kill_lingering().is_empty());
-        assert!(s.listing && s.killing.contains(&2), "under way");
+        assert!(s.listing.is_some() && s.killing.contains(&2), "under way");
         assert!(api.heard("GET").is_empty() && api.heard("DELETE").is_empty(), "nothing answered yet");
-        // Answered: worker 1's Pod deleted with its grace, worker 2's killed.
+        // By the time it answers, worker 1 and worker 3 ended.
+        for id in [1, 3] {
+            api.phase_of.lock().unwrap().insert(pod_name("mnist", id), "Failed".into());
+        }
         api.stalled.store(false, std::sync::atomic::Ordering::SeqCst);
         let killed = s.kill_lingering_settled();
         assert!(matches!(&killed[..], [(2, how)] if how.contains("1 s of notice")), "{killed:?}");
         let deletes = api.heard("DELETE");
-        assert_eq!(deletes.len(), 2, "{deletes:?}");
         let stopped =
             deletes.iter().find(|d| d.contains(&format!("/pods/{} ", pod_name("mnist", 1)))).unwrap();
         assert!(stopped.contains("\"gracePeriodSeconds\":5") && stopped.contains("uid-7"), "{stopped}");
-        // The listing sent while it was stalled came back: it judged worker 2
-        // (running then) and not worker 1, stopped meanwhile.
-        assert!(s.exited_settled().iter().all(|(id, _)| *id == 2));
-        assert!(!s.listing);
+        // The listing judged the workers it was sent for but the one
+        // stopped meanwhile: worker 3's end is said with its log; worker 1,
+        // stopped, is not reported, nor its log read.
+        let exited = s.exited_settled();
+        assert!(exited.iter().any(|(id, why)| *id == 3 && why.contains("ended: Failed")), "{exited:?}");
+        assert!(exited.iter().all(|(id, _)| *id != 1), "{exited:?}");
+        assert!(s.log_of(3).is_some() && s.log_of(1).is_none());
+        let logs = api.heard("GET");
+        assert!(!logs.iter().any(|l| l.contains(&format!("/pods/{}/log", pod_name("mnist", 1)))), "{logs:?}");
+        assert!(s.listing.is_none());
+    }
+
+    #[test]
+    fn a_coordinator_whose_lease_lapsed_meanwhile_sends_no_deletion() {
+        let api = StandIn::start("");
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = api.scaler(dir.path());
+        let auth =
+            JobAuth { job: "mnist".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
+        for id in [1, 2] {
+            s.spawn(id, "10.0.0.5:7070", &auth).unwrap();
+        }
+        s.settle();
+        // A lease last confirmed long ago: over by this process's clock.
+        let lapsed = crate::leader::keeper::LeaseFence::confirmed_at(
+            crate::clock::BootInstant::now(),
+            Duration::from_millis(1),
+        );
+        std::thread::sleep(Duration::from_millis(5));
+        api.stalled.store(true, std::sync::atomic::Ordering::SeqCst);
+        s.fence_stops(lapsed);
+        s.stop(1, Duration::from_secs(5));
+        s.kill_if_lingering(2, Duration::ZERO);
+        assert!(s.kill_lingering().is_empty());
+        api.stalled.store(false, std::sync::atomic::Ordering::SeqCst);
+        assert!(s.kill_lingering_settled().is_empty(), "not killed");
+        assert!(api.heard("DELETE").is_empty(), "{:?}", api.heard("DELETE"));
+        // Nor is a Pod made.
+        s.spawn(3, "10.0.0.5:7070", &auth).unwrap();
+        s.settle();
+        assert_eq!(api.heard("POST").len(), 2);
+        let refused = s.failed_spawns();
+        assert!(matches!(&refused[..], [(3, why)] if why.contains("fenced")), "{refused:?}");
+        s.release();
     }
 
     #[test]

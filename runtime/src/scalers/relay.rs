@@ -106,7 +106,7 @@ impl HostRelay {
         crate::process::ensure_dir(&self.log_dir)?;
         let path = self.log_dir.join(format!("relay-{id}.log"));
         let log = std::fs::File::create(&path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        let words: Vec<String> = relay_words(coordinator, id, &auth.job, self.lease)
+        let words: Vec<String> = relay_words(coordinator, id, &auth.job, self.lease, "127.0.0.1:0")
             .into_iter()
             .chain(["--secret-file".to_string(), "-".to_string()])
             .collect();
@@ -190,14 +190,20 @@ impl Drop for Starting {
 /// The words of relay `id`'s command line after the executable: for the
 /// coordinator at `coordinator`, listening on the host's loopback, keeping
 /// the job's worker `lease` (its secret given as the caller chooses).
-pub(crate) fn relay_words(coordinator: &str, id: u64, job: &str, lease: Duration) -> Vec<String> {
+pub(crate) fn relay_words(
+    coordinator: &str,
+    id: u64,
+    job: &str,
+    lease: Duration,
+    listen: &str,
+) -> Vec<String> {
     let (id, lease) = (id.to_string(), lease.as_millis().to_string());
     [
         "relay",
         "--coordinator",
         coordinator,
         "--listen",
-        "127.0.0.1:0",
+        listen,
         "--id",
         &id,
         "--job",

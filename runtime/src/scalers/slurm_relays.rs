@@ -385,7 +385,7 @@ impl SlurmRelays {
     /// exec'd, listening on the node's loopback.
     fn script(&self, id: u64, coordinator: &str, auth: &JobAuth) -> String {
         let words: Vec<String> = std::iter::once(self.exe.display().to_string())
-            .chain(super::relay::relay_words(coordinator, id, &auth.job, self.lease))
+            .chain(super::relay::relay_words(coordinator, id, &auth.job, self.lease, "127.0.0.1:0"))
             .map(|w| quote(&w))
             .collect();
         batch_script(auth, "trap '' TERM\n", &words.join(" "))

@@ -124,10 +124,14 @@ fn step_digests(lines: &[String]) -> Vec<(u64, u64, String)> {
 }
 
 /// The ranks of a generation start each step with one model; a generation
-/// starts at a step (a rollback point, or a resize's boundary) with the model
-/// every other attempt of that step started with. (A step inside a window
-/// redone by a generation of another size starts from reductions summed in
-/// another order: its bits may differ, and it is not compared.)
+/// that starts at a step the generation before it took too (a rollback to
+/// the last commit) starts it with the model that one started it with: the
+/// committed state. (Any other earlier attempt of that step may have started
+/// from steps later rolled back, or redone by a group of another size, whose
+/// reductions sum in another order: not compared bit for bit. A generation
+/// that starts where the one before stopped, at a resize's boundary, has no
+/// earlier attempt to compare with: the final models and their accuracy
+/// check those.)
 fn assert_one_model(digests: &[(u64, u64, String)]) {
     for (step, generation, digest) in digests {
         let rank0 = &digests.iter().find(|d| (d.0, d.1) == (*step, *generation)).unwrap().2;
@@ -137,13 +141,13 @@ fn assert_one_model(digests: &[(u64, u64, String)]) {
         );
     }
     let generations: std::collections::BTreeSet<u64> = digests.iter().map(|d| d.1).collect();
-    for g in generations {
+    for (&before, &g) in generations.iter().zip(generations.iter().skip(1)) {
         let (start, digest) = digests.iter().filter(|d| d.1 == g).map(|d| (d.0, &d.2)).min().unwrap();
-        for other in digests.iter().filter(|d| d.0 == start && d.1 != g) {
+        if let Some(earlier) = digests.iter().find(|d| (d.0, d.1) == (start, before)) {
             assert_eq!(
-                &other.2, digest,
-                "generation {g} started step {start} from another model than generation {}: {digests:?}",
-                other.1
+                &earlier.2, digest,
+                "generation {g} rolled back to step {start} and started it from another model than generation \
+                 {before} did: {digests:?}"
             );
         }
     }
