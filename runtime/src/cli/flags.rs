@@ -436,7 +436,8 @@ pub struct ClusterArgs {
     /// process there (`edl-runtime relay`), one connection for all of them
     /// instead of one each; lost, it is a host's loss, and the next worker
     /// started there starts another. With --scaler local (this host),
-    /// command (each of --hosts) and slurm (each node, a batch job).
+    /// command (each of --hosts), slurm (each node, a batch job) and
+    /// kubernetes (each node, a Pod, found through the job's Service).
     #[arg(long)]
     pub relay: bool,
     /// The job's secret (64 hex digits), which every worker proves on its

@@ -539,10 +539,10 @@ fn scaler(
     lease_ms: u64,
 ) -> Result<Box<dyn Scaler>> {
     let (stop, hosts) = (args.worker_stop_command.as_deref(), &args.hosts[..]);
-    if args.relay && !matches!(args.scaler, ScalerKind::Local | ScalerKind::Command | ScalerKind::Slurm) {
+    if args.relay && matches!(args.scaler, ScalerKind::External) {
         edl_runtime::refuse!(
             "--relay is for --scaler local (its workers on this host), --scaler command (a relay on each of \
-             --hosts) and --scaler slurm (a relay on each node the workers run on)"
+             --hosts), --scaler slurm and --scaler kubernetes (a relay on each node the workers run on)"
         );
     }
     let relayed = |local: LocalProcesses| match args.relay {
@@ -575,9 +575,15 @@ fn scaler(
                 false => scaler,
             })
         }
-        (ScalerKind::Kubernetes, None) => Box::new(KubernetesScaler::new(args.kube.options(), log_dir)?),
-        (ScalerKind::Kubernetes, Some(command)) => {
-            Box::new(KubernetesScaler::for_program(args.kube.options(), log_dir, command)?)
+        (ScalerKind::Kubernetes, program) => {
+            let scaler = match program {
+                None => KubernetesScaler::new(args.kube.options(), log_dir)?,
+                Some(command) => KubernetesScaler::for_program(args.kube.options(), log_dir, command)?,
+            };
+            Box::new(match args.relay {
+                true => scaler.with_relays(Duration::from_millis(lease_ms)),
+                false => scaler,
+            })
         }
         (ScalerKind::External, _) => Box::new(ExternalWorkers),
     })

@@ -23,6 +23,9 @@
 //! state machine, and its calls against a stand-in on loopback.
 
 use crate::leader::keeper::LeaseFence;
+use crate::scalers::kube_relays::{
+    KubeRelays, RelayCall, relay_address, relay_pod, relay_service, service_name,
+};
 use crate::scalers::{Lingering, Scaler};
 use crate::worker::session::JobAuth;
 use anyhow::{Context, Result, anyhow};
@@ -145,6 +148,7 @@ pub fn worker_pod(
     coordinator: &str,
     program: Vec<String>,
     owner: Option<OwnerReference>,
+    relay: Option<String>,
 ) -> Pod {
     let env =
         |name: &str, value: String| EnvVar { name: name.into(), value: Some(value), ..Default::default() };
@@ -162,13 +166,18 @@ pub fn worker_pod(
                 name: "worker".into(),
                 image: Some(opts.image.clone()),
                 command: Some(program),
-                env: Some(vec![
-                    env("EDL_COORDINATOR", coordinator.to_string()),
-                    env("EDL_WORKER_ID", id.to_string()),
-                    env("EDL_JOB", job.to_string()),
-                    env("EDL_JOB_SECRET_FILE", secret_path()),
-                    env("PYTHONUNBUFFERED", "1".into()),
-                ]),
+                env: Some(
+                    vec![
+                        env("EDL_COORDINATOR", coordinator.to_string()),
+                        env("EDL_WORKER_ID", id.to_string()),
+                        env("EDL_JOB", job.to_string()),
+                        env("EDL_JOB_SECRET_FILE", secret_path()),
+                        env("PYTHONUNBUFFERED", "1".into()),
+                    ]
+                    .into_iter()
+                    .chain(relay.map(|r| env(crate::net::RELAY_VAR, r)))
+                    .collect(),
+                ),
                 volume_mounts: Some(vec![secret_mount()]),
                 resources,
                 ..Default::default()
@@ -521,6 +530,20 @@ pub struct KubernetesScaler {
     killing: BTreeSet<u64>,
     /// The coordinator's lease: a deletion made after it lapsed is not sent.
     fence: Option<LeaseFence>,
+    /// A relay on each node the workers run on (`--relay`).
+    relaying: Option<Relaying>,
+}
+
+/// The relays of a job's nodes, and what making them takes.
+struct Relaying {
+    relays: KubeRelays,
+    /// The job's worker lease, which each relay keeps.
+    lease: Duration,
+    /// The coordinator the workers are started for (the relays connect to
+    /// it), once one was.
+    coordinator: Option<String>,
+    /// The relays' Service was asked for.
+    service: bool,
 }
 
 /// What a call made off the coordinator's thread came back with.
@@ -541,6 +564,8 @@ enum Done {
     Killed { id: u64, log: Option<PathBuf>, outcome: Killing },
     /// Worker `id`'s Pod was made (Ok), or not (why).
     Created { id: u64, made: Result<()> },
+    /// Relay `id`'s Pod could not be made.
+    RelayRefused { id: u64 },
 }
 
 /// How a lingering worker's kill went.
@@ -650,7 +675,16 @@ impl KubernetesScaler {
             keeping: BTreeSet::new(),
             killing: BTreeSet::new(),
             fence: None,
+            relaying: None,
         })
+    }
+
+    /// Each node's workers reach the coordinator through a relay there (a
+    /// Pod of its own, see [`crate::scalers::kube_relays`]), keeping `lease`.
+    pub fn with_relays(mut self, lease: Duration) -> Self {
+        self.relaying =
+            Some(Relaying { relays: KubeRelays::default(), lease, coordinator: None, service: false });
+        self
     }
 
     /// The Pods' API and their owner, found on first use (in the cluster:
@@ -794,6 +828,11 @@ impl KubernetesScaler {
                         Err(e) => self.refused.push((id, format!("{e:#}"))),
                     }
                 }
+                Done::RelayRefused { id } => {
+                    if let Some(r) = &mut self.relaying {
+                        r.relays.refused(id);
+                    }
+                }
                 Done::Killed { id, log, outcome } => {
                     self.killing.remove(&id);
                     if let Some(path) = log {
@@ -812,7 +851,8 @@ impl KubernetesScaler {
     /// Judges the Pods made before a listing sent at `at` by what it
     /// found, and acts on what ended.
     fn take_listing(&mut self, at: Instant, listed: Vec<Pod>) {
-        let Ok((api, _)) = self.api() else { return };
+        let Ok((api, owner)) = self.api() else { return };
+        self.tend_relays(&api, owner, at, &listed);
         for (id, why, then) in self.judge_listed(at, listed) {
             let Some((name, _)) = self.pods.remove(&id) else { continue };
             match then {
@@ -824,6 +864,104 @@ impl KubernetesScaler {
                 Then::KeepLogAndDelete(meta) => self.keep_log_and_delete(&api, id, name, meta, 1, Some(why)),
             }
         }
+    }
+
+    /// The relays tended by a listing sent at `at` (see [`KubeRelays::tend`]):
+    /// the nodes this scaler's workers are bound to are those its Pods, as
+    /// listed, name.
+    fn tend_relays(&mut self, api: &Api<Pod>, owner: Option<OwnerReference>, at: Instant, listed: &[Pod]) {
+        let Some(r) = &mut self.relaying else { return };
+        let Some(coordinator) = r.coordinator.clone() else { return };
+        let workers: BTreeSet<&str> = self.pods.values().map(|(name, _)| name.as_str()).collect();
+        let nodes: BTreeSet<String> = listed
+            .iter()
+            .filter(|p| p.metadata.name.as_deref().is_some_and(|n| workers.contains(n)))
+            .filter(|p| {
+                let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+                matches!(phase, Some("Pending" | "Running"))
+            })
+            .filter_map(|p| p.spec.as_ref()?.node_name.clone())
+            .collect();
+        let calls = r.relays.tend(&self.job, at, listed, &nodes);
+        let lease = r.lease;
+        for call in calls {
+            match call {
+                RelayCall::Make { id, node } => {
+                    let pod =
+                        relay_pod(&self.opts, &self.job, (id, &node), &coordinator, lease, owner.clone());
+                    let name = pod.metadata.name.clone().unwrap_or_default();
+                    tracing::info!("relay {id}: Pod {name} on {node}");
+                    if let Some(r) = &mut self.relaying {
+                        r.relays.made(id, &node, name.clone());
+                    }
+                    let (api, fence, tx) = (api.clone(), self.fence.clone(), self.done.0.clone());
+                    self.start(async move {
+                        let made = match crate::scalers::stop_fenced(&fence) {
+                            Some(why) => Err(anyhow!("{why}")),
+                            None => bounded(
+                                &format!("creating the relay Pod {name}"),
+                                CALL_WITHIN,
+                                api.create(&PostParams::default(), &pod),
+                            )
+                            .await
+                            .map(drop),
+                        };
+                        if let Err(e) = made {
+                            tracing::warn!("kubernetes: relay {id} on {node}: {e:#}");
+                            let _ = tx.send(Done::RelayRefused { id });
+                        }
+                    });
+                }
+                RelayCall::Delete { name, meta } => self.delete(api, name, *meta),
+            }
+        }
+    }
+
+    /// Deletes the Pod `name` with `grace` of notice, on the scaler's
+    /// thread: read first, so that only a Pod that says it is this job's
+    /// is deleted. (`who`: whose Pod, for the log.)
+    fn delete_named(&mut self, who: String, name: String, grace: Duration) {
+        let Ok((api, _)) = self.api() else { return };
+        let params =
+            DeleteParams { grace_period_seconds: Some(grace.as_secs().max(1) as u32), ..Default::default() };
+        let (job, fence) = (self.job.clone(), self.fence.clone());
+        self.start(async move {
+            match read_pod(&api, &name).await {
+                Ok(Some(pod)) => drop(delete_of_job(&api, &job, &fence, &name, &pod.metadata, params).await),
+                Ok(None) => {}
+                Err(e) => tracing::warn!("kubernetes: {who} not stopped: {e:#}"),
+            }
+        });
+    }
+
+    /// Asks for the relays' Service, once (one there already is this job's).
+    fn make_service(&mut self, owner: Option<OwnerReference>) {
+        let Some(r) = self.relaying.as_mut().filter(|r| !r.service) else { return };
+        r.service = true;
+        let Ok((api, _)) = self.api() else { return };
+        let svc = relay_service(&self.opts, &self.job, owner);
+        let name = service_name(&self.job);
+        let fence = self.fence.clone();
+        self.start(async move {
+            if crate::scalers::stop_fenced(&fence).is_some() {
+                return;
+            }
+            let made = bounded(
+                &format!("creating the Service {name}"),
+                CALL_WITHIN,
+                services(&api).create(&PostParams::default(), &svc),
+            )
+            .await;
+            match made {
+                Ok(_) => tracing::info!("kubernetes: the relays' Service {name}"),
+                Err(e)
+                    if e.to_string().contains("AlreadyExists")
+                        || e.to_string().contains("already exists") => {}
+                Err(e) => {
+                    tracing::warn!("kubernetes: {e:#}; the workers connect to the coordinator directly")
+                }
+            }
+        });
     }
 
     /// Judges the Pods this scaler keeps that were made before `at` (a
@@ -932,7 +1070,14 @@ impl Scaler for KubernetesScaler {
         self.job = auth.job.clone();
         let (api, owner) = self.api()?;
         let program = crate::scalers::command::fill_words(&self.program, coordinator, id, &auth.job);
-        let pod = worker_pod(&self.opts, &auth.job, id, coordinator, program, owner);
+        let relay = self.relaying.as_mut().map(|r| {
+            r.coordinator = Some(coordinator.to_string());
+            relay_address(&auth.job)
+        });
+        if relay.is_some() {
+            self.make_service(owner.clone());
+        }
+        let pod = worker_pod(&self.opts, &auth.job, id, coordinator, program, owner, relay);
         let name = pod.metadata.name.clone().unwrap_or_default();
         self.handles.insert(id, format!("pod:{name}"));
         self.creating.insert(id, (name.clone(), None));
@@ -968,19 +1113,17 @@ impl Scaler for KubernetesScaler {
             return;
         }
         let Some((name, _)) = self.pods.remove(&id) else { return };
-        let Ok((api, _)) = self.api() else { return };
         // Told to stop over its connection already: the deletion's SIGTERM
         // and grace end one that did not exit.
-        let params =
-            DeleteParams { grace_period_seconds: Some(grace.as_secs().max(1) as u32), ..Default::default() };
-        let (job, fence) = (self.job.clone(), self.fence.clone());
-        self.start(async move {
-            match read_pod(&api, &name).await {
-                Ok(Some(pod)) => drop(delete_of_job(&api, &job, &fence, &name, &pod.metadata, params).await),
-                Ok(None) => {}
-                Err(e) => tracing::warn!("kubernetes: worker {id} not stopped: {e:#}"),
-            }
-        });
+        self.delete_named(format!("worker {id}"), name, grace);
+    }
+
+    /// Its Pod deleted at once (it ignores SIGTERM); another is made at the
+    /// next look while workers run on its node.
+    fn relay_lost(&mut self, id: u64) {
+        if let Some(name) = self.relaying.as_mut().and_then(|r| r.relays.lost(id)) {
+            self.delete_named(format!("relay {id}"), name, Duration::from_secs(1));
+        }
     }
 
     fn exited(&mut self) -> Vec<(u64, String)> {
@@ -1002,6 +1145,13 @@ impl Scaler for KubernetesScaler {
         // are its (those being made too), and nothing here deletes them.
         self.pods.clear();
         self.creating.clear();
+        if let Some(r) = &mut self.relaying {
+            // Their relays end with this coordinator's connection; the
+            // Service is the job's, and stays.
+            r.relays.clear();
+            r.service = false;
+            r.coordinator = None;
+        }
     }
 
     fn kill_if_lingering(&mut self, id: u64, after: Duration) {
@@ -1089,7 +1239,38 @@ impl Drop for KubernetesScaler {
         for id in ids {
             self.stop(id, grace);
         }
+        if let Some(r) = &mut self.relaying {
+            let (names, service) = (r.relays.names(), r.service);
+            r.relays.clear();
+            for name in names {
+                self.delete_named("a relay".into(), name, Duration::from_secs(1));
+            }
+            if service && let Ok((api, _)) = self.api() {
+                let (name, fence) = (service_name(&self.job), self.fence.clone());
+                self.start(async move {
+                    if crate::scalers::stop_fenced(&fence).is_none() {
+                        let (svcs, params) = (services(&api), DeleteParams::default());
+                        let gone = svcs.delete(&name, &params);
+                        if let Err(e) =
+                            bounded(&format!("deleting the Service {name}"), CALL_WITHIN, gone).await
+                        {
+                            tracing::warn!("kubernetes: {e:#}");
+                        }
+                    }
+                });
+            }
+        }
         self.settle();
+    }
+}
+
+/// The Services of the namespace of `pods`.
+fn services(pods: &Api<Pod>) -> Api<k8s_openapi::api::core::v1::Service> {
+    let ns = pods.namespace().map(str::to_string);
+    let client = pods.clone().into_client();
+    match ns {
+        Some(ns) => Api::namespaced(client, &ns),
+        None => Api::default_namespaced(client),
     }
 }
 
@@ -1133,7 +1314,7 @@ pub(crate) mod tests {
         let owner = owner_of(&coordinator_pod(), Owner::Pod);
         let program =
             vec!["edl-runtime".into(), "worker".into(), "--coordinator".into(), "10.0.0.5:7070".into()];
-        let pod = worker_pod(&opts(), "MNIST_big", 7, "10.0.0.5:7070", program, owner);
+        let pod = worker_pod(&opts(), "MNIST_big", 7, "10.0.0.5:7070", program, owner, None);
         // Through the API's own schema: what the server would be sent.
         let json = serde_json::to_value(&pod).unwrap();
         let back: Pod = serde_json::from_value(json.clone()).unwrap();
@@ -1211,7 +1392,7 @@ pub(crate) mod tests {
 
     /// Worker `id`'s Pod as the API would show it, for job `job`.
     fn listed(job: &str, id: u64, phase: &str) -> Pod {
-        let mut pod = worker_pod(&opts(), job, id, "10.0.0.5:7070", vec!["w".into()], None);
+        let mut pod = worker_pod(&opts(), job, id, "10.0.0.5:7070", vec!["w".into()], None, None);
         pod.metadata.uid = Some(format!("uid-{job}-{id}"));
         pod.status =
             Some(k8s_openapi::api::core::v1::PodStatus { phase: Some(phase.into()), ..Default::default() });
@@ -1314,6 +1495,10 @@ pub(crate) mod tests {
         pub(crate) phase_of: Arc<Mutex<BTreeMap<String, String>>>,
         /// The address of the Pods `ip_of` names (the others: 127.0.0.1).
         pub(crate) ip_of: Arc<Mutex<BTreeMap<String, String>>>,
+        /// The node each Pod `node_of` names is bound to (the others: none).
+        pub(crate) node_of: Arc<Mutex<BTreeMap<String, String>>>,
+        /// The Services made, by name.
+        pub(crate) services: Arc<Mutex<BTreeMap<String, serde_json::Value>>>,
         /// While set, no request is answered (nor heard).
         pub(crate) stalled: Arc<std::sync::atomic::AtomicBool>,
         heard: Arc<Mutex<Vec<String>>>,
@@ -1330,6 +1515,8 @@ pub(crate) mod tests {
         phase: Arc<Mutex<String>>,
         phase_of: Arc<Mutex<BTreeMap<String, String>>>,
         ip_of: Arc<Mutex<BTreeMap<String, String>>>,
+        node_of: Arc<Mutex<BTreeMap<String, String>>>,
+        services: Arc<Mutex<BTreeMap<String, serde_json::Value>>>,
         heard: Arc<Mutex<Vec<String>>>,
         log: &'static str,
     }
@@ -1343,8 +1530,38 @@ pub(crate) mod tests {
             let phase = given.unwrap_or_else(|| self.phase.lock().unwrap().clone());
             // Every Pod runs on this host.
             let ip = self.ip_of.lock().unwrap().get(&name).cloned().unwrap_or_else(|| "127.0.0.1".into());
-            pod["status"] = serde_json::json!({ "phase": phase, "podIP": ip });
+            let ready = if phase == "Running" { "True" } else { "False" };
+            pod["status"] = serde_json::json!({
+                "phase": phase, "podIP": ip, "conditions": [{ "type": "Ready", "status": ready }]
+            });
+            if let Some(node) = self.node_of.lock().unwrap().get(&name) {
+                pod["spec"]["nodeName"] = node.clone().into();
+            }
             pod
+        }
+
+        /// The answer to a request about Services.
+        fn service(&self, method: &str, path: &str, body: &[u8]) -> axum::response::Response {
+            use axum::{Json, response::IntoResponse};
+            let mut services = self.services.lock().unwrap();
+            if method == "POST" {
+                let svc: serde_json::Value = serde_json::from_slice(body).unwrap();
+                let name = svc["metadata"]["name"].as_str().unwrap_or_default().to_string();
+                if services.contains_key(&name) {
+                    return status(409, "AlreadyExists", &format!("services \"{name}\" already exists"));
+                }
+                services.insert(name, svc.clone());
+                return Json(svc).into_response();
+            }
+            let name = path.rsplit('/').next().unwrap_or_default().to_string();
+            let found = match method {
+                "DELETE" => services.remove(&name),
+                _ => services.get(&name).cloned(),
+            };
+            match found {
+                Some(svc) => Json(svc).into_response(),
+                None => status(404, "NotFound", &format!("{path} not found")),
+            }
         }
 
         /// The Pod `path` names, by its own name only.
@@ -1357,6 +1574,9 @@ pub(crate) mod tests {
         fn answer(&self, method: &str, path: &str, body: &[u8]) -> axum::response::Response {
             use axum::{Json, response::IntoResponse};
             self.heard.lock().unwrap().push(format!("{method} {path} {}", String::from_utf8_lossy(body)));
+            if path.contains("/services") {
+                return self.service(method, path, body);
+            }
             match (method, path.ends_with("/log")) {
                 ("POST", _) => {
                     let pod: serde_json::Value = serde_json::from_slice(body).unwrap();
@@ -1405,6 +1625,8 @@ pub(crate) mod tests {
                 phase: Arc::new(Mutex::new("Running".to_string())),
                 phase_of: Arc::default(),
                 ip_of: Arc::default(),
+                node_of: Arc::default(),
+                services: Arc::default(),
                 heard: Arc::default(),
                 log,
             };
@@ -1427,8 +1649,8 @@ pub(crate) mod tests {
             let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
             let url = format!("http://{}", listener.local_addr().unwrap());
             rt.spawn(async move { axum::serve(listener, Router::new().fallback(any(serve))).await });
-            let Cluster { phase, phase_of, ip_of, heard, .. } = cluster;
-            StandIn { url, phase, phase_of, ip_of, stalled, heard, _rt: rt }
+            let Cluster { phase, phase_of, ip_of, node_of, services, heard, .. } = cluster;
+            StandIn { url, phase, phase_of, ip_of, node_of, services, stalled, heard, _rt: rt }
         }
 
         /// A scaler whose API is this stand-in's, its logs kept in `dir`.
@@ -1597,6 +1819,83 @@ pub(crate) mod tests {
         let refused = s.failed_spawns();
         assert!(matches!(&refused[..], [(2, why)] if why.contains("already exists")), "{refused:?}");
         assert!(s.failed_spawns().is_empty());
+    }
+
+    #[test]
+    fn with_relays_each_node_running_workers_gets_a_relay_pod_that_the_workers_find_through_a_local_service()
+    {
+        let api = StandIn::start("");
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = api.scaler(dir.path()).with_relays(Duration::from_secs(10));
+        let auth =
+            JobAuth { job: "mnist".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
+        for id in [1, 2, 3] {
+            s.spawn(id, "10.0.0.5:7070", &auth).unwrap();
+        }
+        s.settle();
+        // One Service for the job, asked for with the first worker; every
+        // worker is told it.
+        let made = api.heard("POST");
+        let svcs: Vec<&String> = made.iter().filter(|l| l.contains("/services")).collect();
+        assert_eq!(svcs.len(), 1, "{made:?}");
+        assert!(svcs[0].contains("\"internalTrafficPolicy\":\"Local\""), "{}", svcs[0]);
+        let told = format!("{{\"name\":\"EDL_RELAY\",\"value\":\"{}\"}}", relay_address("mnist"));
+        assert_eq!(made.iter().filter(|l| l.contains(&told)).count(), 3, "{made:?}");
+        // Workers 1 and 2 bound to n1, worker 3 to n2: a relay on each node.
+        let bind =
+            |id: u64, node: &str| api.node_of.lock().unwrap().insert(pod_name("mnist", id), node.into());
+        bind(1, "n1");
+        bind(2, "n1");
+        bind(3, "n2");
+        let look = |s: &mut KubernetesScaler| {
+            s.polled = None;
+            s.exited_settled()
+        };
+        assert!(look(&mut s).is_empty());
+        let relays = |api: &StandIn| -> Vec<String> {
+            api.heard("POST").into_iter().filter(|l| l.contains("\"edl.dev/relay\"")).collect()
+        };
+        let made = relays(&api);
+        assert_eq!(made.len(), 2, "{made:?}");
+        for (node, id) in [("n1", 1), ("n2", 2)] {
+            let pod = made.iter().find(|l| l.contains(&format!("\"nodeName\":\"{node}\""))).unwrap();
+            assert!(pod.contains(&format!("\"--id\",\"{id}\"")) && pod.contains("\"0.0.0.0:7079\""), "{pod}");
+        }
+        // Running and ready: nothing more is made.
+        assert!(look(&mut s).is_empty());
+        assert_eq!(relays(&api).len(), 2);
+        // n2's only worker stopped: its relay deleted at the next look.
+        s.stop(3, Duration::from_secs(1));
+        assert!(look(&mut s).is_empty());
+        let deleted = api.heard("DELETE");
+        assert!(
+            deleted.iter().any(|l| l.contains(&format!("/pods/{} ", pod_name_of("mnist", 'r', 2)))),
+            "{deleted:?}"
+        );
+        // n1's relay lost (its connection): deleted, and another made.
+        s.relay_lost(1);
+        s.settle();
+        let deleted = api.heard("DELETE");
+        assert!(
+            deleted.iter().any(|l| l.contains(&format!("/pods/{} ", pod_name_of("mnist", 'r', 1)))),
+            "{deleted:?}"
+        );
+        assert!(look(&mut s).is_empty());
+        let made = relays(&api);
+        assert_eq!(made.len(), 3, "{made:?}");
+        assert!(made[2].contains("\"--id\",\"3\"") && made[2].contains("\"nodeName\":\"n1\""), "{}", made[2]);
+        // The job's end takes the relays and the Service with it.
+        drop(s);
+        let deleted = api.heard("DELETE");
+        assert!(
+            deleted.iter().any(|l| l.contains(&format!("/pods/{} ", pod_name_of("mnist", 'r', 3)))),
+            "{deleted:?}"
+        );
+        assert!(
+            deleted.iter().any(|l| l.contains(&format!("/services/{}", service_name("mnist")))),
+            "{deleted:?}"
+        );
+        assert!(api.services.lock().unwrap().is_empty());
     }
 
     #[test]

@@ -59,6 +59,14 @@ fn the_kubernetes_example_is_made_of_valid_api_objects_that_run_the_kubernetes_s
         .find(|r| r.resources.as_ref().is_some_and(|r| r.contains(&"pods/log".to_string())))
         .expect("a rule for pods/log");
     assert!(logs.verbs.contains(&"get".to_string()), "{logs:?}");
+    // With --relay, the Service the workers find their node's relay through.
+    let services = rules
+        .iter()
+        .find(|r| r.resources.as_ref().is_some_and(|r| r.contains(&"services".to_string())))
+        .expect("a rule for services");
+    for verb in ["create", "delete"] {
+        assert!(services.verbs.contains(&verb.to_string()), "{verb}: {services:?}");
+    }
     // Two coordinators, one a standby at any time, running the scaler with
     // the flags this edl-runtime takes.
     let d = coordinator.unwrap();

@@ -1,0 +1,496 @@
+//! `--relay` under `--scaler kubernetes`: a relay on each node the job's
+//! worker Pods run on, itself a Pod pinned there (`nodeName`), through which
+//! that node's workers reach the coordinator over one connection.
+//!
+//! The scheduler places each worker's Pod, so a worker's node is known only
+//! once the Pod is bound. The scaler sees it in its listing and makes that
+//! node's relay Pod then (one a node, made again after its loss). Workers
+//! find their node's relay through one Service of the job's, made with the
+//! first worker: it selects the job's relay Pods and routes with
+//! `internalTrafficPolicy: Local`, so a connection to it reaches the relay
+//! on the connecting Pod's own node, or nothing. Each worker Pod is told the
+//! Service's name (`EDL_RELAY`); a worker tries it for up to
+//! [`crate::net::RELAY_WAIT`] (its node's first workers wait for the relay
+//! their start caused) and otherwise connects to the coordinator itself.
+//! A relay counts as up when its readiness probe (a TCP connection to its
+//! port) passes: only then does the Service route to it.
+//!
+//! A relay's Pod asks for a tenth of a CPU and 128 MiB and no GPU. It
+//! ignores SIGTERM (`trap '' TERM`, so the image needs a shell), so that
+//! the node's workers, told to go by a drain, hand their state over through
+//! it within their own notice; its deletion's grace then ends it. A relay
+//! whose node runs none of the job's workers any more is deleted; a node
+//! whose relays were lost [`RELAY_TRIES`] times goes without one. Relay
+//! Pods this coordinator did not make (a coordinator's before it, whose
+//! relays end with its connection) are deleted when seen.
+
+use super::kubernetes::{
+    JOB_LABEL, KubeOptions, job_label, job_pod_meta, of_job, pod_name_of, secret_mount, secret_path,
+    secret_volume,
+};
+use k8s_openapi::{
+    api::core::v1::{
+        Container, ContainerPort, Pod, PodSpec, Probe, ResourceRequirements, Service, ServicePort,
+        ServiceSpec, TCPSocketAction,
+    },
+    apimachinery::pkg::{
+        api::resource::Quantity,
+        apis::meta::v1::{ObjectMeta, OwnerReference},
+        util::intstr::IntOrString,
+    },
+};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    time::{Duration, Instant},
+};
+
+/// The port a relay listens on in its Pod, and the Service's.
+pub const RELAY_PORT: u16 = 7079;
+/// The label that marks a relay's Pod (its value: the relay's number).
+pub(crate) const RELAY_LABEL: &str = "edl.dev/relay";
+/// The label the Service selects relays by (with the job's).
+const ROLE_LABEL: &str = "edl.dev/role";
+/// Relays lost on one node before its workers connect directly.
+pub const RELAY_TRIES: u32 = 3;
+/// How long a relay Pod may take to be ready (its image pulled, started,
+/// its probe passed) before its node's workers go without one.
+const READY_BOUND: Duration = Duration::from_secs(120);
+
+/// The name of job `job`'s relay Service.
+pub fn service_name(job: &str) -> String {
+    pod_name_of(job, 's', 0)
+}
+
+/// Where job `job`'s workers look for their node's relay (`EDL_RELAY`).
+pub fn relay_address(job: &str) -> String {
+    format!("{}:{RELAY_PORT}", service_name(job))
+}
+
+/// Job `job`'s relay Service: it selects the job's relay Pods and reaches,
+/// from a Pod, only the relay on that Pod's node.
+pub fn relay_service(opts: &KubeOptions, job: &str, owner: Option<OwnerReference>) -> Service {
+    let selector = BTreeMap::from([
+        (JOB_LABEL.to_string(), job_label(job)),
+        (ROLE_LABEL.to_string(), "relay".to_string()),
+    ]);
+    let mut metadata = job_pod_meta(job, service_name(job), opts.namespace.clone(), (ROLE_LABEL, 0), owner);
+    if let Some(l) = metadata.labels.as_mut() {
+        l.insert(ROLE_LABEL.into(), "relays".into());
+    }
+    Service {
+        metadata,
+        spec: Some(ServiceSpec {
+            selector: Some(selector),
+            ports: Some(vec![ServicePort {
+                name: Some("relay".into()),
+                port: RELAY_PORT.into(),
+                target_port: Some(IntOrString::Int(RELAY_PORT.into())),
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            }]),
+            internal_traffic_policy: Some("Local".into()),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// Relay `id`'s Pod on `node`, for the coordinator at `coordinator`,
+/// keeping the job's worker `lease`.
+pub fn relay_pod(
+    opts: &KubeOptions,
+    job: &str,
+    (id, node): (u64, &str),
+    coordinator: &str,
+    lease: Duration,
+    owner: Option<OwnerReference>,
+) -> Pod {
+    let mut metadata =
+        job_pod_meta(job, pod_name_of(job, 'r', id), opts.namespace.clone(), (RELAY_LABEL, id), owner);
+    if let Some(l) = metadata.labels.as_mut() {
+        l.insert(ROLE_LABEL.into(), "relay".into());
+    }
+    let listen = format!("0.0.0.0:{RELAY_PORT}");
+    let command = ["sh", "-c", "trap '' TERM; exec \"$0\" \"$@\"", "edl-runtime"]
+        .iter()
+        .map(|w| w.to_string())
+        .chain(super::relay::relay_words(coordinator, id, job, lease, &listen))
+        .chain(["--secret-file".to_string(), secret_path()])
+        .collect();
+    let requests = BTreeMap::from([
+        ("cpu".to_string(), Quantity("100m".into())),
+        ("memory".to_string(), Quantity("128Mi".into())),
+    ]);
+    Pod {
+        metadata,
+        spec: Some(PodSpec {
+            node_name: Some(node.to_string()),
+            restart_policy: Some("Never".into()),
+            termination_grace_period_seconds: Some(30),
+            containers: vec![Container {
+                name: "relay".into(),
+                image: Some(opts.image.clone()),
+                command: Some(command),
+                ports: Some(vec![ContainerPort {
+                    name: Some("relay".into()),
+                    container_port: RELAY_PORT.into(),
+                    protocol: Some("TCP".into()),
+                    ..Default::default()
+                }]),
+                readiness_probe: Some(Probe {
+                    tcp_socket: Some(TCPSocketAction {
+                        port: IntOrString::Int(RELAY_PORT.into()),
+                        host: None,
+                    }),
+                    period_seconds: Some(2),
+                    ..Default::default()
+                }),
+                resources: Some(ResourceRequirements { requests: Some(requests), ..Default::default() }),
+                volume_mounts: Some(vec![secret_mount()]),
+                ..Default::default()
+            }],
+            volumes: Some(vec![secret_volume(&opts.secret)]),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// A node's relay.
+#[derive(Debug)]
+enum NodeRelay {
+    /// Its Pod, asked for at `made`; `ready` once its probe passed.
+    Relay { id: u64, name: String, made: Instant, ready: bool },
+    /// This node's workers connect directly.
+    Direct,
+}
+
+/// What the scaler is to do about the relays.
+#[derive(Debug, PartialEq)]
+pub(crate) enum RelayCall {
+    /// Make relay `id`'s Pod on `node`.
+    Make { id: u64, node: String },
+    /// Delete the Pod `name`, as listed (`meta`).
+    Delete { name: String, meta: Box<ObjectMeta> },
+}
+
+/// The relays of a Kubernetes job's nodes.
+#[derive(Debug, Default)]
+pub(crate) struct KubeRelays {
+    by_node: BTreeMap<String, NodeRelay>,
+    /// Relays lost on each node.
+    losses: BTreeMap<String, u32>,
+    /// The next relay's number (above any listed).
+    next: u64,
+}
+
+/// What a listing shows of a relay's Pod.
+fn relay_state(pod: &Pod) -> (String, bool) {
+    let status = pod.status.clone().unwrap_or_default();
+    let ready = (status.conditions.iter().flatten()).any(|c| c.type_ == "Ready" && c.status == "True");
+    (status.phase.unwrap_or_else(|| "Unknown".into()), ready)
+}
+
+impl KubeRelays {
+    /// Tends the relays, given the job's Pods as listed by a call sent at
+    /// `at` and the nodes this job's workers are bound to: a relay ready is
+    /// said, one that ended or is gone is forgotten and counted lost (made
+    /// again while workers run on its node), one not ready within
+    /// [`READY_BOUND`] is deleted and its node's workers connect directly,
+    /// one whose node runs no worker any more is deleted; a node running
+    /// workers without a relay gets one. Relay Pods of the job that are not
+    /// this scaler's are deleted.
+    pub(crate) fn tend(
+        &mut self,
+        job: &str,
+        at: Instant,
+        listed: &[Pod],
+        nodes: &BTreeSet<String>,
+    ) -> Vec<RelayCall> {
+        let relays: BTreeMap<&str, &Pod> = listed
+            .iter()
+            .filter(|p| p.metadata.labels.as_ref().is_some_and(|l| l.contains_key(RELAY_LABEL)))
+            .filter_map(|p| Some((p.metadata.name.as_deref()?, p)))
+            .collect();
+        for p in relays.values() {
+            let id = p.metadata.labels.as_ref().and_then(|l| l.get(RELAY_LABEL)?.parse::<u64>().ok());
+            self.next = self.next.max(id.map_or(0, |i| i + 1));
+        }
+        let mut calls = Vec::new();
+        let ours: BTreeSet<String> = (self.by_node.values())
+            .filter_map(|r| match r {
+                NodeRelay::Relay { name, .. } => Some(name.clone()),
+                NodeRelay::Direct => None,
+            })
+            .collect();
+        let delete = |pod: &Pod| {
+            let meta = pod.metadata.clone();
+            of_job(&meta, job).ok().map(|()| RelayCall::Delete {
+                name: meta.name.clone().unwrap_or_default(),
+                meta: Box::new(meta),
+            })
+        };
+        // Another coordinator's, or one of ours forgotten: deleted.
+        calls.extend(relays.iter().filter(|(n, _)| !ours.contains(**n)).filter_map(|(_, p)| delete(p)));
+        let nodes_known: Vec<String> = self.by_node.keys().cloned().collect();
+        for node in nodes_known {
+            let busy = nodes.contains(&node);
+            let Some(NodeRelay::Relay { id, name, made, ready }) = self.by_node.get_mut(&node) else {
+                if !busy {
+                    self.by_node.remove(&node);
+                }
+                continue;
+            };
+            let (id, name) = (*id, name.clone());
+            match relays.get(name.as_str()) {
+                Some(pod) if !busy => {
+                    calls.extend(delete(pod));
+                    self.by_node.remove(&node);
+                }
+                Some(pod) => match relay_state(pod) {
+                    (phase, _) if phase == "Succeeded" || phase == "Failed" => {
+                        tracing::warn!(
+                            "relay {id} on {node} ended ({phase}): its workers there are lost with it"
+                        );
+                        calls.extend(delete(pod));
+                        self.lost_on(&node);
+                    }
+                    (_, true) => {
+                        if !*ready {
+                            tracing::info!("relay {id} carries {node}'s workers (its Pod {name})");
+                        }
+                        *ready = true;
+                    }
+                    (phase, false) if !*ready && made.elapsed() > READY_BOUND => {
+                        tracing::warn!(
+                            "relay {id} on {node} was not ready within {READY_BOUND:?} ({phase}); {node}'s \
+                             workers connect directly"
+                        );
+                        calls.extend(delete(pod));
+                        self.by_node.insert(node.clone(), NodeRelay::Direct);
+                    }
+                    _ => {}
+                },
+                // Made after the listing was sent: not in it yet.
+                None if *made > at => {}
+                None => {
+                    if busy {
+                        tracing::warn!(
+                            "relay {id}'s Pod {name} on {node} is gone: its workers there are lost with it"
+                        );
+                        self.lost_on(&node);
+                    } else {
+                        self.by_node.remove(&node);
+                    }
+                }
+            }
+        }
+        for node in nodes {
+            if !self.by_node.contains_key(node) {
+                if self.losses.get(node).copied().unwrap_or(0) >= RELAY_TRIES {
+                    tracing::warn!("{RELAY_TRIES} relays lost on {node}: its workers connect directly");
+                    self.by_node.insert(node.clone(), NodeRelay::Direct);
+                    continue;
+                }
+                self.next = self.next.max(1);
+                let id = self.next;
+                self.next += 1;
+                calls.push(RelayCall::Make { id, node: node.clone() });
+            }
+        }
+        calls
+    }
+
+    /// Relay `id`'s Pod `name` on `node` was asked for.
+    pub(crate) fn made(&mut self, id: u64, node: &str, name: String) {
+        self.by_node
+            .insert(node.to_string(), NodeRelay::Relay { id, name, made: Instant::now(), ready: false });
+    }
+
+    /// Relay `id`'s Pod could not be made: a loss on its node.
+    pub(crate) fn refused(&mut self, id: u64) {
+        if let Some(node) = self.node_of(id) {
+            self.lost_on(&node);
+        }
+    }
+
+    /// The coordinator lost relay `id`'s connection: its Pod's name, to
+    /// delete; another is made while workers run on its node.
+    pub(crate) fn lost(&mut self, id: u64) -> Option<String> {
+        let node = self.node_of(id)?;
+        let name = match self.by_node.get(&node) {
+            Some(NodeRelay::Relay { name, .. }) => name.clone(),
+            _ => return None,
+        };
+        self.lost_on(&node);
+        Some(name)
+    }
+
+    /// Every relay Pod of this scaler's, by name (to delete at the end).
+    pub(crate) fn names(&self) -> Vec<String> {
+        (self.by_node.values())
+            .filter_map(|r| match r {
+                NodeRelay::Relay { name, .. } => Some(name.clone()),
+                NodeRelay::Direct => None,
+            })
+            .collect()
+    }
+
+    /// Forgets every relay (the coordinator that leads now has its own).
+    pub(crate) fn clear(&mut self) {
+        self.by_node.clear();
+    }
+
+    fn node_of(&self, id: u64) -> Option<String> {
+        self.by_node.iter().find_map(|(node, r)| match r {
+            NodeRelay::Relay { id: i, .. } if *i == id => Some(node.clone()),
+            _ => None,
+        })
+    }
+
+    fn lost_on(&mut self, node: &str) {
+        self.by_node.remove(node);
+        *self.losses.entry(node.to_string()).or_default() += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{PodCondition, PodStatus};
+
+    fn opts() -> KubeOptions {
+        KubeOptions {
+            namespace: Some("ml".into()),
+            image: "r/edl:1".into(),
+            secret: "s".into(),
+            ..Default::default()
+        }
+    }
+
+    /// Relay `id`'s Pod of job `job`, as a listing shows it.
+    fn listed(job: &str, id: u64, phase: &str, ready: bool) -> Pod {
+        let mut pod = relay_pod(&opts(), job, (id, "n1"), "10.0.0.5:7070", Duration::from_secs(10), None);
+        pod.metadata.uid = Some(format!("uid-r{id}"));
+        let condition = PodCondition {
+            type_: "Ready".into(),
+            status: if ready { "True" } else { "False" }.into(),
+            ..Default::default()
+        };
+        pod.status = Some(PodStatus {
+            phase: Some(phase.into()),
+            conditions: Some(vec![condition]),
+            ..Default::default()
+        });
+        pod
+    }
+
+    fn nodes(n: &[&str]) -> BTreeSet<String> {
+        n.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn a_relay_pod_is_pinned_to_its_node_listens_on_its_port_ignores_sigterm_and_carries_no_secret() {
+        let pod = relay_pod(&opts(), "mnist", (4, "gpu-7"), "10.0.0.5:7070", Duration::from_secs(30), None);
+        let spec = pod.spec.as_ref().unwrap();
+        assert_eq!(spec.node_name.as_deref(), Some("gpu-7"));
+        let c = &spec.containers[0];
+        let line = c.command.as_ref().unwrap().join(" ");
+        assert!(line.starts_with("sh -c trap '' TERM; exec \"$0\" \"$@\" edl-runtime relay"), "{line}");
+        for part in [
+            "--coordinator 10.0.0.5:7070",
+            "--listen 0.0.0.0:7079",
+            "--id 4",
+            "--job mnist",
+            "--lease-ms 30000",
+        ] {
+            assert!(line.contains(part), "{part} in {line}");
+        }
+        assert!(line.ends_with(&format!("--secret-file {}", secret_path())), "{line}");
+        assert!(c.env.is_none(), "no secret in its variables");
+        let probe = c.readiness_probe.as_ref().unwrap().tcp_socket.as_ref().unwrap();
+        assert_eq!(probe.port, IntOrString::Int(7079));
+        let labels = pod.metadata.labels.as_ref().unwrap();
+        assert_eq!(labels.get(RELAY_LABEL).map(String::as_str), Some("4"));
+        assert_eq!(labels.get(ROLE_LABEL).map(String::as_str), Some("relay"));
+        // The job's Service selects it, and reaches the relay on the caller's node only.
+        let svc = relay_service(&opts(), "mnist", None);
+        let spec = svc.spec.unwrap();
+        let selector = spec.selector.unwrap();
+        assert!(selector.iter().all(|(k, v)| labels.get(k) == Some(v)), "{selector:?}");
+        assert_eq!(spec.internal_traffic_policy.as_deref(), Some("Local"));
+        assert_eq!(relay_address("mnist"), format!("{}:7079", service_name("mnist")));
+        // The Service itself is no relay Pod of the selector's.
+        assert_ne!(svc.metadata.labels.unwrap().get(ROLE_LABEL).map(String::as_str), Some("relay"));
+    }
+
+    #[test]
+    fn a_node_with_workers_gets_one_relay_made_again_after_its_loss_until_it_goes_without() {
+        let mut r = KubeRelays::default();
+        let t = Instant::now();
+        assert!(r.tend("mnist", t, &[], &nodes(&[])).is_empty());
+        let calls = r.tend("mnist", t, &[], &nodes(&["n1", "n2"]));
+        assert_eq!(
+            calls,
+            [RelayCall::Make { id: 1, node: "n1".into() }, RelayCall::Make { id: 2, node: "n2".into() }]
+        );
+        r.made(1, "n1", pod_name_of("mnist", 'r', 1));
+        r.made(2, "n2", pod_name_of("mnist", 'r', 2));
+        // Not in a listing sent before they were made: waited for.
+        assert!(r.tend("mnist", t, &[], &nodes(&["n1", "n2"])).is_empty());
+        // Ready on n1; n2's workers are gone: its relay deleted.
+        let later = Instant::now();
+        let (one, two) = (listed("mnist", 1, "Running", true), listed("mnist", 2, "Running", false));
+        let calls = r.tend("mnist", later, &[one.clone(), two], &nodes(&["n1"]));
+        assert!(
+            matches!(&calls[..], [RelayCall::Delete { name, meta }] if *name == pod_name_of("mnist", 'r', 2) && meta.uid.as_deref() == Some("uid-r2")),
+            "{calls:?}"
+        );
+        assert!(r.tend("mnist", later, std::slice::from_ref(&one), &nodes(&["n1"])).is_empty());
+        // Lost (its connection): made again, with a new number, up to RELAY_TRIES.
+        for n in 0..RELAY_TRIES {
+            let id = match &r.by_node["n1"] {
+                NodeRelay::Relay { id, .. } => *id,
+                NodeRelay::Direct => panic!("direct after {n} losses"),
+            };
+            assert_eq!(r.lost(id), Some(pod_name_of("mnist", 'r', id)));
+            let calls = r.tend("mnist", Instant::now(), &[], &nodes(&["n1"]));
+            if n + 1 < RELAY_TRIES {
+                assert!(
+                    matches!(&calls[..], [RelayCall::Make { id: new, node }] if *new > id && node == "n1"),
+                    "{calls:?}"
+                );
+                let RelayCall::Make { id: new, .. } = calls[0] else { unreachable!() };
+                r.made(new, "n1", pod_name_of("mnist", 'r', new));
+            } else {
+                assert!(calls.is_empty(), "{calls:?}");
+                assert!(matches!(r.by_node["n1"], NodeRelay::Direct));
+            }
+        }
+    }
+
+    #[test]
+    fn a_relay_that_ended_is_lost_one_not_this_scaler_s_is_deleted_and_numbers_go_above_the_listed() {
+        let mut r = KubeRelays::default();
+        // A coordinator before left relay 7 running; another job's is left alone.
+        let theirs = listed("mnist", 7, "Running", true);
+        let other_job = listed("cifar", 9, "Running", true);
+        let calls = r.tend("mnist", Instant::now(), &[theirs, other_job], &nodes(&["n1"]));
+        assert!(
+            matches!(&calls[..], [RelayCall::Delete { name, .. }, RelayCall::Make { id: 10, .. }] if *name == pod_name_of("mnist", 'r', 7)),
+            "{calls:?}"
+        );
+        r.made(10, "n1", pod_name_of("mnist", 'r', 10));
+        let calls = r.tend("mnist", Instant::now(), &[listed("mnist", 10, "Failed", false)], &nodes(&["n1"]));
+        assert!(
+            matches!(&calls[..], [RelayCall::Delete { .. }, RelayCall::Make { id: 11, .. }]),
+            "{calls:?}"
+        );
+        assert_eq!(r.losses["n1"], 1);
+        // A relay whose Pod could not be made counts as lost too.
+        r.made(11, "n1", pod_name_of("mnist", 'r', 11));
+        r.refused(11);
+        assert_eq!(r.losses["n1"], 2);
+        assert!(r.names().is_empty());
+    }
+}
