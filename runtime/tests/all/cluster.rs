@@ -7,6 +7,7 @@
 use crate::support::{
     hosts::Hosts,
     job::{assert_exactly_once, finish, job, lines, report},
+    process::accepted_on,
     servers::{EtcdCluster, RedisServer},
     wait::{wait_exit, wait_for},
 };
@@ -105,6 +106,66 @@ fn workers_started_elsewhere_join_with_the_secret_and_only_within_the_maximum() 
         let status = wait_exit(w, name, Duration::from_secs(60), String::new);
         assert!(status.success(), "{name}: {status}");
     }
+}
+
+/// Workers started elsewhere and told of a relay (`EDL_RELAY`, as a
+/// Kubernetes job tells its Pods of the relay Service) reach the job
+/// through it: the coordinator holds the relay's connection alone.
+#[test]
+fn workers_told_of_a_relay_reach_their_job_through_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let secret = d.join("job.secret");
+    let mut cmd = job(d, &["--scaler", "external", "--no-distill", "--teachers", "0"]);
+    cmd.args(["--policy", art::HOSTILE_POLICY_WASM, "--policy-config", "mode=hold"]);
+    cmd.args([
+        "--workers",
+        "2",
+        "--max-workers",
+        "2",
+        "--epochs",
+        "4",
+        "--step-delay-ms",
+        "20",
+        "--secret-file",
+    ]);
+    cmd.arg(&secret);
+    let mut child = cmd.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let addr = coordinator_addr(&rx, &mut seen);
+    let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
+    let mut relay = Command::new(EXE)
+        .args(["relay", "--coordinator", &addr, "--job", "mnist", "--lease-ms", "10000", "--secret-file"])
+        .arg(&secret)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(d.join("relay.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let said = std::io::BufRead::lines(std::io::BufReader::new(relay.stdout.take().unwrap())).next();
+    let said = said.unwrap().unwrap();
+    let at = said.split("relaying on ").nth(1).and_then(|r| r.split_whitespace().next()).unwrap().to_string();
+    let mut workers: Vec<Child> = (1..=2)
+        .map(|n| {
+            let mut w = worker(&[], &addr, Some(&secret), &d.join(format!("w{n}.log")));
+            w.env("EDL_RELAY", &at).spawn().unwrap()
+        })
+        .collect();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    assert_eq!(accepted_on(port), 1, "the relay's connection alone: {}", seen.join("\n"));
+    let status = finish(child, rx, &mut seen);
+    assert!(status.success(), "{}", seen.join("\n"));
+    assert_exactly_once(&report(d), 4, 1200);
+    for (n, w) in workers.iter_mut().enumerate() {
+        let status = wait_exit(w, "a worker", Duration::from_secs(60), String::new);
+        assert!(status.success(), "worker {n}: {status}");
+    }
+    let _ = relay.kill();
+    let _ = relay.wait();
+    // Each worker's try of the relay, closed before a word, is no refusal.
+    let log = std::fs::read_to_string(d.join("relay.log")).unwrap();
+    assert!(!log.contains("refused"), "{log}");
 }
 
 #[test]

@@ -9,7 +9,7 @@ use crate::support::{
         Alone, assert_exactly_once, assert_noise_scale_measured, coordinator_note, final_state, finish, job,
         lines, report, run_to_end, scale_event,
     },
-    process::{children, sigkill, sigkill_worker},
+    process::{accepted_on, children, sigkill, sigkill_worker},
     python::py,
     root,
     wait::wait_for,
@@ -28,21 +28,6 @@ fn three_workers(dir: &Path, epochs: &str, extra: &[&str]) -> Command {
     args.extend_from_slice(&["--step-delay-ms", "5", "--epochs", epochs]);
     args.extend_from_slice(extra);
     job(dir, &args)
-}
-
-/// Established TCP connections whose local port is `port` (the accepted
-/// ones of a listener on it), from /proc/net/tcp.
-fn accepted_on(port: u16) -> usize {
-    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
-    table
-        .lines()
-        .skip(1)
-        .filter(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            let local_port = f[1].rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok());
-            local_port == Some(port) && f[3] == "01"
-        })
-        .count()
 }
 
 /// The control port the job's note names.

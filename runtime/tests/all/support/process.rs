@@ -109,3 +109,18 @@ pub(crate) fn runs(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .is_ok_and(|s| s.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
 }
+
+/// Established TCP connections whose local port is `port` (the accepted
+/// ones of a listener on it), from /proc/net/tcp.
+pub fn accepted_on(port: u16) -> usize {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    table
+        .lines()
+        .skip(1)
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let local_port = f[1].rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok());
+            local_port == Some(port) && f[3] == "01"
+        })
+        .count()
+}
