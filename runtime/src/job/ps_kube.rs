@@ -348,7 +348,7 @@ mod tests {
     use super::*;
     use crate::job::ps_servers::{PsServers, PsStart};
     use crate::ps::{server::Server, service::Service};
-    use crate::scalers::kubernetes::{JOB_ANNOTATION, tests::StandIn};
+    use crate::scalers::{kube_objects::JOB_ANNOTATION, kubernetes::tests::StandIn};
 
     fn spec(port: u16) -> KubePsSpec {
         KubePsSpec {

@@ -443,7 +443,7 @@ impl Drop for KubeTeachers {
 mod tests {
     use super::*;
     use crate::distill::teacher::{Teacher, TeacherConfig, TeacherService};
-    use crate::scalers::kubernetes::{JOB_ANNOTATION, tests::StandIn};
+    use crate::scalers::{kube_objects::JOB_ANNOTATION, kubernetes::tests::StandIn};
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
     fn spec(port: u16) -> KubeTeacherSpec {

@@ -24,7 +24,7 @@
 //! Pods this coordinator did not make (a coordinator's before it, whose
 //! relays end with its connection) are deleted when seen.
 
-use super::kubernetes::{
+use super::kube_objects::{
     JOB_LABEL, KubeOptions, job_label, job_pod_meta, of_job, pod_name_of, secret_mount, secret_path,
     secret_volume,
 };
@@ -191,6 +191,13 @@ fn relay_state(pod: &Pod) -> (String, bool) {
     (status.phase.unwrap_or_else(|| "Unknown".into()), ready)
 }
 
+/// The deletion of a listed relay Pod, if it is job `job`'s.
+fn delete_call(pod: &Pod, job: &str) -> Option<RelayCall> {
+    let meta = pod.metadata.clone();
+    of_job(&meta, job).ok()?;
+    Some(RelayCall::Delete { name: meta.name.clone().unwrap_or_default(), meta: Box::new(meta) })
+}
+
 impl KubeRelays {
     /// Tends the relays, given the job's Pods as listed by a call sent at
     /// `at` and the nodes this job's workers are bound to: a relay ready is
@@ -216,74 +223,16 @@ impl KubeRelays {
             let id = p.metadata.labels.as_ref().and_then(|l| l.get(RELAY_LABEL)?.parse::<u64>().ok());
             self.next = self.next.max(id.map_or(0, |i| i + 1));
         }
-        let mut calls = Vec::new();
-        let ours: BTreeSet<String> = (self.by_node.values())
-            .filter_map(|r| match r {
-                NodeRelay::Relay { name, .. } => Some(name.clone()),
-                NodeRelay::Direct => None,
-            })
-            .collect();
-        let delete = |pod: &Pod| {
-            let meta = pod.metadata.clone();
-            of_job(&meta, job).ok().map(|()| RelayCall::Delete {
-                name: meta.name.clone().unwrap_or_default(),
-                meta: Box::new(meta),
-            })
-        };
+        let ours: BTreeSet<String> = self.names().into_iter().collect();
         // Another coordinator's, or one of ours forgotten: deleted.
-        calls.extend(relays.iter().filter(|(n, _)| !ours.contains(**n)).filter_map(|(_, p)| delete(p)));
+        let mut calls: Vec<RelayCall> = (relays.iter())
+            .filter(|(n, _)| !ours.contains(**n))
+            .filter_map(|(_, p)| delete_call(p, job))
+            .collect();
         let nodes_known: Vec<String> = self.by_node.keys().cloned().collect();
         for node in nodes_known {
             let busy = nodes.contains(&node);
-            let Some(NodeRelay::Relay { id, name, made, ready }) = self.by_node.get_mut(&node) else {
-                if !busy {
-                    self.by_node.remove(&node);
-                }
-                continue;
-            };
-            let (id, name) = (*id, name.clone());
-            match relays.get(name.as_str()) {
-                Some(pod) if !busy => {
-                    calls.extend(delete(pod));
-                    self.by_node.remove(&node);
-                }
-                Some(pod) => match relay_state(pod) {
-                    (phase, _) if phase == "Succeeded" || phase == "Failed" => {
-                        tracing::warn!(
-                            "relay {id} on {node} ended ({phase}): its workers there are lost with it"
-                        );
-                        calls.extend(delete(pod));
-                        self.lost_on(&node);
-                    }
-                    (_, true) => {
-                        if !*ready {
-                            tracing::info!("relay {id} carries {node}'s workers (its Pod {name})");
-                        }
-                        *ready = true;
-                    }
-                    (phase, false) if !*ready && made.elapsed() > READY_BOUND => {
-                        tracing::warn!(
-                            "relay {id} on {node} was not ready within {READY_BOUND:?} ({phase}); {node}'s \
-                             workers connect directly"
-                        );
-                        calls.extend(delete(pod));
-                        self.by_node.insert(node.clone(), NodeRelay::Direct);
-                    }
-                    _ => {}
-                },
-                // Made after the listing was sent: not in it yet.
-                None if *made > at => {}
-                None => {
-                    if busy {
-                        tracing::warn!(
-                            "relay {id}'s Pod {name} on {node} is gone: its workers there are lost with it"
-                        );
-                        self.lost_on(&node);
-                    } else {
-                        self.by_node.remove(&node);
-                    }
-                }
-            }
+            calls.extend(self.tend_node(job, &node, busy, at, &relays));
         }
         for node in nodes {
             if !self.by_node.contains_key(node) {
@@ -299,6 +248,69 @@ impl KubeRelays {
             }
         }
         calls
+    }
+
+    /// Tends `node`'s relay (`busy`: workers run there), given the relay
+    /// Pods listed by a call sent at `at`; what to delete.
+    fn tend_node(
+        &mut self,
+        job: &str,
+        node: &str,
+        busy: bool,
+        at: Instant,
+        relays: &BTreeMap<&str, &Pod>,
+    ) -> Option<RelayCall> {
+        let Some(NodeRelay::Relay { id, name, made, ready }) = self.by_node.get_mut(node) else {
+            if !busy {
+                self.by_node.remove(node);
+            }
+            return None;
+        };
+        let (id, name) = (*id, name.clone());
+        match relays.get(name.as_str()) {
+            Some(pod) if !busy => {
+                self.by_node.remove(node);
+                delete_call(pod, job)
+            }
+            Some(pod) => match relay_state(pod) {
+                (phase, _) if phase == "Succeeded" || phase == "Failed" => {
+                    tracing::warn!(
+                        "relay {id} on {node} ended ({phase}): its workers there are lost with it"
+                    );
+                    self.lost_on(node);
+                    delete_call(pod, job)
+                }
+                (_, true) => {
+                    if !*ready {
+                        tracing::info!("relay {id} carries {node}'s workers (its Pod {name})");
+                    }
+                    *ready = true;
+                    None
+                }
+                (phase, false) if !*ready && made.elapsed() > READY_BOUND => {
+                    tracing::warn!(
+                        "relay {id} on {node} was not ready within {READY_BOUND:?} ({phase}); {node}'s workers \
+                         connect directly"
+                    );
+                    self.by_node.insert(node.to_string(), NodeRelay::Direct);
+                    delete_call(pod, job)
+                }
+                _ => None,
+            },
+            // Made after the listing was sent: not in it yet.
+            None if *made > at => None,
+            None if busy => {
+                tracing::warn!(
+                    "relay {id}'s Pod {name} on {node} is gone: its workers there are lost with it"
+                );
+                self.lost_on(node);
+                None
+            }
+            None => {
+                self.by_node.remove(node);
+                None
+            }
+        }
     }
 
     /// Relay `id`'s Pod `name` on `node` was asked for.

@@ -23,6 +23,10 @@
 //! state machine, and its calls against a stand-in on loopback.
 
 use crate::leader::keeper::LeaseFence;
+pub(crate) use crate::scalers::kube_objects::{
+    JOB_LABEL, job_label, job_pod_meta, pod_name_of, secret_mount, secret_path, secret_volume,
+};
+pub use crate::scalers::kube_objects::{KubeOptions, Owner, of_job};
 use crate::scalers::kube_relays::{
     KubeRelays, RelayCall, relay_address, relay_pod, relay_service, service_name,
 };
@@ -30,9 +34,7 @@ use crate::scalers::{Lingering, Scaler};
 use crate::worker::session::JobAuth;
 use anyhow::{Context, Result, anyhow};
 use k8s_openapi::{
-    api::core::v1::{
-        Container, EnvVar, Pod, PodSpec, ResourceRequirements, SecretVolumeSource, Volume, VolumeMount,
-    },
+    api::core::v1::{Container, EnvVar, Pod, PodSpec, ResourceRequirements},
     apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::OwnerReference},
 };
 use kube::api::{Api, DeleteParams, ListParams, LogParams, ObjectMeta, PostParams, Preconditions};
@@ -73,71 +75,7 @@ const LOG_KEPT: i64 = 16 << 20;
 /// Times an ended worker's log is asked for before its Pod is left as it is.
 const LOG_TRIES: u32 = 3;
 
-/// Where the secret is mounted in a worker's Pod.
-const SECRET_DIR: &str = "/run/edl";
-/// The label every worker Pod of a job carries (its value: the job).
-pub(crate) const JOB_LABEL: &str = "edl.dev/job";
 const WORKER_LABEL: &str = "edl.dev/worker";
-/// The annotation that names a worker Pod's job exactly (the label may be
-/// cut short): a Pod is deleted or taken over only where it matches.
-pub(crate) const JOB_ANNOTATION: &str = "edl.dev/job-name";
-/// The longest Pod name: a DNS label.
-const NAME_MAX: usize = 63;
-
-/// Which object owns the worker Pods.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Owner {
-    /// The coordinator's Pod: the workers go with it.
-    #[default]
-    Pod,
-    /// The coordinator Pod's controller (its ReplicaSet): the workers
-    /// outlive one coordinator Pod, for a standby to take them over.
-    Controller,
-}
-
-/// How worker Pods are made.
-#[derive(Clone, Debug, Default)]
-pub struct KubeOptions {
-    /// The namespace (default: the coordinator's own, else `default`).
-    pub namespace: Option<String>,
-    pub image: String,
-    /// The Kubernetes Secret holding the job's secret under the key `secret`.
-    pub secret: String,
-    /// GPUs each worker asks for (`nvidia.com/gpu`), if any.
-    pub gpus: Option<u32>,
-    pub owner: Owner,
-    /// A Pod not running after this long is deleted and reported.
-    pub pending_bound: Duration,
-    /// The coordinator's own Pod's name (`$POD_NAME` from the downward API,
-    /// else the host name Kubernetes gives a Pod).
-    pub pod_name: Option<String>,
-}
-
-/// The metadata of a Pod `name` of `job`: labelled with edl, the job and
-/// its role (`role`: the label and the worker's or teacher's number),
-/// annotated with the job's exact name, owned by `owner`.
-pub(crate) fn job_pod_meta(
-    job: &str,
-    name: String,
-    namespace: Option<String>,
-    (role, id): (&str, u64),
-    owner: Option<OwnerReference>,
-) -> ObjectMeta {
-    let labels = BTreeMap::from([
-        ("app.kubernetes.io/name".to_string(), "edl".to_string()),
-        (JOB_LABEL.to_string(), job_label(job)),
-        (role.to_string(), id.to_string()),
-    ]);
-    ObjectMeta {
-        name: Some(name),
-        namespace,
-        labels: Some(labels),
-        annotations: Some(BTreeMap::from([(JOB_ANNOTATION.to_string(), job.to_string())])),
-        owner_references: owner.map(|o| vec![o]),
-        ..Default::default()
-    }
-}
-
 /// The Pod of worker `id` of `job`: `program` is its command (the words,
 /// `{coordinator}` `{id}` `{job}` filled in already), `owner` the object it
 /// belongs to.
@@ -197,34 +135,6 @@ pub(crate) fn quantities(pairs: &[(String, String)]) -> BTreeMap<String, Quantit
 /// A node selector from `label=value` pairs (None: no pair).
 pub(crate) fn node_selector(pairs: &[(String, String)]) -> Option<BTreeMap<String, String>> {
     (!pairs.is_empty()).then(|| pairs.iter().cloned().collect())
-}
-
-/// Where a Pod's container finds the job's secret (read-only).
-pub(crate) fn secret_mount() -> VolumeMount {
-    VolumeMount {
-        name: "edl-secret".into(),
-        mount_path: SECRET_DIR.into(),
-        read_only: Some(true),
-        ..Default::default()
-    }
-}
-
-/// The volume of the Kubernetes Secret `secret`, readable by its owner only.
-pub(crate) fn secret_volume(secret: &str) -> Volume {
-    Volume {
-        name: "edl-secret".into(),
-        secret: Some(SecretVolumeSource {
-            secret_name: Some(secret.to_string()),
-            default_mode: Some(0o400),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-/// The file a Pod's container reads the job's secret from.
-pub(crate) fn secret_path() -> String {
-    format!("{SECRET_DIR}/secret")
 }
 
 /// Waits, until `deadline`, for the Pod `name` to run with an address;
@@ -355,21 +265,6 @@ pub(crate) fn connect(
     })
 }
 
-/// The job's name as a label value (at most 63 characters, ending with a
-/// letter or digit; job names start with one). Two jobs whose names differ
-/// past that share the label, and each still finds its Pods by name.
-pub(crate) fn job_label(job: &str) -> String {
-    let head: String = job.chars().take(63).collect();
-    head.trim_end_matches(|c: char| !c.is_ascii_alphanumeric()).to_string()
-}
-
-/// A short hash of the exact job name (8 hex digits of its SHA-256): it
-/// tells apart jobs whose names make the same DNS label.
-pub(crate) fn job_hash(job: &str) -> String {
-    use sha2::Digest;
-    hex::encode(&sha2::Sha256::digest(job.as_bytes())[..4])
-}
-
 /// Worker `id`'s Pod name: `edl-`, the job's name as a DNS label (lower
 /// case, anything but a letter or digit as `-`, cut to fit), the hash of
 /// the exact name and `w<id>`. Jobs whose names differ only in case or
@@ -377,38 +272,6 @@ pub(crate) fn job_hash(job: &str) -> String {
 /// and a job gets the same ones on every coordinator.
 fn pod_name(job: &str, id: u64) -> String {
     pod_name_of(job, 'w', id)
-}
-
-/// The name of `job`'s Pod `<kind><id>` (`w`: a worker, `t`: a teacher),
-/// made as [`pod_name`] says.
-pub(crate) fn pod_name_of(job: &str, kind: char, id: u64) -> String {
-    let tail = format!("{}-{kind}{id}", job_hash(job));
-    // At most 30 characters of tail (a u64 has 20 digits): 28 are left.
-    let room = NAME_MAX - "edl-".len() - "-".len() - tail.len();
-    let clean: String = job
-        .chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' })
-        .take(room)
-        .collect();
-    match clean.trim_matches('-') {
-        "" => format!("edl-{tail}"),
-        head => format!("edl-{head}-{tail}"),
-    }
-}
-
-/// Whether a Pod, as the API shows it, is one of job `job`'s: its job
-/// label and its job annotation both name it. `Err` says why not (a Pod of
-/// another job, or one edl did not make, that happens to bear the name).
-pub fn of_job(meta: &ObjectMeta, job: &str) -> Result<(), String> {
-    let label = meta.labels.as_ref().and_then(|l| l.get(JOB_LABEL));
-    if label.map(String::as_str) != Some(job_label(job).as_str()) {
-        return Err(format!("its label {JOB_LABEL} is {label:?}, not that of job {job:?}"));
-    }
-    let named = meta.annotations.as_ref().and_then(|a| a.get(JOB_ANNOTATION));
-    if named.map(String::as_str) != Some(job) {
-        return Err(format!("its annotation {JOB_ANNOTATION} is {named:?}, not {job:?}"));
-    }
-    Ok(())
 }
 
 /// The owner reference for the worker Pods, from the coordinator's own Pod.
@@ -1277,6 +1140,7 @@ fn services(pods: &Api<Pod>) -> Api<k8s_openapi::api::core::v1::Service> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::scalers::kube_objects::{JOB_ANNOTATION, job_hash};
 
     fn opts() -> KubeOptions {
         KubeOptions {

@@ -17,6 +17,7 @@
 
 pub mod command;
 pub mod fenced;
+pub mod kube_objects;
 pub mod kube_relays;
 pub mod kubernetes;
 pub mod local;
