@@ -483,6 +483,17 @@ async fn delete_of_job(
     }
 }
 
+/// Makes the Pod `pod` (named `name`), unless `fence` says the
+/// coordinator's lease lapsed.
+async fn create_fenced(api: &Api<Pod>, fence: &Option<LeaseFence>, name: &str, pod: &Pod) -> Result<()> {
+    if let Some(why) = crate::scalers::stop_fenced(fence) {
+        anyhow::bail!("its Pod {name} is not made: {why}");
+    }
+    bounded(&format!("creating the Pod {name}"), CALL_WITHIN, api.create(&PostParams::default(), pod))
+        .await
+        .map(drop)
+}
+
 /// The Pod `name` as the API shows it now (None: there is none).
 async fn read_pod(api: &Api<Pod>, name: &str) -> Result<Option<Pod>> {
     bounded(&format!("reading the Pod {name}"), CALL_WITHIN, api.get_opt(name)).await
@@ -759,17 +770,7 @@ impl KubernetesScaler {
                     }
                     let (api, fence, tx) = (api.clone(), self.fence.clone(), self.done.0.clone());
                     self.start(async move {
-                        let made = match crate::scalers::stop_fenced(&fence) {
-                            Some(why) => Err(anyhow!("{why}")),
-                            None => bounded(
-                                &format!("creating the relay Pod {name}"),
-                                CALL_WITHIN,
-                                api.create(&PostParams::default(), &pod),
-                            )
-                            .await
-                            .map(drop),
-                        };
-                        if let Err(e) = made {
+                        if let Err(e) = create_fenced(&api, &fence, &name, &pod).await {
                             tracing::warn!("kubernetes: relay {id} on {node}: {e:#}");
                             let _ = tx.send(Done::RelayRefused { id });
                         }
@@ -946,16 +947,7 @@ impl Scaler for KubernetesScaler {
         self.creating.insert(id, (name.clone(), None));
         let (fence, tx) = (self.fence.clone(), self.done.0.clone());
         self.start(async move {
-            let made = match crate::scalers::stop_fenced(&fence) {
-                Some(why) => Err(anyhow!("its Pod {name} is not made: {why}")),
-                None => bounded(
-                    &format!("creating the Pod {name}"),
-                    CALL_WITHIN,
-                    api.create(&PostParams::default(), &pod),
-                )
-                .await
-                .map(drop),
-            };
+            let made = create_fenced(&api, &fence, &name, &pod).await;
             let _ = tx.send(Done::Created { id, made });
         });
         Ok(())
