@@ -25,8 +25,8 @@
 //! relays end with its connection) are deleted when seen.
 
 use super::kube_objects::{
-    JOB_LABEL, KubeOptions, job_label, job_pod_meta, of_job, pod_name_of, secret_mount, secret_path,
-    secret_volume,
+    JOB_LABEL, KubeOptions, job_hash, job_label, job_pod_meta, of_job, pod_name_of, secret_mount,
+    secret_path, secret_volume,
 };
 use k8s_openapi::{
     api::core::v1::{
@@ -48,13 +48,24 @@ use std::{
 pub const RELAY_PORT: u16 = 7079;
 /// The label that marks a relay's Pod (its value: the relay's number).
 pub(crate) const RELAY_LABEL: &str = "edl.dev/relay";
-/// The label the Service selects relays by (with the job's).
+/// The labels the Service selects relays by: their role, and the hash of
+/// the job's exact name (the job label may be cut short, and shared).
 const ROLE_LABEL: &str = "edl.dev/role";
+const JOB_HASH_LABEL: &str = "edl.dev/job-hash";
 /// Relays lost on one node before its workers connect directly.
 pub const RELAY_TRIES: u32 = 3;
-/// How long a relay Pod may take to be ready (its image pulled, started,
-/// its probe passed) before its node's workers go without one.
-const READY_BOUND: Duration = Duration::from_secs(120);
+/// How long a relay Pod may take to be ready before its node's workers go
+/// without one: to run (its image pulled), the job's pending bound; then to
+/// pass its readiness probe, [`Bounds::READY`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Bounds {
+    pub pending: Duration,
+    pub ready: Duration,
+}
+
+impl Bounds {
+    pub(crate) const READY: Duration = Duration::from_secs(60);
+}
 
 /// The name of job `job`'s relay Service.
 pub fn service_name(job: &str) -> String {
@@ -66,13 +77,19 @@ pub fn relay_address(job: &str) -> String {
     format!("{}:{RELAY_PORT}", service_name(job))
 }
 
+/// The labels by which job `job`'s Service selects its relay Pods.
+fn relay_labels(job: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (JOB_LABEL.to_string(), job_label(job)),
+        (JOB_HASH_LABEL.to_string(), job_hash(job)),
+        (ROLE_LABEL.to_string(), "relay".to_string()),
+    ])
+}
+
 /// Job `job`'s relay Service: it selects the job's relay Pods and reaches,
 /// from a Pod, only the relay on that Pod's node.
 pub fn relay_service(opts: &KubeOptions, job: &str, owner: Option<OwnerReference>) -> Service {
-    let selector = BTreeMap::from([
-        (JOB_LABEL.to_string(), job_label(job)),
-        (ROLE_LABEL.to_string(), "relay".to_string()),
-    ]);
+    let selector = relay_labels(job);
     let mut metadata = job_pod_meta(job, service_name(job), opts.namespace.clone(), (ROLE_LABEL, 0), owner);
     if let Some(l) = metadata.labels.as_mut() {
         l.insert(ROLE_LABEL.into(), "relays".into());
@@ -108,7 +125,7 @@ pub fn relay_pod(
     let mut metadata =
         job_pod_meta(job, pod_name_of(job, 'r', id), opts.namespace.clone(), (RELAY_LABEL, id), owner);
     if let Some(l) = metadata.labels.as_mut() {
-        l.insert(ROLE_LABEL.into(), "relay".into());
+        l.extend(relay_labels(job));
     }
     let listen = format!("0.0.0.0:{RELAY_PORT}");
     let command = ["sh", "-c", "trap '' TERM; exec \"$0\" \"$@\"", "edl-runtime"]
@@ -159,8 +176,10 @@ pub fn relay_pod(
 /// A node's relay.
 #[derive(Debug)]
 enum NodeRelay {
-    /// Its Pod, asked for at `made`; `ready` once its probe passed.
-    Relay { id: u64, name: String, made: Instant, ready: bool },
+    /// Its Pod: `made` once the API said so (in flight before: no listing
+    /// judges it), `running` since its container was first seen running,
+    /// `ready` once its probe passed.
+    Relay { id: u64, name: String, made: Option<Instant>, running: Option<Instant>, ready: bool },
     /// This node's workers connect directly.
     Direct,
 }
@@ -203,7 +222,7 @@ impl KubeRelays {
     /// `at` and the nodes this job's workers are bound to: a relay ready is
     /// said, one that ended or is gone is forgotten and counted lost (made
     /// again while workers run on its node), one not ready within
-    /// [`READY_BOUND`] is deleted and its node's workers connect directly,
+    /// `bounds` is deleted and its node's workers connect directly,
     /// one whose node runs no worker any more is deleted; a node running
     /// workers without a relay gets one. Relay Pods of the job that are not
     /// this scaler's are deleted.
@@ -213,6 +232,7 @@ impl KubeRelays {
         at: Instant,
         listed: &[Pod],
         nodes: &BTreeSet<String>,
+        bounds: Bounds,
     ) -> Vec<RelayCall> {
         let relays: BTreeMap<&str, &Pod> = listed
             .iter()
@@ -232,7 +252,7 @@ impl KubeRelays {
         let nodes_known: Vec<String> = self.by_node.keys().cloned().collect();
         for node in nodes_known {
             let busy = nodes.contains(&node);
-            calls.extend(self.tend_node(job, &node, busy, at, &relays));
+            calls.extend(self.tend_node(job, &node, (busy, at, bounds), &relays));
         }
         for node in nodes {
             if !self.by_node.contains_key(node) {
@@ -256,11 +276,10 @@ impl KubeRelays {
         &mut self,
         job: &str,
         node: &str,
-        busy: bool,
-        at: Instant,
+        (busy, at, bounds): (bool, Instant, Bounds),
         relays: &BTreeMap<&str, &Pod>,
     ) -> Option<RelayCall> {
-        let Some(NodeRelay::Relay { id, name, made, ready }) = self.by_node.get_mut(node) else {
+        let Some(NodeRelay::Relay { id, name, made, running, ready }) = self.by_node.get_mut(node) else {
             if !busy {
                 self.by_node.remove(node);
             }
@@ -287,18 +306,27 @@ impl KubeRelays {
                     *ready = true;
                     None
                 }
-                (phase, false) if !*ready && made.elapsed() > READY_BOUND => {
+                (phase, false) if !*ready => {
+                    if phase == "Running" {
+                        running.get_or_insert_with(Instant::now);
+                    }
+                    let late = match (*running, *made) {
+                        (Some(r), _) => (r.elapsed() > bounds.ready).then_some(bounds.ready),
+                        (None, Some(m)) => (m.elapsed() > bounds.pending).then_some(bounds.pending),
+                        (None, None) => None,
+                    };
+                    let bound = late?;
                     tracing::warn!(
-                        "relay {id} on {node} was not ready within {READY_BOUND:?} ({phase}); {node}'s workers \
-                         connect directly"
+                        "relay {id} on {node} was not ready within {bound:?} ({phase}); {node}'s workers connect \
+                         directly"
                     );
                     self.by_node.insert(node.to_string(), NodeRelay::Direct);
                     delete_call(pod, job)
                 }
                 _ => None,
             },
-            // Made after the listing was sent: not in it yet.
-            None if *made > at => None,
+            // Not made yet, or made after the listing was sent: not in it.
+            None if made.is_none_or(|m| m > at) => None,
             None if busy => {
                 tracing::warn!(
                     "relay {id}'s Pod {name} on {node} is gone: its workers there are lost with it"
@@ -314,9 +342,20 @@ impl KubeRelays {
     }
 
     /// Relay `id`'s Pod `name` on `node` was asked for.
-    pub(crate) fn made(&mut self, id: u64, node: &str, name: String) {
-        self.by_node
-            .insert(node.to_string(), NodeRelay::Relay { id, name, made: Instant::now(), ready: false });
+    pub(crate) fn asked(&mut self, id: u64, node: &str, name: String) {
+        let relay = NodeRelay::Relay { id, name, made: None, running: None, ready: false };
+        self.by_node.insert(node.to_string(), relay);
+    }
+
+    /// Relay `id`'s Pod was made: listings sent from now on show it.
+    pub(crate) fn made(&mut self, id: u64) {
+        for r in self.by_node.values_mut() {
+            if let NodeRelay::Relay { id: i, made, .. } = r
+                && *i == id
+            {
+                made.get_or_insert_with(Instant::now);
+            }
+        }
     }
 
     /// Relay `id`'s Pod could not be made: a loss on its node.
@@ -432,33 +471,53 @@ mod tests {
         assert!(selector.iter().all(|(k, v)| labels.get(k) == Some(v)), "{selector:?}");
         assert_eq!(spec.internal_traffic_policy.as_deref(), Some("Local"));
         assert_eq!(relay_address("mnist"), format!("{}:7079", service_name("mnist")));
-        // The Service itself is no relay Pod of the selector's.
-        assert_ne!(svc.metadata.labels.unwrap().get(ROLE_LABEL).map(String::as_str), Some("relay"));
+        // A worker's Pod, or a relay of a job whose name makes the same
+        // label (`mnist_`), is not selected.
+        let worker = crate::scalers::kubernetes::worker_pod(&opts(), "mnist", 1, "c:1", vec![], None, None);
+        let worker_labels = worker.metadata.labels.unwrap();
+        assert!(!selector.iter().all(|(k, v)| worker_labels.get(k) == Some(v)), "{worker_labels:?}");
+        let alike =
+            relay_pod(&opts(), "mnist_", (4, "gpu-7"), "10.0.0.5:7070", Duration::from_secs(30), None);
+        let alike = alike.metadata.labels.unwrap();
+        assert_eq!(alike.get(JOB_LABEL), labels.get(JOB_LABEL), "one label for both jobs");
+        assert!(!selector.iter().all(|(k, v)| alike.get(k) == Some(v)), "{alike:?}");
+    }
+
+    const BOUNDS: Bounds = Bounds { pending: Duration::from_secs(300), ready: Bounds::READY };
+
+    /// `r` asked for relay `id` on `node`, and the API made it.
+    fn make(r: &mut KubeRelays, id: u64, node: &str) {
+        r.asked(id, node, pod_name_of("mnist", 'r', id));
+        r.made(id);
     }
 
     #[test]
     fn a_node_with_workers_gets_one_relay_made_again_after_its_loss_until_it_goes_without() {
         let mut r = KubeRelays::default();
         let t = Instant::now();
-        assert!(r.tend("mnist", t, &[], &nodes(&[])).is_empty());
-        let calls = r.tend("mnist", t, &[], &nodes(&["n1", "n2"]));
+        assert!(r.tend("mnist", t, &[], &nodes(&[]), BOUNDS).is_empty());
+        let calls = r.tend("mnist", t, &[], &nodes(&["n1", "n2"]), BOUNDS);
         assert_eq!(
             calls,
             [RelayCall::Make { id: 1, node: "n1".into() }, RelayCall::Make { id: 2, node: "n2".into() }]
         );
-        r.made(1, "n1", pod_name_of("mnist", 'r', 1));
-        r.made(2, "n2", pod_name_of("mnist", 'r', 2));
+        // Asked for, not made yet: no listing, however late, takes it for gone.
+        r.asked(1, "n1", pod_name_of("mnist", 'r', 1));
+        r.asked(2, "n2", pod_name_of("mnist", 'r', 2));
+        assert!(r.tend("mnist", Instant::now(), &[], &nodes(&["n1", "n2"]), BOUNDS).is_empty());
+        r.made(1);
+        r.made(2);
         // Not in a listing sent before they were made: waited for.
-        assert!(r.tend("mnist", t, &[], &nodes(&["n1", "n2"])).is_empty());
+        assert!(r.tend("mnist", t, &[], &nodes(&["n1", "n2"]), BOUNDS).is_empty());
         // Ready on n1; n2's workers are gone: its relay deleted.
         let later = Instant::now();
         let (one, two) = (listed("mnist", 1, "Running", true), listed("mnist", 2, "Running", false));
-        let calls = r.tend("mnist", later, &[one.clone(), two], &nodes(&["n1"]));
+        let calls = r.tend("mnist", later, &[one.clone(), two], &nodes(&["n1"]), BOUNDS);
         assert!(
             matches!(&calls[..], [RelayCall::Delete { name, meta }] if *name == pod_name_of("mnist", 'r', 2) && meta.uid.as_deref() == Some("uid-r2")),
             "{calls:?}"
         );
-        assert!(r.tend("mnist", later, std::slice::from_ref(&one), &nodes(&["n1"])).is_empty());
+        assert!(r.tend("mnist", later, std::slice::from_ref(&one), &nodes(&["n1"]), BOUNDS).is_empty());
         // Lost (its connection): made again, with a new number, up to RELAY_TRIES.
         for n in 0..RELAY_TRIES {
             let id = match &r.by_node["n1"] {
@@ -466,14 +525,14 @@ mod tests {
                 NodeRelay::Direct => panic!("direct after {n} losses"),
             };
             assert_eq!(r.lost(id), Some(pod_name_of("mnist", 'r', id)));
-            let calls = r.tend("mnist", Instant::now(), &[], &nodes(&["n1"]));
+            let calls = r.tend("mnist", Instant::now(), &[], &nodes(&["n1"]), BOUNDS);
             if n + 1 < RELAY_TRIES {
                 assert!(
                     matches!(&calls[..], [RelayCall::Make { id: new, node }] if *new > id && node == "n1"),
                     "{calls:?}"
                 );
                 let RelayCall::Make { id: new, .. } = calls[0] else { unreachable!() };
-                r.made(new, "n1", pod_name_of("mnist", 'r', new));
+                make(&mut r, new, "n1");
             } else {
                 assert!(calls.is_empty(), "{calls:?}");
                 assert!(matches!(r.by_node["n1"], NodeRelay::Direct));
@@ -482,25 +541,52 @@ mod tests {
     }
 
     #[test]
+    fn a_relay_not_running_within_the_pending_bound_or_not_ready_once_running_leaves_its_node_direct() {
+        let mut r = KubeRelays::default();
+        make(&mut r, 1, "n1");
+        make(&mut r, 2, "n2");
+        let t = Instant::now();
+        let listing = [listed("mnist", 1, "Pending", false), listed("mnist", 2, "Running", false)];
+        // Within both bounds: waited for.
+        assert!(r.tend("mnist", t, &listing, &nodes(&["n1", "n2"]), BOUNDS).is_empty());
+        // Past them: deleted, and their nodes' workers go direct, for good.
+        std::thread::sleep(Duration::from_millis(5));
+        let over = Bounds { pending: Duration::from_millis(1), ready: Duration::from_millis(1) };
+        let calls = r.tend("mnist", Instant::now(), &listing, &nodes(&["n1", "n2"]), over);
+        assert_eq!(calls.len(), 2, "{calls:?}");
+        assert!(calls.iter().all(|c| matches!(c, RelayCall::Delete { .. })), "{calls:?}");
+        assert!(r.tend("mnist", Instant::now(), &[], &nodes(&["n1", "n2"]), over).is_empty());
+        assert!(r.by_node.values().all(|n| matches!(n, NodeRelay::Direct)));
+        // A pending one is bound by the pending bound alone, not the probe's.
+        let mut r = KubeRelays::default();
+        make(&mut r, 1, "n1");
+        std::thread::sleep(Duration::from_millis(5));
+        let listing = [listed("mnist", 1, "Pending", false)];
+        let pulling = Bounds { pending: Duration::from_secs(300), ready: Duration::from_millis(1) };
+        assert!(r.tend("mnist", Instant::now(), &listing, &nodes(&["n1"]), pulling).is_empty());
+    }
+
+    #[test]
     fn a_relay_that_ended_is_lost_one_not_this_scaler_s_is_deleted_and_numbers_go_above_the_listed() {
         let mut r = KubeRelays::default();
         // A coordinator before left relay 7 running; another job's is left alone.
         let theirs = listed("mnist", 7, "Running", true);
         let other_job = listed("cifar", 9, "Running", true);
-        let calls = r.tend("mnist", Instant::now(), &[theirs, other_job], &nodes(&["n1"]));
+        let calls = r.tend("mnist", Instant::now(), &[theirs, other_job], &nodes(&["n1"]), BOUNDS);
         assert!(
             matches!(&calls[..], [RelayCall::Delete { name, .. }, RelayCall::Make { id: 10, .. }] if *name == pod_name_of("mnist", 'r', 7)),
             "{calls:?}"
         );
-        r.made(10, "n1", pod_name_of("mnist", 'r', 10));
-        let calls = r.tend("mnist", Instant::now(), &[listed("mnist", 10, "Failed", false)], &nodes(&["n1"]));
+        make(&mut r, 10, "n1");
+        let ended = [listed("mnist", 10, "Failed", false)];
+        let calls = r.tend("mnist", Instant::now(), &ended, &nodes(&["n1"]), BOUNDS);
         assert!(
             matches!(&calls[..], [RelayCall::Delete { .. }, RelayCall::Make { id: 11, .. }]),
             "{calls:?}"
         );
         assert_eq!(r.losses["n1"], 1);
         // A relay whose Pod could not be made counts as lost too.
-        r.made(11, "n1", pod_name_of("mnist", 'r', 11));
+        r.asked(11, "n1", pod_name_of("mnist", 'r', 11));
         r.refused(11);
         assert_eq!(r.losses["n1"], 2);
         assert!(r.names().is_empty());

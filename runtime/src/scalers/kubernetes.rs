@@ -28,13 +28,13 @@ pub(crate) use crate::scalers::kube_objects::{
 };
 pub use crate::scalers::kube_objects::{KubeOptions, Owner, of_job};
 use crate::scalers::kube_relays::{
-    KubeRelays, RelayCall, relay_address, relay_pod, relay_service, service_name,
+    Bounds, KubeRelays, RelayCall, relay_address, relay_pod, relay_service, service_name,
 };
 use crate::scalers::{Lingering, Scaler};
 use crate::worker::session::JobAuth;
 use anyhow::{Context, Result, anyhow};
 use k8s_openapi::{
-    api::core::v1::{Container, EnvVar, Pod, PodSpec, ResourceRequirements},
+    api::core::v1::{Container, EnvVar, Pod, PodSpec, ResourceRequirements, Service},
     apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::OwnerReference},
 };
 use kube::api::{Api, DeleteParams, ListParams, LogParams, ObjectMeta, PostParams, Preconditions};
@@ -407,6 +407,10 @@ struct Relaying {
     coordinator: Option<String>,
     /// The relays' Service was asked for.
     service: bool,
+    /// The Service could not be had: no relays, none told of.
+    off: bool,
+    /// The scaler is going: no relay is tended.
+    ending: bool,
 }
 
 /// What a call made off the coordinator's thread came back with.
@@ -427,8 +431,10 @@ enum Done {
     Killed { id: u64, log: Option<PathBuf>, outcome: Killing },
     /// Worker `id`'s Pod was made (Ok), or not (why).
     Created { id: u64, made: Result<()> },
-    /// Relay `id`'s Pod could not be made.
-    RelayRefused { id: u64 },
+    /// Relay `id`'s Pod was made, or could not be.
+    RelayMade { id: u64, made: bool },
+    /// The relays' Service could not be had (why): the job goes without relays.
+    RelaysOff { why: String },
 }
 
 /// How a lingering worker's kill went.
@@ -556,8 +562,14 @@ impl KubernetesScaler {
     /// Each node's workers reach the coordinator through a relay there (a
     /// Pod of its own, see [`crate::scalers::kube_relays`]), keeping `lease`.
     pub fn with_relays(mut self, lease: Duration) -> Self {
-        self.relaying =
-            Some(Relaying { relays: KubeRelays::default(), lease, coordinator: None, service: false });
+        self.relaying = Some(Relaying {
+            relays: KubeRelays::default(),
+            lease,
+            coordinator: None,
+            service: false,
+            off: false,
+            ending: false,
+        });
         self
     }
 
@@ -702,9 +714,20 @@ impl KubernetesScaler {
                         Err(e) => self.refused.push((id, format!("{e:#}"))),
                     }
                 }
-                Done::RelayRefused { id } => {
+                Done::RelayMade { id, made } => {
                     if let Some(r) = &mut self.relaying {
-                        r.relays.refused(id);
+                        match made {
+                            true => r.relays.made(id),
+                            false => r.relays.refused(id),
+                        }
+                    }
+                }
+                Done::RelaysOff { why } => {
+                    if let Some(r) = &mut self.relaying {
+                        tracing::warn!(
+                            "kubernetes: {why}; the workers connect to the coordinator directly, without relays"
+                        );
+                        r.off = true;
                     }
                 }
                 Done::Killed { id, log, outcome } => {
@@ -744,11 +767,10 @@ impl KubernetesScaler {
     /// the nodes this scaler's workers are bound to are those its Pods, as
     /// listed, name.
     fn tend_relays(&mut self, api: &Api<Pod>, owner: Option<OwnerReference>, at: Instant, listed: &[Pod]) {
-        let Some(r) = &mut self.relaying else { return };
-        let Some(coordinator) = r.coordinator.clone() else { return };
+        let Some(r) = self.relaying.as_mut().filter(|r| !r.ending) else { return };
         let workers: BTreeSet<&str> = self.pods.values().map(|(name, _)| name.as_str()).collect();
-        let nodes: BTreeSet<String> = listed
-            .iter()
+        // Relays turned off: every node as if it ran no worker.
+        let nodes: BTreeSet<String> = (listed.iter().filter(|_| !r.off))
             .filter(|p| p.metadata.name.as_deref().is_some_and(|n| workers.contains(n)))
             .filter(|p| {
                 let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
@@ -756,27 +778,41 @@ impl KubernetesScaler {
             })
             .filter_map(|p| p.spec.as_ref()?.node_name.clone())
             .collect();
-        let calls = r.relays.tend(&self.job, at, listed, &nodes);
+        // Without a coordinator to point them at (one that took the job over
+        // and has started no worker yet), relays are deleted, not made.
+        let coordinator = r.coordinator.clone();
+        let bounds = Bounds { pending: self.opts.pending_bound, ready: Bounds::READY };
+        let calls = r.relays.tend(&self.job, at, listed, &nodes, bounds);
         let lease = r.lease;
         for call in calls {
-            match call {
-                RelayCall::Make { id, node } => {
+            match (call, &coordinator) {
+                (RelayCall::Make { id, node }, Some(coordinator)) => {
                     let pod =
-                        relay_pod(&self.opts, &self.job, (id, &node), &coordinator, lease, owner.clone());
+                        relay_pod(&self.opts, &self.job, (id, &node), coordinator, lease, owner.clone());
                     let name = pod.metadata.name.clone().unwrap_or_default();
                     tracing::info!("relay {id}: Pod {name} on {node}");
                     if let Some(r) = &mut self.relaying {
-                        r.relays.made(id, &node, name.clone());
+                        r.relays.asked(id, &node, name.clone());
                     }
                     let (api, fence, tx) = (api.clone(), self.fence.clone(), self.done.0.clone());
                     self.start(async move {
-                        if let Err(e) = create_fenced(&api, &fence, &name, &pod).await {
+                        let made = create_fenced(&api, &fence, &name, &pod).await;
+                        if let Err(e) = &made {
                             tracing::warn!("kubernetes: relay {id} on {node}: {e:#}");
-                            let _ = tx.send(Done::RelayRefused { id });
                         }
+                        let _ = tx.send(Done::RelayMade { id, made: made.is_ok() });
                     });
                 }
-                RelayCall::Delete { name, meta } => self.delete(api, name, *meta),
+                (RelayCall::Make { .. }, None) => {}
+                // A relay deleted carries no one (or is lost already): it
+                // goes at once, and takes no worker in its last seconds.
+                (RelayCall::Delete { name, meta }, _) => {
+                    let params = DeleteParams { grace_period_seconds: Some(1), ..Default::default() };
+                    let (api, job, fence) = (api.clone(), self.job.clone(), self.fence.clone());
+                    self.start(async move {
+                        delete_of_job(&api, &job, &fence, &name, &meta, params).await;
+                    });
+                }
             }
         }
     }
@@ -798,32 +834,22 @@ impl KubernetesScaler {
         });
     }
 
-    /// Asks for the relays' Service, once (one there already is this job's).
+    /// Asks for the relays' Service, once. One there already is taken where
+    /// it is this job's and has this coordinator's owner, made again where
+    /// its owner is another's (a coordinator's before, whose end would take
+    /// it); a Service that cannot be had turns the relays off.
     fn make_service(&mut self, owner: Option<OwnerReference>) {
         let Some(r) = self.relaying.as_mut().filter(|r| !r.service) else { return };
         r.service = true;
         let Ok((api, _)) = self.api() else { return };
         let svc = relay_service(&self.opts, &self.job, owner);
-        let name = service_name(&self.job);
-        let fence = self.fence.clone();
+        let (job, fence, tx) = (self.job.clone(), self.fence.clone(), self.done.0.clone());
         self.start(async move {
             if crate::scalers::stop_fenced(&fence).is_some() {
                 return;
             }
-            let made = bounded(
-                &format!("creating the Service {name}"),
-                CALL_WITHIN,
-                services(&api).create(&PostParams::default(), &svc),
-            )
-            .await;
-            match made {
-                Ok(_) => tracing::info!("kubernetes: the relays' Service {name}"),
-                Err(e)
-                    if e.to_string().contains("AlreadyExists")
-                        || e.to_string().contains("already exists") => {}
-                Err(e) => {
-                    tracing::warn!("kubernetes: {e:#}; the workers connect to the coordinator directly")
-                }
+            if let Err(e) = have_service(&services(&api), &job, &svc).await {
+                let _ = tx.send(Done::RelaysOff { why: format!("{e:#}") });
             }
         });
     }
@@ -934,7 +960,7 @@ impl Scaler for KubernetesScaler {
         self.job = auth.job.clone();
         let (api, owner) = self.api()?;
         let program = crate::scalers::command::fill_words(&self.program, coordinator, id, &auth.job);
-        let relay = self.relaying.as_mut().map(|r| {
+        let relay = self.relaying.as_mut().filter(|r| !r.off).map(|r| {
             r.coordinator = Some(coordinator.to_string());
             relay_address(&auth.job)
         });
@@ -1084,7 +1110,11 @@ impl Scaler for KubernetesScaler {
 
 impl Drop for KubernetesScaler {
     fn drop(&mut self) {
-        // What is left when the job ends goes with it, the Pods being made too.
+        // What is left when the job ends goes with it, the Pods being made
+        // too; no relay is made meanwhile.
+        if let Some(r) = &mut self.relaying {
+            r.ending = true;
+        }
         let grace = Duration::from_secs(5);
         for (_, stop) in self.creating.values_mut() {
             *stop = Some(grace);
@@ -1119,8 +1149,47 @@ impl Drop for KubernetesScaler {
     }
 }
 
+/// Makes the Service `svc`.
+async fn create_service(api: &Api<Service>, svc: &Service) -> Result<Service> {
+    let name = svc.metadata.name.clone().unwrap_or_default();
+    let params = PostParams::default();
+    bounded(&format!("creating the Service {name}"), CALL_WITHIN, api.create(&params, svc)).await
+}
+
+/// Makes job `job`'s relay Service `svc`, or takes the one there (see
+/// [`KubernetesScaler::make_service`]).
+async fn have_service(api: &Api<Service>, job: &str, svc: &Service) -> Result<()> {
+    let name = svc.metadata.name.clone().unwrap_or_default();
+    match create_service(api, svc).await {
+        Ok(_) => {
+            tracing::info!("kubernetes: the relays' Service {name}");
+            return Ok(());
+        }
+        Err(e) if !e.to_string().contains("already exists") && !e.to_string().contains("AlreadyExists") => {
+            return Err(e);
+        }
+        Err(_) => {}
+    }
+    let there = bounded(&format!("reading the Service {name}"), CALL_WITHIN, api.get(&name)).await?;
+    of_job(&there.metadata, job).map_err(|why| anyhow!("the Service {name} is not this job's: {why}"))?;
+    if there.metadata.owner_references == svc.metadata.owner_references {
+        return Ok(());
+    }
+    let params = DeleteParams {
+        preconditions: Some(Preconditions { uid: there.metadata.uid.clone(), resource_version: None }),
+        ..Default::default()
+    };
+    bounded(
+        &format!("deleting the Service {name} of another owner"),
+        CALL_WITHIN,
+        api.delete(&name, &params),
+    )
+    .await?;
+    create_service(api, svc).await.map(drop)
+}
+
 /// The Services of the namespace of `pods`.
-fn services(pods: &Api<Pod>) -> Api<k8s_openapi::api::core::v1::Service> {
+fn services(pods: &Api<Pod>) -> Api<Service> {
     let ns = pods.namespace().map(str::to_string);
     let client = pods.clone().into_client();
     match ns {
@@ -1752,6 +1821,90 @@ pub(crate) mod tests {
             "{deleted:?}"
         );
         assert!(api.services.lock().unwrap().is_empty());
+    }
+
+    /// A scaler with relays on `api`, its workers of job `mnist`, started or not.
+    fn relaying(api: &StandIn, dir: &Path) -> (KubernetesScaler, JobAuth) {
+        let s = api.scaler(dir).with_relays(Duration::from_secs(10));
+        let auth =
+            JobAuth { job: "mnist".into(), secret: edl_host_gpu::comm::auth::Secret::generate().unwrap() };
+        (s, auth)
+    }
+
+    /// The relay Pods asked of `api`.
+    fn relays_made(api: &StandIn) -> Vec<String> {
+        api.heard("POST").into_iter().filter(|l| l.contains("\"edl.dev/relay\"")).collect()
+    }
+
+    /// A look at the Pods, whenever the last was.
+    fn look(s: &mut KubernetesScaler) -> Vec<(u64, String)> {
+        s.polled = None;
+        s.exited_settled()
+    }
+
+    #[test]
+    fn with_relays_a_service_of_another_job_turns_them_off_and_no_worker_is_told_of_one() {
+        let api = StandIn::start("");
+        let dir = tempfile::tempdir().unwrap();
+        let (mut s, auth) = relaying(&api, dir.path());
+        let name = service_name("mnist");
+        let theirs = serde_json::json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": { "name": name, "uid": "uid-s", "labels": { JOB_LABEL: "mnist" },
+                          "annotations": { JOB_ANNOTATION: "mnist-2" } }
+        });
+        api.services.lock().unwrap().insert(name.clone(), theirs.clone());
+        s.spawn(1, "10.0.0.5:7070", &auth).unwrap();
+        s.settle();
+        s.spawn(2, "10.0.0.5:7070", &auth).unwrap();
+        s.settle();
+        let made = api.heard("POST");
+        let told: Vec<&String> = made.iter().filter(|l| l.contains("EDL_RELAY")).collect();
+        assert_eq!(told.len(), 1, "only the worker asked for before the Service was refused: {made:?}");
+        api.node_of.lock().unwrap().insert(pod_name("mnist", 2), "n1".into());
+        assert!(look(&mut s).is_empty());
+        assert!(relays_made(&api).is_empty());
+        // The other job's Service is left as it was.
+        assert_eq!(api.services.lock().unwrap().get(&name), Some(&theirs));
+        assert!(api.heard("DELETE").iter().all(|l| !l.contains("/services/")));
+    }
+
+    #[test]
+    fn with_relays_a_coordinator_that_took_the_job_over_deletes_the_relays_before_it_and_makes_its_own() {
+        let api = StandIn::start("");
+        let dir = tempfile::tempdir().unwrap();
+        let (mut before, auth) = relaying(&api, dir.path());
+        before.spawn(1, "10.0.0.5:7070", &auth).unwrap();
+        before.settle();
+        api.node_of.lock().unwrap().insert(pod_name("mnist", 1), "n1".into());
+        assert!(look(&mut before).is_empty());
+        assert_eq!(relays_made(&api).len(), 1);
+        // Deposed: its workers and relay stay; the next coordinator takes
+        // the worker over and, before it starts one, deletes the relay of
+        // the one before (which ends with its connection) and makes none.
+        before.release();
+        drop(before);
+        assert!(api.heard("DELETE").is_empty());
+        let (mut after, auth) = relaying(&api, dir.path());
+        assert!(after.adopt(1, &format!("pod:{}", pod_name("mnist", 1)), "mnist"));
+        assert!(look(&mut after).is_empty());
+        let deleted = api.heard("DELETE");
+        assert_eq!(deleted.len(), 1, "{deleted:?}");
+        assert!(deleted[0].contains(&format!("/pods/{} ", pod_name_of("mnist", 'r', 1))), "{deleted:?}");
+        assert!(deleted[0].contains("\"gracePeriodSeconds\":1"), "{deleted:?}");
+        assert_eq!(relays_made(&api).len(), 1);
+        // Once it starts a worker it knows its own address: n1 gets a relay
+        // of its own, numbered past the one before.
+        after.spawn(2, "10.0.0.6:7070", &auth).unwrap();
+        after.settle();
+        assert!(look(&mut after).is_empty());
+        let made = relays_made(&api);
+        assert_eq!(made.len(), 2, "{made:?}");
+        assert!(
+            made[1].contains("\"--coordinator\",\"10.0.0.6:7070\"") && !made[1].contains("\"--id\",\"1\""),
+            "{}",
+            made[1]
+        );
     }
 
     #[test]
