@@ -1870,6 +1870,39 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn with_relays_the_job_s_service_of_another_owner_is_made_again_and_its_own_is_kept() {
+        let api = StandIn::start("");
+        let dir = tempfile::tempdir().unwrap();
+        let name = service_name("mnist");
+        let mine = relay_service(&opts(), "mnist", None);
+        let mut theirs = serde_json::to_value(&mine).unwrap();
+        theirs["metadata"]["uid"] = "uid-old".into();
+        theirs["metadata"]["ownerReferences"] = serde_json::json!([{
+            "apiVersion": "v1", "kind": "Pod", "name": "coord-gone", "uid": "uid-gone", "controller": true
+        }]);
+        api.services.lock().unwrap().insert(name.clone(), theirs);
+        let (mut s, auth) = relaying(&api, dir.path());
+        s.spawn(1, "10.0.0.5:7070", &auth).unwrap();
+        s.settle();
+        let deleted = api.heard("DELETE");
+        assert!(
+            matches!(&deleted[..], [d] if d.contains(&format!("/services/{name}")) && d.contains("uid-old")),
+            "{deleted:?}"
+        );
+        let now = api.services.lock().unwrap().get(&name).cloned().unwrap();
+        assert!(now["metadata"].get("ownerReferences").is_none(), "made again as this coordinator's: {now}");
+        assert!(!s.relaying.as_ref().unwrap().off);
+        // This coordinator's own, found there by the next: kept as it is.
+        let (mut next, auth) = relaying(&api, dir.path());
+        next.spawn(2, "10.0.0.5:7070", &auth).unwrap();
+        next.settle();
+        assert_eq!(api.heard("DELETE").len(), 1);
+        assert!(!next.relaying.as_ref().unwrap().off);
+        next.release();
+        s.release();
+    }
+
+    #[test]
     fn with_relays_a_coordinator_that_took_the_job_over_deletes_the_relays_before_it_and_makes_its_own() {
         let api = StandIn::start("");
         let dir = tempfile::tempdir().unwrap();
