@@ -176,6 +176,67 @@ fn a_launched_numpy_program_trains_through_a_relay_every_sample_once() {
     assert_eq!(done, 3, "every program ran to the end: {text}");
 }
 
+/// A launched Python program told of a relay (`EDL_RELAY`, as a Kubernetes
+/// job tells its worker Pods of the relay Service) reaches its job through
+/// it: the workers' command waits for the relay the test starts, and the
+/// coordinator then holds the relay's connection alone.
+#[test]
+fn a_launched_python_program_told_of_a_relay_reaches_its_job_through_it() {
+    let py = py();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let relay_at = d.join("relay-at");
+    let template = format!(
+        "until [ -s {at} ]; do sleep 0.05; done; exec env EDL_RELAY=\"$(cat {at})\" {{program}}",
+        at = relay_at.display()
+    );
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_edl-runtime"));
+    cmd.current_dir(d)
+        .args(["launch", "--samples", "4000", "--no-distill", "--epochs", "2", "--report", "report.json"])
+        .args(["--workers", "2", "--min-workers", "2", "--max-workers", "2", "--policy", art::AUTOSCALE_WASM])
+        .args(["--scaler", "command", "--worker-command", &template, "--hosts", "h:2"])
+        .arg("--plugin-cache")
+        .arg(d.join("plugin-cache"))
+        .args(["--", "python"])
+        .arg(root().join("examples/numpy-mlp/train.py"))
+        .env("STEP_DELAY_MS", "5")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    py.env(&mut cmd);
+    let mut child = cmd.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "coordinator at ", &mut seen, Duration::from_secs(120));
+    let (addr, _) = coordinator_note(&seen);
+    let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
+    let mut relay = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+        .args(["relay", "--coordinator", &addr, "--job", "launch", "--lease-ms", "10000", "--secret-file"])
+        .arg(d.join(".edl/launch/secret"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let said = std::io::BufRead::lines(std::io::BufReader::new(relay.stdout.take().unwrap())).next();
+    let said = said.unwrap().unwrap();
+    let at = said.split("relaying on ").nth(1).and_then(|r| r.split_whitespace().next()).unwrap().to_string();
+    std::fs::write(&relay_at, &at).unwrap();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(180));
+    assert_eq!(accepted_on(port), 1, "the relay's connection alone: {}", seen.join("\n"));
+    let status = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(status.success(), "{text}");
+    assert_exactly_once(&report(d), 2, 4000);
+    let logs = d.join(".edl/launch/logs");
+    for n in 1..=2 {
+        let log = std::fs::read_to_string(logs.join(format!("worker-{n}.log"))).unwrap_or_default();
+        assert!(log.contains("test accuracy"), "worker {n} ran to the end: {log}");
+    }
+    let _ = relay.kill();
+    let _ = relay.wait();
+}
+
 /// Two hosts' relays, started by a worker command that lets neither serve
 /// until both have started (each waits for the other's mark): started one
 /// after the other, the first would wait for a second that never comes.
