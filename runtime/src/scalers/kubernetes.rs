@@ -405,8 +405,9 @@ struct Relaying {
     /// The coordinator the workers are started for (the relays connect to
     /// it), once one was.
     coordinator: Option<String>,
-    /// The relays' Service was asked for.
+    /// The relays' Service was asked for, and the uid of the one had.
     service: bool,
+    service_uid: Option<String>,
     /// The Service could not be had: no relays, none told of.
     off: bool,
     /// The scaler is going: no relay is tended.
@@ -433,8 +434,9 @@ enum Done {
     Created { id: u64, made: Result<()> },
     /// Relay `id`'s Pod was made, or could not be.
     RelayMade { id: u64, made: bool },
-    /// The relays' Service could not be had (why): the job goes without relays.
-    RelaysOff { why: String },
+    /// What asking for the relays' Service came to (Err: a failure to ask
+    /// again at the next start).
+    Service(std::result::Result<ServiceAsked, String>),
 }
 
 /// How a lingering worker's kill went.
@@ -567,6 +569,7 @@ impl KubernetesScaler {
             lease,
             coordinator: None,
             service: false,
+            service_uid: None,
             off: false,
             ending: false,
         });
@@ -722,14 +725,7 @@ impl KubernetesScaler {
                         }
                     }
                 }
-                Done::RelaysOff { why } => {
-                    if let Some(r) = &mut self.relaying {
-                        tracing::warn!(
-                            "kubernetes: {why}; the workers connect to the coordinator directly, without relays"
-                        );
-                        r.off = true;
-                    }
-                }
+                Done::Service(asked) => self.take_service(asked),
                 Done::Killed { id, log, outcome } => {
                     self.killing.remove(&id);
                     if let Some(path) = log {
@@ -741,6 +737,24 @@ impl KubernetesScaler {
                         Killing::Failed => self.lingering.again(id, Duration::from_secs(1)),
                     }
                 }
+            }
+        }
+    }
+
+    /// Takes in what asking for the relays' Service came to.
+    fn take_service(&mut self, asked: std::result::Result<ServiceAsked, String>) {
+        let Some(r) = &mut self.relaying else { return };
+        match asked {
+            Ok(ServiceAsked::Had(uid)) => r.service_uid = uid,
+            Ok(ServiceAsked::Foreign(why)) => {
+                tracing::warn!(
+                    "kubernetes: {why}; the workers connect to the coordinator directly, without relays"
+                );
+                r.off = true;
+            }
+            Err(why) => {
+                tracing::warn!("kubernetes: {why}; asked again with the next worker");
+                r.service = false;
             }
         }
     }
@@ -848,9 +862,8 @@ impl KubernetesScaler {
             if crate::scalers::stop_fenced(&fence).is_some() {
                 return;
             }
-            if let Err(e) = have_service(&services(&api), &job, &svc).await {
-                let _ = tx.send(Done::RelaysOff { why: format!("{e:#}") });
-            }
+            let asked = have_service(&services(&api), &job, &svc, &fence).await;
+            let _ = tx.send(Done::Service(asked.map_err(|e| format!("{e:#}"))));
         });
     }
 
@@ -1031,6 +1044,7 @@ impl Scaler for KubernetesScaler {
             // Service is the job's, and stays.
             r.relays.clear();
             r.service = false;
+            r.service_uid = None;
             r.coordinator = None;
         }
     }
@@ -1125,16 +1139,19 @@ impl Drop for KubernetesScaler {
             self.stop(id, grace);
         }
         if let Some(r) = &mut self.relaying {
-            let (names, service) = (r.relays.names(), r.service);
+            // Only the Service this coordinator made or took, as it was.
+            let (names, service) = (r.relays.names(), r.service_uid.take());
             r.relays.clear();
             for name in names {
                 self.delete_named("a relay".into(), name, Duration::from_secs(1));
             }
-            if service && let Ok((api, _)) = self.api() {
+            if let (Some(uid), Ok((api, _))) = (service, self.api()) {
                 let (name, fence) = (service_name(&self.job), self.fence.clone());
                 self.start(async move {
                     if crate::scalers::stop_fenced(&fence).is_none() {
-                        let (svcs, params) = (services(&api), DeleteParams::default());
+                        let preconditions = Some(Preconditions { uid: Some(uid), resource_version: None });
+                        let (svcs, params) =
+                            (services(&api), DeleteParams { preconditions, ..Default::default() });
                         let gone = svcs.delete(&name, &params);
                         if let Err(e) =
                             bounded(&format!("deleting the Service {name}"), CALL_WITHIN, gone).await
@@ -1149,43 +1166,67 @@ impl Drop for KubernetesScaler {
     }
 }
 
-/// Makes the Service `svc`.
-async fn create_service(api: &Api<Service>, svc: &Service) -> Result<Service> {
+/// What asking for the relays' Service came to.
+enum ServiceAsked {
+    /// Made, or taken as this job's and this coordinator's: its uid.
+    Had(Option<String>),
+    /// The one of that name is another job's (why): no relays.
+    Foreign(String),
+}
+
+/// Makes the Service `svc`: its uid, or None where one of its name is there.
+async fn create_service(api: &Api<Service>, svc: &Service) -> Result<Option<Option<String>>> {
     let name = svc.metadata.name.clone().unwrap_or_default();
     let params = PostParams::default();
-    bounded(&format!("creating the Service {name}"), CALL_WITHIN, api.create(&params, svc)).await
+    match tokio::time::timeout(CALL_WITHIN, api.create(&params, svc)).await {
+        Ok(Ok(made)) => Ok(Some(made.metadata.uid)),
+        Ok(Err(kube::Error::Api(s))) if s.code == 409 => Ok(None),
+        Ok(Err(e)) => Err(anyhow!("creating the Service {name}: {e}")),
+        Err(_) => Err(anyhow!(
+            "creating the Service {name}: the Kubernetes API server did not answer within {CALL_WITHIN:?}"
+        )),
+    }
+}
+
+/// The uids of the owners `refs` name (none and an empty list alike).
+fn owner_uids(refs: &Option<Vec<OwnerReference>>) -> BTreeSet<&str> {
+    refs.iter().flatten().map(|o| o.uid.as_str()).collect()
 }
 
 /// Makes job `job`'s relay Service `svc`, or takes the one there (see
-/// [`KubernetesScaler::make_service`]).
-async fn have_service(api: &Api<Service>, job: &str, svc: &Service) -> Result<()> {
+/// [`KubernetesScaler::make_service`]); `fence` is asked again before a
+/// Service of another owner is deleted.
+async fn have_service(
+    api: &Api<Service>,
+    job: &str,
+    svc: &Service,
+    fence: &Option<LeaseFence>,
+) -> Result<ServiceAsked> {
     let name = svc.metadata.name.clone().unwrap_or_default();
-    match create_service(api, svc).await {
-        Ok(_) => {
-            tracing::info!("kubernetes: the relays' Service {name}");
-            return Ok(());
-        }
-        Err(e) if !e.to_string().contains("already exists") && !e.to_string().contains("AlreadyExists") => {
-            return Err(e);
-        }
-        Err(_) => {}
+    if let Some(uid) = create_service(api, svc).await? {
+        tracing::info!("kubernetes: the relays' Service {name}");
+        return Ok(ServiceAsked::Had(uid));
     }
     let there = bounded(&format!("reading the Service {name}"), CALL_WITHIN, api.get(&name)).await?;
-    of_job(&there.metadata, job).map_err(|why| anyhow!("the Service {name} is not this job's: {why}"))?;
-    if there.metadata.owner_references == svc.metadata.owner_references {
-        return Ok(());
+    if let Err(why) = of_job(&there.metadata, job) {
+        return Ok(ServiceAsked::Foreign(format!("the Service {name} is not this job's: {why}")));
+    }
+    if owner_uids(&there.metadata.owner_references) == owner_uids(&svc.metadata.owner_references) {
+        return Ok(ServiceAsked::Had(there.metadata.uid));
+    }
+    if let Some(why) = crate::scalers::stop_fenced(fence) {
+        anyhow::bail!("the Service {name} is not made again: {why}");
     }
     let params = DeleteParams {
         preconditions: Some(Preconditions { uid: there.metadata.uid.clone(), resource_version: None }),
         ..Default::default()
     };
-    bounded(
-        &format!("deleting the Service {name} of another owner"),
-        CALL_WITHIN,
-        api.delete(&name, &params),
-    )
-    .await?;
-    create_service(api, svc).await.map(drop)
+    let gone = format!("deleting the Service {name} of another owner");
+    bounded(&gone, CALL_WITHIN, api.delete(&name, &params)).await?;
+    match create_service(api, svc).await? {
+        Some(uid) => Ok(ServiceAsked::Had(uid)),
+        None => anyhow::bail!("the Service {name} was made again by another meanwhile"),
+    }
 }
 
 /// The Services of the namespace of `pods`.
@@ -1424,6 +1465,8 @@ pub(crate) mod tests {
         pub(crate) node_of: Arc<Mutex<BTreeMap<String, String>>>,
         /// The Services made, by name.
         pub(crate) services: Arc<Mutex<BTreeMap<String, serde_json::Value>>>,
+        /// While set, a Service is not made (a server error).
+        pub(crate) failing_services: Arc<std::sync::atomic::AtomicBool>,
         /// While set, no request is answered (nor heard).
         pub(crate) stalled: Arc<std::sync::atomic::AtomicBool>,
         heard: Arc<Mutex<Vec<String>>>,
@@ -1442,6 +1485,7 @@ pub(crate) mod tests {
         ip_of: Arc<Mutex<BTreeMap<String, String>>>,
         node_of: Arc<Mutex<BTreeMap<String, String>>>,
         services: Arc<Mutex<BTreeMap<String, serde_json::Value>>>,
+        failing_services: Arc<std::sync::atomic::AtomicBool>,
         heard: Arc<Mutex<Vec<String>>>,
         log: &'static str,
     }
@@ -1469,16 +1513,27 @@ pub(crate) mod tests {
         fn service(&self, method: &str, path: &str, body: &[u8]) -> axum::response::Response {
             use axum::{Json, response::IntoResponse};
             let mut services = self.services.lock().unwrap();
+            if method == "POST" && self.failing_services.load(std::sync::atomic::Ordering::SeqCst) {
+                return status(500, "InternalError", "etcdserver: request timed out");
+            }
             if method == "POST" {
-                let svc: serde_json::Value = serde_json::from_slice(body).unwrap();
+                let mut svc: serde_json::Value = serde_json::from_slice(body).unwrap();
                 let name = svc["metadata"]["name"].as_str().unwrap_or_default().to_string();
                 if services.contains_key(&name) {
                     return status(409, "AlreadyExists", &format!("services \"{name}\" already exists"));
                 }
+                svc["metadata"]["uid"] = format!("uid-{name}-{}", self.heard.lock().unwrap().len()).into();
                 services.insert(name, svc.clone());
                 return Json(svc).into_response();
             }
             let name = path.rsplit('/').next().unwrap_or_default().to_string();
+            // A deletion's uid precondition, as the API server holds to it.
+            let asked: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+            let uid = asked["preconditions"]["uid"].as_str();
+            let held = services.get(&name).and_then(|s| s["metadata"]["uid"].as_str().map(str::to_string));
+            if method == "DELETE" && uid.is_some_and(|u| held.as_deref().is_some_and(|h| h != u)) {
+                return status(409, "Conflict", "Precondition failed: UID in precondition does not match");
+            }
             let found = match method {
                 "DELETE" => services.remove(&name),
                 _ => services.get(&name).cloned(),
@@ -1552,6 +1607,7 @@ pub(crate) mod tests {
                 ip_of: Arc::default(),
                 node_of: Arc::default(),
                 services: Arc::default(),
+                failing_services: Arc::default(),
                 heard: Arc::default(),
                 log,
             };
@@ -1574,8 +1630,19 @@ pub(crate) mod tests {
             let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
             let url = format!("http://{}", listener.local_addr().unwrap());
             rt.spawn(async move { axum::serve(listener, Router::new().fallback(any(serve))).await });
-            let Cluster { phase, phase_of, ip_of, node_of, services, heard, .. } = cluster;
-            StandIn { url, phase, phase_of, ip_of, node_of, services, stalled, heard, _rt: rt }
+            let Cluster { phase, phase_of, ip_of, node_of, services, failing_services, heard, .. } = cluster;
+            StandIn {
+                url,
+                phase,
+                phase_of,
+                ip_of,
+                node_of,
+                services,
+                failing_services,
+                stalled,
+                heard,
+                _rt: rt,
+            }
         }
 
         /// A scaler whose API is this stand-in's, its logs kept in `dir`.
@@ -1864,9 +1931,32 @@ pub(crate) mod tests {
         api.node_of.lock().unwrap().insert(pod_name("mnist", 2), "n1".into());
         assert!(look(&mut s).is_empty());
         assert!(relays_made(&api).is_empty());
-        // The other job's Service is left as it was.
+        // The other job's Service is left as it was, at the job's end too.
+        drop(s);
         assert_eq!(api.services.lock().unwrap().get(&name), Some(&theirs));
         assert!(api.heard("DELETE").iter().all(|l| !l.contains("/services/")));
+    }
+
+    #[test]
+    fn with_relays_a_service_the_api_server_failed_to_make_is_asked_for_again_with_the_next_worker() {
+        let api = StandIn::start("");
+        let dir = tempfile::tempdir().unwrap();
+        let (mut s, auth) = relaying(&api, dir.path());
+        api.failing_services.store(true, std::sync::atomic::Ordering::SeqCst);
+        s.spawn(1, "10.0.0.5:7070", &auth).unwrap();
+        s.settle();
+        assert!(api.services.lock().unwrap().is_empty());
+        let r = s.relaying.as_ref().unwrap();
+        assert!(!r.off && !r.service, "not turned off: asked again");
+        api.failing_services.store(false, std::sync::atomic::Ordering::SeqCst);
+        s.spawn(2, "10.0.0.5:7070", &auth).unwrap();
+        s.settle();
+        let asked = api.heard("POST").into_iter().filter(|l| l.contains("/services")).count();
+        assert_eq!(asked, 2);
+        assert_eq!(api.services.lock().unwrap().len(), 1);
+        // Made by this coordinator: the job's end deletes it, by its uid.
+        drop(s);
+        assert!(api.services.lock().unwrap().is_empty());
     }
 
     #[test]

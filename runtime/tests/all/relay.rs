@@ -4,6 +4,7 @@
 //! host's workers lost, recovered as such.
 
 use crate::support::{
+    KillOnDrop,
     hosts::Hosts,
     job::{
         Alone, assert_exactly_once, assert_noise_scale_measured, coordinator_note, final_state, finish, job,
@@ -210,15 +211,26 @@ fn a_launched_python_program_told_of_a_relay_reaches_its_job_through_it() {
     wait_for(&rx, "coordinator at ", &mut seen, Duration::from_secs(120));
     let (addr, _) = coordinator_note(&seen);
     let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
-    let mut relay = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
-        .args(["relay", "--coordinator", &addr, "--job", "launch", "--lease-ms", "10000", "--secret-file"])
-        .arg(d.join(".edl/launch/secret"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let said = std::io::BufRead::lines(std::io::BufReader::new(relay.stdout.take().unwrap())).next();
+    let mut relay = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+            .args([
+                "relay",
+                "--coordinator",
+                &addr,
+                "--job",
+                "launch",
+                "--lease-ms",
+                "10000",
+                "--secret-file",
+            ])
+            .arg(d.join(".edl/launch/secret"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let said = std::io::BufRead::lines(std::io::BufReader::new(relay.0.stdout.take().unwrap())).next();
     let said = said.unwrap().unwrap();
     let at = said.split("relaying on ").nth(1).and_then(|r| r.split_whitespace().next()).unwrap().to_string();
     std::fs::write(&relay_at, &at).unwrap();
@@ -233,8 +245,6 @@ fn a_launched_python_program_told_of_a_relay_reaches_its_job_through_it() {
         let log = std::fs::read_to_string(logs.join(format!("worker-{n}.log"))).unwrap_or_default();
         assert!(log.contains("test accuracy"), "worker {n} ran to the end: {log}");
     }
-    let _ = relay.kill();
-    let _ = relay.wait();
 }
 
 /// Two hosts' relays, started by a worker command that lets neither serve
