@@ -61,10 +61,14 @@ pub const RELAY_TRIES: u32 = 3;
 pub(crate) struct Bounds {
     pub pending: Duration,
     pub ready: Duration,
+    /// How long the API's answer to a relay Pod's creation is waited for
+    /// (each call is bounded well within it): past it, the relay is lost.
+    pub asked: Duration,
 }
 
 impl Bounds {
     pub(crate) const READY: Duration = Duration::from_secs(60);
+    pub(crate) const ASKED: Duration = Duration::from_secs(30);
 }
 
 /// The name of job `job`'s relay Service.
@@ -176,10 +180,17 @@ pub fn relay_pod(
 /// A node's relay.
 #[derive(Debug)]
 enum NodeRelay {
-    /// Its Pod: `made` once the API said so (in flight before: no listing
-    /// judges it), `running` since its container was first seen running,
-    /// `ready` once its probe passed.
-    Relay { id: u64, name: String, made: Option<Instant>, running: Option<Instant>, ready: bool },
+    /// Its Pod, `asked` for at a time: `made` once the API said so (in
+    /// flight before: no listing judges it), `running` since its container
+    /// was first seen running, `ready` once its probe passed.
+    Relay {
+        id: u64,
+        name: String,
+        asked: Instant,
+        made: Option<Instant>,
+        running: Option<Instant>,
+        ready: bool,
+    },
     /// This node's workers connect directly.
     Direct,
 }
@@ -279,7 +290,8 @@ impl KubeRelays {
         (busy, at, bounds): (bool, Instant, Bounds),
         relays: &BTreeMap<&str, &Pod>,
     ) -> Option<RelayCall> {
-        let Some(NodeRelay::Relay { id, name, made, running, ready }) = self.by_node.get_mut(node) else {
+        let Some(NodeRelay::Relay { id, name, asked, made, running, ready }) = self.by_node.get_mut(node)
+        else {
             if !busy {
                 self.by_node.remove(node);
             }
@@ -325,6 +337,13 @@ impl KubeRelays {
                 }
                 _ => None,
             },
+            // Its creation's answer never came (it cannot be told made):
+            // lost, and another asked for while workers run there.
+            None if made.is_none() && asked.elapsed() > bounds.asked => {
+                tracing::warn!("relay {id}'s Pod {name} on {node} was not made within {:?}", bounds.asked);
+                self.lost_on(node);
+                None
+            }
             // Not made yet, or made after the listing was sent: not in it.
             None if made.is_none_or(|m| m > at) => None,
             None if busy => {
@@ -343,7 +362,8 @@ impl KubeRelays {
 
     /// Relay `id`'s Pod `name` on `node` was asked for.
     pub(crate) fn asked(&mut self, id: u64, node: &str, name: String) {
-        let relay = NodeRelay::Relay { id, name, made: None, running: None, ready: false };
+        let relay =
+            NodeRelay::Relay { id, name, asked: Instant::now(), made: None, running: None, ready: false };
         self.by_node.insert(node.to_string(), relay);
     }
 
@@ -483,7 +503,8 @@ mod tests {
         assert!(!selector.iter().all(|(k, v)| alike.get(k) == Some(v)), "{alike:?}");
     }
 
-    const BOUNDS: Bounds = Bounds { pending: Duration::from_secs(300), ready: Bounds::READY };
+    const BOUNDS: Bounds =
+        Bounds { pending: Duration::from_secs(300), ready: Bounds::READY, asked: Bounds::ASKED };
 
     /// `r` asked for relay `id` on `node`, and the API made it.
     fn make(r: &mut KubeRelays, id: u64, node: &str) {
@@ -501,10 +522,19 @@ mod tests {
             calls,
             [RelayCall::Make { id: 1, node: "n1".into() }, RelayCall::Make { id: 2, node: "n2".into() }]
         );
-        // Asked for, not made yet: no listing, however late, takes it for gone.
+        // Asked for, not made yet: no listing, however late, takes it for gone
+        // while the answer may come.
         r.asked(1, "n1", pod_name_of("mnist", 'r', 1));
         r.asked(2, "n2", pod_name_of("mnist", 'r', 2));
         assert!(r.tend("mnist", Instant::now(), &[], &nodes(&["n1", "n2"]), BOUNDS).is_empty());
+        // An answer that never comes: lost after its bound, and asked again.
+        let mut never = KubeRelays::default();
+        never.asked(5, "n1", pod_name_of("mnist", 'r', 5));
+        std::thread::sleep(Duration::from_millis(5));
+        let short = Bounds { asked: Duration::from_millis(1), ..BOUNDS };
+        let calls = never.tend("mnist", Instant::now(), &[], &nodes(&["n1"]), short);
+        assert!(matches!(&calls[..], [RelayCall::Make { node, .. }] if node == "n1"), "{calls:?}");
+        assert_eq!(never.losses["n1"], 1);
         r.made(1);
         r.made(2);
         // Not in a listing sent before they were made: waited for.
@@ -551,7 +581,7 @@ mod tests {
         assert!(r.tend("mnist", t, &listing, &nodes(&["n1", "n2"]), BOUNDS).is_empty());
         // Past them: deleted, and their nodes' workers go direct, for good.
         std::thread::sleep(Duration::from_millis(5));
-        let over = Bounds { pending: Duration::from_millis(1), ready: Duration::from_millis(1) };
+        let over = Bounds { ready: Duration::from_millis(1), pending: Duration::from_millis(1), ..BOUNDS };
         let calls = r.tend("mnist", Instant::now(), &listing, &nodes(&["n1", "n2"]), over);
         assert_eq!(calls.len(), 2, "{calls:?}");
         assert!(calls.iter().all(|c| matches!(c, RelayCall::Delete { .. })), "{calls:?}");
@@ -562,7 +592,7 @@ mod tests {
         make(&mut r, 1, "n1");
         std::thread::sleep(Duration::from_millis(5));
         let listing = [listed("mnist", 1, "Pending", false)];
-        let pulling = Bounds { pending: Duration::from_secs(300), ready: Duration::from_millis(1) };
+        let pulling = Bounds { ready: Duration::from_millis(1), ..BOUNDS };
         assert!(r.tend("mnist", Instant::now(), &listing, &nodes(&["n1"]), pulling).is_empty());
     }
 

@@ -795,7 +795,7 @@ impl KubernetesScaler {
         // Without a coordinator to point them at (one that took the job over
         // and has started no worker yet), relays are deleted, not made.
         let coordinator = r.coordinator.clone();
-        let bounds = Bounds { pending: self.opts.pending_bound, ready: Bounds::READY };
+        let bounds = Bounds { pending: self.opts.pending_bound, ready: Bounds::READY, asked: Bounds::ASKED };
         let calls = r.relays.tend(&self.job, at, listed, &nodes, bounds);
         let lease = r.lease;
         for call in calls {
