@@ -124,6 +124,14 @@ pub fn through_relay(relay: Option<&str>, coordinator: &str, within: std::time::
     coordinator.to_string()
 }
 
+/// Where a worker of the coordinator at `coordinator` connects: through
+/// the relay [`RELAY_VAR`] names, where one answers within [`RELAY_WAIT`]
+/// (see [`through_relay`]), else to the coordinator.
+pub fn worker_reaches(coordinator: &str) -> String {
+    let relay = std::env::var(RELAY_VAR).ok();
+    through_relay(relay.as_deref(), coordinator, RELAY_WAIT)
+}
+
 /// Resolves `host:port` (a name or an address) to its first address.
 pub fn resolve(addr: &str) -> Result<SocketAddr> {
     addr.to_socket_addrs()

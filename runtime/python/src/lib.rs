@@ -213,10 +213,8 @@ impl Job {
         };
         // Through the relay `EDL_RELAY` names, where one answers (a
         // Kubernetes job's relay on this node).
-        use edl_runtime::net::{RELAY_VAR, RELAY_WAIT, through_relay};
         let coordinator = var("EDL_COORDINATOR")?;
-        let relay = std::env::var(RELAY_VAR).ok();
-        let at = py.detach(|| through_relay(relay.as_deref(), &coordinator, RELAY_WAIT));
+        let at = py.detach(|| edl_runtime::net::worker_reaches(&coordinator));
         let addr = edl_runtime::net::resolve(&at).map_err(|e| err(format!("{at}: {e:#}")))?;
         // Without an id (a worker started by another engine) the coordinator gives one.
         let id: u64 = match std::env::var("EDL_WORKER_ID") {

@@ -45,9 +45,8 @@ pub fn run(w: WorkerArgs) -> Result<ExitCode> {
 /// Who a worker is and how it proves it: the job's name and secret from
 /// the flags, or from the environment the coordinator's scaler set.
 fn join(w: WorkerArgs) -> Result<Join> {
-    use edl_runtime::net::{RELAY_VAR, RELAY_WAIT, through_relay};
-    let relay = std::env::var(RELAY_VAR).ok();
-    let at = through_relay(relay.as_deref(), &w.coordinator, RELAY_WAIT);
+    use edl_runtime::net::{RELAY_VAR, worker_reaches};
+    let at = worker_reaches(&w.coordinator);
     let coordinator = edl_runtime::net::resolve(&at).context(if at == w.coordinator {
         "--coordinator"
     } else {

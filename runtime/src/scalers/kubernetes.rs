@@ -663,10 +663,10 @@ impl KubernetesScaler {
 
     /// Deletes the Pod `name`, as the API showed it (`meta`), on the
     /// scaler's thread (see [`delete_of_job`]).
-    fn delete(&mut self, api: &Api<Pod>, name: String, meta: ObjectMeta) {
+    fn delete(&mut self, api: &Api<Pod>, name: String, meta: ObjectMeta, params: DeleteParams) {
         let (api, job, fence) = (api.clone(), self.job.clone(), self.fence.clone());
         self.start(async move {
-            delete_of_job(&api, &job, &fence, &name, &meta, DeleteParams::default()).await;
+            delete_of_job(&api, &job, &fence, &name, &meta, params).await;
         });
     }
 
@@ -769,7 +769,7 @@ impl KubernetesScaler {
             match then {
                 Then::Nothing => self.exited.push((id, why)),
                 Then::Delete(meta) => {
-                    self.delete(&api, name, meta);
+                    self.delete(&api, name, meta, DeleteParams::default());
                     self.exited.push((id, why));
                 }
                 Then::KeepLogAndDelete(meta) => self.keep_log_and_delete(&api, id, name, meta, 1, Some(why)),
@@ -822,10 +822,7 @@ impl KubernetesScaler {
                 // goes at once, and takes no worker in its last seconds.
                 (RelayCall::Delete { name, meta }, _) => {
                     let params = DeleteParams { grace_period_seconds: Some(1), ..Default::default() };
-                    let (api, job, fence) = (api.clone(), self.job.clone(), self.fence.clone());
-                    self.start(async move {
-                        delete_of_job(&api, &job, &fence, &name, &meta, params).await;
-                    });
+                    self.delete(api, name, *meta, params);
                 }
             }
         }
