@@ -329,6 +329,13 @@ impl<R: Read> SealedReader<R> {
     pub fn get_ref(&self) -> &R {
         &self.inner
     }
+
+    /// Whether a read returns bytes that are here already, without waiting
+    /// for the connection: the rest of an opened message, or a whole sealed
+    /// one received. Unsealed, nothing is known to be here.
+    pub fn holds_whole(&mut self) -> bool {
+        self.pos < self.plain.len() || self.opener.as_mut().is_some_and(|o| matches!(o.ready(), Ok(Some(_))))
+    }
 }
 
 impl<R: Read> Read for SealedReader<R> {

@@ -52,6 +52,14 @@ pub enum Frame {
 }
 
 impl Frame {
+    /// Whether `bytes` begin with a whole frame.
+    pub(crate) fn whole_at_start(bytes: &[u8]) -> bool {
+        bytes.get(9..FRAME_HEADER).is_some_and(|len| {
+            let len = u32::from_le_bytes(len.try_into().expect("4 bytes")) as usize;
+            bytes.len() - FRAME_HEADER >= len
+        })
+    }
+
     /// Appends the frame, as it goes on the wire, to `out`.
     pub(crate) fn encode(&self, out: &mut Vec<u8>) {
         let (kind, conn, payload): (u8, u64, std::borrow::Cow<[u8]>) = match self {

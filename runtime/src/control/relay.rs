@@ -28,7 +28,7 @@ use crate::control::frame::{CHANNEL, FRAME_HEADER, Frame, MAX_PAYLOAD, write_bat
 use crate::control::hostwindow::{Gatherings, Up};
 use crate::control::inbox::Inbound;
 use crate::control::outbox::Outbox;
-use crate::control::proto::{FromWorker, encode};
+use crate::control::proto::{FromWorker, ToWorker, encode};
 use edl_host_gpu::comm::auth::{self, JobAuth};
 use edl_host_gpu::comm::sealed::{SealedReader, SealedWriter};
 use std::{
@@ -141,49 +141,140 @@ impl Carried {
 }
 
 /// Writes the coordinator's lines to the workers, and a host window's to
-/// each of its ranks; returns why it ended.
+/// each of its ranks; returns why it ended. What the coordinator sent
+/// together (a window's commit and the window after it, a generation and
+/// its first window) goes to each worker in one write: one sealing, one
+/// wake-up of the worker, where a line each cost as many.
 fn downward(down: SealedReader<TcpStream>, workers: &Workers, gatherings: &Mutex<Gatherings>) -> String {
     let mut down = BufReader::with_capacity(256 << 10, down);
+    let mut out = Outgoing::default();
     loop {
-        let frame = match Frame::read(&mut down) {
-            Ok(Some(f)) => f,
-            Ok(None) => return "the coordinator closed the connection".into(),
-            Err(e) => return format!("the coordinator's connection: {e}"),
+        let why = match Frame::read(&mut down) {
+            Ok(Some(f)) => take(f, &mut out, workers, gatherings).err(),
+            Ok(None) => Some("the coordinator closed the connection".into()),
+            Err(e) => Some(format!("the coordinator's connection: {e}")),
         };
-        match frame {
-            Frame::Line { conn, line } => write_to(workers, conn, &line),
-            Frame::Fan { conns, line } => conns.iter().for_each(|&conn| write_to(workers, conn, &line)),
-            Frame::Generation(g) => {
-                for (conn, msg) in g.split() {
-                    match encode(&msg) {
-                        Ok(line) => write_to(workers, conn, &line),
-                        Err(e) => return format!("a generation for worker {conn}: {e}"),
-                    }
-                }
+        if let Some(why) = why {
+            out.flush(workers);
+            return why;
+        }
+        let more = Frame::whole_at_start(down.buffer()) || down.get_mut().holds_whole();
+        if !more || out.bytes >= Outgoing::HOLD_AT_MOST {
+            out.flush(workers);
+        }
+    }
+}
+
+/// Acts on one frame from the coordinator: its lines for the workers into
+/// `out`; `Err` names why the relay cannot go on.
+fn take(
+    frame: Frame,
+    out: &mut Outgoing,
+    workers: &Workers,
+    gatherings: &Mutex<Gatherings>,
+) -> Result<(), String> {
+    match frame {
+        Frame::Line { conn, line } => out.push(conn, &line),
+        Frame::Fan { conns, line } => conns.iter().for_each(|&conn| out.push(conn, &line)),
+        Frame::Generation(g) => {
+            for (conn, msg) in g.split() {
+                out.encode(conn, &msg).map_err(|e| format!("a generation for worker {conn}: {e}"))?;
             }
-            Frame::Window(w) => {
-                let split = match w.split() {
-                    Ok(s) => s,
-                    Err(e) => {
-                        return format!("the coordinator sent a window this relay cannot share out: {e}");
-                    }
-                };
-                // Gathered before any rank can answer it.
-                lock(gatherings).expect(&w);
-                for (conn, msg) in split {
-                    match encode(&msg) {
-                        Ok(line) => write_to(workers, conn, &line),
-                        Err(e) => return format!("a window for worker {conn}: {e}"),
-                    }
-                }
+        }
+        Frame::Window(w) => {
+            let split = w
+                .split()
+                .map_err(|e| format!("the coordinator sent a window this relay cannot share out: {e}"))?;
+            // Gathered before any rank can answer it.
+            lock(gatherings).expect(&w);
+            for (conn, msg) in split {
+                out.encode(conn, &msg).map_err(|e| format!("a window for worker {conn}: {e}"))?;
             }
-            Frame::Closed { conn, .. } => {
-                if let Some(w) = lock(workers).remove(&conn) {
-                    w.shut();
-                }
+        }
+        Frame::Closed { conn, .. } => {
+            // What was said to it before goes first.
+            out.flush_one(conn, workers);
+            if let Some(w) = lock(workers).remove(&conn) {
+                w.shut();
             }
-            Frame::Open { .. } | Frame::Beat | Frame::Done(_) => {
-                return "the coordinator sent a frame only a relay sends".into();
+        }
+        Frame::Open { .. } | Frame::Beat | Frame::Done(_) => {
+            return Err("the coordinator sent a frame only a relay sends".into());
+        }
+    }
+    Ok(())
+}
+
+/// The workers' lines from frames read together, held until no more are
+/// here to read, then written to each worker at once.
+#[derive(Default)]
+struct Outgoing {
+    /// Each worker's lines, in the order its first came.
+    each: Vec<(u64, Vec<u8>)>,
+    /// Where each worker is in `each`.
+    at: HashMap<u64, usize>,
+    /// Bytes held, all workers together.
+    bytes: usize,
+    /// Emptied buffers, for the next frames.
+    spare: Vec<Vec<u8>>,
+}
+
+impl Outgoing {
+    /// Held beyond this, the lines go before more frames are read.
+    const HOLD_AT_MOST: usize = 1 << 20;
+    /// A buffer grown beyond this is not kept for reuse.
+    const KEEP_AT_MOST: usize = 64 << 10;
+
+    fn lines_of(&mut self, conn: u64) -> &mut Vec<u8> {
+        let i = *self.at.entry(conn).or_insert_with(|| {
+            self.each.push((conn, self.spare.pop().unwrap_or_default()));
+            self.each.len() - 1
+        });
+        &mut self.each[i].1
+    }
+
+    fn push(&mut self, conn: u64, line: &[u8]) {
+        self.lines_of(conn).extend_from_slice(line);
+        self.bytes += line.len();
+    }
+
+    /// Appends `msg`'s line for worker `conn`.
+    fn encode(&mut self, conn: u64, msg: &ToWorker) -> Result<(), String> {
+        let lines = self.lines_of(conn);
+        let at = lines.len();
+        if let Err(e) = serde_json::to_writer(&mut *lines, msg) {
+            lines.truncate(at);
+            return Err(e.to_string());
+        }
+        lines.push(b'\n');
+        let added = lines.len() - at;
+        self.bytes += added;
+        Ok(())
+    }
+
+    /// Writes every worker's lines.
+    fn flush(&mut self, workers: &Workers) {
+        for (conn, mut lines) in self.each.drain(..) {
+            if !lines.is_empty() {
+                write_to(workers, conn, &lines);
+            }
+            if lines.capacity() <= Self::KEEP_AT_MOST {
+                lines.clear();
+                self.spare.push(lines);
+            }
+        }
+        self.at.clear();
+        self.bytes = 0;
+    }
+
+    /// Writes worker `conn`'s lines now.
+    fn flush_one(&mut self, conn: u64, workers: &Workers) {
+        if let Some(&i) = self.at.get(&conn) {
+            let lines = &mut self.each[i].1;
+            if !lines.is_empty() {
+                write_to(workers, conn, lines);
+                self.bytes -= lines.len();
+                lines.clear();
             }
         }
     }
@@ -343,6 +434,96 @@ mod tests {
                 indices: vec![0, 1, 2, 3],
             }],
         }
+    }
+
+    /// Two loopback ends that proved `a`'s secret to each other, each with its keys.
+    fn sealed_pair(a: &JobAuth) -> ((TcpStream, auth::Keys), (TcpStream, auth::Keys)) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut near = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut far, _) = l.accept().unwrap();
+        let secret = a.secret.clone();
+        let accepting = std::thread::spawn(move || {
+            let (_, keys) = auth::accept(&mut far, &secret, |_| Ok(())).unwrap();
+            (far, keys)
+        });
+        let keys = auth::connect(&mut near, &a.secret, &a.claim("control", 0, 1)).unwrap();
+        ((near, keys), accepting.join().unwrap())
+    }
+
+    /// Reads `end` until `want` whole lines have come; returns them, and
+    /// how many sealed messages carried them.
+    fn sealed_lines(
+        end: &mut TcpStream,
+        opener: &mut edl_host_gpu::comm::sealed::Opener,
+        want: usize,
+    ) -> (Vec<String>, usize) {
+        use std::io::Read;
+        end.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let (mut raw, mut plain, mut buf) = (Vec::new(), Vec::new(), [0u8; 4096]);
+        while plain.iter().filter(|&&b| b == b'\n').count() < want {
+            let n = end.read(&mut buf).unwrap();
+            assert!(n > 0, "the connection ended after {:?}", String::from_utf8_lossy(&plain));
+            raw.extend_from_slice(&buf[..n]);
+            opener.open(&buf[..n], &mut plain).unwrap();
+        }
+        // Each sealed message: its length (two bytes), then itself.
+        let (mut messages, mut at) = (0, 0);
+        while at + 2 <= raw.len() {
+            at += 2 + u16::from_be_bytes([raw[at], raw[at + 1]]) as usize;
+            messages += 1;
+        }
+        let lines = String::from_utf8(plain).unwrap().lines().map(str::to_string).collect();
+        (lines, messages)
+    }
+
+    #[test]
+    fn what_the_coordinator_sent_together_reaches_each_worker_in_one_sealed_write() {
+        let a = JobAuth { job: "j".into(), secret: auth::Secret::generate().unwrap() };
+        let workers: Workers = Default::default();
+        let gatherings: Arc<Mutex<Gatherings>> = Default::default();
+        let mut ends = Vec::new();
+        for (conn, who) in [(3, 30), (4, 40)] {
+            let ((relay_side, relay_keys), (worker_end, worker_keys)) = sealed_pair(&a);
+            let link = SealedWriter::new(relay_side.try_clone().unwrap(), Some(relay_keys.split().0));
+            lock(&workers)
+                .insert(conn, Carried { who, link: Arc::new(Mutex::new(link)), socket: relay_side });
+            ends.push((worker_end, worker_keys.split().1));
+        }
+        let ((coordinator, c_keys), (up, r_keys)) = sealed_pair(&a);
+        let mut to_relay = SealedWriter::new(coordinator, Some(c_keys.split().0));
+        let reader = SealedReader::new(up, Some(r_keys.split().1));
+        let relay = {
+            let (workers, gatherings) = (workers.clone(), gatherings.clone());
+            std::thread::spawn(move || downward(reader, &workers, &gatherings))
+        };
+
+        // A window's commit for both, and the window after it, in one write.
+        let commit = ToWorker::Commit { step: 0, checkpoint: None, wait: false, stored: None, origin: false };
+        let mut batch = Vec::new();
+        Frame::Fan { conns: vec![3, 4], line: encode(&commit).unwrap() }.encode(&mut batch);
+        Frame::Window(Box::new(window(1))).encode(&mut batch);
+        to_relay.write_all(&batch).unwrap();
+        for (end, opener) in &mut ends {
+            let (lines, messages) = sealed_lines(end, opener, 2);
+            assert!(lines[0].contains("\"commit\"") && lines[1].contains("\"steps\""), "{lines:?}");
+            assert_eq!(messages, 1, "the commit and the window in one sealed message: {lines:?}");
+        }
+
+        // A line, then the coordinator's word to close that worker: the line first.
+        let stop = ToWorker::Stop { reason: "leaving".into() };
+        batch.clear();
+        Frame::Line { conn: 3, line: encode(&stop).unwrap() }.encode(&mut batch);
+        Frame::Closed { conn: 3, why: String::new() }.encode(&mut batch);
+        to_relay.write_all(&batch).unwrap();
+        let (end, opener) = &mut ends[0];
+        let (lines, _) = sealed_lines(end, opener, 1);
+        assert!(lines[0].contains("leaving"), "{lines:?}");
+        let mut rest = [0u8; 64];
+        assert_eq!(std::io::Read::read(end, &mut rest).unwrap(), 0, "closed after its line");
+        assert!(!lock(&workers).contains_key(&3));
+
+        drop(to_relay);
+        assert_eq!(relay.join().unwrap(), "the coordinator closed the connection");
     }
 
     #[test]

@@ -29,7 +29,16 @@ impl Coordinator<'_> {
     /// new, until it drains for a membership change or the job's end
     /// (`None`), or fails.
     pub(super) fn run_generation(&mut self) -> Result<Option<Failure>> {
-        self.ensure_generation()?;
+        if let Some(held) = self.begin_generation()? {
+            // A relay gets the generation and its first windows in one write.
+            let filled = self.fill_windows();
+            let lost = held.release();
+            if let Some(pipe) = self.pipe.as_mut() {
+                let now = Instant::now();
+                lost.iter().for_each(|(rank, why)| pipe.lost(now, *rank, why));
+            }
+            filled?;
+        }
         self.timers.set(Timer::Chores, Instant::now() + CHORES_EVERY);
         loop {
             self.fill_windows()?;
@@ -123,15 +132,22 @@ impl Coordinator<'_> {
 
     /// Forms the current generation unless it is formed already.
     pub(super) fn ensure_generation(&mut self) -> Result<()> {
-        if self.pipe.as_ref().map(|p| p.generation) != Some(self.generation) {
-            self.start_generation()?;
+        self.begin_generation().map(drop)
+    }
+
+    /// Forms the current generation unless it is formed already; what its
+    /// relays are sent is held until the answer, if any, is released.
+    fn begin_generation(&mut self) -> Result<Option<HeldRelays>> {
+        if self.pipe.as_ref().map(|p| p.generation) == Some(self.generation) {
+            return Ok(None);
         }
-        Ok(())
+        self.start_generation().map(Some)
     }
 
     /// Tells every member its place in the new generation; planning starts
-    /// again from the committed step.
-    pub(super) fn start_generation(&mut self) -> Result<()> {
+    /// again from the committed step. What the generation's relays are sent
+    /// is held until the answer is released (or dropped).
+    fn start_generation(&mut self) -> Result<HeldRelays> {
         self.training_since.get_or_insert_with(Instant::now);
         let ps = self.reform_ps()?;
         let key = format!("{}/generation-{}", self.cfg.spec.job, self.generation);
@@ -187,6 +203,12 @@ impl Coordinator<'_> {
                 )),
             }
         }
+        let held = HeldRelays::hold(
+            relayed
+                .iter()
+                .map(|(_, relay, hg)| (relay.clone(), hg.first..hg.first + hg.conns.len()))
+                .collect(),
+        );
         for (_, relay, hg) in relayed {
             let ranks = hg.first..hg.first + hg.conns.len();
             if let Err(why) = relay.send(&[Frame::Generation(Box::new(hg))]) {
@@ -201,7 +223,7 @@ impl Coordinator<'_> {
             cursor: self.tally.cursor,
             hyper: self.hyper,
         };
-        Ok(())
+        Ok(held)
     }
 
     /// Sends windows ahead while membership is stable: the first window of
