@@ -15,13 +15,38 @@ use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 /// `net.core.somaxconn`, 4096 by default since Linux 5.4).
 pub const BACKLOG: i32 = 16_384;
 
-/// A listener on `addr` with a queue of [`BACKLOG`] connections.
+/// A listener on `addr` with a queue of [`BACKLOG`] connections. On the
+/// IPv6 unspecified address (`[::]`) it takes IPv4 connections too (dual
+/// stack, whatever `net.ipv6.bindv6only` says), and on a host without IPv6
+/// it listens on IPv4's (`0.0.0.0`) instead, on the same port.
 pub fn listen(addr: SocketAddr) -> io::Result<TcpListener> {
+    listen_with(addr, bind)
+}
+
+/// [`listen`], binding with `bind`.
+fn listen_with(
+    addr: SocketAddr,
+    bind: impl Fn(SocketAddr) -> io::Result<TcpListener>,
+) -> io::Result<TcpListener> {
+    let any_v6 = addr.is_ipv6() && addr.ip().is_unspecified();
+    match bind(addr) {
+        // EAFNOSUPPORT (no IPv6 in the kernel) or EADDRNOTAVAIL (turned off).
+        Err(e) if any_v6 && matches!(e.raw_os_error(), Some(97 | 99)) => {
+            bind(SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), addr.port()))
+        }
+        bound => bound,
+    }
+}
+
+fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
     use socket2::{Domain, Protocol, Socket, Type};
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
     // As the standard library's listeners: a port in TIME_WAIT can be taken again.
     #[cfg(unix)]
     socket.set_reuse_address(true)?;
+    if addr.is_ipv6() && addr.ip().is_unspecified() {
+        socket.set_only_v6(false)?;
+    }
     socket.bind(&addr.into())?;
     socket.listen(BACKLOG)?;
     Ok(socket.into())
@@ -74,6 +99,29 @@ mod tests {
         listener.set_nonblocking(true).unwrap();
         let accepted = std::iter::from_fn(|| listener.accept().ok()).count();
         assert_eq!(accepted, n);
+    }
+
+    #[test]
+    fn a_listener_on_any_ipv6_address_takes_ipv4_connections_too_and_is_ipv4_s_without_ipv6() {
+        let have_v6 = std::fs::read_to_string("/proc/net/if_inet6").is_ok_and(|s| !s.trim().is_empty());
+        let any = listen("[::]:0".parse().unwrap()).unwrap();
+        let port = any.local_addr().unwrap().port();
+        assert_eq!(any.local_addr().unwrap().is_ipv6(), have_v6);
+        TcpStream::connect(("127.0.0.1", port)).expect("an IPv4 connection");
+        if have_v6 {
+            TcpStream::connect(("::1", port)).expect("an IPv6 connection");
+        }
+        // A host without IPv6: the socket cannot be made (EAFNOSUPPORT).
+        let no_v6 = |a: SocketAddr| match a.is_ipv6() {
+            true => Err(io::Error::from_raw_os_error(97)),
+            false => bind(a),
+        };
+        let l = listen_with("[::]:0".parse().unwrap(), no_v6).unwrap();
+        assert!(l.local_addr().unwrap().ip().is_unspecified() && l.local_addr().unwrap().is_ipv4());
+        TcpStream::connect(("127.0.0.1", l.local_addr().unwrap().port())).expect("an IPv4 connection");
+        // Only the unspecified address falls back: another refusal is the caller's.
+        let e = listen_with("[::1]:0".parse().unwrap(), no_v6).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(97));
     }
 
     #[test]

@@ -131,7 +131,8 @@ pub fn relay_pod(
     if let Some(l) = metadata.labels.as_mut() {
         l.extend(relay_labels(job));
     }
-    let listen = format!("0.0.0.0:{RELAY_PORT}");
+    // IPv4 and IPv6 both (IPv4 alone on a node without IPv6).
+    let listen = format!("[::]:{RELAY_PORT}");
     let command = ["sh", "-c", "trap '' TERM; exec \"$0\" \"$@\"", "edl-runtime"]
         .iter()
         .map(|w| w.to_string())
@@ -468,13 +469,9 @@ mod tests {
         let c = &spec.containers[0];
         let line = c.command.as_ref().unwrap().join(" ");
         assert!(line.starts_with("sh -c trap '' TERM; exec \"$0\" \"$@\" edl-runtime relay"), "{line}");
-        for part in [
-            "--coordinator 10.0.0.5:7070",
-            "--listen 0.0.0.0:7079",
-            "--id 4",
-            "--job mnist",
-            "--lease-ms 30000",
-        ] {
+        for part in
+            ["--coordinator 10.0.0.5:7070", "--listen [::]:7079", "--id 4", "--job mnist", "--lease-ms 30000"]
+        {
             assert!(line.contains(part), "{part} in {line}");
         }
         assert!(line.ends_with(&format!("--secret-file {}", secret_path())), "{line}");

@@ -1848,7 +1848,7 @@ pub(crate) mod tests {
         assert_eq!(made.len(), 2, "{made:?}");
         for (node, id) in [("n1", 1), ("n2", 2)] {
             let pod = made.iter().find(|l| l.contains(&format!("\"nodeName\":\"{node}\""))).unwrap();
-            assert!(pod.contains(&format!("\"--id\",\"{id}\"")) && pod.contains("\"0.0.0.0:7079\""), "{pod}");
+            assert!(pod.contains(&format!("\"--id\",\"{id}\"")) && pod.contains("\"[::]:7079\""), "{pod}");
         }
         // Running and ready: nothing more is made.
         assert!(look(&mut s).is_empty());
