@@ -158,6 +158,8 @@ fn downward(down: SealedReader<TcpStream>, workers: &Workers, gatherings: &Mutex
             out.flush(workers);
             return why;
         }
+        // A whole sealed message may not complete the next frame: the rest of
+        // it is on its way (the coordinator writes a frame in one write).
         let more = Frame::whole_at_start(down.buffer()) || down.get_mut().holds_whole();
         if !more || out.bytes >= Outgoing::HOLD_AT_MOST {
             out.flush(workers);
@@ -220,7 +222,8 @@ struct Outgoing {
 }
 
 impl Outgoing {
-    /// Held beyond this, the lines go before more frames are read.
+    /// Held beyond this (checked after each frame), the lines go before
+    /// more frames are read.
     const HOLD_AT_MOST: usize = 1 << 20;
     /// A buffer grown beyond this is not kept for reuse.
     const KEEP_AT_MOST: usize = 64 << 10;

@@ -32,11 +32,7 @@ impl Coordinator<'_> {
         if let Some(held) = self.begin_generation()? {
             // A relay gets the generation and its first windows in one write.
             let filled = self.fill_windows();
-            let lost = held.release();
-            if let Some(pipe) = self.pipe.as_mut() {
-                let now = Instant::now();
-                lost.iter().for_each(|(rank, why)| pipe.lost(now, *rank, why));
-            }
+            self.release(held);
             filled?;
         }
         self.timers.set(Timer::Chores, Instant::now() + CHORES_EVERY);
@@ -46,11 +42,7 @@ impl Coordinator<'_> {
                 // A relay gets the commit and the window after it in one write.
                 let held = self.hold_relays();
                 let done = self.commit_window(c).and_then(|()| self.fill_windows());
-                let lost = held.release();
-                if let Some(pipe) = self.pipe.as_mut() {
-                    let now = Instant::now();
-                    lost.iter().for_each(|(rank, why)| pipe.lost(now, *rank, why));
-                }
+                self.release(held);
                 done?;
             }
             let pipe = self.pipe.as_mut().expect("formed above");
@@ -132,7 +124,20 @@ impl Coordinator<'_> {
 
     /// Forms the current generation unless it is formed already.
     pub(super) fn ensure_generation(&mut self) -> Result<()> {
-        self.begin_generation().map(drop)
+        if let Some(held) = self.begin_generation()? {
+            self.release(held);
+        }
+        Ok(())
+    }
+
+    /// Writes what the held relays were sent; the ranks behind one whose
+    /// write failed are lost to the generation.
+    fn release(&mut self, held: HeldRelays) {
+        let lost = held.release();
+        if let Some(pipe) = self.pipe.as_mut() {
+            let now = Instant::now();
+            lost.iter().for_each(|(rank, why)| pipe.lost(now, *rank, why));
+        }
     }
 
     /// Forms the current generation unless it is formed already; what its
