@@ -30,6 +30,11 @@ pub struct HostGeneration {
 }
 
 impl HostGeneration {
+    /// The generation's ranks behind the relay.
+    pub fn ranks(&self) -> std::ops::Range<usize> {
+        self.first..self.first + self.conns.len()
+    }
+
     /// Each rank's `Generation` message, as the coordinator would have sent
     /// it; in the order of `conns`.
     pub fn split(&self) -> Vec<(u64, ToWorker)> {

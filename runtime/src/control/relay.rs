@@ -158,9 +158,12 @@ fn downward(down: SealedReader<TcpStream>, workers: &Workers, gatherings: &Mutex
             out.flush(workers);
             return why;
         }
-        // A whole sealed message may not complete the next frame: the rest of
-        // it is on its way (the coordinator writes a frame in one write).
-        let more = Frame::whole_at_start(down.buffer()) || down.get_mut().holds_whole();
+        // Held only while the next frame can be read at once: whole here, or
+        // its start in a sealed message received (the coordinator writes a
+        // frame in one write, so its rest is on its way). Part of a frame
+        // here and nothing more: what is held goes before waiting for it.
+        let buffered = down.buffer();
+        let more = Frame::whole_at_start(buffered) || (buffered.is_empty() && down.get_mut().holds_whole());
         if !more || out.bytes >= Outgoing::HOLD_AT_MOST {
             out.flush(workers);
         }

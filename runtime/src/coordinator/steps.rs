@@ -208,14 +208,10 @@ impl Coordinator<'_> {
                 )),
             }
         }
-        let held = HeldRelays::hold(
-            relayed
-                .iter()
-                .map(|(_, relay, hg)| (relay.clone(), hg.first..hg.first + hg.conns.len()))
-                .collect(),
-        );
+        let held =
+            HeldRelays::hold(relayed.iter().map(|(_, relay, hg)| (relay.clone(), hg.ranks())).collect());
         for (_, relay, hg) in relayed {
-            let ranks = hg.first..hg.first + hg.conns.len();
+            let ranks = hg.ranks();
             if let Err(why) = relay.send(&[Frame::Generation(Box::new(hg))]) {
                 ranks.for_each(|rank| pipe.lost(Instant::now(), rank, &why));
             }
