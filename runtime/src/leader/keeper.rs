@@ -198,12 +198,26 @@ impl StoreKeeper {
         lease: Option<JobLease>,
         seal: RecordKey,
     ) -> anyhow::Result<Self> {
-        let (tx, rx) = mpsc::unbounded_channel::<Cmd>();
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let store = {
             let _g = rt.enter();
             AnyStore::open(url)?
         };
+        Self::start_on(rt, store, redact(url), key, token, lease, seal)
+    }
+
+    /// [`StoreKeeper::start`] on an open `store` (`shown` as logs name it),
+    /// whose calls `rt` runs.
+    fn start_on(
+        rt: tokio::runtime::Runtime,
+        store: AnyStore,
+        shown: String,
+        key: String,
+        token: Option<u64>,
+        lease: Option<JobLease>,
+        seal: RecordKey,
+    ) -> anyhow::Result<Self> {
+        let (tx, rx) = mpsc::unbounded_channel::<Cmd>();
         let shared = Shared {
             fenced: Arc::new(Mutex::new(None)),
             term: Arc::new(Mutex::new(lease.as_ref().map(|l| (l.confirmed, l.ttl)))),
@@ -213,10 +227,13 @@ impl StoreKeeper {
         let keeper = Keeper {
             store,
             key,
-            shown: redact(url),
+            shown,
             token,
             lost: Vec::new(),
             renew_every: lease.as_ref().map_or(Duration::from_secs(3600), |l| l.ttl / 3),
+            retry_every: lease
+                .as_ref()
+                .map_or(Duration::from_secs(1), |l| crate::store::lease_retry_every(l.ttl)),
             lease,
             leader: None,
             seal,
@@ -300,6 +317,8 @@ struct Keeper {
     lost: Vec<Vec<u8>>,
     lease: Option<JobLease>,
     renew_every: Duration,
+    /// After a renewal that failed, the next comes this soon.
+    retry_every: Duration,
     /// The replicated store's leader, asked after each renewal.
     leader: Option<String>,
     /// What seals the job's state.
@@ -320,7 +339,15 @@ impl Keeper {
                     Some(first) => self.commands(first, &mut rx).await,
                     None => break,
                 },
-                _ = renew.tick() => self.renew().await,
+                _ = renew.tick() => {
+                    if !self.renew().await {
+                        // Tried again soon, not a third of the term later:
+                        // a replicated store electing a leader answers
+                        // again within a second or two, and the lease is
+                        // this coordinator's only while it is confirmed.
+                        renew.reset_after(self.retry_every);
+                    }
+                }
             }
         }
     }
@@ -367,17 +394,19 @@ impl Keeper {
     /// Renews the lease. Self-fencing: a lease this coordinator cannot
     /// renew may have lapsed and been taken; it stops acting once the lease
     /// is over by its own clock, whether or not the store answers.
-    async fn renew(&mut self) {
+    /// Whether the lease is confirmed (or there is none to renew).
+    async fn renew(&mut self) -> bool {
         if let Some(step) = self.wall.look() {
             tracing::warn!(
                 "the wall clock stepped {step:+.0} s; the job's lease and timers count on the boot clock and are not moved"
             );
         }
-        let Some(l) = self.lease.as_mut() else { return };
+        let Some(l) = self.lease.as_mut() else { return true };
         match l.renew(&self.store).await {
             Ok(()) => {
                 *lock(&self.shared.term) = Some((l.confirmed, l.ttl));
                 self.ask_leader(self.renew_every / 2).await;
+                true
             }
             Err(e) => {
                 let why = match &e {
@@ -388,11 +417,14 @@ impl Keeper {
                     }),
                     _ => None,
                 };
+                // Fenced: there is no lease to renew from here on.
+                let fenced = why.is_some();
                 if let Some(why) = why {
                     self.fence(why);
                     self.lease = None;
                 }
                 tracing::warn!("store {}: coordinator lease: {e}", self.shown);
+                fenced
             }
         }
     }
@@ -1050,6 +1082,39 @@ mod tests {
                 .unwrap_err();
             assert!(matches!(err, WriteError::Fenced(Fenced::StateWritten { .. })), "{err}");
         });
+    }
+
+    #[test]
+    fn a_renewal_that_failed_is_tried_again_soon_so_a_store_away_for_less_than_the_term_does_not_fence() {
+        // A lease of 30 s is renewed every 10 s. The store refuses the first
+        // three renewals (as an etcd cluster electing a leader, or a Redis
+        // restarting, would): they are tried again a second apart, and the
+        // fourth confirms it, well before the next regular renewal is due.
+        let crate::store::AnyStore::Memory(memory) = AnyStore::open("memory").unwrap() else {
+            unreachable!()
+        };
+        let store = AnyStore::Memory(memory.clone());
+        let seal = RecordKey::job_records(&Secret::generate().unwrap());
+        let ttl = Duration::from_secs(30);
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let lease = rt.block_on(take_lease(&store, "j", ttl, false, &seal)).unwrap();
+        let (taken, first) = (lease.confirmed, lease.token);
+        memory.refuse_writes(3);
+        let keeper =
+            StoreKeeper::start_on(rt, store.clone(), "memory".into(), "s".into(), None, Some(lease), seal)
+                .unwrap();
+        let confirmed = || lock(&keeper.shared.term).map(|(at, _)| at);
+        let waited = BootInstant::now();
+        // Bounded well below the regular renewal (10 s after the first try).
+        while confirmed() == Some(taken) && waited.elapsed() < Duration::from_secs(8) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_ne!(confirmed(), Some(taken), "the lease was not renewed after the store came back");
+        assert!(keeper.fenced().is_none(), "{:?}", keeper.fenced());
+        // Renewed by this keeper: the store holds a newer write of the lease.
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let now = rt.block_on(store.get(&crate::store::keys::coordinator("j"))).unwrap().unwrap();
+        assert!(now.token > first, "{} after {first}", now.token);
     }
 
     #[test]

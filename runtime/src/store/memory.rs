@@ -19,6 +19,9 @@ struct Slot {
 #[derive(Clone, Default)]
 pub struct MemoryStore {
     inner: Arc<Mutex<Keys>>,
+    /// Compare-and-sets still to refuse as an unreachable store would.
+    #[cfg(test)]
+    refusals: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 #[derive(Default)]
@@ -60,6 +63,13 @@ impl Keys {
 impl MemoryStore {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The next `n` compare-and-sets fail as on a store that cannot be
+    /// reached.
+    #[cfg(test)]
+    pub(crate) fn refuse_writes(&self, n: usize) {
+        self.refusals.store(n, std::sync::atomic::Ordering::SeqCst);
     }
 
     fn with<R>(&self, f: impl FnOnce(&mut Keys) -> R) -> R {
@@ -130,6 +140,13 @@ impl Store for MemoryStore {
         value: &[u8],
         ttl: Option<Duration>,
     ) -> Result<Cas, StoreError> {
+        #[cfg(test)]
+        {
+            use std::sync::atomic::Ordering::SeqCst;
+            if self.refusals.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1)).is_ok() {
+                return Err(StoreError::Unavailable { url: "memory".into(), detail: "refused".into() });
+            }
+        }
         Ok(self.with(|k| {
             let current = k.map.get(key).map(|s| s.token);
             if current != expected {

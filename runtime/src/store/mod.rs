@@ -23,6 +23,7 @@ mod watch;
 
 pub use etcd_store::EtcdStore;
 pub use lease::Lease;
+pub(crate) use lease::retry_every as lease_retry_every;
 pub use memory::MemoryStore;
 pub use redis_store::RedisStore;
 pub use watch::{Change, watch};
