@@ -30,8 +30,8 @@ fn listen_with(
 ) -> io::Result<TcpListener> {
     let any_v6 = addr.is_ipv6() && addr.ip().is_unspecified();
     match bind(addr) {
-        // EAFNOSUPPORT (Linux's 97): a kernel without IPv6.
-        Err(e) if any_v6 && e.raw_os_error() == Some(97) => {
+        // A kernel without IPv6.
+        Err(e) if any_v6 && e.raw_os_error() == Some(libc::EAFNOSUPPORT) => {
             bind(SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), addr.port()))
         }
         bound => bound,
@@ -114,7 +114,7 @@ mod tests {
         }
         // A host without IPv6: the socket cannot be made (EAFNOSUPPORT).
         let no_v6 = |a: SocketAddr| match a.is_ipv6() {
-            true => Err(io::Error::from_raw_os_error(97)),
+            true => Err(io::Error::from_raw_os_error(libc::EAFNOSUPPORT)),
             false => bind(a),
         };
         let l = listen_with("[::]:0".parse().unwrap(), no_v6).unwrap();
@@ -122,7 +122,7 @@ mod tests {
         TcpStream::connect(("127.0.0.1", l.local_addr().unwrap().port())).expect("an IPv4 connection");
         // Only the unspecified address falls back: another refusal is the caller's.
         let e = listen_with("[::1]:0".parse().unwrap(), no_v6).unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(97));
+        assert_eq!(e.raw_os_error(), Some(libc::EAFNOSUPPORT));
     }
 
     #[test]

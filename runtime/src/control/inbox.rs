@@ -242,6 +242,7 @@ fn serve<M: Message>(
     let next = Arc::new(AtomicU64::new(0));
     let accepting = gate.clone();
     let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let refusals = Arc::new(Refusals::default());
     std::thread::Builder::new().name("edl-accept".into()).spawn(move || {
         let mut closed = 0u64;
         for conn in listener.incoming() {
@@ -267,10 +268,17 @@ fn serve<M: Message>(
                 continue;
             }
             pending.fetch_add(1, Ordering::Relaxed);
-            let (gate, next, tx, new_tx, waker, done) =
-                (accepting.clone(), next.clone(), tx.clone(), new_tx.clone(), waker.clone(), pending.clone());
+            let (gate, next, tx, new_tx, waker, done, refusals) = (
+                accepting.clone(),
+                next.clone(),
+                tx.clone(),
+                new_tx.clone(),
+                waker.clone(),
+                pending.clone(),
+                refusals.clone(),
+            );
             let admitted = std::thread::Builder::new().name("edl-admit".into()).spawn(move || {
-                admit(conn, &gate, lease, &next, &tx, &new_tx, &waker);
+                admit(conn, &gate, lease, &next, &tx, &new_tx, &waker, &refusals);
                 done.fetch_sub(1, Ordering::Relaxed);
             });
             if let Err(e) = admitted {
@@ -298,7 +306,33 @@ enum Kind<M> {
     Relay(Box<Carried<M>>),
 }
 
+/// The warnings of refused connections, at most one a second, each with
+/// the count of those refused since the last said: connections that fail
+/// the secret's check as fast as they can be opened (a port open to a
+/// network, a scanner) do not flood the log.
+#[derive(Default)]
+struct Refusals {
+    /// When the last warning was said, and how many refusals went unsaid since.
+    said: std::sync::Mutex<(Option<Instant>, u64)>,
+}
+
+impl Refusals {
+    /// Whether a refusal at `now` is said, and if so how many before it
+    /// went unsaid.
+    fn say(&self, now: Instant) -> Option<u64> {
+        let mut said = self.said.lock().unwrap_or_else(|p| p.into_inner());
+        let (last, unsaid) = &mut *said;
+        if last.is_some_and(|t| now.saturating_duration_since(t) < Duration::from_secs(1)) {
+            *unsaid += 1;
+            return None;
+        }
+        *last = Some(now);
+        Some(std::mem::take(unsaid))
+    }
+}
+
 /// Runs the secret's exchange on a new connection and hands it on once proven.
+#[allow(clippy::too_many_arguments)]
 fn admit<M: Message>(
     mut conn: TcpStream,
     gate: &Arc<Gate>,
@@ -307,28 +341,36 @@ fn admit<M: Message>(
     tx: &mpsc::Sender<Inbound<M>>,
     new_tx: &mpsc::Sender<Proven<M>>,
     waker: &Waker,
+    refusals: &Refusals,
 ) {
     let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a peer".into());
 
     // A send to a worker that stopped reading fails instead of blocking the
     // coordinator; keepalive notices a peer whose host went away.
     let _ = conn.set_write_timeout(Some(SEND_TIMEOUT));
-    let (claim, keys) =
-        match auth::accept(&mut auth::Deadline::new(&mut conn, AUTH_TIMEOUT), &gate.auth.secret, |c| {
-            gate.check(c)
-        }) {
-            Ok(proven) => proven,
-            // Closed by its peer without a word: a probe (a worker finding
-            // its relay, a readiness check), nothing to warn of.
-            Err(e @ auth::AuthError::Closed) => {
-                tracing::debug!("a control connection from {peer} closed during the handshake: {e}");
-                return;
+    let (claim, keys) = match auth::accept(
+        &mut auth::Deadline::new(&mut conn, AUTH_TIMEOUT),
+        &gate.auth.secret,
+        |c| gate.check(c),
+    ) {
+        Ok(proven) => proven,
+        // Closed by its peer without a word: a probe (a worker finding
+        // its relay, a readiness check), nothing to warn of.
+        Err(e @ auth::AuthError::Closed) => {
+            tracing::debug!("a control connection from {peer} closed during the handshake: {e}");
+            return;
+        }
+        Err(e) => {
+            match refusals.say(Instant::now()) {
+                Some(0) => tracing::warn!("refused a control connection from {peer}: {e}"),
+                Some(n) => tracing::warn!(
+                    "refused a control connection from {peer}: {e} ({n} more refused in the last second or longer, not said)"
+                ),
+                None => tracing::debug!("refused a control connection from {peer}: {e}"),
             }
-            Err(e) => {
-                tracing::warn!("refused a control connection from {peer}: {e}");
-                return;
-            }
-        };
+            return;
+        }
+    };
     let _ = conn.set_read_timeout(None);
     let _ = conn.set_nodelay(true);
     crate::control::proto::keepalive(&conn);
@@ -717,6 +759,21 @@ fn take_lines<M: Message>(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn refused_connections_are_said_at_most_once_a_second_with_the_count_of_those_not_said() {
+        let r = super::Refusals::default();
+        let t0 = std::time::Instant::now();
+        let at = |ms| t0 + std::time::Duration::from_millis(ms);
+        assert_eq!(r.say(at(0)), Some(0), "the first is said");
+        assert_eq!(r.say(at(10)), None);
+        assert_eq!(r.say(at(999)), None);
+        // A second after the last said: said, with the two in between.
+        assert_eq!(r.say(at(1000)), Some(2));
+        assert_eq!(r.say(at(1500)), None);
+        assert_eq!(r.say(at(5000)), Some(1));
+        assert_eq!(r.say(at(6000)), Some(0));
+    }
+
     use super::*;
     use edl_host_gpu::comm::sealed::SealedStream;
     use std::io::Write;
