@@ -552,8 +552,15 @@ fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<F
     // coordinator's work from the last commit before the pause to the first after.
     let (mut before, mut last) = (0.0, 0.0);
     let mut pause_cpu: HashMap<&'static str, f64> = HashMap::new();
+    let marks_wanted = std::env::var_os("EDL_BENCH_MARKS").is_some();
     let mut progress = |p: Progress| match p {
         Progress::Step(r) => {
+            if marks_wanted {
+                // For `perf report --time A,B` of a run recorded with `-k
+                // CLOCK_MONOTONIC`: the steady steps, a pause (from the
+                // commit before its scale event to the one after).
+                eprintln!("step {} at {:.6}", r.step, monotonic());
+            }
             (before, last) = (last, process_cpu());
             if r.step == FROM || r.step == TO {
                 // The threads, then the process: the figure per step and its
@@ -563,13 +570,12 @@ fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<F
                 marks.insert(r.step, (Instant::now(), user + system));
                 kernel.insert(r.step, system);
                 threads.insert(r.step, (each, user + system));
-                if std::env::var_os("EDL_BENCH_MARKS").is_some() {
-                    // For `perf report --time FROM,TO` of a run recorded with `-k CLOCK_MONOTONIC`.
-                    eprintln!("step {} at {:.6}", r.step, monotonic());
-                }
             }
         }
         Progress::Scale(e) => {
+            if marks_wanted {
+                eprintln!("scale {} at {:.6}", e.reason, monotonic());
+            }
             for what in ["lost", "policy"] {
                 if e.reason.contains(what) {
                     pause_cpu.entry(what).or_insert((last - before) * 1e3);

@@ -145,6 +145,11 @@ struct Coordinator<'a> {
     fence: Option<u64>,
     /// The current generation's step barrier, and its ranks by connection.
     pipe: Option<Pipeline>,
+    /// The relays of a generation that drained for a change, holding its
+    /// last commit: written with the next generation's first messages (one
+    /// write, and one wake-up of each worker, for both), or before anything
+    /// that waits for workers.
+    drained_relays: Option<steps::HeldRelays>,
     ranks: HashMap<u64, usize>,
     /// The next step to plan (the adapter is asked once per step, as it
     /// is planned).
@@ -505,6 +510,7 @@ impl<'a> Coordinator<'a> {
             state_token: None,
             fence: None,
             pipe: None,
+            drained_relays: None,
             ranks: HashMap::new(),
             plan_at: StepPlan { step: 0, epoch: 0, cursor: 0, hyper: cfg.hyper },
             decision: None,
@@ -551,6 +557,7 @@ impl<'a> Coordinator<'a> {
     /// Every worker, in whatever state, is told to stop; those asked for
     /// that never joined are said, each with where it stood.
     fn stop_everyone(&mut self, reason: &str) {
+        self.release_drained();
         for (id, stage) in self.membership.on_the_way() {
             self.note(format!("worker {id} was {stage} when the job ended; stopped unused"));
             self.unused.push(UnusedWorker { id, stage: stage.to_string() });
@@ -753,6 +760,7 @@ impl Coordinator<'_> {
             // The state lives in the members alone: with none left, the
             // workers that are joining have nothing to take it from.
             if self.membership.world() == 0 {
+                self.release_drained();
                 self.recover_from_nothing()?;
             }
             match phase.next(self.tally.epoch) {
@@ -793,6 +801,7 @@ impl Coordinator<'_> {
                     self.check_spawning();
                 }
                 Phase::Finish { entering } => {
+                    self.release_drained();
                     if entering {
                         // The spares as they stood, for the report, then
                         // the final state: no new workers any more.

@@ -29,12 +29,21 @@ impl Coordinator<'_> {
     /// new, until it drains for a membership change or the job's end
     /// (`None`), or fails.
     pub(super) fn run_generation(&mut self) -> Result<Option<Failure>> {
-        if let Some(held) = self.begin_generation()? {
-            // A relay gets the generation and its first windows in one write.
-            let filled = self.fill_windows();
+        // A relay gets the last generation's last commit (if it was held),
+        // the new generation and its first windows in one write.
+        let held = match self.begin_generation() {
+            Ok(held) => held,
+            Err(e) => {
+                self.release_drained();
+                return Err(e);
+            }
+        };
+        let filled = self.fill_windows();
+        if let Some(held) = held {
             self.release(held);
-            filled?;
         }
+        self.release_drained();
+        filled?;
         self.timers.set(Timer::Chores, Instant::now() + CHORES_EVERY);
         loop {
             self.fill_windows()?;
@@ -42,12 +51,20 @@ impl Coordinator<'_> {
                 // A relay gets the commit and the window after it in one write.
                 let held = self.hold_relays();
                 let done = self.commit_window(c).and_then(|()| self.fill_windows());
-                self.release(held);
+                let pipe = self.pipe.as_ref().expect("formed above");
+                if done.is_ok() && pipe.drained() && !pipe.failed() && self.drained_relays.is_none() {
+                    // The generation's last commit: it goes with what comes
+                    // next, the next generation's first messages.
+                    self.drained_relays = Some(held);
+                } else {
+                    self.release(held);
+                }
                 done?;
             }
             let pipe = self.pipe.as_mut().expect("formed above");
             if let Some(f) = pipe.settled_failure() {
                 self.pipe = None;
+                self.release_drained();
                 return Ok(Some(f));
             }
             if pipe.drained() && !pipe.failed() {
@@ -128,6 +145,16 @@ impl Coordinator<'_> {
             self.release(held);
         }
         Ok(())
+    }
+
+    /// Writes what a drained generation's relays were sent since its last
+    /// commit. A relay whose write fails is shut, and its reader reports
+    /// it and the workers behind it lost (the ranks held are the drained
+    /// generation's, not the current one's).
+    pub(super) fn release_drained(&mut self) {
+        if let Some(held) = self.drained_relays.take() {
+            let _ = held.release();
+        }
     }
 
     /// Writes what the held relays were sent; the ranks behind one whose
@@ -478,7 +505,7 @@ impl Coordinator<'_> {
 
 /// Relays held (see [`RelayOut::hold`]), each with its run's ranks; each
 /// is released when this is, or dropped on any path.
-struct HeldRelays(Vec<(RelayOut, Range<usize>)>);
+pub(super) struct HeldRelays(Vec<(RelayOut, Range<usize>)>);
 
 impl HeldRelays {
     fn hold(relays: Vec<(RelayOut, Range<usize>)>) -> Self {
