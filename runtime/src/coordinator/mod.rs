@@ -14,6 +14,7 @@
 //! is kept in the store and on the checkpoint cadence rank 0 writes a
 //! checkpoint; a restarted job resumes from the newest one that verifies.
 
+mod held;
 pub mod machine;
 mod members;
 mod memory;
@@ -149,7 +150,7 @@ struct Coordinator<'a> {
     /// last commit: written with the next generation's first messages (one
     /// write, and one wake-up of each worker, for both), or before anything
     /// that waits for workers.
-    drained_relays: Option<steps::HeldRelays>,
+    drained_relays: Option<held::HeldRelays>,
     ranks: HashMap<u64, usize>,
     /// The next step to plan (the adapter is asked once per step, as it
     /// is planned).

@@ -2,6 +2,7 @@
 //! reports gathered, steps committed (the cursor moves and the samples enter
 //! the ledger), failures turned into the next generation.
 
+use super::held::HeldRelays;
 use super::records::*;
 use super::routes::{Routes, Run};
 use super::{AHEAD, CHORES_EVERY, Coordinator, MAX_WINDOW, SECOND, WINDOW_WORK_MS, ms};
@@ -19,7 +20,6 @@ use anyhow::{Result, anyhow, bail};
 use edl_plugin_sdk::Hyperparams;
 use std::{
     collections::HashMap,
-    ops::Range,
     sync::mpsc,
     time::{Duration, Instant},
 };
@@ -503,40 +503,6 @@ impl Coordinator<'_> {
     }
 }
 
-/// Relays held (see [`RelayOut::hold`]), each with its run's ranks; each
-/// is released when this is, or dropped on any path.
-pub(super) struct HeldRelays(Vec<(RelayOut, Range<usize>)>);
-
-impl HeldRelays {
-    fn hold(relays: Vec<(RelayOut, Range<usize>)>) -> Self {
-        relays.iter().for_each(|(out, _)| out.hold());
-        HeldRelays(relays)
-    }
-
-    /// Writes what each relay was sent meanwhile; returns the ranks behind
-    /// those whose write failed (the relay is shut: they are lost).
-    fn release(mut self) -> Vec<(usize, String)> {
-        self.release_each()
-    }
-
-    fn release_each(&mut self) -> Vec<(usize, String)> {
-        let mut lost = Vec::new();
-        for (out, ranks) in self.0.drain(..) {
-            if let Err(why) = out.release() {
-                lost.extend(ranks.map(|rank| (rank, why.clone())));
-            }
-        }
-        lost
-    }
-}
-
-impl Drop for HeldRelays {
-    fn drop(&mut self) {
-        // A failed write shuts the relay's connection: its reader reports it.
-        self.release_each();
-    }
-}
-
 /// One window of steps on its way to the ranks.
 struct Window<'a> {
     generation: u64,
@@ -597,28 +563,5 @@ impl Window<'_> {
         let lo = crate::trainer::data::shard(p.cursor, gb, first, world, self.samples).start;
         let hi = crate::trainer::data::shard(p.cursor, gb, last, world, self.samples).end;
         Share { start: lo as u32, end: hi as u32, indices: self.perm[lo..hi].to_vec() }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::control::outbox::{failed_relay, relay_pair};
-
-    #[test]
-    fn a_relay_whose_held_write_fails_loses_its_run_s_ranks_and_no_other() {
-        let (failed, why) = failed_relay();
-        let (good, mut peer) = relay_pair();
-        let lost = HeldRelays::hold(vec![(good.clone(), 0..2), (failed, 2..5)]).release();
-        assert_eq!(lost, [(2, why.clone()), (3, why.clone()), (4, why)]);
-        // Dropped unreleased (an error on the way), a relay is released too:
-        // what it is sent next is written at once.
-        drop(HeldRelays::hold(vec![(good.clone(), 0..2)]));
-        good.send(&[Frame::Beat]).unwrap();
-        let mut beat = Vec::new();
-        Frame::Beat.encode(&mut beat);
-        let mut got = vec![0u8; beat.len()];
-        std::io::Read::read_exact(&mut peer, &mut got).expect("the relay's send was written");
-        assert_eq!(got, beat);
     }
 }
