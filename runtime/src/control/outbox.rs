@@ -107,6 +107,14 @@ impl RelayOut {
         w.write()
     }
 
+    /// Drops what was kept since [`RelayOut::hold`], unwritten; later sends
+    /// are written at once again.
+    pub fn discard(&self) {
+        let mut w = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        w.held = false;
+        w.buf.clear();
+    }
+
     /// Writes `frames` in one write. A write that fails shuts the
     /// connection down (its reader then reports the relay and its workers
     /// lost) and fails every later send too.

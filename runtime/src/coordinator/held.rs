@@ -22,6 +22,12 @@ impl HeldRelays {
         self.release_each()
     }
 
+    /// Lets the relays go without writing what they were sent meanwhile
+    /// (a deposed coordinator's last words).
+    pub(super) fn discard(mut self) {
+        self.0.drain(..).for_each(|(out, _)| out.discard());
+    }
+
     fn release_each(&mut self) -> Vec<(usize, String)> {
         let mut lost = Vec::new();
         for (out, ranks) in self.0.drain(..) {

@@ -538,7 +538,11 @@ impl<'a> Coordinator<'a> {
     fn close(&mut self, reason: &str) {
         if self.keeper.as_ref().and_then(|k| k.fenced()).is_some() {
             // Deposed: the workers follow the coordinator that leads now,
-            // and so do the teachers that outlive this one.
+            // and so do the teachers that outlive this one. What was held
+            // for them is not sent.
+            if let Some(held) = self.drained_relays.take() {
+                held.discard();
+            }
             self.scaler.release();
             if let Some(p) = &self.pool {
                 p.release();

@@ -39,10 +39,19 @@ impl Coordinator<'_> {
             }
         };
         let filled = self.fill_windows();
-        if let Some(held) = held {
-            self.release(held);
+        match held {
+            Some(held) => {
+                self.release(held);
+                self.release_drained();
+            }
+            // The same generation goes on (nothing changed at the
+            // boundary): the held relays' ranks are its own.
+            None => {
+                if let Some(drained) = self.drained_relays.take() {
+                    self.release(drained);
+                }
+            }
         }
-        self.release_drained();
         filled?;
         self.timers.set(Timer::Chores, Instant::now() + CHORES_EVERY);
         loop {
@@ -52,7 +61,12 @@ impl Coordinator<'_> {
                 let held = self.hold_relays();
                 let done = self.commit_window(c).and_then(|()| self.fill_windows());
                 let pipe = self.pipe.as_ref().expect("formed above");
-                if done.is_ok() && pipe.drained() && !pipe.failed() && self.drained_relays.is_none() {
+                if done.is_ok()
+                    && pipe.drained()
+                    && !pipe.failed()
+                    && self.drained_relays.is_none()
+                    && self.may_hold_last_commit()
+                {
                     // The generation's last commit: it goes with what comes
                     // next, the next generation's first messages.
                     self.drained_relays = Some(held);
@@ -145,6 +159,17 @@ impl Coordinator<'_> {
             self.release(held);
         }
         Ok(())
+    }
+
+    /// Whether a drained generation's last commit may wait for the next
+    /// generation's first messages. Not where workers are to outlive this
+    /// coordinator (a standby may take them over): the store names the
+    /// committed step as soon as it is committed, and a worker comes back
+    /// to a standby only with the state of that step, which it keeps when
+    /// the commit reaches it. Nor with parameter servers, whose reshaping
+    /// at the boundary can take seconds.
+    fn may_hold_last_commit(&self) -> bool {
+        self.told.follow.is_none() && self.ps.servers.is_none()
     }
 
     /// Writes what a drained generation's relays were sent since its last

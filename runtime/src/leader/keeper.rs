@@ -842,9 +842,11 @@ impl JobLease {
             // lost (a timeout, a leader election): the value is this
             // process's own (its pid and start time make it unique).
             Cas::Conflict { current: Some(t) } => match store.get(&self.key).await {
+                // When it was applied is not known (only that it was after
+                // the renewal that was not answered was sent): renewed over
+                // it, so that the lease is confirmed from now.
                 Ok(Some(e)) if e.token == t && e.value == self.value => {
-                    self.token = t;
-                    Ok(())
+                    self.write_over(store, Some(t), asked).await
                 }
                 // Written in its place, within this coordinator's term,
                 // without the job's secret: no coordinator of this job holds
@@ -976,10 +978,15 @@ mod tests {
             else {
                 panic!("a renewal")
             };
+            let answered = lease.confirmed;
             lease.renew(&store).await.unwrap();
-            assert_eq!(lease.token, applied, "the applied renewal is taken as this coordinator's");
+            // Taken as this coordinator's, and renewed over (when it was
+            // applied is not known): confirmed from this renewal.
+            assert!(lease.token > applied, "{} after {applied}", lease.token);
+            assert!(lease.confirmed > answered);
+            let over = lease.token;
             lease.renew(&store).await.unwrap();
-            assert!(lease.token > applied, "and renewed from it on");
+            assert!(lease.token > over, "and renewed from it on");
             // Another holder's write is not taken for this one's.
             let other =
                 seal.seal(&lease.key, &serde_json::to_vec(&Holder { pid: 1, ..Holder::me() }).unwrap());
@@ -1085,8 +1092,9 @@ mod tests {
     }
 
     #[test]
-    fn a_renewal_that_failed_is_tried_again_soon_so_a_store_away_for_less_than_the_term_does_not_fence() {
-        // A lease of 30 s is renewed every 10 s. The store refuses the first
+    fn a_renewal_that_failed_or_lost_its_answer_is_tried_again_soon_and_a_store_away_for_less_than_the_term_does_not_fence()
+     {
+        // A lease of 30 s is renewed every 10 s. The store fails the first
         // three renewals (as an etcd cluster electing a leader, or a Redis
         // restarting, would): they are tried again a second apart, and the
         // fourth confirms it, well before the next regular renewal is due.
@@ -1099,7 +1107,12 @@ mod tests {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let lease = rt.block_on(take_lease(&store, "j", ttl, false, &seal)).unwrap();
         let (taken, first) = (lease.confirmed, lease.token);
-        memory.refuse_writes(3);
+        // Two refused, then one applied whose answer is lost (an etcd
+        // leader killed mid-call): the next try finds the keeper's own
+        // write and renews over it, so the lease is confirmed from then on
+        // (when the lost one was applied is not known).
+        memory.refuse_writes(2);
+        memory.lose_answers(1);
         let keeper =
             StoreKeeper::start_on(rt, store.clone(), "memory".into(), "s".into(), None, Some(lease), seal)
                 .unwrap();
@@ -1111,10 +1124,10 @@ mod tests {
         }
         assert_ne!(confirmed(), Some(taken), "the lease was not renewed after the store came back");
         assert!(keeper.fenced().is_none(), "{:?}", keeper.fenced());
-        // Renewed by this keeper: the store holds a newer write of the lease.
+        // Renewed by this keeper over its own write whose answer was lost.
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let now = rt.block_on(store.get(&crate::store::keys::coordinator("j"))).unwrap().unwrap();
-        assert!(now.token > first, "{} after {first}", now.token);
+        assert_eq!(now.token, first + 2, "the lost write, then the one over it");
     }
 
     #[test]

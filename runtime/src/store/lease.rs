@@ -34,17 +34,22 @@ impl<S: Store> Lease<S> {
             tick.tick().await;
             loop {
                 tick.tick().await;
-                match s.refresh(&k, ttl).await {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        if let Err(e) = s.put(&k, &value, Some(ttl)).await {
+                let held = match s.refresh(&k, ttl).await {
+                    Ok(true) => true,
+                    Ok(false) => match s.put(&k, &value, Some(ttl)).await {
+                        Ok(_) => true,
+                        Err(e) => {
                             tracing::warn!("lease {k}: cannot write it again: {e}");
+                            false
                         }
-                    }
+                    },
                     Err(e) => {
                         tracing::warn!("lease {k}: refresh failed, retrying: {e}");
-                        tick.reset_after(retry_every(ttl));
+                        false
                     }
+                };
+                if !held {
+                    tick.reset_after(retry_every(ttl));
                 }
             }
         });

@@ -22,6 +22,10 @@ pub struct MemoryStore {
     /// Compare-and-sets still to refuse as an unreachable store would.
     #[cfg(test)]
     refusals: Arc<std::sync::atomic::AtomicUsize>,
+    /// Compare-and-sets still to apply and then fail, as a call whose
+    /// answer was lost (a timeout, a leader election) would.
+    #[cfg(test)]
+    lost_answers: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 #[derive(Default)]
@@ -70,6 +74,13 @@ impl MemoryStore {
     #[cfg(test)]
     pub(crate) fn refuse_writes(&self, n: usize) {
         self.refusals.store(n, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The next `n` compare-and-sets are applied, and then fail as calls
+    /// whose answers were lost.
+    #[cfg(test)]
+    pub(crate) fn lose_answers(&self, n: usize) {
+        self.lost_answers.store(n, std::sync::atomic::Ordering::SeqCst);
     }
 
     fn with<R>(&self, f: impl FnOnce(&mut Keys) -> R) -> R {
@@ -147,7 +158,7 @@ impl Store for MemoryStore {
                 return Err(StoreError::Unavailable { url: "memory".into(), detail: "refused".into() });
             }
         }
-        Ok(self.with(|k| {
+        let done = self.with(|k| {
             let current = k.map.get(key).map(|s| s.token);
             if current != expected {
                 return Cas::Conflict { current };
@@ -156,6 +167,14 @@ impl Store for MemoryStore {
             let expires = k.expiry(ttl);
             k.map.insert(key.to_string(), Slot { value: value.to_vec(), token, expires });
             Cas::Written(token)
-        }))
+        });
+        #[cfg(test)]
+        {
+            use std::sync::atomic::Ordering::SeqCst;
+            if self.lost_answers.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1)).is_ok() {
+                return Err(StoreError::Unavailable { url: "memory".into(), detail: "no answer".into() });
+            }
+        }
+        Ok(done)
     }
 }
