@@ -116,6 +116,8 @@ pub struct Gate {
     /// A relay's gate: the job's secret is checked here, who may join is
     /// the coordinator's to say (the relay passes the claim on).
     relay_side: bool,
+    /// The connections it refused, as the log says them.
+    refusals: Refusals,
 }
 
 impl Gate {
@@ -202,6 +204,7 @@ pub fn start_channel<M: Message>(
         generation: AtomicU64::new(0),
         returning: Default::default(),
         relay_side: false,
+        refusals: Refusals::default(),
     };
     serve(listener, Arc::new(gate), lease, tx)
 }
@@ -222,6 +225,7 @@ pub fn start_for_relay(
         generation: AtomicU64::new(0),
         returning: Default::default(),
         relay_side: true,
+        refusals: Refusals::default(),
     };
     serve(listener, Arc::new(gate), lease, tx).map(drop)
 }
@@ -242,7 +246,6 @@ fn serve<M: Message>(
     let next = Arc::new(AtomicU64::new(0));
     let accepting = gate.clone();
     let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let refusals = Arc::new(Refusals::default());
     std::thread::Builder::new().name("edl-accept".into()).spawn(move || {
         let mut closed = 0u64;
         for conn in listener.incoming() {
@@ -268,17 +271,10 @@ fn serve<M: Message>(
                 continue;
             }
             pending.fetch_add(1, Ordering::Relaxed);
-            let (gate, next, tx, new_tx, waker, done, refusals) = (
-                accepting.clone(),
-                next.clone(),
-                tx.clone(),
-                new_tx.clone(),
-                waker.clone(),
-                pending.clone(),
-                refusals.clone(),
-            );
+            let (gate, next, tx, new_tx, waker, done) =
+                (accepting.clone(), next.clone(), tx.clone(), new_tx.clone(), waker.clone(), pending.clone());
             let admitted = std::thread::Builder::new().name("edl-admit".into()).spawn(move || {
-                admit(conn, &gate, lease, &next, &tx, &new_tx, &waker, &refusals);
+                admit(conn, &gate, lease, &next, &tx, &new_tx, &waker);
                 done.fetch_sub(1, Ordering::Relaxed);
             });
             if let Err(e) = admitted {
@@ -332,7 +328,6 @@ impl Refusals {
 }
 
 /// Runs the secret's exchange on a new connection and hands it on once proven.
-#[allow(clippy::too_many_arguments)]
 fn admit<M: Message>(
     mut conn: TcpStream,
     gate: &Arc<Gate>,
@@ -341,7 +336,6 @@ fn admit<M: Message>(
     tx: &mpsc::Sender<Inbound<M>>,
     new_tx: &mpsc::Sender<Proven<M>>,
     waker: &Waker,
-    refusals: &Refusals,
 ) {
     let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "a peer".into());
 
@@ -361,10 +355,10 @@ fn admit<M: Message>(
             return;
         }
         Err(e) => {
-            match refusals.say(Instant::now()) {
+            match gate.refusals.say(Instant::now()) {
                 Some(0) => tracing::warn!("refused a control connection from {peer}: {e}"),
                 Some(n) => tracing::warn!(
-                    "refused a control connection from {peer}: {e} ({n} more refused in the last second or longer, not said)"
+                    "refused a control connection from {peer}: {e} ({n} more refused since the last warning of one, said at debug level)"
                 ),
                 None => tracing::debug!("refused a control connection from {peer}: {e}"),
             }

@@ -64,6 +64,13 @@ impl Keys {
     }
 }
 
+/// Counts one down, if any is left.
+#[cfg(test)]
+fn take_one(left: &std::sync::atomic::AtomicUsize) -> bool {
+    use std::sync::atomic::Ordering::SeqCst;
+    left.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1)).is_ok()
+}
+
 impl MemoryStore {
     pub fn new() -> Self {
         Self::default()
@@ -152,11 +159,8 @@ impl Store for MemoryStore {
         ttl: Option<Duration>,
     ) -> Result<Cas, StoreError> {
         #[cfg(test)]
-        {
-            use std::sync::atomic::Ordering::SeqCst;
-            if self.refusals.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1)).is_ok() {
-                return Err(StoreError::Unavailable { url: "memory".into(), detail: "refused".into() });
-            }
+        if take_one(&self.refusals) {
+            return Err(StoreError::Unavailable { url: "memory".into(), detail: "refused".into() });
         }
         let done = self.with(|k| {
             let current = k.map.get(key).map(|s| s.token);
@@ -169,11 +173,8 @@ impl Store for MemoryStore {
             Cas::Written(token)
         });
         #[cfg(test)]
-        {
-            use std::sync::atomic::Ordering::SeqCst;
-            if self.lost_answers.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1)).is_ok() {
-                return Err(StoreError::Unavailable { url: "memory".into(), detail: "no answer".into() });
-            }
+        if take_one(&self.lost_answers) {
+            return Err(StoreError::Unavailable { url: "memory".into(), detail: "no answer".into() });
         }
         Ok(done)
     }
