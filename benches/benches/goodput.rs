@@ -1,22 +1,26 @@
 //! Time to a target test accuracy of the built-in job (MNIST 5k, the
-//! 784-128-10 student, no distillation) for four batch settings, in one
-//! run: a fixed global batch of 64; a fixed 512 with the learning rate
-//! scaled linearly (0.05 x 8); `dynamic-batch` (each worker's batch kept,
-//! the rate ramped, on every resize); and `goodput` (batch and rate from the
-//! noise scale and the measured step times, up to `--batch-max 1024`; the
-//! rate by AdaScale's gain, and again by the linear rule; and once with the
-//! goodput policy choosing the workers too). Each
-//! job but the last runs under the schedule policy (1 -> 2 -> 3 -> 4
-//! workers and back, a decision every 4 steps) and writes a checkpoint every few steps; the
-//! bench then reads every checkpoint, measures its test accuracy on the
-//! 1000 held-out images, and takes the training time of the first that
-//! reaches the target (the job's own clock, from its report).
+//! 784-128-10 student, no distillation) under fixed and adapted batches, in
+//! one run: fixed global batches of 64, 256, 512 and 1024 with the learning
+//! rate scaled linearly from 0.05 at 64 (and 64 at four times that rate);
+//! `dynamic-batch` (each worker's batch kept, the rate ramped, on every
+//! resize); and `goodput` (batch and rate from the noise scale and the
+//! measured step times, up to `--batch-max 1024`; the rate by AdaScale's
+//! gain, and again by the linear rule; and once with the goodput policy
+//! choosing the workers too). Each job but the last runs under the schedule
+//! policy (1 -> 2 -> 3 -> 4 workers and back, a decision every 4 steps) and
+//! writes a checkpoint every few steps; the bench then reads every
+//! checkpoint, measures its test accuracy on the 1000 held-out images, and
+//! takes the training time of the first that reaches the target (the job's
+//! own clock, from its report) and the samples trained on by then (the
+//! steps' batches summed): their ratio between fixed batches is the
+//! statistical efficiency the goodput model estimates.
 //!
 //!     cargo build --release -p edl-runtime && cargo bench -p edl-benches --bench goodput [-- STEP_MS]
 //!
 //! `STEP_MS` (default 0) adds a fixed time to every step, whatever its
 //! batch: steps bound by communication or a fixed launch cost, as on
 //! accelerators, where larger batches pay off; 0 is this CPU as it is.
+//! `EDL_BENCH_ONLY=a,b` runs only the settings whose names contain `a` or `b`.
 
 use edl_benches::release_runtime as runtime;
 use edl_runtime::{checkpoint::Checkpoints, job::BuiltinModel, trainer::worker};
@@ -39,8 +43,11 @@ fn settings() -> Vec<Setting> {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins").join(name).display().to_string()
     };
     vec![
-        Setting { name: "fixed 64", flags: s(&["--batch", "64", "--lr", "0.05"]), every: 8 },
+        Setting { name: "fixed 64, lr 0.05", flags: s(&["--batch", "64", "--lr", "0.05"]), every: 8 },
+        Setting { name: "fixed 64, lr 0.2", flags: s(&["--batch", "64", "--lr", "0.2"]), every: 8 },
+        Setting { name: "fixed 256, lr x 4", flags: s(&["--batch", "256", "--lr", "0.2"]), every: 2 },
         Setting { name: "fixed 512, lr x 8", flags: s(&["--batch", "512", "--lr", "0.4"]), every: 1 },
+        Setting { name: "fixed 1024, lr x 16", flags: s(&["--batch", "1024", "--lr", "0.8"]), every: 1 },
         Setting {
             name: "dynamic-batch",
             flags: [s(&["--batch", "64", "--lr", "0.05", "--adapter"]), vec![art("dynamic-batch.wasm")]]
@@ -87,9 +94,18 @@ fn settings() -> Vec<Setting> {
     ]
 }
 
-/// Runs one setting; returns (seconds to the target or None, the best
-/// accuracy, its seconds, steps, final batch).
-fn run(s: &Setting, step_ms: &str) -> (Option<f64>, f64, f64, u64, u64) {
+/// What one run of a setting gave.
+struct Outcome {
+    /// Seconds to the target, and the samples trained on by then.
+    reached: Option<(f64, u64)>,
+    /// The best accuracy and its seconds.
+    best: (f64, f64),
+    steps: u64,
+    last_batch: u64,
+}
+
+/// Runs one setting.
+fn run(s: &Setting, step_ms: &str) -> Outcome {
     let dir = tempfile::tempdir().unwrap();
     // The schedule policy, unless the setting names its own.
     let schedule =
@@ -116,43 +132,62 @@ fn run(s: &Setting, step_ms: &str) -> (Option<f64>, f64, f64, u64, u64) {
     };
     let model = BuiltinModel::mnist5k();
     let (_, test) = worker::load_data(&model).unwrap();
-    let mut points: Vec<(f64, f64)> = Vec::new();
+    // Samples trained on by the end of each step: the steps' batches summed.
+    let samples_by = |step: u64| -> u64 {
+        timeline
+            .iter()
+            .take_while(|t| t["step"].as_u64().is_some_and(|s| s <= step))
+            .filter_map(|t| t["batch"].as_u64())
+            .sum()
+    };
+    let mut points: Vec<(f64, f64, u64)> = Vec::new();
     for entry in std::fs::read_dir(dir.path().join(".edl/mnist/checkpoints")).unwrap().flatten() {
         let Ok(c) = Checkpoints::read(&entry.path()) else { continue };
         let Some(secs) = secs_at(c.manifest.step) else { continue };
         let acc = worker::mlp_of(&c).unwrap().accuracy(&test) as f64;
-        points.push((secs, acc));
+        points.push((secs, acc, c.manifest.step));
     }
     points.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let reached = points.iter().find(|p| p.1 >= TARGET).map(|p| p.0);
-    let best = points.iter().copied().fold((0.0, 0.0), |b, p| if p.1 > b.1 { p } else { b });
+    let reached = points.iter().find(|p| p.1 >= TARGET).map(|p| (p.0, samples_by(p.2)));
+    let best = points.iter().fold((0.0, 0.0), |b, p| if p.1 > b.0 { (p.1, p.0) } else { b });
     let last = timeline.last().unwrap();
-    (reached, best.1, best.0, last["step"].as_u64().unwrap(), last["batch"].as_u64().unwrap())
+    Outcome {
+        reached,
+        best,
+        steps: last["step"].as_u64().unwrap(),
+        last_batch: last["batch"].as_u64().unwrap(),
+    }
 }
 
 fn main() {
     let step_ms = std::env::args().skip(1).find(|a| !a.starts_with('-')).unwrap_or_else(|| "0".into());
     println!("time to {:.0}% test accuracy, {RUNS} runs each, --step-delay-ms {step_ms}", TARGET * 100.0);
-    println!("| setting | seconds to the target (each run) | best accuracy (at s) | steps | last batch |");
-    println!("|---|---|---|---|---|");
+    println!(
+        "| setting | seconds to the target (each run) | samples to it, thousands | best accuracy (at s) | steps | last batch |"
+    );
+    println!("|---|---|---|---|---|---|");
     let mut fastest: Vec<(String, f64)> = Vec::new();
-    for s in settings() {
-        let runs: Vec<_> = (0..RUNS).map(|_| run(&s, &step_ms)).collect();
-        let each: Vec<String> =
-            runs.iter().map(|r| r.0.map_or("not reached".into(), |t| format!("{t:.2}"))).collect();
-        let (best, at) =
-            runs.iter().map(|r| (r.1, r.2)).fold((0.0, 0.0), |b, p| if p.0 > b.0 { p } else { b });
+    let only = std::env::var("EDL_BENCH_ONLY").unwrap_or_default();
+    for s in settings().into_iter().filter(|s| only.split(',').any(|o| s.name.contains(o))) {
+        let runs: Vec<Outcome> = (0..RUNS).map(|_| run(&s, &step_ms)).collect();
+        let each = |f: &dyn Fn(f64, u64) -> String| {
+            runs.iter().map(|r| r.reached.map_or("not reached".into(), |(t, n)| f(t, n))).collect::<Vec<_>>()
+        };
+        let (secs, samples) =
+            (each(&|t, _| format!("{t:.2}")), each(&|_, n| format!("{:.1}", n as f64 / 1e3)));
+        let (best, at) = runs.iter().map(|r| r.best).fold((0.0, 0.0), |b, p| if p.0 > b.0 { p } else { b });
         let r = &runs[0];
         println!(
-            "| {} | {} | {:.2}% ({at:.1} s) | {} | {} |",
+            "| {} | {} | {} | {:.2}% ({at:.1} s) | {} | {} |",
             s.name,
-            each.join(", "),
+            secs.join(", "),
+            samples.join(", "),
             best * 100.0,
-            r.3,
-            r.4
+            r.steps,
+            r.last_batch
         );
         // A setting's time: the mean of its runs, when every run got there.
-        let reached: Vec<f64> = runs.iter().filter_map(|r| r.0).collect();
+        let reached: Vec<f64> = runs.iter().filter_map(|r| r.reached.map(|(t, _)| t)).collect();
         if reached.len() == RUNS {
             fastest.push((s.name.to_string(), reached.iter().sum::<f64>() / RUNS as f64));
         }

@@ -51,6 +51,29 @@ pub fn measured_batches(stats: &TrainingStats, world: u32) -> usize {
     stats.step_times.iter().filter(|t| t.world_size == world && t.secs > 0.0).count()
 }
 
+/// How far past the largest batch measured a choice may go, unless
+/// configured otherwise: twice.
+pub const GROWTH: f64 = 2.0;
+
+/// The largest global batch worth choosing now: `growth` times the largest
+/// measured (at any world size), at most `max`; `max` when nothing is
+/// measured. The step-time model is a line fitted to the batches measured,
+/// and a line through 64 and 128 says little about 1024; the rate follows
+/// the batch, so a sixteenfold batch is a sixteenfold rate (by the linear
+/// rule) at once. Bounded, the batch grows by measured steps, each choice
+/// made on a model that has seen a batch within `growth` of it, and the rate
+/// rises gradually (as a warm-up does).
+pub fn reach(stats: &TrainingStats, growth: f64, max: u32) -> u32 {
+    let measured = stats.step_times.iter().filter(|t| t.secs > 0.0).map(|t| t.global_batch).max();
+    match measured {
+        Some(m) if growth.is_finite() => {
+            let bound = (f64::from(m) * growth.max(1.0)).floor();
+            if bound >= f64::from(max) { max } else { bound as u32 }
+        }
+        _ => max,
+    }
+}
+
 /// Statistical efficiency of batch `m` against `base` at noise scale `phi`.
 pub fn efficiency(phi: f64, base: u32, m: u32) -> f64 {
     (phi + f64::from(base)) / (phi + f64::from(m.max(1)))

@@ -5,7 +5,9 @@
 //!
 //! At each decision, from what the host measured (the noise scale, the
 //! step time at each world size and batch), the goodput `G(k)` of `k`
-//! workers is the best over the adapter's batches of `M / T_k(M) * E(M)`
+//! workers is the best over the adapter's batches (up to `--batch-max`,
+//! where the adapter heads, not only those within its reach now) of
+//! `M / T_k(M) * E(M)`
 //! (see `goodput-model`), with `T_k` fitted to the step times measured
 //! at `k` workers or, where none were, at the nearest count measured. Like
 //! `autoscale`, it judges the last worker by its scaling efficiency

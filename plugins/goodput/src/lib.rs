@@ -13,8 +13,8 @@
 //! - goodput `G(M) = M / T(M) * E(M)`.
 //!
 //! The adapter moves to the `M` of the largest goodput among `M0 * 2^(k/4)`
-//! up to `--batch-max` (a multiple of `N`), when it beats the current one by
-//! `min-gain`; the learning rate follows AdaScale's gain
+//! up to `--batch-max` (a multiple of `N`) and at most `growth` (2) times the
+//! largest batch measured, when it beats the current one by `min-gain`; the learning rate follows AdaScale's gain
 //! `r = (phi / M0 + 1) / (phi / M + 1)` (`lr-rule=adascale`, for SGD), or the
 //! square-root rule (`sqrt`, for Adam), or the linear one (`linear`).
 //! Until the noise scale is measured (by a program, once two workers share
@@ -24,7 +24,8 @@
 //! takes `overhead` of the one measured step time as fixed).
 
 use edl_plugin_sdk::{BatchAdapter, Config, Hyperparams, PluginError, ResizeEvent, TrainingStats};
-pub use goodput_model::{StepModel, candidates, efficiency, goodput, measured_batches};
+use goodput_model::GROWTH;
+pub use goodput_model::{StepModel, candidates, efficiency, goodput, measured_batches, reach};
 
 /// How the learning rate follows the batch.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -41,6 +42,8 @@ pub struct Goodput {
     overhead: f64,
     /// Smallest relative gain in goodput worth a change of batch.
     min_gain: f64,
+    /// How far past the largest batch measured a choice may go (a factor).
+    growth: f64,
     /// Measure twice the batch once where only one batch was measured, and
     /// the (world size, batch) probed.
     probe: bool,
@@ -56,6 +59,7 @@ impl Default for Goodput {
             rule: LrRule::AdaScale,
             overhead: 0.3,
             min_gain: 0.05,
+            growth: GROWTH,
             probe: true,
             probed: None,
             stats: None,
@@ -113,8 +117,8 @@ impl Goodput {
         }
         let model = StepModel::fit(stats, world, self.overhead)?;
         let of = |m: u32| goodput(&model, phi, base, m, world);
-        let best =
-            candidates(base, stats.max_batch, world).into_iter().max_by(|a, b| of(*a).total_cmp(&of(*b)))?;
+        let within = reach(stats, self.growth, stats.max_batch);
+        let best = candidates(base, within, world).into_iter().max_by(|a, b| of(*a).total_cmp(&of(*b)))?;
         if best == now || of(best) < of(now) * (1.0 + self.min_gain) {
             return None;
         }
@@ -133,7 +137,7 @@ impl Goodput {
 
 impl BatchAdapter for Goodput {
     fn init(&mut self, config: &Config) -> Result<(), PluginError> {
-        config.expect_only(&["lr-rule", "overhead", "min-gain", "probe"])?;
+        config.expect_only(&["lr-rule", "overhead", "min-gain", "probe", "growth"])?;
         self.probe = config.get_or("probe", true)?;
         self.rule = match config.raw("lr-rule").unwrap_or("adascale") {
             "adascale" => LrRule::AdaScale,
@@ -155,6 +159,13 @@ impl BatchAdapter for Goodput {
         self.min_gain = config.get_or("min-gain", 0.05)?;
         if !(self.min_gain >= 0.0) {
             return Err(PluginError::InvalidConfig(format!("min-gain {}: need 0 or more", self.min_gain)));
+        }
+        self.growth = config.get_or("growth", GROWTH)?;
+        if self.growth.is_nan() || self.growth <= 1.0 {
+            return Err(PluginError::InvalidConfig(format!(
+                "growth {}: need more than 1 (inf: no bound)",
+                self.growth
+            )));
         }
         Ok(())
     }
@@ -294,6 +305,30 @@ mod tests {
         assert!(h.global_batch <= 300 && h.global_batch % 3 == 0, "{h:?}");
         assert_eq!(candidates(64, 64, 2), [64]);
         assert_eq!(candidates(64, 256, 2), [64, 76, 90, 108, 128, 152, 180, 214, 256]);
+    }
+
+    #[test]
+    fn a_choice_goes_at_most_twice_past_the_largest_batch_measured() {
+        // Steps almost all fixed cost and a large noise scale: the model
+        // favours the largest batch, 1024, from measures at 64 and 128.
+        let s = stats(2000.0, &[(2, 64, 0.020), (2, 128, 0.0201)]);
+        let at = |growth: f64, now: u32| {
+            let mut g = Goodput { growth, ..Goodput::default() };
+            g.choose(&s, 2, &Hyperparams { global_batch: now, local_batch: now / 2, ..NOW })
+        };
+        let h = at(GROWTH, 128).expect("a larger batch");
+        assert_eq!((h.global_batch, h.local_batch), (256, 128), "twice the largest measured");
+        assert_eq!(at(f64::INFINITY, 128).map(|h| h.global_batch), Some(1024), "unbounded");
+        // A batch measured at another world size counts too, and the bound
+        // never passes --batch-max.
+        let far = stats(2000.0, &[(2, 64, 0.020), (2, 128, 0.0201), (4, 768, 0.021)]);
+        assert_eq!(reach(&far, GROWTH, 1024), 1024);
+        assert_eq!(reach(&far, 1.0, 1024), 768);
+        assert_eq!(reach(&stats(1.0, &[]), GROWTH, 1024), 1024, "nothing measured: the bound alone");
+        // Configured: a growth of 1 or less is refused, by name.
+        let mut g = Goodput::default();
+        let e = g.init(&Config::from_pairs(&[("growth", "1")])).unwrap_err();
+        assert!(e.to_string().contains("growth"), "{e}");
     }
 
     #[test]
