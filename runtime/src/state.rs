@@ -64,6 +64,15 @@ impl Layout {
         self.tensors.iter().map(TensorSpec::numel).sum()
     }
 
+    /// [`Layout::numel`], or None where it does not fit a `usize` (a
+    /// layout read from a file, before it is believed).
+    pub fn checked_numel(&self) -> Option<usize> {
+        self.tensors.iter().try_fold(0usize, |sum, t| {
+            let n = t.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))?;
+            sum.checked_add(n)
+        })
+    }
+
     /// Each tensor with the range of its values in the flat state.
     pub fn ranges(&self) -> impl Iterator<Item = (&TensorSpec, Range<usize>)> {
         let mut at = 0;

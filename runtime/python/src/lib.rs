@@ -382,6 +382,12 @@ impl Job {
         if n == 0 {
             return Err(PyValueError::new_err("job.samples: a data set of 0 samples"));
         }
+        let most = edl_runtime::trainer::data::MAX_SAMPLES;
+        if n > most {
+            return Err(PyValueError::new_err(format!(
+                "job.samples: {n} samples; a job holds at most {most} (a step's positions are 32-bit)"
+            )));
+        }
         self.samples.store(n, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }

@@ -241,6 +241,8 @@ def test_register_refuses_what_it_cannot_keep(tmp_path):
         job.register("ints", np.zeros(3, dtype=np.int64))
     with pytest.raises(ValueError, match="writable and C-contiguous"):
         job.register("strided", np.zeros((4, 4), dtype=np.float32)[:, 1])
+    with pytest.raises(ValueError, match="job.samples: 4294967296 samples; a job holds at most 4294967295"):
+        job.samples = 2**32
     job.register("w", np.zeros((2, 3), dtype=np.float32))
     with pytest.raises(ValueError, match="registered twice"):
         job.register("w", np.zeros(3, dtype=np.float32))

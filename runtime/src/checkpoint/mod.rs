@@ -1053,7 +1053,12 @@ impl Checkpoints {
                     .map_err(|e| corrupt(&file, e))?
             }
         };
-        let mut values = Vec::with_capacity(layout.numel());
+        // The order is the file's own word: believed only as far as the
+        // file holds the values it names.
+        let numel = layout.checked_numel().filter(|&n| n <= bytes.len() / 4).ok_or_else(|| {
+            corrupt(&file, format!("its tensor order names more values than its {} bytes hold", bytes.len()))
+        })?;
+        let mut values = Vec::with_capacity(numel);
         for t in layout.tensors() {
             let v = st.tensor(&t.name).map_err(|e| corrupt(&file, format!("tensor {:?}: {e}", t.name)))?;
             if v.dtype() != Dtype::F32 || v.shape() != t.shape.as_slice() {
@@ -1168,6 +1173,56 @@ mod tests {
         assert!(r.is_none());
         assert_eq!(skipped.len(), 2);
         assert!(skipped[1].to_string().contains("does not match manifest.sha256"), "{}", skipped[1]);
+    }
+
+    /// Rewrites a checkpoint's state file as `edit` changes its header, and
+    /// its checksums to match: a file whose hashes all agree.
+    fn rewrite_header(at: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+        let state = at.join(STATE_FILE);
+        let bytes = std::fs::read(&state).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        edit(&mut header);
+        let mut text = serde_json::to_vec(&header).unwrap();
+        text.resize(text.len().next_multiple_of(8), b' ');
+        let mut out = (text.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&text);
+        out.extend_from_slice(&bytes[8 + n..]);
+        std::fs::write(&state, &out).unwrap();
+        let sum = std::fs::read_to_string(at.join(SUM_FILE)).unwrap();
+        let name = sum.trim().split_once(' ').map_or("manifest.json".to_string(), |(_, n)| n.to_string());
+        let mut m: Manifest = serde_json::from_slice(&std::fs::read(at.join(&name)).unwrap()).unwrap();
+        m.files.insert(STATE_FILE.into(), hex::encode(Sha256::digest(&out)));
+        let text = serde_json::to_vec(&m).unwrap();
+        std::fs::write(at.join(&name), &text).unwrap();
+        let line = match sum.trim().split_once(' ') {
+            Some((_, n)) => format!("{} {n}", hex::encode(Sha256::digest(&text))),
+            None => hex::encode(Sha256::digest(&text)),
+        };
+        std::fs::write(at.join(SUM_FILE), line).unwrap();
+    }
+
+    #[test]
+    fn a_tensor_order_naming_more_values_than_the_file_holds_is_a_corrupt_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let cps = Checkpoints::new(dir.path(), 3);
+        for step in [10, 20] {
+            cps.save(&layout(), &state(step as f32), manifest(step)).unwrap();
+        }
+        let newest = cps.list().unwrap().last().unwrap().1.clone();
+        // Shapes whose product overflows, then one that only claims too much.
+        for shape in [serde_json::json!([1u64 << 40, 1u64 << 40]), serde_json::json!([1u64 << 40])] {
+            rewrite_header(&newest, |h| {
+                let order = serde_json::json!({"tensors": [{"name": "w", "shape": shape}]});
+                h["__metadata__"]["edl.layout"] = order.to_string().into();
+            });
+            let (r, skipped) = cps.latest().unwrap();
+            assert_eq!(r.unwrap().manifest.step, 10, "the one before is used");
+            assert_eq!(skipped.len(), 1);
+            let e = skipped[0].to_string();
+            assert!(e.contains("step-0000000020/state.safetensors"), "{e}");
+            assert!(e.contains("its tensor order names more values than its"), "{e}");
+        }
     }
 
     #[test]

@@ -252,7 +252,10 @@ fn sum(generation: u64, g: &Gathering) -> Option<FromWorker> {
 fn sum_step(each: &[&StepDone]) -> Option<StepDone> {
     let (head, last) = (each.first()?, each.last()?);
     let follows = each.windows(2).all(|p| p[0].end == p[1].start && p[0].step == p[1].step);
-    if !follows || each.iter().any(|d| d.step != head.step || d.epoch != head.epoch) {
+    // A range that runs backwards is not summed: it goes up as it came, for
+    // the coordinator to find it is not the rank's share.
+    let ordered = each.iter().all(|d| d.start <= d.end);
+    if !follows || !ordered || each.iter().any(|d| d.step != head.step || d.epoch != head.epoch) {
         return None;
     }
     let mut metrics: Vec<(String, f64)> = Vec::new();
@@ -425,6 +428,16 @@ mod tests {
         let Up::Release(held, own) = g.take(9, mine.clone()) else { panic!() };
         assert_eq!(held.iter().map(|(c, _)| *c).collect::<Vec<_>>(), vec![7, 8]);
         assert_eq!(own, mine, "its own after the others', as it came");
+        // Nor do positions that run backwards (a worker's bad report),
+        // which could not be counted in rows.
+        g.expect(&w);
+        g.take(7, done(7, &w, 0.1));
+        g.take(8, done(8, &w, 0.2));
+        let FromWorker::Done { generation, mut steps, setup_ms } = done(9, &w, 0.3) else { unreachable!() };
+        steps[0].end = steps[0].start - 1;
+        let backwards = FromWorker::Done { generation, steps, setup_ms };
+        let Up::Release(held, own) = g.take(9, backwards.clone()) else { panic!("not summed") };
+        assert_eq!((held.len(), own), (2, backwards));
         // A report for a window nobody gathers goes up as it came.
         assert_eq!(g.take(7, done(7, &w, 0.1)), Up::Line(done(7, &w, 0.1)));
     }

@@ -182,6 +182,11 @@ impl Coordinator<'_> {
     /// against them.
     fn take_samples(&mut self, declared: Option<u64>) -> Result<(), String> {
         match (self.tally.train_len(), declared) {
+            (0, Some(n)) if n > crate::trainer::data::MAX_SAMPLES as u64 => Err(format!(
+                "the program's data set declares {n} samples (len(dataset)); a job holds at most {} \
+                 (a step's positions are 32-bit)",
+                crate::trainer::data::MAX_SAMPLES
+            )),
             (0, Some(n)) if n > 0 => {
                 let n = n as usize;
                 if self.hyper.global_batch as usize > n {

@@ -211,7 +211,9 @@ impl Coordinator<'_> {
                 h.leader.addr
             );
         }
-        self.tally.restore(s.committed_steps, s.epoch, s.cursor, h.ledger.clone());
+        self.tally.restore(s.committed_steps, s.epoch, s.cursor, h.ledger.clone()).map_err(|e| {
+            anyhow::anyhow!("the job's state in the store at step {}: {e}", s.committed_steps)
+        })?;
         self.hyper = h.hyper;
         self.events = h.events.clone();
         self.init = None;
@@ -341,7 +343,7 @@ impl Coordinator<'_> {
                 self.tally.train_len()
             );
         }
-        self.restore(&r, book.ledger);
+        self.restore(&r, book.ledger)?;
         self.events = book.events;
         self.generation = self.generation.max(book.generation);
         let lost = stored_step.map(|s| s.saturating_sub(m.step)).unwrap_or(0);
@@ -364,11 +366,14 @@ impl Coordinator<'_> {
 
     /// Takes the cursor, hyperparameters and ledger of a checkpoint, whose
     /// parameters the first generation then loads.
-    pub(super) fn restore(&mut self, r: &Restored, ledger: Ledger) {
+    pub(super) fn restore(&mut self, r: &Restored, ledger: Ledger) -> Result<()> {
         let m = &r.manifest;
-        self.tally.restore(m.step, m.epoch, m.cursor, ledger);
+        self.tally
+            .restore(m.step, m.epoch, m.cursor, ledger)
+            .map_err(|e| anyhow::anyhow!("checkpoint {}: {e}", r.path.display()))?;
         self.hyper = m.hyperparams;
         self.init = Some(r.path.clone());
+        Ok(())
     }
 
     /// Every worker is gone: start over from the newest checkpoint with new ones.
@@ -442,7 +447,7 @@ impl Coordinator<'_> {
                     r.manifest.plugin_state.read().with_context(|| {
                         format!("{}: manifest has no coordinator state", r.path.display())
                     })?;
-                self.restore(&r, book.ledger);
+                self.restore(&r, book.ledger)?;
             }
             None => {
                 self.tally.restart();

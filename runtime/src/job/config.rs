@@ -76,6 +76,12 @@ impl JobConfig {
         if train_len == 0 && !from_program {
             bail!("the job has no samples (--samples 0, or --train-samples 0)");
         }
+        if train_len > crate::trainer::data::MAX_SAMPLES {
+            bail!(
+                "--samples {train_len}: a job holds at most {} samples (a step's positions are 32-bit)",
+                crate::trainer::data::MAX_SAMPLES
+            );
+        }
         if self.spec.epochs == 0 {
             bail!("--epochs 0: a job trains at least one epoch");
         }

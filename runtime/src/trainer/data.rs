@@ -163,6 +163,10 @@ pub(crate) fn splitmix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
+/// The most samples a job's data set may hold: a step's positions and
+/// sample indices travel as 32-bit numbers.
+pub const MAX_SAMPLES: usize = u32::MAX as usize;
+
 /// The order of `n` samples in `epoch` under `seed` (Fisher-Yates).
 pub fn permutation(n: usize, seed: u64, epoch: u64) -> Vec<u32> {
     let mut p: Vec<u32> = (0..n as u32).collect();

@@ -482,6 +482,10 @@ fn other_subcommands_refuse_flags_that_are_not_theirs_naming_whose_they_are() {
         ],
     );
     refused(&["--samples", "8"], &["`--samples` is a flag of `edl-runtime launch`, not of the built-in job"]);
+    refused(
+        &["launch", "--samples", "4294967296", "--", "true"],
+        &["--samples 4294967296: a job holds at most 4294967295 samples"],
+    );
     refused(&["worker", "--coordinator", "127.0.0.1:1", "--epochs", "2"], &["not of `edl-runtime worker`"]);
 }
 

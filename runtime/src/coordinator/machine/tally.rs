@@ -121,18 +121,34 @@ impl Tally {
     }
 
     /// Goes to a stored position (a checkpoint, or the state a coordinator
-    /// took over), with the ledger of its epoch.
-    pub fn restore(&mut self, committed: u64, epoch: u64, cursor: usize, ledger: Ledger) {
+    /// took over), with the ledger of its epoch; refused (nothing changed)
+    /// where the ledger is of another number of samples or the position is
+    /// past the epoch's end.
+    pub fn restore(
+        &mut self,
+        committed: u64,
+        epoch: u64,
+        cursor: usize,
+        ledger: Ledger,
+    ) -> Result<(), String> {
+        let train_len = if self.train_len == 0 { ledger.samples() } else { self.train_len };
+        if ledger.samples() != train_len {
+            return Err(format!("its ledger counts {} samples, the job has {train_len}", ledger.samples()));
+        }
+        if cursor > train_len {
+            return Err(format!("its position {cursor} is past the epoch's {train_len} samples"));
+        }
         if self.train_len == 0 {
-            self.learn_train_len(ledger.samples());
+            self.learn_train_len(train_len);
         }
         (self.committed, self.epoch, self.cursor, self.ledger) = (committed, epoch, cursor, ledger);
+        Ok(())
     }
 
     /// Back to the first step of the first epoch.
     pub fn restart(&mut self) {
-        let train_len = self.train_len;
-        self.restore(0, 0, 0, Ledger::new(train_len));
+        (self.committed, self.epoch, self.cursor) = (0, 0, 0);
+        self.ledger = Ledger::new(self.train_len);
     }
 
     /// Commits one step every rank finished: the ids at the positions each
@@ -372,10 +388,18 @@ mod tests {
         let mut tally = Tally::new(0, 1, t0);
         let mut ledger = Ledger::new(8);
         ledger.commit(&[0, 1]).unwrap();
-        tally.restore(3, 1, 2, ledger.clone());
+        tally.restore(3, 1, 2, ledger.clone()).unwrap();
         assert_eq!(tally.train_len(), 8, "learned from the ledger");
         assert_eq!((tally.committed, tally.epoch, tally.cursor), (3, 1, 2));
         assert_eq!(tally.ledger, ledger);
+        // A position past the epoch's end, or a ledger of another data set
+        // (a record of another version, a hand-made manifest): refused by
+        // what is wrong, nothing moved.
+        let e = tally.restore(5, 1, 9, ledger.clone()).unwrap_err();
+        assert_eq!(e, "its position 9 is past the epoch's 8 samples");
+        let e = tally.restore(5, 1, 2, Ledger::new(9)).unwrap_err();
+        assert_eq!(e, "its ledger counts 9 samples, the job has 8");
+        assert_eq!((tally.committed, tally.epoch, tally.cursor), (3, 1, 2));
         tally.restart();
         assert_eq!((tally.committed, tally.epoch, tally.cursor), (0, 0, 0));
         assert_eq!(tally.ledger, Ledger::new(8));
