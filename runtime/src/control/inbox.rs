@@ -95,9 +95,6 @@ const WAKE: Token = Token(usize::MAX);
 
 /// Longest a new connection may take to prove the secret, all reads together.
 const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
-/// Most connections proving the secret at once; more are closed at once
-/// (each runs on a thread of its own until it has proven it or failed).
-pub const MAX_PENDING: usize = 256;
 
 /// Starts the accepting and the reading thread; events go to `tx`. A
 /// connection silent for `lease` is closed.
@@ -117,7 +114,7 @@ pub struct Gate {
     /// the coordinator's to say (the relay passes the claim on).
     relay_side: bool,
     /// The connections it refused, as the log says them.
-    refusals: Refusals,
+    refusals: crate::net::accept::Refusals,
 }
 
 impl Gate {
@@ -204,7 +201,7 @@ pub fn start_channel<M: Message>(
         generation: AtomicU64::new(0),
         returning: Default::default(),
         relay_side: false,
-        refusals: Refusals::default(),
+        refusals: Default::default(),
     };
     serve(listener, Arc::new(gate), lease, tx)
 }
@@ -225,7 +222,7 @@ pub fn start_for_relay(
         generation: AtomicU64::new(0),
         returning: Default::default(),
         relay_side: true,
-        refusals: Refusals::default(),
+        refusals: Default::default(),
     };
     serve(listener, Arc::new(gate), lease, tx).map(drop)
 }
@@ -245,43 +242,9 @@ fn serve<M: Message>(
         .spawn(move || read_all(poll, new_rx, events, lease))?;
     let next = Arc::new(AtomicU64::new(0));
     let accepting = gate.clone();
-    let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    std::thread::Builder::new().name("edl-accept".into()).spawn(move || {
-        let mut closed = 0u64;
-        for conn in listener.incoming() {
-            let conn = match conn {
-                Ok(c) => c,
-                Err(e) => {
-                    // Out of descriptors (EMFILE) and the like: the
-                    // connection stays queued; wait instead of spinning.
-                    tracing::warn!("control connections: accept: {e}");
-                    std::thread::sleep(Duration::from_millis(100));
-                    continue;
-                }
-            };
-            if pending.load(Ordering::Relaxed) >= MAX_PENDING {
-                // Said at the 1st, 2nd, 4th, 8th... so that a flood does
-                // not flood the log too.
-                closed += 1;
-                if closed.is_power_of_two() {
-                    tracing::warn!(
-                        "control connections: {MAX_PENDING} already proving the secret; {closed} closed so far"
-                    );
-                }
-                continue;
-            }
-            pending.fetch_add(1, Ordering::Relaxed);
-            let (gate, next, tx, new_tx, waker, done) =
-                (accepting.clone(), next.clone(), tx.clone(), new_tx.clone(), waker.clone(), pending.clone());
-            let admitted = std::thread::Builder::new().name("edl-admit".into()).spawn(move || {
-                admit(conn, &gate, lease, &next, &tx, &new_tx, &waker);
-                done.fetch_sub(1, Ordering::Relaxed);
-            });
-            if let Err(e) = admitted {
-                pending.fetch_sub(1, Ordering::Relaxed);
-                tracing::warn!("control connections: cannot start a thread for a new connection: {e}");
-            }
-        }
+    crate::net::accept::serve_each(listener, "edl-accept", "control connections", move |conn, proving| {
+        admit(conn, &accepting, lease, &next, &tx, &new_tx, &waker);
+        drop(proving);
     })?;
     Ok(gate)
 }
@@ -302,31 +265,6 @@ enum Kind<M> {
     Relay(Box<Carried<M>>),
 }
 
-/// The warnings of refused connections, at most one a second, each with
-/// the count of those refused since the last said: connections that fail
-/// the secret's check as fast as they can be opened (a port open to a
-/// network, a scanner) do not flood the log.
-#[derive(Default)]
-struct Refusals {
-    /// When the last warning was said, and how many refusals went unsaid since.
-    said: std::sync::Mutex<(Option<Instant>, u64)>,
-}
-
-impl Refusals {
-    /// Whether a refusal at `now` is said, and if so how many before it
-    /// went unsaid.
-    fn say(&self, now: Instant) -> Option<u64> {
-        let mut said = self.said.lock().unwrap_or_else(|p| p.into_inner());
-        let (last, unsaid) = &mut *said;
-        if last.is_some_and(|t| now.saturating_duration_since(t) < Duration::from_secs(1)) {
-            *unsaid += 1;
-            return None;
-        }
-        *last = Some(now);
-        Some(std::mem::take(unsaid))
-    }
-}
-
 /// Runs the secret's exchange on a new connection and hands it on once proven.
 fn admit<M: Message>(
     mut conn: TcpStream,
@@ -342,29 +280,22 @@ fn admit<M: Message>(
     // A send to a worker that stopped reading fails instead of blocking the
     // coordinator; keepalive notices a peer whose host went away.
     let _ = conn.set_write_timeout(Some(SEND_TIMEOUT));
-    let (claim, keys) = match auth::accept(
-        &mut auth::Deadline::new(&mut conn, AUTH_TIMEOUT),
-        &gate.auth.secret,
-        |c| gate.check(c),
-    ) {
-        Ok(proven) => proven,
-        // Closed by its peer without a word: a probe (a worker finding
-        // its relay, a readiness check), nothing to warn of.
-        Err(e @ auth::AuthError::Closed) => {
-            tracing::debug!("a control connection from {peer} closed during the handshake: {e}");
-            return;
-        }
-        Err(e) => {
-            match gate.refusals.say(Instant::now()) {
-                Some(0) => tracing::warn!("refused a control connection from {peer}: {e}"),
-                Some(n) => tracing::warn!(
-                    "refused a control connection from {peer}: {e} ({n} more refused since the last warning of one, said at debug level)"
-                ),
-                None => tracing::debug!("refused a control connection from {peer}: {e}"),
+    let (claim, keys) =
+        match auth::accept(&mut auth::Deadline::new(&mut conn, AUTH_TIMEOUT), &gate.auth.secret, |c| {
+            gate.check(c)
+        }) {
+            Ok(proven) => proven,
+            // Closed by its peer without a word: a probe (a worker finding
+            // its relay, a readiness check), nothing to warn of.
+            Err(e @ auth::AuthError::Closed) => {
+                tracing::debug!("a control connection from {peer} closed during the handshake: {e}");
+                return;
             }
-            return;
-        }
-    };
+            Err(e) => {
+                gate.refusals.refused("a control connection", &peer, &e);
+                return;
+            }
+        };
     let _ = conn.set_read_timeout(None);
     let _ = conn.set_nodelay(true);
     crate::control::proto::keepalive(&conn);
@@ -753,21 +684,6 @@ fn take_lines<M: Message>(
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn refused_connections_are_said_at_most_once_a_second_with_the_count_of_those_not_said() {
-        let r = super::Refusals::default();
-        let t0 = std::time::Instant::now();
-        let at = |ms| t0 + std::time::Duration::from_millis(ms);
-        assert_eq!(r.say(at(0)), Some(0), "the first is said");
-        assert_eq!(r.say(at(10)), None);
-        assert_eq!(r.say(at(999)), None);
-        // A second after the last said: said, with the two in between.
-        assert_eq!(r.say(at(1000)), Some(2));
-        assert_eq!(r.say(at(1500)), None);
-        assert_eq!(r.say(at(5000)), Some(1));
-        assert_eq!(r.say(at(6000)), Some(0));
-    }
-
     use super::*;
     use edl_host_gpu::comm::sealed::SealedStream;
     use std::io::Write;

@@ -242,6 +242,11 @@ impl Server {
         self.tables.contains_key(table)
     }
 
+    /// The floats of a row of `table`, where it is declared here.
+    pub fn dim(&self, table: &str) -> Option<usize> {
+        self.tables.get(table).map(|t| t.spec.dim)
+    }
+
     /// Makes `spec` a table here, as of the generation and base of `mark`
     /// (its steps before the base counted as applied: a job resumed at that
     /// step); the same spec again is a no-op.

@@ -43,6 +43,8 @@ struct Shared {
     leaving: std::sync::atomic::AtomicBool,
     /// New rows refused at the memory bound, all told.
     refused: std::sync::atomic::AtomicU64,
+    /// Warnings of connections that did not prove the job's secret.
+    refusals: crate::net::accept::Refusals,
     /// Pulls and pushes answered, all told.
     requests: std::sync::atomic::AtomicU64,
 }
@@ -80,24 +82,12 @@ impl Service {
             pull_timeout,
             leaving: Default::default(),
             refused: Default::default(),
+            refusals: Default::default(),
             requests: Default::default(),
         });
         let s = shared.clone();
-        std::thread::Builder::new().name("ps-accept".into()).spawn(move || {
-            for conn in listener.incoming() {
-                match conn {
-                    Ok(c) => {
-                        let (s, auth) = (s.clone(), auth.clone());
-                        let spawned = std::thread::Builder::new()
-                            .name("ps-conn".into())
-                            .spawn(move || serve(c, &auth, &s));
-                        if let Err(e) = spawned {
-                            tracing::warn!("parameter server: no thread for a connection: {e}");
-                        }
-                    }
-                    Err(e) => tracing::warn!("parameter server: accept failed: {e}"),
-                }
-            }
+        crate::net::accept::serve_each(listener, "ps-accept", "parameter server", move |conn, proving| {
+            serve(conn, &auth, &s, proving)
         })?;
         Ok(Service { addr, shared })
     }
@@ -124,15 +114,17 @@ impl Service {
     }
 }
 
-/// One client connection: the handshake, then requests until it closes.
-fn serve(mut conn: TcpStream, job: &JobAuth, shared: &Shared) {
+/// One client connection: the handshake (holding its place among those
+/// proving the secret), then requests until it closes.
+fn serve(mut conn: TcpStream, job: &JobAuth, shared: &Shared, proving: crate::net::accept::Proving) {
     let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
     let checked = auth::accept(&mut auth::Deadline::new(&mut conn, HANDSHAKE), &job.secret, |c| {
         job.check(c, CHANNEL, None)
     });
+    drop(proving);
     let (claim, keys) = match checked {
         Ok(k) => k,
-        Err(e) => return tracing::warn!("parameter server: refused {peer}: {e}"),
+        Err(e) => return shared.refusals.refused("a parameter-server connection", &peer, &e),
     };
     let _ = conn.set_nodelay(true);
     let mut stream = match SealedStream::new(conn, Some(keys)) {
@@ -331,6 +323,19 @@ fn pull(
         let names: Vec<&String> = tables.iter().map(|(t, _)| t).collect();
         return refused(format!("tables {names:?}: worker {worker} sent a pull whose body is not their ids"));
     };
+    // The answer is refused before anything is made for it where it could
+    // not be sent.
+    let bytes = reads.iter().fold(0usize, |n, (table, ids)| {
+        n.saturating_add(ids.len().saturating_mul(server.dim(table).unwrap_or(0)).saturating_mul(4))
+    });
+    if bytes > wire::MAX_BODY {
+        let names: Vec<&String> = reads.iter().map(|(t, _)| t).collect();
+        return refused(format!(
+            "tables {names:?}: worker {worker} asked for {bytes} bytes of rows at once, past the wire's bound of {} \
+             bytes: ask for fewer rows at a time",
+            wire::MAX_BODY
+        ));
+    }
     let deadline = Instant::now() + shared.pull_timeout;
     let mut out = Vec::new();
     for (table, ids) in &reads {
@@ -442,26 +447,39 @@ pub struct Client {
     /// Per server, the pushes sent whose answers are still to be read
     /// ([`Client::push_later`]); read before anything else is asked.
     unanswered: Vec<usize>,
+    /// Most bytes of ids or rows one request of a read asks a server for;
+    /// a read past it goes in rounds ([`rounds`]).
+    read_bound: usize,
 }
 
+/// A part of one table's read from one server: the table (its index in
+/// the plans) and the range of that server's unique ids asked.
+type Part = (usize, std::ops::Range<usize>);
+
 /// The requests of a read from `servers` servers, round by round: in each,
-/// each server is asked once, for its ids of some tables (indices of
-/// `plans`). One round, unless a server's request (its ids) or answer
-/// (their rows) would pass `bound` bytes: then more, one after the other.
-fn rounds(servers: usize, plans: &[ReadPlan], bound: usize) -> Vec<Vec<Vec<usize>>> {
-    let mut rounds: Vec<Vec<Vec<usize>>> = Vec::new();
+/// each server is asked once, for parts of its ids of some tables. One
+/// round, unless a server's request (its ids) or answer (their rows) would
+/// pass `bound` bytes: then more, one after the other, a table whose rows
+/// alone pass it asked in parts.
+fn rounds(servers: usize, plans: &[ReadPlan], bound: usize) -> Vec<Vec<Vec<Part>>> {
+    let mut rounds: Vec<Vec<Vec<Part>>> = Vec::new();
     for s in 0..servers {
         let (mut round, mut bytes) = (0, 0);
-        for p in (0..plans.len()).filter(|&p| !plans[p].unique[s].is_empty()) {
-            let n = plans[p].unique[s].len() * 8.max(plans[p].dim * 4);
-            if bytes > 0 && bytes + n > bound {
-                (round, bytes) = (round + 1, 0);
+        for (p, plan) in plans.iter().enumerate() {
+            let (ids, per) = (plan.unique[s].len(), 8.max(plan.dim * 4));
+            let most = (bound / per).max(1);
+            let mut from = 0;
+            while from < ids {
+                let take = (ids - from).min(most);
+                if bytes > 0 && bytes + take * per > bound {
+                    (round, bytes) = (round + 1, 0);
+                }
+                if rounds.len() <= round {
+                    rounds.push(vec![Vec::new(); servers]);
+                }
+                rounds[round][s].push((p, from..from + take));
+                (bytes, from) = (bytes + take * per, from + take);
             }
-            bytes += n;
-            if rounds.len() <= round {
-                rounds.push(vec![Vec::new(); servers]);
-            }
-            rounds[round][s].push(p);
         }
     }
     rounds
@@ -487,6 +505,18 @@ impl Conn {
     }
 
     fn send(&mut self, req: &Request, body: &[u8]) -> Result<()> {
+        // Too large to send is the request's fault, not the server's: said
+        // as it is, not taken for a server out of reach (and redone).
+        if body.len() > wire::MAX_BODY {
+            bail!(
+                "parameter server {} at {}: a request of {} bytes passes the wire's bound of {} bytes: \
+                 push fewer rows a step",
+                self.id,
+                self.addr,
+                body.len(),
+                wire::MAX_BODY
+            );
+        }
         wire::write(&mut self.stream, req, body).map_err(|e| self.unreachable(e))
     }
 
@@ -557,6 +587,7 @@ impl Client {
             replicas: replicas.max(1),
             dims: HashMap::new(),
             unanswered,
+            read_bound: wire::MAX_BODY / 2,
         })
     }
 
@@ -647,9 +678,11 @@ impl Client {
     fn read(&mut self, reads: &[(&str, &[u64])], mark: Mark, need: u64, peek: bool) -> Result<Vec<Vec<f32>>> {
         let plans: Vec<ReadPlan> =
             reads.iter().map(|&(table, ids)| self.plan_read(table, ids)).collect::<Result<_>>()?;
-        let mut rows: Vec<Vec<Vec<f32>>> =
-            plans.iter().map(|_| vec![Vec::new(); self.servers.len()]).collect();
-        for asks in rounds(self.servers.len(), &plans, wire::MAX_BODY / 2) {
+        let mut rows: Vec<Vec<Vec<f32>>> = plans
+            .iter()
+            .map(|plan| plan.unique.iter().map(|ids| vec![0.0; ids.len() * plan.dim]).collect())
+            .collect();
+        for asks in rounds(self.servers.len(), &plans, self.read_bound) {
             self.read_round(reads, &plans, &asks, (mark, need, peek), &mut rows)?;
         }
         Ok(plans
@@ -667,43 +700,45 @@ impl Client {
             .collect())
     }
 
-    /// One request to each server of its tables `asks[server]`, their rows
-    /// put in `rows[table][server]`.
+    /// One request to each server of its parts `asks[server]`, their rows
+    /// put in their places in `rows[table][server]`.
     fn read_round(
         &mut self,
         reads: &[(&str, &[u64])],
         plans: &[ReadPlan],
-        asks: &[Vec<usize>],
+        asks: &[Vec<Part>],
         (mark, need, peek): (Mark, u64, bool),
         rows: &mut [Vec<Vec<f32>>],
     ) -> Result<()> {
         let asked: Vec<usize> = (0..self.servers.len()).filter(|&s| !asks[s].is_empty()).collect();
         let answers = self.ask(&asked, |s| {
-            let body: Vec<u8> =
-                asks[s].iter().flat_map(|&p| wire::encode(&plans[p].unique[s], &[])).collect();
-            let req = match asks[s][..] {
-                [p] => Request::Pull { table: reads[p].0.into(), mark, need, peek },
+            let body: Vec<u8> = asks[s]
+                .iter()
+                .flat_map(|(p, r)| wire::encode(&plans[*p].unique[s][r.clone()], &[]))
+                .collect();
+            let req = match &asks[s][..] {
+                [(p, _)] => Request::Pull { table: reads[*p].0.into(), mark, need, peek },
                 _ => {
-                    let tables =
-                        asks[s].iter().map(|&p| (reads[p].0.to_string(), plans[p].unique[s].len())).collect();
+                    let tables = asks[s].iter().map(|(p, r)| (reads[*p].0.to_string(), r.len())).collect();
                     Request::PullMany { tables, mark, need, peek }
                 }
             };
             (req, body)
         })?;
         for (&s, (_, body)) in asked.iter().zip(answers) {
-            let want: usize = asks[s].iter().map(|&p| plans[p].unique[s].len() * plans[p].dim).sum();
+            let want: usize = asks[s].iter().map(|(p, r)| r.len() * plans[*p].dim).sum();
             let (_, all) = wire::decode(&body, 0).filter(|(_, r)| r.len() == want).with_context(|| {
-                let names: Vec<&str> = asks[s].iter().map(|&p| reads[p].0).collect();
+                let names: Vec<&str> = asks[s].iter().map(|(p, _)| reads[*p].0).collect();
                 format!(
                     "parameter server {}: a pull of {names:?} answered with the wrong size",
                     self.servers[s].id
                 )
             })?;
             let mut at = 0;
-            for &p in &asks[s] {
-                let n = plans[p].unique[s].len() * plans[p].dim;
-                rows[p][s] = all[at..at + n].to_vec();
+            for (p, r) in &asks[s] {
+                let d = plans[*p].dim;
+                let n = r.len() * d;
+                rows[*p][s][r.start * d..r.end * d].copy_from_slice(&all[at..at + n]);
                 at += n;
             }
         }
@@ -1001,11 +1036,55 @@ mod tests {
         // Server 0: three tables of 100 ids (rows of 1, 1 and 64 floats:
         // 800, 800 and 25,600 bytes); server 1: the first two only.
         let plans = [plan(1, [100, 10]), plan(1, [100, 10]), plan(64, [100, 0])];
-        assert_eq!(rounds(2, &plans, 1 << 20), [[vec![0, 1, 2], vec![0, 1]]]);
-        // A bound of 2,000 bytes: server 0's third table in a round of its own.
-        assert_eq!(rounds(2, &plans, 2000), [[vec![0, 1], vec![0, 1]], [vec![2], vec![]]]);
+        let all = [vec![(0, 0..100), (1, 0..100), (2, 0..100)], vec![(0, 0..10), (1, 0..10)]];
+        assert_eq!(rounds(2, &plans, 1 << 20), [all]);
+        // A bound of 2,000 bytes: server 0's third table after the others,
+        // in parts of 7 rows (1,792 bytes), one a round.
+        let r = rounds(2, &plans, 2000);
+        assert_eq!(r[0], [vec![(0, 0..100), (1, 0..100)], vec![(0, 0..10), (1, 0..10)]]);
+        assert_eq!(r.len(), 1 + 15);
+        let parts: Vec<Part> = r[1..].iter().flat_map(|round| round[0].clone()).collect();
+        let want: Vec<Part> = (0..100).step_by(7).map(|a| (2, a..(a + 7).min(100))).collect();
+        assert_eq!(parts, want, "every row asked once, in order");
+        assert!(r[1..].iter().all(|round| round[0].len() == 1 && round[1].is_empty()));
         // Nothing asked of anyone: no round.
         assert!(rounds(2, &[plan(3, [0, 0])], 2000).is_empty());
+    }
+
+    #[test]
+    fn a_read_past_the_bound_of_one_request_reads_as_one_request_would() {
+        let job = job();
+        let services = [start(&job, 1, Duration::from_secs(60)), start(&job, 2, Duration::from_secs(60))];
+        let addrs: Vec<(u64, SocketAddr)> = vec![(1, services[0].addr()), (2, services[1].addr())];
+        let mark = Mark { generation: 1, base: 0, committed: 0 };
+        let (mut one, mut parts) =
+            (Client::connect(&addrs, 1, &job, 3).unwrap(), Client::connect(&addrs, 1, &job, 4).unwrap());
+        one.declare(spec(), mark, None).unwrap();
+        parts.declare(spec(), mark, None).unwrap();
+        let ids: Vec<u64> = (0..500).map(|i| i * 7919 % 4001).collect();
+        let whole = one.pull("emb", mark, 0, &ids).unwrap();
+        // Rows of 3 floats, 100 bytes a request: 8 rows at a time.
+        parts.read_bound = 100;
+        assert_eq!(parts.pull("emb", mark, 0, &ids).unwrap(), whole);
+        let both = parts.pull_many(&[("emb", &ids), ("emb", &ids[..3])], mark, 0).unwrap();
+        assert_eq!(both, [whole.clone(), whole[..9].to_vec()]);
+        // A server asked for more than it could send refuses before making
+        // anything, naming the size; the connection stays in step.
+        let wide = TableSpec { name: "wide".into(), dim: 1 << 16, ..spec() };
+        one.declare(wide, mark, None).unwrap();
+        let many = (wire::MAX_BODY / 4 / (1 << 16) + 1) as u64;
+        let body = wire::encode(&(0..many).collect::<Vec<_>>(), &[]);
+        let req = Request::Pull { table: "wide".into(), mark, need: 0, peek: true };
+        one.servers[0].send(&req, &body).unwrap();
+        let err = format!("{:#}", one.servers[0].receive().unwrap_err());
+        assert!(err.contains("past the wire's bound") && err.contains("fewer rows at a time"), "{err}");
+        assert_eq!(one.pull("emb", mark, 0, &ids).unwrap(), whole);
+        // A request too large to send is the request's error, not a server out of reach.
+        let err = one.servers[0].send(&req, &vec![0; wire::MAX_BODY + 8]).unwrap_err();
+        assert!(
+            err.downcast_ref::<Unreachable>().is_none()
+                && format!("{err}").contains("passes the wire's bound")
+        );
     }
 
     #[test]

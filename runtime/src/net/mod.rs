@@ -3,6 +3,8 @@
 //! them) and advertises an address the other hosts reach: given, or the
 //! address this host routes from.
 
+pub mod accept;
+
 use anyhow::{Context, Result, anyhow};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 
