@@ -266,6 +266,49 @@ fn encode_state(
     safetensors::serialize(views, Some(meta)).map_err(|e| io(at, e))
 }
 
+/// A state file's tensors (in the order its metadata names), values and
+/// sparse tables; `file` names it in errors.
+fn read_state(
+    file: &Path,
+    bytes: &[u8],
+) -> Result<(Layout, Vec<f32>, Vec<crate::ps::SavedTable>), CheckpointError> {
+    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| corrupt(file, e))?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| corrupt(file, e))?;
+    let layout: Layout = match meta.metadata().as_ref().and_then(|m| m.get("edl.layout")) {
+        Some(order) => {
+            serde_json::from_str(order).map_err(|e| corrupt(file, format!("tensor order: {e}")))?
+        }
+        None => {
+            let mut names: Vec<(String, Vec<usize>)> =
+                st.tensors().into_iter().map(|(n, t)| (n, t.shape().to_vec())).collect();
+            names.sort();
+            Layout::new(names.into_iter().map(|(n, s)| TensorSpec::new(n, s)).collect())
+                .map_err(|e| corrupt(file, e))?
+        }
+    };
+    // The order is the file's own word: believed only as far as the
+    // file holds the values it names.
+    let numel = layout.checked_numel().filter(|&n| n <= bytes.len() / 4).ok_or_else(|| {
+        corrupt(file, format!("its tensor order names more values than its {} bytes hold", bytes.len()))
+    })?;
+    let mut values = Vec::with_capacity(numel);
+    for t in layout.tensors() {
+        let v = st.tensor(&t.name).map_err(|e| corrupt(file, format!("tensor {:?}: {e}", t.name)))?;
+        if v.dtype() != Dtype::F32 || v.shape() != t.shape.as_slice() {
+            return Err(corrupt(
+                &file,
+                format!("tensor {:?} is {:?} {:?}, expected F32 {:?}", t.name, v.dtype(), v.shape(), t.shape),
+            ));
+        }
+        values.extend(v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+    }
+    let tables = match meta.metadata().as_ref().and_then(|m| m.get(TABLES_META)) {
+        Some(specs) => read_tables(&st, specs).map_err(|e| corrupt(file, e))?,
+        None => Vec::new(),
+    };
+    Ok((layout, values, tables))
+}
+
 /// The sparse tables `specs` (the metadata's JSON) names, read from `st`.
 fn read_tables(st: &SafeTensors, specs: &str) -> Result<Vec<crate::ps::SavedTable>, String> {
     let specs: Vec<crate::ps::TableSpec> = serde_json::from_str(specs).map_err(|e| format!("tables: {e}"))?;
@@ -1039,46 +1082,7 @@ impl Checkpoints {
         if &got != want {
             return Err(corrupt(&file, format!("sha256 {got} does not match the manifest's {want}")));
         }
-        let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(&file, e))?;
-        let st = SafeTensors::deserialize(&bytes).map_err(|e| corrupt(&file, e))?;
-        let layout: Layout = match meta.metadata().as_ref().and_then(|m| m.get("edl.layout")) {
-            Some(order) => {
-                serde_json::from_str(order).map_err(|e| corrupt(&file, format!("tensor order: {e}")))?
-            }
-            None => {
-                let mut names: Vec<(String, Vec<usize>)> =
-                    st.tensors().into_iter().map(|(n, t)| (n, t.shape().to_vec())).collect();
-                names.sort();
-                Layout::new(names.into_iter().map(|(n, s)| TensorSpec::new(n, s)).collect())
-                    .map_err(|e| corrupt(&file, e))?
-            }
-        };
-        // The order is the file's own word: believed only as far as the
-        // file holds the values it names.
-        let numel = layout.checked_numel().filter(|&n| n <= bytes.len() / 4).ok_or_else(|| {
-            corrupt(&file, format!("its tensor order names more values than its {} bytes hold", bytes.len()))
-        })?;
-        let mut values = Vec::with_capacity(numel);
-        for t in layout.tensors() {
-            let v = st.tensor(&t.name).map_err(|e| corrupt(&file, format!("tensor {:?}: {e}", t.name)))?;
-            if v.dtype() != Dtype::F32 || v.shape() != t.shape.as_slice() {
-                return Err(corrupt(
-                    &file,
-                    format!(
-                        "tensor {:?} is {:?} {:?}, expected F32 {:?}",
-                        t.name,
-                        v.dtype(),
-                        v.shape(),
-                        t.shape
-                    ),
-                ));
-            }
-            values.extend(v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
-        }
-        let tables = match meta.metadata().as_ref().and_then(|m| m.get(TABLES_META)) {
-            Some(specs) => read_tables(&st, specs).map_err(|e| corrupt(&file, e))?,
-            None => Vec::new(),
-        };
+        let (layout, values, tables) = read_state(&file, &bytes)?;
         Ok(Restored { path: path.to_path_buf(), manifest, layout, values, tables })
     }
 
