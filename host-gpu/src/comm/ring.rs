@@ -484,9 +484,12 @@ fn receive_segments(
 }
 
 impl TcpRing {
-    /// Reduce-scatter then all-gather of `buf` (at least one value, in a
-    /// ring of two or more), sending and receiving on two threads so that
-    /// both overlap the additions.
+    /// Reduce-scatter then all-gather of `buf` (in a ring of two or more),
+    /// sending and receiving on two threads so that both overlap the
+    /// additions. First each rank tells the next how many values it
+    /// reduces: ranks that disagree (a program's arrays of different
+    /// lengths) fail at once, saying both, instead of reading each other's
+    /// values out of step until the timeout.
     fn reduce_around_ring(&mut self, buf: &mut [f32]) -> Result<(), LinkFailure> {
         let schedule = Schedule {
             rank: self.rank,
@@ -494,6 +497,10 @@ impl TcpRing {
             len: buf.len(),
             segment: (self.opts.segment_bytes / 4).max(1),
         };
+        self.same_length(schedule)?;
+        if buf.is_empty() {
+            return Ok(());
+        }
         if self.scratch.len() < schedule.segment {
             self.scratch.resize(schedule.segment, 0.0);
         }
@@ -521,6 +528,26 @@ impl TcpRing {
     }
 }
 
+impl TcpRing {
+    /// Tells the next rank this rank's length and checks the previous one's.
+    fn same_length(&mut self, schedule: Schedule) -> Result<(), LinkFailure> {
+        let (next, prev) = (schedule.next(), schedule.prev());
+        let Links { to_next, from_prev, prev_sock, .. } =
+            self.links.as_mut().expect("a ring of two or more has links");
+        let mine = schedule.len as u64;
+        to_next.write_all(&mine.to_le_bytes()).and_then(|()| to_next.flush()).map_err(|e| (next, e))?;
+        prev_sock.set_read_timeout(Some(self.opts.timeout)).map_err(|e| (prev, e))?;
+        let mut theirs = [0u8; 8];
+        from_prev.read_exact(&mut theirs).map_err(|e| (prev, e))?;
+        let theirs = u64::from_le_bytes(theirs);
+        if theirs != mine {
+            let why = format!("rank {prev} all-reduces {theirs} values, rank {} {mine}", self.rank);
+            return Err((prev, std::io::Error::new(ErrorKind::InvalidData, why)));
+        }
+        Ok(())
+    }
+}
+
 impl Communicator for TcpRing {
     fn rank(&self) -> usize {
         self.rank
@@ -534,7 +561,6 @@ impl Communicator for TcpRing {
         self.check()?;
         let n = self.world;
         if n > 1
-            && !buf.is_empty()
             && let Err((peer, e)) = self.reduce_around_ring(buf)
         {
             let err = self.io_error("all-reduce", peer, e);
@@ -669,5 +695,41 @@ mod tests {
             let (sent, dropped) = stranger.join().unwrap();
             assert!(dropped, "the stranger was dropped before it gave up, after {sent} bytes");
         }
+    }
+
+    /// Ranks that all-reduce arrays of different lengths (an empty one
+    /// included) fail, saying both lengths or that the other failed;
+    /// arrays of one length, empty ones too, reduce as ever.
+    #[test]
+    fn ranks_that_all_reduce_different_lengths_fail_saying_both() {
+        let run = |lens: [usize; 3]| -> Vec<Result<Vec<f32>, String>> {
+            let rdv = LocalRendezvous::new();
+            let o = RingOptions { timeout: Duration::from_secs(120), ..RingOptions::default() };
+            std::thread::scope(|s| {
+                let hs: Vec<_> = (0..3)
+                    .map(|rank| {
+                        let (rdv, o) = (&rdv, o.clone());
+                        s.spawn(move || {
+                            let mut ring = TcpRing::connect(rank, 3, rdv, o).expect("the ring forms");
+                            let mut buf = vec![1.0; lens[rank]];
+                            ring.all_reduce(&mut buf, ReduceOp::Sum).map(|()| buf).map_err(|e| e.to_string())
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            })
+        };
+        let got = run([4, 3, 4]);
+        let said: Vec<&String> = got.iter().filter_map(|r| r.as_ref().err()).collect();
+        assert_eq!(said.len(), 3, "every rank fails: {got:?}");
+        assert!(said.iter().any(|e| e.contains("rank 0 all-reduces 4 values, rank 1 3")), "{said:?}");
+        assert!(said.iter().any(|e| e.contains("rank 1 all-reduces 3 values, rank 2 4")), "{said:?}");
+        let got = run([0, 2, 2]);
+        assert!(got.iter().all(|r| r.is_err()), "the rank with none fails too: {got:?}");
+        assert_eq!(run([2, 2, 2]).into_iter().map(Result::unwrap).collect::<Vec<_>>(), vec![vec![3.0; 2]; 3]);
+        assert_eq!(
+            run([0, 0, 0]).into_iter().map(Result::unwrap).collect::<Vec<_>>(),
+            vec![Vec::<f32>::new(); 3]
+        );
     }
 }
