@@ -82,11 +82,14 @@ fn soft_label(c: &mut Criterion) {
 }
 
 const RING_BYTES: usize = 16 << 20;
+/// The built-in job's student (784-128-10): its gradient, all-reduced every step.
+const STUDENT_VALUES: usize = 784 * 128 + 128 + 128 * 10 + 10;
 
-/// `iters` all-reduces of 16 MiB on a ring of `n` threads, timed on rank 0
-/// from a barrier to the end; with a job's secret the links are proven and
-/// every frame authenticated (`encrypt`: and encrypted), as in a job across hosts.
-fn time_ring(n: usize, iters: u64, secret: bool, encrypt: bool) -> Duration {
+/// `iters` all-reduces of `values` floats on a ring of `n` threads, timed
+/// on rank 0 from a barrier to the end; with a job's secret the links are
+/// proven and every frame authenticated (`encrypt`: and encrypted), as in a
+/// job across hosts.
+fn time_ring(n: usize, values: usize, iters: u64, secret: bool, encrypt: bool) -> Duration {
     let rdv = LocalRendezvous::new();
     let auth = secret.then(|| (JobAuth { job: "bench".into(), secret: Secret::generate().unwrap() }, 0));
     std::thread::scope(|s| {
@@ -96,7 +99,7 @@ fn time_ring(n: usize, iters: u64, secret: bool, encrypt: bool) -> Duration {
                 let opts = RingOptions { auth: auth.clone(), encrypt, ..RingOptions::default() };
                 s.spawn(move || {
                     let mut ring = TcpRing::connect(rank, n, &rdv, opts).unwrap();
-                    let mut buf = vec![1f32; RING_BYTES / 4];
+                    let mut buf = vec![1f32; values];
                     ring.barrier().unwrap();
                     let start = Instant::now();
                     for _ in 0..iters {
@@ -150,10 +153,16 @@ fn all_reduce(c: &mut Criterion) {
             ("ring-busbw-encrypted", true, true),
         ] {
             g.bench_function(BenchmarkId::new(name, n), |b| {
-                b.iter_custom(|iters| time_ring(n, iters, secret, encrypt))
+                b.iter_custom(|iters| time_ring(n, RING_BYTES / 4, iters, secret, encrypt))
             });
         }
     }
+    // A step's gradient of the built-in student: where a fixed cost per
+    // operation shows.
+    g.throughput(Throughput::Bytes((STUDENT_VALUES * 4) as u64));
+    g.bench_function(BenchmarkId::new("ring-student-gradient-authenticated", 2), |b| {
+        b.iter_custom(|iters| time_ring(2, STUDENT_VALUES, iters, true, false))
+    });
     g.finish();
 }
 
