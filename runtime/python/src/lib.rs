@@ -198,6 +198,22 @@ fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Takes the job's lock from Python, waiting for it without the GIL: the
+/// thread that holds it may be waiting for the GIL (a step's fetch checks
+/// for Ctrl-C and writes the state back through Python), so a thread that
+/// held the GIL while it waited (a read-ahead thread asking `job.planned()`)
+/// would wait for it forever.
+fn lock_held<'a>(py: Python<'_>, m: &'a Mutex<Inner>) -> std::sync::MutexGuard<'a, Inner> {
+    loop {
+        match m.try_lock() {
+            Ok(g) => return g,
+            Err(std::sync::TryLockError::Poisoned(p)) => return p.into_inner(),
+            // Wait for its holder to let go, without the GIL, then try again.
+            Err(std::sync::TryLockError::WouldBlock) => py.detach(|| drop(lock(m))),
+        }
+    }
+}
+
 #[pymethods]
 impl Job {
     /// Joins the job named by the environment `edl-runtime launch` sets
@@ -246,8 +262,8 @@ impl Job {
 
     /// Registers a float32 array (C-contiguous, writable) as part of the
     /// state under `name`. Register everything before the first step.
-    fn register(&self, name: &str, array: &Bound<'_, PyAny>) -> PyResult<()> {
-        let mut inner = lock(&self.inner);
+    fn register(&self, py: Python<'_>, name: &str, array: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut inner = lock_held(py, &self.inner);
         if inner.ready {
             return Err(err(format!("state {name:?}: register the state before the first step")));
         }
@@ -273,8 +289,8 @@ impl Job {
     /// nothing on the steps between. Set before the first step. They run
     /// inside the job's own calls (its lock held): they copy arrays and
     /// must not call the job or its steps.
-    fn _state_hooks(&self, pack: Py<PyAny>, unpack: Py<PyAny>) -> PyResult<()> {
-        let mut inner = lock(&self.inner);
+    fn _state_hooks(&self, py: Python<'_>, pack: Py<PyAny>, unpack: Py<PyAny>) -> PyResult<()> {
+        let mut inner = lock_held(py, &self.inner);
         if inner.ready {
             return Err(err("state hooks: set them before the first step"));
         }
@@ -294,6 +310,7 @@ impl Job {
     #[allow(clippy::too_many_arguments)]
     fn table(
         &self,
+        py: Python<'_>,
         name: &str,
         dim: usize,
         optimizer: &str,
@@ -324,7 +341,7 @@ impl Job {
             }
         };
         let spec = TableSpec { name: name.to_string(), dim, optimizer, init, seed };
-        let mut inner = lock(&self.inner);
+        let mut inner = lock_held(py, &self.inner);
         let started = inner.ready;
         inner.tables.define(spec, started).map_err(|e| PyValueError::new_err(format!("{e:#}")))?;
         if let Some(export) = inner.tables.exporter() {
@@ -335,8 +352,8 @@ impl Job {
 
     /// The registered state's names and shapes.
     #[getter]
-    fn state_layout(&self) -> Vec<(String, Vec<usize>)> {
-        let inner = lock(&self.inner);
+    fn state_layout(&self, py: Python<'_>) -> Vec<(String, Vec<usize>)> {
+        let inner = lock_held(py, &self.inner);
         inner.state.layout.tensors().iter().map(|t| (t.name.clone(), t.shape.clone())).collect()
     }
 
@@ -344,7 +361,7 @@ impl Job {
     /// `[(generation, step, indices)]` (for reading their data ahead; a
     /// generation change drops them and plans again).
     fn planned<'py>(&self, py: Python<'py>) -> PyResult<Vec<(u64, u64, Bound<'py, PyAny>)>> {
-        let inner = lock(&self.inner);
+        let inner = lock_held(py, &self.inner);
         inner.session.planned().map(|s| Ok((s.generation, s.step, indices_array(py, &s.indices)?))).collect()
     }
 
@@ -355,8 +372,8 @@ impl Job {
 
     /// Why the job stopped this worker (None while it runs).
     #[getter]
-    fn stopped(&self) -> Option<String> {
-        lock(&self.inner).stopped.clone()
+    fn stopped(&self, py: Python<'_>) -> Option<String> {
+        lock_held(py, &self.inner).stopped.clone()
     }
 
     #[getter]
@@ -375,8 +392,8 @@ impl Job {
     /// first worker's number; a worker whose number differs from the job's
     /// stops the job with an error naming both.
     #[setter]
-    fn set_samples(&self, n: usize) -> PyResult<()> {
-        if lock(&self.inner).ready {
+    fn set_samples(&self, py: Python<'_>, n: usize) -> PyResult<()> {
+        if lock_held(py, &self.inner).ready {
             return Err(err("job.samples: declare the samples before the first step"));
         }
         if n == 0 {
@@ -459,7 +476,7 @@ impl Job {
 
     /// The next step, or None when the job is over for this worker.
     fn next_step(&self, py: Python<'_>) -> PyResult<Option<StepInfo>> {
-        let mut guard = lock(&self.inner);
+        let mut guard = lock_held(py, &self.inner);
         let inner = &mut *guard;
         if inner.stopped.is_some() {
             return Ok(None);
@@ -802,7 +819,7 @@ impl StepView {
     #[getter]
     fn rendezvous<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let job = self.job.bind(py).borrow();
-        let inner = lock(&job.inner);
+        let inner = lock_held(py, &job.inner);
         let r = inner.session.rendezvous().ok_or_else(|| err("no generation yet"))?;
         let d = PyDict::new(py);
         d.set_item("rank", r.rank)?;
@@ -820,7 +837,7 @@ impl StepView {
     #[pyo3(signature = (timeout=30.0))]
     fn store(&self, py: Python<'_>, timeout: f64) -> PyResult<Store> {
         let job = self.job.bind(py).borrow();
-        let inner = lock(&job.inner);
+        let inner = lock_held(py, &job.inner);
         let r = inner.session.rendezvous().ok_or_else(|| err("no generation yet"))?.clone();
         let auth = inner.session.auth().clone();
         drop(inner);
@@ -842,7 +859,7 @@ impl StepView {
             return Ok(());
         }
         let job = self.job.bind(py).borrow();
-        let mut inner = lock(&job.inner);
+        let mut inner = lock_held(py, &job.inner);
         inner.current = None;
         self.done = true;
         self.given_up = true;
@@ -870,7 +887,7 @@ impl StepView {
         }
         let ids = ids_of(py, table, ids)?;
         let job = self.job.bind(py).borrow();
-        let mut inner = lock(&job.inner);
+        let mut inner = lock_held(py, &job.inner);
         let mark = self.mark();
         let tables = &mut inner.tables;
         let dim = tables.dim(table).map_err(anyhow_err)?;
@@ -895,7 +912,7 @@ impl StepView {
         }
         let ids: Vec<Vec<u64>> = reads.iter().map(|(t, ids)| ids_of(py, t, ids)).collect::<PyResult<_>>()?;
         let job = self.job.bind(py).borrow();
-        let mut inner = lock(&job.inner);
+        let mut inner = lock_held(py, &job.inner);
         let mark = self.mark();
         let tables = &mut inner.tables;
         let dims: Vec<usize> =
@@ -937,7 +954,7 @@ impl StepView {
         let buf = PyBuffer::<f32>::get(&g)?;
         let grads = buf.to_vec(py)?;
         let job = self.job.bind(py).borrow();
-        let mut inner = lock(&job.inner);
+        let mut inner = lock_held(py, &job.inner);
         let tag = self.tag();
         let tables = &mut inner.tables;
         let dim = tables.dim(table).map_err(anyhow_err)?;
@@ -996,7 +1013,7 @@ impl StepView {
             at += b.item_count();
         }
         let job = self.job.bind(py).borrow();
-        let mut inner = lock(&job.inner);
+        let mut inner = lock_held(py, &job.inner);
         let session = &mut inner.session;
         if py.detach(|| session.all_reduce(&mut flat)).is_err() {
             self.done = true;
@@ -1047,7 +1064,7 @@ impl StepView {
             named.push((name, value));
         }
         let job = self.job.bind(py).borrow();
-        let mut guard = lock(&job.inner);
+        let mut guard = lock_held(py, &job.inner);
         let inner = &mut *guard;
         let Some((_, started)) = inner.current.take() else {
             self.done = true;
@@ -1090,7 +1107,7 @@ impl StepView {
         if self.done {
             return Err(err(format!("step {} is over", self.info.step)));
         }
-        let mut guard = lock(&job.inner);
+        let mut guard = lock_held(py, &job.inner);
         let inner = &mut *guard;
         if self.info.indices.is_empty() {
             return Ok(Some(float_array(py, &[], (0, 0))?));

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -148,6 +149,7 @@ class ScriptedCoordinator:
         f = self.conn.makefile("rwb")
         self.file = f
         noise = self._admit(f)
+        self.noise = noise
         if noise is None:
             return
         self.hello = json.loads(self._receive(f, noise))
@@ -248,6 +250,47 @@ def test_register_refuses_what_it_cannot_keep(tmp_path):
         job.register("w", np.zeros(3, dtype=np.float32))
     assert job.state_layout == [("w", [2, 3])]
     c.close()
+
+
+def test_a_thread_asking_the_job_while_a_step_is_awaited_does_not_hold_the_interpreter(tmp_path):
+    """A read-ahead thread asks the job (its state layout) while another
+    waits for the next step, holding the job: it waits without the GIL,
+    which the waiting fetch needs (it checks for Ctrl-C through Python), and
+    both go on once the fetch ends (here: the coordinator is gone). Run in
+    a process of its own: a deadlock there is a timeout here, not a hang."""
+    c = ScriptedCoordinator(tmp_path)
+    script = textwrap.dedent(f"""
+        import sys, threading
+        import numpy as np
+        import edl
+        job = edl.Job.connect({c.addr!r}, 7, "scripted", {SECRET!r})
+        job.register("w", np.zeros(3, dtype=np.float32))
+        def fetch():
+            try:
+                next(iter(job.steps()))
+            except edl.EdlError as e:
+                print("fetch:", e, flush=True)
+        t = threading.Thread(target=fetch)
+        t.start()
+        sys.stdin.readline()
+        print("layout:", job.state_layout, flush=True)
+        t.join()
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        c.thread.join(60)
+        # The worker said it is ready: its fetch holds the job until a generation comes.
+        assert "ready" in json.loads(c._receive(c.file, c.noise))
+        p.stdin.write("\n")
+        p.stdin.flush()
+        time.sleep(0.5)  # the main thread asks the job meanwhile
+        c.close()
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err
+    assert "layout: [('w', [3])]" in out and "fetch: " in out and "lost the coordinator" in out, out + err
 
 
 def test_a_lost_coordinator_is_an_error_not_a_hang(tmp_path):

@@ -35,7 +35,7 @@ fn the_python_package_passes_its_tests() {
         .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{text}");
-    assert!(text.contains("8 passed"), "{text}");
+    assert!(text.contains("9 passed"), "{text}");
 }
 
 /// The flags both the NumPy student and the built-in one run with: three
