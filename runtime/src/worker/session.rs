@@ -369,17 +369,31 @@ pub fn read_secret_file(path: &std::path::Path) -> Result<Secret> {
     Secret::read(path).map_err(|e| anyhow!("{e}"))
 }
 
+/// Longest a worker waits, once its connection is admitted, for the
+/// coordinator to welcome it: a coordinator frozen (SIGSTOP, a paused VM)
+/// between the two would otherwise hold it forever, since nothing it sends
+/// is left unacknowledged and the frozen host's kernel answers keepalives.
+pub const WELCOME_WITHIN: Duration = Duration::from_secs(60);
+
 impl Session {
     /// Connects worker `id` to the coordinator at `coordinator`, proves the
     /// job's secret and reads the job.
     pub fn join(coordinator: SocketAddr, id: u64, auth: JobAuth) -> Result<Joined> {
+        Self::join_within(coordinator, id, auth, WELCOME_WITHIN)
+    }
+
+    /// [`Session::join`], waiting at most `within` for the welcome.
+    fn join_within(coordinator: SocketAddr, id: u64, auth: JobAuth, within: Duration) -> Result<Joined> {
         let hello = |id| FromWorker::Hello { worker: id, pid: std::process::id() };
-        let (control, out, mut rx) = Self::connect(coordinator, id, &auth, 0, &hello(id))?;
+        let (control, out, mut rx) = Self::connect(coordinator, id, &auth, 0, &hello(id), within)?;
         // A worker that joined without an id (started by another engine)
         // is given one first.
         let mut id = id;
         let spec = loop {
-            match rx.recv::<ToWorker>()? {
+            let msg = rx.recv::<ToWorker>().with_context(|| {
+                format!("worker {id}: the coordinator at {coordinator} admitted it but did not welcome it (waited at most {within:?})")
+            })?;
+            match msg {
                 ToWorker::Assigned { worker } if id == 0 => id = worker,
                 ToWorker::Welcome(spec) => break *spec,
                 ToWorker::Stop { reason } => return Ok(Joined::NotNeeded(reason)),
@@ -445,6 +459,7 @@ impl Session {
         auth: &JobAuth,
         generation: u64,
         first: &FromWorker,
+        welcome_within: Duration,
     ) -> Result<(TcpStream, Sender, Receiver)> {
         let mut stream = TcpStream::connect_timeout(&coordinator, Duration::from_secs(10))
             .with_context(|| format!("worker {id}: cannot reach the coordinator at {coordinator}"))?;
@@ -457,7 +472,8 @@ impl Session {
                 )
             },
         )?;
-        stream.set_read_timeout(None)?;
+        // Bounded until the welcome (see [`Session::listen`]).
+        stream.set_read_timeout(Some(welcome_within))?;
         stream.set_nodelay(true)?;
         stream.set_write_timeout(Some(Duration::from_secs(10)))?;
         crate::control::proto::keepalive(&stream);
@@ -480,6 +496,8 @@ impl Session {
         // few times per lease, and a coordinator that stops acknowledging
         // what the worker sends is given up within the lease.
         let lease = Duration::from_millis(spec.worker_lease_ms.max(1));
+        // Welcomed: the connection is read for as long as the job runs.
+        stream.set_read_timeout(None)?;
         crate::control::proto::give_up_unacked(stream, lease);
         let heartbeat = Heartbeat::start(out.clone(), lease / 4)?;
         let (tx, inbox) = mpsc::channel();
@@ -863,20 +881,26 @@ impl Session {
             pid: std::process::id(),
             rollback: self.snapshots.keys().copied().collect(),
         };
-        let (control, out, mut rx) = Self::connect(addr, self.id, &self.auth, place.generation, &back)
-            .map_err(|e| {
-                let text = format!("{e:#}");
-                // Refused by the coordinator itself, not by the network.
-                match text.contains(": refused: ") || text.contains("does not know the job's secret") {
-                    true => Followed::Refused(text),
-                    false => Followed::Failed(text),
-                }
-            })?;
+        let (control, out, mut rx) =
+            Self::connect(addr, self.id, &self.auth, place.generation, &back, WELCOME_WITHIN).map_err(
+                |e| {
+                    let text = format!("{e:#}");
+                    // Refused by the coordinator itself, not by the network.
+                    match text.contains(": refused: ") || text.contains("does not know the job's secret") {
+                        true => Followed::Refused(text),
+                        false => Followed::Failed(text),
+                    }
+                },
+            )?;
         let spec = match rx.recv::<ToWorker>() {
             Ok(ToWorker::Welcome(spec)) => *spec,
             Ok(ToWorker::Stop { reason }) => return Err(Followed::Refused(reason)),
             Ok(_) => return Err(Followed::Failed("it sent something before the job".into())),
-            Err(e) => return Err(Followed::Failed(e.to_string())),
+            Err(e) => {
+                return Err(Followed::Failed(format!(
+                    "admitted but not welcomed (waited at most {WELCOME_WITHIN:?}): {e}"
+                )));
+            }
         };
         let (heartbeat, inbox) =
             Self::listen(&control, &out, rx, &spec).map_err(|e| Followed::Failed(format!("{e:#}")))?;
@@ -1449,6 +1473,33 @@ fn planned_checkpoint(
 mod tests {
     use super::*;
     use crate::state::TensorSpec;
+
+    /// A coordinator that admits the worker's connection (the secret
+    /// proven) and then says nothing, as one frozen between the two: the
+    /// worker gives up after its wait for the welcome, saying so, instead
+    /// of waiting forever.
+    #[test]
+    fn a_worker_admitted_but_never_welcomed_gives_up_saying_so() {
+        let job = JobAuth { job: "j".into(), secret: Secret::generate().unwrap() };
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (done_tx, done) = mpsc::channel::<()>();
+        let secret = job.secret.clone();
+        let silent = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            let mut deadline = auth::Deadline::new(&mut conn, Duration::from_secs(60));
+            auth::accept(&mut deadline, &secret, |_| Ok(())).unwrap();
+            // Held open, silent, until the worker has given up.
+            let _ = done.recv();
+        });
+        let e = match Session::join_within(addr, 5, job, Duration::from_millis(300)) {
+            Err(e) => format!("{e:#}"),
+            Ok(_) => panic!("joined a coordinator that never welcomed it"),
+        };
+        assert!(e.contains("admitted it but did not welcome it (waited at most 300ms)"), "{e}");
+        done_tx.send(()).unwrap();
+        silent.join().unwrap();
+    }
 
     fn manifest(step: u64) -> Manifest {
         Manifest {
