@@ -35,6 +35,8 @@ pub struct AgentArgs {
 
 /// How long connecting to the launcher may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest one write to the launcher may block.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often an agent that lost its launcher asks the store who leads the job.
 const LOOK_EVERY: Duration = Duration::from_millis(250);
 
@@ -117,6 +119,13 @@ impl Launcher {
             other => bail!("the launcher's first message was {other:?}, not the job"),
         };
         stream.set_read_timeout(None)?;
+        // A launcher frozen (SIGSTOP, a paused VM) reads nothing: a write
+        // to it fails within 10 s, and the connection within the lease once
+        // what was sent stays unacknowledged, rather than every write
+        // blocking for good once the ranks' output has filled its buffer
+        // (and the check of its silence with them).
+        stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
+        proto::give_up_unacked(&stream, job.lease.max(Duration::from_secs(1)));
         let (tx, rx) = mpsc::channel::<Heard>();
         std::thread::spawn(move || {
             loop {
@@ -184,9 +193,13 @@ impl Here {
     /// Passes the ranks' output and exits on; an exit the launcher cannot
     /// take is kept for the next one.
     fn report(&mut self, to: &Sender, here: IpAddr) {
+        // After a write that failed (a launcher gone or frozen), the rest
+        // is printed here only: one blocked write per line would keep the
+        // agent from hearing that its launcher is lost.
+        let mut passing = true;
         while let Ok((group, rank, line)) = self.lines.try_recv() {
             println!("[group {group} rank {rank}] {line}");
-            let _ = to.send(&FromAgent::Output { group, rank, line });
+            passing = passing && to.send(&FromAgent::Output { group, rank, line }).is_ok();
         }
         let Some(r) = &mut self.ranks else { return };
         while let Some((rank, exit)) = r.poll() {
