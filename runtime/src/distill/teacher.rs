@@ -173,6 +173,10 @@ impl TeacherService {
 }
 
 /// The one version of the model a teacher serves.
+/// Longest a stopping teacher waits for its connections to close once it
+/// stopped serving.
+pub const FINISH_WITHIN: Duration = Duration::from_secs(3);
+
 const MODEL_VERSION: &str = "1";
 /// The model's input and output tensors.
 const INPUT: &str = "input";
@@ -637,7 +641,8 @@ impl Teacher {
         Ok(Teacher { addr, advertised, stop: Some(stop), task, lease })
     }
 
-    /// Deregisters, then stops serving (in-flight requests are finished).
+    /// Deregisters, then stops serving (in-flight requests are finished,
+    /// within [`FINISH_WITHIN`]).
     pub async fn shutdown(self) {
         self.drain_and_shutdown(Duration::ZERO).await
     }
@@ -657,7 +662,17 @@ impl Teacher {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
-        let _ = (&mut self.task).await;
+        // In-flight requests are finished, each connection closed as it
+        // goes idle; a student that never answers the server's goodbye (a
+        // process frozen with a connection open) is not waited for past
+        // the bound: the rest is cut off.
+        if tokio::time::timeout(FINISH_WITHIN, &mut self.task).await.is_err() {
+            tracing::warn!(
+                "teacher {}: connections still open {FINISH_WITHIN:?} after it stopped serving; cut off",
+                self.addr
+            );
+            self.task.abort();
+        }
     }
 
     /// Stops at once, as a crash would: connections drop, the lease is left to expire.
@@ -687,4 +702,36 @@ pub enum TeacherError {
     Bind(SocketAddr, std::io::Error),
     #[error("cannot register in the store: {0}")]
     Store(StoreError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// A student frozen with a connection open (it opened HTTP/2 and then
+    /// answers nothing, not the server's goodbye either): the teacher's
+    /// shutdown cuts it off after [`FINISH_WITHIN`] instead of waiting for
+    /// it forever.
+    #[test]
+    fn a_stopping_teacher_does_not_wait_forever_for_a_frozen_student() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        rt.block_on(async {
+            let model = crate::trainer::model::Mlp::random(&[4, 8, 3], 1);
+            let t = Teacher::start(
+                "127.0.0.1:0".parse().unwrap(),
+                TeacherService::new(model, TeacherConfig::default()),
+                None,
+            )
+            .await
+            .unwrap();
+            let mut frozen = tokio::net::TcpStream::connect(t.addr).await.unwrap();
+            // HTTP/2's preface and an empty SETTINGS frame; then silence.
+            frozen.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0").await.unwrap();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let stopped = tokio::time::timeout(FINISH_WITHIN * 10, t.shutdown()).await;
+            assert!(stopped.is_ok(), "still waiting for the frozen student");
+            drop(frozen);
+        });
+    }
 }
