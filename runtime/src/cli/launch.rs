@@ -240,7 +240,7 @@ fn write_torchrun_report(
         "resizes": resizes,
         "outcome": outcome,
     });
-    std::fs::write(out, serde_json::to_vec_pretty(&report)?).with_context(|| format!("{}", out.display()))
+    super::summary::replace_file(out, &serde_json::to_vec_pretty(&report)?)
 }
 
 /// Says how the job ended; the exit code is the failed rank's, as torchrun's.

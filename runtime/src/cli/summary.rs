@@ -18,10 +18,9 @@ pub(super) fn write_failed_report(out: Option<&Path>, name: &str, e: &anyhow::Er
         "error": format!("{e:#}"),
         "checkpoint_dir": checkpoint_dir,
     });
-    let written = serde_json::to_vec_pretty(&failed).map_err(anyhow::Error::from).and_then(|bytes| {
-        std::fs::write(out, bytes)?;
-        Ok(())
-    });
+    let written = serde_json::to_vec_pretty(&failed)
+        .map_err(anyhow::Error::from)
+        .and_then(|bytes| replace_file(out, &bytes));
     if let Err(w) = written {
         eprintln!("could not write the report {}: {w}", out.display());
     }
@@ -80,8 +79,7 @@ pub(super) fn summarize(
     );
     println!("          checkpoints in {} (final: {})", checkpoint_dir.display(), report.final_checkpoint);
     if let Some(out) = &output.report {
-        std::fs::write(out, serde_json::to_vec_pretty(report)?)
-            .with_context(|| format!("{}", out.display()))?;
+        replace_file(out, &serde_json::to_vec_pretty(report)?)?;
         println!("          report written to {}", out.display());
     }
     if let Some(out) = &output.plot {
@@ -91,4 +89,51 @@ pub(super) fn summarize(
     }
     coordinator::mark_complete(spec_checkpoint_dir, &report.epochs)?;
     Ok(if bad == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Writes `bytes` to `path` whole: into a temporary file beside it, forced
+/// to disk, then renamed over it, so that a crash or a full disk leaves the
+/// file as it was (a report of an earlier run) or as written, never cut off.
+pub(crate) fn replace_file(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    let write = || -> std::io::Result<()> {
+        // Readable as a file written plainly would be (within the umask's
+        // bounds), not only by its owner as a temporary file is made.
+        let mut tmp = tempfile::Builder::new()
+            .prefix(".edl-")
+            .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))
+            .tempfile_in(dir)?;
+        tmp.write_all(bytes)?;
+        tmp.as_file().sync_all()?;
+        tmp.persist(path).map_err(|e| e.error)?;
+        Ok(())
+    };
+    write().with_context(|| path.display().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A report written over an earlier one replaces it whole and leaves no
+    /// temporary file beside it; one that cannot be written says where and
+    /// leaves the earlier one as it was.
+    #[test]
+    fn a_report_replaces_the_earlier_one_whole_or_not_at_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("report.json");
+        std::fs::write(&out, b"{\"earlier\": true, \"padding\": \"a longer earlier report\"}").unwrap();
+        replace_file(&out, b"{}").unwrap();
+        assert_eq!(std::fs::read(&out).unwrap(), b"{}");
+        let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, ["report.json"], "nothing left beside it");
+        let nowhere = dir.path().join("missing").join("report.json");
+        let e = format!("{:#}", replace_file(&nowhere, b"{}").unwrap_err());
+        assert!(e.contains("missing/report.json"), "{e}");
+        assert_eq!(std::fs::read(&out).unwrap(), b"{}");
+    }
 }
