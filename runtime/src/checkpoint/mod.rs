@@ -296,7 +296,7 @@ fn read_state(
         let v = st.tensor(&t.name).map_err(|e| corrupt(file, format!("tensor {:?}: {e}", t.name)))?;
         if v.dtype() != Dtype::F32 || v.shape() != t.shape.as_slice() {
             return Err(corrupt(
-                &file,
+                file,
                 format!("tensor {:?} is {:?} {:?}, expected F32 {:?}", t.name, v.dtype(), v.shape(), t.shape),
             ));
         }
