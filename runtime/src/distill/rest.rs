@@ -82,6 +82,15 @@ const MAX_CONNECTIONS: usize = 256;
 /// request's headers (the first, and each next one on a kept connection).
 const HANDSHAKE_TIME: std::time::Duration = std::time::Duration::from_secs(10);
 const HEADER_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+/// An HTTP/2 client is pinged this often when quiet, and given up when a
+/// ping stays unanswered this long: a connection whose client is gone or
+/// frozen gives its slot back.
+const KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(20);
+/// Requests at once on one HTTP/2 connection (each body whole in memory).
+const STREAMS: u32 = 16;
+/// The bytes that tell HTTP/2 from HTTP/1 (HTTP/2's preface): read before
+/// hyper's own timers start, so bounded here by [`HEADER_TIME`].
+const SNIFFED: usize = 24;
 
 /// Serves `router` on `listener` until the process ends (`what` names
 /// the endpoint in its warnings).
@@ -116,8 +125,9 @@ async fn accept(
     }
 }
 
-/// Serves HTTP/1.1 or HTTP/2 on one connection, whose client must send each
-/// request's headers within [`HEADER_TIME`].
+/// Serves HTTP/1.1 or HTTP/2 on one connection, whose client must start
+/// its first request and send each request's headers within
+/// [`HEADER_TIME`], and answer HTTP/2's pings within [`KEEPALIVE`].
 async fn serve_connection<I>(io: I, router: Router, what: &'static str)
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -125,10 +135,82 @@ where
     use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_TIME);
-    builder.http2().timer(TokioTimer::new());
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(KEEPALIVE))
+        .keep_alive_timeout(KEEPALIVE)
+        .max_concurrent_streams(STREAMS);
     let service = hyper_util::service::TowerToHyperService::new(router);
+    let io = FirstBytes { io, left: SNIFFED, deadline: Box::pin(tokio::time::sleep(HEADER_TIME)) };
     if let Err(e) = builder.serve_connection_with_upgrades(TokioIo::new(io), service).await {
         tracing::debug!("{what}: a connection ended: {e}");
+    }
+}
+
+/// A connection whose first `left` bytes must come before `deadline`: a
+/// client that connects and sends nothing (or a few bytes) gives its slot
+/// back, where hyper reads what tells the versions apart without a timer.
+struct FirstBytes<I> {
+    io: I,
+    left: usize,
+    deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl<I: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for FirstBytes<I> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::future::Future;
+        let this = &mut *self;
+        if this.left > 0 && this.deadline.as_mut().poll(cx).is_ready() {
+            let late = std::io::Error::new(std::io::ErrorKind::TimedOut, "no request started in time");
+            return std::task::Poll::Ready(Err(late));
+        }
+        let before = buf.filled().len();
+        let read = std::pin::Pin::new(&mut this.io).poll_read(cx, buf);
+        if read.is_ready() {
+            this.left = this.left.saturating_sub(buf.filled().len() - before);
+        }
+        read
+    }
+}
+
+impl<I: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for FirstBytes<I> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
 
@@ -533,4 +615,39 @@ async fn infer_at(
         r.headers_mut().insert(HEADER_LENGTH, v);
     }
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A client that connects and sends nothing, or only the start of
+    /// HTTP/2's preface, gives its slot back within the header time; one
+    /// that asks is answered.
+    #[test]
+    fn a_connection_that_starts_no_request_is_closed_and_one_that_asks_is_answered() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        rt.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let router = Router::new().route("/x", axum::routing::get(|| async { "here" }));
+            tokio::spawn(serve(listener, router, "test endpoint"));
+            let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let mut started = tokio::net::TcpStream::connect(addr).await.unwrap();
+            started.write_all(b"PRI").await.unwrap();
+            let mut asking = tokio::net::TcpStream::connect(addr).await.unwrap();
+            asking
+                .write_all(b"GET /x HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n")
+                .await
+                .unwrap();
+            let mut answer = String::new();
+            asking.read_to_string(&mut answer).await.unwrap();
+            assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("here"), "{answer}");
+            for (name, conn) in [("silent", &mut silent), ("started", &mut started)] {
+                let closed = tokio::time::timeout(HEADER_TIME * 6, conn.read(&mut [0u8; 64])).await;
+                assert!(matches!(closed, Ok(Ok(0) | Err(_))), "{name}: {closed:?}");
+            }
+        });
+    }
 }
