@@ -176,6 +176,13 @@ impl TeacherService {
 /// Longest a stopping teacher waits for its connections to close once it
 /// stopped serving.
 pub const FINISH_WITHIN: Duration = Duration::from_secs(3);
+/// A quiet client is pinged this often, and given up when a ping stays
+/// unanswered this long.
+const KEEPALIVE: Duration = Duration::from_secs(20);
+/// Requests at once on one connection.
+const STREAMS: u32 = 64;
+/// How long a client may take to finish its TLS handshake.
+const HANDSHAKE: Duration = Duration::from_secs(10);
 
 const MODEL_VERSION: &str = "1";
 /// The model's input and output tensors.
@@ -589,11 +596,33 @@ impl Teacher {
         let advertised =
             if serving.access.tls.is_some() { format!("grpcs://{host_port}") } else { host_port.clone() };
         let (stop, stopped) = oneshot::channel::<()>();
-        // Small responses must not wait for delayed ACKs (Nagle): no delay on every connection.
-        let incoming =
-            tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(listener), |s| {
-                s.and_then(|s| s.set_nodelay(true).map(|()| s))
-            });
+        // Connections accepted on a task of their own: an accept that fails
+        // (out of descriptors) is said and waited out, where the server's
+        // own loop would try again at once and spin. Small responses must
+        // not wait for delayed ACKs (Nagle): no delay on every connection.
+        let (accepted, incoming) = tokio::sync::mpsc::channel::<std::io::Result<tokio::net::TcpStream>>(64);
+        let accepting = tokio::spawn(async move {
+            loop {
+                // The server gone (stopped, or killed): the listener closes with it.
+                let next = tokio::select! {
+                    _ = accepted.closed() => return,
+                    next = listener.accept() => next,
+                };
+                match next {
+                    Ok((s, _)) => {
+                        let _ = s.set_nodelay(true);
+                        if accepted.send(Ok(s)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!("teacher on {addr}: accept: {e}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        });
+        let incoming = tokio_stream::wrappers::ReceiverStream::new(incoming);
         let token = serving.access.token.clone();
         let check = move |req: Request<()>| -> Result<Request<()>, Status> {
             let Some(want) = &token else { return Ok(req) };
@@ -612,12 +641,17 @@ impl Teacher {
             ),
             check,
         );
-        let mut builder = tonic::transport::Server::builder();
+        // A client gone or frozen is given up once a ping stays unanswered;
+        // requests at once on one connection are bounded (each message is
+        // whole in memory before it is answered).
+        let mut builder = tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(KEEPALIVE))
+            .http2_keepalive_timeout(Some(KEEPALIVE))
+            .max_concurrent_streams(STREAMS);
         if let Some((cert, key)) = &serving.access.tls {
             let identity = tonic::transport::Identity::from_pem(cert, key);
-            builder = builder
-                .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
-                .map_err(|e| TeacherError::Tls(e.to_string()))?;
+            let tls = tonic::transport::ServerTlsConfig::new().identity(identity).timeout(HANDSHAKE);
+            builder = builder.tls_config(tls).map_err(|e| TeacherError::Tls(e.to_string()))?;
         }
         let task = tokio::spawn(async move {
             let result = builder
@@ -626,6 +660,7 @@ impl Teacher {
                     let _ = stopped.await;
                 })
                 .await;
+            accepting.abort();
             if let Err(e) = result {
                 tracing::warn!("teacher on {addr}: {e}");
             }
