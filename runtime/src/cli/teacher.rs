@@ -89,11 +89,10 @@ pub struct TeacherArgs {
 pub fn run(args: TeacherArgs) -> Result<ExitCode> {
     let model = Mlp::load(&args.model)?;
     let token = read_token(args.token_file.as_deref(), "--token-file")?;
-    if token.is_some() && args.tls_cert.is_none() && !args.listen.ip().is_loopback() {
-        eprintln!(
-            "warning: --token-file without --tls-cert: students send the token in clear to {}",
-            args.listen
-        );
+    // Either listener open beyond this host carries the token in clear without TLS.
+    let open = std::iter::once(args.listen).chain(args.http_listen).filter(|a| !a.ip().is_loopback());
+    for at in open.filter(|_| token.is_some() && args.tls_cert.is_none()) {
+        eprintln!("warning: --token-file without --tls-cert: students send the token in clear to {at}");
     }
     let access = teacher::Access {
         token: token.clone(),
