@@ -94,25 +94,44 @@ pub(super) fn summarize(
 /// Writes `bytes` to `path` whole: into a temporary file beside it, forced
 /// to disk, then renamed over it, so that a crash or a full disk leaves the
 /// file as it was (a report of an earlier run) or as written, never cut off.
+/// A link is written through (to the file it names), an existing file keeps
+/// its permissions, and what is not a plain file (`/dev/stdout`), or a file
+/// in a directory this process cannot create files in, is written in place.
 pub(crate) fn replace_file(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
-    use std::io::Write;
-    let dir = match path.parent() {
+    use std::{io::Write, os::unix::fs::PermissionsExt};
+    let target = match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => {
+            std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
+        }
+        _ => path.to_path_buf(),
+    };
+    let mode = match std::fs::metadata(&target) {
+        Ok(m) if !m.is_file() => {
+            return std::fs::write(&target, bytes).with_context(|| path.display().to_string());
+        }
+        Ok(m) => m.permissions(),
+        // Readable as a file written plainly would be (within the umask's
+        // bounds), not only by its owner as a temporary file is made.
+        Err(_) => std::fs::Permissions::from_mode(0o644),
+    };
+    let dir = match target.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => std::path::Path::new("."),
     };
-    let write = || -> std::io::Result<()> {
-        // Readable as a file written plainly would be (within the umask's
-        // bounds), not only by its owner as a temporary file is made.
-        let mut tmp = tempfile::Builder::new()
-            .prefix(".edl-")
-            .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))
-            .tempfile_in(dir)?;
+    let tmp = match tempfile::Builder::new().prefix(".edl-").permissions(mode).tempfile_in(dir) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            return std::fs::write(&target, bytes).with_context(|| path.display().to_string());
+        }
+        Err(e) => return Err(anyhow::Error::from(e).context(path.display().to_string())),
+    };
+    let write = |mut tmp: tempfile::NamedTempFile| -> std::io::Result<()> {
         tmp.write_all(bytes)?;
         tmp.as_file().sync_all()?;
-        tmp.persist(path).map_err(|e| e.error)?;
+        tmp.persist(&target).map_err(|e| e.error)?;
         Ok(())
     };
-    write().with_context(|| path.display().to_string())
+    write(tmp).with_context(|| path.display().to_string())
 }
 
 #[cfg(test)]
@@ -131,6 +150,15 @@ mod tests {
         assert_eq!(std::fs::read(&out).unwrap(), b"{}");
         let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, ["report.json"], "nothing left beside it");
+        // Through a link, to the file it names; and to what is not a file.
+        let link = dir.path().join("latest.json");
+        std::os::unix::fs::symlink(&out, &link).unwrap();
+        replace_file(&link, b"[1]").unwrap();
+        assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "still a link");
+        assert_eq!(std::fs::read(&out).unwrap(), b"[1]");
+        replace_file(std::path::Path::new("/dev/null"), b"{}").unwrap();
+        std::fs::remove_file(&link).unwrap();
+        replace_file(&out, b"{}").unwrap();
         let nowhere = dir.path().join("missing").join("report.json");
         let e = format!("{:#}", replace_file(&nowhere, b"{}").unwrap_err());
         assert!(e.contains("missing/report.json"), "{e}");

@@ -172,7 +172,6 @@ impl TeacherService {
     }
 }
 
-/// The one version of the model a teacher serves.
 /// Longest a stopping teacher waits for its connections to close once it
 /// stopped serving.
 pub const FINISH_WITHIN: Duration = Duration::from_secs(3);
@@ -184,6 +183,7 @@ const STREAMS: u32 = 64;
 /// How long a client may take to finish its TLS handshake.
 const HANDSHAKE: Duration = Duration::from_secs(10);
 
+/// The one version of the model a teacher serves.
 const MODEL_VERSION: &str = "1";
 /// The model's input and output tensors.
 const INPUT: &str = "input";
@@ -552,6 +552,43 @@ pub struct Registration {
     pub key: crate::leader::seal::RecordKey,
 }
 
+/// Accepts `listener`'s connections on a task of its own, for the server to
+/// serve: an accept that fails (out of descriptors) is said and waited out,
+/// where the server's own loop would try again at once and spin; the
+/// listener closes once the server is gone (stopped, or killed). Small
+/// responses must not wait for delayed ACKs (Nagle): no delay on any
+/// connection.
+fn accept_on(
+    listener: tokio::net::TcpListener,
+    addr: SocketAddr,
+) -> (
+    tokio::task::JoinHandle<()>,
+    tokio_stream::wrappers::ReceiverStream<std::io::Result<tokio::net::TcpStream>>,
+) {
+    let (accepted, incoming) = tokio::sync::mpsc::channel::<std::io::Result<tokio::net::TcpStream>>(64);
+    let accepting = tokio::spawn(async move {
+        loop {
+            let next = tokio::select! {
+                _ = accepted.closed() => return,
+                next = listener.accept() => next,
+            };
+            match next {
+                Ok((s, _)) => {
+                    let _ = s.set_nodelay(true);
+                    if accepted.send(Ok(s)).await.is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!("teacher on {addr}: accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    });
+    (accepting, tokio_stream::wrappers::ReceiverStream::new(incoming))
+}
+
 impl Teacher {
     /// Serves `service` on `listen` (port 0 picks one). With a store, the
     /// endpoint is registered under `edl/services/<service_name>/teachers/<addr>`
@@ -596,33 +633,7 @@ impl Teacher {
         let advertised =
             if serving.access.tls.is_some() { format!("grpcs://{host_port}") } else { host_port.clone() };
         let (stop, stopped) = oneshot::channel::<()>();
-        // Connections accepted on a task of their own: an accept that fails
-        // (out of descriptors) is said and waited out, where the server's
-        // own loop would try again at once and spin. Small responses must
-        // not wait for delayed ACKs (Nagle): no delay on every connection.
-        let (accepted, incoming) = tokio::sync::mpsc::channel::<std::io::Result<tokio::net::TcpStream>>(64);
-        let accepting = tokio::spawn(async move {
-            loop {
-                // The server gone (stopped, or killed): the listener closes with it.
-                let next = tokio::select! {
-                    _ = accepted.closed() => return,
-                    next = listener.accept() => next,
-                };
-                match next {
-                    Ok((s, _)) => {
-                        let _ = s.set_nodelay(true);
-                        if accepted.send(Ok(s)).await.is_err() {
-                            return;
-                        }
-                    }
-                    Err(e) => {
-                        tracing::warn!("teacher on {addr}: accept: {e}");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                }
-            }
-        });
-        let incoming = tokio_stream::wrappers::ReceiverStream::new(incoming);
+        let (accepting, incoming) = accept_on(listener, addr);
         let token = serving.access.token.clone();
         let check = move |req: Request<()>| -> Result<Request<()>, Status> {
             let Some(want) = &token else { return Ok(req) };
@@ -700,10 +711,11 @@ impl Teacher {
         // In-flight requests are finished, each connection closed as it
         // goes idle; a student that never answers the server's goodbye (a
         // process frozen with a connection open) is not waited for past
-        // the bound: the rest is cut off.
+        // the bound. Its connection's own task ends when the student
+        // answers no ping (HTTP/2's keepalive), or with the process.
         if tokio::time::timeout(FINISH_WITHIN, &mut self.task).await.is_err() {
             tracing::warn!(
-                "teacher {}: connections still open {FINISH_WITHIN:?} after it stopped serving; cut off",
+                "teacher {}: connections still open {FINISH_WITHIN:?} after it stopped serving; not waited for",
                 self.addr
             );
             self.task.abort();
@@ -746,8 +758,8 @@ mod tests {
 
     /// A student frozen with a connection open (it opened HTTP/2 and then
     /// answers nothing, not the server's goodbye either): the teacher's
-    /// shutdown cuts it off after [`FINISH_WITHIN`] instead of waiting for
-    /// it forever.
+    /// shutdown returns after [`FINISH_WITHIN`] instead of waiting for it
+    /// forever.
     #[test]
     fn a_stopping_teacher_does_not_wait_forever_for_a_frozen_student() {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();

@@ -5,45 +5,74 @@
 
 use std::{
     net::{TcpListener, TcpStream},
-    sync::{
-        Arc,
-        atomic::{AtomicUsize, Ordering},
-    },
+    sync::{Arc, Condvar, Mutex},
     time::{Duration, Instant},
 };
 
-/// Most connections of one listener proving the secret at once; more are
-/// closed as soon as they are accepted.
+/// Most connections of one listener proving the secret at once; past it,
+/// the next is accepted only once a place is given up (it waits in the
+/// listener's queue meanwhile).
 pub const MAX_PROVING: usize = 256;
+
+/// The places taken, and a wake-up when one is given up.
+#[derive(Default)]
+struct Places {
+    taken: Mutex<usize>,
+    freed: Condvar,
+}
+
+impl Places {
+    fn lock(&self) -> std::sync::MutexGuard<'_, usize> {
+        self.taken.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
 
 /// A connection's place among its listener's connections proving the
 /// secret, given up when dropped (once it has proven it, or failed to).
-pub struct Proving(Arc<AtomicUsize>);
+pub struct Proving(Arc<Places>);
 
 impl Drop for Proving {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        *self.0.lock() -= 1;
+        self.0.freed.notify_one();
     }
 }
 
 /// Accepts `listener`'s connections on a thread named `name` and serves
 /// each with `serve` on a thread of its own (`name`-conn), with its
-/// [`Proving`] place: `serve` drops it once the secret is proven. Past
-/// [`MAX_PROVING`] places taken, a connection is closed at once (said at
-/// the 1st, 2nd, 4th, 8th... so that a flood does not flood the log); an
-/// accept that fails (out of descriptors) is tried again 100 ms later
-/// rather than at once. `what` names the listener in its warnings.
+/// [`Proving`] place: `serve` drops it once the secret is proven. With
+/// [`MAX_PROVING`] places taken, the next connection is accepted only once
+/// one is given up (each is given up within its handshake's deadline, so a
+/// stranger holding every place delays the others, it does not turn them
+/// away; said at the 1st, 2nd, 4th, 8th... wait, so that a flood does not
+/// flood the log). An accept that fails (out of descriptors) is tried again
+/// 100 ms later rather than at once. `what` names the listener in its
+/// warnings.
 pub fn serve_each<F>(listener: TcpListener, name: &str, what: &'static str, serve: F) -> std::io::Result<()>
 where
     F: Fn(TcpStream, Proving) + Clone + Send + 'static,
 {
     let conn_name = format!("{name}-conn");
     std::thread::Builder::new().name(name.into()).spawn(move || {
-        let taken = Arc::new(AtomicUsize::new(0));
-        let mut closed = 0u64;
-        for conn in listener.incoming() {
-            let conn = match conn {
-                Ok(c) => c,
+        let places = Arc::new(Places::default());
+        let mut waits = 0u64;
+        loop {
+            let mut taken = places.lock();
+            if *taken >= MAX_PROVING {
+                waits += 1;
+                if waits.is_power_of_two() {
+                    tracing::warn!(
+                        "{what}: {MAX_PROVING} connections proving the secret; the next waits for one to end \
+                         ({waits} waits so far)"
+                    );
+                }
+                while *taken >= MAX_PROVING {
+                    taken = places.freed.wait(taken).unwrap_or_else(|p| p.into_inner());
+                }
+            }
+            drop(taken);
+            let conn = match listener.accept() {
+                Ok((c, _)) => c,
                 Err(e) => {
                     // The connection stays queued: wait for descriptors
                     // to close instead of spinning on it.
@@ -52,17 +81,8 @@ where
                     continue;
                 }
             };
-            if taken.load(Ordering::SeqCst) >= MAX_PROVING {
-                closed += 1;
-                if closed.is_power_of_two() {
-                    tracing::warn!(
-                        "{what}: {MAX_PROVING} connections already proving the secret; {closed} closed so far"
-                    );
-                }
-                continue;
-            }
-            taken.fetch_add(1, Ordering::SeqCst);
-            let (place, serve) = (Proving(taken.clone()), serve.clone());
+            *places.lock() += 1;
+            let (place, serve) = (Proving(places.clone()), serve.clone());
             // A thread that cannot start drops its closure, and the place with it.
             if let Err(e) =
                 std::thread::Builder::new().name(conn_name.clone()).spawn(move || serve(conn, place))
@@ -132,10 +152,10 @@ mod tests {
     }
 
     /// Connections that never prove anything hold their places; past the
-    /// bound, one more is closed at once, and a place given up is taken by
-    /// the next connection.
+    /// bound, the next one waits (open, not served) until a place is given
+    /// up, and is served then.
     #[test]
-    fn past_the_bound_of_connections_proving_the_secret_a_new_one_is_closed_at_once() {
+    fn past_the_bound_of_connections_proving_the_secret_the_next_waits_for_a_place() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let (places_tx, places) = mpsc::channel::<Proving>();
@@ -148,13 +168,13 @@ mod tests {
         let held: Vec<TcpStream> = (0..MAX_PROVING).map(|_| TcpStream::connect(addr).unwrap()).collect();
         let mut taken: Vec<Proving> =
             (0..MAX_PROVING).map(|_| places.recv_timeout(Duration::from_secs(60)).unwrap()).collect();
-        let mut over = TcpStream::connect(addr).unwrap();
-        over.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-        assert_eq!(over.read(&mut [0u8; 1]).unwrap(), 0, "closed at once, not served");
-        assert!(places.try_recv().is_err(), "no place for it");
+        let mut next = TcpStream::connect(addr).unwrap();
+        assert!(places.recv_timeout(Duration::from_millis(300)).is_err(), "served past the bound");
+        next.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        let e = next.read(&mut [0u8; 1]).unwrap_err();
+        assert!(matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut), "{e}");
         drop(taken.pop());
-        let _next = TcpStream::connect(addr).unwrap();
-        assert!(places.recv_timeout(Duration::from_secs(60)).is_ok(), "the place given up is taken");
+        assert!(places.recv_timeout(Duration::from_secs(60)).is_ok(), "served once a place was given up");
         drop(held);
     }
 }

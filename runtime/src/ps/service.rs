@@ -838,12 +838,24 @@ impl Client {
                 per[s].1.extend_from_slice(&summed[i * d..(i + 1) * d]);
             }
         }
-        Ok(per
+        let pushes: Vec<(Request, Vec<u8>)> = per
             .into_iter()
             .map(|(ids, grads)| {
                 (Request::Push { table: table.into(), tag, ids: ids.len() }, wire::encode(&ids, &grads))
             })
-            .collect())
+            .collect();
+        // Refused before any server has it: a step pushed to some servers
+        // and not others is never left behind by a size.
+        if let Some((s, (_, body))) = pushes.iter().enumerate().find(|(_, (_, b))| b.len() > wire::MAX_BODY) {
+            bail!(
+                "table {table:?}: a push of {} bytes to parameter server {} passes the wire's bound of {} bytes: \
+                 push fewer rows a step",
+                body.len(),
+                self.servers[s].id,
+                wire::MAX_BODY
+            );
+        }
+        Ok(pushes)
     }
 
     /// `table` as it was after its steps before `step`, from every server.

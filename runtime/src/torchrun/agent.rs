@@ -35,7 +35,7 @@ pub struct AgentArgs {
 
 /// How long connecting to the launcher may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Longest one write to the launcher may block.
+/// Longest one write to the launcher may block, if the lease is shorter.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often an agent that lost its launcher asks the store who leads the job.
 const LOOK_EVERY: Duration = Duration::from_millis(250);
@@ -120,11 +120,14 @@ impl Launcher {
         };
         stream.set_read_timeout(None)?;
         // A launcher frozen (SIGSTOP, a paused VM) reads nothing: a write
-        // to it fails within 10 s, and the connection within the lease once
-        // what was sent stays unacknowledged, rather than every write
-        // blocking for good once the ranks' output has filled its buffer
-        // (and the check of its silence with them).
-        stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
+        // to it fails within the lease (10 s at least), and the connection
+        // once what was sent stays unacknowledged that long, rather than
+        // every write blocking for good once the ranks' output has filled
+        // its buffer (and the check of its silence with them).
+        // At least the lease: a launcher frozen for less gets what was
+        // written whole when it wakes (a write given up midway would leave
+        // half a sealed frame in the stream).
+        stream.set_write_timeout(Some(WRITE_TIMEOUT.max(job.lease)))?;
         proto::give_up_unacked(&stream, job.lease.max(Duration::from_secs(1)));
         let (tx, rx) = mpsc::channel::<Heard>();
         std::thread::spawn(move || {

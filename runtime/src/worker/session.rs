@@ -373,7 +373,10 @@ pub fn read_secret_file(path: &std::path::Path) -> Result<Secret> {
 /// coordinator to welcome it: a coordinator frozen (SIGSTOP, a paused VM)
 /// between the two would otherwise hold it forever, since nothing it sends
 /// is left unacknowledged and the frozen host's kernel answers keepalives.
-pub const WELCOME_WITHIN: Duration = Duration::from_secs(60);
+/// Long, because the welcome comes from the coordinator's own loop, which
+/// may be busy for a while (verifying a large checkpoint as it resumes,
+/// moving parameter-server shards) while its inbox admits connections.
+pub const WELCOME_WITHIN: Duration = Duration::from_secs(300);
 
 impl Session {
     /// Connects worker `id` to the coordinator at `coordinator`, proves the
