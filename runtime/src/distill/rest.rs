@@ -88,9 +88,9 @@ const HEADER_TIME: std::time::Duration = std::time::Duration::from_secs(10);
 const KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(20);
 /// Requests at once on one HTTP/2 connection (each body whole in memory).
 const STREAMS: u32 = 16;
-/// The bytes that tell HTTP/2 from HTTP/1 (HTTP/2's preface): read before
-/// hyper's own timers start, so bounded here by [`HEADER_TIME`].
-const SNIFFED: usize = 24;
+// What tells HTTP/2 from HTTP/1 is read before hyper's own timers start:
+// bounded here by [`HEADER_TIME`].
+use crate::net::first_bytes::SNIFFED;
 
 /// Serves `router` on `listener` until the process ends (`what` names
 /// the endpoint in its warnings).
@@ -142,75 +142,9 @@ where
         .keep_alive_timeout(KEEPALIVE)
         .max_concurrent_streams(STREAMS);
     let service = hyper_util::service::TowerToHyperService::new(router);
-    let io = FirstBytes { io, left: SNIFFED, deadline: Box::pin(tokio::time::sleep(HEADER_TIME)) };
+    let io = crate::net::first_bytes::FirstBytes::new(io, SNIFFED, HEADER_TIME);
     if let Err(e) = builder.serve_connection_with_upgrades(TokioIo::new(io), service).await {
         tracing::debug!("{what}: a connection ended: {e}");
-    }
-}
-
-/// A connection whose first `left` bytes must come before `deadline`: a
-/// client that connects and sends nothing (or a few bytes) gives its slot
-/// back, where hyper reads what tells the versions apart without a timer.
-struct FirstBytes<I> {
-    io: I,
-    left: usize,
-    deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
-}
-
-impl<I: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for FirstBytes<I> {
-    fn poll_read(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        use std::future::Future;
-        let this = &mut *self;
-        if this.left > 0 && this.deadline.as_mut().poll(cx).is_ready() {
-            let late = std::io::Error::new(std::io::ErrorKind::TimedOut, "no request started in time");
-            return std::task::Poll::Ready(Err(late));
-        }
-        let before = buf.filled().len();
-        let read = std::pin::Pin::new(&mut this.io).poll_read(cx, buf);
-        if read.is_ready() {
-            this.left = this.left.saturating_sub(buf.filled().len() - before);
-        }
-        read
-    }
-}
-
-impl<I: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for FirstBytes<I> {
-    fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.io).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
 

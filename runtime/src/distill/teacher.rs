@@ -182,6 +182,9 @@ const KEEPALIVE: Duration = Duration::from_secs(20);
 const STREAMS: u32 = 64;
 /// How long a client may take to finish its TLS handshake.
 const HANDSHAKE: Duration = Duration::from_secs(10);
+/// How long a connection may take to send its first bytes (HTTP/2's
+/// preface, or TLS's hello).
+const FIRST_BYTES_WITHIN: Duration = Duration::from_secs(10);
 
 /// The one version of the model a teacher serves.
 const MODEL_VERSION: &str = "1";
@@ -552,6 +555,11 @@ pub struct Registration {
     pub key: crate::leader::seal::RecordKey,
 }
 
+/// A connection the teacher's server is given: its first bytes bounded in
+/// time (HTTP/2's preface, or TLS's hello, within 10 s), where the server
+/// itself waits for them without a timer.
+type Incoming = crate::net::first_bytes::FirstBytes<tokio::net::TcpStream>;
+
 /// Accepts `listener`'s connections on a task of its own, for the server to
 /// serve: an accept that fails (out of descriptors) is said and waited out,
 /// where the server's own loop would try again at once and spin; the
@@ -561,11 +569,8 @@ pub struct Registration {
 fn accept_on(
     listener: tokio::net::TcpListener,
     addr: SocketAddr,
-) -> (
-    tokio::task::JoinHandle<()>,
-    tokio_stream::wrappers::ReceiverStream<std::io::Result<tokio::net::TcpStream>>,
-) {
-    let (accepted, incoming) = tokio::sync::mpsc::channel::<std::io::Result<tokio::net::TcpStream>>(64);
+) -> (tokio::task::JoinHandle<()>, tokio_stream::wrappers::ReceiverStream<std::io::Result<Incoming>>) {
+    let (accepted, incoming) = tokio::sync::mpsc::channel::<std::io::Result<Incoming>>(64);
     let accepting = tokio::spawn(async move {
         loop {
             let next = tokio::select! {
@@ -575,6 +580,11 @@ fn accept_on(
             match next {
                 Ok((s, _)) => {
                     let _ = s.set_nodelay(true);
+                    let s = crate::net::first_bytes::FirstBytes::new(
+                        s,
+                        crate::net::first_bytes::SNIFFED,
+                        FIRST_BYTES_WITHIN,
+                    );
                     if accepted.send(Ok(s)).await.is_err() {
                         return;
                     }
@@ -755,6 +765,36 @@ pub enum TeacherError {
 mod tests {
     use super::*;
     use tokio::io::AsyncWriteExt;
+
+    /// A connection that never starts HTTP/2 (nor TLS) is closed within the
+    /// time a first request has; a student's calls are answered meanwhile.
+    #[test]
+    fn a_connection_that_never_starts_http2_is_closed() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        rt.block_on(async {
+            use tokio::io::AsyncReadExt;
+            let model = crate::trainer::model::Mlp::random(&[4, 8, 3], 1);
+            let service = TeacherService::new(model, TeacherConfig::default());
+            let t = Teacher::start("127.0.0.1:0".parse().unwrap(), service, None).await.unwrap();
+            let mut silent = tokio::net::TcpStream::connect(t.addr).await.unwrap();
+            let url = format!("http://{}", t.addr);
+            let mut c =
+                super::super::oip::pb::grpc_inference_service_client::GrpcInferenceServiceClient::connect(
+                    url,
+                )
+                .await
+                .unwrap();
+            assert!(
+                c.server_live(super::super::oip::pb::ServerLiveRequest {}).await.unwrap().into_inner().live
+            );
+            // The server says its settings first; then it closes.
+            let mut said = Vec::new();
+            let within = FIRST_BYTES_WITHIN * 6;
+            let closed = tokio::time::timeout(within, silent.read_to_end(&mut said)).await;
+            assert!(closed.is_ok(), "still open after {} bytes", said.len());
+            t.shutdown().await;
+        });
+    }
 
     /// A student frozen with a connection open (it opened HTTP/2 and then
     /// answers nothing, not the server's goodbye either): the teacher's

@@ -4,6 +4,7 @@
 //! address this host routes from.
 
 pub mod accept;
+pub mod first_bytes;
 
 use anyhow::{Context, Result, anyhow};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs, UdpSocket};
