@@ -96,7 +96,8 @@ pub(super) fn summarize(
 /// file as it was (a report of an earlier run) or as written, never cut off.
 /// A link is written through (to the file it names), an existing file keeps
 /// its permissions, and what is not a plain file (`/dev/stdout`), or a file
-/// in a directory this process cannot create files in, is written in place.
+/// in a directory this process cannot create files in or rename over
+/// (another user's in a sticky directory), is written in place.
 pub(crate) fn replace_file(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
     use std::{io::Write, os::unix::fs::PermissionsExt};
     let target = match std::fs::symlink_metadata(path) {
@@ -128,8 +129,14 @@ pub(crate) fn replace_file(path: &std::path::Path, bytes: &[u8]) -> anyhow::Resu
     let write = |mut tmp: tempfile::NamedTempFile| -> std::io::Result<()> {
         tmp.write_all(bytes)?;
         tmp.as_file().sync_all()?;
-        tmp.persist(&target).map_err(|e| e.error)?;
-        Ok(())
+        match tmp.persist(&target) {
+            Ok(_) => Ok(()),
+            // Not ours to rename over (a sticky directory): written in place.
+            Err(e) if e.error.kind() == std::io::ErrorKind::PermissionDenied => {
+                std::fs::write(&target, bytes)
+            }
+            Err(e) => Err(e.error),
+        }
     };
     write(tmp).with_context(|| path.display().to_string())
 }

@@ -10,7 +10,7 @@ use super::placement;
 use super::server::{Mark, PushTag, Pushed, Server, Stats};
 use super::table::{SHARDS, SavedTable, TableSpec};
 use super::wire::{self, Request, Response};
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use edl_host_gpu::comm::auth::{self, JobAuth};
 use edl_host_gpu::comm::sealed::SealedStream;
 use std::{
@@ -505,19 +505,13 @@ impl Conn {
     }
 
     fn send(&mut self, req: &Request, body: &[u8]) -> Result<()> {
-        // Too large to send is the request's fault, not the server's: said
-        // as it is, not taken for a server out of reach (and redone).
-        if body.len() > wire::MAX_BODY {
-            bail!(
-                "parameter server {} at {}: a request of {} bytes passes the wire's bound of {} bytes: \
-                 push fewer rows a step",
-                self.id,
-                self.addr,
-                body.len(),
-                wire::MAX_BODY
-            );
-        }
-        wire::write(&mut self.stream, req, body).map_err(|e| self.unreachable(e))
+        wire::write(&mut self.stream, req, body).map_err(|e| match e.kind() {
+            // Too large to send (refused before a byte is written) is the
+            // request's fault, not the server's: said as it is, not taken
+            // for a server out of reach (and redone).
+            std::io::ErrorKind::InvalidInput => anyhow!("parameter server {} at {}: {e}", self.id, self.addr),
+            _ => self.unreachable(e),
+        })
     }
 
     fn receive(&mut self) -> Result<(Response, Vec<u8>)> {

@@ -151,7 +151,10 @@ pub fn write(w: &mut impl Write, header: &impl Serialize, body: &[u8]) -> io::Re
     if body.len() > MAX_BODY {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            format!("a body of {} bytes (at most {MAX_BODY}): ask for fewer rows at a time", body.len()),
+            format!(
+                "a body of {} bytes passes the wire's bound of {MAX_BODY} bytes: ask for fewer rows at a time",
+                body.len()
+            ),
         ));
     }
     let head = serde_json::to_vec(header).map_err(io::Error::other)?;
