@@ -244,7 +244,7 @@ impl SimRank {
                 let report = FromWorker::Done { generation, steps: done, setup_ms: 0.0 };
                 due.push((self.busy_until, Then::Report(report)));
             }
-            ToWorker::Steps { .. } | ToWorker::Commit { wait: false, .. } => {}
+            ToWorker::Steps { .. } | ToWorker::Commit { wait: false, .. } | ToWorker::Beat => {}
             ToWorker::Commit { step, wait: true, .. } => {
                 let written = Written { step, result: Ok(PathBuf::from("(simulated)")), secs: 0.0, bytes: 0 };
                 send(&mut self.out, &FromWorker::Saved { checkpoints: vec![written] })?;

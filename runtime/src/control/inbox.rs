@@ -314,7 +314,7 @@ fn admit<M: Message>(
             down: RelayOut::new(Link::new(conn, Some(sealer))),
             carrying: Carrying::default(),
         }))
-    } else if tx.send(Inbound::Conn(n, Outbox::Direct(Link::new(conn, Some(sealer))), claim.clone())).is_ok()
+    } else if tx.send(Inbound::Conn(n, Outbox::direct(Link::new(conn, Some(sealer))), claim.clone())).is_ok()
     {
         Kind::Worker(claim.who)
     } else {

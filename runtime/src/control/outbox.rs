@@ -9,7 +9,9 @@ use serde::Serialize;
 /// Where the coordinator writes to one worker: its own connection, or the
 /// connection of the relay that carries it (see [`crate::control::relay`]).
 pub enum Outbox {
-    Direct(Link),
+    /// The worker's own connection, shared with the coordinator's
+    /// heartbeats to it (see [`crate::coordinator::beats`]).
+    Direct(SharedLink),
     /// The worker's number on the relay, and the relay's connection.
     Relayed {
         conn: u64,
@@ -20,7 +22,22 @@ pub enum Outbox {
     },
 }
 
+/// A connection's writing side, for threads that take turns on it: each
+/// message is written whole under the lock.
+pub type SharedLink = std::sync::Arc<std::sync::Mutex<Link>>;
+
+/// The link behind `link`, whatever a thread that panicked left it as (a
+/// message is one write: none is left half written).
+pub fn lock_link(link: &SharedLink) -> std::sync::MutexGuard<'_, Link> {
+    link.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl Outbox {
+    /// A worker's own connection.
+    pub fn direct(link: Link) -> Self {
+        Outbox::Direct(std::sync::Arc::new(std::sync::Mutex::new(link)))
+    }
+
     /// Writes one message as a JSON line.
     pub fn send<T: Serialize>(&mut self, msg: &T) -> Result<(), ProtoError> {
         let line = encode(msg).map_err(|detail| ProtoError::Malformed { peer: self.peer(), detail })?;
@@ -31,7 +48,7 @@ impl Outbox {
     /// failed says so, and its workers' connections close.
     pub fn send_encoded(&mut self, line: &[u8]) -> Result<(), ProtoError> {
         match self {
-            Outbox::Direct(stream) => send_encoded(stream, line),
+            Outbox::Direct(stream) => send_encoded(&mut lock_link(stream), line),
             Outbox::Relayed { conn, relay, name, .. } => relay
                 .send(&[Frame::Line { conn: *conn, line: line.to_vec() }])
                 .map_err(|detail| ProtoError::Io { peer: name.clone(), detail }),
@@ -49,7 +66,7 @@ impl Outbox {
 
     fn peer(&self) -> String {
         match self {
-            Outbox::Direct(s) => peer(s.get_ref()),
+            Outbox::Direct(s) => peer(lock_link(s).get_ref()),
             Outbox::Relayed { name, .. } => name.clone(),
         }
     }

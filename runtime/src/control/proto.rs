@@ -74,6 +74,18 @@ pub enum ToWorker {
     Stop {
         reason: String,
     },
+    /// The coordinator is alive: sent a few times per worker lease to every
+    /// worker it welcomed, from a thread of its own, so that one frozen with
+    /// its connection still open (the kernel acknowledging what is sent to
+    /// it) is given up by its workers instead of waited for.
+    Beat,
+}
+
+/// How long a welcomed worker waits without a word from its coordinator
+/// (beats come four times per lease) before it takes it for lost: three
+/// leases.
+pub fn coordinator_silence(lease: std::time::Duration) -> std::time::Duration {
+    lease.max(std::time::Duration::from_millis(1)) * 3
 }
 
 /// A generation: who is in it, where its ring meets, and the state it starts from.

@@ -313,16 +313,16 @@ impl Upward {
     fn encode(&self, ev: Inbound, buf: &mut Vec<u8>) {
         match ev {
             Inbound::Conn(conn, Outbox::Direct(link), claim) => {
-                let socket = match link.get_ref().try_clone() {
+                let socket = match lock(&link).get_ref().try_clone() {
                     Ok(s) => s,
                     Err(e) => {
                         // Its end goes up, for a connection never opened: ignored there.
                         tracing::warn!("relay: worker {}'s connection: {e}; closed", claim.who);
-                        let _ = link.get_ref().shutdown(std::net::Shutdown::Both);
+                        let _ = lock(&link).get_ref().shutdown(std::net::Shutdown::Both);
                         return;
                     }
                 };
-                let w = Carried { who: claim.who, link: Arc::new(Mutex::new(link)), socket };
+                let w = Carried { who: claim.who, link, socket };
                 lock(&self.workers).insert(conn, w);
                 Frame::Open { conn, claim }.encode(buf);
             }
@@ -417,8 +417,8 @@ mod tests {
         let up = Upward { workers: Default::default(), gatherings: Default::default() };
         let (a, a_end) = worker_link();
         let (b, b_end) = worker_link();
-        up.encode(Inbound::Conn(3, Outbox::Direct(a), claim(30)), buf);
-        up.encode(Inbound::Conn(4, Outbox::Direct(b), claim(40)), buf);
+        up.encode(Inbound::Conn(3, Outbox::direct(a), claim(30)), buf);
+        up.encode(Inbound::Conn(4, Outbox::direct(b), claim(40)), buf);
         (up, [a_end, b_end])
     }
 

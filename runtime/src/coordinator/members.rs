@@ -49,14 +49,17 @@ impl Coordinator<'_> {
                             let _ = stream.send(&ToWorker::Assigned { worker });
                         }
                         let _ = stream.send(&welcome);
+                        self.beats.add(conn, stream);
                     }
                 }
                 Command::Refuse { conn, reason } => {
+                    self.beats.remove(conn);
                     if let Some(mut stream) = self.conns.remove(&conn) {
                         let _ = stream.send(&ToWorker::Stop { reason });
                     }
                 }
                 Command::Stop { worker, conn, reason, grace } => {
+                    conn.inspect(|&c| self.beats.remove(c));
                     if let Some(mut stream) = conn.and_then(|c| self.conns.remove(&c)) {
                         let _ = stream.send(&ToWorker::Stop { reason });
                     }
@@ -148,6 +151,7 @@ impl Coordinator<'_> {
         // The routes stay: the ranks' windows went out by them, and a
         // closed one's rank fails its generation anyway.
         self.conns.remove(&n);
+        self.beats.remove(n);
         let rank = self.ranks.get(&n).copied();
         let Some(worker) = self.membership.handle(now, MemberEvent::Closed { conn: n, why: why.to_string() })
         else {

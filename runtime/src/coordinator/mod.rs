@@ -14,6 +14,7 @@
 //! is kept in the store and on the checkpoint cadence rank 0 writes a
 //! checkpoint; a restarted job resumes from the newest one that verifies.
 
+mod beats;
 mod held;
 pub mod machine;
 mod members;
@@ -104,6 +105,8 @@ struct Coordinator<'a> {
     ckpt: Checkpoints,
     /// Open control connections.
     conns: HashMap<u64, crate::control::outbox::Outbox>,
+    /// The welcomed workers' heartbeats (see [`beats`]).
+    beats: beats::Beats,
     /// How the ranks are reached (see [`routes::Routes`]).
     routes: Option<routes::Routes>,
     /// Who is in the job (the decisions; this struct does the I/O).
@@ -486,6 +489,7 @@ impl<'a> Coordinator<'a> {
             io,
             ckpt: Checkpoints::open(&cfg.spec.checkpoint_dir, cfg.spec.keep_checkpoints)?,
             conns: HashMap::new(),
+            beats: beats::Beats::start(Duration::from_millis(cfg.spec.worker_lease_ms) / 4),
             routes: None,
             membership,
             ps: Default::default(),

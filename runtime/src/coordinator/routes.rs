@@ -114,7 +114,7 @@ mod tests {
         // Rank 0 on host 10 first, a direct rank, host 11's two, host 10's other two.
         let mut conns = HashMap::new();
         conns.insert(1, relayed(10, 6, &a));
-        conns.insert(2, Outbox::Direct(Link::new(socket(), None)));
+        conns.insert(2, Outbox::direct(Link::new(socket(), None)));
         conns.insert(3, relayed(11, 7, &b));
         conns.insert(4, relayed(11, 8, &b));
         conns.insert(5, relayed(10, 4, &a));

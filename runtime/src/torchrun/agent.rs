@@ -89,7 +89,7 @@ impl Launcher {
         // hosts reach it at (the store of group rank 0 listens there).
         let here = stream.local_addr()?.ip();
         let (to, from) = proto::seal(&stream, keys)?;
-        let (to, mut from) = (Sender::new(Outbox::Direct(to)), Receiver::new(from));
+        let (to, mut from) = (Sender::new(Outbox::direct(to)), Receiver::new(from));
         to.send(&FromAgent::Hello { agent: id, host: here.to_string(), pid: std::process::id(), running })?;
         let job = match from.recv::<ToAgent>()? {
             ToAgent::Welcome {

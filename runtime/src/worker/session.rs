@@ -400,6 +400,7 @@ impl Session {
                 ToWorker::Assigned { worker } if id == 0 => id = worker,
                 ToWorker::Welcome(spec) => break *spec,
                 ToWorker::Stop { reason } => return Ok(Joined::NotNeeded(reason)),
+                ToWorker::Beat => {}
                 _ => bail!("worker {id}: the coordinator sent something before the job"),
             }
         };
@@ -481,7 +482,7 @@ impl Session {
         stream.set_write_timeout(Some(Duration::from_secs(10)))?;
         crate::control::proto::keepalive(&stream);
         let (out, rx) = crate::control::proto::seal(&stream, keys)?;
-        let (out, rx) = (Sender::new(Outbox::Direct(out)), Receiver::new(rx));
+        let (out, rx) = (Sender::new(Outbox::direct(out)), Receiver::new(rx));
         out.send(first)?;
         Ok((stream, out, rx))
     }
@@ -648,6 +649,12 @@ impl Session {
                     Err(mpsc::RecvTimeoutError::Timeout) => {
                         state.idle()?;
                         self.look_for_leader(state)?;
+                        if let Some(why) = self.coordinator_silent() {
+                            // Closed here: a coordinator that wakes finds
+                            // this worker gone, not a connection that hangs.
+                            let _ = self.control.shutdown(std::net::Shutdown::Both);
+                            self.lost_coordinator(&why, state)?;
+                        }
                         None
                     }
                     Err(mpsc::RecvTimeoutError::Disconnected) => {
@@ -701,6 +708,8 @@ impl Session {
             Ok(ToWorker::Welcome(_) | ToWorker::Assigned { .. }) => {
                 bail!("worker {}: a second welcome", self.id)
             }
+            // Heard: that is all a beat says.
+            Ok(ToWorker::Beat) => {}
             Ok(ToWorker::Generation(g)) => {
                 if let Err(e) = self.start_generation(&g, state) {
                     let cause = match () {
@@ -798,6 +807,23 @@ impl Session {
             }
             std::thread::sleep(left.min(Duration::from_millis(250)));
         }
+    }
+
+    /// Why the coordinator is taken for lost, when it has said nothing
+    /// (not even a beat, which comes four times per lease) for three
+    /// leases: frozen, its connection still open, it would be waited for
+    /// forever.
+    fn coordinator_silent(&self) -> Option<String> {
+        let lease = Duration::from_millis(self.spec.worker_lease_ms);
+        let bound = crate::control::proto::coordinator_silence(lease);
+        let quiet = self.heard.elapsed();
+        (quiet >= bound).then(|| {
+            format!(
+                "it said nothing for {:.1} s, where it beats every {:.1} s",
+                quiet.as_secs_f64(),
+                lease.as_secs_f64() / 4.0
+            )
+        })
     }
 
     /// While the coordinator says nothing for a while (it may be frozen or
