@@ -4,9 +4,9 @@
 
 use crate::support::{
     job::{GROWING, assert_exactly_once, finish, job, lines, report, run_to_end, scale_event},
-    process::{children, sigkill_worker, signal_worker},
+    process::{children, runs, sigkill, sigkill_worker, signal_worker, worker_pid},
     servers::RedisServer,
-    wait::wait_for,
+    wait::{until, wait_for},
 };
 use edl_plugin_artifacts as art;
 use serde_json::Value;
@@ -521,6 +521,75 @@ fn frozen_worker_killed(scaler: &[&str], how: &str) {
     assert!(text.contains("closed the connection (dead or failed)"), "{text}");
     let killed = format!("worker 2 went silent for its lease and still ran a second later: {how}");
     assert!(text.contains(&killed), "{text}");
+}
+
+/// A coordinator frozen (SIGSTOP) keeps its connections open and its
+/// kernel acknowledges what its workers send: each worker, directly or
+/// through its host's relay (`extra`), hears no beat for three leases,
+/// gives it up and ends saying so, instead of waiting for it forever.
+fn frozen_coordinator_given_up(extra: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["--workers", "2", "--min-workers", "1", "--max-workers", "2", "--step-delay-ms", "10"];
+    let bounds = ["--epochs", "400", "--worker-lease-secs", "2", "--worker-reconnect-secs", "1"];
+    let mut child = steady(dir.path(), &[&args[..], &bounds, extra].concat()).spawn().unwrap();
+    let coordinator = child.id();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    let workers: Vec<u32> = (1..=2).map(|id| worker_pid(coordinator, id)).collect();
+    // SAFETY: kill(2) takes plain integers; `coordinator` is the job this
+    // test started and has not reaped.
+    unsafe { libc::kill(coordinator as i32, libc::SIGSTOP) };
+    let log = |id: u64| {
+        std::fs::read_to_string(dir.path().join(format!(".edl/mnist/logs/worker-{id}.log"))).unwrap_or_default()
+    };
+    until("both workers to give their frozen coordinator up", Duration::from_secs(120), || {
+        workers.iter().all(|&p| !runs(p))
+    });
+    sigkill(coordinator);
+    let _ = child.wait();
+    for id in 1..=2 {
+        let log = log(id);
+        assert!(log.contains("lost the coordinator at"), "worker {id}: {log}");
+        assert!(log.contains("it said nothing for") && log.contains("where it beats every 0.5 s"), "{log}");
+    }
+}
+
+#[test]
+fn a_frozen_coordinator_is_given_up_by_its_workers() {
+    frozen_coordinator_given_up(&[]);
+}
+
+#[test]
+fn a_frozen_coordinator_is_given_up_by_its_workers_behind_a_relay() {
+    frozen_coordinator_given_up(&["--relay"]);
+}
+
+/// Beats keep a worker that waits long without a step (a warm spare)
+/// with its coordinator: still there after twice the bound of silence, it
+/// is never taken for lost.
+#[test]
+fn a_warm_spare_waiting_longer_than_the_silence_bound_stays_with_its_coordinator() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["--workers", "1", "--min-workers", "1", "--max-workers", "2", "--warm-spares", "1"];
+    // Far more epochs than the test waits for: it is stopped after.
+    let bounds = ["--step-delay-ms", "5", "--epochs", "100000", "--worker-lease-secs", "2"];
+    let mut child = steady(dir.path(), &[&args[..], &bounds].concat()).spawn().unwrap();
+    let coordinator = child.id();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "warm spare 2 ready", &mut seen, Duration::from_secs(120));
+    let spare = worker_pid(coordinator, 2);
+    // Twice the bound of silence (three leases of 2 s) with no step for it.
+    std::thread::sleep(Duration::from_secs(12));
+    let log = std::fs::read_to_string(dir.path().join(".edl/mnist/logs/worker-2.log")).unwrap_or_default();
+    assert!(runs(spare) && !log.contains("said nothing"), "the spare gave its coordinator up: {log}");
+    // SAFETY: kill(2) takes plain integers; the job this test started.
+    unsafe { libc::kill(coordinator as i32, libc::SIGTERM) };
+    let _ = finish(child, rx, &mut seen);
+    let text = seen.join("\n");
+    assert!(text.contains("SIGTERM: stopping the job once its committed state is in a checkpoint"), "{text}");
+    assert!(!text.contains("warm spare 2 was lost"), "{text}");
 }
 
 #[test]

@@ -82,18 +82,24 @@ pub(crate) fn sigkill_worker(coordinator: u32, id: u64) {
 /// Sends `sig` to worker `id`, a child of the job `coordinator` (panics,
 /// naming the children, when it has none of that id).
 pub(crate) fn signal_worker(coordinator: u32, id: u64, sig: libc::c_int) {
-    // A child, or a command's child (`sh -c` under `--scaler command`,
-    // whose shell has the worker's environment too).
-    let shell = |cmd: &str| cmd.starts_with("sh -c ") || cmd.starts_with("/bin/sh -c ");
-    let victim = descendants(coordinator)
-        .into_iter()
-        .find(|(p, cmd)| worker_id(*p) == Some(id) && !shell(cmd))
-        .unwrap_or_else(|| panic!("worker {id} among {:?}", descendants(coordinator)))
-        .0;
+    let victim = worker_pid(coordinator, id);
     let pid = libc::pid_t::try_from(victim).expect("a process id fits pid_t");
     // SAFETY: kill(2) takes plain integers and touches no memory of ours;
     // `victim` was just read as a running child of the job.
     unsafe { libc::kill(pid, sig) };
+}
+
+/// The process of worker `id`, a child of the job `coordinator` (panics,
+/// naming the children, when it has none of that id).
+pub(crate) fn worker_pid(coordinator: u32, id: u64) -> u32 {
+    // A child, or a command's child (`sh -c` under `--scaler command`,
+    // whose shell has the worker's environment too).
+    let shell = |cmd: &str| cmd.starts_with("sh -c ") || cmd.starts_with("/bin/sh -c ");
+    descendants(coordinator)
+        .into_iter()
+        .find(|(p, cmd)| worker_id(*p) == Some(id) && !shell(cmd))
+        .unwrap_or_else(|| panic!("worker {id} among {:?}", descendants(coordinator)))
+        .0
 }
 
 /// Sends SIGKILL to process `pid`.
