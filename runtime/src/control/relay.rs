@@ -313,7 +313,8 @@ impl Upward {
     fn encode(&self, ev: Inbound, buf: &mut Vec<u8>) {
         match ev {
             Inbound::Conn(conn, Outbox::Direct(link), claim) => {
-                let socket = match lock(&link).get_ref().try_clone() {
+                let cloned = lock(&link).get_ref().try_clone();
+                let socket = match cloned {
                     Ok(s) => s,
                     Err(e) => {
                         // Its end goes up, for a connection never opened: ignored there.

@@ -248,6 +248,10 @@ pub struct Session {
     /// When the coordinator last said something, and when the store was
     /// last asked who leads the job.
     heard: Instant,
+    /// When the coordinator last said more than a beat: a frozen one says
+    /// nothing, a deposed one still shutting down may still beat, and the
+    /// store is asked who leads once it has told nothing for a second.
+    told: Instant,
     looked: Instant,
     /// The job's store, opened when this worker first looks for its leader.
     store: Option<(tokio::runtime::Runtime, crate::store::AnyStore)>,
@@ -423,6 +427,7 @@ impl Session {
             held: VecDeque::new(),
             control,
             heard: Instant::now(),
+            told: Instant::now(),
             looked: Instant::now(),
             store: None,
             leaving: false,
@@ -599,6 +604,8 @@ impl Session {
                     // Only a window whose shares do not match its steps is refused.
                     let _ = self.enqueue(generation, steps, shares);
                 }
+                // Heard (above): nothing else to keep of it.
+                Ok(ToWorker::Beat) => {}
                 other => self.held.push_back(other),
             }
         }
@@ -665,8 +672,11 @@ impl Session {
             } else {
                 self.inbox.try_recv().ok()
             };
-            if msg.is_some() {
+            if let Some(m) = &msg {
                 self.heard = Instant::now();
+                if !matches!(m, Ok(ToWorker::Beat)) {
+                    self.told = self.heard;
+                }
             }
             if let Some(msg) = msg {
                 self.handle(msg, state)?;
@@ -834,7 +844,7 @@ impl Session {
         const SILENT: Duration = Duration::from_secs(1);
         if self.spec.follow.is_none()
             || self.place.is_none()
-            || self.heard.elapsed() < SILENT
+            || self.told.elapsed() < SILENT
             || self.looked.elapsed() < SILENT
         {
             return Ok(());
@@ -951,6 +961,7 @@ impl Session {
         // What the old connection said and was not handled is its past.
         self.held.clear();
         self.heard = Instant::now();
+        self.told = self.heard;
         // A notice told to the coordinator that is gone is told again to
         // this one (the notice itself stays set).
         self.leaving = false;

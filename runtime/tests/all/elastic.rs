@@ -541,7 +541,8 @@ fn frozen_coordinator_given_up(extra: &[&str]) {
     // test started and has not reaped.
     unsafe { libc::kill(coordinator as i32, libc::SIGSTOP) };
     let log = |id: u64| {
-        std::fs::read_to_string(dir.path().join(format!(".edl/mnist/logs/worker-{id}.log"))).unwrap_or_default()
+        std::fs::read_to_string(dir.path().join(format!(".edl/mnist/logs/worker-{id}.log")))
+            .unwrap_or_default()
     };
     until("both workers to give their frozen coordinator up", Duration::from_secs(120), || {
         workers.iter().all(|&p| !runs(p))
