@@ -617,8 +617,9 @@ pub struct WatchArgs {
     /// and --metrics-token-file.
     #[arg(long, value_name = "ADDR[:PORT]", value_parser = listen_on(9464))]
     pub metrics_listen: Option<SocketAddr>,
-    /// A file holding the token every request to the page and the metrics
-    /// must carry (`Authorization: Bearer TOKEN`, or `?token=TOKEN` in a browser).
+    /// A file holding the token every request for the job's state and
+    /// metrics must carry (`Authorization: Bearer TOKEN`); in a browser, open
+    /// the page as `/#token=TOKEN` (it sends the token on in a header).
     #[arg(long, value_name = "FILE", requires = "metrics_listen")]
     pub metrics_token_file: Option<PathBuf>,
     /// Serve the page and the metrics over HTTPS with this certificate (PEM,

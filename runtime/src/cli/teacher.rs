@@ -189,7 +189,7 @@ async fn serve(
             tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--http-listen {addr}"))?;
         let at = listener.local_addr()?;
         let max_body = edl_runtime::distill::rest::max_body(args.max_request_rows, inputs);
-        let router = edl_runtime::distill::rest::router(service, token, max_body);
+        let router = edl_runtime::distill::rest::router(service, token, max_body, at);
         use edl_runtime::distill::rest::{serve, serve_tls};
         const WHAT: &str = "teacher REST endpoint";
         let scheme = if rest_tls.is_some() { "https" } else { "http" };

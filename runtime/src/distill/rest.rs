@@ -23,12 +23,23 @@ use tonic::{Code, Request};
 struct Served {
     service: TeacherService,
     token: Option<Arc<str>>,
+    /// Without a token, on loopback: the port whose loopback names are the
+    /// only `Host` answered (see [`crate::net::loopback_host`]).
+    loopback_port: Option<u16>,
 }
 
-/// The routes of the REST protocol for `service`; with `token`, every call
-/// must carry `Authorization: Bearer TOKEN`.
-pub fn router(service: TeacherService, token: Option<String>, max_body: usize) -> Router {
-    let served = Served { service, token: token.map(Arc::from) };
+/// The routes of the REST protocol for `service`, served on `listening`;
+/// with `token`, every call must carry `Authorization: Bearer TOKEN`;
+/// without one on loopback, every call must name a loopback host at its
+/// port (a page whose name was rebound to 127.0.0.1 is refused).
+pub fn router(
+    service: TeacherService,
+    token: Option<String>,
+    max_body: usize,
+    listening: std::net::SocketAddr,
+) -> Router {
+    let loopback_port = (token.is_none() && listening.ip().is_loopback()).then_some(listening.port());
+    let served = Served { service, token: token.map(Arc::from), loopback_port };
     Router::new()
         .route("/v2/health/live", get(|| async { StatusCode::OK }))
         .route("/v2/health/ready", get(|| async { StatusCode::OK }))
@@ -241,7 +252,16 @@ fn from_status(s: tonic::Status) -> Response {
 
 impl Served {
     fn admit(&self, headers: &HeaderMap) -> Result<(), Response> {
-        let Some(want) = &self.token else { return Ok(()) };
+        let Some(want) = &self.token else {
+            return match self.loopback_port {
+                Some(port) if !crate::net::loopback_host(headers, port) => Err(error(
+                    StatusCode::FORBIDDEN,
+                    "this teacher has no token and answers only loopback names (127.0.0.1, localhost, [::1]) \
+                     at its port",
+                )),
+                _ => Ok(()),
+            };
+        };
         let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
         match given.and_then(|v| v.strip_prefix("Bearer ")) {
             Some(t) if crate::distill::teacher::same_secret(t.as_bytes(), want.as_bytes()) => Ok(()),

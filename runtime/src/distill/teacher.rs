@@ -185,6 +185,10 @@ const HANDSHAKE: Duration = Duration::from_secs(10);
 /// How long a connection may take to send its first bytes (HTTP/2's
 /// preface, or TLS's hello).
 const FIRST_BYTES_WITHIN: Duration = Duration::from_secs(10);
+/// Connections served at once: beyond it the next waits in the listener's
+/// queue until one ends (a descriptor and an HTTP/2 connection's buffers
+/// each; a student holds one or a few).
+const MAX_CONNECTIONS: usize = 4096;
 
 /// The one version of the model a teacher serves.
 const MODEL_VERSION: &str = "1";
@@ -569,10 +573,18 @@ type Incoming = crate::net::first_bytes::FirstBytes<tokio::net::TcpStream>;
 fn accept_on(
     listener: tokio::net::TcpListener,
     addr: SocketAddr,
+    bound: usize,
 ) -> (tokio::task::JoinHandle<()>, tokio_stream::wrappers::ReceiverStream<std::io::Result<Incoming>>) {
     let (accepted, incoming) = tokio::sync::mpsc::channel::<std::io::Result<Incoming>>(64);
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(bound));
     let accepting = tokio::spawn(async move {
         loop {
+            // At the bound, nothing is accepted until a connection ends.
+            let slot = tokio::select! {
+                _ = accepted.closed() => return,
+                slot = slots.clone().acquire_owned() => slot,
+            };
+            let Ok(slot) = slot else { return };
             let next = tokio::select! {
                 _ = accepted.closed() => return,
                 next = listener.accept() => next,
@@ -584,7 +596,8 @@ fn accept_on(
                         s,
                         crate::net::first_bytes::SNIFFED,
                         FIRST_BYTES_WITHIN,
-                    );
+                    )
+                    .holding(slot);
                     if accepted.send(Ok(s)).await.is_err() {
                         return;
                     }
@@ -643,7 +656,7 @@ impl Teacher {
         let advertised =
             if serving.access.tls.is_some() { format!("grpcs://{host_port}") } else { host_port.clone() };
         let (stop, stopped) = oneshot::channel::<()>();
-        let (accepting, incoming) = accept_on(listener, addr);
+        let (accepting, incoming) = accept_on(listener, addr, MAX_CONNECTIONS);
         let token = serving.access.token.clone();
         let check = move |req: Request<()>| -> Result<Request<()>, Status> {
             let Some(want) = &token else { return Ok(req) };
@@ -793,6 +806,31 @@ mod tests {
             let closed = tokio::time::timeout(within, silent.read_to_end(&mut said)).await;
             assert!(closed.is_ok(), "still open after {} bytes", said.len());
             t.shutdown().await;
+        });
+    }
+
+    /// At its bound of connections a teacher takes the next only when one
+    /// ends: the next waits in the listener's queue, and is served then.
+    #[test]
+    fn past_its_bound_of_connections_a_teacher_takes_the_next_when_one_ends() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            use tokio_stream::StreamExt;
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let (accepting, mut incoming) = accept_on(listener, addr, 2);
+            let mut clients = Vec::new();
+            for _ in 0..3 {
+                clients.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+            }
+            let first = incoming.next().await.expect("a connection").unwrap();
+            let _second = incoming.next().await.expect("a connection").unwrap();
+            let third = tokio::time::timeout(Duration::from_millis(300), incoming.next()).await;
+            assert!(third.is_err(), "a third connection taken past the bound of 2");
+            drop(first);
+            let third = tokio::time::timeout(Duration::from_secs(30), incoming.next()).await;
+            assert!(matches!(third, Ok(Some(Ok(_)))), "the third is taken once one ends");
+            accepting.abort();
         });
     }
 

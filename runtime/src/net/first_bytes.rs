@@ -13,12 +13,20 @@ pub struct FirstBytes<I> {
     io: I,
     left: usize,
     deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
+    /// The listener's place this connection holds, given back with it.
+    _slot: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl<I> FirstBytes<I> {
     /// `io`, whose first `left` bytes must come within `within`.
     pub fn new(io: I, left: usize, within: std::time::Duration) -> Self {
-        FirstBytes { io, left, deadline: Box::pin(tokio::time::sleep(within)) }
+        FirstBytes { io, left, deadline: Box::pin(tokio::time::sleep(within)), _slot: None }
+    }
+
+    /// Holds `slot` (one of a listener's bounded places) until the
+    /// connection is dropped.
+    pub fn holding(self, slot: tokio::sync::OwnedSemaphorePermit) -> Self {
+        FirstBytes { _slot: Some(slot), ..self }
     }
 }
 

@@ -9,6 +9,21 @@ pub mod first_bytes;
 use anyhow::{Context, Result, anyhow};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 
+/// Whether an HTTP request's `Host` names a loopback listener at `port`
+/// (`127.0.0.1:PORT`, `localhost:PORT`, `[::1]:PORT`, or the name alone). An
+/// endpoint on loopback without a token answers only these: a web page
+/// whose name an attacker rebound to 127.0.0.1 sends its own name, and must
+/// not reach it through the browser of someone on this machine.
+pub fn loopback_host(headers: &axum::http::HeaderMap, port: u16) -> bool {
+    let Some(host) = headers.get(axum::http::header::HOST).and_then(|h| h.to_str().ok()) else {
+        return false;
+    };
+    let port = format!(":{port}");
+    let name = host.strip_suffix(port.as_str()).unwrap_or(host).to_ascii_lowercase();
+    let literal = name.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>();
+    name == "localhost" || literal.is_ok_and(|ip| ip.is_loopback())
+}
+
 /// The coordinator's listeners: the control port and the rendezvous.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Addresses {

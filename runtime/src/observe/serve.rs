@@ -118,25 +118,28 @@ struct Asked {
     since: Option<u64>,
 }
 
-/// Refuses a request without the token (health checks excepted); without
-/// a token, one whose `Host` is not this loopback listener's (a web page
-/// whose name was rebound to 127.0.0.1 must not read the job).
+/// Refuses a request without the token (health checks and the page
+/// itself excepted: it holds nothing of the job, and asks for the job's
+/// state with the token the browser's address gives it); without a token,
+/// one whose `Host` is not this loopback listener's (a web page whose name
+/// was rebound to 127.0.0.1 must not read the job).
 async fn admit(
     State(s): State<Served>,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if req.uri().path() == "/healthz" {
+    let path = req.uri().path();
+    if path == "/healthz" || (path == "/" && s.token.is_some()) {
         return next.run(req).await;
     }
     match &s.token {
         Some(token) if !carries(req.headers(), query_token(req.uri().query()).as_deref(), token) => (
             StatusCode::UNAUTHORIZED,
             [(header::WWW_AUTHENTICATE, "Bearer")],
-            "this job's watch needs its token: Authorization: Bearer TOKEN, or ?token=TOKEN\n",
+            "this job's watch needs its token: Authorization: Bearer TOKEN (in a browser, open the page as /#token=TOKEN)\n",
         )
             .into_response(),
-        None if !loopback_host(req.headers(), s.port) => (
+        None if !crate::net::loopback_host(req.headers(), s.port) => (
             StatusCode::FORBIDDEN,
             "this job's watch answers only loopback names (127.0.0.1, localhost, [::1]) at its port\n",
         )
@@ -149,15 +152,6 @@ async fn admit(
 /// this check's business: a malformed `since` is the page's to refuse).
 fn query_token(query: Option<&str>) -> Option<String> {
     url::form_urlencoded::parse(query?.as_bytes()).find(|(k, _)| k == "token").map(|(_, v)| v.into_owned())
-}
-
-/// Whether a request's `Host` names this loopback listener.
-fn loopback_host(headers: &HeaderMap, port: u16) -> bool {
-    let Some(host) = headers.get(header::HOST).and_then(|h| h.to_str().ok()) else { return false };
-    let port = format!(":{port}");
-    let name = host.strip_suffix(port.as_str()).unwrap_or(host).to_ascii_lowercase();
-    let literal = name.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>();
-    name == "localhost" || literal.is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Whether a request carries `token`, in its header or its query.

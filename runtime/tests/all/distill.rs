@@ -1159,6 +1159,7 @@ fn the_reader_reads_teachers_that_speak_rest() {
                     service,
                     token,
                     edl_runtime::distill::rest::max_body(4096, DIM),
+                    addr,
                 ),
                 "teacher REST endpoint",
             ));
@@ -1356,6 +1357,40 @@ fn mlserver_over_rest_in_json_tensors_and_over_grpc_gives_the_soft_labels_its_mo
     let _ = server.wait();
 }
 
+/// A teacher's REST endpoint without a token on loopback answers only
+/// requests that name a loopback host at its port: a web page whose name
+/// was rebound to 127.0.0.1, open in a browser on this machine, sends its
+/// own name and is refused. On all interfaces (where anyone may call it
+/// anyway) no name is refused.
+#[test]
+fn a_rest_teacher_without_a_token_on_loopback_answers_only_loopback_names() {
+    runtime().block_on(async {
+        let start = |bind: &'static str| async move {
+            let listener = tokio::net::TcpListener::bind(bind).await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let service = TeacherService::new(model(), TeacherConfig::default());
+            let max_body = edl_runtime::distill::rest::max_body(4096, DIM);
+            let router = edl_runtime::distill::rest::router(service, None, max_body, addr);
+            tokio::spawn(edl_runtime::distill::rest::serve(listener, router, "teacher REST endpoint"));
+            addr.port()
+        };
+        let status = |port: u16, host: String| async move {
+            let url = format!("http://127.0.0.1:{port}/v2/models/teacher");
+            let c = reqwest::Client::new();
+            c.get(url).header(reqwest::header::HOST, host).send().await.unwrap().status().as_u16()
+        };
+        let port = start("127.0.0.1:0").await;
+        for host in [format!("127.0.0.1:{port}"), format!("localhost:{port}"), "localhost".into()] {
+            assert_eq!(status(port, host.clone()).await, 200, "{host}");
+        }
+        for host in [format!("attacker.example:{port}"), format!("127.0.0.1:{}", port.wrapping_add(1))] {
+            assert_eq!(status(port, host.clone()).await, 403, "{host}");
+        }
+        let everywhere = start("0.0.0.0:0").await;
+        assert_eq!(status(everywhere, format!("attacker.example:{everywhere}")).await, 200);
+    });
+}
+
 #[test]
 fn a_rest_request_without_the_token_is_refused_before_its_body_is_read() {
     use std::io::{Read, Write};
@@ -1363,8 +1398,8 @@ fn a_rest_request_without_the_token_is_refused_before_its_body_is_read() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let service = TeacherService::new(model(), TeacherConfig::default());
-        let router =
-            edl_runtime::distill::rest::router(service, Some("tok".into()), edl_runtime::distill::rest::max_body(4096, DIM));
+        let max_body = edl_runtime::distill::rest::max_body(4096, DIM);
+        let router = edl_runtime::distill::rest::router(service, Some("tok".into()), max_body, addr);
         tokio::spawn(edl_runtime::distill::rest::serve(listener, router, "teacher REST endpoint"));
         let answer = tokio::task::spawn_blocking(move || {
             // A body of 50 MB announced and never sent: the teacher answers

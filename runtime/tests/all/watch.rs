@@ -208,6 +208,32 @@ fn the_watch_takes_its_token_and_beyond_loopback_only_tls() {
     assert!(err.contains("beyond loopback the page and metrics are served only over TLS"), "{err}");
 }
 
+/// The page holds nothing of the job: with a token it is served without
+/// it, the job's state is not. Given the token after the `#` of its
+/// address (which a browser never sends), the page reads the job with it
+/// in a header and draws the curves.
+#[test]
+fn the_page_takes_its_token_after_the_hash_and_sends_it_in_a_header() {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("watch.token");
+    std::fs::write(&token_file, "hash-watch-token\n").unwrap();
+    let (_job, rx, url, mut seen) =
+        watched(dir.path(), &["--metrics-token-file", token_file.to_str().unwrap()]);
+    let (status, page) = get(&url, None);
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("<script>") && !page.contains("mnist"), "{page}");
+    let (status, body) = get(&format!("{url}api/state"), None);
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("#token=TOKEN"), "{body}");
+    wait_for(&rx, "progress", &mut seen, Duration::from_secs(60));
+    let dom = browser_dom(&format!("{url}#token=hash-watch-token"));
+    assert!(drawn_points(&dom, "chart-loss") > 0, "{dom}");
+    // Without the token, the page draws nothing of the job.
+    let dom = browser_dom(&url);
+    let drawn = dom.contains("id=\"chart-loss\"") && drawn_points(&dom, "chart-loss") > 0;
+    assert!(!drawn, "{dom}");
+}
+
 #[test]
 fn without_a_token_the_watch_answers_only_loopback_names() {
     let dir = tempfile::tempdir().unwrap();
