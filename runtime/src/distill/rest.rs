@@ -5,7 +5,7 @@
 //! configuration and statistics. Each route turns its request into the
 //! gRPC message and asks the same service, so both protocols answer alike.
 
-use super::oip::{GrpcInferenceService, HEADER_LENGTH, json_numbers, pb};
+use super::oip::{GrpcInferenceService, HEADER_LENGTH, pb};
 use super::teacher::TeacherService;
 use axum::{
     Router,
@@ -442,6 +442,115 @@ async fn infer_v(
     infer_at(state, headers, model, version, body).await
 }
 
+/// A KServe v2 inference request's JSON part, read as it arrives: each
+/// input's numbers go straight into one flat list (a tree of JSON values,
+/// one node for every number, took about 16 times the body). Parameters
+/// are small and read as values; unknown fields are ignored.
+#[derive(serde::Deserialize)]
+struct InferBody {
+    #[serde(default)]
+    id: Option<String>,
+    inputs: Vec<InputBody>,
+    #[serde(default)]
+    outputs: Vec<OutputBody>,
+    #[serde(default)]
+    parameters: Value,
+}
+
+#[derive(serde::Deserialize)]
+struct InputBody {
+    name: String,
+    datatype: String,
+    shape: Vec<i64>,
+    #[serde(default)]
+    parameters: Value,
+    #[serde(default)]
+    data: Numbers,
+}
+
+#[derive(serde::Deserialize)]
+struct OutputBody {
+    name: String,
+    #[serde(default)]
+    parameters: Value,
+}
+
+/// An input's `data`, nested arrays of numbers, flattened as read; what is
+/// not a number is noted (a `BYTES` input's strings, a `null`), for the
+/// input's datatype to be judged first.
+#[derive(Default)]
+struct Numbers {
+    values: Vec<f32>,
+    not_a_number: Option<String>,
+}
+
+impl<'de> serde::Deserialize<'de> for Numbers {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let mut n = Numbers::default();
+        d.deserialize_any(Flatten(&mut n))?;
+        Ok(n)
+    }
+}
+
+/// Reads numbers, or arrays of them at any depth, into one list.
+struct Flatten<'a>(&'a mut Numbers);
+
+impl Flatten<'_> {
+    fn other(self, what: String) {
+        self.0.not_a_number.get_or_insert(what);
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Flatten<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("numbers, or arrays of them")
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<(), E> {
+        self.0.values.push(v as f32);
+        Ok(())
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<(), E> {
+        self.0.values.push(v as f32);
+        Ok(())
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<(), E> {
+        self.0.values.push(v as f32);
+        Ok(())
+    }
+    fn visit_str<E>(self, v: &str) -> Result<(), E> {
+        let shown: String = v.chars().take(32).collect();
+        self.other(format!("{shown:?}"));
+        Ok(())
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<(), E> {
+        self.other(v.to_string());
+        Ok(())
+    }
+    fn visit_unit<E>(self) -> Result<(), E> {
+        self.other("null".into());
+        Ok(())
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(Flatten(&mut *self.0))?.is_some() {}
+        Ok(())
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while map.next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?.is_some() {}
+        self.other("an object".into());
+        Ok(())
+    }
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Flatten<'_> {
+    type Value = ();
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
 /// A REST inference request as the gRPC message, with its binary tensors.
 fn to_grpc(
     model: String,
@@ -458,27 +567,18 @@ fn to_grpc(
             .ok_or("Inference-Header-Content-Length is not a length within the body")?,
         None => body.len(),
     };
-    let head: Value =
-        serde_json::from_slice(&body[..json_len]).map_err(|e| format!("the request is not JSON: {e}"))?;
+    let head: InferBody = serde_json::from_slice(&body[..json_len])
+        .map_err(|e| format!("the request is not a KServe v2 inference request: {e}"))?;
     let mut binary = &body[json_len..];
-    let inputs = head["inputs"].as_array().ok_or("the request has no \"inputs\" array")?;
     let mut req = pb::ModelInferRequest {
         model_name: model,
         model_version: version,
-        id: head["id"].as_str().unwrap_or_default().to_string(),
+        id: head.id.unwrap_or_default(),
         ..Default::default()
     };
-    for input in inputs {
-        let name = input["name"].as_str().ok_or("an input without a name")?.to_string();
-        let datatype =
-            input["datatype"].as_str().ok_or(format!("input {name:?} without a datatype"))?.to_string();
-        let shape: Vec<i64> = input["shape"]
-            .as_array()
-            .ok_or(format!("input {name:?} without a shape"))?
-            .iter()
-            .map(|d| d.as_i64().ok_or(format!("input {name:?}: a dimension that is not an integer")))
-            .collect::<Result<_, _>>()?;
-        let raw = match input["parameters"]["binary_data_size"].as_u64() {
+    for input in head.inputs {
+        let InputBody { name, datatype, shape, parameters, data } = input;
+        let raw = match parameters["binary_data_size"].as_u64() {
             Some(n) => {
                 let n = n as usize;
                 if n > binary.len() {
@@ -492,9 +592,10 @@ fn to_grpc(
                 if datatype != "FP32" {
                     return Err(format!("input {name:?} has datatype {datatype:?}; FP32 is needed"));
                 }
-                let mut values = Vec::new();
-                json_numbers(&input["data"], &mut values).map_err(|e| format!("input {name:?}: {e}"))?;
-                crate::distill::oip::f32_bytes(&values)
+                if let Some(what) = data.not_a_number {
+                    return Err(format!("input {name:?}: {what} in its data is not a number"));
+                }
+                crate::distill::oip::f32_bytes(&data.values)
             }
         };
         req.inputs.push(pb::model_infer_request::InferInputTensor {
@@ -505,14 +606,11 @@ fn to_grpc(
         });
         req.raw_input_contents.push(raw);
     }
-    let mut binary_out = head["parameters"]["binary_data_output"].as_bool().unwrap_or(false);
-    if let Some(outputs) = head["outputs"].as_array() {
-        for o in outputs {
-            let name = o["name"].as_str().ok_or("an output without a name")?.to_string();
-            binary_out |= o["parameters"]["binary_data"].as_bool().unwrap_or(false);
-            req.outputs
-                .push(pb::model_infer_request::InferRequestedOutputTensor { name, ..Default::default() });
-        }
+    let mut binary_out = head.parameters["binary_data_output"].as_bool().unwrap_or(false);
+    for o in head.outputs {
+        binary_out |= o.parameters["binary_data"].as_bool().unwrap_or(false);
+        req.outputs
+            .push(pb::model_infer_request::InferRequestedOutputTensor { name: o.name, ..Default::default() });
     }
     Ok((req, binary_out))
 }
@@ -575,6 +673,41 @@ async fn infer_at(
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn request(json: &str) -> Result<(pb::ModelInferRequest, bool), String> {
+        to_grpc("m".into(), String::new(), &HeaderMap::new(), json.as_bytes())
+    }
+
+    /// An input's nested arrays are read as one flat list of f32 values;
+    /// parameters and fields a request may carry beyond these are read or
+    /// let be; what is not a number is refused naming the input, after its
+    /// datatype.
+    #[test]
+    fn a_json_request_s_numbers_are_read_flat_and_anything_else_is_refused_by_name() {
+        let (req, binary) = request(
+            r#"{"id": "r1", "inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 2],
+                "data": [[1, 2.5], [-3, 4e1]], "parameters": {"other": [1, {"a": 2}]}}],
+                "outputs": [{"name": "probs", "parameters": {"binary_data": true}}], "extra": {"k": [1]}}"#,
+        )
+        .unwrap();
+        assert_eq!((req.id.as_str(), req.inputs[0].shape.as_slice(), binary), ("r1", &[2i64, 2][..], true));
+        let values: Vec<f32> =
+            req.raw_input_contents[0].chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+        assert_eq!(values, [1.0, 2.5, -3.0, 40.0]);
+        assert_eq!(req.outputs[0].name, "probs");
+        let refused = |json: &str| request(json).unwrap_err();
+        let e = refused(r#"{"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["abc"]}]}"#);
+        assert!(e.contains("input \"x\" has datatype \"BYTES\"; FP32 is needed"), "{e}");
+        let e =
+            refused(r#"{"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "data": [1, null]}]}"#);
+        assert!(e.contains("input \"x\": null in its data is not a number"), "{e}");
+        let e = refused(r#"{"inputs": [{"name": "x", "datatype": "FP32", "data": [1]}]}"#);
+        assert!(e.contains("missing field `shape`"), "{e}");
+        let e = refused(r#"{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1.5], "data": [1]}]}"#);
+        assert!(e.contains("not a KServe v2 inference request"), "{e}");
+        let e = refused(r#"{"outputs": []}"#);
+        assert!(e.contains("missing field `inputs`"), "{e}");
+    }
 
     /// A client that connects and sends nothing, or only the start of
     /// HTTP/2's preface, gives its slot back within the header time; one
