@@ -36,7 +36,7 @@ use edl_host_gpu::comm::sealed::Opener;
 use edl_plugin_sdk::{Action, ClusterView, Hyperparams, PluginInfo};
 use edl_runtime::{
     control::{
-        proto::{FromWorker, Link, StepDone, ToWorker, Written, send},
+        proto::{self, FromWorker, Link, StepDone, ToWorker, Written, send},
         relay::{Relay, RelayConfig},
     },
     coordinator::{self, Progress},
@@ -345,7 +345,11 @@ fn sim_host() -> anyhow::Result<()> {
                         Token(i),
                         Interest::READABLE,
                     )?;
-                    let hello = FromWorker::Hello { worker: r.id, pid: std::process::id() };
+                    let hello = FromWorker::Hello {
+                        worker: r.id,
+                        pid: std::process::id(),
+                        protocol: proto::PROTOCOL,
+                    };
                     let said = send(&mut r.out, &hello);
                     ranks.push(Some(r));
                     if let Err(e) = said {
@@ -516,6 +520,7 @@ fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<F
         teacher_io: Default::default(),
         teacher_calls: Default::default(),
         follow: None,
+        protocol: proto::PROTOCOL,
         ps: None,
     };
     // The highest id: the last rank.

@@ -453,6 +453,7 @@ fn job_spec(
         teacher_io: d.teacher_io.io(),
         teacher_calls: d.teacher_calls.calls(),
         follow: None,
+        protocol: edl_runtime::control::proto::PROTOCOL,
         ps: None,
     })
 }

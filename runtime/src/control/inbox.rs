@@ -839,7 +839,7 @@ mod tests {
                 _ => panic!("messages"),
             }
         }
-        assert_eq!(got[0], (49, "Hello { worker: 7, pid: 42 }".to_string()));
+        assert_eq!(got[0], (49, "Hello { worker: 7, pid: 42, protocol: 0 }".to_string()));
         let ready = |s: &str| (49, format!("Ready {{ samples: {s} }}"));
         assert_eq!(got[1..], [ready("None"), ready("Some(9)")]);
         // A line that is not a message ends that connection, naming why.
@@ -877,7 +877,8 @@ mod tests {
         };
         let says = |worker: u64| {
             let mut line =
-                serde_json::to_vec(&FromWorker::Return { worker, pid: 1, rollback: vec![5] }).unwrap();
+                serde_json::to_vec(&FromWorker::Return { worker, pid: 1, rollback: vec![5], protocol: 1 })
+                    .unwrap();
             line.push(b'\n');
             line
         };

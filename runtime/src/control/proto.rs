@@ -81,6 +81,28 @@ pub enum ToWorker {
     Beat,
 }
 
+/// The control protocol's version: the coordinator and its workers must
+/// speak the same one (each refuses the other's otherwise, naming both), as
+/// every host of a job must run one version of edl. Raised with every
+/// change of the messages either side must understand (1: the
+/// coordinator's beats).
+pub const PROTOCOL: u32 = 1;
+
+/// Why a peer speaking control protocol `theirs` cannot be worked with.
+pub fn protocol_mismatch(who: &str, theirs: u32) -> Option<String> {
+    (theirs != PROTOCOL).then(|| {
+        let theirs = match theirs {
+            0 => "an earlier one without a number".to_string(),
+            n => n.to_string(),
+        };
+        format!(
+            "{who} speaks control protocol {theirs}, this edl ({}) speaks {PROTOCOL}: every host of a job \
+             must run the same version of edl",
+            env!("CARGO_PKG_VERSION")
+        )
+    })
+}
+
 /// How long a welcomed worker waits without a word from its coordinator
 /// (beats come four times per lease) before it takes it for lost: three
 /// leases.
@@ -188,6 +210,10 @@ pub enum FromWorker {
     Hello {
         worker: u64,
         pid: u32,
+        /// The control protocol it speaks ([`PROTOCOL`]; 0: an edl from
+        /// before the protocol had a number).
+        #[serde(default)]
+        protocol: u32,
     },
     /// Data loaded, model built: the worker can be given a rank. A program
     /// says how many samples its data set holds (`len(dataset)`), which a
@@ -205,9 +231,7 @@ pub enum FromWorker {
         setup_ms: f64,
     },
     /// Checkpoint writes that ended.
-    Saved {
-        checkpoints: Vec<Written>,
-    },
+    Saved { checkpoints: Vec<Written> },
     Failed {
         generation: u64,
         step: u64,
@@ -220,9 +244,7 @@ pub enum FromWorker {
     /// The worker was told to go (SIGTERM from its scheduler's preemption,
     /// a spot-instance notice): it goes on with the steps it was sent and
     /// leaves at the next boundary, as a planned scale-in.
-    Leaving {
-        reason: String,
-    },
+    Leaving { reason: String },
     /// A worker whose coordinator is gone, to the one that took the job
     /// over: it kept its process and its state, and holds rollback points
     /// at these committed steps (the first message on its new connection).
@@ -230,6 +252,9 @@ pub enum FromWorker {
         worker: u64,
         pid: u32,
         rollback: Vec<u64>,
+        /// As in [`FromWorker::Hello`].
+        #[serde(default)]
+        protocol: u32,
     },
 }
 
@@ -346,4 +371,28 @@ impl Receiver {
 
 fn is_zero(v: &f64) -> bool {
     *v == 0.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Peers of this protocol are worked with; of another, or of an edl
+    /// from before the number (0, as a message without it reads), refused
+    /// naming both.
+    #[test]
+    fn a_peer_of_another_control_protocol_is_refused_naming_both() {
+        assert_eq!(protocol_mismatch("worker 3", PROTOCOL), None);
+        let older = protocol_mismatch("worker 3", 0).expect("refused");
+        assert!(
+            older.starts_with("worker 3 speaks control protocol an earlier one without a number"),
+            "{older}"
+        );
+        let newer = protocol_mismatch("the coordinator at h:1", PROTOCOL + 1).expect("refused");
+        assert!(newer.contains(&format!("protocol {}, this edl", PROTOCOL + 1)), "{newer}");
+        assert!(newer.contains(&format!("speaks {PROTOCOL}: every host")), "{newer}");
+        // A hello without the field reads as protocol 0.
+        let hello: FromWorker = serde_json::from_str(r#"{"hello":{"worker":7,"pid":1}}"#).unwrap();
+        assert_eq!(hello, FromWorker::Hello { worker: 7, pid: 1, protocol: 0 });
+    }
 }

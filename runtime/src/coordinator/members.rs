@@ -81,8 +81,10 @@ impl Coordinator<'_> {
             Inbound::Conn(n, s, _) => {
                 self.conns.insert(n, s);
             }
-            Inbound::Msg(n, FromWorker::Hello { worker, pid }) => {
-                self.membership.handle(now, MemberEvent::Hello { conn: n, worker, pid });
+            Inbound::Msg(n, FromWorker::Hello { worker, pid, protocol }) => {
+                if self.speaks(n, worker, protocol) {
+                    self.membership.handle(now, MemberEvent::Hello { conn: n, worker, pid });
+                }
             }
             Inbound::Msg(n, FromWorker::Leaving { reason }) => {
                 if let Some(id) = self.membership.worker_on(n) {
@@ -92,7 +94,10 @@ impl Coordinator<'_> {
                     self.leaving.push((id, reason));
                 }
             }
-            Inbound::Msg(n, FromWorker::Return { worker, pid, rollback }) => {
+            Inbound::Msg(n, FromWorker::Return { worker, pid, rollback, protocol }) => {
+                if !self.speaks(n, worker, protocol) {
+                    return;
+                }
                 let holds = rollback.contains(&self.tally.committed);
                 self.membership.handle(now, MemberEvent::Returned { conn: n, worker, pid, holds });
             }
@@ -144,6 +149,21 @@ impl Coordinator<'_> {
             Inbound::Closed(n, why) => self.closed(now, n, &why),
         }
         self.execute();
+    }
+
+    /// Whether worker `worker` on connection `n` speaks this coordinator's
+    /// control protocol; one that does not is told why and let go (it
+    /// would take what it cannot read for a broken connection).
+    fn speaks(&mut self, n: u64, worker: u64, protocol: u32) -> bool {
+        let Some(why) = crate::control::proto::protocol_mismatch(&format!("worker {worker}"), protocol)
+        else {
+            return true;
+        };
+        self.note(format!("{why}; it is refused"));
+        if let Some(mut stream) = self.conns.remove(&n) {
+            let _ = stream.send(&ToWorker::Stop { reason: why });
+        }
+        false
     }
 
     /// Connection `n` closed: a member's rank is lost to its generation.

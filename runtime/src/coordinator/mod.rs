@@ -588,6 +588,7 @@ impl<'a> Coordinator<'a> {
             follow: self.told.follow.clone(),
             teachers: self.told.teachers.clone(),
             teacher_access: self.told.teacher_access.clone(),
+            protocol: crate::control::proto::PROTOCOL,
             ..self.cfg.spec.clone()
         }
     }

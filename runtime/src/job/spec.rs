@@ -135,6 +135,11 @@ pub struct JobSpec {
     /// (None: the job's store is the coordinator's own, nobody takes over).
     #[serde(default)]
     pub follow: Option<Follow>,
+    /// The control protocol the coordinator speaks
+    /// ([`crate::control::proto::PROTOCOL`]; 0: an edl from before it had a
+    /// number): a worker of another refuses the job.
+    #[serde(default)]
+    pub protocol: u32,
     /// The job's parameter servers (None: it has none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ps: Option<PsTopology>,

@@ -391,7 +391,11 @@ impl Session {
 
     /// [`Session::join`], waiting at most `within` for the welcome.
     fn join_within(coordinator: SocketAddr, id: u64, auth: JobAuth, within: Duration) -> Result<Joined> {
-        let hello = |id| FromWorker::Hello { worker: id, pid: std::process::id() };
+        let hello = |id| FromWorker::Hello {
+            worker: id,
+            pid: std::process::id(),
+            protocol: crate::control::proto::PROTOCOL,
+        };
         let (control, out, mut rx) = Self::connect(coordinator, id, &auth, 0, &hello(id), within)?;
         // A worker that joined without an id (started by another engine)
         // is given one first.
@@ -408,6 +412,10 @@ impl Session {
                 _ => bail!("worker {id}: the coordinator sent something before the job"),
             }
         };
+        let at = format!("the coordinator at {coordinator}");
+        if let Some(why) = crate::control::proto::protocol_mismatch(&at, spec.protocol) {
+            bail!("worker {id}: {why}");
+        }
         let (heartbeat, inbox) = Self::listen(&control, &out, rx, &spec)?;
         let checkpoints = Checkpoints::open(&spec.checkpoint_dir, spec.keep_checkpoints)?;
         hear_notice();
@@ -919,6 +927,7 @@ impl Session {
             worker: self.id,
             pid: std::process::id(),
             rollback: self.snapshots.keys().copied().collect(),
+            protocol: crate::control::proto::PROTOCOL,
         };
         let (control, out, mut rx) =
             Self::connect(addr, self.id, &self.auth, place.generation, &back, WELCOME_WITHIN).map_err(
@@ -932,7 +941,13 @@ impl Session {
                 },
             )?;
         let spec = match rx.recv::<ToWorker>() {
-            Ok(ToWorker::Welcome(spec)) => *spec,
+            Ok(ToWorker::Welcome(spec)) => match crate::control::proto::protocol_mismatch(
+                &format!("the coordinator at {}", leader.addr),
+                spec.protocol,
+            ) {
+                Some(why) => return Err(Followed::Refused(why)),
+                None => *spec,
+            },
             Ok(ToWorker::Stop { reason }) => return Err(Followed::Refused(reason)),
             Ok(_) => return Err(Followed::Failed("it sent something before the job".into())),
             Err(e) => {

@@ -111,6 +111,44 @@ fn workers_started_elsewhere_join_with_the_secret_and_only_within_the_maximum() 
 /// Workers started elsewhere and told of a relay (`EDL_RELAY`, as a
 /// Kubernetes job tells its Pods of the relay Service) reach the job
 /// through it: the coordinator holds the relay's connection alone.
+/// A worker of an earlier edl (its hello carries no protocol number) is
+/// told why it is refused and let go, before it is given anything it
+/// cannot read; the job waits for workers that speak its protocol.
+#[test]
+fn a_worker_of_another_version_of_edl_is_refused_naming_both() {
+    use edl_host_gpu::comm::auth::{self, JobAuth};
+    use edl_runtime::control::proto::{Receiver, ToWorker, seal, send_encoded};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let secret = d.join("job.secret");
+    let mut cmd = job(d, &["--scaler", "external", "--no-distill", "--teachers", "0", "--secret-file"]);
+    cmd.arg(&secret);
+    let mut child = cmd.spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    let addr = coordinator_addr(&rx, &mut seen);
+    let job_auth = JobAuth {
+        job: "mnist".into(),
+        secret: edl_runtime::worker::session::read_secret_file(&secret).unwrap(),
+    };
+    let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let keys = auth::connect(&mut stream, &job_auth.secret, &job_auth.claim("control", 0, 0)).unwrap();
+    let (mut out, reader) = seal(&stream, keys).unwrap();
+    // An earlier edl's hello: no protocol number.
+    send_encoded(&mut out, b"{\"hello\":{\"worker\":0,\"pid\":1}}\n").unwrap();
+    let answer = Receiver::new(reader).recv::<ToWorker>();
+    let Ok(ToWorker::Stop { reason }) = answer else { panic!("{answer:?}") };
+    assert!(
+        reason.contains("speaks control protocol an earlier one without a number")
+            && reason.contains("every host of a job must run the same version of edl"),
+        "{reason}"
+    );
+    wait_for(&rx, "it is refused", &mut seen, Duration::from_secs(60));
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 #[test]
 fn workers_told_of_a_relay_reach_their_job_through_it() {
     let dir = tempfile::tempdir().unwrap();
