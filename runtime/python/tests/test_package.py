@@ -153,6 +153,8 @@ class ScriptedCoordinator:
         if noise is None:
             return
         self.hello = json.loads(self._receive(f, noise))
+        # It speaks the worker's control protocol, whatever its number.
+        self.spec["protocol"] = self.hello["hello"].get("protocol", 0)
         if self.assign is not None:
             self._send(f, noise, (json.dumps({"assigned": {"worker": self.assign}}) + "\n").encode())
         self._send(f, noise, (json.dumps({"welcome": self.spec}) + "\n").encode())
@@ -228,7 +230,8 @@ def test_a_worker_that_does_not_know_the_secret_is_not_admitted(tmp_path):
 def test_a_worker_joining_without_an_id_has_the_one_the_coordinator_gives(tmp_path):
     c = ScriptedCoordinator(tmp_path, assign=12)
     job = edl.Job.connect(c.addr, 0, "scripted", SECRET)
-    assert c.hello == {"hello": {"worker": 0, "pid": os.getpid()}}
+    hello = c.hello["hello"]
+    assert (hello["worker"], hello["pid"]) == (0, os.getpid()) and hello["protocol"] >= 1, hello
     assert job.worker_id == 12
     c.close()
 
@@ -238,7 +241,8 @@ def test_register_refuses_what_it_cannot_keep(tmp_path):
     job = edl.Job.connect(c.addr, 7, "scripted", SECRET)
     assert (job.samples, job.seed, job.worker_id, job.distill) == (10, 1, 7, False)
     assert c.claim == {"job": "scripted", "channel": "control", "generation": 0, "who": 7}
-    assert c.hello == {"hello": {"worker": 7, "pid": os.getpid()}}
+    hello = c.hello["hello"]
+    assert (hello["worker"], hello["pid"]) == (7, os.getpid()) and hello["protocol"] >= 1, hello
     with pytest.raises(ValueError, match="not a float32 array"):
         job.register("ints", np.zeros(3, dtype=np.int64))
     with pytest.raises(ValueError, match="writable and C-contiguous"):

@@ -6,12 +6,21 @@
 /// The bytes that tell HTTP/2 from HTTP/1 (HTTP/2's client preface).
 pub const SNIFFED: usize = 24;
 
-/// A connection whose first `left` bytes must come before `deadline`: a
-/// client that connects and sends nothing (or a few bytes) gives its slot
-/// back, where hyper reads what tells the versions apart without a timer.
+/// HTTP/2's client preface.
+const PREFACE: &[u8; SNIFFED] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// A connection whose first `left` bytes must come before `deadline`, or
+/// sooner a byte that is not HTTP/2's preface (HTTP/1 or TLS then, whose
+/// own timers apply: the request's header time, the handshake's bound): a
+/// client that connects and sends nothing (or the start of the preface)
+/// gives its slot back, where hyper reads what tells the versions apart
+/// without a timer, and an HTTP/1.0 request shorter than the preface is
+/// not cut off while it is answered.
 pub struct FirstBytes<I> {
     io: I,
     left: usize,
+    /// Bytes read so far, up to the preface's length.
+    seen: usize,
     deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
     /// The listener's place this connection holds, given back with it.
     _slot: Option<tokio::sync::OwnedSemaphorePermit>,
@@ -20,7 +29,7 @@ pub struct FirstBytes<I> {
 impl<I> FirstBytes<I> {
     /// `io`, whose first `left` bytes must come within `within`.
     pub fn new(io: I, left: usize, within: std::time::Duration) -> Self {
-        FirstBytes { io, left, deadline: Box::pin(tokio::time::sleep(within)), _slot: None }
+        FirstBytes { io, left, seen: 0, deadline: Box::pin(tokio::time::sleep(within)), _slot: None }
     }
 
     /// Holds `slot` (one of a listener's bounded places) until the
@@ -53,8 +62,12 @@ impl<I: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for FirstBytes<I> {
         }
         let before = buf.filled().len();
         let read = std::pin::Pin::new(&mut this.io).poll_read(cx, buf);
-        if read.is_ready() {
-            this.left = this.left.saturating_sub(buf.filled().len() - before);
+        if read.is_ready() && this.left > 0 {
+            let fresh = &buf.filled()[before..];
+            let preface = &PREFACE[this.seen.min(SNIFFED)..];
+            let unlike = fresh.iter().zip(preface).any(|(a, b)| a != b);
+            this.seen = this.seen.saturating_add(fresh.len());
+            this.left = if unlike { 0 } else { this.left.saturating_sub(fresh.len()) };
         }
         read
     }
@@ -93,5 +106,45 @@ impl<I: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for FirstBytes<I> {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
         std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// What reading `sent` through the guard gives once its deadline has
+    /// passed: the bytes, or the guard's error.
+    async fn read_after_deadline(sent: &[u8]) -> std::io::Result<Vec<u8>> {
+        let (mut client, server) = tokio::io::duplex(256);
+        let mut guarded = FirstBytes::new(server, SNIFFED, std::time::Duration::from_millis(20));
+        client.write_all(sent).await.unwrap();
+        let mut got = vec![0u8; sent.len()];
+        guarded.read_exact(&mut got).await?;
+        tokio::time::sleep(std::time::Duration::from_millis(60)).await;
+        client.write_all(b"more").await.unwrap();
+        let mut more = [0u8; 4];
+        guarded.read_exact(&mut more).await?;
+        got.extend_from_slice(&more);
+        Ok(got)
+    }
+
+    /// The start of HTTP/2's preface, then silence past the deadline: cut
+    /// off. An HTTP/1.0 request shorter than the preface, or TLS's first
+    /// byte, tells the versions apart at once: never cut off after.
+    #[test]
+    fn a_connection_is_cut_off_only_while_it_may_still_be_starting_http2() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let e = read_after_deadline(b"PRI * HTTP").await.unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+            let short = b"GET / HTTP/1.0\r\n\r\n";
+            assert_eq!(read_after_deadline(short).await.unwrap(), [&short[..], b"more"].concat());
+            let hello = [0x16u8, 0x03, 0x01];
+            assert_eq!(read_after_deadline(&hello).await.unwrap(), [&hello[..], b"more"].concat());
+            let whole = read_after_deadline(PREFACE).await.unwrap();
+            assert_eq!(whole.len(), SNIFFED + 4);
+        });
     }
 }
