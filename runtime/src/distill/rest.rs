@@ -153,7 +153,7 @@ where
         .keep_alive_timeout(KEEPALIVE)
         .max_concurrent_streams(STREAMS);
     let service = hyper_util::service::TowerToHyperService::new(router);
-    let io = crate::net::first_bytes::FirstBytes::new(io, SNIFFED, HEADER_TIME);
+    let io = crate::net::first_bytes::FirstBytes::new(io, SNIFFED, HEADER_TIME).until_http1();
     if let Err(e) = builder.serve_connection_with_upgrades(TokioIo::new(io), service).await {
         tracing::debug!("{what}: a connection ended: {e}");
     }

@@ -9,18 +9,21 @@ pub const SNIFFED: usize = 24;
 /// HTTP/2's client preface.
 const PREFACE: &[u8; SNIFFED] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
-/// A connection whose first `left` bytes must come before `deadline`, or
-/// sooner a byte that is not HTTP/2's preface (HTTP/1 or TLS then, whose
-/// own timers apply: the request's header time, the handshake's bound): a
-/// client that connects and sends nothing (or the start of the preface)
-/// gives its slot back, where hyper reads what tells the versions apart
-/// without a timer, and an HTTP/1.0 request shorter than the preface is
-/// not cut off while it is answered.
+/// A connection whose first `left` bytes must come before `deadline`: a
+/// client that connects and sends nothing (or a few bytes) gives its slot
+/// back, where a server reads them without a timer (hyper telling HTTP/1
+/// from HTTP/2, an HTTP/2 server reading the preface). Where the server
+/// serves HTTP/1 too ([`FirstBytes::until_http1`]), a byte that is not
+/// HTTP/2's preface ends the wait sooner: HTTP/1's own header time applies
+/// then, and an HTTP/1.0 request shorter than the preface is not cut off
+/// while it is answered.
 pub struct FirstBytes<I> {
     io: I,
     left: usize,
     /// Bytes read so far, up to the preface's length.
     seen: usize,
+    /// A byte unlike the preface's ends the wait.
+    http1: bool,
     deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
     /// The listener's place this connection holds, given back with it.
     _slot: Option<tokio::sync::OwnedSemaphorePermit>,
@@ -29,7 +32,22 @@ pub struct FirstBytes<I> {
 impl<I> FirstBytes<I> {
     /// `io`, whose first `left` bytes must come within `within`.
     pub fn new(io: I, left: usize, within: std::time::Duration) -> Self {
-        FirstBytes { io, left, seen: 0, deadline: Box::pin(tokio::time::sleep(within)), _slot: None }
+        FirstBytes {
+            io,
+            left,
+            seen: 0,
+            http1: false,
+            deadline: Box::pin(tokio::time::sleep(within)),
+            _slot: None,
+        }
+    }
+
+    /// The wait ends too at the first byte that is not HTTP/2's preface's,
+    /// for a server that then serves HTTP/1 under its own header time
+    /// (not one that serves HTTP/2 only, which would wait for the rest of
+    /// a preface that never comes).
+    pub fn until_http1(self) -> Self {
+        FirstBytes { http1: true, ..self }
     }
 
     /// Holds `slot` (one of a listener's bounded places) until the
@@ -65,7 +83,7 @@ impl<I: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for FirstBytes<I> {
         if read.is_ready() && this.left > 0 {
             let fresh = &buf.filled()[before..];
             let preface = &PREFACE[this.seen.min(SNIFFED)..];
-            let unlike = fresh.iter().zip(preface).any(|(a, b)| a != b);
+            let unlike = this.http1 && fresh.iter().zip(preface).any(|(a, b)| a != b);
             this.seen = this.seen.saturating_add(fresh.len());
             this.left = if unlike { 0 } else { this.left.saturating_sub(fresh.len()) };
         }
@@ -116,9 +134,12 @@ mod tests {
 
     /// What reading `sent` through the guard gives once its deadline has
     /// passed: the bytes, or the guard's error.
-    async fn read_after_deadline(sent: &[u8]) -> std::io::Result<Vec<u8>> {
+    async fn read_after_deadline(sent: &[u8], http1: bool) -> std::io::Result<Vec<u8>> {
         let (mut client, server) = tokio::io::duplex(256);
         let mut guarded = FirstBytes::new(server, SNIFFED, std::time::Duration::from_millis(20));
+        if http1 {
+            guarded = guarded.until_http1();
+        }
         client.write_all(sent).await.unwrap();
         let mut got = vec![0u8; sent.len()];
         guarded.read_exact(&mut got).await?;
@@ -131,20 +152,23 @@ mod tests {
     }
 
     /// The start of HTTP/2's preface, then silence past the deadline: cut
-    /// off. An HTTP/1.0 request shorter than the preface, or TLS's first
-    /// byte, tells the versions apart at once: never cut off after.
+    /// off. Where HTTP/1 is served, an HTTP/1.0 request shorter than the
+    /// preface tells the versions apart at once: never cut off after; where
+    /// HTTP/2 alone is, it is (its server would wait for the rest).
     #[test]
     fn a_connection_is_cut_off_only_while_it_may_still_be_starting_http2() {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
-            let e = read_after_deadline(b"PRI * HTTP").await.unwrap_err();
-            assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+            for http1 in [true, false] {
+                let e = read_after_deadline(b"PRI * HTTP", http1).await.unwrap_err();
+                assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+                let whole = read_after_deadline(PREFACE, http1).await.unwrap();
+                assert_eq!(whole.len(), SNIFFED + 4);
+            }
             let short = b"GET / HTTP/1.0\r\n\r\n";
-            assert_eq!(read_after_deadline(short).await.unwrap(), [&short[..], b"more"].concat());
-            let hello = [0x16u8, 0x03, 0x01];
-            assert_eq!(read_after_deadline(&hello).await.unwrap(), [&hello[..], b"more"].concat());
-            let whole = read_after_deadline(PREFACE).await.unwrap();
-            assert_eq!(whole.len(), SNIFFED + 4);
+            assert_eq!(read_after_deadline(short, true).await.unwrap(), [&short[..], b"more"].concat());
+            let e = read_after_deadline(short, false).await.unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
         });
     }
 }
