@@ -88,6 +88,10 @@ pub enum ToWorker {
 /// coordinator's beats).
 pub const PROTOCOL: u32 = 1;
 
+/// What every refusal for another protocol says: a worker told it (by a
+/// stop) fails, where a stop otherwise means it is not needed.
+pub const ONE_VERSION: &str = "every host of a job must run the same version of edl";
+
 /// Why a peer speaking control protocol `theirs` cannot be worked with.
 pub fn protocol_mismatch(who: &str, theirs: u32) -> Option<String> {
     (theirs != PROTOCOL).then(|| {
@@ -96,8 +100,7 @@ pub fn protocol_mismatch(who: &str, theirs: u32) -> Option<String> {
             n => n.to_string(),
         };
         format!(
-            "{who} speaks control protocol {theirs}, this edl ({}) speaks {PROTOCOL}: every host of a job \
-             must run the same version of edl",
+            "{who} speaks control protocol {theirs}, this edl ({}) speaks {PROTOCOL}: {ONE_VERSION}",
             env!("CARGO_PKG_VERSION")
         )
     })

@@ -65,15 +65,25 @@ pub fn router(
 }
 
 /// Refuses a request without the teacher's token before anything else of it
-/// is read (health checks excepted, as probes carry no token).
+/// is read (health checks excepted, as probes carry no token), and without a
+/// token on loopback one that names another host.
 async fn admit_first(
     State(s): State<Served>,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if !req.uri().path().starts_with("/v2/health/")
-        && let Err(refused) = s.admit(req.headers())
+    if req.uri().path().starts_with("/v2/health/") {
+        return next.run(req).await;
+    }
+    if let Some(port) = s.loopback_port
+        && !crate::net::loopback_host(req.uri(), req.headers(), port)
     {
+        return error(
+            StatusCode::FORBIDDEN,
+            "this teacher has no token and answers only loopback names (127.0.0.1, localhost, [::1]) at its port",
+        );
+    }
+    if let Err(refused) = s.admit(req.headers()) {
         return refused;
     }
     next.run(req).await
@@ -159,48 +169,7 @@ where
     }
 }
 
-/// Why a certificate chain and key make no TLS server configuration.
-#[derive(Debug, thiserror::Error)]
-pub enum TlsConfigError {
-    #[error("the certificate: {0}")]
-    Certificate(tokio_rustls::rustls::pki_types::pem::Error),
-    #[error("the certificate file holds no certificate")]
-    NoCertificate,
-    #[error("the key: {0}")]
-    Key(tokio_rustls::rustls::pki_types::pem::Error),
-    /// The crypto provider offers none of the protocol versions asked for.
-    #[error("{0}")]
-    Protocols(tokio_rustls::rustls::Error),
-    #[error("the certificate and key: {0}")]
-    CertificateAndKey(tokio_rustls::rustls::Error),
-}
-
-/// A TLS server configuration from a certificate chain and its key (PEM).
-pub fn tls_config(
-    cert_pem: &[u8],
-    key_pem: &[u8],
-) -> Result<Arc<tokio_rustls::rustls::ServerConfig>, TlsConfigError> {
-    use tokio_rustls::rustls::{
-        self,
-        pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject},
-    };
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
-        .collect::<Result<_, _>>()
-        .map_err(TlsConfigError::Certificate)?;
-    if certs.is_empty() {
-        return Err(TlsConfigError::NoCertificate);
-    }
-    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(TlsConfigError::Key)?;
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(TlsConfigError::Protocols)?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)
-        .map_err(TlsConfigError::CertificateAndKey)?;
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(Arc::new(config))
-}
+pub use crate::net::tls::{TlsConfigError, tls_config};
 
 /// Serves `router` over TLS on `listener` until the process ends. Each
 /// connection, its handshake (bounded by [`HANDSHAKE_TIME`]) included, runs
@@ -252,16 +221,8 @@ fn from_status(s: tonic::Status) -> Response {
 
 impl Served {
     fn admit(&self, headers: &HeaderMap) -> Result<(), Response> {
-        let Some(want) = &self.token else {
-            return match self.loopback_port {
-                Some(port) if !crate::net::loopback_host(headers, port) => Err(error(
-                    StatusCode::FORBIDDEN,
-                    "this teacher has no token and answers only loopback names (127.0.0.1, localhost, [::1]) \
-                     at its port",
-                )),
-                _ => Ok(()),
-            };
-        };
+        // (Without a token on loopback, the host was checked first.)
+        let Some(want) = &self.token else { return Ok(()) };
         let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
         match given.and_then(|v| v.strip_prefix("Bearer ")) {
             Some(t) if crate::distill::teacher::same_secret(t.as_bytes(), want.as_bytes()) => Ok(()),
@@ -454,7 +415,7 @@ struct InferBody {
     #[serde(default)]
     outputs: Vec<OutputBody>,
     #[serde(default)]
-    parameters: Value,
+    parameters: Params,
 }
 
 #[derive(serde::Deserialize)]
@@ -463,7 +424,7 @@ struct InputBody {
     datatype: String,
     shape: Vec<i64>,
     #[serde(default)]
-    parameters: Value,
+    parameters: Params,
     #[serde(default)]
     data: Numbers,
 }
@@ -472,7 +433,80 @@ struct InputBody {
 struct OutputBody {
     name: String,
     #[serde(default)]
-    parameters: Value,
+    parameters: Params,
+}
+
+/// The parameters this endpoint reads; any other is skipped unread, and
+/// one of an unexpected type counts as absent (as the protocol's clients
+/// expect of a server that does not know it).
+#[derive(Default, serde::Deserialize)]
+#[serde(default)]
+struct Params {
+    binary_data_size: Scalar,
+    binary_data_output: Scalar,
+    binary_data: Scalar,
+}
+
+/// A parameter's value where a number or a flag is expected: anything
+/// else is read through without being kept (an array is not built up).
+#[derive(Default)]
+enum Scalar {
+    #[default]
+    Other,
+    Count(u64),
+    Flag(bool),
+}
+
+impl Scalar {
+    fn count(&self) -> Option<u64> {
+        match self {
+            Scalar::Count(n) => Some(*n),
+            _ => None,
+        }
+    }
+
+    fn flag(&self) -> bool {
+        matches!(self, Scalar::Flag(true))
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Scalar {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Read;
+        impl<'de> serde::de::Visitor<'de> for Read {
+            type Value = Scalar;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a parameter's value")
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<Scalar, E> {
+                Ok(Scalar::Count(v))
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<Scalar, E> {
+                Ok(u64::try_from(v).map_or(Scalar::Other, Scalar::Count))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Scalar, E> {
+                Ok(Scalar::Other)
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<Scalar, E> {
+                Ok(Scalar::Flag(v))
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Scalar, E> {
+                Ok(Scalar::Other)
+            }
+            fn visit_unit<E>(self) -> Result<Scalar, E> {
+                Ok(Scalar::Other)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Scalar, A::Error> {
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(Scalar::Other)
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Scalar, A::Error> {
+                while map.next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?.is_some() {}
+                Ok(Scalar::Other)
+            }
+        }
+        d.deserialize_any(Read)
+    }
 }
 
 /// An input's `data`, nested arrays of numbers, flattened as read; what is
@@ -508,7 +542,10 @@ impl<'de> serde::de::Visitor<'de> for Flatten<'_> {
         f.write_str("numbers, or arrays of them")
     }
     fn visit_f64<E>(self, v: f64) -> Result<(), E> {
-        self.0.values.push(v as f32);
+        match v as f32 {
+            x if x.is_finite() => self.0.values.push(x),
+            _ => self.other(format!("{v} (beyond f32's range)")),
+        }
         Ok(())
     }
     fn visit_i64<E>(self, v: i64) -> Result<(), E> {
@@ -578,7 +615,7 @@ fn to_grpc(
     };
     for input in head.inputs {
         let InputBody { name, datatype, shape, parameters, data } = input;
-        let raw = match parameters["binary_data_size"].as_u64() {
+        let raw = match parameters.binary_data_size.count() {
             Some(n) => {
                 let n = n as usize;
                 if n > binary.len() {
@@ -606,9 +643,9 @@ fn to_grpc(
         });
         req.raw_input_contents.push(raw);
     }
-    let mut binary_out = head.parameters["binary_data_output"].as_bool().unwrap_or(false);
+    let mut binary_out = head.parameters.binary_data_output.flag();
     for o in head.outputs {
-        binary_out |= o.parameters["binary_data"].as_bool().unwrap_or(false);
+        binary_out |= o.parameters.binary_data.flag();
         req.outputs
             .push(pb::model_infer_request::InferRequestedOutputTensor { name: o.name, ..Default::default() });
     }
@@ -707,6 +744,15 @@ mod tests {
         assert!(e.contains("not a KServe v2 inference request"), "{e}");
         let e = refused(r#"{"outputs": []}"#);
         assert!(e.contains("missing field `inputs`"), "{e}");
+        let e = refused(r#"{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1e39]}]}"#);
+        assert!(e.contains("(beyond f32's range) in its data is not a number"), "{e}");
+        // Parameters of another type count as absent: the data is read.
+        let (req, binary) = request(
+            r#"{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [2],
+                "parameters": {"binary_data_size": "4"}}], "parameters": {"binary_data_output": [true]}}"#,
+        )
+        .unwrap();
+        assert_eq!((req.raw_input_contents[0].as_slice(), binary), (&2f32.to_le_bytes()[..], false));
     }
 
     /// A client that connects and sends nothing, or only the start of

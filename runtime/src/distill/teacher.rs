@@ -560,23 +560,110 @@ pub struct Registration {
 }
 
 /// A connection the teacher's server is given: its first bytes bounded in
-/// time (HTTP/2's preface, or TLS's hello, within 10 s), where the server
-/// itself waits for them without a timer.
-type Incoming = crate::net::first_bytes::FirstBytes<tokio::net::TcpStream>;
+/// time (TLS's hello, then HTTP/2's preface within the TLS session, each
+/// within 10 s), where the server itself waits for them without a timer.
+/// The TLS handshake is done here, bounded, rather than by the server: the
+/// server's HTTP/2 would wait for a preface without a timer once it is done.
+pub enum Incoming {
+    Plain(Guarded<tokio::net::TcpStream>),
+    Tls(Box<Guarded<tokio_rustls::server::TlsStream<Guarded<tokio::net::TcpStream>>>>),
+}
 
-/// Accepts `listener`'s connections on a task of its own, for the server to
-/// serve: an accept that fails (out of descriptors) is said and waited out,
-/// where the server's own loop would try again at once and spin; the
-/// listener closes once the server is gone (stopped, or killed). Small
-/// responses must not wait for delayed ACKs (Nagle): no delay on any
+type Guarded<I> = crate::net::first_bytes::FirstBytes<I>;
+
+/// `io`, whose first bytes (TLS's hello, HTTP/2's preface) must come in time.
+fn guarded<I>(io: I) -> Guarded<I> {
+    crate::net::first_bytes::FirstBytes::new(io, crate::net::first_bytes::SNIFFED, FIRST_BYTES_WITHIN)
+}
+
+impl tonic::transport::server::Connected for Incoming {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        match self {
+            Incoming::Plain(s) => s.connect_info(),
+            Incoming::Tls(s) => s.get_ref().get_ref().0.connect_info(),
+        }
+    }
+}
+
+impl tokio::io::AsyncRead for Incoming {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Incoming::Plain(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+            Incoming::Tls(s) => std::pin::Pin::new(&mut **s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl tokio::io::AsyncWrite for Incoming {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Incoming::Plain(s) => std::pin::Pin::new(s).poll_write(cx, buf),
+            Incoming::Tls(s) => std::pin::Pin::new(&mut **s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Incoming::Plain(s) => std::pin::Pin::new(s).poll_flush(cx),
+            Incoming::Tls(s) => std::pin::Pin::new(&mut **s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Incoming::Plain(s) => std::pin::Pin::new(s).poll_shutdown(cx),
+            Incoming::Tls(s) => std::pin::Pin::new(&mut **s).poll_shutdown(cx),
+        }
+    }
+}
+
+type Accepted = tokio::sync::mpsc::Sender<std::io::Result<Incoming>>;
+
+/// [`MAX_CONNECTIONS`], or fewer where the process may open fewer files
+/// (the soft `RLIMIT_NOFILE`, less a reserve for everything else): past the
+/// bound a connection waits in the listener's queue, past the limit its
+/// accept would fail.
+fn connection_bound() -> usize {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit(2) writes the struct it is given, which lives here.
+    let got = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
+    let files = if got { usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX) } else { MAX_CONNECTIONS };
+    MAX_CONNECTIONS.min(files.saturating_sub(256)).max(16)
+}
+
+/// Accepts `listener`'s connections on a task of its own, at most `bound`
+/// at once (the next waits in the listener's queue until one ends), for the
+/// server to serve; with `tls`, each shakes hands on a task of its own
+/// within [`HANDSHAKE`]. An accept that fails (out of descriptors) is said
+/// and waited out, where the server's own loop would try again at once and
+/// spin; the listener closes once the server is gone (stopped, or killed).
+/// Small responses must not wait for delayed ACKs (Nagle): no delay on any
 /// connection.
 fn accept_on(
     listener: tokio::net::TcpListener,
     addr: SocketAddr,
     bound: usize,
+    tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
 ) -> (tokio::task::JoinHandle<()>, tokio_stream::wrappers::ReceiverStream<std::io::Result<Incoming>>) {
     let (accepted, incoming) = tokio::sync::mpsc::channel::<std::io::Result<Incoming>>(64);
-    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(bound));
+    let slots = Arc::new(tokio::sync::Semaphore::new(bound));
+    let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     let accepting = tokio::spawn(async move {
         loop {
             // At the bound, nothing is accepted until a connection ends.
@@ -590,16 +677,18 @@ fn accept_on(
                 next = listener.accept() => next,
             };
             match next {
-                Ok((s, _)) => {
+                Ok((s, peer)) => {
                     let _ = s.set_nodelay(true);
-                    let s = crate::net::first_bytes::FirstBytes::new(
-                        s,
-                        crate::net::first_bytes::SNIFFED,
-                        FIRST_BYTES_WITHIN,
-                    )
-                    .holding(slot);
-                    if accepted.send(Ok(s)).await.is_err() {
-                        return;
+                    let s = guarded(s).holding(slot);
+                    match &acceptor {
+                        None => {
+                            if accepted.send(Ok(Incoming::Plain(s))).await.is_err() {
+                                return;
+                            }
+                        }
+                        Some(a) => {
+                            tokio::spawn(shake_hands(a.clone(), s, peer, addr, accepted.clone()));
+                        }
                     }
                 }
                 Err(e) => {
@@ -610,6 +699,24 @@ fn accept_on(
         }
     });
     (accepting, tokio_stream::wrappers::ReceiverStream::new(incoming))
+}
+
+/// Shakes hands with `peer` over TLS within [`HANDSHAKE`], and hands the
+/// session on for the server, its first bytes (HTTP/2's preface) bounded.
+async fn shake_hands(
+    acceptor: tokio_rustls::TlsAcceptor,
+    tcp: Guarded<tokio::net::TcpStream>,
+    peer: SocketAddr,
+    addr: SocketAddr,
+    accepted: Accepted,
+) {
+    match tokio::time::timeout(HANDSHAKE, acceptor.accept(tcp)).await {
+        Ok(Ok(tls)) => {
+            let _ = accepted.send(Ok(Incoming::Tls(Box::new(guarded(tls))))).await;
+        }
+        Ok(Err(e)) => tracing::debug!("teacher on {addr}: TLS handshake with {peer}: {e}"),
+        Err(_) => tracing::debug!("teacher on {addr}: {peer} took too long to shake hands"),
+    }
 }
 
 impl Teacher {
@@ -656,7 +763,18 @@ impl Teacher {
         let advertised =
             if serving.access.tls.is_some() { format!("grpcs://{host_port}") } else { host_port.clone() };
         let (stop, stopped) = oneshot::channel::<()>();
-        let (accepting, incoming) = accept_on(listener, addr, MAX_CONNECTIONS);
+        let tls = match &serving.access.tls {
+            Some((cert, key)) => {
+                let config =
+                    crate::net::tls::tls_config(cert, key).map_err(|e| TeacherError::Tls(e.to_string()))?;
+                // gRPC is HTTP/2 alone.
+                let mut config = (*config).clone();
+                config.alpn_protocols = vec![b"h2".to_vec()];
+                Some(Arc::new(config))
+            }
+            None => None,
+        };
+        let (accepting, incoming) = accept_on(listener, addr, connection_bound(), tls);
         let token = serving.access.token.clone();
         let check = move |req: Request<()>| -> Result<Request<()>, Status> {
             let Some(want) = &token else { return Ok(req) };
@@ -682,11 +800,6 @@ impl Teacher {
             .http2_keepalive_interval(Some(KEEPALIVE))
             .http2_keepalive_timeout(Some(KEEPALIVE))
             .max_concurrent_streams(STREAMS);
-        if let Some((cert, key)) = &serving.access.tls {
-            let identity = tonic::transport::Identity::from_pem(cert, key);
-            let tls = tonic::transport::ServerTlsConfig::new().identity(identity).timeout(HANDSHAKE);
-            builder = builder.tls_config(tls).map_err(|e| TeacherError::Tls(e.to_string()))?;
-        }
         let task = tokio::spawn(async move {
             let result = builder
                 .add_service(server)
@@ -818,7 +931,7 @@ mod tests {
             use tokio_stream::StreamExt;
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = listener.local_addr().unwrap();
-            let (accepting, mut incoming) = accept_on(listener, addr, 2);
+            let (accepting, mut incoming) = accept_on(listener, addr, 2, None);
             let mut clients = Vec::new();
             for _ in 0..3 {
                 clients.push(tokio::net::TcpStream::connect(addr).await.unwrap());

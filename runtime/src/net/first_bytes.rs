@@ -50,6 +50,11 @@ impl<I> FirstBytes<I> {
         FirstBytes { http1: true, ..self }
     }
 
+    /// The connection guarded.
+    pub fn get_ref(&self) -> &I {
+        &self.io
+    }
+
     /// Holds `slot` (one of a listener's bounded places) until the
     /// connection is dropped.
     pub fn holding(self, slot: tokio::sync::OwnedSemaphorePermit) -> Self {

@@ -5,19 +5,23 @@
 
 pub mod accept;
 pub mod first_bytes;
+pub mod tls;
 
 use anyhow::{Context, Result, anyhow};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 
-/// Whether an HTTP request's `Host` names a loopback listener at `port`
+/// Whether an HTTP request's host (its URI's authority, else its `Host`)
+/// names a loopback listener at `port`
 /// (`127.0.0.1:PORT`, `localhost:PORT`, `[::1]:PORT`, or the name alone). An
 /// endpoint on loopback without a token answers only these: a web page
 /// whose name an attacker rebound to 127.0.0.1 sends its own name, and must
 /// not reach it through the browser of someone on this machine.
-pub fn loopback_host(headers: &axum::http::HeaderMap, port: u16) -> bool {
-    let Some(host) = headers.get(axum::http::header::HOST).and_then(|h| h.to_str().ok()) else {
-        return false;
-    };
+pub fn loopback_host(uri: &axum::http::Uri, headers: &axum::http::HeaderMap, port: u16) -> bool {
+    // HTTP/2's `:authority` (and an HTTP/1 request's absolute address) is
+    // the URI's; otherwise the `Host` header names it.
+    let named = uri.authority().map(|a| a.as_str());
+    let header = || headers.get(axum::http::header::HOST).and_then(|h| h.to_str().ok());
+    let Some(host) = named.or_else(header) else { return false };
     let port = format!(":{port}");
     let name = host.strip_suffix(port.as_str()).unwrap_or(host).to_ascii_lowercase();
     let literal = name.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>();

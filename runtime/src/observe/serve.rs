@@ -1,7 +1,7 @@
 //! The watch's HTTP listener: `/metrics` for Prometheus, `/` the live
 //! page, `/api/state` its data. Beyond loopback it serves only over TLS
-//! and with a token (`Authorization: Bearer`, or `?token=` for a browser,
-//! which the page then sends with its own requests).
+//! and with a token (`Authorization: Bearer`; a browser opens the page as
+//! `/#token=`, and the page sends it in the header of its own requests).
 
 use super::Watch;
 use axum::{
@@ -139,7 +139,7 @@ async fn admit(
             "this job's watch needs its token: Authorization: Bearer TOKEN (in a browser, open the page as /#token=TOKEN)\n",
         )
             .into_response(),
-        None if !crate::net::loopback_host(req.headers(), s.port) => (
+        None if !crate::net::loopback_host(req.uri(), req.headers(), s.port) => (
             StatusCode::FORBIDDEN,
             "this job's watch answers only loopback names (127.0.0.1, localhost, [::1]) at its port\n",
         )

@@ -407,6 +407,10 @@ impl Session {
             match msg {
                 ToWorker::Assigned { worker } if id == 0 => id = worker,
                 ToWorker::Welcome(spec) => break *spec,
+                // Refused for its protocol: a failure, not a worker not needed.
+                ToWorker::Stop { reason } if reason.contains(crate::control::proto::ONE_VERSION) => {
+                    bail!("worker {id}: the coordinator at {coordinator} refused it: {reason}")
+                }
                 ToWorker::Stop { reason } => return Ok(Joined::NotNeeded(reason)),
                 ToWorker::Beat => {}
                 _ => bail!("worker {id}: the coordinator sent something before the job"),

@@ -108,9 +108,6 @@ fn workers_started_elsewhere_join_with_the_secret_and_only_within_the_maximum() 
     }
 }
 
-/// Workers started elsewhere and told of a relay (`EDL_RELAY`, as a
-/// Kubernetes job tells its Pods of the relay Service) reach the job
-/// through it: the coordinator holds the relay's connection alone.
 /// A worker of an earlier edl (its hello carries no protocol number) is
 /// told why it is refused and let go, before it is given anything it
 /// cannot read; the job waits for workers that speak its protocol.
@@ -149,6 +146,9 @@ fn a_worker_of_another_version_of_edl_is_refused_naming_both() {
     let _ = child.wait();
 }
 
+/// Workers started elsewhere and told of a relay (`EDL_RELAY`, as a
+/// Kubernetes job tells its Pods of the relay Service) reach the job
+/// through it: the coordinator holds the relay's connection alone.
 #[test]
 fn workers_told_of_a_relay_reach_their_job_through_it() {
     let dir = tempfile::tempdir().unwrap();

@@ -738,7 +738,44 @@ fn a_teacher_with_tls_and_a_token_answers_only_students_that_trust_it_and_carry_
             assert!(matches!(err, DistillError::Refused { .. } | DistillError::NoTeachers { .. }), "{text}");
             assert!(text.contains(why), "{shown}: {text}");
         }
+
+        // A client that shakes hands and then sends nothing (no HTTP/2
+        // preface, which the server would wait for without a timer) is
+        // closed within the time a connection's first bytes have (10 s).
+        let mut quiet = tls_session(&ca, t.addr).await;
+        let mut said = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(60), async {
+            use tokio::io::AsyncReadExt;
+            let _ = quiet.read_to_end(&mut said).await;
+        })
+        .await;
+        assert!(closed.is_ok(), "a quiet TLS session still open after 60 s");
     });
+}
+
+/// A TLS session with `addr` trusting `ca` (HTTP/2 offered), nothing sent in it.
+async fn tls_session(
+    ca: &str,
+    addr: std::net::SocketAddr,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    use tokio_rustls::rustls::{
+        self,
+        pki_types::{CertificateDer, ServerName, pem::PemObject},
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(ca.as_bytes()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = ServerName::try_from("localhost").unwrap().to_owned();
+    tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, tcp).await.unwrap()
 }
 
 #[test]

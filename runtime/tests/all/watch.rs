@@ -191,7 +191,7 @@ fn the_watch_takes_its_token_and_beyond_loopback_only_tls() {
     let (status, body) = get(&format!("{url}metrics"), Some("s3cret-watch-token"));
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("edl_steps_total"), "{body}");
-    // A browser carries it in the address; the page sends it on.
+    // In a request's address it is taken too.
     let (status, body) = get(&format!("{url}api/state?token=s3cret-watch-token&since=0"), None);
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("\"job\":\"mnist\""), "{body}");
