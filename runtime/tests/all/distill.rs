@@ -1423,6 +1423,28 @@ fn a_rest_teacher_without_a_token_on_loopback_answers_only_loopback_names() {
         for host in [format!("attacker.example:{port}"), format!("127.0.0.1:{}", port.wrapping_add(1))] {
             assert_eq!(status(port, host.clone()).await, 403, "{host}");
         }
+        // A request in absolute form names its host in its address, which
+        // wins over the Host header (as HTTP/2's :authority does).
+        let absolute = move |named: String, host: String| {
+            use std::io::{Read, Write};
+            let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            let head = format!(
+                "GET http://{named}/v2/models/teacher HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+            );
+            s.write_all(head.as_bytes()).unwrap();
+            let mut answer = String::new();
+            let _ = s.read_to_string(&mut answer);
+            answer.split_whitespace().nth(1).unwrap_or_default().to_string()
+        };
+        let here = format!("127.0.0.1:{port}");
+        let rebound = format!("attacker.example:{port}");
+        let (named_rebound, named_here) = tokio::task::spawn_blocking(move || {
+            (absolute(rebound.clone(), here.clone()), absolute(here, rebound))
+        })
+        .await
+        .unwrap();
+        assert_eq!((named_rebound.as_str(), named_here.as_str()), ("403", "200"));
         let everywhere = start("0.0.0.0:0").await;
         assert_eq!(status(everywhere, format!("attacker.example:{everywhere}")).await, 200);
     });
