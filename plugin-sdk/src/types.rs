@@ -106,7 +106,9 @@ pub struct Hyperparams {
     pub momentum: f32,
 }
 
-/// A change of world size, applied at `step`.
+/// A change of world size, applied at `step`. `old_world_size` is the world
+/// the hyperparameters in force were set for, 0 when the job starts or
+/// starts again from a checkpoint (they are then its own).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct ResizeEvent {

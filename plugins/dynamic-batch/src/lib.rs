@@ -6,6 +6,10 @@
 //! `lr-scaling=linear`, sqrt(k) for `sqrt`, 1 for `none`), but over T =
 //! `ramp-steps` steps, because the momentum buffer still holds gradients taken
 //! at the old rate: gamma_t = 1 + (t - t0) / T (f - 1), lr_t = lr_0 gamma_t.
+//! A resize during a ramp ramps from the rate reached towards the rate the
+//! ramp was going to, times the new f: the rate stays the same function of
+//! the world whatever the order and spacing of resizes (1 -> 2 -> 4 -> 1
+//! workers ends at the rate of 1).
 //!
 //! Mode `fixed-global` keeps the global batch (local = global / world) and the
 //! learning rate.
@@ -25,11 +29,12 @@ enum Scaling {
     None,
 }
 
+/// A ramp of the rate from `from` at step `start` to `to`.
 #[derive(Clone, Copy, Debug)]
 struct Ramp {
     start: u64,
-    base_lr: f32,
-    factor: f32,
+    from: f32,
+    to: f32,
 }
 
 #[derive(Debug)]
@@ -49,8 +54,7 @@ impl Default for DynamicBatch {
 impl DynamicBatch {
     fn lr_at(&self, ramp: &Ramp, step: u64) -> f32 {
         let t = step.saturating_sub(ramp.start).min(self.ramp_steps) as f32;
-        let gamma = 1.0 + t / self.ramp_steps as f32 * (ramp.factor - 1.0);
-        ramp.base_lr * gamma
+        ramp.from + t / self.ramp_steps as f32 * (ramp.to - ramp.from)
     }
 }
 
@@ -84,7 +88,12 @@ impl BatchAdapter for DynamicBatch {
     }
 
     fn on_resize(&mut self, event: &ResizeEvent, current: &Hyperparams) -> Hyperparams {
-        let (old, new) = (event.old_world_size.max(1), event.new_world_size.max(1));
+        let (old, new) = (event.old_world_size, event.new_world_size.max(1));
+        if old == 0 {
+            // The job starts: its own batch and rate, shared by the world it
+            // starts with.
+            return Hyperparams { local_batch: current.global_batch.div_ceil(new), ..*current };
+        }
         match self.mode {
             Mode::FixedGlobal => Hyperparams { local_batch: (current.global_batch / new).max(1), ..*current },
             Mode::Ramp => {
@@ -94,13 +103,14 @@ impl BatchAdapter for DynamicBatch {
                     Scaling::Sqrt => k.sqrt(),
                     Scaling::None => 1.0,
                 };
-                // A resize during a ramp starts from where the ramp had got to.
-                let base_lr = match &self.ramp {
-                    Some(r) => self.lr_at(r, event.step),
-                    None => current.lr,
+                // A resize during a ramp starts from where the ramp had got
+                // to, towards where it was going times the new factor.
+                let (from, to) = match &self.ramp {
+                    Some(r) => (self.lr_at(r, event.step), r.to),
+                    None => (current.lr, current.lr),
                 };
-                self.ramp = Some(Ramp { start: event.step, base_lr, factor });
-                Hyperparams { global_batch: current.local_batch * new, lr: base_lr, ..*current }
+                self.ramp = Some(Ramp { start: event.step, from, to: to * factor });
+                Hyperparams { global_batch: current.local_batch * new, lr: from, ..*current }
             }
         }
     }
@@ -140,6 +150,37 @@ mod tests {
         for (got, want) in lrs.iter().zip(want) {
             assert!((got - want).abs() < 1e-6, "{lrs:?}");
         }
+    }
+
+    #[test]
+    fn resizes_during_a_ramp_end_at_the_rate_of_the_world_they_end_in() {
+        let mut a = testing::adapter::<DynamicBatch>(&[]).unwrap();
+        let one = Hyperparams { global_batch: 64, local_batch: 64, lr: 0.05, momentum: 0.9 };
+        // 1 -> 2 -> 4 -> 3 -> 2 -> 1 workers, each 4 steps after the last
+        // (half a ramp), then long enough for the last ramp to end.
+        let worlds = [1, 2, 4, 3, 2, 1];
+        let mut cur = one;
+        for (i, w) in worlds.windows(2).enumerate() {
+            let step = 100 + 4 * i as u64;
+            cur = a.on_step(step, &cur);
+            cur = a.on_resize(&ResizeEvent { step, old_world_size: w[0], new_world_size: w[1] }, &cur);
+            assert_eq!(cur.global_batch, 64 * w[1]);
+            cur.local_batch = 64;
+        }
+        for step in 120..140 {
+            cur = a.on_step(step, &cur);
+        }
+        assert!((cur.lr - 0.05).abs() < 1e-6, "{}", cur.lr);
+        assert_eq!(cur.global_batch, 64);
+    }
+
+    #[test]
+    fn a_job_starting_on_several_workers_keeps_its_own_batch_and_rate() {
+        let mut a = testing::adapter::<DynamicBatch>(&[]).unwrap();
+        let start = ResizeEvent { step: 0, old_world_size: 0, new_world_size: 2 };
+        let cur = a.on_resize(&start, &hp());
+        assert_eq!((cur.global_batch, cur.local_batch, cur.lr), (128, 64, 0.1));
+        assert_eq!(a.on_step(8, &cur).lr, 0.1);
     }
 
     #[test]

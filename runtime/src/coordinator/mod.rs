@@ -120,6 +120,10 @@ struct Coordinator<'a> {
     /// Steps committed, the epoch and cursor, the ledger, throughput.
     tally: Tally,
     hyper: Hyperparams,
+    /// The world of the generation `hyper` was set for (0 before the
+    /// first): the world a resize goes from, whenever its workers left
+    /// (a scale-in or a loss takes them out before the boundary).
+    hyper_world: u32,
     events: Vec<ScaleEvent>,
     pending: Option<Pending>,
     /// Decisions whose workers have not joined yet, oldest first.
@@ -498,6 +502,7 @@ impl<'a> Coordinator<'a> {
             first_generation: 0,
             tally: Tally::new(cfg.spec.samples, cfg.spec.seed, now),
             hyper: cfg.hyper,
+            hyper_world: 0,
             events: Vec::new(),
             pending: None,
             decided: Default::default(),

@@ -215,6 +215,8 @@ impl Coordinator<'_> {
             anyhow::anyhow!("the job's state in the store at step {}: {e}", s.committed_steps)
         })?;
         self.hyper = h.hyper;
+        // Set for the generation whose workers it takes over.
+        self.hyper_world = s.members.len() as u32;
         self.events = h.events.clone();
         self.init = None;
         self.takeover = Some(super::Takeover {
@@ -372,6 +374,8 @@ impl Coordinator<'_> {
             .restore(m.step, m.epoch, m.cursor, ledger)
             .map_err(|e| anyhow::anyhow!("checkpoint {}: {e}", r.path.display()))?;
         self.hyper = m.hyperparams;
+        // Its workers start anew: their first generation's world is the one.
+        self.hyper_world = 0;
         self.init = Some(r.path.clone());
         Ok(())
     }
@@ -452,6 +456,7 @@ impl Coordinator<'_> {
             None => {
                 self.tally.restart();
                 self.hyper = self.cfg.hyper;
+                self.hyper_world = 0;
                 self.init = None;
             }
         }

@@ -62,12 +62,14 @@ impl Coordinator<'_> {
         pending.formed = Some(Instant::now());
         self.pending = Some(pending);
         // The adapter is shown the hyperparameters in force: each worker's
-        // batch in the world before (a policy keeping it grows the global
-        // batch with the world).
-        let before = if from > 0 { from } else { to };
+        // batch in the world they were set for (a policy keeping it grows
+        // the global batch with the world), which is the world before
+        // whatever left it before this boundary.
+        let old = self.hyper_world;
+        let before = if old > 0 { old } else { to };
         self.hyper.local_batch = (self.hyper.global_batch / before.max(1)).max(1);
         if let Some(a) = self.adapter.as_mut() {
-            let ev = ResizeEvent { step: self.tally.committed, old_world_size: from, new_world_size: to };
+            let ev = ResizeEvent { step: self.tally.committed, old_world_size: old, new_world_size: to };
             let answer = a.on_resize(&ev, &self.hyper);
             if let Some(h) = self.adapter_answer("on-resize", answer)? {
                 self.hyper = h;
@@ -75,6 +77,7 @@ impl Coordinator<'_> {
         }
         // Each worker's share of the global batch in the new world.
         self.hyper.local_batch = (self.hyper.global_batch / to.max(1)).max(1);
+        self.hyper_world = to;
         self.last_change = Instant::now();
         self.save_state(false);
         Ok(())
