@@ -249,42 +249,44 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     edl_runtime::process::hear_stop_signals();
     let _stops = edl_runtime::process::StopsWithNotice::begin(edl_runtime::process::STOP_WITHIN);
     let board = tensorboard(args.watch.tensorboard.as_deref())?;
+    let (store, device, seed) =
+        (edl_runtime::store::redact(&args.state.store), work.device().to_string(), args.training.seed);
+    let report_of = |outcome, student: Option<f64>| {
+        let (policy, adapter) = (policy_name.clone(), adapter_name.clone());
+        Report::new(
+            &name,
+            outcome,
+            student,
+            teacher_accuracy,
+            distill,
+            policy,
+            adapter,
+            &store,
+            device.clone(),
+            seed,
+        )
+    };
     let outcome = match watched_run(job, &mut display, watch, board) {
         Ok(o) => o,
-        Err(e) if e.is::<coordinator::AlreadyFinished>() => {
+        Err(u) if u.error.is::<coordinator::AlreadyFinished>() => {
             display.finish();
-            println!("done      {e}");
+            println!("done      {}", u.error);
             return Ok(ExitCode::SUCCESS);
         }
-        Err(e) if e.is::<edl_runtime::process::StopSignalled>() => {
+        Err(u) => {
             display.finish();
-            write_failed_report(args.output.report.as_deref(), &name, &e, &dirs.checkpoint_dir);
-            eprintln!("{e}");
-            let code = e.downcast_ref::<edl_runtime::process::StopSignalled>().map_or(1, |s| s.exit_code());
-            return Ok(ExitCode::from(code));
-        }
-        Err(e) => {
-            display.finish();
-            write_failed_report(args.output.report.as_deref(), &name, &e, &dirs.checkpoint_dir);
-            return Err(e);
+            let so_far = u.so_far.map(|o| report_of(*o, None));
+            write_failed_report(&args.output, &name, &u.error, &dirs.checkpoint_dir, so_far.as_ref());
+            let Some(stop) = u.error.downcast_ref::<edl_runtime::process::StopSignalled>() else {
+                return Err(u.error);
+            };
+            eprintln!("{}", u.error);
+            return Ok(ExitCode::from(stop.exit_code()));
         }
     };
     display.finish();
     let student = work.scores_or_none(&checkpoint_dir, &outcome);
-    let (store, device, seed) =
-        (edl_runtime::store::redact(&args.state.store), work.device().to_string(), args.training.seed);
-    let mut report = Report::new(
-        &name,
-        outcome,
-        student.accuracy,
-        teacher_accuracy,
-        distill,
-        policy_name,
-        adapter_name,
-        &store,
-        device,
-        seed,
-    );
+    let mut report = report_of(outcome, student.accuracy);
     (report.student_test_auc, report.student_test_log_loss) = (student.auc, student.log_loss);
     summarize(&report, &args.output, &dirs.checkpoint_dir, &checkpoint_dir)
 }
@@ -324,8 +326,8 @@ fn watched_run(
     display: &mut ProgressDisplay,
     watch: Option<Watch>,
     mut board: Option<observe::tensorboard::TensorBoard>,
-) -> Result<coordinator::JobOutcome> {
-    let outcome = coordinator::run(job, &mut |p| {
+) -> Result<coordinator::JobOutcome, coordinator::Unfinished> {
+    let outcome = coordinator::run_recorded(job, &mut |p| {
         if let Some(w) = &watch {
             w.record(&p);
         }
@@ -337,8 +339,8 @@ fn watched_run(
     if let Some(w) = &watch {
         w.end(match &outcome {
             Ok(_) => "finished",
-            Err(e) if e.is::<coordinator::AlreadyFinished>() => "finished",
-            Err(e) if e.is::<edl_runtime::process::StopSignalled>() => "stopped",
+            Err(u) if u.error.is::<coordinator::AlreadyFinished>() => "finished",
+            Err(u) if u.error.is::<edl_runtime::process::StopSignalled>() => "stopped",
             Err(_) => "failed",
         });
     }

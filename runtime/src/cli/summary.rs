@@ -8,21 +8,46 @@ use edl_runtime::{
 };
 use std::{path::Path, process::ExitCode};
 
-/// A failed job still says what happened, for whoever reads the reports.
-pub(super) fn write_failed_report(out: Option<&Path>, name: &str, e: &anyhow::Error, checkpoint_dir: &Path) {
-    let Some(out) = out else { return };
+/// A failed job still says what happened, for whoever reads the reports:
+/// why it ended and, when it had begun, what it did until then (`so_far`:
+/// its steps, scale events and epochs, its plugins' decisions to replay),
+/// drawn too where a plot is asked for.
+pub(super) fn write_failed_report(
+    output: &OutputArgs,
+    name: &str,
+    e: &anyhow::Error,
+    checkpoint_dir: &Path,
+    so_far: Option<&Report>,
+) {
     let stopped = e.is::<edl_runtime::process::StopSignalled>();
-    let failed = serde_json::json!({
-        "job": name,
-        "status": if stopped { "stopped" } else { "failed" },
-        "error": format!("{e:#}"),
-        "checkpoint_dir": checkpoint_dir,
-    });
-    let written = serde_json::to_vec_pretty(&failed)
-        .map_err(anyhow::Error::from)
-        .and_then(|bytes| replace_file(out, &bytes));
-    if let Err(w) = written {
-        eprintln!("could not write the report {}: {w}", out.display());
+    if let Some(out) = &output.report {
+        let mut failed = serde_json::json!({
+            "job": name,
+            "status": if stopped { "stopped" } else { "failed" },
+            "error": format!("{e:#}"),
+            "checkpoint_dir": checkpoint_dir,
+        });
+        if let (Some(serde_json::Value::Object(fields)), Some(all)) =
+            (so_far.map(serde_json::to_value).and_then(|v| v.ok()), failed.as_object_mut())
+        {
+            for (k, v) in fields {
+                all.entry(k).or_insert(v);
+            }
+            // It has no final checkpoint: the newest is in `checkpoints`.
+            all.remove("final_checkpoint");
+        }
+        let written = serde_json::to_vec_pretty(&failed)
+            .map_err(anyhow::Error::from)
+            .and_then(|bytes| replace_file(out, &bytes));
+        if let Err(w) = written {
+            eprintln!("could not write the report {}: {w}", out.display());
+        }
+    }
+    if let (Some(out), Some(r)) = (&output.plot, so_far) {
+        let title = format!("{} with {} ({})", r.job, r.policy, if stopped { "stopped" } else { "failed" });
+        if let Err(w) = plot::training_run(out, &title, &r.timeline, &r.scale_events, &r.teacher_events) {
+            eprintln!("could not draw the plot {}: {w}", out.display());
+        }
     }
 }
 

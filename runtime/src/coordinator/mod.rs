@@ -124,6 +124,8 @@ struct Coordinator<'a> {
     /// first): the world a resize goes from, whenever its workers left
     /// (a scale-in or a loss takes them out before the boundary).
     hyper_world: u32,
+    /// The checkpoint's step this run resumed from, if it did.
+    resumed: Option<u64>,
     events: Vec<ScaleEvent>,
     pending: Option<Pending>,
     /// Decisions whose workers have not joined yet, oldest first.
@@ -266,6 +268,26 @@ fn ms(d: Duration) -> f64 {
 /// Runs a job put together by [`Job::assemble`] to its end; the job's
 /// lock is held until then.
 pub fn run(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobOutcome> {
+    run_recorded(job, progress).map_err(|u| u.error)
+}
+
+/// A job that ended without finishing: why, and what it did until then
+/// (its steps, scale events, epochs and plugins' decisions; None when it
+/// failed before its coordinator began).
+#[derive(Debug)]
+pub struct Unfinished {
+    pub error: anyhow::Error,
+    pub so_far: Option<Box<JobOutcome>>,
+}
+
+impl From<anyhow::Error> for Unfinished {
+    fn from(error: anyhow::Error) -> Self {
+        Unfinished { error, so_far: None }
+    }
+}
+
+/// [`run`], keeping the record of a job that fails.
+pub fn run_recorded(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobOutcome, Unfinished> {
     let Job { cfg, lock, plugins, scaler, mut teachers, ps } = job;
     cfg.validate()?;
     let cfg = Arc::new(cfg);
@@ -309,7 +331,10 @@ pub fn run(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobOutcome> {
         },
     };
     c.say_ps();
+    let world = c.membership.world();
     c.close(&reason);
+    let result =
+        result.map_err(|error| Unfinished { error, so_far: Some(Box::new(c.record(PathBuf::new(), world))) });
     drop(lock);
     drop(teachers);
     drop(c.ps.servers.take());
@@ -503,6 +528,7 @@ impl<'a> Coordinator<'a> {
             tally: Tally::new(cfg.spec.samples, cfg.spec.seed, now),
             hyper: cfg.hyper,
             hyper_world: 0,
+            resumed: None,
             events: Vec::new(),
             pending: None,
             decided: Default::default(),
@@ -681,9 +707,9 @@ impl Coordinator<'_> {
     }
 
     fn job(&mut self) -> Result<JobOutcome> {
-        let resumed = self.start()?;
+        self.resumed = self.start()?;
         let final_checkpoint = self.train_to_the_end()?;
-        self.finish(final_checkpoint, resumed)
+        self.finish(final_checkpoint)
     }
 
     /// Takes the job (its lease, its state in the store, the newest
@@ -845,7 +871,7 @@ impl Coordinator<'_> {
 
     /// Stops the workers, leaves the final state in the store and accounts
     /// for every epoch.
-    fn finish(&mut self, final_checkpoint: PathBuf, resumed: Option<u64>) -> Result<JobOutcome> {
+    fn finish(&mut self, final_checkpoint: PathBuf) -> Result<JobOutcome> {
         let total = self.cfg.spec.epochs;
         let final_world = self.membership.world();
         self.stop_everyone("the job is done");
@@ -863,14 +889,20 @@ impl Coordinator<'_> {
         for p in self.ckpt.remove_set_aside() {
             self.note(format!("removed {} (the run before --restart)", p.display()));
         }
+        Ok(self.record(final_checkpoint, final_world))
+    }
+
+    /// What the job did: at its end, or until it failed (its teacher pool
+    /// stopped).
+    fn record(&mut self, final_checkpoint: PathBuf, final_world: u32) -> JobOutcome {
         let pool = self.pool.as_mut().map(|p| p.stop()).unwrap_or_default();
-        let outcome = JobOutcome {
+        JobOutcome {
             final_checkpoint,
             steps: self.tally.committed,
             epochs: self.tally.ledger.epochs.clone(),
             scale_events: self.events.clone(),
             timeline: std::mem::take(&mut self.timeline),
-            resumed_from_step: resumed,
+            resumed_from_step: self.resumed,
             samples: self.tally.samples,
             train_secs: self.training_since.map_or(0.0, |t| t.elapsed().as_secs_f64()),
             generations: (self.first_generation, self.generation),
@@ -898,8 +930,7 @@ impl Coordinator<'_> {
                 .filter_map(|&id| Some((id, self.scaler.handle(id)?)))
                 .collect(),
             parameter_servers: self.ps_stats(),
-        };
-        Ok(outcome)
+        }
     }
 
     /// Whether every one of the job's `total` epochs is accounted for.

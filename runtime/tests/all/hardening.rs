@@ -430,6 +430,40 @@ fn a_failed_job_still_writes_a_report_saying_why() {
     assert!(r["error"].as_str().unwrap().contains("is not finite"), "{r}");
 }
 
+#[test]
+fn a_job_that_fails_midway_reports_and_draws_what_it_did_until_then() {
+    let dir = tempfile::tempdir().unwrap();
+    // 10 steps an epoch; the adapter asks for more rows than there are at step 15.
+    let flags = ["--epochs", "3", "--adapter", art::HOSTILE_ADAPTER_WASM, "--plot", "run.svg"];
+    let config = ["--adapter-config", "mode=huge-batch", "--adapter-config", "from=15"];
+    let (status, out) = run_to_end(small(dir.path(), &[&flags[..], &config[..]].concat()));
+    assert!(!status.success(), "{out}");
+    let r = report(dir.path());
+    assert_eq!(r["status"], "failed", "{r}");
+    assert!(r["error"].as_str().unwrap().contains("above the 400 training samples"), "{r}");
+    // What it did until then: its steps, its first epoch, its start, the
+    // policy's decisions; no final checkpoint.
+    let steps: Vec<u64> =
+        r["timeline"].as_array().unwrap().iter().map(|s| s["step"].as_u64().unwrap()).collect();
+    assert!((10..=16).contains(&steps.len()) && steps.windows(2).all(|w| w[1] == w[0] + 1), "{steps:?}");
+    assert_eq!(r["epochs"].as_array().unwrap().len(), 1, "{r}");
+    assert_eq!(r["scale_events"][0]["from"], 0, "{r}");
+    assert!(!r["policy_decisions"].as_array().unwrap().is_empty(), "{r}");
+    assert!(r.get("final_checkpoint").is_none(), "{r}");
+    let svg = std::fs::read_to_string(dir.path().join("run.svg")).expect("the plot is drawn");
+    assert!(svg.contains("(failed)"), "{svg}");
+    // The report is a trace its policy replays.
+    let trace = dir.path().join("report.json");
+    let replay = Command::new(env!("CARGO_BIN_EXE_edl-runtime"))
+        .args(["plugin", "replay", "--policy", art::AUTOSCALE_WASM, "--trace"])
+        .arg(&trace)
+        .arg("--plugin-cache")
+        .arg(dir.path().join("plugin-cache"))
+        .output()
+        .unwrap();
+    assert!(replay.status.success(), "{}", String::from_utf8_lossy(&replay.stderr));
+}
+
 /// A job with two teachers, one worker and a hold policy, long enough to be
 /// interfered with; returns it, its output and its teachers' pids.
 fn job_with_two_teachers(
