@@ -1445,6 +1445,16 @@ fn a_rest_teacher_without_a_token_on_loopback_answers_only_loopback_names() {
         .await
         .unwrap();
         assert_eq!((named_rebound.as_str(), named_here.as_str()), ("403", "200"));
+        // HTTP/2 (in clear, with prior knowledge) names the host in
+        // :authority alone: a rebound name is refused there too.
+        let h2 = |name: &'static str| async move {
+            let at = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+            let c = reqwest::Client::builder().http2_prior_knowledge().resolve(name, at).build().unwrap();
+            let r = c.get(format!("http://{name}:{port}/v2/models/teacher")).send().await.unwrap();
+            (r.version(), r.status().as_u16())
+        };
+        assert_eq!(h2("localhost").await, (reqwest::Version::HTTP_2, 200));
+        assert_eq!(h2("attacker.example").await, (reqwest::Version::HTTP_2, 403));
         let everywhere = start("0.0.0.0:0").await;
         assert_eq!(status(everywhere, format!("attacker.example:{everywhere}")).await, 200);
     });
