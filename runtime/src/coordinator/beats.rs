@@ -64,9 +64,8 @@ impl Beats {
     pub fn add(&self, conn: u64, out: &Outbox) {
         let target = match out {
             Outbox::Direct(link) => Target::Direct(link.clone()),
-            Outbox::Relayed { .. } => {
-                let (host, on_relay, relay) = out.relay().expect("a relayed outbox has its relay");
-                Target::Relayed { host, conn: on_relay, relay: relay.clone() }
+            Outbox::Relayed { conn: on_relay, host, relay, .. } => {
+                Target::Relayed { host: *host, conn: *on_relay, relay: relay.clone() }
             }
         };
         lock(&self.targets).insert(conn, target);

@@ -53,14 +53,12 @@ impl Coordinator<'_> {
                     }
                 }
                 Command::Refuse { conn, reason } => {
-                    self.beats.remove(conn);
-                    if let Some(mut stream) = self.conns.remove(&conn) {
+                    if let Some(mut stream) = self.drop_conn(conn) {
                         let _ = stream.send(&ToWorker::Stop { reason });
                     }
                 }
                 Command::Stop { worker, conn, reason, grace } => {
-                    conn.inspect(|&c| self.beats.remove(c));
-                    if let Some(mut stream) = conn.and_then(|c| self.conns.remove(&c)) {
+                    if let Some(mut stream) = conn.and_then(|c| self.drop_conn(c)) {
                         let _ = stream.send(&ToWorker::Stop { reason });
                     }
                     self.scaler.stop(worker, grace);
@@ -160,18 +158,24 @@ impl Coordinator<'_> {
             return true;
         };
         self.note(format!("{why}; it is refused"));
-        if let Some(mut stream) = self.conns.remove(&n) {
+        if let Some(mut stream) = self.drop_conn(n) {
             let _ = stream.send(&ToWorker::Stop { reason: why });
         }
         false
+    }
+
+    /// Forgets connection `n`: it is beaten no more. Returns its outbox, for
+    /// a last word.
+    fn drop_conn(&mut self, n: u64) -> Option<crate::control::outbox::Outbox> {
+        self.beats.remove(n);
+        self.conns.remove(&n)
     }
 
     /// Connection `n` closed: a member's rank is lost to its generation.
     fn closed(&mut self, now: Instant, n: u64, why: &str) {
         // The routes stay: the ranks' windows went out by them, and a
         // closed one's rank fails its generation anyway.
-        self.conns.remove(&n);
-        self.beats.remove(n);
+        self.drop_conn(n);
         let rank = self.ranks.get(&n).copied();
         let Some(worker) = self.membership.handle(now, MemberEvent::Closed { conn: n, why: why.to_string() })
         else {
