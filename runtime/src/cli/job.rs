@@ -9,7 +9,7 @@ use super::{
     flags::{ClusterArgs, PluginArgs, ScalerKind, TransformArgs, WatchArgs},
     plugin_path,
     progress::ProgressDisplay,
-    summary::{summarize, write_failed_report},
+    summary::{summarize, unfinished},
     teachers::TeacherPlan,
     workload::{ALPHA, JobArgs, Prepared, TEMPERATURE, Workload},
 };
@@ -275,13 +275,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
         }
         Err(u) => {
             display.finish();
-            let so_far = u.so_far.map(|o| report_of(*o, None));
-            write_failed_report(&args.output, &name, &u.error, &dirs.checkpoint_dir, so_far.as_ref());
-            let Some(stop) = u.error.downcast_ref::<edl_runtime::process::StopSignalled>() else {
-                return Err(u.error);
-            };
-            eprintln!("{}", u.error);
-            return Ok(ExitCode::from(stop.exit_code()));
+            return unfinished(u, &args.output, &name, &dirs.checkpoint_dir, |o| report_of(o, None));
         }
     };
     display.finish();

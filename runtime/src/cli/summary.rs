@@ -8,11 +8,30 @@ use edl_runtime::{
 };
 use std::{path::Path, process::ExitCode};
 
+/// A job that ended unfinished: its report and plot of what it did until
+/// then, and its end (a stop by a signal exits with the signal's status, a
+/// failure with its error).
+pub(super) fn unfinished(
+    u: coordinator::Unfinished,
+    output: &OutputArgs,
+    name: &str,
+    checkpoint_dir: &Path,
+    report_of: impl FnOnce(coordinator::JobOutcome) -> Report,
+) -> Result<ExitCode> {
+    let so_far = u.so_far.map(|o| report_of(*o));
+    write_failed_report(output, name, &u.error, checkpoint_dir, so_far.as_ref());
+    let Some(stop) = u.error.downcast_ref::<edl_runtime::process::StopSignalled>() else {
+        return Err(u.error);
+    };
+    eprintln!("{}", u.error);
+    Ok(ExitCode::from(stop.exit_code()))
+}
+
 /// A failed job still says what happened, for whoever reads the reports:
 /// why it ended and, when it had begun, what it did until then (`so_far`:
 /// its steps, scale events and epochs, its plugins' decisions to replay),
 /// drawn too where a plot is asked for.
-pub(super) fn write_failed_report(
+fn write_failed_report(
     output: &OutputArgs,
     name: &str,
     e: &anyhow::Error,
