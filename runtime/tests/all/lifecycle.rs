@@ -168,6 +168,11 @@ fn sigterm_stops_the_job_with_a_checkpoint_of_its_committed_state_a_report_and_s
     assert!(out.contains("stopped by SIGTERM: its state at step"), "{out}");
     let r = report(dir.path());
     assert_eq!(r["status"], "stopped", "{r}");
+    // With what it trained until then: an epoch at least.
+    assert!(
+        r["timeline"].as_array().unwrap().len() >= 10 && !r["epochs"].as_array().unwrap().is_empty(),
+        "{r}"
+    );
     let left: Vec<u32> = workers.into_iter().filter(|&p| runs(p)).collect();
     assert!(left.is_empty(), "workers left running: {left:?}\n{out}");
     // The rerun goes on from that checkpoint: nothing committed was lost.
