@@ -33,7 +33,13 @@ const RUNS: usize = 2;
 /// The target accuracy and the epochs: `EDL_BENCH_TARGET` and
 /// `EDL_BENCH_EPOCHS` where set, else 92% in 12 epochs.
 fn target_and_epochs() -> (f64, String) {
-    let target = std::env::var("EDL_BENCH_TARGET").ok().and_then(|t| t.parse().ok()).unwrap_or(TARGET);
+    let target = match std::env::var("EDL_BENCH_TARGET") {
+        Ok(t) => match t.parse::<f64>() {
+            Ok(v) if v > 0.0 && v <= 1.0 => v,
+            _ => panic!("EDL_BENCH_TARGET={t}: a test accuracy as a fraction, above 0 and at most 1 (0.94)"),
+        },
+        Err(_) => TARGET,
+    };
     (target, std::env::var("EDL_BENCH_EPOCHS").unwrap_or_else(|_| EPOCHS.into()))
 }
 

@@ -108,7 +108,8 @@ pub struct Hyperparams {
 
 /// A change of world size, applied at `step`. `old_world_size` is the world
 /// the hyperparameters in force were set for, 0 when the job starts or
-/// starts again from a checkpoint (they are then its own).
+/// starts again from a checkpoint (they are then the job's own, or its
+/// checkpoint's).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct ResizeEvent {

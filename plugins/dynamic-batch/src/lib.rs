@@ -90,8 +90,10 @@ impl BatchAdapter for DynamicBatch {
     fn on_resize(&mut self, event: &ResizeEvent, current: &Hyperparams) -> Hyperparams {
         let (old, new) = (event.old_world_size, event.new_world_size.max(1));
         if old == 0 {
-            // The job starts: its own batch and rate, shared by the world it
-            // starts with.
+            // The job starts (or starts again from a checkpoint): its batch
+            // and rate as they are, shared by the world it starts with; a
+            // ramp of before it is over.
+            self.ramp = None;
             return Hyperparams { local_batch: current.global_batch.div_ceil(new), ..*current };
         }
         match self.mode {
@@ -115,13 +117,39 @@ impl BatchAdapter for DynamicBatch {
         }
     }
 
+    /// The ramp's rate at `step`. The ramp is kept once it ends: steps are
+    /// planned ahead, and a generation that fails before committing them
+    /// plans them again, so the next resize builds on where the ramp was
+    /// going, not on a step that was never committed.
     fn on_step(&mut self, step: u64, current: &Hyperparams) -> Hyperparams {
         let Some(ramp) = self.ramp else { return *current };
-        let lr = self.lr_at(&ramp, step);
-        if step >= ramp.start + self.ramp_steps {
-            self.ramp = None;
-        }
-        Hyperparams { lr, ..*current }
+        Hyperparams { lr: self.lr_at(&ramp, step), ..*current }
+    }
+
+    /// The ramp (its start, and its rates from and to), so that a
+    /// coordinator taking the job over goes on with it.
+    fn save_state(&self) -> Vec<u8> {
+        let Some(r) = self.ramp else { return Vec::new() };
+        [&r.start.to_le_bytes()[..], &r.from.to_le_bytes(), &r.to.to_le_bytes()].concat()
+    }
+
+    fn load_state(&mut self, state: &[u8]) -> Result<(), PluginError> {
+        self.ramp = match state.len() {
+            0 => None,
+            16 => {
+                let f32_at =
+                    |i: usize| f32::from_le_bytes([state[i], state[i + 1], state[i + 2], state[i + 3]]);
+                let mut start = [0u8; 8];
+                start.copy_from_slice(&state[..8]);
+                Some(Ramp { start: u64::from_le_bytes(start), from: f32_at(8), to: f32_at(12) })
+            }
+            n => {
+                return Err(PluginError::InvalidInput(format!(
+                    "{n} bytes: not dynamic-batch's memory (a ramp is 16 bytes)"
+                )));
+            }
+        };
+        Ok(())
     }
 }
 
@@ -172,6 +200,21 @@ mod tests {
         }
         assert!((cur.lr - 0.05).abs() < 1e-6, "{}", cur.lr);
         assert_eq!(cur.global_batch, 64);
+    }
+
+    #[test]
+    fn a_restart_ends_the_ramp_and_its_memory_goes_on_with_a_successor() {
+        let mut a = testing::adapter::<DynamicBatch>(&[]).unwrap();
+        let cur = a.on_resize(&ResizeEvent { step: 104, old_world_size: 2, new_world_size: 4 }, &hp());
+        // A successor given the memory mid-ramp goes on with it.
+        let mut b = testing::adapter::<DynamicBatch>(&[]).unwrap();
+        b.load_state(&a.save_state()).unwrap();
+        assert_eq!(b.on_step(108, &cur).lr, a.on_step(108, &cur).lr);
+        assert!(b.load_state(&[1, 2, 3]).is_err());
+        // All workers lost: the job starts again from a checkpoint (old
+        // world 0) at its rate then; the ramp of before is over.
+        let again = a.on_resize(&ResizeEvent { step: 100, old_world_size: 0, new_world_size: 1 }, &hp());
+        assert_eq!(a.on_step(112, &again).lr, 0.1);
     }
 
     #[test]

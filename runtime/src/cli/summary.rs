@@ -62,7 +62,7 @@ fn write_failed_report(
             eprintln!("could not write the report {}: {w}", out.display());
         }
     }
-    if let (Some(out), Some(r)) = (&output.plot, so_far) {
+    if let (Some(out), Some(r)) = (&output.plot, so_far.filter(|r| !r.timeline.is_empty())) {
         let title = format!("{} with {} ({})", r.job, r.policy, if stopped { "stopped" } else { "failed" });
         if let Err(w) = plot::training_run(out, &title, &r.timeline, &r.scale_events, &r.teacher_events) {
             eprintln!("could not draw the plot {}: {w}", out.display());

@@ -331,10 +331,18 @@ pub fn run_recorded(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobO
         },
     };
     c.say_ps();
-    let world = c.membership.world();
+    // What a failed job did, taken before its workers are stopped (their
+    // stopping is not its training time); its teachers' record and the
+    // workers that never joined, once they are.
+    let mut so_far =
+        result.is_err().then(|| c.record(PathBuf::new(), c.membership.world(), Default::default()));
     c.close(&reason);
-    let result =
-        result.map_err(|error| Unfinished { error, so_far: Some(Box::new(c.record(PathBuf::new(), world))) });
+    if let Some(o) = so_far.as_mut() {
+        let pool = c.pool.as_mut().map(|p| p.stop()).unwrap_or_default();
+        (o.teacher_events, o.teacher_decisions) = (pool.events, pool.decisions);
+        o.workers_unused = std::mem::take(&mut c.unused);
+    }
+    let result = result.map_err(|error| Unfinished { error, so_far: so_far.map(Box::new) });
     drop(lock);
     drop(teachers);
     drop(c.ps.servers.take());
@@ -707,7 +715,7 @@ impl Coordinator<'_> {
     }
 
     fn job(&mut self) -> Result<JobOutcome> {
-        self.resumed = self.start()?;
+        self.start()?;
         let final_checkpoint = self.train_to_the_end()?;
         self.finish(final_checkpoint)
     }
@@ -726,6 +734,7 @@ impl Coordinator<'_> {
             &seal,
         ))?;
         let resumed = self.resume()?;
+        self.resumed = resumed;
         // The checkpoints are this coordinator's from here on: a deposed one
         // that runs on cannot write or prune them. A store of its own (the
         // embedded one) gives tokens that start again with each run; the
@@ -889,13 +898,13 @@ impl Coordinator<'_> {
         for p in self.ckpt.remove_set_aside() {
             self.note(format!("removed {} (the run before --restart)", p.display()));
         }
-        Ok(self.record(final_checkpoint, final_world))
+        let pool = self.pool.as_mut().map(|p| p.stop()).unwrap_or_default();
+        Ok(self.record(final_checkpoint, final_world, pool))
     }
 
-    /// What the job did: at its end, or until it failed (its teacher pool
-    /// stopped).
-    fn record(&mut self, final_checkpoint: PathBuf, final_world: u32) -> JobOutcome {
-        let pool = self.pool.as_mut().map(|p| p.stop()).unwrap_or_default();
+    /// What the job did: at its end, or until it failed; `pool`: what its
+    /// teacher pool did.
+    fn record(&mut self, final_checkpoint: PathBuf, final_world: u32, pool: pool::PoolRecord) -> JobOutcome {
         JobOutcome {
             final_checkpoint,
             steps: self.tally.committed,
