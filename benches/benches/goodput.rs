@@ -109,6 +109,8 @@ fn settings() -> Vec<Setting> {
 
 /// What one run of a setting gave.
 struct Outcome {
+    /// Each checkpoint's (seconds, test accuracy), in time.
+    curve: Vec<(f64, f64)>,
     /// Seconds to the target, and the samples trained on by then.
     reached: Option<(f64, u64)>,
     /// The best accuracy and its seconds.
@@ -166,6 +168,7 @@ fn run(s: &Setting, step_ms: &str) -> Outcome {
     let best = points.iter().fold((0.0, 0.0), |b, p| if p.1 > b.0 { (p.1, p.0) } else { b });
     let last = timeline.last().unwrap();
     Outcome {
+        curve: points.iter().map(|p| (p.0, p.1)).collect(),
         reached,
         best,
         steps: last["step"].as_u64().unwrap(),
@@ -185,9 +188,11 @@ fn main() {
     );
     println!("|---|---|---|---|---|---|");
     let mut fastest: Vec<(String, f64)> = Vec::new();
+    let mut curves: Vec<edl_runtime::plot::Curve> = Vec::new();
     let only = std::env::var("EDL_BENCH_ONLY").unwrap_or_default();
     for s in settings().into_iter().filter(|s| only.split(',').any(|o| s.name.contains(o))) {
         let runs: Vec<Outcome> = (0..RUNS).map(|_| run(&s, &step_ms)).collect();
+        curves.push((s.name.to_string(), runs[0].curve.clone()));
         let each = |f: &dyn Fn(f64, u64) -> String| {
             runs.iter().map(|r| r.reached.map_or("not reached".into(), |(t, n)| f(t, n))).collect::<Vec<_>>()
         };
@@ -209,6 +214,27 @@ fn main() {
         if reached.len() == RUNS {
             fastest.push((s.name.to_string(), reached.iter().sum::<f64>() / RUNS as f64));
         }
+    }
+    // Each setting's first run, drawn: test accuracy against the job's
+    // seconds, near the target (from 12 percentage points below it, to twice the time
+    // of the slowest that reached it).
+    let slowest = fastest.iter().map(|f| f.1).fold(0.0, f64::max);
+    let cut = if slowest > 0.0 { 2.0 * slowest } else { f64::INFINITY };
+    for c in curves.iter_mut() {
+        c.1.retain(|&(secs, acc)| secs <= cut && acc >= target - 0.12);
+    }
+    let svg = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../target/goodput-{step_ms}ms.svg"));
+    let title = format!("test accuracy over time, --step-delay-ms {step_ms} (the first run of each)");
+    let target_line = format!("target {:.0}%", target * 100.0);
+    match edl_runtime::plot::curves(
+        &svg,
+        &title,
+        ("seconds", "test accuracy"),
+        &curves,
+        Some((target, &target_line)),
+    ) {
+        Ok(()) => println!("drawn to {}", svg.display()),
+        Err(e) => eprintln!("{e}"),
     }
     let fixed =
         fastest.iter().filter(|f| f.0.starts_with("fixed")).map(|f| f.1).fold(f64::INFINITY, f64::min);

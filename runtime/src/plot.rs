@@ -516,6 +516,78 @@ impl<'a> TrainingRun<'a> {
     }
 }
 
+/// A line of a chart of curves: its name and its points.
+pub type Curve = (String, Vec<(f64, f64)>);
+
+/// Draws `curves` to `path` (SVG): a line for each, in its own colour and
+/// named in the legend, on axes named `x` and `y`; `mark` draws a dashed
+/// level across (a target), named.
+pub fn curves(
+    path: &Path,
+    title: &str,
+    (x, y): (&str, &str),
+    curves: &[Curve],
+    mark: Option<(f64, &str)>,
+) -> Result<(), PlotError> {
+    let root = titled_canvas(path, (960, 560), title)?;
+    draw_curves(&root, (x, y), curves, mark).map_err(failed(path))?;
+    root.present().map_err(failed(path))
+}
+
+fn draw_curves(
+    area: &Area<'_>,
+    (x, y): (&str, &str),
+    curves: &[Curve],
+    mark: Option<(f64, &str)>,
+) -> Result<(), DrawError> {
+    let points =
+        || curves.iter().flat_map(|c| c.1.iter().copied()).filter(|p| p.0.is_finite() && p.1.is_finite());
+    let span = |lo: f64, hi: f64| if hi > lo { lo..hi } else { lo..lo + 1.0 };
+    let (x0, x1) = points().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| (a.min(p.0), b.max(p.0)));
+    let ys = points().map(|p| p.1).chain(mark.map(|m| m.0));
+    let (y0, y1) = ys.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| (a.min(v), b.max(v)));
+    let (x0, x1) = if x0.is_finite() { (x0.min(0.0), x1) } else { (0.0, 1.0) };
+    let (y0, y1) = if y0.is_finite() { (y0, y1 + (y1 - y0).abs() * 0.05) } else { (0.0, 1.0) };
+    let mut chart = ChartBuilder::on(area)
+        .margin(12)
+        .x_label_area_size(32)
+        .y_label_area_size(64)
+        .build_cartesian_2d(span(x0, x1), span(y0, y1))?;
+    chart.configure_mesh().x_desc(x).y_desc(y).draw()?;
+    if let Some((level, name)) = mark {
+        let dashes =
+            DashedLineSeries::new([(x0, level), (x1, level)], 6, 4, ShapeStyle::from(&BLACK).stroke_width(1));
+        chart.draw_series(dashes)?.label(name).legend(legend_line(BLACK, 18));
+    }
+    // Dark enough to read on white, apart enough to tell apart.
+    const COLORS: [RGBColor; 10] = [
+        RGBColor(31, 119, 180),
+        RGBColor(214, 39, 40),
+        RGBColor(44, 160, 44),
+        RGBColor(148, 103, 189),
+        RGBColor(255, 127, 14),
+        RGBColor(140, 86, 75),
+        RGBColor(227, 119, 194),
+        RGBColor(0, 0, 0),
+        RGBColor(188, 189, 34),
+        RGBColor(23, 190, 207),
+    ];
+    for (i, (name, line)) in curves.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let style = ShapeStyle::from(&color).stroke_width(2);
+        chart
+            .draw_series(LineSeries::new(line.iter().copied(), style))?
+            .label(name.as_str())
+            .legend(legend_line(color, 18));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -523,6 +595,21 @@ mod tests {
 
     fn decision(step: u64, world_size: u32, chosen: u32) -> Decision {
         Decision { step, world_size, chosen, throughput: 1.0, capacity: 8, actions: vec![Action::Hold] }
+    }
+
+    #[test]
+    fn curves_are_drawn_each_named_with_the_level_marked() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.svg");
+        let lines =
+            [("fixed 512".to_string(), vec![(0.1, 0.5), (0.9, 0.93)]), ("goodput".into(), vec![(0.2, 0.6)])];
+        curves(&path, "time to 92%", ("seconds", "test accuracy"), &lines, Some((0.92, "target"))).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        for text in ["time to 92%", "fixed 512", "goodput", "target", "seconds", "test accuracy"] {
+            assert!(svg.contains(text), "{text}");
+        }
+        // Nothing to draw still makes a picture, not an error.
+        curves(&path, "empty", ("x", "y"), &[], None).unwrap();
     }
 
     #[test]
