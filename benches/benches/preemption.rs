@@ -60,8 +60,7 @@ fn worker_pid(parent: u32, id: u64) -> i32 {
             stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse().ok()).unwrap_or(0);
         let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
         let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-        if ppid == parent && cmd.contains(&format!(" --id {id} "))
-            || ppid == parent && cmd.ends_with(&format!(" --id {id}"))
+        if ppid == parent && (cmd.contains(&format!(" --id {id} ")) || cmd.ends_with(&format!(" --id {id}")))
         {
             return p;
         }

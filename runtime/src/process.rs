@@ -500,6 +500,44 @@ pub fn signal_name(sig: i32) -> String {
     }
 }
 
+/// Waits up to `within` for a line of `child`'s standard output (piped)
+/// that `found` reads a value from, copying every line to `log` (at `path`)
+/// as it comes, then and after. Lines before it are passed over (a banner,
+/// a launcher's notes). A child that exits first, or stays silent, has its
+/// process group stopped, and the error says why with its log's last lines.
+pub fn await_line<T: Send + 'static>(
+    child: &mut Child,
+    path: &Path,
+    mut log: std::fs::File,
+    within: Duration,
+    found: fn(&str) -> Option<T>,
+) -> Result<T, String> {
+    use std::io::{BufRead, Write};
+    let Some(stdout) = child.stdout.take() else { return Err("its output is not piped".into()) };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut tell = Some(tx);
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            let _ = writeln!(log, "{line}");
+            if let Some(value) = tell.as_ref().and_then(|_| found(&line)) {
+                let _ = tell.take().map(|tx| tx.send(value));
+            }
+        }
+    });
+    let why = match rx.recv_timeout(within) {
+        Ok(value) => return Ok(value),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            "it exited before saying where it serves".to_string()
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            format!("it did not say where it serves within {within:?}")
+        }
+    };
+    terminate_group(child, Duration::from_secs(1));
+    Err(format!("{why}{}", log_tail(path, 5)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -635,42 +673,4 @@ mod tests {
         assert!(!tail.contains("Traceback") && tail.ends_with("killed by the policy"), "{tail}");
         assert_eq!(program_error(&log), None, "it did not die of it");
     }
-}
-
-/// Waits up to `within` for a line of `child`'s standard output (piped)
-/// that `found` reads a value from, copying every line to `log` (at `path`)
-/// as it comes, then and after. Lines before it are passed over (a banner,
-/// a launcher's notes). A child that exits first, or stays silent, has its
-/// process group stopped, and the error says why with its log's last lines.
-pub fn await_line<T: Send + 'static>(
-    child: &mut Child,
-    path: &Path,
-    mut log: std::fs::File,
-    within: Duration,
-    found: fn(&str) -> Option<T>,
-) -> Result<T, String> {
-    use std::io::{BufRead, Write};
-    let Some(stdout) = child.stdout.take() else { return Err("its output is not piped".into()) };
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut tell = Some(tx);
-        for line in std::io::BufReader::new(stdout).lines() {
-            let Ok(line) = line else { return };
-            let _ = writeln!(log, "{line}");
-            if let Some(value) = tell.as_ref().and_then(|_| found(&line)) {
-                let _ = tell.take().map(|tx| tx.send(value));
-            }
-        }
-    });
-    let why = match rx.recv_timeout(within) {
-        Ok(value) => return Ok(value),
-        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-            "it exited before saying where it serves".to_string()
-        }
-        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-            format!("it did not say where it serves within {within:?}")
-        }
-    };
-    terminate_group(child, Duration::from_secs(1));
-    Err(format!("{why}{}", log_tail(path, 5)))
 }

@@ -157,7 +157,7 @@ impl BatchAdapter for Goodput {
             )));
         }
         self.min_gain = config.get_or("min-gain", 0.05)?;
-        if !(self.min_gain >= 0.0) {
+        if self.min_gain.is_nan() || self.min_gain < 0.0 {
             return Err(PluginError::InvalidConfig(format!("min-gain {}: need 0 or more", self.min_gain)));
         }
         self.growth = config.get_or("growth", GROWTH)?;

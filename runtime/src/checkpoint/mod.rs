@@ -239,7 +239,7 @@ fn encode_state(
         .collect();
     for t in tables {
         let (n, name) = (t.ids.len(), &t.spec.name);
-        let width = if n == 0 { 0 } else { t.rows.len() / n };
+        let width = t.rows.len().checked_div(n).unwrap_or(0);
         let ids = t.ids.iter().flat_map(|i| i.to_le_bytes()).collect();
         let updates = t.updates.iter().flat_map(|u| u.to_le_bytes()).collect();
         bytes.push((format!("ps/{name}/ids"), Dtype::U64, vec![n], ids));

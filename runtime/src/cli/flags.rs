@@ -711,6 +711,37 @@ pub fn secs(v: f64, flag: &str) -> Result<std::time::Duration> {
         .map_err(|_| anyhow::anyhow!("--{flag} {v}: expected a number of seconds >= 0"))
 }
 
+/// The job's name and secret for a process the job starts (a parameter
+/// server, a relay): the secret from `secret_file` (`-`: standard input)
+/// or $EDL_JOB_SECRET, the name from `job` or $EDL_JOB.
+pub fn job_auth(
+    secret_file: Option<&Path>,
+    job: Option<String>,
+) -> Result<edl_runtime::worker::session::JobAuth> {
+    use edl_runtime::worker::session::{self, JobAuth};
+    Ok(match (secret_file, job) {
+        (Some(p), job) => {
+            let job =
+                job.or_else(|| std::env::var("EDL_JOB").ok()).context("--job or $EDL_JOB names the job")?;
+            JobAuth { job, secret: session::read_secret(p).context("--secret-file")? }
+        }
+        (None, Some(job)) => JobAuth { job, secret: session::auth_from_env()?.secret },
+        (None, None) => session::auth_from_env()?,
+    })
+}
+
+/// For a process started by a command (ssh, srun) that holds its standard
+/// input open while the job wants it: that input's end is the job's stop (a
+/// signal to the local ssh reaches no process on the other host), so the
+/// process exits then, saying so as `who`.
+pub fn stop_when_stdin_closes(who: String, what: &'static str) {
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+        eprintln!("{who}: standard input closed: the job let go of this {what}; stopping");
+        std::process::exit(0);
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -741,35 +772,4 @@ mod tests {
         let e = TeachersArg::Count(2).endpoints("launch").unwrap_err().to_string();
         assert!(e.contains("--teachers 2") && e.contains("--teacher-processes"), "{e}");
     }
-}
-
-/// The job's name and secret for a process the job starts (a parameter
-/// server, a relay): the secret from `secret_file` (`-`: standard input)
-/// or $EDL_JOB_SECRET, the name from `job` or $EDL_JOB.
-pub fn job_auth(
-    secret_file: Option<&Path>,
-    job: Option<String>,
-) -> Result<edl_runtime::worker::session::JobAuth> {
-    use edl_runtime::worker::session::{self, JobAuth};
-    Ok(match (secret_file, job) {
-        (Some(p), job) => {
-            let job =
-                job.or_else(|| std::env::var("EDL_JOB").ok()).context("--job or $EDL_JOB names the job")?;
-            JobAuth { job, secret: session::read_secret(p).context("--secret-file")? }
-        }
-        (None, Some(job)) => JobAuth { job, secret: session::auth_from_env()?.secret },
-        (None, None) => session::auth_from_env()?,
-    })
-}
-
-/// For a process started by a command (ssh, srun) that holds its standard
-/// input open while the job wants it: that input's end is the job's stop (a
-/// signal to the local ssh reaches no process on the other host), so the
-/// process exits then, saying so as `who`.
-pub fn stop_when_stdin_closes(who: String, what: &'static str) {
-    std::thread::spawn(move || {
-        let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
-        eprintln!("{who}: standard input closed: the job let go of this {what}; stopping");
-        std::process::exit(0);
-    });
 }

@@ -164,7 +164,7 @@ impl Coordinator<'_> {
         let decision = super::records::PolicyDecision {
             secs: self.started.elapsed().as_secs_f64(),
             view,
-            actions: answer.as_ref().map(|a| a.clone()).unwrap_or_default(),
+            actions: answer.as_ref().cloned().unwrap_or_default(),
             error: answer.as_ref().err().map(|e| e.to_string()),
         };
         (self.progress)(Progress::Decision { decision: &decision, call_secs });

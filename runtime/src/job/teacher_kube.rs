@@ -575,7 +575,7 @@ mod tests {
         stranger.pods.clear();
         // Its own: taken over, serving, with its handle, and its to stop.
         assert_eq!(after.adopt(&handles[0]).unwrap(), at);
-        assert_eq!(after.addrs(), [at.clone()]);
+        assert_eq!(after.addrs(), std::slice::from_ref(&at));
         assert_eq!(*after.handles().lock().unwrap(), handles);
         assert!(after.adopt(&handles[0]).is_err(), "taken once");
         assert_eq!(api.heard("DELETE").len(), deleted, "nothing deleted on the way");

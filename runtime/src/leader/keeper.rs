@@ -772,12 +772,10 @@ async fn try_take_lease(
             // expires: it may be a coordinator's with another secret.
             if let Some(e) = &entry
                 && found.as_ref().is_some_and(|h| h.proven_dead(&me))
-            {
-                if let Cas::Written(token) =
+                && let Cas::Written(token) =
                     store.compare_and_set(&key, Some(e.token), &value, Some(ttl)).await?
-                {
-                    return Ok(lease(token));
-                }
+            {
+                return Ok(lease(token));
             }
             let holder = match (&entry, found) {
                 (_, Some(h)) => format!("pid {} on {}", h.pid, h.host),

@@ -1081,7 +1081,8 @@ mod tests {
         let mut r = Server::new(2, None);
         r.restore(4, adam.clone(), mark(2, 1), &at1, |shard| shard % 2 == 0).unwrap();
         let kept = r.export("item", 4, 1).unwrap();
-        let want: Vec<u64> = at1.ids.iter().copied().filter(|&id| adam.shard_of(id) % 2 == 0).collect();
+        let want: Vec<u64> =
+            at1.ids.iter().copied().filter(|&id| adam.shard_of(id).is_multiple_of(2)).collect();
         assert_eq!(kept.ids, want);
         for (i, id) in kept.ids.iter().enumerate() {
             let j = at1.ids.iter().position(|x| x == id).unwrap();

@@ -299,7 +299,7 @@ pub fn run(session: &mut Session, model: &BuiltinModel, train: Dataset) -> Resul
         if spec.step_delay_ms > 0 {
             std::thread::sleep(std::time::Duration::from_millis(spec.step_delay_ms));
         }
-        let done = computed.and_then(|c| Ok((c, session.all_reduce(state.trainer.grad_mut()).is_ok())));
+        let done = computed.map(|c| (c, session.all_reduce(state.trainer.grad_mut()).is_ok()));
         let (computed, reduced) = match done {
             Ok(d) => d,
             Err(e) if tables.failed(&e) => {
@@ -450,7 +450,7 @@ mod tests {
         let row = |spec: &TableSpec, id: u64| {
             let mut r = vec![0f32; spec.dim];
             spec.init_row(id, &mut r);
-            if id % 3 == 0 {
+            if id.is_multiple_of(3) {
                 r.iter_mut().for_each(|v| *v += 0.25);
             }
             r

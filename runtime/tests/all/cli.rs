@@ -594,7 +594,7 @@ fn plugins_are_found_beside_the_installed_executable() {
 fn a_job_name_a_shell_or_a_path_would_read_is_refused_before_anything_starts() {
     for cmd in [&["launch", "--samples", "8"][..], &[], &["launch", "--torchrun"]] {
         for bad in ["x;touch /tmp/p;#", "../up", "a b"] {
-            let args = [&cmd[..], &["--job", bad, "--", "true"]].concat();
+            let args = [cmd, &["--job", bad, "--", "true"]].concat();
             let args: Vec<&str> = if cmd.is_empty() { vec!["--job", bad] } else { args };
             let dir = tempfile::tempdir().unwrap();
             let (code, out, err) = edl_in(dir.path(), &args);

@@ -314,7 +314,7 @@ fn launch_raises(py: &PyEnv, dir: &Path, flags: &[&str]) -> Command {
 fn a_program_error_that_repeats_from_the_same_checkpoint_ends_the_job_with_its_traceback() {
     let py = py();
     let dir = tempfile::tempdir().unwrap();
-    let mut child = launch_raises(&py, dir.path(), &["--report", "report.json"]).spawn().unwrap();
+    let mut child = launch_raises(py, dir.path(), &["--report", "report.json"]).spawn().unwrap();
     let rx = lines(&mut child);
     let mut seen = Vec::new();
     let status = finish(child, rx, &mut seen);
@@ -348,7 +348,7 @@ fn a_standby_does_not_restart_a_job_that_failed_the_same_way_again_and_again() {
     let shared = ["--job", "crashes", "--store", url.as_str(), "--report"];
     let launch = |standby: bool| {
         let role: &[&str] = if standby { &["standby.json", "--standby"] } else { &["active.json"] };
-        launch_raises(&py, dir.path(), &[&shared[..], role].concat())
+        launch_raises(py, dir.path(), &[&shared[..], role].concat())
     };
     let mut active = launch(false).spawn().unwrap();
     let rx = lines(&mut active);

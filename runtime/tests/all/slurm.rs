@@ -85,7 +85,7 @@ impl<'h> Slurm<'h> {
              SelectTypeParameters=CR_Core\nReturnToService=2\nMpiDefault=none\nKillWait=30\nMinJobAge=600\n\
              SchedulerParameters=sched_interval=2\n",
             // The controller is this machine (the hosts share its name), at ctl's address.
-            me = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim().to_string(),
+            me = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim(),
             ctl = hosts.ip("ctl"),
             sock = socket.display(),
             state = p("state"),

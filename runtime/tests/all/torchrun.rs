@@ -84,9 +84,7 @@ fn exit_of(mut launcher: Child, dir: &Path) -> std::process::ExitStatus {
 fn complete(g: &Groups, world: u32, restart: &str) -> bool {
     g.values().any(|ranks| {
         ranks.len() as u32 == world
-            && ranks
-                .values()
-                .all(|v| v["WORLD_SIZE"] == world.to_string() && v["TORCHELASTIC_RESTART_COUNT"] == restart)
+            && ranks.values().all(|v| v["WORLD_SIZE"] == world && v["TORCHELASTIC_RESTART_COUNT"] == restart)
     })
 }
 

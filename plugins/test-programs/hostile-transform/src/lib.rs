@@ -35,10 +35,8 @@ impl ReaderTransform for Hostile {
                     *w += 1;
                 }
             }
-            "nan" => {
-                if batch.data.len() >= 4 {
-                    batch.data[..4].copy_from_slice(&f32::NAN.to_le_bytes());
-                }
+            "nan" if batch.data.len() >= 4 => {
+                batch.data[..4].copy_from_slice(&f32::NAN.to_le_bytes());
             }
             "huge" => {
                 let (data, labels, ids) = (batch.data.clone(), batch.labels.clone(), batch.ids.clone());

@@ -1385,7 +1385,7 @@ mod tests {
         assert_eq!(drain(&mut m), vec![Command::Spawn { worker: 10 }]);
         m.handle(t, MemberEvent::Hello { conn: 23, worker: 0, pid: 8 });
         assert_eq!(drain(&mut m), vec![Command::Welcome { conn: 23, assigned: Some(10) }]);
-        assert!(m.nothing_loading() == false && m.poll_timeout().is_some());
+        assert!(!m.nothing_loading() && m.poll_timeout().is_some());
         m.handle(t, MemberEvent::Closed { conn: 23, why: "gone".into() });
         drain(&mut m);
         // An id already in the job is refused.
