@@ -90,7 +90,9 @@ impl Launcher {
         let here = stream.local_addr()?.ip();
         let (to, from) = proto::seal(&stream, keys)?;
         let (to, mut from) = (Sender::new(Outbox::direct(to)), Receiver::new(from));
-        to.send(&FromAgent::Hello { agent: id, host: here.to_string(), pid: std::process::id(), running })?;
+        let pid = std::process::id();
+        let protocol = proto::PROTOCOL;
+        to.send(&FromAgent::Hello { agent: id, host: here.to_string(), pid, running, protocol })?;
         let job = match from.recv::<ToAgent>()? {
             ToAgent::Welcome {
                 agent,
@@ -103,18 +105,24 @@ impl Launcher {
                 follow,
                 reconnect_ms,
                 lease_ms,
-            } => Job {
-                id: agent,
-                job,
-                command,
-                nproc,
-                max_restarts,
-                heartbeat: Duration::from_millis(heartbeat_ms.max(10)),
-                grace: Duration::from_millis(grace_ms),
-                follow,
-                reconnect: Duration::from_millis(reconnect_ms),
-                lease: Duration::from_millis(lease_ms),
-            },
+                protocol,
+            } => {
+                if let Some(why) = proto::protocol_mismatch("the launcher", protocol) {
+                    bail!("{why}");
+                }
+                Job {
+                    id: agent,
+                    job,
+                    command,
+                    nproc,
+                    max_restarts,
+                    heartbeat: Duration::from_millis(heartbeat_ms.max(10)),
+                    grace: Duration::from_millis(grace_ms),
+                    follow,
+                    reconnect: Duration::from_millis(reconnect_ms),
+                    lease: Duration::from_millis(lease_ms),
+                }
+            }
             ToAgent::Exit { reason } => bail!("the launcher sent this agent away: {reason}"),
             other => bail!("the launcher's first message was {other:?}, not the job"),
         };

@@ -61,6 +61,10 @@ pub enum FromAgent {
         /// and comes back to the one that took the job over.
         #[serde(default)]
         running: Option<u32>,
+        /// The control protocol it speaks ([`crate::control::proto::PROTOCOL`];
+        /// 0: an edl from before the number).
+        #[serde(default)]
+        protocol: u32,
     },
     Heartbeat,
     /// Its ranks of `group` started; `master_port` is the c10d store's
@@ -119,6 +123,9 @@ pub enum ToAgent {
         reconnect_ms: u64,
         #[serde(default)]
         lease_ms: u64,
+        /// The control protocol the launcher speaks.
+        #[serde(default)]
+        protocol: u32,
     },
     /// The launcher is alive (a few times per lease).
     Heartbeat,
@@ -261,8 +268,14 @@ impl Launcher<'_> {
                 self.fresh.insert(n, stream);
                 Happened::Nothing
             }
-            Inbound::Msg(n, FromAgent::Hello { agent, host, pid, running }) => {
-                self.hello(n, agent, host, pid, running, on)
+            Inbound::Msg(n, FromAgent::Hello { agent, host, pid, running, protocol }) => {
+                match crate::control::proto::protocol_mismatch(
+                    &format!("the agent on {host} (pid {pid})"),
+                    protocol,
+                ) {
+                    None => self.hello(n, agent, host, pid, running, on),
+                    Some(why) => self.refuse(n, why, on),
+                }
             }
             Inbound::Msg(n, msg) => match self.id_of(n) {
                 Some(id) => Happened::Msg(id, msg),
@@ -339,6 +352,15 @@ impl Launcher<'_> {
         Happened::Joined
     }
 
+    /// Sends the agent on connection `conn` away before it joins, saying why.
+    fn refuse(&mut self, conn: u64, why: String, on: &mut dyn FnMut(GroupEvent)) -> Happened {
+        on(GroupEvent::Host(format!("{why}; it is refused")));
+        if let Some(stream) = self.fresh.remove(&conn) {
+            let _ = crate::control::outbox::Sender::new(stream).send(&ToAgent::Exit { reason: why });
+        }
+        Happened::Nothing
+    }
+
     /// The job as agent `id` is told it when it joins.
     fn welcome(&self, id: u64) -> ToAgent {
         ToAgent::Welcome {
@@ -354,6 +376,7 @@ impl Launcher<'_> {
             // Heartbeats come from threads of their own (`beat`): silence
             // is a launcher frozen, gone or cut off.
             lease_ms: self.hc.lease.as_millis() as u64,
+            protocol: crate::control::proto::PROTOCOL,
         }
     }
 

@@ -84,7 +84,9 @@ fn exit_of(mut launcher: Child, dir: &Path) -> std::process::ExitStatus {
 fn complete(g: &Groups, world: u32, restart: &str) -> bool {
     g.values().any(|ranks| {
         ranks.len() as u32 == world
-            && ranks.values().all(|v| v["WORLD_SIZE"] == world && v["TORCHELASTIC_RESTART_COUNT"] == restart)
+            && ranks.values().all(|v| {
+                v["WORLD_SIZE"] == world.to_string().as_str() && v["TORCHELASTIC_RESTART_COUNT"] == restart
+            })
     })
 }
 
@@ -220,4 +222,43 @@ fn sigterm_stops_the_group_with_notice_writes_the_report_and_exits_143() {
     assert_eq!(r["outcome"]["stopped_by"], 15, "{r}");
     let last = r["outcome"]["groups"].as_array().unwrap().last().unwrap().clone();
     assert_eq!(last["ended"], "stopped by SIGTERM", "{r}");
+}
+
+/// An agent of an earlier edl (its hello without the control protocol's
+/// number) is sent away before it joins, told why, and the launcher says so.
+#[test]
+fn an_agent_of_another_version_of_edl_is_sent_away_naming_both() {
+    use edl_host_gpu::comm::auth::{self, JobAuth};
+    use edl_runtime::control::proto::{Receiver, seal, send_encoded};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let secret = d.join("job.secret");
+    let flags = ["--scaler", "external", "--min-workers", "1", "--max-workers", "1", "--secret-file"];
+    let mut launcher = launch(d, &[&flags[..], &[secret.to_str().unwrap()]].concat());
+    // The launcher says where agents join, once it listens.
+    let said = || {
+        output(d).split("agents join at ").nth(1).and_then(|r| r.split_whitespace().next()).map(String::from)
+    };
+    let addr = poll_while_running(&mut launcher, "it listens", Duration::from_secs(120), said, || output(d));
+    let job = JobAuth {
+        job: "probe".into(),
+        secret: edl_runtime::worker::session::read_secret_file(&secret).unwrap(),
+    };
+    let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let keys = auth::connect(&mut stream, &job.secret, &job.claim("agent", 0, 0)).unwrap();
+    let (mut out, reader) = seal(&stream, keys).unwrap();
+    send_encoded(&mut out, b"{\"type\":\"hello\",\"agent\":0,\"host\":\"127.0.0.1\",\"pid\":1}\n").unwrap();
+    let answer: Value = Receiver::new(reader).recv().unwrap();
+    assert_eq!(answer["type"], "exit", "{answer}");
+    let reason = answer["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("speaks control protocol an earlier one without a number")
+            && reason.contains("every host of a job must run the same version of edl"),
+        "{reason}"
+    );
+    let refused = || output(d).contains("it is refused").then_some(());
+    poll_while_running(&mut launcher, "it says so", Duration::from_secs(60), refused, || output(d));
+    let _ = launcher.kill();
+    let _ = launcher.wait();
 }
