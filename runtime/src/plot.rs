@@ -576,7 +576,10 @@ fn draw_curves(
         let color = COLORS[i % COLORS.len()];
         let style = ShapeStyle::from(&color).stroke_width(2);
         chart
-            .draw_series(LineSeries::new(line.iter().copied(), style))?
+            .draw_series(LineSeries::new(
+                line.iter().copied().filter(|p| p.0.is_finite() && p.1.is_finite()),
+                style,
+            ))?
             .label(name.as_str())
             .legend(legend_line(color, 18));
     }

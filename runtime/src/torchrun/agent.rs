@@ -93,39 +93,7 @@ impl Launcher {
         let pid = std::process::id();
         let protocol = proto::PROTOCOL;
         to.send(&FromAgent::Hello { agent: id, host: here.to_string(), pid, running, protocol })?;
-        let job = match from.recv::<ToAgent>()? {
-            ToAgent::Welcome {
-                agent,
-                job,
-                command,
-                nproc,
-                max_restarts,
-                heartbeat_ms,
-                grace_ms,
-                follow,
-                reconnect_ms,
-                lease_ms,
-                protocol,
-            } => {
-                if let Some(why) = proto::protocol_mismatch("the launcher", protocol) {
-                    bail!("{why}");
-                }
-                Job {
-                    id: agent,
-                    job,
-                    command,
-                    nproc,
-                    max_restarts,
-                    heartbeat: Duration::from_millis(heartbeat_ms.max(10)),
-                    grace: Duration::from_millis(grace_ms),
-                    follow,
-                    reconnect: Duration::from_millis(reconnect_ms),
-                    lease: Duration::from_millis(lease_ms),
-                }
-            }
-            ToAgent::Exit { reason } => bail!("the launcher sent this agent away: {reason}"),
-            other => bail!("the launcher's first message was {other:?}, not the job"),
-        };
+        let job = Job::of(from.recv::<ToAgent>()?)?;
         stream.set_read_timeout(None)?;
         // A launcher frozen (SIGSTOP, a paused VM) reads nothing: a write
         // to it fails within the lease (10 s at least), and the connection
@@ -371,6 +339,10 @@ fn follow(a: &AgentArgs, l: &mut Launcher, job: &mut Job, h: &mut Here, why: &st
                     drop(h.ranks.take());
                     return Ok(Some(reason));
                 }
+                Err(Rejoined::OtherVersion(why)) => {
+                    drop(h.ranks.take());
+                    bail!("{why}; this host's ranks were stopped");
+                }
                 Err(Rejoined::Failed(e)) => last = e,
             },
             Ok(Found::Finished) => {
@@ -389,10 +361,53 @@ fn follow(a: &AgentArgs, l: &mut Launcher, job: &mut Job, h: &mut Here, why: &st
     )
 }
 
+impl Job {
+    /// The job the launcher's first message gives (its welcome), or why
+    /// there is none: it sent the agent away, or speaks another protocol.
+    fn of(first: ToAgent) -> Result<Job> {
+        Ok(match first {
+            ToAgent::Welcome {
+                agent,
+                job,
+                command,
+                nproc,
+                max_restarts,
+                heartbeat_ms,
+                grace_ms,
+                follow,
+                reconnect_ms,
+                lease_ms,
+                protocol,
+            } => {
+                if let Some(why) = proto::protocol_mismatch("the launcher", protocol) {
+                    bail!("{why}");
+                }
+                Job {
+                    id: agent,
+                    job,
+                    command,
+                    nproc,
+                    max_restarts,
+                    heartbeat: Duration::from_millis(heartbeat_ms.max(10)),
+                    grace: Duration::from_millis(grace_ms),
+                    follow,
+                    reconnect: Duration::from_millis(reconnect_ms),
+                    lease: Duration::from_millis(lease_ms),
+                }
+            }
+            ToAgent::Exit { reason } => bail!("the launcher sent this agent away: {reason}"),
+            other => bail!("the launcher's first message was {other:?}, not the job"),
+        })
+    }
+}
+
 /// Why joining the next launcher did not happen.
 enum Rejoined {
     /// It sent the agent away.
     Sent(String),
+    /// It runs another version of edl (it or the agent refused the other):
+    /// trying again cannot help.
+    OtherVersion(String),
     Failed(String),
 }
 
@@ -411,6 +426,9 @@ fn rejoin(a: &AgentArgs, job: &Job, h: &Here, leader: &Leader) -> Result<(Launch
         }
         Err(e) => {
             let text = format!("{e:#}");
+            if text.contains(proto::ONE_VERSION) {
+                return Err(Rejoined::OtherVersion(text));
+            }
             match text.strip_prefix("the launcher sent this agent away: ") {
                 Some(reason) => Err(Rejoined::Sent(reason.to_string())),
                 None => Err(Rejoined::Failed(text)),

@@ -268,6 +268,8 @@ impl Launcher<'_> {
                 self.fresh.insert(n, stream);
                 Happened::Nothing
             }
+            // A hello on a connection that already joined is not one.
+            Inbound::Msg(n, FromAgent::Hello { .. }) if !self.fresh.contains_key(&n) => Happened::Nothing,
             Inbound::Msg(n, FromAgent::Hello { agent, host, pid, running, protocol }) => {
                 match crate::control::proto::protocol_mismatch(
                     &format!("the agent on {host} (pid {pid})"),
