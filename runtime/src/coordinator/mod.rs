@@ -722,8 +722,8 @@ impl Coordinator<'_> {
 
     /// Takes the job (its lease, its state in the store, the newest
     /// checkpoint), starts the first workers and makes them members.
-    /// Returns the step the job resumed from.
-    fn start(&mut self) -> Result<Option<u64>> {
+    /// Keeps the step the job resumed from (`resumed`).
+    fn start(&mut self) -> Result<()> {
         // Before anything is read or changed: one coordinator per job.
         let seal = RecordKey::job_records(&self.cfg.secret);
         let mut lease = self.io.rt.block_on(crate::leader::keeper::take_lease(
@@ -786,7 +786,7 @@ impl Coordinator<'_> {
                     self.spawn(short);
                 }
                 self.keep_spares();
-                return Ok(resumed);
+                return Ok(());
             }
         }
         let first = self.cfg.initial_workers.clamp(self.cfg.min_workers.max(1), self.cfg.max_workers.max(1));
@@ -797,7 +797,7 @@ impl Coordinator<'_> {
         // newcomer.
         self.boundary()?;
         self.keep_spares();
-        Ok(resumed)
+        Ok(())
     }
 
     /// Trains generation after generation until every epoch is committed,
