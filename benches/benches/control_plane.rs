@@ -542,6 +542,7 @@ fn run(n: u32, hosts: usize, relay: bool, compute: Duration) -> anyhow::Result<F
         store: "memory".into(),
         step_timeout: Duration::from_secs(120),
         join_timeout: Duration::from_secs(120),
+        loop_stall: None,
         price_per_worker_hour: 0.0,
         secret: Secret::generate()?,
         addresses: Default::default(),

@@ -107,9 +107,10 @@ pub struct Hyperparams {
 }
 
 /// A change of world size, applied at `step`. `old_world_size` is the world
-/// the hyperparameters in force were set for, 0 when the job starts or
-/// starts again from a checkpoint (they are then the job's own, or its
-/// checkpoint's).
+/// the hyperparameters in force were set for: 0 when the job starts (they
+/// are then the job's own); when it starts again from a checkpoint, the
+/// world that checkpoint's hyperparameters were set for (0 where the
+/// checkpoint does not say).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct ResizeEvent {

@@ -22,7 +22,7 @@ const PLUGINS: &[(&str, &str, bool, bool)] = &[
     // Native adapters are not told the training's measures: goodput is a component only.
     ("edl-plugin-goodput", "goodput", true, false),
     ("edl-plugin-goodput-policy", "goodput_policy", true, false),
-    ("edl-test-plugin-spin", "spin", false, false),
+    ("edl-test-plugin-spin", "spin", false, true),
     ("edl-test-plugin-membomb", "membomb", false, false),
     ("edl-test-plugin-panicky", "panicky", false, true),
     ("edl-test-plugin-hostile-policy", "hostile_policy", false, false),

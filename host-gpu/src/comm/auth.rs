@@ -131,7 +131,7 @@ pub struct JobAuth {
 impl JobAuth {
     /// What this job's process claims when it connects on `channel`.
     pub fn claim(&self, channel: &str, generation: u64, who: u64) -> Claim {
-        Claim { job: self.job.clone(), channel: channel.into(), generation, who }
+        Claim { job: self.job.clone(), channel: channel.into(), generation, who, protocol: 0 }
     }
 
     /// Checks a proven claim: this job, this channel, and (where given) the
@@ -165,6 +165,22 @@ pub struct Claim {
     pub generation: u64,
     /// Who connects (a worker id, a rank), for the acceptor's messages.
     pub who: u64,
+    /// The version of the protocol the connector speaks on the channel,
+    /// where the channel's messages carry none of their own (0: it says
+    /// none, as a connector of an edl before it did).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub protocol: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+impl Claim {
+    /// The same claim, saying the connector speaks `protocol`.
+    pub fn speaking(self, protocol: u32) -> Claim {
+        Claim { protocol, ..self }
+    }
 }
 
 impl fmt::Display for Claim {
@@ -408,7 +424,7 @@ mod tests {
     use std::net::{TcpListener, TcpStream};
 
     fn claim(job: &str, generation: u64) -> Claim {
-        Claim { job: job.into(), channel: "ring".into(), generation, who: 3 }
+        Claim { job: job.into(), channel: "ring".into(), generation, who: 3, protocol: 0 }
     }
 
     /// Runs one exchange over loopback; returns (acceptor's, connector's) results.

@@ -8,6 +8,7 @@
 //! communicator refuses further use; nothing is reported as success unless
 //! every rank's data went into it.
 
+pub mod accept;
 pub mod auth;
 pub mod kv;
 pub mod listen;

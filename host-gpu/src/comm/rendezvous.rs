@@ -100,9 +100,6 @@ type Waiting = HashMap<String, (usize, std::time::Instant, Vec<Option<(Vec<u8>, 
 /// (its ranks gave up long before: their rendezvous has a deadline).
 const KEY_TTL: Duration = Duration::from_secs(300);
 
-/// Most clients proving the secret at once.
-pub const MAX_PROVING: usize = 256;
-
 /// The largest world a registration may name by default.
 pub const DEFAULT_MAX_WORLD: usize = 1 << 16;
 
@@ -212,48 +209,17 @@ impl RendezvousServer {
         let store = Arc::new(KvStore::default());
         let max_world = Arc::new(AtomicU64::new(DEFAULT_MAX_WORLD as u64));
         let (current, kv, most) = (generation.clone(), store.clone(), max_world.clone());
-        let proving = Arc::new(AtomicU64::new(0));
-        std::thread::Builder::new().name("edl-rendezvous".into()).spawn(move || {
-            let mut refused = 0u64;
-            for conn in listener.incoming() {
-                let conn = match conn {
-                    Ok(c) => c,
-                    Err(e) => {
-                        // Out of descriptors (EMFILE) and the like: wait
-                        // for some to close instead of spinning on it.
-                        eprintln!("rendezvous: accept: {e}");
-                        std::thread::sleep(Duration::from_millis(100));
-                        continue;
-                    }
-                };
-                // Before a client has proven the secret, it costs a thread
-                // for at most the handshake's deadline, and only so many at
-                // once: more are closed at once.
-                if proving.load(Ordering::SeqCst) >= MAX_PROVING as u64 {
-                    refused += 1;
-                    if refused.is_power_of_two() {
-                        eprintln!("rendezvous: {MAX_PROVING} clients already proving the secret; {refused} closed so far");
-                    }
-                    continue;
-                }
-                proving.fetch_add(1, Ordering::SeqCst);
-                let waiting = waiting.clone();
-                let auth = auth.clone();
-                let current = current.clone();
-                let kv = kv.clone();
-                let most = most.load(Ordering::Relaxed) as usize;
-                let mine = proving.clone();
-                let spawned = std::thread::Builder::new().name("edl-rendezvous-client".into()).spawn(move || {
-                    let proved = || {
-                        mine.fetch_sub(1, Ordering::SeqCst);
-                    };
-                    if let Err(e) = Self::serve(conn, &waiting, auth.as_ref(), &current, &kv, most, proved) {
-                        eprintln!("rendezvous: dropped a client: {e}");
-                    }
-                });
-                if spawned.is_err() {
-                    proving.fetch_sub(1, Ordering::SeqCst);
-                }
+        // Before a client has proven the secret, it costs a thread for at
+        // most the handshake's deadline, and only so many at once (and so
+        // many from one address): the next wait to be served. Clients
+        // dropped are said at most once a second, with a count.
+        let dropped = Arc::new(super::accept::Refusals::default());
+        super::accept::serve_each(listener, "edl-rendezvous", "rendezvous", move |conn, place| {
+            let most = most.load(Ordering::Relaxed) as usize;
+            let proved = move || drop(place);
+            let peer = conn.peer_addr().map_or_else(|_| "?".to_string(), |a| a.to_string());
+            if let Err(e) = Self::serve(conn, &waiting, auth.as_ref(), &current, &kv, most, proved) {
+                dropped.refused("a rendezvous client", &peer, &e);
             }
         })?;
         Ok(RendezvousServer { addr, generation, store, max_world })

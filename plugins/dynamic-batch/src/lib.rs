@@ -90,8 +90,8 @@ impl BatchAdapter for DynamicBatch {
     fn on_resize(&mut self, event: &ResizeEvent, current: &Hyperparams) -> Hyperparams {
         let (old, new) = (event.old_world_size, event.new_world_size.max(1));
         if old == 0 {
-            // The job starts (or starts again from a checkpoint): its batch
-            // and rate as they are, shared by the world it starts with; a
+            // The job starts (or starts again from a checkpoint that does
+            // not say its world): its batch and rate as they are, shared by the world it starts with; a
             // ramp of before it is over.
             self.ramp = None;
             return Hyperparams { local_batch: current.global_batch.div_ceil(new), ..*current };
@@ -211,8 +211,8 @@ mod tests {
         b.load_state(&a.save_state()).unwrap();
         assert_eq!(b.on_step(108, &cur).lr, a.on_step(108, &cur).lr);
         assert!(b.load_state(&[1, 2, 3]).is_err());
-        // All workers lost: the job starts again from a checkpoint (old
-        // world 0) at its rate then; the ramp of before is over.
+        // The job starts again from a checkpoint that does not say its
+        // world (old world 0): at its rate then; the ramp of before is over.
         let again = a.on_resize(&ResizeEvent { step: 100, old_world_size: 0, new_world_size: 1 }, &hp());
         assert_eq!(a.on_step(112, &again).lr, 0.1);
     }

@@ -586,6 +586,13 @@ pub struct LivenessArgs {
     /// Seconds a worker asked for may take to join before it is given up.
     #[arg(long, value_name = "SECS", default_value_t = 60)]
     pub join_timeout_secs: u64,
+    /// Seconds the coordinator's loop may go without coming back to its
+    /// workers (a native plugin that never returns, a file system that
+    /// hangs) before the coordinator ends, saying where its thread is,
+    /// rather than hold the job's lease and workers while it trains
+    /// nothing (0: never).
+    #[arg(long, value_name = "SECS", default_value_t = 600)]
+    pub loop_stall_secs: u64,
     /// Restarts after the same failure before the job gives up. A job of
     /// steps: every worker lost to the same program error (its exception)
     /// at about the same step, from the same checkpoint (default 1: once more,

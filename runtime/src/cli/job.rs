@@ -266,6 +266,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
             seed,
         )
     };
+    let job = job.on_stall(super::summary::on_stall(&args.output, &name, &dirs.checkpoint_dir));
     let outcome = match watched_run(job, &mut display, watch, board) {
         Ok(o) => o,
         Err(u) if u.error.is::<coordinator::AlreadyFinished>() => {
@@ -473,6 +474,7 @@ fn job_config(args: &JobArgs, spec: JobSpec, dirs: &JobDirs) -> Result<JobConfig
         restart: args.state.restart,
         step_timeout: Duration::from_secs(l.step_timeout_secs),
         join_timeout: Duration::from_secs(l.join_timeout_secs.max(1)),
+        loop_stall: (l.loop_stall_secs > 0).then(|| Duration::from_secs(l.loop_stall_secs)),
         max_restarts: l.max_restarts.unwrap_or(1),
         price_per_worker_hour: s.price,
         secret: job_secret(c.secret_file.as_deref(), &args.state.store, dirs)?,

@@ -27,6 +27,22 @@ pub(super) fn unfinished(
     Ok(ExitCode::from(stop.exit_code()))
 }
 
+/// What a coordinator whose loop stalled leaves before the process ends:
+/// its error, printed, and a report that says the job failed and why (what
+/// it did until then is held by the loop that stalled).
+pub(super) fn on_stall(
+    output: &OutputArgs,
+    name: &str,
+    checkpoint_dir: &Path,
+) -> coordinator::watchdog::OnStall {
+    let output = OutputArgs { report: output.report.clone(), plot: None };
+    let (name, dir) = (name.to_string(), checkpoint_dir.to_path_buf());
+    Box::new(move |e| {
+        eprintln!("Error: {e:#}");
+        write_failed_report(&output, &name, &e, &dir, None);
+    })
+}
+
 /// A failed job still says what happened, for whoever reads the reports:
 /// why it ended and, when it had begun, what it did until then (`so_far`:
 /// its steps, scale events and epochs, its plugins' decisions to replay),

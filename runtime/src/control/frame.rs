@@ -201,7 +201,7 @@ mod tests {
 
     #[test]
     fn frames_read_back_as_written_and_bad_ones_are_refused() {
-        let claim = Claim { job: "j".into(), channel: "control".into(), generation: 3, who: 7 };
+        let claim = Claim { job: "j".into(), channel: "control".into(), generation: 3, who: 7, protocol: 0 };
         let frames = vec![
             Frame::Open { conn: 1, claim },
             Frame::Line { conn: 1, line: b"{\"ready\":{}}\n".to_vec() },

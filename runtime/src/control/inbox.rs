@@ -114,7 +114,7 @@ pub struct Gate {
     /// the coordinator's to say (the relay passes the claim on).
     relay_side: bool,
     /// The connections it refused, as the log says them.
-    refusals: crate::net::accept::Refusals,
+    refusals: edl_host_gpu::comm::accept::Refusals,
 }
 
 impl Gate {
@@ -140,7 +140,12 @@ impl Gate {
             return self.auth.check(c, self.channel, None);
         }
         if c.channel == frame::CHANNEL && self.channel == "control" {
-            return self.auth.check(c, frame::CHANNEL, None);
+            self.auth.check(c, frame::CHANNEL, None)?;
+            // A relay's frames carry no number: its claim says it.
+            return match crate::control::proto::protocol_mismatch(&format!("relay {}", c.who), c.protocol) {
+                Some(why) => Err(why),
+                None => Ok(()),
+            };
         }
         let returning = self.returning.lock().unwrap_or_else(|p| p.into_inner());
         // A member of the last generation the store names, or of an
@@ -242,10 +247,15 @@ fn serve<M: Message>(
         .spawn(move || read_all(poll, new_rx, events, lease))?;
     let next = Arc::new(AtomicU64::new(0));
     let accepting = gate.clone();
-    crate::net::accept::serve_each(listener, "edl-accept", "control connections", move |conn, proving| {
-        admit(conn, &accepting, lease, &next, &tx, &new_tx, &waker);
-        drop(proving);
-    })?;
+    edl_host_gpu::comm::accept::serve_each(
+        listener,
+        "edl-accept",
+        "control connections",
+        move |conn, proving| {
+            admit(conn, &accepting, lease, &next, &tx, &new_tx, &waker);
+            drop(proving);
+        },
+    )?;
     Ok(gate)
 }
 
@@ -752,6 +762,30 @@ mod tests {
         assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "nothing else was admitted");
     }
 
+    /// A relay proves the job's secret and says the protocol it speaks in
+    /// its claim: one that says none (an edl before the number) or another
+    /// is refused, naming both.
+    #[test]
+    fn a_relay_speaking_another_protocol_is_refused_naming_both() {
+        let (addr, rx, _, a) = serve(Duration::from_secs(3600));
+        let relay = |claim: auth::Claim| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            auth::connect(&mut s, &a.secret, &claim).map(|keys| SealedStream::new(s, Some(keys)).unwrap())
+        };
+        let plain = a.claim(frame::CHANNEL, 0, 4);
+        let e = relay(plain.clone()).unwrap_err().to_string();
+        assert!(e.contains("relay 4 speaks control protocol an earlier one without a number"), "{e}");
+        assert!(e.contains(crate::control::proto::ONE_VERSION), "{e}");
+        let newer = crate::control::proto::PROTOCOL + 1;
+        let e = relay(plain.clone().speaking(newer)).unwrap_err().to_string();
+        assert!(e.contains(&format!("relay 4 speaks control protocol {newer}")), "{e}");
+        // One that speaks this edl's is admitted: the worker it opens
+        // reaches the coordinator.
+        let mut ok = relay(plain.speaking(crate::control::proto::PROTOCOL)).unwrap();
+        ok.write_all(&framed(&[Frame::Open { conn: 1, claim: a.claim("control", 0, 7) }])).unwrap();
+        assert!(matches!(next(&rx), Inbound::Conn(..)), "the relay's worker");
+    }
+
     /// A relay's inbox admits any worker that proves the secret, a worker
     /// coming back from a generation among them, and passes its claim on
     /// for the coordinator to judge; it refuses a relay behind it.
@@ -912,7 +946,8 @@ mod tests {
         gate.set_generation(3);
         let mut relay = {
             let mut s = TcpStream::connect(addr).unwrap();
-            let keys = auth::connect(&mut s, &a.secret, &a.claim(frame::CHANNEL, 0, 1)).unwrap();
+            let claim = a.claim(frame::CHANNEL, 0, 1).speaking(crate::control::proto::PROTOCOL);
+            let keys = auth::connect(&mut s, &a.secret, &claim).unwrap();
             SealedStream::new(s, Some(keys)).unwrap()
         };
         // Two new workers, and one that lost its place in generation 3.

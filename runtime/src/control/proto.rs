@@ -81,12 +81,14 @@ pub enum ToWorker {
     Beat,
 }
 
-/// The control protocol's version: the coordinator and its workers, and a
-/// `launch --torchrun` launcher and its agents, must speak the same one
-/// (each refuses the other's otherwise, naming both), as every host of a
-/// job must run one version of edl. Raised with every change of the
-/// messages either side must understand (1: the coordinator's beats, and
-/// the number itself).
+/// The control protocol's version: the coordinator and its workers, a
+/// `launch --torchrun` launcher and its agents, and the coordinator and
+/// its hosts' relays, and parameter servers and their clients (these two
+/// say it in the claim they prove, their frames and requests carry none)
+/// must speak the same one (each refuses the other's otherwise, naming
+/// both), as every host of a job must run one version of edl. Raised with
+/// every change of the messages either side must understand (1: the
+/// coordinator's beats, and the number itself).
 pub const PROTOCOL: u32 = 1;
 
 /// What every refusal for another protocol says: a worker told it (by a

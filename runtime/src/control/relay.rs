@@ -73,7 +73,7 @@ impl Relay {
         use anyhow::Context;
         let mut up = TcpStream::connect_timeout(&cfg.coordinator, AUTH_TIMEOUT)
             .with_context(|| format!("the coordinator at {}", cfg.coordinator))?;
-        let claim = cfg.auth.claim(CHANNEL, 0, cfg.id);
+        let claim = cfg.auth.claim(CHANNEL, 0, cfg.id).speaking(crate::control::proto::PROTOCOL);
         let keys = auth::connect(&mut auth::Deadline::new(&mut up, AUTH_TIMEOUT), &cfg.auth.secret, &claim)
             .with_context(|| format!("the coordinator at {} refused the relay", cfg.coordinator))?;
         let _ = up.set_nodelay(true);
@@ -409,7 +409,7 @@ mod tests {
     }
 
     fn claim(who: u64) -> Claim {
-        Claim { job: "j".into(), channel: "control".into(), generation: 0, who }
+        Claim { job: "j".into(), channel: "control".into(), generation: 0, who, protocol: 0 }
     }
 
     /// A relay's way up with workers 30 and 40 on its connections 3 and 4

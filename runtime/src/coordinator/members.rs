@@ -271,7 +271,7 @@ impl Coordinator<'_> {
     /// Waits for joiners until at least `want` are there (or nothing is starting).
     pub(super) fn wait_for_joiners(&mut self, want: usize) -> Result<()> {
         while self.membership.joiners() < want && !self.membership.nothing_loading() {
-            match self.io.rx.recv_timeout(Duration::from_millis(100)) {
+            match self.receive(Duration::from_millis(100)) {
                 Ok(ev) => {
                     // Whatever else has arrived too: the checks below look
                     // at every worker on its way, once per batch.

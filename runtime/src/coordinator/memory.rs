@@ -49,6 +49,28 @@ impl Coordinator<'_> {
         }
     }
 
+    /// Gives the adapter alone the memory saved at `at`, when the job goes
+    /// back to that step's checkpoint with its workers gone: the
+    /// hyperparameters go back there, and what the adapter remembers of
+    /// them (a rate's ramp) with them. A checkpoint without the adapter's
+    /// memory is one where it kept none.
+    pub(super) fn restore_adapter_memory(&mut self, m: &PluginMemory, at: u64) {
+        let Some(adapter) = self.adapter.as_mut() else { return };
+        let Some(saved) = &m.adapter else {
+            if let Err(e) = adapter.load_state(&[]) {
+                tracing::debug!("the adapter keeps its memory: it takes no empty one ({e})");
+            }
+            return;
+        };
+        match decode(saved).and_then(|b| adapter.load_state(&b).map_err(|e| e.to_string())) {
+            Ok(true) => self.note(format!("the adapter went back to its memory of step {at}")),
+            Ok(false) => {}
+            Err(e) => {
+                self.note(format!("the adapter keeps its memory: that of step {at} did not load ({e})"))
+            }
+        }
+    }
+
     fn said_restore(
         &mut self,
         what: &'static str,

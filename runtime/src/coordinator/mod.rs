@@ -29,6 +29,7 @@ mod routes;
 mod scaling;
 mod spares;
 mod steps;
+pub mod watchdog;
 
 use crate::job::{JobConfig, assembly::Job};
 use crate::leader::record::TeacherHandle;
@@ -126,6 +127,8 @@ struct Coordinator<'a> {
     hyper_world: u32,
     /// The checkpoint's step this run resumed from, if it did.
     resumed: Option<u64>,
+    /// Watches that the loop comes back to the workers (`--loop-stall-secs`).
+    watchdog: Option<watchdog::Watchdog>,
     events: Vec<ScaleEvent>,
     pending: Option<Pending>,
     /// Decisions whose workers have not joined yet, oldest first.
@@ -288,7 +291,7 @@ impl From<anyhow::Error> for Unfinished {
 
 /// [`run`], keeping the record of a job that fails.
 pub fn run_recorded(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobOutcome, Unfinished> {
-    let Job { cfg, lock, plugins, scaler, mut teachers, ps } = job;
+    let Job { cfg, lock, plugins, scaler, mut teachers, ps, on_stall } = job;
     cfg.validate()?;
     let cfg = Arc::new(cfg);
     let io = Io::open(&cfg)?;
@@ -315,7 +318,21 @@ pub fn run_recorded(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobO
     });
     let mut c = Coordinator::new(cfg, io, plugins, told, progress)?;
     c.ps.servers = ps_control;
+    if let Some(bound) = c.cfg.loop_stall {
+        let said: watchdog::OnStall =
+            on_stall.unwrap_or_else(|| Box::new(|e| eprintln!("edl-runtime: {e:#}")));
+        // The loop does not come back to end the job: the process ends.
+        c.watchdog = Some(watchdog::Watchdog::start(
+            bound,
+            Box::new(move |e| {
+                said(e);
+                std::process::exit(1)
+            }),
+        ));
+    }
     let result = c.job();
+    // Stopping the workers is not the loop's.
+    c.watchdog = None;
     if let Some(e @ crate::coordinator::machine::phase::JobEnds::SameCrash { .. }) =
         result.as_ref().err().and_then(|e| e.downcast_ref())
     {
@@ -537,6 +554,7 @@ impl<'a> Coordinator<'a> {
             hyper: cfg.hyper,
             hyper_world: 0,
             resumed: None,
+            watchdog: None,
             events: Vec::new(),
             pending: None,
             decided: Default::default(),
@@ -976,6 +994,15 @@ impl Coordinator<'_> {
             Some(why) => bail!("job {:?}: {why}", self.cfg.spec.job),
             None => Ok(()),
         }
+    }
+
+    /// The next event from the workers, waiting at most `within`: where
+    /// the loop comes back to them, which the watchdog is told.
+    fn receive(&self, within: Duration) -> Result<Inbound, mpsc::RecvTimeoutError> {
+        if let Some(w) = &self.watchdog {
+            w.turned();
+        }
+        self.io.rx.recv_timeout(within)
     }
 
     /// A membership change waits for the windows already sent to commit.

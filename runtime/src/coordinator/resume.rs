@@ -35,6 +35,11 @@ struct Bookkeeping {
     /// The plugins' memory at the checkpoint's step.
     #[serde(default)]
     plugins: PluginMemory,
+    /// The world the checkpoint's hyperparameters were set for (0: not
+    /// known, in checkpoints written before it was kept): what a batch
+    /// adapter is told the job resizes from when it starts again there.
+    #[serde(default)]
+    world: u32,
 }
 
 /// Marks a job finished (after its report is written): a rerun says so
@@ -266,7 +271,7 @@ impl Coordinator<'_> {
             }
         }
         while self.membership.returning() > 0 && since.elapsed() < within {
-            match self.io.rx.recv_timeout(Duration::from_millis(50)) {
+            match self.receive(Duration::from_millis(50)) {
                 Ok(ev) => self.handle(ev),
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),
@@ -345,7 +350,7 @@ impl Coordinator<'_> {
                 self.tally.train_len()
             );
         }
-        self.restore(&r, book.ledger)?;
+        self.restore(&r, book.ledger, book.world)?;
         self.events = book.events;
         self.generation = self.generation.max(book.generation);
         let lost = stored_step.map(|s| s.saturating_sub(m.step)).unwrap_or(0);
@@ -367,15 +372,16 @@ impl Coordinator<'_> {
     }
 
     /// Takes the cursor, hyperparameters and ledger of a checkpoint, whose
-    /// parameters the first generation then loads.
-    pub(super) fn restore(&mut self, r: &Restored, ledger: Ledger) -> Result<()> {
+    /// parameters the first generation then loads; `world` is the one its
+    /// hyperparameters were set for, which a batch adapter is told the
+    /// job's first generation resizes from (0: not known).
+    pub(super) fn restore(&mut self, r: &Restored, ledger: Ledger, world: u32) -> Result<()> {
         let m = &r.manifest;
         self.tally
             .restore(m.step, m.epoch, m.cursor, ledger)
             .map_err(|e| anyhow::anyhow!("checkpoint {}: {e}", r.path.display()))?;
         self.hyper = m.hyperparams;
-        // Its workers start anew: their first generation's world is the one.
-        self.hyper_world = 0;
+        self.hyper_world = world;
         self.init = Some(r.path.clone());
         Ok(())
     }
@@ -451,7 +457,10 @@ impl Coordinator<'_> {
                     r.manifest.plugin_state.read().with_context(|| {
                         format!("{}: manifest has no coordinator state", r.path.display())
                     })?;
-                self.restore(&r, book.ledger)?;
+                self.restore(&r, book.ledger, book.world)?;
+                // The adapter goes back with the hyperparameters it set (a
+                // rate's ramp, say); the policy keeps what it saw since.
+                self.restore_adapter_memory(&book.plugins, r.manifest.step);
             }
             None => {
                 self.tally.restart();
@@ -528,6 +537,7 @@ impl Coordinator<'_> {
             generation: self.generation,
             data: Some(self.data_identity()),
             plugins: self.plugin_memory(),
+            world: self.hyper_world,
         };
         Manifest {
             step: self.tally.committed,
@@ -592,7 +602,7 @@ impl Coordinator<'_> {
                     true,
                 )));
             }
-            match self.io.rx.recv_timeout(left.min(CHORES_EVERY)) {
+            match self.receive(left.min(CHORES_EVERY)) {
                 Ok(ev) => self.handle(ev),
                 Err(mpsc::RecvTimeoutError::Timeout) => self.check_spawning(),
                 Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the control listener stopped"),

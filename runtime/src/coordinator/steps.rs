@@ -113,7 +113,7 @@ impl Coordinator<'_> {
         let wake =
             [self.membership.poll_timeout(), self.timers.get(Timer::Chores)].into_iter().flatten().min();
         let left = wake.map_or(CHORES_EVERY, |t| t.saturating_duration_since(Instant::now()));
-        match self.io.rx.recv_timeout(left) {
+        match self.receive(left) {
             Ok(ev) => {
                 self.handle(ev);
                 // Whatever else has arrived, before planning again.

@@ -190,6 +190,9 @@ pub struct Job {
     pub(crate) teachers: StartedTeachers,
     /// The parameter servers it started, stopped when the job ends.
     pub(crate) ps: super::ps_servers::PsServers,
+    /// What is done with a stalled coordinator's error before the process
+    /// ends (None: it is printed).
+    pub(crate) on_stall: Option<crate::coordinator::watchdog::OnStall>,
 }
 
 impl Job {
@@ -231,7 +234,7 @@ impl Job {
             keep_registration_key(&cfg, dirs)?;
         }
         let (teachers, ps) = Default::default();
-        Ok(Job { cfg, lock, plugins, scaler, teachers, ps })
+        Ok(Job { cfg, lock, plugins, scaler, teachers, ps, on_stall: None })
     }
 
     /// The second half of [`Job::assemble`]: the teacher processes start
@@ -265,6 +268,13 @@ impl Job {
             room: start.count < start.max,
         });
         Ok(self)
+    }
+
+    /// What is done with the error of a coordinator whose loop stalled,
+    /// before the process ends (by default it is printed).
+    pub fn on_stall(mut self, said: crate::coordinator::watchdog::OnStall) -> Job {
+        self.on_stall = Some(said);
+        self
     }
 
     pub fn ps_servers(&self) -> &super::ps_servers::PsServers {

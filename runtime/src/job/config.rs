@@ -36,6 +36,9 @@ pub struct JobConfig {
     pub step_timeout: Duration,
     /// A started worker that does not join within this is given up.
     pub join_timeout: Duration,
+    /// A coordinator whose loop does not come back to its workers within
+    /// this ends (see [`crate::coordinator::watchdog`]); None: never.
+    pub loop_stall: Option<Duration>,
     /// Restarts from the same checkpoint after every worker was lost to
     /// the same program error, before the job ends.
     pub max_restarts: u32,

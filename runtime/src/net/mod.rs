@@ -3,7 +3,6 @@
 //! them) and advertises an address the other hosts reach: given, or the
 //! address this host routes from.
 
-pub mod accept;
 pub mod first_bytes;
 pub mod tls;
 

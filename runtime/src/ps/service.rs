@@ -44,7 +44,7 @@ struct Shared {
     /// New rows refused at the memory bound, all told.
     refused: std::sync::atomic::AtomicU64,
     /// Warnings of connections that did not prove the job's secret.
-    refusals: crate::net::accept::Refusals,
+    refusals: edl_host_gpu::comm::accept::Refusals,
     /// Pulls and pushes answered, all told.
     requests: std::sync::atomic::AtomicU64,
 }
@@ -86,9 +86,12 @@ impl Service {
             requests: Default::default(),
         });
         let s = shared.clone();
-        crate::net::accept::serve_each(listener, "ps-accept", "parameter server", move |conn, proving| {
-            serve(conn, &auth, &s, proving)
-        })?;
+        edl_host_gpu::comm::accept::serve_each(
+            listener,
+            "ps-accept",
+            "parameter server",
+            move |conn, proving| serve(conn, &auth, &s, proving),
+        )?;
         Ok(Service { addr, shared })
     }
 
@@ -116,10 +119,15 @@ impl Service {
 
 /// One client connection: the handshake (holding its place among those
 /// proving the secret), then requests until it closes.
-fn serve(mut conn: TcpStream, job: &JobAuth, shared: &Shared, proving: crate::net::accept::Proving) {
+fn serve(mut conn: TcpStream, job: &JobAuth, shared: &Shared, proving: edl_host_gpu::comm::accept::Proving) {
     let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
     let checked = auth::accept(&mut auth::Deadline::new(&mut conn, HANDSHAKE), &job.secret, |c| {
-        job.check(c, CHANNEL, None)
+        job.check(c, CHANNEL, None)?;
+        // The requests carry no number: the client's claim says it.
+        match crate::control::proto::protocol_mismatch(&format!("worker {}", c.who), c.protocol) {
+            Some(why) => Err(why),
+            None => Ok(()),
+        }
     });
     drop(proving);
     let (claim, keys) = match checked {
@@ -556,8 +564,12 @@ impl Client {
                 crate::control::proto::keepalive(&s);
                 crate::control::proto::give_up_unacked(&s, CUT_OFF_WITHIN);
                 s.set_read_timeout(Some(HANDSHAKE))?;
-                let keys = auth::connect(&mut s, &job.secret, &job.claim(CHANNEL, 0, worker))
-                    .map_err(std::io::Error::other)?;
+                let keys = auth::connect(
+                    &mut s,
+                    &job.secret,
+                    &job.claim(CHANNEL, 0, worker).speaking(crate::control::proto::PROTOCOL),
+                )
+                .map_err(std::io::Error::other)?;
                 s.set_read_timeout(None)?;
                 Ok(Conn { id, addr, stream: SealedStream::new(s, Some(keys))? })
             })()
@@ -1269,5 +1281,10 @@ mod tests {
         let other = JobAuth { job: "ctr".into(), secret: Secret::generate().unwrap() };
         let e = Client::connect(&[(4, svc.addr())], 1, &other, 3).err().unwrap();
         assert!(format!("{e:#}").contains("parameter server 4"), "{e:#}");
+        // A client of an edl that says no protocol in its claim is refused,
+        // naming both.
+        let mut s = TcpStream::connect(svc.addr()).unwrap();
+        let e = auth::connect(&mut s, &job.secret, &job.claim(CHANNEL, 0, 5)).unwrap_err().to_string();
+        assert!(e.contains("worker 5 speaks control protocol an earlier one without a number"), "{e}");
     }
 }

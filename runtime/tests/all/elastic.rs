@@ -657,6 +657,53 @@ fn an_adapter_that_keeps_each_worker_s_batch_grows_the_global_batch_with_the_wor
     assert!(first.clone().count() >= 20 && first.clone().all(|s| (lr(s) - 0.05).abs() < 1e-6), "{steps:?}");
 }
 
+/// A job killed on 2 workers and resumed on 1: the adapter is told the
+/// world goes from the 2 its checkpoint's hyperparameters were set for to
+/// 1, so `dynamic-batch` (each worker keeps its 20 rows) halves the global
+/// batch, rather than taking the checkpoint's 40 for the new world's own.
+#[test]
+fn a_job_resumed_on_fewer_workers_tells_the_adapter_the_world_of_its_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let flags = ["--no-distill", "--epochs", "3", "--checkpoint-every-steps", "5", "--step-delay-ms", "30"];
+    let on = |workers: &'static str| {
+        let mut cmd = job(dir.path(), &flags);
+        cmd.args([
+            "--job",
+            "adapter-resume",
+            "--policy",
+            art::SCHEDULE_WASM,
+            "--adapter",
+            art::DYNAMIC_BATCH_WASM,
+        ]);
+        cmd.args(["--workers", workers, "--min-workers", workers, "--max-workers", workers]);
+        cmd
+    };
+    let mut child = on("2").spawn().unwrap();
+    let rx = lines(&mut child);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     0 done", &mut seen, Duration::from_secs(120));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let r = run_to_its_report(on("1"), dir.path());
+    let from = r["resumed_from_step"].as_u64().unwrap_or_else(|| panic!("not resumed: {r}"));
+    assert!(from >= 5, "resumed from step {from}");
+    assert_exactly_once(&r, 3, 1200);
+    let steps = r["timeline"].as_array().unwrap();
+    let resumed: Vec<&Value> = steps.iter().filter(|s| s["step"].as_u64().unwrap() > from).collect();
+    assert!(!resumed.is_empty() && resumed.iter().all(|s| s["world"] == 1), "{resumed:?}");
+    assert!(resumed.iter().all(|s| s["batch"] == 20), "each worker's 20 rows: {resumed:?}");
+    // And the rate with it, once its ramp (8 steps) is over: half the
+    // job's 0.05, which its 2 workers trained at.
+    let lr = |s: &&Value| s["lr"].as_f64().unwrap();
+    assert!(
+        steps
+            .iter()
+            .take_while(|s| s["step"].as_u64().unwrap() <= from)
+            .all(|s| (lr(&s) - 0.05).abs() < 1e-6)
+    );
+    assert!(resumed.len() > 9 && resumed[9..].iter().all(|s| (lr(s) - 0.025).abs() < 1e-6), "{resumed:?}");
+}
+
 /// The goodput adapter on two workers whose steps are mostly fixed cost
 /// (40 ms each, whatever the batch): once the noise scale is measured, a
 /// larger batch gives more goodput, and the adapter takes one, within

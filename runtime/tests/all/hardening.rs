@@ -942,3 +942,26 @@ fn a_sole_worker_told_to_go_checkpoints_and_if_lost_before_handing_over_the_job_
     assert!(step_after(restart, "restarting from step ") >= saved_at, "{out}");
     assert_exactly_once(&report(dir.path()), 20, 400);
 }
+
+/// A coordinator whose loop does not come back to its workers (here a
+/// native policy, trusted and called without a deadline, that never
+/// returns from `decide`) ends once `--loop-stall-secs` is over, saying
+/// where its thread is, rather than hold the job, its lease and its workers
+/// for ever while it trains nothing; its report says the job failed and why.
+#[test]
+fn a_coordinator_whose_loop_stalls_ends_saying_where_its_thread_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let flags = ["--no-distill", "--epochs", "2", "--allow-native", "--policy", art::SPIN_SO];
+    let mut cmd = job(dir.path(), &flags);
+    cmd.args(["--policy-config", "spin=true", "--loop-stall-secs", "2"]);
+    let (status, text) = run_to_end(cmd);
+    assert_eq!(status.code(), Some(1), "{text}");
+    assert!(text.contains("the coordinator's loop has not come back to its workers"), "{text}");
+    assert!(
+        text.contains("(--loop-stall-secs 2)") && text.contains("its thread is running (computing"),
+        "{text}"
+    );
+    let r = report(dir.path());
+    assert_eq!(r["status"], "failed", "{r}");
+    assert!(r["error"].as_str().unwrap().contains("--loop-stall-secs 2"), "{r}");
+}

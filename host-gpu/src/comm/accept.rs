@@ -1,0 +1,309 @@
+//! Accepting a listener's connections, each served on a thread of its own,
+//! with a bound on those that have not yet proven the job's secret: a port
+//! open to a network costs at most [`MAX_PROVING`] threads, each for at most
+//! its handshake's deadline, however fast connections are opened; and no
+//! one address holds more than [`MAX_PROVING_PER_PEER`] of them, so that a
+//! stranger opening connections that prove nothing delays its own, not the
+//! others'.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    net::{IpAddr, TcpListener, TcpStream},
+    sync::{Arc, Condvar, Mutex},
+    time::{Duration, Instant},
+};
+
+/// Most connections of one listener proving the secret at once; past it,
+/// the next is accepted only once a place is given up (it waits in the
+/// listener's queue meanwhile).
+pub const MAX_PROVING: usize = 256;
+
+/// Most places one address holds at once; its next connections wait,
+/// accepted and not served, until one of its places is given up.
+pub const MAX_PROVING_PER_PEER: usize = MAX_PROVING / 4;
+
+/// Most connections waiting for their address's place, all addresses
+/// together; past it, a connection from an address at its bound is closed.
+pub const MAX_WAITING: usize = 16_384;
+
+/// Serves one connection with its place.
+type Serve = Arc<dyn Fn(TcpStream, Proving) + Send + Sync>;
+
+/// The places taken, by whom, and a wake-up when one is given up.
+struct Places {
+    state: Mutex<Taken>,
+    freed: Condvar,
+    serve: Serve,
+    conn_name: String,
+    what: &'static str,
+}
+
+#[derive(Default)]
+struct Taken {
+    all: usize,
+    /// Each address's places, and its connections waiting for one.
+    peers: HashMap<IpAddr, Peer>,
+    waiting: usize,
+}
+
+#[derive(Default)]
+struct Peer {
+    taken: usize,
+    waiting: VecDeque<TcpStream>,
+}
+
+impl Places {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Taken> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Serves `conn` from `peer` with a place taken for it.
+    fn serve(self: &Arc<Self>, conn: TcpStream, peer: IpAddr) {
+        let (place, serve) = (Proving(self.clone(), peer), self.serve.clone());
+        // A thread that cannot start drops its closure, and the place with it.
+        if let Err(e) =
+            std::thread::Builder::new().name(self.conn_name.clone()).spawn(move || serve(conn, place))
+        {
+            tracing::warn!("{}: no thread for a new connection: {e}", self.what);
+        }
+    }
+}
+
+/// A connection's place among its listener's connections proving the
+/// secret, given up when dropped (once it has proven it, or failed to):
+/// to the next connection of the same address waiting for one, if any.
+pub struct Proving(Arc<Places>, IpAddr);
+
+impl Drop for Proving {
+    fn drop(&mut self) {
+        let Proving(places, peer) = self;
+        let next = {
+            let mut t = places.lock();
+            let Taken { all, peers, waiting } = &mut *t;
+            let p = peers.entry(*peer).or_default();
+            let next = p.waiting.pop_front();
+            match next {
+                Some(_) => *waiting -= 1,
+                None => {
+                    p.taken = p.taken.saturating_sub(1);
+                    *all = all.saturating_sub(1);
+                    if p.taken == 0 {
+                        peers.remove(peer);
+                    }
+                }
+            }
+            next
+        };
+        match next {
+            // The place goes on to it, served outside the lock.
+            Some(conn) => places.serve(conn, *peer),
+            None => places.freed.notify_one(),
+        }
+    }
+}
+
+/// Accepts `listener`'s connections on a thread named `name` and serves
+/// each with `serve` on a thread of its own (`name`-conn), with its
+/// [`Proving`] place: `serve` drops it once the secret is proven. With
+/// [`MAX_PROVING`] places taken, the next connection is accepted only once
+/// one is given up (each is given up within its handshake's deadline, so a
+/// stranger holding every place delays the others, it does not turn them
+/// away; said at the 1st, 2nd, 4th, 8th... wait, so that a flood does not
+/// flood the log). An address holding [`MAX_PROVING_PER_PEER`] places has
+/// its next connections wait for one of its own, accepted (at most
+/// [`MAX_WAITING`] of them; past that they are closed), while the others'
+/// are served. An accept that fails (out of descriptors) is tried again
+/// 100 ms later rather than at once. `what` names the listener in its
+/// warnings.
+pub fn serve_each<F>(listener: TcpListener, name: &str, what: &'static str, serve: F) -> std::io::Result<()>
+where
+    F: Fn(TcpStream, Proving) + Clone + Send + Sync + 'static,
+{
+    let places = Arc::new(Places {
+        state: Mutex::default(),
+        freed: Condvar::new(),
+        serve: Arc::new(serve),
+        conn_name: format!("{name}-conn"),
+        what,
+    });
+    std::thread::Builder::new().name(name.into()).spawn(move || {
+        let mut waits = 0u64;
+        let full = Refusals::default();
+        loop {
+            let mut taken = places.lock();
+            if taken.all >= MAX_PROVING {
+                waits += 1;
+                if waits.is_power_of_two() {
+                    tracing::warn!(
+                        "{what}: {MAX_PROVING} connections proving the secret; the next waits for one to end \
+                         ({waits} waits so far)"
+                    );
+                }
+                while taken.all >= MAX_PROVING {
+                    taken = places.freed.wait(taken).unwrap_or_else(|p| p.into_inner());
+                }
+            }
+            drop(taken);
+            let (conn, from) = match listener.accept() {
+                Ok(c) => c,
+                Err(e) => {
+                    // The connection stays queued: wait for descriptors
+                    // to close instead of spinning on it.
+                    tracing::warn!("{what}: accept: {e}");
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+            };
+            let peer = from.ip();
+            let mut taken = places.lock();
+            let at_bound = taken.peers.get(&peer).is_some_and(|p| p.taken >= MAX_PROVING_PER_PEER);
+            if !at_bound {
+                taken.all += 1;
+                taken.peers.entry(peer).or_default().taken += 1;
+                drop(taken);
+                places.serve(conn, peer);
+            } else if taken.waiting < MAX_WAITING {
+                taken.waiting += 1;
+                taken.peers.entry(peer).or_default().waiting.push_back(conn);
+            } else {
+                drop(taken);
+                let why = format!("{MAX_WAITING} connections wait for their address's places already");
+                full.refused(&format!("a connection to the {what}"), &peer.to_string(), &why);
+            }
+        }
+    })?;
+    Ok(())
+}
+
+/// The warnings of refused connections, at most one a second, each with
+/// the count of those refused since the last said: connections that fail
+/// the secret's check as fast as they can be opened (a port open to a
+/// network, a scanner) do not flood the log.
+#[derive(Default)]
+pub struct Refusals {
+    /// When the last warning was said, and how many refusals went unsaid since.
+    said: std::sync::Mutex<(Option<Instant>, u64)>,
+}
+
+impl Refusals {
+    /// Whether a refusal at `now` is said, and if so how many before it
+    /// went unsaid.
+    fn say(&self, now: Instant) -> Option<u64> {
+        let mut said = self.said.lock().unwrap_or_else(|p| p.into_inner());
+        let (last, unsaid) = &mut *said;
+        if last.is_some_and(|t| now.saturating_duration_since(t) < Duration::from_secs(1)) {
+            *unsaid += 1;
+            return None;
+        }
+        *last = Some(now);
+        Some(std::mem::take(unsaid))
+    }
+
+    /// Warns that `what` from `peer` was refused (`why`), or says it at
+    /// debug level within a second of the last warning.
+    pub fn refused(&self, what: &str, peer: &str, why: &dyn std::fmt::Display) {
+        match self.say(Instant::now()) {
+            Some(0) => tracing::warn!("refused {what} from {peer}: {why}"),
+            Some(n) => tracing::warn!(
+                "refused {what} from {peer}: {why} ({n} more refused since the last warning of one, said at debug level)"
+            ),
+            None => tracing::debug!("refused {what} from {peer}: {why}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::{io::Read, sync::mpsc};
+
+    #[test]
+    fn refused_connections_are_said_at_most_once_a_second_with_the_count_of_those_not_said() {
+        let r = Refusals::default();
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        assert_eq!(r.say(at(0)), Some(0), "the first is said");
+        assert_eq!(r.say(at(10)), None);
+        assert_eq!(r.say(at(999)), None);
+        // A second after the last said: said, with the two in between.
+        assert_eq!(r.say(at(1000)), Some(2));
+        assert_eq!(r.say(at(1500)), None);
+        assert_eq!(r.say(at(5000)), Some(1));
+        assert_eq!(r.say(at(6000)), Some(0));
+    }
+
+    /// A connection from `from` (a loopback address) to `to`.
+    fn connect_from(from: [u8; 4], to: std::net::SocketAddr) -> TcpStream {
+        let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        s.bind(&std::net::SocketAddr::from((from, 0)).into()).unwrap();
+        s.connect(&to.into()).unwrap();
+        s.into()
+    }
+
+    /// Serves `listener`'s connections by handing each one's place (and the
+    /// address it came from) to the test, which holds it until it lets go.
+    fn held(listener: TcpListener) -> mpsc::Receiver<(Proving, IpAddr)> {
+        let (places_tx, places) = mpsc::channel();
+        let places_tx = Arc::new(Mutex::new(places_tx));
+        serve_each(listener, "test-accept", "test", move |conn, place| {
+            let from = conn.peer_addr().unwrap().ip();
+            // Kept open and its place held until the test lets it go.
+            std::mem::forget(conn);
+            let _ = places_tx.lock().unwrap().send((place, from));
+        })
+        .unwrap();
+        places
+    }
+
+    /// Connections that never prove anything hold their places; past the
+    /// bound, the next one waits (open, not served) until a place is given
+    /// up, and is served then.
+    #[test]
+    fn past_the_bound_of_connections_proving_the_secret_the_next_waits_for_a_place() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let places = held(listener);
+        // From four addresses, each within its own bound.
+        let peers = MAX_PROVING / MAX_PROVING_PER_PEER;
+        let held: Vec<TcpStream> =
+            (0..MAX_PROVING).map(|i| connect_from([127, 0, 0, 1 + (i % peers) as u8], addr)).collect();
+        let mut taken: Vec<Proving> =
+            (0..MAX_PROVING).map(|_| places.recv_timeout(Duration::from_secs(60)).unwrap().0).collect();
+        let mut next = connect_from([127, 0, 0, 9], addr);
+        assert!(places.recv_timeout(Duration::from_millis(300)).is_err(), "served past the bound");
+        next.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        let e = next.read(&mut [0u8; 1]).unwrap_err();
+        assert!(matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut), "{e}");
+        drop(taken.pop());
+        let (_, from) =
+            places.recv_timeout(Duration::from_secs(60)).expect("served once a place was given up");
+        assert_eq!(from, IpAddr::from([127, 0, 0, 9]));
+        drop(held);
+    }
+
+    /// One address holding its bound of places (connections that prove
+    /// nothing) has its next connection wait, while another address's is
+    /// served at once; given up, one of its places goes to its own next.
+    #[test]
+    fn an_address_at_its_bound_waits_for_its_own_places_and_delays_no_other() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let places = held(listener);
+        let stranger = [127, 0, 0, 7];
+        let mut conns: Vec<TcpStream> =
+            (0..MAX_PROVING_PER_PEER).map(|_| connect_from(stranger, addr)).collect();
+        let mut taken: Vec<Proving> = (0..MAX_PROVING_PER_PEER)
+            .map(|_| places.recv_timeout(Duration::from_secs(60)).unwrap().0)
+            .collect();
+        conns.push(connect_from(stranger, addr));
+        conns.push(connect_from([127, 0, 0, 8], addr));
+        let (_, from) = places.recv_timeout(Duration::from_secs(60)).expect("the other address is served");
+        assert_eq!(from, IpAddr::from([127, 0, 0, 8]));
+        assert!(places.recv_timeout(Duration::from_millis(300)).is_err(), "the stranger's next was served");
+        drop(taken.pop());
+        let (_, from) =
+            places.recv_timeout(Duration::from_secs(60)).expect("its next takes the place given up");
+        assert_eq!(from, IpAddr::from(stranger));
+        drop(conns);
+    }
+}
