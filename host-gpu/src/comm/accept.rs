@@ -2,11 +2,12 @@
 //! with a bound on those that have not yet proven the job's secret: a port
 //! open to a network costs at most [`MAX_PROVING`] threads, each for at most
 //! its handshake's deadline, however fast connections are opened; and no
-//! one address holds more than [`MAX_PROVING_PER_PEER`] of them, so that a
-//! stranger opening connections that prove nothing delays its own, not the
-//! others'.
+//! one address (an IPv6 peer's /64) holds more than [`MAX_PROVING_PER_PEER`]
+//! of them, so that a stranger opening connections that prove nothing
+//! delays its own, not the others'.
 
 use std::{
+    cell::Cell,
     collections::{HashMap, VecDeque},
     net::{IpAddr, TcpListener, TcpStream},
     sync::{Arc, Condvar, Mutex},
@@ -23,8 +24,35 @@ pub const MAX_PROVING: usize = 256;
 pub const MAX_PROVING_PER_PEER: usize = MAX_PROVING / 4;
 
 /// Most connections waiting for their address's place, all addresses
-/// together; past it, a connection from an address at its bound is closed.
+/// together, where the process may open many files; past it, a connection
+/// from an address at its bound is closed.
 pub const MAX_WAITING: usize = 16_384;
+
+/// [`MAX_WAITING`], or an eighth of the files the process may open (the
+/// soft `RLIMIT_NOFILE`) where that is fewer: connections waiting hold a
+/// descriptor each, and a stranger must not use up the process's.
+fn waiting_bound() -> usize {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit(2) writes the struct it is given, which lives here.
+    let got = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
+    let files = if got { usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX) } else { 1024 };
+    MAX_WAITING.min(files / 8).max(16)
+}
+
+/// Who a place is counted against: the peer's address, an IPv6 peer's /64
+/// (a host is given a whole /64 to take addresses from), an IPv4 address
+/// mapped into IPv6 as itself.
+fn peer_of(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(a) => IpAddr::V6((u128::from(a) & !((1u128 << 64) - 1)).into()),
+        v4 => v4,
+    }
+}
+
+thread_local! {
+    /// This thread is handing a place on (see [`Proving`]'s drop).
+    static HANDING_ON: Cell<bool> = const { Cell::new(false) };
+}
 
 /// Serves one connection with its place.
 type Serve = Arc<dyn Fn(TcpStream, Proving) + Send + Sync>;
@@ -77,26 +105,34 @@ pub struct Proving(Arc<Places>, IpAddr);
 impl Drop for Proving {
     fn drop(&mut self) {
         let Proving(places, peer) = self;
-        let next = {
+        // A place handed on whose thread did not start comes back here, on
+        // the same thread: it is freed then, and its address's waiting
+        // connections closed, rather than handed on again and again.
+        let failed_start = HANDING_ON.with(Cell::get);
+        let (next, closed) = {
             let mut t = places.lock();
             let Taken { all, peers, waiting } = &mut *t;
             let p = peers.entry(*peer).or_default();
-            let next = p.waiting.pop_front();
-            match next {
-                Some(_) => *waiting -= 1,
-                None => {
-                    p.taken = p.taken.saturating_sub(1);
-                    *all = all.saturating_sub(1);
-                    if p.taken == 0 {
-                        peers.remove(peer);
-                    }
+            let next = if failed_start { None } else { p.waiting.pop_front() };
+            let closed = if failed_start { std::mem::take(&mut p.waiting) } else { VecDeque::new() };
+            *waiting -= next.iter().count() + closed.len();
+            if next.is_none() {
+                p.taken = p.taken.saturating_sub(1);
+                *all = all.saturating_sub(1);
+                if p.taken == 0 && p.waiting.is_empty() {
+                    peers.remove(peer);
                 }
             }
-            next
+            (next, closed)
         };
+        drop(closed);
         match next {
             // The place goes on to it, served outside the lock.
-            Some(conn) => places.serve(conn, *peer),
+            Some(conn) => {
+                HANDING_ON.with(|h| h.set(true));
+                places.serve(conn, *peer);
+                HANDING_ON.with(|h| h.set(false));
+            }
             None => places.freed.notify_one(),
         }
     }
@@ -111,8 +147,8 @@ impl Drop for Proving {
 /// away; said at the 1st, 2nd, 4th, 8th... wait, so that a flood does not
 /// flood the log). An address holding [`MAX_PROVING_PER_PEER`] places has
 /// its next connections wait for one of its own, accepted (at most
-/// [`MAX_WAITING`] of them; past that they are closed), while the others'
-/// are served. An accept that fails (out of descriptors) is tried again
+/// [`MAX_WAITING`] of them, fewer where the process may open fewer files;
+/// past that they are closed), while the others' are served. An accept that fails (out of descriptors) is tried again
 /// 100 ms later rather than at once. `what` names the listener in its
 /// warnings.
 pub fn serve_each<F>(listener: TcpListener, name: &str, what: &'static str, serve: F) -> std::io::Result<()>
@@ -129,6 +165,7 @@ where
     std::thread::Builder::new().name(name.into()).spawn(move || {
         let mut waits = 0u64;
         let full = Refusals::default();
+        let most_waiting = waiting_bound();
         loop {
             let mut taken = places.lock();
             if taken.all >= MAX_PROVING {
@@ -154,7 +191,7 @@ where
                     continue;
                 }
             };
-            let peer = from.ip();
+            let peer = peer_of(from.ip());
             let mut taken = places.lock();
             let at_bound = taken.peers.get(&peer).is_some_and(|p| p.taken >= MAX_PROVING_PER_PEER);
             if !at_bound {
@@ -162,12 +199,12 @@ where
                 taken.peers.entry(peer).or_default().taken += 1;
                 drop(taken);
                 places.serve(conn, peer);
-            } else if taken.waiting < MAX_WAITING {
+            } else if taken.waiting < most_waiting {
                 taken.waiting += 1;
                 taken.peers.entry(peer).or_default().waiting.push_back(conn);
             } else {
                 drop(taken);
-                let why = format!("{MAX_WAITING} connections wait for their address's places already");
+                let why = format!("{most_waiting} connections wait for their address's places already");
                 full.refused(&format!("a connection to the {what}"), &peer.to_string(), &why);
             }
         }
@@ -202,12 +239,16 @@ impl Refusals {
     /// Warns that `what` from `peer` was refused (`why`), or says it at
     /// debug level within a second of the last warning.
     pub fn refused(&self, what: &str, peer: &str, why: &dyn std::fmt::Display) {
+        self.warn(&format_args!("refused {what} from {peer}: {why}"));
+    }
+
+    /// Warns `text`, or says it at debug level within a second of the last
+    /// warning (the next one counts those).
+    pub fn warn(&self, text: &dyn std::fmt::Display) {
         match self.say(Instant::now()) {
-            Some(0) => tracing::warn!("refused {what} from {peer}: {why}"),
-            Some(n) => tracing::warn!(
-                "refused {what} from {peer}: {why} ({n} more refused since the last warning of one, said at debug level)"
-            ),
-            None => tracing::debug!("refused {what} from {peer}: {why}"),
+            Some(0) => tracing::warn!("{text}"),
+            Some(n) => tracing::warn!("{text} ({n} more since the last warning of one, said at debug level)"),
+            None => tracing::debug!("{text}"),
         }
     }
 }
@@ -216,6 +257,49 @@ impl Refusals {
 mod tests {
     use super::*;
     use std::{io::Read, sync::mpsc};
+
+    #[test]
+    fn an_ipv6_peer_counts_by_its_64_and_a_mapped_ipv4_address_as_itself() {
+        let at = |s: &str| peer_of(s.parse().unwrap());
+        assert_eq!(at("2001:db8:1:2:aaaa::1"), at("2001:db8:1:2:bbbb::9"));
+        assert_ne!(at("2001:db8:1:2::1"), at("2001:db8:1:3::1"));
+        assert_eq!(at("::ffff:10.0.0.1"), at("10.0.0.1"));
+        assert_ne!(at("10.0.0.1"), at("10.0.0.2"));
+    }
+
+    /// A place handed on to an address's waiting connection whose thread
+    /// did not start comes back to the drop on the same thread: it is freed
+    /// and the address's waiting connections are closed, not handed on
+    /// again (which would recurse once per waiting connection).
+    #[test]
+    fn a_place_whose_thread_did_not_start_is_freed_and_its_address_s_waiting_closed() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (waiting, _) = l.accept().unwrap();
+        let places = Arc::new(Places {
+            state: Mutex::default(),
+            freed: Condvar::new(),
+            serve: Arc::new(|_, _| {}),
+            conn_name: "test-conn".into(),
+            what: "test",
+        });
+        let peer = IpAddr::from([127, 0, 0, 1]);
+        {
+            let mut t = places.lock();
+            (t.all, t.waiting) = (1, 1);
+            let p = t.peers.entry(peer).or_default();
+            p.taken = 1;
+            p.waiting.push_back(waiting);
+        }
+        HANDING_ON.with(|h| h.set(true));
+        drop(Proving(places.clone(), peer));
+        HANDING_ON.with(|h| h.set(false));
+        let t = places.lock();
+        assert_eq!((t.all, t.waiting, t.peers.len()), (0, 0, 0));
+        drop(t);
+        client.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        assert_eq!(client.read(&mut [0u8; 1]).unwrap(), 0, "the waiting connection was closed");
+    }
 
     #[test]
     fn refused_connections_are_said_at_most_once_a_second_with_the_count_of_those_not_said() {

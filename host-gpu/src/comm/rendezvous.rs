@@ -217,9 +217,8 @@ impl RendezvousServer {
         super::accept::serve_each(listener, "edl-rendezvous", "rendezvous", move |conn, place| {
             let most = most.load(Ordering::Relaxed) as usize;
             let proved = move || drop(place);
-            let peer = conn.peer_addr().map_or_else(|_| "?".to_string(), |a| a.to_string());
             if let Err(e) = Self::serve(conn, &waiting, auth.as_ref(), &current, &kv, most, proved) {
-                dropped.refused("a rendezvous client", &peer, &e);
+                dropped.warn(&format_args!("rendezvous: dropped a client: {e}"));
             }
         })?;
         Ok(RendezvousServer { addr, generation, store, max_world })

@@ -27,9 +27,10 @@ pub(super) fn unfinished(
     Ok(ExitCode::from(stop.exit_code()))
 }
 
-/// What a coordinator whose loop stalled leaves before the process ends:
-/// its error, printed, and a report that says the job failed and why (what
-/// it did until then is held by the loop that stalled).
+/// What a coordinator whose loop stalled leaves before the process ends
+/// (its error is printed by then): a report, where one is asked for, that
+/// says the job failed and why (what it did until then is held by the loop
+/// that stalled).
 pub(super) fn on_stall(
     output: &OutputArgs,
     name: &str,
@@ -37,10 +38,7 @@ pub(super) fn on_stall(
 ) -> coordinator::watchdog::OnStall {
     let output = OutputArgs { report: output.report.clone(), plot: None };
     let (name, dir) = (name.to_string(), checkpoint_dir.to_path_buf());
-    Box::new(move |e| {
-        eprintln!("Error: {e:#}");
-        write_failed_report(&output, &name, &e, &dir, None);
-    })
+    Box::new(move |e| write_failed_report(&output, &name, &e, &dir, None))
 }
 
 /// A failed job still says what happened, for whoever reads the reports:

@@ -53,7 +53,9 @@ impl Coordinator<'_> {
     /// back to that step's checkpoint with its workers gone: the
     /// hyperparameters go back there, and what the adapter remembers of
     /// them (a rate's ramp) with them. A checkpoint without the adapter's
-    /// memory is one where it kept none.
+    /// memory is one where it kept none, or where its memory could not be
+    /// saved: either way a coordinator taking the job over there would start
+    /// it afresh, and so does this one (an empty memory, where it takes one).
     pub(super) fn restore_adapter_memory(&mut self, m: &PluginMemory, at: u64) {
         let Some(adapter) = self.adapter.as_mut() else { return };
         let Some(saved) = &m.adapter else {

@@ -319,16 +319,9 @@ pub fn run_recorded(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobO
     let mut c = Coordinator::new(cfg, io, plugins, told, progress)?;
     c.ps.servers = ps_control;
     if let Some(bound) = c.cfg.loop_stall {
-        let said: watchdog::OnStall =
-            on_stall.unwrap_or_else(|| Box::new(|e| eprintln!("edl-runtime: {e:#}")));
         // The loop does not come back to end the job: the process ends.
-        c.watchdog = Some(watchdog::Watchdog::start(
-            bound,
-            Box::new(move |e| {
-                said(e);
-                std::process::exit(1)
-            }),
-        ));
+        let said = on_stall.unwrap_or_else(|| Box::new(drop));
+        c.watchdog = Some(watchdog::Watchdog::start(bound, watchdog::ending_the_process(said)));
     }
     let result = c.job();
     // Stopping the workers is not the loop's.

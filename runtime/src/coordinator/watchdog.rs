@@ -6,14 +6,22 @@
 //! nothing, and no standby could take it over. A loop that has not come
 //! back within `--loop-stall-secs` is a stalled coordinator: the watchdog
 //! says where its thread is (computing, or waiting in the kernel and on
-//! what), and the process ends, as a coordinator that died would (its
-//! lease lapses; a standby or a rerun resumes the job from its newest
-//! checkpoint).
+//! what), and the process ends ([`ending_the_process`]), as a coordinator
+//! that died would (its lease lapses; a standby or a rerun resumes the job
+//! from its newest checkpoint).
+//!
+//! The loop is watched from the first time it waits for its workers: a
+//! standby waiting for the job's lease, and a resume verifying its
+//! checkpoint, come before. What it does between two waits afterwards is
+//! watched, and the bound must be above the longest of it: verifying the
+//! newest checkpoint after every worker was lost (its state file read and
+//! hashed), the parameter servers' shards moved at a boundary.
 
 use std::{
+    io::Write,
     sync::{
         Arc,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         mpsc,
     },
     time::{Duration, Instant},
@@ -22,34 +30,50 @@ use std::{
 /// What is done with a stall: the error that says it.
 pub type OnStall = Box<dyn FnOnce(anyhow::Error) + Send>;
 
+/// How long what is done with a stall before the process ends may take
+/// (it may wait on what the loop hangs on: a report on a hung file system).
+const LAST_WORDS: Duration = Duration::from_secs(10);
+
 /// Watches the thread that started it, from the first time the loop comes
-/// back (a standby waiting for the job's lease, a resume verifying its
-/// checkpoint, come before); stops watching when dropped.
+/// back; stops watching when dropped.
 pub struct Watchdog {
     base: Instant,
     /// When the loop last came back, 1 + ms after `base` (0: not yet).
     turned: Arc<AtomicU64>,
+    /// Dropped: a stall seen from now on is not one.
+    over: Arc<AtomicBool>,
     _stop: mpsc::Sender<()>,
 }
 
 impl Watchdog {
     /// Watches the calling thread: once [`Watchdog::turned`] is called,
     /// unless it is called again at least once every `bound`, `stalled` is
-    /// given the error. Without a thread for it (the system refused one)
-    /// nothing is watched.
+    /// given the error. A process frozen (SIGSTOP, a paused machine) that
+    /// wakes past the bound is not taken for a stall: the watchdog, frozen
+    /// too, counts from its own waking. Without a thread for it (the system
+    /// refused one) nothing is watched.
     pub fn start(bound: Duration, stalled: OnStall) -> Watchdog {
-        // SAFETY: gettid has no preconditions.
-        let tid = unsafe { libc::gettid() };
+        let tid = this_thread();
         let base = Instant::now();
         let turned = Arc::new(AtomicU64::new(0));
+        let over = Arc::new(AtomicBool::new(false));
         let (stop, stopped) = mpsc::channel::<()>();
-        let last = turned.clone();
+        let (last, ended) = (turned.clone(), over.clone());
         let look = (bound / 10).clamp(Duration::from_millis(10), Duration::from_secs(1));
         let spawned = std::thread::Builder::new().name("edl-watchdog".into()).spawn(move || {
+            let mut looked = Instant::now();
             while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(look) {
                 let Some(at) = last.load(Ordering::Relaxed).checked_sub(1) else { continue };
+                if looked.elapsed() > look * 2 + Duration::from_secs(1) {
+                    // This thread did not run for a while: the process was
+                    // frozen, and the loop is given the bound from now.
+                    let now = base.elapsed().as_millis() as u64;
+                    let _ = last.compare_exchange(at + 1, now + 1, Ordering::Relaxed, Ordering::Relaxed);
+                }
+                looked = Instant::now();
+                let at = last.load(Ordering::Relaxed).saturating_sub(1);
                 let idle = base.elapsed().saturating_sub(Duration::from_millis(at));
-                if idle >= bound {
+                if idle >= bound && !ended.load(Ordering::SeqCst) {
                     stalled(anyhow::Error::new(Stalled { idle, bound, thread: thread_state(tid) }));
                     return;
                 }
@@ -58,13 +82,63 @@ impl Watchdog {
         if let Err(e) = spawned {
             tracing::warn!("the coordinator's loop is not watched (no thread for it: {e})");
         }
-        Watchdog { base, turned, _stop: stop }
+        Watchdog { base, turned, over, _stop: stop }
     }
 
     /// The loop came back.
     pub fn turned(&self) {
         self.turned.store(1 + self.base.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.over.store(true, Ordering::SeqCst);
+    }
+}
+
+/// What a stall does to the process: its error written to the standard
+/// error (straight to the descriptor: the stalled thread may hold the
+/// stream's lock), `said` given it on a thread of its own for at most
+/// [`LAST_WORDS`], and the process ended with status 1 at once, running
+/// nothing more of its own (the stalled thread may be inside a native
+/// plugin, or waiting on a file system).
+pub fn ending_the_process(said: OnStall) -> OnStall {
+    Box::new(move |e| {
+        let text = format!("Error: {e:#}\n");
+        let mut stderr = std::mem::ManuallyDrop::new(stderr_fd());
+        let _ = stderr.write_all(text.as_bytes());
+        let (done, finished) = mpsc::channel::<()>();
+        let saying = std::thread::Builder::new().name("edl-stalled".into()).spawn(move || {
+            said(e);
+            let _ = done.send(());
+        });
+        if saying.is_ok() {
+            let _ = finished.recv_timeout(LAST_WORDS);
+        }
+        // SAFETY: _exit(2) ends the process; nothing of it runs after.
+        unsafe { libc::_exit(1) }
+    })
+}
+
+/// The standard error's descriptor as a file (not to be closed).
+fn stderr_fd() -> std::fs::File {
+    use std::os::fd::FromRawFd;
+    // SAFETY: descriptor 2 is the process's standard error for its whole
+    // life; the caller never drops (closes) the file.
+    unsafe { std::fs::File::from_raw_fd(2) }
+}
+
+/// The calling thread's id, as `/proc/self/task` names it.
+#[cfg(target_os = "linux")]
+fn this_thread() -> i32 {
+    // SAFETY: gettid has no preconditions.
+    unsafe { libc::gettid() }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn this_thread() -> i32 {
+    0
 }
 
 /// The coordinator's loop did not come back within its bound.
@@ -84,7 +158,8 @@ pub struct Stalled {
 }
 
 /// Where thread `tid` of this process is: running, or waiting in the
-/// kernel and in which function (`/proc/self/task/TID/stat` and `wchan`).
+/// kernel and in which function (`/proc/self/task/TID/stat` and `wchan`;
+/// unknown where there is none).
 fn thread_state(tid: i32) -> String {
     let task = format!("/proc/self/task/{tid}");
     let state = std::fs::read_to_string(format!("{task}/stat"))
@@ -97,7 +172,7 @@ fn thread_state(tid: i32) -> String {
         Some('D') => format!("waiting on a device or a file system, uninterruptibly{within}"),
         Some('S') => format!("waiting in the kernel{within}"),
         Some(c) => format!("in state {c}{within}"),
-        None => "gone, or unreadable in /proc".into(),
+        None => "unknown (not readable in /proc)".into(),
     }
 }
 
@@ -109,9 +184,9 @@ mod tests {
     fn a_loop_that_stops_coming_back_is_said_stalled_and_where_its_thread_waits() {
         let (tx, rx) = mpsc::channel();
         let dog =
-            Watchdog::start(Duration::from_millis(100), Box::new(move |e| tx.send(e.to_string()).unwrap()));
+            Watchdog::start(Duration::from_millis(500), Box::new(move |e| tx.send(e.to_string()).unwrap()));
         // Not watched before the loop first comes back.
-        std::thread::sleep(Duration::from_millis(400));
+        std::thread::sleep(Duration::from_millis(1500));
         assert!(rx.try_recv().is_err(), "stalled before it first came back");
         dog.turned();
         // This thread now waits in the kernel (on the channel) without
@@ -119,7 +194,7 @@ mod tests {
         let said = rx.recv_timeout(Duration::from_secs(30)).expect("said stalled");
         drop(dog);
         assert!(
-            said.contains("has not come back to its workers") && said.contains("--loop-stall-secs 0.1"),
+            said.contains("has not come back to its workers") && said.contains("--loop-stall-secs 0.5"),
             "{said}"
         );
         assert!(said.contains("its thread is waiting in the kernel"), "{said}");

@@ -191,7 +191,7 @@ pub struct Job {
     /// The parameter servers it started, stopped when the job ends.
     pub(crate) ps: super::ps_servers::PsServers,
     /// What is done with a stalled coordinator's error before the process
-    /// ends (None: it is printed).
+    /// ends, besides printing it.
     pub(crate) on_stall: Option<crate::coordinator::watchdog::OnStall>,
 }
 
@@ -271,7 +271,7 @@ impl Job {
     }
 
     /// What is done with the error of a coordinator whose loop stalled,
-    /// before the process ends (by default it is printed).
+    /// besides printing it, before the process ends.
     pub fn on_stall(mut self, said: crate::coordinator::watchdog::OnStall) -> Job {
         self.on_stall = Some(said);
         self

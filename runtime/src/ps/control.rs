@@ -15,8 +15,7 @@ use crate::worker::session::JobAuth;
 use anyhow::{Context, Result, bail};
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Who connects for the job (not a worker id).
-const JOB_CLIENT: u64 = u64::MAX;
+use super::service::JOB_CLIENT;
 
 /// The servers a job's tables are on, and how many hold each shard.
 pub struct PsControl {

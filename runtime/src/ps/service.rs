@@ -27,6 +27,9 @@ const SHARDS_A_FRAME: usize = 16;
 
 /// The channel name parameter-server connections claim.
 pub const CHANNEL: &str = "ps";
+
+/// Who connects for the job (not a worker id).
+pub(crate) const JOB_CLIENT: u64 = u64::MAX;
 const HANDSHAKE: Duration = Duration::from_secs(10);
 /// How long data sent to a server may stay unacknowledged before its
 /// connection fails.
@@ -124,7 +127,11 @@ fn serve(mut conn: TcpStream, job: &JobAuth, shared: &Shared, proving: edl_host_
     let checked = auth::accept(&mut auth::Deadline::new(&mut conn, HANDSHAKE), &job.secret, |c| {
         job.check(c, CHANNEL, None)?;
         // The requests carry no number: the client's claim says it.
-        match crate::control::proto::protocol_mismatch(&format!("worker {}", c.who), c.protocol) {
+        let who = match c.who {
+            JOB_CLIENT => "the job's coordinator".to_string(),
+            w => format!("worker {w}"),
+        };
+        match crate::control::proto::protocol_mismatch(&who, c.protocol) {
             Some(why) => Err(why),
             None => Ok(()),
         }
