@@ -2,9 +2,11 @@
 //! with a bound on those that have not yet proven the job's secret: a port
 //! open to a network costs at most [`MAX_PROVING`] threads, each for at most
 //! its handshake's deadline, however fast connections are opened; and no
-//! one address (an IPv6 peer's /64) holds more than [`MAX_PROVING_PER_PEER`]
-//! of them, so that a stranger opening connections that prove nothing
-//! delays its own, not the others'.
+//! one address holds more than [`MAX_PROVING_PER_PEER`] of them, so that a
+//! stranger opening connections that prove nothing delays its own, not the
+//! others'. (An IPv6 stranger free to take any address of its prefix counts
+//! as as many strangers: the workers of a subnet share one /64, and must
+//! not share a bound with it.)
 
 use std::{
     cell::Cell,
@@ -39,14 +41,18 @@ fn waiting_bound() -> usize {
     MAX_WAITING.min(files / 8).max(16)
 }
 
-/// Who a place is counted against: the peer's address, an IPv6 peer's /64
-/// (a host is given a whole /64 to take addresses from), an IPv4 address
+/// Who a place is counted against: the peer's address, an IPv4 address
 /// mapped into IPv6 as itself.
 fn peer_of(ip: IpAddr) -> IpAddr {
-    match ip.to_canonical() {
-        IpAddr::V6(a) => IpAddr::V6((u128::from(a) & !((1u128 << 64) - 1)).into()),
-        v4 => v4,
-    }
+    ip.to_canonical()
+}
+
+/// Starts a thread named `name` running `f`; a thread that cannot start
+/// drops `f` on the caller's thread.
+type StartThread = fn(&str, Box<dyn FnOnce() + Send>) -> std::io::Result<()>;
+
+fn start_thread(name: &str, f: Box<dyn FnOnce() + Send>) -> std::io::Result<()> {
+    std::thread::Builder::new().name(name.into()).spawn(f).map(drop)
 }
 
 thread_local! {
@@ -62,6 +68,7 @@ struct Places {
     state: Mutex<Taken>,
     freed: Condvar,
     serve: Serve,
+    start: StartThread,
     conn_name: String,
     what: &'static str,
 }
@@ -89,9 +96,7 @@ impl Places {
     fn serve(self: &Arc<Self>, conn: TcpStream, peer: IpAddr) {
         let (place, serve) = (Proving(self.clone(), peer), self.serve.clone());
         // A thread that cannot start drops its closure, and the place with it.
-        if let Err(e) =
-            std::thread::Builder::new().name(self.conn_name.clone()).spawn(move || serve(conn, place))
-        {
+        if let Err(e) = (self.start)(&self.conn_name, Box::new(move || serve(conn, place))) {
             tracing::warn!("{}: no thread for a new connection: {e}", self.what);
         }
     }
@@ -159,6 +164,7 @@ where
         state: Mutex::default(),
         freed: Condvar::new(),
         serve: Arc::new(serve),
+        start: start_thread,
         conn_name: format!("{name}-conn"),
         what,
     });
@@ -205,7 +211,7 @@ where
             } else {
                 drop(taken);
                 let why = format!("{most_waiting} connections wait for their address's places already");
-                full.refused(&format!("a connection to the {what}"), &peer.to_string(), &why);
+                full.refused(&format!("a connection to the {what}"), &from.to_string(), &why);
             }
         }
     })?;
@@ -259,46 +265,63 @@ mod tests {
     use std::{io::Read, sync::mpsc};
 
     #[test]
-    fn an_ipv6_peer_counts_by_its_64_and_a_mapped_ipv4_address_as_itself() {
+    fn a_mapped_ipv4_address_counts_as_itself() {
         let at = |s: &str| peer_of(s.parse().unwrap());
-        assert_eq!(at("2001:db8:1:2:aaaa::1"), at("2001:db8:1:2:bbbb::9"));
-        assert_ne!(at("2001:db8:1:2::1"), at("2001:db8:1:3::1"));
         assert_eq!(at("::ffff:10.0.0.1"), at("10.0.0.1"));
         assert_ne!(at("10.0.0.1"), at("10.0.0.2"));
+        assert_ne!(at("2001:db8:1:2::1"), at("2001:db8:1:2::2"));
     }
 
+    /// Threads that would not start, in the test below.
+    static REFUSED_STARTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
     /// A place handed on to an address's waiting connection whose thread
-    /// did not start comes back to the drop on the same thread: it is freed
-    /// and the address's waiting connections are closed, not handed on
-    /// again (which would recurse once per waiting connection).
+    /// does not start comes back to the drop on the same thread: it is
+    /// freed and the address's waiting connections are closed, not handed
+    /// on again (once per waiting connection, each a level deeper).
     #[test]
-    fn a_place_whose_thread_did_not_start_is_freed_and_its_address_s_waiting_closed() {
+    fn a_place_whose_thread_does_not_start_is_freed_and_its_address_s_waiting_closed() {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (waiting, _) = l.accept().unwrap();
+        let pair = || {
+            let client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+            (client, l.accept().unwrap().0)
+        };
         let places = Arc::new(Places {
             state: Mutex::default(),
             freed: Condvar::new(),
             serve: Arc::new(|_, _| {}),
+            start: |_, f| {
+                REFUSED_STARTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                drop(f);
+                Err(std::io::Error::other("no thread"))
+            },
             conn_name: "test-conn".into(),
             what: "test",
         });
         let peer = IpAddr::from([127, 0, 0, 1]);
+        let mut clients = Vec::new();
         {
             let mut t = places.lock();
-            (t.all, t.waiting) = (1, 1);
+            (t.all, t.waiting) = (1, 3);
             let p = t.peers.entry(peer).or_default();
             p.taken = 1;
-            p.waiting.push_back(waiting);
+            for _ in 0..3 {
+                let (client, waiting) = pair();
+                clients.push(client);
+                p.waiting.push_back(waiting);
+            }
         }
-        HANDING_ON.with(|h| h.set(true));
+        // The place's connection has proven itself (or failed): its place
+        // goes on to the first waiting, whose thread does not start.
         drop(Proving(places.clone(), peer));
-        HANDING_ON.with(|h| h.set(false));
+        assert_eq!(REFUSED_STARTS.load(std::sync::atomic::Ordering::SeqCst), 1, "handed on once only");
         let t = places.lock();
         assert_eq!((t.all, t.waiting, t.peers.len()), (0, 0, 0));
         drop(t);
-        client.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        assert_eq!(client.read(&mut [0u8; 1]).unwrap(), 0, "the waiting connection was closed");
+        for mut c in clients {
+            c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            assert_eq!(c.read(&mut [0u8; 1]).unwrap(), 0, "the waiting connection was closed");
+        }
     }
 
     #[test]

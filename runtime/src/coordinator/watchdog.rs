@@ -62,18 +62,18 @@ impl Watchdog {
         let look = (bound / 10).clamp(Duration::from_millis(10), Duration::from_secs(1));
         let spawned = std::thread::Builder::new().name("edl-watchdog".into()).spawn(move || {
             let mut looked = Instant::now();
+            // The turn the time forgiven is for, and that time.
+            let (mut of, mut forgiven) = (0, Duration::ZERO);
             while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(look) {
+                let gap = std::mem::replace(&mut looked, Instant::now()).elapsed();
                 let Some(at) = last.load(Ordering::Relaxed).checked_sub(1) else { continue };
-                if looked.elapsed() > look * 2 + Duration::from_secs(1) {
-                    // This thread did not run for a while: the process was
-                    // frozen, and the loop is given the bound from now.
-                    let now = base.elapsed().as_millis() as u64;
-                    let _ = last.compare_exchange(at + 1, now + 1, Ordering::Relaxed, Ordering::Relaxed);
+                if at != of {
+                    (of, forgiven) = (at, Duration::ZERO);
                 }
-                looked = Instant::now();
-                let at = last.load(Ordering::Relaxed).saturating_sub(1);
                 let idle = base.elapsed().saturating_sub(Duration::from_millis(at));
-                if idle >= bound && !ended.load(Ordering::SeqCst) {
+                if let Some(idle) = stall(idle, gap, look, bound, &mut forgiven)
+                    && !ended.load(Ordering::SeqCst)
+                {
                     stalled(anyhow::Error::new(Stalled { idle, bound, thread: thread_state(tid) }));
                     return;
                 }
@@ -89,6 +89,28 @@ impl Watchdog {
     pub fn turned(&self) {
         self.turned.store(1 + self.base.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
+}
+
+/// Whether a loop away for `idle` has stalled, given that the watchdog
+/// last looked `gap` ago where it looks every `look`: where it did not run
+/// for much longer than that (a process frozen whole, SIGSTOP or a paused
+/// machine; a machine so loaded that it starves), the time beyond its look
+/// is `forgiven` the loop, which did not run either. Each look that comes
+/// adds at least `look` to the idle time counted, so a watchdog starved at
+/// every look still sees a real stall, later. Returns the idle time
+/// counted, once it reaches `bound`.
+fn stall(
+    idle: Duration,
+    gap: Duration,
+    look: Duration,
+    bound: Duration,
+    forgiven: &mut Duration,
+) -> Option<Duration> {
+    if gap > look * 2 + Duration::from_secs(1) {
+        *forgiven += gap - look;
+    }
+    let counted = idle.saturating_sub(*forgiven);
+    (counted >= bound).then_some(counted)
 }
 
 impl Drop for Watchdog {
@@ -113,8 +135,13 @@ pub fn ending_the_process(said: OnStall) -> OnStall {
             said(e);
             let _ = done.send(());
         });
-        if saying.is_ok() {
-            let _ = finished.recv_timeout(LAST_WORDS);
+        match saying {
+            Ok(_) => {
+                let _ = finished.recv_timeout(LAST_WORDS);
+            }
+            Err(e) => {
+                let _ = writeln!(stderr, "(no report written: no thread for it: {e})");
+            }
         }
         // SAFETY: _exit(2) ends the process; nothing of it runs after.
         unsafe { libc::_exit(1) }
@@ -198,6 +225,33 @@ mod tests {
             "{said}"
         );
         assert!(said.contains("its thread is waiting in the kernel"), "{said}");
+    }
+
+    #[test]
+    fn time_the_watchdog_did_not_run_is_forgiven_and_a_starved_watchdog_still_sees_a_stall() {
+        let (ms, s) = (Duration::from_millis, Duration::from_secs);
+        let (look, bound) = (s(1), s(10));
+        let mut forgiven = Duration::ZERO;
+        // Looking on time: a stall at the bound, not before.
+        assert_eq!(stall(s(9), look, look, bound, &mut forgiven), None);
+        assert_eq!(stall(s(10), look, look, bound, &mut forgiven), Some(s(10)));
+        // Frozen for an hour, a second after the loop came back: no stall
+        // on waking; the loop's own time away counts on from there.
+        assert_eq!(stall(s(3601), s(3601), look, bound, &mut forgiven), None);
+        assert_eq!(stall(s(3609), look, look, bound, &mut forgiven), None);
+        assert_eq!(stall(s(3610), look, look, bound, &mut forgiven), Some(s(10)));
+        // Starved at every look (4 s each): the idle time counted still grows
+        // by the look each time, and reaches the bound.
+        let mut forgiven = Duration::ZERO;
+        let mut idle = Duration::ZERO;
+        let looks = (1..100).find(|_| {
+            idle += s(4);
+            stall(idle, s(4), look, bound, &mut forgiven).is_some()
+        });
+        assert_eq!(looks, Some(10), "stalled after {:?} idle", idle);
+        // Short gaps forgive nothing.
+        let mut forgiven = Duration::ZERO;
+        assert_eq!(stall(s(10), ms(2900), look, bound, &mut forgiven), Some(s(10)));
     }
 
     #[test]
