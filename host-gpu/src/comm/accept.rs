@@ -25,20 +25,26 @@ pub const MAX_PROVING: usize = 256;
 /// accepted and not served, until one of its places is given up.
 pub const MAX_PROVING_PER_PEER: usize = MAX_PROVING / 4;
 
-/// Most connections waiting for their address's place, all addresses
-/// together, where the process may open many files; past it, a connection
-/// from an address at its bound is closed.
+/// Most connections of one listener waiting for their address's place,
+/// all addresses together, where the process may open many files; past
+/// it, a connection from an address at its bound is closed.
 pub const MAX_WAITING: usize = 16_384;
 
-/// [`MAX_WAITING`], or an eighth of the files the process may open (the
-/// soft `RLIMIT_NOFILE`) where that is fewer: connections waiting hold a
-/// descriptor each, and a stranger must not use up the process's.
-fn waiting_bound() -> usize {
+/// The files this process may open (the soft `RLIMIT_NOFILE`), where the
+/// system says.
+pub fn open_files_limit() -> Option<usize> {
     let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit(2) writes the struct it is given, which lives here.
+    // SAFETY: getrlimit(2) only writes the struct it is given, a valid,
+    // exclusively borrowed local of the type it expects.
     let got = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
-    let files = if got { usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX) } else { 1024 };
-    MAX_WAITING.min(files / 8).max(16)
+    got.then(|| usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX))
+}
+
+/// [`MAX_WAITING`], or an eighth of the files the process may open where
+/// that is fewer: connections waiting hold a descriptor each, and a
+/// stranger must not use up the process's.
+fn waiting_bound() -> usize {
+    MAX_WAITING.min(open_files_limit().unwrap_or(1024) / 8).max(16)
 }
 
 /// Who a place is counted against: the peer's address, an IPv4 address

@@ -143,7 +143,8 @@ pub fn ending_the_process(said: OnStall) -> OnStall {
                 let _ = writeln!(stderr, "(no report written: no thread for it: {e})");
             }
         }
-        // SAFETY: _exit(2) ends the process; nothing of it runs after.
+        // SAFETY: _exit(2) takes no pointers and does not return; no Rust
+        // code of the process runs after it, so no invariant is left broken.
         unsafe { libc::_exit(1) }
     })
 }
@@ -151,15 +152,17 @@ pub fn ending_the_process(said: OnStall) -> OnStall {
 /// The standard error's descriptor as a file (not to be closed).
 fn stderr_fd() -> std::fs::File {
     use std::os::fd::FromRawFd;
-    // SAFETY: descriptor 2 is the process's standard error for its whole
-    // life; the caller never drops (closes) the file.
+    // SAFETY: descriptor 2 is open for the process's whole life (the
+    // standard library opens /dev/null on 0-2 at start where they were
+    // closed, and nothing here closes it); the caller never drops the file,
+    // so it is never closed through this handle.
     unsafe { std::fs::File::from_raw_fd(2) }
 }
 
 /// The calling thread's id, as `/proc/self/task` names it.
 #[cfg(target_os = "linux")]
 fn this_thread() -> i32 {
-    // SAFETY: gettid has no preconditions.
+    // SAFETY: gettid(2) takes no arguments and cannot fail.
     unsafe { libc::gettid() }
 }
 

@@ -640,10 +640,7 @@ type Accepted = tokio::sync::mpsc::Sender<std::io::Result<Incoming>>;
 /// bound a connection waits in the listener's queue, past the limit its
 /// accept would fail.
 fn connection_bound() -> usize {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit(2) writes the struct it is given, which lives here.
-    let got = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
-    let files = if got { usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX) } else { MAX_CONNECTIONS };
+    let files = edl_host_gpu::comm::accept::open_files_limit().unwrap_or(MAX_CONNECTIONS);
     MAX_CONNECTIONS.min(files.saturating_sub(256)).max(16)
 }
 
