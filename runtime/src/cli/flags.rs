@@ -590,7 +590,8 @@ pub struct LivenessArgs {
     /// workers (a native plugin that never returns, a file system that
     /// hangs) before the coordinator ends, saying where its thread is,
     /// rather than hold the job's lease and workers while it trains
-    /// nothing (0: never).
+    /// nothing; the teacher pool's loop past it is said, and the job goes
+    /// on (0: never).
     #[arg(long, value_name = "SECS", default_value_t = 600)]
     pub loop_stall_secs: u64,
     /// Restarts after the same failure before the job gives up. A job of

@@ -303,7 +303,7 @@ pub fn run_recorded(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobO
         }),
         teacher_access: crate::job::assembly::with_ca(&cfg.spec.teacher_access, teachers.ca_pem()),
     };
-    let pool = teachers.take_pool().map(pool::PoolThread::start).transpose()?;
+    let pool = teachers.take_pool().map(|p| pool::PoolThread::start(p, cfg.loop_stall)).transpose()?;
     let plugins = Plugins {
         teacher_handles: Box::new(teachers.handles()),
         policy: plugins.policy,
@@ -321,7 +321,11 @@ pub fn run_recorded(job: Job, progress: &mut dyn FnMut(Progress)) -> Result<JobO
     if let Some(bound) = c.cfg.loop_stall {
         // The loop does not come back to end the job: the process ends.
         let said = on_stall.unwrap_or_else(|| Box::new(drop));
-        c.watchdog = Some(watchdog::Watchdog::start(bound, watchdog::ending_the_process(said)));
+        c.watchdog = Some(watchdog::Watchdog::start(
+            watchdog::Watched::Coordinator,
+            bound,
+            watchdog::ending_the_process(said),
+        ));
     }
     let result = c.job();
     // Stopping the workers is not the loop's.

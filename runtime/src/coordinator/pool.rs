@@ -674,18 +674,27 @@ fn take_in(
 }
 
 impl PoolThread {
-    pub fn start(mut pool: TeacherPool) -> Result<PoolThread> {
+    /// Runs `pool` on a thread of its own; with `watch`, a loop of that
+    /// thread that has not come back within it (a native policy that does
+    /// not return, a teacher's start that hangs) is said, and so is its
+    /// coming back.
+    pub fn start(mut pool: TeacherPool, watch: Option<Duration>) -> Result<PoolThread> {
         let every = pool.bounds.every;
         let (tx, rx) = std::sync::mpsc::channel::<ToPool>();
         let (news_tx, news) = std::sync::mpsc::channel();
         let latest = Arc::new(Mutex::new(None));
         let newest = latest.clone();
+        // Told what the students did, or this passed: teachers that exited
+        // are replaced either way (well within the bound of a stall).
+        let wait = watch.map_or(Duration::from_secs(1), |b| (b / 4).min(Duration::from_secs(1)));
         let thread = std::thread::Builder::new().name("edl-teacher-pool".into()).spawn(move || {
+            let mut watched = watch.map(|bound| WatchedLoop::start(bound, news_tx.clone()));
             let mut step = 0;
             loop {
-                // Told what the students did, or a second passed: teachers
-                // that exited are replaced either way.
-                let students = match rx.recv_timeout(Duration::from_secs(1)) {
+                if let Some(w) = watched.as_mut() {
+                    w.turned(&news_tx);
+                }
+                let students = match rx.recv_timeout(wait) {
                     Ok(first) => {
                         let all = std::iter::once(first).chain(rx.try_iter());
                         match take_in(&mut pool, all, &news_tx) {
@@ -696,6 +705,9 @@ impl PoolThread {
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
                     Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
                 };
+                if let Some(w) = watched.as_mut() {
+                    w.turned(&news_tx);
+                }
                 step = students.as_ref().map_or(step, |s| s.step);
                 let (event, said) = pool.look(step, students);
                 if let Some(view) = pool.last_view.take() {
@@ -777,6 +789,45 @@ impl PoolThread {
         tracing::warn!("the teacher pool's thread is still busy after 10 s; the job ends without it");
         self.news();
         told(self)
+    }
+}
+
+/// The pool's thread, watched: a stall is said once, and so is its coming
+/// back (and it is watched again from then).
+struct WatchedLoop {
+    bound: Duration,
+    dog: super::watchdog::Watchdog,
+    /// Set by the watchdog when it said a stall.
+    said: Arc<std::sync::atomic::AtomicBool>,
+    /// When the loop last came back.
+    last: Instant,
+}
+
+impl WatchedLoop {
+    fn start(bound: Duration, news: std::sync::mpsc::Sender<PoolNews>) -> WatchedLoop {
+        let said = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = said.clone();
+        let dog = super::watchdog::Watchdog::start(
+            super::watchdog::Watched::TeacherPool,
+            bound,
+            Box::new(move |e| {
+                flag.store(true, std::sync::atomic::Ordering::SeqCst);
+                let _ = news.send((None, vec![format!("{e:#}")]));
+            }),
+        );
+        WatchedLoop { bound, dog, said, last: Instant::now() }
+    }
+
+    /// The loop came back.
+    fn turned(&mut self, news: &std::sync::mpsc::Sender<PoolNews>) {
+        if self.said.load(std::sync::atomic::Ordering::SeqCst) {
+            let away = self.last.elapsed().as_secs_f64();
+            let back = format!("the teacher pool's loop came back after {away:.1} s");
+            let _ = news.send((None, vec![back]));
+            *self = WatchedLoop::start(self.bound, news.clone());
+        }
+        self.last = Instant::now();
+        self.dog.turned();
     }
 }
 
@@ -891,6 +942,63 @@ mod tests {
 
     fn students(step: u64, wait: f64, world: u32, planned: u32) -> Students {
         Students { step, wait_share: Some(wait), throughput: 100.0, world, planned, calls: BTreeMap::new() }
+    }
+
+    /// A policy that does not answer until it is let go.
+    struct Stuck(std::sync::mpsc::Receiver<()>);
+
+    impl PoolPolicy for Stuck {
+        fn decide(&mut self, _: &TeacherView) -> Result<TeacherPlan, String> {
+            let _ = self.0.recv();
+            plan(1, 2)
+        }
+    }
+
+    /// What the pool's thread said, until a line contains `what`.
+    fn said_until(t: &mut PoolThread, what: &str) -> Vec<String> {
+        let mut said = Vec::new();
+        let until = Instant::now() + Duration::from_secs(60);
+        while !said.iter().any(|s: &String| s.contains(what)) {
+            assert!(Instant::now() < until, "never said {what:?}: {said:?}");
+            said.extend(t.news().into_iter().flat_map(|(_, s)| s));
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        said
+    }
+
+    #[test]
+    fn a_pool_whose_policy_does_not_return_is_said_stalled_and_then_back() {
+        let (release, held) = std::sync::mpsc::channel();
+        let bounds =
+            PoolBounds { min: 1, max: 3, every: Duration::ZERO, price_per_teacher_hour: 0.5, in_flight: 2 };
+        let p = TeacherPool::new(
+            Box::new(Stuck(held)),
+            Box::new(Fake::default()),
+            bounds,
+            vec!["127.0.0.1:1".into()],
+            StatsAccess::default(),
+        )
+        .unwrap();
+        let mut t = PoolThread::start(p, Some(Duration::from_millis(300))).unwrap();
+        t.tell(students(10, 0.4, 2, 2));
+        let said = said_until(&mut t, "has not come back");
+        let stall = said.iter().find(|s| s.contains("has not come back")).unwrap();
+        assert!(
+            stall.starts_with("the teacher pool's loop") && stall.contains("--loop-stall-secs 0.3"),
+            "{stall}"
+        );
+        assert!(
+            stall.contains("waiting in the kernel") && stall.contains("keep the teachers they have"),
+            "{stall}"
+        );
+        release.send(()).unwrap();
+        let said = said_until(&mut t, "came back after");
+        assert!(said.iter().all(|s| !s.contains("has not come back")), "said once: {said:?}");
+        // Watched again: a second stall is said too.
+        t.tell(students(20, 0.4, 2, 2));
+        said_until(&mut t, "has not come back");
+        release.send(()).unwrap();
+        t.stop();
     }
 
     #[test]

@@ -52,7 +52,7 @@ impl Watchdog {
     /// wakes past the bound is not taken for a stall: the watchdog, frozen
     /// too, counts from its own waking. Without a thread for it (the system
     /// refused one) nothing is watched.
-    pub fn start(bound: Duration, stalled: OnStall) -> Watchdog {
+    pub fn start(what: Watched, bound: Duration, stalled: OnStall) -> Watchdog {
         let tid = this_thread();
         let base = Instant::now();
         let turned = Arc::new(AtomicU64::new(0));
@@ -74,13 +74,13 @@ impl Watchdog {
                 if let Some(idle) = stall(idle, gap, look, bound, &mut forgiven)
                     && !ended.load(Ordering::SeqCst)
                 {
-                    stalled(anyhow::Error::new(Stalled { idle, bound, thread: thread_state(tid) }));
+                    stalled(anyhow::Error::new(Stalled { what, idle, bound, thread: thread_state(tid) }));
                     return;
                 }
             }
         });
         if let Err(e) = spawned {
-            tracing::warn!("the coordinator's loop is not watched (no thread for it: {e})");
+            tracing::warn!("{} is not watched (no thread for it: {e})", what.name());
         }
         Watchdog { base, turned, over, _stop: stop }
     }
@@ -171,21 +171,56 @@ fn this_thread() -> i32 {
     0
 }
 
-/// The coordinator's loop did not come back within its bound.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "the coordinator's loop has not come back to its workers for {:.1} s (--loop-stall-secs {}): its thread \
-     is {thread}. The job stops rather than hold its lease and its workers while it trains nothing; a standby \
-     or a rerun resumes it from its newest checkpoint",
-    idle.as_secs_f64(),
-    bound.as_secs_f64()
-)]
+/// The loop a watchdog watches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Watched {
+    /// The coordinator's: its stall ends the process.
+    Coordinator,
+    /// The teacher pool's thread: its stall is said, and the students keep
+    /// the teachers they have meanwhile.
+    TeacherPool,
+}
+
+impl Watched {
+    fn name(self) -> &'static str {
+        match self {
+            Watched::Coordinator => "the coordinator's loop",
+            Watched::TeacherPool => "the teacher pool's loop",
+        }
+    }
+}
+
+/// A watched loop did not come back within its bound.
+#[derive(Debug)]
 pub struct Stalled {
+    pub what: Watched,
     pub idle: Duration,
     pub bound: Duration,
     /// Where the loop's thread is, as the kernel says.
     pub thread: String,
 }
+
+impl std::fmt::Display for Stalled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (idle, bound, thread) = (self.idle.as_secs_f64(), self.bound.as_secs_f64(), &self.thread);
+        match self.what {
+            Watched::Coordinator => write!(
+                f,
+                "the coordinator's loop has not come back to its workers for {idle:.1} s (--loop-stall-secs \
+                 {bound}): its thread is {thread}. The job stops rather than hold its lease and its workers \
+                 while it trains nothing; a standby or a rerun resumes it from its newest checkpoint"
+            ),
+            Watched::TeacherPool => write!(
+                f,
+                "the teacher pool's loop has not come back for {idle:.1} s (--loop-stall-secs {bound}): its \
+                 thread is {thread}. Until it does, no teacher is started, stopped or replaced; the students \
+                 keep the teachers they have"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for Stalled {}
 
 /// Where thread `tid` of this process is: running, or waiting in the
 /// kernel and in which function (`/proc/self/task/TID/stat` and `wchan`;
@@ -213,8 +248,11 @@ mod tests {
     #[test]
     fn a_loop_that_stops_coming_back_is_said_stalled_and_where_its_thread_waits() {
         let (tx, rx) = mpsc::channel();
-        let dog =
-            Watchdog::start(Duration::from_millis(500), Box::new(move |e| tx.send(e.to_string()).unwrap()));
+        let dog = Watchdog::start(
+            Watched::Coordinator,
+            Duration::from_millis(500),
+            Box::new(move |e| tx.send(e.to_string()).unwrap()),
+        );
         // Not watched before the loop first comes back.
         std::thread::sleep(Duration::from_millis(1500));
         assert!(rx.try_recv().is_err(), "stalled before it first came back");
@@ -260,7 +298,11 @@ mod tests {
     #[test]
     fn a_loop_that_keeps_coming_back_is_not_stalled_and_a_dropped_watchdog_says_nothing() {
         let (tx, rx) = mpsc::channel();
-        let dog = Watchdog::start(Duration::from_secs(5), Box::new(move |e| tx.send(e.to_string()).unwrap()));
+        let dog = Watchdog::start(
+            Watched::Coordinator,
+            Duration::from_secs(5),
+            Box::new(move |e| tx.send(e.to_string()).unwrap()),
+        );
         for _ in 0..50 {
             dog.turned();
             std::thread::sleep(Duration::from_millis(10));
@@ -278,6 +320,7 @@ mod tests {
         let stop = done.clone();
         let spinning = std::thread::spawn(move || {
             let dog = Watchdog::start(
+                Watched::Coordinator,
                 Duration::from_millis(100),
                 Box::new(move |e| tx.send(e.to_string()).unwrap()),
             );
