@@ -556,14 +556,11 @@ impl Checkpoints {
                 Ok(dir) => dir.map(|e| e.map_err(|e| io(&self.dir, e))).collect(),
             }
         };
-        for e in entries()? {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let Some(rest) = name.strip_prefix(".old-") else { continue };
-            let Some((step, _pid)) = rest.rsplit_once('-') else { continue };
-            let dest = self.dir.join(step);
-            if step.starts_with("step-") && !dest.exists() {
-                let _ = std::fs::rename(e.path(), &dest);
-            }
+        // A writer between its two renames has a step moved aside on
+        // purpose: the repair is only for one that crashed there, so it
+        // waits for a moment when no one holds the lock.
+        if let Some(_held) = self.lock_if_free() {
+            self.put_back_moved_aside(&entries()?);
         }
         let mut out: Vec<(u64, PathBuf)> = entries()?
             .into_iter()
@@ -602,11 +599,24 @@ impl Checkpoints {
     }
 
     /// Holds the local directory's lock while `f` runs (object storage has
-    /// none: its writes check the fence before and after).
+    /// none: its writes check the fence before and after). A lock another
+    /// process holds is waited for, and said: a writer hung on a file
+    /// system holds it for as long.
     fn locked<T>(&self, f: impl FnOnce() -> Result<T, CheckpointError>) -> Result<T, CheckpointError> {
         if self.remote.is_some() {
             return f();
         }
+        let (file, path) = self.lock_file()?;
+        if let Err(std::fs::TryLockError::WouldBlock) = file.try_lock() {
+            tracing::warn!("{}: waiting for another process's checkpoint write to end", path.display());
+            file.lock().map_err(|e| io(&path, format!("cannot lock: {e}")))?;
+        }
+        let out = f();
+        drop(file);
+        out
+    }
+
+    fn lock_file(&self) -> Result<(std::fs::File, PathBuf), CheckpointError> {
         std::fs::create_dir_all(&self.dir).map_err(|e| io(&self.dir, e))?;
         let path = self.dir.join(LOCK_FILE);
         let file = std::fs::OpenOptions::new()
@@ -615,10 +625,28 @@ impl Checkpoints {
             .write(true)
             .open(&path)
             .map_err(|e| io(&path, e))?;
-        file.lock().map_err(|e| io(&path, format!("cannot lock: {e}")))?;
-        let out = f();
-        drop(file);
-        out
+        Ok((file, path))
+    }
+
+    /// The local directory's lock, where no one holds it (held until the
+    /// file is dropped).
+    fn lock_if_free(&self) -> Option<std::fs::File> {
+        let (file, _) = self.lock_file().ok()?;
+        file.try_lock().ok().map(|()| file)
+    }
+
+    /// Puts back each step a writer moved aside (`.old-step-N-PID`) and
+    /// crashed before its new copy took the place. Only under the lock.
+    fn put_back_moved_aside(&self, entries: &[std::fs::DirEntry]) {
+        for e in entries {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix(".old-") else { continue };
+            let Some((step, _pid)) = rest.rsplit_once('-') else { continue };
+            let dest = self.dir.join(step);
+            if step.starts_with("step-") && !dest.exists() {
+                let _ = std::fs::rename(e.path(), &dest);
+            }
+        }
     }
 
     /// Fails when a coordinator with a token above `token` has claimed
@@ -705,11 +733,9 @@ impl Checkpoints {
         tables: &[crate::ps::SavedTable],
         manifest: Manifest,
     ) -> Result<PathBuf, CheckpointError> {
-        let state = (layout, values, tables);
-        if manifest.fence.is_none() {
-            return self.save_unfenced(state, manifest);
-        }
-        self.locked(|| self.save_unfenced(state, manifest))
+        // Local writes hold the directory's lock whether or not fenced: a
+        // coordinator's clean-up and repair wait for them (see `locked`).
+        self.locked(|| self.save_unfenced((layout, values, tables), manifest))
     }
 
     fn save_unfenced(
@@ -786,9 +812,15 @@ impl Checkpoints {
         let tmp = self.dir.join(format!(".tmp-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-        write_checkpoint_files(&tmp, state, manifest)?;
         let dest = self.dir.join(name);
-        self.move_into_place(&tmp, &dest, name)?;
+        let written = write_checkpoint_files(&tmp, state, manifest)
+            .and_then(|()| self.move_into_place(&tmp, &dest, name));
+        if let Err(e) = written {
+            // A partial write holds space the next write may need (a disk
+            // that filled): it goes now, not at the job's next start.
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
         // `latest` names the newest complete checkpoint, for people and tools.
         // Only ever forward (names sort by step): an older step written late
         // does not take it back.
@@ -928,23 +960,30 @@ impl Checkpoints {
         removed
     }
 
-    /// Removes what an interrupted writer left: temporary directories (call
-    /// only while nothing writes checkpoints, as at a job's start).
+    /// Removes what an interrupted writer left: temporary directories, once
+    /// a checkpoint moved aside by a crash is put back. Under the lock: a
+    /// writer still at work (the rank 0 of a coordinator taken over, its
+    /// write outlasting the lease) is waited for, never cut short.
     pub fn clean_leftovers(&self) -> Vec<PathBuf> {
         if self.remote.is_some() {
             // Objects are written whole: nothing is left half written.
             return Vec::new();
         }
-        let _ = self.list(); // puts back a checkpoint moved aside by a crash (its error is the resume's)
-        let mut removed = Vec::new();
-        for e in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let leftover = name.starts_with(".tmp-step-") || name.starts_with(".old-step-");
-            if leftover && e.path().is_dir() && std::fs::remove_dir_all(e.path()).is_ok() {
-                removed.push(e.path());
+        let cleaned = self.locked(|| {
+            let listed = || std::fs::read_dir(&self.dir).into_iter().flatten().flatten().collect::<Vec<_>>();
+            self.put_back_moved_aside(&listed());
+            let mut removed = Vec::new();
+            for e in listed() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let leftover = name.starts_with(".tmp-step-") || name.starts_with(".old-step-");
+                if leftover && e.path().is_dir() && std::fs::remove_dir_all(e.path()).is_ok() {
+                    removed.push(e.path());
+                }
             }
-        }
-        removed
+            Ok(removed)
+        });
+        // A directory that cannot be locked is the resume's error to say.
+        cleaned.unwrap_or_default()
     }
 
     /// Reads and verifies the checkpoint `path` names: a checkpoint's own
@@ -978,7 +1017,10 @@ impl Checkpoints {
                     }
                     return Ok(r);
                 }
-                Err(e) => why.push(e.to_string()),
+                Err(e @ CheckpointError::Corrupt { .. }) => why.push(e.to_string()),
+                // Not the checkpoint's fault (a file that cannot be read):
+                // an older one would be read in its place unseen.
+                Err(e) => return Err(e),
             }
         }
         Err(corrupt(
@@ -1689,9 +1731,53 @@ mod tests {
         let Err(e) = rerun.latest() else { panic!("a checkpoint that cannot be read was skipped") };
         let e = e.to_string();
         assert!(e.contains("step-") && e.contains("cannot be read"), "{e}");
+        // Nor is it passed over when the directory is read as a program's.
+        let Err(e) = Checkpoints::read_newest(dir.path()) else { panic!("read the one before unseen") };
+        assert!(e.to_string().contains(&newest.join(STATE_FILE).display().to_string()), "{e}");
         // Nor does a write prune on it.
         rerun.save(&layout(), &state(30.0), manifest(30)).unwrap();
         rerun.save(&layout(), &state(40.0), manifest(40)).unwrap();
         assert_eq!(steps(&rerun), [10, 20, 30, 40]);
+    }
+
+    #[test]
+    fn a_write_that_fails_leaves_no_partial_copy_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let cps = Checkpoints::new(dir.path(), 3);
+        cps.save(&layout(), &state(1.0), manifest(10)).unwrap();
+        // Fails once its directory is made: a state of the wrong size.
+        let e = cps.save(&layout(), &[0.0; 3], manifest(20)).unwrap_err();
+        assert!(e.to_string().contains("3 values for a state of 15"), "{e}");
+        let names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into())
+            .collect();
+        assert!(names.iter().all(|n| !n.starts_with(".tmp-")), "{names:?}");
+        assert_eq!(steps(&cps), [10]);
+    }
+
+    #[test]
+    fn a_step_moved_aside_is_put_back_and_leftovers_cleaned_only_when_no_one_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let cps = Checkpoints::new(dir.path(), 3);
+        cps.save(&layout(), &state(1.0), manifest(10)).unwrap();
+        let aside = dir.path().join(".old-step-0000000010-999");
+        std::fs::rename(dir.path().join(step_name(10)), &aside).unwrap();
+        std::fs::create_dir(dir.path().join(".tmp-step-0000000020-999")).unwrap();
+        // A writer between its renames (as it holds the lock): left alone.
+        let writer = cps.lock_if_free().expect("the lock is free");
+        assert!(cps.list().unwrap().is_empty() && aside.exists(), "repaired under a writer");
+        let cleaning = {
+            let cps = cps.clone();
+            std::thread::spawn(move || cps.clean_leftovers())
+        };
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert!(aside.exists(), "cleaned under a writer");
+        assert!(dir.path().join(".tmp-step-0000000020-999").exists(), "cleaned under a writer");
+        drop(writer);
+        let removed = cleaning.join().unwrap();
+        assert_eq!(removed, vec![dir.path().join(".tmp-step-0000000020-999")]);
+        assert_eq!(steps(&cps), [10], "the step moved aside is back");
+        assert_eq!(cps.latest().unwrap().0.unwrap().tensor("b").unwrap()[0], 1.0);
     }
 }
