@@ -59,10 +59,9 @@ impl Secret {
 
     /// Parses the hex form (64 hex digits; surrounding whitespace ignored).
     pub fn from_hex(text: &str) -> Result<Secret, AuthError> {
-        let bytes = hex::decode(text.trim())
-            .map_err(|_| AuthError::Malformed("a job secret is 64 hex digits".into()))?;
-        let b: [u8; 32] =
-            bytes.try_into().map_err(|_| AuthError::Malformed("a job secret is 64 hex digits".into()))?;
+        let bad = || AuthError::BadSecret(NOT_A_SECRET.into());
+        let bytes = hex::decode(text.trim()).map_err(|_| bad())?;
+        let b: [u8; 32] = bytes.try_into().map_err(|_| bad())?;
         Ok(Secret(b))
     }
 
@@ -91,7 +90,7 @@ impl Secret {
     pub fn read(path: &Path) -> Result<Secret, AuthError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| AuthError::Io(format!("{}: cannot read the job secret: {e}", path.display())))?;
-        Secret::from_hex(&text).map_err(|e| AuthError::Malformed(format!("{}: {e}", path.display())))
+        Secret::from_hex(&text).map_err(|e| AuthError::BadSecret(format!("{}: {e}", path.display())))
     }
 
     /// Writes the secret to `path`, readable by its owner only (created with
@@ -120,6 +119,10 @@ impl Secret {
         m
     }
 }
+
+/// What a text that is not a job's secret is told.
+const NOT_A_SECRET: &str =
+    "not a job secret: a job secret is 64 hex digits (`openssl rand -hex 32` makes one)";
 
 /// A job's identity on its connections: its name and its secret.
 #[derive(Clone, Debug)]
@@ -204,6 +207,9 @@ pub enum AuthError {
     Malformed(String),
     #[error("{0}")]
     Io(String),
+    /// What was given as the job's secret is not one.
+    #[error("{0}")]
+    BadSecret(String),
     /// The peer closed the connection before its part of the exchange (a
     /// probe of the port, a readiness check).
     #[error("the peer closed the connection during the secret's exchange")]

@@ -192,6 +192,9 @@ fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
 
 /// Creates the directory and proves a file can be written and renamed in it.
 fn check_writable(dir: &Path) -> Result<(), CheckpointError> {
+    if dir.exists() && !dir.is_dir() {
+        return Err(io(dir, "not a directory: a directory of checkpoints is wanted here"));
+    }
     std::fs::create_dir_all(dir).map_err(|e| io(dir, format!("cannot create it: {e}")))?;
     let probe = dir.join(format!(".write-probe-{}", std::process::id()));
     let result = write_durably(&probe, b"probe")

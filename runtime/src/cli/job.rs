@@ -214,6 +214,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
         Workload::Program { .. } => None,
     };
     check_ps(&args.ps, &args.cluster)?;
+    super::summary::check_outputs(&args.output)?;
     let plugins = Plugins::load(host, &args.plugins, transform)?;
     let dirs = JobDirs::new(&name, args.state.checkpoint_dir.clone());
     let exe = std::env::current_exe().context("locating edl-runtime")?;
@@ -238,8 +239,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     if !args.state.restart
         && let Some(done) = coordinator::finished_here(&checkpoint_dir, &name)?
     {
-        println!("done      {done}");
-        return Ok(ExitCode::SUCCESS);
+        return Ok(super::summary::already_finished(&done, &args.output));
     }
     job = start_servers(job, teachers.start, &args, &dirs, &exe)?;
     let mut display = ProgressDisplay::new(work.rows() as u64, args.training.epochs)?;
@@ -271,8 +271,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
         Ok(o) => o,
         Err(u) if u.error.is::<coordinator::AlreadyFinished>() => {
             display.finish();
-            println!("done      {}", u.error);
-            return Ok(ExitCode::SUCCESS);
+            return Ok(super::summary::already_finished(&u.error, &args.output));
         }
         Err(u) => {
             display.finish();

@@ -129,6 +129,7 @@ pub fn run(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
 /// The flags it does not use were refused when the command line was read.
 fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
     let args = &l.run;
+    super::summary::check_outputs(&args.output)?;
     let across = args.cluster.scaler != ScalerKind::Local;
     let job_dir = PathBuf::from(".edl").join(&l.job);
     let cfg = torchrun_config(&l, &job_dir)?;
@@ -160,8 +161,7 @@ fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
         let (hc, mut scaler) = hosts_config(&l, &job_dir, nproc)?;
         match torchrun::run_hosts(&cfg, hc, scaler.as_mut(), policy.as_mut(), &mut on) {
             Err(e) if e.is::<edl_runtime::coordinator::AlreadyFinished>() => {
-                println!("done      {e}");
-                return Ok(ExitCode::SUCCESS);
+                return Ok(super::summary::already_finished(&e, &args.output));
             }
             r => r?,
         }

@@ -85,6 +85,11 @@ pub fn run(host: &Arc<PluginHost>, args: SimArgs) -> Result<ExitCode> {
     if !(args.price.is_finite() && args.price >= 0.0) {
         edl_runtime::refuse!("--price {}: need a finite price of 0 or more", args.price);
     }
+    // The bounds a job would refuse, refused alike.
+    let b = &args.bounds;
+    if let Err(e) = edl_runtime::job::config::worker_bounds(b.min_workers, b.max_workers, b.initial()) {
+        edl_runtime::refuse!("{e}");
+    }
     let pace = match (args.decide_every_secs, args.watch) {
         (Some(s), _) => Duration::try_from_secs_f64(s).map_err(|_| {
             anyhow::anyhow!("--decide-every-secs {s}: need a finite number of seconds, 0 or more")

@@ -27,6 +27,48 @@ pub(super) fn unfinished(
     Ok(ExitCode::from(stop.exit_code()))
 }
 
+/// Refuses a `--report` or `--plot` that could not be written at the
+/// job's end (a directory that is missing or not writable, a directory in
+/// the file's place), before the job trains.
+pub(super) fn check_outputs(output: &OutputArgs) -> Result<()> {
+    let asked = [("--report", &output.report), ("--plot", &output.plot)];
+    for (flag, path) in asked.into_iter().filter_map(|(f, p)| p.as_ref().map(|p| (f, p))) {
+        if path.is_dir() {
+            anyhow::bail!("{flag} {}: a directory, not a file", path.display());
+        }
+        if path.exists() {
+            continue;
+        }
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        if !dir.is_dir() {
+            anyhow::bail!("{flag} {}: there is no directory {}", path.display(), dir.display());
+        }
+        tempfile::Builder::new()
+            .prefix(".edl-")
+            .tempfile_in(dir)
+            .with_context(|| format!("{flag} {}: cannot write in {}", path.display(), dir.display()))?;
+    }
+    Ok(())
+}
+
+/// A job found finished before: said, with the report and plot asked for
+/// that are not written (nothing ran to write them from).
+pub(super) fn already_finished(done: &dyn std::fmt::Display, output: &OutputArgs) -> ExitCode {
+    println!("done      {done}");
+    let asked: Vec<String> =
+        [&output.report, &output.plot].into_iter().flatten().map(|p| p.display().to_string()).collect();
+    if !asked.is_empty() {
+        println!(
+            "note      nothing was trained, so {} not written; the finished run's are where it wrote them",
+            asked.join(" and ") + if asked.len() == 1 { " is" } else { " are" }
+        );
+    }
+    ExitCode::SUCCESS
+}
+
 /// What a coordinator whose loop stalled leaves before the process ends
 /// (its error is printed by then): a report, where one is asked for, that
 /// says the job failed and why (what it did until then is held by the loop

@@ -66,6 +66,21 @@ macro_rules! refuse {
     };
 }
 
+/// Refuses worker bounds no job (nor a simulation of one) can keep:
+/// `--min-workers`, `--max-workers` and `--workers` at the start.
+pub fn worker_bounds(min: u32, max: u32, initial: u32) -> Result<()> {
+    if min == 0 || min > max {
+        bail!("--min-workers {min} and --max-workers {max}: need 1 <= min <= max");
+    }
+    if initial > max {
+        bail!("--workers {initial} is above --max-workers {max}");
+    }
+    if initial < min {
+        bail!("--workers {initial} is below --min-workers {min}");
+    }
+    Ok(())
+}
+
 impl JobConfig {
     /// Refuses settings a job cannot run with, naming the flag, before
     /// anything starts.
@@ -88,16 +103,7 @@ impl JobConfig {
         if self.spec.epochs == 0 {
             bail!("--epochs 0: a job trains at least one epoch");
         }
-        if self.min_workers == 0 || self.min_workers > self.max_workers {
-            bail!(
-                "--min-workers {} and --max-workers {}: need 1 <= min <= max",
-                self.min_workers,
-                self.max_workers
-            );
-        }
-        if self.initial_workers > self.max_workers {
-            bail!("--workers {} is above --max-workers {}", self.initial_workers, self.max_workers);
-        }
+        worker_bounds(self.min_workers, self.max_workers, self.initial_workers)?;
         if self.warm_spares > 0 && self.warm_spares >= self.max_workers {
             bail!(
                 "--warm-spares {} leaves no worker of --max-workers {} to train: spares count toward it",

@@ -55,12 +55,23 @@ pub struct Dataset {
 /// Why a data set could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
-    #[error("{path}: cannot read data: {source}")]
+    #[error("{path}: cannot read data: {source}{}", where_data_is(source))]
     Read { path: String, source: std::io::Error },
     #[error("{path}: checksum {found} is not the expected {expected}; the file is damaged or replaced")]
     Checksum { path: String, found: String, expected: String },
     #[error("{path}:{line}: {detail}")]
     Parse { path: String, line: usize, detail: String },
+}
+
+/// Where the shipped data sets are looked for, said when one is missing.
+fn where_data_is(e: &std::io::Error) -> &'static str {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => {
+            " (the shipped data sets are read from $EDL_DATA_DIR where it is set, else from runtime/data in \
+             the source checkout the runtime was built from: point EDL_DATA_DIR at a copy of that directory)"
+        }
+        _ => "",
+    }
 }
 
 impl Dataset {

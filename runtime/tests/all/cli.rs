@@ -294,6 +294,15 @@ fn a_price_keeps_a_cost_aware_policy_small_in_replay_and_simulate() {
     assert!(!sim("0").contains("final world size 1"));
     let (ok, _, err) = edl(&["simulate", "--policy", art::AUTOSCALE_WASM, "--price=-1"], cache.path());
     assert!(!ok && err.contains("--price -1"), "{err}");
+    // Bounds a job refuses, refused alike (not simulated, nor clamped).
+    for (bounds, want) in [
+        (&["--min-workers", "5", "--max-workers", "2"][..], "--min-workers 5 and --max-workers 2"),
+        (&["--workers", "9"], "--workers 9 is above --max-workers 4"),
+    ] {
+        let (ok, out, err) =
+            edl(&[&["simulate", "--policy", art::AUTOSCALE_WASM][..], bounds].concat(), cache.path());
+        assert!(!ok && err.contains(want) && !out.contains("simulated cluster"), "{out}{err}");
+    }
 }
 
 /// `edl-runtime ARGS` in `dir`, output piped; (exit code, stdout, stderr).

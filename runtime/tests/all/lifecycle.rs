@@ -60,6 +60,7 @@ fn a_finished_job_stays_finished_and_restart_trains_it_again_keeping_its_checkpo
     assert!(out.contains("job \"mnist\" finished before, its final checkpoint is"), "{out}");
     assert!(out.contains(last.as_str()) && out.contains("--restart"), "{out}");
     assert!(!out.contains("epoch     0 done"), "it trained again:\n{out}");
+    assert!(out.contains("report.json is not written"), "the report asked for is said not written:\n{out}");
     assert_eq!(names(&ckpt), finished);
     assert_eq!(std::fs::read(dir.path().join("report.json")).unwrap(), first_report);
     // Nor does it start teachers first (a rerun with distillation on).
@@ -93,6 +94,38 @@ fn a_finished_job_stays_finished_and_restart_trains_it_again_keeping_its_checkpo
     assert!(after.iter().all(|n| !n.starts_with("finished-")), "{after:?}");
     assert!(after.iter().any(|n| n.starts_with("step-")), "{after:?}");
     assert!(ckpt.join("complete.json").exists());
+}
+
+#[test]
+fn restart_trains_an_unfinished_job_again_and_fewer_epochs_than_its_checkpoint_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join(".edl/mnist/checkpoints");
+    let mut c = small(dir.path(), &["--epochs", "50", "--step-delay-ms", "5"]).spawn().unwrap();
+    let rx = lines(&mut c);
+    let mut seen = Vec::new();
+    wait_for(&rx, "epoch     2 done", &mut seen, Duration::from_secs(120));
+    c.kill().unwrap();
+    c.wait().unwrap();
+    let left = names(&ckpt);
+    assert!(left.iter().any(|n| n.starts_with("step-")), "{left:?}");
+
+    // Its newest checkpoint is past 1 epoch: refused before anything runs.
+    let (status, out) = run_to_end(small(dir.path(), &["--epochs", "1"]));
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("past this job's --epochs 1") && out.contains("--restart"), "{out}");
+    assert!(out.contains(".edl/mnist/checkpoints/step-"), "the checkpoint is named: {out}");
+    assert!(!out.contains("epoch     0 done"), "{out}");
+    assert_eq!(names(&ckpt), left, "the checkpoints stay as they were");
+
+    // --restart trains it from step 0 to its 1 epoch.
+    let (status, out) = run_to_end(small(dir.path(), &["--epochs", "1", "--restart"]));
+    assert!(status.success(), "{out}");
+    assert!(out.contains("again from step 0, though it had not finished"), "{out}");
+    let r = report(dir.path());
+    assert!(r["resumed_from_step"].is_null(), "{r}");
+    assert_exactly_once(&r, 1, 400);
+    let after = names(&ckpt);
+    assert!(after.iter().all(|n| !n.starts_with("finished-")), "{after:?}");
 }
 
 /// An active coordinator (in `a`) past its first epoch, and a standby (in
