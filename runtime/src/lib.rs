@@ -48,3 +48,42 @@ pub mod store;
 pub mod torchrun;
 pub mod trainer;
 pub mod worker;
+
+/// An error and its causes on one line: a cause whose text the line
+/// already holds (an error that says its source in its own message) is not
+/// said again.
+pub fn error_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if text.is_empty() || line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_line_says_each_cause_once() {
+        let io = || std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory");
+        // A cause said in its error's own message, and again as its source.
+        #[derive(Debug, thiserror::Error)]
+        #[error("m.bin: cannot read: {source}")]
+        struct Read {
+            source: std::io::Error,
+        }
+        let e = anyhow::Error::new(Read { source: io() }).context("loading the model");
+        assert_eq!(error_line(&e), "loading the model: m.bin: cannot read: No such file or directory");
+        // Causes not said before are all said, in order.
+        let e = anyhow::Error::new(io()).context("m.bin").context("loading the model");
+        assert_eq!(error_line(&e), "loading the model: m.bin: No such file or directory");
+    }
+}

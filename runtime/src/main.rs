@@ -18,7 +18,7 @@ fn main() -> ExitCode {
     match cli::run(cli::parse()) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {}", cli::error_line(&e));
+            eprintln!("error: {}", edl_runtime::error_line(&e));
             // A setting refused before anything started: as clap's refusals.
             match e.chain().any(|c| c.is::<edl_runtime::job::config::Refused>()) {
                 true => ExitCode::from(2),

@@ -375,6 +375,20 @@ fn nonsensical_flags_are_one_line_errors_before_anything_starts() {
     }
 }
 
+/// Slurm's client missing (no `sbatch` on the PATH): the job's error says
+/// why its workers could not start, not only that none joined.
+#[test]
+fn a_job_whose_workers_cannot_start_says_why_in_its_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("no-slurm");
+    std::fs::create_dir(&empty).unwrap();
+    let out = small(dir.path(), &["--scaler", "slurm"]).env("PATH", &empty).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("no worker joined the job; the scaler could not start worker 1: sbatch"), "{err}");
+    assert_eq!(err.matches("No such file or directory").count(), 1, "said once: {err}");
+}
+
 #[test]
 fn a_second_coordinator_of_the_same_job_is_refused_naming_the_first() {
     let dir = tempfile::tempdir().unwrap();
