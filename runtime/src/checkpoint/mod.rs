@@ -498,6 +498,21 @@ impl Checkpoints {
         }
     }
 
+    /// The small file `name` beside the checkpoints, if there.
+    pub fn get_file(&self, name: &str) -> Result<Option<Vec<u8>>, CheckpointError> {
+        match &self.remote {
+            Some(r) => r.get(name).map_err(CheckpointError::from),
+            None => {
+                let path = self.dir.join(name);
+                match std::fs::read(&path) {
+                    Ok(b) => Ok(Some(b)),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                    Err(e) => Err(io(&path, e)),
+                }
+            }
+        }
+    }
+
     /// Whether the file `name` is there; an error when that cannot be told.
     pub fn has_file(&self, name: &str) -> Result<bool, CheckpointError> {
         match &self.remote {

@@ -239,7 +239,7 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     if !args.state.restart
         && let Some(done) = coordinator::finished_here(&checkpoint_dir, &name)?
     {
-        return Ok(super::summary::already_finished(&done, &args.output));
+        return Ok(super::summary::already_finished(&done, &args.output, Some(args.training.epochs)));
     }
     job = start_servers(job, teachers.start, &args, &dirs, &exe)?;
     let mut display = ProgressDisplay::new(work.rows() as u64, args.training.epochs)?;
@@ -269,12 +269,11 @@ pub fn run(host: &Arc<PluginHost>, name: String, args: JobArgs, work: Workload) 
     let job = job.on_stall(super::summary::on_stall(&args.output, &name, &dirs.checkpoint_dir));
     let outcome = match watched_run(job, &mut display, watch, board) {
         Ok(o) => o,
-        Err(u) if u.error.is::<coordinator::AlreadyFinished>() => {
-            display.finish();
-            return Ok(super::summary::already_finished(&u.error, &args.output));
-        }
         Err(u) => {
             display.finish();
+            if let Some(done) = u.error.downcast_ref::<coordinator::AlreadyFinished>() {
+                return Ok(super::summary::already_finished(done, &args.output, Some(args.training.epochs)));
+            }
             return unfinished(u, &args.output, &name, &dirs.checkpoint_dir, |o| report_of(o, None));
         }
     };

@@ -160,10 +160,11 @@ fn torchrun(host: &Arc<PluginHost>, l: LaunchArgs) -> Result<ExitCode> {
     let outcome = if across {
         let (hc, mut scaler) = hosts_config(&l, &job_dir, nproc)?;
         match torchrun::run_hosts(&cfg, hc, scaler.as_mut(), policy.as_mut(), &mut on) {
-            Err(e) if e.is::<edl_runtime::coordinator::AlreadyFinished>() => {
-                return Ok(super::summary::already_finished(&e, &args.output));
-            }
-            r => r?,
+            Err(e) => match e.downcast_ref::<edl_runtime::coordinator::AlreadyFinished>() {
+                Some(done) => return Ok(super::summary::already_finished(done, &args.output, None)),
+                None => return Err(e),
+            },
+            Ok(outcome) => outcome,
         }
     } else {
         torchrun::run(&cfg, policy.as_mut(), &mut on)?

@@ -55,9 +55,22 @@ pub(super) fn check_outputs(output: &OutputArgs) -> Result<()> {
 }
 
 /// A job found finished before: said, with the report and plot asked for
-/// that are not written (nothing ran to write them from).
-pub(super) fn already_finished(done: &dyn std::fmt::Display, output: &OutputArgs) -> ExitCode {
+/// that are not written (nothing ran to write them from), and `--epochs`
+/// (`epochs`) where it asks for other than the finished run trained.
+pub(super) fn already_finished(
+    done: &coordinator::AlreadyFinished,
+    output: &OutputArgs,
+    epochs: Option<u64>,
+) -> ExitCode {
     println!("done      {done}");
+    if let (Some(trained), Some(asked)) = (done.epochs, epochs)
+        && trained != asked
+    {
+        println!(
+            "note      it trained its {trained} epochs; a finished job is not trained on to --epochs {asked} \
+             (--restart trains it again from step 0 with them)"
+        );
+    }
     let asked: Vec<String> =
         [&output.report, &output.plot].into_iter().flatten().map(|p| p.display().to_string()).collect();
     if !asked.is_empty() {

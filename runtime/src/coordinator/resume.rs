@@ -66,7 +66,14 @@ impl AlreadyFinished {
     /// Job `job`, finished, its final checkpoint the newest in `cps`.
     fn at(cps: &Checkpoints, job: &str) -> Result<AlreadyFinished> {
         let listed = cps.list().context("listing the finished job's checkpoints")?;
-        Ok(AlreadyFinished { job: job.to_string(), final_checkpoint: listed.last().map(|(_, p)| p.clone()) })
+        // The marker is the epochs' records (unreadable: not known).
+        let marker = cps.get_file(COMPLETE).ok().flatten();
+        let epochs = marker.and_then(|b| serde_json::from_slice::<Vec<serde_json::Value>>(&b).ok());
+        Ok(AlreadyFinished {
+            job: job.to_string(),
+            final_checkpoint: listed.last().map(|(_, p)| p.clone()),
+            epochs: epochs.map(|e| e.len() as u64),
+        })
     }
 }
 
@@ -80,6 +87,8 @@ impl AlreadyFinished {
 pub struct AlreadyFinished {
     pub job: String,
     pub final_checkpoint: Option<PathBuf>,
+    /// The epochs it trained, where its marker says.
+    pub epochs: Option<u64>,
 }
 
 /// The marker of a finished job, beside its checkpoints.

@@ -594,7 +594,7 @@ pub fn run_hosts(
 fn ended_before(hold: Hold, lead: &Lead, job: &str) -> Result<Hold> {
     if !lead.restart {
         if hold.finished {
-            return Err(AlreadyFinished { job: job.into(), final_checkpoint: None }.into());
+            return Err(AlreadyFinished { job: job.into(), final_checkpoint: None, epochs: None }.into());
         }
         if let Some(why) = hold.failed.as_ref().filter(|_| lead.standby) {
             bail!(

@@ -68,6 +68,10 @@ fn a_finished_job_stays_finished_and_restart_trains_it_again_keeping_its_checkpo
     let (status, out) = run_to_end(job(dir.path(), &with_teachers));
     assert!(status.success() && out.contains("finished before"), "{out}");
     assert!(!out.contains("serving on"), "teachers were started for a finished job:\n{out}");
+    // More epochs than it trained are said not to be trained on.
+    let (status, out) = run_to_end(small(dir.path(), &["--epochs", "5", "--checkpoint-every", "4"]));
+    assert!(status.success() && out.contains("finished before"), "{out}");
+    assert!(out.contains("it trained its 2 epochs; a finished job is not trained on to --epochs 5"), "{out}");
 
     // --restart trains it again from step 0; the finished run's checkpoints
     // are set aside until the new run has finished, then removed.
