@@ -882,8 +882,8 @@ impl Checkpoints {
         if self.good.lock().unwrap_or_else(|p| p.into_inner()).contains(path) {
             return Ok(true);
         }
-        match self.read_at(path) {
-            Ok(_) => {
+        match self.verify_unread(path) {
+            Ok(()) => {
                 self.known_good(path);
                 Ok(true)
             }
@@ -1067,21 +1067,27 @@ impl Checkpoints {
     /// unusable.
     pub fn read_at(&self, path: &Path) -> Result<Restored, CheckpointError> {
         let r = self.read_unfenced(path)?;
+        self.unless_deposed(path, &r.manifest)?;
+        Ok(r)
+    }
+
+    /// Refuses a checkpoint a deposed coordinator wrote (see [`Fence`]).
+    fn unless_deposed(&self, path: &Path, manifest: &Manifest) -> Result<(), CheckpointError> {
         if let Some(f) = self.fence()?
-            && f.deposes(&r.manifest)
+            && f.deposes(manifest)
         {
             return Err(corrupt(
                 path,
                 format!(
                     "written by a deposed coordinator (lease token {}, below the token {} of the one that took \
                      the job over at step {})",
-                    r.manifest.fence.unwrap_or(0),
+                    manifest.fence.unwrap_or(0),
                     f.token,
                     f.from_step
                 ),
             ));
         }
-        Ok(r)
+        Ok(())
     }
 
     fn read_unfenced(&self, path: &Path) -> Result<Restored, CheckpointError> {
@@ -1103,6 +1109,20 @@ impl Checkpoints {
         path: &Path,
         fetch: impl Fn(&str) -> Result<Vec<u8>, CheckpointError>,
     ) -> Result<Restored, CheckpointError> {
+        let (manifest, state_name) = Self::verified_manifest(path, &fetch)?;
+        let file = path.join(&state_name);
+        let bytes = fetch(&state_name)?;
+        Self::state_sum_matches(&manifest, &state_name, &file, Sha256::digest(&bytes).into())?;
+        let (layout, values, tables) = read_state(&file, &bytes)?;
+        Ok(Restored { path: path.to_path_buf(), manifest, layout, values, tables })
+    }
+
+    /// The manifest of the checkpoint at `path`, once it matches the
+    /// checksum beside it, and the name of the state file it lists.
+    fn verified_manifest(
+        path: &Path,
+        fetch: &impl Fn(&str) -> Result<Vec<u8>, CheckpointError>,
+    ) -> Result<(Manifest, String), CheckpointError> {
         let sum_path = path.join("manifest.sha256");
         let recorded = fetch("manifest.sha256").map_err(|e| match e {
             CheckpointError::Corrupt { .. } => {
@@ -1135,15 +1155,64 @@ impl Checkpoints {
             .find(|f| f.ends_with(".safetensors") && !f.contains('/'))
             .cloned()
             .ok_or_else(|| corrupt(path, format!("manifest lists no {STATE_FILE}")))?;
-        let want = &manifest.files[&state_name];
-        let file = path.join(&state_name);
-        let bytes = fetch(&state_name)?;
-        let got = hex::encode(Sha256::digest(&bytes));
+        Ok((manifest, state_name))
+    }
+
+    /// Whether the state file `file`, whose sha256 is `got`, is the one
+    /// the manifest lists.
+    fn state_sum_matches(
+        manifest: &Manifest,
+        state_name: &str,
+        file: &Path,
+        got: [u8; 32],
+    ) -> Result<(), CheckpointError> {
+        let want = &manifest.files[state_name];
+        let got = hex::encode(got);
         if &got != want {
-            return Err(corrupt(&file, format!("sha256 {got} does not match the manifest's {want}")));
+            return Err(corrupt(file, format!("sha256 {got} does not match the manifest's {want}")));
         }
-        let (layout, values, tables) = read_state(&file, &bytes)?;
-        Ok(Restored { path: path.to_path_buf(), manifest, layout, values, tables })
+        Ok(())
+    }
+
+    /// Verifies the checkpoint at `path` without decoding its state: the
+    /// manifest against its checksum and the state file against the
+    /// manifest's sum, a local file read through in pieces (what pruning
+    /// needs to know, at a fraction of the memory of reading it back); one
+    /// written by a deposed coordinator is unusable.
+    fn verify_unread(&self, path: &Path) -> Result<(), CheckpointError> {
+        let manifest = match &self.remote {
+            // An object comes whole; only its decoding is saved.
+            Some(_) => return self.read_at(path).map(drop),
+            None => {
+                let fetch = |name: &str| {
+                    let file = path.join(name);
+                    std::fs::read(&file).map_err(|e| match e.kind() {
+                        std::io::ErrorKind::NotFound => {
+                            corrupt(&file, "no such file; not a complete checkpoint")
+                        }
+                        _ => io(&file, e),
+                    })
+                };
+                let (manifest, state_name) = Self::verified_manifest(path, &fetch)?;
+                let file = path.join(&state_name);
+                let mut f = std::fs::File::open(&file).map_err(|e| match e.kind() {
+                    std::io::ErrorKind::NotFound => corrupt(&file, "no such file; not a complete checkpoint"),
+                    _ => io(&file, e),
+                })?;
+                let (mut hasher, mut piece) = (Sha256::new(), vec![0u8; 1 << 20]);
+                loop {
+                    match std::io::Read::read(&mut f, &mut piece) {
+                        Ok(0) => break,
+                        Ok(n) => hasher.update(&piece[..n]),
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(io(&file, e)),
+                    }
+                }
+                Self::state_sum_matches(&manifest, &state_name, &file, hasher.finalize().into())?;
+                manifest
+            }
+        };
+        self.unless_deposed(path, &manifest)
     }
 
     /// The newest checkpoint that verifies, and the unusable ones skipped
