@@ -38,7 +38,7 @@ impl Coordinator<'_> {
                 Command::Spawn { worker } => {
                     let auth = JobAuth { job: self.cfg.spec.job.clone(), secret: self.cfg.secret.clone() };
                     if let Err(e) = self.scaler.spawn(worker, &self.io.addr, &auth) {
-                        self.start_failed(worker, crate::error_line(&e));
+                        self.membership.spawn_failed(worker, crate::error_line(&e));
                     }
                 }
                 Command::Welcome { conn, assigned } => {
@@ -259,20 +259,13 @@ impl Coordinator<'_> {
         }
         let now = Instant::now();
         for (worker, why) in self.scaler.failed_spawns() {
-            self.start_failed(worker, why);
+            self.membership.spawn_failed(worker, why);
         }
         for (worker, status) in self.scaler.exited() {
             self.membership.handle(now, MemberEvent::Exited { worker, status });
         }
         self.membership.handle_timeout(now);
         self.execute();
-    }
-
-    /// The scaler could not start `worker`: said, and kept for the job's
-    /// error should no worker join.
-    fn start_failed(&mut self, worker: u64, why: String) {
-        self.start_failed = Some(format!("worker {worker}: {why}"));
-        self.membership.spawn_failed(worker, why);
     }
 
     /// Waits for joiners until at least `want` are there (or nothing is starting).
@@ -295,7 +288,7 @@ impl Coordinator<'_> {
             self.check_spawning();
         }
         if self.membership.joiners() == 0 {
-            let last = self.start_failed.as_ref().map(|w| format!("; the scaler could not start {w}"));
+            let last = self.membership.start_failed().map(|w| format!("; the scaler could not start {w}"));
             bail!("no worker joined the job{} (worker logs: {})", last.unwrap_or_default(), self.log_hint());
         }
         Ok(())

@@ -82,8 +82,6 @@ struct Coordinator<'a> {
     unused: Vec<UnusedWorker>,
     /// Steps computed again (after failures, or a resume past the checkpoint).
     redone_steps: u64,
-    /// Why the scaler could not start a worker, the last time it could not.
-    start_failed: Option<String>,
     /// The workers' states last told to the watchers.
     told_workers: Vec<WorkerState>,
     /// Step times measured at each (world size, global batch), for the
@@ -530,7 +528,6 @@ impl<'a> Coordinator<'a> {
             adapter_decisions: Default::default(),
             unused: Vec::new(),
             redone_steps: 0,
-            start_failed: None,
             told_workers: Vec::new(),
             step_times: Default::default(),
             window_started: Instant::now(),

@@ -162,6 +162,8 @@ pub struct Membership {
     spares_given_up: bool,
     /// What the spares were for, as a policy sizing them sees it.
     spare_counts: SpareCounts,
+    /// The last worker the scaler could not start, and why.
+    start_failed: Option<String>,
 }
 
 /// What a job's warm spares were used for, all told.
@@ -227,7 +229,13 @@ impl Membership {
             spares_lost: 0,
             spares_given_up: false,
             spare_counts: SpareCounts::default(),
+            start_failed: None,
         }
+    }
+
+    /// The last worker the scaler could not start, and why.
+    pub fn start_failed(&self) -> Option<&str> {
+        self.start_failed.as_deref()
     }
 
     /// Keeps `n` warm spares from now on (within the maximum): more are
@@ -544,6 +552,7 @@ impl Membership {
         let spare = self.spare_ids.remove(&worker);
         self.replacement_lost(Instant::now(), worker);
         self.note(format!("could not start worker {worker}: {why}"), None);
+        self.start_failed = Some(format!("worker {worker}: {why}"));
         // Not started again from here: the scaler refuses now, and would
         // refuse the next one alike. The next change of the job tries.
         if spare && self.spare_failed() {
