@@ -942,7 +942,7 @@ impl Checkpoints {
         if let Some(r) = &self.remote {
             return Err(CheckpointError::Io {
                 path: r.url_of(""),
-                detail: "a finished job's checkpoints in object storage cannot be set aside for --restart; \
+                detail: "a job's checkpoints in object storage cannot be set aside for --restart; \
                          remove them (or choose another --checkpoint-dir) to train the job again"
                     .into(),
             });

@@ -103,6 +103,9 @@ const MAX_CONNECTIONS: usize = 256;
 /// request's headers (the first, and each next one on a kept connection).
 const HANDSHAKE_TIME: std::time::Duration = std::time::Duration::from_secs(10);
 const HEADER_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long a write to a client may wait for it to read: one that sends
+/// requests and never reads its answers gives its slot back after this.
+const WRITE_TIME: std::time::Duration = std::time::Duration::from_secs(30);
 /// An HTTP/2 client is pinged this often when quiet, and given up when a
 /// ping stays unanswered this long: a connection whose client is gone or
 /// frozen gives its slot back.
@@ -148,11 +151,26 @@ async fn accept(
 
 /// Serves HTTP/1.1 or HTTP/2 on one connection, whose client must start
 /// its first request and send each request's headers within
-/// [`HEADER_TIME`], and answer HTTP/2's pings within [`KEEPALIVE`].
+/// [`HEADER_TIME`], answer HTTP/2's pings within [`KEEPALIVE`], and read
+/// what it is sent (no write waits on it longer than [`WRITE_TIME`]).
 async fn serve_connection<I>(io: I, router: Router, what: &'static str)
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
+    serve_connection_within(io, router, what, WRITE_TIME).await
+}
+
+async fn serve_connection_within<I>(
+    io: I,
+    router: Router,
+    what: &'static str,
+    write_time: std::time::Duration,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let mut io = tokio_io_timeout::TimeoutStream::new(io);
+    io.set_write_timeout(Some(write_time));
+    let io = Box::pin(io);
     use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_TIME);
@@ -781,6 +799,39 @@ mod tests {
                 let closed = tokio::time::timeout(HEADER_TIME * 6, conn.read(&mut [0u8; 64])).await;
                 assert!(matches!(closed, Ok(Ok(0) | Err(_))), "{name}: {closed:?}");
             }
+        });
+    }
+
+    /// A client that asks and asks and never reads: the write that waits
+    /// on it past its time ends the connection (its slot given back), where
+    /// it would wait for as long as the client stayed.
+    #[test]
+    fn a_client_that_never_reads_is_given_up() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        rt.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let big = vec![b'x'; 64 << 10];
+            let router = Router::new().route("/big", axum::routing::get(move || async move { big.clone() }));
+            let served = tokio::spawn(async move {
+                let (tcp, _) = listener.accept().await.unwrap();
+                serve_connection_within(tcp, router, "test endpoint", std::time::Duration::from_secs(1))
+                    .await;
+            });
+            let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+            // 400 answers of 64 KiB: far more than the sockets' buffers hold.
+            let asks = b"GET /big HTTP/1.1\r\nhost: localhost\r\n\r\n".repeat(400);
+            client.write_all(&asks).await.unwrap();
+            // Not read meanwhile: the server's write waits, then gives up.
+            tokio::time::timeout(std::time::Duration::from_secs(60), served).await.unwrap().unwrap();
+            let mut got = 0usize;
+            let mut piece = vec![0u8; 1 << 16];
+            while let Ok(Ok(n @ 1..)) =
+                tokio::time::timeout(std::time::Duration::from_secs(10), client.read(&mut piece)).await
+            {
+                got += n;
+            }
+            assert!(got < 400 * (64 << 10), "every answer was written: {got} bytes");
         });
     }
 }

@@ -8,7 +8,7 @@ use crate::{
     leader::record::ScaleEvent,
 };
 use prometheus_client::{
-    encoding::EncodeLabelSet,
+    encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder},
     metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram, info::Info},
     registry::{Registry, Unit},
 };
@@ -17,10 +17,33 @@ use std::sync::atomic::AtomicU64;
 /// A gauge of a real number.
 type Real = Gauge<f64, AtomicU64>;
 
+/// A label's value from outside the runtime (a program's metric name, a
+/// plugin's, the job's, a teacher's address), written as the text format
+/// asks: a backslash, a double quote and a line feed escaped
+/// (`prometheus-client` writes a value as it is given, and one quote in it
+/// would make Prometheus refuse the whole scrape).
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+struct Text(String);
+
+impl EncodeLabelValue for Text {
+    fn encode(&self, out: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        use std::fmt::Write;
+        for c in self.0.chars() {
+            match c {
+                '\\' => out.write_str("\\\\")?,
+                '"' => out.write_str("\\\"")?,
+                '\n' => out.write_str("\\n")?,
+                c => out.write_char(c)?,
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A program's own metric (`step.commit(accuracy=...)`), by its name.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct NameLabel {
-    name: String,
+    name: Text,
 }
 
 /// What a scaling policy's decision was.
@@ -44,7 +67,7 @@ struct ServerLabel {
 /// A teacher of the pool, and a quantile of its students' request times.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TeacherLabel {
-    teacher: String,
+    teacher: Text,
 }
 
 /// Which plugin a call went to.
@@ -131,7 +154,7 @@ impl JobMetrics {
         let mut registry = Registry::with_prefix("edl");
         // `name`, not `job`: Prometheus gives every scraped series a `job`
         // label of its own (the scrape job's).
-        let info = Info::new(vec![("name", job.to_string()), ("policy", policy.to_string())]);
+        let info = Info::new(vec![("name", Text(job.into())), ("policy", Text(policy.into()))]);
         registry.register("job", "The job this process coordinates", info);
         let m = JobMetrics {
             committed_step: Gauge::default(),
@@ -394,7 +417,7 @@ impl JobMetrics {
         self.goodput.set(s.goodput.unwrap_or(f64::NAN));
         self.world.set(s.world as i64);
         for (name, v) in &s.metrics {
-            self.program.get_or_create(&NameLabel { name: name.clone() }).set(*v);
+            self.program.get_or_create(&NameLabel { name: Text(name.clone()) }).set(*v);
         }
     }
 
@@ -459,7 +482,7 @@ impl JobMetrics {
         self.teacher_p50.clear();
         self.teacher_p99.clear();
         for t in &v.teachers {
-            let label = TeacherLabel { teacher: t.id.to_string() };
+            let label = TeacherLabel { teacher: Text(t.id.to_string()) };
             self.teacher_use.get_or_create(&label).set(t.utilisation);
             self.teacher_rows.get_or_create(&label).set(t.rows_per_sec);
             self.teacher_p50.get_or_create(&label).set(t.p50_ms / 1e3);
@@ -728,6 +751,21 @@ mod tests {
             "edl_teacher_request_p99_seconds{teacher=\"7\"} 0.0125",
             "edl_teacher_request_p50_seconds{teacher=\"7\"} 0.004",
             "# EOF",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line:?} missing from\n{text}");
+        }
+    }
+
+    #[test]
+    fn label_values_from_outside_are_escaped() {
+        let mut m = JobMetrics::new("mnist", "my \"policy\" 0.1", 400);
+        let mut s = step_at(1, 0, 64);
+        s.metrics = [("acc \"top1\"\\k\nx".to_string(), 0.5)].into();
+        m.step(&s);
+        let text = m.encode();
+        for line in [
+            "edl_job_info{name=\"mnist\",policy=\"my \\\"policy\\\" 0.1\"} 1",
+            "edl_program_metric{name=\"acc \\\"top1\\\"\\\\k\\nx\"} 0.5",
         ] {
             assert!(text.lines().any(|l| l == line), "{line:?} missing from\n{text}");
         }

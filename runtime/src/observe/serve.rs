@@ -133,7 +133,7 @@ async fn admit(
         return next.run(req).await;
     }
     match &s.token {
-        Some(token) if !carries(req.headers(), query_token(req.uri().query()).as_deref(), token) => (
+        Some(token) if !carries(req.headers(), token) => (
             StatusCode::UNAUTHORIZED,
             [(header::WWW_AUTHENTICATE, "Bearer")],
             "this job's watch needs its token: Authorization: Bearer TOKEN (in a browser, open the page as /#token=TOKEN)\n",
@@ -148,22 +148,16 @@ async fn admit(
     }
 }
 
-/// The `token` of a query string, if it has one (the rest of it is not
-/// this check's business: a malformed `since` is the page's to refuse).
-fn query_token(query: Option<&str>) -> Option<String> {
-    url::form_urlencoded::parse(query?.as_bytes()).find(|(k, _)| k == "token").map(|(_, v)| v.into_owned())
-}
-
-/// Whether a request carries `token`, in its header or its query.
-fn carries(headers: &HeaderMap, query: Option<&str>, token: &str) -> bool {
+/// Whether a request carries `token` in its `Authorization` header (never
+/// in its address, which proxies and servers log).
+fn carries(headers: &HeaderMap, token: &str) -> bool {
     let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.split_once(' '))
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("Bearer"))
         .map(|(_, t)| t.trim());
-    let same = |given: &str| crate::distill::teacher::same_secret(given.as_bytes(), token.as_bytes());
-    bearer.is_some_and(same) || query.is_some_and(same)
+    bearer.is_some_and(|given| crate::distill::teacher::same_secret(given.as_bytes(), token.as_bytes()))
 }
 
 async fn metrics(State(s): State<Served>) -> Response {
