@@ -47,6 +47,11 @@ pub enum PsError {
         "table {table:?}: worker {worker} pushed step {step} of generation {generation}, which is over (generation {current} redoes it)"
     )]
     Stale { table: String, worker: u64, step: u64, generation: u64, current: u64 },
+    #[error(
+        "table {table:?}: worker {worker} pushed a gradient that is not finite ({value} for id {id}) at step {step}; \
+         nothing of the push is applied (a gradient scaler's overflow step is skipped before its push)"
+    )]
+    NotFinite { table: String, worker: u64, step: u64, id: u64, value: f32 },
     #[error("table {table:?}: worker {worker} says it is rank {rank} of {world}{more}")]
     Rank { table: String, worker: u64, rank: u32, world: u32, more: String },
     #[error(
@@ -702,6 +707,12 @@ fn check_push(t: &Served, worker: u64, tag: PushTag, ids: &[u64], grads: &[f32])
         let (ids, dim, got) = (ids.len(), t.spec.dim, grads.len());
         return Err(PsError::Dimension { table: table.clone(), worker, ids, dim, got });
     }
+    // One infinite or NaN value would stay in every holder's row (and an
+    // optimiser's moments) until a checkpoint is restored.
+    if let Some(at) = grads.iter().position(|g| !g.is_finite()) {
+        let (id, value) = (ids[at / t.spec.dim.max(1)], grads[at]);
+        return Err(PsError::NotFinite { table: table.clone(), worker, step: tag.step, id, value });
+    }
     if tag.mark.generation < t.generation {
         return Err(PsError::Stale {
             table: table.clone(),
@@ -986,6 +997,14 @@ mod tests {
         assert!(e.to_string().contains("3 gradient floats for 2 ids of dimension 2"), "{e}");
         let e = s.push("item", 4, tag(G1, 0, 2, 2), vec![], vec![]).unwrap_err();
         assert!(e.to_string().contains("rank 2 of 2"), "{e}");
+        let e =
+            s.push("item", 4, tag(G1, 0, 0, 1), vec![7, 9], vec![0.5, 1.0, f32::INFINITY, 0.0]).unwrap_err();
+        assert!(
+            e.to_string().contains("not finite (inf for id 9)") && e.to_string().contains("worker 4"),
+            "{e}"
+        );
+        let e = s.push("item", 4, tag(G1, 0, 0, 1), vec![7], vec![f32::NAN, 0.0]).unwrap_err();
+        assert!(matches!(e, PsError::NotFinite { id: 7, .. }), "{e}");
         s.push("item", 4, tag(G1, 0, 0, 2), vec![], vec![]).unwrap();
         let e = s.push("item", 5, tag(G1, 0, 1, 3), vec![], vec![]).unwrap_err();
         assert!(e.to_string().contains("generation 1 has 2 ranks"), "{e}");

@@ -109,12 +109,12 @@ impl Service {
     }
 
     pub fn stats(&self) -> Stats {
-        self.shared.server.lock().expect("ps state").stats()
+        self.shared.server.lock().unwrap_or_else(|_| poisoned()).stats()
     }
 
     /// Every row of `table` this server holds, by id.
     pub fn rows(&self, table: &str) -> std::collections::BTreeMap<u64, Vec<f32>> {
-        let mut server = self.shared.server.lock().expect("ps state");
+        let mut server = self.shared.server.lock().unwrap_or_else(|_| poisoned());
         server.apply_staged();
         server.rows(table)
     }
@@ -160,7 +160,7 @@ fn serve(mut conn: TcpStream, job: &JobAuth, shared: &Shared, proving: edl_host_
         }
         // A push is answered once staged; the step it completes is applied
         // now, while the worker goes on (pulls waiting for it wake).
-        if pushed && shared.server.lock().expect("ps state").apply_staged() {
+        if pushed && shared.server.lock().unwrap_or_else(|_| poisoned()).apply_staged() {
             shared.pushed.notify_all();
         }
     }
@@ -197,7 +197,23 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> Answer {
     if matches!(req, Request::Pull { .. } | Request::PullMany { .. } | Request::Push { .. }) {
         shared.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
-    let mut server = shared.server.lock().expect("ps state");
+    // What moves the job's tables as a whole is the job's to ask, never a
+    // worker's (a worker's trim would let go of the undo records a going
+    // back needs; its reset, every table).
+    let whole = match &req {
+        Request::Import { .. } => Some("an import of rows"),
+        Request::Enter { .. } => Some("entering a generation"),
+        Request::Drop { .. } => Some("dropping shards"),
+        Request::Trim { .. } => Some("trimming the undo records"),
+        Request::Reset => Some("a reset of every table"),
+        _ => None,
+    };
+    if let Some(what) = whole.filter(|_| worker != JOB_CLIENT) {
+        return refused(format!(
+            "worker {worker} asked for {what}, which only the job's coordinator asks for"
+        ));
+    }
+    let mut server = shared.server.lock().unwrap_or_else(|_| poisoned());
     // Steps staged by pushes answered but not applied yet: every other
     // request sees them applied.
     if !matches!(req, Request::Push { .. }) && server.apply_staged() {
@@ -290,14 +306,29 @@ fn export(
     }
 }
 
+/// A request panicked while it held the tables: what they hold may be
+/// half changed, so the server ends (status 1) rather than serve it, and
+/// the job takes it for lost (its shards come back from their replicas or
+/// the newest checkpoint).
+fn poisoned() -> ! {
+    eprintln!("parameter server: a request failed while it changed the tables; this server ends");
+    std::process::exit(1)
+}
+
 /// Makes a table from its rows in a checkpoint: read without the lock, so
 /// the other tables go on being served.
 fn declare_restored(shared: &Shared, worker: u64, table: TableSpec, mark: Mark, r: &wire::Restore) -> Answer {
+    if r.servers.is_empty() {
+        return refused(format!(
+            "worker {worker}: a restore of table {:?} names no servers to place it on",
+            table.name
+        ));
+    }
     let saved = match restored(r, &table.name) {
         Ok(s) => s,
         Err(e) => return refused(e),
     };
-    let mut server = shared.server.lock().expect("ps state");
+    let mut server = shared.server.lock().unwrap_or_else(|_| poisoned());
     let me = server.id();
     let holds = |shard| placement::ranked(&r.servers, shard).iter().take(r.replicas.max(1)).any(|s| *s == me);
     or_refused(server.restore(worker, table, mark, &saved, holds))
@@ -1146,7 +1177,10 @@ mod tests {
         // A request the servers refuse (a generation they left) leaves
         // every connection in step for the next.
         let next = Mark { generation: 2, base: 1, committed: 1 };
-        c.enter_all(next).unwrap();
+        // (A worker may not; the job's coordinator does.)
+        let e = c.enter_all(next).unwrap_err();
+        assert!(format!("{e:#}").contains("worker 3 asked for entering a generation"), "{e:#}");
+        Client::connect(&addrs, 1, &job, JOB_CLIENT).unwrap().enter_all(next).unwrap();
         let err = c.pull_many(&[("emb", &a), ("wide", &b)], mark, 1).unwrap_err();
         assert!(err.downcast_ref::<Superseded>().is_some(), "{err:#}");
         assert_eq!(c.pull_many(&[("emb", &a), ("wide", &b)], next, 1).unwrap(), many[..2]);
@@ -1258,7 +1292,8 @@ mod tests {
         }
         c.settle().unwrap();
         // A push of a generation the server has left is refused, at settle.
-        other.enter_all(Mark { generation: 2, base: 2, committed: 2 }).unwrap();
+        let coordinator = Client::connect(&[(5, svc.addr())], 1, &job, JOB_CLIENT);
+        coordinator.unwrap().enter_all(Mark { generation: 2, base: 2, committed: 2 }).unwrap();
         let stale = PushTag { mark, step: 2, rank: 0, world: 1 };
         c.push_later("emb", stale, &[1], &[1.0; 3]).unwrap();
         let e = c.settle().unwrap_err();
