@@ -192,26 +192,30 @@ fn or_refused(r: Result<(), super::PsError>) -> Answer {
     r.map_or_else(|e| refused(e.to_string()), |()| done())
 }
 
+/// What moves the job's tables as a whole is the job's to ask, never a
+/// worker's (a worker's trim would let go of the undo records a going
+/// back needs; its reset, every table): refused from a worker.
+fn coordinator_only(req: &Request, worker: u64) -> Option<Answer> {
+    let what = match req {
+        Request::Import { .. } => "an import of rows",
+        Request::Enter { .. } => "entering a generation",
+        Request::Drop { .. } => "dropping shards",
+        Request::Trim { .. } => "trimming the undo records",
+        Request::Reset => "a reset of every table",
+        _ => return None,
+    };
+    (worker != JOB_CLIENT).then(|| {
+        refused(format!("worker {worker} asked for {what}, which only the job's coordinator asks for"))
+    })
+}
+
 /// A request's response and body.
 fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> Answer {
     if matches!(req, Request::Pull { .. } | Request::PullMany { .. } | Request::Push { .. }) {
         shared.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
-    // What moves the job's tables as a whole is the job's to ask, never a
-    // worker's (a worker's trim would let go of the undo records a going
-    // back needs; its reset, every table).
-    let whole = match &req {
-        Request::Import { .. } => Some("an import of rows"),
-        Request::Enter { .. } => Some("entering a generation"),
-        Request::Drop { .. } => Some("dropping shards"),
-        Request::Trim { .. } => Some("trimming the undo records"),
-        Request::Reset => Some("a reset of every table"),
-        _ => None,
-    };
-    if let Some(what) = whole.filter(|_| worker != JOB_CLIENT) {
-        return refused(format!(
-            "worker {worker} asked for {what}, which only the job's coordinator asks for"
-        ));
+    if let Some(refusal) = coordinator_only(&req, worker) {
+        return refusal;
     }
     let mut server = shared.server.lock().unwrap_or_else(|_| poisoned());
     // Steps staged by pushes answered but not applied yet: every other
