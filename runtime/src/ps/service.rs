@@ -50,6 +50,8 @@ struct Shared {
     refusals: edl_host_gpu::comm::accept::Refusals,
     /// Pulls and pushes answered, all told.
     requests: std::sync::atomic::AtomicU64,
+    /// The most bytes an export answers in one frame (the wire's bound).
+    export_bound: std::sync::atomic::AtomicUsize,
 }
 
 /// The steps applied on a server, as a push's answer says (`u64::MAX`
@@ -87,6 +89,7 @@ impl Service {
             refused: Default::default(),
             refusals: Default::default(),
             requests: Default::default(),
+            export_bound: wire::MAX_BODY.into(),
         });
         let s = shared.clone();
         edl_host_gpu::comm::accept::serve_each(
@@ -96,6 +99,13 @@ impl Service {
             move |conn, proving| serve(conn, &auth, &s, proving),
         )?;
         Ok(Service { addr, shared })
+    }
+
+    /// Answers exports in frames of at most `bytes` (the wire's bound
+    /// otherwise), to show tables too large for one frame.
+    #[cfg(test)]
+    fn bound_exports(&self, bytes: usize) {
+        self.shared.export_bound.store(bytes, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -169,7 +179,7 @@ fn serve(mut conn: TcpStream, job: &JobAuth, shared: &Shared, proving: edl_host_
 type Answer = (Response, Vec<u8>);
 
 fn refused(error: String) -> Answer {
-    (Response::Refused { error, over: false, full: false }, Vec::new())
+    (Response::Refused { error, over: false, full: false, too_large: false }, Vec::new())
 }
 
 fn done() -> Answer {
@@ -185,7 +195,7 @@ fn ps_refused(shared: &Shared, e: super::PsError) -> Answer {
     if let super::PsError::AtBound { new, .. } = e {
         shared.refused.fetch_add(new as u64, std::sync::atomic::Ordering::SeqCst);
     }
-    (Response::Refused { error: e.to_string(), over, full }, Vec::new())
+    (Response::Refused { error: e.to_string(), over, full, too_large: false }, Vec::new())
 }
 
 fn or_refused(r: Result<(), super::PsError>) -> Answer {
@@ -230,7 +240,8 @@ fn answer(shared: &Shared, worker: u64, req: Request, body: &[u8]) -> Answer {
         }
         Request::Declare { table, mark, .. } => or_refused(server.declare(worker, table, mark)),
         Request::Export { table, step, shards, since, generation } => {
-            export(&server, worker, &table, (step, shards, since, generation))
+            let bound = shared.export_bound.load(std::sync::atomic::Ordering::Relaxed);
+            export(&server, worker, &table, (step, shards, since, generation), bound)
         }
         Request::Import { table, mark, rows } => match saved_of(table, rows, body) {
             Some(saved) => or_refused(server.import(&saved, mark)),
@@ -292,6 +303,7 @@ fn export(
     worker: u64,
     table: &str,
     (step, shards, since, generation): (u64, Option<Vec<u32>>, Option<u64>, Option<u64>),
+    bound: usize,
 ) -> Answer {
     if let Some(g) = generation.filter(|g| server.moved_in() > *g) {
         return refused(format!(
@@ -304,6 +316,15 @@ fn export(
     match server.export_shards(table, worker, step, keep, since) {
         Ok(t) => {
             let (n, body) = (t.ids.len(), saved_body(&t));
+            if body.len() > bound {
+                let asked = shards.map_or(SHARDS as usize, |s| s.len());
+                let error = format!(
+                    "table {table:?}: {n} rows of {asked} shards are {} bytes, past the {bound} bytes of a frame{}",
+                    body.len(),
+                    if asked > 1 { "" } else { "; one shard this large cannot be moved" }
+                );
+                return (Response::Refused { error, over: false, full: false, too_large: true }, Vec::new());
+            }
             (Response::Ok { pushed: None, stats: None, exported: Some((t.spec, n)) }, body)
         }
         Err(e) => refused(e.to_string()),
@@ -470,6 +491,31 @@ pub struct Superseded {
     pub detail: String,
 }
 
+/// An export's answer would not fit in a frame: its shards are asked for
+/// fewer at a time.
+#[derive(Debug, thiserror::Error)]
+#[error("parameter server {server}: {detail}")]
+pub struct TooLarge {
+    pub server: u64,
+    pub detail: String,
+}
+
+/// What an export asks of a server, but for its shards.
+#[derive(Clone, Copy)]
+struct Export<'a> {
+    table: &'a str,
+    step: u64,
+    since: Option<u64>,
+    generation: Option<u64>,
+}
+
+impl Export<'_> {
+    fn request(&self, shards: Vec<u32>) -> Request {
+        let (table, step, since, generation) = (self.table.into(), self.step, self.since, self.generation);
+        Request::Export { table, step, shards: Some(shards), since, generation }
+    }
+}
+
 /// A server at its memory bound refused new rows.
 #[derive(Debug, thiserror::Error)]
 #[error("parameter server {server}: {detail}")]
@@ -573,6 +619,9 @@ impl Conn {
             }
             Response::Refused { error, full: true, .. } => {
                 Err(Full { server: self.id, detail: error }.into())
+            }
+            Response::Refused { error, too_large: true, .. } => {
+                Err(TooLarge { server: self.id, detail: error }.into())
             }
             Response::Refused { error, .. } => {
                 bail!("parameter server {} at {}: {error}", self.id, self.addr)
@@ -912,26 +961,27 @@ impl Client {
     pub fn export(&mut self, table: &str, step: u64, generation: Option<u64>) -> Result<SavedTable> {
         let spec = self.spec(table)?.clone();
         // Each shard from its owner (a replica holds the same rows), a few
-        // shards a frame.
+        // shards a frame, asked of the servers at once.
         let mut parts: Vec<SavedTable> = Vec::new();
+        let ask = Export { table, step, since: None, generation };
         for chunk in (0..SHARDS).collect::<Vec<_>>().chunks(SHARDS_A_FRAME) {
             let mut owned: Vec<Vec<u32>> = vec![Vec::new(); self.servers.len()];
             chunk.iter().for_each(|&shard| owned[self.holders[shard as usize][0]].push(shard));
             let asked: Vec<usize> = (0..self.servers.len()).filter(|&s| !owned[s].is_empty()).collect();
-            let req = |s: usize| {
-                (
-                    Request::Export {
-                        table: table.into(),
-                        step,
-                        shards: Some(owned[s].clone()),
-                        since: None,
-                        generation,
-                    },
-                    Vec::new(),
-                )
+            let answers = match self.ask(&asked, |s| (ask.request(owned[s].clone()), Vec::new())) {
+                Ok(answers) => asked.iter().map(|&s| self.servers[s].id).zip(answers).collect(),
+                // Rows too many for a frame: each server's asked again, fewer at a time.
+                Err(e) if e.is::<TooLarge>() => {
+                    let mut answers = Vec::new();
+                    for &s in &asked {
+                        let id = self.servers[s].id;
+                        answers.extend(self.export_from(s, ask, &owned[s])?.into_iter().map(|a| (id, a)));
+                    }
+                    answers
+                }
+                Err(e) => return Err(e),
             };
-            for (&s, (resp, body)) in asked.iter().zip(self.ask(&asked, req)?) {
-                let id = self.servers[s].id;
+            for (id, (resp, body)) in answers {
                 let Response::Ok { exported: Some((_, n)), .. } = resp else {
                     bail!("parameter server {id}: no rows in its export of {table:?}")
                 };
@@ -988,22 +1038,42 @@ impl Client {
         mark: Mark,
     ) -> Result<usize> {
         let mut copied = 0;
+        let ask = Export { table, step, since, generation: None };
+        let src = self
+            .servers
+            .iter()
+            .position(|c| c.id == from)
+            .with_context(|| format!("no parameter server {from}"))?;
         // A few shards a frame.
         for chunk in shards.chunks(SHARDS_A_FRAME) {
-            let shards = Some(chunk.to_vec());
-            let req = Request::Export { table: table.into(), step, shards, since, generation: None };
-            let src = self.conn(from)?;
-            src.send(&req, &[])?;
-            let (resp, body) = src.receive()?;
-            let Response::Ok { exported: Some((spec, n)), .. } = resp else {
-                bail!("parameter server {from}: no rows in its export of {table:?}")
-            };
-            let dst = self.conn(to)?;
-            dst.send(&Request::Import { table: spec, mark, rows: n }, &body)?;
-            dst.receive()?;
-            copied += n;
+            for (resp, body) in self.export_from(src, ask, chunk)? {
+                let Response::Ok { exported: Some((spec, n)), .. } = resp else {
+                    bail!("parameter server {from}: no rows in its export of {table:?}")
+                };
+                let dst = self.conn(to)?;
+                dst.send(&Request::Import { table: spec, mark, rows: n }, &body)?;
+                dst.receive()?;
+                copied += n;
+            }
         }
         Ok(copied)
+    }
+
+    /// `shards` exported by server `s` (its index here), in as many frames
+    /// as their rows need: halved while an answer would not fit in one.
+    fn export_from(&mut self, s: usize, ask: Export, shards: &[u32]) -> Result<Vec<(Response, Vec<u8>)>> {
+        let c = &mut self.servers[s];
+        c.send(&ask.request(shards.to_vec()), &[])?;
+        match c.receive() {
+            Ok(answer) => Ok(vec![answer]),
+            Err(e) if e.is::<TooLarge>() && shards.len() > 1 => {
+                let (a, b) = shards.split_at(shards.len() / 2);
+                let mut answers = self.export_from(s, ask, a)?;
+                answers.extend(self.export_from(s, ask, b)?);
+                Ok(answers)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Tells every server to forget how to undo the steps before `step`.
@@ -1109,6 +1179,44 @@ mod tests {
         assert!(r[1..].iter().all(|round| round[0].len() == 1 && round[1].is_empty()));
         // Nothing asked of anyone: no round.
         assert!(rounds(2, &[plan(3, [0, 0])], 2000).is_empty());
+    }
+
+    #[test]
+    fn an_export_too_large_for_a_frame_comes_in_smaller_ones_and_reads_as_one_would() {
+        let job = job();
+        let services = [start(&job, 1, Duration::from_secs(60)), start(&job, 2, Duration::from_secs(60))];
+        let addrs: Vec<(u64, SocketAddr)> = vec![(1, services[0].addr()), (2, services[1].addr())];
+        let mark = Mark { generation: 1, base: 0, committed: 0 };
+        let mut c = Client::connect(&addrs, 1, &job, JOB_CLIENT).unwrap();
+        c.declare(spec(), mark, None).unwrap();
+        let ids: Vec<u64> = (0..3000).collect();
+        c.pull("emb", mark, 0, &ids).unwrap();
+        c.push("emb", PushTag { mark, step: 0, rank: 0, world: 1 }, &ids, &vec![1.0; ids.len() * 3]).unwrap();
+        c.pull("emb", mark, 1, &ids[..1]).unwrap();
+        let whole = c.export("emb", 1, None).unwrap();
+        assert_eq!(whole.ids.len(), 3000);
+        // Frames that hold the largest shard's rows (28 bytes a row: id,
+        // three floats, updates), not the 16 shards first asked for.
+        let mut per_shard = vec![0usize; SHARDS as usize];
+        whole.ids.iter().for_each(|&id| per_shard[spec().shard_of(id) as usize] += 1);
+        let frame = per_shard.iter().max().unwrap() * 28;
+        let firsts: Vec<u64> = (0..16).map(|shard| placement::owner(&[1, 2], shard)).collect();
+        let asked_first = (1..=2).map(|server| {
+            (0..16).filter(|&sh| firsts[sh] == server).map(|sh| per_shard[sh] * 28).sum::<usize>()
+        });
+        assert!(asked_first.max().unwrap() > frame, "the first ask passes a frame");
+        services.iter().for_each(|s| s.bound_exports(frame));
+        let parted = c.export("emb", 1, None).unwrap();
+        assert_eq!((&parted.ids, &parted.rows, &parted.updates), (&whole.ids, &whole.rows, &whole.updates));
+        // A copy of server 1's shards to server 2, alike.
+        let owned: Vec<u32> = (0..SHARDS).filter(|&s| placement::owner(&[1, 2], s) == 1).collect();
+        let copied = c.copy_shards("emb", (&owned, None), 1, (1, 2), mark).unwrap();
+        let of_1 = whole.ids.iter().filter(|&&id| placement::owner(&[1, 2], spec().shard_of(id) as u32) == 1);
+        assert_eq!(copied, of_1.count());
+        // One shard past a frame cannot be split: said, naming the table.
+        services.iter().for_each(|s| s.bound_exports(64));
+        let e = format!("{:#}", c.export("emb", 1, None).unwrap_err());
+        assert!(e.contains("table \"emb\"") && e.contains("one shard this large cannot be moved"), "{e}");
     }
 
     #[test]

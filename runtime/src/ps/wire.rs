@@ -137,6 +137,10 @@ pub enum Response {
         /// The server is at its memory bound: new rows wait for more servers.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         full: bool,
+        /// The answer would pass the wire's bound on a body: fewer shards
+        /// at a time are to be asked for.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        too_large: bool,
     },
 }
 
