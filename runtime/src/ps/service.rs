@@ -1211,7 +1211,7 @@ mod tests {
         // A copy of server 1's shards to server 2, alike.
         let owned: Vec<u32> = (0..SHARDS).filter(|&s| placement::owner(&[1, 2], s) == 1).collect();
         let copied = c.copy_shards("emb", (&owned, None), 1, (1, 2), mark).unwrap();
-        let of_1 = whole.ids.iter().filter(|&&id| placement::owner(&[1, 2], spec().shard_of(id) as u32) == 1);
+        let of_1 = whole.ids.iter().filter(|&&id| placement::owner(&[1, 2], spec().shard_of(id)) == 1);
         assert_eq!(copied, of_1.count());
         // One shard past a frame cannot be split: said, naming the table.
         services.iter().for_each(|s| s.bound_exports(64));
