@@ -26,33 +26,41 @@
 use super::table::{Rows, SHARDS, SavedTable, TableSpec};
 use std::collections::BTreeMap;
 
+/// The id the job's coordinator connects to the servers with (not a
+/// worker's).
+pub(crate) const JOB_CLIENT: u64 = u64::MAX;
+
+/// Who asked, as an error says it.
+pub(crate) fn who(worker: &u64) -> String {
+    match *worker {
+        JOB_CLIENT => "the job's coordinator".into(),
+        w => format!("worker {w}"),
+    }
+}
+
 /// Why a request was refused; each names the table and who asked.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum PsError {
     #[error(
-        "parameter server {server} has no table {table:?} (worker {worker} asked; a table is declared before use)"
-    )]
+        "parameter server {server} has no table {table:?} ({who} asked; a table is declared before use)", who = who(.worker))]
     UnknownTable { server: u64, table: String, worker: u64 },
-    #[error("table {table:?} is declared as {have}; worker {worker} declares it as {want}")]
+    #[error("table {table:?} is declared as {have}; {who} declares it as {want}", who = who(.worker))]
     Conflict { table: String, worker: u64, have: String, want: String },
-    #[error("bad table from worker {worker}: {reason}")]
+    #[error("bad table from {who}: {reason}", who = who(.worker))]
     BadSpec { worker: u64, reason: String },
-    #[error("table {table:?}: worker {worker} sent {got} gradient floats for {ids} ids of dimension {dim}")]
+    #[error("table {table:?}: {who} sent {got} gradient floats for {ids} ids of dimension {dim}", who = who(.worker))]
     Dimension { table: String, worker: u64, ids: usize, dim: usize, got: usize },
     #[error(
-        "table {table:?} on parameter server {server} is at its memory bound ({bound_mib} MiB, {used_mib:.1} MiB used): {new} new rows from worker {worker} refused"
-    )]
+        "table {table:?} on parameter server {server} is at its memory bound ({bound_mib} MiB, {used_mib:.1} MiB used): {new} new rows from {who} refused", who = who(.worker))]
     AtBound { table: String, server: u64, worker: u64, bound_mib: u64, used_mib: f64, new: usize },
     #[error(
-        "table {table:?}: worker {worker} pushed step {step} of generation {generation}, which is over (generation {current} redoes it)"
-    )]
+        "table {table:?}: {who} pushed step {step} of generation {generation}, which is over (generation {current} redoes it)", who = who(.worker))]
     Stale { table: String, worker: u64, step: u64, generation: u64, current: u64 },
     #[error(
-        "table {table:?}: worker {worker} pushed a gradient that is not finite ({value} for id {id}) at step {step}; \
-         nothing of the push is applied (a gradient scaler's overflow step is skipped before its push)"
-    )]
+        "table {table:?}: {who} pushed a gradient that is not finite ({value} for id {id}) at step {step}; \
+         nothing of the push is applied (a gradient scaler's overflow step is skipped before its push)", who = who(.worker))]
     NotFinite { table: String, worker: u64, step: u64, id: u64, value: f32 },
-    #[error("table {table:?}: worker {worker} says it is rank {rank} of {world}{more}")]
+    #[error("table {table:?}: {who} says it is rank {rank} of {world}{more}", who = who(.worker))]
     Rank { table: String, worker: u64, rank: u32, world: u32, more: String },
     #[error(
         "table {table:?} on parameter server {server} holds steps 0..{applied}, but generation {generation} starts after step {base}{why}"
@@ -609,7 +617,7 @@ impl Server {
     /// to its base (and releases pulls of the generation before).
     pub fn enter_all(&mut self, mark: Mark) -> Result<(), PsError> {
         let server = self.id;
-        self.tables.values_mut().try_for_each(|t| enter(t, server, 0, mark))
+        self.tables.values_mut().try_for_each(|t| enter(t, server, JOB_CLIENT, mark))
     }
 
     /// Puts the rows of `saved` here (shards copied from another server),
@@ -619,10 +627,10 @@ impl Server {
         let spec = saved.spec.clone();
         let new = !self.tables.contains_key(&spec.name);
         // A table made (or held) alike: rows of another width would not fit.
-        self.declare(0, spec.clone(), mark)?;
+        self.declare(JOB_CLIENT, spec.clone(), mark)?;
         let t = self.tables.get_mut(&spec.name).expect("declared");
         t.copy_only |= new;
-        enter(t, self.id, 0, mark)?;
+        enter(t, self.id, JOB_CLIENT, mark)?;
         let w = spec.width();
         for (i, &id) in saved.ids.iter().enumerate() {
             let rows = t.shards.get_mut(spec.shard_of(id));
@@ -1009,8 +1017,12 @@ mod tests {
         let e = s.push("item", 5, tag(G1, 0, 1, 3), vec![], vec![]).unwrap_err();
         assert!(e.to_string().contains("generation 1 has 2 ranks"), "{e}");
         let other = TableSpec { dim: 3, ..spec() };
-        let e = s.declare(6, other, mark(1, 0)).unwrap_err();
+        let e = s.declare(6, other.clone(), mark(1, 0)).unwrap_err();
         assert!(matches!(e, PsError::Conflict { .. }) && e.to_string().contains("worker 6"), "{e}");
+        // Rows copied in by the job are the coordinator's, not a worker's.
+        let copied = SavedTable { spec: other, ids: vec![], rows: vec![], updates: vec![] };
+        let e = s.import(&copied, mark(1, 0)).unwrap_err();
+        assert!(e.to_string().contains("the job's coordinator declares it as"), "{e}");
         s.declare(6, spec(), mark(1, 0)).unwrap();
         assert_eq!(s.stats().tables[0].rows, 0, "nothing was made");
     }

@@ -29,7 +29,8 @@ const SHARDS_A_FRAME: usize = 16;
 pub const CHANNEL: &str = "ps";
 
 /// Who connects for the job (not a worker id).
-pub(crate) const JOB_CLIENT: u64 = u64::MAX;
+pub(crate) use super::server::JOB_CLIENT;
+
 const HANDSHAKE: Duration = Duration::from_secs(10);
 /// How long data sent to a server may stay unacknowledged before its
 /// connection fails.
@@ -137,10 +138,7 @@ fn serve(mut conn: TcpStream, job: &JobAuth, shared: &Shared, proving: edl_host_
     let checked = auth::accept(&mut auth::Deadline::new(&mut conn, HANDSHAKE), &job.secret, |c| {
         job.check(c, CHANNEL, None)?;
         // The requests carry no number: the client's claim says it.
-        let who = match c.who {
-            JOB_CLIENT => "the job's coordinator".to_string(),
-            w => format!("worker {w}"),
-        };
+        let who = super::server::who(&c.who);
         match crate::control::proto::protocol_mismatch(&who, c.protocol) {
             Some(why) => Err(why),
             None => Ok(()),
