@@ -621,13 +621,30 @@ impl Checkpoints {
     /// process holds is waited for, and said: a writer hung on a file
     /// system holds it for as long.
     fn locked<T>(&self, f: impl FnOnce() -> Result<T, CheckpointError>) -> Result<T, CheckpointError> {
+        self.locked_with(false, f)
+    }
+
+    /// As [`Checkpoints::locked`]; `lenient`: where the file system has no
+    /// locks (NFS without its lock service), `f` runs without, said.
+    fn locked_with<T>(
+        &self,
+        lenient: bool,
+        f: impl FnOnce() -> Result<T, CheckpointError>,
+    ) -> Result<T, CheckpointError> {
         if self.remote.is_some() {
             return f();
         }
         let (file, path) = self.lock_file()?;
-        if let Err(std::fs::TryLockError::WouldBlock) = file.try_lock() {
-            tracing::warn!("{}: waiting for another process's checkpoint write to end", path.display());
-            file.lock().map_err(|e| io(&path, format!("cannot lock: {e}")))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                tracing::warn!("{}: waiting for another process's checkpoint write to end", path.display());
+                file.lock().map_err(|e| io(&path, format!("cannot lock: {e}")))?;
+            }
+            Err(std::fs::TryLockError::Error(e)) if lenient => {
+                tracing::warn!("{}: cannot lock ({e}); written without the lock", path.display());
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(io(&path, format!("cannot lock: {e}"))),
         }
         let out = f();
         drop(file);
@@ -753,7 +770,10 @@ impl Checkpoints {
     ) -> Result<PathBuf, CheckpointError> {
         // Local writes hold the directory's lock whether or not fenced: a
         // coordinator's clean-up and repair wait for them (see `locked`).
-        self.locked(|| self.save_unfenced((layout, values, tables), manifest))
+        // Unfenced, on a file system without locks (NFS without its lock
+        // service), a write goes on without it, as it did before.
+        let lenient = manifest.fence.is_none();
+        self.locked_with(lenient, || self.save_unfenced((layout, values, tables), manifest))
     }
 
     fn save_unfenced(
@@ -948,6 +968,9 @@ impl Checkpoints {
             });
         }
         let all = self.list()?;
+        // `latest` names none of them from now on: the new run's first
+        // checkpoint writes it again.
+        let _ = std::fs::remove_file(self.dir.join(LATEST));
         for (_, path) in &all {
             let Some(name) = path.file_name() else { continue };
             let aside = self.dir.join(format!("{FINISHED_PREFIX}{}", name.to_string_lossy()));
@@ -1478,6 +1501,8 @@ mod tests {
         cps.save(&layout(), &state(4.0), manifest(20)).unwrap();
         cps.save(&layout(), &state(5.0), manifest(30)).unwrap();
         assert_eq!(cps.list().unwrap().iter().map(|(s, _)| *s).collect::<Vec<_>>(), [20, 30]);
+        // `latest` names the new run's newest, not the finished run's.
+        assert_eq!(std::fs::read_to_string(dir.path().join(LATEST)).unwrap(), "step-0000000030\n");
         let aside = dir.path().join("finished-step-0000000060");
         assert_eq!(Checkpoints::read(&aside).unwrap().manifest.step, 60, "the finished state is intact");
         let removed = cps.remove_set_aside();

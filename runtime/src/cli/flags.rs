@@ -213,11 +213,11 @@ pub struct StateArgs {
     /// this coordinator with their state.
     #[arg(long)]
     pub standby: bool,
-    /// Train the job again from step 0, finished before or not. Without it,
-    /// a coordinator (or standby) that finds the job finished says so, names
-    /// its final checkpoint and exits 0, and one that finds it unfinished
-    /// resumes it. The earlier run's checkpoints are set aside
-    /// (`finished-step-*`) and removed only once the new run has finished. Not with --standby (a standby that restarted every job
+    /// Train a job that finished before again, from step 0. Without it, a
+    /// coordinator (or standby) that finds the job finished says so, names
+    /// its final checkpoint and exits 0. The finished run's checkpoints are
+    /// set aside (`finished-step-*`) and removed only once the new run has
+    /// finished too. A job that has not finished resumes, as without it. Not with --standby (a standby that restarted every job
     /// it found finished would train it again and again).
     #[arg(long, conflicts_with = "standby")]
     pub restart: bool,

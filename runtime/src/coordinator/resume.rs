@@ -128,7 +128,14 @@ impl Coordinator<'_> {
             self.note(format!("removed {} (left by an interrupted checkpoint write)", p.display()));
         }
         if self.cfg.restart {
-            return self.restart_unfinished().map(|()| None);
+            // Not set aside: a supervisor that restarts a crashed
+            // coordinator with the same flags must not lose the progress.
+            self.note(format!(
+                "--restart trains a finished job again; job {:?} has not finished, so it resumes (to train it \
+                 from step 0, give it another --job, or remove its checkpoints in {})",
+                self.cfg.spec.job,
+                self.cfg.spec.checkpoint_dir.display()
+            ));
         }
         if let Some(s) = stored.as_ref().filter(|s| !s.members.is_empty() && self.shared_store())
             && let Some(h) = &s.handover
@@ -177,21 +184,6 @@ impl Coordinator<'_> {
         self.note(format!(
             "job {job:?} finished before; --restart: training it again from step 0 (its {n} checkpoints are \
              kept as finished-step-* until this run finishes)"
-        ));
-        Ok(())
-    }
-
-    /// `--restart` of a job that has not finished: trained again from step
-    /// 0, as a finished one is, its checkpoints set aside (not removed)
-    /// until the new run finishes.
-    fn restart_unfinished(&mut self) -> Result<()> {
-        let listed = self.ckpt.list().context("listing the job's checkpoints")?;
-        let Some((step, _)) = listed.last() else { return Ok(()) };
-        let n = self.ckpt.set_aside_finished().context("setting the job's checkpoints aside")?;
-        self.note(format!(
-            "--restart: training job {:?} again from step 0, though it had not finished (its {n} checkpoints, \
-             the newest at step {step}, are kept as finished-step-* until this run finishes)",
-            self.cfg.spec.job
         ));
         Ok(())
     }
@@ -381,11 +373,13 @@ impl Coordinator<'_> {
         if m.epoch > total || (m.epoch == total && m.cursor > 0) {
             bail!(
                 "checkpoint {} is in epoch {} (step {}), past this job's --epochs {total}: resume it with \
-                 --epochs {} or more, or train it again from step 0 with --restart",
+                 --epochs {} or more, or train from step 0 under another --job (or with the checkpoints in {} \
+                 removed)",
                 r.path.display(),
                 m.epoch,
                 m.step,
-                m.epoch + 1
+                m.epoch + 1,
+                self.cfg.spec.checkpoint_dir.display()
             );
         }
         self.restore(&r, book.ledger, book.world)?;

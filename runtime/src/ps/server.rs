@@ -58,7 +58,7 @@ pub enum PsError {
     Stale { table: String, worker: u64, step: u64, generation: u64, current: u64 },
     #[error(
         "table {table:?}: {who} pushed a gradient that is not finite ({value} for id {id}) at step {step}; \
-         nothing of the push is applied (a gradient scaler's overflow step is skipped before its push)", who = who(.worker))]
+         nothing of the push is applied (a program training in mixed precision skips the push of a step whose gradients overflowed)", who = who(.worker))]
     NotFinite { table: String, worker: u64, step: u64, id: u64, value: f32 },
     #[error("table {table:?}: {who} says it is rank {rank} of {world}{more}", who = who(.worker))]
     Rank { table: String, worker: u64, rank: u32, world: u32, more: String },

@@ -313,16 +313,19 @@ fn export(
     let keep = |s: u32| shards.as_ref().is_none_or(|v| v.binary_search(&s).is_ok());
     match server.export_shards(table, worker, step, keep, since) {
         Ok(t) => {
-            let (n, body) = (t.ids.len(), saved_body(&t));
-            if body.len() > bound {
+            // Its size known before it is encoded (an id, the row's floats
+            // and its updates a row): an answer too large is not made.
+            let n = t.ids.len();
+            let bytes = n.saturating_mul(16 + 4 * t.spec.width());
+            if bytes > bound {
                 let asked = shards.map_or(SHARDS as usize, |s| s.len());
                 let error = format!(
-                    "table {table:?}: {n} rows of {asked} shards are {} bytes, past the {bound} bytes of a frame{}",
-                    body.len(),
+                    "table {table:?}: {n} rows of {asked} shards are {bytes} bytes, past the {bound} bytes of a frame{}",
                     if asked > 1 { "" } else { "; one shard this large cannot be moved" }
                 );
                 return (Response::Refused { error, over: false, full: false, too_large: true }, Vec::new());
             }
+            let body = saved_body(&t);
             (Response::Ok { pushed: None, stats: None, exported: Some((t.spec, n)) }, body)
         }
         Err(e) => refused(e.to_string()),

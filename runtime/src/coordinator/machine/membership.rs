@@ -162,7 +162,8 @@ pub struct Membership {
     spares_given_up: bool,
     /// What the spares were for, as a policy sizing them sees it.
     spare_counts: SpareCounts,
-    /// The last worker the scaler could not start, and why.
+    /// The last worker the scaler could not start, and why (until a
+    /// worker connects).
     start_failed: Option<String>,
 }
 
@@ -644,6 +645,8 @@ impl Membership {
     fn welcome(&mut self, now: Instant, conn: Conn, id: WorkerId, pid: u32, assigned: Option<WorkerId>) {
         self.welcomed.push(Worker { id, conn, pid, since: now });
         self.commands.push_back(Command::Welcome { conn, assigned });
+        // A worker started since: an older refusal is not why none joins.
+        self.start_failed = None;
     }
 
     /// A connection closed: a joiner or a starter is given up (and
