@@ -4,7 +4,7 @@
 
 use crate::support::{
     job::{assert_exactly_once, finish, job, lines, report, run_to_end},
-    process::{children, runs},
+    process::{children, runs, sigkill},
     servers::RedisServer,
     wait::wait_for,
 };
@@ -112,10 +112,7 @@ fn restart_resumes_an_unfinished_job_and_fewer_epochs_than_its_checkpoint_are_re
     let job: Vec<u32> = children(c.id()).into_iter().map(|(p, _)| p).collect();
     c.kill().unwrap();
     c.wait().unwrap();
-    for &p in &job {
-        // SAFETY: kill(2) takes plain integers; the job's own workers.
-        unsafe { libc::kill(p as i32, libc::SIGKILL) };
-    }
+    job.iter().for_each(|&p| sigkill(p));
     let until = std::time::Instant::now() + Duration::from_secs(30);
     while job.iter().any(|&p| runs(p)) && std::time::Instant::now() < until {
         std::thread::sleep(Duration::from_millis(50));
