@@ -127,7 +127,7 @@ impl Coordinator<'_> {
         for p in self.checkpoints().clean_leftovers() {
             self.note(format!("removed {} (left by an interrupted checkpoint write)", p.display()));
         }
-        if self.cfg.restart {
+        if self.cfg.restart && self.ckpt.list().is_ok_and(|l| !l.is_empty()) {
             // Not set aside: a supervisor that restarts a crashed
             // coordinator with the same flags must not lose the progress.
             self.note(format!(
